@@ -1,0 +1,32 @@
+# Two commands: `make run` (the whole system, embedded, in the foreground) and `make test`.
+# Both create .venv and install on first use; the install re-runs only when pyproject.toml changes.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+VENV_PYTHON := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: run test install migrate seed
+
+run: migrate seed
+	$(VENV_PYTHON) -m controlplane.launcher
+
+test: install
+	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+
+install: $(INSTALLED)
+
+migrate: install
+	$(VENV_PYTHON) manage.py migrate --noinput
+
+seed: migrate
+	$(VENV_PYTHON) manage.py seed_demo
+
+$(VENV_PYTHON):
+	$(PYTHON) -m venv $(VENV)
+
+$(INSTALLED): pyproject.toml | $(VENV_PYTHON)
+	$(VENV_PYTHON) -m pip install --upgrade pip
+	$(VENV_PYTHON) -m pip install -e '.[dev]'
+	touch $@

@@ -1,0 +1,133 @@
+"""Shared helpers for the benchmark scripts: hardware facts, the HF baseline, tables and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_CONFIG = BENCH_DIR / "configs" / "llama-3-8b"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True
+        )
+        return out.stdout.strip() or os.environ.get("GIT_COMMIT", "unknown")
+    except OSError:
+        return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def environment() -> dict:
+    env = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": os.environ.get("GIT_COMMIT") or git_commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    else:
+        env["gpu"] = "none (cpu)"
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth_gbs(num_bytes: int = 4 << 30, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / times[len(times) // 2] / 1e9
+
+
+def load_hf_config(config_dir: Path) -> dict:
+    return json.loads((Path(config_dir) / "config.json").read_text())
+
+
+def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
+    """Bytes of weights one decode step must read: every matrix, but only one embedding row."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = cfg.get("head_dim") or h // nh
+    per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * i + 2 * h
+    params = cfg["num_hidden_layers"] * per_layer + h + v * h  # + final norm + lm_head
+    return params * bytes_per_param
+
+
+def build_hf_model(config_dir: Path, dtype: torch.dtype):
+    """A transformers model of the benchmark's shape with random weights, built on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(config_dir))
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+@dataclass
+class Timer:
+    start: float = 0.0
+    elapsed: float = 0.0
+
+    def __enter__(self):
+        synchronize()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        synchronize()
+        self.elapsed = time.perf_counter() - self.start
+
+
+def print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    print(f"\n== {title} ==")
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
+
+
+def write_json(name: str, payload: dict) -> Path:
+    out_dir = Path(os.environ.get("OUT") or BENCH_DIR / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")
+    return path

@@ -1,0 +1,87 @@
+"""Tenants (the paying organisations), users and their roles, and tenants' API keys."""
+
+from django.contrib.auth.models import AbstractUser, UserManager
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.utils import timezone
+
+
+class Tenant(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    plan = models.ForeignKey(
+        "billing.Plan", on_delete=models.PROTECT, null=True, blank=True, related_name="tenants"
+    )
+    # Tenants are deactivated, never deleted: their ledger and usage history must stay.
+    is_active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class _UserManager(UserManager):
+    def create_superuser(self, username, email=None, password=None, **extra_fields):
+        extra_fields.setdefault("role", User.Role.ADMIN)
+        return super().create_superuser(username, email, password, **extra_fields)
+
+
+class User(AbstractUser):
+    class Role(models.TextChoices):
+        OPERATOR = "operator", "Operator"
+        TENANT_MEMBER = "tenant_member", "Tenant member"
+        ADMIN = "admin", "Admin"
+
+    role = models.CharField(max_length=20, choices=Role.choices, default=Role.TENANT_MEMBER)
+    tenant = models.ForeignKey(
+        Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="members"
+    )
+
+    objects = _UserManager()
+
+    def clean(self) -> None:
+        super().clean()
+        if self.role == self.Role.TENANT_MEMBER and self.tenant_id is None:
+            raise ValidationError({"tenant": "A tenant member must belong to a tenant."})
+
+
+class ApiKey(models.Model):
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    # What the owner sees in lists ("sk-AbCdEfGh"); the key itself exists only in the creation result.
+    prefix = models.CharField(max_length=16, editable=False)
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    all_models = models.BooleanField(default=True, help_text="Allow every enabled model.")
+    allowed_models = models.ManyToManyField(
+        "catalog.Model", blank=True, related_name="api_keys",
+        help_text="Used only when 'all models' is off.",
+    )
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked = models.BooleanField(default=False)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    rate_limit_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)],
+        help_text="Requests per minute for this key; empty means the tenant's plan limit.",
+    )
+    created_by = models.ForeignKey(
+        "accounts.User", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "name"], name="apikey_unique_name_per_tenant",
+                violation_error_message="This tenant already has a key with this name.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+    def is_expired(self, now=None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (now or timezone.now())

@@ -1,0 +1,52 @@
+"""Reads for tenants, users and API keys, including the key check the gateway relies on."""
+
+from datetime import datetime
+
+from django.db.models import QuerySet
+from django.utils import timezone
+
+from controlplane.accounts.keys import KEY_SCHEME, hash_api_key
+from controlplane.accounts.models import ApiKey, Tenant, User
+
+
+class ApiKeyRejected(Exception):
+    """The presented key cannot be used; `reason` says why in words safe to show the caller."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def api_key_authenticate(*, plaintext: str, now: datetime | None = None) -> ApiKey:
+    """The usable key matching `plaintext`, found by its hash; raises ApiKeyRejected otherwise."""
+    if not plaintext.startswith(KEY_SCHEME):
+        raise ApiKeyRejected("Invalid API key.")
+    try:
+        api_key = ApiKey.objects.select_related("tenant").get(key_hash=hash_api_key(plaintext))
+    except ApiKey.DoesNotExist:
+        raise ApiKeyRejected("Invalid API key.") from None
+    if api_key.revoked:
+        raise ApiKeyRejected("This API key has been revoked.")
+    if api_key.is_expired(now or timezone.now()):
+        raise ApiKeyRejected("This API key has expired.")
+    if not api_key.tenant.is_active:
+        raise ApiKeyRejected("This API key's tenant is deactivated.")
+    return api_key
+
+
+def api_key_allows_model(*, api_key: ApiKey, model) -> bool:
+    if api_key.all_models:
+        return True
+    return api_key.allowed_models.filter(pk=model.pk).exists()
+
+
+def api_keys_for_tenant(*, tenant: Tenant) -> QuerySet[ApiKey]:
+    return ApiKey.objects.filter(tenant=tenant).prefetch_related("allowed_models")
+
+
+def tenant_get_by_name(*, name: str) -> Tenant | None:
+    return Tenant.objects.filter(name=name).first()
+
+
+def user_get_by_username(*, username: str) -> User | None:
+    return User.objects.filter(username=username).first()

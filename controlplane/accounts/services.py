@@ -1,0 +1,108 @@
+"""Writes for tenants, users and API keys. Every service validates fully and is atomic."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
+from controlplane.accounts.models import ApiKey, Tenant, User
+from controlplane.catalog.selectors import models_by_public_name
+
+
+@dataclass(frozen=True)
+class ApiKeyCreated:
+    """The new key's record and its plaintext, which is shown this once and never stored."""
+
+    api_key: ApiKey
+    plaintext: str
+
+
+@transaction.atomic
+def tenant_create(*, name: str, plan=None, is_active: bool = True) -> Tenant:
+    tenant = Tenant(name=name, plan=plan, is_active=is_active)
+    tenant.full_clean()
+    tenant.save()
+    return tenant
+
+
+@transaction.atomic
+def user_create(
+    *, username: str, password: str, role: str, tenant: Tenant | None = None, email: str = ""
+) -> User:
+    is_admin = role == User.Role.ADMIN
+    user = User(
+        username=username, email=email, role=role, tenant=tenant,
+        # Admins read reports in the Django admin, so they get staff access; others do not.
+        is_staff=is_admin, is_superuser=is_admin,
+    )
+    validate_password(password, user)
+    user.set_password(password)
+    user.full_clean()
+    user.save()
+    return user
+
+
+@transaction.atomic
+def user_set_password(*, user: User, password: str) -> User:
+    validate_password(password, user)
+    user.set_password(password)
+    user.save(update_fields=["password"])
+    return user
+
+
+@transaction.atomic
+def api_key_create(
+    *,
+    tenant: Tenant,
+    name: str,
+    all_models: bool = True,
+    allowed_model_names: Sequence[str] = (),
+    expires_at: datetime | None = None,
+    rate_limit_per_minute: int | None = None,
+    created_by: User | None = None,
+) -> ApiKeyCreated:
+    allowed_models = _allowed_models(all_models=all_models, names=allowed_model_names)
+    plaintext = generate_api_key()
+    api_key = ApiKey(
+        tenant=tenant,
+        name=name,
+        prefix=visible_prefix(plaintext),
+        key_hash=hash_api_key(plaintext),
+        all_models=all_models,
+        expires_at=expires_at,
+        rate_limit_per_minute=rate_limit_per_minute,
+        created_by=created_by,
+    )
+    api_key.full_clean()
+    api_key.save()
+    api_key.allowed_models.set(allowed_models)
+    return ApiKeyCreated(api_key=api_key, plaintext=plaintext)
+
+
+@transaction.atomic
+def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
+    api_key.revoked = True
+    api_key.save(update_fields=["revoked"])
+    return api_key
+
+
+def _allowed_models(*, all_models: bool, names: Sequence[str]) -> list:
+    if all_models:
+        if names:
+            raise ValidationError(
+                {"allowed_models": "Give a list of models or allow all models, not both."}
+            )
+        return []
+    if not names:
+        raise ValidationError(
+            {"allowed_models": "A key limited to a list of models needs at least one model."}
+        )
+    found = models_by_public_name(public_names=names)
+    unknown = sorted(set(names) - found.keys())
+    if unknown:
+        raise ValidationError({"allowed_models": f"Unknown model(s): {', '.join(unknown)}."})
+    return list(found.values())

@@ -1,0 +1,1 @@
+"""Price tiers, plans, the tenants' credit ledger and per-request usage records."""

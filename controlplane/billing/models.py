@@ -1,0 +1,161 @@
+"""Prices, plans, the append-only credit ledger and usage records.
+
+Money is Decimal with six decimal places: per-request prices are fractions of a cent.
+"""
+
+from decimal import Decimal
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+MONEY = {"max_digits": 18, "decimal_places": 6}
+MICRO = Decimal("0.000001")  # the smallest amount of money the ledger records
+
+
+class PriceTier(models.Model):
+    name = models.CharField(max_length=50, unique=True)
+    price_per_request = models.DecimalField(**MONEY, validators=[MinValueValidator(0)])
+    # What a per-token price list would charge, recorded beside each request so reports can show
+    # how flat per-request pricing compares.
+    reference_price_per_million_tokens = models.DecimalField(**MONEY, validators=[MinValueValidator(0)])
+
+    class Meta:
+        ordering = ["price_per_request", "name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.price_per_request}/request)"
+
+
+class Plan(models.Model):
+    name = models.CharField(max_length=50, unique=True)
+    included_requests_per_month = models.PositiveIntegerField(
+        help_text="Requests each month that are not charged to credits."
+    )
+    rate_limit_per_minute = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class AppendOnlyError(Exception):
+    """Raised on any attempt to change or remove a ledger entry; corrections are new entries."""
+
+
+class CreditEntryQuerySet(models.QuerySet):
+    def update(self, **kwargs):
+        raise AppendOnlyError("Credit entries are append-only; add a correcting entry instead.")
+
+    def delete(self):
+        raise AppendOnlyError("Credit entries are append-only; add a correcting entry instead.")
+
+
+class CreditEntry(models.Model):
+    """One movement of a tenant's credits; the balance is the sum of the tenant's entries."""
+
+    class Kind(models.TextChoices):
+        GRANT = "grant", "Grant"
+        DEBIT = "debit", "Debit"
+        USAGE = "usage", "Usage charge"
+
+    tenant = models.ForeignKey("accounts.Tenant", on_delete=models.PROTECT, related_name="credit_entries")
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    amount = models.DecimalField(**MONEY, help_text="Positive adds credits, negative spends them.")
+    memo = models.CharField(max_length=200, blank=True)
+    # At most one charge per request: the request id is unique on the usage record.
+    usage_record = models.OneToOneField(
+        "billing.UsageRecord", on_delete=models.PROTECT, null=True, blank=True, related_name="credit_entry"
+    )
+    created_by = models.ForeignKey(
+        "accounts.User", on_delete=models.PROTECT, null=True, blank=True, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    objects = CreditEntryQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "credit entries"
+        constraints = [
+            models.CheckConstraint(
+                condition=(Q(kind="grant", amount__gt=0) | Q(kind__in=["debit", "usage"], amount__lt=0)),
+                name="creditentry_sign_matches_kind",
+                violation_error_message="Grants must be positive; debits and usage charges negative.",
+            ),
+            models.CheckConstraint(
+                condition=Q(kind="usage", usage_record__isnull=False) | ~Q(kind="usage"),
+                name="creditentry_usage_has_record",
+                violation_error_message="A usage charge must name its usage record.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} {self.amount:+} ({self.kind})"
+
+    def save(self, *args, **kwargs):
+        if not self._state.adding:
+            raise AppendOnlyError("Credit entries are append-only; add a correcting entry instead.")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise AppendOnlyError("Credit entries are append-only; add a correcting entry instead.")
+
+
+class UsageRecord(models.Model):
+    """One served (or attempted) API request, written once when the request ends."""
+
+    class Status(models.TextChoices):
+        COMPLETED = "completed", "Completed"
+        FAILED = "failed", "Failed"
+        CANCELLED = "cancelled", "Cancelled by the client"
+
+    request_id = models.CharField(max_length=64, unique=True)
+    tenant = models.ForeignKey("accounts.Tenant", on_delete=models.PROTECT, related_name="usage_records")
+    api_key = models.ForeignKey(
+        "accounts.ApiKey", on_delete=models.PROTECT, null=True, blank=True, related_name="usage_records",
+        help_text="Empty for requests from the dashboard playground.",
+    )
+    model = models.ForeignKey("catalog.Model", on_delete=models.PROTECT, related_name="usage_records")
+    replica = models.ForeignKey(
+        "fleet.Replica", on_delete=models.SET_NULL, null=True, blank=True, related_name="usage_records"
+    )
+    status = models.CharField(max_length=20, choices=Status.choices)
+    prompt_tokens = models.PositiveIntegerField()
+    completion_tokens = models.PositiveIntegerField()
+    time_to_first_token_ms = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Empty when no token was produced (embeddings, early failures)."
+    )
+    total_latency_ms = models.PositiveIntegerField()
+    price_charged = models.DecimalField(**MONEY, validators=[MinValueValidator(0)])
+    reference_price = models.DecimalField(
+        **MONEY, validators=[MinValueValidator(0)],
+        help_text="This request's price at the tier's per-token reference rate.",
+    )
+    # When the request ended; set by the service (not auto_now_add) so monthly allowances and
+    # reports use the time the gateway measured.
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["tenant", "created_at"])]
+
+    def __str__(self) -> str:
+        return self.request_id
+
+    def clean(self) -> None:
+        super().clean()
+        if self.api_key_id is not None and self.tenant_id is not None and self.api_key.tenant_id != self.tenant_id:
+            raise ValidationError({"api_key": "The API key belongs to a different tenant."})
+        if (
+            self.time_to_first_token_ms is not None
+            and self.total_latency_ms is not None
+            and self.time_to_first_token_ms > self.total_latency_ms
+        ):
+            raise ValidationError(
+                {"time_to_first_token_ms": "Time to first token cannot exceed the total latency."}
+            )

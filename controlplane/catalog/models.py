@@ -1,0 +1,77 @@
+"""Models tenants can call (by public name) and each model's deployment (desired replicas)."""
+
+from django.core.validators import MinValueValidator, RegexValidator
+from django.db import models
+from django.db.models import F, Q
+
+
+class Model(models.Model):
+    class Kind(models.TextChoices):
+        CHAT = "chat", "Chat"
+        COMPLETION = "completion", "Completion"
+        EMBEDDING = "embedding", "Embedding"
+
+    # The name clients send in `model`; OpenAI clients accept letters, digits and . _ : / -.
+    public_name = models.CharField(
+        max_length=100,
+        unique=True,
+        validators=[
+            RegexValidator(
+                r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+                "Use letters, digits and . _ : / - only, starting with a letter or digit.",
+            )
+        ],
+    )
+    family = models.CharField(max_length=50, help_text="Architecture family, e.g. llama.")
+    kind = models.CharField(max_length=20, choices=Kind.choices, default=Kind.CHAT)
+    weights_path = models.CharField(
+        max_length=500, help_text="Directory on the worker hosts holding the weights (Hugging Face layout)."
+    )
+    context_length = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    parameter_count = models.PositiveBigIntegerField(validators=[MinValueValidator(1)])
+    gpu_memory_bytes = models.PositiveBigIntegerField(
+        validators=[MinValueValidator(1)],
+        help_text="Estimated GPU memory a replica needs: weights plus a working KV cache.",
+    )
+    price_tier = models.ForeignKey("billing.PriceTier", on_delete=models.PROTECT, related_name="models")
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["public_name"]
+
+    def __str__(self) -> str:
+        return self.public_name
+
+
+class Deployment(models.Model):
+    model = models.OneToOneField(Model, on_delete=models.PROTECT, related_name="deployment")
+    desired_replicas = models.PositiveIntegerField(default=1)
+    min_replicas = models.PositiveIntegerField(default=0)
+    max_replicas = models.PositiveIntegerField(default=1)
+    keep_warm = models.BooleanField(
+        default=False,
+        help_text="Never scale down for lack of traffic: idle replicas stay loaded.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["model__public_name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(min_replicas__lte=F("max_replicas")),
+                name="deployment_min_le_max",
+                violation_error_message="Min replicas cannot exceed max replicas.",
+            ),
+            models.CheckConstraint(
+                condition=Q(desired_replicas__gte=F("min_replicas"))
+                & Q(desired_replicas__lte=F("max_replicas")),
+                name="deployment_desired_within_bounds",
+                violation_error_message="Desired replicas must lie between min and max replicas.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model.public_name} ×{self.desired_replicas}"

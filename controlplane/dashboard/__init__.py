@@ -1,0 +1,1 @@
+"""Pages for operators, tenants and admins (htmx) and their live-update consumers."""

@@ -1,0 +1,52 @@
+"""Typed readers for environment variables, so a bad value fails at start-up naming the variable."""
+
+import os
+
+from django.core.exceptions import ImproperlyConfigured
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ImproperlyConfigured(f"{name} must be one of 1/0, true/false, yes/no, on/off; got {raw!r}.")
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be an integer; got {raw!r}.") from None
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    """A comma-separated list; blank items are dropped."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return list(default)
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def read_env_file(path) -> dict[str, str]:
+    """NAME=value lines of a dotenv-style file (comments and blank lines skipped); {} if missing."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as handle:
+        lines = [line.strip() for line in handle]
+    pairs = (line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+    return {name.strip(): value.strip() for name, value in pairs}

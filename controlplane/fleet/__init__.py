@@ -1,0 +1,1 @@
+"""Workers, their GPUs, and the replicas (loaded copies of a model) that run on them."""

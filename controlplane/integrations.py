@@ -1,0 +1,74 @@
+"""Settings for the services the control plane talks to: the database, Redis, the Celery broker.
+
+Each function returns the PostgreSQL/Redis configuration when its URL is given and otherwise an
+embedded stand-in that needs no server (SQLite, locmem cache, in-memory channel layer, kombu's
+filesystem transport), which is what `make run` uses.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import dj_database_url
+
+
+def database(database_url: str, var_dir: Path) -> dict[str, Any]:
+    if database_url:
+        config = dj_database_url.parse(database_url, conn_max_age=60, conn_health_checks=True)
+    else:
+        var_dir.mkdir(parents=True, exist_ok=True)
+        config = dj_database_url.parse(f"sqlite:///{var_dir / 'db.sqlite3'}")
+    if config["ENGINE"] == "django.db.backends.sqlite3":
+        # The web server, Celery worker and beat share one file: wait for the write lock instead
+        # of failing, and take it at BEGIN so two writers never deadlock upgrading read locks.
+        config["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE", **config.get("OPTIONS", {})}
+    return config
+
+
+def caches(redis_url: str) -> dict[str, Any]:
+    if redis_url:
+        return {
+            "default": {
+                "BACKEND": "django.core.cache.backends.redis.RedisCache",
+                "LOCATION": redis_url,
+                "KEY_PREFIX": "gpuserve",
+            }
+        }
+    return {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+
+def channel_layers(redis_url: str) -> dict[str, Any]:
+    if redis_url:
+        return {
+            "default": {
+                "BACKEND": "channels_redis.core.RedisChannelLayer",
+                "CONFIG": {"hosts": [redis_url], "prefix": "gpuserve"},
+            }
+        }
+    # One web process in the embedded set-up, so an in-process layer reaches every consumer.
+    return {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+
+def celery_broker(redis_url: str, var_dir: Path) -> tuple[str, dict[str, Any]]:
+    """The broker URL and its transport options."""
+    if redis_url:
+        return redis_url, {}
+    queue_dir = var_dir / "celery" / "queue"
+    control_dir = var_dir / "celery" / "control"
+    for folder in (queue_dir, control_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    # Producers and consumers are all local processes, so both directions share one folder.
+    # An explicit host keeps kombu from warning that none was given; the transport ignores it.
+    return "filesystem://localhost//", {
+        "data_folder_in": str(queue_dir),
+        "data_folder_out": str(queue_dir),
+        "control_folder": str(control_dir),
+        "store_processed": False,
+    }
+
+
+def celery_result_backend(redis_url: str, var_dir: Path) -> str:
+    if redis_url:
+        return redis_url
+    results_dir = var_dir / "celery" / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    return f"file://{results_dir}"

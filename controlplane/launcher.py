@@ -1,0 +1,188 @@
+"""Runs the whole system in the foreground for `make run`: one child process per line below.
+
+Each child gets its own process group, so stopping it also stops whatever it forked (Celery's
+pool, for instance). Ctrl-C or SIGTERM stops every child; if a child dies on its own the others
+are stopped too and the launcher exits non-zero, so a broken set-up never looks half alive.
+
+    python -m controlplane.launcher [--host 0.0.0.0] [--port 8000] [--env-file .env.demo]
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from controlplane.env import read_env_file
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+# Children get this long to shut down cleanly after SIGTERM before they are killed.
+STOP_GRACE_SECONDS = 10.0
+_POLL_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str
+    argv: list[str]
+
+
+def process_specs(*, host: str, port: int) -> list[ProcessSpec]:
+    """The processes of the embedded system; adding one is adding a line."""
+    python = sys.executable
+    return [
+        ProcessSpec("web", [python, "-m", "uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port), "--lifespan", "off"]),
+        ProcessSpec("worker", [python, "-m", "celery", "-A", "controlplane", "worker", "--loglevel=INFO", "--concurrency=2", "--without-gossip", "--without-mingle"]),
+        ProcessSpec("beat", [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO"]),
+    ]
+
+
+class Launcher:
+    def __init__(self, specs: Sequence[ProcessSpec], *, out: TextIO = sys.stdout):
+        self._specs = list(specs)
+        self._out = out
+        self._out_lock = threading.Lock()
+        self._children: list[tuple[ProcessSpec, subprocess.Popen]] = []
+        self._pumps: list[threading.Thread] = []
+        self._stop_requested = threading.Event()
+        self._stopping = False
+        self._width = max(len(spec.name) for spec in self._specs)
+
+    def say(self, text: str, *, name: str = "launcher") -> None:
+        with self._out_lock:
+            for line in text.splitlines() or [""]:
+                self._out.write(f"{name:<{self._width}} | {line}\n")
+            self._out.flush()
+
+    def request_stop(self, signum: int, frame=None) -> None:
+        if self._stopping:
+            # A second Ctrl-C while stopping: do not wait for a clean shutdown any more.
+            self._signal_all(signal.SIGKILL)
+        self._stop_requested.set()
+
+    def run(self, *, on_ready=None) -> int:
+        """Start every child and supervise them; returns the exit status for the launcher."""
+        try:
+            for spec in self._specs:
+                self._start(spec)
+        except OSError as exc:
+            self.say(f"could not start {spec.name}: {exc}")
+            return self._stop(1)
+        ready = on_ready is None
+        while not self._stop_requested.is_set():
+            for spec, child in self._children:
+                if child.poll() is not None:
+                    self.say(f"{spec.name} exited unexpectedly with status {child.returncode}; stopping the rest")
+                    return self._stop(1)
+            if not ready:
+                ready = on_ready()
+            self._stop_requested.wait(_POLL_SECONDS)
+        self.say("stopping…")
+        return self._stop(0)
+
+    def _start(self, spec: ProcessSpec) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        child = subprocess.Popen(
+            spec.argv, cwd=BASE_DIR, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self._children.append((spec, child))
+        self.say(f"started {spec.name} (pid {child.pid})")
+        pump = threading.Thread(target=self._pump, args=(spec.name, child), daemon=True)
+        pump.start()
+        self._pumps.append(pump)
+
+    def _pump(self, name: str, child: subprocess.Popen) -> None:
+        for raw in iter(child.stdout.readline, b""):
+            self.say(raw.decode("utf-8", errors="replace").rstrip("\n"), name=name)
+        child.stdout.close()
+
+    def _signal_all(self, signum: int) -> None:
+        for _, child in self._children:
+            try:
+                # The group id is the child's pid (start_new_session), so this reaches its forks too.
+                os.killpg(child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _stop(self, status: int) -> int:
+        self._stopping = True
+        # SIGTERM goes to each child alone: a Celery worker then stops its own pool in order,
+        # whereas a group-wide SIGTERM would kill the pool under it mid-task.
+        for _, child in self._children:
+            if child.poll() is None:
+                child.terminate()
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for spec, child in self._children:
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{spec.name} did not stop within {STOP_GRACE_SECONDS:.0f}s; killing it")
+        # Sweep the groups: anything a child left behind goes now.
+        self._signal_all(signal.SIGKILL)
+        for _, child in self._children:
+            child.wait()
+        for pump in self._pumps:
+            pump.join(timeout=2)
+        self.say("all processes stopped")
+        return status
+
+
+def port_answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def banner(*, port: int, env_file: Path) -> str:
+    demo = read_env_file(env_file)
+    url = f"http://127.0.0.1:{port}"
+    lines = [
+        "",
+        f"gpuserve is up: {url}/",
+        f"  admin:   {url}/admin/",
+        f"  API:     OPENAI_BASE_URL={url}/v1",
+    ]
+    if demo:
+        lines += [
+            f"           OPENAI_API_KEY={demo.get('OPENAI_API_KEY', '?')}",
+            f"  login:   {demo.get('DEMO_ADMIN_USERNAME', '?')} / {demo.get('DEMO_ADMIN_PASSWORD', '?')}",
+            f"  (saved in {env_file}; `set -a; . {env_file.name}; set +a` exports them for OpenAI clients)",
+        ]
+    else:
+        lines.append(f"  no {env_file.name} yet: run `python manage.py seed_demo` for a login and an API key")
+    lines += ["Press Ctrl-C to stop everything.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--env-file", type=Path, default=BASE_DIR / ".env.demo")
+    args = parser.parse_args(argv)
+
+    launcher = Launcher(process_specs(host=args.host, port=args.port))
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+
+    def on_ready() -> bool:
+        if not port_answers("127.0.0.1", args.port):
+            return False
+        launcher.say(banner(port=args.port, env_file=args.env_file))
+        return True
+
+    return launcher.run(on_ready=on_ready)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""TritonAttentionBackend: the AttentionBackend of the GPU path, built from gpuworker.kernels.
+
+Per layer and step: write the new K/V through the slot mapping, run the paged decode kernel on the
+first meta.num_decode_seqs sequences (one query token each) and the prefill kernel on the rest.
+Nothing here reads a device tensor on the host, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpuworker.engine.attention import AttentionMetadata
+from gpuworker.kernels.kv_cache_write import kv_cache_write
+from gpuworker.kernels.paged_decode_attention import paged_decode_attention
+from gpuworker.kernels.prefill_attention import prefill_attention
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write this step's keys and values into the cache, then attend through the block tables.
+
+        Rows that belong to no sequence (padding past query_start_loc[-1]) are zero, as in the
+        torch reference. A decode sequence with seq_len 0 also gets zeros.
+        """
+        kv_cache_write(key, value, kv_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_seqs
+        num_seqs = meta.num_seqs
+        if not 0 <= num_decode <= num_seqs:
+            raise ValueError(f"meta.num_decode_seqs {num_decode} must be in [0, num_seqs = {num_seqs}]")
+        out = torch.empty_like(query)
+        if num_decode > 0:
+            paged_decode_attention(
+                query[:num_decode], kv_cache, meta.block_tables[:num_decode], meta.seq_lens[:num_decode],
+                scale, meta.max_seq_len, out=out[:num_decode],
+            )
+        if num_seqs > num_decode:
+            # query_start_loc values are absolute rows of `query`, so a slice addresses the prefill part.
+            prefill_attention(
+                query, kv_cache, meta.query_start_loc[num_decode:], meta.seq_lens[num_decode:],
+                meta.block_tables[num_decode:], scale, meta.max_query_len, out=out,
+            )
+        rows_used = meta.query_start_loc_cpu[-1]
+        if rows_used < out.shape[0]:
+            out[rows_used:].zero_()
+        return out

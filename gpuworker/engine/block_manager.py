@@ -1,0 +1,218 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, ref-counted, with prefix caching.
+
+Each full block that has been computed is registered under a chained hash of its tokens
+(hash(parent_hash, tokens)), so a later sequence with the same prefix reuses the blocks instead of
+recomputing them. Freed blocks stay cached until the pool needs them, least recently used first.
+No torch here: the model runner turns block tables into tensors.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from gpuworker.engine.sequence import Sequence
+
+# The parent hash and prefix id of a sequence's first block.
+ROOT_HASH = -1
+ROOT_PREFIX_ID = 0
+
+
+def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "prefix_id", "parent_prefix_id")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        # Names the exact token prefix ending with this block (never reused for another prefix).
+        # A hash hit is trusted only if both the block's tokens and its parent's prefix id match
+        # ours: equal hashes alone could join two different prefixes and serve the wrong KV.
+        self.prefix_id: int | None = None
+        self.parent_prefix_id: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: Callable[[int, tuple[int, ...]], int] = hash_block_tokens) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, in eviction order: blocks holding nothing reusable at the front,
+        # then cached blocks from least to most recently freed.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._next_prefix_id = ROOT_PREFIX_ID + 1
+        # Prefix-cache statistics, in tokens, counted at each admission.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by live sequences (free cached blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding the longest prefix of seq's tokens (no side effects).
+
+        At least the last token is left out: its logits are needed, so it must be computed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(seq, max_blocks)
+        matched: list[int] = []
+        parent_prefix_id = ROOT_PREFIX_ID
+        for i, block_hash in enumerate(hashes):
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.parent_prefix_id != parent_prefix_id or block.token_ids != self._tokens(seq, i):
+                break
+            matched.append(block_id)
+            parent_prefix_id = block.prefix_id
+        return matched
+
+    def can_admit(self, seq: Sequence, matched: list[int], num_new_tokens: int) -> bool:
+        num_matched_tokens = len(matched) * self.block_size
+        needed = self.num_blocks_for(num_matched_tokens + num_new_tokens) - len(matched)
+        # Matched blocks that sit free (cached) leave the free pool when taken.
+        revived = sum(1 for block_id in matched if self.blocks[block_id].ref_count == 0)
+        return needed + revived <= len(self._free)
+
+    def admit(self, seq: Sequence, matched: list[int], num_new_tokens: int) -> None:
+        """Start seq on the matched cached blocks, then allocate room for num_new_tokens more."""
+        if seq.block_table:
+            raise RuntimeError(f"{seq} already holds blocks")
+        for block_id in matched:
+            self._take(block_id)
+        seq.block_table = list(matched)
+        seq.num_computed_tokens = len(matched) * self.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += seq.num_computed_tokens
+        self.allocate(seq, num_new_tokens)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._num_missing(seq, num_new_tokens) <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow seq's block table to hold its computed tokens plus num_new_tokens."""
+        missing = self._num_missing(seq, num_new_tokens)
+        if missing > len(self._free):
+            raise RuntimeError(f"{seq} needs {missing} blocks but only {len(self._free)} are free")
+        for _ in range(missing):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(self.blocks[block_id])
+            self.blocks[block_id].ref_count = 1
+            seq.block_table.append(block_id)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give child the parent's computed full prompt blocks (shared, not copied).
+
+        The prompt's last token is left for the child to compute: it needs its own logits.
+        """
+        num_shared = min((parent.num_prompt_tokens - 1) // self.block_size,
+                         parent.num_computed_tokens // self.block_size)
+        if child.block_table:
+            raise RuntimeError(f"{child} already holds blocks")
+        for block_id in parent.block_table[:num_shared]:
+            self._take(block_id)
+        child.block_table = parent.block_table[:num_shared]
+        child.num_computed_tokens = num_shared * self.block_size
+        child.num_cached_tokens = child.num_computed_tokens
+
+    def cache_computed_blocks(self, seq: Sequence, num_previously_computed: int) -> None:
+        """Register the blocks that became full and computed since num_previously_computed."""
+        if not self.enable_prefix_caching:
+            return
+        first = num_previously_computed // self.block_size
+        last = seq.num_computed_tokens // self.block_size
+        hashes = self._block_hashes(seq, last)
+        for i in range(first, last):
+            parent_prefix_id = (ROOT_PREFIX_ID if i == 0
+                                else self.blocks[seq.block_table[i - 1]].prefix_id)
+            block = self.blocks[seq.block_table[i]]
+            if parent_prefix_id is None or block.prefix_id is not None:
+                continue
+            self._register(block, hashes[i], self._tokens(seq, i), parent_prefix_id)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; its registered blocks stay cached until evicted."""
+        # Tail blocks first, so a prompt's last blocks are evicted before its shared beginning.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if not self._is_reachable(block):
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...],
+                  parent_prefix_id: int) -> None:
+        block.block_hash, block.token_ids, block.parent_prefix_id = block_hash, tokens, parent_prefix_id
+        holder_id = self._cached.get(block_hash)
+        if holder_id is None:
+            self._cached[block_hash] = block.block_id
+        else:
+            holder = self.blocks[holder_id]
+            if holder.token_ids == tokens and holder.parent_prefix_id == parent_prefix_id:
+                # The same prefix computed twice (two sequences in flight at once): same content,
+                # same name, so children registered under either are found through the holder.
+                block.prefix_id = holder.prefix_id
+                return
+            # A hash collision: the block gets its own name but is not findable by hash.
+        block.prefix_id = self._next_prefix_id
+        self._next_prefix_id += 1
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block: Block) -> None:
+        if self._is_reachable(block):
+            del self._cached[block.block_hash]
+        block.reset()
+
+    def _is_reachable(self, block: Block) -> bool:
+        return block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id
+
+    def _num_missing(self, seq: Sequence, num_new_tokens: int) -> int:
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(seq.block_table))
+
+    def _tokens(self, seq: Sequence, block_index: int) -> tuple[int, ...]:
+        start = block_index * self.block_size
+        return tuple(seq.token_ids[start:start + self.block_size])
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(self.hash_fn(parent, self._tokens(seq, len(hashes))))
+        return hashes[:num_blocks]

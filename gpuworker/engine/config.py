@@ -1,0 +1,84 @@
+"""EngineConfig: every engine knob in one dataclass, validated once and passed down explicitly.
+
+Two fields depend on the model and the device and may be left None by the user: `max_model_len`
+(the model's max_position_embeddings) and `num_kv_blocks` (sized from a memory budget). The engine
+resolves them once at start-up with `dataclasses.replace`, which validates again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")
+# On CPU there is no "free device memory" to fill, so the KV pool gets a fixed budget by default.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    # None: size the pool from the memory budget below.
+    num_kv_blocks: int | None = None
+    # CUDA: the fraction of the device memory still free after loading the weights that the KV pool
+    # and the activations may take.
+    gpu_memory_utilization: float = 0.9
+    # CPU: the KV pool's byte budget (None: DEFAULT_CPU_KV_CACHE_BYTES).
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+    # Read by the model runner: True keeps every step eager (no CUDA-graph capture).
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty path, got {self.model!r}")
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.kv_cache_memory_bytes is not None:
+            _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.num_kv_blocks is not None and self.max_model_len is not None:
+            capacity = self.num_kv_blocks * self.block_size
+            # A lone sequence must always be able to reach max_model_len, or preemption could
+            # loop forever on it.
+            if capacity < self.max_model_len:
+                raise ValueError(
+                    f"num_kv_blocks ({self.num_kv_blocks}) x block_size ({self.block_size}) = {capacity} "
+                    f"tokens cannot hold one sequence of max_model_len ({self.max_model_len}) tokens; "
+                    "raise num_kv_blocks (or the memory budget) or lower max_model_len")
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.num_kv_blocks is not None and self.max_model_len is not None
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,211 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step fills a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs):
+running decodes first, then running prefills (a long prompt is chunked across steps), then new
+requests in arrival order. When the KV pool runs out, the newest running sequence is preempted:
+its blocks are freed and it goes back to the front of the queue to be recomputed later.
+No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from gpuworker.engine.block_manager import BlockManager
+from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    # This step runs tokens [start, start + num_new_tokens) of the sequence.
+    start: int
+    num_new_tokens: int
+    # Whether this step reaches the sequence's last token, so a new token is sampled from it
+    # (a chunk that stops inside the prompt samples nothing).
+    samples: bool
+
+
+@dataclass
+class ScheduledBatch:
+    # Single-token entries first (the attention metadata's decode part), then longer chunks.
+    seqs: list[ScheduledSeq]
+    num_decode_seqs: int
+    num_batched_tokens: int
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.is_resolved:
+            raise ValueError("the scheduler needs a resolved config (num_kv_blocks and max_model_len set)")
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        # In admission order.
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None, n: int) -> None:
+        """Raise ValueError, naming the numbers, for a request that could never run."""
+        max_model_len = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least one token")
+        if max_tokens is None and num_prompt_tokens >= max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
+                             f"within max_model_len ({max_model_len})")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                             f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len})")
+        # EngineConfig guarantees the pool holds max_model_len tokens, so a request that passes the
+        # checks above always fits the pool once it runs alone.
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+
+    def add(self, group: SequenceGroup) -> None:
+        self.check_admissible(len(group.prompt_token_ids), group.max_tokens, group.params.n)
+        self.waiting.append(group.seqs[0])
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        # Decodes first, so a long prefill never stalls the running streams.
+        for decode_phase in (True, False):
+            for seq in list(self.running):
+                if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed_tokens == 1) != decode_phase:
+                    continue
+                if step.is_full:
+                    break
+                num_new = min(seq.num_uncomputed_tokens, step.token_budget)
+                if self._make_room(seq, num_new, step):
+                    self.block_manager.allocate(seq, num_new)
+                    step.add(seq, num_new)
+        # No new admissions in a step that had to preempt: the pool is already too tight.
+        while self.waiting and not step.is_full and not step.preempted:
+            seq = self.waiting[0]
+            seats = 1 + (len(seq.group.pending_forks) if seq.index == 0 else 0)
+            if len(self.running) + seats > self.config.max_num_seqs:
+                break
+            matched = self.block_manager.match_prefix(seq)
+            num_computed = len(matched) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_computed, step.token_budget)
+            if not self.block_manager.can_admit(seq, matched, num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.admit(seq, matched, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            step.add(seq, num_new)
+        return step.build()
+
+    def _make_room(self, seq: Sequence, num_new: int, step: _StepBuilder) -> bool:
+        """Preempt the newest running sequences until seq's new tokens fit; False if seq itself went."""
+        while not self.block_manager.can_allocate(seq, num_new):
+            victim = max(self.running, key=lambda s: s.age_key)
+            step.remove(victim)
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        # Preempted before newer arrivals: it goes back to the front.
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """Advance the batch's sequences after the model ran; return those that got a new token.
+
+        sampled_token_ids holds one id per sampling entry of the batch, in batch order.
+        """
+        if len(sampled_token_ids) != sum(1 for s in batch.seqs if s.samples):
+            raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for "
+                             f"{sum(1 for s in batch.seqs if s.samples)} sampling sequences")
+        sampled = iter(sampled_token_ids)
+        advanced: list[Sequence] = []
+        for entry in batch.seqs:
+            seq = entry.seq
+            seq.num_computed_tokens = entry.start + entry.num_new_tokens
+            self.block_manager.cache_computed_blocks(seq, entry.start)
+            if not entry.samples:
+                continue
+            seq.token_ids.append(next(sampled))
+            advanced.append(seq)
+            group = seq.group
+            if seq.index == 0 and group.pending_forks:
+                # The prompt is computed: siblings start from its shared blocks.
+                for child in group.pending_forks:
+                    self.block_manager.fork(seq, child)
+                    child.status = SequenceStatus.RUNNING
+                    self.running.append(child)
+                group.pending_forks = []
+        return advanced
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End seq now and free its blocks (they stay in the prefix cache)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def abort(self, group: SequenceGroup) -> None:
+        for seq in group.pending_forks:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        group.pending_forks = []
+        for seq in group.seqs:
+            self.finish(seq, "abort")
+
+
+class _StepBuilder:
+    """The batch being assembled in one schedule() call, with what is left of its budgets."""
+
+    def __init__(self, token_budget: int, max_seqs: int) -> None:
+        self.token_budget = token_budget
+        self.max_seqs = max_seqs
+        self.entries: list[ScheduledSeq] = []
+        self.preempted: list[Sequence] = []
+
+    @property
+    def is_full(self) -> bool:
+        return self.token_budget == 0 or len(self.entries) == self.max_seqs
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        start = seq.num_computed_tokens
+        self.entries.append(ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens))
+        self.token_budget -= num_new
+
+    def remove(self, seq: Sequence) -> None:
+        for entry in self.entries:
+            if entry.seq is seq:
+                self.entries.remove(entry)
+                self.token_budget += entry.num_new_tokens
+                return
+
+    def build(self) -> ScheduledBatch:
+        decodes = [e for e in self.entries if e.num_new_tokens == 1]
+        others = [e for e in self.entries if e.num_new_tokens != 1]
+        return ScheduledBatch(seqs=decodes + others, num_decode_seqs=len(decodes),
+                              num_batched_tokens=sum(e.num_new_tokens for e in self.entries),
+                              preempted=list(self.preempted))

@@ -1,0 +1,92 @@
+"""Write a step's new keys and values into a layer's paged KV cache through the slot mapping.
+
+Slot s is block s // block_size, offset s % block_size of the cache
+[2, num_blocks, block_size, num_kv_heads, head_dim]; slots < 0 mark padding tokens and are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    check_shape,
+    check_tensor,
+    lazy_jit,
+    next_power_of_2,
+)
+
+
+def _kv_cache_write_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_mapping_ptr,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    # Padding tokens (slot < 0) store nothing. The slot test is broadcast to a tensor first because
+    # Triton's interpreter mistypes `scalar_bool & tensor_bool` (an int mask it then rejects).
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & ((heads * 0 + slot) >= 0)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    k = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask=mask)
+    v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask=mask)
+    dst = cache_ptr + block * stride_cache_block + offset * stride_cache_offset + heads * stride_cache_head + dims
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+_kv_cache_write = lazy_jit(_kv_cache_write_kernel)
+
+
+def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store key/value [T, num_kv_heads, head_dim] at kv_cache[:, slot] for each slot >= 0 (in place).
+
+    key and value may be strided views (e.g. slices of a fused qkv projection) as long as their last
+    dimension is contiguous; they are cast to the cache's dtype. slot_mapping [T] is int32 or int64 on the same device; slots must lie
+    below num_blocks * block_size (not checked: that would need a device sync).
+    """
+    check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
+    device = key.device
+    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=device)
+    check_shape("value", value, tuple(key.shape))
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _, block_size, cache_heads, cache_dim = check_kv_cache(kv_cache, device=device)
+    if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"kv_cache holds {cache_heads} kv heads of dim {cache_dim}, "
+            f"but key has {num_kv_heads} heads of dim {head_dim}"
+        )
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    check_last_dim_contiguous("key", key)
+    check_last_dim_contiguous("value", value)
+    if num_tokens == 0:
+        return
+    _kv_cache_write[(num_tokens,)](
+        key, value, kv_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
+    )
+
+
+def kv_cache_write_reference(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                             slot_mapping: torch.Tensor) -> None:
+    """Pure-torch reference of kv_cache_write (in place)."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0, blocks, offsets] = key[keep].to(kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = value[keep].to(kv_cache.dtype)

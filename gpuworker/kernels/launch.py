@@ -1,0 +1,122 @@
+"""What every kernel launcher shares: lazy JIT (so TRITON_INTERPRET is read at launch) and argument checks.
+
+`triton.jit` decides between the compiler and the CPU interpreter when it decorates a function. A
+test run that imports this package before its conftest sets TRITON_INTERPRET=1 would otherwise be
+stuck with compiled kernels that cannot take CPU tensors, so kernels are decorated on first launch,
+once per mode.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import triton
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class LazyJIT:
+    """A Triton kernel function, jitted when first launched and again if the interpreter flag flips."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._by_mode: dict[bool, Any] = {}
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        mode = interpreting()
+        kernel = self._by_mode.get(mode)
+        if kernel is None:
+            kernel = triton.jit(self.fn)
+            self._by_mode[mode] = kernel
+        return kernel[grid]
+
+
+def lazy_jit(fn: Callable[..., Any]) -> LazyJIT:
+    return LazyJIT(fn)
+
+
+def check_tensor(
+    name: str,
+    tensor: Any,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Raise ValueError naming `name` when `tensor` is not a tensor of the expected rank/dtype/device."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if dtypes is not None:
+        allowed = tuple(dtypes)
+        if tensor.dtype not in allowed:
+            names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+            raise ValueError(f"{name} must have dtype in ({names}), got {tensor.dtype}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but the other inputs are on {device}")
+    if tensor.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"{name} is on {tensor.device}: Triton kernels need CUDA tensors "
+            "(or TRITON_INTERPRET=1 to run them on the CPU interpreter)"
+        )
+
+
+def check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(tensor.shape)}")
+
+
+def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
+    # Kernels address the innermost dimension as base + d, so it must be unit-stride.
+    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}")
+
+
+def check_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()} for shape {tuple(tensor.shape)}")
+
+
+def check_kv_cache(kv_cache: Any, *, dtype: torch.dtype | None = None,
+                   device: torch.device | None = None) -> tuple[int, int, int, int]:
+    """Check a per-layer cache [2, num_blocks, block_size, num_kv_heads, head_dim]; return its sizes."""
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, device=device)
+    if kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if dtype is not None and kv_cache.dtype != dtype:
+        raise ValueError(f"kv_cache has dtype {kv_cache.dtype} but the keys/queries are {dtype}")
+    check_last_dim_contiguous("kv_cache", kv_cache)
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+def dot_options(dtype: torch.dtype) -> dict[str, Any]:
+    """Constexpr arguments for kernels using tl.dot on `dtype` inputs.
+
+    float32 inputs ask for IEEE products: Triton's default (tf32) loses about three decimal digits,
+    which the engine's float32 reference path would notice. DOT_FP32 makes the kernel upcast its
+    operands before tl.dot; it is set only under the interpreter for bfloat16, whose tl.dot there
+    multiplies the raw uint16 storage (seen with Triton 3.9). Upcasting bfloat16 products is exact,
+    so the result is what the tensor cores compute.
+    """
+    return {
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "DOT_FP32": interpreting() and dtype == torch.bfloat16,
+    }

@@ -1,0 +1,277 @@
+"""Paged decode attention: one new query token per sequence attends to its whole cached context.
+
+Grouped-query aware: a program owns one kv head of one sequence and all the query heads that share
+it, so each K/V row is read from memory once per group. Split along the sequence (flash-decoding):
+when batch x kv heads is too small to fill the GPU, the context is cut into partitions processed in
+parallel, and a second kernel merges the partial softmaxes. Everything the launch shape depends on is
+a host integer (max_seq_len), never a device value, so the call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    check_shape,
+    check_tensor,
+    dot_options,
+    lazy_jit,
+    next_power_of_2,
+)
+
+_LOG2E = 1.4426950408889634
+# Most splits a launch uses; the merge kernel reads all of a head's partials in one tile.
+MAX_SPLITS = 64
+# Shortest partition worth its own program: below this, the merge costs more than it saves.
+_MIN_PARTITION = 256
+
+
+def _paged_decode_kernel(
+    query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale,
+    stride_query_seq, stride_query_head, stride_out_seq, stride_out_head,
+    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
+    stride_block_tables_seq,
+    partition_size, num_splits,
+    BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * QUERY_GROUP
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition_size
+    end = tl.minimum(start + partition_size, seq_len)
+
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    q_heads = kv_head * QUERY_GROUP + group
+    group_mask = group < QUERY_GROUP
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        query_ptr + seq * stride_query_seq + q_heads[:, None] * stride_query_head + dims[None, :],
+        mask=group_mask[:, None] & dim_mask[None, :], other=0.0,
+    )
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_tables_seq
+    head_base = cache_ptr + kv_head * stride_cache_head
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
+        kv_mask = valid[None, :] & dim_mask[:, None]
+        k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=kv_mask, other=0.0)  # [D, N]
+        if DOT_FP32:
+            scores = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
+        else:
+            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        scores = scores * qk_scale  # [G, N], log2 units
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
+                    mask=valid[:, None] & dim_mask[None, :], other=0.0)  # [N, D]
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    # An empty partition (or a padded sequence with seq_len 0) yields zeros and lse -inf.
+    has_tokens = l_i > 0.0
+    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    out_mask = group_mask[:, None] & dim_mask[None, :]
+    if SPLIT:
+        row_id = (seq * num_q_heads + q_heads) * num_splits + split  # [G] index into [B, Hq, S]
+        tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row_id, lse, mask=group_mask)
+    else:
+        tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _merge_partitions_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_out_seq, stride_out_head, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    row_base = (seq * tl.num_programs(1) + head) * num_splits
+    split_mask = splits < num_splits
+    lse = tl.load(part_lse_ptr + row_base + splits, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    has_tokens = lse > float("-inf")
+    weight = tl.where(has_tokens, tl.exp2(lse - tl.where(has_tokens, lse_max, 0.0)), 0.0)
+    total = tl.sum(weight, 0)
+    parts = tl.load(part_out_ptr + (row_base + splits)[:, None] * BLOCK_D + dims[None, :],
+                    mask=split_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    merged = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+             merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+_paged_decode = lazy_jit(_paged_decode_kernel)
+_merge_partitions = lazy_jit(_merge_partitions_kernel)
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter: any small number exercises the same split logic
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs for about two waves, partitions of >= _MIN_PARTITION tokens."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = math.ceil(2 * _multiprocessor_count(device) / programs)
+    by_length = math.ceil(max(1, max_seq_len) / _MIN_PARTITION)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of query [B, Hq, D] over each sequence's first seq_lens[b] cached tokens -> [B, Hq, D].
+
+    kv_cache [2, num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] and seq_lens [B] live
+    on the device (int32/int64) and are never read on the host. max_seq_len is a host upper bound on
+    seq_lens that picks the number of splits (`num_splits` overrides it); for a CUDA graph, capture
+    with the largest max_seq_len the graph will replay with. A sequence with seq_len 0 gets zeros.
+    """
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    device = query.device
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_dim = check_kv_cache(kv_cache, dtype=query.dtype, device=device)
+    if cache_dim != head_dim:
+        raise ValueError(f"kv_cache head_dim {cache_dim} does not match query head_dim {head_dim}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but query has {num_seqs} sequences")
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    check_last_dim_contiguous("query", query)
+    check_last_dim_contiguous("block_tables", block_tables)
+    if not isinstance(max_seq_len, int) or max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be a non-negative host int, got {max_seq_len!r}")
+    if max_seq_len > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds what block_tables can address "
+            f"({block_tables.shape[1]} blocks of {block_size})"
+        )
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        check_tensor("out", out, dtypes=(query.dtype,), device=device)
+        check_shape("out", out, tuple(query.shape))
+        check_last_dim_contiguous("out", out)
+    if num_seqs == 0:
+        return out
+
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    # Partitions are whole tiles so only the last tile of a partition needs its tail masked.
+    tiles = max(1, triton.cdiv(max_seq_len, block_n))
+    partition_size = triton.cdiv(tiles, num_splits) * block_n
+    num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
+
+    group = num_q_heads // num_kv_heads
+    block_d = next_power_of_2(head_dim)
+    split = num_splits > 1
+    if split:
+        # Padded to BLOCK_D so the merge kernel can use one flat stride.
+        part_out = torch.empty((num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32, device=device)
+        part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
+    else:
+        part_out = part_lse = out  # unused by the kernel when SPLIT is false
+    _paged_decode[(num_seqs, num_kv_heads, num_splits)](
+        query, kv_cache, block_tables, seq_lens,
+        out, part_out, part_lse,
+        float(scale) * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        partition_size, num_splits,
+        BLOCK_SIZE=block_size, QUERY_GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        SPLIT=split, **dot_options(query.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _merge_partitions[(num_seqs, num_q_heads)](
+            part_out, part_lse, out,
+            out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Pure-torch reference: gather each sequence's context through its block table, softmax in fp32."""
+    num_seqs, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        positions = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[i].long()[positions // block_size]
+        keys = kv_cache[0, blocks, positions % block_size].float()  # [L, Hkv, D]
+        values = kv_cache[1, blocks, positions % block_size].float()
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", query[i].float(), keys) * scale
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(query.dtype)
+    return out

@@ -1,0 +1,233 @@
+"""Prefill attention over ragged query chunks that read their keys and values from the paged cache.
+
+Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); its context is seq_lens[b]
+tokens, the last q_len of which are the new ones (already written to the cache). Query i sits at
+absolute position p = seq_len - q_len + i and attends causally to positions 0..p, so a chunk after a
+prefix-cache hit or an earlier chunk also sees the cached prefix. Flash-attention tiling: a program
+owns BLOCK_M query rows of one head, walks the keys in BLOCK_N tiles with an online softmax, and only
+masks the tiles that cross the causal diagonal.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    check_shape,
+    check_tensor,
+    dot_options,
+    lazy_jit,
+    next_power_of_2,
+)
+
+_LOG2E = 1.4426950408889634
+
+
+def _prefill_attention_kernel(
+    query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    qk_scale,
+    stride_query_token, stride_query_head, stride_out_token, stride_out_head,
+    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
+    stride_block_tables_seq,
+    BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    m_tile = tl.program_id(0)
+    q_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+    kv_head = q_head // QUERY_GROUP
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        query_ptr + (q_start + rows)[:, None] * stride_query_token + q_head * stride_query_head + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    # Rows past the chunk's end copy the last row's position so no row is fully masked (no NaNs).
+    q_pos = prefix_len + tl.minimum(rows, q_len - 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_tables_seq
+    head_base = cache_ptr + kv_head * stride_cache_head
+
+    # Keys every row of the tile sees (strictly before its first query) need no mask; tiles from
+    # there up to the last row's position cross the diagonal and do.
+    unmasked_end = (prefix_len + m_tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        block = tl.load(block_table + pos // BLOCK_SIZE).to(tl.int64)
+        row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
+        k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=dim_mask[:, None], other=0.0)
+        v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
+        if DOT_FP32:
+            scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
+        else:
+            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        scores = scores * qk_scale
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    for n0 in range(unmasked_end, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < kv_end
+        block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
+        k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
+        v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
+                    mask=valid[:, None] & dim_mask[None, :], other=0.0)
+        if DOT_FP32:
+            scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
+        else:
+            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        scores = scores * qk_scale
+        visible = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + (q_start + rows)[:, None] * stride_out_token + q_head * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+_prefill_attention = lazy_jit(_prefill_attention_kernel)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of ragged query chunks [T, Hq, D] over their paged contexts -> [T, Hq, D].
+
+    query_start_loc [B + 1] holds row indices into query/out (it need not start at 0, so a slice of
+    the step's metadata can address the prefill part of a mixed batch); seq_lens [B] is each
+    sequence's context including its new tokens; block_tables [B, max_blocks]. All three stay on the
+    device; max_query_len is a host upper bound on the chunk lengths that sizes the grid. Rows of `out`
+    outside every chunk are left untouched.
+    """
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    device = query.device
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_dim = check_kv_cache(kv_cache, dtype=query.dtype, device=device)
+    if cache_dim != head_dim:
+        raise ValueError(f"kv_cache head_dim {cache_dim} does not match query head_dim {head_dim}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {num_seqs}")
+    check_last_dim_contiguous("query", query)
+    check_last_dim_contiguous("block_tables", block_tables)
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be a non-negative host int, got {max_query_len!r}")
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        check_tensor("out", out, dtypes=(query.dtype,), device=device)
+        check_shape("out", out, tuple(query.shape))
+        check_last_dim_contiguous("out", out)
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+
+    block_d = next_power_of_2(head_dim)
+    if block_m is None:
+        block_m = 128 if head_dim <= 128 else 64
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    if num_warps is None:
+        num_warps = 8 if block_m >= 128 else 4
+    grid = (triton.cdiv(max_query_len, block_m), num_q_heads, num_seqs)
+    _prefill_attention[grid](
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        float(scale) * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size, QUERY_GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, **dot_options(query.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def prefill_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pure-torch reference: per sequence, gather the context and apply a causal mask offset by the prefix."""
+    num_q_heads = query.shape[1]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros_like(query) if out is None else out
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        q = query[starts[i]:starts[i + 1]].float()  # [Lq, Hq, D]
+        q_len = q.shape[0]
+        if q_len == 0:
+            continue
+        positions = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[i].long()[positions // block_size]
+        keys = kv_cache[0, blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        values = kv_cache[1, blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
+    return out

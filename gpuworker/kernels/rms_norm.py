@@ -1,0 +1,122 @@
+"""Fused RMSNorm, optionally adding the residual stream first (one read of each, one write of each).
+
+Numerics follow transformers' Llama (and gpuworker.models.layers.RMSNorm): the residual sum is
+rounded to the activation dtype as an eager `hidden + residual` would be, the norm is computed in
+float32, cast back, then multiplied by the weight in the weight's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_shape,
+    check_tensor,
+    lazy_jit,
+    next_power_of_2,
+)
+
+# One program normalises a whole row in registers; wider rows would spill.
+MAX_HIDDEN = 32768
+
+
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x_outer, stride_x_inner, stride_residual_outer, stride_residual_inner,
+    eps,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    outer = tl.program_id(0)
+    inner = tl.program_id(1)
+    row = outer.to(tl.int64) * tl.num_programs(1) + inner  # row of the contiguous outputs
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HIDDEN
+    x = tl.load(x_ptr + outer.to(tl.int64) * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + outer.to(tl.int64) * stride_residual_outer
+                           + inner * stride_residual_inner + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * HIDDEN + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, 0) / HIDDEN
+    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * weight.to(tl.float32)
+    tl.store(out_ptr + row * HIDDEN + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_rms_norm = lazy_jit(_rms_norm_kernel)
+
+
+def _as_3d(tensor: torch.Tensor) -> torch.Tensor:
+    """View [..., H] as [outer, inner, H] without copying where the strides allow it."""
+    if tensor.dim() == 1:
+        return tensor.view(1, 1, -1)
+    if tensor.dim() == 2:
+        return tensor.unsqueeze(1)
+    if tensor.dim() == 3:
+        return tensor
+    return tensor.reshape(-1, 1, tensor.shape[-1])
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dimension of x [..., H] (strided views allowed, last dim contiguous).
+
+    Without `residual`: returns weight * norm(x). With `residual` (same shape and dtype as x): s =
+    x + residual, returns (weight * norm(s), s). Outputs are new contiguous tensors; the output dtype
+    is x's dtype promoted with the weight's, as in eager torch.
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    device = x.device
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the hidden size)")
+    hidden = x.shape[-1]
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"x's last dimension {hidden} exceeds the kernel's limit of {MAX_HIDDEN}")
+    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+    check_shape("weight", weight, (hidden,))
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), device=device)
+        check_shape("residual", residual, tuple(x.shape))
+        check_last_dim_contiguous("residual", residual)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=device) if residual is not None else out
+    if x.numel() == 0:
+        return out if residual is None else (out, residual_out)
+
+    x3 = _as_3d(x)
+    r3 = _as_3d(residual) if residual is not None else x3
+    block = next_power_of_2(hidden)
+    _rms_norm[(x3.shape[0], x3.shape[1])](
+        x3, r3, weight, out, residual_out,
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        float(eps),
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        num_warps=max(1, min(16, block // 512)),
+    )
+    return out if residual is None else (out, residual_out)
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference, written as transformers' LlamaRMSNorm (plus the decoder's residual add)."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * x32.to(x.dtype)
+    return out if residual is None else (out, x)

@@ -1,0 +1,126 @@
+"""Neox-style (rotate-half) rotary embedding applied to queries and keys in place, in one launch.
+
+Cache layout as gpuworker.models.layers.RotaryEmbedding keeps it: cos_cache and sin_cache
+[max_positions, rot_dim // 2] in float32, one half of HF's repeated cos/sin. The first rot_dim
+dimensions of every head are rotated (all of them for Llama). Numerics replay HF's eager ops in the
+activation dtype: cos/sin cast to it, each product rounded, then the sum rounded, so bf16 results are
+bit-identical to transformers'.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_last_dim_contiguous,
+    check_shape,
+    check_tensor,
+    lazy_jit,
+    next_power_of_2,
+)
+
+
+def _rotary_kernel(
+    positions_ptr, query_ptr, key_ptr, cos_ptr, sin_ptr,
+    stride_query_token, stride_query_head, stride_key_token, stride_key_head,
+    stride_cos_position, stride_sin_position,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)
+    dim_mask = dims < HALF
+    dtype = query_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + position * stride_cos_position + dims, mask=dim_mask, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_sin_position + dims, mask=dim_mask, other=0.0)
+    cos = cos.to(dtype).to(tl.float32)[None, :]
+    sin = sin.to(dtype).to(tl.float32)[None, :]
+
+    heads = tl.arange(0, BLOCK_HQ)[:, None]
+    mask = (heads < NUM_Q_HEADS) & dim_mask[None, :]
+    first = query_ptr + token * stride_query_token + heads * stride_query_head + dims[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
+
+    heads = tl.arange(0, BLOCK_HK)[:, None]
+    mask = (heads < NUM_KV_HEADS) & dim_mask[None, :]
+    first = key_ptr + token * stride_key_token + heads * stride_key_head + dims[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(first, out1.to(dtype), mask=mask)
+    tl.store(first + HALF, out2.to(dtype), mask=mask)
+
+
+_rotary = lazy_jit(_rotary_kernel)
+
+
+def apply_rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query [T, Hq, D] and key [T, Hkv, D] in place by positions [T]; returns (query, key).
+
+    query/key may be strided views (slices of a fused qkv output) with a contiguous last dimension.
+    cos_cache/sin_cache: [max_positions, rot_dim // 2], rot_dim <= D. Positions must be below
+    max_positions (not checked: that would need a device sync).
+    """
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    device = query.device
+    num_tokens, num_q_heads, head_dim = query.shape
+    check_tensor("key", key, ndim=3, dtypes=(query.dtype,), device=device)
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(f"key must have shape [{num_tokens}, num_kv_heads, {head_dim}], got {tuple(key.shape)}")
+    num_kv_heads = key.shape[1]
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("positions", positions, (num_tokens,))
+    check_tensor("cos_cache", cos_cache, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("sin_cache", sin_cache, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    check_shape("sin_cache", sin_cache, tuple(cos_cache.shape))
+    half = cos_cache.shape[1]
+    if not 0 < 2 * half <= head_dim:
+        raise ValueError(f"cos_cache's width {half} must be in [1, head_dim // 2 = {head_dim // 2}]")
+    for name, tensor in (("query", query), ("key", key), ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        check_last_dim_contiguous(name, tensor)
+    if num_tokens == 0:
+        return query, key
+    _rotary[(num_tokens,)](
+        positions, query, key, cos_cache, sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        cos_cache.stride(0), sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
+        BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(half),
+    )
+    return query, key
+
+
+def apply_rotary_reference(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference (out of place), written as transformers' apply_rotary_pos_emb."""
+    rot_dim = 2 * cos_cache.shape[1]
+    cos = cos_cache[positions.long()].to(query.dtype).unsqueeze(1)
+    sin = sin_cache[positions.long()].to(query.dtype).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., : rot_dim // 2], x[..., rot_dim // 2: rot_dim]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot_dim:]), dim=-1)
+
+    return rotate(query), rotate(key)

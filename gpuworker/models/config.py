@@ -1,0 +1,185 @@
+"""ModelConfig: a Hugging Face config.json parsed and checked once, for the llama-style families.
+
+Everything the decoder needs is resolved here (head_dim, biases, q/k norms, rope), so the model code
+never looks at architecture names. Fields a family does not support are rejected with a ValueError
+naming the file and the field, rather than silently computing something different from transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Per architecture: whether q/k/v and o_proj carry biases ("config" = the config's attention_bias),
+# and whether q/k get a per-head RMSNorm before rotary (Qwen3).
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True},
+}
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    # The longest context served exactly: config.json's value, capped at the sliding window where
+    # one is active, because our paged attention always attends to the whole context and so equals
+    # sliding-window attention only up to the window.
+    max_position_embeddings: int
+    rms_norm_eps: float
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    pad_token_id: int | None
+    tie_word_embeddings: bool
+    rope_theta: float
+    # None for plain rotary; else {"rope_type": "llama3", factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}.
+    rope_scaling: dict[str, Any] | None
+    attention_bias: bool  # q/k/v projections carry biases
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
+    sliding_window: int | None = None
+    # The checkpoint directory the weights and tokenizer are read from (set by load_model_config).
+    model_path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None,
+                source: str = "config.json") -> ModelConfig:
+        """Build from config.json's dict (and generation_config.json's, for extra EOS ids)."""
+        architecture = _architecture(config, source)
+        family = _FAMILIES[architecture]
+
+        def need(key: str, kind: type = int) -> Any:
+            value = config.get(key)
+            if value is None:
+                raise ValueError(f"{source}: missing required field {key!r} for {architecture}")
+            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
+            return value
+
+        hidden_size = need("hidden_size")
+        num_heads = need("num_attention_heads")
+        num_kv_heads = config.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        head_dim = config.get("head_dim") or hidden_size // num_heads
+        if head_dim % 2 != 0:
+            raise ValueError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
+        hidden_act = config.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (expected 'silu')")
+        if config.get("pretraining_tp", 1) not in (None, 1):
+            raise ValueError(f"{source}: pretraining_tp must be 1, got {config['pretraining_tp']}")
+
+        max_pos = need("max_position_embeddings")
+        rope_theta, rope_scaling = _rope(config, max_pos, source)
+        sliding_window = _sliding_window(config, architecture)
+        attention_bias = bool(config.get("attention_bias", False))
+
+        def bias(rule: Any) -> bool:
+            return attention_bias if rule == "config" else bool(rule)
+
+        dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+        return cls(
+            architecture=architecture,
+            model_type=config.get("model_type", ""),
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=min(max_pos, sliding_window) if sliding_window else max_pos,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            eos_token_ids=_eos_ids(config, generation_config),
+            bos_token_id=config.get("bos_token_id"),
+            pad_token_id=config.get("pad_token_id"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            attention_bias=bias(family["qkv_bias"]),
+            o_proj_bias=bias(family["o_bias"]),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=family["qk_norm"],
+            torch_dtype=str(dtype).removeprefix("torch."),
+            sliding_window=sliding_window,
+            extra={"config_max_position_embeddings": max_pos},
+        )
+
+
+def _architecture(config: dict[str, Any], source: str) -> str:
+    architectures = config.get("architectures") or []
+    if not architectures and config.get("model_type") in _MODEL_TYPES:
+        architectures = [_MODEL_TYPES[config["model_type"]]]
+    for name in architectures:
+        if name in _FAMILIES:
+            return name
+    raise ValueError(f"{source}: unsupported architecture {architectures or config.get('model_type')!r}; "
+                     f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _rope(config: dict[str, Any], max_pos: int, source: str) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 saves everything under rope_parameters; 4.x used rope_theta + rope_scaling.
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{source}: per-layer-type rope_parameters are not supported")
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor other than 1.0 is not supported")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
+                         "(expected 'default' or 'llama3')")
+    scaling: dict[str, Any] = {"rope_type": "llama3"}
+    for key in _LLAMA3_KEYS:
+        # transformers falls back to max_position_embeddings for the original context too.
+        value = params.get(key, max_pos if key == "original_max_position_embeddings" else None)
+        if value is None:
+            raise ValueError(f"{source}: llama3 rope scaling needs {key!r}")
+        scaling[key] = value
+    return float(theta), scaling
+
+
+def _sliding_window(config: dict[str, Any], architecture: str) -> int | None:
+    window = config.get("sliding_window")
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not config.get("use_sliding_window"):
+        return None
+    return int(window) if window else None
+
+
+def _eos_ids(config: dict[str, Any], generation_config: dict[str, Any] | None) -> list[int]:
+    ids: list[int] = []
+    for source in (config, generation_config or {}):
+        value = source.get("eos_token_id")
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return ids

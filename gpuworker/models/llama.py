@@ -1,0 +1,102 @@
+"""The llama-style decoder: one class for Llama 1/2/3/3.1, Mistral, Qwen2/2.5 and Qwen3.
+
+The families differ only in what ModelConfig resolves (biases, q/k norms, rope, head_dim, tied
+embeddings). Sequences arrive flattened into one ragged batch of tokens; everything ragged lives in
+AttentionMetadata and is handled by the attention backend, so forward has no host syncs and no
+data-dependent Python control flow (decode steps can be captured in CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpuworker.models.config import ModelConfig
+from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+
+if TYPE_CHECKING:  # not imported at run time: gpuworker.engine imports this package
+    from gpuworker.engine.attention import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        # q, k and v fused into one GEMM (rows: q, then k, then v), as gpt-fast and vLLM do.
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Shared by all layers; kept out of the module tree so it is not registered once per layer.
+        self._rotary = (rotary,)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self._rotary[0](positions, q, k)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, rotary)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta, backend)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden_size]."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.attn_backend = attn_backend
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size),
+                                         requires_grad=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size),
+                                        requires_grad=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens[input_ids]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta, self.attn_backend)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] (rows already selected) -> logits [N, vocab_size] in float32."""
+        return F.linear(hidden, self.lm_head_weight).float()

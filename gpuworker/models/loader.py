@@ -1,0 +1,233 @@
+"""Load a llama-style model and its tokenizer from a local Hugging Face directory, never the network.
+
+Weights come from safetensors shards (model.safetensors.index.json or a single model.safetensors).
+Every tensor's name and shape is checked against the model before any weight is read, so a wrong
+checkpoint fails at once with the file and the expected shape in the message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+
+from gpuworker.models.config import ModelConfig
+from gpuworker.models.layers import RMSNorm
+from gpuworker.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:  # not imported at run time: gpuworker.engine imports this package
+    from gpuworker.engine.attention import AttentionBackend
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+LOAD_FORMATS = ("auto", "dummy")
+# Checkpoint tensors the model has no use for and that are safe to skip.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Parse config.json (and generation_config.json, for extra EOS ids) in the directory `path`."""
+    directory = _directory(path)
+    config = _read_json(directory / CONFIG_FILE, required=True)
+    generation_config = _read_json(directory / GENERATION_CONFIG_FILE, required=False)
+    mc = ModelConfig.from_hf(config, generation_config, source=str(directory / CONFIG_FILE))
+    return replace(mc, model_path=str(directory))
+
+
+def load_model(config: ModelConfig | str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype | str = torch.float32, attn_backend: AttentionBackend | None = None,
+               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+    """Build the decoder on `device` in `dtype` and fill it from the checkpoint's safetensors.
+
+    load_format "dummy" reads no weight file: parameters are drawn from normal(0, 0.02) (norm weights
+    set to 1) directly on the device, for benchmarks of full-size shapes where values do not matter.
+    """
+    mc = config if isinstance(config, ModelConfig) else load_model_config(config)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    torch_dtype = resolve_dtype(dtype, mc)
+    device = torch.device(device)
+    if attn_backend is None:
+        from gpuworker.engine.attention_torch import TorchAttentionBackend
+
+        attn_backend = TorchAttentionBackend()
+    # Built on the meta device and then allocated uninitialised in the target dtype: no float32
+    # staging copy and no init kernels, which matters for 8B-parameter models.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(mc, attn_backend)
+    model = model.to(torch_dtype).to_empty(device=device)
+    model.rotary.reset_cache()
+    if load_format == "dummy":
+        _fill_dummy(model, seed)
+    else:
+        _load_safetensors(model, mc)
+    return model.eval()
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer (a transformers fast tokenizer), with its chat template if any."""
+    from transformers import AutoTokenizer
+
+    directory = _directory(path)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{directory}: no tokenizer found; "
+                                f"expected one of {', '.join(TOKENIZER_FILES)}")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{directory}: could not load the tokenizer: {exc}") from exc
+
+
+def resolve_dtype(dtype: torch.dtype | str, mc: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = mc.torch_dtype if dtype == "auto" else dtype
+    names = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+             "half": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in names:
+        raise ValueError(f"dtype must be one of {sorted(names)} or 'auto', got {dtype!r}")
+    return names[name]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: rows [start, start + rows) of a model parameter."""
+
+    param: torch.Tensor
+    start: int
+    rows: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows, *self.param.shape[1:])
+
+
+def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target]:
+    """HF tensor name -> slice of our (fused) parameters."""
+    mc = model.config
+    targets: dict[str, _Target] = {}
+
+    def add(name: str, param: torch.Tensor | None, start: int = 0, rows: int | None = None) -> None:
+        if param is not None:
+            targets[name] = _Target(param, start, param.shape[0] if rows is None else rows)
+
+    add("model.embed_tokens.weight", model.embed_tokens)
+    add("model.norm.weight", model.norm.weight)
+    add("lm_head.weight", model.lm_head)
+    q, kv, inter = mc.q_size, mc.kv_size, mc.intermediate_size
+    for i, layer in enumerate(model.layers):
+        attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."
+        for kind in ("weight", "bias"):
+            qkv = getattr(attn.qkv_proj, kind)
+            add(f"{prefix}self_attn.q_proj.{kind}", qkv, 0, q)
+            add(f"{prefix}self_attn.k_proj.{kind}", qkv, q, kv)
+            add(f"{prefix}self_attn.v_proj.{kind}", qkv, q + kv, kv)
+            add(f"{prefix}self_attn.o_proj.{kind}", getattr(attn.o_proj, kind))
+            gate_up = getattr(mlp.gate_up_proj, kind)
+            add(f"{prefix}mlp.gate_proj.{kind}", gate_up, 0, inter)
+            add(f"{prefix}mlp.up_proj.{kind}", gate_up, inter, inter)
+            add(f"{prefix}mlp.down_proj.{kind}", getattr(mlp.down_proj, kind))
+        if attn.q_norm is not None:
+            add(f"{prefix}self_attn.q_norm.weight", attn.q_norm.weight)
+            add(f"{prefix}self_attn.k_norm.weight", attn.k_norm.weight)
+        add(f"{prefix}input_layernorm.weight", layer.input_layernorm.weight)
+        add(f"{prefix}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+    return targets
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors shards named by the index, or the single model.safetensors."""
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        index = _read_json(index_path, required=True)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path}: expected a non-empty 'weight_map' object")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{file.name}, listed in {index_path}, does not exist")
+        return files
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    raise FileNotFoundError(f"{directory}: no weights found; expected {INDEX_FILE} or {SINGLE_FILE}")
+
+
+@torch.no_grad()
+def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
+    if mc.model_path is None:
+        raise ValueError("ModelConfig.model_path is not set; build it with load_model_config(path)")
+    targets = checkpoint_targets(model)
+    files = checkpoint_files(Path(mc.model_path))
+    # Pass 1 reads only the headers: names and shapes are checked before any weight is copied.
+    plan: list[tuple[Path, list[str]]] = []
+    unexpected: list[str] = []
+    for file in files:
+        names = []
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target = targets.get(name)
+                if target is None:
+                    skippable = _IGNORED.search(name) or (name == "lm_head.weight" and mc.tie_word_embeddings)
+                    if not skippable:
+                        unexpected.append(f"{name} (in {file.name})")
+                    continue
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != target.shape:
+                    raise ValueError(f"{name} in {file.name} has shape {shape}, expected {target.shape}")
+                names.append(name)
+        plan.append((file, names))
+    found = {name for _, names in plan for name in names}
+    missing = [name for name in targets if name not in found]
+    if missing:
+        raise ValueError(f"{mc.model_path}: {len(missing)} tensor(s) missing from "
+                         f"{', '.join(f.name for f in files)}: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+    if unexpected:
+        raise ValueError(f"{mc.model_path}: tensors not used by {mc.architecture}: "
+                         f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+    for file, names in plan:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in names:
+                target = targets[name]
+                target.param[target.start:target.start + target.rows].copy_(f.get_tensor(name))
+
+
+@torch.no_grad()
+def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    generator = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for param in model.parameters():
+        if id(param) in norm_weights:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+
+
+def _directory(path: str | Path) -> Path:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model directory {directory} does not exist")
+    return directory
+
+
+def _read_json(file: Path, required: bool) -> dict[str, Any] | None:
+    if not file.is_file():
+        if required:
+            raise FileNotFoundError(f"{file} does not exist; expected a Hugging Face model directory")
+        return None
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return data

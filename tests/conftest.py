@@ -1,0 +1,35 @@
+"""Fixtures shared by the whole suite: access to the real services the tests run against.
+
+CI (`.ci/run`) sets DATABASE_URL and REDIS_URL to the local PostgreSQL and Redis and sets
+REQUIRE_SERVICES=1, which turns "service missing, skipped" into a failure, so a misconfigured CI
+can never pass by skipping.
+"""
+
+import os
+
+import pytest
+
+
+def require_service(reason: str) -> None:
+    """Skip the calling test because a service is missing, or fail if services are required."""
+    if os.environ.get("REQUIRE_SERVICES") == "1":
+        pytest.fail(f"{reason}, and REQUIRE_SERVICES=1 forbids skipping", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """The Redis the settings point at; tests using it exercise Redis for real."""
+    url = os.environ.get("REDIS_URL", "")
+    if not url:
+        require_service("REDIS_URL is not set")
+    return url
+
+
+@pytest.fixture
+def require_postgres() -> None:
+    """For tests whose subject only PostgreSQL has (row locks, triggers)."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        require_service(f"the database is {connection.vendor}, not PostgreSQL (set DATABASE_URL)")

@@ -1,0 +1,70 @@
+"""`manage.py seed_demo`: creates the demo once, reuses it (and its secrets) on every later run."""
+
+from decimal import Decimal
+
+import pytest
+from django.core.management import call_command
+
+from controlplane.accounts.models import ApiKey, Tenant, User
+from controlplane.accounts.selectors import api_key_authenticate
+from controlplane.billing.models import CreditEntry, Plan, PriceTier
+from controlplane.billing.selectors import credit_balance
+from controlplane.catalog.models import Deployment, Model
+from controlplane.env import read_env_file
+
+pytestmark = pytest.mark.django_db
+
+SEEDED = [Tenant, User, ApiKey, PriceTier, Plan, CreditEntry, Model, Deployment]
+
+
+def _counts():
+    return {model.__name__: model.objects.count() for model in SEEDED}
+
+
+def _seed(env_file):
+    call_command("seed_demo", env_file=env_file, stdout=open("/dev/null", "w"))
+    return read_env_file(env_file)
+
+
+def test_seed_creates_a_working_demo(tmp_path):
+    env_file = tmp_path / ".env.demo"
+    demo = _seed(env_file)
+
+    assert demo["OPENAI_BASE_URL"] == "http://127.0.0.1:8000/v1"
+    api_key = api_key_authenticate(plaintext=demo["OPENAI_API_KEY"])
+    assert api_key.tenant.name == "Demo tenant" and api_key.tenant.plan is not None
+    assert credit_balance(tenant=api_key.tenant) == Decimal("10.00")
+    admin = User.objects.get(username=demo["DEMO_ADMIN_USERNAME"])
+    assert admin.check_password(demo["DEMO_ADMIN_PASSWORD"])
+    assert admin.role == User.Role.ADMIN and admin.is_staff and admin.is_superuser
+    model = Model.objects.get(public_name="demo-tiny")
+    assert model.deployment.desired_replicas == 1 and model.enabled
+    assert env_file.stat().st_mode & 0o077 == 0, "the file holds secrets and must be private"
+
+
+def test_seed_twice_reuses_everything(tmp_path):
+    env_file = tmp_path / ".env.demo"
+    first = _seed(env_file)
+    counts = _counts()
+    second = _seed(env_file)
+    assert second == first
+    assert _counts() == counts
+
+
+def test_seed_without_the_env_file_issues_a_new_key_and_password(tmp_path):
+    first = _seed(tmp_path / "a.env")
+    second = _seed(tmp_path / "b.env")
+    assert second["OPENAI_API_KEY"] != first["OPENAI_API_KEY"]
+    api_key_authenticate(plaintext=second["OPENAI_API_KEY"])
+    assert User.objects.get(username="admin").check_password(second["DEMO_ADMIN_PASSWORD"])
+    assert Tenant.objects.count() == 1 and Model.objects.count() == 1 and CreditEntry.objects.count() == 1
+
+
+def test_seed_replaces_a_key_that_no_longer_works(tmp_path):
+    env_file = tmp_path / ".env.demo"
+    first = _seed(env_file)
+    ApiKey.objects.update(revoked=True)
+    second = _seed(env_file)
+    assert second["OPENAI_API_KEY"] != first["OPENAI_API_KEY"]
+    assert api_key_authenticate(plaintext=second["OPENAI_API_KEY"]).name == "demo 2"
+    assert second["DEMO_ADMIN_PASSWORD"] == first["DEMO_ADMIN_PASSWORD"]

@@ -1,0 +1,152 @@
+from datetime import timedelta
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.utils import timezone
+
+from controlplane.accounts.keys import hash_api_key
+from controlplane.accounts.models import ApiKey, Tenant, User
+from controlplane.accounts.services import (
+    api_key_create,
+    api_key_revoke,
+    tenant_create,
+    user_create,
+    user_set_password,
+)
+from tests.controlplane.factories import ModelFactory, PlanFactory, TenantFactory
+
+pytestmark = pytest.mark.django_db
+
+STRONG_PASSWORD = "violet-harbour-7-lantern"
+
+
+def test_tenant_create_with_plan():
+    plan = PlanFactory()
+    tenant = tenant_create(name="Acme", plan=plan)
+    assert Tenant.objects.get(pk=tenant.pk).plan == plan
+
+
+def test_tenant_create_duplicate_name_raises_and_writes_nothing():
+    tenant_create(name="Acme")
+    with pytest.raises(ValidationError) as error:
+        tenant_create(name="Acme")
+    assert "name" in error.value.message_dict
+    assert Tenant.objects.count() == 1
+
+
+def test_user_create_admin_gets_staff_access():
+    user = user_create(username="ada", password=STRONG_PASSWORD, role=User.Role.ADMIN)
+    user.refresh_from_db()
+    assert user.is_staff and user.is_superuser
+    assert user.check_password(STRONG_PASSWORD)
+    assert STRONG_PASSWORD not in user.password
+
+
+def test_user_create_operator_is_not_staff():
+    user = user_create(username="op", password=STRONG_PASSWORD, role=User.Role.OPERATOR)
+    assert not user.is_staff
+
+
+def test_tenant_member_without_tenant_raises_and_writes_nothing():
+    with pytest.raises(ValidationError) as error:
+        user_create(username="t", password=STRONG_PASSWORD, role=User.Role.TENANT_MEMBER)
+    assert "tenant" in error.value.message_dict
+    assert not User.objects.exists()
+
+
+def test_unknown_role_raises():
+    with pytest.raises(ValidationError) as error:
+        user_create(username="x", password=STRONG_PASSWORD, role="superhero")
+    assert "role" in error.value.message_dict
+    assert not User.objects.exists()
+
+
+def test_weak_password_raises_and_writes_nothing():
+    with pytest.raises(ValidationError):
+        user_create(username="weak", password="123", role=User.Role.OPERATOR)
+    assert not User.objects.exists()
+
+
+def test_user_set_password_validates():
+    user = user_create(username="op", password=STRONG_PASSWORD, role=User.Role.OPERATOR)
+    with pytest.raises(ValidationError):
+        user_set_password(user=user, password="password")
+    user.refresh_from_db()
+    assert user.check_password(STRONG_PASSWORD)
+
+
+def test_api_key_is_shown_once_and_stored_only_as_hash():
+    tenant = TenantFactory()
+    result = api_key_create(tenant=tenant, name="ci")
+    plaintext = result.plaintext
+    assert plaintext.startswith("sk-")
+
+    stored = ApiKey.objects.get(pk=result.api_key.pk)
+    assert stored.key_hash == hash_api_key(plaintext)
+    assert plaintext.startswith(stored.prefix) and len(stored.prefix) < len(plaintext) // 3
+    # The plaintext appears in no column of the row, nor in how the key is displayed.
+    row = ApiKey.objects.filter(pk=stored.pk).values().get()
+    assert not any(plaintext in str(value) for value in row.values())
+    assert plaintext not in str(stored) and plaintext not in repr(stored)
+    assert not hasattr(stored, "plaintext")
+
+
+def test_api_key_with_model_list():
+    tenant = TenantFactory()
+    a, b, _ = ModelFactory(), ModelFactory(), ModelFactory()
+    result = api_key_create(
+        tenant=tenant, name="limited", all_models=False, allowed_model_names=[a.public_name, b.public_name]
+    )
+    assert set(result.api_key.allowed_models.all()) == {a, b}
+
+
+def test_api_key_with_unknown_model_raises_and_writes_nothing():
+    tenant = TenantFactory()
+    known = ModelFactory()
+    with pytest.raises(ValidationError) as error:
+        api_key_create(
+            tenant=tenant, name="k", all_models=False, allowed_model_names=[known.public_name, "no-such-model"]
+        )
+    assert "no-such-model" in str(error.value.message_dict["allowed_models"])
+    assert not ApiKey.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("all_models", "names"),
+    [(False, []), (True, ["some-model"])],
+    ids=["limited-without-models", "all-models-and-a-list"],
+)
+def test_api_key_model_choice_must_be_all_or_a_list(all_models, names):
+    with pytest.raises(ValidationError) as error:
+        api_key_create(tenant=TenantFactory(), name="k", all_models=all_models, allowed_model_names=names)
+    assert "allowed_models" in error.value.message_dict
+    assert not ApiKey.objects.exists()
+
+
+def test_api_key_duplicate_name_within_tenant_raises():
+    tenant = TenantFactory()
+    api_key_create(tenant=tenant, name="ci")
+    with pytest.raises(ValidationError):
+        api_key_create(tenant=tenant, name="ci")
+    assert ApiKey.objects.count() == 1
+    # The same name under another tenant is fine.
+    api_key_create(tenant=TenantFactory(), name="ci")
+
+
+def test_api_key_rate_limit_must_be_positive():
+    with pytest.raises(ValidationError) as error:
+        api_key_create(tenant=TenantFactory(), name="k", rate_limit_per_minute=0)
+    assert "rate_limit_per_minute" in error.value.message_dict
+    assert not ApiKey.objects.exists()
+
+
+def test_api_key_expiry_is_stored():
+    expires = timezone.now() + timedelta(days=30)
+    result = api_key_create(tenant=TenantFactory(), name="k", expires_at=expires)
+    assert ApiKey.objects.get(pk=result.api_key.pk).expires_at == expires
+
+
+def test_api_key_revoke():
+    result = api_key_create(tenant=TenantFactory(), name="k")
+    api_key_revoke(api_key=result.api_key)
+    assert ApiKey.objects.get(pk=result.api_key.pk).revoked

@@ -1,0 +1,308 @@
+import threading
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.db import connection, connections
+from hypothesis import given, settings as hypothesis_settings, strategies as st
+from hypothesis.extra.django import TestCase as HypothesisTestCase
+
+from controlplane.billing.models import AppendOnlyError, CreditEntry, Plan, PriceTier, UsageRecord
+from controlplane.billing.selectors import credit_balance
+from controlplane.billing.services import (
+    InsufficientCredit,
+    credit_debit,
+    credit_grant,
+    plan_create,
+    price_tier_create,
+    reference_price,
+    usage_record_create,
+)
+from tests.controlplane.factories import (
+    ApiKeyFactory,
+    ModelFactory,
+    PlanFactory,
+    PriceTierFactory,
+    ReplicaFactory,
+    TenantFactory,
+)
+
+db = pytest.mark.django_db
+
+
+# --- price tiers and plans -----------------------------------------------------------------
+
+
+@db
+def test_price_tier_and_plan_create():
+    tier = price_tier_create(name="standard", price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.5"))
+    plan = plan_create(name="Pro", included_requests_per_month=10_000, rate_limit_per_minute=600)
+    assert PriceTier.objects.get(pk=tier.pk).price_per_request == Decimal("0.002")
+    assert Plan.objects.get(pk=plan.pk).rate_limit_per_minute == 600
+
+
+@db
+@pytest.mark.parametrize("price", [Decimal("-0.01"), Decimal("0.0000001")])
+def test_bad_prices_raise_and_write_nothing(price):
+    with pytest.raises(ValidationError) as error:
+        price_tier_create(name="t", price_per_request=price, reference_price_per_million_tokens=Decimal("1"))
+    assert "price_per_request" in error.value.message_dict
+    assert not PriceTier.objects.exists()
+
+
+@db
+def test_plan_rate_limit_must_be_positive():
+    with pytest.raises(ValidationError) as error:
+        plan_create(name="p", included_requests_per_month=0, rate_limit_per_minute=0)
+    assert "rate_limit_per_minute" in error.value.message_dict
+
+
+# --- the ledger ---------------------------------------------------------------------------
+
+
+@db
+def test_balance_is_the_sum_of_entries():
+    tenant = TenantFactory()
+    assert credit_balance(tenant=tenant) == Decimal("0")
+    credit_grant(tenant=tenant, amount=Decimal("10.00"), memo="top-up")
+    credit_debit(tenant=tenant, amount=Decimal("2.50"), memo="manual")
+    credit_grant(tenant=tenant, amount=Decimal("0.000001"))
+    amounts = list(CreditEntry.objects.filter(tenant=tenant).values_list("amount", flat=True))
+    assert sorted(amounts) == [Decimal("-2.5"), Decimal("0.000001"), Decimal("10")]
+    assert credit_balance(tenant=tenant) == sum(amounts) == Decimal("7.500001")
+    assert credit_balance(tenant=TenantFactory()) == Decimal("0")  # balances are per tenant
+
+
+@db
+def test_debit_beyond_the_balance_raises_and_writes_nothing():
+    tenant = TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("1.00"))
+    with pytest.raises(InsufficientCredit) as error:
+        credit_debit(tenant=tenant, amount=Decimal("1.000001"))
+    assert "amount" in error.value.message_dict
+    assert CreditEntry.objects.filter(tenant=tenant).count() == 1
+    credit_debit(tenant=tenant, amount=Decimal("1.00"))
+    assert credit_balance(tenant=tenant) == Decimal("0")
+
+
+@db
+@pytest.mark.parametrize("service", [credit_grant, credit_debit])
+@pytest.mark.parametrize("amount", [Decimal("0"), Decimal("-1"), Decimal("NaN"), Decimal("Infinity"), 1.5, 2, "3"])
+def test_amounts_must_be_positive_decimals(service, amount):
+    tenant = TenantFactory()
+    with pytest.raises(ValidationError) as error:
+        service(tenant=tenant, amount=amount)
+    assert "amount" in error.value.message_dict
+    assert not CreditEntry.objects.exists()
+
+
+@db
+def test_amounts_finer_than_a_micro_unit_raise():
+    with pytest.raises(ValidationError) as error:
+        credit_grant(tenant=TenantFactory(), amount=Decimal("0.0000001"))
+    assert "amount" in error.value.message_dict
+
+
+@db
+def test_entries_cannot_be_changed_or_removed_through_the_orm():
+    tenant = TenantFactory()
+    entry = credit_grant(tenant=tenant, amount=Decimal("5"))
+    entry.amount = Decimal("500")
+    with pytest.raises(AppendOnlyError):
+        entry.save()
+    with pytest.raises(AppendOnlyError):
+        entry.delete()
+    with pytest.raises(AppendOnlyError):
+        CreditEntry.objects.filter(tenant=tenant).update(amount=Decimal("500"))
+    with pytest.raises(AppendOnlyError):
+        CreditEntry.objects.filter(tenant=tenant).delete()
+    assert credit_balance(tenant=tenant) == Decimal("5")
+
+
+@db
+@pytest.mark.parametrize("statement", ["UPDATE billing_creditentry SET amount = 500", "DELETE FROM billing_creditentry"])
+def test_postgresql_refuses_raw_updates_and_deletes_of_entries(require_postgres, statement):
+    from django.db import DatabaseError, transaction
+
+    tenant = TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("5"))
+    with pytest.raises(DatabaseError, match="append-only"):
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(statement)
+    assert credit_balance(tenant=tenant) == Decimal("5")
+
+
+class TestLedgerProperty(HypothesisTestCase):
+    """For any sequence of grants and debits, the balance is the sum of the entries written and
+    never negative, and exactly the debits that fit were accepted."""
+
+    @hypothesis_settings(max_examples=25, deadline=None)
+    @given(
+        st.lists(
+            st.tuples(st.booleans(), st.decimals(min_value=Decimal("0.000001"), max_value=Decimal("100"), places=6)),
+            max_size=12,
+        )
+    )
+    def test_balance_invariant(self, operations):
+        tenant = TenantFactory()
+        expected = Decimal("0")
+        for is_grant, amount in operations:
+            if is_grant:
+                credit_grant(tenant=tenant, amount=amount)
+                expected += amount
+            elif amount <= expected:
+                credit_debit(tenant=tenant, amount=amount)
+                expected -= amount
+            else:
+                with pytest.raises(InsufficientCredit):
+                    credit_debit(tenant=tenant, amount=amount)
+            balance = credit_balance(tenant=tenant)
+            assert balance == expected >= 0
+        entries = CreditEntry.objects.filter(tenant=tenant).values_list("amount", flat=True)
+        assert sum(entries, Decimal("0")) == credit_balance(tenant=tenant)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_debits_never_overdraw(require_postgres):
+    """Twelve threads debit 1.00 each from a balance of 5.00 at the same moment: the row lock
+    serialises them, so exactly five succeed and the balance ends at zero, not below."""
+    tenant = TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("5.00"))
+    threads_count = 12
+    start = threading.Barrier(threads_count)
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def debit():
+        try:
+            start.wait()
+            try:
+                credit_debit(tenant=tenant, amount=Decimal("1.00"), memo="race")
+                outcome = "ok"
+            except InsufficientCredit:
+                outcome = "refused"
+            with lock:
+                outcomes.append(outcome)
+        finally:
+            connections.close_all()  # each thread has its own connection; leave none open
+
+    threads = [threading.Thread(target=debit) for _ in range(threads_count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(outcomes) == ["ok"] * 5 + ["refused"] * 7
+    assert credit_balance(tenant=tenant) == Decimal("0")
+    assert CreditEntry.objects.filter(tenant=tenant, kind=CreditEntry.Kind.DEBIT).count() == 5
+
+
+# --- usage records ------------------------------------------------------------------------
+
+NOW = datetime(2026, 3, 15, 12, 0, tzinfo=UTC)
+
+
+def _usage(tenant, model, **overrides):
+    fields = dict(
+        request_id=f"req-{UsageRecord.objects.count() + 1}",
+        tenant=tenant,
+        model=model,
+        status=UsageRecord.Status.COMPLETED,
+        prompt_tokens=1_000,
+        completion_tokens=200,
+        time_to_first_token_ms=80,
+        total_latency_ms=1_500,
+        at=NOW,
+    )
+    return usage_record_create(**{**fields, **overrides})
+
+
+@db
+def test_usage_is_charged_the_flat_price_whatever_the_prompt_length():
+    tier = PriceTierFactory(price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.50"))
+    model, tenant = ModelFactory(price_tier=tier), TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    short = _usage(tenant, model, prompt_tokens=10, completion_tokens=5)
+    long = _usage(tenant, model, prompt_tokens=100_000, completion_tokens=2_000)
+    assert short.price_charged == long.price_charged == Decimal("0.002")
+    assert short.reference_price == Decimal("0.000008")  # 15 tokens at 0.50 per million, rounded
+    assert long.reference_price == Decimal("0.051")
+    assert credit_balance(tenant=tenant) == Decimal("0.996")
+    assert short.credit_entry.amount == Decimal("-0.002")
+
+
+@db
+def test_usage_within_the_plans_monthly_allowance_is_free():
+    tenant = TenantFactory(plan=PlanFactory(included_requests_per_month=2))
+    model = ModelFactory()
+    last_month = _usage(tenant, model, at=NOW - timedelta(days=20))  # February: its own allowance
+    first, second, third = (_usage(tenant, model) for _ in range(3))
+    assert last_month.price_charged == first.price_charged == second.price_charged == Decimal("0")
+    assert third.price_charged == model.price_tier.price_per_request
+    assert CreditEntry.objects.filter(kind=CreditEntry.Kind.USAGE).count() == 1
+    assert credit_balance(tenant=tenant) == -model.price_tier.price_per_request
+
+
+@db
+def test_failed_requests_are_free_and_do_not_use_the_allowance():
+    tenant = TenantFactory(plan=PlanFactory(included_requests_per_month=1))
+    model = ModelFactory()
+    failed = _usage(tenant, model, status=UsageRecord.Status.FAILED, time_to_first_token_ms=None)
+    included = _usage(tenant, model)
+    assert failed.price_charged == included.price_charged == Decimal("0")
+    assert not CreditEntry.objects.exists()
+
+
+@db
+def test_a_request_is_recorded_and_charged_once():
+    tenant, model = TenantFactory(), ModelFactory()
+    _usage(tenant, model, request_id="req-abc")
+    with pytest.raises(ValidationError) as error:
+        _usage(tenant, model, request_id="req-abc")
+    assert "request_id" in error.value.message_dict
+    assert UsageRecord.objects.count() == 1
+    assert CreditEntry.objects.filter(kind=CreditEntry.Kind.USAGE).count() == 1
+
+
+@db
+def test_usage_links_key_and_replica():
+    tenant = TenantFactory()
+    key, replica = ApiKeyFactory(tenant=tenant), ReplicaFactory()
+    record = _usage(tenant, replica.deployment.model, api_key=key, replica=replica)
+    assert (record.api_key, record.replica) == (key, replica)
+
+
+@db
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"prompt_tokens": -1}, "prompt_tokens"),
+        ({"completion_tokens": -5}, "completion_tokens"),
+        ({"total_latency_ms": -1}, "total_latency_ms"),
+        ({"time_to_first_token_ms": 2_000, "total_latency_ms": 1_000}, "time_to_first_token_ms"),
+        ({"status": "exploded"}, "status"),
+        ({"request_id": ""}, "request_id"),
+    ],
+)
+def test_invalid_usage_raises_and_writes_nothing(overrides, field):
+    tenant, model = TenantFactory(), ModelFactory()
+    with pytest.raises(ValidationError) as error:
+        _usage(tenant, model, **overrides)
+    assert field in error.value.message_dict
+    assert not UsageRecord.objects.exists() and not CreditEntry.objects.exists()
+
+
+@db
+def test_usage_with_another_tenants_key_raises():
+    tenant, model = TenantFactory(), ModelFactory()
+    with pytest.raises(ValidationError) as error:
+        _usage(tenant, model, api_key=ApiKeyFactory())
+    assert "api_key" in error.value.message_dict
+    assert not UsageRecord.objects.exists()
+
+
+def test_reference_price_rounds_to_micro_units():
+    tier = PriceTier(price_per_request=Decimal("0"), reference_price_per_million_tokens=Decimal("3"))
+    assert reference_price(price_tier=tier, tokens=1) == Decimal("0.000003")
+    assert reference_price(price_tier=tier, tokens=0) == Decimal("0")
+    assert reference_price(price_tier=tier, tokens=333_333) == Decimal("0.999999")

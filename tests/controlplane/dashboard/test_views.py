@@ -1,0 +1,47 @@
+import pytest
+from django.urls import reverse
+
+from controlplane.accounts.models import User
+from tests.controlplane.factories import PASSWORD, TenantFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def test_login_page_renders_a_form(client):
+    response = client.get(reverse("login"))
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert 'name="username"' in page and 'name="password"' in page and "csrfmiddlewaretoken" in page
+
+
+def test_home_sends_anonymous_visitors_to_login(client):
+    response = client.get(reverse("dashboard:home"))
+    assert response.status_code == 302
+    assert response["Location"].startswith(reverse("login"))
+
+
+@pytest.mark.parametrize(
+    ("role", "label"),
+    [(User.Role.OPERATOR, "Operator"), (User.Role.ADMIN, "Admin"), (User.Role.TENANT_MEMBER, "Tenant member")],
+)
+def test_logging_in_lands_on_home_which_names_the_role(client, role, label):
+    tenant = TenantFactory(name="Acme")
+    user = UserFactory(role=role, tenant=tenant if role == User.Role.TENANT_MEMBER else None)
+    response = client.post(reverse("login"), {"username": user.username, "password": PASSWORD}, follow=True)
+    assert response.redirect_chain[-1][0] == reverse("dashboard:home")
+    page = response.content.decode()
+    assert f'<strong class="role">{label}</strong>' in page
+    assert ("Acme" in page) == (role == User.Role.TENANT_MEMBER)
+
+
+def test_wrong_password_stays_on_login(client):
+    user = UserFactory()
+    response = client.post(reverse("login"), {"username": user.username, "password": "wrong"})
+    assert response.status_code == 200
+    assert "did not match" in response.content.decode()
+
+
+def test_logout_is_a_post(client):
+    client.force_login(UserFactory())
+    assert client.post(reverse("logout")).status_code == 302
+    assert client.get(reverse("dashboard:home")).status_code == 302

@@ -1,0 +1,127 @@
+"""factory-boy factories for the control plane's models (test set-up only; services are tested
+through their own calls)."""
+
+from decimal import Decimal
+
+import factory
+from django.utils import timezone
+
+from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
+from controlplane.accounts.models import ApiKey, Tenant, User
+from controlplane.billing.models import Plan, PriceTier
+from controlplane.catalog.models import Deployment, Model
+from controlplane.fleet.models import Gpu, Replica, Worker
+from controlplane.tokens import new_secret_token, secret_hash
+
+
+class PriceTierFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = PriceTier
+
+    name = factory.Sequence(lambda n: f"tier-{n}")
+    price_per_request = Decimal("0.002")
+    reference_price_per_million_tokens = Decimal("0.50")
+
+
+class PlanFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Plan
+
+    name = factory.Sequence(lambda n: f"plan-{n}")
+    included_requests_per_month = 0
+    rate_limit_per_minute = 60
+
+
+class TenantFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Tenant
+
+    name = factory.Sequence(lambda n: f"Tenant {n}")
+    plan = None
+
+
+PASSWORD = "correct horse battery staple"
+
+
+class UserFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = User
+
+    username = factory.Sequence(lambda n: f"user{n}")
+    role = User.Role.TENANT_MEMBER
+    tenant = factory.SubFactory(TenantFactory)
+    password = factory.django.Password(PASSWORD)
+
+
+class ApiKeyFactory(factory.django.DjangoModelFactory):
+    """An API key; its plaintext is left on the instance as `plaintext` for tests to present."""
+
+    class Meta:
+        model = ApiKey
+
+    plaintext = factory.LazyFunction(generate_api_key)
+    tenant = factory.SubFactory(TenantFactory)
+    name = factory.Sequence(lambda n: f"key-{n}")
+    prefix = factory.LazyAttribute(lambda o: visible_prefix(o.plaintext))
+    key_hash = factory.LazyAttribute(lambda o: hash_api_key(o.plaintext))
+
+    @classmethod
+    def _create(cls, model_class, *args, plaintext: str, **kwargs):
+        api_key = super()._create(model_class, *args, **kwargs)
+        api_key.plaintext = plaintext
+        return api_key
+
+
+class ModelFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Model
+
+    public_name = factory.Sequence(lambda n: f"model-{n}")
+    family = "llama"
+    kind = Model.Kind.CHAT
+    weights_path = factory.LazyAttribute(lambda o: f"/models/{o.public_name}")
+    context_length = 4096
+    parameter_count = 1_000_000
+    gpu_memory_bytes = 2_400_000
+    price_tier = factory.SubFactory(PriceTierFactory)
+
+
+class DeploymentFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Deployment
+
+    model = factory.SubFactory(ModelFactory)
+    desired_replicas = 1
+    min_replicas = 0
+    max_replicas = 2
+
+
+class WorkerFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Worker
+
+    host = factory.Sequence(lambda n: f"gpu-host-{n}")
+    queue_name = factory.Sequence(lambda n: f"worker.{n}")
+    token_hash = factory.LazyFunction(lambda: secret_hash(new_secret_token()))
+    state = Worker.State.ONLINE
+    last_heartbeat_at = factory.LazyFunction(timezone.now)
+
+
+class GpuFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Gpu
+
+    worker = factory.SubFactory(WorkerFactory)
+    index = factory.Sequence(lambda n: n % 8)
+    name = "NVIDIA H200"
+    memory_total_bytes = 141 * 1024**3
+
+
+class ReplicaFactory(factory.django.DjangoModelFactory):
+    class Meta:
+        model = Replica
+
+    deployment = factory.SubFactory(DeploymentFactory)
+    worker = factory.SubFactory(WorkerFactory)
+    gpu = None
+    state = Replica.State.PENDING

@@ -1,0 +1,60 @@
+"""The admin, logged in as the seeded admin, shows every registered model and the seeded objects."""
+
+import pytest
+from django.contrib import admin
+from django.core.management import call_command
+from django.urls import reverse
+
+from controlplane.accounts.models import ApiKey, Tenant, User
+from controlplane.billing.models import CreditEntry, Plan, PriceTier
+from controlplane.catalog.models import Deployment, Model
+from controlplane.env import read_env_file
+
+pytestmark = pytest.mark.django_db
+
+SEEDED = [Tenant, User, ApiKey, PriceTier, Plan, CreditEntry, Model, Deployment]
+
+
+@pytest.fixture
+def admin_client_seeded(client, tmp_path):
+    env_file = tmp_path / ".env.demo"
+    call_command("seed_demo", env_file=env_file, stdout=open("/dev/null", "w"))
+    demo = read_env_file(env_file)
+    assert client.login(username=demo["DEMO_ADMIN_USERNAME"], password=demo["DEMO_ADMIN_PASSWORD"])
+    return client
+
+
+def _admin_url(model, view, *args):
+    return reverse(f"admin:{model._meta.app_label}_{model._meta.model_name}_{view}", args=args)
+
+
+def test_every_registered_changelist_answers(admin_client_seeded):
+    for model in admin.site._registry:
+        response = admin_client_seeded.get(_admin_url(model, "changelist"))
+        assert response.status_code == 200, model
+
+
+@pytest.mark.parametrize("model", SEEDED, ids=lambda m: m.__name__)
+def test_seeded_objects_are_listed_and_open(admin_client_seeded, model):
+    objects = list(model.objects.all())
+    assert objects, f"seed_demo created no {model.__name__}"
+    listing = admin_client_seeded.get(_admin_url(model, "changelist"))
+    assert listing.status_code == 200
+    for obj in objects:
+        assert _admin_url(model, "change", obj.pk) in listing.content.decode()
+        assert admin_client_seeded.get(_admin_url(model, "change", obj.pk)).status_code == 200
+
+
+def test_the_api_key_page_never_shows_the_key(admin_client_seeded, tmp_path):
+    plaintext = read_env_file(tmp_path / ".env.demo")["OPENAI_API_KEY"]
+    key = ApiKey.objects.get()
+    for url in (_admin_url(ApiKey, "changelist"), _admin_url(ApiKey, "change", key.pk)):
+        page = admin_client_seeded.get(url).content.decode()
+        assert key.prefix in page and plaintext not in page
+
+
+def test_admin_refuses_non_staff(client):
+    user = User.objects.create_user(username="op", password="violet-harbour-7-lantern", role=User.Role.OPERATOR)
+    client.force_login(user)
+    response = client.get(reverse("admin:index"))
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]

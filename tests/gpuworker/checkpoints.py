@@ -1,0 +1,99 @@
+"""Tiny random Hugging Face checkpoints for tests, one per supported model family.
+
+    from tests.gpuworker.checkpoints import make_checkpoint, FAMILIES
+    path = make_checkpoint(tmp_path, "qwen3", num_hidden_layers=3)
+
+Each is built with transformers itself (config class + AutoModelForCausalLM.from_config, fixed
+seed, save_pretrained to safetensors) plus the demo model's byte-level tokenizer, so tests compare
+the engine with transformers on exactly the files a user would have. Weights are redrawn so that
+norms and biases are not their trivial init values (a mis-mapped norm or bias then shows up) and
+logits are spread enough that greedy decoding is not decided by rounding noise.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from gpuworker.demo_model import BOS_TOKEN_ID, EOS_TOKEN_IDS, write_tokenizer
+
+TINY = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": BOS_TOKEN_ID,
+    "eos_token_id": EOS_TOKEN_IDS[1],
+}
+
+# family -> (config class name in transformers, overrides of TINY)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
+    "llama-mha": ("LlamaConfig", {"num_key_value_heads": 4}),
+    "llama3.1": ("LlamaConfig", {
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            # small, so that the tiny head_dim has high, blended and scaled bands
+                            "original_max_position_embeddings": 256},
+        "eos_token_id": EOS_TOKEN_IDS,
+    }),
+    "mistral": ("MistralConfig", {"sliding_window": 4096,
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
+    # head_dim 32 != hidden_size / heads, as in real Qwen3 models.
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
+    "qwen3-bias": ("Qwen3Config", {"head_dim": 32, "attention_bias": True}),
+}
+
+
+def make_checkpoint(tmp_path: str | Path, family: str, *, seed: int = 0, dtype: str = "float32",
+                    tokenizer: bool = True, **overrides: Any) -> Path:
+    """Write a tiny random `family` checkpoint into tmp_path/family and return that directory.
+
+    `overrides` are config fields (e.g. num_hidden_layers=3, vocab_size=512); `dtype` is the stored
+    weight dtype ("float32" or "bfloat16").
+    """
+    import torch
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    config_class_name, family_overrides = FAMILIES[family]
+    kwargs = {**TINY, **family_overrides, **overrides}
+    config = getattr(transformers, config_class_name)(**kwargs)
+    config.architectures = [config_class_name.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _redraw_weights(model, seed)
+    model = model.to(getattr(torch, dtype))
+    directory = Path(tmp_path) / family
+    model.save_pretrained(str(directory))
+    if tokenizer:
+        write_tokenizer(directory, config.vocab_size, config.max_position_embeddings)
+    return directory
+
+
+def _redraw_weights(model: Any, seed: int) -> None:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                value = 1.0 + 0.2 * torch.randn(param.shape, generator=generator)
+            elif name.endswith(".bias"):
+                value = 0.2 * torch.randn(param.shape, generator=generator)
+            elif "embed_tokens" in name or "lm_head" in name:
+                # Logits of a few units: greedy picks are clear, not ties broken by rounding.
+                value = 0.5 * torch.randn(param.shape, generator=generator)
+            else:
+                value = torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[1])
+            param.copy_(value)

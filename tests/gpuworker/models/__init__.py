@@ -1,0 +1,1 @@
+"""Tests of gpuworker/models and the reference attention backend."""

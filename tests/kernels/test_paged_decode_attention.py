@@ -1,0 +1,114 @@
+"""paged_decode_attention against its torch reference over dtypes, block sizes, GQA ratios and splits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuworker.kernels.paged_decode_attention import (
+    MAX_SPLITS,
+    choose_num_splits,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+)
+
+ON_CUDA = torch.cuda.is_available()
+DTYPES, BLOCK_SIZES, GQA_RATIOS = (torch.float32, torch.float16, torch.bfloat16), (16, 32), (1, 2, 4)
+# The GPU runs every combination; the interpreter a covering subset (each dtype with both block
+# sizes, each GQA ratio with two dtypes) to stay fast.
+CASES = (
+    [(d, b, g) for d in DTYPES for b in BLOCK_SIZES for g in GQA_RATIOS] if ON_CUDA
+    else [(DTYPES[i // 2], BLOCK_SIZES[i % 2], GQA_RATIOS[i % 3]) for i in range(6)]
+)
+# Llama-3-8B on the GPU (32 query heads, head_dim 128); a few small heads in the interpreter.
+NUM_Q_HEADS, HEAD_DIM = (32, 128) if ON_CUDA else (4, 64)
+# Ragged contexts: length 1, one short of and one past a block, a block multiple, and long ones.
+SEQ_LENS = [1, 15, 17, 32, 1000, 4099, 2500, 77] if ON_CUDA else [1, 15, 17, 32, 70]
+# Small tiles in the interpreter so a short context still spans several tiles and partitions.
+TILE = {} if ON_CUDA else {"block_n": 16}
+
+
+@pytest.fixture
+def decode(paged_cache, device, generator):
+    def run(dtype, block_size, num_kv_heads, seq_lens, *, num_heads=NUM_Q_HEADS, head_dim=HEAD_DIM,
+            max_seq_len=None, table_width=None, **kwargs):
+        kv_cache, block_tables = paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype, generator,
+                                             table_width=table_width)
+        query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(dtype).to(device)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        scale = head_dim**-0.5
+        out = torch.full_like(query, float("nan"))  # poisoned: every element must be written
+        max_seq_len = max(seq_lens) if max_seq_len is None else max_seq_len
+        result = paged_decode_attention(query, kv_cache, block_tables, lens, scale, max_seq_len, out=out,
+                                        **{**TILE, **kwargs})
+        assert result is out
+        return out, paged_decode_attention_reference(query, kv_cache, block_tables, lens, scale)
+
+    return run
+
+
+@pytest.mark.parametrize(("dtype", "block_size", "gqa"), CASES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_matches_reference(dtype, block_size, gqa, num_splits, decode, tolerance):
+    out, expected = decode(dtype, block_size, NUM_Q_HEADS // gqa, SEQ_LENS, num_splits=num_splits)
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_splits_from_max_seq_len(dtype, decode, tolerance):
+    # One sequence: the launcher splits the context to fill the device.
+    seq_lens = [8000] if ON_CUDA else [600]
+    out, expected = decode(dtype, 16, NUM_Q_HEADS // 4, seq_lens)
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+
+
+def test_max_seq_len_above_the_contexts_leaves_empty_partitions(decode, tolerance):
+    # As in a CUDA graph captured for long contexts and replayed on shorter ones: most partitions of
+    # most sequences hold no tokens.
+    max_seq_len = 4 * max(SEQ_LENS)
+    out, expected = decode(torch.bfloat16, 16, NUM_Q_HEADS // 2, SEQ_LENS, max_seq_len=max_seq_len,
+                           table_width=-(-max_seq_len // 16), num_splits=MAX_SPLITS if ON_CUDA else 8)
+    torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))
+
+
+def test_zero_length_sequence_gets_zeros(decode):
+    out, expected = decode(torch.float32, 16, NUM_Q_HEADS // 2, [0, 5, 0], num_splits=2)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("head_dim", [80] if not ON_CUDA else [64, 80])
+def test_other_head_dims(head_dim, decode, tolerance):
+    out, expected = decode(torch.float16, 16, NUM_Q_HEADS // 2, SEQ_LENS[:4], head_dim=head_dim, num_splits=2)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float16))
+
+
+def test_choose_num_splits_fills_the_device_only_when_needed():
+    cpu = torch.device("cpu")
+    assert choose_num_splits(1, 8, 100, cpu) == 1  # one partition is enough for a short context
+    assert choose_num_splits(1, 8, 100_000, cpu) > 1
+    assert choose_num_splits(512, 8, 100_000, cpu) == 1  # the batch fills the device by itself
+    assert choose_num_splits(1, 1, 10**7, cpu) <= MAX_SPLITS
+
+
+def test_rejects_bad_arguments(device):
+    query = torch.zeros(2, 4, 16, device=device)
+    cache = torch.zeros(2, 3, 16, 2, 16, device=device)
+    tables = torch.zeros(2, 3, dtype=torch.int32, device=device)
+    lens = torch.ones(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="must be a multiple of kv heads"):
+        paged_decode_attention(torch.zeros(2, 3, 16, device=device), cache, tables, lens, 1.0, 4)
+    with pytest.raises(ValueError, match="kv_cache has dtype"):
+        paged_decode_attention(query.half(), cache, tables, lens, 1.0, 4)
+    with pytest.raises(ValueError, match="block_tables has 1 rows"):
+        paged_decode_attention(query, cache, tables[:1], lens, 1.0, 4)
+    with pytest.raises(ValueError, match=r"seq_lens must have shape \(2,\)"):
+        paged_decode_attention(query, cache, tables, lens[:1], 1.0, 4)
+    with pytest.raises(ValueError, match="max_seq_len 100 exceeds"):
+        paged_decode_attention(query, cache, tables, lens, 1.0, 100)
+    with pytest.raises(ValueError, match="max_seq_len must be a non-negative host int"):
+        paged_decode_attention(query, cache, tables, lens, 1.0, lens.max())
+    with pytest.raises(ValueError, match="num_splits must be in"):
+        paged_decode_attention(query, cache, tables, lens, 1.0, 4, num_splits=0)
+    with pytest.raises(ValueError, match="out must have shape"):
+        paged_decode_attention(query, cache, tables, lens, 1.0, 4, out=torch.zeros(2, 4, 8, device=device))
