@@ -27,6 +27,5 @@ $(VENV_PYTHON):
 	$(PYTHON) -m venv $(VENV)
 
 $(INSTALLED): pyproject.toml | $(VENV_PYTHON)
-	$(VENV_PYTHON) -m pip install --upgrade pip
 	$(VENV_PYTHON) -m pip install -e '.[dev]'
 	touch $@

@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
@@ -102,6 +103,7 @@ def main() -> None:
         str(args.config), device="cuda", dtype=args.dtype, load_format="dummy", seed=args.seed,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts share nothing; keep the hash work out
+        max_model_len=args.max_model_len,
     )
     t0 = time.perf_counter()  # warm-up: kernel compilation and graph capture stay out of the figures
     engine.generate([p for p, _ in requests[:8]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))

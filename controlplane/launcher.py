@@ -36,18 +36,22 @@ class ProcessSpec:
 
 def process_specs(*, host: str, port: int) -> list[ProcessSpec]:
     """The processes of the embedded system; adding one is adding a line."""
-    python = sys.executable
+
+    def module(*args: str) -> list[str]:
+        return [sys.executable, "-m", *args]
+
+    # One local worker has no peers: gossip and mingle would only slow its start.
     return [
-        ProcessSpec("web", [python, "-m", "uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port), "--lifespan", "off"]),
-        ProcessSpec("worker", [python, "-m", "celery", "-A", "controlplane", "worker", "--loglevel=INFO", "--concurrency=2", "--without-gossip", "--without-mingle"]),
-        ProcessSpec("beat", [python, "-m", "celery", "-A", "controlplane", "beat", "--loglevel=INFO"]),
+        ProcessSpec("web", module("uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port), "--lifespan", "off")),
+        ProcessSpec("worker", module("celery", "-A", "controlplane", "worker", "-l", "INFO", "-c", "2", "--without-gossip", "--without-mingle")),
+        ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "INFO")),
     ]
 
 
 class Launcher:
-    def __init__(self, specs: Sequence[ProcessSpec], *, out: TextIO = sys.stdout):
+    def __init__(self, specs: Sequence[ProcessSpec], *, out: TextIO | None = None):
         self._specs = list(specs)
-        self._out = out
+        self._out = out or sys.stdout
         self._out_lock = threading.Lock()
         self._children: list[tuple[ProcessSpec, subprocess.Popen]] = []
         self._pumps: list[threading.Thread] = []

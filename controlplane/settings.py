@@ -9,8 +9,8 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 
-from controlplane.env import env_bool, env_int, env_list, env_str
 from controlplane import integrations
+from controlplane.env import env_bool, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # Where the embedded defaults keep their state (SQLite file, Celery folders, beat schedule).

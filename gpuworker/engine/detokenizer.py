@@ -32,11 +32,12 @@ class IncrementalDetokenizer:
         # How much of self.text has been released to the caller.
         self.num_released = 0
 
-    def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Decode what token_ids (the whole sequence) adds; return the stop string it completed."""
+    def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Decode what token_ids (the whole sequence) adds; return the stop string it completed
+        (the text is then cut there). check_stop=False (before min_tokens) skips the search."""
         previous_len = len(self.text)
         self.text += self._decode_new(token_ids, final=False)
-        return self._find_stop(previous_len)
+        return self._find_stop(previous_len) if check_stop else None
 
     def finish(self, token_ids: list[int]) -> None:
         """Decode whatever is still pending (an incomplete character becomes U+FFFD)."""

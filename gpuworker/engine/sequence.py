@@ -95,7 +95,6 @@ class SequenceGroup:
         self.pending_forks: list[Sequence] = self.seqs[1:]
         # Device time attributed to this request: each step's duration split by tokens processed.
         self.gpu_time_s = 0.0
-        self.num_computed_tokens_total = 0
 
     @property
     def is_finished(self) -> bool:

@@ -9,11 +9,13 @@ once per mode.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -37,7 +39,46 @@ class LazyJIT:
         if kernel is None:
             kernel = triton.jit(self.fn)
             self._by_mode[mode] = kernel
-        return kernel[grid]
+        launch = kernel[grid]
+        if not mode:
+            return launch
+
+        def interpreted(*args: Any, **kwargs: Any) -> Any:
+            with _interpretable_stdlib():
+                return launch(*args, **kwargs)
+
+        return interpreted
+
+
+_INTERPRETED_STDLIB: dict[int, Any] = {}
+
+
+@contextmanager
+def _interpretable_stdlib() -> Iterator[None]:
+    """Let the interpreter call tl.max, tl.sum & co. even if triton was imported before TRITON_INTERPRET=1.
+
+    Triton's own @jit helpers (triton.language.standard) are decorated when triton is imported; if
+    that happened without the flag they are compiled-mode functions that the interpreter refuses to
+    call. For the duration of an interpreted launch they are swapped for interpreted twins and then
+    restored, so compiled kernels in the same process are unaffected.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    saved = []
+    for module in (tl, tl.standard):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                twin = _INTERPRETED_STDLIB.get(id(value))
+                if twin is None:
+                    twin = _INTERPRETED_STDLIB[id(value)] = InterpretedFunction(value.fn)
+                saved.append((module, name, value))
+                setattr(module, name, twin)
+    try:
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
 
 
 def lazy_jit(fn: Callable[..., Any]) -> LazyJIT:

@@ -30,8 +30,14 @@ from gpuworker.kernels.launch import (
 _LOG2E = 1.4426950408889634
 # Most splits a launch uses; the merge kernel reads all of a head's partials in one tile.
 MAX_SPLITS = 64
-# Shortest partition worth its own program: below this, the merge costs more than it saves.
-_MIN_PARTITION = 256
+# Shortest partition worth its own program (one 64-token tile).
+_MIN_PARTITION = 64
+# Programs per multiprocessor to aim for, from bench/kernels.py sweeps on an H200 (Llama-3-8B heads):
+# a batch too small to fill the device wants many short partitions (batch 1: 16 splits of 1k context
+# 7.2 us vs 12.4 with 4; 64 splits of 16k 27.8 us vs 32.4 with 32), while one that nearly fills it
+# wants few (batch 32 at 2k: 2 splits 74 us, 1 split 105, 3 splits 91; batch 64 at 1k: 1 split best).
+_WAVES_SMALL_BATCH = 4
+_WAVES = 2
 
 
 def _paged_decode_kernel(
@@ -149,9 +155,11 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence: enough programs for about two waves, partitions of >= _MIN_PARTITION tokens."""
+    """Splits per sequence: a few programs per multiprocessor, partitions of >= _MIN_PARTITION tokens."""
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = math.ceil(2 * _multiprocessor_count(device) / programs)
+    multiprocessors = _multiprocessor_count(device)
+    waves = _WAVES_SMALL_BATCH if programs < multiprocessors else _WAVES
+    wanted = math.ceil(waves * multiprocessors / programs)
     by_length = math.ceil(max(1, max_seq_len) / _MIN_PARTITION)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
@@ -167,7 +175,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, D] over each sequence's first seq_lens[b] cached tokens -> [B, Hq, D].
@@ -209,7 +217,15 @@ def paged_decode_attention(
         return out
 
     if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
+        # float32 tiles go through FMA-based IEEE dots, which spill registers beyond 16 keys a tile
+        # at head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed.
+        if query.dtype == torch.float32:
+            block_n = 16
+        else:
+            block_n = 64 if head_dim <= 128 else 32
+    if num_warps is None:
+        # 8 warps beat 4 by about 5% at batch 1 and 256 on an H200 (bench/kernels.py sweep).
+        num_warps = 4 if query.dtype == torch.float32 else 8
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device)
     if not 1 <= num_splits <= MAX_SPLITS:

@@ -33,6 +33,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused Triton kernel instead of six eager ones; same numerics
+            from gpuworker.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         # As transformers does: normalise in float32, cast back, then scale in the weight's dtype.
         dtype = x.dtype
         x32 = x.to(torch.float32)
@@ -113,6 +117,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H, D]; key [T, KVH, D] -> rotated (query, key)."""
+        if query.is_cuda:  # the Triton kernel rotates in place, with HF's rounding
+            from gpuworker.kernels.rotary import apply_rotary
+
+            return apply_rotary(positions, query, key, self.cos_cache, self.sin_cache)
         # HF casts cos/sin to the activation dtype before multiplying; do the same.
         cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)

@@ -2,8 +2,9 @@
 small shapes.
 
 TRITON_INTERPRET is set here, at import, before any kernel launches. gpuworker.kernels decorates its
-kernels on first launch (see gpuworker/kernels/launch.py), so it does not matter whether triton or the
-kernel modules were already imported by tests collected earlier in the same process.
+kernels on first launch and makes triton's own @jit helpers interpretable during interpreted launches
+(gpuworker/kernels/launch.py), so it does not matter whether triton or the kernel modules were already
+imported by tests collected earlier in the same process.
 """
 
 from __future__ import annotations

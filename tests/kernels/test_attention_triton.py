@@ -69,7 +69,7 @@ REAL_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_matches_torch_backend_step_by_step(dtype, device, generator, tolerance):
     steps = REAL_STEPS if ON_CUDA else SMALL_STEPS
     num_blocks = 300 if ON_CUDA else 16

@@ -12,7 +12,7 @@ ON_CUDA = torch.cuda.is_available()
 SHAPE = (3000, 8, 128, 400) if ON_CUDA else (13, 2, 16, 6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_matches_reference_with_padding_and_strided_views(dtype, block_size, device, generator):
     num_tokens, num_kv_heads, head_dim, num_blocks = SHAPE

@@ -47,14 +47,14 @@ def decode(paged_cache, device, generator):
     return run
 
 
-@pytest.mark.parametrize(("dtype", "block_size", "gqa"), CASES)
+@pytest.mark.parametrize(("dtype", "block_size", "gqa"), CASES, ids=lambda v: str(v).removeprefix("torch."))
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_matches_reference(dtype, block_size, gqa, num_splits, decode, tolerance):
     out, expected = decode(dtype, block_size, NUM_Q_HEADS // gqa, SEQ_LENS, num_splits=num_splits)
     torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_default_splits_from_max_seq_len(dtype, decode, tolerance):
     # One sequence: the launcher splits the context to fill the device.
     seq_lens = [8000] if ON_CUDA else [600]
@@ -85,7 +85,7 @@ def test_other_head_dims(head_dim, decode, tolerance):
 
 def test_choose_num_splits_fills_the_device_only_when_needed():
     cpu = torch.device("cpu")
-    assert choose_num_splits(1, 8, 100, cpu) == 1  # one partition is enough for a short context
+    assert choose_num_splits(1, 8, 60, cpu) == 1  # one partition is enough for a short context
     assert choose_num_splits(1, 8, 100_000, cpu) > 1
     assert choose_num_splits(512, 8, 100_000, cpu) == 1  # the batch fills the device by itself
     assert choose_num_splits(1, 1, 10**7, cpu) <= MAX_SPLITS
@@ -112,3 +112,35 @@ def test_rejects_bad_arguments(device):
         paged_decode_attention(query, cache, tables, lens, 1.0, 4, num_splits=0)
     with pytest.raises(ValueError, match="out must have shape"):
         paged_decode_attention(query, cache, tables, lens, 1.0, 4, out=torch.zeros(2, 4, 8, device=device))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replay_follows_device_inputs(paged_cache, generator, tolerance):
+    # Captured once for max_seq_len 4096; replayed after the sequence lengths, block tables and
+    # queries change in place, as the engine's decode graphs are.
+    seq_lens = [4096, 1, 2000, 333]
+    kv_cache, block_tables = paged_cache(seq_lens, NUM_Q_HEADS // 4, HEAD_DIM, 16, torch.bfloat16, generator)
+    query = torch.randn(len(seq_lens), NUM_Q_HEADS, HEAD_DIM, generator=generator).bfloat16().cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(query)
+    scale = HEAD_DIM**-0.5
+
+    def step():
+        paged_decode_attention(query, kv_cache, block_tables, lens, scale, 4096, out=out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for new_lens in ([17, 4000, 1, 1024], [1, 1, 1, 1]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        block_tables.copy_(block_tables[torch.randperm(len(seq_lens), generator=generator).cuda()])
+        query.copy_(torch.randn(query.shape, generator=generator).bfloat16())
+        out.fill_(float("nan"))
+        graph.replay()
+        expected = paged_decode_attention_reference(query, kv_cache, block_tables, lens, scale)
+        torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))

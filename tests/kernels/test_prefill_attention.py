@@ -50,7 +50,7 @@ def prefill(paged_cache, device, generator):
     return run
 
 
-@pytest.mark.parametrize(("dtype", "block_size", "gqa"), CASES)
+@pytest.mark.parametrize(("dtype", "block_size", "gqa"), CASES, ids=lambda v: str(v).removeprefix("torch."))
 def test_matches_reference(dtype, block_size, gqa, prefill, tolerance):
     out, expected, starts = prefill(dtype, block_size, NUM_Q_HEADS // gqa, CHUNKS)
     inside = slice(starts[0], starts[-1])

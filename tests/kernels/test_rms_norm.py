@@ -12,7 +12,7 @@ ON_CUDA = torch.cuda.is_available()
 NUM_TOKENS, HIDDEN = (1000, 4096) if ON_CUDA else (7, 48)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_matches_reference(dtype, with_residual, device, generator, tolerance):
     x = (3 * torch.randn(NUM_TOKENS, HIDDEN, generator=generator)).to(dtype).to(device)

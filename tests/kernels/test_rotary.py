@@ -23,7 +23,7 @@ def _fused_qkv(dtype, device, generator, head_dim=HEAD_DIM):
     return qkv, query, key
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}])
 def test_matches_model_rotary_in_place(dtype, rope_scaling, device, generator, tolerance):

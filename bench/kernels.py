@@ -1,0 +1,349 @@
+"""Kernel benchmark: each Triton kernel against its torch equivalent at Llama-3-8B shapes, on one GPU.
+
+    PYTHONPATH=. python bench/kernels.py [--quick] [--no-sweep]
+
+Every figure is the median per-call time of a CUDA graph that replays the call over enough distinct
+input sets (different caches / activations) that the data cannot stay in L2, as 32 layers do in a
+real step; launch overhead is out of the numbers. Decode attention is reported in GB/s of KV read
+against the device's measured copy bandwidth, prefill in TFLOP/s, the rest in GB/s. Writes
+kernels.json to $OUT (or bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from common import copy_bandwidth_gbs, environment, write_json
+from gpuworker.kernels.kv_cache_write import kv_cache_write
+from gpuworker.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
+from gpuworker.kernels.prefill_attention import prefill_attention
+from gpuworker.kernels.rms_norm import rms_norm, rms_norm_reference
+from gpuworker.kernels.rotary import apply_rotary, apply_rotary_reference
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, BLOCK_SIZE = 32, 8, 128, 4096, 16
+DTYPE = torch.bfloat16
+ES = 2  # bytes per bf16 element
+L2_FLUSH_BYTES = 256 << 20  # several times the H200's 60 MB L2
+
+
+def num_sets(bytes_per_call: int, cap: int = 32) -> int:
+    return max(2, min(cap, math.ceil(L2_FLUSH_BYTES / max(1, bytes_per_call))))
+
+
+def graph_time_us(calls: list[Callable[[], object]], replays: int = 15) -> float:
+    """Median per-call device time of one CUDA graph holding every call once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles kernels, settles allocations
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def eager_time_us(call: Callable[[], object], iters: int = 200) -> float:
+    """Wall time per call issued back to back from Python: what a step without graphs pays."""
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def randn(*shape, dtype=DTYPE):
+    return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
+
+
+# ---------------------------------------------------------------- decode attention
+
+
+def decode_inputs(batch: int, context: int):
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * ES
+    sets = num_sets(kv_bytes)
+    cache = randn(2, sets * batch * blocks_per_seq + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    order = torch.randperm(sets * batch * blocks_per_seq, device="cuda").int() + 1
+    tables = order.view(sets, batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    query = [randn(batch, NUM_Q_HEADS, HEAD_DIM) for _ in range(sets)]
+    out = torch.empty_like(query[0])
+    # Dense equivalent for SDPA: contiguous [B, H, L, D] keys/values, no paging.
+    return cache, tables, seq_lens, query, out, kv_bytes, sets
+
+
+def bench_decode(shapes, configs, split_options) -> tuple[list[dict], list[dict]]:
+    rows, sweep = [], []
+    scale = HEAD_DIM**-0.5
+    for batch, context in shapes:
+        cache, tables, seq_lens, query, out, kv_bytes, sets = decode_inputs(batch, context)
+
+        def call(i, **kw):
+            return lambda: paged_decode_attention(query[i], cache, tables[i], seq_lens, scale, context, out=out, **kw)
+
+        us = graph_time_us([call(i) for i in range(sets)])
+        eager = eager_time_us(call(0))
+        splits = choose_num_splits(batch, NUM_KV_HEADS, context, cache.device)
+        del cache
+        sdpa_us = None
+        try:
+            dense_sets = num_sets(kv_bytes, cap=8)
+            k = [randn(batch, NUM_KV_HEADS, context, HEAD_DIM) for _ in range(dense_sets)]
+            v = [randn(batch, NUM_KV_HEADS, context, HEAD_DIM) for _ in range(dense_sets)]
+            q = randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
+            sdpa_us = graph_time_us([
+                (lambda i=i: F.scaled_dot_product_attention(q, k[i], v[i], scale=scale, enable_gqa=True))
+                for i in range(dense_sets)
+            ])
+            del k, v
+        except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+            print(f"  sdpa decode {batch}x{context}: {exc!r}")
+        rows.append({
+            "kernel": "paged_decode_attention", "shape": f"B={batch} ctx={context}", "splits": splits,
+            "us": us, "eager_us": eager, "kv_bytes": kv_bytes, "GBps": kv_bytes / us / 1e3,
+            "baseline": "torch SDPA (dense contiguous KV, enable_gqa)", "baseline_us": sdpa_us,
+            "baseline_GBps": kv_bytes / sdpa_us / 1e3 if sdpa_us else None,
+        })
+        torch.cuda.empty_cache()
+
+    sweep_shapes = list(dict.fromkeys([*configs["shapes"], *split_options]))
+    for batch, context in sweep_shapes:
+        cache, tables, seq_lens, query, out, kv_bytes, sets = decode_inputs(batch, context)
+        tiles = configs["tiles"] if (batch, context) in configs["shapes"] else []
+        for block_n, warps, stages in tiles:
+            us = graph_time_us([
+                (lambda i=i: paged_decode_attention(query[i], cache, tables[i], seq_lens, scale, context, out=out,
+                                                    block_n=block_n, num_warps=warps, num_stages=stages))
+                for i in range(sets)
+            ])
+            sweep.append({"kernel": "paged_decode_attention", "shape": f"B={batch} ctx={context}",
+                          "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                          "us": us, "GBps": kv_bytes / us / 1e3})
+        for splits in split_options.get((batch, context), []):
+            us = graph_time_us([
+                (lambda i=i: paged_decode_attention(query[i], cache, tables[i], seq_lens, scale, context, out=out,
+                                                    num_splits=splits))
+                for i in range(sets)
+            ])
+            sweep.append({"kernel": "paged_decode_attention", "shape": f"B={batch} ctx={context}",
+                          "num_splits": splits, "us": us, "GBps": kv_bytes / us / 1e3})
+        del cache
+        torch.cuda.empty_cache()
+    return rows, sweep
+
+
+# ---------------------------------------------------------------- prefill attention
+
+
+def prefill_case(num_seqs: int, q_len: int, prefix: int):
+    context = prefix + q_len
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    cache = randn(2, num_seqs * blocks_per_seq + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    tables = (torch.randperm(num_seqs * blocks_per_seq, device="cuda").int() + 1).view(num_seqs, blocks_per_seq)
+    query = randn(num_seqs * q_len, NUM_Q_HEADS, HEAD_DIM)
+    qsl = torch.arange(0, num_seqs + 1, device="cuda", dtype=torch.int32) * q_len
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
+    # 2 flops per multiply-add, QK^T and PV: query i sees prefix + i + 1 keys.
+    flops = 4 * NUM_Q_HEADS * HEAD_DIM * num_seqs * (q_len * prefix + q_len * (q_len + 1) // 2)
+    return cache, tables, query, qsl, seq_lens, flops
+
+
+def bench_prefill(shapes, tiles) -> tuple[list[dict], list[dict]]:
+    rows, sweep = [], []
+    scale = HEAD_DIM**-0.5
+    for num_seqs, q_len, prefix in shapes:
+        cache, tables, query, qsl, seq_lens, flops = prefill_case(num_seqs, q_len, prefix)
+        out = torch.empty_like(query)
+
+        def run(**kw):
+            return prefill_attention(query, cache, qsl, seq_lens, tables, scale, q_len, out=out, **kw)
+
+        us = graph_time_us([run] * 3)
+        sdpa_us = None
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+
+            q = randn(num_seqs, NUM_Q_HEADS, q_len, HEAD_DIM)
+            k = randn(num_seqs, NUM_KV_HEADS, prefix + q_len, HEAD_DIM)
+            v = randn(num_seqs, NUM_KV_HEADS, prefix + q_len, HEAD_DIM)
+            if prefix == 0:
+                sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)  # noqa: E731
+            else:
+                mask = causal_lower_right(q_len, prefix + q_len)
+                sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # noqa: E731
+            sdpa_us = graph_time_us([sdpa] * 3)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  sdpa prefill {num_seqs}x{q_len}+{prefix}: {exc!r}")
+        shape = f"{num_seqs}x{q_len}" + (f" after {prefix} cached" if prefix else "")
+        rows.append({
+            "kernel": "prefill_attention", "shape": shape, "us": us, "TFLOPs": flops / us / 1e6,
+            "baseline": "torch SDPA (dense, causal, enable_gqa)", "baseline_us": sdpa_us,
+            "baseline_TFLOPs": flops / sdpa_us / 1e6 if sdpa_us else None,
+        })
+        if (num_seqs, q_len, prefix) in tiles["shapes"]:
+            for block_m, block_n, warps, stages in tiles["tiles"]:
+                try:
+                    t = graph_time_us([lambda: run(block_m=block_m, block_n=block_n, num_warps=warps,
+                                                   num_stages=stages)] * 3)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for a large tile
+                    print(f"  prefill tile {block_m}x{block_n} w{warps} s{stages}: {exc!r}")
+                    continue
+                sweep.append({"kernel": "prefill_attention", "shape": shape, "block_m": block_m,
+                              "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                              "us": t, "TFLOPs": flops / t / 1e6})
+        del cache
+        torch.cuda.empty_cache()
+    return rows, sweep
+
+
+# ---------------------------------------------------------------- memory-bound helpers
+
+
+def bench_small(token_counts) -> list[dict]:
+    rows = []
+    for tokens in token_counts:
+        # kv_cache_write: read k and v, write them into a cache with shuffled slots.
+        moved = 2 * 2 * tokens * NUM_KV_HEADS * HEAD_DIM * ES
+        sets = num_sets(moved)
+        num_slots = max(tokens * sets, 1024) * 2
+        cache = randn(2, num_slots // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        keys = [randn(tokens, NUM_KV_HEADS, HEAD_DIM) for _ in range(sets)]
+        slots = torch.randperm(num_slots, device="cuda")[: tokens * sets].view(sets, tokens)
+        flat = cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
+
+        def torch_write(i):
+            flat[0][slots[i]] = keys[i]
+            flat[1][slots[i]] = keys[i]
+
+        rows.append(_row("kv_cache_write", f"T={tokens}", moved,
+                         [lambda i=i: kv_cache_write(keys[i], keys[i], cache, slots[i]) for i in range(sets)],
+                         [lambda i=i: torch_write(i) for i in range(sets)], "torch index_put"))
+        del cache
+
+        # rms_norm with residual: read x, residual; write out, new residual.
+        moved = 4 * tokens * HIDDEN * ES
+        sets = num_sets(moved)
+        xs = [randn(tokens, HIDDEN) for _ in range(sets)]
+        rs = [randn(tokens, HIDDEN) for _ in range(sets)]
+        weight = randn(HIDDEN)
+        rows.append(_row("rms_norm+residual", f"T={tokens} H={HIDDEN}", moved,
+                         [lambda i=i: rms_norm(xs[i], weight, 1e-5, rs[i]) for i in range(sets)],
+                         [lambda i=i: rms_norm_reference(xs[i], weight, 1e-5, rs[i]) for i in range(sets)],
+                         "torch eager ops (HF numerics)"))
+        del xs, rs
+
+        # rotary on q and k views of a fused qkv output, in place.
+        moved = 2 * tokens * (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM * ES
+        sets = num_sets(moved)
+        qkv = [randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM) for _ in range(sets)]
+        qs = [x[:, : NUM_Q_HEADS * HEAD_DIM].view(tokens, NUM_Q_HEADS, HEAD_DIM) for x in qkv]
+        ks = [x[:, NUM_Q_HEADS * HEAD_DIM:(NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(tokens, NUM_KV_HEADS, HEAD_DIM)
+              for x in qkv]
+        positions = torch.randint(0, 8192, (tokens,), device="cuda")
+        freqs = torch.arange(8192, device="cuda").float()[:, None] * torch.rand(HEAD_DIM // 2, device="cuda")[None]
+        cos, sin = freqs.cos(), freqs.sin()
+        rows.append(_row("rotary", f"T={tokens}", moved,
+                         [lambda i=i: apply_rotary(positions, qs[i], ks[i], cos, sin) for i in range(sets)],
+                         [lambda i=i: apply_rotary_reference(positions, qs[i], ks[i], cos, sin) for i in range(sets)],
+                         "torch eager ops (HF numerics)"))
+        del qkv, qs, ks
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _row(kernel, shape, moved, triton_calls, torch_calls, baseline) -> dict:
+    us = graph_time_us(triton_calls)
+    base = graph_time_us(torch_calls)
+    return {"kernel": kernel, "shape": shape, "us": us, "eager_us": eager_time_us(triton_calls[0]),
+            "GBps": moved / us / 1e3, "baseline": baseline, "baseline_us": base, "baseline_GBps": moved / base / 1e3}
+
+
+# ---------------------------------------------------------------- main
+
+
+def print_rows(title: str, rows: list[dict], unit: str, copy_gbps: float) -> None:
+    print(f"\n== {title} ==")
+    print(f"{'kernel':24s} {'shape':26s} {'triton us':>10s} {unit:>9s} {'%copy':>6s} {'torch us':>10s} "
+          f"{'torch ' + unit:>11s} {'speedup':>8s}")
+    for r in rows:
+        us, value = r["us"], r[unit]
+        base_us, base_value = r.get("baseline_us"), r.get("baseline_" + unit)
+        pct = f"{100 * value / copy_gbps:5.0f}%" if unit == "GBps" else ""
+        base_cols = (f"{base_us:10.1f} {base_value:11.1f} {base_us / us:7.2f}x" if base_us
+                     else f"{'-':>10s} {'-':>11s} {'-':>8s}")
+        print(f"{r['kernel'][:24]:24s} {r['shape'][:26]:26s} {us:10.1f} {value:9.1f} {pct:>6s} {base_cols}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile/split sweeps")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/kernels.py needs a CUDA device")
+    torch.manual_seed(0)
+    env = environment()
+    copy_gbps = copy_bandwidth_gbs()
+    print(f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
+          f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+
+    decode_shapes = [(1, 1024), (1, 4096), (1, 16384), (8, 4096), (32, 2048), (64, 1024), (128, 2048),
+                     (256, 1024), (256, 2048)]
+    prefill_shapes = [(1, 4096, 0), (8, 1024, 0), (16, 512, 0), (4, 512, 1536), (1, 2048, 6144)]
+    small_tokens = [1, 256, 8192]
+    if args.quick:
+        decode_shapes, prefill_shapes, small_tokens = decode_shapes[::3], prefill_shapes[:2], [256]
+    decode_sweep = {"shapes": [] if args.no_sweep else [(1, 16384), (256, 1024)],
+                    "tiles": [(64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2)]}
+    split_options = {} if args.no_sweep else {(1, 1024): [4, 8, 16], (1, 4096): [16, 32, 64],
+                                              (64, 1024): [1, 2, 4]}
+    prefill_tiles = {"shapes": [] if args.no_sweep else [(1, 4096, 0), (4, 512, 1536)],
+                     "tiles": [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3)]}
+
+    payload = {"environment": env, "copy_bandwidth_GBps": copy_gbps, "dtype": str(DTYPE),
+               "model_shape": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                               "hidden": HIDDEN, "block_size": BLOCK_SIZE}}
+    decode_rows, decode_sweep_rows = bench_decode(decode_shapes, decode_sweep, split_options)
+    payload["decode"], payload["decode_sweep"] = decode_rows, decode_sweep_rows
+    write_json("kernels", payload)
+    prefill_rows, prefill_sweep_rows = bench_prefill(prefill_shapes, prefill_tiles)
+    payload["prefill"], payload["prefill_sweep"] = prefill_rows, prefill_sweep_rows
+    write_json("kernels", payload)
+    payload["small"] = bench_small(small_tokens)
+    write_json("kernels", payload)
+
+    for r in decode_sweep_rows + prefill_sweep_rows:
+        print("  sweep", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()})
+    print_rows("memory-bound helpers (bf16)", payload["small"], "GBps", copy_gbps)
+    print_rows("prefill attention (bf16, Llama-3-8B heads)", prefill_rows, "TFLOPs", copy_gbps)
+    print_rows(f"paged decode attention (bf16, 32q/8kv heads, block {BLOCK_SIZE}; copy {copy_gbps:.0f} GB/s)",
+               decode_rows, "GBps", copy_gbps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""AsyncLLMEngine: the engine loop in a background thread, streamed per request to asyncio.
+
+    engine = AsyncLLMEngine("/models/llama", device="cuda")
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=64), "req-1"):
+        print(out.outputs[0].delta_text, end="")
+
+Only the engine thread touches the LLMEngine: adds and aborts travel to it as commands and run
+between steps, so their errors (ValueError for bad input) come back to the caller. Cancelling the
+consuming task, or leaving the `async for` early, aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from gpuworker.engine.llm_engine import LLMEngine, Prompt
+from gpuworker.engine.outputs import RequestOutput
+from gpuworker.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    def __init__(self, model: str | Path | None = None, *, engine: LLMEngine | None = None,
+                 **config: Any) -> None:
+        if (model is None) == (engine is None):
+            raise ValueError("pass either a model path or an engine")
+        self.engine = engine if engine is not None else LLMEngine(model, **config)
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
+        # request id -> (its event loop, its output queue); touched only by the engine thread.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> AsyncLLMEngine:
+        return cls(engine=engine)
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield an output each step the request advances; the last one has finished=True."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, params)
+            self._streams[request_id] = (loop, outputs)
+
+        await self._call(add)
+        finished = False
+        try:
+            while True:
+                output = await outputs.get()
+                if isinstance(output, BaseException):
+                    raise output
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # Not awaited: this also runs when the task is being cancelled.
+                self._submit(lambda: self._abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; when this returns its KV blocks are free."""
+        await self._call(lambda: self._abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps (e.g. to read stats consistently)."""
+        return await self._call(lambda: fn(self.engine))
+
+    def shutdown(self) -> None:
+        """Stop the loop thread; unfinished requests are aborted."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._commands.put(None)
+        self._thread.join()
+
+    async def __aenter__(self) -> AsyncLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        if self._stopped:
+            future.set_exception(RuntimeError("the engine has been shut down"))
+        else:
+            self._commands.put((fn, future))
+        return future
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _abort(self, request_id: str) -> None:
+        output = self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and output is not None:
+            self._deliver(stream, output)
+
+    def _deliver(self, stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: Any) -> None:
+        loop, outputs = stream
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:
+            pass  # the consumer's loop is closed: nobody is listening any more
+
+    def _loop(self) -> None:
+        while True:
+            # Wait for a command only when there is nothing to step.
+            for command in self._drain(block=not self.engine.has_unfinished_requests()):
+                if command is None:
+                    self._shut_down_requests()
+                    return
+                fn, future = command
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # handed to the caller
+                        future.set_exception(exc)
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _drain(self, block: bool) -> list:
+        commands = []
+        try:
+            commands.append(self._commands.get(block=block))
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; aborting all requests")
+            for request_id in self.engine.unfinished_request_ids():
+                self.engine.abort(request_id)
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    self._deliver(stream, exc)
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            self._deliver(stream, output)
+
+    def _shut_down_requests(self) -> None:
+        for request_id in self.engine.unfinished_request_ids():
+            self._abort(request_id)

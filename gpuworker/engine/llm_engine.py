@@ -1,0 +1,296 @@
+"""LLMEngine: vLLM's offline interface over the scheduler, the model runner and the detokenizers.
+
+    engine = LLMEngine("/models/llama", device="cpu", dtype="float32")
+    outputs = engine.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+
+or request by request: add_request(), then step() until has_unfinished_requests() is False.
+Bad input raises ValueError from add_request and leaves every other request running.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpuworker.engine.attention import AttentionBackend
+from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.detokenizer import IncrementalDetokenizer, check_stop_token
+from gpuworker.engine.model_runner import ModelRunner, determine_num_kv_blocks
+from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepStats,
+                                      TokenLogprob)
+from gpuworker.engine.sampling_params import SamplingParams
+from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
+from gpuworker.engine.sequence import Sequence, SequenceGroup
+from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class _Request:
+    """The engine's side of a request: text state and timings next to the scheduler's group."""
+
+    def __init__(self, group: SequenceGroup, prompt: str | None, detokenizers: list[IncrementalDetokenizer],
+                 arrival_time: float) -> None:
+        self.group = group
+        self.prompt = prompt
+        self.detokenizers = detokenizers
+        self.logprobs: list[list[TokenLogprob] | None] = [
+            [] if group.params.logprobs is not None else None for _ in group.seqs]
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, *, attn_backend: AttentionBackend | None = None,
+                 **config: Any) -> None:
+        self._start(EngineConfig(model=str(model), **config), attn_backend)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, attn_backend: AttentionBackend | None = None) -> LLMEngine:
+        engine = cls.__new__(cls)
+        engine._start(config, attn_backend)
+        return engine
+
+    def _start(self, config: EngineConfig, attn_backend: AttentionBackend | None) -> None:
+        mc = load_model_config(config.model)
+        self.model_config = mc
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mc)
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context "
+                             f"({mc.max_position_embeddings} positions)")
+        if attn_backend is None and self.device.type == "cuda":
+            from gpuworker.engine.attention_triton import TritonAttentionBackend
+
+            attn_backend = TritonAttentionBackend()
+        elif attn_backend is None:
+            from gpuworker.engine.attention_torch import TorchAttentionBackend
+
+            attn_backend = TorchAttentionBackend()
+        model = load_model(mc, device=self.device, dtype=self.dtype, attn_backend=attn_backend,
+                           load_format=config.load_format, seed=config.seed)
+        num_kv_blocks = config.num_kv_blocks or determine_num_kv_blocks(
+            config, mc, self.dtype, self.device, max_model_len)
+        if config.max_model_len is None and num_kv_blocks * config.block_size < max_model_len:
+            max_model_len = num_kv_blocks * config.block_size
+            logger.warning("the KV pool holds %d tokens: max_model_len lowered to that", max_model_len)
+        self.config = replace(config, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
+        self.tokenizer = _maybe_tokenizer(config)
+        self.eos_token_ids = list(mc.eos_token_ids) or (
+            [self.tokenizer.eos_token_id] if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
+            else [])
+        self.scheduler = Scheduler(self.config)
+        self.runner = ModelRunner(self.config, mc, model, self.device, self.dtype)
+        self._requests: dict[str, _Request] = {}
+        self._arrivals = itertools.count()
+        self._next_seq_id = 0
+        self._generate_ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.last_step_stats: StepStats | None = None
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        self._add(request_id, prompt_text, prompt_ids, params, arrival_time)
+
+    def _add(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
+             params: SamplingParams | None, arrival_time: float | None) -> None:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.scheduler.check_admissible(len(prompt_ids), params.max_tokens, params.n)
+        max_tokens = params.max_tokens or self.config.max_model_len - len(prompt_ids)
+        group = SequenceGroup(request_id, prompt_ids, params, next(self._arrivals), max_tokens,
+                              first_seq_id=self._next_seq_id)
+        self._next_seq_id += params.n
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, len(prompt_ids), params) for _ in group.seqs]
+        self.scheduler.add(group)
+        self._requests[request_id] = _Request(group, prompt_text, detokenizers,
+                                              time.time() if arrival_time is None else arrival_time)
+
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or list of token ids")
+        vocab_size = self.model_config.vocab_size
+        for token_id in prompt:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+                raise ValueError(f"prompt: token id {token_id!r} is not in [0, {vocab_size})")
+        return None, list(prompt)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request.group)
+        request.finish_time = time.time()
+        return self._output(request, {})
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that produced tokens or finished."""
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self.scheduler.has_unfinished:
+                # Cannot happen while the pool holds max_model_len tokens; fail rather than spin.
+                raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
+            return []
+        result = self.runner.execute(batch)
+        advanced = self.scheduler.postprocess(batch, result.token_ids)
+        deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        now = time.time()
+        for seq, logprob in zip(advanced, result.logprobs):
+            request = self._requests[seq.group.request_id]
+            deltas.setdefault(seq.group.request_id, {})[seq.index] = self._process_token(request, seq, logprob)
+            if request.first_token_time is None:
+                request.first_token_time = now
+        duration = time.perf_counter() - started
+        tokens_per_request: dict[str, int] = {}
+        for entry in batch.seqs:
+            group = entry.seq.group
+            group.gpu_time_s += duration * entry.num_new_tokens / batch.num_batched_tokens
+            tokens_per_request[group.request_id] = tokens_per_request.get(group.request_id, 0) + entry.num_new_tokens
+        self.num_generated_tokens += len(advanced)
+        outputs = []
+        for request_id, request_deltas in deltas.items():
+            request = self._requests[request_id]
+            if request.group.is_finished:
+                request.finish_time = now
+                del self._requests[request_id]
+            outputs.append(self._output(request, request_deltas))
+        self.last_step_stats = self._stats(batch, duration, tokens_per_request, len(advanced))
+        return outputs
+
+    def _process_token(self, request: _Request, seq: Sequence,
+                       logprob: TokenLogprob | None) -> tuple[str, list[int]]:
+        """Stop checks and detokenization for seq's new token; returns (text delta, token delta)."""
+        params, token_id = request.group.params, seq.token_ids[-1]
+        if logprob is not None:
+            request.logprobs[seq.index].append(logprob)
+        detokenizer = request.detokenizers[seq.index]
+        finish = check_stop_token(token_id, seq.num_output_tokens, params, self.eos_token_ids,
+                                  request.group.max_tokens)
+        if finish is not None and finish[0] == "stop":
+            detokenizer.finish(seq.token_ids[:-1])  # an EOS or stop token adds no text
+        else:
+            stop_string = detokenizer.add_tokens(seq.token_ids,
+                                                 check_stop=seq.num_output_tokens >= params.min_tokens)
+            if stop_string is not None:
+                finish = ("stop", stop_string)
+            elif finish is not None:
+                detokenizer.finish(seq.token_ids)
+        if finish is not None:
+            self.scheduler.finish(seq, *finish)
+        return detokenizer.release(final=seq.is_finished), [token_id]
+
+    def _output(self, request: _Request, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
+        group = request.group
+        completions = []
+        for seq, detokenizer, logprobs in zip(group.seqs, request.detokenizers, request.logprobs):
+            delta_text, delta_ids = deltas.get(seq.index, ("", []))
+            completions.append(CompletionOutput(
+                index=seq.index, text=detokenizer.released_text, token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                logprobs=list(logprobs) if logprobs is not None else None,
+                delta_text=delta_text, delta_token_ids=delta_ids))
+        metrics = RequestMetrics(arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+                                 finish_time=request.finish_time, gpu_time_s=group.gpu_time_s,
+                                 num_preemptions=group.num_preemptions)
+        return RequestOutput(request_id=group.request_id, prompt=request.prompt,
+                             prompt_token_ids=group.prompt_token_ids, outputs=completions,
+                             finished=group.is_finished, num_cached_tokens=group.num_cached_tokens,
+                             metrics=metrics)
+
+    def _stats(self, batch: ScheduledBatch, duration: float, tokens_per_request: dict[str, int],
+               num_generated: int) -> StepStats:
+        block_manager = self.scheduler.block_manager
+        decode_tokens = batch.num_decode_seqs
+        return StepStats(
+            duration_s=duration, num_prefill_tokens=batch.num_batched_tokens - decode_tokens,
+            num_decode_tokens=decode_tokens, tokens_per_request=tokens_per_request,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=block_manager.usage, prefix_cache_queries=block_manager.prefix_cache_queries,
+            prefix_cache_hits=block_manager.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=num_generated)
+
+    # -- offline conveniences -------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run prompts (text or token ids) to completion; outputs come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run_all([self._tokenize(prompt) for prompt in prompts], params)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a list of conversations."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            # The template writes its own special tokens (BOS): do not add them twice.
+            prompts.append(self._tokenize(text, add_special_tokens=False))
+        return self._run_all(prompts, params)
+
+    def _run_all(self, prompts: list[tuple[str | None, list[int]]],
+                 params: SamplingParams | list[SamplingParams] | None) -> list[RequestOutput]:
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(all_params) != len(prompts):
+            raise ValueError(f"params: got {len(all_params)} for {len(prompts)} prompts")
+        batch_id = next(self._generate_ids)
+        request_ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
+        try:
+            for request_id, (text, ids), request_params in zip(request_ids, prompts, all_params):
+                self._add(request_id, text, ids, request_params, None)
+        except ValueError:
+            for request_id in request_ids:
+                self.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        while len(finished) < len(request_ids):
+            for output in self.step():
+                if output.finished and output.request_id in wanted:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _maybe_tokenizer(config: EngineConfig):
+    directory = Path(config.model)
+    if config.load_format == "dummy" and not (directory / "tokenizer.json").is_file() \
+            and not (directory / "tokenizer.model").is_file():
+        return None  # benchmarks of bare configs work on token ids
+    return load_tokenizer(directory)

@@ -1,0 +1,175 @@
+"""The model runner: owns the KV cache, turns a ScheduledBatch into one ragged forward, samples.
+
+Per step: host lists -> tensors copied to the device without blocking (from pinned memory on CUDA),
+one forward over all sequences' new tokens, logits only for the rows that sample, then exactly one
+device->host transfer (`.tolist()` of the sampled ids, packed with logprobs when asked for).
+`_run_model` is the seam where decode-only batches can be replayed from CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gpuworker.engine.attention import AttentionMetadata
+from gpuworker.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from gpuworker.engine.outputs import TokenLogprob
+from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
+from gpuworker.engine.scheduler import ScheduledBatch
+from gpuworker.models.config import ModelConfig
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [S] int64: the token row whose hidden state each sample uses
+
+
+@dataclass
+class StepResult:
+    # One per sampling entry of the batch, in batch order.
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def kv_cache_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * element_size
+
+
+def determine_num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
+                            device: torch.device, max_model_len: int) -> int:
+    """How many KV blocks the memory budget allows (called after the weights are loaded)."""
+    block_bytes = kv_cache_block_bytes(mc, config.block_size, dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        free, _ = torch.cuda.mem_get_info(device)
+        element_size = torch.empty((), dtype=dtype).element_size()
+        # Rough peak of one step's activations: the widest per-token tensors of a layer, plus
+        # float32 logits and sampling temporaries for every sequence.
+        per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size)
+        activations = (config.max_num_batched_tokens * per_token * element_size
+                       + config.max_num_seqs * mc.vocab_size * 4 * 6)
+        budget = int(free * config.gpu_memory_utilization) - activations
+        source = f"gpu_memory_utilization ({config.gpu_memory_utilization}) of {free} free bytes"
+    else:
+        budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        source = f"kv_cache_memory_bytes ({budget})"
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"{source} leaves no room for one KV block of {block_bytes} bytes")
+    # More than every sequence at full length could ever use is wasted memory.
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    return min(num_blocks, useful)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, mc: ModelConfig, model: nn.Module,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        if not config.is_resolved:
+            raise ValueError("the model runner needs a resolved config (num_kv_blocks and max_model_len set)")
+        self.config = config
+        self.model_config = mc
+        self.model = model
+        self.device = device
+        self.block_size = config.block_size
+        # One tensor for the whole pool; each layer gets a view [2, blocks, block_size, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(mc.num_layers, 2, config.num_kv_blocks, config.block_size,
+                                    mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.sampler = Sampler(device, config.seed)
+        self.decode_graphs = None
+        # Only a backend that never reads device values on the host can be captured.
+        if device.type == "cuda" and not config.enforce_eager and getattr(model, "attn_backend", None) \
+                is not None and getattr(model.attn_backend, "name", "") == "triton":
+            from gpuworker.engine.cuda_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                block_size=config.block_size)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepResult:
+        inputs = self.prepare_inputs(batch)
+        sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
+        sampling_meta = (SamplingMetadata.build(sample_seqs, self.model_config.vocab_size,
+                                                self.model_config.eos_token_ids, self.device)
+                         if sample_seqs else None)
+        hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        if sampling_meta is None:
+            return StepResult([], [])
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        out = self.sampler(logits, sampling_meta)
+        if out.logprobs is None:
+            return StepResult(out.token_ids.tolist(), [None] * len(sample_seqs))
+        # ids are exact in float64, so one transfer carries everything.
+        packed = torch.cat([out.token_ids[:, None].double(), out.logprobs[:, None].double(),
+                            out.top_ids.double(), out.top_logprobs.double()], dim=1).tolist()
+        return self._unpack(packed, sample_seqs, sampling_meta.max_logprobs)
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """The forward pass: hidden states [T, hidden_size]; decode-only steps replay a CUDA graph."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(meta, input_ids.shape[0]):
+            return self.decode_graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+        """Flatten the batch's new tokens (decodes first, as the batch is ordered) into one sequence."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_indices: list[int] = []
+        block_tables: list[list[int]] = []
+        for entry in batch.seqs:
+            seq, start = entry.seq, entry.start
+            end = start + entry.num_new_tokens
+            table = seq.block_table
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + entry.num_new_tokens)
+            seq_lens.append(end)
+            block_tables.append(table)
+            if entry.samples:
+                sample_indices.append(query_start_loc[-1] - 1)
+        width = max(len(table) for table in block_tables)
+        padded_tables = [table + [0] * (width - len(table)) for table in block_tables]
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping, torch.int64, device),
+            query_start_loc=to_device(query_start_loc, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            block_tables=to_device(padded_tables, torch.int32, device),
+            num_decode_seqs=batch.num_decode_seqs,
+            max_query_len=max(entry.num_new_tokens for entry in batch.seqs),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        return ModelInputs(input_ids=to_device(input_ids, torch.int64, device),
+                           positions=to_device(positions, torch.int64, device),
+                           meta=meta, sample_indices=to_device(sample_indices, torch.int64, device))
+
+    @staticmethod
+    def _unpack(packed: list[list[float]], seqs: list, max_logprobs: int) -> StepResult:
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        for row, seq in zip(packed, seqs):
+            token_ids.append(int(row[0]))
+            wanted = seq.group.params.logprobs
+            if wanted is None:
+                logprobs.append(None)
+                continue
+            top_ids, top_values = row[2:2 + max_logprobs], row[2 + max_logprobs:]
+            logprobs.append(TokenLogprob(
+                token_id=int(row[0]), logprob=row[1],
+                top_logprobs=[(int(i), v) for i, v in zip(top_ids[:wanted], top_values[:wanted])]))
+        return StepResult(token_ids, logprobs)

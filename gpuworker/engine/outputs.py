@@ -1,0 +1,97 @@
+"""What the engine hands back: per-request outputs (vLLM's shape) and per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The most likely tokens at this position, most likely first: (token id, logprob).
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    # Everything generated so far (released text only: text that might still turn out to be the
+    # start of a stop string is held back until that is known).
+    text: str
+    token_ids: list[int]
+    # None while running; "stop", "length" or "abort" once finished.
+    finish_reason: str | None
+    # The stop string or stop token id that ended it, if any.
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    # What this step added, for streaming.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    # Device time attributed to this request: each step's duration divided among the sequences it
+    # processed, in proportion to their tokens.
+    gpu_time_s: float
+    num_preemptions: int
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+    # Conveniences for the common n == 1 case.
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(output.token_ids) for output in self.outputs)
+
+
+@dataclass
+class StepStats:
+    """One engine step, for metrics."""
+
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    # request id -> tokens run through the model for it this step.
+    tokens_per_request: dict[str, int]
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by live sequences
+    # Cumulative counters since start-up (tokens for the prefix cache).
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_generated_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens

@@ -1,0 +1,141 @@
+"""The `make run` launcher: brings the system up and takes every process down again."""
+
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from controlplane.env import read_env_file
+from controlplane.launcher import Launcher, ProcessSpec, process_specs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _live_members_of_group(pgid: int) -> list[int]:
+    """Processes (zombies excepted) whose process group is `pgid`, read from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _embedded_env(tmp_path: Path) -> dict[str, str]:
+    """What `make run` sees on a fresh machine: no DATABASE_URL, no REDIS_URL, state under VAR_DIR."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")}
+    return {**env, "DEBUG": "1", "VAR_DIR": str(tmp_path / "var")}
+
+
+def test_process_specs_name_web_worker_and_beat():
+    specs = process_specs(host="0.0.0.0", port=8000)
+    assert [spec.name for spec in specs] == ["web", "worker", "beat"]
+    web = specs[0].argv
+    assert "controlplane.asgi:application" in web and web[web.index("--port") + 1] == "8000"
+
+
+def test_a_child_dying_stops_the_others_and_fails():
+    out = io.StringIO()
+    launcher = Launcher([
+        ProcessSpec("sleeper", ["sleep", "60"]),
+        ProcessSpec("crasher", [sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(3)"]),
+    ], out=out)
+    started = time.monotonic()
+    assert launcher.run() == 1
+    assert time.monotonic() - started < 10
+    log = out.getvalue()
+    assert "crasher exited unexpectedly with status 3" in log
+    pids = [int(pid) for pid in re.findall(r"started \w+ \(pid (\d+)\)", log)]
+    assert len(pids) == 2 and not any(_live_members_of_group(pid) for pid in pids)
+
+
+def test_a_stop_request_stops_every_child():
+    out = io.StringIO()
+    launcher = Launcher([ProcessSpec("a", ["sleep", "60"]), ProcessSpec("b", ["sleep", "60"])], out=out)
+    polls = []
+
+    def stop_soon() -> bool:  # the readiness hook doubles as "the system is up; now press Ctrl-C"
+        polls.append(1)
+        if len(polls) == 3:
+            launcher.request_stop(signal.SIGINT)
+        return False
+
+    assert launcher.run(on_ready=stop_soon) == 0
+    pids = [int(pid) for pid in re.findall(r"started \w+ \(pid (\d+)\)", out.getvalue())]
+    assert len(pids) == 2 and not any(_live_members_of_group(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
+    env = _embedded_env(tmp_path)
+    env_file = tmp_path / ".env.demo"
+    for command in (["migrate", "--noinput"], ["seed_demo", "--env-file", str(env_file)]):
+        subprocess.run([sys.executable, "manage.py", *command], cwd=REPO, env=env, check=True,
+                       capture_output=True, timeout=300)
+    port = _free_port()
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "controlplane.launcher", "--port", str(port), "--env-file", str(env_file)],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            login = _wait_for_page(f"http://127.0.0.1:{port}/accounts/login/", launcher, log_path)
+            assert 'name="password"' in login
+            _wait_for_text(log_path, "Press Ctrl-C to stop", launcher)
+            launcher.send_signal(signal.SIGINT)
+            assert launcher.wait(timeout=60) == 0
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+    output = log_path.read_text()
+    pids = {name: int(pid) for name, pid in re.findall(r"started (\w+) \(pid (\d+)\)", output)}
+    assert set(pids) == {"web", "worker", "beat"}
+    leftovers = {name: _live_members_of_group(pid) for name, pid in pids.items()}
+    assert not any(leftovers.values()), leftovers
+    # The banner gives the URL, the login and the API key that seed_demo wrote.
+    demo = read_env_file(env_file)
+    assert f"http://127.0.0.1:{port}/" in output
+    assert demo["OPENAI_API_KEY"] in output and demo["DEMO_ADMIN_PASSWORD"] in output
+    assert "all processes stopped" in output
+
+
+def _wait_for_page(url: str, launcher: subprocess.Popen, log_path: Path, timeout: float = 90) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            pytest.fail(f"the launcher exited early ({launcher.returncode}):\n{log_path.read_text()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.read().decode()
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.3)
+    pytest.fail(f"{url} did not answer within {timeout}s:\n{log_path.read_text()}")
+
+
+def _wait_for_text(log_path: Path, text: str, launcher: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log_path.read_text():
+        if time.monotonic() > deadline or launcher.poll() is not None:
+            pytest.fail(f"{text!r} never appeared:\n{log_path.read_text()}")
+        time.sleep(0.2)
