@@ -84,8 +84,8 @@ class ModelRunner:
         self.sampler = Sampler(device, config.seed)
         self.decode_graphs = None
         # Only a backend that never reads device values on the host can be captured.
-        if device.type == "cuda" and not config.enforce_eager and getattr(model, "attn_backend", None) \
-                is not None and getattr(model.attn_backend, "name", "") == "triton":
+        backend_name = getattr(getattr(model, "attn_backend", None), "name", "")
+        if device.type == "cuda" and not config.enforce_eager and backend_name == "triton":
             from gpuworker.engine.cuda_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(
