@@ -225,12 +225,10 @@ def build_app(config: ServerConfig) -> Starlette:
         engine = holder.engine
         tokenizer = engine.engine.tokenizer
         if chat:
-            if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-                return _error("messages: this model's tokenizer has no chat template", param="messages")
-            text = tokenizer.apply_chat_template(parsed.chat_messages(), add_generation_prompt=True,
-                                                 tokenize=False)
-            # The template writes its own special tokens (BOS), as in LLMEngine.chat.
-            prompt: Any = tokenizer.encode(text, add_special_tokens=False)
+            try:
+                prompt: Any = engine.engine.render_chat(parsed.chat_messages())[1]
+            except ValueError as exc:
+                return _engine_error(exc, "messages")
         else:
             prompt = parsed.prompt
         request_id = new_id("chatcmpl" if chat else "cmpl")

@@ -255,15 +255,16 @@ class LLMEngine:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self._run_all([self.render_chat(conversation) for conversation in conversations], params)
+
+    def render_chat(self, conversation: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """One conversation through the model's chat template: (prompt text, prompt token ids)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-            # The template writes its own special tokens (BOS): do not add them twice.
-            prompts.append(self._tokenize(text, add_special_tokens=False))
-        return self._run_all(prompts, params)
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        # The template writes its own special tokens (BOS): do not add them twice.
+        return self._tokenize(text, add_special_tokens=False)
 
     def _run_all(self, prompts: list[tuple[str | None, list[int]]],
                  params: SamplingParams | list[SamplingParams] | None) -> list[RequestOutput]:
