@@ -1,7 +1,8 @@
 """Command line of the GPU worker.
 
     python -m gpuworker serve --model PATH --port 8100 [--device cpu|cuda] [--dtype auto]
-    python -m gpuworker daemon ...   (the host agent; not implemented yet)
+    python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
+                               [--device auto|cpu|cuda] [--port-range 8100-8199] [--log-level info]
 """
 
 from __future__ import annotations
@@ -9,7 +10,26 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
+from pathlib import Path
+
+TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
+
+
+def _token_default() -> str | None:
+    # GPUWORKER_TOKEN is the name `serve` read before the fleet-wide token existed.
+    return os.environ.get(TOKEN_ENV) or os.environ.get("GPUWORKER_TOKEN")
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in text.split("-", 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--port-range must look like 8100-8199, got {text!r}") from None
+    if not 1024 <= low <= high <= 65535:
+        raise argparse.ArgumentTypeError(f"--port-range must be LOW-HIGH within 1024-65535, got {text!r}")
+    return low, high
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,37 +43,74 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--token", default=os.environ.get("GPUWORKER_TOKEN"),
-                       help="require 'Authorization: Bearer TOKEN' (default: $GPUWORKER_TOKEN)")
+    serve.add_argument("--token", default=_token_default(),
+                       help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--memory-fraction", type=float, default=0.9,
                        help="fraction of free GPU memory the KV cache may take")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish after SIGTERM")
+    serve.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
+                       help="stop (as on SIGTERM) when process PID, our parent, dies (Linux)")
     serve.add_argument("--log-level", default="info")
 
-    # The host agent (issue 5 item 2) gets its own subcommand here:
-    # commands.add_parser("daemon", ...) with --control-url, --token, --host-name, --device,
-    # --advertise-host, --port-range.
+    daemon = commands.add_parser("daemon", help="the host agent: register, heartbeat, load/unload replicas")
+    daemon.add_argument("--control-url", required=True, help="the control plane's base URL")
+    daemon.add_argument("--token", default=os.environ.get(TOKEN_ENV),
+                        help=f"the fleet's worker token (default: ${TOKEN_ENV})")
+    daemon.add_argument("--name", default=socket.gethostname(), help="this worker's name (default: host name)")
+    daemon.add_argument("--advertise-host", default=None,
+                        help="host the gateway reaches replicas at (default: the address facing the control plane)")
+    daemon.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    daemon.add_argument("--port-range", type=_port_range, default=(8100, 8199))
+    daemon.add_argument("--state-dir", type=Path, default=None,
+                        help="where replica logs go (default: var/gpuworker/NAME)")
+    daemon.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish when the daemon is stopped")
+    daemon.add_argument("--log-level", default="info")
     return parser
 
 
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat and health poll otherwise
+
+
 def serve(args: argparse.Namespace) -> None:
-    import uvicorn
+    from gpuworker.server import ServerConfig, run_server
 
-    from gpuworker.server import ServerConfig, build_app
+    _configure_logging(args.log_level)
+    if args.exit_with_parent is not None:
+        from gpuworker.supervisor import exit_with_parent
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(ServerConfig(model=args.model, served_model_name=args.served_model_name,
-                                 device=args.device, dtype=args.dtype, token=args.token,
-                                 max_model_len=args.max_model_len,
-                                 gpu_memory_utilization=args.memory_fraction))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        exit_with_parent(args.exit_with_parent)
+    config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
+                          dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
+                          gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout)
+    run_server(config, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def daemon(args: argparse.Namespace) -> int:
+    from gpuworker.agent import Agent, AgentConfig
+
+    _configure_logging(args.log_level)
+    if not args.token:
+        print(f"--token (or ${TOKEN_ENV}) is required: the control plane and replicas demand it",
+              file=sys.stderr)
+        return 2
+    config = AgentConfig(control_url=args.control_url.rstrip("/"), token=args.token, name=args.name,
+                         advertise_host=args.advertise_host, device=args.device, port_range=args.port_range,
+                         state_dir=args.state_dir or Path("var") / "gpuworker" / args.name,
+                         drain_timeout_s=args.drain_timeout)
+    return Agent(config).run()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         serve(args)
-    return 0
+        return 0
+    return daemon(args)
 
 
 if __name__ == "__main__":

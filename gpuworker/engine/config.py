@@ -37,6 +37,9 @@ class EngineConfig:
     seed: int = 0
     # Read by the model runner: True keeps every step eager (no CUDA-graph capture).
     enforce_eager: bool = False
+    # Schedule and launch step N+1 while step N runs on the device, so host work hides behind it.
+    # None: on for CUDA, off for CPU (where nothing runs asynchronously to hide behind).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -64,6 +67,8 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         if self.num_kv_blocks is not None and self.max_model_len is not None:
             capacity = self.num_kv_blocks * self.block_size
             # A lone sequence must always be able to reach max_model_len, or preemption could
@@ -73,6 +78,12 @@ class EngineConfig:
                     f"num_kv_blocks ({self.num_kv_blocks}) x block_size ({self.block_size}) = {capacity} "
                     f"tokens cannot hold one sequence of max_model_len ({self.max_model_len}) tokens; "
                     "raise num_kv_blocks (or the memory budget) or lower max_model_len")
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        if self.async_scheduling is None:
+            return self.device.startswith("cuda")
+        return self.async_scheduling
 
     @property
     def is_resolved(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,12 @@ import torch
 from gpuworker.engine.attention import AttentionBackend
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.detokenizer import IncrementalDetokenizer, check_stop_token
-from gpuworker.engine.model_runner import ModelRunner, determine_num_kv_blocks
+from gpuworker.engine.model_runner import ModelRunner, StepHandle, determine_num_kv_blocks
 from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepStats,
                                       TokenLogprob)
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
-from gpuworker.engine.sequence import Sequence, SequenceGroup
+from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,19 @@ class _Request:
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+
+
+@dataclass
+class _InFlight:
+    handle: StepHandle
+    # (sequence, position of its placeholder) per sampling entry, from Scheduler.advance.
+    sampling: list[tuple[Sequence, int]]
+    launched_at: float
+
+
+def _needs_sync(params: SamplingParams) -> bool:
+    # Penalties read every generated token's value when the step is prepared.
+    return params.has_penalties
 
 
 class LLMEngine:
@@ -97,6 +110,11 @@ class LLMEngine:
         self._generate_ids = itertools.count()
         self.num_generated_tokens = 0
         self.last_step_stats: StepStats | None = None
+        # The step launched but not yet completed (async scheduling), and the requests that
+        # force synchronous steps while they run.
+        self._inflight: _InFlight | None = None
+        self._num_sync_requests = 0
+        self._last_completion = 0.0
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -123,6 +141,8 @@ class LLMEngine:
         self.scheduler.add(group)
         self._requests[request_id] = _Request(group, prompt_text, detokenizers,
                                               time.time() if arrival_time is None else arrival_time)
+        if _needs_sync(params):
+            self._num_sync_requests += 1
 
     def _tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -141,10 +161,15 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""
-        request = self._requests.pop(request_id, None)
+        request = self._requests.get(request_id)
         if request is None:
             return None
+        self._forget(request)
         self.scheduler.abort(request.group)
+        for seq in request.group.seqs:
+            # A token still in flight never arrives for an aborted sequence.
+            while seq.num_output_tokens and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                seq.token_ids.pop()
         request.finish_time = time.time()
         return self._output(request, {})
 
@@ -157,39 +182,77 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that produced tokens or finished."""
-        started = time.perf_counter()
+        """Run one batch; return an output for every request that produced tokens or finished.
+
+        With async scheduling the outputs are those of the step launched by the previous call:
+        this call schedules and launches the next step first, so its host work overlaps the
+        device work of the one before.
+        """
+        overlap = self.config.use_async_scheduling and self._num_sync_requests == 0
+        outputs: list[RequestOutput] = []
+        if not overlap and self._inflight is not None:
+            outputs += self._complete(self._inflight)
         batch = self.scheduler.schedule()
-        if batch.is_empty:
-            if self.scheduler.has_unfinished:
+        handle = None
+        if not batch.is_empty:
+            handle = self.runner.launch(batch, self._inflight.handle if self._inflight else None)
+        had_inflight = self._inflight is not None
+        if had_inflight:
+            # Fills in the previous step's tokens, so advance() below hashes only known tokens.
+            outputs += self._complete(self._inflight)
+        if handle is None:
+            if not had_inflight and not outputs and self.scheduler.has_unfinished:
                 # Cannot happen while the pool holds max_model_len tokens; fail rather than spin.
                 raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
-            return []
-        result = self.runner.execute(batch)
-        advanced = self.scheduler.postprocess(batch, result.token_ids)
+            return outputs
+        self._inflight = _InFlight(handle, self.scheduler.advance(batch), time.perf_counter())
+        if not overlap:
+            outputs += self._complete(self._inflight)
+        return outputs
+
+    def _complete(self, inflight: _InFlight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, fill them in, and run stop checks and detokenization."""
+        self._inflight = None
+        batch = inflight.handle.batch
+        result = self.runner.wait(inflight.handle)
+        finished_at = time.perf_counter()
+        # The device time of this step: from its launch, or from the end of the step before it.
+        duration = finished_at - max(inflight.launched_at, self._last_completion)
+        self._last_completion = finished_at
+        rows = inflight.handle.row_of()
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         now = time.time()
-        for seq, logprob in zip(advanced, result.logprobs):
+        for seq, position in inflight.sampling:
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            row = rows[seq.seq_id]
+            seq.token_ids[position] = result.token_ids[row]
             request = self._requests[seq.group.request_id]
-            deltas.setdefault(seq.group.request_id, {})[seq.index] = self._process_token(request, seq, logprob)
+            deltas.setdefault(seq.group.request_id, {})[seq.index] = self._process_token(
+                request, seq, result.logprobs[row])
             if request.first_token_time is None:
                 request.first_token_time = now
-        duration = time.perf_counter() - started
         tokens_per_request: dict[str, int] = {}
         for entry in batch.seqs:
             group = entry.seq.group
             group.gpu_time_s += duration * entry.num_new_tokens / batch.num_batched_tokens
             tokens_per_request[group.request_id] = tokens_per_request.get(group.request_id, 0) + entry.num_new_tokens
-        self.num_generated_tokens += len(advanced)
+        num_generated = sum(len(d) for d in deltas.values())
+        self.num_generated_tokens += num_generated
         outputs = []
         for request_id, request_deltas in deltas.items():
             request = self._requests[request_id]
             if request.group.is_finished:
+                self._forget(request)
                 request.finish_time = now
-                del self._requests[request_id]
             outputs.append(self._output(request, request_deltas))
-        self.last_step_stats = self._stats(batch, duration, tokens_per_request, len(advanced))
+        self.last_step_stats = self._stats(batch, duration, tokens_per_request, num_generated)
         return outputs
+
+    def _forget(self, request: _Request) -> None:
+        del self._requests[request.group.request_id]
+        if _needs_sync(request.group.params):
+            self._num_sync_requests -= 1
 
     def _process_token(self, request: _Request, seq: Sequence,
                        logprob: TokenLogprob | None) -> tuple[str, list[int]]:
@@ -224,6 +287,7 @@ class LLMEngine:
                 logprobs=list(logprobs) if logprobs is not None else None,
                 delta_text=delta_text, delta_token_ids=delta_ids))
         metrics = RequestMetrics(arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+                                 first_scheduled_time=group.first_scheduled_time,
                                  finish_time=request.finish_time, gpu_time_s=group.gpu_time_s,
                                  num_preemptions=group.num_preemptions)
         return RequestOutput(request_id=group.request_id, prompt=request.prompt,

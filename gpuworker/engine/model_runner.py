@@ -2,8 +2,11 @@
 
 Per step: host lists -> tensors copied to the device without blocking (from pinned memory on CUDA),
 one forward over all sequences' new tokens, logits only for the rows that sample, then exactly one
-device->host transfer (`.tolist()` of the sampled ids, packed with logprobs when asked for).
-`_run_model` is the seam where decode-only batches can be replayed from CUDA graphs.
+device->host transfer of the sampled ids (packed with logprobs when asked for). `launch` enqueues
+all of that and returns at once; `wait` blocks on the transfer. With async scheduling the engine
+launches step N+1 before waiting for step N: a decode input whose token is still a placeholder is
+read from step N's sampled ids on the device. `_run_model` is the seam where decode-only batches
+are replayed from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from gpuworker.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from gpuworker.engine.outputs import TokenLogprob
 from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
 from gpuworker.engine.scheduler import ScheduledBatch
+from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from gpuworker.models.config import ModelConfig
 
 
@@ -27,6 +31,22 @@ class ModelInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [S] int64: the token row whose hidden state each sample uses
+
+
+@dataclass
+class StepHandle:
+    """A launched step whose sampled tokens may still be on their way to the host."""
+
+    batch: ScheduledBatch
+    sample_seqs: list[Sequence]
+    token_ids: torch.Tensor | None  # [S] on the device: the next step's inputs may read them
+    # What comes back to the host: the ids, or ids packed with logprobs (float64 rows).
+    host: torch.Tensor | None
+    ready: torch.cuda.Event | None
+    max_logprobs: int | None
+
+    def row_of(self) -> dict[int, int]:
+        return {seq.seq_id: row for row, seq in enumerate(self.sample_seqs)}
 
 
 @dataclass
@@ -92,24 +112,47 @@ class ModelRunner:
                 model, self.kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                 block_size=config.block_size)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        inputs = self.prepare_inputs(batch)
+        """Run one step and wait for its sampled tokens."""
+        return self.wait(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> StepHandle:
+        """Enqueue one step on the device; `previous` supplies tokens still held as placeholders."""
+        inputs = self.prepare_inputs(batch, previous)
         sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
         sampling_meta = (SamplingMetadata.build(sample_seqs, self.model_config.vocab_size,
                                                 self.model_config.eos_token_ids, self.device)
                          if sample_seqs else None)
         hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if sampling_meta is None:
-            return StepResult([], [])
+            return StepHandle(batch, [], None, None, None, None)
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         out = self.sampler(logits, sampling_meta)
         if out.logprobs is None:
-            return StepResult(out.token_ids.tolist(), [None] * len(sample_seqs))
-        # ids are exact in float64, so one transfer carries everything.
-        packed = torch.cat([out.token_ids[:, None].double(), out.logprobs[:, None].double(),
-                            out.top_ids.double(), out.top_logprobs.double()], dim=1).tolist()
-        return self._unpack(packed, sample_seqs, sampling_meta.max_logprobs)
+            result = out.token_ids
+        else:
+            # ids are exact in float64, so one transfer carries everything.
+            result = torch.cat([out.token_ids[:, None].double(), out.logprobs[:, None].double(),
+                                out.top_ids.double(), out.top_logprobs.double()], dim=1)
+        ready = None
+        if self.device.type == "cuda":
+            host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+            host.copy_(result, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = result
+        return StepHandle(batch, sample_seqs, out.token_ids, host, ready, sampling_meta.max_logprobs)
+
+    def wait(self, handle: StepHandle) -> StepResult:
+        if handle.host is None:
+            return StepResult([], [])
+        if handle.ready is not None:
+            handle.ready.synchronize()
+        if handle.max_logprobs is None:
+            return StepResult(handle.host.tolist(), [None] * len(handle.sample_seqs))
+        return self._unpack(handle.host.tolist(), handle.sample_seqs, handle.max_logprobs)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
@@ -118,7 +161,7 @@ class ModelRunner:
             return self.decode_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
-    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+    def prepare_inputs(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> ModelInputs:
         """Flatten the batch's new tokens (decodes first, as the batch is ordered) into one sequence."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -128,6 +171,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_indices: list[int] = []
         block_tables: list[list[int]] = []
+        placeholders: list[tuple[int, Sequence]] = []
         for entry in batch.seqs:
             seq, start = entry.seq, entry.start
             end = start + entry.num_new_tokens
@@ -140,23 +184,50 @@ class ModelRunner:
             block_tables.append(table)
             if entry.samples:
                 sample_indices.append(query_start_loc[-1] - 1)
+            if input_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                placeholders.append((len(input_ids) - 1, seq))
+                if entry.num_new_tokens != 1:
+                    # Only a decode's one input token can still be in flight.
+                    raise RuntimeError(f"{seq}: a prefill chunk ends in a token not yet sampled")
         width = max(len(table) for table in block_tables)
-        padded_tables = [table + [0] * (width - len(table)) for table in block_tables]
-        device = self.device
+        flat_tables: list[int] = []
+        for table in block_tables:
+            flat_tables += table
+            flat_tables += [0] * (width - len(table))
+        # Two host->device copies per step (one per dtype), sliced into the metadata on the device.
+        num_tokens, num_seqs = len(input_ids), len(seq_lens)
+        longs = to_device(input_ids + positions + slot_mapping + sample_indices, torch.int64, self.device)
+        ints = to_device(query_start_loc + seq_lens + flat_tables, torch.int32, self.device)
+        input_ids_t, positions_t, slot_mapping_t, sample_indices_t = longs.split(
+            [num_tokens, num_tokens, num_tokens, len(sample_indices)])
+        query_start_loc_t, seq_lens_t, tables_t = ints.split([num_seqs + 1, num_seqs, num_seqs * width])
         meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping, torch.int64, device),
-            query_start_loc=to_device(query_start_loc, torch.int32, device),
-            seq_lens=to_device(seq_lens, torch.int32, device),
-            block_tables=to_device(padded_tables, torch.int32, device),
+            slot_mapping=slot_mapping_t,
+            query_start_loc=query_start_loc_t,
+            seq_lens=seq_lens_t,
+            block_tables=tables_t.view(num_seqs, width),
             num_decode_seqs=batch.num_decode_seqs,
             max_query_len=max(entry.num_new_tokens for entry in batch.seqs),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        return ModelInputs(input_ids=to_device(input_ids, torch.int64, device),
-                           positions=to_device(positions, torch.int64, device),
-                           meta=meta, sample_indices=to_device(sample_indices, torch.int64, device))
+        if placeholders:
+            self._fill_placeholders(input_ids_t, placeholders, previous)
+        return ModelInputs(input_ids=input_ids_t, positions=positions_t, meta=meta,
+                           sample_indices=sample_indices_t)
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, placeholders: list[tuple[int, Sequence]],
+                           previous: StepHandle | None) -> None:
+        """Copy the tokens still held as placeholders from the previous step's sampled ids."""
+        rows = previous.row_of() if previous is not None and previous.token_ids is not None else {}
+        dst, src = [], []
+        for index, seq in placeholders:
+            if seq.seq_id not in rows:
+                raise RuntimeError(f"{seq}: its input token was not sampled by the previous step")
+            dst.append(index)
+            src.append(rows[seq.seq_id])
+        input_ids[to_device(dst, torch.int64, self.device)] = previous.token_ids[to_device(src, torch.int64, self.device)]
 
     @staticmethod
     def _unpack(packed: list[list[float]], seqs: list, max_logprobs: int) -> StepResult:

@@ -43,6 +43,8 @@ class RequestMetrics:
     # processed, in proportion to their tokens.
     gpu_time_s: float
     num_preemptions: int
+    # When a step first ran the request (None if it never ran): queue time = this - arrival_time.
+    first_scheduled_time: float | None = None
 
 
 @dataclass

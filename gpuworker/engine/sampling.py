@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpuworker.engine.sampling_params import SamplingParams
@@ -177,10 +178,19 @@ def noise_seed(seed: int, index: int, position: int) -> int:
     return hash((seed, index, position)) & _SEED_MASK
 
 
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor, copied asynchronously (from pinned memory on CUDA)."""
-    pin = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None or (values and isinstance(values[0], list)):
+        host = torch.tensor(values, dtype=dtype)
+    else:  # numpy converts a flat list of numbers about 3x faster than torch.tensor
+        host = torch.from_numpy(np.array(values, dtype=np_dtype))
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -9,12 +9,13 @@ No torch here.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from gpuworker.engine.block_manager import BlockManager
 from gpuworker.engine.config import EngineConfig
-from gpuworker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ class Scheduler:
             for seq in list(self.running):
                 if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed_tokens == 1) != decode_phase:
                     continue
+                if seq.num_output_tokens >= seq.group.max_tokens:
+                    # Its last token is still in flight (async scheduling) and will finish it.
+                    continue
                 if step.is_full:
                     break
                 num_new = min(seq.num_uncomputed_tokens, step.token_budget)
@@ -104,6 +108,8 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.admit(seq, matched, num_new)
             seq.status = SequenceStatus.RUNNING
+            if seq.group.first_scheduled_time is None:  # a preempted sequence keeps its first time
+                seq.group.first_scheduled_time = time.time()
             self.running.append(seq)
             step.add(seq, num_new)
         return step.build()
@@ -128,24 +134,23 @@ class Scheduler:
         # Preempted before newer arrivals: it goes back to the front.
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Advance the batch's sequences after the model ran; return those that got a new token.
-
-        sampled_token_ids holds one id per sampling entry of the batch, in batch order.
-        """
-        if len(sampled_token_ids) != sum(1 for s in batch.seqs if s.samples):
-            raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for "
-                             f"{sum(1 for s in batch.seqs if s.samples)} sampling sequences")
-        sampled = iter(sampled_token_ids)
-        advanced: list[Sequence] = []
+    def advance(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Account for a launched step: its tokens are computed, and each sampling sequence gets a
+        placeholder for its new token. Returns (sequence, placeholder position) per sampling entry
+        still running, in batch order; sequences finished since scheduling are left alone."""
+        sampling: list[tuple[Sequence, int]] = []
         for entry in batch.seqs:
             seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             seq.num_computed_tokens = entry.start + entry.num_new_tokens
+            # Only tokens with known values are hashed: every computed one is (the placeholders
+            # of earlier steps were filled before this call).
             self.block_manager.cache_computed_blocks(seq, entry.start)
             if not entry.samples:
                 continue
-            seq.token_ids.append(next(sampled))
-            advanced.append(seq)
+            sampling.append((seq, seq.num_tokens))
+            seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
             group = seq.group
             if seq.index == 0 and group.pending_forks:
                 # The prompt is computed: siblings start from its shared blocks.
@@ -154,6 +159,18 @@ class Scheduler:
                     child.status = SequenceStatus.RUNNING
                     self.running.append(child)
                 group.pending_forks = []
+        return sampling
+
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
+        """advance() and fill in the sampled tokens at once (synchronous stepping); returns the
+        sequences that got a new token. sampled_token_ids: one id per sampling entry, in order."""
+        if len(sampled_token_ids) != sum(1 for s in batch.seqs if s.samples):
+            raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for "
+                             f"{sum(1 for s in batch.seqs if s.samples)} sampling sequences")
+        advanced = []
+        for (seq, position), token_id in zip(self.advance(batch), sampled_token_ids, strict=True):
+            seq.token_ids[position] = token_id
+            advanced.append(seq)
         return advanced
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:

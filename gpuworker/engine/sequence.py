@@ -12,6 +12,11 @@ import enum
 from gpuworker.engine.sampling_params import SamplingParams
 
 
+# Stands in token_ids for a sampled token whose value is still on the device (async scheduling):
+# the next step reads it from the device, and the host fills it in when the step's results arrive.
+PLACEHOLDER_TOKEN_ID = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -95,6 +100,8 @@ class SequenceGroup:
         self.pending_forks: list[Sequence] = self.seqs[1:]
         # Device time attributed to this request: each step's duration split by tokens processed.
         self.gpu_time_s = 0.0
+        # Wall-clock time (time.time()) of the first step that ran it, for the queue-time metric.
+        self.first_scheduled_time: float | None = None
 
     @property
     def is_finished(self) -> bool:

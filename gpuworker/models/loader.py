@@ -8,7 +8,11 @@ checkpoint fails at once with the file and the expected shape in the message.
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +35,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 LOAD_FORMATS = ("auto", "dummy")
 # Checkpoint tensors the model has no use for and that are safe to skip.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# The model is built deep inside LLMEngine; a caller that wants weight-loading progress (the worker
+# server's /health) installs a callback for its own thread instead of threading it through every
+# constructor. Context-local, so concurrent loads in other threads never see it.
+_progress_callback: ContextVar[Callable[[float], None] | None] = ContextVar("load_progress", default=None)
+
+
+@contextmanager
+def report_load_progress(callback: Callable[[float], None]) -> Iterator[None]:
+    """Within the block, safetensors loads in this context call callback(fraction of weights copied)."""
+    token = _progress_callback.set(callback)
+    try:
+        yield
+    finally:
+        _progress_callback.reset(token)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
@@ -194,11 +212,17 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     if unexpected:
         raise ValueError(f"{mc.model_path}: tensors not used by {mc.architecture}: "
                          f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+    progress = _progress_callback.get()
+    total = sum(math.prod(targets[name].shape) for _, names in plan for name in names)
+    done = 0
     for file, names in plan:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in names:
                 target = targets[name]
                 target.param[target.start:target.start + target.rows].copy_(f.get_tensor(name))
+                if progress is not None:
+                    done += math.prod(target.shape)
+                    progress(done / total)
 
 
 @torch.no_grad()

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
 import uvicorn
 
+from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from gpuworker.engine_holder import EngineHolder
 from gpuworker.server import ServerConfig, build_app
+from tests.gpuworker.streaming import stream_in_thread
 
 TOKEN = "s3cret"
 
@@ -23,11 +31,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
+@contextmanager
+def _serving(config: ServerConfig):
     """A real uvicorn on 127.0.0.1 in a thread of this process, so tests can look into the engine."""
-    app = build_app(ServerConfig(model=str(tiny_checkpoint("llama")), served_model_name="tiny",
-                                 token=TOKEN, max_model_len=1024))
+    app = build_app(config)
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -43,9 +50,22 @@ def server(tiny_checkpoint):
         time.sleep(0.05)
     else:
         pytest.fail("the server never became ready")
-    yield base, app
-    uv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield base, app
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
+def _config(tiny_checkpoint, **overrides) -> ServerConfig:
+    return ServerConfig(model=str(tiny_checkpoint("llama")), served_model_name="tiny", token=TOKEN,
+                        max_model_len=1024, **overrides)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    with _serving(_config(tiny_checkpoint)) as running:
+        yield running
 
 
 def _client(base: str) -> httpx.Client:
@@ -188,6 +208,7 @@ async def test_health_is_503_while_loading(tiny_checkpoint):
         # The lifespan has not started the load yet: the server answers, but is loading.
         response = await client.get("/health")
         assert response.status_code == 503 and response.json()["status"] == "loading"
+        assert response.json()["progress"] == 0.0
         assert (await client.post("/v1/completions", json={"prompt": "x"})).status_code == 503
         async with app.router.lifespan_context(app):
             for _ in range(600):
@@ -211,38 +232,165 @@ async def test_wrong_model_path_reports_failed(tmp_path):
         assert body["status"] == "failed" and body["error"]
 
 
-def test_cli_serve_subprocess(tiny_checkpoint):
-    """`python -m gpuworker serve` starts, serves, and stops cleanly on SIGTERM."""
-    import signal
-    import subprocess
-    import sys
+def _value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
+
+def _wait_idle(client: httpx.Client) -> dict:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        stats = client.get("/stats").json()
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["in_flight"] == 0:
+            break
+        time.sleep(0.02)
+    return stats
+
+
+def test_disconnect_of_non_streaming_request_aborts_it(server):
+    base, app = server
+    engine = app.state.holder.engine.engine
+    generated_before = engine.num_generated_tokens
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=0.5) as client:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            client.post("/v1/completions", json={"prompt": "a long answer please", "max_tokens": 1000,
+                                                 "ignore_eos": True})
+    with _client(base) as client:
+        stats = _wait_idle(client)
+    assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0 and stats["in_flight"] == 0
+    generated = engine.num_generated_tokens - generated_before
+    assert 0 < generated < 1000  # it ran, and was aborted rather than run to the end
+
+
+def _stream_in_thread(base: str, body: dict):
+    return stream_in_thread(f"{base}/v1/completions", body, TOKEN)
+
+
+def test_drain_refuses_new_requests_and_lets_streams_finish(tiny_checkpoint):
+    with _serving(_config(tiny_checkpoint)) as (base, app):
+        thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 200, "stream": True,
+                                                  "ignore_eos": True})
+        assert result["first"].wait(10)
+        with _client(base) as client:
+            assert client.post("/drain", json={"timeout_s": 60}).json() == {"running": 1}
+            assert thread.is_alive()  # still streaming while the replica drains
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json() == {"status": "draining"}
+            refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "replica_draining"
+            thread.join(60)
+            assert client.post("/drain", json={"timeout_s": -1}).status_code == 400
+        events = result["events"]
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(e["choices"]) for e in events[:-1]) == 200  # one token per chunk, none lost
+        assert app.state.holder.in_flight == 0 and not app.state.holder.drain_expired
+
+
+def test_drain_timeout_ends_requests_with_an_error(tiny_checkpoint):
+    with _serving(_config(tiny_checkpoint)) as (base, app):
+        thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 1000, "stream": True,
+                                                  "ignore_eos": True})
+        whole: dict = {}
+        whole_thread = threading.Thread(target=lambda: whole.update(response=_client(base).post(
+            "/v1/completions", json={"prompt": "also", "max_tokens": 1000, "ignore_eos": True})), daemon=True)
+        whole_thread.start()
+        assert result["first"].wait(10)
+        with _client(base) as client:
+            deadline = time.monotonic() + 5
+            while client.get("/stats").json()["running"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert client.post("/drain", json={"timeout_s": 0.2}).json() == {"running": 2}
+            thread.join(10)
+            whole_thread.join(10)
+            stats = _wait_idle(client)
+        events = result["events"]
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "replica_draining" and "drain timeout" in events[-2]["error"]["message"]
+        assert all(c["finish_reason"] is None for e in events[:-2] for c in e["choices"])
+        assert whole["response"].status_code == 503
+        assert whole["response"].json()["error"]["code"] == "replica_draining"
+        assert stats["kv_cache_usage"] == 0.0 and stats["in_flight"] == 0
+
+
+def test_queue_time_histogram_is_filled_from_first_scheduled_time():
+    holder = EngineHolder(ServerConfig(model="unused"))
+    output = RequestOutput(
+        request_id="r", prompt="p", prompt_token_ids=[1, 2], finished=True, num_cached_tokens=0,
+        outputs=[CompletionOutput(index=0, text="ab", token_ids=[3, 4], finish_reason="length")],
+        metrics=RequestMetrics(arrival_time=100.0, first_token_time=100.5, finish_time=101.0, gpu_time_s=0.1,
+                               num_preemptions=0, first_scheduled_time=100.25))
+    holder.record_finished(output)
+    text = holder.metrics.render().decode()
+    assert _value(text, "vllm:request_queue_time_seconds_count") == 1
+    assert _value(text, "vllm:request_queue_time_seconds_sum") == pytest.approx(0.25)
+    assert _value(text, "vllm:time_to_first_token_seconds_sum") == pytest.approx(0.5)
+
+
+def test_load_progress_comes_from_the_weights_loader(tiny_checkpoint):
+    class Recording(EngineHolder):
+        def _on_weights_progress(self, fraction: float) -> None:
+            super()._on_weights_progress(fraction)
+            seen.append(self.load_progress)
+
+    seen: list[float] = []
+    holder = Recording(ServerConfig(model=str(tiny_checkpoint("llama")), max_model_len=64))
+    holder._load()  # the load thread's body, run here
+    try:
+        assert holder.state == "ready" and holder.load_progress == 1.0
+        assert len(seen) > 3 and seen == sorted(seen) and 0.05 < seen[0] and seen[-1] == pytest.approx(0.9)
+    finally:
+        holder.shutdown()
+
+
+def _env_without_token() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUSERVE_WORKER_TOKEN", "GPUWORKER_TOKEN")}
+    # A tiny model gains nothing from threads; OpenMP threads spinning on a busy machine cost 20x.
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
+    """`python -m gpuworker serve` starts and serves; SIGTERM drains (503 for new requests, the stream
+    in flight finishes) and the process then exits 0."""
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")),
-         "--port", str(port), "--served-model-name", "cli", "--max-model-len", "256", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")), "--token", TOKEN,
+         "--port", str(port), "--served-model-name", "cli", "--max-model-len", "512", "--drain-timeout", "60",
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token())
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.stdout.read().decode()
-            time.sleep(0.1)
-        response = httpx.post(f"{base}/v1/completions", json={"model": "cli", "prompt": "hey", "max_tokens": 3,
-                                                                 "ignore_eos": True}, timeout=30)
-        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
-        assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 256
+        with _client(base) as client:
+            while time.monotonic() < deadline:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None, process.stdout.read().decode()
+                time.sleep(0.1)
+            response = client.post("/v1/completions", json={"model": "cli", "prompt": "hey", "max_tokens": 3,
+                                                            "ignore_eos": True})
+            assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+            assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+            thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 500, "stream": True,
+                                                      "ignore_eos": True})
+            assert result["first"].wait(10)
+            process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while client.get("/health").status_code != 503 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert client.get("/health").json() == {"status": "draining"}
+            assert thread.is_alive()
+            assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 503
+        thread.join(60)
+        assert result["events"][-1] == "[DONE]"
+        assert result["events"][-2]["choices"][0]["finish_reason"] == "length"
+        assert process.wait(timeout=30) == 0
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            # uvicorn shuts down gracefully (lifespan: engine stopped), then re-raises the signal.
-            assert process.wait(timeout=20) in (0, -signal.SIGTERM)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        if process.poll() is None:
+            process.kill()
+            process.wait()

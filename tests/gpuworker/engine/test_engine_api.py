@@ -213,8 +213,9 @@ def test_abort_frees_blocks_and_reports_abort(path):
     assert engine.scheduler.block_manager.usage == 0.0 and not engine.has_unfinished_requests()
 
 
-def test_gpu_time_is_shared_out_by_tokens(path):
-    engine = make_engine(path)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_gpu_time_is_shared_out_by_tokens(path, async_scheduling):
+    engine = make_engine(path, async_scheduling=async_scheduling)
     prompts = random_prompts((100, 4), TINY["vocab_size"])
     total = 0.0
     engine.add_request("long", prompts[0], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -222,7 +223,8 @@ def test_gpu_time_is_shared_out_by_tokens(path):
     finished = {}
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        total += engine.last_step_stats.duration_s
+        # With async scheduling the first call only launches: no step has completed yet.
+        total += engine.last_step_stats.duration_s if engine.last_step_stats else 0.0
         finished.update({out.request_id: out for out in outputs if out.finished})
     long, short = finished["long"].metrics.gpu_time_s, finished["short"].metrics.gpu_time_s
     assert long + short == pytest.approx(total)
@@ -237,3 +239,22 @@ def test_dummy_weights_without_a_tokenizer_take_token_ids(tiny_checkpoint):
     assert len(out.token_ids) == 4 and out.text == ""
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.add_request("text", "hello", SamplingParams())
+
+
+def test_async_scheduling_abort_with_a_token_in_flight(path):
+    prompts = random_prompts((30, 50), TINY["vocab_size"])
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = make_engine(path).generate(prompts, params)
+    engine = make_engine(path, async_scheduling=True)
+    engine.add_request("keep", prompts[0], params)
+    engine.add_request("drop", prompts[1], params)
+    for _ in range(4):
+        engine.step()
+    # "drop" now has a sampled token still in flight (a placeholder in its token ids).
+    dropped = engine.abort("drop")
+    assert dropped.finished and dropped.outputs[0].finish_reason == "abort"
+    assert all(token >= 0 for token in dropped.outputs[0].token_ids)
+    assert dropped.outputs[0].token_ids == reference[1].outputs[0].token_ids[:len(dropped.outputs[0].token_ids)]
+    finished = run(engine)
+    assert finished["keep"].outputs[0].token_ids == reference[0].outputs[0].token_ids
+    assert engine.scheduler.block_manager.usage == 0.0 and not engine.scheduler.running

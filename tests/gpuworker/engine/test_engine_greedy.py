@@ -2,7 +2,9 @@
 
 Each family's tiny random checkpoint runs a batch mixing prompt lengths from 1 to 250 tokens: all
 at once, with requests arriving between steps, with a KV pool small enough to force preemption,
-with chunked prefill forced, and a second pass served partly from the prefix cache.
+with chunked prefill forced, and a second pass served partly from the prefix cache. Each runs
+with synchronous steps and with async scheduling (step N+1 launched before step N's tokens are
+read back, its inputs taken from step N's sampled ids on the device).
 """
 
 from __future__ import annotations
@@ -29,17 +31,25 @@ class Case:
     prompts: list[list[int]]
     reference: list[list[int]]
 
+    async_scheduling: bool = False
+
     def engine(self, **overrides) -> LLMEngine:
-        kwargs = dict(num_kv_blocks=96, max_model_len=MAX_MODEL_LEN)
+        kwargs = dict(num_kv_blocks=96, max_model_len=MAX_MODEL_LEN, async_scheduling=self.async_scheduling)
         kwargs.update(overrides)
         return LLMEngine(self.path, device="cpu", dtype="float32", **kwargs)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def case(request, tiny_checkpoint) -> Case:
+def family_case(request, tiny_checkpoint) -> Case:
     path = tiny_checkpoint(request.param)
     prompts = random_prompts(LENGTHS, TINY["vocab_size"], seed=len(request.param))
     return Case(path, prompts, hf_greedy(path, prompts, MAX_TOKENS))
+
+
+@pytest.fixture(params=["sync", "async"])
+def case(request, family_case) -> Case:
+    return Case(family_case.path, family_case.prompts, family_case.reference,
+                async_scheduling=request.param == "async")
 
 
 def test_batch_all_at_once(case):

@@ -1,0 +1,162 @@
+"""Where a step's time goes: host phases of LLMEngine.step against the GPU time of the same work.
+
+    python bench/profile_step.py [--batch-sizes 1,64,256] [--steps 50]
+
+For each decode batch size it times, on the host, the scheduler, input preparation, the launch
+of the forward (graph replay), logits + sampling up to the one device->host transfer, and the
+post-processing (stop checks, detokenization, outputs); and, with CUDA events, the GPU time of
+the forward and of logits + sampling alone. Host time not hidden behind GPU time is overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+
+import torch
+
+from common import DEFAULT_CONFIG, environment, load_hf_config, print_table, write_json
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.totals[label] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+def profile_decode(args, batch_size: int) -> dict:
+    from gpuworker.engine import LLMEngine, SamplingParams
+
+    cfg = load_hf_config(args.config)
+    engine = LLMEngine(str(args.config), device="cuda", dtype=args.dtype, load_format="dummy",
+                       max_num_seqs=max(batch_size, 8), max_num_batched_tokens=max(2048, batch_size),
+                       max_model_len=args.max_model_len, seed=0)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 8, ignore_eos=True)
+    for i in range(batch_size):
+        engine.add_request(f"p{i}", [rng.randrange(cfg["vocab_size"]) for _ in range(args.prompt_len)], params)
+    # Prefill everything and warm up until every step is a pure decode of the whole batch.
+    for _ in range(args.warmup):
+        engine.step()
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in engine.scheduler.running):
+        engine.step()
+    runner = engine.runner
+    timer = PhaseTimer()
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.scheduler, "postprocess", "scheduler.postprocess")
+    timer.wrap(runner, "prepare_inputs", "prepare_inputs")
+    timer.wrap(runner, "_run_model", "forward launch")
+    timer.wrap(runner, "launch", "launch (prepare + forward + sample)")
+    timer.wrap(runner, "wait", "wait for sampled ids")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall = (time.perf_counter() - t0) / args.steps
+    loop_ops = loop_table(engine, args.steps) if args.kernels else []
+
+    # GPU time of the same forward and of logits + greedy sampling, back to back on the device.
+    batch = engine.scheduler.schedule()
+    # With async scheduling this batch's inputs read the in-flight step's sampled ids.
+    inflight = engine._inflight.handle if engine._inflight is not None else None
+    inputs = runner.prepare_inputs(batch, inflight)
+    start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    with torch.inference_mode():
+        for _ in range(3):
+            hidden = runner._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(args.steps):
+            hidden = runner._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        mid.record()
+        for _ in range(args.steps):
+            runner.model.compute_logits(hidden[inputs.sample_indices]).argmax(dim=-1)
+        end.record()
+        end.synchronize()
+    forward_gpu = start.elapsed_time(mid) / 1e3 / args.steps
+    kernels = kernel_table(runner, inputs, args.steps) if args.kernels else []
+    logits_gpu = mid.elapsed_time(end) / 1e3 / args.steps
+    per_step = {label: total / args.steps for label, total in timer.totals.items()}
+    del engine, runner
+    torch.cuda.empty_cache()
+    return {"batch_size": batch_size, "step_wall_s": wall, "forward_gpu_s": forward_gpu,
+            "logits_sample_gpu_s": logits_gpu, "host_phases_s": per_step, "kernels": kernels,
+            "loop_ops": loop_ops}
+
+
+def loop_table(engine, steps: int) -> list[tuple[str, float, float, int]]:
+    """The engine loop under the profiler: per step, each op's host self time and device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    rows = [(e.key[:60], e.self_cpu_time_total / 1e3 / steps, e.self_device_time_total / 1e3 / steps,
+             e.count // steps) for e in prof.key_averages()]
+    device_total = sum(r[2] for r in rows)
+    rows = sorted(rows, key=lambda r: -r[1])[:18]
+    return [("ALL device time per step", 0.0, device_total, 0)] + rows
+
+
+def kernel_table(runner, inputs, steps: int) -> list[tuple[str, float, int]]:
+    """GPU time per forward of each kernel (eager forward, same shapes), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        torch.cuda.synchronize()
+    rows = [(e.key[:60], e.device_time_total / 1e3 / steps, e.count // steps)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:16]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", default="1,64,256")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--kernels", action="store_true", help="also print a per-kernel GPU time table")
+    args = parser.parse_args()
+
+    results = [profile_decode(args, int(b)) for b in args.batch_sizes.split(",")]
+    for r in results:
+        ms = lambda s: f"{1e3 * s:.3f} ms"  # noqa: E731
+        gpu = r["forward_gpu_s"] + r["logits_sample_gpu_s"]
+        rows = [("step wall time", ms(r["step_wall_s"])),
+                ("GPU: forward", ms(r["forward_gpu_s"])),
+                ("GPU: logits + argmax", ms(r["logits_sample_gpu_s"])),
+                ("not GPU-bound (wall - GPU)", ms(r["step_wall_s"] - gpu))]
+        rows += [(f"host: {label}", ms(value)) for label, value in r["host_phases_s"].items()]
+        print_table(f"decode step, batch {r['batch_size']}", rows)
+        if r["loop_ops"]:
+            print_table(f"engine loop ops per step (host self ms / device ms), batch {r['batch_size']}",
+                        [(name, f"{cpu:.3f} / {dev:.3f} x{count}") for name, cpu, dev, count in r["loop_ops"]])
+        if r["kernels"]:
+            print_table(f"kernels per eager forward, batch {r['batch_size']}",
+                        [(name, f"{ms_:.3f} ms x{count}") for name, ms_, count in r["kernels"]])
+    write_json("profile_step", {"env": environment(), "args": vars(args) | {"config": str(args.config)},
+                                "results": results})
+
+
+if __name__ == "__main__":
+    main()

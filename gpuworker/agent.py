@@ -1,0 +1,245 @@
+"""The GPU worker daemon: registers the host with the control plane, heartbeats about every second,
+and consumes its own Celery queue of load/unload/drain commands, which the replica supervisor runs.
+
+    python -m gpuworker daemon --control-url http://cp:8000 --token TOKEN --name host-a
+
+SIGTERM or SIGINT drains every replica (bounded by --drain-timeout), stops the children, exits 0.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from gpuworker.hardware import HardwareError, HardwareProbe
+from gpuworker.supervisor import LoadRequest, Supervisor
+from gpuworker.tasks import CeleryConsumer, build_celery_app, register_tasks
+
+logger = logging.getLogger(__name__)
+
+REGISTER_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+FAILURE_LOG_EVERY_S = 30.0  # repeated heartbeat failures are logged this often, not every second
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    control_url: str
+    token: str
+    name: str
+    advertise_host: str | None
+    device: str
+    port_range: tuple[int, int]
+    state_dir: Path
+    drain_timeout_s: float = 30.0
+
+
+class NotRegistered(Exception):
+    """The control plane does not know our worker id (it answered 404): register again."""
+
+
+class ControlPlane:
+    """The control plane's /internal/workers endpoints, with the worker token."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self._http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=5.0)
+
+    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        response = self._http.post(path, json=payload)
+        if response.status_code == 404 and path.endswith("/heartbeat"):
+            raise NotRegistered(response.text[:200])
+        if response.status_code != 200:
+            raise httpx.HTTPStatusError(f"{path} answered {response.status_code}: {response.text[:300]}",
+                                        request=response.request, response=response)
+        body = response.json()
+        if not isinstance(body, dict):
+            raise ValueError(f"{path} answered {body!r}, not a JSON object")
+        return body
+
+    def register(self, payload: dict[str, Any]) -> dict[str, Any]:
+        body = self._post("/internal/workers/register", payload)
+        celery = body.get("celery")
+        if not (isinstance(body.get("worker_id"), int) and isinstance(body.get("queue"), str)
+                and isinstance(celery, dict) and isinstance(celery.get("broker_url"), str)):
+            raise ValueError(f"registration answer lacks worker_id, queue or celery.broker_url: {body!r}")
+        return body
+
+    def heartbeat(self, worker_id: int, payload: dict[str, Any]) -> dict[str, Any]:
+        return self._post(f"/internal/workers/{worker_id}/heartbeat", payload)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.draining = False
+        self._stop = threading.Event()
+        self._heartbeats_done = threading.Event()
+        self._worker_id: int | None = None
+        self._heartbeat_thread: threading.Thread | None = None
+        self._interval_s = 1.0
+        self._failing_since: float | None = None
+        self._last_failure_log = 0.0
+        self._control = ControlPlane(config.control_url, config.token)
+
+    # -- TaskHandler: what the Celery tasks ask for -----------------------------------------------
+
+    def load(self, request: LoadRequest) -> None:
+        self.supervisor.load(request)
+
+    def unload(self, replica_id: int, drain_timeout_s: float) -> None:
+        self.supervisor.unload(replica_id, drain_timeout_s)
+
+    def drain(self, timeout_s: float) -> None:
+        logger.info("draining the worker: no new loads, every replica unloaded within %.1fs", timeout_s)
+        self.draining = self.supervisor.refuse_loads = True
+        self.supervisor.unload_all(timeout_s)
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self._stop.set())
+        try:
+            self.probe = HardwareProbe(self.config.device)
+        except HardwareError as exc:
+            logger.error("%s", exc)
+            return 2
+        advertise_host = self.config.advertise_host or _facing_address(self.config.control_url)
+        self.supervisor = Supervisor(
+            token=self.config.token, gpu_count=self.probe.gpu_count, port_range=self.config.port_range,
+            advertise_host=advertise_host, bind_host="127.0.0.1" if _is_loopback(advertise_host) else "0.0.0.0",
+            state_dir=self.config.state_dir, worker_name=self.config.name)
+        self.supervisor.start()
+        self._registration_payload = {"name": self.config.name, "advertise_host": advertise_host,
+                                      "device": self.probe.device, **self.probe.inventory(),
+                                      "version": _version()}
+        registration = self._register_until_answered()
+        consumer = self._start(registration) if registration is not None else None
+        while not self._stop.wait(0.5):
+            pass
+        logger.info("stopping: draining every replica (at most %.1fs)", self.config.drain_timeout_s)
+        self.draining = True
+        if consumer is not None:
+            consumer.stop()
+        self.supervisor.close(self.config.drain_timeout_s)
+        self._heartbeats_done.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=10)
+        self._control.close()
+        self.probe.close()
+        logger.info("stopped")
+        return 0
+
+    def _start(self, registration: dict[str, Any]) -> CeleryConsumer:
+        """Consume the queue named at registration, and start heartbeating."""
+        queue, celery = registration["queue"], registration["celery"]
+        app = build_celery_app(worker_name=self.config.name, broker_url=celery["broker_url"],
+                               transport_options=celery.get("broker_transport_options") or {}, queue=queue)
+        register_tasks(app, self)
+        consumer = CeleryConsumer(app, worker_name=self.config.name, queue=queue,
+                                  log_level=logging.getLevelName(logging.getLogger().level))
+        consumer.start()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+        logger.info("worker %s (id %d) consuming %s on %s", self.config.name, self._worker_id, queue,
+                    self.probe.device)
+        return consumer
+
+    def _register(self) -> dict[str, Any]:
+        registration = self._control.register(self._registration_payload)
+        self._worker_id = registration["worker_id"]
+        self._interval_s = min(60.0, max(0.2, float(registration.get("heartbeat_interval_s", 1.0))))
+        return registration
+
+    def _register_until_answered(self) -> dict[str, Any] | None:
+        """Registration, retried with backoff until it succeeds; None if we are stopped first."""
+        for attempt in itertools.count():
+            try:
+                return self._register()
+            except (httpx.HTTPError, ValueError) as exc:
+                delay = REGISTER_BACKOFF_S[min(attempt, len(REGISTER_BACKOFF_S) - 1)]
+                logger.warning("registration with %s failed (%s); retrying in %.1fs",
+                               self.config.control_url, exc, delay)
+            if self._stop.wait(delay):
+                return None
+
+    def _heartbeat_payload(self) -> dict[str, Any]:
+        return {"sent_at": datetime.now(timezone.utc).isoformat(), "draining": self.draining,
+                **self.probe.sample(), "replicas": self.supervisor.snapshot()}
+
+    def _heartbeat_loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            self._beat()
+            if self._heartbeats_done.wait(max(0.0, self._interval_s - (time.monotonic() - started))):
+                self._beat()  # the last one reports the replicas stopped
+                return
+
+    def _beat(self) -> None:
+        try:
+            self._apply(self._control.heartbeat(self._worker_id, self._heartbeat_payload()))
+            self._failing_since = None
+        except NotRegistered:
+            logger.warning("the control plane does not know worker id %s; registering again", self._worker_id)
+            try:
+                self._register()
+            except (httpx.HTTPError, ValueError) as exc:
+                logger.warning("registering again failed: %s", exc)
+        except (httpx.HTTPError, ValueError) as exc:
+            now = time.monotonic()
+            if self._failing_since is None or now - self._last_failure_log > FAILURE_LOG_EVERY_S:
+                logger.warning("heartbeat failed: %s", exc)
+                self._last_failure_log = now
+            self._failing_since = self._failing_since or now
+
+    def _apply(self, answer: dict[str, Any]) -> None:
+        unload = answer.get("unload") or []
+        if not isinstance(unload, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in unload):
+            logger.warning("ignoring a heartbeat answer whose 'unload' is not a list of replica ids: %r", unload)
+            return
+        for replica_id in unload:
+            self.supervisor.unload(replica_id, self.config.drain_timeout_s)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _facing_address(control_url: str) -> str:
+    """The local address that reaches the control plane: where the gateway can likely reach us."""
+    parts = urlsplit(control_url)
+    host = parts.hostname or "127.0.0.1"
+    try:
+        address = socket.getaddrinfo(host, parts.port or 80, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(address[0], socket.SOCK_DGRAM) as probe:
+            probe.connect(address[4])  # UDP: no packet is sent, the kernel only picks a route
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+def _version() -> str:
+    try:
+        return metadata.version("gpuserve")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"

@@ -1,0 +1,187 @@
+"""One server's engine replica and its life cycle: loading (with progress), ready, draining, failed.
+
+The HTTP server answers before the model is loaded, so the engine is built in a background thread
+here; draining stops new requests, lets in-flight ones finish until a deadline, then aborts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuworker.engine import AsyncLLMEngine
+from gpuworker.engine.outputs import RequestOutput
+from gpuworker.metrics import EngineMetrics
+from gpuworker.models.loader import report_load_progress
+
+logger = logging.getLogger(__name__)
+
+# Share of /health's progress for the weights; building the KV pool and tokenizer take the rest.
+WEIGHTS_PROGRESS_START, WEIGHTS_PROGRESS_END = 0.05, 0.9
+
+
+@dataclass
+class ServerConfig:
+    model: str
+    served_model_name: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    token: str | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # SIGTERM (or POST /drain without a timeout): in-flight requests get this long to finish.
+    drain_timeout_s: float = 30.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+
+class EngineHolder:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine: AsyncLLMEngine | None = None
+        self.state = "loading"  # loading -> ready | failed; any -> draining
+        self.error: str | None = None
+        self.load_progress = 0.0
+        self.metrics = EngineMetrics(config.model_name)
+        # HTTP requests on /v1 in progress (counted by the server's middleware), streams included.
+        self.in_flight = 0
+        # Set once the drain deadline passed: requests still running were aborted for that reason.
+        self.drain_expired = False
+        self.drain_timeout_s = config.drain_timeout_s
+        self._drain_task: asyncio.Task | None = None
+        # Cumulative engine counters already added to the Prometheus counters.
+        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._tokens_window: list[tuple[float, int]] = []
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def start_loading(self) -> None:
+        threading.Thread(target=self._load, name="engine-load", daemon=True).start()
+
+    def _on_weights_progress(self, fraction: float) -> None:
+        self.load_progress = WEIGHTS_PROGRESS_START + (WEIGHTS_PROGRESS_END - WEIGHTS_PROGRESS_START) * fraction
+
+    def _load(self) -> None:
+        kwargs: dict[str, Any] = {"device": self.config.device,
+                                  "gpu_memory_utilization": self.config.gpu_memory_utilization}
+        if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
+            kwargs["dtype"] = self.config.dtype
+        if self.config.max_model_len is not None:
+            kwargs["max_model_len"] = self.config.max_model_len
+        self.load_progress = WEIGHTS_PROGRESS_START
+        try:
+            with report_load_progress(self._on_weights_progress):
+                engine = AsyncLLMEngine(self.config.model, **kwargs)
+        except Exception as exc:  # reported through /health and /stats, not a crash loop
+            logger.exception("loading %s failed", self.config.model)
+            self.error = f"{type(exc).__name__}: {exc}"
+            if self.state == "loading":
+                self.state = "failed"
+            return
+        self.engine, self.load_progress = engine, 1.0
+        if self.state == "loading":  # a drain that began meanwhile wins
+            self.state = "ready"
+        logger.info("model %s ready", self.config.model_name)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    # -- draining -------------------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_task is not None
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Refuse new requests from now on; abort the in-flight ones still running after timeout_s.
+        A second call keeps the first deadline. Call on the server's event loop."""
+        if self._drain_task is not None:
+            return
+        self.drain_timeout_s = timeout_s
+        if self.state != "failed":
+            self.state = "draining"
+        logger.info("draining: %d request(s) in flight, %.1fs to finish", self.in_flight, timeout_s)
+        self._drain_task = asyncio.get_running_loop().create_task(self._expire_after(timeout_s))
+
+    async def _expire_after(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            logger.warning("drain timeout (%.1fs) passed: aborting %d request(s)", timeout_s, self.in_flight)
+            self.drain_expired = True
+            await self.abort_all()
+
+    async def abort_all(self) -> None:
+        if self.engine is not None:
+            for request_id in await self.engine.call(lambda engine: engine.unfinished_request_ids()):
+                await self.engine.abort(request_id)
+
+    async def wait_drained(self, grace_s: float) -> None:
+        """Wait for the drain to end: no request in flight, or grace_s after the deadline aborted
+        them (a client that stops reading must not hold the process forever)."""
+        if self._drain_task is not None:
+            await self._drain_task
+        deadline = time.monotonic() + grace_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    # -- figures --------------------------------------------------------------------------------
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Live engine figures, read on the engine thread between steps; also refreshes the gauges."""
+        base = {"state": self.state, "error": self.error, "load_progress": self.load_progress,
+                "in_flight": self.in_flight}
+        if self.engine is None:
+            return {**base, "running": 0, "waiting": 0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0,
+                    "prefix_cache_hit_rate": 0.0}
+
+        def read(engine):
+            scheduler = engine.scheduler
+            bm = scheduler.block_manager
+            return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                    "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
+                    "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": scheduler.num_preemptions,
+                    "num_generated_tokens": engine.num_generated_tokens}
+
+        figures = await self.engine.call(read)
+        m = self.metrics
+        m.num_requests_running.set(figures["running"])
+        m.num_requests_waiting.set(figures["waiting"])
+        m.kv_cache_usage.set(figures["kv_cache_usage"])
+        for key, counter in (("prefix_cache_queries", m.prefix_cache_queries),
+                             ("prefix_cache_hits", m.prefix_cache_hits),
+                             ("num_preemptions", m.num_preemptions)):
+            delta = figures[key] - self._seen[key]
+            if delta > 0:
+                counter.inc(delta)
+            self._seen[key] = figures[key]
+        # tokens/s over the last ~10 s of snapshots
+        t = time.monotonic()
+        self._tokens_window = [(ts, n) for ts, n in self._tokens_window if t - ts < 10.0]
+        self._tokens_window.append((t, figures["num_generated_tokens"]))
+        first_t, first_n = self._tokens_window[0]
+        tokens_per_s = (figures["num_generated_tokens"] - first_n) / (t - first_t) if t > first_t else 0.0
+        queries = figures["prefix_cache_queries"]
+        return {**base, "running": figures["running"], "waiting": figures["waiting"],
+                "kv_cache_usage": figures["kv_cache_usage"], "tokens_per_s": tokens_per_s,
+                "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0}
+
+    def record_finished(self, output: RequestOutput) -> None:
+        m, metrics = self.metrics, output.metrics
+        m.prompt_tokens.inc(len(output.prompt_token_ids))
+        m.generation_tokens.inc(output.num_generated_tokens)
+        if metrics.first_scheduled_time is not None:
+            m.request_queue_time.observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
+        if metrics.first_token_time is not None:
+            m.time_to_first_token.observe(max(0.0, metrics.first_token_time - metrics.arrival_time))
+        if metrics.finish_time is not None:
+            m.e2e_request_latency.observe(max(0.0, metrics.finish_time - metrics.arrival_time))

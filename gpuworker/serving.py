@@ -1,0 +1,156 @@
+"""OpenAI response bodies for the worker server: errors, whole responses and SSE chunk streams.
+
+Every response's usage also reports `gpu_time_s`, the request's share of engine step time, so the
+control plane can price requests against GPU cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from gpuworker.engine.outputs import RequestOutput
+from gpuworker.engine_holder import EngineHolder
+from gpuworker.protocol import ProtocolError, now, usage_dict
+
+
+def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                   type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(ProtocolError(message, param=param, code=code, status=status, type=type).to_dict(),
+                        status_code=status)
+
+
+def engine_error(exc: ValueError, prompt_field: str) -> JSONResponse:
+    message = str(exc)
+    code = "context_length_exceeded" if "max_model_len" in message else None
+    param = message.split(":", 1)[0] if ":" in message and " " not in message.split(":", 1)[0] else None
+    if code is not None:
+        param = prompt_field if param is None else param
+    return error_response(message, param=param, code=code)
+
+
+def drain_expired_error(timeout_s: float) -> ProtocolError:
+    """Why a request was cut short: the replica was being stopped and its drain timeout passed."""
+    return ProtocolError(f"the replica is shutting down and this request did not finish within the "
+                         f"drain timeout ({timeout_s:g}s); retry it", status=503, type="server_error",
+                         code="replica_draining")
+
+
+class Responder:
+    """Turns engine outputs into OpenAI response bodies (whole or as SSE chunks)."""
+
+    def __init__(self, holder: EngineHolder, parsed: Any, request_id: str, chat: bool, tokenizer: Any):
+        self.holder, self.parsed, self.request_id, self.chat = holder, parsed, request_id, chat
+        self.tokenizer = tokenizer
+        self.created = now()
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _logprobs(self, entries) -> dict | None:
+        if entries is None:
+            return None
+        if self.chat:
+            def item(token_id, logprob):
+                token = self._token(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+            return {"content": [{**item(e.token_id, e.logprob),
+                                 "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]} for e in entries]}
+        tokens = [self._token(e.token_id) for e in entries]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token(t): lp for t, lp in e.top_logprobs} for e in entries],
+                "text_offset": offsets}
+
+    def _usage(self, output: RequestOutput) -> dict:
+        return usage_dict(len(output.prompt_token_ids), output.num_generated_tokens,
+                          prompt_tokens_details={"cached_tokens": output.num_cached_tokens},
+                          gpu_time_s=output.metrics.gpu_time_s)
+
+    def full(self, output: RequestOutput) -> dict:
+        choices = []
+        for c in output.outputs:
+            logprobs = self._logprobs(c.logprobs)
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+            else:
+                text = (output.prompt or "") + c.text if self.parsed.echo else c.text
+                choices.append({"index": c.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
+        return {"id": self.request_id, "object": self.object, "created": self.created,
+                "model": self.holder.config.model_name, "choices": choices, "usage": self._usage(output)}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": self.request_id, "object": f"{self.object}.chunk" if self.chat else self.object,
+                "created": self.created, "model": self.holder.config.model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def sse(self, first: RequestOutput, stream: AsyncIterator[RequestOutput],
+                  request: Request) -> AsyncIterator[str]:
+        engine = self.holder.engine
+        metrics = self.holder.metrics
+        finished = False
+        sent_logprobs = [0] * len(first.outputs)
+        try:
+            if self.chat:  # OpenAI opens every choice with the role
+                yield self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None} for c in first.outputs])
+            output = first
+            last_time = time.monotonic()
+            while True:
+                if output.finished and self.holder.drain_expired and \
+                        any(c.finish_reason == "abort" for c in output.outputs):
+                    finished = True  # aborted by the drain: the client gets an error, not "abort"
+                    yield f"data: {json.dumps(drain_expired_error(self.holder.drain_timeout_s).to_dict())}\n\n"
+                    break
+                choices = []
+                for c in output.outputs:
+                    if not c.delta_text and not c.delta_token_ids and c.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if c.logprobs is not None:
+                        logprobs = self._logprobs(c.logprobs[sent_logprobs[c.index]:])
+                        sent_logprobs[c.index] = len(c.logprobs)
+                    if self.chat:
+                        choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
+                                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+                    else:
+                        choices.append({"index": c.index, "text": c.delta_text, "logprobs": logprobs,
+                                        "finish_reason": c.finish_reason})
+                if choices:
+                    yield self._chunk(choices)
+                if output.finished:
+                    finished = True
+                    self.holder.record_finished(output)
+                    if self.parsed.include_usage:
+                        yield self._chunk([], usage=self._usage(output))
+                    break
+                output = await anext(stream)
+                t = time.monotonic()
+                metrics.inter_token_latency.observe(t - last_time)
+                last_time = t
+            yield "data: [DONE]\n\n"
+        except ValueError as exc:
+            yield f"data: {json.dumps(ProtocolError(str(exc)).to_dict())}\n\ndata: [DONE]\n\n"
+        except Exception as exc:  # the engine step failed: end the stream in words, never silently
+            error = ProtocolError(f"the engine failed: {type(exc).__name__}: {exc}", status=500, type="server_error")
+            yield f"data: {json.dumps(error.to_dict())}\n\ndata: [DONE]\n\n"
+        finally:
+            if not finished:
+                # Client gone (cancellation) or an error: free the request's KV blocks now. Not
+                # awaited directly, because a cancelled task cannot await.
+                asyncio.ensure_future(engine.abort(self.request_id))
+            await stream.aclose()

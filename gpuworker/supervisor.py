@@ -1,0 +1,321 @@
+"""The replica supervisor: one `python -m gpuworker serve` child process per replica, and its state.
+
+One thread owns every child (spawn, health polls, drain, SIGTERM, SIGKILL); load() and unload()
+only queue commands for it, so a Celery task never waits on a model. Children are started from
+that long-lived thread because they ask Linux to SIGTERM them when it dies (a SIGKILLed daemon
+must not leave replicas holding ports and GPU memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5
+# After the drain timeout the child aborts what is left; this is how long we then wait for it.
+DRAIN_GRACE_S = 5.0
+KILL_AFTER_S = 10.0  # after SIGTERM, before SIGKILL
+FORGET_AFTER_S = 60.0  # stopped and failed replicas stay in heartbeats this long
+LOG_TAIL_CHARS = 1500
+LIVE_STATES = ("loading", "ready", "draining")
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    replica_id: int
+    model_path: str
+    served_model_name: str
+    gpu_index: int | None
+    memory_fraction: float
+    max_model_len: int | None = None
+    dtype: str = "auto"
+
+
+@dataclass
+class Replica:
+    request: LoadRequest
+    state: str = "loading"
+    error: str = ""
+    endpoint_url: str = ""
+    port: int | None = None
+    load_progress: float = 0.0
+    figures: dict[str, float] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+    drain_deadline: float | None = None  # monotonic; SIGTERM once idle or past it
+    kill_deadline: float | None = None  # monotonic; SIGKILL past it
+    ended_at: float | None = None  # monotonic; when it became stopped or failed
+
+    def heartbeat_entry(self) -> dict[str, Any]:
+        figures = self.figures if self.state in ("ready", "draining") else {}
+        return {"replica_id": self.request.replica_id, "state": self.state, "endpoint_url": self.endpoint_url,
+                "load_progress": self.load_progress, "error": self.error,
+                "running": int(figures.get("running", 0)), "waiting": int(figures.get("waiting", 0)),
+                "kv_cache_usage": float(figures.get("kv_cache_usage", 0.0)),
+                "tokens_per_s": float(figures.get("tokens_per_s", 0.0)),
+                "prefix_cache_hit_rate": float(figures.get("prefix_cache_hit_rate", 0.0))}
+
+
+class Supervisor:
+    def __init__(self, *, token: str, gpu_count: int, port_range: tuple[int, int], advertise_host: str,
+                 bind_host: str, state_dir: Path, worker_name: str) -> None:
+        self.token, self.gpu_count, self.port_range = token, gpu_count, port_range
+        self.advertise_host, self.bind_host, self.worker_name = advertise_host, bind_host, worker_name
+        self.log_dir = state_dir / "replicas"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.refuse_loads = False  # set while the worker drains
+        self._replicas: dict[int, Replica] = {}
+        self._commands: queue.Queue = queue.Queue()
+        self._published: list[dict[str, Any]] = []
+        self._stopped = threading.Event()
+        self._http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=1.0)
+        self._thread = threading.Thread(target=self._run, name="replica-supervisor", daemon=True)
+
+    # -- called from other threads ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def load(self, request: LoadRequest) -> None:
+        self._commands.put(("load", request))
+
+    def unload(self, replica_id: int, drain_timeout_s: float) -> None:
+        self._commands.put(("unload", replica_id, drain_timeout_s))
+
+    def unload_all(self, drain_timeout_s: float) -> None:
+        self._commands.put(("unload_all", drain_timeout_s))
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The heartbeat's "replicas" entries as of the last poll."""
+        return list(self._published)
+
+    def close(self, drain_timeout_s: float) -> None:
+        """Drain and stop every child (bounded by the drain timeout plus the kill delays), then stop."""
+        self.refuse_loads = True
+        self.unload_all(drain_timeout_s)
+        self._commands.put(("close",))
+        self._thread.join(timeout=drain_timeout_s + DRAIN_GRACE_S + KILL_AFTER_S + 5.0)
+        self._http.close()
+
+    # -- the supervisor thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        closing = False
+        next_poll = time.monotonic()
+        while not (closing and not any(r.process for r in self._replicas.values())):
+            try:
+                command = self._commands.get(timeout=max(0.0, next_poll - time.monotonic()))
+            except queue.Empty:
+                command = None
+            try:
+                if command is not None:
+                    name, *args = command
+                    if name == "close":
+                        closing = True
+                    else:
+                        getattr(self, f"_do_{name}")(*args)
+                if time.monotonic() >= next_poll:
+                    self._poll()
+                    next_poll = time.monotonic() + POLL_S
+            except Exception:  # one bad replica or command must not stop the supervision of the rest
+                logger.exception("replica supervisor: %s failed", command or "poll")
+            self._published = [r.heartbeat_entry() for r in self._replicas.values()]
+
+    def _do_load(self, request: LoadRequest) -> None:
+        current = self._replicas.get(request.replica_id)
+        if current is not None and current.state in LIVE_STATES:
+            if current.state == "draining":
+                logger.warning("replica %d is draining; the load is ignored", request.replica_id)
+            elif current.request != request:
+                logger.warning("replica %d is already %s with %s; a load with other arguments is ignored",
+                               request.replica_id, current.state, current.request)
+            return  # idempotent: a repeated load changes nothing
+        replica = Replica(request)
+        self._replicas[request.replica_id] = replica
+        problem = self._load_problem(request)
+        port = None if problem else self._free_port()
+        if problem is None and port is None:
+            problem = f"no free port in {self.port_range[0]}-{self.port_range[1]} for the replica"
+        if problem is None:
+            problem = self._spawn(replica, port)
+        if problem is not None:
+            self._end(replica, "failed", problem)
+            logger.error("replica %d failed to load: %s", request.replica_id, problem)
+
+    def _load_problem(self, request: LoadRequest) -> str | None:
+        """Why this load cannot work, found before any process starts (None: go ahead)."""
+        if self.refuse_loads:
+            return f"worker {self.worker_name} is draining and takes no new loads"
+        if request.gpu_index is not None and request.gpu_index >= self.gpu_count:
+            return (f"gpu_index {request.gpu_index} was requested, but this worker has no GPU" if not self.gpu_count
+                    else f"gpu_index {request.gpu_index} does not exist on this worker "
+                         f"(it has {self.gpu_count} GPU(s), 0-{self.gpu_count - 1})")
+        path = Path(request.model_path)
+        if not path.exists():
+            return f"model path {path} does not exist"
+        if not path.is_dir():
+            return f"model path {path} is not a directory"
+        if not (path / "config.json").is_file():
+            return f"model path {path} has no config.json (expected a Hugging Face model directory)"
+        return None
+
+    def _free_port(self) -> int | None:
+        taken = {r.port for r in self._replicas.values() if r.process is not None or r.state in LIVE_STATES}
+        for port in range(self.port_range[0], self.port_range[1] + 1):
+            if port in taken:
+                continue
+            with socket.socket(socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET) as probe:
+                try:
+                    probe.bind((self.bind_host, port))
+                except OSError:
+                    continue
+            return port
+        return None
+
+    def _spawn(self, replica: Replica, port: int) -> str | None:
+        request = replica.request
+        device = "cpu" if request.gpu_index is None else f"cuda:{request.gpu_index}"
+        argv = [sys.executable, "-m", "gpuworker", "serve", "--model", str(Path(request.model_path).resolve()),
+                "--host", self.bind_host, "--port", str(port), "--device", device, "--dtype", request.dtype,
+                "--served-model-name", request.served_model_name,
+                "--memory-fraction", str(request.memory_fraction), "--exit-with-parent", str(os.getpid())]
+        if request.max_model_len is not None:
+            argv += ["--max-model-len", str(request.max_model_len)]
+        # The token travels in the environment, not argv, which every local user can read in `ps`.
+        # PCI bus order makes CUDA's device numbers match NVML's, which placed the replica.
+        env = {**os.environ, "GPUSERVE_WORKER_TOKEN": self.token, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+               "PYTHONUNBUFFERED": "1"}
+        replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
+        try:
+            with open(replica.log_path, "ab") as log:
+                replica.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        except OSError as exc:
+            return f"could not start the replica process: {exc}"
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        replica.port, replica.endpoint_url = port, f"http://{host}:{port}"
+        logger.info("replica %d: started pid %d on %s (%s, %s); log %s", request.replica_id,
+                    replica.process.pid, replica.endpoint_url, request.model_path, device, replica.log_path)
+        return None
+
+    def _do_unload(self, replica_id: int, drain_timeout_s: float) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is None or replica.state not in ("loading", "ready"):
+            logger.info("unload of replica %d: nothing to do (%s)", replica_id,
+                        "unknown" if replica is None else replica.state)
+            return
+        replica.state = "draining"
+        replica.drain_deadline = time.monotonic() + drain_timeout_s + DRAIN_GRACE_S
+        try:
+            self._http.post(f"{replica.endpoint_url}/drain", json={"timeout_s": drain_timeout_s})
+        except httpx.HTTPError:
+            self._terminate(replica)  # not listening yet (still starting): nothing in flight to wait for
+        logger.info("replica %d: draining (timeout %.1fs)", replica_id, drain_timeout_s)
+
+    def _do_unload_all(self, drain_timeout_s: float) -> None:
+        for replica_id in list(self._replicas):
+            self._do_unload(replica_id, drain_timeout_s)
+
+    def _poll(self) -> None:
+        now = time.monotonic()
+        for replica_id, replica in list(self._replicas.items()):
+            process = replica.process
+            if process is not None and process.poll() is not None:
+                self._reap(replica)
+            elif process is not None:
+                if replica.kill_deadline is not None and now >= replica.kill_deadline:
+                    logger.warning("replica %d did not stop after SIGTERM; killing it", replica_id)
+                    self._signal(replica, signal.SIGKILL)
+                    replica.kill_deadline = None
+                elif replica.state in ("loading", "ready"):
+                    self._check_health(replica)
+                elif replica.state == "draining" and replica.kill_deadline is None:
+                    stats = self._get(replica, "/stats")
+                    replica.figures = stats or replica.figures
+                    # No answer is no reason to wait: on SIGTERM the child drains by itself.
+                    if stats is None or stats.get("in_flight", 0) == 0 or now >= replica.drain_deadline:
+                        self._terminate(replica)
+            elif replica.ended_at is not None and now - replica.ended_at > FORGET_AFTER_S:
+                del self._replicas[replica_id]
+
+    def _check_health(self, replica: Replica) -> None:
+        health = self._get(replica, "/health")
+        if health is None:
+            return  # not listening yet
+        status = health.get("status")
+        if status == "ready":
+            replica.state, replica.load_progress = "ready", 1.0
+            replica.figures = self._get(replica, "/stats") or replica.figures
+        elif status == "loading":
+            replica.load_progress = float(health.get("progress", 0.0))
+        elif status == "failed":
+            self._end(replica, "failed", str(health.get("error") or "the replica failed to load"))
+            logger.error("replica %d failed: %s", replica.request.replica_id, replica.error)
+            self._terminate(replica)
+
+    def _get(self, replica: Replica, path: str) -> dict[str, Any] | None:
+        try:
+            return self._http.get(f"{replica.endpoint_url}{path}").json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _reap(self, replica: Replica) -> None:
+        code = replica.process.returncode
+        replica.process, replica.kill_deadline = None, None
+        if replica.state == "draining":
+            self._end(replica, "stopped", "")
+            logger.info("replica %d stopped", replica.request.replica_id)
+        elif replica.state in ("loading", "ready"):
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+            self._end(replica, "failed", f"the replica process {how}; last log lines:\n{self._log_tail(replica)}")
+            logger.error("replica %d: %s", replica.request.replica_id, replica.error)
+
+    def _log_tail(self, replica: Replica) -> str:
+        try:
+            with open(replica.log_path, "rb") as log:
+                log.seek(max(0, os.fstat(log.fileno()).st_size - LOG_TAIL_CHARS))
+                return log.read().decode("utf-8", errors="replace").strip()
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+
+    def _terminate(self, replica: Replica) -> None:
+        """SIGTERM: the child drains what is in flight itself, so it may take until the drain deadline."""
+        self._signal(replica, signal.SIGTERM)
+        replica.kill_deadline = max(time.monotonic(), replica.drain_deadline or 0.0) + KILL_AFTER_S
+
+    def _signal(self, replica: Replica, signum: int) -> None:
+        try:
+            os.killpg(replica.process.pid, signum)  # its own group: whatever it forked goes too
+        except ProcessLookupError:
+            pass
+
+    def _end(self, replica: Replica, state: str, error: str) -> None:
+        replica.state, replica.error, replica.ended_at = state, error, time.monotonic()
+        replica.figures = {}
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """In a replica: have Linux SIGTERM us when the daemon thread that started us dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        logger.warning("cannot ask to be stopped with the daemon (no prctl here)")
+        return
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)

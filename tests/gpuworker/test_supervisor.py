@@ -1,0 +1,150 @@
+"""The replica supervisor with real `python -m gpuworker serve` children on CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import httpx
+import psutil
+import pytest
+
+from gpuworker.hardware import HardwareError, HardwareProbe
+from gpuworker.supervisor import LoadRequest, Supervisor
+
+TOKEN = "replica-token"
+
+
+def _port_base() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return min(s.getsockname()[1], 65000)
+
+
+def _entry(supervisor: Supervisor, replica_id: int, *states: str) -> dict | None:
+    for entry in supervisor.snapshot():
+        if entry["replica_id"] == replica_id and (not states or entry["state"] in states):
+            return entry
+    return None
+
+
+def _wait(supervisor: Supervisor, replica_id: int, *states: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (entry := _entry(supervisor, replica_id, *states)) is not None:
+            return entry
+        time.sleep(0.05)
+    raise AssertionError(f"replica {replica_id} never reached {states}: {supervisor.snapshot()}")
+
+
+def _serve_children() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children() if "serve" in p.cmdline()]
+
+
+@pytest.fixture
+def supervisor(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # children inherit it: tiny models need no threads
+    base = _port_base()
+    supervisor = Supervisor(token=TOKEN, gpu_count=0, port_range=(base, base + 20), advertise_host="127.0.0.1",
+                            bind_host="127.0.0.1", state_dir=tmp_path, worker_name="test-host")
+    supervisor.start()
+    yield supervisor
+    supervisor.close(drain_timeout_s=5)
+    assert _serve_children() == []
+
+
+def test_bad_loads_fail_with_a_reason_before_any_process_starts(supervisor, tmp_path, tiny_checkpoint):
+    def load(replica_id: int, model_path, gpu_index=None) -> None:
+        supervisor.load(LoadRequest(replica_id=replica_id, model_path=str(model_path), served_model_name="m",
+                                    gpu_index=gpu_index, memory_fraction=0.5))
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    load(1, "/no/such/model")
+    load(2, tmp_path / "empty")
+    load(3, tmp_path / "file")
+    load(4, tiny_checkpoint("llama"), gpu_index=0)
+    errors = {i: _wait(supervisor, i, "failed", timeout=5)["error"] for i in (1, 2, 3, 4)}
+    assert errors[1] == "model path /no/such/model does not exist"
+    assert errors[2].endswith("has no config.json (expected a Hugging Face model directory)")
+    assert errors[3] == f"model path {tmp_path / 'file'} is not a directory"
+    assert errors[4] == "gpu_index 0 was requested, but this worker has no GPU"
+    assert _serve_children() == []
+    supervisor.refuse_loads = True
+    load(5, tiny_checkpoint("llama"))
+    assert _wait(supervisor, 5, "failed", timeout=5)["error"] == "worker test-host is draining and takes no new loads"
+
+
+@pytest.mark.slow
+def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor, tiny_checkpoint):
+    request = LoadRequest(replica_id=7, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
+                          gpu_index=None, memory_fraction=0.5, max_model_len=128)
+    supervisor.load(request)
+    loading = _wait(supervisor, 7, timeout=5)
+    assert loading["state"] == "loading" and loading["endpoint_url"].startswith("http://127.0.0.1:")
+    ready = _wait(supervisor, 7, "ready")
+    assert ready["load_progress"] == 1.0 and ready["error"] == ""
+    [child] = _serve_children()
+    # The child demands the worker token; it got it through its environment, not its command line.
+    assert httpx.get(f"{ready['endpoint_url']}/v1/models").status_code == 401
+    assert TOKEN not in " ".join(child.cmdline())
+    completion = httpx.post(f"{ready['endpoint_url']}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+                            json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=30)
+    assert completion.status_code == 200 and completion.json()["model"] == "tiny"
+
+    supervisor.load(request)  # a repeat changes nothing
+    time.sleep(1.2)  # two poll rounds
+    assert [p.pid for p in _serve_children()] == [child.pid] and _entry(supervisor, 7, "ready")
+
+    os.kill(child.pid, signal.SIGKILL)  # as the OOM killer would
+    failed = _wait(supervisor, 7, "failed", timeout=10)
+    assert failed["error"].startswith("the replica process was killed by SIGKILL; last log lines:")
+    assert "model tiny ready" in failed["error"]  # the tail of the child's own log
+
+    supervisor.load(request)  # a failed replica may be loaded again: a fresh process
+    _wait(supervisor, 7, "loading", timeout=5)
+    supervisor.unload(7, drain_timeout_s=5)  # while it is still starting: stopped at once
+    assert _wait(supervisor, 7, "stopped", timeout=15)["error"] == ""
+    assert _serve_children() == []
+
+
+def _gpu_count() -> int:
+    try:
+        probe = HardwareProbe("cuda")
+    except HardwareError:
+        return 0
+    try:
+        return probe.gpu_count
+    finally:
+        probe.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_count() == 0, reason="no GPU visible to NVML")
+def test_replica_on_a_gpu(tmp_path, tiny_checkpoint):
+    probe = HardwareProbe("cuda")
+    base = _port_base()
+    supervisor = Supervisor(token=TOKEN, gpu_count=probe.gpu_count, port_range=(base, base + 20),
+                            advertise_host="127.0.0.1", bind_host="127.0.0.1", state_dir=tmp_path, worker_name="gpu")
+    supervisor.start()
+    try:
+        used_before = probe.sample()["gpus"][0]["memory_used_bytes"]
+        supervisor.load(LoadRequest(replica_id=1, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
+                                    gpu_index=0, memory_fraction=0.05, max_model_len=256, dtype="bfloat16"))
+        ready = _wait(supervisor, 1, "ready", "failed", timeout=180)
+        assert ready["state"] == "ready", ready["error"]
+        [child] = _serve_children()
+        assert "cuda:0" in child.cmdline()
+        completion = httpx.post(f"{ready['endpoint_url']}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+                                json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True}, timeout=60)
+        assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 8
+        # The replica process (its CUDA context, weights and KV pool) shows in NVML's figures for the GPU.
+        assert probe.sample()["gpus"][0]["memory_used_bytes"] > used_before + 100 * 2**20
+        supervisor.unload(1, drain_timeout_s=5)
+        _wait(supervisor, 1, "stopped", timeout=30)
+    finally:
+        supervisor.close(drain_timeout_s=5)
+        probe.close()
+    assert _serve_children() == []
