@@ -1,4 +1,5 @@
-"""The ASGI entry point: Django for HTTP, Channels for WebSockets (uvicorn serves it)."""
+"""The ASGI entry point: the gateway's lean app for /v1, Django for the rest of HTTP, Channels for
+WebSockets (uvicorn serves it)."""
 
 import os
 
@@ -14,13 +15,24 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
+from controlplane.gateway.app import build_app as build_gateway_app  # noqa: E402
 from controlplane.routing import websocket_urlpatterns  # noqa: E402
 
 http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.SERVE_STATIC else django_asgi_app
+gateway_app = build_gateway_app()
 
-application = ProtocolTypeRouter(
+django_and_channels = ProtocolTypeRouter(
     {
         "http": http_app,
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )
+
+
+async def application(scope, receive, send):
+    # /v1 bypasses Django's middleware stack: the API's hot path pays only for what it uses.
+    # Lifespan events go to the gateway, the one part with resources to close at shutdown.
+    path = scope.get("path", "")
+    if scope["type"] == "lifespan" or (scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/"))):
+        return await gateway_app(scope, receive, send)
+    return await django_and_channels(scope, receive, send)

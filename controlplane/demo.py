@@ -1,4 +1,6 @@
-"""The demo that `make run` seeds: an admin login, a tenant with credits and a key, a model.
+"""The demo that `make run` seeds: an admin login, a tenant with credits and a key, and the tiny
+random-weight demo model (written to VAR_DIR/models/demo-tiny) deployed with one replica, which
+reconcile places on the local GPU worker daemon like any other model.
 
 Idempotent: objects are looked up by name and created only when missing. Secrets cannot be read
 back from the database (only hashes are kept), so they live in `.env.demo`: a key or password
@@ -36,6 +38,7 @@ TENANT_NAME = "Demo tenant"
 PRICE_TIER_NAME = "standard"
 PLAN_NAME = "Demo"
 MODEL_NAME = "demo-tiny"
+DEMO_CONTEXT_LENGTH = 2048
 GRANT = Decimal("10.00")
 KEY_NAME = "demo"
 
@@ -63,9 +66,27 @@ def write_env_file(path: Path, seed: DemoSeed) -> None:
         handle.write(text)
 
 
+def demo_model_path() -> Path:
+    return settings.VAR_DIR / "models" / MODEL_NAME
+
+
+def ensure_demo_model(path: Path) -> bool:
+    """Write the demo checkpoint to `path` unless one is there; True if it was written."""
+    if (path / "config.json").exists():
+        return False
+    # Imported here: the engine side (torch, transformers) is only needed for this one-off.
+    from gpuworker.demo_model import write_demo_model
+
+    write_demo_model(path, max_position_embeddings=DEMO_CONTEXT_LENGTH)
+    return True
+
+
 def seed_demo(*, env_path: Path) -> DemoSeed:
     saved = read_env_file(env_path)
+    wrote_model = ensure_demo_model(demo_model_path())
     seed = _seed_database(saved)
+    if wrote_model:
+        seed.created.insert(0, f"demo weights in {demo_model_path()}")
     write_env_file(env_path, seed)
     return seed
 
@@ -108,9 +129,8 @@ def _seed_model(tier, created: list[str]) -> Model:
             public_name=MODEL_NAME,
             family="llama",
             kind=Model.Kind.CHAT,
-            # The worker daemon generates this tiny random-weight model on first start.
-            weights_path=str(settings.VAR_DIR / "models" / MODEL_NAME),
-            context_length=2048,
+            weights_path=str(demo_model_path()),
+            context_length=DEMO_CONTEXT_LENGTH,
             parameter_count=4_000_000,
             price_tier=tier,
         )

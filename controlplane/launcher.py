@@ -34,17 +34,21 @@ class ProcessSpec:
     argv: list[str]
 
 
-def process_specs(*, host: str, port: int) -> list[ProcessSpec]:
+def process_specs(*, host: str, port: int, var_dir: Path = BASE_DIR / "var") -> list[ProcessSpec]:
     """The processes of the embedded system; adding one is adding a line."""
 
     def module(*args: str) -> list[str]:
         return [sys.executable, "-m", *args]
 
-    # One local worker has no peers: gossip and mingle would only slow its start.
+    # One local worker has no peers: gossip and mingle would only slow its start. The GPU worker
+    # daemon registers with the web server (retrying until it is up), takes the worker token from
+    # the environment main() prepares, and drains within the launcher's stop grace.
     return [
         ProcessSpec("web", module("uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port), "--lifespan", "off")),
         ProcessSpec("worker", module("celery", "-A", "controlplane", "worker", "-l", "INFO", "-c", "2", "--without-gossip", "--without-mingle")),
         ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "INFO")),
+        ProcessSpec("gpuworker", module("gpuworker", "daemon", "--control-url", f"http://127.0.0.1:{port}", "--name", "local",
+                                        "--state-dir", str(var_dir / "gpuworker" / "local"), "--drain-timeout", "5")),
     ]
 
 
@@ -148,6 +152,8 @@ def port_answers(host: str, port: int) -> bool:
 
 
 def banner(*, port: int, env_file: Path) -> str:
+    from gpuworker.demo_model import NOISE_NOTICE
+
     demo = read_env_file(env_file)
     url = f"http://127.0.0.1:{port}"
     lines = [
@@ -160,6 +166,7 @@ def banner(*, port: int, env_file: Path) -> str:
         lines += [
             f"           OPENAI_API_KEY={demo.get('OPENAI_API_KEY', '?')}",
             f"  login:   {demo.get('DEMO_ADMIN_USERNAME', '?')} / {demo.get('DEMO_ADMIN_PASSWORD', '?')}",
+            f"  model:   demo-tiny, loading on the local GPU worker daemon. {NOISE_NOTICE}",
             f"  (saved in {env_file}; `set -a; . {env_file.name}; set +a` exports them for OpenAI clients)",
         ]
     else:
@@ -168,14 +175,24 @@ def banner(*, port: int, env_file: Path) -> str:
     return "\n".join(lines)
 
 
+def _settings():
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    from django.conf import settings
+
+    return settings
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--env-file", type=Path, default=BASE_DIR / ".env.demo")
     args = parser.parse_args(argv)
+    settings = _settings()
+    # Every child gets the fleet's worker token: the daemon needs it and reads no Django settings.
+    os.environ.setdefault("GPUSERVE_WORKER_TOKEN", settings.FLEET_WORKER_TOKEN)
 
-    launcher = Launcher(process_specs(host=args.host, port=args.port))
+    launcher = Launcher(process_specs(host=args.host, port=args.port, var_dir=settings.VAR_DIR))
     signal.signal(signal.SIGINT, launcher.request_stop)
     signal.signal(signal.SIGTERM, launcher.request_stop)
 

@@ -11,6 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from controlplane import integrations
 from controlplane.env import env_bool, env_int, env_list, env_str
+from controlplane.tokens import read_or_create_secret_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # Where the embedded defaults keep their state (SQLite file, Celery folders, beat schedule).
@@ -103,6 +104,13 @@ SERVE_STATIC = env_bool("SERVE_STATIC", True)
 # --- Redis-backed integrations, or their embedded stand-ins when REDIS_URL is unset -----------
 REDIS_URL = env_str("REDIS_URL", "")
 CACHES = integrations.caches(REDIS_URL)
+# The fleet's live state (each worker's latest heartbeat) is written by the web server and read by
+# the Celery worker that detects lost workers, so it needs a cache all processes share: Redis, or
+# files under VAR_DIR in the embedded set-up (whose default cache is per process).
+CACHES["live"] = (
+    {**CACHES["default"], "KEY_PREFIX": "gpuserve-live"} if REDIS_URL else
+    {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache", "LOCATION": str(VAR_DIR / "cache" / "live")}
+)
 CHANNEL_LAYERS = integrations.channel_layers(REDIS_URL)
 
 CELERY_BROKER_URL, CELERY_BROKER_TRANSPORT_OPTIONS = integrations.celery_broker(REDIS_URL, VAR_DIR)
@@ -113,20 +121,78 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TIMEZONE = TIME_ZONE
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+
+# --- The fleet: GPU worker daemons and the control loop ----------------------------------------
+# One fleet-wide bearer token, both ways: daemons present it to /internal/, the gateway to replicas.
+FLEET_WORKER_TOKEN = env_str("GPUSERVE_WORKER_TOKEN", "")
+if not FLEET_WORKER_TOKEN:
+    if not DEBUG:
+        raise ImproperlyConfigured("GPUSERVE_WORKER_TOKEN must be set when DEBUG is off.")
+    # `make run` starts the web server, Celery and the daemon without configuration: they all
+    # read (the first one creates) this file.
+    FLEET_WORKER_TOKEN = read_or_create_secret_file(VAR_DIR / "worker-token")
+# The broker as the daemons should reach it, when that differs from the control plane's view.
+FLEET_WORKER_BROKER_URL = env_str("GPUSERVE_WORKER_BROKER_URL", CELERY_BROKER_URL)
+FLEET_HEARTBEAT_INTERVAL_SECONDS = 1.0
+# A worker silent this long is lost and its replicas are failed and replaced.
+FLEET_WORKER_LOST_AFTER_SECONDS = env_int("FLEET_WORKER_LOST_AFTER_SECONDS", 3)
+# A lost worker silent this much longer is considered gone (offline).
+FLEET_WORKER_OFFLINE_AFTER_SECONDS = env_int("FLEET_WORKER_OFFLINE_AFTER_SECONDS", 600)
+# A placed replica whose worker has not confirmed the load message by then is failed and re-placed.
+FLEET_REPLICA_ACK_TIMEOUT_SECONDS = env_int("FLEET_REPLICA_ACK_TIMEOUT_SECONDS", 30)
+FLEET_RECONCILE_INTERVAL_SECONDS = env_int("FLEET_RECONCILE_INTERVAL_SECONDS", 5)
+# How long an unloaded replica may finish in-flight requests, and a drained worker all of its.
+FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS", 30)
+FLEET_WORKER_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_WORKER_DRAIN_TIMEOUT_SECONDS", 60)
+
 CELERY_BEAT_SCHEDULE = {
-    "fleet-mark-stale-workers": {
-        "task": "controlplane.fleet.tasks.mark_stale_workers",
-        "schedule": 10.0,
+    "fleet-mark-lost-workers": {
+        "task": "controlplane.fleet.tasks.mark_lost_workers",
+        "schedule": 1.0,
+        # A check that waited longer than its period is superseded by the next one.
+        "options": {"expires": 1.0},
+    },
+    "fleet-reconcile": {
+        "task": "controlplane.fleet.tasks.reconcile",
+        "schedule": float(FLEET_RECONCILE_INTERVAL_SECONDS),
+        "options": {"expires": float(FLEET_RECONCILE_INTERVAL_SECONDS)},
     },
 }
 
-# A worker that misses heartbeats for this long is marked offline (workers beat about every second).
-FLEET_WORKER_HEARTBEAT_TIMEOUT_SECONDS = env_int("FLEET_WORKER_HEARTBEAT_TIMEOUT_SECONDS", 30)
+# --- The public /v1 API (controlplane.gateway) -----------------------------------------------
+# How long a gateway process trusts its cached copy of an API key. Revocations are also pushed
+# through Redis, so they take effect at once; without Redis (one embedded process) keys are
+# re-read every second instead.
+GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 30)
+# How stale the gateway's view of models and ready replicas may get.
+GATEWAY_ROUTING_REFRESH_MS = env_int("GATEWAY_ROUTING_REFRESH_MS", 1000)
+# How long a request waits for a model whose replicas are still loading before it gets a 503.
+GATEWAY_REPLICA_WAIT_SECONDS = env_int("GATEWAY_REPLICA_WAIT_SECONDS", 10)
+# The retry-after a 503 (no replica ready) suggests.
+GATEWAY_RETRY_AFTER_SECONDS = env_int("GATEWAY_RETRY_AFTER_SECONDS", 5)
+GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS = env_int("GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS", 3)
+# The longest a request may run, streaming included; its credit hold lives a minute longer.
+GATEWAY_REQUEST_TIMEOUT_SECONDS = env_int("GATEWAY_REQUEST_TIMEOUT_SECONDS", 600)
+# A replica that failed a request is passed over this long (by every gateway process).
+GATEWAY_REPLICA_COOLDOWN_SECONDS = env_int("GATEWAY_REPLICA_COOLDOWN_SECONDS", 10)
+# Limits for tenants without a plan.
+GATEWAY_DEFAULT_RATE_LIMIT_PER_MINUTE = env_int("GATEWAY_DEFAULT_RATE_LIMIT_PER_MINUTE", 60)
+GATEWAY_DEFAULT_MAX_CONCURRENT_REQUESTS = env_int("GATEWAY_DEFAULT_MAX_CONCURRENT_REQUESTS", 8)
+# Prompts at least this long (characters) go to the replica their first this-many characters
+# hash to, to hit its prefix cache, while it has at most GATEWAY_AFFINITY_MAX_EXTRA requests more
+# in flight than the least busy replica.
+GATEWAY_AFFINITY_PREFIX_CHARS = env_int("GATEWAY_AFFINITY_PREFIX_CHARS", 512)
+GATEWAY_AFFINITY_MAX_EXTRA = env_int("GATEWAY_AFFINITY_MAX_EXTRA", 4)
+# How long a completed non-streaming request's result is replayed for its Idempotency-Key.
+GATEWAY_IDEMPOTENCY_SECONDS = env_int("GATEWAY_IDEMPOTENCY_SECONDS", 24 * 3600)
+# How often expired credit holds (from gateways that died mid-request) are settled.
+GATEWAY_HOLD_SWEEP_SECONDS = env_int("GATEWAY_HOLD_SWEEP_SECONDS", 30)
 
 # --- HTTPS and cookies: on by default whenever DEBUG is off -----------------------------------
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
-# Health probes come from inside the host over plain HTTP.
-SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
+# Health probes and the worker daemons come from inside the host or its private network over
+# plain HTTP.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^internal/"]
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
 CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000)

@@ -1,4 +1,5 @@
-"""Top-level URL map: the dashboard pages, the admin, the public /v1 API and the health probe."""
+"""Top-level URL map: the dashboard pages, the admin, the public /v1 API, the worker daemons'
+/internal/ API and the health probe."""
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
@@ -12,5 +13,6 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("v1/", include("controlplane.gateway.urls")),
+    path("internal/", include("controlplane.fleet.urls")),
     path("healthz", health.healthz, name="healthz"),
 ]

@@ -66,6 +66,10 @@ class ApiKey(models.Model):
         null=True, blank=True, validators=[MinValueValidator(1)],
         help_text="Requests per minute for this key; empty means the tenant's plan limit.",
     )
+    max_concurrent_requests = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)],
+        help_text="Requests in flight at once for this key; empty means the tenant's plan limit.",
+    )
     created_by = models.ForeignKey(
         "accounts.User", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )

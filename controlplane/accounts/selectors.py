@@ -22,7 +22,7 @@ def api_key_authenticate(*, plaintext: str, now: datetime | None = None) -> ApiK
     if not plaintext.startswith(KEY_SCHEME):
         raise ApiKeyRejected("Invalid API key.")
     try:
-        api_key = ApiKey.objects.select_related("tenant").get(key_hash=hash_api_key(plaintext))
+        api_key = ApiKey.objects.select_related("tenant__plan").get(key_hash=hash_api_key(plaintext))
     except ApiKey.DoesNotExist:
         raise ApiKeyRejected("Invalid API key.") from None
     if api_key.revoked:
@@ -38,6 +38,13 @@ def api_key_allows_model(*, api_key: ApiKey, model) -> bool:
     if api_key.all_models:
         return True
     return api_key.allowed_models.filter(pk=model.pk).exists()
+
+
+def api_key_allowed_model_ids(*, api_key: ApiKey) -> frozenset[int] | None:
+    """The ids of the models the key may call, or None when it may call every model."""
+    if api_key.all_models:
+        return None
+    return frozenset(api_key.allowed_models.values_list("pk", flat=True))
 
 
 def api_keys_for_tenant(*, tenant: Tenant) -> QuerySet[ApiKey]:

@@ -1,16 +1,28 @@
 """Writes for tenants, users and API keys. Every service validates fully and is atomic."""
 
+import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q
 
 from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
 from controlplane.accounts.models import ApiKey, Tenant, User
 from controlplane.catalog.selectors import models_by_public_name
+
+logger = logging.getLogger(__name__)
+
+# Gateway processes cache keys by hash; a changed key's hash is published here so every process
+# drops its copy at once instead of waiting for the cache's TTL.
+API_KEY_CHANGES_CHANNEL = "gpuserve:api-key-changes"
+# `last_used_at` is a "recently used" hint, not an audit log: one write a minute per key at most.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
 @dataclass(frozen=True)
@@ -87,7 +99,32 @@ def api_key_create(
 def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     api_key.revoked = True
     api_key.save(update_fields=["revoked"])
+    key_hash = api_key.key_hash
+    transaction.on_commit(lambda: _publish_api_key_change(key_hash))
     return api_key
+
+
+@transaction.atomic
+def api_key_record_use(*, api_key_id: int, at: datetime) -> bool:
+    """Set the key's `last_used_at` unless it was set less than a minute before `at`; True if written."""
+    recent = Q(last_used_at__isnull=False) & Q(last_used_at__gt=at - LAST_USED_RESOLUTION)
+    return ApiKey.objects.filter(pk=api_key_id).exclude(recent).update(last_used_at=at) == 1
+
+
+@functools.cache
+def _redis(url: str):
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+
+def _publish_api_key_change(key_hash: str) -> None:
+    if not settings.REDIS_URL:
+        return  # one embedded process: its gateway re-reads keys every second anyway
+    try:
+        _redis(settings.REDIS_URL).publish(API_KEY_CHANGES_CHANNEL, key_hash)
+    except Exception:  # the key is revoked in the database; caches expire on their own
+        logger.warning("could not publish the change of API key %s…", key_hash[:8], exc_info=True)
 
 
 def _allowed_models(*, all_models: bool, names: Sequence[str]) -> list:

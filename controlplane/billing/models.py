@@ -1,4 +1,4 @@
-"""Prices, plans, the append-only credit ledger and usage records.
+"""Prices, plans, the append-only credit ledger, each tenant's credit account and holds, and usage.
 
 Money is Decimal with six decimal places: per-request prices are fractions of a cent.
 """
@@ -35,6 +35,10 @@ class Plan(models.Model):
         help_text="Requests each month that are not charged to credits."
     )
     rate_limit_per_minute = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    max_concurrent_requests = models.PositiveIntegerField(
+        default=16, validators=[MinValueValidator(1)],
+        help_text="Requests in flight at once, for the whole tenant and for each of its keys.",
+    )
 
     class Meta:
         ordering = ["name"]
@@ -106,6 +110,63 @@ class CreditEntry(models.Model):
         raise AppendOnlyError("Credit entries are append-only; add a correcting entry instead.")
 
 
+class CreditAccount(models.Model):
+    """A tenant's running balance (always the sum of its ledger entries), the credit held by its
+    requests in flight, and how much of its plan's monthly allowance is used or held.
+
+    Admission reads and updates this one row under a lock instead of summing the whole ledger.
+    """
+
+    tenant = models.OneToOneField(
+        "accounts.Tenant", on_delete=models.PROTECT, primary_key=True, related_name="credit_account"
+    )
+    balance = models.DecimalField(**MONEY, default=Decimal("0"))
+    held = models.DecimalField(**MONEY, default=Decimal("0"))
+    allowance_month = models.DateField(null=True, blank=True, help_text="First day of the counted month.")
+    allowance_used = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(held__gte=0), name="creditaccount_held_not_negative",
+                violation_error_message="Held credit cannot be negative.",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}: {self.balance} ({self.held} held)"
+
+    @property
+    def available(self) -> Decimal:
+        return self.balance - self.held
+
+
+class CreditHold(models.Model):
+    """Credit set aside for one request in flight, from admission until it is charged or released.
+
+    A hold still here after `expires_at` belongs to a gateway that died mid-request: the sweeper
+    charges it if the request had already sent its first token, and releases it otherwise.
+    """
+
+    request_id = models.CharField(max_length=64, unique=True)
+    tenant = models.ForeignKey("accounts.Tenant", on_delete=models.PROTECT, related_name="credit_holds")
+    api_key = models.ForeignKey(
+        "accounts.ApiKey", on_delete=models.PROTECT, null=True, blank=True, related_name="+"
+    )
+    model = models.ForeignKey("catalog.Model", on_delete=models.PROTECT, related_name="+")
+    num_requests = models.PositiveSmallIntegerField(default=1, help_text="Choices asked for (n).")
+    included_requests = models.PositiveSmallIntegerField(
+        default=0, help_text="How many of them the plan's monthly allowance pays for."
+    )
+    allowance_month = models.DateField(null=True, blank=True)
+    amount = models.DecimalField(**MONEY, validators=[MinValueValidator(0)])
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(db_index=True)
+
+    def __str__(self) -> str:
+        return f"hold {self.request_id} {self.amount}"
+
+
 class UsageRecord(models.Model):
     """One served (or attempted) API request, written once when the request ends."""
 
@@ -125,12 +186,19 @@ class UsageRecord(models.Model):
         "fleet.Replica", on_delete=models.SET_NULL, null=True, blank=True, related_name="usage_records"
     )
     status = models.CharField(max_length=20, choices=Status.choices)
+    num_requests = models.PositiveSmallIntegerField(
+        default=1, validators=[MinValueValidator(1)], help_text="Choices asked for (n): n requests' price."
+    )
     prompt_tokens = models.PositiveIntegerField()
     completion_tokens = models.PositiveIntegerField()
     time_to_first_token_ms = models.PositiveIntegerField(
         null=True, blank=True, help_text="Empty when no token was produced (embeddings, early failures)."
     )
     total_latency_ms = models.PositiveIntegerField()
+    gpu_time_s = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0)],
+        help_text="The request's share of the replica's engine step time, as the worker reported it.",
+    )
     price_charged = models.DecimalField(**MONEY, validators=[MinValueValidator(0)])
     reference_price = models.DecimalField(
         **MONEY, validators=[MinValueValidator(0)],

@@ -1,11 +1,11 @@
-"""Reads for billing: the credit balance and the usage counts pricing depends on."""
+"""Reads for billing: the credit balance, the usage counts pricing depends on, and expired holds."""
 
 from datetime import datetime
 from decimal import Decimal
 
 from django.db.models import QuerySet, Sum
 
-from controlplane.billing.models import MICRO, CreditEntry, Plan, PriceTier, UsageRecord
+from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
 
 
 def credit_balance(*, tenant) -> Decimal:
@@ -18,12 +18,30 @@ def credit_balance(*, tenant) -> Decimal:
     return total.quantize(MICRO)
 
 
-def usage_billable_count_since(*, tenant, since: datetime) -> int:
-    """Requests since `since` that count against the plan's allowance (failed ones do not)."""
-    return (
-        UsageRecord.objects.filter(tenant=tenant, created_at__gte=since)
-        .exclude(status=UsageRecord.Status.FAILED)
-        .count()
+def credit_available(*, tenant) -> Decimal:
+    """What new requests may still spend: the balance less the credit held by requests in flight."""
+    account = CreditAccount.objects.filter(tenant=tenant).first()
+    if account is None:
+        return credit_balance(tenant=tenant)
+    return account.available
+
+
+def usage_billable_count_since(*, tenant, since: datetime, until: datetime | None = None) -> int:
+    """Requests since `since` (and before `until`) that count against the plan's allowance: n
+    choices count n times; failed requests do not count."""
+    records = UsageRecord.objects.filter(tenant=tenant, created_at__gte=since).exclude(
+        status=UsageRecord.Status.FAILED
+    )
+    if until is not None:
+        records = records.filter(created_at__lt=until)
+    return records.aggregate(total=Sum("num_requests"))["total"] or 0
+
+
+def credit_holds_expired(*, now: datetime, limit: int = 500) -> list[str]:
+    """Request ids of holds past their expiry (their gateway died mid-request), oldest first."""
+    return list(
+        CreditHold.objects.filter(expires_at__lt=now).order_by("expires_at")
+        .values_list("request_id", flat=True)[:limit]
     )
 
 

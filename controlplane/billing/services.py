@@ -1,19 +1,23 @@
 """Writes for billing: credit grants and debits on the ledger, and recording a request's usage.
 
-Every write that depends on a tenant's balance or monthly count first locks the tenant's row
-(SELECT ... FOR UPDATE), so concurrent requests for one tenant are serialised and a balance
-check cannot be raced.
+Every write that depends on a tenant's balance or monthly allowance first locks the tenant's
+credit account (SELECT ... FOR UPDATE), so concurrent writes for one tenant are serialised and a
+balance check cannot be raced. The account's balance moves in the same transaction as every
+ledger entry, so it always equals the sum of the ledger. The gateway's per-request path (holds
+placed at admission, settled at the end) lives in `billing.holds`.
 """
 
-from datetime import UTC, datetime
+from collections.abc import Iterable
+from datetime import UTC, date, datetime
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Sum
 
 from controlplane.accounts.models import Tenant
-from controlplane.billing.models import MICRO, CreditEntry, Plan, PriceTier, UsageRecord
-from controlplane.billing.selectors import credit_balance, usage_billable_count_since
+from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, Plan, PriceTier, UsageRecord
+from controlplane.billing.selectors import usage_billable_count_since
 
 _TOKENS_PER_PRICE_UNIT = Decimal(1_000_000)
 
@@ -37,19 +41,58 @@ def price_tier_create(
 
 
 @transaction.atomic
-def plan_create(*, name: str, included_requests_per_month: int, rate_limit_per_minute: int) -> Plan:
+def plan_create(
+    *, name: str, included_requests_per_month: int, rate_limit_per_minute: int, max_concurrent_requests: int = 16
+) -> Plan:
     plan = Plan(
         name=name,
         included_requests_per_month=included_requests_per_month,
         rate_limit_per_minute=rate_limit_per_minute,
+        max_concurrent_requests=max_concurrent_requests,
     )
     plan.full_clean()
     plan.save()
     return plan
 
 
-def _lock_tenant(tenant: Tenant) -> Tenant:
-    return Tenant.objects.select_for_update().get(pk=tenant.pk)
+def lock_credit_accounts(*, tenant_ids: Iterable[int]) -> dict[int, CreditAccount]:
+    """The tenants' credit accounts (with each tenant and plan), locked for this transaction and
+    created where missing.
+
+    Locks are always taken in tenant-id order, so two transactions locking overlapping sets of
+    tenants cannot deadlock. A missing account starts from the tenant's ledger sum (ledgers older
+    than accounts); the insert ignores a concurrent creator's row, and every later ledger write
+    goes through a locked account, so the sum cannot move underneath it.
+    """
+    ids = sorted(set(tenant_ids))
+    locked = {account.tenant_id: account for account in _select_for_update(ids)}
+    missing = [tenant_id for tenant_id in ids if tenant_id not in locked]
+    if missing:
+        create_missing_credit_accounts(tenant_ids=missing)
+        locked = {account.tenant_id: account for account in _select_for_update(ids)}
+    return locked
+
+
+def create_missing_credit_accounts(*, tenant_ids: list[int]) -> None:
+    """Accounts for these tenants, starting from their ledger sums; existing ones are left alone."""
+    sums = dict(
+        CreditEntry.objects.filter(tenant_id__in=tenant_ids).values("tenant_id")
+        .annotate(total=Sum("amount")).values_list("tenant_id", "total")
+    )
+    CreditAccount.objects.bulk_create(
+        [CreditAccount(tenant_id=t, balance=(sums.get(t) or Decimal("0")).quantize(MICRO)) for t in tenant_ids],
+        ignore_conflicts=True,
+    )
+
+
+def _select_for_update(tenant_ids: list[int]):
+    # Only the account rows are locked (`of`): the tenant and plan come along to be read.
+    return (CreditAccount.objects.select_for_update(of=("self",)).select_related("tenant__plan")
+            .filter(tenant_id__in=tenant_ids).order_by("tenant_id"))
+
+
+def _lock_account(tenant: Tenant) -> CreditAccount:
+    return lock_credit_accounts(tenant_ids=[tenant.pk])[tenant.pk]
 
 
 def _require_positive_amount(amount: Decimal) -> None:
@@ -69,24 +112,32 @@ def _append(entry: CreditEntry) -> CreditEntry:
 @transaction.atomic
 def credit_grant(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=None) -> CreditEntry:
     _require_positive_amount(amount)
-    return _append(
+    account = _lock_account(tenant)
+    entry = _append(
         CreditEntry(tenant=tenant, kind=CreditEntry.Kind.GRANT, amount=amount, memo=memo, created_by=created_by)
     )
+    account.balance += amount
+    account.save(update_fields=["balance"])
+    return entry
 
 
 @transaction.atomic
 def credit_debit(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=None) -> CreditEntry:
-    """Spend credits; refuses (InsufficientCredit) rather than take the balance below zero."""
+    """Spend credits; refuses (InsufficientCredit) rather than take the balance below zero or
+    below what requests in flight hold."""
     _require_positive_amount(amount)
-    _lock_tenant(tenant)
-    balance = credit_balance(tenant=tenant)
-    if amount > balance:
+    account = _lock_account(tenant)
+    if amount > account.available:
+        held = f" ({account.held} of it held by requests in flight)" if account.held else ""
         raise InsufficientCredit(
-            {"amount": f"The debit of {amount} exceeds the tenant's balance of {balance}."}
+            {"amount": f"The debit of {amount} exceeds the tenant's balance of {account.balance}{held}."}
         )
-    return _append(
+    entry = _append(
         CreditEntry(tenant=tenant, kind=CreditEntry.Kind.DEBIT, amount=-amount, memo=memo, created_by=created_by)
     )
+    account.balance -= amount
+    account.save(update_fields=["balance"])
+    return entry
 
 
 def reference_price(*, price_tier: PriceTier, tokens: int) -> Decimal:
@@ -95,9 +146,32 @@ def reference_price(*, price_tier: PriceTier, tokens: int) -> Decimal:
     return price.quantize(MICRO, rounding=ROUND_HALF_UP)
 
 
-def _month_start(moment: datetime) -> datetime:
-    # Allowances reset at the start of each calendar month in UTC.
-    return moment.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+def month_start(moment: datetime) -> date:
+    """The first day of `moment`'s month: allowances reset at each calendar month in UTC."""
+    return moment.astimezone(UTC).date().replace(day=1)
+
+
+def take_allowance(*, account: CreditAccount, included_per_month: int, month: date, requests: int) -> int:
+    """How many of `requests` the plan's monthly allowance (`included_per_month`) pays for,
+    counted as used on the account."""
+    if included_per_month == 0:
+        return 0
+    since = datetime(month.year, month.month, 1, tzinfo=UTC)
+    if account.allowance_month is not None and month < account.allowance_month:
+        # Dated in a month before the one the account counts (a backfilled record): that month's
+        # records say what was left of its allowance.
+        used = usage_billable_count_since(tenant=account.tenant_id, since=since, until=_next_month(since))
+        return max(0, min(requests, included_per_month - used))
+    if account.allowance_month != month:
+        account.allowance_month = month
+        account.allowance_used = usage_billable_count_since(tenant=account.tenant_id, since=since)
+    included = max(0, min(requests, included_per_month - account.allowance_used))
+    account.allowance_used += included
+    return included
+
+
+def _next_month(moment: datetime) -> datetime:
+    return moment.replace(year=moment.year + moment.month // 12, month=moment.month % 12 + 1)
 
 
 @transaction.atomic
@@ -114,15 +188,18 @@ def usage_record_create(
     at: datetime,
     api_key=None,
     replica=None,
+    num_requests: int = 1,
+    gpu_time_s: float | None = None,
 ) -> UsageRecord:
-    """Record one finished request and charge it, once: the request id is unique.
+    """Record one finished request that held no credit beforehand and charge it, once: the
+    request id is unique. (The gateway holds credit at admission; see `billing.holds`.)
 
     Failed requests are free; the first `included_requests_per_month` billable requests of a
-    month are free under the tenant's plan; the rest cost the model's flat per-request price.
-    The charge is posted even if it takes the balance below zero: the request has already been
-    served, and the gateway checks the balance before it serves one.
+    month are free under the tenant's plan; the rest cost the model's flat per-request price, n
+    times for n choices. The charge is posted even if it takes the balance below zero: the
+    request has already been served.
     """
-    tenant = _lock_tenant(tenant)
+    account = _lock_account(tenant)
     record = UsageRecord(
         request_id=request_id,
         tenant=tenant,
@@ -130,16 +207,22 @@ def usage_record_create(
         model=model,
         replica=replica,
         status=status,
+        num_requests=num_requests,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         time_to_first_token_ms=time_to_first_token_ms,
         total_latency_ms=total_latency_ms,
+        gpu_time_s=gpu_time_s,
         price_charged=Decimal("0"),
         reference_price=Decimal("0"),
         created_at=at,
     )
     record.full_clean()  # before pricing, so bad token counts are reported as such
-    record.price_charged = _request_price(tenant=tenant, model=model, status=status, at=at)
+    if status != UsageRecord.Status.FAILED:
+        plan = account.tenant.plan
+        included = take_allowance(account=account, included_per_month=plan.included_requests_per_month if plan else 0,
+                                  month=month_start(at), requests=num_requests)
+        record.price_charged = model.price_tier.price_per_request * (num_requests - included)
     record.reference_price = reference_price(
         price_tier=model.price_tier, tokens=prompt_tokens + completion_tokens
     )
@@ -154,14 +237,6 @@ def usage_record_create(
                 memo=f"{model.public_name} request {request_id}",
             )
         )
+        account.balance -= record.price_charged
+    account.save()
     return record
-
-
-def _request_price(*, tenant: Tenant, model, status: str, at: datetime) -> Decimal:
-    if status == UsageRecord.Status.FAILED:
-        return Decimal("0")
-    if tenant.plan is not None:
-        used = usage_billable_count_since(tenant=tenant, since=_month_start(at))
-        if used < tenant.plan.included_requests_per_month:
-            return Decimal("0")
-    return model.price_tier.price_per_request

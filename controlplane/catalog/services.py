@@ -1,10 +1,12 @@
-"""Writes for the catalog: adding models and deploying/scaling them. Atomic and fully validated."""
+"""Writes for the catalog: adding models and deploying/scaling them. Atomic and fully validated;
+a change to a deployment asks the fleet to reconcile it once committed."""
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from controlplane.catalog.models import Deployment, Model
 from controlplane.catalog.selectors import model_get_by_public_name
+from controlplane.fleet.commands import request_reconcile
 
 # Bytes per parameter of bf16/fp16 weights, and the share added for activations and a KV cache
 # large enough to batch; an operator can always enter a measured figure instead.
@@ -75,14 +77,25 @@ def deployment_create(
     )
     deployment.full_clean()
     deployment.save()
+    request_reconcile(deployment_ids=[deployment.pk])
     return deployment
 
 
 @transaction.atomic
-def deployment_scale(*, deployment: Deployment, desired_replicas: int) -> Deployment:
+def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=None) -> Deployment:
+    """Want `desired_replicas` replicas; reconcile places or drains the difference. `actor` is the
+    user acting, for the audit log of a later issue."""
     # Lock the row so two operators scaling at once cannot both pass validation on stale bounds.
     deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    if isinstance(desired_replicas, bool) or not isinstance(desired_replicas, int):
+        raise ValidationError({"desired_replicas": f"Must be a whole number, not {desired_replicas!r}."})
+    if not deployment.min_replicas <= desired_replicas <= deployment.max_replicas:
+        raise ValidationError({"desired_replicas": (
+            f"Must lie between min_replicas ({deployment.min_replicas}) and max_replicas "
+            f"({deployment.max_replicas}); got {desired_replicas}."
+        )})
     deployment.desired_replicas = desired_replicas
     deployment.full_clean()
     deployment.save(update_fields=["desired_replicas", "updated_at"])
+    request_reconcile(deployment_ids=[deployment.pk])
     return deployment

@@ -6,18 +6,20 @@ from controlplane.fleet.models import Gpu, Replica, Worker
 class GpuInline(admin.TabularInline):
     model = Gpu
     extra = 0
-    fields = ["index", "name", "memory_total_bytes"]
+    fields = ["index", "name", "memory_total_bytes", "present"]
     readonly_fields = fields
 
 
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
-    list_display = ["host", "queue_name", "state", "last_heartbeat_at"]
-    list_filter = ["state"]
-    search_fields = ["host", "queue_name"]
-    # Workers register themselves (the service issues their token); state comes from heartbeats.
-    readonly_fields = ["host", "queue_name", "state", "last_heartbeat_at", "created_at"]
-    exclude = ["token_hash"]
+    list_display = ["name", "advertise_host", "device", "state", "state_changed_at"]
+    list_filter = ["state", "device"]
+    search_fields = ["name", "advertise_host"]
+    # Workers register themselves; state comes from heartbeats and the fleet's services.
+    readonly_fields = [
+        "name", "queue_name", "advertise_host", "device", "cpu_memory_total_bytes", "cpu_cores",
+        "version", "state", "state_changed_at", "created_at",
+    ]
     inlines = [GpuInline]
 
     def has_add_permission(self, request) -> bool:
@@ -26,10 +28,10 @@ class WorkerAdmin(admin.ModelAdmin):
 
 @admin.register(Gpu)
 class GpuAdmin(admin.ModelAdmin):
-    list_display = ["worker", "index", "name", "memory_total_bytes"]
-    search_fields = ["worker__host", "name"]
+    list_display = ["worker", "index", "name", "memory_total_bytes", "present"]
+    search_fields = ["worker__name", "name"]
     # GPUs are what workers report when they register.
-    readonly_fields = ["worker", "index", "name", "memory_total_bytes"]
+    readonly_fields = ["worker", "index", "name", "memory_total_bytes", "present"]
 
     def has_add_permission(self, request) -> bool:
         return False
@@ -39,6 +41,12 @@ class GpuAdmin(admin.ModelAdmin):
 class ReplicaAdmin(admin.ModelAdmin):
     list_display = ["deployment", "worker", "gpu", "state", "endpoint_url", "state_changed_at"]
     list_filter = ["state"]
-    search_fields = ["deployment__model__public_name", "worker__host"]
-    # State changes go through the state machine in services, never through a form.
-    readonly_fields = ["state", "state_changed_at", "last_error", "created_at"]
+    search_fields = ["deployment__model__public_name", "worker__name"]
+    # Replicas are placed by reconcile and moved by the state machine in services, never by a form.
+    readonly_fields = [
+        "deployment", "worker", "gpu", "state", "endpoint_url", "state_changed_at", "last_error",
+        "failure", "created_at",
+    ]
+
+    def has_add_permission(self, request) -> bool:
+        return False

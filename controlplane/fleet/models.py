@@ -19,25 +19,42 @@ def validate_endpoint_url(value: str) -> None:
 class Worker(models.Model):
     class State(models.TextChoices):
         ONLINE = "online", "Online"
+        # Finishing its replicas before going away: no new placements.
+        DRAINING = "draining", "Draining"
+        # Went silent unexpectedly: its replicas were failed and replaced elsewhere.
+        LOST = "lost", "Lost"
+        # Gone on purpose (silent after draining) or lost for a long time.
         OFFLINE = "offline", "Offline"
 
-    host = models.CharField(max_length=255)
-    # Each worker consumes its own Celery queue, so control tasks reach exactly that host.
-    queue_name = models.CharField(
-        max_length=100,
+    class Device(models.TextChoices):
+        CUDA = "cuda", "CUDA"
+        CPU = "cpu", "CPU"
+
+    # Workers register themselves by name (idempotently), so a restarted daemon finds its row again.
+    name = models.CharField(
+        max_length=80,
         unique=True,
-        validators=[RegexValidator(r"^[A-Za-z0-9._-]+$", "Use letters, digits and . _ - only.")],
+        validators=[RegexValidator(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", "Use letters, digits and . _ - only.")],
     )
-    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    # Each worker consumes its own Celery queue, so control tasks reach exactly that host.
+    queue_name = models.CharField(max_length=100, unique=True)
+    advertise_host = models.CharField(
+        max_length=255, help_text="Host name or address the replicas' endpoints are reached at."
+    )
+    device = models.CharField(max_length=10, choices=Device.choices, default=Device.CUDA)
+    cpu_memory_total_bytes = models.PositiveBigIntegerField(default=0)
+    cpu_cores = models.PositiveIntegerField(default=0)
+    version = models.CharField(max_length=50, blank=True)
     state = models.CharField(max_length=20, choices=State.choices, default=State.ONLINE)
-    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # Written on registration and state changes only; the latest heartbeat lives in the live cache.
+    state_changed_at = models.DateTimeField(default=timezone.now)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
-        ordering = ["host", "queue_name"]
+        ordering = ["name"]
 
     def __str__(self) -> str:
-        return f"{self.host} ({self.queue_name})"
+        return f"{self.name} ({self.state})"
 
 
 class Gpu(models.Model):
@@ -45,6 +62,9 @@ class Gpu(models.Model):
     index = models.PositiveSmallIntegerField(help_text="CUDA device index on the worker host.")
     name = models.CharField(max_length=100)
     memory_total_bytes = models.PositiveBigIntegerField()
+    # A GPU the worker stopped reporting keeps its row (its replicas' history points at it) but
+    # takes no new replicas.
+    present = models.BooleanField(default=True)
 
     class Meta:
         ordering = ["worker", "index"]
@@ -56,7 +76,7 @@ class Gpu(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.worker.host} GPU {self.index} ({self.name})"
+        return f"{self.worker.name} GPU {self.index} ({self.name})"
 
 
 class Replica(models.Model):
@@ -79,6 +99,20 @@ class Replica(models.Model):
         State.FAILED: frozenset(),
     }
     LIVE_STATES = (State.PENDING, State.LOADING, State.READY, State.DRAINING)
+    # Live and meant to stay: what counts toward a deployment's desired replicas.
+    ACTIVE_STATES = (State.PENDING, State.LOADING, State.READY)
+
+    class Failure(models.TextChoices):
+        NONE = "", "None"
+        # The worker reported the load failing: never retried on that worker until the model changes.
+        LOAD = "load", "Load failed"
+        # The worker reported it failing after it was ready (the server process died, say).
+        CRASHED = "crashed", "Crashed"
+        WORKER_LOST = "worker_lost", "Worker lost"
+        # The worker never confirmed the load message (lost in transit): re-placed.
+        NOT_ACKNOWLEDGED = "not_acknowledged", "Not acknowledged"
+        # The worker stopped reporting a replica it had been running.
+        VANISHED = "vanished", "Vanished"
 
     deployment = models.ForeignKey("catalog.Deployment", on_delete=models.CASCADE, related_name="replicas")
     worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="replicas")
@@ -92,15 +126,16 @@ class Replica(models.Model):
         help_text="The worker's internal OpenAI-compatible API for this replica.",
     )
     last_error = models.TextField(blank=True)
+    failure = models.CharField(max_length=20, choices=Failure.choices, blank=True, default=Failure.NONE)
     state_changed_at = models.DateTimeField(default=timezone.now)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["-created_at"]
-        indexes = [models.Index(fields=["deployment", "state"])]
+        indexes = [models.Index(fields=["deployment", "state"]), models.Index(fields=["worker", "state"])]
 
     def __str__(self) -> str:
-        return f"{self.deployment.model.public_name} on {self.worker.host} [{self.state}]"
+        return f"{self.deployment.model.public_name} on {self.worker.name} [{self.state}]"
 
     def clean(self) -> None:
         super().clean()

@@ -1,92 +1,294 @@
-"""Writes for the fleet: worker registration and heartbeats, replica creation and state changes."""
+"""Writes for the fleet: worker registration, heartbeats and lost workers, replica placement and
+state changes, and the operators' load/unload/drain. Atomic; messages go out after commit."""
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
 
+from controlplane import live
+from controlplane.catalog.models import Deployment
+from controlplane.fleet import commands, live_state
+from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import Gpu, Replica, Worker
-from controlplane.tokens import new_secret_token, secret_hash
+from controlplane.fleet.placement import memory_fraction
+from controlplane.fleet.reports import Heartbeat, WorkerRegistration
+from controlplane.fleet.selectors import placement_slots
 
 
-@dataclass(frozen=True)
-class GpuSpec:
-    """One GPU as a worker reports it when registering."""
-
-    index: int
-    name: str
-    memory_total_bytes: int
+class WorkerUnknown(Exception):
+    """A heartbeat named a worker id the control plane does not have; the daemon registers again."""
 
 
-@dataclass(frozen=True)
-class WorkerRegistered:
-    """The new worker and its token, which is shown this once; only its hash is stored."""
-
-    worker: Worker
-    token: str
+def _publish_worker(worker: Worker) -> None:
+    live.publish(group=live.FLEET_GROUP, event="worker.state", data={
+        "worker_id": worker.pk, "name": worker.name, "state": worker.state,
+    })
 
 
 @transaction.atomic
-def worker_register(*, host: str, queue_name: str, gpus: Sequence[GpuSpec], at: datetime) -> WorkerRegistered:
-    token = new_secret_token()
-    worker = Worker(
-        host=host, queue_name=queue_name, token_hash=secret_hash(token),
-        state=Worker.State.ONLINE, last_heartbeat_at=at,
-    )
+def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worker:
+    """Create the worker, or update the one with this name (a restarted daemon), and set it online."""
+    worker = Worker.objects.select_for_update(no_key=True).filter(name=registration.name).first()
+    if worker is None:
+        worker = Worker(name=registration.name, queue_name=f"gpuworker.{registration.name}")
+    worker.advertise_host = registration.advertise_host
+    worker.device = registration.device
+    worker.cpu_memory_total_bytes = registration.cpu_memory_total_bytes
+    worker.cpu_cores = registration.cpu_cores
+    worker.version = registration.version
+    worker.state = Worker.State.ONLINE
+    worker.state_changed_at = now
     worker.full_clean()
     worker.save()
-    for spec in gpus:
-        gpu = Gpu(worker=worker, index=spec.index, name=spec.name, memory_total_bytes=spec.memory_total_bytes)
+    known = {gpu.index: gpu for gpu in Gpu.objects.select_for_update().filter(worker=worker)}
+    for spec in registration.gpus:
+        gpu = known.pop(spec.index, None) or Gpu(worker=worker, index=spec.index)
+        gpu.name, gpu.memory_total_bytes, gpu.present = spec.name, spec.memory_total_bytes, True
         gpu.full_clean()
         gpu.save()
-    return WorkerRegistered(worker=worker, token=token)
-
-
-@transaction.atomic
-def worker_record_heartbeat(*, worker: Worker, at: datetime) -> Worker:
-    worker.last_heartbeat_at = at
-    worker.state = Worker.State.ONLINE
-    worker.save(update_fields=["last_heartbeat_at", "state"])
+    Gpu.objects.filter(pk__in=[gpu.pk for gpu in known.values()]).update(present=False)
+    state = {"worker_id": worker.pk, "name": worker.name, "state": worker.state, "received_at": now.timestamp()}
+    transaction.on_commit(lambda: live_state.store(worker_id=worker.pk, state=state))
+    _publish_worker(worker)
+    # New capacity: deployments waiting for room may fit now.
+    commands.request_reconcile()
     return worker
 
 
-@transaction.atomic
-def workers_mark_stale(*, now: datetime, timeout: timedelta) -> int:
-    """Mark online workers whose last heartbeat is older than `timeout` offline; returns how many."""
-    return Worker.objects.filter(
-        state=Worker.State.ONLINE, last_heartbeat_at__lt=now - timeout
-    ).update(state=Worker.State.OFFLINE)
+def _worker_set_state(*, worker: Worker, to_state: str, now: datetime) -> Worker:
+    # Conditional on the state we read, so a concurrent change (lost marking, drain) wins cleanly.
+    if Worker.objects.filter(pk=worker.pk, state=worker.state).update(state=to_state, state_changed_at=now):
+        worker.state, worker.state_changed_at = to_state, now
+        _publish_worker(worker)
+    return worker
+
+
+def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> list[int]:
+    """Record one heartbeat: live figures to the cache, state changes to the database. Returns the
+    replica ids the worker should unload (ones it runs that the control plane wants gone)."""
+    worker = Worker.objects.filter(pk=worker_id).first()
+    if worker is None:
+        raise WorkerUnknown(f"No worker with id {worker_id}; register again.")
+    State = Worker.State
+    if worker.state in (State.LOST, State.OFFLINE) or (worker.state == State.ONLINE and heartbeat.draining):
+        _worker_set_state(worker=worker, to_state=State.DRAINING if heartbeat.draining else State.ONLINE, now=now)
+    plan = plan_heartbeat(recorded=_recorded_replicas(worker_id, heartbeat), reported=list(heartbeat.replicas))
+    if plan.steps:
+        plan = _apply_heartbeat(worker_id=worker_id, heartbeat=heartbeat, now=now)
+    state = {
+        "worker_id": worker.pk, "name": worker.name, "state": worker.state, "received_at": now.timestamp(),
+        "sent_at": heartbeat.sent_at, "draining": heartbeat.draining,
+        "gpus": list(heartbeat.gpus), "cpu": heartbeat.cpu,
+        "replicas": {str(r.replica_id): {"state": r.state, "endpoint_url": r.endpoint_url, "error": r.error, **r.figures}
+                     for r in heartbeat.replicas},
+    }
+    live_state.store(worker_id=worker.pk, state=state)
+    live.publish(group=live.FLEET_GROUP, event="worker.heartbeat", data=state)
+    return plan.unload
+
+
+def _recorded_replicas(worker_id: int, heartbeat: Heartbeat, *, lock: bool = False) -> list[RecordedReplica]:
+    reported_ids = [report.replica_id for report in heartbeat.replicas]
+    rows = Replica.objects.filter(worker_id=worker_id).filter(Q(state__in=Replica.LIVE_STATES) | Q(pk__in=reported_ids))
+    if lock:
+        rows = rows.select_for_update(no_key=True).order_by("pk")
+    return [RecordedReplica(replica_id=pk, state=state) for pk, state in rows.values_list("pk", "state")]
 
 
 @transaction.atomic
-def replica_create(*, deployment, worker: Worker, gpu: Gpu | None = None) -> Replica:
-    replica = Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING)
-    replica.full_clean()
-    replica.save()
-    return replica
+def _apply_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> HeartbeatPlan:
+    # Planned again under row locks: reconcile or an operator may have moved a replica meanwhile.
+    plan = plan_heartbeat(recorded=_recorded_replicas(worker_id, heartbeat, lock=True), reported=list(heartbeat.replicas))
+    replicas = Replica.objects.select_related("worker", "deployment__model").in_bulk([s.replica_id for s in plan.steps])
+    ended = set()
+    for step in plan.steps:
+        replica = replicas[step.replica_id]
+        for to_state in step.path:
+            _transition(replica, to_state=to_state, at=now, endpoint_url=step.endpoint_url,
+                        error=step.error, failure=step.failure)
+        if replica.state in (FAILED, STOPPED):
+            ended.add(replica.deployment_id)
+    if ended:
+        commands.request_reconcile(deployment_ids=list(ended))
+    return plan
+
+
+def workers_mark_lost(*, now: datetime) -> int:
+    """Workers silent for FLEET_WORKER_LOST_AFTER_SECONDS become lost and their live replicas
+    failed (a drained one just goes offline); lost ones silent much longer go offline."""
+    State = Worker.State
+    workers = list(Worker.objects.filter(state__in=[State.ONLINE, State.DRAINING, State.LOST]))
+    latest = live_state.read_many(worker_ids=[w.pk for w in workers])
+    changed = 0
+    for worker in workers:
+        silent_for = _silent_for(worker, latest.get(worker.pk), now)
+        if worker.state == State.LOST:
+            if silent_for > settings.FLEET_WORKER_OFFLINE_AFTER_SECONDS:
+                _worker_set_state(worker=worker, to_state=State.OFFLINE, now=now)
+                changed += 1
+        elif silent_for > settings.FLEET_WORKER_LOST_AFTER_SECONDS:
+            changed += _worker_mark_lost(worker_id=worker.pk, now=now)
+    return changed
+
+
+def _silent_for(worker: Worker, latest: dict | None, now: datetime) -> float:
+    # Counted from the last state change too: a worker with no heartbeat cached yet (just
+    # registered, or the cache was flushed) is not lost before its first heartbeat is due.
+    last = max((latest or {}).get("received_at", 0.0), worker.state_changed_at.timestamp())
+    return now.timestamp() - last
 
 
 @transaction.atomic
-def replica_transition(
-    *, replica: Replica, to_state: str, at: datetime, endpoint_url: str | None = None, error: str = ""
-) -> Replica:
-    """Move a replica along its state machine; an illegal move raises ValidationError and writes nothing."""
-    # Lock the row: a heartbeat and a reconcile task may move the same replica concurrently.
-    replica = Replica.objects.select_for_update().get(pk=replica.pk)
+def _worker_mark_lost(*, worker_id: int, now: datetime) -> bool:
+    worker = Worker.objects.select_for_update(no_key=True).get(pk=worker_id)
+    silent_for = _silent_for(worker, live_state.read(worker_id=worker_id), now)
+    if worker.state not in (Worker.State.ONLINE, Worker.State.DRAINING) or silent_for <= settings.FLEET_WORKER_LOST_AFTER_SECONDS:
+        return False  # a heartbeat or another checker got there first
+    replicas = list(Replica.objects.select_for_update(no_key=True).select_related("deployment__model")
+                    .filter(worker=worker, state__in=Replica.LIVE_STATES).order_by("pk"))
+    gone_on_purpose = worker.state == Worker.State.DRAINING and not replicas
+    worker.state = Worker.State.OFFLINE if gone_on_purpose else Worker.State.LOST
+    worker.state_changed_at = now
+    worker.save(update_fields=["state", "state_changed_at"])
+    _publish_worker(worker)
+    for replica in replicas:
+        _transition(replica, to_state=Replica.State.FAILED, at=now, failure=Replica.Failure.WORKER_LOST,
+                    error=f"Worker {worker.name} lost: no heartbeat for {silent_for:.1f} s.")
+    if replicas:
+        commands.request_reconcile(deployment_ids=[r.deployment_id for r in replicas])
+    return True
+
+
+def _transition(replica: Replica, *, to_state: str, at: datetime, endpoint_url: str | None = None,
+                error: str = "", failure: str = "") -> Replica:
+    """Move a replica (already locked by the caller) one legal step along its state machine."""
     if to_state not in Replica.State.values:
         raise ValidationError({"state": f"Unknown replica state {to_state!r}."})
     if to_state not in Replica.TRANSITIONS[replica.state]:
-        raise ValidationError(
-            {"state": f"A replica cannot go from {replica.state} to {to_state}."}
-        )
+        raise ValidationError({"state": f"A replica cannot go from {replica.state} to {to_state}."})
     replica.state = to_state
     replica.state_changed_at = at
     if endpoint_url is not None:
         replica.endpoint_url = endpoint_url
     if to_state == Replica.State.FAILED:
-        replica.last_error = error
+        replica.last_error, replica.failure = error, failure
     replica.full_clean()
     replica.save()
+    live.publish(group=live.FLEET_GROUP, event="replica.state", data={
+        "replica_id": replica.pk, "deployment_id": replica.deployment_id, "worker_id": replica.worker_id,
+        "state": replica.state, "endpoint_url": replica.endpoint_url, "error": replica.last_error,
+    })
     return replica
+
+
+@transaction.atomic
+def replica_transition(
+    *, replica: Replica, to_state: str, at: datetime, endpoint_url: str | None = None, error: str = "",
+    failure: str = "",
+) -> Replica:
+    """Move a replica along its state machine; an illegal move raises ValidationError and writes nothing."""
+    # Lock the row: a heartbeat and a reconcile task may move the same replica concurrently.
+    replica = Replica.objects.select_for_update(no_key=True).get(pk=replica.pk)
+    return _transition(replica, to_state=to_state, at=at, endpoint_url=endpoint_url, error=error, failure=failure)
+
+
+@transaction.atomic
+def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
+    """Create a pending replica and send the worker its load message (after commit)."""
+    replica = Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING)
+    replica.full_clean()
+    replica.save()
+    model = deployment.model
+    total = gpu.memory_total_bytes if gpu is not None else worker.cpu_memory_total_bytes
+    commands.send_load_model(
+        queue=worker.queue_name, replica_id=replica.pk, model_path=model.weights_path,
+        served_model_name=model.public_name, gpu_index=gpu.index if gpu is not None else None,
+        memory_fraction=memory_fraction(need_bytes=model.gpu_memory_bytes, total_bytes=total),
+        max_model_len=model.context_length,
+    )
+    return replica
+
+
+def replica_stop(*, replica: Replica, at: datetime) -> Replica:
+    """Take a locked, active replica out of service: a pending one stops at once, others drain.
+    The unload message goes either way, in case the load message is still on its way."""
+    to_state = Replica.State.STOPPED if replica.state == Replica.State.PENDING else Replica.State.DRAINING
+    _transition(replica, to_state=to_state, at=at)
+    commands.send_unload_model(queue=replica.worker.queue_name, replica_id=replica.pk,
+                               drain_timeout_s=float(settings.FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS))
+    return replica
+
+
+# --- Operators' actions. `actor` is the user acting, for the audit log of a later issue. -------
+
+def _lock_deployment(deployment: Deployment) -> Deployment:
+    return Deployment.objects.select_for_update().select_related("model").get(pk=deployment.pk)
+
+
+@transaction.atomic
+def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) -> Replica:
+    """Put one more replica of `deployment` on this worker's GPU (None on a CPU-only worker).
+    Allowed where the model failed before: unlike reconcile's retries, this is a person's choice."""
+    deployment = _lock_deployment(deployment)
+    worker = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
+    model = deployment.model
+    if worker.state != Worker.State.ONLINE:
+        raise ValidationError({"worker": f"Worker {worker.name} is {worker.state}; only an online worker takes new replicas."})
+    slots = {slot.gpu_id: slot for slot in placement_slots(workers=[worker])}
+    if gpu is None and None not in slots:
+        raise ValidationError({"gpu": f"Worker {worker.name} has GPUs: choose one."})
+    if gpu is not None and gpu.pk not in slots:
+        raise ValidationError({"gpu": f"GPU {gpu.index} ({gpu.name}) is not a present GPU of worker {worker.name}."})
+    slot = slots[gpu.pk if gpu is not None else None]
+    where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else f"Worker {worker.name}"
+    if slot.free_bytes < model.gpu_memory_bytes:
+        raise ValidationError({"gpu": f"{where} has {max(0, slot.free_bytes):,} bytes free; "
+                                      f"{model.public_name} needs {model.gpu_memory_bytes:,}."})
+    if deployment.desired_replicas >= deployment.max_replicas:
+        raise ValidationError({"deployment": f"{model.public_name} already wants {deployment.desired_replicas} "
+                                             f"replicas, its max_replicas ({deployment.max_replicas}); raise it first."})
+    # One more wanted, so reconcile keeps this replica instead of draining it as surplus.
+    deployment.desired_replicas += 1
+    deployment.save(update_fields=["desired_replicas", "updated_at"])
+    return replica_place(deployment=deployment, worker=worker, gpu=gpu)
+
+
+@transaction.atomic
+def replica_unload(*, replica: Replica, actor=None) -> Replica:
+    """Drain and stop this replica, and want one replica fewer so reconcile does not replace it."""
+    deployment = _lock_deployment(replica.deployment)
+    replica = Replica.objects.select_for_update(no_key=True).select_related("worker").get(pk=replica.pk)
+    if replica.state not in Replica.ACTIVE_STATES:
+        raise ValidationError({"replica": f"Replica {replica.pk} is {replica.state}; only a pending, loading "
+                                          f"or ready replica can be unloaded."})
+    if deployment.desired_replicas - 1 < deployment.min_replicas:
+        raise ValidationError({"replica": f"{deployment.model.public_name} must keep at least "
+                                          f"{deployment.min_replicas} replicas (min_replicas); lower it first."})
+    deployment.desired_replicas -= 1
+    deployment.save(update_fields=["desired_replicas", "updated_at"])
+    return replica_stop(replica=replica, at=timezone.now())
+
+
+@transaction.atomic
+def worker_drain(*, worker: Worker, actor=None) -> Worker:
+    """Stop placing on this worker and move its replicas elsewhere; the daemon finishes in-flight
+    requests (up to FLEET_WORKER_DRAIN_TIMEOUT_SECONDS) and stops them."""
+    worker = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
+    if worker.state != Worker.State.ONLINE:
+        raise ValidationError({"worker": f"Worker {worker.name} is {worker.state}; only an online worker can be drained."})
+    now = timezone.now()
+    worker.state, worker.state_changed_at = Worker.State.DRAINING, now
+    worker.save(update_fields=["state", "state_changed_at"])
+    _publish_worker(worker)
+    replicas = list(Replica.objects.select_for_update(no_key=True).filter(worker=worker, state__in=Replica.ACTIVE_STATES).order_by("pk"))
+    for replica in replicas:
+        to_state = Replica.State.STOPPED if replica.state == Replica.State.PENDING else Replica.State.DRAINING
+        _transition(replica, to_state=to_state, at=now)
+    commands.send_drain_worker(queue=worker.queue_name, timeout_s=float(settings.FLEET_WORKER_DRAIN_TIMEOUT_SECONDS))
+    if replicas:
+        commands.request_reconcile(deployment_ids=[r.deployment_id for r in replicas])
+    return worker

@@ -1,18 +1,24 @@
-"""Celery tasks for the fleet; each looks its inputs up and calls a service."""
-
-from datetime import timedelta
+"""Celery tasks for the fleet; each calls a service. Beat runs both periodically (settings)."""
 
 from celery import shared_task
-from django.conf import settings
 from django.utils import timezone
 
-from controlplane.fleet.services import workers_mark_stale
+from controlplane.fleet.reconcile import fleet_reconcile
+from controlplane.fleet.services import workers_mark_lost
 
 
-@shared_task(name="controlplane.fleet.tasks.mark_stale_workers")
-def mark_stale_workers() -> int:
-    """Run by beat: workers that stopped sending heartbeats go offline, so nothing routes to them."""
-    return workers_mark_stale(
-        now=timezone.now(),
-        timeout=timedelta(seconds=settings.FLEET_WORKER_HEARTBEAT_TIMEOUT_SECONDS),
-    )
+@shared_task(name="controlplane.fleet.tasks.mark_lost_workers")
+def mark_lost_workers() -> int:
+    """Workers that stopped sending heartbeats become lost and their replicas are replaced."""
+    return workers_mark_lost(now=timezone.now())
+
+
+@shared_task(name="controlplane.fleet.tasks.reconcile")
+def reconcile(deployment_ids: list[int] | None = None) -> dict[str, int]:
+    """Bring deployments (all when None) to their desired replicas; returns what it did, in counts."""
+    outcomes = fleet_reconcile(now=timezone.now(), deployment_ids=deployment_ids)
+    return {
+        "placed": sum(len(o.placed) for o in outcomes),
+        "removed": sum(len(o.removed) for o in outcomes),
+        "unplaced": sum(o.unplaced for o in outcomes),
+    }

@@ -1,4 +1,5 @@
-"""Routes under /v1; the endpoints arrive with the gateway issue."""
+"""Django serves nothing under /v1: the public API is a Starlette app (controlplane.gateway.app)
+that controlplane.asgi puts in front of Django for every /v1 path."""
 
 app_name = "gateway"
 

@@ -11,7 +11,6 @@ from controlplane.accounts.models import ApiKey, Tenant, User
 from controlplane.billing.models import Plan, PriceTier
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet.models import Gpu, Replica, Worker
-from controlplane.tokens import new_secret_token, secret_hash
 
 
 class PriceTierFactory(factory.django.DjangoModelFactory):
@@ -100,11 +99,14 @@ class WorkerFactory(factory.django.DjangoModelFactory):
     class Meta:
         model = Worker
 
-    host = factory.Sequence(lambda n: f"gpu-host-{n}")
-    queue_name = factory.Sequence(lambda n: f"worker.{n}")
-    token_hash = factory.LazyFunction(lambda: secret_hash(new_secret_token()))
+    name = factory.Sequence(lambda n: f"gpu-host-{n}")
+    queue_name = factory.LazyAttribute(lambda o: f"gpuworker.{o.name}")
+    advertise_host = "127.0.0.1"
+    device = Worker.Device.CUDA
+    cpu_memory_total_bytes = 64 * 1024**3
+    cpu_cores = 16
     state = Worker.State.ONLINE
-    last_heartbeat_at = factory.LazyFunction(timezone.now)
+    state_changed_at = factory.LazyFunction(timezone.now)
 
 
 class GpuFactory(factory.django.DjangoModelFactory):

@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = shutil.which("docker-compose")
 pytestmark = pytest.mark.skipif(COMPOSE is None, reason="docker-compose is not installed")
 
-PRODUCTION = {"SECRET_KEY": "k" * 60, "POSTGRES_PASSWORD": "pw", "PUBLIC_HOST": "gpuserve.example.com"}
+PRODUCTION = {"SECRET_KEY": "k" * 60, "POSTGRES_PASSWORD": "pw", "PUBLIC_HOST": "gpuserve.example.com",
+              "GPUSERVE_WORKER_TOKEN": "w" * 43}
 
 
 def _config(*args, env):
@@ -30,7 +31,8 @@ def test_compose_config_accepts_the_file():
     assert {"postgres", "redis", "web", "celery-worker", "beat", "gpuworker"} <= set(services)
     rendered = result.stdout
     assert "driver: nvidia" in rendered and "- gpu" in rendered  # the GPU is reserved
-    assert rendered.count("healthcheck:") >= 6
+    # Every service but the GPU worker daemon, which serves no port (heartbeats show its health).
+    assert rendered.count("healthcheck:") >= 5
     for volume in ("pgdata:", "models:"):
         assert volume in rendered
 
@@ -39,3 +41,10 @@ def test_compose_refuses_to_start_without_secrets():
     result = _config(env={})
     assert result.returncode != 0
     assert "SECRET_KEY" in result.stderr or "POSTGRES_PASSWORD" in result.stderr
+    result = _config(env={k: v for k, v in PRODUCTION.items() if k != "GPUSERVE_WORKER_TOKEN"})
+    assert result.returncode != 0 and "GPUSERVE_WORKER_TOKEN" in result.stderr
+
+
+def test_the_gpu_worker_runs_the_daemon_against_the_web_service():
+    rendered = _config(env=PRODUCTION).stdout
+    assert "gpuworker" in rendered and "daemon" in rendered and "http://web:8000" in rendered

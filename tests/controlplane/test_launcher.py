@@ -1,10 +1,12 @@
 """The `make run` launcher: brings the system up and takes every process down again."""
 
 import io
+import json
 import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -46,11 +48,13 @@ def _embedded_env(tmp_path: Path) -> dict[str, str]:
     return {**env, "DEBUG": "1", "VAR_DIR": str(tmp_path / "var")}
 
 
-def test_process_specs_name_web_worker_and_beat():
+def test_process_specs_name_web_worker_beat_and_the_gpu_worker_daemon():
     specs = process_specs(host="0.0.0.0", port=8000)
-    assert [spec.name for spec in specs] == ["web", "worker", "beat"]
+    assert [spec.name for spec in specs] == ["web", "worker", "beat", "gpuworker"]
     web = specs[0].argv
     assert "controlplane.asgi:application" in web and web[web.index("--port") + 1] == "8000"
+    daemon = specs[3].argv
+    assert daemon[daemon.index("daemon") + 1:daemon.index("daemon") + 3] == ["--control-url", "http://127.0.0.1:8000"]
 
 
 def test_a_child_dying_stops_the_others_and_fails():
@@ -102,6 +106,13 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
             login = _wait_for_page(f"http://127.0.0.1:{port}/accounts/login/", launcher, log_path)
             assert 'name="password"' in login
             _wait_for_text(log_path, "Press Ctrl-C to stop", launcher)
+            # The demo model goes through the fleet's own path: reconcile places it on the local
+            # daemon, which loads it and reports its endpoint.
+            endpoint = _wait_for_ready_replica(tmp_path / "var" / "db.sqlite3", launcher, log_path)
+            token = (tmp_path / "var" / "worker-token").read_text().strip()
+            health = urllib.request.Request(f"{endpoint}/health", headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(health, timeout=5) as response:
+                assert json.loads(response.read())["status"] == "ready"
             launcher.send_signal(signal.SIGINT)
             assert launcher.wait(timeout=60) == 0
         finally:
@@ -110,14 +121,28 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
                 launcher.wait()
     output = log_path.read_text()
     pids = {name: int(pid) for name, pid in re.findall(r"started (\w+) \(pid (\d+)\)", output)}
-    assert set(pids) == {"web", "worker", "beat"}
+    assert set(pids) == {"web", "worker", "beat", "gpuworker"}
     leftovers = {name: _live_members_of_group(pid) for name, pid in pids.items()}
     assert not any(leftovers.values()), leftovers
     # The banner gives the URL, the login and the API key that seed_demo wrote.
     demo = read_env_file(env_file)
     assert f"http://127.0.0.1:{port}/" in output
     assert demo["OPENAI_API_KEY"] in output and demo["DEMO_ADMIN_PASSWORD"] in output
+    assert "random noise" in output
     assert "all processes stopped" in output
+
+
+def _wait_for_ready_replica(database: Path, launcher: subprocess.Popen, log_path: Path, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            pytest.fail(f"the launcher exited early ({launcher.returncode}):\n{log_path.read_text()}")
+        with sqlite3.connect(database, timeout=20) as db:
+            row = db.execute("SELECT endpoint_url FROM fleet_replica WHERE state = 'ready'").fetchone()
+        if row:
+            return row[0]
+        time.sleep(0.5)
+    pytest.fail(f"the demo model was not ready within {timeout}s:\n{log_path.read_text()}")
 
 
 def _wait_for_page(url: str, launcher: subprocess.Popen, log_path: Path, timeout: float = 90) -> str:

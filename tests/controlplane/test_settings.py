@@ -37,6 +37,7 @@ PRODUCTION = {
     "CSRF_TRUSTED_ORIGINS": "https://gpuserve.example.com",
     "SECURE_PROXY_SSL_HEADER": "1",
     "SECURE_HSTS_PRELOAD": "1",
+    "GPUSERVE_WORKER_TOKEN": secrets.token_urlsafe(32),
 }
 
 
@@ -57,6 +58,20 @@ def test_secret_key_is_required_when_debug_is_off(tmp_path):
     result = _manage("check", env=env, tmp_path=tmp_path)
     assert result.returncode != 0
     assert "SECRET_KEY must be set when DEBUG is off" in result.stderr
+
+
+def test_worker_token_is_required_when_debug_is_off(tmp_path):
+    env = {k: v for k, v in PRODUCTION.items() if k != "GPUSERVE_WORKER_TOKEN"}
+    result = _manage("check", env=env, tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert "GPUSERVE_WORKER_TOKEN must be set when DEBUG is off" in result.stderr
+
+
+def test_debug_without_a_worker_token_shares_one_through_a_private_file(tmp_path):
+    script = "from django.conf import settings; print(settings.FLEET_WORKER_TOKEN)"
+    tokens = {_manage("shell", "-c", script, env={"DEBUG": "1"}, tmp_path=tmp_path).stdout.strip() for _ in range(2)}
+    assert len(tokens) == 1 and len(tokens.pop()) >= 40
+    assert (tmp_path / "worker-token").stat().st_mode & 0o077 == 0
 
 
 def test_bad_boolean_names_the_variable(tmp_path):

@@ -39,13 +39,19 @@ def _wait(supervisor: Supervisor, replica_id: int, *states: str, timeout: float 
     raise AssertionError(f"replica {replica_id} never reached {states}: {supervisor.snapshot()}")
 
 
+# Replica processes other test modules of the same session keep running (session fixtures).
+_OTHERS: set[int] = set()
+
+
 def _serve_children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children() if "serve" in p.cmdline()]
+    return [p for p in psutil.Process().children() if "serve" in p.cmdline() and p.pid not in _OTHERS]
 
 
 @pytest.fixture
 def supervisor(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # children inherit it: tiny models need no threads
+    _OTHERS.clear()
+    _OTHERS.update(p.pid for p in psutil.Process().children() if "serve" in p.cmdline())
     base = _port_base()
     supervisor = Supervisor(token=TOKEN, gpu_count=0, port_range=(base, base + 20), advertise_host="127.0.0.1",
                             bind_host="127.0.0.1", state_dir=tmp_path, worker_name="test-host")

@@ -1,6 +1,7 @@
 """`manage.py seed_demo`: creates the demo once, reuses it (and its secrets) on every later run."""
 
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 from django.core.management import call_command
@@ -39,6 +40,8 @@ def test_seed_creates_a_working_demo(tmp_path):
     assert admin.role == User.Role.ADMIN and admin.is_staff and admin.is_superuser
     model = Model.objects.get(public_name="demo-tiny")
     assert model.deployment.desired_replicas == 1 and model.enabled
+    # The demo weights are written once, where the model row says; the daemon loads them from there.
+    assert (Path(model.weights_path) / "config.json").is_file()
     assert env_file.stat().st_mode & 0o077 == 0, "the file holds secrets and must be private"
 
 

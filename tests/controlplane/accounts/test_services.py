@@ -150,3 +150,15 @@ def test_api_key_revoke():
     result = api_key_create(tenant=TenantFactory(), name="k")
     api_key_revoke(api_key=result.api_key)
     assert ApiKey.objects.get(pk=result.api_key.pk).revoked
+
+
+def test_api_key_record_use_writes_at_most_once_a_minute():
+    from controlplane.accounts.services import api_key_record_use
+
+    api_key = api_key_create(tenant=TenantFactory(), name="hot").api_key
+    now = timezone.now()
+    assert api_key_record_use(api_key_id=api_key.pk, at=now)
+    assert not api_key_record_use(api_key_id=api_key.pk, at=now + timedelta(seconds=59))
+    assert api_key_record_use(api_key_id=api_key.pk, at=now + timedelta(seconds=61))
+    api_key.refresh_from_db()
+    assert api_key.last_used_at == now + timedelta(seconds=61)

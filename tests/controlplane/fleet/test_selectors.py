@@ -1,18 +1,12 @@
 import pytest
-from django.utils import timezone
 
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.selectors import replicas_ready_for_model, worker_get_by_token
-from controlplane.fleet.services import worker_register
-from tests.controlplane.factories import DeploymentFactory, ReplicaFactory, WorkerFactory
+from controlplane.fleet.selectors import placement_slots, replicas_ready_for_model
+from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
+from tests.controlplane.fleet.conftest import make_worker
 
 pytestmark = pytest.mark.django_db
-
-
-def test_worker_get_by_token():
-    result = worker_register(host="h", queue_name="worker.h", gpus=[], at=timezone.now())
-    assert worker_get_by_token(token=result.token) == result.worker
-    assert worker_get_by_token(token=result.token + "x") is None
+GB = 1024**3
 
 
 def test_replicas_ready_for_model_excludes_other_states_models_and_offline_workers():
@@ -21,7 +15,23 @@ def test_replicas_ready_for_model_excludes_other_states_models_and_offline_worke
     ReplicaFactory(deployment=deployment, state=Replica.State.LOADING)
     ReplicaFactory(
         deployment=deployment, state=Replica.State.READY, endpoint_url="http://w2:8001",
-        worker=WorkerFactory(state=Worker.State.OFFLINE),
+        worker=make_worker(state=Worker.State.OFFLINE),
     )
     ReplicaFactory(state=Replica.State.READY, endpoint_url="http://w3:8001")  # another model
     assert list(replicas_ready_for_model(model=deployment.model)) == [ready]
+
+
+def test_placement_slots_count_live_replicas_memory_per_gpu():
+    gpu = GpuFactory(worker=make_worker(), index=0, memory_total_bytes=80 * GB)
+    GpuFactory(worker=gpu.worker, index=1, present=False)
+    model = ModelFactory(gpu_memory_bytes=10 * GB)
+    for state in (Replica.State.PENDING, Replica.State.DRAINING, Replica.State.FAILED, Replica.State.STOPPED):
+        ReplicaFactory(deployment=DeploymentFactory(model=ModelFactory(gpu_memory_bytes=10 * GB)),
+                       worker=gpu.worker, gpu=gpu, state=state)
+    ReplicaFactory(deployment=DeploymentFactory(model=model), worker=gpu.worker, gpu=gpu, state=Replica.State.READY,
+                   endpoint_url="http://w:1")
+    cpu = make_worker(device=Worker.Device.CPU, cpu_memory_total_bytes=8 * GB)
+    slots = placement_slots(workers=[gpu.worker, cpu])
+    # Pending, draining and ready replicas hold memory; failed and stopped ones do not.
+    assert [(s.worker_id, s.gpu_index, s.total_bytes, s.used_bytes) for s in slots] == [
+        (gpu.worker_id, 0, 80 * GB, 30 * GB), (cpu.pk, None, 8 * GB, 0)]

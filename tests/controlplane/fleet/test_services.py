@@ -3,102 +3,201 @@ from itertools import product
 
 import pytest
 from django.core.exceptions import ValidationError
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from controlplane.catalog.models import Deployment
 from controlplane.fleet.models import Gpu, Replica, Worker
+from controlplane.fleet.reports import parse_heartbeat, parse_registration
+from controlplane.fleet.selectors import worker_live_state
 from controlplane.fleet.services import (
-    GpuSpec,
-    replica_create,
+    WorkerUnknown,
+    replica_load_on,
+    replica_place,
     replica_transition,
-    worker_record_heartbeat,
+    replica_unload,
+    worker_drain,
+    worker_heartbeat,
     worker_register,
-    workers_mark_stale,
+    workers_mark_lost,
 )
-from controlplane.tokens import secret_hash
-from tests.controlplane.factories import DeploymentFactory, GpuFactory, ReplicaFactory, WorkerFactory
+from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
+from tests.controlplane.fleet.conftest import make_worker, queued_tasks
 
 pytestmark = pytest.mark.django_db
 
 H200 = 141 * 1024**3
+GB = 1024**3
 State = Replica.State
+URL = "http://127.0.0.1:8101"
 
 
-def test_worker_register_stores_gpus_and_only_the_token_hash():
-    now = timezone.now()
-    result = worker_register(
-        host="gpu-1", queue_name="worker.gpu-1",
-        gpus=[GpuSpec(0, "NVIDIA H200", H200), GpuSpec(1, "NVIDIA H200", H200)], at=now,
-    )
-    worker = Worker.objects.get(pk=result.worker.pk)
-    assert worker.state == Worker.State.ONLINE and worker.last_heartbeat_at == now
+def _registration(name="host-a", gpus=((0, H200),), device="cuda"):
+    return parse_registration({
+        "name": name, "advertise_host": "10.0.0.5", "device": device,
+        "gpus": [{"index": i, "name": "NVIDIA H200", "memory_total_bytes": m} for i, m in gpus],
+        "cpu": {"memory_total_bytes": 256 * GB, "cores": 32}, "version": "0.1.0",
+    })
+
+
+def _beat(worker, *replicas, draining=False, now=None):
+    heartbeat = parse_heartbeat({"draining": draining, "replicas": list(replicas),
+                                 "gpus": [{"index": 0, "utilization_pct": 50.0}], "cpu": {"utilization_pct": 3.0}})
+    return worker_heartbeat(worker_id=worker.pk, heartbeat=heartbeat, now=now or timezone.now())
+
+
+def _state(replica):
+    replica.refresh_from_db()
+    return replica.state
+
+
+# --- registration ---------------------------------------------------------------------------
+
+def test_register_creates_the_worker_its_queue_and_gpus(django_capture_on_commit_callbacks):
+    with django_capture_on_commit_callbacks(execute=True):
+        worker = worker_register(registration=_registration(gpus=((0, H200), (1, H200))), now=timezone.now())
+    assert (worker.queue_name, worker.state, worker.advertise_host) == ("gpuworker.host-a", "online", "10.0.0.5")
     assert [g.index for g in worker.gpus.all()] == [0, 1]
-    assert worker.token_hash == secret_hash(result.token)
-    assert not any(result.token in str(v) for v in Worker.objects.filter(pk=worker.pk).values().get().values())
+    assert worker_live_state(worker_id=worker.pk)["name"] == "host-a"
 
 
-def test_worker_register_duplicate_queue_raises_and_writes_nothing():
-    worker_register(host="a", queue_name="worker.a", gpus=[], at=timezone.now())
+def test_register_again_updates_the_same_worker_and_retires_missing_gpus():
+    first = worker_register(registration=_registration(gpus=((0, H200), (1, H200))), now=timezone.now())
+    Worker.objects.filter(pk=first.pk).update(state=Worker.State.LOST)
+    again = worker_register(registration=_registration(gpus=((0, 80 * GB),)), now=timezone.now())
+    assert again.pk == first.pk and again.state == Worker.State.ONLINE
+    gpus = {g.index: g for g in Gpu.objects.filter(worker=again)}
+    assert (gpus[0].memory_total_bytes, gpus[0].present, gpus[1].present) == (80 * GB, True, False)
+
+
+def test_register_rejects_a_name_unfit_for_a_queue():
     with pytest.raises(ValidationError) as error:
-        worker_register(host="b", queue_name="worker.a", gpus=[GpuSpec(0, "L4", 24 * 1024**3)], at=timezone.now())
-    assert "queue_name" in error.value.message_dict
-    assert Worker.objects.count() == 1 and Gpu.objects.count() == 0
+        worker_register(registration=_registration(name="host a"), now=timezone.now())
+    assert "name" in error.value.message_dict and not Worker.objects.exists()
 
 
-def test_worker_register_with_a_bad_gpu_writes_no_worker():
-    with pytest.raises(ValidationError):
-        worker_register(
-            host="a", queue_name="worker.a",
-            gpus=[GpuSpec(0, "H200", H200), GpuSpec(0, "H200", H200)], at=timezone.now(),
-        )
-    assert not Worker.objects.exists() and not Gpu.objects.exists()
+# --- heartbeats -------------------------------------------------------------------------------
+
+def test_heartbeat_of_an_unknown_worker_raises():
+    with pytest.raises(WorkerUnknown):
+        worker_heartbeat(worker_id=999_999, heartbeat=parse_heartbeat({}), now=timezone.now())
 
 
-def test_worker_register_rejects_queue_names_with_spaces():
-    with pytest.raises(ValidationError) as error:
-        worker_register(host="a", queue_name="worker a", gpus=[], at=timezone.now())
-    assert "queue_name" in error.value.message_dict
+def test_heartbeat_moves_a_replica_to_ready_and_keeps_figures_in_the_cache():
+    replica = ReplicaFactory(worker=make_worker())
+    _beat(replica.worker, {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL, "running": 3})
+    replica.refresh_from_db()
+    assert (replica.state, replica.endpoint_url) == (State.READY, URL)
+    live = worker_live_state(worker_id=replica.worker_id)
+    assert live["replicas"][str(replica.pk)]["running"] == 3 and live["gpus"][0]["utilization_pct"] == 50.0
 
 
-def test_heartbeat_brings_a_worker_back_online():
-    worker = WorkerFactory(state=Worker.State.OFFLINE)
-    now = timezone.now()
-    worker_record_heartbeat(worker=worker, at=now)
+def test_a_steady_heartbeat_writes_nothing_to_the_database():
+    replica = ReplicaFactory(worker=make_worker(), state=State.READY, endpoint_url=URL)
+    report = {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL}
+    with CaptureQueriesContext(connection) as queries:
+        assert _beat(replica.worker, report) == []
+    writes = [q["sql"] for q in queries if not q["sql"].lstrip().upper().startswith("SELECT")]
+    assert writes == []
+
+
+def test_a_failed_load_records_the_reason():
+    replica = ReplicaFactory(worker=make_worker(), state=State.LOADING)
+    _beat(replica.worker, {"replica_id": replica.pk, "state": "failed", "error": "model path /x does not exist"})
+    replica.refresh_from_db()
+    assert (replica.state, replica.failure, replica.last_error) == (
+        State.FAILED, Replica.Failure.LOAD, "model path /x does not exist")
+
+
+def test_the_answer_asks_to_unload_what_the_control_plane_does_not_want():
+    worker = make_worker()
+    failed = ReplicaFactory(worker=worker, state=State.FAILED)
+    elsewhere = ReplicaFactory(worker=make_worker(), state=State.READY, endpoint_url=URL)
+    unload = _beat(worker, {"replica_id": failed.pk, "state": "ready", "endpoint_url": URL},
+                   {"replica_id": elsewhere.pk, "state": "loading"},
+                   {"replica_id": 987_654, "state": "ready", "endpoint_url": URL})
+    assert sorted(unload) == sorted([failed.pk, elsewhere.pk, 987_654])
+    assert (_state(failed), _state(elsewhere)) == (State.FAILED, State.READY)
+
+
+def test_replicas_the_worker_no_longer_reports_end():
+    worker = make_worker()
+    ready = ReplicaFactory(worker=worker, state=State.READY, endpoint_url=URL)
+    draining = ReplicaFactory(worker=worker, state=State.DRAINING)
+    pending = ReplicaFactory(worker=worker, state=State.PENDING)
+    _beat(worker)
+    assert (_state(ready), _state(draining), _state(pending)) == (State.FAILED, State.STOPPED, State.PENDING)
+    ready.refresh_from_db()
+    assert ready.failure == Replica.Failure.VANISHED
+
+
+def test_heartbeats_bring_a_lost_worker_back_and_report_draining():
+    worker = make_worker(state=Worker.State.LOST)
+    _beat(worker)
     worker.refresh_from_db()
-    assert worker.state == Worker.State.ONLINE and worker.last_heartbeat_at == now
+    assert worker.state == Worker.State.ONLINE
+    _beat(worker, draining=True)
+    worker.refresh_from_db()
+    assert worker.state == Worker.State.DRAINING
 
 
-def test_workers_mark_stale_only_touches_silent_workers():
+# --- lost workers -------------------------------------------------------------------------------
+
+def test_silent_workers_are_lost_and_their_replicas_failed(settings):
+    settings.FLEET_WORKER_LOST_AFTER_SECONDS = 3
     now = timezone.now()
-    silent = WorkerFactory(last_heartbeat_at=now - timedelta(seconds=31))
-    fresh = WorkerFactory(last_heartbeat_at=now - timedelta(seconds=5))
-    assert workers_mark_stale(now=now, timeout=timedelta(seconds=30)) == 1
-    silent.refresh_from_db(), fresh.refresh_from_db()
-    assert silent.state == Worker.State.OFFLINE and fresh.state == Worker.State.ONLINE
+    silent, fresh = make_worker(), make_worker()
+    _beat(silent, now=now - timedelta(seconds=4))
+    _beat(fresh, now=now - timedelta(seconds=1))
+    replica = ReplicaFactory(worker=silent, state=State.READY, endpoint_url=URL)
+    kept = ReplicaFactory(worker=fresh, state=State.READY, endpoint_url=URL)
+    Worker.objects.update(state_changed_at=now - timedelta(minutes=1))
+    assert workers_mark_lost(now=now) == 1
+    silent.refresh_from_db(), fresh.refresh_from_db(), replica.refresh_from_db()
+    assert (silent.state, fresh.state, _state(kept)) == (Worker.State.LOST, Worker.State.ONLINE, State.READY)
+    assert (replica.state, replica.failure) == (State.FAILED, Replica.Failure.WORKER_LOST)
+    assert replica.last_error.startswith(f"Worker {silent.name} lost: no heartbeat for 4.")
 
 
-def test_replica_create_on_a_gpu_of_its_worker():
-    gpu = GpuFactory()
-    replica = replica_create(deployment=DeploymentFactory(), worker=gpu.worker, gpu=gpu)
+def test_a_just_registered_worker_is_not_lost(settings):
+    now = timezone.now()
+    worker = make_worker(state_changed_at=now - timedelta(seconds=1))
+    assert workers_mark_lost(now=now) == 0
+    worker.refresh_from_db()
+    assert worker.state == Worker.State.ONLINE
+
+
+def test_a_drained_worker_that_goes_quiet_is_offline_and_a_long_lost_one_too(settings):
+    settings.FLEET_WORKER_OFFLINE_AFTER_SECONDS = 600
+    long_ago = timezone.now() - timedelta(hours=1)
+    drained = make_worker(state=Worker.State.DRAINING, state_changed_at=long_ago)
+    lost = make_worker(state=Worker.State.LOST, state_changed_at=long_ago)
+    assert workers_mark_lost(now=timezone.now()) == 2
+    drained.refresh_from_db(), lost.refresh_from_db()
+    assert (drained.state, lost.state) == (Worker.State.OFFLINE, Worker.State.OFFLINE)
+
+
+# --- replicas and their state machine -------------------------------------------------------------
+
+def test_replica_place_sends_the_load_message_after_commit(django_capture_on_commit_callbacks):
+    gpu = GpuFactory(worker=make_worker(), index=3, memory_total_bytes=100 * GB)
+    deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=25 * GB, context_length=2048))
+    with django_capture_on_commit_callbacks(execute=True):
+        replica = replica_place(deployment=deployment, worker=gpu.worker, gpu=gpu)
     assert replica.state == State.PENDING
+    assert queued_tasks(gpu.worker.queue_name) == [("gpuworker.load_model", {
+        "replica_id": replica.pk, "model_path": deployment.model.weights_path,
+        "served_model_name": deployment.model.public_name, "gpu_index": 3, "memory_fraction": 0.25,
+        "max_model_len": 2048, "dtype": "auto",
+    })]
 
 
 def test_replica_on_another_workers_gpu_raises_and_writes_nothing():
     with pytest.raises(ValidationError) as error:
-        replica_create(deployment=DeploymentFactory(), worker=WorkerFactory(), gpu=GpuFactory())
+        replica_place(deployment=DeploymentFactory(), worker=make_worker(), gpu=GpuFactory())
     assert "gpu" in error.value.message_dict
     assert not Replica.objects.exists()
-
-
-def test_replica_lifecycle_through_every_normal_state():
-    replica = ReplicaFactory()
-    replica = replica_transition(replica=replica, to_state=State.LOADING, at=timezone.now())
-    replica = replica_transition(
-        replica=replica, to_state=State.READY, at=timezone.now(), endpoint_url="http://gpuworker:8001"
-    )
-    replica = replica_transition(replica=replica, to_state=State.DRAINING, at=timezone.now())
-    replica = replica_transition(replica=replica, to_state=State.STOPPED, at=timezone.now())
-    stored = Replica.objects.get(pk=replica.pk)
-    assert stored.state == State.STOPPED and stored.endpoint_url == "http://gpuworker:8001"
 
 
 LEGAL = {(src, dst) for src, targets in Replica.TRANSITIONS.items() for dst in targets}
@@ -126,30 +225,82 @@ def test_illegal_transitions_raise_and_leave_the_replica_alone(src, dst):
 
 
 def test_unknown_target_state_raises():
-    replica = ReplicaFactory()
     with pytest.raises(ValidationError, match="Unknown replica state"):
-        replica_transition(replica=replica, to_state="sleeping", at=timezone.now())
+        replica_transition(replica=ReplicaFactory(), to_state="sleeping", at=timezone.now())
 
 
-def test_ready_needs_an_endpoint_url():
-    replica = ReplicaFactory(state=State.LOADING)
-    with pytest.raises(ValidationError) as error:
-        replica_transition(replica=replica, to_state=State.READY, at=timezone.now())
-    assert "endpoint_url" in error.value.message_dict
-    assert Replica.objects.get(pk=replica.pk).state == State.LOADING
-
-
-@pytest.mark.parametrize("url", ["gpuworker:8001", "ftp://gpuworker/", "http://"])
-def test_bad_endpoint_urls_raise(url):
+@pytest.mark.parametrize("url", ["", "gpuworker:8001", "ftp://gpuworker/", "http://"])
+def test_ready_needs_a_good_endpoint_url(url):
     replica = ReplicaFactory(state=State.LOADING)
     with pytest.raises(ValidationError) as error:
         replica_transition(replica=replica, to_state=State.READY, at=timezone.now(), endpoint_url=url)
     assert "endpoint_url" in error.value.message_dict
-    assert Replica.objects.get(pk=replica.pk).state == State.LOADING
+    assert _state(replica) == State.LOADING
 
 
-def test_failed_records_the_error():
-    replica = ReplicaFactory(state=State.LOADING)
-    replica_transition(replica=replica, to_state=State.FAILED, at=timezone.now(), error="CUDA out of memory")
-    stored = Replica.objects.get(pk=replica.pk)
-    assert stored.state == State.FAILED and stored.last_error == "CUDA out of memory"
+# --- operators' actions -------------------------------------------------------------------------
+
+def test_replica_load_on_wants_one_more_and_loads_there(django_capture_on_commit_callbacks):
+    gpu = GpuFactory(worker=make_worker(), index=0)
+    deployment = DeploymentFactory(desired_replicas=0, max_replicas=2)
+    with django_capture_on_commit_callbacks(execute=True):
+        replica = replica_load_on(deployment=deployment, worker=gpu.worker, gpu=gpu, actor=None)
+    assert (replica.gpu, replica.state) == (gpu, State.PENDING)
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
+    assert [name for name, _ in queued_tasks(gpu.worker.queue_name)] == ["gpuworker.load_model"]
+
+
+def test_replica_load_on_refuses_with_reasons():
+    gpu = GpuFactory(worker=make_worker(), index=0, memory_total_bytes=10 * GB)
+    small = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=GB), desired_replicas=0, max_replicas=1)
+    big = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=11 * GB), desired_replicas=0, max_replicas=1)
+    cases = [
+        (dict(deployment=big, worker=gpu.worker, gpu=gpu), "gpu", "bytes free"),
+        (dict(deployment=small, worker=gpu.worker, gpu=None), "gpu", "choose one"),
+        (dict(deployment=small, worker=gpu.worker, gpu=GpuFactory()), "gpu", "not a present GPU"),
+        (dict(deployment=small, worker=make_worker(state=Worker.State.DRAINING), gpu=None), "worker", "draining"),
+    ]
+    for kwargs, field, text in cases:
+        with pytest.raises(ValidationError) as error:
+            replica_load_on(**kwargs)
+        assert text in str(error.value.message_dict[field])
+    replica_load_on(deployment=small, worker=gpu.worker, gpu=gpu)
+    with pytest.raises(ValidationError, match="max_replicas"):
+        replica_load_on(deployment=small, worker=gpu.worker, gpu=gpu)
+    assert Replica.objects.count() == 1
+
+
+def test_replica_load_on_a_cpu_worker():
+    worker = make_worker(device=Worker.Device.CPU, cpu_memory_total_bytes=4 * GB)
+    deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=GB), desired_replicas=0, max_replicas=2)
+    assert replica_load_on(deployment=deployment, worker=worker, gpu=None).gpu is None
+
+
+def test_replica_unload_drains_and_wants_one_fewer(django_capture_on_commit_callbacks, settings):
+    settings.FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS = 7
+    deployment = DeploymentFactory(desired_replicas=2, min_replicas=1, max_replicas=2)
+    one, two = (ReplicaFactory(deployment=deployment, worker=make_worker(), state=State.READY, endpoint_url=URL)
+                for _ in range(2))
+    with django_capture_on_commit_callbacks(execute=True):
+        replica_unload(replica=one, actor=None)
+    assert _state(one) == State.DRAINING and Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
+    assert queued_tasks(one.worker.queue_name) == [
+        ("gpuworker.unload_model", {"replica_id": one.pk, "drain_timeout_s": 7.0})]
+    with pytest.raises(ValidationError, match="min_replicas"):
+        replica_unload(replica=two)
+    with pytest.raises(ValidationError, match="only a pending, loading or ready replica"):
+        replica_unload(replica=one)
+    assert _state(two) == State.READY
+
+
+def test_worker_drain_moves_replicas_off_and_tells_the_worker(django_capture_on_commit_callbacks):
+    worker = make_worker()
+    ready = ReplicaFactory(worker=worker, state=State.READY, endpoint_url=URL)
+    pending = ReplicaFactory(worker=worker, state=State.PENDING)
+    with django_capture_on_commit_callbacks(execute=True):
+        worker_drain(worker=worker, actor=None)
+    worker.refresh_from_db()
+    assert (worker.state, _state(ready), _state(pending)) == (Worker.State.DRAINING, State.DRAINING, State.STOPPED)
+    assert queued_tasks(worker.queue_name) == [("gpuworker.drain_worker", {"timeout_s": 60.0})]
+    with pytest.raises(ValidationError, match="only an online worker can be drained"):
+        worker_drain(worker=worker)

@@ -9,10 +9,12 @@ from celery.signals import task_postrun
 from django.db import connection
 from django.utils import timezone
 
+from controlplane.catalog.services import deployment_scale
 from controlplane.celery import app as celery_app
-from controlplane.fleet.models import Worker
-from controlplane.fleet.tasks import mark_stale_workers
-from tests.controlplane.factories import WorkerFactory
+from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.tasks import mark_lost_workers, reconcile
+from tests.controlplane.factories import DeploymentFactory, GpuFactory, ReplicaFactory
+from tests.controlplane.fleet.conftest import make_worker, queued_tasks
 
 
 def _close_worker_connection(**kwargs):
@@ -21,19 +23,48 @@ def _close_worker_connection(**kwargs):
     connection.close()
 
 
-@pytest.mark.django_db(transaction=True)
-def test_beat_task_marks_silent_workers_offline_through_the_broker(redis_url, settings):
-    settings.FLEET_WORKER_HEARTBEAT_TIMEOUT_SECONDS = 30
-    now = timezone.now()
-    silent = WorkerFactory(last_heartbeat_at=now - timedelta(minutes=5))
-    alive = WorkerFactory(last_heartbeat_at=now)
-    # A queue of its own, so a concurrently running `make run` or test session cannot take the task.
+@pytest.fixture
+def celery_queue(redis_url):
+    """A Celery worker in this process on a queue of its own, so a concurrently running `make run`
+    or test session cannot take the tasks."""
     queue = f"test-{uuid.uuid4().hex}"
     task_postrun.connect(_close_worker_connection, weak=False)
     try:
         with start_worker(celery_app, queues=[queue], perform_ping_check=False, loglevel="WARNING"):
-            assert mark_stale_workers.apply_async(queue=queue).get(timeout=20) == 1
+            yield queue
     finally:
         task_postrun.disconnect(_close_worker_connection)
-    silent.refresh_from_db(), alive.refresh_from_db()
-    assert (silent.state, alive.state) == (Worker.State.OFFLINE, Worker.State.ONLINE)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_beat_task_marks_silent_workers_lost_through_the_broker(celery_queue, settings):
+    settings.FLEET_WORKER_LOST_AFTER_SECONDS = 3
+    silent = make_worker(state_changed_at=timezone.now() - timedelta(minutes=5))
+    replica = ReplicaFactory(worker=silent, state=Replica.State.READY, endpoint_url="http://w:1")
+    alive = make_worker()
+    assert mark_lost_workers.apply_async(queue=celery_queue).get(timeout=20) == 1
+    silent.refresh_from_db(), alive.refresh_from_db(), replica.refresh_from_db()
+    assert (silent.state, alive.state, replica.state) == (Worker.State.LOST, Worker.State.ONLINE, Replica.State.FAILED)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_reconcile_task_places_and_the_worker_gets_its_load_message(celery_queue):
+    gpu = GpuFactory(worker=make_worker(), index=0)
+    deployment = DeploymentFactory(desired_replicas=1)
+    result = reconcile.apply_async(kwargs={"deployment_ids": [deployment.pk]}, queue=celery_queue).get(timeout=20)
+    assert result == {"placed": 1, "removed": 0, "unplaced": 0}
+    [(name, kwargs)] = queued_tasks(gpu.worker.queue_name)
+    assert (name, kwargs["replica_id"]) == ("gpuworker.load_model", Replica.objects.get().pk)
+
+
+@pytest.mark.django_db
+def test_scaling_a_deployment_requests_a_reconcile_after_commit(redis_url, django_capture_on_commit_callbacks):
+    deployment = DeploymentFactory(desired_replicas=0, max_replicas=2)
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        deployment_scale(deployment=deployment, desired_replicas=2, actor=None)
+    assert len(callbacks) == 1  # nothing is sent before the commit
+    callbacks[0]()
+    # The control plane's own Celery workers consume the default queue.
+    requests = [kwargs for name, kwargs in queued_tasks(celery_app.conf.task_default_queue)
+                if name == "controlplane.fleet.tasks.reconcile"]
+    assert {"deployment_ids": [deployment.pk]} in requests

@@ -9,7 +9,7 @@ from controlplane.demo import seed_demo
 
 
 class Command(BaseCommand):
-    help = "Seed the demo admin login, tenant, credits, API key and model; idempotent."
+    help = "Seed the demo admin login, tenant, credits, API key, and the demo model (weights and deployment); idempotent."
 
     def add_arguments(self, parser) -> None:
         parser.add_argument(

@@ -1,0 +1,31 @@
+"""Each worker's latest heartbeat, kept in the shared "live" cache (Redis in production) rather than
+the database: the dashboard, the router and lost-worker detection read it; it changes every second."""
+
+from typing import Any
+
+from django.core.cache import caches
+
+# Long enough to outlive any silence we still reason about (lost, then offline); a missing entry
+# is read as "silent since the worker's last state change".
+_TTL_SECONDS = 24 * 3600
+
+
+def _cache():
+    return caches["live"]
+
+
+def _key(worker_id: int) -> str:
+    return f"fleet:worker:{worker_id}"
+
+
+def store(*, worker_id: int, state: dict[str, Any]) -> None:
+    _cache().set(_key(worker_id), state, _TTL_SECONDS)
+
+
+def read(*, worker_id: int) -> dict[str, Any] | None:
+    return _cache().get(_key(worker_id))
+
+
+def read_many(*, worker_ids: list[int]) -> dict[int, dict[str, Any]]:
+    found = _cache().get_many([_key(worker_id) for worker_id in worker_ids])
+    return {worker_id: found[_key(worker_id)] for worker_id in worker_ids if _key(worker_id) in found}

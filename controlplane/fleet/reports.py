@@ -1,0 +1,161 @@
+"""What worker daemons send (registration and heartbeats, JSON per the issue 5 contract), checked
+and turned into dataclasses; a bad field raises ValidationError naming it."""
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from django.core.exceptions import ValidationError
+
+REPLICA_STATES = ("loading", "ready", "draining", "stopped", "failed")
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    index: int
+    name: str
+    memory_total_bytes: int
+
+
+@dataclass(frozen=True)
+class WorkerRegistration:
+    name: str
+    advertise_host: str
+    device: str
+    gpus: tuple[GpuSpec, ...]
+    cpu_memory_total_bytes: int
+    cpu_cores: int
+    version: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    replica_id: int
+    state: str
+    endpoint_url: str = ""
+    error: str = ""
+    # Figures only shown and used for routing: load_progress, running, waiting, kv_cache_usage...
+    figures: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    sent_at: str
+    draining: bool
+    gpus: tuple[dict[str, float], ...]
+    cpu: dict[str, float]
+    replicas: tuple[ReplicaReport, ...]
+
+
+_GPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
+_CPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes")
+_REPLICA_FIGURES = ("load_progress", "running", "waiting", "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate")
+
+
+def _object(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValidationError({where: "Must be a JSON object."})
+    return value
+
+
+def _list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise ValidationError({where: "Must be a JSON array."})
+    return value
+
+
+def _int(value: Any, where: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValidationError({where: f"Must be an integer of at least {minimum}."})
+    return value
+
+
+def _text(value: Any, where: str, *, max_length: int, required: bool = True) -> str:
+    if not isinstance(value, str) or (required and not value.strip()) or len(value) > max_length:
+        need = "a non-empty string" if required else "a string"
+        raise ValidationError({where: f"Must be {need} of at most {max_length} characters."})
+    return value
+
+
+def _figures(raw: dict, names: tuple[str, ...], where: str) -> dict[str, float]:
+    """The known numeric figures present in `raw` (missing or null ones are left out)."""
+    figures = {}
+    for name in names:
+        value = raw.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValidationError({f"{where}.{name}": "Must be a number."})
+        figures[name] = value
+    return figures
+
+
+def parse_registration(data: Any) -> WorkerRegistration:
+    data = _object(data, "body")
+    device = data.get("device")
+    if device not in ("cuda", "cpu"):
+        raise ValidationError({"device": "Must be 'cuda' or 'cpu'."})
+    gpus = []
+    for i, raw in enumerate(_list(data.get("gpus", []), "gpus")):
+        raw = _object(raw, f"gpus[{i}]")
+        gpus.append(GpuSpec(
+            index=_int(raw.get("index"), f"gpus[{i}].index"),
+            name=_text(raw.get("name"), f"gpus[{i}].name", max_length=100),
+            memory_total_bytes=_int(raw.get("memory_total_bytes"), f"gpus[{i}].memory_total_bytes", minimum=1),
+        ))
+    if len({gpu.index for gpu in gpus}) != len(gpus):
+        raise ValidationError({"gpus": "Each GPU index may appear once."})
+    if device == "cuda" and not gpus:
+        raise ValidationError({"gpus": "A cuda worker must report at least one GPU."})
+    cpu = _object(data.get("cpu", {}), "cpu")
+    return WorkerRegistration(
+        name=_text(data.get("name"), "name", max_length=80),
+        advertise_host=_text(data.get("advertise_host"), "advertise_host", max_length=255),
+        device=device,
+        gpus=tuple(gpus),
+        cpu_memory_total_bytes=_int(cpu.get("memory_total_bytes", 0), "cpu.memory_total_bytes"),
+        cpu_cores=_int(cpu.get("cores", 0), "cpu.cores"),
+        version=_text(data.get("version", ""), "version", max_length=50, required=False),
+    )
+
+
+def parse_heartbeat(data: Any) -> Heartbeat:
+    data = _object(data, "body")
+    draining = data.get("draining", False)
+    if not isinstance(draining, bool):
+        raise ValidationError({"draining": "Must be true or false."})
+    gpus = []
+    for i, raw in enumerate(_list(data.get("gpus", []), "gpus")):
+        raw = _object(raw, f"gpus[{i}]")
+        gpus.append({"index": _int(raw.get("index"), f"gpus[{i}].index"), **_figures(raw, _GPU_FIGURES, f"gpus[{i}]")})
+    cpu = _figures(_object(data.get("cpu", {}), "cpu"), _CPU_FIGURES, "cpu")
+    replicas = []
+    for i, raw in enumerate(_list(data.get("replicas", []), "replicas")):
+        replicas.append(_replica_report(_object(raw, f"replicas[{i}]"), f"replicas[{i}]"))
+    if len({r.replica_id for r in replicas}) != len(replicas):
+        raise ValidationError({"replicas": "Each replica_id may appear once."})
+    return Heartbeat(
+        sent_at=_text(data.get("sent_at", ""), "sent_at", max_length=64, required=False),
+        draining=draining, gpus=tuple(gpus), cpu=cpu, replicas=tuple(replicas),
+    )
+
+
+def _replica_report(raw: dict, where: str) -> ReplicaReport:
+    state = raw.get("state")
+    if state not in REPLICA_STATES:
+        raise ValidationError({f"{where}.state": f"Must be one of {', '.join(REPLICA_STATES)}."})
+    endpoint_url = _text(raw.get("endpoint_url") or "", f"{where}.endpoint_url", max_length=300, required=False)
+    if endpoint_url:
+        parts = urlsplit(endpoint_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValidationError({f"{where}.endpoint_url": "Must be an http:// or https:// URL with a host."})
+    elif state == "ready":
+        raise ValidationError({f"{where}.endpoint_url": "A ready replica must report its endpoint URL."})
+    return ReplicaReport(
+        replica_id=_int(raw.get("replica_id"), f"{where}.replica_id", minimum=1),
+        state=state,
+        endpoint_url=endpoint_url,
+        # Errors come from tracebacks and child output: keep the useful start, bounded.
+        error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000, required=False)[:4000],
+        figures=_figures(raw, _REPLICA_FIGURES, where),
+    )

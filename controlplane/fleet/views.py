@@ -1,0 +1,64 @@
+"""The /internal/ HTTP API the worker daemons call: registration and heartbeats. JSON in and out,
+fleet token required; parsing in `reports`, the work in services."""
+
+import hmac
+import json
+from collections.abc import Callable
+from functools import wraps
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+
+from controlplane.fleet.reports import parse_heartbeat, parse_registration
+from controlplane.fleet.services import WorkerUnknown, worker_heartbeat, worker_register
+
+
+def internal_endpoint(view: Callable) -> Callable:
+    """POST only, `Authorization: Bearer <fleet worker token>`, a JSON object body; bad input
+    answers 400 naming the fields."""
+
+    @csrf_exempt
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args, **kwargs) -> JsonResponse:
+        expected = f"Bearer {settings.FLEET_WORKER_TOKEN}".encode()
+        if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected):
+            return JsonResponse({"error": "Missing or wrong worker token (Authorization: Bearer ...)."}, status=401)
+        if request.method != "POST":
+            return JsonResponse({"error": "Use POST."}, status=405, headers={"Allow": "POST"})
+        try:
+            body = json.loads(request.body or b"null")
+        except (ValueError, UnicodeDecodeError):
+            return JsonResponse({"error": "The body must be JSON."}, status=400)
+        try:
+            return view(request, body, *args, **kwargs)
+        except ValidationError as exc:
+            fields = exc.message_dict if hasattr(exc, "error_dict") else {"body": exc.messages}
+            return JsonResponse({"error": "Invalid request.", "fields": fields}, status=400)
+
+    return wrapper
+
+
+@internal_endpoint
+def register(request: HttpRequest, body) -> JsonResponse:
+    worker = worker_register(registration=parse_registration(body), now=timezone.now())
+    return JsonResponse({
+        "worker_id": worker.pk,
+        "queue": worker.queue_name,
+        "heartbeat_interval_s": settings.FLEET_HEARTBEAT_INTERVAL_SECONDS,
+        "celery": {
+            "broker_url": settings.FLEET_WORKER_BROKER_URL,
+            "broker_transport_options": settings.CELERY_BROKER_TRANSPORT_OPTIONS,
+        },
+    })
+
+
+@internal_endpoint
+def heartbeat(request: HttpRequest, body, worker_id: int) -> JsonResponse:
+    try:
+        unload = worker_heartbeat(worker_id=worker_id, heartbeat=parse_heartbeat(body), now=timezone.now())
+    except WorkerUnknown as exc:
+        return JsonResponse({"error": str(exc)}, status=404)
+    return JsonResponse({"ok": True, "unload": unload} if unload else {"ok": True})

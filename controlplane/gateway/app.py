@@ -1,0 +1,177 @@
+"""The /v1 ASGI app (Starlette), mounted in front of Django by `controlplane.asgi`.
+
+A lean app rather than Django views: the hot path does no ORM work in steady state (keys and
+routes are cached, limits live in Redis) and the writes it must make are batched on database
+threads. Everything is built on first use, so it works with and without ASGI lifespan events
+(`make run` starts uvicorn with `--lifespan off`).
+"""
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from datetime import timedelta
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from controlplane.billing.holds import credit_holds_place, credit_holds_settle
+from controlplane.gateway import completions
+from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.database import Batcher, DatabaseLane
+from controlplane.gateway.errors import GatewayError, model_not_found
+from controlplane.gateway.keys import KeyCache
+from controlplane.gateway.metering import sweep_expired_holds
+from controlplane.gateway.routing import RoutingTable
+from controlplane.gateway.upstream import UpstreamPool
+
+logger = logging.getLogger(__name__)
+
+
+class Gateway:
+    """Everything one gateway process holds: caches, clients, database lanes, chores."""
+
+    def __init__(self, config: GatewayConfig):
+        from django.utils import timezone
+
+        self.config = config
+        # Admission work (holds, key and routing reads) and settlements get a connection each, so
+        # a slow batch of one does not queue behind the other.
+        self.admit_lane, self.settle_lane = DatabaseLane("admit"), DatabaseLane("settle")
+        self.keys = KeyCache(config, self.admit_lane)
+        self.routing = RoutingTable(config, self.admit_lane)
+        self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
+        self.holds = Batcher(self.admit_lane, lambda requests: credit_holds_place(
+            requests=requests, at=timezone.now(),
+            expires_at=timezone.now() + timedelta(seconds=config.hold_lifetime_s)))
+        # Not durable: the hold and the first-token mark already make a served request's charge
+        # survive a crash (see credit_holds_settle), and the commit stays off the disk's latency.
+        self.settles = Batcher(self.settle_lane, lambda outcomes: credit_holds_settle(
+            outcomes=outcomes, at=timezone.now(), durable=False))
+        self.shared = _shared_state(config)
+        self._spawned: set[asyncio.Task] = set()
+        self._chores = [
+            asyncio.ensure_future(self.shared.listen_key_changes(self.keys.revoke_announced, self.keys.forget_all)),
+            asyncio.ensure_future(sweep_expired_holds(self)),
+        ]
+
+    def spawn(self, work) -> None:
+        """Run `work` in the background (settlements after the answer went out); kept until done."""
+        task = asyncio.ensure_future(work)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+        task.add_done_callback(_log_failure)
+
+    async def aclose(self) -> None:
+        for chore in self._chores:
+            chore.cancel()
+        await asyncio.gather(*self._chores, return_exceptions=True)
+        if self._spawned:  # settlements still being written
+            await asyncio.wait(self._spawned, timeout=30)
+        self.upstream.close()
+        await self.shared.aclose()
+        self.admit_lane.close()
+        self.settle_lane.close()
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        # A settlement that failed leaves its hold to the sweeper, which charges it as cancelled.
+        logger.error("background work failed", exc_info=task.exception())
+
+
+def _shared_state(config: GatewayConfig):
+    if config.redis_url:
+        from controlplane.gateway.shared import RedisShared
+
+        return RedisShared(config)
+    from controlplane.gateway.local_shared import LocalShared
+
+    return LocalShared(config)
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+def build_app() -> Starlette:
+    lock = asyncio.Lock()
+
+    async def gateway() -> Gateway:
+        if app.state.gateway is None:
+            async with lock:
+                if app.state.gateway is None:
+                    app.state.gateway = Gateway(GatewayConfig.from_settings())
+        return app.state.gateway
+
+    def endpoint(handler):
+        async def run(request: Request) -> Response:
+            request_id = new_request_id()
+            started = time.monotonic()
+            try:
+                response = await handler(await gateway(), request, request_id)
+            except GatewayError as error:
+                return error.response(request_id)
+            except Exception:
+                logger.exception("request %s failed", request_id)
+                error = GatewayError(500, "The server had an error while processing your request.",
+                                     type="server_error", code="internal_error")
+                return error.response(request_id)
+            if isinstance(response, Response):
+                response.headers["openai-processing-ms"] = str(int((time.monotonic() - started) * 1000))
+            return response
+        return run
+
+    async def chat_completions(gw: Gateway, request: Request, request_id: str):
+        return await completions.serve(gw, request, request_id, chat=True)
+
+    async def text_completions(gw: Gateway, request: Request, request_id: str):
+        return await completions.serve(gw, request, request_id, chat=False)
+
+    async def list_models(gw: Gateway, request: Request, request_id: str) -> Response:
+        cards = await _visible_models(gw, request)
+        return JSONResponse({"object": "list", "data": cards}, headers={"x-request-id": request_id})
+
+    async def retrieve_model(gw: Gateway, request: Request, request_id: str) -> Response:
+        name = request.path_params["model"]
+        for card in await _visible_models(gw, request):
+            if card["id"] == name:
+                return JSONResponse(card, headers={"x-request-id": request_id})
+        raise model_not_found(name)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        message = "Unknown endpoint." if exc.status_code == 404 else f"Method {request.method} is not allowed here."
+        return GatewayError(exc.status_code, message).response(new_request_id())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        if app.state.gateway is not None:
+            await app.state.gateway.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/models", endpoint(list_models)),
+            Route("/v1/models/{model:path}", endpoint(retrieve_model)),
+            Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+            Route("/v1/completions", endpoint(text_completions), methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.state.gateway = None
+    return app
+
+
+async def _visible_models(gw: Gateway, request: Request) -> list[dict]:
+    """Models this key may use that can answer now: a ready replica, or kept warm."""
+    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    return [
+        {"id": m.public_name, "object": "model", "created": m.created, "owned_by": "gpuserve"}
+        for m in await gw.routing.models()
+        if grant.allows(m.model_id) and (m.ready or m.keep_warm)
+    ]

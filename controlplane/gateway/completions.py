@@ -1,0 +1,244 @@
+"""POST /v1/chat/completions and /v1/completions: validate, admit (rate limits, then credit),
+route to a replica with one retry elsewhere before the first token, relay, settle.
+"""
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gpuworker.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
+
+from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
+from controlplane.gateway.metering import COMPLETED, FAILED, Flight
+from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token
+from controlplane.gateway.routing import affinity_choice
+from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
+from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
+
+if TYPE_CHECKING:
+    from controlplane.gateway.app import Gateway
+
+logger = logging.getLogger(__name__)
+
+_ATTEMPTS = 2  # the first replica, then once more on another
+
+
+async def serve(gw: "Gateway", request: Request, request_id: str, *, chat: bool) -> Response:
+    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    raw = await request.body()
+    body = _json_object(raw)
+    model = await _model(gw, grant, body.get("model"))
+    try:
+        parsed = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+    except ProtocolError as exc:
+        raise bad_request(exc.message, param=exc.param) from None
+    if model.kind == "embedding":
+        raise bad_request(f"{model.public_name!r} is an embedding model; use /v1/embeddings.", param="model")
+    idempotency = None if parsed.stream else request.headers.get("idempotency-key")
+    if idempotency:
+        scope = f"{grant.tenant_id}:{hashlib.sha256(idempotency.encode()).hexdigest()}"
+        fingerprint = hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
+        if (replay := await _idempotent_replay(gw, scope, fingerprint, request_id)) is not None:
+            return replay
+    stored = False
+    try:
+        replicas = await gw.routing.ready_replicas(model.public_name)
+        prefix = _prompt_prefix(body, chat, gw.config.affinity_prefix_chars)
+        # Rate limits, concurrency limits and the choice of replica: one round trip to Redis.
+        admission, first = await gw.shared.admit_and_pick(
+            grant, request_id, replicas, affinity_choice(prefix, replicas, gw.config.affinity_prefix_chars))
+        if not admission.allowed:
+            which = admission.reason.replace("_", " ").replace("rpm", "requests per minute")
+            raise GatewayError(429, f"Rate limit reached ({which}: {admission.limit}); retry after the "
+                                    f"retry-after header's seconds.", type="requests", code="rate_limit_exceeded",
+                               headers=admission.headers())
+        flight = Flight(gw, request_id, grant, model, parsed.n)
+        flight.replica_id = first.replica_id
+        headers = {**admission.headers(), "x-request-id": request_id}
+        try:
+            await flight.hold()
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            if parsed.stream:
+                # The replica always reports usage: billing needs it, the client gets it on request.
+                upstream_body = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
+                return await _stream(gw, flight, replicas, first, path, upstream_body, prefix, headers,
+                                     chat=chat, include_usage=parsed.include_usage)
+            response = await _complete(gw, flight, replicas, first, path, raw, prefix, headers)
+            if idempotency and response.status_code == 200:
+                try:
+                    await gw.shared.idempotency_store(scope, {"state": "done", "fingerprint": fingerprint,
+                                                              "status": 200, "body": response.body.decode()})
+                    stored = True
+                except Exception:  # the answer is served and billed: deliver it regardless
+                    logger.warning("could not store the result for an Idempotency-Key", exc_info=True)
+            return response
+        finally:
+            # Whatever ended the request before it was served (an error, a refusal) releases it
+            # unbilled; a stream that started is the relay's to finish.
+            if not flight.settled and (not parsed.stream or flight.first_token_at is None):
+                await flight.end(None)
+    finally:
+        if idempotency and not stored:
+            await gw.shared.idempotency_abandon(scope)
+
+
+async def _model(gw: "Gateway", grant: KeyGrant, name) -> ModelRoute:
+    if not isinstance(name, str) or not name:
+        raise bad_request("model: give the name of the model to use.", param="model")
+    model = await gw.routing.model(name)
+    if model is None:
+        raise model_not_found(name)
+    if not grant.allows(model.model_id):
+        raise model_not_allowed(name)
+    return model
+
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}.") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+async def _idempotent_replay(gw: "Gateway", scope: str, fingerprint: str, request_id: str) -> Response | None:
+    entry = await gw.shared.idempotency_begin(scope, fingerprint)
+    if entry is None:
+        return None
+    if entry["fingerprint"] != fingerprint:
+        raise bad_request("This Idempotency-Key was already used with a different request.",
+                          code="idempotency_key_reused")
+    if entry["state"] != "done":
+        raise GatewayError(409, "A request with this Idempotency-Key is still in progress.",
+                           code="idempotency_key_in_use")
+    return Response(entry["body"], status_code=entry["status"], media_type="application/json",
+                    headers={"x-request-id": request_id, "idempotent-replayed": "true"})
+
+
+def _prompt_prefix(body: dict, chat: bool, chars: int) -> str:
+    if not chat:
+        prompt = body.get("prompt")
+        return prompt[:chars] if isinstance(prompt, str) else json.dumps(prompt)[:chars]
+    parts, length = [], 0
+    for message in body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        text = f"{message.get('role')}:{content if isinstance(content, str) else json.dumps(content)}\n"
+        parts.append(text)
+        length += len(text)
+        if length >= chars:
+            break
+    return "".join(parts)[:chars]
+
+
+async def _attempt(gw: "Gateway", flight: Flight, replicas: tuple[ReplicaRoute, ...], first: ReplicaRoute,
+                   tried: set[int], path: str, body: bytes, prefix: str) -> tuple[ReplicaRoute, UpstreamResponse]:
+    """Send to `first`, or on a retry to the best replica not tried yet; returns once the
+    response's status line has arrived."""
+    if tried:
+        candidates = [replica for replica in replicas if replica.replica_id not in tried]
+        affinity = affinity_choice(prefix, candidates, gw.config.affinity_prefix_chars)
+        replica = await gw.shared.pick(candidates, flight.request_id, affinity)
+    else:
+        replica = first  # picked together with admission
+    flight.replica_id = replica.replica_id
+    tried.add(replica.replica_id)
+    response = await gw.upstream.post(replica.endpoint_url, path, body, {
+        "authorization": f"Bearer {gw.config.worker_token}", "content-type": "application/json",
+        "x-request-id": flight.request_id,
+    })
+    if response.status >= 500:  # loading, draining, broken: not this request's fault
+        response.discard()
+        raise ReplicaFailed(f"the replica answered {response.status}")
+    return replica, response
+
+
+async def _failed_attempt(gw: "Gateway", flight: Flight) -> None:
+    await gw.shared.finish(flight.request_id, replica_id=flight.replica_id, replica_failed=True)
+    flight.replica_id = None
+
+
+def _deadline(gw: "Gateway", flight: Flight) -> float:
+    loop = asyncio.get_running_loop()
+    return loop.time() + gw.config.request_timeout_s - (time.monotonic() - flight.started)
+
+
+def _no_replica(gw: "Gateway", flight: Flight, reason: str) -> GatewayError:
+    return unavailable(f"No replica of {flight.model.public_name!r} could serve the request ({reason}); "
+                       "try again shortly.", gw.config.retry_after_s, code="replica_unavailable")
+
+
+async def _complete(gw: "Gateway", flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
+                    prefix: str, headers: dict[str, str]) -> Response:
+    tried: set[int] = set()
+    reason = "none is ready"
+    while len(tried) < min(_ATTEMPTS, len(replicas)):
+        try:
+            async with asyncio.timeout_at(_deadline(gw, flight)):
+                replica, response = await _attempt(gw, flight, replicas, first, tried, path, body, prefix)
+                data = await response.read()
+        except (UpstreamError, ReplicaFailed) as exc:
+            reason = str(exc)
+            await _failed_attempt(gw, flight)
+            continue
+        except TimeoutError:
+            await _failed_attempt(gw, flight)
+            raise GatewayError(504, "The request took too long and was stopped.", type="server_error",
+                               code="timeout") from None
+        if response.status != 200:  # the replica refused the request itself (4xx): not billed
+            await flight.end(None)
+            return Response(data, status_code=response.status, headers=headers, media_type="application/json")
+        payload = json.loads(data)
+        usage = payload.get("usage") or {}
+        await flight.release(served=True)
+        flight.settle_soon(COMPLETED, dict(usage))
+        usage["cost"] = float(flight.cost)
+        payload["usage"], payload["model"] = usage, flight.model.public_name
+        return Response(json.dumps(payload).encode(), headers=headers, media_type="application/json")
+    await flight.end(FAILED if tried else None)
+    raise _no_replica(gw, flight, reason)
+
+
+async def _stream(gw: "Gateway", flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
+                  prefix: str, headers: dict[str, str], *, chat: bool, include_usage: bool) -> Response | StreamRelay:
+    tried: set[int] = set()
+    reason = "none is ready"
+    deadline = _deadline(gw, flight)
+    while len(tried) < min(_ATTEMPTS, len(replicas)):
+        buffered: list[bytes] = []
+        events = None
+        try:
+            async with asyncio.timeout_at(deadline):
+                replica, response = await _attempt(gw, flight, replicas, first, tried, path, body, prefix)
+                if response.status != 200:
+                    data = await response.read()
+                    await flight.end(None)
+                    return Response(data, status_code=response.status, headers=headers,
+                                    media_type="application/json")
+                events = response.events()
+                async for data in events:
+                    buffered.append(data)
+                    if is_first_token(data, chat):
+                        break
+                else:
+                    raise ReplicaFailed("the stream ended before its first token")
+        except (UpstreamError, ReplicaFailed, ValueError, TimeoutError) as exc:
+            if events is not None:
+                await events.aclose()  # closes the connection: the replica drops the request
+            await _failed_attempt(gw, flight)
+            if isinstance(exc, TimeoutError):
+                raise GatewayError(504, "The request took too long and was stopped.", type="server_error",
+                                   code="timeout") from None
+            reason = str(exc)
+            continue
+        await flight.first_token()
+        return StreamRelay(flight, events, buffered, headers, include_usage, deadline)
+    await flight.end(FAILED if tried else None)
+    raise _no_replica(gw, flight, reason)

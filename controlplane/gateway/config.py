@@ -1,0 +1,57 @@
+"""The gateway's settings, read once from Django settings into one frozen object."""
+
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    redis_url: str
+    worker_token: str
+    key_cache_s: float
+    routing_refresh_s: float
+    replica_wait_s: float
+    retry_after_s: int
+    connect_timeout_s: float
+    request_timeout_s: float
+    replica_cooldown_s: float
+    default_rate_limit_per_minute: int
+    default_max_concurrent_requests: int
+    affinity_prefix_chars: int
+    affinity_max_extra: int
+    idempotency_s: int
+    hold_sweep_s: float
+
+    @property
+    def hold_lifetime_s(self) -> float:
+        # A hold must outlive the longest request, or the sweeper could settle a live one.
+        return self.request_timeout_s + 60.0
+
+    @classmethod
+    def from_settings(cls) -> "GatewayConfig":
+        worker_token = getattr(settings, "FLEET_WORKER_TOKEN", "")
+        if not worker_token:
+            raise ImproperlyConfigured(
+                "FLEET_WORKER_TOKEN is not set: the gateway needs the fleet's worker token "
+                "(env GPUSERVE_WORKER_TOKEN) to call replicas."
+            )
+        return cls(
+            redis_url=settings.REDIS_URL,
+            worker_token=worker_token,
+            # Without Redis nothing pushes revocations, so the cache itself must be short.
+            key_cache_s=float(settings.GATEWAY_KEY_CACHE_SECONDS) if settings.REDIS_URL else 1.0,
+            routing_refresh_s=settings.GATEWAY_ROUTING_REFRESH_MS / 1000.0,
+            replica_wait_s=float(settings.GATEWAY_REPLICA_WAIT_SECONDS),
+            retry_after_s=settings.GATEWAY_RETRY_AFTER_SECONDS,
+            connect_timeout_s=float(settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS),
+            request_timeout_s=float(settings.GATEWAY_REQUEST_TIMEOUT_SECONDS),
+            replica_cooldown_s=float(settings.GATEWAY_REPLICA_COOLDOWN_SECONDS),
+            default_rate_limit_per_minute=settings.GATEWAY_DEFAULT_RATE_LIMIT_PER_MINUTE,
+            default_max_concurrent_requests=settings.GATEWAY_DEFAULT_MAX_CONCURRENT_REQUESTS,
+            affinity_prefix_chars=settings.GATEWAY_AFFINITY_PREFIX_CHARS,
+            affinity_max_extra=settings.GATEWAY_AFFINITY_MAX_EXTRA,
+            idempotency_s=settings.GATEWAY_IDEMPOTENCY_SECONDS,
+            hold_sweep_s=float(settings.GATEWAY_HOLD_SWEEP_SECONDS),
+        )

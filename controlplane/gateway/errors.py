@@ -1,0 +1,52 @@
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with their headers."""
+
+import json
+
+from starlette.responses import Response
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an error; raised anywhere on the request path."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return json.dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                     "code": self.code}}).encode()
+
+    def response(self, request_id: str, extra_headers: dict[str, str] | None = None) -> Response:
+        headers = {**self.headers, **(extra_headers or {}), "x-request-id": request_id}
+        return Response(self.body(), status_code=self.status, headers=headers, media_type="application/json")
+
+
+def invalid_api_key(message: str) -> GatewayError:
+    return GatewayError(401, message, code="invalid_api_key")
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str) -> GatewayError:
+    return GatewayError(404, f"The model {name!r} does not exist or is not enabled.", param="model",
+                        code="model_not_found")
+
+
+def model_not_allowed(name: str) -> GatewayError:
+    return GatewayError(403, f"This API key may not use the model {name!r}.", type="permission_error",
+                        param="model", code="model_not_allowed")
+
+
+def insufficient_quota() -> GatewayError:
+    # x-should-retry tells the official SDKs not to retry: more credit will not appear by waiting.
+    return GatewayError(429, "You have run out of credits: add credits to continue.", type="insufficient_quota",
+                        code="insufficient_quota", headers={"x-should-retry": "false"})
+
+
+def unavailable(message: str, retry_after_s: int, code: str = "model_unavailable") -> GatewayError:
+    return GatewayError(503, message, type="service_unavailable", code=code,
+                        headers={"retry-after": str(retry_after_s)})

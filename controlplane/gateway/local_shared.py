@@ -1,0 +1,145 @@
+"""The gateway's shared state kept in the process, for the embedded set-up without Redis (`make
+run`: one web process, so "shared by all gateway processes" is this one). Same operations and
+semantics as `shared.RedisShared`, whose Lua scripts these mirror; tests run both.
+"""
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
+from controlplane.gateway.shared import Admission
+
+_PERIOD_MS = 60_000.0
+
+
+def _now_ms() -> float:
+    return time.time() * 1000.0
+
+
+class _Expiring(dict):
+    """member -> deadline (ms); members past their deadline do not count."""
+
+    def live(self, now: float) -> int:
+        for member in [m for m, deadline in self.items() if deadline <= now]:
+            del self[member]
+        return len(self)
+
+
+class LocalShared:
+    def __init__(self, config: GatewayConfig):
+        self._config = config
+        self._entry_ms = config.hold_lifetime_s * 1000
+        self._started_ms = (config.hold_lifetime_s + 2 * config.hold_sweep_s + 60) * 1000
+        self._tats: dict[str, float] = {}
+        self._busy: dict[str, _Expiring] = {}
+        self._outstanding: dict[int, _Expiring] = {}
+        self._down: dict[int, float] = {}
+        self._started = _Expiring()
+        self._turns: dict[str, float] = {}
+        self._idempotency: dict[str, tuple[float, dict]] = {}
+
+    async def admit(self, grant: KeyGrant, request_id: str) -> Admission:
+        now = _now_ms()
+        rates = [(f"key:{grant.key_id}", grant.key_rate_limit_per_minute, "key_rpm"),
+                 (f"tenant:{grant.tenant_id}", grant.tenant_rate_limit_per_minute, "tenant_rpm")]
+        tats = []
+        for name, limit, reason in rates:
+            interval = _PERIOD_MS / limit
+            tat = max(self._tats.get(name, now), now) + interval
+            if tat - _PERIOD_MS - now > 0:
+                return Admission(False, reason, math.ceil(tat - _PERIOD_MS - now), limit, 0,
+                                 math.ceil(tat - interval - now))
+            tats.append((tat, interval))
+        busy = [(f"key:{grant.key_id}", grant.key_max_concurrent, "key_concurrency"),
+                (f"tenant:{grant.tenant_id}", grant.tenant_max_concurrent, "tenant_concurrency")]
+        for name, limit, reason in busy:
+            if self._busy.setdefault(name, _Expiring()).live(now) >= limit:
+                return Admission(False, reason, 1000, limit, 0, 1000)
+        best = None
+        for (name, limit, reason), (tat, interval) in zip(rates, tats):
+            self._tats[name] = tat
+            left = math.floor((_PERIOD_MS - (tat - now)) / interval)
+            if best is None or left < best.remaining:
+                best = Admission(True, reason, 0, limit, left, math.ceil(tat - now))
+        for name, _, _ in busy:
+            self._busy[name][request_id] = now + self._entry_ms
+        return best
+
+    async def admit_and_pick(self, grant: KeyGrant, request_id: str, candidates: Sequence[ReplicaRoute],
+                             affinity: int | None) -> tuple[Admission, ReplicaRoute | None]:
+        admission = await self.admit(grant, request_id)
+        if not admission.allowed:
+            return admission, None
+        return admission, await self.pick(candidates, request_id, affinity)
+
+    async def pick(self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None) -> ReplicaRoute:
+        now = _now_ms()
+        counts = [self._outstanding.setdefault(r.replica_id, _Expiring()).live(now) for r in candidates]
+        up = [self._down.get(r.replica_id, 0) <= now for r in candidates]
+        indexes = range(len(candidates))
+        # Replicas that failed recently are passed over; if all did, the least busy is tried anyway.
+        best = min((i for i in indexes if up[i]), key=counts.__getitem__, default=None)
+        if best is None:
+            best = min(indexes, key=counts.__getitem__)
+        if affinity is not None and (up[affinity] or not any(up)) \
+                and counts[affinity] <= counts[best] + self._config.affinity_max_extra:
+            best = affinity
+        self._outstanding[candidates[best].replica_id][request_id] = now + self._entry_ms
+        return candidates[best]
+
+    async def finish(self, request_id: str, *, grant: KeyGrant | None = None, replica_id: int | None = None,
+                     replica_failed: bool = False, started: bool = False) -> None:
+        if started:
+            await self.mark_started(request_id)
+        if grant is not None:
+            for name in (f"key:{grant.key_id}", f"tenant:{grant.tenant_id}"):
+                self._busy.get(name, {}).pop(request_id, None)
+        if replica_id is not None:
+            self._outstanding.get(replica_id, {}).pop(request_id, None)
+            if replica_failed:
+                self._down[replica_id] = _now_ms() + self._config.replica_cooldown_s * 1000
+
+    async def mark_started(self, request_id: str) -> None:
+        now = _now_ms()
+        if len(self._started) > 100_000:
+            self._started.live(now)
+        self._started[request_id] = now + self._started_ms
+
+    def started_sync(self, request_ids: list[str]) -> set[str]:
+        now = _now_ms()
+        return {rid for rid in request_ids if self._started.get(rid, 0) > now}
+
+    async def take_turn(self, name: str, seconds: float) -> bool:
+        now = _now_ms()
+        if self._turns.get(name, 0) > now:
+            return False
+        self._turns[name] = now + seconds * 1000
+        return True
+
+    async def idempotency_begin(self, scope: str, fingerprint: str) -> dict | None:
+        now = _now_ms()
+        stored = self._idempotency.get(scope)
+        if stored is not None and stored[0] > now:
+            return stored[1]
+        self._idempotency[scope] = (now + self._entry_ms, {"state": "pending", "fingerprint": fingerprint})
+        return None
+
+    async def idempotency_store(self, scope: str, entry: dict) -> None:
+        if len(self._idempotency) > 100_000:
+            now = _now_ms()
+            self._idempotency = {k: v for k, v in self._idempotency.items() if v[0] > now}
+        self._idempotency[scope] = (_now_ms() + self._config.idempotency_s * 1000, entry)
+
+    async def idempotency_abandon(self, scope: str) -> None:
+        self._idempotency.pop(scope, None)
+
+    async def listen_key_changes(self, on_change: Callable[[str], None], on_gap: Callable[[], None]) -> None:
+        # Nothing announces changes here; the key cache's one-second TTL stands in (GatewayConfig).
+        on_gap()
+        await asyncio.Event().wait()
+
+    async def aclose(self) -> None:
+        pass

@@ -1,0 +1,151 @@
+"""One request's credit hold and in-flight entries, ended exactly once; and the sweeper that
+settles holds left behind by a gateway process that died mid-request.
+"""
+
+import asyncio
+import logging
+import time
+from decimal import Decimal
+from typing import TYPE_CHECKING
+
+from django.db import DatabaseError
+from django.utils import timezone
+
+from controlplane.billing.holds import HoldRequest, RequestOutcome, credit_holds_expire
+from controlplane.billing.models import UsageRecord
+from controlplane.gateway.errors import insufficient_quota
+from controlplane.gateway.selectors import KeyGrant, ModelRoute
+
+if TYPE_CHECKING:
+    from controlplane.gateway.app import Gateway
+
+logger = logging.getLogger(__name__)
+
+COMPLETED = UsageRecord.Status.COMPLETED
+CANCELLED = UsageRecord.Status.CANCELLED
+FAILED = UsageRecord.Status.FAILED
+# A settlement is retried through a short database outage before the sweeper has to step in.
+_SETTLE_RETRY_PAUSES_S = (0.5, 2.0)
+
+
+class Flight:
+    """A request from admission to its end, in two steps that each happen once: `release()`
+    frees its slots (key, tenant, replica) in Redis, `settle()` turns its credit hold into a
+    charge, a free record or nothing (billing.holds). A served request is released before the
+    client gets its last byte (so the client's next request finds its slot free) and settled
+    after: the settlement's commit is off the latency path, and a crash in between is covered by
+    the first-token mark the sweeper reads."""
+
+    def __init__(self, gw: "Gateway", request_id: str, grant: KeyGrant, model: ModelRoute, num_requests: int):
+        self.gw, self.request_id, self.grant, self.model = gw, request_id, grant, model
+        self.num_requests = num_requests
+        self.started = time.monotonic()
+        self.amount: Decimal | None = None  # held; None until the hold is placed
+        self.replica_id: int | None = None
+        self.first_token_at: float | None = None
+        self.released = self.settled = False
+
+    async def hold(self) -> None:
+        """Set the request's price aside; 429 insufficient_quota when the credit cannot cover it."""
+        hold = await self.gw.holds.submit(HoldRequest(
+            request_id=self.request_id, tenant_id=self.grant.tenant_id, model_id=self.model.model_id,
+            api_key_id=self.grant.key_id, num_requests=self.num_requests,
+            price_per_request=self.model.price_per_request,
+        ))
+        if hold is None:
+            raise insufficient_quota()
+        self.amount = hold.amount
+
+    async def first_token(self) -> None:
+        """The first token is about to reach the client: from here on the request is billable."""
+        at = time.monotonic()
+        await self.gw.shared.mark_started(self.request_id)
+        self.first_token_at = at
+
+    async def release(self, *, served: bool = False) -> None:
+        """Free the request's slots; `served`: its whole answer is about to go out, so it is
+        marked billable (first token) in the same round trip."""
+        if self.released:
+            return
+        self.released = True
+        if served and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        try:
+            await self.gw.shared.finish(self.request_id, grant=self.grant, replica_id=self.replica_id,
+                                        started=served)
+        except Exception:
+            if served:
+                raise  # without the mark a crash before settling would lose the charge
+            logger.warning("could not clear request %s from the in-flight sets", self.request_id, exc_info=True)
+
+    def release_soon(self) -> None:
+        if not self.released:
+            self.gw.spawn(self.release())
+
+    async def settle(self, status: str | None, usage: dict | None = None, completion_tokens: int = 0) -> None:
+        """Settle the hold with `status` (see billing.holds.RequestOutcome)."""
+        if self._begin_settling():
+            await self._submit(status, usage, completion_tokens)
+
+    def settle_soon(self, status: str | None, usage: dict | None = None) -> None:
+        if self._begin_settling():
+            self.gw.spawn(self._submit(status, usage, 0))
+
+    async def end(self, status: str | None, usage: dict | None = None, completion_tokens: int = 0) -> None:
+        try:
+            await self.release()
+        finally:
+            await self.settle(status, usage, completion_tokens)
+
+    @property
+    def cost(self) -> Decimal:
+        """What a billed (completed or cancelled) request is charged: its hold."""
+        return self.amount or Decimal("0")
+
+    def _begin_settling(self) -> bool:
+        if self.settled:
+            return False
+        self.settled = True
+        return self.amount is not None
+
+    async def _submit(self, status: str | None, usage: dict | None, completion_tokens: int) -> None:
+        usage = usage or {}
+        outcome = RequestOutcome(
+            request_id=self.request_id, status=status,
+            prompt_tokens=_int(usage.get("prompt_tokens")),
+            completion_tokens=_int(usage.get("completion_tokens", completion_tokens)),
+            time_to_first_token_ms=None if self.first_token_at is None
+            else int((self.first_token_at - self.started) * 1000),
+            total_latency_ms=int((time.monotonic() - self.started) * 1000),
+            gpu_time_s=usage.get("gpu_time_s"), replica_id=self.replica_id,
+        )
+        for pause in _SETTLE_RETRY_PAUSES_S:
+            try:
+                await self.gw.settles.submit(outcome)
+                return
+            except DatabaseError:
+                logger.warning("settling %s failed; retrying in %.1f s", self.request_id, pause, exc_info=True)
+                await asyncio.sleep(pause)
+        await self.gw.settles.submit(outcome)  # the last try; if it fails the sweeper takes over
+
+
+def _int(value) -> int:
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+async def sweep_expired_holds(gw: "Gateway") -> None:
+    """Forever: settle expired holds, in one gateway process at a time."""
+    interval = gw.config.hold_sweep_s
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            if await gw.shared.take_turn("sweep-holds", interval * 0.9):
+                settled = await gw.settle_lane.run(
+                    credit_holds_expire, now=timezone.now(), started=gw.shared.started_sync
+                )
+                if settled:
+                    logger.info("settled %d expired credit hold(s)", len(settled))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.warning("could not sweep expired credit holds", exc_info=True)

@@ -1,0 +1,104 @@
+"""The Lua scripts behind `shared.RedisShared`: each runs atomically in Redis, so every gateway
+process sees and updates the same limits and in-flight counts. Functions are shared between the
+entry points (admission and the first replica choice go together in one round trip)."""
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# GCRA ("generic cell rate algorithm"): each limit keeps one number, the theoretical arrival time
+# (TAT) of the next request; a request is allowed while TAT stays within one period of now. It
+# allows the whole minute's quota as a burst, then one request per (60 s / limit).
+_ADMIT = """
+-- keys: the key's and the tenant's TAT; the key's and the tenant's in-flight sets
+-- argv: key per-minute limit, tenant per-minute limit, key concurrency, tenant concurrency,
+--       request id, how long an in-flight entry may live (ms)
+-- returns {allowed, reason, retry after ms, limit, remaining, reset ms}
+local function admit(keys, argv)
+  local period = 60000
+  local limits = {tonumber(argv[1]), tonumber(argv[2])}
+  local reasons = {'key_rpm', 'tenant_rpm'}
+  local tats, intervals = {}, {}
+  for i = 1, 2 do
+    local tat = tonumber(redis.call('GET', keys[i])) or now
+    if tat < now then tat = now end
+    intervals[i] = period / limits[i]
+    tats[i] = tat + intervals[i]
+    local wait = tats[i] - period - now
+    if wait > 0 then
+      return {0, reasons[i], math.ceil(wait), limits[i], 0, math.ceil(tats[i] - intervals[i] - now)}
+    end
+  end
+  local concurrency = {tonumber(argv[3]), tonumber(argv[4])}
+  local busy = {'key_concurrency', 'tenant_concurrency'}
+  for i = 1, 2 do
+    redis.call('ZREMRANGEBYSCORE', keys[2 + i], '-inf', now)
+    if redis.call('ZCARD', keys[2 + i]) >= concurrency[i] then
+      return {0, busy[i], 1000, concurrency[i], 0, 1000}
+    end
+  end
+  local best, best_left = 1, nil
+  for i = 1, 2 do
+    redis.call('SET', keys[i], string.format('%.3f', tats[i]), 'PX', math.ceil(tats[i] - now) + 1)
+    redis.call('ZADD', keys[2 + i], now + tonumber(argv[6]), argv[5])
+    redis.call('PEXPIRE', keys[2 + i], tonumber(argv[6]))
+    local left = math.floor((period - (tats[i] - now)) / intervals[i])
+    if best_left == nil or left < best_left then best, best_left = i, left end
+  end
+  -- The headers describe whichever per-minute limit is closer to running out.
+  return {1, reasons[best], 0, limits[best], best_left, math.ceil(tats[best] - now)}
+end
+"""
+
+# Least outstanding requests, with prefix affinity while the preferred replica is not overloaded.
+_PICK = """
+-- keys: per candidate replica, its in-flight set then its "down" marker
+-- argv: request id, in-flight entry lifetime (ms), affinity candidate (1-based; 0: none), max extra
+-- returns the chosen candidate (1-based), now counted as outstanding there
+local function pick(keys, argv)
+  local counts, up = {}, {}
+  local best, best_up = 0, 0
+  for i = 1, #keys / 2 do
+    redis.call('ZREMRANGEBYSCORE', keys[2 * i - 1], '-inf', now)
+    counts[i] = redis.call('ZCARD', keys[2 * i - 1])
+    up[i] = redis.call('EXISTS', keys[2 * i]) == 0
+    if best == 0 or counts[i] < counts[best] then best = i end
+    if up[i] and (best_up == 0 or counts[i] < counts[best_up]) then best_up = i end
+  end
+  -- Replicas that failed recently are passed over; if all did, the least busy is tried anyway.
+  if best_up > 0 then best = best_up end
+  local a = tonumber(argv[3])
+  if a > 0 and (up[a] or best_up == 0) and counts[a] <= counts[best] + tonumber(argv[4]) then best = a end
+  redis.call('ZADD', keys[2 * best - 1], now + tonumber(argv[2]), argv[1])
+  redis.call('PEXPIRE', keys[2 * best - 1], tonumber(argv[2]))
+  return best
+end
+"""
+
+ADMIT = _NOW_MS + _ADMIT + "return admit(KEYS, ARGV)"
+
+PICK = _NOW_MS + _PICK + "return pick(KEYS, ARGV)"
+
+# KEYS: admit's four, then pick's; ARGV: admit's six, then pick's affinity and max extra.
+ADMIT_AND_PICK = _NOW_MS + _ADMIT + _PICK + """
+local admitted = admit({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, ARGV)
+if admitted[1] == 0 then return admitted end
+local candidates = {}
+for i = 5, #KEYS do candidates[#candidates + 1] = KEYS[i] end
+admitted[7] = pick(candidates, {ARGV[5], ARGV[6], ARGV[7], ARGV[8]})
+return admitted
+"""
+
+# The end of a request (or of one attempt at a replica).
+# KEYS: the key's and the tenant's in-flight sets, the replica's in-flight set, its "down" marker,
+#       the request's first-token mark (a key given as "" is left alone)
+# ARGV: request id, replica cool-down (ms; 0: it did not fail), first-token mark lifetime (ms; 0: none)
+FINISH = """
+for i = 1, 3 do
+  if KEYS[i] ~= '' then redis.call('ZREM', KEYS[i], ARGV[1]) end
+end
+if tonumber(ARGV[2]) > 0 then redis.call('SET', KEYS[4], 1, 'PX', tonumber(ARGV[2])) end
+if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[5], 1, 'PX', tonumber(ARGV[3])) end
+return 1
+"""

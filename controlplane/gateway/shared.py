@@ -1,0 +1,173 @@
+"""State all gateway processes share, in Redis: rate limits and requests in flight (per key, per
+tenant, per replica), replicas passed over after failing, first-token marks, idempotent results,
+and the channel that announces revoked keys.
+
+Admission (both per-minute limits and both concurrency limits) is one Lua script (`scripts`), so
+it is atomic across processes; so is the choice of replica, and the hot path runs both in one
+call. In-flight entries are sorted-set members scored by
+their deadline, so a process that dies mid-request leaks nothing: its entries simply expire.
+"""
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio as aioredis
+
+from controlplane.accounts.services import API_KEY_CHANGES_CHANNEL
+from controlplane.gateway import scripts
+from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Admission:
+    allowed: bool
+    reason: str  # the limit that refused it, or the per-minute limit the headers describe
+    retry_after_ms: int
+    limit: int
+    remaining: int
+    reset_ms: int
+
+    def headers(self) -> dict[str, str]:
+        headers = {"x-ratelimit-limit-requests": str(self.limit),
+                   "x-ratelimit-remaining-requests": str(self.remaining),
+                   "x-ratelimit-reset-requests": _duration(self.reset_ms)}
+        if not self.allowed:
+            headers["retry-after"] = str(max(1, -(-self.retry_after_ms // 1000)))
+            headers["retry-after-ms"] = str(self.retry_after_ms)
+        return headers
+
+
+def _admission(reply) -> Admission:
+    allowed, reason, retry_ms, limit, remaining, reset_ms = reply
+    return Admission(bool(allowed), reason.decode(), int(retry_ms), int(limit), int(remaining), int(reset_ms))
+
+
+def _duration(ms: int) -> str:
+    """OpenAI's format for reset times: 20ms, 1.5s, 6m0s."""
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, seconds = divmod(ms / 1000, 60)
+    return f"{int(minutes)}m{seconds:.0f}s" if minutes else f"{seconds:.3g}s"
+
+
+class RedisShared:
+    def __init__(self, config: GatewayConfig):
+        self._config = config
+        self._redis = aioredis.Redis.from_url(config.redis_url, socket_connect_timeout=2, socket_timeout=5,
+                                              max_connections=512)
+        self._admit = self._redis.register_script(scripts.ADMIT)
+        self._pick = self._redis.register_script(scripts.PICK)
+        self._admit_and_pick = self._redis.register_script(scripts.ADMIT_AND_PICK)
+        self._finish = self._redis.register_script(scripts.FINISH)
+        self._entry_ms = int(config.hold_lifetime_s * 1000)
+        # A first-token mark must outlive the hold it vouches for until the sweeper has seen it.
+        self._started_ms = int((config.hold_lifetime_s + 2 * config.hold_sweep_s + 60) * 1000)
+        self._sync: redis.Redis | None = None
+
+    async def admit(self, grant: KeyGrant, request_id: str) -> Admission:
+        return _admission(await self._admit(**self._admit_call(grant, request_id)))
+
+    def _admit_call(self, grant: KeyGrant, request_id: str) -> dict:
+        k, t = grant.key_id, grant.tenant_id
+        return {"keys": [f"gw:rate:key:{k}", f"gw:rate:tenant:{t}", f"gw:busy:key:{k}", f"gw:busy:tenant:{t}"],
+                "args": [grant.key_rate_limit_per_minute, grant.tenant_rate_limit_per_minute,
+                         grant.key_max_concurrent, grant.tenant_max_concurrent, request_id, self._entry_ms]}
+
+    async def pick(self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None) -> ReplicaRoute:
+        """Choose among `candidates` (non-empty) and count the request as outstanding there."""
+        index = await self._pick(**self._pick_call(candidates, request_id, affinity))
+        return candidates[int(index) - 1]
+
+    async def admit_and_pick(self, grant: KeyGrant, request_id: str, candidates: Sequence[ReplicaRoute],
+                             affinity: int | None) -> tuple[Admission, ReplicaRoute | None]:
+        """`admit`, and if admitted `pick`, in one script call (the hot path's usual case)."""
+        admit, pick = self._admit_call(grant, request_id), self._pick_call(candidates, request_id, affinity)
+        reply = await self._admit_and_pick(keys=admit["keys"] + pick["keys"], args=admit["args"] + pick["args"][2:])
+        admission = _admission(reply[:6])
+        return admission, candidates[int(reply[6]) - 1] if admission.allowed else None
+
+    def _pick_call(self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None) -> dict:
+        keys = []
+        for replica in candidates:
+            keys += [f"gw:outstanding:{replica.replica_id}", f"gw:down:{replica.replica_id}"]
+        return {"keys": keys, "args": [request_id, self._entry_ms, 0 if affinity is None else affinity + 1,
+                                       self._config.affinity_max_extra]}
+
+    async def finish(self, request_id: str, *, grant: KeyGrant | None = None, replica_id: int | None = None,
+                     replica_failed: bool = False, started: bool = False) -> None:
+        """The request no longer counts against its key and tenant (with `grant`) and no longer
+        runs on `replica_id`, which failed it if `replica_failed`; `started`: also `mark_started`."""
+        key, tenant = (f"gw:busy:key:{grant.key_id}", f"gw:busy:tenant:{grant.tenant_id}") if grant else ("", "")
+        outstanding, down = (f"gw:outstanding:{replica_id}", f"gw:down:{replica_id}") if replica_id else ("", "")
+        await self._finish(keys=[key, tenant, outstanding, down, f"gw:started:{request_id}"], args=[
+            request_id, int(self._config.replica_cooldown_s * 1000) if replica_failed and replica_id else 0,
+            self._started_ms if started else 0])
+
+    async def mark_started(self, request_id: str) -> None:
+        """Remember that the request sent its first token, for the sweeper should we die now."""
+        await self._redis.set(f"gw:started:{request_id}", 1, px=self._started_ms)
+
+    def started_sync(self, request_ids: list[str]) -> set[str]:
+        """Which of these requests had sent a first token (called from a database thread)."""
+        if self._sync is None:
+            self._sync = redis.Redis.from_url(self._config.redis_url, socket_connect_timeout=2, socket_timeout=5)
+        found = self._sync.mget([f"gw:started:{rid}" for rid in request_ids])
+        return {rid for rid, value in zip(request_ids, found) if value is not None}
+
+    async def take_turn(self, name: str, seconds: float) -> bool:
+        """True for one caller among all processes per `seconds` (for periodic chores)."""
+        return bool(await self._redis.set(f"gw:turn:{name}", 1, nx=True, px=int(seconds * 1000)))
+
+    # --- Idempotency-Key --------------------------------------------------------------------
+
+    async def idempotency_begin(self, scope: str, fingerprint: str) -> dict | None:
+        """None when this request now owns the key; otherwise the stored entry (pending or done)."""
+        key = f"gw:idempotency:{scope}"
+        pending = json.dumps({"state": "pending", "fingerprint": fingerprint})
+        if await self._redis.set(key, pending, nx=True, px=int(self._config.hold_lifetime_s * 1000)):
+            return None
+        stored = await self._redis.get(key)
+        return json.loads(stored) if stored else {"state": "pending", "fingerprint": fingerprint}
+
+    async def idempotency_store(self, scope: str, entry: dict) -> None:
+        await self._redis.set(f"gw:idempotency:{scope}", json.dumps(entry), ex=self._config.idempotency_s)
+
+    async def idempotency_abandon(self, scope: str) -> None:
+        await self._redis.delete(f"gw:idempotency:{scope}")
+
+    # --- revoked keys -----------------------------------------------------------------------
+
+    async def listen_key_changes(self, on_change: Callable[[str], None], on_gap: Callable[[], None]) -> None:
+        """Call `on_change(key_hash)` for every announced key change, forever; `on_gap()` whenever
+        (re)subscribed, since announcements made while not subscribed are lost."""
+        # A connection of its own without a read timeout: it waits for messages indefinitely.
+        listener = aioredis.Redis.from_url(self._config.redis_url, socket_connect_timeout=2,
+                                           health_check_interval=15)
+        try:
+            while True:
+                try:
+                    async with listener.pubsub() as pubsub:
+                        await pubsub.subscribe(API_KEY_CHANGES_CHANNEL)
+                        on_gap()
+                        async for message in pubsub.listen():
+                            if message["type"] == "message":
+                                on_change(message["data"].decode())
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logger.warning("lost the API key change channel; resubscribing", exc_info=True)
+                    on_gap()
+                    await asyncio.sleep(1.0)
+        finally:
+            await listener.aclose()
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+        if self._sync is not None:
+            self._sync.close()

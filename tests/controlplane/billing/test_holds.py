@@ -1,0 +1,173 @@
+"""Credit holds: placed at admission within the available credit, settled exactly once into a
+charge, a free record or a release, and swept when their gateway died."""
+
+import threading
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import connections
+
+from controlplane.billing.holds import (HoldRequest, RequestOutcome, credit_holds_expire, credit_holds_place,
+                                        credit_holds_settle)
+from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, UsageRecord
+from controlplane.billing.selectors import credit_available, credit_balance
+from controlplane.billing.services import InsufficientCredit, credit_debit, credit_grant
+from tests.controlplane.factories import ApiKeyFactory, ModelFactory, PlanFactory, PriceTierFactory, TenantFactory
+
+db = pytest.mark.django_db
+
+NOW = datetime(2026, 5, 10, 12, 0, tzinfo=UTC)
+LATER = NOW + timedelta(minutes=11)
+
+
+@pytest.fixture
+def setup():
+    tenant = TenantFactory()
+    model = ModelFactory(price_tier=PriceTierFactory(price_per_request=Decimal("0.002")))
+    return tenant, model, ApiKeyFactory(tenant=tenant)
+
+
+def place(tenant, model, key, *request_ids, n=1, at=NOW):
+    return credit_holds_place(requests=[HoldRequest(rid, tenant.pk, model.pk, key.pk, n) for rid in request_ids],
+                              at=at, expires_at=at + timedelta(minutes=11))
+
+
+def done(request_id, status="completed", **fields):
+    return RequestOutcome(request_id, status, **{"prompt_tokens": 10, "completion_tokens": 5,
+                                                 "time_to_first_token_ms": 20, "total_latency_ms": 50,
+                                                 "gpu_time_s": 0.01, **fields})
+
+
+@db
+def test_holds_are_placed_while_the_available_credit_covers_them(setup):
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("0.005"))
+    holds = place(tenant, model, key, "a", "b", "c")
+    assert [h is not None for h in holds] == [True, True, False]
+    assert credit_available(tenant=tenant) == Decimal("0.001")
+    # n choices hold n requests' price; what is held is not available to the next request either.
+    assert place(tenant, model, key, "d", n=2) == [None]
+    assert credit_balance(tenant=tenant) == Decimal("0.005")  # nothing is charged by holding
+
+
+@db
+def test_settling_charges_records_or_releases_each_hold_once(setup):
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    place(tenant, model, key, "ok", "cut", "broke", "refused")
+    results = credit_holds_settle(outcomes=[done("ok"), done("cut", "cancelled"), done("broke", "failed"),
+                                            RequestOutcome("refused", None)], at=NOW)
+    assert [r.found for r in results] == [True] * 4 and results[3].record is None
+    records = {r.request_id: r for r in UsageRecord.objects.all()}
+    assert {rid: (r.status, r.price_charged) for rid, r in records.items()} == {
+        "ok": ("completed", Decimal("0.002")), "cut": ("cancelled", Decimal("0.002")),
+        "broke": ("failed", Decimal("0"))}
+    assert records["ok"].gpu_time_s == 0.01 and records["ok"].api_key == key
+    assert records["ok"].reference_price == Decimal("0.000008")  # 15 tokens at 0.50 per million
+    assert credit_balance(tenant=tenant) == Decimal("0.996") == CreditAccount.objects.get(tenant=tenant).balance
+    assert not CreditHold.objects.exists() and credit_available(tenant=tenant) == Decimal("0.996")
+    again = credit_holds_settle(outcomes=[done("ok")], at=NOW)
+    assert not again[0].found and UsageRecord.objects.count() == 3
+    assert CreditEntry.objects.filter(kind="usage").count() == 2
+
+
+@db
+def test_the_monthly_allowance_pays_first_and_comes_back_when_not_billed(setup):
+    tenant, model, key = setup
+    tenant.plan = PlanFactory(included_requests_per_month=3)
+    tenant.save()
+    holds = place(tenant, model, key, "a", "b", n=2)  # no credit at all: only the allowance
+    assert holds[0].amount == Decimal("0") and holds[0].included_requests == 2
+    assert holds[1] is None  # one included request left, two asked for
+    credit_holds_settle(outcomes=[RequestOutcome("a", None)], at=NOW)  # never served
+    assert place(tenant, model, key, "c", n=3)[0].amount == Decimal("0")
+    next_month = datetime(2026, 6, 1, tzinfo=UTC)
+    assert place(tenant, model, key, "d", n=3, at=next_month)[0].amount == Decimal("0")
+
+
+@db
+def test_debits_cannot_spend_held_credit(setup):
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("0.010"))
+    place(tenant, model, key, "a", n=3)
+    with pytest.raises(InsufficientCredit):
+        credit_debit(tenant=tenant, amount=Decimal("0.005"))
+    credit_debit(tenant=tenant, amount=Decimal("0.004"))
+    credit_holds_settle(outcomes=[done("a")], at=NOW)
+    assert credit_balance(tenant=tenant) == Decimal("0") == CreditAccount.objects.get(tenant=tenant).balance
+
+
+@db
+def test_an_account_starts_from_the_ledger_it_did_not_see(setup):
+    tenant, model, key = setup
+    CreditEntry.objects.create(tenant=tenant, kind="grant", amount=Decimal("0.003"))  # before accounts
+    assert [h is not None for h in place(tenant, model, key, "a", "b")] == [True, False]
+    assert CreditAccount.objects.get(tenant=tenant).balance == Decimal("0.003")
+
+
+@db
+def test_expired_holds_are_charged_if_started_and_released_otherwise(setup):
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    place(tenant, model, key, "started", "not-started")
+    place(tenant, model, key, "live", at=LATER)
+    assert credit_holds_expire(now=NOW + timedelta(minutes=5), started=lambda ids: ids) == []
+    settled = credit_holds_expire(now=LATER + timedelta(seconds=1), started=lambda ids: {"started"} & set(ids))
+    assert sorted(s.request_id for s in settled) == ["not-started", "started"]
+    assert list(UsageRecord.objects.values_list("request_id", "status", "price_charged")) == [
+        ("started", "cancelled", Decimal("0.002"))]
+    assert list(CreditHold.objects.values_list("request_id", flat=True)) == ["live"]
+    assert credit_balance(tenant=tenant) == Decimal("0.998")
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("durable", [True, False])
+def test_concurrent_holds_never_exceed_the_credit(require_postgres, setup, durable):
+    """Twenty threads, each placing and settling its own request against credit for seven."""
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("0.014"))
+    start = threading.Barrier(20)
+    outcomes: list[bool] = []
+
+    def one(i):
+        try:
+            start.wait()
+            (hold,) = place(tenant, model, key, f"r{i}")
+            if hold is not None:
+                credit_holds_settle(outcomes=[done(f"r{i}")], at=NOW, durable=durable)
+            outcomes.append(hold is not None)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert outcomes.count(True) == 7 and len(outcomes) == 20
+    assert credit_balance(tenant=tenant) == Decimal("0") == CreditAccount.objects.get(tenant=tenant).balance
+    assert UsageRecord.objects.filter(price_charged__gt=0).count() == 7
+
+
+@db
+def test_a_single_priced_request_is_held_in_one_statement_or_by_the_locked_path(setup):
+    """With the price given (the gateway's case) one request takes the one-statement path on
+    PostgreSQL; whatever it cannot decide (no credit, an allowance to use) the locked path does."""
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("0.004"))
+
+    def one(rid, n=1):
+        return credit_holds_place(requests=[HoldRequest(rid, tenant.pk, model.pk, key.pk, n, Decimal("0.002"))],
+                                  at=NOW, expires_at=LATER)[0]
+
+    assert one("a").amount == Decimal("0.002") and one("b").amount == Decimal("0.002")
+    assert one("c") is None
+    assert CreditAccount.objects.get(tenant=tenant).held == Decimal("0.004")
+    assert sorted(CreditHold.objects.values_list("request_id", "amount")) == [
+        ("a", Decimal("0.002")), ("b", Decimal("0.002"))]
+    tenant.plan = PlanFactory(included_requests_per_month=1)
+    tenant.save()
+    hold = one("d", n=2)  # one included request left, and no credit left for a paid one
+    assert hold is None
+    assert one("e").amount == Decimal("0") and one("f") is None

@@ -1,0 +1,65 @@
+import pytest
+from django.core.exceptions import ValidationError
+
+from controlplane.fleet.reports import parse_heartbeat, parse_registration
+
+REGISTRATION = {
+    "name": "host-a", "advertise_host": "127.0.0.1", "device": "cuda",
+    "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_total_bytes": 150_000_000_000}],
+    "cpu": {"memory_total_bytes": 64 * 1024**3, "cores": 16}, "version": "0.1.0",
+}
+
+
+def _error_fields(parse, data) -> dict:
+    with pytest.raises(ValidationError) as error:
+        parse(data)
+    return error.value.message_dict
+
+
+def test_registration_parses():
+    registration = parse_registration(REGISTRATION)
+    assert registration.name == "host-a" and registration.gpus[0].memory_total_bytes == 150_000_000_000
+    assert (registration.cpu_memory_total_bytes, registration.cpu_cores) == (64 * 1024**3, 16)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"device": "tpu"}, "device"),
+    ({"name": ""}, "name"),
+    ({"gpus": [{"index": -1, "name": "x", "memory_total_bytes": 1}]}, "gpus[0].index"),
+    ({"gpus": [{"index": 0, "name": "x", "memory_total_bytes": "lots"}]}, "gpus[0].memory_total_bytes"),
+    ({"gpus": []}, "gpus"),
+    ({"gpus": [{"index": 0, "name": "x", "memory_total_bytes": 1}] * 2}, "gpus"),
+    ({"cpu": {"cores": True}}, "cpu.cores"),
+])
+def test_bad_registrations_name_the_field(change, field):
+    assert field in _error_fields(parse_registration, {**REGISTRATION, **change})
+
+
+def test_a_cpu_worker_registers_without_gpus():
+    assert parse_registration({**REGISTRATION, "device": "cpu", "gpus": []}).gpus == ()
+
+
+def test_heartbeat_parses_figures_and_leaves_out_missing_ones():
+    heartbeat = parse_heartbeat({
+        "sent_at": "2026-01-01T00:00:00Z", "draining": False,
+        "gpus": [{"index": 0, "utilization_pct": 37.0, "temperature_c": None}],
+        "cpu": {"utilization_pct": 12.0},
+        "replicas": [{"replica_id": 12, "state": "ready", "endpoint_url": "http://127.0.0.1:8101",
+                      "load_progress": 1.0, "running": 2, "waiting": 0}],
+    })
+    assert heartbeat.gpus == ({"index": 0, "utilization_pct": 37.0},)
+    assert heartbeat.replicas[0].figures == {"load_progress": 1.0, "running": 2, "waiting": 0}
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ([], "body"),
+    ({"draining": "no"}, "draining"),
+    ({"replicas": [{"replica_id": 1, "state": "sleeping"}]}, "replicas[0].state"),
+    ({"replicas": [{"replica_id": 1, "state": "ready"}]}, "replicas[0].endpoint_url"),
+    ({"replicas": [{"replica_id": 1, "state": "ready", "endpoint_url": "gpuworker:8001"}]}, "replicas[0].endpoint_url"),
+    ({"replicas": [{"replica_id": 0, "state": "loading"}]}, "replicas[0].replica_id"),
+    ({"replicas": [{"replica_id": 1, "state": "loading", "running": "2"}]}, "replicas[0].running"),
+    ({"replicas": [{"replica_id": 1, "state": "loading"}, {"replica_id": 1, "state": "loading"}]}, "replicas"),
+])
+def test_bad_heartbeats_name_the_field(body, field):
+    assert field in _error_fields(parse_heartbeat, body)

@@ -1,0 +1,247 @@
+"""The running system for the gateway tests: real replica servers (`python -m gpuworker serve` on
+CPU with a tiny checkpoint) and the control plane's ASGI app served by uvicorn in its own
+process, against the test database and a Redis database of its own. Tests drive it with the
+official `openai` SDK.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.conftest import require_service
+
+WORKER_TOKEN = "gateway-tests-worker-token"
+REPO = Path(__file__).resolve().parents[3]
+# The gateway's shared state (rate limits, in-flight sets) goes to its own Redis database, so
+# these tests neither see nor disturb other suites' keys.
+REDIS_DB = 13
+# Prompts must fit the replicas' 256-token context (one token per byte with the test tokenizer).
+AFFINITY_PREFIX_CHARS = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@dataclass
+class ReplicaServer:
+    url: str
+    process: subprocess.Popen
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+
+def start_replica(checkpoint: Path, name: str) -> ReplicaServer:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpuworker", "serve", "--model", str(checkpoint), "--port", str(port),
+         "--token", WORKER_TOKEN, "--served-model-name", name, "--max-model-len", "256", "--log-level", "warning"],
+        cwd=REPO, stdin=subprocess.DEVNULL,
+    )
+    return ReplicaServer(f"http://127.0.0.1:{port}", process)
+
+
+def wait_ready(replica: ReplicaServer) -> None:
+    headers = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+
+    def ready():
+        if replica.process.poll() is not None:
+            pytest.fail(f"replica at {replica.url} exited with {replica.process.returncode}")
+        return httpx.get(f"{replica.url}/health", headers=headers, timeout=2).status_code == 200
+
+    wait_until(ready, 120, f"the replica at {replica.url}")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    from tests.gpuworker.checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("gateway-checkpoint"), "llama")
+
+
+@pytest.fixture(scope="session")
+def replica_processes(checkpoint):
+    """Two replica servers of the tiny model for the whole session (loading them takes a while
+    on two cores, so they load while the test database is set up)."""
+    servers = [start_replica(checkpoint, "tiny") for _ in range(2)]
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.kill()
+
+
+@pytest.fixture
+def replicas(replica_processes, gateway):
+    for server in replica_processes:
+        if server.process.poll() is not None:
+            pytest.fail(f"the replica at {server.url} has died")
+        wait_ready(server)
+    yield replica_processes
+    # Settlements are written just after answers go out: wait for them before the test's tables
+    # are emptied (a TRUNCATE racing a settlement's row locks would deadlock).
+    from controlplane.billing.models import CreditHold
+
+    wait_until(lambda: not CreditHold.objects.exists(), 15, "every request to be settled")
+
+
+def _database_url() -> str:
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        require_service(f"the database is {connection.vendor}; the gateway tests need PostgreSQL (set DATABASE_URL)")
+    db = connection.settings_dict
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db.get("PASSWORD") else "")
+    return f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+def _redis_url() -> str:
+    base = os.environ.get("REDIS_URL", "")
+    if not base:
+        require_service("REDIS_URL is not set")
+    return base.rsplit("/", 1)[0] + f"/{REDIS_DB}" if base.count("/") > 2 else f"{base}/{REDIS_DB}"
+
+
+@dataclass
+class GatewayServer:
+    url: str
+    redis_url: str
+    process: subprocess.Popen
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def start_gateway(database_url: str, redis_url: str, **env_overrides: str) -> GatewayServer:
+    """uvicorn serving controlplane.asgi in its own process, as in production; waits until it answers."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url, "REDIS_URL": redis_url, "GPUSERVE_WORKER_TOKEN": WORKER_TOKEN,
+        "DEBUG": "1", "LOG_LEVEL": "WARNING",
+        # Small figures so that the tests see routing changes, waits and cool-downs quickly.
+        "GATEWAY_ROUTING_REFRESH_MS": "100", "GATEWAY_REPLICA_WAIT_SECONDS": "2",
+        "GATEWAY_RETRY_AFTER_SECONDS": "3", "GATEWAY_REPLICA_COOLDOWN_SECONDS": "30",
+        "GATEWAY_HOLD_SWEEP_SECONDS": "1", "GATEWAY_AFFINITY_PREFIX_CHARS": str(AFFINITY_PREFIX_CHARS),
+        **env_overrides,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning", "--no-access-log"],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+    )
+    server = GatewayServer(f"http://127.0.0.1:{port}", redis_url, process)
+    try:
+        wait_until(lambda: httpx.get(f"{server.url}/v1/models", timeout=2).status_code == 401, 60, "the gateway")
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def database_url(django_db_setup, django_db_blocker) -> str:
+    """The test database, for the gateway processes."""
+    with django_db_blocker.unblock():
+        return _database_url()
+
+
+@pytest.fixture(scope="session")
+def gateway(replica_processes, database_url):
+    redis_url = _redis_url()
+    redis.Redis.from_url(redis_url).flushdb()
+    server = start_gateway(database_url, redis_url)
+    yield server
+    server.stop()
+
+
+@dataclass
+class World:
+    """One tenant with a key, credit and a plan, and a model served by the replicas."""
+
+    tenant: object
+    api_key: object
+    model: object
+    replicas: list
+    base_url: str
+
+    def settled(self, timeout: float = 10.0) -> None:
+        """Wait until the tenant's requests are settled: settlement is written just after the
+        answer goes out, off the client's latency."""
+        from controlplane.billing.models import CreditHold
+
+        wait_until(lambda: not CreditHold.objects.filter(tenant=self.tenant).exists(), timeout,
+                   "the requests to be settled")
+
+    def client(self, api_key: str | None = None, **options):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key or self.api_key.plaintext,
+                             **{"max_retries": 0, "timeout": 60, **options})
+
+    def async_client(self, api_key: str | None = None, **options):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key or self.api_key.plaintext,
+                                  **{"max_retries": 0, "timeout": 60, **options})
+
+
+def make_world(gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002"), plan=None, **key_fields) -> World:
+    """Rows for a tenant and a model whose ready replicas are `servers`; waits until the gateway
+    routes the model."""
+    from controlplane.billing.services import credit_grant
+    from controlplane.fleet.models import Replica, Worker
+    from tests.controlplane.factories import (ApiKeyFactory, DeploymentFactory, ModelFactory, PlanFactory,
+                                              PriceTierFactory, TenantFactory)
+
+    plan = plan or PlanFactory(rate_limit_per_minute=10_000, max_concurrent_requests=500)
+    tenant = TenantFactory(plan=plan)
+    if credit:
+        credit_grant(tenant=tenant, amount=credit)
+    api_key = ApiKeyFactory(tenant=tenant, **key_fields)
+    model = ModelFactory(price_tier=PriceTierFactory(price_per_request=price), context_length=256)
+    deployment = DeploymentFactory(model=model, desired_replicas=len(servers), max_replicas=max(2, len(servers)))
+    worker = Worker.objects.create(name=f"host-{model.pk}", queue_name=f"gpuworker.host-{model.pk}",
+                                   advertise_host="127.0.0.1", device=Worker.Device.CPU)
+    rows = [Replica.objects.create(deployment=deployment, worker=worker, state=Replica.State.READY,
+                                   endpoint_url=server.url) for server in servers]
+    world = World(tenant, api_key, model, rows, gateway.url)
+    probe = ApiKeyFactory(tenant=tenant, rate_limit_per_minute=10_000)  # may see every model
+    headers = {"Authorization": f"Bearer {probe.plaintext}"}
+    wait_until(lambda: any(m["id"] == model.public_name for m in
+                           httpx.get(f"{gateway.url}/v1/models", headers=headers, timeout=5).json()["data"]),
+               10, f"the gateway to route {model.public_name}")
+    return world

@@ -1,0 +1,196 @@
+"""The gateway's shared state, for both implementations: Redis (production: the Lua scripts) and
+in-process (the embedded set-up without Redis). Same tests, same answers."""
+
+import asyncio
+import os
+
+import pytest
+import redis
+
+from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.local_shared import LocalShared
+from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
+from controlplane.gateway.shared import Admission, RedisShared, _duration
+from tests.conftest import require_service
+
+# Not the database the running-gateway tests use: these flush theirs freely.
+REDIS_DB = 11
+
+
+def _config(redis_url: str = "") -> GatewayConfig:
+    return GatewayConfig(
+        redis_url=redis_url, worker_token="t", key_cache_s=30, routing_refresh_s=1, replica_wait_s=1,
+        retry_after_s=5, connect_timeout_s=1, request_timeout_s=60, replica_cooldown_s=30,
+        default_rate_limit_per_minute=60, default_max_concurrent_requests=8, affinity_prefix_chars=64,
+        affinity_max_extra=2, idempotency_s=60, hold_sweep_s=1,
+    )
+
+
+@pytest.fixture(params=["redis", "local"])
+async def shared(request):
+    if request.param == "local":
+        yield LocalShared(_config())
+        return
+    base = os.environ.get("REDIS_URL", "")
+    if not base:
+        require_service("REDIS_URL is not set")
+    url = base.rsplit("/", 1)[0] + f"/{REDIS_DB}" if base.count("/") > 2 else f"{base}/{REDIS_DB}"
+    redis.Redis.from_url(url).flushdb()
+    state = RedisShared(_config(url))
+    yield state
+    await state.aclose()
+
+
+def grant(key_id=1, tenant_id=1, key_rpm=60, tenant_rpm=600, key_concurrent=8, tenant_concurrent=80) -> KeyGrant:
+    return KeyGrant(key_id=key_id, tenant_id=tenant_id, expires_at=None, allowed_model_ids=None,
+                    key_rate_limit_per_minute=key_rpm, tenant_rate_limit_per_minute=tenant_rpm,
+                    key_max_concurrent=key_concurrent, tenant_max_concurrent=tenant_concurrent)
+
+
+async def test_per_minute_limit_allows_the_quota_as_a_burst_then_refuses(shared):
+    g = grant(key_rpm=3)
+
+    async def go():
+        results = [await shared.admit(g, f"r{i}") for i in range(4)]
+        for i in range(3):
+            await shared.finish(f"r{i}", grant=g)
+        return results
+
+    first, second, third, fourth = await go()
+    assert (first.allowed, first.limit, first.remaining, first.reason) == (True, 3, 2, "key_rpm")
+    assert (second.remaining, third.remaining) == (1, 0)
+    assert not fourth.allowed and fourth.reason == "key_rpm" and fourth.remaining == 0
+    # One request per 20 s comes back: the next is allowed in about 20 s.
+    assert 19_000 <= fourth.retry_after_ms <= 20_000
+    assert fourth.headers()["retry-after"] == "20" and fourth.headers()["retry-after-ms"] == str(fourth.retry_after_ms)
+
+
+async def test_the_tenant_limit_covers_all_its_keys(shared):
+    async def go():
+        return [await shared.admit(grant(key_id=k, tenant_rpm=2), f"r{k}") for k in (1, 2, 3)]
+
+    results = await go()
+    assert [r.allowed for r in results] == [True, True, False]
+    assert results[2].reason == "tenant_rpm"
+    # The headers describe whichever limit is closer to running out.
+    assert (results[1].reason, results[1].limit, results[1].remaining) == ("tenant_rpm", 2, 0)
+
+
+@pytest.mark.parametrize(("key_concurrent", "tenant_concurrent", "reason"), [(2, 10, "key_concurrency"),
+                                                                              (10, 2, "tenant_concurrency")])
+async def test_concurrency_limits_until_a_request_finishes(shared, key_concurrent, tenant_concurrent, reason):
+    g = grant(key_concurrent=key_concurrent, tenant_concurrent=tenant_concurrent)
+
+    async def go():
+        a, b, c = [await shared.admit(g, rid) for rid in ("a", "b", "c")]
+        await shared.finish("a", grant=g)
+        return a, b, c, await shared.admit(g, "d")
+
+    a, b, c, d = await go()
+    assert a.allowed and b.allowed and not c.allowed and d.allowed
+    assert c.reason == reason and c.retry_after_ms == 1000
+
+
+async def test_a_refused_request_uses_no_quota(shared):
+    g = grant(key_rpm=2, key_concurrent=1)
+
+    async def go():
+        first = await shared.admit(g, "a")
+        refused = await shared.admit(g, "b")  # busy: refused before counting against the minute
+        await shared.finish("a", grant=g)
+        return first, refused, await shared.admit(g, "c")
+
+    first, refused, third = await go()
+    assert first.allowed and not refused.allowed and third.allowed and third.remaining == 0
+
+
+REPLICAS = [ReplicaRoute(1, "http://a"), ReplicaRoute(2, "http://b"), ReplicaRoute(3, "http://c")]
+
+
+async def test_pick_least_outstanding_and_count_it(shared):
+    async def go():
+        picks = [(await shared.pick(REPLICAS, f"r{i}", None)).replica_id for i in range(6)]
+        await shared.finish("r0", replica_id=picks[0])
+        return picks, (await shared.pick(REPLICAS, "r6", None)).replica_id
+
+    picks, after = await go()
+    assert sorted(picks) == [1, 1, 2, 2, 3, 3]  # spread evenly
+    assert after == picks[0]  # the one that just finished a request is now the least busy
+
+
+async def test_affinity_wins_until_its_replica_is_overloaded(shared):
+    async def go():
+        # max extra is 2: the affinity replica takes up to 2 more than the least busy one.
+        return [(await shared.pick(REPLICAS, f"r{i}", 1)).replica_id for i in range(5)]
+
+    assert await go() == [2, 2, 2, 1, 3]
+
+
+async def test_a_failed_replica_is_passed_over_unless_all_failed(shared):
+    async def go():
+        await shared.pick(REPLICAS[:2], "x", None)
+        await shared.finish("x", replica_id=1, replica_failed=True)
+        avoided = [(await shared.pick(REPLICAS[:2], f"r{i}", 0)).replica_id for i in range(3)]
+        await shared.finish("y", replica_id=2, replica_failed=True)
+        return avoided, (await shared.pick(REPLICAS[:2], "z", None)).replica_id
+
+    avoided, last_resort = await go()
+    assert avoided == [2, 2, 2]  # even for requests whose affinity is the failed one
+    assert last_resort == 1  # both failed: the least busy is tried anyway
+
+
+async def test_started_marks_and_turns(shared):
+    async def go():
+        await shared.mark_started("a")
+        await shared.finish("b", started=True)
+        return await shared.take_turn("chore", 1.0), await shared.take_turn("chore", 1.0)
+
+    first, second = await go()
+    assert shared.started_sync(["a", "b", "c"]) == {"a", "b"}
+    assert (first, second) == (True, False)
+
+
+async def test_idempotency_entries(shared):
+    async def go():
+        owned = await shared.idempotency_begin("t:k", "f1")
+        pending = await shared.idempotency_begin("t:k", "f1")
+        await shared.idempotency_store("t:k", {"state": "done", "fingerprint": "f1", "status": 200, "body": "{}"})
+        done = await shared.idempotency_begin("t:k", "f1")
+        await shared.idempotency_abandon("t:k")
+        return owned, pending, done, await shared.idempotency_begin("t:k", "f2")
+
+    owned, pending, done, after_abandon = await go()
+    assert owned is None and pending["state"] == "pending" and done["state"] == "done"
+    assert after_abandon is None
+
+
+def test_reset_durations_in_openais_format():
+    assert [_duration(ms) for ms in (20, 1500, 60_000, 360_000)] == ["20ms", "1.5s", "1m0s", "6m0s"]
+    assert Admission(True, "key_rpm", 0, 10, 3, 1500).headers() == {
+        "x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "3",
+        "x-ratelimit-reset-requests": "1.5s"}
+
+
+async def test_in_flight_entries_expire_if_a_gateway_dies(shared):
+    """A process that dies mid-request leaks nothing: its entries expire with their deadline."""
+    shared._entry_ms = 300  # the in-flight lifetime, normally the request timeout plus a minute
+    g = grant(key_concurrent=1)
+
+    async def go():
+        first = await shared.admit(g, "lost")  # never finished
+        busy = await shared.admit(g, "next")
+        await asyncio.sleep(0.4)
+        return first, busy, await shared.admit(g, "later")
+
+    first, busy, later = await go()
+    assert first.allowed and not busy.allowed and later.allowed
+
+
+async def test_admit_and_pick_counts_the_replica_only_when_admitted(shared):
+    g = grant(key_concurrent=1)
+    admitted, replica = await shared.admit_and_pick(g, "a", REPLICAS, None)
+    refused, none = await shared.admit_and_pick(g, "b", REPLICAS, None)
+    assert admitted.allowed and replica.replica_id == 1
+    assert not refused.allowed and none is None
+    # "b" left nothing behind on the replicas: 2 and 3 are still the least busy, then 1 again.
+    assert [(await shared.pick(REPLICAS, f"r{i}", None)).replica_id for i in range(3)] == [2, 3, 1]

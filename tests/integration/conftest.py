@@ -1,0 +1,175 @@
+"""A real fleet for integration tests: the control plane's HTTP server (uvicorn) and a Celery worker
+with beat as subprocesses on the test database and the real Redis broker, and real
+`python -m gpuworker daemon` processes on CPU, which start real replica servers for tiny models.
+
+Each test gets its own fleet; worker names are unique, so their Celery queues never meet another
+run's. The control plane's Celery worker consumes the default queue of the test's Redis.
+"""
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from django.conf import settings
+from django.db import connection
+
+REPO = Path(__file__).resolve().parents[2]
+# Fast enough to test within seconds, slow enough for a loaded two-core CI machine.
+FLEET_ENV = {
+    "FLEET_WORKER_LOST_AFTER_SECONDS": "3",
+    "FLEET_RECONCILE_INTERVAL_SECONDS": "2",
+    "FLEET_REPLICA_ACK_TIMEOUT_SECONDS": "60",
+    "FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS": "60",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def wait_until(predicate: Callable[[], object], *, timeout: float, what: str, fleet: "Fleet | None" = None):
+    """Poll until `predicate()` is truthy and return its value; fail naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            logs = fleet.logs() if fleet is not None else ""
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}", pytrace=False)
+        time.sleep(0.2)
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+
+class Fleet:
+    def __init__(self, tmp_path: Path, redis_url: str) -> None:
+        db = connection.settings_dict
+        database_url = f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+        self.tmp_path = tmp_path
+        self.token = settings.FLEET_WORKER_TOKEN
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ, **FLEET_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url,
+            "DEBUG": "1", "VAR_DIR": str(tmp_path / "var"), "GPUSERVE_WORKER_TOKEN": self.token,
+            "PYTHONUNBUFFERED": "1",
+        }
+        (tmp_path / "var").mkdir()
+        self.processes: list[Process] = []
+        self._next_port = random.randrange(20000, 60000, 100)
+
+    def _start(self, name: str, argv: list[str]) -> Process:
+        log_path = self.tmp_path / f"{name}.log"
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = Process(name, popen, log_path)
+        self.processes.append(process)
+        return process
+
+    def start_control_plane(self) -> None:
+        self._start("web", ["-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
+                            "--port", str(self.port), "--lifespan", "off", "--no-access-log"])
+        self._start("celery", ["-m", "celery", "-A", "controlplane", "worker", "--beat", "-l", "INFO", "-c", "2",
+                               "--without-gossip", "--without-mingle"])
+        wait_until(self._answers, timeout=60, what="the control plane's /healthz", fleet=self)
+
+    def _answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start_daemon(self, label: str) -> Process:
+        name = f"it-{uuid.uuid4().hex[:8]}-{label}"
+        low = self._next_port
+        self._next_port += 20
+        return self._start(name, [
+            "-m", "gpuworker", "daemon", "--control-url", self.url, "--name", name, "--device", "cpu",
+            "--advertise-host", "127.0.0.1", "--port-range", f"{low}-{low + 19}",
+            "--state-dir", str(self.tmp_path / name), "--drain-timeout", "10",
+        ])
+
+    def kill(self, process: Process) -> None:
+        """SIGKILL, as a crash would: the daemon gets no chance to drain or say goodbye."""
+        os.kill(process.popen.pid, signal.SIGKILL)
+        process.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        # Daemons first (they drain their replicas), then Celery and the web server.
+        for process in sorted(self.processes, key=lambda p: p.name in ("web", "celery")):
+            popen = process.popen
+            replicas = _children_of(popen.pid) if popen.poll() is None else []
+            if popen.poll() is None:
+                popen.send_signal(signal.SIGTERM)
+                try:
+                    popen.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(popen.pid, signal.SIGKILL)  # whatever it forked (Celery's pool)
+            except ProcessLookupError:
+                pass
+            popen.wait()
+            for pid in replicas:  # replica servers run in sessions of their own
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def logs(self, tail: int = 4000) -> str:
+        parts = []
+        for process in self.processes:
+            text = process.log_path.read_text(errors="replace") if process.log_path.exists() else ""
+            parts.append(f"----- {process.name} (exit {process.popen.poll()}) -----\n{text[-tail:]}")
+        for log in self.tmp_path.glob("*/replicas/*.log"):
+            parts.append(f"----- {log.name} -----\n{log.read_text(errors='replace')[-tail:]}")
+        return "\n".join(parts)
+
+
+@pytest.fixture
+def fleet(transactional_db, require_postgres, redis_url, tmp_path):
+    fleet = Fleet(tmp_path, redis_url)
+    try:
+        fleet.start_control_plane()
+        yield fleet
+    finally:
+        fleet.stop()
+        # The subprocesses' connections are gone; ours is closed so the database can be flushed.
+        connection.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> Path:
+    from gpuworker.demo_model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("models") / "tiny", max_position_embeddings=512)
