@@ -1,9 +1,16 @@
 from django.urls import path
 
 from controlplane.dashboard import views
+from controlplane.dashboard.ops.urls import urlpatterns as ops_urlpatterns
+from controlplane.dashboard.reports.urls import urlpatterns as reports_urlpatterns
+from controlplane.dashboard.tenant.urls import urlpatterns as tenant_urlpatterns
 
 app_name = "dashboard"
 
+# One namespace, "dashboard"; each area keeps its own patterns (ops/, tenant/, reports/).
 urlpatterns = [
     path("", views.home, name="home"),
+    *ops_urlpatterns,
+    *tenant_urlpatterns,
+    *reports_urlpatterns,
 ]

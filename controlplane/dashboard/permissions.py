@@ -1,0 +1,52 @@
+"""Who may open which dashboard page.
+
+Operators run the fleet and the catalog; admins may do everything operators do and also read the
+reports; tenant members see their own tenant's keys, usage and playground, and nothing else. A page
+of the wrong role answers 403; an object of another tenant answers 404 (its existence is not
+revealed), which is what `tenant_of` plus a tenant-filtered query gives.
+"""
+
+from collections.abc import Callable
+from functools import wraps
+
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest
+
+from controlplane.accounts.models import Tenant, User
+
+OPERATOR_ROLES = (User.Role.OPERATOR, User.Role.ADMIN)
+ADMIN_ROLES = (User.Role.ADMIN,)
+TENANT_ROLES = (User.Role.TENANT_MEMBER,)
+
+
+def has_role(user, roles) -> bool:
+    return bool(user.is_authenticated and user.is_active and user.role in roles)
+
+
+def role_required(*roles: str) -> Callable:
+    """Login required, then 403 unless the user has one of `roles`."""
+
+    def decorate(view: Callable) -> Callable:
+        @wraps(view)
+        def wrapped(request: HttpRequest, *args, **kwargs):
+            if not has_role(request.user, roles):
+                raise PermissionDenied("This page is not available to your role.")
+            return view(request, *args, **kwargs)
+
+        return login_required(wrapped)
+
+    return decorate
+
+
+operator_required = role_required(*OPERATOR_ROLES)
+admin_required = role_required(*ADMIN_ROLES)
+tenant_required = role_required(*TENANT_ROLES)
+
+
+def tenant_of(request: HttpRequest) -> Tenant:
+    """The tenant whose data a tenant member's page shows: always the user's own."""
+    tenant = request.user.tenant
+    if tenant is None:
+        raise PermissionDenied("Your account belongs to no tenant.")
+    return tenant
