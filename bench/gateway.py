@@ -12,7 +12,7 @@ Throughput: `--concurrency` clients for `--seconds`. The load generator is a min
 HTTP/1.1 client on uvloop, and it shares the machine's cores with the gateway and the stub.
 
 Needs PostgreSQL and Redis: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/gpuserve_bench,
-created and migrated if missing) and REDIS_URL (default redis://127.0.0.1:6379/14, flushed).
+created and migrated if missing) and REDIS_URL (default redis://127.0.0.1:6379/9, flushed).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def main() -> None:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/gpuserve_bench")
-    os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/14")
+    os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/9")
     os.environ.setdefault("GPUSERVE_WORKER_TOKEN", TOKEN)
     sys.path.insert(0, str(REPO))
     import redis
@@ -223,7 +223,7 @@ def main() -> None:
              "--no-access-log", "--loop", "uvloop", "--http", "httptools"], cwd=REPO, env=env))
         _wait_http(stub_port, "/")
         _wait_http(gateway_port, "/v1/models")
-        results = uvloop.run(_measure(args, stub_port, gateway_port, api_key))
+        results = uvloop.run(_measure(args, stub_port, gateway_port, api_key, children[1].pid))
     finally:
         for child in children:
             child.send_signal(signal.SIGTERM)
@@ -232,7 +232,21 @@ def main() -> None:
     _report(args, results, load_average)
 
 
-async def _measure(args, stub_port: int, gateway_port: int, api_key: str) -> dict:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the gateway (uvicorn and any worker processes it forked)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        times = p.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+async def _measure(args, stub_port: int, gateway_port: int, api_key: str, gateway_pid: int) -> dict:
+    """Latency runs also record the gateway's CPU time per request: unlike latency on a shared
+    2-core machine, it hardly moves with what else the machine is doing."""
     results = {}
     for stream in (False, True):
         kind = "streaming" if stream else "non-streaming"
@@ -241,7 +255,9 @@ async def _measure(args, stub_port: int, gateway_port: int, api_key: str) -> dic
         runs = []
         for _ in range(args.repeats):
             direct = await load(stub_port, api_key, stream=stream, concurrency=1, count=args.latency_requests)
+            cpu_before = _cpu_seconds(gateway_pid)
             through = await load(gateway_port, api_key, stream=stream, concurrency=1, count=args.latency_requests)
+            through["cpu_ms_per_request"] = 1000 * (_cpu_seconds(gateway_pid) - cpu_before) / (args.latency_requests + 50)
             runs.append({"direct": direct, "gateway": through,
                          "added_p50_ms": through["p50_ms"] - direct["p50_ms"],
                          "added_p99_ms": through["p99_ms"] - direct["p99_ms"]})
@@ -259,11 +275,12 @@ def _report(args, results: dict, load_average) -> None:
     print(f"\n== gateway overhead ({args.processes} gateway process(es), {os.cpu_count()} cores, "
           f"load generator and stub on the same machine) ==")
     print(f"{'':16}{'added p50':>11}{'added p99':>11}{'direct p50':>12}{'gateway p50':>13}"
-          f"{'req/s @' + str(args.concurrency):>11}{'loaded p50':>12}{'loaded p99':>12}")
+          f"{'req/s @' + str(args.concurrency):>11}{'loaded p50':>12}{'loaded p99':>12}{'CPU/req':>10}")
     for kind, r in results.items():
         print(f"{kind:16}{r['added_p50_ms']:>9.2f}ms{r['added_p99_ms']:>9.2f}ms{r['direct']['p50_ms']:>10.2f}ms"
               f"{r['gateway']['p50_ms']:>11.2f}ms{r['gateway_loaded']['requests_per_s']:>11.0f}"
-              f"{r['gateway_loaded']['p50_ms']:>10.2f}ms{r['gateway_loaded']['p99_ms']:>10.2f}ms")
+              f"{r['gateway_loaded']['p50_ms']:>10.2f}ms{r['gateway_loaded']['p99_ms']:>10.2f}ms"
+              f"{r['gateway']['cpu_ms_per_request']:>8.2f}ms")
     write_json("gateway", {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
         "cores": os.cpu_count(), "load_average_before": load_average, "processes": args.processes,

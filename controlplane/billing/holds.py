@@ -87,8 +87,15 @@ def _place_one_conditionally(request: HoldRequest, at: datetime, expires_at: dat
     allowance left, no account yet, SQLite): then the locked path decides."""
     if connection.vendor != "postgresql" or request.price_per_request is None:
         return None
+    sql, params = conditional_hold_statement(request, at, expires_at)
+    return conditional_hold_result(request, rows(sql, params), at, expires_at)
+
+
+def conditional_hold_statement(request: HoldRequest, at: datetime, expires_at: datetime) -> tuple[str, dict]:
+    """`_place_one_conditionally`'s statement (PostgreSQL) and its parameters, for callers that
+    run it on their own connection (the gateway's asynchronous fast path)."""
     amount = request.price_per_request * request.num_requests
-    row = rows(f"""
+    return f"""
         WITH account AS (
             UPDATE {_ACCOUNT} a SET held = a.held + %(amount)s
             FROM {_TENANT} t LEFT JOIN {_PLAN} p ON p.id = t.plan_id
@@ -101,12 +108,24 @@ def _place_one_conditionally(request: HoldRequest, at: datetime, expires_at: dat
         FROM account RETURNING id""", {
         "amount": amount, "tenant": request.tenant_id, "month": month_start(at), "request_id": request.request_id,
         "api_key": request.api_key_id, "model": request.model_id, "n": request.num_requests, "at": at,
-        "expires": expires_at})
-    if not row:
+        "expires": expires_at}
+
+
+def conditional_hold_result(request: HoldRequest, result: list[tuple], at: datetime,
+                            expires_at: datetime) -> CreditHold | None:
+    if not result:
         return None
-    return CreditHold(pk=row[0][0], request_id=request.request_id, tenant_id=request.tenant_id,
+    return CreditHold(pk=result[0][0], request_id=request.request_id, tenant_id=request.tenant_id,
                       api_key_id=request.api_key_id, model_id=request.model_id, num_requests=request.num_requests,
-                      included_requests=0, amount=amount, created_at=at, expires_at=expires_at)
+                      included_requests=0, amount=request.price_per_request * request.num_requests,
+                      created_at=at, expires_at=expires_at)
+
+
+def credit_holds_place_locked(
+    *, requests: Sequence[HoldRequest], at: datetime, expires_at: datetime
+) -> list[CreditHold | None]:
+    """`credit_holds_place` without its one-statement attempt: for callers that made it already."""
+    return _place_locked(requests, at, expires_at)
 
 
 @transaction.atomic

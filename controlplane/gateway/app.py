@@ -11,7 +11,6 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from datetime import timedelta
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -19,11 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from controlplane.billing.holds import credit_holds_place, credit_holds_settle
+from controlplane.billing.holds import credit_holds_settle
 from controlplane.gateway import completions
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import Batcher, DatabaseLane
 from controlplane.gateway.errors import GatewayError, model_not_found
+from controlplane.gateway.holding import HoldPlacer
 from controlplane.gateway.keys import KeyCache
 from controlplane.gateway.metering import sweep_expired_holds
 from controlplane.gateway.routing import RoutingTable
@@ -45,9 +45,7 @@ class Gateway:
         self.keys = KeyCache(config, self.admit_lane)
         self.routing = RoutingTable(config, self.admit_lane)
         self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
-        self.holds = Batcher(self.admit_lane, lambda requests: credit_holds_place(
-            requests=requests, at=timezone.now(),
-            expires_at=timezone.now() + timedelta(seconds=config.hold_lifetime_s)))
+        self.holds = HoldPlacer(self.admit_lane, config.hold_lifetime_s)
         # Not durable: the hold and the first-token mark already make a served request's charge
         # survive a crash (see credit_holds_settle), and the commit stays off the disk's latency.
         self.settles = Batcher(self.settle_lane, lambda outcomes: credit_holds_settle(
@@ -73,6 +71,7 @@ class Gateway:
         if self._spawned:  # settlements still being written
             await asyncio.wait(self._spawned, timeout=30)
         self.upstream.close()
+        await self.holds.aclose()
         await self.shared.aclose()
         self.admit_lane.close()
         self.settle_lane.close()

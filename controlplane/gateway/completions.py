@@ -197,7 +197,7 @@ async def _complete(gw: "Gateway", flight: Flight, replicas, first: ReplicaRoute
             return Response(data, status_code=response.status, headers=headers, media_type="application/json")
         payload = json.loads(data)
         usage = payload.get("usage") or {}
-        await flight.release(served=True)
+        await flight.release_served()
         flight.settle_soon(COMPLETED, dict(usage))
         usage["cost"] = float(flight.cost)
         payload["usage"], payload["model"] = usage, flight.model.public_name

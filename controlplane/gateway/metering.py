@@ -57,10 +57,16 @@ class Flight:
         self.amount = hold.amount
 
     async def first_token(self) -> None:
-        """The first token is about to reach the client: from here on the request is billable."""
-        at = time.monotonic()
-        await self.gw.shared.mark_started(self.request_id)
-        self.first_token_at = at
+        """The first token is about to reach the client: from here on the request is billable.
+
+        The mark goes to Redis before the token goes out, but its reply is not waited for: the
+        round trip stays off the time to first token. The command is on the wire when this
+        returns (one turn of the loop), so a crash after the client has its token still leaves the
+        sweeper a mark to bill by; a mark that fails is logged, and the settlement, written
+        after the answer as always, does not depend on it."""
+        self.first_token_at = time.monotonic()
+        self.gw.spawn(self.gw.shared.mark_started(self.request_id))
+        await asyncio.sleep(0)
 
     async def release(self, *, served: bool = False) -> None:
         """Free the request's slots; `served`: its whole answer is about to go out, so it is
@@ -77,6 +83,15 @@ class Flight:
             if served:
                 raise  # without the mark a crash before settling would lose the charge
             logger.warning("could not clear request %s from the in-flight sets", self.request_id, exc_info=True)
+
+    async def release_served(self) -> None:
+        """The whole answer is about to go out: free the slots and mark the request billable in
+        one script call that is sent before the answer but not waited for (see `first_token`)."""
+        if not self.released:
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            self.gw.spawn(self.release(served=True))
+            await asyncio.sleep(0)
 
     def release_soon(self) -> None:
         if not self.released:
