@@ -51,7 +51,9 @@ def process_specs(*, host: str, port: int, var_dir: Path = BASE_DIR / "var") -> 
         # Beat sends a lost-worker check every second: at INFO it would log each one.
         ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "WARNING")),
         ProcessSpec("gpuworker", module("gpuworker", "daemon", "--control-url", f"http://127.0.0.1:{port}", "--name", "local",
-                                        "--state-dir", str(var_dir / "gpuworker" / "local"), "--drain-timeout", "5"),
+                                        "--state-dir", str(var_dir / "gpuworker" / "local"), "--drain-timeout", "5",
+                                        # reported to the catalog, which checks weight paths against it
+                                        "--model-root", str(var_dir / "models")),
                     # CPU replicas share the host with the web server and Celery: PyTorch's default
                     # of one thread per core oversubscribes it (measured ~20x slower on 2 cores).
                     env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))}),

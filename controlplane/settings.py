@@ -45,6 +45,7 @@ INSTALLED_APPS = [
     "controlplane.billing",
     "controlplane.gateway",
     "controlplane.dashboard",
+    "controlplane.audit",
 ]
 
 MIDDLEWARE = [

@@ -3,6 +3,7 @@
     python -m gpuworker serve --model PATH --port 8100 [--device cpu|cuda] [--dtype auto]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
                                [--device auto|cpu|cuda] [--port-range 8100-8199] [--log-level info]
+                               [--model-root DIR ...]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
+MODEL_ROOTS_ENV = "GPUSERVE_MODEL_ROOTS"
 
 
 def _token_default() -> str | None:
@@ -67,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where replica logs go (default: var/gpuworker/NAME)")
     daemon.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish when the daemon is stopped")
+    daemon.add_argument("--model-root", dest="model_roots", type=Path, action="append",
+                        default=None,
+                        help="a directory holding model checkpoints, reported to the control plane so the "
+                             f"catalog can check weight paths (repeatable; default: ${MODEL_ROOTS_ENV}, "
+                             "separated by ':')")
     daemon.add_argument("--log-level", default="info")
     return parser
 
@@ -90,6 +97,13 @@ def serve(args: argparse.Namespace) -> None:
     run_server(config, host=args.host, port=args.port, log_level=args.log_level)
 
 
+def _model_roots(given: list[Path] | None) -> tuple[Path, ...]:
+    # The environment is the default only: argparse would append --model-root to a list default.
+    if given:
+        return tuple(given)
+    return tuple(Path(p) for p in os.environ.get(MODEL_ROOTS_ENV, "").split(os.pathsep) if p)
+
+
 def daemon(args: argparse.Namespace) -> int:
     from gpuworker.agent import Agent, AgentConfig
 
@@ -101,7 +115,7 @@ def daemon(args: argparse.Namespace) -> int:
     config = AgentConfig(control_url=args.control_url.rstrip("/"), token=args.token, name=args.name,
                          advertise_host=args.advertise_host, device=args.device, port_range=args.port_range,
                          state_dir=args.state_dir or Path("var") / "gpuworker" / args.name,
-                         drain_timeout_s=args.drain_timeout)
+                         drain_timeout_s=args.drain_timeout, model_roots=_model_roots(args.model_roots))
     return Agent(config).run()
 
 

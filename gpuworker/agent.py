@@ -1,7 +1,7 @@
 """The GPU worker daemon: registers the host with the control plane, heartbeats about every second,
 and consumes its own Celery queue of load/unload/drain commands, which the replica supervisor runs.
 
-    python -m gpuworker daemon --control-url http://cp:8000 --token TOKEN --name host-a
+    python -m gpuworker daemon --control-url http://cp:8000 --token TOKEN --name host-a [--model-root /models]
 
 SIGTERM or SIGINT drains every replica (bounded by --drain-timeout), stops the children, exits 0.
 """
@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from gpuworker.hardware import HardwareError, HardwareProbe
+from gpuworker.model_paths import ModelScan, scan_model_roots
 from gpuworker.supervisor import LoadRequest, Supervisor
 from gpuworker.tasks import CeleryConsumer, build_celery_app, register_tasks
 
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 REGISTER_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 FAILURE_LOG_EVERY_S = 30.0  # repeated heartbeat failures are logged this often, not every second
+MODEL_SCAN_EVERY_S = 10.0  # how soon a checkpoint copied under a model root is reported
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class AgentConfig:
     port_range: tuple[int, int]
     state_dir: Path
     drain_timeout_s: float = 30.0
+    # Directories searched for checkpoints, which registration and heartbeats report; none: no report.
+    model_roots: tuple[Path, ...] = ()
 
 
 class NotRegistered(Exception):
@@ -95,6 +99,9 @@ class Agent:
         self._failing_since: float | None = None
         self._last_failure_log = 0.0
         self._control = ControlPlane(config.control_url, config.token)
+        self._model_scan: ModelScan | None = None
+        self._model_scan_at = 0.0
+        self._model_scan_acknowledged: ModelScan | None = None
 
     # -- TaskHandler: what the Celery tasks ask for -----------------------------------------------
 
@@ -161,7 +168,12 @@ class Agent:
         return consumer
 
     def _register(self) -> dict[str, Any]:
-        registration = self._control.register(self._registration_payload)
+        payload = dict(self._registration_payload)
+        scan = self._scan_models()
+        if scan is not None:
+            payload["models"] = scan.to_payload()
+        registration = self._control.register(payload)
+        self._model_scan_acknowledged = scan
         self._worker_id = registration["worker_id"]
         self._interval_s = min(60.0, max(0.2, float(registration.get("heartbeat_interval_s", 1.0))))
         return registration
@@ -178,9 +190,24 @@ class Agent:
             if self._stop.wait(delay):
                 return None
 
-    def _heartbeat_payload(self) -> dict[str, Any]:
-        return {"sent_at": datetime.now(timezone.utc).isoformat(), "draining": self.draining,
-                **self.probe.sample(), "replicas": self.supervisor.snapshot()}
+    def _scan_models(self, *, force: bool = True) -> ModelScan | None:
+        """The checkpoints under the model roots, scanned again when due (None without roots)."""
+        if not self.config.model_roots:
+            return None
+        now = time.monotonic()
+        if force or self._model_scan is None or now - self._model_scan_at >= MODEL_SCAN_EVERY_S:
+            self._model_scan, self._model_scan_at = scan_model_roots(self.config.model_roots), now
+        return self._model_scan
+
+    def _heartbeat_payload(self) -> tuple[dict[str, Any], ModelScan | None]:
+        payload = {"sent_at": datetime.now(timezone.utc).isoformat(), "draining": self.draining,
+                   **self.probe.sample(), "replicas": self.supervisor.snapshot()}
+        # The checkpoint list goes only when it changed since the control plane last took it.
+        scan = self._scan_models(force=False)
+        if scan is not None and scan != self._model_scan_acknowledged:
+            payload["models"] = scan.to_payload()
+            return payload, scan
+        return payload, None
 
     def _heartbeat_loop(self) -> None:
         while True:
@@ -192,7 +219,11 @@ class Agent:
 
     def _beat(self) -> None:
         try:
-            self._apply(self._control.heartbeat(self._worker_id, self._heartbeat_payload()))
+            payload, scan_sent = self._heartbeat_payload()
+            answer = self._control.heartbeat(self._worker_id, payload)
+            if scan_sent is not None:
+                self._model_scan_acknowledged = scan_sent
+            self._apply(answer)
             self._failing_since = None
         except NotRegistered:
             logger.warning("the control plane does not know worker id %s; registering again", self._worker_id)

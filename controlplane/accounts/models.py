@@ -49,7 +49,14 @@ class User(AbstractUser):
 
 
 class ApiKey(models.Model):
+    class Purpose(models.TextChoices):
+        API = "api", "API"
+        # Minted by the dashboard for one playground session: short-lived, revoked when the
+        # session ends, never listed to the tenant. Its requests go through the gateway like any.
+        PLAYGROUND = "playground", "Playground session"
+
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="api_keys")
+    purpose = models.CharField(max_length=20, choices=Purpose.choices, default=Purpose.API)
     name = models.CharField(max_length=100)
     # What the owner sees in lists ("sk-AbCdEfGh"); the key itself exists only in the creation result.
     prefix = models.CharField(max_length=16, editable=False)

@@ -48,7 +48,8 @@ def api_key_allowed_model_ids(*, api_key: ApiKey) -> frozenset[int] | None:
 
 
 def api_keys_for_tenant(*, tenant: Tenant) -> QuerySet[ApiKey]:
-    return ApiKey.objects.filter(tenant=tenant).prefetch_related("allowed_models")
+    """The tenant's own API keys; playground session keys are the dashboard's, not listed."""
+    return ApiKey.objects.filter(tenant=tenant, purpose=ApiKey.Purpose.API).prefetch_related("allowed_models")
 
 
 def tenant_get_by_name(*, name: str) -> Tenant | None:

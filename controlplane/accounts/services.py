@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -11,6 +12,7 @@ from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Q
+from django.utils import timezone
 
 from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
 from controlplane.accounts.models import ApiKey, Tenant, User
@@ -23,6 +25,8 @@ logger = logging.getLogger(__name__)
 API_KEY_CHANGES_CHANNEL = "gpuserve:api-key-changes"
 # `last_used_at` is a "recently used" hint, not an audit log: one write a minute per key at most.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
+# A playground session renews its key before this runs out; an abandoned one just expires.
+PLAYGROUND_KEY_LIFETIME = timedelta(hours=1)
 
 
 @dataclass(frozen=True)
@@ -75,18 +79,27 @@ def api_key_create(
     allowed_model_names: Sequence[str] = (),
     expires_at: datetime | None = None,
     rate_limit_per_minute: int | None = None,
+    max_concurrent_requests: int | None = None,
     created_by: User | None = None,
+    purpose: str = ApiKey.Purpose.API,
 ) -> ApiKeyCreated:
     allowed_models = _allowed_models(all_models=all_models, names=allowed_model_names)
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationError({"expires_at": "The expiry must be in the future."})
+    if ApiKey.objects.filter(tenant=tenant, name=name).exists():
+        # Checked here (the constraint below still guards races) so the error names the field.
+        raise ValidationError({"name": "This tenant already has a key with this name."})
     plaintext = generate_api_key()
     api_key = ApiKey(
         tenant=tenant,
         name=name,
+        purpose=purpose,
         prefix=visible_prefix(plaintext),
         key_hash=hash_api_key(plaintext),
         all_models=all_models,
         expires_at=expires_at,
         rate_limit_per_minute=rate_limit_per_minute,
+        max_concurrent_requests=max_concurrent_requests,
         created_by=created_by,
     )
     api_key.full_clean()
@@ -102,6 +115,21 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     key_hash = api_key.key_hash
     transaction.on_commit(lambda: _publish_api_key_change(key_hash))
     return api_key
+
+
+def playground_key_create(*, user: User, lifetime: timedelta = PLAYGROUND_KEY_LIFETIME) -> ApiKeyCreated:
+    """A short-lived key for one dashboard playground session of `user`'s tenant.
+
+    The playground calls the same /v1 gateway as API clients, so it needs a key like theirs:
+    the tenant's limits and credit apply and its requests are billed alike. The key is hidden
+    from the tenant's key list, expires on its own, and the session revokes it when it ends.
+    """
+    if user.tenant_id is None:
+        raise ValidationError("Only members of a tenant can use the playground.")
+    return api_key_create(
+        tenant=user.tenant, name=f"playground {user.username[:60]} {secrets.token_hex(6)}",
+        expires_at=timezone.now() + lifetime, created_by=user, purpose=ApiKey.Purpose.PLAYGROUND,
+    )
 
 
 @transaction.atomic

@@ -45,6 +45,11 @@ class Worker(models.Model):
     cpu_memory_total_bytes = models.PositiveBigIntegerField(default=0)
     cpu_cores = models.PositiveIntegerField(default=0)
     version = models.CharField(max_length=50, blank=True)
+    # Where the daemon looks for checkpoints (--model-root) and the checkpoint directories it found
+    # there, as last reported: the catalog checks a model's weight path against them. A worker
+    # with no roots reports nothing, and its paths are simply not checked.
+    model_roots = models.JSONField(default=list, blank=True)
+    model_paths = models.JSONField(default=list, blank=True)
     state = models.CharField(max_length=20, choices=State.choices, default=State.ONLINE)
     # Written on registration and state changes only; the latest heartbeat lives in the live cache.
     state_changed_at = models.DateTimeField(default=timezone.now)

@@ -18,6 +18,13 @@ class GpuSpec:
 
 
 @dataclass(frozen=True)
+class ModelPaths:
+    """The directories a daemon searches for checkpoints and the checkpoint directories it found."""
+    roots: tuple[str, ...]
+    paths: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class WorkerRegistration:
     name: str
     advertise_host: str
@@ -26,6 +33,8 @@ class WorkerRegistration:
     cpu_memory_total_bytes: int
     cpu_cores: int
     version: str = ""
+    # None: a daemon that does not report model paths (older, or started without --model-root).
+    models: ModelPaths | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,8 @@ class Heartbeat:
     gpus: tuple[dict[str, float], ...]
     cpu: dict[str, float]
     replicas: tuple[ReplicaReport, ...]
+    # Sent only when the daemon's scan changed since the control plane last took it.
+    models: ModelPaths | None = None
 
 
 _GPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
@@ -90,6 +101,28 @@ def _figures(raw: dict, names: tuple[str, ...], where: str) -> dict[str, float]:
     return figures
 
 
+MAX_MODEL_ROOTS = 32
+MAX_MODEL_PATHS = 2000
+
+
+def _paths(value: Any, where: str, *, limit: int) -> tuple[str, ...]:
+    items = _list(value, where)
+    if len(items) > limit:
+        raise ValidationError({where: f"At most {limit} entries."})
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or not item.startswith("/") or len(item) > 500:
+            raise ValidationError({f"{where}[{i}]": "Must be an absolute path of at most 500 characters."})
+    return tuple(items)
+
+
+def _model_paths(value: Any) -> ModelPaths | None:
+    if value is None:
+        return None
+    raw = _object(value, "models")
+    return ModelPaths(roots=_paths(raw.get("roots", []), "models.roots", limit=MAX_MODEL_ROOTS),
+                      paths=_paths(raw.get("paths", []), "models.paths", limit=MAX_MODEL_PATHS))
+
+
 def parse_registration(data: Any) -> WorkerRegistration:
     data = _object(data, "body")
     device = data.get("device")
@@ -116,6 +149,7 @@ def parse_registration(data: Any) -> WorkerRegistration:
         cpu_memory_total_bytes=_int(cpu.get("memory_total_bytes", 0), "cpu.memory_total_bytes"),
         cpu_cores=_int(cpu.get("cores", 0), "cpu.cores"),
         version=_text(data.get("version", ""), "version", max_length=50, required=False),
+        models=_model_paths(data.get("models")),
     )
 
 
@@ -137,6 +171,7 @@ def parse_heartbeat(data: Any) -> Heartbeat:
     return Heartbeat(
         sent_at=_text(data.get("sent_at", ""), "sent_at", max_length=64, required=False),
         draining=draining, gpus=tuple(gpus), cpu=cpu, replicas=tuple(replicas),
+        models=_model_paths(data.get("models")),
     )
 
 

@@ -1,11 +1,12 @@
 """Reads for the fleet: ready replicas, free capacity for placement, each worker's live state, and
 each deployment's status and last error for the operators' pages."""
 
+import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db.models import Count, Q, QuerySet, Sum
+from django.db.models import Count, Prefetch, Q, QuerySet, Sum
 
 from controlplane.catalog.models import Deployment
 from controlplane.fleet import live_state
@@ -110,3 +111,70 @@ def _status(deployment) -> DeploymentStatus:
         deployment_id=deployment.pk, model_name=model.public_name, desired_replicas=desired,
         ready=ready, starting=starting, draining=draining, state=state, last_error=last_error, message=message,
     )
+
+
+@dataclass(frozen=True)
+class WeightsPathReport:
+    worker_name: str
+    # found; missing (under a root the worker searches, but no checkpoint there); unwatched (outside
+    # every root it searches); unreported (the worker reports no model roots at all).
+    status: str
+    message: str
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def weights_path_reports(*, weights_path: str, workers: Iterable[Worker]) -> list[WeightsPathReport]:
+    """What each worker's last report says about a checkpoint directory. Only a worker that
+    searches the directory's root can say it is missing; the others cannot tell either way."""
+    path = posixpath.normpath(weights_path.strip()) if weights_path.strip() else ""
+    reports = []
+    for worker in workers:
+        roots = [posixpath.normpath(root) for root in worker.model_roots]
+        found = {posixpath.normpath(p) for p in worker.model_paths}
+        if not roots:
+            reports.append(WeightsPathReport(worker.name, "unreported",
+                                             f"{worker.name} reports no model roots (start its daemon with "
+                                             f"--model-root DIR to have paths checked)."))
+        elif path in found:
+            reports.append(WeightsPathReport(worker.name, "found", f"{worker.name} has a checkpoint at {path}."))
+        elif any(_under(path, root) for root in roots):
+            reports.append(WeightsPathReport(worker.name, "missing",
+                                             f"{worker.name} has no checkpoint (a directory with config.json) at "
+                                             f"{path}; it found {len(found)} under {', '.join(roots)}."))
+        else:
+            reports.append(WeightsPathReport(worker.name, "unwatched",
+                                             f"{worker.name} searches only {', '.join(roots)}, so it cannot "
+                                             f"confirm {path}."))
+    return reports
+
+
+def workers_for_path_check() -> QuerySet[Worker]:
+    """Workers a weight path can be checked on: those not gone (online, draining or lost)."""
+    return Worker.objects.exclude(state=Worker.State.OFFLINE)
+
+
+def workers_with_live_replicas(*, worker_ids: Iterable[int] | None = None) -> list[Worker]:
+    """Workers (all, or these) with `present_gpus` and `live_replicas` (oldest first) attached,
+    for the operators' fleet page."""
+    workers = Worker.objects.prefetch_related(
+        Prefetch("gpus", queryset=Gpu.objects.filter(present=True).order_by("index"), to_attr="present_gpus"),
+        Prefetch("replicas", to_attr="live_replicas", queryset=Replica.objects.filter(state__in=Replica.LIVE_STATES)
+                 .select_related("deployment__model").order_by("created_at", "pk")),
+    )
+    if worker_ids is not None:
+        workers = workers.filter(pk__in=list(worker_ids))
+    return list(workers)
+
+
+def deployments_with_live_replicas(*, deployment_ids: Iterable[int] | None = None) -> list[Deployment]:
+    """Deployments with their model and `live_replicas` (with worker and GPU) attached."""
+    deployments = Deployment.objects.select_related("model").prefetch_related(
+        Prefetch("replicas", to_attr="live_replicas", queryset=Replica.objects.filter(state__in=Replica.LIVE_STATES)
+                 .select_related("worker", "gpu").order_by("created_at", "pk")),
+    )
+    if deployment_ids is not None:
+        deployments = deployments.filter(pk__in=list(deployment_ids))
+    return list(deployments)

@@ -10,6 +10,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from controlplane import live
+from controlplane.audit.models import AuditEntry
+from controlplane.audit.services import audit_record
 from controlplane.catalog.models import Deployment
 from controlplane.fleet import commands, live_state
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
@@ -40,6 +42,8 @@ def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worke
     worker.cpu_memory_total_bytes = registration.cpu_memory_total_bytes
     worker.cpu_cores = registration.cpu_cores
     worker.version = registration.version
+    worker.model_roots = list(registration.models.roots) if registration.models else []
+    worker.model_paths = list(registration.models.paths) if registration.models else []
     worker.state = Worker.State.ONLINE
     worker.state_changed_at = now
     worker.full_clean()
@@ -76,6 +80,9 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
     State = Worker.State
     if worker.state in (State.LOST, State.OFFLINE) or (worker.state == State.ONLINE and heartbeat.draining):
         _worker_set_state(worker=worker, to_state=State.DRAINING if heartbeat.draining else State.ONLINE, now=now)
+    if heartbeat.models is not None:
+        Worker.objects.filter(pk=worker_id).update(
+            model_roots=list(heartbeat.models.roots), model_paths=list(heartbeat.models.paths))
     plan = plan_heartbeat(recorded=_recorded_replicas(worker_id, heartbeat), reported=list(heartbeat.replicas))
     if plan.steps:
         plan = _apply_heartbeat(worker_id=worker_id, heartbeat=heartbeat, now=now)
@@ -178,11 +185,15 @@ def _transition(replica: Replica, *, to_state: str, at: datetime, endpoint_url: 
         replica.last_error, replica.failure = error, failure
     replica.full_clean()
     replica.save()
+    _publish_replica(replica)
+    return replica
+
+
+def _publish_replica(replica: Replica) -> None:
     live.publish(group=live.FLEET_GROUP, event="replica.state", data={
         "replica_id": replica.pk, "deployment_id": replica.deployment_id, "worker_id": replica.worker_id,
         "state": replica.state, "endpoint_url": replica.endpoint_url, "error": replica.last_error,
     })
-    return replica
 
 
 @transaction.atomic
@@ -202,6 +213,7 @@ def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
     replica = Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING)
     replica.full_clean()
     replica.save()
+    _publish_replica(replica)  # the fleet page shows the new replica at once, before it loads
     model = deployment.model
     total = gpu.memory_total_bytes if gpu is not None else worker.cpu_memory_total_bytes
     commands.send_load_model(
@@ -223,7 +235,7 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
     return replica
 
 
-# --- Operators' actions. `actor` is the user acting, for the audit log of a later issue. -------
+# --- Operators' actions. `actor` is the user acting (None: the system); each lands in the audit log.
 
 def _lock_deployment(deployment: Deployment) -> Deployment:
     return Deployment.objects.select_for_update().select_related("model").get(pk=deployment.pk)
@@ -254,7 +266,13 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
     # One more wanted, so reconcile keeps this replica instead of draining it as surplus.
     deployment.desired_replicas += 1
     deployment.save(update_fields=["desired_replicas", "updated_at"])
-    return replica_place(deployment=deployment, worker=worker, gpu=gpu)
+    replica = replica_place(deployment=deployment, worker=worker, gpu=gpu)
+    audit_record(actor=actor, action=AuditEntry.Action.REPLICA_LOAD, target=replica,
+                 target_label=f"{model.public_name} replica {replica.pk} on {worker.name}", detail={
+        "model": model.public_name, "worker": worker.name, "gpu_index": gpu.index if gpu is not None else None,
+        "desired_replicas": [deployment.desired_replicas - 1, deployment.desired_replicas],
+    })
+    return replica
 
 
 @transaction.atomic
@@ -270,7 +288,14 @@ def replica_unload(*, replica: Replica, actor=None) -> Replica:
                                           f"{deployment.min_replicas} replicas (min_replicas); lower it first."})
     deployment.desired_replicas -= 1
     deployment.save(update_fields=["desired_replicas", "updated_at"])
-    return replica_stop(replica=replica, at=timezone.now())
+    was = replica.state
+    replica = replica_stop(replica=replica, at=timezone.now())
+    audit_record(actor=actor, action=AuditEntry.Action.REPLICA_UNLOAD, target=replica,
+                 target_label=f"{deployment.model.public_name} replica {replica.pk} on {replica.worker.name}", detail={
+        "model": deployment.model.public_name, "worker": replica.worker.name, "state": [was, replica.state],
+        "desired_replicas": [deployment.desired_replicas + 1, deployment.desired_replicas],
+    })
+    return replica
 
 
 @transaction.atomic
@@ -289,6 +314,9 @@ def worker_drain(*, worker: Worker, actor=None) -> Worker:
         to_state = Replica.State.STOPPED if replica.state == Replica.State.PENDING else Replica.State.DRAINING
         _transition(replica, to_state=to_state, at=now)
     commands.send_drain_worker(queue=worker.queue_name, timeout_s=float(settings.FLEET_WORKER_DRAIN_TIMEOUT_SECONDS))
+    audit_record(actor=actor, action=AuditEntry.Action.WORKER_DRAIN, target=worker, target_label=worker.name, detail={
+        "state": [Worker.State.ONLINE, worker.state], "replicas_moved": [r.pk for r in replicas],
+    })
     if replicas:
         commands.request_reconcile(deployment_ids=[r.deployment_id for r in replicas])
     return worker

@@ -1,3 +1,21 @@
 """URL patterns of the ops pages; included into the dashboard namespace by dashboard/urls.py."""
 
-urlpatterns: list = []
+from django.urls import path
+
+from controlplane.dashboard.ops import views
+
+urlpatterns: list = [
+    path("fleet/", views.fleet, name="fleet"),
+    path("fleet/deployments/<int:pk>/scale", views.deployment_scale_view, name="deployment_scale"),
+    path("fleet/deployments/<int:pk>/edit", views.deployment_edit_view, name="deployment_edit"),
+    path("fleet/replicas/load", views.replica_load_view, name="replica_load"),
+    path("fleet/replicas/<int:pk>/unload", views.replica_unload_view, name="replica_unload"),
+    path("fleet/workers/<int:pk>/drain", views.worker_drain_view, name="worker_drain"),
+    path("audit/", views.audit, name="audit"),
+    path("catalog/", views.catalog, name="catalog"),
+    path("catalog/add", views.catalog_add, name="catalog_add"),
+    path("catalog/<int:pk>/edit", views.catalog_edit, name="catalog_edit"),
+    path("catalog/<int:pk>/enabled", views.catalog_set_enabled, name="catalog_set_enabled"),
+    path("catalog/<int:pk>/deploy", views.catalog_deploy, name="catalog_deploy"),
+    path("catalog/path-check", views.catalog_path_check, name="catalog_path_check"),
+]

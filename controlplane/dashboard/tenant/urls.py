@@ -1,3 +1,12 @@
 """URL patterns of the tenant pages; included into the dashboard namespace by dashboard/urls.py."""
 
-urlpatterns: list = []
+from django.urls import path
+
+from controlplane.dashboard.tenant import views
+
+urlpatterns: list = [
+    path("keys/", views.keys, name="keys"),
+    path("keys/<int:key_id>/revoke/", views.key_revoke, name="key_revoke"),
+    path("usage/", views.usage, name="usage"),
+    path("playground/", views.playground, name="playground"),
+]

@@ -1,0 +1,137 @@
+"""Reads for usage pages and revenue reports: usage records summed in the database by tenant,
+model or day, with what the same traffic would have cost at the per-token reference price.
+
+Every figure comes from one aggregate query (`values(...).annotate(...)`); Python only fills the
+days without traffic so that charts have a point per day.
+
+The reference figure is each record's `reference_price`, which settlement computes from the
+tier's `reference_price_per_million_tokens` times the request's prompt plus completion tokens.
+Failed requests are free at the flat price, so they are left out of the reference too: both
+columns then price the same (served) traffic.
+"""
+
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+
+from django.db.models import Count, DecimalField, F, FloatField, IntegerField, Q, QuerySet, Sum, Value
+from django.db.models.functions import Coalesce, TruncDate
+
+from controlplane.billing.models import MONEY, UsageRecord
+from controlplane.billing.selectors import credit_available, credit_balance
+
+GROUPINGS = ("tenant", "model", "day")
+_FAILED = Q(status=UsageRecord.Status.FAILED)
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """The traffic of one group (a tenant, a model or a day) in a period."""
+
+    key: str  # the tenant's name, the model's public name, or the day as YYYY-MM-DD
+    requests: int
+    failed: int
+    revenue: Decimal  # charged at the flat per-request price (the plan's included requests are free)
+    reference: Decimal  # the same served requests at the per-token reference price
+    gpu_time_s: float
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def difference(self) -> Decimal:
+        """What per-token pricing would have brought in beyond (or, negative, below) the flat price."""
+        return self.reference - self.revenue
+
+
+@dataclass(frozen=True)
+class UsageSummary:
+    """A tenant's usage this month and its credit, for the usage page."""
+
+    since: datetime
+    totals: UsageRow
+    balance: Decimal
+    available: Decimal
+
+
+def period_bounds(start: date, end: date) -> tuple[datetime, datetime]:
+    """[start 00:00, the day after end 00:00) in UTC: both days are included."""
+    return (datetime.combine(start, time.min, tzinfo=UTC),
+            datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC))
+
+
+def month_start_of(moment: datetime) -> datetime:
+    """The start (UTC) of `moment`'s calendar month, when monthly allowances reset too."""
+    moment = moment.astimezone(UTC)
+    return datetime(moment.year, moment.month, 1, tzinfo=UTC)
+
+
+def _records(*, since: datetime, until: datetime, tenant=None) -> QuerySet[UsageRecord]:
+    records = UsageRecord.objects.filter(created_at__gte=since, created_at__lt=until)
+    return records if tenant is None else records.filter(tenant=tenant)
+
+
+def _money_sum(field: str, **options) -> Coalesce:
+    return Coalesce(Sum(field, **options), Value(Decimal("0")), output_field=DecimalField(**MONEY))
+
+
+_TOTALS = {
+    "requests": Count("id"),
+    "failed": Count("id", filter=_FAILED),
+    "revenue": _money_sum("price_charged"),
+    "reference": _money_sum("reference_price", filter=~_FAILED),
+    "gpu_time_s": Coalesce(Sum("gpu_time_s"), Value(0.0), output_field=FloatField()),
+    "prompt_tokens": Coalesce(Sum("prompt_tokens"), Value(0), output_field=IntegerField()),
+    "completion_tokens": Coalesce(Sum("completion_tokens"), Value(0), output_field=IntegerField()),
+}
+
+
+def _row(key: str, values: dict) -> UsageRow:
+    return UsageRow(key=key, **{name: values[name] for name in _TOTALS})
+
+
+def _empty_row(key: str) -> UsageRow:
+    return UsageRow(key=key, requests=0, failed=0, revenue=Decimal("0"), reference=Decimal("0"),
+                    gpu_time_s=0.0, prompt_tokens=0, completion_tokens=0)
+
+
+def usage_totals(*, since: datetime, until: datetime, tenant=None) -> UsageRow:
+    """All traffic in [since, until), of one tenant or of everyone."""
+    return _row("total", _records(since=since, until=until, tenant=tenant).aggregate(**_TOTALS))
+
+
+def usage_by(*, group_by: str, since: datetime, until: datetime, tenant=None) -> list[UsageRow]:
+    """Traffic in [since, until) grouped by "tenant", "model" or "day"; days in order, tenants and
+    models by revenue (largest first)."""
+    if group_by not in GROUPINGS:
+        raise ValueError(f"group_by must be one of {', '.join(GROUPINGS)}, got {group_by!r}")
+    records = _records(since=since, until=until, tenant=tenant)
+    if group_by == "day":
+        grouped = (records.annotate(key=TruncDate("created_at", tzinfo=UTC)).values("key")
+                   .annotate(**_TOTALS).order_by("key"))
+        return [_row(values["key"].isoformat(), values) for values in grouped]
+    field = "tenant__name" if group_by == "tenant" else "model__public_name"
+    grouped = records.values(key=F(field)).annotate(**_TOTALS).order_by("-revenue", "key")
+    return [_row(values["key"], values) for values in grouped]
+
+
+def usage_daily(*, start: date, end: date, tenant=None) -> list[UsageRow]:
+    """One row per day from `start` to `end` (both included), zeros on days without traffic."""
+    since, until = period_bounds(start, end)
+    found = {row.key: row for row in usage_by(group_by="day", since=since, until=until, tenant=tenant)}
+    days = (start + timedelta(days=i) for i in range((end - start).days + 1))
+    return [found.get(day.isoformat()) or _empty_row(day.isoformat()) for day in days]
+
+
+def usage_month_summary(*, tenant, now: datetime) -> UsageSummary:
+    since = month_start_of(now)
+    until = month_start_of(since + timedelta(days=32))
+    return UsageSummary(
+        since=since,
+        totals=usage_totals(since=since, until=until, tenant=tenant),
+        balance=credit_balance(tenant=tenant),
+        available=credit_available(tenant=tenant),
+    )

@@ -1,0 +1,54 @@
+"""The fleet page's WebSocket (ws/fleet/): operators and admins only. It joins the "fleet" group
+the fleet services publish to and relays each event as HTML fragments addressed by id; it keeps the
+last minute of figures per open page for the sparklines."""
+
+import logging
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+
+from controlplane.dashboard.ops import fragments
+from controlplane.dashboard.ops.overview import FigureHistory
+from controlplane.dashboard.permissions import OPERATOR_ROLES, has_role
+from controlplane.live import FLEET_GROUP
+
+logger = logging.getLogger(__name__)
+
+FORBIDDEN = 4403
+
+
+class FleetConsumer(AsyncWebsocketConsumer):
+    async def connect(self) -> None:
+        user = self.scope.get("user")
+        if user is None or not has_role(user, OPERATOR_ROLES):
+            await self.close(code=FORBIDDEN)
+            return
+        self.history = FigureHistory()
+        await self.channel_layer.group_add(FLEET_GROUP, self.channel_name)
+        await self.accept()
+
+    async def disconnect(self, code) -> None:
+        if hasattr(self, "history"):
+            await self.channel_layer.group_discard(FLEET_GROUP, self.channel_name)
+
+    async def receive(self, text_data=None, bytes_data=None) -> None:
+        """The page only listens; anything it sends is ignored."""
+
+    async def live_event(self, message: dict) -> None:
+        event, data = message.get("event"), message.get("data") or {}
+        try:
+            if event == "worker.heartbeat":
+                self.history.record(data)
+                html = fragments.heartbeat_fragment(data, self.history)
+            elif event == "replica.state":
+                html = await database_sync_to_async(fragments.replica_change_fragment)(data, self.history)
+            elif event == "worker.state":
+                html = await database_sync_to_async(fragments.workers_fragment)(self.history)
+            else:
+                return
+        except Exception:
+            # One malformed or stale event must not close every operator's live page.
+            logger.exception("could not render the fleet page's %s event", event)
+            return
+        if html.strip():
+            await self.send(text_data=html)

@@ -1,0 +1,129 @@
+"""Forms of the operators' pages. They check shapes (numbers, choices); the rules (bounds, room on a
+GPU, paths the workers report) live in the services, whose ValidationErrors `apply_service_errors`
+puts beside the fields they name."""
+
+from django import forms
+from django.core.exceptions import ValidationError
+
+from controlplane.audit.models import AuditEntry
+from controlplane.catalog.models import Deployment, Model
+from controlplane.catalog.services import MAX_REPLICAS_LIMIT, estimate_gpu_memory_bytes
+from controlplane.fleet.models import Gpu, Worker
+from controlplane.fleet.selectors import workers_for_path_check
+
+
+def apply_service_errors(form: forms.Form, exc: ValidationError, *, rename: dict[str, str] | None = None) -> None:
+    """Attach a service's ValidationError to the form: each message beside the field it names
+    (renamed where the form calls it otherwise), the rest at the top of the form."""
+    if not hasattr(exc, "error_dict"):
+        form.add_error(None, exc)
+        return
+    for name, errors in exc.message_dict.items():
+        name = (rename or {}).get(name, name)
+        form.add_error(name if name in form.fields else None, errors)
+
+
+class ScaleForm(forms.Form):
+    desired_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Replicas")
+
+
+class DeploymentLimitsForm(forms.Form):
+    desired_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Desired")
+    min_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Min")
+    max_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Max")
+    keep_warm = forms.BooleanField(required=False, label="Keep warm",
+                                   help_text="Idle replicas stay loaded instead of being scaled down.")
+
+    @classmethod
+    def for_deployment(cls, deployment: Deployment, **kwargs) -> "DeploymentLimitsForm":
+        initial = {name: getattr(deployment, name) for name in cls.base_fields}
+        return cls(initial=initial, prefix=f"d{deployment.pk}", **kwargs)
+
+
+def slot_value(worker_id: int, gpu_id: int | None) -> str:
+    return f"{worker_id}:{gpu_id if gpu_id is not None else 'cpu'}"
+
+
+class LoadForm(forms.Form):
+    """Load one more replica of a deployment on a chosen worker's GPU (or a CPU worker's memory)."""
+
+    deployment = forms.ModelChoiceField(queryset=Deployment.objects.select_related("model"), empty_label="Choose a model…",
+                                        label="Model")
+    slot = forms.ChoiceField(label="Worker / GPU")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["deployment"].label_from_instance = lambda d: d.model.public_name
+        choices = [("", "Choose where…")]
+        workers = Worker.objects.filter(state=Worker.State.ONLINE).prefetch_related("gpus")
+        for worker in workers:
+            for gpu in worker.gpus.all():
+                if gpu.present:
+                    choices.append((slot_value(worker.pk, gpu.pk), f"{worker.name} · GPU {gpu.index} ({gpu.name})"))
+            if worker.device == Worker.Device.CPU:
+                choices.append((slot_value(worker.pk, None), f"{worker.name} · CPU"))
+        self.fields["slot"].choices = choices
+
+    def clean_slot(self) -> tuple[Worker, Gpu | None]:
+        worker_id, _, gpu_part = self.cleaned_data["slot"].partition(":")
+        worker = Worker.objects.filter(pk=int(worker_id)).first()
+        gpu = None if gpu_part == "cpu" else Gpu.objects.filter(pk=int(gpu_part), worker=worker).first()
+        if worker is None or (gpu_part != "cpu" and gpu is None):
+            raise ValidationError("That worker or GPU is gone; choose again.")
+        return worker, gpu
+
+
+class CatalogModelForm(forms.ModelForm):
+    """Add or edit a catalog model; the weight path is checked against the chosen workers' reports."""
+
+    context_length = forms.IntegerField(min_value=1, label="Context length (tokens)")
+    parameter_count = forms.IntegerField(min_value=1, label="Parameters")
+    gpu_memory_bytes = forms.IntegerField(
+        min_value=1, required=False, label="GPU memory (bytes)",
+        help_text="Weights plus a working KV cache. Leave empty to estimate from the parameter count.")
+    check_workers = forms.ModelMultipleChoiceField(
+        queryset=Worker.objects.none(), required=False, widget=forms.CheckboxSelectMultiple,
+        label="Check the weight path on",
+        help_text="Workers that report their model roots confirm the path exists; others cannot tell.")
+
+    class Meta:
+        model = Model
+        fields = ["public_name", "family", "kind", "weights_path", "context_length", "parameter_count",
+                  "gpu_memory_bytes", "price_tier", "enabled"]
+        labels = {"public_name": "Name", "weights_path": "Weight path", "price_tier": "Price tier"}
+        help_texts = {"public_name": "What clients send as `model`.",
+                      "weights_path": "A directory in Hugging Face layout on the worker hosts, e.g. /models/llama-3-8b."}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        workers = workers_for_path_check()
+        self.fields["check_workers"].queryset = workers
+        self.fields["check_workers"].label_from_instance = lambda w: f"{w.name} ({w.get_state_display().lower()})"
+        if not self.is_bound:
+            self.initial.setdefault("check_workers", [w.pk for w in workers if w.state == Worker.State.ONLINE])
+
+    def clean_weights_path(self) -> str:
+        path = self.cleaned_data["weights_path"].strip()
+        if not path.startswith("/"):
+            raise ValidationError("Give an absolute path, e.g. /models/llama-3-8b.")
+        return path
+
+    def clean(self) -> dict:
+        cleaned = super().clean()
+        if cleaned.get("gpu_memory_bytes") is None and cleaned.get("parameter_count"):
+            # The ModelForm builds and validates its instance from cleaned_data after this.
+            cleaned["gpu_memory_bytes"] = estimate_gpu_memory_bytes(parameter_count=cleaned["parameter_count"])
+        return cleaned
+
+    def model_fields(self) -> dict:
+        return {name: self.cleaned_data[name] for name in self.Meta.fields}
+
+
+class AuditFilterForm(forms.Form):
+    action = forms.ChoiceField(required=False, label="Action")
+    actor = forms.ChoiceField(required=False, label="Who")
+
+    def __init__(self, *args, actors: list[str], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["action"].choices = [("", "Every action"), *AuditEntry.Action.choices]
+        self.fields["actor"].choices = [("", "Everyone"), *((a, a) for a in actors)]

@@ -1,0 +1,215 @@
+"""What the fleet page shows, shaped for its templates: workers with one slot per GPU (plus the
+host's CPU), each slot's live figures with a short history for its sparklines, the replicas placed
+there, and each deployment with its status. No ORM here: the reads are fleet selectors.
+
+The history is kept by whoever renders repeatedly (a WebSocket connection keeps one per open page),
+so nothing is stored per second on the server beyond each worker's latest heartbeat.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.selectors import (
+    deployment_statuses,
+    deployments_with_live_replicas,
+    workers_live_state,
+    workers_with_live_replicas,
+)
+
+# About a minute of one-second heartbeats.
+HISTORY_POINTS = 60
+SPARK_WIDTH, SPARK_HEIGHT = 120, 28
+CPU_SLOT = "cpu"
+
+
+class FigureHistory:
+    """The last HISTORY_POINTS values of every figure, keyed (worker id, slot key, figure name)."""
+
+    def __init__(self) -> None:
+        self._series: dict[tuple[int, str, str], deque[float]] = {}
+
+    def record(self, live: dict[str, Any]) -> None:
+        worker_id = live.get("worker_id")
+        if worker_id is None:
+            return
+        for slot, figures in _slot_figures(live).items():
+            for name, value in _values(figures).items():
+                if value is not None:
+                    self._series.setdefault((worker_id, slot, name), deque(maxlen=HISTORY_POINTS)).append(value)
+
+    def series(self, worker_id: int, slot: str, name: str) -> list[float]:
+        return list(self._series.get((worker_id, slot, name), ()))
+
+
+def _slot_figures(live: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    slots = {f"gpu{gpu['index']}": gpu for gpu in live.get("gpus") or [] if "index" in gpu}
+    if live.get("cpu"):
+        slots[CPU_SLOT] = live["cpu"]
+    return slots
+
+
+def _values(figures: dict[str, Any]) -> dict[str, float | None]:
+    """The four plotted figures: utilisation %, memory used %, temperature °C, power W."""
+    used, total = figures.get("memory_used_bytes"), figures.get("memory_total_bytes")
+    return {
+        "utilization": figures.get("utilization_pct"),
+        "memory": 100.0 * used / total if used is not None and total else None,
+        "temperature": figures.get("temperature_c"),
+        "power": figures.get("power_w"),
+    }
+
+
+def sparkline_points(values: list[float], *, fixed_range: tuple[float, float] | None = None) -> str:
+    """SVG polyline points for `values` in a SPARK_WIDTH × SPARK_HEIGHT box, newest at the right.
+    Percentages use a fixed 0-100 scale; other figures scale to their own range."""
+    if not values:
+        return ""
+    low, high = fixed_range or (min(values), max(values))
+    if high - low < 1e-9:
+        low, high = low - 1.0, high + 1.0
+    step = SPARK_WIDTH / max(1, HISTORY_POINTS - 1)
+    start = SPARK_WIDTH - step * (len(values) - 1)
+    points = []
+    for i, value in enumerate(values):
+        share = (min(max(value, low), high) - low) / (high - low)
+        points.append(f"{start + i * step:.1f},{SPARK_HEIGHT - 1 - share * (SPARK_HEIGHT - 2):.1f}")
+    if len(points) == 1:  # one reading: a flat stub, so there is something to see
+        points.insert(0, f"{SPARK_WIDTH - step:.1f},{points[0].split(',')[1]}")
+    return " ".join(points)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.1f}"
+
+
+@dataclass(frozen=True)
+class FigureView:
+    name: str
+    label: str
+    text: str
+    points: str
+    available: bool
+
+
+def figure_views(figures: dict[str, Any], history: list[list[float]] | None = None) -> list[FigureView]:
+    """The four figures of one slot; `history` holds each figure's series in the same order."""
+    values = _values(figures)
+    history = history or [[], [], [], []]
+    used, total = figures.get("memory_used_bytes"), figures.get("memory_total_bytes")
+    texts = {
+        "utilization": f"{values['utilization']:.0f}%" if values["utilization"] is not None else "—",
+        "memory": f"{_gib(used)} / {_gib(total)} GiB" if values["memory"] is not None else "—",
+        "temperature": f"{values['temperature']:.0f} °C" if values["temperature"] is not None else "—",
+        "power": f"{values['power']:.0f} W" if values["power"] is not None else "—",
+    }
+    labels = {"utilization": "Utilisation", "memory": "Memory", "temperature": "Temperature", "power": "Power"}
+    views = []
+    for (name, value), series in zip(values.items(), history):
+        series = series or ([value] if value is not None else [])
+        fixed = (0.0, 100.0) if name in ("utilization", "memory") else None
+        views.append(FigureView(name=name, label=labels[name], text=texts[name],
+                                points=sparkline_points(series, fixed_range=fixed), available=value is not None))
+    return views
+
+
+@dataclass
+class ReplicaView:
+    replica: Replica
+    # 0-1 while loading, from the latest heartbeat; None when the worker has not reported it yet.
+    load_progress: float | None
+
+    @property
+    def progress_pct(self) -> int:
+        return round(100 * (self.load_progress or 0.0))
+
+
+@dataclass
+class SlotView:
+    worker_id: int
+    key: str
+    title: str
+    figures: list[FigureView]
+    replicas: list[ReplicaView] = field(default_factory=list)
+
+
+def heartbeat_time(live: dict[str, Any]) -> datetime | None:
+    """When the control plane received the worker's latest heartbeat."""
+    received = live.get("received_at")
+    return datetime.fromtimestamp(received, tz=timezone.utc) if received else None
+
+
+@dataclass
+class WorkerView:
+    worker: Worker
+    slots: list[SlotView]
+    heartbeat_at: datetime | None
+
+    @property
+    def can_drain(self) -> bool:
+        return self.worker.state == Worker.State.ONLINE
+
+
+def _replica_progress(live: dict[str, Any], replica: Replica) -> float | None:
+    report = (live.get("replicas") or {}).get(str(replica.pk))
+    if report is None:
+        return None
+    return 1.0 if report.get("state") == "ready" else float(report.get("load_progress") or 0.0)
+
+
+def worker_views(*, worker_ids: list[int] | None = None, history: FigureHistory | None = None) -> list[WorkerView]:
+    workers = workers_with_live_replicas(worker_ids=worker_ids)
+    live_by_worker = workers_live_state(worker_ids=[w.pk for w in workers])
+    views = []
+    for worker in workers:
+        live = live_by_worker.get(worker.pk, {})
+        by_slot = _slot_figures(live)
+        slots = []
+        for gpu in worker.present_gpus:
+            key = f"gpu{gpu.index}"
+            slots.append(SlotView(worker.pk, key, f"GPU {gpu.index} · {gpu.name}",
+                                  figure_views(by_slot.get(key, {}), _history(history, worker.pk, key))))
+        slots.append(SlotView(worker.pk, CPU_SLOT, f"CPU · {worker.cpu_cores} cores",
+                              figure_views(by_slot.get(CPU_SLOT, {}), _history(history, worker.pk, CPU_SLOT))))
+        by_gpu_id = {gpu.pk: slot for gpu, slot in zip(worker.present_gpus, slots)}
+        for replica in worker.live_replicas:
+            slot = by_gpu_id.get(replica.gpu_id, slots[-1]) if replica.gpu_id else slots[-1]
+            slot.replicas.append(ReplicaView(replica, _replica_progress(live, replica)))
+        views.append(WorkerView(worker, slots, heartbeat_time(live)))
+    return views
+
+
+def _history(history: FigureHistory | None, worker_id: int, slot: str) -> list[list[float]] | None:
+    if history is None:
+        return None
+    return [history.series(worker_id, slot, name) for name in ("utilization", "memory", "temperature", "power")]
+
+
+def live_slot_updates(live: dict[str, Any], history: FigureHistory) -> list[SlotView]:
+    """The slots a heartbeat has figures for, with the history recorded so far (figures only)."""
+    worker_id = live["worker_id"]
+    return [SlotView(worker_id, key, "", figure_views(figures, _history(history, worker_id, key)))
+            for key, figures in _slot_figures(live).items()]
+
+
+def loading_progress(live: dict[str, Any]) -> list[tuple[int, float]]:
+    """(replica id, progress 0-1) for each replica the heartbeat reports still loading."""
+    return [(int(replica_id), float(report.get("load_progress") or 0.0))
+            for replica_id, report in (live.get("replicas") or {}).items() if report.get("state") == "loading"]
+
+
+@dataclass
+class DeploymentView:
+    deployment: Any
+    status: Any
+    replicas: list[Replica]
+
+
+def deployment_views(*, deployment_ids: list[int] | None = None) -> list[DeploymentView]:
+    deployments = deployments_with_live_replicas(deployment_ids=deployment_ids)
+    statuses = {s.deployment_id: s for s in deployment_statuses(deployment_ids=[d.pk for d in deployments])}
+    return [DeploymentView(d, statuses[d.pk], d.live_replicas) for d in deployments]

@@ -1,0 +1,307 @@
+"""The operators' pages: the fleet (live), its actions, the audit log and the catalog.
+
+Every action calls a service (which validates, audits and sends the Celery task after commit). An
+htmx request gets back the fragment it replaces, with the service's errors beside the fields; a
+plain form post (no JavaScript) is redirected back to the page with a message.
+"""
+
+from django.contrib import messages
+from django.core.exceptions import ValidationError
+from django.core.paginator import Paginator
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_GET, require_POST
+
+from controlplane.audit.selectors import audit_actor_labels, audit_entries
+from controlplane.catalog.models import Deployment, Model
+from controlplane.catalog.services import (
+    deployment_create,
+    deployment_scale,
+    deployment_update,
+    model_create,
+    model_set_enabled,
+    model_update,
+)
+from controlplane.dashboard.ops.forms import (
+    AuditFilterForm,
+    CatalogModelForm,
+    DeploymentLimitsForm,
+    LoadForm,
+    ScaleForm,
+    apply_service_errors,
+)
+from controlplane.dashboard.ops.overview import deployment_views, worker_views
+from controlplane.dashboard.permissions import operator_required
+from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.selectors import weights_path_reports, workers_for_path_check
+from controlplane.fleet.services import replica_load_on, replica_unload, worker_drain
+
+AUDIT_PAGE_SIZE = 50
+
+
+# --- Fleet -------------------------------------------------------------------------------------
+
+@operator_required
+@require_GET
+def fleet(request: HttpRequest) -> HttpResponse:
+    return render(request, "dashboard/ops/fleet.html", {
+        "workers": worker_views(),
+        "deployments": [_deployment_context(view) for view in deployment_views()],
+        "load_form": LoadForm(),
+    })
+
+
+def _deployment_context(view, *, scale_form=None, limits_form=None, open_limits=False) -> dict:
+    deployment = view.deployment
+    return {
+        "view": view,
+        "scale_form": scale_form or ScaleForm(initial={"desired_replicas": deployment.desired_replicas},
+                                              prefix=f"s{deployment.pk}"),
+        "limits_form": limits_form or DeploymentLimitsForm.for_deployment(deployment),
+        "open_limits": open_limits,
+    }
+
+
+def _render_deployment(request, deployment_id: int, **forms) -> HttpResponse:
+    (view,) = deployment_views(deployment_ids=[deployment_id])
+    return render(request, "dashboard/ops/_deployment.html", {"d": _deployment_context(view, **forms)})
+
+
+def _done(request: HttpRequest, message: str, *, fragment) -> HttpResponse:
+    """After an action: the fragment for htmx, or back to the fleet page with a message."""
+    if request.htmx:
+        return fragment()
+    messages.success(request, message)
+    return redirect("dashboard:fleet")
+
+
+def _refused(request: HttpRequest, exc: ValidationError, *, fragment) -> HttpResponse:
+    if request.htmx:
+        return fragment()
+    for text in exc.messages:
+        messages.error(request, text)
+    return redirect("dashboard:fleet")
+
+
+@operator_required
+@require_POST
+def deployment_scale_view(request: HttpRequest, pk: int) -> HttpResponse:
+    deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
+    form = ScaleForm(request.POST, prefix=f"s{pk}")
+    if form.is_valid():
+        try:
+            deployment_scale(deployment=deployment, desired_replicas=form.cleaned_data["desired_replicas"],
+                             actor=request.user)
+        except ValidationError as exc:
+            apply_service_errors(form, exc)
+    if form.errors:
+        if not request.htmx:
+            return _form_errors_redirect(request, form)
+        return _render_deployment(request, pk, scale_form=form)
+    return _done(request, f"{deployment.model.public_name} now wants {form.cleaned_data['desired_replicas']} replicas.",
+                 fragment=lambda: _render_deployment(request, pk))
+
+
+def _form_errors_redirect(request: HttpRequest, form) -> HttpResponse:
+    for field, errors in form.errors.items():
+        for text in errors:
+            messages.error(request, f"{form.fields[field].label}: {text}" if field in form.fields else text)
+    return redirect("dashboard:fleet")
+
+
+@operator_required
+@require_POST
+def deployment_edit_view(request: HttpRequest, pk: int) -> HttpResponse:
+    deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
+    form = DeploymentLimitsForm(request.POST, prefix=f"d{pk}")
+    if form.is_valid():
+        try:
+            deployment_update(deployment=deployment, actor=request.user, **form.cleaned_data)
+        except ValidationError as exc:
+            apply_service_errors(form, exc)
+    if form.errors:
+        if not request.htmx:
+            return _form_errors_redirect(request, form)
+        return _render_deployment(request, pk, limits_form=form, open_limits=True)
+    return _done(request, f"{deployment.model.public_name} updated.", fragment=lambda: _render_deployment(request, pk))
+
+
+def _render_load_form(request, form, *, done: str = "", worker_id: int | None = None) -> HttpResponse:
+    context = {"load_form": form, "load_done": done}
+    if worker_id is not None:  # the new replica's worker card, swapped out of band
+        context["oob_workers"] = worker_views(worker_ids=[worker_id])
+    return render(request, "dashboard/ops/_load_form.html", context)
+
+
+@operator_required
+@require_POST
+def replica_load_view(request: HttpRequest) -> HttpResponse:
+    form = LoadForm(request.POST)
+    if form.is_valid():
+        worker, gpu = form.cleaned_data["slot"]
+        deployment = form.cleaned_data["deployment"]
+        try:
+            replica = replica_load_on(deployment=deployment, worker=worker, gpu=gpu, actor=request.user)
+        except ValidationError as exc:
+            apply_service_errors(form, exc, rename={"worker": "slot", "gpu": "slot"})
+        else:
+            where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else worker.name
+            message = f"Loading {deployment.model.public_name} on {where} (replica {replica.pk})."
+            return _done(request, message, fragment=lambda: _render_load_form(
+                request, LoadForm(), done=message, worker_id=worker.pk))
+    if not request.htmx:
+        return _form_errors_redirect(request, form)
+    return _render_load_form(request, form)
+
+
+def _render_worker(request, worker_id: int, *, action_error: str = "") -> HttpResponse:
+    (view,) = worker_views(worker_ids=[worker_id])
+    return render(request, "dashboard/ops/_worker.html", {"w": view, "action_error": action_error})
+
+
+@operator_required
+@require_POST
+def replica_unload_view(request: HttpRequest, pk: int) -> HttpResponse:
+    replica = get_object_or_404(Replica.objects.select_related("deployment__model", "worker"), pk=pk)
+    try:
+        replica_unload(replica=replica, actor=request.user)
+    except ValidationError as exc:
+        return _refused(request, exc, fragment=lambda: _render_worker(request, replica.worker_id,
+                                                                      action_error=" ".join(exc.messages)))
+    return _done(request, f"Unloading replica {pk} of {replica.deployment.model.public_name}.",
+                 fragment=lambda: _render_worker(request, replica.worker_id))
+
+
+@operator_required
+@require_POST
+def worker_drain_view(request: HttpRequest, pk: int) -> HttpResponse:
+    worker = get_object_or_404(Worker, pk=pk)
+    try:
+        worker_drain(worker=worker, actor=request.user)
+    except ValidationError as exc:
+        return _refused(request, exc, fragment=lambda: _render_worker(request, pk, action_error=" ".join(exc.messages)))
+    return _done(request, f"Draining {worker.name}.", fragment=lambda: _render_worker(request, pk))
+
+
+# --- Audit log ---------------------------------------------------------------------------------
+
+@operator_required
+@require_GET
+def audit(request: HttpRequest) -> HttpResponse:
+    form = AuditFilterForm(request.GET or None, actors=audit_actor_labels())
+    filters = form.cleaned_data if form.is_valid() else {}
+    entries = audit_entries(action=filters.get("action", ""), actor=filters.get("actor", ""))
+    page = Paginator(entries.select_related("actor"), AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
+    query = request.GET.copy()
+    query.pop("page", None)
+    context = {"form": form, "page": page, "query": query.urlencode()}
+    template = "dashboard/ops/_audit_table.html" if request.htmx else "dashboard/ops/audit.html"
+    return render(request, template, context)
+
+
+# --- Catalog -----------------------------------------------------------------------------------
+
+@operator_required
+@require_GET
+def catalog(request: HttpRequest) -> HttpResponse:
+    models = Model.objects.select_related("price_tier", "deployment").order_by("public_name")
+    return render(request, "dashboard/ops/catalog.html", {"models": models})
+
+
+def _path_notes(form: CatalogModelForm) -> list:
+    """What the chosen workers could not confirm; shown after saving, never blocking it."""
+    workers = form.cleaned_data.get("check_workers") or []
+    reports = weights_path_reports(weights_path=form.cleaned_data["weights_path"], workers=workers)
+    if not workers:
+        return ["The weight path was not checked: no worker was chosen."]
+    if all(r.status in ("unreported", "unwatched") for r in reports):
+        return ["No chosen worker reports this path, so it was not checked.", *(r.message for r in reports)]
+    return [r.message for r in reports if r.status in ("unreported", "unwatched")]
+
+
+def _catalog_form_page(request, form, model=None) -> HttpResponse:
+    return render(request, "dashboard/ops/catalog_form.html", {"form": form, "model": model})
+
+
+@operator_required
+def catalog_add(request: HttpRequest) -> HttpResponse:
+    form = CatalogModelForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        try:
+            model = model_create(actor=request.user, verify_on=list(form.cleaned_data["check_workers"]),
+                                 **form.model_fields())
+        except ValidationError as exc:
+            apply_service_errors(form, exc)
+        else:
+            messages.success(request, f"Added {model.public_name}.")
+            for note in _path_notes(form):
+                messages.warning(request, note)
+            return redirect("dashboard:catalog")
+    return _catalog_form_page(request, form)
+
+
+@operator_required
+def catalog_edit(request: HttpRequest, pk: int) -> HttpResponse:
+    model = get_object_or_404(Model, pk=pk)
+    form = CatalogModelForm(request.POST or None, instance=model)
+    if request.method == "POST" and form.is_valid():
+        try:
+            model = model_update(model=model, actor=request.user, verify_on=list(form.cleaned_data["check_workers"]),
+                                 **form.model_fields())
+        except ValidationError as exc:
+            apply_service_errors(form, exc)
+        else:
+            messages.success(request, f"Saved {model.public_name}.")
+            if "weights_path" in form.changed_data:
+                for note in _path_notes(form):
+                    messages.warning(request, note)
+            return redirect("dashboard:catalog")
+    return _catalog_form_page(request, form, model=Model.objects.get(pk=pk))
+
+
+def _catalog_row(request, model_id: int, *, action_error: str = "") -> HttpResponse:
+    model = Model.objects.select_related("price_tier", "deployment").get(pk=model_id)
+    return render(request, "dashboard/ops/_catalog_row.html", {"m": model, "action_error": action_error})
+
+
+def _catalog_done(request, model_id: int, message: str) -> HttpResponse:
+    if request.htmx:
+        return _catalog_row(request, model_id)
+    messages.success(request, message)
+    return redirect("dashboard:catalog")
+
+
+@operator_required
+@require_POST
+def catalog_set_enabled(request: HttpRequest, pk: int) -> HttpResponse:
+    model = get_object_or_404(Model, pk=pk)
+    enabled = request.POST.get("enabled") == "1"
+    model = model_set_enabled(model=model, enabled=enabled, actor=request.user)
+    return _catalog_done(request, pk, f"{model.public_name} {'enabled' if enabled else 'disabled'}.")
+
+
+@operator_required
+@require_POST
+def catalog_deploy(request: HttpRequest, pk: int) -> HttpResponse:
+    model = get_object_or_404(Model, pk=pk)
+    try:
+        deployment_create(model_name=model.public_name, desired_replicas=1, min_replicas=0, max_replicas=1,
+                          actor=request.user)
+    except ValidationError as exc:
+        if request.htmx:
+            return _catalog_row(request, pk, action_error=" ".join(exc.messages))
+        for text in exc.messages:
+            messages.error(request, text)
+        return redirect("dashboard:catalog")
+    return _catalog_done(request, pk, f"{model.public_name} deployed with one replica; scale it on the fleet page.")
+
+
+@operator_required
+@require_GET
+def catalog_path_check(request: HttpRequest) -> HttpResponse:
+    """The chosen workers' view of a weight path, while the operator types it."""
+    path = request.GET.get("weights_path", "").strip()
+    ids = [int(i) for i in request.GET.getlist("check_workers") if i.isdigit()]
+    workers = list(workers_for_path_check().filter(pk__in=ids))
+    reports = weights_path_reports(weights_path=path, workers=workers) if path.startswith("/") else []
+    return render(request, "dashboard/ops/_path_check.html", {"path": path, "reports": reports, "workers": workers})

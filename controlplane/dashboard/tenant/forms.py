@@ -1,0 +1,57 @@
+"""Forms of the tenant pages: they parse and check input; the services decide and write."""
+
+from django import forms
+
+from controlplane.catalog.models import Model
+
+
+class ApiKeyCreateForm(forms.Form):
+    name = forms.CharField(max_length=100, help_text="So you can tell your keys apart, e.g. 'production'.")
+    expires_at = forms.DateTimeField(
+        required=False, label="Expires",
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+        input_formats=["%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%d"],
+        help_text="Optional (UTC). Leave empty for a key that does not expire.",
+    )
+    allowed_models = forms.MultipleChoiceField(
+        required=False, widget=forms.CheckboxSelectMultiple,
+        help_text="Tick none to allow every model, including ones added later.",
+    )
+    rate_limit_per_minute = forms.IntegerField(
+        required=False, min_value=1, label="Requests per minute",
+        help_text="Optional; empty means your plan's limit.",
+    )
+    max_concurrent_requests = forms.IntegerField(
+        required=False, min_value=1, label="Concurrent requests",
+        help_text="Optional; empty means your plan's limit.",
+    )
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        names = Model.objects.filter(enabled=True).order_by("public_name").values_list("public_name", flat=True)
+        self.fields["allowed_models"].choices = [(name, name) for name in names]
+
+    def clean_name(self) -> str:
+        name = self.cleaned_data["name"].strip()
+        if not name:
+            raise forms.ValidationError("Give the key a name.")
+        return name
+
+    def service_arguments(self) -> dict:
+        data = self.cleaned_data
+        return {
+            "name": data["name"],
+            "expires_at": data["expires_at"],
+            "all_models": not data["allowed_models"],
+            "allowed_model_names": data["allowed_models"],
+            "rate_limit_per_minute": data["rate_limit_per_minute"],
+            "max_concurrent_requests": data["max_concurrent_requests"],
+        }
+
+    def add_service_errors(self, error) -> None:
+        """A service's ValidationError, each message beside its field (or above the form)."""
+        if hasattr(error, "error_dict"):
+            for field, messages in error.message_dict.items():
+                self.add_error(field if field in self.fields else None, messages)
+        else:
+            self.add_error(None, error.messages)

@@ -1,0 +1,205 @@
+"""The playground's generation: a streamed chat completion through the gateway's own /v1 app.
+
+The request is handed to the gateway's ASGI app in this process (the same app, and so the same
+key cache, routing table, rate limits, credit holds and settlement, that serves API clients) with
+a short-lived key of the tenant's: routing, limits and billing are those of an API request by
+construction. No HTTP hop, no base URL to configure. Stopping is what a client disconnecting
+is: the app's next `receive()` answers `http.disconnect`, and the gateway's relay closes the
+replica's stream, which aborts the request on the worker and settles it by the gateway's rules
+(after the first token it is charged once, as cancelled).
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from django import forms
+from django.core.exceptions import ValidationError
+
+from controlplane.catalog.models import Model
+
+_PATH = "/v1/chat/completions"
+MAX_TOKENS_LIMIT = 4096
+# Calls still finishing after their session went away (settling takes a moment); kept referenced.
+_finishing: set[asyncio.Task] = set()
+
+
+@dataclass(frozen=True)
+class PlaygroundPrompt:
+    model: str
+    system_prompt: str
+    message: str
+    temperature: float
+    max_tokens: int
+
+    def chat_body(self) -> dict:
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": self.message})
+        return {"model": self.model, "messages": messages, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str | None
+    usage: dict | None  # the gateway's usage, with the request's `cost`
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The stream ended because the caller stopped it."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+    code: str | None
+    status: int
+
+
+Event = Delta | Finished | Stopped | Failed
+
+
+def playground_models():
+    """The models a tenant may try here: every enabled model that generates text (playground
+    keys may call every model, as the tenant's own keys may by default)."""
+    return Model.objects.filter(enabled=True).exclude(kind=Model.Kind.EMBEDDING).order_by("public_name")
+
+
+class PlaygroundForm(forms.Form):
+    """What the page's Send form carries (as JSON over the WebSocket); field errors go back to
+    the fields."""
+
+    model = forms.ChoiceField()
+    system_prompt = forms.CharField(required=False, max_length=8000, strip=False)
+    message = forms.CharField(max_length=32000, strip=False)
+    temperature = forms.FloatField(min_value=0.0, max_value=2.0, initial=0.7)
+    max_tokens = forms.IntegerField(min_value=1, max_value=MAX_TOKENS_LIMIT, initial=128)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.context_lengths = {m.public_name: m.context_length for m in playground_models()}
+        self.fields["model"].choices = [(name, name) for name in self.context_lengths]
+
+    def clean_message(self) -> str:
+        message = self.cleaned_data["message"]
+        if not message.strip():
+            raise ValidationError("Write a message to send.")
+        return message
+
+    def clean(self):
+        data = super().clean()
+        model, max_tokens = data.get("model"), data.get("max_tokens")
+        if model and max_tokens and max_tokens >= self.context_lengths[model]:
+            self.add_error("max_tokens", f"At most {self.context_lengths[model] - 1} for {model} "
+                                         f"(its context is {self.context_lengths[model]} tokens).")
+        return data
+
+    def prompt(self) -> PlaygroundPrompt:
+        data = self.cleaned_data
+        return PlaygroundPrompt(model=data["model"], system_prompt=data["system_prompt"], message=data["message"],
+                                temperature=data["temperature"], max_tokens=data["max_tokens"])
+
+
+def gateway_app():
+    """The process's /v1 app, as mounted by controlplane.asgi (imported late: asgi imports the
+    WebSocket routes, which import this module)."""
+    from controlplane.asgi import gateway_app as app
+
+    return app
+
+
+async def stream_chat(*, api_key: str, prompt: PlaygroundPrompt, stop: asyncio.Event,
+                      app: Callable | None = None) -> AsyncIterator[Event]:
+    """The answer to `prompt` as events: deltas, then Finished, Stopped or Failed (exactly one)."""
+    body = json.dumps(prompt.chat_body()).encode()
+    headers = [(b"authorization", f"Bearer {api_key}".encode()), (b"content-type", b"application/json"),
+               (b"host", b"playground.internal"), (b"content-length", str(len(body)).encode())]
+    status, error_body, buffer = 0, b"", b""
+    finish_reason, usage = None, None
+    async for message in _asgi_post(app or gateway_app(), _PATH, body, headers, stop):
+        if message["type"] == "http.response.start":
+            status = message["status"]
+            continue
+        if message["type"] != "http.response.body":
+            continue
+        if status != 200:
+            error_body += message.get("body", b"")
+            continue
+        buffer += message.get("body", b"")
+        *events, buffer = buffer.split(b"\n\n")
+        for raw in events:
+            if not raw.startswith(b"data: "):
+                continue
+            data = raw[len(b"data: "):]
+            if data == b"[DONE]":
+                yield Finished(finish_reason, usage)
+                return
+            event = json.loads(data)
+            if "error" in event:
+                error = event["error"]
+                yield Failed(error.get("message", "The generation failed."), error.get("code"), 502)
+                return
+            if event.get("usage") and not event.get("choices"):
+                usage = event["usage"]
+            for choice in event.get("choices") or ():
+                if text := (choice.get("delta") or {}).get("content"):
+                    yield Delta(text)
+                if choice.get("finish_reason") is not None:
+                    finish_reason = choice["finish_reason"]
+    if status and status != 200:
+        yield _failure(status, error_body)
+    elif stop.is_set():
+        yield Stopped()
+    else:
+        yield Failed("The stream ended before the answer was complete.", "incomplete", 502)
+
+
+def _failure(status: int, body: bytes) -> Failed:
+    try:
+        error = json.loads(body)["error"]
+        return Failed(error.get("message") or "The request failed.", error.get("code"), status)
+    except (ValueError, KeyError, TypeError):
+        return Failed(f"The request failed ({status}).", None, status)
+
+
+async def _asgi_post(app: Callable, path: str, body: bytes, headers: list, stop: asyncio.Event) -> AsyncIterator[dict]:
+    """POST `body` to the ASGI `app` and yield what it sends; `stop` set means the client went away."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
+        "query_string": b"", "headers": headers, "client": ("127.0.0.1", 0), "server": ("playground.internal", 80),
+    }
+    sent: asyncio.Queue = asyncio.Queue()
+    body_read = False
+
+    async def receive() -> dict:
+        nonlocal body_read
+        if not body_read:
+            body_read = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await stop.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.put_nowait(message)
+
+    call = asyncio.ensure_future(app(scope, receive, send))
+    call.add_done_callback(lambda _: sent.put_nowait(None))
+    try:
+        while (message := await sent.get()) is not None:
+            yield message
+        call.result()  # an exception in the app is a bug: let it show
+    finally:
+        if not call.done():
+            # Our reader left early: to the app that is a client going away. It finishes (and
+            # settles) on its own; keep it referenced until then.
+            stop.set()
+            _finishing.add(call)
+            call.add_done_callback(_finishing.discard)

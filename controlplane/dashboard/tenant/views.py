@@ -1,0 +1,84 @@
+"""Tenant pages: API keys, usage this month, the playground. Views gather what the templates
+show and call services; every query is filtered by the signed-in member's own tenant."""
+
+from django.core.exceptions import ValidationError
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from controlplane.accounts.selectors import api_keys_for_tenant
+from controlplane.accounts.services import api_key_create, api_key_revoke
+from controlplane.billing.reports import usage_daily, usage_month_summary
+from controlplane.dashboard.permissions import tenant_of, tenant_required
+from controlplane.dashboard.tenant.forms import ApiKeyCreateForm
+from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm, playground_models
+
+
+def _keys_context(request: HttpRequest, form: ApiKeyCreateForm, created=None) -> dict:
+    return {"keys": api_keys_for_tenant(tenant=tenant_of(request)), "form": form, "created": created,
+            "now": timezone.now()}
+
+
+@tenant_required
+@require_http_methods(["GET", "POST"])
+def keys(request: HttpRequest) -> HttpResponse:
+    """The key list and the create form. A created key's plaintext is in this one response only
+    (never stored, never cached): the page shows it once."""
+    created = None
+    if request.method == "POST":
+        form = ApiKeyCreateForm(request.POST)
+        if form.is_valid():
+            try:
+                created = api_key_create(tenant=tenant_of(request), created_by=request.user,
+                                         **form.service_arguments())
+            except ValidationError as error:
+                form.add_service_errors(error)
+            else:
+                form = ApiKeyCreateForm()
+    else:
+        form = ApiKeyCreateForm()
+    context = _keys_context(request, form, created)
+    template = "dashboard/tenant/_keys_create.html" if request.htmx else "dashboard/tenant/keys.html"
+    response = render(request, template, context)
+    if created is not None:
+        response["Cache-Control"] = "no-store"
+    return response
+
+
+@tenant_required
+@require_POST
+def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
+    api_key = get_object_or_404(api_keys_for_tenant(tenant=tenant_of(request)), pk=key_id)
+    if not api_key.revoked:
+        api_key = api_key_revoke(api_key=api_key)
+    if request.htmx:
+        return render(request, "dashboard/tenant/_key_row.html", {"key": api_key, "now": timezone.now()})
+    return render(request, "dashboard/tenant/keys.html", _keys_context(request, ApiKeyCreateForm()))
+
+
+@tenant_required
+@require_GET
+def usage(request: HttpRequest) -> HttpResponse:
+    tenant = tenant_of(request)
+    now = timezone.now()
+    summary = usage_month_summary(tenant=tenant, now=now)
+    days = usage_daily(start=summary.since.date(), end=now.date(), tenant=tenant)
+    chart = {
+        "days": [row.key for row in days],
+        "requests": [row.requests for row in days],
+        "spend": [float(row.revenue) for row in days],
+    }
+    return render(request, "dashboard/tenant/usage.html", {
+        "summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
+    })
+
+
+@tenant_required
+@require_GET
+def playground(request: HttpRequest) -> HttpResponse:
+    form = PlaygroundForm(initial={"temperature": 0.7, "max_tokens": 128})
+    models = list(playground_models().values("public_name", "context_length"))
+    return render(request, "dashboard/tenant/playground.html", {
+        "form": form, "models": models, "max_tokens_limit": MAX_TOKENS_LIMIT,
+    })

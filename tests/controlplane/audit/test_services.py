@@ -1,0 +1,125 @@
+"""The audit log: what audit_record stores, and that every operator action recorded through the
+catalog and fleet services lands in it, whoever calls them (and nothing when they refuse)."""
+
+import pytest
+from django.core.exceptions import ValidationError
+
+from controlplane.accounts.models import User
+from controlplane.audit.models import AuditEntry
+from controlplane.audit.selectors import audit_actor_labels, audit_entries
+from controlplane.audit.services import SYSTEM_ACTOR, audit_record, changes
+from controlplane.catalog.services import (
+    deployment_create,
+    deployment_scale,
+    deployment_update,
+    model_create,
+    model_set_enabled,
+    model_update,
+)
+from controlplane.fleet.models import Replica
+from controlplane.fleet.services import replica_load_on, replica_unload, worker_drain
+from tests.controlplane.dashboard.ops_support import _private_live_cache, make_worker  # noqa: F401
+from tests.controlplane.factories import (
+    DeploymentFactory,
+    GpuFactory,
+    ModelFactory,
+    PriceTierFactory,
+    ReplicaFactory,
+    UserFactory,
+)
+
+pytestmark = pytest.mark.django_db
+
+
+def test_audit_record_keeps_who_what_and_the_target_as_it_was():
+    user = UserFactory(role=User.Role.OPERATOR, username="olga")
+    model = ModelFactory(public_name="llama-8b")
+    entry = audit_record(actor=user, action=AuditEntry.Action.MODEL_UPDATE, target=model,
+                         detail={"context_length": [4096, 8192]})
+    entry.refresh_from_db()
+    assert (entry.actor, entry.actor_label, entry.action) == (user, "olga", "model.update")
+    assert (entry.target_type, entry.target_id, entry.target_label) == ("catalog.model", str(model.pk), "llama-8b")
+    assert entry.describe() == "context_length: 4096 → 8192"
+    user.delete()
+    entry.refresh_from_db()
+    assert (entry.actor, entry.actor_label) == (None, "olga")  # history outlives the account
+
+
+def test_no_person_is_recorded_as_the_system():
+    entry = audit_record(actor=None, action=AuditEntry.Action.MODEL_CREATE, target=ModelFactory())
+    assert (entry.actor, entry.actor_label) == (None, SYSTEM_ACTOR)
+
+
+def test_audit_record_refuses_unknown_actions_and_unsaved_targets():
+    with pytest.raises(ValueError, match="Unknown audit action"):
+        audit_record(actor=None, action="model.delete", target=ModelFactory())
+    with pytest.raises(ValueError, match="no primary key"):
+        audit_record(actor=None, action=AuditEntry.Action.MODEL_CREATE, target=ModelFactory.build())
+
+
+def test_changes_lists_only_what_differs():
+    assert changes({"a": 1, "b": 2}, {"a": 1, "b": 3}) == {"b": [2, 3]}
+
+
+def test_selectors_filter_by_action_and_actor_newest_first():
+    alice, bob = UserFactory(username="alice"), UserFactory(username="bob")
+    model = ModelFactory()
+    first = audit_record(actor=alice, action=AuditEntry.Action.MODEL_DISABLE, target=model)
+    second = audit_record(actor=bob, action=AuditEntry.Action.MODEL_ENABLE, target=model)
+    third = audit_record(actor=alice, action=AuditEntry.Action.MODEL_ENABLE, target=model)
+    assert list(audit_entries()) == [third, second, first]
+    assert list(audit_entries(actor="alice")) == [third, first]
+    assert list(audit_entries(action="model.enable", actor="alice")) == [third]
+    assert audit_actor_labels() == ["alice", "bob"]
+
+
+def _model_fields(**overrides):
+    return {"public_name": "qwen-7b", "family": "qwen2", "kind": "chat", "weights_path": "/models/qwen-7b",
+            "context_length": 8192, "parameter_count": 7_000_000_000, "price_tier": PriceTierFactory(), **overrides}
+
+
+def test_catalog_services_audit_each_change_with_its_actor():
+    olga = UserFactory(role=User.Role.OPERATOR, username="olga")
+    model = model_create(actor=olga, **_model_fields())
+    model_update(model=model, actor=olga, context_length=16384)
+    model_update(model=model, actor=olga, context_length=16384)  # no change, no entry
+    model_set_enabled(model=model, enabled=False, actor=olga)
+    deployment = deployment_create(model_name="qwen-7b", desired_replicas=0, max_replicas=2, actor=olga)
+    deployment_scale(deployment=deployment, desired_replicas=2, actor=olga)
+    deployment_update(deployment=deployment, desired_replicas=2, min_replicas=1, max_replicas=4, keep_warm=True, actor=olga)
+    entries = list(audit_entries().order_by("pk"))
+    assert [e.action for e in entries] == ["model.create", "model.update", "model.disable", "deployment.create",
+                                           "deployment.scale", "deployment.update"]
+    assert {e.actor_label for e in entries} == {"olga"}
+    assert entries[1].detail == {"context_length": [8192, 16384]}
+    assert entries[4].detail == {"desired_replicas": [0, 2]}
+    assert entries[5].detail == {"min_replicas": [0, 1], "max_replicas": [2, 4], "keep_warm": [False, True]}
+
+
+def test_a_refused_change_leaves_no_entry():
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=2)
+    with pytest.raises(ValidationError):
+        deployment_scale(deployment=deployment, desired_replicas=5, actor=None)
+    with pytest.raises(ValidationError) as refused:
+        deployment_update(deployment=deployment, desired_replicas=1, min_replicas=3, max_replicas=2, keep_warm=False)
+    assert refused.value.message_dict == {"min_replicas": ["Min replicas (3) cannot exceed max replicas (2)."]}
+    assert not AuditEntry.objects.exists()
+
+
+def test_fleet_actions_are_audited():
+    olga = UserFactory(role=User.Role.OPERATOR, username="olga")
+    gpu = GpuFactory(worker=make_worker(), index=0)
+    deployment = DeploymentFactory(desired_replicas=0, max_replicas=2)
+    replica = replica_load_on(deployment=deployment, worker=gpu.worker, gpu=gpu, actor=olga)
+    replica_unload(replica=replica, actor=olga)
+    other = make_worker()
+    ReplicaFactory(worker=other, state=Replica.State.READY, endpoint_url="http://127.0.0.1:9000")
+    worker_drain(worker=other, actor=olga)
+    load, unload, drain = audit_entries().order_by("pk")
+    assert (load.action, load.target_type, load.target_id) == ("replica.load", "fleet.replica", str(replica.pk))
+    assert load.detail == {"model": deployment.model.public_name, "worker": gpu.worker.name, "gpu_index": 0,
+                           "desired_replicas": [0, 1]}
+    assert (unload.action, unload.detail["state"]) == ("replica.unload", ["pending", "stopped"])
+    assert (drain.action, drain.target_label) == ("worker.drain", other.name)
+    assert load.target_label == f"{deployment.model.public_name} replica {replica.pk} on {gpu.worker.name}"
+    assert drain.detail["state"] == ["online", "draining"]

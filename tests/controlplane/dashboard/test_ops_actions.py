@@ -1,0 +1,168 @@
+"""The fleet page's actions through the real services: each changes the desired state, sends its
+Celery message to the worker's own queue on the real broker, lands in the audit log, and answers
+htmx with the fragment it replaces (errors beside the field that caused them)."""
+
+import pytest
+from django.urls import reverse
+
+from controlplane.audit.models import AuditEntry
+from controlplane.fleet.commands import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL
+from controlplane.fleet.models import Replica, Worker
+from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
+    _private_live_cache,
+    make_worker,
+    operator,
+    operator_client,
+)
+from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
+from tests.controlplane.fleet.conftest import queued_tasks
+
+pytestmark = pytest.mark.django_db
+
+HTMX = {"HTTP_HX_REQUEST": "true"}
+
+
+def _audit(action: str) -> AuditEntry:
+    return AuditEntry.objects.get(action=action)
+
+
+def test_scaling_updates_the_deployment_and_is_audited(operator_client, operator, django_capture_on_commit_callbacks):
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
+                                        {f"s{deployment.pk}-desired_replicas": "3"}, **HTMX)
+    assert response.status_code == 200
+    fragment = response.content.decode()
+    assert fragment.lstrip().startswith(f'<div class="deployment" id="deployment-{deployment.pk}"')
+    assert "desired 3 · min 0 · max 3" in fragment
+    deployment.refresh_from_db()
+    assert deployment.desired_replicas == 3
+    entry = _audit("deployment.scale")
+    assert (entry.actor, entry.detail) == (operator, {"desired_replicas": [1, 3]})
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("5", "Must lie between min_replicas (0) and max_replicas (3); got 5."),
+    ("-1", "Ensure this value is greater than or equal to 0."),
+    ("two", "Enter a whole number."),
+])
+def test_a_bad_scale_is_refused_beside_the_field(operator_client, value, message):
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
+    response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
+                                    {f"s{deployment.pk}-desired_replicas": value}, **HTMX)
+    fragment = response.content.decode()
+    assert response.status_code == 200
+    errors_at = fragment.index(f'id="errors-s{deployment.pk}-desired_replicas"')
+    assert fragment.index(f'name="s{deployment.pk}-desired_replicas"') < errors_at
+    assert message in fragment[errors_at:]
+    deployment.refresh_from_db()
+    assert deployment.desired_replicas == 1
+    assert not AuditEntry.objects.exists()
+
+
+def test_editing_min_max_and_keep_warm(operator_client, operator):
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=2, keep_warm=False)
+    url, p = reverse("dashboard:deployment_edit", args=[deployment.pk]), f"d{deployment.pk}-"
+    refused = operator_client.post(url, {p + "desired_replicas": "1", p + "min_replicas": "3",
+                                         p + "max_replicas": "2"}, **HTMX).content.decode()
+    assert "Min replicas (3) cannot exceed max replicas (2)." in refused[refused.index(f'id="errors-{p}min_replicas"'):]
+    assert "<details open>" in refused  # the form stays open on its errors
+    refused = operator_client.post(url, {p + "desired_replicas": "5", p + "min_replicas": "0",
+                                         p + "max_replicas": "4"}, **HTMX).content.decode()
+    assert "Desired replicas must lie between min (0) and max (4); got 5." in refused
+    assert not AuditEntry.objects.exists()
+
+    response = operator_client.post(url, {p + "desired_replicas": "2", p + "min_replicas": "1",
+                                          p + "max_replicas": "4", p + "keep_warm": "on"}, **HTMX)
+    assert "desired 2 · min 1 · max 4 · keep warm" in response.content.decode()
+    deployment.refresh_from_db()
+    assert (deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas, deployment.keep_warm) == (2, 1, 4, True)
+    assert _audit("deployment.update").detail == {"desired_replicas": [1, 2], "min_replicas": [0, 1],
+                                                  "max_replicas": [2, 4], "keep_warm": [False, True]}
+
+
+def test_loading_on_a_gpu_sends_the_load_message_to_that_worker(operator_client, operator,
+                                                                 django_capture_on_commit_callbacks):
+    gpu = GpuFactory(worker=make_worker(), index=1)
+    deployment = DeploymentFactory(desired_replicas=0, max_replicas=2,
+                                   model=ModelFactory(public_name="tiny-chat", weights_path="/models/tiny"))
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator_client.post(reverse("dashboard:replica_load"),
+                                        {"deployment": deployment.pk, "slot": f"{gpu.worker_id}:{gpu.pk}"}, **HTMX)
+    replica = Replica.objects.get(deployment=deployment)
+    assert (replica.worker_id, replica.gpu_id, replica.state) == (gpu.worker_id, gpu.pk, Replica.State.PENDING)
+    fragment = response.content.decode()
+    assert 'data-testid="load-done"' in fragment and f"(replica {replica.pk})" in fragment
+    # The worker's card comes along out of band, already showing the new replica.
+    assert f'id="worker-{gpu.worker_id}"' in fragment and 'hx-swap-oob="true"' in fragment
+    assert f'id="replica-{replica.pk}"' in fragment
+    ((task, kwargs),) = queued_tasks(gpu.worker.queue_name)
+    assert task == LOAD_MODEL
+    assert (kwargs["replica_id"], kwargs["model_path"], kwargs["gpu_index"]) == (replica.pk, "/models/tiny", 1)
+    entry = _audit("replica.load")
+    assert (entry.actor, entry.target_id) == (operator, str(replica.pk))
+
+
+def test_loading_where_there_is_no_room_is_refused_beside_the_gpu_choice(operator_client):
+    gpu = GpuFactory(worker=make_worker(), index=0, memory_total_bytes=1000)
+    deployment = DeploymentFactory(desired_replicas=0, max_replicas=2, model=ModelFactory(gpu_memory_bytes=5000))
+    fragment = operator_client.post(reverse("dashboard:replica_load"),
+                                    {"deployment": deployment.pk, "slot": f"{gpu.worker_id}:{gpu.pk}"},
+                                    **HTMX).content.decode()
+    assert "has 1,000 bytes free" in fragment[fragment.index('id="errors-slot"'):]
+    fragment = operator_client.post(reverse("dashboard:replica_load"), {"deployment": "", "slot": ""},
+                                    **HTMX).content.decode()
+    assert 'id="errors-deployment"' in fragment and 'id="errors-slot"' in fragment
+    assert not Replica.objects.exists() and not AuditEntry.objects.exists()
+
+
+def test_unloading_a_replica_after_confirmation(operator_client, operator, django_capture_on_commit_callbacks):
+    worker = make_worker()
+    replica = ReplicaFactory(worker=worker, state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100",
+                             deployment=DeploymentFactory(desired_replicas=1, min_replicas=0))
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    assert f'hx-post="{reverse("dashboard:replica_unload", args=[replica.pk])}"' in page
+    assert "hx-confirm=\"Unload " in page  # a destructive action asks first
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator_client.post(reverse("dashboard:replica_unload", args=[replica.pk]), **HTMX)
+    replica.refresh_from_db()
+    assert replica.state == Replica.State.DRAINING
+    fragment = response.content.decode()
+    assert fragment.lstrip().startswith(f'<article class="card worker" id="worker-{worker.pk}"')
+    assert [task for task, _ in queued_tasks(worker.queue_name)] == [UNLOAD_MODEL]
+    assert _audit("replica.unload").actor == operator
+
+
+def test_unloading_below_min_replicas_shows_why_on_the_card(operator_client):
+    replica = ReplicaFactory(worker=make_worker(), state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100",
+                             deployment=DeploymentFactory(desired_replicas=1, min_replicas=1))
+    fragment = operator_client.post(reverse("dashboard:replica_unload", args=[replica.pk]), **HTMX).content.decode()
+    assert 'data-testid="action-error"' in fragment and "must keep at least 1 replicas" in fragment
+    replica.refresh_from_db()
+    assert replica.state == Replica.State.READY
+
+
+def test_draining_a_worker(operator_client, operator, django_capture_on_commit_callbacks):
+    worker = make_worker()
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    assert f'hx-confirm="Drain {worker.name}?' in page
+    with django_capture_on_commit_callbacks(execute=True):
+        fragment = operator_client.post(reverse("dashboard:worker_drain", args=[worker.pk]), **HTMX).content.decode()
+    assert 'data-state="draining"' in fragment and 'data-testid="drain-worker"' not in fragment
+    worker.refresh_from_db()
+    assert worker.state == Worker.State.DRAINING
+    assert [task for task, _ in queued_tasks(worker.queue_name)] == [DRAIN_WORKER]
+    assert _audit("worker.drain").actor == operator
+    again = operator_client.post(reverse("dashboard:worker_drain", args=[worker.pk]), **HTMX).content.decode()
+    assert "only an online worker can be drained" in again
+
+
+def test_without_htmx_an_action_redirects_back_with_a_message(operator_client):
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
+    response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
+                                    {f"s{deployment.pk}-desired_replicas": "2"}, follow=True)
+    assert response.redirect_chain[-1][0] == reverse("dashboard:fleet")
+    assert "now wants 2 replicas" in response.content.decode()
+    response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
+                                    {f"s{deployment.pk}-desired_replicas": "9"}, follow=True)
+    assert "Must lie between min_replicas (0) and max_replicas (3); got 9." in response.content.decode()

@@ -1,0 +1,160 @@
+"""The catalog pages: add and edit models with every error beside its field, the weight path
+checked against what the chosen workers report (and said plainly when none can tell), enable,
+disable and deploy, each audited."""
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from controlplane.audit.models import AuditEntry
+from controlplane.catalog.models import Deployment, Model
+from controlplane.fleet.models import Worker
+from controlplane.fleet.reports import parse_heartbeat, parse_registration
+from controlplane.fleet.services import worker_heartbeat, worker_register
+from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
+    _private_live_cache,
+    make_worker,
+    operator,
+    operator_client,
+)
+from tests.controlplane.factories import ModelFactory, PriceTierFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def _form(**overrides) -> dict:
+    return {"public_name": "llama-3-8b", "family": "llama", "kind": "chat", "weights_path": "/models/llama-3-8b",
+            "context_length": "8192", "parameter_count": "8000000000", "gpu_memory_bytes": "",
+            "price_tier": str(PriceTierFactory().pk), "enabled": "on", **overrides}
+
+
+def _reporting_worker(name: str, *, roots: list[str], paths: list[str]) -> Worker:
+    """A worker registered through the service, reporting its model roots like the daemon does."""
+    return worker_register(registration=parse_registration({
+        "name": name, "advertise_host": "10.0.0.5", "device": "cpu", "gpus": [],
+        "cpu": {"memory_total_bytes": 1 << 34, "cores": 8}, "models": {"roots": roots, "paths": paths},
+    }), now=timezone.now())
+
+
+def _error_beside(page: str, field: str) -> str:
+    start = page.index(f'id="errors-{field}"')
+    assert page.index(f'name="{field}"') < start  # the message follows its own input
+    return page[start:page.index("</div>", start)]
+
+
+def test_adding_a_model_estimates_its_memory_and_is_audited(operator_client, operator):
+    response = operator_client.post(reverse("dashboard:catalog_add"), _form(check_workers=[]), follow=True)
+    assert response.redirect_chain[-1][0] == reverse("dashboard:catalog")
+    page = response.content.decode()
+    assert "Added llama-3-8b." in page and "The weight path was not checked: no worker was chosen." in page
+    model = Model.objects.get(public_name="llama-3-8b")
+    assert model.gpu_memory_bytes == int(8_000_000_000 * 2 * 1.2)
+    entry = AuditEntry.objects.get(action="model.create")
+    assert (entry.actor, entry.detail["weights_path"]) == (operator, "/models/llama-3-8b")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("public_name", "bad name!", "Use letters, digits and . _ : / - only"),
+    ("public_name", "", "This field is required."),
+    ("weights_path", "models/relative", "Give an absolute path"),
+    ("context_length", "0", "Ensure this value is greater than or equal to 1."),
+    ("parameter_count", "lots", "Enter a whole number."),
+    ("kind", "poem", "Select a valid choice."),
+    ("gpu_memory_bytes", "-5", "Ensure this value is greater than or equal to 1."),
+])
+def test_bad_input_is_refused_beside_the_field(operator_client, field, value, message):
+    response = operator_client.post(reverse("dashboard:catalog_add"), _form(**{field: value}))
+    assert response.status_code == 200
+    assert message in _error_beside(response.content.decode(), field)
+    assert not Model.objects.exists() and not AuditEntry.objects.exists()
+
+
+def test_a_duplicate_name_is_refused_beside_the_name(operator_client):
+    ModelFactory(public_name="llama-3-8b")
+    page = operator_client.post(reverse("dashboard:catalog_add"), _form()).content.decode()
+    assert "Model with this Public name already exists." in _error_beside(page, "public_name")
+
+
+def test_the_path_must_exist_on_chosen_workers_that_search_there(operator_client):
+    has_it = _reporting_worker("has-it", roots=["/models"], paths=["/models/llama-3-8b"])
+    lacks_it = _reporting_worker("lacks-it", roots=["/models"], paths=["/models/other"])
+    page = operator_client.post(reverse("dashboard:catalog_add"),
+                                _form(check_workers=[has_it.pk, lacks_it.pk])).content.decode()
+    error = _error_beside(page, "weights_path")
+    assert "lacks-it has no checkpoint (a directory with config.json) at /models/llama-3-8b" in error
+    assert "has-it" not in error
+    assert not Model.objects.exists()
+    response = operator_client.post(reverse("dashboard:catalog_add"), _form(check_workers=[has_it.pk]), follow=True)
+    assert "Added llama-3-8b." in response.content.decode()
+    assert Model.objects.filter(public_name="llama-3-8b").exists()
+
+
+def test_workers_that_cannot_tell_do_not_block_and_the_form_says_so(operator_client):
+    silent = make_worker(name="silent")  # reports no model roots
+    elsewhere = _reporting_worker("elsewhere", roots=["/data/models"], paths=[])
+    response = operator_client.post(reverse("dashboard:catalog_add"),
+                                    _form(check_workers=[silent.pk, elsewhere.pk]), follow=True)
+    page = response.content.decode()
+    assert "No chosen worker reports this path, so it was not checked." in page
+    assert "silent reports no model roots" in page and "elsewhere searches only /data/models" in page
+    assert Model.objects.filter(public_name="llama-3-8b").exists()
+
+
+def test_heartbeats_update_what_a_worker_reports(operator_client):
+    worker = _reporting_worker("w1", roots=["/models"], paths=[])
+    url = reverse("dashboard:catalog_path_check")
+    query = {"weights_path": "/models/new", "check_workers": [worker.pk]}
+    assert 'data-status="missing"' in operator_client.get(url, query).content.decode()
+    worker_heartbeat(worker_id=worker.pk, now=timezone.now(), heartbeat=parse_heartbeat(
+        {"models": {"roots": ["/models"], "paths": ["/models/new"]}}))
+    assert 'data-status="found"' in operator_client.get(url, query).content.decode()
+
+
+def test_the_add_form_offers_online_workers_checked_by_default(operator_client):
+    online, lost = make_worker(name="on-1"), make_worker(name="lost-1", state=Worker.State.LOST)
+    make_worker(name="gone-1", state=Worker.State.OFFLINE)
+    page = operator_client.get(reverse("dashboard:catalog_add")).content.decode()
+    assert f'value="{online.pk}"' in page and f'value="{lost.pk}"' in page and "gone-1" not in page
+    checked = page[page.index(f'value="{online.pk}"') - 200:page.index(f'value="{online.pk}"') + 80]
+    assert "checked" in checked
+
+
+def test_editing_a_model_records_what_changed(operator_client, operator):
+    model = ModelFactory(public_name="qwen", context_length=4096)
+    form = {**_form(public_name="qwen", weights_path=model.weights_path, context_length="32768",
+                    price_tier=str(model.price_tier_id), gpu_memory_bytes=str(model.gpu_memory_bytes),
+                    parameter_count=str(model.parameter_count), family=model.family)}
+    response = operator_client.post(reverse("dashboard:catalog_edit", args=[model.pk]), form, follow=True)
+    assert "Saved qwen." in response.content.decode()
+    model.refresh_from_db()
+    assert model.context_length == 32768
+    assert AuditEntry.objects.get(action="model.update").detail == {"context_length": [4096, 32768]}
+    page = operator_client.post(reverse("dashboard:catalog_edit", args=[model.pk]),
+                                {**form, "context_length": "-3"}).content.decode()
+    assert "greater than or equal to 1" in _error_beside(page, "context_length")
+
+
+def test_enable_disable_and_deploy_from_the_list(operator_client, operator, django_capture_on_commit_callbacks):
+    model = ModelFactory(public_name="phi", enabled=True)
+    page = operator_client.get(reverse("dashboard:catalog")).content.decode()
+    assert f'id="model-{model.pk}"' in page and 'hx-confirm="Disable phi?' in page
+    fragment = operator_client.post(reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "0"},
+                                    HTTP_HX_REQUEST="true").content.decode()
+    assert fragment.lstrip().startswith(f'<tr id="model-{model.pk}"') and 'data-enabled="false"' in fragment
+    model.refresh_from_db()
+    assert not model.enabled
+    operator_client.post(reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "1"},
+                         HTTP_HX_REQUEST="true")
+    with django_capture_on_commit_callbacks(execute=True):
+        fragment = operator_client.post(reverse("dashboard:catalog_deploy", args=[model.pk]),
+                                        HTTP_HX_REQUEST="true").content.decode()
+    assert "1 replica wanted" in fragment and 'data-testid="catalog-deploy"' not in fragment
+    assert Deployment.objects.get(model=model).desired_replicas == 1
+    assert list(AuditEntry.objects.order_by("pk").values_list("action", "actor_label")) == [
+        ("model.disable", operator.username), ("model.enable", operator.username),
+        ("deployment.create", operator.username)]
+
+
+def test_the_empty_catalog_says_what_to_do(operator_client):
+    page = operator_client.get(reverse("dashboard:catalog")).content.decode()
+    assert 'data-testid="catalog-empty"' in page and reverse("dashboard:catalog_add") in page

@@ -1,0 +1,133 @@
+"""The fleet page's WebSocket through the real ASGI stack (session auth, origin check) and the
+real Redis channel layer: operators receive each heartbeat's figures, replica changes and new
+workers as HTML fragments addressed by id; anyone else is turned away."""
+
+import re
+
+import pytest
+from asgiref.sync import sync_to_async
+from django.db import connections
+from django.test import Client
+from django.utils import timezone
+
+from controlplane.accounts.models import User
+from controlplane.asgi import application
+from controlplane.fleet.models import Replica
+from controlplane.fleet.reports import parse_registration
+from controlplane.fleet.services import replica_transition, worker_register
+from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
+    WebSocketClient,
+    _private_live_cache,
+    beat,
+    make_user,
+    make_worker,
+)
+from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("redis_url")]
+
+
+@pytest.fixture(autouse=True)
+async def _close_worker_thread_connections():
+    # The ORM work (the test's and the consumer's) runs on asgiref's one sync thread, whose
+    # connection would otherwise outlive the test database.
+    yield
+    await sync_to_async(connections.close_all)()
+
+
+@sync_to_async
+def _session_cookie(role: str | None) -> str:
+    if role is None:
+        return ""
+    client = Client()
+    client.force_login(make_user(role))
+    return f"sessionid={client.cookies['sessionid'].value}"
+
+
+async def _connect(role: str | None) -> tuple[WebSocketClient, bool, int | None]:
+    headers = [(b"origin", b"http://localhost"), (b"host", b"localhost")]
+    cookie = await _session_cookie(role)
+    if cookie:
+        headers.append((b"cookie", cookie.encode()))
+    communicator = WebSocketClient(application, "/ws/fleet/", headers=headers)
+    connected, code = await communicator.connect()
+    return communicator, connected, code
+
+
+@pytest.mark.parametrize("role", [None, User.Role.TENANT_MEMBER])
+async def test_anonymous_and_tenant_connections_are_closed(role):
+    communicator, connected, code = await _connect(role)
+    assert (connected, code) == (False, 4403)
+
+
+async def _receive_matching(communicator: WebSocketClient, needle: str, *, tries: int = 10) -> str:
+    for _ in range(tries):
+        html = await communicator.receive_from(timeout=5)
+        if needle in html:
+            return html
+    raise AssertionError(f"no fragment with {needle!r} arrived")
+
+
+def _polyline(html: str, element_id: str) -> list[str]:
+    start = html.index(f'id="{element_id}"')
+    return re.search(r'<polyline points="([^"]*)"', html[start:]).group(1).split()
+
+
+@pytest.mark.parametrize("role", [User.Role.OPERATOR, User.Role.ADMIN])
+async def test_operators_receive_each_heartbeats_figures_with_a_growing_sparkline(role):
+    worker = await sync_to_async(make_worker)()
+    await sync_to_async(GpuFactory)(worker=worker, index=0)
+    communicator, connected, _ = await _connect(role)
+    assert connected
+    try:
+        for utilisation in (20.0, 80.0):
+            await sync_to_async(beat)(worker, gpus=[{
+                "index": 0, "utilization_pct": utilisation, "memory_used_bytes": 10 * 1024**3,
+                "memory_total_bytes": 80 * 1024**3, "temperature_c": 55.0, "power_w": 300.0}])
+            html = await _receive_matching(communicator, f'id="metrics-{worker.pk}-gpu0"')
+            assert f'id="figure-{worker.pk}-gpu0-utilization" data-testid="figure-utilization">{utilisation:.0f}%<' in html
+            assert f'id="metrics-{worker.pk}-cpu"' in html  # the host's CPU row too
+            assert f'id="worker-{worker.pk}-heartbeat"' in html and "last heartbeat" in html
+        points = _polyline(html, f"figure-{worker.pk}-gpu0-utilization")
+        assert len(points) == 2
+        heights = [float(p.split(",")[1]) for p in points]
+        assert heights[1] < heights[0]  # 80% is drawn higher (smaller y) than 20%
+    finally:
+        await communicator.disconnect()
+
+
+async def test_load_progress_and_replica_changes_reach_the_page():
+    worker = await sync_to_async(make_worker)()
+    gpu = await sync_to_async(GpuFactory)(worker=worker, index=0)
+    deployment = await sync_to_async(DeploymentFactory)(model=await sync_to_async(ModelFactory)(public_name="tiny"))
+    replica = await sync_to_async(ReplicaFactory)(deployment=deployment, worker=worker, gpu=gpu)
+    communicator, connected, _ = await _connect(User.Role.OPERATOR)
+    assert connected
+    try:
+        # The worker reports the load under way: the replica moves to loading and its bar moves.
+        await sync_to_async(beat)(worker, gpus=[{"index": 0, "utilization_pct": 5.0}],
+                                  replicas=[{"replica_id": replica.pk, "state": "loading", "load_progress": 0.5}])
+        card = await _receive_matching(communicator, f'id="worker-{worker.pk}"')
+        assert f'id="replica-{replica.pk}"' in card and 'data-state="loading"' in card
+        assert f'id="deployment-{deployment.pk}-status"' in card
+        progress = await _receive_matching(communicator, f'id="replica-{replica.pk}-progress"')
+        assert 'aria-valuenow="50"' in progress
+        await sync_to_async(replica_transition)(replica=replica, to_state=Replica.State.READY, at=timezone.now(),
+                                                endpoint_url="http://127.0.0.1:9100")
+        card = await _receive_matching(communicator, f'id="replica-{replica.pk}" data-testid="replica" data-state="ready"')
+        assert 'data-testid="deployment-status" data-state="ready"' in card
+    finally:
+        await communicator.disconnect()
+
+
+async def test_a_new_worker_appears_on_the_page():
+    communicator, connected, _ = await _connect(User.Role.OPERATOR)
+    assert connected
+    try:
+        await sync_to_async(worker_register)(registration=parse_registration({
+            "name": "fresh-worker", "advertise_host": "10.0.0.9", "device": "cpu", "gpus": [],
+            "cpu": {"memory_total_bytes": 1 << 34, "cores": 4}}), now=timezone.now())
+        html = await _receive_matching(communicator, 'data-worker-name="fresh-worker"')
+        assert html.lstrip().startswith('<div id="workers"')
+    finally:
+        await communicator.disconnect()

@@ -1,0 +1,100 @@
+"""The operator pages by role, and what the fleet page shows: workers with their GPUs' live
+figures, replicas with load progress, deployments, and the empty state."""
+
+import pytest
+from django.urls import reverse
+
+from controlplane.accounts.models import User
+from controlplane.fleet.models import Replica
+from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
+    _private_live_cache,
+    beat,
+    make_user,
+    make_worker,
+    operator,
+    operator_client,
+)
+from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
+
+pytestmark = pytest.mark.django_db
+
+PAGES = ["dashboard:fleet", "dashboard:catalog", "dashboard:audit", "dashboard:catalog_add"]
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_anonymous_visitors_are_sent_to_login(client, name):
+    response = client.get(reverse(name))
+    assert response.status_code == 302
+    assert response["Location"].startswith(reverse("login"))
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_tenant_members_get_403(client, name):
+    client.force_login(make_user(User.Role.TENANT_MEMBER))
+    assert client.get(reverse(name)).status_code == 403
+
+
+@pytest.mark.parametrize("role", [User.Role.OPERATOR, User.Role.ADMIN])
+@pytest.mark.parametrize("name", PAGES)
+def test_operators_and_admins_open_every_page(client, role, name):
+    client.force_login(make_user(role))
+    assert client.get(reverse(name)).status_code == 200
+
+
+def test_tenant_members_cannot_act_either(client):
+    deployment = DeploymentFactory()
+    worker = make_worker()
+    replica = ReplicaFactory(deployment=deployment, worker=worker)
+    client.force_login(make_user(User.Role.TENANT_MEMBER))
+    posts = [
+        (reverse("dashboard:deployment_scale", args=[deployment.pk]), {f"s{deployment.pk}-desired_replicas": "2"}),
+        (reverse("dashboard:deployment_edit", args=[deployment.pk]), {}),
+        (reverse("dashboard:replica_load"), {}),
+        (reverse("dashboard:replica_unload", args=[replica.pk]), {}),
+        (reverse("dashboard:worker_drain", args=[worker.pk]), {}),
+        (reverse("dashboard:catalog_set_enabled", args=[deployment.model.pk]), {"enabled": "0"}),
+        (reverse("dashboard:catalog_deploy", args=[deployment.model.pk]), {}),
+    ]
+    for url, data in posts:
+        assert client.post(url, data).status_code == 403, url
+    deployment.refresh_from_db()
+    worker.refresh_from_db()
+    assert (deployment.desired_replicas, worker.state) == (1, "online")
+
+
+def test_the_empty_fleet_says_how_to_start_a_worker(operator_client):
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    assert 'data-testid="fleet-empty"' in page
+    assert "No workers yet: start one with <code>python -m gpuworker daemon --control-url ... --token ...</code>" in page
+    assert 'ws-connect="/ws/fleet/"' in page
+
+
+def test_the_fleet_page_shows_gpus_with_their_live_figures_and_loading_replicas(operator_client):
+    worker = make_worker(name="h200-a")
+    gpu = GpuFactory(worker=worker, index=0, name="NVIDIA H200")
+    replica = ReplicaFactory(worker=worker, gpu=gpu, state=Replica.State.LOADING,
+                             deployment=DeploymentFactory(model=ModelFactory(public_name="llama-8b")))
+    beat(worker, gpus=[{"index": 0, "utilization_pct": 73.0, "memory_used_bytes": 40 * 1024**3,
+                        "memory_total_bytes": 141 * 1024**3, "temperature_c": 61.0, "power_w": 412.0}],
+         replicas=[{"replica_id": replica.pk, "state": "loading", "load_progress": 0.42}])
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    assert f'id="worker-{worker.pk}"' in page and "h200-a" in page
+    assert "GPU 0 · NVIDIA H200" in page
+    figures = {name: f'id="figure-{worker.pk}-gpu0-{name}" data-testid="figure-{name}">' for name in
+               ("utilization", "memory", "temperature", "power")}
+    assert figures["utilization"] + "73%<" in page
+    assert figures["memory"] + "40.0 / 141.0 GiB<" in page
+    assert figures["temperature"] + "61 °C<" in page
+    assert figures["power"] + "412 W<" in page
+    assert f'id="replica-{replica.pk}-progress"' in page and 'aria-valuenow="42"' in page
+    assert 'data-testid="drain-worker"' in page and 'data-testid="unload-replica"' in page
+
+
+def test_the_fleet_page_lists_deployments_with_their_forms(operator_client):
+    deployment = DeploymentFactory(model=ModelFactory(public_name="mistral-7b"), desired_replicas=1,
+                                   min_replicas=0, max_replicas=3, keep_warm=True)
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    assert f'id="deployment-{deployment.pk}"' in page
+    assert "desired 1 · min 0 · max 3 · keep warm" in page
+    assert f'name="s{deployment.pk}-desired_replicas"' in page and f'name="d{deployment.pk}-max_replicas"' in page
+    assert 'data-testid="load-form"' in page

@@ -1,0 +1,253 @@
+"""The playground end to end: the page's WebSocket consumer (through the project's ASGI routing,
+session auth included) streams a chat answer from real CPU replicas through the gateway's /v1 app,
+billed like an API request; Stop aborts the request on the replica. Also: a key revoked on the
+keys page is refused by a running gateway.
+"""
+
+import json
+import time
+from decimal import Decimal
+
+import httpx
+import openai
+import pytest
+from asgiref.sync import async_to_sync
+from asgiref.testing import ApplicationCommunicator
+from django.test import Client
+from django.urls import reverse
+
+from controlplane.accounts.models import ApiKey, User
+from controlplane.billing.models import CreditEntry, UsageRecord
+from tests.controlplane.factories import PlanFactory, TenantFactory, UserFactory
+from tests.controlplane.gateway.conftest import (  # noqa: F401 (fixtures)
+    WORKER_TOKEN, checkpoint, database_url, gateway, make_world, replica_processes, replicas, wait_until,
+)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+class WebsocketCommunicator(ApplicationCommunicator):
+    """A WebSocket client for an ASGI app, as channels.testing's (which needs daphne, not installed)."""
+
+    def __init__(self, application, path: str, headers: list):
+        super().__init__(application, {"type": "websocket", "path": path, "query_string": b"",
+                                       "headers": headers, "subprotocols": []})
+
+    async def connect(self, timeout: float = 5) -> tuple[bool, int | None]:
+        await self.send_input({"type": "websocket.connect"})
+        response = await self.receive_output(timeout)
+        if response["type"] == "websocket.close":
+            return False, response.get("code", 1000)
+        assert response["type"] == "websocket.accept"
+        return True, None
+
+    async def send_to(self, text_data: str) -> None:
+        await self.send_input({"type": "websocket.receive", "text": text_data})
+
+    async def receive_from(self, timeout: float = 1) -> str:
+        response = await self.receive_output(timeout)
+        assert response["type"] == "websocket.send", response
+        return response["text"]
+
+    async def disconnect(self, code: int = 1000, timeout: float = 30) -> None:
+        await self.send_input({"type": "websocket.disconnect", "code": code})
+        await self.wait(timeout)
+
+
+@pytest.fixture
+def in_process_gateway(settings):
+    """The /v1 app of this (test) process, as the consumer uses it, configured for the replicas."""
+    from controlplane.asgi import gateway_app
+
+    settings.FLEET_WORKER_TOKEN = WORKER_TOKEN
+    settings.GATEWAY_ROUTING_REFRESH_MS = 100
+    settings.GATEWAY_REPLICA_WAIT_SECONDS = 2
+    gateway_app.state.gateway = None
+    yield gateway_app
+    assert gateway_app.state.gateway is None, "each scenario closes the gateway it used"
+
+
+def _session_cookie(user) -> bytes:
+    client = Client()
+    client.force_login(user)
+    return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+async def _connect(user_cookie: bytes | None) -> WebsocketCommunicator:
+    from controlplane.asgi import application
+
+    headers = [(b"origin", b"http://localhost"), (b"host", b"localhost")]
+    if user_cookie:
+        headers.append((b"cookie", user_cookie))
+    return WebsocketCommunicator(application, "/ws/playground/", headers=headers)
+
+
+def _send(model: str, **fields) -> str:
+    return json.dumps({"action": "send", "model": model, "system_prompt": "You are terse.",
+                       "message": "Tell me a long story about GPUs.", "temperature": "0", "max_tokens": "40",
+                       "HEADERS": {"HX-Request": "true"}, **{k: str(v) for k, v in fields.items()}})
+
+
+async def _until_final(ws: WebsocketCommunicator, messages: list[str], timeout: float = 60) -> str:
+    while True:
+        message = await ws.receive_from(timeout=timeout)
+        messages.append(message)
+        if 'id="playground-status" data-state="' in message and 'data-state="streaming"' not in message:
+            return message
+
+
+async def _close_gateway(app) -> None:
+    if app.state.gateway is not None:
+        await app.state.gateway.aclose()
+        app.state.gateway = None
+
+
+def _stats(url: str) -> dict:
+    return httpx.get(f"{url}/stats", headers={"Authorization": f"Bearer {WORKER_TOKEN}"}, timeout=5).json()
+
+
+def _generated_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {WORKER_TOKEN}"}, timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total{"))
+
+
+def test_answer_streams_and_is_billed_once(gateway, replicas, in_process_gateway):
+    world = make_world(gateway, replicas, price=Decimal("0.003"))
+    user = UserFactory(role=User.Role.TENANT_MEMBER, tenant=world.tenant)
+    cookie = _session_cookie(user)
+
+    async def scenario():
+        ws = await _connect(cookie)
+        try:
+            connected, _ = await ws.connect()
+            assert connected
+            await ws.send_to(text_data=_send(world.model.public_name))
+            messages: list[str] = []
+            final = await _until_final(ws, messages)
+        finally:
+            await ws.disconnect()
+            await _close_gateway(in_process_gateway)
+        return messages, final
+
+    messages, final = async_to_sync(scenario)()
+    assert 'data-state="streaming"' in messages[0] and 'id="playground-send" data-testid="playground-send" disabled' in messages[0]
+    deltas = [m for m in messages if 'hx-swap-oob="beforeend"' in m]
+    assert len(deltas) >= 2, "the answer arrives token by token"
+    assert 'data-state="done"' in final and "cost $0.003000" in final and "completion tokens" in final
+    world.settled()
+    record = UsageRecord.objects.get(tenant=world.tenant)
+    assert record.status == UsageRecord.Status.COMPLETED and record.price_charged == Decimal("0.003")
+    assert record.api_key.purpose == ApiKey.Purpose.PLAYGROUND and record.completion_tokens >= len(deltas)
+    assert CreditEntry.objects.filter(tenant=world.tenant, kind=CreditEntry.Kind.USAGE).count() == 1
+    # The session's key is gone with the session.
+    assert ApiKey.objects.get(pk=record.api_key_id).revoked
+
+
+def test_stop_aborts_on_the_replica_and_bills_by_the_gateways_rules(gateway, replicas, in_process_gateway):
+    world = make_world(gateway, replicas, price=Decimal("0.003"))
+    user = UserFactory(role=User.Role.TENANT_MEMBER, tenant=world.tenant)
+    cookie = _session_cookie(user)
+    generated_before = sum(_generated_tokens(r.url) for r in replicas)
+    max_tokens = 200
+
+    async def scenario():
+        ws = await _connect(cookie)
+        try:
+            assert (await ws.connect())[0]
+            await ws.send_to(text_data=_send(world.model.public_name, max_tokens=max_tokens,
+                                             message="Stop me."))
+            messages = [await ws.receive_from(timeout=60)]
+            while 'hx-swap-oob="beforeend"' not in messages[-1]:
+                messages.append(await ws.receive_from(timeout=60))
+            await ws.send_to(text_data=json.dumps({"action": "stop", "HEADERS": {}}))
+            final = await _until_final(ws, messages)
+            # The socket stays usable: the session key is still good for the next question.
+            return messages, final
+        finally:
+            await ws.disconnect()
+            await _close_gateway(in_process_gateway)
+
+    messages, final = async_to_sync(scenario)()
+    assert 'data-state="stopped"' in final, final
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = [_stats(r.url) for r in replicas]
+        if all(s["running"] == 0 and s["waiting"] == 0 and s["in_flight"] == 0 for s in stats):
+            break
+        time.sleep(0.05)
+    assert all(s["running"] == 0 and s["in_flight"] == 0 for s in stats), stats
+    generated = sum(_generated_tokens(r.url) for r in replicas) - generated_before
+    assert generated < max_tokens, "aborted on the replica, not run to the end"
+    world.settled()
+    record = UsageRecord.objects.get(tenant=world.tenant)
+    # Stopped after its first token: charged once, as cancelled.
+    assert record.status == UsageRecord.Status.CANCELLED and record.price_charged == Decimal("0.003")
+    assert CreditEntry.objects.filter(tenant=world.tenant, kind=CreditEntry.Kind.USAGE).count() == 1
+
+
+def test_errors_show_in_the_page(gateway, replicas, in_process_gateway):
+    world = make_world(gateway, replicas)
+    broke = TenantFactory(plan=PlanFactory(included_requests_per_month=0, rate_limit_per_minute=100))
+    user = UserFactory(role=User.Role.TENANT_MEMBER, tenant=broke)
+    cookie = _session_cookie(user)
+
+    async def scenario():
+        ws = await _connect(cookie)
+        try:
+            assert (await ws.connect())[0]
+            await ws.send_to(text_data=_send(world.model.public_name))
+            no_credit = await _until_final(ws, [])
+            await ws.send_to(text_data=_send("no-such-model", max_tokens=0, message=" "))
+            invalid = await ws.receive_from(timeout=10)
+            return no_credit, invalid
+        finally:
+            await ws.disconnect()
+            await _close_gateway(in_process_gateway)
+
+    no_credit, invalid = async_to_sync(scenario)()
+    assert 'data-state="failed"' in no_credit and 'data-code="insufficient_quota"' in no_credit
+    assert "run out of credits" in no_credit
+    assert 'id="error-model"' in invalid and "Select a valid choice" in invalid
+    assert "Write a message to send" in invalid or "This field is required" in invalid
+    assert "greater than or equal to 1" in invalid
+    assert not UsageRecord.objects.filter(tenant=broke).exists()
+
+
+@pytest.mark.parametrize("role", [None, User.Role.OPERATOR, User.Role.ADMIN])
+def test_only_tenant_members_may_connect(role, in_process_gateway):
+    cookie = None if role is None else _session_cookie(UserFactory(role=role, tenant=None))
+
+    async def scenario():
+        ws = await _connect(cookie)
+        connected, code = await ws.connect()
+        await ws.disconnect()
+        return connected, code
+
+    connected, code = async_to_sync(scenario)()
+    assert not connected and code == 4403
+
+
+def test_a_key_revoked_on_the_page_is_refused_by_the_gateway(gateway, replicas):
+    world = make_world(gateway, replicas)
+    client = Client()
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=world.tenant))
+    page = client.post(reverse("dashboard:keys"), {"name": "to revoke"}).content.decode()
+    start = page.index('id="key-plaintext"')
+    plaintext = page[page.index(">", start) + 1: page.index("</code>", start)]
+    api = world.client(api_key=plaintext)
+    answer = api.chat.completions.create(model=world.model.public_name, max_tokens=2,
+                                         messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices  # the gateway now holds the key in its cache
+    api_key = ApiKey.objects.get(tenant=world.tenant, name="to revoke")
+    assert client.post(reverse("dashboard:key_revoke", args=[api_key.pk]), headers={"HX-Request": "true"}).status_code == 200
+
+    def refused() -> bool:
+        try:
+            api.models.list()
+        except openai.AuthenticationError as error:
+            return "revoked" in str(error)
+        return False
+
+    wait_until(refused, 5, "the gateway to refuse the revoked key")
+    world.settled()

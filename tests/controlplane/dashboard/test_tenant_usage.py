@@ -1,0 +1,58 @@
+"""The usage page: this month's requests, spend and balance, by day, only the tenant's own."""
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.urls import reverse
+from django.utils import timezone
+
+from controlplane.accounts.models import User
+from controlplane.billing.reports import month_start_of
+from controlplane.billing.services import credit_grant, usage_record_create
+from tests.controlplane.factories import ModelFactory, PriceTierFactory, TenantFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def _model(price: str):
+    return ModelFactory(price_tier=PriceTierFactory(price_per_request=Decimal(price)), context_length=256,
+                        parameter_count=1, gpu_memory_bytes=1)
+
+
+def _record(tenant, model, at, status="completed", n=1):
+    return usage_record_create(request_id=f"req-{tenant.pk}-{at.timestamp()}-{status}", tenant=tenant, model=model,
+                               status=status, prompt_tokens=10, completion_tokens=5, total_latency_ms=100,
+                               time_to_first_token_ms=10, at=at, num_requests=n)
+
+
+def test_empty_month_says_what_to_do(client):
+    user = UserFactory(role=User.Role.TENANT_MEMBER)
+    client.force_login(user)
+    page = client.get(reverse("dashboard:usage")).content.decode()
+    assert 'id="usage-empty"' in page and 'id="usage-chart"' not in page
+    assert 'data-testid="usage-requests">0<' in page and 'data-testid="usage-balance">$0.0000<' in page
+
+
+def test_month_figures_daily_rows_and_isolation(client):
+    tenant, other = TenantFactory(), TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("5"))
+    model = _model("0.01")
+    now = timezone.now()
+    start = month_start_of(now)
+    _record(tenant, model, start + timedelta(minutes=1))
+    _record(tenant, model, start + timedelta(minutes=2), n=2)
+    _record(tenant, model, start + timedelta(minutes=3), status="failed")
+    _record(tenant, model, start - timedelta(days=3))  # last month: not counted, but charged
+    _record(other, model, start + timedelta(minutes=4))  # another tenant's
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=tenant))
+    response = client.get(reverse("dashboard:usage"))
+    page = response.content.decode()
+    assert 'data-testid="usage-requests">3<' in page  # the failed one counts as a request, free
+    assert 'data-testid="usage-spend">$0.0300<' in page  # 0.01 + 2 x 0.01
+    assert 'data-testid="usage-balance">$4.9600<' in page  # 5 - 0.03 - 0.01 (last month)
+    first_day = start.date().isoformat()
+    assert f'<tr data-day="{first_day}"><td>{first_day}</td><td class="num">3</td><td class="num">1</td>' in page
+    chart = response.context["chart"]
+    assert chart["days"][0] == first_day and chart["requests"][0] == 3 and chart["spend"][0] == pytest.approx(0.03)
+    assert len(chart["days"]) == now.day and sum(chart["requests"]) == 3

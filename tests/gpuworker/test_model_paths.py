@@ -1,0 +1,68 @@
+"""The daemon reports the checkpoints under its model roots: the scan itself, and registration plus
+heartbeats against the real control plane (Django's live server), where the catalog reads them."""
+
+from pathlib import Path
+
+import pytest
+
+from gpuworker.agent import Agent, AgentConfig
+from gpuworker.hardware import HardwareProbe
+from gpuworker.model_paths import scan_model_roots
+from gpuworker.supervisor import Supervisor
+
+
+def _checkpoint(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_scan_finds_checkpoint_directories_to_a_bounded_depth(tmp_path):
+    root = tmp_path / "models"
+    llama = _checkpoint(root / "llama-8b")
+    _checkpoint(root / "llama-8b" / "original")  # inside a checkpoint: not a separate model
+    nested = _checkpoint(root / "org" / "qwen" / "main")
+    _checkpoint(root / "a" / "b" / "c" / "too-deep")
+    _checkpoint(root / ".cache" / "hidden")
+    (root / "empty").mkdir()
+    scan = scan_model_roots([root, tmp_path / "missing"])
+    assert scan.roots == (str(root), str(tmp_path / "missing"))
+    assert scan.paths == (str(llama), str(nested))
+
+
+def test_a_root_that_is_itself_a_checkpoint_is_reported(tmp_path):
+    model = _checkpoint(tmp_path / "one-model")
+    assert scan_model_roots([model / ".." / "one-model"]).paths == (str(model),)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_registration_and_heartbeats_carry_the_scan_to_the_control_plane(tmp_path, live_server, settings):
+    from controlplane.fleet.models import Worker
+
+    root = tmp_path / "models"
+    first = _checkpoint(root / "first")
+    config = AgentConfig(control_url=live_server.url, token=settings.FLEET_WORKER_TOKEN, name="scan-test",
+                         advertise_host="127.0.0.1", device="cpu", port_range=(20100, 20110),
+                         state_dir=tmp_path / "state", model_roots=(root,))
+    agent = Agent(config)
+    agent.probe = HardwareProbe("cpu")
+    agent.supervisor = Supervisor(token="t", gpu_count=0, port_range=(20100, 20110), advertise_host="127.0.0.1",
+                                  bind_host="127.0.0.1", state_dir=tmp_path / "state", worker_name="scan-test")
+    agent._registration_payload = {"name": "scan-test", "advertise_host": "127.0.0.1", "device": "cpu",
+                                   **agent.probe.inventory(), "version": "test"}
+    try:
+        agent._register()
+        worker = Worker.objects.get(name="scan-test")
+        assert (worker.model_roots, worker.model_paths) == ([str(root)], [str(first)])
+        payload, sent = agent._heartbeat_payload()
+        assert "models" not in payload and sent is None  # unchanged since registration: not resent
+        second = _checkpoint(root / "second")
+        agent._model_scan_at -= 60  # the next scan is due
+        agent._beat()
+        worker.refresh_from_db()
+        assert worker.model_paths == [str(first), str(second)]
+        payload, sent = agent._heartbeat_payload()
+        assert "models" not in payload  # acknowledged by the last heartbeat
+    finally:
+        agent._control.close()
+        agent.probe.close()
