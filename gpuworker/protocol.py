@@ -6,6 +6,8 @@ turned into engine `SamplingParams` keyword arguments in one place.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -81,16 +83,128 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# OpenAI's rule for function names (also what chat templates can print without escaping).
+_FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def _function_name(value: str, param: str) -> str:
+    if not _FUNCTION_NAME.match(value):
+        raise ProtocolError(f"{param}: {value!r} is not a valid function name (1 to 64 letters, digits, "
+                            f"'_' or '-')", param=param)
+    return value
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _function_name(value, "response_format.json_schema.name")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON that validates against a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type not in RESPONSE_FORMAT_TYPES:
+            raise ProtocolError(f"response_format.type: {self.type!r} is not supported; expected one of "
+                                f"{', '.join(RESPONSE_FORMAT_TYPES)}", param="response_format.type")
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ProtocolError("response_format.json_schema: required when type is 'json_schema' (give "
+                                "name and schema)", param="response_format.json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ProtocolError(f"response_format.json_schema: only allowed when type is 'json_schema', "
+                                f"not {self.type!r}", param="response_format.json_schema")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    class _Name(BaseModel):
+        name: str
+
+    type: Literal["function"]
+    function: _Name
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A tool call an assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[dict], None] = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
             return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
         return self.content or ""
+
+    def template_message(self, index: int) -> dict:
+        """The message as chat templates read it: tool-call arguments as objects (templates print
+        them with `tojson`), and keys only when set (Llama 3.1's template tests `'tool_calls' in
+        message`)."""
+        message: dict[str, Any] = {"role": self.role if self.role != "developer" else "system",
+                                   "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for j, call in enumerate(self.tool_calls):
+                param = f"messages.{index}.tool_calls.{j}.function.arguments"
+                try:
+                    arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+                except ValueError as exc:
+                    raise ProtocolError(f"{param}: not valid JSON ({exc})", param=param) from None
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            message["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -98,19 +212,82 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported by this worker")
+        self._check_tools()
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and not message.tool_call_id:
+                raise ProtocolError(f"messages.{i}.tool_call_id: a message with role 'tool' must say which "
+                                    "tool call it answers", param=f"messages.{i}.tool_call_id")
+            if message.tool_calls and message.role != "assistant":
+                raise ProtocolError(f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                                    param=f"messages.{i}.tool_calls")
+            message.template_message(i)  # tool-call arguments must be JSON
         return self
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value):
+        if isinstance(value, str) and value not in ("none", "auto", "required"):
+            raise ProtocolError(f"tool_choice: {value!r} is not one of 'none', 'auto', 'required' or "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        return value
+
+    def _check_tools(self) -> None:
+        names: set[str] = set()
+        for i, tool in enumerate(self.tools or ()):
+            name = _function_name(tool.function.name, f"tools.{i}.function.name")
+            if name in names:
+                raise ProtocolError(f"tools.{i}.function.name: {name!r} is defined twice",
+                                    param=f"tools.{i}.function.name")
+            names.add(name)
+            parameters = tool.function.parameters
+            if parameters is not None and parameters.get("type", "object") != "object":
+                raise ProtocolError(f"tools.{i}.function.parameters: must be a JSON schema of type 'object'",
+                                    param=f"tools.{i}.function.parameters")
+        if self.tools is not None and not self.tools:
+            raise ProtocolError("tools: give at least one tool, or leave tools out", param="tools")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ProtocolError("tool_choice: only allowed when tools are given", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ProtocolError(f"tool_choice.function.name: no tool is named {self.tool_choice.function.name!r}; the tools "
+                                f"are {', '.join(sorted(names))}", param="tool_choice.function.name")
+        if self.forces_tool_call and self.response_format is not None and self.response_format.type != "text":
+            raise ProtocolError("response_format: cannot be combined with a tool_choice that forces a tool "
+                                "call (the call's arguments already follow the function's schema)",
+                                param="response_format")
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: 'auto' when tools are given, else 'none'."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.effective_tool_choice != "none"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.effective_tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
     def chat_messages(self) -> list[dict]:
-        return [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                for m in self.messages]
+        return [message.template_message(i) for i, message in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools for the chat template (None with tool_choice 'none': the model is not told of
+        tools it may not call, so it does not write calls that would only come back as text)."""
+        if not self.uses_tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
     def sampling_kwargs(self) -> dict[str, Any]:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -149,6 +326,8 @@ def parse_request(cls: type[BaseModel], body: Any):
         return cls.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
+        if isinstance((first.get("ctx") or {}).get("error"), ProtocolError):
+            raise first["ctx"]["error"] from None  # a validator that named its field itself
         param = ".".join(str(p) for p in first["loc"]) or None
         message = first["msg"].removeprefix("Value error, ")
         raise ProtocolError(f"{param}: {message}" if param else message, param=param) from None

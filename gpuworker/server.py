@@ -27,7 +27,7 @@ from starlette.routing import Route
 from gpuworker.engine import SamplingParams
 from gpuworker.engine_holder import EngineHolder, ServerConfig
 from gpuworker.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, new_id, now, parse_request
-from gpuworker.serving import Responder, drain_expired_error, engine_error, error_response
+from gpuworker.serving import Responder, drain_expired_error, engine_error, error_response, plan_chat
 
 __all__ = ["ServerConfig", "build_app", "run_server"]
 
@@ -138,21 +138,20 @@ def build_app(config: ServerConfig) -> Starlette:
             body = json.loads(await request.body())
         except json.JSONDecodeError as exc:
             return error_response(f"request body is not valid JSON: {exc}")
+        engine = holder.engine
+        prompt: Any
+        tool_parsing = None
         try:
             parsed = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
-            params = SamplingParams(**parsed.sampling_kwargs())
+            if chat:  # the prompt, constraints and tool-call format come from the model
+                plan = plan_chat(engine.engine, parsed)
+                prompt, params, tool_parsing = plan.prompt_token_ids, plan.params, plan.tool_parsing
+            else:
+                prompt, params = parsed.prompt, SamplingParams(**parsed.sampling_kwargs())
         except ProtocolError as exc:
             return JSONResponse(exc.to_dict(), status_code=exc.status)
         except ValueError as exc:
             return engine_error(exc, "messages" if chat else "prompt")
-        engine = holder.engine
-        if chat:
-            try:
-                prompt: Any = engine.engine.render_chat(parsed.chat_messages())[1]
-            except ValueError as exc:
-                return engine_error(exc, "messages")
-        else:
-            prompt = parsed.prompt
         request_id = new_id("chatcmpl" if chat else "cmpl")
         stream = engine.generate(prompt, params, request_id)
         try:
@@ -163,7 +162,7 @@ def build_app(config: ServerConfig) -> Starlette:
             return error_response("the engine returned nothing", 500, type="server_error")
         if holder.drain_expired and not first.finished:  # admitted just as the drain deadline passed
             await engine.abort(request_id)
-        responder = Responder(holder, parsed, request_id, chat, engine.engine.tokenizer)
+        responder = Responder(holder, parsed, request_id, chat, engine.engine.tokenizer, tool_parsing)
         if parsed.stream:
             return StreamingResponse(responder.sse(first, stream, request), media_type="text/event-stream")
         final = await _collect_unless_disconnected(request, first, stream)

@@ -10,14 +10,18 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gpuworker.engine.outputs import RequestOutput
+from gpuworker.engine.outputs import CompletionOutput, RequestOutput
+from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine_holder import EngineHolder
-from gpuworker.protocol import ProtocolError, now, usage_dict
+from gpuworker.protocol import ChatCompletionRequest, ProtocolError, now, usage_dict
+from gpuworker.response_format import response_format_constraint, tool_choice_constraint
+from gpuworker.tool_calls import ToolCallFormat, ToolCallParser, detect_tool_format, parse_tool_calls
 
 
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
@@ -42,12 +46,58 @@ def drain_expired_error(timeout_s: float) -> ProtocolError:
                          code="replica_draining")
 
 
+@dataclass
+class ToolParsing:
+    """How a chat request's output is read for tool calls: the model's format, the callable names."""
+
+    fmt: ToolCallFormat
+    names: frozenset[str]
+
+    def parser(self) -> ToolCallParser:
+        return ToolCallParser(self.fmt, self.names)
+
+
+@dataclass
+class ChatPlan:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tool_parsing: ToolParsing | None
+
+
+def plan_chat(llm: Any, request: ChatCompletionRequest) -> ChatPlan:
+    """A chat request for `llm` (an LLMEngine): the prompt (tools rendered by the model's own chat
+    template), the sampling parameters with the output constraint of response_format or of a
+    forced tool call, and how to read tool calls back. Raises ProtocolError / ValueError (400)."""
+    kwargs = request.sampling_kwargs()
+    tool_parsing = None
+    constraint = response_format_constraint(request.response_format)
+    if request.uses_tools:
+        template = getattr(llm.tokenizer, "chat_template", None) if llm.tokenizer is not None else None
+        try:
+            fmt = detect_tool_format(template if isinstance(template, str) else None,
+                                     llm.model_config.model_type)
+        except ValueError as exc:
+            raise ProtocolError(str(exc), param="tools") from None
+        tool_parsing = ToolParsing(fmt, frozenset(tool.function.name for tool in request.tools or ()))
+        constraint = tool_choice_constraint(request, fmt) or constraint
+    params = SamplingParams(**kwargs, structured_output=constraint)
+    prompt_token_ids = llm.render_chat(request.chat_messages(), tools=request.template_tools())[1]
+    return ChatPlan(prompt_token_ids, params, tool_parsing)
+
+
+def _finish_reason(choice: CompletionOutput, made_calls: bool) -> str | None:
+    # OpenAI says "tool_calls" when the model stopped after calling; a cut-off reply stays "length".
+    return "tool_calls" if made_calls and choice.finish_reason == "stop" else choice.finish_reason
+
+
 class Responder:
     """Turns engine outputs into OpenAI response bodies (whole or as SSE chunks)."""
 
-    def __init__(self, holder: EngineHolder, parsed: Any, request_id: str, chat: bool, tokenizer: Any):
+    def __init__(self, holder: EngineHolder, parsed: Any, request_id: str, chat: bool, tokenizer: Any,
+                 tool_parsing: ToolParsing | None = None):
         self.holder, self.parsed, self.request_id, self.chat = holder, parsed, request_id, chat
         self.tokenizer = tokenizer
+        self.tool_parsing = tool_parsing
         self.created = now()
         self.object = "chat.completion" if chat else "text_completion"
 
@@ -82,14 +132,37 @@ class Responder:
         for c in output.outputs:
             logprobs = self._logprobs(c.logprobs)
             if self.chat:
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                finish_reason = c.finish_reason
+                if self.tool_parsing is not None:
+                    parsed = parse_tool_calls(self.tool_parsing.fmt, c.text, self.tool_parsing.names)
+                    message["content"] = parsed.content
+                    if parsed.tool_calls:
+                        message["tool_calls"] = [call.to_dict() for call in parsed.tool_calls]
+                    finish_reason = _finish_reason(c, bool(parsed.tool_calls))
+                choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                                "finish_reason": finish_reason})
             else:
                 text = (output.prompt or "") + c.text if self.parsed.echo else c.text
                 choices.append({"index": c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
         return {"id": self.request_id, "object": self.object, "created": self.created,
                 "model": self.holder.config.model_name, "choices": choices, "usage": self._usage(output)}
+
+    @staticmethod
+    def _tool_delta(parser: ToolCallParser, choice: CompletionOutput) -> dict:
+        """A chat delta with tool calls read out of the text: content, then tool_calls deltas."""
+        said = parser.feed(choice.delta_text)
+        if choice.finish_reason is not None:
+            rest = parser.finish()
+            said.content += rest.content
+            said.tool_calls += rest.tool_calls
+        delta: dict[str, Any] = {}
+        if said.content:
+            delta["content"] = said.content
+        if said.tool_calls:
+            delta["tool_calls"] = said.tool_calls
+        return delta
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": self.request_id, "object": f"{self.object}.chunk" if self.chat else self.object,
@@ -104,6 +177,7 @@ class Responder:
         metrics = self.holder.metrics
         finished = False
         sent_logprobs = [0] * len(first.outputs)
+        parsers = [self.tool_parsing.parser() for _ in first.outputs] if self.tool_parsing and self.chat else None
         try:
             if self.chat:  # OpenAI opens every choice with the role
                 yield self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -124,7 +198,13 @@ class Responder:
                     if c.logprobs is not None:
                         logprobs = self._logprobs(c.logprobs[sent_logprobs[c.index]:])
                         sent_logprobs[c.index] = len(c.logprobs)
-                    if self.chat:
+                    if parsers is not None:
+                        delta = self._tool_delta(parsers[c.index], c)
+                        if not delta and logprobs is None and c.finish_reason is None:
+                            continue  # held back: it may be the start of a tool call
+                        choices.append({"index": c.index, "delta": delta, "logprobs": logprobs,
+                                        "finish_reason": _finish_reason(c, bool(parsers[c.index].calls))})
+                    elif self.chat:
                         choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
                                         "logprobs": logprobs, "finish_reason": c.finish_reason})
                     else:

@@ -34,7 +34,11 @@ def is_first_token(data: bytes, chat: bool) -> bool:
     for choice in event.get("choices") or ():
         if choice.get("finish_reason") is not None:
             return True
-        if (choice.get("delta") or {}).get("content") if chat else choice.get("text"):
+        if chat:
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("tool_calls"):  # a tool call's first delta is a token too
+                return True
+        elif choice.get("text"):
             return True
     return False
 

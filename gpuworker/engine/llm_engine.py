@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 
 from gpuworker.engine.attention import AttentionBackend
 from gpuworker.engine.config import EngineConfig
@@ -27,6 +28,7 @@ from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestO
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup
+from gpuworker.engine.structured_output import GrammarCache, StructuredOutputs
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -115,6 +117,8 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         self._num_sync_requests = 0
         self._last_completion = 0.0
+        # Grammar matchers of constrained requests; built on the first such request.
+        self.structured_outputs: StructuredOutputs | None = None
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -133,16 +137,29 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.scheduler.check_admissible(len(prompt_ids), params.max_tokens, params.n)
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self._structured_outputs().compile(params.structured_output)
         max_tokens = params.max_tokens or self.config.max_model_len - len(prompt_ids)
         group = SequenceGroup(request_id, prompt_ids, params, next(self._arrivals), max_tokens,
                               first_seq_id=self._next_seq_id)
         self._next_seq_id += params.n
         detokenizers = [IncrementalDetokenizer(self.tokenizer, len(prompt_ids), params) for _ in group.seqs]
         self.scheduler.add(group)
+        if grammar is not None:
+            self.structured_outputs.add(group, grammar)
         self._requests[request_id] = _Request(group, prompt_text, detokenizers,
                                               time.time() if arrival_time is None else arrival_time)
         if _needs_sync(params):
             self._num_sync_requests += 1
+
+    def _structured_outputs(self) -> StructuredOutputs:
+        if self.structured_outputs is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_output: this model has no tokenizer to build grammars over")
+            grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            self.structured_outputs = StructuredOutputs(grammars, pin_memory=self.device.type == "cuda")
+        return self.structured_outputs
 
     def _tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -194,12 +211,19 @@ class LLMEngine:
             outputs += self._complete(self._inflight)
         batch = self.scheduler.schedule()
         handle = None
+        # Constrained rows sample only after their grammars have seen the previous step's tokens:
+        # the forward is launched first, and the mask is built on the host while it runs.
+        constrained = (self.structured_outputs is not None
+                       and self.structured_outputs.any_constrained([e.seq for e in batch.seqs if e.samples]))
         if not batch.is_empty:
-            handle = self.runner.launch(batch, self._inflight.handle if self._inflight else None)
+            handle = self.runner.launch(batch, self._inflight.handle if self._inflight else None,
+                                        defer_sampling=constrained)
         had_inflight = self._inflight is not None
         if had_inflight:
             # Fills in the previous step's tokens, so advance() below hashes only known tokens.
             outputs += self._complete(self._inflight)
+        if constrained:
+            self.runner.sample(handle, self.structured_outputs.bitmask(handle.sample_seqs))
         if handle is None:
             if not had_inflight and not outputs and self.scheduler.has_unfinished:
                 # Cannot happen while the pool holds max_model_len tokens; fail rather than spin.
@@ -251,6 +275,8 @@ class LLMEngine:
 
     def _forget(self, request: _Request) -> None:
         del self._requests[request.group.request_id]
+        if request.group.params.structured_output is not None:
+            self.structured_outputs.remove(request.group)
         if _needs_sync(request.group.params):
             self._num_sync_requests -= 1
 
@@ -263,6 +289,11 @@ class LLMEngine:
         detokenizer = request.detokenizers[seq.index]
         finish = check_stop_token(token_id, seq.num_output_tokens, params, self.eos_token_ids,
                                   request.group.max_tokens)
+        if (params.structured_output is not None and self.structured_outputs.accept(seq, token_id)
+                and (finish is None or finish[0] != "stop")):
+            # The grammar took a stop token, which it allows only where the output is complete
+            # (also before min_tokens and with ignore_eos: nothing could follow it).
+            finish = ("stop", None)
         if finish is not None and finish[0] == "stop":
             detokenizer.finish(seq.token_ids[:-1])  # an EOS or stop token adds no text
         else:
@@ -322,11 +353,19 @@ class LLMEngine:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run_all([self.render_chat(conversation) for conversation in conversations], params)
 
-    def render_chat(self, conversation: list[dict[str, Any]]) -> tuple[str, list[int]]:
-        """One conversation through the model's chat template: (prompt text, prompt token ids)."""
+    def render_chat(self, conversation: list[dict[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        """One conversation through the model's chat template: (prompt text, prompt token ids).
+
+        `tools` (OpenAI function tools) are handed to the template, which writes them into the
+        prompt in the format the model was trained on."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tools=tools or None,
+                                                      add_generation_prompt=True, tokenize=False)
+        except (TemplateError, TypeError) as exc:  # a template's raise_exception(), or unreadable messages
+            raise ValueError(f"messages: the model's chat template refused them: {exc}") from exc
         # The template writes its own special tokens (BOS): do not add them twice.
         return self._tokenize(text, add_special_tokens=False)
 

@@ -5,8 +5,10 @@ one forward over all sequences' new tokens, logits only for the rows that sample
 device->host transfer of the sampled ids (packed with logprobs when asked for). `launch` enqueues
 all of that and returns at once; `wait` blocks on the transfer. With async scheduling the engine
 launches step N+1 before waiting for step N: a decode input whose token is still a placeholder is
-read from step N's sampled ids on the device. `_run_model` is the seam where decode-only batches
-are replayed from CUDA graphs.
+read from step N's sampled ids on the device. A step with grammar-constrained rows is launched with
+its sampling deferred: the engine builds the token mask on the host while the forward runs, then
+`sample` enqueues the rest. `_run_model` is the seam where decode-only batches are replayed from
+CUDA graphs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gpuworker.engine.outputs import TokenLogprob
 from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
 from gpuworker.engine.scheduler import ScheduledBatch
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from gpuworker.engine.structured_output import TokenBitmask
 from gpuworker.models.config import ModelConfig
 
 
@@ -44,6 +47,9 @@ class StepHandle:
     host: torch.Tensor | None
     ready: torch.cuda.Event | None
     max_logprobs: int | None
+    # A launch with deferred sampling holds its logits until `ModelRunner.sample` is called.
+    logits: torch.Tensor | None = None
+    sampling_meta: SamplingMetadata | None = None
 
     def row_of(self) -> dict[int, int]:
         return {seq.seq_id: row for row, seq in enumerate(self.sample_seqs)}
@@ -117,8 +123,13 @@ class ModelRunner:
         return self.wait(self.launch(batch))
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> StepHandle:
-        """Enqueue one step on the device; `previous` supplies tokens still held as placeholders."""
+    def launch(self, batch: ScheduledBatch, previous: StepHandle | None = None,
+               defer_sampling: bool = False) -> StepHandle:
+        """Enqueue one step on the device; `previous` supplies tokens still held as placeholders.
+
+        defer_sampling: enqueue only the forward pass and the logits, and return; the caller then
+        calls `sample` (with a grammar's token mask built on the host meanwhile).
+        """
         inputs = self.prepare_inputs(batch, previous)
         sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
         sampling_meta = (SamplingMetadata.build(sample_seqs, self.model_config.vocab_size,
@@ -128,7 +139,21 @@ class ModelRunner:
         if sampling_meta is None:
             return StepHandle(batch, [], None, None, None, None)
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        out = self.sampler(logits, sampling_meta)
+        handle = StepHandle(batch, sample_seqs, None, None, None, sampling_meta.max_logprobs,
+                            logits=logits, sampling_meta=sampling_meta)
+        if not defer_sampling:
+            self.sample(handle)
+        return handle
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle, allowed: TokenBitmask | None = None) -> None:
+        """Enqueue the sampling of a launched step and the transfer of its tokens to the host;
+        `allowed` restricts the constrained rows to the tokens their grammars allow."""
+        if handle.logits is None or handle.sampling_meta is None:
+            raise RuntimeError("this step has no logits waiting to be sampled")
+        logits, sampling_meta = handle.logits, handle.sampling_meta
+        handle.logits = handle.sampling_meta = None
+        out = self.sampler(logits, sampling_meta, allowed)
         if out.logprobs is None:
             result = out.token_ids
         else:
@@ -143,9 +168,11 @@ class ModelRunner:
             ready.record()
         else:
             host = result
-        return StepHandle(batch, sample_seqs, out.token_ids, host, ready, sampling_meta.max_logprobs)
+        handle.token_ids, handle.host, handle.ready = out.token_ids, host, ready
 
     def wait(self, handle: StepHandle) -> StepResult:
+        if handle.logits is not None:
+            raise RuntimeError("this step's sampling was deferred and never enqueued")
         if handle.host is None:
             return StepResult([], [])
         if handle.ready is not None:

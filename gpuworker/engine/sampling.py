@@ -1,8 +1,8 @@
 """Batched sampling on the device, one row per sequence that needs a token this step.
 
-Penalties (OpenAI/vLLM semantics) -> temperature -> top-k -> top-p -> min-p, then a draw by the
-exponential-noise trick: argmax(probs / E) with E ~ Exp(1) samples from probs without a cumulative
-sum or a multinomial, and without any device->host sync. Seeded rows draw their noise from a
+Penalties (OpenAI/vLLM semantics) -> grammar masks (constrained rows only) -> temperature -> top-k
+-> top-p -> min-p, then a draw by the exponential-noise trick: argmax(probs / E) with E ~ Exp(1)
+samples from probs without a cumulative sum or a multinomial, and without any device->host sync. Seeded rows draw their noise from a
 generator keyed by (seed, choice index, output position), so a seeded request gets the same tokens
 whatever else shares the batch and however it was scheduled. Temperature 0 is the plain argmax.
 Logprobs are those of the model's raw logits (before penalties and temperature), as in vLLM.
@@ -17,6 +17,7 @@ import torch
 
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.sequence import Sequence
+from gpuworker.engine.structured_output import TokenBitmask
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -51,7 +52,8 @@ class SamplingMetadata:
         top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
         banned_rows, banned_ids = [], []
         for row, (seq, p) in enumerate(zip(seqs, params)):
-            if seq.num_output_tokens < p.min_tokens:
+            # A grammar decides itself where a constrained output may end.
+            if seq.num_output_tokens < p.min_tokens and p.structured_output is None:
                 ids = [*([] if p.ignore_eos else eos_token_ids), *p.stop_token_ids]
                 banned_rows += [row] * len(ids)
                 banned_ids += ids
@@ -123,13 +125,18 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits [B, V] float32 -> one token per row."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 allowed: TokenBitmask | None = None) -> SamplerOutput:
+        """logits [B, V] float32 -> one token per row; `allowed` masks the constrained rows."""
         raw = logits
         if meta.penalties is not None:
             logits = meta.penalties.apply(logits)
         if meta.banned is not None:
             logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+        if allowed is not None:
+            if logits is raw and meta.max_logprobs is not None:
+                logits = logits.clone()  # logprobs are those of the raw logits
+            apply_token_bitmask(logits, allowed)
         greedy_ids = logits.argmax(dim=-1)
         if meta.all_greedy:
             token_ids = greedy_ids
@@ -171,6 +178,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         mass_before = torch.cumsum(probs, dim=-1) - probs
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def apply_token_bitmask(logits: torch.Tensor, allowed: TokenBitmask) -> None:
+    """Set to -inf, in place, the logits of the tokens a grammar forbids in the constrained rows
+    (xgrammar's kernel: Triton on CUDA, C++ on CPU); the host bitmask is copied without blocking."""
+    import xgrammar as xgr
+
+    device = logits.device
+    if device.type == "cpu":
+        bitmask, rows = allowed.bitmask, allowed.rows
+    else:
+        bitmask = allowed.bitmask.to(device, non_blocking=True)
+        rows = to_device(allowed.rows, torch.int32, device)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
 
 def noise_seed(seed: int, index: int, position: int) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpuworker.engine.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_TEMPERATURE = 1e-5
@@ -37,6 +39,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to JSON, a JSON schema, a grammar or a structural tag (None: free text).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _int_at_least("n", self.n, 1)
@@ -75,6 +79,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError("structured_output must be a StructuredOutput or None, "
+                             f"got {type(self.structured_output).__name__}")
 
     @property
     def is_greedy(self) -> bool:
