@@ -168,14 +168,79 @@ def run(engine, prompts, params_list) -> dict:
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             engine.add_request(f"req-{i}", prompt, params)
         outputs = {}
+        step_ms = []
         while engine.has_unfinished_requests():
+            started = time.perf_counter()
             for out in engine.step():
                 if out.finished:
                     outputs[out.request_id] = out
+            step_ms.append(1e3 * (time.perf_counter() - started))
     ordered = [outputs[f"req-{i}"] for i in range(len(prompts))]
     generated = sum(len(out.token_ids) for out in ordered)
+    ranked = sorted(step_ms)
     return {"seconds": t.elapsed, "output_tokens": generated, "output_tok_s": generated / t.elapsed,
-            "outputs": ordered}
+            "outputs": ordered, "steps": len(step_ms), "step_ms_p50": ranked[len(ranked) // 2],
+            "step_ms_p90": ranked[int(len(ranked) * 0.9)],
+            "slowest_steps_ms": sorted(((round(ms, 1), i) for i, ms in enumerate(step_ms)), reverse=True)[:8]}
+
+
+def profile_steps(engine, prompts, params_list, *, skip: int = 16, steps: int = 24) -> dict:
+    """Where a step's time goes once every request decodes: host phases (wall, per step), then the
+    same steps under torch.profiler (top ops by host and by device time). Aborts the requests after."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        engine.add_request(f"prof-{i}", prompt, params)
+    for _ in range(skip):
+        engine.step()
+    totals: dict[str, float] = defaultdict(float)
+    originals = []
+
+    def wrap(obj, name: str) -> None:
+        inner = getattr(obj, name)
+        originals.append((obj, name, inner))
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                totals[name] += time.perf_counter() - t0
+        setattr(obj, name, timed)
+
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    wrap(engine.scheduler, "schedule")
+    wrap(engine.runner, "launch")
+    wrap(engine.runner, "sample")
+    wrap(engine.runner, "wait")
+    wrap(engine, "_receive")
+    wrap(engine, "_process")
+    if engine.structured_outputs is not None:
+        wrap(engine.structured_outputs, "bitmask")
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    wall = (time.perf_counter() - t0) / steps
+    for obj, name, inner in originals:
+        setattr(obj, name, inner)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            engine.step()
+        sync()
+    averages = prof.key_averages()
+    by_host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:14]
+    by_device = sorted(averages, key=lambda e: -e.self_device_time_total)[:10]
+    for request_id in engine.unfinished_request_ids():
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"step_ms": 1e3 * wall, "phases_ms": {k: 1e3 * v / steps for k, v in totals.items()},
+            "top_host_ops_ms": [(e.key[:50], e.self_cpu_time_total / 8e3, e.count // 8) for e in by_host],
+            "top_device_ops_ms": [(e.key[:50], e.self_device_time_total / 8e3, e.count // 8) for e in by_device]}
 
 
 def check_outputs(outputs) -> dict:
@@ -207,6 +272,8 @@ def main() -> None:
     parser.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--tokenizer-dir", default=None,
                         help="where the trained BPE tokenizer is cached (default bench/results/bpe-<vocab>)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the comparison, print per-step phases and top ops of both kinds of batch")
     parser.add_argument("--build-tokenizer-only", action="store_true",
                         help="train and cache the tokenizer for --config, then exit (run it off the GPU)")
     args = parser.parse_args()
@@ -240,17 +307,41 @@ def main() -> None:
     compile_s = time.perf_counter() - compile_started
     while engine.has_unfinished_requests():
         engine.step()
+    # The mask kernel is JIT-compiled per kind of row count (1, a multiple of 16, other), and CUDA
+    # graphs are captured per batch size as the batch first shrinks through it: once per process,
+    # so warmed up here (one untimed pass of the workload) rather than charged to the first run.
+    for count in (16, 17):
+        engine.generate(prompts[:count], SamplingParams(max_tokens=4, structured_output=schema))
+    engine.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                            ignore_eos=True))
     warmup_s = time.perf_counter() - t0
+
+    if args.profile:
+        for label, params in (("json_schema", SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                                               structured_output=schema)),
+                              ("unconstrained", SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                                                 ignore_eos=True))):
+            report = profile_steps(engine, prompts, [params] * num_requests)
+            print(f"\n== profile: {label}, step {report['step_ms']:.2f} ms ==")
+            for name, ms in report["phases_ms"].items():
+                print(f"  {name:<12}{ms:8.2f} ms/step")
+            print("  top host ops (self, ms/step, calls/step):")
+            for name, ms, count in report["top_host_ops_ms"]:
+                print(f"    {name:<50}{ms:8.3f}{count:6d}")
+            print("  top device ops:")
+            for name, ms, count in report["top_device_ops_ms"]:
+                print(f"    {name:<50}{ms:8.3f}{count:6d}")
+        return
 
     timer = MaskTimer(engine.structured_outputs)
     constrained = run(engine, prompts, [
-        SamplingParams(temperature=args.temperature, seed=args.seed + i, max_tokens=args.max_tokens,
+        SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, output_kind="final_only",
                        structured_output=schema) for i in range(num_requests)])
     masks = timer.summary()
     validity = check_outputs(constrained["outputs"])
     lengths = [len(out.token_ids) for out in constrained["outputs"]]
     free = run(engine, prompts, [
-        SamplingParams(temperature=args.temperature, seed=args.seed + i, max_tokens=n, ignore_eos=True)
+        SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, output_kind="final_only")
         for i, n in enumerate(lengths)])
     if free["output_tokens"] != constrained["output_tokens"]:
         raise RuntimeError(f"the runs differ in work: {free['output_tokens']} vs {constrained['output_tokens']} tokens")
@@ -267,6 +358,10 @@ def main() -> None:
         ("json_schema", f"{constrained['output_tok_s']:.0f} output tok/s ({constrained['seconds']:.2f} s); "
                         f"{validity['completed']} completed, {validity['cut_by_max_tokens']} cut by max_tokens"),
         ("ratio", f"{ratio:.3f} (target >= 0.9 on the GPU)"),
+        ("steps", f"unconstrained {free['steps']} (p50 {free['step_ms_p50']:.1f} ms, p90 {free['step_ms_p90']:.1f}), "
+                  f"json_schema {constrained['steps']} (p50 {constrained['step_ms_p50']:.1f} ms, "
+                  f"p90 {constrained['step_ms_p90']:.1f})"),
+        ("slowest steps", f"unconstrained {free['slowest_steps_ms'][:4]}; json_schema {constrained['slowest_steps_ms']}"),
         ("host mask work", f"{masks['mask_ms_per_step']:.2f} ms/step for {masks['constrained_rows_per_step']:.0f} "
                            f"rows ({masks['mask_us_per_row']:.1f} us/row); accept "
                            f"{masks['accept_us_per_token']:.1f} us/token"),

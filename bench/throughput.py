@@ -33,9 +33,9 @@ def run_engine(engine, requests) -> dict:
 
     with Timer() as t:
         for i, (prompt, output_len) in enumerate(requests):
-            engine.add_request(
-                f"req-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-            )
+            # Offline: only the final outputs are read (as LLMEngine.generate does).
+            engine.add_request(f"req-{i}", prompt, SamplingParams(
+                temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind="final_only"))
         generated = 0
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -59,6 +59,14 @@ class _InFlight:
     launched_at: float
 
 
+@dataclass
+class _Received:
+    batch: ScheduledBatch
+    duration: float
+    # (sequence, logprob entry, whether its grammar ended with this token) per new token.
+    tokens: list[tuple[Sequence, TokenLogprob | None, bool]]
+
+
 def _needs_sync(params: SamplingParams) -> bool:
     # Penalties read every generated token's value when the step is prepared.
     return params.has_penalties
@@ -208,7 +216,7 @@ class LLMEngine:
         overlap = self.config.use_async_scheduling and self._num_sync_requests == 0
         outputs: list[RequestOutput] = []
         if not overlap and self._inflight is not None:
-            outputs += self._complete(self._inflight)
+            outputs += self._process(self._receive(self._inflight))
         batch = self.scheduler.schedule()
         handle = None
         # Constrained rows sample only after their grammars have seen the previous step's tokens:
@@ -218,45 +226,61 @@ class LLMEngine:
         if not batch.is_empty:
             handle = self.runner.launch(batch, self._inflight.handle if self._inflight else None,
                                         defer_sampling=constrained)
-        had_inflight = self._inflight is not None
-        if had_inflight:
-            # Fills in the previous step's tokens, so advance() below hashes only known tokens.
-            outputs += self._complete(self._inflight)
+        received = self._receive(self._inflight) if self._inflight is not None else None
         if constrained:
+            # Only the grammars had to see the previous tokens: the mask goes out, and the sampling
+            # with it, before their stop checks and text below. (Filling it on a worker thread
+            # during those was measured slower on the H200 host: the two contend.)
             self.runner.sample(handle, self.structured_outputs.bitmask(handle.sample_seqs))
+        if received is not None:
+            # Fills in the previous step's tokens, so advance() below hashes only known tokens.
+            outputs += self._process(received)
         if handle is None:
-            if not had_inflight and not outputs and self.scheduler.has_unfinished:
+            if received is None and not outputs and self.scheduler.has_unfinished:
                 # Cannot happen while the pool holds max_model_len tokens; fail rather than spin.
                 raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
             return outputs
         self._inflight = _InFlight(handle, self.scheduler.advance(batch), time.perf_counter())
         if not overlap:
-            outputs += self._complete(self._inflight)
+            outputs += self._process(self._receive(self._inflight))
         return outputs
 
-    def _complete(self, inflight: _InFlight) -> list[RequestOutput]:
-        """Wait for a launched step's tokens, fill them in, and run stop checks and detokenization."""
+    def _receive(self, inflight: _InFlight) -> _Received:
+        """Wait for a launched step's tokens, put them in place of their placeholders, and feed the
+        constrained ones to their grammars."""
         self._inflight = None
-        batch = inflight.handle.batch
         result = self.runner.wait(inflight.handle)
         finished_at = time.perf_counter()
         # The device time of this step: from its launch, or from the end of the step before it.
         duration = finished_at - max(inflight.launched_at, self._last_completion)
         self._last_completion = finished_at
         rows = inflight.handle.row_of()
-        deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
-        now = time.time()
+        tokens: list[tuple[Sequence, TokenLogprob | None, bool]] = []
         for seq, position in inflight.sampling:
             if seq.is_finished:
                 continue  # aborted while the step ran
             row = rows[seq.seq_id]
-            seq.token_ids[position] = result.token_ids[row]
+            token_id = seq.token_ids[position] = result.token_ids[row]
+            grammar_ended = (seq.group.params.structured_output is not None
+                             and self.structured_outputs.accept(seq, token_id))
+            tokens.append((seq, result.logprobs[row], grammar_ended))
+        return _Received(inflight.handle.batch, duration, tokens)
+
+    def _process(self, received: _Received) -> list[RequestOutput]:
+        """Stop checks and detokenization of a received step's tokens; the requests' outputs."""
+        batch = received.batch
+        deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        now = time.time()
+        for seq, logprob, grammar_ended in received.tokens:
+            if seq.is_finished:
+                continue  # aborted since
             request = self._requests[seq.group.request_id]
             deltas.setdefault(seq.group.request_id, {})[seq.index] = self._process_token(
-                request, seq, result.logprobs[row])
+                request, seq, logprob, grammar_ended)
             if request.first_token_time is None:
                 request.first_token_time = now
         tokens_per_request: dict[str, int] = {}
+        duration = received.duration
         for entry in batch.seqs:
             group = entry.seq.group
             group.gpu_time_s += duration * entry.num_new_tokens / batch.num_batched_tokens
@@ -269,6 +293,8 @@ class LLMEngine:
             if request.group.is_finished:
                 self._forget(request)
                 request.finish_time = now
+            elif request.group.params.output_kind == "final_only":
+                continue
             outputs.append(self._output(request, request_deltas))
         self.last_step_stats = self._stats(batch, duration, tokens_per_request, num_generated)
         return outputs
@@ -280,8 +306,8 @@ class LLMEngine:
         if _needs_sync(request.group.params):
             self._num_sync_requests -= 1
 
-    def _process_token(self, request: _Request, seq: Sequence,
-                       logprob: TokenLogprob | None) -> tuple[str, list[int]]:
+    def _process_token(self, request: _Request, seq: Sequence, logprob: TokenLogprob | None,
+                       grammar_ended: bool = False) -> tuple[str, list[int]]:
         """Stop checks and detokenization for seq's new token; returns (text delta, token delta)."""
         params, token_id = request.group.params, seq.token_ids[-1]
         if logprob is not None:
@@ -289,8 +315,7 @@ class LLMEngine:
         detokenizer = request.detokenizers[seq.index]
         finish = check_stop_token(token_id, seq.num_output_tokens, params, self.eos_token_ids,
                                   request.group.max_tokens)
-        if (params.structured_output is not None and self.structured_outputs.accept(seq, token_id)
-                and (finish is None or finish[0] != "stop")):
+        if grammar_ended and (finish is None or finish[0] != "stop"):
             # The grammar took a stop token, which it allows only where the output is complete
             # (also before min_tokens and with ignore_eos: nothing could follow it).
             finish = ("stop", None)
@@ -374,6 +399,8 @@ class LLMEngine:
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         if len(all_params) != len(prompts):
             raise ValueError(f"params: got {len(all_params)} for {len(prompts)} prompts")
+        # Only the final outputs are returned: no per-step output objects are built.
+        all_params = [replace(p or SamplingParams(), output_kind="final_only") for p in all_params]
         batch_id = next(self._generate_ids)
         request_ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
         try:

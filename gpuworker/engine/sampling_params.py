@@ -12,6 +12,7 @@ from gpuworker.engine.structured_output import StructuredOutput
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_TEMPERATURE = 1e-5
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 @dataclass
@@ -39,6 +40,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # "cumulative": step() returns the request's output whenever it has new tokens (vLLM's
+    # default, what streaming reads); "final_only": only once it finishes, which spares building
+    # an output object per request per step (offline batches, LLMEngine.generate).
+    output_kind: str = "cumulative"
     # Constrain the output to JSON, a JSON schema, a grammar or a structural tag (None: free text).
     structured_output: StructuredOutput | None = None
 
@@ -79,6 +84,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError("structured_output must be a StructuredOutput or None, "
                              f"got {type(self.structured_output).__name__}")

@@ -258,3 +258,23 @@ def test_async_scheduling_abort_with_a_token_in_flight(path):
     finished = run(engine)
     assert finished["keep"].outputs[0].token_ids == reference[0].outputs[0].token_ids
     assert engine.scheduler.block_manager.usage == 0.0 and not engine.scheduler.running
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_final_only_requests_report_once_with_the_same_result(path, async_scheduling):
+    """An offline request asks for its output only when it finishes; it gets the same tokens and
+    text as a cumulative request, and step() returns nothing for it before then."""
+    engine = make_engine(path, async_scheduling=async_scheduling)
+    prompt = random_prompts((9,), 384, seed=3)[0]
+    engine.add_request("cumulative", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    engine.add_request("final", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                       output_kind="final_only"))
+    seen: dict[str, list] = {"cumulative": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["cumulative"]) == 6 and len(seen["final"]) == 1
+    final, last = seen["final"][0], seen["cumulative"][-1]
+    assert final.finished and final.token_ids == last.token_ids and final.text == last.text
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta-ish")
