@@ -63,6 +63,11 @@ class Batcher(Generic[Item, Result]):
         self._pending: list[tuple[Item, asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being written."""
+        return self._runner is None and not self._pending
+
     async def submit(self, item: Item) -> Result:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))

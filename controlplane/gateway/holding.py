@@ -5,8 +5,9 @@ conditional statement, `billing.holds.conditional_hold_statement`. Run on the ad
 costs a hand-off to a thread and back, which on a busy 2-core host is a good part of the
 gateway's added latency; so the gateway runs it on its own asyncio PostgreSQL connection instead.
 Everything else goes through the lane's batched, locked path as before: a statement that does not
-apply (an allowance to use, credit too low, no account yet), a second hold while one is in flight
-(under load, batching is cheaper than queueing on one connection), SQLite, or a database error.
+apply (an allowance to use, credit too low, no account yet), a hold that arrives while another is
+in flight on either path (under load, batching is cheaper, and two connections would contend for
+the same account row), SQLite, or a database error.
 Both paths are single transactions against the same rows, so the guarantees of billing.holds
 (credit never below zero, each hold consumed once) do not depend on which one placed a hold.
 """
@@ -43,7 +44,10 @@ class HoldPlacer:
 
     async def submit(self, request: HoldRequest) -> CreditHold | None:
         """The request's hold, or None when the tenant's credit cannot cover it."""
-        if self._connect_kwargs is None or self._busy or request.price_per_request is None:
+        # Under load the lane's batches are cheaper, and two connections would only queue on the
+        # same account row: the direct path is for a request that finds the lane idle.
+        if (self._connect_kwargs is None or self._busy or request.price_per_request is None
+                or not (self._batched.idle and self._locked.idle)):
             return await self._batched.submit(request)
         self._busy = True
         at = timezone.now()
