@@ -1,6 +1,8 @@
 """Tenant pages: API keys, usage this month, the playground. Views gather what the templates
 show and call services; every query is filtered by the signed-in member's own tenant."""
 
+from datetime import timedelta
+
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
@@ -63,11 +65,15 @@ def usage(request: HttpRequest) -> HttpResponse:
     tenant = tenant_of(request)
     now = timezone.now()
     summary = usage_month_summary(tenant=tenant, now=now)
-    days = usage_daily(start=summary.since.date(), end=now.date(), tenant=tenant)
+    # The chart spans the whole month (days still to come at zero), so its axis reads as a month
+    # even on the 1st; the table lists the days so far.
+    month_end = (summary.since + timedelta(days=32)).replace(day=1).date() - timedelta(days=1)
+    month = usage_daily(start=summary.since.date(), end=month_end, tenant=tenant)
+    days = [row for row in month if row.key <= now.date().isoformat()]
     chart = {
-        "days": [row.key for row in days],
-        "requests": [row.requests for row in days],
-        "spend": [float(row.revenue) for row in days],
+        "days": [row.key for row in month],
+        "requests": [row.requests for row in month],
+        "spend": [float(row.revenue) for row in month],
     }
     return render(request, "dashboard/tenant/usage.html", {
         "summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,

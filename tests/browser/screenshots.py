@@ -1,0 +1,175 @@
+"""Screenshots of the dashboard's main pages for docs/screenshots/ and the README, taken from the
+real system the browser tests start (tests/browser/system.py), at 1280x800 in Debian's headless
+Chromium:
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/gpuserve REDIS_URL=redis://127.0.0.1:6379/14 \\
+        .venv/bin/python -m tests.browser.screenshots [--out docs/screenshots]
+
+It works in a throwaway database (`<name>_screenshots`, created and dropped here) and needs a Redis
+database no running system uses (its Celery worker takes tasks from that Redis's default queue).
+Today's figures come from real requests through /v1 and real operator actions; so that the daily
+charts have days to show, the two weeks before today are back-filled with usage records written by
+the billing service (the same records the gateway writes), marked `screenshots-` in their ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+PAGES = {  # file name: (role, url name)
+    "fleet": ("operator", "dashboard:fleet"),
+    "catalog": ("operator", "dashboard:catalog"),
+    "audit": ("operator", "dashboard:audit"),
+    "keys": ("tenant", "dashboard:keys"),
+    "usage": ("tenant", "dashboard:usage"),
+    "playground": ("tenant", "dashboard:playground"),
+    "reports": ("admin", "dashboard:reports"),
+}
+HISTORY_DAYS = 14
+
+
+def _chat(system, api_key: str, *, max_tokens: int = 24) -> None:
+    import httpx
+
+    response = httpx.post(f"{system.url}/v1/chat/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {api_key}"}, json={"model": system.seeded.demo_model, "max_tokens": max_tokens,
+                                "messages": [{"role": "user", "content": "Summarise the fleet's week."}]})
+    response.raise_for_status()
+
+
+def prepare(system) -> None:
+    """Give every page something to show: keys, traffic, operator actions, two weeks of history."""
+    from django.utils import timezone
+
+    from controlplane.accounts.selectors import tenant_get_by_name, user_get_by_username
+    from controlplane.accounts.services import api_key_create, api_key_revoke
+    from controlplane.billing.models import UsageRecord
+    from controlplane.billing.services import usage_record_create
+    from controlplane.catalog.models import Deployment, Model
+    from controlplane.catalog.services import deployment_update, model_create, model_set_enabled
+    from controlplane.fleet.models import Replica
+    from tests.integration.conftest import wait_until
+
+    demo = Model.objects.get(public_name=system.seeded.demo_model)
+    wait_until(lambda: Replica.objects.filter(deployment__model=demo, state=Replica.State.READY).exists(),
+               timeout=180, what="a ready replica of the demo model", fleet=system.fleet)
+    tenant = tenant_get_by_name(name=system.seeded.tenant_name)
+    other = tenant_get_by_name(name=system.seeded.other_tenant_name)
+    alice = user_get_by_username(username=system.login("tenant").username)
+    operator = user_get_by_username(username=system.login("operator").username)
+
+    production = api_key_create(tenant=tenant, name="production", created_by=alice)
+    api_key_create(tenant=tenant, name="staging", rate_limit_per_minute=30, created_by=alice)
+    api_key_revoke(api_key=api_key_create(tenant=tenant, name="laptop (old)", created_by=alice).api_key)
+    other_key = api_key_create(tenant=other, name="batch jobs").plaintext
+    for _ in range(8):
+        _chat(system, production.plaintext)
+    for _ in range(4):
+        _chat(system, other_key)
+
+    deployment = Deployment.objects.get(model=demo)
+    deployment_update(deployment=deployment, desired_replicas=deployment.desired_replicas, min_replicas=1,
+                      max_replicas=2, keep_warm=True, actor=operator)
+    spare = model_create(public_name="demo-tiny-eval", family="llama", kind=Model.Kind.CHAT,
+                         weights_path=demo.weights_path, context_length=demo.context_length,
+                         parameter_count=demo.parameter_count, price_tier=demo.price_tier, actor=operator)
+    model_set_enabled(model=spare, enabled=False, actor=operator)
+
+    rng = random.Random(7)
+    now = timezone.now()
+    for days_ago in range(1, HISTORY_DAYS):
+        for who, base in ((tenant, 40), (other, 15)):
+            for _ in range(max(0, int(base * (0.6 + 0.8 * rng.random())))):
+                prompt, completion = rng.randint(20, 400), rng.randint(10, 300)
+                usage_record_create(
+                    request_id=f"screenshots-{uuid.uuid4().hex}", tenant=who, model=demo,
+                    status=UsageRecord.Status.COMPLETED if rng.random() > 0.03 else UsageRecord.Status.FAILED,
+                    prompt_tokens=prompt, completion_tokens=completion, time_to_first_token_ms=rng.randint(20, 90),
+                    total_latency_ms=rng.randint(200, 2500), gpu_time_s=completion * 0.004,
+                    at=now - timedelta(days=days_ago, minutes=rng.randint(0, 600)))
+
+
+def shoot(system, out: Path) -> list[Path]:
+    from django.urls import reverse
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.browser.system import CHROMIUM, VIEWPORT, log_in
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        pages = {}
+        for role in {role for role, _ in PAGES.values()}:
+            context = browser.new_context(base_url=system.url, viewport=VIEWPORT)
+            context.set_default_timeout(60_000)
+            pages[role] = context.new_page()
+            log_in(pages[role], system.login(role))
+        for name, (role, url_name) in PAGES.items():
+            page = pages[role]
+            page.goto(reverse(url_name))
+            if name == "fleet":
+                expect(page.locator("#live-status")).to_have_attribute("data-connected", "true")
+                page.wait_for_timeout(20_000)  # twenty heartbeats, so the sparklines have a history
+            elif name == "playground":
+                page.fill("#id_system_prompt", "You are a concise assistant.")
+                page.fill("#id_max_tokens", "160")
+                page.fill("#id_message", "Write a haiku about GPUs.")
+                page.click("#playground-send")
+                expect(page.locator("#playground-status")).to_have_attribute("data-state", "done")
+            elif name in ("usage", "reports"):
+                page.wait_for_selector(".uplot")
+            page.wait_for_timeout(500)  # fonts, charts' first paint
+            path = out / f"{name}.png"
+            page.screenshot(path=path)
+            written.append(path)
+        browser.close()
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs" / "screenshots")
+    args = parser.parse_args(argv)
+    if not os.environ.get("DATABASE_URL", "").startswith("postgres") or not os.environ.get("REDIS_URL"):
+        parser.error("set DATABASE_URL (PostgreSQL) and REDIS_URL (a Redis database no running system uses)")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.db import connections
+    from django.test.utils import setup_databases, teardown_databases
+
+    from tests.browser.system import chromium_missing_reason, start_system
+
+    if reason := chromium_missing_reason():
+        parser.error(reason)
+    database = settings.DATABASES["default"]
+    database.setdefault("TEST", {})["NAME"] = f"{database['NAME']}_screenshots"
+    created = setup_databases(verbosity=1, interactive=False, aliases={"default"})
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpuserve-screenshots-") as scratch:
+            system = start_system(scratch=Path(scratch), redis_url=os.environ["REDIS_URL"])
+            try:
+                prepare(system)
+                connections.close_all()  # Playwright's loop must not meet an open connection
+                for path in shoot(system, args.out):
+                    print(f"wrote {path}")
+            finally:
+                system.stop()
+    finally:
+        connections.close_all()
+        teardown_databases(created, verbosity=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The whole system, once, for the browser tests and the screenshot script: the integration tests'
+`Fleet` (uvicorn serving controlplane.asgi, a Celery worker with beat, and a real gpuworker daemon on
+CPU) over a database seeded like `make run` seeds it, plus one login per role and a second tenant.
+
+Starting it costs about half a minute on two cores, so callers start it once (per test package, or
+per screenshot run) and share it. Nothing here imports pytest fixtures; both callers hand it a
+scratch folder and the Redis URL.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+
+from django.test.utils import override_settings
+
+from tests.integration.conftest import Fleet
+
+CHROMIUM = "/usr/bin/chromium"
+# Browser tests share one daemon with a loaded two-core machine and a headless browser: heartbeats
+# may lag by seconds there, which must not look like a lost worker.
+SYSTEM_ENV = {"FLEET_WORKER_LOST_AFTER_SECONDS": "20", "OMP_NUM_THREADS": "1"}
+# Passes Django's password validators; the same for every login, none of them is a secret.
+PASSWORD = "browser-tests-Pa55word"
+OTHER_TENANT_NAME = "Other tenant"
+
+
+@dataclass(frozen=True)
+class Login:
+    username: str
+    password: str
+    role: str
+
+
+@dataclass(frozen=True)
+class Seeded:
+    """What the seed created that tests refer to: logins by role and the objects they open."""
+
+    logins: dict[str, Login]
+    demo_model: str
+    tenant_name: str
+    other_tenant_name: str
+    other_tenant_key_id: int
+    api_key: str  # the demo tenant's key, for traffic through /v1
+
+
+class System:
+    """A started system: `url`, the `fleet` (its processes and logs) and what was `seeded`."""
+
+    def __init__(self, fleet: Fleet, seeded: Seeded) -> None:
+        self.fleet = fleet
+        self.seeded = seeded
+        self.url = fleet.url
+
+    @property
+    def models_dir(self) -> Path:
+        """The folder of checkpoints the daemon reports (the demo model is in it)."""
+        return self.fleet.tmp_path / "var" / "models"
+
+    def login(self, role: str) -> Login:
+        return self.seeded.logins[role]
+
+    def stop(self) -> None:
+        self.fleet.stop()
+
+
+def chromium_missing_reason() -> str | None:
+    if Path(CHROMIUM).exists():
+        return None
+    return (f"{CHROMIUM} is missing: install Debian's package (`apt-get install chromium`; .ci/run does); "
+            "no test downloads a browser")
+
+
+def seed(*, var_dir: Path) -> Seeded:
+    """`make run`'s demo (admin, demo tenant with credits and a key, the tiny demo model deployed
+    with one replica), plus an operator, a member of the demo tenant and a second tenant with a
+    member and a key of its own, all with PASSWORD."""
+    from controlplane.accounts.models import User
+    from controlplane.accounts.selectors import tenant_get_by_name, user_get_by_username
+    from controlplane.accounts.services import api_key_create, tenant_create, user_create, user_set_password
+    from controlplane.billing.services import credit_grant, plan_create
+    from controlplane.demo import ADMIN_USERNAME, MODEL_NAME, TENANT_NAME, seed_demo
+
+    # The demo model is written under the system's VAR_DIR, where its daemon and replicas read it.
+    with override_settings(VAR_DIR=var_dir):
+        demo = seed_demo(env_path=var_dir / ".env.demo")
+    user_set_password(user=user_get_by_username(username=ADMIN_USERNAME), password=PASSWORD)
+    tenant = tenant_get_by_name(name=TENANT_NAME)
+    # The second tenant pays for every request (no monthly allowance), so its spend shows.
+    pay_as_you_go = plan_create(name="Pay as you go", included_requests_per_month=0, rate_limit_per_minute=600)
+    other = tenant_create(name=OTHER_TENANT_NAME, plan=pay_as_you_go)
+    credit_grant(tenant=other, amount=Decimal("10.00"), memo="Browser tests")
+    user_create(username="operator", password=PASSWORD, role=User.Role.OPERATOR)
+    user_create(username="alice", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=tenant)
+    user_create(username="bob", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=other)
+    other_key = api_key_create(tenant=other, name="bob's key").api_key
+    logins = {
+        "admin": Login(ADMIN_USERNAME, PASSWORD, User.Role.ADMIN),
+        "operator": Login("operator", PASSWORD, User.Role.OPERATOR),
+        "tenant": Login("alice", PASSWORD, User.Role.TENANT_MEMBER),
+        "other_tenant": Login("bob", PASSWORD, User.Role.TENANT_MEMBER),
+    }
+    return Seeded(logins=logins, demo_model=MODEL_NAME, tenant_name=TENANT_NAME, other_tenant_name=other.name,
+                  other_tenant_key_id=other_key.pk, api_key=demo.api_key)
+
+
+def start_system(*, scratch: Path, redis_url: str) -> System:
+    """Seed the current database, then start the control plane and one CPU daemon against it.
+
+    The caller must allow database access (the seed writes, committed, so the subprocesses see it)
+    and must call `stop()`; on a failed start everything already started is stopped here.
+    """
+    fleet = Fleet(scratch, redis_url)
+    # The daemon reports the checkpoints under the system's models folder, so the catalog can
+    # check weight paths against it.
+    fleet.env.update(SYSTEM_ENV, GPUSERVE_MODEL_ROOTS=str(scratch / "var" / "models"))
+    seeded = seed(var_dir=scratch / "var")
+    try:
+        fleet.start_control_plane()
+        fleet.start_daemon("browser")
+    except BaseException:
+        fleet.stop()
+        raise
+    return System(fleet, seeded)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+VIEWPORT = {"width": 1280, "height": 800}
+
+
+def log_in(page, login: Login) -> None:
+    """Sign in through the login form, as a person would, and wait for the page it leads to."""
+    page.goto("/accounts/login/")
+    page.fill("#id_username", login.username)
+    page.fill("#id_password", login.password)
+    with page.expect_navigation():
+        page.click("#login button[type=submit]")
+    if page.url.rstrip("/").endswith("/accounts/login"):
+        raise RuntimeError(f"logging in as {login.username} failed: {page.inner_text('main')[:300]}")

@@ -1,0 +1,75 @@
+"""The operators' catalog: adding a model checks its weight path against what the chosen worker
+reports (the browser-test daemon reports the checkpoints under the system's models folder), bad
+values get their message beside the field, and enabling/disabling lands in the audit log."""
+
+import pytest
+from django.urls import reverse
+from playwright.sync_api import expect
+
+pytestmark = pytest.mark.slow
+
+NAME = "browser-model"
+
+
+def _error(page, field: str):
+    return page.locator(f"#field-{field} [data-testid=field-error]")
+
+
+def test_add_a_model_with_its_path_checked_then_disable_it(open_page, system):
+    page = open_page("operator")
+    page.goto(reverse("dashboard:catalog"))
+    page.click("[data-testid=catalog-add]")
+    expect(page).to_have_url(reverse("dashboard:catalog_add"))
+
+    # Bad values: each message beside its field, what was typed kept.
+    page.fill("#id_public_name", NAME)
+    page.fill("#id_family", "llama")
+    page.fill("#id_weights_path", "models/relative")
+    page.fill("#id_parameter_count", "4000000")
+    page.click("[data-testid=model-save]")
+    expect(_error(page, "weights_path")).to_contain_text("Give an absolute path")
+    expect(_error(page, "context_length")).to_contain_text("required")
+    expect(_error(page, "price_tier")).to_contain_text("required")
+    expect(_error(page, "public_name")).to_have_count(0)
+    expect(page.locator("#id_public_name")).to_have_value(NAME)
+
+    # A path under the worker's models folder that holds no checkpoint: the live check says so
+    # while typing, and saving is refused with the worker's answer beside the field.
+    missing = str(system.models_dir / "no-such-model")
+    page.fill("#id_context_length", "2048")
+    page.select_option("#id_price_tier", index=1)
+    page.fill("#id_weights_path", missing)
+    page.locator("#id_weights_path").dispatch_event("change")
+    expect(page.locator("[data-testid=path-check-result] [data-status=missing]")).to_contain_text(missing)
+    page.click("[data-testid=model-save]")
+    expect(_error(page, "weights_path")).to_contain_text(
+        f"has no checkpoint (a directory with config.json) at {missing}")
+
+    present = str(system.models_dir / system.seeded.demo_model)
+    page.fill("#id_weights_path", present)
+    page.locator("#id_weights_path").dispatch_event("change")
+    expect(page.locator("[data-testid=path-check-result] [data-status=found]")).to_contain_text(present)
+    page.click("[data-testid=model-save]")
+
+    expect(page).to_have_url(reverse("dashboard:catalog"))
+    expect(page.locator("[data-testid=flash]").first).to_contain_text(f"Added {NAME}")
+    row = page.locator(f"[data-testid=catalog-row][data-model='{NAME}']")
+    expect(row).to_have_attribute("data-enabled", "true")
+    expect(row).to_contain_text(present)
+    expect(row).to_contain_text("Not deployed")
+
+    page.once("dialog", lambda dialog: dialog.accept())  # "Disable …? API requests for it are refused"
+    row.locator("[data-testid=catalog-toggle]").click()
+    expect(row).to_have_attribute("data-enabled", "false")
+    expect(row.locator("[data-testid=model-state]")).to_have_text("Disabled")
+
+    page.goto(reverse("dashboard:audit"))
+    for action in ("model.create", "model.disable"):
+        expect(page.locator(f"[data-testid=audit-row][data-action='{action}']")
+               .filter(has_text=NAME).filter(has_text="operator")).to_have_count(1)
+
+    # A disabled model is not offered to tenants.
+    tenant = open_page("tenant")
+    tenant.goto(reverse("dashboard:playground"))
+    expect(tenant.locator(f"#id_model option[value='{NAME}']")).to_have_count(0)
+    expect(tenant.locator(f"#id_model option[value='{system.seeded.demo_model}']")).to_have_count(1)

@@ -1,0 +1,144 @@
+"""The operators' fleet page, live: a device's figures update from the heartbeats without a reload,
+and scaling a deployment shows its new replica appear, load and become ready, while the forms put
+bad values' messages beside their fields and the audit log records who did it.
+
+The browser-test daemon runs on CPU, so its worker card has no GPU slot: the CPU slot is the
+device whose live figures (utilisation, memory, each with a sparkline) are checked; temperature
+and power are not reported for a CPU and show as unavailable.
+"""
+
+import re
+
+import pytest
+from django.urls import reverse
+from playwright.sync_api import expect
+
+pytestmark = pytest.mark.slow
+
+MARK_DOCUMENT = "window.__fleetDocument = 'still the same page'"
+SAME_DOCUMENT = "window.__fleetDocument === 'still the same page'"
+
+
+def _open_fleet(open_page):
+    page = open_page("operator")
+    page.goto(reverse("dashboard:fleet"))
+    expect(page.locator("#live-status")).to_have_attribute("data-connected", "true")
+    page.evaluate(MARK_DOCUMENT)  # a reload would lose it
+    return page
+
+
+def _points(page, selector: str) -> int:
+    return page.locator(selector).evaluate("svg => svg.querySelector('polyline').getAttribute('points')"
+                                           ".split(' ').filter(Boolean).length")
+
+
+def test_a_devices_live_figures_change_without_reloading(open_page):
+    page = _open_fleet(open_page)
+    worker = page.locator("[data-testid=worker-card][data-state=online]").first
+    expect(worker).to_be_visible()
+    cpu = worker.locator("[data-testid=slot][data-slot=cpu]")
+    utilisation = cpu.locator("[data-figure=utilization]")
+    memory = cpu.locator("[data-figure=memory]")
+    expect(utilisation.locator(".value")).to_have_text(re.compile(r"^\d+%$"))
+    expect(memory.locator(".value")).to_have_text(re.compile(r"^\d+\.\d / \d+\.\d GiB$"))
+    for unreported in ("temperature", "power"):
+        expect(cpu.locator(f"[data-figure={unreported}]")).to_have_class(re.compile(r"\bunavailable\b"))
+        expect(cpu.locator(f"[data-figure={unreported}] .value")).to_have_text("—")
+
+    # Record what the utilisation figure shows each time the live fragments touch the page.
+    figure = f"#{cpu.locator('.metrics').get_attribute('id')} [data-figure=utilization]"
+    page.evaluate("""figure => {
+        window.__seen = [];
+        new MutationObserver(() => window.__seen.push([
+            document.querySelector(`${figure} .value`)?.textContent,
+            document.querySelector(`${figure} polyline`)?.getAttribute("points")]))
+          .observe(document.getElementById("fleet-live"),
+                   {subtree: true, childList: true, characterData: true, attributes: true});
+    }""", figure)
+    sparkline = f"{figure} svg"
+    before = _points(page, sparkline)
+    # Each heartbeat (about one a second) adds a point to the sparkline: wait for three of them.
+    page.wait_for_function("""([selector, count]) => document.querySelector(selector)
+        .getAttribute("points").split(" ").filter(Boolean).length >= count""",
+                           arg=[f"{sparkline} polyline", max(before, 2) + 3], timeout=30_000)
+    seen = page.evaluate("window.__seen")
+    assert len({points for _, points in seen}) >= 3, f"the sparkline was redrawn fewer than three times: {seen}"
+    assert all(re.fullmatch(r"\d+%", text) for text, _ in seen if text is not None), seen
+    assert page.evaluate(SAME_DOCUMENT), "the page was reloaded"
+
+
+def _deployment(page, model: str):
+    return page.locator(f"[data-testid=deployment][data-model='{model}']")
+
+
+def _scale(deployment, replicas: int | str) -> None:
+    deployment.locator("[data-testid=scale-form] input[name$=desired_replicas]").fill(str(replicas))
+    deployment.locator("[data-testid=scale-submit]").click()
+
+
+def _set_limits(deployment, **values) -> None:
+    form = deployment.locator("[data-testid=limits-form]")
+    if not form.is_visible():
+        deployment.locator("summary").click()
+    for name, value in values.items():
+        form.locator(f"input[name$=-{name}]").fill(str(value))
+    form.locator("[data-testid=limits-submit]").click()
+
+
+def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, system):
+    model = system.seeded.demo_model
+    page = _open_fleet(open_page)
+    replicas = page.locator(f"[data-testid=worker-card] [data-testid=replica][data-model='{model}']")
+    expect(replicas).to_have_count(1, timeout=120_000)
+    expect(replicas.first).to_have_attribute("data-state", "ready", timeout=120_000)
+    first_id = replicas.first.get_attribute("id")
+    deployment = _deployment(page, model)
+
+    # Bad values: each message beside its field, and nothing changes.
+    _scale(deployment, 2)
+    error = _deployment(page, model).locator("[data-testid=scale-form] [data-testid=field-error]")
+    expect(error).to_contain_text("between min_replicas (0) and max_replicas (1); got 2")
+    # A negative count is refused before it is sent (the field's own min) or by the form beside it.
+    _scale(_deployment(page, model), -1)
+    form = f"[data-testid=deployment][data-model='{model}'] [data-testid=scale-form]"
+    page.wait_for_function("""form => {
+        const field = document.querySelector(`${form} input[name$=desired_replicas]`);
+        const error = document.querySelector(`${form} [data-testid=field-error]`);
+        return !field.checkValidity() || (error !== null && error.textContent.includes("greater than or equal to 0"));
+    }""", arg=form)
+    _set_limits(_deployment(page, model), min_replicas=3, max_replicas=2)
+    limits = _deployment(page, model).locator("[data-testid=limits-form]")
+    expect(limits.locator("[id$=-min_replicas].field [data-testid=field-error]")).to_contain_text(
+        "cannot exceed max replicas (2)")
+    expect(limits.locator("[id$=-max_replicas].field [data-testid=field-error]")).to_have_count(0)
+    expect(_deployment(page, model).locator("[data-testid=deployment-status]")).to_have_attribute("data-desired", "1")
+
+    # Room for two, then ask for two: the new replica appears on the worker card and loads.
+    _set_limits(_deployment(page, model), min_replicas=0, max_replicas=2)
+    expect(_deployment(page, model).locator("[data-testid=deployment-status]")).to_contain_text("max 2")
+    _scale(_deployment(page, model), 2)
+    expect(_deployment(page, model).locator("[data-testid=deployment-status]")).to_have_attribute("data-desired", "2")
+    expect(replicas).to_have_count(2, timeout=60_000)
+    new = page.locator(f"[data-testid=replica][data-model='{model}']:not(#{first_id})")
+    expect(new).to_have_attribute("data-state", re.compile(r"pending|loading|ready"))
+    expect(new).to_have_attribute("data-state", "ready", timeout=180_000)
+    expect(page.locator(f"#{first_id}")).to_have_attribute("data-state", "ready")
+    expect(_deployment(page, model).locator("[data-testid=deployment-replica][data-state=ready]")).to_have_count(
+        2, timeout=30_000)
+    assert page.evaluate(SAME_DOCUMENT), "the page was reloaded"
+
+    # Back to one: the newest replica is drained and leaves the card.
+    _scale(_deployment(page, model), 1)
+    expect(replicas).to_have_count(1, timeout=90_000)
+    expect(page.locator(f"#{first_id}")).to_have_attribute("data-state", "ready")
+
+    # Every action is in the audit log, with who did it.
+    page.goto(reverse("dashboard:audit"))
+    def rows(action: str):
+        return (page.locator(f"[data-testid=audit-row][data-action='{action}']")
+                .filter(has_text=model).filter(has_text="operator"))
+
+    expect(rows("deployment.scale")).to_have_count(2)
+    expect(rows("deployment.scale").first).to_contain_text("desired_replicas: 2 → 1")
+    expect(rows("deployment.update")).to_have_count(1)
+    expect(rows("deployment.update")).to_contain_text("max_replicas: 1 → 2")
