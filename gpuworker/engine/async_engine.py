@@ -54,6 +54,9 @@ class AsyncLLMEngine:
             self.engine.add_request(request_id, prompt, params)
             self._streams[request_id] = (loop, outputs)
 
+        if params is not None and params.structured_output is not None:
+            # A new schema compiles here, off the engine thread, so running streams do not stall.
+            await asyncio.to_thread(self.engine.compile_grammar, params.structured_output)
         await self._call(add)
         finished = False
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestO
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup
-from gpuworker.engine.structured_output import GrammarCache, StructuredOutputs
+from gpuworker.engine.structured_output import GrammarCache, StructuredOutput, StructuredOutputs
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class LLMEngine:
         self._last_completion = 0.0
         # Grammar matchers of constrained requests; built on the first such request.
         self.structured_outputs: StructuredOutputs | None = None
+        self._grammar_lock = threading.Lock()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -161,13 +163,20 @@ class LLMEngine:
         if _needs_sync(params):
             self._num_sync_requests += 1
 
+    def compile_grammar(self, structured: StructuredOutput) -> None:
+        """Compile (or find cached) a request's grammar; ValueError if it is not usable. Safe to
+        call from another thread, so a server can compile a new schema (hundreds of ms) without
+        stalling the engine loop, whose add_request then finds it in the cache."""
+        self._structured_outputs().compile(structured)
+
     def _structured_outputs(self) -> StructuredOutputs:
-        if self.structured_outputs is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_output: this model has no tokenizer to build grammars over")
-            grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-            self.structured_outputs = StructuredOutputs(grammars, pin_memory=self.device.type == "cuda")
-        return self.structured_outputs
+        with self._grammar_lock:
+            if self.structured_outputs is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_output: this model has no tokenizer to build grammars over")
+                grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+                self.structured_outputs = StructuredOutputs(grammars, pin_memory=self.device.type == "cuda")
+            return self.structured_outputs
 
     def _tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -126,22 +127,27 @@ class GrammarCache:
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
                                              cache_enabled=False)
         self._cache: OrderedDict[StructuredOutput, xgrammar.CompiledGrammar] = OrderedDict()
+        # Compiles may run off the engine thread (LLMEngine.compile_grammar): the cache is locked,
+        # the compile itself is not.
+        self._lock = threading.Lock()
         self.max_entries = max_entries
         self.num_compiles = 0
         self.num_hits = 0
 
     def get(self, structured: StructuredOutput) -> xgrammar.CompiledGrammar:
         """The compiled grammar; ValueError with xgrammar's reason when the spec is not usable."""
-        compiled = self._cache.get(structured)
-        if compiled is not None:
-            self._cache.move_to_end(structured)
-            self.num_hits += 1
-            return compiled
+        with self._lock:
+            compiled = self._cache.get(structured)
+            if compiled is not None:
+                self._cache.move_to_end(structured)
+                self.num_hits += 1
+                return compiled
         compiled = self._compile(structured)
-        self.num_compiles += 1
-        self._cache[structured] = compiled
-        if len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self.num_compiles += 1
+            self._cache[structured] = compiled
+            if len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
         return compiled
 
     def _compile(self, structured: StructuredOutput) -> xgrammar.CompiledGrammar:

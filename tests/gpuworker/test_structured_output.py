@@ -318,6 +318,35 @@ def test_grammars_compile_once_per_distinct_spec(checkpoint):
     assert (grammars.num_compiles, grammars.num_hits, len(grammars)) == (2, 1, 2)
 
 
+async def test_the_async_engine_compiles_a_new_schema_off_the_engine_thread(checkpoint):
+    """A new schema compiles in a worker thread while the engine loop keeps stepping; the engine
+    thread's add_request then finds it cached. A bad schema is refused before it reaches the loop."""
+    import threading
+
+    from gpuworker.engine import AsyncLLMEngine
+
+    engine = LLMEngine(checkpoint, num_kv_blocks=256, max_model_len=1024)
+    compiled_on: list[str] = []
+    grammars = engine._structured_outputs().grammars
+    compile_one = grammars._compile
+
+    def recording(structured):
+        compiled_on.append(threading.current_thread().name)
+        return compile_one(structured)
+
+    grammars._compile = recording
+    async with AsyncLLMEngine.from_engine(engine) as served:
+        outputs = [out async for out in served.generate(
+            "x", constrained(StructuredOutput.json_schema(SCHEMAS["enums"]), seed=4), "a")]
+        assert outputs[-1].finished and outputs[-1].finish_reason == "stop"
+        assert json.loads(outputs[-1].text)["color"] in SCHEMAS["enums"]["properties"]["color"]["enum"]
+        with pytest.raises(ValueError, match="structured_output"):
+            async for _ in served.generate("x", constrained(StructuredOutput("ebnf", "root ::= ")), "b"):
+                pass
+    assert compiled_on and "llm-engine" not in compiled_on
+    assert (grammars.num_compiles, grammars.num_hits) == (1, 1)
+
+
 def test_grammar_cache_evicts_the_least_recently_used(engine):
     cache = GrammarCache(engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids, max_entries=2)
     a, b, c = (StructuredOutput.ebnf(f'root ::= "{word}"') for word in "abc")
