@@ -2,13 +2,15 @@
 and scaling a deployment shows its new replica appear, load and become ready, while the forms put
 bad values' messages beside their fields and the audit log records who did it.
 
-The browser-test daemon runs on CPU, so its worker card has no GPU slot: the CPU slot is the
-device whose live figures (utilisation, memory, each with a sparkline) are checked; temperature
-and power are not reported for a CPU and show as unavailable.
+The browser-test daemon runs on CPU, so its worker card has no GPU slot: its CPU slot's live
+figures (utilisation, memory, each with a sparkline) are checked, and temperature and power show as
+unavailable. A GPU host is then registered through the internal API, reporting NVML-style figures
+in its heartbeats as a daemon on a GPU machine does, and its GPU's figures are followed live.
 """
 
 import re
 
+import httpx
 import pytest
 from django.urls import reverse
 from playwright.sync_api import expect
@@ -64,6 +66,41 @@ def test_a_devices_live_figures_change_without_reloading(open_page):
     seen = page.evaluate("window.__seen")
     assert len({points for _, points in seen}) >= 3, f"the sparkline was redrawn fewer than three times: {seen}"
     assert all(re.fullmatch(r"\d+%", text) for text, _ in seen if text is not None), seen
+    assert page.evaluate(SAME_DOCUMENT), "the page was reloaded"
+
+
+def test_a_gpus_live_figures_change_without_reloading(open_page, system):
+    """A GPU host reports through the internal API exactly as a daemon on a GPU machine does
+    (registration, then NVML figures in each heartbeat); its GPU's figures on the open page follow
+    each heartbeat. It reports itself draining, so nothing is placed on a host with no daemon."""
+    headers = {"Authorization": f"Bearer {system.fleet.token}"}
+    total = 141 * 2**30
+    registered = httpx.post(f"{system.url}/internal/workers/register", headers=headers, timeout=10, json={
+        "name": "gpu-host-browser", "advertise_host": "10.0.0.7", "device": "cuda", "version": "test",
+        "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_total_bytes": total}],
+        "cpu": {"memory_total_bytes": 2**38, "cores": 16}})
+    registered.raise_for_status()
+    worker_id = registered.json()["worker_id"]
+
+    def beat(utilisation: float, temperature: float, power: float) -> None:
+        httpx.post(f"{system.url}/internal/workers/{worker_id}/heartbeat", headers=headers, timeout=10, json={
+            "draining": True, "replicas": [],
+            "gpus": [{"index": 0, "utilization_pct": utilisation, "memory_used_bytes": 40 * 2**30,
+                      "memory_total_bytes": total, "temperature_c": temperature, "power_w": power}],
+            "cpu": {"utilization_pct": 3.0, "memory_used_bytes": 2**33, "memory_total_bytes": 2**38},
+        }).raise_for_status()
+
+    beat(17, 41, 212)
+    page = _open_fleet(open_page)
+    figure = f"#figure-{worker_id}-gpu0-"
+    expect(page.locator(figure + "utilization")).to_have_text("17%")
+    sparkline = f"#metrics-{worker_id}-gpu0 [data-figure=utilization] svg"
+    for utilisation, temperature, power in ((64, 48, 455), (83, 55, 612), (71, 52, 530)):
+        beat(utilisation, temperature, power)
+        expect(page.locator(figure + "utilization")).to_have_text(f"{utilisation}%")
+        expect(page.locator(figure + "temperature")).to_contain_text(str(temperature))
+        expect(page.locator(figure + "power")).to_contain_text(str(power))
+    assert _points(page, sparkline) >= 3  # a point per heartbeat seen since the page opened
     assert page.evaluate(SAME_DOCUMENT), "the page was reloaded"
 
 
