@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuworker.tool_call_scanner import CallScanner, skip_ws
+
 
 @dataclass(frozen=True)
 class ToolCallFormat:
@@ -143,168 +145,6 @@ class ParsedDelta:
         return bool(self.content or self.tool_calls)
 
 
-class _Incomplete(Exception):
-    """The text ends before the JSON value does."""
-
-
-class _Malformed(Exception):
-    """The text cannot be the JSON a call is written in."""
-
-
-_WS = " \t\r\n"
-
-
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WS:
-        i += 1
-    return i
-
-
-def _string_end(text: str, i: int) -> int:
-    """Index after the JSON string starting at text[i] == '"'."""
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-            continue
-        if text[j] == '"':
-            return j + 1
-        j += 1
-    raise _Incomplete
-
-
-class _ValueScanner:
-    """Finds the end of one JSON value, fed text as it arrives (strings, nesting, escapes); keeps
-    its place, so a long streamed argument object is scanned once."""
-
-    def __init__(self) -> None:
-        self.pos = 0
-        self.depth = 0
-        self.kind = ""
-        self.in_string = False
-        self.escape = False
-        self.end: int | None = None
-
-    def scan(self, text: str) -> int | None:
-        while self.end is None and self.pos < len(text):
-            c = text[self.pos]
-            if not self.kind:
-                self.kind = c
-                if c in "{[":
-                    self.depth = 1
-                elif c == '"':
-                    self.in_string = True
-                elif c in "]},:":
-                    raise _Malformed
-            elif self.in_string:
-                if self.escape:
-                    self.escape = False
-                elif c == "\\":
-                    self.escape = True
-                elif c == '"':
-                    self.in_string = False
-                    if self.kind == '"':
-                        self.end = self.pos + 1
-            elif self.kind in "{[":
-                if c == '"':
-                    self.in_string = True
-                elif c in "{[":
-                    self.depth += 1
-                elif c in "}]":
-                    self.depth -= 1
-                    if self.depth == 0:
-                        self.end = self.pos + 1
-            elif c in _WS or c in ",}]":  # a literal (number, true, false, null) ends here
-                self.end = self.pos
-                break
-            self.pos += 1
-        return self.end
-
-
-class _CallScanner:
-    """Reads one call's JSON object ({"name": ..., "arguments": ...}) as its text arrives."""
-
-    def __init__(self, argument_keys: tuple[str, ...]) -> None:
-        self.argument_keys = argument_keys
-        self.text = ""
-        self.name: str | None = None
-        self.args_start: int | None = None
-        self.args = _ValueScanner()
-        self.end: int | None = None  # index after the object's closing brace
-        self.malformed = False
-
-    @property
-    def args_end(self) -> int | None:
-        return None if self.args_start is None or self.args.end is None else self.args_start + self.args.end
-
-    def feed(self, text: str) -> None:
-        """Reads on; sets `malformed` (keeping what was read before) when the text cannot be a call."""
-        self.text += text
-        if self.end is not None or self.malformed:
-            return
-        try:
-            if self.args_start is not None and self.args_end is None:
-                self.args.scan(self.text[self.args_start:])
-                if self.args_end is None:
-                    return
-            self._members()
-        except _Malformed:
-            self.malformed = True
-
-    def _members(self) -> None:
-        text = self.text
-        i = _skip_ws(text, 0)
-        if i >= len(text):
-            return
-        if text[i] != "{":
-            raise _Malformed
-        i += 1
-        try:
-            while True:
-                i = _skip_ws(text, i)
-                if i >= len(text):
-                    return
-                if text[i] == "}":
-                    self.end = i + 1
-                    return
-                if text[i] == ",":
-                    i += 1
-                    continue
-                if text[i] != '"':
-                    raise _Malformed
-                key_end = _string_end(text, i)
-                key = json.loads(text[i:key_end])
-                i = _skip_ws(text, key_end)
-                if i >= len(text):
-                    return
-                if text[i] != ":":
-                    raise _Malformed
-                i = _skip_ws(text, i + 1)
-                if i >= len(text):
-                    return
-                if key in self.argument_keys and (self.args_start is None or self.args_start == i):
-                    self.args_start = i
-                    self.args.scan(text[i:])
-                    if self.args_end is None:
-                        return
-                    i = self.args_end
-                    continue
-                value = _ValueScanner()
-                end = value.scan(text[i:])
-                if end is None:
-                    return
-                if key == "name":
-                    name = json.loads(text[i:i + end])
-                    if not isinstance(name, str) or not name:
-                        raise _Malformed
-                    self.name = name
-                i += end
-        except (_Incomplete, ValueError) as exc:
-            if isinstance(exc, _Incomplete):
-                return
-            raise _Malformed from None
-
-
 class ToolCallParser:
     """Splits a choice's output into content and tool calls, piece by piece.
 
@@ -320,7 +160,7 @@ class ToolCallParser:
         self.fmt = fmt
         self.tool_names = tool_names
         self.buffer = ""  # unread text
-        self.call: _CallScanner | None = None  # the call object being read
+        self.call: CallScanner | None = None  # the call object being read
         self.call_raw = ""  # its text from the trigger, to give back as content if it is none
         self.current: ToolCall | None = None  # the call once announced
         self.calls: list[ToolCall] = []
@@ -389,7 +229,7 @@ class ToolCallParser:
                 start = match.start() if self.fmt.object_in_trigger else match.end()
                 self.call_raw = self.buffer[match.start():start]
                 self.buffer = self.buffer[start:]
-                self.call = _CallScanner(self.fmt.argument_keys)
+                self.call = CallScanner(self.fmt.argument_keys)
                 self.args_sent = 0
                 continue
             self._read_call(out)
@@ -444,7 +284,7 @@ class ToolCallParser:
             self.buffer = rest
             self.closing = True
 
-    def _send_args(self, out: ParsedDelta, current: ToolCall, call: _CallScanner) -> None:
+    def _send_args(self, out: ParsedDelta, current: ToolCall, call: CallScanner) -> None:
         start, end = call.args_start, call.args_end
         if call.text[start:start + 1] == '"':
             # Arguments written as a JSON string holding JSON: said once, decoded, when complete.
@@ -487,12 +327,12 @@ class ToolCallParser:
     def _read_close(self, final: bool) -> bool:
         """Consume whitespace, the close marker and a separator after a call; False to wait for more."""
         text = self.buffer
-        i = _skip_ws(text, 0)
+        i = skip_ws(text, 0)
         for piece in (self.fmt.close, self.fmt.separator.strip()):
             if not piece:
                 continue
             if text.startswith(piece, i):
-                i = _skip_ws(text, i + len(piece))
+                i = skip_ws(text, i + len(piece))
             elif piece.startswith(text[i:]) and not final:
                 return False  # could still become it
         if i >= len(text) and not final:
