@@ -41,7 +41,10 @@ def channel_layers(redis_url: str) -> dict[str, Any]:
         return {
             "default": {
                 "BACKEND": "channels_redis.core.RedisChannelLayer",
-                "CONFIG": {"hosts": [redis_url], "prefix": "gpuserve"},
+                # No client-side read timeout: the layer's receive is a blocking pop that waits
+                # for its own server-side timeout, and redis-py 8 otherwise cuts every idle read
+                # at 5 s, tearing down idle WebSocket consumers (channels_redis issue #422).
+                "CONFIG": {"hosts": [{"address": redis_url, "socket_timeout": None}], "prefix": "gpuserve"},
             }
         }
     # One web process in the embedded set-up, so an in-process layer reaches every consumer.

@@ -46,6 +46,20 @@ async def test_channel_layer_delivers_through_redis(redis_url):
         await layer.group_discard(group, channel)
 
 
+async def test_an_idle_receive_outlasts_the_redis_clients_default_read_timeout(redis_url):
+    """A consumer waits on the layer for as long as nothing happens: redis-py 8 cuts reads at 5 s
+    by default, which would tear an idle WebSocket consumer down with a TimeoutError."""
+    import asyncio
+
+    layer = get_channel_layer()
+    channel = await layer.new_channel()
+    waiting = asyncio.ensure_future(layer.receive(channel))
+    await asyncio.sleep(7)
+    assert not waiting.done(), waiting.exception() if waiting.done() else None
+    await layer.send(channel, {"type": "test.late", "text": "after 7 s"})
+    assert await asyncio.wait_for(waiting, 10) == {"type": "test.late", "text": "after 7 s"}
+
+
 def test_celery_broker_and_results_are_redis(redis_url):
     assert celery_app.conf.broker_url == redis_url
     assert celery_app.conf.result_backend == redis_url

@@ -124,6 +124,6 @@ def test_urls_switch_to_postgresql_and_redis(tmp_path):
     )
     redis = "redis://cache.internal:6379/2"
     assert integrations.caches(redis)["default"]["LOCATION"] == redis
-    assert integrations.channel_layers(redis)["default"]["CONFIG"]["hosts"] == [redis]
+    assert integrations.channel_layers(redis)["default"]["CONFIG"]["hosts"] == [{"address": redis, "socket_timeout": None}]
     assert integrations.celery_broker(redis, tmp_path) == (redis, {})
     assert integrations.celery_result_backend(redis, tmp_path) == redis
