@@ -5,7 +5,6 @@ worker's latest heartbeat stored through the real heartbeat service."""
 import uuid
 
 import pytest
-from asgiref.testing import ApplicationCommunicator
 from django.utils import timezone
 
 from controlplane.accounts.models import User
@@ -45,30 +44,3 @@ def beat(worker, *, gpus=(), cpu=None, replicas=()) -> None:
                                                 "memory_total_bytes": 8 << 30},
             "replicas": list(replicas)}
     worker_heartbeat(worker_id=worker.pk, heartbeat=parse_heartbeat(body), now=timezone.now())
-
-
-class WebSocketClient(ApplicationCommunicator):
-    """channels.testing.WebsocketCommunicator's connect/receive/disconnect, on asgiref's
-    ApplicationCommunicator: importing channels.testing needs daphne, which this project does not
-    install (uvicorn serves it)."""
-
-    def __init__(self, application, path: str, headers: list[tuple[bytes, bytes]]) -> None:
-        super().__init__(application, {"type": "websocket", "path": path, "query_string": b"",
-                                       "headers": headers, "subprotocols": []})
-
-    async def connect(self, timeout: float = 5) -> tuple[bool, int | None]:
-        await self.send_input({"type": "websocket.connect"})
-        response = await self.receive_output(timeout)
-        if response["type"] == "websocket.close":
-            return False, response.get("code", 1000)
-        assert response["type"] == "websocket.accept", response
-        return True, None
-
-    async def receive_from(self, timeout: float = 5) -> str:
-        response = await self.receive_output(timeout)
-        assert response["type"] == "websocket.send" and "text" in response, response
-        return response["text"]
-
-    async def disconnect(self, code: int = 1000, timeout: float = 5) -> None:
-        await self.send_input({"type": "websocket.disconnect", "code": code})
-        await self.wait(timeout)

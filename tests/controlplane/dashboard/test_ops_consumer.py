@@ -16,12 +16,12 @@ from controlplane.fleet.models import Replica
 from controlplane.fleet.reports import parse_registration
 from controlplane.fleet.services import replica_transition, worker_register
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
-    WebSocketClient,
     _private_live_cache,
     beat,
     make_user,
     make_worker,
 )
+from tests.controlplane.dashboard.websocket_client import WebSocketClient
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("redis_url")]

@@ -12,46 +12,18 @@ import httpx
 import openai
 import pytest
 from asgiref.sync import async_to_sync
-from asgiref.testing import ApplicationCommunicator
 from django.test import Client
 from django.urls import reverse
 
 from controlplane.accounts.models import ApiKey, User
 from controlplane.billing.models import CreditEntry, UsageRecord
+from tests.controlplane.dashboard.websocket_client import WebSocketClient
 from tests.controlplane.factories import PlanFactory, TenantFactory, UserFactory
 from tests.controlplane.gateway.conftest import (  # noqa: F401 (fixtures)
     WORKER_TOKEN, checkpoint, database_url, gateway, make_world, replica_processes, replicas, wait_until,
 )
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
-
-
-class WebsocketCommunicator(ApplicationCommunicator):
-    """A WebSocket client for an ASGI app, as channels.testing's (which needs daphne, not installed)."""
-
-    def __init__(self, application, path: str, headers: list):
-        super().__init__(application, {"type": "websocket", "path": path, "query_string": b"",
-                                       "headers": headers, "subprotocols": []})
-
-    async def connect(self, timeout: float = 5) -> tuple[bool, int | None]:
-        await self.send_input({"type": "websocket.connect"})
-        response = await self.receive_output(timeout)
-        if response["type"] == "websocket.close":
-            return False, response.get("code", 1000)
-        assert response["type"] == "websocket.accept"
-        return True, None
-
-    async def send_to(self, text_data: str) -> None:
-        await self.send_input({"type": "websocket.receive", "text": text_data})
-
-    async def receive_from(self, timeout: float = 1) -> str:
-        response = await self.receive_output(timeout)
-        assert response["type"] == "websocket.send", response
-        return response["text"]
-
-    async def disconnect(self, code: int = 1000, timeout: float = 30) -> None:
-        await self.send_input({"type": "websocket.disconnect", "code": code})
-        await self.wait(timeout)
 
 
 @pytest.fixture
@@ -73,13 +45,13 @@ def _session_cookie(user) -> bytes:
     return f"sessionid={client.cookies['sessionid'].value}".encode()
 
 
-async def _connect(user_cookie: bytes | None) -> WebsocketCommunicator:
+async def _connect(user_cookie: bytes | None) -> WebSocketClient:
     from controlplane.asgi import application
 
     headers = [(b"origin", b"http://localhost"), (b"host", b"localhost")]
     if user_cookie:
         headers.append((b"cookie", user_cookie))
-    return WebsocketCommunicator(application, "/ws/playground/", headers=headers)
+    return WebSocketClient(application, "/ws/playground/", headers=headers)
 
 
 def _send(model: str, **fields) -> str:
@@ -88,7 +60,7 @@ def _send(model: str, **fields) -> str:
                        "HEADERS": {"HX-Request": "true"}, **{k: str(v) for k, v in fields.items()}})
 
 
-async def _until_final(ws: WebsocketCommunicator, messages: list[str], timeout: float = 60) -> str:
+async def _until_final(ws: WebSocketClient, messages: list[str], timeout: float = 60) -> str:
     while True:
         message = await ws.receive_from(timeout=timeout)
         messages.append(message)
@@ -126,7 +98,7 @@ def test_answer_streams_and_is_billed_once(gateway, replicas, in_process_gateway
             messages: list[str] = []
             final = await _until_final(ws, messages)
         finally:
-            await ws.disconnect()
+            await ws.disconnect(timeout=30)
             await _close_gateway(in_process_gateway)
         return messages, final
 
@@ -165,7 +137,7 @@ def test_stop_aborts_on_the_replica_and_bills_by_the_gateways_rules(gateway, rep
             # The socket stays usable: the session key is still good for the next question.
             return messages, final
         finally:
-            await ws.disconnect()
+            await ws.disconnect(timeout=30)
             await _close_gateway(in_process_gateway)
 
     messages, final = async_to_sync(scenario)()
@@ -202,7 +174,7 @@ def test_errors_show_in_the_page(gateway, replicas, in_process_gateway):
             invalid = await ws.receive_from(timeout=10)
             return no_credit, invalid
         finally:
-            await ws.disconnect()
+            await ws.disconnect(timeout=30)
             await _close_gateway(in_process_gateway)
 
     no_credit, invalid = async_to_sync(scenario)()
@@ -221,7 +193,7 @@ def test_only_tenant_members_may_connect(role, in_process_gateway):
     async def scenario():
         ws = await _connect(cookie)
         connected, code = await ws.connect()
-        await ws.disconnect()
+        await ws.disconnect(timeout=30)
         return connected, code
 
     connected, code = async_to_sync(scenario)()
