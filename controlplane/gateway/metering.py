@@ -74,15 +74,14 @@ class Flight:
         if self.released:
             return
         self.released = True
-        if served and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
         try:
             await self.gw.shared.finish(self.request_id, grant=self.grant, replica_id=self.replica_id,
                                         started=served)
         except Exception:
-            if served:
-                raise  # without the mark a crash before settling would lose the charge
-            logger.warning("could not clear request %s from the in-flight sets", self.request_id, exc_info=True)
+            # Served: the answer is out and its settlement still follows; only a crash before that
+            # settlement would now go unbilled (the sweeper finds no mark).
+            logger.warning("could not clear request %s from the in-flight sets%s", self.request_id,
+                           " or mark it billable" if served else "", exc_info=True)
 
     async def release_served(self) -> None:
         """The whole answer is about to go out: free the slots and mark the request billable in

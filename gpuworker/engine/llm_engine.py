@@ -242,7 +242,8 @@ class LLMEngine:
             # during those was measured slower on the H200 host: the two contend.)
             self.runner.sample(handle, self.structured_outputs.bitmask(handle.sample_seqs))
         if received is not None:
-            # Fills in the previous step's tokens, so advance() below hashes only known tokens.
+            # Stop checks and text of the previous step's tokens (filled in by _receive, so
+            # advance() below hashes only known tokens).
             outputs += self._process(received)
         if handle is None:
             if received is None and not outputs and self.scheduler.has_unfinished:
