@@ -42,10 +42,10 @@ def profile_decode(args, batch_size: int) -> dict:
 
     cfg = load_hf_config(args.config)
     engine = LLMEngine(str(args.config), device="cuda", dtype=args.dtype, load_format="dummy",
-                       max_num_seqs=max(batch_size, 8), max_num_batched_tokens=max(2048, batch_size),
+                       max_num_seqs=max(batch_size, 8), max_num_batched_tokens=max(8192, batch_size),
                        max_model_len=args.max_model_len, seed=0)
     rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.warmup + args.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - max(args.prompt_len, args.prefill_len) - 1, ignore_eos=True)
     for i in range(batch_size):
         engine.add_request(f"p{i}", [rng.randrange(cfg["vocab_size"]) for _ in range(args.prompt_len)], params)
     # Prefill everything and warm up until every step is a pure decode of the whole batch.
@@ -70,7 +70,12 @@ def profile_decode(args, batch_size: int) -> dict:
     loop_ops = loop_table(engine, args.steps) if args.kernels else []
 
     # GPU time of the same forward and of logits + greedy sampling, back to back on the device.
+    if args.prefill_len:
+        # A mixed step, as when a new request joins a running batch: its whole prompt (eager).
+        engine.add_request("joining", [rng.randrange(cfg["vocab_size"]) for _ in range(args.prefill_len)], params)
     batch = engine.scheduler.schedule()
+    shape = f"{batch.num_decode_seqs} decodes + {batch.num_batched_tokens - batch.num_decode_seqs} prefill tokens"
+    context = sum(e.start + e.num_new_tokens for e in batch.seqs) / max(1, len(batch.seqs))
     # With async scheduling this batch's inputs read the in-flight step's sampled ids.
     inflight = engine._inflight.handle if engine._inflight is not None else None
     inputs = runner.prepare_inputs(batch, inflight)
@@ -93,7 +98,7 @@ def profile_decode(args, batch_size: int) -> dict:
     per_step = {label: total / args.steps for label, total in timer.totals.items()}
     del engine, runner
     torch.cuda.empty_cache()
-    return {"batch_size": batch_size, "step_wall_s": wall, "forward_gpu_s": forward_gpu,
+    return {"batch_size": batch_size, "measured_batch": shape, "mean_context": context, "step_wall_s": wall, "forward_gpu_s": forward_gpu,
             "logits_sample_gpu_s": logits_gpu, "host_phases_s": per_step, "kernels": kernels,
             "loop_ops": loop_ops}
 
@@ -135,6 +140,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--prefill-len", type=int, default=0,
+                        help="GPU-time a mixed step: the decode batch plus one new prompt of this length")
     parser.add_argument("--kernels", action="store_true", help="also print a per-kernel GPU time table")
     args = parser.parse_args()
 
@@ -142,7 +149,8 @@ def main() -> None:
     for r in results:
         ms = lambda s: f"{1e3 * s:.3f} ms"  # noqa: E731
         gpu = r["forward_gpu_s"] + r["logits_sample_gpu_s"]
-        rows = [("step wall time", ms(r["step_wall_s"])),
+        rows = [("GPU-timed batch", f"{r['measured_batch']}, mean context {r['mean_context']:.0f}"),
+                ("step wall time (pure decode)", ms(r["step_wall_s"])),
                 ("GPU: forward", ms(r["forward_gpu_s"])),
                 ("GPU: logits + argmax", ms(r["logits_sample_gpu_s"])),
                 ("not GPU-bound (wall - GPU)", ms(r["step_wall_s"] - gpu))]

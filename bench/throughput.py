@@ -28,9 +28,13 @@ def make_workload(num_requests: int, vocab: int, seed: int, lo: int, hi: int):
     return requests
 
 
-def run_engine(engine, requests) -> dict:
+def run_engine(engine, requests, profile_steps: tuple[int, int] | None = None) -> dict:
     from gpuworker.engine import SamplingParams
 
+    profiler = None
+
+    # Per step: wall time of the step() call, and what the step it completed ran.
+    trace: list[tuple[float, int, int]] = []
     with Timer() as t:
         for i, (prompt, output_len) in enumerate(requests):
             # Offline: only the final outputs are read (as LLMEngine.generate does).
@@ -38,9 +42,18 @@ def run_engine(engine, requests) -> dict:
                 temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind="final_only"))
         generated = 0
         while engine.has_unfinished_requests():
+            if profile_steps and len(trace) == profile_steps[0]:
+                profiler = start_profiler()
+            if profiler is not None and len(trace) == profile_steps[1]:
+                report_profile(profiler, profile_steps[1] - profile_steps[0])
+                profiler = None
+            started = time.perf_counter()
             for out in engine.step():
                 if out.finished:
                     generated += len(out.outputs[0].token_ids)
+            stats = engine.last_step_stats
+            trace.append((time.perf_counter() - started, stats.num_decode_tokens if stats else 0,
+                          stats.num_prefill_tokens if stats else 0))
     expected = sum(n for _, n in requests)
     if generated != expected:
         raise RuntimeError(f"engine generated {generated} tokens, expected {expected}")
@@ -48,7 +61,54 @@ def run_engine(engine, requests) -> dict:
     return {
         "requests": len(requests), "seconds": t.elapsed,
         "output_tok_s": expected / t.elapsed, "total_tok_s": (expected + prompt_tokens) / t.elapsed,
+        "phases": step_phases(trace),
     }
+
+
+def start_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    profiler.start()
+    profiler.wall_start = time.perf_counter()
+    return profiler
+
+
+def report_profile(profiler, steps: int) -> None:
+    """GPU busy time against wall time over a window of steps, and the largest kernels."""
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - profiler.wall_start
+    profiler.stop()
+    events = [e for e in profiler.key_averages() if e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    rows = [(f"{steps} steps", f"wall {1e3 * wall / steps:.2f} ms/step, GPU busy {1e3 * busy / steps:.2f} ms/step "
+                               f"({100 * busy / wall:.0f}%)")]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
+        rows.append((e.key[:60], f"{e.self_device_time_total / 1e3 / steps:.3f} ms/step x{e.count / steps:.0f}"))
+    host = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+    rows += [(f"host: {e.key[:54]}", f"{e.self_cpu_time_total / 1e3 / steps:.3f} ms/step x{e.count / steps:.0f}")
+             for e in host]
+    print_table("profiled window", rows)
+
+
+def step_phases(trace: list[tuple[float, int, int]]) -> dict:
+    """Where the wall time went: steps that ran prefill tokens (mixed with decodes or not) and
+    pure decode steps, split by how many sequences they decoded."""
+    kinds: dict[str, list[float]] = {}
+    for wall, decodes, prefills in trace:
+        if prefills:
+            kind = "with prefill"
+        else:
+            kind = next(f"decode <= {b}" for b in (8, 64, 128, 256, 384, 512, 1 << 30) if decodes <= b)
+        entry = kinds.setdefault(kind, [0, 0.0, 0, 0])
+        entry[0] += 1
+        entry[1] += wall
+        entry[2] += decodes
+        entry[3] += prefills
+    return {kind: {"steps": n, "seconds": round(sec, 3), "ms_per_step": round(1e3 * sec / n, 2),
+                   "decode_tokens": d, "prefill_tokens": p}
+            for kind, (n, sec, d, p) in sorted(kinds.items())}
 
 
 @torch.inference_mode()
@@ -93,6 +153,8 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile-steps", default="",
+                        help="A:B profiles steps A to B of the full run (torch profiler; slows them)")
     args = parser.parse_args()
 
     from gpuworker.engine import LLMEngine, SamplingParams
@@ -109,7 +171,8 @@ def main() -> None:
     engine.generate([p for p, _ in requests[:8]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     warmup_s = time.perf_counter() - t0
 
-    ours = run_engine(engine, requests)
+    window = tuple(int(x) for x in args.profile_steps.split(":")) if args.profile_steps else None
+    ours = run_engine(engine, requests, window)
     subset = requests[: args.hf_requests]
     ours_subset = None if args.skip_hf else run_engine(engine, subset)
     del engine
@@ -130,6 +193,10 @@ def main() -> None:
             ("ratio (same requests)", f"{ours_subset['output_tok_s'] / hf['output_tok_s']:.1f}x"),
         ]
     print_table("offline throughput", rows)
+    print_table("where the wall time went (all requests)", [
+        (kind, f"{v['steps']} steps, {v['seconds']:.1f} s, {v['ms_per_step']:.2f} ms/step, "
+               f"{v['decode_tokens']} decode + {v['prefill_tokens']} prefill tokens")
+        for kind, v in ours["phases"].items()])
     write_json("throughput", {
         "env": environment(), "args": {k: str(v) for k, v in vars(args).items()},
         "gpuworker": ours, "gpuworker_subset": ours_subset, "hf_subset": hf, "warmup_s": warmup_s,

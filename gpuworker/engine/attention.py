@@ -13,7 +13,7 @@ KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 
@@ -46,6 +46,14 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    """What the model calls once per layer and step.
+
+    A backend whose class sets ``fuses_rotary_and_cache_write = True`` (see
+    RotaryCacheWritingBackend) gets its keys and values another way: the model rotates the queries
+    and writes the rotated keys and the values into the cache itself, in one launch, and calls
+    ``forward_rotated`` instead of ``forward``. Without that attribute, ``forward`` is called.
+    """
+
     def forward(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
@@ -57,3 +65,24 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's keys and values into the cache, then attend through the block tables."""
         ...
+
+
+class RotaryCacheWritingBackend(AttentionBackend, Protocol):
+    """A backend that leaves rotary and the cache write to the model (one fused kernel before it)."""
+
+    fuses_rotary_and_cache_write: bool  # True
+
+    def forward_rotated(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim], already rotated
+        kv_cache: torch.Tensor,  # already holding this step's keys and values at meta.slot_mapping
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Attend through the block tables; the cache is not written."""
+        ...
+
+
+def fuses_rotary_and_cache_write(backend: AttentionBackend) -> TypeGuard[RotaryCacheWritingBackend]:
+    """Whether the model should call apply_rotary_and_cache and then backend.forward_rotated."""
+    return bool(getattr(backend, "fuses_rotary_and_cache_write", False))

@@ -1,8 +1,10 @@
 """TritonAttentionBackend: the AttentionBackend of the GPU path, built from gpuworker.kernels.
 
-Per layer and step: write the new K/V through the slot mapping, run the paged decode kernel on the
-first meta.num_decode_seqs sequences (one query token each) and the prefill kernel on the rest.
-Nothing here reads a device tensor on the host, so a decode step can be captured in a CUDA graph.
+Per layer and step: the model's rotary kernel has already rotated the queries and written this step's
+keys and values into the cache (apply_rotary_and_cache, one launch), so forward_rotated only attends:
+the paged decode kernel on the first meta.num_decode_seqs sequences (one query token each, one launch
+whatever the context length) and the prefill kernel on the rest. Nothing here reads a device tensor
+on the host, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -11,12 +13,18 @@ import torch
 
 from gpuworker.engine.attention import AttentionMetadata
 from gpuworker.kernels.kv_cache_write import kv_cache_write
-from gpuworker.kernels.paged_decode_attention import paged_decode_attention
+from gpuworker.kernels.paged_decode_attention import SplitCounters, paged_decode_attention
 from gpuworker.kernels.prefill_attention import prefill_attention
 
 
 class TritonAttentionBackend:
     name = "triton"
+    # The model calls apply_rotary_and_cache, then forward_rotated (see gpuworker.engine.attention).
+    fuses_rotary_and_cache_write = True
+
+    def __init__(self) -> None:
+        # Shared by every layer: decode launches run one after another on one stream.
+        self._split_counters = SplitCounters()
 
     def forward(
         self,
@@ -27,21 +35,32 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write this step's keys and values into the cache, then attend through the block tables.
+        """Write this step's keys and values into the cache, then attend (the unfused path)."""
+        kv_cache_write(key, value, kv_cache, meta.slot_mapping)
+        return self.forward_rotated(query, kv_cache, meta, scale)
+
+    def forward_rotated(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], this step's K/V in it
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Attend through the block tables to a cache that already holds this step's keys and values.
 
         Rows that belong to no sequence (padding past query_start_loc[-1]) are zero, as in the
         torch reference. A decode sequence with seq_len 0 also gets zeros.
         """
-        kv_cache_write(key, value, kv_cache, meta.slot_mapping)
         num_decode = meta.num_decode_seqs
         num_seqs = meta.num_seqs
         if not 0 <= num_decode <= num_seqs:
             raise ValueError(f"meta.num_decode_seqs {num_decode} must be in [0, num_seqs = {num_seqs}]")
         out = torch.empty_like(query)
         if num_decode > 0:
+            counters = self._split_counters.get(num_decode * kv_cache.shape[-2], query.device)
             paged_decode_attention(
                 query[:num_decode], kv_cache, meta.block_tables[:num_decode], meta.seq_lens[:num_decode],
-                scale, meta.max_seq_len, out=out[:num_decode],
+                scale, meta.max_seq_len, out=out[:num_decode], counters=counters,
             )
         if num_seqs > num_decode:
             # query_start_loc values are absolute rows of `query`, so a slice addresses the prefill part.

@@ -28,7 +28,7 @@ from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestO
                                       TokenLogprob)
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
-from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup
+from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput, StructuredOutputs
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
 
@@ -266,14 +266,15 @@ class LLMEngine:
         self._last_completion = finished_at
         rows = inflight.handle.row_of()
         tokens: list[tuple[Sequence, TokenLogprob | None, bool]] = []
+        token_ids, logprobs = result.token_ids, result.logprobs
         for seq, position in inflight.sampling:
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted while the step ran
             row = rows[seq.seq_id]
-            token_id = seq.token_ids[position] = result.token_ids[row]
+            token_id = seq.token_ids[position] = token_ids[row]
             grammar_ended = (seq.group.params.structured_output is not None
                              and self.structured_outputs.accept(seq, token_id))
-            tokens.append((seq, result.logprobs[row], grammar_ended))
+            tokens.append((seq, logprobs[row], grammar_ended))
         return _Received(inflight.handle.batch, duration, tokens)
 
     def _process(self, received: _Received) -> list[RequestOutput]:
@@ -281,25 +282,32 @@ class LLMEngine:
         batch = received.batch
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         now = time.time()
+        requests = self._requests
+        num_generated = 0
         for seq, logprob, grammar_ended in received.tokens:
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue  # aborted since
-            request = self._requests[seq.group.request_id]
-            deltas.setdefault(seq.group.request_id, {})[seq.index] = self._process_token(
-                request, seq, logprob, grammar_ended)
+            group = seq.group
+            request = requests[group.request_id]
+            delta = self._process_token(request, seq, logprob, grammar_ended)
+            num_generated += 1
             if request.first_token_time is None:
                 request.first_token_time = now
+            if group.params.output_kind == "final_only" and seq.status is not SequenceStatus.FINISHED:
+                continue  # nobody reads this request's outputs before it finishes
+            deltas.setdefault(group.request_id, {})[seq.index] = delta
         tokens_per_request: dict[str, int] = {}
         duration = received.duration
-        for entry in batch.seqs:
-            group = entry.seq.group
-            group.gpu_time_s += duration * entry.num_new_tokens / batch.num_batched_tokens
-            tokens_per_request[group.request_id] = tokens_per_request.get(group.request_id, 0) + entry.num_new_tokens
-        num_generated = sum(len(d) for d in deltas.values())
+        per_token = duration / batch.num_batched_tokens
+        for seq, _, num_new, _ in batch.seqs:
+            group = seq.group
+            group.gpu_time_s += per_token * num_new
+            request_id = group.request_id
+            tokens_per_request[request_id] = tokens_per_request.get(request_id, 0) + num_new
         self.num_generated_tokens += num_generated
         outputs = []
         for request_id, request_deltas in deltas.items():
-            request = self._requests[request_id]
+            request = requests[request_id]
             if request.group.is_finished:
                 self._forget(request)
                 request.finish_time = now
@@ -319,28 +327,30 @@ class LLMEngine:
     def _process_token(self, request: _Request, seq: Sequence, logprob: TokenLogprob | None,
                        grammar_ended: bool = False) -> tuple[str, list[int]]:
         """Stop checks and detokenization for seq's new token; returns (text delta, token delta)."""
-        params, token_id = request.group.params, seq.token_ids[-1]
+        params = request.group.params
+        token_ids = seq.token_ids
+        token_id = token_ids[-1]
+        num_output_tokens = len(token_ids) - seq.num_prompt_tokens
         if logprob is not None:
             request.logprobs[seq.index].append(logprob)
         detokenizer = request.detokenizers[seq.index]
-        finish = check_stop_token(token_id, seq.num_output_tokens, params, self.eos_token_ids,
+        finish = check_stop_token(token_id, num_output_tokens, params, self.eos_token_ids,
                                   request.group.max_tokens)
         if grammar_ended and (finish is None or finish[0] != "stop"):
             # The grammar took a stop token, which it allows only where the output is complete
             # (also before min_tokens and with ignore_eos: nothing could follow it).
             finish = ("stop", None)
         if finish is not None and finish[0] == "stop":
-            detokenizer.finish(seq.token_ids[:-1])  # an EOS or stop token adds no text
+            detokenizer.finish(token_ids[:-1])  # an EOS or stop token adds no text
         else:
-            stop_string = detokenizer.add_tokens(seq.token_ids,
-                                                 check_stop=seq.num_output_tokens >= params.min_tokens)
+            stop_string = detokenizer.add_tokens(token_ids, check_stop=num_output_tokens >= params.min_tokens)
             if stop_string is not None:
                 finish = ("stop", stop_string)
             elif finish is not None:
-                detokenizer.finish(seq.token_ids)
+                detokenizer.finish(token_ids)
         if finish is not None:
             self.scheduler.finish(seq, *finish)
-        return detokenizer.release(final=seq.is_finished), [token_id]
+        return detokenizer.release(final=finish is not None), [token_id]
 
     def _output(self, request: _Request, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
         group = request.group

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from gpuworker.engine.attention import AttentionMetadata
+from gpuworker.engine.block_tables import BlockTables
 from gpuworker.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from gpuworker.engine.outputs import TokenLogprob
 from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
@@ -50,9 +52,13 @@ class StepHandle:
     # A launch with deferred sampling holds its logits until `ModelRunner.sample` is called.
     logits: torch.Tensor | None = None
     sampling_meta: SamplingMetadata | None = None
+    _row_of: dict[int, int] | None = None
 
     def row_of(self) -> dict[int, int]:
-        return {seq.seq_id: row for row, seq in enumerate(self.sample_seqs)}
+        """seq_id -> the row of its sampled token (built once per step)."""
+        if self._row_of is None:
+            self._row_of = {seq.seq_id: row for row, seq in enumerate(self.sample_seqs)}
+        return self._row_of
 
 
 @dataclass
@@ -108,6 +114,8 @@ class ModelRunner:
                                     mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(device, config.seed)
+        self.block_tables = BlockTables(2 * config.max_num_seqs + 8,
+                                        -(-config.max_model_len // config.block_size))
         self.decode_graphs = None
         # Only a backend that never reads device values on the host can be captured.
         backend_name = getattr(getattr(model, "attn_backend", None), "name", "")
@@ -189,42 +197,50 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def prepare_inputs(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> ModelInputs:
-        """Flatten the batch's new tokens (decodes first, as the batch is ordered) into one sequence."""
+        """Flatten the batch's new tokens (decodes first, as the batch is ordered) into one sequence.
+
+        Per sequence only its new token ids are gathered in Python; positions, slots, query offsets
+        and the block tables are computed with numpy over the whole batch."""
         bs = self.block_size
+        entries = batch.seqs
+        num_seqs = len(entries)
         input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_indices: list[int] = []
-        block_tables: list[list[int]] = []
-        placeholders: list[tuple[int, Sequence]] = []
-        for entry in batch.seqs:
-            seq, start = entry.seq, entry.start
-            end = start + entry.num_new_tokens
-            table = seq.block_table
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start_loc.append(query_start_loc[-1] + entry.num_new_tokens)
-            seq_lens.append(end)
-            block_tables.append(table)
-            if entry.samples:
-                sample_indices.append(query_start_loc[-1] - 1)
-            if input_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                placeholders.append((len(input_ids) - 1, seq))
-                if entry.num_new_tokens != 1:
-                    # Only a decode's one input token can still be in flight.
-                    raise RuntimeError(f"{seq}: a prefill chunk ends in a token not yet sampled")
-        width = max(len(table) for table in block_tables)
-        flat_tables: list[int] = []
-        for table in block_tables:
-            flat_tables += table
-            flat_tables += [0] * (width - len(table))
+        for seq, start, num_new, _ in entries:
+            if num_new == 1:
+                input_ids.append(seq.token_ids[start])
+            else:
+                input_ids += seq.token_ids[start:start + num_new]
+        starts = np.fromiter((entry.start for entry in entries), np.int64, num_seqs)
+        new_lens = np.fromiter((entry.num_new_tokens for entry in entries), np.int64, num_seqs)
+        samples = np.fromiter((entry.samples for entry in entries), np.bool_, num_seqs)
+        rows = self.block_tables.rows([entry.seq for entry in entries])
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(new_lens, out=query_start_loc[1:])
+        seq_lens = starts + new_lens
+        num_tokens = len(input_ids)
+        if num_tokens == num_seqs:  # decode-only: one token per sequence
+            positions, token_rows = starts, rows
+        else:
+            positions = (np.arange(num_tokens, dtype=np.int64)
+                         + np.repeat(starts - query_start_loc[:-1], new_lens))
+            token_rows = np.repeat(rows, new_lens)
+        tables = self.block_tables.array
+        slot_mapping = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_indices = query_start_loc[1:][samples] - 1
+        max_seq_len = int(seq_lens.max())
+        width = -(-max_seq_len // bs)
+        ids = np.array(input_ids, dtype=np.int64)
+        placeholders = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
+        if placeholders.size and num_tokens != num_seqs:
+            # Only a decode's one input token can still be in flight.
+            owners = np.searchsorted(query_start_loc, placeholders, side="right") - 1
+            if (new_lens[owners] != 1).any():
+                seq = entries[int(owners[new_lens[owners] != 1][0])].seq
+                raise RuntimeError(f"{seq}: a prefill chunk ends in a token not yet sampled")
         # Two host->device copies per step (one per dtype), sliced into the metadata on the device.
-        num_tokens, num_seqs = len(input_ids), len(seq_lens)
-        longs = to_device(input_ids + positions + slot_mapping + sample_indices, torch.int64, self.device)
-        ints = to_device(query_start_loc + seq_lens + flat_tables, torch.int32, self.device)
+        longs = _to_device(np.concatenate([ids, positions, slot_mapping, sample_indices]), self.device)
+        ints = _to_device(np.concatenate([query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
+                                          tables[rows, :width].reshape(-1)]), self.device)
         input_ids_t, positions_t, slot_mapping_t, sample_indices_t = longs.split(
             [num_tokens, num_tokens, num_tokens, len(sample_indices)])
         query_start_loc_t, seq_lens_t, tables_t = ints.split([num_seqs + 1, num_seqs, num_seqs * width])
@@ -234,27 +250,32 @@ class ModelRunner:
             seq_lens=seq_lens_t,
             block_tables=tables_t.view(num_seqs, width),
             num_decode_seqs=batch.num_decode_seqs,
-            max_query_len=max(entry.num_new_tokens for entry in batch.seqs),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
+            max_query_len=int(new_lens.max()),
+            max_seq_len=max_seq_len,
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
         )
-        if placeholders:
-            self._fill_placeholders(input_ids_t, placeholders, previous)
+        if placeholders.size:
+            owners = (placeholders if num_tokens == num_seqs
+                      else np.searchsorted(query_start_loc, placeholders, side="right") - 1)
+            self._fill_placeholders(input_ids_t, placeholders, [entries[i].seq for i in owners.tolist()],
+                                    previous)
         return ModelInputs(input_ids=input_ids_t, positions=positions_t, meta=meta,
                            sample_indices=sample_indices_t)
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, placeholders: list[tuple[int, Sequence]],
+    def _fill_placeholders(self, input_ids: torch.Tensor, indices: np.ndarray, seqs: list[Sequence],
                            previous: StepHandle | None) -> None:
-        """Copy the tokens still held as placeholders from the previous step's sampled ids."""
+        """Copy the tokens still held as placeholders (at `indices`, of `seqs`) from the previous
+        step's sampled ids."""
         rows = previous.row_of() if previous is not None and previous.token_ids is not None else {}
-        dst, src = [], []
-        for index, seq in placeholders:
-            if seq.seq_id not in rows:
+        src = []
+        for seq in seqs:
+            row = rows.get(seq.seq_id)
+            if row is None:
                 raise RuntimeError(f"{seq}: its input token was not sampled by the previous step")
-            dst.append(index)
-            src.append(rows[seq.seq_id])
-        input_ids[to_device(dst, torch.int64, self.device)] = previous.token_ids[to_device(src, torch.int64, self.device)]
+            src.append(row)
+        input_ids[_to_device(indices.astype(np.int64), self.device)] = \
+            previous.token_ids[to_device(src, torch.int64, self.device)]
 
     @staticmethod
     def _unpack(packed: list[list[float]], seqs: list, max_logprobs: int) -> StepResult:
@@ -271,3 +292,11 @@ class ModelRunner:
                 token_id=int(row[0]), logprob=row[1],
                 top_logprobs=[(int(i), v) for i, v in zip(top_ids[:wanted], top_values[:wanted])]))
         return StepResult(token_ids, logprobs)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A numpy array as a device tensor, copied asynchronously (from pinned memory on CUDA)."""
+    host = torch.from_numpy(array)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

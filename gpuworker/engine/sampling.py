@@ -25,8 +25,9 @@ _SEED_MASK = (1 << 63) - 1
 @dataclass
 class SamplingMetadata:
     # [B] float32; 1.0 on greedy rows, whose draws are replaced by the argmax anyway.
-    temperature: torch.Tensor
-    greedy: torch.Tensor  # [B] bool
+    # None (like `greedy`) when every row is greedy: nothing is drawn.
+    temperature: torch.Tensor | None
+    greedy: torch.Tensor | None  # [B] bool
     all_greedy: bool
     top_k: torch.Tensor | None  # [B] int64, vocab_size where disabled
     top_p: torch.Tensor | None  # [B] float32, > 1 where disabled
@@ -42,6 +43,10 @@ class SamplingMetadata:
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
               device: torch.device) -> SamplingMetadata:
+        if all(seq.group.plain_greedy for seq in seqs):
+            # The common offline case, kept cheap: argmax of the raw logits, nothing to copy.
+            return cls(temperature=None, greedy=None, all_greedy=True, top_k=None, top_p=None, min_p=None,
+                       penalties=None, banned=None, seeded_rows=[], max_logprobs=None)
         params: list[SamplingParams] = [seq.group.params for seq in seqs]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:

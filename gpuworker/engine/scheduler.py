@@ -12,14 +12,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gpuworker.engine.block_manager import BlockManager
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
+    # A named tuple: hundreds are built per step, and a tuple is the cheapest immutable record.
     seq: Sequence
     # This step runs tokens [start, start + num_new_tokens) of the sequence.
     start: int
@@ -81,19 +82,43 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         # Decodes first, so a long prefill never stalls the running streams.
-        for decode_phase in (True, False):
-            for seq in list(self.running):
-                if seq.status is not SequenceStatus.RUNNING or (seq.num_uncomputed_tokens == 1) != decode_phase:
-                    continue
-                if seq.num_output_tokens >= seq.group.max_tokens:
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        running_status = SequenceStatus.RUNNING
+        for seq in self.running:
+            if seq.status is not running_status:
+                continue
+            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
+            if uncomputed == 1:
+                if len(seq.token_ids) - seq.num_prompt_tokens >= seq.group.max_tokens:
                     # Its last token is still in flight (async scheduling) and will finish it.
                     continue
-                if step.is_full:
-                    break
-                num_new = min(seq.num_uncomputed_tokens, step.token_budget)
-                if self._make_room(seq, num_new, step):
-                    self.block_manager.allocate(seq, num_new)
-                    step.add(seq, num_new)
+                decodes.append(seq)
+            else:
+                prefills.append(seq)
+        block_manager = self.block_manager
+        block_size = block_manager.block_size
+        room = min(step.max_seqs, step.token_budget)
+        for seq in decodes:
+            if len(step.entries) >= room:
+                break
+            if seq.status is not running_status:
+                continue  # preempted for an older sequence's room in this loop
+            if seq.num_computed_tokens >= len(seq.block_table) * block_size:
+                # Its new token starts a block.
+                if not (block_manager.can_allocate(seq, 1) or self._make_room(seq, 1, step)):
+                    continue
+                block_manager.allocate(seq, 1)
+            step.add_decode(seq)
+        for seq in prefills:
+            if step.is_full:
+                break
+            if seq.status is not running_status:
+                continue
+            num_new = min(seq.num_uncomputed_tokens, step.token_budget)
+            if self._make_room(seq, num_new, step):
+                block_manager.allocate(seq, num_new)
+                step.add(seq, num_new)
         # No new admissions in a step that had to preempt: the pool is already too tight.
         while self.waiting and not step.is_full and not step.preempted:
             seq = self.waiting[0]
@@ -139,14 +164,16 @@ class Scheduler:
         placeholder for its new token. Returns (sequence, placeholder position) per sampling entry
         still running, in batch order; sequences finished since scheduling are left alone."""
         sampling: list[tuple[Sequence, int]] = []
+        block_size = self.block_manager.block_size
         for entry in batch.seqs:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens = entry.start + entry.num_new_tokens
-            # Only tokens with known values are hashed: every computed one is (the placeholders
-            # of earlier steps were filled before this call).
-            self.block_manager.cache_computed_blocks(seq, entry.start)
+            seq.num_computed_tokens = computed = entry.start + entry.num_new_tokens
+            if computed // block_size > entry.start // block_size:
+                # A block became full: register it. Only tokens with known values are hashed:
+                # every computed one is (the placeholders of earlier steps were filled before this call).
+                self.block_manager.cache_computed_blocks(seq, entry.start)
             if not entry.samples:
                 continue
             sampling.append((seq, seq.num_tokens))
@@ -210,8 +237,12 @@ class _StepBuilder:
 
     def add(self, seq: Sequence, num_new: int) -> None:
         start = seq.num_computed_tokens
-        self.entries.append(ScheduledSeq(seq, start, num_new, start + num_new == seq.num_tokens))
+        self.entries.append(ScheduledSeq(seq, start, num_new, start + num_new == len(seq.token_ids)))
         self.token_budget -= num_new
+
+    def add_decode(self, seq: Sequence) -> None:
+        self.entries.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, True))
+        self.token_budget -= 1
 
     def remove(self, seq: Sequence) -> None:
         for entry in self.entries:

@@ -30,6 +30,8 @@ class Sequence:
         # Which of the request's n choices this is.
         self.index = index
         self.token_ids: list[int] = list(group.prompt_token_ids)
+        # A plain attribute, not a property: the scheduler reads it for every sequence every step.
+        self.num_prompt_tokens = len(group.prompt_token_ids)
         self.status = SequenceStatus.WAITING
         # Tokens whose K/V are in the cache; the rest run through the model in coming steps.
         self.num_computed_tokens = 0
@@ -44,10 +46,6 @@ class Sequence:
         # The stop string or stop token id that ended the sequence, if any.
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.group.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +94,10 @@ class SequenceGroup:
         # params.max_tokens, or what is left of max_model_len when that is None.
         self.max_tokens = max_tokens
         self.seqs = [Sequence(first_seq_id + i, self, i) for i in range(params.n)]
+        # Greedy with nothing that changes the logits or asks for more than the token: sampling
+        # is a plain argmax (decided once here, as the sampler asks for every row every step).
+        self.plain_greedy = (params.is_greedy and not params.has_penalties and params.logprobs is None
+                             and params.min_tokens == 0)
         # Siblings waiting for the first sequence's prompt to be computed.
         self.pending_forks: list[Sequence] = self.seqs[1:]
         # Device time attributed to this request: each step's duration split by tokens processed.

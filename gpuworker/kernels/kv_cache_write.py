@@ -47,14 +47,9 @@ def _kv_cache_write_kernel(
 _kv_cache_write = lazy_jit(_kv_cache_write_kernel)
 
 
-def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Store key/value [T, num_kv_heads, head_dim] at kv_cache[:, slot] for each slot >= 0 (in place).
-
-    key and value may be strided views (e.g. slices of a fused qkv projection) as long as their last
-    dimension is contiguous; they are cast to the cache's dtype. slot_mapping [T] is int32 or int64 on the same device; slots must lie
-    below num_blocks * block_size (not checked: that would need a device sync).
-    """
+def check_kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> int:
+    """Check the arguments of a cache write (see kv_cache_write); return the cache's block_size."""
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     device = key.device
     check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=device)
@@ -70,6 +65,20 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
     check_last_dim_contiguous("key", key)
     check_last_dim_contiguous("value", value)
+    return block_size
+
+
+def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store key/value [T, num_kv_heads, head_dim] at kv_cache[:, slot] for each slot >= 0 (in place).
+
+    key and value may be strided views (e.g. slices of a fused qkv projection) as long as their last
+    dimension is contiguous; they are cast to the cache's dtype. slot_mapping [T] is int32 or int64 on
+    the same device; slots must lie below num_blocks * block_size (not checked: that would need a
+    device sync). gpuworker.kernels.rotary.apply_rotary_and_cache does the same write fused with rotary.
+    """
+    block_size = check_kv_cache_write(key, value, kv_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _kv_cache_write[(num_tokens,)](

@@ -3,8 +3,11 @@
 Grouped-query aware: a program owns one kv head of one sequence and all the query heads that share
 it, so each K/V row is read from memory once per group. Split along the sequence (flash-decoding):
 when batch x kv heads is too small to fill the GPU, the context is cut into partitions processed in
-parallel, and a second kernel merges the partial softmaxes. Everything the launch shape depends on is
-a host integer (max_seq_len), never a device value, so the call can be captured in a CUDA graph.
+parallel. The partial softmaxes are merged in the same launch, by whichever partition of a (sequence,
+kv head) finishes last (an arrival counter per pair, reset by that program); a sequence whose context
+fits one partition writes its output directly. Everything the launch shape depends on is a host
+integer (max_seq_len), never a device value, so the call can be captured in a CUDA graph, and a graph
+captured for long contexts costs one launch per layer, however short the contexts it replays with.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import triton.language as tl
 from gpuworker.kernels.launch import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_contiguous,
     check_kv_cache,
     check_last_dim_contiguous,
     check_shape,
@@ -28,7 +32,7 @@ from gpuworker.kernels.launch import (
 )
 
 _LOG2E = 1.4426950408889634
-# Most splits a launch uses; the merge kernel reads all of a head's partials in one tile.
+# Most splits a launch uses; the merging program reads all of a head's partials in one tile.
 MAX_SPLITS = 64
 # Shortest partition worth its own program (one 64-token tile).
 _MIN_PARTITION = 64
@@ -42,22 +46,27 @@ _WAVES = 2
 
 def _paged_decode_kernel(
     query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     qk_scale,
     stride_query_seq, stride_query_head, stride_out_seq, stride_out_head,
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
     stride_block_tables_seq,
     partition_size, num_splits,
     BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * QUERY_GROUP
+    num_kv_heads = tl.num_programs(1)
+    num_q_heads = num_kv_heads * QUERY_GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Partitions holding tokens: at least one, which writes the zeros of a padded row (seq_len 0).
+    # The grid covers max_seq_len, so in a graph captured for long contexts most of them are empty:
+    # their loop below runs no iteration and they store nothing.
+    num_parts = tl.minimum(tl.maximum((seq_len + partition_size - 1) // partition_size, 1), num_splits)
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
 
@@ -102,45 +111,47 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-    # An empty partition (or a padded sequence with seq_len 0) yields zeros and lse -inf.
-    has_tokens = l_i > 0.0
+    has_tokens = l_i > 0.0  # false only for a padded row
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
     out_mask = group_mask[:, None] & dim_mask[None, :]
-    if SPLIT:
-        row_id = (seq * num_q_heads + q_heads) * num_splits + split  # [G] index into [B, Hq, S]
-        tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
-        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + row_id, lse, mask=group_mask)
-    else:
+    if not SPLIT:
         tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-def _merge_partitions_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_out_seq, stride_out_head, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, BLOCK_D)
-    row_base = (seq * tl.num_programs(1) + head) * num_splits
-    split_mask = splits < num_splits
-    lse = tl.load(part_lse_ptr + row_base + splits, mask=split_mask, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    has_tokens = lse > float("-inf")
-    weight = tl.where(has_tokens, tl.exp2(lse - tl.where(has_tokens, lse_max, 0.0)), 0.0)
-    total = tl.sum(weight, 0)
-    parts = tl.load(part_out_ptr + (row_base + splits)[:, None] * BLOCK_D + dims[None, :],
-                    mask=split_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    merged = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
-             merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    elif num_parts == 1:  # the context fits one partition: no partials, no merge
+        if split == 0:
+            tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    elif split < num_parts:  # the other partitions are empty and do nothing
+        row_id = (seq * num_q_heads + q_heads) * num_splits + split  # [G] index into [B, Hq, S]
+        tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
+        tl.store(part_lse_ptr + row_id, m_i + tl.log2(l_i), mask=group_mask)
+        # The last partition of this (sequence, kv head) to finish merges them all, so no second
+        # kernel is launched. The barrier puts every thread's stores before the increment (a
+        # release); its acquire side makes the other programs' partials visible to the merger.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * num_kv_heads + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_parts - 1:
+            tl.store(counter, 0)  # zero again for the next launch or graph replay
+            splits = tl.arange(0, SPLITS_PAD)
+            split_mask = splits < num_parts
+            # One head at a time, all of its partials in one [SPLITS_PAD, BLOCK_D] tile, read from
+            # L2 (.cg), where the other programs' stores landed.
+            for g in tl.static_range(QUERY_GROUP):
+                head = kv_head * QUERY_GROUP + g
+                head_row = (seq * num_q_heads + head) * num_splits
+                lse = tl.load(part_lse_ptr + head_row + splits, mask=split_mask, other=float("-inf"),
+                              cache_modifier=".cg")
+                weight = tl.where(split_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+                parts = tl.load(part_out_ptr + (head_row + splits)[:, None] * BLOCK_D + dims[None, :],
+                                mask=split_mask[:, None] & dim_mask[None, :], other=0.0,
+                                cache_modifier=".cg")
+                merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+                tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+                         merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
 _paged_decode = lazy_jit(_paged_decode_kernel)
-_merge_partitions = lazy_jit(_merge_partitions_kernel)
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -164,6 +175,27 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
+class SplitCounters:
+    """Arrival counters for the in-kernel merge: one int32 per (sequence, kv head), zero between launches.
+
+    Every launch leaves its counters at zero again, so one buffer serves every layer and every replay
+    of a CUDA graph, provided the launches sharing it run one after another (one stream). A larger
+    batch gets a larger buffer; earlier ones are kept alive because captured graphs still use them.
+    """
+
+    def __init__(self, minimum_size: int = 4096) -> None:
+        self.minimum_size = minimum_size
+        self._buffers: list[torch.Tensor] = []
+
+    def get(self, size: int, device: torch.device) -> torch.Tensor:
+        for buffer in reversed(self._buffers):
+            if buffer.device == device and buffer.numel() >= size:
+                return buffer
+        buffer = torch.zeros(max(size, self.minimum_size), dtype=torch.int32, device=device)
+        self._buffers.append(buffer)
+        return buffer
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -173,6 +205,7 @@ def paged_decode_attention(
     max_seq_len: int,
     *,
     out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -184,6 +217,9 @@ def paged_decode_attention(
     on the device (int32/int64) and are never read on the host. max_seq_len is a host upper bound on
     seq_lens that picks the number of splits (`num_splits` overrides it); for a CUDA graph, capture
     with the largest max_seq_len the graph will replay with. A sequence with seq_len 0 gets zeros.
+
+    counters: int32 zeros, at least B * Hkv of them (SplitCounters hands them out), which a split
+    launch uses and leaves zero; without it a split launch allocates zeros (one memset more).
     """
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     device = query.device
@@ -213,6 +249,12 @@ def paged_decode_attention(
         check_tensor("out", out, dtypes=(query.dtype,), device=device)
         check_shape("out", out, tuple(query.shape))
         check_last_dim_contiguous("out", out)
+    if counters is not None:
+        check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,), device=device)
+        check_contiguous("counters", counters)
+        if counters.numel() < num_seqs * num_kv_heads:
+            raise ValueError(f"counters holds {counters.numel()} entries but the launch needs "
+                             f"num_seqs * num_kv_heads = {num_seqs * num_kv_heads}")
     if num_seqs == 0:
         return out
 
@@ -239,31 +281,28 @@ def paged_decode_attention(
     block_d = next_power_of_2(head_dim)
     split = num_splits > 1
     if split:
-        # Padded to BLOCK_D so the merge kernel can use one flat stride.
+        # Padded to BLOCK_D so the merge can use one flat stride. Never initialised: only the
+        # partitions holding tokens write theirs, and only those are read.
         part_out = torch.empty((num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32, device=device)
         part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
+        if counters is None:
+            counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
     else:
         part_out = part_lse = out  # unused by the kernel when SPLIT is false
+        counters = seq_lens
     _paged_decode[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens,
-        out, part_out, part_lse,
+        out, part_out, part_lse, counters,
         float(scale) * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         partition_size, num_splits,
         BLOCK_SIZE=block_size, QUERY_GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(num_splits),
         SPLIT=split, **dot_options(query.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if split:
-        _merge_partitions[(num_seqs, num_q_heads)](
-            part_out, part_lse, out,
-            out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
-            num_warps=4,
-        )
     return out
 
 

@@ -1,6 +1,9 @@
 """Neox-style (rotate-half) rotary embedding applied to queries and keys in place, in one launch.
 
-Cache layout as gpuworker.models.layers.RotaryEmbedding keeps it: cos_cache and sin_cache
+apply_rotary_and_cache also stores the rotated keys and the values in the paged KV cache in that
+same launch (the decode path's rotary + kv_cache_write, one kernel instead of two).
+
+cos/sin layout as gpuworker.models.layers.RotaryEmbedding keeps it: cos_cache and sin_cache
 [max_positions, rot_dim // 2] in float32, one half of HF's repeated cos/sin. The first rot_dim
 dimensions of every head are rotated (all of them for Llama). Numerics replay HF's eager ops in the
 activation dtype: cos/sin cast to it, each product rounded, then the sum rounded, so bf16 results are
@@ -21,14 +24,17 @@ from gpuworker.kernels.launch import (
     lazy_jit,
     next_power_of_2,
 )
+from gpuworker.kernels.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
 
 
 def _rotary_kernel(
-    positions_ptr, query_ptr, key_ptr, cos_ptr, sin_ptr,
+    positions_ptr, query_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, cache_ptr, slot_mapping_ptr,
     stride_query_token, stride_query_head, stride_key_token, stride_key_head,
-    stride_cos_position, stride_sin_position,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    stride_value_token, stride_value_head, stride_cos_position, stride_sin_position,
+    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
 ):
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token).to(tl.int64)
@@ -57,11 +63,77 @@ def _rotary_kernel(
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + HALF, out2.to(dtype), mask=mask)
+    if WRITE_CACHE:
+        # The rotated keys go to the cache only (attention reads them from there), rounded to the
+        # activation dtype first so the cache holds what apply_rotary + kv_cache_write would store.
+        cache_dtype = cache_ptr.dtype.element_ty
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        # Padding tokens (slot < 0) store nothing; the slot test is broadcast to a tensor because the
+        # interpreter mistypes `scalar_bool & tensor_bool` (see kv_cache_write).
+        keep = (heads * 0 + slot) >= 0
+        row = (cache_ptr + (slot // CACHE_BLOCK_SIZE) * stride_cache_block
+               + (slot % CACHE_BLOCK_SIZE) * stride_cache_offset + heads * stride_cache_head)
+        tl.store(row + dims[None, :], out1.to(dtype).to(cache_dtype), mask=mask & keep)
+        tl.store(row + HALF + dims[None, :], out2.to(dtype).to(cache_dtype), mask=mask & keep)
+        all_dims = tl.arange(0, BLOCK_D)[None, :]
+        if 2 * HALF < HEAD_DIM:  # partial rotary: the key's tail is copied as it is
+            tail = (heads < NUM_KV_HEADS) & (all_dims >= 2 * HALF) & (all_dims < HEAD_DIM) & keep
+            k_tail = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + all_dims, mask=tail)
+            tl.store(row + all_dims, k_tail.to(cache_dtype), mask=tail)
+        full = (heads < NUM_KV_HEADS) & (all_dims < HEAD_DIM) & keep
+        v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + all_dims, mask=full)
+        tl.store(row + stride_cache_kv + all_dims, v.to(cache_dtype), mask=full)
+    else:
+        tl.store(first, out1.to(dtype), mask=mask)
+        tl.store(first + HALF, out2.to(dtype), mask=mask)
 
 
 _rotary = lazy_jit(_rotary_kernel)
+
+
+def _check_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                  cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> int:
+    """Check apply_rotary's arguments; return half the rotated width (cos_cache's width)."""
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    device = query.device
+    num_tokens, _, head_dim = query.shape
+    check_tensor("key", key, ndim=3, dtypes=(query.dtype,), device=device)
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(f"key must have shape [{num_tokens}, num_kv_heads, {head_dim}], got {tuple(key.shape)}")
+    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("positions", positions, (num_tokens,))
+    check_tensor("cos_cache", cos_cache, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("sin_cache", sin_cache, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+    check_shape("sin_cache", sin_cache, tuple(cos_cache.shape))
+    half = cos_cache.shape[1]
+    if not 0 < 2 * half <= head_dim:
+        raise ValueError(f"cos_cache's width {half} must be in [1, head_dim // 2 = {head_dim // 2}]")
+    for name, tensor in (("query", query), ("key", key), ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+        check_last_dim_contiguous(name, tensor)
+    return half
+
+
+def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None) -> None:
+    """One program per token; cache_write = (value, kv_cache, slot_mapping) also fills the cache."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if cache_write is None:
+        # Unused without WRITE_CACHE: any pointers of the right kinds will do.
+        value, kv_cache, slot_mapping = key, query, positions
+        cache_strides, cache_block_size = (0, 0, 0, 0), 1
+    else:
+        value, kv_cache, slot_mapping = cache_write
+        cache_strides, cache_block_size = kv_cache.stride()[:4], kv_cache.shape[2]
+    _rotary[(num_tokens,)](
+        positions, query, key, value, cos_cache, sin_cache, kv_cache, slot_mapping,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), cos_cache.stride(0), sin_cache.stride(0),
+        *cache_strides,
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HEAD_DIM=head_dim,
+        BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(half), BLOCK_D=next_power_of_2(head_dim),
+        CACHE_BLOCK_SIZE=cache_block_size, WRITE_CACHE=cache_write is not None,
+    )
 
 
 def apply_rotary(
@@ -77,34 +149,35 @@ def apply_rotary(
     cos_cache/sin_cache: [max_positions, rot_dim // 2], rot_dim <= D. Positions must be below
     max_positions (not checked: that would need a device sync).
     """
-    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    device = query.device
-    num_tokens, num_q_heads, head_dim = query.shape
-    check_tensor("key", key, ndim=3, dtypes=(query.dtype,), device=device)
-    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
-        raise ValueError(f"key must have shape [{num_tokens}, num_kv_heads, {head_dim}], got {tuple(key.shape)}")
-    num_kv_heads = key.shape[1]
-    check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    check_shape("positions", positions, (num_tokens,))
-    check_tensor("cos_cache", cos_cache, ndim=2, dtypes=FLOAT_DTYPES, device=device)
-    check_tensor("sin_cache", sin_cache, ndim=2, dtypes=FLOAT_DTYPES, device=device)
-    check_shape("sin_cache", sin_cache, tuple(cos_cache.shape))
-    half = cos_cache.shape[1]
-    if not 0 < 2 * half <= head_dim:
-        raise ValueError(f"cos_cache's width {half} must be in [1, head_dim // 2 = {head_dim // 2}]")
-    for name, tensor in (("query", query), ("key", key), ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        check_last_dim_contiguous(name, tensor)
-    if num_tokens == 0:
+    half = _check_rotary(positions, query, key, cos_cache, sin_cache)
+    if query.shape[0] == 0:
         return query, key
-    _rotary[(num_tokens,)](
-        positions, query, key, cos_cache, sin_cache,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        cos_cache.stride(0), sin_cache.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half,
-        BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_kv_heads),
-        BLOCK_HALF=next_power_of_2(half),
-    )
+    _launch(positions, query, key, cos_cache, sin_cache, half)
     return query, key
+
+
+def apply_rotary_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """apply_rotary, then kv_cache_write of the rotated key and value, in one launch; returns query.
+
+    query is rotated in place; the rotated key goes to kv_cache[0, slot] only (key itself is not
+    modified) and value to kv_cache[1, slot], for every slot >= 0 of slot_mapping [T]. The cache
+    ends up bit-identical to apply_rotary followed by kv_cache_write. Arguments as for those two.
+    """
+    half = _check_rotary(positions, query, key, cos_cache, sin_cache)
+    check_kv_cache_write(key, value, kv_cache, slot_mapping)
+    if query.shape[0] == 0:
+        return query
+    _launch(positions, query, key, cos_cache, sin_cache, half, (value, kv_cache, slot_mapping))
+    return query
 
 
 def apply_rotary_reference(
@@ -124,3 +197,19 @@ def apply_rotary_reference(
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot_dim:]), dim=-1)
 
     return rotate(query), rotate(key)
+
+
+def apply_rotary_and_cache_reference(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Pure-torch reference: returns the rotated query (out of place) and writes the cache in place."""
+    query, key = apply_rotary_reference(positions, query, key, cos_cache, sin_cache)
+    kv_cache_write_reference(key, value, kv_cache, slot_mapping)
+    return query

@@ -23,6 +23,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from gpuworker.kernels.gemv import gemv, tuned_config
+
+            # A single decode row on a shape where our GEMV measured faster than cuBLAS.
+            config = tuned_config(x, self.weight)
+            if config is not None:
+                return gemv(x, self.weight, self.bias, config=config)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -64,8 +71,14 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if gate_up.is_cuda:  # one kernel instead of silu, then the product
             from gpuworker.kernels.activation import silu_and_mul
+            from gpuworker.kernels.gemv import gemv, tuned_config
 
-            return self.down_proj(silu_and_mul(gate_up))
+            down = self.down_proj
+            # Where our GEMV runs the down projection, it applies SiLU-and-mul as it loads its input.
+            config = tuned_config(gate_up[:, : self.intermediate_size], down.weight)
+            if config is not None:
+                return gemv(gate_up, down.weight, down.bias, silu_mul_input=True, config=config)
+            return down(silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -137,6 +150,19 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def rotate_and_cache(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         value: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotate query in place and write the rotated key and value into kv_cache at slot_mapping.
+
+        One Triton launch (apply_rotary_and_cache), for backends that attend from the cache only;
+        key itself is left as it was. Returns query.
+        """
+        from gpuworker.kernels.rotary import apply_rotary_and_cache
+
+        return apply_rotary_and_cache(positions, query, key, value, self.cos_cache, self.sin_cache,
+                                      kv_cache, slot_mapping)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,17 +8,13 @@ data-dependent Python control flow (decode steps can be captured in CUDA graphs)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpuworker.engine.attention import AttentionBackend, AttentionMetadata, fuses_rotary_and_cache_write
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
-
-if TYPE_CHECKING:  # not imported at run time: gpuworker.engine imports this package
-    from gpuworker.engine.attention import AttentionBackend, AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -48,8 +44,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self._rotary[0](positions, q, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if fuses_rotary_and_cache_write(backend):
+            # One launch rotates q and stores rotated k and v in the cache; the backend only attends.
+            q = self._rotary[0].rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping)
+            out = backend.forward_rotated(q, kv_cache, meta, self.scale)
+        else:
+            q, k = self._rotary[0](positions, q, k)
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -111,4 +112,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (rows already selected) -> logits [N, vocab_size] in float32."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        weight = self.lm_head_weight
+        if hidden.is_cuda:
+            from gpuworker.kernels.gemv import gemv, tuned_config
+
+            config = tuned_config(hidden, weight)
+            if config is not None:
+                return gemv(hidden, weight, config=config).float()
+        return F.linear(hidden, weight).float()

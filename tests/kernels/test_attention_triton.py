@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,3 +94,80 @@ def test_matches_torch_backend_step_by_step(dtype, device, generator, tolerance)
         torch.testing.assert_close(got, expected, **tolerance(dtype))
         if padding:
             assert torch.equal(got[-padding:], torch.zeros_like(got[-padding:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_rotary_cache_write_then_forward_rotated_matches_torch_backend(dtype, device, generator,
+                                                                             tolerance):
+    # The model's path on the Triton backend: one kernel rotates q and writes rotated k and v (strided
+    # slices of a fused qkv) into the cache, then forward_rotated attends; against the rotary kernel
+    # alone + the torch backend's forward, step by step over prefills, decodes and padding.
+    from gpuworker.engine.attention import fuses_rotary_and_cache_write
+    from gpuworker.kernels.rotary import apply_rotary
+    from gpuworker.models.layers import RotaryEmbedding
+
+    backend = TritonAttentionBackend()
+    assert fuses_rotary_and_cache_write(backend) and not fuses_rotary_and_cache_write(TorchAttentionBackend())
+    steps = REAL_STEPS if ON_CUDA else SMALL_STEPS
+    num_blocks = 300 if ON_CUDA else 16
+    sequences = _Sequences(num_blocks, device)
+    rotary = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, None).to(device)
+    triton_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    triton_cache = triton_cache.to(dtype).to(device)
+    torch_cache = triton_cache.clone()
+    q_size, kv_size = NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    scale = HEAD_DIM**-0.5
+    for chunks, padding in steps:
+        meta = sequences.step(chunks, padding)
+        num_tokens = meta.query_start_loc_cpu[-1] + padding
+        positions = torch.cat([torch.arange(n - q, n) for n, (_, q) in zip(meta.seq_lens_cpu, chunks)]
+                              + [torch.zeros(padding, dtype=torch.int64)]).to(device)
+        qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=generator).to(dtype).to(device)
+        query = qkv[:, :q_size].view(num_tokens, NUM_Q_HEADS, HEAD_DIM)
+        key = qkv[:, q_size:q_size + kv_size].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        value = qkv[:, q_size + kv_size:].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        ref_query, ref_key = apply_rotary(positions, query.clone(), key.clone(), rotary.cos_cache,
+                                          rotary.sin_cache)
+        expected = TorchAttentionBackend().forward(ref_query, ref_key, value.clone(), torch_cache, meta, scale)
+
+        rotated = rotary.rotate_and_cache(positions, query, key, value, triton_cache, meta.slot_mapping)
+        got = backend.forward_rotated(rotated, triton_cache, meta, scale)
+
+        assert torch.equal(rotated, ref_query)
+        torch.testing.assert_close(triton_cache, torch_cache, atol=0, rtol=0)
+        torch.testing.assert_close(got, expected, **tolerance(dtype))
+        if padding:
+            assert torch.equal(got[-padding:], torch.zeros_like(got[-padding:]))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device):
+    # Attention.forward takes the fused path for the Triton backend (qwen3: after the q/k norms) and
+    # the unfused one for the torch backend (on the CPU); the logits of a prefill and of padded
+    # decodes agree, and so do the caches.
+    from gpuworker.models.loader import load_model, load_model_config
+    from tests.gpuworker.checkpoints import make_checkpoint
+    from tests.gpuworker.models.paged_batch import PagedBatcher
+
+    mc = load_model_config(make_checkpoint(tmp_path, family))
+    devices = {"triton": device, "torch": "cpu"}
+    models = {backend.name: load_model(mc, device=devices[backend.name], dtype=torch.float32, attn_backend=backend)
+              for backend in (TritonAttentionBackend(), TorchAttentionBackend())}
+    batchers = {name: PagedBatcher(mc) for name in models}
+    batchers["triton"].kv_caches = [cache.to(device) for cache in batchers["triton"].kv_caches]
+    steps = [([("a", list(range(3, 40))), ("b", list(range(50, 55)))], None),
+             ([("a", [7]), ("b", [8])], 4), ([("a", [9]), ("b", [10])], 3)]
+    for chunks, pad_to in steps:
+        logits = {}
+        for name, model in models.items():
+            input_ids, positions, meta = batchers[name].batch(chunks, pad_to=pad_to)
+            meta = dataclasses.replace(meta, **{field.name: getattr(meta, field.name).to(devices[name])
+                                                for field in dataclasses.fields(meta)
+                                                if isinstance(getattr(meta, field.name), torch.Tensor)})
+            with torch.no_grad():
+                hidden = model(input_ids.to(devices[name]), positions.to(devices[name]), batchers[name].kv_caches,
+                               meta)
+                logits[name] = model.compute_logits(hidden).cpu()
+        torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
+    for triton_cache, torch_cache in zip(batchers["triton"].kv_caches, batchers["torch"].kv_caches, strict=True):
+        torch.testing.assert_close(triton_cache.cpu(), torch_cache, rtol=1e-5, atol=1e-5)

@@ -7,6 +7,7 @@ import torch
 
 from gpuworker.kernels.paged_decode_attention import (
     MAX_SPLITS,
+    SplitCounters,
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -83,6 +84,48 @@ def test_other_head_dims(head_dim, decode, tolerance):
     torch.testing.assert_close(out, expected, **tolerance(torch.float16))
 
 
+@pytest.mark.parametrize("gqa", [1, 4])
+def test_replays_with_the_same_counters_and_leaves_them_zero(gqa, paged_cache, device, generator):
+    # As a decode graph runs it: one counter buffer for every launch, which each launch must leave at
+    # zero. Padded rows (seq_len 0), contexts within one partition (written directly) and contexts
+    # spread over several partitions (merged by the last one) in the same batch.
+    num_kv_heads = NUM_Q_HEADS // gqa
+    seq_lens = [0, 1, 1000, 17, 0, 4099] if ON_CUDA else [0, 1, 70, 17, 0, 45]
+    max_seq_len = 8192 if ON_CUDA else 96
+    kv_cache, block_tables = paged_cache(seq_lens, num_kv_heads, HEAD_DIM, 16, torch.float32, generator,
+                                         table_width=max_seq_len // 16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    counters = SplitCounters().get(len(seq_lens) * num_kv_heads, torch.device(device))
+    scale = HEAD_DIM**-0.5
+    results = []
+    for _ in range(3):
+        query = torch.randn(len(seq_lens), NUM_Q_HEADS, HEAD_DIM, generator=generator).to(device)
+        out = torch.full_like(query, float("nan"))
+        paged_decode_attention(query, kv_cache, block_tables, lens, scale, max_seq_len, out=out,
+                               counters=counters, num_splits=MAX_SPLITS if ON_CUDA else 6, **TILE)
+        assert torch.equal(counters, torch.zeros_like(counters))
+        expected = paged_decode_attention_reference(query, kv_cache, block_tables, lens, scale)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[4], torch.zeros_like(out[4]))
+        results.append((query, out))
+    query, out = results[0]
+    again = paged_decode_attention(query, kv_cache, block_tables, lens, scale, max_seq_len, counters=counters,
+                                   num_splits=MAX_SPLITS if ON_CUDA else 6, **TILE)
+    assert torch.equal(again, out)  # a replay gives the same answer, bit for bit
+
+
+def test_split_counters_grow_and_keep_earlier_buffers():
+    counters = SplitCounters(minimum_size=8)
+    cpu = torch.device("cpu")
+    small = counters.get(3, cpu)
+    assert small.numel() == 8 and small.dtype == torch.int32 and not small.any()
+    assert counters.get(8, cpu) is small
+    large = counters.get(20, cpu)
+    assert large.numel() == 20 and large is not small
+    assert counters.get(5, cpu) is large
+    assert any(buffer is small for buffer in counters._buffers)  # a captured graph may still use it
+
+
 def test_choose_num_splits_fills_the_device_only_when_needed():
     cpu = torch.device("cpu")
     assert choose_num_splits(1, 8, 60, cpu) == 1  # one partition is enough for a short context
@@ -112,6 +155,12 @@ def test_rejects_bad_arguments(device):
         paged_decode_attention(query, cache, tables, lens, 1.0, 4, num_splits=0)
     with pytest.raises(ValueError, match="out must have shape"):
         paged_decode_attention(query, cache, tables, lens, 1.0, 4, out=torch.zeros(2, 4, 8, device=device))
+    with pytest.raises(ValueError, match="counters holds 3 entries but the launch needs"):
+        paged_decode_attention(query, cache, tables, lens, 1.0, 4,
+                               counters=torch.zeros(3, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="counters must have dtype"):
+        paged_decode_attention(query, cache, tables, lens, 1.0, 4,
+                               counters=torch.zeros(4, dtype=torch.int64, device=device))
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need a CUDA device")
@@ -124,9 +173,10 @@ def test_cuda_graph_replay_follows_device_inputs(paged_cache, generator, toleran
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     out = torch.empty_like(query)
     scale = HEAD_DIM**-0.5
+    counters = SplitCounters().get(len(seq_lens) * NUM_Q_HEADS // 4, query.device)
 
     def step():
-        paged_decode_attention(query, kv_cache, block_tables, lens, scale, 4096, out=out)
+        paged_decode_attention(query, kv_cache, block_tables, lens, scale, 4096, out=out, counters=counters)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -136,11 +186,13 @@ def test_cuda_graph_replay_follows_device_inputs(paged_cache, generator, toleran
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for new_lens in ([17, 4000, 1, 1024], [1, 1, 1, 1]):
+    for new_lens in ([17, 4000, 1, 1024], [1, 1, 1, 1], [0, 4096, 0, 2], [4096, 4096, 4096, 4096]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         block_tables.copy_(block_tables[torch.randperm(len(seq_lens), generator=generator).cuda()])
         query.copy_(torch.randn(query.shape, generator=generator).bfloat16())
         out.fill_(float("nan"))
         graph.replay()
+        torch.cuda.synchronize()
+        assert not counters.any()  # every replay leaves the counters at zero for the next
         expected = paged_decode_attention_reference(query, kv_cache, block_tables, lens, scale)
         torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))

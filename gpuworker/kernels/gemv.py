@@ -1,0 +1,304 @@
+"""GEMV for decode-sized linear layers: out [M, N] = x [M, K] @ weight[N, K]^T (+ bias), M in 1..16.
+
+At batch 1 a linear layer is a weight stream: every byte of the weight is read once and used M times,
+so the kernel is about reading [N, K] at copy bandwidth. Each program owns BLOCK_N output rows and
+walks their weight tile [BLOCK_N, BLOCK_K] along K with wide contiguous loads; optionally SPLIT_K
+programs share the rows (more programs for N=4096), and the last of them to finish sums the fp32
+partials, all in one launch. Two inner products: CUDA-core FMAs (best at M=1, where the tile is
+accumulated elementwise and reduced once at the end) or tl.dot on a 16-row padded x (tensor cores,
+for M >= 2). With silu_mul_input the down projection reads the gate_up output [M, 2K] directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_shape,
+    check_tensor,
+    dot_options,
+    lazy_jit,
+    next_power_of_2,
+)
+
+MAX_M = 16
+# tl.dot needs every dimension >= 16; x rows are padded to this.
+_DOT_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    use_dot: bool = False
+
+    @property
+    def name(self) -> str:
+        kind = "dot" if self.use_dot else "fma"
+        split = f"-s{self.split_k}k" if self.split_k > 1 else ""
+        return f"{kind}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}{split}"
+
+
+# The candidates bench/gemv.py times on every shape. FMA tiles are 16 KB of bf16 per iteration (128 B
+# per thread); num_stages > 1 makes Triton prefetch the next tiles through shared memory (for the FMA
+# loop only because the loop is a tl.range with num_stages, see the kernel), 1 keeps loads direct.
+CANDIDATES: tuple[GemvConfig, ...] = (
+    GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=1),
+    GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3),
+    GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1),
+    GemvConfig(block_n=32, block_k=512, num_warps=8, num_stages=2),
+    GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, split_k=4),
+    # BLOCK_N 64 is one wgmma tile on sm_90. At N=4096 that is only 64 programs for 132 SMs, hence the
+    # split-K variants.
+    GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
+    GemvConfig(block_n=128, block_k=128, num_warps=4, num_stages=4, use_dot=True),
+    GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, use_dot=True),
+    GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=2, use_dot=True),
+    GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, use_dot=True),
+)
+CANDIDATES_BY_NAME = {c.name: c for c in CANDIDATES}
+
+# Chosen configs from bench/gemv.py on an H200: {(N, K): {M bucket: config name}}; M buckets are 1, 2,
+# 4, 8, 16 (M rounds up). Only entries where the kernel beat cuBLAS (F.linear) in bf16 are kept; the
+# model layers use gemv exactly for these and F.linear otherwise. 2026-12-01, Llama-3-8B shapes, M=1
+# (the M=4 winners were within 1-11% and need split-K counters under CUDA graphs: not used yet).
+TUNED: dict[tuple[int, int], dict[int, str]] = {
+    (6144, 4096): {1: "fma-n16-k512-w4-p1"},  # qkv: 16.4 -> 15.2 us
+    (4096, 4096): {1: "fma-n16-k512-w4-p3"},  # o_proj: 13.5 -> 11.1 us
+    (28672, 4096): {1: "fma-n16-k512-w4-p3"},  # gate_up: 64.9 -> 57.7 us
+    (4096, 14336): {1: "fma-n16-k512-w4-p3"},  # down: 32.7 -> 30.6 us (fused SiLU-and-mul: 34.1 -> 30.4)
+    (128256, 4096): {1: "dot-n64-k128-w4-p4"},  # lm_head: 278.5 -> 233.0 us
+}
+
+_DEFAULT_SINGLE_ROW = CANDIDATES_BY_NAME["fma-n16-k512-w4-p1"]
+_DEFAULT_MULTI_ROW = CANDIDATES_BY_NAME["dot-n64-k128-w4-p4"]
+
+
+def m_bucket(m: int) -> int:
+    return next_power_of_2(m)
+
+
+def tuned_config(x: torch.Tensor, weight: torch.Tensor) -> GemvConfig | None:
+    """The measured config for x @ weight^T if the kernel beat cuBLAS on that shape, else None."""
+    if not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_M:
+        return None
+    name = TUNED.get(tuple(weight.shape), {}).get(m_bucket(x.shape[0]))
+    return None if name is None else CANDIDATES_BY_NAME[name]
+
+
+def pick_config(m: int, n: int, k: int) -> GemvConfig:
+    """The config for x [m, k] @ W[n, k]^T: TUNED's entry for (n, k) and m's bucket, else a default."""
+    name = TUNED.get((n, k), {}).get(m_bucket(m))
+    if name is not None:
+        return CANDIDATES_BY_NAME[name]
+    # One row needs only one FMA per weight element; from two rows on, tensor cores keep the
+    # arithmetic off the critical path.
+    return _DEFAULT_SINGLE_ROW if m == 1 else _DEFAULT_MULTI_ROW
+
+
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N read row N-1 instead of being masked, so weight loads stay unpredicated and wide;
+    # only the store is masked.
+    w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
+    ms = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Each split owns a contiguous run of whole K tiles, so only a K tail needs masks.
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
+    tile_start = pid_k * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, k_tiles)
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if not USE_DOT and BLOCK_M == 1:
+        # Elementwise accumulation, one cross-thread reduction after the loop.
+        acc_tile = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # Triton pipelines loads that feed no tl.dot only in a loop carrying its own num_stages.
+    for tile in tl.range(tile_start, tile_end, num_stages=NUM_STAGES):
+        ks = tile * BLOCK_K + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0, eviction_policy="evict_first")
+        if USE_DOT:
+            x_ptrs = x_ptr + ms[:, None] * stride_xm + ks[None, :]
+            x_mask = (ms[:, None] < M) & (ks[None, :] < K)
+            if SILU_MUL:
+                gate = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                up = tl.load(x_ptrs + K, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                g32 = gate.to(tl.float32)
+                activated = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+                x = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+            else:
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
+            if DOT_FP32:
+                acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        else:
+            w32 = w.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                x_mask = (ks < K) & (tl.full([BLOCK_K], m, tl.int32) < M)
+                if SILU_MUL:
+                    gate = tl.load(x_ptr + m * stride_xm + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                    up = tl.load(x_ptr + m * stride_xm + K + ks, mask=x_mask, other=0.0,
+                                 eviction_policy="evict_last")
+                    g32 = gate.to(tl.float32)
+                    activated = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
+                    x_row = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+                else:
+                    x_row = tl.load(x_ptr + m * stride_xm + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                if BLOCK_M == 1:
+                    acc_tile += w32 * x_row.to(tl.float32)[None, :]
+                else:
+                    part = tl.sum(w32 * x_row.to(tl.float32)[None, :], axis=1)
+                    acc += tl.where(ms[None, :] == m, part[:, None], 0.0)
+    if not USE_DOT and BLOCK_M == 1:
+        acc += tl.sum(acc_tile, axis=1)[:, None]
+
+    out_mask = (rows[:, None] < N) & (ms[None, :] < M)
+    out_ptrs = out_ptr + ms[None, :] * stride_om + rows[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partial [SPLIT_K, M, N] fp32. The barrier orders every thread's partial stores before the
+        # (one-thread, acq_rel, gpu-scope) ticket, so whoever draws the last ticket sees all partials.
+        part_ptrs = partial_ptr + ms[None, :] * N + rows[:, None]
+        tl.store(part_ptrs + pid_k * M * N, acc, mask=out_mask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter_ptr + pid_n, 1)
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                # .cg: read from L2, never a line this SM cached before the other splits wrote it.
+                total += tl.load(part_ptrs + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch
+
+
+_gemv = lazy_jit(_gemv_kernel)
+
+# Split-K tickets, one int32 per row block, per device. They must start at zero and the kernel leaves
+# them at zero, so they are allocated once (a per-call torch.zeros would cost a memset launch) and
+# reused; split-K calls sharing them must be ordered, i.e. issued on one stream.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_k_counters(device: torch.device, count: int) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "gemv with split_k > 1 must run once outside CUDA graph capture (a warm-up) before being "
+                "captured: its zeroed ticket buffer cannot be created inside a graph"
+            )
+        counters = torch.zeros(max(count, 16384), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+def _check_config(config: GemvConfig) -> None:
+    for field in ("block_n", "block_k", "num_warps", "split_k"):
+        value = getattr(config, field)
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"config.{field} must be a positive power of 2, got {value!r}")
+    if config.use_dot and (config.block_n < 16 or config.block_k < 16):
+        raise ValueError(f"a tl.dot config needs block_n and block_k >= 16, got {config.block_n}, {config.block_k}")
+    if config.num_stages < 1:
+        raise ValueError(f"config.num_stages must be >= 1, got {config.num_stages}")
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_mul_input: bool = False,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32.
+
+    M <= 16; x, weight and bias share one dtype; last dimensions contiguous. With silu_mul_input, x is
+    the gate_up output [M, 2K] and the input is silu_and_mul(x) (rounded to x's dtype as the unfused
+    kernel rounds it). `config` defaults to pick_config(M, N, K).
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    device = x.device
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=device)
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    m, width = x.shape
+    n, k = weight.shape
+    if m > MAX_M:
+        raise ValueError(f"x has {m} rows; gemv handles at most {MAX_M} (use F.linear for larger batches)")
+    expected_width = 2 * k if silu_mul_input else k
+    if width != expected_width:
+        what = "2 * weight's K (gate then up)" if silu_mul_input else "weight's K"
+        raise ValueError(f"x's last dimension must be {what} = {expected_width}, got {width}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=device)
+        check_shape("bias", bias, (n,))
+        check_last_dim_contiguous("bias", bias)
+    if config is None:
+        config = pick_config(m, n, k)
+    _check_config(config)
+
+    out = torch.empty(m, n, dtype=x.dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    num_row_blocks = triton.cdiv(n, config.block_n)
+    split_k = config.split_k
+    if split_k > 1:
+        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=device)
+        counters = _split_k_counters(device, num_row_blocks)
+    else:
+        partial = counters = out  # unused when SPLIT_K is 1
+    block_m = _DOT_ROWS if config.use_dot else next_power_of_2(m)
+    _gemv[(num_row_blocks, split_k)](
+        x, weight, bias if bias is not None else out, out, partial, counters,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=block_m, SPLIT_K=split_k,
+        NUM_STAGES=config.num_stages,
+        USE_DOT=config.use_dot, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_input,
+        EVEN_K=k % config.block_k == 0, **dot_options(x.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def gemv_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_mul_input: bool = False,
+) -> torch.Tensor:
+    """Pure torch: the (rounded) silu_and_mul input if asked, a float32 product, rounded to x's dtype."""
+    if silu_mul_input:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    out = x.float() @ weight.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

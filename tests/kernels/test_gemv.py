@@ -1,0 +1,123 @@
+"""gemv against its torch reference: every candidate config, ragged N and K, bias, fused silu_and_mul input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuworker.kernels import gemv as gemv_module
+from gpuworker.kernels.activation import silu_and_mul
+from gpuworker.kernels.gemv import CANDIDATES, MAX_M, GemvConfig, gemv, gemv_reference, pick_config
+
+ON_CUDA = torch.cuda.is_available()
+# N and K that no candidate's BLOCK_N / BLOCK_K divide, so row and K tails are exercised.
+N, K = (1000, 4160) if ON_CUDA else (70, 200)
+# Long enough that split-K configs give several splits work (and leave one without any).
+SPLIT_K_DEPTH = 4160 if ON_CUDA else 1100
+FMA = next(c for c in CANDIDATES if not c.use_dot and c.split_k == 1)
+DOT = next(c for c in CANDIDATES if c.use_dot and c.split_k == 1)
+SPLIT = next(c for c in CANDIDATES if c.split_k > 1)
+
+
+def make(m, n, k, dtype, generator, device, *, width=None):
+    # Unit-variance products: the outputs have magnitude ~sqrt(k), checked with relative tolerances.
+    x = torch.randn(m, width or k, generator=generator).to(dtype).to(device)
+    weight = (torch.randn(n, k, generator=generator) / k**0.5).to(dtype).to(device)
+    bias = torch.randn(n, generator=generator).to(dtype).to(device)
+    return x, weight, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_default_config_matches_reference(dtype, m, with_bias, device, generator, tolerance):
+    x, weight, bias = make(m, N, K, dtype, generator, device)
+    bias = bias if with_bias else None
+    got = gemv(x, weight, bias)
+    assert got.shape == (m, N) and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, gemv_reference(x, weight, bias), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("config", CANDIDATES, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_candidate(config, dtype, device, generator, tolerance):
+    k = SPLIT_K_DEPTH if config.split_k > 1 else K
+    for m in (1, 5):
+        x, weight, bias = make(m, N, k, dtype, generator, device)
+        torch.testing.assert_close(gemv(x, weight, bias, config=config), gemv_reference(x, weight, bias),
+                                   **tolerance(dtype))
+
+
+@pytest.mark.parametrize("config", [FMA, DOT, SPLIT], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 4])
+def test_silu_mul_input_matches_unfused(config, dtype, m, device, generator, tolerance):
+    # 3 * randn gate values reach silu's curved part and its negative tail.
+    x, weight, bias = make(m, N, K, dtype, generator, device, width=2 * K)
+    x = 3 * x
+    got = gemv(x, weight, bias, silu_mul_input=True, config=config)
+    # Same as the unfused path the engine runs today: the activation kernel, then the projection.
+    torch.testing.assert_close(got, gemv_reference(silu_and_mul(x), weight, bias), **tolerance(dtype))
+    # Triton's interpreter truncates float32 -> bfloat16 casts where the GPU (and torch) round to
+    # nearest, so there the rounded activations sit up to one bf16 step below torch's.
+    loose = not ON_CUDA and dtype == torch.bfloat16
+    torch.testing.assert_close(got, gemv_reference(x, weight, bias, silu_mul_input=True),
+                               **({"atol": 0.3, "rtol": 0.05} if loose else tolerance(dtype)))
+
+
+def test_row_views_and_exact_tiles(device, generator, tolerance):
+    # x a row slice of a wider buffer (row stride != K); N and K exact multiples of the blocks.
+    n, k = 128, 1024
+    wide = torch.randn(3, k + 64, generator=generator).bfloat16().to(device)
+    x = wide[:, :k]
+    _, weight, _ = make(3, n, k, torch.bfloat16, generator, device)
+    for config in (FMA, DOT):
+        torch.testing.assert_close(gemv(x, weight, config=config), gemv_reference(x, weight),
+                                   **tolerance(torch.bfloat16))
+
+
+def test_split_k_leaves_its_tickets_at_zero(device, generator, tolerance):
+    config = SPLIT
+    x, weight, bias = make(2, N, SPLIT_K_DEPTH, torch.float32, generator, device)
+    first = gemv(x, weight, bias, config=config)
+    counters = gemv_module._COUNTERS[torch.device(device) if not ON_CUDA else x.device]
+    assert int(counters.abs().sum()) == 0
+    second = gemv(x, weight, bias, config=config)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    torch.testing.assert_close(first, gemv_reference(x, weight, bias), **tolerance(torch.float32))
+
+
+def test_pick_config_uses_the_tuned_table(monkeypatch):
+    assert not pick_config(1, 4096, 4096).use_dot
+    assert pick_config(4, 4096, 4096).use_dot
+    tuned = next(c for c in CANDIDATES if c not in (pick_config(1, 1, 1), pick_config(4, 1, 1)))
+    monkeypatch.setitem(gemv_module.TUNED, (4096, 4096), {4: tuned.name})
+    assert pick_config(3, 4096, 4096) == tuned  # 3 rounds up to the bucket of 4
+    assert pick_config(4, 4096, 4096) == tuned
+    assert pick_config(8, 4096, 4096) != tuned
+    assert pick_config(4, 4096, 14336) != tuned
+
+
+def test_empty_batch(device):
+    weight = torch.zeros(8, 16, device=device)
+    assert gemv(torch.zeros(0, 16, device=device), weight).shape == (0, 8)
+
+
+def test_bad_input_is_named(device):
+    weight = torch.zeros(8, 16, device=device)
+    with pytest.raises(ValueError, match="at most 16"):
+        gemv(torch.zeros(MAX_M + 1, 16, device=device), weight)
+    with pytest.raises(ValueError, match="weight must have dtype"):
+        gemv(torch.zeros(1, 16, device=device), weight.bfloat16())
+    with pytest.raises(ValueError, match="2 \\* weight's K"):
+        gemv(torch.zeros(1, 16, device=device), weight, silu_mul_input=True)
+    with pytest.raises(ValueError, match="weight's K = 16"):
+        gemv(torch.zeros(1, 17, device=device), weight)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        gemv(torch.zeros(1, 16, device=device), weight, torch.zeros(9, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv(torch.zeros(1, 16, device=device), torch.zeros(16, 8, device=device).t())
+    with pytest.raises(ValueError, match="block_k must be a positive power of 2"):
+        gemv(torch.zeros(1, 16, device=device), weight, config=GemvConfig(16, 96, 4, 2))
+    with pytest.raises(ValueError, match=">= 16"):
+        gemv(torch.zeros(1, 16, device=device), weight, config=GemvConfig(8, 64, 4, 2, use_dot=True))
