@@ -81,7 +81,8 @@ def _cache_and_slots(dtype, block_size, device, generator):
     """A random cache with room for every token, shuffled slots, about a fifth of them padding (-1)."""
     num_blocks = -(-NUM_TOKENS // block_size) + 2
     cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype).to(device)
-    slots = torch.randperm(num_blocks * block_size, generator=generator)[:NUM_TOKENS]
+    # Distinct slots (the last one is set below): two tokens never race for one slot.
+    slots = torch.randperm(num_blocks * block_size - 1, generator=generator)[:NUM_TOKENS]
     slots[torch.rand(NUM_TOKENS, generator=generator) < 0.2] = -1
     slots[0] = -1
     slots[-1] = num_blocks * block_size - 1  # the very last slot of the cache
