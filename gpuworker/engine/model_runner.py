@@ -238,12 +238,10 @@ class ModelRunner:
                 seq = entries[int(owners[new_lens[owners] != 1][0])].seq
                 raise RuntimeError(f"{seq}: a prefill chunk ends in a token not yet sampled")
         # Two host->device copies per step (one per dtype), sliced into the metadata on the device.
-        longs = _to_device(np.concatenate([ids, positions, slot_mapping, sample_indices]), self.device)
-        ints = _to_device(np.concatenate([query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
-                                          tables[rows, :width].reshape(-1)]), self.device)
-        input_ids_t, positions_t, slot_mapping_t, sample_indices_t = longs.split(
-            [num_tokens, num_tokens, num_tokens, len(sample_indices)])
-        query_start_loc_t, seq_lens_t, tables_t = ints.split([num_seqs + 1, num_seqs, num_seqs * width])
+        input_ids_t, positions_t, slot_mapping_t, sample_indices_t = _packed_to_device(
+            [ids, positions, slot_mapping, sample_indices], np.int64, self.device)
+        query_start_loc_t, seq_lens_t, tables_t = _packed_to_device(
+            [query_start_loc, seq_lens, tables[rows, :width].reshape(-1)], np.int32, self.device)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping_t,
             query_start_loc=query_start_loc_t,
@@ -300,3 +298,21 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def _packed_to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
+    """Copy arrays to the device in one transfer; returns one device view per array.
+
+    Every view starts 16-byte aligned, whatever the lengths before it: Triton compiles a kernel
+    variant per alignment pattern of its pointer arguments, and unaligned slices would make new
+    batch sizes compile new variants mid-run."""
+    per_16_bytes = 16 // np.dtype(dtype).itemsize
+    offsets, total = [], 0
+    for array in arrays:
+        offsets.append(total)
+        total += -(-len(array) // per_16_bytes) * per_16_bytes
+    packed = np.zeros(total, dtype=dtype)
+    for array, offset in zip(arrays, offsets):
+        packed[offset:offset + len(array)] = array
+    flat = _to_device(packed, device)
+    return [flat[offset:offset + len(array)] for array, offset in zip(arrays, offsets)]

@@ -8,6 +8,7 @@ once per mode.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -27,17 +28,25 @@ def interpreting() -> bool:
 
 
 class LazyJIT:
-    """A Triton kernel function, jitted when first launched and again if the interpreter flag flips."""
+    """A Triton kernel function, jitted when first launched and again if the interpreter flag flips.
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    do_not_specialize: arguments whose values change from step to step (slices of the step's
+    metadata, table widths, split counts). Triton compiles a variant per pattern of "pointer 16-byte
+    aligned", "integer divisible by 16" and "integer == 1" among its arguments; left specialised,
+    such arguments make a running server compile new variants (about a second each) in the middle
+    of its steps. Named arguments get neither specialisation.
+    """
+
+    def __init__(self, fn: Callable[..., Any], do_not_specialize: tuple[str, ...] = ()) -> None:
         self.fn = fn
+        self.do_not_specialize = do_not_specialize
         self._by_mode: dict[bool, Any] = {}
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         mode = interpreting()
         kernel = self._by_mode.get(mode)
         if kernel is None:
-            kernel = triton.jit(self.fn)
+            kernel = triton.jit(self.fn, **_no_specialization(self.do_not_specialize))
             self._by_mode[mode] = kernel
         launch = kernel[grid]
         if not mode:
@@ -81,8 +90,18 @@ def _interpretable_stdlib() -> Iterator[None]:
             setattr(module, name, value)
 
 
-def lazy_jit(fn: Callable[..., Any]) -> LazyJIT:
-    return LazyJIT(fn)
+def lazy_jit(fn: Callable[..., Any], do_not_specialize: tuple[str, ...] = ()) -> LazyJIT:
+    return LazyJIT(fn, do_not_specialize)
+
+
+def _no_specialization(names: tuple[str, ...]) -> dict[str, list[str]]:
+    """triton.jit's keywords that turn off value and alignment specialisation of `names`, for the
+    keywords this Triton has (both exist in 3.6 and 3.9)."""
+    if not names:
+        return {}
+    accepted = inspect.signature(triton.jit).parameters
+    return {key: list(names) for key in ("do_not_specialize", "do_not_specialize_on_alignment")
+            if key in accepted}
 
 
 def check_tensor(

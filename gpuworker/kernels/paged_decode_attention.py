@@ -151,7 +151,8 @@ def _paged_decode_kernel(
                          merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-_paged_decode = lazy_jit(_paged_decode_kernel)
+# Arguments that change from step to step: one compiled variant whatever their alignment or value.
+_paged_decode = lazy_jit(_paged_decode_kernel, do_not_specialize=("block_tables_ptr", "seq_lens_ptr", "stride_block_tables_seq", "partition_size", "num_splits"))
 
 _SM_COUNT: dict[int, int] = {}
 

@@ -129,7 +129,8 @@ def _prefill_attention_kernel(
     )
 
 
-_prefill_attention = lazy_jit(_prefill_attention_kernel)
+# Arguments that change from step to step: one compiled variant whatever their alignment or value.
+_prefill_attention = lazy_jit(_prefill_attention_kernel, do_not_specialize=("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "stride_block_tables_seq"))
 
 
 def prefill_attention(

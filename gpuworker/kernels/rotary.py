@@ -88,7 +88,8 @@ def _rotary_kernel(
         tl.store(first + HALF, out2.to(dtype), mask=mask)
 
 
-_rotary = lazy_jit(_rotary_kernel)
+# Arguments that change from step to step: one compiled variant whatever their alignment or value.
+_rotary = lazy_jit(_rotary_kernel, do_not_specialize=("positions_ptr", "slot_mapping_ptr"))
 
 
 def _check_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
