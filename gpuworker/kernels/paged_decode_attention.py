@@ -152,7 +152,8 @@ def _paged_decode_kernel(
 
 
 # Arguments that change from step to step: one compiled variant whatever their alignment or value.
-_paged_decode = lazy_jit(_paged_decode_kernel, do_not_specialize=("block_tables_ptr", "seq_lens_ptr", "stride_block_tables_seq", "partition_size", "num_splits"))
+_paged_decode = lazy_jit(_paged_decode_kernel, do_not_specialize=(
+    "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "stride_block_tables_seq", "partition_size", "num_splits"))
 
 _SM_COUNT: dict[int, int] = {}
 
