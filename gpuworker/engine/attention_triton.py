@@ -13,7 +13,8 @@ import torch
 
 from gpuworker.engine.attention import AttentionMetadata
 from gpuworker.kernels.kv_cache_write import kv_cache_write
-from gpuworker.kernels.paged_decode_attention import SplitCounters, paged_decode_attention
+from gpuworker.kernels.paged_decode_attention import (MAX_SPLITS, MIN_PARTITION, SplitCounters,
+                                                     paged_decode_attention)
 from gpuworker.kernels.prefill_attention import prefill_attention
 
 
@@ -72,3 +73,26 @@ class TritonAttentionBackend:
         if rows_used < out.shape[0]:
             out[rows_used:].zero_()
         return out
+
+    @torch.inference_mode()
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, max_model_len: int, scale: float) -> None:
+        """Compile every variant of the decode kernel a step can pick, before serving.
+
+        The split count (chosen per launch from the batch and the longest context, up to MAX_SPLITS)
+        sizes a constexpr tile, so each power of two is its own compiled kernel; an eager step
+        meeting a new one would compile it (a second or more on a GPU) in the middle of serving.
+        """
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+        device = kv_cache.device
+        query = torch.zeros(1, num_q_heads, head_dim, dtype=kv_cache.dtype, device=device)
+        tables = torch.zeros(1, -(-max_model_len // block_size), dtype=torch.int32, device=device)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        counters = self._split_counters.get(num_kv_heads, device)
+        most = min(MAX_SPLITS, -(-max_model_len // MIN_PARTITION))
+        splits = 1
+        while True:
+            paged_decode_attention(query, kv_cache, tables, seq_lens, scale, max_model_len,
+                                   counters=counters, num_splits=min(splits, most))
+            if splits >= most:
+                break
+            splits *= 2

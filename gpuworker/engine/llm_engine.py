@@ -115,6 +115,9 @@ class LLMEngine:
             else [])
         self.scheduler = Scheduler(self.config)
         self.runner = ModelRunner(self.config, mc, model, self.device, self.dtype)
+        if self.device.type == "cuda":
+            # Triton compiles on first use: do it for the eager path now, not in the first requests.
+            self.runner.warm_up()
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._next_seq_id = 0

@@ -1,6 +1,7 @@
 """The model runner: owns the KV cache, turns a ScheduledBatch into one ragged forward, samples.
 
-Per step: host lists -> tensors copied to the device without blocking (from pinned memory on CUDA),
+Per step: the batch's metadata built with numpy (block tables kept across steps in BlockTables) and
+copied to the device in two transfers without blocking (from pinned memory on CUDA),
 one forward over all sequences' new tokens, logits only for the rows that sample, then exactly one
 device->host transfer of the sampled ids (packed with logprobs when asked for). `launch` enqueues
 all of that and returns at once; `wait` blocks on the transfer. With async scheduling the engine
@@ -125,6 +126,42 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                 block_size=config.block_size)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run one eager step of made-up tokens (a decode and a prefill chunk side by side) and the
+        logits of one and of two rows, so the kernels of the eager path compile now rather than
+        during the first requests (a second or more each on a GPU). The KV it writes lands in
+        blocks that no sequence holds yet; every real token's KV is written before it is read."""
+        bs = self.block_size
+        chunk = max(1, min(32, self.config.max_num_batched_tokens - 1, self.config.max_model_len - 1))
+        num_blocks = min(self.config.num_kv_blocks, -(-chunk // bs))
+        # As wide as the longest context, so the decode kernel can be sized for it too.
+        table = [i % num_blocks for i in range(-(-self.config.max_model_len // bs))]
+        positions = [0] + list(range(chunk))
+        slots = [table[0] * bs] + [table[p // bs] * bs + p % bs for p in range(chunk)]
+        device = self.device
+        input_ids = torch.zeros(1 + chunk, dtype=torch.int64, device=device)
+        # max_seq_len is the host's bound on the contexts: a short one runs the decode kernel in one
+        # partition, the longest one split along the context (its two variants).
+        for max_seq_len in (chunk, self.config.max_model_len):
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+                query_start_loc=torch.tensor([0, 1, 1 + chunk], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([1, chunk], dtype=torch.int32, device=device),
+                block_tables=torch.tensor([table, table], dtype=torch.int32, device=device),
+                num_decode_seqs=1, max_query_len=chunk, max_seq_len=max_seq_len,
+                query_start_loc_cpu=[0, 1, 1 + chunk], seq_lens_cpu=[1, chunk])
+            hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.int64, device=device),
+                                self.kv_caches, meta)
+        for rows in ([chunk], [0, chunk]):
+            self.model.compute_logits(hidden[torch.tensor(rows, device=device)]).argmax(dim=-1)
+        backend = getattr(self.model, "attn_backend", None)
+        if hasattr(backend, "warm_up"):
+            mc = self.model_config
+            backend.warm_up(self.kv_caches[0], mc.num_heads, self.config.max_model_len, mc.head_dim**-0.5)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one step and wait for its sampled tokens."""

@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 # Most splits a launch uses; the merging program reads all of a head's partials in one tile.
 MAX_SPLITS = 64
 # Shortest partition worth its own program (one 64-token tile).
-_MIN_PARTITION = 64
+MIN_PARTITION = 64
 # Programs per multiprocessor to aim for, from bench/kernels.py sweeps on an H200 (Llama-3-8B heads):
 # a batch too small to fill the device wants many short partitions (batch 1: 16 splits of 1k context
 # 7.2 us vs 12.4 with 4; 64 splits of 16k 27.8 us vs 32.4 with 32), while one that nearly fills it
@@ -168,12 +168,12 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence: a few programs per multiprocessor, partitions of >= _MIN_PARTITION tokens."""
+    """Splits per sequence: a few programs per multiprocessor, partitions of >= MIN_PARTITION tokens."""
     programs = max(1, num_seqs * num_kv_heads)
     multiprocessors = _multiprocessor_count(device)
     waves = _WAVES_SMALL_BATCH if programs < multiprocessors else _WAVES
     wanted = math.ceil(waves * multiprocessors / programs)
-    by_length = math.ceil(max(1, max_seq_len) / _MIN_PARTITION)
+    by_length = math.ceil(max(1, max_seq_len) / MIN_PARTITION)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
