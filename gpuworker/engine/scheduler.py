@@ -88,11 +88,10 @@ class Scheduler:
         for seq in self.running:
             if seq.status is not running_status:
                 continue
-            uncomputed = len(seq.token_ids) - seq.num_computed_tokens
-            if uncomputed == 1:
-                if len(seq.token_ids) - seq.num_prompt_tokens >= seq.group.max_tokens:
-                    # Its last token is still in flight (async scheduling) and will finish it.
-                    continue
+            if len(seq.token_ids) - seq.num_prompt_tokens >= seq.group.max_tokens:
+                # Its last token is still in flight (async scheduling) and will finish it.
+                continue
+            if len(seq.token_ids) - seq.num_computed_tokens == 1:
                 decodes.append(seq)
             else:
                 prefills.append(seq)

@@ -4,7 +4,6 @@ alignment that keeps Triton from compiling new kernel variants as batch sizes ch
 from __future__ import annotations
 
 import pytest
-import torch
 from triton.runtime.jit import JITFunction
 
 from gpuworker.engine import LLMEngine, SamplingParams
