@@ -26,7 +26,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     # [B] int32: context length of each sequence after this step (cached + new tokens).
     seq_lens: torch.Tensor
-    # [B, max_blocks] int32: block tables, padded with 0.
+    # [B, max_blocks] int32: block tables. Columns past a sequence's own blocks hold arbitrary valid
+    # block ids (the model runner keeps rows across steps) and are never read.
     block_tables: torch.Tensor
     # The first `num_decode_seqs` sequences have exactly one query token each.
     num_decode_seqs: int
