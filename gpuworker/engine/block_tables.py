@@ -14,43 +14,53 @@ import numpy as np
 from gpuworker.engine.sequence import Sequence, SequenceStatus
 
 
+class _Row:
+    """A sequence's row, and which of its block table (the list object) is written there so far."""
+
+    __slots__ = ("index", "table", "written", "seq")
+
+    def __init__(self, index: int, table: list[int], seq: Sequence) -> None:
+        self.index = index
+        self.table = table
+        self.written = 0
+        self.seq = seq
+
+
 class BlockTables:
     def __init__(self, capacity: int, max_blocks: int) -> None:
         self.array = np.zeros((capacity, max_blocks), dtype=np.int32)
-        # seq_id -> [row, the table list written, how many of its blocks are written, the sequence]
-        self._records: dict[int, list] = {}
+        self._rows: dict[int, _Row] = {}  # by seq_id
         self._free_rows = list(range(capacity - 1, -1, -1))
 
     def rows(self, seqs: list[Sequence]) -> np.ndarray:
         """The row of each sequence (int64 [len(seqs)]), its new blocks written first."""
         out = np.empty(len(seqs), dtype=np.int64)
-        records = self._records
+        rows = self._rows
         array = self.array
         for i, seq in enumerate(seqs):
             table = seq.block_table
-            record = records.get(seq.seq_id)
-            if record is None:
-                record = records[seq.seq_id] = [self._take_row(seqs), table, 0, seq]
+            row = rows.get(seq.seq_id)
+            if row is None:
+                row = rows[seq.seq_id] = _Row(self._take_row(seqs), table, seq)
                 array = self.array  # taking a row may have grown it
-            elif record[1] is not table:
-                record[1], record[2] = table, 0
-            written = record[2]
-            if len(table) > written:
+            elif row.table is not table:
+                row.table, row.written = table, 0
+            if len(table) > row.written:
                 if len(table) > array.shape[1]:
                     array = self._widen(len(table))
-                array[record[0], written:len(table)] = table[written:]
-                record[2] = len(table)
-            out[i] = record[0]
+                array[row.index, row.written:len(table)] = table[row.written:]
+                row.written = len(table)
+            out[i] = row.index
         return out
 
     def _take_row(self, batch: list[Sequence]) -> int:
         if not self._free_rows:
             # Rows of sequences that no longer run go back; those of this batch stay.
             in_batch = {seq.seq_id for seq in batch}
-            for seq_id, record in list(self._records.items()):
-                if record[3].status is not SequenceStatus.RUNNING and seq_id not in in_batch:
-                    del self._records[seq_id]
-                    self._free_rows.append(record[0])
+            for seq_id, row in list(self._rows.items()):
+                if row.seq.status is not SequenceStatus.RUNNING and seq_id not in in_batch:
+                    del self._rows[seq_id]
+                    self._free_rows.append(row.index)
             if not self._free_rows:
                 self._grow()
         return self._free_rows.pop()

@@ -14,7 +14,7 @@ CUDA graphs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -144,16 +144,16 @@ class ModelRunner:
         input_ids = torch.zeros(1 + chunk, dtype=torch.int64, device=device)
         # max_seq_len is the host's bound on the contexts: a short one runs the decode kernel in one
         # partition, the longest one split along the context (its two variants).
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor([0, 1, 1 + chunk], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([1, chunk], dtype=torch.int32, device=device),
+            block_tables=torch.tensor([table, table], dtype=torch.int32, device=device),
+            num_decode_seqs=1, max_query_len=chunk, max_seq_len=chunk,
+            query_start_loc_cpu=[0, 1, 1 + chunk], seq_lens_cpu=[1, chunk])
         for max_seq_len in (chunk, self.config.max_model_len):
-            meta = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-                query_start_loc=torch.tensor([0, 1, 1 + chunk], dtype=torch.int32, device=device),
-                seq_lens=torch.tensor([1, chunk], dtype=torch.int32, device=device),
-                block_tables=torch.tensor([table, table], dtype=torch.int32, device=device),
-                num_decode_seqs=1, max_query_len=chunk, max_seq_len=max_seq_len,
-                query_start_loc_cpu=[0, 1, 1 + chunk], seq_lens_cpu=[1, chunk])
-            hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.int64, device=device),
-                                self.kv_caches, meta)
+            hidden = self.model(input_ids, positions_t, self.kv_caches, replace(meta, max_seq_len=max_seq_len))
         for rows in ([chunk], [0, chunk]):
             self.model.compute_logits(hidden[torch.tensor(rows, device=device)]).argmax(dim=-1)
         backend = getattr(self.model, "attn_backend", None)
@@ -268,17 +268,18 @@ class ModelRunner:
         width = -(-max_seq_len // bs)
         ids = np.array(input_ids, dtype=np.int64)
         placeholders = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
-        if placeholders.size and num_tokens != num_seqs:
+        # The entry each placeholder belongs to.
+        owners = (placeholders if num_tokens == num_seqs
+                  else np.searchsorted(query_start_loc, placeholders, side="right") - 1)
+        in_chunks = owners[new_lens[owners] != 1]
+        if in_chunks.size:
             # Only a decode's one input token can still be in flight.
-            owners = np.searchsorted(query_start_loc, placeholders, side="right") - 1
-            if (new_lens[owners] != 1).any():
-                seq = entries[int(owners[new_lens[owners] != 1][0])].seq
-                raise RuntimeError(f"{seq}: a prefill chunk ends in a token not yet sampled")
+            raise RuntimeError(f"{entries[int(in_chunks[0])].seq}: a prefill chunk ends in a token not yet sampled")
         # Two host->device copies per step (one per dtype), sliced into the metadata on the device.
         input_ids_t, positions_t, slot_mapping_t, sample_indices_t = _packed_to_device(
-            [ids, positions, slot_mapping, sample_indices], np.int64, self.device)
+            [ids, positions, slot_mapping, sample_indices], torch.int64, self.device)
         query_start_loc_t, seq_lens_t, tables_t = _packed_to_device(
-            [query_start_loc, seq_lens, tables[rows, :width].reshape(-1)], np.int32, self.device)
+            [query_start_loc, seq_lens, tables[rows, :width].reshape(-1)], torch.int32, self.device)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping_t,
             query_start_loc=query_start_loc_t,
@@ -291,8 +292,6 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         if placeholders.size:
-            owners = (placeholders if num_tokens == num_seqs
-                      else np.searchsorted(query_start_loc, placeholders, side="right") - 1)
             self._fill_placeholders(input_ids_t, placeholders, [entries[i].seq for i in owners.tolist()],
                                     previous)
         return ModelInputs(input_ids=input_ids_t, positions=positions_t, meta=meta,
@@ -309,7 +308,7 @@ class ModelRunner:
             if row is None:
                 raise RuntimeError(f"{seq}: its input token was not sampled by the previous step")
             src.append(row)
-        input_ids[_to_device(indices.astype(np.int64), self.device)] = \
+        input_ids[to_device(indices, torch.int64, self.device)] = \
             previous.token_ids[to_device(src, torch.int64, self.device)]
 
     @staticmethod
@@ -329,27 +328,19 @@ class ModelRunner:
         return StepResult(token_ids, logprobs)
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A numpy array as a device tensor, copied asynchronously (from pinned memory on CUDA)."""
-    host = torch.from_numpy(array)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
-def _packed_to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
+def _packed_to_device(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Copy arrays to the device in one transfer; returns one device view per array.
 
     Every view starts 16-byte aligned, whatever the lengths before it: Triton compiles a kernel
     variant per alignment pattern of its pointer arguments, and unaligned slices would make new
     batch sizes compile new variants mid-run."""
-    per_16_bytes = 16 // np.dtype(dtype).itemsize
+    per_16_bytes = 16 // dtype.itemsize
     offsets, total = [], 0
     for array in arrays:
         offsets.append(total)
         total += -(-len(array) // per_16_bytes) * per_16_bytes
-    packed = np.zeros(total, dtype=dtype)
+    packed = torch.zeros(total, dtype=dtype).numpy()
     for array, offset in zip(arrays, offsets):
         packed[offset:offset + len(array)] = array
-    flat = _to_device(packed, device)
+    flat = to_device(packed, dtype, device)
     return [flat[offset:offset + len(array)] for array, offset in zip(arrays, offsets)]

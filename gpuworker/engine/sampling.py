@@ -207,10 +207,13 @@ def noise_seed(seed: int, index: int, position: int) -> int:
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor, copied asynchronously (from pinned memory on CUDA)."""
+def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or numpy array as a device tensor, copied asynchronously (from pinned memory on
+    CUDA)."""
     np_dtype = _NUMPY_DTYPES.get(dtype)
-    if np_dtype is None or (values and isinstance(values[0], list)):
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(np.asarray(values, dtype=np_dtype))
+    elif np_dtype is None or (values and isinstance(values[0], list)):
         host = torch.tensor(values, dtype=dtype)
     else:  # numpy converts a flat list of numbers about 3x faster than torch.tensor
         host = torch.from_numpy(np.array(values, dtype=np_dtype))

@@ -108,7 +108,7 @@ class Scheduler:
                 if not (block_manager.can_allocate(seq, 1) or self._make_room(seq, 1, step)):
                     continue
                 block_manager.allocate(seq, 1)
-            step.add_decode(seq)
+            step.add(seq, 1)
         for seq in prefills:
             if step.is_full:
                 break
@@ -238,10 +238,6 @@ class _StepBuilder:
         start = seq.num_computed_tokens
         self.entries.append(ScheduledSeq(seq, start, num_new, start + num_new == len(seq.token_ids)))
         self.token_budget -= num_new
-
-    def add_decode(self, seq: Sequence) -> None:
-        self.entries.append(ScheduledSeq(seq, seq.num_computed_tokens, 1, True))
-        self.token_budget -= 1
 
     def remove(self, seq: Sequence) -> None:
         for entry in self.entries:
