@@ -11,6 +11,7 @@ the forward and of logits + sampling alone. Host time not hidden behind GPU time
 from __future__ import annotations
 
 import argparse
+import pathlib
 import random
 import time
 from collections import defaultdict
@@ -68,6 +69,7 @@ def profile_decode(args, batch_size: int) -> dict:
         engine.step()
     wall = (time.perf_counter() - t0) / args.steps
     loop_ops = loop_table(engine, args.steps) if args.kernels else []
+    timeline = timeline_table(engine, args.steps) if args.timeline else {}
 
     # GPU time of the same forward and of logits + greedy sampling, back to back on the device.
     if args.prefill_len:
@@ -100,7 +102,7 @@ def profile_decode(args, batch_size: int) -> dict:
     torch.cuda.empty_cache()
     return {"batch_size": batch_size, "measured_batch": shape, "mean_context": context, "step_wall_s": wall, "forward_gpu_s": forward_gpu,
             "logits_sample_gpu_s": logits_gpu, "host_phases_s": per_step, "kernels": kernels,
-            "loop_ops": loop_ops}
+            "loop_ops": loop_ops, "timeline": timeline}
 
 
 def loop_table(engine, steps: int) -> list[tuple[str, float, float, int]]:
@@ -116,6 +118,49 @@ def loop_table(engine, steps: int) -> list[tuple[str, float, float, int]]:
     device_total = sum(r[2] for r in rows)
     rows = sorted(rows, key=lambda r: -r[1])[:18]
     return [("ALL device time per step", 0.0, device_total, 0)] + rows
+
+
+def timeline_table(engine, steps: int) -> dict:
+    """The device timeline of the engine loop: kernel time vs idle time between kernels, per step.
+
+    Kernels from the profiler's trace (those inside CUDA graph replays included), in start order.
+    busy = the union of kernel intervals, idle = the rest of the span; the pairs table says after
+    which kernel and before which the idle time falls (mean microseconds per occurrence). With
+    programmatic dependent launch a kernel starts before the previous one ends and waits, so its
+    own duration includes that wait; the union is what counts.
+    """
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(pathlib.Path(f.name).read_text())["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"][:48]) for e in events
+                     if e.get("cat") == "kernel" and "dur" in e)
+    if not kernels:
+        return {}
+    busy = idle = 0.0
+    end = kernels[0][0]
+    pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
+    previous = None
+    for start, stop, name in kernels:
+        gap = max(0.0, start - end)
+        idle += gap
+        busy += max(0.0, stop - max(start, end))
+        if previous is not None:
+            pairs[(previous, name)].append(gap)
+        end = max(end, stop)
+        previous = name
+    top = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {"kernels_per_step": len(kernels) / steps, "busy_us_per_step": busy / steps,
+            "idle_us_per_step": idle / steps,
+            "idle_pairs": [(f"{a} -> {b}", sum(g) / steps, sum(g) / len(g), len(g) // steps) for (a, b), g in top]}
 
 
 def kernel_table(runner, inputs, steps: int) -> list[tuple[str, float, int]]:
@@ -143,6 +188,8 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=0,
                         help="GPU-time a mixed step: the decode batch plus one new prompt of this length")
     parser.add_argument("--kernels", action="store_true", help="also print a per-kernel GPU time table")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also print the engine loop's device timeline: kernel vs idle time between kernels")
     args = parser.parse_args()
 
     results = [profile_decode(args, int(b)) for b in args.batch_sizes.split(",")]
@@ -159,6 +206,13 @@ def main() -> None:
         if r["loop_ops"]:
             print_table(f"engine loop ops per step (host self ms / device ms), batch {r['batch_size']}",
                         [(name, f"{cpu:.3f} / {dev:.3f} x{count}") for name, cpu, dev, count in r["loop_ops"]])
+        if r["timeline"]:
+            t = r["timeline"]
+            rows = [("kernels per step", f"{t['kernels_per_step']:.0f}"),
+                    ("device busy per step", f"{t['busy_us_per_step']:.1f} us"),
+                    ("device idle per step", f"{t['idle_us_per_step']:.1f} us")]
+            rows += [(pair, f"{total:.1f} us/step ({mean:.2f} us x{count})") for pair, total, mean, count in t["idle_pairs"]]
+            print_table(f"device timeline of the engine loop, batch {r['batch_size']}", rows)
         if r["kernels"]:
             print_table(f"kernels per eager forward, batch {r['batch_size']}",
                         [(name, f"{ms_:.3f} ms x{count}") for name, ms_, count in r["kernels"]])

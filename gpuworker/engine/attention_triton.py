@@ -79,8 +79,9 @@ class TritonAttentionBackend:
         """Compile every variant of the decode kernel a step can pick, before serving.
 
         The split count (chosen per launch from the batch and the longest context, up to MAX_SPLITS)
-        sizes a constexpr tile, so each power of two is its own compiled kernel; an eager step
-        meeting a new one would compile it (a second or more on a GPU) in the middle of serving.
+        sizes a constexpr tile, so each power of two is its own compiled kernel, once per way of
+        merging the partitions; an eager step meeting a new one would compile it (a second or more
+        on a GPU) in the middle of serving.
         """
         block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
         device = kv_cache.device
@@ -91,8 +92,10 @@ class TritonAttentionBackend:
         most = min(MAX_SPLITS, -(-max_model_len // MIN_PARTITION))
         splits = 1
         while True:
-            paged_decode_attention(query, kv_cache, tables, seq_lens, scale, max_model_len,
-                                   counters=counters, num_splits=min(splits, most))
+            for merge_in_launch in (True, False):  # both ways of merging split launches (by batch size)
+                paged_decode_attention(query, kv_cache, tables, seq_lens, scale, max_model_len,
+                                       counters=counters, num_splits=min(splits, most),
+                                       merge_in_launch=merge_in_launch)
             if splits >= most:
                 break
             splits *= 2

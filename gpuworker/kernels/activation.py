@@ -10,13 +10,18 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit
+from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit, pdl_options
 
 # Columns one program handles; a row of Llama-3-8B's 14336 takes 14 programs.
 BLOCK = 1024
 
 
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    gate_up_ptr, out_ptr, stride_in, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
@@ -44,7 +49,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens == 0:
         return out
     _silu_and_mul[(num_tokens, -(-intermediate // BLOCK))](
-        gate_up, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=BLOCK, num_warps=4)
+        gate_up, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=BLOCK, num_warps=4,
+        **pdl_options(gate_up.device))
     return out
 
 

@@ -25,6 +25,7 @@ from gpuworker.kernels.launch import (
     dot_options,
     lazy_jit,
     next_power_of_2,
+    pdl_options,
 )
 
 MAX_M = 16
@@ -111,6 +112,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -125,6 +127,10 @@ def _gemv_kernel(
     tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
     tile_start = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, k_tiles)
+    if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
+        # (prefetching this program's first weight tiles into L2 before the wait was measured: slower)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if not USE_DOT and BLOCK_M == 1:
@@ -282,7 +288,7 @@ def gemv(
         NUM_STAGES=config.num_stages,
         USE_DOT=config.use_dot, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_input,
         EVEN_K=k % config.block_k == 0, **dot_options(x.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(device),
     )
     return out
 

@@ -18,6 +18,7 @@ from gpuworker.kernels.launch import (
     check_tensor,
     lazy_jit,
     next_power_of_2,
+    pdl_options,
 )
 
 
@@ -27,7 +28,11 @@ def _kv_cache_write_kernel(
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
@@ -87,6 +92,7 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
+        **pdl_options(key.device),
     )
 
 

@@ -104,6 +104,38 @@ def _no_specialization(names: tuple[str, ...]) -> dict[str, list[str]]:
             if key in accepted}
 
 
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """Launch keywords for programmatic dependent launch (PDL) of a kernel on `device`.
+
+    With PDL (Hopper and later, CUDA only) a kernel is launched while the one before it on the stream
+    is still running: its programs become resident as the previous kernel's last programs start,
+    wait in `gdc_wait` for that kernel to finish and its writes to be visible, then let the next
+    kernel launch the same way (`gdc_launch_dependents`). This hides the launch gap between kernels,
+    which at batch 1 is several hundred of them per step, also inside CUDA graphs. Every kernel
+    launched with it waits before touching memory, so ordering is that of a plain stream. Kernels
+    take USE_PDL (constexpr) for the two calls; off under the interpreter, on older GPUs, with a
+    Triton without them, or when GPUWORKER_PDL=0 (for A/B measurements).
+    """
+    enabled = (device.type == "cuda" and not interpreting() and os.environ.get("GPUWORKER_PDL", "1") != "0"
+               and _pdl_supported(device))
+    return {"USE_PDL": True, "launch_pdl": True} if enabled else {"USE_PDL": False}
+
+
+def _pdl_supported(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    supported = _PDL_DEVICES.get(index)
+    if supported is None:
+        from triton.language.extra import cuda as tl_cuda
+
+        supported = (torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl_cuda, "gdc_wait")
+                     and hasattr(tl_cuda, "gdc_launch_dependents"))
+        _PDL_DEVICES[index] = supported
+    return supported
+
+
 def check_tensor(
     name: str,
     tensor: Any,

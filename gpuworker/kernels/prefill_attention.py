@@ -24,6 +24,7 @@ from gpuworker.kernels.launch import (
     dot_options,
     lazy_jit,
     next_power_of_2,
+    pdl_options,
 )
 
 _LOG2E = 1.4426950408889634
@@ -38,7 +39,11 @@ def _prefill_attention_kernel(
     BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Longest tiles (last rows of a causal chunk see the most keys) are launched first, so the short
     # ones fill the tail of the grid instead of leaving a long tile running alone.
     m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -208,7 +213,7 @@ def prefill_attention(
         block_tables.stride(0),
         BLOCK_SIZE=block_size, QUERY_GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, **dot_options(query.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(query.device),
     )
     return out
 

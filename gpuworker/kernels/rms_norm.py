@@ -17,6 +17,7 @@ from gpuworker.kernels.launch import (
     check_tensor,
     lazy_jit,
     next_power_of_2,
+    pdl_options,
 )
 
 # One program normalises a whole row in registers; wider rows would spill.
@@ -28,7 +29,11 @@ def _rms_norm_kernel(
     stride_x_outer, stride_x_inner, stride_residual_outer, stride_residual_inner,
     eps,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     outer = tl.program_id(0)
     inner = tl.program_id(1)
     row = outer.to(tl.int64) * tl.num_programs(1) + inner  # row of the contiguous outputs
@@ -102,7 +107,7 @@ def rms_norm(
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         float(eps),
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=max(1, min(16, block // 512)),
+        num_warps=max(1, min(16, block // 512)), **pdl_options(device),
     )
     return out if residual is None else (out, residual_out)
 

@@ -23,6 +23,7 @@ from gpuworker.kernels.launch import (
     check_tensor,
     lazy_jit,
     next_power_of_2,
+    pdl_options,
 )
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
 
@@ -35,7 +36,11 @@ def _rotary_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     CACHE_BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -134,6 +139,7 @@ def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None)
         BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(half), BLOCK_D=next_power_of_2(head_dim),
         CACHE_BLOCK_SIZE=cache_block_size, WRITE_CACHE=cache_write is not None,
+        **pdl_options(query.device),
     )
 
 

@@ -27,6 +27,8 @@ NUM_Q_HEADS, HEAD_DIM = (32, 128) if ON_CUDA else (4, 64)
 SEQ_LENS = [1, 15, 17, 32, 1000, 4099, 2500, 77] if ON_CUDA else [1, 15, 17, 32, 70]
 # Small tiles in the interpreter so a short context still spans several tiles and partitions.
 TILE = {} if ON_CUDA else {"block_n": 16}
+# A split launch merges its partitions in the launch (large batches) or in a second kernel (small ones).
+MERGES = pytest.mark.parametrize("merge_in_launch", [True, False], ids=["merge-in-launch", "merge-kernel"])
 
 
 @pytest.fixture
@@ -50,8 +52,10 @@ def decode(paged_cache, device, generator):
 
 @pytest.mark.parametrize(("dtype", "block_size", "gqa"), CASES, ids=lambda v: str(v).removeprefix("torch."))
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_matches_reference(dtype, block_size, gqa, num_splits, decode, tolerance):
-    out, expected = decode(dtype, block_size, NUM_Q_HEADS // gqa, SEQ_LENS, num_splits=num_splits)
+@MERGES
+def test_matches_reference(dtype, block_size, gqa, num_splits, merge_in_launch, decode, tolerance):
+    out, expected = decode(dtype, block_size, NUM_Q_HEADS // gqa, SEQ_LENS, num_splits=num_splits,
+                           merge_in_launch=merge_in_launch)
     torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
@@ -63,17 +67,21 @@ def test_default_splits_from_max_seq_len(dtype, decode, tolerance):
     torch.testing.assert_close(out, expected, **tolerance(dtype))
 
 
-def test_max_seq_len_above_the_contexts_leaves_empty_partitions(decode, tolerance):
+@MERGES
+def test_max_seq_len_above_the_contexts_leaves_empty_partitions(merge_in_launch, decode, tolerance):
     # As in a CUDA graph captured for long contexts and replayed on shorter ones: most partitions of
     # most sequences hold no tokens.
     max_seq_len = 4 * max(SEQ_LENS)
     out, expected = decode(torch.bfloat16, 16, NUM_Q_HEADS // 2, SEQ_LENS, max_seq_len=max_seq_len,
-                           table_width=-(-max_seq_len // 16), num_splits=MAX_SPLITS if ON_CUDA else 8)
+                           table_width=-(-max_seq_len // 16), num_splits=MAX_SPLITS if ON_CUDA else 8,
+                           merge_in_launch=merge_in_launch)
     torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))
 
 
-def test_zero_length_sequence_gets_zeros(decode):
-    out, expected = decode(torch.float32, 16, NUM_Q_HEADS // 2, [0, 5, 0], num_splits=2)
+@MERGES
+def test_zero_length_sequence_gets_zeros(merge_in_launch, decode):
+    out, expected = decode(torch.float32, 16, NUM_Q_HEADS // 2, [0, 5, 0], num_splits=2,
+                           merge_in_launch=merge_in_launch)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
     torch.testing.assert_close(out, expected)
 
@@ -164,7 +172,8 @@ def test_rejects_bad_arguments(device):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need a CUDA device")
-def test_cuda_graph_replay_follows_device_inputs(paged_cache, generator, tolerance):
+@MERGES
+def test_cuda_graph_replay_follows_device_inputs(merge_in_launch, paged_cache, generator, tolerance):
     # Captured once for max_seq_len 4096; replayed after the sequence lengths, block tables and
     # queries change in place, as the engine's decode graphs are.
     seq_lens = [4096, 1, 2000, 333]
@@ -176,7 +185,8 @@ def test_cuda_graph_replay_follows_device_inputs(paged_cache, generator, toleran
     counters = SplitCounters().get(len(seq_lens) * NUM_Q_HEADS // 4, query.device)
 
     def step():
-        paged_decode_attention(query, kv_cache, block_tables, lens, scale, 4096, out=out, counters=counters)
+        paged_decode_attention(query, kv_cache, block_tables, lens, scale, 4096, out=out, counters=counters,
+                               merge_in_launch=merge_in_launch)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
