@@ -108,11 +108,12 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
 
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    residual_ptr, norm_weight_ptr, residual_out_ptr, eps,
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    NORM_INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -136,6 +137,8 @@ def _gemv_kernel(
     if not USE_DOT and BLOCK_M == 1:
         # Elementwise accumulation, one cross-thread reduction after the loop.
         acc_tile = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if NORM_INPUT:  # one row, one split: the program sees the whole row, so it sums its squares
+            sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     # Triton pipelines loads that feed no tl.dot only in a loop carrying its own num_stages.
     for tile in tl.range(tile_start, tile_end, num_stages=NUM_STAGES):
         ks = tile * BLOCK_K + offs_k
@@ -169,6 +172,20 @@ def _gemv_kernel(
                     g32 = gate.to(tl.float32)
                     activated = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
                     x_row = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+                elif NORM_INPUT:
+                    # RMSNorm of (x + residual) on the fly: accumulate w * (s * norm_weight) and the
+                    # squares of s, scale by 1/rms after the loop. s is rounded to x's dtype like the
+                    # unfused residual add; the normalised input is not rounded before the product.
+                    x_row = tl.load(x_ptr + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                    if HAS_RESIDUAL:
+                        res = tl.load(residual_ptr + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                        x_row = (x_row.to(tl.float32) + res.to(tl.float32)).to(x_row.dtype)
+                        if pid_n == 0:  # the new residual stream, written once
+                            tl.store(residual_out_ptr + ks, x_row, mask=x_mask)
+                    s32 = x_row.to(tl.float32)
+                    sum_sq += s32 * s32
+                    gain = tl.load(norm_weight_ptr + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                    x_row = s32 * gain.to(tl.float32)
                 else:
                     x_row = tl.load(x_ptr + m * stride_xm + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
                 if BLOCK_M == 1:
@@ -177,7 +194,10 @@ def _gemv_kernel(
                     part = tl.sum(w32 * x_row.to(tl.float32)[None, :], axis=1)
                     acc += tl.where(ms[None, :] == m, part[:, None], 0.0)
     if not USE_DOT and BLOCK_M == 1:
-        acc += tl.sum(acc_tile, axis=1)[:, None]
+        if NORM_INPUT:
+            acc += tl.sum(acc_tile, axis=1)[:, None] * tl.rsqrt(tl.sum(sum_sq, 0) / K + eps)
+        else:
+            acc += tl.sum(acc_tile, axis=1)[:, None]
 
     out_mask = (rows[:, None] < N) & (ms[None, :] < M)
     out_ptrs = out_ptr + ms[None, :] * stride_om + rows[:, None]
@@ -247,7 +267,8 @@ def gemv(
 
     M <= 16; x, weight and bias share one dtype; last dimensions contiguous. With silu_mul_input, x is
     the gate_up output [M, 2K] and the input is silu_and_mul(x) (rounded to x's dtype as the unfused
-    kernel rounds it). `config` defaults to pick_config(M, N, K).
+    kernel rounds it). `config` defaults to pick_config(M, N, K). gemv_rms_norm fuses an RMSNorm
+    into the input instead.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
@@ -273,6 +294,13 @@ def gemv(
     out = torch.empty(m, n, dtype=x.dtype, device=device)
     if m == 0 or n == 0:
         return out
+    _launch(x, weight, bias, out, config, silu_mul_input=silu_mul_input)
+    return out
+
+
+def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None) -> None:
+    """norm: (residual or None, norm_weight, residual_out, eps) for gemv_rms_norm."""
+    m, k, n, device = x.shape[0], weight.shape[1], weight.shape[0], x.device
     num_row_blocks = triton.cdiv(n, config.block_n)
     split_k = config.split_k
     if split_k > 1:
@@ -281,16 +309,75 @@ def gemv(
     else:
         partial = counters = out  # unused when SPLIT_K is 1
     block_m = _DOT_ROWS if config.use_dot else next_power_of_2(m)
+    residual, norm_weight, residual_out, eps = norm if norm is not None else (None, out, out, 0.0)
     _gemv[(num_row_blocks, split_k)](
         x, weight, bias if bias is not None else out, out, partial, counters,
+        residual if residual is not None else out, norm_weight, residual_out, float(eps),
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=block_m, SPLIT_K=split_k,
         NUM_STAGES=config.num_stages,
         USE_DOT=config.use_dot, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_input,
         EVEN_K=k % config.block_k == 0, **dot_options(x.dtype),
+        NORM_INPUT=norm is not None, HAS_RESIDUAL=residual is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(device),
     )
-    return out
+
+
+def fuses_rms_norm(config: GemvConfig) -> bool:
+    """Whether gemv_rms_norm can run with `config`: the one-row FMA kernel without split-K."""
+    return not config.use_dot and config.split_k == 1
+
+
+def gemv_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm then a linear layer for one row, in one launch: (norm(s) @ weight^T (+ bias), s).
+
+    s = x + residual (rounded to x's dtype), or x without a residual, x and residual [1, K]. The
+    norm follows rms_norm (float32 statistics, times norm_weight) except that the normalised row is
+    not rounded to the activation dtype before the product, so bfloat16 results differ from the
+    unfused pair by rounding. `config` must satisfy fuses_rms_norm (default: pick_config's if it
+    does, else the one-row default).
+    """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    device = x.device
+    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=device)
+    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=device)
+    for name, tensor in (("x", x), ("weight", weight), ("norm_weight", norm_weight)):
+        check_last_dim_contiguous(name, tensor)
+    m, k = x.shape
+    n = weight.shape[0]
+    if m != 1:
+        raise ValueError(f"gemv_rms_norm takes one row, got {m}")
+    if weight.shape[1] != k:
+        raise ValueError(f"x's last dimension must be weight's K = {weight.shape[1]}, got {k}")
+    check_shape("norm_weight", norm_weight, (k,))
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), device=device)
+        check_shape("residual", residual, tuple(x.shape))
+        check_last_dim_contiguous("residual", residual)
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=device)
+        check_shape("bias", bias, (n,))
+    if config is None:
+        config = pick_config(1, n, k)
+        if not fuses_rms_norm(config):
+            config = _DEFAULT_SINGLE_ROW
+    _check_config(config)
+    if not fuses_rms_norm(config):
+        raise ValueError(f"config {config.name} cannot fuse RMSNorm (needs the FMA kernel without split-K)")
+    out = torch.empty(1, n, dtype=x.dtype, device=device)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    if n:
+        _launch(x, weight, bias, out, config, norm=(residual, norm_weight, residual_out, eps))
+    return out, residual_out
 
 
 def gemv_reference(
@@ -308,3 +395,21 @@ def gemv_reference(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def gemv_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure torch, gemv_rms_norm's numerics: s rounded to x's dtype, everything after in float32."""
+    s = x if residual is None else x + residual
+    s32 = s.float()
+    rstd = torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)
+    out = (s32 * norm_weight.float()) @ weight.float().t() * rstd
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype), s

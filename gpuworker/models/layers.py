@@ -58,6 +58,23 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def norm_then_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(s)), s) with s = x + residual (x without one): the pre-norm and the projection
+    after it. A single decode row on a shape where our GEMV runs the projection takes one kernel for
+    both (gemv_rms_norm: the norm applied as the GEMV loads its input)."""
+    if x.is_cuda:
+        from gpuworker.kernels.gemv import fuses_rms_norm, gemv_rms_norm, tuned_config
+
+        config = tuned_config(x, linear.weight)
+        if config is not None and fuses_rms_norm(config) and x.dtype == norm.weight.dtype:
+            return gemv_rms_norm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config=config)
+    if residual is None:
+        return linear(norm(x)), x
+    normed, residual = norm(x, residual)
+    return linear(normed), residual
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one projection."""
 
@@ -68,7 +85,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The rest of the MLP after gate_up_proj: down(silu(gate) * up)."""
         if gate_up.is_cuda:  # one kernel instead of silu, then the product
             from gpuworker.kernels.activation import silu_and_mul
             from gpuworker.kernels.gemv import gemv, tuned_config

@@ -14,7 +14,7 @@ from torch import nn
 
 from gpuworker.engine.attention import AttentionBackend, AttentionMetadata, fuses_rotary_and_cache_write
 from gpuworker.models.config import ModelConfig
-from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_then_linear
 
 
 class Attention(nn.Module):
@@ -36,8 +36,13 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(positions, self.qkv_proj(hidden), kv_cache, meta, backend)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """The rest of forward after qkv_proj: rotary, cache write, attention and o_proj."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -70,13 +75,11 @@ class DecoderLayer(nn.Module):
         The residual add is deferred into the next norm, which fuses it: the stream after the
         layer is hidden + residual, formed by whoever normalises it next.
         """
-        if residual is None:
-            normed, residual = self.input_layernorm(hidden), hidden
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, normed, kv_cache, meta, backend)
-        normed, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(normed), residual
+        attn = self.self_attn
+        qkv, residual = norm_then_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
+        hidden = attn.attend(positions, qkv, kv_cache, meta, backend)
+        gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -7,7 +7,18 @@ import torch
 
 from gpuworker.kernels import gemv as gemv_module
 from gpuworker.kernels.activation import silu_and_mul
-from gpuworker.kernels.gemv import CANDIDATES, MAX_M, GemvConfig, gemv, gemv_reference, pick_config
+from gpuworker.kernels.gemv import (
+    CANDIDATES,
+    MAX_M,
+    GemvConfig,
+    fuses_rms_norm,
+    gemv,
+    gemv_reference,
+    gemv_rms_norm,
+    gemv_rms_norm_reference,
+    pick_config,
+)
+from gpuworker.kernels.rms_norm import rms_norm_reference
 
 ON_CUDA = torch.cuda.is_available()
 # N and K that no candidate's BLOCK_N / BLOCK_K divide, so row and K tails are exercised.
@@ -124,3 +135,41 @@ def test_bad_input_is_named(device):
         gemv(torch.zeros(1, 16, device=device), weight, config=GemvConfig(16, 96, 4, 2))
     with pytest.raises(ValueError, match=">= 16"):
         gemv(torch.zeros(1, 16, device=device), weight, config=GemvConfig(8, 64, 4, 2, use_dot=True))
+
+
+@pytest.mark.parametrize("config", [c for c in CANDIDATES if fuses_rms_norm(c)], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_input_matches_reference_and_unfused(config, dtype, with_residual, device, generator, tolerance):
+    x, weight, bias = make(1, N, K, dtype, generator, device)
+    x = 4 * x  # the norm must actually rescale
+    residual = torch.randn(1, K, generator=generator).to(dtype).to(device) if with_residual else None
+    norm_weight = (1 + torch.rand(K, generator=generator)).to(dtype).to(device)
+    x_before = x.clone()
+
+    got, stream = gemv_rms_norm(x, residual, norm_weight, 1e-5, weight, bias, config=config)
+
+    expected, expected_stream = gemv_rms_norm_reference(x, residual, norm_weight, 1e-5, weight, bias)
+    torch.testing.assert_close(got, expected, **tolerance(dtype))
+    if ON_CUDA or dtype == torch.float32:
+        assert torch.equal(stream, expected_stream)  # the residual stream is the rounded sum, exactly
+    else:  # the interpreter truncates float32 -> bfloat16 casts where the GPU rounds to nearest
+        torch.testing.assert_close(stream, expected_stream, atol=0.0, rtol=2**-7)
+    assert torch.equal(x, x_before)
+    if residual is None:
+        assert stream is x
+    # The unfused pair rounds the normalised row to the dtype first: the same within rounding.
+    normed = rms_norm_reference(x, norm_weight, 1e-5, residual)
+    normed = normed[0] if residual is not None else normed
+    torch.testing.assert_close(got, gemv_reference(normed, weight, bias), **tolerance(dtype))
+
+
+def test_rms_norm_input_refuses_what_it_cannot_fuse(device, generator):
+    x, weight, _ = make(2, N, K, torch.float32, generator, device)
+    norm_weight = torch.ones(K, device=device)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_rms_norm(x, None, norm_weight, 1e-5, weight)
+    with pytest.raises(ValueError, match="cannot fuse RMSNorm"):
+        gemv_rms_norm(x[:1], None, norm_weight, 1e-5, weight, config=DOT)
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        gemv_rms_norm(x[:1], None, norm_weight[:-1], 1e-5, weight)
