@@ -3,6 +3,7 @@ decode projections, M = 1, 2, 4, 8 rows, bf16, on one GPU.
 
     PYTHONPATH=. python bench/gemv.py [--quick]        # H200: about a minute, mostly Triton compiles
     PYTHONPATH=. python bench/gemv.py --check-only     # no timing; on a CPU: tiny shapes, interpreter
+    PYTHONPATH=. python bench/gemv.py --layer-chain    # 32 layers' decode-row projections in one graph
 
 Every result is checked against F.linear (max abs error) before it is timed; a config that disagrees
 is reported and skipped. Times are medians of CUDA-graph replays over enough weight copies that the
@@ -177,11 +178,65 @@ def step_estimate(results: list[dict]) -> dict:
     return estimate
 
 
+def layer_chain(copy_gbps: float, layers: int = 32) -> list[dict]:
+    """The decode-row projections of `layers` Llama-3-8B layers as the model runs them at batch 1
+    (pre-norm fused into qkv and gate_up, o_proj, down with SiLU-and-mul fused; attention left out),
+    each layer its own weights, in one CUDA graph; with programmatic dependent launch on and off."""
+    from gpuworker.kernels.gemv import CANDIDATES_BY_NAME, TUNED, gemv, gemv_rms_norm
+
+    def weight(name):
+        (n, k), _ = SHAPES[name]
+        return (torch.randn(n, k, device="cuda") / k**0.5).to(DTYPE)
+
+    stack = [{name: weight(name) for name in ("qkv", "o_proj", "gate_up", "down")} for _ in range(layers)]
+    config = {name: CANDIDATES_BY_NAME[TUNED[SHAPES[name][0]][1]] for name in ("qkv", "o_proj", "gate_up", "down")}
+    norm_weight = torch.ones(SHAPES["o_proj"][0][0], device="cuda", dtype=DTYPE)
+    x0 = torch.randn(1, norm_weight.numel(), device="cuda").to(DTYPE)
+    weight_bytes = sum(w.numel() * ES for layer in stack for w in layer.values())
+
+    def forward():
+        hidden, residual = x0, None
+        for layer in stack:
+            qkv, residual = gemv_rms_norm(hidden, residual, norm_weight, 1e-5, layer["qkv"], config=config["qkv"])
+            hidden = gemv(qkv[:, : norm_weight.numel()], layer["o_proj"], config=config["o_proj"])
+            gate_up, residual = gemv_rms_norm(hidden, residual, norm_weight, 1e-5, layer["gate_up"],
+                                              config=config["gate_up"])
+            hidden = gemv(gate_up, layer["down"], silu_mul_input=True, config=config["down"])
+        return hidden
+
+    rows = []
+    for pdl in ("0", "1"):
+        os.environ["GPUWORKER_PDL"] = pdl  # read at each launch
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        for _ in range(3):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / 20
+        rows.append({"pdl": pdl == "1", "layers": layers, "ms": ms, "weight_GB": weight_bytes / 1e9,
+                     "GBps": weight_bytes / ms / 1e6, "copy_GBps": copy_gbps})
+        print(f"  PDL {'on ' if pdl == '1' else 'off'}: {ms:.3f} ms for {weight_bytes / 1e9:.2f} GB of weights, "
+              f"{weight_bytes / ms / 1e6:.0f} GB/s ({100 * weight_bytes / ms / 1e6 / copy_gbps:.0f}% of copy)")
+        del graph
+    os.environ.pop("GPUWORKER_PDL")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check-only", action="store_true",
                         help="check every config against F.linear without timing (tiny shapes on a CPU)")
     parser.add_argument("--quick", action="store_true", help="M = 1 and 4 only")
+    parser.add_argument("--layer-chain", action="store_true",
+                        help="only the 32-layer chain of batch-1 projections (PDL on and off)")
     args = parser.parse_args()
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
@@ -203,6 +258,9 @@ def main() -> None:
         copy_gbps = copy_bandwidth_gbs(num_bytes=2 << 30)
         print(f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
               f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+        if args.layer_chain:
+            write_json("gemv_layer_chain", {"environment": env, "rows": layer_chain(copy_gbps)})
+            return
 
     results, sweep = [], []
     for name, ((n, k), _) in shapes.items():

@@ -1,6 +1,6 @@
 """Kernel benchmark: each Triton kernel against its torch equivalent at Llama-3-8B shapes, on one GPU.
 
-    PYTHONPATH=. python bench/kernels.py [--quick] [--no-sweep]
+    PYTHONPATH=. python bench/kernels.py [--quick] [--no-sweep] [--batch1-decode-only]
 
 Every figure is the median per-call time of a CUDA graph that replays the call over enough distinct
 input sets (different caches / activations) that the data cannot stay in L2, as 32 layers do in a
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from common import copy_bandwidth_gbs, environment, write_json
 from gpuworker.kernels.kv_cache_write import kv_cache_write
-from gpuworker.kernels.paged_decode_attention import choose_num_splits, paged_decode_attention
+from gpuworker.kernels.paged_decode_attention import SplitCounters, choose_num_splits, paged_decode_attention
 from gpuworker.kernels.prefill_attention import prefill_attention
 from gpuworker.kernels.rms_norm import rms_norm, rms_norm_reference
 from gpuworker.kernels.rotary import apply_rotary, apply_rotary_reference
@@ -95,6 +95,32 @@ def decode_inputs(batch: int, context: int):
     out = torch.empty_like(query[0])
     # Dense equivalent for SDPA: contiguous [B, H, L, D] keys/values, no paging.
     return cache, tables, seq_lens, query, out, kv_bytes, sets
+
+
+def bench_decode_batch1(contexts=(128, 384, 640, 1024), max_lens=(2048, 8192), layers=32) -> list[dict]:
+    """Batch-1 decode attention as the engine's decode graph runs it: one launch per layer, each layer
+    its own cache, the graph captured for max_len (the engine's max_model_len) and replayed on shorter
+    contexts. The two ways of merging the partitions side by side (the launcher picks the merge kernel
+    at this batch size); the per-launch figure includes the gap between launches, as in a step."""
+    blocks = math.ceil(max(contexts) / BLOCK_SIZE)
+    caches = [randn(2, blocks + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(layers)]
+    query = randn(1, NUM_Q_HEADS, HEAD_DIM)
+    counters = SplitCounters().get(NUM_KV_HEADS, query.device)
+    rows = []
+    for max_len in max_lens:
+        tables = torch.zeros(1, math.ceil(max_len / BLOCK_SIZE), dtype=torch.int32, device="cuda")
+        tables[0, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32, device="cuda")
+        for context in contexts:
+            seq_lens = torch.tensor([context], dtype=torch.int32, device="cuda")
+            row = {"context": context, "max_len": max_len,
+                   "num_splits": choose_num_splits(1, NUM_KV_HEADS, max_len, query.device)}
+            for key, merge_in_launch in (("in_launch_us", True), ("merge_kernel_us", False)):
+                calls = [lambda cache=cache, merge=merge_in_launch: paged_decode_attention(
+                    query, cache, tables, seq_lens, HEAD_DIM**-0.5, max_len, counters=counters,
+                    merge_in_launch=merge) for cache in caches]
+                row[key] = graph_time_us(calls)
+            rows.append(row)
+    return rows
 
 
 def bench_decode(shapes, configs, split_options) -> tuple[list[dict], list[dict]]:
@@ -303,6 +329,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile/split sweeps")
+    parser.add_argument("--batch1-decode-only", action="store_true",
+                        help="only the batch-1 decode attention graph (in-launch merge vs merge kernel)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
@@ -328,6 +356,15 @@ def main() -> None:
     payload = {"environment": env, "copy_bandwidth_GBps": copy_gbps, "dtype": str(DTYPE),
                "model_shape": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                                "hidden": HIDDEN, "block_size": BLOCK_SIZE}}
+    payload["decode_batch1_graph"] = batch1 = bench_decode_batch1()
+    print("\n== batch-1 paged decode in a graph of 32 layers' launches (us per launch) ==")
+    print(f"{'context':>8s} {'max_len':>8s} {'splits':>7s} {'in-launch merge':>16s} {'merge kernel':>13s}")
+    for r in batch1:
+        print(f"{r['context']:8d} {r['max_len']:8d} {r['num_splits']:7d} {r['in_launch_us']:16.2f} "
+              f"{r['merge_kernel_us']:13.2f}")
+    write_json("kernels", payload)
+    if args.batch1_decode_only:
+        return
     decode_rows, decode_sweep_rows = bench_decode(decode_shapes, decode_sweep, split_options)
     payload["decode"], payload["decode_sweep"] = decode_rows, decode_sweep_rows
     write_json("kernels", payload)

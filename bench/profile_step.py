@@ -211,7 +211,8 @@ def main() -> None:
             rows = [("kernels per step", f"{t['kernels_per_step']:.0f}"),
                     ("device busy per step", f"{t['busy_us_per_step']:.1f} us"),
                     ("device idle per step", f"{t['idle_us_per_step']:.1f} us")]
-            rows += [(pair, f"{total:.1f} us/step ({mean:.2f} us x{count})") for pair, total, mean, count in t["idle_pairs"]]
+            rows += [(pair, f"{total:.1f} us/step ({mean:.2f} us x{count})")
+                     for pair, total, mean, count in t["idle_pairs"]]
             print_table(f"device timeline of the engine loop, batch {r['batch_size']}", rows)
         if r["kernels"]:
             print_table(f"kernels per eager forward, batch {r['batch_size']}",
