@@ -270,15 +270,32 @@ def gemv(
     kernel rounds it). `config` defaults to pick_config(M, N, K). gemv_rms_norm fuses an RMSNorm
     into the input instead.
     """
+    _check_operands(x, weight, bias, silu_mul_input=silu_mul_input)
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if m > MAX_M:
+        raise ValueError(f"x has {m} rows; gemv handles at most {MAX_M} (use F.linear for larger batches)")
+    if config is None:
+        config = pick_config(m, n, k)
+    _check_config(config)
+
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    _launch(x, weight, bias, out, config, silu_mul_input=silu_mul_input)
+    return out
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                    silu_mul_input: bool = False) -> None:
+    """x [M, K] (or [M, 2K] for silu_mul_input), weight [N, K], bias [N]: one dtype and device, last
+    dimensions contiguous."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
     check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=device)
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
-    m, width = x.shape
+    width = x.shape[1]
     n, k = weight.shape
-    if m > MAX_M:
-        raise ValueError(f"x has {m} rows; gemv handles at most {MAX_M} (use F.linear for larger batches)")
     expected_width = 2 * k if silu_mul_input else k
     if width != expected_width:
         what = "2 * weight's K (gate then up)" if silu_mul_input else "weight's K"
@@ -287,15 +304,6 @@ def gemv(
         check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=device)
         check_shape("bias", bias, (n,))
         check_last_dim_contiguous("bias", bias)
-    if config is None:
-        config = pick_config(m, n, k)
-    _check_config(config)
-
-    out = torch.empty(m, n, dtype=x.dtype, device=device)
-    if m == 0 or n == 0:
-        return out
-    _launch(x, weight, bias, out, config, silu_mul_input=silu_mul_input)
-    return out
 
 
 def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None) -> None:
@@ -346,26 +354,19 @@ def gemv_rms_norm(
     unfused pair by rounding. `config` must satisfy fuses_rms_norm (default: pick_config's if it
     does, else the one-row default).
     """
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    _check_operands(x, weight, bias)
     device = x.device
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=device)
-    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=device)
-    for name, tensor in (("x", x), ("weight", weight), ("norm_weight", norm_weight)):
-        check_last_dim_contiguous(name, tensor)
     m, k = x.shape
     n = weight.shape[0]
     if m != 1:
         raise ValueError(f"gemv_rms_norm takes one row, got {m}")
-    if weight.shape[1] != k:
-        raise ValueError(f"x's last dimension must be weight's K = {weight.shape[1]}, got {k}")
+    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=device)
     check_shape("norm_weight", norm_weight, (k,))
+    check_last_dim_contiguous("norm_weight", norm_weight)
     if residual is not None:
         check_tensor("residual", residual, dtypes=(x.dtype,), device=device)
         check_shape("residual", residual, tuple(x.shape))
         check_last_dim_contiguous("residual", residual)
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=device)
-        check_shape("bias", bias, (n,))
     if config is None:
         config = pick_config(1, n, k)
         if not fuses_rms_norm(config):

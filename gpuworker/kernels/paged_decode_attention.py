@@ -5,10 +5,11 @@ it, so each K/V row is read from memory once per group. Split along the sequence
 when batch x kv heads is too small to fill the GPU, the context is cut into partitions processed in
 parallel. Large batches merge the partial softmaxes in the same launch, by whichever partition of a
 (sequence, kv head) finishes last (an arrival counter per pair, reset by that program; a sequence
-whose context fits one partition writes its output directly); small ones, where that costs more than
-a second launch, store every partial and merge them in a second small kernel. Everything the launch shape depends on is a host
-integer (max_seq_len), never a device value, so the call can be captured in a CUDA graph, and a graph
-captured for long contexts costs one launch per layer, however short the contexts it replays with.
+whose context fits one partition writes its output directly); small ones, where that costs more
+than a second launch, store their partials and merge them in a second small kernel. Everything the
+launch shape depends on is a host integer (max_seq_len), never a device value, so the call can be
+captured in a CUDA graph, and a graph captured for long contexts costs one or two launches per
+layer, however short the contexts it replays with.
 """
 
 from __future__ import annotations
