@@ -84,11 +84,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The rest of the MLP after gate_up_proj: down(silu(gate) * up)."""
+        """Everything after gate_up_proj (which the decoder layer runs fused with its norm):
+        down(silu(gate) * up)."""
         if gate_up.is_cuda:  # one kernel instead of silu, then the product
             from gpuworker.kernels.activation import silu_and_mul
             from gpuworker.kernels.gemv import gemv, tuned_config

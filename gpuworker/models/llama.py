@@ -34,13 +34,10 @@ class Attention(nn.Module):
         # Shared by all layers; kept out of the module tree so it is not registered once per layer.
         self._rotary = (rotary,)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden), kv_cache, meta, backend)
-
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """The rest of forward after qkv_proj: rotary, cache write, attention and o_proj."""
+        """Everything after qkv_proj (which the decoder layer runs fused with its norm): rotary,
+        cache write, attention and o_proj."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
