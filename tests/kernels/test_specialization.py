@@ -4,8 +4,9 @@ Triton compiles a variant of a kernel per pattern of "pointer 16-byte aligned", 
 "integer divisible by 16" among its non-constexpr arguments (those not marked do_not_specialize).
 On the GPU each new pattern costs about a second of compilation in the middle of serving; on an
 H200 an offline run spent 9 s of 59 compiling them. This drives the engine with the Triton backend
-(under the interpreter on a CPU, compiled on a GPU, where decode-only steps replay CUDA graphs) through prefills, chunked prefills, mixed and
-decode steps of varying sizes and checks that every kernel saw a single pattern.
+(under the interpreter on a CPU, compiled on a GPU, where decode-only steps replay CUDA graphs)
+through prefills, chunked prefills, mixed and decode steps of varying sizes and checks that every
+kernel saw a single pattern.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _pattern(lazy: LazyJIT, args: tuple, kwargs: dict, with_constexprs: bool = F
     return tuple(pattern)
 
 
-def test_one_specialisation_per_kernel_across_changing_batches(tmp_path, monkeypatch, device):
+def _record_patterns(monkeypatch, *, with_constexprs: bool = False) -> dict[str, set[tuple]]:
+    """From now on, every kernel launch adds its _pattern to the returned {kernel name: patterns}."""
     patterns: dict[str, set[tuple]] = defaultdict(set)
     getitem = LazyJIT.__getitem__
 
@@ -53,12 +55,17 @@ def test_one_specialisation_per_kernel_across_changing_batches(tmp_path, monkeyp
         launch = getitem(self, grid)
 
         def run(*args, **kwargs):
-            patterns[self.fn.__name__].add(_pattern(self, args, kwargs))
+            patterns[self.fn.__name__].add(_pattern(self, args, kwargs, with_constexprs=with_constexprs))
             return launch(*args, **kwargs)
 
         return run
 
     monkeypatch.setattr(LazyJIT, "__getitem__", recording)
+    return patterns
+
+
+def test_one_specialisation_per_kernel_across_changing_batches(tmp_path, monkeypatch, device):
+    patterns = _record_patterns(monkeypatch)
     path = make_checkpoint(tmp_path, "llama")
     engine = LLMEngine(path, device=device, attn_backend=TritonAttentionBackend(), num_kv_blocks=128,
                        max_model_len=256, block_size=4, max_num_batched_tokens=29)
@@ -77,19 +84,7 @@ def test_warm_up_compiles_what_later_steps_use_and_leaves_outputs_alone(tmp_path
     engine's steps then use, so none compiles during requests; the engine's outputs do not change."""
     from tests.gpuworker.engine.reference import hf_greedy
 
-    patterns: dict[str, set[tuple]] = defaultdict(set)
-    getitem = LazyJIT.__getitem__
-
-    def recording(self, grid):
-        launch = getitem(self, grid)
-
-        def run(*args, **kwargs):
-            patterns[self.fn.__name__].add(_pattern(self, args, kwargs, with_constexprs=True))
-            return launch(*args, **kwargs)
-
-        return run
-
-    monkeypatch.setattr(LazyJIT, "__getitem__", recording)
+    patterns = _record_patterns(monkeypatch, with_constexprs=True)
     path = make_checkpoint(tmp_path, "llama")
     # A context long enough for the decode kernel to split it, as on a GPU.
     engine = LLMEngine(path, device=device, attn_backend=TritonAttentionBackend(), num_kv_blocks=160,
