@@ -114,10 +114,11 @@ def bench_decode_batch1(contexts=(128, 384, 640, 1024), max_lens=(2048, 8192), l
             seq_lens = torch.tensor([context], dtype=torch.int32, device="cuda")
             row = {"context": context, "max_len": max_len,
                    "num_splits": choose_num_splits(1, NUM_KV_HEADS, max_len, query.device)}
-            for key, merge_in_launch in (("in_launch_us", True), ("merge_kernel_us", False)):
-                calls = [lambda cache=cache, merge=merge_in_launch: paged_decode_attention(
+            for key, merge_in_launch, block_n in (("in_launch_us", True, None), ("merge_kernel_us", False, None),
+                                                  ("merge_kernel_n32_us", False, 32)):
+                calls = [lambda cache=cache, merge=merge_in_launch, n=block_n: paged_decode_attention(
                     query, cache, tables, seq_lens, HEAD_DIM**-0.5, max_len, counters=counters,
-                    merge_in_launch=merge) for cache in caches]
+                    merge_in_launch=merge, block_n=n) for cache in caches]
                 row[key] = graph_time_us(calls)
             rows.append(row)
     return rows
@@ -358,10 +359,11 @@ def main() -> None:
                                "hidden": HIDDEN, "block_size": BLOCK_SIZE}}
     payload["decode_batch1_graph"] = batch1 = bench_decode_batch1()
     print("\n== batch-1 paged decode in a graph of 32 layers' launches (us per launch) ==")
-    print(f"{'context':>8s} {'max_len':>8s} {'splits':>7s} {'in-launch merge':>16s} {'merge kernel':>13s}")
+    print(f"{'context':>8s} {'max_len':>8s} {'splits':>7s} {'in-launch merge':>16s} {'merge kernel':>13s} "
+          f"{'merge kernel, 32-token tiles':>29s}")
     for r in batch1:
         print(f"{r['context']:8d} {r['max_len']:8d} {r['num_splits']:7d} {r['in_launch_us']:16.2f} "
-              f"{r['merge_kernel_us']:13.2f}")
+              f"{r['merge_kernel_us']:13.2f} {r['merge_kernel_n32_us']:29.2f}")
     write_json("kernels", payload)
     if args.batch1_decode_only:
         return

@@ -14,7 +14,7 @@ import torch
 from gpuworker.engine.attention import AttentionMetadata
 from gpuworker.kernels.kv_cache_write import kv_cache_write
 from gpuworker.kernels.paged_decode_attention import (MAX_SPLITS, MIN_PARTITION, SplitCounters,
-                                                     paged_decode_attention)
+                                                     multiprocessor_count, paged_decode_attention)
 from gpuworker.kernels.prefill_attention import prefill_attention
 
 
@@ -79,23 +79,24 @@ class TritonAttentionBackend:
         """Compile every variant of the decode kernel a step can pick, before serving.
 
         The split count (chosen per launch from the batch and the longest context, up to MAX_SPLITS)
-        sizes a constexpr tile, so each power of two is its own compiled kernel, once per way of
-        merging the partitions; an eager step meeting a new one would compile it (a second or more
+        sizes a constexpr tile, so each power of two is its own compiled kernel, once for a batch
+        that fills the device and once for one that does not (each has its own tile and way of
+        merging the partitions); an eager step meeting a new one would compile it (a second or more
         on a GPU) in the middle of serving.
         """
         block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
         device = kv_cache.device
-        query = torch.zeros(1, num_q_heads, head_dim, dtype=kv_cache.dtype, device=device)
-        tables = torch.zeros(1, -(-max_model_len // block_size), dtype=torch.int32, device=device)
-        seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-        counters = self._split_counters.get(num_kv_heads, device)
         most = min(MAX_SPLITS, -(-max_model_len // MIN_PARTITION))
-        splits = 1
-        while True:
-            for merge_in_launch in (True, False):  # both ways of merging split launches (by batch size)
+        # One sequence, and the smallest batch whose programs fill the multiprocessors.
+        for batch in (1, -(-multiprocessor_count(device) // num_kv_heads)):
+            query = torch.zeros(batch, num_q_heads, head_dim, dtype=kv_cache.dtype, device=device)
+            tables = torch.zeros(batch, -(-max_model_len // block_size), dtype=torch.int32, device=device)
+            seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
+            counters = self._split_counters.get(batch * num_kv_heads, device)
+            splits = 1
+            while True:
                 paged_decode_attention(query, kv_cache, tables, seq_lens, scale, max_model_len,
-                                       counters=counters, num_splits=min(splits, most),
-                                       merge_in_launch=merge_in_launch)
-            if splits >= most:
-                break
-            splits *= 2
+                                       counters=counters, num_splits=min(splits, most))
+                if splits >= most:
+                    break
+                splits *= 2

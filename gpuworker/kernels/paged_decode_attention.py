@@ -70,10 +70,19 @@ def _paged_decode_kernel(
     num_q_heads = num_kv_heads * QUERY_GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Partitions holding tokens: at least one, which writes the zeros of a padded row (seq_len 0).
-    # The grid covers max_seq_len, so in a graph captured for long contexts most of them are empty:
-    # their loop below runs no iteration and they store nothing.
-    num_parts = tl.minimum(tl.maximum((seq_len + partition_size - 1) // partition_size, 1), num_splits)
+    if SPLIT and not MERGE_IN_LAUNCH:
+        # Partitions sized for this sequence's own context, whole tiles, at most num_splits of them:
+        # a short context in a graph captured for long ones still spreads over as many programs as
+        # it has tiles. _merge_partitions computes the same num_parts.
+        tiles = tl.maximum((seq_len + BLOCK_N - 1) // BLOCK_N, 1)
+        tiles_per_part = (tiles + num_splits - 1) // num_splits
+        partition_size = tiles_per_part * BLOCK_N
+        num_parts = (tiles + tiles_per_part - 1) // tiles_per_part
+    else:
+        # Partitions holding tokens: at least one, which writes the zeros of a padded row (seq_len 0).
+        # The grid covers max_seq_len, so in a graph captured for long contexts most of them are
+        # empty: their loop below runs no iteration and they store nothing.
+        num_parts = tl.minimum(tl.maximum((seq_len + partition_size - 1) // partition_size, 1), num_splits)
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
 
@@ -168,8 +177,8 @@ def _paged_decode_kernel(
 
 def _merge_partitions_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
-    stride_out_seq, stride_out_head, partition_size, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_out_seq, stride_out_head, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One (sequence, query head): the softmax-weighted sum of its partitions' partial outputs."""
     if USE_PDL:  # see launch.pdl_options
@@ -181,7 +190,10 @@ def _merge_partitions_kernel(
     dims = tl.arange(0, BLOCK_D)
     row_base = (seq * tl.num_programs(1) + head) * num_splits
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = tl.minimum(tl.maximum((seq_len + partition_size - 1) // partition_size, 1), num_splits)
+    # The partitions _paged_decode_kernel cut this sequence into (its merge-kernel mode).
+    tiles = tl.maximum((seq_len + BLOCK_N - 1) // BLOCK_N, 1)
+    tiles_per_part = (tiles + num_splits - 1) // num_splits
+    num_parts = (tiles + tiles_per_part - 1) // tiles_per_part
     split_mask = splits < num_parts  # the partitions that stored a partial
     lse = tl.load(part_lse_ptr + row_base + splits, mask=split_mask, other=float("-inf"))
     parts = tl.load(part_out_ptr + (row_base + splits)[:, None] * BLOCK_D + dims[None, :],
@@ -195,8 +207,7 @@ def _merge_partitions_kernel(
              merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-_merge_partitions = lazy_jit(_merge_partitions_kernel, do_not_specialize=(
-    "seq_lens_ptr", "partition_size", "num_splits"))
+_merge_partitions = lazy_jit(_merge_partitions_kernel, do_not_specialize=("seq_lens_ptr", "num_splits"))
 
 # Arguments that change from step to step: one compiled variant whatever their alignment or value.
 _paged_decode = lazy_jit(_paged_decode_kernel, do_not_specialize=(
@@ -205,7 +216,7 @@ _paged_decode = lazy_jit(_paged_decode_kernel, do_not_specialize=(
 _SM_COUNT: dict[int, int] = {}
 
 
-def _multiprocessor_count(device: torch.device) -> int:
+def multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # interpreter: any small number exercises the same split logic
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -217,11 +228,30 @@ def _multiprocessor_count(device: torch.device) -> int:
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Splits per sequence: a few programs per multiprocessor, partitions of >= MIN_PARTITION tokens."""
     programs = max(1, num_seqs * num_kv_heads)
-    multiprocessors = _multiprocessor_count(device)
+    multiprocessors = multiprocessor_count(device)
     waves = _WAVES_SMALL_BATCH if programs < multiprocessors else _WAVES
     wanted = math.ceil(waves * multiprocessors / programs)
     by_length = math.ceil(max(1, max_seq_len) / MIN_PARTITION)
     return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) of a launch whose batch x kv heads programs fill the
+    multiprocessors (fills_device) or not.
+
+    Measured on an H200 (bench/kernels.py, Llama-3-8B heads, bf16): a batch that fills the device
+    is bandwidth-bound and wants long tiles with more loads in flight: 128 keys, 4 warps, 3 stages
+    read 4.29-4.32 TB/s at batch 512 (contexts uniform in 200-2048 and 600-1200) against 3.95 for
+    64 keys, 8 warps, 2 stages (-8%), and 287 vs 317 us at batch 256. A small batch is
+    latency-bound and cut into many short partitions, where 64 keys and 8 warps are best.
+    float32 tiles go through FMA-based IEEE dots, which spill registers beyond 16 keys a tile at
+    head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed.
+    """
+    if dtype == torch.float32:
+        return 16, 4, 2
+    if head_dim > 128:
+        return 32, 8, 2
+    return (128, 4, 3) if fills_device else (64, 8, 2)
 
 
 class SplitCounters:
@@ -259,7 +289,7 @@ def paged_decode_attention(
     merge_in_launch: bool | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, D] over each sequence's first seq_lens[b] cached tokens -> [B, Hq, D].
 
@@ -271,6 +301,9 @@ def paged_decode_attention(
     counters: int32 zeros, at least B * Hkv of them (SplitCounters hands them out), which a split
     launch merging in the launch uses and leaves zero; without it such a launch allocates zeros (one
     memset more).
+
+    block_n, num_warps, num_stages: the tile (keys per iteration) and launch shape; None takes
+    default_tile's.
 
     merge_in_launch: how a split launch combines its partitions. True: the last partition of each
     (sequence, kv head) to finish merges them (one launch). False: every partition stores its
@@ -315,16 +348,11 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
 
-    if block_n is None:
-        # float32 tiles go through FMA-based IEEE dots, which spill registers beyond 16 keys a tile
-        # at head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed.
-        if query.dtype == torch.float32:
-            block_n = 16
-        else:
-            block_n = 64 if head_dim <= 128 else 32
-    if num_warps is None:
-        # 8 warps beat 4 by about 5% at batch 1 and 256 on an H200 (bench/kernels.py sweep).
-        num_warps = 4 if query.dtype == torch.float32 else 8
+    fills_device = num_seqs * num_kv_heads >= multiprocessor_count(device)
+    tile = default_tile(query.dtype, head_dim, fills_device)
+    block_n = tile[0] if block_n is None else block_n
+    num_warps = tile[1] if num_warps is None else num_warps
+    num_stages = tile[2] if num_stages is None else num_stages
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device)
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -338,7 +366,7 @@ def paged_decode_attention(
     block_d = next_power_of_2(head_dim)
     split = num_splits > 1
     if merge_in_launch is None:
-        merge_in_launch = num_seqs * num_kv_heads >= _multiprocessor_count(device)
+        merge_in_launch = fills_device
     if split:
         # Padded to BLOCK_D so the merge can use one flat stride. Never initialised: only the
         # partitions holding tokens write theirs, and only those are read.
@@ -366,8 +394,8 @@ def paged_decode_attention(
     )
     if split and not merge_in_launch:
         _merge_partitions[(num_seqs, num_q_heads)](
-            part_out, part_lse, out, seq_lens, out.stride(0), out.stride(1), partition_size, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
+            part_out, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
             num_warps=4, **pdl_options(device),
         )
     return out
