@@ -50,9 +50,10 @@ class AttentionBackend(Protocol):
     """What the model calls once per layer and step.
 
     A backend whose class sets ``fuses_rotary_and_cache_write = True`` (see
-    RotaryCacheWritingBackend) gets its keys and values another way: the model rotates the queries
-    and writes the rotated keys and the values into the cache itself, in one launch, and calls
-    ``forward_rotated`` instead of ``forward``. Without that attribute, ``forward`` is called.
+    RotaryCacheWritingBackend) also does the rotary embedding: the model hands it unrotated queries
+    and keys and the rotary cos/sin cache, and calls ``forward_with_rotary`` instead of ``forward``
+    (the Triton backend rotates and writes the cache inside its attention launches). Without that
+    attribute, the model rotates and calls ``forward``.
     """
 
     def forward(
@@ -69,21 +70,27 @@ class AttentionBackend(Protocol):
 
 
 class RotaryCacheWritingBackend(AttentionBackend, Protocol):
-    """A backend that leaves rotary and the cache write to the model (one fused kernel before it)."""
+    """A backend that takes rotary and the cache write off the model (fused into its kernels)."""
 
     fuses_rotary_and_cache_write: bool  # True
 
-    def forward_rotated(
+    def forward_with_rotary(
         self,
-        query: torch.Tensor,  # [T, num_heads, head_dim], already rotated
-        kv_cache: torch.Tensor,  # already holding this step's keys and values at meta.slot_mapping
+        positions: torch.Tensor,  # [T]
+        query: torch.Tensor,  # [T, num_heads, head_dim], not rotated
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim], not rotated
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        cos_cache: torch.Tensor,  # [max_positions, rot_dim // 2], float32 (RotaryEmbedding's)
+        sin_cache: torch.Tensor,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Attend through the block tables; the cache is not written."""
+        """Rotate query and key by positions, write the rotated keys and the values into the cache at
+        meta.slot_mapping, attend through the block tables."""
         ...
 
 
 def fuses_rotary_and_cache_write(backend: AttentionBackend) -> TypeGuard[RotaryCacheWritingBackend]:
-    """Whether the model should call apply_rotary_and_cache and then backend.forward_rotated."""
+    """Whether the model should hand rotary to the backend (forward_with_rotary)."""
     return bool(getattr(backend, "fuses_rotary_and_cache_write", False))

@@ -1,10 +1,10 @@
 """TritonAttentionBackend: the AttentionBackend of the GPU path, built from gpuworker.kernels.
 
-Per layer and step: the model's rotary kernel has already rotated the queries and written this step's
-keys and values into the cache (apply_rotary_and_cache, one launch), so forward_rotated only attends:
-the paged decode kernel on the first meta.num_decode_seqs sequences (one query token each, one launch
-whatever the context length) and the prefill kernel on the rest. Nothing here reads a device tensor
-on the host, so a decode step can be captured in a CUDA graph.
+Per layer and step the model hands over unrotated queries and keys (forward_with_rotary): the paged
+decode kernel rotates each decode sequence's query and key itself, stores the key and value in the
+cache and attends (one launch whatever the context length); prefill chunks go through the rotary
+kernel, which writes their keys and values into the cache, then the prefill kernel. Nothing here
+reads a device tensor on the host, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import torch
 
 from gpuworker.engine.attention import AttentionMetadata
 from gpuworker.kernels.kv_cache_write import kv_cache_write
-from gpuworker.kernels.paged_decode_attention import (MAX_SPLITS, MIN_PARTITION, SplitCounters,
+from gpuworker.kernels.paged_decode_attention import (MAX_SPLITS, MIN_PARTITION, NewTokens, SplitCounters,
                                                      multiprocessor_count, paged_decode_attention)
 from gpuworker.kernels.prefill_attention import prefill_attention
+from gpuworker.kernels.rotary import apply_rotary_and_cache
 
 
 class TritonAttentionBackend:
     name = "triton"
-    # The model calls apply_rotary_and_cache, then forward_rotated (see gpuworker.engine.attention).
+    # The model calls forward_with_rotary (see gpuworker.engine.attention).
     fuses_rotary_and_cache_write = True
 
     def __init__(self) -> None:
@@ -40,6 +41,33 @@ class TritonAttentionBackend:
         kv_cache_write(key, value, kv_cache, meta.slot_mapping)
         return self.forward_rotated(query, kv_cache, meta, scale)
 
+    def forward_with_rotary(
+        self,
+        positions: torch.Tensor,  # [T]
+        query: torch.Tensor,  # [T, num_heads, head_dim], not rotated
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim], not rotated
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        cos_cache: torch.Tensor,  # [max_positions, rot_dim // 2], float32 (see kernels.rotary)
+        sin_cache: torch.Tensor,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Rotary, the cache write and attention. Decode rows take one launch each layer (the decode
+        kernel rotates and caches their token itself); the prefill rows after them (and padding) go
+        through the rotary kernel, which rotates their queries in place and writes their keys and
+        values, before the prefill kernel attends. key and value are left as they were."""
+        num_decode = self._check(meta)
+        if num_decode < query.shape[0]:
+            rest = slice(num_decode, None)
+            apply_rotary_and_cache(positions[rest], query[rest], key[rest], value[rest], cos_cache, sin_cache,
+                                   kv_cache, meta.slot_mapping[rest])
+        new_tokens = None
+        if num_decode > 0:
+            new_tokens = NewTokens(positions[:num_decode], key[:num_decode], value[:num_decode], cos_cache,
+                                   sin_cache, meta.slot_mapping[:num_decode])
+        return self._attend(query, kv_cache, meta, scale, new_tokens)
+
     def forward_rotated(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
@@ -52,16 +80,27 @@ class TritonAttentionBackend:
         Rows that belong to no sequence (padding past query_start_loc[-1]) are zero, as in the
         torch reference. A decode sequence with seq_len 0 also gets zeros.
         """
+        self._check(meta)
+        return self._attend(query, kv_cache, meta, scale)
+
+    @staticmethod
+    def _check(meta: AttentionMetadata) -> int:
         num_decode = meta.num_decode_seqs
-        num_seqs = meta.num_seqs
-        if not 0 <= num_decode <= num_seqs:
-            raise ValueError(f"meta.num_decode_seqs {num_decode} must be in [0, num_seqs = {num_seqs}]")
+        if not 0 <= num_decode <= meta.num_seqs:
+            raise ValueError(f"meta.num_decode_seqs {num_decode} must be in [0, num_seqs = {meta.num_seqs}]")
+        return num_decode
+
+    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                new_tokens: NewTokens | None = None) -> torch.Tensor:
+        """The decode kernel on the first num_decode_seqs rows (given their new_tokens, it rotates and
+        caches them itself), the prefill kernel on the rest, zeros on padding rows."""
+        num_decode, num_seqs = meta.num_decode_seqs, meta.num_seqs
         out = torch.empty_like(query)
         if num_decode > 0:
             counters = self._split_counters.get(num_decode * kv_cache.shape[-2], query.device)
             paged_decode_attention(
                 query[:num_decode], kv_cache, meta.block_tables[:num_decode], meta.seq_lens[:num_decode],
-                scale, meta.max_seq_len, out=out[:num_decode], counters=counters,
+                scale, meta.max_seq_len, out=out[:num_decode], counters=counters, new_tokens=new_tokens,
             )
         if num_seqs > num_decode:
             # query_start_loc values are absolute rows of `query`, so a slice addresses the prefill part.
@@ -75,28 +114,37 @@ class TritonAttentionBackend:
         return out
 
     @torch.inference_mode()
-    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, max_model_len: int, scale: float) -> None:
+    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, max_model_len: int, scale: float,
+                cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
         """Compile every variant of the decode kernel a step can pick, before serving.
 
         The split count (chosen per launch from the batch and the longest context, up to MAX_SPLITS)
         sizes a constexpr tile, so each power of two is its own compiled kernel, once for a batch
         that fills the device and once for one that does not (each has its own tile and way of
         merging the partitions); an eager step meeting a new one would compile it (a second or more
-        on a GPU) in the middle of serving.
+        on a GPU) in the middle of serving. The launches are the model's (forward_with_rotary: views
+        of a fused qkv, this rotary cache) with slot -1, so nothing is written to the cache.
         """
         block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
         device = kv_cache.device
+        q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
         most = min(MAX_SPLITS, -(-max_model_len // MIN_PARTITION))
         # One sequence, and the smallest batch whose programs fill the multiprocessors.
         for batch in (1, -(-multiprocessor_count(device) // num_kv_heads)):
-            query = torch.zeros(batch, num_q_heads, head_dim, dtype=kv_cache.dtype, device=device)
+            qkv = torch.zeros(batch, q_size + 2 * kv_size, dtype=kv_cache.dtype, device=device)
+            query = qkv[:, :q_size].view(batch, num_q_heads, head_dim)
+            new_tokens = NewTokens(
+                torch.zeros(batch, dtype=torch.int64, device=device),
+                qkv[:, q_size:q_size + kv_size].view(batch, num_kv_heads, head_dim),
+                qkv[:, q_size + kv_size:].view(batch, num_kv_heads, head_dim),
+                cos_cache, sin_cache, torch.full((batch,), -1, dtype=torch.int64, device=device))
             tables = torch.zeros(batch, -(-max_model_len // block_size), dtype=torch.int32, device=device)
             seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
             counters = self._split_counters.get(batch * num_kv_heads, device)
             splits = 1
             while True:
-                paged_decode_attention(query, kv_cache, tables, seq_lens, scale, max_model_len,
-                                       counters=counters, num_splits=min(splits, most))
+                paged_decode_attention(query, kv_cache, tables, seq_lens, scale, max_model_len, counters=counters,
+                                       num_splits=min(splits, most), new_tokens=new_tokens)
                 if splits >= most:
                     break
                 splits *= 2

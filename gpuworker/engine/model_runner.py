@@ -159,7 +159,9 @@ class ModelRunner:
         backend = getattr(self.model, "attn_backend", None)
         if hasattr(backend, "warm_up"):
             mc = self.model_config
-            backend.warm_up(self.kv_caches[0], mc.num_heads, self.config.max_model_len, mc.head_dim**-0.5)
+            rotary = self.model.rotary
+            backend.warm_up(self.kv_caches[0], mc.num_heads, self.config.max_model_len, mc.head_dim**-0.5,
+                            rotary.cos_cache, rotary.sin_cache)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

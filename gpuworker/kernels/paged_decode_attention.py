@@ -15,6 +15,7 @@ layer, however short the contexts it replays with.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,6 +34,8 @@ from gpuworker.kernels.launch import (
     next_power_of_2,
     pdl_options,
 )
+from gpuworker.kernels.kv_cache_write import check_kv_cache_write
+from gpuworker.kernels.rotary import apply_rotary_and_cache_reference, check_rotary
 
 _LOG2E = 1.4426950408889634
 # Most splits a launch uses; the merging program reads all of a head's partials in one tile.
@@ -50,15 +53,17 @@ _WAVES = 2
 def _paged_decode_kernel(
     query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+    positions_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, slot_mapping_ptr,
     qk_scale,
     stride_query_seq, stride_query_head, stride_out_seq, stride_out_head,
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
     stride_block_tables_seq,
+    stride_key_seq, stride_key_head, stride_value_seq, stride_value_head, stride_cos, stride_sin,
     partition_size, num_splits,
     BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SPLIT: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -84,17 +89,43 @@ def _paged_decode_kernel(
         # empty: their loop below runs no iteration and they store nothing.
         num_parts = tl.minimum(tl.maximum((seq_len + partition_size - 1) // partition_size, 1), num_splits)
     start = split * partition_size
-    end = tl.minimum(start + partition_size, seq_len)
+    if NEW_TOKEN:  # the step's own token is not in the cache yet: the cache holds seq_len - 1
+        end = tl.minimum(start + partition_size, tl.maximum(seq_len - 1, 0))
+    else:
+        end = tl.minimum(start + partition_size, seq_len)
 
     group = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, BLOCK_D)
     q_heads = kv_head * QUERY_GROUP + group
     group_mask = group < QUERY_GROUP
     dim_mask = dims < HEAD_DIM
-    q = tl.load(
-        query_ptr + seq * stride_query_seq + q_heads[:, None] * stride_query_head + dims[None, :],
-        mask=group_mask[:, None] & dim_mask[None, :], other=0.0,
-    )
+    q_ptrs = query_ptr + seq * stride_query_seq + q_heads[:, None] * stride_query_head
+    q = tl.load(q_ptrs + dims[None, :], mask=group_mask[:, None] & dim_mask[None, :], other=0.0)
+    if NEW_TOKEN:
+        # Rotary as kernels/rotary.py computes it (rotate-half over the first 2 * HALF dims, HF's
+        # rounding), written over the whole head: dim d pairs with d +- HALF, the tail keeps cos 1
+        # and sin 0. The query is rotated in registers; the key of this (sequence, kv head) too,
+        # and the partition holding the last position attends to it and stores it, with the value.
+        dtype = query_ptr.dtype.element_ty
+        position = tl.load(positions_ptr + seq).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        lower = dims < HALF
+        rotated = dims < 2 * HALF
+        partner = tl.where(lower, dims + HALF, dims - HALF)
+        freq = tl.where(lower, dims, dims - HALF)
+        cos = tl.load(cos_ptr + position * stride_cos + freq, mask=rotated, other=1.0)
+        sin = tl.load(sin_ptr + position * stride_sin + freq, mask=rotated, other=0.0)
+        cos = cos.to(dtype).to(tl.float32)
+        sin = tl.where(lower, -sin.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32))
+        q_partner = tl.load(q_ptrs + partner[None, :], mask=group_mask[:, None] & rotated[None, :], other=0.0)
+        q = ((q.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
+             + (q_partner.to(tl.float32) * sin[None, :]).to(dtype).to(tl.float32)).to(dtype)
+        k_row = key_ptr + seq * stride_key_seq + kv_head * stride_key_head
+        k_new = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        k_partner = tl.load(k_row + partner, mask=rotated, other=0.0).to(tl.float32)
+        k_new = ((k_new * cos).to(dtype).to(tl.float32) + (k_partner * sin).to(dtype).to(tl.float32)).to(dtype)
+        v_new = tl.load(value_ptr + seq * stride_value_seq + kv_head * stride_value_head + dims,
+                        mask=dim_mask, other=0.0)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -126,6 +157,22 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + pv
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
+
+    if NEW_TOKEN:
+        if (split == num_parts - 1) & (seq_len > 0):  # the partition holding the last position
+            # The slot test is broadcast to a tensor: the interpreter mistypes scalar & tensor masks.
+            keep = dim_mask & ((dims * 0 + slot) >= 0)
+            row = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
+                   + kv_head * stride_cache_head + dims)
+            tl.store(row, k_new.to(cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(row + stride_cache_kv, v_new.to(cache_ptr.dtype.element_ty), mask=keep)
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+            m_last = tl.maximum(m_i, score)
+            rescale = tl.exp2(m_i - m_last)
+            weight = tl.exp2(score - m_last)
+            acc = acc * rescale[:, None] + weight[:, None] * v_new.to(tl.float32)[None, :]
+            l_i = l_i * rescale + weight
+            m_i = m_last
 
     has_tokens = l_i > 0.0  # false for a padded row and an empty partition
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
@@ -211,7 +258,8 @@ _merge_partitions = lazy_jit(_merge_partitions_kernel, do_not_specialize=("seq_l
 
 # Arguments that change from step to step: one compiled variant whatever their alignment or value.
 _paged_decode = lazy_jit(_paged_decode_kernel, do_not_specialize=(
-    "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "stride_block_tables_seq", "partition_size", "num_splits"))
+    "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "positions_ptr", "slot_mapping_ptr",
+    "stride_block_tables_seq", "partition_size", "num_splits"))
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -254,6 +302,26 @@ def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> tuple
     return (128, 4, 3) if fills_device else (64, 8, 2)
 
 
+@dataclass(frozen=True)
+class NewTokens:
+    """This step's token of each decode sequence, for a launch that rotates and caches it itself.
+
+    The query passed with it is not rotated yet. The launch rotates it and key (rotary as
+    kernels.rotary applies it, cos_cache/sin_cache [max_positions, rot_dim // 2]), stores the
+    rotated key and value at kv_cache[:, slot_mapping[b]] (nothing for a slot < 0), and attends to
+    the cache's first seq_lens[b] - 1 tokens plus this one, taken from registers: one launch instead
+    of apply_rotary_and_cache and then the attention. positions [B]; key, value [B, Hkv, D] (strided
+    views of a fused qkv will do); slot_mapping [B].
+    """
+
+    positions: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 class SplitCounters:
     """Arrival counters for the in-kernel merge: one int32 per (sequence, kv head), zero between launches.
 
@@ -290,6 +358,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    new_tokens: NewTokens | None = None,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, D] over each sequence's first seq_lens[b] cached tokens -> [B, Hq, D].
 
@@ -301,6 +370,9 @@ def paged_decode_attention(
     counters: int32 zeros, at least B * Hkv of them (SplitCounters hands them out), which a split
     launch merging in the launch uses and leaves zero; without it such a launch allocates zeros (one
     memset more).
+
+    new_tokens: the step's own tokens, not yet rotated nor cached (see NewTokens); query is then
+    not rotated either.
 
     block_n, num_warps, num_stages: the tile (keys per iteration) and launch shape; None takes
     default_tile's.
@@ -345,6 +417,19 @@ def paged_decode_attention(
         if counters.numel() < num_seqs * num_kv_heads:
             raise ValueError(f"counters holds {counters.numel()} entries but the launch needs "
                              f"num_seqs * num_kv_heads = {num_seqs * num_kv_heads}")
+    if new_tokens is not None:
+        t = new_tokens
+        half = check_rotary(t.positions, query, t.key, t.cos_cache, t.sin_cache)
+        check_kv_cache_write(t.key, t.value, kv_cache, t.slot_mapping)
+        if t.key.shape[1] != num_kv_heads:
+            raise ValueError(f"new_tokens.key has {t.key.shape[1]} kv heads, kv_cache {num_kv_heads}")
+        rotary_args = (t.positions, t.key, t.value, t.cos_cache, t.sin_cache, t.slot_mapping)
+        rotary_strides = (t.key.stride(0), t.key.stride(1), t.value.stride(0), t.value.stride(1),
+                          t.cos_cache.stride(0), t.sin_cache.stride(0))
+    else:  # unused without NEW_TOKEN: any pointers of the right kinds will do
+        half = 0
+        rotary_args = (seq_lens, query, query, query, query, seq_lens)
+        rotary_strides = (0,) * 6
     if num_seqs == 0:
         return out
 
@@ -381,16 +466,16 @@ def paged_decode_attention(
         counters = seq_lens
     _paged_decode[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens,
-        out, part_out, part_lse, counters,
+        out, part_out, part_lse, counters, *rotary_args,
         float(scale) * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0),
+        block_tables.stride(0), *rotary_strides,
         partition_size, num_splits,
         BLOCK_SIZE=block_size, QUERY_GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(num_splits),
         SPLIT=split, MERGE_IN_LAUNCH=merge_in_launch, **dot_options(query.dtype),
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(device),
+        NEW_TOKEN=new_tokens is not None, HALF=half, num_warps=num_warps, num_stages=num_stages, **pdl_options(device),
     )
     if split and not merge_in_launch:
         _merge_partitions[(num_seqs, num_q_heads)](
@@ -407,8 +492,16 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    new_tokens: NewTokens | None = None,
 ) -> torch.Tensor:
-    """Pure-torch reference: gather each sequence's context through its block table, softmax in fp32."""
+    """Pure-torch reference: gather each sequence's context through its block table, softmax in fp32.
+
+    With new_tokens: rotate query and key and write key and value into kv_cache first (in place), as
+    apply_rotary_and_cache does."""
+    if new_tokens is not None:
+        t = new_tokens
+        query = apply_rotary_and_cache_reference(t.positions, query, t.key, t.value, t.cos_cache, t.sin_cache,
+                                                 kv_cache, t.slot_mapping)
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads

@@ -97,7 +97,7 @@ def _rotary_kernel(
 _rotary = lazy_jit(_rotary_kernel, do_not_specialize=("positions_ptr", "slot_mapping_ptr"))
 
 
-def _check_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+def check_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                   cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> int:
     """Check apply_rotary's arguments; return half the rotated width (cos_cache's width)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
@@ -156,7 +156,7 @@ def apply_rotary(
     cos_cache/sin_cache: [max_positions, rot_dim // 2], rot_dim <= D. Positions must be below
     max_positions (not checked: that would need a device sync).
     """
-    half = _check_rotary(positions, query, key, cos_cache, sin_cache)
+    half = check_rotary(positions, query, key, cos_cache, sin_cache)
     if query.shape[0] == 0:
         return query, key
     _launch(positions, query, key, cos_cache, sin_cache, half)
@@ -179,7 +179,7 @@ def apply_rotary_and_cache(
     modified) and value to kv_cache[1, slot], for every slot >= 0 of slot_mapping [T]. The cache
     ends up bit-identical to apply_rotary followed by kv_cache_write. Arguments as for those two.
     """
-    half = _check_rotary(positions, query, key, cos_cache, sin_cache)
+    half = check_rotary(positions, query, key, cos_cache, sin_cache)
     check_kv_cache_write(key, value, kv_cache, slot_mapping)
     if query.shape[0] == 0:
         return query

@@ -169,19 +169,6 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
-    def rotate_and_cache(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                         value: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> torch.Tensor:
-        """Rotate query in place and write the rotated key and value into kv_cache at slot_mapping.
-
-        One Triton launch (apply_rotary_and_cache), for backends that attend from the cache only;
-        key itself is left as it was. Returns query.
-        """
-        from gpuworker.kernels.rotary import apply_rotary_and_cache
-
-        return apply_rotary_and_cache(positions, query, key, value, self.cos_cache, self.sin_cache,
-                                      kv_cache, slot_mapping)
-
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)

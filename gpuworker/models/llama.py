@@ -47,9 +47,10 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         if fuses_rotary_and_cache_write(backend):
-            # One launch rotates q and stores rotated k and v in the cache; the backend only attends.
-            q = self._rotary[0].rotate_and_cache(positions, q, k, v, kv_cache, meta.slot_mapping)
-            out = backend.forward_rotated(q, kv_cache, meta, self.scale)
+            # The backend rotates and writes the cache itself (decode rows: inside the attention launch).
+            rotary = self._rotary[0]
+            out = backend.forward_with_rotary(positions, q, k, v, kv_cache, meta, self.scale,
+                                              rotary.cos_cache, rotary.sin_cache)
         else:
             q, k = self._rotary[0](positions, q, k)
             out = backend.forward(q, k, v, kv_cache, meta, self.scale)

@@ -97,11 +97,11 @@ def test_matches_torch_backend_step_by_step(dtype, device, generator, tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_rotary_cache_write_then_forward_rotated_matches_torch_backend(dtype, device, generator,
-                                                                             tolerance):
-    # The model's path on the Triton backend: one kernel rotates q and writes rotated k and v (strided
-    # slices of a fused qkv) into the cache, then forward_rotated attends; against the rotary kernel
-    # alone + the torch backend's forward, step by step over prefills, decodes and padding.
+def test_forward_with_rotary_matches_rotary_then_torch_backend(dtype, device, generator, tolerance):
+    # The model's path on the Triton backend: forward_with_rotary gets unrotated q and k (strided
+    # slices of a fused qkv); the decode kernel rotates and caches the decode rows' tokens in its
+    # launch, the rotary kernel those of the prefill rows. Against the rotary kernel alone + the torch
+    # backend's forward, step by step over prefills, decodes and padding: the cache bit for bit.
     from gpuworker.engine.attention import fuses_rotary_and_cache_write
     from gpuworker.kernels.rotary import apply_rotary
     from gpuworker.models.layers import RotaryEmbedding
@@ -130,11 +130,12 @@ def test_fused_rotary_cache_write_then_forward_rotated_matches_torch_backend(dty
                                           rotary.sin_cache)
         expected = TorchAttentionBackend().forward(ref_query, ref_key, value.clone(), torch_cache, meta, scale)
 
-        rotated = rotary.rotate_and_cache(positions, query, key, value, triton_cache, meta.slot_mapping)
-        got = backend.forward_rotated(rotated, triton_cache, meta, scale)
+        key_before, value_before = key.clone(), value.clone()
+        got = backend.forward_with_rotary(positions, query, key, value, triton_cache, meta, scale,
+                                          rotary.cos_cache, rotary.sin_cache)
 
-        assert torch.equal(rotated, ref_query)
         torch.testing.assert_close(triton_cache, torch_cache, atol=0, rtol=0)
+        assert torch.equal(key, key_before) and torch.equal(value, value_before)
         torch.testing.assert_close(got, expected, **tolerance(dtype))
         if padding:
             assert torch.equal(got[-padding:], torch.zeros_like(got[-padding:]))

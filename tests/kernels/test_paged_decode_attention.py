@@ -7,11 +7,13 @@ import torch
 
 from gpuworker.kernels.paged_decode_attention import (
     MAX_SPLITS,
+    NewTokens,
     SplitCounters,
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from gpuworker.kernels.rotary import apply_rotary_and_cache
 
 ON_CUDA = torch.cuda.is_available()
 DTYPES, BLOCK_SIZES, GQA_RATIOS = (torch.float32, torch.float16, torch.bfloat16), (16, 32), (1, 2, 4)
@@ -90,6 +92,92 @@ def test_zero_length_sequence_gets_zeros(merge_in_launch, decode):
 def test_other_head_dims(head_dim, decode, tolerance):
     out, expected = decode(torch.float16, 16, NUM_Q_HEADS // 2, SEQ_LENS[:4], head_dim=head_dim, num_splits=2)
     torch.testing.assert_close(out, expected, **tolerance(torch.float16))
+
+
+def _new_tokens(seq_lens, num_kv_heads, head_dim, block_size, dtype, block_tables, generator, device,
+                rot_dim=None):
+    """Unrotated query, key and value of each sequence's last position, strided views of one fused
+    qkv row per sequence as the model produces them; slot -1 for a padded row (seq_len 0)."""
+    from gpuworker.models.layers import RotaryEmbedding
+
+    q_size, kv_size = NUM_Q_HEADS * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(len(seq_lens), q_size + 2 * kv_size, generator=generator).to(dtype).to(device)
+    query = qkv[:, :q_size].view(-1, NUM_Q_HEADS, head_dim)
+    key = qkv[:, q_size:q_size + kv_size].view(-1, num_kv_heads, head_dim)
+    value = qkv[:, q_size + kv_size:].view(-1, num_kv_heads, head_dim)
+    rotary = RotaryEmbedding(rot_dim or head_dim, 8192, 500000.0, None).to(device)
+    positions = torch.tensor([max(n - 1, 0) for n in seq_lens], device=device)
+    tables = block_tables.cpu()
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1
+                          for i, n in enumerate(seq_lens)], device=device)
+    return query, NewTokens(positions, key, value, rotary.cos_cache, rotary.sin_cache, slots)
+
+
+def _assert_cache_as_unfused(kv_cache, unfused_cache, reference_cache, query, new, dtype, tolerance):
+    """The cache after a launch with new_tokens: bit-identical to the unfused kernel path (rotary
+    kernel writing the cache), and close to the torch reference (the interpreter rounds bf16 products
+    differently from torch, so the kernels match each other exactly, the reference within rounding)."""
+    apply_rotary_and_cache(new.positions, query.clone(), new.key, new.value, new.cos_cache, new.sin_cache,
+                           unfused_cache, new.slot_mapping)
+    assert torch.equal(kv_cache, unfused_cache)
+    torch.testing.assert_close(kv_cache, reference_cache, **tolerance(dtype))
+
+
+@pytest.mark.parametrize(("dtype", "gqa"), [(torch.float32, 4), (torch.bfloat16, 1), (torch.bfloat16, 4)],
+                         ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@MERGES
+def test_new_tokens_rotated_cached_and_attended_in_the_launch(dtype, gqa, num_splits, merge_in_launch, paged_cache,
+                                                              device, generator, tolerance):
+    # The decode step's token arrives unrotated and uncached: the launch rotates q and k, stores k and
+    # v in their slot (the cache holds random data there until then) and attends to it. Against
+    # the rotary + cache-write reference followed by the attention reference; padded rows included.
+    num_kv_heads = NUM_Q_HEADS // gqa
+    seq_lens = [0, *SEQ_LENS, 0]
+    max_seq_len = 4 * max(seq_lens)  # most partitions empty, as in a graph captured for long contexts
+    kv_cache, block_tables = paged_cache(seq_lens, num_kv_heads, HEAD_DIM, 16, dtype, generator,
+                                         table_width=-(-max_seq_len // 16))
+    query, new = _new_tokens(seq_lens, num_kv_heads, HEAD_DIM, 16, dtype, block_tables, generator, device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    unfused_cache, reference_cache = kv_cache.clone(), kv_cache.clone()
+    scale = HEAD_DIM**-0.5
+    expected = paged_decode_attention_reference(query, reference_cache, block_tables, lens, scale, new_tokens=new)
+    query_before = query.clone()
+    out = paged_decode_attention(query, kv_cache, block_tables, lens, scale, max_seq_len, num_splits=num_splits,
+                                 merge_in_launch=merge_in_launch, new_tokens=new, **TILE)
+    _assert_cache_as_unfused(kv_cache, unfused_cache, reference_cache, query_before, new, dtype, tolerance)
+    assert torch.equal(query, query_before)  # rotated in registers only
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+def test_new_tokens_with_partial_rotary(paged_cache, device, generator, tolerance):
+    # Rotary over the first half of each head only (rot_dim < head_dim): the tail passes unrotated.
+    seq_lens = SEQ_LENS[:5]
+    kv_cache, block_tables = paged_cache(seq_lens, NUM_Q_HEADS // 4, HEAD_DIM, 16, torch.bfloat16, generator)
+    query, new = _new_tokens(seq_lens, NUM_Q_HEADS // 4, HEAD_DIM, 16, torch.bfloat16, block_tables, generator,
+                             device, rot_dim=HEAD_DIM // 2)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    unfused_cache, reference_cache = kv_cache.clone(), kv_cache.clone()
+    scale = HEAD_DIM**-0.5
+    expected = paged_decode_attention_reference(query, reference_cache, block_tables, lens, scale, new_tokens=new)
+    out = paged_decode_attention(query, kv_cache, block_tables, lens, scale, max(seq_lens), num_splits=2,
+                                 new_tokens=new, **TILE)
+    _assert_cache_as_unfused(kv_cache, unfused_cache, reference_cache, query, new, torch.bfloat16, tolerance)
+    torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))
+
+
+def test_new_tokens_must_match_the_query(paged_cache, device, generator):
+    kv_cache, block_tables = paged_cache([5, 9], 2, HEAD_DIM, 16, torch.float32, generator)
+    query, new = _new_tokens([5, 9], 2, HEAD_DIM, 16, torch.float32, block_tables, generator, device)
+    lens = torch.tensor([5, 9], dtype=torch.int32, device=device)
+    short = NewTokens(new.positions[:1], new.key, new.value, new.cos_cache, new.sin_cache, new.slot_mapping)
+    with pytest.raises(ValueError, match="positions"):
+        paged_decode_attention(query, kv_cache, block_tables, lens, 1.0, 9, new_tokens=short)
+    wrong_dtype = NewTokens(new.positions, new.key.half(), new.value.half(), new.cos_cache, new.sin_cache,
+                            new.slot_mapping)
+    with pytest.raises(ValueError, match="key"):
+        paged_decode_attention(query, kv_cache, block_tables, lens, 1.0, 9, new_tokens=wrong_dtype)
 
 
 @pytest.mark.parametrize("gqa", [1, 4])
