@@ -116,14 +116,19 @@ def _paged_decode_kernel(
         cos = tl.load(cos_ptr + position * stride_cos + freq, mask=rotated, other=1.0)
         sin = tl.load(sin_ptr + position * stride_sin + freq, mask=rotated, other=0.0)
         cos = cos.to(dtype).to(tl.float32)
-        sin = tl.where(lower, -sin.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32))
+        sin = sin.to(dtype).to(tl.float32)
         q_partner = tl.load(q_ptrs + partner[None, :], mask=group_mask[:, None] & rotated[None, :], other=0.0)
-        q = ((q.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
-             + (q_partner.to(tl.float32) * sin[None, :]).to(dtype).to(tl.float32)).to(dtype)
+        # x1 cos - x2 sin in the first half, x2 cos + x1 sin in the second, as rotary.py writes them
+        # (so float32 contracts the same products into FMAs as that kernel does).
+        q_cos = (q.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
+        q_sin = (q_partner.to(tl.float32) * sin[None, :]).to(dtype).to(tl.float32)
+        q = tl.where(lower[None, :], q_cos - q_sin, q_cos + q_sin).to(dtype)
         k_row = key_ptr + seq * stride_key_seq + kv_head * stride_key_head
         k_new = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
         k_partner = tl.load(k_row + partner, mask=rotated, other=0.0).to(tl.float32)
-        k_new = ((k_new * cos).to(dtype).to(tl.float32) + (k_partner * sin).to(dtype).to(tl.float32)).to(dtype)
+        k_cos = (k_new * cos).to(dtype).to(tl.float32)
+        k_sin = (k_partner * sin).to(dtype).to(tl.float32)
+        k_new = tl.where(lower, k_cos - k_sin, k_cos + k_sin).to(dtype)
         v_new = tl.load(value_ptr + seq * stride_value_seq + kv_head * stride_value_head + dims,
                         mask=dim_mask, other=0.0)
 

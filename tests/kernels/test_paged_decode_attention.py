@@ -119,7 +119,10 @@ def _assert_cache_as_unfused(kv_cache, unfused_cache, reference_cache, query, ne
     differently from torch, so the kernels match each other exactly, the reference within rounding)."""
     apply_rotary_and_cache(new.positions, query.clone(), new.key, new.value, new.cos_cache, new.sin_cache,
                            unfused_cache, new.slot_mapping)
-    assert torch.equal(kv_cache, unfused_cache)
+    if dtype == torch.float32:  # the compiler may contract a different product into an FMA: an ulp
+        torch.testing.assert_close(kv_cache, unfused_cache, atol=1e-6, rtol=1e-6)
+    else:  # 16-bit products are exact in float32, so the kernels agree bit for bit
+        assert torch.equal(kv_cache, unfused_cache)
     torch.testing.assert_close(kv_cache, reference_cache, **tolerance(dtype))
 
 
