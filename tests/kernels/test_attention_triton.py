@@ -134,10 +134,11 @@ def test_forward_with_rotary_matches_rotary_then_torch_backend(dtype, device, ge
         got = backend.forward_with_rotary(positions, query, key, value, triton_cache, meta, scale,
                                           rotary.cos_cache, rotary.sin_cache)
 
-        # Bit for bit in 16-bit dtypes (exact products); float32 may contract another product into
-        # an FMA than the rotary kernel does: an ulp.
-        exact = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 0}
-        torch.testing.assert_close(triton_cache, torch_cache, **exact)
+        # Values bit for bit; keys within one rounding: the decode kernel's rotary may round one
+        # product differently from the rotary kernel's (an FMA kept or not; ~2% of bf16 keys by an ulp).
+        assert torch.equal(triton_cache[1], torch_cache[1])
+        close = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else tolerance(dtype)
+        torch.testing.assert_close(triton_cache[0], torch_cache[0], **close)
         assert torch.equal(key, key_before) and torch.equal(value, value_before)
         torch.testing.assert_close(got, expected, **tolerance(dtype))
         if padding:
