@@ -22,10 +22,12 @@ import torch.nn.functional as F
 
 from common import copy_bandwidth_gbs, environment, write_json
 from gpuworker.kernels.kv_cache_write import kv_cache_write
-from gpuworker.kernels.paged_decode_attention import SplitCounters, choose_num_splits, paged_decode_attention
+from gpuworker.kernels.paged_decode_attention import (NewTokens, SplitCounters, choose_num_splits,
+                                                     paged_decode_attention)
 from gpuworker.kernels.prefill_attention import prefill_attention
 from gpuworker.kernels.rms_norm import rms_norm, rms_norm_reference
-from gpuworker.kernels.rotary import apply_rotary, apply_rotary_reference
+from gpuworker.kernels.rotary import apply_rotary, apply_rotary_and_cache, apply_rotary_reference
+from gpuworker.models.layers import RotaryEmbedding
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, BLOCK_SIZE = 32, 8, 128, 4096, 16
 DTYPE = torch.bfloat16
@@ -121,6 +123,76 @@ def bench_decode_batch1(contexts=(128, 384, 640, 1024), max_lens=(2048, 8192), l
                     merge_in_launch=merge, block_n=n) for cache in caches]
                 row[key] = graph_time_us(calls)
             rows.append(row)
+    return rows
+
+
+def bench_decode_new_tokens(cases=((1, 128, 128, 8192, 32), (1, 384, 384, 8192, 32), (1, 640, 640, 8192, 32),
+                                   (512, 200, 2048, 2048, 4))) -> list[dict]:
+    """Rotary + cache write as their own kernel before the decode launch, against the decode launch
+    doing both (new_tokens), as a layer of a decode graph runs them: per case (batch, contexts
+    uniform in [lo, hi], max_len the graph is captured for, layers each with its own cache)."""
+    rotary = RotaryEmbedding(HEAD_DIM, 8192, 500000.0, None).cuda()
+    q_size, kv_size = NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    scale = HEAD_DIM**-0.5
+    rows = []
+    for batch, lo, hi, max_len, layers in cases:
+        lens = torch.randint(lo, hi + 1, (batch,), device="cuda", dtype=torch.int32)
+        blocks_per_seq = math.ceil(max_len / BLOCK_SIZE)
+        caches = [randn(2, batch * blocks_per_seq + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM) for _ in range(layers)]
+        tables = (torch.randperm(batch * blocks_per_seq, device="cuda").int() + 1).view(batch, blocks_per_seq)
+        qkv = randn(batch, q_size + 2 * kv_size)
+        query = qkv[:, :q_size].view(batch, NUM_Q_HEADS, HEAD_DIM)
+        key = qkv[:, q_size:q_size + kv_size].view(batch, NUM_KV_HEADS, HEAD_DIM)
+        value = qkv[:, q_size + kv_size:].view(batch, NUM_KV_HEADS, HEAD_DIM)
+        positions = (lens - 1).long()
+        slots = tables.gather(1, (positions // BLOCK_SIZE)[:, None]).squeeze(1).long() * BLOCK_SIZE \
+            + positions % BLOCK_SIZE
+        counters = SplitCounters().get(batch * NUM_KV_HEADS, query.device)
+        out = torch.empty_like(query)
+        new_tokens = NewTokens(positions, key, value, rotary.cos_cache, rotary.sin_cache, slots)
+
+        def separate(cache):
+            apply_rotary_and_cache(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache, slots)
+            paged_decode_attention(query, cache, tables, lens, scale, max_len, out=out, counters=counters)
+
+        def fused(cache):
+            paged_decode_attention(query, cache, tables, lens, scale, max_len, out=out, counters=counters,
+                                   new_tokens=new_tokens)
+
+        rows.append({"batch": batch, "contexts": f"{lo}-{hi}", "max_len": max_len,
+                     "separate_us": graph_time_us([lambda c=c: separate(c) for c in caches]),
+                     "fused_us": graph_time_us([lambda c=c: fused(c) for c in caches])})
+        del caches
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_decode_tiles_mixed(cases=((512, 200, 2048), (256, 200, 2048), (512, 600, 1200))) -> list[dict]:
+    """Tile sweep of the decode kernel on large batches of uneven contexts (the offline regime):
+    block_n x warps x stages, per case (batch, contexts uniform in [lo, hi])."""
+    rows = []
+    scale = HEAD_DIM**-0.5
+    for batch, lo, hi in cases:
+        lens = torch.randint(lo, hi + 1, (batch,), device="cuda", dtype=torch.int32)
+        max_len = int(lens.max())
+        blocks_per_seq = math.ceil(max_len / BLOCK_SIZE)
+        kv_bytes = 2 * int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * ES
+        sets = min(4, num_sets(kv_bytes))
+        cache = randn(2, sets * batch * blocks_per_seq + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        tables = (torch.randperm(sets * batch * blocks_per_seq, device="cuda").int() + 1).view(
+            sets, batch, blocks_per_seq)
+        query = [randn(batch, NUM_Q_HEADS, HEAD_DIM) for _ in range(sets)]
+        out = torch.empty_like(query[0])
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3, 4):
+                    us = graph_time_us([(lambda i=i: paged_decode_attention(
+                        query[i], cache, tables[i], lens, scale, max_len, out=out,
+                        block_n=block_n, num_warps=warps, num_stages=stages)) for i in range(sets)])
+                    rows.append({"shape": f"B={batch} ctx U[{lo},{hi}]", "block_n": block_n, "num_warps": warps,
+                                 "num_stages": stages, "us": us, "GBps": kv_bytes / us / 1e3})
+        del cache
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -331,7 +403,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile/split sweeps")
     parser.add_argument("--batch1-decode-only", action="store_true",
-                        help="only the batch-1 decode attention graph (in-launch merge vs merge kernel)")
+                        help="only the decode-graph probes: batch-1 merges, rotary fused into the launch or not")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
@@ -364,9 +436,22 @@ def main() -> None:
     for r in batch1:
         print(f"{r['context']:8d} {r['max_len']:8d} {r['num_splits']:7d} {r['in_launch_us']:16.2f} "
               f"{r['merge_kernel_us']:13.2f} {r['merge_kernel_n32_us']:29.2f}")
+    payload["decode_new_tokens"] = fused = bench_decode_new_tokens()
+    print("\n== rotary + cache write: own kernel before the decode launch vs inside it (us per layer) ==")
+    for r in fused:
+        print(f"B={r['batch']:4d} ctx {r['contexts']:>9s} max_len {r['max_len']:5d}: separate "
+              f"{r['separate_us']:8.2f}  fused {r['fused_us']:8.2f}")
     write_json("kernels", payload)
     if args.batch1_decode_only:
         return
+    if not args.no_sweep:
+        payload["decode_tiles_mixed"] = tiles = bench_decode_tiles_mixed()
+        print("\n== decode tiles, large batches of uneven contexts (fastest 4 per shape) ==")
+        for shape in dict.fromkeys(r["shape"] for r in tiles):
+            for r in sorted((r for r in tiles if r["shape"] == shape), key=lambda r: r["us"])[:4]:
+                print(f"{shape}: block_n {r['block_n']:3d} warps {r['num_warps']} stages {r['num_stages']}: "
+                      f"{r['us']:8.1f} us {r['GBps']:6.0f} GB/s")
+        write_json("kernels", payload)
     decode_rows, decode_sweep_rows = bench_decode(decode_shapes, decode_sweep, split_options)
     payload["decode"], payload["decode_sweep"] = decode_rows, decode_sweep_rows
     write_json("kernels", payload)
