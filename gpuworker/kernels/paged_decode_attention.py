@@ -10,6 +10,10 @@ than a second launch, store their partials and merge them in a second small kern
 launch shape depends on is a host integer (max_seq_len), never a device value, so the call can be
 captured in a CUDA graph, and a graph captured for long contexts costs one or two launches per
 layer, however short the contexts it replays with.
+
+Given the step's own tokens (NewTokens), the launch also does what the rotary kernel would do
+before it: it rotates the query and the new key, stores the key and value in the cache, and
+attends to that token from registers (the engine's decode rows: one launch per layer fewer).
 """
 
 from __future__ import annotations
