@@ -90,8 +90,12 @@ def _paged_decode_kernel(
     else:
         # Partitions holding tokens: at least one, which writes the zeros of a padded row (seq_len 0).
         # The grid covers max_seq_len, so in a graph captured for long contexts most of them are
-        # empty: their loop below runs no iteration and they store nothing.
+        # empty.
         num_parts = tl.minimum(tl.maximum((seq_len + partition_size - 1) // partition_size, 1), num_splits)
+    if split >= num_parts:
+        # A partition past this sequence's context (in a graph captured for long contexts, most of
+        # them) stores nothing, so it leaves before loading anything more.
+        return
     start = split * partition_size
     if NEW_TOKEN:  # the step's own token is not in the cache yet: the cache holds seq_len - 1
         end = tl.minimum(start + partition_size, tl.maximum(seq_len - 1, 0))
@@ -192,16 +196,14 @@ def _paged_decode_kernel(
     elif not MERGE_IN_LAUNCH:
         # _merge_partitions (the next launch) combines the partitions holding tokens; a padded row
         # stores zeros and lse -inf in its first.
-        if split < num_parts:
-            row_id = (seq * num_q_heads + q_heads) * num_splits + split
-            tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
-            lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
-            tl.store(part_lse_ptr + row_id, lse, mask=group_mask)
-    elif num_parts == 1:  # the context fits one partition: no partials, no merge
-        if split == 0:
-            tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif split < num_parts:  # the other partitions are empty and do nothing
+        row_id = (seq * num_q_heads + q_heads) * num_splits + split
+        tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row_id, lse, mask=group_mask)
+    elif num_parts == 1:  # the context fits one partition (split 0): no partials, no merge
+        tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
         row_id = (seq * num_q_heads + q_heads) * num_splits + split  # [G] index into [B, Hq, S]
         tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + row_id, m_i + tl.log2(l_i), mask=group_mask)
