@@ -92,10 +92,13 @@ def _paged_decode_kernel(
         # The grid covers max_seq_len, so in a graph captured for long contexts most of them are
         # empty.
         num_parts = tl.minimum(tl.maximum((seq_len + partition_size - 1) // partition_size, 1), num_splits)
-    if split >= num_parts:
-        # A partition past this sequence's context (in a graph captured for long contexts, most of
-        # them) stores nothing, so it leaves before loading anything more.
-        return
+    if SPLIT:  # without splits the one partition always holds the context (or a padded row's zeros)
+        if split >= num_parts:
+            # A partition past this sequence's context (in a graph captured for long contexts, most
+            # of them) stores nothing, so it leaves before loading anything more. Only split launches
+            # have such partitions; the others keep a single-block kernel (the compiler's view of
+            # the loop unchanged where large batches spend their time).
+            return
     start = split * partition_size
     if NEW_TOKEN:  # the step's own token is not in the cache yet: the cache holds seq_len - 1
         end = tl.minimum(start + partition_size, tl.maximum(seq_len - 1, 0))
