@@ -190,7 +190,7 @@ def _paged_decode_kernel(
             l_i = l_i * rescale + weight
             m_i = m_last
 
-    has_tokens = l_i > 0.0  # false for a padded row and an empty partition
+    has_tokens = l_i > 0.0  # false for a padded row (seq_len 0); empty split partitions returned above
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
     out_mask = group_mask[:, None] & dim_mask[None, :]
     if not SPLIT:
@@ -434,9 +434,7 @@ def paged_decode_attention(
     if new_tokens is not None:
         t = new_tokens
         half = check_rotary(t.positions, query, t.key, t.cos_cache, t.sin_cache)
-        check_kv_cache_write(t.key, t.value, kv_cache, t.slot_mapping)
-        if t.key.shape[1] != num_kv_heads:
-            raise ValueError(f"new_tokens.key has {t.key.shape[1]} kv heads, kv_cache {num_kv_heads}")
+        check_kv_cache_write(t.key, t.value, kv_cache, t.slot_mapping)  # also key's heads against the cache
         rotary_args = (t.positions, t.key, t.value, t.cos_cache, t.sin_cache, t.slot_mapping)
         rotary_strides = (t.key.stride(0), t.key.stride(1), t.value.stride(0), t.value.stride(1),
                           t.cos_cache.stride(0), t.sin_cache.stride(0))
