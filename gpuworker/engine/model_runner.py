@@ -37,6 +37,8 @@ class ModelInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [S] int64: the token row whose hidden state each sample uses
+    # Every token row samples, in order (a decode-only step): the hidden states need no gather.
+    samples_every_row: bool = False
 
 
 @dataclass
@@ -130,9 +132,10 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run one eager step of made-up tokens (a decode and a prefill chunk side by side) and the
-        logits of one and of two rows, so the kernels of the eager path compile now rather than
-        during the first requests (a second or more each on a GPU). The KV it writes lands in
-        blocks that no sequence holds yet; every real token's KV is written before it is read."""
+        logits and greedy tokens of one and of two rows, so the kernels of the eager path compile
+        now rather than during the first requests (a second or more each on a GPU). The KV it
+        writes lands in blocks that no sequence holds yet; every real token's KV is written before
+        it is read."""
         bs = self.block_size
         chunk = max(1, min(32, self.config.max_num_batched_tokens - 1, self.config.max_model_len - 1))
         num_blocks = min(self.config.num_kv_blocks, -(-chunk // bs))
@@ -155,7 +158,9 @@ class ModelRunner:
         for max_seq_len in (chunk, self.config.max_model_len):
             hidden = self.model(input_ids, positions_t, self.kv_caches, replace(meta, max_seq_len=max_seq_len))
         for rows in ([chunk], [0, chunk]):
-            self.model.compute_logits(hidden[torch.tensor(rows, device=device)]).argmax(dim=-1)
+            selected = hidden[torch.tensor(rows, device=device)]
+            self.model.compute_logits(selected).argmax(dim=-1)
+            self.model.greedy_tokens(selected)
         backend = getattr(self.model, "attn_backend", None)
         if hasattr(backend, "warm_up"):
             mc = self.model_config
@@ -185,9 +190,14 @@ class ModelRunner:
         hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
         if sampling_meta is None:
             return StepHandle(batch, [], None, None, None, None)
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        rows = hidden if inputs.samples_every_row else hidden[inputs.sample_indices]
+        if sampling_meta.plain_argmax and not defer_sampling:
+            # Greedy without extras: the argmax comes with the lm_head, no float32 logits.
+            handle = StepHandle(batch, sample_seqs, None, None, None, None)
+            self._send_to_host(handle, self.model.greedy_tokens(rows))
+            return handle
         handle = StepHandle(batch, sample_seqs, None, None, None, sampling_meta.max_logprobs,
-                            logits=logits, sampling_meta=sampling_meta)
+                            logits=self.model.compute_logits(rows), sampling_meta=sampling_meta)
         if not defer_sampling:
             self.sample(handle)
         return handle
@@ -202,11 +212,18 @@ class ModelRunner:
         handle.logits = handle.sampling_meta = None
         out = self.sampler(logits, sampling_meta, allowed)
         if out.logprobs is None:
-            result = out.token_ids
+            self._send_to_host(handle, out.token_ids)
         else:
             # ids are exact in float64, so one transfer carries everything.
-            result = torch.cat([out.token_ids[:, None].double(), out.logprobs[:, None].double(),
-                                out.top_ids.double(), out.top_logprobs.double()], dim=1)
+            self._send_to_host(handle, out.token_ids, torch.cat([
+                out.token_ids[:, None].double(), out.logprobs[:, None].double(),
+                out.top_ids.double(), out.top_logprobs.double()], dim=1))
+
+    def _send_to_host(self, handle: StepHandle, token_ids: torch.Tensor, result: torch.Tensor | None = None) -> None:
+        """Enqueue the one device->host transfer of a step: its ids, or `result` packing them with
+        logprobs. The ids stay on the device for the next step's placeholders."""
+        if result is None:
+            result = token_ids
         ready = None
         if self.device.type == "cuda":
             host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
@@ -215,7 +232,7 @@ class ModelRunner:
             ready.record()
         else:
             host = result
-        handle.token_ids, handle.host, handle.ready = out.token_ids, host, ready
+        handle.token_ids, handle.host, handle.ready = token_ids, host, ready
 
     def wait(self, handle: StepHandle) -> StepResult:
         if handle.logits is not None:
@@ -297,7 +314,8 @@ class ModelRunner:
             self._fill_placeholders(input_ids_t, placeholders, [entries[i].seq for i in owners.tolist()],
                                     previous)
         return ModelInputs(input_ids=input_ids_t, positions=positions_t, meta=meta,
-                           sample_indices=sample_indices_t)
+                           sample_indices=sample_indices_t,
+                           samples_every_row=num_tokens == num_seqs and bool(samples.all()))
 
     def _fill_placeholders(self, input_ids: torch.Tensor, indices: np.ndarray, seqs: list[Sequence],
                            previous: StepHandle | None) -> None:

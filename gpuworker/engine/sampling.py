@@ -40,6 +40,11 @@ class SamplingMetadata:
     # The most top logprobs any row asked for; None when no row wants logprobs.
     max_logprobs: int | None
 
+    @property
+    def plain_argmax(self) -> bool:
+        """Every row takes the argmax of its raw logits: no penalties, bans or logprobs."""
+        return self.all_greedy and self.penalties is None and self.banned is None and self.max_logprobs is None
+
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
               device: torch.device) -> SamplingMetadata:

@@ -109,11 +109,12 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     residual_ptr, norm_weight_ptr, residual_out_ptr, eps,
+    best_value_ptr, best_index_ptr, argmax_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    NORM_INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM_INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -204,7 +205,40 @@ def _gemv_kernel(
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        out_values = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptrs, out_values, mask=out_mask)
+        if ARGMAX:
+            # Each row's argmax over the stored (rounded) values, first index on ties, NaN above
+            # everything as in torch.argmax: this program's best of its BLOCK_N columns, then the
+            # last program to finish reduces the per-program bests (ordering as for split-K below).
+            values = out_values.to(tl.float32)
+            values = tl.where(values != values, float("inf"), values)
+            values = tl.where(rows[:, None] < N, values, float("-inf"))
+            num_blocks = tl.num_programs(0)
+            best_ptrs = ms * num_blocks + pid_n
+            tl.store(best_value_ptr + best_ptrs, tl.max(values, axis=0), mask=ms < M)
+            local = tl.argmax(values, axis=0, tie_break_left=True)
+            tl.store(best_index_ptr + best_ptrs, pid_n * BLOCK_N + local, mask=ms < M)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(counter_ptr, 1)
+            if ticket == num_blocks - 1:
+                best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                best_index = tl.zeros([BLOCK_M], dtype=tl.int32)
+                for start in range(0, num_blocks, 256):
+                    blocks = start + tl.arange(0, 256)
+                    mask = (ms[:, None] < M) & (blocks[None, :] < num_blocks)
+                    ptrs = ms[:, None] * num_blocks + blocks[None, :]
+                    # .cg: from L2, never a line this SM cached before the other programs wrote it.
+                    chunk = tl.load(best_value_ptr + ptrs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+                    chunk_indices = tl.load(best_index_ptr + ptrs, mask=mask, other=0, cache_modifier=".cg")
+                    chunk_best = tl.max(chunk, axis=1)
+                    # Indices grow with the program, so the chunk's first maximum has the smallest.
+                    chunk_index = tl.min(tl.where(chunk == chunk_best[:, None], chunk_indices, 2147483647), axis=1)
+                    take = chunk_best > best  # an equal maximum in a later chunk comes after
+                    best = tl.where(take, chunk_best, best)
+                    best_index = tl.where(take, chunk_index, best_index)
+                tl.store(argmax_ptr + ms, best_index.to(tl.int64), mask=ms < M)
+                tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
     else:
         # partial [SPLIT_K, M, N] fp32. The barrier orders every thread's partial stores before the
         # (one-thread, acq_rel, gpu-scope) ticket, so whoever draws the last ticket sees all partials.
@@ -306,29 +340,70 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         check_last_dim_contiguous("bias", bias)
 
 
-def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None) -> None:
-    """norm: (residual or None, norm_weight, residual_out, eps) for gemv_rms_norm."""
+def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, argmax=None) -> None:
+    """norm: (residual or None, norm_weight, residual_out, eps) for gemv_rms_norm; argmax: [M] int64
+    for gemv_argmax (SPLIT_K 1)."""
     m, k, n, device = x.shape[0], weight.shape[1], weight.shape[0], x.device
     num_row_blocks = triton.cdiv(n, config.block_n)
     split_k = config.split_k
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=device)
         counters = _split_k_counters(device, num_row_blocks)
+    elif argmax is not None:
+        partial = out  # unused
+        counters = _split_k_counters(device, 1)  # one ticket: free, as split-K launches are ordered
     else:
         partial = counters = out  # unused when SPLIT_K is 1
+    has_argmax = argmax is not None
+    if has_argmax:
+        best_value = torch.empty(m, num_row_blocks, dtype=torch.float32, device=device)
+        best_index = torch.empty(m, num_row_blocks, dtype=torch.int32, device=device)
+    else:
+        best_value = best_index = argmax = out  # unused
     block_m = _DOT_ROWS if config.use_dot else next_power_of_2(m)
     residual, norm_weight, residual_out, eps = norm if norm is not None else (None, out, out, 0.0)
     _gemv[(num_row_blocks, split_k)](
         x, weight, bias if bias is not None else out, out, partial, counters,
         residual if residual is not None else out, norm_weight, residual_out, float(eps),
+        best_value, best_index, argmax,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=block_m, SPLIT_K=split_k,
         NUM_STAGES=config.num_stages,
         USE_DOT=config.use_dot, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_input,
         EVEN_K=k % config.block_k == 0, **dot_options(x.dtype),
-        NORM_INPUT=norm is not None, HAS_RESIDUAL=residual is not None,
+        NORM_INPUT=norm is not None, HAS_RESIDUAL=residual is not None, ARGMAX=has_argmax,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(device),
     )
+
+
+def gemv_argmax(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv's output [M, N] and each row's argmax [M] int64, in one launch (greedy decoding's logits).
+
+    The argmax is over the values as stored (rounded to x's dtype): the first index of the largest,
+    NaN counting as the largest, as torch.argmax of the output. `config` as in gemv, without split-K.
+    """
+    _check_operands(x, weight, bias)
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if m > MAX_M:
+        raise ValueError(f"x has {m} rows; gemv_argmax handles at most {MAX_M}")
+    if n == 0:
+        raise ValueError("weight has no rows: there is no argmax of an empty row")
+    if config is None:
+        config = pick_config(m, n, k)
+    _check_config(config)
+    if config.split_k != 1:
+        raise ValueError(f"config {config.name} splits K; gemv_argmax needs split_k 1")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    argmax = torch.empty(m, dtype=torch.int64, device=x.device)
+    if m:
+        _launch(x, weight, bias, out, config, argmax=argmax)
+    return out, argmax
 
 
 def fuses_rms_norm(config: GemvConfig) -> bool:

@@ -121,3 +121,18 @@ class LlamaForCausalLM(nn.Module):
             if config is not None:
                 return gemv(hidden, weight, config=config).float()
         return F.linear(hidden, weight).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] (rows already selected) -> each row's argmax token [N] int64.
+
+        The same tokens as compute_logits(hidden).argmax(-1). On the GPU the lm_head GEMV takes the
+        argmax in its own launch and no float32 logits are made.
+        """
+        weight = self.lm_head_weight
+        if hidden.is_cuda:
+            from gpuworker.kernels.gemv import gemv_argmax, tuned_config
+
+            config = tuned_config(hidden, weight)
+            if config is not None and config.split_k == 1:
+                return gemv_argmax(hidden, weight, config=config)[1]
+        return self.compute_logits(hidden).argmax(dim=-1)

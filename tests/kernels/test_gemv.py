@@ -13,6 +13,7 @@ from gpuworker.kernels.gemv import (
     GemvConfig,
     fuses_rms_norm,
     gemv,
+    gemv_argmax,
     gemv_reference,
     gemv_rms_norm,
     gemv_rms_norm_reference,
@@ -173,3 +174,54 @@ def test_rms_norm_input_refuses_what_it_cannot_fuse(device, generator):
         gemv_rms_norm(x[:1], None, norm_weight, 1e-5, weight, config=DOT)
     with pytest.raises(ValueError, match="norm_weight must have shape"):
         gemv_rms_norm(x[:1], None, norm_weight[:-1], 1e-5, weight)
+
+
+@pytest.mark.parametrize("config", [FMA, DOT], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_argmax_is_that_of_the_output(config, dtype, device, generator, tolerance):
+    for m in (1, 5):
+        x, weight, bias = make(m, N, K, dtype, generator, device)
+        out, ids = gemv_argmax(x, weight, bias, config=config)
+        # The same kernel's output, bit for bit, and its argmax (what the sampler took before).
+        assert torch.equal(out, gemv(x, weight, bias, config=config))
+        assert ids.dtype == torch.int64 and ids.shape == (m,)
+        assert torch.equal(ids, out.float().argmax(dim=-1))
+        torch.testing.assert_close(out, gemv_reference(x, weight, bias), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("config", [FMA, DOT], ids=lambda c: c.name)
+def test_argmax_ties_nan_and_many_programs(config, device, generator):
+    # More programs than one reduction chunk (256), and a row count no block divides.
+    n = 300 * config.block_n + 7
+    k = 64
+    x, weight, _ = make(3, n, k, torch.bfloat16, generator, device)
+    x = x.abs()  # with positive inputs, a row of large positive weights wins
+    big = torch.full((k,), 4.0, dtype=torch.bfloat16, device=device)
+    # Row 0: a maximum repeated in three programs, the first of them in the second reduction chunk.
+    first = 260 * config.block_n + 3
+    for i in (first, first + config.block_n, n - 1):
+        weight[i] = big
+    _, ids = gemv_argmax(x, weight, config=config)
+    assert ids.tolist() == [first] * 3
+    # A NaN beats everything, as in torch.argmax; the first of two, in the last (partial) block.
+    weight[n - 2] = float("nan")
+    weight[n - 1] = float("nan")
+    out, ids = gemv_argmax(x, weight, config=config)
+    assert ids.tolist() == [n - 2] * 3 == out.float().argmax(dim=-1).tolist()
+    counters = gemv_module._COUNTERS[x.device]
+    assert int(counters.abs().sum()) == 0  # the ticket is back at zero for the next launch
+    # Equal rows everywhere: index 0.
+    _, ids = gemv_argmax(x[:1], torch.ones(n, k, dtype=torch.bfloat16, device=device), config=config)
+    assert ids.tolist() == [0]
+
+
+def test_argmax_refuses_what_it_cannot_do(device):
+    weight = torch.zeros(8, 16, device=device)
+    with pytest.raises(ValueError, match="split_k 1"):
+        gemv_argmax(torch.zeros(1, 16, device=device), weight, config=SPLIT)
+    with pytest.raises(ValueError, match="at most 16"):
+        gemv_argmax(torch.zeros(MAX_M + 1, 16, device=device), weight)
+    with pytest.raises(ValueError, match="no rows"):
+        gemv_argmax(torch.zeros(1, 16, device=device), torch.zeros(0, 16, device=device))
+    out, ids = gemv_argmax(torch.zeros(0, 16, device=device), weight)
+    assert out.shape == (0, 8) and ids.shape == (0,)

@@ -37,7 +37,7 @@ def test_prepared_inputs_match_the_sequences_and_every_tensor_is_16_byte_aligned
                        async_scheduling=True)
     runner = engine.runner
     prepare = runner.prepare_inputs
-    checked = {"steps": 0, "mixed": 0, "placeholders": 0}
+    checked = {"steps": 0, "mixed": 0, "placeholders": 0, "every_row": 0}
 
     def checking_prepare(batch, previous=None):
         ids, positions, slots, sample_indices, qsl, seq_lens, tables = expected_inputs(batch, 4)
@@ -55,6 +55,7 @@ def test_prepared_inputs_match_the_sequences_and_every_tensor_is_16_byte_aligned
         assert inputs.positions.tolist() == positions
         assert meta.slot_mapping.tolist() == slots
         assert inputs.sample_indices.tolist() == sample_indices
+        assert inputs.samples_every_row == (sample_indices == list(range(len(ids))))
         assert meta.query_start_loc.tolist() == qsl == meta.query_start_loc_cpu
         assert meta.seq_lens.tolist() == seq_lens == meta.seq_lens_cpu
         assert meta.max_seq_len == max(seq_lens)
@@ -64,6 +65,7 @@ def test_prepared_inputs_match_the_sequences_and_every_tensor_is_16_byte_aligned
         checked["steps"] += 1
         checked["mixed"] += 0 < batch.num_decode_seqs < len(batch.seqs)
         checked["placeholders"] += PLACEHOLDER_TOKEN_ID in ids
+        checked["every_row"] += inputs.samples_every_row
         return inputs
 
     runner.prepare_inputs = checking_prepare
@@ -71,7 +73,7 @@ def test_prepared_inputs_match_the_sequences_and_every_tensor_is_16_byte_aligned
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     outputs = engine.generate(prompts, params)
     assert [out.outputs[0].token_ids for out in outputs] == hf_greedy(path, prompts, 9)
-    assert checked["steps"] > 5 and checked["mixed"] > 0 and checked["placeholders"] > 0
+    assert checked["steps"] > 5 and checked["mixed"] > 0 and checked["placeholders"] > 0 and checked["every_row"] > 0
 
 
 @pytest.mark.parametrize("module, kernel", [
