@@ -59,8 +59,8 @@ def profile_decode(args, batch_size: int) -> dict:
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.scheduler, "postprocess", "scheduler.postprocess")
-    timer.wrap(runner, "prepare_inputs", "prepare_inputs")
-    timer.wrap(runner, "_run_model", "forward launch")
+    timer.wrap(runner, "host_inputs", "host inputs")
+    timer.wrap(runner, "forward", "forward launch (inputs' copy + replay)")
     timer.wrap(runner, "launch", "launch (prepare + forward + sample)")
     timer.wrap(runner, "wait", "wait for sampled ids")
     torch.cuda.synchronize()
@@ -80,19 +80,20 @@ def profile_decode(args, batch_size: int) -> dict:
     context = sum(e.start + e.num_new_tokens for e in batch.seqs) / max(1, len(batch.seqs))
     # With async scheduling this batch's inputs read the in-flight step's sampled ids.
     inflight = engine._inflight.handle if engine._inflight is not None else None
-    inputs = runner.prepare_inputs(batch, inflight)
+    host = runner.host_inputs(batch)
+    inputs = runner.prepare_inputs(batch, inflight, host=host)
     start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     with torch.inference_mode():
         for _ in range(3):
-            hidden = runner._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+            rows = runner.forward(host, batch, inflight)
         torch.cuda.synchronize()
         start.record()
         for _ in range(args.steps):
-            hidden = runner._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+            rows = runner.forward(host, batch, inflight)  # inputs' copy + graph replay, or eager
         mid.record()
         for _ in range(args.steps):
             # What the runner does for a greedy batch: the argmax inside the lm_head launch.
-            runner.model.greedy_tokens(hidden if inputs.samples_every_row else hidden[inputs.sample_indices])
+            runner.model.greedy_tokens(rows)
         end.record()
         end.synchronize()
     forward_gpu = start.elapsed_time(mid) / 1e3 / args.steps

@@ -4,10 +4,17 @@ A decode-only step has static shapes once its batch is padded to a bucket, so it
 kernel launches collapse into one graph replay. Padding rows get slot -1 (nothing written) and
 seq_len 0 (the decode kernel returns zeros), so they never touch real KV blocks. The decode
 kernel's split count depends only on the host-side max_seq_len, fixed at max_model_len for capture.
+
+The graphs' inputs live in one device buffer that a step fills with a single host->device copy
+(`GraphInputs`), so a replay is one copy and one launch. A decode's input token is often still on
+the device (sampled by the step in flight, see model_runner): the buffer starts with `sampled`,
+where every step's sampled ids are kept, followed by the host's known ids; the graph's first
+kernel gathers each row's token from either part through a per-row index.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,6 +29,77 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def _align(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
+
+
+class GraphInputs:
+    """The decode graphs' inputs for up to `rows` sequences of up to `max_blocks` blocks, in one buffer.
+
+    Layout (each part 16-byte aligned): sampled ids int64 [rows] (written on the device), known ids
+    int64 [rows], token index int64 [rows] (into sampled + known ids), positions int64 [rows], slots
+    int64 [rows], seq_lens int32 [rows], block tables int32 [rows, max_blocks]. Everything from the
+    known ids on comes from the host; a step uploads it up to its last block-table row.
+    """
+
+    def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
+        rows += rows % 2  # an even count keeps the known ids right after the sampled ones, aligned
+        self.rows, self.max_blocks = rows, max_blocks
+        self._offsets: dict[str, int] = {}
+        total = 0
+        for name, nbytes in (("sampled", 8 * rows), ("known_ids", 8 * rows), ("token_index", 8 * rows),
+                             ("positions", 8 * rows), ("slot_mapping", 8 * rows), ("seq_lens", 4 * rows),
+                             ("block_tables", 4 * rows * max_blocks)):
+            self._offsets[name] = total
+            total += _align(nbytes)
+        self.upload_start = self._offsets["known_ids"]
+        self.buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.sampled = self._part(self.buffer, "sampled", rows, torch.int64)
+        # sampled then the known ids, without a gap: what token_index points into
+        self.ids = self._part(self.buffer, "sampled", 2 * rows, torch.int64)
+        self.token_index = self._part(self.buffer, "token_index", rows, torch.int64)
+        self.positions = self._part(self.buffer, "positions", rows, torch.int64)
+        self.slot_mapping = self._part(self.buffer, "slot_mapping", rows, torch.int64)
+        self.seq_lens = self._part(self.buffer, "seq_lens", rows, torch.int32)
+        self.block_tables = self._part(self.buffer, "block_tables", rows * max_blocks, torch.int32).view(
+            rows, max_blocks)
+        self.slot_mapping.fill_(-1)  # capture's warm-up runs write no KV
+
+    def _part(self, buffer, name: str, count: int, dtype, base: int = 0):
+        """A typed view of `count` elements of part `name` of a buffer laid out from byte `base` on."""
+        start = self._offsets[name] - base
+        itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else np.dtype(dtype).itemsize
+        return buffer[start:start + count * itemsize].view(dtype)
+
+    def upload(self, *, size: int, known_ids: np.ndarray, placeholders: np.ndarray, sampled_rows: np.ndarray,
+               positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
+               block_tables: np.ndarray) -> None:
+        """Fill the inputs of n = len(known_ids) decodes padded to `size` rows, with one copy.
+
+        The rows at `placeholders` take their token from `sampled` at `sampled_rows`, the others from
+        known_ids; block_tables [n, width]. Padding rows get slot -1 and seq_len 0.
+        """
+        n, width = len(known_ids), block_tables.shape[1]
+        base, rows = self.upload_start, self.rows
+        end = self._offsets["block_tables"] + 4 * n * self.max_blocks
+        host = torch.empty(end - base, dtype=torch.uint8, pin_memory=self.buffer.is_cuda)
+        array = host.numpy()
+
+        def part(name: str, count: int, dtype) -> np.ndarray:
+            return self._part(array, name, count, dtype, base)
+
+        # Padding rows read a known id of 0 (any valid token): they must not index past the vocabulary.
+        part("known_ids", size, np.int64)[:] = np.pad(known_ids, (0, size - n))
+        index = part("token_index", size, np.int64)
+        index[:] = rows + np.arange(size)  # row i's known id
+        index[placeholders] = sampled_rows
+        part("positions", size, np.int64)[:] = np.pad(positions, (0, size - n))
+        part("slot_mapping", size, np.int64)[:] = np.pad(slot_mapping, (0, size - n), constant_values=-1)
+        part("seq_lens", size, np.int32)[:] = np.pad(seq_lens, (0, size - n))
+        part("block_tables", n * self.max_blocks, np.int32).reshape(n, self.max_blocks)[:, :width] = block_tables
+        self.buffer[base:end].copy_(host, non_blocking=True)
+
+
 class DecodeGraphs:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], *, max_num_seqs: int,
                  max_model_len: int, block_size: int) -> None:
@@ -31,27 +109,31 @@ class DecodeGraphs:
         self.buckets = bucket_sizes(max_num_seqs)
         n = self.buckets[-1]
         device = kv_caches[0].device
-        max_blocks = -(-max_model_len // block_size)
+        self.inputs = GraphInputs(n, -(-max_model_len // block_size), device)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self._capture_all()
 
+    @property
+    def sampled(self) -> torch.Tensor:
+        """[max bucket] int64: where a step's sampled ids go (see model_runner), read by the next replay."""
+        return self.inputs.sampled
+
     def _meta(self, size: int) -> AttentionMetadata:
+        inputs = self.inputs
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
+            slot_mapping=inputs.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=inputs.seq_lens[:size], block_tables=inputs.block_tables[:size],
             num_decode_seqs=size, max_query_len=1, max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[0] * size,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size))
+        input_ids = self.input_ids[:size]
+        torch.index_select(self.inputs.ids, 0, self.inputs.token_index[:size], out=input_ids)
+        return self.model(input_ids, self.inputs.positions[:size], self.kv_caches, self._meta(size))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -70,20 +152,18 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return (meta.num_decode_seqs == meta.num_seqs == num_tokens
-                and num_tokens <= self.buckets[-1] and meta.max_seq_len <= self.max_model_len)
+    def can_run(self, num_decode_seqs: int, num_seqs: int, num_tokens: int, max_seq_len: int) -> bool:
+        return (num_decode_seqs == num_seqs == num_tokens
+                and num_tokens <= self.buckets[-1] and max_seq_len <= self.max_model_len)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n = input_ids.shape[0]
+    def run(self, *, known_ids: np.ndarray, placeholders: np.ndarray, sampled_rows: np.ndarray,
+            positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
+            block_tables: np.ndarray) -> torch.Tensor:
+        """One decode step from host arrays (see GraphInputs.upload): hidden states [n, hidden_size]."""
+        n = len(known_ids)
         size = next(b for b in self.buckets if b >= n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_lens[n:size].zero_()
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self.inputs.upload(size=size, known_ids=known_ids, placeholders=placeholders, sampled_rows=sampled_rows,
+                           positions=positions, slot_mapping=slot_mapping, seq_lens=seq_lens,
+                           block_tables=block_tables)
         self.graphs[size].replay()
         return self.outputs[size][:n]

@@ -1,15 +1,18 @@
 """The model runner: owns the KV cache, turns a ScheduledBatch into one ragged forward, samples.
 
 Per step: the batch's metadata built with numpy (block tables kept across steps in BlockTables) and
-copied to the device in two transfers without blocking (from pinned memory on CUDA),
-one forward over all sequences' new tokens, logits only for the rows that sample, then exactly one
-device->host transfer of the sampled ids (packed with logprobs when asked for). `launch` enqueues
-all of that and returns at once; `wait` blocks on the transfer. With async scheduling the engine
-launches step N+1 before waiting for step N: a decode input whose token is still a placeholder is
-read from step N's sampled ids on the device. A step with grammar-constrained rows is launched with
-its sampling deferred: the engine builds the token mask on the host while the forward runs, then
-`sample` enqueues the rest. `_run_model` is the seam where decode-only batches are replayed from
-CUDA graphs.
+copied to the device without blocking (from pinned memory on CUDA), one forward over all
+sequences' new tokens, logits only for the rows that sample, then exactly one device->host
+transfer of the sampled ids (packed with logprobs when asked for). `launch` enqueues all of that
+and returns at once; `wait` blocks on the transfer. With async scheduling the engine launches step
+N+1 before waiting for step N: a decode input whose token is still a placeholder is read from step
+N's sampled ids on the device. A step with grammar-constrained rows is launched with its sampling
+deferred: the engine builds the token mask on the host while the forward runs, then `sample`
+enqueues the rest. `forward` is the seam where decode-only batches are replayed from CUDA graphs:
+their inputs go in one copy into the graphs' own buffer, and greedy steps write their ids where
+the next replay reads its placeholders (cuda_graphs.GraphInputs), so such a step is one copy, one
+replay, the lm_head with its argmax, and the copy back. Eager steps take two copies (one per
+dtype) and gather their placeholders with torch ops.
 """
 
 from __future__ import annotations
@@ -39,6 +42,35 @@ class ModelInputs:
     sample_indices: torch.Tensor  # [S] int64: the token row whose hidden state each sample uses
     # Every token row samples, in order (a decode-only step): the hidden states need no gather.
     samples_every_row: bool = False
+
+
+@dataclass
+class HostInputs:
+    """A step's inputs on the host (numpy), before they go to the device."""
+
+    ids: np.ndarray  # [T] int64, PLACEHOLDER_TOKEN_ID where the token is still on the device
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    sample_indices: np.ndarray  # [S] int64
+    query_start_loc: np.ndarray  # [B + 1] int64
+    seq_lens: np.ndarray  # [B] int64
+    block_tables: np.ndarray  # [B, width] int32
+    num_decode_seqs: int
+    max_query_len: int
+    placeholders: np.ndarray  # token rows whose id is a placeholder
+    placeholder_seqs: list[Sequence]  # the sequence of each
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max())
+
+    @property
+    def samples_every_row(self) -> bool:
+        return len(self.sample_indices) == len(self.ids)
 
 
 @dataclass
@@ -182,19 +214,21 @@ class ModelRunner:
         defer_sampling: enqueue only the forward pass and the logits, and return; the caller then
         calls `sample` (with a grammar's token mask built on the host meanwhile).
         """
-        inputs = self.prepare_inputs(batch, previous)
+        host = self.host_inputs(batch)
         sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
         sampling_meta = (SamplingMetadata.build(sample_seqs, self.model_config.vocab_size,
                                                 self.model_config.eos_token_ids, self.device)
                          if sample_seqs else None)
-        hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.meta)
+        rows = self.forward(host, batch, previous)
         if sampling_meta is None:
             return StepHandle(batch, [], None, None, None, None)
-        rows = hidden if inputs.samples_every_row else hidden[inputs.sample_indices]
         if sampling_meta.plain_argmax and not defer_sampling:
-            # Greedy without extras: the argmax comes with the lm_head, no float32 logits.
+            # Greedy without extras: the argmax comes with the lm_head, no float32 logits. With
+            # decode graphs the ids land where the next replay reads its placeholders.
             handle = StepHandle(batch, sample_seqs, None, None, None, None)
-            self._send_to_host(handle, self.model.greedy_tokens(rows))
+            graphs = self.decode_graphs
+            out = graphs.sampled[:len(sample_seqs)] if graphs is not None else None
+            self._send_to_host(handle, self.model.greedy_tokens(rows, out=out))
             return handle
         handle = StepHandle(batch, sample_seqs, None, None, None, sampling_meta.max_logprobs,
                             logits=self.model.compute_logits(rows), sampling_meta=sampling_meta)
@@ -245,14 +279,26 @@ class ModelRunner:
             return StepResult(handle.host.tolist(), [None] * len(handle.sample_seqs))
         return self._unpack(handle.host.tolist(), handle.sample_seqs, handle.max_logprobs)
 
-    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
-        """The forward pass: hidden states [T, hidden_size]; decode-only steps replay a CUDA graph."""
-        if self.decode_graphs is not None and self.decode_graphs.can_run(meta, input_ids.shape[0]):
-            return self.decode_graphs.run(input_ids, positions, meta)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+    def forward(self, host: HostInputs, batch: ScheduledBatch, previous: StepHandle | None = None) -> torch.Tensor:
+        """The forward pass of a step: the hidden states of its sampling rows [S, hidden_size].
 
-    def prepare_inputs(self, batch: ScheduledBatch, previous: StepHandle | None = None) -> ModelInputs:
+        A decode-only step replays a CUDA graph (one copy of its inputs, one launch); any other
+        runs eagerly from the device tensors of prepare_inputs."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(host.num_decode_seqs, host.num_seqs, len(host.ids),
+                                                 host.max_seq_len):
+            sampled_rows = self._placeholder_rows(host, previous)
+            if sampled_rows.size and previous.token_ids.data_ptr() != graphs.sampled.data_ptr():
+                graphs.sampled[:len(previous.token_ids)].copy_(previous.token_ids)
+            # One token per sequence and every one samples: the rows are the hidden states.
+            return graphs.run(known_ids=host.ids, placeholders=host.placeholders, sampled_rows=sampled_rows,
+                              positions=host.positions, slot_mapping=host.slot_mapping,
+                              seq_lens=host.seq_lens, block_tables=host.block_tables)
+        inputs = self.prepare_inputs(batch, previous, host=host)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return hidden if inputs.samples_every_row else hidden[inputs.sample_indices]
+
+    def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
         """Flatten the batch's new tokens (decodes first, as the batch is ordered) into one sequence.
 
         Per sequence only its new token ids are gathered in Python; positions, slots, query offsets
@@ -294,42 +340,55 @@ class ModelRunner:
         if in_chunks.size:
             # Only a decode's one input token can still be in flight.
             raise RuntimeError(f"{entries[int(in_chunks[0])].seq}: a prefill chunk ends in a token not yet sampled")
+        return HostInputs(ids=ids, positions=positions, slot_mapping=slot_mapping, sample_indices=sample_indices,
+                          query_start_loc=query_start_loc, seq_lens=seq_lens,
+                          block_tables=tables[rows, :width], num_decode_seqs=batch.num_decode_seqs,
+                          max_query_len=int(new_lens.max()), placeholders=placeholders,
+                          placeholder_seqs=[entries[i].seq for i in owners.tolist()])
+
+    def prepare_inputs(self, batch: ScheduledBatch, previous: StepHandle | None = None,
+                       host: HostInputs | None = None) -> ModelInputs:
+        """The device tensors of an eager step (`host`: the batch's host_inputs, if already made)."""
+        if host is None:
+            host = self.host_inputs(batch)
+        num_seqs, width = host.block_tables.shape
         # Two host->device copies per step (one per dtype), sliced into the metadata on the device.
         input_ids_t, positions_t, slot_mapping_t, sample_indices_t = _packed_to_device(
-            [ids, positions, slot_mapping, sample_indices], torch.int64, self.device)
+            [host.ids, host.positions, host.slot_mapping, host.sample_indices], torch.int64, self.device)
         query_start_loc_t, seq_lens_t, tables_t = _packed_to_device(
-            [query_start_loc, seq_lens, tables[rows, :width].reshape(-1)], torch.int32, self.device)
+            [host.query_start_loc, host.seq_lens, host.block_tables.reshape(-1)], torch.int32, self.device)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping_t,
             query_start_loc=query_start_loc_t,
             seq_lens=seq_lens_t,
             block_tables=tables_t.view(num_seqs, width),
-            num_decode_seqs=batch.num_decode_seqs,
-            max_query_len=int(new_lens.max()),
-            max_seq_len=max_seq_len,
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            num_decode_seqs=host.num_decode_seqs,
+            max_query_len=host.max_query_len,
+            max_seq_len=host.max_seq_len,
+            query_start_loc_cpu=host.query_start_loc.tolist(),
+            seq_lens_cpu=host.seq_lens.tolist(),
         )
-        if placeholders.size:
-            self._fill_placeholders(input_ids_t, placeholders, [entries[i].seq for i in owners.tolist()],
-                                    previous)
+        if host.placeholders.size:
+            # The tokens still held as placeholders, from the previous step's sampled ids.
+            sampled_rows = self._placeholder_rows(host, previous)
+            input_ids_t[to_device(host.placeholders, torch.int64, self.device)] = \
+                previous.token_ids[to_device(sampled_rows, torch.int64, self.device)]
         return ModelInputs(input_ids=input_ids_t, positions=positions_t, meta=meta,
-                           sample_indices=sample_indices_t,
-                           samples_every_row=num_tokens == num_seqs and bool(samples.all()))
+                           sample_indices=sample_indices_t, samples_every_row=host.samples_every_row)
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, indices: np.ndarray, seqs: list[Sequence],
-                           previous: StepHandle | None) -> None:
-        """Copy the tokens still held as placeholders (at `indices`, of `seqs`) from the previous
-        step's sampled ids."""
+    @staticmethod
+    def _placeholder_rows(host: HostInputs, previous: StepHandle | None) -> np.ndarray:
+        """For each placeholder of the step, the row of the previous step's sampled ids holding it."""
+        if not host.placeholders.size:
+            return host.placeholders
         rows = previous.row_of() if previous is not None and previous.token_ids is not None else {}
         src = []
-        for seq in seqs:
+        for seq in host.placeholder_seqs:
             row = rows.get(seq.seq_id)
             if row is None:
                 raise RuntimeError(f"{seq}: its input token was not sampled by the previous step")
             src.append(row)
-        input_ids[to_device(indices, torch.int64, self.device)] = \
-            previous.token_ids[to_device(src, torch.int64, self.device)]
+        return np.array(src, dtype=np.int64)
 
     @staticmethod
     def _unpack(packed: list[list[float]], seqs: list, max_logprobs: int) -> StepResult:

@@ -382,11 +382,13 @@ def gemv_argmax(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
+    argmax_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv's output [M, N] and each row's argmax [M] int64, in one launch (greedy decoding's logits).
 
     The argmax is over the values as stored (rounded to x's dtype): the first index of the largest,
-    NaN counting as the largest, as torch.argmax of the output. `config` as in gemv, without split-K.
+    NaN counting as the largest, as torch.argmax of the output. `config` as in gemv, without split-K;
+    argmax_out: an [M] int64 tensor to write the argmax into.
     """
     _check_operands(x, weight, bias)
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
@@ -400,7 +402,13 @@ def gemv_argmax(
     if config.split_k != 1:
         raise ValueError(f"config {config.name} splits K; gemv_argmax needs split_k 1")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    argmax = torch.empty(m, dtype=torch.int64, device=x.device)
+    if argmax_out is None:
+        argmax = torch.empty(m, dtype=torch.int64, device=x.device)
+    else:
+        check_tensor("argmax_out", argmax_out, ndim=1, dtypes=(torch.int64,), device=x.device)
+        check_shape("argmax_out", argmax_out, (m,))
+        check_last_dim_contiguous("argmax_out", argmax_out)
+        argmax = argmax_out
     if m:
         _launch(x, weight, bias, out, config, argmax=argmax)
     return out, argmax

@@ -122,8 +122,9 @@ class LlamaForCausalLM(nn.Module):
                 return gemv(hidden, weight, config=config).float()
         return F.linear(hidden, weight).float()
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (rows already selected) -> each row's argmax token [N] int64.
+    def greedy_tokens(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, hidden_size] (rows already selected) -> each row's argmax token [N] int64
+        (written into `out` if given).
 
         The same tokens as compute_logits(hidden).argmax(-1). On the GPU the lm_head GEMV takes the
         argmax in its own launch and no float32 logits are made.
@@ -134,5 +135,5 @@ class LlamaForCausalLM(nn.Module):
 
             config = tuned_config(hidden, weight)
             if config is not None and config.split_k == 1:
-                return gemv_argmax(hidden, weight, config=config)[1]
-        return self.compute_logits(hidden).argmax(dim=-1)
+                return gemv_argmax(hidden, weight, config=config, argmax_out=out)[1]
+        return torch.argmax(self.compute_logits(hidden), dim=-1, out=out)

@@ -39,9 +39,9 @@ def test_prepared_inputs_match_the_sequences_and_every_tensor_is_16_byte_aligned
     prepare = runner.prepare_inputs
     checked = {"steps": 0, "mixed": 0, "placeholders": 0, "every_row": 0}
 
-    def checking_prepare(batch, previous=None):
+    def checking_prepare(batch, previous=None, host=None):
         ids, positions, slots, sample_indices, qsl, seq_lens, tables = expected_inputs(batch, 4)
-        inputs = prepare(batch, previous)
+        inputs = prepare(batch, previous, host=host)
         meta = inputs.meta
         for name, tensor in (("input_ids", inputs.input_ids), ("positions", inputs.positions),
                              ("slot_mapping", meta.slot_mapping), ("sample_indices", inputs.sample_indices),
