@@ -41,12 +41,17 @@ class GemvConfig:
     num_stages: int
     split_k: int = 1
     use_dot: bool = False
+    # K tiles each program loads before it waits for the previous kernel (one-row FMA kernel without
+    # split-K or fused input; see the kernel). Pays after a latency-bound kernel (attention), whose
+    # run time the weight loads then overlap.
+    prefetch: int = 0
 
     @property
     def name(self) -> str:
         kind = "dot" if self.use_dot else "fma"
         split = f"-s{self.split_k}k" if self.split_k > 1 else ""
-        return f"{kind}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}{split}"
+        prefetch = f"-pf{self.prefetch}" if self.prefetch else ""
+        return f"{kind}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}{split}{prefetch}"
 
 
 # The candidates bench/gemv.py times on every shape. FMA tiles are 16 KB of bf16 per iteration (128 B
@@ -58,6 +63,8 @@ CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1),
     GemvConfig(block_n=32, block_k=512, num_warps=8, num_stages=2),
     GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, split_k=4),
+    GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, prefetch=2),
+    GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, prefetch=4),
     # BLOCK_N 64 is one wgmma tile on sm_90. At N=4096 that is only 64 programs for 132 SMs, hence the
     # split-K variants.
     GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
@@ -114,7 +121,8 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    NORM_INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM_INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -129,12 +137,23 @@ def _gemv_kernel(
     tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
     tile_start = pid_k * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, k_tiles)
+    if PREFETCH > 0:
+        # The weights do not depend on the previous kernel: the first PREFETCH tiles are loaded into
+        # registers before the wait (one row, no split, plain input, K >= PREFETCH * BLOCK_K: see
+        # _launch), so under PDL they stream in while that kernel still runs.
+        pre_ks = tl.arange(0, PREFETCH * BLOCK_K)
+        w_pre = tl.load(w_rows + pre_ks[None, :], eviction_policy="evict_first")
+        tile_start = PREFETCH
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
-        # (prefetching this program's first weight tiles into L2 before the wait was measured: slower)
+        # (prefetching the first weight tiles of every GEMV into L2 before the wait was measured
+        # slower: after a bandwidth-bound kernel the prefetch only competes with its tail)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if PREFETCH > 0:
+        x_pre = tl.load(x_ptr + pre_ks, eviction_policy="evict_last")
+        acc += tl.sum(w_pre.to(tl.float32) * x_pre.to(tl.float32)[None, :], axis=1)[:, None]
     if not USE_DOT and BLOCK_M == 1:
         # Elementwise accumulation, one cross-thread reduction after the loop.
         acc_tile = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -287,6 +306,8 @@ def _check_config(config: GemvConfig) -> None:
         raise ValueError(f"a tl.dot config needs block_n and block_k >= 16, got {config.block_n}, {config.block_k}")
     if config.num_stages < 1:
         raise ValueError(f"config.num_stages must be >= 1, got {config.num_stages}")
+    if config.prefetch and (not isinstance(config.prefetch, int) or config.prefetch & (config.prefetch - 1)):
+        raise ValueError(f"config.prefetch must be 0 or a power of 2, got {config.prefetch!r}")
 
 
 def gemv(
@@ -372,6 +393,7 @@ def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, ar
         USE_DOT=config.use_dot, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_input,
         EVEN_K=k % config.block_k == 0, **dot_options(x.dtype),
         NORM_INPUT=norm is not None, HAS_RESIDUAL=residual is not None, ARGMAX=has_argmax,
+        PREFETCH=_prefetch_tiles(config, m, k, silu_mul_input or norm is not None),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(device),
     )
 
@@ -412,6 +434,14 @@ def gemv_argmax(
     if m:
         _launch(x, weight, bias, out, config, argmax=argmax)
     return out, argmax
+
+
+def _prefetch_tiles(config: GemvConfig, m: int, k: int, fused_input: bool) -> int:
+    """config.prefetch where the kernel can take it (one row, FMA, no split, plain input, enough K),
+    else 0. A prefetch changes when weights are read and the order of the float32 sums, nothing else."""
+    usable = (m == 1 and not config.use_dot and config.split_k == 1 and not fused_input
+              and k >= config.prefetch * config.block_k)
+    return config.prefetch if usable else 0
 
 
 def fuses_rms_norm(config: GemvConfig) -> bool:

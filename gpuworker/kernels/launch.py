@@ -115,7 +115,9 @@ def pdl_options(device: torch.device) -> dict[str, bool]:
     wait in `gdc_wait` for that kernel to finish and its writes to be visible, then let the next
     kernel launch the same way (`gdc_launch_dependents`). This hides the launch gap between kernels,
     which at batch 1 is several hundred of them per step, also inside CUDA graphs. Every kernel
-    launched with it waits before touching memory, so ordering is that of a plain stream. Kernels
+    launched with it waits before touching memory that kernels write (a GEMV may read its weights
+    first: gemv's prefetch), so ordering is that of a plain stream. The attention kernels let the
+    next one launch before they wait, so that a GEMV after them loads weights while they run. Kernels
     take USE_PDL (constexpr) for the two calls; off under the interpreter, on older GPUs, with a
     Triton without them, or when GPUWORKER_PDL=0 (for A/B measurements).
     """

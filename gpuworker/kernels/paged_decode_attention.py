@@ -69,9 +69,11 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
-        tl.extra.cuda.gdc_wait()
+    if USE_PDL:  # see launch.pdl_options. The next kernel may launch at once: at batch 1 it is
+        # the merge or the o_proj GEMV, whose programs then load their first weight tiles while this
+        # latency-bound kernel runs (gemv's prefetch); their wait still orders them after us.
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -242,9 +244,9 @@ def _merge_partitions_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One (sequence, query head): the softmax-weighted sum of its partitions' partial outputs."""
-    if USE_PDL:  # see launch.pdl_options
-        tl.extra.cuda.gdc_wait()
+    if USE_PDL:  # see launch.pdl_options; the next kernel may launch at once, as in _paged_decode
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)

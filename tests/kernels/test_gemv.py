@@ -9,6 +9,7 @@ from gpuworker.kernels import gemv as gemv_module
 from gpuworker.kernels.activation import silu_and_mul
 from gpuworker.kernels.gemv import (
     CANDIDATES,
+    CANDIDATES_BY_NAME,
     MAX_M,
     GemvConfig,
     fuses_rms_norm,
@@ -134,6 +135,8 @@ def test_bad_input_is_named(device):
         gemv(torch.zeros(1, 16, device=device), torch.zeros(16, 8, device=device).t())
     with pytest.raises(ValueError, match="block_k must be a positive power of 2"):
         gemv(torch.zeros(1, 16, device=device), weight, config=GemvConfig(16, 96, 4, 2))
+    with pytest.raises(ValueError, match="prefetch must be 0 or a power of 2"):
+        gemv(torch.zeros(1, 16, device=device), weight, config=GemvConfig(16, 16, 4, 2, prefetch=3))
     with pytest.raises(ValueError, match=">= 16"):
         gemv(torch.zeros(1, 16, device=device), weight, config=GemvConfig(8, 64, 4, 2, use_dot=True))
 
@@ -225,3 +228,17 @@ def test_argmax_refuses_what_it_cannot_do(device):
         gemv_argmax(torch.zeros(1, 16, device=device), torch.zeros(0, 16, device=device))
     out, ids = gemv_argmax(torch.zeros(0, 16, device=device), weight)
     assert out.shape == (0, 8) and ids.shape == (0,)
+
+
+@pytest.mark.parametrize("config", [c for c in CANDIDATES if c.prefetch], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prefetched_tiles_give_the_same_product(config, dtype, device, generator, tolerance):
+    # K with a tail after the prefetched tiles and the pipelined loop; one row takes the prefetch,
+    # several rows (and a K shorter than the prefetch) run without it.
+    k = config.prefetch * config.block_k + 3 * config.block_k + 64
+    for m, depth in ((1, k), (3, k), (1, config.block_k)):
+        x, weight, bias = make(m, N, depth, dtype, generator, device)
+        got = gemv(x, weight, bias, config=config)
+        torch.testing.assert_close(got, gemv_reference(x, weight, bias), **tolerance(dtype))
+        plain = gemv(x, weight, bias, config=CANDIDATES_BY_NAME[config.name.rsplit("-pf", 1)[0]])
+        torch.testing.assert_close(got, plain, **tolerance(dtype))
