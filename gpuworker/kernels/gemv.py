@@ -63,8 +63,9 @@ CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=1),
     GemvConfig(block_n=32, block_k=512, num_warps=8, num_stages=2),
     GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, split_k=4),
+    # Two tiles (16 KB of bf16 per program, 64 registers per thread) held through the wait; four
+    # measured slower at batch 1 (233.4 against 242.3 tok/s as o_proj).
     GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, prefetch=2),
-    GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, prefetch=4),
     # BLOCK_N 64 is one wgmma tile on sm_90. At N=4096 that is only 64 programs for 132 SMs, hence the
     # split-K variants.
     GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=True),
@@ -81,7 +82,9 @@ CANDIDATES_BY_NAME = {c.name: c for c in CANDIDATES}
 # (the M=4 winners were within 1-11% and need split-K counters under CUDA graphs: not used yet).
 TUNED: dict[tuple[int, int], dict[int, str]] = {
     (6144, 4096): {1: "fma-n16-k512-w4-p1"},  # qkv: 16.4 -> 15.2 us
-    (4096, 4096): {1: "fma-n16-k512-w4-p3"},  # o_proj: 13.5 -> 11.1 us
+    # o_proj: 13.5 -> 11.1 us alone; after the attention kernels it loads 2 of its 8 K tiles while
+    # they run (prefetch): batch-1 decode 238.9 -> 242.3 tok/s, 2026-12-01 (p2/p1 variants 240-241).
+    (4096, 4096): {1: "fma-n16-k512-w4-p3-pf2"},
     (28672, 4096): {1: "fma-n16-k512-w4-p3"},  # gate_up: 64.9 -> 57.7 us
     (4096, 14336): {1: "fma-n16-k512-w4-p3"},  # down: 32.7 -> 30.6 us (fused SiLU-and-mul: 34.1 -> 30.4)
     (128256, 4096): {1: "dot-n64-k128-w4-p4"},  # lm_head: 278.5 -> 233.0 us
