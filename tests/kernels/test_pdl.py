@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.gemv import gemv
+from gpuworker.kernels.gemv import gemv, pick_config
 from gpuworker.kernels.launch import pdl_options
+from gpuworker.kernels.paged_decode_attention import paged_decode_attention
 from gpuworker.kernels.rms_norm import rms_norm
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -51,5 +52,44 @@ def test_chained_kernels_match_plain_launches(monkeypatch, in_graph):
         graph.replay()
     else:
         got = _chain(x, weights, norm_weight)
+    torch.cuda.synchronize()
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="programmatic dependent launch needs compute capability 9.0+")
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_attention_then_prefetching_gemv_match_plain_launches(monkeypatch, in_graph, paged_cache):
+    # As in a layer at batch 1: the decode kernel and its merge let the next kernel launch before
+    # they wait, and the o_proj-shaped GEMV loads its first weight tiles before its own wait. Each
+    # attention takes its query from the GEMV before it, each GEMV its input from the merge.
+    assert pdl_options(torch.device("cuda"))["USE_PDL"]
+    assert pick_config(1, 4096, 4096).prefetch, "the o_proj config is the one that prefetches"
+    generator = torch.Generator().manual_seed(0)
+    heads, head_dim = 32, 128
+    kv_cache, block_tables = paged_cache([700], 8, head_dim, 16, torch.bfloat16, generator, table_width=512)
+    seq_lens = torch.tensor([700], dtype=torch.int32, device="cuda")
+    weights = [(torch.randn(4096, 4096, generator=generator) / 64).to(torch.bfloat16).cuda() for _ in range(12)]
+    x = torch.randn(1, 4096, generator=generator).to(torch.bfloat16).cuda()
+
+    def chain(x):
+        for weight in weights:
+            # Captured for 8192 tokens as the engine does: split, merged by the second kernel.
+            attended = paged_decode_attention(x.view(1, heads, head_dim), kv_cache, block_tables, seq_lens,
+                                              head_dim**-0.5, 8192)
+            x = gemv(attended.view(1, heads * head_dim), weight)
+        return x
+
+    monkeypatch.setenv("GPUWORKER_PDL", "0")
+    expected = chain(x)
+    monkeypatch.setenv("GPUWORKER_PDL", "1")
+    if in_graph:
+        chain(x)  # compile outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = chain(x)
+        graph.replay()
+    else:
+        got = chain(x)
     torch.cuda.synchronize()
     assert torch.equal(got, expected)
