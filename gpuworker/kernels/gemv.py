@@ -328,19 +328,25 @@ def gemv(
     kernel rounds it). `config` defaults to pick_config(M, N, K). gemv_rms_norm fuses an RMSNorm
     into the input instead.
     """
-    _check_operands(x, weight, bias, silu_mul_input=silu_mul_input)
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    if m > MAX_M:
-        raise ValueError(f"x has {m} rows; gemv handles at most {MAX_M} (use F.linear for larger batches)")
-    if config is None:
-        config = pick_config(m, n, k)
-    _check_config(config)
-
+    m, n, config = _checked(x, weight, bias, config, "gemv", silu_mul_input=silu_mul_input)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     _launch(x, weight, bias, out, config, silu_mul_input=silu_mul_input)
     return out
+
+
+def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
+             caller: str, *, silu_mul_input: bool = False) -> tuple[int, int, GemvConfig]:
+    """Check a call's operands and row count; return M, N and the config (pick_config's if None)."""
+    _check_operands(x, weight, bias, silu_mul_input=silu_mul_input)
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if m > MAX_M:
+        raise ValueError(f"x has {m} rows; {caller} handles at most {MAX_M} (use F.linear for larger batches)")
+    if config is None:
+        config = pick_config(m, n, k)
+    _check_config(config)
+    return m, n, config
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
@@ -415,15 +421,9 @@ def gemv_argmax(
     NaN counting as the largest, as torch.argmax of the output. `config` as in gemv, without split-K;
     argmax_out: an [M] int64 tensor to write the argmax into.
     """
-    _check_operands(x, weight, bias)
-    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    if m > MAX_M:
-        raise ValueError(f"x has {m} rows; gemv_argmax handles at most {MAX_M}")
+    m, n, config = _checked(x, weight, bias, config, "gemv_argmax")
     if n == 0:
         raise ValueError("weight has no rows: there is no argmax of an empty row")
-    if config is None:
-        config = pick_config(m, n, k)
-    _check_config(config)
     if config.split_k != 1:
         raise ValueError(f"config {config.name} splits K; gemv_argmax needs split_k 1")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
