@@ -9,6 +9,8 @@ found there is reused while it still works, and replaced otherwise.
 
 import os
 import secrets
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -74,10 +76,9 @@ def ensure_demo_model(path: Path) -> bool:
     """Write the demo checkpoint to `path` unless one is there; True if it was written."""
     if (path / "config.json").exists():
         return False
-    # Imported here: the engine side (torch, transformers) is only needed for this one-off.
-    from gpuworker.demo_model import write_demo_model
-
-    write_demo_model(path, max_position_embeddings=DEMO_CONTEXT_LENGTH)
+    # The worker's own command writes it: the control plane imports nothing of gpuworker but its contract.
+    subprocess.run([sys.executable, "-m", "gpuworker.demo_model", str(path),
+                    "--max-position-embeddings", str(DEMO_CONTEXT_LENGTH)], check=True, stdout=subprocess.DEVNULL)
     return True
 
 

@@ -160,8 +160,6 @@ def port_answers(host: str, port: int) -> bool:
 
 
 def banner(*, port: int, env_file: Path) -> str:
-    from gpuworker.demo_model import NOISE_NOTICE
-
     demo = read_env_file(env_file)
     url = f"http://127.0.0.1:{port}"
     lines = [
@@ -174,7 +172,8 @@ def banner(*, port: int, env_file: Path) -> str:
         lines += [
             f"           OPENAI_API_KEY={demo.get('OPENAI_API_KEY', '?')}",
             f"  login:   {demo.get('DEMO_ADMIN_USERNAME', '?')} / {demo.get('DEMO_ADMIN_PASSWORD', '?')}",
-            f"  model:   demo-tiny, loading on the local GPU worker daemon. {NOISE_NOTICE}",
+            "  model:   demo-tiny, loading on the local GPU worker daemon. Its weights are random: "
+            "its text is random noise, not language.",
             f"  (saved in {env_file}; `set -a; . {env_file.name}; set +a` exports them for OpenAI clients)",
         ]
     else:

@@ -84,12 +84,10 @@ def _configure_logging(level: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from gpuworker.server import ServerConfig, run_server
+    from gpuworker.replica.server import ServerConfig, exit_with_parent, run_server
 
     _configure_logging(args.log_level)
     if args.exit_with_parent is not None:
-        from gpuworker.supervisor import exit_with_parent
-
         exit_with_parent(args.exit_with_parent)
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
                           dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
@@ -105,7 +103,7 @@ def _model_roots(given: list[Path] | None) -> tuple[Path, ...]:
 
 
 def daemon(args: argparse.Namespace) -> int:
-    from gpuworker.agent import Agent, AgentConfig
+    from gpuworker.daemon.agent import Agent, AgentConfig
 
     _configure_logging(args.log_level)
     if not args.token:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpuworker.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
+from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
 
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
 from controlplane.gateway.metering import COMPLETED, FAILED, Flight

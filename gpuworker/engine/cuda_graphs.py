@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpuworker.engine.attention import AttentionMetadata
+from gpuworker.attention.backend import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 576, 640, 704, 768,
            832, 896, 960, 1024)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from jinja2 import TemplateError
 
-from gpuworker.engine.attention import AttentionBackend
+from gpuworker.attention.backend import AttentionBackend
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from gpuworker.engine.model_runner import ModelRunner, StepHandle, determine_num_kv_blocks
@@ -29,7 +29,8 @@ from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestO
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
-from gpuworker.engine.structured_output import GrammarCache, StructuredOutput, StructuredOutputs
+from gpuworker.engine.grammar_masks import StructuredOutputs
+from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -94,11 +95,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context "
                              f"({mc.max_position_embeddings} positions)")
         if attn_backend is None and self.device.type == "cuda":
-            from gpuworker.engine.attention_triton import TritonAttentionBackend
+            from gpuworker.attention.triton_backend import TritonAttentionBackend
 
             attn_backend = TritonAttentionBackend()
         elif attn_backend is None:
-            from gpuworker.engine.attention_torch import TorchAttentionBackend
+            from gpuworker.attention.torch_backend import TorchAttentionBackend
 
             attn_backend = TorchAttentionBackend()
         model = load_model(mc, device=self.device, dtype=self.dtype, attn_backend=attn_backend,

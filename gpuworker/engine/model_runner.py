@@ -23,14 +23,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from gpuworker.engine.attention import AttentionMetadata
+from gpuworker.attention.backend import AttentionMetadata
 from gpuworker.engine.block_tables import BlockTables
 from gpuworker.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from gpuworker.engine.outputs import TokenLogprob
 from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
 from gpuworker.engine.scheduler import ScheduledBatch
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
-from gpuworker.engine.structured_output import TokenBitmask
+from gpuworker.engine.grammar_masks import TokenBitmask
 from gpuworker.models.config import ModelConfig
 
 

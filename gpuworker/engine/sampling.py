@@ -17,7 +17,7 @@ import torch
 
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.sequence import Sequence
-from gpuworker.engine.structured_output import TokenBitmask
+from gpuworker.engine.grammar_masks import TokenBitmask
 
 _SEED_MASK = (1 << 63) - 1
 

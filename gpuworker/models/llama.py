@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpuworker.engine.attention import AttentionBackend, AttentionMetadata, fuses_rotary_and_cache_write
+from gpuworker.attention.backend import AttentionBackend, AttentionMetadata, fuses_rotary_and_cache_write
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_then_linear
 

@@ -15,17 +15,16 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from gpuworker.attention.backend import AttentionBackend
+from gpuworker.attention.torch_backend import TorchAttentionBackend
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:  # not imported at run time: gpuworker.engine imports this package
-    from gpuworker.engine.attention import AttentionBackend
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -74,8 +73,6 @@ def load_model(config: ModelConfig | str | Path, device: str | torch.device = "c
     torch_dtype = resolve_dtype(dtype, mc)
     device = torch.device(device)
     if attn_backend is None:
-        from gpuworker.engine.attention_torch import TorchAttentionBackend
-
         attn_backend = TorchAttentionBackend()
     # Built on the meta device and then allocated uninitialised in the target dtype: no float32
     # staging copy and no init kernels, which matters for 8B-parameter models.

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from gpuworker.engine.attention import AttentionMetadata
-from gpuworker.engine.attention_torch import TorchAttentionBackend
-from gpuworker.engine.attention_triton import TritonAttentionBackend
+from gpuworker.attention.backend import AttentionMetadata
+from gpuworker.attention.torch_backend import TorchAttentionBackend
+from gpuworker.attention.triton_backend import TritonAttentionBackend
 
 ON_CUDA = torch.cuda.is_available()
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = (32, 8, 128) if ON_CUDA else (4, 2, 32)
@@ -102,7 +102,7 @@ def test_forward_with_rotary_matches_rotary_then_torch_backend(dtype, device, ge
     # slices of a fused qkv); the decode kernel rotates and caches the decode rows' tokens in its
     # launch, the rotary kernel those of the prefill rows. Against the rotary kernel alone + the torch
     # backend's forward, step by step over prefills, decodes and padding: the cache bit for bit.
-    from gpuworker.engine.attention import fuses_rotary_and_cache_write
+    from gpuworker.attention.backend import fuses_rotary_and_cache_write
     from gpuworker.kernels.rotary import apply_rotary
     from gpuworker.models.layers import RotaryEmbedding
 

@@ -18,7 +18,7 @@ import torch
 import triton.language as tl
 
 from gpuworker.engine import LLMEngine, SamplingParams
-from gpuworker.engine.attention_triton import TritonAttentionBackend
+from gpuworker.attention.triton_backend import TritonAttentionBackend
 from gpuworker.kernels.launch import LazyJIT
 from tests.gpuworker.checkpoints import TINY, make_checkpoint
 from tests.gpuworker.engine.reference import random_prompts

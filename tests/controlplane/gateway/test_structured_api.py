@@ -50,7 +50,7 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
 
 @pytest.fixture(scope="module")
 def tool_replica(tmp_path_factory):
-    from tests.gpuworker.tool_templates import tool_checkpoint
+    from tests.gpuworker.replica.tool_templates import tool_checkpoint
 
     path = tool_checkpoint(tmp_path_factory.mktemp("structured"), "qwen2", max_position_embeddings=MAX_MODEL_LEN)
     port = free_port()

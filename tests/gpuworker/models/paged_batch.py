@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from gpuworker.engine.attention import AttentionMetadata
+from gpuworker.attention.backend import AttentionMetadata
 
 
 class PagedBatcher:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpuworker.engine.attention_torch import TorchAttentionBackend
+from gpuworker.attention.torch_backend import TorchAttentionBackend
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.loader import load_model, load_model_config
 from tests.gpuworker.checkpoints import FAMILIES, make_checkpoint

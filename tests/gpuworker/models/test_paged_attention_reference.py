@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpuworker.engine.attention_torch import TorchAttentionBackend
+from gpuworker.attention.torch_backend import TorchAttentionBackend
 from tests.gpuworker.models.paged_batch import PagedBatcher
 
 

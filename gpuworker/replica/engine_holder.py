@@ -16,7 +16,7 @@ from typing import Any
 
 from gpuworker.engine import AsyncLLMEngine
 from gpuworker.engine.outputs import RequestOutput
-from gpuworker.metrics import EngineMetrics
+from gpuworker.replica.metrics import EngineMetrics
 from gpuworker.models.loader import report_load_progress
 
 logger = logging.getLogger(__name__)

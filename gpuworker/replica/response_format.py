@@ -14,8 +14,8 @@ import xgrammar as xgr
 from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag
 
 from gpuworker.engine.structured_output import StructuredOutput, xgrammar_reason
-from gpuworker.protocol import ChatCompletionRequest, NamedToolChoice, ProtocolError, ResponseFormat
-from gpuworker.tool_calls import ToolCallFormat, forced_tool_grammar
+from gpuworker.contract.openai_api import ChatCompletionRequest, NamedToolChoice, ProtocolError, ResponseFormat
+from gpuworker.replica.tool_calls import ToolCallFormat, forced_tool_grammar
 
 _XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)
 # Whitespace characters allowed in a row inside constrained JSON (see json_constraint).

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from xgrammar.testing import _is_grammar_accept_string
 
 from gpuworker.demo_model import CHAT_TEMPLATE as DEMO_TEMPLATE
-from gpuworker.protocol import ChatCompletionRequest, parse_request
-from gpuworker.tool_calls import (HERMES, LLAMA3_JSON, ToolCallParser, detect_tool_format, forced_tool_grammar,
+from gpuworker.contract.openai_api import ChatCompletionRequest, parse_request
+from gpuworker.replica.tool_calls import (HERMES, LLAMA3_JSON, ToolCallParser, detect_tool_format, forced_tool_grammar,
                                   parse_tool_calls)
-from tests.gpuworker.tool_templates import LLAMA3_1_CHAT_TEMPLATE, QWEN2_5_CHAT_TEMPLATE
+from tests.gpuworker.replica.tool_templates import LLAMA3_1_CHAT_TEMPLATE, QWEN2_5_CHAT_TEMPLATE
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

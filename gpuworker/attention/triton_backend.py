@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gpuworker.engine.attention import AttentionMetadata
+from gpuworker.attention.backend import AttentionMetadata
 from gpuworker.kernels.kv_cache_write import kv_cache_write
 from gpuworker.kernels.paged_decode_attention import (MAX_SPLITS, MIN_PARTITION, NewTokens, SplitCounters,
                                                      multiprocessor_count, paged_decode_attention)
@@ -21,7 +21,7 @@ from gpuworker.kernels.rotary import apply_rotary_and_cache
 
 class TritonAttentionBackend:
     name = "triton"
-    # The model calls forward_with_rotary (see gpuworker.engine.attention).
+    # The model calls forward_with_rotary (see gpuworker.attention.backend).
     fuses_rotary_and_cache_write = True
 
     def __init__(self) -> None:

@@ -1,6 +1,6 @@
 """The daemon end to end: a real `python -m gpuworker daemon` process, real replica children on CPU,
 Celery tasks sent through the real Redis, and a loopback fake of the control plane's HTTP API
-(tests/gpuworker/control_plane_fake.py) that checks the token and every payload strictly.
+(tests/gpuworker/daemon/control_plane_fake.py) that checks the token and every payload strictly.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import pytest
 import redis
 from celery import Celery
 
-from gpuworker.tasks import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL
+from gpuworker.daemon.tasks import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL
 from tests.conftest import require_service
-from tests.gpuworker.control_plane_fake import ControlPlaneFake
+from tests.gpuworker.daemon.control_plane_fake import ControlPlaneFake
 from tests.gpuworker.streaming import stream_in_thread
 
 TOKEN = "fleet-worker-token"

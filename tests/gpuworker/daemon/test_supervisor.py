@@ -11,8 +11,8 @@ import httpx
 import psutil
 import pytest
 
-from gpuworker.hardware import HardwareError, HardwareProbe
-from gpuworker.supervisor import LoadRequest, Supervisor
+from gpuworker.daemon.hardware import HardwareError, HardwareProbe
+from gpuworker.daemon.supervisor import LoadRequest, Supervisor
 
 TOKEN = "replica-token"
 

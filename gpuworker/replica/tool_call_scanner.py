@@ -1,7 +1,7 @@
 """Incremental scanning of the JSON a tool call is written in, as its text arrives: where a
 value ends, where a call object's name and arguments are, and whether the text so far can still
 become a call (`Malformed`) or simply has not ended yet (`Incomplete`). Used by
-`gpuworker.tool_calls.ToolCallParser`.
+`gpuworker.replica.tool_calls.ToolCallParser`.
 """
 
 from __future__ import annotations

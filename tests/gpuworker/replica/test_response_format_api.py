@@ -16,12 +16,12 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from gpuworker.engine import LLMEngine
-from gpuworker.protocol import ChatCompletionRequest, ProtocolError, parse_request
-from gpuworker.response_format import grammar_schema, json_constraint
-from gpuworker.serving import plan_chat
-from gpuworker.server import ServerConfig
-from tests.gpuworker.test_server import TOKEN, _serving
-from tests.gpuworker.tool_templates import tool_checkpoint
+from gpuworker.contract.openai_api import ChatCompletionRequest, ProtocolError, parse_request
+from gpuworker.replica.response_format import grammar_schema, json_constraint
+from gpuworker.replica.responses import plan_chat
+from gpuworker.replica.app import ServerConfig
+from tests.gpuworker.replica.test_app import TOKEN, _serving
+from tests.gpuworker.replica.tool_templates import tool_checkpoint
 
 MAX_MODEL_LEN = 4096  # the families' tool prompts are long in one-byte tokens
 

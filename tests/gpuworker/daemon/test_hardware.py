@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuworker.hardware import HardwareError, HardwareProbe
+from gpuworker.daemon.hardware import HardwareError, HardwareProbe
 
 
 def _has_gpu() -> bool:

@@ -8,7 +8,6 @@ must not leave replicas holding ports and GPU memory).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
@@ -308,14 +307,3 @@ class Supervisor:
         replica.state, replica.error, replica.ended_at = state, error, time.monotonic()
         replica.figures = {}
 
-
-def exit_with_parent(parent_pid: int) -> None:
-    """In a replica: have Linux SIGTERM us when the daemon thread that started us dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        logger.warning("cannot ask to be stopped with the daemon (no prctl here)")
-        return
-    if os.getppid() != parent_pid:  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)

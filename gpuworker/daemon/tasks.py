@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from celery import Celery
 
-from gpuworker.supervisor import LoadRequest
+from gpuworker.daemon.supervisor import LoadRequest
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gpuworker.engine.attention import AttentionMetadata
+from gpuworker.attention.backend import AttentionMetadata
 
 
 class TorchAttentionBackend:

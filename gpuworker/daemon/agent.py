@@ -24,10 +24,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from gpuworker.hardware import HardwareError, HardwareProbe
-from gpuworker.model_paths import ModelScan, scan_model_roots
-from gpuworker.supervisor import LoadRequest, Supervisor
-from gpuworker.tasks import CeleryConsumer, build_celery_app, register_tasks
+from gpuworker.daemon.hardware import HardwareError, HardwareProbe
+from gpuworker.daemon.model_paths import ModelScan, scan_model_roots
+from gpuworker.daemon.supervisor import LoadRequest, Supervisor
+from gpuworker.daemon.tasks import CeleryConsumer, build_celery_app, register_tasks
 
 logger = logging.getLogger(__name__)
 

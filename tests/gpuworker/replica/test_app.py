@@ -18,8 +18,8 @@ import pytest
 import uvicorn
 
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from gpuworker.engine_holder import EngineHolder
-from gpuworker.server import ServerConfig, build_app
+from gpuworker.replica.engine_holder import EngineHolder
+from gpuworker.replica.app import ServerConfig, build_app
 from tests.gpuworker.streaming import stream_in_thread
 
 TOKEN = "s3cret"

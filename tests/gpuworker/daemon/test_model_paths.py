@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuworker.agent import Agent, AgentConfig
-from gpuworker.hardware import HardwareProbe
-from gpuworker.model_paths import scan_model_roots
-from gpuworker.supervisor import Supervisor
+from gpuworker.daemon.agent import Agent, AgentConfig
+from gpuworker.daemon.hardware import HardwareProbe
+from gpuworker.daemon.model_paths import scan_model_roots
+from gpuworker.daemon.supervisor import Supervisor
 
 
 def _checkpoint(path: Path) -> Path:

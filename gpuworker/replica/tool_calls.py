@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuworker.tool_call_scanner import CallScanner, skip_ws
+from gpuworker.replica.tool_call_scanner import CallScanner, skip_ws
 
 
 @dataclass(frozen=True)

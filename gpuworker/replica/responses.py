@@ -18,10 +18,10 @@ from starlette.responses import JSONResponse
 
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.sampling_params import SamplingParams
-from gpuworker.engine_holder import EngineHolder
-from gpuworker.protocol import ChatCompletionRequest, ProtocolError, now, usage_dict
-from gpuworker.response_format import response_format_constraint, tool_choice_constraint
-from gpuworker.tool_calls import ToolCallFormat, ToolCallParser, detect_tool_format, parse_tool_calls
+from gpuworker.replica.engine_holder import EngineHolder
+from gpuworker.contract.openai_api import ChatCompletionRequest, ProtocolError, now, usage_dict
+from gpuworker.replica.response_format import response_format_constraint, tool_choice_constraint
+from gpuworker.replica.tool_calls import ToolCallFormat, ToolCallParser, detect_tool_format, parse_tool_calls
 
 
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,

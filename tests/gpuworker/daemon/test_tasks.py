@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpuworker.supervisor import LoadRequest
-from gpuworker.tasks import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL, TaskArgumentError, check_arguments
+from gpuworker.daemon.supervisor import LoadRequest
+from gpuworker.daemon.tasks import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL, TaskArgumentError, check_arguments
 
 GOOD_LOAD = {"replica_id": 3, "model_path": "/models/m", "served_model_name": "m", "gpu_index": 1,
              "memory_fraction": 0.4}

@@ -1,0 +1,239 @@
+"""The replica's ASGI app: one engine replica behind Starlette, OpenAI-compatible, like `vllm serve`.
+
+    app = build_app(ServerConfig(model="/models/llama", device="cuda"))
+
+The app answers before the model is loaded (GET /health says 503 "loading" with progress) so the
+daemon and operators can watch. POST /drain stops new requests (503) and lets in-flight ones finish
+until the drain timeout; streams still running then end with an error event. Every route asks for
+the worker token (BearerAuth); `server.py` runs the app in its own process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequest, ProtocolError, new_id, now,
+                                           parse_request)
+from gpuworker.engine import SamplingParams
+from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
+from gpuworker.replica.responses import Responder, drain_expired_error, engine_error, error_response, plan_chat
+
+__all__ = ["ServerConfig", "build_app"]
+
+MAX_DRAIN_TIMEOUT_S = 3600.0
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP request must carry 'Authorization: Bearer <worker token>'."""
+
+    def __init__(self, app: Any, token: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.expected is None:
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        denied = error_response("missing or wrong bearer token", 401, type="authentication_error",
+                                code="invalid_api_key")
+        await denied(scope, receive, send)
+
+
+class CountInFlight:
+    """ASGI middleware counting API requests until their response (stream included) is over."""
+
+    def __init__(self, app: Any, holder: EngineHolder) -> None:
+        self.app, self.holder = app, holder
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        self.holder.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.holder.in_flight -= 1
+
+
+def _holder(request: Request) -> EngineHolder:
+    return request.app.state.holder
+
+
+def _not_ready(holder: EngineHolder) -> JSONResponse | None:
+    if holder.state == "ready":
+        return None
+    if holder.draining:
+        return error_response("this replica is draining and takes no new requests", 503,
+                              type="service_unavailable", code="replica_draining")
+    return error_response(f"the model is {holder.state}" + (f": {holder.error}" if holder.error else ""), 503,
+                          type="service_unavailable")
+
+
+async def health(request: Request) -> Response:
+    holder = _holder(request)
+    if holder.state == "ready":
+        return JSONResponse({"status": "ready"})
+    body: dict[str, Any] = {"status": holder.state}
+    if holder.state == "loading":
+        body["progress"] = holder.load_progress
+    if holder.error:
+        body["error"] = holder.error
+    return JSONResponse(body, status_code=503)
+
+
+async def stats(request: Request) -> Response:
+    return JSONResponse(await _holder(request).snapshot())
+
+
+async def metrics(request: Request) -> Response:
+    holder = _holder(request)
+    await holder.snapshot()
+    return Response(holder.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def drain(request: Request) -> Response:
+    holder = _holder(request)
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except json.JSONDecodeError as exc:
+        return error_response(f"request body is not valid JSON: {exc}")
+    timeout_s = body.get("timeout_s", holder.config.drain_timeout_s) if isinstance(body, dict) else None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not 0 <= timeout_s <= MAX_DRAIN_TIMEOUT_S:
+        return error_response(f"timeout_s must be a number of seconds in [0, {MAX_DRAIN_TIMEOUT_S:g}], "
+                              f"got {timeout_s!r}", param="timeout_s")
+    holder.begin_drain(float(timeout_s))
+    return JSONResponse({"running": holder.in_flight})
+
+
+async def models(request: Request) -> Response:
+    holder = _holder(request)
+    config = holder.config
+    card = {"id": config.model_name, "object": "model", "created": now(), "owned_by": "gpuworker",
+            "root": config.model}
+    if holder.engine is not None:
+        card["max_model_len"] = holder.engine.engine.config.max_model_len
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: Request, chat: bool) -> Response:
+    holder = _holder(request)
+    if (unavailable := _not_ready(holder)) is not None:
+        return unavailable
+    try:
+        body = json.loads(await request.body())
+    except json.JSONDecodeError as exc:
+        return error_response(f"request body is not valid JSON: {exc}")
+    engine = holder.engine
+    prompt: Any
+    tool_parsing = None
+    try:
+        parsed = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+        if chat:  # the prompt, constraints and tool-call format come from the model
+            plan = plan_chat(engine.engine, parsed)
+            prompt, params, tool_parsing = plan.prompt_token_ids, plan.params, plan.tool_parsing
+        else:
+            prompt, params = parsed.prompt, SamplingParams(**parsed.sampling_kwargs())
+    except ProtocolError as exc:
+        return JSONResponse(exc.to_dict(), status_code=exc.status)
+    except ValueError as exc:
+        return engine_error(exc, "messages" if chat else "prompt")
+    request_id = new_id("chatcmpl" if chat else "cmpl")
+    stream = engine.generate(prompt, params, request_id)
+    try:
+        first = await anext(stream)
+    except ValueError as exc:
+        return engine_error(exc, "messages" if chat else "prompt")
+    except StopAsyncIteration:  # pragma: no cover - the engine always yields a final output
+        return error_response("the engine returned nothing", 500, type="server_error")
+    if holder.drain_expired and not first.finished:  # admitted just as the drain deadline passed
+        await engine.abort(request_id)
+    responder = Responder(holder, parsed, request_id, chat, engine.engine.tokenizer, tool_parsing)
+    if parsed.stream:
+        return StreamingResponse(responder.sse(first, stream, request), media_type="text/event-stream")
+    final = await _collect_unless_disconnected(request, first, stream)
+    if final is None:
+        await engine.abort(request_id)  # when this returns, its KV blocks are free
+        return Response(status_code=499)
+    if holder.drain_expired and final.finish_reason == "abort":
+        error = drain_expired_error(holder.drain_timeout_s)
+        return JSONResponse(error.to_dict(), status_code=error.status)
+    holder.record_finished(final)
+    return JSONResponse(responder.full(final))
+
+
+async def _collect_unless_disconnected(request: Request, first, stream):
+    """The request's final output, or None if the client went away first (a non-streaming client
+    sends nothing more, so its disconnect is only seen by waiting for it alongside the engine)."""
+
+    async def collect():
+        final = first
+        if not first.finished:
+            async for output in stream:
+                final = output
+        return final
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    collector, watcher = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not collector.done():
+            collector.cancel()  # leaving the generator also asks the engine to abort
+            await asyncio.wait({collector})
+        await stream.aclose()
+    return collector.result() if collector in done else None
+
+
+ROUTES = [
+    Route("/health", health), Route("/stats", stats), Route("/metrics", metrics),
+    Route("/drain", drain, methods=["POST"]),
+    Route("/v1/models", models),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+]
+
+
+def build_app(config: ServerConfig) -> Starlette:
+    holder = EngineHolder(config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        holder.start_loading()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(holder.shutdown)
+
+    # Auth runs first, so a request without the token is neither counted nor read.
+    app = Starlette(routes=ROUTES, lifespan=lifespan, middleware=[
+        Middleware(BearerAuth, token=config.token), Middleware(CountInFlight, holder=holder)])
+    app.state.holder = holder
+    return app
