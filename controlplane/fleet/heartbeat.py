@@ -3,7 +3,7 @@ the heartbeat service applies. Most heartbeats change nothing and so write nothi
 
 from dataclasses import dataclass, field
 
-from controlplane.fleet.reports import ReplicaReport
+from gpuworker.contract.heartbeat import ReplicaReport
 
 PENDING, LOADING, READY, DRAINING, STOPPED, FAILED = "pending", "loading", "ready", "draining", "stopped", "failed"
 

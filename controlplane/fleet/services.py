@@ -17,8 +17,9 @@ from controlplane.fleet import commands, live_state
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import Gpu, Replica, Worker
 from controlplane.fleet.placement import memory_fraction
-from controlplane.fleet.reports import Heartbeat, WorkerRegistration
 from controlplane.fleet.selectors import placement_slots
+from gpuworker.contract.heartbeat import Heartbeat, WorkerRegistration
+from gpuworker.contract.tasks import DrainWorker, LoadModel, UnloadModel
 
 
 class WorkerUnknown(Exception):
@@ -216,12 +217,12 @@ def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
     _publish_replica(replica)  # the fleet page shows the new replica at once, before it loads
     model = deployment.model
     total = gpu.memory_total_bytes if gpu is not None else worker.cpu_memory_total_bytes
-    commands.send_load_model(
-        queue=worker.queue_name, replica_id=replica.pk, model_path=model.weights_path,
-        served_model_name=model.public_name, gpu_index=gpu.index if gpu is not None else None,
+    commands.send_to_worker(queue=worker.queue_name, task=LoadModel(
+        replica_id=replica.pk, model_path=model.weights_path, served_model_name=model.public_name,
+        gpu_index=gpu.index if gpu is not None else None,
         memory_fraction=memory_fraction(need_bytes=model.gpu_memory_bytes, total_bytes=total),
         max_model_len=model.context_length,
-    )
+    ))
     return replica
 
 
@@ -230,8 +231,8 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
     The unload message goes either way, in case the load message is still on its way."""
     to_state = Replica.State.STOPPED if replica.state == Replica.State.PENDING else Replica.State.DRAINING
     _transition(replica, to_state=to_state, at=at)
-    commands.send_unload_model(queue=replica.worker.queue_name, replica_id=replica.pk,
-                               drain_timeout_s=float(settings.FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS))
+    commands.send_to_worker(queue=replica.worker.queue_name, task=UnloadModel(
+        replica_id=replica.pk, drain_timeout_s=float(settings.FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS)))
     return replica
 
 
@@ -313,7 +314,8 @@ def worker_drain(*, worker: Worker, actor=None) -> Worker:
     for replica in replicas:
         to_state = Replica.State.STOPPED if replica.state == Replica.State.PENDING else Replica.State.DRAINING
         _transition(replica, to_state=to_state, at=now)
-    commands.send_drain_worker(queue=worker.queue_name, timeout_s=float(settings.FLEET_WORKER_DRAIN_TIMEOUT_SECONDS))
+    commands.send_to_worker(queue=worker.queue_name,
+                            task=DrainWorker(timeout_s=float(settings.FLEET_WORKER_DRAIN_TIMEOUT_SECONDS)))
     audit_record(actor=actor, action=AuditEntry.Action.WORKER_DRAIN, target=worker, target_label=worker.name, detail={
         "state": [Worker.State.ONLINE, worker.state], "replicas_moved": [r.pk for r in replicas],
     })

@@ -1,5 +1,5 @@
 """The /internal/ HTTP API the worker daemons call: registration and heartbeats. JSON in and out,
-fleet token required; parsing in `reports`, the work in services."""
+fleet token required; parsing in the worker contract (gpuworker.contract.heartbeat), the work in services."""
 
 import hmac
 import json
@@ -12,8 +12,8 @@ from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
-from controlplane.fleet.reports import parse_heartbeat, parse_registration
 from controlplane.fleet.services import WorkerUnknown, worker_heartbeat, worker_register
+from gpuworker.contract.heartbeat import ContractError, parse_heartbeat, parse_registration
 
 
 def internal_endpoint(view: Callable) -> Callable:
@@ -34,6 +34,8 @@ def internal_endpoint(view: Callable) -> Callable:
             return JsonResponse({"error": "The body must be JSON."}, status=400)
         try:
             return view(request, body, *args, **kwargs)
+        except ContractError as exc:
+            return JsonResponse({"error": "Invalid request.", "fields": {exc.field: [exc.message]}}, status=400)
         except ValidationError as exc:
             fields = exc.message_dict if hasattr(exc, "error_dict") else {"body": exc.messages}
             return JsonResponse({"error": "Invalid request.", "fields": fields}, status=400)

@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -24,9 +24,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from gpuworker.contract.heartbeat import GpuSpec, Heartbeat, ModelPaths, WorkerRegistration
+from gpuworker.contract.tasks import DrainWorker, LoadModel, UnloadModel
+
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
-from gpuworker.daemon.model_paths import ModelScan, scan_model_roots
-from gpuworker.daemon.supervisor import LoadRequest, Supervisor
+from gpuworker.daemon.model_paths import scan_model_roots
+from gpuworker.daemon.supervisor import Supervisor
 from gpuworker.daemon.tasks import CeleryConsumer, build_celery_app, register_tasks
 
 logger = logging.getLogger(__name__)
@@ -72,16 +75,16 @@ class ControlPlane:
             raise ValueError(f"{path} answered {body!r}, not a JSON object")
         return body
 
-    def register(self, payload: dict[str, Any]) -> dict[str, Any]:
-        body = self._post("/internal/workers/register", payload)
+    def register(self, registration: WorkerRegistration) -> dict[str, Any]:
+        body = self._post("/internal/workers/register", registration.to_json())
         celery = body.get("celery")
         if not (isinstance(body.get("worker_id"), int) and isinstance(body.get("queue"), str)
                 and isinstance(celery, dict) and isinstance(celery.get("broker_url"), str)):
             raise ValueError(f"registration answer lacks worker_id, queue or celery.broker_url: {body!r}")
         return body
 
-    def heartbeat(self, worker_id: int, payload: dict[str, Any]) -> dict[str, Any]:
-        return self._post(f"/internal/workers/{worker_id}/heartbeat", payload)
+    def heartbeat(self, worker_id: int, heartbeat: Heartbeat) -> dict[str, Any]:
+        return self._post(f"/internal/workers/{worker_id}/heartbeat", heartbeat.to_json())
 
     def close(self) -> None:
         self._http.close()
@@ -99,22 +102,22 @@ class Agent:
         self._failing_since: float | None = None
         self._last_failure_log = 0.0
         self._control = ControlPlane(config.control_url, config.token)
-        self._model_scan: ModelScan | None = None
+        self._model_scan: ModelPaths | None = None
         self._model_scan_at = 0.0
-        self._model_scan_acknowledged: ModelScan | None = None
+        self._model_scan_acknowledged: ModelPaths | None = None
 
     # -- TaskHandler: what the Celery tasks ask for -----------------------------------------------
 
-    def load(self, request: LoadRequest) -> None:
-        self.supervisor.load(request)
+    def load(self, task: LoadModel) -> None:
+        self.supervisor.load(task)
 
-    def unload(self, replica_id: int, drain_timeout_s: float) -> None:
-        self.supervisor.unload(replica_id, drain_timeout_s)
+    def unload(self, task: UnloadModel) -> None:
+        self.supervisor.unload(task.replica_id, task.drain_timeout_s)
 
-    def drain(self, timeout_s: float) -> None:
-        logger.info("draining the worker: no new loads, every replica unloaded within %.1fs", timeout_s)
+    def drain(self, task: DrainWorker) -> None:
+        logger.info("draining the worker: no new loads, every replica unloaded within %.1fs", task.timeout_s)
         self.draining = self.supervisor.refuse_loads = True
-        self.supervisor.unload_all(timeout_s)
+        self.supervisor.unload_all(task.timeout_s)
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -132,9 +135,12 @@ class Agent:
             advertise_host=advertise_host, bind_host="127.0.0.1" if _is_loopback(advertise_host) else "0.0.0.0",
             state_dir=self.config.state_dir, worker_name=self.config.name)
         self.supervisor.start()
-        self._registration_payload = {"name": self.config.name, "advertise_host": advertise_host,
-                                      "device": self.probe.device, **self.probe.inventory(),
-                                      "version": _version()}
+        inventory = self.probe.inventory()
+        self._registration = WorkerRegistration(
+            name=self.config.name, advertise_host=advertise_host, device=self.probe.device,
+            gpus=tuple(GpuSpec(**gpu) for gpu in inventory["gpus"]),
+            cpu_memory_total_bytes=inventory["cpu"]["memory_total_bytes"], cpu_cores=inventory["cpu"]["cores"],
+            version=_version())
         registration = self._register_until_answered()
         consumer = self._start(registration) if registration is not None else None
         while not self._stop.wait(0.5):
@@ -168,11 +174,8 @@ class Agent:
         return consumer
 
     def _register(self) -> dict[str, Any]:
-        payload = dict(self._registration_payload)
         scan = self._scan_models()
-        if scan is not None:
-            payload["models"] = scan.to_payload()
-        registration = self._control.register(payload)
+        registration = self._control.register(replace(self._registration, models=scan))
         self._model_scan_acknowledged = scan
         self._worker_id = registration["worker_id"]
         self._interval_s = min(60.0, max(0.2, float(registration.get("heartbeat_interval_s", 1.0))))
@@ -190,7 +193,7 @@ class Agent:
             if self._stop.wait(delay):
                 return None
 
-    def _scan_models(self, *, force: bool = True) -> ModelScan | None:
+    def _scan_models(self, *, force: bool = True) -> ModelPaths | None:
         """The checkpoints under the model roots, scanned again when due (None without roots)."""
         if not self.config.model_roots:
             return None
@@ -199,15 +202,15 @@ class Agent:
             self._model_scan, self._model_scan_at = scan_model_roots(self.config.model_roots), now
         return self._model_scan
 
-    def _heartbeat_payload(self) -> tuple[dict[str, Any], ModelScan | None]:
-        payload = {"sent_at": datetime.now(timezone.utc).isoformat(), "draining": self.draining,
-                   **self.probe.sample(), "replicas": self.supervisor.snapshot()}
+    def _heartbeat(self) -> tuple[Heartbeat, ModelPaths | None]:
+        sample = self.probe.sample()
         # The checkpoint list goes only when it changed since the control plane last took it.
         scan = self._scan_models(force=False)
-        if scan is not None and scan != self._model_scan_acknowledged:
-            payload["models"] = scan.to_payload()
-            return payload, scan
-        return payload, None
+        changed = scan if scan is not None and scan != self._model_scan_acknowledged else None
+        heartbeat = Heartbeat(sent_at=datetime.now(timezone.utc).isoformat(), draining=self.draining,
+                              gpus=tuple(sample["gpus"]), cpu=sample["cpu"],
+                              replicas=tuple(self.supervisor.snapshot()), models=changed)
+        return heartbeat, changed
 
     def _heartbeat_loop(self) -> None:
         while True:
@@ -219,8 +222,8 @@ class Agent:
 
     def _beat(self) -> None:
         try:
-            payload, scan_sent = self._heartbeat_payload()
-            answer = self._control.heartbeat(self._worker_id, payload)
+            heartbeat, scan_sent = self._heartbeat()
+            answer = self._control.heartbeat(self._worker_id, heartbeat)
             if scan_sent is not None:
                 self._model_scan_acknowledged = scan_sent
             self._apply(answer)

@@ -23,6 +23,9 @@ from typing import Any
 
 import httpx
 
+from gpuworker.contract.heartbeat import REPLICA_FIGURES, ReplicaReport
+from gpuworker.contract.tasks import LoadModel
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
@@ -34,20 +37,9 @@ LOG_TAIL_CHARS = 1500
 LIVE_STATES = ("loading", "ready", "draining")
 
 
-@dataclass(frozen=True)
-class LoadRequest:
-    replica_id: int
-    model_path: str
-    served_model_name: str
-    gpu_index: int | None
-    memory_fraction: float
-    max_model_len: int | None = None
-    dtype: str = "auto"
-
-
 @dataclass
 class Replica:
-    request: LoadRequest
+    request: LoadModel
     state: str = "loading"
     error: str = ""
     endpoint_url: str = ""
@@ -60,14 +52,11 @@ class Replica:
     kill_deadline: float | None = None  # monotonic; SIGKILL past it
     ended_at: float | None = None  # monotonic; when it became stopped or failed
 
-    def heartbeat_entry(self) -> dict[str, Any]:
-        figures = self.figures if self.state in ("ready", "draining") else {}
-        return {"replica_id": self.request.replica_id, "state": self.state, "endpoint_url": self.endpoint_url,
-                "load_progress": self.load_progress, "error": self.error,
-                "running": int(figures.get("running", 0)), "waiting": int(figures.get("waiting", 0)),
-                "kv_cache_usage": float(figures.get("kv_cache_usage", 0.0)),
-                "tokens_per_s": float(figures.get("tokens_per_s", 0.0)),
-                "prefix_cache_hit_rate": float(figures.get("prefix_cache_hit_rate", 0.0))}
+    def report(self) -> ReplicaReport:
+        engine = self.figures if self.state in ("ready", "draining") else {}
+        figures = {name: engine.get(name, 0) for name in REPLICA_FIGURES} | {"load_progress": self.load_progress}
+        return ReplicaReport(replica_id=self.request.replica_id, state=self.state, endpoint_url=self.endpoint_url,
+                             error=self.error, figures=figures)
 
 
 class Supervisor:
@@ -80,7 +69,7 @@ class Supervisor:
         self.refuse_loads = False  # set while the worker drains
         self._replicas: dict[int, Replica] = {}
         self._commands: queue.Queue = queue.Queue()
-        self._published: list[dict[str, Any]] = []
+        self._published: list[ReplicaReport] = []
         self._stopped = threading.Event()
         self._http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=1.0)
         self._thread = threading.Thread(target=self._run, name="replica-supervisor", daemon=True)
@@ -90,7 +79,7 @@ class Supervisor:
     def start(self) -> None:
         self._thread.start()
 
-    def load(self, request: LoadRequest) -> None:
+    def load(self, request: LoadModel) -> None:
         self._commands.put(("load", request))
 
     def unload(self, replica_id: int, drain_timeout_s: float) -> None:
@@ -99,8 +88,8 @@ class Supervisor:
     def unload_all(self, drain_timeout_s: float) -> None:
         self._commands.put(("unload_all", drain_timeout_s))
 
-    def snapshot(self) -> list[dict[str, Any]]:
-        """The heartbeat's "replicas" entries as of the last poll."""
+    def snapshot(self) -> list[ReplicaReport]:
+        """The heartbeat's replica reports as of the last poll."""
         return list(self._published)
 
     def close(self, drain_timeout_s: float) -> None:
@@ -133,9 +122,9 @@ class Supervisor:
                     next_poll = time.monotonic() + POLL_S
             except Exception:  # one bad replica or command must not stop the supervision of the rest
                 logger.exception("replica supervisor: %s failed", command or "poll")
-            self._published = [r.heartbeat_entry() for r in self._replicas.values()]
+            self._published = [r.report() for r in self._replicas.values()]
 
-    def _do_load(self, request: LoadRequest) -> None:
+    def _do_load(self, request: LoadModel) -> None:
         current = self._replicas.get(request.replica_id)
         if current is not None and current.state in LIVE_STATES:
             if current.state == "draining":
@@ -156,7 +145,7 @@ class Supervisor:
             self._end(replica, "failed", problem)
             logger.error("replica %d failed to load: %s", request.replica_id, problem)
 
-    def _load_problem(self, request: LoadRequest) -> str | None:
+    def _load_problem(self, request: LoadModel) -> str | None:
         """Why this load cannot work, found before any process starts (None: go ahead)."""
         if self.refuse_loads:
             return f"worker {self.worker_name} is draining and takes no new loads"

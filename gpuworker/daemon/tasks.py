@@ -1,137 +1,44 @@
-"""The daemon's Celery side: its app (broker settings from registration), the three control tasks,
-and their argument checks. A task with bad arguments is rejected with a logged reason and no
-retry; a good one only hands a command to the agent, so tasks never block on a model.
+"""The daemon's Celery side: its app (broker settings from registration) and the three control tasks
+of the contract (gpuworker.contract.tasks). A task with bad arguments is rejected with a logged
+reason and no retry; a good one only hands a command to the agent, so tasks never block on a model.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from celery import Celery
 
-from gpuworker.daemon.supervisor import LoadRequest
+from gpuworker.contract.tasks import (DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL, DrainWorker, LoadModel,
+                                      TaskArgumentError, UnloadModel, parse_task)
 
 logger = logging.getLogger(__name__)
 
-LOAD_MODEL, UNLOAD_MODEL, DRAIN_WORKER = "gpuworker.load_model", "gpuworker.unload_model", "gpuworker.drain_worker"
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-MAX_TIMEOUT_S = 3600.0
-_MISSING = object()
-
-
-class TaskArgumentError(ValueError):
-    pass
-
 
 class TaskHandler(Protocol):
-    def load(self, request: LoadRequest) -> None: ...
-    def unload(self, replica_id: int, drain_timeout_s: float) -> None: ...
-    def drain(self, timeout_s: float) -> None: ...
-
-
-# -- argument checks: each returns the value or raises TaskArgumentError naming field and limit --
-
-def _int_at_least(minimum: int, optional: bool = False) -> Callable[[str, Any], Any]:
-    def check(name: str, value: Any) -> Any:
-        if value is None and optional:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise TaskArgumentError(f"{name} must be an integer >= {minimum}{' or null' if optional else ''}, "
-                                    f"got {value!r}")
-        return value
-    return check
-
-
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip() or len(value) > 4096:
-        raise TaskArgumentError(f"{name} must be a non-empty string of at most 4096 characters, got {value!r}")
-    return value
-
-
-def _number_in(low: float, high: float, low_open: bool = False) -> Callable[[str, Any], float]:
-    def check(name: str, value: Any) -> float:
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and \
-            (low < value if low_open else low <= value) and value <= high
-        if not ok:
-            raise TaskArgumentError(f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}], "
-                                    f"got {value!r}")
-        return float(value)
-    return check
-
-
-def _dtype(name: str, value: Any) -> str:
-    if value not in DTYPES:
-        raise TaskArgumentError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
-    return value
-
-
-# task name -> {argument: (checker, default or _MISSING when required)}
-SIGNATURES: dict[str, dict[str, tuple[Callable[[str, Any], Any], Any]]] = {
-    LOAD_MODEL: {
-        "replica_id": (_int_at_least(0), _MISSING),
-        "model_path": (_text, _MISSING),
-        "served_model_name": (_text, _MISSING),
-        "gpu_index": (_int_at_least(0, optional=True), _MISSING),
-        "memory_fraction": (_number_in(0.0, 1.0, low_open=True), _MISSING),
-        "max_model_len": (_int_at_least(1, optional=True), None),
-        "dtype": (_dtype, "auto"),
-    },
-    UNLOAD_MODEL: {
-        "replica_id": (_int_at_least(0), _MISSING),
-        "drain_timeout_s": (_number_in(0.0, MAX_TIMEOUT_S), 30.0),
-    },
-    DRAIN_WORKER: {
-        "timeout_s": (_number_in(0.0, MAX_TIMEOUT_S), 60.0),
-    },
-}
-
-
-def check_arguments(task: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The task's arguments with defaults filled in, or TaskArgumentError saying what is wrong."""
-    signature = SIGNATURES[task]
-    if args:
-        raise TaskArgumentError(f"takes keyword arguments only, got {len(args)} positional argument(s)")
-    unknown = sorted(set(kwargs) - set(signature))
-    if unknown:
-        raise TaskArgumentError(f"unexpected argument(s) {', '.join(unknown)}; expected {', '.join(signature)}")
-    checked = {}
-    for name, (check, default) in signature.items():
-        if name not in kwargs:
-            if default is _MISSING:
-                raise TaskArgumentError(f"{name} is required")
-            checked[name] = default
-        else:
-            checked[name] = check(name, kwargs[name])
-    return checked
+    def load(self, task: LoadModel) -> None: ...
+    def unload(self, task: UnloadModel) -> None: ...
+    def drain(self, task: DrainWorker) -> None: ...
 
 
 def register_tasks(app: Celery, handler: TaskHandler) -> None:
-    def accepted(task: str, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any] | None:
-        try:
-            checked = check_arguments(task, args, kwargs)
-        except TaskArgumentError as exc:
-            logger.error("rejected %s: %s (arguments: %r %r)", task, exc, args, kwargs)
-            return None
-        logger.info("accepted %s %s", task, checked)
-        return checked
+    def consume(name: str, handle: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> None:
+            try:
+                task = parse_task(name, args, kwargs)
+            except TaskArgumentError as exc:
+                logger.error("rejected %s: %s (arguments: %r %r)", name, exc, args, kwargs)
+                return
+            logger.info("accepted %s", task)
+            handle(task)
 
-    @app.task(name=LOAD_MODEL)
-    def load_model(*args: Any, **kwargs: Any) -> None:
-        if (checked := accepted(LOAD_MODEL, args, kwargs)) is not None:
-            handler.load(LoadRequest(**checked))
+        run.__name__ = name.rpartition(".")[2]
+        return run
 
-    @app.task(name=UNLOAD_MODEL)
-    def unload_model(*args: Any, **kwargs: Any) -> None:
-        if (checked := accepted(UNLOAD_MODEL, args, kwargs)) is not None:
-            handler.unload(checked["replica_id"], checked["drain_timeout_s"])
-
-    @app.task(name=DRAIN_WORKER)
-    def drain_worker(*args: Any, **kwargs: Any) -> None:
-        if (checked := accepted(DRAIN_WORKER, args, kwargs)) is not None:
-            handler.drain(checked["timeout_s"])
+    for name, handle in ((LOAD_MODEL, handler.load), (UNLOAD_MODEL, handler.unload), (DRAIN_WORKER, handler.drain)):
+        app.task(name=name)(consume(name, handle))
 
 
 def build_celery_app(*, worker_name: str, broker_url: str, transport_options: dict[str, Any],

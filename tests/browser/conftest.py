@@ -13,7 +13,8 @@ import pytest
 from django.core.management import call_command
 from django.db import connection, connections
 
-from tests.browser.system import CHROMIUM, VIEWPORT, chromium_missing_reason, env_flag, log_in, start_system
+from tests.browser.system import (VIEWPORT, chromium_missing_reason, env_flag, launch_options, log_in,
+                                  start_system)
 from tests.conftest import require_service
 
 # Playwright's own waits: generous for a loaded two-core machine, far below the test timeout.
@@ -91,7 +92,7 @@ def browser(system):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        chromium = playwright.chromium.launch(**launch_options())
         try:
             yield chromium
         finally:

@@ -100,12 +100,12 @@ def shoot(system, out: Path) -> list[Path]:
     from django.urls import reverse
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.browser.system import CHROMIUM, VIEWPORT, log_in
+    from tests.browser.system import VIEWPORT, launch_options, log_in
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        browser = playwright.chromium.launch(**launch_options())
         pages = {}
         for role in {role for role, _ in PAGES.values()}:
             context = browser.new_context(base_url=system.url, viewport=VIEWPORT)

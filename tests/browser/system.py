@@ -66,6 +66,11 @@ class System:
         self.fleet.stop()
 
 
+def launch_options() -> dict:
+    """How every browser test starts Chromium: Debian's, headless."""
+    return {"executable_path": CHROMIUM, "headless": True}
+
+
 def chromium_missing_reason() -> str | None:
     if Path(CHROMIUM).exists():
         return None

@@ -8,7 +8,7 @@ import pytest
 from django.utils import timezone
 
 from controlplane.accounts.models import User
-from controlplane.fleet.reports import parse_heartbeat
+from gpuworker.contract.heartbeat import parse_heartbeat
 from controlplane.fleet.services import worker_heartbeat
 from tests.controlplane.factories import TenantFactory, UserFactory, WorkerFactory
 

@@ -6,7 +6,7 @@ import pytest
 from django.urls import reverse
 
 from controlplane.audit.models import AuditEntry
-from controlplane.fleet.commands import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL
+from gpuworker.contract.tasks import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL
 from controlplane.fleet.models import Replica, Worker
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,

@@ -9,7 +9,7 @@ from django.utils import timezone
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet.models import Worker
-from controlplane.fleet.reports import parse_heartbeat, parse_registration
+from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from controlplane.fleet.services import worker_heartbeat, worker_register
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,

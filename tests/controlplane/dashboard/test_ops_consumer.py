@@ -13,7 +13,7 @@ from django.utils import timezone
 from controlplane.accounts.models import User
 from controlplane.asgi import application
 from controlplane.fleet.models import Replica
-from controlplane.fleet.reports import parse_registration
+from gpuworker.contract.heartbeat import parse_registration
 from controlplane.fleet.services import replica_transition, worker_register
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,

@@ -1,7 +1,7 @@
 import pytest
 
 from controlplane.fleet.heartbeat import RecordedReplica, Step, plan_heartbeat
-from controlplane.fleet.reports import ReplicaReport
+from gpuworker.contract.heartbeat import ReplicaReport
 
 URL = "http://127.0.0.1:8101"
 

@@ -8,7 +8,7 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.utils import timezone
 
-from controlplane.fleet.reports import parse_heartbeat
+from gpuworker.contract.heartbeat import parse_heartbeat
 from controlplane.fleet.services import worker_heartbeat
 from controlplane.live import FLEET_GROUP
 from tests.controlplane.fleet.conftest import make_worker

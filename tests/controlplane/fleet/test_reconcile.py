@@ -10,7 +10,7 @@ from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile, fleet_reconcile
 from controlplane.fleet.selectors import deployment_statuses
 from controlplane.fleet.services import replica_transition, worker_heartbeat
-from controlplane.fleet.reports import parse_heartbeat
+from gpuworker.contract.heartbeat import parse_heartbeat
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks
 

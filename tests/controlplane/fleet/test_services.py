@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from controlplane.catalog.models import Deployment
 from controlplane.fleet.models import Gpu, Replica, Worker
-from controlplane.fleet.reports import parse_heartbeat, parse_registration
+from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from controlplane.fleet.selectors import worker_live_state
 from controlplane.fleet.services import (
     WorkerUnknown,

@@ -155,9 +155,15 @@ def test_bad_task_arguments_are_rejected_with_a_logged_reason(daemon, tiny_check
 def test_reregisters_when_a_heartbeat_gets_404(daemon):
     registrations = len(daemon.fake.registrations)
     daemon.fake.answer_404 = 1
-    daemon.fake.wait_for(lambda: len(daemon.fake.registrations) > registrations, timeout=5, what="a new registration")
+    daemon.fake.wait_for(lambda: len(daemon.fake.registrations) > registrations, timeout=30, what="a new registration")
+    assert daemon.fake.answer_404 == 0  # the 404 was answered, and what followed it was a registration
+    assert daemon.fake.registrations[-1]["name"] == daemon.name
     count = len(daemon.fake.heartbeats)
-    daemon.fake.wait_for(lambda: len(daemon.fake.heartbeats) > count, timeout=5, what="heartbeats again")
+    daemon.fake.wait_for(lambda: len(daemon.fake.heartbeats) > count, timeout=30, what="heartbeats again")
+    with daemon.fake.lock:
+        worker_id, _ = daemon.fake.heartbeats[-1]
+    assert worker_id == daemon.fake.workers[daemon.name]  # under the id the new registration answered
+    assert "does not know worker id" in daemon.log_text() and "registering again" in daemon.log_text()
 
 
 @pytest.mark.slow
@@ -251,7 +257,13 @@ def test_replicas_stop_when_the_daemon_is_killed(tmp_path, broker_url, tiny_chec
         daemon.send(LOAD_MODEL, **_load_kwargs(1, tiny_checkpoint("llama")))
         daemon.fake.wait_for(lambda: daemon.serve_children(), timeout=15, what="a replica process")
         [child] = daemon.serve_children()
-        time.sleep(1.0)  # let it get as far as loading the model
+        # Its server answers (progress reported, or ready): SIGTERM now reaches the drain handler.
+        daemon.fake.wait_for(lambda: (entry := daemon.fake.replica(1)) and
+                             (entry["load_progress"] > 0 or entry["state"] == "ready"),
+                             timeout=60, what="replica 1's server answering")
         daemon.process.kill()
         daemon.process.wait()
-        child.wait(timeout=15)  # raises psutil.TimeoutExpired if it outlives its daemon
+        child.wait(timeout=30)  # raises psutil.TimeoutExpired if it outlives its daemon
+        assert not child.is_running()
+        # Stopped by the parent-death signal, which the replica takes as a drain, not killed outright.
+        assert "draining:" in (tmp_path / daemon.name / "replicas" / "replica-1.log").read_text()

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuworker.contract.heartbeat import WorkerRegistration
 from gpuworker.daemon.agent import Agent, AgentConfig
 from gpuworker.daemon.hardware import HardwareProbe
 from gpuworker.daemon.model_paths import scan_model_roots
@@ -48,21 +49,21 @@ def test_registration_and_heartbeats_carry_the_scan_to_the_control_plane(tmp_pat
     agent.probe = HardwareProbe("cpu")
     agent.supervisor = Supervisor(token="t", gpu_count=0, port_range=(20100, 20110), advertise_host="127.0.0.1",
                                   bind_host="127.0.0.1", state_dir=tmp_path / "state", worker_name="scan-test")
-    agent._registration_payload = {"name": "scan-test", "advertise_host": "127.0.0.1", "device": "cpu",
-                                   **agent.probe.inventory(), "version": "test"}
+    agent._registration = WorkerRegistration(name="scan-test", advertise_host="127.0.0.1", device="cpu", gpus=(),
+                                             cpu_memory_total_bytes=2**30, cpu_cores=2, version="test")
     try:
         agent._register()
         worker = Worker.objects.get(name="scan-test")
         assert (worker.model_roots, worker.model_paths) == ([str(root)], [str(first)])
-        payload, sent = agent._heartbeat_payload()
-        assert "models" not in payload and sent is None  # unchanged since registration: not resent
+        heartbeat, sent = agent._heartbeat()
+        assert "models" not in heartbeat.to_json() and sent is None  # unchanged since registration: not resent
         second = _checkpoint(root / "second")
         agent._model_scan_at -= 60  # the next scan is due
         agent._beat()
         worker.refresh_from_db()
         assert worker.model_paths == [str(first), str(second)]
-        payload, sent = agent._heartbeat_payload()
-        assert "models" not in payload  # acknowledged by the last heartbeat
+        heartbeat, sent = agent._heartbeat()
+        assert "models" not in heartbeat.to_json()  # acknowledged by the last heartbeat
     finally:
         agent._control.close()
         agent.probe.close()

@@ -12,7 +12,9 @@ import psutil
 import pytest
 
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
-from gpuworker.daemon.supervisor import LoadRequest, Supervisor
+from gpuworker.contract.heartbeat import ReplicaReport
+from gpuworker.contract.tasks import LoadModel
+from gpuworker.daemon.supervisor import Supervisor
 
 TOKEN = "replica-token"
 
@@ -23,14 +25,14 @@ def _port_base() -> int:
         return min(s.getsockname()[1], 65000)
 
 
-def _entry(supervisor: Supervisor, replica_id: int, *states: str) -> dict | None:
+def _entry(supervisor: Supervisor, replica_id: int, *states: str) -> ReplicaReport | None:
     for entry in supervisor.snapshot():
-        if entry["replica_id"] == replica_id and (not states or entry["state"] in states):
+        if entry.replica_id == replica_id and (not states or entry.state in states):
             return entry
     return None
 
 
-def _wait(supervisor: Supervisor, replica_id: int, *states: str, timeout: float = 60.0) -> dict:
+def _wait(supervisor: Supervisor, replica_id: int, *states: str, timeout: float = 60.0) -> ReplicaReport:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (entry := _entry(supervisor, replica_id, *states)) is not None:
@@ -63,7 +65,7 @@ def supervisor(tmp_path, monkeypatch):
 
 def test_bad_loads_fail_with_a_reason_before_any_process_starts(supervisor, tmp_path, tiny_checkpoint):
     def load(replica_id: int, model_path, gpu_index=None) -> None:
-        supervisor.load(LoadRequest(replica_id=replica_id, model_path=str(model_path), served_model_name="m",
+        supervisor.load(LoadModel(replica_id=replica_id, model_path=str(model_path), served_model_name="m",
                                     gpu_index=gpu_index, memory_fraction=0.5))
 
     (tmp_path / "empty").mkdir()
@@ -72,7 +74,7 @@ def test_bad_loads_fail_with_a_reason_before_any_process_starts(supervisor, tmp_
     load(2, tmp_path / "empty")
     load(3, tmp_path / "file")
     load(4, tiny_checkpoint("llama"), gpu_index=0)
-    errors = {i: _wait(supervisor, i, "failed", timeout=5)["error"] for i in (1, 2, 3, 4)}
+    errors = {i: _wait(supervisor, i, "failed", timeout=5).error for i in (1, 2, 3, 4)}
     assert errors[1] == "model path /no/such/model does not exist"
     assert errors[2].endswith("has no config.json (expected a Hugging Face model directory)")
     assert errors[3] == f"model path {tmp_path / 'file'} is not a directory"
@@ -80,23 +82,23 @@ def test_bad_loads_fail_with_a_reason_before_any_process_starts(supervisor, tmp_
     assert _serve_children() == []
     supervisor.refuse_loads = True
     load(5, tiny_checkpoint("llama"))
-    assert _wait(supervisor, 5, "failed", timeout=5)["error"] == "worker test-host is draining and takes no new loads"
+    assert _wait(supervisor, 5, "failed", timeout=5).error == "worker test-host is draining and takes no new loads"
 
 
 @pytest.mark.slow
 def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor, tiny_checkpoint):
-    request = LoadRequest(replica_id=7, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
+    request = LoadModel(replica_id=7, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
                           gpu_index=None, memory_fraction=0.5, max_model_len=128)
     supervisor.load(request)
     loading = _wait(supervisor, 7, timeout=5)
-    assert loading["state"] == "loading" and loading["endpoint_url"].startswith("http://127.0.0.1:")
+    assert loading.state == "loading" and loading.endpoint_url.startswith("http://127.0.0.1:")
     ready = _wait(supervisor, 7, "ready")
-    assert ready["load_progress"] == 1.0 and ready["error"] == ""
+    assert ready.figures["load_progress"] == 1.0 and ready.error == ""
     [child] = _serve_children()
     # The child demands the worker token; it got it through its environment, not its command line.
-    assert httpx.get(f"{ready['endpoint_url']}/v1/models").status_code == 401
+    assert httpx.get(f"{ready.endpoint_url}/v1/models").status_code == 401
     assert TOKEN not in " ".join(child.cmdline())
-    completion = httpx.post(f"{ready['endpoint_url']}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+    completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
                             json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=30)
     assert completion.status_code == 200 and completion.json()["model"] == "tiny"
 
@@ -106,13 +108,13 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
 
     os.kill(child.pid, signal.SIGKILL)  # as the OOM killer would
     failed = _wait(supervisor, 7, "failed", timeout=10)
-    assert failed["error"].startswith("the replica process was killed by SIGKILL; last log lines:")
-    assert "model tiny ready" in failed["error"]  # the tail of the child's own log
+    assert failed.error.startswith("the replica process was killed by SIGKILL; last log lines:")
+    assert "model tiny ready" in failed.error  # the tail of the child's own log
 
     supervisor.load(request)  # a failed replica may be loaded again: a fresh process
     _wait(supervisor, 7, "loading", timeout=5)
     supervisor.unload(7, drain_timeout_s=5)  # while it is still starting: stopped at once
-    assert _wait(supervisor, 7, "stopped", timeout=15)["error"] == ""
+    assert _wait(supervisor, 7, "stopped", timeout=15).error == ""
     assert _serve_children() == []
 
 
@@ -137,13 +139,13 @@ def test_replica_on_a_gpu(tmp_path, tiny_checkpoint):
     supervisor.start()
     try:
         used_before = probe.sample()["gpus"][0]["memory_used_bytes"]
-        supervisor.load(LoadRequest(replica_id=1, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
+        supervisor.load(LoadModel(replica_id=1, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
                                     gpu_index=0, memory_fraction=0.05, max_model_len=256, dtype="bfloat16"))
         ready = _wait(supervisor, 1, "ready", "failed", timeout=180)
-        assert ready["state"] == "ready", ready["error"]
+        assert ready.state == "ready", ready.error
         [child] = _serve_children()
         assert "cuda:0" in child.cmdline()
-        completion = httpx.post(f"{ready['endpoint_url']}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+        completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
                                 json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True}, timeout=60)
         assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 8
         # The replica process (its CUDA context, weights and KV pool) shows in NVML's figures for the GPU.

@@ -1,13 +1,30 @@
-"""What worker daemons send (registration and heartbeats, JSON per the issue 5 contract), checked
-and turned into dataclasses; a bad field raises ValidationError naming it."""
+"""What a worker daemon sends the control plane: its registration and a heartbeat about every second
+(JSON over HTTP). The daemon builds these dataclasses and sends `to_json()`; the control plane reads
+them back with `parse_registration` / `parse_heartbeat`, where a bad field raises ContractError
+naming it."""
+
+from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from django.core.exceptions import ValidationError
+
+class ContractError(ValueError):
+    """A message that breaks the contract; `field` says where (e.g. "replicas[0].state")."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
 
 REPLICA_STATES = ("loading", "ready", "draining", "stopped", "failed")
+# Figures only shown and used for routing; a missing or null one is left out.
+GPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
+CPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes")
+REPLICA_FIGURES = ("load_progress", "running", "waiting", "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate")
+MAX_MODEL_ROOTS = 32
+MAX_MODEL_PATHS = 2000
 
 
 @dataclass(frozen=True)
@@ -16,12 +33,18 @@ class GpuSpec:
     name: str
     memory_total_bytes: int
 
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "name": self.name, "memory_total_bytes": self.memory_total_bytes}
+
 
 @dataclass(frozen=True)
 class ModelPaths:
     """The directories a daemon searches for checkpoints and the checkpoint directories it found."""
     roots: tuple[str, ...]
     paths: tuple[str, ...]
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {"roots": list(self.roots), "paths": list(self.paths)}
 
 
 @dataclass(frozen=True)
@@ -33,8 +56,17 @@ class WorkerRegistration:
     cpu_memory_total_bytes: int
     cpu_cores: int
     version: str = ""
-    # None: a daemon that does not report model paths (older, or started without --model-root).
+    # None: a daemon that does not report model paths (started without --model-root).
     models: ModelPaths | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body = {"name": self.name, "advertise_host": self.advertise_host, "device": self.device,
+                "gpus": [gpu.to_json() for gpu in self.gpus],
+                "cpu": {"memory_total_bytes": self.cpu_memory_total_bytes, "cores": self.cpu_cores},
+                "version": self.version}
+        if self.models is not None:
+            body["models"] = self.models.to_json()
+        return body
 
 
 @dataclass(frozen=True)
@@ -43,48 +75,54 @@ class ReplicaReport:
     state: str
     endpoint_url: str = ""
     error: str = ""
-    # Figures only shown and used for routing: load_progress, running, waiting, kv_cache_usage...
+    # REPLICA_FIGURES: load_progress, running, waiting, kv_cache_usage...
     figures: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "state": self.state, "endpoint_url": self.endpoint_url,
+                "error": self.error, **self.figures}
 
 
 @dataclass(frozen=True)
 class Heartbeat:
     sent_at: str
     draining: bool
-    gpus: tuple[dict[str, float], ...]
-    cpu: dict[str, float]
+    gpus: tuple[dict[str, float], ...]  # {"index": i, GPU_FIGURES...}
+    cpu: dict[str, float]  # CPU_FIGURES
     replicas: tuple[ReplicaReport, ...]
     # Sent only when the daemon's scan changed since the control plane last took it.
     models: ModelPaths | None = None
 
-
-_GPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
-_CPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes")
-_REPLICA_FIGURES = ("load_progress", "running", "waiting", "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate")
+    def to_json(self) -> dict[str, Any]:
+        body = {"sent_at": self.sent_at, "draining": self.draining, "gpus": list(self.gpus), "cpu": self.cpu,
+                "replicas": [replica.to_json() for replica in self.replicas]}
+        if self.models is not None:
+            body["models"] = self.models.to_json()
+        return body
 
 
 def _object(value: Any, where: str) -> dict:
     if not isinstance(value, dict):
-        raise ValidationError({where: "Must be a JSON object."})
+        raise ContractError(where, "Must be a JSON object.")
     return value
 
 
 def _list(value: Any, where: str) -> list:
     if not isinstance(value, list):
-        raise ValidationError({where: "Must be a JSON array."})
+        raise ContractError(where, "Must be a JSON array.")
     return value
 
 
 def _int(value: Any, where: str, *, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValidationError({where: f"Must be an integer of at least {minimum}."})
+        raise ContractError(where, f"Must be an integer of at least {minimum}.")
     return value
 
 
 def _text(value: Any, where: str, *, max_length: int, required: bool = True) -> str:
     if not isinstance(value, str) or (required and not value.strip()) or len(value) > max_length:
         need = "a non-empty string" if required else "a string"
-        raise ValidationError({where: f"Must be {need} of at most {max_length} characters."})
+        raise ContractError(where, f"Must be {need} of at most {max_length} characters.")
     return value
 
 
@@ -96,22 +134,18 @@ def _figures(raw: dict, names: tuple[str, ...], where: str) -> dict[str, float]:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValidationError({f"{where}.{name}": "Must be a number."})
+            raise ContractError(f"{where}.{name}", "Must be a number.")
         figures[name] = value
     return figures
-
-
-MAX_MODEL_ROOTS = 32
-MAX_MODEL_PATHS = 2000
 
 
 def _paths(value: Any, where: str, *, limit: int) -> tuple[str, ...]:
     items = _list(value, where)
     if len(items) > limit:
-        raise ValidationError({where: f"At most {limit} entries."})
+        raise ContractError(where, f"At most {limit} entries.")
     for i, item in enumerate(items):
         if not isinstance(item, str) or not item.startswith("/") or len(item) > 500:
-            raise ValidationError({f"{where}[{i}]": "Must be an absolute path of at most 500 characters."})
+            raise ContractError(f"{where}[{i}]", "Must be an absolute path of at most 500 characters.")
     return tuple(items)
 
 
@@ -127,7 +161,7 @@ def parse_registration(data: Any) -> WorkerRegistration:
     data = _object(data, "body")
     device = data.get("device")
     if device not in ("cuda", "cpu"):
-        raise ValidationError({"device": "Must be 'cuda' or 'cpu'."})
+        raise ContractError("device", "Must be 'cuda' or 'cpu'.")
     gpus = []
     for i, raw in enumerate(_list(data.get("gpus", []), "gpus")):
         raw = _object(raw, f"gpus[{i}]")
@@ -137,9 +171,9 @@ def parse_registration(data: Any) -> WorkerRegistration:
             memory_total_bytes=_int(raw.get("memory_total_bytes"), f"gpus[{i}].memory_total_bytes", minimum=1),
         ))
     if len({gpu.index for gpu in gpus}) != len(gpus):
-        raise ValidationError({"gpus": "Each GPU index may appear once."})
+        raise ContractError("gpus", "Each GPU index may appear once.")
     if device == "cuda" and not gpus:
-        raise ValidationError({"gpus": "A cuda worker must report at least one GPU."})
+        raise ContractError("gpus", "A cuda worker must report at least one GPU.")
     cpu = _object(data.get("cpu", {}), "cpu")
     return WorkerRegistration(
         name=_text(data.get("name"), "name", max_length=80),
@@ -157,17 +191,17 @@ def parse_heartbeat(data: Any) -> Heartbeat:
     data = _object(data, "body")
     draining = data.get("draining", False)
     if not isinstance(draining, bool):
-        raise ValidationError({"draining": "Must be true or false."})
+        raise ContractError("draining", "Must be true or false.")
     gpus = []
     for i, raw in enumerate(_list(data.get("gpus", []), "gpus")):
         raw = _object(raw, f"gpus[{i}]")
-        gpus.append({"index": _int(raw.get("index"), f"gpus[{i}].index"), **_figures(raw, _GPU_FIGURES, f"gpus[{i}]")})
-    cpu = _figures(_object(data.get("cpu", {}), "cpu"), _CPU_FIGURES, "cpu")
+        gpus.append({"index": _int(raw.get("index"), f"gpus[{i}].index"), **_figures(raw, GPU_FIGURES, f"gpus[{i}]")})
+    cpu = _figures(_object(data.get("cpu", {}), "cpu"), CPU_FIGURES, "cpu")
     replicas = []
     for i, raw in enumerate(_list(data.get("replicas", []), "replicas")):
         replicas.append(_replica_report(_object(raw, f"replicas[{i}]"), f"replicas[{i}]"))
     if len({r.replica_id for r in replicas}) != len(replicas):
-        raise ValidationError({"replicas": "Each replica_id may appear once."})
+        raise ContractError("replicas", "Each replica_id may appear once.")
     return Heartbeat(
         sent_at=_text(data.get("sent_at", ""), "sent_at", max_length=64, required=False),
         draining=draining, gpus=tuple(gpus), cpu=cpu, replicas=tuple(replicas),
@@ -178,19 +212,19 @@ def parse_heartbeat(data: Any) -> Heartbeat:
 def _replica_report(raw: dict, where: str) -> ReplicaReport:
     state = raw.get("state")
     if state not in REPLICA_STATES:
-        raise ValidationError({f"{where}.state": f"Must be one of {', '.join(REPLICA_STATES)}."})
+        raise ContractError(f"{where}.state", f"Must be one of {', '.join(REPLICA_STATES)}.")
     endpoint_url = _text(raw.get("endpoint_url") or "", f"{where}.endpoint_url", max_length=300, required=False)
     if endpoint_url:
         parts = urlsplit(endpoint_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValidationError({f"{where}.endpoint_url": "Must be an http:// or https:// URL with a host."})
+            raise ContractError(f"{where}.endpoint_url", "Must be an http:// or https:// URL with a host.")
     elif state == "ready":
-        raise ValidationError({f"{where}.endpoint_url": "A ready replica must report its endpoint URL."})
+        raise ContractError(f"{where}.endpoint_url", "A ready replica must report its endpoint URL.")
     return ReplicaReport(
         replica_id=_int(raw.get("replica_id"), f"{where}.replica_id", minimum=1),
         state=state,
         endpoint_url=endpoint_url,
         # Errors come from tracebacks and child output: keep the useful start, bounded.
         error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000, required=False)[:4000],
-        figures=_figures(raw, _REPLICA_FIGURES, where),
+        figures=_figures(raw, REPLICA_FIGURES, where),
     )

@@ -1,7 +1,10 @@
-import pytest
-from django.core.exceptions import ValidationError
+"""The registration and heartbeat messages: parsed with every field checked, and built by the daemon
+in the form the control plane parses back."""
 
-from controlplane.fleet.reports import parse_heartbeat, parse_registration
+import pytest
+
+from gpuworker.contract.heartbeat import (ContractError, GpuSpec, Heartbeat, ModelPaths, ReplicaReport,
+                                          WorkerRegistration, parse_heartbeat, parse_registration)
 
 REGISTRATION = {
     "name": "host-a", "advertise_host": "127.0.0.1", "device": "cuda",
@@ -10,10 +13,10 @@ REGISTRATION = {
 }
 
 
-def _error_fields(parse, data) -> dict:
-    with pytest.raises(ValidationError) as error:
+def _error_fields(parse, data) -> str:
+    with pytest.raises(ContractError) as error:
         parse(data)
-    return error.value.message_dict
+    return error.value.field
 
 
 def test_registration_parses():
@@ -32,7 +35,7 @@ def test_registration_parses():
     ({"cpu": {"cores": True}}, "cpu.cores"),
 ])
 def test_bad_registrations_name_the_field(change, field):
-    assert field in _error_fields(parse_registration, {**REGISTRATION, **change})
+    assert field == _error_fields(parse_registration, {**REGISTRATION, **change})
 
 
 def test_a_cpu_worker_registers_without_gpus():
@@ -62,4 +65,20 @@ def test_heartbeat_parses_figures_and_leaves_out_missing_ones():
     ({"replicas": [{"replica_id": 1, "state": "loading"}, {"replica_id": 1, "state": "loading"}]}, "replicas"),
 ])
 def test_bad_heartbeats_name_the_field(body, field):
-    assert field in _error_fields(parse_heartbeat, body)
+    assert field == _error_fields(parse_heartbeat, body)
+
+
+def test_what_the_daemon_builds_the_control_plane_parses_back():
+    models = ModelPaths(roots=("/models",), paths=("/models/a", "/models/b"))
+    registration = WorkerRegistration(name="host-a", advertise_host="10.0.0.5", device="cuda",
+                                      gpus=(GpuSpec(index=0, name="NVIDIA H200", memory_total_bytes=150 * 10**9),),
+                                      cpu_memory_total_bytes=64 * 2**30, cpu_cores=16, version="1.0", models=models)
+    assert parse_registration(registration.to_json()) == registration
+    heartbeat = Heartbeat(
+        sent_at="2026-12-01T00:00:00+00:00", draining=False,
+        gpus=({"index": 0, "utilization_pct": 12.0, "memory_used_bytes": 10, "memory_total_bytes": 20},),
+        cpu={"utilization_pct": 3.0}, models=None,
+        replicas=(ReplicaReport(replica_id=7, state="ready", endpoint_url="http://10.0.0.5:8101", error="",
+                                figures={"load_progress": 1.0, "running": 2, "kv_cache_usage": 0.25}),))
+    assert parse_heartbeat(heartbeat.to_json()) == heartbeat
+    assert "models" not in heartbeat.to_json()  # sent only when the scan changed

@@ -1,0 +1,121 @@
+"""The Celery tasks the control plane sends to a worker daemon's own queue: names and arguments.
+
+    LoadModel(replica_id=7, model_path="/models/m", served_model_name="m", gpu_index=0,
+              memory_fraction=0.4).as_kwargs()          # the control plane, sending
+    parse_task(LOAD_MODEL, args, kwargs)                 # the daemon, receiving
+
+Arguments are checked when a task is built, on either side, so a bad one fails where it is made;
+`TaskArgumentError` names the field and its limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+LOAD_MODEL, UNLOAD_MODEL, DRAIN_WORKER = "gpuworker.load_model", "gpuworker.unload_model", "gpuworker.drain_worker"
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+MAX_TIMEOUT_S = 3600.0
+
+
+class TaskArgumentError(ValueError):
+    pass
+
+
+# -- argument checks: each returns the value or raises TaskArgumentError naming field and limit --
+
+def _int_at_least(minimum: int, optional: bool = False) -> Callable[[str, Any], Any]:
+    def check(name: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise TaskArgumentError(f"{name} must be an integer >= {minimum}{' or null' if optional else ''}, "
+                                    f"got {value!r}")
+        return value
+    return check
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > 4096:
+        raise TaskArgumentError(f"{name} must be a non-empty string of at most 4096 characters, got {value!r}")
+    return value
+
+
+def _number_in(low: float, high: float, low_open: bool = False) -> Callable[[str, Any], float]:
+    def check(name: str, value: Any) -> float:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and \
+            (low < value if low_open else low <= value) and value <= high
+        if not ok:
+            raise TaskArgumentError(f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}], "
+                                    f"got {value!r}")
+        return float(value)
+    return check
+
+
+def _dtype(name: str, value: Any) -> str:
+    if value not in DTYPES:
+        raise TaskArgumentError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+    return value
+
+
+def _argument(check: Callable[[str, Any], Any], default: Any = dataclasses.MISSING) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+class _Task:
+    NAME: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for spec in dataclasses.fields(self):
+            object.__setattr__(self, spec.name, spec.metadata["check"](spec.name, getattr(self, spec.name)))
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class LoadModel(_Task):
+    """Start a replica of the checkpoint at model_path on GPU gpu_index (None: the CPU)."""
+    NAME: ClassVar[str] = LOAD_MODEL
+    replica_id: int = _argument(_int_at_least(0))
+    model_path: str = _argument(_text)
+    served_model_name: str = _argument(_text)
+    gpu_index: int | None = _argument(_int_at_least(0, optional=True))
+    memory_fraction: float = _argument(_number_in(0.0, 1.0, low_open=True))
+    max_model_len: int | None = _argument(_int_at_least(1, optional=True), None)
+    dtype: str = _argument(_dtype, "auto")
+
+
+@dataclass(frozen=True)
+class UnloadModel(_Task):
+    """Drain the replica (in-flight requests get drain_timeout_s), then stop it."""
+    NAME: ClassVar[str] = UNLOAD_MODEL
+    replica_id: int = _argument(_int_at_least(0))
+    drain_timeout_s: float = _argument(_number_in(0.0, MAX_TIMEOUT_S), 30.0)
+
+
+@dataclass(frozen=True)
+class DrainWorker(_Task):
+    """Take no more loads and unload every replica within timeout_s."""
+    NAME: ClassVar[str] = DRAIN_WORKER
+    timeout_s: float = _argument(_number_in(0.0, MAX_TIMEOUT_S), 60.0)
+
+
+TASKS: dict[str, type[_Task]] = {task.NAME: task for task in (LoadModel, UnloadModel, DrainWorker)}
+
+
+def parse_task(name: str, args: tuple, kwargs: dict[str, Any]) -> LoadModel | UnloadModel | DrainWorker:
+    """The task `name` called with these arguments, defaults filled in, or TaskArgumentError."""
+    task = TASKS[name]
+    expected = [spec.name for spec in dataclasses.fields(task)]
+    if args:
+        raise TaskArgumentError(f"takes keyword arguments only, got {len(args)} positional argument(s)")
+    unknown = sorted(set(kwargs) - set(expected))
+    if unknown:
+        raise TaskArgumentError(f"unexpected argument(s) {', '.join(unknown)}; expected {', '.join(expected)}")
+    for spec in dataclasses.fields(task):
+        if spec.name not in kwargs and spec.default is dataclasses.MISSING:
+            raise TaskArgumentError(f"{spec.name} is required")
+    return task(**kwargs)

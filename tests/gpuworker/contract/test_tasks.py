@@ -1,0 +1,56 @@
+"""The daemon's Celery tasks: names and argument checks, the same for the control plane that builds a
+task and the daemon that receives one (the Celery round trip is in daemon/test_agent.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuworker.contract.tasks import (DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL, DrainWorker, LoadModel,
+                                      TaskArgumentError, UnloadModel, parse_task)
+
+GOOD_LOAD = {"replica_id": 3, "model_path": "/models/m", "served_model_name": "m", "gpu_index": 1,
+             "memory_fraction": 0.4}
+
+
+def test_defaults_are_filled_in():
+    assert parse_task(LOAD_MODEL, (), GOOD_LOAD) == LoadModel(3, "/models/m", "m", 1, 0.4, max_model_len=None,
+                                                             dtype="auto")
+    assert parse_task(UNLOAD_MODEL, (), {"replica_id": 3}).as_kwargs() == {"replica_id": 3, "drain_timeout_s": 30.0}
+    assert parse_task(DRAIN_WORKER, (), {}) == DrainWorker(timeout_s=60.0)
+    assert parse_task(LOAD_MODEL, (), {**GOOD_LOAD, "gpu_index": None, "memory_fraction": 1}).gpu_index is None
+
+
+def test_what_the_sender_builds_the_receiver_parses_back():
+    for task in (LoadModel(**GOOD_LOAD, max_model_len=2048, dtype="bfloat16"), UnloadModel(replica_id=9),
+                 DrainWorker(timeout_s=5)):
+        assert parse_task(task.NAME, (), task.as_kwargs()) == task
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"replica_id": True}, "replica_id must be an integer >= 0, got True"),
+    ({"replica_id": -1}, "replica_id must be an integer >= 0, got -1"),
+    ({"model_path": ""}, "model_path must be a non-empty string"),
+    ({"served_model_name": None}, "served_model_name must be a non-empty string"),
+    ({"gpu_index": 0.5}, "gpu_index must be an integer >= 0 or null, got 0.5"),
+    ({"memory_fraction": 0}, "memory_fraction must be a number in (0, 1], got 0"),
+    ({"max_model_len": 0}, "max_model_len must be an integer >= 1 or null, got 0"),
+    ({"dtype": "int8"}, "dtype must be one of auto, float32, float16, bfloat16, got 'int8'"),
+])
+def test_bad_load_arguments_name_the_field_and_the_limit(change, message):
+    with pytest.raises(TaskArgumentError) as error:
+        parse_task(LOAD_MODEL, (), {**GOOD_LOAD, **change})
+    assert str(error.value).startswith(message)
+    with pytest.raises(TaskArgumentError) as error:  # the sender's side fails the same way
+        LoadModel(**{**GOOD_LOAD, **change})
+    assert str(error.value).startswith(message)
+
+
+def test_missing_extra_and_positional_arguments_are_refused():
+    with pytest.raises(TaskArgumentError, match="^gpu_index is required$"):
+        parse_task(LOAD_MODEL, (), {k: v for k, v in GOOD_LOAD.items() if k != "gpu_index"})
+    with pytest.raises(TaskArgumentError, match=r"^unexpected argument\(s\) force"):
+        parse_task(UNLOAD_MODEL, (), {"replica_id": 1, "force": True})
+    with pytest.raises(TaskArgumentError, match="keyword arguments only"):
+        parse_task(DRAIN_WORKER, (10,), {})
+    with pytest.raises(TaskArgumentError, match=r"timeout_s must be a number in \[0, 3600\], got 7200"):
+        parse_task(DRAIN_WORKER, (), {"timeout_s": 7200})
