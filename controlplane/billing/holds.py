@@ -21,9 +21,10 @@ from decimal import Decimal
 from django.db import connection, transaction
 
 from controlplane.accounts.models import Tenant
-from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
+from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
 from controlplane.billing.selectors import credit_holds_expired
-from controlplane.billing.services import create_missing_credit_accounts, month_start, take_allowance
+from controlplane.billing.pricing import flat_price, month_start, reference_price, take_allowance
+from controlplane.billing.services import create_missing_credit_accounts
 from controlplane.billing.sql import adapt, as_date, insert, marks, money, rows
 from controlplane.catalog.models import Model
 
@@ -94,7 +95,7 @@ def _place_one_conditionally(request: HoldRequest, at: datetime, expires_at: dat
 def conditional_hold_statement(request: HoldRequest, at: datetime, expires_at: datetime) -> tuple[str, dict]:
     """`_place_one_conditionally`'s statement (PostgreSQL) and its parameters, for callers that
     run it on their own connection (the gateway's asynchronous fast path)."""
-    amount = request.price_per_request * request.num_requests
+    amount = flat_price(price_per_request=request.price_per_request, num_requests=request.num_requests)
     return f"""
         WITH account AS (
             UPDATE {_ACCOUNT} a SET held = a.held + %(amount)s
@@ -117,7 +118,8 @@ def conditional_hold_result(request: HoldRequest, result: list[tuple], at: datet
         return None
     return CreditHold(pk=result[0][0], request_id=request.request_id, tenant_id=request.tenant_id,
                       api_key_id=request.api_key_id, model_id=request.model_id, num_requests=request.num_requests,
-                      included_requests=0, amount=request.price_per_request * request.num_requests,
+                      included_requests=0,
+                      amount=flat_price(price_per_request=request.price_per_request, num_requests=request.num_requests),
                       created_at=at, expires_at=expires_at)
 
 
@@ -145,7 +147,8 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime, expires_at: dat
         before = (account.allowance_month, account.allowance_used)
         included = take_allowance(account=account, included_per_month=included_per_month[request.tenant_id],
                                   month=month, requests=request.num_requests)
-        amount = money(prices[request.model_id]) * (request.num_requests - included)
+        amount = flat_price(price_per_request=money(prices[request.model_id]), num_requests=request.num_requests,
+                            included=included)
         if amount > account.available:
             account.allowance_month, account.allowance_used = before  # give the allowance back
             holds.append(None)
@@ -272,8 +275,7 @@ def _record(outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_reques
         total_latency_ms=total_ms,
         gpu_time_s=None if outcome.gpu_time_s is None else max(0.0, float(outcome.gpu_time_s)),
         price_charged=price,
-        # As billing.services.reference_price, from the rate read with the hold.
-        reference_price=(money(reference_rate) * (prompt + completion) / 1_000_000).quantize(MICRO),
+        reference_price=reference_price(per_million_tokens=money(reference_rate), tokens=prompt + completion),
         created_at=at,
     )
 

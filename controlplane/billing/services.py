@@ -8,8 +8,8 @@ placed at admission, settled at the end) lives in `billing.holds`.
 """
 
 from collections.abc import Iterable
-from datetime import UTC, date, datetime
-from decimal import ROUND_HALF_UP, Decimal
+from datetime import datetime
+from decimal import Decimal
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -17,9 +17,7 @@ from django.db.models import Sum
 
 from controlplane.accounts.models import Tenant
 from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, Plan, PriceTier, UsageRecord
-from controlplane.billing.selectors import usage_billable_count_since
-
-_TOKENS_PER_PRICE_UNIT = Decimal(1_000_000)
+from controlplane.billing.pricing import flat_price, month_start, reference_price, take_allowance
 
 
 class InsufficientCredit(ValidationError):
@@ -140,40 +138,6 @@ def credit_debit(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=
     return entry
 
 
-def reference_price(*, price_tier: PriceTier, tokens: int) -> Decimal:
-    """What `tokens` would cost at the tier's per-token reference rate."""
-    price = price_tier.reference_price_per_million_tokens * tokens / _TOKENS_PER_PRICE_UNIT
-    return price.quantize(MICRO, rounding=ROUND_HALF_UP)
-
-
-def month_start(moment: datetime) -> date:
-    """The first day of `moment`'s month: allowances reset at each calendar month in UTC."""
-    return moment.astimezone(UTC).date().replace(day=1)
-
-
-def take_allowance(*, account: CreditAccount, included_per_month: int, month: date, requests: int) -> int:
-    """How many of `requests` the plan's monthly allowance (`included_per_month`) pays for,
-    counted as used on the account."""
-    if included_per_month == 0:
-        return 0
-    since = datetime(month.year, month.month, 1, tzinfo=UTC)
-    if account.allowance_month is not None and month < account.allowance_month:
-        # Dated in a month before the one the account counts (a backfilled record): that month's
-        # records say what was left of its allowance.
-        used = usage_billable_count_since(tenant=account.tenant_id, since=since, until=_next_month(since))
-        return max(0, min(requests, included_per_month - used))
-    if account.allowance_month != month:
-        account.allowance_month = month
-        account.allowance_used = usage_billable_count_since(tenant=account.tenant_id, since=since)
-    included = max(0, min(requests, included_per_month - account.allowance_used))
-    account.allowance_used += included
-    return included
-
-
-def _next_month(moment: datetime) -> datetime:
-    return moment.replace(year=moment.year + moment.month // 12, month=moment.month % 12 + 1)
-
-
 @transaction.atomic
 def usage_record_create(
     *,
@@ -222,9 +186,10 @@ def usage_record_create(
         plan = account.tenant.plan
         included = take_allowance(account=account, included_per_month=plan.included_requests_per_month if plan else 0,
                                   month=month_start(at), requests=num_requests)
-        record.price_charged = model.price_tier.price_per_request * (num_requests - included)
+        record.price_charged = flat_price(price_per_request=model.price_tier.price_per_request,
+                                          num_requests=num_requests, included=included)
     record.reference_price = reference_price(
-        price_tier=model.price_tier, tokens=prompt_tokens + completion_tokens
+        per_million_tokens=model.price_tier.reference_price_per_million_tokens, tokens=prompt_tokens + completion_tokens
     )
     record.save()
     if record.price_charged > 0:

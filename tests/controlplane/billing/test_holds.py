@@ -73,6 +73,18 @@ def test_settling_charges_records_or_releases_each_hold_once(setup):
 
 
 @db
+@pytest.mark.parametrize(("prompt_tokens", "reference"), [(1, "0"), (3, "0.000002")])
+def test_settlement_rounds_reference_price_ties_half_even(setup, prompt_tokens, reference):
+    """One and three tokens at 0.50 per million are ties (0.5 and 1.5 micro): what the record
+    holds is billing.pricing's half-even rounding, not half-up."""
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    place(tenant, model, key, "tie")
+    (settled,) = credit_holds_settle(outcomes=[done("tie", prompt_tokens=prompt_tokens, completion_tokens=0)], at=NOW)
+    assert UsageRecord.objects.get(pk=settled.record.pk).reference_price == Decimal(reference)
+
+
+@db
 def test_the_monthly_allowance_pays_first_and_comes_back_when_not_billed(setup):
     tenant, model, key = setup
     tenant.plan = PlanFactory(included_requests_per_month=3)

@@ -16,7 +16,6 @@ from controlplane.billing.services import (
     credit_grant,
     plan_create,
     price_tier_create,
-    reference_price,
     usage_record_create,
 )
 from tests.controlplane.factories import (
@@ -300,9 +299,3 @@ def test_usage_with_another_tenants_key_raises():
     assert "api_key" in error.value.message_dict
     assert not UsageRecord.objects.exists()
 
-
-def test_reference_price_rounds_to_micro_units():
-    tier = PriceTier(price_per_request=Decimal("0"), reference_price_per_million_tokens=Decimal("3"))
-    assert reference_price(price_tier=tier, tokens=1) == Decimal("0.000003")
-    assert reference_price(price_tier=tier, tokens=0) == Decimal("0")
-    assert reference_price(price_tier=tier, tokens=333_333) == Decimal("0.999999")
