@@ -22,9 +22,9 @@ from django.db import connection, transaction
 
 from controlplane.accounts.models import Tenant
 from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
-from controlplane.billing.selectors import credit_holds_expired
 from controlplane.billing.pricing import flat_price, month_start, reference_price, take_allowance
-from controlplane.billing.services import create_missing_credit_accounts
+from controlplane.billing.selectors import credit_holds_expired
+from controlplane.billing.services import lock_credit_accounts
 from controlplane.billing.sql import adapt, as_date, insert, marks, money, rows
 from controlplane.catalog.models import Model
 
@@ -139,13 +139,14 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime, expires_at: dat
     if unpriced:
         prices.update(rows(f"SELECT m.id, t.price_per_request FROM {_MODEL} m JOIN {_TIER} t "
                             f"ON t.id = m.price_tier_id WHERE m.id IN ({marks(unpriced)})", unpriced))
-    accounts, included_per_month = _lock_accounts({r.tenant_id for r in requests})
+    locked = lock_credit_accounts(tenant_ids={r.tenant_id for r in requests})
+    accounts = locked.accounts
     month = month_start(at)
     holds: list[CreditHold | None] = []
     for request in requests:
         account = accounts[request.tenant_id]
         before = (account.allowance_month, account.allowance_used)
-        included = take_allowance(account=account, included_per_month=included_per_month[request.tenant_id],
+        included = take_allowance(account=account, included_per_month=locked.included_per_month[request.tenant_id],
                                   month=month, requests=request.num_requests)
         amount = flat_price(price_per_request=money(prices[request.model_id]), num_requests=request.num_requests,
                             included=included)
@@ -242,24 +243,6 @@ def credit_holds_expire(*, now: datetime, started: Callable[[list[str]], Iterabl
                   for request_id in expired],
         at=now,
     )
-
-
-def _lock_accounts(tenant_ids: set[int]) -> tuple[dict[int, CreditAccount], dict[int, int]]:
-    """The accounts, locked in tenant order (so overlapping batches cannot deadlock), and each
-    tenant's monthly allowance; missing accounts are created first."""
-    ids = sorted(tenant_ids)
-    lock = " FOR UPDATE OF a" if connection.features.has_select_for_update_of else ""
-    query = ("SELECT a.tenant_id, a.balance, a.held, a.allowance_month, a.allowance_used, "
-             f"p.included_requests_per_month FROM {_ACCOUNT} a JOIN {_TENANT} t ON t.id = a.tenant_id "
-             f"LEFT JOIN {_PLAN} p ON p.id = t.plan_id WHERE a.tenant_id IN ({marks(ids)}) "
-             f"ORDER BY a.tenant_id{lock}")
-    found = rows(query, ids)
-    if len(found) < len(ids):
-        create_missing_credit_accounts(tenant_ids=[t for t in ids if t not in {row[0] for row in found}])
-        found = rows(query, ids)
-    accounts = {row[0]: CreditAccount(tenant_id=row[0], balance=money(row[1]), held=money(row[2]),
-                                      allowance_month=as_date(row[3]), allowance_used=row[4]) for row in found}
-    return accounts, {row[0]: row[5] or 0 for row in found}
 
 
 def _record(outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_requests, reference_rate,
