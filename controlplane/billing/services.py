@@ -1,15 +1,14 @@
-"""Writes for billing: credit grants and debits on the ledger, and recording a request's usage.
+"""Writes for billing: price tiers, plans, and credit grants and debits on the ledger.
 
 Every write that depends on a tenant's balance or monthly allowance first locks the tenant's
-credit account (SELECT ... FOR UPDATE), so concurrent writes for one tenant are serialised and a
+credit account (`lock_credit_accounts`), so concurrent writes for one tenant are serialised and a
 balance check cannot be raced. The account's balance moves in the same transaction as every
-ledger entry, so it always equals the sum of the ledger. The gateway's per-request path (holds
-placed at admission, settled at the end) lives in `billing.holds`.
+ledger entry, so it always equals the sum of the ledger. Usage is charged only through credit
+holds, placed at admission and settled when the request ends (`billing.holds`).
 """
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
 from decimal import Decimal
 
 from django.core.exceptions import ValidationError
@@ -17,8 +16,7 @@ from django.db import connection, transaction
 from django.db.models import Sum
 
 from controlplane.accounts.models import Tenant
-from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, Plan, PriceTier, UsageRecord
-from controlplane.billing.pricing import flat_price, month_start, reference_price, take_allowance
+from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, Plan, PriceTier
 from controlplane.billing.sql import as_date, marks, money, rows
 
 _ACCOUNT, _TENANT, _PLAN = CreditAccount._meta.db_table, Tenant._meta.db_table, Plan._meta.db_table
@@ -152,72 +150,3 @@ def credit_debit(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=
     account.balance -= amount
     account.save(update_fields=["balance"])
     return entry
-
-
-@transaction.atomic
-def usage_record_create(
-    *,
-    request_id: str,
-    tenant: Tenant,
-    model,
-    status: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    total_latency_ms: int,
-    time_to_first_token_ms: int | None,
-    at: datetime,
-    api_key=None,
-    replica=None,
-    num_requests: int = 1,
-    gpu_time_s: float | None = None,
-) -> UsageRecord:
-    """Record one finished request that held no credit beforehand and charge it, once: the
-    request id is unique. (The gateway holds credit at admission; see `billing.holds`.)
-
-    Failed requests are free; the first `included_requests_per_month` billable requests of a
-    month are free under the tenant's plan; the rest cost the model's flat per-request price, n
-    times for n choices. The charge is posted even if it takes the balance below zero: the
-    request has already been served.
-    """
-    locked = lock_credit_accounts(tenant_ids=[tenant.pk])
-    account = locked.accounts[tenant.pk]
-    record = UsageRecord(
-        request_id=request_id,
-        tenant=tenant,
-        api_key=api_key,
-        model=model,
-        replica=replica,
-        status=status,
-        num_requests=num_requests,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        time_to_first_token_ms=time_to_first_token_ms,
-        total_latency_ms=total_latency_ms,
-        gpu_time_s=gpu_time_s,
-        price_charged=Decimal("0"),
-        reference_price=Decimal("0"),
-        created_at=at,
-    )
-    record.full_clean()  # before pricing, so bad token counts are reported as such
-    if status != UsageRecord.Status.FAILED:
-        included = take_allowance(account=account, included_per_month=locked.included_per_month[tenant.pk],
-                                  month=month_start(at), requests=num_requests)
-        record.price_charged = flat_price(price_per_request=model.price_tier.price_per_request,
-                                          num_requests=num_requests, included=included)
-    record.reference_price = reference_price(
-        per_million_tokens=model.price_tier.reference_price_per_million_tokens, tokens=prompt_tokens + completion_tokens
-    )
-    record.save()
-    if record.price_charged > 0:
-        _append(
-            CreditEntry(
-                tenant=tenant,
-                kind=CreditEntry.Kind.USAGE,
-                amount=-record.price_charged,
-                usage_record=record,
-                memo=f"{model.public_name} request {request_id}",
-            )
-        )
-        account.balance -= record.price_charged
-    account.save()
-    return record
