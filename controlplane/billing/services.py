@@ -18,6 +18,7 @@ from django.db.models import Sum
 from controlplane.accounts.models import Tenant
 from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, Plan, PriceTier
 from controlplane.billing.sql import as_date, marks, money, rows
+from controlplane.common.services import validated_save
 
 _ACCOUNT, _TENANT, _PLAN = CreditAccount._meta.db_table, Tenant._meta.db_table, Plan._meta.db_table
 
@@ -30,29 +31,17 @@ class InsufficientCredit(ValidationError):
 def price_tier_create(
     *, name: str, price_per_request: Decimal, reference_price_per_million_tokens: Decimal
 ) -> PriceTier:
-    tier = PriceTier(
-        name=name,
-        price_per_request=price_per_request,
-        reference_price_per_million_tokens=reference_price_per_million_tokens,
-    )
-    tier.full_clean()
-    tier.save()
-    return tier
+    return validated_save(PriceTier(name=name, price_per_request=price_per_request,
+                                    reference_price_per_million_tokens=reference_price_per_million_tokens))
 
 
 @transaction.atomic
 def plan_create(
     *, name: str, included_requests_per_month: int, rate_limit_per_minute: int, max_concurrent_requests: int = 16
 ) -> Plan:
-    plan = Plan(
-        name=name,
-        included_requests_per_month=included_requests_per_month,
-        rate_limit_per_minute=rate_limit_per_minute,
-        max_concurrent_requests=max_concurrent_requests,
-    )
-    plan.full_clean()
-    plan.save()
-    return plan
+    return validated_save(Plan(name=name, included_requests_per_month=included_requests_per_month,
+                               rate_limit_per_minute=rate_limit_per_minute,
+                               max_concurrent_requests=max_concurrent_requests))
 
 
 @dataclass(frozen=True)
@@ -115,17 +104,11 @@ def _require_positive_amount(amount: Decimal) -> None:
         raise ValidationError({"amount": f"The amount must be a positive number; got {amount}."})
 
 
-def _append(entry: CreditEntry) -> CreditEntry:
-    entry.full_clean()
-    entry.save()
-    return entry
-
-
 @transaction.atomic
 def credit_grant(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=None) -> CreditEntry:
     _require_positive_amount(amount)
     account = _lock_account(tenant)
-    entry = _append(
+    entry = validated_save(
         CreditEntry(tenant=tenant, kind=CreditEntry.Kind.GRANT, amount=amount, memo=memo, created_by=created_by)
     )
     account.balance += amount
@@ -144,7 +127,7 @@ def credit_debit(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=
         raise InsufficientCredit(
             {"amount": f"The debit of {amount} exceeds the tenant's balance of {account.balance}{held}."}
         )
-    entry = _append(
+    entry = validated_save(
         CreditEntry(tenant=tenant, kind=CreditEntry.Kind.DEBIT, amount=-amount, memo=memo, created_by=created_by)
     )
     account.balance -= amount
