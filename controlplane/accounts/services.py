@@ -17,6 +17,7 @@ from django.utils import timezone
 from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
 from controlplane.accounts.models import ApiKey, Tenant, User
 from controlplane.catalog.selectors import models_by_public_name
+from controlplane.common.services import validated_save
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,7 @@ class ApiKeyCreated:
 
 @transaction.atomic
 def tenant_create(*, name: str, plan=None, is_active: bool = True) -> Tenant:
-    tenant = Tenant(name=name, plan=plan, is_active=is_active)
-    tenant.full_clean()
-    tenant.save()
-    return tenant
+    return validated_save(Tenant(name=name, plan=plan, is_active=is_active))
 
 
 @transaction.atomic
@@ -57,9 +55,7 @@ def user_create(
     )
     validate_password(password, user)
     user.set_password(password)
-    user.full_clean()
-    user.save()
-    return user
+    return validated_save(user)
 
 
 @transaction.atomic
@@ -90,20 +86,12 @@ def api_key_create(
         # Checked here (the constraint below still guards races) so the error names the field.
         raise ValidationError({"name": "This tenant already has a key with this name."})
     plaintext = generate_api_key()
-    api_key = ApiKey(
-        tenant=tenant,
-        name=name,
-        purpose=purpose,
-        prefix=visible_prefix(plaintext),
-        key_hash=hash_api_key(plaintext),
-        all_models=all_models,
-        expires_at=expires_at,
-        rate_limit_per_minute=rate_limit_per_minute,
-        max_concurrent_requests=max_concurrent_requests,
+    api_key = validated_save(ApiKey(
+        tenant=tenant, name=name, purpose=purpose, prefix=visible_prefix(plaintext),
+        key_hash=hash_api_key(plaintext), all_models=all_models, expires_at=expires_at,
+        rate_limit_per_minute=rate_limit_per_minute, max_concurrent_requests=max_concurrent_requests,
         created_by=created_by,
-    )
-    api_key.full_clean()
-    api_key.save()
+    ))
     api_key.allowed_models.set(allowed_models)
     return ApiKeyCreated(api_key=api_key, plaintext=plaintext)
 

@@ -1,6 +1,7 @@
 from django.contrib import admin
 
 from controlplane.billing.models import CreditEntry, Plan, PriceTier, UsageRecord
+from controlplane.common.admin import ReadOnlyAdmin
 
 
 @admin.register(PriceTier)
@@ -15,21 +16,10 @@ class PlanAdmin(admin.ModelAdmin):
     search_fields = ["name"]
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Records written only by services: the ledger is append-only, usage is the gateway's."""
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
-
-
 @admin.register(CreditEntry)
 class CreditEntryAdmin(ReadOnlyAdmin):
+    """The ledger is append-only: corrections are new entries, made by the credit services."""
+
     list_display = ["created_at", "tenant", "kind", "amount", "memo"]
     list_filter = ["kind"]
     search_fields = ["tenant__name", "memo"]
@@ -37,6 +27,8 @@ class CreditEntryAdmin(ReadOnlyAdmin):
 
 @admin.register(UsageRecord)
 class UsageRecordAdmin(ReadOnlyAdmin):
+    """Usage is written by the gateway's credit holds, once per request."""
+
     list_display = [
         "created_at", "request_id", "tenant", "model", "status",
         "prompt_tokens", "completion_tokens", "total_latency_ms", "price_charged",

@@ -21,9 +21,10 @@ from decimal import Decimal
 from django.db import connection, transaction
 
 from controlplane.accounts.models import Tenant
-from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
+from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
+from controlplane.billing.pricing import flat_price, month_start, reference_price, take_allowance
 from controlplane.billing.selectors import credit_holds_expired
-from controlplane.billing.services import create_missing_credit_accounts, month_start, take_allowance
+from controlplane.billing.services import lock_credit_accounts
 from controlplane.billing.sql import adapt, as_date, insert, marks, money, rows
 from controlplane.catalog.models import Model
 
@@ -94,7 +95,7 @@ def _place_one_conditionally(request: HoldRequest, at: datetime, expires_at: dat
 def conditional_hold_statement(request: HoldRequest, at: datetime, expires_at: datetime) -> tuple[str, dict]:
     """`_place_one_conditionally`'s statement (PostgreSQL) and its parameters, for callers that
     run it on their own connection (the gateway's asynchronous fast path)."""
-    amount = request.price_per_request * request.num_requests
+    amount = flat_price(price_per_request=request.price_per_request, num_requests=request.num_requests)
     return f"""
         WITH account AS (
             UPDATE {_ACCOUNT} a SET held = a.held + %(amount)s
@@ -117,7 +118,8 @@ def conditional_hold_result(request: HoldRequest, result: list[tuple], at: datet
         return None
     return CreditHold(pk=result[0][0], request_id=request.request_id, tenant_id=request.tenant_id,
                       api_key_id=request.api_key_id, model_id=request.model_id, num_requests=request.num_requests,
-                      included_requests=0, amount=request.price_per_request * request.num_requests,
+                      included_requests=0,
+                      amount=flat_price(price_per_request=request.price_per_request, num_requests=request.num_requests),
                       created_at=at, expires_at=expires_at)
 
 
@@ -137,15 +139,17 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime, expires_at: dat
     if unpriced:
         prices.update(rows(f"SELECT m.id, t.price_per_request FROM {_MODEL} m JOIN {_TIER} t "
                             f"ON t.id = m.price_tier_id WHERE m.id IN ({marks(unpriced)})", unpriced))
-    accounts, included_per_month = _lock_accounts({r.tenant_id for r in requests})
+    locked = lock_credit_accounts(tenant_ids={r.tenant_id for r in requests})
+    accounts = locked.accounts
     month = month_start(at)
     holds: list[CreditHold | None] = []
     for request in requests:
         account = accounts[request.tenant_id]
         before = (account.allowance_month, account.allowance_used)
-        included = take_allowance(account=account, included_per_month=included_per_month[request.tenant_id],
+        included = take_allowance(account=account, included_per_month=locked.included_per_month[request.tenant_id],
                                   month=month, requests=request.num_requests)
-        amount = money(prices[request.model_id]) * (request.num_requests - included)
+        amount = flat_price(price_per_request=money(prices[request.model_id]), num_requests=request.num_requests,
+                            included=included)
         if amount > account.available:
             account.allowance_month, account.allowance_used = before  # give the allowance back
             holds.append(None)
@@ -241,24 +245,6 @@ def credit_holds_expire(*, now: datetime, started: Callable[[list[str]], Iterabl
     )
 
 
-def _lock_accounts(tenant_ids: set[int]) -> tuple[dict[int, CreditAccount], dict[int, int]]:
-    """The accounts, locked in tenant order (so overlapping batches cannot deadlock), and each
-    tenant's monthly allowance; missing accounts are created first."""
-    ids = sorted(tenant_ids)
-    lock = " FOR UPDATE OF a" if connection.features.has_select_for_update_of else ""
-    query = ("SELECT a.tenant_id, a.balance, a.held, a.allowance_month, a.allowance_used, "
-             f"p.included_requests_per_month FROM {_ACCOUNT} a JOIN {_TENANT} t ON t.id = a.tenant_id "
-             f"LEFT JOIN {_PLAN} p ON p.id = t.plan_id WHERE a.tenant_id IN ({marks(ids)}) "
-             f"ORDER BY a.tenant_id{lock}")
-    found = rows(query, ids)
-    if len(found) < len(ids):
-        create_missing_credit_accounts(tenant_ids=[t for t in ids if t not in {row[0] for row in found}])
-        found = rows(query, ids)
-    accounts = {row[0]: CreditAccount(tenant_id=row[0], balance=money(row[1]), held=money(row[2]),
-                                      allowance_month=as_date(row[3]), allowance_used=row[4]) for row in found}
-    return accounts, {row[0]: row[5] or 0 for row in found}
-
-
 def _record(outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_requests, reference_rate,
             price: Decimal, at: datetime) -> UsageRecord:
     total_ms = max(0, int(outcome.total_latency_ms))
@@ -272,8 +258,7 @@ def _record(outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_reques
         total_latency_ms=total_ms,
         gpu_time_s=None if outcome.gpu_time_s is None else max(0.0, float(outcome.gpu_time_s)),
         price_charged=price,
-        # As billing.services.reference_price, from the rate read with the hold.
-        reference_price=(money(reference_rate) * (prompt + completion) / 1_000_000).quantize(MICRO),
+        reference_price=reference_price(per_million_tokens=money(reference_rate), tokens=prompt + completion),
         created_at=at,
     )
 

@@ -1,25 +1,26 @@
-"""Writes for billing: credit grants and debits on the ledger, and recording a request's usage.
+"""Writes for billing: price tiers, plans, and credit grants and debits on the ledger.
 
 Every write that depends on a tenant's balance or monthly allowance first locks the tenant's
-credit account (SELECT ... FOR UPDATE), so concurrent writes for one tenant are serialised and a
+credit account (`lock_credit_accounts`), so concurrent writes for one tenant are serialised and a
 balance check cannot be raced. The account's balance moves in the same transaction as every
-ledger entry, so it always equals the sum of the ledger. The gateway's per-request path (holds
-placed at admission, settled at the end) lives in `billing.holds`.
+ledger entry, so it always equals the sum of the ledger. Usage is charged only through credit
+holds, placed at admission and settled when the request ends (`billing.holds`).
 """
 
 from collections.abc import Iterable
-from datetime import UTC, date, datetime
-from decimal import ROUND_HALF_UP, Decimal
+from dataclasses import dataclass
+from decimal import Decimal
 
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Sum
 
 from controlplane.accounts.models import Tenant
-from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, Plan, PriceTier, UsageRecord
-from controlplane.billing.selectors import usage_billable_count_since
+from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, Plan, PriceTier
+from controlplane.billing.sql import as_date, marks, money, rows
+from controlplane.common.services import validated_save
 
-_TOKENS_PER_PRICE_UNIT = Decimal(1_000_000)
+_ACCOUNT, _TENANT, _PLAN = CreditAccount._meta.db_table, Tenant._meta.db_table, Plan._meta.db_table
 
 
 class InsufficientCredit(ValidationError):
@@ -30,47 +31,53 @@ class InsufficientCredit(ValidationError):
 def price_tier_create(
     *, name: str, price_per_request: Decimal, reference_price_per_million_tokens: Decimal
 ) -> PriceTier:
-    tier = PriceTier(
-        name=name,
-        price_per_request=price_per_request,
-        reference_price_per_million_tokens=reference_price_per_million_tokens,
-    )
-    tier.full_clean()
-    tier.save()
-    return tier
+    return validated_save(PriceTier(name=name, price_per_request=price_per_request,
+                                    reference_price_per_million_tokens=reference_price_per_million_tokens))
 
 
 @transaction.atomic
 def plan_create(
     *, name: str, included_requests_per_month: int, rate_limit_per_minute: int, max_concurrent_requests: int = 16
 ) -> Plan:
-    plan = Plan(
-        name=name,
-        included_requests_per_month=included_requests_per_month,
-        rate_limit_per_minute=rate_limit_per_minute,
-        max_concurrent_requests=max_concurrent_requests,
-    )
-    plan.full_clean()
-    plan.save()
-    return plan
+    return validated_save(Plan(name=name, included_requests_per_month=included_requests_per_month,
+                               rate_limit_per_minute=rate_limit_per_minute,
+                               max_concurrent_requests=max_concurrent_requests))
 
 
-def lock_credit_accounts(*, tenant_ids: Iterable[int]) -> dict[int, CreditAccount]:
-    """The tenants' credit accounts (with each tenant and plan), locked for this transaction and
-    created where missing.
+@dataclass(frozen=True)
+class LockedAccounts:
+    """Credit accounts locked for the current transaction, by tenant id, and each tenant's
+    monthly allowance (its plan's included requests; 0 without a plan)."""
+
+    accounts: dict[int, CreditAccount]
+    included_per_month: dict[int, int]
+
+
+def lock_credit_accounts(*, tenant_ids: Iterable[int]) -> LockedAccounts:
+    """The tenants' credit accounts, locked for this transaction and created where missing.
 
     Locks are always taken in tenant-id order, so two transactions locking overlapping sets of
-    tenants cannot deadlock. A missing account starts from the tenant's ledger sum (ledgers older
-    than accounts); the insert ignores a concurrent creator's row, and every later ledger write
-    goes through a locked account, so the sum cannot move underneath it.
+    tenants cannot deadlock. Only the account rows are locked; the plan comes along to be read. A
+    missing account starts from the tenant's ledger sum (ledgers older than accounts); the insert
+    ignores a concurrent creator's row, and every later ledger write goes through a locked
+    account, so the sum cannot move underneath it. Plain SQL: the gateway's batched holds take
+    this lock on every batch, and the ORM's per-query CPU cost showed there.
     """
     ids = sorted(set(tenant_ids))
-    locked = {account.tenant_id: account for account in _select_for_update(ids)}
-    missing = [tenant_id for tenant_id in ids if tenant_id not in locked]
-    if missing:
-        create_missing_credit_accounts(tenant_ids=missing)
-        locked = {account.tenant_id: account for account in _select_for_update(ids)}
-    return locked
+    lock = " FOR UPDATE OF a" if connection.features.has_select_for_update_of else ""
+    query = ("SELECT a.tenant_id, a.balance, a.held, a.allowance_month, a.allowance_used, "
+             f"p.included_requests_per_month FROM {_ACCOUNT} a JOIN {_TENANT} t ON t.id = a.tenant_id "
+             f"LEFT JOIN {_PLAN} p ON p.id = t.plan_id WHERE a.tenant_id IN ({marks(ids)}) "
+             f"ORDER BY a.tenant_id{lock}")
+    found = rows(query, ids)
+    if len(found) < len(ids):
+        create_missing_credit_accounts(tenant_ids=[t for t in ids if t not in {row[0] for row in found}])
+        found = rows(query, ids)
+    return LockedAccounts(
+        accounts={row[0]: CreditAccount(tenant_id=row[0], balance=money(row[1]), held=money(row[2]),
+                                        allowance_month=as_date(row[3]), allowance_used=row[4]) for row in found},
+        included_per_month={row[0]: row[5] or 0 for row in found},
+    )
 
 
 def create_missing_credit_accounts(*, tenant_ids: list[int]) -> None:
@@ -85,14 +92,8 @@ def create_missing_credit_accounts(*, tenant_ids: list[int]) -> None:
     )
 
 
-def _select_for_update(tenant_ids: list[int]):
-    # Only the account rows are locked (`of`): the tenant and plan come along to be read.
-    return (CreditAccount.objects.select_for_update(of=("self",)).select_related("tenant__plan")
-            .filter(tenant_id__in=tenant_ids).order_by("tenant_id"))
-
-
 def _lock_account(tenant: Tenant) -> CreditAccount:
-    return lock_credit_accounts(tenant_ids=[tenant.pk])[tenant.pk]
+    return lock_credit_accounts(tenant_ids=[tenant.pk]).accounts[tenant.pk]
 
 
 def _require_positive_amount(amount: Decimal) -> None:
@@ -103,17 +104,11 @@ def _require_positive_amount(amount: Decimal) -> None:
         raise ValidationError({"amount": f"The amount must be a positive number; got {amount}."})
 
 
-def _append(entry: CreditEntry) -> CreditEntry:
-    entry.full_clean()
-    entry.save()
-    return entry
-
-
 @transaction.atomic
 def credit_grant(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=None) -> CreditEntry:
     _require_positive_amount(amount)
     account = _lock_account(tenant)
-    entry = _append(
+    entry = validated_save(
         CreditEntry(tenant=tenant, kind=CreditEntry.Kind.GRANT, amount=amount, memo=memo, created_by=created_by)
     )
     account.balance += amount
@@ -132,111 +127,9 @@ def credit_debit(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=
         raise InsufficientCredit(
             {"amount": f"The debit of {amount} exceeds the tenant's balance of {account.balance}{held}."}
         )
-    entry = _append(
+    entry = validated_save(
         CreditEntry(tenant=tenant, kind=CreditEntry.Kind.DEBIT, amount=-amount, memo=memo, created_by=created_by)
     )
     account.balance -= amount
     account.save(update_fields=["balance"])
     return entry
-
-
-def reference_price(*, price_tier: PriceTier, tokens: int) -> Decimal:
-    """What `tokens` would cost at the tier's per-token reference rate."""
-    price = price_tier.reference_price_per_million_tokens * tokens / _TOKENS_PER_PRICE_UNIT
-    return price.quantize(MICRO, rounding=ROUND_HALF_UP)
-
-
-def month_start(moment: datetime) -> date:
-    """The first day of `moment`'s month: allowances reset at each calendar month in UTC."""
-    return moment.astimezone(UTC).date().replace(day=1)
-
-
-def take_allowance(*, account: CreditAccount, included_per_month: int, month: date, requests: int) -> int:
-    """How many of `requests` the plan's monthly allowance (`included_per_month`) pays for,
-    counted as used on the account."""
-    if included_per_month == 0:
-        return 0
-    since = datetime(month.year, month.month, 1, tzinfo=UTC)
-    if account.allowance_month is not None and month < account.allowance_month:
-        # Dated in a month before the one the account counts (a backfilled record): that month's
-        # records say what was left of its allowance.
-        used = usage_billable_count_since(tenant=account.tenant_id, since=since, until=_next_month(since))
-        return max(0, min(requests, included_per_month - used))
-    if account.allowance_month != month:
-        account.allowance_month = month
-        account.allowance_used = usage_billable_count_since(tenant=account.tenant_id, since=since)
-    included = max(0, min(requests, included_per_month - account.allowance_used))
-    account.allowance_used += included
-    return included
-
-
-def _next_month(moment: datetime) -> datetime:
-    return moment.replace(year=moment.year + moment.month // 12, month=moment.month % 12 + 1)
-
-
-@transaction.atomic
-def usage_record_create(
-    *,
-    request_id: str,
-    tenant: Tenant,
-    model,
-    status: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    total_latency_ms: int,
-    time_to_first_token_ms: int | None,
-    at: datetime,
-    api_key=None,
-    replica=None,
-    num_requests: int = 1,
-    gpu_time_s: float | None = None,
-) -> UsageRecord:
-    """Record one finished request that held no credit beforehand and charge it, once: the
-    request id is unique. (The gateway holds credit at admission; see `billing.holds`.)
-
-    Failed requests are free; the first `included_requests_per_month` billable requests of a
-    month are free under the tenant's plan; the rest cost the model's flat per-request price, n
-    times for n choices. The charge is posted even if it takes the balance below zero: the
-    request has already been served.
-    """
-    account = _lock_account(tenant)
-    record = UsageRecord(
-        request_id=request_id,
-        tenant=tenant,
-        api_key=api_key,
-        model=model,
-        replica=replica,
-        status=status,
-        num_requests=num_requests,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        time_to_first_token_ms=time_to_first_token_ms,
-        total_latency_ms=total_latency_ms,
-        gpu_time_s=gpu_time_s,
-        price_charged=Decimal("0"),
-        reference_price=Decimal("0"),
-        created_at=at,
-    )
-    record.full_clean()  # before pricing, so bad token counts are reported as such
-    if status != UsageRecord.Status.FAILED:
-        plan = account.tenant.plan
-        included = take_allowance(account=account, included_per_month=plan.included_requests_per_month if plan else 0,
-                                  month=month_start(at), requests=num_requests)
-        record.price_charged = model.price_tier.price_per_request * (num_requests - included)
-    record.reference_price = reference_price(
-        price_tier=model.price_tier, tokens=prompt_tokens + completion_tokens
-    )
-    record.save()
-    if record.price_charged > 0:
-        _append(
-            CreditEntry(
-                tenant=tenant,
-                kind=CreditEntry.Kind.USAGE,
-                amount=-record.price_charged,
-                usage_record=record,
-                memo=f"{model.public_name} request {request_id}",
-            )
-        )
-        account.balance -= record.price_charged
-    account.save()
-    return record

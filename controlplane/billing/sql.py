@@ -1,5 +1,6 @@
-"""Helpers for the billing statements written as plain SQL (`billing.holds`), for PostgreSQL and
-SQLite alike: placeholders, multi-row inserts, and values as each backend stores and returns them."""
+"""Helpers for the billing statements written as plain SQL (credit holds and the credit-account
+lock), for PostgreSQL and SQLite alike: placeholders, multi-row inserts, and values as each
+backend stores and returns them."""
 
 from collections.abc import Sequence
 from datetime import date, datetime

@@ -18,14 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from controlplane.billing.holds import credit_holds_settle
 from controlplane.gateway import completions
 from controlplane.gateway.config import GatewayConfig
-from controlplane.gateway.database import Batcher, DatabaseLane
+from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.errors import GatewayError, model_not_found
-from controlplane.gateway.holding import HoldPlacer
+from controlplane.gateway.holds import HoldPlacer, settle_batcher, sweep_expired_holds
 from controlplane.gateway.keys import KeyCache
-from controlplane.gateway.metering import sweep_expired_holds
 from controlplane.gateway.routing import RoutingTable
 from controlplane.gateway.upstream import UpstreamPool
 
@@ -36,8 +34,6 @@ class Gateway:
     """Everything one gateway process holds: caches, clients, database lanes, chores."""
 
     def __init__(self, config: GatewayConfig):
-        from django.utils import timezone
-
         self.config = config
         # Admission work (holds, key and routing reads) and settlements get a connection each, so
         # a slow batch of one does not queue behind the other.
@@ -46,10 +42,7 @@ class Gateway:
         self.routing = RoutingTable(config, self.admit_lane)
         self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
         self.holds = HoldPlacer(self.admit_lane, config.hold_lifetime_s)
-        # Not durable: the hold and the first-token mark already make a served request's charge
-        # survive a crash (see credit_holds_settle), and the commit stays off the disk's latency.
-        self.settles = Batcher(self.settle_lane, lambda outcomes: credit_holds_settle(
-            outcomes=outcomes, at=timezone.now(), durable=False))
+        self.settles = settle_batcher(self.settle_lane)
         self.shared = _shared_state(config)
         self._spawned: set[asyncio.Task] = set()
         self._chores = [

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
 
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
-from controlplane.gateway.metering import COMPLETED, FAILED, Flight
+from controlplane.gateway.holds import COMPLETED, FAILED, Flight
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token
 from controlplane.gateway.routing import affinity_choice
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute

@@ -12,7 +12,7 @@ import json
 from collections.abc import AsyncIterator
 
 from controlplane.gateway.errors import GatewayError
-from controlplane.gateway.metering import CANCELLED, COMPLETED, FAILED, Flight
+from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.upstream import UpstreamError
 
 DONE = b"[DONE]"

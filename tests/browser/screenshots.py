@@ -8,8 +8,9 @@ Chromium:
 It works in a throwaway database (`<name>_screenshots`, created and dropped here) and needs a Redis
 database no running system uses (its Celery worker takes tasks from that Redis's default queue).
 Today's figures come from real requests through /v1 and real operator actions; so that the daily
-charts have days to show, the two weeks before today are back-filled with usage records written by
-the billing service (the same records the gateway writes), marked `screenshots-` in their ids.
+charts have days to show, the two weeks before today are back-filled with usage records written
+through the gateway's own billing path (a credit hold, then its settlement), marked `screenshots-`
+in their ids.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ def prepare(system) -> None:
     from controlplane.accounts.selectors import tenant_get_by_name, user_get_by_username
     from controlplane.accounts.services import api_key_create, api_key_revoke
     from controlplane.billing.models import UsageRecord
-    from controlplane.billing.services import usage_record_create
     from controlplane.catalog.models import Deployment, Model
     from controlplane.catalog.services import deployment_update, model_create, model_set_enabled
     from controlplane.fleet.models import Replica
+    from tests.controlplane.factories import usage_record_settled
     from tests.integration.conftest import wait_until
 
     demo = Model.objects.get(public_name=system.seeded.demo_model)
@@ -88,7 +89,7 @@ def prepare(system) -> None:
         for who, base in ((tenant, 40), (other, 15)):
             for _ in range(max(0, int(base * (0.6 + 0.8 * rng.random())))):
                 prompt, completion = rng.randint(20, 400), rng.randint(10, 300)
-                usage_record_create(
+                usage_record_settled(
                     request_id=f"screenshots-{uuid.uuid4().hex}", tenant=who, model=demo,
                     status=UsageRecord.Status.COMPLETED if rng.random() > 0.03 else UsageRecord.Status.FAILED,
                     prompt_tokens=prompt, completion_tokens=completion, time_to_first_token_ms=rng.randint(20, 90),

@@ -1,6 +1,8 @@
 """factory-boy factories for the control plane's models (test set-up only; services are tested
-through their own calls)."""
+through their own calls), and usage records made the way production makes them."""
 
+import uuid
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 import factory
@@ -8,7 +10,8 @@ from django.utils import timezone
 
 from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
 from controlplane.accounts.models import ApiKey, Tenant, User
-from controlplane.billing.models import Plan, PriceTier
+from controlplane.billing.holds import HoldRequest, RequestOutcome, credit_holds_place, credit_holds_settle
+from controlplane.billing.models import Plan, PriceTier, UsageRecord
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet.models import Gpu, Replica, Worker
 
@@ -127,3 +130,39 @@ class ReplicaFactory(factory.django.DjangoModelFactory):
     worker = factory.SubFactory(WorkerFactory)
     gpu = None
     state = Replica.State.PENDING
+
+
+def usage_record_settled(
+    *,
+    tenant: Tenant,
+    model: Model,
+    at: datetime | None = None,
+    status: str = UsageRecord.Status.COMPLETED,
+    prompt_tokens: int = 10,
+    completion_tokens: int = 5,
+    time_to_first_token_ms: int | None = 10,
+    total_latency_ms: int = 100,
+    num_requests: int = 1,
+    api_key: ApiKey | None = None,
+    replica: Replica | None = None,
+    gpu_time_s: float | None = None,
+    request_id: str | None = None,
+) -> UsageRecord:
+    """One finished request's usage record, written as the gateway writes it: a credit hold placed
+    at `at`, then settled with the request's outcome. So, as for a real request, the tenant needs
+    credit (or plan allowance) to cover the price, even for a request that ends failed."""
+    at = at or timezone.now()
+    request_id = request_id or f"req-{uuid.uuid4().hex}"
+    # The hold's expiry is wall-clock time: a running gateway's sweeper must not take it first.
+    (hold,) = credit_holds_place(
+        requests=[HoldRequest(request_id, tenant.pk, model.pk, api_key.pk if api_key else None, num_requests)],
+        at=at, expires_at=timezone.now() + timedelta(minutes=10))
+    if hold is None:
+        raise ValueError(f"The hold for {request_id} was refused: give tenant {tenant} credit to cover it first.")
+    (settled,) = credit_holds_settle(outcomes=[RequestOutcome(
+        request_id, status, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        time_to_first_token_ms=time_to_first_token_ms, total_latency_ms=total_latency_ms, gpu_time_s=gpu_time_s,
+        replica_id=replica.pk if replica else None)], at=at)
+    if not settled.found:
+        raise ValueError(f"The hold for {request_id} was settled by someone else (the sweeper?) first.")
+    return UsageRecord.objects.get(pk=settled.record.pk)

@@ -13,7 +13,8 @@ from controlplane.billing.holds import (HoldRequest, RequestOutcome, credit_hold
 from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, UsageRecord
 from controlplane.billing.selectors import credit_available, credit_balance
 from controlplane.billing.services import InsufficientCredit, credit_debit, credit_grant
-from tests.controlplane.factories import ApiKeyFactory, ModelFactory, PlanFactory, PriceTierFactory, TenantFactory
+from tests.controlplane.factories import (ApiKeyFactory, ModelFactory, PlanFactory, PriceTierFactory, ReplicaFactory,
+                                         TenantFactory, usage_record_settled)
 
 db = pytest.mark.django_db
 
@@ -73,6 +74,18 @@ def test_settling_charges_records_or_releases_each_hold_once(setup):
 
 
 @db
+@pytest.mark.parametrize(("prompt_tokens", "reference"), [(1, "0"), (3, "0.000002")])
+def test_settlement_rounds_reference_price_ties_half_even(setup, prompt_tokens, reference):
+    """One and three tokens at 0.50 per million are ties (0.5 and 1.5 micro): what the record
+    holds is billing.pricing's half-even rounding, not half-up."""
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    place(tenant, model, key, "tie")
+    (settled,) = credit_holds_settle(outcomes=[done("tie", prompt_tokens=prompt_tokens, completion_tokens=0)], at=NOW)
+    assert UsageRecord.objects.get(pk=settled.record.pk).reference_price == Decimal(reference)
+
+
+@db
 def test_the_monthly_allowance_pays_first_and_comes_back_when_not_billed(setup):
     tenant, model, key = setup
     tenant.plan = PlanFactory(included_requests_per_month=3)
@@ -84,6 +97,69 @@ def test_the_monthly_allowance_pays_first_and_comes_back_when_not_billed(setup):
     assert place(tenant, model, key, "c", n=3)[0].amount == Decimal("0")
     next_month = datetime(2026, 6, 1, tzinfo=UTC)
     assert place(tenant, model, key, "d", n=3, at=next_month)[0].amount == Decimal("0")
+
+
+@db
+def test_usage_is_charged_the_flat_price_whatever_the_prompt_length():
+    tier = PriceTierFactory(price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.50"))
+    model, tenant = ModelFactory(price_tier=tier), TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    short = usage_record_settled(tenant=tenant, model=model, prompt_tokens=10, completion_tokens=5, at=NOW)
+    long = usage_record_settled(tenant=tenant, model=model, prompt_tokens=100_000, completion_tokens=2_000, at=NOW)
+    assert short.price_charged == long.price_charged == Decimal("0.002")
+    assert short.reference_price == Decimal("0.000008")  # 15 tokens at 0.50 per million, rounded
+    assert long.reference_price == Decimal("0.051")
+    assert credit_balance(tenant=tenant) == Decimal("0.996")
+    assert short.credit_entry.amount == Decimal("-0.002")
+
+
+@db
+def test_each_month_has_its_own_allowance_including_a_backfilled_one():
+    tenant = TenantFactory(plan=PlanFactory(included_requests_per_month=2))
+    model = ModelFactory()
+    price = model.price_tier.price_per_request
+    credit_grant(tenant=tenant, amount=price)
+    first, second, third = (usage_record_settled(tenant=tenant, model=model, at=NOW) for _ in range(3))
+    # Dated in an earlier month than the one the account counts: that month's allowance pays.
+    last_month = usage_record_settled(tenant=tenant, model=model, at=NOW - timedelta(days=20))
+    assert last_month.price_charged == first.price_charged == second.price_charged == Decimal("0")
+    assert third.price_charged == price
+    assert CreditEntry.objects.filter(kind=CreditEntry.Kind.USAGE).count() == 1
+    assert credit_balance(tenant=tenant) == Decimal("0")
+
+
+@db
+def test_failed_requests_are_free_and_do_not_use_the_allowance():
+    tenant = TenantFactory(plan=PlanFactory(included_requests_per_month=1))
+    model = ModelFactory()
+    failed = usage_record_settled(tenant=tenant, model=model, status=UsageRecord.Status.FAILED,
+                                  time_to_first_token_ms=None, at=NOW)
+    included = usage_record_settled(tenant=tenant, model=model, at=NOW)
+    assert failed.price_charged == included.price_charged == Decimal("0")
+    assert not CreditEntry.objects.exists()
+
+
+@db
+def test_usage_links_key_and_replica():
+    tenant = TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    key, replica = ApiKeyFactory(tenant=tenant), ReplicaFactory()
+    record = usage_record_settled(tenant=tenant, model=replica.deployment.model, api_key=key, replica=replica)
+    assert (record.api_key, record.replica) == (key, replica)
+
+
+@db
+def test_garbage_figures_in_an_outcome_are_recorded_within_bounds(setup):
+    """What a worker reported is recorded, never refused: the request was served either way."""
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    place(tenant, model, key, "odd")
+    credit_holds_settle(outcomes=[done("odd", prompt_tokens=-1, completion_tokens=-5, time_to_first_token_ms=2_000,
+                                       total_latency_ms=1_000, gpu_time_s=-0.5)], at=NOW)
+    record = UsageRecord.objects.get(request_id="odd")
+    assert (record.prompt_tokens, record.completion_tokens, record.gpu_time_s) == (0, 0, 0.0)
+    assert (record.time_to_first_token_ms, record.total_latency_ms) == (1_000, 1_000)
+    assert record.price_charged == Decimal("0.002")
 
 
 @db

@@ -5,8 +5,8 @@ import pytest
 
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.selectors import credit_balance, usage_billable_count_since
-from controlplane.billing.services import credit_grant, usage_record_create
-from tests.controlplane.factories import ModelFactory, TenantFactory
+from controlplane.billing.services import credit_grant
+from tests.controlplane.factories import ModelFactory, TenantFactory, usage_record_settled
 
 pytestmark = pytest.mark.django_db
 
@@ -24,12 +24,10 @@ def test_credit_balance_ignores_other_tenants():
 
 def test_usage_billable_count_since_skips_failures_and_earlier_requests():
     tenant, model = TenantFactory(), ModelFactory()
+    credit_grant(tenant=tenant, amount=Decimal("1"))
     moments = [datetime(2026, 1, 31, 23, 59, tzinfo=UTC), datetime(2026, 2, 1, tzinfo=UTC), datetime(2026, 2, 2, tzinfo=UTC)]
     statuses = [UsageRecord.Status.COMPLETED, UsageRecord.Status.CANCELLED, UsageRecord.Status.FAILED]
-    for n, (at, status) in enumerate(zip(moments, statuses)):
-        usage_record_create(
-            request_id=f"r{n}", tenant=tenant, model=model, status=status, prompt_tokens=1,
-            completion_tokens=1, time_to_first_token_ms=None, total_latency_ms=10, at=at,
-        )
+    for at, status in zip(moments, statuses):
+        usage_record_settled(tenant=tenant, model=model, status=status, at=at)
     assert usage_billable_count_since(tenant=tenant, since=datetime(2026, 2, 1, tzinfo=UTC)) == 1
     assert usage_billable_count_since(tenant=tenant, since=datetime(2026, 1, 1, tzinfo=UTC)) == 2

@@ -1,5 +1,4 @@
 import threading
-from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
@@ -8,7 +7,7 @@ from django.db import connection, connections
 from hypothesis import given, settings as hypothesis_settings, strategies as st
 from hypothesis.extra.django import TestCase as HypothesisTestCase
 
-from controlplane.billing.models import AppendOnlyError, CreditEntry, Plan, PriceTier, UsageRecord
+from controlplane.billing.models import AppendOnlyError, CreditEntry, Plan, PriceTier
 from controlplane.billing.selectors import credit_balance
 from controlplane.billing.services import (
     InsufficientCredit,
@@ -16,17 +15,8 @@ from controlplane.billing.services import (
     credit_grant,
     plan_create,
     price_tier_create,
-    reference_price,
-    usage_record_create,
 )
-from tests.controlplane.factories import (
-    ApiKeyFactory,
-    ModelFactory,
-    PlanFactory,
-    PriceTierFactory,
-    ReplicaFactory,
-    TenantFactory,
-)
+from tests.controlplane.factories import TenantFactory
 
 db = pytest.mark.django_db
 
@@ -195,114 +185,3 @@ def test_concurrent_debits_never_overdraw(require_postgres):
     assert sorted(outcomes) == ["ok"] * 5 + ["refused"] * 7
     assert credit_balance(tenant=tenant) == Decimal("0")
     assert CreditEntry.objects.filter(tenant=tenant, kind=CreditEntry.Kind.DEBIT).count() == 5
-
-
-# --- usage records ------------------------------------------------------------------------
-
-NOW = datetime(2026, 3, 15, 12, 0, tzinfo=UTC)
-
-
-def _usage(tenant, model, **overrides):
-    fields = dict(
-        request_id=f"req-{UsageRecord.objects.count() + 1}",
-        tenant=tenant,
-        model=model,
-        status=UsageRecord.Status.COMPLETED,
-        prompt_tokens=1_000,
-        completion_tokens=200,
-        time_to_first_token_ms=80,
-        total_latency_ms=1_500,
-        at=NOW,
-    )
-    return usage_record_create(**{**fields, **overrides})
-
-
-@db
-def test_usage_is_charged_the_flat_price_whatever_the_prompt_length():
-    tier = PriceTierFactory(price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.50"))
-    model, tenant = ModelFactory(price_tier=tier), TenantFactory()
-    credit_grant(tenant=tenant, amount=Decimal("1"))
-    short = _usage(tenant, model, prompt_tokens=10, completion_tokens=5)
-    long = _usage(tenant, model, prompt_tokens=100_000, completion_tokens=2_000)
-    assert short.price_charged == long.price_charged == Decimal("0.002")
-    assert short.reference_price == Decimal("0.000008")  # 15 tokens at 0.50 per million, rounded
-    assert long.reference_price == Decimal("0.051")
-    assert credit_balance(tenant=tenant) == Decimal("0.996")
-    assert short.credit_entry.amount == Decimal("-0.002")
-
-
-@db
-def test_usage_within_the_plans_monthly_allowance_is_free():
-    tenant = TenantFactory(plan=PlanFactory(included_requests_per_month=2))
-    model = ModelFactory()
-    last_month = _usage(tenant, model, at=NOW - timedelta(days=20))  # February: its own allowance
-    first, second, third = (_usage(tenant, model) for _ in range(3))
-    assert last_month.price_charged == first.price_charged == second.price_charged == Decimal("0")
-    assert third.price_charged == model.price_tier.price_per_request
-    assert CreditEntry.objects.filter(kind=CreditEntry.Kind.USAGE).count() == 1
-    assert credit_balance(tenant=tenant) == -model.price_tier.price_per_request
-
-
-@db
-def test_failed_requests_are_free_and_do_not_use_the_allowance():
-    tenant = TenantFactory(plan=PlanFactory(included_requests_per_month=1))
-    model = ModelFactory()
-    failed = _usage(tenant, model, status=UsageRecord.Status.FAILED, time_to_first_token_ms=None)
-    included = _usage(tenant, model)
-    assert failed.price_charged == included.price_charged == Decimal("0")
-    assert not CreditEntry.objects.exists()
-
-
-@db
-def test_a_request_is_recorded_and_charged_once():
-    tenant, model = TenantFactory(), ModelFactory()
-    _usage(tenant, model, request_id="req-abc")
-    with pytest.raises(ValidationError) as error:
-        _usage(tenant, model, request_id="req-abc")
-    assert "request_id" in error.value.message_dict
-    assert UsageRecord.objects.count() == 1
-    assert CreditEntry.objects.filter(kind=CreditEntry.Kind.USAGE).count() == 1
-
-
-@db
-def test_usage_links_key_and_replica():
-    tenant = TenantFactory()
-    key, replica = ApiKeyFactory(tenant=tenant), ReplicaFactory()
-    record = _usage(tenant, replica.deployment.model, api_key=key, replica=replica)
-    assert (record.api_key, record.replica) == (key, replica)
-
-
-@db
-@pytest.mark.parametrize(
-    ("overrides", "field"),
-    [
-        ({"prompt_tokens": -1}, "prompt_tokens"),
-        ({"completion_tokens": -5}, "completion_tokens"),
-        ({"total_latency_ms": -1}, "total_latency_ms"),
-        ({"time_to_first_token_ms": 2_000, "total_latency_ms": 1_000}, "time_to_first_token_ms"),
-        ({"status": "exploded"}, "status"),
-        ({"request_id": ""}, "request_id"),
-    ],
-)
-def test_invalid_usage_raises_and_writes_nothing(overrides, field):
-    tenant, model = TenantFactory(), ModelFactory()
-    with pytest.raises(ValidationError) as error:
-        _usage(tenant, model, **overrides)
-    assert field in error.value.message_dict
-    assert not UsageRecord.objects.exists() and not CreditEntry.objects.exists()
-
-
-@db
-def test_usage_with_another_tenants_key_raises():
-    tenant, model = TenantFactory(), ModelFactory()
-    with pytest.raises(ValidationError) as error:
-        _usage(tenant, model, api_key=ApiKeyFactory())
-    assert "api_key" in error.value.message_dict
-    assert not UsageRecord.objects.exists()
-
-
-def test_reference_price_rounds_to_micro_units():
-    tier = PriceTier(price_per_request=Decimal("0"), reference_price_per_million_tokens=Decimal("3"))
-    assert reference_price(price_tier=tier, tokens=1) == Decimal("0.000003")
-    assert reference_price(price_tier=tier, tokens=0) == Decimal("0")
-    assert reference_price(price_tier=tier, tokens=333_333) == Decimal("0.999999")

@@ -9,8 +9,9 @@ import pytest
 from django.urls import reverse
 
 from controlplane.accounts.models import User
-from controlplane.billing.services import usage_record_create
-from tests.controlplane.factories import ModelFactory, PlanFactory, PriceTierFactory, TenantFactory, UserFactory
+from controlplane.billing.services import credit_grant
+from tests.controlplane.factories import (ModelFactory, PlanFactory, PriceTierFactory, TenantFactory, UserFactory,
+                                         usage_record_settled)
 
 pytestmark = pytest.mark.django_db
 
@@ -38,6 +39,8 @@ def traffic():
         price_per_request=Decimal("0.010"), reference_price_per_million_tokens=Decimal("2.00")),
         context_length=256, parameter_count=1, gpu_memory_bytes=1)
     acme, bolt = TenantFactory(name="acme"), TenantFactory(name="bolt", plan=PlanFactory(included_requests_per_month=0))
+    for tenant in (acme, bolt):
+        credit_grant(tenant=tenant, amount=Decimal("1"))
     records = [  # tenant, model, at, status, prompt, completion, gpu seconds
         (acme, small, DAY1, "completed", 1000, 1000, 0.5),      # 0.002, ref 2000 x 0.5e-6 = 0.001
         (acme, large, DAY1, "completed", 3000, 2000, 1.5),      # 0.010, ref 5000 x 2e-6 = 0.010
@@ -46,13 +49,13 @@ def traffic():
         (bolt, small, DAY2, "failed", 50000, 0, 0.25),          # free, left out of the reference
     ]
     for i, (tenant, model, at, status, prompt, completion, gpu) in enumerate(records):
-        usage_record_create(request_id=f"req-{i}", tenant=tenant, model=model, status=status, prompt_tokens=prompt,
-                            completion_tokens=completion, total_latency_ms=100, time_to_first_token_ms=10, at=at,
-                            gpu_time_s=gpu)
+        usage_record_settled(request_id=f"req-{i}", tenant=tenant, model=model, status=status, prompt_tokens=prompt,
+                             completion_tokens=completion, total_latency_ms=100, time_to_first_token_ms=10, at=at,
+                             gpu_time_s=gpu)
     # Outside the range on both sides.
     for i, at in enumerate((datetime(2026, 2, 28, 23, 59, tzinfo=UTC), datetime(2026, 3, 4, tzinfo=UTC))):
-        usage_record_create(request_id=f"out-{i}", tenant=acme, model=small, status="completed", prompt_tokens=1,
-                            completion_tokens=1, total_latency_ms=1, time_to_first_token_ms=1, at=at)
+        usage_record_settled(request_id=f"out-{i}", tenant=acme, model=small, status="completed", prompt_tokens=1,
+                             completion_tokens=1, total_latency_ms=1, time_to_first_token_ms=1, at=at)
 
 
 @pytest.mark.parametrize("page", ["dashboard:reports", "dashboard:reports_csv"])

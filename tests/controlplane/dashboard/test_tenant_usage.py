@@ -10,8 +10,8 @@ from django.utils import timezone
 
 from controlplane.accounts.models import User
 from controlplane.billing.reports import month_start_of
-from controlplane.billing.services import credit_grant, usage_record_create
-from tests.controlplane.factories import ModelFactory, PriceTierFactory, TenantFactory, UserFactory
+from controlplane.billing.services import credit_grant
+from tests.controlplane.factories import ModelFactory, PriceTierFactory, TenantFactory, UserFactory, usage_record_settled
 
 pytestmark = pytest.mark.django_db
 
@@ -22,9 +22,7 @@ def _model(price: str):
 
 
 def _record(tenant, model, at, status="completed", n=1):
-    return usage_record_create(request_id=f"req-{tenant.pk}-{at.timestamp()}-{status}", tenant=tenant, model=model,
-                               status=status, prompt_tokens=10, completion_tokens=5, total_latency_ms=100,
-                               time_to_first_token_ms=10, at=at, num_requests=n)
+    return usage_record_settled(tenant=tenant, model=model, at=at, status=status, num_requests=n)
 
 
 def test_empty_month_says_what_to_do(client):
@@ -38,6 +36,7 @@ def test_empty_month_says_what_to_do(client):
 def test_month_figures_daily_rows_and_isolation(client):
     tenant, other = TenantFactory(), TenantFactory()
     credit_grant(tenant=tenant, amount=Decimal("5"))
+    credit_grant(tenant=other, amount=Decimal("5"))
     model = _model("0.01")
     now = timezone.now()
     start = month_start_of(now)

@@ -11,7 +11,7 @@ from controlplane.billing.holds import HoldRequest
 from controlplane.billing.models import CreditAccount, CreditHold
 from controlplane.billing.services import credit_grant
 from controlplane.gateway.database import DatabaseLane
-from controlplane.gateway.holding import HoldPlacer
+from controlplane.gateway.holds import HoldPlacer
 from tests.controlplane.factories import ApiKeyFactory, ModelFactory, PlanFactory, PriceTierFactory, TenantFactory
 
 PRICE = Decimal("0.002")
