@@ -20,7 +20,7 @@ import triton.language as tl
 from gpuworker.kernels.launch import (
     FLOAT_DTYPES,
     check_last_dim_contiguous,
-    check_shape,
+    check_operand,
     check_tensor,
     dot_options,
     lazy_jit,
@@ -365,9 +365,7 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         what = "2 * weight's K (gate then up)" if silu_mul_input else "weight's K"
         raise ValueError(f"x's last dimension must be {what} = {expected_width}, got {width}")
     if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=device)
-        check_shape("bias", bias, (n,))
-        check_last_dim_contiguous("bias", bias)
+        check_operand("bias", bias, (n,), x.dtype, device)
 
 
 def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, argmax=None) -> None:
@@ -421,22 +419,25 @@ def gemv_argmax(
     NaN counting as the largest, as torch.argmax of the output. `config` as in gemv, without split-K;
     argmax_out: an [M] int64 tensor to write the argmax into.
     """
+    m, n, config = _checked_argmax(x, weight, bias, config, argmax_out)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    argmax = torch.empty(m, dtype=torch.int64, device=x.device) if argmax_out is None else argmax_out
+    if m:
+        _launch(x, weight, bias, out, config, argmax=argmax)
+    return out, argmax
+
+
+def _checked_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
+                    argmax_out: torch.Tensor | None) -> tuple[int, int, GemvConfig]:
+    """_checked, plus what the argmax needs: a row to take it over, no split-K, an [M] int64 argmax_out."""
     m, n, config = _checked(x, weight, bias, config, "gemv_argmax")
     if n == 0:
         raise ValueError("weight has no rows: there is no argmax of an empty row")
     if config.split_k != 1:
         raise ValueError(f"config {config.name} splits K; gemv_argmax needs split_k 1")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if argmax_out is None:
-        argmax = torch.empty(m, dtype=torch.int64, device=x.device)
-    else:
-        check_tensor("argmax_out", argmax_out, ndim=1, dtypes=(torch.int64,), device=x.device)
-        check_shape("argmax_out", argmax_out, (m,))
-        check_last_dim_contiguous("argmax_out", argmax_out)
-        argmax = argmax_out
-    if m:
-        _launch(x, weight, bias, out, config, argmax=argmax)
-    return out, argmax
+    if argmax_out is not None:
+        check_operand("argmax_out", argmax_out, (m,), torch.int64, x.device)
+    return m, n, config
 
 
 def _prefetch_tiles(config: GemvConfig, m: int, k: int, fused_input: bool) -> int:
@@ -470,19 +471,27 @@ def gemv_rms_norm(
     unfused pair by rounding. `config` must satisfy fuses_rms_norm (default: pick_config's if it
     does, else the one-row default).
     """
+    n, config = _checked_rms_norm(x, residual, norm_weight, weight, bias, config)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    if n:
+        _launch(x, weight, bias, out, config, norm=(residual, norm_weight, residual_out, eps))
+    return out, residual_out
+
+
+def _checked_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                      weight: torch.Tensor, bias: torch.Tensor | None,
+                      config: GemvConfig | None) -> tuple[int, GemvConfig]:
+    """Check gemv_rms_norm's operands (one row; norm_weight [K] and residual like x) and config; return
+    N and the config (pick_config's if it fuses the norm, else the one-row default)."""
     _check_operands(x, weight, bias)
-    device = x.device
     m, k = x.shape
     n = weight.shape[0]
     if m != 1:
         raise ValueError(f"gemv_rms_norm takes one row, got {m}")
-    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=device)
-    check_shape("norm_weight", norm_weight, (k,))
-    check_last_dim_contiguous("norm_weight", norm_weight)
+    check_operand("norm_weight", norm_weight, (k,), x.dtype, x.device)
     if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), device=device)
-        check_shape("residual", residual, tuple(x.shape))
-        check_last_dim_contiguous("residual", residual)
+        check_operand("residual", residual, tuple(x.shape), x.dtype, x.device)
     if config is None:
         config = pick_config(1, n, k)
         if not fuses_rms_norm(config):
@@ -490,11 +499,7 @@ def gemv_rms_norm(
     _check_config(config)
     if not fuses_rms_norm(config):
         raise ValueError(f"config {config.name} cannot fuse RMSNorm (needs the FMA kernel without split-K)")
-    out = torch.empty(1, n, dtype=x.dtype, device=device)
-    residual_out = torch.empty_like(x) if residual is not None else x
-    if n:
-        _launch(x, weight, bias, out, config, norm=(residual, norm_weight, residual_out, eps))
-    return out, residual_out
+    return n, config
 
 
 def gemv_reference(
