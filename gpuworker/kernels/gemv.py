@@ -64,7 +64,7 @@ CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig(block_n=32, block_k=512, num_warps=8, num_stages=2),
     GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, split_k=4),
     # Two tiles (16 KB of bf16 per program, 64 registers per thread) held through the wait; four
-    # measured slower at batch 1 (233.4 against 242.3 tok/s as o_proj).
+    # measured slower as o_proj at batch 1 (BENCHMARKS.md, sixth session, the o_proj config table).
     GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, prefetch=2),
     # BLOCK_N 64 is one wgmma tile on sm_90. At N=4096 that is only 64 programs for 132 SMs, hence the
     # split-K variants.
@@ -78,16 +78,17 @@ CANDIDATES_BY_NAME = {c.name: c for c in CANDIDATES}
 
 # Chosen configs from bench/gemv.py on an H200: {(N, K): {M bucket: config name}}; M buckets are 1, 2,
 # 4, 8, 16 (M rounds up). Only entries where the kernel beat cuBLAS (F.linear) in bf16 are kept; the
-# model layers use gemv exactly for these and F.linear otherwise. 2026-12-01, Llama-3-8B shapes, M=1
-# (the M=4 winners were within 1-11% and need split-K counters under CUDA graphs: not used yet).
+# model layers use gemv exactly for these and F.linear otherwise. Llama-3-8B shapes, M=1 (the M=4
+# winners were close to cuBLAS and need split-K counters under CUDA graphs: not used yet). The
+# timings: BENCHMARKS.md, "Triton GEMV vs cuBLAS", and for o_proj's prefetch the sixth session.
 TUNED: dict[tuple[int, int], dict[int, str]] = {
-    (6144, 4096): {1: "fma-n16-k512-w4-p1"},  # qkv: 16.4 -> 15.2 us
-    # o_proj: 13.5 -> 11.1 us alone; after the attention kernels it loads 2 of its 8 K tiles while
-    # they run (prefetch): batch-1 decode 238.9 -> 242.3 tok/s, 2026-12-01 (p2/p1 variants 240-241).
+    (6144, 4096): {1: "fma-n16-k512-w4-p1"},  # qkv
+    # o_proj: after the attention kernels it loads 2 of its 8 K tiles while they run (prefetch),
+    # which beat the same tile without it and the p2/p1 variants in batch-1 decode.
     (4096, 4096): {1: "fma-n16-k512-w4-p3-pf2"},
-    (28672, 4096): {1: "fma-n16-k512-w4-p3"},  # gate_up: 64.9 -> 57.7 us
-    (4096, 14336): {1: "fma-n16-k512-w4-p3"},  # down: 32.7 -> 30.6 us (fused SiLU-and-mul: 34.1 -> 30.4)
-    (128256, 4096): {1: "dot-n64-k128-w4-p4"},  # lm_head: 278.5 -> 233.0 us
+    (28672, 4096): {1: "fma-n16-k512-w4-p3"},  # gate_up
+    (4096, 14336): {1: "fma-n16-k512-w4-p3"},  # down (also with SiLU-and-mul fused into its input)
+    (128256, 4096): {1: "dot-n64-k128-w4-p4"},  # lm_head
 }
 
 _DEFAULT_SINGLE_ROW = CANDIDATES_BY_NAME["fma-n16-k512-w4-p1"]

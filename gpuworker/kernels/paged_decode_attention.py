@@ -47,10 +47,9 @@ _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 # Shortest partition worth its own program (one 64-token tile).
 MIN_PARTITION = 64
-# Programs per multiprocessor to aim for, from bench/kernels.py sweeps on an H200 (Llama-3-8B heads):
-# a batch too small to fill the device wants many short partitions (batch 1: 16 splits of 1k context
-# 7.2 us vs 12.4 with 4; 64 splits of 16k 27.8 us vs 32.4 with 32), while one that nearly fills it
-# wants few (batch 32 at 2k: 2 splits 74 us, 1 split 105, 3 splits 91; batch 64 at 1k: 1 split best).
+# Programs per multiprocessor to aim for, from bench/kernels.py's split sweeps on Hopper (Llama-3-8B
+# heads): a batch too small to fill the device wants many short partitions, while one that nearly
+# fills it wants few (BENCHMARKS.md, "Figures formerly in code comments").
 _WAVES_SMALL_BATCH = 4
 _WAVES = 2
 
@@ -304,11 +303,11 @@ def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> tuple
     """(block_n, num_warps, num_stages) of a launch whose batch x kv heads programs fill the
     multiprocessors (fills_device) or not.
 
-    Measured on an H200 (bench/kernels.py, Llama-3-8B heads, bf16): a batch that fills the device
-    is bandwidth-bound and wants long tiles with more loads in flight: 128 keys, 4 warps, 3 stages
-    read 4.29-4.32 TB/s at batch 512 (contexts uniform in 200-2048 and 600-1200) against 3.95 for
-    64 keys, 8 warps, 2 stages (-8%), and 287 vs 317 us at batch 256. A small batch is
-    latency-bound and cut into many short partitions, where 64 keys and 8 warps are best.
+    A batch that fills the device is bandwidth-bound and wants long tiles with more loads in
+    flight: 128 keys, 4 warps, 3 stages beat 64 keys, 8 warps, 2 stages on Hopper (bench/kernels.py,
+    Llama-3-8B heads, bf16; BENCHMARKS.md, fifth session, "Decode tile for batches that fill the
+    GPU"). A small batch is latency-bound and cut into many short partitions, where 64 keys and 8
+    warps are best.
     float32 tiles go through FMA-based IEEE dots, which spill registers beyond 16 keys a tile at
     head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed.
     """
@@ -396,9 +395,10 @@ def paged_decode_attention(
 
     merge_in_launch: how a split launch combines its partitions. True: the last partition of each
     (sequence, kv head) to finish merges them (one launch). False: every partition stores its
-    partial and a second, small kernel merges them. None picks what measured faster on an H200: the
-    second kernel while B * Hkv programs do not fill the multiprocessors (batch 1 at 640 tokens:
-    7.3 vs 12.3 us), the in-launch merge from there on (equal at batch 64, 8-10% faster at 512).
+    partial and a second, small kernel merges them. None picks what measured faster on Hopper: the
+    second kernel while B * Hkv programs do not fill the multiprocessors, the in-launch merge from
+    there on (BENCHMARKS.md, "Paged decode attention: merge in the same launch vs a separate merge
+    kernel").
     """
     block_size, num_kv_heads, half = _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters,
                                               new_tokens)
