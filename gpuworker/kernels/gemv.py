@@ -17,16 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    FLOAT_DTYPES,
-    check_last_dim_contiguous,
-    check_operand,
-    check_tensor,
-    dot_options,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
+                                      dot_options, lazy_jit, next_power_of_2, pdl_options)
 
 MAX_M = 16
 # tl.dot needs every dimension >= 16; x rows are padded to this.
@@ -520,14 +512,9 @@ def gemv_reference(
     return out.to(x.dtype)
 
 
-def gemv_rms_norm_reference(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gemv_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure torch, gemv_rms_norm's numerics: s rounded to x's dtype, everything after in float32."""
     s = x if residual is None else x + residual
     s32 = s.float()

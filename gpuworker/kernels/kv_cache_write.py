@@ -9,18 +9,9 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_kv_cache,
-    check_last_dim_contiguous,
-    check_operand,
-    check_shape,
-    check_tensor,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_kv_cache, check_last_dim_contiguous,
+                                      check_operand, check_shape, check_tensor, lazy_jit, next_power_of_2,
+                                      pdl_options)
 
 
 def _kv_cache_write_kernel(

@@ -25,20 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    INDEX_DTYPES,
-    check_block_tables,
-    check_contiguous,
-    check_host_bound,
-    check_operand,
-    check_query_and_cache,
-    check_shape,
-    check_tensor,
-    dot_options,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_contiguous, check_host_bound,
+                                      check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
+                                      lazy_jit, next_power_of_2, pdl_options)
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write
 from gpuworker.kernels.rotary import apply_rotary_and_cache_reference, check_rotary
 

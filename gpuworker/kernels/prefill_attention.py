@@ -14,19 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    INDEX_DTYPES,
-    check_block_tables,
-    check_host_bound,
-    check_operand,
-    check_query_and_cache,
-    check_shape,
-    check_tensor,
-    dot_options,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_host_bound, check_operand,
+                                      check_query_and_cache, check_shape, check_tensor, dot_options, lazy_jit,
+                                      next_power_of_2, pdl_options)
 
 _LOG2E = 1.4426950408889634
 

@@ -10,16 +10,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    FLOAT_DTYPES,
-    check_last_dim_contiguous,
-    check_operand,
-    check_shape,
-    check_tensor,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_shape,
+                                      check_tensor, lazy_jit, next_power_of_2, pdl_options)
 
 # One program normalises a whole row in registers; wider rows would spill.
 MAX_HIDDEN = 32768
@@ -117,12 +109,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         check_operand("residual", residual, tuple(x.shape), x.dtype, x.device)
 
 
-def rms_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference, written as transformers' LlamaRMSNorm (plus the decoder's residual add)."""
     if residual is not None:
         x = x + residual
