@@ -1,7 +1,9 @@
-"""Shared helpers for the benchmark scripts: hardware facts, the HF baseline, tables and JSON."""
+"""Shared helpers for the benchmark scripts: command-line options, hardware facts, the HF baseline,
+tables and JSON."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -15,6 +17,24 @@ import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_CONFIG = BENCH_DIR / "configs" / "llama-3-8b"
+
+
+def engine_parser(doc: str | None, *, dtype: str | None = "bfloat16", dtype_help: str | None = None,
+                  raw_description: bool = False) -> argparse.ArgumentParser:
+    """A parser with the options of every engine benchmark: --config (the model's shape) and --dtype."""
+    formatter = argparse.RawDescriptionHelpFormatter if raw_description else argparse.HelpFormatter
+    parser = argparse.ArgumentParser(description=doc, formatter_class=formatter)
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--dtype", default=dtype, help=dtype_help)
+    return parser
+
+
+def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int, max_model_len: int) -> None:
+    """The seed of the workload and the engine, and the engine's --max-num-seqs and --max-model-len,
+    with the benchmark's defaults."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    parser.add_argument("--max-model-len", type=int, default=max_model_len)
 
 
 def git_commit() -> str:

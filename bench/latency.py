@@ -7,23 +7,13 @@ Weights are random (load_format="dummy"): speed does not depend on their values.
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
 import torch
 
-from common import (
-    DEFAULT_CONFIG,
-    Timer,
-    build_hf_model,
-    copy_bandwidth_gbs,
-    environment,
-    load_hf_config,
-    print_table,
-    weight_bytes_per_token,
-    write_json,
-)
+from common import (Timer, build_hf_model, copy_bandwidth_gbs, engine_parser, environment, load_hf_config, print_table,
+                    weight_bytes_per_token, write_json)
 
 
 def engine_decode_rate(args, prompt: list[int]) -> dict:
@@ -73,9 +63,7 @@ def hf_decode_rate(args, prompt: list[int]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = engine_parser(__doc__)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--hf-output-len", type=int, default=256)

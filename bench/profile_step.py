@@ -10,7 +10,6 @@ the forward and of logits + sampling alone. Host time not hidden behind GPU time
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import random
 import time
@@ -18,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from common import DEFAULT_CONFIG, environment, load_hf_config, print_table, write_json
+from common import engine_parser, environment, load_hf_config, print_table, write_json
 
 
 class PhaseTimer:
@@ -179,9 +178,7 @@ def kernel_table(runner, inputs, steps: int) -> list[tuple[str, float, int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = engine_parser(__doc__)
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)

@@ -18,7 +18,6 @@ Llama-3 vocabulary, not that of a byte-level toy.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import shutil
@@ -29,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from common import BENCH_DIR, DEFAULT_CONFIG, Timer, environment, load_hf_config, print_table, write_json
+from common import (BENCH_DIR, Timer, add_engine_options, engine_parser, environment, load_hf_config, print_table,
+                    write_json)
 from throughput import make_workload
 
 ORDER_SCHEMA = {
@@ -255,20 +255,17 @@ def check_outputs(outputs) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser = engine_parser(__doc__, dtype=None, dtype_help="default: bfloat16 on CUDA, float32 on CPU",
+                           raw_description=True)
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer random model with --config's vocabulary (a CPU check of the whole path)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--num-requests", type=int, default=None, help="default: 256 (GPU), 16 (--tiny)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--min-prompt-len", type=int, default=64)
     parser.add_argument("--max-prompt-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    add_engine_options(parser, max_num_seqs=256, max_model_len=1024)
     parser.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--tokenizer-dir", default=None,
                         help="where the trained BPE tokenizer is cached (default bench/results/bpe-<vocab>)")

@@ -15,13 +15,13 @@ leave the end of the run in small, weight-bound decode batches (--max-num-seqs 5
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
 import torch
 
-from common import DEFAULT_CONFIG, Timer, build_hf_model, environment, load_hf_config, print_table, write_json
+from common import (Timer, add_engine_options, build_hf_model, engine_parser, environment, load_hf_config, print_table,
+                    write_json)
 
 
 def make_workload(num_requests: int, vocab: int, seed: int, lo: int, hi: int):
@@ -149,16 +149,12 @@ def run_hf(args, requests) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = engine_parser(__doc__)
     parser.add_argument("--num-requests", type=int, default=1024)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    add_engine_options(parser, max_num_seqs=1024, max_model_len=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")

@@ -243,7 +243,8 @@ class LLMEngine:
         if constrained:
             # Only the grammars had to see the previous tokens: the mask goes out, and the sampling
             # with it, before their stop checks and text below. (Filling it on a worker thread
-            # during those was measured slower on the H200 host: the two contend.)
+            # during those was measured slower: the two contend; BENCHMARKS.md, "Constrained
+            # decoding".)
             self.runner.sample(handle, self.structured_outputs.bitmask(handle.sample_seqs))
         if received is not None:
             # Stop checks and text of the previous step's tokens (filled in by _receive, so

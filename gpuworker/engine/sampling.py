@@ -220,7 +220,7 @@ def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.devic
         host = torch.from_numpy(np.asarray(values, dtype=np_dtype))
     elif np_dtype is None or (values and isinstance(values[0], list)):
         host = torch.tensor(values, dtype=dtype)
-    else:  # numpy converts a flat list of numbers about 3x faster than torch.tensor
+    else:  # numpy converts a flat list of numbers faster (BENCHMARKS.md, "Figures formerly in code comments")
         host = torch.from_numpy(np.array(values, dtype=np_dtype))
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)

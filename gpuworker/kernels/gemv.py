@@ -17,16 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    FLOAT_DTYPES,
-    check_last_dim_contiguous,
-    check_shape,
-    check_tensor,
-    dot_options,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
+                                      dot_options, lazy_jit, next_power_of_2, pdl_options)
 
 MAX_M = 16
 # tl.dot needs every dimension >= 16; x rows are padded to this.
@@ -64,7 +56,7 @@ CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig(block_n=32, block_k=512, num_warps=8, num_stages=2),
     GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, split_k=4),
     # Two tiles (16 KB of bf16 per program, 64 registers per thread) held through the wait; four
-    # measured slower at batch 1 (233.4 against 242.3 tok/s as o_proj).
+    # measured slower as o_proj at batch 1 (BENCHMARKS.md, sixth session, the o_proj config table).
     GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, prefetch=2),
     # BLOCK_N 64 is one wgmma tile on sm_90. At N=4096 that is only 64 programs for 132 SMs, hence the
     # split-K variants.
@@ -78,16 +70,17 @@ CANDIDATES_BY_NAME = {c.name: c for c in CANDIDATES}
 
 # Chosen configs from bench/gemv.py on an H200: {(N, K): {M bucket: config name}}; M buckets are 1, 2,
 # 4, 8, 16 (M rounds up). Only entries where the kernel beat cuBLAS (F.linear) in bf16 are kept; the
-# model layers use gemv exactly for these and F.linear otherwise. 2026-12-01, Llama-3-8B shapes, M=1
-# (the M=4 winners were within 1-11% and need split-K counters under CUDA graphs: not used yet).
+# model layers use gemv exactly for these and F.linear otherwise. Llama-3-8B shapes, M=1 (the M=4
+# winners were close to cuBLAS and need split-K counters under CUDA graphs: not used yet). The
+# timings: BENCHMARKS.md, "Triton GEMV vs cuBLAS", and for o_proj's prefetch the sixth session.
 TUNED: dict[tuple[int, int], dict[int, str]] = {
-    (6144, 4096): {1: "fma-n16-k512-w4-p1"},  # qkv: 16.4 -> 15.2 us
-    # o_proj: 13.5 -> 11.1 us alone; after the attention kernels it loads 2 of its 8 K tiles while
-    # they run (prefetch): batch-1 decode 238.9 -> 242.3 tok/s, 2026-12-01 (p2/p1 variants 240-241).
+    (6144, 4096): {1: "fma-n16-k512-w4-p1"},  # qkv
+    # o_proj: after the attention kernels it loads 2 of its 8 K tiles while they run (prefetch),
+    # which beat the same tile without it and the p2/p1 variants in batch-1 decode.
     (4096, 4096): {1: "fma-n16-k512-w4-p3-pf2"},
-    (28672, 4096): {1: "fma-n16-k512-w4-p3"},  # gate_up: 64.9 -> 57.7 us
-    (4096, 14336): {1: "fma-n16-k512-w4-p3"},  # down: 32.7 -> 30.6 us (fused SiLU-and-mul: 34.1 -> 30.4)
-    (128256, 4096): {1: "dot-n64-k128-w4-p4"},  # lm_head: 278.5 -> 233.0 us
+    (28672, 4096): {1: "fma-n16-k512-w4-p3"},  # gate_up
+    (4096, 14336): {1: "fma-n16-k512-w4-p3"},  # down (also with SiLU-and-mul fused into its input)
+    (128256, 4096): {1: "dot-n64-k128-w4-p4"},  # lm_head
 }
 
 _DEFAULT_SINGLE_ROW = CANDIDATES_BY_NAME["fma-n16-k512-w4-p1"]
@@ -365,9 +358,7 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         what = "2 * weight's K (gate then up)" if silu_mul_input else "weight's K"
         raise ValueError(f"x's last dimension must be {what} = {expected_width}, got {width}")
     if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=(x.dtype,), device=device)
-        check_shape("bias", bias, (n,))
-        check_last_dim_contiguous("bias", bias)
+        check_operand("bias", bias, (n,), x.dtype, device)
 
 
 def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, argmax=None) -> None:
@@ -421,22 +412,25 @@ def gemv_argmax(
     NaN counting as the largest, as torch.argmax of the output. `config` as in gemv, without split-K;
     argmax_out: an [M] int64 tensor to write the argmax into.
     """
+    m, n, config = _checked_argmax(x, weight, bias, config, argmax_out)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    argmax = torch.empty(m, dtype=torch.int64, device=x.device) if argmax_out is None else argmax_out
+    if m:
+        _launch(x, weight, bias, out, config, argmax=argmax)
+    return out, argmax
+
+
+def _checked_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
+                    argmax_out: torch.Tensor | None) -> tuple[int, int, GemvConfig]:
+    """_checked, plus what the argmax needs: a row to take it over, no split-K, an [M] int64 argmax_out."""
     m, n, config = _checked(x, weight, bias, config, "gemv_argmax")
     if n == 0:
         raise ValueError("weight has no rows: there is no argmax of an empty row")
     if config.split_k != 1:
         raise ValueError(f"config {config.name} splits K; gemv_argmax needs split_k 1")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if argmax_out is None:
-        argmax = torch.empty(m, dtype=torch.int64, device=x.device)
-    else:
-        check_tensor("argmax_out", argmax_out, ndim=1, dtypes=(torch.int64,), device=x.device)
-        check_shape("argmax_out", argmax_out, (m,))
-        check_last_dim_contiguous("argmax_out", argmax_out)
-        argmax = argmax_out
-    if m:
-        _launch(x, weight, bias, out, config, argmax=argmax)
-    return out, argmax
+    if argmax_out is not None:
+        check_operand("argmax_out", argmax_out, (m,), torch.int64, x.device)
+    return m, n, config
 
 
 def _prefetch_tiles(config: GemvConfig, m: int, k: int, fused_input: bool) -> int:
@@ -470,19 +464,27 @@ def gemv_rms_norm(
     unfused pair by rounding. `config` must satisfy fuses_rms_norm (default: pick_config's if it
     does, else the one-row default).
     """
+    n, config = _checked_rms_norm(x, residual, norm_weight, weight, bias, config)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    if n:
+        _launch(x, weight, bias, out, config, norm=(residual, norm_weight, residual_out, eps))
+    return out, residual_out
+
+
+def _checked_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                      weight: torch.Tensor, bias: torch.Tensor | None,
+                      config: GemvConfig | None) -> tuple[int, GemvConfig]:
+    """Check gemv_rms_norm's operands (one row; norm_weight [K] and residual like x) and config; return
+    N and the config (pick_config's if it fuses the norm, else the one-row default)."""
     _check_operands(x, weight, bias)
-    device = x.device
     m, k = x.shape
     n = weight.shape[0]
     if m != 1:
         raise ValueError(f"gemv_rms_norm takes one row, got {m}")
-    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), device=device)
-    check_shape("norm_weight", norm_weight, (k,))
-    check_last_dim_contiguous("norm_weight", norm_weight)
+    check_operand("norm_weight", norm_weight, (k,), x.dtype, x.device)
     if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), device=device)
-        check_shape("residual", residual, tuple(x.shape))
-        check_last_dim_contiguous("residual", residual)
+        check_operand("residual", residual, tuple(x.shape), x.dtype, x.device)
     if config is None:
         config = pick_config(1, n, k)
         if not fuses_rms_norm(config):
@@ -490,11 +492,7 @@ def gemv_rms_norm(
     _check_config(config)
     if not fuses_rms_norm(config):
         raise ValueError(f"config {config.name} cannot fuse RMSNorm (needs the FMA kernel without split-K)")
-    out = torch.empty(1, n, dtype=x.dtype, device=device)
-    residual_out = torch.empty_like(x) if residual is not None else x
-    if n:
-        _launch(x, weight, bias, out, config, norm=(residual, norm_weight, residual_out, eps))
-    return out, residual_out
+    return n, config
 
 
 def gemv_reference(
@@ -514,14 +512,9 @@ def gemv_reference(
     return out.to(x.dtype)
 
 
-def gemv_rms_norm_reference(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gemv_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure torch, gemv_rms_norm's numerics: s rounded to x's dtype, everything after in float32."""
     s = x if residual is None else x + residual
     s32 = s.float()

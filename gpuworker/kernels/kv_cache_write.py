@@ -9,17 +9,9 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_kv_cache,
-    check_last_dim_contiguous,
-    check_shape,
-    check_tensor,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_kv_cache, check_last_dim_contiguous,
+                                      check_operand, check_shape, check_tensor, lazy_jit, next_power_of_2,
+                                      pdl_options)
 
 
 def _kv_cache_write_kernel(
@@ -57,8 +49,8 @@ def check_kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch
     """Check the arguments of a cache write (see kv_cache_write); return the cache's block_size."""
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     device = key.device
-    check_tensor("value", value, ndim=3, dtypes=(key.dtype,), device=device)
-    check_shape("value", value, tuple(key.shape))
+    check_last_dim_contiguous("key", key)
+    check_operand("value", value, tuple(key.shape), key.dtype, device)
     num_tokens, num_kv_heads, head_dim = key.shape
     _, block_size, cache_heads, cache_dim = check_kv_cache(kv_cache, device=device)
     if (cache_heads, cache_dim) != (num_kv_heads, head_dim):
@@ -68,8 +60,6 @@ def check_kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch
         )
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, device=device)
     check_shape("slot_mapping", slot_mapping, (num_tokens,))
-    check_last_dim_contiguous("key", key)
-    check_last_dim_contiguous("value", value)
     return block_size
 
 

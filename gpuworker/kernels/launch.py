@@ -181,6 +181,20 @@ def check_contiguous(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous, got strides {tensor.stride()} for shape {tuple(tensor.shape)}")
 
 
+def check_operand(name: str, tensor: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """A tensor whose shape and dtype the other arguments fix (an output, a bias, a residual): exactly
+    `shape` and `dtype`, on `device`, contiguous in its last dimension."""
+    check_tensor(name, tensor, dtypes=(dtype,), device=device)
+    check_shape(name, tensor, shape)
+    check_last_dim_contiguous(name, tensor)
+
+
+def check_host_bound(name: str, value: Any) -> None:
+    """A host-side upper bound that sizes a launch (max_seq_len, max_query_len)."""
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative host int, got {value!r}")
+
+
 def check_kv_cache(kv_cache: Any, *, dtype: torch.dtype | None = None,
                    device: torch.device | None = None) -> tuple[int, int, int, int]:
     """Check a per-layer cache [2, num_blocks, block_size, num_kv_heads, head_dim]; return its sizes."""
@@ -195,6 +209,29 @@ def check_kv_cache(kv_cache: Any, *, dtype: torch.dtype | None = None,
     check_last_dim_contiguous("kv_cache", kv_cache)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_query_and_cache(query: Any, kv_cache: Any) -> tuple[int, int]:
+    """Check attention queries [rows, Hq, D] against a cache of their dtype and device holding Hkv
+    heads of dim D, Hq a multiple of Hkv; return the cache's block_size and Hkv."""
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, num_kv_heads, cache_dim = check_kv_cache(kv_cache, dtype=query.dtype, device=query.device)
+    if cache_dim != head_dim:
+        raise ValueError(f"kv_cache head_dim {cache_dim} does not match query head_dim {head_dim}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    check_last_dim_contiguous("query", query)
+    return block_size, num_kv_heads
+
+
+def check_block_tables(block_tables: Any, num_seqs: int, device: torch.device, *, counted_in: str) -> None:
+    """Block tables [num_seqs, max_blocks] of int32/int64; `counted_in` names the argument num_seqs
+    was read from, for the error."""
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but {counted_in} has {num_seqs} sequences")
+    check_last_dim_contiguous("block_tables", block_tables)
 
 
 def next_power_of_2(n: int) -> int:

@@ -25,19 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_contiguous,
-    check_kv_cache,
-    check_last_dim_contiguous,
-    check_shape,
-    check_tensor,
-    dot_options,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_contiguous, check_host_bound,
+                                      check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
+                                      lazy_jit, next_power_of_2, pdl_options)
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write
 from gpuworker.kernels.rotary import apply_rotary_and_cache_reference, check_rotary
 
@@ -46,10 +36,9 @@ _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 # Shortest partition worth its own program (one 64-token tile).
 MIN_PARTITION = 64
-# Programs per multiprocessor to aim for, from bench/kernels.py sweeps on an H200 (Llama-3-8B heads):
-# a batch too small to fill the device wants many short partitions (batch 1: 16 splits of 1k context
-# 7.2 us vs 12.4 with 4; 64 splits of 16k 27.8 us vs 32.4 with 32), while one that nearly fills it
-# wants few (batch 32 at 2k: 2 splits 74 us, 1 split 105, 3 splits 91; batch 64 at 1k: 1 split best).
+# Programs per multiprocessor to aim for, from bench/kernels.py's split sweeps on Hopper (Llama-3-8B
+# heads): a batch too small to fill the device wants many short partitions, while one that nearly
+# fills it wants few (BENCHMARKS.md, "Figures formerly in code comments").
 _WAVES_SMALL_BATCH = 4
 _WAVES = 2
 
@@ -303,11 +292,11 @@ def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> tuple
     """(block_n, num_warps, num_stages) of a launch whose batch x kv heads programs fill the
     multiprocessors (fills_device) or not.
 
-    Measured on an H200 (bench/kernels.py, Llama-3-8B heads, bf16): a batch that fills the device
-    is bandwidth-bound and wants long tiles with more loads in flight: 128 keys, 4 warps, 3 stages
-    read 4.29-4.32 TB/s at batch 512 (contexts uniform in 200-2048 and 600-1200) against 3.95 for
-    64 keys, 8 warps, 2 stages (-8%), and 287 vs 317 us at batch 256. A small batch is
-    latency-bound and cut into many short partitions, where 64 keys and 8 warps are best.
+    A batch that fills the device is bandwidth-bound and wants long tiles with more loads in
+    flight: 128 keys, 4 warps, 3 stages beat 64 keys, 8 warps, 2 stages on Hopper (bench/kernels.py,
+    Llama-3-8B heads, bf16; BENCHMARKS.md, fifth session, "Decode tile for batches that fill the
+    GPU"). A small batch is latency-bound and cut into many short partitions, where 64 keys and 8
+    warps are best.
     float32 tiles go through FMA-based IEEE dots, which spill registers beyond 16 keys a tile at
     head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed.
     """
@@ -395,89 +384,38 @@ def paged_decode_attention(
 
     merge_in_launch: how a split launch combines its partitions. True: the last partition of each
     (sequence, kv head) to finish merges them (one launch). False: every partition stores its
-    partial and a second, small kernel merges them. None picks what measured faster on an H200: the
-    second kernel while B * Hkv programs do not fill the multiprocessors (batch 1 at 640 tokens:
-    7.3 vs 12.3 us), the in-launch merge from there on (equal at batch 64, 8-10% faster at 512).
+    partial and a second, small kernel merges them. None picks what measured faster on Hopper: the
+    second kernel while B * Hkv programs do not fill the multiprocessors, the in-launch merge from
+    there on (BENCHMARKS.md, "Paged decode attention: merge in the same launch vs a separate merge
+    kernel").
     """
-    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    device = query.device
+    block_size, num_kv_heads, half = _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters,
+                                              new_tokens)
     num_seqs, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_dim = check_kv_cache(kv_cache, dtype=query.dtype, device=device)
-    if cache_dim != head_dim:
-        raise ValueError(f"kv_cache head_dim {cache_dim} does not match query head_dim {head_dim}")
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but query has {num_seqs} sequences")
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    check_shape("seq_lens", seq_lens, (num_seqs,))
-    check_last_dim_contiguous("query", query)
-    check_last_dim_contiguous("block_tables", block_tables)
-    if not isinstance(max_seq_len, int) or max_seq_len < 0:
-        raise ValueError(f"max_seq_len must be a non-negative host int, got {max_seq_len!r}")
-    if max_seq_len > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"max_seq_len {max_seq_len} exceeds what block_tables can address "
-            f"({block_tables.shape[1]} blocks of {block_size})"
-        )
-    if out is None:
-        out = torch.empty_like(query)
-    else:
-        check_tensor("out", out, dtypes=(query.dtype,), device=device)
-        check_shape("out", out, tuple(query.shape))
-        check_last_dim_contiguous("out", out)
-    if counters is not None:
-        check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,), device=device)
-        check_contiguous("counters", counters)
-        if counters.numel() < num_seqs * num_kv_heads:
-            raise ValueError(f"counters holds {counters.numel()} entries but the launch needs "
-                             f"num_seqs * num_kv_heads = {num_seqs * num_kv_heads}")
-    if new_tokens is not None:
-        t = new_tokens
-        half = check_rotary(t.positions, query, t.key, t.cos_cache, t.sin_cache)
-        check_kv_cache_write(t.key, t.value, kv_cache, t.slot_mapping)  # also key's heads against the cache
-        rotary_args = (t.positions, t.key, t.value, t.cos_cache, t.sin_cache, t.slot_mapping)
-        rotary_strides = (t.key.stride(0), t.key.stride(1), t.value.stride(0), t.value.stride(1),
-                          t.cos_cache.stride(0), t.sin_cache.stride(0))
-    else:  # unused without NEW_TOKEN: any pointers of the right kinds will do
-        half = 0
-        rotary_args = (seq_lens, query, query, query, query, seq_lens)
-        rotary_strides = (0,) * 6
+    device = query.device
+    out = torch.empty_like(query) if out is None else out
     if num_seqs == 0:
         return out
 
-    fills_device = num_seqs * num_kv_heads >= multiprocessor_count(device)
-    tile = default_tile(query.dtype, head_dim, fills_device)
-    block_n = tile[0] if block_n is None else block_n
-    num_warps = tile[1] if num_warps is None else num_warps
-    num_stages = tile[2] if num_stages is None else num_stages
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    # Partitions are whole tiles so only the last tile of a partition needs its tail masked.
-    tiles = max(1, triton.cdiv(max_seq_len, block_n))
-    partition_size = triton.cdiv(tiles, num_splits) * block_n
-    num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
-
+    launch = _pick_launch(num_seqs, num_kv_heads, head_dim, query.dtype, max_seq_len, device, num_splits=num_splits,
+                          merge_in_launch=merge_in_launch, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    num_splits, block_n = launch.num_splits, launch.block_n
     group = num_q_heads // num_kv_heads
     block_d = next_power_of_2(head_dim)
     split = num_splits > 1
-    if merge_in_launch is None:
-        merge_in_launch = fills_device
     if split:
         # Padded to BLOCK_D so the merge can use one flat stride. Never initialised: only the
         # partitions holding tokens write theirs, and only those are read.
         part_out = torch.empty((num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32, device=device)
         part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
-        if counters is None and merge_in_launch:
+        if counters is None and launch.merge_in_launch:
             counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
         elif counters is None:
             counters = seq_lens  # unused without the in-launch merge
     else:
         part_out = part_lse = out  # unused by the kernel when SPLIT is false
         counters = seq_lens
+    rotary_args, rotary_strides = _new_token_operands(new_tokens, query, seq_lens)
     _paged_decode[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens,
         out, part_out, part_lse, counters, *rotary_args,
@@ -485,19 +423,96 @@ def paged_decode_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), *rotary_strides,
-        partition_size, num_splits,
+        launch.partition_size, num_splits,
         BLOCK_SIZE=block_size, QUERY_GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(num_splits),
-        SPLIT=split, MERGE_IN_LAUNCH=merge_in_launch, **dot_options(query.dtype),
-        NEW_TOKEN=new_tokens is not None, HALF=half, num_warps=num_warps, num_stages=num_stages, **pdl_options(device),
+        SPLIT=split, MERGE_IN_LAUNCH=launch.merge_in_launch, **dot_options(query.dtype),
+        NEW_TOKEN=new_tokens is not None, HALF=half, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **pdl_options(device),
     )
-    if split and not merge_in_launch:
+    if split and not launch.merge_in_launch:
         _merge_partitions[(num_seqs, num_q_heads)](
             part_out, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
             num_warps=4, **pdl_options(device),
         )
     return out
+
+
+def _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters,
+             new_tokens) -> tuple[int, int, int]:
+    """Check a call's arguments (see paged_decode_attention); return the cache's block_size, its
+    number of kv heads and, with new_tokens, half the rotated width (else 0)."""
+    block_size, num_kv_heads = check_query_and_cache(query, kv_cache)
+    device = query.device
+    num_seqs = query.shape[0]
+    check_block_tables(block_tables, num_seqs, device, counted_in="query")
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("seq_lens", seq_lens, (num_seqs,))
+    check_host_bound("max_seq_len", max_seq_len)
+    if max_seq_len > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds what block_tables can address "
+            f"({block_tables.shape[1]} blocks of {block_size})"
+        )
+    if out is not None:
+        check_operand("out", out, tuple(query.shape), query.dtype, device)
+    if counters is not None:
+        check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,), device=device)
+        check_contiguous("counters", counters)
+        if counters.numel() < num_seqs * num_kv_heads:
+            raise ValueError(f"counters holds {counters.numel()} entries but the launch needs "
+                             f"num_seqs * num_kv_heads = {num_seqs * num_kv_heads}")
+    if new_tokens is None:
+        return block_size, num_kv_heads, 0
+    t = new_tokens
+    half = check_rotary(t.positions, query, t.key, t.cos_cache, t.sin_cache)
+    check_kv_cache_write(t.key, t.value, kv_cache, t.slot_mapping)  # also key's heads against the cache
+    return block_size, num_kv_heads, half
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """The shape of one launch: its tile, its partitions of the context and how they are merged."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    partition_size: int
+    merge_in_launch: bool
+
+
+def _pick_launch(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
+                 device: torch.device, *, num_splits: int | None, merge_in_launch: bool | None,
+                 block_n: int | None, num_warps: int | None, num_stages: int | None) -> _Launch:
+    """The call's own choices, the rest from default_tile and choose_num_splits; partitions are
+    whole tiles, so only the last tile of a partition needs its tail masked."""
+    fills_device = num_seqs * num_kv_heads >= multiprocessor_count(device)
+    tile = default_tile(dtype, head_dim, fills_device)
+    block_n = tile[0] if block_n is None else block_n
+    num_warps = tile[1] if num_warps is None else num_warps
+    num_stages = tile[2] if num_stages is None else num_stages
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    tiles = max(1, triton.cdiv(max_seq_len, block_n))
+    partition_size = triton.cdiv(tiles, num_splits) * block_n
+    num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
+    return _Launch(block_n, num_warps, num_stages, num_splits, partition_size,
+                   fills_device if merge_in_launch is None else merge_in_launch)
+
+
+def _new_token_operands(new_tokens: NewTokens | None, query: torch.Tensor,
+                        seq_lens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """The rotary and cache-write pointers and strides the kernel takes with NEW_TOKEN."""
+    if new_tokens is None:  # unused without NEW_TOKEN: any pointers of the right kinds will do
+        return (seq_lens, query, query, query, query, seq_lens), (0,) * 6
+    t = new_tokens
+    return ((t.positions, t.key, t.value, t.cos_cache, t.sin_cache, t.slot_mapping),
+            (t.key.stride(0), t.key.stride(1), t.value.stride(0), t.value.stride(1),
+             t.cos_cache.stride(0), t.sin_cache.stride(0)))
 
 
 def paged_decode_attention_reference(

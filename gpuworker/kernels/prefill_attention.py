@@ -14,18 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_kv_cache,
-    check_last_dim_contiguous,
-    check_shape,
-    check_tensor,
-    dot_options,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_host_bound, check_operand,
+                                      check_query_and_cache, check_shape, check_tensor, dot_options, lazy_jit,
+                                      next_power_of_2, pdl_options)
 
 _LOG2E = 1.4426950408889634
 
@@ -161,49 +152,18 @@ def prefill_attention(
     device; max_query_len is a host upper bound on the chunk lengths that sizes the grid. Rows of `out`
     outside every chunk are left untouched.
     """
-    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
-    device = query.device
-    num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_dim = check_kv_cache(kv_cache, dtype=query.dtype, device=device)
-    if cache_dim != head_dim:
-        raise ValueError(f"kv_cache head_dim {cache_dim} does not match query head_dim {head_dim}")
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    block_size, num_kv_heads = _checked(query, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len, out)
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = seq_lens.shape[0]
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
-    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
-    check_tensor("block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES, device=device)
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {num_seqs}")
-    check_last_dim_contiguous("query", query)
-    check_last_dim_contiguous("block_tables", block_tables)
-    if not isinstance(max_query_len, int) or max_query_len < 0:
-        raise ValueError(f"max_query_len must be a non-negative host int, got {max_query_len!r}")
-    if out is None:
-        out = torch.empty_like(query)
-    else:
-        check_tensor("out", out, dtypes=(query.dtype,), device=device)
-        check_shape("out", out, tuple(query.shape))
-        check_last_dim_contiguous("out", out)
+    out = torch.empty_like(query) if out is None else out
     if num_seqs == 0 or max_query_len == 0:
         return out
 
+    tile = default_tile(query.dtype, head_dim)
+    block_m = tile[0] if block_m is None else block_m
+    block_n = tile[1] if block_n is None else block_n
+    num_warps = tile[2] if num_warps is None else num_warps
     block_d = next_power_of_2(head_dim)
-    # bf16/fp16 tiles run on wgmma. float32 ones go through FMA-based IEEE dots, which spill
-    # registers beyond 32x16 at head_dim 128 (Triton's resource report for sm_90); float32 serves
-    # exactness checks, not speed.
-    if query.dtype == torch.float32:
-        default_m, default_n, default_warps = 32, 16, 8
-    elif head_dim <= 128:
-        # 64x64 tiles on 4 warps ran 320 TFLOP/s on an H200 against 248 for 128x64 on 8 (1 x 4096
-        # tokens; bench/kernels.py sweep).
-        default_m, default_n, default_warps = 64, 64, 4
-    else:
-        default_m, default_n, default_warps = 64, 32, 4
-    block_m = default_m if block_m is None else block_m
-    block_n = default_n if block_n is None else block_n
-    num_warps = default_warps if num_warps is None else num_warps
     grid = (triton.cdiv(max_query_len, block_m), num_q_heads, num_seqs)
     _prefill_attention[grid](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out,
@@ -216,6 +176,35 @@ def prefill_attention(
         num_warps=num_warps, num_stages=num_stages, **pdl_options(query.device),
     )
     return out
+
+
+def _checked(query, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len, out) -> tuple[int, int]:
+    """Check a call's arguments (see prefill_attention); return the cache's block_size and its number
+    of kv heads."""
+    block_size, num_kv_heads = check_query_and_cache(query, kv_cache)
+    device = query.device
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES, device=device)
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    check_block_tables(block_tables, num_seqs, device, counted_in="seq_lens")
+    check_host_bound("max_query_len", max_query_len)
+    if out is not None:
+        check_operand("out", out, tuple(query.shape), query.dtype, device)
+    return block_size, num_kv_heads
+
+
+def default_tile(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps) of a launch on `dtype` heads of `head_dim`.
+
+    bf16/fp16 tiles run on wgmma, where 64x64 tiles on 4 warps ran faster than 128x64 on 8 on Hopper
+    (1 x 4096 tokens, bench/kernels.py sweep; BENCHMARKS.md, "Figures formerly in code comments").
+    float32 ones go through FMA-based IEEE dots, which spill registers beyond 32x16 at head_dim 128
+    (Triton's resource report for sm_90); float32 serves exactness checks, not speed.
+    """
+    if dtype == torch.float32:
+        return 32, 16, 8
+    return (64, 64, 4) if head_dim <= 128 else (64, 32, 4)
 
 
 def prefill_attention_reference(

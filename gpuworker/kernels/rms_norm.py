@@ -10,15 +10,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    FLOAT_DTYPES,
-    check_last_dim_contiguous,
-    check_shape,
-    check_tensor,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_shape,
+                                      check_tensor, lazy_jit, next_power_of_2, pdl_options)
 
 # One program normalises a whole row in registers; wider rows would spill.
 MAX_HIDDEN = 32768
@@ -79,21 +72,8 @@ def rms_norm(
     x + residual, returns (weight * norm(s), s). Outputs are new contiguous tensors; the output dtype
     is x's dtype promoted with the weight's, as in eager torch.
     """
-    check_tensor("x", x, dtypes=FLOAT_DTYPES)
-    device = x.device
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension (the hidden size)")
-    hidden = x.shape[-1]
-    if hidden > MAX_HIDDEN:
-        raise ValueError(f"x's last dimension {hidden} exceeds the kernel's limit of {MAX_HIDDEN}")
-    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=device)
-    check_shape("weight", weight, (hidden,))
-    check_last_dim_contiguous("x", x)
-    check_last_dim_contiguous("weight", weight)
-    if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), device=device)
-        check_shape("residual", residual, tuple(x.shape))
-        check_last_dim_contiguous("residual", residual)
+    _check(x, weight, residual)
+    hidden, device = x.shape[-1], x.device
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=device) if residual is not None else out
     if x.numel() == 0:
@@ -112,12 +92,25 @@ def rms_norm(
     return out if residual is None else (out, residual_out)
 
 
-def rms_norm_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """x [..., H] with H <= MAX_HIDDEN, weight [H] of any float dtype, residual like x; last
+    dimensions contiguous."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (the hidden size)")
+    hidden = x.shape[-1]
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"x's last dimension {hidden} exceeds the kernel's limit of {MAX_HIDDEN}")
+    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+    check_shape("weight", weight, (hidden,))
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    if residual is not None:
+        check_operand("residual", residual, tuple(x.shape), x.dtype, x.device)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference, written as transformers' LlamaRMSNorm (plus the decoder's residual add)."""
     if residual is not None:
         x = x + residual

@@ -15,16 +15,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.launch import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    check_last_dim_contiguous,
-    check_shape,
-    check_tensor,
-    lazy_jit,
-    next_power_of_2,
-    pdl_options,
-)
+from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_shape,
+                                      check_tensor, lazy_jit, next_power_of_2, pdl_options)
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
 
 
@@ -187,13 +179,8 @@ def apply_rotary_and_cache(
     return query
 
 
-def apply_rotary_reference(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+                           sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference (out of place), written as transformers' apply_rotary_pos_emb."""
     rot_dim = 2 * cos_cache.shape[1]
     cos = cos_cache[positions.long()].to(query.dtype).unsqueeze(1)
@@ -206,16 +193,9 @@ def apply_rotary_reference(
     return rotate(query), rotate(key)
 
 
-def apply_rotary_and_cache_reference(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> torch.Tensor:
+def apply_rotary_and_cache_reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                     value: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Pure-torch reference: returns the rotated query (out of place) and writes the cache in place."""
     query, key = apply_rotary_reference(positions, query, key, cos_cache, sin_cache)
     kv_cache_write_reference(key, value, kv_cache, slot_mapping)
