@@ -1,5 +1,6 @@
 """Writes for the fleet: worker registration, heartbeats and lost workers, replica placement and
-state changes, and the operators' load/unload/drain. Atomic; messages go out after commit."""
+state changes, deployments (desired replicas: create, scale, edit) and the operators'
+load/unload/drain. Atomic; messages go out after commit."""
 
 from datetime import datetime
 
@@ -7,12 +8,14 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Q
+from django.forms.models import model_to_dict
 from django.utils import timezone
 
 from controlplane import live
 from controlplane.audit.models import AuditEntry
-from controlplane.audit.services import audit_record
+from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.models import Deployment
+from controlplane.catalog.selectors import model_get_by_public_name
 from controlplane.fleet import commands, live_state
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import Gpu, Replica, Worker
@@ -236,10 +239,117 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
     return replica
 
 
-# --- Operators' actions. `actor` is the user acting (None: the system); each lands in the audit log.
+# --- Deployments (how many replicas of each model are wanted; reconcile places or drains the rest)
+# and the operators' actions. `actor` is the user acting (None: the system); each lands in the audit log.
+
+# What a deployment edit may change, and what its audit entry compares.
+DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_warm")
+# More replicas of one model than any one fleet here runs; a typo (100 for 10) is refused.
+MAX_REPLICAS_LIMIT = 256
+
 
 def _lock_deployment(deployment: Deployment) -> Deployment:
     return Deployment.objects.select_for_update().select_related("model").get(pk=deployment.pk)
+
+
+def _check_whole_number(value, field: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError({field: f"Must be a whole number, not {value!r}."})
+
+
+def _check_replica_count(value, field: str) -> None:
+    _check_whole_number(value, field)
+    if not 0 <= value <= MAX_REPLICAS_LIMIT:
+        raise ValidationError({field: f"Must lie between 0 and {MAX_REPLICAS_LIMIT}; got {value}."})
+
+
+@transaction.atomic
+def deployment_create(
+    *,
+    model_name: str,
+    desired_replicas: int = 1,
+    min_replicas: int = 0,
+    max_replicas: int = 1,
+    keep_warm: bool = False,
+    actor=None,
+) -> Deployment:
+    model = model_get_by_public_name(public_name=model_name)
+    if model is None:
+        raise ValidationError({"model": f"Unknown model {model_name!r}."})
+    deployment = Deployment(
+        model=model,
+        desired_replicas=desired_replicas,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        keep_warm=keep_warm,
+    )
+    deployment.full_clean()
+    deployment.save()
+    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_CREATE, target=deployment,
+                 target_label=model.public_name, detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
+    commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
+
+
+@transaction.atomic
+def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=None) -> Deployment:
+    """Want `desired_replicas` replicas; reconcile places or drains the difference."""
+    # Lock the row so two operators scaling at once cannot both pass validation on stale bounds.
+    deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    _check_whole_number(desired_replicas, "desired_replicas")
+    if not deployment.min_replicas <= desired_replicas <= deployment.max_replicas:
+        raise ValidationError({"desired_replicas": (
+            f"Must lie between min_replicas ({deployment.min_replicas}) and max_replicas "
+            f"({deployment.max_replicas}); got {desired_replicas}."
+        )})
+    before = deployment.desired_replicas
+    deployment.desired_replicas = desired_replicas
+    deployment.full_clean()
+    deployment.save(update_fields=["desired_replicas", "updated_at"])
+    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_SCALE, target=deployment,
+                 target_label=deployment.model.public_name, detail={"desired_replicas": [before, desired_replicas]})
+    commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
+
+
+@transaction.atomic
+def deployment_update(
+    *, deployment: Deployment, desired_replicas: int, min_replicas: int, max_replicas: int, keep_warm: bool,
+    actor=None,
+) -> Deployment:
+    """Set a deployment's replica counts and keep-warm at once; each bad value is reported on its
+    own field, and min <= desired <= max must hold afterwards."""
+    deployment = _lock_deployment(deployment)
+    values = {"desired_replicas": desired_replicas, "min_replicas": min_replicas, "max_replicas": max_replicas}
+    errors: dict[str, list[str]] = {}
+    for field, value in values.items():
+        try:
+            _check_replica_count(value, field)
+        except ValidationError as exc:
+            errors.update(exc.message_dict)
+    if not isinstance(keep_warm, bool):
+        errors["keep_warm"] = [f"Must be true or false, not {keep_warm!r}."]
+    if not errors:
+        if min_replicas > max_replicas:
+            errors["min_replicas"] = [f"Min replicas ({min_replicas}) cannot exceed max replicas ({max_replicas})."]
+        elif not min_replicas <= desired_replicas <= max_replicas:
+            errors["desired_replicas"] = [f"Desired replicas must lie between min ({min_replicas}) and max "
+                                          f"({max_replicas}); got {desired_replicas}."]
+    if errors:
+        raise ValidationError(errors)
+    before = model_to_dict(deployment, fields=DEPLOYMENT_FIELDS)
+    for field, value in {**values, "keep_warm": keep_warm}.items():
+        setattr(deployment, field, value)
+    deployment.full_clean()
+    diff = changes(before, model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
+    if not diff:
+        return deployment
+    deployment.save()
+    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_UPDATE, target=deployment,
+                 target_label=deployment.model.public_name, detail=diff)
+    if "desired_replicas" in diff:
+        commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
 
 
 @transaction.atomic

@@ -7,9 +7,10 @@ from django.core.exceptions import ValidationError
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
-from controlplane.catalog.services import MAX_REPLICAS_LIMIT, estimate_gpu_memory_bytes
+from controlplane.catalog.services import estimate_gpu_memory_bytes
 from controlplane.fleet.models import Gpu, Worker
 from controlplane.fleet.selectors import workers_for_path_check
+from controlplane.fleet.services import MAX_REPLICAS_LIMIT
 
 
 def apply_service_errors(form: forms.Form, exc: ValidationError, *, rename: dict[str, str] | None = None) -> None:

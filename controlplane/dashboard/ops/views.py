@@ -14,14 +14,8 @@ from django.views.decorators.http import require_GET, require_POST
 
 from controlplane.audit.selectors import audit_actor_labels, audit_entries
 from controlplane.catalog.models import Deployment, Model
-from controlplane.catalog.services import (
-    deployment_create,
-    deployment_scale,
-    deployment_update,
-    model_create,
-    model_set_enabled,
-    model_update,
-)
+from controlplane.catalog.selectors import weights_path_reports
+from controlplane.catalog.services import model_create, model_set_enabled, model_update
 from controlplane.dashboard.ops.forms import (
     AuditFilterForm,
     CatalogModelForm,
@@ -33,8 +27,15 @@ from controlplane.dashboard.ops.forms import (
 from controlplane.dashboard.ops.overview import deployment_views, worker_views
 from controlplane.dashboard.permissions import operator_required
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.selectors import weights_path_reports, workers_for_path_check
-from controlplane.fleet.services import replica_load_on, replica_unload, worker_drain
+from controlplane.fleet.selectors import workers_for_path_check
+from controlplane.fleet.services import (
+    deployment_create,
+    deployment_scale,
+    deployment_update,
+    replica_load_on,
+    replica_unload,
+    worker_drain,
+)
 
 AUDIT_PAGE_SIZE = 50
 
