@@ -1,5 +1,5 @@
-"""Reads for the fleet: ready replicas, free capacity for placement, each worker's live state, and
-each deployment's status and last error for the operators' pages."""
+"""Reads for the fleet: ready replicas, free capacity for placement, each worker's latest heartbeat,
+and each deployment's status and last error for the operators' pages."""
 
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from typing import Any
 from django.db.models import Count, Prefetch, Q, QuerySet, Sum
 
 from controlplane.catalog.models import Deployment, Model
-from controlplane.fleet import live_state
+from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Gpu, Replica, Worker
 from controlplane.fleet.placement import Slot
 
@@ -20,13 +20,13 @@ def replicas_ready_for_model(*, model) -> QuerySet[Replica]:
     ).select_related("worker", "gpu")
 
 
-def worker_live_state(*, worker_id: int) -> dict[str, Any] | None:
+def worker_latest_heartbeat(*, worker_id: int) -> dict[str, Any] | None:
     """The worker's latest heartbeat as stored (figures per GPU, CPU and replica), or None."""
-    return live_state.read(worker_id=worker_id)
+    return heartbeat_cache.read(worker_id=worker_id)
 
 
-def workers_live_state(*, worker_ids: Iterable[int]) -> dict[int, dict[str, Any]]:
-    return live_state.read_many(worker_ids=list(worker_ids))
+def workers_latest_heartbeats(*, worker_ids: Iterable[int]) -> dict[int, dict[str, Any]]:
+    return heartbeat_cache.read_many(worker_ids=list(worker_ids))
 
 
 def placement_slots(*, workers: list[Worker]) -> list[Slot]:

@@ -11,12 +11,12 @@ from django.db.models import Q
 from django.forms.models import model_to_dict
 from django.utils import timezone
 
-from controlplane import live
+from controlplane import live_events
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.models import Deployment
 from controlplane.catalog.selectors import model_get_by_public_name
-from controlplane.fleet import commands, live_state
+from controlplane.fleet import commands, heartbeat_cache
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import Gpu, Replica, Worker
 from controlplane.fleet.placement import memory_fraction
@@ -30,7 +30,7 @@ class WorkerUnknown(Exception):
 
 
 def _publish_worker(worker: Worker) -> None:
-    live.publish(group=live.FLEET_GROUP, event="worker.state", data={
+    live_events.publish(group=live_events.FLEET_GROUP, event="worker.state", data={
         "worker_id": worker.pk, "name": worker.name, "state": worker.state,
     })
 
@@ -60,7 +60,7 @@ def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worke
         gpu.save()
     Gpu.objects.filter(pk__in=[gpu.pk for gpu in known.values()]).update(present=False)
     state = {"worker_id": worker.pk, "name": worker.name, "state": worker.state, "received_at": now.timestamp()}
-    transaction.on_commit(lambda: live_state.store(worker_id=worker.pk, state=state))
+    transaction.on_commit(lambda: heartbeat_cache.store(worker_id=worker.pk, state=state))
     _publish_worker(worker)
     # New capacity: deployments waiting for room may fit now.
     commands.request_reconcile()
@@ -97,8 +97,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
         "replicas": {str(r.replica_id): {"state": r.state, "endpoint_url": r.endpoint_url, "error": r.error, **r.figures}
                      for r in heartbeat.replicas},
     }
-    live_state.store(worker_id=worker.pk, state=state)
-    live.publish(group=live.FLEET_GROUP, event="worker.heartbeat", data=state)
+    heartbeat_cache.store(worker_id=worker.pk, state=state)
+    live_events.publish(group=live_events.FLEET_GROUP, event="worker.heartbeat", data=state)
     return plan.unload
 
 
@@ -133,7 +133,7 @@ def workers_mark_lost(*, now: datetime) -> int:
     failed (a drained one just goes offline); lost ones silent much longer go offline."""
     State = Worker.State
     workers = list(Worker.objects.filter(state__in=[State.ONLINE, State.DRAINING, State.LOST]))
-    latest = live_state.read_many(worker_ids=[w.pk for w in workers])
+    latest = heartbeat_cache.read_many(worker_ids=[w.pk for w in workers])
     changed = 0
     for worker in workers:
         silent_for = _silent_for(worker, latest.get(worker.pk), now)
@@ -156,7 +156,7 @@ def _silent_for(worker: Worker, latest: dict | None, now: datetime) -> float:
 @transaction.atomic
 def _worker_mark_lost(*, worker_id: int, now: datetime) -> bool:
     worker = Worker.objects.select_for_update(no_key=True).get(pk=worker_id)
-    silent_for = _silent_for(worker, live_state.read(worker_id=worker_id), now)
+    silent_for = _silent_for(worker, heartbeat_cache.read(worker_id=worker_id), now)
     if worker.state not in (Worker.State.ONLINE, Worker.State.DRAINING) or silent_for <= settings.FLEET_WORKER_LOST_AFTER_SECONDS:
         return False  # a heartbeat or another checker got there first
     replicas = list(Replica.objects.select_for_update(no_key=True).select_related("deployment__model")
@@ -194,7 +194,7 @@ def _transition(replica: Replica, *, to_state: str, at: datetime, endpoint_url: 
 
 
 def _publish_replica(replica: Replica) -> None:
-    live.publish(group=live.FLEET_GROUP, event="replica.state", data={
+    live_events.publish(group=live_events.FLEET_GROUP, event="replica.state", data={
         "replica_id": replica.pk, "deployment_id": replica.deployment_id, "worker_id": replica.worker_id,
         "state": replica.state, "endpoint_url": replica.endpoint_url, "error": replica.last_error,
     })

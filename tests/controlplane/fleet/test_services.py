@@ -10,7 +10,7 @@ from django.utils import timezone
 from controlplane.catalog.models import Deployment
 from controlplane.fleet.models import Gpu, Replica, Worker
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
-from controlplane.fleet.selectors import worker_live_state
+from controlplane.fleet.selectors import worker_latest_heartbeat
 from controlplane.fleet.services import (
     WorkerUnknown,
     deployment_create,
@@ -61,7 +61,7 @@ def test_register_creates_the_worker_its_queue_and_gpus(django_capture_on_commit
         worker = worker_register(registration=_registration(gpus=((0, H200), (1, H200))), now=timezone.now())
     assert (worker.queue_name, worker.state, worker.advertise_host) == ("gpuworker.host-a", "online", "10.0.0.5")
     assert [g.index for g in worker.gpus.all()] == [0, 1]
-    assert worker_live_state(worker_id=worker.pk)["name"] == "host-a"
+    assert worker_latest_heartbeat(worker_id=worker.pk)["name"] == "host-a"
 
 
 def test_register_again_updates_the_same_worker_and_retires_missing_gpus():
@@ -91,7 +91,7 @@ def test_heartbeat_moves_a_replica_to_ready_and_keeps_figures_in_the_cache():
     _beat(replica.worker, {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL, "running": 3})
     replica.refresh_from_db()
     assert (replica.state, replica.endpoint_url) == (State.READY, URL)
-    live = worker_live_state(worker_id=replica.worker_id)
+    live = worker_latest_heartbeat(worker_id=replica.worker_id)
     assert live["replicas"][str(replica.pk)]["running"] == 3 and live["gpus"][0]["utilization_pct"] == 50.0
 
 
