@@ -12,6 +12,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from controlplane.accounts.selectors import api_keys_for_tenant
 from controlplane.accounts.services import api_key_create, api_key_revoke
 from controlplane.billing.reports import usage_daily, usage_month_summary
+from controlplane.dashboard.forms import apply_service_errors
 from controlplane.dashboard.permissions import tenant_of, tenant_required
 from controlplane.dashboard.tenant.forms import ApiKeyCreateForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm, playground_models
@@ -35,7 +36,7 @@ def keys(request: HttpRequest) -> HttpResponse:
                 created = api_key_create(tenant=tenant_of(request), created_by=request.user,
                                          **form.service_arguments())
             except ValidationError as error:
-                form.add_service_errors(error)
+                apply_service_errors(form, error)
             else:
                 form = ApiKeyCreateForm()
     else:
