@@ -71,11 +71,10 @@ def usage(request: HttpRequest) -> HttpResponse:
     month_end = (summary.since + timedelta(days=32)).replace(day=1).date() - timedelta(days=1)
     month = usage_daily(start=summary.since.date(), end=month_end, tenant=tenant)
     days = [row for row in month if row.key <= now.date().isoformat()]
-    chart = {
-        "days": [row.key for row in month],
-        "requests": [row.requests for row in month],
-        "spend": [float(row.revenue) for row in month],
-    }
+    chart = {"days": [row.key for row in month], "series": [
+        {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in month]},
+        {"label": "Requests", "scale": "requests", "values": [row.requests for row in month]},
+    ]}
     return render(request, "dashboard/tenant/usage.html", {
         "summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
     })
