@@ -8,7 +8,6 @@ plain form post (no JavaScript) is redirected back to the page with a message (`
 from functools import partial
 
 from django.contrib import messages
-from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -18,7 +17,7 @@ from controlplane.audit.selectors import audit_actor_labels, audit_entries
 from controlplane.catalog.models import Deployment, Model
 from controlplane.catalog.selectors import weights_path_reports
 from controlplane.catalog.services import model_create, model_set_enabled, model_update
-from controlplane.dashboard.forms import apply_service_errors, form_error_messages
+from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect, run_action
 from controlplane.dashboard.ops.forms import (
     AuditFilterForm,
@@ -77,13 +76,8 @@ def _render_deployment(request, deployment_id: int, **forms) -> HttpResponse:
 def deployment_scale_view(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
     form = ScaleForm(request.POST, prefix=f"s{pk}")
-    if form.is_valid():
-        try:
-            deployment_scale(deployment=deployment, desired_replicas=form.cleaned_data["desired_replicas"],
-                             actor=request.user)
-        except ValidationError as exc:
-            apply_service_errors(form, exc)
-    if form.errors:
+    if submit(form, lambda data: deployment_scale(deployment=deployment, desired_replicas=data["desired_replicas"],
+                                                  actor=request.user)) is None:
         return fragment_or_redirect(request, lambda: _render_deployment(request, pk, scale_form=form), to=FLEET,
                                     errors=form_error_messages(form))
     return fragment_or_redirect(request, lambda: _render_deployment(request, pk), to=FLEET, success=(
@@ -95,12 +89,7 @@ def deployment_scale_view(request: HttpRequest, pk: int) -> HttpResponse:
 def deployment_edit_view(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
     form = DeploymentLimitsForm(request.POST, prefix=f"d{pk}")
-    if form.is_valid():
-        try:
-            deployment_update(deployment=deployment, actor=request.user, **form.cleaned_data)
-        except ValidationError as exc:
-            apply_service_errors(form, exc)
-    if form.errors:
+    if submit(form, lambda data: deployment_update(deployment=deployment, actor=request.user, **data)) is None:
         return fragment_or_redirect(
             request, lambda: _render_deployment(request, pk, limits_form=form, open_limits=True), to=FLEET,
             errors=form_error_messages(form))
@@ -119,20 +108,17 @@ def _render_load_form(request, form, *, done: str = "", worker_id: int | None = 
 @require_POST
 def replica_load_view(request: HttpRequest) -> HttpResponse:
     form = LoadForm(request.POST)
-    if form.is_valid():
-        worker, gpu = form.cleaned_data["slot"]
-        deployment = form.cleaned_data["deployment"]
-        try:
-            replica = replica_load_on(deployment=deployment, worker=worker, gpu=gpu, actor=request.user)
-        except ValidationError as exc:
-            apply_service_errors(form, exc, rename={"worker": "slot", "gpu": "slot"})
-        else:
-            where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else worker.name
-            message = f"Loading {deployment.model.public_name} on {where} (replica {replica.pk})."
-            return fragment_or_redirect(request, lambda: _render_load_form(
-                request, LoadForm(), done=message, worker_id=worker.pk), to=FLEET, success=message)
-    return fragment_or_redirect(request, lambda: _render_load_form(request, form), to=FLEET,
-                                errors=form_error_messages(form))
+    replica = submit(form, lambda data: replica_load_on(deployment=data["deployment"], worker=data["slot"][0],
+                                                        gpu=data["slot"][1], actor=request.user),
+                     rename={"worker": "slot", "gpu": "slot"})
+    if replica is None:
+        return fragment_or_redirect(request, lambda: _render_load_form(request, form), to=FLEET,
+                                    errors=form_error_messages(form))
+    (worker, gpu), deployment = form.cleaned_data["slot"], form.cleaned_data["deployment"]
+    where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else worker.name
+    message = f"Loading {deployment.model.public_name} on {where} (replica {replica.pk})."
+    return fragment_or_redirect(request, lambda: _render_load_form(request, LoadForm(), done=message,
+                                                                   worker_id=worker.pk), to=FLEET, success=message)
 
 
 def _render_worker(request, worker_id: int, *, action_error: str = "") -> HttpResponse:
@@ -200,37 +186,29 @@ def _catalog_form_page(request, form, model=None) -> HttpResponse:
 @operator_required
 def catalog_add(request: HttpRequest) -> HttpResponse:
     form = CatalogModelForm(request.POST or None)
-    if request.method == "POST" and form.is_valid():
-        try:
-            model = model_create(actor=request.user, verify_on=list(form.cleaned_data["check_workers"]),
-                                 **form.model_fields())
-        except ValidationError as exc:
-            apply_service_errors(form, exc)
-        else:
-            messages.success(request, f"Added {model.public_name}.")
-            for note in _path_notes(form):
-                messages.warning(request, note)
-            return redirect("dashboard:catalog")
-    return _catalog_form_page(request, form)
+    model = submit(form, lambda data: model_create(actor=request.user, verify_on=list(data["check_workers"]),
+                                                   **form.model_fields()))
+    if model is None:  # a GET, or refused
+        return _catalog_form_page(request, form)
+    messages.success(request, f"Added {model.public_name}.")
+    for note in _path_notes(form):
+        messages.warning(request, note)
+    return redirect(CATALOG)
 
 
 @operator_required
 def catalog_edit(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(Model, pk=pk)
     form = CatalogModelForm(request.POST or None, instance=model)
-    if request.method == "POST" and form.is_valid():
-        try:
-            model = model_update(model=model, actor=request.user, verify_on=list(form.cleaned_data["check_workers"]),
-                                 **form.model_fields())
-        except ValidationError as exc:
-            apply_service_errors(form, exc)
-        else:
-            messages.success(request, f"Saved {model.public_name}.")
-            if "weights_path" in form.changed_data:
-                for note in _path_notes(form):
-                    messages.warning(request, note)
-            return redirect("dashboard:catalog")
-    return _catalog_form_page(request, form, model=Model.objects.get(pk=pk))
+    saved = submit(form, lambda data: model_update(model=model, actor=request.user,
+                                                   verify_on=list(data["check_workers"]), **form.model_fields()))
+    if saved is None:  # a GET, or refused
+        return _catalog_form_page(request, form, model=Model.objects.get(pk=pk))
+    messages.success(request, f"Saved {saved.public_name}.")
+    if "weights_path" in form.changed_data:
+        for note in _path_notes(form):
+            messages.warning(request, note)
+    return redirect(CATALOG)
 
 
 def _catalog_row(request, model_id: int, *, action_error: str = "") -> HttpResponse:
