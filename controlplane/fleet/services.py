@@ -16,6 +16,7 @@ from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.models import Deployment
 from controlplane.catalog.selectors import model_get_by_public_name
+from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import Gpu, Replica, Worker
@@ -50,14 +51,12 @@ def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worke
     worker.model_paths = list(registration.models.paths) if registration.models else []
     worker.state = Worker.State.ONLINE
     worker.state_changed_at = now
-    worker.full_clean()
-    worker.save()
+    validated_save(worker)
     known = {gpu.index: gpu for gpu in Gpu.objects.select_for_update().filter(worker=worker)}
     for spec in registration.gpus:
         gpu = known.pop(spec.index, None) or Gpu(worker=worker, index=spec.index)
         gpu.name, gpu.memory_total_bytes, gpu.present = spec.name, spec.memory_total_bytes, True
-        gpu.full_clean()
-        gpu.save()
+        validated_save(gpu)
     Gpu.objects.filter(pk__in=[gpu.pk for gpu in known.values()]).update(present=False)
     state = {"worker_id": worker.pk, "name": worker.name, "state": worker.state, "received_at": now.timestamp()}
     transaction.on_commit(lambda: heartbeat_cache.store(worker_id=worker.pk, state=state))
@@ -187,8 +186,7 @@ def _transition(replica: Replica, *, to_state: str, at: datetime, endpoint_url: 
         replica.endpoint_url = endpoint_url
     if to_state == Replica.State.FAILED:
         replica.last_error, replica.failure = error, failure
-    replica.full_clean()
-    replica.save()
+    validated_save(replica)
     _publish_replica(replica)
     return replica
 
@@ -214,9 +212,7 @@ def replica_transition(
 @transaction.atomic
 def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
     """Create a pending replica and send the worker its load message (after commit)."""
-    replica = Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING)
-    replica.full_clean()
-    replica.save()
+    replica = validated_save(Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING))
     _publish_replica(replica)  # the fleet page shows the new replica at once, before it loads
     model = deployment.model
     total = gpu.memory_total_bytes if gpu is not None else worker.cpu_memory_total_bytes
@@ -276,15 +272,8 @@ def deployment_create(
     model = model_get_by_public_name(public_name=model_name)
     if model is None:
         raise ValidationError({"model": f"Unknown model {model_name!r}."})
-    deployment = Deployment(
-        model=model,
-        desired_replicas=desired_replicas,
-        min_replicas=min_replicas,
-        max_replicas=max_replicas,
-        keep_warm=keep_warm,
-    )
-    deployment.full_clean()
-    deployment.save()
+    deployment = validated_save(Deployment(model=model, desired_replicas=desired_replicas, min_replicas=min_replicas,
+                                           max_replicas=max_replicas, keep_warm=keep_warm))
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_CREATE, target=deployment,
                  target_label=model.public_name, detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
     commands.request_reconcile(deployment_ids=[deployment.pk])
