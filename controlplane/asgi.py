@@ -15,11 +15,11 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
-from controlplane.gateway.app import build_app as build_gateway_app  # noqa: E402
+from controlplane.gateway.app import process_app  # noqa: E402
 from controlplane.routing import websocket_urlpatterns  # noqa: E402
 
 http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.SERVE_STATIC else django_asgi_app
-gateway_app = build_gateway_app()
+gateway_app = process_app()
 
 django_and_channels = ProtocolTypeRouter(
     {

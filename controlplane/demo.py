@@ -30,9 +30,11 @@ from controlplane.accounts.services import api_key_create, tenant_create, user_c
 from controlplane.billing.selectors import credit_entries_for_tenant, plan_get_by_name, price_tier_get_by_name
 from controlplane.billing.services import credit_grant, plan_create, price_tier_create
 from controlplane.catalog.models import Model
-from controlplane.catalog.selectors import deployment_get_for_model, model_get_by_public_name
-from controlplane.catalog.services import deployment_create, model_create
+from controlplane.catalog.selectors import model_get_by_public_name
+from controlplane.catalog.services import model_create
 from controlplane.env import read_env_file
+from controlplane.fleet.selectors import deployment_get_for_model
+from controlplane.fleet.services import deployment_create
 
 BASE_URL = "http://127.0.0.1:8000"
 ADMIN_USERNAME = "admin"

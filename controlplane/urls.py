@@ -1,5 +1,6 @@
-"""Top-level URL map: the dashboard pages, the admin, the public /v1 API, the worker daemons'
-/internal/ API and the health probe."""
+"""Top-level URL map of the Django app: the dashboard pages, the admin, the worker daemons'
+/internal/ API and the health probe. The public /v1 API is not here: it is a Starlette app
+(controlplane.gateway.app) that controlplane.asgi puts in front of Django for every /v1 path."""
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
@@ -12,7 +13,6 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
-    path("v1/", include("controlplane.gateway.urls")),
     path("internal/", include("controlplane.fleet.urls")),
     path("healthz", health.healthz, name="healthz"),
 ]

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import transaction
 
 from controlplane.catalog.models import Deployment
-from controlplane.fleet import live_state
+from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Gpu, Replica, Worker
 from controlplane.fleet.placement import Candidate, choose_to_remove, plan_placements
 from controlplane.fleet.selectors import placement_slots, workers_where_model_failed
@@ -106,7 +106,7 @@ def _scale_up(deployment: Deployment, count: int) -> list[int]:
 def _scale_down(deployment: Deployment, count: int, now: datetime) -> list[int]:
     replicas = list(Replica.objects.select_for_update(no_key=True).select_related("worker")
                     .filter(deployment=deployment, state__in=Replica.ACTIVE_STATES).order_by("pk"))
-    latest = live_state.read_many(worker_ids=list({r.worker_id for r in replicas}))
+    latest = heartbeat_cache.read_many(worker_ids=list({r.worker_id for r in replicas}))
 
     def outstanding(replica: Replica) -> int:
         figures = (latest.get(replica.worker_id) or {}).get("replicas", {}).get(str(replica.pk), {})

@@ -1,15 +1,14 @@
-"""Reads for the fleet: ready replicas, free capacity for placement, each worker's live state, and
-each deployment's status and last error for the operators' pages."""
+"""Reads for the fleet: ready replicas, free capacity for placement, each worker's latest heartbeat,
+and each deployment's status and last error for the operators' pages."""
 
-import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from django.db.models import Count, Prefetch, Q, QuerySet, Sum
 
-from controlplane.catalog.models import Deployment
-from controlplane.fleet import live_state
+from controlplane.catalog.models import Deployment, Model
+from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Gpu, Replica, Worker
 from controlplane.fleet.placement import Slot
 
@@ -21,13 +20,13 @@ def replicas_ready_for_model(*, model) -> QuerySet[Replica]:
     ).select_related("worker", "gpu")
 
 
-def worker_live_state(*, worker_id: int) -> dict[str, Any] | None:
+def worker_latest_heartbeat(*, worker_id: int) -> dict[str, Any] | None:
     """The worker's latest heartbeat as stored (figures per GPU, CPU and replica), or None."""
-    return live_state.read(worker_id=worker_id)
+    return heartbeat_cache.read(worker_id=worker_id)
 
 
-def workers_live_state(*, worker_ids: Iterable[int]) -> dict[int, dict[str, Any]]:
-    return live_state.read_many(worker_ids=list(worker_ids))
+def workers_latest_heartbeats(*, worker_ids: Iterable[int]) -> dict[int, dict[str, Any]]:
+    return heartbeat_cache.read_many(worker_ids=list(worker_ids))
 
 
 def placement_slots(*, workers: list[Worker]) -> list[Slot]:
@@ -50,6 +49,10 @@ def placement_slots(*, workers: list[Worker]) -> list[Slot]:
         for worker in workers if worker.device == Worker.Device.CPU
     ]
     return slots
+
+
+def deployment_get_for_model(*, model: Model) -> Deployment | None:
+    return Deployment.objects.filter(model=model).first()
 
 
 def workers_where_model_failed(*, deployment: Deployment) -> set[int]:
@@ -111,44 +114,6 @@ def _status(deployment) -> DeploymentStatus:
         deployment_id=deployment.pk, model_name=model.public_name, desired_replicas=desired,
         ready=ready, starting=starting, draining=draining, state=state, last_error=last_error, message=message,
     )
-
-
-@dataclass(frozen=True)
-class WeightsPathReport:
-    worker_name: str
-    # found; missing (under a root the worker searches, but no checkpoint there); unwatched (outside
-    # every root it searches); unreported (the worker reports no model roots at all).
-    status: str
-    message: str
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def weights_path_reports(*, weights_path: str, workers: Iterable[Worker]) -> list[WeightsPathReport]:
-    """What each worker's last report says about a checkpoint directory. Only a worker that
-    searches the directory's root can say it is missing; the others cannot tell either way."""
-    path = posixpath.normpath(weights_path.strip()) if weights_path.strip() else ""
-    reports = []
-    for worker in workers:
-        roots = [posixpath.normpath(root) for root in worker.model_roots]
-        found = {posixpath.normpath(p) for p in worker.model_paths}
-        if not roots:
-            reports.append(WeightsPathReport(worker.name, "unreported",
-                                             f"{worker.name} reports no model roots (start its daemon with "
-                                             f"--model-root DIR to have paths checked)."))
-        elif path in found:
-            reports.append(WeightsPathReport(worker.name, "found", f"{worker.name} has a checkpoint at {path}."))
-        elif any(_under(path, root) for root in roots):
-            reports.append(WeightsPathReport(worker.name, "missing",
-                                             f"{worker.name} has no checkpoint (a directory with config.json) at "
-                                             f"{path}; it found {len(found)} under {', '.join(roots)}."))
-        else:
-            reports.append(WeightsPathReport(worker.name, "unwatched",
-                                             f"{worker.name} searches only {', '.join(roots)}, so it cannot "
-                                             f"confirm {path}."))
-    return reports
 
 
 def workers_for_path_check() -> QuerySet[Worker]:

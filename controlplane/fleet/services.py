@@ -1,5 +1,6 @@
 """Writes for the fleet: worker registration, heartbeats and lost workers, replica placement and
-state changes, and the operators' load/unload/drain. Atomic; messages go out after commit."""
+state changes, deployments (desired replicas: create, scale, edit) and the operators'
+load/unload/drain. Atomic; messages go out after commit."""
 
 from datetime import datetime
 
@@ -7,13 +8,16 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Q
+from django.forms.models import model_to_dict
 from django.utils import timezone
 
-from controlplane import live
+from controlplane import live_events
 from controlplane.audit.models import AuditEntry
-from controlplane.audit.services import audit_record
+from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.models import Deployment
-from controlplane.fleet import commands, live_state
+from controlplane.catalog.selectors import model_get_by_public_name
+from controlplane.common.services import validated_save
+from controlplane.fleet import commands, heartbeat_cache
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import Gpu, Replica, Worker
 from controlplane.fleet.placement import memory_fraction
@@ -27,7 +31,7 @@ class WorkerUnknown(Exception):
 
 
 def _publish_worker(worker: Worker) -> None:
-    live.publish(group=live.FLEET_GROUP, event="worker.state", data={
+    live_events.publish(group=live_events.FLEET_GROUP, event="worker.state", data={
         "worker_id": worker.pk, "name": worker.name, "state": worker.state,
     })
 
@@ -47,17 +51,15 @@ def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worke
     worker.model_paths = list(registration.models.paths) if registration.models else []
     worker.state = Worker.State.ONLINE
     worker.state_changed_at = now
-    worker.full_clean()
-    worker.save()
+    validated_save(worker)
     known = {gpu.index: gpu for gpu in Gpu.objects.select_for_update().filter(worker=worker)}
     for spec in registration.gpus:
         gpu = known.pop(spec.index, None) or Gpu(worker=worker, index=spec.index)
         gpu.name, gpu.memory_total_bytes, gpu.present = spec.name, spec.memory_total_bytes, True
-        gpu.full_clean()
-        gpu.save()
+        validated_save(gpu)
     Gpu.objects.filter(pk__in=[gpu.pk for gpu in known.values()]).update(present=False)
     state = {"worker_id": worker.pk, "name": worker.name, "state": worker.state, "received_at": now.timestamp()}
-    transaction.on_commit(lambda: live_state.store(worker_id=worker.pk, state=state))
+    transaction.on_commit(lambda: heartbeat_cache.store(worker_id=worker.pk, state=state))
     _publish_worker(worker)
     # New capacity: deployments waiting for room may fit now.
     commands.request_reconcile()
@@ -94,8 +96,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
         "replicas": {str(r.replica_id): {"state": r.state, "endpoint_url": r.endpoint_url, "error": r.error, **r.figures}
                      for r in heartbeat.replicas},
     }
-    live_state.store(worker_id=worker.pk, state=state)
-    live.publish(group=live.FLEET_GROUP, event="worker.heartbeat", data=state)
+    heartbeat_cache.store(worker_id=worker.pk, state=state)
+    live_events.publish(group=live_events.FLEET_GROUP, event="worker.heartbeat", data=state)
     return plan.unload
 
 
@@ -130,7 +132,7 @@ def workers_mark_lost(*, now: datetime) -> int:
     failed (a drained one just goes offline); lost ones silent much longer go offline."""
     State = Worker.State
     workers = list(Worker.objects.filter(state__in=[State.ONLINE, State.DRAINING, State.LOST]))
-    latest = live_state.read_many(worker_ids=[w.pk for w in workers])
+    latest = heartbeat_cache.read_many(worker_ids=[w.pk for w in workers])
     changed = 0
     for worker in workers:
         silent_for = _silent_for(worker, latest.get(worker.pk), now)
@@ -153,7 +155,7 @@ def _silent_for(worker: Worker, latest: dict | None, now: datetime) -> float:
 @transaction.atomic
 def _worker_mark_lost(*, worker_id: int, now: datetime) -> bool:
     worker = Worker.objects.select_for_update(no_key=True).get(pk=worker_id)
-    silent_for = _silent_for(worker, live_state.read(worker_id=worker_id), now)
+    silent_for = _silent_for(worker, heartbeat_cache.read(worker_id=worker_id), now)
     if worker.state not in (Worker.State.ONLINE, Worker.State.DRAINING) or silent_for <= settings.FLEET_WORKER_LOST_AFTER_SECONDS:
         return False  # a heartbeat or another checker got there first
     replicas = list(Replica.objects.select_for_update(no_key=True).select_related("deployment__model")
@@ -184,14 +186,13 @@ def _transition(replica: Replica, *, to_state: str, at: datetime, endpoint_url: 
         replica.endpoint_url = endpoint_url
     if to_state == Replica.State.FAILED:
         replica.last_error, replica.failure = error, failure
-    replica.full_clean()
-    replica.save()
+    validated_save(replica)
     _publish_replica(replica)
     return replica
 
 
 def _publish_replica(replica: Replica) -> None:
-    live.publish(group=live.FLEET_GROUP, event="replica.state", data={
+    live_events.publish(group=live_events.FLEET_GROUP, event="replica.state", data={
         "replica_id": replica.pk, "deployment_id": replica.deployment_id, "worker_id": replica.worker_id,
         "state": replica.state, "endpoint_url": replica.endpoint_url, "error": replica.last_error,
     })
@@ -211,9 +212,7 @@ def replica_transition(
 @transaction.atomic
 def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
     """Create a pending replica and send the worker its load message (after commit)."""
-    replica = Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING)
-    replica.full_clean()
-    replica.save()
+    replica = validated_save(Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING))
     _publish_replica(replica)  # the fleet page shows the new replica at once, before it loads
     model = deployment.model
     total = gpu.memory_total_bytes if gpu is not None else worker.cpu_memory_total_bytes
@@ -236,10 +235,110 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
     return replica
 
 
-# --- Operators' actions. `actor` is the user acting (None: the system); each lands in the audit log.
+# --- Deployments (how many replicas of each model are wanted; reconcile places or drains the rest)
+# and the operators' actions. `actor` is the user acting (None: the system); each lands in the audit log.
+
+# What a deployment edit may change, and what its audit entry compares.
+DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_warm")
+# More replicas of one model than any one fleet here runs; a typo (100 for 10) is refused.
+MAX_REPLICAS_LIMIT = 256
+
 
 def _lock_deployment(deployment: Deployment) -> Deployment:
     return Deployment.objects.select_for_update().select_related("model").get(pk=deployment.pk)
+
+
+def _check_whole_number(value, field: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError({field: f"Must be a whole number, not {value!r}."})
+
+
+def _check_replica_count(value, field: str) -> None:
+    _check_whole_number(value, field)
+    if not 0 <= value <= MAX_REPLICAS_LIMIT:
+        raise ValidationError({field: f"Must lie between 0 and {MAX_REPLICAS_LIMIT}; got {value}."})
+
+
+@transaction.atomic
+def deployment_create(
+    *,
+    model_name: str,
+    desired_replicas: int = 1,
+    min_replicas: int = 0,
+    max_replicas: int = 1,
+    keep_warm: bool = False,
+    actor=None,
+) -> Deployment:
+    model = model_get_by_public_name(public_name=model_name)
+    if model is None:
+        raise ValidationError({"model": f"Unknown model {model_name!r}."})
+    deployment = validated_save(Deployment(model=model, desired_replicas=desired_replicas, min_replicas=min_replicas,
+                                           max_replicas=max_replicas, keep_warm=keep_warm))
+    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_CREATE, target=deployment,
+                 target_label=model.public_name, detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
+    commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
+
+
+@transaction.atomic
+def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=None) -> Deployment:
+    """Want `desired_replicas` replicas; reconcile places or drains the difference."""
+    # Lock the row so two operators scaling at once cannot both pass validation on stale bounds.
+    deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    _check_whole_number(desired_replicas, "desired_replicas")
+    if not deployment.min_replicas <= desired_replicas <= deployment.max_replicas:
+        raise ValidationError({"desired_replicas": (
+            f"Must lie between min_replicas ({deployment.min_replicas}) and max_replicas "
+            f"({deployment.max_replicas}); got {desired_replicas}."
+        )})
+    before = deployment.desired_replicas
+    deployment.desired_replicas = desired_replicas
+    deployment.full_clean()
+    deployment.save(update_fields=["desired_replicas", "updated_at"])
+    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_SCALE, target=deployment,
+                 target_label=deployment.model.public_name, detail={"desired_replicas": [before, desired_replicas]})
+    commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
+
+
+@transaction.atomic
+def deployment_update(
+    *, deployment: Deployment, desired_replicas: int, min_replicas: int, max_replicas: int, keep_warm: bool,
+    actor=None,
+) -> Deployment:
+    """Set a deployment's replica counts and keep-warm at once; each bad value is reported on its
+    own field, and min <= desired <= max must hold afterwards."""
+    deployment = _lock_deployment(deployment)
+    values = {"desired_replicas": desired_replicas, "min_replicas": min_replicas, "max_replicas": max_replicas}
+    errors: dict[str, list[str]] = {}
+    for field, value in values.items():
+        try:
+            _check_replica_count(value, field)
+        except ValidationError as exc:
+            errors.update(exc.message_dict)
+    if not isinstance(keep_warm, bool):
+        errors["keep_warm"] = [f"Must be true or false, not {keep_warm!r}."]
+    if not errors:
+        if min_replicas > max_replicas:
+            errors["min_replicas"] = [f"Min replicas ({min_replicas}) cannot exceed max replicas ({max_replicas})."]
+        elif not min_replicas <= desired_replicas <= max_replicas:
+            errors["desired_replicas"] = [f"Desired replicas must lie between min ({min_replicas}) and max "
+                                          f"({max_replicas}); got {desired_replicas}."]
+    if errors:
+        raise ValidationError(errors)
+    before = model_to_dict(deployment, fields=DEPLOYMENT_FIELDS)
+    for field, value in {**values, "keep_warm": keep_warm}.items():
+        setattr(deployment, field, value)
+    deployment.full_clean()
+    diff = changes(before, model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
+    if not diff:
+        return deployment
+    deployment.save()
+    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_UPDATE, target=deployment,
+                 target_label=deployment.model.public_name, detail=diff)
+    if "desired_replicas" in diff:
+        commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
 
 
 @transaction.atomic

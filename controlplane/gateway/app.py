@@ -1,4 +1,4 @@
-"""The /v1 ASGI app (Starlette), mounted in front of Django by `controlplane.asgi`.
+"""The /v1 ASGI app (Starlette), mounted in front of Django by `controlplane.asgi` (`process_app`).
 
 A lean app rather than Django views: the hot path does no ORM work in steady state (keys and
 routes are cached, limits live in Redis) and the writes it must make are batched on database
@@ -7,6 +7,7 @@ threads. Everything is built on first use, so it works with and without ASGI lif
 """
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -157,6 +158,13 @@ def build_app() -> Starlette:
     )
     app.state.gateway = None
     return app
+
+
+@functools.cache
+def process_app() -> Starlette:
+    """This process's one /v1 app: asgi mounts it in front of Django and the playground calls it
+    in-process, so both share one key cache, routing table, rate limits and credit holds."""
+    return build_app()
 
 
 async def _visible_models(gw: Gateway, request: Request) -> list[dict]:

@@ -53,8 +53,9 @@ def prepare(system) -> None:
     from controlplane.accounts.services import api_key_create, api_key_revoke
     from controlplane.billing.models import UsageRecord
     from controlplane.catalog.models import Deployment, Model
-    from controlplane.catalog.services import deployment_update, model_create, model_set_enabled
+    from controlplane.catalog.services import model_create, model_set_enabled
     from controlplane.fleet.models import Replica
+    from controlplane.fleet.services import deployment_update
     from tests.controlplane.factories import usage_record_settled
     from tests.integration.conftest import wait_until
 

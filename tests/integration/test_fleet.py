@@ -12,10 +12,10 @@ import pytest
 from django.db import connection
 
 from controlplane.catalog.models import Deployment
-from controlplane.catalog.services import deployment_scale
 from controlplane.celery import app as celery_app
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import deployment_statuses
+from controlplane.fleet.services import deployment_scale
 from tests.controlplane.factories import DeploymentFactory, ModelFactory
 from tests.integration.conftest import wait_until
 

@@ -10,7 +10,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from controlplane.dashboard.ops import fragments
 from controlplane.dashboard.ops.overview import FigureHistory
 from controlplane.dashboard.permissions import OPERATOR_ROLES, has_role
-from controlplane.live import FLEET_GROUP
+from controlplane.live_events import FLEET_GROUP
 
 logger = logging.getLogger(__name__)
 

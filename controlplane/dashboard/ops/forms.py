@@ -1,26 +1,16 @@
 """Forms of the operators' pages. They check shapes (numbers, choices); the rules (bounds, room on a
-GPU, paths the workers report) live in the services, whose ValidationErrors `apply_service_errors`
-puts beside the fields they name."""
+GPU, paths the workers report) live in the services, whose ValidationErrors
+`dashboard.forms.apply_service_errors` puts beside the fields they name."""
 
 from django import forms
 from django.core.exceptions import ValidationError
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
-from controlplane.catalog.services import MAX_REPLICAS_LIMIT, estimate_gpu_memory_bytes
+from controlplane.catalog.services import estimate_gpu_memory_bytes
 from controlplane.fleet.models import Gpu, Worker
 from controlplane.fleet.selectors import workers_for_path_check
-
-
-def apply_service_errors(form: forms.Form, exc: ValidationError, *, rename: dict[str, str] | None = None) -> None:
-    """Attach a service's ValidationError to the form: each message beside the field it names
-    (renamed where the form calls it otherwise), the rest at the top of the form."""
-    if not hasattr(exc, "error_dict"):
-        form.add_error(None, exc)
-        return
-    for name, errors in exc.message_dict.items():
-        name = (rename or {}).get(name, name)
-        form.add_error(name if name in form.fields else None, errors)
+from controlplane.fleet.services import MAX_REPLICAS_LIMIT
 
 
 class ScaleForm(forms.Form):

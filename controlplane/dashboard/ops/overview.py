@@ -17,7 +17,7 @@ from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import (
     deployment_statuses,
     deployments_with_live_replicas,
-    workers_live_state,
+    workers_latest_heartbeats,
     workers_with_live_replicas,
 )
 
@@ -163,7 +163,7 @@ def _replica_progress(live: dict[str, Any], replica: Replica) -> float | None:
 
 def worker_views(*, worker_ids: list[int] | None = None, history: FigureHistory | None = None) -> list[WorkerView]:
     workers = workers_with_live_replicas(worker_ids=worker_ids)
-    live_by_worker = workers_live_state(worker_ids=[w.pk for w in workers])
+    live_by_worker = workers_latest_heartbeats(worker_ids=[w.pk for w in workers])
     views = []
     for worker in workers:
         live = live_by_worker.get(worker.pk, {})

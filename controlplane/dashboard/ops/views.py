@@ -2,11 +2,12 @@
 
 Every action calls a service (which validates, audits and sends the Celery task after commit). An
 htmx request gets back the fragment it replaces, with the service's errors beside the fields; a
-plain form post (no JavaScript) is redirected back to the page with a message.
+plain form post (no JavaScript) is redirected back to the page with a message (`dashboard.htmx`).
 """
 
+from functools import partial
+
 from django.contrib import messages
-from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -14,29 +15,32 @@ from django.views.decorators.http import require_GET, require_POST
 
 from controlplane.audit.selectors import audit_actor_labels, audit_entries
 from controlplane.catalog.models import Deployment, Model
-from controlplane.catalog.services import (
-    deployment_create,
-    deployment_scale,
-    deployment_update,
-    model_create,
-    model_set_enabled,
-    model_update,
-)
+from controlplane.catalog.selectors import weights_path_reports
+from controlplane.catalog.services import model_create, model_set_enabled, model_update
+from controlplane.dashboard.forms import form_error_messages, submit
+from controlplane.dashboard.htmx import fragment_or_redirect, run_action
 from controlplane.dashboard.ops.forms import (
     AuditFilterForm,
     CatalogModelForm,
     DeploymentLimitsForm,
     LoadForm,
     ScaleForm,
-    apply_service_errors,
 )
 from controlplane.dashboard.ops.overview import deployment_views, worker_views
 from controlplane.dashboard.permissions import operator_required
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.selectors import weights_path_reports, workers_for_path_check
-from controlplane.fleet.services import replica_load_on, replica_unload, worker_drain
+from controlplane.fleet.selectors import workers_for_path_check
+from controlplane.fleet.services import (
+    deployment_create,
+    deployment_scale,
+    deployment_update,
+    replica_load_on,
+    replica_unload,
+    worker_drain,
+)
 
 AUDIT_PAGE_SIZE = 50
+FLEET, CATALOG = "dashboard:fleet", "dashboard:catalog"
 
 
 # --- Fleet -------------------------------------------------------------------------------------
@@ -67,46 +71,17 @@ def _render_deployment(request, deployment_id: int, **forms) -> HttpResponse:
     return render(request, "dashboard/ops/_deployment.html", {"d": _deployment_context(view, **forms)})
 
 
-def _done(request: HttpRequest, message: str, *, fragment) -> HttpResponse:
-    """After an action: the fragment for htmx, or back to the fleet page with a message."""
-    if request.htmx:
-        return fragment()
-    messages.success(request, message)
-    return redirect("dashboard:fleet")
-
-
-def _refused(request: HttpRequest, exc: ValidationError, *, fragment) -> HttpResponse:
-    if request.htmx:
-        return fragment()
-    for text in exc.messages:
-        messages.error(request, text)
-    return redirect("dashboard:fleet")
-
-
 @operator_required
 @require_POST
 def deployment_scale_view(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
     form = ScaleForm(request.POST, prefix=f"s{pk}")
-    if form.is_valid():
-        try:
-            deployment_scale(deployment=deployment, desired_replicas=form.cleaned_data["desired_replicas"],
-                             actor=request.user)
-        except ValidationError as exc:
-            apply_service_errors(form, exc)
-    if form.errors:
-        if not request.htmx:
-            return _form_errors_redirect(request, form)
-        return _render_deployment(request, pk, scale_form=form)
-    return _done(request, f"{deployment.model.public_name} now wants {form.cleaned_data['desired_replicas']} replicas.",
-                 fragment=lambda: _render_deployment(request, pk))
-
-
-def _form_errors_redirect(request: HttpRequest, form) -> HttpResponse:
-    for field, errors in form.errors.items():
-        for text in errors:
-            messages.error(request, f"{form.fields[field].label}: {text}" if field in form.fields else text)
-    return redirect("dashboard:fleet")
+    if submit(form, lambda data: deployment_scale(deployment=deployment, desired_replicas=data["desired_replicas"],
+                                                  actor=request.user)) is None:
+        return fragment_or_redirect(request, lambda: _render_deployment(request, pk, scale_form=form), to=FLEET,
+                                    errors=form_error_messages(form))
+    return fragment_or_redirect(request, lambda: _render_deployment(request, pk), to=FLEET, success=(
+        f"{deployment.model.public_name} now wants {form.cleaned_data['desired_replicas']} replicas."))
 
 
 @operator_required
@@ -114,16 +89,12 @@ def _form_errors_redirect(request: HttpRequest, form) -> HttpResponse:
 def deployment_edit_view(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
     form = DeploymentLimitsForm(request.POST, prefix=f"d{pk}")
-    if form.is_valid():
-        try:
-            deployment_update(deployment=deployment, actor=request.user, **form.cleaned_data)
-        except ValidationError as exc:
-            apply_service_errors(form, exc)
-    if form.errors:
-        if not request.htmx:
-            return _form_errors_redirect(request, form)
-        return _render_deployment(request, pk, limits_form=form, open_limits=True)
-    return _done(request, f"{deployment.model.public_name} updated.", fragment=lambda: _render_deployment(request, pk))
+    if submit(form, lambda data: deployment_update(deployment=deployment, actor=request.user, **data)) is None:
+        return fragment_or_redirect(
+            request, lambda: _render_deployment(request, pk, limits_form=form, open_limits=True), to=FLEET,
+            errors=form_error_messages(form))
+    return fragment_or_redirect(request, lambda: _render_deployment(request, pk), to=FLEET,
+                                success=f"{deployment.model.public_name} updated.")
 
 
 def _render_load_form(request, form, *, done: str = "", worker_id: int | None = None) -> HttpResponse:
@@ -137,21 +108,17 @@ def _render_load_form(request, form, *, done: str = "", worker_id: int | None = 
 @require_POST
 def replica_load_view(request: HttpRequest) -> HttpResponse:
     form = LoadForm(request.POST)
-    if form.is_valid():
-        worker, gpu = form.cleaned_data["slot"]
-        deployment = form.cleaned_data["deployment"]
-        try:
-            replica = replica_load_on(deployment=deployment, worker=worker, gpu=gpu, actor=request.user)
-        except ValidationError as exc:
-            apply_service_errors(form, exc, rename={"worker": "slot", "gpu": "slot"})
-        else:
-            where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else worker.name
-            message = f"Loading {deployment.model.public_name} on {where} (replica {replica.pk})."
-            return _done(request, message, fragment=lambda: _render_load_form(
-                request, LoadForm(), done=message, worker_id=worker.pk))
-    if not request.htmx:
-        return _form_errors_redirect(request, form)
-    return _render_load_form(request, form)
+    replica = submit(form, lambda data: replica_load_on(deployment=data["deployment"], worker=data["slot"][0],
+                                                        gpu=data["slot"][1], actor=request.user),
+                     rename={"worker": "slot", "gpu": "slot"})
+    if replica is None:
+        return fragment_or_redirect(request, lambda: _render_load_form(request, form), to=FLEET,
+                                    errors=form_error_messages(form))
+    (worker, gpu), deployment = form.cleaned_data["slot"], form.cleaned_data["deployment"]
+    where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else worker.name
+    message = f"Loading {deployment.model.public_name} on {where} (replica {replica.pk})."
+    return fragment_or_redirect(request, lambda: _render_load_form(request, LoadForm(), done=message,
+                                                                   worker_id=worker.pk), to=FLEET, success=message)
 
 
 def _render_worker(request, worker_id: int, *, action_error: str = "") -> HttpResponse:
@@ -163,24 +130,17 @@ def _render_worker(request, worker_id: int, *, action_error: str = "") -> HttpRe
 @require_POST
 def replica_unload_view(request: HttpRequest, pk: int) -> HttpResponse:
     replica = get_object_or_404(Replica.objects.select_related("deployment__model", "worker"), pk=pk)
-    try:
-        replica_unload(replica=replica, actor=request.user)
-    except ValidationError as exc:
-        return _refused(request, exc, fragment=lambda: _render_worker(request, replica.worker_id,
-                                                                      action_error=" ".join(exc.messages)))
-    return _done(request, f"Unloading replica {pk} of {replica.deployment.model.public_name}.",
-                 fragment=lambda: _render_worker(request, replica.worker_id))
+    return run_action(request, lambda: replica_unload(replica=replica, actor=request.user),
+                      partial(_render_worker, request, replica.worker_id), to=FLEET,
+                      success=f"Unloading replica {pk} of {replica.deployment.model.public_name}.")
 
 
 @operator_required
 @require_POST
 def worker_drain_view(request: HttpRequest, pk: int) -> HttpResponse:
     worker = get_object_or_404(Worker, pk=pk)
-    try:
-        worker_drain(worker=worker, actor=request.user)
-    except ValidationError as exc:
-        return _refused(request, exc, fragment=lambda: _render_worker(request, pk, action_error=" ".join(exc.messages)))
-    return _done(request, f"Draining {worker.name}.", fragment=lambda: _render_worker(request, pk))
+    return run_action(request, lambda: worker_drain(worker=worker, actor=request.user),
+                      partial(_render_worker, request, pk), to=FLEET, success=f"Draining {worker.name}.")
 
 
 # --- Audit log ---------------------------------------------------------------------------------
@@ -226,49 +186,34 @@ def _catalog_form_page(request, form, model=None) -> HttpResponse:
 @operator_required
 def catalog_add(request: HttpRequest) -> HttpResponse:
     form = CatalogModelForm(request.POST or None)
-    if request.method == "POST" and form.is_valid():
-        try:
-            model = model_create(actor=request.user, verify_on=list(form.cleaned_data["check_workers"]),
-                                 **form.model_fields())
-        except ValidationError as exc:
-            apply_service_errors(form, exc)
-        else:
-            messages.success(request, f"Added {model.public_name}.")
-            for note in _path_notes(form):
-                messages.warning(request, note)
-            return redirect("dashboard:catalog")
-    return _catalog_form_page(request, form)
+    model = submit(form, lambda data: model_create(actor=request.user, verify_on=list(data["check_workers"]),
+                                                   **form.model_fields()))
+    if model is None:  # a GET, or refused
+        return _catalog_form_page(request, form)
+    messages.success(request, f"Added {model.public_name}.")
+    for note in _path_notes(form):
+        messages.warning(request, note)
+    return redirect(CATALOG)
 
 
 @operator_required
 def catalog_edit(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(Model, pk=pk)
     form = CatalogModelForm(request.POST or None, instance=model)
-    if request.method == "POST" and form.is_valid():
-        try:
-            model = model_update(model=model, actor=request.user, verify_on=list(form.cleaned_data["check_workers"]),
-                                 **form.model_fields())
-        except ValidationError as exc:
-            apply_service_errors(form, exc)
-        else:
-            messages.success(request, f"Saved {model.public_name}.")
-            if "weights_path" in form.changed_data:
-                for note in _path_notes(form):
-                    messages.warning(request, note)
-            return redirect("dashboard:catalog")
-    return _catalog_form_page(request, form, model=Model.objects.get(pk=pk))
+    saved = submit(form, lambda data: model_update(model=model, actor=request.user,
+                                                   verify_on=list(data["check_workers"]), **form.model_fields()))
+    if saved is None:  # a GET, or refused
+        return _catalog_form_page(request, form, model=Model.objects.get(pk=pk))
+    messages.success(request, f"Saved {saved.public_name}.")
+    if "weights_path" in form.changed_data:
+        for note in _path_notes(form):
+            messages.warning(request, note)
+    return redirect(CATALOG)
 
 
 def _catalog_row(request, model_id: int, *, action_error: str = "") -> HttpResponse:
     model = Model.objects.select_related("price_tier", "deployment").get(pk=model_id)
     return render(request, "dashboard/ops/_catalog_row.html", {"m": model, "action_error": action_error})
-
-
-def _catalog_done(request, model_id: int, message: str) -> HttpResponse:
-    if request.htmx:
-        return _catalog_row(request, model_id)
-    messages.success(request, message)
-    return redirect("dashboard:catalog")
 
 
 @operator_required
@@ -277,23 +222,18 @@ def catalog_set_enabled(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(Model, pk=pk)
     enabled = request.POST.get("enabled") == "1"
     model = model_set_enabled(model=model, enabled=enabled, actor=request.user)
-    return _catalog_done(request, pk, f"{model.public_name} {'enabled' if enabled else 'disabled'}.")
+    return fragment_or_redirect(request, lambda: _catalog_row(request, pk), to=CATALOG,
+                                success=f"{model.public_name} {'enabled' if enabled else 'disabled'}.")
 
 
 @operator_required
 @require_POST
 def catalog_deploy(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(Model, pk=pk)
-    try:
-        deployment_create(model_name=model.public_name, desired_replicas=1, min_replicas=0, max_replicas=1,
-                          actor=request.user)
-    except ValidationError as exc:
-        if request.htmx:
-            return _catalog_row(request, pk, action_error=" ".join(exc.messages))
-        for text in exc.messages:
-            messages.error(request, text)
-        return redirect("dashboard:catalog")
-    return _catalog_done(request, pk, f"{model.public_name} deployed with one replica; scale it on the fleet page.")
+    deploy = partial(deployment_create, model_name=model.public_name, desired_replicas=1, min_replicas=0,
+                     max_replicas=1, actor=request.user)
+    return run_action(request, deploy, partial(_catalog_row, request, pk), to=CATALOG,
+                      success=f"{model.public_name} deployed with one replica; scale it on the fleet page.")
 
 
 @operator_required

@@ -30,12 +30,13 @@ def reports(request: HttpRequest) -> HttpResponse:
         context.update({
             "valid": True, "rows": rows, "totals": usage_totals(since=since, until=until), "group_by": group_by,
             "start": start, "end": end, "query": urlencode(form.data),
-            "daily_chart": {"days": [r.key for r in daily], "revenue": [float(r.revenue) for r in daily],
-                            "reference": [float(r.reference) for r in daily],
-                            "requests": [r.requests for r in daily], "gpu_time_s": [r.gpu_time_s for r in daily]},
-            "group_chart": None if group_by == "day" else {
-                "labels": [r.key for r in rows], "revenue": [float(r.revenue) for r in rows],
-                "reference": [float(r.reference) for r in rows]},
+            "daily_chart": {"days": [r.key for r in daily], "series": [
+                {"label": "Revenue ($)", "scale": "$", "values": [float(r.revenue) for r in daily]},
+                {"label": "Per-token reference ($)", "scale": "$", "values": [float(r.reference) for r in daily]},
+                {"label": "Requests", "scale": "requests", "values": [r.requests for r in daily]}]},
+            "group_chart": None if group_by == "day" else {"labels": [r.key for r in rows], "series": [
+                {"label": "Revenue ($)", "values": [float(r.revenue) for r in rows]},
+                {"label": "Per-token reference ($)", "values": [float(r.reference) for r in rows]}]},
         })
     return render(request, "dashboard/reports/reports.html", context)
 

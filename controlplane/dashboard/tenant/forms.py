@@ -47,11 +47,3 @@ class ApiKeyCreateForm(forms.Form):
             "rate_limit_per_minute": data["rate_limit_per_minute"],
             "max_concurrent_requests": data["max_concurrent_requests"],
         }
-
-    def add_service_errors(self, error) -> None:
-        """A service's ValidationError, each message beside its field (or above the form)."""
-        if hasattr(error, "error_dict"):
-            for field, messages in error.message_dict.items():
-                self.add_error(field if field in self.fields else None, messages)
-        else:
-            self.add_error(None, error.messages)

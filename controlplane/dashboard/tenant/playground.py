@@ -18,6 +18,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from controlplane.catalog.models import Model
+from controlplane.gateway.app import process_app
 
 _PATH = "/v1/chat/completions"
 MAX_TOKENS_LIMIT = 4096
@@ -107,14 +108,6 @@ class PlaygroundForm(forms.Form):
                                 temperature=data["temperature"], max_tokens=data["max_tokens"])
 
 
-def gateway_app():
-    """The process's /v1 app, as mounted by controlplane.asgi (imported late: asgi imports the
-    WebSocket routes, which import this module)."""
-    from controlplane.asgi import gateway_app as app
-
-    return app
-
-
 async def stream_chat(*, api_key: str, prompt: PlaygroundPrompt, stop: asyncio.Event,
                       app: Callable | None = None) -> AsyncIterator[Event]:
     """The answer to `prompt` as events: deltas, then Finished, Stopped or Failed (exactly one)."""
@@ -123,7 +116,7 @@ async def stream_chat(*, api_key: str, prompt: PlaygroundPrompt, stop: asyncio.E
                (b"host", b"playground.internal"), (b"content-length", str(len(body)).encode())]
     status, error_body, buffer = 0, b"", b""
     finish_reason, usage = None, None
-    async for message in _asgi_post(app or gateway_app(), _PATH, body, headers, stop):
+    async for message in _asgi_post(app or process_app(), _PATH, body, headers, stop):
         if message["type"] == "http.response.start":
             status = message["status"]
             continue

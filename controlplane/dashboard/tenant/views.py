@@ -3,7 +3,6 @@ show and call services; every query is filtered by the signed-in member's own te
 
 from datetime import timedelta
 
-from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.utils import timezone
@@ -12,6 +11,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from controlplane.accounts.selectors import api_keys_for_tenant
 from controlplane.accounts.services import api_key_create, api_key_revoke
 from controlplane.billing.reports import usage_daily, usage_month_summary
+from controlplane.dashboard.forms import submit
 from controlplane.dashboard.permissions import tenant_of, tenant_required
 from controlplane.dashboard.tenant.forms import ApiKeyCreateForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm, playground_models
@@ -30,14 +30,10 @@ def keys(request: HttpRequest) -> HttpResponse:
     created = None
     if request.method == "POST":
         form = ApiKeyCreateForm(request.POST)
-        if form.is_valid():
-            try:
-                created = api_key_create(tenant=tenant_of(request), created_by=request.user,
-                                         **form.service_arguments())
-            except ValidationError as error:
-                form.add_service_errors(error)
-            else:
-                form = ApiKeyCreateForm()
+        created = submit(form, lambda data: api_key_create(tenant=tenant_of(request), created_by=request.user,
+                                                           **form.service_arguments()))
+        if created is not None:
+            form = ApiKeyCreateForm()
     else:
         form = ApiKeyCreateForm()
     context = _keys_context(request, form, created)
@@ -70,11 +66,10 @@ def usage(request: HttpRequest) -> HttpResponse:
     month_end = (summary.since + timedelta(days=32)).replace(day=1).date() - timedelta(days=1)
     month = usage_daily(start=summary.since.date(), end=month_end, tenant=tenant)
     days = [row for row in month if row.key <= now.date().isoformat()]
-    chart = {
-        "days": [row.key for row in month],
-        "requests": [row.requests for row in month],
-        "spend": [float(row.revenue) for row in month],
-    }
+    chart = {"days": [row.key for row in month], "series": [
+        {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in month]},
+        {"label": "Requests", "scale": "requests", "values": [row.requests for row in month]},
+    ]}
     return render(request, "dashboard/tenant/usage.html", {
         "summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
     })

@@ -8,16 +8,16 @@ from controlplane.accounts.models import User
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.selectors import audit_actor_labels, audit_entries
 from controlplane.audit.services import SYSTEM_ACTOR, audit_record, changes
-from controlplane.catalog.services import (
+from controlplane.catalog.services import model_create, model_set_enabled, model_update
+from controlplane.fleet.models import Replica
+from controlplane.fleet.services import (
     deployment_create,
     deployment_scale,
     deployment_update,
-    model_create,
-    model_set_enabled,
-    model_update,
+    replica_load_on,
+    replica_unload,
+    worker_drain,
 )
-from controlplane.fleet.models import Replica
-from controlplane.fleet.services import replica_load_on, replica_unload, worker_drain
 from tests.controlplane.dashboard.ops_support import _private_live_cache, make_worker  # noqa: F401
 from tests.controlplane.factories import (
     DeploymentFactory,

@@ -1,7 +1,7 @@
 import pytest
 
-from controlplane.catalog.selectors import deployment_get_for_model, model_get_by_public_name, models_by_public_name
-from tests.controlplane.factories import DeploymentFactory, ModelFactory
+from controlplane.catalog.selectors import model_get_by_public_name, models_by_public_name
+from tests.controlplane.factories import ModelFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -16,9 +16,3 @@ def test_models_by_public_name_returns_only_known_names():
     a, b = ModelFactory(), ModelFactory()
     found = models_by_public_name(public_names=[a.public_name, b.public_name, "missing"])
     assert found == {a.public_name: a, b.public_name: b}
-
-
-def test_deployment_get_for_model():
-    deployment = DeploymentFactory()
-    assert deployment_get_for_model(model=deployment.model) == deployment
-    assert deployment_get_for_model(model=ModelFactory()) is None

@@ -1,15 +1,9 @@
 import pytest
 from django.core.exceptions import ValidationError
 
-from controlplane.catalog.models import Deployment, Model
-from controlplane.catalog.services import (
-    deployment_create,
-    deployment_scale,
-    estimate_gpu_memory_bytes,
-    model_create,
-    model_set_enabled,
-)
-from tests.controlplane.factories import DeploymentFactory, ModelFactory, PriceTierFactory
+from controlplane.catalog.models import Model
+from controlplane.catalog.services import estimate_gpu_memory_bytes, model_create, model_set_enabled
+from tests.controlplane.factories import ModelFactory, PriceTierFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -73,61 +67,3 @@ def test_model_set_enabled():
     model = ModelFactory()
     model_set_enabled(model=model, enabled=False)
     assert not Model.objects.get(pk=model.pk).enabled
-
-
-def test_deployment_create():
-    model = ModelFactory()
-    deployment = deployment_create(model_name=model.public_name, desired_replicas=2, min_replicas=1, max_replicas=4)
-    deployment.refresh_from_db()
-    assert (deployment.model, deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas) == (
-        model, 2, 1, 4,
-    )
-
-
-def test_deployment_of_unknown_model_raises_and_writes_nothing():
-    ModelFactory(public_name="known")
-    with pytest.raises(ValidationError) as error:
-        deployment_create(model_name="unknown")
-    assert "unknown" in str(error.value.message_dict["model"])
-    assert not Deployment.objects.exists()
-
-
-@pytest.mark.parametrize(
-    ("desired", "low", "high", "field"),
-    [
-        (-1, 0, 1, "desired_replicas"),
-        (1, -1, 1, "min_replicas"),
-        (1, 0, -2, "max_replicas"),
-        (3, 0, 2, "__all__"),  # desired above max
-        (0, 1, 2, "__all__"),  # desired below min
-        (2, 3, 2, "__all__"),  # min above max
-    ],
-)
-def test_invalid_replica_counts_raise_and_write_nothing(desired, low, high, field):
-    model = ModelFactory()
-    with pytest.raises(ValidationError) as error:
-        deployment_create(model_name=model.public_name, desired_replicas=desired, min_replicas=low, max_replicas=high)
-    assert field in error.value.message_dict
-    assert not Deployment.objects.exists()
-
-
-def test_a_model_has_at_most_one_deployment():
-    deployment = DeploymentFactory()
-    with pytest.raises(ValidationError) as error:
-        deployment_create(model_name=deployment.model.public_name)
-    assert "model" in error.value.message_dict
-    assert Deployment.objects.count() == 1
-
-
-def test_deployment_scale_within_bounds():
-    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
-    deployment_scale(deployment=deployment, desired_replicas=3)
-    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 3
-
-
-@pytest.mark.parametrize("desired", [-1, 4])
-def test_deployment_scale_out_of_bounds_raises_and_keeps_the_old_count(desired):
-    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
-    with pytest.raises(ValidationError):
-        deployment_scale(deployment=deployment, desired_replicas=desired)
-    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1

@@ -110,7 +110,8 @@ def test_by_model_and_by_day(client, admin, traffic):
     assert (rows["2026-03-03"].requests, rows["2026-03-03"].revenue, rows["2026-03-03"].reference) == (
         3, Decimal("0.012"), Decimal("0.140"))
     daily = response.context["daily_chart"]  # the chart has every day, zeros included
-    assert daily["days"] == ["2026-03-01", "2026-03-02", "2026-03-03"] and daily["requests"] == [2, 0, 3]
+    requests = {s["label"]: s["values"] for s in daily["series"]}["Requests"]
+    assert daily["days"] == ["2026-03-01", "2026-03-02", "2026-03-03"] and requests == [2, 0, 3]
     assert response.context["group_chart"] is None
 
 

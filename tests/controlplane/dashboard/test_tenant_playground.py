@@ -17,6 +17,7 @@ from django.urls import reverse
 
 from controlplane.accounts.models import ApiKey, User
 from controlplane.billing.models import CreditEntry, UsageRecord
+from controlplane.gateway.app import process_app
 from tests.controlplane.dashboard.websocket_client import WebSocketClient
 from tests.controlplane.factories import PlanFactory, TenantFactory, UserFactory
 from tests.controlplane.gateway.conftest import (  # noqa: F401 (fixtures)
@@ -29,8 +30,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 @pytest.fixture
 def in_process_gateway(settings):
     """The /v1 app of this (test) process, as the consumer uses it, configured for the replicas."""
-    from controlplane.asgi import gateway_app
-
+    gateway_app = process_app()
     settings.FLEET_WORKER_TOKEN = WORKER_TOKEN
     settings.GATEWAY_ROUTING_REFRESH_MS = 100
     settings.GATEWAY_REPLICA_WAIT_SECONDS = 2

@@ -54,7 +54,8 @@ def test_month_figures_daily_rows_and_isolation(client):
     first_day = start.date().isoformat()
     assert f'<tr data-day="{first_day}"><td>{first_day}</td><td class="num">3</td><td class="num">1</td>' in page
     chart = response.context["chart"]
-    assert chart["days"][0] == first_day and chart["requests"][0] == 3 and chart["spend"][0] == pytest.approx(0.03)
+    series = {s["label"]: s["values"] for s in chart["series"]}
+    assert chart["days"][0] == first_day and series["Requests"][0] == 3 and series["Spend ($)"][0] == pytest.approx(0.03)
     # The chart spans the whole month; the table only the days so far.
-    assert len(chart["days"]) == calendar.monthrange(now.year, now.month)[1] and sum(chart["requests"]) == 3
+    assert len(chart["days"]) == calendar.monthrange(now.year, now.month)[1] and sum(series["Requests"]) == 3
     assert len(response.context["days"]) == now.day

@@ -1,7 +1,7 @@
 import pytest
 
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.selectors import placement_slots, replicas_ready_for_model
+from controlplane.fleet.selectors import deployment_get_for_model, placement_slots, replicas_ready_for_model
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker
 
@@ -35,3 +35,9 @@ def test_placement_slots_count_live_replicas_memory_per_gpu():
     # Pending, draining and ready replicas hold memory; failed and stopped ones do not.
     assert [(s.worker_id, s.gpu_index, s.total_bytes, s.used_bytes) for s in slots] == [
         (gpu.worker_id, 0, 80 * GB, 30 * GB), (cpu.pk, None, 8 * GB, 0)]
+
+
+def test_deployment_get_for_model():
+    deployment = DeploymentFactory()
+    assert deployment_get_for_model(model=deployment.model) == deployment
+    assert deployment_get_for_model(model=ModelFactory()) is None

@@ -10,9 +10,11 @@ from django.utils import timezone
 from controlplane.catalog.models import Deployment
 from controlplane.fleet.models import Gpu, Replica, Worker
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
-from controlplane.fleet.selectors import worker_live_state
+from controlplane.fleet.selectors import worker_latest_heartbeat
 from controlplane.fleet.services import (
     WorkerUnknown,
+    deployment_create,
+    deployment_scale,
     replica_load_on,
     replica_place,
     replica_transition,
@@ -59,7 +61,7 @@ def test_register_creates_the_worker_its_queue_and_gpus(django_capture_on_commit
         worker = worker_register(registration=_registration(gpus=((0, H200), (1, H200))), now=timezone.now())
     assert (worker.queue_name, worker.state, worker.advertise_host) == ("gpuworker.host-a", "online", "10.0.0.5")
     assert [g.index for g in worker.gpus.all()] == [0, 1]
-    assert worker_live_state(worker_id=worker.pk)["name"] == "host-a"
+    assert worker_latest_heartbeat(worker_id=worker.pk)["name"] == "host-a"
 
 
 def test_register_again_updates_the_same_worker_and_retires_missing_gpus():
@@ -89,7 +91,7 @@ def test_heartbeat_moves_a_replica_to_ready_and_keeps_figures_in_the_cache():
     _beat(replica.worker, {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL, "running": 3})
     replica.refresh_from_db()
     assert (replica.state, replica.endpoint_url) == (State.READY, URL)
-    live = worker_live_state(worker_id=replica.worker_id)
+    live = worker_latest_heartbeat(worker_id=replica.worker_id)
     assert live["replicas"][str(replica.pk)]["running"] == 3 and live["gpus"][0]["utilization_pct"] == 50.0
 
 
@@ -304,3 +306,63 @@ def test_worker_drain_moves_replicas_off_and_tells_the_worker(django_capture_on_
     assert queued_tasks(worker.queue_name) == [("gpuworker.drain_worker", {"timeout_s": 60.0})]
     with pytest.raises(ValidationError, match="only an online worker can be drained"):
         worker_drain(worker=worker)
+
+
+# --- Deployments
+
+def test_deployment_create():
+    model = ModelFactory()
+    deployment = deployment_create(model_name=model.public_name, desired_replicas=2, min_replicas=1, max_replicas=4)
+    deployment.refresh_from_db()
+    assert (deployment.model, deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas) == (
+        model, 2, 1, 4,
+    )
+
+
+def test_deployment_of_unknown_model_raises_and_writes_nothing():
+    ModelFactory(public_name="known")
+    with pytest.raises(ValidationError) as error:
+        deployment_create(model_name="unknown")
+    assert "unknown" in str(error.value.message_dict["model"])
+    assert not Deployment.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("desired", "low", "high", "field"),
+    [
+        (-1, 0, 1, "desired_replicas"),
+        (1, -1, 1, "min_replicas"),
+        (1, 0, -2, "max_replicas"),
+        (3, 0, 2, "__all__"),  # desired above max
+        (0, 1, 2, "__all__"),  # desired below min
+        (2, 3, 2, "__all__"),  # min above max
+    ],
+)
+def test_invalid_replica_counts_raise_and_write_nothing(desired, low, high, field):
+    model = ModelFactory()
+    with pytest.raises(ValidationError) as error:
+        deployment_create(model_name=model.public_name, desired_replicas=desired, min_replicas=low, max_replicas=high)
+    assert field in error.value.message_dict
+    assert not Deployment.objects.exists()
+
+
+def test_a_model_has_at_most_one_deployment():
+    deployment = DeploymentFactory()
+    with pytest.raises(ValidationError) as error:
+        deployment_create(model_name=deployment.model.public_name)
+    assert "model" in error.value.message_dict
+    assert Deployment.objects.count() == 1
+
+
+def test_deployment_scale_within_bounds():
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
+    deployment_scale(deployment=deployment, desired_replicas=3)
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 3
+
+
+@pytest.mark.parametrize("desired", [-1, 4])
+def test_deployment_scale_out_of_bounds_raises_and_keeps_the_old_count(desired):
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
+    with pytest.raises(ValidationError):
+        deployment_scale(deployment=deployment, desired_replicas=desired)
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1

@@ -9,9 +9,9 @@ from celery.signals import task_postrun
 from django.db import connection
 from django.utils import timezone
 
-from controlplane.catalog.services import deployment_scale
 from controlplane.celery import app as celery_app
 from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.services import deployment_scale
 from controlplane.fleet.tasks import mark_lost_workers, reconcile
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks

@@ -1,4 +1,5 @@
-"""Live events for the dashboards: the one wrapper services use to publish to a Channels group.
+"""Live events for the dashboards: the one wrapper around the channel layer that services publish
+through, to a Channels group the pages' consumers join.
 
 Events go out only after the surrounding transaction commits, so a page never shows a change that
 was rolled back. A consumer receives {"type": "live.event", "event": NAME, "data": {...}} where

@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from gpuworker.contract.heartbeat import parse_heartbeat
 from controlplane.fleet.services import worker_heartbeat
-from controlplane.live import FLEET_GROUP
+from controlplane.live_events import FLEET_GROUP
 from tests.controlplane.fleet.conftest import make_worker
 
 pytestmark = pytest.mark.django_db

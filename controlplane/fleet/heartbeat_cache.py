@@ -1,5 +1,6 @@
-"""Each worker's latest heartbeat, kept in the shared "live" cache (Redis in production) rather than
-the database: the dashboard, the router and lost-worker detection read it; it changes every second."""
+"""Each worker's latest heartbeat (its registration until the first one arrives), kept in the shared
+"live" cache (Redis in production) rather than the database: the dashboard, reconcile and lost-worker
+detection read it; it changes every second. Pages hear of changes through `controlplane.live_events`."""
 
 from typing import Any
 
