@@ -21,70 +21,10 @@ from starlette.routing import Route
 
 from controlplane.gateway import completions
 from controlplane.gateway.config import GatewayConfig
-from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.errors import GatewayError, model_not_found
-from controlplane.gateway.holds import HoldPlacer, settle_batcher, sweep_expired_holds
-from controlplane.gateway.keys import KeyCache
-from controlplane.gateway.routing import RoutingTable
-from controlplane.gateway.upstream import UpstreamPool
+from controlplane.gateway.process import Gateway
 
 logger = logging.getLogger(__name__)
-
-
-class Gateway:
-    """Everything one gateway process holds: caches, clients, database lanes, chores."""
-
-    def __init__(self, config: GatewayConfig):
-        self.config = config
-        # Admission work (holds, key and routing reads) and settlements get a connection each, so
-        # a slow batch of one does not queue behind the other.
-        self.admit_lane, self.settle_lane = DatabaseLane("admit"), DatabaseLane("settle")
-        self.keys = KeyCache(config, self.admit_lane)
-        self.routing = RoutingTable(config, self.admit_lane)
-        self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
-        self.holds = HoldPlacer(self.admit_lane, config.hold_lifetime_s)
-        self.settles = settle_batcher(self.settle_lane)
-        self.shared = _shared_state(config)
-        self._spawned: set[asyncio.Task] = set()
-        self._chores = [
-            asyncio.ensure_future(self.shared.listen_key_changes(self.keys.revoke_announced, self.keys.forget_all)),
-            asyncio.ensure_future(sweep_expired_holds(self)),
-        ]
-
-    def spawn(self, work) -> None:
-        """Run `work` in the background (settlements after the answer went out); kept until done."""
-        task = asyncio.ensure_future(work)
-        self._spawned.add(task)
-        task.add_done_callback(self._spawned.discard)
-        task.add_done_callback(_log_failure)
-
-    async def aclose(self) -> None:
-        for chore in self._chores:
-            chore.cancel()
-        await asyncio.gather(*self._chores, return_exceptions=True)
-        if self._spawned:  # settlements still being written
-            await asyncio.wait(self._spawned, timeout=30)
-        self.upstream.close()
-        await self.holds.aclose()
-        await self.shared.aclose()
-        self.admit_lane.close()
-        self.settle_lane.close()
-
-
-def _log_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        # A settlement that failed leaves its hold to the sweeper, which charges it as cancelled.
-        logger.error("background work failed", exc_info=task.exception())
-
-
-def _shared_state(config: GatewayConfig):
-    if config.redis_url:
-        from controlplane.gateway.shared import RedisShared
-
-        return RedisShared(config)
-    from controlplane.gateway.local_shared import LocalShared
-
-    return LocalShared(config)
 
 
 def new_request_id() -> str:

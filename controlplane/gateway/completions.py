@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -16,20 +15,18 @@ from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionReque
 
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
 from controlplane.gateway.holds import COMPLETED, FAILED, Flight
+from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token
 from controlplane.gateway.routing import affinity_choice
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
-
-if TYPE_CHECKING:
-    from controlplane.gateway.app import Gateway
 
 logger = logging.getLogger(__name__)
 
 _ATTEMPTS = 2  # the first replica, then once more on another
 
 
-async def serve(gw: "Gateway", request: Request, request_id: str, *, chat: bool) -> Response:
+async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -> Response:
     grant = await gw.keys.authenticate(request.headers.get("authorization"))
     raw = await request.body()
     body = _json_object(raw)
@@ -88,7 +85,7 @@ async def serve(gw: "Gateway", request: Request, request_id: str, *, chat: bool)
             await gw.shared.idempotency_abandon(scope)
 
 
-async def _model(gw: "Gateway", grant: KeyGrant, name) -> ModelRoute:
+async def _model(gw: Gateway, grant: KeyGrant, name) -> ModelRoute:
     if not isinstance(name, str) or not name:
         raise bad_request("model: give the name of the model to use.", param="model")
     model = await gw.routing.model(name)
@@ -109,7 +106,7 @@ def _json_object(raw: bytes) -> dict:
     return body
 
 
-async def _idempotent_replay(gw: "Gateway", scope: str, fingerprint: str, request_id: str) -> Response | None:
+async def _idempotent_replay(gw: Gateway, scope: str, fingerprint: str, request_id: str) -> Response | None:
     entry = await gw.shared.idempotency_begin(scope, fingerprint)
     if entry is None:
         return None
@@ -138,7 +135,7 @@ def _prompt_prefix(body: dict, chat: bool, chars: int) -> str:
     return "".join(parts)[:chars]
 
 
-async def _attempt(gw: "Gateway", flight: Flight, replicas: tuple[ReplicaRoute, ...], first: ReplicaRoute,
+async def _attempt(gw: Gateway, flight: Flight, replicas: tuple[ReplicaRoute, ...], first: ReplicaRoute,
                    tried: set[int], path: str, body: bytes, prefix: str) -> tuple[ReplicaRoute, UpstreamResponse]:
     """Send to `first`, or on a retry to the best replica not tried yet; returns once the
     response's status line has arrived."""
@@ -160,22 +157,22 @@ async def _attempt(gw: "Gateway", flight: Flight, replicas: tuple[ReplicaRoute, 
     return replica, response
 
 
-async def _failed_attempt(gw: "Gateway", flight: Flight) -> None:
+async def _failed_attempt(gw: Gateway, flight: Flight) -> None:
     await gw.shared.finish(flight.request_id, replica_id=flight.replica_id, replica_failed=True)
     flight.replica_id = None
 
 
-def _deadline(gw: "Gateway", flight: Flight) -> float:
+def _deadline(gw: Gateway, flight: Flight) -> float:
     loop = asyncio.get_running_loop()
     return loop.time() + gw.config.request_timeout_s - (time.monotonic() - flight.started)
 
 
-def _no_replica(gw: "Gateway", flight: Flight, reason: str) -> GatewayError:
+def _no_replica(gw: Gateway, flight: Flight, reason: str) -> GatewayError:
     return unavailable(f"No replica of {flight.model.public_name!r} could serve the request ({reason}); "
                        "try again shortly.", gw.config.retry_after_s, code="replica_unavailable")
 
 
-async def _complete(gw: "Gateway", flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
+async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
                     prefix: str, headers: dict[str, str]) -> Response:
     tried: set[int] = set()
     reason = "none is ready"
@@ -206,7 +203,7 @@ async def _complete(gw: "Gateway", flight: Flight, replicas, first: ReplicaRoute
     raise _no_replica(gw, flight, reason)
 
 
-async def _stream(gw: "Gateway", flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
+async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
                   prefix: str, headers: dict[str, str], *, chat: bool, include_usage: bool) -> Response | StreamRelay:
     tried: set[int] = set()
     reason = "none is ready"

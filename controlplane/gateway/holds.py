@@ -23,7 +23,7 @@ import logging
 import time
 from datetime import timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import DatabaseError
@@ -38,10 +38,20 @@ from controlplane.gateway.database import Batcher, DatabaseLane
 from controlplane.gateway.errors import insufficient_quota
 from controlplane.gateway.selectors import KeyGrant, ModelRoute
 
-if TYPE_CHECKING:
-    from controlplane.gateway.app import Gateway
-
 logger = logging.getLogger(__name__)
+
+
+class GatewayParts(Protocol):
+    """What flights and the sweeper use of the gateway process (process.Gateway, which owns them)."""
+
+    config: Any
+    shared: Any
+    holds: HoldPlacer
+    settles: Batcher
+    settle_lane: DatabaseLane
+
+    def spawn(self, work) -> None: ...
+
 
 COMPLETED = UsageRecord.Status.COMPLETED
 CANCELLED = UsageRecord.Status.CANCELLED
@@ -133,7 +143,7 @@ class Flight:
     after: the settlement's commit is off the latency path, and a crash in between is covered by
     the first-token mark the sweeper reads."""
 
-    def __init__(self, gw: Gateway, request_id: str, grant: KeyGrant, model: ModelRoute, num_requests: int):
+    def __init__(self, gw: GatewayParts, request_id: str, grant: KeyGrant, model: ModelRoute, num_requests: int):
         self.gw, self.request_id, self.grant, self.model = gw, request_id, grant, model
         self.num_requests = num_requests
         self.started = time.monotonic()
@@ -244,7 +254,7 @@ def _int(value) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
 
 
-async def sweep_expired_holds(gw: Gateway) -> None:
+async def sweep_expired_holds(gw: GatewayParts) -> None:
     """Forever: settle expired holds, in one gateway process at a time."""
     interval = gw.config.hold_sweep_s
     while True:
