@@ -28,31 +28,17 @@ class TritonAttentionBackend:
         # Shared by every layer: decode launches run one after another on one stream.
         self._split_counters = SplitCounters()
 
-    def forward(
-        self,
-        query: torch.Tensor,  # [T, num_heads, head_dim]
-        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    # The two entry points take what backend.py's protocols say (shapes are given there).
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Write this step's keys and values into the cache, then attend (the unfused path)."""
         kv_cache_write(key, value, kv_cache, meta.slot_mapping)
         return self.forward_rotated(query, kv_cache, meta, scale)
 
-    def forward_with_rotary(
-        self,
-        positions: torch.Tensor,  # [T]
-        query: torch.Tensor,  # [T, num_heads, head_dim], not rotated
-        key: torch.Tensor,  # [T, num_kv_heads, head_dim], not rotated
-        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-        cos_cache: torch.Tensor,  # [max_positions, rot_dim // 2], float32 (see kernels.rotary)
-        sin_cache: torch.Tensor,
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    def forward_with_rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                            cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> torch.Tensor:
         """Rotary, the cache write and attention. Decode rows take one launch each layer (the decode
         kernel rotates and caches their token itself); the prefill rows after them (and padding) go
         through the rotary kernel, which rotates their queries in place and writes their keys and
