@@ -25,8 +25,9 @@ from tests.conftest import require_service
 WORKER_TOKEN = "gateway-tests-worker-token"
 REPO = Path(__file__).resolve().parents[3]
 # The gateway's shared state (rate limits, in-flight sets) goes to its own Redis database, so
-# these tests neither see nor disturb other suites' keys.
-REDIS_DB = 13
+# these tests neither see nor disturb other suites' keys (GATEWAY_TESTS_REDIS_DB picks another, so
+# that several checkouts can run them on one Redis at once).
+REDIS_DB = int(os.environ.get("GATEWAY_TESTS_REDIS_DB", "13"))
 # Prompts must fit the replicas' 256-token context (one token per byte with the test tokenizer).
 AFFINITY_PREFIX_CHARS = 64
 
