@@ -121,6 +121,13 @@ async def drain(request: Request) -> Response:
     return JSONResponse({"running": holder.in_flight})
 
 
+async def request_status(request: Request) -> Response:
+    """Whether the caller's request (its x-request-id) generated a first token here: a gateway
+    whose client left before a whole answer bills by it."""
+    caller_request_id = request.path_params["request_id"]
+    return JSONResponse({"request_id": caller_request_id, "started": _holder(request).has_started(caller_request_id)})
+
+
 async def models(request: Request) -> Response:
     holder = _holder(request)
     config = holder.config
@@ -171,6 +178,8 @@ async def _generate(request: Request, chat: bool) -> Response:
         return error_response("the engine returned nothing", 500, type="server_error")
     if holder.drain_expired and not first.finished:  # admitted just as the drain deadline passed
         await engine.abort(request_id)
+    if not parsed.stream:  # a stream's caller sees the first token itself
+        holder.note_started(request.headers.get("x-request-id"))
     responder = Responder(holder, parsed, request_id, chat, engine.engine.tokenizer, tool_parsing)
     if parsed.stream:
         return StreamingResponse(responder.sse(first, stream, request), media_type="text/event-stream")
@@ -214,7 +223,7 @@ async def _collect_unless_disconnected(request: Request, first, stream):
 
 ROUTES = [
     Route("/health", health), Route("/stats", stats), Route("/metrics", metrics),
-    Route("/drain", drain, methods=["POST"]),
+    Route("/drain", drain, methods=["POST"]), Route("/requests/{request_id}", request_status),
     Route("/v1/models", models),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),

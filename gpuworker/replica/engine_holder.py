@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 # Share of /health's progress for the weights; building the KV pool and tokenizer take the rest.
 WEIGHTS_PROGRESS_START, WEIGHTS_PROGRESS_END = 0.05, 0.9
+# How many callers' started requests a replica remembers (see EngineHolder.note_started).
+STARTED_REQUESTS_KEPT = 10_000
 
 
 @dataclass
@@ -59,6 +62,10 @@ class EngineHolder:
         # Cumulative engine counters already added to the Prometheus counters.
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
         self._tokens_window: list[tuple[float, int]] = []
+        # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
+        # token: a gateway whose client left before the answer asks (GET /requests/{id}) to bill
+        # by it. It asks at once, so a bounded window of the latest ones is enough.
+        self._started: OrderedDict[str, None] = OrderedDict()
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -134,6 +141,17 @@ class EngineHolder:
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
+    # -- callers' requests ----------------------------------------------------------------------
+
+    def note_started(self, caller_request_id: str | None) -> None:
+        if caller_request_id:
+            self._started[caller_request_id] = None
+            if len(self._started) > STARTED_REQUESTS_KEPT:
+                self._started.popitem(last=False)
+
+    def has_started(self, caller_request_id: str) -> bool:
+        return caller_request_id in self._started
+
     # -- figures --------------------------------------------------------------------------------
 
     async def snapshot(self) -> dict[str, Any]:
@@ -142,7 +160,7 @@ class EngineHolder:
                 "in_flight": self.in_flight}
         if self.engine is None:
             return {**base, "running": 0, "waiting": 0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0,
-                    "prefix_cache_hit_rate": 0.0}
+                    "prefix_cache_hit_rate": 0.0, "num_generated_tokens": 0}
 
         def read(engine):
             scheduler = engine.scheduler
@@ -173,7 +191,8 @@ class EngineHolder:
         queries = figures["prefix_cache_queries"]
         return {**base, "running": figures["running"], "waiting": figures["waiting"],
                 "kv_cache_usage": figures["kv_cache_usage"], "tokens_per_s": tokens_per_s,
-                "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0}
+                "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0,
+                "num_generated_tokens": figures["num_generated_tokens"]}
 
     def record_finished(self, output: RequestOutput) -> None:
         m, metrics = self.metrics, output.metrics

@@ -264,6 +264,19 @@ def test_disconnect_of_non_streaming_request_aborts_it(server):
     assert 0 < generated < 1000  # it ran, and was aborted rather than run to the end
 
 
+def test_a_caller_can_ask_whether_its_whole_answer_request_started(server):
+    base, _ = server
+    with _client(base) as client:
+        assert client.get("/requests/req_never_sent").json() == {"request_id": "req_never_sent", "started": False}
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "req_whole"})
+        assert client.get("/requests/req_whole").json()["started"] is True
+        with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 1, "stream": True},
+                           headers={"x-request-id": "req_stream"}) as response:
+            response.read()
+        assert client.get("/requests/req_stream").json()["started"] is False  # its caller saw the tokens
+    assert httpx.get(f"{base}/requests/req_whole").status_code == 401
+
+
 def _stream_in_thread(base: str, body: dict):
     return stream_in_thread(f"{base}/v1/completions", body, TOKEN)
 
