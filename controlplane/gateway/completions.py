@@ -7,6 +7,8 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -14,9 +16,9 @@ from starlette.responses import Response
 from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
 
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
-from controlplane.gateway.holds import COMPLETED, FAILED, Flight
+from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
-from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token
+from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
 from controlplane.gateway.routing import affinity_choice
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
@@ -24,6 +26,8 @@ from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
 logger = logging.getLogger(__name__)
 
 _ATTEMPTS = 2  # the first replica, then once more on another
+# Asking a replica whether an abandoned request had started: a replica this slow is failing anyway.
+_STARTED_QUERY_TIMEOUT_S = 2.0
 
 
 async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -> Response:
@@ -64,9 +68,11 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -
             if parsed.stream:
                 # The replica always reports usage: billing needs it, the client gets it on request.
                 upstream_body = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
-                return await _stream(gw, flight, replicas, first, path, upstream_body, prefix, headers,
-                                     chat=chat, include_usage=parsed.include_usage)
-            response = await _complete(gw, flight, replicas, first, path, raw, prefix, headers)
+                return await _unless_client_leaves(gw, request, flight, replicas, stream=True, work=_stream(
+                    gw, flight, replicas, first, path, upstream_body, prefix, headers,
+                    chat=chat, include_usage=parsed.include_usage))
+            response = await _unless_client_leaves(gw, request, flight, replicas, stream=False, work=_complete(
+                gw, flight, replicas, first, path, raw, prefix, headers))
             if idempotency and response.status_code == 200:
                 try:
                     await gw.shared.idempotency_store(scope, {"state": "done", "fingerprint": fingerprint,
@@ -83,6 +89,56 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -
     finally:
         if idempotency and not stored:
             await gw.shared.idempotency_abandon(scope)
+
+
+async def _unless_client_leaves(gw: Gateway, request: Request, flight: Flight, replicas: tuple[ReplicaRoute, ...], *,
+                                stream: bool, work: Coroutine[Any, Any, Any]) -> Any:
+    """`work`'s response (a whole answer, or a stream from its first token on), unless the client
+    leaves first: then the work is cancelled, which closes the replica's connection (the replica
+    aborts the request on its side), and the flight ends with its slots freed.
+
+    How a request whose client left is billed follows one rule for both kinds: charged as
+    cancelled once the replica generated its first token, released unbilled before. A stream's
+    first token passes through the gateway, so before it is relayed (here) nothing is billed.
+    A whole answer's tokens do not: the replica records which requests produced a first token
+    and the gateway asks it (`_replica_started`). Releasing every abandoned whole answer would
+    let a client run long generations for free by leaving just before their end; billing every
+    one would bill requests that never left the queue. A replica that cannot answer the
+    question releases the request (its failure, not the client's)."""
+    work_task = asyncio.ensure_future(work)
+    client_gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({work_task, client_gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        client_gone.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.wait({work_task})
+    if work_task in done or not work_task.cancelled():  # the work finished first (or anyway)
+        return work_task.result()
+    started = False
+    replica = next((r for r in replicas if r.replica_id == flight.replica_id), None)
+    if not stream and replica is not None:
+        started = await _replica_started(gw, replica, flight.request_id)
+    if not flight.settled:
+        await flight.end(CANCELLED if started else None)
+    return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+async def _replica_started(gw: Gateway, replica: ReplicaRoute, request_id: str) -> bool:
+    """Whether the replica generated a first token for this request (it keeps recent ones)."""
+    try:
+        async with asyncio.timeout(_STARTED_QUERY_TIMEOUT_S):
+            response = await gw.upstream.get(replica.endpoint_url, f"/requests/{request_id}",
+                                             {"authorization": f"Bearer {gw.config.worker_token}"})
+            data = await response.read()
+        if response.status == 200 and isinstance(answer := json.loads(data), dict):
+            return answer.get("started") is True
+    except (UpstreamError, TimeoutError, ValueError):
+        pass
+    logger.warning("could not ask replica %s whether request %s had started; releasing it unbilled",
+                   replica.replica_id, request_id)
+    return False
 
 
 async def _model(gw: Gateway, grant: KeyGrant, name) -> ModelRoute:
@@ -235,7 +291,11 @@ async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, pa
                                    code="timeout") from None
             reason = str(exc)
             continue
-        await flight.first_token()
+        try:
+            await flight.first_token()
+        except asyncio.CancelledError:  # the client left (see _unless_client_leaves)
+            await events.aclose()
+            raise
         return StreamRelay(flight, events, buffered, headers, include_usage, deadline)
     await flight.end(FAILED if tried else None)
     raise _no_replica(gw, flight, reason)

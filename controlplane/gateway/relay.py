@@ -3,8 +3,10 @@
 The relay sends nothing until the replica produced its first token (the caller waits for it), so
 a replica failing before that can be retried on another without the client noticing. Afterwards
 chunks pass through as they are; the usage chunk (always asked of the replica) is held back,
-priced and sent only if the client asked for it. A client that goes away cancels the relay: the
-request is charged as cancelled and the upstream connection closed, which aborts it there.
+priced and sent only if the client asked for it. A client that goes away cancels the relay and
+the upstream connection is closed, which aborts the request there: charged as cancelled once its
+first token went out, released unbilled before that (as while the gateway waits for that token,
+see completions).
 """
 
 import asyncio
@@ -75,7 +77,7 @@ class StreamRelay:
                 task.cancel()
 
         async def watch() -> None:
-            await _wait_for_disconnect(receive)
+            await wait_for_disconnect(receive)
             stop("gone")
 
         watcher = asyncio.ensure_future(watch())
@@ -91,12 +93,14 @@ class StreamRelay:
             watcher.cancel()
 
     async def _relay(self, send) -> None:
-        status, finished = CANCELLED, False
+        # A client gone before its first token went out got nothing: released unbilled (None).
+        status, finished = None, False
         events = aiter(self.events)
         try:
             try:
-                for data in self.buffered:
+                for data in self.buffered:  # they end with the first token
                     finished = await self._forward(send, data)
+                status = CANCELLED
                 while not finished:
                     data = await anext(events, None)
                     if data is None:
@@ -104,7 +108,7 @@ class StreamRelay:
                     finished = await self._forward(send, data)
             except asyncio.CancelledError:
                 if self.ended != ["timeout"]:
-                    raise  # the client went away after its first token: charged as cancelled
+                    raise  # the client went away: settled below by `status`
                 raise TimeoutError from None
             status = COMPLETED
             await _drain(events)
@@ -170,6 +174,7 @@ async def _drain(events: AsyncIterator[bytes]) -> None:
         pass  # the answer is complete either way; the connection is simply not reused
 
 
-async def _wait_for_disconnect(receive) -> None:
+async def wait_for_disconnect(receive) -> None:
+    """Return once the ASGI client has gone (its next messages, if any, are not for us)."""
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -64,6 +64,9 @@ class UpstreamResponse:
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
             self.discard()
             raise UpstreamError(f"the replica broke off its response: {exc!r}") from None
+        except asyncio.CancelledError:
+            self.discard()  # the caller gave up (its client left): the replica sees its client go
+            raise
         self._release(conn)
         return body
 
@@ -126,9 +129,16 @@ class UpstreamPool:
 
     async def post(self, base_url: str, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
         """Send the request and read the status line and headers (the caller bounds the time)."""
+        return await self._send("POST", base_url, path, body, headers)
+
+    async def get(self, base_url: str, path: str, headers: dict[str, str]) -> UpstreamResponse:
+        return await self._send("GET", base_url, path, b"", headers)
+
+    async def _send(self, method: str, base_url: str, path: str, body: bytes,
+                    headers: dict[str, str]) -> UpstreamResponse:
         host, port, secure, netloc = _origin(base_url)
         key = (host, port, secure)
-        head = [f"POST {path} HTTP/1.1", f"host: {netloc}", f"content-length: {len(body)}"]
+        head = [f"{method} {path} HTTP/1.1", f"host: {netloc}", f"content-length: {len(body)}"]
         head += [f"{name}: {value}" for name, value in headers.items()]
         message = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
         while True:
@@ -143,6 +153,11 @@ class UpstreamPool:
                 if reused and isinstance(exc, asyncio.IncompleteReadError) and not exc.partial:
                     continue  # the server had closed this idle connection: nothing was processed
                 raise UpstreamError(f"no response from {base_url}: {exc!r}") from None
+            except asyncio.CancelledError:
+                # The caller gave up (its client left): closing the connection is what tells the
+                # replica to abort (a non-streaming answer's status line comes only at its end).
+                conn.close()
+                raise
             return UpstreamResponse(self, key, conn, status, response_headers)
 
     def _take(self, key: tuple) -> _Connection | None:
