@@ -14,11 +14,27 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.core.exceptions import SuspiciousFileOperation  # noqa: E402
+from django.http import Http404  # noqa: E402
 
 from controlplane.gateway.app import process_app  # noqa: E402
 from controlplane.routing import websocket_urlpatterns  # noqa: E402
 
-http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.SERVE_STATIC else django_asgi_app
+
+
+class StaticFilesHandler(ASGIStaticFilesHandler):
+    """Django's /static/ handler, where a path leaving the static folders (/static/../x) is a 404:
+    Django raises SuspiciousFileOperation for it here, outside the middleware that would answer
+    it, so it was a 500."""
+
+    def serve(self, request):
+        try:
+            return super().serve(request)
+        except SuspiciousFileOperation as exc:
+            raise Http404("no such static file") from exc
+
+
+http_app = StaticFilesHandler(django_asgi_app) if settings.SERVE_STATIC else django_asgi_app
 gateway_app = process_app()
 
 django_and_channels = ProtocolTypeRouter(

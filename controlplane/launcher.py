@@ -4,7 +4,10 @@ Each child gets its own process group, so stopping it also stops whatever it for
 pool, for instance). Ctrl-C or SIGTERM stops every child; if a child dies on its own the others
 are stopped too and the launcher exits non-zero, so a broken set-up never looks half alive.
 
-    python -m controlplane.launcher [--host 0.0.0.0] [--port 8000] [--env-file .env.demo]
+    python -m controlplane.launcher [--host 127.0.0.1] [--port 8000] [--env-file .env.demo]
+
+The web server listens on this machine only (127.0.0.1) unless told otherwise (--host or
+GPUSERVE_HOST): the embedded set-up has a demo login and a development secret key.
 """
 
 import argparse
@@ -23,6 +26,8 @@ from typing import TextIO
 from controlplane.env import read_env_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
+# Where the web server listens by default: loopback, so a demo set-up is not open to the network.
+HOST_ENV, DEFAULT_HOST = "GPUSERVE_HOST", "127.0.0.1"
 # Children get this long to shut down cleanly after SIGTERM before they are killed.
 STOP_GRACE_SECONDS = 10.0
 _POLL_SECONDS = 0.2
@@ -189,12 +194,18 @@ def _settings():
     return settings
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default=os.environ.get(HOST_ENV, DEFAULT_HOST),
+                        help=f"address the web server listens on (default: ${HOST_ENV}, else {DEFAULT_HOST}: this "
+                             "machine only); 0.0.0.0 opens it to the network")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--env-file", type=Path, default=BASE_DIR / ".env.demo")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     settings = _settings()
     # Every child gets the fleet's worker token: the daemon needs it and reads no Django settings.
     os.environ.setdefault("GPUSERVE_WORKER_TOKEN", settings.FLEET_WORKER_TOKEN)

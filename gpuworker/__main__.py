@@ -15,8 +15,9 @@ import socket
 import sys
 from pathlib import Path
 
+from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV
+
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
-MODEL_ROOTS_ENV = "GPUSERVE_MODEL_ROOTS"
 
 
 def _token_default() -> str | None:
@@ -71,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds in-flight requests get to finish when the daemon is stopped")
     daemon.add_argument("--model-root", dest="model_roots", type=Path, action="append",
                         default=None,
-                        help="a directory holding model checkpoints, reported to the control plane so the "
+                        help="a directory holding model checkpoints: the daemon loads models only from "
+                             "inside its model roots (paths resolved, so '..' and symlinks cannot leave "
+                             "them) and loads none without one; reported to the control plane so the "
                              f"catalog can check weight paths (repeatable; default: ${MODEL_ROOTS_ENV}, "
                              "separated by ':')")
     daemon.add_argument("--log-level", default="info")

@@ -1,5 +1,5 @@
 """Reads for the catalog: models by public name, and what the workers report about a model's
-weight path."""
+weight path (a worker loads only from inside its model roots, so a path elsewhere cannot load)."""
 
 import posixpath
 from collections.abc import Iterable
@@ -19,10 +19,15 @@ def models_by_public_name(*, public_names: Iterable[str]) -> dict[str, Model]:
 @dataclass(frozen=True)
 class WeightsPathReport:
     worker_name: str
-    # found; missing (under a root the worker searches, but no checkpoint there); unwatched (outside
-    # every root it searches); unreported (the worker reports no model roots at all).
+    # found; missing (under one of the worker's model roots, but no checkpoint there); outside (outside
+    # every root: the worker refuses to load it); no_roots (the worker has no model root: it loads
+    # nothing). Only "found" lets the worker load the model.
     status: str
     message: str
+
+    @property
+    def loadable(self) -> bool:
+        return self.status == "found"
 
 
 def _under(path: str, root: str) -> bool:
@@ -30,8 +35,9 @@ def _under(path: str, root: str) -> bool:
 
 
 def weights_path_reports(*, weights_path: str, workers: Iterable) -> list[WeightsPathReport]:
-    """What each worker's last report says about a checkpoint directory. Only a worker that
-    searches the directory's root can say it is missing; the others cannot tell either way.
+    """What each worker's last report says about a checkpoint directory: whether it lies inside
+    the worker's model roots (the path normalised, so `..` cannot leave them; symlinks the worker
+    resolves itself before loading) and whether a checkpoint is there.
     `workers`: fleet Workers (their name, model_roots and model_paths are all that is read)."""
     path = posixpath.normpath(weights_path.strip()) if weights_path.strip() else ""
     reports = []
@@ -39,17 +45,18 @@ def weights_path_reports(*, weights_path: str, workers: Iterable) -> list[Weight
         roots = [posixpath.normpath(root) for root in worker.model_roots]
         found = {posixpath.normpath(p) for p in worker.model_paths}
         if not roots:
-            reports.append(WeightsPathReport(worker.name, "unreported",
-                                             f"{worker.name} reports no model roots (start its daemon with "
-                                             f"--model-root DIR to have paths checked)."))
+            reports.append(WeightsPathReport(worker.name, "no_roots",
+                                             f"{worker.name} reports no model roots, so it loads no model: start "
+                                             f"its daemon with --model-root DIR naming the folder that holds {path}."))
+        elif not any(_under(path, root) for root in roots):
+            reports.append(WeightsPathReport(worker.name, "outside",
+                                             f"{path} lies outside {worker.name}'s model roots ({', '.join(roots)}), "
+                                             f"so it refuses to load it: put the checkpoint under one of them, "
+                                             f"or start its daemon with another --model-root."))
         elif path in found:
             reports.append(WeightsPathReport(worker.name, "found", f"{worker.name} has a checkpoint at {path}."))
-        elif any(_under(path, root) for root in roots):
+        else:
             reports.append(WeightsPathReport(worker.name, "missing",
                                              f"{worker.name} has no checkpoint (a directory with config.json) at "
                                              f"{path}; it found {len(found)} under {', '.join(roots)}."))
-        else:
-            reports.append(WeightsPathReport(worker.name, "unwatched",
-                                             f"{worker.name} searches only {', '.join(roots)}, so it cannot "
-                                             f"confirm {path}."))
     return reports

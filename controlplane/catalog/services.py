@@ -3,6 +3,7 @@ validated; every change lands in the audit log (`actor`: the user acting, None f
 Deployments (how many replicas of a model) are the fleet's: `controlplane.fleet.services`."""
 
 from collections.abc import Iterable
+from pathlib import PurePosixPath
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -28,14 +29,18 @@ def estimate_gpu_memory_bytes(*, parameter_count: int) -> int:
 
 
 def _check_weights_path(weights_path: str, verify_on: Iterable | None) -> None:
-    """Refuse a path that a chosen worker searches and did not find; workers that cannot tell
-    (no roots, or the path outside them) do not block it."""
+    """Refuse a path with `..` in it (the stored path is the one workers are sent, and must say
+    where the checkpoint is), and one that a chosen worker cannot load: outside its model roots,
+    no roots at all, or no checkpoint there."""
+    if ".." in PurePosixPath(weights_path).parts:
+        raise ValidationError({"weights_path": f"{weights_path} contains '..': give the checkpoint's own path, "
+                                               f"inside a worker's model root (--model-root)."})
     if verify_on is None or not weights_path:
         return
-    missing = [r.message for r in weights_path_reports(weights_path=weights_path, workers=verify_on)
-               if r.status == "missing"]
-    if missing:
-        raise ValidationError({"weights_path": missing})
+    refused = [r.message for r in weights_path_reports(weights_path=weights_path, workers=verify_on)
+               if not r.loadable]
+    if refused:
+        raise ValidationError({"weights_path": refused})
 
 
 def _model_snapshot(model: Model) -> dict:
@@ -60,7 +65,7 @@ def model_create(
     verify_on: Iterable | None = None,
 ) -> Model:
     """Add a model. `verify_on`: workers whose reported checkpoints the weight path must be among
-    (where they can tell); None checks nothing."""
+    (inside their model roots, a checkpoint there); None checks only the path itself."""
     if gpu_memory_bytes is None and isinstance(parameter_count, int) and parameter_count > 0:
         gpu_memory_bytes = estimate_gpu_memory_bytes(parameter_count=parameter_count)
     model = Model(

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from controlplane.gateway import completions
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.errors import GatewayError, model_not_found
+from controlplane.gateway.openapi import openapi_document
 from controlplane.gateway.process import Gateway
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ def build_app() -> Starlette:
                 return JSONResponse(card, headers={"x-request-id": request_id})
         raise model_not_found(name)
 
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_document())  # public, as OpenAI's own document is
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         message = "Unknown endpoint." if exc.status_code == 404 else f"Method {request.method} is not allowed here."
         return GatewayError(exc.status_code, message).response(new_request_id())
@@ -92,6 +96,7 @@ def build_app() -> Starlette:
             Route("/v1/models/{model:path}", endpoint(retrieve_model)),
             Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
             Route("/v1/completions", endpoint(text_completions), methods=["POST"]),
+            Route("/v1/openapi.json", openapi),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,

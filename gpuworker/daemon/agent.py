@@ -1,7 +1,9 @@
 """The GPU worker daemon: registers the host with the control plane, heartbeats about every second,
 and consumes its own Celery queue of load/unload/drain commands, which the replica supervisor runs.
 
-    python -m gpuworker daemon --control-url http://cp:8000 --token TOKEN --name host-a [--model-root /models]
+    python -m gpuworker daemon --control-url http://cp:8000 --token TOKEN --name host-a --model-root /models
+
+Models load only from inside the --model-root folders; a daemon without one refuses every load.
 
 SIGTERM or SIGINT drains every replica (bounded by --drain-timeout), stops the children, exits 0.
 """
@@ -28,7 +30,7 @@ from gpuworker.contract.heartbeat import GpuSpec, Heartbeat, ModelPaths, WorkerR
 from gpuworker.contract.tasks import DrainWorker, LoadModel, UnloadModel
 
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
-from gpuworker.daemon.model_paths import scan_model_roots
+from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV, scan_model_roots
 from gpuworker.daemon.supervisor import Supervisor
 from gpuworker.daemon.tasks import CeleryConsumer, build_celery_app, register_tasks
 
@@ -49,7 +51,8 @@ class AgentConfig:
     port_range: tuple[int, int]
     state_dir: Path
     drain_timeout_s: float = 30.0
-    # Directories searched for checkpoints, which registration and heartbeats report; none: no report.
+    # Directories holding checkpoints: the only places models load from (none: no load succeeds),
+    # and what registration and heartbeats report to the catalog.
     model_roots: tuple[Path, ...] = ()
 
 
@@ -133,8 +136,11 @@ class Agent:
         self.supervisor = Supervisor(
             token=self.config.token, gpu_count=self.probe.gpu_count, port_range=self.config.port_range,
             advertise_host=advertise_host, bind_host="127.0.0.1" if _is_loopback(advertise_host) else "0.0.0.0",
-            state_dir=self.config.state_dir, worker_name=self.config.name)
+            state_dir=self.config.state_dir, worker_name=self.config.name, model_roots=self.config.model_roots)
         self.supervisor.start()
+        if not self.config.model_roots:
+            logger.warning("no --model-root given: this worker will refuse every model load until it is "
+                           "started with --model-root DIR (or $%s)", MODEL_ROOTS_ENV)
         inventory = self.probe.inventory()
         self._registration = WorkerRegistration(
             name=self.config.name, advertise_host=advertise_host, device=self.probe.device,

@@ -1,6 +1,6 @@
 """Which checkpoints this host has: the directories under the daemon's model roots (--model-root)
 that hold a Hugging Face config.json. The daemon reports them so the control plane's catalog can
-check a model's weight path before any replica is placed.
+check a model's weight path before any replica is placed, and loads nothing from outside them.
 
     scan_model_roots([Path("/models")])  # -> ModelPaths(roots=("/models",), paths=("/models/llama-8b", ...))
 """
@@ -14,6 +14,9 @@ from pathlib import Path
 from gpuworker.contract.heartbeat import MAX_MODEL_PATHS, ModelPaths
 
 logger = logging.getLogger(__name__)
+
+# Where the daemon's --model-root default comes from (folders separated by ':').
+MODEL_ROOTS_ENV = "GPUSERVE_MODEL_ROOTS"
 
 # Deep enough for /models/<org>/<name>/<revision>; bounded so a root pointed at / stays cheap.
 MAX_DEPTH = 3
@@ -50,3 +53,20 @@ def scan_model_roots(roots: list[Path] | tuple[Path, ...]) -> ModelPaths:
         logger.warning("more than %d checkpoints under %s; reporting the first %d", MAX_MODEL_PATHS,
                        ", ".join(absolute), MAX_MODEL_PATHS)
     return ModelPaths(roots=absolute, paths=tuple(sorted(dict.fromkeys(found[:MAX_MODEL_PATHS]))))
+
+
+def resolve_model_root_path(model_path: str, roots: tuple[Path, ...]) -> tuple[Path | None, str | None]:
+    """`model_path` resolved (realpath: `..` and symlinks followed) if it lies inside one of
+    `roots` (themselves resolved), else why not. A daemon with no roots loads nothing: a load
+    task names a path chosen elsewhere, and the roots are what confines it to the checkpoints."""
+    if not roots:
+        return None, (f"this worker has no model root, so it loads no model: start its daemon with "
+                      f"--model-root DIR (or ${MODEL_ROOTS_ENV}) naming the folder that holds {model_path}")
+    resolved = Path(os.path.realpath(model_path))
+    real_roots = [Path(os.path.realpath(root)) for root in roots]
+    if any(resolved == root or root in resolved.parents for root in real_roots):
+        return resolved, None
+    shown = model_path if str(resolved) == model_path else f"{model_path} (resolved: {resolved})"
+    return None, (f"model path {shown} lies outside this worker's model roots "
+                  f"({', '.join(str(r) for r in real_roots)}); move the checkpoint under one or start the "
+                  f"daemon with another --model-root")

@@ -25,6 +25,7 @@ import httpx
 
 from gpuworker.contract.heartbeat import REPLICA_FIGURES, ReplicaReport
 from gpuworker.contract.tasks import LoadModel
+from gpuworker.daemon.model_paths import resolve_model_root_path
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,10 @@ class Replica:
 
 class Supervisor:
     def __init__(self, *, token: str, gpu_count: int, port_range: tuple[int, int], advertise_host: str,
-                 bind_host: str, state_dir: Path, worker_name: str) -> None:
+                 bind_host: str, state_dir: Path, worker_name: str, model_roots: tuple[Path, ...]) -> None:
         self.token, self.gpu_count, self.port_range = token, gpu_count, port_range
+        # Loads are confined to these (a load task's path is chosen by the control plane).
+        self.model_roots = tuple(model_roots)
         self.advertise_host, self.bind_host, self.worker_name = advertise_host, bind_host, worker_name
         self.log_dir = state_dir / "replicas"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -135,32 +138,36 @@ class Supervisor:
             return  # idempotent: a repeated load changes nothing
         replica = Replica(request)
         self._replicas[request.replica_id] = replica
-        problem = self._load_problem(request)
+        model_dir, problem = self._load_problem(request)
         port = None if problem else self._free_port()
         if problem is None and port is None:
             problem = f"no free port in {self.port_range[0]}-{self.port_range[1]} for the replica"
         if problem is None:
-            problem = self._spawn(replica, port)
+            problem = self._spawn(replica, port, model_dir)
         if problem is not None:
             self._end(replica, "failed", problem)
             logger.error("replica %d failed to load: %s", request.replica_id, problem)
 
-    def _load_problem(self, request: LoadModel) -> str | None:
-        """Why this load cannot work, found before any process starts (None: go ahead)."""
+    def _load_problem(self, request: LoadModel) -> tuple[Path | None, str | None]:
+        """The resolved model directory, or why this load cannot work, found before any process
+        starts."""
         if self.refuse_loads:
-            return f"worker {self.worker_name} is draining and takes no new loads"
+            return None, f"worker {self.worker_name} is draining and takes no new loads"
         if request.gpu_index is not None and request.gpu_index >= self.gpu_count:
-            return (f"gpu_index {request.gpu_index} was requested, but this worker has no GPU" if not self.gpu_count
-                    else f"gpu_index {request.gpu_index} does not exist on this worker "
-                         f"(it has {self.gpu_count} GPU(s), 0-{self.gpu_count - 1})")
+            return None, (f"gpu_index {request.gpu_index} was requested, but this worker has no GPU"
+                          if not self.gpu_count else f"gpu_index {request.gpu_index} does not exist on this worker "
+                          f"(it has {self.gpu_count} GPU(s), 0-{self.gpu_count - 1})")
+        resolved, problem = resolve_model_root_path(request.model_path, self.model_roots)
+        if problem is not None:
+            return None, problem
         path = Path(request.model_path)
-        if not path.exists():
-            return f"model path {path} does not exist"
-        if not path.is_dir():
-            return f"model path {path} is not a directory"
-        if not (path / "config.json").is_file():
-            return f"model path {path} has no config.json (expected a Hugging Face model directory)"
-        return None
+        if not resolved.exists():
+            return None, f"model path {path} does not exist"
+        if not resolved.is_dir():
+            return None, f"model path {path} is not a directory"
+        if not (resolved / "config.json").is_file():
+            return None, f"model path {path} has no config.json (expected a Hugging Face model directory)"
+        return resolved, None
 
     def _free_port(self) -> int | None:
         taken = {r.port for r in self._replicas.values() if r.process is not None or r.state in LIVE_STATES}
@@ -175,10 +182,11 @@ class Supervisor:
             return port
         return None
 
-    def _spawn(self, replica: Replica, port: int) -> str | None:
+    def _spawn(self, replica: Replica, port: int, model_dir: Path) -> str | None:
         request = replica.request
         device = "cpu" if request.gpu_index is None else f"cuda:{request.gpu_index}"
-        argv = [sys.executable, "-m", "gpuworker", "serve", "--model", str(Path(request.model_path).resolve()),
+        # The directory checked above, not the path again: a symlink swapped since cannot redirect it.
+        argv = [sys.executable, "-m", "gpuworker", "serve", "--model", str(model_dir),
                 "--host", self.bind_host, "--port", str(port), "--device", device, "--dtype", request.dtype,
                 "--served-model-name", request.served_model_name,
                 "--memory-fraction", str(request.memory_fraction), "--exit-with-parent", str(os.getpid())]

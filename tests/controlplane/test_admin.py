@@ -3,6 +3,7 @@
 import pytest
 from django.contrib import admin
 from django.core.management import call_command
+from django.http import HttpRequest
 from django.urls import reverse
 
 from controlplane.accounts.models import ApiKey, Tenant, User
@@ -20,7 +21,9 @@ def admin_client_seeded(client, tmp_path):
     env_file = tmp_path / ".env.demo"
     call_command("seed_demo", env_file=env_file, stdout=open("/dev/null", "w"))
     demo = read_env_file(env_file)
-    assert client.login(username=demo["DEMO_ADMIN_USERNAME"], password=demo["DEMO_ADMIN_PASSWORD"])
+    # django-axes (login throttling) needs the request an authentication comes with.
+    assert client.login(request=HttpRequest(), username=demo["DEMO_ADMIN_USERNAME"],
+                        password=demo["DEMO_ADMIN_PASSWORD"])
     return client
 
 

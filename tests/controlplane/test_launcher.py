@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.env import read_env_file
-from controlplane.launcher import Launcher, ProcessSpec, process_specs
+from controlplane.launcher import Launcher, ProcessSpec, build_parser, process_specs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def _live_members_of_group(pgid: int) -> list[int]:
 
 def _embedded_env(tmp_path: Path) -> dict[str, str]:
     """What `make run` sees on a fresh machine: no DATABASE_URL, no REDIS_URL, state under VAR_DIR."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY")}
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "GPUSERVE_HOST")}
     return {**env, "DEBUG": "1", "VAR_DIR": str(tmp_path / "var")}
 
 
@@ -55,6 +55,16 @@ def test_process_specs_name_web_worker_beat_and_the_gpu_worker_daemon():
     assert "controlplane.asgi:application" in web and web[web.index("--port") + 1] == "8000"
     daemon = specs[3].argv
     assert daemon[daemon.index("daemon") + 1:daemon.index("daemon") + 3] == ["--control-url", "http://127.0.0.1:8000"]
+
+
+def test_the_web_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("GPUSERVE_HOST", raising=False)
+    assert build_parser().parse_args([]).host == "127.0.0.1"
+    assert build_parser().parse_args(["--host", "0.0.0.0"]).host == "0.0.0.0"
+    monkeypatch.setenv("GPUSERVE_HOST", "::")
+    assert build_parser().parse_args([]).host == "::"
+    web = process_specs(host=build_parser().parse_args([]).host, port=8000)[0].argv
+    assert web[web.index("--host") + 1] == "::"
 
 
 def test_a_child_dying_stops_the_others_and_fails():
@@ -106,6 +116,8 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
             login = _wait_for_page(f"http://127.0.0.1:{port}/accounts/login/", launcher, log_path)
             assert 'name="password"' in login
             _wait_for_text(log_path, "Press Ctrl-C to stop", launcher)
+            # Not told otherwise, it listens on this machine only.
+            _wait_for_text(log_path, f"Uvicorn running on http://127.0.0.1:{port}", launcher)
             # The demo model goes through the fleet's own path: reconcile places it on the local
             # daemon, which loads it and reports its endpoint.
             endpoint = _wait_for_ready_replica(tmp_path / "var" / "db.sqlite3", launcher, log_path)

@@ -157,8 +157,10 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(transactional_db, require_postgres, redis_url, tmp_path):
+def fleet(transactional_db, require_postgres, redis_url, tmp_path, tmp_path_factory):
     fleet = Fleet(tmp_path, redis_url)
+    # Daemons load only from their model roots: the session's temporary folder holds tiny_model_path.
+    fleet.env["GPUSERVE_MODEL_ROOTS"] = str(tmp_path_factory.getbasetemp())
     try:
         fleet.start_control_plane()
         yield fleet

@@ -82,7 +82,8 @@ class CatalogModelForm(forms.ModelForm):
                   "gpu_memory_bytes", "price_tier", "enabled"]
         labels = {"public_name": "Name", "weights_path": "Weight path", "price_tier": "Price tier"}
         help_texts = {"public_name": "What clients send as `model`.",
-                      "weights_path": "A directory in Hugging Face layout on the worker hosts, e.g. /models/llama-3-8b."}
+                      "weights_path": "A directory in Hugging Face layout on the worker hosts, inside their model roots "
+                                      "(--model-root), e.g. /models/llama-3-8b."}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

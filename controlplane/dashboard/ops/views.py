@@ -169,14 +169,10 @@ def catalog(request: HttpRequest) -> HttpResponse:
 
 
 def _path_notes(form: CatalogModelForm) -> list:
-    """What the chosen workers could not confirm; shown after saving, never blocking it."""
-    workers = form.cleaned_data.get("check_workers") or []
-    reports = weights_path_reports(weights_path=form.cleaned_data["weights_path"], workers=workers)
-    if not workers:
+    """Said after saving: a path no chosen worker confirmed (the chosen ones must all have it)."""
+    if not form.cleaned_data.get("check_workers"):
         return ["The weight path was not checked: no worker was chosen."]
-    if all(r.status in ("unreported", "unwatched") for r in reports):
-        return ["No chosen worker reports this path, so it was not checked.", *(r.message for r in reports)]
-    return [r.message for r in reports if r.status in ("unreported", "unwatched")]
+    return []
 
 
 def _catalog_form_page(request, form, model=None) -> HttpResponse:

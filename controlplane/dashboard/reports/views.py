@@ -12,6 +12,9 @@ from controlplane.billing.reports import UsageRow, period_bounds, usage_by, usag
 from controlplane.dashboard.permissions import admin_required
 from controlplane.dashboard.reports.forms import ReportForm
 
+# A spreadsheet runs a cell starting with one of these as a formula (=HYPERLINK(...) sends data
+# out); OWASP's CSV injection advice: start such text with a ' so it stays text.
+CSV_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 CSV_COLUMNS = ("requests", "failed", "revenue", "reference", "difference", "gpu_time_s", "prompt_tokens",
                "completion_tokens")
 
@@ -59,6 +62,11 @@ def reports_csv(request: HttpRequest) -> HttpResponse:
     return response
 
 
+def _csv_text(value: str) -> str:
+    """Text from tenants (a tenant or model name) made inert for spreadsheets; figures stay numbers."""
+    return f"'{value}" if value.startswith(CSV_FORMULA_STARTS) else value
+
+
 def _csv_row(row: UsageRow) -> tuple:
-    return (row.key, row.requests, row.failed, row.revenue, row.reference, row.difference,
+    return (_csv_text(row.key), row.requests, row.failed, row.revenue, row.reference, row.difference,
             f"{row.gpu_time_s:.3f}", row.prompt_tokens, row.completion_tokens)

@@ -3,7 +3,7 @@ from django.core.exceptions import ValidationError
 
 from controlplane.catalog.models import Model
 from controlplane.catalog.services import estimate_gpu_memory_bytes, model_create, model_set_enabled
-from tests.controlplane.factories import ModelFactory, PriceTierFactory
+from tests.controlplane.factories import ModelFactory, PriceTierFactory, WorkerFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -67,3 +67,27 @@ def test_model_set_enabled():
     model = ModelFactory()
     model_set_enabled(model=model, enabled=False)
     assert not Model.objects.get(pk=model.pk).enabled
+
+
+@pytest.mark.parametrize("weights_path", ["/models/../etc", "/models/llama/../../elsewhere", "/models/.."])
+def test_a_weights_path_with_dotdot_is_refused_even_unverified(weights_path):
+    with pytest.raises(ValidationError) as error:
+        model_create(**_model_fields(weights_path=weights_path))
+    assert error.value.message_dict["weights_path"] == [
+        f"{weights_path} contains '..': give the checkpoint's own path, inside a worker's model root (--model-root)."]
+    assert not Model.objects.exists()
+
+
+def test_a_weights_path_outside_a_workers_model_roots_is_refused_naming_them():
+    inside = WorkerFactory(name="inside", model_roots=["/models"], model_paths=["/models/llama-3-8b-instruct"])
+    outside = WorkerFactory(name="outside", model_roots=["/data/a", "/data/b"], model_paths=[])
+    rootless = WorkerFactory(name="rootless", model_roots=[], model_paths=[])
+    with pytest.raises(ValidationError) as error:
+        model_create(**_model_fields(), verify_on=[inside, outside, rootless])
+    assert error.value.message_dict["weights_path"] == [
+        "/models/llama-3-8b-instruct lies outside outside's model roots (/data/a, /data/b), so it refuses to load "
+        "it: put the checkpoint under one of them, or start its daemon with another --model-root.",
+        "rootless reports no model roots, so it loads no model: start its daemon with --model-root DIR naming "
+        "the folder that holds /models/llama-3-8b-instruct."]
+    assert not Model.objects.exists()
+    assert model_create(**_model_fields(), verify_on=[inside]).weights_path == "/models/llama-3-8b-instruct"

@@ -1,6 +1,6 @@
 """The catalog pages: add and edit models with every error beside its field, the weight path
-checked against what the chosen workers report (and said plainly when none can tell), enable,
-disable and deploy, each audited."""
+checked against what the chosen workers report (inside their model roots, a checkpoint there),
+enable, disable and deploy, each audited."""
 
 import pytest
 from django.urls import reverse
@@ -89,15 +89,29 @@ def test_the_path_must_exist_on_chosen_workers_that_search_there(operator_client
     assert Model.objects.filter(public_name="llama-3-8b").exists()
 
 
-def test_workers_that_cannot_tell_do_not_block_and_the_form_says_so(operator_client):
-    silent = make_worker(name="silent")  # reports no model roots
+def test_a_path_outside_a_chosen_workers_model_roots_is_refused_naming_the_roots(operator_client):
+    silent = make_worker(name="silent")  # reports no model roots: it loads nothing
     elsewhere = _reporting_worker("elsewhere", roots=["/data/models"], paths=[])
-    response = operator_client.post(reverse("dashboard:catalog_add"),
-                                    _form(check_workers=[silent.pk, elsewhere.pk]), follow=True)
-    page = response.content.decode()
-    assert "No chosen worker reports this path, so it was not checked." in page
-    assert "silent reports no model roots" in page and "elsewhere searches only /data/models" in page
-    assert Model.objects.filter(public_name="llama-3-8b").exists()
+    page = operator_client.post(reverse("dashboard:catalog_add"),
+                                _form(check_workers=[silent.pk, elsewhere.pk])).content.decode()
+    error = _error_beside(page, "weights_path")
+    assert "silent reports no model roots, so it loads no model: start its daemon with --model-root DIR" in error
+    assert ("/models/llama-3-8b lies outside elsewhere&#x27;s model roots (/data/models), so it refuses to load it"
+            in error)
+    assert not Model.objects.exists()
+
+
+def test_a_path_escaping_a_model_root_with_dotdot_is_refused(operator_client):
+    worker = _reporting_worker("w1", roots=["/data/models"], paths=[])
+    escaping = "/data/models/../elsewhere/llama"
+    page = operator_client.post(reverse("dashboard:catalog_add"),
+                                _form(weights_path=escaping, check_workers=[worker.pk])).content.decode()
+    assert f"{escaping} contains &#x27;..&#x27;: give the checkpoint&#x27;s own path" in _error_beside(
+        page, "weights_path")
+    query = {"weights_path": escaping, "check_workers": [worker.pk]}
+    check = operator_client.get(reverse("dashboard:catalog_path_check"), query).content.decode()
+    assert 'data-status="outside"' in check and "/data/elsewhere/llama lies outside w1&#x27;s model roots" in check
+    assert not Model.objects.exists()
 
 
 def test_heartbeats_update_what_a_worker_reports(operator_client):

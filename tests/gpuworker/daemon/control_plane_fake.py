@@ -25,6 +25,8 @@ CPU_FIGURE_KEYS = {"utilization_pct", "memory_used_bytes", "memory_total_bytes"}
 REPLICA_KEYS = {"replica_id", "state", "endpoint_url", "load_progress", "error", "running", "waiting",
                 "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate"}
 REPLICA_STATES = {"loading", "ready", "draining", "stopped", "failed"}
+# Sent by a daemon with --model-root: at registration, and in a heartbeat when the scan changed.
+MODELS_KEYS = {"roots", "paths"}
 
 
 class ShapeError(ValueError):
@@ -37,6 +39,19 @@ def _keys(where: str, value: Any, keys: set[str]) -> None:
         raise ShapeError(f"{where}: expected keys {sorted(keys)}, got {got}")
 
 
+def _models(where: str, body: dict, keys: set[str]) -> None:
+    """The optional `models` report, then the other keys exactly."""
+    if not isinstance(body, dict):
+        _keys(where, body, keys)  # raises, naming what came instead
+    if "models" in body:
+        _keys(f"{where}.models", body["models"], MODELS_KEYS)
+        for key in sorted(MODELS_KEYS):
+            if not isinstance(body["models"][key], list) or not all(
+                    isinstance(p, str) and p.startswith("/") for p in body["models"][key]):
+                raise ShapeError(f"{where}.models.{key}: expected a list of absolute paths, got {body['models'][key]!r}")
+    _keys(where, {k: v for k, v in body.items() if k != "models"}, keys)
+
+
 def _number(where: str, value: Any, low: float = 0.0, high: float = float("inf"), integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
@@ -44,7 +59,7 @@ def _number(where: str, value: Any, low: float = 0.0, high: float = float("inf")
 
 
 def check_register(body: Any) -> None:
-    _keys("register", body, REGISTER_KEYS)
+    _models("register", body, REGISTER_KEYS)
     for key in ("name", "advertise_host", "version"):
         if not isinstance(body[key], str) or not body[key]:
             raise ShapeError(f"register.{key}: expected a non-empty string, got {body[key]!r}")
@@ -62,7 +77,7 @@ def check_register(body: Any) -> None:
 
 
 def check_heartbeat(body: Any) -> None:
-    _keys("heartbeat", body, HEARTBEAT_KEYS)
+    _models("heartbeat", body, HEARTBEAT_KEYS)
     if not isinstance(body["sent_at"], str) or datetime.fromisoformat(body["sent_at"]).tzinfo is None:
         raise ShapeError(f"heartbeat.sent_at: expected an ISO-8601 time with a zone, got {body['sent_at']!r}")
     if not isinstance(body["draining"], bool):

@@ -55,7 +55,7 @@ class Daemon:
 
 
 @contextmanager
-def running_daemon(tmp_path: Path, broker_url: str, refuse_registrations: int = 0):
+def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_registrations: int = 0):
     name = f"test-{uuid.uuid4().hex[:8]}"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,7 +71,9 @@ def running_daemon(tmp_path: Path, broker_url: str, refuse_registrations: int = 
             process = subprocess.Popen(
                 [sys.executable, "-m", "gpuworker", "daemon", "--control-url", fake.url, "--token", TOKEN,
                  "--name", name, "--device", "cpu", "--port-range", f"{port_base}-{port_base + 30}",
-                 "--state-dir", str(tmp_path / name), "--drain-timeout", "5"],
+                 "--state-dir", str(tmp_path / name), "--drain-timeout", "5",
+                 # the session's temporary folder: it holds every tiny checkpoint
+                 "--model-root", str(model_root)],
                 stdout=out, stderr=subprocess.STDOUT, env=env)
         daemon = Daemon(fake, process, log, name, broker_url)
         try:
@@ -95,7 +97,7 @@ def running_daemon(tmp_path: Path, broker_url: str, refuse_registrations: int = 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, broker_url):
-    with running_daemon(tmp_path_factory.mktemp("daemon"), broker_url) as running:
+    with running_daemon(tmp_path_factory.mktemp("daemon"), broker_url, tmp_path_factory.getbasetemp()) as running:
         yield running
     assert "Traceback" not in running.log_text()
 
@@ -134,10 +136,12 @@ def test_bad_task_arguments_are_rejected_with_a_logged_reason(daemon, tiny_check
     daemon.send(LOAD_MODEL, **_load_kwargs(5, "/x", colour="blue"))
     daemon.send(UNLOAD_MODEL, replica_id=5, drain_timeout_s="soon")
     daemon.send(DRAIN_WORKER, timeout_s=-1)
-    # A wrong model path is a good task with a bad outcome: reported failed with the reason.
+    # A wrong model path is a good task with a bad outcome: reported failed with the reason. The
+    # daemon's --model-root confines loads: a path outside it fails before anything is read.
     daemon.send(LOAD_MODEL, **_load_kwargs(6, "/no/such/model"))
     failed = daemon.fake.wait_for(lambda: daemon.fake.replica(6, "failed"), timeout=15, what="replica 6 failed")
-    assert failed["error"] == "model path /no/such/model does not exist" and failed["endpoint_url"] == ""
+    assert failed["error"].startswith("model path /no/such/model lies outside this worker's model roots (")
+    assert failed["endpoint_url"] == ""
     log = daemon.log_text()
     for reason in ("rejected gpuworker.load_model: takes keyword arguments only, got 2 positional argument(s)",
                    "rejected gpuworker.load_model: replica_id must be an integer >= 0, got 'five'",
@@ -219,8 +223,8 @@ def test_replicas_named_in_a_heartbeat_answer_are_unloaded(daemon, tiny_checkpoi
 
 
 @pytest.mark.slow
-def test_sigterm_drains_and_stops_every_child(tmp_path, broker_url, tiny_checkpoint):
-    with running_daemon(tmp_path, broker_url) as daemon:
+def test_sigterm_drains_and_stops_every_child(tmp_path, tmp_path_factory, broker_url, tiny_checkpoint):
+    with running_daemon(tmp_path, broker_url, tmp_path_factory.getbasetemp()) as daemon:
         daemon.send(LOAD_MODEL, **_load_kwargs(1, tiny_checkpoint("llama")))
         daemon.send(LOAD_MODEL, **_load_kwargs(2, tiny_checkpoint("llama")))
         daemon.fake.wait_for(lambda: daemon.fake.replica(1, "ready"), timeout=60, what="replica 1 ready")
@@ -234,8 +238,8 @@ def test_sigterm_drains_and_stops_every_child(tmp_path, broker_url, tiny_checkpo
         assert "Traceback" not in daemon.log_text()
 
 
-def test_drain_worker_unloads_everything_and_refuses_new_loads(tmp_path, broker_url, tiny_checkpoint):
-    with running_daemon(tmp_path, broker_url, refuse_registrations=2) as daemon:
+def test_drain_worker_unloads_everything_and_refuses_new_loads(tmp_path, tmp_path_factory, broker_url, tiny_checkpoint):
+    with running_daemon(tmp_path, broker_url, tmp_path_factory.getbasetemp(), refuse_registrations=2) as daemon:
         # Registration was retried with backoff until the control plane answered.
         assert len(daemon.fake.registrations) == 1
         assert daemon.log_text().count("/internal/workers/register answered 503") == 2
@@ -251,9 +255,9 @@ def test_drain_worker_unloads_everything_and_refuses_new_loads(tmp_path, broker_
 
 
 @pytest.mark.slow
-def test_replicas_stop_when_the_daemon_is_killed(tmp_path, broker_url, tiny_checkpoint):
+def test_replicas_stop_when_the_daemon_is_killed(tmp_path, tmp_path_factory, broker_url, tiny_checkpoint):
     """A SIGKILLed daemon cannot drain; its children notice (parent-death signal) and stop themselves."""
-    with running_daemon(tmp_path, broker_url) as daemon:
+    with running_daemon(tmp_path, broker_url, tmp_path_factory.getbasetemp()) as daemon:
         daemon.send(LOAD_MODEL, **_load_kwargs(1, tiny_checkpoint("llama")))
         daemon.fake.wait_for(lambda: daemon.serve_children(), timeout=15, what="a replica process")
         [child] = daemon.serve_children()

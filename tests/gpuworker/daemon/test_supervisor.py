@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -50,13 +51,15 @@ def _serve_children() -> list[psutil.Process]:
 
 
 @pytest.fixture
-def supervisor(tmp_path, monkeypatch):
+def supervisor(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # children inherit it: tiny models need no threads
     _OTHERS.clear()
     _OTHERS.update(p.pid for p in psutil.Process().children() if "serve" in p.cmdline())
     base = _port_base()
+    # The session's temporary folder holds tmp_path and every tiny checkpoint.
     supervisor = Supervisor(token=TOKEN, gpu_count=0, port_range=(base, base + 20), advertise_host="127.0.0.1",
-                            bind_host="127.0.0.1", state_dir=tmp_path, worker_name="test-host")
+                            bind_host="127.0.0.1", state_dir=tmp_path, worker_name="test-host",
+                            model_roots=(tmp_path_factory.getbasetemp(),))
     supervisor.start()
     yield supervisor
     supervisor.close(drain_timeout_s=5)
@@ -70,12 +73,12 @@ def test_bad_loads_fail_with_a_reason_before_any_process_starts(supervisor, tmp_
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
-    load(1, "/no/such/model")
+    load(1, tmp_path / "no" / "such" / "model")
     load(2, tmp_path / "empty")
     load(3, tmp_path / "file")
     load(4, tiny_checkpoint("llama"), gpu_index=0)
     errors = {i: _wait(supervisor, i, "failed", timeout=5).error for i in (1, 2, 3, 4)}
-    assert errors[1] == "model path /no/such/model does not exist"
+    assert errors[1] == f"model path {tmp_path / 'no' / 'such' / 'model'} does not exist"
     assert errors[2].endswith("has no config.json (expected a Hugging Face model directory)")
     assert errors[3] == f"model path {tmp_path / 'file'} is not a directory"
     assert errors[4] == "gpu_index 0 was requested, but this worker has no GPU"
@@ -83,6 +86,44 @@ def test_bad_loads_fail_with_a_reason_before_any_process_starts(supervisor, tmp_
     supervisor.refuse_loads = True
     load(5, tiny_checkpoint("llama"))
     assert _wait(supervisor, 5, "failed", timeout=5).error == "worker test-host is draining and takes no new loads"
+
+
+def test_loads_from_outside_the_model_roots_are_refused_however_the_path_escapes(tmp_path, tiny_checkpoint):
+    """`..` segments and symlinks are resolved before the check; a daemon without roots loads nothing."""
+    outside = tiny_checkpoint("llama")
+    root = tmp_path / "models"
+    root.mkdir()
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    dotdot = f"{root}/{os.path.relpath(outside, root)}"
+    assert ".." in dotdot and (Path(dotdot) / "config.json").is_file()
+
+    def supervised(roots) -> Supervisor:
+        base = _port_base()
+        return Supervisor(token=TOKEN, gpu_count=0, port_range=(base, base + 20), advertise_host="127.0.0.1",
+                          bind_host="127.0.0.1", state_dir=tmp_path / "state", worker_name="test-host",
+                          model_roots=roots)
+
+    confined, unconfined = supervised((root,)), supervised(())
+    for s in (confined, unconfined):
+        s.start()
+    try:
+        for replica_id, path in ((1, dotdot), (2, root / "link")):
+            confined.load(LoadModel(replica_id=replica_id, model_path=str(path), served_model_name="m",
+                                    gpu_index=None, memory_fraction=0.5))
+        unconfined.load(LoadModel(replica_id=3, model_path=str(outside), served_model_name="m",
+                                  gpu_index=None, memory_fraction=0.5))
+        errors = {i: _wait(confined, i, "failed", timeout=5).error for i in (1, 2)}
+        errors[3] = _wait(unconfined, 3, "failed", timeout=5).error
+    finally:
+        for s in (confined, unconfined):
+            s.close(drain_timeout_s=5)
+    for replica_id in (1, 2):
+        assert f"(resolved: {outside})" in errors[replica_id]
+        assert errors[replica_id].endswith(f"lies outside this worker's model roots ({root}); move the checkpoint "
+                                           "under one or start the daemon with another --model-root")
+    assert errors[3].startswith("this worker has no model root, so it loads no model: start its daemon with "
+                                "--model-root DIR")
+    assert not [p for p in psutil.Process().children() if "serve" in p.cmdline() and str(outside) in p.cmdline()]
 
 
 @pytest.mark.slow
@@ -131,11 +172,12 @@ def _gpu_count() -> int:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_count() == 0, reason="no GPU visible to NVML")
-def test_replica_on_a_gpu(tmp_path, tiny_checkpoint):
+def test_replica_on_a_gpu(tmp_path, tmp_path_factory, tiny_checkpoint):
     probe = HardwareProbe("cuda")
     base = _port_base()
     supervisor = Supervisor(token=TOKEN, gpu_count=probe.gpu_count, port_range=(base, base + 20),
-                            advertise_host="127.0.0.1", bind_host="127.0.0.1", state_dir=tmp_path, worker_name="gpu")
+                            advertise_host="127.0.0.1", bind_host="127.0.0.1", state_dir=tmp_path, worker_name="gpu",
+                            model_roots=(tmp_path_factory.getbasetemp(),))
     supervisor.start()
     try:
         used_before = probe.sample()["gpus"][0]["memory_used_bytes"]

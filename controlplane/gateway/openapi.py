@@ -1,0 +1,112 @@
+"""The /v1 API's OpenAPI document (served at /v1/openapi.json), generated from the request models
+that the gateway and the replicas check (`gpuworker.contract.openai_api`), so it cannot drift from
+what is accepted. tests/controlplane/gateway/test_openapi.py fuzzes the running gateway with it.
+"""
+
+import functools
+
+from pydantic.json_schema import models_json_schema
+
+from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest
+
+_REF = "#/components/schemas/{model}"
+JSON, EVENT_STREAM = "application/json", "text/event-stream"
+
+# What the gateway answers besides 200, each in OpenAI's error shape. 5xx are listed because they
+# happen (no replica ready, a replica failing) but must never come from a request's content.
+_ERRORS = {
+    "400": "The body is not valid JSON, or a field is wrong (`param` names it).",
+    "401": "No API key, or an invalid, revoked or expired one.",
+    "403": "This API key may not use the model.",
+    "404": "No such model (or endpoint).",
+    "409": "A request with this Idempotency-Key is still in flight.",
+    "413": "The request body is larger than the gateway accepts.",
+    "429": "A rate or concurrency limit was reached (see the retry-after header), or the credit ran out.",
+    "500": "An error of the server's own.",
+    "502": "The replica failed the request.",
+    "503": "No replica can take the request now, or a dependency is down (see the retry-after header).",
+    "504": "The request took longer than the gateway allows.",
+}
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+    }},
+}
+
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {name: {"type": "integer", "minimum": 0}
+                         for name in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+
+
+def _completion_schema(object_name: str) -> dict:
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices"],
+            "properties": {"id": {"type": "string"}, "object": {"const": object_name},
+                           "created": {"type": "integer"}, "model": {"type": "string"},
+                           "choices": {"type": "array", "items": {"type": "object", "required": ["index"]}},
+                           "usage": _USAGE}}
+
+
+# One server-sent event: its data is a JSON chunk, an error object, or [DONE].
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+
+_MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+               "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                              "owned_by": {"type": "string"}}}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _responses(ok: dict) -> dict:
+    errors = {status: {"description": text, "content": {JSON: {"schema": _ref("Error")}}}
+              for status, text in _ERRORS.items()}
+    return {"200": ok, **errors}
+
+
+def _completion_operation(summary: str, request: str, response: str) -> dict:
+    ok = {"description": "The completion; with `stream: true`, server-sent events of chunks ending `data: [DONE]`.",
+          "content": {JSON: {"schema": _ref(response)}, EVENT_STREAM: {"schema": _SSE_EVENT}}}
+    return {"post": {"summary": summary,
+                     "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
+                                     "schema": {"type": "string"}}],
+                     "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
+                     "responses": _responses(ok)}}
+
+
+@functools.cache
+def openapi_document() -> dict:
+    _, definitions = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+                                        ref_template=_REF)
+    schemas = {**definitions["$defs"], "Error": _ERROR_SCHEMA, "Model": _MODEL_CARD,
+               "ChatCompletion": _completion_schema("chat.completion"),
+               "Completion": _completion_schema("text_completion"),
+               "ModelList": {"type": "object", "required": ["object", "data"],
+                             "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}}}
+    model_parameter = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "gpuserve /v1", "version": "1",
+                 "description": "The OpenAI-compatible API: chat and text completions, and the models this key may use."},
+        "servers": [{"url": "/"}],
+        "security": [{"bearer": []}],
+        "components": {"schemas": schemas,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                                      "description": "An API key of the tenant's."}}},
+        "paths": {
+            "/v1/chat/completions": _completion_operation("Create a chat completion", "ChatCompletionRequest",
+                                                          "ChatCompletion"),
+            "/v1/completions": _completion_operation("Create a text completion", "CompletionRequest", "Completion"),
+            "/v1/models": {"get": {"summary": "The models this key may use", "responses": _responses(
+                {"description": "The models.", "content": {JSON: {"schema": _ref("ModelList")}}})}},
+            "/v1/models/{model}": {"get": {"summary": "One model", "parameters": [model_parameter],
+                                           "responses": _responses({"description": "The model.",
+                                                                    "content": {JSON: {"schema": _ref("Model")}}})}},
+        },
+    }
