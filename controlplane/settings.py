@@ -194,7 +194,7 @@ GATEWAY_HOLD_SWEEP_SECONDS = env_int("GATEWAY_HOLD_SWEEP_SECONDS", 30)
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
 # Health probes and the worker daemons come from inside the host or its private network over
 # plain HTTP.
-SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^internal/"]
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^internal/"]
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
 CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000)
