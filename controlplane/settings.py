@@ -162,10 +162,11 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # --- The public /v1 API (controlplane.gateway) -----------------------------------------------
-# How long a gateway process trusts its cached copy of an API key. Revocations are also pushed
-# through Redis, so they take effect at once; without Redis (one embedded process) keys are
-# re-read every second instead.
+# How long a gateway process trusts its cached copy of an API key at most. Changes to keys,
+# tenants and plans are recorded in the database and read by every gateway process each
+# GATEWAY_KEY_CHANGES_POLL_MS (and announced through Redis, so usually acted on at once).
 GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 30)
+GATEWAY_KEY_CHANGES_POLL_MS = env_int("GATEWAY_KEY_CHANGES_POLL_MS", 500)
 # How stale the gateway's view of models and ready replicas may get.
 GATEWAY_ROUTING_REFRESH_MS = env_int("GATEWAY_ROUTING_REFRESH_MS", 1000)
 # How long a request waits for a model whose replicas are still loading before it gets a 503.
