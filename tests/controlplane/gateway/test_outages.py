@@ -191,6 +191,22 @@ def _ready(world) -> httpx.Response:
     return httpx.get(f"{world.base_url}/readyz", timeout=10)
 
 
+def _stream_through(world, fault) -> str:
+    """Stream 150 tokens, calling `fault()` once the first has arrived; checks that the stream
+    still ends as a whole, well-formed answer and returns its request id."""
+    with httpx.stream("POST", f"{world.base_url}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {world.api_key.plaintext}"},
+                      json={"model": world.model.public_name, "messages": CHAT, "max_tokens": 150,
+                            "ignore_eos": True, "stream": True}) as response:
+        request_id = response.headers["x-request-id"]
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+        fault()
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and '"error"' not in "".join(rest)
+    return request_id
+
+
 def _wait(check, timeout: float, what: str) -> float:
     """Wait until `check()`; returns how long that took (the measured figure)."""
     started = time.monotonic()
@@ -220,16 +236,7 @@ def test_redis_down_is_a_503_with_retry_after_and_readiness_names_redis(world, p
 
 
 def test_a_stream_in_flight_when_redis_goes_away_finishes_and_is_billed(world, private_redis):
-    with httpx.stream("POST", f"{world.base_url}/v1/chat/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {world.api_key.plaintext}"},
-                      json={"model": world.model.public_name, "messages": CHAT, "max_tokens": 150,
-                            "ignore_eos": True, "stream": True}) as response:
-        request_id = response.headers["x-request-id"]
-        lines = response.iter_lines()
-        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
-        private_redis.stop()
-        rest = [line for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]" and '"error"' not in "".join(rest)
+    request_id = _stream_through(world, private_redis.stop)
     wait_until(lambda: UsageRecord.objects.filter(request_id=request_id).exists(), 30, "the settlement")
     record = UsageRecord.objects.get(request_id=request_id)
     assert record.status == UsageRecord.Status.COMPLETED and record.completion_tokens == 150
@@ -341,16 +348,7 @@ def test_database_down_is_a_503_with_retry_after_and_readiness_names_the_databas
 
 
 def test_a_stream_that_ends_while_the_database_is_away_is_settled_when_it_returns(world, database_proxy):
-    with httpx.stream("POST", f"{world.base_url}/v1/chat/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {world.api_key.plaintext}"},
-                      json={"model": world.model.public_name, "messages": CHAT, "max_tokens": 150,
-                            "ignore_eos": True, "stream": True}) as response:
-        request_id = response.headers["x-request-id"]
-        lines = response.iter_lines()
-        assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
-        database_proxy.cut()
-        rest = [line for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]" and '"error"' not in "".join(rest)
+    request_id = _stream_through(world, database_proxy.cut)
     # The outage lasts longer than a settlement used to be retried for (2.5 s); the hold outlives
     # the test by ten minutes, so the sweeper is not what settles it.
     time.sleep(5)
