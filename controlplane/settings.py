@@ -178,10 +178,11 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # --- The public /v1 API (controlplane.gateway) -----------------------------------------------
-# How long a gateway process trusts its cached copy of an API key. Revocations are also pushed
-# through Redis, so they take effect at once; without Redis (one embedded process) keys are
-# re-read every second instead.
+# How long a gateway process trusts its cached copy of an API key at most. Changes to keys,
+# tenants and plans are recorded in the database and read by every gateway process each
+# GATEWAY_KEY_CHANGES_POLL_MS (and announced through Redis, so usually acted on at once).
 GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 30)
+GATEWAY_KEY_CHANGES_POLL_MS = env_int("GATEWAY_KEY_CHANGES_POLL_MS", 500)
 # How stale the gateway's view of models and ready replicas may get.
 GATEWAY_ROUTING_REFRESH_MS = env_int("GATEWAY_ROUTING_REFRESH_MS", 1000)
 # How long a request waits for a model whose replicas are still loading before it gets a 503.
@@ -210,7 +211,7 @@ GATEWAY_HOLD_SWEEP_SECONDS = env_int("GATEWAY_HOLD_SWEEP_SECONDS", 30)
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
 # Health probes and the worker daemons come from inside the host or its private network over
 # plain HTTP.
-SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^internal/"]
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^internal/"]
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
 CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31536000)

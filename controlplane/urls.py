@@ -1,5 +1,5 @@
 """Top-level URL map of the Django app: the dashboard pages, the admin, the worker daemons'
-/internal/ API and the health probe. The public /v1 API is not here: it is a Starlette app
+/internal/ API and the health probes. The public /v1 API is not here: it is a Starlette app
 (controlplane.gateway.app) that controlplane.asgi puts in front of Django for every /v1 path."""
 
 from django.contrib import admin
@@ -15,4 +15,5 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("internal/", include("controlplane.fleet.urls")),
     path("healthz", health.healthz, name="healthz"),
+    path("readyz", health.readyz, name="readyz"),
 ]

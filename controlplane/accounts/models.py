@@ -4,6 +4,7 @@ from django.contrib.auth.models import AbstractUser, UserManager
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
+from django.db.models.functions import Now
 from django.utils import timezone
 
 
@@ -96,3 +97,21 @@ class ApiKey(models.Model):
 
     def is_expired(self, now=None) -> bool:
         return self.expires_at is not None and self.expires_at <= (now or timezone.now())
+
+
+class ApiKeyChange(models.Model):
+    """A change to what a key may do (the key itself, its tenant or the tenant's plan), written in
+    the transaction that makes it. Gateway processes cache keys, and read these rows about twice a
+    second to drop what changed: a change reaches them even when the Redis announcement is lost.
+    Rows are kept for a day (`accounts.services.api_key_changes_record` prunes older ones)."""
+
+    # Plain ids, not foreign keys: the row must outlive a deleted key and never block a delete.
+    key_hash = models.CharField(max_length=64, blank=True)
+    tenant_id = models.BigIntegerField(null=True)
+    plan_id = models.BigIntegerField(null=True)
+    # The database's clock (the transaction's start), so that readers compare it with their own
+    # query's `now()` and no two hosts' clocks need to agree.
+    changed_at = models.DateTimeField(db_default=Now(), db_index=True)
+
+    def __str__(self) -> str:
+        return f"change {self.pk}: key {self.key_hash[:8]} tenant {self.tenant_id} plan {self.plan_id}"

@@ -1,12 +1,13 @@
 """Reads for tenants, users and API keys, including the key check the gateway relies on."""
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db.models import QuerySet
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane.accounts.keys import KEY_SCHEME, hash_api_key
-from controlplane.accounts.models import ApiKey, Tenant, User
+from controlplane.accounts.models import ApiKey, ApiKeyChange, Tenant, User
 
 
 class ApiKeyRejected(Exception):
@@ -58,3 +59,10 @@ def tenant_get_by_name(*, name: str) -> Tenant | None:
 
 def user_get_by_username(*, username: str) -> User | None:
     return User.objects.filter(username=username).first()
+
+
+def api_key_changes_recent(*, within: timedelta) -> list[tuple[int, str, int | None, int | None]]:
+    """(id, key hash, tenant id, plan id) of the key changes of the last `within`, by the
+    database's clock; one range scan of an index."""
+    return list(ApiKeyChange.objects.filter(changed_at__gte=Now() - within)
+                .values_list("id", "key_hash", "tenant_id", "plan_id"))

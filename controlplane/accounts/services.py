@@ -12,18 +12,25 @@ from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
-from controlplane.accounts.models import ApiKey, Tenant, User
+from controlplane.accounts.models import ApiKey, ApiKeyChange, Tenant, User
 from controlplane.catalog.selectors import models_by_public_name
 from controlplane.common.services import validated_save
 
 logger = logging.getLogger(__name__)
 
-# Gateway processes cache keys by hash; a changed key's hash is published here so every process
-# drops its copy at once instead of waiting for the cache's TTL.
+# Gateway processes cache keys by hash. Every change is an `ApiKeyChange` row, which they poll;
+# it is also announced here (the key's hash, or ALL_KEYS_CHANGED for a tenant or plan) so they
+# act at once instead of at their next poll. Announcements are only a hint: they are lost while
+# Redis is down, the rows are not.
 API_KEY_CHANGES_CHANNEL = "gpuserve:api-key-changes"
+ALL_KEYS_CHANGED = "*"
+# Far longer than a gateway's look-back (gateway.keys), which drops every cached key when it has
+# not read the changes for longer than that.
+API_KEY_CHANGE_RETENTION = timedelta(days=1)
 # `last_used_at` is a "recently used" hint, not an audit log: one write a minute per key at most.
 LAST_USED_RESOLUTION = timedelta(minutes=1)
 # A playground session renews its key before this runs out; an abandoned one just expires.
@@ -99,9 +106,7 @@ def api_key_create(
 @transaction.atomic
 def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     api_key.revoked = True
-    api_key.save(update_fields=["revoked"])
-    key_hash = api_key.key_hash
-    transaction.on_commit(lambda: _publish_api_key_change(key_hash))
+    api_key.save(update_fields=["revoked"])  # recorded by accounts.signals
     return api_key
 
 
@@ -134,13 +139,30 @@ def _redis(url: str):
     return redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
 
 
-def _publish_api_key_change(key_hash: str) -> None:
+@transaction.atomic
+def api_key_changes_record(*, key_hashes: Sequence[str] = (), tenant_ids: Sequence[int] = (),
+                           plan_ids: Sequence[int] = ()) -> None:
+    """Record, in the caller's transaction, that these keys (or every key of these tenants or
+    plans) changed, so that gateways drop their cached copies; announced after commit."""
+    rows = ([ApiKeyChange(key_hash=h) for h in key_hashes] + [ApiKeyChange(tenant_id=t) for t in tenant_ids]
+            + [ApiKeyChange(plan_id=p) for p in plan_ids])
+    if not rows:
+        return
+    ApiKeyChange.objects.bulk_create(rows)
+    ApiKeyChange.objects.filter(changed_at__lt=Now() - API_KEY_CHANGE_RETENTION).delete()
+    hints = list(key_hashes) + ([ALL_KEYS_CHANGED] if tenant_ids or plan_ids else [])
+    transaction.on_commit(lambda: _publish_api_key_changes(hints))
+
+
+def _publish_api_key_changes(hints: list[str]) -> None:
     if not settings.REDIS_URL:
-        return  # one embedded process: its gateway re-reads keys every second anyway
+        return  # one embedded process: its gateway polls the changes anyway
     try:
-        _redis(settings.REDIS_URL).publish(API_KEY_CHANGES_CHANNEL, key_hash)
-    except Exception:  # the key is revoked in the database; caches expire on their own
-        logger.warning("could not publish the change of API key %s…", key_hash[:8], exc_info=True)
+        client = _redis(settings.REDIS_URL)
+        for hint in hints:
+            client.publish(API_KEY_CHANGES_CHANNEL, hint)
+    except Exception:  # recorded in the database: gateways see it at their next poll
+        logger.warning("could not announce %d API key change(s)", len(hints), exc_info=True)
 
 
 def _allowed_models(*, all_models: bool, names: Sequence[str]) -> list:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from controlplane.gateway import completions
 from controlplane.gateway.config import GatewayConfig
-from controlplane.gateway.errors import GatewayError, model_not_found
+from controlplane.gateway.errors import GatewayError, dependency_unavailable, model_not_found
 from controlplane.gateway.openapi import openapi_document
 from controlplane.gateway.process import Gateway
 
@@ -50,7 +50,11 @@ def build_app() -> Starlette:
                 response = await handler(await gateway(), request, request_id)
             except GatewayError as error:
                 return error.response(request_id)
-            except Exception:
+            except Exception as exc:
+                retry_after = app.state.gateway.config.retry_after_s if app.state.gateway else 1
+                if (error := dependency_unavailable(exc, retry_after)) is not None:
+                    logger.warning("request %s: %s (%s)", request_id, error.message, type(exc).__name__)
+                    return error.response(request_id)
                 logger.exception("request %s failed", request_id)
                 error = GatewayError(500, "The server had an error while processing your request.",
                                      type="server_error", code="internal_error")

@@ -11,6 +11,7 @@ class GatewayConfig:
     redis_url: str
     worker_token: str
     key_cache_s: float
+    key_changes_poll_s: float
     routing_refresh_s: float
     replica_wait_s: float
     retry_after_s: int
@@ -40,8 +41,8 @@ class GatewayConfig:
         return cls(
             redis_url=settings.REDIS_URL,
             worker_token=worker_token,
-            # Without Redis nothing pushes revocations, so the cache itself must be short.
-            key_cache_s=float(settings.GATEWAY_KEY_CACHE_SECONDS) if settings.REDIS_URL else 1.0,
+            key_cache_s=float(settings.GATEWAY_KEY_CACHE_SECONDS),
+            key_changes_poll_s=settings.GATEWAY_KEY_CHANGES_POLL_MS / 1000.0,
             routing_refresh_s=settings.GATEWAY_ROUTING_REFRESH_MS / 1000.0,
             replica_wait_s=float(settings.GATEWAY_REPLICA_WAIT_SECONDS),
             retry_after_s=settings.GATEWAY_RETRY_AFTER_SECONDS,

@@ -2,6 +2,8 @@
 
 import json
 
+import redis.exceptions
+from django.db import InterfaceError, OperationalError
 from starlette.responses import Response
 
 
@@ -50,3 +52,15 @@ def insufficient_quota() -> GatewayError:
 def unavailable(message: str, retry_after_s: int, code: str = "model_unavailable") -> GatewayError:
     return GatewayError(503, message, type="service_unavailable", code=code,
                         headers={"retry-after": str(retry_after_s)})
+
+
+def dependency_unavailable(exc: BaseException, retry_after_s: int) -> GatewayError | None:
+    """A 503 naming the dependency when `exc` says the database or Redis cannot be reached (never
+    the driver's message, which names hosts and users); None for any other error."""
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        what, code = "the database", "database_unavailable"
+    elif isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        what, code = "Redis (rate limits and requests in flight)", "redis_unavailable"
+    else:
+        return None
+    return unavailable(f"The service cannot reach {what} right now; try again shortly.", retry_after_s, code=code)

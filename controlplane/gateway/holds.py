@@ -56,8 +56,10 @@ class GatewayParts(Protocol):
 COMPLETED = UsageRecord.Status.COMPLETED
 CANCELLED = UsageRecord.Status.CANCELLED
 FAILED = UsageRecord.Status.FAILED
-# A settlement is retried through a short database outage before the sweeper has to step in.
-_SETTLE_RETRY_PAUSES_S = (0.5, 2.0)
+# A settlement is retried through a database outage of up to about 40 s (its hold outlives the
+# longest request by a minute) with the request's own status and usage; only a longer outage
+# leaves it to the sweeper, which knows neither.
+_SETTLE_RETRY_PAUSES_S = (0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0)
 
 
 class HoldPlacer:
@@ -245,7 +247,8 @@ class Flight:
                 await self.gw.settles.submit(outcome)
                 return
             except DatabaseError:
-                logger.warning("settling %s failed; retrying in %.1f s", self.request_id, pause, exc_info=True)
+                logger.warning("settling %s failed; retrying in %.1f s", self.request_id, pause,
+                               exc_info=pause == _SETTLE_RETRY_PAUSES_S[0])  # one traceback per request
                 await asyncio.sleep(pause)
         await self.gw.settles.submit(outcome)  # the last try; if it fails the sweeper takes over
 

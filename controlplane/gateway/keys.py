@@ -1,16 +1,22 @@
 """API key checks for the hot path: by hash, from an in-process cache with a short TTL.
 
 Steady traffic costs no database query; a miss reads the key once however many requests wait on
-it. Revocations arrive through Redis (`RedisShared.listen_key_changes`) and drop the cached copy
-at once; the TTL bounds how stale anything else (expiry changes, plan changes) can get.
+it. Every change to a key, its tenant or its plan is a row in the database (`ApiKeyChange`,
+written in the change's own transaction): `follow_changes` reads the recent rows about twice a
+second, off the request path, and drops the keys they name. Redis announcements
+(`RedisShared.listen_key_changes`) only make that happen at once; a change made while Redis is
+down still takes effect at the next read. The TTL is a last bound on staleness.
 """
 
 import asyncio
+import logging
 import time
+from collections.abc import Iterable
+from datetime import timedelta
 
 from controlplane.accounts.keys import hash_api_key
-from controlplane.accounts.selectors import ApiKeyRejected
-from controlplane.accounts.services import LAST_USED_RESOLUTION, api_key_record_use
+from controlplane.accounts.selectors import ApiKeyRejected, api_key_changes_recent
+from controlplane.accounts.services import ALL_KEYS_CHANGED, LAST_USED_RESOLUTION, api_key_record_use
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.errors import invalid_api_key
@@ -20,6 +26,12 @@ _MAX_ENTRIES = 50_000
 # Unknown keys are remembered too (so a flood of bad keys does not become a flood of queries),
 # but briefly: a key created a moment ago must start working quickly.
 _REJECTION_TTL_S = 2.0
+# Each read of the changes covers this much of the past, by the database's clock: a change's row
+# carries its transaction's start but is visible only from its commit, so the window must outlast
+# any such transaction. A process that could not read for nearly this long drops every key.
+_CHANGES_LOOKBACK = timedelta(seconds=60)
+
+logger = logging.getLogger(__name__)
 
 
 class KeyCache:
@@ -29,6 +41,7 @@ class KeyCache:
         self._loading: dict[str, asyncio.Future] = {}
         self._recorded_use: dict[int, float] = {}  # key id -> when last_used_at was last written
         self._background: set[asyncio.Task] = set()
+        self._read_changes = asyncio.Event()
 
     async def authenticate(self, authorization: str | None) -> KeyGrant:
         """The grant for the bearer key in `authorization`; raises a 401 GatewayError otherwise."""
@@ -90,6 +103,59 @@ class KeyCache:
         """A key changed: drop it, including a read of it still in flight."""
         self._entries.pop(key_hash, None)
         self._loading.pop(key_hash, None)
+
+    def forget(self, *, key_hashes: Iterable[str] = (), tenant_ids: set[int] = frozenset(),
+               plan_ids: set[int] = frozenset()) -> None:
+        """These keys, and every key of these tenants or plans, changed."""
+        for key_hash in key_hashes:
+            self.revoke_announced(key_hash)
+        if tenant_ids or plan_ids:
+            self._entries = {
+                key_hash: entry for key_hash, entry in self._entries.items()
+                if not (isinstance(entry[1], KeyGrant)
+                        and (entry[1].tenant_id in tenant_ids or entry[1].plan_id in plan_ids))}
+            self._loading.clear()  # a read in flight may be of one of them: do not cache it
+
+    def change_announced(self, hint: str) -> None:
+        """Redis announced a change (a key's hash or ALL_KEYS_CHANGED): drop a named key at once
+        and read the recorded changes now."""
+        if hint != ALL_KEYS_CHANGED:
+            self.revoke_announced(hint)
+        self._read_changes.set()
+
+    def read_changes_now(self) -> None:
+        self._read_changes.set()
+
+    async def follow_changes(self) -> None:
+        """Forever: every `key_changes_poll_s`, or at once when announced, read the recorded key
+        changes (one indexed query on this cache's lane) and drop the keys they name."""
+        seen: set[int] = set()  # the change rows of the last read: each is acted on once
+        last_read: float | None = None
+        failing = False
+        while True:
+            try:
+                async with asyncio.timeout(self._config.key_changes_poll_s):
+                    await self._read_changes.wait()
+            except TimeoutError:
+                pass
+            self._read_changes.clear()
+            started = time.monotonic()
+            try:
+                rows = await self._lane.run(api_key_changes_recent, within=_CHANGES_LOOKBACK)
+            except Exception:
+                if not failing:  # once per outage, not twice a second
+                    logger.warning("could not read the API key changes; retrying", exc_info=True)
+                failing = True
+                continue
+            failing = False
+            if last_read is not None and started - last_read > _CHANGES_LOOKBACK.total_seconds() / 2:
+                self.forget_all()  # rows may have left the window unread
+            fresh = [row for row in rows if row[0] not in seen]
+            seen, last_read = {row[0] for row in rows}, started
+            if fresh:
+                self.forget(key_hashes=[h for _, h, _, _ in fresh if h],
+                            tenant_ids={t for _, _, t, _ in fresh if t is not None},
+                            plan_ids={p for _, _, _, p in fresh if p is not None})
 
     def _note_use(self, key_id: int, now: float) -> None:
         # At most one write a minute per key and process; the service's condition makes it one

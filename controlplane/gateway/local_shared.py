@@ -137,8 +137,7 @@ class LocalShared:
         self._idempotency.pop(scope, None)
 
     async def listen_key_changes(self, on_change: Callable[[str], None], on_gap: Callable[[], None]) -> None:
-        # Nothing announces changes here; the key cache's one-second TTL stands in (GatewayConfig).
-        on_gap()
+        # Nothing announces changes here: the key cache reads them from the database (keys.py).
         await asyncio.Event().wait()
 
     async def aclose(self) -> None:

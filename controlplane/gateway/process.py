@@ -31,7 +31,10 @@ class Gateway:
         self.shared = _shared_state(config)
         self._spawned: set[asyncio.Task] = set()
         self._chores = [
-            asyncio.ensure_future(self.shared.listen_key_changes(self.keys.revoke_announced, self.keys.forget_all)),
+            asyncio.ensure_future(self.keys.follow_changes()),
+            # Announcements only hurry the reads; after a gap the next read covers what was missed.
+            asyncio.ensure_future(self.shared.listen_key_changes(self.keys.change_announced,
+                                                                 self.keys.read_changes_now)),
             asyncio.ensure_future(sweep_expired_holds(self)),
         ]
 

@@ -20,6 +20,7 @@ class KeyGrant:
     tenant_rate_limit_per_minute: int
     key_max_concurrent: int
     tenant_max_concurrent: int
+    plan_id: int | None = None  # so that a change to the plan drops the key (keys.KeyCache)
 
     def allows(self, model_id: int) -> bool:
         return self.allowed_model_ids is None or model_id in self.allowed_model_ids
@@ -52,6 +53,7 @@ def key_grant_for(*, plaintext: str, default_rate_limit_per_minute: int, default
     return KeyGrant(
         key_id=api_key.pk,
         tenant_id=api_key.tenant_id,
+        plan_id=api_key.tenant.plan_id,
         expires_at=api_key.expires_at.timestamp() if api_key.expires_at else None,
         allowed_model_ids=api_key_allowed_model_ids(api_key=api_key),
         key_rate_limit_per_minute=api_key.rate_limit_per_minute or tenant_rpm,

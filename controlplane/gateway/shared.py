@@ -1,6 +1,6 @@
 """State all gateway processes share, in Redis: rate limits and requests in flight (per key, per
 tenant, per replica), replicas passed over after failing, first-token marks, idempotent results,
-and the channel that announces revoked keys.
+and the channel that announces key changes.
 
 Admission (both per-minute limits and both concurrency limits) is one Lua script (`scripts`), so
 it is atomic across processes; so is the choice of replica, and the hot path runs both in one
@@ -141,19 +141,21 @@ class RedisShared:
     async def idempotency_abandon(self, scope: str) -> None:
         await self._redis.delete(f"gw:idempotency:{scope}")
 
-    # --- revoked keys -----------------------------------------------------------------------
+    # --- key changes ------------------------------------------------------------------------
 
     async def listen_key_changes(self, on_change: Callable[[str], None], on_gap: Callable[[], None]) -> None:
-        """Call `on_change(key_hash)` for every announced key change, forever; `on_gap()` whenever
+        """Call `on_change(hint)` for every announced key change, forever; `on_gap()` whenever
         (re)subscribed, since announcements made while not subscribed are lost."""
         # A connection of its own without a read timeout: it waits for messages indefinitely.
         listener = aioredis.Redis.from_url(self._config.redis_url, socket_connect_timeout=2,
                                            health_check_interval=15)
+        failing = False
         try:
             while True:
                 try:
                     async with listener.pubsub() as pubsub:
                         await pubsub.subscribe(API_KEY_CHANGES_CHANNEL)
+                        failing = False
                         on_gap()
                         async for message in pubsub.listen():
                             if message["type"] == "message":
@@ -161,7 +163,9 @@ class RedisShared:
                 except asyncio.CancelledError:
                     raise
                 except Exception:
-                    logger.warning("lost the API key change channel; resubscribing", exc_info=True)
+                    if not failing:  # once per outage, not every second of it
+                        logger.warning("lost the API key change channel; resubscribing", exc_info=True)
+                    failing = True
                     on_gap()
                     await asyncio.sleep(1.0)
         finally:
