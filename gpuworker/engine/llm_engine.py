@@ -199,7 +199,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
             try:
-                return TokenizedPrompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+                return TokenizedPrompt(prompt, self._encode(prompt, add_special_tokens))
             except TypeError as exc:  # text the tokenizer cannot read (e.g. a lone surrogate)
                 raise ValueError(f"prompt: the tokenizer cannot read this text: {exc}") from None
         if not isinstance(prompt, (list, tuple)) or not prompt:
@@ -209,6 +209,15 @@ class LLMEngine:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
                 raise ValueError(f"prompt: token id {token_id!r} is not in [0, {vocab_size})")
         return TokenizedPrompt(None, list(prompt))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a slow (pure Python) tokenizer
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # What tokenizer.encode does, minus what stalls other threads: the batch call releases the
+        # GIL while it works (the single-text call holds it for seconds on megabytes), and only the
+        # ids become Python objects (not the mask and the rest transformers converts too).
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""

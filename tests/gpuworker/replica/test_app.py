@@ -450,17 +450,25 @@ def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monke
     stream (its engine thread is free); the huge request ends only after both."""
     base, app = server
     llm = app.state.holder.engine.engine
-    encode = llm.tokenizer.encode
     tokenizing, release = threading.Event(), threading.Event()
     huge = "y" * (1 << 20)
 
-    def observed_encode(text, *args, **kwargs):
-        if len(text) >= len(huge):
-            tokenizing.set()
-            release.wait(60)
-        return encode(text, *args, **kwargs)
+    class ObservedTokenizer:
+        """The real tokenizer (transformers' backend), held at the start of encoding the huge text."""
 
-    monkeypatch.setattr(llm.tokenizer, "encode", observed_encode)
+        def __init__(self, real):
+            self.real = real
+
+        def encode_batch(self, texts, *args, **kwargs):
+            if any(len(text) >= len(huge) for text in texts):
+                tokenizing.set()
+                release.wait(60)
+            return self.real.encode_batch(texts, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    monkeypatch.setattr(llm.tokenizer, "_tokenizer", ObservedTokenizer(llm.tokenizer._tokenizer))
     order: list[str] = []
     result: dict = {}
 
