@@ -217,7 +217,12 @@ class LLMEngine:
         # What tokenizer.encode does, minus what stalls other threads: the batch call releases the
         # GIL while it works (the single-text call holds it for seconds on megabytes), and only the
         # ids become Python objects (not the mask and the rest transformers converts too).
-        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if len(encoding) >= self.config.max_model_len:
+            # Refused now, by its length alone: millions of ids as Python ints would hold the GIL
+            # for a fifth of a second, only to be refused by the same check in add_request.
+            self.scheduler.check_admissible(len(encoding), None, 1)
+        return encoding.ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""
