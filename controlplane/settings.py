@@ -190,6 +190,9 @@ GATEWAY_REPLICA_WAIT_SECONDS = env_int("GATEWAY_REPLICA_WAIT_SECONDS", 10)
 # The retry-after a 503 (no replica ready) suggests.
 GATEWAY_RETRY_AFTER_SECONDS = env_int("GATEWAY_RETRY_AFTER_SECONDS", 5)
 GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS = env_int("GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS", 3)
+# The largest request body the gateway reads (bytes); a longer one is a 413 before any other work
+# (key, parsing, holds). 4 MiB holds a 128k-token context's text several times over.
+GATEWAY_MAX_REQUEST_BYTES = env_int("GATEWAY_MAX_REQUEST_BYTES", 4 * 1024 * 1024)
 # The longest a request may run, streaming included; its credit hold lives a minute longer.
 GATEWAY_REQUEST_TIMEOUT_SECONDS = env_int("GATEWAY_REQUEST_TIMEOUT_SECONDS", 600)
 # A replica that failed a request is passed over this long (by every gateway process).

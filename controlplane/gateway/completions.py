@@ -19,6 +19,7 @@ from controlplane.gateway.errors import GatewayError, bad_request, model_not_all
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
+from controlplane.gateway.request_body import json_object, read_body
 from controlplane.gateway.routing import affinity_choice
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
@@ -31,9 +32,9 @@ _STARTED_QUERY_TIMEOUT_S = 2.0
 
 
 async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -> Response:
+    raw = await read_body(request, gw.config.max_request_bytes)  # bounded before any other work
     grant = await gw.keys.authenticate(request.headers.get("authorization"))
-    raw = await request.body()
-    body = _json_object(raw)
+    body = json_object(raw)
     model = await _model(gw, grant, body.get("model"))
     try:
         parsed = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
@@ -150,16 +151,6 @@ async def _model(gw: Gateway, grant: KeyGrant, name) -> ModelRoute:
     if not grant.allows(model.model_id):
         raise model_not_allowed(name)
     return model
-
-
-def _json_object(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}.") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
-    return body
 
 
 async def _idempotent_replay(gw: Gateway, scope: str, fingerprint: str, request_id: str) -> Response | None:

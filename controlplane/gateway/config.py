@@ -17,6 +17,7 @@ class GatewayConfig:
     retry_after_s: int
     connect_timeout_s: float
     request_timeout_s: float
+    max_request_bytes: int
     replica_cooldown_s: float
     default_rate_limit_per_minute: int
     default_max_concurrent_requests: int
@@ -48,6 +49,7 @@ class GatewayConfig:
             retry_after_s=settings.GATEWAY_RETRY_AFTER_SECONDS,
             connect_timeout_s=float(settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS),
             request_timeout_s=float(settings.GATEWAY_REQUEST_TIMEOUT_SECONDS),
+            max_request_bytes=settings.GATEWAY_MAX_REQUEST_BYTES,
             replica_cooldown_s=float(settings.GATEWAY_REPLICA_COOLDOWN_SECONDS),
             default_rate_limit_per_minute=settings.GATEWAY_DEFAULT_RATE_LIMIT_PER_MINUTE,
             default_max_concurrent_requests=settings.GATEWAY_DEFAULT_MAX_CONCURRENT_REQUESTS,

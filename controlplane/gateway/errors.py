@@ -33,6 +33,13 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return GatewayError(400, message, param=param, code=code)
 
 
+def request_too_large(limit: int) -> GatewayError:
+    # The rest of the body is never read, so the connection cannot carry another request.
+    return GatewayError(413, f"The request body is larger than the limit of {limit} bytes "
+                             "(GATEWAY_MAX_REQUEST_BYTES).", code="request_too_large",
+                        headers={"connection": "close"})
+
+
 def model_not_found(name: str) -> GatewayError:
     return GatewayError(404, f"The model {name!r} does not exist or is not enabled.", param="model",
                         code="model_not_found")

@@ -45,9 +45,10 @@ class KeyCache:
 
     async def authenticate(self, authorization: str | None) -> KeyGrant:
         """The grant for the bearer key in `authorization`; raises a 401 GatewayError otherwise."""
-        if not authorization or not authorization.startswith("Bearer "):
+        scheme, _, plaintext = (authorization or "").partition(" ")
+        plaintext = plaintext.strip()
+        if scheme.lower() != "bearer" or not plaintext:  # RFC 7235: the scheme is case-insensitive
             raise invalid_api_key("Missing API key: send it as 'Authorization: Bearer sk-...'.")
-        plaintext = authorization[len("Bearer "):].strip()
         key_hash = hash_api_key(plaintext)
         now = time.monotonic()
         entry = self._entries.get(key_hash)

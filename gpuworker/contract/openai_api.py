@@ -27,11 +27,18 @@ class ProtocolError(ValueError):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """Types as OpenAI checks them: "4" is not a number and "yes" not a boolean (400 naming the
+    field); an int is still a valid float (`"temperature": 1`)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Strict):
     model_config = ConfigDict(extra="ignore")
 
     model: str = ""
@@ -95,7 +102,7 @@ def _function_name(value: str, param: str) -> str:
     return value
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str
@@ -110,7 +117,7 @@ class JsonSchemaSpec(BaseModel):
         return _function_name(value, "response_format.json_schema.name")
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
     """OpenAI's response_format: text, any JSON object, or JSON that validates against a schema."""
 
     model_config = ConfigDict(extra="forbid")
@@ -132,7 +139,7 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_Strict):
     model_config = ConfigDict(extra="ignore")
 
     name: str
@@ -141,27 +148,27 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(_Strict):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedToolChoice(BaseModel):
-    class _Name(BaseModel):
+class NamedToolChoice(_Strict):
+    class _Name(_Strict):
         name: str
 
     type: Literal["function"]
     function: _Name
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(_Strict):
     name: str
     arguments: str
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(_Strict):
     """A tool call an assistant made earlier in the conversation."""
 
     id: str
@@ -169,7 +176,7 @@ class MessageToolCall(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -316,6 +323,49 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         return self._sampling_kwargs(self.max_tokens, self.logprobs)
+
+
+# Where a lone UTF-16 surrogate can come from: a JSON escape of one (a valid pair is decoded into
+# one character) or its UTF-8 form, which json.loads lets through. Only bodies with one of these
+# are searched, so ordinary bodies cost one scan of their bytes.
+_SURROGATE_SOURCE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """A request body as a JSON object, or ProtocolError (400): not JSON or not UTF-8, nested too
+    deeply for the parser, not an object, or holding a lone UTF-16 surrogate (not text: no
+    tokenizer can read it)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ProtocolError("request body is nested too deeply to parse") from None
+    except ValueError as exc:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
+        raise ProtocolError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("request body must be a JSON object")
+    if _SURROGATE_SOURCE.search(raw) and (where := _lone_surrogate(body)) is not None:
+        raise ProtocolError(f"{where}: contains a lone UTF-16 surrogate (\\ud800-\\udfff without its pair), "
+                            "which is not text", param=where)
+    return body
+
+
+def _lone_surrogate(body: dict) -> str | None:
+    """The dotted path of the first string (or object, for a key) in `body` with a lone surrogate."""
+    stack: list[tuple[str, Any]] = [("", body)]  # iterative: the body may be nested deeply
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                if _LONE_SURROGATE.search(key):
+                    return path or "body"  # the object with the bad key (the key itself cannot be printed)
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 def parse_request(cls: type[BaseModel], body: Any):

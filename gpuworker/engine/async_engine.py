@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from gpuworker.engine.llm_engine import LLMEngine, Prompt
+from gpuworker.engine.llm_engine import LLMEngine, Prompt, TokenizedPrompt
 from gpuworker.engine.outputs import RequestOutput
 from gpuworker.engine.sampling_params import SamplingParams
 
@@ -44,11 +44,15 @@ class AsyncLLMEngine:
     def from_engine(cls, engine: LLMEngine) -> AsyncLLMEngine:
         return cls(engine=engine)
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None,
+    async def generate(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield an output each step the request advances; the last one has finished=True."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
+        if not isinstance(prompt, TokenizedPrompt):
+            # Tokenizing (or checking) megabytes takes seconds: neither on the caller's event loop,
+            # which serves other streams, nor on the engine thread, which steps them.
+            prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params)

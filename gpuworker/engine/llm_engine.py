@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from jinja2 import TemplateError
@@ -36,6 +36,14 @@ from gpuworker.models.loader import load_model, load_model_config, load_tokenize
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+
+
+class TokenizedPrompt(NamedTuple):
+    """A prompt made ready by `LLMEngine.tokenize` (or `render_chat`): its text if it was text,
+    and its checked token ids. A server makes it off the engine thread, which then only adds it."""
+
+    text: str | None
+    token_ids: list[int]
 
 
 class _Request:
@@ -136,9 +144,9 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        prompt_text, prompt_ids = self._tokenize(prompt)
+        prompt_text, prompt_ids = prompt if isinstance(prompt, TokenizedPrompt) else self.tokenize(prompt)
         self._add(request_id, prompt_text, prompt_ids, params, arrival_time)
 
     def _add(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
@@ -182,20 +190,39 @@ class LLMEngine:
                 self.structured_outputs = StructuredOutputs(grammars, pin_memory=self.device.type == "cuda")
             return self.structured_outputs
 
-    def _tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> TokenizedPrompt:
+        """Text to token ids, or token ids checked against the vocabulary; ValueError for bad input.
+        Safe to call from another thread: it only reads the tokenizer and the model config."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            try:
+                return TokenizedPrompt(prompt, self._encode(prompt, add_special_tokens))
+            except TypeError as exc:  # text the tokenizer cannot read (e.g. a lone surrogate)
+                raise ValueError(f"prompt: the tokenizer cannot read this text: {exc}") from None
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or list of token ids")
         vocab_size = self.model_config.vocab_size
         for token_id in prompt:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
                 raise ValueError(f"prompt: token id {token_id!r} is not in [0, {vocab_size})")
-        return None, list(prompt)
+        return TokenizedPrompt(None, list(prompt))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a slow (pure Python) tokenizer
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # What tokenizer.encode does, minus what stalls other threads: the batch call releases the
+        # GIL while it works (the single-text call holds it for seconds on megabytes), and only the
+        # ids become Python objects (not the mask and the rest transformers converts too).
+        encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if len(encoding) >= self.config.max_model_len:
+            # Refused now, by its length alone: millions of ids as Python ints would hold the GIL
+            # for a fifth of a second, only to be refused by the same check in add_request.
+            self.scheduler.check_admissible(len(encoding), None, 1)
+        return encoding.ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""
@@ -395,7 +422,7 @@ class LLMEngine:
         """Run prompts (text or token ids) to completion; outputs come back in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run_all([self._tokenize(prompt) for prompt in prompts], params)
+        return self._run_all([self.tokenize(prompt) for prompt in prompts], params)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -404,8 +431,8 @@ class LLMEngine:
         return self._run_all([self.render_chat(conversation) for conversation in conversations], params)
 
     def render_chat(self, conversation: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        """One conversation through the model's chat template: (prompt text, prompt token ids).
+                    tools: list[dict[str, Any]] | None = None) -> TokenizedPrompt:
+        """One conversation through the model's chat template: its text and token ids.
 
         `tools` (OpenAI function tools) are handed to the template, which writes them into the
         prompt in the format the model was trained on."""
@@ -417,9 +444,9 @@ class LLMEngine:
         except (TemplateError, TypeError) as exc:  # a template's raise_exception(), or unreadable messages
             raise ValueError(f"messages: the model's chat template refused them: {exc}") from exc
         # The template writes its own special tokens (BOS): do not add them twice.
-        return self._tokenize(text, add_special_tokens=False)
+        return self.tokenize(text, add_special_tokens=False)
 
-    def _run_all(self, prompts: list[tuple[str | None, list[int]]],
+    def _run_all(self, prompts: list[TokenizedPrompt],
                  params: SamplingParams | list[SamplingParams] | None) -> list[RequestOutput]:
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         if len(all_params) != len(prompts):

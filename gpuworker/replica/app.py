@@ -22,11 +22,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequest, ProtocolError, new_id, now,
-                                           parse_request)
-from gpuworker.engine import SamplingParams
+from gpuworker.contract.openai_api import ProtocolError, new_id, now
 from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
-from gpuworker.replica.responses import Responder, drain_expired_error, engine_error, error_response, plan_chat
+from gpuworker.replica.responses import Responder, drain_expired_error, engine_error, error_response, plan_request
 
 __all__ = ["ServerConfig", "build_app"]
 
@@ -34,18 +32,19 @@ MAX_DRAIN_TIMEOUT_S = 3600.0
 
 
 class BearerAuth:
-    """ASGI middleware: every HTTP request must carry 'Authorization: Bearer <worker token>'."""
+    """ASGI middleware: every HTTP request must carry 'Authorization: Bearer <worker token>'
+    (the scheme in any case, as RFC 7235 has it)."""
 
     def __init__(self, app: Any, token: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.expected = token.encode() if token else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or self.expected is None:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected):
             await self.app(scope, receive, send)
             return
         denied = error_response("missing or wrong bearer token", 401, type="authentication_error",
@@ -150,26 +149,19 @@ async def _generate(request: Request, chat: bool) -> Response:
     holder = _holder(request)
     if (unavailable := _not_ready(holder)) is not None:
         return unavailable
-    try:
-        body = json.loads(await request.body())
-    except json.JSONDecodeError as exc:
-        return error_response(f"request body is not valid JSON: {exc}")
+    raw = await request.body()
     engine = holder.engine
-    prompt: Any
-    tool_parsing = None
     try:
-        parsed = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
-        if chat:  # the prompt, constraints and tool-call format come from the model
-            plan = plan_chat(engine.engine, parsed)
-            prompt, params, tool_parsing = plan.prompt_token_ids, plan.params, plan.tool_parsing
-        else:
-            prompt, params = parsed.prompt, SamplingParams(**parsed.sampling_kwargs())
+        # Off the event loop: parsing, the chat template and tokenization of a prompt of megabytes
+        # take seconds, and this loop serves every other stream of the replica.
+        plan = await asyncio.to_thread(plan_request, engine.engine, raw, chat)
     except ProtocolError as exc:
         return JSONResponse(exc.to_dict(), status_code=exc.status)
     except ValueError as exc:
         return engine_error(exc, "messages" if chat else "prompt")
+    parsed = plan.parsed
     request_id = new_id("chatcmpl" if chat else "cmpl")
-    stream = engine.generate(prompt, params, request_id)
+    stream = engine.generate(plan.prompt, plan.params, request_id)
     try:
         first = await anext(stream)
     except ValueError as exc:
@@ -180,7 +172,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         await engine.abort(request_id)
     if not parsed.stream:  # a stream's caller sees the first token itself
         holder.note_started(request.headers.get("x-request-id"))
-    responder = Responder(holder, parsed, request_id, chat, engine.engine.tokenizer, tool_parsing)
+    responder = Responder(holder, parsed, request_id, chat, engine.engine.tokenizer, plan.tool_parsing)
     if parsed.stream:
         return StreamingResponse(responder.sse(first, stream, request), media_type="text/event-stream")
     final = await _collect_unless_disconnected(request, first, stream)
@@ -191,7 +183,8 @@ async def _generate(request: Request, chat: bool) -> Response:
         error = drain_expired_error(holder.drain_timeout_s)
         return JSONResponse(error.to_dict(), status_code=error.status)
     holder.record_finished(final)
-    return JSONResponse(responder.full(final))
+    # Detokenized logprobs, tool calls read out of the text and the JSON of a long answer: off the loop too.
+    return await asyncio.to_thread(lambda: JSONResponse(responder.full(final)))
 
 
 async def _collect_unless_disconnected(request: Request, first, stream):

@@ -16,10 +16,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from gpuworker.engine.llm_engine import TokenizedPrompt
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.replica.engine_holder import EngineHolder
-from gpuworker.contract.openai_api import ChatCompletionRequest, ProtocolError, now, usage_dict
+from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequest, ProtocolError, now,
+                                           parse_json_body, parse_request, usage_dict)
 from gpuworker.replica.response_format import response_format_constraint, tool_choice_constraint
 from gpuworker.replica.tool_calls import ToolCallFormat, ToolCallParser, detect_tool_format, parse_tool_calls
 
@@ -58,13 +60,26 @@ class ToolParsing:
 
 
 @dataclass
-class ChatPlan:
-    prompt_token_ids: list[int]
+class RequestPlan:
+    """A request ready for the engine: what it asked, its prompt tokenized, how to sample."""
+
+    parsed: ChatCompletionRequest | CompletionRequest
+    prompt: TokenizedPrompt
     params: SamplingParams
-    tool_parsing: ToolParsing | None
+    tool_parsing: ToolParsing | None = None
 
 
-def plan_chat(llm: Any, request: ChatCompletionRequest) -> ChatPlan:
+def plan_request(llm: Any, raw: bytes, chat: bool) -> RequestPlan:
+    """A /v1 request body parsed and checked, its prompt rendered and tokenized. Megabytes of it
+    take seconds of CPU, so the server calls this in a worker thread, never on its event loop.
+    Raises ProtocolError / ValueError (400)."""
+    request = parse_request(ChatCompletionRequest if chat else CompletionRequest, parse_json_body(raw))
+    if chat:
+        return plan_chat(llm, request)
+    return RequestPlan(request, llm.tokenize(request.prompt), SamplingParams(**request.sampling_kwargs()))
+
+
+def plan_chat(llm: Any, request: ChatCompletionRequest) -> RequestPlan:
     """A chat request for `llm` (an LLMEngine): the prompt (tools rendered by the model's own chat
     template), the sampling parameters with the output constraint of response_format or of a
     forced tool call, and how to read tool calls back. Raises ProtocolError / ValueError (400)."""
@@ -81,8 +96,9 @@ def plan_chat(llm: Any, request: ChatCompletionRequest) -> ChatPlan:
         tool_parsing = ToolParsing(fmt, frozenset(tool.function.name for tool in request.tools or ()))
         constraint = tool_choice_constraint(request, fmt) or constraint
     params = SamplingParams(**kwargs, structured_output=constraint)
-    prompt_token_ids = llm.render_chat(request.chat_messages(), tools=request.template_tools())[1]
-    return ChatPlan(prompt_token_ids, params, tool_parsing)
+    # Only the token ids: a chat's output does not echo the rendered prompt.
+    prompt = TokenizedPrompt(None, llm.render_chat(request.chat_messages(), tools=request.template_tools()).token_ids)
+    return RequestPlan(request, prompt, params, tool_parsing)
 
 
 def _finish_reason(choice: CompletionOutput, made_calls: bool) -> str | None:

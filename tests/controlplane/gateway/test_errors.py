@@ -214,3 +214,21 @@ def test_a_request_waiting_for_a_loading_replica_is_served_once_it_is_ready(gate
         assert _chat(world).choices
     finally:
         ready.join()
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"max_tokens": "4"}, "max_tokens"), ({"stream": "yes"}, "stream")])
+def test_fields_of_the_wrong_type_are_400_naming_the_field(world, fields, param):
+    response = httpx.post(f"{world.base_url}/v1/chat/completions", headers={
+        "Authorization": f"Bearer {world.api_key.plaintext}"}, json={"model": world.model.public_name,
+                                                                      "messages": CHAT, **fields})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert not UsageRecord.objects.exists()
+
+
+def test_the_bearer_scheme_is_case_insensitive(world):
+    for scheme in ("bearer", "BEARER"):
+        response = httpx.get(f"{world.base_url}/v1/models",
+                             headers={"Authorization": f"{scheme} {world.api_key.plaintext}"})
+        assert response.status_code == 200 and world.model.public_name in {m["id"] for m in response.json()["data"]}
+    assert httpx.get(f"{world.base_url}/v1/models", headers={
+        "Authorization": f"Basic {world.api_key.plaintext}"}).status_code == 401

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -407,3 +408,108 @@ def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _post_raw(base: str, path: str, content: bytes) -> httpx.Response:
+    return httpx.post(f"{base}{path}", content=content, timeout=30,
+                      headers={"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("content", "param"), [
+    (b"[" * 100_000, None),  # deeper than the JSON parser goes: RecursionError
+    (b'{"prompt": "\xff\xfe"}', None),  # not UTF-8
+    (b"[1, 2]", None),  # JSON, but not an object
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}], "prompt": "\\ud800"}', "messages.0.content"),
+    (b'{"prompt": "\\udfff", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', "prompt"),
+])
+def test_bodies_that_cannot_be_read_are_400_without_a_traceback(server, caplog, path, content, param):
+    base, _ = server
+    response = _post_raw(base, path, content)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_lone_surrogate_given_to_the_engine_is_a_value_error(server, chat):
+    """Past the body's check too (a caller of the engine itself): the tokenizer's TypeError is bad input."""
+    _, app = server
+    llm = app.state.holder.engine.engine
+    with pytest.raises(ValueError, match="cannot read"):
+        llm.render_chat([{"role": "user", "content": "\ud800"}]) if chat else llm.tokenize("a\ud800")
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"max_tokens": "4"}, "max_tokens"), ({"stream": "yes"}, "stream")])
+def test_wrongly_typed_fields_are_400_naming_the_field(server, fields, param):
+    base, _ = server
+    with _client(base) as client:
+        response = client.post("/v1/completions", json={"prompt": "x", **fields})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_the_bearer_scheme_is_case_insensitive(server):
+    base, _ = server
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"{scheme} {TOKEN}"}).status_code == 200
+    assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"Basic {TOKEN}"}).status_code == 401
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monkeypatch, chat):
+    """A prompt of megabytes takes seconds to render and tokenize. Held mid-tokenization, the
+    replica still answers /health (its event loop is free) and keeps generating another request's
+    stream (its engine thread is free); the huge request ends only after both."""
+    base, app = server
+    llm = app.state.holder.engine.engine
+    tokenizing, release = threading.Event(), threading.Event()
+    huge = "y" * (1 << 20)
+
+    class ObservedTokenizer:
+        """The real tokenizer (transformers' backend), held at the start of encoding the huge text."""
+
+        def __init__(self, real):
+            self.real = real
+
+        def encode_batch(self, texts, *args, **kwargs):
+            if any(len(text) >= len(huge) for text in texts):
+                tokenizing.set()
+                release.wait(60)
+            return self.real.encode_batch(texts, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    monkeypatch.setattr(llm.tokenizer, "_tokenizer", ObservedTokenizer(llm.tokenizer._tokenizer))
+    order: list[str] = []
+    result: dict = {}
+
+    def send_huge() -> None:
+        path, body = ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}) if chat \
+            else ("/v1/completions", {"prompt": huge})
+        result["response"] = _client(base).post(path, json={**body, "max_tokens": 2})
+        order.append("huge")
+
+    sender = threading.Thread(target=send_huge, daemon=True)
+    with _client(base) as client, client.stream("POST", "/v1/completions", json={
+            "prompt": "go", "max_tokens": 1000, "stream": True, "ignore_eos": True}) as stream:
+        lines = stream.iter_lines()  # kept: a dropped iterator would close the stream
+        assert next(lines).startswith("data: ")
+        try:
+            sender.start()
+            assert tokenizing.wait(60), "the huge prompt was never tokenized"
+            generated = llm.num_generated_tokens
+            assert client.get("/health").status_code == 200
+            order.append("health")
+            deadline = time.monotonic() + 30
+            while llm.num_generated_tokens < generated + 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert llm.num_generated_tokens >= generated + 5, "the other stream stopped while the prompt was tokenized"
+            order.append("stream advanced")
+        finally:
+            release.set()
+        sender.join(60)
+    assert order == ["health", "stream advanced", "huge"]
+    assert result["response"].status_code == 400
+    assert result["response"].json()["error"]["code"] == "context_length_exceeded"

@@ -1,0 +1,32 @@
+"""Reading a /v1 request body: bounded in bytes before anything else is done with the request,
+then parsed by the contract's rules (the same the replica applies)."""
+
+from starlette.requests import Request
+
+from gpuworker.contract.openai_api import ProtocolError, parse_json_body
+
+from controlplane.gateway.errors import bad_request, request_too_large
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 once it is known to exceed `limit` bytes: from its Content-Length before
+    reading any of it, or while reading one sent without (chunked), whose rest is never read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise request_too_large(limit)
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise request_too_large(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def json_object(raw: bytes) -> dict:
+    """The body as a JSON object; a 400 naming the problem otherwise (never a 500: not for
+    nesting deeper than the parser goes, bytes that are not UTF-8 or a lone surrogate either)."""
+    try:
+        return parse_json_body(raw)
+    except ProtocolError as exc:
+        raise bad_request(exc.message, param=exc.param) from None
