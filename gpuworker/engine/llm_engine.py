@@ -34,6 +34,9 @@ from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
 
 logger = logging.getLogger(__name__)
+# A text longer than max_model_len times this many characters is first tokenized by its head only
+# (no tokenizer we serve averages more characters per token on real text).
+PREFIX_CHARS_PER_TOKEN = 16
 
 Prompt = str | list[int]
 
@@ -217,8 +220,19 @@ class LLMEngine:
         # What tokenizer.encode does, minus what stalls other threads: the batch call releases the
         # GIL while it works (the single-text call holds it for seconds on megabytes), and only the
         # ids become Python objects (not the mask and the rest transformers converts too).
+        max_model_len = self.config.max_model_len
+        head_chars = max_model_len * PREFIX_CHARS_PER_TOKEN
+        if len(text) > head_chars:
+            # A text far longer than the context is refused from its head: tokenizing megabytes only
+            # to refuse them keeps a core busy for seconds that other streams need. The head's
+            # tokens are the text's first ones, but for the one its cut may split.
+            head = backend.encode_batch([text[:head_chars]], add_special_tokens=add_special_tokens)[0]
+            if len(head) - 1 >= max_model_len:
+                raise ValueError(f"prompt has at least {len(head) - 1} tokens (in its first {head_chars} of "
+                                 f"{len(text)} characters), which leaves no room to generate within "
+                                 f"max_model_len ({max_model_len})")
         encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        if len(encoding) >= self.config.max_model_len:
+        if len(encoding) >= max_model_len:
             # Refused now, by its length alone: millions of ids as Python ints would hold the GIL
             # for a fifth of a second, only to be refused by the same check in add_request.
             self.scheduler.check_admissible(len(encoding), None, 1)

@@ -278,3 +278,32 @@ def test_final_only_requests_report_once_with_the_same_result(path, async_schedu
     assert final.finished and final.token_ids == last.token_ids and final.text == last.text
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta-ish")
+
+
+def test_a_text_far_beyond_the_context_is_refused_from_its_head(path, monkeypatch):
+    """Tokenizing megabytes only to refuse them would keep a core busy for seconds: only the head
+    (max_model_len x PREFIX_CHARS_PER_TOKEN characters) is tokenized, and the text is refused."""
+    from gpuworker.engine.llm_engine import PREFIX_CHARS_PER_TOKEN
+
+    engine = make_engine(path)
+    tokenized: list[int] = []
+
+    class RecordingTokenizer:
+        def __init__(self, real):
+            self.real = real
+
+        def encode_batch(self, texts, *args, **kwargs):
+            tokenized.extend(len(text) for text in texts)
+            return self.real.encode_batch(texts, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    monkeypatch.setattr(engine.tokenizer, "_tokenizer", RecordingTokenizer(engine.tokenizer._tokenizer))
+    huge = "hello world " * 100_000
+    with pytest.raises(ValueError, match=r"prompt has at least \d+ tokens .* max_model_len \(256\)"):
+        engine.tokenize(huge)
+    assert tokenized == [256 * PREFIX_CHARS_PER_TOKEN]
+    # A text within the head's reach is tokenized whole, as before.
+    tokenized.clear()
+    assert engine.tokenize("hello world").token_ids and tokenized == [len("hello world")]
