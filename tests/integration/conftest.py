@@ -124,6 +124,12 @@ class Fleet:
         os.kill(process.popen.pid, signal.SIGKILL)
         process.popen.wait(timeout=10)
 
+    def restart(self, process: Process) -> Process:
+        """Start a stopped process again with the same command line (a daemon keeps its name and
+        state folder, so it registers as the same worker)."""
+        self.processes.remove(process)
+        return self._start(process.name, process.popen.args[1:])
+
     def stop(self) -> None:
         # Daemons first (they drain their replicas), then Celery and the web server.
         for process in sorted(self.processes, key=lambda p: p.name in ("web", "celery")):
