@@ -67,7 +67,7 @@ class Fault:
     restored: float  # when the thing broken was back (the same as injected for a replica kill)
     recovered_s: float | None = None  # from restored to the end of the first request served after it
     replicas_whole_s: float | None = None  # from injected until both replicas were ready again, if one went
-    client_errors: int = 0  # errors clients saw between injection and recovery
+    server_errors: int = 0  # 5xx answers and stream error events clients saw between injection and recovery
 
 
 class Chaos:
@@ -78,9 +78,11 @@ class Chaos:
         self.postgres = PrivatePostgres()
         self.redis = PrivateRedis(scratch)
         self.tenant_count = tenants
+        self.began = time.monotonic()  # every time reported is counted from here
         self.fleet = None
         self.daemons = []
         self.samples: list[tuple[float, int | None]] = []  # (time, ready replicas) every half second
+        self.replica_changes: list[str] = []  # each replica's state changes as sampled, with its reason
         self._sampling = threading.Event()
 
     # --- start and stop -----------------------------------------------------------------------
@@ -143,6 +145,20 @@ class Chaos:
 
         return Replica.objects.filter(deployment=self.deployment, state=Replica.State.READY).count()
 
+    def _replica_states(self, known: dict) -> int:
+        """Note each replica's state change since the last look; return how many are ready."""
+        from controlplane.fleet.models import Replica
+
+        ready = 0
+        for replica in Replica.objects.filter(deployment=self.deployment).select_related("worker"):
+            ready += replica.state == Replica.State.READY
+            if known.get(replica.pk) != replica.state:
+                known[replica.pk] = replica.state
+                reason = f" ({replica.failure}: {replica.last_error[:120]})" if replica.last_error else ""
+                self.replica_changes.append(f"[{time.monotonic() - self.began:5.0f}s] replica {replica.pk} on "
+                                            f"{replica.worker.name}: {replica.state}{reason}")
+        return ready
+
     def stop(self) -> None:
         self._sampling.set()
         if self.fleet is not None:
@@ -156,9 +172,10 @@ class Chaos:
         from django.db import connection
 
         def run():
+            known: dict[int, str] = {}
             while not self._sampling.wait(0.5):
                 try:
-                    count = self.ready_replicas()
+                    count = self._replica_states(known)
                 except Exception:  # the database is what is down; try again with a new connection
                     connection.close()
                     count = None
@@ -194,18 +211,17 @@ class Chaos:
                      injected, time.monotonic())
 
     def redis_restart(self, rng: random.Random) -> Fault:
-        injected = time.monotonic()
-        self.redis.stop()
-        time.sleep(rng.uniform(2, 6))
-        self.redis.start()
-        return Fault("redis_restart", f"down {time.monotonic() - injected:.1f}s", injected, time.monotonic())
+        return self._outage("redis_restart", self.redis, rng)
 
     def postgres_restart(self, rng: random.Random) -> Fault:
+        return self._outage("postgres_restart", self.postgres, rng)
+
+    def _outage(self, kind: str, service: PrivateRedis | PrivatePostgres, rng: random.Random) -> Fault:
         injected = time.monotonic()
-        self.postgres.stop()
+        service.stop()
         time.sleep(rng.uniform(2, 6))
-        self.postgres.start()
-        return Fault("postgres_restart", f"down {time.monotonic() - injected:.1f}s", injected, time.monotonic())
+        service.start()
+        return Fault(kind, f"down {time.monotonic() - injected:.1f}s", injected, time.monotonic())
 
     async def inject_faults(self, until: float, rng: random.Random, interval: float) -> list[Fault]:
         """One fault at a time, `interval` seconds apart on average, every kind once per round in a
@@ -219,7 +235,8 @@ class Chaos:
                 order = rng.sample(FAULTS, len(FAULTS))
             kind = order.pop()
             fault = await asyncio.to_thread(getattr(self, kind), rng)
-            print(f"  fault {len(faults) + 1}: {fault.kind} ({fault.detail})", flush=True)
+            print(f"[{fault.injected - self.began:5.0f}s] fault {len(faults) + 1}: {fault.kind} ({fault.detail})",
+                  flush=True)
             faults.append(fault)
 
     # --- the end --------------------------------------------------------------------------------
@@ -250,37 +267,40 @@ def _cmdline(pid: int) -> bytes:
 
 def measure_recovery(faults: list[Fault], records: list[ClientRecord], samples) -> None:
     """For each fault: the first request that started after it was restored and was served whole
-    (and how long after the restore it ended); when both replicas were ready again, if one went."""
+    (and how long after the restore it ended); when both replicas were ready again, if one went
+    before the next fault."""
     served = sorted((r for r in records if r.outcome == COMPLETED), key=lambda r: r.started)
-    for fault in faults:
+    for fault, following in zip(faults, [*faults[1:], None]):
         first = next((r for r in served if r.started >= fault.restored), None)
         fault.recovered_s = None if first is None else first.ended - fault.restored
         until = first.ended if first else float("inf")
-        fault.client_errors = sum(1 for r in records if r.outcome in (ERROR, STREAM_ERROR)
-                                  and fault.injected <= r.ended <= until)
-        after = [(t, n) for t, n in samples if t >= fault.injected]
+        fault.server_errors = sum(1 for r in records if fault.injected <= r.ended <= until and (
+            r.outcome == STREAM_ERROR or (r.outcome == ERROR and r.status >= 500)))
+        # A dip counts only before the next fault, whose own dip it would otherwise be.
+        after = [(t, n) for t, n in samples if t >= fault.injected and (following is None or t < following.injected)]
         dip = next((i for i, (_, n) in enumerate(after) if n is not None and n < REPLICAS), None)
         if dip is not None:
             back = next((t for t, n in after[dip:] if n is not None and n >= REPLICAS), None)
             fault.replicas_whole_s = None if back is None else back - fault.injected
 
 
-def report(args, records: list[ClientRecord], faults: list[Fault], result, settled: bool, started: float,
-           elapsed: float) -> dict:
+def report(args, records: list[ClientRecord], faults: list[Fault], result, settled: bool, began: float,
+           started: float, elapsed: float) -> dict:
     outcomes = Counter(r.label for r in records)
     by_plan = Counter(r.plan for r in records)
-    lines = [f"chaos run: {elapsed:.0f}s of traffic, {args.tenants} tenants, {args.concurrency} clients, "
+    lines = [f"chaos run: {elapsed:.0f}s of traffic from {started - began:.0f}s, {args.tenants} tenants, {args.concurrency} clients, "
              f"seed {args.seed}, a fault every ~{args.fault_interval:.0f}s",
              f"requests: {len(records)} ({', '.join(f'{n} {plan}' for plan, n in sorted(by_plan.items()))})",
-             "", "| outcome seen by the client | requests |", "|---|---|"]
-    lines += [f"| {label} | {n} |" for label, n in sorted(outcomes.items(), key=lambda kv: -kv[1])]
+             "", "| outcome seen by the client | requests | what the ledger did |", "|---|---|---|"]
+    lines += [f"| {label} | {n} | {', '.join(f'{k} {v}' for k, v in sorted(result.ledger_by_outcome[label].items()))} |"
+              for label, n in sorted(outcomes.items(), key=lambda kv: -kv[1])]
     lines += ["", "| # | fault | detail | at (s) | served again after (s) | both replicas ready after (s) | "
-              "client errors meanwhile |", "|---|---|---|---|---|---|---|"]
+              "5xx seen meanwhile |", "|---|---|---|---|---|---|---|"]
     def secs(value):
         return "-" if value is None else f"{value:.1f}"
 
-    lines += [f"| {i} | {f.kind} | {f.detail} | {f.injected - started:.0f} | {secs(f.recovered_s)} | "
-              f"{secs(f.replicas_whole_s)} | {f.client_errors} |" for i, f in enumerate(faults, 1)]
+    lines += [f"| {i} | {f.kind} | {f.detail} | {f.injected - began:.0f} | {secs(f.recovered_s)} | "
+              f"{secs(f.replicas_whole_s)} | {f.server_errors} |" for i, f in enumerate(faults, 1)]
     lines += ["", f"charged requests {result.charged} = ledger usage entries {result.ledger_usage_entries}; "
               f"recorded unbilled {result.recorded_unbilled}; released {result.released}; "
               f"every hold settled: {'yes' if settled else 'NO'}"]
@@ -329,10 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="chaos-"))
     chaos = Chaos(scratch, tenants=args.tenants)
-    began = time.monotonic()
 
     def say(text: str) -> None:
-        print(f"[{time.monotonic() - began:5.0f}s] {text}", flush=True)
+        print(f"[{time.monotonic() - chaos.began:5.0f}s] {text}", flush=True)
 
     try:
         say(f"starting the system in {scratch}")
@@ -348,9 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.chaos_audit import audit
 
         measure_recovery(faults, records, chaos.samples)
-        summary = report(args, records, faults, audit(records, [t.name for t in tenants]), settled, started, elapsed)
+        summary = report(args, records, faults, audit(records, [t.name for t in tenants]), settled, chaos.began, started,
+                         elapsed)
         if args.json:
             summary["records"] = [r.to_json() for r in records]
+            summary["replica_changes"] = chaos.replica_changes
             args.json.write_text(json.dumps(summary, indent=1, default=str))
         return 0 if summary["audit"]["ok"] and settled else 1
     except BaseException:

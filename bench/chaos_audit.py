@@ -28,6 +28,8 @@ class Audit:
     recorded_unbilled: int = 0
     released: int = 0
     ledger_usage_entries: int = 0
+    # client outcome -> what billing made of those requests -> how many
+    ledger_by_outcome: dict[str, dict[str, int]] = field(default_factory=dict)
     lost_charges: list[str] = field(default_factory=list)
     double_charges: list[str] = field(default_factory=list)
     overcharges: list[str] = field(default_factory=list)
@@ -90,10 +92,13 @@ def audit(records: list[ClientRecord], tenant_names: list[str]) -> Audit:
         if client.outcome == BROKEN or (client.outcome != LEFT and not client.well_formed):
             result.malformed.append(f"{where}")
         if client.request_id:
-            if record is None:
-                result.released += 1
-            elif not charged:
-                result.recorded_unbilled += 1
+            fate = "released" if record is None else f"{'charged' if charged else 'unbilled'} {record.status}"
+            result.released += record is None
+            result.recorded_unbilled += record is not None and not charged
+        else:
+            fate = "id never seen"
+        fates = result.ledger_by_outcome.setdefault(client.label, {})
+        fates[fate] = fates.get(fate, 0) + 1
     # Requests whose client left before learning its id: at most that many records no client saw.
     anonymous = Counter(c.tenant for c in records if c.request_id is None and c.outcome == LEFT)
     unseen = Counter(tenants[r.tenant_id] for rid, r in usage.items() if rid not in seen)
