@@ -221,7 +221,9 @@ def credit_holds_settle(*, outcomes: Sequence[RequestOutcome], at: datetime, dur
     if records:
         _insert_records(records, {model_id: name for model_id, (name, _) in models.items()}, at)
     with connection.cursor() as cursor:
-        for tenant_id, (charged, released) in changes.items():
+        # In tenant-id order, as lock_credit_accounts locks them: a batch of several tenants
+        # updated in another order deadlocks with a concurrent placement.
+        for tenant_id, (charged, released) in sorted(changes.items()):
             cursor.execute(f"UPDATE {_ACCOUNT} SET balance = balance - %s, held = held - %s WHERE tenant_id = %s",
                            [charged, released, tenant_id])
         for (tenant_id, month), count in allowance_back.items():

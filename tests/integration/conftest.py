@@ -87,9 +87,9 @@ class Fleet:
         self.processes: list[Process] = []
         self._next_port = random.randrange(20000, 60000, 100)
 
-    def _start(self, name: str, argv: list[str]) -> Process:
+    def _start(self, name: str, argv: list[str], *, mode: str = "wb") -> Process:
         log_path = self.tmp_path / f"{name}.log"
-        with open(log_path, "wb") as log:
+        with open(log_path, mode) as log:
             popen = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         process = Process(name, popen, log_path)
@@ -123,6 +123,12 @@ class Fleet:
         """SIGKILL, as a crash would: the daemon gets no chance to drain or say goodbye."""
         os.kill(process.popen.pid, signal.SIGKILL)
         process.popen.wait(timeout=10)
+
+    def restart(self, process: Process) -> Process:
+        """Start a stopped process again with the same command line (a daemon keeps its name and
+        state folder, so it registers as the same worker)."""
+        self.processes.remove(process)
+        return self._start(process.name, process.popen.args[1:], mode="ab")  # its log goes on
 
     def stop(self) -> None:
         # Daemons first (they drain their replicas), then Celery and the web server.

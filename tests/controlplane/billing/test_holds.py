@@ -2,6 +2,7 @@
 charge, a free record or a release, and swept when their gateway died."""
 
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -247,3 +248,55 @@ def test_a_single_priced_request_is_held_in_one_statement_or_by_the_locked_path(
     hold = one("d", n=2)  # one included request left, and no credit left for a paid one
     assert hold is None
     assert one("e").amount == Decimal("0") and one("f") is None
+
+
+def _others_wait_for_locks(conn) -> bool:
+    conn.execute("SELECT pg_stat_clear_snapshot()")  # the statistics are otherwise frozen per transaction
+    return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                        "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()").fetchone()[0] > 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_settlement_locks_accounts_in_tenant_order_as_placement_does(require_postgres):
+    """Found by the chaos run (bench/chaos.py): a batch settling a later tenant's request before
+    an earlier tenant's locked their accounts in that order, while placement locks in tenant-id
+    order, and the two deadlocked. Here another transaction locks the first account as placement
+    does, the settlement of [second's, first's] waits for it, and that transaction then locks
+    the second account: it must get it (the settlement holds no account while it waits)."""
+    import psycopg
+    from django.db import connection
+
+    model = ModelFactory(price_tier=PriceTierFactory(price_per_request=Decimal("0.002")))
+    first, second = sorted((TenantFactory(), TenantFactory()), key=lambda t: t.pk)
+    for tenant, request_id in ((first, "first"), (second, "second")):
+        credit_grant(tenant=tenant, amount=Decimal("1"))
+        place(tenant, model, ApiKeyFactory(tenant=tenant), request_id)
+    db = connection.settings_dict
+    placement = psycopg.connect(dbname=db["NAME"], user=db["USER"], password=db["PASSWORD"] or None,
+                                host=db["HOST"] or "127.0.0.1", port=db["PORT"] or 5432)
+    lock = "SELECT 1 FROM billing_creditaccount WHERE tenant_id = %s FOR UPDATE"
+    failures: list[BaseException] = []
+
+    def settle():
+        try:
+            credit_holds_settle(outcomes=[done("second"), done("first")], at=NOW)
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            connections.close_all()
+
+    try:
+        placement.execute(lock, [first.pk])
+        settling = threading.Thread(target=settle)
+        settling.start()
+        deadline = time.monotonic() + 30
+        while not _others_wait_for_locks(placement):
+            assert time.monotonic() < deadline, "the settlement never waited for the first account"
+            time.sleep(0.05)
+        placement.execute(lock, [second.pk])  # a deadlock error here without the fix
+        placement.commit()
+        settling.join(timeout=30)
+    finally:
+        placement.close()
+    assert not failures
+    assert credit_balance(tenant=first) == credit_balance(tenant=second) == Decimal("0.998")

@@ -14,8 +14,6 @@ printed; run with `-s` to see them.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -30,39 +28,12 @@ from django.utils import timezone
 from controlplane.accounts.services import API_KEY_CHANGES_CHANNEL, api_key_revoke
 from controlplane.billing.models import CreditHold, UsageRecord
 from tests.controlplane.gateway.conftest import free_port, make_world, start_gateway, wait_ready, wait_until
+from tests.private_services import PrivateRedis
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 CHAT = [{"role": "user", "content": "hi"}]
 RETRY_AFTER_S = 3  # start_gateway's GATEWAY_RETRY_AFTER_SECONDS
-
-
-class PrivateRedis:
-    """A redis-server of this module's own, on a port the OS chose, that tests stop and start."""
-
-    def __init__(self, folder):
-        self.folder, self.port = folder, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
-             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
-        wait_until(lambda: _answers(client), 30, "the private redis-server")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=15)
-
-
-def _answers(client: redis.Redis) -> bool:
-    try:
-        return client.ping()
-    except redis.ConnectionError:
-        return False
 
 
 class DatabaseProxy:
@@ -160,7 +131,7 @@ def world(outage_gateway, replica_processes, private_redis, database_proxy, sett
     # test's tables are emptied.
     if database_proxy.is_cut:
         database_proxy.restore()
-    if private_redis.process.poll() is not None:
+    if not private_redis.running:
         private_redis.start()
     wait_until(lambda: not CreditHold.objects.exists(), 60, "every request to be settled")
 
