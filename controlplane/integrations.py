@@ -75,3 +75,16 @@ def celery_result_backend(redis_url: str, var_dir: Path) -> str:
     results_dir = var_dir / "celery" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     return f"file://{results_dir}"
+
+
+def unreachable_dependency(exc: BaseException) -> str | None:
+    """"database" or "redis" when `exc` says that service cannot be reached right now (an answer
+    to give as a 503, naming it), None for any other error."""
+    import redis.exceptions
+    from django.db import InterfaceError, OperationalError
+
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        return "database"
+    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return "redis"
+    return None

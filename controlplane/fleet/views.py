@@ -13,6 +13,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.fleet.services import WorkerUnknown, worker_heartbeat, worker_register
+from controlplane.integrations import unreachable_dependency
 from gpuworker.contract.heartbeat import ContractError, parse_heartbeat, parse_registration
 
 
@@ -39,6 +40,12 @@ def internal_endpoint(view: Callable) -> Callable:
         except ValidationError as exc:
             fields = exc.message_dict if hasattr(exc, "error_dict") else {"body": exc.messages}
             return JsonResponse({"error": "Invalid request.", "fields": fields}, status=400)
+        except Exception as exc:
+            # The control plane's own database or Redis gone: the daemon retries its next beat.
+            if (dependency := unreachable_dependency(exc)) is None:
+                raise
+            return JsonResponse({"error": f"The control plane cannot reach its {dependency} right now."},
+                                status=503, headers={"Retry-After": "1"})
 
     return wrapper
 

@@ -2,9 +2,9 @@
 
 import json
 
-import redis.exceptions
-from django.db import InterfaceError, OperationalError
 from starlette.responses import Response
+
+from controlplane.integrations import unreachable_dependency
 
 
 class GatewayError(Exception):
@@ -64,10 +64,9 @@ def unavailable(message: str, retry_after_s: int, code: str = "model_unavailable
 def dependency_unavailable(exc: BaseException, retry_after_s: int) -> GatewayError | None:
     """A 503 naming the dependency when `exc` says the database or Redis cannot be reached (never
     the driver's message, which names hosts and users); None for any other error."""
-    if isinstance(exc, (OperationalError, InterfaceError)):
-        what, code = "the database", "database_unavailable"
-    elif isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
-        what, code = "Redis (rate limits and requests in flight)", "redis_unavailable"
-    else:
+    dependency = unreachable_dependency(exc)
+    if dependency is None:
         return None
+    what, code = {"database": ("the database", "database_unavailable"),
+                  "redis": ("Redis (rate limits and requests in flight)", "redis_unavailable")}[dependency]
     return unavailable(f"The service cannot reach {what} right now; try again shortly.", retry_after_s, code=code)

@@ -75,3 +75,20 @@ def test_heartbeat_answers_ok_and_what_to_unload(client):
 def test_heartbeat_of_an_unknown_worker_is_404(client):
     response = _post(client, "/internal/workers/999999/heartbeat", {"replicas": []})
     assert response.status_code == 404 and "register again" in response.json()["error"]
+
+
+def test_a_heartbeat_while_the_control_planes_redis_is_unreachable_is_a_503_to_retry(client, settings):
+    """The daemon beats again in a second; a 500 (a traceback and Django's error page) would be noise."""
+    import socket
+
+    worker_id = _post(client, "/internal/workers/register", REGISTRATION).json()["worker_id"]
+    with socket.socket() as probe:  # a port nothing listens on: Redis is down
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings.CACHES = {**settings.CACHES, "live": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                                                   "LOCATION": f"redis://127.0.0.1:{port}/0"}}
+    response = _post(client, f"/internal/workers/{worker_id}/heartbeat",
+                     {"sent_at": "2026-12-01T00:00:00+00:00", "draining": False, "gpus": [], "cpu": {},
+                      "replicas": []})
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    assert response.json() == {"error": "The control plane cannot reach its redis right now."}
