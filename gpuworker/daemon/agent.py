@@ -208,15 +208,13 @@ class Agent:
             self._model_scan, self._model_scan_at = scan_model_roots(self.config.model_roots), now
         return self._model_scan
 
-    def _heartbeat(self) -> tuple[Heartbeat, ModelPaths | None]:
+    def _heartbeat(self) -> Heartbeat:
         sample = self.probe.sample()
         # The checkpoint list goes only when it changed since the control plane last took it.
         scan = self._scan_models(force=False)
-        changed = scan if scan is not None and scan != self._model_scan_acknowledged else None
-        heartbeat = Heartbeat(sent_at=datetime.now(timezone.utc).isoformat(), draining=self.draining,
-                              gpus=tuple(sample["gpus"]), cpu=sample["cpu"],
-                              replicas=tuple(self.supervisor.snapshot()), models=changed)
-        return heartbeat, changed
+        return Heartbeat(sent_at=datetime.now(timezone.utc).isoformat(), draining=self.draining,
+                         gpus=tuple(sample["gpus"]), cpu=sample["cpu"], replicas=tuple(self.supervisor.snapshot()),
+                         models=scan if scan is not None and scan != self._model_scan_acknowledged else None)
 
     def _heartbeat_loop(self) -> None:
         while True:
@@ -228,10 +226,10 @@ class Agent:
 
     def _beat(self) -> None:
         try:
-            heartbeat, scan_sent = self._heartbeat()
+            heartbeat = self._heartbeat()
             answer = self._control.heartbeat(self._worker_id, heartbeat)
-            if scan_sent is not None:
-                self._model_scan_acknowledged = scan_sent
+            if heartbeat.models is not None:
+                self._model_scan_acknowledged = heartbeat.models
             self._apply(answer)
             self._failing_since = None
         except NotRegistered:

@@ -56,14 +56,15 @@ def test_registration_and_heartbeats_carry_the_scan_to_the_control_plane(tmp_pat
         agent._register()
         worker = Worker.objects.get(name="scan-test")
         assert (worker.model_roots, worker.model_paths) == ([str(root)], [str(first)])
-        heartbeat, sent = agent._heartbeat()
-        assert "models" not in heartbeat.to_json() and sent is None  # unchanged since registration: not resent
+        heartbeat = agent._heartbeat()
+        # Unchanged since registration: not resent.
+        assert "models" not in heartbeat.to_json() and heartbeat.models is None
         second = _checkpoint(root / "second")
         agent._model_scan_at -= 60  # the next scan is due
         agent._beat()
         worker.refresh_from_db()
         assert worker.model_paths == [str(first), str(second)]
-        heartbeat, sent = agent._heartbeat()
+        heartbeat = agent._heartbeat()
         assert "models" not in heartbeat.to_json()  # acknowledged by the last heartbeat
     finally:
         agent._control.close()
