@@ -19,8 +19,8 @@ from controlplane.gateway.errors import GatewayError, bad_request, model_not_all
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
+from controlplane.gateway.replica_choice import affinity_choice
 from controlplane.gateway.request_body import json_object, read_body
-from controlplane.gateway.routing import affinity_choice
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.replica_choice import least_outstanding
 from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
 from controlplane.gateway.shared import Admission
 
@@ -79,14 +80,7 @@ class LocalShared:
         now = _now_ms()
         counts = [self._outstanding.setdefault(r.replica_id, _Expiring()).live(now) for r in candidates]
         up = [self._down.get(r.replica_id, 0) <= now for r in candidates]
-        indexes = range(len(candidates))
-        # Replicas that failed recently are passed over; if all did, the least busy is tried anyway.
-        best = min((i for i in indexes if up[i]), key=counts.__getitem__, default=None)
-        if best is None:
-            best = min(indexes, key=counts.__getitem__)
-        if affinity is not None and (up[affinity] or not any(up)) \
-                and counts[affinity] <= counts[best] + self._config.affinity_max_extra:
-            best = affinity
+        best = least_outstanding(counts, up, affinity, self._config.affinity_max_extra)
         self._outstanding[candidates[best].replica_id][request_id] = now + self._entry_ms
         return candidates[best]
 

@@ -1,12 +1,10 @@
 """Which replicas can serve a model: a routing table cached per process and refreshed about once
-a second, waiting (boundedly) for replicas that are still loading, and the prefix-affinity choice.
+a second, waiting (boundedly) for replicas that are still loading.
 """
 
 import asyncio
-import hashlib
 import logging
 import time
-from collections.abc import Sequence
 
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
@@ -76,13 +74,3 @@ class RoutingTable:
         finally:
             self._refreshing = None
 
-
-def affinity_choice(prefix: str, candidates: Sequence[ReplicaRoute], min_chars: int) -> int | None:
-    """The index of the replica a long prompt's prefix belongs to (rendezvous hashing: stable
-    while replicas come and go, and the same in every gateway process), or None if too short."""
-    if len(prefix) < min_chars or len(candidates) < 2:
-        return None
-    digest = hashlib.blake2b(prefix[:min_chars].encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    scores = [hashlib.blake2b(b"%d" % replica.replica_id, key=digest, digest_size=8).digest()
-              for replica in candidates]
-    return max(range(len(candidates)), key=scores.__getitem__)
