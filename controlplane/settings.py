@@ -163,6 +163,31 @@ FLEET_RECONCILE_INTERVAL_SECONDS = env_int("FLEET_RECONCILE_INTERVAL_SECONDS", 5
 FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS", 30)
 FLEET_WORKER_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_WORKER_DRAIN_TIMEOUT_SECONDS", 60)
 
+# --- The autoscaler (controlplane/fleet/autoscaling.py: the policy; fleet/services.py: one
+# decision per deployment per tick). Defaults for new deployments, each editable per deployment:
+# requests (running + waiting) per replica at full utilisation, the p95 latency SLOs, and how long
+# without a request before a deployment scales to zero (0: never).
+AUTOSCALE_TARGET_CONCURRENCY = env_int("AUTOSCALE_TARGET_CONCURRENCY", 8)
+AUTOSCALE_TTFT_SLO_MS = env_int("AUTOSCALE_TTFT_SLO_MS", 2000)
+AUTOSCALE_ITL_SLO_MS = env_int("AUTOSCALE_ITL_SLO_MS", 100)
+AUTOSCALE_IDLE_TO_ZERO_SECONDS = env_int("AUTOSCALE_IDLE_TO_ZERO_SECONDS", 900)
+# Fleet-wide: aim at this share of target_concurrency, scale up above target×(1+hysteresis) and
+# down below target×(1−hysteresis) (percentages); KV-cache use at or above the high mark scales up.
+AUTOSCALE_TARGET_UTILISATION_PERCENT = env_int("AUTOSCALE_TARGET_UTILISATION_PERCENT", 70)
+AUTOSCALE_HYSTERESIS_PERCENT = env_int("AUTOSCALE_HYSTERESIS_PERCENT", 20)
+AUTOSCALE_KV_CACHE_HIGH_PERCENT = env_int("AUTOSCALE_KV_CACHE_HIGH_PERCENT", 90)
+# After any change of desired replicas (the autoscaler's or an operator's), no scale-up for this
+# long, and no scale-down for the second (a replica needs time to load and to show its effect).
+AUTOSCALE_SCALE_UP_COOLDOWN_SECONDS = env_int("AUTOSCALE_SCALE_UP_COOLDOWN_SECONDS", 30)
+AUTOSCALE_SCALE_DOWN_COOLDOWN_SECONDS = env_int("AUTOSCALE_SCALE_DOWN_COOLDOWN_SECONDS", 300)
+# The AUTOSCALE_POPULAR_TOP_K models with the most requests over the window keep a replica warm.
+AUTOSCALE_POPULAR_TOP_K = env_int("AUTOSCALE_POPULAR_TOP_K", 3)
+AUTOSCALE_POPULAR_WINDOW_SECONDS = env_int("AUTOSCALE_POPULAR_WINDOW_SECONDS", 3600)
+# The request rate the autoscaler reads is averaged over this window (gateway counters).
+AUTOSCALE_RATE_WINDOW_SECONDS = env_int("AUTOSCALE_RATE_WINDOW_SECONDS", 60)
+# How often the beat task decides for every deployment with autoscaling on.
+AUTOSCALE_INTERVAL_SECONDS = env_int("AUTOSCALE_INTERVAL_SECONDS", 10)
+
 CELERY_BEAT_SCHEDULE = {
     "fleet-mark-lost-workers": {
         "task": "controlplane.fleet.tasks.mark_lost_workers",
@@ -174,6 +199,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "controlplane.fleet.tasks.reconcile",
         "schedule": float(FLEET_RECONCILE_INTERVAL_SECONDS),
         "options": {"expires": float(FLEET_RECONCILE_INTERVAL_SECONDS)},
+    },
+    "fleet-autoscale": {
+        "task": "controlplane.fleet.tasks.autoscale",
+        "schedule": float(AUTOSCALE_INTERVAL_SECONDS),
+        "options": {"expires": float(AUTOSCALE_INTERVAL_SECONDS)},
     },
 }
 

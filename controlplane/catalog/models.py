@@ -1,6 +1,7 @@
 """Models tenants can call (by public name) and each model's deployment (desired replicas)."""
 
-from django.core.validators import MinValueValidator, RegexValidator
+from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import F, Q
 
@@ -45,6 +46,30 @@ class Model(models.Model):
         return self.public_name
 
 
+# New deployments take the autoscaling defaults in force when they are created (settings.py).
+def default_target_concurrency() -> int:
+    return settings.AUTOSCALE_TARGET_CONCURRENCY
+
+
+def default_ttft_slo_ms() -> int:
+    return settings.AUTOSCALE_TTFT_SLO_MS
+
+
+def default_itl_slo_ms() -> int:
+    return settings.AUTOSCALE_ITL_SLO_MS
+
+
+def default_idle_to_zero_seconds() -> int:
+    return settings.AUTOSCALE_IDLE_TO_ZERO_SECONDS
+
+
+# The largest value each autoscaling field accepts; past them a typo rather than a wish.
+TARGET_CONCURRENCY_LIMIT = 1024
+TTFT_SLO_MS_LIMIT = 600_000
+ITL_SLO_MS_LIMIT = 60_000
+IDLE_TO_ZERO_SECONDS_LIMIT = 30 * 24 * 3600
+
+
 class Deployment(models.Model):
     model = models.OneToOneField(Model, on_delete=models.PROTECT, related_name="deployment")
     desired_replicas = models.PositiveIntegerField(default=1)
@@ -54,6 +79,29 @@ class Deployment(models.Model):
         default=False,
         help_text="Never scale down for lack of traffic: idle replicas stay loaded.",
     )
+    # The autoscaler (controlplane/fleet/autoscaling.py) moves desired_replicas within min..max.
+    autoscale = models.BooleanField(
+        default=True, help_text="Let the autoscaler set the desired replicas within min and max.",
+    )
+    target_concurrency = models.PositiveIntegerField(
+        default=default_target_concurrency,
+        validators=[MinValueValidator(1), MaxValueValidator(TARGET_CONCURRENCY_LIMIT)],
+        help_text="Requests (running + waiting) one replica should carry at full utilisation.",
+    )
+    ttft_slo_ms = models.PositiveIntegerField(
+        default=default_ttft_slo_ms, validators=[MinValueValidator(1), MaxValueValidator(TTFT_SLO_MS_LIMIT)],
+        help_text="Time to first token, p95, a replica should stay under (ms).",
+    )
+    itl_slo_ms = models.PositiveIntegerField(
+        default=default_itl_slo_ms, validators=[MinValueValidator(1), MaxValueValidator(ITL_SLO_MS_LIMIT)],
+        help_text="Time between tokens, p95, a replica should stay under (ms).",
+    )
+    idle_to_zero_seconds = models.PositiveIntegerField(
+        default=default_idle_to_zero_seconds, validators=[MaxValueValidator(IDLE_TO_ZERO_SECONDS_LIMIT)],
+        help_text="Scale to zero (or min) after this long without requests; 0 never does.",
+    )
+    # The last change of desired_replicas, by anyone: the autoscaler's cooldowns count from it.
+    scaled_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

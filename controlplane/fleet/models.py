@@ -148,3 +148,25 @@ class Replica(models.Model):
             raise ValidationError({"gpu": "The GPU must belong to the replica's worker."})
         if self.state == self.State.READY and not self.endpoint_url:
             raise ValidationError({"endpoint_url": "A ready replica needs the endpoint URL it serves on."})
+
+
+class AutoscaleDecision(models.Model):
+    """The autoscaler's latest decision for one deployment, holds included (replaced every tick):
+    what the fleet page shows beside the deployment. Changes also land in the audit log."""
+
+    class Action(models.TextChoices):
+        UP = "up", "Scale up"
+        DOWN = "down", "Scale down"
+        HOLD = "hold", "Hold"
+
+    deployment = models.OneToOneField("catalog.Deployment", on_delete=models.CASCADE, primary_key=True,
+                                      related_name="autoscale_decision")
+    action = models.CharField(max_length=10, choices=Action.choices)
+    desired_replicas = models.PositiveIntegerField()
+    reason = models.CharField(max_length=500)
+    # Every figure the decision read (autoscaling.Decision.inputs).
+    inputs = models.JSONField(default=dict, blank=True)
+    decided_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id}: {self.action} to {self.desired_replicas} ({self.reason})"

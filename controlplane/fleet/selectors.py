@@ -9,6 +9,7 @@ from django.db.models import Count, Prefetch, Q, QuerySet, Sum
 
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet import heartbeat_cache
+from controlplane.fleet.autoscaling import ReplicaLoad
 from controlplane.fleet.models import Gpu, Replica, Worker
 from controlplane.fleet.placement import Slot
 
@@ -136,10 +137,35 @@ def workers_with_live_replicas(*, worker_ids: Iterable[int] | None = None) -> li
 
 def deployments_with_live_replicas(*, deployment_ids: Iterable[int] | None = None) -> list[Deployment]:
     """Deployments with their model and `live_replicas` (with worker and GPU) attached."""
-    deployments = Deployment.objects.select_related("model").prefetch_related(
+    deployments = Deployment.objects.select_related("model", "autoscale_decision").prefetch_related(
         Prefetch("replicas", to_attr="live_replicas", queryset=Replica.objects.filter(state__in=Replica.LIVE_STATES)
                  .select_related("worker", "gpu").order_by("created_at", "pk")),
     )
     if deployment_ids is not None:
         deployments = deployments.filter(pk__in=list(deployment_ids))
     return list(deployments)
+
+
+def deployment_replica_loads(*, deployment: Deployment) -> tuple[int, list[ReplicaLoad]]:
+    """How many replicas the deployment has active (pending, loading, ready), and the figures of
+    each ready one from its worker's latest heartbeat (a ready replica no heartbeat reports yet is
+    left out of the figures: nothing is known of its load)."""
+    active = list(Replica.objects.filter(deployment=deployment, state__in=Replica.ACTIVE_STATES)
+                  .values_list("pk", "state", "worker_id"))
+    ready = [(pk, worker_id) for pk, state, worker_id in active if state == Replica.State.READY]
+    latest = heartbeat_cache.read_many(worker_ids=sorted({worker_id for _, worker_id in ready}))
+    loads = []
+    for pk, worker_id in ready:
+        figures = ((latest.get(worker_id) or {}).get("replicas") or {}).get(str(pk))
+        if figures is not None:
+            loads.append(ReplicaLoad(
+                running=float(figures.get("running") or 0.0), waiting=float(figures.get("waiting") or 0.0),
+                kv_cache_usage=float(figures.get("kv_cache_usage") or 0.0),
+                ttft_p95_s=_figure(figures, "ttft_p95_s"), itl_p95_s=_figure(figures, "itl_p95_s"),
+            ))
+    return len(active), loads
+
+
+def _figure(figures: dict[str, Any], name: str) -> float | None:
+    value = figures.get(name)
+    return None if value is None else float(value)

@@ -2,6 +2,7 @@
 state changes, deployments (desired replicas: create, scale, edit) and the operators'
 load/unload/drain. Atomic; messages go out after commit."""
 
+import logging
 from datetime import datetime
 
 from django.conf import settings
@@ -14,16 +15,26 @@ from django.utils import timezone
 from controlplane import live_events
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
-from controlplane.catalog.models import Deployment
+from controlplane.catalog.models import (
+    IDLE_TO_ZERO_SECONDS_LIMIT,
+    ITL_SLO_MS_LIMIT,
+    TARGET_CONCURRENCY_LIMIT,
+    TTFT_SLO_MS_LIMIT,
+    Deployment,
+)
 from controlplane.catalog.selectors import model_get_by_public_name
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
+from controlplane.fleet.autoscaling import AutoscalePolicy, Decision, DeploymentSignals, decide, popular
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
-from controlplane.fleet.models import Gpu, Replica, Worker
+from controlplane.fleet.models import AutoscaleDecision, Gpu, Replica, Worker
 from controlplane.fleet.placement import memory_fraction
-from controlplane.fleet.selectors import placement_slots
+from controlplane.fleet.selectors import deployment_replica_loads, placement_slots
+from controlplane.gateway.traffic import TrafficSnapshot, traffic_snapshot
 from gpuworker.contract.heartbeat import Heartbeat, WorkerRegistration
 from gpuworker.contract.tasks import DrainWorker, LoadModel, UnloadModel
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerUnknown(Exception):
@@ -240,6 +251,13 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
 
 # What a deployment edit may change, and what its audit entry compares.
 DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_warm")
+# The autoscaling settings an edit may change (each None: left as it is), with each one's bounds.
+AUTOSCALING_FIELDS = {
+    "target_concurrency": (1, TARGET_CONCURRENCY_LIMIT),
+    "ttft_slo_ms": (1, TTFT_SLO_MS_LIMIT),
+    "itl_slo_ms": (1, ITL_SLO_MS_LIMIT),
+    "idle_to_zero_seconds": (0, IDLE_TO_ZERO_SECONDS_LIMIT),
+}
 # More replicas of one model than any one fleet here runs; a typo (100 for 10) is refused.
 MAX_REPLICAS_LIMIT = 256
 
@@ -273,7 +291,7 @@ def deployment_create(
     if model is None:
         raise ValidationError({"model": f"Unknown model {model_name!r}."})
     deployment = validated_save(Deployment(model=model, desired_replicas=desired_replicas, min_replicas=min_replicas,
-                                           max_replicas=max_replicas, keep_warm=keep_warm))
+                                           max_replicas=max_replicas, keep_warm=keep_warm, scaled_at=timezone.now()))
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_CREATE, target=deployment,
                  target_label=model.public_name, detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
     commands.request_reconcile(deployment_ids=[deployment.pk])
@@ -284,7 +302,15 @@ def deployment_create(
 def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=None) -> Deployment:
     """Want `desired_replicas` replicas; reconcile places or drains the difference."""
     # Lock the row so two operators scaling at once cannot both pass validation on stale bounds.
-    deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    deployment = Deployment.objects.select_for_update().select_related("model").get(pk=deployment.pk)
+    return _deployment_set_desired(deployment=deployment, desired_replicas=desired_replicas, actor=actor,
+                                   now=timezone.now())
+
+
+def _deployment_set_desired(*, deployment: Deployment, desired_replicas: int, actor, now: datetime,
+                            detail: dict | None = None) -> Deployment:
+    """The one path that changes a locked deployment's desired replicas on its own (an operator's
+    scale, the autoscaler's decision): bounds, the scaling time cooldowns count from, audit, reconcile."""
     _check_whole_number(desired_replicas, "desired_replicas")
     if not deployment.min_replicas <= desired_replicas <= deployment.max_replicas:
         raise ValidationError({"desired_replicas": (
@@ -293,10 +319,12 @@ def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=Non
         )})
     before = deployment.desired_replicas
     deployment.desired_replicas = desired_replicas
+    deployment.scaled_at = now
     deployment.full_clean()
-    deployment.save(update_fields=["desired_replicas", "updated_at"])
+    deployment.save(update_fields=["desired_replicas", "scaled_at", "updated_at"])
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_SCALE, target=deployment,
-                 target_label=deployment.model.public_name, detail={"desired_replicas": [before, desired_replicas]})
+                 target_label=deployment.model.public_name,
+                 detail={"desired_replicas": [before, desired_replicas], **(detail or {})})
     commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
 
@@ -304,10 +332,11 @@ def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=Non
 @transaction.atomic
 def deployment_update(
     *, deployment: Deployment, desired_replicas: int, min_replicas: int, max_replicas: int, keep_warm: bool,
-    actor=None,
+    autoscale: bool | None = None, target_concurrency: int | None = None, ttft_slo_ms: int | None = None,
+    itl_slo_ms: int | None = None, idle_to_zero_seconds: int | None = None, actor=None,
 ) -> Deployment:
-    """Set a deployment's replica counts and keep-warm at once; each bad value is reported on its
-    own field, and min <= desired <= max must hold afterwards."""
+    """Set a deployment's replica counts, keep-warm and (each unless None) autoscaling settings at
+    once; each bad value is reported on its own field, and min <= desired <= max must hold afterwards."""
     deployment = _lock_deployment(deployment)
     values = {"desired_replicas": desired_replicas, "min_replicas": min_replicas, "max_replicas": max_replicas}
     errors: dict[str, list[str]] = {}
@@ -316,8 +345,20 @@ def deployment_update(
             _check_replica_count(value, field)
         except ValidationError as exc:
             errors.update(exc.message_dict)
-    if not isinstance(keep_warm, bool):
-        errors["keep_warm"] = [f"Must be true or false, not {keep_warm!r}."]
+    flags = {"keep_warm": keep_warm, **({"autoscale": autoscale} if autoscale is not None else {})}
+    for field, value in flags.items():
+        if not isinstance(value, bool):
+            errors[field] = [f"Must be true or false, not {value!r}."]
+    autoscaling = {field: value for field, value in {
+        "target_concurrency": target_concurrency, "ttft_slo_ms": ttft_slo_ms, "itl_slo_ms": itl_slo_ms,
+        "idle_to_zero_seconds": idle_to_zero_seconds,
+    }.items() if value is not None}
+    for field, value in autoscaling.items():
+        low, high = AUTOSCALING_FIELDS[field]
+        if isinstance(value, bool) or not isinstance(value, int):
+            errors[field] = [f"Must be a whole number, not {value!r}."]
+        elif not low <= value <= high:
+            errors[field] = [f"Must lie between {low:,} and {high:,}; got {value:,}."]
     if not errors:
         if min_replicas > max_replicas:
             errors["min_replicas"] = [f"Min replicas ({min_replicas}) cannot exceed max replicas ({max_replicas})."]
@@ -326,13 +367,16 @@ def deployment_update(
                                           f"({max_replicas}); got {desired_replicas}."]
     if errors:
         raise ValidationError(errors)
-    before = model_to_dict(deployment, fields=DEPLOYMENT_FIELDS)
-    for field, value in {**values, "keep_warm": keep_warm}.items():
+    compared = (*DEPLOYMENT_FIELDS, "autoscale", *AUTOSCALING_FIELDS)
+    before = model_to_dict(deployment, fields=compared)
+    for field, value in {**values, **flags, **autoscaling}.items():
         setattr(deployment, field, value)
-    deployment.full_clean()
-    diff = changes(before, model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
+    diff = changes(before, model_to_dict(deployment, fields=compared))
     if not diff:
         return deployment
+    if "desired_replicas" in diff:
+        deployment.scaled_at = timezone.now()  # an operator's scale: the autoscaler's cooldowns restart
+    deployment.full_clean()
     deployment.save()
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_UPDATE, target=deployment,
                  target_label=deployment.model.public_name, detail=diff)
@@ -365,7 +409,8 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
                                              f"replicas, its max_replicas ({deployment.max_replicas}); raise it first."})
     # One more wanted, so reconcile keeps this replica instead of draining it as surplus.
     deployment.desired_replicas += 1
-    deployment.save(update_fields=["desired_replicas", "updated_at"])
+    deployment.scaled_at = timezone.now()
+    deployment.save(update_fields=["desired_replicas", "scaled_at", "updated_at"])
     replica = replica_place(deployment=deployment, worker=worker, gpu=gpu)
     audit_record(actor=actor, action=AuditEntry.Action.REPLICA_LOAD, target=replica,
                  target_label=f"{model.public_name} replica {replica.pk} on {worker.name}", detail={
@@ -387,7 +432,8 @@ def replica_unload(*, replica: Replica, actor=None) -> Replica:
         raise ValidationError({"replica": f"{deployment.model.public_name} must keep at least "
                                           f"{deployment.min_replicas} replicas (min_replicas); lower it first."})
     deployment.desired_replicas -= 1
-    deployment.save(update_fields=["desired_replicas", "updated_at"])
+    deployment.scaled_at = timezone.now()
+    deployment.save(update_fields=["desired_replicas", "scaled_at", "updated_at"])
     was = replica.state
     replica = replica_stop(replica=replica, at=timezone.now())
     audit_record(actor=actor, action=AuditEntry.Action.REPLICA_UNLOAD, target=replica,
@@ -421,3 +467,80 @@ def worker_drain(*, worker: Worker, actor=None) -> Worker:
     if replicas:
         commands.request_reconcile(deployment_ids=[r.deployment_id for r in replicas])
     return worker
+
+
+# --- The autoscaler: one decision per deployment per tick (Celery beat, tasks.autoscale), made by
+# the pure policy in autoscaling.py from the heartbeats' figures and the gateway's traffic counts.
+
+def autoscale_policy(deployment: Deployment) -> AutoscalePolicy:
+    """A deployment's policy: its own fields, and the fleet-wide settings."""
+    return AutoscalePolicy(
+        min_replicas=deployment.min_replicas, max_replicas=deployment.max_replicas, keep_warm=deployment.keep_warm,
+        target_concurrency=float(deployment.target_concurrency),
+        target_utilisation=settings.AUTOSCALE_TARGET_UTILISATION_PERCENT / 100,
+        hysteresis=settings.AUTOSCALE_HYSTERESIS_PERCENT / 100,
+        ttft_slo_s=deployment.ttft_slo_ms / 1000, itl_slo_s=deployment.itl_slo_ms / 1000,
+        kv_cache_high=settings.AUTOSCALE_KV_CACHE_HIGH_PERCENT / 100,
+        scale_up_cooldown_s=float(settings.AUTOSCALE_SCALE_UP_COOLDOWN_SECONDS),
+        scale_down_cooldown_s=float(settings.AUTOSCALE_SCALE_DOWN_COOLDOWN_SECONDS),
+        idle_to_zero_s=float(deployment.idle_to_zero_seconds),
+    )
+
+
+def deployments_autoscale(*, now: datetime) -> list[AutoscaleDecision]:
+    """Decide once for every deployment with autoscaling on. Without the gateway's counts (Redis
+    down) nothing is decided: no traffic seen must not read as no traffic, which scales to zero."""
+    try:
+        traffic = traffic_snapshot(now=now.timestamp(), rate_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
+                                   popular_window_s=settings.AUTOSCALE_POPULAR_WINDOW_SECONDS)
+    except Exception:
+        logger.warning("autoscaler: the gateway's traffic counts are unreadable; no decisions this tick",
+                       exc_info=True)
+        return []
+    popular_models = popular(traffic.window_counts, settings.AUTOSCALE_POPULAR_TOP_K)
+    ids = Deployment.objects.filter(autoscale=True, model__enabled=True).order_by("pk").values_list("pk", flat=True)
+    decisions = [deployment_autoscale(deployment_id=pk, now=now, traffic=traffic, popular_models=popular_models)
+                 for pk in ids]
+    return [d for d in decisions if d is not None]
+
+
+@transaction.atomic
+def deployment_autoscale(*, deployment_id: int, now: datetime, traffic: TrafficSnapshot,
+                         popular_models: set[int]) -> AutoscaleDecision | None:
+    """One decision for one deployment, under its row lock (an operator's scale waits, then counts
+    for the cooldown). A change goes through the same path as an operator's scale, audited as the
+    system's with the decision's reason and inputs; every decision is stored and published."""
+    deployment = Deployment.objects.select_for_update().select_related("model").filter(pk=deployment_id).first()
+    if deployment is None or not deployment.autoscale:
+        return None
+    model_id = deployment.model_id
+    current, loads = deployment_replica_loads(deployment=deployment)
+    signals = DeploymentSignals(
+        now=now.timestamp(), current_replicas=current, loads=tuple(loads),
+        request_rate_per_s=traffic.rate_per_s.get(model_id, 0.0),
+        last_request_at=traffic.last_request_at.get(model_id),
+        last_scaled_at=deployment.scaled_at.timestamp() if deployment.scaled_at else None,
+        popular=model_id in popular_models,
+    )
+    decision = decide(autoscale_policy(deployment), signals)
+    applied = _autoscale_apply(deployment=deployment, decision=decision, now=now)
+    stored, _ = AutoscaleDecision.objects.update_or_create(deployment=deployment, defaults={
+        "action": applied, "desired_replicas": deployment.desired_replicas, "reason": decision.reason[:500],
+        "inputs": decision.inputs, "decided_at": now,
+    })
+    live_events.publish(group=live_events.FLEET_GROUP, event="autoscale.decision", data={
+        "deployment_id": deployment.pk, "action": applied, "desired_replicas": deployment.desired_replicas,
+        "reason": stored.reason, "inputs": decision.inputs, "decided_at": now.timestamp(),
+    })
+    return stored
+
+
+def _autoscale_apply(*, deployment: Deployment, decision: Decision, now: datetime) -> str:
+    """Move desired replicas only the way the decision points: the policy counts active replicas,
+    which lag desired ones (still placing, or no room), and must not undo a wish it agrees with."""
+    before = deployment.desired_replicas
+    if decision.action == "up" and decision.desired > before or decision.action == "down" and decision.desired < before:
+        _deployment_set_desired(deployment=deployment, desired_replicas=decision.desired, actor=None, now=now,
+                                detail={"autoscaler": decision.reason, "inputs": decision.inputs})
+        return decision.action
+    return AutoscaleDecision.Action.HOLD

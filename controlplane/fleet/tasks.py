@@ -1,10 +1,10 @@
-"""Celery tasks for the fleet; each calls a service. Beat runs both periodically (settings)."""
+"""Celery tasks for the fleet; each calls a service. Beat runs them periodically (settings)."""
 
 from celery import shared_task
 from django.utils import timezone
 
 from controlplane.fleet.reconcile import fleet_reconcile
-from controlplane.fleet.services import workers_mark_lost
+from controlplane.fleet.services import deployments_autoscale, workers_mark_lost
 
 
 @shared_task(name="controlplane.fleet.tasks.mark_lost_workers")
@@ -22,3 +22,10 @@ def reconcile(deployment_ids: list[int] | None = None) -> dict[str, int]:
         "removed": sum(len(o.removed) for o in outcomes),
         "unplaced": sum(o.unplaced for o in outcomes),
     }
+
+
+@shared_task(name="controlplane.fleet.tasks.autoscale")
+def autoscale() -> dict[str, int]:
+    """One autoscaling decision per deployment (beat, AUTOSCALE_INTERVAL_SECONDS); counts by action."""
+    decisions = deployments_autoscale(now=timezone.now())
+    return {action: sum(1 for d in decisions if d.action == action) for action in ("up", "down", "hold")}

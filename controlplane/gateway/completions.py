@@ -36,6 +36,7 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -
     grant = await gw.keys.authenticate(request.headers.get("authorization"))
     body = json_object(raw)
     model = await _model(gw, grant, body.get("model"))
+    gw.spawn(gw.traffic.record(model.model_id, time.time()))  # off the request's path
     try:
         parsed = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
     except ProtocolError as exc:

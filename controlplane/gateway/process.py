@@ -10,6 +10,7 @@ from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.holds import HoldPlacer, settle_batcher, sweep_expired_holds
 from controlplane.gateway.keys import KeyCache
 from controlplane.gateway.routing import RoutingTable
+from controlplane.gateway.traffic import traffic_recorder
 from controlplane.gateway.upstream import UpstreamPool
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ class Gateway:
         self.holds = HoldPlacer(self.admit_lane, config.hold_lifetime_s)
         self.settles = settle_batcher(self.settle_lane)
         self.shared = _shared_state(config)
+        # Requests per model for the autoscaler (Redis, or this process without it).
+        self.traffic = traffic_recorder(config.redis_url)
         self._spawned: set[asyncio.Task] = set()
         self._chores = [
             asyncio.ensure_future(self.keys.follow_changes()),
@@ -54,6 +57,7 @@ class Gateway:
         self.upstream.close()
         await self.holds.aclose()
         await self.shared.aclose()
+        await self.traffic.aclose()
         self.admit_lane.close()
         self.settle_lane.close()
 

@@ -42,6 +42,8 @@ class FleetConsumer(AsyncWebsocketConsumer):
                 html = fragments.heartbeat_fragment(data, self.history)
             elif event == "replica.state":
                 html = await database_sync_to_async(fragments.replica_change_fragment)(data, self.history)
+            elif event == "autoscale.decision":
+                html = fragments.autoscale_fragment(data)
             elif event == "worker.state":
                 html = await database_sync_to_async(fragments.workers_fragment)(self.history)
             else:

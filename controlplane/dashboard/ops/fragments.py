@@ -1,6 +1,7 @@
 """HTML fragments the fleet page's WebSocket sends, each addressed by element id (htmx's ws
 extension swaps it in place): a heartbeat's figures and load progress, a worker's card after a
-replica change, the whole worker list after a worker comes or goes, a deployment's status."""
+replica change, the whole worker list after a worker comes or goes, a deployment's status, and
+its latest autoscaling decision."""
 
 from typing import Any
 
@@ -8,10 +9,12 @@ from django.template.loader import render_to_string
 
 from controlplane.dashboard.ops.overview import (
     FigureHistory,
+    autoscale_view_from_event,
     deployment_views,
     heartbeat_time,
     live_slot_updates,
     loading_progress,
+    replica_loads,
     worker_views,
 )
 
@@ -21,7 +24,7 @@ def heartbeat_fragment(live: dict[str, Any], history: FigureHistory) -> str:
     progress = [(replica_id, round(100 * share)) for replica_id, share in loading_progress(live)]
     return render_to_string("dashboard/ops/_heartbeat.html", {
         "slots": live_slot_updates(live, history), "progress": progress,
-        "worker_id": live["worker_id"], "heartbeat_at": heartbeat_time(live),
+        "worker_id": live["worker_id"], "heartbeat_at": heartbeat_time(live), "replica_loads": replica_loads(live),
     })
 
 
@@ -37,3 +40,8 @@ def replica_change_fragment(data: dict[str, Any], history: FigureHistory) -> str
     for view in deployment_views(deployment_ids=[data["deployment_id"]]):
         parts.append(render_to_string("dashboard/ops/_deployment_status.html", {"view": view}))
     return "".join(parts)
+
+
+def autoscale_fragment(data: dict[str, Any]) -> str:
+    """The deployment's latest autoscaling decision, straight from the event (no database work)."""
+    return render_to_string("dashboard/ops/_autoscale.html", {"a": autoscale_view_from_event(data)})

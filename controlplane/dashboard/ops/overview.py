@@ -122,10 +122,40 @@ class ReplicaView:
     replica: Replica
     # 0-1 while loading, from the latest heartbeat; None when the worker has not reported it yet.
     load_progress: float | None
+    # Its figures in the latest heartbeat (queue, running, KV cache, tokens/s), when reported.
+    load: "ReplicaLoadView | None" = None
 
     @property
     def progress_pct(self) -> int:
         return round(100 * (self.load_progress or 0.0))
+
+
+@dataclass(frozen=True)
+class ReplicaLoadView:
+    """A ready replica's engine figures, as the heartbeat reports them, in the page's words."""
+
+    replica_id: int
+    waiting: str
+    running: str
+    kv_cache: str
+    tokens_per_s: str
+
+
+def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadView:
+    def count(name: str) -> str:
+        value = report.get(name)
+        return "—" if value is None else f"{value:.0f}"
+
+    kv, rate = report.get("kv_cache_usage"), report.get("tokens_per_s")
+    return ReplicaLoadView(replica_id=replica_id, waiting=count("waiting"), running=count("running"),
+                           kv_cache="—" if kv is None else f"{100 * kv:.0f}%",
+                           tokens_per_s="—" if rate is None else f"{rate:,.0f}")
+
+
+def replica_loads(live: dict[str, Any]) -> list[ReplicaLoadView]:
+    """The figures of each replica the heartbeat reports ready."""
+    return [replica_load_view(int(replica_id), report)
+            for replica_id, report in (live.get("replicas") or {}).items() if report.get("state") == "ready"]
 
 
 @dataclass
@@ -178,7 +208,9 @@ def worker_views(*, worker_ids: list[int] | None = None, history: FigureHistory 
         by_gpu_id = {gpu.pk: slot for gpu, slot in zip(worker.present_gpus, slots)}
         for replica in worker.live_replicas:
             slot = by_gpu_id.get(replica.gpu_id, slots[-1]) if replica.gpu_id else slots[-1]
-            slot.replicas.append(ReplicaView(replica, _replica_progress(live, replica)))
+            report = (live.get("replicas") or {}).get(str(replica.pk))
+            slot.replicas.append(ReplicaView(replica, _replica_progress(live, replica),
+                                             replica_load_view(replica.pk, report) if report else None))
         views.append(WorkerView(worker, slots, heartbeat_time(live)))
     return views
 
@@ -202,14 +234,63 @@ def loading_progress(live: dict[str, Any]) -> list[tuple[int, float]]:
             for replica_id, report in (live.get("replicas") or {}).items() if report.get("state") == "loading"]
 
 
+@dataclass(frozen=True)
+class AutoscaleView:
+    """A deployment's autoscaling line: off, not decided yet, or its latest decision and why."""
+
+    deployment_id: int
+    enabled: bool
+    action: str = ""
+    desired_replicas: int | None = None
+    reason: str = ""
+    inputs: dict = field(default_factory=dict)
+    decided_at: datetime | None = None
+
+    @property
+    def figures(self) -> list[tuple[str, str]]:
+        """The inputs an operator reads first, as (label, text)."""
+        i = self.inputs
+
+        def show(key, fmt, scale=1.0):
+            return "—" if i.get(key) is None else fmt.format(i[key] * scale)
+
+        return [
+            ("ready", f"{i.get('ready_replicas', '—')} of {i.get('current_replicas', '—')}"),
+            ("utilisation", show("utilisation", "{:.0f}%", 100)),
+            ("waiting", show("waiting", "{:.0f}")), ("running", show("running", "{:.0f}")),
+            ("TTFT p95", show("ttft_p95_s", "{:.2f} s")), ("ITL p95", show("itl_p95_s", "{:.0f} ms", 1000)),
+            ("KV cache", show("kv_cache_usage", "{:.0f}%", 100)),
+            ("requests", show("request_rate_per_s", "{:.2f}/s")),
+        ]
+
+
+def autoscale_view_from_event(data: dict[str, Any]) -> AutoscaleView:
+    """From the autoscaler's live event (no database work)."""
+    return AutoscaleView(
+        deployment_id=data["deployment_id"], enabled=True, action=data.get("action", ""),
+        desired_replicas=data.get("desired_replicas"), reason=data.get("reason", ""), inputs=data.get("inputs") or {},
+        decided_at=datetime.fromtimestamp(data["decided_at"], tz=timezone.utc) if data.get("decided_at") else None,
+    )
+
+
+def _autoscale_view(deployment) -> AutoscaleView:
+    decision = getattr(deployment, "autoscale_decision", None)
+    if decision is None or not deployment.autoscale:
+        return AutoscaleView(deployment_id=deployment.pk, enabled=deployment.autoscale)
+    return AutoscaleView(deployment_id=deployment.pk, enabled=True, action=decision.action,
+                         desired_replicas=decision.desired_replicas, reason=decision.reason,
+                         inputs=decision.inputs, decided_at=decision.decided_at)
+
+
 @dataclass
 class DeploymentView:
     deployment: Any
     status: Any
     replicas: list[Replica]
+    autoscale: AutoscaleView | None = None
 
 
 def deployment_views(*, deployment_ids: list[int] | None = None) -> list[DeploymentView]:
     deployments = deployments_with_live_replicas(deployment_ids=deployment_ids)
     statuses = {s.deployment_id: s for s in deployment_statuses(deployment_ids=[d.pk for d in deployments])}
-    return [DeploymentView(d, statuses[d.pk], d.live_replicas) for d in deployments]
+    return [DeploymentView(d, statuses[d.pk], d.live_replicas, _autoscale_view(d)) for d in deployments]
