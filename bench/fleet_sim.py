@@ -332,9 +332,11 @@ def summarise(result: Result, top_models: list[int], slo_s: float) -> dict:
     }
 
 
+SCENARIOS = ("autoscaled", "static-peak", "static-peak-round-robin", "autoscaled-round-robin")
+
+
 def run_scenarios(shape: TraceShape, params: FleetParams, seed: int, duration_s: float,
-                  scenarios: tuple[str, ...] = ("autoscaled", "static-peak", "static-peak-round-robin",
-                                                "autoscaled-round-robin")) -> list[Result]:
+                  scenarios: tuple[str, ...] = SCENARIOS) -> list[Result]:
     """Runs the scenarios on the same trace; the static ones hold the autoscaled run's per-model peak."""
     results = [Simulation("autoscaled", Trace(shape, seed, duration_s), params, affinity=True).run()]
     static = {m: max(1, results[0].peak_replicas.get(m, 0)) for m in range(shape.models)}
@@ -439,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-cold-s", type=float, default=FleetParams.load_cold_s)
     parser.add_argument("--out", type=Path, default=Path("docs/fleet_sim"), help="folder for the PNGs")
     parser.add_argument("--json", type=Path, help="write the summaries here")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help="comma-separated, autoscaled first (the static ones hold its peak)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
 
@@ -446,7 +450,10 @@ def main(argv: list[str] | None = None) -> int:
                     system_prompt_chars=args.system_prompt_chars)
     params = replace(FleetParams(), load_staged_s=args.load_staged_s, load_cold_s=args.load_cold_s)
     duration = args.hours * 3600
-    results = run_scenarios(shape, params, args.seed, duration)
+    scenarios = tuple(args.scenarios.split(","))
+    if scenarios[0] != "autoscaled" or not set(scenarios) <= set(SCENARIOS):
+        parser.error(f"--scenarios: autoscaled first, then any of {', '.join(SCENARIOS[1:])}")
+    results = run_scenarios(shape, params, args.seed, duration, scenarios)
     trace = Trace(shape, args.seed, duration)
     top = sorted(range(shape.models), key=lambda m: -trace.share[m])[:5]
     summaries = [summarise(r, top, params.policy.ttft_slo_s) for r in results]
