@@ -4,6 +4,7 @@ from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import F, Q
+from django.utils import timezone
 
 
 class Model(models.Model):
@@ -101,7 +102,8 @@ class Deployment(models.Model):
         help_text="Scale to zero (or min) after this long without requests; 0 never does.",
     )
     # The last change of desired_replicas, by anyone: the autoscaler's cooldowns count from it.
-    scaled_at = models.DateTimeField(null=True, blank=True)
+    # Existing rows take the migration's time: their idle clock starts then, not at the epoch.
+    scaled_at = models.DateTimeField(default=timezone.now, null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -129,9 +129,10 @@ def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
     if current > policy.max_replicas:
         return decision(policy.max_replicas, f"above the maximum of {policy.max_replicas}")
 
+    # Replicas still working are not idle, whatever the gateway's counts say (they may be lost).
     idle = (
         policy.idle_to_zero_s > 0 and signals.request_rate_per_s <= 0 and signals.queued_cold_starts <= 0
-        and (idle_since is None or now - idle_since >= policy.idle_to_zero_s)
+        and demand <= 0 and (idle_since is None or now - idle_since >= policy.idle_to_zero_s)
     )
     if idle and current > floor:
         if idle_since is None:

@@ -543,4 +543,4 @@ def _autoscale_apply(*, deployment: Deployment, decision: Decision, now: datetim
         _deployment_set_desired(deployment=deployment, desired_replicas=decision.desired, actor=None, now=now,
                                 detail={"autoscaler": decision.reason, "inputs": decision.inputs})
         return decision.action
-    return AutoscaleDecision.Action.HOLD
+    return AutoscaleDecision.Action.HOLD.value

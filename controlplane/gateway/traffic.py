@@ -2,8 +2,8 @@
 request rate, and which models are most used over a longer window) and each model's last request.
 
 The hot path records once per request, in the background: in Redis one pipelined HINCRBY (the
-bucket's hash, model id → count, expiring after the longest window read) and HSET (model id → time
-of its last request). Without Redis (`make run`: one gateway process) the counts stay in the
+bucket's hash, model id → count, expiring after the longest window read) and ZADD GT (model id →
+time of its last request, kept if later). Without Redis (`make run`: one gateway process) the counts stay in the
 process and are written to the shared "live" cache about once a second, which the Celery worker
 reads. `traffic_snapshot` is the control plane's reader for both.
 """
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 BUCKET_SECONDS = 10
 _BUCKET_KEY = "gw:traffic:{bucket}"  # hash: model id -> requests in that bucket
-_LAST_KEY = "gw:traffic:last"  # hash: model id -> epoch seconds of its latest request
+_LAST_KEY = "gw:traffic:last"  # sorted set: model id scored by the epoch seconds of its latest request
 _LOCAL_CACHE_KEY = "gateway:traffic"  # the embedded set-up's snapshot in the "live" cache
 # Failures to record are logged at most this often (a Redis outage must not flood the log).
 _WARN_EVERY_S = 60.0
@@ -63,7 +63,7 @@ class RedisTraffic:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hincrby(key, str(model_id), 1)
                 pipe.expire(key, self._keep_s)
-                pipe.hset(_LAST_KEY, str(model_id), repr(now))
+                pipe.zadd(_LAST_KEY, {str(model_id): now}, gt=True)  # never moves back
                 await pipe.execute()
         except Exception:
             self._warner.warn("Redis")
@@ -163,10 +163,10 @@ def _read_redis(buckets: list[int]) -> tuple[dict[int, dict[int, int]], dict[int
         with client.pipeline(transaction=False) as pipe:
             for bucket in buckets:
                 pipe.hgetall(_BUCKET_KEY.format(bucket=bucket))
-            pipe.hgetall(_LAST_KEY)
+            pipe.zrange(_LAST_KEY, 0, -1, withscores=True)
             replies = pipe.execute()
     finally:
         client.close()
     counts = {bucket: {int(k): int(v) for k, v in reply.items()} for bucket, reply in zip(buckets, replies)}
-    last = {int(k): float(v) for k, v in replies[-1].items()}
+    last = {int(member): float(score) for member, score in replies[-1]}
     return counts, last

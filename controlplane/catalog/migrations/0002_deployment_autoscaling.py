@@ -2,6 +2,7 @@
 
 import controlplane.catalog.models
 import django.core.validators
+import django.utils.timezone
 from django.db import migrations, models
 
 
@@ -30,7 +31,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='deployment',
             name='scaled_at',
-            field=models.DateTimeField(blank=True, null=True),
+            field=models.DateTimeField(blank=True, default=django.utils.timezone.now, null=True),
         ),
         migrations.AddField(
             model_name='deployment',

@@ -23,14 +23,15 @@ class DeploymentLimitsForm(forms.Form):
     max_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Max")
     keep_warm = forms.BooleanField(required=False, label="Keep warm",
                                    help_text="Idle replicas stay loaded instead of being scaled down.")
-    # Autoscaling: bounds are the service's (fleet.services.AUTOSCALING_FIELDS), reported per field.
+    # Autoscaling: bounds are the service's (fleet.services.AUTOSCALING_FIELDS), reported per field;
+    # a number left empty keeps its value.
     autoscale = forms.BooleanField(required=False, label="Autoscale",
                                    help_text="Let the autoscaler set the desired replicas within min and max.")
-    target_concurrency = forms.IntegerField(label="Requests per replica",
+    target_concurrency = forms.IntegerField(required=False, label="Requests per replica",
                                             help_text="Running + waiting requests one replica carries at full load.")
-    ttft_slo_ms = forms.IntegerField(label="TTFT SLO (ms)", help_text="Time to first token, p95.")
-    itl_slo_ms = forms.IntegerField(label="Inter-token SLO (ms)", help_text="Time between tokens, p95.")
-    idle_to_zero_seconds = forms.IntegerField(label="Idle to zero (s)",
+    ttft_slo_ms = forms.IntegerField(required=False, label="TTFT SLO (ms)", help_text="Time to first token, p95.")
+    itl_slo_ms = forms.IntegerField(required=False, label="Inter-token SLO (ms)", help_text="Time between tokens, p95.")
+    idle_to_zero_seconds = forms.IntegerField(required=False, label="Idle to zero (s)",
                                               help_text="No request for this long: scale to min (0 never does).")
 
     @classmethod

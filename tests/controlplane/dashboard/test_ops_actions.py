@@ -73,12 +73,28 @@ def test_editing_min_max_and_keep_warm(operator_client, operator):
     assert not AuditEntry.objects.exists()
 
     response = operator_client.post(url, {p + "desired_replicas": "2", p + "min_replicas": "1",
-                                          p + "max_replicas": "4", p + "keep_warm": "on"}, **HTMX)
+                                          p + "max_replicas": "4", p + "keep_warm": "on", p + "autoscale": "on"}, **HTMX)
     assert "desired 2 · min 1 · max 4 · keep warm" in response.content.decode()
     deployment.refresh_from_db()
     assert (deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas, deployment.keep_warm) == (2, 1, 4, True)
     assert _audit("deployment.update").detail == {"desired_replicas": [1, 2], "min_replicas": [0, 1],
                                                   "max_replicas": [2, 4], "keep_warm": [False, True]}
+
+
+def test_editing_autoscaling_shows_each_bad_value_beside_its_field(operator_client, operator):
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=2)
+    url, p = reverse("dashboard:deployment_edit", args=[deployment.pk]), f"d{deployment.pk}-"
+    base = {p + "desired_replicas": "1", p + "min_replicas": "0", p + "max_replicas": "2", p + "autoscale": "on"}
+    refused = operator_client.post(url, {**base, p + "target_concurrency": "0", p + "ttft_slo_ms": "900000"},
+                                   **HTMX).content.decode()
+    assert "Must lie between 1 and 1,024; got 0." in refused[refused.index(f'id="errors-{p}target_concurrency"'):]
+    assert "Must lie between 1 and 600,000; got 900,000." in refused[refused.index(f'id="errors-{p}ttft_slo_ms"'):]
+    assert not AuditEntry.objects.exists()
+    operator_client.post(url, {**base, p + "autoscale": "", p + "target_concurrency": "12", p + "idle_to_zero_seconds": "0"},
+                         **HTMX)
+    deployment.refresh_from_db()
+    assert (deployment.autoscale, deployment.target_concurrency, deployment.idle_to_zero_seconds) == (False, 12, 0)
+    assert _audit("deployment.update").detail["autoscale"] == [True, False]
 
 
 def test_loading_on_a_gpu_sends_the_load_message_to_that_worker(operator_client, operator,

@@ -3,6 +3,7 @@ real Redis channel layer: operators receive each heartbeat's figures, replica ch
 workers as HTML fragments addressed by id; anyone else is turned away."""
 
 import re
+from datetime import timedelta
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -129,5 +130,31 @@ async def test_a_new_worker_appears_on_the_page():
             "cpu": {"memory_total_bytes": 1 << 34, "cores": 4}}), now=timezone.now())
         html = await _receive_matching(communicator, 'data-worker-name="fresh-worker"')
         assert html.lstrip().startswith('<div id="workers"')
+    finally:
+        await communicator.disconnect()
+
+
+async def test_replica_load_figures_and_autoscaling_decisions_reach_the_page():
+    from controlplane.fleet.services import deployments_autoscale
+
+    worker = await sync_to_async(make_worker)()
+    gpu = await sync_to_async(GpuFactory)(worker=worker, index=0)
+    deployment = await sync_to_async(DeploymentFactory)(
+        model=await sync_to_async(ModelFactory)(public_name="busy"), max_replicas=4, target_concurrency=2,
+        scaled_at=timezone.now() - timedelta(hours=1))
+    replica = await sync_to_async(ReplicaFactory)(deployment=deployment, worker=worker, gpu=gpu,
+                                                  state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100")
+    communicator, connected, _ = await _connect(User.Role.OPERATOR)
+    assert connected
+    try:
+        await sync_to_async(beat)(worker, gpus=[{"index": 0, "utilization_pct": 90.0}], replicas=[{
+            "replica_id": replica.pk, "state": "ready", "endpoint_url": "http://127.0.0.1:9100",
+            "running": 2, "waiting": 4, "kv_cache_usage": 0.5, "tokens_per_s": 80.0}])
+        html = await _receive_matching(communicator, f'id="replica-{replica.pk}-load"')
+        assert "queue 4 · running 2 · KV 50% · 80 tok/s" in html
+        await sync_to_async(deployments_autoscale)(now=timezone.now())
+        html = await _receive_matching(communicator, f'id="deployment-{deployment.pk}-autoscale"')
+        # 6 in flight for replicas that should carry 2 × 70% each: the maximum, 4.
+        assert 'data-action="up"' in html and "Scaled up · 4" in html and "waiting 4 · running 2" in html
     finally:
         await communicator.disconnect()

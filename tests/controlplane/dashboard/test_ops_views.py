@@ -1,11 +1,15 @@
 """The operator pages by role, and what the fleet page shows: workers with their GPUs' live
 figures, replicas with load progress, deployments, and the empty state."""
 
+from datetime import timedelta
+
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 
 from controlplane.accounts.models import User
 from controlplane.fleet.models import Replica
+from controlplane.fleet.services import deployments_autoscale
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     beat,
@@ -98,3 +102,29 @@ def test_the_fleet_page_lists_deployments_with_their_forms(operator_client):
     assert "desired 1 · min 0 · max 3 · keep warm" in page
     assert f'name="s{deployment.pk}-desired_replicas"' in page and f'name="d{deployment.pk}-max_replicas"' in page
     assert 'data-testid="load-form"' in page
+
+
+def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_decision(operator_client):
+    worker = make_worker(name="h200-b")
+    gpu = GpuFactory(worker=worker, index=0)
+    deployment = DeploymentFactory(model=ModelFactory(public_name="qwen-7b"), desired_replicas=1, max_replicas=3,
+                                   scaled_at=timezone.now() - timedelta(hours=1))
+    off = DeploymentFactory(model=ModelFactory(public_name="manual-7b"), autoscale=False)
+    replica = ReplicaFactory(worker=worker, gpu=gpu, deployment=deployment, state=Replica.State.READY,
+                             endpoint_url="http://127.0.0.1:9100")
+    beat(worker, gpus=[{"index": 0, "utilization_pct": 50.0}], replicas=[{
+        "replica_id": replica.pk, "state": "ready", "endpoint_url": "http://127.0.0.1:9100",
+        "running": 5, "waiting": 3, "kv_cache_usage": 0.62, "tokens_per_s": 1234.5}])
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    assert f'id="replica-{replica.pk}-load"' in page
+    assert "queue 3 · running 5 · KV 62% · 1,234 tok/s" in page  # 1234.5 rounds half to even
+    assert f'id="deployment-{deployment.pk}-autoscale"' in page and "Autoscaling on; no decision yet." in page
+    assert f'id="deployment-{off.pk}-autoscale"' in page and "Autoscaling off" in page
+
+    deployments_autoscale(now=timezone.now())  # no traffic counted: the busy replica still drives it
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    block = page[page.index(f'id="deployment-{deployment.pk}-autoscale"'):]
+    # 8 in flight on one replica that should carry 8 × 70%: two replicas.
+    assert 'data-action="up"' in block and "Scaled up · 2" in block
+    assert "utilisation 100% of 1 ready (target 70%), above 84%" in block
+    assert "waiting 3 · running 5" in block

@@ -124,6 +124,11 @@ def test_scales_to_zero_after_the_idle_period():
     assert decide(replace(POLICY, idle_to_zero_s=0), idle).action == "hold"
 
 
+def test_replicas_still_working_are_not_idle_even_without_counted_requests():
+    decision = decide(POLICY, _signals(_load(2, 1), rate=0.0, last_request_ago=5000))
+    assert decision.action == "hold" and "idle" not in decision.reason
+
+
 def test_never_used_deployment_goes_to_zero_after_the_idle_period_since_it_was_scaled():
     decision = decide(POLICY, _signals(_load(0), rate=0.0, last_request_ago=None, last_scaled_ago=700))
     assert (decision.action, decision.desired) == ("down", 0)
