@@ -42,6 +42,9 @@ def decode_step_s(rows: int) -> float:
     return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
 
+_DECODE_STEP_TABLE = [decode_step_s(rows) for rows in range(MAX_NUM_SEQS + 1)]  # the hot path's lookup
+
+
 # ---- traffic ----------------------------------------------------------------------------------
 
 @dataclass(eq=False)  # identity: two requests are never equal
@@ -89,7 +92,7 @@ class Conversation:
 class TraceShape:
     models: int = 20
     zipf_s: float = 1.1
-    peak_requests_per_s: float = 100.0  # all models, at the top of the daily cycle, outside bursts
+    peak_requests_per_s: float = 40.0  # all models, at the top of the daily cycle, outside bursts
     trough_fraction: float = 0.25  # the night's rate as a fraction of the peak
     day_s: float = 4 * 3600.0  # one daily cycle (compressed: 24 h of shape in this many seconds)
     bursts: int = 4  # per day, at seeded times, each multiplying all traffic
@@ -131,19 +134,25 @@ class Trace:
             base *= s.burst_factor
         return base
 
-    def max_rate(self) -> float:
-        return self.shape.peak_requests_per_s * self.shape.burst_factor
-
     def next_conversation(self, model: int, after: float) -> tuple[float, Conversation] | None:
         """The model's next conversation start after `after`, or None past the end."""
         s, rng = self.shape, self._rngs[model]
-        top = self.max_rate() * self.share[model] / s.mean_turns
+        scale = self.share[model] / s.mean_turns
         t = after
-        while True:
-            t += rng.expovariate(top)
+        while True:  # thinning under a bound that is the burst's inside a burst and the peak outside
+            i = bisect.bisect_right(self.burst_starts, t) - 1
+            in_burst = i >= 0 and t < self.burst_starts[i] + s.burst_s
+            bound = s.peak_requests_per_s * (s.burst_factor if in_burst else 1.0) * scale
+            change = self.burst_starts[i] + s.burst_s if in_burst else (
+                self.burst_starts[i + 1] if i + 1 < len(self.burst_starts) else math.inf)
+            candidate = t + rng.expovariate(bound)
+            if candidate >= change:  # the bound changes first: start again there (memoryless)
+                t = change
+                continue
+            t = candidate
             if t >= self.duration_s:
                 return None
-            if rng.random() * top <= self.rate(t) * self.share[model] / s.mean_turns:
+            if rng.random() * bound <= self.rate(t) * scale:
                 break
         turns = min(12, 1 + int(math.log(1 - rng.random()) / math.log(1 - 1 / s.mean_turns)))
         users = [_lognormal(rng, s.first_message_tokens if k == 0 else s.message_tokens, 4096) for k in range(turns)]
@@ -196,8 +205,15 @@ class Replica:
 
     def step_s(self) -> tuple[float, float]:
         """(step time, prefill tokens per step) in the current state."""
-        chunk = min(PREFILL_CHUNK_TOKENS, sum(left for _, left in self.prefilling))
-        return decode_step_s(len(self.decoding)) + chunk / PREFILL_TOK_S, chunk
+        chunk = 0.0
+        for _, left in self.prefilling:
+            chunk += left
+            if chunk >= PREFILL_CHUNK_TOKENS:
+                chunk = PREFILL_CHUNK_TOKENS
+                break
+        rows = len(self.decoding)
+        decode = _DECODE_STEP_TABLE[rows] if rows <= MAX_NUM_SEQS else decode_step_s(rows)
+        return decode + chunk / PREFILL_TOK_S, chunk
 
     def advance(self, now: float) -> None:
         dt = now - self.updated_at
@@ -210,14 +226,16 @@ class Replica:
         if self.prefilling:
             self.prefilling[0][1] -= dt * chunk / step
 
-    def next_event_at(self, now: float) -> float | None:
+    def next_event_at(self, now: float) -> tuple[float | None, float]:
+        """(when the next prefill or sequence ends, or None; the current step time)."""
         step, chunk = self.step_s()
-        times = []
+        at = None
         if self.prefilling:
-            times.append(now + max(0.0, self.prefilling[0][1]) * step / chunk)
+            at = now + max(0.0, self.prefilling[0][1]) * step / chunk if chunk > 0 else now
         if self.decoding:
-            times.append(now + max(0.0, self.decoding[0][0] - self.progress) * step)
-        return min(times) if times else None
+            done = now + max(0.0, self.decoding[0][0] - self.progress) * step
+            at = done if at is None or done < at else at
+        return at, step
 
     def admit(self) -> None:
         """Moves waiting requests into the batch while sequences and KV blocks allow."""

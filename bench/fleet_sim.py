@@ -63,8 +63,9 @@ class Result:
     name: str
     requests: list[Request]
     gpu_hours: float
-    replicas_over_time: list[tuple[float, int, float]]  # (time, active replicas, arrivals per s)
+    timeline: list[tuple[float, int, float]]  # per tick: (time, active replicas, arrivals per s)
     peak_replicas: dict[int, int]
+    model_replicas: list[tuple[float, list[int]]]  # per tick: (time, active replicas of each model)
     decisions: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
 
@@ -87,6 +88,7 @@ class Simulation:
         self.round_robin: dict[int, int] = defaultdict(int)
         self.timeline: list[tuple[float, int, float]] = []
         self.peak: dict[int, int] = defaultdict(int)
+        self.model_replicas: list[tuple[float, list[int]]] = []
         self.decisions: dict[str, int] = defaultdict(int)
         self._tick_arrivals = 0
         self.staged = set(range(params.staged_models))
@@ -114,8 +116,8 @@ class Simulation:
             handlers[kind](at, payload)
         last = max([end] + [r.finished_at or r.arrival for r in self.requests])
         gpu_s = sum((r.released_at if r.released_at is not None else last) - r.created_at for r in self.all_replicas)
-        return Result(self.name, self.requests, gpu_s / 3600, self.timeline, dict(self.peak), dict(self.decisions),
-                      time.perf_counter() - started)
+        return Result(self.name, self.requests, gpu_s / 3600, self.timeline, dict(self.peak), self.model_replicas,
+                      dict(self.decisions), time.perf_counter() - started)
 
     # ---- traffic ----
     def _schedule_conversation(self, model: int, after: float) -> None:
@@ -168,11 +170,13 @@ class Simulation:
             request.finished_at = now
 
     # ---- replicas ----
-    def _reschedule(self, replica: Replica, now: float) -> None:
+    def _reschedule(self, replica: Replica, now: float) -> float:
+        """Schedules the replica's next event; returns its current step time."""
         replica.version += 1
-        at = replica.next_event_at(now)
+        at, step = replica.next_event_at(now)
         if at is not None:
             self.push(at, STEP, (replica, replica.version))
+        return step
 
     def _step(self, now: float, payload) -> None:
         replica, version = payload
@@ -193,11 +197,10 @@ class Simulation:
             _, _, request = heapq.heappop(replica.decoding)
             self._finish(replica, request, now)
         replica.admit()
-        replica.sample(replica.step_samples, now, replica.step_s()[0], window)
         if replica.state == "draining" and not replica.outstanding:
             self._release(replica, now)
             return
-        self._reschedule(replica, now)
+        replica.sample(replica.step_samples, now, self._reschedule(replica, now), window)
 
     def _finish(self, replica: Replica, request: Request, now: float) -> None:
         request.finished_at = now
@@ -266,6 +269,7 @@ class Simulation:
             counts[model] = len(self.popular_counts[model])
         top = popular(counts, p.popular_top_k)
         total = 0
+        per_model = []
         for model in range(self.trace.shape.models):
             if self.static is not None:  # a fixed fleet: no decisions, only the count
                 self.peak[model] = len(self._active(model))
@@ -287,13 +291,18 @@ class Simulation:
                 queued_cold_starts=len(self.cold_queue[model]))
             decision = decide(p.policy, signals)
             self.decisions[decision.action] += 1
+            if decision.action == "down" and decision.desired == 0:
+                self.decisions["to zero"] += 1
             if decision.desired != signals.current_replicas:
                 self._scale(model, decision.desired, now)
                 self.last_scaled_at[model] = now
             active = len(self._active(model))
             self.peak[model] = max(self.peak[model], active)
+            per_model.append(active)
             total += active
         self.timeline.append((now, total, self._tick_arrivals / p.tick_s))
+        if per_model:
+            self.model_replicas.append((now, per_model))
         self._tick_arrivals = 0
         self.push(now + p.tick_s, TICK, None)
 
@@ -323,6 +332,7 @@ def summarise(result: Result, top_models: list[int], slo_s: float) -> dict:
         "scenario": result.name, "requests": total, "served": len(served),
         "failed": sum(r.failed for r in result.requests),
         "unfinished": total - len(served) - sum(r.failed for r in result.requests),
+        "cold_starts": sum(r.cold for r in result.requests),
         "cold_start_share": sum(r.cold for r in result.requests) / total if total else 0.0,
         "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
@@ -332,15 +342,23 @@ def summarise(result: Result, top_models: list[int], slo_s: float) -> dict:
     }
 
 
-SCENARIOS = ("autoscaled", "static-peak", "static-peak-round-robin", "autoscaled-round-robin")
+SCENARIOS = ("autoscaled", "static-peak", "static-peak-round-robin", "autoscaled-round-robin", "static-daily-peak")
 
 
 def run_scenarios(shape: TraceShape, params: FleetParams, seed: int, duration_s: float,
                   scenarios: tuple[str, ...] = SCENARIOS) -> list[Result]:
-    """Runs the scenarios on the same trace; the static ones hold the autoscaled run's per-model peak."""
-    results = [Simulation("autoscaled", Trace(shape, seed, duration_s), params, affinity=True).run()]
+    """Runs the scenarios on the same trace. The static ones hold the autoscaled run's per-model peak:
+    over the whole run ("static-peak"), or outside the bursts and the scale-down cooldown after each
+    ("static-daily-peak": a fleet sized for the daily cycle that rides out bursts on batching)."""
+    trace = Trace(shape, seed, duration_s)
+    results = [Simulation("autoscaled", trace, params, affinity=True).run()]
     static = {m: max(1, results[0].peak_replicas.get(m, 0)) for m in range(shape.models)}
+    settle_s = shape.burst_s + params.policy.scale_down_cooldown_s + 2 * params.tick_s
+    calm = [counts for t, counts in results[0].model_replicas
+            if not any(b <= t <= b + settle_s for b in trace.burst_starts)]
+    daily = {m: max([1] + [counts[m] for counts in calm]) for m in range(shape.models)}
     others = {
+        "static-daily-peak": dict(affinity=True, static=daily),
         "static-peak": dict(affinity=True, static=static),
         "static-peak-round-robin": dict(affinity=False, static=static),
         "autoscaled-round-robin": dict(affinity=False),
@@ -362,14 +380,17 @@ def plot(results: list[Result], summaries: list[dict], trace: Trace, out: Path) 
         if result.name.startswith("autoscaled"):
             ax.step([t / 3600 for t, _, _ in result.timeline], [n for _, n, _ in result.timeline], where="post",
                     label=f"replicas, {result.name}")
-    static = next((r for r in results if r.name == "static-peak"), None)
-    if static is not None:
-        ax.axhline(sum(static.peak_replicas.values()), color="grey", linestyle="--", label="replicas, static peak")
+    for name, style in (("static-peak", "--"), ("static-daily-peak", ":")):
+        static = next((r for r in results if r.name == name), None)
+        if static is not None:
+            ax.axhline(sum(static.peak_replicas.values()), color="grey", linestyle=style, label=f"replicas, {name}")
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("simulated hours")
     ax.set_ylabel("replicas (GPUs)")
     twin = ax.twinx()
     twin.plot([t / 3600 for t, _, _ in results[0].timeline], [rate for _, _, rate in results[0].timeline],
               color="tab:red", alpha=0.4, linewidth=0.8, label="requests/s (right)")
+    twin.set_ylim(bottom=0)
     twin.set_ylabel("requests per second")
     lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(lines, [line.get_label() for line in lines], loc="upper left", fontsize=8)
@@ -419,7 +440,7 @@ def table(summaries: list[dict], top_models: list[int]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         lines.append(f"| {s['scenario']} | {s['requests']:,} | {_fmt(s['ttft_p50_s'])} | {_fmt(s['ttft_p99_s'])} | "
-                     f"{_fmt(s['later_turns_ttft_mean_s'])} | {s['cold_start_share']:.2%} | {s['failed']} | "
+                     f"{_fmt(s['later_turns_ttft_mean_s'])} | {s['cold_starts']} ({s['cold_start_share']:.2%}) | {s['failed']} | "
                      f"{s['gpu_hours']:.1f} | {s['peak_replicas']} |")
     lines += ["", "| scenario | " + " | ".join(f"model {m} p50 / p99" for m in top_models) + " |",
               "|---|" + "---|" * len(top_models)]
@@ -437,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--day-hours", type=float, default=4.0, help="length of one daily cycle")
     parser.add_argument("--peak-rps", type=float, default=TraceShape.peak_requests_per_s)
     parser.add_argument("--system-prompt-chars", type=int, default=TraceShape.system_prompt_chars)
+    parser.add_argument("--target-concurrency", type=float, default=FleetParams.policy.target_concurrency,
+                        help="the deployments' target (AUTOSCALE_TARGET_CONCURRENCY)")
     parser.add_argument("--load-staged-s", type=float, default=FleetParams.load_staged_s)
     parser.add_argument("--load-cold-s", type=float, default=FleetParams.load_cold_s)
     parser.add_argument("--out", type=Path, default=Path("docs/fleet_sim"), help="folder for the PNGs")
@@ -448,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = replace(TraceShape(), peak_requests_per_s=args.peak_rps, day_s=args.day_hours * 3600,
                     system_prompt_chars=args.system_prompt_chars)
-    params = replace(FleetParams(), load_staged_s=args.load_staged_s, load_cold_s=args.load_cold_s)
+    params = replace(FleetParams(), load_staged_s=args.load_staged_s, load_cold_s=args.load_cold_s,
+                     policy=replace(FleetParams.policy, target_concurrency=args.target_concurrency))
     duration = args.hours * 3600
     scenarios = tuple(args.scenarios.split(","))
     if scenarios[0] != "autoscaled" or not set(scenarios) <= set(SCENARIOS):
@@ -458,16 +482,19 @@ def main(argv: list[str] | None = None) -> int:
     top = sorted(range(shape.models), key=lambda m: -trace.share[m])[:5]
     summaries = [summarise(r, top, params.policy.ttft_slo_s) for r in results]
     print(f"seed {args.seed}, {args.hours} h simulated, day {args.day_hours} h, peak {args.peak_rps} req/s, "
+          f"target concurrency {args.target_concurrency}, system prompt {args.system_prompt_chars} chars, "
           f"bursts at {[round(t / 3600, 2) for t in trace.burst_starts]} h")
     print(table(summaries, top))
     by_name = {s["scenario"]: s for s in summaries}
     auto, peak = by_name["autoscaled"], by_name.get("static-peak")
-    if peak:
-        print(f"GPU-hours saved against static peak: {1 - auto['gpu_hours'] / peak['gpu_hours']:.1%}")
+    for name in ("static-peak", "static-daily-peak"):
+        if name in by_name:
+            print(f"GPU-hours saved against {name}: {1 - auto['gpu_hours'] / by_name[name]['gpu_hours']:.1%}")
     rr = by_name.get("static-peak-round-robin")
     if peak and rr:
         print(f"mean TTFT of later turns, round-robin / prefix-aware (static fleet): "
               f"{rr['later_turns_ttft_mean_s'] / peak['later_turns_ttft_mean_s']:.2f}x")
+    print("autoscaler decisions:", ", ".join(f"{s['scenario']} {s['decisions']}" for s in summaries if s["decisions"]))
     print("wall:", ", ".join(f"{s['scenario']} {s['wall_s']:.0f} s" for s in summaries))
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
