@@ -15,13 +15,7 @@ from django.utils import timezone
 from controlplane import live_events
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
-from controlplane.catalog.models import (
-    IDLE_TO_ZERO_SECONDS_LIMIT,
-    ITL_SLO_MS_LIMIT,
-    TARGET_CONCURRENCY_LIMIT,
-    TTFT_SLO_MS_LIMIT,
-    Deployment,
-)
+from controlplane.catalog.models import AUTOSCALING_BOUNDS, Deployment
 from controlplane.catalog.selectors import model_get_by_public_name
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
@@ -251,13 +245,6 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
 
 # What a deployment edit may change, and what its audit entry compares.
 DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_warm")
-# The autoscaling settings an edit may change (each None: left as it is), with each one's bounds.
-AUTOSCALING_FIELDS = {
-    "target_concurrency": (1, TARGET_CONCURRENCY_LIMIT),
-    "ttft_slo_ms": (1, TTFT_SLO_MS_LIMIT),
-    "itl_slo_ms": (1, ITL_SLO_MS_LIMIT),
-    "idle_to_zero_seconds": (0, IDLE_TO_ZERO_SECONDS_LIMIT),
-}
 # More replicas of one model than any one fleet here runs; a typo (100 for 10) is refused.
 MAX_REPLICAS_LIMIT = 256
 
@@ -354,7 +341,7 @@ def deployment_update(
         "idle_to_zero_seconds": idle_to_zero_seconds,
     }.items() if value is not None}
     for field, value in autoscaling.items():
-        low, high = AUTOSCALING_FIELDS[field]
+        low, high = AUTOSCALING_BOUNDS[field]
         if isinstance(value, bool) or not isinstance(value, int):
             errors[field] = [f"Must be a whole number, not {value!r}."]
         elif not low <= value <= high:
@@ -367,16 +354,16 @@ def deployment_update(
                                           f"({max_replicas}); got {desired_replicas}."]
     if errors:
         raise ValidationError(errors)
-    compared = (*DEPLOYMENT_FIELDS, "autoscale", *AUTOSCALING_FIELDS)
+    compared = (*DEPLOYMENT_FIELDS, "autoscale", *AUTOSCALING_BOUNDS)
     before = model_to_dict(deployment, fields=compared)
     for field, value in {**values, **flags, **autoscaling}.items():
         setattr(deployment, field, value)
+    deployment.full_clean()
     diff = changes(before, model_to_dict(deployment, fields=compared))
     if not diff:
         return deployment
     if "desired_replicas" in diff:
         deployment.scaled_at = timezone.now()  # an operator's scale: the autoscaler's cooldowns restart
-    deployment.full_clean()
     deployment.save()
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_UPDATE, target=deployment,
                  target_label=deployment.model.public_name, detail=diff)
