@@ -272,13 +272,15 @@ def deployment_create(
     min_replicas: int = 0,
     max_replicas: int = 1,
     keep_warm: bool = False,
+    autoscale: bool = True,
     actor=None,
 ) -> Deployment:
     model = model_get_by_public_name(public_name=model_name)
     if model is None:
         raise ValidationError({"model": f"Unknown model {model_name!r}."})
     deployment = validated_save(Deployment(model=model, desired_replicas=desired_replicas, min_replicas=min_replicas,
-                                           max_replicas=max_replicas, keep_warm=keep_warm, scaled_at=timezone.now()))
+                                           max_replicas=max_replicas, keep_warm=keep_warm, autoscale=autoscale,
+                                           scaled_at=timezone.now()))
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_CREATE, target=deployment,
                  target_label=model.public_name, detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
     commands.request_reconcile(deployment_ids=[deployment.pk])
