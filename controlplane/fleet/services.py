@@ -1,6 +1,6 @@
 """Writes for the fleet: worker registration, heartbeats and lost workers, replica placement and
-state changes, deployments (desired replicas: create, scale, edit) and the operators'
-load/unload/drain. Atomic; messages go out after commit."""
+state changes, deployments (desired replicas: create, scale, edit), the operators'
+load/unload/drain, and the autoscaler's decisions. Atomic; messages go out after commit."""
 
 import logging
 from datetime import datetime
