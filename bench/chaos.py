@@ -125,7 +125,9 @@ class Chaos:
         tier = price_tier_create(name="chaos", price_per_request=PRICE, reference_price_per_million_tokens=Decimal("0.5"))
         model_create(public_name=MODEL, family="llama", kind="chat", weights_path=str(checkpoint), context_length=512,
                      parameter_count=4_000_000, price_tier=tier)
-        self.deployment = deployment_create(model_name=MODEL, desired_replicas=REPLICAS, max_replicas=REPLICAS + 1)
+        # Hand-scaled: the run counts on exactly REPLICAS replicas, which the autoscaler would move.
+        self.deployment = deployment_create(model_name=MODEL, desired_replicas=REPLICAS, max_replicas=REPLICAS + 1,
+                                            autoscale=False)
         tenants = []
         for i in range(self.tenant_count):
             poor = i == self.tenant_count - 1 and self.tenant_count > 1

@@ -187,6 +187,16 @@ AUTOSCALE_POPULAR_WINDOW_SECONDS = env_int("AUTOSCALE_POPULAR_WINDOW_SECONDS", 3
 AUTOSCALE_RATE_WINDOW_SECONDS = env_int("AUTOSCALE_RATE_WINDOW_SECONDS", 60)
 # How often the beat task decides for every deployment with autoscaling on.
 AUTOSCALE_INTERVAL_SECONDS = env_int("AUTOSCALE_INTERVAL_SECONDS", 10)
+# The fleet-wide figures' bounds (the per-deployment defaults are checked by the Deployment fields).
+for _name, _low, _high in (
+    ("AUTOSCALE_TARGET_UTILISATION_PERCENT", 1, 100), ("AUTOSCALE_HYSTERESIS_PERCENT", 0, 99),
+    ("AUTOSCALE_KV_CACHE_HIGH_PERCENT", 1, 100), ("AUTOSCALE_INTERVAL_SECONDS", 1, 3600),
+    ("AUTOSCALE_SCALE_UP_COOLDOWN_SECONDS", 0, 24 * 3600), ("AUTOSCALE_SCALE_DOWN_COOLDOWN_SECONDS", 0, 24 * 3600),
+    ("AUTOSCALE_POPULAR_TOP_K", 0, 1000), ("AUTOSCALE_POPULAR_WINDOW_SECONDS", 10, 7 * 24 * 3600),
+    ("AUTOSCALE_RATE_WINDOW_SECONDS", 10, 3600),
+):
+    if not _low <= globals()[_name] <= _high:
+        raise ImproperlyConfigured(f"{_name} must lie between {_low:,} and {_high:,}; got {globals()[_name]:,}.")
 
 CELERY_BEAT_SCHEDULE = {
     "fleet-mark-lost-workers": {

@@ -64,11 +64,18 @@ def default_idle_to_zero_seconds() -> int:
     return settings.AUTOSCALE_IDLE_TO_ZERO_SECONDS
 
 
-# The largest value each autoscaling field accepts; past them a typo rather than a wish.
-TARGET_CONCURRENCY_LIMIT = 1024
-TTFT_SLO_MS_LIMIT = 600_000
-ITL_SLO_MS_LIMIT = 60_000
-IDLE_TO_ZERO_SECONDS_LIMIT = 30 * 24 * 3600
+# Each autoscaling field's bounds (fleet.services reports them per field); past them a typo, not a wish.
+AUTOSCALING_BOUNDS = {
+    "target_concurrency": (1, 1024),
+    "ttft_slo_ms": (1, 600_000),
+    "itl_slo_ms": (1, 60_000),
+    "idle_to_zero_seconds": (0, 30 * 24 * 3600),
+}
+
+
+def _bounds(field: str) -> list:
+    low, high = AUTOSCALING_BOUNDS[field]
+    return [MinValueValidator(low), MaxValueValidator(high)]
 
 
 class Deployment(models.Model):
@@ -86,19 +93,19 @@ class Deployment(models.Model):
     )
     target_concurrency = models.PositiveIntegerField(
         default=default_target_concurrency,
-        validators=[MinValueValidator(1), MaxValueValidator(TARGET_CONCURRENCY_LIMIT)],
+        validators=_bounds("target_concurrency"),
         help_text="Requests (running + waiting) one replica should carry at full utilisation.",
     )
     ttft_slo_ms = models.PositiveIntegerField(
-        default=default_ttft_slo_ms, validators=[MinValueValidator(1), MaxValueValidator(TTFT_SLO_MS_LIMIT)],
+        default=default_ttft_slo_ms, validators=_bounds("ttft_slo_ms"),
         help_text="Time to first token, p95, a replica should stay under (ms).",
     )
     itl_slo_ms = models.PositiveIntegerField(
-        default=default_itl_slo_ms, validators=[MinValueValidator(1), MaxValueValidator(ITL_SLO_MS_LIMIT)],
+        default=default_itl_slo_ms, validators=_bounds("itl_slo_ms"),
         help_text="Time between tokens, p95, a replica should stay under (ms).",
     )
     idle_to_zero_seconds = models.PositiveIntegerField(
-        default=default_idle_to_zero_seconds, validators=[MaxValueValidator(IDLE_TO_ZERO_SECONDS_LIMIT)],
+        default=default_idle_to_zero_seconds, validators=_bounds("idle_to_zero_seconds"),
         help_text="Scale to zero (or min) after this long without requests; 0 never does.",
     )
     # The last change of desired_replicas, by anyone: the autoscaler's cooldowns count from it.

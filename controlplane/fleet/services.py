@@ -1,6 +1,6 @@
 """Writes for the fleet: worker registration, heartbeats and lost workers, replica placement and
-state changes, deployments (desired replicas: create, scale, edit) and the operators'
-load/unload/drain. Atomic; messages go out after commit."""
+state changes, deployments (desired replicas: create, scale, edit), the operators'
+load/unload/drain, and the autoscaler's decisions. Atomic; messages go out after commit."""
 
 import logging
 from datetime import datetime
@@ -15,13 +15,7 @@ from django.utils import timezone
 from controlplane import live_events
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
-from controlplane.catalog.models import (
-    IDLE_TO_ZERO_SECONDS_LIMIT,
-    ITL_SLO_MS_LIMIT,
-    TARGET_CONCURRENCY_LIMIT,
-    TTFT_SLO_MS_LIMIT,
-    Deployment,
-)
+from controlplane.catalog.models import AUTOSCALING_BOUNDS, Deployment
 from controlplane.catalog.selectors import model_get_by_public_name
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
@@ -251,13 +245,6 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
 
 # What a deployment edit may change, and what its audit entry compares.
 DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_warm")
-# The autoscaling settings an edit may change (each None: left as it is), with each one's bounds.
-AUTOSCALING_FIELDS = {
-    "target_concurrency": (1, TARGET_CONCURRENCY_LIMIT),
-    "ttft_slo_ms": (1, TTFT_SLO_MS_LIMIT),
-    "itl_slo_ms": (1, ITL_SLO_MS_LIMIT),
-    "idle_to_zero_seconds": (0, IDLE_TO_ZERO_SECONDS_LIMIT),
-}
 # More replicas of one model than any one fleet here runs; a typo (100 for 10) is refused.
 MAX_REPLICAS_LIMIT = 256
 
@@ -285,13 +272,15 @@ def deployment_create(
     min_replicas: int = 0,
     max_replicas: int = 1,
     keep_warm: bool = False,
+    autoscale: bool = True,
     actor=None,
 ) -> Deployment:
     model = model_get_by_public_name(public_name=model_name)
     if model is None:
         raise ValidationError({"model": f"Unknown model {model_name!r}."})
     deployment = validated_save(Deployment(model=model, desired_replicas=desired_replicas, min_replicas=min_replicas,
-                                           max_replicas=max_replicas, keep_warm=keep_warm, scaled_at=timezone.now()))
+                                           max_replicas=max_replicas, keep_warm=keep_warm, autoscale=autoscale,
+                                           scaled_at=timezone.now()))
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_CREATE, target=deployment,
                  target_label=model.public_name, detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
     commands.request_reconcile(deployment_ids=[deployment.pk])
@@ -354,7 +343,7 @@ def deployment_update(
         "idle_to_zero_seconds": idle_to_zero_seconds,
     }.items() if value is not None}
     for field, value in autoscaling.items():
-        low, high = AUTOSCALING_FIELDS[field]
+        low, high = AUTOSCALING_BOUNDS[field]
         if isinstance(value, bool) or not isinstance(value, int):
             errors[field] = [f"Must be a whole number, not {value!r}."]
         elif not low <= value <= high:
@@ -367,16 +356,16 @@ def deployment_update(
                                           f"({max_replicas}); got {desired_replicas}."]
     if errors:
         raise ValidationError(errors)
-    compared = (*DEPLOYMENT_FIELDS, "autoscale", *AUTOSCALING_FIELDS)
+    compared = (*DEPLOYMENT_FIELDS, "autoscale", *AUTOSCALING_BOUNDS)
     before = model_to_dict(deployment, fields=compared)
     for field, value in {**values, **flags, **autoscaling}.items():
         setattr(deployment, field, value)
+    deployment.full_clean()
     diff = changes(before, model_to_dict(deployment, fields=compared))
     if not diff:
         return deployment
     if "desired_replicas" in diff:
         deployment.scaled_at = timezone.now()  # an operator's scale: the autoscaler's cooldowns restart
-    deployment.full_clean()
     deployment.save()
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_UPDATE, target=deployment,
                  target_label=deployment.model.public_name, detail=diff)

@@ -21,7 +21,9 @@ from tests.integration.conftest import Fleet
 CHROMIUM = "/usr/bin/chromium"
 # Browser tests share one daemon with a loaded two-core machine and a headless browser: heartbeats
 # may lag by seconds there, which must not look like a lost worker.
-SYSTEM_ENV = {"FLEET_WORKER_LOST_AFTER_SECONDS": "20", "OMP_NUM_THREADS": "1"}
+# The tests scale the demo deployment by hand and watch its replicas: the autoscaler's first tick
+# comes after the session (an hour), so it never moves them meanwhile.
+SYSTEM_ENV = {"FLEET_WORKER_LOST_AFTER_SECONDS": "20", "OMP_NUM_THREADS": "1", "AUTOSCALE_INTERVAL_SECONDS": "3600"}
 # Passes Django's password validators; the same for every login, none of them is a secret.
 PASSWORD = "browser-tests-Pa55word"
 OTHER_TENANT_NAME = "Other tenant"

@@ -96,6 +96,8 @@ class DeploymentFactory(factory.django.DjangoModelFactory):
     desired_replicas = 1
     min_replicas = 0
     max_replicas = 2
+    # Tests scale by hand unless they say otherwise: a running beat must not move their counts.
+    autoscale = False
 
 
 class WorkerFactory(factory.django.DjangoModelFactory):

@@ -80,6 +80,12 @@ def test_bad_boolean_names_the_variable(tmp_path):
     assert "DEBUG must be one of" in result.stderr
 
 
+def test_autoscaling_settings_out_of_bounds_name_the_variable(tmp_path):
+    result = _manage("check", env={"AUTOSCALE_HYSTERESIS_PERCENT": "150"}, tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert "AUTOSCALE_HYSTERESIS_PERCENT must lie between 0 and 99; got 150." in result.stderr
+
+
 @pytest.mark.parametrize(("raw", "expected"), [("1", True), ("yes", True), ("ON", True), ("0", False), ("off", False), ("", False)])
 def test_env_bool(monkeypatch, raw, expected):
     monkeypatch.setenv("FLAG", raw)

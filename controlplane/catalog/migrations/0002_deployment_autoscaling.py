@@ -21,7 +21,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='deployment',
             name='idle_to_zero_seconds',
-            field=models.PositiveIntegerField(default=controlplane.catalog.models.default_idle_to_zero_seconds, help_text='Scale to zero (or min) after this long without requests; 0 never does.', validators=[django.core.validators.MaxValueValidator(2592000)]),
+            field=models.PositiveIntegerField(default=controlplane.catalog.models.default_idle_to_zero_seconds, help_text='Scale to zero (or min) after this long without requests; 0 never does.', validators=[django.core.validators.MinValueValidator(0), django.core.validators.MaxValueValidator(2592000)]),
         ),
         migrations.AddField(
             model_name='deployment',

@@ -23,7 +23,7 @@ class DeploymentLimitsForm(forms.Form):
     max_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Max")
     keep_warm = forms.BooleanField(required=False, label="Keep warm",
                                    help_text="Idle replicas stay loaded instead of being scaled down.")
-    # Autoscaling: bounds are the service's (fleet.services.AUTOSCALING_FIELDS), reported per field;
+    # Autoscaling: bounds are the service's (catalog.models.AUTOSCALING_BOUNDS), reported per field;
     # a number left empty keeps its value.
     autoscale = forms.BooleanField(required=False, label="Autoscale",
                                    help_text="Let the autoscaler set the desired replicas within min and max.")

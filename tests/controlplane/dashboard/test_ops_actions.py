@@ -73,7 +73,7 @@ def test_editing_min_max_and_keep_warm(operator_client, operator):
     assert not AuditEntry.objects.exists()
 
     response = operator_client.post(url, {p + "desired_replicas": "2", p + "min_replicas": "1",
-                                          p + "max_replicas": "4", p + "keep_warm": "on", p + "autoscale": "on"}, **HTMX)
+                                          p + "max_replicas": "4", p + "keep_warm": "on"}, **HTMX)
     assert "desired 2 · min 1 · max 4 · keep warm" in response.content.decode()
     deployment.refresh_from_db()
     assert (deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas, deployment.keep_warm) == (2, 1, 4, True)
@@ -82,7 +82,7 @@ def test_editing_min_max_and_keep_warm(operator_client, operator):
 
 
 def test_editing_autoscaling_shows_each_bad_value_beside_its_field(operator_client, operator):
-    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=2)
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=2, autoscale=True)
     url, p = reverse("dashboard:deployment_edit", args=[deployment.pk]), f"d{deployment.pk}-"
     base = {p + "desired_replicas": "1", p + "min_replicas": "0", p + "max_replicas": "2", p + "autoscale": "on"}
     refused = operator_client.post(url, {**base, p + "target_concurrency": "0", p + "ttft_slo_ms": "900000"},

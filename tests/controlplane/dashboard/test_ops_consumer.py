@@ -140,7 +140,7 @@ async def test_replica_load_figures_and_autoscaling_decisions_reach_the_page():
     worker = await sync_to_async(make_worker)()
     gpu = await sync_to_async(GpuFactory)(worker=worker, index=0)
     deployment = await sync_to_async(DeploymentFactory)(
-        model=await sync_to_async(ModelFactory)(public_name="busy"), max_replicas=4, target_concurrency=2,
+        model=await sync_to_async(ModelFactory)(public_name="busy"), max_replicas=4, target_concurrency=2, autoscale=True,
         scaled_at=timezone.now() - timedelta(hours=1))
     replica = await sync_to_async(ReplicaFactory)(deployment=deployment, worker=worker, gpu=gpu,
                                                   state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100")

@@ -108,7 +108,7 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
     worker = make_worker(name="h200-b")
     gpu = GpuFactory(worker=worker, index=0)
     deployment = DeploymentFactory(model=ModelFactory(public_name="qwen-7b"), desired_replicas=1, max_replicas=3,
-                                   scaled_at=timezone.now() - timedelta(hours=1))
+                                   autoscale=True, scaled_at=timezone.now() - timedelta(hours=1))
     off = DeploymentFactory(model=ModelFactory(public_name="manual-7b"), autoscale=False)
     replica = ReplicaFactory(worker=worker, gpu=gpu, deployment=deployment, state=Replica.State.READY,
                              endpoint_url="http://127.0.0.1:9100")

@@ -14,11 +14,17 @@ from django.utils import timezone
 from controlplane.audit.models import AuditEntry
 from controlplane.fleet import heartbeat_cache, tasks
 from controlplane.fleet.models import AutoscaleDecision, Replica
-from controlplane.fleet.services import deployment_scale, deployment_update, deployments_autoscale, worker_heartbeat
+from controlplane.fleet.services import (
+    deployment_create,
+    deployment_scale,
+    deployment_update,
+    deployments_autoscale,
+    worker_heartbeat,
+)
 from controlplane.gateway.traffic import RedisTraffic
 from gpuworker.contract.heartbeat import parse_heartbeat
 from tests.conftest import require_service
-from tests.controlplane.factories import DeploymentFactory, ReplicaFactory
+from tests.controlplane.factories import DeploymentFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker
 
 pytestmark = pytest.mark.django_db
@@ -44,6 +50,7 @@ def _policy(settings):
 
 
 def _deployment(*, desired=1, max_replicas=4, **fields):
+    fields.setdefault("autoscale", True)
     return DeploymentFactory(desired_replicas=desired, max_replicas=max_replicas, target_concurrency=4,
                              idle_to_zero_seconds=600, scaled_at=timezone.now() - LONG_AGO, **fields)
 
@@ -199,6 +206,13 @@ def test_the_beat_task_counts_its_decisions(settings):
     _deployment()
     assert "fleet-autoscale" in settings.CELERY_BEAT_SCHEDULE
     assert tasks.autoscale() == {"up": 0, "down": 0, "hold": 1}
+
+
+def test_new_deployments_autoscale_unless_created_hand_scaled():
+    auto = deployment_create(model_name=ModelFactory().public_name)
+    manual = deployment_create(model_name=ModelFactory().public_name, autoscale=False)
+    assert (auto.autoscale, manual.autoscale) == (True, False)
+    assert auto.scaled_at is not None and auto.target_concurrency == django_settings.AUTOSCALE_TARGET_CONCURRENCY
 
 
 def test_manual_scale_still_works_and_restarts_the_cooldown():
