@@ -29,7 +29,8 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.fleet_model import KV_CAPACITY_TOKENS, Replica, Request, Trace, TraceShape  # noqa: E402
-from controlplane.fleet.autoscaling import AutoscalePolicy, DeploymentSignals, ReplicaLoad, decide, popular  # noqa: E402
+from controlplane.fleet.autoscaling import (  # noqa: E402
+    AutoscalePolicy, DeploymentSignals, ReplicaLoad, decide, popular)
 from controlplane.gateway.replica_choice import affinity_choice, least_outstanding  # noqa: E402
 
 # The gateway's defaults (controlplane/settings.py: GATEWAY_AFFINITY_PREFIX_CHARS, _MAX_EXTRA).
@@ -368,7 +369,7 @@ def run_scenarios(shape: TraceShape, params: FleetParams, seed: int, duration_s:
     return results
 
 
-def plot(results: list[Result], summaries: list[dict], trace: Trace, out: Path) -> list[Path]:
+def plot(results: list[Result], summaries: list[dict], out: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -436,12 +437,13 @@ def _fmt(value: float | None, unit: str = " s") -> str:
 
 
 def table(summaries: list[dict], top_models: list[int]) -> str:
-    lines = ["| scenario | requests | TTFT p50 | TTFT p99 | mean TTFT, later turns | cold starts | failed | GPU-hours | peak replicas |",
+    lines = ["| scenario | requests | TTFT p50 | TTFT p99 | mean TTFT, later turns | cold starts | failed | "
+             "GPU-hours | peak replicas |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         lines.append(f"| {s['scenario']} | {s['requests']:,} | {_fmt(s['ttft_p50_s'])} | {_fmt(s['ttft_p99_s'])} | "
-                     f"{_fmt(s['later_turns_ttft_mean_s'])} | {s['cold_starts']} ({s['cold_start_share']:.2%}) | {s['failed']} | "
-                     f"{s['gpu_hours']:.1f} | {s['peak_replicas']} |")
+                     f"{_fmt(s['later_turns_ttft_mean_s'])} | {s['cold_starts']} ({s['cold_start_share']:.2%}) | "
+                     f"{s['failed']} | {s['gpu_hours']:.1f} | {s['peak_replicas']} |")
     lines += ["", "| scenario | " + " | ".join(f"model {m} p50 / p99" for m in top_models) + " |",
               "|---|" + "---|" * len(top_models)]
     for s in summaries:
@@ -500,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "params": asdict(params), "summaries": summaries}, indent=1, default=str))
     if not args.no_plots:
-        for path in plot(results, summaries, trace, args.out):
+        for path in plot(results, summaries, args.out):
             print("wrote", path)
     return 0
 
