@@ -66,10 +66,22 @@ def test_popular_models_are_kept_warm():
     assert sum(r.cold for r in kept.requests) < sum(r.cold for r in alone.requests)
 
 
-def test_prefix_affinity_makes_later_turns_cheaper_than_round_robin():
+def _same_replica_share(result) -> float:
+    """The share of later turns sent to the replica that served their conversation's previous turn."""
+    previous, same, later = {}, 0, 0
+    for request in sorted(result.requests, key=lambda r: (r.conversation.id, r.turn)):
+        if request.turn > 0 and request.replica_id is not None:
+            later += 1
+            same += previous.get(request.conversation.id) == request.replica_id
+        previous[request.conversation.id] = request.replica_id
+    return same / later
+
+
+def test_prefix_affinity_keeps_conversations_on_their_replica_and_makes_later_turns_cheaper():
     static = {m: 3 for m in range(SHAPE.models)}
-    by_affinity = summarise(_run(affinity=True, static=static), [0], 2.0)
-    round_robin = summarise(_run(affinity=False, static=static), [0], 2.0)
+    by_affinity, round_robin = _run(affinity=True, static=static), _run(affinity=False, static=static)
+    assert _same_replica_share(by_affinity) > 2 * _same_replica_share(round_robin)
+    by_affinity, round_robin = summarise(by_affinity, [0], 2.0), summarise(round_robin, [0], 2.0)
     assert by_affinity["later_turns_ttft_mean_s"] < round_robin["later_turns_ttft_mean_s"]
     for summary in (by_affinity, round_robin):  # held from the start to the last answer
         assert summary["gpu_hours"] >= 3 * SHAPE.models * DURATION_S / 3600
