@@ -72,6 +72,9 @@ class Result:
 
 
 class Simulation:
+    """One scenario: the trace's requests through the router to simulated replicas, and (unless the
+    fleet is static) the autoscaler's decision for every model each tick, applied at once."""
+
     def __init__(self, name: str, trace: Trace, params: FleetParams, *, affinity: bool,
                  static: dict[int, int] | None = None):
         self.name, self.trace, self.params, self.affinity, self.static = name, trace, params, affinity, static
