@@ -1,5 +1,5 @@
 """Writes for the fleet: worker registration, heartbeats and lost workers, replica placement and
-state changes, deployments (desired replicas: create, scale, edit) and the operators'
+state changes, deployments (desired replicas: create, scale, edit, wake for a waiting request) and the operators'
 load/unload/drain. Atomic; messages go out after commit."""
 
 from datetime import datetime
@@ -299,6 +299,35 @@ def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=Non
                  target_label=deployment.model.public_name, detail={"desired_replicas": [before, desired_replicas]})
     commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
+
+
+def deployment_wake(*, model_id: int) -> bool:
+    """Want at least one replica of this model, because a request is waiting for it (a cold start
+    from zero). True when the deployment wants one now (it already did, or does from now on);
+    False when it may not have any (no deployment, or max_replicas 0). Cheap when already awake:
+    one read, no lock, no write; the gateway calls it at most every few seconds per model."""
+    wants = Deployment.objects.filter(model_id=model_id).values_list("desired_replicas", "max_replicas").first()
+    if wants is None or wants[1] < 1:
+        return False
+    if wants[0] >= 1:
+        return True
+    return _deployment_wake_locked(model_id=model_id)
+
+
+@transaction.atomic
+def _deployment_wake_locked(*, model_id: int) -> bool:
+    deployment = Deployment.objects.select_for_update().select_related("model").filter(model_id=model_id).first()
+    if deployment is None or deployment.max_replicas < 1:
+        return False  # changed since the read above
+    if deployment.desired_replicas >= 1:
+        return True  # another gateway process woke it first
+    deployment.desired_replicas = 1  # min_replicas <= 0 < 1 <= max_replicas
+    deployment.save(update_fields=["desired_replicas", "updated_at"])
+    audit_record(actor=None, action=AuditEntry.Action.DEPLOYMENT_SCALE, target=deployment,
+                 target_label=deployment.model.public_name,
+                 detail={"desired_replicas": [0, 1], "reason": "cold start: a request is waiting for a replica"})
+    commands.request_reconcile(deployment_ids=[deployment.pk])
+    return True
 
 
 @transaction.atomic
