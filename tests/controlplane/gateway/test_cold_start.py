@@ -19,7 +19,7 @@ from controlplane.billing.selectors import credit_balance
 from controlplane.catalog.models import Deployment
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.services import replica_transition
-from controlplane.gateway.cold_start_counts import waiting_in_redis
+from controlplane.gateway.cold_start_counts import cold_start_waiting, waiting_in_redis
 from tests.controlplane.gateway.conftest import World, start_gateway, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -246,3 +246,32 @@ def test_models_lists_what_can_answer_now_or_start_a_replica(patient_gateway, re
     with pytest.raises(openai.InternalServerError) as error:
         client.chat.completions.create(model=undeployed.public_name, messages=CHAT, max_tokens=2)
     assert error.value.code == "model_unavailable" and "no deployment" in error.value.message
+
+
+def test_without_redis_the_autoscaler_reads_the_waiting_count_from_the_live_cache(
+        replica_processes, database_url, replicas, tmp_path, settings):
+    # The embedded set-up (`make run`): one gateway process, no Redis; the autoscaler runs in a
+    # Celery process and reads the count from the live cache's files.
+    var = tmp_path / "var"
+    server = start_gateway(database_url, "", VAR_DIR=str(var), GATEWAY_COLD_START_WAIT_SECONDS=str(LONG_WAIT_S))
+    try:
+        world = cold_world(server)
+        settings.REDIS_URL = ""
+        settings.CACHES = {**settings.CACHES, "live": {
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache", "LOCATION": str(var / "cache" / "live")}}
+        model_id = world.model.pk
+        assert cold_start_waiting(model_ids=[model_id]) == {model_id: 0}
+        client = world.client(timeout=LONG_WAIT_S + 30)
+        thread, outcome = _in_thread(lambda: client.chat.completions.with_raw_response.create(
+            model=world.model.public_name, messages=CHAT, max_tokens=2))
+        try:
+            wait_until(lambda: cold_start_waiting(model_ids=[model_id]) == {model_id: 1}, 30, "the request to wait")
+            _make_ready(world, replicas[0])
+        finally:
+            thread.join(LONG_WAIT_S + 60)
+        assert "error" not in outcome, outcome.get("error")
+        assert "x-gpuserve-cold-start" in outcome["result"].headers
+        assert cold_start_waiting(model_ids=[model_id]) == {model_id: 0}
+        world.settled()
+    finally:
+        server.stop()
