@@ -13,6 +13,7 @@ from controlplane.fleet.services import deployment_wake
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.errors import unavailable
+from controlplane.gateway.routing import RoutingTable
 from controlplane.gateway.selectors import ModelRoute, ReplicaRoute
 
 # The answer to a request that waited for a replica to start says so, and for how long (seconds).
@@ -33,7 +34,7 @@ def cold_start_header(waited_s: float | None) -> dict[str, str]:
 class ColdStartQueue:
     """This process's requests waiting for a model's first ready replica."""
 
-    def __init__(self, config: GatewayConfig, routing, shared, lane: DatabaseLane):
+    def __init__(self, config: GatewayConfig, routing: RoutingTable, shared, lane: DatabaseLane):
         self._config, self._routing, self._shared, self._lane = config, routing, shared, lane
         self._waiting: Counter[int] = Counter()  # model id -> requests waiting here
         self._woken_at: dict[int, float] = {}
