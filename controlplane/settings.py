@@ -225,9 +225,13 @@ GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 30)
 GATEWAY_KEY_CHANGES_POLL_MS = env_int("GATEWAY_KEY_CHANGES_POLL_MS", 500)
 # How stale the gateway's view of models and ready replicas may get.
 GATEWAY_ROUTING_REFRESH_MS = env_int("GATEWAY_ROUTING_REFRESH_MS", 1000)
-# How long a request waits for a model whose replicas are still loading before it gets a 503.
-GATEWAY_REPLICA_WAIT_SECONDS = env_int("GATEWAY_REPLICA_WAIT_SECONDS", 10)
-# The retry-after a 503 (no replica ready) suggests.
+# A request for a model with no ready replica waits up to this long for one to load (a cold start:
+# the gateway asks the fleet for a replica if none is loading) before it gets a 503; its answer
+# carries `x-gpuserve-cold-start: <seconds waited>`.
+GATEWAY_COLD_START_WAIT_SECONDS = env_int("GATEWAY_COLD_START_WAIT_SECONDS", 60)
+# At most this many requests per model wait so in one gateway process; more get a 503 at once.
+GATEWAY_COLD_START_QUEUE_MAX = env_int("GATEWAY_COLD_START_QUEUE_MAX", 256)
+# The retry-after a 503 (no replica ready, or a dependency down) suggests.
 GATEWAY_RETRY_AFTER_SECONDS = env_int("GATEWAY_RETRY_AFTER_SECONDS", 5)
 GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS = env_int("GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS", 3)
 # The largest request body the gateway reads (bytes); a longer one is a 413 before any other work

@@ -1,6 +1,6 @@
 """Writes for the fleet: worker registration, heartbeats and lost workers, replica placement and
-state changes, deployments (desired replicas: create, scale, edit), the operators'
-load/unload/drain, and the autoscaler's decisions. Atomic; messages go out after commit."""
+state changes, deployments (desired replicas: create, scale, edit, wake for a waiting request), the
+operators' load/unload/drain, and the autoscaler's decisions. Atomic; messages go out after commit."""
 
 import logging
 from datetime import datetime
@@ -24,6 +24,7 @@ from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, Recorde
 from controlplane.fleet.models import AutoscaleDecision, Gpu, Replica, Worker
 from controlplane.fleet.placement import memory_fraction
 from controlplane.fleet.selectors import deployment_replica_loads, placement_slots
+from controlplane.gateway.cold_start_counts import cold_start_waiting
 from controlplane.gateway.traffic import TrafficSnapshot, traffic_snapshot
 from gpuworker.contract.heartbeat import Heartbeat, WorkerRegistration
 from gpuworker.contract.tasks import DrainWorker, LoadModel, UnloadModel
@@ -318,6 +319,31 @@ def _deployment_set_desired(*, deployment: Deployment, desired_replicas: int, ac
     return deployment
 
 
+def deployment_wake(*, model_id: int) -> bool:
+    """Want at least one replica of this model, because a request is waiting for it (a cold start
+    from zero). True when the deployment wants one now (it already did, or does from now on);
+    False when it may not have any (no deployment, or max_replicas 0). Cheap when already awake:
+    one read, no lock, no write; the gateway calls it at most every few seconds per model."""
+    wants = Deployment.objects.filter(model_id=model_id).values_list("desired_replicas", "max_replicas").first()
+    if wants is None or wants[1] < 1:
+        return False
+    if wants[0] >= 1:
+        return True
+    return _deployment_wake_locked(model_id=model_id)
+
+
+@transaction.atomic
+def _deployment_wake_locked(*, model_id: int) -> bool:
+    deployment = Deployment.objects.select_for_update().select_related("model").filter(model_id=model_id).first()
+    if deployment is None or deployment.max_replicas < 1:
+        return False  # changed since the read above
+    if deployment.desired_replicas >= 1:
+        return True  # another gateway process woke it first
+    _deployment_set_desired(deployment=deployment, desired_replicas=1, actor=None, now=timezone.now(),
+                            detail={"reason": "cold start: a request is waiting for a replica"})
+    return True
+
+
 @transaction.atomic
 def deployment_update(
     *, deployment: Deployment, desired_replicas: int, min_replicas: int, max_replicas: int, keep_warm: bool,
@@ -479,23 +505,26 @@ def autoscale_policy(deployment: Deployment) -> AutoscalePolicy:
 def deployments_autoscale(*, now: datetime) -> list[AutoscaleDecision]:
     """Decide once for every deployment with autoscaling on. Without the gateway's counts (Redis
     down) nothing is decided: no traffic seen must not read as no traffic, which scales to zero."""
+    rows = list(Deployment.objects.filter(autoscale=True, model__enabled=True).order_by("pk")
+                .values_list("pk", "model_id"))
     try:
         traffic = traffic_snapshot(now=now.timestamp(), rate_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
                                    popular_window_s=settings.AUTOSCALE_POPULAR_WINDOW_SECONDS)
+        queued = cold_start_waiting(model_ids=[model_id for _, model_id in rows])
     except Exception:
         logger.warning("autoscaler: the gateway's traffic counts are unreadable; no decisions this tick",
                        exc_info=True)
         return []
     popular_models = popular(traffic.window_counts, settings.AUTOSCALE_POPULAR_TOP_K)
-    ids = Deployment.objects.filter(autoscale=True, model__enabled=True).order_by("pk").values_list("pk", flat=True)
-    decisions = [deployment_autoscale(deployment_id=pk, now=now, traffic=traffic, popular_models=popular_models)
-                 for pk in ids]
+    decisions = [deployment_autoscale(deployment_id=pk, now=now, traffic=traffic, popular_models=popular_models,
+                                      queued_cold_starts=queued.get(model_id, 0))
+                 for pk, model_id in rows]
     return [d for d in decisions if d is not None]
 
 
 @transaction.atomic
 def deployment_autoscale(*, deployment_id: int, now: datetime, traffic: TrafficSnapshot,
-                         popular_models: set[int]) -> AutoscaleDecision | None:
+                         popular_models: set[int], queued_cold_starts: int = 0) -> AutoscaleDecision | None:
     """One decision for one deployment, under its row lock (an operator's scale waits, then counts
     for the cooldown). A change goes through the same path as an operator's scale, audited as the
     system's with the decision's reason and inputs; every decision is stored and published."""
@@ -509,7 +538,7 @@ def deployment_autoscale(*, deployment_id: int, now: datetime, traffic: TrafficS
         request_rate_per_s=traffic.rate_per_s.get(model_id, 0.0),
         last_request_at=traffic.last_request_at.get(model_id),
         last_scaled_at=deployment.scaled_at.timestamp() if deployment.scaled_at else None,
-        popular=model_id in popular_models,
+        popular=model_id in popular_models, queued_cold_starts=queued_cold_starts,
     )
     decision = decide(autoscale_policy(deployment), signals)
     applied = _autoscale_apply(deployment=deployment, decision=decision, now=now)

@@ -7,6 +7,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment
 from controlplane.fleet.models import Gpu, Replica, Worker
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
@@ -15,6 +16,7 @@ from controlplane.fleet.services import (
     WorkerUnknown,
     deployment_create,
     deployment_scale,
+    deployment_wake,
     replica_load_on,
     replica_place,
     replica_transition,
@@ -366,3 +368,32 @@ def test_deployment_scale_out_of_bounds_raises_and_keeps_the_old_count(desired):
     with pytest.raises(ValidationError):
         deployment_scale(deployment=deployment, desired_replicas=desired)
     assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
+
+
+def test_deployment_wake_wants_one_replica_once_audited_as_the_system(django_capture_on_commit_callbacks):
+    deployment = DeploymentFactory(desired_replicas=0, min_replicas=0, max_replicas=3)
+    with django_capture_on_commit_callbacks() as callbacks:
+        assert deployment_wake(model_id=deployment.model_id) is True
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
+    assert len(callbacks) == 1  # the reconcile request, after commit
+    [entry] = AuditEntry.objects.filter(action=AuditEntry.Action.DEPLOYMENT_SCALE)
+    assert entry.actor is None and entry.actor_label == "system" and entry.target_id == str(deployment.pk)
+    assert entry.detail["desired_replicas"] == [0, 1] and "cold start" in entry.detail["reason"]
+    # Already awake: nothing written, nothing sent.
+    with django_capture_on_commit_callbacks() as callbacks:
+        assert deployment_wake(model_id=deployment.model_id) is True
+    assert not callbacks and AuditEntry.objects.count() == 1
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
+
+
+def test_deployment_wake_keeps_a_larger_desired_count():
+    deployment = DeploymentFactory(desired_replicas=2, min_replicas=0, max_replicas=3)
+    assert deployment_wake(model_id=deployment.model_id) is True
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 2 and not AuditEntry.objects.exists()
+
+
+def test_deployment_wake_refuses_a_model_that_may_have_no_replica():
+    deployment = DeploymentFactory(desired_replicas=0, min_replicas=0, max_replicas=0)
+    assert deployment_wake(model_id=deployment.model_id) is False
+    assert deployment_wake(model_id=ModelFactory().pk) is False  # no deployment at all
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 0 and not AuditEntry.objects.exists()
