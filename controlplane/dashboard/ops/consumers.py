@@ -44,6 +44,8 @@ class FleetConsumer(AsyncWebsocketConsumer):
                 html = await database_sync_to_async(fragments.replica_change_fragment)(data, self.history)
             elif event == "worker.state":
                 html = await database_sync_to_async(fragments.workers_fragment)(self.history)
+            elif event == "deployment.changed":
+                html = await database_sync_to_async(fragments.deployment_fragment)(data)
             else:
                 return
         except Exception:

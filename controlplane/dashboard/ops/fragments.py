@@ -1,11 +1,13 @@
 """HTML fragments the fleet page's WebSocket sends, each addressed by element id (htmx's ws
 extension swaps it in place): a heartbeat's figures and load progress, a worker's card after a
-replica change, the whole worker list after a worker comes or goes, a deployment's status."""
+replica change, the whole worker list after a worker comes or goes, a deployment's status, a
+deployment with its forms after its settings change, and the whole deployment list after one is created."""
 
 from typing import Any
 
 from django.template.loader import render_to_string
 
+from controlplane.dashboard.ops.forms import DeploymentLimitsForm, ScaleForm
 from controlplane.dashboard.ops.overview import (
     FigureHistory,
     deployment_views,
@@ -37,3 +39,26 @@ def replica_change_fragment(data: dict[str, Any], history: FigureHistory) -> str
     for view in deployment_views(deployment_ids=[data["deployment_id"]]):
         parts.append(render_to_string("dashboard/ops/_deployment_status.html", {"view": view}))
     return "".join(parts)
+
+
+def deployment_context(view, *, scale_form=None, limits_form=None, open_limits=False) -> dict:
+    """What _deployment.html needs: the view and its forms, filled with the current settings
+    unless a refused submission's forms are given."""
+    deployment = view.deployment
+    return {
+        "view": view,
+        "scale_form": scale_form or ScaleForm(initial={"desired_replicas": deployment.desired_replicas},
+                                              prefix=f"s{deployment.pk}"),
+        "limits_form": limits_form or DeploymentLimitsForm.for_deployment(deployment),
+        "open_limits": open_limits,
+    }
+
+
+def deployment_fragment(data: dict[str, Any]) -> str:
+    """A deployment changed: the whole list when it is new (the page has no element for it yet),
+    else that deployment with forms showing its current settings."""
+    if data.get("created"):
+        return render_to_string("dashboard/ops/_deployments.html", {
+            "deployments": [deployment_context(view) for view in deployment_views()]})
+    return "".join(render_to_string("dashboard/ops/_deployment.html", {"d": deployment_context(view)})
+                   for view in deployment_views(deployment_ids=[data["deployment_id"]]))

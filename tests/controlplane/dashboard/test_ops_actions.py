@@ -109,7 +109,8 @@ def test_loading_where_there_is_no_room_is_refused_beside_the_gpu_choice(operato
     fragment = operator_client.post(reverse("dashboard:replica_load"),
                                     {"deployment": deployment.pk, "slot": f"{gpu.worker_id}:{gpu.pk}"},
                                     **HTMX).content.decode()
-    assert "has 1,000 bytes free" in fragment[fragment.index('id="errors-slot"'):]
+    assert "needs 4.9 KiB; free: " in fragment[fragment.index('id="errors-slot"'):]
+    assert f"GPU 0 ({gpu.name}) 1000 B of 1000 B" in fragment
     fragment = operator_client.post(reverse("dashboard:replica_load"), {"deployment": "", "slot": ""},
                                     **HTMX).content.decode()
     assert 'id="errors-deployment"' in fragment and 'id="errors-slot"' in fragment

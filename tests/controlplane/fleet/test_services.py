@@ -257,7 +257,8 @@ def test_replica_load_on_refuses_with_reasons():
     small = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=GB), desired_replicas=0, max_replicas=1)
     big = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=11 * GB), desired_replicas=0, max_replicas=1)
     cases = [
-        (dict(deployment=big, worker=gpu.worker, gpu=gpu), "gpu", "bytes free"),
+        (dict(deployment=big, worker=gpu.worker, gpu=gpu), "gpu",
+         f"needs 11.0 GiB; free: {gpu.worker.name} GPU 0 ({gpu.name}) 10.0 GiB of 10.0 GiB"),
         (dict(deployment=small, worker=gpu.worker, gpu=None), "gpu", "choose one"),
         (dict(deployment=small, worker=gpu.worker, gpu=GpuFactory()), "gpu", "not a present GPU"),
         (dict(deployment=small, worker=make_worker(state=Worker.State.DRAINING), gpu=None), "worker", "draining"),
