@@ -8,12 +8,16 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from controlplane.catalog.models import Deployment
-from controlplane.fleet.models import Gpu, Replica, Worker
+from controlplane.audit.models import AuditEntry
+from controlplane.celery import app as celery_app
+from controlplane.fleet.models import Gpu, LoadBackoff, Replica, Worker
+from controlplane.fleet.reconcile import deployment_reconcile
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from controlplane.fleet.selectors import worker_latest_heartbeat
 from controlplane.fleet.services import (
     WorkerUnknown,
     deployment_create,
+    deployment_retry_loads,
     deployment_scale,
     replica_load_on,
     replica_place,
@@ -367,3 +371,29 @@ def test_deployment_scale_out_of_bounds_raises_and_keeps_the_old_count(desired):
     with pytest.raises(ValidationError):
         deployment_scale(deployment=deployment, desired_replicas=desired)
     assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
+
+
+# --- retry now ---------------------------------------------------------------------------------
+
+def test_retry_now_forgets_the_backoff_is_audited_and_reconciles_at_once(settings, django_capture_on_commit_callbacks):
+    settings.FLEET_LOAD_RETRY_INITIAL_SECONDS = 300
+    worker = GpuFactory(worker=make_worker(), index=0).worker
+    deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=GB), desired_replicas=1, max_replicas=1)
+    now = timezone.now()
+    [replica_id] = deployment_reconcile(deployment_id=deployment.pk, now=now).placed
+    _beat(worker, {"replica_id": replica_id, "state": "failed", "error": "checkpoint not there yet"}, now=now)
+    assert deployment_reconcile(deployment_id=deployment.pk, now=now).placed == []  # backing off for 5 minutes
+
+    with django_capture_on_commit_callbacks(execute=True):
+        deployment_retry_loads(deployment=deployment, actor=None)
+    assert not LoadBackoff.objects.exists()
+    entry = AuditEntry.objects.get(action=AuditEntry.Action.DEPLOYMENT_RETRY)
+    assert (entry.target_id, entry.detail) == (str(deployment.pk), {"backoffs": {worker.name: 1}})
+    assert ("controlplane.fleet.tasks.reconcile", {"deployment_ids": [deployment.pk]}) in \
+        queued_tasks(celery_app.conf.task_default_queue)
+    assert len(deployment_reconcile(deployment_id=deployment.pk, now=now).placed) == 1
+
+    # Nothing left to retry: refused, nothing written.
+    with pytest.raises(ValidationError, match="no failed loads to retry"):
+        deployment_retry_loads(deployment=deployment, actor=None)
+    assert AuditEntry.objects.filter(action=AuditEntry.Action.DEPLOYMENT_RETRY).count() == 1
