@@ -265,11 +265,12 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
 
 
 def publish_deployment(deployment: Deployment, *, created: bool = False) -> None:
-    """The deployment's settings or status changed (its desired count, limits, backoffs, why it is
-    unplaced): the fleet pages show it again, forms included; a new one joins the list."""
+    """Tell the fleet pages a deployment changed (its desired count or limits, its backoffs, why it
+    is unplaced): they show its status again; a new one joins the list."""
     live_events.publish(group=live_events.FLEET_GROUP, event="deployment.changed", data={
         "deployment_id": deployment.pk, "created": created,
     })
+
 
 # What a deployment edit may change, and what its audit entry compares.
 DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_warm")

@@ -198,11 +198,17 @@ def test_a_wrong_weight_path_is_retried_with_backoff_and_bad_task_args_leave_dae
     # no retry loop.
     attempts = list(Replica.objects.filter(deployment=broken).order_by("created_at", "pk"))
     assert {r.worker_id for r in attempts} == {w.pk for w in workers}
+    assert any(r.failure == Replica.Failure.LOAD for r in attempts)
     for worker in workers:
         mine = [r for r in attempts if r.worker_id == worker.pk]
-        for n, (before, after) in enumerate(zip(mine, mine[1:]), start=1):
-            assert before.state == State.FAILED and before.failure == Replica.Failure.LOAD
-            assert (after.created_at - before.state_changed_at).total_seconds() >= min(8, 2 * 2 ** (n - 1))
+        failed_loads = 0
+        for before, after in zip(mine, mine[1:]):
+            # (A busy machine can delay heartbeats enough for a worker to be marked lost for a
+            # moment: that failure is not the model's and sets no backoff.)
+            if before.failure == Replica.Failure.LOAD:
+                failed_loads += 1
+                waited = (after.created_at - before.state_changed_at).total_seconds()
+                assert waited >= min(8, 2 * 2 ** (failed_loads - 1)), (failed_loads, waited)
 
     # Bad arguments straight onto each daemon's queue: rejected with a logged reason.
     for worker in workers:

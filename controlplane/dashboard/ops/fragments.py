@@ -1,7 +1,7 @@
 """HTML fragments the fleet page's WebSocket sends, each addressed by element id (htmx's ws
 extension swaps it in place): a heartbeat's figures and load progress, a worker's card after a
-replica change, the whole worker list after a worker comes or goes, a deployment's status, a
-deployment with its forms after its settings change, and the whole deployment list after one is created."""
+replica change, the whole worker list after a worker comes or goes, a deployment's status after
+any change to it, and the whole deployment list after one is created."""
 
 from typing import Any
 
@@ -56,9 +56,10 @@ def deployment_context(view, *, scale_form=None, limits_form=None, open_limits=F
 
 def deployment_fragment(data: dict[str, Any]) -> str:
     """A deployment changed: the whole list when it is new (the page has no element for it yet),
-    else that deployment with forms showing its current settings."""
+    else its status, which shows its settings. Its forms are left alone: replacing them could
+    wipe what an operator is typing."""
     if data.get("created"):
         return render_to_string("dashboard/ops/_deployments.html", {
             "deployments": [deployment_context(view) for view in deployment_views()]})
-    return "".join(render_to_string("dashboard/ops/_deployment.html", {"d": deployment_context(view)})
+    return "".join(render_to_string("dashboard/ops/_deployment_status.html", {"view": view})
                    for view in deployment_views(deployment_ids=[data["deployment_id"]]))
