@@ -41,6 +41,14 @@ def replica_change_fragment(data: dict[str, Any], history: FigureHistory) -> str
     return "".join(parts)
 
 
+def resync_fragment(history: FigureHistory) -> str:
+    """Everything live on the page as it is now (a page that lost its connection missed events):
+    the worker list and each deployment's status; forms are left alone."""
+    parts = [workers_fragment(history)]
+    parts += [render_to_string("dashboard/ops/_deployment_status.html", {"view": view}) for view in deployment_views()]
+    return "".join(parts)
+
+
 def deployment_context(view, *, scale_form=None, limits_form=None, open_limits=False) -> dict:
     """What _deployment.html needs: the view and its forms, filled with the current settings
     unless a refused submission's forms are given."""

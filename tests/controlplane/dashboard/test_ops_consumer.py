@@ -175,3 +175,18 @@ async def test_a_failed_load_and_why_a_replica_is_unplaced_reach_the_page(settin
         assert f"needs 1.0 GiB; free: {worker.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB" in html
     finally:
         await communicator.disconnect()
+
+
+async def test_a_page_that_reconnects_gets_what_it_missed():
+    worker = await sync_to_async(make_worker)()
+    deployment = await sync_to_async(DeploymentFactory)(desired_replicas=1, min_replicas=0, max_replicas=4)
+    communicator, connected, _ = await _connect(User.Role.OPERATOR)
+    assert connected
+    try:
+        await communicator.send_to(text_data="not json")  # ignored, the connection stays
+        await communicator.send_to(text_data='{"resync": true}')
+        html = await _receive_matching(communicator, 'id="workers"')
+        assert html.lstrip().startswith('<div id="workers"') and f'id="worker-{worker.pk}"' in html
+        assert f'id="deployment-{deployment.pk}-status"' in html and 'data-desired="1"' in html
+    finally:
+        await communicator.disconnect()
