@@ -86,8 +86,7 @@ class BackoffView:
     worker_name: str
     consecutive_failures: int
     next_attempt_at: datetime
-    cause: str
-    last_error: str
+    cause: str  # the first line of its latest error
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ class DeploymentStatus:
     last_error: str
     message: str
     error_detail: str = ""
-    # Workers this deployment is backing off from (newest schedule last); "retry now" clears them.
+    # Workers this deployment is backing off from (soonest retry first); "retry now" clears them.
     backoffs: list[BackoffView] = field(default_factory=list)
 
 
@@ -161,8 +160,8 @@ def _status(deployment, backoffs: list[LoadBackoff], report: PlacementReport | N
         ready=ready, starting=starting, draining=draining, state=state, last_error=last_error, message=message,
         error_detail=failure.last_error if failure and failure.last_error.strip() != error_cause(failure.last_error) else "",
         backoffs=[BackoffView(worker_name=b.worker.name, consecutive_failures=b.consecutive_failures,
-                              next_attempt_at=b.next_attempt_at, cause=error_cause(b.last_error),
-                              last_error=b.last_error) for b in backoffs],
+                              next_attempt_at=b.next_attempt_at, cause=error_cause(b.last_error))
+                  for b in backoffs],
     )
 
 

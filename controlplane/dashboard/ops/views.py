@@ -57,9 +57,10 @@ def fleet(request: HttpRequest) -> HttpResponse:
     })
 
 
-def _render_deployment(request, deployment_id: int, **forms) -> HttpResponse:
+def _render_deployment(request, deployment_id: int, *, action_error: str = "", **forms) -> HttpResponse:
     (view,) = deployment_views(deployment_ids=[deployment_id])
-    return render(request, "dashboard/ops/_deployment.html", {"d": deployment_context(view, **forms)})
+    return render(request, "dashboard/ops/_deployment.html", {"d": deployment_context(view, **forms),
+                                                              "action_error": action_error})
 
 
 @operator_required
@@ -93,13 +94,8 @@ def deployment_edit_view(request: HttpRequest, pk: int) -> HttpResponse:
 def deployment_retry_view(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
     return run_action(request, lambda: deployment_retry_loads(deployment=deployment, actor=request.user),
-                      partial(_render_deployment_after_action, request, pk), to=FLEET,
+                      partial(_render_deployment, request, pk), to=FLEET,
                       success=f"Retrying {deployment.model.public_name} on every worker now.")
-
-
-def _render_deployment_after_action(request, deployment_id: int, *, action_error: str = "") -> HttpResponse:
-    (view,) = deployment_views(deployment_ids=[deployment_id])
-    return render(request, "dashboard/ops/_deployment.html", {"d": deployment_context(view), "action_error": action_error})
 
 
 def _render_load_form(request, form, *, done: str = "", worker_id: int | None = None) -> HttpResponse:
