@@ -20,9 +20,10 @@ from controlplane.catalog.selectors import model_get_by_public_name
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
 from controlplane.fleet.autoscaling import AutoscalePolicy, Decision, DeploymentSignals, decide, popular
+from controlplane.fleet.backoff import next_attempt_at
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
-from controlplane.fleet.models import AutoscaleDecision, Gpu, Replica, Worker
-from controlplane.fleet.placement import memory_fraction
+from controlplane.fleet.models import AutoscaleDecision, Gpu, LoadBackoff, Replica, Worker
+from controlplane.fleet.placement import SlotRoom, memory_fraction, room_message
 from controlplane.fleet.selectors import deployment_replica_loads, placement_slots
 from controlplane.gateway.cold_start_counts import cold_start_waiting
 from controlplane.gateway.traffic import TrafficSnapshot, traffic_snapshot
@@ -193,8 +194,32 @@ def _transition(replica: Replica, *, to_state: str, at: datetime, endpoint_url: 
     if to_state == Replica.State.FAILED:
         replica.last_error, replica.failure = error, failure
     validated_save(replica)
+    # The backoff moves in the same transaction as the replica, so the two never disagree.
+    if to_state == Replica.State.FAILED and failure == Replica.Failure.LOAD:
+        _load_backoff_record(replica, at=at)
+    elif to_state == Replica.State.READY:
+        LoadBackoff.objects.filter(deployment_id=replica.deployment_id, worker_id=replica.worker_id).delete()
     _publish_replica(replica)
     return replica
+
+
+def _load_backoff_record(replica: Replica, *, at: datetime) -> LoadBackoff:
+    """One more failed load of the replica's deployment on its worker: leave that worker out until
+    the next attempt's time (FLEET_LOAD_RETRY_*), keeping the error."""
+    backoff, _ = LoadBackoff.objects.get_or_create(
+        deployment_id=replica.deployment_id, worker_id=replica.worker_id,
+        defaults={"first_failed_at": at, "last_failed_at": at, "next_attempt_at": at})
+    backoff = LoadBackoff.objects.select_for_update().select_related("deployment__model").get(pk=backoff.pk)
+    if backoff.consecutive_failures and backoff.last_failed_at < backoff.deployment.model.updated_at:
+        # Failures of the model as it was before its last edit do not count against it now.
+        backoff.consecutive_failures, backoff.first_failed_at = 0, at
+    backoff.consecutive_failures += 1
+    backoff.last_failed_at, backoff.last_error = at, replica.last_error
+    backoff.next_attempt_at = next_attempt_at(
+        failed_at=at, consecutive_failures=backoff.consecutive_failures,
+        initial_seconds=settings.FLEET_LOAD_RETRY_INITIAL_SECONDS, max_seconds=settings.FLEET_LOAD_RETRY_MAX_SECONDS)
+    backoff.save()
+    return backoff
 
 
 def _publish_replica(replica: Replica) -> None:
@@ -244,6 +269,15 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
 # --- Deployments (how many replicas of each model are wanted; reconcile places or drains the rest)
 # and the operators' actions. `actor` is the user acting (None: the system); each lands in the audit log.
 
+
+def publish_deployment(deployment: Deployment, *, created: bool = False) -> None:
+    """Tell the fleet pages a deployment changed (its desired count or limits, its backoffs, why it
+    is unplaced): they show its status again; a new one joins the list."""
+    live_events.publish(group=live_events.FLEET_GROUP, event="deployment.changed", data={
+        "deployment_id": deployment.pk, "created": created,
+    })
+
+
 # What a deployment edit may change, and what its audit entry compares.
 DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_warm")
 # More replicas of one model than any one fleet here runs; a typo (100 for 10) is refused.
@@ -284,6 +318,7 @@ def deployment_create(
                                            scaled_at=timezone.now()))
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_CREATE, target=deployment,
                  target_label=model.public_name, detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
+    publish_deployment(deployment, created=True)
     commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
 
@@ -315,6 +350,7 @@ def _deployment_set_desired(*, deployment: Deployment, desired_replicas: int, ac
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_SCALE, target=deployment,
                  target_label=deployment.model.public_name,
                  detail={"desired_replicas": [before, desired_replicas], **(detail or {})})
+    publish_deployment(deployment)
     commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
 
@@ -395,6 +431,7 @@ def deployment_update(
     deployment.save()
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_UPDATE, target=deployment,
                  target_label=deployment.model.public_name, detail=diff)
+    publish_deployment(deployment)
     if "desired_replicas" in diff:
         commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
@@ -415,10 +452,11 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
     if gpu is not None and gpu.pk not in slots:
         raise ValidationError({"gpu": f"GPU {gpu.index} ({gpu.name}) is not a present GPU of worker {worker.name}."})
     slot = slots[gpu.pk if gpu is not None else None]
-    where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else f"Worker {worker.name}"
     if slot.free_bytes < model.gpu_memory_bytes:
-        raise ValidationError({"gpu": f"{where} has {max(0, slot.free_bytes):,} bytes free; "
-                                      f"{model.public_name} needs {model.gpu_memory_bytes:,}."})
+        room = SlotRoom(label=slot_label(worker=worker, gpu=gpu), free_bytes=slot.free_bytes,
+                        total_bytes=slot.total_bytes)
+        raise ValidationError({"gpu": f"{model.public_name} does not fit: "
+                                      f"{room_message(need_bytes=model.gpu_memory_bytes, rooms=[room])}."})
     if deployment.desired_replicas >= deployment.max_replicas:
         raise ValidationError({"deployment": f"{model.public_name} already wants {deployment.desired_replicas} "
                                              f"replicas, its max_replicas ({deployment.max_replicas}); raise it first."})
@@ -427,12 +465,37 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
     deployment.scaled_at = timezone.now()
     deployment.save(update_fields=["desired_replicas", "scaled_at", "updated_at"])
     replica = replica_place(deployment=deployment, worker=worker, gpu=gpu)
+    publish_deployment(deployment)
     audit_record(actor=actor, action=AuditEntry.Action.REPLICA_LOAD, target=replica,
                  target_label=f"{model.public_name} replica {replica.pk} on {worker.name}", detail={
         "model": model.public_name, "worker": worker.name, "gpu_index": gpu.index if gpu is not None else None,
         "desired_replicas": [deployment.desired_replicas - 1, deployment.desired_replicas],
     })
     return replica
+
+
+def slot_label(*, worker: Worker, gpu: Gpu | None) -> str:
+    """Where a replica runs, as messages name it: "worker-a GPU 0 (NVIDIA H200)" or "worker-a CPU"."""
+    return f"{worker.name} GPU {gpu.index} ({gpu.name})" if gpu is not None else f"{worker.name} CPU"
+
+
+@transaction.atomic
+def deployment_retry_loads(*, deployment: Deployment, actor=None) -> Deployment:
+    """Forget the deployment's load backoffs and reconcile now: every worker may be tried at once
+    (after the operator fixed whatever made the loads fail)."""
+    deployment = _lock_deployment(deployment)
+    backoffs = list(LoadBackoff.objects.select_for_update().select_related("worker").filter(deployment=deployment)
+                    .order_by("pk"))
+    if not backoffs:
+        raise ValidationError({"deployment": f"{deployment.model.public_name} has no failed loads to retry."})
+    LoadBackoff.objects.filter(pk__in=[b.pk for b in backoffs]).delete()
+    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_RETRY, target=deployment,
+                 target_label=deployment.model.public_name, detail={
+        "backoffs": {b.worker.name: b.consecutive_failures for b in backoffs},
+    })
+    publish_deployment(deployment)
+    commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
 
 
 @transaction.atomic
@@ -451,6 +514,7 @@ def replica_unload(*, replica: Replica, actor=None) -> Replica:
     deployment.save(update_fields=["desired_replicas", "scaled_at", "updated_at"])
     was = replica.state
     replica = replica_stop(replica=replica, at=timezone.now())
+    publish_deployment(deployment)
     audit_record(actor=actor, action=AuditEntry.Action.REPLICA_UNLOAD, target=replica,
                  target_label=f"{deployment.model.public_name} replica {replica.pk} on {replica.worker.name}", detail={
         "model": deployment.model.public_name, "worker": replica.worker.name, "state": [was, replica.state],

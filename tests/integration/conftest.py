@@ -30,6 +30,9 @@ FLEET_ENV = {
     "FLEET_RECONCILE_INTERVAL_SECONDS": "2",
     "FLEET_REPLICA_ACK_TIMEOUT_SECONDS": "60",
     "FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS": "60",
+    # A failed load is retried on its worker after 2 s, then 4 s, capped at 8 s.
+    "FLEET_LOAD_RETRY_INITIAL_SECONDS": "2",
+    "FLEET_LOAD_RETRY_MAX_SECONDS": "8",
 }
 
 
@@ -96,12 +99,23 @@ class Fleet:
         self.processes.append(process)
         return process
 
-    def start_control_plane(self) -> None:
+    def start_control_plane(self, *, mode: str = "wb") -> None:
         self._start("web", ["-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
-                            "--port", str(self.port), "--lifespan", "off", "--no-access-log"])
+                            "--port", str(self.port), "--lifespan", "off", "--no-access-log"], mode=mode)
         self._start("celery", ["-m", "celery", "-A", "controlplane", "worker", "--beat", "-l", "INFO", "-c", "2",
-                               "--without-gossip", "--without-mingle"])
+                               "--without-gossip", "--without-mingle"], mode=mode)
         wait_until(self._answers, timeout=60, what="the control plane's /healthz", fleet=self)
+
+    def stop_control_plane(self) -> None:
+        """Stop the web server and Celery (worker and beat), as a restart or an upgrade would:
+        only the database and the broker carry anything over to the next start."""
+        for process in [p for p in self.processes if p.name in ("web", "celery")]:
+            self._stop_process(process)
+            self.processes.remove(process)
+
+    def restart_control_plane(self) -> None:
+        self.stop_control_plane()
+        self.start_control_plane(mode="ab")  # the logs go on
 
     def _answers(self) -> bool:
         try:
@@ -133,24 +147,28 @@ class Fleet:
     def stop(self) -> None:
         # Daemons first (they drain their replicas), then Celery and the web server.
         for process in sorted(self.processes, key=lambda p: p.name in ("web", "celery")):
-            popen = process.popen
-            replicas = _children_of(popen.pid) if popen.poll() is None else []
-            if popen.poll() is None:
-                popen.send_signal(signal.SIGTERM)
-                try:
-                    popen.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
+            self._stop_process(process)
+
+    @staticmethod
+    def _stop_process(process: Process) -> None:
+        popen = process.popen
+        replicas = _children_of(popen.pid) if popen.poll() is None else []
+        if popen.poll() is None:
+            popen.send_signal(signal.SIGTERM)
             try:
-                os.killpg(popen.pid, signal.SIGKILL)  # whatever it forked (Celery's pool)
+                popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)  # whatever it forked (Celery's pool)
+        except ProcessLookupError:
+            pass
+        popen.wait()
+        for pid in replicas:  # replica servers run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            popen.wait()
-            for pid in replicas:  # replica servers run in sessions of their own
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
     def logs(self, tail: int = 4000) -> str:
         parts = []
