@@ -23,6 +23,9 @@ REPLICA_STATES = ("loading", "ready", "draining", "stopped", "failed")
 GPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
 CPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes")
 REPLICA_FIGURES = ("load_progress", "running", "waiting", "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate")
+# A replica's error is kept to this many characters (its cause comes first: see the daemon's
+# gpuworker/daemon/replica_errors.py).
+MAX_REPLICA_ERROR_CHARS = 4000
 MAX_MODEL_ROOTS = 32
 MAX_MODEL_PATHS = 2000
 
@@ -225,6 +228,7 @@ def _replica_report(raw: dict, where: str) -> ReplicaReport:
         state=state,
         endpoint_url=endpoint_url,
         # Errors come from tracebacks and child output: keep the useful start, bounded.
-        error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000, required=False)[:4000],
+        error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000,
+                    required=False)[:MAX_REPLICA_ERROR_CHARS],
         figures=_figures(raw, REPLICA_FIGURES, where),
     )

@@ -26,19 +26,22 @@ from tests.gpuworker.streaming import stream_in_thread
 TOKEN = "s3cret"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bound_socket() -> socket.socket:
+    """A socket bound to a free port and kept: a port only looked up could be taken before the
+    server binds it (the daemon hands its replicas bound sockets for the same reason)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 @contextmanager
 def _serving(config: ServerConfig):
     """A real uvicorn on 127.0.0.1 in a thread of this process, so tests can look into the engine."""
     app = build_app(config)
-    port = _free_port()
+    sock = _bound_socket()
+    port = sock.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -368,12 +371,14 @@ def _env_without_token() -> dict:
 def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
     """`python -m gpuworker serve` starts and serves; SIGTERM drains (503 for new requests, the stream
     in flight finishes) and the process then exits 0."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")), "--token", TOKEN,
-         "--port", str(port), "--served-model-name", "cli", "--max-model-len", "512", "--drain-timeout", "60",
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token())
+    sock = _bound_socket()  # handed over as the daemon does (--fd)
+    port = sock.getsockname()[1]
+    with sock:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")), "--token", TOKEN,
+             "--fd", str(sock.fileno()), "--served-model-name", "cli", "--max-model-len", "512",
+             "--drain-timeout", "60", "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
