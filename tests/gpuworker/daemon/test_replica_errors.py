@@ -11,19 +11,17 @@ import textwrap
 from gpuworker.contract.heartbeat import MAX_REPLICA_ERROR_CHARS
 from gpuworker.daemon.replica_errors import error_cause, failure_message
 
-# What a replica whose CUDA allocation failed wrote (torch 2.11 on an H200; the replica's log
-# format, gpuworker/__main__.py): the engine holder logs the exception, uvicorn then goes on.
+# A real CUDA out-of-memory failure, in the replica's log format (gpuworker/__main__.py) and logged as
+# the engine holder logs a failed load: torch 2.11 on an H200, captured 2026-12-01; uvicorn's lines
+# follow, as they do in a replica's log.
 CUDA_OOM_LOG = """\
-2026-12-01 19:40:02,118 INFO gpuworker.replica.engine_holder: loading /models/llama-3-8b
-2026-12-01 19:40:09,530 ERROR gpuworker.replica.engine_holder: loading /models/llama-3-8b failed
+2026-12-01 19:34:35,103 INFO gpuworker.replica.engine_holder: loading /models/llama-3-8b
+2026-12-01 19:34:35,532 ERROR gpuworker.replica.engine_holder: loading /models/llama-3-8b failed
 Traceback (most recent call last):
-  File "/app/gpuworker/replica/engine_holder.py", line 87, in _load
-    engine = AsyncLLMEngine(self.config.model, **kwargs)
-             ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
-  File "/app/gpuworker/engine/model_runner.py", line 141, in _allocate_kv_cache
-    self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-                    ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
-torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 128.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which 7.44 GiB is free. Including non-PyTorch memory, this process has 132.35 GiB memory in use. Of the allocated memory 131.81 GiB is allocated by PyTorch, and 17.74 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)
+  File "/tmp/oom.py", line 6, in <module>
+    weights = torch.empty(2**46, dtype=torch.bfloat16, device="cuda:0")
+              ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 131072.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which 139.29 GiB is free. Including non-PyTorch memory, this process has 518.00 MiB memory in use. Of the allocated memory 0 bytes is allocated by PyTorch, and 0 bytes is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)
 INFO:     Started server process [4242]
 INFO:     Waiting for application startup.
 """
@@ -69,8 +67,9 @@ def test_only_the_first_line_of_a_long_exception_message_is_the_cause():
 
 def test_a_cuda_out_of_memory_error_is_found_whole_among_the_log_lines_after_it():
     cause = error_cause(CUDA_OOM_LOG)
-    assert cause.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 128.00 GiB.")
-    assert cause.endswith("(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+    assert cause.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 131072.00 GiB.")
+    assert cause.endswith("(https://docs.pytorch.org/docs/stable/notes/cuda.html"
+                          "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
 
 
 def test_a_port_clash_logged_by_uvicorn_without_a_traceback_is_the_cause():
