@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from gpuworker.contract.heartbeat import REPLICA_FIGURES, ReplicaReport
+from gpuworker.contract.heartbeat import REPLICA_FIGURES, REPLICA_LATENCY_FIGURES, ReplicaReport
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon.model_paths import resolve_model_root_path
 from gpuworker.daemon.ports import bind_replica_socket
@@ -57,7 +57,10 @@ class Replica:
 
     def report(self) -> ReplicaReport:
         engine = self.figures if self.state in ("ready", "draining") else {}
-        figures = {name: engine.get(name, 0) for name in REPLICA_FIGURES} | {"load_progress": self.load_progress}
+        # A latency without a sample stays absent: 0 would read as a perfect one.
+        figures = {name: engine.get(name, 0) for name in REPLICA_FIGURES if name not in REPLICA_LATENCY_FIGURES}
+        figures |= {name: engine[name] for name in REPLICA_LATENCY_FIGURES if engine.get(name) is not None}
+        figures["load_progress"] = self.load_progress
         return ReplicaReport(replica_id=self.request.replica_id, state=self.state, endpoint_url=self.endpoint_url,
                              error=self.error, figures=figures)
 

@@ -182,9 +182,16 @@ def test_a_port_taken_while_the_replica_starts_cannot_fail_its_load(tmp_path, tm
         with pytest.raises(OSError):  # the replica holds it now
             intruder.bind(("127.0.0.1", port))
         assert ready.endpoint_url == loading.endpoint_url
+        assert "ttft_p95_s" not in ready.figures  # no request yet: absent, not 0
         completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
                                 json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=30)
         assert completion.status_code == 200
+        # The replica's latency figures reach the heartbeat with its next poll.
+        deadline = time.monotonic() + 30
+        while "ttft_p95_s" not in _entry(supervisor, 1).figures and time.monotonic() < deadline:
+            time.sleep(0.1)
+        figures = _entry(supervisor, 1).figures
+        assert figures["ttft_p95_s"] > 0 and figures["itl_p95_s"] > 0
     finally:
         intruder.close()
         supervisor.close(drain_timeout_s=5)

@@ -161,6 +161,26 @@ def test_health_and_metrics_move(server):
     assert stats["state"] == "ready" and stats["running"] == 0 and stats["load_progress"] == 1.0
 
 
+def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keeps(tiny_checkpoint):
+    from gpuworker.contract.heartbeat import REPLICA_FIGURES, parse_heartbeat
+
+    with _serving(_config(tiny_checkpoint)) as (base, _), _client(base) as client:
+        idle = client.get("/stats").json()
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
+        with client.stream("POST", "/v1/completions", json={"prompt": "y", "max_tokens": 4, "ignore_eos": True,
+                                                            "stream": True}) as stream:
+            assert _sse(stream.iter_lines())[-1] == "[DONE]"
+        stats = client.get("/stats").json()
+    # No sample yet: null, which a heartbeat leaves out (0 would read as a perfect latency).
+    assert idle["ttft_p95_s"] is None and idle["itl_p95_s"] is None
+    assert 0 < stats["ttft_p95_s"] < 60 and 0 < stats["itl_p95_s"] < 60
+    for figures, expected in ((idle, {}), (stats, {"ttft_p95_s": stats["ttft_p95_s"], "itl_p95_s": stats["itl_p95_s"]})):
+        report = {"replica_id": 1, "state": "ready", "endpoint_url": base,
+                  **{name: figures[name] for name in REPLICA_FIGURES if name in figures}}
+        parsed = parse_heartbeat({"replicas": [report]}).replicas[0].figures
+        assert {name: parsed[name] for name in ("ttft_p95_s", "itl_p95_s") if name in parsed} == expected
+
+
 def test_bad_input_is_400_naming_the_field(server):
     base, _ = server
     with _client(base) as client:
