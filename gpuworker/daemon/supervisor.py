@@ -54,6 +54,7 @@ class Replica:
     drain_deadline: float | None = None  # monotonic; SIGTERM once idle or past it
     kill_deadline: float | None = None  # monotonic; SIGKILL past it
     ended_at: float | None = None  # monotonic; when it became stopped or failed
+    pending_load: LoadModel | None = None  # a load asked for while its failed process was stopping
 
     def report(self) -> ReplicaReport:
         engine = self.figures if self.state in ("ready", "draining") else {}
@@ -142,6 +143,12 @@ class Supervisor:
                 logger.warning("replica %d is already %s with %s; a load with other arguments is ignored",
                                request.replica_id, current.state, current.request)
             return  # idempotent: a repeated load changes nothing
+        if current is not None and current.process is not None:
+            # Failed, and its process is still stopping: replacing it now would leave that process
+            # unwatched (never reaped, never SIGKILLed) and beside the new one on the same GPU.
+            current.pending_load = request
+            logger.info("replica %d: loading again once its failed process has exited", request.replica_id)
+            return
         replica = Replica(request)
         self._replicas[request.replica_id] = replica
         model_dir, problem = self._load_problem(request)
@@ -291,6 +298,8 @@ class Supervisor:
             what = f"the replica process {how}"
             self._end(replica, "failed", failure_message(cause=cause, what=what, log_text=log_text))
             logger.error("replica %d: %s", replica.request.replica_id, replica.error)
+        if replica.pending_load is not None:
+            self._do_load(replica.pending_load)
 
     def _log_text(self, replica: Replica) -> str:
         """The end of what this replica's process wrote (not an earlier load's part of the log)."""

@@ -215,6 +215,19 @@ def test_a_replica_that_fails_to_load_reports_its_cause_first(supervisor, tmp_pa
     assert what == "the replica failed to load; last log lines:"
     assert "Traceback (most recent call last):" in failed.error
 
+    # Loaded again at once (the failed process may still be stopping: the new one waits for it, so
+    # it is reaped, not left a zombie), the replica writes on in the same log; its next death is
+    # judged by its own lines.
+    supervisor.load(LoadModel(replica_id=3, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
+                              gpu_index=None, memory_fraction=0.5, max_model_len=128))
+    _wait(supervisor, 3, "ready")
+    assert not [p for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
+    [child] = _serve_children()
+    os.kill(child.pid, signal.SIGABRT)  # as a C++ terminate would
+    aborted = _wait(supervisor, 3, "failed", timeout=10).error
+    assert aborted.startswith("the replica process was killed by SIGABRT; last log lines:\n"), aborted
+    assert "SafetensorError" not in aborted and "model tiny ready" in aborted
+
 
 def _gpu_count() -> int:
     try:
