@@ -220,6 +220,10 @@ class Supervisor:
 
     def _do_unload(self, replica_id: int, drain_timeout_s: float) -> None:
         replica = self._replicas.get(replica_id)
+        if replica is not None and replica.pending_load is not None:
+            replica.pending_load = None  # unloaded before its failed process let it start
+            logger.info("replica %d: the load waiting for its failed process is dropped", replica_id)
+            return
         if replica is None or replica.state not in ("loading", "ready"):
             logger.info("unload of replica %d: nothing to do (%s)", replica_id,
                         "unknown" if replica is None else replica.state)
