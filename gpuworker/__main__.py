@@ -1,6 +1,6 @@
 """Command line of the GPU worker.
 
-    python -m gpuworker serve --model PATH --port 8100 [--device cpu|cuda] [--dtype auto]
+    python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
                                [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
                                [--model-root DIR ...]
