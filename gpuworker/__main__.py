@@ -1,8 +1,8 @@
 """Command line of the GPU worker.
 
-    python -m gpuworker serve --model PATH --port 8100 [--device cpu|cuda] [--dtype auto]
+    python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
-                               [--device auto|cpu|cuda] [--port-range 8100-8199] [--log-level info]
+                               [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
                                [--model-root DIR ...]
 """
 
@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", required=True, help="directory of a Hugging Face checkpoint")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8100)
+    serve.add_argument("--fd", type=int, default=None, metavar="FD",
+                       help="serve on this inherited socket, already bound (the daemon binds it so no other "
+                            "process can take the port first); --host and --port then only name it in logs")
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--served-model-name", default=None)
@@ -65,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--advertise-host", default=None,
                         help="host the gateway reaches replicas at (default: the address facing the control plane)")
     daemon.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    daemon.add_argument("--port-range", type=_port_range, default=(8100, 8199))
+    daemon.add_argument("--port-range", type=_port_range, default=None,
+                        help="ports replicas may listen on, e.g. 8100-8199, for a firewall that opens only "
+                             "those (default: any free port, chosen by the OS)")
     daemon.add_argument("--state-dir", type=Path, default=None,
                         help="where replica logs go (default: var/gpuworker/NAME)")
     daemon.add_argument("--drain-timeout", type=float, default=30.0,
@@ -95,7 +100,7 @@ def serve(args: argparse.Namespace) -> None:
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
                           dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout)
-    run_server(config, host=args.host, port=args.port, log_level=args.log_level)
+    run_server(config, host=args.host, port=args.port, fd=args.fd, log_level=args.log_level)
 
 
 def _model_roots(given: list[Path] | None) -> tuple[Path, ...]:

@@ -22,7 +22,14 @@ REPLICA_STATES = ("loading", "ready", "draining", "stopped", "failed")
 # Figures only shown and used for routing; a missing or null one is left out.
 GPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
 CPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes")
-REPLICA_FIGURES = ("load_progress", "running", "waiting", "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate")
+# Latency figures are p95 seconds over the replica's last minute (or its last 10,000 samples),
+# absent while it has none: time to first token, and time between a request's consecutive tokens.
+REPLICA_LATENCY_FIGURES = ("ttft_p95_s", "itl_p95_s")
+REPLICA_FIGURES = ("load_progress", "running", "waiting", "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate",
+                   *REPLICA_LATENCY_FIGURES)
+# A replica's error is kept to this many characters (its cause comes first: see the daemon's
+# gpuworker/daemon/replica_errors.py).
+MAX_REPLICA_ERROR_CHARS = 4000
 MAX_MODEL_ROOTS = 32
 MAX_MODEL_PATHS = 2000
 
@@ -225,6 +232,7 @@ def _replica_report(raw: dict, where: str) -> ReplicaReport:
         state=state,
         endpoint_url=endpoint_url,
         # Errors come from tracebacks and child output: keep the useful start, bounded.
-        error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000, required=False)[:4000],
+        error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000,
+                    required=False)[:MAX_REPLICA_ERROR_CHARS],
         figures=_figures(raw, REPLICA_FIGURES, where),
     )

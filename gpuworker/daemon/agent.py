@@ -48,9 +48,10 @@ class AgentConfig:
     name: str
     advertise_host: str | None
     device: str
-    port_range: tuple[int, int]
     state_dir: Path
     drain_timeout_s: float = 30.0
+    # Ports replicas may listen on; None: any free port (the OS chooses).
+    port_range: tuple[int, int] | None = None
     # Directories holding checkpoints: the only places models load from (none: no load succeeds),
     # and what registration and heartbeats report to the catalog.
     model_roots: tuple[Path, ...] = ()

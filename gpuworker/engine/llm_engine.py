@@ -30,6 +30,7 @@ from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 from gpuworker.engine.grammar_masks import StructuredOutputs
+from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
 
@@ -61,6 +62,7 @@ class _Request:
             [] if group.params.logprobs is not None else None for _ in group.seqs]
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finish_time: float | None = None
 
 
@@ -135,6 +137,8 @@ class LLMEngine:
         self._next_seq_id = 0
         self._generate_ids = itertools.count()
         self.num_generated_tokens = 0
+        # Recent TTFT and inter-token latency, for the server's /stats (and so the autoscaler).
+        self.latency = LatencyWindows()
         self.last_step_stats: StepStats | None = None
         # The step launched but not yet completed (async scheduling), and the requests that
         # force synchronous steps while they run.
@@ -328,6 +332,8 @@ class LLMEngine:
         batch = received.batch
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         now = time.time()
+        observed_at = time.monotonic()
+        latency = self.latency
         requests = self._requests
         num_generated = 0
         for seq, logprob, grammar_ended in received.tokens:
@@ -339,6 +345,10 @@ class LLMEngine:
             num_generated += 1
             if request.first_token_time is None:
                 request.first_token_time = now
+                latency.time_to_first_token.add(now - request.arrival_time, observed_at)
+            elif request.last_token_time < now:  # once a step per request (n > 1 adds n tokens)
+                latency.inter_token.add(now - request.last_token_time, observed_at)
+            request.last_token_time = now
             if group.params.output_kind == "final_only" and seq.status is not SequenceStatus.FINISHED:
                 continue  # nobody reads this request's outputs before it finishes
             deltas.setdefault(group.request_id, {})[seq.index] = delta

@@ -160,7 +160,8 @@ class EngineHolder:
                 "in_flight": self.in_flight}
         if self.engine is None:
             return {**base, "running": 0, "waiting": 0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0,
-                    "prefix_cache_hit_rate": 0.0, "num_generated_tokens": 0}
+                    "prefix_cache_hit_rate": 0.0, "num_generated_tokens": 0, "ttft_p95_s": None,
+                    "itl_p95_s": None}
 
         def read(engine):
             scheduler = engine.scheduler
@@ -168,7 +169,9 @@ class EngineHolder:
             return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
                     "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
                     "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": scheduler.num_preemptions,
-                    "num_generated_tokens": engine.num_generated_tokens}
+                    "num_generated_tokens": engine.num_generated_tokens,
+                    # p95 over the last minute (None without a sample), read where tokens are produced.
+                    **engine.latency.figures()}
 
         figures = await self.engine.call(read)
         m = self.metrics
@@ -192,7 +195,8 @@ class EngineHolder:
         return {**base, "running": figures["running"], "waiting": figures["waiting"],
                 "kv_cache_usage": figures["kv_cache_usage"], "tokens_per_s": tokens_per_s,
                 "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0,
-                "num_generated_tokens": figures["num_generated_tokens"]}
+                "num_generated_tokens": figures["num_generated_tokens"],
+                "ttft_p95_s": figures["ttft_p95_s"], "itl_p95_s": figures["itl_p95_s"]}
 
     def record_finished(self, output: RequestOutput) -> None:
         m, metrics = self.metrics, output.metrics

@@ -7,7 +7,6 @@ run's. The control plane's Celery worker consumes the default queue of the test'
 """
 
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -88,7 +87,6 @@ class Fleet:
         }
         (tmp_path / "var").mkdir()
         self.processes: list[Process] = []
-        self._next_port = random.randrange(20000, 60000, 100)
 
     def _start(self, name: str, argv: list[str], *, mode: str = "wb") -> Process:
         log_path = self.tmp_path / f"{name}.log"
@@ -125,11 +123,11 @@ class Fleet:
 
     def start_daemon(self, label: str) -> Process:
         name = f"it-{uuid.uuid4().hex[:8]}-{label}"
-        low = self._next_port
-        self._next_port += 20
+        # No --port-range: the daemon binds each replica's socket on a port the OS chooses and hands
+        # it to the child, so no other process of a busy machine can take it first.
         return self._start(name, [
             "-m", "gpuworker", "daemon", "--control-url", self.url, "--name", name, "--device", "cpu",
-            "--advertise-host", "127.0.0.1", "--port-range", f"{low}-{low + 19}",
+            "--advertise-host", "127.0.0.1",
             "--state-dir", str(self.tmp_path / name), "--drain-timeout", "10",
         ])
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,9 +56,6 @@ class Daemon:
 @contextmanager
 def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_registrations: int = 0):
     name = f"test-{uuid.uuid4().hex[:8]}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port_base = min(s.getsockname()[1], 65000)
     env = {k: v for k, v in os.environ.items() if k != "GPUSERVE_WORKER_TOKEN"}
     # Tiny models gain nothing from threads, and OpenMP threads spinning on a busy 2-core machine
     # make a replica 20 times slower.
@@ -70,7 +66,8 @@ def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_reg
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 [sys.executable, "-m", "gpuworker", "daemon", "--control-url", fake.url, "--token", TOKEN,
-                 "--name", name, "--device", "cpu", "--port-range", f"{port_base}-{port_base + 30}",
+                 # No --port-range: replicas get any free port, bound by the daemon (no clash possible).
+                 "--name", name, "--device", "cpu",
                  "--state-dir", str(tmp_path / name), "--drain-timeout", "5",
                  # the session's temporary folder: it holds every tiny checkpoint
                  "--model-root", str(model_root)],
