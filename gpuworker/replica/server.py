@@ -58,9 +58,10 @@ class _QuietPolls(logging.Filter):
         return not (len(args) >= 3 and args[2] in ("/health", "/stats"))
 
 
-def run_server(config: ServerConfig, *, host: str, port: int, log_level: str = "info") -> None:
+def run_server(config: ServerConfig, *, host: str, port: int, log_level: str = "info",
+               holder: EngineHolder | None = None) -> None:
     logging.getLogger("uvicorn.access").addFilter(_QuietPolls())
-    app = build_app(config)
+    app = build_app(config, holder)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                             timeout_graceful_shutdown=int(DRAIN_GRACE_S)), app.state.holder)
     server.run()
