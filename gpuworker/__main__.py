@@ -116,7 +116,10 @@ def serve(args: argparse.Namespace) -> None:
                           gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout)
     holder = EngineHolder(config)
     holder.start_loading()
-    from gpuworker.replica.server import exit_with_parent, run_server
+    from gpuworker.models.loader import TRANSFORMERS_IMPORT_LOCK
+
+    with TRANSFORMERS_IMPORT_LOCK:
+        from gpuworker.replica.server import exit_with_parent, run_server
 
     if args.exit_with_parent is not None:
         exit_with_parent(args.exit_with_parent)

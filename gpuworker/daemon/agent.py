@@ -108,6 +108,7 @@ class Agent:
         self._failing_since: float | None = None
         self._last_failure_log = 0.0
         self._control = ControlPlane(config.control_url, config.token)
+        self.stager = WeightStager(budget_bytes=config.stage_budget_bytes, model_roots=config.model_roots)
         self._model_scan: ModelPaths | None = None
         self._model_scan_at = 0.0
         self._model_scan_acknowledged: ModelPaths | None = None
@@ -144,7 +145,6 @@ class Agent:
             advertise_host=advertise_host, bind_host="127.0.0.1" if _is_loopback(advertise_host) else "0.0.0.0",
             state_dir=self.config.state_dir, worker_name=self.config.name, model_roots=self.config.model_roots)
         self.supervisor.start()
-        self.stager = WeightStager(budget_bytes=self.config.stage_budget_bytes, model_roots=self.config.model_roots)
         self.stager.start()
         if not self.config.model_roots:
             logger.warning("no --model-root given: this worker will refuse every model load until it is "

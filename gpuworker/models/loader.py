@@ -8,6 +8,7 @@ checkpoint fails at once with the file and the expected shape in the message.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -34,6 +35,10 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # The model is built deep inside LLMEngine; a caller that wants weight-loading progress (the worker
 # server's /health) installs a callback for its own thread instead of threading it through every
 # constructor. Context-local, so concurrent loads in other threads never see it.
+# transformers' lazy module is not safe to import from two threads at once (a name can be missing
+# in one while the other is importing it). The replica imports its server (xgrammar, which imports
+# transformers) while the engine loads the tokenizer in another thread: both hold this lock.
+TRANSFORMERS_IMPORT_LOCK = threading.Lock()
 _progress_callback: ContextVar[Callable[[float], None] | None] = ContextVar("load_progress", default=None)
 
 
@@ -86,14 +91,16 @@ def load_model(config: ModelConfig | str | Path, device: str | torch.device = "c
 
 def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer (a transformers fast tokenizer), with its chat template if any."""
-    from transformers import AutoTokenizer
+    with TRANSFORMERS_IMPORT_LOCK:
+        from transformers import AutoTokenizer
 
     directory = _directory(path)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"{directory}: no tokenizer found; "
                                 f"expected one of {', '.join(TOKENIZER_FILES)}")
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        with TRANSFORMERS_IMPORT_LOCK:  # from_pretrained imports the tokenizer's modules lazily
+            return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{directory}: could not load the tokenizer: {exc}") from exc
 
