@@ -12,6 +12,7 @@ from controlplane.dashboard.ops.overview import (
     heartbeat_time,
     live_slot_updates,
     loading_progress,
+    staging_view,
     worker_views,
 )
 
@@ -21,7 +22,7 @@ def heartbeat_fragment(live: dict[str, Any], history: FigureHistory) -> str:
     progress = [(replica_id, round(100 * share)) for replica_id, share in loading_progress(live)]
     return render_to_string("dashboard/ops/_heartbeat.html", {
         "slots": live_slot_updates(live, history), "progress": progress,
-        "worker_id": live["worker_id"], "heartbeat_at": heartbeat_time(live),
+        "worker_id": live["worker_id"], "heartbeat_at": heartbeat_time(live), "staging": staging_view(live),
     })
 
 
