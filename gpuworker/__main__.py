@@ -3,7 +3,7 @@
     python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
                                [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
-                               [--model-root DIR ...]
+                               [--model-root DIR ...] [--stage-budget-bytes N]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV
+from gpuworker.daemon.staging import STAGE_BUDGET_ENV
 
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
 
@@ -33,6 +34,16 @@ def _port_range(text: str) -> tuple[int, int]:
     if not 1024 <= low <= high <= 65535:
         raise argparse.ArgumentTypeError(f"--port-range must be LOW-HIGH within 1024-65535, got {text!r}")
     return low, high
+
+
+def _byte_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stage-budget-bytes must be a whole number of bytes, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--stage-budget-bytes must be >= 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "them) and loads none without one; reported to the control plane so the "
                              f"catalog can check weight paths (repeatable; default: ${MODEL_ROOTS_ENV}, "
                              "separated by ':')")
+    daemon.add_argument("--stage-budget-bytes", type=_byte_count, default=os.environ.get(STAGE_BUDGET_ENV, "0"),
+                        help="host memory (page cache) this worker may fill with the checkpoints the control "
+                             "plane expects to scale here, so such a load reads memory, not a cold disk "
+                             f"(default: ${STAGE_BUDGET_ENV}, else 0: no staging)")
     daemon.add_argument("--log-level", default="info")
     return parser
 
@@ -92,15 +107,29 @@ def _configure_logging(level: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from gpuworker.replica.server import ServerConfig, exit_with_parent, run_server
+    from gpuworker.checkpoint_files import prefetch
 
+    # Start-up overlaps its stages: a cold checkpoint streams from disk from the first moment,
+    # and the engine (torch, CUDA, the weights) loads while the server's own imports (starlette,
+    # xgrammar, transformers: seconds) run.
+    prefetch(args.model)
     _configure_logging(args.log_level)
-    if args.exit_with_parent is not None:
-        exit_with_parent(args.exit_with_parent)
+    from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
+
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
                           dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout)
-    run_server(config, host=args.host, port=args.port, fd=args.fd, log_level=args.log_level)
+    holder = EngineHolder(config)
+    holder.start_loading()
+    from gpuworker.models.loader import TRANSFORMERS_IMPORT_LOCK
+
+    with TRANSFORMERS_IMPORT_LOCK:
+        from gpuworker.replica.server import exit_with_parent, run_server
+
+    if args.exit_with_parent is not None:
+        exit_with_parent(args.exit_with_parent)
+    run_server(config, host=args.host, port=args.port, fd=args.fd, log_level=args.log_level,
+               holder=holder)
 
 
 def _model_roots(given: list[Path] | None) -> tuple[Path, ...]:
@@ -121,7 +150,8 @@ def daemon(args: argparse.Namespace) -> int:
     config = AgentConfig(control_url=args.control_url.rstrip("/"), token=args.token, name=args.name,
                          advertise_host=args.advertise_host, device=args.device, port_range=args.port_range,
                          state_dir=args.state_dir or Path("var") / "gpuworker" / args.name,
-                         drain_timeout_s=args.drain_timeout, model_roots=_model_roots(args.model_roots))
+                         drain_timeout_s=args.drain_timeout, model_roots=_model_roots(args.model_roots),
+                         stage_budget_bytes=args.stage_budget_bytes)
     return Agent(config).run()
 
 

@@ -21,6 +21,7 @@ from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
 from controlplane.fleet.autoscaling import AutoscalePolicy, Decision, DeploymentSignals, decide, popular
 from controlplane.fleet.backoff import next_attempt_at
+from controlplane.fleet.staging import StagingCandidate, StagingWorker, plan_staging
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import AutoscaleDecision, Gpu, LoadBackoff, Replica, Worker
 from controlplane.fleet.placement import SlotRoom, memory_fraction, room_message
@@ -28,7 +29,7 @@ from controlplane.fleet.selectors import deployment_replica_loads, placement_slo
 from controlplane.gateway.cold_start_counts import cold_start_waiting
 from controlplane.gateway.traffic import TrafficSnapshot, traffic_snapshot
 from gpuworker.contract.heartbeat import Heartbeat, WorkerRegistration
-from gpuworker.contract.tasks import DrainWorker, LoadModel, UnloadModel
+from gpuworker.contract.tasks import DrainWorker, LoadModel, StageWeights, UnloadModel
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
         "gpus": list(heartbeat.gpus), "cpu": heartbeat.cpu,
         "replicas": {str(r.replica_id): {"state": r.state, "endpoint_url": r.endpoint_url, "error": r.error, **r.figures}
                      for r in heartbeat.replicas},
+        # What the worker keeps warm for fast loads (controlplane/fleet/staging.py decides it).
+        "staging": heartbeat.staging.to_json() if heartbeat.staging is not None else None,
     }
     heartbeat_cache.store(worker_id=worker.pk, state=state)
     live_events.publish(group=live_events.FLEET_GROUP, event="worker.heartbeat", data=state)
@@ -626,3 +629,35 @@ def _autoscale_apply(*, deployment: Deployment, decision: Decision, now: datetim
                                 detail={"autoscaler": decision.reason, "inputs": decision.inputs})
         return decision.action
     return AutoscaleDecision.Action.HOLD.value
+def workers_stage_weights() -> dict[int, tuple[str, ...]]:
+    """Send each online worker the checkpoints it should keep warm (plan_staging), only when its
+    list changed since the last one sent. Returns the lists sent, by worker id."""
+    workers = list(Worker.objects.filter(state=Worker.State.ONLINE))
+    latest = heartbeat_cache.read_many(worker_ids=[w.pk for w in workers])
+    running: dict[int, set[str]] = {}
+    for worker_id, path in Replica.objects.filter(worker__in=workers, state__in=Replica.LIVE_STATES).values_list(
+            "worker_id", "deployment__model__weights_path"):
+        running.setdefault(worker_id, set()).add(path)
+    staging_workers = [
+        StagingWorker(worker_id=w.pk, budget_bytes=int(((latest.get(w.pk) or {}).get("staging") or {}).get("budget_bytes", 0)),
+                      model_paths=frozenset(w.model_paths or ()), running_paths=frozenset(running.get(w.pk, ())))
+        for w in workers]
+    try:  # busiest first: requests over the popularity window, as the gateways counted them
+        traffic = traffic_snapshot(now=timezone.now().timestamp(), rate_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
+                                   popular_window_s=settings.AUTOSCALE_POPULAR_WINDOW_SECONDS).window_counts
+    except Exception:
+        logger.warning("staging: the gateway's traffic counts are unreadable; nothing sent this time", exc_info=True)
+        return {}
+    candidates = [
+        StagingCandidate(model_path=d.model.weights_path, weight_bytes=d.model.gpu_memory_bytes,
+                         traffic=float(traffic.get(d.model_id, 0.0)), headroom=d.desired_replicas < d.max_replicas)
+        for d in Deployment.objects.select_related("model").filter(model__enabled=True)]
+    sent = {}
+    queues = {w.pk: w.queue_name for w in workers}
+    for worker_id, paths in plan_staging(staging_workers, candidates).items():
+        if heartbeat_cache.staging_sent(worker_id=worker_id) == list(paths):
+            continue
+        commands.send_to_worker(queue=queues[worker_id], task=StageWeights(model_paths=paths))
+        heartbeat_cache.store_staging_sent(worker_id=worker_id, model_paths=list(paths))
+        sent[worker_id] = paths
+    return sent

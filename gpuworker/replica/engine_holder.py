@@ -52,6 +52,10 @@ class EngineHolder:
         self.state = "loading"  # loading -> ready | failed; any -> draining
         self.error: str | None = None
         self.load_progress = 0.0
+        # Wall-clock time the engine started loading, and its stages' seconds once ready.
+        self.load_started_at: float | None = None
+        self.load_timings: dict[str, float] = {}
+        self._load_thread: threading.Thread | None = None
         self.metrics = EngineMetrics(config.model_name)
         # HTTP requests on /v1 in progress (counted by the server's middleware), streams included.
         self.in_flight = 0
@@ -70,7 +74,10 @@ class EngineHolder:
     # -- loading --------------------------------------------------------------------------------
 
     def start_loading(self) -> None:
-        threading.Thread(target=self._load, name="engine-load", daemon=True).start()
+        """Start building the engine in a background thread; a second call does nothing."""
+        if self._load_thread is None:
+            self._load_thread = threading.Thread(target=self._load, name="engine-load", daemon=True)
+            self._load_thread.start()
 
     def _on_weights_progress(self, fraction: float) -> None:
         self.load_progress = WEIGHTS_PROGRESS_START + (WEIGHTS_PROGRESS_END - WEIGHTS_PROGRESS_START) * fraction
@@ -83,6 +90,8 @@ class EngineHolder:
         if self.config.max_model_len is not None:
             kwargs["max_model_len"] = self.config.max_model_len
         self.load_progress = WEIGHTS_PROGRESS_START
+        self.load_started_at = time.time()
+        started = time.perf_counter()
         try:
             with report_load_progress(self._on_weights_progress):
                 engine = AsyncLLMEngine(self.config.model, **kwargs)
@@ -93,9 +102,11 @@ class EngineHolder:
                 self.state = "failed"
             return
         self.engine, self.load_progress = engine, 1.0
+        self.load_timings = {**engine.engine.load_timings, "engine_s": round(time.perf_counter() - started, 4)}
         if self.state == "loading":  # a drain that began meanwhile wins
             self.state = "ready"
-        logger.info("model %s ready", self.config.model_name)
+        logger.info("model %s ready in %.2fs: %s", self.config.model_name, self.load_timings["engine_s"],
+                    ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.load_timings.items()))
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -17,6 +17,7 @@ from controlplane.dashboard.ops.overview import (
     live_slot_updates,
     loading_progress,
     replica_loads,
+    staging_view,
     worker_views,
 )
 
@@ -27,6 +28,7 @@ def heartbeat_fragment(live: dict[str, Any], history: FigureHistory) -> str:
     return render_to_string("dashboard/ops/_heartbeat.html", {
         "slots": live_slot_updates(live, history), "progress": progress,
         "worker_id": live["worker_id"], "heartbeat_at": heartbeat_time(live), "replica_loads": replica_loads(live),
+        "staging": staging_view(live),
     })
 
 

@@ -77,6 +77,9 @@ def check_register(body: Any) -> None:
 
 
 def check_heartbeat(body: Any) -> None:
+    if isinstance(body, dict) and "staging" in body:  # what the worker keeps warm (StageWeights)
+        body = dict(body)
+        _keys("heartbeat.staging", body.pop("staging"), {"budget_bytes", "models"})
     _models("heartbeat", body, HEARTBEAT_KEYS)
     if not isinstance(body["sent_at"], str) or datetime.fromisoformat(body["sent_at"]).tzinfo is None:
         raise ShapeError(f"heartbeat.sent_at: expected an ISO-8601 time with a zone, got {body['sent_at']!r}")

@@ -141,7 +141,11 @@ def test_completion_stream_ends_with_done_and_usage(server):
 def test_health_and_metrics_move(server):
     base, _ = server
     with _client(base) as client:
-        assert client.get("/health").json() == {"status": "ready"}
+        health = client.get("/health").json()
+        assert health["status"] == "ready"
+        # How long each start-up stage took, for operators and bench/load_time.py.
+        assert {"weights", "kv_cache", "engine_s"} <= set(health["load_timings"])
+        assert health["load_started_at"] > 0
         before = client.get("/metrics").text
         assert "vllm:num_requests_running" in before
         client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "ignore_eos": True})
