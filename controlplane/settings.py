@@ -158,7 +158,17 @@ FLEET_WORKER_LOST_AFTER_SECONDS = env_int("FLEET_WORKER_LOST_AFTER_SECONDS", 3)
 FLEET_WORKER_OFFLINE_AFTER_SECONDS = env_int("FLEET_WORKER_OFFLINE_AFTER_SECONDS", 600)
 # A placed replica whose worker has not confirmed the load message by then is failed and re-placed.
 FLEET_REPLICA_ACK_TIMEOUT_SECONDS = env_int("FLEET_REPLICA_ACK_TIMEOUT_SECONDS", 30)
+# Beat reconciles every deployment this often; it is also what retries a failed load once its
+# backoff has passed (so a retry comes at most this much after its time).
 FLEET_RECONCILE_INTERVAL_SECONDS = env_int("FLEET_RECONCILE_INTERVAL_SECONDS", 5)
+# A failed load (or a replica dying before it was ready) leaves that worker out of the deployment's
+# placements for FLEET_LOAD_RETRY_INITIAL_SECONDS, doubling with each further failure in a row up
+# to FLEET_LOAD_RETRY_MAX_SECONDS; other workers are tried first meanwhile.
+FLEET_LOAD_RETRY_INITIAL_SECONDS = env_int("FLEET_LOAD_RETRY_INITIAL_SECONDS", 10)
+FLEET_LOAD_RETRY_MAX_SECONDS = env_int("FLEET_LOAD_RETRY_MAX_SECONDS", 300)
+# After this many failed loads in a row (all workers together) a deployment short of replicas shows
+# as degraded, with the error's cause; it keeps retrying at the capped interval.
+FLEET_LOAD_DEGRADED_AFTER_FAILURES = env_int("FLEET_LOAD_DEGRADED_AFTER_FAILURES", 3)
 # How long an unloaded replica may finish in-flight requests, and a drained worker all of its.
 FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS", 30)
 FLEET_WORKER_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_WORKER_DRAIN_TIMEOUT_SECONDS", 60)
@@ -225,9 +235,13 @@ GATEWAY_KEY_CACHE_SECONDS = env_int("GATEWAY_KEY_CACHE_SECONDS", 30)
 GATEWAY_KEY_CHANGES_POLL_MS = env_int("GATEWAY_KEY_CHANGES_POLL_MS", 500)
 # How stale the gateway's view of models and ready replicas may get.
 GATEWAY_ROUTING_REFRESH_MS = env_int("GATEWAY_ROUTING_REFRESH_MS", 1000)
-# How long a request waits for a model whose replicas are still loading before it gets a 503.
-GATEWAY_REPLICA_WAIT_SECONDS = env_int("GATEWAY_REPLICA_WAIT_SECONDS", 10)
-# The retry-after a 503 (no replica ready) suggests.
+# A request for a model with no ready replica waits up to this long for one to load (a cold start:
+# the gateway asks the fleet for a replica if none is loading) before it gets a 503; its answer
+# carries `x-gpuserve-cold-start: <seconds waited>`.
+GATEWAY_COLD_START_WAIT_SECONDS = env_int("GATEWAY_COLD_START_WAIT_SECONDS", 60)
+# At most this many requests per model wait so in one gateway process; more get a 503 at once.
+GATEWAY_COLD_START_QUEUE_MAX = env_int("GATEWAY_COLD_START_QUEUE_MAX", 256)
+# The retry-after a 503 (no replica ready, or a dependency down) suggests.
 GATEWAY_RETRY_AFTER_SECONDS = env_int("GATEWAY_RETRY_AFTER_SECONDS", 5)
 GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS = env_int("GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS", 3)
 # The largest request body the gateway reads (bytes); a longer one is a 413 before any other work

@@ -1,9 +1,9 @@
 """Command line of the GPU worker.
 
-    python -m gpuworker serve --model PATH --port 8100 [--device cpu|cuda] [--dtype auto]
+    python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
-                               [--device auto|cpu|cuda] [--port-range 8100-8199] [--log-level info]
-                               [--model-root DIR ...]
+                               [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
+                               [--model-root DIR ...] [--stage-budget-bytes N]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV
+from gpuworker.daemon.staging import STAGE_BUDGET_ENV
 
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
 
@@ -35,6 +36,16 @@ def _port_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _byte_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stage-budget-bytes must be a whole number of bytes, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--stage-budget-bytes must be >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gpuworker")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", required=True, help="directory of a Hugging Face checkpoint")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8100)
+    serve.add_argument("--fd", type=int, default=None, metavar="FD",
+                       help="serve on this inherited socket, already bound (the daemon binds it so no other "
+                            "process can take the port first); --host and --port then only name it in logs")
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--served-model-name", default=None)
@@ -65,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--advertise-host", default=None,
                         help="host the gateway reaches replicas at (default: the address facing the control plane)")
     daemon.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    daemon.add_argument("--port-range", type=_port_range, default=(8100, 8199))
+    daemon.add_argument("--port-range", type=_port_range, default=None,
+                        help="ports replicas may listen on, e.g. 8100-8199, for a firewall that opens only "
+                             "those (default: any free port, chosen by the OS)")
     daemon.add_argument("--state-dir", type=Path, default=None,
                         help="where replica logs go (default: var/gpuworker/NAME)")
     daemon.add_argument("--drain-timeout", type=float, default=30.0,
@@ -77,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "them) and loads none without one; reported to the control plane so the "
                              f"catalog can check weight paths (repeatable; default: ${MODEL_ROOTS_ENV}, "
                              "separated by ':')")
+    daemon.add_argument("--stage-budget-bytes", type=_byte_count, default=os.environ.get(STAGE_BUDGET_ENV, "0"),
+                        help="host memory (page cache) this worker may fill with the checkpoints the control "
+                             "plane expects to scale here, so such a load reads memory, not a cold disk "
+                             f"(default: ${STAGE_BUDGET_ENV}, else 0: no staging)")
     daemon.add_argument("--log-level", default="info")
     return parser
 
@@ -87,15 +107,29 @@ def _configure_logging(level: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
-    from gpuworker.replica.server import ServerConfig, exit_with_parent, run_server
+    from gpuworker.checkpoint_files import prefetch
 
+    # Start-up overlaps its stages: a cold checkpoint streams from disk from the first moment,
+    # and the engine (torch, CUDA, the weights) loads while the server's own imports (starlette,
+    # xgrammar, transformers: seconds) run.
+    prefetch(args.model)
     _configure_logging(args.log_level)
-    if args.exit_with_parent is not None:
-        exit_with_parent(args.exit_with_parent)
+    from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
+
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
                           dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout)
-    run_server(config, host=args.host, port=args.port, log_level=args.log_level)
+    holder = EngineHolder(config)
+    holder.start_loading()
+    from gpuworker.models.loader import TRANSFORMERS_IMPORT_LOCK
+
+    with TRANSFORMERS_IMPORT_LOCK:
+        from gpuworker.replica.server import exit_with_parent, run_server
+
+    if args.exit_with_parent is not None:
+        exit_with_parent(args.exit_with_parent)
+    run_server(config, host=args.host, port=args.port, fd=args.fd, log_level=args.log_level,
+               holder=holder)
 
 
 def _model_roots(given: list[Path] | None) -> tuple[Path, ...]:
@@ -116,7 +150,8 @@ def daemon(args: argparse.Namespace) -> int:
     config = AgentConfig(control_url=args.control_url.rstrip("/"), token=args.token, name=args.name,
                          advertise_host=args.advertise_host, device=args.device, port_range=args.port_range,
                          state_dir=args.state_dir or Path("var") / "gpuworker" / args.name,
-                         drain_timeout_s=args.drain_timeout, model_roots=_model_roots(args.model_roots))
+                         drain_timeout_s=args.drain_timeout, model_roots=_model_roots(args.model_roots),
+                         stage_budget_bytes=args.stage_budget_bytes)
     return Agent(config).run()
 
 

@@ -13,6 +13,7 @@ class AuditEntry(models.Model):
         DEPLOYMENT_CREATE = "deployment.create", "Deployment created"
         DEPLOYMENT_SCALE = "deployment.scale", "Deployment scaled"
         DEPLOYMENT_UPDATE = "deployment.update", "Deployment edited"
+        DEPLOYMENT_RETRY = "deployment.retry", "Deployment retried now"
         REPLICA_LOAD = "replica.load", "Replica loaded"
         REPLICA_UNLOAD = "replica.unload", "Replica unloaded"
         WORKER_DRAIN = "worker.drain", "Worker drained"

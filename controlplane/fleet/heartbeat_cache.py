@@ -30,3 +30,16 @@ def read(*, worker_id: int) -> dict[str, Any] | None:
 def read_many(*, worker_ids: list[int]) -> dict[int, dict[str, Any]]:
     found = _cache().get_many([_key(worker_id) for worker_id in worker_ids])
     return {worker_id: found[_key(worker_id)] for worker_id in worker_ids if _key(worker_id) in found}
+
+
+def _staging_key(worker_id: int) -> str:
+    return f"fleet:staging-sent:{worker_id}"
+
+
+def staging_sent(*, worker_id: int) -> list[str] | None:
+    """The last StageWeights list sent to the worker (None: none since the cache was emptied)."""
+    return _cache().get(_staging_key(worker_id))
+
+
+def store_staging_sent(*, worker_id: int, model_paths: list[str]) -> None:
+    _cache().set(_staging_key(worker_id), model_paths, _TTL_SECONDS)

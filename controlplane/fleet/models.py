@@ -109,7 +109,8 @@ class Replica(models.Model):
 
     class Failure(models.TextChoices):
         NONE = "", "None"
-        # The worker reported the load failing: never retried on that worker until the model changes.
+        # The worker reported the load failing (or the replica dying before it was ready): retried
+        # on that worker with backoff (LoadBackoff), other workers first.
         LOAD = "load", "Load failed"
         # The worker reported it failing after it was ready (the server process died, say).
         CRASHED = "crashed", "Crashed"
@@ -170,3 +171,41 @@ class AutoscaleDecision(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment_id}: {self.action} to {self.desired_replicas} ({self.reason})"
+
+
+class LoadBackoff(models.Model):
+    """Failed loads in a row of one deployment on one worker, and when reconcile may try that
+    worker again (FLEET_LOAD_RETRY_*: doubling, capped). Written with the failure itself, deleted
+    when a replica there becomes ready or an operator asks to retry now. In the database, so a
+    restarted control plane carries on with the schedule instead of forgetting or freezing it."""
+
+    deployment = models.ForeignKey("catalog.Deployment", on_delete=models.CASCADE, related_name="load_backoffs")
+    worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="load_backoffs")
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    first_failed_at = models.DateTimeField()
+    last_failed_at = models.DateTimeField()
+    next_attempt_at = models.DateTimeField()
+    # The latest failure's whole error; its first line is the cause (fleet.backoff.error_cause).
+    last_error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["next_attempt_at", "pk"]
+        constraints = [
+            models.UniqueConstraint(fields=["deployment", "worker"], name="load_backoff_unique_per_worker"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id} on {self.worker_id}: {self.consecutive_failures} failed, next {self.next_attempt_at}"
+
+
+class PlacementReport(models.Model):
+    """The last reconcile's placement outcome for a deployment: how many replicas it could not
+    place and why (what was needed, what was free where), for the operators' pages."""
+
+    deployment = models.OneToOneField("catalog.Deployment", on_delete=models.CASCADE, related_name="placement_report")
+    unplaced = models.PositiveIntegerField(default=0)
+    reason = models.TextField(blank=True)
+    at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id}: {self.unplaced} unplaced"

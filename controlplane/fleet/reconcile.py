@@ -11,10 +11,16 @@ from django.db import transaction
 
 from controlplane.catalog.models import Deployment
 from controlplane.fleet import heartbeat_cache
-from controlplane.fleet.models import Gpu, Replica, Worker
-from controlplane.fleet.placement import Candidate, choose_to_remove, plan_placements
-from controlplane.fleet.selectors import placement_slots, workers_where_model_failed
-from controlplane.fleet.services import replica_place, replica_stop, replica_transition
+from controlplane.fleet.models import Gpu, PlacementReport, Replica, Worker
+from controlplane.fleet.placement import Candidate, SlotRoom, choose_to_remove, plan_placements, room_message
+from controlplane.fleet.selectors import backoff_note, load_backoffs, placement_slots
+from controlplane.fleet.services import (
+    publish_deployment,
+    replica_place,
+    replica_stop,
+    replica_transition,
+    slot_label,
+)
 
 
 @dataclass(frozen=True)
@@ -22,8 +28,10 @@ class ReconcileOutcome:
     deployment_id: int
     placed: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
-    # Replicas wanted that found no worker with room (or only workers where the model failed).
+    # Replicas wanted that found no worker with room (or only workers backing off from the model),
+    # and why: what it needs and what each online worker has free.
     unplaced: int = 0
+    reason: str = ""
 
 
 def fleet_reconcile(*, now: datetime, deployment_ids: list[int] | None = None) -> list[ReconcileOutcome]:
@@ -75,32 +83,59 @@ def _deployment_reconcile_locked(*, deployment_id: int, now: datetime) -> Reconc
         return None
     missing = _missing(deployment)
     if missing > 0:
-        placed = _scale_up(deployment, missing)
-        return ReconcileOutcome(deployment.pk, placed=placed, unplaced=missing - len(placed))
+        placed, reason = _scale_up(deployment, missing, now)
+        outcome = ReconcileOutcome(deployment.pk, placed=placed, unplaced=missing - len(placed),
+                                   reason=reason if len(placed) < missing else "")
+        _placement_report_record(deployment, outcome, now)
+        return outcome
     if missing < 0:
         return ReconcileOutcome(deployment.pk, removed=_scale_down(deployment, -missing, now))
     return ReconcileOutcome(deployment.pk)
 
 
-def _scale_up(deployment: Deployment, count: int) -> list[int]:
+def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[int], str]:
+    """Place up to `count` replicas; returns their ids and, for the ones that found no place, why."""
     # Locking the online workers makes placement a critical section: two reconciles (of different
     # deployments) cannot both count the same free memory.
-    excluded = workers_where_model_failed(deployment=deployment)
-    workers = [w for w in Worker.objects.select_for_update(no_key=True).filter(state=Worker.State.ONLINE).order_by("pk")
-               if w.pk not in excluded]
-    if not workers:
-        return []
+    workers = list(Worker.objects.select_for_update(no_key=True).filter(state=Worker.State.ONLINE).order_by("pk"))
+    backoffs = {b.worker_id: b for b in load_backoffs(deployment_ids=[deployment.pk])}
+    # A worker where the model failed lately waits out its backoff; after it, it is tried again,
+    # but after workers where the model has not failed.
+    waiting = {worker_id for worker_id, b in backoffs.items() if b.next_attempt_at > now}
+    slots = placement_slots(workers=workers)
     mine = list(Replica.objects.filter(deployment=deployment, state__in=Replica.LIVE_STATES).values_list("worker_id", "gpu_id"))
+    need = deployment.model.gpu_memory_bytes
     chosen = plan_placements(
-        slots=placement_slots(workers=workers), need_bytes=deployment.model.gpu_memory_bytes, count=count,
+        slots=[slot for slot in slots if slot.worker_id not in waiting], need_bytes=need, count=count,
         replicas_per_worker=Counter(worker_id for worker_id, _ in mine), replicas_per_slot=Counter(mine),
+        failures_per_worker=Counter({worker_id: b.consecutive_failures for worker_id, b in backoffs.items()}),
     )
     by_id = {w.pk: w for w in workers}
-    gpus = Gpu.objects.in_bulk([slot.gpu_id for slot in chosen if slot.gpu_id is not None])
-    return [
+    gpus = Gpu.objects.in_bulk([slot.gpu_id for slot in slots if slot.gpu_id is not None])
+    placed = [
         replica_place(deployment=deployment, worker=by_id[slot.worker_id], gpu=gpus.get(slot.gpu_id)).pk
         for slot in chosen
     ]
+    if len(placed) == count:
+        return placed, ""
+    # The slots now count the replicas just placed: the free memory left, as the next one sees it.
+    rooms = [SlotRoom(label=slot_label(worker=by_id[slot.worker_id], gpu=gpus.get(slot.gpu_id)),
+                      free_bytes=slot.free_bytes, total_bytes=slot.total_bytes,
+                      note=backoff_note(backoffs[slot.worker_id], now=now) if slot.worker_id in waiting else "")
+             for slot in slots]
+    return placed, room_message(need_bytes=need, rooms=rooms)
+
+
+def _placement_report_record(deployment: Deployment, outcome: ReconcileOutcome, now: datetime) -> None:
+    """Keep why the deployment is short of places for the pages; written only when that changes."""
+    report = PlacementReport.objects.filter(deployment=deployment).first()
+    if report is not None and (report.unplaced, report.reason) == (outcome.unplaced, outcome.reason):
+        return
+    if report is None and not outcome.unplaced:
+        return
+    PlacementReport.objects.update_or_create(deployment=deployment, defaults={
+        "unplaced": outcome.unplaced, "reason": outcome.reason, "at": now})
+    publish_deployment(deployment)
 
 
 def _scale_down(deployment: Deployment, count: int, now: datetime) -> list[int]:

@@ -2,15 +2,19 @@
 and each deployment's status and last error for the operators' pages."""
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
-from django.db.models import Count, Prefetch, Q, QuerySet, Sum
+from django.conf import settings
+from django.db.models import Count, F, Prefetch, Q, QuerySet, Sum
+from django.utils import timezone
 
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.autoscaling import ReplicaLoad
-from controlplane.fleet.models import Gpu, Replica, Worker
+from controlplane.fleet.backoff import error_cause
+from controlplane.fleet.models import Gpu, LoadBackoff, PlacementReport, Replica, Worker
 from controlplane.fleet.placement import Slot
 
 
@@ -56,12 +60,34 @@ def deployment_get_for_model(*, model: Model) -> Deployment | None:
     return Deployment.objects.filter(model=model).first()
 
 
-def workers_where_model_failed(*, deployment: Deployment) -> set[int]:
-    """Workers where this deployment's model failed to load since the model last changed: reconcile
-    does not place it there again (a bad weight path must not become a retry loop)."""
-    return set(Replica.objects.filter(
-        deployment=deployment, failure=Replica.Failure.LOAD, state_changed_at__gte=deployment.model.updated_at,
-    ).values_list("worker_id", flat=True))
+def load_backoffs(*, deployment_ids: Iterable[int]) -> QuerySet[LoadBackoff]:
+    """The deployments' current load backoffs, with their workers: those since each model last
+    changed (editing a model, say its weight path, gives every worker a fresh start)."""
+    return (LoadBackoff.objects.filter(deployment_id__in=list(deployment_ids),
+                                       last_failed_at__gte=F("deployment__model__updated_at"))
+            .select_related("worker").order_by("next_attempt_at", "pk"))
+
+
+def format_time_of_day(at: datetime) -> str:
+    """A time on the operators' pages and messages: the local time of day, to the second."""
+    return timezone.localtime(at).strftime("%H:%M:%S")
+
+
+def backoff_note(backoff: LoadBackoff, *, now: datetime) -> str:
+    """Why reconcile leaves this worker out for now, e.g. "backing off until 12:03:10 after 2 failed loads"."""
+    count = backoff.consecutive_failures
+    loads = f"{count} failed load{'s' if count != 1 else ''}"
+    if backoff.next_attempt_at > now:
+        return f"backing off until {format_time_of_day(backoff.next_attempt_at)} after {loads}"
+    return f"retrying after {loads}"
+
+
+@dataclass(frozen=True)
+class BackoffView:
+    worker_name: str
+    consecutive_failures: int
+    next_attempt_at: datetime
+    cause: str  # the first line of its latest error
 
 
 @dataclass(frozen=True)
@@ -73,14 +99,20 @@ class DeploymentStatus:
     starting: int  # pending or loading
     draining: int
     # ready, scaling (replicas starting or being removed), stopped (none wanted, none left),
-    # failed (too few, nothing starting, and the last attempt failed) or waiting (too few and no
-    # worker has room).
+    # degraded (too few, and FLEET_LOAD_DEGRADED_AFTER_FAILURES loads in a row failed: still
+    # retrying) or waiting (too few, and no worker has room or every worker is backing off).
     state: str
+    # The latest failure's cause (first line, in full) with its worker; its whole text when it
+    # says more than that line.
     last_error: str
     message: str
+    error_detail: str = ""
+    # Workers this deployment is backing off from (soonest retry first); "retry now" clears them.
+    backoffs: list[BackoffView] = field(default_factory=list)
 
 
-def deployment_statuses(*, deployment_ids: Iterable[int] | None = None) -> list[DeploymentStatus]:
+def deployment_statuses(*, deployment_ids: Iterable[int] | None = None,
+                        now: datetime | None = None) -> list[DeploymentStatus]:
     S = Replica.State
     deployments = Deployment.objects.select_related("model").annotate(
         n_ready=Count("replicas", filter=Q(replicas__state=S.READY)),
@@ -89,31 +121,48 @@ def deployment_statuses(*, deployment_ids: Iterable[int] | None = None) -> list[
     )
     if deployment_ids is not None:
         deployments = deployments.filter(pk__in=list(deployment_ids))
-    return [_status(d) for d in deployments]
+    deployments = list(deployments)
+    ids = [d.pk for d in deployments]
+    backoffs: dict[int, list[LoadBackoff]] = {}
+    for backoff in load_backoffs(deployment_ids=ids):
+        backoffs.setdefault(backoff.deployment_id, []).append(backoff)
+    reports = {r.deployment_id: r for r in PlacementReport.objects.filter(deployment_id__in=ids, unplaced__gt=0)}
+    now = now or timezone.now()
+    return [_status(d, backoffs.get(d.pk, []), reports.get(d.pk), now) for d in deployments]
 
 
-def _status(deployment) -> DeploymentStatus:
+def _status(deployment, backoffs: list[LoadBackoff], report: PlacementReport | None, now: datetime) -> DeploymentStatus:
     ready, starting, draining = deployment.n_ready, deployment.n_starting, deployment.n_draining
     desired, model = deployment.desired_replicas, deployment.model
     failure = (Replica.objects.filter(deployment=deployment, state=Replica.State.FAILED,
                                       state_changed_at__gte=model.updated_at)
-               .order_by("-state_changed_at").select_related("worker").first())
-    last_error = f"{failure.worker.name}: {failure.last_error}" if failure else ""
+               .order_by("-state_changed_at", "-pk").select_related("worker").first())
+    last_error = f"{failure.worker.name}: {error_cause(failure.last_error)}" if failure else ""
+    failed_in_a_row = sum(b.consecutive_failures for b in backoffs)
     active = ready + starting
     if desired == 0 and active + draining == 0:
         state, message = "stopped", "No replicas wanted."
     elif ready == desired == active and not draining:
         state, message = "ready", f"{ready} of {desired} replicas ready."
+    elif ready < desired and backoffs and failed_in_a_row >= settings.FLEET_LOAD_DEGRADED_AFTER_FAILURES:
+        upcoming = min(backoffs, key=lambda b: b.next_attempt_at)
+        when = ("now" if upcoming.next_attempt_at <= now
+                else f"at {format_time_of_day(upcoming.next_attempt_at)} on {upcoming.worker.name}")
+        state, message = "degraded", (f"{ready} of {desired} ready; {failed_in_a_row} loads failed in a row; "
+                                      f"retrying {when}.")
     elif starting or active > desired or (draining and active >= desired):
         state, message = "scaling", f"{ready} of {desired} ready, {starting} starting, {draining} draining."
-    elif failure is not None and failure.failure in (Replica.Failure.LOAD, Replica.Failure.CRASHED):
-        state, message = "failed", f"{ready} of {desired} ready; loading failed on every worker it was tried on."
+    elif report is not None:
+        state, message = "waiting", f"{ready} of {desired} ready; {model.public_name} {report.reason}."
     else:
-        state, message = "waiting", (f"{ready} of {desired} ready; no online worker has "
-                                     f"{model.gpu_memory_bytes:,} bytes free for {model.public_name}.")
+        state, message = "waiting", f"{ready} of {desired} ready; waiting for the next reconcile to place it."
     return DeploymentStatus(
         deployment_id=deployment.pk, model_name=model.public_name, desired_replicas=desired,
         ready=ready, starting=starting, draining=draining, state=state, last_error=last_error, message=message,
+        error_detail=failure.last_error if failure and failure.last_error.strip() != error_cause(failure.last_error) else "",
+        backoffs=[BackoffView(worker_name=b.worker.name, consecutive_failures=b.consecutive_failures,
+                              next_attempt_at=b.next_attempt_at, cause=error_cause(b.last_error))
+                  for b in backoffs],
     )
 
 

@@ -1,6 +1,6 @@
 """Writes for the fleet: worker registration, heartbeats and lost workers, replica placement and
-state changes, deployments (desired replicas: create, scale, edit), the operators'
-load/unload/drain, and the autoscaler's decisions. Atomic; messages go out after commit."""
+state changes, deployments (desired replicas: create, scale, edit, wake for a waiting request), the
+operators' load/unload/drain, and the autoscaler's decisions. Atomic; messages go out after commit."""
 
 import logging
 from datetime import datetime
@@ -20,13 +20,16 @@ from controlplane.catalog.selectors import model_get_by_public_name
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
 from controlplane.fleet.autoscaling import AutoscalePolicy, Decision, DeploymentSignals, decide, popular
+from controlplane.fleet.backoff import next_attempt_at
+from controlplane.fleet.staging import StagingCandidate, StagingWorker, plan_staging
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
-from controlplane.fleet.models import AutoscaleDecision, Gpu, Replica, Worker
-from controlplane.fleet.placement import memory_fraction
+from controlplane.fleet.models import AutoscaleDecision, Gpu, LoadBackoff, Replica, Worker
+from controlplane.fleet.placement import SlotRoom, memory_fraction, room_message
 from controlplane.fleet.selectors import deployment_replica_loads, placement_slots
+from controlplane.gateway.cold_start_counts import cold_start_waiting
 from controlplane.gateway.traffic import TrafficSnapshot, traffic_snapshot
 from gpuworker.contract.heartbeat import Heartbeat, WorkerRegistration
-from gpuworker.contract.tasks import DrainWorker, LoadModel, UnloadModel
+from gpuworker.contract.tasks import DrainWorker, LoadModel, StageWeights, UnloadModel
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
         "gpus": list(heartbeat.gpus), "cpu": heartbeat.cpu,
         "replicas": {str(r.replica_id): {"state": r.state, "endpoint_url": r.endpoint_url, "error": r.error, **r.figures}
                      for r in heartbeat.replicas},
+        # What the worker keeps warm for fast loads (controlplane/fleet/staging.py decides it).
+        "staging": heartbeat.staging.to_json() if heartbeat.staging is not None else None,
     }
     heartbeat_cache.store(worker_id=worker.pk, state=state)
     live_events.publish(group=live_events.FLEET_GROUP, event="worker.heartbeat", data=state)
@@ -192,8 +197,32 @@ def _transition(replica: Replica, *, to_state: str, at: datetime, endpoint_url: 
     if to_state == Replica.State.FAILED:
         replica.last_error, replica.failure = error, failure
     validated_save(replica)
+    # The backoff moves in the same transaction as the replica, so the two never disagree.
+    if to_state == Replica.State.FAILED and failure == Replica.Failure.LOAD:
+        _load_backoff_record(replica, at=at)
+    elif to_state == Replica.State.READY:
+        LoadBackoff.objects.filter(deployment_id=replica.deployment_id, worker_id=replica.worker_id).delete()
     _publish_replica(replica)
     return replica
+
+
+def _load_backoff_record(replica: Replica, *, at: datetime) -> LoadBackoff:
+    """One more failed load of the replica's deployment on its worker: leave that worker out until
+    the next attempt's time (FLEET_LOAD_RETRY_*), keeping the error."""
+    backoff, _ = LoadBackoff.objects.get_or_create(
+        deployment_id=replica.deployment_id, worker_id=replica.worker_id,
+        defaults={"first_failed_at": at, "last_failed_at": at, "next_attempt_at": at})
+    backoff = LoadBackoff.objects.select_for_update().select_related("deployment__model").get(pk=backoff.pk)
+    if backoff.consecutive_failures and backoff.last_failed_at < backoff.deployment.model.updated_at:
+        # Failures of the model as it was before its last edit do not count against it now.
+        backoff.consecutive_failures, backoff.first_failed_at = 0, at
+    backoff.consecutive_failures += 1
+    backoff.last_failed_at, backoff.last_error = at, replica.last_error
+    backoff.next_attempt_at = next_attempt_at(
+        failed_at=at, consecutive_failures=backoff.consecutive_failures,
+        initial_seconds=settings.FLEET_LOAD_RETRY_INITIAL_SECONDS, max_seconds=settings.FLEET_LOAD_RETRY_MAX_SECONDS)
+    backoff.save()
+    return backoff
 
 
 def _publish_replica(replica: Replica) -> None:
@@ -243,6 +272,15 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
 # --- Deployments (how many replicas of each model are wanted; reconcile places or drains the rest)
 # and the operators' actions. `actor` is the user acting (None: the system); each lands in the audit log.
 
+
+def publish_deployment(deployment: Deployment, *, created: bool = False) -> None:
+    """Tell the fleet pages a deployment changed (its desired count or limits, its backoffs, why it
+    is unplaced): they show its status again; a new one joins the list."""
+    live_events.publish(group=live_events.FLEET_GROUP, event="deployment.changed", data={
+        "deployment_id": deployment.pk, "created": created,
+    })
+
+
 # What a deployment edit may change, and what its audit entry compares.
 DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_warm")
 # More replicas of one model than any one fleet here runs; a typo (100 for 10) is refused.
@@ -283,6 +321,7 @@ def deployment_create(
                                            scaled_at=timezone.now()))
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_CREATE, target=deployment,
                  target_label=model.public_name, detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
+    publish_deployment(deployment, created=True)
     commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
 
@@ -314,8 +353,34 @@ def _deployment_set_desired(*, deployment: Deployment, desired_replicas: int, ac
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_SCALE, target=deployment,
                  target_label=deployment.model.public_name,
                  detail={"desired_replicas": [before, desired_replicas], **(detail or {})})
+    publish_deployment(deployment)
     commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
+
+
+def deployment_wake(*, model_id: int) -> bool:
+    """Want at least one replica of this model, because a request is waiting for it (a cold start
+    from zero). True when the deployment wants one now (it already did, or does from now on);
+    False when it may not have any (no deployment, or max_replicas 0). Cheap when already awake:
+    one read, no lock, no write; the gateway calls it at most every few seconds per model."""
+    wants = Deployment.objects.filter(model_id=model_id).values_list("desired_replicas", "max_replicas").first()
+    if wants is None or wants[1] < 1:
+        return False
+    if wants[0] >= 1:
+        return True
+    return _deployment_wake_locked(model_id=model_id)
+
+
+@transaction.atomic
+def _deployment_wake_locked(*, model_id: int) -> bool:
+    deployment = Deployment.objects.select_for_update().select_related("model").filter(model_id=model_id).first()
+    if deployment is None or deployment.max_replicas < 1:
+        return False  # changed since the read above
+    if deployment.desired_replicas >= 1:
+        return True  # another gateway process woke it first
+    _deployment_set_desired(deployment=deployment, desired_replicas=1, actor=None, now=timezone.now(),
+                            detail={"reason": "cold start: a request is waiting for a replica"})
+    return True
 
 
 @transaction.atomic
@@ -369,6 +434,7 @@ def deployment_update(
     deployment.save()
     audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_UPDATE, target=deployment,
                  target_label=deployment.model.public_name, detail=diff)
+    publish_deployment(deployment)
     if "desired_replicas" in diff:
         commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
@@ -389,10 +455,11 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
     if gpu is not None and gpu.pk not in slots:
         raise ValidationError({"gpu": f"GPU {gpu.index} ({gpu.name}) is not a present GPU of worker {worker.name}."})
     slot = slots[gpu.pk if gpu is not None else None]
-    where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else f"Worker {worker.name}"
     if slot.free_bytes < model.gpu_memory_bytes:
-        raise ValidationError({"gpu": f"{where} has {max(0, slot.free_bytes):,} bytes free; "
-                                      f"{model.public_name} needs {model.gpu_memory_bytes:,}."})
+        room = SlotRoom(label=slot_label(worker=worker, gpu=gpu), free_bytes=slot.free_bytes,
+                        total_bytes=slot.total_bytes)
+        raise ValidationError({"gpu": f"{model.public_name} does not fit: "
+                                      f"{room_message(need_bytes=model.gpu_memory_bytes, rooms=[room])}."})
     if deployment.desired_replicas >= deployment.max_replicas:
         raise ValidationError({"deployment": f"{model.public_name} already wants {deployment.desired_replicas} "
                                              f"replicas, its max_replicas ({deployment.max_replicas}); raise it first."})
@@ -401,12 +468,37 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
     deployment.scaled_at = timezone.now()
     deployment.save(update_fields=["desired_replicas", "scaled_at", "updated_at"])
     replica = replica_place(deployment=deployment, worker=worker, gpu=gpu)
+    publish_deployment(deployment)
     audit_record(actor=actor, action=AuditEntry.Action.REPLICA_LOAD, target=replica,
                  target_label=f"{model.public_name} replica {replica.pk} on {worker.name}", detail={
         "model": model.public_name, "worker": worker.name, "gpu_index": gpu.index if gpu is not None else None,
         "desired_replicas": [deployment.desired_replicas - 1, deployment.desired_replicas],
     })
     return replica
+
+
+def slot_label(*, worker: Worker, gpu: Gpu | None) -> str:
+    """Where a replica runs, as messages name it: "worker-a GPU 0 (NVIDIA H200)" or "worker-a CPU"."""
+    return f"{worker.name} GPU {gpu.index} ({gpu.name})" if gpu is not None else f"{worker.name} CPU"
+
+
+@transaction.atomic
+def deployment_retry_loads(*, deployment: Deployment, actor=None) -> Deployment:
+    """Forget the deployment's load backoffs and reconcile now: every worker may be tried at once
+    (after the operator fixed whatever made the loads fail)."""
+    deployment = _lock_deployment(deployment)
+    backoffs = list(LoadBackoff.objects.select_for_update().select_related("worker").filter(deployment=deployment)
+                    .order_by("pk"))
+    if not backoffs:
+        raise ValidationError({"deployment": f"{deployment.model.public_name} has no failed loads to retry."})
+    LoadBackoff.objects.filter(pk__in=[b.pk for b in backoffs]).delete()
+    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_RETRY, target=deployment,
+                 target_label=deployment.model.public_name, detail={
+        "backoffs": {b.worker.name: b.consecutive_failures for b in backoffs},
+    })
+    publish_deployment(deployment)
+    commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
 
 
 @transaction.atomic
@@ -425,6 +517,7 @@ def replica_unload(*, replica: Replica, actor=None) -> Replica:
     deployment.save(update_fields=["desired_replicas", "scaled_at", "updated_at"])
     was = replica.state
     replica = replica_stop(replica=replica, at=timezone.now())
+    publish_deployment(deployment)
     audit_record(actor=actor, action=AuditEntry.Action.REPLICA_UNLOAD, target=replica,
                  target_label=f"{deployment.model.public_name} replica {replica.pk} on {replica.worker.name}", detail={
         "model": deployment.model.public_name, "worker": replica.worker.name, "state": [was, replica.state],
@@ -479,23 +572,26 @@ def autoscale_policy(deployment: Deployment) -> AutoscalePolicy:
 def deployments_autoscale(*, now: datetime) -> list[AutoscaleDecision]:
     """Decide once for every deployment with autoscaling on. Without the gateway's counts (Redis
     down) nothing is decided: no traffic seen must not read as no traffic, which scales to zero."""
+    rows = list(Deployment.objects.filter(autoscale=True, model__enabled=True).order_by("pk")
+                .values_list("pk", "model_id"))
     try:
         traffic = traffic_snapshot(now=now.timestamp(), rate_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
                                    popular_window_s=settings.AUTOSCALE_POPULAR_WINDOW_SECONDS)
+        queued = cold_start_waiting(model_ids=[model_id for _, model_id in rows])
     except Exception:
         logger.warning("autoscaler: the gateway's traffic counts are unreadable; no decisions this tick",
                        exc_info=True)
         return []
     popular_models = popular(traffic.window_counts, settings.AUTOSCALE_POPULAR_TOP_K)
-    ids = Deployment.objects.filter(autoscale=True, model__enabled=True).order_by("pk").values_list("pk", flat=True)
-    decisions = [deployment_autoscale(deployment_id=pk, now=now, traffic=traffic, popular_models=popular_models)
-                 for pk in ids]
+    decisions = [deployment_autoscale(deployment_id=pk, now=now, traffic=traffic, popular_models=popular_models,
+                                      queued_cold_starts=queued.get(model_id, 0))
+                 for pk, model_id in rows]
     return [d for d in decisions if d is not None]
 
 
 @transaction.atomic
 def deployment_autoscale(*, deployment_id: int, now: datetime, traffic: TrafficSnapshot,
-                         popular_models: set[int]) -> AutoscaleDecision | None:
+                         popular_models: set[int], queued_cold_starts: int = 0) -> AutoscaleDecision | None:
     """One decision for one deployment, under its row lock (an operator's scale waits, then counts
     for the cooldown). A change goes through the same path as an operator's scale, audited as the
     system's with the decision's reason and inputs; every decision is stored and published."""
@@ -509,7 +605,7 @@ def deployment_autoscale(*, deployment_id: int, now: datetime, traffic: TrafficS
         request_rate_per_s=traffic.rate_per_s.get(model_id, 0.0),
         last_request_at=traffic.last_request_at.get(model_id),
         last_scaled_at=deployment.scaled_at.timestamp() if deployment.scaled_at else None,
-        popular=model_id in popular_models,
+        popular=model_id in popular_models, queued_cold_starts=queued_cold_starts,
     )
     decision = decide(autoscale_policy(deployment), signals)
     applied = _autoscale_apply(deployment=deployment, decision=decision, now=now)
@@ -533,3 +629,35 @@ def _autoscale_apply(*, deployment: Deployment, decision: Decision, now: datetim
                                 detail={"autoscaler": decision.reason, "inputs": decision.inputs})
         return decision.action
     return AutoscaleDecision.Action.HOLD.value
+def workers_stage_weights() -> dict[int, tuple[str, ...]]:
+    """Send each online worker the checkpoints it should keep warm (plan_staging), only when its
+    list changed since the last one sent. Returns the lists sent, by worker id."""
+    workers = list(Worker.objects.filter(state=Worker.State.ONLINE))
+    latest = heartbeat_cache.read_many(worker_ids=[w.pk for w in workers])
+    running: dict[int, set[str]] = {}
+    for worker_id, path in Replica.objects.filter(worker__in=workers, state__in=Replica.LIVE_STATES).values_list(
+            "worker_id", "deployment__model__weights_path"):
+        running.setdefault(worker_id, set()).add(path)
+    staging_workers = [
+        StagingWorker(worker_id=w.pk, budget_bytes=int(((latest.get(w.pk) or {}).get("staging") or {}).get("budget_bytes", 0)),
+                      model_paths=frozenset(w.model_paths or ()), running_paths=frozenset(running.get(w.pk, ())))
+        for w in workers]
+    try:  # busiest first: requests over the popularity window, as the gateways counted them
+        traffic = traffic_snapshot(now=timezone.now().timestamp(), rate_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
+                                   popular_window_s=settings.AUTOSCALE_POPULAR_WINDOW_SECONDS).window_counts
+    except Exception:
+        logger.warning("staging: the gateway's traffic counts are unreadable; nothing sent this time", exc_info=True)
+        return {}
+    candidates = [
+        StagingCandidate(model_path=d.model.weights_path, weight_bytes=d.model.gpu_memory_bytes,
+                         traffic=float(traffic.get(d.model_id, 0.0)), headroom=d.desired_replicas < d.max_replicas)
+        for d in Deployment.objects.select_related("model").filter(model__enabled=True)]
+    sent = {}
+    queues = {w.pk: w.queue_name for w in workers}
+    for worker_id, paths in plan_staging(staging_workers, candidates).items():
+        if heartbeat_cache.staging_sent(worker_id=worker_id) == list(paths):
+            continue
+        commands.send_to_worker(queue=queues[worker_id], task=StageWeights(model_paths=paths))
+        heartbeat_cache.store_staging_sent(worker_id=worker_id, model_paths=list(paths))
+        sent[worker_id] = paths
+    return sent

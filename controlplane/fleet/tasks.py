@@ -4,7 +4,7 @@ from celery import shared_task
 from django.utils import timezone
 
 from controlplane.fleet.reconcile import fleet_reconcile
-from controlplane.fleet.services import deployments_autoscale, workers_mark_lost
+from controlplane.fleet.services import deployments_autoscale, workers_mark_lost, workers_stage_weights
 
 
 @shared_task(name="controlplane.fleet.tasks.mark_lost_workers")
@@ -17,6 +17,9 @@ def mark_lost_workers() -> int:
 def reconcile(deployment_ids: list[int] | None = None) -> dict[str, int]:
     """Bring deployments (all when None) to their desired replicas; returns what it did, in counts."""
     outcomes = fleet_reconcile(now=timezone.now(), deployment_ids=deployment_ids)
+    # The periodic (whole-fleet) run also refreshes what workers keep warm for fast scale-ups.
+    if deployment_ids is None:
+        workers_stage_weights()
     return {
         "placed": sum(len(o.placed) for o in outcomes),
         "removed": sum(len(o.removed) for o in outcomes),

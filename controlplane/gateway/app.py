@@ -117,10 +117,11 @@ def process_app() -> Starlette:
 
 
 async def _visible_models(gw: Gateway, request: Request) -> list[dict]:
-    """Models this key may use that can answer now: a ready replica, or kept warm."""
+    """Models this key may use that can answer: a ready replica, or one can be started for a
+    request (`selectors.ModelRoute.servable`)."""
     grant = await gw.keys.authenticate(request.headers.get("authorization"))
     return [
         {"id": m.public_name, "object": "model", "created": m.created, "owned_by": "gpuserve"}
         for m in await gw.routing.models()
-        if grant.allows(m.model_id) and (m.ready or m.keep_warm)
+        if grant.allows(m.model_id) and m.servable
     ]

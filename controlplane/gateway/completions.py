@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
 
+from controlplane.gateway.cold_start import cold_start_header
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
@@ -51,7 +52,13 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -
             return replay
     stored = False
     try:
-        replicas = await gw.routing.ready_replicas(model.public_name)
+        if model.ready:
+            replicas, cold_start_s = model.ready, None
+        else:  # it waits for a replica to start; nothing is held or billed yet, so leaving costs nothing
+            waited = await _client_present(request, gw.cold_starts.ready_replicas(model, request_id))
+            if waited is _GONE:
+                return Response(status_code=499)  # nobody reads it: the client is gone
+            replicas, cold_start_s = waited
         prefix = _prompt_prefix(body, chat, gw.config.affinity_prefix_chars)
         # Rate limits, concurrency limits and the choice of replica: one round trip to Redis.
         admission, first = await gw.shared.admit_and_pick(
@@ -63,7 +70,7 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -
                                headers=admission.headers())
         flight = Flight(gw, request_id, grant, model, parsed.n)
         flight.replica_id = first.replica_id
-        headers = {**admission.headers(), "x-request-id": request_id}
+        headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
         try:
             await flight.hold()
             path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -107,6 +114,23 @@ async def _unless_client_leaves(gw: Gateway, request: Request, flight: Flight, r
     let a client run long generations for free by leaving just before their end; billing every
     one would bill requests that never left the queue. A replica that cannot answer the
     question releases the request (its failure, not the client's)."""
+    result = await _client_present(request, work)
+    if result is not _GONE:
+        return result
+    started = False
+    replica = next((r for r in replicas if r.replica_id == flight.replica_id), None)
+    if not stream and replica is not None:
+        started = await _replica_started(gw, replica, flight.request_id)
+    if not flight.settled:
+        await flight.end(CANCELLED if started else None)
+    return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+_GONE = object()
+
+
+async def _client_present(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
+    """`work`'s result, or _GONE if the client left first (then `work` is cancelled)."""
     work_task = asyncio.ensure_future(work)
     client_gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
@@ -118,13 +142,7 @@ async def _unless_client_leaves(gw: Gateway, request: Request, flight: Flight, r
             await asyncio.wait({work_task})
     if work_task in done or not work_task.cancelled():  # the work finished first (or anyway)
         return work_task.result()
-    started = False
-    replica = next((r for r in replicas if r.replica_id == flight.replica_id), None)
-    if not stream and replica is not None:
-        started = await _replica_started(gw, replica, flight.request_id)
-    if not flight.settled:
-        await flight.end(CANCELLED if started else None)
-    return Response(status_code=499)  # nobody reads it: the client is gone
+    return _GONE
 
 
 async def _replica_started(gw: Gateway, replica: ReplicaRoute, request_id: str) -> bool:

@@ -13,7 +13,8 @@ class GatewayConfig:
     key_cache_s: float
     key_changes_poll_s: float
     routing_refresh_s: float
-    replica_wait_s: float
+    cold_start_wait_s: float
+    cold_start_queue_max: int
     retry_after_s: int
     connect_timeout_s: float
     request_timeout_s: float
@@ -45,7 +46,8 @@ class GatewayConfig:
             key_cache_s=float(settings.GATEWAY_KEY_CACHE_SECONDS),
             key_changes_poll_s=settings.GATEWAY_KEY_CHANGES_POLL_MS / 1000.0,
             routing_refresh_s=settings.GATEWAY_ROUTING_REFRESH_MS / 1000.0,
-            replica_wait_s=float(settings.GATEWAY_REPLICA_WAIT_SECONDS),
+            cold_start_wait_s=float(settings.GATEWAY_COLD_START_WAIT_SECONDS),
+            cold_start_queue_max=settings.GATEWAY_COLD_START_QUEUE_MAX,
             retry_after_s=settings.GATEWAY_RETRY_AFTER_SECONDS,
             connect_timeout_s=float(settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS),
             request_timeout_s=float(settings.GATEWAY_REQUEST_TIMEOUT_SECONDS),

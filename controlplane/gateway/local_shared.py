@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+from controlplane.gateway.cold_start_counts import publish_to_cache
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.replica_choice import least_outstanding
 from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
@@ -41,6 +42,7 @@ class LocalShared:
         self._started = _Expiring()
         self._turns: dict[str, float] = {}
         self._idempotency: dict[str, tuple[float, dict]] = {}
+        self._cold_starts: dict[int, dict[str, float]] = {}  # model id -> request id -> deadline (epoch s)
 
     async def admit(self, grant: KeyGrant, request_id: str) -> Admission:
         now = _now_ms()
@@ -112,6 +114,19 @@ class LocalShared:
             return False
         self._turns[name] = now + seconds * 1000
         return True
+
+    async def cold_start_join(self, model_id: int, request_id: str, wait_s: float) -> None:
+        # The autoscaler runs in another process: it reads the count from the live cache (a write
+        # per request joining or leaving, which happens only while a model starts).
+        self._cold_starts.setdefault(model_id, {})[request_id] = time.time() + wait_s
+        publish_to_cache(model_id, self._cold_starts[model_id])
+
+    async def cold_start_leave(self, model_id: int, request_id: str) -> None:
+        waiting = self._cold_starts.get(model_id, {})
+        waiting.pop(request_id, None)
+        publish_to_cache(model_id, waiting)
+        if not waiting:
+            self._cold_starts.pop(model_id, None)
 
     async def idempotency_begin(self, scope: str, fingerprint: str) -> dict | None:
         now = _now_ms()

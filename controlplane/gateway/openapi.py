@@ -24,7 +24,9 @@ _ERRORS = {
     "429": "A rate or concurrency limit was reached (see the retry-after header), or the credit ran out.",
     "500": "An error of the server's own.",
     "502": "The replica failed the request.",
-    "503": "No replica can take the request now, or a dependency is down (see the retry-after header).",
+    "503": "No replica can take the request now: none can be started for the model (`model_unavailable`), "
+           "none became ready within the cold-start wait (`cold_start_timeout`) or too many requests wait for "
+           "one (`cold_start_queue_full`); or a dependency is down. See the retry-after header.",
     "504": "The request took longer than the gateway allows.",
 }
 
@@ -70,8 +72,17 @@ def _responses(ok: dict) -> dict:
     return {"200": ok, **errors}
 
 
+# Sent with a completion (streamed or not) that waited for a replica to start, and with the 503
+# that ends a wait that ran out.
+_COLD_START_HEADER = {"x-gpuserve-cold-start": {
+    "description": "The request found no ready replica and waited this many seconds for one to start "
+                   "(a cold start, at most GATEWAY_COLD_START_WAIT_SECONDS). Absent when it did not wait.",
+    "schema": {"type": "string", "pattern": r"^[0-9]+\.[0-9]$"}}}
+
+
 def _completion_operation(summary: str, request: str, response: str) -> dict:
     ok = {"description": "The completion; with `stream: true`, server-sent events of chunks ending `data: [DONE]`.",
+          "headers": _COLD_START_HEADER,
           "content": {JSON: {"schema": _ref(response)}, EVENT_STREAM: {"schema": _SSE_EVENT}}}
     return {"post": {"summary": summary,
                      "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,

@@ -5,6 +5,7 @@ on the first request and closed with the app. The routes (app.py) and the reques
 import asyncio
 import logging
 
+from controlplane.gateway.cold_start import ColdStartQueue
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.holds import HoldPlacer, settle_batcher, sweep_expired_holds
@@ -32,6 +33,7 @@ class Gateway:
         self.shared = _shared_state(config)
         # Requests per model for the autoscaler (Redis, or this process without it).
         self.traffic = traffic_recorder(config.redis_url)
+        self.cold_starts = ColdStartQueue(config, self.routing, self.shared, self.admit_lane)
         self._spawned: set[asyncio.Task] = set()
         self._chores = [
             asyncio.ensure_future(self.keys.follow_changes()),

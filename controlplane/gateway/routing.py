@@ -1,5 +1,5 @@
 """Which replicas can serve a model: a routing table cached per process and refreshed about once
-a second, waiting (boundedly) for replicas that are still loading.
+a second. (Waiting for a replica to start: cold_start.py; the replica choice: replica_choice.py.)
 """
 
 import asyncio
@@ -8,13 +8,11 @@ import time
 
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
-from controlplane.gateway.errors import unavailable
-from controlplane.gateway.selectors import ModelRoute, ReplicaRoute, routing_table
+from controlplane.gateway.selectors import ModelRoute, routing_table
 
 # An unknown model name triggers a refresh only if the table is at least this old, so a client
 # asking for a model that does not exist cannot make every request a query.
 _MISS_REFRESH_S = 0.25
-_WAIT_POLL_S = 0.25
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +36,10 @@ class RoutingTable:
             route = self._table.get(name)
         return route
 
-    async def ready_replicas(self, name: str) -> tuple[ReplicaRoute, ...]:
-        """The model's ready replicas; while none is ready but some are loading, waits for one up
-        to GATEWAY_REPLICA_WAIT_SECONDS; then raises 503 with retry-after."""
-        deadline = time.monotonic() + self._config.replica_wait_s
-        while True:
-            route = self._table.get(name)
-            if route is not None and route.ready:
-                return route.ready
-            if route is None or not route.loading or time.monotonic() >= deadline:
-                state = "is still loading" if route is not None and route.loading else "has no replica ready"
-                raise unavailable(f"The model {name!r} {state}; try again shortly.", self._config.retry_after_s)
-            await asyncio.sleep(_WAIT_POLL_S)
-            await self._fresh(_WAIT_POLL_S)
+    async def fresh_model(self, name: str, max_age_s: float) -> ModelRoute | None:
+        """The model's route from a table at most `max_age_s` old (for requests waiting on it)."""
+        await self._fresh(max_age_s)
+        return self._table.get(name)
 
     async def _fresh(self, max_age_s: float) -> None:
         if time.monotonic() - self._fetched_at < max_age_s:

@@ -6,6 +6,7 @@ from decimal import Decimal
 from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_authenticate
 from controlplane.catalog.models import Model
 from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.selectors import placement_slots
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,15 @@ class ModelRoute:
     kind: str
     price_per_request: Decimal
     created: int  # epoch seconds, for /v1/models
-    keep_warm: bool
     ready: tuple[ReplicaRoute, ...]
     loading: bool  # some replica is pending or loading
+    # Why no replica can be started for a request (empty when one can): see `cold_start_refusal`.
+    cannot_start: str = ""
+
+    @property
+    def servable(self) -> bool:
+        """Listed by /v1/models and waited for by requests: ready now, or a replica can be started."""
+        return bool(self.ready) or self.loading or not self.cannot_start
 
 
 def key_grant_for(*, plaintext: str, default_rate_limit_per_minute: int, default_max_concurrent: int) -> KeyGrant:
@@ -64,7 +71,8 @@ def key_grant_for(*, plaintext: str, default_rate_limit_per_minute: int, default
 
 
 def routing_table() -> dict[str, ModelRoute]:
-    """Every enabled model by public name, with its ready replicas (on online workers)."""
+    """Every enabled model by public name, with its ready replicas (on online workers) and whether
+    a replica of it could be started for a request."""
     ready: dict[int, list[ReplicaRoute]] = {}
     loading: set[int] = set()
     replicas = Replica.objects.filter(
@@ -76,13 +84,39 @@ def routing_table() -> dict[str, ModelRoute]:
             loading.add(model_id)
         elif endpoint_url and worker_state == Worker.State.ONLINE:
             ready.setdefault(model_id, []).append(ReplicaRoute(replica_id, endpoint_url.rstrip("/")))
+    largest = max((slot.total_bytes for slot in placement_slots(
+        workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))), default=None)
     models = Model.objects.filter(enabled=True).values_list(
-        "pk", "public_name", "kind", "price_tier__price_per_request", "created_at", "deployment__keep_warm"
+        "pk", "public_name", "kind", "price_tier__price_per_request", "created_at", "gpu_memory_bytes",
+        "deployment__max_replicas",
     )
     return {
         name: ModelRoute(
             model_id=pk, public_name=name, kind=kind, price_per_request=price, created=int(created_at.timestamp()),
-            keep_warm=bool(keep_warm), ready=tuple(ready.get(pk, ())), loading=pk in loading,
+            ready=tuple(ready.get(pk, ())), loading=pk in loading,
+            cannot_start=cold_start_refusal(need_bytes=need, max_replicas=max_replicas, largest_slot_bytes=largest),
         )
-        for pk, name, kind, price, created_at, keep_warm in models
+        for pk, name, kind, price, created_at, need, max_replicas in models
     }
+
+
+def cold_start_refusal(*, need_bytes: int, max_replicas: int | None, largest_slot_bytes: int | None) -> str:
+    """Why a replica of a model cannot be started for a waiting request, or "" when it can: the
+    model needs a deployment that allows a replica, and an online worker with a GPU (or, CPU-only,
+    memory) at least as large as the model's estimate. Capacity, not what is free right now: room
+    is made by scaling other models down, and a model must not drop out of /v1/models whenever
+    the fleet is busy."""
+    if max_replicas is None:
+        return "it has no deployment"
+    if max_replicas < 1:
+        return "its deployment allows no replicas (max_replicas is 0)"
+    if largest_slot_bytes is None:
+        return "no worker is online"
+    if need_bytes > largest_slot_bytes:
+        return (f"it needs {_gib(need_bytes)} and no online worker has that much GPU memory (or, CPU-only, "
+                f"memory): the largest has {_gib(largest_slot_bytes)}")
+    return ""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"

@@ -11,6 +11,7 @@ their deadline, so a process that dies mid-request leaks nothing: its entries si
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import redis.asyncio as aioredis
 
 from controlplane.accounts.services import API_KEY_CHANGES_CHANNEL
 from controlplane.gateway import scripts
+from controlplane.gateway.cold_start_counts import redis_key
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
 
@@ -123,6 +125,21 @@ class RedisShared:
     async def take_turn(self, name: str, seconds: float) -> bool:
         """True for one caller among all processes per `seconds` (for periodic chores)."""
         return bool(await self._redis.set(f"gw:turn:{name}", 1, nx=True, px=int(seconds * 1000)))
+
+    # --- cold starts ----------------------------------------------------------------------------
+
+    async def cold_start_join(self, model_id: int, request_id: str, wait_s: float) -> None:
+        """Count the request as waiting for the model's first ready replica, for at most `wait_s`."""
+        now_ms = int(time.time() * 1000)
+        key = redis_key(model_id)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(key, "-inf", now_ms)  # entries of processes that died waiting
+            pipe.zadd(key, {request_id: now_ms + int(wait_s * 1000)})
+            pipe.pexpire(key, int(wait_s * 1000) + 60_000)
+            await pipe.execute()
+
+    async def cold_start_leave(self, model_id: int, request_id: str) -> None:
+        await self._redis.zrem(redis_key(model_id), request_id)
 
     # --- Idempotency-Key --------------------------------------------------------------------
 

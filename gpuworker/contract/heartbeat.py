@@ -22,9 +22,18 @@ REPLICA_STATES = ("loading", "ready", "draining", "stopped", "failed")
 # Figures only shown and used for routing; a missing or null one is left out.
 GPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w")
 CPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes")
-REPLICA_FIGURES = ("load_progress", "running", "waiting", "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate")
+# Latency figures are p95 seconds over the replica's last minute (or its last 10,000 samples),
+# absent while it has none: time to first token, and time between a request's consecutive tokens.
+REPLICA_LATENCY_FIGURES = ("ttft_p95_s", "itl_p95_s")
+REPLICA_FIGURES = ("load_progress", "running", "waiting", "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate",
+                   *REPLICA_LATENCY_FIGURES)
+# A replica's error is kept to this many characters (its cause comes first: see the daemon's
+# gpuworker/daemon/replica_errors.py).
+MAX_REPLICA_ERROR_CHARS = 4000
 MAX_MODEL_ROOTS = 32
 MAX_MODEL_PATHS = 2000
+MAX_STAGED = 64
+STAGING_HOWS = ("page_cache", "pinned")
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,29 @@ class ReplicaReport:
 
 
 @dataclass(frozen=True)
+class StagedWeights:
+    """A checkpoint a worker keeps warm for fast loads: its weight bytes, how, and the share of
+    those bytes in host memory right now (the page cache can drop pages under pressure)."""
+    path: str
+    bytes: int
+    how: str  # STAGING_HOWS
+    resident_fraction: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "bytes": self.bytes, "how": self.how, "resident_fraction": self.resident_fraction}
+
+
+@dataclass(frozen=True)
+class Staging:
+    """The worker's staging budget (--stage-budget-bytes; 0: off) and what it holds now."""
+    budget_bytes: int
+    models: tuple[StagedWeights, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget_bytes, "models": [m.to_json() for m in self.models]}
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     sent_at: str
     draining: bool
@@ -92,12 +124,16 @@ class Heartbeat:
     replicas: tuple[ReplicaReport, ...]
     # Sent only when the daemon's scan changed since the control plane last took it.
     models: ModelPaths | None = None
+    # None: a daemon from before staging existed.
+    staging: Staging | None = None
 
     def to_json(self) -> dict[str, Any]:
         body = {"sent_at": self.sent_at, "draining": self.draining, "gpus": list(self.gpus), "cpu": self.cpu,
                 "replicas": [replica.to_json() for replica in self.replicas]}
         if self.models is not None:
             body["models"] = self.models.to_json()
+        if self.staging is not None:
+            body["staging"] = self.staging.to_json()
         return body
 
 
@@ -157,6 +193,30 @@ def _model_paths(value: Any) -> ModelPaths | None:
                       paths=_paths(raw.get("paths", []), "models.paths", limit=MAX_MODEL_PATHS))
 
 
+def _staging(value: Any) -> Staging | None:
+    if value is None:
+        return None
+    raw = _object(value, "staging")
+    items = _list(raw.get("models", []), "staging.models")
+    if len(items) > MAX_STAGED:
+        raise ContractError("staging.models", f"At most {MAX_STAGED} entries.")
+    models = []
+    for i, item in enumerate(items):
+        item, where = _object(item, f"staging.models[{i}]"), f"staging.models[{i}]"
+        path = item.get("path")
+        if not isinstance(path, str) or not path.startswith("/") or len(path) > 500:
+            raise ContractError(f"{where}.path", "Must be an absolute path of at most 500 characters.")
+        how = item.get("how")
+        if how not in STAGING_HOWS:
+            raise ContractError(f"{where}.how", f"Must be one of {', '.join(STAGING_HOWS)}.")
+        fraction = item.get("resident_fraction")
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+            raise ContractError(f"{where}.resident_fraction", "Must be a number from 0 to 1.")
+        models.append(StagedWeights(path=path, bytes=_int(item.get("bytes"), f"{where}.bytes"), how=how,
+                                    resident_fraction=float(fraction)))
+    return Staging(budget_bytes=_int(raw.get("budget_bytes", 0), "staging.budget_bytes"), models=tuple(models))
+
+
 def parse_registration(data: Any) -> WorkerRegistration:
     data = _object(data, "body")
     device = data.get("device")
@@ -206,6 +266,7 @@ def parse_heartbeat(data: Any) -> Heartbeat:
         sent_at=_text(data.get("sent_at", ""), "sent_at", max_length=64, required=False),
         draining=draining, gpus=tuple(gpus), cpu=cpu, replicas=tuple(replicas),
         models=_model_paths(data.get("models")),
+        staging=_staging(data.get("staging")),
     )
 
 
@@ -225,6 +286,7 @@ def _replica_report(raw: dict, where: str) -> ReplicaReport:
         state=state,
         endpoint_url=endpoint_url,
         # Errors come from tracebacks and child output: keep the useful start, bounded.
-        error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000, required=False)[:4000],
+        error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000,
+                    required=False)[:MAX_REPLICA_ERROR_CHARS],
         figures=_figures(raw, REPLICA_FIGURES, where),
     )

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 LOAD_MODEL, UNLOAD_MODEL, DRAIN_WORKER = "gpuworker.load_model", "gpuworker.unload_model", "gpuworker.drain_worker"
+STAGE_WEIGHTS = "gpuworker.stage_weights"
+MAX_STAGED_MODELS = 64
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 MAX_TIMEOUT_S = 3600.0
 
@@ -60,6 +62,15 @@ def _dtype(name: str, value: Any) -> str:
     return value
 
 
+def _model_paths(name: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_STAGED_MODELS:
+        raise TaskArgumentError(f"{name} must be a list of at most {MAX_STAGED_MODELS} paths, got {value!r}")
+    paths = tuple(_text(f"{name}[{i}]", path) for i, path in enumerate(value))
+    if len(set(paths)) != len(paths):
+        raise TaskArgumentError(f"{name} must not repeat a path, got {value!r}")
+    return paths
+
+
 def _argument(check: Callable[[str, Any], Any], default: Any = dataclasses.MISSING) -> Any:
     return field(default=default, metadata={"check": check})
 
@@ -72,7 +83,8 @@ class _Task:
             object.__setattr__(self, spec.name, spec.metadata["check"](spec.name, getattr(self, spec.name)))
 
     def as_kwargs(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Tuples go as JSON arrays; parsing turns them back.
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclass(frozen=True)
@@ -103,10 +115,19 @@ class DrainWorker(_Task):
     timeout_s: float = _argument(_number_in(0.0, MAX_TIMEOUT_S), 60.0)
 
 
-TASKS: dict[str, type[_Task]] = {task.NAME: task for task in (LoadModel, UnloadModel, DrainWorker)}
+@dataclass(frozen=True)
+class StageWeights(_Task):
+    """Keep these checkpoints' weight files warm in host memory (the page cache), first ones first,
+    within the worker's staging budget, and let go of any other: the whole desired list, so a
+    repeated or late message is harmless. Sent to a worker whose list changed."""
+    NAME: ClassVar[str] = STAGE_WEIGHTS
+    model_paths: tuple[str, ...] = _argument(_model_paths)
 
 
-def parse_task(name: str, args: tuple, kwargs: dict[str, Any]) -> LoadModel | UnloadModel | DrainWorker:
+TASKS: dict[str, type[_Task]] = {task.NAME: task for task in (LoadModel, UnloadModel, DrainWorker, StageWeights)}
+
+
+def parse_task(name: str, args: tuple, kwargs: dict[str, Any]) -> LoadModel | UnloadModel | DrainWorker | StageWeights:
     """The task `name` called with these arguments, defaults filled in, or TaskArgumentError."""
     task = TASKS[name]
     expected = [spec.name for spec in dataclasses.fields(task)]

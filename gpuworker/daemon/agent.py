@@ -27,10 +27,11 @@ from urllib.parse import urlsplit
 import httpx
 
 from gpuworker.contract.heartbeat import GpuSpec, Heartbeat, ModelPaths, WorkerRegistration
-from gpuworker.contract.tasks import DrainWorker, LoadModel, UnloadModel
+from gpuworker.contract.tasks import DrainWorker, LoadModel, StageWeights, UnloadModel
 
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
 from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV, scan_model_roots
+from gpuworker.daemon.staging import WeightStager
 from gpuworker.daemon.supervisor import Supervisor
 from gpuworker.daemon.tasks import CeleryConsumer, build_celery_app, register_tasks
 
@@ -48,12 +49,15 @@ class AgentConfig:
     name: str
     advertise_host: str | None
     device: str
-    port_range: tuple[int, int]
     state_dir: Path
     drain_timeout_s: float = 30.0
+    # Ports replicas may listen on; None: any free port (the OS chooses).
+    port_range: tuple[int, int] | None = None
     # Directories holding checkpoints: the only places models load from (none: no load succeeds),
     # and what registration and heartbeats report to the catalog.
     model_roots: tuple[Path, ...] = ()
+    # Host memory (page cache) for keeping the checkpoints of likely scale-ups warm; 0: none.
+    stage_budget_bytes: int = 0
 
 
 class NotRegistered(Exception):
@@ -105,6 +109,7 @@ class Agent:
         self._failing_since: float | None = None
         self._last_failure_log = 0.0
         self._control = ControlPlane(config.control_url, config.token)
+        self.stager = WeightStager(budget_bytes=config.stage_budget_bytes, model_roots=config.model_roots)
         self._model_scan: ModelPaths | None = None
         self._model_scan_at = 0.0
         self._model_scan_acknowledged: ModelPaths | None = None
@@ -122,6 +127,9 @@ class Agent:
         self.draining = self.supervisor.refuse_loads = True
         self.supervisor.unload_all(task.timeout_s)
 
+    def stage(self, task: StageWeights) -> None:
+        self.stager.stage(task)
+
     # -- life cycle -------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -138,6 +146,7 @@ class Agent:
             advertise_host=advertise_host, bind_host="127.0.0.1" if _is_loopback(advertise_host) else "0.0.0.0",
             state_dir=self.config.state_dir, worker_name=self.config.name, model_roots=self.config.model_roots)
         self.supervisor.start()
+        self.stager.start()
         if not self.config.model_roots:
             logger.warning("no --model-root given: this worker will refuse every model load until it is "
                            "started with --model-root DIR (or $%s)", MODEL_ROOTS_ENV)
@@ -156,6 +165,7 @@ class Agent:
         if consumer is not None:
             consumer.stop()
         self.supervisor.close(self.config.drain_timeout_s)
+        self.stager.close()
         self._heartbeats_done.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=10)
@@ -214,7 +224,8 @@ class Agent:
         scan = self._scan_models(force=False)
         return Heartbeat(sent_at=datetime.now(timezone.utc).isoformat(), draining=self.draining,
                          gpus=tuple(sample["gpus"]), cpu=sample["cpu"], replicas=tuple(self.supervisor.snapshot()),
-                         models=scan if scan is not None and scan != self._model_scan_acknowledged else None)
+                         models=scan if scan is not None and scan != self._model_scan_acknowledged else None,
+                         staging=self.stager.report())
 
     def _heartbeat_loop(self) -> None:
         while True:

@@ -12,7 +12,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,9 +22,11 @@ from typing import Any
 
 import httpx
 
-from gpuworker.contract.heartbeat import REPLICA_FIGURES, ReplicaReport
+from gpuworker.contract.heartbeat import REPLICA_FIGURES, REPLICA_LATENCY_FIGURES, ReplicaReport
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon.model_paths import resolve_model_root_path
+from gpuworker.daemon.ports import bind_replica_socket
+from gpuworker.daemon.replica_errors import error_cause, failure_message
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ POLL_S = 0.5
 DRAIN_GRACE_S = 5.0
 KILL_AFTER_S = 10.0  # after SIGTERM, before SIGKILL
 FORGET_AFTER_S = 60.0  # stopped and failed replicas stay in heartbeats this long
-LOG_TAIL_CHARS = 1500
+# How much of a failed child's log is read for its cause (a traceback can be long) and its tail.
+LOG_READ_CHARS = 64 * 1024
 LIVE_STATES = ("loading", "ready", "draining")
 
 
@@ -44,25 +46,30 @@ class Replica:
     state: str = "loading"
     error: str = ""
     endpoint_url: str = ""
-    port: int | None = None
     load_progress: float = 0.0
     figures: dict[str, float] = field(default_factory=dict)
     process: subprocess.Popen | None = None
     log_path: Path | None = None
+    log_start: int = 0  # where this process's output starts in log_path
     drain_deadline: float | None = None  # monotonic; SIGTERM once idle or past it
     kill_deadline: float | None = None  # monotonic; SIGKILL past it
     ended_at: float | None = None  # monotonic; when it became stopped or failed
+    pending_load: LoadModel | None = None  # a load asked for while its failed process was stopping
 
     def report(self) -> ReplicaReport:
         engine = self.figures if self.state in ("ready", "draining") else {}
-        figures = {name: engine.get(name, 0) for name in REPLICA_FIGURES} | {"load_progress": self.load_progress}
+        # A latency without a sample stays absent: 0 would read as a perfect one.
+        figures = {name: engine.get(name, 0) for name in REPLICA_FIGURES if name not in REPLICA_LATENCY_FIGURES}
+        figures |= {name: engine[name] for name in REPLICA_LATENCY_FIGURES if engine.get(name) is not None}
+        figures["load_progress"] = self.load_progress
         return ReplicaReport(replica_id=self.request.replica_id, state=self.state, endpoint_url=self.endpoint_url,
                              error=self.error, figures=figures)
 
 
 class Supervisor:
-    def __init__(self, *, token: str, gpu_count: int, port_range: tuple[int, int], advertise_host: str,
-                 bind_host: str, state_dir: Path, worker_name: str, model_roots: tuple[Path, ...]) -> None:
+    def __init__(self, *, token: str, gpu_count: int, advertise_host: str, bind_host: str, state_dir: Path,
+                 worker_name: str, model_roots: tuple[Path, ...], port_range: tuple[int, int] | None = None) -> None:
+        # None: any free port (the OS chooses); a range only for hosts whose firewall needs one.
         self.token, self.gpu_count, self.port_range = token, gpu_count, port_range
         # Loads are confined to these (a load task's path is chosen by the control plane).
         self.model_roots = tuple(model_roots)
@@ -136,14 +143,17 @@ class Supervisor:
                 logger.warning("replica %d is already %s with %s; a load with other arguments is ignored",
                                request.replica_id, current.state, current.request)
             return  # idempotent: a repeated load changes nothing
+        if current is not None and current.process is not None:
+            # Failed, and its process is still stopping: replacing it now would leave that process
+            # unwatched (never reaped, never SIGKILLed) and beside the new one on the same GPU.
+            current.pending_load = request
+            logger.info("replica %d: loading again once its failed process has exited", request.replica_id)
+            return
         replica = Replica(request)
         self._replicas[request.replica_id] = replica
         model_dir, problem = self._load_problem(request)
-        port = None if problem else self._free_port()
-        if problem is None and port is None:
-            problem = f"no free port in {self.port_range[0]}-{self.port_range[1]} for the replica"
         if problem is None:
-            problem = self._spawn(replica, port, model_dir)
+            problem = self._spawn(replica, model_dir)
         if problem is not None:
             self._end(replica, "failed", problem)
             logger.error("replica %d failed to load: %s", request.replica_id, problem)
@@ -169,25 +179,19 @@ class Supervisor:
             return None, f"model path {path} has no config.json (expected a Hugging Face model directory)"
         return resolved, None
 
-    def _free_port(self) -> int | None:
-        taken = {r.port for r in self._replicas.values() if r.process is not None or r.state in LIVE_STATES}
-        for port in range(self.port_range[0], self.port_range[1] + 1):
-            if port in taken:
-                continue
-            with socket.socket(socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET) as probe:
-                try:
-                    probe.bind((self.bind_host, port))
-                except OSError:
-                    continue
-            return port
-        return None
-
-    def _spawn(self, replica: Replica, port: int, model_dir: Path) -> str | None:
+    def _spawn(self, replica: Replica, model_dir: Path) -> str | None:
         request = replica.request
         device = "cpu" if request.gpu_index is None else f"cuda:{request.gpu_index}"
+        try:
+            # Bound here and handed down: no other process can take the port before the child serves.
+            listener = bind_replica_socket(self.bind_host, self.port_range)
+        except OSError as exc:
+            return f"could not bind a port for the replica on {self.bind_host}: {exc}"
+        port = listener.getsockname()[1]
         # The directory checked above, not the path again: a symlink swapped since cannot redirect it.
         argv = [sys.executable, "-m", "gpuworker", "serve", "--model", str(model_dir),
-                "--host", self.bind_host, "--port", str(port), "--device", device, "--dtype", request.dtype,
+                "--host", self.bind_host, "--port", str(port), "--fd", str(listener.fileno()),
+                "--device", device, "--dtype", request.dtype,
                 "--served-model-name", request.served_model_name,
                 "--memory-fraction", str(request.memory_fraction), "--exit-with-parent", str(os.getpid())]
         if request.max_model_len is not None:
@@ -199,18 +203,27 @@ class Supervisor:
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
         try:
             with open(replica.log_path, "ab") as log:
+                # The log goes on across loads of one replica id: this process's part starts here.
+                replica.log_start = os.fstat(log.fileno()).st_size
                 replica.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                                   stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                                   pass_fds=(listener.fileno(),))
         except OSError as exc:
             return f"could not start the replica process: {exc}"
+        finally:
+            listener.close()  # the child has its own copy: the port is free again once the child is gone
         host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
-        replica.port, replica.endpoint_url = port, f"http://{host}:{port}"
+        replica.endpoint_url = f"http://{host}:{port}"
         logger.info("replica %d: started pid %d on %s (%s, %s); log %s", request.replica_id,
                     replica.process.pid, replica.endpoint_url, request.model_path, device, replica.log_path)
         return None
 
     def _do_unload(self, replica_id: int, drain_timeout_s: float) -> None:
         replica = self._replicas.get(replica_id)
+        if replica is not None and replica.pending_load is not None:
+            replica.pending_load = None  # unloaded before its failed process let it start
+            logger.info("replica %d: the load waiting for its failed process is dropped", replica_id)
+            return
         if replica is None or replica.state not in ("loading", "ready"):
             logger.info("unload of replica %d: nothing to do (%s)", replica_id,
                         "unknown" if replica is None else replica.state)
@@ -260,7 +273,10 @@ class Supervisor:
         elif status == "loading":
             replica.load_progress = float(health.get("progress", 0.0))
         elif status == "failed":
-            self._end(replica, "failed", str(health.get("error") or "the replica failed to load"))
+            # The replica caught its own error: that is the cause; its log adds where it came from.
+            self._end(replica, "failed", failure_message(
+                cause=str(health.get("error") or ""), what="the replica failed to load",
+                log_text=self._log_text(replica)))
             logger.error("replica %d failed: %s", replica.request.replica_id, replica.error)
             self._terminate(replica)
 
@@ -277,15 +293,24 @@ class Supervisor:
             self._end(replica, "stopped", "")
             logger.info("replica %d stopped", replica.request.replica_id)
         elif replica.state in ("loading", "ready"):
+            log_text = self._log_text(replica)
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
-            self._end(replica, "failed", f"the replica process {how}; last log lines:\n{self._log_tail(replica)}")
+            # SIGKILL comes from outside (the OOM killer, an operator) and is the whole cause: an
+            # error in the log is then something the replica lived through. Other deaths (a
+            # status, SIGABRT from a C++ terminate) follow the error the process logged.
+            cause = "" if code == -signal.SIGKILL else error_cause(log_text)
+            what = f"the replica process {how}"
+            self._end(replica, "failed", failure_message(cause=cause, what=what, log_text=log_text))
             logger.error("replica %d: %s", replica.request.replica_id, replica.error)
+        if replica.pending_load is not None:
+            self._do_load(replica.pending_load)
 
-    def _log_tail(self, replica: Replica) -> str:
+    def _log_text(self, replica: Replica) -> str:
+        """The end of what this replica's process wrote (not an earlier load's part of the log)."""
         try:
             with open(replica.log_path, "rb") as log:
-                log.seek(max(0, os.fstat(log.fileno()).st_size - LOG_TAIL_CHARS))
-                return log.read().decode("utf-8", errors="replace").strip()
+                log.seek(max(replica.log_start, os.fstat(log.fileno()).st_size - LOG_READ_CHARS))
+                return log.read().decode("utf-8", errors="replace")
         except OSError as exc:
             return f"(log unreadable: {exc})"
 

@@ -1,4 +1,4 @@
-"""The daemon's Celery side: its app (broker settings from registration) and the three control tasks
+"""The daemon's Celery side: its app (broker settings from registration) and the control tasks
 of the contract (gpuworker.contract.tasks). A task with bad arguments is rejected with a logged
 reason and no retry; a good one only hands a command to the agent, so tasks never block on a model.
 """
@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 from celery import Celery
 
-from gpuworker.contract.tasks import (DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL, DrainWorker, LoadModel,
-                                      TaskArgumentError, UnloadModel, parse_task)
+from gpuworker.contract.tasks import (DRAIN_WORKER, LOAD_MODEL, STAGE_WEIGHTS, UNLOAD_MODEL, DrainWorker,
+                                      LoadModel, StageWeights, TaskArgumentError, UnloadModel, parse_task)
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ class TaskHandler(Protocol):
     def load(self, task: LoadModel) -> None: ...
     def unload(self, task: UnloadModel) -> None: ...
     def drain(self, task: DrainWorker) -> None: ...
+    def stage(self, task: StageWeights) -> None: ...
 
 
 def register_tasks(app: Celery, handler: TaskHandler) -> None:
@@ -37,7 +38,8 @@ def register_tasks(app: Celery, handler: TaskHandler) -> None:
         run.__name__ = name.rpartition(".")[2]
         return run
 
-    for name, handle in ((LOAD_MODEL, handler.load), (UNLOAD_MODEL, handler.unload), (DRAIN_WORKER, handler.drain)):
+    for name, handle in ((LOAD_MODEL, handler.load), (UNLOAD_MODEL, handler.unload), (DRAIN_WORKER, handler.drain),
+                         (STAGE_WEIGHTS, handler.stage)):
         app.task(name=name)(consume(name, handle))
 
 

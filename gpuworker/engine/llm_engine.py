@@ -10,6 +10,9 @@ Bad input raises ValueError from add_request and leaves every other request runn
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from contextlib import contextmanager
 import logging
 import threading
 import time
@@ -30,6 +33,7 @@ from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 from gpuworker.engine.grammar_masks import StructuredOutputs
+from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
 
@@ -61,6 +65,7 @@ class _Request:
             [] if group.params.logprobs is not None else None for _ in group.seqs]
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finish_time: float | None = None
 
 
@@ -85,6 +90,21 @@ def _needs_sync(params: SamplingParams) -> bool:
     return params.has_penalties
 
 
+class _StageClock:
+    """`with clock("stage"):` adds the stage's seconds (device work included) to timings."""
+
+    def __init__(self, timings: dict[str, float], device: str) -> None:
+        self.timings, self.cuda = timings, device.startswith("cuda")
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.timings[stage] = round(self.timings.get(stage, 0.0) + time.perf_counter() - started, 4)
+
+
 class LLMEngine:
     def __init__(self, model: str | Path, *, attn_backend: AttentionBackend | None = None,
                  **config: Any) -> None:
@@ -97,6 +117,9 @@ class LLMEngine:
         return engine
 
     def _start(self, config: EngineConfig, attn_backend: AttentionBackend | None) -> None:
+        # Seconds per start-up stage, for /health and bench/load_time.py.
+        self.load_timings: dict[str, float] = {}
+        clock = _StageClock(self.load_timings, config.device)
         mc = load_model_config(config.model)
         self.model_config = mc
         self.device = torch.device(config.device)
@@ -113,28 +136,46 @@ class LLMEngine:
             from gpuworker.attention.torch_backend import TorchAttentionBackend
 
             attn_backend = TorchAttentionBackend()
-        model = load_model(mc, device=self.device, dtype=self.dtype, attn_backend=attn_backend,
-                           load_format=config.load_format, seed=config.seed)
+        # The tokenizer (and the import of transformers behind it: seconds) loads in a thread
+        # while the weights stream in, which spend their time in system calls and copies.
+        tokenizer_loading = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tokenizer_future = tokenizer_loading.submit(_maybe_tokenizer, config)
+        tokenizer_loading.shutdown(wait=False)
+        if self.device.type == "cuda":
+            with clock("cuda_init"):
+                torch.cuda.init()
+                torch.empty(0, device=self.device)
+        with clock("weights"):
+            model = load_model(mc, device=self.device, dtype=self.dtype, attn_backend=attn_backend,
+                               load_format=config.load_format, seed=config.seed)
         num_kv_blocks = config.num_kv_blocks or determine_num_kv_blocks(
             config, mc, self.dtype, self.device, max_model_len)
         if config.max_model_len is None and num_kv_blocks * config.block_size < max_model_len:
             max_model_len = num_kv_blocks * config.block_size
             logger.warning("the KV pool holds %d tokens: max_model_len lowered to that", max_model_len)
         self.config = replace(config, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
-        self.tokenizer = _maybe_tokenizer(config)
+        with clock("tokenizer_wait"):
+            self.tokenizer = tokenizer_future.result()
         self.eos_token_ids = list(mc.eos_token_ids) or (
             [self.tokenizer.eos_token_id] if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else [])
         self.scheduler = Scheduler(self.config)
-        self.runner = ModelRunner(self.config, mc, model, self.device, self.dtype)
+        with clock("kv_cache"):
+            self.runner = ModelRunner(self.config, mc, model, self.device, self.dtype)
+        if self.runner.graph_capture_s:
+            self.load_timings["cuda_graphs"] = self.runner.graph_capture_s
+            self.load_timings["kv_cache"] = round(self.load_timings["kv_cache"] - self.runner.graph_capture_s, 4)
         if self.device.type == "cuda":
             # Triton compiles on first use: do it for the eager path now, not in the first requests.
-            self.runner.warm_up()
+            with clock("warm_up"):
+                self.runner.warm_up()
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._next_seq_id = 0
         self._generate_ids = itertools.count()
         self.num_generated_tokens = 0
+        # Recent TTFT and inter-token latency, for the server's /stats (and so the autoscaler).
+        self.latency = LatencyWindows()
         self.last_step_stats: StepStats | None = None
         # The step launched but not yet completed (async scheduling), and the requests that
         # force synchronous steps while they run.
@@ -328,6 +369,8 @@ class LLMEngine:
         batch = received.batch
         deltas: dict[str, dict[int, tuple[str, list[int]]]] = {}
         now = time.time()
+        observed_at = time.monotonic()
+        latency = self.latency
         requests = self._requests
         num_generated = 0
         for seq, logprob, grammar_ended in received.tokens:
@@ -339,6 +382,10 @@ class LLMEngine:
             num_generated += 1
             if request.first_token_time is None:
                 request.first_token_time = now
+                latency.time_to_first_token.add(now - request.arrival_time, observed_at)
+            elif request.last_token_time < now:  # once a step per request (n > 1 adds n tokens)
+                latency.inter_token.add(now - request.last_token_time, observed_at)
+            request.last_token_time = now
             if group.params.output_kind == "final_only" and seq.status is not SequenceStatus.FINISHED:
                 continue  # nobody reads this request's outputs before it finishes
             deltas.setdefault(group.request_id, {})[seq.index] = delta

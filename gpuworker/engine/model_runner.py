@@ -17,6 +17,7 @@ dtype) and gather their placeholders with torch ops.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -152,14 +153,17 @@ class ModelRunner:
         self.block_tables = BlockTables(2 * config.max_num_seqs + 8,
                                         -(-config.max_model_len // config.block_size))
         self.decode_graphs = None
+        self.graph_capture_s = 0.0
         # Only a backend that never reads device values on the host can be captured.
         backend_name = getattr(getattr(model, "attn_backend", None), "name", "")
         if device.type == "cuda" and not config.enforce_eager and backend_name == "triton":
             from gpuworker.engine.cuda_graphs import DecodeGraphs
 
+            started = time.perf_counter()
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                 block_size=config.block_size)
+            self.graph_capture_s = round(time.perf_counter() - started, 4)
 
     @torch.inference_mode()
     def warm_up(self) -> None:

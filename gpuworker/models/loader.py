@@ -7,9 +7,8 @@ checkpoint fails at once with the file and the expected shape in the message.
 
 from __future__ import annotations
 
-import json
-import math
 import re
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -18,18 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from gpuworker.attention.backend import AttentionBackend
+from gpuworker.checkpoint_files import WARM_FRACTION, checkpoint_files, read_header, read_json, resident_fraction
 from gpuworker.attention.torch_backend import TorchAttentionBackend
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
+from gpuworker.models.weight_stream import TensorCopy, copy_tensors
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 LOAD_FORMATS = ("auto", "dummy")
 # Checkpoint tensors the model has no use for and that are safe to skip.
@@ -37,6 +35,10 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # The model is built deep inside LLMEngine; a caller that wants weight-loading progress (the worker
 # server's /health) installs a callback for its own thread instead of threading it through every
 # constructor. Context-local, so concurrent loads in other threads never see it.
+# transformers' lazy module is not safe to import from two threads at once (a name can be missing
+# in one while the other is importing it). The replica imports its server (xgrammar, which imports
+# transformers) while the engine loads the tokenizer in another thread: both hold this lock.
+TRANSFORMERS_IMPORT_LOCK = threading.Lock()
 _progress_callback: ContextVar[Callable[[float], None] | None] = ContextVar("load_progress", default=None)
 
 
@@ -53,8 +55,8 @@ def report_load_progress(callback: Callable[[float], None]) -> Iterator[None]:
 def load_model_config(path: str | Path) -> ModelConfig:
     """Parse config.json (and generation_config.json, for extra EOS ids) in the directory `path`."""
     directory = _directory(path)
-    config = _read_json(directory / CONFIG_FILE, required=True)
-    generation_config = _read_json(directory / GENERATION_CONFIG_FILE, required=False)
+    config = read_json(directory / CONFIG_FILE, required=True)
+    generation_config = read_json(directory / GENERATION_CONFIG_FILE, required=False)
     mc = ModelConfig.from_hf(config, generation_config, source=str(directory / CONFIG_FILE))
     return replace(mc, model_path=str(directory))
 
@@ -89,14 +91,16 @@ def load_model(config: ModelConfig | str | Path, device: str | torch.device = "c
 
 def load_tokenizer(path: str | Path):
     """The checkpoint's tokenizer (a transformers fast tokenizer), with its chat template if any."""
-    from transformers import AutoTokenizer
+    with TRANSFORMERS_IMPORT_LOCK:
+        from transformers import AutoTokenizer
 
     directory = _directory(path)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"{directory}: no tokenizer found; "
                                 f"expected one of {', '.join(TOKENIZER_FILES)}")
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        with TRANSFORMERS_IMPORT_LOCK:  # from_pretrained imports the tokenizer's modules lazily
+            return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{directory}: could not load the tokenizer: {exc}") from exc
 
@@ -158,49 +162,29 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target]:
     return targets
 
 
-def checkpoint_files(directory: Path) -> list[Path]:
-    """The safetensors shards named by the index, or the single model.safetensors."""
-    index_path = directory / INDEX_FILE
-    if index_path.is_file():
-        index = _read_json(index_path, required=True)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index_path}: expected a non-empty 'weight_map' object")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise FileNotFoundError(f"{file.name}, listed in {index_path}, does not exist")
-        return files
-    if (directory / SINGLE_FILE).is_file():
-        return [directory / SINGLE_FILE]
-    raise FileNotFoundError(f"{directory}: no weights found; expected {INDEX_FILE} or {SINGLE_FILE}")
-
-
 @torch.no_grad()
 def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     if mc.model_path is None:
         raise ValueError("ModelConfig.model_path is not set; build it with load_model_config(path)")
     targets = checkpoint_targets(model)
     files = checkpoint_files(Path(mc.model_path))
-    # Pass 1 reads only the headers: names and shapes are checked before any weight is copied.
-    plan: list[tuple[Path, list[str]]] = []
+    # The headers first: names and shapes are checked before any weight is copied.
+    plan: list[tuple[Path, list[TensorCopy]]] = []
     unexpected: list[str] = []
     for file in files:
-        names = []
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                target = targets.get(name)
-                if target is None:
-                    skippable = _IGNORED.search(name) or (name == "lm_head.weight" and mc.tie_word_embeddings)
-                    if not skippable:
-                        unexpected.append(f"{name} (in {file.name})")
-                    continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != target.shape:
-                    raise ValueError(f"{name} in {file.name} has shape {shape}, expected {target.shape}")
-                names.append(name)
-        plan.append((file, names))
-    found = {name for _, names in plan for name in names}
+        copies = []
+        for entry in read_header(file):
+            target = targets.get(entry.name)
+            if target is None:
+                skippable = _IGNORED.search(entry.name) or (entry.name == "lm_head.weight" and mc.tie_word_embeddings)
+                if not skippable:
+                    unexpected.append(f"{entry.name} (in {file.name})")
+                continue
+            if entry.shape != target.shape:
+                raise ValueError(f"{entry.name} in {file.name} has shape {entry.shape}, expected {target.shape}")
+            copies.append(TensorCopy(entry, target.param[target.start:target.start + target.rows]))
+        plan.append((file, copies))
+    found = {copy.entry.name for _, copies in plan for copy in copies}
     missing = [name for name in targets if name not in found]
     if missing:
         raise ValueError(f"{mc.model_path}: {len(missing)} tensor(s) missing from "
@@ -209,17 +193,9 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     if unexpected:
         raise ValueError(f"{mc.model_path}: tensors not used by {mc.architecture}: "
                          f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
-    progress = _progress_callback.get()
-    total = sum(math.prod(targets[name].shape) for _, names in plan for name in names)
-    done = 0
-    for file, names in plan:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in names:
-                target = targets[name]
-                target.param[target.start:target.start + target.rows].copy_(f.get_tensor(name))
-                if progress is not None:
-                    done += math.prod(target.shape)
-                    progress(done / total)
+    # Cached shards copy fastest in parallel; a cold disk reads fastest as one stream in file order.
+    readers = None if resident_fraction(files) >= WARM_FRACTION else 1
+    copy_tensors(plan, progress=_progress_callback.get(), num_readers=readers)
 
 
 @torch.no_grad()
@@ -238,17 +214,3 @@ def _directory(path: str | Path) -> Path:
     if not directory.is_dir():
         raise FileNotFoundError(f"model directory {directory} does not exist")
     return directory
-
-
-def _read_json(file: Path, required: bool) -> dict[str, Any] | None:
-    if not file.is_file():
-        if required:
-            raise FileNotFoundError(f"{file} does not exist; expected a Hugging Face model directory")
-        return None
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return data

@@ -86,7 +86,8 @@ def _not_ready(holder: EngineHolder) -> JSONResponse | None:
 async def health(request: Request) -> Response:
     holder = _holder(request)
     if holder.state == "ready":
-        return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "ready", "load_started_at": holder.load_started_at,
+                             "load_timings": holder.load_timings})
     body: dict[str, Any] = {"status": holder.state}
     if holder.state == "loading":
         body["progress"] = holder.load_progress
@@ -223,8 +224,9 @@ ROUTES = [
 ]
 
 
-def build_app(config: ServerConfig) -> Starlette:
-    holder = EngineHolder(config)
+def build_app(config: ServerConfig, holder: EngineHolder | None = None) -> Starlette:
+    """The app over `holder` (a new one by default), which starts loading at startup if it has not."""
+    holder = holder if holder is not None else EngineHolder(config)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -52,6 +52,10 @@ class EngineHolder:
         self.state = "loading"  # loading -> ready | failed; any -> draining
         self.error: str | None = None
         self.load_progress = 0.0
+        # Wall-clock time the engine started loading, and its stages' seconds once ready.
+        self.load_started_at: float | None = None
+        self.load_timings: dict[str, float] = {}
+        self._load_thread: threading.Thread | None = None
         self.metrics = EngineMetrics(config.model_name)
         # HTTP requests on /v1 in progress (counted by the server's middleware), streams included.
         self.in_flight = 0
@@ -70,7 +74,10 @@ class EngineHolder:
     # -- loading --------------------------------------------------------------------------------
 
     def start_loading(self) -> None:
-        threading.Thread(target=self._load, name="engine-load", daemon=True).start()
+        """Start building the engine in a background thread; a second call does nothing."""
+        if self._load_thread is None:
+            self._load_thread = threading.Thread(target=self._load, name="engine-load", daemon=True)
+            self._load_thread.start()
 
     def _on_weights_progress(self, fraction: float) -> None:
         self.load_progress = WEIGHTS_PROGRESS_START + (WEIGHTS_PROGRESS_END - WEIGHTS_PROGRESS_START) * fraction
@@ -83,6 +90,8 @@ class EngineHolder:
         if self.config.max_model_len is not None:
             kwargs["max_model_len"] = self.config.max_model_len
         self.load_progress = WEIGHTS_PROGRESS_START
+        self.load_started_at = time.time()
+        started = time.perf_counter()
         try:
             with report_load_progress(self._on_weights_progress):
                 engine = AsyncLLMEngine(self.config.model, **kwargs)
@@ -93,9 +102,11 @@ class EngineHolder:
                 self.state = "failed"
             return
         self.engine, self.load_progress = engine, 1.0
+        self.load_timings = {**engine.engine.load_timings, "engine_s": round(time.perf_counter() - started, 4)}
         if self.state == "loading":  # a drain that began meanwhile wins
             self.state = "ready"
-        logger.info("model %s ready", self.config.model_name)
+        logger.info("model %s ready in %.2fs: %s", self.config.model_name, self.load_timings["engine_s"],
+                    ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.load_timings.items()))
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -160,7 +171,8 @@ class EngineHolder:
                 "in_flight": self.in_flight}
         if self.engine is None:
             return {**base, "running": 0, "waiting": 0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0,
-                    "prefix_cache_hit_rate": 0.0, "num_generated_tokens": 0}
+                    "prefix_cache_hit_rate": 0.0, "num_generated_tokens": 0, "ttft_p95_s": None,
+                    "itl_p95_s": None}
 
         def read(engine):
             scheduler = engine.scheduler
@@ -168,7 +180,9 @@ class EngineHolder:
             return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
                     "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
                     "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": scheduler.num_preemptions,
-                    "num_generated_tokens": engine.num_generated_tokens}
+                    "num_generated_tokens": engine.num_generated_tokens,
+                    # p95 over the last minute (None without a sample), read where tokens are produced.
+                    **engine.latency.figures()}
 
         figures = await self.engine.call(read)
         m = self.metrics
@@ -192,7 +206,8 @@ class EngineHolder:
         return {**base, "running": figures["running"], "waiting": figures["waiting"],
                 "kv_cache_usage": figures["kv_cache_usage"], "tokens_per_s": tokens_per_s,
                 "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0,
-                "num_generated_tokens": figures["num_generated_tokens"]}
+                "num_generated_tokens": figures["num_generated_tokens"],
+                "ttft_p95_s": figures["ttft_p95_s"], "itl_p95_s": figures["itl_p95_s"]}
 
     def record_finished(self, output: RequestOutput) -> None:
         m, metrics = self.metrics, output.metrics

@@ -2,6 +2,7 @@
 with the daemon that started it.
 
     run_server(ServerConfig(...), host="127.0.0.1", port=8100)
+    run_server(ServerConfig(...), host="127.0.0.1", port=8100, fd=3)  # a socket the daemon bound
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 
 import uvicorn
 
@@ -58,12 +60,21 @@ class _QuietPolls(logging.Filter):
         return not (len(args) >= 3 and args[2] in ("/health", "/stats"))
 
 
-def run_server(config: ServerConfig, *, host: str, port: int, log_level: str = "info") -> None:
+def run_server(config: ServerConfig, *, host: str, port: int, fd: int | None = None, log_level: str = "info",
+               holder: EngineHolder | None = None) -> None:
+    """Serve on host:port, or on the inherited socket `fd` (bound already; host and port then only
+    name it). uvicorn's own `fd` option takes the socket for a Unix one, so it is handed over as a
+    socket object. `holder`: an engine already loading (started before the server's imports)."""
     logging.getLogger("uvicorn.access").addFilter(_QuietPolls())
-    app = build_app(config)
+    app = build_app(config, holder)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                             timeout_graceful_shutdown=int(DRAIN_GRACE_S)), app.state.holder)
-    server.run()
+    if fd is None:
+        server.run()
+        return
+    sock = socket.socket(fileno=fd)  # family and type read from the descriptor
+    logger.info("serving on %s (socket from the daemon)", sock.getsockname())
+    server.run(sockets=[sock])
 
 
 def exit_with_parent(parent_pid: int) -> None:

@@ -7,7 +7,6 @@ run's. The control plane's Celery worker consumes the default queue of the test'
 """
 
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -30,6 +29,9 @@ FLEET_ENV = {
     "FLEET_RECONCILE_INTERVAL_SECONDS": "2",
     "FLEET_REPLICA_ACK_TIMEOUT_SECONDS": "60",
     "FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS": "60",
+    # A failed load is retried on its worker after 2 s, then 4 s, capped at 8 s.
+    "FLEET_LOAD_RETRY_INITIAL_SECONDS": "2",
+    "FLEET_LOAD_RETRY_MAX_SECONDS": "8",
 }
 
 
@@ -85,7 +87,6 @@ class Fleet:
         }
         (tmp_path / "var").mkdir()
         self.processes: list[Process] = []
-        self._next_port = random.randrange(20000, 60000, 100)
 
     def _start(self, name: str, argv: list[str], *, mode: str = "wb") -> Process:
         log_path = self.tmp_path / f"{name}.log"
@@ -96,12 +97,23 @@ class Fleet:
         self.processes.append(process)
         return process
 
-    def start_control_plane(self) -> None:
+    def start_control_plane(self, *, mode: str = "wb") -> None:
         self._start("web", ["-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
-                            "--port", str(self.port), "--lifespan", "off", "--no-access-log"])
+                            "--port", str(self.port), "--lifespan", "off", "--no-access-log"], mode=mode)
         self._start("celery", ["-m", "celery", "-A", "controlplane", "worker", "--beat", "-l", "INFO", "-c", "2",
-                               "--without-gossip", "--without-mingle"])
+                               "--without-gossip", "--without-mingle"], mode=mode)
         wait_until(self._answers, timeout=60, what="the control plane's /healthz", fleet=self)
+
+    def stop_control_plane(self) -> None:
+        """Stop the web server and Celery (worker and beat), as a restart or an upgrade would:
+        only the database and the broker carry anything over to the next start."""
+        for process in [p for p in self.processes if p.name in ("web", "celery")]:
+            self._stop_process(process)
+            self.processes.remove(process)
+
+    def restart_control_plane(self) -> None:
+        self.stop_control_plane()
+        self.start_control_plane(mode="ab")  # the logs go on
 
     def _answers(self) -> bool:
         try:
@@ -111,11 +123,11 @@ class Fleet:
 
     def start_daemon(self, label: str) -> Process:
         name = f"it-{uuid.uuid4().hex[:8]}-{label}"
-        low = self._next_port
-        self._next_port += 20
+        # No --port-range: the daemon binds each replica's socket on a port the OS chooses and hands
+        # it to the child, so no other process of a busy machine can take it first.
         return self._start(name, [
             "-m", "gpuworker", "daemon", "--control-url", self.url, "--name", name, "--device", "cpu",
-            "--advertise-host", "127.0.0.1", "--port-range", f"{low}-{low + 19}",
+            "--advertise-host", "127.0.0.1",
             "--state-dir", str(self.tmp_path / name), "--drain-timeout", "10",
         ])
 
@@ -133,24 +145,28 @@ class Fleet:
     def stop(self) -> None:
         # Daemons first (they drain their replicas), then Celery and the web server.
         for process in sorted(self.processes, key=lambda p: p.name in ("web", "celery")):
-            popen = process.popen
-            replicas = _children_of(popen.pid) if popen.poll() is None else []
-            if popen.poll() is None:
-                popen.send_signal(signal.SIGTERM)
-                try:
-                    popen.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
+            self._stop_process(process)
+
+    @staticmethod
+    def _stop_process(process: Process) -> None:
+        popen = process.popen
+        replicas = _children_of(popen.pid) if popen.poll() is None else []
+        if popen.poll() is None:
+            popen.send_signal(signal.SIGTERM)
             try:
-                os.killpg(popen.pid, signal.SIGKILL)  # whatever it forked (Celery's pool)
+                popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)  # whatever it forked (Celery's pool)
+        except ProcessLookupError:
+            pass
+        popen.wait()
+        for pid in replicas:  # replica servers run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            popen.wait()
-            for pid in replicas:  # replica servers run in sessions of their own
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
     def logs(self, tail: int = 4000) -> str:
         parts = []

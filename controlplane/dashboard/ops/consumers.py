@@ -1,7 +1,8 @@
 """The fleet page's WebSocket (ws/fleet/): operators and admins only. It joins the "fleet" group
 the fleet services publish to and relays each event as HTML fragments addressed by id; it keeps the
-last minute of figures per open page for the sparklines."""
+last minute of figures per open page for the sparklines. A page that reconnects asks to resync."""
 
+import json
 import logging
 
 from channels.db import database_sync_to_async
@@ -32,7 +33,15 @@ class FleetConsumer(AsyncWebsocketConsumer):
             await self.channel_layer.group_discard(FLEET_GROUP, self.channel_name)
 
     async def receive(self, text_data=None, bytes_data=None) -> None:
-        """The page only listens; anything it sends is ignored."""
+        """The page only listens, except for {"resync": true} after it reconnects: it gets the
+        workers and every deployment's status as they are now. Anything else is ignored."""
+        try:
+            message = json.loads(text_data or "")
+        except ValueError:
+            return
+        if isinstance(message, dict) and message.get("resync") is True:
+            html = await database_sync_to_async(fragments.resync_fragment)(self.history)
+            await self.send(text_data=html)
 
     async def live_event(self, message: dict) -> None:
         event, data = message.get("event"), message.get("data") or {}
@@ -46,6 +55,8 @@ class FleetConsumer(AsyncWebsocketConsumer):
                 html = fragments.autoscale_fragment(data)
             elif event == "worker.state":
                 html = await database_sync_to_async(fragments.workers_fragment)(self.history)
+            elif event == "deployment.changed":
+                html = await database_sync_to_async(fragments.deployment_fragment)(data)
             else:
                 return
         except Exception:

@@ -173,11 +173,22 @@ def heartbeat_time(live: dict[str, Any]) -> datetime | None:
     return datetime.fromtimestamp(received, tz=timezone.utc) if received else None
 
 
+def staging_view(live: dict[str, Any]) -> dict[str, Any] | None:
+    """The heartbeat's staging report, with each checkpoint's folder name and resident percent."""
+    staging = live.get("staging")
+    if not staging:
+        return None
+    models = [{**m, "name": m["path"].rstrip("/").rpartition("/")[2], "resident_pct": round(100 * m["resident_fraction"])}
+              for m in staging.get("models", [])]
+    return {"budget_bytes": staging.get("budget_bytes", 0), "models": models}
+
+
 @dataclass
 class WorkerView:
     worker: Worker
     slots: list[SlotView]
     heartbeat_at: datetime | None
+    staging: dict[str, Any] | None = None
 
     @property
     def can_drain(self) -> bool:
@@ -211,7 +222,7 @@ def worker_views(*, worker_ids: list[int] | None = None, history: FigureHistory 
             report = (live.get("replicas") or {}).get(str(replica.pk))
             slot.replicas.append(ReplicaView(replica, _replica_progress(live, replica),
                                              replica_load_view(replica.pk, report) if report else None))
-        views.append(WorkerView(worker, slots, heartbeat_time(live)))
+        views.append(WorkerView(worker, slots, heartbeat_time(live), staging_view(live)))
     return views
 
 

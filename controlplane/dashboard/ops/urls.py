@@ -8,6 +8,7 @@ urlpatterns: list = [
     path("fleet/", views.fleet, name="fleet"),
     path("fleet/deployments/<int:pk>/scale", views.deployment_scale_view, name="deployment_scale"),
     path("fleet/deployments/<int:pk>/edit", views.deployment_edit_view, name="deployment_edit"),
+    path("fleet/deployments/<int:pk>/retry", views.deployment_retry_view, name="deployment_retry"),
     path("fleet/replicas/load", views.replica_load_view, name="replica_load"),
     path("fleet/replicas/<int:pk>/unload", views.replica_unload_view, name="replica_unload"),
     path("fleet/workers/<int:pk>/drain", views.worker_drain_view, name="worker_drain"),

@@ -26,12 +26,14 @@ from controlplane.dashboard.ops.forms import (
     LoadForm,
     ScaleForm,
 )
+from controlplane.dashboard.ops.fragments import deployment_context
 from controlplane.dashboard.ops.overview import deployment_views, worker_views
 from controlplane.dashboard.permissions import operator_required
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.selectors import workers_for_path_check
+from controlplane.fleet.selectors import deployment_statuses, workers_for_path_check
 from controlplane.fleet.services import (
     deployment_create,
+    deployment_retry_loads,
     deployment_scale,
     deployment_update,
     replica_load_on,
@@ -50,25 +52,15 @@ FLEET, CATALOG = "dashboard:fleet", "dashboard:catalog"
 def fleet(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/ops/fleet.html", {
         "workers": worker_views(),
-        "deployments": [_deployment_context(view) for view in deployment_views()],
+        "deployments": [deployment_context(view) for view in deployment_views()],
         "load_form": LoadForm(),
     })
 
 
-def _deployment_context(view, *, scale_form=None, limits_form=None, open_limits=False) -> dict:
-    deployment = view.deployment
-    return {
-        "view": view,
-        "scale_form": scale_form or ScaleForm(initial={"desired_replicas": deployment.desired_replicas},
-                                              prefix=f"s{deployment.pk}"),
-        "limits_form": limits_form or DeploymentLimitsForm.for_deployment(deployment),
-        "open_limits": open_limits,
-    }
-
-
-def _render_deployment(request, deployment_id: int, **forms) -> HttpResponse:
+def _render_deployment(request, deployment_id: int, *, action_error: str = "", **forms) -> HttpResponse:
     (view,) = deployment_views(deployment_ids=[deployment_id])
-    return render(request, "dashboard/ops/_deployment.html", {"d": _deployment_context(view, **forms)})
+    return render(request, "dashboard/ops/_deployment.html", {"d": deployment_context(view, **forms),
+                                                              "action_error": action_error})
 
 
 @operator_required
@@ -95,6 +87,15 @@ def deployment_edit_view(request: HttpRequest, pk: int) -> HttpResponse:
             errors=form_error_messages(form))
     return fragment_or_redirect(request, lambda: _render_deployment(request, pk), to=FLEET,
                                 success=f"{deployment.model.public_name} updated.")
+
+
+@operator_required
+@require_POST
+def deployment_retry_view(request: HttpRequest, pk: int) -> HttpResponse:
+    deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
+    return run_action(request, lambda: deployment_retry_loads(deployment=deployment, actor=request.user),
+                      partial(_render_deployment, request, pk), to=FLEET,
+                      success=f"Retrying {deployment.model.public_name} on every worker now.")
 
 
 def _render_load_form(request, form, *, done: str = "", worker_id: int | None = None) -> HttpResponse:
@@ -164,8 +165,19 @@ def audit(request: HttpRequest) -> HttpResponse:
 @operator_required
 @require_GET
 def catalog(request: HttpRequest) -> HttpResponse:
-    models = Model.objects.select_related("price_tier", "deployment").order_by("public_name")
+    models = _with_fleet_status(Model.objects.select_related("price_tier", "deployment").order_by("public_name"))
     return render(request, "dashboard/ops/catalog.html", {"models": models})
+
+
+def _with_fleet_status(models) -> list[Model]:
+    """The models, each with `fleet_status`: its deployment's status (None when not deployed), so
+    the list can say which are degraded and why."""
+    models = list(models)
+    deployed = [m.deployment.pk for m in models if hasattr(m, "deployment")]
+    statuses = {s.deployment_id: s for s in deployment_statuses(deployment_ids=deployed)} if deployed else {}
+    for m in models:
+        m.fleet_status = statuses.get(m.deployment.pk) if hasattr(m, "deployment") else None
+    return models
 
 
 def _path_notes(form: CatalogModelForm) -> list:
@@ -208,7 +220,7 @@ def catalog_edit(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def _catalog_row(request, model_id: int, *, action_error: str = "") -> HttpResponse:
-    model = Model.objects.select_related("price_tier", "deployment").get(pk=model_id)
+    [model] = _with_fleet_status(Model.objects.select_related("price_tier", "deployment").filter(pk=model_id))
     return render(request, "dashboard/ops/_catalog_row.html", {"m": model, "action_error": action_error})
 
 

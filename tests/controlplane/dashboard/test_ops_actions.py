@@ -125,7 +125,8 @@ def test_loading_where_there_is_no_room_is_refused_beside_the_gpu_choice(operato
     fragment = operator_client.post(reverse("dashboard:replica_load"),
                                     {"deployment": deployment.pk, "slot": f"{gpu.worker_id}:{gpu.pk}"},
                                     **HTMX).content.decode()
-    assert "has 1,000 bytes free" in fragment[fragment.index('id="errors-slot"'):]
+    assert "needs 4.9 KiB; free: " in fragment[fragment.index('id="errors-slot"'):]
+    assert f"GPU 0 ({gpu.name}) 1000 B of 1000 B" in fragment
     fragment = operator_client.post(reverse("dashboard:replica_load"), {"deployment": "", "slot": ""},
                                     **HTMX).content.decode()
     assert 'id="errors-deployment"' in fragment and 'id="errors-slot"' in fragment
@@ -182,3 +183,51 @@ def test_without_htmx_an_action_redirects_back_with_a_message(operator_client):
     response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
                                     {f"s{deployment.pk}-desired_replicas": "9"}, follow=True)
     assert "Must lie between min_replicas (0) and max_replicas (3); got 9." in response.content.decode()
+
+
+def _degraded(settings, *, cause: str):
+    """A deployment whose only worker failed its load three times in a row (through the services)."""
+    from django.utils import timezone
+
+    from controlplane.fleet.reconcile import deployment_reconcile
+    from controlplane.fleet.services import worker_heartbeat
+    from gpuworker.contract.heartbeat import parse_heartbeat
+
+    settings.FLEET_LOAD_DEGRADED_AFTER_FAILURES = 3
+    worker = GpuFactory(worker=make_worker(), index=0).worker
+    deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=1024), desired_replicas=1, max_replicas=2)
+    at = timezone.now()
+    for _ in range(3):
+        [replica_id] = deployment_reconcile(deployment_id=deployment.pk, now=at).placed
+        worker_heartbeat(worker_id=worker.pk, now=at, heartbeat=parse_heartbeat({"replicas": [
+            {"replica_id": replica_id, "state": "failed", "error": f"{cause}\nTraceback (most recent call last): ..."}]}))
+        at = deployment.load_backoffs.get().next_attempt_at
+    return deployment, worker
+
+
+LONG_CAUSE = ("FileNotFoundError: no checkpoint at /models/llama-3-8b (looked for config.json and *.safetensors; "
+              "the disk holding /models may not be mounted yet on this host)")
+
+
+def test_a_degraded_deployment_shows_its_cause_in_full_and_retry_now_clears_it(
+        operator_client, operator, settings, django_capture_on_commit_callbacks):
+    deployment, worker = _degraded(settings, cause=LONG_CAUSE)
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    status = page[page.index(f'id="deployment-{deployment.pk}-status"'):]
+    assert 'data-state="degraded"' in status[:200]
+    assert f"{worker.name}: {LONG_CAUSE}" in status  # the whole first line, never cut before its cause
+    assert 'data-testid="backoff"' in status and 'data-testid="retry-now"' in status
+    catalog = operator_client.get(reverse("dashboard:catalog")).content.decode()
+    assert 'data-testid="model-degraded"' in catalog and LONG_CAUSE in catalog
+
+    with django_capture_on_commit_callbacks(execute=True):
+        response = operator_client.post(reverse("dashboard:deployment_retry", args=[deployment.pk]), **HTMX)
+    fragment = response.content.decode()
+    assert fragment.lstrip().startswith(f'<div class="deployment" id="deployment-{deployment.pk}"')
+    assert 'data-testid="retry-now"' not in fragment and not deployment.load_backoffs.exists()
+    entry = _audit("deployment.retry")
+    assert (entry.actor, entry.detail) == (operator, {"backoffs": {worker.name: 3}})
+
+    # Again, with nothing left to retry: the refusal is shown in the deployment.
+    fragment = operator_client.post(reverse("dashboard:deployment_retry", args=[deployment.pk]), **HTMX).content.decode()
+    assert "has no failed loads to retry" in fragment and 'data-testid="action-error"' in fragment

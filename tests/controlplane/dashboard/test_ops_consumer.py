@@ -15,7 +15,8 @@ from controlplane.accounts.models import User
 from controlplane.asgi import application
 from controlplane.fleet.models import Replica
 from gpuworker.contract.heartbeat import parse_registration
-from controlplane.fleet.services import replica_transition, worker_register
+from controlplane.fleet.reconcile import deployment_reconcile
+from controlplane.fleet.services import deployment_create, deployment_scale, replica_transition, worker_register
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     beat,
@@ -156,5 +157,63 @@ async def test_replica_load_figures_and_autoscaling_decisions_reach_the_page():
         html = await _receive_matching(communicator, f'id="deployment-{deployment.pk}-autoscale"')
         # 6 in flight for replicas that should carry 2 × 70% each: the maximum, 4.
         assert 'data-action="up"' in html and "Scaled up · 4" in html and "waiting 4 · running 2" in html
+    finally:
+        await communicator.disconnect()
+
+
+async def test_deployment_changes_reach_the_page_with_their_inputs():
+    # Another writer (an operator elsewhere, the autoscaler) scales: every open page shows the
+    # new count, not the one it was opened with.
+    deployment = await sync_to_async(DeploymentFactory)(desired_replicas=1, min_replicas=0, max_replicas=4)
+    communicator, connected, _ = await _connect(User.Role.OPERATOR)
+    assert connected
+    try:
+        await sync_to_async(deployment_scale)(deployment=deployment, desired_replicas=3, actor=None)
+        html = await _receive_matching(communicator, f'id="deployment-{deployment.pk}-status"')
+        assert 'data-desired="3"' in html and "desired 3 · min 0 · max 4" in html
+        # A new deployment joins the list.
+        model = await sync_to_async(ModelFactory)(public_name="newcomer")
+        await sync_to_async(deployment_create)(model_name=model.public_name, desired_replicas=0, actor=None)
+        html = await _receive_matching(communicator, 'data-model="newcomer"')
+        assert html.lstrip().startswith('<div id="deployments"')
+    finally:
+        await communicator.disconnect()
+
+
+async def test_a_failed_load_and_why_a_replica_is_unplaced_reach_the_page(settings):
+    settings.FLEET_LOAD_RETRY_INITIAL_SECONDS = 60
+    worker = await sync_to_async(make_worker)()
+    await sync_to_async(GpuFactory)(worker=worker, index=0, memory_total_bytes=80 * 1024**3)
+    deployment = await sync_to_async(DeploymentFactory)(
+        model=await sync_to_async(ModelFactory)(gpu_memory_bytes=1024**3), desired_replicas=1, max_replicas=1)
+    now = timezone.now()
+    [replica_id] = (await sync_to_async(deployment_reconcile)(deployment_id=deployment.pk, now=now)).placed
+    communicator, connected, _ = await _connect(User.Role.OPERATOR)
+    assert connected
+    try:
+        await sync_to_async(beat)(worker, replicas=[{"replica_id": replica_id, "state": "failed",
+                                                     "error": "OSError: [Errno 98] address already in use\nTraceback"}])
+        html = await _receive_matching(communicator, 'data-testid="deployment-error"')
+        assert f"{worker.name}: OSError: [Errno 98] address already in use" in html
+        assert 'data-testid="retry-now"' in html
+        # The next reconcile cannot place it (backing off): the page says why, per GPU.
+        await sync_to_async(deployment_reconcile)(deployment_id=deployment.pk, now=now)
+        html = await _receive_matching(communicator, "backing off until")
+        assert f"needs 1.0 GiB; free: {worker.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB" in html
+    finally:
+        await communicator.disconnect()
+
+
+async def test_a_page_that_reconnects_gets_what_it_missed():
+    worker = await sync_to_async(make_worker)()
+    deployment = await sync_to_async(DeploymentFactory)(desired_replicas=1, min_replicas=0, max_replicas=4)
+    communicator, connected, _ = await _connect(User.Role.OPERATOR)
+    assert connected
+    try:
+        await communicator.send_to(text_data="not json")  # ignored, the connection stays
+        await communicator.send_to(text_data='{"resync": true}')
+        html = await _receive_matching(communicator, 'id="workers"')
+        assert html.lstrip().startswith('<div id="workers"') and f'id="worker-{worker.pk}"' in html
+        assert f'id="deployment-{deployment.pk}-status"' in html and 'data-desired="1"' in html
     finally:
         await communicator.disconnect()

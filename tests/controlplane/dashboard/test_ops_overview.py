@@ -52,3 +52,15 @@ def test_figure_texts_and_missing_figures():
 def test_loading_progress_lists_only_loading_replicas():
     live = {"replicas": {"3": {"state": "loading", "load_progress": 0.25}, "4": {"state": "ready", "load_progress": 1.0}}}
     assert loading_progress(live) == [(3, 0.25)]
+
+
+def test_the_heartbeat_fragment_shows_what_the_worker_stages():
+    from controlplane.dashboard.ops.fragments import heartbeat_fragment
+    from controlplane.dashboard.ops.overview import FigureHistory
+
+    live = {"worker_id": 3, "staging": {"budget_bytes": 32 * 10**9, "models": [
+        {"path": "/models/llama-3-8b", "bytes": 16 * 10**9, "how": "page_cache", "resident_fraction": 0.5}]}}
+    html = heartbeat_fragment(live, FigureHistory())
+    assert 'id="worker-3-staged"' in html
+    assert "llama-3-8b · 14.9\xa0GB · page_cache · 50% resident" in html
+    assert "No weight staging" in heartbeat_fragment({"worker_id": 3}, FigureHistory())

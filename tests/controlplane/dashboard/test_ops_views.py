@@ -53,6 +53,7 @@ def test_tenant_members_cannot_act_either(client):
     posts = [
         (reverse("dashboard:deployment_scale", args=[deployment.pk]), {f"s{deployment.pk}-desired_replicas": "2"}),
         (reverse("dashboard:deployment_edit", args=[deployment.pk]), {}),
+        (reverse("dashboard:deployment_retry", args=[deployment.pk]), {}),
         (reverse("dashboard:replica_load"), {}),
         (reverse("dashboard:replica_unload", args=[replica.pk]), {}),
         (reverse("dashboard:worker_drain", args=[worker.pk]), {}),

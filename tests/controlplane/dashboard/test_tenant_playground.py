@@ -33,7 +33,7 @@ def in_process_gateway(settings):
     gateway_app = process_app()
     settings.FLEET_WORKER_TOKEN = WORKER_TOKEN
     settings.GATEWAY_ROUTING_REFRESH_MS = 100
-    settings.GATEWAY_REPLICA_WAIT_SECONDS = 2
+    settings.GATEWAY_COLD_START_WAIT_SECONDS = 2
     gateway_app.state.gateway = None
     yield gateway_app
     assert gateway_app.state.gateway is None, "each scenario closes the gateway it used"

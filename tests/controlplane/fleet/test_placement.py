@@ -1,7 +1,15 @@
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 
-from controlplane.fleet.placement import Candidate, Slot, choose_to_remove, memory_fraction, plan_placements
+from controlplane.fleet.placement import (
+    Candidate,
+    Slot,
+    SlotRoom,
+    choose_to_remove,
+    memory_fraction,
+    plan_placements,
+    room_message,
+)
 
 GB = 1024**3
 
@@ -60,3 +68,24 @@ def test_memory_fraction_is_bounded():
     assert memory_fraction(need_bytes=20 * GB, total_bytes=80 * GB) == 0.25
     assert memory_fraction(need_bytes=1, total_bytes=80 * GB) == 0.01
     assert memory_fraction(need_bytes=100 * GB, total_bytes=80 * GB) == 1.0
+
+
+def test_a_worker_where_the_model_failed_comes_after_the_others():
+    # Worker 1 has the emptiest GPU, but the model failed there lately: worker 2 first.
+    chosen = plan_placements(slots=_slots(), need_bytes=20 * GB, count=1, replicas_per_worker=Counter(),
+                             replicas_per_slot=Counter(), failures_per_worker=Counter({1: 1}))
+    assert [s.worker_id for s in chosen] == [2]
+    # It is still used when nothing else fits.
+    chosen = plan_placements(slots=_slots(), need_bytes=50 * GB, count=1, replicas_per_worker=Counter(),
+                             replicas_per_slot=Counter(), failures_per_worker=Counter({1: 3}))
+    assert [(s.worker_id, s.gpu_id) for s in chosen] == [(1, 11)]
+
+
+def test_the_room_message_says_what_was_needed_and_free_per_gpu():
+    rooms = [SlotRoom("worker-a GPU 0 (H200)", 19 * GB, 140 * GB, "backing off until 12:03:10 after 2 failed loads"),
+             SlotRoom("worker-b GPU 1 (H200)", int(2.1 * GB), 140 * GB),
+             SlotRoom("worker-c CPU", -GB, 8 * GB)]
+    assert room_message(need_bytes=9_600_000, rooms=rooms) == (
+        "needs 9.2 MiB; free: worker-a GPU 0 (H200) 19.0 GiB of 140.0 GiB but backing off until 12:03:10 after "
+        "2 failed loads; worker-b GPU 1 (H200) 2.1 GiB of 140.0 GiB; worker-c CPU 0 B of 8.0 GiB")
+    assert room_message(need_bytes=GB, rooms=[]) == "needs 1.0 GiB; no online worker to place it on"

@@ -6,7 +6,7 @@ from django.db import connection
 from django.utils import timezone
 
 from controlplane.catalog.models import Model
-from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.models import LoadBackoff, Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile, fleet_reconcile
 from controlplane.fleet.selectors import deployment_statuses
 from controlplane.fleet.services import replica_transition, worker_heartbeat
@@ -58,7 +58,12 @@ def test_placement_respects_memory_and_skips_workers_that_take_no_replicas():
     second = _deployment(1)
     assert _reconcile(second).unplaced == 1 and not Replica.objects.filter(deployment=second).exists()
     [status] = deployment_statuses(deployment_ids=[second.pk])
-    assert status.state == "waiting" and "bytes free" in status.message
+    # What it needs and what was free, per GPU, in human units (the drained and lost workers take
+    # no replicas, so they are not offered).
+    online = Worker.objects.get(state=Worker.State.ONLINE)
+    assert status.state == "waiting"
+    assert status.message == (f"0 of 1 ready; {second.model.public_name} needs 10.0 GiB; free: "
+                              f"{online.name} GPU 0 (NVIDIA H200) 5.0 GiB of 15.0 GiB.")
 
 
 @pytest.mark.django_db
@@ -68,26 +73,6 @@ def test_a_cpu_worker_takes_replicas_within_its_memory():
     outcome = _reconcile(deployment)
     assert len(outcome.placed) == 3 and outcome.unplaced == 1
     assert set(Replica.objects.values_list("worker_id", "gpu_id")) == {(worker.pk, None)}
-
-
-@pytest.mark.django_db
-def test_a_failed_load_is_retried_elsewhere_then_given_up_with_its_reason():
-    a, b = _gpu_worker(), _gpu_worker()
-    deployment = _deployment(1)
-    for _ in range(2):
-        [replica_id] = _reconcile(deployment).placed
-        replica = Replica.objects.get(pk=replica_id)
-        heartbeat = parse_heartbeat({"replicas": [{"replica_id": replica_id, "state": "failed",
-                                                   "error": "model path /nope does not exist"}]})
-        worker_heartbeat(worker_id=replica.worker_id, heartbeat=heartbeat, now=timezone.now())
-    assert set(Replica.objects.values_list("worker_id", "state")) == {(a.pk, State.FAILED), (b.pk, State.FAILED)}
-    # Every worker has failed it: no retry loop, and the reason is there for the UI.
-    assert _reconcile(deployment).placed == []
-    [status] = deployment_statuses(deployment_ids=[deployment.pk])
-    assert status.state == "failed" and status.last_error.endswith("model path /nope does not exist")
-    # Fixing the model makes every worker eligible again.
-    Model.objects.filter(pk=deployment.model_id).update(updated_at=timezone.now() + timedelta(seconds=1))
-    assert len(_reconcile(deployment).placed) == 1
 
 
 @pytest.mark.django_db
@@ -167,3 +152,152 @@ def test_statuses_for_the_ui():
     assert [statuses[d.pk].state for d in (ready, scaling, stopped, lost)] == ["ready", "scaling", "stopped", "waiting"]
     assert statuses[lost.pk].last_error == f"{worker.name}: gone"
     assert (statuses[scaling.pk].ready, statuses[scaling.pk].starting) == (0, 1)
+
+
+# --- Failed loads: retried with backoff per (deployment, worker), never given up for good -------
+
+CAUSE = ("OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 20017): address already "
+         "in use (the replica's port was taken between the check and the bind)")
+ERROR = f"{CAUSE}\nTraceback (most recent call last):\n  File \"server.py\", line 1, in run\nOSError: [Errno 98]"
+
+
+def _fail(replica_id, at, error=ERROR):
+    replica = Replica.objects.get(pk=replica_id)
+    worker_heartbeat(worker_id=replica.worker_id, now=at, heartbeat=parse_heartbeat({"replicas": [
+        {"replica_id": replica_id, "state": "failed", "error": error}]}))
+
+
+def _become_ready(replica_id, at):
+    replica = Replica.objects.get(pk=replica_id)
+    worker_heartbeat(worker_id=replica.worker_id, now=at, heartbeat=parse_heartbeat({"replicas": [
+        {"replica_id": replica_id, "state": "ready", "endpoint_url": URL}]}))
+
+
+def _place(deployment, at):
+    """A reconcile pass as beat would run it at `at`: nothing but the database carries over, as in
+    a freshly started control plane."""
+    [outcome] = fleet_reconcile(now=at, deployment_ids=[deployment.pk])
+    return outcome
+
+
+@pytest.fixture
+def retry_settings(settings):
+    settings.FLEET_LOAD_RETRY_INITIAL_SECONDS = 10
+    settings.FLEET_LOAD_RETRY_MAX_SECONDS = 30
+    settings.FLEET_LOAD_DEGRADED_AFTER_FAILURES = 3
+    return settings
+
+
+@pytest.mark.django_db
+def test_a_failed_load_is_retried_on_its_only_worker_once_its_backoff_has_passed(retry_settings):
+    worker = _gpu_worker()
+    deployment = _deployment(1)
+    t0 = timezone.now()
+    [first] = _place(deployment, t0).placed
+    _fail(first, t0)
+    backoff = LoadBackoff.objects.get(deployment=deployment, worker=worker)
+    assert (backoff.consecutive_failures, backoff.next_attempt_at, backoff.last_error) == (
+        1, t0 + timedelta(seconds=10), ERROR)
+
+    # Before its time the worker is left alone, and the page says why and until when.
+    early = _place(deployment, t0 + timedelta(seconds=9))
+    assert early.placed == [] and early.unplaced == 1
+    until = timezone.localtime(t0 + timedelta(seconds=10)).strftime("%H:%M:%S")
+    assert f"{worker.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB but backing off until {until} after 1 failed load" \
+        in early.reason
+    [status] = deployment_statuses(deployment_ids=[deployment.pk], now=t0 + timedelta(seconds=9))
+    assert status.state == "waiting" and early.reason in status.message
+    assert status.last_error == f"{worker.name}: {CAUSE}"  # the cause in full, before any traceback
+    assert "Traceback" in status.error_detail
+
+    # A control plane started afresh later (a new reconcile reading only the database) retries it.
+    [second] = _place(deployment, t0 + timedelta(seconds=10)).placed
+    assert Replica.objects.get(pk=second).worker_id == worker.pk
+    _fail(second, t0 + timedelta(seconds=11))
+    assert LoadBackoff.objects.get(pk=backoff.pk).next_attempt_at == t0 + timedelta(seconds=31)  # doubled
+    assert _place(deployment, t0 + timedelta(seconds=30)).placed == []
+    [third] = _place(deployment, t0 + timedelta(seconds=31)).placed
+
+    # Ready clears the backoff: the next failure there starts from the initial delay again.
+    _become_ready(third, t0 + timedelta(seconds=40))
+    assert not LoadBackoff.objects.exists()
+    [status] = deployment_statuses(deployment_ids=[deployment.pk])
+    assert status.state == "ready" and status.backoffs == []
+
+
+@pytest.mark.django_db
+def test_a_failed_load_is_placed_on_another_worker_first(retry_settings):
+    a, b = _gpu_worker(), _gpu_worker()
+    deployment = _deployment(1)
+    t0 = timezone.now()
+    [first] = _place(deployment, t0).placed
+    failed_on = Replica.objects.get(pk=first).worker_id
+    _fail(first, t0)
+    [second] = _place(deployment, t0).placed
+    assert Replica.objects.get(pk=second).worker_id == ({a.pk, b.pk} - {failed_on}).pop()
+
+
+@pytest.mark.django_db
+def test_a_worker_whose_backoff_passed_comes_after_one_where_the_model_never_failed(retry_settings):
+    a, b = _gpu_worker(), _gpu_worker()
+    deployment = _deployment(2)
+    t0 = timezone.now()
+    placed = _place(deployment, t0).placed
+    on_a = Replica.objects.get(pk__in=placed, worker=a).pk
+    _become_ready(Replica.objects.get(pk__in=placed, worker=b).pk, t0)
+    _fail(on_a, t0)
+    # Well after the backoff: b (healthy, already one replica) and a (failed once) are both
+    # eligible; spreading still wins, so a is retried rather than packing b.
+    [retry] = _place(deployment, t0 + timedelta(minutes=5)).placed
+    assert Replica.objects.get(pk=retry).worker_id == a.pk
+
+
+@pytest.mark.django_db
+def test_repeated_failures_mark_the_deployment_degraded_and_it_keeps_retrying_at_the_cap(retry_settings):
+    worker = _gpu_worker()
+    deployment = _deployment(1)
+    at = timezone.now()
+    for n in range(1, 5):
+        [replica_id] = _place(deployment, at).placed
+        _fail(replica_id, at)
+        backoff = LoadBackoff.objects.get(deployment=deployment)
+        assert backoff.consecutive_failures == n
+        assert (backoff.next_attempt_at - at).total_seconds() == [10, 20, 30, 30][n - 1]
+        [status] = deployment_statuses(deployment_ids=[deployment.pk], now=at)
+        assert status.state == ("degraded" if n >= 3 else "waiting")
+        at = backoff.next_attempt_at
+    assert status.last_error == f"{worker.name}: {CAUSE}"
+    assert "4 loads failed in a row" in status.message
+    [view] = status.backoffs
+    assert (view.worker_name, view.consecutive_failures, view.cause) == (worker.name, 4, CAUSE)
+    # Still retried when its time comes.
+    assert len(_place(deployment, at).placed) == 1
+
+
+@pytest.mark.django_db
+def test_a_replica_dying_before_ready_backs_off_but_one_crashing_after_ready_does_not(retry_settings):
+    worker = _gpu_worker()
+    loading, serving = _deployment(1), _deployment(1)
+    t0 = timezone.now()
+    [a] = _place(loading, t0).placed
+    [b] = _place(serving, t0).placed
+    worker_heartbeat(worker_id=worker.pk, now=t0, heartbeat=parse_heartbeat({"replicas": [
+        {"replica_id": a, "state": "loading"}, {"replica_id": b, "state": "ready", "endpoint_url": URL}]}))
+    worker_heartbeat(worker_id=worker.pk, now=t0, heartbeat=parse_heartbeat({"replicas": [
+        {"replica_id": a, "state": "failed", "error": "killed"}, {"replica_id": b, "state": "failed", "error": "killed"}]}))
+    assert list(LoadBackoff.objects.values_list("deployment_id", flat=True)) == [loading.pk]
+    assert len(_place(serving, t0).placed) == 1
+
+
+@pytest.mark.django_db
+def test_editing_the_model_gives_every_worker_a_fresh_start(retry_settings):
+    _gpu_worker()
+    deployment = _deployment(1)
+    t0 = timezone.now()
+    [first] = _place(deployment, t0).placed
+    _fail(first, t0)
+    assert _place(deployment, t0).placed == []
+    Model.objects.filter(pk=deployment.model_id).update(updated_at=t0 + timedelta(seconds=1))
+    [second] = _place(deployment, t0 + timedelta(seconds=2)).placed
+    _fail(second, t0 + timedelta(seconds=2))
+    assert LoadBackoff.objects.get(deployment=deployment).consecutive_failures == 1  # counted afresh

@@ -7,14 +7,19 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment
-from controlplane.fleet.models import Gpu, Replica, Worker
+from controlplane.celery import app as celery_app
+from controlplane.fleet.models import Gpu, LoadBackoff, Replica, Worker
+from controlplane.fleet.reconcile import deployment_reconcile
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from controlplane.fleet.selectors import worker_latest_heartbeat
 from controlplane.fleet.services import (
     WorkerUnknown,
     deployment_create,
+    deployment_retry_loads,
     deployment_scale,
+    deployment_wake,
     replica_load_on,
     replica_place,
     replica_transition,
@@ -257,7 +262,8 @@ def test_replica_load_on_refuses_with_reasons():
     small = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=GB), desired_replicas=0, max_replicas=1)
     big = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=11 * GB), desired_replicas=0, max_replicas=1)
     cases = [
-        (dict(deployment=big, worker=gpu.worker, gpu=gpu), "gpu", "bytes free"),
+        (dict(deployment=big, worker=gpu.worker, gpu=gpu), "gpu",
+         f"needs 11.0 GiB; free: {gpu.worker.name} GPU 0 ({gpu.name}) 10.0 GiB of 10.0 GiB"),
         (dict(deployment=small, worker=gpu.worker, gpu=None), "gpu", "choose one"),
         (dict(deployment=small, worker=gpu.worker, gpu=GpuFactory()), "gpu", "not a present GPU"),
         (dict(deployment=small, worker=make_worker(state=Worker.State.DRAINING), gpu=None), "worker", "draining"),
@@ -366,3 +372,58 @@ def test_deployment_scale_out_of_bounds_raises_and_keeps_the_old_count(desired):
     with pytest.raises(ValidationError):
         deployment_scale(deployment=deployment, desired_replicas=desired)
     assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
+
+
+def test_deployment_wake_wants_one_replica_once_audited_as_the_system(django_capture_on_commit_callbacks):
+    deployment = DeploymentFactory(desired_replicas=0, min_replicas=0, max_replicas=3)
+    with django_capture_on_commit_callbacks() as callbacks:
+        assert deployment_wake(model_id=deployment.model_id) is True
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
+    assert len(callbacks) == 2  # the fleet page's update and the reconcile request, after commit
+    [entry] = AuditEntry.objects.filter(action=AuditEntry.Action.DEPLOYMENT_SCALE)
+    assert entry.actor is None and entry.actor_label == "system" and entry.target_id == str(deployment.pk)
+    assert entry.detail["desired_replicas"] == [0, 1] and "cold start" in entry.detail["reason"]
+    # Already awake: nothing written, nothing sent.
+    with django_capture_on_commit_callbacks() as callbacks:
+        assert deployment_wake(model_id=deployment.model_id) is True
+    assert not callbacks and AuditEntry.objects.count() == 1
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
+
+
+def test_deployment_wake_keeps_a_larger_desired_count():
+    deployment = DeploymentFactory(desired_replicas=2, min_replicas=0, max_replicas=3)
+    assert deployment_wake(model_id=deployment.model_id) is True
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 2 and not AuditEntry.objects.exists()
+
+
+def test_deployment_wake_refuses_a_model_that_may_have_no_replica():
+    deployment = DeploymentFactory(desired_replicas=0, min_replicas=0, max_replicas=0)
+    assert deployment_wake(model_id=deployment.model_id) is False
+    assert deployment_wake(model_id=ModelFactory().pk) is False  # no deployment at all
+    assert Deployment.objects.get(pk=deployment.pk).desired_replicas == 0 and not AuditEntry.objects.exists()
+
+
+# --- retry now ---------------------------------------------------------------------------------
+
+def test_retry_now_forgets_the_backoff_is_audited_and_reconciles_at_once(settings, django_capture_on_commit_callbacks):
+    settings.FLEET_LOAD_RETRY_INITIAL_SECONDS = 300
+    worker = GpuFactory(worker=make_worker(), index=0).worker
+    deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=GB), desired_replicas=1, max_replicas=1)
+    now = timezone.now()
+    [replica_id] = deployment_reconcile(deployment_id=deployment.pk, now=now).placed
+    _beat(worker, {"replica_id": replica_id, "state": "failed", "error": "checkpoint not there yet"}, now=now)
+    assert deployment_reconcile(deployment_id=deployment.pk, now=now).placed == []  # backing off for 5 minutes
+
+    with django_capture_on_commit_callbacks(execute=True):
+        deployment_retry_loads(deployment=deployment, actor=None)
+    assert not LoadBackoff.objects.exists()
+    entry = AuditEntry.objects.get(action=AuditEntry.Action.DEPLOYMENT_RETRY)
+    assert (entry.target_id, entry.detail) == (str(deployment.pk), {"backoffs": {worker.name: 1}})
+    assert ("controlplane.fleet.tasks.reconcile", {"deployment_ids": [deployment.pk]}) in \
+        queued_tasks(celery_app.conf.task_default_queue)
+    assert len(deployment_reconcile(deployment_id=deployment.pk, now=now).placed) == 1
+
+    # Nothing left to retry: refused, nothing written.
+    with pytest.raises(ValidationError, match="no failed loads to retry"):
+        deployment_retry_loads(deployment=deployment, actor=None)
+    assert AuditEntry.objects.filter(action=AuditEntry.Action.DEPLOYMENT_RETRY).count() == 1

@@ -246,3 +246,24 @@ def test_autoscaling_settings_are_saved_and_audited():
             deployment.idle_to_zero_seconds) == (False, 16, 500, 40, 0)
     entry = AuditEntry.objects.get(action=AuditEntry.Action.DEPLOYMENT_UPDATE, target_id=str(deployment.pk))
     assert entry.detail["target_concurrency"] == [4, 16] and entry.detail["autoscale"] == [True, False]
+
+
+def test_a_request_queued_for_a_cold_start_keeps_the_model_from_scaling_to_zero():
+    """The gateway's cold-start queue (the real Redis set it writes) counts as demand: an idle
+    deployment with a request waiting for its first replica is not scaled to zero under it."""
+    from controlplane.gateway.cold_start_counts import redis_key
+
+    deployment = _deployment(desired=1)
+    _requests(deployment.model_id, ago=timedelta(minutes=11))
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    key = redis_key(deployment.model_id)
+    client.zadd(key, {"req-waiting": int((timezone.now() + timedelta(minutes=1)).timestamp() * 1000)})
+    try:
+        (decision,) = deployments_autoscale(now=timezone.now())
+    finally:
+        client.delete(key)
+        client.close()
+    deployment.refresh_from_db()
+    assert deployment.desired_replicas == 1
+    assert decision.inputs["queued_cold_starts"] == 1
+    assert decision.action != "down"

@@ -154,7 +154,7 @@ def start_gateway(database_url: str, redis_url: str, **env_overrides: str) -> Ga
         "DATABASE_URL": database_url, "REDIS_URL": redis_url, "GPUSERVE_WORKER_TOKEN": WORKER_TOKEN,
         "DEBUG": "1", "LOG_LEVEL": "WARNING",
         # Small figures so that the tests see routing changes, waits and cool-downs quickly.
-        "GATEWAY_ROUTING_REFRESH_MS": "100", "GATEWAY_REPLICA_WAIT_SECONDS": "2",
+        "GATEWAY_ROUTING_REFRESH_MS": "100", "GATEWAY_COLD_START_WAIT_SECONDS": "2",
         "GATEWAY_RETRY_AFTER_SECONDS": "3", "GATEWAY_REPLICA_COOLDOWN_SECONDS": "30",
         "GATEWAY_HOLD_SWEEP_SECONDS": "1", "GATEWAY_AFFINITY_PREFIX_CHARS": str(AFFINITY_PREFIX_CHARS),
         **env_overrides,

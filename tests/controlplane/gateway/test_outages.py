@@ -318,6 +318,25 @@ def test_database_down_is_a_503_with_retry_after_and_readiness_names_the_databas
     assert _ready(world).status_code == 200
 
 
+def test_a_cold_start_that_needs_the_database_while_it_is_down_is_a_503_at_once_then_heals(
+        outage_gateway, world, database_proxy):
+    from controlplane.catalog.models import Deployment
+    from tests.controlplane.gateway.test_cold_start import cold_world
+
+    cold = cold_world(outage_gateway)  # scaled to zero; listing it cached its key
+    database_proxy.cut()
+    try:
+        # Waking the deployment needs the database: a clear 503 now, not a wait that cannot end well.
+        _assert_unavailable(_chat_http(cold), "database_unavailable", "database", [str(database_proxy.port)])
+    finally:
+        database_proxy.restore()
+    assert Deployment.objects.get(model=cold.model).desired_replicas == 0
+    # Back: the next request wakes it (and, with no replica loading here, waits its 2 s in vain).
+    wait_until(lambda: _chat_http(cold).json()["error"]["code"] == "cold_start_timeout", 60, "a cold start to wait")
+    assert Deployment.objects.get(model=cold.model).desired_replicas == 1
+    assert not UsageRecord.objects.filter(tenant=cold.tenant).exists()
+
+
 def test_a_stream_that_ends_while_the_database_is_away_is_settled_when_it_returns(world, database_proxy):
     request_id = _stream_through(world, database_proxy.cut)
     # The outage lasts longer than a settlement used to be retried for (2.5 s); the hold outlives

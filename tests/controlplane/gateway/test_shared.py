@@ -7,6 +7,7 @@ import os
 import pytest
 import redis
 
+from controlplane.gateway.cold_start_counts import waiting_in_cache, waiting_in_redis
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.local_shared import LocalShared
 from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
@@ -20,7 +21,7 @@ REDIS_DB = 11
 def _config(redis_url: str = "") -> GatewayConfig:
     return GatewayConfig(
         redis_url=redis_url, worker_token="t", key_cache_s=30, key_changes_poll_s=0.5, routing_refresh_s=1,
-        replica_wait_s=1, retry_after_s=5, connect_timeout_s=1, request_timeout_s=60, replica_cooldown_s=30,
+        cold_start_wait_s=1, cold_start_queue_max=4, retry_after_s=5, connect_timeout_s=1, request_timeout_s=60, replica_cooldown_s=30,
         max_request_bytes=1 << 20,
         default_rate_limit_per_minute=60, default_max_concurrent_requests=8, affinity_prefix_chars=64,
         affinity_max_extra=2, idempotency_s=60, hold_sweep_s=1,
@@ -28,8 +29,11 @@ def _config(redis_url: str = "") -> GatewayConfig:
 
 
 @pytest.fixture(params=["redis", "local"])
-async def shared(request):
+async def shared(request, settings):
     if request.param == "local":
+        # The embedded set-up publishes some counts to the live cache for other processes.
+        settings.CACHES = {**settings.CACHES, "live": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+                                                       "LOCATION": f"shared-{os.getpid()}"}}
         yield LocalShared(_config())
         return
     base = os.environ.get("REDIS_URL", "")
@@ -195,3 +199,30 @@ async def test_admit_and_pick_counts_the_replica_only_when_admitted(shared):
     assert not refused.allowed and none is None
     # "b" left nothing behind on the replicas: 2 and 3 are still the least busy, then 1 again.
     assert [(await shared.pick(REPLICAS, f"r{i}", None)).replica_id for i in range(3)] == [2, 3, 1]
+
+
+def _cold_start_waiting(shared, model_ids: list[int]) -> dict[int, int]:
+    """What the autoscaler reads, in the implementation's own store."""
+    if isinstance(shared, LocalShared):
+        return waiting_in_cache(model_ids)
+    return waiting_in_redis(shared._config.redis_url, model_ids)
+
+
+async def test_requests_waiting_for_a_cold_start_are_counted_per_model_until_they_leave(shared):
+    await shared.cold_start_join(7, "r1", 30)
+    await shared.cold_start_join(7, "r2", 30)
+    await shared.cold_start_join(8, "r3", 30)
+    assert _cold_start_waiting(shared, [7, 8, 9]) == {7: 2, 8: 1, 9: 0}
+    await shared.cold_start_leave(7, "r1")
+    await shared.cold_start_leave(8, "r3")
+    await shared.cold_start_leave(8, "r3")  # twice: no harm
+    assert _cold_start_waiting(shared, [7, 8]) == {7: 1, 8: 0}
+
+
+async def test_a_cold_start_wait_past_its_deadline_no_longer_counts(shared):
+    # A process that died while its request waited never says it left: the entry lapses.
+    await shared.cold_start_join(7, "dead", 0.2)
+    await shared.cold_start_join(7, "alive", 30)
+    assert _cold_start_waiting(shared, [7]) == {7: 2}
+    await asyncio.sleep(0.3)
+    assert _cold_start_waiting(shared, [7]) == {7: 1}

@@ -3,7 +3,7 @@ in the form the control plane parses back."""
 
 import pytest
 
-from gpuworker.contract.heartbeat import (ContractError, GpuSpec, Heartbeat, ModelPaths, ReplicaReport,
+from gpuworker.contract.heartbeat import (ContractError, GpuSpec, Heartbeat, ModelPaths, ReplicaReport, StagedWeights, Staging,
                                           WorkerRegistration, parse_heartbeat, parse_registration)
 
 REGISTRATION = {
@@ -63,6 +63,14 @@ def test_heartbeat_parses_figures_and_leaves_out_missing_ones():
     ({"replicas": [{"replica_id": 0, "state": "loading"}]}, "replicas[0].replica_id"),
     ({"replicas": [{"replica_id": 1, "state": "loading", "running": "2"}]}, "replicas[0].running"),
     ({"replicas": [{"replica_id": 1, "state": "loading"}, {"replica_id": 1, "state": "loading"}]}, "replicas"),
+    ({"staging": []}, "staging"),
+    ({"staging": {"budget_bytes": -1}}, "staging.budget_bytes"),
+    ({"staging": {"budget_bytes": 1, "models": [{"path": "m", "bytes": 1, "how": "page_cache",
+                                                 "resident_fraction": 1}]}}, "staging.models[0].path"),
+    ({"staging": {"budget_bytes": 1, "models": [{"path": "/m", "bytes": 1, "how": "disk",
+                                                 "resident_fraction": 1}]}}, "staging.models[0].how"),
+    ({"staging": {"budget_bytes": 1, "models": [{"path": "/m", "bytes": 1, "how": "pinned",
+                                                 "resident_fraction": 1.5}]}}, "staging.models[0].resident_fraction"),
 ])
 def test_bad_heartbeats_name_the_field(body, field):
     assert field == _error_fields(parse_heartbeat, body)
@@ -82,3 +90,7 @@ def test_what_the_daemon_builds_the_control_plane_parses_back():
                                 figures={"load_progress": 1.0, "running": 2, "kv_cache_usage": 0.25}),))
     assert parse_heartbeat(heartbeat.to_json()) == heartbeat
     assert "models" not in heartbeat.to_json()  # sent only when the scan changed
+    staged = Heartbeat(sent_at="", draining=False, gpus=(), cpu={}, replicas=(), staging=Staging(
+        budget_bytes=32 * 10**9, models=(StagedWeights(path="/models/a", bytes=16 * 10**9, how="page_cache",
+                                                      resident_fraction=0.5),)))
+    assert parse_heartbeat(staged.to_json()) == staged

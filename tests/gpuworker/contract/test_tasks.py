@@ -54,3 +54,15 @@ def test_missing_extra_and_positional_arguments_are_refused():
         parse_task(DRAIN_WORKER, (10,), {})
     with pytest.raises(TaskArgumentError, match=r"timeout_s must be a number in \[0, 3600\], got 7200"):
         parse_task(DRAIN_WORKER, (), {"timeout_s": 7200})
+
+
+def test_stage_weights_round_trips_and_checks_its_list():
+    from gpuworker.contract.tasks import STAGE_WEIGHTS, StageWeights
+
+    task = StageWeights(model_paths=["/models/a", "/models/b"])
+    assert task.as_kwargs() == {"model_paths": ["/models/a", "/models/b"]}
+    assert parse_task(STAGE_WEIGHTS, (), task.as_kwargs()) == task
+    assert parse_task(STAGE_WEIGHTS, (), {"model_paths": []}).model_paths == ()
+    for bad in ("/models/a", ["/models/a", "/models/a"], [""], [3], ["/m"] * 65):
+        with pytest.raises(TaskArgumentError, match="model_paths"):
+            parse_task(STAGE_WEIGHTS, (), {"model_paths": bad})

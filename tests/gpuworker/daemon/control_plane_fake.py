@@ -24,6 +24,8 @@ CPU_INVENTORY_KEYS = {"memory_total_bytes", "cores"}
 CPU_FIGURE_KEYS = {"utilization_pct", "memory_used_bytes", "memory_total_bytes"}
 REPLICA_KEYS = {"replica_id", "state", "endpoint_url", "load_progress", "error", "running", "waiting",
                 "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate"}
+# Latency p95s in seconds: present once the replica has a sample, absent (never 0 or null) before.
+REPLICA_LATENCY_KEYS = {"ttft_p95_s", "itl_p95_s"}
 REPLICA_STATES = {"loading", "ready", "draining", "stopped", "failed"}
 # Sent by a daemon with --model-root: at registration, and in a heartbeat when the scan changed.
 MODELS_KEYS = {"roots", "paths"}
@@ -77,6 +79,9 @@ def check_register(body: Any) -> None:
 
 
 def check_heartbeat(body: Any) -> None:
+    if isinstance(body, dict) and "staging" in body:  # what the worker keeps warm (StageWeights)
+        body = dict(body)
+        _keys("heartbeat.staging", body.pop("staging"), {"budget_bytes", "models"})
     _models("heartbeat", body, HEARTBEAT_KEYS)
     if not isinstance(body["sent_at"], str) or datetime.fromisoformat(body["sent_at"]).tzinfo is None:
         raise ShapeError(f"heartbeat.sent_at: expected an ISO-8601 time with a zone, got {body['sent_at']!r}")
@@ -93,7 +98,11 @@ def check_heartbeat(body: Any) -> None:
         raise ShapeError("heartbeat.replicas: expected a list")
     for i, replica in enumerate(body["replicas"]):
         where = f"heartbeat.replicas[{i}]"
-        _keys(where, replica, REPLICA_KEYS)
+        _keys(where, {k: v for k, v in replica.items() if k not in REPLICA_LATENCY_KEYS}, REPLICA_KEYS)
+        for key in REPLICA_LATENCY_KEYS & set(replica):
+            _number(f"{where}.{key}", replica[key])
+            if replica[key] <= 0:
+                raise ShapeError(f"{where}.{key}: a latency must be > 0 s, got {replica[key]!r}")
         _number(f"{where}.replica_id", replica["replica_id"], integer=True)
         if replica["state"] not in REPLICA_STATES:
             raise ShapeError(f"{where}.state: expected one of {sorted(REPLICA_STATES)}, got {replica['state']!r}")

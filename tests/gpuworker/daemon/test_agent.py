@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,9 +56,6 @@ class Daemon:
 @contextmanager
 def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_registrations: int = 0):
     name = f"test-{uuid.uuid4().hex[:8]}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port_base = min(s.getsockname()[1], 65000)
     env = {k: v for k, v in os.environ.items() if k != "GPUSERVE_WORKER_TOKEN"}
     # Tiny models gain nothing from threads, and OpenMP threads spinning on a busy 2-core machine
     # make a replica 20 times slower.
@@ -70,7 +66,8 @@ def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_reg
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 [sys.executable, "-m", "gpuworker", "daemon", "--control-url", fake.url, "--token", TOKEN,
-                 "--name", name, "--device", "cpu", "--port-range", f"{port_base}-{port_base + 30}",
+                 # No --port-range: replicas get any free port, bound by the daemon (no clash possible).
+                 "--name", name, "--device", "cpu",
                  "--state-dir", str(tmp_path / name), "--drain-timeout", "5",
                  # the session's temporary folder: it holds every tiny checkpoint
                  "--model-root", str(model_root)],
@@ -211,6 +208,8 @@ def test_load_serve_and_unload_with_a_stream_in_flight(daemon, tiny_checkpoint):
         busy = [e for _, b in daemon.fake.heartbeats for e in b["replicas"] if e["replica_id"] == 1 and e["running"]]
     assert busy and all(e["running"] == 1 and e["kv_cache_usage"] > 0 for e in busy)
     assert any(e["tokens_per_s"] > 0 for e in busy)
+    # So do its recent latencies, once it has served tokens (the completion above did).
+    assert all(e["ttft_p95_s"] > 0 and e["itl_p95_s"] > 0 for e in busy)
 
 
 def test_replicas_named_in_a_heartbeat_answer_are_unloaded(daemon, tiny_checkpoint):

@@ -43,13 +43,11 @@ def test_registration_and_heartbeats_carry_the_scan_to_the_control_plane(tmp_pat
     root = tmp_path / "models"
     first = _checkpoint(root / "first")
     config = AgentConfig(control_url=live_server.url, token=settings.FLEET_WORKER_TOKEN, name="scan-test",
-                         advertise_host="127.0.0.1", device="cpu", port_range=(20100, 20110),
-                         state_dir=tmp_path / "state", model_roots=(root,))
+                         advertise_host="127.0.0.1", device="cpu", state_dir=tmp_path / "state", model_roots=(root,))
     agent = Agent(config)
     agent.probe = HardwareProbe("cpu")
-    agent.supervisor = Supervisor(token="t", gpu_count=0, port_range=(20100, 20110), advertise_host="127.0.0.1",
-                                  bind_host="127.0.0.1", state_dir=tmp_path / "state", worker_name="scan-test",
-                                  model_roots=(root,))
+    agent.supervisor = Supervisor(token="t", gpu_count=0, advertise_host="127.0.0.1", bind_host="127.0.0.1",
+                                  state_dir=tmp_path / "state", worker_name="scan-test", model_roots=(root,))
     agent._registration = WorkerRegistration(name="scan-test", advertise_host="127.0.0.1", device="cpu", gpus=(),
                                              cpu_memory_total_bytes=2**30, cpu_cores=2, version="test")
     try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import psutil
@@ -18,12 +20,6 @@ from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon.supervisor import Supervisor
 
 TOKEN = "replica-token"
-
-
-def _port_base() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return min(s.getsockname()[1], 65000)
 
 
 def _entry(supervisor: Supervisor, replica_id: int, *states: str) -> ReplicaReport | None:
@@ -55,11 +51,9 @@ def supervisor(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # children inherit it: tiny models need no threads
     _OTHERS.clear()
     _OTHERS.update(p.pid for p in psutil.Process().children() if "serve" in p.cmdline())
-    base = _port_base()
-    # The session's temporary folder holds tmp_path and every tiny checkpoint.
-    supervisor = Supervisor(token=TOKEN, gpu_count=0, port_range=(base, base + 20), advertise_host="127.0.0.1",
-                            bind_host="127.0.0.1", state_dir=tmp_path, worker_name="test-host",
-                            model_roots=(tmp_path_factory.getbasetemp(),))
+    # Any free port (the default). The session's temporary folder holds tmp_path and every tiny checkpoint.
+    supervisor = Supervisor(token=TOKEN, gpu_count=0, advertise_host="127.0.0.1", bind_host="127.0.0.1",
+                            state_dir=tmp_path, worker_name="test-host", model_roots=(tmp_path_factory.getbasetemp(),))
     supervisor.start()
     yield supervisor
     supervisor.close(drain_timeout_s=5)
@@ -98,10 +92,8 @@ def test_loads_from_outside_the_model_roots_are_refused_however_the_path_escapes
     assert ".." in dotdot and (Path(dotdot) / "config.json").is_file()
 
     def supervised(roots) -> Supervisor:
-        base = _port_base()
-        return Supervisor(token=TOKEN, gpu_count=0, port_range=(base, base + 20), advertise_host="127.0.0.1",
-                          bind_host="127.0.0.1", state_dir=tmp_path / "state", worker_name="test-host",
-                          model_roots=roots)
+        return Supervisor(token=TOKEN, gpu_count=0, advertise_host="127.0.0.1", bind_host="127.0.0.1",
+                          state_dir=tmp_path / "state", worker_name="test-host", model_roots=roots)
 
     confined, unconfined = supervised((root,)), supervised(())
     for s in (confined, unconfined):
@@ -159,6 +151,84 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
     assert _serve_children() == []
 
 
+@pytest.mark.slow
+def test_a_port_taken_while_the_replica_starts_cannot_fail_its_load(tmp_path, tmp_path_factory, tiny_checkpoint):
+    """The issue's failure: the daemon chose a free port, and another process bound it while the
+    child was still importing; the child died on `[Errno 98] address already in use` and the load
+    failed. Here something tries to take the replica's port the moment it is reported, with a
+    configured range (an operator's firewall) as the fixed ranges of the test daemons had."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = min(probe.getsockname()[1], 65000)
+    supervisor = Supervisor(token=TOKEN, gpu_count=0, port_range=(base, base + 20), advertise_host="127.0.0.1",
+                            bind_host="127.0.0.1", state_dir=tmp_path, worker_name="test-host",
+                            model_roots=(tmp_path_factory.getbasetemp(),))
+    supervisor.start()
+    intruder = socket.socket()
+    intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers (uvicorn too) do
+    try:
+        supervisor.load(LoadModel(replica_id=1, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
+                                  gpu_index=None, memory_fraction=0.5, max_model_len=128))
+        loading = _wait(supervisor, 1, timeout=10)
+        port = urlsplit(loading.endpoint_url).port
+        assert loading.state == "loading" and base <= port <= base + 20
+        try:
+            intruder.bind(("127.0.0.1", port))
+            intruder.listen()
+        except OSError as exc:  # the port is held from the moment it is known
+            assert exc.errno == errno.EADDRINUSE
+        ready = _wait(supervisor, 1, "ready", "failed")
+        assert ready.state == "ready", ready.error
+        with pytest.raises(OSError):  # the replica holds it now
+            intruder.bind(("127.0.0.1", port))
+        assert ready.endpoint_url == loading.endpoint_url
+        assert "ttft_p95_s" not in ready.figures  # no request yet: absent, not 0
+        completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+                                json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=30)
+        assert completion.status_code == 200
+        # The replica's latency figures reach the heartbeat with its next poll.
+        deadline = time.monotonic() + 30
+        while "ttft_p95_s" not in _entry(supervisor, 1).figures and time.monotonic() < deadline:
+            time.sleep(0.1)
+        figures = _entry(supervisor, 1).figures
+        assert figures["ttft_p95_s"] > 0 and figures["itl_p95_s"] > 0
+    finally:
+        intruder.close()
+        supervisor.close(drain_timeout_s=5)
+
+
+@pytest.mark.slow
+def test_a_replica_that_fails_to_load_reports_its_cause_first(supervisor, tmp_path_factory, tiny_checkpoint):
+    """A checkpoint whose weights are unreadable: the replica's own error leads, whole, then its log."""
+    broken = tmp_path_factory.mktemp("broken") / "model"
+    broken.mkdir()
+    for item in tiny_checkpoint("llama").iterdir():
+        (broken / item.name).symlink_to(item)
+    [weights] = broken.glob("*.safetensors")
+    weights.unlink()
+    weights.write_bytes(b"not a safetensors file")
+    supervisor.load(LoadModel(replica_id=3, model_path=str(broken), served_model_name="tiny", gpu_index=None,
+                              memory_fraction=0.5, max_model_len=128))
+    failed = _wait(supervisor, 3, "failed", timeout=60)
+    cause, what = failed.error.split("\n")[:2]
+    assert cause.startswith("ValueError: model.safetensors is not a safetensors file or is truncated"), failed.error
+    assert what == "the replica failed to load; last log lines:"
+    assert "Traceback (most recent call last):" in failed.error
+
+    # Loaded again at once (the failed process may still be stopping: the new one waits for it, so
+    # it is reaped, not left a zombie), the replica writes on in the same log; its next death is
+    # judged by its own lines.
+    supervisor.load(LoadModel(replica_id=3, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
+                              gpu_index=None, memory_fraction=0.5, max_model_len=128))
+    _wait(supervisor, 3, "ready")
+    assert not [p for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
+    [child] = _serve_children()
+    os.kill(child.pid, signal.SIGABRT)  # as a C++ terminate would
+    aborted = _wait(supervisor, 3, "failed", timeout=10).error
+    assert aborted.startswith("the replica process was killed by SIGABRT; last log lines:\n"), aborted
+    assert "not a safetensors file" not in aborted and "model tiny ready" in aborted
+
+
 def _gpu_count() -> int:
     try:
         probe = HardwareProbe("cuda")
@@ -174,9 +244,8 @@ def _gpu_count() -> int:
 @pytest.mark.skipif(_gpu_count() == 0, reason="no GPU visible to NVML")
 def test_replica_on_a_gpu(tmp_path, tmp_path_factory, tiny_checkpoint):
     probe = HardwareProbe("cuda")
-    base = _port_base()
-    supervisor = Supervisor(token=TOKEN, gpu_count=probe.gpu_count, port_range=(base, base + 20),
-                            advertise_host="127.0.0.1", bind_host="127.0.0.1", state_dir=tmp_path, worker_name="gpu",
+    supervisor = Supervisor(token=TOKEN, gpu_count=probe.gpu_count, advertise_host="127.0.0.1",
+                            bind_host="127.0.0.1", state_dir=tmp_path, worker_name="gpu",
                             model_roots=(tmp_path_factory.getbasetemp(),))
     supervisor.start()
     try:

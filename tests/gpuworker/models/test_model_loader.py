@@ -144,3 +144,24 @@ def test_chat_template_from_chat_template_jinja(llama_copy):
     messages = [{"role": "user", "content": "hi"}]
     rendered = load_tokenizer(llama_copy).apply_chat_template(messages, tokenize=False)
     assert rendered == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|end_of_text|>"
+
+
+def test_a_bfloat16_checkpoint_loads_converted_into_float32(tmp_path):
+    path = make_checkpoint(tmp_path, "llama", dtype="bfloat16")
+    hf = load_file(str(path / "model.safetensors"))
+    model = load_model(path, dtype=torch.float32)
+    assert model.lm_head.dtype == torch.float32
+    assert torch.equal(model.lm_head, hf["lm_head.weight"].float())
+
+
+def test_a_truncated_shard_is_named_before_any_weight_is_read(llama_copy):
+    file = llama_copy / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"in model.safetensors: data offsets .* the file may be truncated"):
+        load_model(llama_copy)
+
+
+def test_a_file_that_is_not_safetensors_is_named(llama_copy):
+    (llama_copy / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"model.safetensors is not a safetensors file"):
+        load_model(llama_copy)

@@ -26,19 +26,22 @@ from tests.gpuworker.streaming import stream_in_thread
 TOKEN = "s3cret"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bound_socket() -> socket.socket:
+    """A socket bound to a free port and kept: a port only looked up could be taken before the
+    server binds it (the daemon hands its replicas bound sockets for the same reason)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 @contextmanager
 def _serving(config: ServerConfig):
     """A real uvicorn on 127.0.0.1 in a thread of this process, so tests can look into the engine."""
     app = build_app(config)
-    port = _free_port()
+    sock = _bound_socket()
+    port = sock.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -138,7 +141,11 @@ def test_completion_stream_ends_with_done_and_usage(server):
 def test_health_and_metrics_move(server):
     base, _ = server
     with _client(base) as client:
-        assert client.get("/health").json() == {"status": "ready"}
+        health = client.get("/health").json()
+        assert health["status"] == "ready"
+        # How long each start-up stage took, for operators and bench/load_time.py.
+        assert {"weights", "kv_cache", "engine_s"} <= set(health["load_timings"])
+        assert health["load_started_at"] > 0
         before = client.get("/metrics").text
         assert "vllm:num_requests_running" in before
         client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "ignore_eos": True})
@@ -156,6 +163,26 @@ def test_health_and_metrics_move(server):
     assert value(after, "vllm:e2e_request_latency_seconds_count") > \
         value(before, "vllm:e2e_request_latency_seconds_count")
     assert stats["state"] == "ready" and stats["running"] == 0 and stats["load_progress"] == 1.0
+
+
+def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keeps(tiny_checkpoint):
+    from gpuworker.contract.heartbeat import REPLICA_FIGURES, parse_heartbeat
+
+    with _serving(_config(tiny_checkpoint)) as (base, _), _client(base) as client:
+        idle = client.get("/stats").json()
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
+        with client.stream("POST", "/v1/completions", json={"prompt": "y", "max_tokens": 4, "ignore_eos": True,
+                                                            "stream": True}) as stream:
+            assert _sse(stream.iter_lines())[-1] == "[DONE]"
+        stats = client.get("/stats").json()
+    # No sample yet: null, which a heartbeat leaves out (0 would read as a perfect latency).
+    assert idle["ttft_p95_s"] is None and idle["itl_p95_s"] is None
+    assert 0 < stats["ttft_p95_s"] < 60 and 0 < stats["itl_p95_s"] < 60
+    for figures, expected in ((idle, {}), (stats, {"ttft_p95_s": stats["ttft_p95_s"], "itl_p95_s": stats["itl_p95_s"]})):
+        report = {"replica_id": 1, "state": "ready", "endpoint_url": base,
+                  **{name: figures[name] for name in REPLICA_FIGURES if name in figures}}
+        parsed = parse_heartbeat({"replicas": [report]}).replicas[0].figures
+        assert {name: parsed[name] for name in ("ttft_p95_s", "itl_p95_s") if name in parsed} == expected
 
 
 def test_bad_input_is_400_naming_the_field(server):
@@ -368,12 +395,14 @@ def _env_without_token() -> dict:
 def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
     """`python -m gpuworker serve` starts and serves; SIGTERM drains (503 for new requests, the stream
     in flight finishes) and the process then exits 0."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")), "--token", TOKEN,
-         "--port", str(port), "--served-model-name", "cli", "--max-model-len", "512", "--drain-timeout", "60",
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token())
+    sock = _bound_socket()  # handed over as the daemon does (--fd)
+    port = sock.getsockname()[1]
+    with sock:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")), "--token", TOKEN,
+             "--fd", str(sock.fileno()), "--served-model-name", "cli", "--max-model-len", "512",
+             "--drain-timeout", "60", "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60

@@ -1,0 +1,285 @@
+"""Load time: from the load task to a ready replica, through the real path, for a full-size checkpoint.
+
+    python bench/load_time.py --dir /data/llama-3-8b-random [--cold] [--hf] [--baseline-tree DIR]
+
+Writes random weights for the Llama-3-8B config (bench/configs/llama-3-8b) in the real Hugging Face
+layout once (bf16 safetensors in 4 shards, model.safetensors.index.json, config.json, a byte-level
+tokenizer), then times `python -m gpuworker serve` started as the daemon starts it, polling /health
+until ready. The replica's /health reports its stages (CUDA init, weights, KV pool, CUDA graphs,
+warm-up); process start and imports are the time from spawn to the engine's start. Each run is
+made with the page cache warm, and with --cold also after dropping the files' pages
+(posix_fadvise DONTNEED, per file), next to the disk's own sequential read of the same files
+cold (the reference). --hf times transformers' from_pretrained onto the GPU in a fresh process;
+--baseline-tree DIR runs the same replica path from another checkout (the code before a change).
+An untimed first start fills Triton's kernel cache, as on any worker that served before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import DEFAULT_CONFIG, environment, print_table  # noqa: E402
+from gpuworker.checkpoint_files import advise, checkpoint_files  # noqa: E402
+from gpuworker.demo_model import SPECIAL_TOKENS  # noqa: E402
+
+READ_BYTES = 16 << 20
+READY_DEADLINE_S = 900.0
+
+
+def hf_tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
+                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                   (p + "post_attention_layernorm.weight", (h,))]
+    return shapes + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def write_checkpoint(directory: Path, config_dir: Path, shards: int) -> None:
+    """Random bf16 weights in HF layout; skipped when the directory is complete already."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gpuworker.demo_model import MIN_VOCAB_SIZE, write_tokenizer
+
+    if (directory / "complete").is_file():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((config_dir / "config.json").read_text())
+    shapes = hf_tensor_shapes(cfg)
+    total = sum(2 * _numel(shape) for _, shape in shapes)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(0)
+    groups, current, size = [], [], 0
+    for name, shape in shapes:  # contiguous groups of about total/shards bytes, in HF order
+        current.append((name, shape))
+        size += 2 * _numel(shape)
+        if size >= total / shards and len(groups) < shards - 1:
+            groups.append(current)
+            current, size = [], 0
+    groups.append(current)
+    weight_map = {}
+    for k, group in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {name: (torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) * 0.02)
+                   .cpu() for name, shape in group}
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        weight_map |= {name: file for name in tensors}
+        del tensors
+        with open(directory / file, "rb") as f:
+            os.fsync(f.fileno())  # written to disk, so DONTNEED can drop the pages later
+        print(f"wrote {file}", flush=True)
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    shutil.copy(config_dir / "config.json", directory / "config.json")
+    write_tokenizer(directory, MIN_VOCAB_SIZE, cfg["max_position_embeddings"])  # its tokenizer_config.json
+    write_llama3_like_tokenizer(directory, cfg["vocab_size"])
+    (directory / "complete").write_text("")
+
+
+def write_llama3_like_tokenizer(directory: Path, vocab_size: int, num_special: int = 256) -> None:
+    """A byte-level BPE tokenizer.json shaped like Llama 3's: vocab_size - 256 merged tokens
+    (made-up merges) and 256 special tokens, so loading it costs what the real one costs."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = list(bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)}
+    tokens, merges, a = list(chars), [], 0
+    while len(vocab) < vocab_size - num_special:
+        for c in chars:
+            if len(vocab) >= vocab_size - num_special:
+                break
+            if tokens[a] + c not in vocab:
+                vocab[tokens[a] + c] = len(vocab)
+                merges.append((tokens[a], c))
+                tokens.append(tokens[a] + c)
+        a += 1
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = [*SPECIAL_TOKENS, *(f"<|reserved_special_token_{i}|>" for i in range(num_special - len(SPECIAL_TOKENS)))]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def drop_cache(directory: Path) -> None:
+    advise(checkpoint_files(directory), os.POSIX_FADV_DONTNEED)
+
+
+def sequential_read(directory: Path) -> tuple[float, int]:
+    """Seconds to read every weight file once, in order, with large reads; and the bytes read."""
+    buffer, total = bytearray(READ_BYTES), 0
+    started = time.perf_counter()
+    for file in checkpoint_files(directory):
+        with open(file, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                total += n
+    return time.perf_counter() - started, total
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_once(tree: Path, model: Path, device: str, log: Path) -> dict:
+    """Spawn the replica as the daemon does and poll /health until ready: the run's timings."""
+    import httpx
+
+    port = _free_port()
+    argv = [sys.executable, "-m", "gpuworker", "serve", "--model", str(model), "--port", str(port),
+            "--device", device, "--dtype", "bfloat16", "--log-level", "warning"]
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    spawned_wall, spawned = time.time(), time.perf_counter()
+    with open(log, "ab") as out:
+        process = subprocess.Popen(argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        with httpx.Client(timeout=2.0) as client:
+            while time.perf_counter() - spawned < READY_DEADLINE_S:
+                if process.poll() is not None:
+                    raise RuntimeError(f"the replica exited with {process.returncode}; see {log}")
+                try:
+                    health = client.get(f"http://127.0.0.1:{port}/health").json()
+                except (httpx.HTTPError, ValueError):
+                    health = {}
+                if health.get("status") == "ready":
+                    ready_s = time.perf_counter() - spawned
+                    break
+                if health.get("status") == "failed":
+                    raise RuntimeError(f"the replica failed: {health.get('error')}")
+                time.sleep(0.02)
+            else:
+                raise RuntimeError(f"no ready replica within {READY_DEADLINE_S:.0f}s")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    result = {"ready_s": round(ready_s, 3)}
+    if health.get("load_started_at"):
+        result["process_start_and_imports_s"] = round(health["load_started_at"] - spawned_wall, 3)
+    result |= health.get("load_timings") or {}
+    return result
+
+
+def verify(model_dir: Path, device: str) -> int:
+    """Load through the engine's loader and compare every parameter slice with safetensors' own
+    reading of the same tensor: the number of tensors checked (raises on the first mismatch)."""
+    import torch
+    from safetensors import safe_open
+
+    from gpuworker.models.loader import checkpoint_targets, load_model
+
+    model = load_model(model_dir, device=device, dtype=torch.bfloat16)
+    targets, checked = checkpoint_targets(model), 0
+    for file in checkpoint_files(model_dir):
+        with safe_open(file, framework="pt", device=device) as f:
+            for name in f.keys():
+                t = targets[name]
+                if not torch.equal(t.param[t.start:t.start + t.rows], f.get_tensor(name)):
+                    raise AssertionError(f"{name} differs from {file.name}")
+                checked += 1
+    del model
+    torch.cuda.empty_cache()
+    return checked
+
+
+HF_SNIPPET = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch, transformers
+t1 = time.perf_counter()
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device_map="cuda")
+torch.cuda.synchronize()
+print(json.dumps({"imports_s": round(t1 - t0, 3), "from_pretrained_s": round(time.perf_counter() - t1, 3)}))
+"""
+
+
+def hf_once(model: Path) -> dict:
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", HF_SNIPPET, str(model)], capture_output=True, text=True,
+                         timeout=READY_DEADLINE_S)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return {"process_total_s": round(time.perf_counter() - started, 3),
+            **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, required=True, help="where the random checkpoint is (written once)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--warm-runs", type=int, default=2)
+    parser.add_argument("--cold", action="store_true", help="also run with the page cache dropped")
+    parser.add_argument("--hf", action="store_true", help="also time transformers' from_pretrained")
+    parser.add_argument("--baseline-tree", type=Path, default=None, help="another checkout to time alike")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log, results_file = args.out / "load_time_replicas.log", args.out / "load_time.json"
+    results: dict = {"environment": environment(), "runs": []}
+
+    def record(label: str, result: dict) -> None:
+        results["runs"].append({"label": label, **result})
+        results_file.write_text(json.dumps(results, indent=2))
+        print(label, json.dumps(result), flush=True)
+
+    started = time.perf_counter()
+    write_checkpoint(args.dir, args.config, args.shards)
+    files = checkpoint_files(args.dir)
+    total_bytes = sum(f.stat().st_size for f in files)
+    results["checkpoint"] = {"bytes": total_bytes, "files": len(files), "write_s": round(time.perf_counter() - started, 1)}
+    record("loader check", {"tensors_equal": verify(args.dir, args.device)})
+    trees = [("new", ROOT)] + ([("baseline", args.baseline_tree.resolve())] if args.baseline_tree else [])
+    serve_once(ROOT, args.dir, args.device, log)  # untimed: Triton's cache, and the page cache
+    for name, tree in trees:
+        for i in range(args.warm_runs):
+            record(f"{name} warm #{i + 1}", serve_once(tree, args.dir, args.device, log))
+    if args.hf:
+        record("hf from_pretrained warm", hf_once(args.dir))
+    if args.cold:
+        drop_cache(args.dir)
+        seconds, nbytes = sequential_read(args.dir)
+        record("disk sequential read cold", {"read_s": round(seconds, 3), "gb_per_s": round(nbytes / seconds / 1e9, 3)})
+        for name, tree in trees:
+            drop_cache(args.dir)
+            record(f"{name} cold", serve_once(tree, args.dir, args.device, log))
+    rows = [(run["label"], "  ".join(f"{k}={v}" for k, v in run.items() if k != "label")) for run in results["runs"]]
+    print_table(f"load time, {total_bytes / 1e9:.1f} GB in {len(files)} files ({results['environment']})", rows)
+
+
+if __name__ == "__main__":
+    main()
