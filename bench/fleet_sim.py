@@ -48,7 +48,7 @@ class FleetParams:
     load_staged_s: float = 5.0  # cold start from weights the worker staged (issue 19, item 4's target)
     load_cold_s: float = 50.0  # from a cold disk (49.8 s measured for Llama-3-8B)
     staged_models: int = 10  # the most popular models' weights are staged on the workers
-    cold_wait_s: float = 60.0  # a request waits this long at the gateway for a first replica
+    cold_wait_s: float = 60.0  # GATEWAY_COLD_START_WAIT_SECONDS: a request waits this long for a first replica
     signal_window_s: float = 30.0  # the TTFT/ITL p95 window a replica reports in its heartbeat
     rate_window_s: float = 60.0  # AUTOSCALE_RATE_WINDOW_SECONDS
     popular_window_s: float = 3600.0  # AUTOSCALE_POPULAR_WINDOW_SECONDS
