@@ -211,7 +211,7 @@ def test_a_replica_that_fails_to_load_reports_its_cause_first(supervisor, tmp_pa
                               memory_fraction=0.5, max_model_len=128))
     failed = _wait(supervisor, 3, "failed", timeout=60)
     cause, what = failed.error.split("\n")[:2]
-    assert cause.startswith("SafetensorError: Error while deserializing header"), failed.error
+    assert cause.startswith("ValueError: model.safetensors is not a safetensors file or is truncated"), failed.error
     assert what == "the replica failed to load; last log lines:"
     assert "Traceback (most recent call last):" in failed.error
 
