@@ -260,18 +260,20 @@ def loader_alone(model_dir: Path, device: str, readers: int) -> dict:
     from gpuworker.models import weight_stream
     from gpuworker.models.loader import load_model
 
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     default, weight_stream.MAX_READERS = weight_stream.MAX_READERS, readers
     try:
-        torch.cuda.synchronize()
+        sync()
         started = time.perf_counter()
         model = load_model(model_dir, device=device, dtype=torch.bfloat16)
-        torch.cuda.synchronize()
+        sync()
         seconds = time.perf_counter() - started
     finally:
         weight_stream.MAX_READERS = default
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return {"readers": readers, "load_s": round(seconds, 3), "gb_per_s": round(nbytes / seconds / 1e9, 2)}
 
 
@@ -293,7 +295,8 @@ def verify(model_dir: Path, device: str) -> int:
                     raise AssertionError(f"{name} differs from {file.name}")
                 checked += 1
     del model
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return checked
 
 

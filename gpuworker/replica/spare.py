@@ -34,7 +34,7 @@ def prepare(device: str) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401  what the tokenizer load imports
 
     if device.startswith("cuda"):
-        from gpuworker.attention.triton_backend import TritonAttentionBackend  # noqa: F401
+        import triton  # noqa: F401  the attention kernels' compiler (the kernels load from its cache)
 
         torch.cuda.init()
         torch.empty(0, device=device)
