@@ -149,13 +149,16 @@ def serve(args: argparse.Namespace) -> None:
 
 def spare(args: argparse.Namespace) -> int:
     """A replica process started before its load (gpuworker/replica/spare.py): prepare, wait, serve."""
+    import time
+
+    started = time.perf_counter()
     _configure_logging(args.log_level)
     from gpuworker.replica.server import exit_with_parent
     from gpuworker.replica.spare import wait_for_load
 
     if args.exit_with_parent is not None:
         exit_with_parent(args.exit_with_parent)
-    argv = wait_for_load(args.device, args.control_fd)
+    argv = wait_for_load(args.device, args.control_fd, started)
     if argv is None:
         return 0
     serve_args = build_parser().parse_args(["serve", *argv])

@@ -40,10 +40,10 @@ def prepare(device: str) -> None:
         torch.empty(0, device=device)
 
 
-def wait_for_load(device: str, control_fd: int) -> list[str] | None:
-    """The spare's life before its load: prepare, then the `serve` argv to run (with --fd), its
-    output redirected to the replica's log; None when no load came (the daemon let it go)."""
-    started = time.perf_counter()
+def wait_for_load(device: str, control_fd: int, started: float) -> list[str] | None:
+    """The spare's life before its load (from perf_counter `started`): prepare, then the `serve`
+    argv to run (with --fd), its output redirected to the replica's log; None when no load came
+    (the daemon let it go)."""
     prepare(device)
     logger.info("%s on %s in %.2fs (pid %d)", READY_LINE, device, time.perf_counter() - started, os.getpid())
     control = socket.socket(fileno=control_fd)
@@ -60,6 +60,6 @@ def wait_for_load(device: str, control_fd: int) -> list[str] | None:
     os.close(log_fd)
     # At once: the daemon reads a replica log still empty at the process's death as a load never
     # taken (a spare killed as it was handed over), and starts the load afresh.
-    logger.info("spare pid %d on %s took the load (prepared %.2fs before)", os.getpid(), device,
+    logger.info("spare pid %d on %s took the load, %.2fs after it started", os.getpid(), device,
                 time.perf_counter() - started)
     return [*argv, "--fd", str(listener_fd)]
