@@ -222,9 +222,9 @@ class Supervisor:
         port = listener.getsockname()[1]
         # The directory checked above, not the path again: a symlink swapped since cannot redirect it.
         serve_argv = ["--model", str(model_dir), "--host", self.bind_host, "--port", str(port),
-                "--device", device, "--dtype", request.dtype,
-                "--served-model-name", request.served_model_name,
-                "--memory-fraction", str(request.memory_fraction), "--exit-with-parent", str(os.getpid())]
+                      "--device", device, "--dtype", request.dtype,
+                      "--served-model-name", request.served_model_name,
+                      "--memory-fraction", str(request.memory_fraction), "--exit-with-parent", str(os.getpid())]
         if request.max_model_len is not None:
             serve_argv += ["--max-model-len", str(request.max_model_len)]
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
