@@ -1,6 +1,7 @@
 """Load time: from the load task to a ready replica, through the real path, for a full-size checkpoint.
 
     python bench/load_time.py --dir /data/llama-3-8b-random [--cold] [--hf] [--baseline-tree DIR]
+                              [--spare-runs N] [--readers 4,8,16]
 
 Writes random weights for the Llama-3-8B config (bench/configs/llama-3-8b) in the real Hugging Face
 layout once (bf16 safetensors in 4 shards, model.safetensors.index.json, config.json, a byte-level
@@ -11,6 +12,11 @@ made with the page cache warm, and with --cold also after dropping the files' pa
 (posix_fadvise DONTNEED, per file), next to the disk's own sequential read of the same files
 cold (the reference). --hf times transformers' from_pretrained onto the GPU in a fresh process;
 --baseline-tree DIR runs the same replica path from another checkout (the code before a change).
+--spare-runs N times the daemon's path with a spare replica process (gpuworker/replica/spare.py):
+the real Supervisor with spares on, the load handed over once the spare is ready, as on a worker
+whose spare started long before the load; time = the load command -> /health ready.
+--readers times the loader alone (weights into the model, in this process, nothing else running)
+with that many reader threads, to separate the copy's own speed from contention in the replica.
 An untimed first start fills Triton's kernel cache, as on any worker that served before.
 """
 
@@ -24,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -193,6 +200,83 @@ def serve_once(tree: Path, model: Path, device: str, log: Path) -> dict:
     return result
 
 
+def spare_once(model: Path, device: str, state_dir: Path) -> dict:
+    """The daemon's path with a spare: load into the Supervisor's ready spare, poll /health until ready."""
+    import httpx
+
+    from gpuworker.contract.spare_handover import READY_LINE
+    from gpuworker.contract.tasks import LoadModel
+    from gpuworker.daemon.supervisor import Supervisor
+
+    gpu_index = int(device.split(":")[1]) if device.startswith("cuda:") else (0 if device == "cuda" else None)
+    token = "bench"
+    supervisor = Supervisor(token=token, gpu_count=0 if gpu_index is None else gpu_index + 1,
+                            advertise_host="127.0.0.1", bind_host="127.0.0.1", state_dir=state_dir,
+                            worker_name="bench", model_roots=(model.parent,), spare_replicas=True)
+    spare_log = state_dir / "replicas" / f"spare-{'cpu' if gpu_index is None else f'cuda-{gpu_index}'}.log"
+    supervisor.start()
+    try:
+        deadline = time.perf_counter() + READY_DEADLINE_S
+        while not (spare_log.is_file() and READY_LINE in spare_log.read_text()):
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"the spare never got ready; see {spare_log}")
+            time.sleep(0.05)
+        started_wall, started = time.time(), time.perf_counter()
+        supervisor.load(LoadModel(replica_id=1, model_path=str(model), served_model_name="bench", gpu_index=gpu_index,
+                                  memory_fraction=0.9, dtype="bfloat16"))
+        with httpx.Client(timeout=2.0, headers={"Authorization": f"Bearer {token}"}) as client:
+            while True:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError("no ready replica in time")
+                entry = next((r for r in supervisor.snapshot() if r.replica_id == 1), None)
+                if entry is not None and entry.state == "failed":
+                    raise RuntimeError(f"the replica failed: {entry.error}")
+                health = {}
+                if entry is not None and entry.endpoint_url:
+                    try:
+                        health = client.get(f"{entry.endpoint_url}/health").json()
+                    except (httpx.HTTPError, ValueError):
+                        pass
+                if health.get("status") == "ready":
+                    ready_s = time.perf_counter() - started
+                    break
+                time.sleep(0.02)
+    except Exception:
+        for log in sorted((state_dir / "replicas").glob("*.log")):
+            print(f"--- {log.name} (end) ---\n{log.read_text()[-3000:]}", flush=True)
+        raise
+    finally:
+        supervisor.close(drain_timeout_s=1)
+    result = {"ready_s": round(ready_s, 3)}
+    if health.get("load_started_at"):
+        result["handover_to_engine_start_s"] = round(health["load_started_at"] - started_wall, 3)
+    return result | (health.get("load_timings") or {})
+
+
+def loader_alone(model_dir: Path, device: str, readers: int) -> dict:
+    """Seconds for load_model (weights only, in this process) with `readers` reader threads."""
+    import torch
+
+    from gpuworker.models import weight_stream
+    from gpuworker.models.loader import load_model
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    default, weight_stream.MAX_READERS = weight_stream.MAX_READERS, readers
+    try:
+        sync()
+        started = time.perf_counter()
+        model = load_model(model_dir, device=device, dtype=torch.bfloat16)
+        sync()
+        seconds = time.perf_counter() - started
+    finally:
+        weight_stream.MAX_READERS = default
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"readers": readers, "load_s": round(seconds, 3), "gb_per_s": round(nbytes / seconds / 1e9, 2)}
+
+
 def verify(model_dir: Path, device: str) -> int:
     """Load through the engine's loader and compare every parameter slice with safetensors' own
     reading of the same tensor: the number of tensors checked (raises on the first mismatch)."""
@@ -211,7 +295,8 @@ def verify(model_dir: Path, device: str) -> int:
                     raise AssertionError(f"{name} differs from {file.name}")
                 checked += 1
     del model
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return checked
 
 
@@ -246,6 +331,8 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="also run with the page cache dropped")
     parser.add_argument("--hf", action="store_true", help="also time transformers' from_pretrained")
     parser.add_argument("--baseline-tree", type=Path, default=None, help="another checkout to time alike")
+    parser.add_argument("--spare-runs", type=int, default=0, help="warm runs through a spare (and one cold, with --cold)")
+    parser.add_argument("--readers", default="", help="comma-separated reader counts to time the loader alone with")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -263,11 +350,15 @@ def main() -> None:
     total_bytes = sum(f.stat().st_size for f in files)
     results["checkpoint"] = {"bytes": total_bytes, "files": len(files), "write_s": round(time.perf_counter() - started, 1)}
     record("loader check", {"tensors_equal": verify(args.dir, args.device)})
+    for readers in (int(r) for r in args.readers.split(",") if r):
+        record(f"loader alone, {readers} readers, warm", loader_alone(args.dir, args.device, readers))
     trees = [("new", ROOT)] + ([("baseline", args.baseline_tree.resolve())] if args.baseline_tree else [])
     serve_once(ROOT, args.dir, args.device, log)  # untimed: Triton's cache, and the page cache
     for name, tree in trees:
         for i in range(args.warm_runs):
             record(f"{name} warm #{i + 1}", serve_once(tree, args.dir, args.device, log))
+    for i in range(args.spare_runs):
+        record(f"spare warm #{i + 1}", spare_once(args.dir, args.device, Path(tempfile.mkdtemp(prefix="spare-"))))
     if args.hf:
         record("hf from_pretrained warm", hf_once(args.dir))
     if args.cold:
@@ -277,6 +368,9 @@ def main() -> None:
         for name, tree in trees:
             drop_cache(args.dir)
             record(f"{name} cold", serve_once(tree, args.dir, args.device, log))
+        if args.spare_runs:
+            drop_cache(args.dir)
+            record("spare cold", spare_once(args.dir, args.device, Path(tempfile.mkdtemp(prefix="spare-"))))
     rows = [(run["label"], "  ".join(f"{k}={v}" for k, v in run.items() if k != "label")) for run in results["runs"]]
     print_table(f"load time, {total_bytes / 1e9:.1f} GB in {len(files)} files ({results['environment']})", rows)
 

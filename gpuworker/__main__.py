@@ -3,7 +3,8 @@
     python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
                                [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
-                               [--model-root DIR ...] [--stage-budget-bytes N]
+                               [--model-root DIR ...] [--stage-budget-bytes N] [--no-spare-replicas]
+    python -m gpuworker spare --device cpu|cuda:N --control-fd N  (started by the daemon; see replica/spare.py)
 """
 
 from __future__ import annotations
@@ -97,12 +98,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host memory (page cache) this worker may fill with the checkpoints the control "
                              "plane expects to scale here, so such a load reads memory, not a cold disk "
                              f"(default: ${STAGE_BUDGET_ENV}, else 0: no staging)")
+    daemon.add_argument("--spare-replicas", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep one replica process per GPU (or one on a CPU-only worker) started ahead, its "
+                             "imports done and its device initialised, so a load skips those seconds "
+                             "(default: on; --no-spare-replicas, or --no-spare, starts each replica afresh)")
+    daemon.add_argument("--no-spare", dest="spare_replicas", action="store_false", help=argparse.SUPPRESS)
     daemon.add_argument("--log-level", default="info")
+
+    spare = commands.add_parser("spare", help="(started by the daemon) a replica process waiting for its load")
+    spare.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: initialised before the load")
+    spare.add_argument("--control-fd", type=int, required=True, metavar="FD",
+                       help="inherited Unix socket the load's serve arguments and sockets arrive on")
+    spare.add_argument("--exit-with-parent", type=int, default=None, metavar="PID")
+    spare.add_argument("--log-level", default="info")
     return parser
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # force: a spare configured logging before its load, whose level now applies.
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat and health poll otherwise
 
 
@@ -132,6 +147,28 @@ def serve(args: argparse.Namespace) -> None:
                holder=holder)
 
 
+def spare(args: argparse.Namespace) -> int:
+    """A replica process started before its load (gpuworker/replica/spare.py): prepare, wait, serve."""
+    import time
+
+    started = time.perf_counter()
+    _configure_logging(args.log_level)
+    from gpuworker.replica.server import exit_with_parent
+    from gpuworker.replica.spare import wait_for_load
+
+    if args.exit_with_parent is not None:
+        exit_with_parent(args.exit_with_parent)
+    argv = wait_for_load(args.device, args.control_fd, started)
+    if argv is None:
+        return 0
+    serve_args = build_parser().parse_args(["serve", *argv])
+    if serve_args.device != args.device:  # the daemon hands each spare loads for its own device only
+        print(f"this spare initialised {args.device}, but the load asks for {serve_args.device}", file=sys.stderr)
+        return 2
+    serve(serve_args)
+    return 0
+
+
 def _model_roots(given: list[Path] | None) -> tuple[Path, ...]:
     # The environment is the default only: argparse would append --model-root to a list default.
     if given:
@@ -151,7 +188,7 @@ def daemon(args: argparse.Namespace) -> int:
                          advertise_host=args.advertise_host, device=args.device, port_range=args.port_range,
                          state_dir=args.state_dir or Path("var") / "gpuworker" / args.name,
                          drain_timeout_s=args.drain_timeout, model_roots=_model_roots(args.model_roots),
-                         stage_budget_bytes=args.stage_budget_bytes)
+                         stage_budget_bytes=args.stage_budget_bytes, spare_replicas=args.spare_replicas)
     return Agent(config).run()
 
 
@@ -160,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         serve(args)
         return 0
+    if args.command == "spare":
+        return spare(args)
     return daemon(args)
 
 

@@ -58,6 +58,8 @@ class AgentConfig:
     model_roots: tuple[Path, ...] = ()
     # Host memory (page cache) for keeping the checkpoints of likely scale-ups warm; 0: none.
     stage_budget_bytes: int = 0
+    # One replica process per GPU started ahead of its load (gpuworker/replica/spare.py).
+    spare_replicas: bool = True
 
 
 class NotRegistered(Exception):
@@ -144,7 +146,8 @@ class Agent:
         self.supervisor = Supervisor(
             token=self.config.token, gpu_count=self.probe.gpu_count, port_range=self.config.port_range,
             advertise_host=advertise_host, bind_host="127.0.0.1" if _is_loopback(advertise_host) else "0.0.0.0",
-            state_dir=self.config.state_dir, worker_name=self.config.name, model_roots=self.config.model_roots)
+            state_dir=self.config.state_dir, worker_name=self.config.name, model_roots=self.config.model_roots,
+            spare_replicas=self.config.spare_replicas)
         self.supervisor.start()
         self.stager.start()
         if not self.config.model_roots:

@@ -4,6 +4,13 @@ One thread owns every child (spawn, health polls, drain, SIGTERM, SIGKILL); load
 only queue commands for it, so a Celery task never waits on a model. Children are started from
 that long-lived thread because they ask Linux to SIGTERM them when it dies (a SIGKILLed daemon
 must not leave replicas holding ports and GPU memory).
+
+With spare replicas on, the supervisor also keeps one spare process per GPU (one in all on a
+CPU-only worker): `python -m gpuworker spare`, its imports done and its device initialised ahead of
+time (gpuworker/replica/spare.py). A load on that device hands the spare its arguments, socket and
+log instead of starting a process; the next spare starts once no load on that device is in
+progress, so the two never compete. A spare that dies is replaced (at most once per
+SPARE_RETRY_S); draining or closing the worker ends the spares.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +31,7 @@ from typing import Any
 import httpx
 
 from gpuworker.contract.heartbeat import REPLICA_FIGURES, REPLICA_LATENCY_FIGURES, ReplicaReport
+from gpuworker.contract.spare_handover import send_load
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon.model_paths import resolve_model_root_path
 from gpuworker.daemon.ports import bind_replica_socket
@@ -38,6 +47,19 @@ FORGET_AFTER_S = 60.0  # stopped and failed replicas stay in heartbeats this lon
 # How much of a failed child's log is read for its cause (a traceback can be long) and its tail.
 LOG_READ_CHARS = 64 * 1024
 LIVE_STATES = ("loading", "ready", "draining")
+# A spare process that exited (it should not) is started again at most this often.
+SPARE_RETRY_S = 30.0
+
+
+@dataclass
+class Spare:
+    """A `python -m gpuworker spare` process waiting for a load on `device`."""
+
+    device: str
+    process: subprocess.Popen
+    control: socket.socket  # our end of the socket pair the load is handed over on
+    started_at: float  # monotonic
+    stop_deadline: float | None = None  # monotonic; SIGKILL past it, once SIGTERMed
 
 
 @dataclass
@@ -55,6 +77,8 @@ class Replica:
     kill_deadline: float | None = None  # monotonic; SIGKILL past it
     ended_at: float | None = None  # monotonic; when it became stopped or failed
     pending_load: LoadModel | None = None  # a load asked for while its failed process was stopping
+    from_spare: bool = False  # its process is a spare that was handed the load
+    ended_pid: int | None = None  # the process's pid once it was reaped
 
     def report(self) -> ReplicaReport:
         engine = self.figures if self.state in ("ready", "draining") else {}
@@ -68,7 +92,8 @@ class Replica:
 
 class Supervisor:
     def __init__(self, *, token: str, gpu_count: int, advertise_host: str, bind_host: str, state_dir: Path,
-                 worker_name: str, model_roots: tuple[Path, ...], port_range: tuple[int, int] | None = None) -> None:
+                 worker_name: str, model_roots: tuple[Path, ...], port_range: tuple[int, int] | None = None,
+                 spare_replicas: bool = False) -> None:
         # None: any free port (the OS chooses); a range only for hosts whose firewall needs one.
         self.token, self.gpu_count, self.port_range = token, gpu_count, port_range
         # Loads are confined to these (a load task's path is chosen by the control plane).
@@ -78,6 +103,10 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.refuse_loads = False  # set while the worker drains
         self._replicas: dict[int, Replica] = {}
+        self.spare_replicas = spare_replicas
+        self._spares: dict[str, Spare] = {}  # device -> its spare
+        self._spares_retired: list[Spare] = []  # stopping: SIGTERMed, not yet reaped
+        self._spare_retry_at: dict[str, float] = {}  # device -> monotonic time a new spare may start
         self._commands: queue.Queue = queue.Queue()
         self._published: list[ReplicaReport] = []
         self._stopped = threading.Event()
@@ -115,7 +144,8 @@ class Supervisor:
     def _run(self) -> None:
         closing = False
         next_poll = time.monotonic()
-        while not (closing and not any(r.process for r in self._replicas.values())):
+        while not (closing and not any(r.process for r in self._replicas.values())
+                   and not self._spares and not self._spares_retired):
             try:
                 command = self._commands.get(timeout=max(0.0, next_poll - time.monotonic()))
             except queue.Empty:
@@ -125,10 +155,12 @@ class Supervisor:
                     name, *args = command
                     if name == "close":
                         closing = True
+                        self._retire_spares()
                     else:
                         getattr(self, f"_do_{name}")(*args)
                 if time.monotonic() >= next_poll:
                     self._poll()
+                    self._tend_spares(closing)
                     next_poll = time.monotonic() + POLL_S
             except Exception:  # one bad replica or command must not stop the supervision of the rest
                 logger.exception("replica supervisor: %s failed", command or "poll")
@@ -181,7 +213,7 @@ class Supervisor:
 
     def _spawn(self, replica: Replica, model_dir: Path) -> str | None:
         request = replica.request
-        device = "cpu" if request.gpu_index is None else f"cuda:{request.gpu_index}"
+        device = _device(request)
         try:
             # Bound here and handed down: no other process can take the port before the child serves.
             listener = bind_replica_socket(self.bind_host, self.port_range)
@@ -189,34 +221,121 @@ class Supervisor:
             return f"could not bind a port for the replica on {self.bind_host}: {exc}"
         port = listener.getsockname()[1]
         # The directory checked above, not the path again: a symlink swapped since cannot redirect it.
-        argv = [sys.executable, "-m", "gpuworker", "serve", "--model", str(model_dir),
-                "--host", self.bind_host, "--port", str(port), "--fd", str(listener.fileno()),
-                "--device", device, "--dtype", request.dtype,
-                "--served-model-name", request.served_model_name,
-                "--memory-fraction", str(request.memory_fraction), "--exit-with-parent", str(os.getpid())]
+        serve_argv = ["--model", str(model_dir), "--host", self.bind_host, "--port", str(port),
+                      "--device", device, "--dtype", request.dtype,
+                      "--served-model-name", request.served_model_name,
+                      "--memory-fraction", str(request.memory_fraction), "--exit-with-parent", str(os.getpid())]
         if request.max_model_len is not None:
-            argv += ["--max-model-len", str(request.max_model_len)]
-        # The token travels in the environment, not argv, which every local user can read in `ps`.
-        # PCI bus order makes CUDA's device numbers match NVML's, which placed the replica.
-        env = {**os.environ, "GPUSERVE_WORKER_TOKEN": self.token, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-               "PYTHONUNBUFFERED": "1"}
+            serve_argv += ["--max-model-len", str(request.max_model_len)]
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
+        spare = self._spares.pop(device, None)
         try:
             with open(replica.log_path, "ab") as log:
                 # The log goes on across loads of one replica id: this process's part starts here.
                 replica.log_start = os.fstat(log.fileno()).st_size
-                replica.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                                   stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                                   pass_fds=(listener.fileno(),))
+                if spare is not None:
+                    replica.process = self._hand_to_spare(spare, serve_argv, listener, log)
+                    replica.from_spare = replica.process is not None
+                if replica.process is None:
+                    argv = [sys.executable, "-m", "gpuworker", "serve", *serve_argv, "--fd", str(listener.fileno())]
+                    replica.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                                       stderr=subprocess.STDOUT, env=self._child_env(),
+                                                       start_new_session=True, pass_fds=(listener.fileno(),))
         except OSError as exc:
             return f"could not start the replica process: {exc}"
         finally:
             listener.close()  # the child has its own copy: the port is free again once the child is gone
         host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
         replica.endpoint_url = f"http://{host}:{port}"
-        logger.info("replica %d: started pid %d on %s (%s, %s); log %s", request.replica_id,
+        logger.info("replica %d: %s pid %d on %s (%s, %s); log %s", request.replica_id,
+                    "handed to spare" if spare is not None and replica.process is spare.process else "started",
                     replica.process.pid, replica.endpoint_url, request.model_path, device, replica.log_path)
         return None
+
+    def _child_env(self) -> dict[str, str]:
+        # The token travels in the environment, not argv, which every local user can read in `ps`.
+        # PCI bus order makes CUDA's device numbers match NVML's, which placed the replica.
+        return {**os.environ, "GPUSERVE_WORKER_TOKEN": self.token, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                "PYTHONUNBUFFERED": "1"}
+
+    # -- spare replica processes -----------------------------------------------------------------
+
+    def _hand_to_spare(self, spare: Spare, serve_argv: list[str], listener: socket.socket,
+                       log) -> subprocess.Popen | None:
+        """The spare's process, now serving this load; None when the spare is gone (start afresh)."""
+        try:
+            if spare.process.poll() is not None:
+                raise OSError(f"it exited with {spare.process.returncode}")
+            send_load(spare.control, serve_argv, listener.fileno(), log.fileno())
+        except OSError as exc:
+            logger.warning("spare replica process %d on %s could not take the load (%s); starting a new process",
+                           spare.process.pid, spare.device, exc)
+            self._retire(spare)
+            return None
+        finally:
+            spare.control.close()
+        return spare.process
+
+    def _spare_devices(self) -> list[str]:
+        return [f"cuda:{i}" for i in range(self.gpu_count)] if self.gpu_count else ["cpu"]
+
+    def _tend_spares(self, closing: bool) -> None:
+        """Reap stopped spares, replace dead ones, start missing ones where no load is in progress."""
+        now = time.monotonic()
+        for spare in list(self._spares_retired):
+            if spare.process.poll() is not None:
+                self._spares_retired.remove(spare)
+            elif spare.stop_deadline is not None and now >= spare.stop_deadline:
+                self._signal_group(spare.process, signal.SIGKILL)
+                spare.stop_deadline = None
+        if closing or self.refuse_loads or not self.spare_replicas:
+            self._retire_spares()
+            return
+        loading = {_device(r.request) for r in self._replicas.values() if r.state == "loading"}
+        for device in self._spare_devices():
+            spare = self._spares.get(device)
+            if spare is not None and spare.process.poll() is not None:
+                logger.warning("spare replica process %d on %s exited with %s; see %s", spare.process.pid, device,
+                               spare.process.returncode, self._spare_log(device))
+                spare.control.close()
+                del self._spares[device]
+                self._spare_retry_at[device] = spare.started_at + SPARE_RETRY_S
+            if device not in self._spares and device not in loading and now >= self._spare_retry_at.get(device, 0.0):
+                self._start_spare(device)
+
+    def _spare_log(self, device: str) -> Path:
+        return self.log_dir / f"spare-{device.replace(':', '-')}.log"
+
+    def _start_spare(self, device: str) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-m", "gpuworker", "spare", "--device", device, "--control-fd", str(theirs.fileno()),
+                "--exit-with-parent", str(os.getpid())]
+        try:
+            with open(self._spare_log(device), "ab") as log:
+                process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                           env=self._child_env(), start_new_session=True, pass_fds=(theirs.fileno(),))
+        except OSError as exc:
+            ours.close()
+            self._spare_retry_at[device] = time.monotonic() + SPARE_RETRY_S
+            logger.error("could not start a spare replica process on %s: %s", device, exc)
+            return
+        finally:
+            theirs.close()
+        self._spares[device] = Spare(device, process, ours, time.monotonic())
+        logger.info("spare replica process %d started on %s", process.pid, device)
+
+    def _retire_spares(self) -> None:
+        for device in list(self._spares):
+            spare = self._spares.pop(device)
+            spare.control.close()
+            self._retire(spare)
+
+    def _retire(self, spare: Spare) -> None:
+        """SIGTERM the spare (it serves nothing: no drain), SIGKILL it if it lingers."""
+        if spare.process.poll() is None:
+            self._signal_group(spare.process, signal.SIGTERM)
+            spare.stop_deadline = time.monotonic() + KILL_AFTER_S
+            self._spares_retired.append(spare)
 
     def _do_unload(self, replica_id: int, drain_timeout_s: float) -> None:
         replica = self._replicas.get(replica_id)
@@ -288,10 +407,19 @@ class Supervisor:
 
     def _reap(self, replica: Replica) -> None:
         code = replica.process.returncode
+        replica.ended_pid = replica.process.pid
         replica.process, replica.kill_deadline = None, None
         if replica.state == "draining":
             self._end(replica, "stopped", "")
             logger.info("replica %d stopped", replica.request.replica_id)
+        elif replica.state == "loading" and replica.from_spare and not self._log_text(replica).strip():
+            # A spare writes to the replica's log as soon as it takes a load: this one died before
+            # (it was killed as the load was handed over), so the load never began: start it afresh.
+            logger.warning("replica %d: spare pid %d died (%s) before taking the load; starting a new process",
+                           replica.request.replica_id, replica.ended_pid, code)
+            del self._replicas[replica.request.replica_id]
+            self._do_load(replica.request)
+            return
         elif replica.state in ("loading", "ready"):
             log_text = self._log_text(replica)
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
@@ -320,8 +448,12 @@ class Supervisor:
         replica.kill_deadline = max(time.monotonic(), replica.drain_deadline or 0.0) + KILL_AFTER_S
 
     def _signal(self, replica: Replica, signum: int) -> None:
+        self._signal_group(replica.process, signum)
+
+    @staticmethod
+    def _signal_group(process: subprocess.Popen, signum: int) -> None:
         try:
-            os.killpg(replica.process.pid, signum)  # its own group: whatever it forked goes too
+            os.killpg(process.pid, signum)  # its own group: whatever it forked goes too
         except ProcessLookupError:
             pass
 
@@ -329,3 +461,7 @@ class Supervisor:
         replica.state, replica.error, replica.ended_at = state, error, time.monotonic()
         replica.figures = {}
 
+
+
+def _device(request: LoadModel) -> str:
+    return "cpu" if request.gpu_index is None else f"cuda:{request.gpu_index}"

@@ -1,7 +1,9 @@
 """Copy safetensors tensors into a model's parameters with one pass over the files and no
 intermediate tensors: the bytes go from the file straight into the parameter (CPU), or through a
-pair of pinned chunk buffers with asynchronous host-to-device copies (CUDA), one reader thread per
-shard, so reading the next chunk overlaps the copy of the last one and shards read in parallel.
+pair of pinned chunk buffers with asynchronous host-to-device copies (CUDA), so reading the next
+chunk overlaps the copy of the last one. Shards are split into byte ranges read by parallel threads
+(a page-cache read is a memcpy bound per thread, and a checkpoint has few shards); a cold checkpoint
+is read by one thread in file order, as a disk reads fastest.
 
 A tensor stored in another dtype than its parameter (a float32 checkpoint served in bfloat16) is
 read on its own and converted; that is the slow path, used by small models.
@@ -59,11 +61,32 @@ def copy_tensors(plan: list[tuple[Path, list[TensorCopy]]], *, progress: Callabl
         if progress is not None:
             progress(fraction)
 
-    readers = max(1, min(num_readers or MAX_READERS, len(plan) or 1))
-    with ThreadPoolExecutor(readers, thread_name_prefix="weights") as pool:
-        futures = [pool.submit(_copy_file, file, copies, advance, chunk_bytes) for file, copies in plan]
+    readers = max(1, num_readers or MAX_READERS)
+    jobs = split_plan(plan, -(-readers // max(1, len(plan))))
+    with ThreadPoolExecutor(min(readers, len(jobs) or 1), thread_name_prefix="weights") as pool:
+        futures = [pool.submit(_copy_file, file, copies, advance, chunk_bytes) for file, copies in jobs]
         for future in futures:
             future.result()
+
+
+def split_plan(plan: list[tuple[Path, list[TensorCopy]]], parts: int) -> list[tuple[Path, list[TensorCopy]]]:
+    """Each file's copies in up to `parts` runs of consecutive tensors of about equal bytes, in file
+    order (a tensor is never split: the runs of a file of one huge tensor are fewer)."""
+    jobs = []
+    for file, copies in plan:
+        copies = sorted(copies, key=lambda c: c.entry.begin)
+        target = sum(c.nbytes for c in copies) / max(1, parts)
+        run: list[TensorCopy] = []
+        size, runs = 0, 0
+        for copy in copies:
+            run.append(copy)
+            size += copy.nbytes
+            if size >= target and runs < parts - 1:
+                jobs.append((file, run))
+                run, size, runs = [], 0, runs + 1
+        if run or not copies:
+            jobs.append((file, run))
+    return jobs
 
 
 def _copy_file(file: Path, copies: list[TensorCopy], advance: Callable[[int], None], chunk_bytes: int) -> None:

@@ -54,7 +54,8 @@ class Daemon:
 
 
 @contextmanager
-def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_registrations: int = 0):
+def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_registrations: int = 0,
+                   spares: bool = False):
     name = f"test-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if k != "GPUSERVE_WORKER_TOKEN"}
     # Tiny models gain nothing from threads, and OpenMP threads spinning on a busy 2-core machine
@@ -70,7 +71,9 @@ def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_reg
                  "--name", name, "--device", "cpu",
                  "--state-dir", str(tmp_path / name), "--drain-timeout", "5",
                  # the session's temporary folder: it holds every tiny checkpoint
-                 "--model-root", str(model_root)],
+                 "--model-root", str(model_root),
+                 # Off unless asked for: these tests tell replicas by their `serve` command line.
+                 "--spare-replicas" if spares else "--no-spare-replicas"],
                 stdout=out, stderr=subprocess.STDOUT, env=env)
         daemon = Daemon(fake, process, log, name, broker_url)
         try:
@@ -269,4 +272,35 @@ def test_replicas_stop_when_the_daemon_is_killed(tmp_path, tmp_path_factory, bro
         child.wait(timeout=30)  # raises psutil.TimeoutExpired if it outlives its daemon
         assert not child.is_running()
         # Stopped by the parent-death signal, which the replica takes as a drain, not killed outright.
+        assert "draining:" in (tmp_path / daemon.name / "replicas" / "replica-1.log").read_text()
+
+
+@pytest.mark.slow
+def test_with_spares_a_load_runs_in_the_spare_and_all_stop_when_the_daemon_is_killed(
+        tmp_path, tmp_path_factory, broker_url, tiny_checkpoint):
+    """The real daemon with spare replicas: the load runs in the process that was waiting for it, a
+    new spare follows, and a SIGKILLed daemon takes both with it (parent-death signal)."""
+    with running_daemon(tmp_path, broker_url, tmp_path_factory.getbasetemp(), spares=True) as daemon:
+        def spares() -> list[psutil.Process]:
+            found = []
+            for p in psutil.Process(daemon.process.pid).children():
+                try:
+                    if "spare" in p.cmdline():
+                        found.append(p)
+                except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                    pass
+            return found
+
+        first = daemon.fake.wait_for(lambda: spares(), timeout=30, what="a spare process")[0]
+        daemon.send(LOAD_MODEL, **_load_kwargs(1, tiny_checkpoint("llama")))
+        ready = daemon.fake.wait_for(lambda: daemon.fake.replica(1, "ready"), timeout=180, what="replica 1 ready")
+        port = int(ready["endpoint_url"].rsplit(":", 1)[1])
+        assert port in {c.laddr.port for c in first.net_connections() if c.status == psutil.CONN_LISTEN}
+        assert daemon.serve_children() == []  # no process was started for the load
+        second = daemon.fake.wait_for(lambda: [p for p in spares() if p.pid != first.pid], timeout=60,
+                                      what="the next spare")[0]
+        daemon.process.kill()
+        daemon.process.wait()
+        for child in (first, second):
+            child.wait(timeout=60)  # raises psutil.TimeoutExpired if it outlives its daemon
         assert "draining:" in (tmp_path / daemon.name / "replicas" / "replica-1.log").read_text()

@@ -165,3 +165,26 @@ def test_a_file_that_is_not_safetensors_is_named(llama_copy):
     (llama_copy / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match=r"model.safetensors is not a safetensors file"):
         load_model(llama_copy)
+
+
+def test_one_shard_is_read_by_several_threads_in_byte_ranges_with_the_same_result(llama_dir, monkeypatch):
+    from gpuworker.checkpoint_files import read_header
+    from gpuworker.models import weight_stream
+    from gpuworker.models.weight_stream import TensorCopy, split_plan
+
+    file = llama_dir / "model.safetensors"
+    copies = [TensorCopy(e, torch.empty(e.shape, dtype=torch.float32)) for e in read_header(file)]
+    runs = split_plan([(file, list(reversed(copies)))], 4)
+    # Four runs of consecutive tensors in file order, together every tensor once, of similar size.
+    assert len(runs) == 4 and all(f == file and run for f, run in runs)
+    assert [c.entry.name for _, run in runs for c in run] == [c.entry.name for c in copies]
+    sizes = [sum(c.nbytes for c in run) for _, run in runs]
+    assert max(sizes) < 2 * sum(sizes) / 4 + max(c.nbytes for c in copies)
+    assert split_plan([(file, copies)], 1) == [(file, copies)]
+
+    monkeypatch.setattr(weight_stream, "MAX_READERS", 1)
+    one = load_model(llama_dir)
+    monkeypatch.setattr(weight_stream, "MAX_READERS", 8)
+    eight = load_model(llama_dir)
+    for (name, a), (_, b) in zip(one.named_parameters(), eight.named_parameters()):
+        assert torch.equal(a, b), name
