@@ -27,7 +27,7 @@ PREFILL_TOK_S = 38_600.0
 PREFILL_CHUNK_TOKENS = 8192
 KV_CAPACITY_TOKENS = 883_584
 MAX_NUM_SEQS = 256
-CHARS_PER_TOKEN = 4  # to build the text whose first characters the router hashes
+CHARS_PER_TOKEN = 4  # to build the request bodies the router keys on
 
 _ROWS = [rows for rows, _ in DECODE_STEP_S]
 
@@ -66,22 +66,36 @@ class Request:
         return None if self.first_token_at is None else self.first_token_at - self.arrival
 
     @property
-    def prefix(self) -> str:
-        """The first characters of the rendered messages, as the gateway's _prompt_prefix takes them:
-        the model's system prompt, then the conversation's first user message."""
-        return self.conversation.text[:min(len(self.conversation.text), self.prompt_tokens * CHARS_PER_TOKEN)]
+    def body(self) -> dict:
+        """The OpenAI-style chat request this turn sends (the router keys on it as the gateway does):
+        the model's system prompt, then the conversation so far, CHARS_PER_TOKEN characters a token."""
+        return {"model": f"model-{self.model}", "messages": self.conversation.messages(self.turn)}
 
 
 @dataclass(eq=False)
 class Conversation:
     id: int
     model: int
-    text: str  # the start of its rendered messages (long enough for any prefix length used)
+    system: str  # the model's system prompt
     user_tokens: list[int]  # per turn
     output_tokens: list[int]  # per turn
     think_s: list[float]  # before each turn after the first
     system_tokens: int
     history: int = 0  # tokens sent and received so far
+
+    def messages(self, turn: int) -> list[dict]:
+        """The messages of the request for `turn`: built when asked, not kept (a run has many)."""
+        messages = [{"role": "system", "content": self.system}]
+        for k in range(turn + 1):
+            messages.append({"role": "user", "content": self._text("user", k, self.user_tokens[k])})
+            if k < turn:
+                messages.append({"role": "assistant", "content": self._text("assistant", k, self.output_tokens[k])})
+        return messages
+
+    def _text(self, role: str, turn: int, tokens: int) -> str:
+        chars = tokens * CHARS_PER_TOKEN
+        words = f"{role} turn {turn} of conversation {self.id}. "
+        return (words * (chars // len(words) + 1))[:chars]
 
     def request(self, turn: int, now: float) -> Request:
         prompt = (self.system_tokens if turn == 0 else self.history) + self.user_tokens[turn]
@@ -100,7 +114,7 @@ class TraceShape:
     burst_s: float = 120.0
     mean_turns: float = 4.0
     think_mean_s: float = 20.0
-    system_prompt_chars: int = 240  # under the router's 512 so the prefix hash sees the conversation
+    system_prompt_chars: int = 240  # the length of each model's system prompt
     first_message_tokens: int = 300  # median (lognormal)
     message_tokens: int = 80  # median of later user messages
     output_tokens: int = 200  # median (lognormal), capped at 1024
@@ -121,8 +135,8 @@ class Trace:
                                    for d in range(days) for _ in range(shape.bursts))
         self._rngs = [random.Random(f"{seed}:{m}") for m in range(shape.models)]
         self._next_id = [m * 10_000_000 for m in range(shape.models)]
-        self._system_text = [f"system:You are assistant {m} of the fleet simulator. " * 40
-                             for m in range(shape.models)]
+        self._system_text = [(f"You are assistant {m} of the fleet simulator. " * (shape.system_prompt_chars // 40 + 1))
+                             [:shape.system_prompt_chars] for m in range(shape.models)]
 
     def rate(self, t: float) -> float:
         """All models' request rate at time t (requests per second)."""
@@ -160,8 +174,8 @@ class Trace:
         think = [rng.expovariate(1 / s.think_mean_s) for _ in range(turns)]
         cid = self._next_id[model]
         self._next_id[model] += 1
-        text = self._system_text[model][:s.system_prompt_chars] + f"\nuser:conversation {cid} " * 64
-        return t, Conversation(cid, model, text, users, outputs, think, s.system_prompt_chars // CHARS_PER_TOKEN)
+        return t, Conversation(cid, model, self._system_text[model], users, outputs, think,
+                               s.system_prompt_chars // CHARS_PER_TOKEN)
 
 
 def _lognormal(rng: random.Random, median: float, cap: int) -> int:

@@ -1,5 +1,6 @@
 """Fleet simulator (issue 19): a discrete-event simulation of the serving fleet that drives the real
-router (controlplane/gateway/replica_choice.py: prefix affinity + least outstanding) and the real
+router (controlplane/gateway/replica_choice.py: affinity_key of each request's OpenAI-style body,
+prefix affinity, least outstanding) and the real
 autoscaler (controlplane/fleet/autoscaling.py: decide, popular) with simulated replicas whose speeds
 come from the engine's measured curves (bench/fleet_model.py says which figures).
 
@@ -31,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 from bench.fleet_model import KV_CAPACITY_TOKENS, Replica, Request, Trace, TraceShape  # noqa: E402
 from controlplane.fleet.autoscaling import (  # noqa: E402
     AutoscalePolicy, DeploymentSignals, ReplicaLoad, decide, popular)
-from controlplane.gateway.replica_choice import affinity_choice, least_outstanding  # noqa: E402
+from controlplane.gateway.replica_choice import affinity_choice, affinity_key, least_outstanding  # noqa: E402
 
 # The gateway's defaults (controlplane/settings.py: GATEWAY_AFFINITY_PREFIX_CHARS, _MAX_EXTRA).
 AFFINITY_PREFIX_CHARS = 512
@@ -153,7 +154,7 @@ class Simulation:
     def _route(self, now: float, request: Request) -> None:
         candidates = self._ready_replicas(request.model)
         if self.affinity:
-            preferred = affinity_choice(request.prefix, candidates, AFFINITY_PREFIX_CHARS)
+            preferred = affinity_choice(affinity_key(request.body, True, AFFINITY_PREFIX_CHARS), candidates)
             index = least_outstanding([r.outstanding for r in candidates], [True] * len(candidates), preferred,
                                       AFFINITY_MAX_EXTRA)
         else:

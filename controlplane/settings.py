@@ -254,9 +254,11 @@ GATEWAY_REPLICA_COOLDOWN_SECONDS = env_int("GATEWAY_REPLICA_COOLDOWN_SECONDS", 1
 # Limits for tenants without a plan.
 GATEWAY_DEFAULT_RATE_LIMIT_PER_MINUTE = env_int("GATEWAY_DEFAULT_RATE_LIMIT_PER_MINUTE", 60)
 GATEWAY_DEFAULT_MAX_CONCURRENT_REQUESTS = env_int("GATEWAY_DEFAULT_MAX_CONCURRENT_REQUESTS", 8)
-# Prompts at least this long (characters) go to the replica their first this-many characters
-# hash to, to hit its prefix cache, while it has at most GATEWAY_AFFINITY_MAX_EXTRA requests more
-# in flight than the least busy replica.
+# Prompts at least this long (characters, rendered) go to the replica their affinity key hashes to,
+# to hit its prefix cache, while it has at most GATEWAY_AFFINITY_MAX_EXTRA requests more in flight
+# than the least busy replica. The key (replica_choice.affinity_key): a completion prompt's first
+# this-many characters; for chat, a digest of the system prompt and then up to this many characters
+# of the conversation's opening messages.
 GATEWAY_AFFINITY_PREFIX_CHARS = env_int("GATEWAY_AFFINITY_PREFIX_CHARS", 512)
 GATEWAY_AFFINITY_MAX_EXTRA = env_int("GATEWAY_AFFINITY_MAX_EXTRA", 4)
 # How long a completed non-streaming request's result is replayed for its Idempotency-Key.

@@ -20,7 +20,7 @@ from controlplane.gateway.errors import GatewayError, bad_request, model_not_all
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
-from controlplane.gateway.replica_choice import affinity_choice
+from controlplane.gateway.replica_choice import affinity_choice, affinity_key
 from controlplane.gateway.request_body import json_object, read_body
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
@@ -59,10 +59,10 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -
             if waited is _GONE:
                 return Response(status_code=499)  # nobody reads it: the client is gone
             replicas, cold_start_s = waited
-        prefix = _prompt_prefix(body, chat, gw.config.affinity_prefix_chars)
+        key = affinity_key(body, chat, gw.config.affinity_prefix_chars)
         # Rate limits, concurrency limits and the choice of replica: one round trip to Redis.
         admission, first = await gw.shared.admit_and_pick(
-            grant, request_id, replicas, affinity_choice(prefix, replicas, gw.config.affinity_prefix_chars))
+            grant, request_id, replicas, affinity_choice(key, replicas))
         if not admission.allowed:
             which = admission.reason.replace("_", " ").replace("rpm", "requests per minute")
             raise GatewayError(429, f"Rate limit reached ({which}: {admission.limit}); retry after the "
@@ -78,10 +78,10 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -
                 # The replica always reports usage: billing needs it, the client gets it on request.
                 upstream_body = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
                 return await _unless_client_leaves(gw, request, flight, replicas, stream=True, work=_stream(
-                    gw, flight, replicas, first, path, upstream_body, prefix, headers,
+                    gw, flight, replicas, first, path, upstream_body, key, headers,
                     chat=chat, include_usage=parsed.include_usage))
             response = await _unless_client_leaves(gw, request, flight, replicas, stream=False, work=_complete(
-                gw, flight, replicas, first, path, raw, prefix, headers))
+                gw, flight, replicas, first, path, raw, key, headers))
             if idempotency and response.status_code == 200:
                 try:
                     await gw.shared.idempotency_store(scope, {"state": "done", "fingerprint": fingerprint,
@@ -186,28 +186,13 @@ async def _idempotent_replay(gw: Gateway, scope: str, fingerprint: str, request_
                     headers={"x-request-id": request_id, "idempotent-replayed": "true"})
 
 
-def _prompt_prefix(body: dict, chat: bool, chars: int) -> str:
-    if not chat:
-        prompt = body.get("prompt")
-        return prompt[:chars] if isinstance(prompt, str) else json.dumps(prompt)[:chars]
-    parts, length = [], 0
-    for message in body.get("messages") or ():
-        content = message.get("content") if isinstance(message, dict) else None
-        text = f"{message.get('role')}:{content if isinstance(content, str) else json.dumps(content)}\n"
-        parts.append(text)
-        length += len(text)
-        if length >= chars:
-            break
-    return "".join(parts)[:chars]
-
-
 async def _attempt(gw: Gateway, flight: Flight, replicas: tuple[ReplicaRoute, ...], first: ReplicaRoute,
-                   tried: set[int], path: str, body: bytes, prefix: str) -> tuple[ReplicaRoute, UpstreamResponse]:
+                   tried: set[int], path: str, body: bytes, key: str) -> tuple[ReplicaRoute, UpstreamResponse]:
     """Send to `first`, or on a retry to the best replica not tried yet; returns once the
     response's status line has arrived."""
     if tried:
         candidates = [replica for replica in replicas if replica.replica_id not in tried]
-        affinity = affinity_choice(prefix, candidates, gw.config.affinity_prefix_chars)
+        affinity = affinity_choice(key, candidates)
         replica = await gw.shared.pick(candidates, flight.request_id, affinity)
     else:
         replica = first  # picked together with admission
@@ -239,13 +224,13 @@ def _no_replica(gw: Gateway, flight: Flight, reason: str) -> GatewayError:
 
 
 async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
-                    prefix: str, headers: dict[str, str]) -> Response:
+                    key: str, headers: dict[str, str]) -> Response:
     tried: set[int] = set()
     reason = "none is ready"
     while len(tried) < min(_ATTEMPTS, len(replicas)):
         try:
             async with asyncio.timeout_at(_deadline(gw, flight)):
-                replica, response = await _attempt(gw, flight, replicas, first, tried, path, body, prefix)
+                replica, response = await _attempt(gw, flight, replicas, first, tried, path, body, key)
                 data = await response.read()
         except (UpstreamError, ReplicaFailed) as exc:
             reason = str(exc)
@@ -270,7 +255,7 @@ async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, 
 
 
 async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
-                  prefix: str, headers: dict[str, str], *, chat: bool, include_usage: bool) -> Response | StreamRelay:
+                  key: str, headers: dict[str, str], *, chat: bool, include_usage: bool) -> Response | StreamRelay:
     tried: set[int] = set()
     reason = "none is ready"
     deadline = _deadline(gw, flight)
@@ -279,7 +264,7 @@ async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, pa
         events = None
         try:
             async with asyncio.timeout_at(deadline):
-                replica, response = await _attempt(gw, flight, replicas, first, tried, path, body, prefix)
+                replica, response = await _attempt(gw, flight, replicas, first, tried, path, body, key)
                 if response.status != 200:
                     data = await response.read()
                     await flight.end(None)

@@ -4,6 +4,7 @@ fleet simulator (bench/fleet_sim.py) run the same rule. The Redis Lua script in 
 """
 
 import hashlib
+import json
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -12,12 +13,54 @@ class HasReplicaId(Protocol):
     replica_id: int
 
 
-def affinity_choice(prefix: str, candidates: Sequence[HasReplicaId], min_chars: int) -> int | None:
-    """The index of the replica a long prompt's prefix belongs to (rendezvous hashing: stable
-    while replicas come and go, and the same in every gateway process), or None if too short."""
-    if len(prefix) < min_chars or len(candidates) < 2:
+def affinity_key(body: dict, chat: bool, chars: int) -> str:
+    """What a request's replica is chosen by, to hit its prefix cache; "" when the rendered prompt
+    is shorter than `chars` (too short to be worth pinning).
+
+    Completions: the prompt's first `chars` characters. Chat: a short digest of the leading system
+    message(s), so that a long system prompt shared by a model's conversations neither fills the key
+    nor makes them all one key, then the conversation's opening (its messages from the first
+    non-system one up to the first assistant reply, which every later turn resends unchanged) up to
+    `chars` characters: a conversation's turns share a key and different conversations spread.
+    Whether it is worth pinning is judged on the whole rendered length, system prompt included."""
+    if not chat:
+        prompt = body.get("prompt")
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        return text[:chars] if len(text) >= chars else ""
+    messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
+    rendered = [f"{m.get('role')}:{_content(m.get('content'))}\n" for m in messages]
+    if sum(map(len, rendered)) < chars:
+        return ""
+    system = 0
+    while system < len(messages) and messages[system].get("role") in _SYSTEM_ROLES:
+        system += 1
+    opening, length = [], 0
+    for message, text in zip(messages[system:], rendered[system:]):
+        if (message.get("role") == "assistant" and opening) or length >= chars:
+            break
+        opening.append(text)
+        length += len(text)
+    key = "".join(opening)[:chars]
+    if system:
+        digest = hashlib.blake2b("".join(rendered[:system]).encode("utf-8", "surrogatepass"), digest_size=8)
+        key = f"system#{digest.hexdigest()}\n{key}"
+    return key
+
+
+_SYSTEM_ROLES = ("system", "developer")  # OpenAI's instruction roles
+
+
+def _content(content: object) -> str:
+    return content if isinstance(content, str) else json.dumps(content)
+
+
+def affinity_choice(key: str, candidates: Sequence[HasReplicaId]) -> int | None:
+    """The index of the replica a request's affinity key (affinity_key) belongs to (rendezvous
+    hashing: stable while replicas come and go, and the same in every gateway process), or None
+    without a key or a choice."""
+    if not key or len(candidates) < 2:
         return None
-    digest = hashlib.blake2b(prefix[:min_chars].encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
     scores = [hashlib.blake2b(b"%d" % replica.replica_id, key=digest, digest_size=8).digest()
               for replica in candidates]
     return max(range(len(candidates)), key=scores.__getitem__)

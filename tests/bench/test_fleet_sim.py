@@ -1,6 +1,7 @@
 """The fleet simulator (bench/fleet_sim.py) on a tiny trace: every request is served or counted as
 failed, GPU time is counted, a seed gives the same run, and the real router and autoscaler act."""
 
+from collections import Counter
 from dataclasses import replace
 
 from bench.fleet_model import Trace, TraceShape, decode_step_s
@@ -98,3 +99,15 @@ def test_scenarios_share_one_trace_and_static_holds_the_autoscaled_peak():
 def test_decode_steps_follow_the_measured_curve():
     assert decode_step_s(1) == 4.17e-3 and decode_step_s(96) == 9.8e-3
     assert decode_step_s(1) < decode_step_s(64) < decode_step_s(256) < decode_step_s(600)
+
+
+def test_conversations_behind_a_long_system_prompt_spread_over_replicas_and_keep_theirs():
+    # The router keys on each request's OpenAI-style body as the gateway does (affinity_key): a
+    # 1,200-character system prompt must not send all of a model's conversations to one replica.
+    shape = replace(SHAPE, system_prompt_chars=1200)
+    static = {m: 3 for m in range(SHAPE.models)}
+    by_affinity = _run(static=static, shape=shape)
+    for model in range(SHAPE.models):
+        firsts = Counter(r.replica_id for r in by_affinity.requests if r.model == model and r.turn == 0)
+        assert len(firsts) == 3 and max(firsts.values()) < 0.6 * sum(firsts.values())
+    assert _same_replica_share(by_affinity) > 2 * _same_replica_share(_run(affinity=False, static=static, shape=shape))

@@ -1,9 +1,10 @@
 """The router's replica choice as pure functions (the gateway's LocalShared and the fleet simulator
 call them; test_shared.py checks the Redis script gives the same answers)."""
 
+import json
 from dataclasses import dataclass
 
-from controlplane.gateway.replica_choice import affinity_choice, least_outstanding
+from controlplane.gateway.replica_choice import affinity_choice, affinity_key, least_outstanding
 
 
 @dataclass(frozen=True)
@@ -11,22 +12,74 @@ class R:
     replica_id: int
 
 
-def test_affinity_needs_a_long_prefix_and_two_replicas():
-    assert affinity_choice("x" * 63, [R(1), R(2)], 64) is None
-    assert affinity_choice("x" * 64, [R(1)], 64) is None
-    assert affinity_choice("x" * 64, [R(1), R(2)], 64) in (0, 1)
+def test_affinity_needs_a_key_and_two_replicas():
+    assert affinity_choice("", [R(1), R(2)]) is None
+    assert affinity_choice("x" * 64, [R(1)]) is None
+    assert affinity_choice("x" * 64, [R(1), R(2)]) in (0, 1)
 
 
-def test_affinity_hashes_only_the_first_chars_and_survives_another_replica():
-    prefix = "system: be brief\nuser: " + "a long question " * 10
+def test_affinity_survives_another_replica_and_spreads_keys():
+    key = affinity_key({"prompt": "system: be brief\nuser: " + "a long question " * 10}, False, 64)
     replicas = [R(i) for i in range(1, 6)]
-    chosen = replicas[affinity_choice(prefix, replicas, 64)]
-    assert replicas[affinity_choice(prefix[:64] + "another tail", replicas, 64)] == chosen
-    # Rendezvous hashing: a new replica takes a prefix only if it scores best; others stay put.
+    chosen = replicas[affinity_choice(key, replicas)]
+    # Rendezvous hashing: a new replica takes a key only if it scores best; others stay put.
     grown = replicas + [R(99)]
-    assert grown[affinity_choice(prefix, grown, 64)] in (chosen, R(99))
-    spread = {affinity_choice(f"conversation {i} " * 8, replicas, 64) for i in range(50)}
+    assert grown[affinity_choice(key, grown)] in (chosen, R(99))
+    spread = {affinity_choice(f"conversation {i} " * 8, replicas) for i in range(50)}
     assert len(spread) == len(replicas)  # different conversations spread over the replicas
+
+
+def test_a_completion_prompt_keys_on_its_first_chars_if_long_enough():
+    prompt = "a long question " * 10
+    assert affinity_key({"prompt": prompt}, False, 64) == prompt[:64]
+    assert affinity_key({"prompt": prompt[:64] + "another tail"}, False, 64) == prompt[:64]
+    assert affinity_key({"prompt": prompt[:63]}, False, 64) == ""
+    assert affinity_key({"prompt": [1, 2, 3] * 30}, False, 64) == json.dumps([1, 2, 3] * 30)[:64]
+
+
+SYSTEM = {"role": "system", "content": "You are the support assistant of a large shop. " * 25}  # 1,200 chars
+
+
+def _chat(*messages: dict) -> dict:
+    return {"model": "m", "messages": [SYSTEM, *messages]}
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def test_conversations_behind_a_long_shared_system_prompt_get_different_keys_and_spread():
+    keys = {affinity_key(_chat(_user(f"Where is my order {i}?")), True, 512) for i in range(50)}
+    assert len(keys) == 50 and all(len(key) < 100 for key in keys)  # a digest, not the prompt itself
+    replicas = [R(i) for i in range(1, 6)]
+    assert {affinity_choice(key, replicas) for key in keys} == set(range(len(replicas)))
+
+
+def test_a_conversations_later_turns_keep_its_first_turns_key():
+    first = _chat(_user("Where is my order 7?"))  # short, but behind a long system prompt
+    key = affinity_key(first, True, 512)
+    assert key and key != affinity_key(_chat(_user("Where is my order 8?")), True, 512)
+    later = _chat(_user("Where is my order 7?"), {"role": "assistant", "content": "It left today. " * 40},
+                  _user("When will it arrive?"), {"role": "assistant", "content": "Tomorrow."}, _user("Thanks!"))
+    assert affinity_key(later, True, 512) == key
+    replicas = [R(i) for i in range(1, 9)]
+    assert affinity_choice(affinity_key(later, True, 512), replicas) == affinity_choice(key, replicas)
+
+
+def test_another_system_prompt_or_a_long_opening_changes_the_key_only_as_it_should():
+    key = affinity_key(_chat(_user("hello " * 200)), True, 512)
+    assert affinity_key(_chat(_user("hello " * 200 + "and more")), True, 512) == key  # past `chars`
+    other = {"model": "m", "messages": [{"role": "system", "content": SYSTEM["content"] + "!"}, _user("hello " * 200)]}
+    assert affinity_key(other, True, 512) != key
+
+
+def test_short_requests_are_not_pinned():
+    assert affinity_key({"messages": [_user("hi")]}, True, 512) == ""
+    assert affinity_key({"messages": [{"role": "system", "content": "Be brief."}, _user("hi")]}, True, 512) == ""
+    assert affinity_key({"messages": []}, True, 512) == ""
+    assert affinity_key({}, True, 512) == ""
+    assert affinity_key({"messages": ["not a message", None]}, True, 512) == ""
+    assert affinity_key({"prompt": None}, False, 512) == ""
 
 
 def test_least_outstanding_keeps_affinity_within_max_extra():

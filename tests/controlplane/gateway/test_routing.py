@@ -5,6 +5,7 @@ import threading
 import time
 from collections import Counter
 from decimal import Decimal
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -12,6 +13,7 @@ import redis
 
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.selectors import credit_balance
+from controlplane.gateway.replica_choice import affinity_choice, affinity_key
 from tests.controlplane.gateway.conftest import (AFFINITY_PREFIX_CHARS, ReplicaServer, free_port, make_world,
                                                  start_replica, wait_ready, wait_until)
 
@@ -65,19 +67,33 @@ def test_least_outstanding_requests(gateway, replicas):
     assert _served_by(_ask(world)) == first
 
 
-def test_a_long_shared_prefix_sticks_to_one_replica_while_it_is_not_overloaded(gateway, replicas):
+def test_a_conversation_sticks_to_one_replica_while_conversations_behind_one_system_prompt_spread(
+        gateway, replicas):
     world = make_world(gateway, replicas)
-    prefix = "You are a careful assistant. " * 3
-    assert len(prefix) > AFFINITY_PREFIX_CHARS
-    ask = lambda question: _ask(world, [{"role": "system", "content": prefix},  # noqa: E731
-                                        {"role": "user", "content": question}])
-    home = _served_by(ask("first?"))
-    assert {_served_by(ask(f"question {i}?")) for i in range(4)} == {home}
+    system = {"role": "system", "content": "You are a careful assistant. " * 3}
+    assert len(system["content"]) > AFFINITY_PREFIX_CHARS  # the old rule pinned every conversation here
+
+    def home_of(question: str) -> int:  # where the router's rule sends this conversation
+        ids = [SimpleNamespace(replica_id=r.pk) for r in world.replicas]
+        key = affinity_key({"messages": [system, {"role": "user", "content": question}]}, True, AFFINITY_PREFIX_CHARS)
+        return ids[affinity_choice(key, ids)].replica_id
+
+    questions = [f"question {i}?" for i in range(64)]
+    # Two conversations whose openings hash to different replicas: they go there, not both to one.
+    first, second = (next(q for q in questions if home_of(q) == r.pk) for r in world.replicas)
+    assert _served_by(_ask(world, [system, {"role": "user", "content": first}])) == home_of(first)
+    assert _served_by(_ask(world, [system, {"role": "user", "content": second}])) == home_of(second)
+    # One conversation's later turns resend its history: they stay on its replica.
+    home = home_of(first)
+    history = [system, {"role": "user", "content": first}]
+    for turn in range(3):
+        history += [{"role": "assistant", "content": f"answer {turn}"}, {"role": "user", "content": f"and {turn}?"}]
+        assert _served_by(_ask(world, history)) == home
     _busy(gateway, home, 4)  # four more than the other replica: still within the allowance
-    assert _served_by(ask("busy?")) == home
+    assert _served_by(_ask(world, history)) == home
     _busy(gateway, home, 5)
     (other,) = {r.pk for r in world.replicas} - {home}
-    assert _served_by(ask("overloaded?")) == other
+    assert _served_by(_ask(world, history)) == other
 
 
 def test_a_replica_failing_before_the_first_token_is_retried_on_another(gateway, replicas):
