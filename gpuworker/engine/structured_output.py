@@ -24,10 +24,12 @@ StructuredOutputKind = Literal["json_object", "json_schema", "ebnf", "structural
 KINDS: tuple[str, ...] = ("json_object", "json_schema", "ebnf", "structural_tag")
 # Distinct compiled grammars kept; one compiled JSON schema is typically tens of KB to a few MB.
 DEFAULT_GRAMMAR_CACHE_SIZE = 256
-# The longest run of whitespace a JSON grammar allows between two tokens of the JSON (a newline and
-# the indentation of 7 levels of 4 spaces fits). Unbounded runs let a model loop on whitespace
-# forever, a known failure of JSON mode; any finite cap bounds the output a schema allows.
-JSON_MAX_WHITESPACE = 32
+# The longest run of whitespace any JSON grammar (json_object, json_schema, the arguments of a
+# forced tool call) allows between two tokens of the JSON: one blank, as in `{"a": 1, "b": 2}`.
+# Longer runs let a weak or random model spend its whole token budget on blanks (at 32, a random
+# model wrote 30-blank runs and ran out of tokens); newlines and indentation are never needed.
+# 1, not 0: xgrammar's structural tags (which tool calls use) refuse a cap of 0.
+JSON_MAX_WHITESPACE = 1
 # OpenAI's JSON mode promises an object (xgrammar's builtin JSON grammar also allows an array).
 _ANY_JSON_OBJECT = '{"type": "object"}'
 # xgrammar (through 0.2.9, mlc-ai/xgrammar#800) writes a string with minLength/maxLength as a

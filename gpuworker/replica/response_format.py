@@ -13,13 +13,11 @@ from typing import Any
 import xgrammar as xgr
 from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag
 
-from gpuworker.engine.structured_output import StructuredOutput, xgrammar_reason
+from gpuworker.engine.structured_output import JSON_MAX_WHITESPACE, StructuredOutput, xgrammar_reason
 from gpuworker.contract.openai_api import ChatCompletionRequest, NamedToolChoice, ProtocolError, ResponseFormat
 from gpuworker.replica.tool_calls import ToolCallFormat, forced_tool_grammar
 
 _XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)
-# Whitespace characters allowed in a row inside constrained JSON (see json_constraint).
-MAX_JSON_WHITESPACE = 16
 
 
 def check_json_schema(schema: dict, param: str) -> None:
@@ -62,12 +60,12 @@ def json_constraint(schema: dict | bool) -> StructuredOutput:
     """JSON valid against `schema`, with runs of whitespace between tokens capped.
 
     Plain JSON grammars allow unbounded whitespace, and a model that falls into writing blanks
-    (a weak or random one does) never finishes; the cap is far above what indented JSON needs.
+    (a weak or random one does) never finishes; the cap (JSON_MAX_WHITESPACE) is one blank.
     xgrammar's structural tag carries that cap, so the constraint is a one-part structural tag.
     The schema stays in its declared property order, which is the order the output follows.
     """
     tag = StructuralTag(format=JSONSchemaFormat(json_schema=grammar_schema(schema),
-                                                max_whitespace_cnt=MAX_JSON_WHITESPACE))
+                                                max_whitespace_cnt=JSON_MAX_WHITESPACE))
     return StructuredOutput.structural_tag(tag.model_dump_json())
 
 
@@ -97,7 +95,7 @@ def tool_choice_constraint(request: ChatCompletionRequest, fmt: ToolCallFormat) 
         if "parameters" in tool["function"]:
             tool["function"]["parameters"] = grammar_schema(tool["function"]["parameters"])
     spec = forced_tool_grammar(fmt, tools, function_name=name, parallel_tool_calls=request.parallel_tool_calls,
-                               max_whitespace=MAX_JSON_WHITESPACE)
+                               max_whitespace=JSON_MAX_WHITESPACE)
     try:
         xgr.Grammar.from_structural_tag(spec)
     except _XGRAMMAR_ERRORS as exc:

@@ -7,11 +7,12 @@ finish_reason "stop" must parse and validate; "length" cuts are allowed to be in
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from gpuworker.engine import LLMEngine, SamplingParams
-from gpuworker.engine.structured_output import GrammarCache, StructuredOutput, xgrammar_reason
+from gpuworker.engine.structured_output import JSON_MAX_WHITESPACE, GrammarCache, StructuredOutput, xgrammar_reason
 
 PERSON = {
     "type": "object",
@@ -274,10 +275,12 @@ def test_preemption_keeps_matchers_in_step_with_outputs(checkpoint):
     """A pool too small for every sequence forces recompute; the grammars must not see a token twice."""
     schema = StructuredOutput.json_schema(SCHEMAS["enums"])
     prompts = [f"preempt {i} " * 4 for i in range(4)]
-    params = [constrained(schema, temperature=0.0, max_tokens=400) for _ in prompts]
-    roomy = LLMEngine(checkpoint, num_kv_blocks=256, max_model_len=512, async_scheduling=True)
+    # Compact JSON (no runs of blanks) is short: a pool of 10 blocks of 16 holds one sequence but
+    # not four prompts of ~40 tokens growing by ~50 each.
+    params = [constrained(schema, temperature=0.0, max_tokens=80) for _ in prompts]
+    roomy = LLMEngine(checkpoint, num_kv_blocks=256, max_model_len=128, async_scheduling=True)
     expected = [out.token_ids for out in roomy.generate(prompts, params)]
-    tight = LLMEngine(checkpoint, num_kv_blocks=40, max_model_len=512, async_scheduling=True)
+    tight = LLMEngine(checkpoint, num_kv_blocks=10, max_model_len=128, async_scheduling=True)
     outputs = tight.generate(prompts, params)
     assert sum(out.metrics.num_preemptions for out in outputs) > 0
     assert [out.token_ids for out in outputs] == expected
@@ -404,3 +407,24 @@ def test_mixed_batch_on_cuda(checkpoint):
     for out in mixed[1:]:
         assert out.finish_reason == "stop"
         assert validation_errors(json.loads(out.text), SCHEMAS["nested"]) == []
+
+
+# -- whitespace -----------------------------------------------------------------------------------
+
+def _longest_blank_run(text: str) -> int:
+    return max((len(run) for run in re.findall(r"\s+", text)), default=0)
+
+
+@pytest.mark.parametrize("structured", [
+    StructuredOutput.json_object(),
+    StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+                                  "required": ["a", "b"]}),
+], ids=["json_object", "json_schema"])
+def test_json_grammars_allow_no_runs_of_blanks(engine, structured):
+    # A random model fell into blanks: with 32 allowed in a row, most of a 64-token budget went on
+    # them and the object was never closed. Schemas without strings: any blank is the grammar's.
+    outputs = engine.generate([f"object {i}" for i in range(8)],
+                              [constrained(structured, seed=i, max_tokens=64) for i in range(8)])
+    for out in outputs:
+        assert _longest_blank_run(out.text) <= JSON_MAX_WHITESPACE == 1, out.text
+    assert any(out.finish_reason == "stop" for out in outputs), [out.text for out in outputs]

@@ -250,3 +250,15 @@ def test_tools_need_a_chat_template_that_renders_them(tiny_checkpoint):
     request.tool_choice = "none"
     plan = plan_chat(engine, request)
     assert plan.tool_parsing is None and plan.params.structured_output is None
+
+
+@pytest.mark.parametrize("grammar", [
+    lambda: json_constraint({"type": "object"}).spec,
+    lambda: json_constraint(WEATHER_PARAMETERS).spec,
+], ids=["json_object", "json_schema"])
+def test_response_format_grammars_allow_one_blank_at_most(grammar):
+    compiled = xgr.Grammar.from_structural_tag(grammar())
+    assert _is_grammar_accept_string(compiled, '{"city": "Oslo", "unit": "celsius", "days": 2}')
+    assert _is_grammar_accept_string(compiled, '{"city":"Oslo","unit":"celsius","days":2}')
+    assert not _is_grammar_accept_string(compiled, '{"city":  "Oslo", "unit": "celsius", "days": 2}')
+    assert not _is_grammar_accept_string(compiled, '{\n    "city": "Oslo", "unit": "celsius", "days": 2}')
