@@ -24,6 +24,7 @@ from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequ
                                            parse_json_body, parse_request, usage_dict)
 from gpuworker.replica.response_format import response_format_constraint, tool_choice_constraint
 from gpuworker.replica.tool_calls import ToolCallFormat, ToolCallParser, detect_tool_format, parse_tool_calls
+from gpuworker.replica.tool_prompt import FALLBACK_FORMAT, with_tools_in_prompt
 
 
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
@@ -81,11 +82,12 @@ def plan_request(llm: Any, raw: bytes, chat: bool) -> RequestPlan:
 
 def plan_chat(llm: Any, request: ChatCompletionRequest) -> RequestPlan:
     """A chat request for `llm` (an LLMEngine): the prompt (tools rendered by the model's own chat
-    template), the sampling parameters with the output constraint of response_format or of a
+    template, or written into the system prompt when the template cannot: tool_prompt), the sampling parameters with the output constraint of response_format or of a
     forced tool call, and how to read tool calls back. Raises ProtocolError / ValueError (400)."""
     kwargs = request.sampling_kwargs()
     tool_parsing = None
     constraint = response_format_constraint(request.response_format)
+    messages, tools = request.chat_messages(), request.template_tools()
     if request.uses_tools:
         template = getattr(llm.tokenizer, "chat_template", None) if llm.tokenizer is not None else None
         try:
@@ -93,11 +95,13 @@ def plan_chat(llm: Any, request: ChatCompletionRequest) -> RequestPlan:
                                      llm.model_config.model_type)
         except ValueError as exc:
             raise ProtocolError(str(exc), param="tools") from None
+        if fmt is None:  # the template cannot show tools: they go into the system prompt instead
+            fmt, messages, tools = FALLBACK_FORMAT, with_tools_in_prompt(messages, tools or []), None
         tool_parsing = ToolParsing(fmt, frozenset(tool.function.name for tool in request.tools or ()))
         constraint = tool_choice_constraint(request, fmt) or constraint
     params = SamplingParams(**kwargs, structured_output=constraint)
     # Only the token ids: a chat's output does not echo the rendered prompt.
-    prompt = TokenizedPrompt(None, llm.render_chat(request.chat_messages(), tools=request.template_tools()).token_ids)
+    prompt = TokenizedPrompt(None, llm.render_chat(messages, tools=tools).token_ids)
     return RequestPlan(request, prompt, params, tool_parsing)
 
 

@@ -68,16 +68,16 @@ LLAMA3_JSON = ToolCallFormat(
 FORMATS = {f.name: f for f in (HERMES, LLAMA3_JSON)}
 
 
-def detect_tool_format(chat_template: str | None, model_type: str = "") -> ToolCallFormat:
+def detect_tool_format(chat_template: str | None, model_type: str = "") -> ToolCallFormat | None:
     """The tool-call format a model writes, read from its chat template (which teaches it the format).
 
-    Raises ValueError (naming `tools`) when the template does not render tools at all, or renders
-    them in a format this server cannot parse.
+    None when the template does not render tools at all: the tools then go into the prompt
+    (gpuworker.replica.tool_prompt). Raises ValueError (naming `tools`) when it renders them in a
+    format this server cannot parse.
     """
     template = chat_template or ""
     if "tools" not in template:
-        raise ValueError("tools: this model's chat template does not render tools, so the model cannot "
-                         "be asked to call them")
+        return None
     if "<tool_call>" in template:
         return HERMES
     if '"parameters"' in template and ("<|start_header_id|>" in template or model_type == "llama"):

@@ -87,6 +87,15 @@ def llama(tmp_path_factory):
         yield openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def plain(tiny_checkpoint):
+    """A model whose chat template does not render tools (the demo's): tools go into the prompt."""
+    path = tiny_checkpoint("llama", max_position_embeddings=MAX_MODEL_LEN)
+    with _serving(ServerConfig(model=str(path), served_model_name="tiny-plain", token=TOKEN,
+                               max_model_len=MAX_MODEL_LEN)) as (base, _):
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+
+
 def _stopped(choices) -> list:
     stopped = [c for c in choices if c.finish_reason in ("stop", "tool_calls")]
     assert stopped, f"no choice finished: {[c.finish_reason for c in choices]}"
@@ -134,7 +143,7 @@ def test_sdk_parse_with_a_pydantic_model(qwen):
 # -- tool calls --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen", "llama"])
+@pytest.mark.parametrize("family", ["qwen", "llama", "plain"])
 def test_named_tool_choice_returns_a_call_matching_the_schema(request, family):
     client = request.getfixturevalue(family)
     model = f"tiny-{family}"
@@ -149,7 +158,7 @@ def test_named_tool_choice_returns_a_call_matching_the_schema(request, family):
         assert choice.message.content is None  # no markup, no noise
 
 
-@pytest.mark.parametrize("family", ["qwen", "llama"])
+@pytest.mark.parametrize("family", ["qwen", "llama", "plain"])
 def test_forced_tool_call_streamed_like_openai(request, family):
     client = request.getfixturevalue(family)
     model = f"tiny-{family}"
@@ -240,16 +249,38 @@ def test_bad_requests_are_400_naming_the_field(qwen, body, param):
     assert error["message"]
 
 
-def test_tools_need_a_chat_template_that_renders_them(tiny_checkpoint):
-    engine = LLMEngine(tiny_checkpoint("llama"), device="cpu", dtype="float32", max_model_len=256)
-    request = parse_request(ChatCompletionRequest, {"model": "m", "messages": ASK, "tools": TOOLS})
-    with pytest.raises(ProtocolError, match="does not render tools") as caught:
-        plan_chat(engine, request)
-    assert caught.value.param == "tools"
-    # tool_choice "none" needs no template support: the tools are left out of the prompt.
+def test_a_template_without_tools_gets_them_in_the_system_prompt(tiny_checkpoint):
+    engine = LLMEngine(tiny_checkpoint("llama", max_position_embeddings=MAX_MODEL_LEN), device="cpu", dtype="float32",
+                       max_model_len=MAX_MODEL_LEN)
+    system = {"role": "system", "content": "Be brief."}
+    request = parse_request(ChatCompletionRequest, {"model": "m", "messages": [system, *ASK], "tools": TOOLS})
+    plan = plan_chat(engine, request)
+    prompt = engine.tokenizer.decode(plan.prompt.token_ids)
+    # The demo template shows only roles and contents: the tools are in the system message's text.
+    assert prompt.index("Be brief.") < prompt.index("<tools>") < prompt.index("What is the weather")
+    for tool in TOOLS:
+        assert json.dumps(tool["function"]) in prompt
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>' in prompt
+    # auto: free text, read for <tool_call> blocks; required: the grammar writes them.
+    assert plan.tool_parsing.fmt.name == "hermes" and plan.params.structured_output is None
+    request.tool_choice = "required"
+    forced = plan_chat(engine, request)
+    assert forced.params.structured_output.kind == "structural_tag"
+    assert forced.prompt.token_ids == plan.prompt.token_ids
+    # tool_choice "none": the model is not told of the tools.
     request.tool_choice = "none"
     plan = plan_chat(engine, request)
     assert plan.tool_parsing is None and plan.params.structured_output is None
+    assert "<tools>" not in engine.tokenizer.decode(plan.prompt.token_ids)
+
+
+def test_auto_on_a_template_without_tools_reads_calls_from_free_text(plain):
+    """A random model's free text is noise: the reply is content (no call), finished normally, and
+    the prompt carries the tool definitions (far longer than without tools)."""
+    with_tools = plain.chat.completions.create(model="tiny-plain", messages=ASK, tools=TOOLS, seed=1, max_tokens=8)
+    without = plain.chat.completions.create(model="tiny-plain", messages=ASK, seed=1, max_tokens=8)
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + len(json.dumps(TOOLS[0]["function"]))
+    assert with_tools.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize("grammar", [

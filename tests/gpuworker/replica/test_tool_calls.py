@@ -39,10 +39,9 @@ def call_text(fmt, name: str, arguments: dict) -> str:
 def test_the_format_is_read_from_the_chat_template():
     assert detect_tool_format(QWEN2_5_CHAT_TEMPLATE, "qwen2") is HERMES
     assert detect_tool_format(LLAMA3_1_CHAT_TEMPLATE, "llama") is LLAMA3_JSON
-    with pytest.raises(ValueError, match="does not render tools"):
-        detect_tool_format(DEMO_TEMPLATE, "llama")
-    with pytest.raises(ValueError, match="does not render tools"):
-        detect_tool_format(None, "llama")
+    # None: the template cannot show tools, the prompt fallback (tool_prompt) takes over.
+    assert detect_tool_format(DEMO_TEMPLATE, "llama") is None
+    assert detect_tool_format(None, "llama") is None
     with pytest.raises(ValueError, match="not support"):  # Mistral's [TOOL_CALLS] style
         detect_tool_format("{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}",
                            "mistral")
