@@ -354,6 +354,10 @@ class EmbeddingRequest(_Strict):
                 raise ValueError(f"input item {index} must not be empty")
         return value
 
+    # What the gateway's admission asks of every request: one answer, never a stream.
+    n: int = 1
+    stream: bool = False
+
     @property
     def texts(self) -> list[str] | None:
         """The inputs as strings, or None when they were given as token ids."""
