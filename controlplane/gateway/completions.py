@@ -1,5 +1,7 @@
-"""POST /v1/chat/completions and /v1/completions: validate, admit (rate limits, then credit),
-route to a replica with one retry elsewhere before the first token, relay, settle.
+"""POST /v1/chat/completions, /v1/completions and /v1/embeddings: validate, admit (rate limits,
+then credit), route to a replica with one retry elsewhere before the first token, relay, settle.
+The three share this one path; they differ only in their request schema and the model kind they
+serve (`ENDPOINTS`).
 """
 
 import asyncio
@@ -13,7 +15,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, ProtocolError, parse_request
+from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ProtocolError,
+                                          parse_request)
 
 from controlplane.gateway.cold_start import cold_start_header
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
@@ -32,18 +35,30 @@ _ATTEMPTS = 2  # the first replica, then once more on another
 _STARTED_QUERY_TIMEOUT_S = 2.0
 
 
-async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -> Response:
+# Endpoint -> (its request schema, whether it serves models of kind "embedding" or the others).
+ENDPOINTS = {
+    "/v1/chat/completions": (ChatCompletionRequest, False),
+    "/v1/completions": (CompletionRequest, False),
+    "/v1/embeddings": (EmbeddingRequest, True),
+}
+
+
+async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) -> Response:
+    schema, for_embeddings = ENDPOINTS[path]
+    chat = schema is ChatCompletionRequest
     raw = await read_body(request, gw.config.max_request_bytes)  # bounded before any other work
     grant = await gw.keys.authenticate(request.headers.get("authorization"))
     body = json_object(raw)
     model = await _model(gw, grant, body.get("model"))
     gw.spawn(gw.traffic.record(model.model_id, time.time()))  # off the request's path
     try:
-        parsed = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+        parsed = parse_request(schema, body)
     except ProtocolError as exc:
         raise bad_request(exc.message, param=exc.param) from None
-    if model.kind == "embedding":
-        raise bad_request(f"{model.public_name!r} is an embedding model; use /v1/embeddings.", param="model")
+    if (model.kind == "embedding") != for_embeddings:
+        use = "/v1/embeddings" if model.kind == "embedding" else "/v1/chat/completions or /v1/completions"
+        raise bad_request(f"{model.public_name!r} is {'an embedding' if model.kind == 'embedding' else 'a generative'} "
+                          f"model; use {use}.", param="model", code="wrong_model_kind")
     idempotency = None if parsed.stream else request.headers.get("idempotency-key")
     if idempotency:
         scope = f"{grant.tenant_id}:{hashlib.sha256(idempotency.encode()).hexdigest()}"
@@ -59,7 +74,8 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -
             if waited is _GONE:
                 return Response(status_code=499)  # nobody reads it: the client is gone
             replicas, cold_start_s = waited
-        key = affinity_key(body, chat, gw.config.affinity_prefix_chars)
+        # Encoders keep no prefix cache: their requests only spread by load.
+        key = "" if for_embeddings else affinity_key(body, chat, gw.config.affinity_prefix_chars)
         # Rate limits, concurrency limits and the choice of replica: one round trip to Redis.
         admission, first = await gw.shared.admit_and_pick(
             grant, request_id, replicas, affinity_choice(key, replicas))
@@ -73,7 +89,6 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, chat: bool) -
         headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
         try:
             await flight.hold()
-            path = "/v1/chat/completions" if chat else "/v1/completions"
             if parsed.stream:
                 # The replica always reports usage: billing needs it, the client gets it on request.
                 upstream_body = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()

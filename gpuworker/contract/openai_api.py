@@ -325,6 +325,45 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_kwargs(self.max_tokens, self.logprobs)
 
 
+# Inputs in one /v1/embeddings request, as OpenAI limits them.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings: `input` is a string, a list of strings, a list of token ids or a list
+    of token-id lists (token ids are encoded as given, without special tokens added)."""
+    model: str
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, value):
+        if isinstance(value, str):
+            value = [value]
+        elif value and isinstance(value[0], int):
+            value = [value]
+        if not value:
+            raise ValueError("input must not be empty")
+        if len(value) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"input holds {len(value)} items; at most {MAX_EMBEDDING_INPUTS} per request")
+        for index, item in enumerate(value):
+            if not item:
+                raise ValueError(f"input item {index} must not be empty")
+        return value
+
+    # What the gateway's admission asks of every request: one answer, never a stream.
+    n: int = 1
+    stream: bool = False
+
+    @property
+    def texts(self) -> list[str] | None:
+        """The inputs as strings, or None when they were given as token ids."""
+        return self.input if isinstance(self.input[0], str) else None
+
+
 # Where a lone UTF-16 surrogate can come from: a JSON escape of one (a valid pair is decoded into
 # one character) or its UTF-8 form, which json.loads lets through. Only bodies with one of these
 # are searched, so ordinary bodies cost one scan of their bytes.

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gpuworker.contract.openai_api import ProtocolError, new_id, now
+from gpuworker.replica.embeddings import embeddings as serve_embeddings
 from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
 from gpuworker.replica.responses import Responder, drain_expired_error, engine_error, error_response, plan_request
 
@@ -146,10 +147,20 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, chat=True)
 
 
+async def embeddings(request: Request) -> Response:
+    holder = _holder(request)
+    if (unavailable := _not_ready(holder)) is not None:
+        return unavailable
+    return await serve_embeddings(request, holder.embedder, holder.config.model_name)
+
+
 async def _generate(request: Request, chat: bool) -> Response:
     holder = _holder(request)
     if (unavailable := _not_ready(holder)) is not None:
         return unavailable
+    if holder.embedder is not None:
+        return error_response(f"{holder.config.model_name!r} is an embedding model; use /v1/embeddings",
+                              param="model", code="wrong_model_kind")
     raw = await request.body()
     engine = holder.engine
     try:
@@ -221,6 +232,7 @@ ROUTES = [
     Route("/v1/models", models),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
 ]
 
 

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpuworker.engine import AsyncLLMEngine
+from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encoder
 from gpuworker.engine.outputs import RequestOutput
 from gpuworker.replica.metrics import EngineMetrics
 from gpuworker.models.loader import report_load_progress
@@ -49,6 +52,9 @@ class EngineHolder:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.engine: AsyncLLMEngine | None = None
+        # An encoder checkpoint (BERT family) is served by /v1/embeddings instead: then this is set
+        # and `engine` stays None.
+        self.embedder: EmbeddingEngine | None = None
         self.state = "loading"  # loading -> ready | failed; any -> draining
         self.error: str | None = None
         self.load_progress = 0.0
@@ -93,6 +99,9 @@ class EngineHolder:
         self.load_started_at = time.time()
         started = time.perf_counter()
         try:
+            if is_sentence_encoder(self.config.model):
+                self._load_embedder(started)
+                return
             with report_load_progress(self._on_weights_progress):
                 engine = AsyncLLMEngine(self.config.model, **kwargs)
         except Exception as exc:  # reported through /health and /stats, not a crash loop
@@ -108,9 +117,21 @@ class EngineHolder:
         logger.info("model %s ready in %.2fs: %s", self.config.model_name, self.load_timings["engine_s"],
                     ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.load_timings.items()))
 
+    def _load_embedder(self, started: float) -> None:
+        dtype = torch.float32 if self.config.dtype == "auto" and self.config.device == "cpu" else \
+            getattr(torch, "float16" if self.config.dtype == "auto" else self.config.dtype)
+        self.embedder = EmbeddingEngine(self.config.model, device=self.config.device, dtype=dtype)
+        self.load_progress = 1.0
+        self.load_timings = {"engine_s": round(time.perf_counter() - started, 4)}
+        if self.state == "loading":
+            self.state = "ready"
+        logger.info("encoder %s ready in %.2fs", self.config.model_name, self.load_timings["engine_s"])
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        if self.embedder is not None:
+            self.embedder.shutdown()
 
     # -- draining -------------------------------------------------------------------------------
 

@@ -220,7 +220,8 @@ class World:
                                   **{"max_retries": 0, "timeout": 60, **options})
 
 
-def make_world(gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002"), plan=None, **key_fields) -> World:
+def make_world(gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002"), plan=None, kind="chat",
+               **key_fields) -> World:
     """Rows for a tenant and a model whose ready replicas are `servers`; waits until the gateway
     routes the model."""
     from controlplane.billing.services import credit_grant
@@ -233,7 +234,7 @@ def make_world(gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002")
     if credit:
         credit_grant(tenant=tenant, amount=credit)
     api_key = ApiKeyFactory(tenant=tenant, **key_fields)
-    model = ModelFactory(price_tier=PriceTierFactory(price_per_request=price), context_length=256)
+    model = ModelFactory(price_tier=PriceTierFactory(price_per_request=price), context_length=256, kind=kind)
     deployment = DeploymentFactory(model=model, desired_replicas=len(servers), max_replicas=max(2, len(servers)))
     worker = Worker.objects.create(name=f"host-{model.pk}", queue_name=f"gpuworker.host-{model.pk}",
                                    advertise_host="127.0.0.1", device=Worker.Device.CPU)

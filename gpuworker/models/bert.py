@@ -1,0 +1,195 @@
+"""BERT-family sentence encoders for /v1/embeddings: the encoder in plain PyTorch (attention by
+`scaled_dot_product_attention`, which masks the padding of a batch), and the sentence-transformers
+head read from the checkpoint (modules.json, 1_Pooling/config.json): pooling, then normalisation.
+
+Encoders take whole padded batches without a KV cache, so the paged attention of the decoders
+brings nothing here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+# Where a sentence-transformers checkpoint may declare the Matryoshka dimensions it was trained
+# for (its vectors can be cut to any of them and renormalised); without it `dimensions` is refused.
+MATRYOSHKA_KEY = "matryoshka_dimensions"
+POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "BertConfig":
+        if raw.get("model_type") not in ("bert",) and "BertModel" not in (raw.get("architectures") or []):
+            raise ValueError(f"not a BERT-family encoder (model_type {raw.get('model_type')!r})")
+        if raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {raw['position_embedding_type']!r} is not supported; "
+                             "only 'absolute'")
+        if raw.get("hidden_act", "gelu") not in ("gelu", "gelu_new", "relu"):
+            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported")
+        return cls(**{name: raw[name] for name in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                                   "num_attention_heads", "intermediate_size",
+                                                   "max_position_embeddings")},
+                   type_vocab_size=raw.get("type_vocab_size", 2), layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
+                   hidden_act=raw.get("hidden_act", "gelu"))
+
+
+@dataclass(frozen=True)
+class SentenceHead:
+    """What sentence-transformers does after the encoder: one pooling mode, then maybe normalise."""
+    pooling: str
+    normalize: bool
+    max_seq_length: int | None
+    matryoshka_dimensions: tuple[int, ...]
+
+    @classmethod
+    def read(cls, model_dir: Path) -> "SentenceHead":
+        modules_file = model_dir / "modules.json"
+        if not modules_file.is_file():  # a bare BertModel: mean pooling, as sentence-transformers defaults to
+            return cls("mean_tokens", False, None, ())
+        modules = json.loads(modules_file.read_text())
+        pooling, normalize = "mean_tokens", False
+        for module in modules:
+            kind = module.get("type", "").rsplit(".", 1)[-1]
+            if kind == "Pooling":
+                config = json.loads((model_dir / module["path"] / "config.json").read_text())
+                chosen = [mode for mode in POOLING_MODES if config.get(f"pooling_mode_{mode}")]
+                if len(chosen) != 1:
+                    raise ValueError(f"{module['path']}/config.json: exactly one pooling mode of {POOLING_MODES} "
+                                     f"is supported, found {chosen}")
+                pooling = chosen[0]
+            elif kind == "Normalize":
+                normalize = True
+            elif kind != "Transformer":
+                raise ValueError(f"modules.json: the module {module.get('type')!r} is not supported")
+        bert_config = model_dir / "sentence_bert_config.json"
+        max_seq = json.loads(bert_config.read_text()).get("max_seq_length") if bert_config.is_file() else None
+        st_config = model_dir / "config_sentence_transformers.json"
+        dims = json.loads(st_config.read_text()).get(MATRYOSHKA_KEY, []) if st_config.is_file() else []
+        return cls(pooling, normalize, max_seq, tuple(int(d) for d in dims))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: BertConfig):
+        super().__init__()
+        h = c.hidden_size
+        self.heads = c.num_attention_heads
+        self.qkv = nn.Linear(h, 3 * h)
+        self.attn_out = nn.Linear(h, h)
+        self.attn_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
+        self.up = nn.Linear(h, c.intermediate_size)
+        self.down = nn.Linear(c.intermediate_size, h)
+        self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
+        self.act = {"gelu": F.gelu, "relu": F.relu,
+                    "gelu_new": lambda x: F.gelu(x, approximate="tanh")}[c.hidden_act]
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = self.attn_norm(x + self.attn_out(attn.transpose(1, 2).reshape(b, t, h)))
+        return self.out_norm(x + self.down(self.act(self.up(x))))
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig, head: SentenceHead):
+        super().__init__()
+        self.config, self.head = config, head
+        h = config.hidden_size
+        self.word = nn.Embedding(config.vocab_size, h)
+        self.position = nn.Embedding(config.max_position_embeddings, h)
+        self.token_type = nn.Embedding(config.type_vocab_size, h)
+        self.embed_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+
+    @property
+    def dimensions(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def max_tokens(self) -> int:
+        limit = self.config.max_position_embeddings
+        return min(limit, self.head.max_seq_length) if self.head.max_seq_length else limit
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Sentence vectors [batch, hidden] (float32) for right-padded ids and their 0/1 mask."""
+        t = input_ids.shape[1]
+        positions = torch.arange(t, device=input_ids.device)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]
+        x = self.embed_norm(x)
+        keep = attention_mask.bool()
+        mask = keep[:, None, None, :]  # padding keys are never attended to
+        for layer in self.layers:
+            x = layer(x, mask)
+        x, m = x.float(), keep.unsqueeze(-1).float()
+        pooling = self.head.pooling
+        if pooling == "cls_token":
+            pooled = x[:, 0]
+        elif pooling == "max_tokens":
+            pooled = x.masked_fill(~keep.unsqueeze(-1), float("-inf")).max(dim=1).values
+        else:
+            summed, counts = (x * m).sum(dim=1), m.sum(dim=1).clamp(min=1e-9)
+            pooled = summed / (counts if pooling == "mean_tokens" else counts.sqrt())
+        return F.normalize(pooled, dim=-1) if self.head.normalize else pooled
+
+
+def _hf_weights(state: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """Hugging Face BertModel names (with or without the `bert.` prefix) to this module's."""
+    state = {name.removeprefix("bert."): tensor for name, tensor in state.items()}
+    try:
+        out = {"word.weight": state["embeddings.word_embeddings.weight"],
+               "position.weight": state["embeddings.position_embeddings.weight"],
+               "token_type.weight": state["embeddings.token_type_embeddings.weight"],
+               "embed_norm.weight": state["embeddings.LayerNorm.weight"],
+               "embed_norm.bias": state["embeddings.LayerNorm.bias"]}
+        for i in range(layers):
+            p = f"encoder.layer.{i}."
+            for kind in ("weight", "bias"):
+                out[f"layers.{i}.qkv.{kind}"] = torch.cat(
+                    [state[f"{p}attention.self.{part}.{kind}"] for part in ("query", "key", "value")])
+                out[f"layers.{i}.attn_out.{kind}"] = state[f"{p}attention.output.dense.{kind}"]
+                out[f"layers.{i}.attn_norm.{kind}"] = state[f"{p}attention.output.LayerNorm.{kind}"]
+                out[f"layers.{i}.up.{kind}"] = state[f"{p}intermediate.dense.{kind}"]
+                out[f"layers.{i}.down.{kind}"] = state[f"{p}output.dense.{kind}"]
+                out[f"layers.{i}.out_norm.{kind}"] = state[f"{p}output.LayerNorm.{kind}"]
+    except KeyError as exc:
+        raise ValueError(f"the checkpoint lacks the BERT weight {exc.args[0]!r}") from None
+    return out
+
+
+def is_sentence_encoder(model_dir: str | Path) -> bool:
+    """Whether a checkpoint directory holds a BERT-family encoder (served by /v1/embeddings)."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return False
+    raw = json.loads(config.read_text())
+    return raw.get("model_type") == "bert" or "BertModel" in (raw.get("architectures") or [])
+
+
+def load_bert_encoder(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> BertEncoder:
+    model_dir = Path(model_dir)
+    config = BertConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    model = BertEncoder(config, SentenceHead.read(model_dir))
+    weights = model_dir / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} does not exist; an encoder is loaded from one safetensors file")
+    model.load_state_dict(_hf_weights(load_file(str(weights)), config.num_hidden_layers))
+    return model.to(device=device, dtype=dtype).eval()
