@@ -7,7 +7,7 @@ import functools
 
 from pydantic.json_schema import models_json_schema
 
-from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest
+from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 _REF = "#/components/schemas/{model}"
 JSON, EVENT_STREAM = "application/json", "text/event-stream"
@@ -62,6 +62,23 @@ _MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_
                               "owned_by": {"type": "string"}}}
 
 
+_EMBEDDING_LIST = {
+    "type": "object", "required": ["object", "data", "model", "usage"],
+    "properties": {
+        "object": {"const": "list"}, "model": {"type": "string"},
+        "data": {"type": "array", "items": {
+            "type": "object", "required": ["object", "index", "embedding"],
+            "properties": {"object": {"const": "embedding"}, "index": {"type": "integer", "minimum": 0},
+                           # float: the vector; base64: little-endian float32 bytes
+                           "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}},
+                                                   {"type": "string"}]}}}},
+        "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
+                  "properties": {"prompt_tokens": {"type": "integer", "minimum": 0},
+                                 "total_tokens": {"type": "integer", "minimum": 0}}},
+    },
+}
+
+
 def _ref(name: str) -> dict:
     return {"$ref": _REF.format(model=name)}
 
@@ -93,18 +110,19 @@ def _completion_operation(summary: str, request: str, response: str) -> dict:
 
 @functools.cache
 def openapi_document() -> dict:
-    _, definitions = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
-                                        ref_template=_REF)
+    _, definitions = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"),
+                                         (EmbeddingRequest, "validation")], ref_template=_REF)
     schemas = {**definitions["$defs"], "Error": _ERROR_SCHEMA, "Model": _MODEL_CARD,
                "ChatCompletion": _completion_schema("chat.completion"),
                "Completion": _completion_schema("text_completion"),
+               "EmbeddingList": _EMBEDDING_LIST,
                "ModelList": {"type": "object", "required": ["object", "data"],
                              "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}}}
     model_parameter = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "gpuserve /v1", "version": "1",
-                 "description": "The OpenAI-compatible API: chat and text completions, and the models this key may use."},
+                 "description": "The OpenAI-compatible API: chat and text completions, embeddings, and the models this key may use."},
         "servers": [{"url": "/"}],
         "security": [{"bearer": []}],
         "components": {"schemas": schemas,
@@ -114,6 +132,12 @@ def openapi_document() -> dict:
             "/v1/chat/completions": _completion_operation("Create a chat completion", "ChatCompletionRequest",
                                                           "ChatCompletion"),
             "/v1/completions": _completion_operation("Create a text completion", "CompletionRequest", "Completion"),
+            "/v1/embeddings": {"post": {
+                "summary": "Create embeddings (models of kind Embedding)",
+                "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"}}],
+                "requestBody": {"required": True, "content": {JSON: {"schema": _ref("EmbeddingRequest")}}},
+                "responses": _responses({"description": "One embedding per input, in order.", "headers": _COLD_START_HEADER,
+                                         "content": {JSON: {"schema": _ref("EmbeddingList")}}})}},
             "/v1/models": {"get": {"summary": "The models this key may use", "responses": _responses(
                 {"description": "The models.", "content": {JSON: {"schema": _ref("ModelList")}}})}},
             "/v1/models/{model}": {"get": {"summary": "One model", "parameters": [model_parameter],

@@ -34,8 +34,8 @@ def test_the_document_describes_the_api_from_the_request_models(gateway):
     assert response.status_code == 200 and response.headers["content-type"] == "application/json"
     document = response.json()
     assert sorted((path, method) for path, item in document["paths"].items() for method in item) == [
-        ("/v1/chat/completions", "post"), ("/v1/completions", "post"), ("/v1/models", "get"),
-        ("/v1/models/{model}", "get")]
+        ("/v1/chat/completions", "post"), ("/v1/completions", "post"), ("/v1/embeddings", "post"),
+        ("/v1/models", "get"), ("/v1/models/{model}", "get")]
     assert document["components"]["securitySchemes"]["bearer"] == {
         "type": "http", "scheme": "bearer", "description": "An API key of the tenant's."}
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
