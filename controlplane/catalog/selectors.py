@@ -53,10 +53,11 @@ def weights_path_reports(*, weights_path: str, workers: Iterable) -> list[Weight
                                              f"{path} lies outside {worker.name}'s model roots ({', '.join(roots)}), "
                                              f"so it refuses to load it: put the checkpoint under one of them, "
                                              f"or start its daemon with another --model-root."))
-        elif path in found:
+        elif path in found or (path.endswith(".gguf") and posixpath.dirname(path) in found):
+            # A GGUF file is its own checkpoint; the daemon reports the folder that holds it.
             reports.append(WeightsPathReport(worker.name, "found", f"{worker.name} has a checkpoint at {path}."))
         else:
             reports.append(WeightsPathReport(worker.name, "missing",
-                                             f"{worker.name} has no checkpoint (a directory with config.json) at "
-                                             f"{path}; it found {len(found)} under {', '.join(roots)}."))
+                                             f"{worker.name} has no checkpoint (a directory with config.json "
+                                             f"or a .gguf file) at {path}; it found {len(found)} under {', '.join(roots)}."))
     return reports

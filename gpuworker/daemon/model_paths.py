@@ -1,5 +1,5 @@
 """Which checkpoints this host has: the directories under the daemon's model roots (--model-root)
-that hold a Hugging Face config.json. The daemon reports them so the control plane's catalog can
+that hold a Hugging Face config.json or a GGUF file. The daemon reports them so the control plane's catalog can
 check a model's weight path before any replica is placed, and loads nothing from outside them.
 
     scan_model_roots([Path("/models")])  # -> ModelPaths(roots=("/models",), paths=("/models/llama-8b", ...))
@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from gpuworker.contract.heartbeat import MAX_MODEL_PATHS, ModelPaths
+from gpuworker.checkpoint_files import GGUF_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ def _checkpoints_under(root: Path, depth: int, found: list[str]) -> None:
     if len(found) >= MAX_MODEL_PATHS:
         return
     try:
-        if (root / "config.json").is_file():
+        if (root / "config.json").is_file() or any(
+                entry.name.endswith(GGUF_SUFFIX) and entry.is_file() for entry in os.scandir(root)):
             found.append(str(root))
             return  # a checkpoint's own subfolders (e.g. original/) are not separate models
         if depth >= MAX_DEPTH:

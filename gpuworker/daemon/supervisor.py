@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from gpuworker.checkpoint_files import gguf_file
 from gpuworker.contract.heartbeat import REPLICA_FIGURES, REPLICA_LATENCY_FIGURES, ReplicaReport
 from gpuworker.contract.spare_handover import send_load
 from gpuworker.contract.tasks import LoadModel
@@ -191,8 +192,8 @@ class Supervisor:
             logger.error("replica %d failed to load: %s", request.replica_id, problem)
 
     def _load_problem(self, request: LoadModel) -> tuple[Path | None, str | None]:
-        """The resolved model directory, or why this load cannot work, found before any process
-        starts."""
+        """The resolved checkpoint (a model directory or a GGUF file), or why this load cannot work,
+        found before any process starts."""
         if self.refuse_loads:
             return None, f"worker {self.worker_name} is draining and takes no new loads"
         if request.gpu_index is not None and request.gpu_index >= self.gpu_count:
@@ -205,10 +206,16 @@ class Supervisor:
         path = Path(request.model_path)
         if not resolved.exists():
             return None, f"model path {path} does not exist"
+        try:
+            if gguf_file(resolved) is not None:
+                return resolved, None
+        except ValueError as exc:  # a folder holding several .gguf files
+            return None, f"model path {path}: {exc}"
         if not resolved.is_dir():
-            return None, f"model path {path} is not a directory"
+            return None, f"model path {path} is not a directory or a .gguf file"
         if not (resolved / "config.json").is_file():
-            return None, f"model path {path} has no config.json (expected a Hugging Face model directory)"
+            return None, (f"model path {path} has no config.json or .gguf file "
+                          "(expected a Hugging Face model directory or a GGUF checkpoint)")
         return resolved, None
 
     def _spawn(self, replica: Replica, model_dir: Path) -> str | None:

@@ -1,6 +1,8 @@
-"""Load a llama-style model and its tokenizer from a local Hugging Face directory, never the network.
+"""Load a llama-style model and its tokenizer from a local checkpoint, never the network.
 
-Weights come from safetensors shards (model.safetensors.index.json or a single model.safetensors).
+A checkpoint is a Hugging Face directory, whose weights come from safetensors shards
+(model.safetensors.index.json or a single model.safetensors), or a GGUF file (or a directory holding
+one), dequantised at load (gpuworker.models.gguf_checkpoint).
 Every tensor's name and shape is checked against the model before any weight is read, so a wrong
 checkpoint fails at once with the file and the expected shape in the message.
 """
@@ -19,9 +21,11 @@ from typing import Any
 import torch
 
 from gpuworker.attention.backend import AttentionBackend
-from gpuworker.checkpoint_files import WARM_FRACTION, checkpoint_files, read_header, read_json, resident_fraction
+from gpuworker.checkpoint_files import (WARM_FRACTION, checkpoint_files, gguf_file, read_header, read_json,
+                                        resident_fraction)
 from gpuworker.attention.torch_backend import TorchAttentionBackend
 from gpuworker.models.config import ModelConfig
+from gpuworker.models.gguf_checkpoint import load_gguf_tokenizer, read_gguf_config, read_gguf_tensors
 from gpuworker.models.layers import RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.weight_stream import TensorCopy, copy_tensors
@@ -53,7 +57,13 @@ def report_load_progress(callback: Callable[[float], None]) -> Iterator[None]:
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
-    """Parse config.json (and generation_config.json, for extra EOS ids) in the directory `path`."""
+    """Parse config.json (and generation_config.json, for extra EOS ids) in the directory `path`,
+    or the metadata of the GGUF file `path` names."""
+    file = gguf_file(path)
+    if file is not None:
+        with TRANSFORMERS_IMPORT_LOCK:
+            config = read_gguf_config(file)
+        return replace(ModelConfig.from_hf(config, source=str(file)), model_path=str(file))
     directory = _directory(path)
     config = read_json(directory / CONFIG_FILE, required=True)
     generation_config = read_json(directory / GENERATION_CONFIG_FILE, required=False)
@@ -84,6 +94,8 @@ def load_model(config: ModelConfig | str | Path, device: str | torch.device = "c
     model.rotary.reset_cache()
     if load_format == "dummy":
         _fill_dummy(model, seed)
+    elif mc.model_path is not None and gguf_file(mc.model_path) is not None:
+        _load_gguf(model, mc)
     else:
         _load_safetensors(model, mc)
     return model.eval()
@@ -94,6 +106,10 @@ def load_tokenizer(path: str | Path):
     with TRANSFORMERS_IMPORT_LOCK:
         from transformers import AutoTokenizer
 
+    file = gguf_file(path)
+    if file is not None:
+        with TRANSFORMERS_IMPORT_LOCK:
+            return load_gguf_tokenizer(file)
     directory = _directory(path)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"{directory}: no tokenizer found; "
@@ -176,8 +192,7 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         for entry in read_header(file):
             target = targets.get(entry.name)
             if target is None:
-                skippable = _IGNORED.search(entry.name) or (entry.name == "lm_head.weight" and mc.tie_word_embeddings)
-                if not skippable:
+                if not _skippable(entry.name, mc):
                     unexpected.append(f"{entry.name} (in {file.name})")
                 continue
             if entry.shape != target.shape:
@@ -185,17 +200,46 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
             copies.append(TensorCopy(entry, target.param[target.start:target.start + target.rows]))
         plan.append((file, copies))
     found = {copy.entry.name for _, copies in plan for copy in copies}
-    missing = [name for name in targets if name not in found]
-    if missing:
-        raise ValueError(f"{mc.model_path}: {len(missing)} tensor(s) missing from "
-                         f"{', '.join(f.name for f in files)}: {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
-    if unexpected:
-        raise ValueError(f"{mc.model_path}: tensors not used by {mc.architecture}: "
-                         f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+    _check_coverage(mc, targets, found, unexpected, ", ".join(f.name for f in files))
     # Cached shards copy fastest in parallel; a cold disk reads fastest as one stream in file order.
     readers = None if resident_fraction(files) >= WARM_FRACTION else 1
     copy_tensors(plan, progress=_progress_callback.get(), num_readers=readers)
+
+
+@torch.no_grad()
+def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
+    file = Path(mc.model_path)
+    with TRANSFORMERS_IMPORT_LOCK:
+        tensors = read_gguf_tensors(file)
+    targets = checkpoint_targets(model)
+    unexpected = [name for name in tensors if name not in targets and not _skippable(name, mc)]
+    _check_coverage(mc, targets, set(tensors) - set(unexpected), unexpected, file.name)
+    for name, tensor in tensors.items():
+        target = targets.get(name)
+        if target is None:
+            continue
+        if tuple(tensor.shape) != target.shape:
+            raise ValueError(f"{name} in {file.name} has shape {tuple(tensor.shape)}, expected {target.shape}")
+        target.param[target.start:target.start + target.rows].copy_(tensor)
+    callback = _progress_callback.get()
+    if callback is not None:
+        callback(1.0)
+
+
+def _skippable(name: str, mc: ModelConfig) -> bool:
+    return bool(_IGNORED.search(name)) or (name == "lm_head.weight" and mc.tie_word_embeddings)
+
+
+def _check_coverage(mc: ModelConfig, targets: dict[str, _Target], found: set[str], unexpected: list[str],
+                    files: str) -> None:
+    """Every parameter found in the checkpoint and no tensor left over, or a ValueError naming them."""
+    missing = [name for name in targets if name not in found]
+    if missing:
+        raise ValueError(f"{mc.model_path}: {len(missing)} tensor(s) missing from "
+                         f"{files}: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    if unexpected:
+        raise ValueError(f"{mc.model_path}: tensors not used by {mc.architecture}: "
+                         f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
 
 
 @torch.no_grad()

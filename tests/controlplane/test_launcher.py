@@ -120,11 +120,23 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
             _wait_for_text(log_path, f"Uvicorn running on http://127.0.0.1:{port}", launcher)
             # The demo model goes through the fleet's own path: reconcile places it on the local
             # daemon, which loads it and reports its endpoint.
-            endpoint = _wait_for_ready_replica(tmp_path / "var" / "db.sqlite3", launcher, log_path)
+            database = tmp_path / "var" / "db.sqlite3"
+            endpoint = _wait_for_ready_replica(database, "demo-tiny", launcher, log_path)
             token = (tmp_path / "var" / "worker-token").read_text().strip()
             health = urllib.request.Request(f"{endpoint}/health", headers={"Authorization": f"Bearer {token}"})
             with urllib.request.urlopen(health, timeout=5) as response:
                 assert json.loads(response.read())["status"] == "ready"
+            # The real chat model (a GGUF file, dequantised at load) answers through the gateway.
+            _wait_for_ready_replica(database, "smollm2-135m-instruct", launcher, log_path, timeout=400)
+            import openai
+
+            demo = read_env_file(env_file)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=demo["OPENAI_API_KEY"],
+                                   max_retries=0, timeout=300)
+            reply = client.chat.completions.create(
+                model="smollm2-135m-instruct", temperature=0, max_tokens=24,
+                messages=[{"role": "user", "content": "What is the capital of France?"}])
+            assert "Paris" in reply.choices[0].message.content
             launcher.send_signal(signal.SIGINT)
             assert launcher.wait(timeout=60) == 0
         finally:
@@ -144,17 +156,21 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
     assert "all processes stopped" in output
 
 
-def _wait_for_ready_replica(database: Path, launcher: subprocess.Popen, log_path: Path, timeout: float = 120) -> str:
+def _wait_for_ready_replica(database: Path, model: str, launcher: subprocess.Popen, log_path: Path,
+                            timeout: float = 120) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if launcher.poll() is not None:
             pytest.fail(f"the launcher exited early ({launcher.returncode}):\n{log_path.read_text()}")
         with sqlite3.connect(database, timeout=20) as db:
-            row = db.execute("SELECT endpoint_url FROM fleet_replica WHERE state = 'ready'").fetchone()
+            row = db.execute("SELECT r.endpoint_url FROM fleet_replica r "
+                             "JOIN catalog_deployment d ON r.deployment_id = d.id "
+                             "JOIN catalog_model m ON d.model_id = m.id "
+                             "WHERE r.state = 'ready' AND m.public_name = ?", (model,)).fetchone()
         if row:
             return row[0]
         time.sleep(0.5)
-    pytest.fail(f"the demo model was not ready within {timeout}s:\n{log_path.read_text()}")
+    pytest.fail(f"the demo model {model} was not ready within {timeout}s:\n{log_path.read_text()}")
 
 
 def _wait_for_page(url: str, launcher: subprocess.Popen, log_path: Path, timeout: float = 90) -> str:

@@ -42,6 +42,11 @@ def test_seed_creates_a_working_demo(tmp_path):
     assert model.deployment.desired_replicas == 1 and model.enabled
     # The demo weights are written once, where the model row says; the daemon loads them from there.
     assert (Path(model.weights_path) / "config.json").is_file()
+    # The real chat model: SmolLM2's GGUF file, copied where its row says (inside the model roots).
+    chat = Model.objects.get(public_name="smollm2-135m-instruct")
+    assert chat.deployment.desired_replicas == 1 and chat.kind == Model.Kind.CHAT
+    [weights] = Path(chat.weights_path).iterdir()
+    assert weights.suffix == ".gguf" and not weights.is_symlink() and weights.stat().st_size > 50_000_000
     assert env_file.stat().st_mode & 0o077 == 0, "the file holds secrets and must be private"
 
 
@@ -60,7 +65,7 @@ def test_seed_without_the_env_file_issues_a_new_key_and_password(tmp_path):
     assert second["OPENAI_API_KEY"] != first["OPENAI_API_KEY"]
     api_key_authenticate(plaintext=second["OPENAI_API_KEY"])
     assert User.objects.get(username="admin").check_password(second["DEMO_ADMIN_PASSWORD"])
-    assert Tenant.objects.count() == 1 and Model.objects.count() == 1 and CreditEntry.objects.count() == 1
+    assert Tenant.objects.count() == 1 and Model.objects.count() == 2 and CreditEntry.objects.count() == 1
 
 
 def test_seed_replaces_a_key_that_no_longer_works(tmp_path):

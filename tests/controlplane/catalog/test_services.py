@@ -91,3 +91,12 @@ def test_a_weights_path_outside_a_workers_model_roots_is_refused_naming_them():
         "the folder that holds /models/llama-3-8b-instruct."]
     assert not Model.objects.exists()
     assert model_create(**_model_fields(), verify_on=[inside]).weights_path == "/models/llama-3-8b-instruct"
+
+
+def test_a_gguf_file_in_a_reported_checkpoint_folder_is_accepted():
+    worker = WorkerFactory(name="host", model_roots=["/models"], model_paths=["/models/smollm2"])
+    gguf = "/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert model_create(**_model_fields(weights_path=gguf), verify_on=[worker]).weights_path == gguf
+    with pytest.raises(ValidationError) as error:
+        model_create(**_model_fields(public_name="other", weights_path="/models/elsewhere/m.gguf"), verify_on=[worker])
+    assert "host has no checkpoint" in error.value.message_dict["weights_path"][0]

@@ -81,7 +81,7 @@ def test_the_path_must_exist_on_chosen_workers_that_search_there(operator_client
     page = operator_client.post(reverse("dashboard:catalog_add"),
                                 _form(check_workers=[has_it.pk, lacks_it.pk])).content.decode()
     error = _error_beside(page, "weights_path")
-    assert "lacks-it has no checkpoint (a directory with config.json) at /models/llama-3-8b" in error
+    assert "lacks-it has no checkpoint (a directory with config.json or a .gguf file) at /models/llama-3-8b" in error
     assert "has-it" not in error
     assert not Model.objects.exists()
     response = operator_client.post(reverse("dashboard:catalog_add"), _form(check_workers=[has_it.pk]), follow=True)

@@ -36,6 +36,16 @@ def test_a_root_that_is_itself_a_checkpoint_is_reported(tmp_path):
     assert scan_model_roots([model / ".." / "one-model"]).paths == (str(model),)
 
 
+def test_a_folder_holding_a_gguf_file_is_a_checkpoint(tmp_path):
+    root = tmp_path / "models"
+    smollm2 = root / "smollm2"
+    smollm2.mkdir(parents=True)
+    (smollm2 / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+    (root / "notes").mkdir()
+    (root / "notes" / "readme.txt").write_text("not a model")
+    assert scan_model_roots([root]).paths == (str(smollm2),)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_registration_and_heartbeats_carry_the_scan_to_the_control_plane(tmp_path, live_server, settings):
     from controlplane.fleet.models import Worker

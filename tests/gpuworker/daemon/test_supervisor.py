@@ -71,11 +71,17 @@ def test_bad_loads_fail_with_a_reason_before_any_process_starts(supervisor, tmp_
     load(2, tmp_path / "empty")
     load(3, tmp_path / "file")
     load(4, tiny_checkpoint("llama"), gpu_index=0)
-    errors = {i: _wait(supervisor, i, "failed", timeout=5).error for i in (1, 2, 3, 4)}
+    (tmp_path / "two-ggufs").mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / "two-ggufs" / name).write_bytes(b"GGUF")
+    load(6, tmp_path / "two-ggufs")
+    errors = {i: _wait(supervisor, i, "failed", timeout=5).error for i in (1, 2, 3, 4, 6)}
     assert errors[1] == f"model path {tmp_path / 'no' / 'such' / 'model'} does not exist"
-    assert errors[2].endswith("has no config.json (expected a Hugging Face model directory)")
-    assert errors[3] == f"model path {tmp_path / 'file'} is not a directory"
+    assert errors[2].endswith("has no config.json or .gguf file "
+                              "(expected a Hugging Face model directory or a GGUF checkpoint)")
+    assert errors[3] == f"model path {tmp_path / 'file'} is not a directory or a .gguf file"
     assert errors[4] == "gpu_index 0 was requested, but this worker has no GPU"
+    assert "holds 2 .gguf files" in errors[6]
     assert _serve_children() == []
     supervisor.refuse_loads = True
     load(5, tiny_checkpoint("llama"))

@@ -1,0 +1,62 @@
+"""The demo's chat model answers through the gateway: SmolLM2-135M-Instruct, prepared the way
+`make run` prepares it (seed_demo's ensure_chat_model: its GGUF file copied into a model folder),
+served by a replica and asked with the official `openai` SDK."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import redis
+
+from controlplane.demo import CHAT_MODEL_FILE, ensure_chat_model
+from tests.controlplane.gateway.conftest import (REPO, WORKER_TOKEN, ReplicaServer, free_port, make_world,
+                                                 start_gateway, wait_ready)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_replica(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models") / "smollm2-135m-instruct"
+    assert ensure_chat_model(folder)
+    assert not ensure_chat_model(folder), "a second seed must reuse the copied file"
+    assert [p.name for p in folder.iterdir()] == [CHAT_MODEL_FILE]
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpuworker", "serve", "--model", str(folder), "--port", str(port),
+         "--token", WORKER_TOKEN, "--served-model-name", "smollm2", "--max-model-len", "256",
+         "--log-level", "warning"],
+        cwd=REPO, stdin=subprocess.DEVNULL)
+    replica = ReplicaServer(f"http://127.0.0.1:{port}", process)
+    try:
+        yield replica
+    finally:
+        replica.kill()
+
+
+@pytest.fixture(scope="module")
+def demo_gateway(smollm2_replica, database_url):
+    # This module's own gateway on REDIS_URL's database, apart from the shared fixture's.
+    redis_url = os.environ["REDIS_URL"]
+    redis.Redis.from_url(redis_url).flushdb()
+    server = start_gateway(database_url, redis_url)
+    yield server
+    server.stop()
+
+
+def test_the_demo_chat_model_knows_the_capital_of_france(demo_gateway, smollm2_replica):
+    wait_ready(smollm2_replica)
+    world = make_world(demo_gateway, [smollm2_replica])
+    client = world.client(timeout=300)
+    reply = client.chat.completions.create(model=world.model.public_name, messages=QUESTION,
+                                           temperature=0, max_tokens=24)
+    assert "Paris" in reply.choices[0].message.content
+    stream = client.chat.completions.create(model=world.model.public_name, messages=QUESTION,
+                                            temperature=0, max_tokens=24, stream=True)
+    assert "Paris" in "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    world.settled(30)
