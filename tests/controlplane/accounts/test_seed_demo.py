@@ -1,5 +1,6 @@
 """`manage.py seed_demo`: creates the demo once, reuses it (and its secrets) on every later run."""
 
+import json
 from decimal import Decimal
 from pathlib import Path
 
@@ -11,7 +12,9 @@ from controlplane.accounts.selectors import api_key_authenticate
 from controlplane.billing.models import CreditEntry, Plan, PriceTier
 from controlplane.billing.selectors import credit_balance
 from controlplane.catalog.models import Deployment, Model
+from controlplane.demo import ensure_embedding_model
 from controlplane.env import read_env_file
+from gpuworker.daemon.model_paths import scan_model_roots
 
 pytestmark = pytest.mark.django_db
 
@@ -47,6 +50,14 @@ def test_seed_creates_a_working_demo(tmp_path):
     assert chat.deployment.desired_replicas == 1 and chat.kind == Model.Kind.CHAT
     [weights] = Path(chat.weights_path).iterdir()
     assert weights.suffix == ".gguf" and not weights.is_symlink() and weights.stat().st_size > 50_000_000
+    # The embedding model: all-MiniLM-L6-v2 unzipped where its row says, a folder the daemon's scan reports.
+    embedding = Model.objects.get(public_name="all-minilm-l6-v2")
+    assert embedding.deployment.desired_replicas == 1 and embedding.kind == Model.Kind.EMBEDDING
+    assert embedding.family == "bert" and embedding.context_length == 512
+    embedding_path = Path(embedding.weights_path)
+    assert (embedding_path / "model.safetensors").stat().st_size > 80_000_000
+    assert (embedding_path / "1_Pooling" / "config.json").is_file()
+    assert str(embedding_path) in scan_model_roots([embedding_path.parent]).paths
     assert env_file.stat().st_mode & 0o077 == 0, "the file holds secrets and must be private"
 
 
@@ -65,7 +76,7 @@ def test_seed_without_the_env_file_issues_a_new_key_and_password(tmp_path):
     assert second["OPENAI_API_KEY"] != first["OPENAI_API_KEY"]
     api_key_authenticate(plaintext=second["OPENAI_API_KEY"])
     assert User.objects.get(username="admin").check_password(second["DEMO_ADMIN_PASSWORD"])
-    assert Tenant.objects.count() == 1 and Model.objects.count() == 2 and CreditEntry.objects.count() == 1
+    assert Tenant.objects.count() == 1 and Model.objects.count() == 3 and CreditEntry.objects.count() == 1
 
 
 def test_seed_replaces_a_key_that_no_longer_works(tmp_path):
@@ -76,3 +87,16 @@ def test_seed_replaces_a_key_that_no_longer_works(tmp_path):
     assert second["OPENAI_API_KEY"] != first["OPENAI_API_KEY"]
     assert api_key_authenticate(plaintext=second["OPENAI_API_KEY"]).name == "demo 2"
     assert second["DEMO_ADMIN_PASSWORD"] == first["DEMO_ADMIN_PASSWORD"]
+
+
+def test_embedding_model_unzip_replaces_an_interrupted_one(tmp_path):
+    target = tmp_path / "all-minilm-l6-v2"
+    # A killed earlier unzip leaves only the partial folder, never a half-filled checkpoint.
+    (tmp_path / "all-minilm-l6-v2.partial").mkdir()
+    (tmp_path / "all-minilm-l6-v2.partial" / "config.json").write_text("{")
+    (tmp_path / "all-minilm-l6-v2.partial" / "stale.safetensors").write_text("")
+    assert ensure_embedding_model(target) is True
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["all-minilm-l6-v2"]
+    assert json.loads((target / "config.json").read_text())["model_type"] == "bert"
+    assert not (target / "stale.safetensors").exists()
+    assert ensure_embedding_model(target) is False

@@ -4,6 +4,7 @@ served by a replica and asked with the official `openai` SDK."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,4 +60,26 @@ def test_the_demo_chat_model_knows_the_capital_of_france(demo_gateway, smollm2_r
     stream = client.chat.completions.create(model=world.model.public_name, messages=QUESTION,
                                             temperature=0, max_tokens=24, stream=True)
     assert "Paris" in "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    world.settled(30)
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_the_demo_chat_model_makes_a_forced_tool_call(demo_gateway, smollm2_replica):
+    # SmolLM2's template has no tools: the replica's fallback prompt and the arguments' grammar carry it.
+    wait_ready(smollm2_replica)
+    world = make_world(demo_gateway, [smollm2_replica])
+    client = world.client(timeout=300)
+    reply = client.chat.completions.create(
+        model=world.model.public_name, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0, max_tokens=40)  # the fallback prompt is ~210 of 256 tokens
+    choice = reply.choices[0]
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments, dict) and isinstance(arguments.get("city"), str)
     world.settled(30)
