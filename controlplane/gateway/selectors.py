@@ -5,6 +5,7 @@ from decimal import Decimal
 
 from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_authenticate
 from controlplane.catalog.models import Model
+from controlplane.common.units import human_bytes
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import placement_slots
 
@@ -113,10 +114,6 @@ def cold_start_refusal(*, need_bytes: int, max_replicas: int | None, largest_slo
     if largest_slot_bytes is None:
         return "no worker is online"
     if need_bytes > largest_slot_bytes:
-        return (f"it needs {_gib(need_bytes)} and no online worker has that much GPU memory (or, CPU-only, "
-                f"memory): the largest has {_gib(largest_slot_bytes)}")
+        return (f"it needs {human_bytes(need_bytes)} and no online worker has that much GPU memory (or, CPU-only, "
+                f"memory): the largest has {human_bytes(largest_slot_bytes)}")
     return ""
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
