@@ -61,12 +61,16 @@ class ReplicaServer:
             self.process.wait(timeout=10)
 
 
-def start_replica(checkpoint: Path, name: str) -> ReplicaServer:
+def start_replica(checkpoint: Path, name: str, *, max_model_len: int | None = 256,
+                  env: dict[str, str] | None = None) -> ReplicaServer:
+    """A real replica process (`python -m gpuworker serve`) on a free port; `env` replaces the
+    environment (None: this process's)."""
     port = free_port()
+    length = ["--max-model-len", str(max_model_len)] if max_model_len is not None else []
     process = subprocess.Popen(
         [sys.executable, "-m", "gpuworker", "serve", "--model", str(checkpoint), "--port", str(port),
-         "--token", WORKER_TOKEN, "--served-model-name", name, "--max-model-len", "256", "--log-level", "warning"],
-        cwd=REPO, stdin=subprocess.DEVNULL,
+         "--token", WORKER_TOKEN, "--served-model-name", name, *length, "--log-level", "warning"],
+        cwd=REPO, stdin=subprocess.DEVNULL, env=env,
     )
     return ReplicaServer(f"http://127.0.0.1:{port}", process)
 
@@ -144,6 +148,14 @@ class GatewayServer:
             self.process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             self.process.kill()
+
+
+def start_module_gateway(database_url: str) -> GatewayServer:
+    """A test module's own gateway on the Redis database of REDIS_URL (emptied first), so that it
+    neither needs nor disturbs the shared gateway fixture's replicas and keys."""
+    redis_url = os.environ["REDIS_URL"]
+    redis.Redis.from_url(redis_url).flushdb()
+    return start_gateway(database_url, redis_url)
 
 
 def start_gateway(database_url: str, redis_url: str, **env_overrides: str) -> GatewayServer:

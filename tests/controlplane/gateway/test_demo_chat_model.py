@@ -5,16 +5,11 @@ served by a replica and asked with the official `openai` SDK."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-import redis
 
 from controlplane.demo import CHAT_MODEL_FILE, ensure_chat_model
-from tests.controlplane.gateway.conftest import (REPO, WORKER_TOKEN, ReplicaServer, free_port, make_world,
-                                                 start_gateway, wait_ready)
+from tests.controlplane.gateway.conftest import make_world, start_module_gateway, start_replica, wait_ready
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -27,13 +22,7 @@ def smollm2_replica(tmp_path_factory):
     assert ensure_chat_model(folder)
     assert not ensure_chat_model(folder), "a second seed must reuse the copied file"
     assert [p.name for p in folder.iterdir()] == [CHAT_MODEL_FILE]
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gpuworker", "serve", "--model", str(folder), "--port", str(port),
-         "--token", WORKER_TOKEN, "--served-model-name", "smollm2", "--max-model-len", "256",
-         "--log-level", "warning"],
-        cwd=REPO, stdin=subprocess.DEVNULL)
-    replica = ReplicaServer(f"http://127.0.0.1:{port}", process)
+    replica = start_replica(folder, "smollm2")
     try:
         yield replica
     finally:
@@ -42,10 +31,7 @@ def smollm2_replica(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demo_gateway(smollm2_replica, database_url):
-    # This module's own gateway on REDIS_URL's database, apart from the shared fixture's.
-    redis_url = os.environ["REDIS_URL"]
-    redis.Redis.from_url(redis_url).flushdb()
-    server = start_gateway(database_url, redis_url)
+    server = start_module_gateway(database_url)
     yield server
     server.stop()
 

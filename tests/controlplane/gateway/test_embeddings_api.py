@@ -5,22 +5,18 @@ completions; a generation request to an embedding model, and the reverse, are cl
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from decimal import Decimal
 
 import numpy as np
 import openai
 import pytest
-import redis
 import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, BertModel
 
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.selectors import credit_balance
-from tests.controlplane.gateway.conftest import (REPO, WORKER_TOKEN, ReplicaServer, free_port, make_world,
-                                                 start_gateway, wait_ready)
+from tests.controlplane.gateway.conftest import make_world, start_module_gateway, start_replica, wait_ready
 from tests.controlplane.factories import PlanFactory
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -30,12 +26,7 @@ SENTENCES = ["What is the capital of France?", "Paris is the capital of France."
 
 @pytest.fixture(scope="module")
 def encoder_replica(minilm_checkpoint):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gpuworker", "serve", "--model", str(minilm_checkpoint), "--port", str(port),
-         "--token", WORKER_TOKEN, "--served-model-name", "minilm", "--log-level", "warning"],
-        cwd=REPO, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    replica = ReplicaServer(f"http://127.0.0.1:{port}", process)
+    replica = start_replica(minilm_checkpoint, "minilm", max_model_len=None, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         yield replica
     finally:
@@ -44,9 +35,7 @@ def encoder_replica(minilm_checkpoint):
 
 @pytest.fixture(scope="module")
 def embeddings_gateway(encoder_replica, database_url):
-    redis_url = os.environ["REDIS_URL"]
-    redis.Redis.from_url(redis_url).flushdb()
-    server = start_gateway(database_url, redis_url)
+    server = start_module_gateway(database_url)
     yield server
     server.stop()
 

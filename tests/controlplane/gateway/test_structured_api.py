@@ -9,20 +9,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from decimal import Decimal
 from typing import Literal
 
 import openai
 import pytest
-import redis
 from pydantic import BaseModel, Field
 
 from controlplane.billing.models import CreditEntry, UsageRecord
 from controlplane.billing.selectors import credit_balance
-from tests.controlplane.gateway.conftest import (REPO, WORKER_TOKEN, ReplicaServer, free_port, make_world,
-                                                 start_gateway, wait_ready)
+from tests.controlplane.gateway.conftest import make_world, start_module_gateway, start_replica, wait_ready
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -53,13 +49,7 @@ def tool_replica(tmp_path_factory):
     from tests.gpuworker.replica.tool_templates import tool_checkpoint
 
     path = tool_checkpoint(tmp_path_factory.mktemp("structured"), "qwen2", max_position_embeddings=MAX_MODEL_LEN)
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gpuworker", "serve", "--model", str(path), "--port", str(port),
-         "--token", WORKER_TOKEN, "--served-model-name", "tiny-qwen", "--max-model-len", str(MAX_MODEL_LEN),
-         "--log-level", "warning"],
-        cwd=REPO, stdin=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    replica = ReplicaServer(f"http://127.0.0.1:{port}", process)
+    replica = start_replica(path, "tiny-qwen", max_model_len=MAX_MODEL_LEN, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         yield replica
     finally:
@@ -68,11 +58,7 @@ def tool_replica(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def structured_gateway(tool_replica, database_url):
-    # This module's own gateway, on the Redis database of REDIS_URL, so that it neither needs nor
-    # disturbs the shared gateway fixture's replicas and keys.
-    redis_url = os.environ["REDIS_URL"]
-    redis.Redis.from_url(redis_url).flushdb()
-    server = start_gateway(database_url, redis_url)
+    server = start_module_gateway(database_url)
     yield server
     server.stop()
 
