@@ -23,3 +23,17 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[..., Path]:
         return built[key]
 
     return build
+
+
+@pytest.fixture
+def unreadable_checkpoint(tmp_path_factory, tiny_checkpoint) -> Path:
+    """A tiny llama checkpoint whose config and tokenizer are fine but whose weights file is not a
+    safetensors file: a load that gets as far as the weights and fails there."""
+    broken = tmp_path_factory.mktemp("broken") / "model"
+    broken.mkdir()
+    for item in tiny_checkpoint("llama").iterdir():
+        (broken / item.name).symlink_to(item)
+    [weights] = broken.glob("*.safetensors")
+    weights.unlink()
+    weights.write_bytes(b"not a safetensors file")
+    return broken

@@ -122,7 +122,7 @@ def test_a_load_is_handed_to_the_spare_and_the_next_spare_follows(supervisor, ti
 
 @pytest.mark.slow
 def test_a_dead_spare_is_bypassed_and_a_failed_load_in_a_spare_reports_its_cause(
-        supervisor, tiny_checkpoint, tmp_path_factory):
+        supervisor, tiny_checkpoint, unreadable_checkpoint):
     # The spare is killed just before a load: the load starts a fresh `serve` process instead
     # (the supervisor waits SPARE_RETRY_S before starting another spare).
     spare = _ready_spare(supervisor)
@@ -136,13 +136,7 @@ def test_a_dead_spare_is_bypassed_and_a_failed_load_in_a_spare_reports_its_cause
     supervisor.unload(2, drain_timeout_s=1)
     _wait_for(lambda: _entry(supervisor, 2, "stopped"), "replica 2 stopped", 60)
     spare = _ready_spare(supervisor, exclude={spare.pid})  # SPARE_RETRY_S after the dead one started
-    broken = tmp_path_factory.mktemp("broken") / "model"
-    broken.mkdir()
-    for item in tiny_checkpoint("llama").iterdir():
-        (broken / item.name).symlink_to(item)
-    [weights] = broken.glob("*.safetensors")
-    weights.unlink()
-    weights.write_bytes(b"not a safetensors file")
+    broken = unreadable_checkpoint
     _load(supervisor, 3, broken)
     failed = _wait_for(lambda: _entry(supervisor, 3, "failed"), "replica 3 failed", 60)
     assert failed.error.split("\n")[0].startswith("ValueError: model.safetensors is not a safetensors file"), failed.error

@@ -204,15 +204,9 @@ def test_a_port_taken_while_the_replica_starts_cannot_fail_its_load(tmp_path, tm
 
 
 @pytest.mark.slow
-def test_a_replica_that_fails_to_load_reports_its_cause_first(supervisor, tmp_path_factory, tiny_checkpoint):
+def test_a_replica_that_fails_to_load_reports_its_cause_first(supervisor, tiny_checkpoint, unreadable_checkpoint):
     """A checkpoint whose weights are unreadable: the replica's own error leads, whole, then its log."""
-    broken = tmp_path_factory.mktemp("broken") / "model"
-    broken.mkdir()
-    for item in tiny_checkpoint("llama").iterdir():
-        (broken / item.name).symlink_to(item)
-    [weights] = broken.glob("*.safetensors")
-    weights.unlink()
-    weights.write_bytes(b"not a safetensors file")
+    broken = unreadable_checkpoint
     supervisor.load(LoadModel(replica_id=3, model_path=str(broken), served_model_name="tiny", gpu_index=None,
                               memory_fraction=0.5, max_model_len=128))
     failed = _wait(supervisor, 3, "failed", timeout=60)
