@@ -265,8 +265,9 @@ async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, 
         usage["cost"] = float(flight.cost)
         payload["usage"], payload["model"] = usage, flight.model.public_name
         return Response(json.dumps(payload).encode(), headers=headers, media_type="application/json")
-    await flight.end(FAILED if tried else None)
-    raise _no_replica(gw, flight, reason)
+    error = _no_replica(gw, flight, reason)
+    await flight.end(FAILED if tried else None, error_code=error.code)
+    raise error
 
 
 async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
@@ -307,5 +308,6 @@ async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, pa
             await events.aclose()
             raise
         return StreamRelay(flight, events, buffered, headers, include_usage, deadline)
-    await flight.end(FAILED if tried else None)
-    raise _no_replica(gw, flight, reason)
+    error = _no_replica(gw, flight, reason)
+    await flight.end(FAILED if tried else None, error_code=error.code)
+    raise error

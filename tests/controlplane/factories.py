@@ -11,7 +11,7 @@ from django.utils import timezone
 from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
 from controlplane.accounts.models import ApiKey, Tenant, User
 from controlplane.billing.holds import HoldRequest, RequestOutcome, credit_holds_place, credit_holds_settle
-from controlplane.billing.models import Plan, PriceTier, UsageRecord
+from controlplane.billing.models import CreditHold, Plan, PriceTier, UsageRecord
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet.models import Gpu, Replica, Worker
 
@@ -159,7 +159,7 @@ def usage_record_settled(
     (hold,) = credit_holds_place(
         requests=[HoldRequest(request_id, tenant.pk, model.pk, api_key.pk if api_key else None, num_requests)],
         at=at, expires_at=timezone.now() + timedelta(minutes=10))
-    if hold is None:
+    if not isinstance(hold, CreditHold):
         raise ValueError(f"The hold for {request_id} was refused: give tenant {tenant} credit to cover it first.")
     (settled,) = credit_holds_settle(outcomes=[RequestOutcome(
         request_id, status, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
