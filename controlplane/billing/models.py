@@ -219,6 +219,13 @@ class UsageRecord(models.Model):
     def __str__(self) -> str:
         return self.request_id
 
+    @property
+    def outcome(self) -> str:
+        """How the request ended, in the request log's words: ok, client gone, or its error code."""
+        if self.status == self.Status.FAILED:
+            return self.error_code or "error"
+        return "client gone" if self.status == self.Status.CANCELLED else "ok"
+
     def clean(self) -> None:
         super().clean()
         if self.api_key_id is not None and self.tenant_id is not None and self.api_key.tenant_id != self.tenant_id:

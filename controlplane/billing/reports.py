@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 
-from django.db.models import Count, DecimalField, F, FloatField, IntegerField, Q, QuerySet, Sum, Value
-from django.db.models.functions import Coalesce, TruncDate
+from django.db.models import (Case, CharField, Count, DecimalField, F, FloatField, IntegerField, Q, QuerySet, Sum,
+                              Value, When)
+from django.db.models.functions import Coalesce, Concat, TruncDate
 
+from controlplane.accounts.models import ApiKey
 from controlplane.billing.models import MONEY, UsageRecord
 from controlplane.billing.selectors import credit_available, credit_balance
 
-GROUPINGS = ("tenant", "model", "day")
+GROUPINGS = ("tenant", "model", "key", "day")
 _FAILED = Q(status=UsageRecord.Status.FAILED)
 
 
@@ -28,7 +30,7 @@ _FAILED = Q(status=UsageRecord.Status.FAILED)
 class UsageRow:
     """The traffic of one group (a tenant, a model or a day) in a period."""
 
-    key: str  # the tenant's name, the model's public name, or the day as YYYY-MM-DD
+    key: str  # the tenant's name, the model's public name, the key's name (see _key_label), or YYYY-MM-DD
     requests: int
     failed: int
     revenue: Decimal  # charged at the flat per-request price (the plan's included requests are free)
@@ -103,9 +105,21 @@ def usage_totals(*, since: datetime, until: datetime, tenant=None) -> UsageRow:
     return _row("total", _records(since=since, until=until, tenant=tenant).aggregate(**_TOTALS))
 
 
+def _key_label(*, with_tenant: bool):
+    """A key's name (with its prefix, since names are reused after revocation); every playground
+    session's short-lived key as one "Playground"; and, across tenants, the tenant's name first."""
+    name = Case(
+        When(api_key__isnull=True, then=Value("(no key)")),
+        When(api_key__purpose=ApiKey.Purpose.PLAYGROUND, then=Value("Playground")),
+        default=Concat("api_key__name", Value(" ("), "api_key__prefix", Value("…)")),
+        output_field=CharField(),
+    )
+    return Concat("tenant__name", Value(" · "), name, output_field=CharField()) if with_tenant else name
+
+
 def usage_by(*, group_by: str, since: datetime, until: datetime, tenant=None) -> list[UsageRow]:
-    """Traffic in [since, until) grouped by "tenant", "model" or "day"; days in order, tenants and
-    models by revenue (largest first)."""
+    """Traffic in [since, until) grouped by "tenant", "model", "key" or "day"; days in order, the
+    others by revenue (largest first)."""
     if group_by not in GROUPINGS:
         raise ValueError(f"group_by must be one of {', '.join(GROUPINGS)}, got {group_by!r}")
     records = _records(since=since, until=until, tenant=tenant)
@@ -113,8 +127,9 @@ def usage_by(*, group_by: str, since: datetime, until: datetime, tenant=None) ->
         grouped = (records.annotate(key=TruncDate("created_at", tzinfo=UTC)).values("key")
                    .annotate(**_TOTALS).order_by("key"))
         return [_row(values["key"].isoformat(), values) for values in grouped]
-    field = "tenant__name" if group_by == "tenant" else "model__public_name"
-    grouped = records.values(key=F(field)).annotate(**_TOTALS).order_by("-revenue", "key")
+    field = (F("tenant__name") if group_by == "tenant" else F("model__public_name") if group_by == "model"
+             else _key_label(with_tenant=tenant is None))
+    grouped = records.values(key=field).annotate(**_TOTALS).order_by("-revenue", "key")
     return [_row(values["key"], values) for values in grouped]
 
 

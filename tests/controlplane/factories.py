@@ -149,6 +149,7 @@ def usage_record_settled(
     replica: Replica | None = None,
     gpu_time_s: float | None = None,
     request_id: str | None = None,
+    error_code: str = "",
 ) -> UsageRecord:
     """One finished request's usage record, written as the gateway writes it: a credit hold placed
     at `at`, then settled with the request's outcome. So, as for a real request, the tenant needs
@@ -164,7 +165,7 @@ def usage_record_settled(
     (settled,) = credit_holds_settle(outcomes=[RequestOutcome(
         request_id, status, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         time_to_first_token_ms=time_to_first_token_ms, total_latency_ms=total_latency_ms, gpu_time_s=gpu_time_s,
-        replica_id=replica.pk if replica else None)], at=at)
+        replica_id=replica.pk if replica else None, error_code=error_code)], at=at)
     if not settled.found:
         raise ValueError(f"The hold for {request_id} was settled by someone else (the sweeper?) first.")
     return UsageRecord.objects.get(pk=settled.record.pk)

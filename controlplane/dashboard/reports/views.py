@@ -9,12 +9,10 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from controlplane.billing.reports import UsageRow, period_bounds, usage_by, usage_daily, usage_totals
+from controlplane.dashboard.csv_export import csv_text
 from controlplane.dashboard.permissions import admin_required
 from controlplane.dashboard.reports.forms import ReportForm
 
-# A spreadsheet runs a cell starting with one of these as a formula (=HYPERLINK(...) sends data
-# out); OWASP's CSV injection advice: start such text with a ' so it stays text.
-CSV_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 CSV_COLUMNS = ("requests", "failed", "revenue", "reference", "difference", "gpu_time_s", "prompt_tokens",
                "completion_tokens")
 
@@ -62,11 +60,6 @@ def reports_csv(request: HttpRequest) -> HttpResponse:
     return response
 
 
-def _csv_text(value: str) -> str:
-    """Text from tenants (a tenant or model name) made inert for spreadsheets; figures stay numbers."""
-    return f"'{value}" if value.startswith(CSV_FORMULA_STARTS) else value
-
-
 def _csv_row(row: UsageRow) -> tuple:
-    return (_csv_text(row.key), row.requests, row.failed, row.revenue, row.reference, row.difference,
+    return (csv_text(row.key), row.requests, row.failed, row.revenue, row.reference, row.difference,
             f"{row.gpu_time_s:.3f}", row.prompt_tokens, row.completion_tokens)
