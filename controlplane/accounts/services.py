@@ -6,6 +6,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 from django.conf import settings
 from django.contrib.auth.password_validation import validate_password
@@ -83,6 +84,7 @@ def api_key_create(
     expires_at: datetime | None = None,
     rate_limit_per_minute: int | None = None,
     max_concurrent_requests: int | None = None,
+    monthly_spend_limit: Decimal | None = None,
     created_by: User | None = None,
     purpose: str = ApiKey.Purpose.API,
 ) -> ApiKeyCreated:
@@ -97,7 +99,7 @@ def api_key_create(
         tenant=tenant, name=name, purpose=purpose, prefix=visible_prefix(plaintext),
         key_hash=hash_api_key(plaintext), all_models=all_models, expires_at=expires_at,
         rate_limit_per_minute=rate_limit_per_minute, max_concurrent_requests=max_concurrent_requests,
-        created_by=created_by,
+        monthly_spend_limit=_spend_limit(monthly_spend_limit), created_by=created_by,
     ))
     api_key.allowed_models.set(allowed_models)
     return ApiKeyCreated(api_key=api_key, plaintext=plaintext)
@@ -108,6 +110,27 @@ def api_key_revoke(*, api_key: ApiKey) -> ApiKey:
     api_key.revoked = True
     api_key.save(update_fields=["revoked"])  # recorded by accounts.signals
     return api_key
+
+
+@transaction.atomic
+def api_key_set_spend_limit(*, api_key: ApiKey, monthly_spend_limit: Decimal | None) -> ApiKey:
+    """Set (or, with None, remove) the most the key may spend in a calendar month. The gateway
+    checks it when each request's credit is held (billing.key_spend), so it applies from the next
+    request, counting what the key already spent this month."""
+    api_key.monthly_spend_limit = _spend_limit(monthly_spend_limit)
+    api_key.full_clean()
+    api_key.save(update_fields=["monthly_spend_limit"])  # not the whole row: the gateway writes last_used_at
+    return api_key
+
+
+def _spend_limit(amount: Decimal | None) -> Decimal | None:
+    # Money as Decimal, as the ledger takes it: a float cannot hold cents exactly.
+    if amount is None:
+        return None
+    if not isinstance(amount, Decimal) or not amount.is_finite() or amount < 0:
+        raise ValidationError({"monthly_spend_limit": f"The monthly spend limit must be an amount of at least 0; "
+                                                      f"got {amount}."})
+    return amount
 
 
 def playground_key_create(*, user: User, lifetime: timedelta = PLAYGROUND_KEY_LIFETIME) -> ApiKeyCreated:

@@ -1,5 +1,5 @@
 """API keys' monthly spend limits: each limited key's budget, read under a lock while holds are
-placed, and each key's monthly spend, added up when holds are settled.
+placed, and each key's monthly spend, added up when holds are settled and read by the keys page.
 
 A key's spend this month plus what its requests in flight hold may never go above its limit. The
 check runs inside the transaction that places the holds (`billing.holds`), after the key's row is
@@ -11,13 +11,16 @@ twice or misses it.
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import date
+from datetime import date, datetime
 from decimal import Decimal
 
 from django.db import connection
+from django.db.models import DecimalField, OuterRef, QuerySet, Subquery, Value
+from django.db.models.functions import Coalesce
 
 from controlplane.accounts.models import ApiKey
-from controlplane.billing.models import CreditHold, KeySpend
+from controlplane.billing.models import MONEY, CreditHold, KeySpend
+from controlplane.billing.pricing import month_start
 from controlplane.billing.sql import adapt, marks, money, rows
 
 _KEY, _SPEND, _HOLD = ApiKey._meta.db_table, KeySpend._meta.db_table, CreditHold._meta.db_table
@@ -72,3 +75,10 @@ def key_spend_add(*, charges: dict[int, Decimal], month: date) -> None:
     rows(f"INSERT INTO {_SPEND} (api_key_id, month, spent) VALUES {values} "
          f"ON CONFLICT (api_key_id, month) DO UPDATE SET spent = {_SPEND}.spent + EXCLUDED.spent", params,
          fetch=False)
+
+
+def api_keys_with_spend(*, keys: QuerySet[ApiKey], at: datetime) -> QuerySet[ApiKey]:
+    """`keys`, each with `spent_this_month`: what it was charged in `at`'s calendar month (UTC)."""
+    spent = KeySpend.objects.filter(api_key=OuterRef("pk"), month=month_start(at)).values("spent")
+    return keys.annotate(spent_this_month=Coalesce(Subquery(spent), Value(Decimal("0")),
+                                                   output_field=DecimalField(**MONEY)))

@@ -5,21 +5,28 @@ from datetime import timedelta
 
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from controlplane.accounts.selectors import api_keys_for_tenant
-from controlplane.accounts.services import api_key_create, api_key_revoke
+from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit
+from controlplane.billing.key_spend import api_keys_with_spend
 from controlplane.billing.reports import usage_daily, usage_month_summary
-from controlplane.dashboard.forms import submit
+from controlplane.dashboard.forms import form_error_messages, submit
+from controlplane.dashboard.htmx import fragment_or_redirect
 from controlplane.dashboard.permissions import tenant_of, tenant_required
-from controlplane.dashboard.tenant.forms import ApiKeyCreateForm
+from controlplane.dashboard.tenant.forms import ApiKeyBudgetForm, ApiKeyCreateForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm, playground_models
 
 
+def _keys(request: HttpRequest):
+    """The member's tenant's keys, each with its spend this month (for its budget)."""
+    return api_keys_with_spend(keys=api_keys_for_tenant(tenant=tenant_of(request)), at=timezone.now())
+
+
 def _keys_context(request: HttpRequest, form: ApiKeyCreateForm, created=None) -> dict:
-    return {"keys": api_keys_for_tenant(tenant=tenant_of(request)), "form": form, "created": created,
-            "now": timezone.now()}
+    return {"keys": _keys(request), "form": form, "created": created, "now": timezone.now()}
 
 
 @tenant_required
@@ -47,12 +54,29 @@ def keys(request: HttpRequest) -> HttpResponse:
 @tenant_required
 @require_POST
 def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
-    api_key = get_object_or_404(api_keys_for_tenant(tenant=tenant_of(request)), pk=key_id)
+    api_key = get_object_or_404(_keys(request), pk=key_id)
     if not api_key.revoked:
         api_key = api_key_revoke(api_key=api_key)
     if request.htmx:
         return render(request, "dashboard/tenant/_key_row.html", {"key": api_key, "now": timezone.now()})
     return render(request, "dashboard/tenant/keys.html", _keys_context(request, ApiKeyCreateForm()))
+
+
+@tenant_required
+@require_POST
+def key_budget(request: HttpRequest, key_id: int) -> HttpResponse:
+    """Set or clear a key's monthly spend limit; htmx gets the key's row back, with the error
+    beside the field when the amount is refused."""
+    api_key = get_object_or_404(_keys(request), pk=key_id)
+    form = ApiKeyBudgetForm(request.POST)
+    saved = submit(form, lambda data: api_key_set_spend_limit(api_key=api_key,
+                                                              monthly_spend_limit=data["monthly_spend_limit"]))
+    return fragment_or_redirect(
+        request, lambda: render(request, "dashboard/tenant/_key_row.html",
+                                {"key": api_key, "now": timezone.now(), "budget_form": form}),
+        to=reverse("dashboard:keys"),
+        success=f"The monthly spend limit of “{api_key.name}” is saved." if saved else "",
+        errors=form_error_messages(form))
 
 
 @tenant_required
