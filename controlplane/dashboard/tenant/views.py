@@ -1,6 +1,7 @@
 """Tenant pages: API keys, usage this month, the playground. Views gather what the templates
 show and call services; every query is filtered by the signed-in member's own tenant."""
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.http import HttpRequest, HttpResponse
@@ -12,10 +13,11 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from controlplane.accounts.selectors import api_keys_for_tenant
 from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit
 from controlplane.billing.key_spend import api_keys_with_spend
-from controlplane.billing.reports import usage_daily, usage_month_summary
+from controlplane.billing.reports import UsageRow, period_bounds, usage_by, usage_daily, usage_month_summary
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect
 from controlplane.dashboard.permissions import tenant_of, tenant_required
+from controlplane.dashboard.reports.forms import PeriodForm
 from controlplane.dashboard.tenant.forms import ApiKeyBudgetForm, ApiKeyCreateForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm, playground_models
 
@@ -94,9 +96,29 @@ def usage(request: HttpRequest) -> HttpResponse:
         {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in month]},
         {"label": "Requests", "scale": "requests", "values": [row.requests for row in month]},
     ]}
-    return render(request, "dashboard/tenant/usage.html", {
-        "summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
-    })
+    context = {"summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
+               "period_form": (period_form := PeriodForm.from_query(request.GET, start=summary.since.date()))}
+    if period_form.is_valid():
+        since, until = period_bounds(*period_form.period)
+        context["groups"] = [_usage_group(label, usage_by(group_by=group_by, since=since, until=until, tenant=tenant))
+                             for label, group_by in (("By model", "model"), ("By key", "key"))]
+    return render(request, "dashboard/tenant/usage.html", context)
+
+
+@dataclass(frozen=True)
+class UsageGroup:
+    """One breakdown of the usage page's period (by model or by key): its rows and their bar chart."""
+
+    title: str
+    id: str
+    rows: list[UsageRow]
+    chart: dict
+
+
+def _usage_group(title: str, rows: list[UsageRow]) -> UsageGroup:
+    # Requests, not spend: the plan's included requests cost nothing but are traffic all the same.
+    return UsageGroup(title, title.lower().replace(" ", "-"), rows, {"labels": [r.key for r in rows], "series": [
+        {"label": "Requests", "values": [r.requests for r in rows]}]})
 
 
 @tenant_required

@@ -159,3 +159,23 @@ def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_neutralised(client, a
     keys = sorted(row[0] for row in rows[1:])
     assert keys == sorted([f"'{name}" for name in names[:-1]] + ["plain"])
     assert all(not cell.startswith("'") for row in rows[1:] for cell in row[1:])
+
+
+def test_by_key_names_each_tenants_keys_and_puts_playground_sessions_together(client, admin, traffic):
+    from controlplane.accounts.models import ApiKey, Tenant
+    from controlplane.catalog.models import Model
+    from tests.controlplane.factories import ApiKeyFactory
+
+    acme, small = Tenant.objects.get(name="acme"), Model.objects.get(public_name="small")
+    prod = ApiKeyFactory(tenant=acme, name="production")
+    for i, key in enumerate((prod, prod, ApiKeyFactory(tenant=acme, purpose=ApiKey.Purpose.PLAYGROUND),
+                             ApiKeyFactory(tenant=acme, purpose=ApiKey.Purpose.PLAYGROUND))):
+        usage_record_settled(request_id=f"key-{i}", tenant=acme, model=small, api_key=key, at=DAY1)
+    response = client.get(reverse("dashboard:reports"), {**QUERY, "group_by": "key"})
+    rows = _rows(response)
+    assert (rows[f"acme · production ({prod.prefix}…)"].requests, rows["acme · Playground"].requests) == (2, 2)
+    assert (rows["acme · (no key)"].requests, rows["bolt · (no key)"].requests) == (3, 2)
+    assert response.context["group_chart"]["labels"] == list(rows)
+    csv_rows = list(csv.reader(io.StringIO(client.get(reverse("dashboard:reports_csv"),
+                                                      {**QUERY, "group_by": "key"}).content.decode())))
+    assert csv_rows[0][0] == "key" and {row[0] for row in csv_rows[1:]} == set(rows)
