@@ -22,6 +22,7 @@ import sys
 import tempfile
 import uuid
 from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 
 PAGES = {  # file name: (role, url name)
@@ -30,6 +31,8 @@ PAGES = {  # file name: (role, url name)
     "audit": ("operator", "dashboard:audit"),
     "keys": ("tenant", "dashboard:keys"),
     "usage": ("tenant", "dashboard:usage"),
+    "usage-by-model-and-key": ("tenant", "dashboard:usage"),
+    "requests": ("tenant", "dashboard:requests"),
     "playground": ("tenant", "dashboard:playground"),
     "reports": ("admin", "dashboard:reports"),
 }
@@ -68,9 +71,11 @@ def prepare(system) -> None:
     operator = user_get_by_username(username=system.login("operator").username)
 
     production = api_key_create(tenant=tenant, name="production", created_by=alice)
-    api_key_create(tenant=tenant, name="staging", rate_limit_per_minute=30, created_by=alice)
+    staging = api_key_create(tenant=tenant, name="staging", rate_limit_per_minute=30,
+                             monthly_spend_limit=Decimal("5.00"), created_by=alice)
     api_key_revoke(api_key=api_key_create(tenant=tenant, name="laptop (old)", created_by=alice).api_key)
-    other_key = api_key_create(tenant=other, name="batch jobs").plaintext
+    other_created = api_key_create(tenant=other, name="batch jobs")
+    other_key = other_created.plaintext
     for _ in range(8):
         _chat(system, production.plaintext)
     for _ in range(4):
@@ -87,14 +92,16 @@ def prepare(system) -> None:
     rng = random.Random(7)
     now = timezone.now()
     for days_ago in range(1, HISTORY_DAYS):
-        for who, base in ((tenant, 40), (other, 15)):
+        for who, keys, base in ((tenant, (production.api_key, staging.api_key), 40),
+                                (other, (other_created.api_key,), 15)):
             for _ in range(max(0, int(base * (0.6 + 0.8 * rng.random())))):
                 prompt, completion = rng.randint(20, 400), rng.randint(10, 300)
                 usage_record_settled(
-                    request_id=f"screenshots-{uuid.uuid4().hex}", tenant=who, model=demo,
+                    request_id=f"screenshots-{uuid.uuid4().hex}", tenant=who, model=demo, api_key=rng.choice(keys),
                     status=UsageRecord.Status.COMPLETED if rng.random() > 0.03 else UsageRecord.Status.FAILED,
                     prompt_tokens=prompt, completion_tokens=completion, time_to_first_token_ms=rng.randint(20, 90),
                     total_latency_ms=rng.randint(200, 2500), gpu_time_s=completion * 0.004,
+                    error_code="replica_unavailable",  # kept only on the failed ones
                     at=now - timedelta(days=days_ago, minutes=rng.randint(0, 600)))
 
 
@@ -128,6 +135,9 @@ def shoot(system, out: Path) -> list[Path]:
                 expect(page.locator("#playground-status")).to_have_attribute("data-state", "done")
             elif name in ("usage", "reports"):
                 page.wait_for_selector(".uplot")
+            elif name == "usage-by-model-and-key":
+                page.wait_for_selector("#usage-chart-by-key .uplot")
+                page.evaluate("document.getElementById('usage-breakdown').scrollIntoView()")
             page.wait_for_timeout(500)  # fonts, charts' first paint
             path = out / f"{name}.png"
             page.screenshot(path=path)

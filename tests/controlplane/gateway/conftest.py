@@ -6,6 +6,7 @@ official `openai` SDK.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -230,6 +231,33 @@ class World:
 
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key or self.api_key.plaintext,
                                   **{"max_retries": 0, "timeout": 60, **options})
+
+    def chats_at_once(self, count: int, api_key: str | None = None) -> list[str]:
+        """`count` one-token chat completions released at the same moment: "served" for each
+        answered, the error code for each refused with a 429."""
+        import openai
+
+        async def fire() -> list[str]:
+            client = self.async_client(api_key)
+            start = asyncio.Event()
+
+            async def one() -> str:
+                await start.wait()
+                try:
+                    await client.chat.completions.create(model=self.model.public_name, max_tokens=1,
+                                                         messages=[{"role": "user", "content": "hi"}])
+                    return "served"
+                except openai.RateLimitError as error:
+                    return error.code
+
+            tasks = [asyncio.ensure_future(one()) for _ in range(count)]
+            await asyncio.sleep(0.1)
+            start.set()
+            outcomes = await asyncio.gather(*tasks)
+            await client.close()
+            return outcomes
+
+        return asyncio.run(fire())
 
 
 def make_world(gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002"), plan=None, kind="chat",

@@ -2,7 +2,6 @@
 openai SDK shows in the log with the figures the SDK saw, and a key's monthly limit refuses
 concurrent requests exactly at the limit while another key of the tenant goes on."""
 
-import asyncio
 from decimal import Decimal
 
 import openai
@@ -64,33 +63,14 @@ def test_a_keys_monthly_limit_refuses_concurrent_requests_exactly_at_the_limit(g
     refused with key_budget_exceeded; another key of the same tenant is not limited."""
     world = make_world(gateway, replicas, price=PRICE, monthly_spend_limit=PRICE * 5)
     other = ApiKeyFactory(tenant=world.tenant)
-
-    async def fire(api_key: str, count: int) -> list[str]:
-        client = world.async_client(api_key)
-        start = asyncio.Event()
-
-        async def one():
-            await start.wait()
-            try:
-                await client.chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=1)
-                return "served"
-            except openai.RateLimitError as error:
-                assert "monthly spend limit ($0.01)" in error.message
-                assert error.response.headers["x-should-retry"] == "false"
-                return error.code
-
-        tasks = [asyncio.ensure_future(one()) for _ in range(count)]
-        await asyncio.sleep(0.1)
-        start.set()
-        outcomes = await asyncio.gather(*tasks)
-        await client.close()
-        return outcomes
-
-    outcomes = asyncio.run(fire(world.api_key.plaintext, 20))
+    outcomes = world.chats_at_once(20)
     assert outcomes.count("served") == 5 and outcomes.count("key_budget_exceeded") == 15
-    assert asyncio.run(fire(other.plaintext, 3)) == ["served"] * 3
+    assert world.chats_at_once(3, other.plaintext) == ["served"] * 3
     world.settled()
     assert KeySpend.objects.get(api_key=world.api_key).spent == PRICE * 5
     assert KeySpend.objects.get(api_key=other).spent == PRICE * 3
     assert UsageRecord.objects.filter(api_key=world.api_key).count() == 5
-    assert asyncio.run(fire(world.api_key.plaintext, 1)) == ["key_budget_exceeded"]  # spent, not only held
+    with pytest.raises(openai.RateLimitError) as refused:  # spent now, not only held
+        world.client().chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=1)
+    assert refused.value.code == "key_budget_exceeded" and "monthly spend limit ($0.01)" in refused.value.message
+    assert refused.value.response.headers["x-should-retry"] == "false"
