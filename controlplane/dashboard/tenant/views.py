@@ -97,7 +97,7 @@ def usage(request: HttpRequest) -> HttpResponse:
         {"label": "Requests", "scale": "requests", "values": [row.requests for row in month]},
     ]}
     context = {"summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
-               "period_form": (period_form := PeriodForm.from_query(request.GET, start=summary.since.date()))}
+               "period_form": (period_form := PeriodForm.from_query(request.GET))}  # the last 30 days
     if period_form.is_valid():
         since, until = period_bounds(*period_form.period)
         context["groups"] = [_usage_group(label, usage_by(group_by=group_by, since=since, until=until, tenant=tenant))
