@@ -137,10 +137,12 @@ def shoot(system, out: Path) -> list[Path]:
                 page.wait_for_selector(".uplot")
             elif name == "usage-by-model-and-key":
                 page.wait_for_selector("#usage-chart-by-key .uplot")
-                page.evaluate("document.getElementById('usage-breakdown').scrollIntoView()")
             page.wait_for_timeout(500)  # fonts, charts' first paint
             path = out / f"{name}.png"
-            page.screenshot(path=path)
+            if name == "usage-by-model-and-key":  # below the fold: the section itself, whole
+                page.locator("#usage-breakdown").screenshot(path=path)
+            else:
+                page.screenshot(path=path)
             written.append(path)
         browser.close()
     return written
