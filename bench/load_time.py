@@ -14,7 +14,8 @@ cold (the reference). --hf times transformers' from_pretrained onto the GPU in a
 --baseline-tree DIR runs the same replica path from another checkout (the code before a change).
 --spare-runs N times the daemon's path with a spare replica process (gpuworker/replica/spare.py):
 the real Supervisor with spares on, the load handed over once the spare is ready, as on a worker
-whose spare started long before the load; time = the load command -> /health ready.
+whose spare started long before the load; time = the load command -> /health ready, and -> the
+reply to a 16-token completion sent at ready (the replica warms up after ready, between steps).
 --readers times the loader alone (weights into the model, in this process, nothing else running)
 with that many reader threads, to separate the copy's own speed from contention in the replica.
 An untimed first start fills Triton's kernel cache, as on any worker that served before.
@@ -241,13 +242,19 @@ def spare_once(model: Path, device: str, state_dir: Path) -> dict:
                     ready_s = time.perf_counter() - started
                     break
                 time.sleep(0.02)
+            # A request sent the moment it is ready waits for whatever warm-up piece is running
+            # (EngineConfig.defer_warm_up): its completion time is the honest "serving" figure.
+            reply = client.post(f"{entry.endpoint_url}/v1/completions", timeout=60.0, json={
+                "model": "bench", "prompt": "Hello", "max_tokens": 16, "ignore_eos": True})
+            reply.raise_for_status()
+            first_completion_s = time.perf_counter() - started
     except Exception:
         for log in sorted((state_dir / "replicas").glob("*.log")):
             print(f"--- {log.name} (end) ---\n{log.read_text()[-3000:]}", flush=True)
         raise
     finally:
         supervisor.close(drain_timeout_s=1)
-    result = {"ready_s": round(ready_s, 3)}
+    result = {"ready_s": round(ready_s, 3), "first_16_tokens_s": round(first_completion_s, 3)}
     if health.get("load_started_at"):
         result["handover_to_engine_start_s"] = round(health["load_started_at"] - started_wall, 3)
     return result | (health.get("load_timings") or {})
