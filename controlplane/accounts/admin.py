@@ -40,5 +40,5 @@ class ApiKeyAdmin(admin.ModelAdmin):
     @admin.action(description="Revoke selected keys")
     def revoke(self, request, queryset) -> None:
         for api_key in queryset:
-            api_key_revoke(api_key=api_key)
+            api_key_revoke(api_key=api_key, actor=request.user)
         self.message_user(request, f"Revoked {queryset.count()} key(s).", messages.SUCCESS)
