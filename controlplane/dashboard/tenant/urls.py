@@ -8,5 +8,6 @@ urlpatterns: list = [
     path("keys/", views.keys, name="keys"),
     path("keys/<int:key_id>/revoke/", views.key_revoke, name="key_revoke"),
     path("usage/", views.usage, name="usage"),
+    path("credits/", views.credits, name="credits"),
     path("playground/", views.playground, name="playground"),
 ]

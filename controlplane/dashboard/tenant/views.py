@@ -1,4 +1,4 @@
-"""Tenant pages: API keys, usage this month, the playground. Views gather what the templates
+"""Tenant pages: API keys, usage this month, credits, the playground. Views gather what the templates
 show and call services; every query is filtered by the signed-in member's own tenant."""
 
 from datetime import timedelta
@@ -10,7 +10,8 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from controlplane.accounts.selectors import api_keys_for_tenant
 from controlplane.accounts.services import api_key_create, api_key_revoke
-from controlplane.billing.reports import usage_daily, usage_month_summary
+from controlplane.billing.reports import allowance_this_month, usage_daily, usage_month_summary
+from controlplane.dashboard.credits import credits_context
 from controlplane.dashboard.forms import submit
 from controlplane.dashboard.permissions import tenant_of, tenant_required
 from controlplane.dashboard.tenant.forms import ApiKeyCreateForm
@@ -49,7 +50,7 @@ def keys(request: HttpRequest) -> HttpResponse:
 def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
     api_key = get_object_or_404(api_keys_for_tenant(tenant=tenant_of(request)), pk=key_id)
     if not api_key.revoked:
-        api_key = api_key_revoke(api_key=api_key)
+        api_key = api_key_revoke(api_key=api_key, actor=request.user)
     if request.htmx:
         return render(request, "dashboard/tenant/_key_row.html", {"key": api_key, "now": timezone.now()})
     return render(request, "dashboard/tenant/keys.html", _keys_context(request, ApiKeyCreateForm()))
@@ -72,7 +73,16 @@ def usage(request: HttpRequest) -> HttpResponse:
     ]}
     return render(request, "dashboard/tenant/usage.html", {
         "summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
+        "allowance": allowance_this_month(tenant=tenant, now=now),
     })
+
+
+@tenant_required
+@require_GET
+def credits(request: HttpRequest) -> HttpResponse:
+    """The plan, what is left of its allowance this month, the balance and recent grants and charges."""
+    return render(request, "dashboard/tenant/credits.html", credits_context(tenant=tenant_of(request),
+                                                                           now=timezone.now()))
 
 
 @tenant_required
