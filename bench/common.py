@@ -1,5 +1,6 @@
 """Shared helpers for the benchmark scripts: command-line options, hardware facts, the HF baseline,
-random full-size checkpoints, replica processes, tables and JSON."""
+random full-size checkpoints, replica processes, tables and JSON. Torch is imported where it is used,
+so a load generator's processes start without it."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-
-import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
@@ -55,6 +54,8 @@ def git_commit() -> str:
 
 
 def environment() -> dict:
+    import torch
+
     env = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": os.environ.get("GIT_COMMIT") or git_commit(),
@@ -81,12 +82,16 @@ def environment() -> dict:
 
 
 def synchronize() -> None:
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def copy_bandwidth_gbs(num_bytes: int = 4 << 30, repeats: int = 20) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    import torch
+
     src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -121,6 +126,7 @@ def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
 
 def build_hf_model(config_dir: Path, dtype: torch.dtype):
     """A transformers model of the benchmark's shape with random weights, built on the GPU."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(config_dir))
