@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from bench.common import environment, print_table, start_replica, stop_replica, synchronize, wait_ready, write_json  # noqa: E402
+from bench.common import (environment, print_table, start_replica, stop_replica, synchronize, wait_ready,  # noqa: E402
+                          write_json)
 from gpuworker.engine.embedding_engine import EmbeddingEngine  # noqa: E402
 
 PARITY_MAX_COSINE_DISTANCE = 1e-5
@@ -197,9 +198,9 @@ def main() -> None:
     parity = None
     if "sentence-transformers" in vectors:
         parity = max_cosine_distance(vectors["ours"], vectors["sentence-transformers"])
+        verdict = "ok" if parity <= PARITY_MAX_COSINE_DISTANCE else "FAILED"
         rows.append(("parity (fp32, cosine distance)", f"max {parity:.2e} over {len(parity_sentences)} sentences "
-                                                       f"({'ok' if parity <= PARITY_MAX_COSINE_DISTANCE else 'FAILED'}, "
-                                                       f"limit {PARITY_MAX_COSINE_DISTANCE:.0e})"))
+                                                       f"({verdict}, limit {PARITY_MAX_COSINE_DISTANCE:.0e})"))
         for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
             for b in batch_sizes:

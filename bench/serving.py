@@ -1,7 +1,7 @@
 """Serving under load, as clients see it: `python -m gpuworker serve` driven over HTTP, against
 offline `LLMEngine.generate` on the same requests, in one run.
 
-    python bench/serving.py [--rates 5,10,15,20,25,inf] [--duration 30] [--plot docs/serving.png]
+    python bench/serving.py [--rates inf,5,10,15,20,25] [--duration 25] [--budget 450] [--plot PNG]
     python bench/serving.py --smoke                                  # CPU, a tiny random model
     python bench/serving.py --replot bench/results/serving.json --plot docs/serving.png
 
@@ -12,7 +12,9 @@ Workload (seed 0), chat-like: prompts of U[100, 1024] random token ids, outputs 
 tokens (greedy, ignore_eos), each a streaming POST /v1/completions with the prompt as token ids (so
 lengths are exact) and usage in the last chunk. At a rate r (requests/s) arrivals are Poisson
 (exponential gaps of mean 1/r) for --duration seconds; `inf` sends --burst-requests at once. Each
-run ends when its last answer does.
+run ends when its last answer does. Rates run in the order given; once the whole run has used
+--budget seconds less two durations, the rates left are skipped (and named), so the run ends in time
+with the figures it has.
 
 Per rate: TTFT (send to first token), TPOT ((last token - first token) / (output tokens - 1)),
 ITL (gaps between streamed chunks), p50 and p99; requests/s and output tok/s over the run (first
@@ -74,14 +76,14 @@ class Record:
         return self.error is None and self.output_tokens == self.output_len and bool(self.chunks)
 
 
-def make_requests(count: int, vocab_size: int, seed: int, prompt_lens: tuple[int, int],
+def make_requests(count: int, vocab_size: int, seed: int | str, prompt_lens: tuple[int, int],
                   output_lens: tuple[int, int]) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
             for _ in range(count)]
 
 
-def poisson_arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
+def poisson_arrivals(rate: float, duration_s: float, seed: int | str) -> list[float]:
     rng, t, arrivals = random.Random(seed), 0.0, []
     while True:
         t += rng.expovariate(rate)
@@ -193,14 +195,16 @@ def summarise(load: dict) -> dict:
 
 # -- the offline baseline (runs in a process of its own) ----------------------------------------
 
-def offline_generate(model: str, device: str, dtype: str, requests: list[tuple[list[int], int]]) -> dict:
-    """LLMEngine.generate on `requests` with serve's engine settings (dummy weights: the same speed)."""
+def offline_generate(model: str, device: str, dtype: str, requests: list[tuple[list[int], int]],
+                     warmup: list[tuple[list[int], int]]) -> dict:
+    """LLMEngine.generate on `requests` with serve's engine settings (dummy weights: the same speed),
+    after `warmup` (other prompts, so that nothing of the timed ones is in the prefix cache)."""
     from gpuworker.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(model, device=device, dtype=dtype, load_format="dummy", gpu_memory_utilization=0.9)
     warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    engine.generate([p for p, _ in requests[:24]], warm)  # kernels compile outside the timed run
-    engine.generate([requests[0][0]], warm)
+    engine.generate([p for p, _ in warmup], warm)  # kernels compile outside the timed run
+    engine.generate([warmup[0][0]], warm)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
     started = time.perf_counter()
     outputs = engine.generate([p for p, _ in requests], params)
@@ -241,7 +245,9 @@ def prepare_model(args, workdir: Path) -> Path:
         from gpuworker.demo_model import write_demo_model
 
         return write_demo_model(workdir / "tiny", seed=args.seed)
-    write_checkpoint(args.checkpoint, args.config, shards=4)
+    # In a process of its own: this one keeps no CUDA context, so the offline run and the replica
+    # each find the GPU's memory as a worker's replica would.
+    in_own_process(write_checkpoint, args.checkpoint, args.config, 4)
     return args.checkpoint
 
 
@@ -252,9 +258,12 @@ def main() -> None:
                         help="where the random checkpoint is (written once)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--rates", type=parse_rates, default=parse_rates("5,10,15,20,25,inf"),
-                        help="requests/s, comma-separated; inf sends --burst-requests at once")
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds of Poisson arrivals per rate")
+    parser.add_argument("--rates", type=parse_rates, default=parse_rates("inf,5,10,15,20,25"),
+                        help="requests/s, comma-separated, run in this order; inf sends --burst-requests at once")
+    parser.add_argument("--duration", type=float, default=25.0, help="seconds of Poisson arrivals per rate")
+    parser.add_argument("--budget", type=float, default=450.0,
+                        help="seconds the whole run may take (checkpoint writing included); rates that would "
+                             "start too late are skipped")
     parser.add_argument("--burst-requests", type=int, default=512)
     parser.add_argument("--prompt-lens", default="100,1024", help="min,max prompt tokens (uniform)")
     parser.add_argument("--output-lens", default="64,512", help="min,max output tokens (uniform)")
@@ -270,7 +279,8 @@ def main() -> None:
         return
     if args.smoke:
         args.device, args.dtype, args.prompt_lens, args.output_lens = "cpu", "float32", "8,32", "4,16"
-        args.rates, args.duration, args.burst_requests, args.client_processes = [4.0, math.inf], 2.0, 6, 2
+        args.rates, args.duration, args.burst_requests, args.client_processes = [math.inf, 4.0], 2.0, 6, 2
+        args.budget = math.inf
 
     started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
@@ -279,8 +289,9 @@ def main() -> None:
     prompt_lens = tuple(int(n) for n in args.prompt_lens.split(","))
     output_lens = tuple(int(n) for n in args.output_lens.split(","))
     burst = make_requests(args.burst_requests, vocab_size, args.seed, prompt_lens, output_lens)
+    warmup = make_requests(24, vocab_size, f"{args.seed}:warm-up", prompt_lens, output_lens)
     offline = None if args.skip_offline else in_own_process(offline_generate, str(model), args.device, args.dtype,
-                                                             burst)
+                                                             burst, warmup)
     if offline:
         print("offline generate", json.dumps(offline), flush=True)
 
@@ -288,17 +299,21 @@ def main() -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     process, url = start_replica(model, device=args.device, dtype=args.dtype, log=log,
                                  extra_args=("--served-model-name", SERVED_MODEL_NAME))
-    runs = []
+    runs, skipped = [], []
     try:
         wait_ready(process, url, log)
         # Warm-up, left out: prefill and decode kernels at several batch sizes compile now.
-        run_load(url, [Request(p, 8, 0.0) for p, _ in burst[:16]], 1)
-        for k, rate in enumerate(args.rates):
+        run_load(url, [Request(p, 8, 0.0) for p, _ in warmup], 1)
+        for rate in args.rates:
+            if time.perf_counter() - started > args.budget - 2 * args.duration:
+                skipped.append(rate_label(rate))
+                continue
             if math.isinf(rate):
                 requests = [Request(p, n, 0.0) for p, n in burst]
             else:
-                arrivals = poisson_arrivals(rate, args.duration, args.seed + 1 + k)
-                shapes = make_requests(len(arrivals), vocab_size, args.seed + 1 + k, prompt_lens, output_lens)
+                seed = f"{args.seed}:{rate:g}"  # a rate's requests do not depend on the other rates asked for
+                arrivals = poisson_arrivals(rate, args.duration, seed)
+                shapes = make_requests(len(arrivals), vocab_size, seed, prompt_lens, output_lens)
                 requests = [Request(p, n, t) for (p, n), t in zip(shapes, arrivals)]
             summary = {"rate": rate_label(rate), "offered_rate": None if math.isinf(rate) else rate,
                        **summarise(run_load(url, requests, args.client_processes))}
@@ -309,12 +324,16 @@ def main() -> None:
 
     env = environment()
     described = "a tiny random model" if args.smoke else f"{args.config.name} shape, random weights"
-    result = {"env": env, "model": f"{described}, {args.dtype}", "args": {k: str(v) for k, v in vars(args).items()}, "offline": offline, "runs": runs,
-              "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S}, "total_s": round(time.perf_counter() - started, 1)}
+    result = {"env": env, "model": f"{described}, {args.dtype}", "args": {k: str(v) for k, v in vars(args).items()},
+              "offline": offline, "runs": runs, "skipped": skipped, "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
+              "total_s": round(time.perf_counter() - started, 1)}
     report(result, prompt_lens, output_lens)
-    write_json("serving", result)
+    written = write_json("serving", result)
     if args.plot:
-        plot(result, args.plot)
+        try:
+            plot(result, args.plot)
+        except ImportError:  # the GPU machine may lack matplotlib: plot the JSON elsewhere
+            print(f"matplotlib is not installed: no plot; run --replot {written} --plot {args.plot} where it is")
 
 
 def _ms(seconds: float | None) -> str:
@@ -345,6 +364,8 @@ def report(result: dict, prompt_lens: tuple[int, int], output_lens: tuple[int, i
             rows.append(("  warning", "a client process was busy: use more --client-processes"))
         if run["failed"]:
             rows.append(("  first failure", run["first_error"]))
+    if result["skipped"]:
+        rows.append(("skipped (out of --budget)", ", ".join(result["skipped"])))
     print_table(f"serving (whole run {result['total_s']:.0f} s)", rows)
 
 
