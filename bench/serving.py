@@ -36,6 +36,7 @@ import json
 import math
 import multiprocessing
 import os
+import queue
 import random
 import sys
 import tempfile
@@ -53,6 +54,10 @@ SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.050
 SERVED_MODEL_NAME = "bench"
 # A client process above this share of one core may be what limits the run.
 CLIENT_CPU_WARNING = 0.7
+# A stream silent this long (no byte, not even before its first token) is failed, not waited on forever.
+STREAM_SILENCE_S = 300.0
+# Client processes import httpx and connect within this; past it the run stops with the reason.
+CLIENT_START_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,10 @@ async def _drive(url: str, requests: list[Request], barrier) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits) as client:
-        barrier.wait()  # every client process starts the schedule together
+    # No limit on waiting for a connection of the pool: a request queued behind many is still timed.
+    timeout = httpx.Timeout(STREAM_SILENCE_S, pool=None)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        barrier.wait(timeout=CLIENT_START_S)  # every client process starts the schedule together
         start, cpu_started = time.monotonic(), time.process_time()
         records = await asyncio.gather(*(_send(client, r, start) for r in requests))
         wall = time.monotonic() - start
@@ -137,7 +144,11 @@ async def _drive(url: str, requests: list[Request], barrier) -> dict:
 
 
 def client_process(url: str, requests: list[Request], barrier, results) -> None:
-    results.put(asyncio.run(_drive(url, requests, barrier)))
+    try:
+        results.put(asyncio.run(_drive(url, requests, barrier)))
+    except BaseException as exc:  # the parent reports it instead of waiting for a result forever
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
+        raise
 
 
 def run_load(url: str, requests: list[Request], processes: int) -> dict:
@@ -149,9 +160,23 @@ def run_load(url: str, requests: list[Request], processes: int) -> dict:
                for k in range(processes)]
     for worker in workers:
         worker.start()
-    outcomes = [results.get() for _ in workers]
-    for worker in workers:
-        worker.join()
+    outcomes = []
+    try:
+        while len(outcomes) < processes:
+            try:
+                outcome = results.get(timeout=1.0)
+            except queue.Empty:
+                if any(w.exitcode not in (None, 0) for w in workers):
+                    raise RuntimeError("a client process died") from None
+                continue
+            if "error" in outcome:
+                raise RuntimeError(f"a client process failed: {outcome['error']}")
+            outcomes.append(outcome)
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
     return {"records": [Record(**r) for o in outcomes for r in o["records"]],
             "client_cpu_share": [round(o["cpu_share"], 3) for o in outcomes],
             "send_lags": [lag for o in outcomes for lag in o["lags"]]}

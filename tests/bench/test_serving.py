@@ -85,3 +85,10 @@ def test_the_smoke_run_serves_every_request_and_writes_the_figures_and_plot(tmp_
         assert run["failed"] == 0 and run["output_tok_s"] > 0 and run["ttft_p50_s"] > 0
     assert plot.stat().st_size > 0
     assert "x offline" in out.stdout and "TTFT p50/p99" in out.stdout
+
+
+def test_a_client_process_that_fails_stops_the_run_with_its_reason():
+    url = f"http://127.0.0.1:{free_port()}"
+    unsendable = Request({1, 2}, 4, 0.0)  # a set is no JSON: the client's own bug, not a failed request
+    with pytest.raises(RuntimeError, match="a client process failed: TypeError.*JSON serializable"):
+        run_load(url, [Request([1], 4, 0.0), unsendable], processes=1)
