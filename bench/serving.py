@@ -58,6 +58,8 @@ CLIENT_CPU_WARNING = 0.7
 STREAM_SILENCE_S = 300.0
 # Client processes import httpx and connect within this; past it the run stops with the reason.
 CLIENT_START_S = 120.0
+# Output tokens of each warm-up request: more steps than the replica has decode graphs to capture.
+WARMUP_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -327,8 +329,9 @@ def main() -> None:
     runs, skipped = [], []
     try:
         wait_ready(process, url, log)
-        # Warm-up, left out: prefill and decode kernels at several batch sizes compile now.
-        run_load(url, [Request(p, 8, 0.0) for p, _ in warmup], 1)
+        # Warm-up, left out: prefill and decode kernels compile now, and the replica's deferred
+        # warm-up (one CUDA graph captured per step, EngineConfig.defer_warm_up) ends within its steps.
+        run_load(url, [Request(p, WARMUP_TOKENS, 0.0) for p, _ in warmup], 1)
         for rate in args.rates:
             if time.perf_counter() - started > args.budget - 2 * args.duration:
                 skipped.append(rate_label(rate))
