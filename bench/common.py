@@ -1,5 +1,6 @@
 """Shared helpers for the benchmark scripts: command-line options, hardware facts, the HF baseline,
-tables and JSON."""
+random full-size checkpoints, replica processes, tables and JSON. Torch is imported where it is used,
+so a load generator's processes start without it."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import signal
+import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
 BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
 DEFAULT_CONFIG = BENCH_DIR / "configs" / "llama-3-8b"
+# A full-size replica on a cold page cache takes minutes to load.
+READY_DEADLINE_S = 900.0
 
 
 def engine_parser(doc: str | None, *, dtype: str | None = "bfloat16", dtype_help: str | None = None,
@@ -48,6 +54,8 @@ def git_commit() -> str:
 
 
 def environment() -> dict:
+    import torch
+
     env = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": os.environ.get("GIT_COMMIT") or git_commit(),
@@ -74,12 +82,16 @@ def environment() -> dict:
 
 
 def synchronize() -> None:
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def copy_bandwidth_gbs(num_bytes: int = 4 << 30, repeats: int = 20) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    import torch
+
     src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -114,12 +126,157 @@ def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
 
 def build_hf_model(config_dir: Path, dtype: torch.dtype):
     """A transformers model of the benchmark's shape with random weights, built on the GPU."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(config_dir))
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
+
+
+def hf_tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
+                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                   (p + "post_attention_layernorm.weight", (h,))]
+    return shapes + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def write_checkpoint(directory: Path, config_dir: Path, shards: int) -> None:
+    """Random bf16 weights in HF layout; skipped when the directory is complete already."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gpuworker.demo_model import MIN_VOCAB_SIZE, write_tokenizer
+
+    if (directory / "complete").is_file():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((config_dir / "config.json").read_text())
+    shapes = hf_tensor_shapes(cfg)
+    total = sum(2 * _numel(shape) for _, shape in shapes)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device=device).manual_seed(0)
+    groups, current, size = [], [], 0
+    for name, shape in shapes:  # contiguous groups of about total/shards bytes, in HF order
+        current.append((name, shape))
+        size += 2 * _numel(shape)
+        if size >= total / shards and len(groups) < shards - 1:
+            groups.append(current)
+            current, size = [], 0
+    groups.append(current)
+    weight_map = {}
+    for k, group in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {name: (torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) * 0.02)
+                   .cpu() for name, shape in group}
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        weight_map |= {name: file for name in tensors}
+        del tensors
+        with open(directory / file, "rb") as f:
+            os.fsync(f.fileno())  # written to disk, so DONTNEED can drop the pages later
+        print(f"wrote {file}", flush=True)
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    shutil.copy(config_dir / "config.json", directory / "config.json")
+    write_tokenizer(directory, MIN_VOCAB_SIZE, cfg["max_position_embeddings"])  # its tokenizer_config.json
+    write_llama3_like_tokenizer(directory, cfg["vocab_size"])
+    (directory / "complete").write_text("")
+
+
+def write_llama3_like_tokenizer(directory: Path, vocab_size: int, num_special: int = 256) -> None:
+    """A byte-level BPE tokenizer.json shaped like Llama 3's: vocab_size - 256 merged tokens
+    (made-up merges) and 256 special tokens, so loading it costs what the real one costs."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from gpuworker.demo_model import SPECIAL_TOKENS
+
+    chars = list(bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)}
+    tokens, merges, a = list(chars), [], 0
+    while len(vocab) < vocab_size - num_special:
+        for c in chars:
+            if len(vocab) >= vocab_size - num_special:
+                break
+            if tokens[a] + c not in vocab:
+                vocab[tokens[a] + c] = len(vocab)
+                merges.append((tokens[a], c))
+                tokens.append(tokens[a] + c)
+        a += 1
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = [*SPECIAL_TOKENS, *(f"<|reserved_special_token_{i}|>" for i in range(num_special - len(SPECIAL_TOKENS)))]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_replica(model: Path, *, device: str, dtype: str, log: Path, tree: Path = ROOT,
+                  extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`python -m gpuworker serve` from the checkout `tree`, spawned as the daemon spawns it, on a
+    free port: the process and its base URL. Its output goes to `log`."""
+    port = free_port()
+    argv = [sys.executable, "-m", "gpuworker", "serve", "--model", str(model), "--port", str(port),
+            "--device", device, "--dtype", dtype, "--log-level", "warning", *extra_args]
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    with open(log, "ab") as out:
+        process = subprocess.Popen(argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(process: subprocess.Popen, url: str, log: Path, deadline_s: float = READY_DEADLINE_S) -> dict:
+    """Poll the replica's /health until it is ready: its last /health answer. Raises when the
+    process exits, the load fails or the deadline passes."""
+    import httpx
+
+    started = time.perf_counter()
+    with httpx.Client(timeout=2.0) as client:
+        while time.perf_counter() - started < deadline_s:
+            if process.poll() is not None:
+                raise RuntimeError(f"the replica exited with {process.returncode}; see {log}")
+            try:
+                health = client.get(f"{url}/health").json()
+            except (httpx.HTTPError, ValueError):
+                health = {}
+            if health.get("status") == "ready":
+                return health
+            if health.get("status") == "failed":
+                raise RuntimeError(f"the replica failed: {health.get('error')}")
+            time.sleep(0.02)
+    raise RuntimeError(f"no ready replica within {deadline_s:.0f}s; see {log}")
+
+
+def stop_replica(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @dataclass

@@ -14,7 +14,8 @@ cold (the reference). --hf times transformers' from_pretrained onto the GPU in a
 --baseline-tree DIR runs the same replica path from another checkout (the code before a change).
 --spare-runs N times the daemon's path with a spare replica process (gpuworker/replica/spare.py):
 the real Supervisor with spares on, the load handed over once the spare is ready, as on a worker
-whose spare started long before the load; time = the load command -> /health ready.
+whose spare started long before the load; time = the load command -> /health ready, and -> the
+reply to a 16-token completion sent at ready (the replica warms up after ready, between steps).
 --readers times the loader alone (weights into the model, in this process, nothing else running)
 with that many reader threads, to separate the copy's own speed from contention in the replica.
 An untimed first start fills Triton's kernel cache, as on any worker that served before.
@@ -25,9 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,102 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import DEFAULT_CONFIG, environment, print_table  # noqa: E402
+from bench.common import (DEFAULT_CONFIG, READY_DEADLINE_S, environment, print_table, start_replica,  # noqa: E402
+                          stop_replica, wait_ready, write_checkpoint)
 from gpuworker.checkpoint_files import advise, checkpoint_files  # noqa: E402
-from gpuworker.demo_model import SPECIAL_TOKENS  # noqa: E402
 
 READ_BYTES = 16 << 20
-READY_DEADLINE_S = 900.0
-
-
-def hf_tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    shapes = [("model.embed_tokens.weight", (vocab, h))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                   (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
-                   (p + "post_attention_layernorm.weight", (h,))]
-    return shapes + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
-
-
-def write_checkpoint(directory: Path, config_dir: Path, shards: int) -> None:
-    """Random bf16 weights in HF layout; skipped when the directory is complete already."""
-    import torch
-    from safetensors.torch import save_file
-
-    from gpuworker.demo_model import MIN_VOCAB_SIZE, write_tokenizer
-
-    if (directory / "complete").is_file():
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((config_dir / "config.json").read_text())
-    shapes = hf_tensor_shapes(cfg)
-    total = sum(2 * _numel(shape) for _, shape in shapes)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    generator = torch.Generator(device=device).manual_seed(0)
-    groups, current, size = [], [], 0
-    for name, shape in shapes:  # contiguous groups of about total/shards bytes, in HF order
-        current.append((name, shape))
-        size += 2 * _numel(shape)
-        if size >= total / shards and len(groups) < shards - 1:
-            groups.append(current)
-            current, size = [], 0
-    groups.append(current)
-    weight_map = {}
-    for k, group in enumerate(groups):
-        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {name: (torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) * 0.02)
-                   .cpu() for name, shape in group}
-        save_file(tensors, str(directory / file), metadata={"format": "pt"})
-        weight_map |= {name: file for name in tensors}
-        del tensors
-        with open(directory / file, "rb") as f:
-            os.fsync(f.fileno())  # written to disk, so DONTNEED can drop the pages later
-        print(f"wrote {file}", flush=True)
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    shutil.copy(config_dir / "config.json", directory / "config.json")
-    write_tokenizer(directory, MIN_VOCAB_SIZE, cfg["max_position_embeddings"])  # its tokenizer_config.json
-    write_llama3_like_tokenizer(directory, cfg["vocab_size"])
-    (directory / "complete").write_text("")
-
-
-def write_llama3_like_tokenizer(directory: Path, vocab_size: int, num_special: int = 256) -> None:
-    """A byte-level BPE tokenizer.json shaped like Llama 3's: vocab_size - 256 merged tokens
-    (made-up merges) and 256 special tokens, so loading it costs what the real one costs."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    chars = list(bytes_to_unicode().values())
-    vocab = {c: i for i, c in enumerate(chars)}
-    tokens, merges, a = list(chars), [], 0
-    while len(vocab) < vocab_size - num_special:
-        for c in chars:
-            if len(vocab) >= vocab_size - num_special:
-                break
-            if tokens[a] + c not in vocab:
-                vocab[tokens[a] + c] = len(vocab)
-                merges.append((tokens[a], c))
-                tokens.append(tokens[a] + c)
-        a += 1
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = [*SPECIAL_TOKENS, *(f"<|reserved_special_token_{i}|>" for i in range(num_special - len(SPECIAL_TOKENS)))]
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tokenizer.save(str(directory / "tokenizer.json"))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def drop_cache(directory: Path) -> None:
@@ -150,49 +57,15 @@ def sequential_read(directory: Path) -> tuple[float, int]:
     return time.perf_counter() - started, total
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_once(tree: Path, model: Path, device: str, log: Path) -> dict:
     """Spawn the replica as the daemon does and poll /health until ready: the run's timings."""
-    import httpx
-
-    port = _free_port()
-    argv = [sys.executable, "-m", "gpuworker", "serve", "--model", str(model), "--port", str(port),
-            "--device", device, "--dtype", "bfloat16", "--log-level", "warning"]
-    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     spawned_wall, spawned = time.time(), time.perf_counter()
-    with open(log, "ab") as out:
-        process = subprocess.Popen(argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+    process, url = start_replica(model, device=device, dtype="bfloat16", log=log, tree=tree)
     try:
-        with httpx.Client(timeout=2.0) as client:
-            while time.perf_counter() - spawned < READY_DEADLINE_S:
-                if process.poll() is not None:
-                    raise RuntimeError(f"the replica exited with {process.returncode}; see {log}")
-                try:
-                    health = client.get(f"http://127.0.0.1:{port}/health").json()
-                except (httpx.HTTPError, ValueError):
-                    health = {}
-                if health.get("status") == "ready":
-                    ready_s = time.perf_counter() - spawned
-                    break
-                if health.get("status") == "failed":
-                    raise RuntimeError(f"the replica failed: {health.get('error')}")
-                time.sleep(0.02)
-            else:
-                raise RuntimeError(f"no ready replica within {READY_DEADLINE_S:.0f}s")
+        health = wait_ready(process, url, log)
+        ready_s = time.perf_counter() - spawned
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_replica(process)
     result = {"ready_s": round(ready_s, 3)}
     if health.get("load_started_at"):
         result["process_start_and_imports_s"] = round(health["load_started_at"] - spawned_wall, 3)
@@ -241,13 +114,19 @@ def spare_once(model: Path, device: str, state_dir: Path) -> dict:
                     ready_s = time.perf_counter() - started
                     break
                 time.sleep(0.02)
+            # A request sent the moment it is ready waits for whatever warm-up piece is running
+            # (EngineConfig.defer_warm_up): its completion time is the honest "serving" figure.
+            reply = client.post(f"{entry.endpoint_url}/v1/completions", timeout=60.0, json={
+                "model": "bench", "prompt": "Hello", "max_tokens": 16, "ignore_eos": True})
+            reply.raise_for_status()
+            first_completion_s = time.perf_counter() - started
     except Exception:
         for log in sorted((state_dir / "replicas").glob("*.log")):
             print(f"--- {log.name} (end) ---\n{log.read_text()[-3000:]}", flush=True)
         raise
     finally:
         supervisor.close(drain_timeout_s=1)
-    result = {"ready_s": round(ready_s, 3)}
+    result = {"ready_s": round(ready_s, 3), "first_16_tokens_s": round(first_completion_s, 3)}
     if health.get("load_started_at"):
         result["handover_to_engine_start_s"] = round(health["load_started_at"] - started_wall, 3)
     return result | (health.get("load_timings") or {})

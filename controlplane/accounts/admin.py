@@ -1,8 +1,9 @@
 from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin as DjangoUserAdmin
 
-from controlplane.accounts.models import ApiKey, Tenant, User
+from controlplane.accounts.models import ApiKey, Invitation, Tenant, User
 from controlplane.accounts.services import api_key_revoke
+from controlplane.common.admin import ReadOnlyAdmin
 
 
 @admin.register(Tenant)
@@ -14,10 +15,18 @@ class TenantAdmin(admin.ModelAdmin):
 
 @admin.register(User)
 class UserAdmin(DjangoUserAdmin):
-    list_display = ["username", "email", "role", "tenant", "is_staff", "is_active"]
-    list_filter = ["role", "is_staff", "is_active"]
-    fieldsets = DjangoUserAdmin.fieldsets + (("Role", {"fields": ["role", "tenant"]}),)
-    add_fieldsets = DjangoUserAdmin.add_fieldsets + (("Role", {"fields": ["role", "tenant"]}),)
+    list_display = ["username", "email", "role", "tenant", "tenant_role", "is_staff", "is_active"]
+    list_filter = ["role", "tenant_role", "is_staff", "is_active"]
+    fieldsets = DjangoUserAdmin.fieldsets + (("Role", {"fields": ["role", "tenant", "tenant_role"]}),)
+    add_fieldsets = DjangoUserAdmin.add_fieldsets + (("Role", {"fields": ["role", "tenant", "tenant_role"]}),)
+
+
+@admin.register(Invitation)
+class InvitationAdmin(ReadOnlyAdmin):
+    """Read-only: a link can only be shown by the service that makes it (the team and staff pages)."""
+
+    list_display = ["__str__", "created_by", "created_at", "expires_at", "accepted_by", "revoked"]
+    list_filter = ["role", "revoked"]
 
 
 @admin.register(ApiKey)
@@ -40,5 +49,5 @@ class ApiKeyAdmin(admin.ModelAdmin):
     @admin.action(description="Revoke selected keys")
     def revoke(self, request, queryset) -> None:
         for api_key in queryset:
-            api_key_revoke(api_key=api_key)
+            api_key_revoke(api_key=api_key, actor=request.user)
         self.message_user(request, f"Revoked {queryset.count()} key(s).", messages.SUCCESS)

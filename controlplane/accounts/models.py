@@ -38,9 +38,18 @@ class User(AbstractUser):
         TENANT_MEMBER = "tenant_member", "Tenant member"
         ADMIN = "admin", "Admin"
 
+    class TenantRole(models.TextChoices):
+        # Within a tenant: its admins manage the team (invite, set roles, remove); members use it.
+        ADMIN = "admin", "Tenant admin"
+        MEMBER = "member", "Member"
+
     role = models.CharField(max_length=20, choices=Role.choices, default=Role.TENANT_MEMBER)
     tenant = models.ForeignKey(
         Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="members"
+    )
+    tenant_role = models.CharField(
+        max_length=20, choices=TenantRole.choices, default=TenantRole.MEMBER,
+        help_text="A tenant member's part in its team; ignored for operators and admins.",
     )
 
     objects = _UserManager()
@@ -49,6 +58,57 @@ class User(AbstractUser):
         super().clean()
         if self.role == self.Role.TENANT_MEMBER and self.tenant_id is None:
             raise ValidationError({"tenant": "A tenant member must belong to a tenant."})
+        if self.role != self.Role.TENANT_MEMBER and self.tenant_id is not None:
+            raise ValidationError({"tenant": "Only tenant members belong to a tenant."})
+
+    @property
+    def is_tenant_admin(self) -> bool:
+        return self.role == self.Role.TENANT_MEMBER and self.tenant_role == self.TenantRole.ADMIN
+
+
+class Invitation(models.Model):
+    """A link that lets one person create their own login with the role (and tenant) the inviter
+    chose. There is no mail server: the inviter copies the link and passes it on. Only the token's
+    hash is kept; the link is shown once, when it is made. Used once, then spent."""
+
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    role = models.CharField(max_length=20, choices=User.Role.choices)
+    tenant = models.ForeignKey(
+        Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="invitations"
+    )
+    tenant_role = models.CharField(max_length=20, choices=User.TenantRole.choices, default=User.TenantRole.MEMBER)
+    note = models.CharField(max_length=100, blank=True, help_text="Who it is for, so you can tell invitations apart.")
+    created_by = models.ForeignKey(User, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    accepted_by = models.ForeignKey(User, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    revoked = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        where = f" to {self.tenant}" if self.tenant_id else ""
+        return f"invitation{where} as {self.role_label}" + (f" ({self.note})" if self.note else "")
+
+    @property
+    def role_label(self) -> str:
+        if self.role == User.Role.TENANT_MEMBER:
+            return User.TenantRole(self.tenant_role).label
+        return User.Role(self.role).label
+
+    def refusal(self, now=None) -> str:
+        """Why the link cannot be used now, in words for the person holding it; "" if it can."""
+        if self.accepted_at is not None:
+            return "This invitation has already been used."
+        if self.revoked:
+            return "This invitation was withdrawn."
+        if self.expires_at <= (now or timezone.now()):
+            return "This invitation has expired."
+        if self.tenant_id is not None and not self.tenant.is_active:
+            return "The tenant of this invitation is deactivated."
+        return ""
 
 
 class ApiKey(models.Model):

@@ -2,12 +2,13 @@
 
 from datetime import datetime, timedelta
 
-from django.db.models import QuerySet
+from django.db.models import Count, Q, QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
 
 from controlplane.accounts.keys import KEY_SCHEME, hash_api_key
-from controlplane.accounts.models import ApiKey, ApiKeyChange, Tenant, User
+from controlplane.accounts.models import ApiKey, ApiKeyChange, Invitation, Tenant, User
+from controlplane.tokens import secret_hash
 
 
 class ApiKeyRejected(Exception):
@@ -66,3 +67,32 @@ def api_key_changes_recent(*, within: timedelta) -> list[tuple[int, str, int | N
     database's clock; one range scan of an index."""
     return list(ApiKeyChange.objects.filter(changed_at__gte=Now() - within)
                 .values_list("id", "key_hash", "tenant_id", "plan_id"))
+
+
+def team_members(*, tenant: Tenant) -> QuerySet[User]:
+    """The tenant's active members, admins first; removed members are deactivated, not listed."""
+    return (User.objects.filter(tenant=tenant, role=User.Role.TENANT_MEMBER, is_active=True)
+            .order_by("tenant_role", "username"))
+
+
+def staff_members() -> QuerySet[User]:
+    """Active operators and admins."""
+    return User.objects.filter(role__in=[User.Role.OPERATOR, User.Role.ADMIN], is_active=True).order_by(
+        "role", "username")
+
+
+def invitations_open(*, tenant: Tenant | None, now: datetime | None = None) -> QuerySet[Invitation]:
+    """Invitations still usable: of `tenant`, or of the staff when `tenant` is None."""
+    open_ = Invitation.objects.filter(accepted_at__isnull=True, revoked=False,
+                                      expires_at__gt=now or timezone.now()).select_related("created_by")
+    return open_.filter(tenant=tenant) if tenant is not None else open_.filter(tenant__isnull=True)
+
+
+def invitation_get_by_token(*, token: str) -> Invitation | None:
+    return Invitation.objects.select_related("tenant").filter(token_hash=secret_hash(token)).first()
+
+
+def tenants_with_member_counts() -> QuerySet[Tenant]:
+    """Every tenant with `member_count` (active members) and its plan."""
+    active = Q(members__is_active=True, members__role=User.Role.TENANT_MEMBER)
+    return Tenant.objects.select_related("plan").annotate(member_count=Count("members", filter=active))

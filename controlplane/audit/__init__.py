@@ -1,1 +1,1 @@
-"""The operators' audit log: who changed what in the fleet and the catalog, and when."""
+"""The audit log: who changed what in the fleet, the catalog, API keys, credits and teams, and when."""

@@ -1,4 +1,5 @@
-"""One row per operator action (or system action through the same services): append-only history."""
+"""One row per operator or admin action (or system action through the same services), and each change to
+a tenant's keys, team and credits: append-only history."""
 
 from django.conf import settings
 from django.db import models
@@ -17,6 +18,16 @@ class AuditEntry(models.Model):
         REPLICA_LOAD = "replica.load", "Replica loaded"
         REPLICA_UNLOAD = "replica.unload", "Replica unloaded"
         WORKER_DRAIN = "worker.drain", "Worker drained"
+        API_KEY_CREATE = "api_key.create", "API key created"
+        API_KEY_REVOKE = "api_key.revoke", "API key revoked"
+        API_KEY_SPEND_LIMIT = "api_key.spend_limit", "API key spend limit set"
+        TENANT_CREATE = "tenant.create", "Tenant created"
+        CREDIT_GRANT = "credit.grant", "Credits granted"
+        INVITATION_CREATE = "invitation.create", "Invitation made"
+        INVITATION_REVOKE = "invitation.revoke", "Invitation withdrawn"
+        INVITATION_ACCEPT = "invitation.accept", "Invitation accepted"
+        MEMBER_ROLE = "member.role", "Member's role changed"
+        MEMBER_REMOVE = "member.remove", "Member removed"
 
     # Kept when the user is deleted: the label below still says who it was.
     actor = models.ForeignKey(

@@ -1,5 +1,5 @@
-"""Writing the audit log. Called inside the services that act (catalog, fleet), in their
-transaction, so an action is recorded exactly when it commits, whoever called the service."""
+"""Writing the audit log. Called inside the services that act (catalog, fleet, accounts, billing),
+in their transaction, so an action is recorded exactly when it commits, whoever called the service."""
 
 import json
 from typing import Any

@@ -19,8 +19,8 @@ from django.db.models import (Case, CharField, Count, DecimalField, F, FloatFiel
 from django.db.models.functions import Coalesce, Concat, TruncDate
 
 from controlplane.accounts.models import ApiKey
-from controlplane.billing.models import MONEY, UsageRecord
-from controlplane.billing.selectors import credit_available, credit_balance
+from controlplane.billing.models import MONEY, CreditAccount, UsageRecord
+from controlplane.billing.selectors import credit_available, credit_balance, usage_billable_count_since
 
 GROUPINGS = ("tenant", "model", "key", "day")
 _FAILED = Q(status=UsageRecord.Status.FAILED)
@@ -150,3 +150,37 @@ def usage_month_summary(*, tenant, now: datetime) -> UsageSummary:
         balance=credit_balance(tenant=tenant),
         available=credit_available(tenant=tenant),
     )
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """A plan's included requests this month: how many, how many are used (or held by requests in
+    flight), and the month they count in, [period_start, period_end)."""
+
+    included: int
+    used: int
+    period_start: datetime
+    period_end: datetime
+
+    @property
+    def left(self) -> int:
+        return max(0, self.included - self.used)
+
+    @property
+    def used_percent(self) -> int:
+        return min(100, round(100 * self.used / self.included)) if self.included else 0
+
+
+def allowance_this_month(*, tenant, now: datetime) -> Allowance:
+    """What is left of the tenant's plan allowance in `now`'s month, counted as admission counts it
+    (billing.pricing.take_allowance): the account's figure when it counts this month, which
+    includes requests in flight; the month's usage records otherwise."""
+    since = month_start_of(now)
+    included = tenant.plan.included_requests_per_month if tenant.plan_id else 0
+    account = CreditAccount.objects.filter(tenant=tenant).first()
+    if account is not None and account.allowance_month == since.date():
+        used = account.allowance_used
+    else:
+        used = usage_billable_count_since(tenant=tenant, since=since)
+    return Allowance(included=included, used=min(used, included), period_start=since,
+                     period_end=month_start_of(since + timedelta(days=32)))

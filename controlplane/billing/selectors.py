@@ -37,6 +37,13 @@ def usage_billable_count_since(*, tenant, since: datetime, until: datetime | Non
     return records.aggregate(total=Sum("num_requests"))["total"] or 0
 
 
+def credit_balances(*, tenant_ids) -> dict[int, Decimal]:
+    """Each tenant's balance (the sum of its ledger) by tenant id, in one query; 0 without entries."""
+    sums = dict(CreditEntry.objects.filter(tenant_id__in=list(tenant_ids)).values("tenant_id")
+                .annotate(total=Sum("amount")).values_list("tenant_id", "total"))
+    return {tenant_id: (sums.get(tenant_id) or Decimal("0")).quantize(MICRO) for tenant_id in tenant_ids}
+
+
 def credit_holds_expired(*, now: datetime, limit: int = 500) -> list[str]:
     """Request ids of holds past their expiry (their gateway died mid-request), oldest first."""
     return list(
@@ -47,6 +54,14 @@ def credit_holds_expired(*, now: datetime, limit: int = 500) -> list[str]:
 
 def credit_entries_for_tenant(*, tenant) -> QuerySet[CreditEntry]:
     return CreditEntry.objects.filter(tenant=tenant)
+
+
+def credit_entries_recent(*, tenant, limit: int = 20, kinds=None) -> list[CreditEntry]:
+    """The tenant's latest ledger entries (of `kinds`, when given), newest first, with who made them."""
+    entries = credit_entries_for_tenant(tenant=tenant).select_related("created_by", "usage_record__model")
+    if kinds:
+        entries = entries.filter(kind__in=kinds)
+    return list(entries[:limit])
 
 
 def price_tier_get_by_name(*, name: str) -> PriceTier | None:

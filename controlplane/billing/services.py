@@ -16,6 +16,8 @@ from django.db import connection, transaction
 from django.db.models import Sum
 
 from controlplane.accounts.models import Tenant
+from controlplane.audit.models import AuditEntry
+from controlplane.audit.services import audit_record
 from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, Plan, PriceTier
 from controlplane.billing.sql import as_date, marks, money, rows
 from controlplane.common.services import validated_save
@@ -113,6 +115,8 @@ def credit_grant(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=
     )
     account.balance += amount
     account.save(update_fields=["balance"])
+    audit_record(actor=created_by, action=AuditEntry.Action.CREDIT_GRANT, target=tenant,
+                 detail={"amount": amount, "note": memo, "balance": account.balance})
     return entry
 
 

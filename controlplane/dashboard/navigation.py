@@ -26,8 +26,12 @@ NAV_ITEMS = (
     NavItem("API keys", "dashboard:keys", TENANT_ROLES),
     NavItem("Usage", "dashboard:usage", TENANT_ROLES),
     NavItem("Requests", "dashboard:requests", TENANT_ROLES + ADMIN_ROLES),
+    NavItem("Credits", "dashboard:credits", TENANT_ROLES),
     NavItem("Playground", "dashboard:playground", TENANT_ROLES),
+    NavItem("Team", "dashboard:team", TENANT_ROLES),
     NavItem("Reports", "dashboard:reports", ADMIN_ROLES),
+    NavItem("Tenants", "dashboard:tenants", ADMIN_ROLES),
+    NavItem("Staff", "dashboard:staff", ADMIN_ROLES),
 )
 
 

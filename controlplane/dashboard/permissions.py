@@ -1,7 +1,9 @@
 """Who may open which dashboard page.
 
 Operators run the fleet and the catalog; admins may do everything operators do and also read the
-reports; tenant members see their own tenant's keys, usage and playground, and nothing else. A page
+reports and manage tenants, their credits and teams, and the staff; tenant members see their own
+tenant's keys, usage, credits, playground and team, and nothing else (a tenant's own admins also
+manage its team: `accounts.services.may_manage_team`). A page
 of the wrong role answers 403; an object of another tenant answers 404 (its existence is not
 revealed), which is what `tenant_of` plus a tenant-filtered query gives.
 """

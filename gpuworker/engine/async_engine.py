@@ -127,8 +127,9 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         while True:
-            # Wait for a command only when there is nothing to step.
-            for command in self._drain(block=not self.engine.has_unfinished_requests()):
+            # Wait for a command only when there is nothing to step, nor any warm-up left to do.
+            idle = not self.engine.has_unfinished_requests()
+            for command in self._drain(block=idle and not self.engine.has_deferred_warm_up):
                 if command is None:
                     self._shut_down_requests()
                     return
@@ -140,6 +141,8 @@ class AsyncLLMEngine:
                         future.set_exception(exc)
             if self.engine.has_unfinished_requests():
                 self._step()
+            elif self.engine.has_deferred_warm_up:
+                self.engine.do_deferred_warm_up()
 
     def _drain(self, block: bool) -> list:
         commands = []

@@ -37,6 +37,10 @@ class EngineConfig:
     seed: int = 0
     # Read by the model runner: True keeps every step eager (no CUDA-graph capture).
     enforce_eager: bool = False
+    # True: compile the eager path's kernels and capture the decode CUDA graphs after the engine
+    # is ready, one piece between steps (LLMEngine.do_deferred_warm_up), not before; the replica
+    # server sets it, so a replica is ready ~1-2 s sooner (BENCHMARKS.md, "Load time").
+    defer_warm_up: bool = False
     # Schedule and launch step N+1 while step N runs on the device, so host work hides behind it.
     # None: on for CUDA, off for CPU (where nothing runs asynchronously to hide behind).
     async_scheduling: bool | None = None
@@ -64,7 +68,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "defer_warm_up"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

@@ -10,6 +10,11 @@ The graphs' inputs live in one device buffer that a step fills with a single hos
 the device (sampled by the step in flight, see model_runner): the buffer starts with `sampled`,
 where every step's sampled ids are kept, followed by the host's known ids; the graph's first
 kernel gathers each row's token from either part through a per-row index.
+
+Capture can be left to later (`defer=True`, what a replica does): nothing is captured at
+construction, and each `capture_next` call captures one graph, which the engine makes between
+steps once it is ready: the largest first, so that every batch size can pad up to it, then batch 1,
+then the rest. Capturing all buckets took 1-2 s of a replica's start on the H200.
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ class GraphInputs:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], *, max_num_seqs: int,
-                 max_model_len: int, block_size: int) -> None:
+                 max_model_len: int, block_size: int, defer: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -114,7 +119,13 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._capture_all()
+        self._pool = torch.cuda.graph_pool_handle()
+        # Largest first: smaller graphs then reuse its pool, and (deferred) every size can pad up.
+        self.pending = sorted(self.buckets, reverse=True)
+        if defer:
+            self.pending.insert(1, self.pending.pop())  # then batch 1, the most common
+        while self.pending and not defer:
+            self.capture_next()
 
     @property
     def sampled(self) -> torch.Tensor:
@@ -136,32 +147,41 @@ class DecodeGraphs:
         return self.model(input_ids, self.inputs.positions[:size], self.kv_caches, self._meta(size))
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+    def capture_next(self) -> bool:
+        """Capture the next pending bucket's graph; return whether any remain.
+
+        Safe between steps, with a step still in flight: everything below is ordered after it on
+        the device, and the warm-up forward writes no KV (slot -1) and reads none (seq_len 0),
+        whatever the last step left in the inputs. The next step's upload rewrites both."""
+        size = self.pending.pop(0)
+        self.inputs.slot_mapping.fill_(-1)
+        self.inputs.seq_lens.zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up compiles the Triton kernels outside capture
-            for size in self.buckets:
-                self._forward(size)
+            self._forward(size)
         torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        for size in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: only this thread's calls matter to the capture (the server's threads go on).
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self.outputs[size] = self._forward(size)
+        self.graphs[size] = graph
+        return bool(self.pending)
+
+    def _graph_size(self, n: int) -> int | None:
+        """The smallest captured bucket that holds n rows (padding is cheap: decode reads weights)."""
+        return min((size for size in self.graphs if size >= n), default=None)
 
     def can_run(self, num_decode_seqs: int, num_seqs: int, num_tokens: int, max_seq_len: int) -> bool:
-        return (num_decode_seqs == num_seqs == num_tokens
-                and num_tokens <= self.buckets[-1] and max_seq_len <= self.max_model_len)
+        return (num_decode_seqs == num_seqs == num_tokens and max_seq_len <= self.max_model_len
+                and self._graph_size(num_tokens) is not None)
 
     def run(self, *, known_ids: np.ndarray, placeholders: np.ndarray, sampled_rows: np.ndarray,
             positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
             block_tables: np.ndarray) -> torch.Tensor:
         """One decode step from host arrays (see GraphInputs.upload): hidden states [n, hidden_size]."""
         n = len(known_ids)
-        size = next(b for b in self.buckets if b >= n)
+        size = self._graph_size(n)
         self.inputs.upload(size=size, known_ids=known_ids, placeholders=placeholders, sampled_rows=sampled_rows,
                            positions=positions, slot_mapping=slot_mapping, seq_lens=seq_lens,
                            block_tables=block_tables)

@@ -9,6 +9,7 @@ its own longest), and hands each request its vectors.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -125,22 +126,26 @@ class EmbeddingEngine:
                 j.loop.call_soon_threadsafe(_resolve, j.future, j.vectors, None)
 
     def _run(self, jobs: list[_Job]) -> None:
-        flat = [(j, k, ids) for j in jobs for k, ids in enumerate(j.token_ids)]
+        owners = [(j, k) for j in jobs for k in range(len(j.token_ids))]
+        token_ids = [ids for j in jobs for ids in j.token_ids]
+        groups = buckets([len(ids) for ids in token_ids], self.max_batch_tokens)
+        # One copy back to the host at the end: the buckets' forward passes queue up on the device
+        # without a synchronisation between them.
+        vectors = torch.cat([self.model(*self._padded([token_ids[i] for i in group])) for group in groups]).cpu()
         for j in jobs:
             j.vectors = [None] * len(j.token_ids)
-        for group in buckets([len(ids) for _, _, ids in flat], self.max_batch_tokens):
-            width = max(len(flat[i][2]) for i in group)
-            input_ids = torch.zeros(len(group), width, dtype=torch.long)
-            mask = torch.zeros(len(group), width, dtype=torch.long)
-            for row, i in enumerate(group):
-                ids = flat[i][2]
-                input_ids[row, :len(ids)] = torch.tensor(ids)
-                mask[row, :len(ids)] = 1
-            vectors = self.model(input_ids.to(self.device), mask.to(self.device)).cpu()
-            for row, i in enumerate(group):
-                job, k, _ = flat[i]
-                job.vectors[k] = vectors[row]
-        self.num_embedded_inputs += len(flat)
+        for row, i in enumerate(i for group in groups for i in group):
+            job, k = owners[i]
+            job.vectors[k] = vectors[row]
+        self.num_embedded_inputs += len(token_ids)
+
+    def _padded(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ids and their mask on the device, built with one tensor per batch (not per row)."""
+        lengths = torch.tensor([len(ids) for ids in batch])
+        mask = torch.arange(int(lengths.max())) < lengths[:, None]
+        input_ids = torch.zeros(mask.shape, dtype=torch.long)
+        input_ids[mask] = torch.tensor(list(itertools.chain.from_iterable(batch)))  # row-major: each row's ids
+        return input_ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
 
 
 def _resolve(future: asyncio.Future, result, error) -> None:

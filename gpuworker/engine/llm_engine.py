@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 import logging
 import threading
@@ -165,8 +166,15 @@ class LLMEngine:
         if self.runner.graph_capture_s:
             self.load_timings["cuda_graphs"] = self.runner.graph_capture_s
             self.load_timings["kv_cache"] = round(self.load_timings["kv_cache"] - self.runner.graph_capture_s, 4)
-        if self.device.type == "cuda":
-            # Triton compiles on first use: do it for the eager path now, not in the first requests.
+        # Triton compiles on first use: for the eager path before the first requests, as the graphs
+        # are captured; with defer_warm_up both as the engine's first work after it is ready.
+        self._deferred_warm_up: deque[tuple[str, Callable[[], object]]] = deque()
+        if self.device.type == "cuda" and self.config.defer_warm_up:
+            self._deferred_warm_up.append(("warm_up", self.runner.warm_up))
+            graphs = self.runner.decode_graphs
+            if graphs is not None:
+                self._deferred_warm_up.extend(("cuda_graphs", graphs.capture_next) for _ in graphs.pending)
+        elif self.device.type == "cuda":
             with clock("warm_up"):
                 self.runner.warm_up()
         self._requests: dict[str, _Request] = {}
@@ -296,6 +304,29 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def has_deferred_warm_up(self) -> bool:
+        """Kernels to compile or CUDA graphs to capture still (EngineConfig.defer_warm_up)."""
+        return bool(self._deferred_warm_up)
+
+    def do_deferred_warm_up(self) -> None:
+        """Do one piece of the deferred warm-up: step() does one before each step until none is
+        left, and an idle AsyncLLMEngine calls it, so it is done whether or not requests come.
+        Until it is, a step's kernels may compile as it runs and a decode batch pads up to a
+        captured graph or runs eagerly: slower, never wrong."""
+        stage, work = self._deferred_warm_up.popleft()
+        started = time.perf_counter()
+        try:
+            work()
+        except Exception:  # every batch still runs eagerly; a broken capture must not stop serving
+            logger.exception("deferred %s failed; the remaining graphs are not captured", stage)
+            self._deferred_warm_up.clear()
+        key = f"{stage}_deferred"
+        self.load_timings[key] = round(self.load_timings.get(key, 0.0) + time.perf_counter() - started, 4)
+        if not self._deferred_warm_up:
+            logger.info("deferred warm-up done: %s", ", ".join(
+                f"{k} {v:.2f}s" for k, v in self.load_timings.items() if k.endswith("_deferred")))
+
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
 
@@ -308,6 +339,8 @@ class LLMEngine:
         this call schedules and launches the next step first, so its host work overlaps the
         device work of the one before.
         """
+        if self._deferred_warm_up:
+            self.do_deferred_warm_up()
         overlap = self.config.use_async_scheduling and self._num_sync_requests == 0
         outputs: list[RequestOutput] = []
         if not overlap and self._inflight is not None:

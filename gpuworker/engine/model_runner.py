@@ -162,23 +162,23 @@ class ModelRunner:
             started = time.perf_counter()
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                block_size=config.block_size)
+                block_size=config.block_size, defer=config.defer_warm_up)
             self.graph_capture_s = round(time.perf_counter() - started, 4)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Run one eager step of made-up tokens (a decode and a prefill chunk side by side) and the
         logits and greedy tokens of one and of two rows, so the kernels of the eager path compile
-        now rather than during the first requests (a second or more each on a GPU). The KV it
-        writes lands in blocks that no sequence holds yet; every real token's KV is written before
-        it is read."""
+        now rather than during the first requests (a second or more each on a GPU). Its slots are
+        all -1: it writes no KV, so it may run between steps while sequences hold blocks
+        (EngineConfig.defer_warm_up)."""
         bs = self.block_size
         chunk = max(1, min(32, self.config.max_num_batched_tokens - 1, self.config.max_model_len - 1))
         num_blocks = min(self.config.num_kv_blocks, -(-chunk // bs))
         # As wide as the longest context, so the decode kernel can be sized for it too.
         table = [i % num_blocks for i in range(-(-self.config.max_model_len // bs))]
         positions = [0] + list(range(chunk))
-        slots = [table[0] * bs] + [table[p // bs] * bs + p % bs for p in range(chunk)]
+        slots = [-1] * (1 + chunk)
         device = self.device
         input_ids = torch.zeros(1 + chunk, dtype=torch.int64, device=device)
         # max_seq_len is the host's bound on the contexts: a short one runs the decode kernel in one

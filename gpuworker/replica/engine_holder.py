@@ -89,7 +89,8 @@ class EngineHolder:
         self.load_progress = WEIGHTS_PROGRESS_START + (WEIGHTS_PROGRESS_END - WEIGHTS_PROGRESS_START) * fraction
 
     def _load(self) -> None:
-        kwargs: dict[str, Any] = {"device": self.config.device,
+        # Warm-up after ready: the replica is ready 1-2 s sooner on an 8B model (BENCHMARKS.md, "Load time").
+        kwargs: dict[str, Any] = {"device": self.config.device, "defer_warm_up": True,
                                   "gpu_memory_utilization": self.config.gpu_memory_utilization}
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype

@@ -35,6 +35,12 @@ PAGES = {  # file name: (role, url name)
     "requests": ("tenant", "dashboard:requests"),
     "playground": ("tenant", "dashboard:playground"),
     "reports": ("admin", "dashboard:reports"),
+    "credits": ("tenant", "dashboard:credits"),
+    "team": ("tenant", "dashboard:team"),
+    "tenants": ("admin", "dashboard:tenants"),
+    "tenant": ("admin", "dashboard:tenants"),  # then into the demo tenant's page
+    "staff": ("admin", "dashboard:staff"),
+    "invitation": (None, ""),  # the link prepare() made, opened by someone not signed in
 }
 HISTORY_DAYS = 14
 
@@ -48,17 +54,22 @@ def _chat(system, api_key: str, *, max_tokens: int = 24) -> None:
     response.raise_for_status()
 
 
-def prepare(system) -> None:
-    """Give every page something to show: keys, traffic, operator actions, two weeks of history."""
+def prepare(system) -> dict[str, str]:
+    """Give every page something to show: keys, traffic, operator actions, two weeks of history,
+    credit grants, a team; returns the paths of pages only a secret link opens."""
+    from django.urls import reverse
     from django.utils import timezone
 
+    from controlplane.accounts.models import User
     from controlplane.accounts.selectors import tenant_get_by_name, user_get_by_username
-    from controlplane.accounts.services import api_key_create, api_key_revoke
+    from controlplane.accounts.services import api_key_create, api_key_revoke, invitation_create, user_create
     from controlplane.billing.models import UsageRecord
+    from controlplane.billing.services import credit_grant
     from controlplane.catalog.models import Deployment, Model
     from controlplane.catalog.services import model_create, model_set_enabled
     from controlplane.fleet.models import Replica
     from controlplane.fleet.services import deployment_update
+    from tests.browser.system import PASSWORD
     from tests.controlplane.factories import usage_record_settled
     from tests.integration.conftest import wait_until
 
@@ -89,6 +100,15 @@ def prepare(system) -> None:
                          parameter_count=demo.parameter_count, price_tier=demo.price_tier, actor=operator)
     model_set_enabled(model=spare, enabled=False, actor=operator)
 
+    admin = user_get_by_username(username=system.login("admin").username)
+    credit_grant(tenant=tenant, amount=Decimal("25.00"), memo="Pilot top-up", created_by=admin)
+    credit_grant(tenant=other, amount=Decimal("5.00"), memo="Goodwill: outage on the 3rd", created_by=admin)
+    user_create(username="bilal", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=tenant,
+                email="bilal@example.com")
+    invitation_create(created_by=alice, role=User.Role.TENANT_MEMBER, tenant=tenant, note="Chen (data team)")
+    staff_invitation = invitation_create(created_by=admin, role=User.Role.OPERATOR, note="On-call SRE")
+    links = {"invitation": reverse("dashboard:invitation_accept", args=[staff_invitation.token])}
+
     rng = random.Random(7)
     now = timezone.now()
     for days_ago in range(1, HISTORY_DAYS):
@@ -103,9 +123,10 @@ def prepare(system) -> None:
                     total_latency_ms=rng.randint(200, 2500), gpu_time_s=completion * 0.004,
                     error_code="replica_unavailable",  # kept only on the failed ones
                     at=now - timedelta(days=days_ago, minutes=rng.randint(0, 600)))
+    return links
 
 
-def shoot(system, out: Path) -> list[Path]:
+def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
     from django.urls import reverse
     from playwright.sync_api import expect, sync_playwright
 
@@ -116,14 +137,15 @@ def shoot(system, out: Path) -> list[Path]:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(**launch_options())
         pages = {}
-        for role in {role for role, _ in PAGES.values()}:
+        for role in {role for role, _ in PAGES.values()}:  # None: not signed in
             context = browser.new_context(base_url=system.url, viewport=VIEWPORT)
             context.set_default_timeout(60_000)
             pages[role] = context.new_page()
-            log_in(pages[role], system.login(role))
+            if role is not None:
+                log_in(pages[role], system.login(role))
         for name, (role, url_name) in PAGES.items():
             page = pages[role]
-            page.goto(reverse(url_name))
+            page.goto(links[name] if name in links else reverse(url_name))
             if name == "fleet":
                 expect(page.locator("#live-status")).to_have_attribute("data-connected", "true")
                 page.wait_for_timeout(20_000)  # twenty heartbeats, so the sparklines have a history
@@ -133,6 +155,16 @@ def shoot(system, out: Path) -> list[Path]:
                 page.fill("#id_message", "Write a haiku about GPUs.")
                 page.click("#playground-send")
                 expect(page.locator("#playground-status")).to_have_attribute("data-state", "done")
+            elif name == "team":
+                page.fill("#id_note", "Dana (new hire)")
+                page.click("#invite-submit")
+                expect(page.locator("#invite-link")).to_be_visible()
+            elif name == "tenant":
+                page.locator(f'[data-testid=tenant-row][data-tenant-name="{system.seeded.tenant_name}"] a').click()
+                page.fill("#id_amount", "10")
+                page.fill("#id_note", "Conference demo credit")
+                page.click("#grant-submit")
+                expect(page.locator("#grant-done")).to_be_visible()
             elif name in ("usage", "reports"):
                 page.wait_for_selector(".uplot")
             elif name == "usage-by-model-and-key":
@@ -173,9 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpuserve-screenshots-") as scratch:
             system = start_system(scratch=Path(scratch), redis_url=os.environ["REDIS_URL"])
             try:
-                prepare(system)
+                links = prepare(system)
                 connections.close_all()  # Playwright's loop must not meet an open connection
-                for path in shoot(system, args.out):
+                for path in shoot(system, args.out, links):
                     print(f"wrote {path}")
             finally:
                 system.stop()

@@ -82,8 +82,8 @@ def chromium_missing_reason() -> str | None:
 
 def seed(*, var_dir: Path) -> Seeded:
     """`make run`'s demo (admin, demo tenant with credits and a key, the tiny demo model deployed
-    with one replica), plus an operator, a member of the demo tenant and a second tenant with a
-    member and a key of its own, all with PASSWORD."""
+    with one replica), plus an operator, a member of the demo tenant (its tenant admin) and a
+    second tenant with a member and a key of its own, all with PASSWORD."""
     from controlplane.accounts.models import User
     from controlplane.accounts.selectors import tenant_get_by_name, user_get_by_username
     from controlplane.accounts.services import api_key_create, tenant_create, user_create, user_set_password
@@ -100,7 +100,8 @@ def seed(*, var_dir: Path) -> Seeded:
     other = tenant_create(name=OTHER_TENANT_NAME, plan=pay_as_you_go)
     credit_grant(tenant=other, amount=Decimal("10.00"), memo="Browser tests")
     user_create(username="operator", password=PASSWORD, role=User.Role.OPERATOR)
-    user_create(username="alice", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=tenant)
+    user_create(username="alice", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=tenant,
+                tenant_role=User.TenantRole.ADMIN)
     user_create(username="bob", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=other)
     other_key = api_key_create(tenant=other, name="bob's key").api_key
     logins = {

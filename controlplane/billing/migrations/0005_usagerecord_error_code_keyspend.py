@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('accounts', '0006_apikey_monthly_spend_limit'),
+        ('accounts', '0007_apikey_monthly_spend_limit'),
         ('billing', '0004_credit_accounts_and_holds'),
     ]
 

@@ -9,5 +9,6 @@ urlpatterns: list = [
     path("keys/<int:key_id>/revoke/", views.key_revoke, name="key_revoke"),
     path("keys/<int:key_id>/budget/", views.key_budget, name="key_budget"),
     path("usage/", views.usage, name="usage"),
+    path("credits/", views.credits, name="credits"),
     path("playground/", views.playground, name="playground"),
 ]

@@ -1,4 +1,4 @@
-"""Tenant pages: API keys, usage this month, the playground. Views gather what the templates
+"""Tenant pages: API keys, usage, credits, the playground. Views gather what the templates
 show and call services; every query is filtered by the signed-in member's own tenant."""
 
 from dataclasses import dataclass
@@ -13,7 +13,9 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from controlplane.accounts.selectors import api_keys_for_tenant
 from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit
 from controlplane.billing.key_spend import api_keys_with_spend
-from controlplane.billing.reports import UsageRow, period_bounds, usage_by, usage_daily, usage_month_summary
+from controlplane.billing.reports import (UsageRow, allowance_this_month, period_bounds, usage_by, usage_daily,
+                                          usage_month_summary)
+from controlplane.dashboard.credits import credits_context
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect
 from controlplane.dashboard.permissions import tenant_of, tenant_required
@@ -58,7 +60,7 @@ def keys(request: HttpRequest) -> HttpResponse:
 def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
     api_key = get_object_or_404(_keys(request), pk=key_id)
     if not api_key.revoked:
-        api_key = api_key_revoke(api_key=api_key)
+        api_key = api_key_revoke(api_key=api_key, actor=request.user)
     if request.htmx:
         return render(request, "dashboard/tenant/_key_row.html", {"key": api_key, "now": timezone.now()})
     return render(request, "dashboard/tenant/keys.html", _keys_context(request, ApiKeyCreateForm()))
@@ -71,8 +73,8 @@ def key_budget(request: HttpRequest, key_id: int) -> HttpResponse:
     beside the field when the amount is refused."""
     api_key = get_object_or_404(_keys(request), pk=key_id)
     form = ApiKeyBudgetForm(request.POST)
-    saved = submit(form, lambda data: api_key_set_spend_limit(api_key=api_key,
-                                                              monthly_spend_limit=data["monthly_spend_limit"]))
+    saved = submit(form, lambda data: api_key_set_spend_limit(
+        api_key=api_key, monthly_spend_limit=data["monthly_spend_limit"], actor=request.user))
     return fragment_or_redirect(
         request, lambda: render(request, "dashboard/tenant/_key_row.html",
                                 {"key": api_key, "now": timezone.now(), "budget_form": form}),
@@ -97,6 +99,7 @@ def usage(request: HttpRequest) -> HttpResponse:
         {"label": "Requests", "scale": "requests", "values": [row.requests for row in month]},
     ]}
     context = {"summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
+               "allowance": allowance_this_month(tenant=tenant, now=now),
                "period_form": (period_form := PeriodForm.from_query(request.GET))}  # the last 30 days
     if period_form.is_valid():
         since, until = period_bounds(*period_form.period)
@@ -119,6 +122,14 @@ def _usage_group(title: str, rows: list[UsageRow]) -> UsageGroup:
     # Requests, not spend: the plan's included requests cost nothing but are traffic all the same.
     return UsageGroup(title, title.lower().replace(" ", "-"), rows, {"labels": [r.key for r in rows], "series": [
         {"label": "Requests", "values": [r.requests for r in rows]}]})
+
+
+@tenant_required
+@require_GET
+def credits(request: HttpRequest) -> HttpResponse:
+    """The plan, what is left of its allowance this month, the balance and recent grants and charges."""
+    return render(request, "dashboard/tenant/credits.html", credits_context(tenant=tenant_of(request),
+                                                                           now=timezone.now()))
 
 
 @tenant_required

@@ -123,3 +123,46 @@ def test_fleet_actions_are_audited():
     assert (drain.action, drain.target_label) == ("worker.drain", other.name)
     assert load.target_label == f"{deployment.model.public_name} replica {replica.pk} on {gpu.worker.name}"
     assert drain.detail["state"] == ["online", "draining"]
+
+
+def test_key_creation_and_revocation_are_audited_but_playground_keys_are_not():
+    from controlplane.accounts.services import api_key_create, api_key_revoke, playground_key_create
+    from tests.controlplane.factories import TenantFactory
+
+    member = UserFactory(username="alice", tenant=TenantFactory(name="Acme"))
+    created = api_key_create(tenant=member.tenant, name="ci", rate_limit_per_minute=30, created_by=member)
+    api_key_revoke(api_key=created.api_key, actor=member)
+    session = playground_key_create(user=member)
+    api_key_revoke(api_key=session.api_key, actor=member)
+    entries = list(AuditEntry.objects.order_by("pk"))
+    assert [(e.action, e.actor_label) for e in entries] == [("api_key.create", "alice"), ("api_key.revoke", "alice")]
+    assert entries[0].target_label == f"Acme: ci ({created.api_key.prefix}…)"
+    assert entries[0].detail == {"models": "all", "rate_limit_per_minute": 30}
+    assert created.plaintext not in str(entries[0].detail) + entries[0].target_label
+
+
+def test_tenant_creation_is_audited():
+    from controlplane.accounts.services import tenant_create
+
+    admin = UserFactory(username="root", role=User.Role.ADMIN, tenant=None)
+    tenant = tenant_create(name="Initech", actor=admin)
+    entry = AuditEntry.objects.get(action=AuditEntry.Action.TENANT_CREATE)
+    assert (entry.actor, entry.target_id, entry.target_label) == (admin, str(tenant.pk), "Initech")
+
+
+def test_a_keys_spend_limit_is_audited_with_its_change():
+    from decimal import Decimal
+
+    from controlplane.accounts.services import api_key_create, api_key_set_spend_limit
+    from tests.controlplane.factories import TenantFactory
+
+    member = UserFactory(username="alice", tenant=TenantFactory(name="Acme"))
+    api_key = api_key_create(tenant=member.tenant, name="ci", monthly_spend_limit=Decimal("5"),
+                             created_by=member).api_key
+    api_key_set_spend_limit(api_key=api_key, monthly_spend_limit=Decimal("12.5"), actor=member)
+    api_key_set_spend_limit(api_key=api_key, monthly_spend_limit=None, actor=member)
+    created, raised, cleared = AuditEntry.objects.order_by("pk")
+    assert created.detail == {"models": "all", "monthly_spend_limit": "$5.00"}
+    assert (raised.action, raised.actor_label, raised.describe()) == (
+        "api_key.spend_limit", "alice", "monthly_spend_limit: $5.00 → $12.50")
+    assert cleared.describe() == "monthly_spend_limit: $12.50 → none"

@@ -185,3 +185,54 @@ def test_concurrent_debits_never_overdraw(require_postgres):
     assert sorted(outcomes) == ["ok"] * 5 + ["refused"] * 7
     assert credit_balance(tenant=tenant) == Decimal("0")
     assert CreditEntry.objects.filter(tenant=tenant, kind=CreditEntry.Kind.DEBIT).count() == 5
+
+
+@db
+def test_a_grant_is_audited_with_who_gave_it_and_why():
+    from controlplane.accounts.models import User
+    from controlplane.audit.models import AuditEntry
+    from tests.controlplane.factories import UserFactory
+
+    admin = UserFactory(username="root", role=User.Role.ADMIN, tenant=None)
+    tenant = TenantFactory(name="Acme")
+    credit_grant(tenant=tenant, amount=Decimal("2.50"), memo="Welcome", created_by=admin)
+    entry = AuditEntry.objects.get(action=AuditEntry.Action.CREDIT_GRANT)
+    assert (entry.actor_label, entry.target_type, entry.target_label) == ("root", "accounts.tenant", "Acme")
+    assert entry.detail == {"amount": "2.50", "note": "Welcome", "balance": "2.500000"}
+    # A refused grant leaves neither a ledger entry nor an audit entry.
+    with pytest.raises(ValidationError):
+        credit_grant(tenant=tenant, amount=Decimal("0.0000001"), created_by=admin)
+    assert AuditEntry.objects.filter(action=AuditEntry.Action.CREDIT_GRANT).count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_grants_and_charges_add_up_exactly(require_postgres):
+    """Grants arriving together with debits for one tenant: every one lands, and the balance is the
+    exact sum of the ledger, to the millionth, in the account row and by the ledger alike."""
+    from controlplane.billing.models import CreditAccount
+
+    tenant = TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("1.000001"))
+    grants = [Decimal("0.100001") * (n + 1) for n in range(10)]
+    start = threading.Barrier(len(grants) + 5)
+    errors: list[BaseException] = []
+
+    def run(action):
+        try:
+            start.wait()
+            action()
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    actions = [lambda amount=amount: credit_grant(tenant=tenant, amount=amount, memo="race") for amount in grants]
+    actions += [lambda: credit_debit(tenant=tenant, amount=Decimal("0.000003"), memo="race")] * 5
+    threads = [threading.Thread(target=run, args=(action,)) for action in actions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    expected = Decimal("1.000001") + sum(grants) - 5 * Decimal("0.000003")
+    assert credit_balance(tenant=tenant) == expected == CreditAccount.objects.get(tenant=tenant).balance

@@ -77,3 +77,48 @@ def test_greedy_argmax_inside_the_lm_head_launch(tiny_checkpoint, monkeypatch):
         calls.clear()
         assert engine.generate([prompt], with_logprobs)[0].outputs[0].token_ids == fused
         assert not calls
+
+
+def test_deferred_warm_up_gives_the_cpu_tokens_and_captures_every_graph(tiny_checkpoint):
+    # A replica is ready before the warm-up: the kernels compile and the graphs are captured one
+    # piece per step (the largest graph first, so the first decodes pad up to it), and the tokens
+    # equal the CPU reference throughout, also with sequences holding KV blocks meanwhile.
+    path = tiny_checkpoint("llama")
+    kwargs = dict(dtype="float32", num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
+    cpu = LLMEngine(path, device="cpu", **kwargs)
+    gpu = LLMEngine(path, device="cuda", defer_warm_up=True, **kwargs)
+    graphs = gpu.runner.decode_graphs
+    assert not graphs.graphs and graphs.pending == [8, 1, 4, 2] and gpu.has_deferred_warm_up
+    batch = prompts(cpu.model_config.vocab_size)
+    expected = [o.token_ids for o in cpu.generate(batch, GREEDY)]
+    assert [o.token_ids for o in gpu.generate(batch, GREEDY)] == expected
+    assert not gpu.has_deferred_warm_up and sorted(graphs.graphs) == graphs.buckets
+    assert gpu.load_timings["cuda_graphs_deferred"] > 0 and gpu.load_timings["warm_up_deferred"] > 0
+    assert [o.token_ids for o in gpu.generate(batch, GREEDY)] == expected
+
+
+def test_an_idle_async_engine_does_its_deferred_warm_up(tiny_checkpoint):
+    import asyncio
+    import time
+
+    from gpuworker.engine import AsyncLLMEngine
+
+    path = tiny_checkpoint("llama")
+    kwargs = dict(dtype="float32", num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
+    expected = LLMEngine(path, device="cpu", **kwargs).generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids
+    engine = LLMEngine(path, device="cuda", defer_warm_up=True, **kwargs)
+    async_engine = AsyncLLMEngine(engine=engine)
+    try:
+        deadline = time.monotonic() + 300
+        while engine.has_deferred_warm_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(engine.runner.decode_graphs.graphs) == engine.runner.decode_graphs.buckets
+
+        async def one() -> list[int]:
+            async for out in async_engine.generate([1, 2, 3], GREEDY, "r0"):
+                last = out
+            return last.outputs[0].token_ids
+
+        assert asyncio.run(one()) == expected
+    finally:
+        async_engine.shutdown()

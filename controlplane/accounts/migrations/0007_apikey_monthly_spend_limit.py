@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('accounts', '0005_apikeychange'),
+        ('accounts', '0006_user_tenant_role_invitation'),
     ]
 
     operations = [
