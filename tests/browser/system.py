@@ -27,6 +27,7 @@ SYSTEM_ENV = {"FLEET_WORKER_LOST_AFTER_SECONDS": "20", "OMP_NUM_THREADS": "1", "
 # Passes Django's password validators; the same for every login, none of them is a secret.
 PASSWORD = "browser-tests-Pa55word"
 OTHER_TENANT_NAME = "Other tenant"
+PAY_AS_YOU_GO_PLAN = "Pay as you go"  # no included requests: every request is charged
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def seed(*, var_dir: Path) -> Seeded:
     user_set_password(user=user_get_by_username(username=ADMIN_USERNAME), password=PASSWORD)
     tenant = tenant_get_by_name(name=TENANT_NAME)
     # The second tenant pays for every request (no monthly allowance), so its spend shows.
-    pay_as_you_go = plan_create(name="Pay as you go", included_requests_per_month=0, rate_limit_per_minute=600)
+    pay_as_you_go = plan_create(name=PAY_AS_YOU_GO_PLAN, included_requests_per_month=0, rate_limit_per_minute=600)
     other = tenant_create(name=OTHER_TENANT_NAME, plan=pay_as_you_go)
     credit_grant(tenant=other, amount=Decimal("10.00"), memo="Browser tests")
     user_create(username="operator", password=PASSWORD, role=User.Role.OPERATOR)
