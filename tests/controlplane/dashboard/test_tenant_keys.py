@@ -166,7 +166,7 @@ def test_a_keys_limit_is_set_changed_and_cleared_from_its_row_with_this_months_s
     url = reverse("dashboard:key_budget", args=[api_key.pk])
     row = client.post(url, {"monthly_spend_limit": "5"}, headers={"HX-Request": "true"}).content.decode()
     assert row.startswith(f'<tr id="key-{api_key.pk}"')
-    assert 'data-testid="key-spent">$0.2500<' in row and 'data-testid="key-limit"> of $5.00<' in row
+    assert 'data-testid="key-spent">$0.25<' in row and 'data-testid="key-limit"> of $5.00<' in row
     api_key.refresh_from_db()
     assert api_key.monthly_spend_limit == Decimal("5")
 
