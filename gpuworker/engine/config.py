@@ -30,6 +30,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # A prompt that fits in this share of max_num_batched_tokens is short: while one waits, long
+    # prefills leave it that share of every step, and it may pass long prompts queued ahead of it
+    # (scheduler.py). 0: plain arrival order.
+    short_prefill_share: float = 0.125
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -59,6 +63,9 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
         if self.kv_cache_memory_bytes is not None:
             _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        share = self.short_prefill_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+            raise ValueError(f"short_prefill_share must be in [0, 1), got {share!r}")
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
