@@ -161,8 +161,8 @@ class LLMEngine:
             logger.warning("the KV pool holds %d tokens: max_model_len lowered to that", max_model_len)
         self.config = replace(sized, max_model_len=max_model_len)
         logger.info("max_num_seqs %d%s, max_num_batched_tokens %d%s, KV pool %d tokens, max_model_len %d",
-                    self.config.max_num_seqs, "" if config.max_num_seqs else " (chosen for the device)",
-                    self.config.max_num_batched_tokens, "" if config.max_num_batched_tokens else " (chosen for the model)",
+                    self.config.max_num_seqs, "" if config.max_num_seqs else " (default)",
+                    self.config.max_num_batched_tokens, "" if config.max_num_batched_tokens else " (default)",
                     pool_tokens, max_model_len)
         with clock("tokenizer_wait"):
             self.tokenizer = tokenizer_future.result()
