@@ -7,8 +7,9 @@ with made-up memory sizes; the engine measures the free memory once the weights 
 
 - max_num_batched_tokens keeps a step's matmul work near that of 8,192 tokens of Llama-3-8B, the
   budget BENCHMARKS.md's throughput figures were measured at: past the point where the GEMMs are
-  compute-bound, and no larger, because the decodes sharing a step wait for it. A smaller model gets
-  more tokens (up to 16,384), a larger one fewer (down to 2,048).
+  compute-bound, and no larger, because the decodes sharing a step wait for it: the nearest power
+  of two, so models within a factor ~1.4 of 8B keep 8,192; a smaller model gets more tokens (up to
+  16,384), a larger one fewer (down to 2,048).
 - max_num_seqs: as many sequences as the memory left for the pool holds at TOKENS_PER_SEQ tokens
   each (with each one's row of sampling temporaries), at most 1,024, where the CUDA-graph buckets end.
   More would only be admitted to be preempted; fewer leave a large GPU decoding in weight-bound
@@ -19,6 +20,7 @@ On CPU the limits stay small and fixed: a CPU step is slow, and there is no devi
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from gpuworker.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
@@ -60,9 +62,8 @@ def decoder_layer_weights(mc: ModelConfig) -> int:
 
 def default_max_num_batched_tokens(mc: ModelConfig) -> int:
     """The CUDA token budget for this model (see the module's docstring)."""
-    tokens = REFERENCE_STEP_WEIGHT_TOKENS // decoder_layer_weights(mc)
-    power_of_two = 1 << (tokens.bit_length() - 1) if tokens > 0 else 0
-    return min(MAX_NUM_BATCHED_TOKENS, max(MIN_NUM_BATCHED_TOKENS, power_of_two))
+    tokens = REFERENCE_STEP_WEIGHT_TOKENS / decoder_layer_weights(mc)
+    return min(MAX_NUM_BATCHED_TOKENS, max(MIN_NUM_BATCHED_TOKENS, 1 << round(math.log2(tokens))))
 
 
 def plan_sizes(config: EngineConfig, mc: ModelConfig, *, element_size: int, max_model_len: int,

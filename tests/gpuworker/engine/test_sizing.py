@@ -101,6 +101,8 @@ def test_cpu_keeps_small_fixed_limits():
     ({"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32}, 16384),
     ({"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24}, 16384),
     ({}, 8192),  # Llama-3-8B
+    # Qwen3-8B-like: a little more than Llama-3-8B in its layers keeps the same budget.
+    ({"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 37}, 8192),
     # Qwen2.5-14B-like: 48 layers of 5120.
     ({"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40}, 4096),
     # Llama-3-70B: the smallest budget.
