@@ -5,11 +5,11 @@ Arithmetic on a few figures only (free device memory, the model's shape), so the
 with made-up memory sizes; the engine measures the free memory once the weights are loaded and calls
 `plan_sizes`. On CUDA:
 
-- max_num_batched_tokens keeps a step's matmul work near that of 8,192 tokens of Llama-3-8B, the
-  budget BENCHMARKS.md's throughput figures were measured at: past the point where the GEMMs are
-  compute-bound, and no larger, because the decodes sharing a step wait for it: the nearest power
-  of two, so models within a factor ~1.4 of 8B keep 8,192; a smaller model gets more tokens (up to
-  16,384), a larger one fewer (down to 2,048).
+- max_num_batched_tokens keeps a step's matmul work near that of 8,192 tokens of Llama-3-8B (the
+  budget BENCHMARKS.md's throughput figures were measured at), rounded to the nearest power of two:
+  well past the point where the GEMMs are compute-bound, and no larger, because the decodes sharing
+  a step wait for it. Models within a factor ~1.4 of 8B keep 8,192; smaller ones get more tokens
+  (up to 16,384), larger ones fewer (down to 2,048).
 - max_num_seqs: as many sequences as the memory left for the pool holds at TOKENS_PER_SEQ tokens
   each (with each one's row of sampling temporaries), at most 1,024, where the CUDA-graph buckets end.
   More would only be admitted to be preempted; fewer leave a large GPU decoding in weight-bound
@@ -31,7 +31,7 @@ CPU_MAX_NUM_BATCHED_TOKENS = 8192
 MIN_NUM_SEQS = 8
 MAX_NUM_SEQS = 1024
 # The KV tokens a running sequence holds on average over its life in chat-like serving: prompts of
-# 100-1024 tokens and answers of 64-512 (bench/serving.py's mix) hold ~700.
+# 100-1024 tokens and answers of 64-512 (the serving benchmark's mix) hold ~700.
 TOKENS_PER_SEQ = 768
 MIN_NUM_BATCHED_TOKENS = 2048
 MAX_NUM_BATCHED_TOKENS = 16384
