@@ -35,9 +35,9 @@ def engine_parser(doc: str | None, *, dtype: str | None = "bfloat16", dtype_help
     return parser
 
 
-def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int, max_model_len: int) -> None:
+def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int | None, max_model_len: int) -> None:
     """The seed of the workload and the engine, and the engine's --max-num-seqs and --max-model-len,
-    with the benchmark's defaults."""
+    with the benchmark's defaults (max_num_seqs None: the engine's choice for the device)."""
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     parser.add_argument("--max-model-len", type=int, default=max_model_len)

@@ -145,6 +145,10 @@ def test_health_and_metrics_move(server):
         assert health["status"] == "ready"
         # How long each start-up stage took, for operators and bench/load_time.py.
         assert {"weights", "kv_cache", "engine_s"} <= set(health["load_timings"])
+        # The engine's sizes: CPU defaults for the batch limits, the pool from the CPU's budget.
+        limits = health["limits"]
+        assert (limits["max_num_seqs"], limits["max_num_batched_tokens"], limits["max_model_len"]) == (256, 8192, 1024)
+        assert limits["kv_cache_tokens"] >= 1024
         assert health["load_started_at"] > 0
         before = client.get("/metrics").text
         assert "vllm:num_requests_running" in before
@@ -401,6 +405,7 @@ def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
         process = subprocess.Popen(
             [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")), "--token", TOKEN,
              "--fd", str(sock.fileno()), "--served-model-name", "cli", "--max-model-len", "512",
+             "--max-num-seqs", "6", "--max-num-batched-tokens", "96",
              "--drain-timeout", "60", "--log-level", "warning"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
     try:
@@ -419,6 +424,8 @@ def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
                                                             "ignore_eos": True})
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
             assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+            limits = client.get("/health").json()["limits"]
+            assert (limits["max_num_seqs"], limits["max_num_batched_tokens"]) == (6, 96)
             thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 500, "stream": True,
                                                       "ignore_eos": True})
             assert result["first"].wait(10)
