@@ -115,11 +115,20 @@ def load_hf_config(config_dir: Path) -> dict:
 
 
 def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
-    """Bytes of weights one decode step must read: every matrix, but only one embedding row."""
+    """Bytes of weights one decode step must read: every matrix, but only one embedding row; of a
+    mixture of experts, the router and the top-k experts' MLPs (a batch of one token)."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hd = cfg.get("head_dim") or h // nh
-    per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * i + 2 * h
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:  # every layer sparse (Mixtral, Qwen3-MoE); a shared expert counts as one more
+        expert_i = cfg.get("moe_intermediate_size") or i
+        mlp = experts * h + 3 * h * expert_i * cfg["num_experts_per_tok"]
+        if cfg.get("shared_expert_intermediate_size"):
+            mlp += 3 * h * cfg["shared_expert_intermediate_size"] + h
+    else:
+        mlp = 3 * h * i
+    per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + mlp + 2 * h
     params = cfg["num_hidden_layers"] * per_layer + h + v * h  # + final norm + lm_head
     return params * bytes_per_param
 

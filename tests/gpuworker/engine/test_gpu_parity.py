@@ -20,7 +20,7 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 7, 16, 33, 100, 250)]
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3.1", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "llama3.1", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe"])
 def test_float32_greedy_matches_cpu(tiny_checkpoint, family):
     path = tiny_checkpoint(family)
     kwargs = dict(dtype="float32", num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
