@@ -341,9 +341,11 @@ def _deployment_set_desired(*, deployment: Deployment, desired_replicas: int, ac
     scale, the autoscaler's decision): bounds, the scaling time cooldowns count from, audit, reconcile."""
     _check_whole_number(desired_replicas, "desired_replicas")
     if not deployment.min_replicas <= desired_replicas <= deployment.max_replicas:
+        # In the words of the limits form (Min, Max), naming the one to change.
+        fix = ("raise Max replicas" if desired_replicas > deployment.max_replicas else "lower Min replicas")
         raise ValidationError({"desired_replicas": (
-            f"Must lie between min_replicas ({deployment.min_replicas}) and max_replicas "
-            f"({deployment.max_replicas}); got {desired_replicas}."
+            f"This deployment allows {deployment.min_replicas} to {deployment.max_replicas} replicas; "
+            f"{fix} to scale to {desired_replicas}."
         )})
     before = deployment.desired_replicas
     deployment.desired_replicas = desired_replicas
