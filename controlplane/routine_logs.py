@@ -9,8 +9,9 @@ import re
 
 # uvicorn's access line arguments: (client address, method, path, HTTP version, status code).
 _HEARTBEAT_PATH = re.compile(r"^/internal/workers/\d+/heartbeat$")
-# Celery's per-task lines: "Task x[id] received" (strategy) and "Task x[id] succeeded in ..." (trace).
-CELERY_TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
+# Celery's per-task lines: "Task x[id] received" (strategy), "Task x[id] succeeded in ..." (trace),
+# and "Discarding revoked task" for a periodic check that expired in the queue on a busy host (request).
+CELERY_TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.worker.request")
 
 
 class HeartbeatAccessAtDebug(logging.Filter):

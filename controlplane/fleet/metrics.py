@@ -1,0 +1,46 @@
+"""The fleet's Prometheus gauges, read from the database and the heartbeat cache when /metrics is
+scraped (so every web process answers the same, and nothing is kept between scrapes): live
+replicas per model and state, desired replicas per deployment, workers per state, and how long
+ago each worker was last heard from."""
+
+from django.utils import timezone
+from prometheus_client.core import GaugeMetricFamily
+
+from controlplane.fleet.models import Worker
+from controlplane.fleet.selectors import (
+    deployments_desired_replicas,
+    replica_counts_by_model_and_state,
+    workers_heard_from,
+)
+
+
+class FleetCollector:
+    """A prometheus-client collector; each scrape runs a few small queries."""
+
+    def collect(self):
+        replicas = GaugeMetricFamily("gpuserve_replicas", "Live replicas by model and state.",
+                                     labels=["model", "state"])
+        for (model, state), count in sorted(replica_counts_by_model_and_state().items()):
+            replicas.add_metric([model, str(state)], count)
+        yield replicas
+
+        desired = GaugeMetricFamily("gpuserve_deployment_desired_replicas",
+                                    "Replicas each deployment wants (set by operators and the autoscaler).",
+                                    labels=["model"])
+        for model, count in deployments_desired_replicas():
+            desired.add_metric([model], count)
+        yield desired
+
+        heard_from = workers_heard_from(now=timezone.now())
+        workers = GaugeMetricFamily("gpuserve_workers", "GPU worker daemons by state (offline ones left out).",
+                                    labels=["state"])
+        for state in (Worker.State.ONLINE, Worker.State.DRAINING, Worker.State.LOST):
+            workers.add_metric([str(state)], sum(1 for worker, _ in heard_from if worker.state == state))
+        yield workers
+
+        age = GaugeMetricFamily("gpuserve_worker_heartbeat_age_seconds",
+                                "Seconds since each worker's last heartbeat (offline workers left out).",
+                                labels=["worker"])
+        for worker, seconds in heard_from:
+            age.add_metric([worker.name], max(0.0, seconds))
+        yield age
