@@ -3,6 +3,9 @@ scraped (so every web process answers the same, and nothing is kept between scra
 replicas per model and state, desired replicas per deployment, workers per state, and how long
 ago each worker was last heard from."""
 
+import logging
+
+from django.db import DatabaseError
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
 
@@ -13,11 +16,26 @@ from controlplane.fleet.selectors import (
     workers_heard_from,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class FleetCollector:
-    """A prometheus-client collector; each scrape runs a few small queries."""
+    """A prometheus-client collector; each scrape runs a few small queries. With the database
+    down the scrape still answers (the gateway's figures, kept in memory, are there) and
+    `gpuserve_fleet_metrics_up` says 0."""
 
     def collect(self):
+        try:
+            families = list(self._families())
+        except DatabaseError:
+            logger.warning("/metrics: the fleet's figures are unreadable (database)", exc_info=True)
+            families = []
+        up = GaugeMetricFamily("gpuserve_fleet_metrics_up", "1 if the fleet's figures below could be read, else 0.")
+        up.add_metric([], 1 if families else 0)
+        yield up
+        yield from families
+
+    def _families(self):
         replicas = GaugeMetricFamily("gpuserve_replicas", "Live replicas by model and state.",
                                      labels=["model", "state"])
         for (model, state), count in sorted(replica_counts_by_model_and_state().items()):

@@ -162,6 +162,9 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
                 model="smollm2-135m-instruct", temperature=0, max_tokens=24,
                 messages=[{"role": "user", "content": "What is the capital of France?"}])
             assert "Paris" in reply.choices[0].message.content
+            # At idle the log stays readable: heartbeats and beat's checks (each a second) are at
+            # DEBUG, so a quiet half minute adds at most a line per ten seconds.
+            _wait_for_quiet_log(log_path, launcher, seconds=30, most_lines=3)
             launcher.send_signal(signal.SIGINT)
             assert launcher.wait(timeout=60) == 0
         finally:
@@ -180,6 +183,20 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
     assert all(demo[f"DEMO_{role}_PASSWORD"] in output for role in ("ADMIN", "OPERATOR", "MEMBER"))
     assert "random noise" in output
     assert "all processes stopped" in output
+
+
+def _wait_for_quiet_log(log_path: Path, launcher: subprocess.Popen, *, seconds: float, most_lines: int) -> None:
+    """Fails unless some `seconds`-long stretch of the log (within five tries, so a replica's late
+    start-up lines do not count) adds at most `most_lines` lines."""
+    for _ in range(5):
+        before = len(log_path.read_text().splitlines())
+        time.sleep(seconds)
+        if launcher.poll() is not None:
+            pytest.fail(f"the launcher exited early ({launcher.returncode}):\n{log_path.read_text()}")
+        added = log_path.read_text().splitlines()[before:]
+        if len(added) <= most_lines:
+            return
+    pytest.fail(f"{len(added)} lines in {seconds:.0f}s of idle time:\n" + "\n".join(added))
 
 
 def _wait_for_ready_replica(database: Path, model: str, launcher: subprocess.Popen, log_path: Path,

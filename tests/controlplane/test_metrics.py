@@ -112,3 +112,28 @@ def test_figures_of_several_gateway_processes_are_summed(monkeypatch, tmp_path):
     assert samples[("gpuserve_gateway_request_duration_seconds_count", (("model", "m"),))] == 2
     assert samples[("gpuserve_gateway_time_to_first_token_seconds_count", (("model", "m"),))] == 2
     assert samples[("gpuserve_credits_charged_total", (("model", "m"),))] == pytest.approx(0.004)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_the_database_down_it_still_answers_and_says_so(client, token):
+    from django.db import connection
+
+    from tests.controlplane.gateway.conftest import free_port
+
+    saved = dict(connection.settings_dict)
+    connection.close()
+    # A port nothing listens on: every query fails to connect, as with PostgreSQL stopped.
+    connection.settings_dict.update(HOST="127.0.0.1", PORT=str(free_port()))
+    try:
+        response = client.get(reverse("metrics"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+    finally:
+        connection.close()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)
+    assert response.status_code == 200
+    samples = _samples(response.content.decode())
+    assert samples[("gpuserve_fleet_metrics_up", ())] == 0
+    assert not any(name.startswith("gpuserve_replicas") for name, _ in samples)
+    # Reachable again, the figures come back.
+    samples = _samples(client.get(reverse("metrics"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}").content.decode())
+    assert samples[("gpuserve_fleet_metrics_up", ())] == 1
