@@ -76,12 +76,9 @@ DEMO_MAX_REPLICAS = 2
 class DemoLogin:
     username: str
     password: str
-    role: str
-    # One line for the banner: what this login can do.
-    can: str
 
 
-# (username, role, what the login can do) of the seeded logins, in the banner's order.
+# The seeded logins, in the banner's order: (username, role, one line on what the login can do).
 LOGINS = [
     (ADMIN_USERNAME, User.Role.ADMIN, "what an operator can, plus reports, revenue and Django admin"),
     (OPERATOR_USERNAME, User.Role.OPERATOR, "runs the fleet: workers, GPUs, replicas, scaling, the model catalog"),
@@ -95,9 +92,6 @@ class DemoSeed:
     logins: list[DemoLogin]
     api_key: str
     created: list[str] = field(default_factory=list)
-
-    def login(self, username: str) -> DemoLogin:
-        return next(login for login in self.logins if login.username == username)
 
 
 def password_variable(username: str) -> str:
@@ -224,11 +218,9 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     _seed_model(tier, created, public_name=EMBEDDING_MODEL_NAME, weights_path=embedding_model_path(),
                 parameter_count=22_700_000, family="bert", kind=Model.Kind.EMBEDDING,
                 context_length=EMBEDDING_CONTEXT_LENGTH)
-    logins = [
-        DemoLogin(username, _seed_login(username, role, tenant, saved.get(password_variable(username), ""), created),
-                  role, can)
-        for username, role, can in LOGINS
-    ]
+    logins = [DemoLogin(username, _seed_login(username, role, tenant, saved.get(password_variable(username), ""),
+                                              created))
+              for username, role, _ in LOGINS]
     api_key = _seed_api_key(tenant, saved.get("OPENAI_API_KEY", ""), created)
     return DemoSeed(base_url=BASE_URL, logins=logins, api_key=api_key, created=created)
 
