@@ -228,6 +228,9 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # --- The public /v1 API (controlplane.gateway) -----------------------------------------------
+# The bearer token a Prometheus scraper sends to /metrics; empty: only an admin's login opens it.
+METRICS_TOKEN = env_str("METRICS_TOKEN", "")
+
 # How long a gateway process trusts its cached copy of an API key at most. Changes to keys,
 # tenants and plans are recorded in the database and read by every gateway process each
 # GATEWAY_KEY_CHANGES_POLL_MS (and announced through Redis, so usually acted on at once).

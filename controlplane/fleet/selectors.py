@@ -34,6 +34,38 @@ def workers_latest_heartbeats(*, worker_ids: Iterable[int]) -> dict[int, dict[st
     return heartbeat_cache.read_many(worker_ids=list(worker_ids))
 
 
+def worker_silence_seconds(worker: Worker, latest: dict | None, now: datetime) -> float:
+    """Seconds since the worker was last heard from (`latest`: its cached heartbeat, if any)."""
+    # Counted from the last state change too: a worker with no heartbeat cached yet (just
+    # registered, or the cache was flushed) is not lost before its first heartbeat is due.
+    last = max((latest or {}).get("received_at", 0.0), worker.state_changed_at.timestamp())
+    return now.timestamp() - last
+
+
+def workers_heard_from(*, now: datetime) -> list[tuple[Worker, float]]:
+    """Workers not offline, each with the seconds since it was last heard from."""
+    workers = list(Worker.objects.exclude(state=Worker.State.OFFLINE))
+    latest = workers_latest_heartbeats(worker_ids=[worker.pk for worker in workers])
+    return [(worker, worker_silence_seconds(worker, latest.get(worker.pk), now)) for worker in workers]
+
+
+def replica_counts_by_model_and_state() -> dict[tuple[str, str], int]:
+    """Live replicas (pending, loading, ready, draining) per deployed model and state; every pair
+    of a deployed model and a live state is there, 0 where none is."""
+    counts = {(name, state): 0 for name in Deployment.objects.values_list("model__public_name", flat=True)
+              for state in Replica.LIVE_STATES}
+    rows = (Replica.objects.filter(state__in=Replica.LIVE_STATES)
+            .values_list("deployment__model__public_name", "state").annotate(count=Count("pk")).order_by())
+    for name, state, count in rows:
+        counts[(name, state)] = count
+    return counts
+
+
+def deployments_desired_replicas() -> list[tuple[str, int]]:
+    """(model name, desired replicas) of every deployment, by model name."""
+    return list(Deployment.objects.values_list("model__public_name", "desired_replicas").order_by("model__public_name"))
+
+
 def placement_slots(*, workers: list[Worker]) -> list[Slot]:
     """Where replicas can go on these workers: each present GPU, or a CPU-only worker's memory,
     with the memory its live replicas are estimated to use (their models' gpu_memory_bytes)."""

@@ -50,6 +50,7 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
     grant = await gw.keys.authenticate(request.headers.get("authorization"))
     body = json_object(raw)
     model = await _model(gw, grant, body.get("model"))
+    request.state.model = model.public_name  # the metrics' label (app.endpoint)
     gw.spawn(gw.traffic.record(model.model_id, time.time()))  # off the request's path
     try:
         parsed = parse_request(schema, body)

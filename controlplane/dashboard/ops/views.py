@@ -68,10 +68,16 @@ def _render_deployment(request, deployment_id: int, *, action_error: str = "", *
 def deployment_scale_view(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
     form = ScaleForm(request.POST, prefix=f"s{pk}")
+    requested = form.cleaned_data["desired_replicas"] if form.is_valid() else None
     if submit(form, lambda data: deployment_scale(deployment=deployment, desired_replicas=data["desired_replicas"],
                                                   actor=request.user)) is None:
-        return fragment_or_redirect(request, lambda: _render_deployment(request, pk, scale_form=form), to=FLEET,
-                                    errors=form_error_messages(form))
+        fix = {}
+        if requested is not None:
+            # A well-formed count the service refused (outside Min..Max): the limits form opens,
+            # filled in to allow it.
+            fix = {"open_limits": True, "limits_form": DeploymentLimitsForm.for_deployment(deployment, reach=requested)}
+        return fragment_or_redirect(request, lambda: _render_deployment(request, pk, scale_form=form, **fix),
+                                    to=FLEET, errors=form_error_messages(form))
     return fragment_or_redirect(request, lambda: _render_deployment(request, pk), to=FLEET, success=(
         f"{deployment.model.public_name} now wants {form.cleaned_data['desired_replicas']} replicas."))
 

@@ -2,12 +2,14 @@
 per-token comparison, and the same rows as CSV. The figures come from billing.reports."""
 
 import csv
+from decimal import ROUND_HALF_EVEN, Decimal
 from urllib.parse import urlencode
 
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from controlplane.billing.models import MICRO
 from controlplane.billing.reports import UsageRow, period_bounds, usage_by, usage_daily, usage_totals
 from controlplane.dashboard.permissions import admin_required
 from controlplane.dashboard.reports.forms import ReportForm
@@ -67,6 +69,12 @@ def _csv_text(value: str) -> str:
     return f"'{value}" if value.startswith(CSV_FORMULA_STARTS) else value
 
 
+def _csv_money(amount) -> str:
+    """An amount with the ledger's six decimal places, however the database summed it ("0" for an
+    empty sum, "0.000863000000000000" for a difference), so a column reads alike."""
+    return str(Decimal(amount).quantize(MICRO, rounding=ROUND_HALF_EVEN))
+
+
 def _csv_row(row: UsageRow) -> tuple:
-    return (_csv_text(row.key), row.requests, row.failed, row.revenue, row.reference, row.difference,
-            f"{row.gpu_time_s:.3f}", row.prompt_tokens, row.completion_tokens)
+    return (_csv_text(row.key), row.requests, row.failed, _csv_money(row.revenue), _csv_money(row.reference),
+            _csv_money(row.difference), f"{row.gpu_time_s:.3f}", row.prompt_tokens, row.completion_tokens)
