@@ -48,6 +48,7 @@ def test_seed_creates_a_working_demo(tmp_path):
     member = User.objects.get(username="member")
     assert member.role == User.Role.TENANT_MEMBER and member.check_password(demo["DEMO_MEMBER_PASSWORD"])
     assert member.tenant == api_key.tenant
+    assert member.tenant_role == User.TenantRole.ADMIN  # someone on the demo tenant can manage its team
     # Requests cost money from the first one (the plan includes none), so cost figures show.
     assert api_key.tenant.plan.included_requests_per_month == 0
     model = Model.objects.get(public_name="demo-tiny")
