@@ -1,6 +1,6 @@
 """Reads for billing: the credit balance, the usage counts pricing depends on, and expired holds."""
 
-from datetime import datetime
+from datetime import UTC, datetime, time
 from decimal import Decimal
 
 from django.db.models import QuerySet, Sum
@@ -35,6 +35,24 @@ def usage_billable_count_since(*, tenant, since: datetime, until: datetime | Non
     if until is not None:
         records = records.filter(created_at__lt=until)
     return records.aggregate(total=Sum("num_requests"))["total"] or 0
+
+
+def plan_allowance_left(*, tenant, now: datetime) -> int | None:
+    """Requests left this month (UTC) of the plan's included allowance, or None without a plan.
+
+    Counted from the month's usage records as pricing counts them (failed requests are free), plus
+    the requests in flight whose holds took from the allowance, so the figure matches what the next
+    request will be charged."""
+    from controlplane.billing.pricing import month_start  # pricing reads this module's counts
+
+    plan = tenant.plan
+    if plan is None:
+        return None
+    month = month_start(now)
+    used = usage_billable_count_since(tenant=tenant, since=datetime.combine(month, time.min, tzinfo=UTC))
+    held = CreditHold.objects.filter(tenant=tenant, allowance_month=month).aggregate(
+        total=Sum("included_requests"))["total"] or 0
+    return max(0, plan.included_requests_per_month - used - held)
 
 
 def credit_holds_expired(*, now: datetime, limit: int = 500) -> list[str]:

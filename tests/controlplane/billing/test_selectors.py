@@ -1,12 +1,14 @@
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
+from controlplane.billing.holds import HoldRequest, credit_holds_place
 from controlplane.billing.models import UsageRecord
-from controlplane.billing.selectors import credit_balance, usage_billable_count_since
+from controlplane.billing.selectors import credit_balance, plan_allowance_left, usage_billable_count_since
 from controlplane.billing.services import credit_grant
-from tests.controlplane.factories import ModelFactory, TenantFactory, usage_record_settled
+from tests.controlplane.factories import ModelFactory, PlanFactory, TenantFactory, usage_record_settled
 
 pytestmark = pytest.mark.django_db
 
@@ -31,3 +33,26 @@ def test_usage_billable_count_since_skips_failures_and_earlier_requests():
         usage_record_settled(tenant=tenant, model=model, status=status, at=at)
     assert usage_billable_count_since(tenant=tenant, since=datetime(2026, 2, 1, tzinfo=UTC)) == 1
     assert usage_billable_count_since(tenant=tenant, since=datetime(2026, 1, 1, tzinfo=UTC)) == 2
+
+
+def test_plan_allowance_left_counts_this_months_served_requests_and_holds_in_flight():
+    tenant, model = TenantFactory(plan=PlanFactory(included_requests_per_month=5)), ModelFactory()
+    now = timezone.now()
+    last_month = now.replace(day=1) - timedelta(days=1)
+    usage_record_settled(tenant=tenant, model=model, at=last_month)  # last month's allowance
+    usage_record_settled(tenant=tenant, model=model, at=now, num_requests=2)
+    usage_record_settled(tenant=tenant, model=model, at=now, status=UsageRecord.Status.FAILED)  # free
+    assert plan_allowance_left(tenant=tenant, now=now) == 3
+    # A request in flight has taken from the allowance already.
+    credit_holds_place(requests=[HoldRequest("in-flight", tenant.pk, model.pk, None, 1)], at=now,
+                       expires_at=now + timedelta(minutes=5))
+    assert plan_allowance_left(tenant=tenant, now=now) == 2
+    for _ in range(3):
+        credit_grant(tenant=tenant, amount=Decimal("1"))
+        usage_record_settled(tenant=tenant, model=model, at=now)
+    assert plan_allowance_left(tenant=tenant, now=now) == 0  # never negative once credits pay
+
+
+def test_plan_allowance_left_is_none_without_a_plan():
+
+    assert plan_allowance_left(tenant=TenantFactory(plan=None), now=timezone.now()) is None
