@@ -34,6 +34,15 @@ def workers_latest_heartbeats(*, worker_ids: Iterable[int]) -> dict[int, dict[st
     return heartbeat_cache.read_many(worker_ids=list(worker_ids))
 
 
+def workers_recent_figures(*, since: float, worker_ids: Iterable[int] | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Each worker's (all, or these) device figures from its heartbeats received after `since`
+    (epoch seconds), oldest first: {"received_at", "gpus", "cpu"} each, as reported."""
+    if worker_ids is None:
+        worker_ids = Worker.objects.values_list("pk", flat=True)
+    recent = heartbeat_cache.recent_figures(worker_ids=list(worker_ids))
+    return {worker_id: [f for f in figures if f.get("received_at", 0) > since] for worker_id, figures in recent.items()}
+
+
 def placement_slots(*, workers: list[Worker]) -> list[Slot]:
     """Where replicas can go on these workers: each present GPU, or a CPU-only worker's memory,
     with the memory its live replicas are estimated to use (their models' gpu_memory_bytes)."""

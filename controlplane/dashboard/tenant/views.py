@@ -61,15 +61,15 @@ def usage(request: HttpRequest) -> HttpResponse:
     tenant = tenant_of(request)
     now = timezone.now()
     summary = usage_month_summary(tenant=tenant, now=now)
-    # The chart spans the whole month (days still to come at zero), so its axis reads as a month
-    # even on the 1st; the table lists the days so far.
+    # The chart's axis spans the whole month, so it reads as a month even on the 1st, but its
+    # lines stop at today: days still to come have no figures, not zeros.
     month_end = (summary.since + timedelta(days=32)).replace(day=1).date() - timedelta(days=1)
-    month = usage_daily(start=summary.since.date(), end=month_end, tenant=tenant)
-    days = [row for row in month if row.key <= now.date().isoformat()]
-    chart = {"days": [row.key for row in month], "series": [
-        {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in month]},
-        {"label": "Requests", "scale": "requests", "values": [row.requests for row in month]},
-    ]}
+    days = usage_daily(start=summary.since.date(), end=now.date(), tenant=tenant)
+    chart = {"days": [row.key for row in days], "span": [summary.since.date().isoformat(), month_end.isoformat()],
+             "series": [
+                 {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in days]},
+                 {"label": "Requests", "scale": "requests", "values": [row.requests for row in days]},
+             ]}
     return render(request, "dashboard/tenant/usage.html", {
         "summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
     })
