@@ -9,4 +9,5 @@ urlpatterns: list = [
     path("keys/<int:key_id>/revoke/", views.key_revoke, name="key_revoke"),
     path("usage/", views.usage, name="usage"),
     path("playground/", views.playground, name="playground"),
+    path("playground/code/", views.playground_code, name="playground_code"),
 ]

@@ -15,6 +15,7 @@ from controlplane.dashboard.forms import submit
 from controlplane.dashboard.permissions import tenant_of, tenant_required
 from controlplane.dashboard.tenant.forms import ApiKeyCreateForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm, playground_models
+from controlplane.dashboard.tenant.playground_code import code_samples
 
 
 def _keys_context(request: HttpRequest, form: ApiKeyCreateForm, created=None) -> dict:
@@ -78,8 +79,18 @@ def usage(request: HttpRequest) -> HttpResponse:
 @tenant_required
 @require_GET
 def playground(request: HttpRequest) -> HttpResponse:
-    form = PlaygroundForm(initial={"temperature": 0.7, "max_tokens": 128})
+    form = PlaygroundForm(initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128})
     models = list(playground_models().values("public_name", "context_length"))
     return render(request, "dashboard/tenant/playground.html", {
         "form": form, "models": models, "max_tokens_limit": MAX_TOKENS_LIMIT,
     })
+
+
+@tenant_required
+@require_GET
+def playground_code(request: HttpRequest) -> HttpResponse:
+    """The "view code" panel for the playground form's current values (sent by htmx as a GET)."""
+    prompt = PlaygroundForm(request.GET).prompt_so_far()
+    base_url = request.build_absolute_uri("/v1")
+    return render(request, "dashboard/tenant/_playground_code.html", {
+        "samples": code_samples(base_url=base_url, prompt=prompt)})
