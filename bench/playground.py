@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 # Long enough an answer at temperature 0 for a real model as for the random demo-tiny.
-PROMPT = "Count from 1 to 200, one number per line."
+PROMPT = "Count from 1 to 1000, one number per line."
 # Clicks Send and resolves with the milliseconds until the status says the answer is done.
 _TIME_ANSWER = """() => new Promise((resolve) => {
   const started = performance.now();
