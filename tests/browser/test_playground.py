@@ -118,7 +118,10 @@ def test_stop_aborts_the_generation_on_the_worker(open_page, system, demo_replic
                        timeout=15, what="the stopped request's usage record", fleet=system.fleet)
     assert 0 < usage["completion_tokens"] < MAX_TOKENS
 
-    # The page is usable again: the next answer streams to the end.
+    # The page is usable again: the next answer streams to the end. (The stopped answer, as far
+    # as it went, joined the conversation and emptied the message box.)
+    expect(page.locator("[data-testid=playground-turn]")).to_have_count(1)
+    page.fill("#id_message", "go on")
     page.fill("#id_max_tokens", "16")
     page.click("#playground-send")
     expect(status).to_have_attribute("data-state", "done", timeout=60_000)
