@@ -9,9 +9,9 @@ page's sparklines are drawn full from the moment it opens.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
-import time
 from datetime import datetime, timezone
 from typing import Any
 
