@@ -136,7 +136,7 @@ def shoot(system, out: Path) -> list[Path]:
                 page.wait_for_selector(".uplot")
             page.wait_for_timeout(500)  # fonts, charts' first paint
             path = out / f"{name}.png"
-            page.screenshot(path=path, full_page=name.startswith("home") or name == "playground")
+            page.screenshot(path=path, full_page=name.startswith("home") or name in ("playground", "reports"))
             written.append(path)
         browser.close()
     return written

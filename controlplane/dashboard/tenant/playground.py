@@ -27,6 +27,8 @@ _finishing: set[asyncio.Task] = set()
 
 
 MAX_HISTORY_MESSAGES = 100
+# What "view code" puts where the message box is still empty.
+MESSAGE_PLACEHOLDER = "Your next message"
 HISTORY_ROLES = ("user", "assistant")
 
 
@@ -199,14 +201,15 @@ class PlaygroundForm(forms.Form):
         self.is_valid()
         data = {name: self.cleaned_data.get(name) for name in self.fields if name not in self.errors}
 
-        def value(name, default):
-            return data[name] if data.get(name) not in (None, "") else default
+        def value(name, default=None):
+            if data.get(name) not in (None, ""):
+                return data[name]
+            return self.fields[name].initial if default is None else default
 
         return PlaygroundPrompt(
             model=value("model", next(iter(self.context_lengths), "")), system_prompt=value("system_prompt", ""),
-            message=value("message", "Hello!"), temperature=value("temperature", self.fields["temperature"].initial),
-            top_p=value("top_p", self.fields["top_p"].initial), max_tokens=value("max_tokens", self.fields["max_tokens"].initial),
-            history=value("history", ()),
+            message=value("message", MESSAGE_PLACEHOLDER), temperature=value("temperature"), top_p=value("top_p"),
+            max_tokens=value("max_tokens"), history=value("history", ()),
         )
 
     def prompt(self) -> PlaygroundPrompt:

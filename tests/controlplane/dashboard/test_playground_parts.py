@@ -156,7 +156,7 @@ def test_the_code_view_follows_the_form_and_fills_in_what_is_not_valid_yet(clien
     page = response.content.decode()
     assert page.count('data-testid="code-sample"') == 3
     assert "&quot;max_tokens&quot;: 7" in page or "max_tokens=7" in page
-    assert "0.7" in page and "Hello!" in page  # the initial temperature, a placeholder message
+    assert "0.7" in page and "Your next message" in page  # the initial temperature, a placeholder message
 
 
 @pytest.mark.parametrize("role", [User.Role.OPERATOR, User.Role.ADMIN])
