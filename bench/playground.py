@@ -59,6 +59,13 @@ def api_seconds(system, *, model: str, tokens: int) -> float:
 
 
 def playground_seconds(page, *, tokens: int) -> float:
+    """One answer to PROMPT alone: a new conversation each time, so every run sends the same prompt."""
+    from playwright.sync_api import expect
+
+    if page.locator("#playground-clear").count():
+        page.click("#playground-clear")
+        expect(page.locator("#playground-status")).to_have_attribute("data-state", "idle")
+    page.fill("#id_message", PROMPT)
     page.fill("#id_max_tokens", str(tokens))
     elapsed_ms, state, text = page.evaluate(_TIME_ANSWER)
     if state != "done" or f"{tokens} completion tokens" not in text:
@@ -82,7 +89,6 @@ def measure(system, *, model: str, tokens: int, runs: int) -> tuple[list[float],
         page.goto(reverse("dashboard:playground"))
         page.select_option("#id_model", model)
         page.fill("#id_temperature", "0")
-        page.fill("#id_message", PROMPT)
         expect(page.locator("#playground-send")).to_be_enabled()
         api_seconds(system, model=model, tokens=tokens)  # warm-ups, left out
         playground_seconds(page, tokens=tokens)

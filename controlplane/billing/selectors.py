@@ -1,6 +1,6 @@
 """Reads for billing: the credit balance, the usage counts pricing depends on, and expired holds."""
 
-from datetime import UTC, datetime, time
+from datetime import UTC, date, datetime, time
 from decimal import Decimal
 
 from django.db.models import QuerySet, Sum
@@ -26,6 +26,11 @@ def credit_available(*, tenant) -> Decimal:
     return account.available
 
 
+def month_start(moment: datetime) -> date:
+    """The first day of `moment`'s month: allowances reset at each calendar month in UTC."""
+    return moment.astimezone(UTC).date().replace(day=1)
+
+
 def usage_billable_count_since(*, tenant, since: datetime, until: datetime | None = None) -> int:
     """Requests since `since` (and before `until`) that count against the plan's allowance: n
     choices count n times; failed requests do not count."""
@@ -43,8 +48,6 @@ def plan_allowance_left(*, tenant, now: datetime) -> int | None:
     Counted from the month's usage records as pricing counts them (failed requests are free), plus
     the requests in flight whose holds took from the allowance, so the figure matches what the next
     request will be charged."""
-    from controlplane.billing.pricing import month_start  # pricing reads this module's counts
-
     plan = tenant.plan
     if plan is None:
         return None
