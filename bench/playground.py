@@ -58,7 +58,7 @@ def api_seconds(system, *, model: str, tokens: int) -> float:
     return elapsed
 
 
-def playground_seconds(page, *, tokens: int) -> float:
+def playground_seconds(page, *, tokens: int, frames: list[int]) -> float:
     """One answer to PROMPT alone: a new conversation each time, so every run sends the same prompt."""
     from playwright.sync_api import expect
 
@@ -67,6 +67,7 @@ def playground_seconds(page, *, tokens: int) -> float:
         expect(page.locator("#playground-status")).to_have_attribute("data-state", "idle")
     page.fill("#id_message", PROMPT)
     page.fill("#id_max_tokens", str(tokens))
+    frames.clear()
     elapsed_ms, state, text = page.evaluate(_TIME_ANSWER)
     if state != "done" or f"{tokens} completion tokens" not in text:
         raise RuntimeError(f"the playground answer did not finish with {tokens} tokens: {text!r}")
@@ -85,17 +86,21 @@ def measure(system, *, model: str, tokens: int, runs: int) -> tuple[list[float],
         context = browser.new_context(base_url=system.url, viewport=VIEWPORT)
         context.set_default_timeout(120_000)
         page = context.new_page()
+        # WebSocket messages the page receives for one answer (each one an htmx swap).
+        frames: list[int] = []
+        page.on("websocket", lambda socket: socket.on("framereceived", lambda payload: frames.append(len(payload))))
         log_in(page, system.login("tenant"))
         page.goto(reverse("dashboard:playground"))
         page.select_option("#id_model", model)
         page.fill("#id_temperature", "0")
         expect(page.locator("#playground-send")).to_be_enabled()
         api_seconds(system, model=model, tokens=tokens)  # warm-ups, left out
-        playground_seconds(page, tokens=tokens)
+        playground_seconds(page, tokens=tokens, frames=frames)
         for run in range(runs):
             api.append(api_seconds(system, model=model, tokens=tokens))
-            playground.append(playground_seconds(page, tokens=tokens))
-            print(f"run {run + 1}: API {api[-1]:.3f} s, playground {playground[-1]:.3f} s", flush=True)
+            playground.append(playground_seconds(page, tokens=tokens, frames=frames))
+            print(f"run {run + 1}: API {api[-1]:.3f} s, playground {playground[-1]:.3f} s "
+                  f"({len(frames)} WebSocket messages to the page)", flush=True)
         browser.close()
     return api, playground
 
