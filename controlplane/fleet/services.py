@@ -107,6 +107,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
         "staging": heartbeat.staging.to_json() if heartbeat.staging is not None else None,
     }
     heartbeat_cache.store(worker_id=worker.pk, state=state)
+    heartbeat_cache.store_figures(worker_id=worker.pk, figures={
+        "received_at": state["received_at"], "gpus": state["gpus"], "cpu": state["cpu"]})
     live_events.publish(group=live_events.FLEET_GROUP, event="worker.heartbeat", data=state)
     return plan.unload
 

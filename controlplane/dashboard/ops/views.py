@@ -27,7 +27,7 @@ from controlplane.dashboard.ops.forms import (
     ScaleForm,
 )
 from controlplane.dashboard.ops.fragments import deployment_context
-from controlplane.dashboard.ops.overview import deployment_views, worker_views
+from controlplane.dashboard.ops.overview import FigureHistory, deployment_views, worker_views
 from controlplane.dashboard.permissions import operator_required
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import deployment_statuses, workers_for_path_check
@@ -51,7 +51,7 @@ FLEET, CATALOG = "dashboard:fleet", "dashboard:catalog"
 @require_GET
 def fleet(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/ops/fleet.html", {
-        "workers": worker_views(),
+        "workers": worker_views(history=FigureHistory.recent()),
         "deployments": [deployment_context(view) for view in deployment_views()],
         "load_form": LoadForm(),
     })

@@ -109,9 +109,12 @@ def test_by_model_and_by_day(client, admin, traffic):
     assert (rows["2026-03-01"].requests, rows["2026-03-01"].revenue) == (2, Decimal("0.012"))
     assert (rows["2026-03-03"].requests, rows["2026-03-03"].revenue, rows["2026-03-03"].reference) == (
         3, Decimal("0.012"), Decimal("0.140"))
-    daily = response.context["daily_chart"]  # the chart has every day, zeros included
+    daily = response.context["requests_chart"]  # the chart has every day, zeros included
     requests = {s["label"]: s["values"] for s in daily["series"]}["Requests"]
     assert daily["days"] == ["2026-03-01", "2026-03-02", "2026-03-03"] and requests == [2, 0, 3]
+    # Money in a chart of its own, the per-token reference on a scale (and axis) of its own.
+    money = {s["label"]: s["scale"] for s in response.context["daily_chart"]["series"]}
+    assert money == {"Revenue ($)": "$", "Per-token reference ($)": "$reference"}
     assert response.context["group_chart"] is None
 
 
