@@ -220,8 +220,8 @@ class ModelRunner:
         """
         host = self.host_inputs(batch)
         sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
-        sampling_meta = (SamplingMetadata.build(sample_seqs, self.model_config.vocab_size,
-                                                self.model_config.eos_token_ids, self.device)
+        sampling_meta = (self.sampler.metadata(sample_seqs, self.model_config.vocab_size,
+                                               self.model_config.eos_token_ids)
                          if sample_seqs else None)
         rows = self.forward(host, batch, previous)
         if sampling_meta is None:
