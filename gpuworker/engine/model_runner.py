@@ -167,8 +167,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run one eager step of made-up tokens (a decode and a prefill chunk side by side) and the
-        logits and greedy tokens of one and of two rows, so the kernels of the eager path compile
+        """Run one eager step of made-up tokens (a decode and a prefill chunk side by side), the
+        logits and greedy tokens of one and of two rows and the sampler's common variants, so the
+        kernels of the eager path compile
         now rather than during the first requests (a second or more each on a GPU). The KV it
         writes lands in blocks that no sequence holds yet; every real token's KV is written before
         it is read."""
@@ -197,6 +198,10 @@ class ModelRunner:
             selected = hidden[torch.tensor(rows, device=device)]
             self.model.compute_logits(selected).argmax(dim=-1)
             self.model.greedy_tokens(selected)
+        if device.type == "cuda":
+            from gpuworker.kernels.sampling import warm_up as warm_up_sampling
+
+            warm_up_sampling(device, self.model_config.vocab_size)
         backend = getattr(self.model, "attn_backend", None)
         if hasattr(backend, "warm_up"):
             mc = self.model_config

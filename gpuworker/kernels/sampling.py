@@ -13,10 +13,11 @@ What is drawn (sample_reference below computes the same with a full sort):
 
 How the kernel avoids the sort: each filter keeps the tokens whose x is at least a threshold. The
 top-k, then the top-p, threshold is found by narrowing an interval of float keys (the bits of x as
-integers in value order): each pass over the row counts the tokens and sums exp(x - max) above 16
+integers in value order): each pass over the row counts the tokens and sums exp(x - max) above 8
 thresholds inside the interval, keeps the sub-interval where the filter's test flips, and stops when
 the interval holds at most one distinct value (which is then kept). A pass shrinks the interval
-17-fold, so a search takes at most ~9 passes; a real (bfloat16) lm_head's logits take 3-5.
+9-fold (the first pass spaces its thresholds by value, the others by key), so a search takes at most
+~11 passes, and about 5 on a Llama-3-sized vocabulary.
 
 A row is split over several programs when the batch is small (one row would otherwise run on one
 SM): the programs of a row exchange per-pass partial sums through a scratch buffer and wait for
@@ -30,15 +31,18 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.launch import (check_operand, check_tensor, interpreting, lazy_jit, next_power_of_2)
+from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 
-NUM_THRESHOLDS = 16
+# 8 thresholds per pass: a pass costs compute in proportion, and shrinks the interval 9-fold.
+NUM_THRESHOLDS = 8
 # A program's partial record per pass: NUM_THRESHOLDS sums and a few scalars.
 RECORD_WIDTH = 32
 MAX_SPLITS = 64
-# A float32 key interval of 2**32 shrinks 17-fold per pass: 9 passes always suffice.
-MAX_PASSES = 12
+# A float32 key interval of 2**32 shrinks 9-fold per pass: 11 passes always suffice.
+MAX_PASSES = 16
 BLOCK = 1024
+# Search passes hold a [SEARCH_BLOCK, NUM_THRESHOLDS] tile of sums in registers, reduced once per pass.
+SEARCH_BLOCK = 256
 
 # Philox-4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
 PHILOX_ROUND_A = 0xD2511F53
@@ -56,7 +60,7 @@ def _sample_kernel(
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
     token_ids_ptr, num_kept_ptr, part_f_ptr, part_i_ptr, counter_ptr,
     vocab_size, chunk,
-    BLOCK: tl.constexpr, NT: tl.constexpr, WIDTH: tl.constexpr, SPLITS_P2: tl.constexpr,
+    BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NT: tl.constexpr, WIDTH: tl.constexpr, SPLITS_P2: tl.constexpr,
     MAX_PASSES: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
     WRITE_NUM_KEPT: tl.constexpr,
 ):
@@ -168,37 +172,42 @@ def _sample_kernel(
                 kept = (x > float("-inf")) & (key >= tau)
                 if HAS_MIN_P:
                     kept = kept & (tl.exp(x - row_max) >= min_p)
-                c0 = idx.to(tl.uint32)
-                c1 = c0 * 0
-                c2 = c1
-                c3 = c1
-                k0 = seed_lo
-                k1 = seed_hi
-                for _ in tl.static_range(10):
-                    prev0 = c0
-                    prev2 = c2
-                    c0 = tl.umulhi(prev2, 0xCD9E8D57) ^ c1 ^ k0
-                    c2 = tl.umulhi(prev0, 0xD2511F53) ^ c3 ^ k1
-                    c1 = prev2 * 0xCD9E8D57
-                    c3 = prev0 * 0xD2511F53
-                    k0 = k0 + 0x9E3779B9
-                    k1 = k1 + 0xBB67AE85
-                # U in (0, 1), exactly representable: odd multiples of 2**-24.
-                u = ((c0 >> 9).to(tl.int32) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
-                score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
-                better = score > lane_best
-                lane_best = tl.where(better, score, lane_best)
-                lane_arg = tl.where(better, idx, lane_arg)
+                # Noise only for blocks with a kept token (top-k keeps a few hundred of 128k).
+                if tl.max(kept.to(tl.int32), 0) > 0:
+                    c0 = idx.to(tl.uint32)
+                    c1 = c0 * 0
+                    c2 = c1
+                    c3 = c1
+                    k0 = seed_lo
+                    k1 = seed_hi
+                    for _ in tl.static_range(10):
+                        prev0 = c0
+                        prev2 = c2
+                        c0 = tl.umulhi(prev2, 0xCD9E8D57) ^ c1 ^ k0
+                        c2 = tl.umulhi(prev0, 0xD2511F53) ^ c3 ^ k1
+                        c1 = prev2 * 0xCD9E8D57
+                        c3 = prev0 * 0xD2511F53
+                        k0 = k0 + 0x9E3779B9
+                        k1 = k1 + 0xBB67AE85
+                    # U in (0, 1), exactly representable: odd multiples of 2**-24.
+                    u = ((c0 >> 9).to(tl.int32) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+                    score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
+                    better = score > lane_best
+                    lane_best = tl.where(better, score, lane_best)
+                    lane_arg = tl.where(better, idx, lane_arg)
                 lane_kept += kept.to(tl.int32)
             f0 = tl.max(lane_best, 0)
             i0 = tl.min(tl.where(lane_best == f0, lane_arg, INT_MAX), 0)
             i1 = tl.sum(lane_kept, 0)
         else:  # a search pass: count and mass above each threshold; count, min and max key inside (lo, hi]
-            lane_in = tl.zeros([BLOCK], tl.int32)
-            lane_min_key = tl.full([BLOCK], INT_MAX, tl.int32)
-            lane_max_key = tl.full([BLOCK], INT_MIN, tl.int32)
-            for start in range(begin, end, BLOCK):
-                idx = start + cols
+            search_cols = tl.arange(0, SEARCH_BLOCK)
+            tile_counts = tl.zeros([SEARCH_BLOCK, NT], tl.int32)
+            tile_masses = tl.zeros([SEARCH_BLOCK, NT], tl.float32)
+            lane_in = tl.zeros([SEARCH_BLOCK], tl.int32)
+            lane_min_key = tl.full([SEARCH_BLOCK], INT_MAX, tl.int32)
+            lane_max_key = tl.full([SEARCH_BLOCK], INT_MIN, tl.int32)
+            for start in range(begin, end, SEARCH_BLOCK):
+                idx = start + search_cols
                 valid = idx < end
                 raw = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32)
                 x = tl.math.div_rn(raw, divisor) + 0.0
@@ -207,12 +216,14 @@ def _sample_kernel(
                 key = tl.where(finite, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
                 mass = tl.where(finite, tl.exp(x - row_max), 0.0)
                 above = key[:, None] > thresholds[None, :]
-                counts += tl.sum(above.to(tl.int32), 0)
-                masses += tl.sum(tl.where(above, mass[:, None], 0.0), 0)
+                tile_counts += above.to(tl.int32)
+                tile_masses += tl.where(above, mass[:, None], 0.0)
                 inside = (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi)
                 lane_in += inside.to(tl.int32)
                 lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
                 lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
+            counts = tl.sum(tile_counts, 0)
+            masses = tl.sum(tile_masses, 0)
             i0 = tl.sum(lane_in, 0)
             i1 = tl.min(lane_min_key, 0)
             i2 = tl.max(lane_max_key, 0)
@@ -335,7 +346,10 @@ def _sample_kernel(
         tl.atomic_xchg(counter_ptr + row, 0)
 
 
-_sample = lazy_jit(_sample_kernel, do_not_specialize=("vocab_size", "chunk"))
+# The parameter pointers are slices of one host->device copy whose offsets depend on the batch size:
+# left specialised on alignment they would compile a variant per batch size modulo 4.
+_sample = lazy_jit(_sample_kernel, do_not_specialize=("temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr",
+                                                      "seed_ptr", "vocab_size", "chunk"))
 
 # One int32 per row, per device: zero between launches (the kernel leaves them so); launches sharing
 # them must be ordered, i.e. issued on one stream.
@@ -382,7 +396,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
         min_p if min_p is not None else temperature, seeds,
         token_ids, num_kept if num_kept is not None else part_i, part_f, part_i, _counters(device, num_rows),
         vocab_size, chunk,
-        BLOCK=BLOCK, NT=NUM_THRESHOLDS, WIDTH=RECORD_WIDTH, SPLITS_P2=max(2, next_power_of_2(splits)),
+        BLOCK=BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, NT=NUM_THRESHOLDS, WIDTH=RECORD_WIDTH, SPLITS_P2=MAX_SPLITS,
         MAX_PASSES=MAX_PASSES, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
         HAS_MIN_P=min_p is not None, WRITE_NUM_KEPT=num_kept is not None,
         num_warps=8 if splits == 1 else 4,
@@ -407,6 +421,17 @@ def _counters(device: torch.device, count: int) -> torch.Tensor:
         counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters
+
+
+def warm_up(device: torch.device, vocab_size: int) -> None:
+    """Compile the kernel's variants for the filter combinations requests commonly use (temperature
+    alone, top-k, top-p, both), so that the first such request does not wait for the compiler."""
+    logits = torch.zeros(1, vocab_size, device=device)
+    ones = torch.ones(1, device=device)
+    seeds = torch.zeros(1, dtype=torch.int64, device=device)
+    top_k = torch.ones(1, dtype=torch.int64, device=device)
+    for filters in ({}, {"top_k": top_k}, {"top_p": ones * 0.5}, {"top_k": top_k, "top_p": ones * 0.5}):
+        sample(logits, ones, seeds=seeds, **filters)
 
 
 # --- The pure-torch reference: the same draws, by a full sort --------------------------------------
