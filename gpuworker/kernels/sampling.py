@@ -40,9 +40,11 @@ RECORD_WIDTH = 32
 MAX_SPLITS = 64
 # A float32 key interval of 2**32 shrinks 9-fold per pass: 11 passes always suffice.
 MAX_PASSES = 16
-BLOCK = 1024
+# Logits per program per loop step. At large batches a row is one program, and each program runs
+# latency-bound on its own loads: the blocks are as large as registers allow, to keep bytes in flight.
+BLOCK = 2048
 # Search passes hold a [SEARCH_BLOCK, NUM_THRESHOLDS] tile of sums in registers, reduced once per pass.
-SEARCH_BLOCK = 256
+SEARCH_BLOCK = 1024
 
 # Philox-4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
 PHILOX_ROUND_A = 0xD2511F53
@@ -400,7 +402,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
         MAX_PASSES=MAX_PASSES, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
         HAS_MIN_P=min_p is not None, WRITE_NUM_KEPT=num_kept is not None,
         # One num_warps for all batch sizes: each value is a variant to compile (and warm up).
-        num_warps=4,
+        num_warps=8,
     )
     return token_ids
 
