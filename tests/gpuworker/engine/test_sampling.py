@@ -202,6 +202,18 @@ def test_penalties_follow_openai_and_vllm_semantics():
     torch.testing.assert_close(penalised, expected)
 
 
+def test_penalties_per_row_with_repeats_and_ids_past_the_vocabulary():
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5], [1.0, -1.0, 2.0, 0.5]])
+    first = seq_for(SamplingParams(repetition_penalty=2.0), prompt=[0, 0, 9], output=[0, 3])
+    second = seq_for(SamplingParams(frequency_penalty=1.0, presence_penalty=0.5), prompt=[1], output=[2, 2, 2, 1])
+    penalised = Penalties.build([first, second], 4, CPU).apply(logits.clone())
+    expected = torch.tensor([
+        [1.0 / 2.0, -1.0, 2.0, 0.5 / 2.0],  # each seen token divided once, however often seen
+        [1.0, -1.0 - 1.0 - 0.5, 2.0 - 3.0 - 0.5, 0.5],  # the prompt alone adds no frequency/presence
+    ])
+    torch.testing.assert_close(penalised, expected)
+
+
 def test_penalty_steers_greedy_away_from_repeats():
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     plain = seq_for(SamplingParams(temperature=0.0), output=[0])
