@@ -227,7 +227,8 @@ def main() -> None:
         for kind, v in ours["phases"].items()])
     write_json("throughput", {
         "env": environment(), "args": {k: str(v) for k, v in vars(args).items()},
-        "gpuworker": ours, "gpuworker_by_sampling": by_mode, "gpuworker_subset": ours_subset, "hf_subset": hf, "warmup_s": warmup_s,
+        "gpuworker": ours, "gpuworker_by_sampling": by_mode, "gpuworker_subset": ours_subset, "hf_subset": hf,
+        "warmup_s": warmup_s,
     })
 
 
