@@ -35,12 +35,46 @@ def engine_parser(doc: str | None, *, dtype: str | None = "bfloat16", dtype_help
     return parser
 
 
-def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int, max_model_len: int) -> None:
+def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int | None, max_model_len: int) -> None:
     """The seed of the workload and the engine, and the engine's --max-num-seqs and --max-model-len,
-    with the benchmark's defaults."""
+    with the benchmark's defaults (max_num_seqs None: the engine's choice for the device)."""
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     parser.add_argument("--max-model-len", type=int, default=max_model_len)
+
+
+# Sampling settings the engine benchmarks compare (--sampling): greedy against the filters the issue
+# measured. "seeded" modes give request i the seed i.
+SAMPLING_MODES = {
+    "greedy": dict(temperature=0.0),
+    "t0.8-k200": dict(temperature=0.8, top_k=200),
+    "t0.7-p0.9": dict(temperature=0.7, top_p=0.9),
+    "t0.8-p0.95": dict(temperature=0.8, top_p=0.95),
+    "t0.8-p0.95-seeded": dict(temperature=0.8, top_p=0.95, seeded=True),
+}
+
+
+def add_sampling_option(parser: argparse.ArgumentParser, default: str = "greedy") -> None:
+    parser.add_argument("--sampling", default=default,
+                        help=f"comma-separated modes, each run in turn on the same engine: {', '.join(SAMPLING_MODES)}")
+
+
+def sampling_modes(arg: str) -> list[str]:
+    modes = [m for m in arg.split(",") if m]
+    unknown = [m for m in modes if m not in SAMPLING_MODES]
+    if unknown or not modes:
+        raise SystemExit(f"--sampling: unknown mode(s) {unknown}; choose from {', '.join(SAMPLING_MODES)}")
+    return modes
+
+
+def sampling_params(mode: str, request_index: int, **fixed):
+    """SamplingParams of `mode` for the request_index-th request, plus `fixed` (max_tokens...)."""
+    from gpuworker.engine import SamplingParams
+
+    settings = dict(SAMPLING_MODES[mode])
+    if settings.pop("seeded", False):
+        settings["seed"] = request_index
+    return SamplingParams(**settings, **fixed)
 
 
 def git_commit() -> str:
@@ -115,11 +149,20 @@ def load_hf_config(config_dir: Path) -> dict:
 
 
 def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
-    """Bytes of weights one decode step must read: every matrix, but only one embedding row."""
+    """Bytes of weights one decode step must read: every matrix, but only one embedding row; of a
+    mixture of experts, the router and the top-k experts' MLPs (a batch of one token)."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hd = cfg.get("head_dim") or h // nh
-    per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * i + 2 * h
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:  # every layer sparse (Mixtral, Qwen3-MoE); a shared expert counts as one more
+        expert_i = cfg.get("moe_intermediate_size") or i
+        mlp = experts * h + 3 * h * expert_i * cfg["num_experts_per_tok"]
+        if cfg.get("shared_expert_intermediate_size"):
+            mlp += 3 * h * cfg["shared_expert_intermediate_size"] + h
+    else:
+        mlp = 3 * h * i
+    per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + mlp + 2 * h
     params = cfg["num_hidden_layers"] * per_layer + h + v * h  # + final norm + lm_head
     return params * bytes_per_param
 

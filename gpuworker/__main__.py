@@ -1,6 +1,7 @@
 """Command line of the GPU worker.
 
     python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
+                              [--max-num-seqs N] [--max-num-batched-tokens N]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
                                [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
                                [--model-root DIR ...] [--stage-budget-bytes N] [--no-spare-replicas]
@@ -64,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--token", default=_token_default(),
                        help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=None,
+                       help="most sequences in one step (default: as many as the GPU's KV cache holds at ~768 "
+                            "tokens each, up to 1024; 256 on CPU)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="most tokens in one step (default: from the model's size, 2048-16384; 8192 on CPU)")
     serve.add_argument("--memory-fraction", type=float, default=0.9,
                        help="fraction of free GPU memory the KV cache may take")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
@@ -133,6 +139,7 @@ def serve(args: argparse.Namespace) -> None:
 
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
                           dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout)
     holder = EngineHolder(config)
     holder.start_loading()

@@ -20,7 +20,7 @@ from django.db.models.functions import Coalesce
 
 from controlplane.accounts.models import ApiKey
 from controlplane.billing.models import MONEY, CreditHold, KeySpend
-from controlplane.billing.pricing import month_start
+from controlplane.billing.selectors import month_start
 from controlplane.billing.sql import adapt, marks, money, rows
 
 _KEY, _SPEND, _HOLD = ApiKey._meta.db_table, KeySpend._meta.db_table, CreditHold._meta.db_table

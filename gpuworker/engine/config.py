@@ -1,8 +1,10 @@
 """EngineConfig: every engine knob in one dataclass, validated once and passed down explicitly.
 
-Two fields depend on the model and the device and may be left None by the user: `max_model_len`
-(the model's max_position_embeddings) and `num_kv_blocks` (sized from a memory budget). The engine
-resolves them once at start-up with `dataclasses.replace`, which validates again.
+Four fields depend on the model and the device and may be left None by the user: `max_model_len`
+(the model's max_position_embeddings), `num_kv_blocks` (sized from a memory budget), and the batch
+limits `max_num_seqs` and `max_num_batched_tokens` (chosen for the device's memory and the model's
+size, see sizing.py). The engine resolves them once at start-up with `dataclasses.replace`, which
+validates again.
 """
 
 from __future__ import annotations
@@ -28,8 +30,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # CPU: the KV pool's byte budget (None: DEFAULT_CPU_KV_CACHE_BYTES).
     kv_cache_memory_bytes: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: chosen at start-up for the device and the model (sizing.py).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    # A prompt that fits in this share of max_num_batched_tokens is short: while one waits, long
+    # prefills leave it that share of every step, and it may pass long prompts queued ahead of it
+    # (scheduler.py). 0: plain arrival order.
+    short_prefill_share: float = 0.125
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -55,14 +62,13 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _positive_int("block_size", self.block_size)
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.num_kv_blocks is not None:
-            _positive_int("num_kv_blocks", self.num_kv_blocks)
-        if self.max_model_len is not None:
-            _positive_int("max_model_len", self.max_model_len)
-        if self.kv_cache_memory_bytes is not None:
-            _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len",
+                     "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        share = self.short_prefill_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+            raise ValueError(f"short_prefill_share must be in [0, 1), got {share!r}")
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
@@ -91,7 +97,7 @@ class EngineConfig:
 
     @property
     def is_resolved(self) -> bool:
-        return self.num_kv_blocks is not None and self.max_model_len is not None
+        return None not in (self.num_kv_blocks, self.max_model_len, self.max_num_seqs, self.max_num_batched_tokens)
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -27,7 +27,7 @@ from jinja2 import TemplateError
 from gpuworker.attention.backend import AttentionBackend
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.detokenizer import IncrementalDetokenizer, check_stop_token
-from gpuworker.engine.model_runner import ModelRunner, StepHandle, determine_num_kv_blocks
+from gpuworker.engine.model_runner import ModelRunner, StepHandle
 from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepStats,
                                       TokenLogprob)
 from gpuworker.engine.sampling_params import SamplingParams
@@ -35,6 +35,7 @@ from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 from gpuworker.engine.grammar_masks import StructuredOutputs
 from gpuworker.engine.latency import LatencyWindows
+from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
 
@@ -149,12 +150,21 @@ class LLMEngine:
         with clock("weights"):
             model = load_model(mc, device=self.device, dtype=self.dtype, attn_backend=attn_backend,
                                load_format=config.load_format, seed=config.seed)
-        num_kv_blocks = config.num_kv_blocks or determine_num_kv_blocks(
-            config, mc, self.dtype, self.device, max_model_len)
-        if config.max_model_len is None and num_kv_blocks * config.block_size < max_model_len:
-            max_model_len = num_kv_blocks * config.block_size
+        free_device_bytes = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free_device_bytes, _ = torch.cuda.mem_get_info(self.device)
+        sized = plan_sizes(config, mc, element_size=self.dtype.itemsize, max_model_len=max_model_len,
+                           free_device_bytes=free_device_bytes)
+        pool_tokens = sized.num_kv_blocks * config.block_size
+        if config.max_model_len is None and pool_tokens < max_model_len:
+            max_model_len = pool_tokens
             logger.warning("the KV pool holds %d tokens: max_model_len lowered to that", max_model_len)
-        self.config = replace(config, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
+        self.config = replace(sized, max_model_len=max_model_len)
+        logger.info("max_num_seqs %d%s, max_num_batched_tokens %d%s, KV pool %d tokens, max_model_len %d",
+                    self.config.max_num_seqs, "" if config.max_num_seqs else " (default)",
+                    self.config.max_num_batched_tokens, "" if config.max_num_batched_tokens else " (default)",
+                    pool_tokens, max_model_len)
         with clock("tokenizer_wait"):
             self.tokenizer = tokenizer_future.result()
         self.eos_token_ids = list(mc.eos_token_ids) or (

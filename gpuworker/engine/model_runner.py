@@ -26,7 +26,7 @@ from torch import nn
 
 from gpuworker.attention.backend import AttentionMetadata
 from gpuworker.engine.block_tables import BlockTables
-from gpuworker.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.outputs import TokenLogprob
 from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
 from gpuworker.engine.scheduler import ScheduledBatch
@@ -104,42 +104,11 @@ class StepResult:
     logprobs: list[TokenLogprob | None]
 
 
-def kv_cache_block_bytes(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * element_size
-
-
-def determine_num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
-                            device: torch.device, max_model_len: int) -> int:
-    """How many KV blocks the memory budget allows (called after the weights are loaded)."""
-    block_bytes = kv_cache_block_bytes(mc, config.block_size, dtype)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        free, _ = torch.cuda.mem_get_info(device)
-        element_size = torch.empty((), dtype=dtype).element_size()
-        # Rough peak of one step's activations: the widest per-token tensors of a layer, plus
-        # float32 logits and sampling temporaries for every sequence.
-        per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size)
-        activations = (config.max_num_batched_tokens * per_token * element_size
-                       + config.max_num_seqs * mc.vocab_size * 4 * 6)
-        budget = int(free * config.gpu_memory_utilization) - activations
-        source = f"gpu_memory_utilization ({config.gpu_memory_utilization}) of {free} free bytes"
-    else:
-        budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-        source = f"kv_cache_memory_bytes ({budget})"
-    num_blocks = budget // block_bytes
-    if num_blocks < 1:
-        raise ValueError(f"{source} leaves no room for one KV block of {block_bytes} bytes")
-    # More than every sequence at full length could ever use is wasted memory.
-    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
-    return min(num_blocks, useful)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, mc: ModelConfig, model: nn.Module,
                  device: torch.device, dtype: torch.dtype) -> None:
         if not config.is_resolved:
-            raise ValueError("the model runner needs a resolved config (num_kv_blocks and max_model_len set)")
+            raise ValueError("the model runner needs a resolved config (see EngineConfig.is_resolved)")
         self.config = config
         self.model_config = mc
         self.model = model
@@ -167,11 +136,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run one eager step of made-up tokens (a decode and a prefill chunk side by side) and the
-        logits and greedy tokens of one and of two rows, so the kernels of the eager path compile
-        now rather than during the first requests (a second or more each on a GPU). Its slots are
-        all -1: it writes no KV, so it may run between steps while sequences hold blocks
-        (EngineConfig.defer_warm_up)."""
+        """Run one eager step of made-up tokens (a decode and a prefill chunk side by side), the
+        logits and greedy tokens of one and of two rows and the sampler's common variants, so the
+        kernels of the eager path compile now rather than during the first requests (a second or
+        more each on a GPU). Its slots are all -1: it writes no KV, so it may run between steps
+        while sequences hold blocks (EngineConfig.defer_warm_up)."""
         bs = self.block_size
         chunk = max(1, min(32, self.config.max_num_batched_tokens - 1, self.config.max_model_len - 1))
         num_blocks = min(self.config.num_kv_blocks, -(-chunk // bs))
@@ -197,6 +166,10 @@ class ModelRunner:
             selected = hidden[torch.tensor(rows, device=device)]
             self.model.compute_logits(selected).argmax(dim=-1)
             self.model.greedy_tokens(selected)
+        if device.type == "cuda":
+            from gpuworker.kernels.sampling import warm_up as warm_up_sampling
+
+            warm_up_sampling(device, self.model_config.vocab_size)
         backend = getattr(self.model, "attn_backend", None)
         if hasattr(backend, "warm_up"):
             mc = self.model_config
@@ -220,8 +193,8 @@ class ModelRunner:
         """
         host = self.host_inputs(batch)
         sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
-        sampling_meta = (SamplingMetadata.build(sample_seqs, self.model_config.vocab_size,
-                                                self.model_config.eos_token_ids, self.device)
+        sampling_meta = (self.sampler.metadata(sample_seqs, self.model_config.vocab_size,
+                                               self.model_config.eos_token_ids)
                          if sample_seqs else None)
         rows = self.forward(host, batch, previous)
         if sampling_meta is None:

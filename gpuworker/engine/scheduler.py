@@ -4,6 +4,11 @@ Every step fills a token budget (max_num_batched_tokens) and a sequence cap (max
 running decodes first, then running prefills (a long prompt is chunked across steps), then new
 requests in arrival order. When the KV pool runs out, the newest running sequence is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed later.
+
+Short prompts are not starved by long ones: a prompt that fits in `short_prefill_share` of the
+budget is short; while one waits, long prefills leave that share of the step to it, and it may pass
+long prompts waiting ahead of it. Its first token then comes within a step or two of its arrival,
+however many long prompts came first (with plain FIFO it waited for all of their prefills).
 No torch here.
 """
 
@@ -46,7 +51,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         if not config.is_resolved:
-            raise ValueError("the scheduler needs a resolved config (num_kv_blocks and max_model_len set)")
+            raise ValueError("the scheduler needs a resolved config (see EngineConfig.is_resolved)")
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -54,6 +59,11 @@ class Scheduler:
         # In admission order.
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # A prefill with at most this many tokens left is short (0: none is, plain FIFO).
+        self.short_prefill_tokens = int(config.max_num_batched_tokens * config.short_prefill_share)
+        # Short sequences in `waiting`: kept exact as sequences enter and leave it, since a waiting
+        # sequence's length does not change.
+        self.num_short_waiting = 0
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None, n: int) -> None:
         """Raise ValueError, naming the numbers, for a request that could never run."""
@@ -74,6 +84,7 @@ class Scheduler:
     def add(self, group: SequenceGroup) -> None:
         self.check_admissible(len(group.prompt_token_ids), group.max_tokens, group.params.n)
         self.waiting.append(group.seqs[0])
+        self.num_short_waiting += not self._is_long(group.seqs[0])
 
     @property
     def has_unfinished(self) -> bool:
@@ -97,6 +108,7 @@ class Scheduler:
                 prefills.append(seq)
         block_manager = self.block_manager
         block_size = block_manager.block_size
+        max_num_seqs = self.config.max_num_seqs
         room = min(step.max_seqs, step.token_budget)
         for seq in decodes:
             if len(step.entries) >= room:
@@ -109,34 +121,54 @@ class Scheduler:
                     continue
                 block_manager.allocate(seq, 1)
             step.add(seq, 1)
+        # Short ones first: a short prompt admitted in pieces finishes before long ones go on.
+        prefills.sort(key=self._is_long)
+        # Tokens long prefills leave to the short prompts waiting, while these have seats to take.
+        reserve = self.short_prefill_tokens if self.num_short_waiting and len(self.running) < max_num_seqs else 0
         for seq in prefills:
             if step.is_full:
                 break
             if seq.status is not running_status:
                 continue
-            num_new = min(seq.num_uncomputed_tokens, step.token_budget)
-            if self._make_room(seq, num_new, step):
+            num_new = min(seq.num_uncomputed_tokens, step.token_budget - (reserve if self._is_long(seq) else 0))
+            if num_new > 0 and self._make_room(seq, num_new, step):
                 block_manager.allocate(seq, num_new)
                 step.add(seq, num_new)
+        # Long prompts passed this step by short ones behind them, in queue order.
+        passed: list[Sequence] = []
         # No new admissions in a step that had to preempt: the pool is already too tight.
         while self.waiting and not step.is_full and not step.preempted:
             seq = self.waiting[0]
+            long = self._is_long(seq)
+            reserve = self.short_prefill_tokens if self.num_short_waiting else 0
+            if long and (passed or step.token_budget <= reserve):
+                # What is left is the short prompts' share; once one long prompt is passed, the
+                # ones after it wait too, so long prompts still start in arrival order.
+                if not self.num_short_waiting:
+                    break
+                passed.append(self.waiting.popleft())
+                continue
             seats = 1 + (len(seq.group.pending_forks) if seq.index == 0 else 0)
-            if len(self.running) + seats > self.config.max_num_seqs:
+            if len(self.running) + seats > max_num_seqs:
                 break
-            matched = self.block_manager.match_prefix(seq)
-            num_computed = len(matched) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_computed, step.token_budget)
-            if not self.block_manager.can_admit(seq, matched, num_new):
+            matched = block_manager.match_prefix(seq)
+            num_computed = len(matched) * block_size
+            num_new = min(seq.num_tokens - num_computed, step.token_budget - (reserve if long else 0))
+            if not block_manager.can_admit(seq, matched, num_new):
                 break
             self.waiting.popleft()
-            self.block_manager.admit(seq, matched, num_new)
+            self.num_short_waiting -= not long
+            block_manager.admit(seq, matched, num_new)
             seq.status = SequenceStatus.RUNNING
             if seq.group.first_scheduled_time is None:  # a preempted sequence keeps its first time
                 seq.group.first_scheduled_time = time.time()
             self.running.append(seq)
             step.add(seq, num_new)
+        self.waiting.extendleft(reversed(passed))
         return step.build()
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return seq.num_uncomputed_tokens > self.short_prefill_tokens
 
     def _make_room(self, seq: Sequence, num_new: int, step: _StepBuilder) -> bool:
         """Preempt the newest running sequences until seq's new tokens fit; False if seq itself went."""
@@ -157,6 +189,7 @@ class Scheduler:
         self.num_preemptions += 1
         # Preempted before newer arrivals: it goes back to the front.
         self.waiting.appendleft(seq)
+        self.num_short_waiting += not self._is_long(seq)
 
     def advance(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Account for a launched step: its tokens are computed, and each sampling sequence gets a
@@ -207,6 +240,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.num_short_waiting -= not self._is_long(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -10,16 +10,42 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Per architecture: whether q/k/v and o_proj carry biases ("config" = the config's attention_bias),
-# and whether q/k get a per-head RMSNorm before rotary (Qwen3).
+# Per architecture: whether q/k/v and o_proj carry biases ("config" = the config's attention_bias,
+# another string = that config field, true when absent), whether q/k get a per-head RMSNorm before
+# rotary (Qwen3), and the mixture-of-experts layout if any (_MOE_LAYOUTS).
 _FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False, "qk_norm": False},
     "Qwen3ForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True},
+    "MixtralForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False, "moe": "mixtral"},
+    "Qwen2MoeForCausalLM": {"qkv_bias": "qkv_bias", "o_bias": False, "qk_norm": False, "moe": "qwen_moe"},
+    "Qwen3MoeForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "moe": "qwen_moe"},
 }
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Checkpoint names of a MoE block: its module under model.layers.N, and each expert's gate, up and
+# down projections under <module>.experts.E.
+_MOE_LAYOUTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+                "qwen_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP: each token's top_k experts of num_experts (SiLU-gated MLPs
+    of expert_intermediate_size), weighted by the router's softmax over all experts, renormalised
+    over the chosen ones when norm_topk_prob; plus, where the family has one, a shared expert that
+    every token passes through, scaled by sigmoid(shared_expert_gate(x))."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int  # 0: none
+    sparse_layers: tuple[bool, ...]  # per layer: MoE, or the dense MLP of intermediate_size
+    checkpoint_prefix: str
+    expert_names: tuple[str, str, str]  # gate, up, down
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -54,6 +80,7 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
     sliding_window: int | None = None
+    moe: MoEConfig | None = None
     # The checkpoint directory the weights and tokenizer are read from (set by load_model_config).
     model_path: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -102,7 +129,11 @@ class ModelConfig:
         attention_bias = bool(config.get("attention_bias", False))
 
         def bias(rule: Any) -> bool:
-            return attention_bias if rule == "config" else bool(rule)
+            if rule == "config":
+                return attention_bias
+            return bool(config.get(rule, True)) if isinstance(rule, str) else bool(rule)
+
+        num_layers = need("num_hidden_layers")
 
         dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
         return cls(
@@ -111,7 +142,7 @@ class ModelConfig:
             vocab_size=need("vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -129,8 +160,33 @@ class ModelConfig:
             qk_norm=family["qk_norm"],
             torch_dtype=str(dtype).removeprefix("torch."),
             sliding_window=sliding_window,
+            moe=_moe(config, family.get("moe"), num_layers, need, source),
             extra={"config_max_position_embeddings": max_pos},
         )
+
+
+def _moe(config: dict[str, Any], layout: str | None, num_layers: int, need: Any, source: str) -> MoEConfig | None:
+    if layout is None:
+        return None
+    prefix, names = _MOE_LAYOUTS[layout]
+    if layout == "mixtral":
+        num_experts, expert_size = need("num_local_experts"), need("intermediate_size")
+        norm_topk_prob, shared, sparse = True, 0, (True,) * num_layers
+    else:
+        # Published checkpoints say num_experts; transformers 5 writes num_local_experts for both.
+        num_experts = need("num_experts" if "num_experts" in config else "num_local_experts")
+        expert_size = need("moe_intermediate_size")
+        norm_topk_prob = bool(config.get("norm_topk_prob", False))
+        shared = config.get("shared_expert_intermediate_size") or 0
+        step = config.get("decoder_sparse_step") or 1
+        dense = set(config.get("mlp_only_layers") or ())
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    top_k = need("num_experts_per_tok")
+    if top_k > num_experts:
+        raise ValueError(f"{source}: num_experts_per_tok ({top_k}) exceeds the {num_experts} experts")
+    return MoEConfig(num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert_size,
+                     norm_topk_prob=norm_topk_prob, shared_expert_intermediate_size=shared, sparse_layers=sparse,
+                     checkpoint_prefix=prefix, expert_names=names)
 
 
 def _architecture(config: dict[str, Any], source: str) -> str:

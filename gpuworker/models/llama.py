@@ -1,7 +1,8 @@
-"""The llama-style decoder: one class for Llama 1/2/3/3.1, Mistral, Qwen2/2.5 and Qwen3.
+"""The llama-style decoder: one class for Llama 1/2/3/3.1, Mistral, Qwen2/2.5 and Qwen3, and with a
+sparse mixture-of-experts MLP (models.moe) for Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 The families differ only in what ModelConfig resolves (biases, q/k norms, rope, head_dim, tied
-embeddings). Sequences arrive flattened into one ragged batch of tokens; everything ragged lives in
+embeddings, the MoE layout). Sequences arrive flattened into one ragged batch of tokens; everything ragged lives in
 AttentionMetadata and is handled by the attention backend, so forward has no host syncs and no
 data-dependent Python control flow (decode steps can be captured in CUDA graphs).
 """
@@ -15,6 +16,7 @@ from torch import nn
 from gpuworker.attention.backend import AttentionBackend, AttentionMetadata, fuses_rotary_and_cache_write
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_then_linear
+from gpuworker.models.moe import SparseMoE
 
 
 class Attention(nn.Module):
@@ -58,10 +60,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, rotary)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        if config.moe is not None and config.moe.sparse_layers[index]:
+            self.mlp: GatedMLP | SparseMoE = SparseMoE(config.hidden_size, config.moe)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -76,6 +81,9 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         qkv, residual = norm_then_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
         hidden = attn.attend(positions, qkv, kv_cache, meta, backend)
+        if isinstance(self.mlp, SparseMoE):
+            normed, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(normed), residual
         gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
         return self.mlp.down(gate_up), residual
 
@@ -91,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
                                          requires_grad=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None

@@ -26,8 +26,9 @@ from gpuworker.checkpoint_files import (WARM_FRACTION, checkpoint_files, gguf_fi
 from gpuworker.attention.torch_backend import TorchAttentionBackend
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.gguf_checkpoint import load_gguf_tokenizer, read_gguf_config, read_gguf_tensors
-from gpuworker.models.layers import RMSNorm
+from gpuworker.models.layers import GatedMLP, RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
+from gpuworker.models.moe import SparseMoE
 from gpuworker.models.weight_stream import TensorCopy, copy_tensors
 
 CONFIG_FILE = "config.json"
@@ -157,7 +158,7 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target]:
     add("model.embed_tokens.weight", model.embed_tokens)
     add("model.norm.weight", model.norm.weight)
     add("lm_head.weight", model.lm_head)
-    q, kv, inter = mc.q_size, mc.kv_size, mc.intermediate_size
+    q, kv = mc.q_size, mc.kv_size
     for i, layer in enumerate(model.layers):
         attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."
         for kind in ("weight", "bias"):
@@ -166,16 +167,38 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target]:
             add(f"{prefix}self_attn.k_proj.{kind}", qkv, q, kv)
             add(f"{prefix}self_attn.v_proj.{kind}", qkv, q + kv, kv)
             add(f"{prefix}self_attn.o_proj.{kind}", getattr(attn.o_proj, kind))
-            gate_up = getattr(mlp.gate_up_proj, kind)
-            add(f"{prefix}mlp.gate_proj.{kind}", gate_up, 0, inter)
-            add(f"{prefix}mlp.up_proj.{kind}", gate_up, inter, inter)
-            add(f"{prefix}mlp.down_proj.{kind}", getattr(mlp.down_proj, kind))
+            if isinstance(mlp, GatedMLP):
+                _add_gated_mlp(add, f"{prefix}mlp.", mlp, kind)
+        if isinstance(mlp, SparseMoE):
+            _add_moe(add, prefix, mlp, mc.hidden_size)
         if attn.q_norm is not None:
             add(f"{prefix}self_attn.q_norm.weight", attn.q_norm.weight)
             add(f"{prefix}self_attn.k_norm.weight", attn.k_norm.weight)
         add(f"{prefix}input_layernorm.weight", layer.input_layernorm.weight)
         add(f"{prefix}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
     return targets
+
+
+def _add_gated_mlp(add: Callable[..., None], prefix: str, mlp: GatedMLP, kind: str) -> None:
+    inter, gate_up = mlp.intermediate_size, getattr(mlp.gate_up_proj, kind)
+    add(f"{prefix}gate_proj.{kind}", gate_up, 0, inter)
+    add(f"{prefix}up_proj.{kind}", gate_up, inter, inter)
+    add(f"{prefix}down_proj.{kind}", getattr(mlp.down_proj, kind))
+
+
+def _add_moe(add: Callable[..., None], prefix: str, moe: SparseMoE, hidden_size: int) -> None:
+    """The router, each expert's projections (row ranges of the stacked w13 and w2) and the shared expert."""
+    config = moe.config
+    block, (gate, up, down) = f"{prefix}{config.checkpoint_prefix}.", config.expert_names
+    inter = config.expert_intermediate_size
+    add(f"{block}gate.weight", moe.gate.weight)
+    for e in range(config.num_experts):
+        add(f"{block}experts.{e}.{gate}.weight", moe.w13, 2 * inter * e, inter)
+        add(f"{block}experts.{e}.{up}.weight", moe.w13, 2 * inter * e + inter, inter)
+        add(f"{block}experts.{e}.{down}.weight", moe.w2, hidden_size * e, hidden_size)
+    if moe.shared_expert is not None:
+        _add_gated_mlp(add, f"{block}shared_expert.", moe.shared_expert, "weight")
+        add(f"{block}shared_expert_gate.weight", moe.shared_expert_gate.weight)
 
 
 @torch.no_grad()

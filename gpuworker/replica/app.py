@@ -88,7 +88,7 @@ async def health(request: Request) -> Response:
     holder = _holder(request)
     if holder.state == "ready":
         return JSONResponse({"status": "ready", "load_started_at": holder.load_started_at,
-                             "load_timings": holder.load_timings})
+                             "load_timings": holder.load_timings, "limits": holder.engine_limits})
     body: dict[str, Any] = {"status": holder.state}
     if holder.state == "loading":
         body["progress"] = holder.load_progress

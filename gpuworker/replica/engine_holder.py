@@ -39,6 +39,9 @@ class ServerConfig:
     dtype: str = "auto"
     token: str | None = None
     max_model_len: int | None = None
+    # None: chosen by the engine for the device and the model (gpuworker/engine/sizing.py).
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     # SIGTERM (or POST /drain without a timeout): in-flight requests get this long to finish.
     drain_timeout_s: float = 30.0
@@ -61,6 +64,8 @@ class EngineHolder:
         # Wall-clock time the engine started loading, and its stages' seconds once ready.
         self.load_started_at: float | None = None
         self.load_timings: dict[str, float] = {}
+        # The engine's sizes once loaded (batch limits, context, KV pool), for /health and the log.
+        self.engine_limits: dict[str, int] = {}
         self._load_thread: threading.Thread | None = None
         self.metrics = EngineMetrics(config.model_name)
         # HTTP requests on /v1 in progress (counted by the server's middleware), streams included.
@@ -94,8 +99,9 @@ class EngineHolder:
                                   "gpu_memory_utilization": self.config.gpu_memory_utilization}
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
-        if self.config.max_model_len is not None:
-            kwargs["max_model_len"] = self.config.max_model_len
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self.config, name) is not None:
+                kwargs[name] = getattr(self.config, name)
         self.load_progress = WEIGHTS_PROGRESS_START
         self.load_started_at = time.time()
         started = time.perf_counter()
@@ -113,10 +119,16 @@ class EngineHolder:
             return
         self.engine, self.load_progress = engine, 1.0
         self.load_timings = {**engine.engine.load_timings, "engine_s": round(time.perf_counter() - started, 4)}
+        config = engine.engine.config
+        self.engine_limits = {"max_num_seqs": config.max_num_seqs,
+                              "max_num_batched_tokens": config.max_num_batched_tokens,
+                              "max_model_len": config.max_model_len,
+                              "kv_cache_tokens": config.num_kv_blocks * config.block_size}
         if self.state == "loading":  # a drain that began meanwhile wins
             self.state = "ready"
-        logger.info("model %s ready in %.2fs: %s", self.config.model_name, self.load_timings["engine_s"],
-                    ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.load_timings.items()))
+        logger.info("model %s ready in %.2fs: %s; %s", self.config.model_name, self.load_timings["engine_s"],
+                    ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.load_timings.items()),
+                    ", ".join(f"{name} {value}" for name, value in self.engine_limits.items()))
 
     def _load_embedder(self, started: float) -> None:
         dtype = torch.float32 if self.config.dtype == "auto" and self.config.device == "cpu" else \

@@ -51,6 +51,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim 32 != hidden_size / heads, as in real Qwen3 models.
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": True}),
     "qwen3-bias": ("Qwen3Config", {"head_dim": 32, "attention_bias": True}),
+    # Mixture of experts: 4 experts, 2 per token (renormalised); Qwen2-MoE with its shared expert,
+    # no renormalisation and layer 0 dense; Qwen3-MoE with q/k norms and renormalisation.
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}),
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "shared_expert_intermediate_size": 96, "norm_topk_prob": False,
+                                     "mlp_only_layers": [0]}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "norm_topk_prob": True, "head_dim": 32}),
 }
 
 

@@ -16,7 +16,7 @@ from controlplane.accounts.models import ApiKey, Tenant
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.reports import period_bounds
 from controlplane.billing.request_log import request_log
-from controlplane.dashboard.csv_export import csv_text
+from controlplane.dashboard.csv_export import csv_money, csv_text
 from controlplane.dashboard.permissions import ADMIN_ROLES, TENANT_ROLES, has_role, role_required, tenant_of
 from controlplane.dashboard.request_log.forms import RequestLogForm
 
@@ -90,4 +90,4 @@ def _csv_row(record: UsageRecord) -> tuple:
     return (record.created_at.isoformat(), record.request_id, csv_text(record.tenant.name), csv_text(key_label(key)),
             key.prefix if key else "", csv_text(record.model.public_name), record.outcome, record.prompt_tokens,
             record.completion_tokens, "" if record.time_to_first_token_ms is None else record.time_to_first_token_ms,
-            record.total_latency_ms, f"{record.price_charged:.6f}")
+            record.total_latency_ms, csv_money(record.price_charged))

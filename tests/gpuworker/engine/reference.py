@@ -20,7 +20,8 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
     """transformers' greedy generate, one prompt at a time (no padding), never stopping at EOS."""
     model = hf_model(path)
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None
+    # None would fall back to the model's own EOS (transformers 5); no token id is -1.
+    config.eos_token_id = -1
     config.do_sample = False
     config.max_new_tokens = max_new_tokens
     outputs = []

@@ -65,6 +65,7 @@ def test_sampling_params_name_the_bad_field(kwargs, field):
     ({"block_size": 0}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs"), ({"dtype": "int8"}, "dtype"),
     ({"device": "tpu"}, "device"), ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"load_format": "pt"}, "load_format"), ({"num_kv_blocks": 4, "max_model_len": 100}, "num_kv_blocks"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"), ({"short_prefill_share": 1.0}, "short_prefill_share"),
 ])
 def test_engine_config_names_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -229,6 +230,40 @@ def test_gpu_time_is_shared_out_by_tokens(path, async_scheduling):
     long, short = finished["long"].metrics.gpu_time_s, finished["short"].metrics.gpu_time_s
     assert long + short == pytest.approx(total)
     assert long > short > 0
+
+
+def test_a_short_request_is_not_starved_by_long_prefills(path):
+    """A short prompt that arrives while long ones prefill gets its first token at the next step,
+    however many long prompts came first; in plain arrival order (short_prefill_share=0) it waited
+    for all of their prefills. Either way every request gets the same tokens."""
+    long_prompts = random_prompts((900, 900, 900, 900), TINY["vocab_size"], seed=5)
+    short_prompt = random_prompts((16,), TINY["vocab_size"], seed=6)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run_with(short_prefill_share: float) -> tuple[int, dict[str, list[int]]]:
+        # 256 tokens a step: each long prompt takes 4 steps to prefill. Short prompts: <= 32 tokens.
+        engine = make_engine(path, num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=256,
+                             short_prefill_share=short_prefill_share)
+        for i, prompt in enumerate(long_prompts):
+            engine.add_request(f"long{i}", prompt, params)
+        engine.step()
+        engine.add_request("short", short_prompt, params)
+        steps, first_token_step, tokens = 0, None, {}
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            steps += 1
+            for out in outputs:
+                if out.request_id == "short" and first_token_step is None:
+                    first_token_step = steps
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        return first_token_step, tokens
+
+    steps, tokens = run_with(0.125)
+    fifo_steps, fifo_tokens = run_with(0.0)
+    assert steps == 1
+    assert fifo_steps >= 13  # the 3,600 - 256 prompt tokens ahead of it, 256 a step
+    assert tokens == fifo_tokens
 
 
 def test_dummy_weights_without_a_tokenizer_take_token_ids(tiny_checkpoint):

@@ -72,6 +72,9 @@ class Sim:
             assert len(seq.block_table) * bs >= entry.start + entry.num_new_tokens
             for pos in range(entry.start):  # the context it will attend to
                 assert self.shadow[(seq.block_table[pos // bs], pos % bs)] == tuple(seq.token_ids[: pos + 1])
+        scheduler = self.scheduler
+        assert scheduler.num_short_waiting == sum(
+            seq.num_tokens <= scheduler.short_prefill_tokens for seq in scheduler.waiting)
 
     def run(self, max_steps: int = 1000) -> int:
         steps = 0
@@ -121,6 +124,61 @@ def test_running_prefill_continues_before_new_admissions():
     sim.add("second", 5)
     batch = sim.step()
     assert [(e.seq.group.request_id, e.num_new_tokens) for e in batch.seqs] == [("first", 10)]
+
+
+def distinct_prompt(index: int, length: int) -> list[int]:
+    """A prompt sharing no prefix with the others (which the prefix cache would shorten)."""
+    return [index] + [0] * (length - 1)
+
+
+def steps_to_first_token_behind(num_long: int, **overrides) -> int:
+    """Steps from a short prompt's arrival to its first token, with num_long long prompts ahead of
+    it (the first one already prefilling)."""
+    sim = Sim(max_num_batched_tokens=64, max_num_seqs=32, num_kv_blocks=1024, **overrides)
+    for i in range(num_long):
+        sim.add(f"long{i}", distinct_prompt(i, 56))
+    sim.step()
+    short = sim.add("short", distinct_prompt(num_long, 8))
+    steps = 0
+    while not short.seqs[0].num_output_tokens:
+        sim.step()
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize("num_long", [1, 4, 16])
+def test_a_short_prompt_behind_long_ones_gets_its_first_token_at_the_next_step(num_long):
+    assert steps_to_first_token_behind(num_long) == 1
+    # In plain arrival order it waits for every long prefill ahead of it.
+    assert steps_to_first_token_behind(num_long, short_prefill_share=0) >= num_long * 56 // 64
+
+
+def test_short_prompts_pass_long_ones_in_the_budget_long_prefills_leave_them():
+    sim = Sim(max_num_batched_tokens=64, max_num_seqs=32, num_kv_blocks=1024)
+    assert sim.scheduler.short_prefill_tokens == 8  # 1/8 of the budget
+    for i in range(4):
+        sim.add(f"long{i}", distinct_prompt(i, 56))
+    sim.step()  # long0 whole, long1's first 8 tokens
+    sim.add("short", distinct_prompt(4, 8))
+    batch = sim.step()
+    # long1 goes on and long2 starts, leaving 8 tokens; long3 is passed by the short prompt.
+    assert [(e.seq.group.request_id, e.num_new_tokens) for e in batch.seqs] == [
+        ("long0", 1), ("long1", 48), ("long2", 7), ("short", 8)]
+    assert batch.num_batched_tokens == 64
+    assert [seq.group.request_id for seq in sim.scheduler.waiting] == ["long3"]
+
+
+def test_a_long_prefill_keeps_its_share_while_short_prompts_stream_in():
+    sim = Sim(max_num_batched_tokens=16, max_num_seqs=64, num_kv_blocks=1024)  # short: <= 2 tokens
+    long = sim.add("long", 60)
+    steps = 0
+    while long.seqs[0].num_computed_tokens < 60:
+        for i in range(3):
+            sim.add(f"short{steps}-{i}", 2, max_tokens=1)
+        sim.step()
+        steps += 1
+    assert steps == 5  # 14 tokens a step: the short prompts get 2
+    sim.run()
 
 
 def test_max_num_seqs_caps_the_batch():
@@ -241,13 +299,14 @@ request_strategy = st.tuples(
 @settings(max_examples=150, deadline=None)
 @given(requests=st.lists(request_strategy, min_size=1, max_size=8),
        block_size=st.sampled_from([2, 4]), extra_blocks=st.integers(0, 3),
-       budget=st.integers(1, 40), max_num_seqs=st.integers(3, 6), prefix_caching=st.booleans())
+       budget=st.integers(1, 40), max_num_seqs=st.integers(3, 6), prefix_caching=st.booleans(),
+       short_share=st.sampled_from([0.0, 0.125, 0.5]))
 def test_every_request_completes_correctly_under_any_budget(requests, block_size, extra_blocks, budget,
-                                                            max_num_seqs, prefix_caching):
+                                                            max_num_seqs, prefix_caching, short_share):
     max_model_len = 32
     sim = Sim(block_size=block_size, max_model_len=max_model_len,
               num_kv_blocks=max_model_len // block_size + extra_blocks, max_num_batched_tokens=budget,
-              max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching)
+              max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching, short_prefill_share=short_share)
     arrivals: dict[int, list] = {}
     for i, (prompt, max_tokens, n, at) in enumerate(requests):
         arrivals.setdefault(at, []).append((str(i), prompt, max_tokens, n))

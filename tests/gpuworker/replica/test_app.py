@@ -122,6 +122,25 @@ def test_openai_sdk_chat_stream_completions_models(server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+def test_a_chat_stream_sends_no_empty_deltas(server):
+    """Tokens that are no text yet (bytes of a split character: the tiny model's byte-level
+    vocabulary makes many) send nothing; OpenAI's shape stays: the first chunk has the role, the
+    last its finish_reason, the text adds up."""
+    openai = pytest.importorskip("openai")
+    base, _ = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN)
+    request = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=64, temperature=1.0,
+                   seed=3, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(stream=True, **request))
+    deltas = [c.choices[0] for c in chunks]
+    assert deltas[0].delta.role == "assistant" and deltas[0].finish_reason is None
+    assert deltas[-1].finish_reason == "length"
+    assert [d for d in deltas[1:-1] if not d.delta.content] == []
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    whole = client.chat.completions.create(**request)
+    assert "".join(d.delta.content or "" for d in deltas) == whole.choices[0].message.content
+
+
 def test_completion_stream_ends_with_done_and_usage(server):
     base, _ = server
     with _client(base) as client:
@@ -145,6 +164,10 @@ def test_health_and_metrics_move(server):
         assert health["status"] == "ready"
         # How long each start-up stage took, for operators and bench/load_time.py.
         assert {"weights", "kv_cache", "engine_s"} <= set(health["load_timings"])
+        # The engine's sizes: CPU defaults for the batch limits, the pool from the CPU's budget.
+        limits = health["limits"]
+        assert (limits["max_num_seqs"], limits["max_num_batched_tokens"], limits["max_model_len"]) == (256, 8192, 1024)
+        assert limits["kv_cache_tokens"] >= 1024
         assert health["load_started_at"] > 0
         before = client.get("/metrics").text
         assert "vllm:num_requests_running" in before
@@ -401,6 +424,7 @@ def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
         process = subprocess.Popen(
             [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")), "--token", TOKEN,
              "--fd", str(sock.fileno()), "--served-model-name", "cli", "--max-model-len", "512",
+             "--max-num-seqs", "6", "--max-num-batched-tokens", "96",
              "--drain-timeout", "60", "--log-level", "warning"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
     try:
@@ -419,6 +443,8 @@ def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
                                                             "ignore_eos": True})
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
             assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 512
+            limits = client.get("/health").json()["limits"]
+            assert (limits["max_num_seqs"], limits["max_num_batched_tokens"]) == (6, 96)
             thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 500, "stream": True,
                                                       "ignore_eos": True})
             assert result["first"].wait(10)

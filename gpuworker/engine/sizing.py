@@ -1,0 +1,105 @@
+"""Start-up sizes that follow from the device and the model: the KV pool, and the batch limits
+max_num_seqs and max_num_batched_tokens where the user left them None.
+
+Arithmetic on a few figures only (free device memory, the model's shape), so the rules are tested
+with made-up memory sizes; the engine measures the free memory once the weights are loaded and calls
+`plan_sizes`. On CUDA:
+
+- max_num_batched_tokens keeps a step's matmul work near that of 8,192 tokens of Llama-3-8B (the
+  budget BENCHMARKS.md's throughput figures were measured at), rounded to the nearest power of two:
+  well past the point where the GEMMs are compute-bound, and no larger, because the decodes sharing
+  a step wait for it. Models within a factor ~1.4 of 8B keep 8,192; smaller ones get more tokens
+  (up to 16,384), larger ones fewer (down to 2,048).
+- max_num_seqs: as many sequences as the memory left for the pool holds at TOKENS_PER_SEQ tokens
+  each (with each one's row of sampling temporaries), at most 1,024, where the CUDA-graph buckets end.
+  More would only be admitted to be preempted; fewer leave a large GPU decoding in weight-bound
+  batches (BENCHMARKS.md, H200, Llama-3-8B: 512 sequences 11.4k output tok/s offline, 1,024 12.5k).
+
+On CPU the limits stay small and fixed: a CPU step is slow, and there is no device memory to size from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from gpuworker.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from gpuworker.models.config import ModelConfig
+
+CPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_BATCHED_TOKENS = 8192
+MIN_NUM_SEQS = 8
+MAX_NUM_SEQS = 1024
+# The KV tokens a running sequence holds on average over its life in chat-like serving: prompts of
+# 100-1024 tokens and answers of 64-512 (the serving benchmark's mix) hold ~700.
+TOKENS_PER_SEQ = 768
+MIN_NUM_BATCHED_TOKENS = 2048
+MAX_NUM_BATCHED_TOKENS = 16384
+# Llama-3-8B's decoder-layer weights (32 layers of q, k, v, o and the gated MLP) times 8,192 tokens.
+REFERENCE_STEP_WEIGHT_TOKENS = 6_979_321_856 * 8192
+
+
+def kv_cache_block_bytes(mc: ModelConfig, block_size: int, element_size: int) -> int:
+    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * element_size
+
+
+def token_activation_bytes(mc: ModelConfig, element_size: int) -> int:
+    """Rough peak activations per batched token: the widest per-token tensors of a layer."""
+    return (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size) * element_size
+
+
+def seq_activation_bytes(mc: ModelConfig) -> int:
+    """Per sequence of a step: float32 logits and the sampler's temporaries of the same size."""
+    return mc.vocab_size * 4 * 6
+
+
+def decoder_layer_weights(mc: ModelConfig) -> int:
+    """Weights every token multiplies through: q, k, v, o and the gated MLP of each layer."""
+    per_layer = (2 * mc.hidden_size * mc.q_size + 2 * mc.hidden_size * mc.kv_size
+                 + 3 * mc.hidden_size * mc.intermediate_size)
+    return mc.num_layers * per_layer
+
+
+def default_max_num_batched_tokens(mc: ModelConfig) -> int:
+    """The CUDA token budget for this model (see the module's docstring)."""
+    tokens = REFERENCE_STEP_WEIGHT_TOKENS / decoder_layer_weights(mc)
+    return min(MAX_NUM_BATCHED_TOKENS, max(MIN_NUM_BATCHED_TOKENS, 1 << round(math.log2(tokens))))
+
+
+def plan_sizes(config: EngineConfig, mc: ModelConfig, *, element_size: int, max_model_len: int,
+               free_device_bytes: int | None) -> EngineConfig:
+    """config with num_kv_blocks, max_num_seqs and max_num_batched_tokens filled in where None;
+    given values are kept. free_device_bytes: device memory free after loading the weights (None:
+    the CPU, whose pool takes kv_cache_memory_bytes)."""
+    block_bytes = kv_cache_block_bytes(mc, config.block_size, element_size)
+    max_num_seqs = config.max_num_seqs
+    if free_device_bytes is None:
+        max_num_batched_tokens = config.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS
+        max_num_seqs = max_num_seqs or CPU_MAX_NUM_SEQS
+        budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        source = f"kv_cache_memory_bytes ({budget})"
+        per_seq_bytes = 0
+    else:
+        # Room for a decode of every sequence in one step.
+        max_num_batched_tokens = config.max_num_batched_tokens or max(default_max_num_batched_tokens(mc),
+                                                                      max_num_seqs or 0)
+        budget = (int(free_device_bytes * config.gpu_memory_utilization)
+                  - max_num_batched_tokens * token_activation_bytes(mc, element_size))
+        source = f"gpu_memory_utilization ({config.gpu_memory_utilization}) of {free_device_bytes} free bytes"
+        per_seq_bytes = seq_activation_bytes(mc)
+        if max_num_seqs is None:
+            seq_tokens = min(TOKENS_PER_SEQ, max_model_len)
+            if config.num_kv_blocks is not None:
+                fit = config.num_kv_blocks * config.block_size // seq_tokens
+            else:
+                fit = budget // (seq_tokens * block_bytes // config.block_size + per_seq_bytes)
+            max_num_seqs = min(MAX_NUM_SEQS, max(MIN_NUM_SEQS, fit))
+    num_kv_blocks = config.num_kv_blocks
+    if num_kv_blocks is None:
+        num_kv_blocks = (budget - max_num_seqs * per_seq_bytes) // block_bytes
+        if num_kv_blocks < 1:
+            raise ValueError(f"{source} leaves no room for one KV block of {block_bytes} bytes")
+        # More than every sequence at full length could ever use is wasted memory.
+        num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-max_model_len // config.block_size))
+    return replace(config, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens)

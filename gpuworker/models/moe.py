@@ -1,0 +1,76 @@
+"""The sparse mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE (models.config.MoEConfig).
+
+The experts' weights are stacked expert-major into two parameters, so the loader fills them as row
+ranges like any fused projection: w13 [E * 2I, H] holds each expert's gate rows then its up rows,
+w2 [E * H, I] each expert's down projection. On the GPU the experts run in the fused Triton kernel
+(kernels.fused_moe: tokens grouped by expert, one grouped GEMM per projection, SiLU-and-mul fused,
+no host syncs, so decode steps can be captured in CUDA graphs); on the CPU in `experts_reference`,
+which computes what transformers computes, densely.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpuworker.models.config import MoEConfig
+from gpuworker.models.layers import GatedMLP, Linear
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64): softmax over
+    all experts in float32, the top_k, renormalised over them when `normalize`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+    """sum over each token's chosen experts e of weight * down_e(silu(gate_e(x)) * up_e(x)).
+
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights, ids [T, top_k]. Every expert runs on every
+    token, weighted 0 where not chosen: E / top_k times the work of the sparse kernel, but nothing
+    is read on the host (the model has no data-dependent control flow) and, as in transformers, the
+    experts' contributions are added in expert order."""
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for expert in range(w13.shape[0]):
+        weight = torch.where(ids == expert, weights, 0.0).sum(dim=-1, keepdim=True)
+        gate, up = F.linear(x, w13[expert]).split(inter, dim=-1)
+        out += (F.linear(F.silu(gate) * up, w2[expert]) * weight).to(x.dtype)
+    return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        experts, inter = config.num_experts, config.expert_intermediate_size
+        self.hidden_size = hidden_size
+        self.gate = Linear(hidden_size, experts)  # the router
+        self.w13 = nn.Parameter(torch.empty(experts * 2 * inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(experts * hidden_size, inter), requires_grad=False)
+        shared = config.shared_expert_intermediate_size
+        self.shared_expert = GatedMLP(hidden_size, shared, False) if shared else None
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H], already normalised -> [T, H]."""
+        config = self.config
+        weights, ids = route(self.gate(x), config.top_k, config.norm_topk_prob)
+        w13 = self.w13.view(config.num_experts, -1, self.hidden_size)
+        w2 = self.w2.view(config.num_experts, self.hidden_size, -1)
+        if x.is_cuda:
+            from gpuworker.kernels.fused_moe import fused_moe
+
+            out = fused_moe(x, w13, w2, weights, ids)
+        else:
+            out = experts_reference(x, w13, w2, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert.down(self.shared_expert.gate_up_proj(x))
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out

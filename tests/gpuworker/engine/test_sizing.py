@@ -1,0 +1,113 @@
+"""Start-up sizes from made-up device memory: the batch limits chosen for the device and the model
+when not given, the KV pool beside them, and given values always kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.sizing import (CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, MAX_NUM_SEQS, MIN_NUM_SEQS,
+                                     TOKENS_PER_SEQ, default_max_num_batched_tokens, plan_sizes)
+from gpuworker.models.config import ModelConfig
+
+GIB = 1 << 30
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rope_theta": 500000.0,
+}
+# bf16, block size 16: 32 layers x K and V x 8 heads x 128 dims x 2 bytes per token.
+KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+
+
+def model(**overrides) -> ModelConfig:
+    return ModelConfig.from_hf({**LLAMA_3_8B, **overrides})
+
+
+def plan(free_gib: float | None, *, mc: ModelConfig | None = None, max_model_len: int = 8192, **config):
+    return plan_sizes(EngineConfig(model="unused", **config), mc or model(), element_size=2,
+                      max_model_len=max_model_len,
+                      free_device_bytes=None if free_gib is None else int(free_gib * GIB))
+
+
+def pool_tokens(config: EngineConfig) -> int:
+    return config.num_kv_blocks * config.block_size
+
+
+def test_an_h200_runs_1024_sequences_of_an_8b_model():
+    # An H200 (~140 GiB) with Llama-3-8B's 15 GiB of bf16 weights loaded.
+    sized = plan(125)
+    assert sized.max_num_seqs == MAX_NUM_SEQS == 1024
+    assert sized.max_num_batched_tokens == 8192
+    # The pool holds every sequence at the expected length, with room to spare on this GPU.
+    assert pool_tokens(sized) >= MAX_NUM_SEQS * TOKENS_PER_SEQ
+
+
+@pytest.mark.parametrize("free_gib", [6, 20, 62])
+def test_a_smaller_gpu_runs_as_many_sequences_as_its_pool_holds(free_gib):
+    sized = plan(free_gib)
+    assert MIN_NUM_SEQS < sized.max_num_seqs < MAX_NUM_SEQS
+    # As many as fit at TOKENS_PER_SEQ each (one more would not; its share of the sampler's
+    # temporaries is worth under 24 tokens of this model's KV).
+    assert sized.max_num_seqs * TOKENS_PER_SEQ <= pool_tokens(sized) < (sized.max_num_seqs + 1) * TOKENS_PER_SEQ + 24
+
+
+def test_more_memory_never_means_fewer_sequences_or_a_smaller_pool():
+    sizes = [plan(free_gib) for free_gib in (4, 8, 16, 32, 64, 128)]
+    assert [s.max_num_seqs for s in sizes] == sorted(s.max_num_seqs for s in sizes)
+    assert [pool_tokens(s) for s in sizes] == sorted(pool_tokens(s) for s in sizes)
+
+
+def test_a_nearly_full_gpu_still_gets_the_minimum_of_sequences():
+    # 1.5 GiB: after the 1 GiB of activations for 8,192 tokens, a pool of under 3k tokens.
+    sized = plan(1.5)
+    assert sized.max_num_seqs == MIN_NUM_SEQS
+    assert 0 < pool_tokens(sized) < MIN_NUM_SEQS * TOKENS_PER_SEQ
+
+
+def test_no_room_for_one_block_is_refused_with_the_numbers():
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization \(0.9\) of \d+ free bytes leaves no room"):
+        plan(1)
+
+
+def test_a_given_pool_sets_the_sequences_from_its_size():
+    sized = plan(125, num_kv_blocks=1000)  # 16,000 tokens
+    assert sized.num_kv_blocks == 1000
+    assert sized.max_num_seqs == 16000 // TOKENS_PER_SEQ
+    # A short context holds fewer tokens per sequence, so more sequences fit.
+    assert plan(125, num_kv_blocks=1000, max_model_len=256).max_num_seqs == 16000 // 256
+
+
+def test_given_values_always_win():
+    sized = plan(125, max_num_seqs=64, max_num_batched_tokens=4096)
+    assert (sized.max_num_seqs, sized.max_num_batched_tokens) == (64, 4096)
+    # The pool is sized with the given values: every sequence at full length, and no more.
+    assert sized.num_kv_blocks == 64 * 8192 // 16
+    assert plan(125, max_num_seqs=2048).max_num_seqs == 2048
+    # The chosen token budget leaves room to decode every given sequence in one step.
+    assert plan(125, max_num_seqs=12288).max_num_batched_tokens == 12288
+    given_pool = plan(None, num_kv_blocks=12, max_num_seqs=3, max_num_batched_tokens=100)
+    assert (given_pool.num_kv_blocks, given_pool.max_num_seqs, given_pool.max_num_batched_tokens) == (12, 3, 100)
+
+
+def test_cpu_keeps_small_fixed_limits():
+    sized = plan(None, kv_cache_memory_bytes=64 * 2 * 1024 * 1024)
+    assert (sized.max_num_seqs, sized.max_num_batched_tokens) == (CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS)
+    assert sized.num_kv_blocks == 64
+
+
+@pytest.mark.parametrize("shape, tokens", [
+    # Llama-3.2-1B and -3B: small models get the largest budget.
+    ({"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32}, 16384),
+    ({"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24}, 16384),
+    ({}, 8192),  # Llama-3-8B
+    # Qwen3-8B-like: a little more than Llama-3-8B in its layers keeps the same budget.
+    ({"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 37}, 8192),
+    # Qwen2.5-14B-like: 48 layers of 5120.
+    ({"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40}, 4096),
+    # Llama-3-70B: the smallest budget.
+    ({"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64}, 2048),
+])
+def test_token_budget_shrinks_as_the_model_grows(shape, tokens):
+    assert default_max_num_batched_tokens(model(**shape)) == tokens
+    assert plan(125, mc=model(**shape), max_num_seqs=8).max_num_batched_tokens == tokens
