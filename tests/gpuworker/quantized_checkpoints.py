@@ -171,3 +171,38 @@ def _pack_along_rows(values: torch.Tensor) -> torch.Tensor:
 
 def _as_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+# Projections fused into one GEMM by the engine, which share one static input scale (the largest).
+_FUSED_INPUTS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
+                 "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),
+                 "up_proj": ("gate_proj", "up_proj")}
+
+
+def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str):
+    """transformers' float32 model of the twin; for schemes that quantize activations, each projection
+    first rounds its input through FP8 as the format says (per token, or with the static scale)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(twin_dir), dtype=torch.float32).eval()
+    activations = SCHEMES[scheme].get("input_activations", SCHEMES[scheme].get("activation_scheme"))
+    if activations is None or scheme in WEIGHT_ONLY:
+        return model
+    tensors = load_file(str(next(quantized_dir.glob("*.safetensors"))))
+    for name, module in model.named_modules():
+        match = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp))\.(\w+_proj)", name)
+        if match is None:
+            continue
+        static = None
+        if scheme.endswith("static"):
+            parent, proj = match.groups()
+            static = max(float(tensors[f"{parent}.{p}.input_scale"].reshape(())) for p in _FUSED_INPUTS.get(proj, (proj,)))
+        module.register_forward_pre_hook(lambda _, args, static=static: (_fake_fp8(args[0], static),))
+    return model
+
+
+def _fake_fp8(x: torch.Tensor, static: float | None) -> torch.Tensor:
+    scale = (torch.full((*x.shape[:-1], 1), static) if static is not None
+             else x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
