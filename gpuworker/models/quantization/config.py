@@ -141,7 +141,9 @@ def _int4(qc: dict[str, Any], method: str, source: str) -> QuantConfig:
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"{where}.version {version!r} is not supported (expected 'gemm')")
-        zero_point = bool(qc.get("zero_point", True))
+        if not qc.get("zero_point", True):
+            raise ValueError(f"{where}.zero_point false is not supported (AWQ's GEMM layout stores zero points)")
+        zero_point = True
         ignore = tuple(qc.get("modules_to_not_convert") or ())
     else:
         if qc.get("desc_act"):
