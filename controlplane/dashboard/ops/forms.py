@@ -80,7 +80,8 @@ class CatalogModelForm(forms.ModelForm):
     parameter_count = forms.IntegerField(min_value=1, label="Parameters")
     gpu_memory_bytes = forms.IntegerField(
         min_value=1, required=False, label="GPU memory (bytes)",
-        help_text="Weights plus a working KV cache. Leave empty to estimate from the parameter count.")
+        help_text="Weights plus a working KV cache. Leave empty to estimate from the parameter count "
+                  "and the quantization.")
     check_workers = forms.ModelMultipleChoiceField(
         queryset=Worker.objects.none(), required=False, widget=forms.CheckboxSelectMultiple,
         label="Check the weight path on",
@@ -89,7 +90,7 @@ class CatalogModelForm(forms.ModelForm):
     class Meta:
         model = Model
         fields = ["public_name", "family", "kind", "weights_path", "context_length", "parameter_count",
-                  "gpu_memory_bytes", "price_tier", "enabled"]
+                  "quantization", "gpu_memory_bytes", "price_tier", "enabled"]
         labels = {"public_name": "Name", "weights_path": "Weight path", "price_tier": "Price tier"}
         help_texts = {"public_name": "What clients send as `model`.",
                       "weights_path": "A directory in Hugging Face layout on the worker hosts, inside their model roots "
@@ -113,7 +114,8 @@ class CatalogModelForm(forms.ModelForm):
         cleaned = super().clean()
         if cleaned.get("gpu_memory_bytes") is None and cleaned.get("parameter_count"):
             # The ModelForm builds and validates its instance from cleaned_data after this.
-            cleaned["gpu_memory_bytes"] = estimate_gpu_memory_bytes(parameter_count=cleaned["parameter_count"])
+            cleaned["gpu_memory_bytes"] = estimate_gpu_memory_bytes(
+                parameter_count=cleaned["parameter_count"], quantization=cleaned.get("quantization") or "")
         return cleaned
 
     def model_fields(self) -> dict:

@@ -28,6 +28,24 @@ def test_model_create_estimates_gpu_memory_when_not_given():
     assert model.gpu_memory_bytes > 2 * 8_030_000_000
 
 
+def test_quantized_models_are_estimated_by_their_weight_bytes():
+    params = 8_030_000_000
+    bf16, fp8, awq, gptq = (estimate_gpu_memory_bytes(parameter_count=params, quantization=q)
+                            for q in ("", "fp8", "awq-int4", "gptq-int4"))
+    assert bf16 > fp8 > awq == gptq
+    # FP8 halves the projections' bytes but not the bf16 embeddings'; INT4 quarters them.
+    assert 0.5 * bf16 < fp8 < 0.65 * bf16
+    assert 0.25 * bf16 < awq < 0.45 * bf16
+    model = model_create(**_model_fields(quantization=Model.Quantization.FP8))
+    assert (model.quantization, model.gpu_memory_bytes) == ("fp8", fp8)
+
+
+def test_an_unknown_quantization_is_refused():
+    with pytest.raises(ValidationError) as error:
+        model_create(**_model_fields(quantization="int3"))
+    assert "quantization" in error.value.message_dict
+
+
 def test_model_create_keeps_a_given_memory_figure():
     model = model_create(**_model_fields(gpu_memory_bytes=20 * 1024**3))
     assert Model.objects.get(pk=model.pk).gpu_memory_bytes == 20 * 1024**3

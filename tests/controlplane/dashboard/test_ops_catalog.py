@@ -53,7 +53,18 @@ def test_adding_a_model_estimates_its_memory_and_is_audited(operator_client, ope
     assert (entry.actor, entry.detail["weights_path"]) == (operator, "/models/llama-3-8b")
 
 
+def test_a_quantized_model_is_estimated_smaller_and_shown(operator_client):
+    response = operator_client.post(reverse("dashboard:catalog_add"),
+                                    _form(quantization="awq-int4", check_workers=[]), follow=True)
+    model = Model.objects.get(public_name="llama-3-8b")
+    assert model.quantization == "awq-int4"
+    # INT4 projections and bf16 embeddings: under half of bf16's estimate.
+    assert model.gpu_memory_bytes < int(8_000_000_000 * 2 * 1.2) / 2
+    assert 'data-testid="model-quantization">AWQ INT4<' in response.content.decode()
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
+    ("quantization", "int3", "Select a valid choice."),
     ("public_name", "bad name!", "Use letters, digits and . _ : / - only"),
     ("public_name", "", "This field is required."),
     ("weights_path", "models/relative", "Give an absolute path"),
