@@ -5,6 +5,7 @@ load through EngineConfig.quantization."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from gpuworker.engine import LLMEngine, SamplingParams
 from tests.gpuworker.engine.reference import greedy_generate, random_prompts
@@ -24,10 +25,14 @@ def case(request, tmp_path_factory):
     return quantized, prompts, reference
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_greedy_equals_the_dequantised_reference(case, async_scheduling):
+@pytest.mark.parametrize("device, async_scheduling", [
+    ("cpu", False), ("cpu", True),
+    # The Triton kernels (and CUDA graphs for decode) on the same float32 weights.
+    pytest.param("cuda", True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+], ids=["cpu-sync", "cpu-async", "cuda"])
+def test_greedy_equals_the_dequantised_reference(case, device, async_scheduling):
     path, prompts, reference = case
-    engine = LLMEngine(path, device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=64,
+    engine = LLMEngine(path, device=device, dtype="float32", num_kv_blocks=32, max_model_len=64,
                        async_scheduling=async_scheduling)
     assert engine.model_config.quantization is not None
     outputs = engine.generate(prompts, GREEDY)
