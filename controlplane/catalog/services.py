@@ -33,9 +33,9 @@ _RUNTIME_OVERHEAD = 1.2
 
 
 def estimate_gpu_memory_bytes(*, parameter_count: int, quantization: str = Model.Quantization.NONE) -> int:
-    per_parameter = _BYTES_PER_PARAMETER[quantization]
+    per_parameter = dense = _BYTES_PER_PARAMETER[Model.Quantization.NONE]
     if quantization != Model.Quantization.NONE:
-        per_parameter = (1 - _DENSE_SHARE) * per_parameter + _DENSE_SHARE * _BYTES_PER_PARAMETER[Model.Quantization.NONE]
+        per_parameter = (1 - _DENSE_SHARE) * _BYTES_PER_PARAMETER[quantization] + _DENSE_SHARE * dense
     return int(parameter_count * per_parameter * _RUNTIME_OVERHEAD)
 
 

@@ -197,7 +197,8 @@ def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str):
         static = None
         if scheme.endswith("static"):
             parent, proj = match.groups()
-            static = max(float(tensors[f"{parent}.{p}.input_scale"].reshape(())) for p in _FUSED_INPUTS.get(proj, (proj,)))
+            static = max(float(tensors[f"{parent}.{p}.input_scale"].reshape(()))
+                         for p in _FUSED_INPUTS.get(proj, (proj,)))
         module.register_forward_pre_hook(lambda _, args, static=static: (_fake_fp8(args[0], static),))
     return model
 

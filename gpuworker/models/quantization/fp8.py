@@ -47,7 +47,8 @@ class Fp8Linear(QuantizedLinear):
                 weight, scale = quantize_fp8_rows(weight)
             else:
                 if weight.dtype != FP8_DTYPE:
-                    raise ValueError(f"{self.checkpoint_names[i]}.weight has dtype {weight.dtype}, expected {FP8_DTYPE}")
+                    raise ValueError(f"{self.checkpoint_names[i]}.weight has dtype {weight.dtype}, "
+                                     f"expected {FP8_DTYPE}")
                 scale = self._channel_scale(i, staged["weight_scale"], rows)
             weights.append(weight)
             scales.append(scale)

@@ -165,3 +165,19 @@ def test_ignored_modules_stay_dense(tmp_path, prompt):
     model = load_model(quantized)
     assert not isinstance(model.layers[0].mlp.down_proj, Fp8Linear)
     assert isinstance(model.layers[0].mlp.gate_up_proj, Fp8Linear)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 16, 17, 256])
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_cuda_linears_equal_their_cpu_reference(scheme, rows, tmp_path):
+    # bfloat16: FP8 rows >= 17 take torch._scaled_mm, fewer the Triton kernel; INT4 the Triton GEMM.
+    quantized, _ = make_quantized_checkpoint(tmp_path, scheme)
+    cpu = load_model(quantized, dtype="bfloat16")
+    gpu = load_model(quantized, device="cuda", dtype="bfloat16")
+    generator = torch.Generator().manual_seed(rows)
+    for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj"):
+        reference, linear = cpu.get_submodule(name), gpu.get_submodule(name)
+        x = torch.randn(rows, reference.in_features, generator=generator).bfloat16()
+        with torch.no_grad():
+            torch.testing.assert_close(linear(x.cuda()).cpu(), reference(x), rtol=2e-2, atol=2e-2)
