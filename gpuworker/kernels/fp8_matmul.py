@@ -5,7 +5,8 @@ The weight [N, K] is read as float8_e4m3fn (half the bytes of bf16, which is the
 its float32 scale per output channel (a per-tensor scale is repeated per channel at load) and the
 activations' scale per row (x quantized to FP8 per token or with a static scale; x_scale None: x
 left in the model dtype) are applied to the float32 accumulator once per tile. FP8 x takes FP8
-tensor-core products; a float x multiplies the weight converted to its dtype. Decode batches and the
+tensor-core products; a float x multiplies the weight converted to its dtype; a single row (batch-1
+decode) is a GEMV of CUDA-core FMAs over narrow weight tiles instead. Decode batches and the
 shapes torch._scaled_mm does not take run here; models.quantization.fp8 picks.
 """
 
@@ -45,7 +46,9 @@ def _fp8_matmul_kernel(
         # The weight tile transposed: [BLOCK_K, BLOCK_N] of rows of the [N, K] weight.
         w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:  # float32 x, or the interpreter: products in float32
+        if BLOCK_M == 1:  # one decode row: a weight stream through CUDA-core FMAs, no tile padded to 16 rows
+            acc += tl.sum(tl.trans(x).to(tl.float32) * w.to(tl.float32), axis=0)[None, :]
+        elif UPCAST:  # float32 x, or the interpreter: products in float32
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         elif HAS_X_SCALE:  # FP8 x FP8 on the tensor cores
             acc = tl.dot(x, w, acc)
@@ -95,8 +98,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = (64, 128) if x.is_cuda else (32, 32)
+    block_m, block_n, block_k = _tiles(m, x.is_cuda)
     upcast = x.dtype == torch.float32 or interpreting()
     _fp8_matmul[(-(-m // block_m), -(-n // block_n))](
         x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
@@ -105,6 +107,15 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION="ieee" if upcast else "tf32", num_warps=4,
         **pdl_options(x.device))
     return out
+
+
+def _tiles(m: int, on_cuda: bool) -> tuple[int, int, int]:
+    """BLOCK_M, BLOCK_N, BLOCK_K: one row streams narrow, deep weight tiles (many programs, long
+    loads); batches take tensor-core tiles. Untuned: bench/kernels.py has no FP8 entry yet."""
+    if m == 1:
+        return (1, 16, 256) if on_cuda else (1, 16, 32)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return (block_m, 64, 128) if on_cuda else (block_m, 32, 32)
 
 
 def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,

@@ -8,7 +8,8 @@ One layout for AWQ and GPTQ checkpoints (models.quantization converts both at lo
 - scales float16 [K / G, N].
 W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n], computed in float32 and rounded to x's
 dtype before the product, as the reference does. A weight is a quarter of bf16's bytes; each program
-owns a BLOCK_M x BLOCK_N tile of the output and walks K.
+owns a BLOCK_M x BLOCK_N tile of the output and walks K (tl.dot for batches; CUDA-core FMAs for a
+single row, the batch-1 GEMV).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def _int4_matmul_kernel(
         zeros = tl.load(zeros_ptr + group[:, None] * N + offs_n[None, :], mask=kn_mask, other=0).to(tl.int32)
         scales = tl.load(scales_ptr + group[:, None] * N + offs_n[None, :], mask=kn_mask, other=0.0)
         w = ((q - zeros).to(tl.float32) * scales.to(tl.float32)).to(x.dtype)
-        if DOT_FP32:
+        if BLOCK_M == 1:  # one decode row: CUDA-core FMAs, no tile padded to 16 rows
+            acc += tl.sum(tl.trans(x).to(tl.float32) * w.to(tl.float32), axis=0)[None, :]
+        elif DOT_FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
@@ -75,8 +78,9 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if x.is_cuda else 32
+    # One row streams narrow tiles (many programs); batches take tensor-core tiles. Untuned.
+    block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = (16 if m == 1 else 64) if x.is_cuda else 32
     block_k = min(group_size, 128 if x.is_cuda else 32)
     _int4_matmul[(-(-m // block_m), -(-n // block_n))](
         x, qweight, zeros, scales, bias if bias is not None else scales, out, m, n, k, x.stride(0), out.stride(0),
