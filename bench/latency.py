@@ -1,6 +1,7 @@
 """Batch-1 decode latency: tokens/s and achieved weight-read bandwidth, against HF transformers.
 
     python bench/latency.py [--config bench/configs/llama-3-8b] [--prompt-len 128] [--output-len 512]
+    python bench/latency.py --config bench/configs/llama-3-8b-fp8 --skip-hf  # or llama-3-8b-awq
 
 Weights are random (load_format="dummy"): speed does not depend on their values.
 """
