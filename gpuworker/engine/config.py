@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 # On CPU there is no "free device memory" to fill, so the KV pool gets a fixed budget by default.
@@ -64,9 +66,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if self.quantization is not None and not isinstance(self.quantization, str):
-            # Which names are valid is the loader's (models.loader.with_quantization), checked at start.
-            raise ValueError(f"quantization must be a name or None, got {self.quantization!r}")
+        if self.quantization not in LOAD_QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {LOAD_QUANTIZATIONS}, got {self.quantization!r}")
         _positive_int("block_size", self.block_size)
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len",
                      "kv_cache_memory_bytes"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuworker.models.quantization.config import QuantConfig, parse_quantization
+from gpuworker.checkpoint_quantization import QuantConfig, parse_quantization
 
 # Per architecture: whether q/k/v and o_proj carry biases ("config" = the config's attention_bias,
 # another string = that config field, true when absent), whether q/k get a per-head RMSNorm before

@@ -29,7 +29,7 @@ from gpuworker.models.gguf_checkpoint import load_gguf_tokenizer, read_gguf_conf
 from gpuworker.models.layers import GatedMLP, RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
-from gpuworker.models.quantization.config import LOAD_QUANTIZATIONS, fp8_at_load
+from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.quantization.install import (install_quantized_linears, load_quantized_tensors,
                                                    missing_quantized_tensors, quantized_shards)
 from gpuworker.models.quantization.linear import QuantizedLinear

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch import nn
 
-from gpuworker.models.quantization.config import QuantConfig
+from gpuworker.checkpoint_quantization import QuantConfig
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpuworker.models.quantization.config import QuantConfig
+from gpuworker.checkpoint_quantization import QuantConfig
 
 
 class QuantizedLinear(nn.Module):

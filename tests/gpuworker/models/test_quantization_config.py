@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gpuworker.models.config import ModelConfig
-from gpuworker.models.quantization.config import QuantConfig, parse_quantization
+from gpuworker.checkpoint_quantization import QuantConfig, parse_quantization
 from tests.gpuworker.quantized_checkpoints import SCHEMES, quantization_config
 
 BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300,

@@ -10,7 +10,8 @@ Three published layouts are understood (the formats' own names in parentheses):
 `quantization="fp8"` at load quantizes a float checkpoint to FP8 with per-channel weight scales and
 dynamic per-token activations (fp8_at_load).
 
-Pure Python: the model config and the control plane's catalog read it without torch.
+Pure Python, outside gpuworker.models (whose package imports torch), so the engine's config and the
+daemon can import it without torch.
 """
 
 from __future__ import annotations
