@@ -1,6 +1,7 @@
 """The daemon reports the checkpoints under its model roots: the scan itself, and registration plus
 heartbeats against the real control plane (Django's live server), where the catalog reads them."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,23 @@ def test_a_folder_holding_a_gguf_file_is_a_checkpoint(tmp_path):
     (root / "notes").mkdir()
     (root / "notes" / "readme.txt").write_text("not a model")
     assert scan_model_roots([root]).paths == (str(smollm2),)
+
+
+def test_quantized_checkpoints_are_reported_with_their_quantization(tmp_path):
+    root = tmp_path / "models"
+    _checkpoint(root / "llama-8b")
+    awq = _checkpoint(root / "llama-8b-awq")
+    (awq / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}))
+    fp8 = _checkpoint(root / "llama-8b-fp8")
+    (fp8 / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    # Not served (its load will say why) or unreadable: reported as a checkpoint, without a quantization.
+    (_checkpoint(root / "act-order") / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}}))
+    (_checkpoint(root / "garbled") / "config.json").write_text("{not json")
+    scan = scan_model_roots([root])
+    assert len(scan.paths) == 5
+    assert scan.quantization == ((str(awq), "awq-int4"), (str(fp8), "fp8"))
 
 
 @pytest.mark.django_db(transaction=True)
