@@ -12,7 +12,7 @@ from django.forms.models import model_to_dict
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.models import Model
-from controlplane.catalog.selectors import weights_path_reports
+from controlplane.catalog.selectors import reported_quantization, weights_path_reports
 
 # What a model edit may change, and what its audit entry compares.
 MODEL_FIELDS = ("public_name", "family", "kind", "weights_path", "context_length", "parameter_count",
@@ -71,13 +71,17 @@ def model_create(
     parameter_count: int,
     price_tier,
     gpu_memory_bytes: int | None = None,
-    quantization: str = Model.Quantization.NONE,
+    quantization: str | None = None,
     enabled: bool = True,
     actor=None,
     verify_on: Iterable | None = None,
 ) -> Model:
     """Add a model. `verify_on`: workers whose reported checkpoints the weight path must be among
-    (inside their model roots, a checkpoint there); None checks only the path itself."""
+    (inside their model roots, a checkpoint there); None checks only the path itself.
+    `quantization` None: as those workers report the checkpoint (a float one if none does)."""
+    if quantization is None:
+        reported = reported_quantization(weights_path=weights_path, workers=verify_on or ())
+        quantization = reported or Model.Quantization.NONE
     if (gpu_memory_bytes is None and isinstance(parameter_count, int) and parameter_count > 0
             and quantization in Model.Quantization.values):
         gpu_memory_bytes = estimate_gpu_memory_bytes(parameter_count=parameter_count, quantization=quantization)

@@ -7,6 +7,7 @@ from django.core.exceptions import ValidationError
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
+from controlplane.catalog.selectors import reported_quantization
 from controlplane.catalog.services import estimate_gpu_memory_bytes
 from controlplane.fleet.models import Gpu, Worker
 from controlplane.fleet.selectors import workers_for_path_check
@@ -74,7 +75,10 @@ class LoadForm(forms.Form):
 
 
 class CatalogModelForm(forms.ModelForm):
-    """Add or edit a catalog model; the weight path is checked against the chosen workers' reports."""
+    """Add or edit a catalog model; the weight path is checked against the chosen workers' reports,
+    which also say how the checkpoint is quantized."""
+
+    DETECT = "detect"
 
     context_length = forms.IntegerField(min_value=1, label="Context length (tokens)")
     parameter_count = forms.IntegerField(min_value=1, label="Parameters")
@@ -82,6 +86,10 @@ class CatalogModelForm(forms.ModelForm):
         min_value=1, required=False, label="GPU memory (bytes)",
         help_text="Weights plus a working KV cache. Leave empty to estimate from the parameter count "
                   "and the quantization.")
+    quantization = forms.ChoiceField(
+        choices=[(DETECT, "Detect from the checkpoint"), *Model.Quantization.choices], initial=DETECT,
+        required=False, label="Quantization",
+        help_text="As the checked workers report the checkpoint's config.json; a float checkpoint if none does.")
     check_workers = forms.ModelMultipleChoiceField(
         queryset=Worker.objects.none(), required=False, widget=forms.CheckboxSelectMultiple,
         label="Check the weight path on",
@@ -112,6 +120,10 @@ class CatalogModelForm(forms.ModelForm):
 
     def clean(self) -> dict:
         cleaned = super().clean()
+        if cleaned.get("quantization") in (self.DETECT, None):
+            cleaned["quantization"] = reported_quantization(
+                weights_path=cleaned.get("weights_path") or "", workers=cleaned.get("check_workers") or ()
+            ) or Model.Quantization.NONE
         if cleaned.get("gpu_memory_bytes") is None and cleaned.get("parameter_count"):
             # The ModelForm builds and validates its instance from cleaned_data after this.
             cleaned["gpu_memory_bytes"] = estimate_gpu_memory_bytes(

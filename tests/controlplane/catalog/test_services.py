@@ -40,6 +40,19 @@ def test_quantized_models_are_estimated_by_their_weight_bytes():
     assert (model.quantization, model.gpu_memory_bytes) == ("fp8", fp8)
 
 
+def test_the_quantization_is_detected_from_the_workers_reports():
+    path = "/models/llama-3-8b-awq"
+    plain = WorkerFactory(model_roots=["/models"], model_paths=["/models/other"])
+    reporting = WorkerFactory(model_roots=["/models"], model_paths=[path], model_quantization={path: "awq-int4"})
+    model = model_create(**_model_fields(weights_path=path), verify_on=[reporting])
+    assert model.quantization == "awq-int4"
+    assert model.gpu_memory_bytes == estimate_gpu_memory_bytes(parameter_count=8_030_000_000, quantization="awq-int4")
+    # A float checkpoint, one no worker reports, or no workers to ask: not quantized.
+    float_model = model_create(**_model_fields(public_name="float", weights_path="/models/other"), verify_on=[plain])
+    unchecked = model_create(**_model_fields(public_name="unchecked", weights_path=path))
+    assert float_model.quantization == unchecked.quantization == ""
+
+
 def test_an_unknown_quantization_is_refused():
     with pytest.raises(ValidationError) as error:
         model_create(**_model_fields(quantization="int3"))

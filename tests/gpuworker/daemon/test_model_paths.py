@@ -86,10 +86,12 @@ def test_registration_and_heartbeats_carry_the_scan_to_the_control_plane(tmp_pat
         # Unchanged since registration: not resent.
         assert "models" not in heartbeat.to_json() and heartbeat.models is None
         second = _checkpoint(root / "second")
+        (second / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
         agent._model_scan_at -= 60  # the next scan is due
         agent._beat()
         worker.refresh_from_db()
         assert worker.model_paths == [str(first), str(second)]
+        assert worker.model_quantization == {str(second): "fp8"}
         heartbeat = agent._heartbeat()
         assert "models" not in heartbeat.to_json()  # acknowledged by the last heartbeat
     finally:
