@@ -43,6 +43,40 @@ def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int | N
     parser.add_argument("--max-model-len", type=int, default=max_model_len)
 
 
+# Sampling settings the engine benchmarks compare (--sampling): greedy against the filters the issue
+# measured. "seeded" modes give request i the seed i.
+SAMPLING_MODES = {
+    "greedy": dict(temperature=0.0),
+    "t0.8-k200": dict(temperature=0.8, top_k=200),
+    "t0.7-p0.9": dict(temperature=0.7, top_p=0.9),
+    "t0.8-p0.95": dict(temperature=0.8, top_p=0.95),
+    "t0.8-p0.95-seeded": dict(temperature=0.8, top_p=0.95, seeded=True),
+}
+
+
+def add_sampling_option(parser: argparse.ArgumentParser, default: str = "greedy") -> None:
+    parser.add_argument("--sampling", default=default,
+                        help=f"comma-separated modes, each run in turn on the same engine: {', '.join(SAMPLING_MODES)}")
+
+
+def sampling_modes(arg: str) -> list[str]:
+    modes = [m for m in arg.split(",") if m]
+    unknown = [m for m in modes if m not in SAMPLING_MODES]
+    if unknown or not modes:
+        raise SystemExit(f"--sampling: unknown mode(s) {unknown}; choose from {', '.join(SAMPLING_MODES)}")
+    return modes
+
+
+def sampling_params(mode: str, request_index: int, **fixed):
+    """SamplingParams of `mode` for the request_index-th request, plus `fixed` (max_tokens...)."""
+    from gpuworker.engine import SamplingParams
+
+    settings = dict(SAMPLING_MODES[mode])
+    if settings.pop("seeded", False):
+        settings["seed"] = request_index
+    return SamplingParams(**settings, **fixed)
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(

@@ -22,8 +22,8 @@ from django.db import connection, transaction
 
 from controlplane.accounts.models import Tenant
 from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
-from controlplane.billing.pricing import flat_price, month_start, reference_price, take_allowance
-from controlplane.billing.selectors import credit_holds_expired
+from controlplane.billing.pricing import flat_price, reference_price, take_allowance
+from controlplane.billing.selectors import credit_holds_expired, month_start
 from controlplane.billing.services import lock_credit_accounts
 from controlplane.billing.sql import adapt, as_date, insert, marks, money, rows
 from controlplane.catalog.models import Model

@@ -10,6 +10,7 @@ Failed requests are free at the flat price, so they are left out of the referenc
 columns then price the same (served) traffic.
 """
 
+import math
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
@@ -17,8 +18,9 @@ from decimal import Decimal
 from django.db.models import Count, DecimalField, F, FloatField, IntegerField, Q, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, TruncDate
 
-from controlplane.billing.models import MONEY, CreditAccount, UsageRecord
+from controlplane.billing.models import MICRO, MONEY, CreditAccount, UsageRecord
 from controlplane.billing.selectors import credit_available, credit_balance, usage_billable_count_since
+from controlplane.fleet.selectors import gpu_seconds_by_model
 
 GROUPINGS = ("tenant", "model", "day")
 _FAILED = Q(status=UsageRecord.Status.FAILED)
@@ -169,3 +171,69 @@ def allowance_this_month(*, tenant, now: datetime) -> Allowance:
         used = usage_billable_count_since(tenant=tenant, since=since)
     return Allowance(included=included, used=min(used, included), period_start=since,
                      period_end=month_start_of(since + timedelta(days=32)))
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Nearest-rank percentiles (ms) of the completed requests in a period; None without any."""
+
+    requests: int
+    p50_ms: int | None
+    p95_ms: int | None
+    ttft_p50_ms: int | None
+    ttft_p95_ms: int | None
+
+
+def _percentile(records: QuerySet[UsageRecord], field: str, share: float) -> int | None:
+    # Sorted and picked by the database (ORDER BY ... OFFSET), the same on PostgreSQL and SQLite,
+    # so no period's latencies travel to Python.
+    values = records.exclude(**{f"{field}__isnull": True})
+    count = values.count()
+    if count == 0:
+        return None
+    rank = max(1, math.ceil(share * count))
+    return values.order_by(field).values_list(field, flat=True)[rank - 1]
+
+
+def usage_latency(*, since: datetime, until: datetime, tenant=None) -> Latency:
+    """p50 and p95 of total latency and time to first token over completed requests in [since, until)."""
+    records = _records(since=since, until=until, tenant=tenant).filter(status=UsageRecord.Status.COMPLETED)
+    return Latency(
+        requests=records.count(),
+        p50_ms=_percentile(records, "total_latency_ms", 0.50), p95_ms=_percentile(records, "total_latency_ms", 0.95),
+        ttft_p50_ms=_percentile(records, "time_to_first_token_ms", 0.50),
+        ttft_p95_ms=_percentile(records, "time_to_first_token_ms", 0.95),
+    )
+
+
+@dataclass(frozen=True)
+class ModelMargin:
+    """A model's flat-price revenue in a period against what its GPUs cost in that period."""
+
+    model: str
+    requests: int
+    revenue: Decimal
+    gpu_hours: float
+    gpu_cost: Decimal
+
+    @property
+    def margin(self) -> Decimal:
+        return self.revenue - self.gpu_cost
+
+
+def model_margins(*, since: datetime, until: datetime, gpu_hour_cost: Decimal) -> list[ModelMargin]:
+    """Per model: revenue charged at the flat price (usage records) against the GPU-hours its
+    replicas held a GPU (`fleet.selectors.gpu_seconds_by_model`, from the replicas' recorded
+    lifetimes) times `gpu_hour_cost` (settings.GPU_HOUR_COST_USD). Largest revenue first; a model
+    whose GPUs earned nothing is listed too, with its cost."""
+    revenue = {row.key: row for row in usage_by(group_by="model", since=since, until=until)}
+    seconds = gpu_seconds_by_model(since=since, until=until)
+    margins = []
+    for model in [*revenue, *sorted(name for name in seconds if name not in revenue)]:
+        hours = seconds.get(model, 0.0) / 3600
+        row = revenue.get(model)
+        margins.append(ModelMargin(
+            model=model, requests=row.requests if row else 0, revenue=row.revenue if row else Decimal("0"),
+            gpu_hours=hours, gpu_cost=(gpu_hour_cost * Decimal(str(hours))).quantize(MICRO),
+        ))
+    return margins

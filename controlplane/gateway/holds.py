@@ -34,6 +34,7 @@ from controlplane.billing.holds import (
     credit_holds_place, credit_holds_place_locked, credit_holds_settle,
 )
 from controlplane.billing.models import CreditHold, UsageRecord
+from controlplane.gateway import metrics
 from controlplane.gateway.database import Batcher, DatabaseLane
 from controlplane.gateway.errors import insufficient_quota
 from controlplane.gateway.selectors import KeyGrant, ModelRoute
@@ -244,13 +245,17 @@ class Flight:
         )
         for pause in _SETTLE_RETRY_PAUSES_S:
             try:
-                await self.gw.settles.submit(outcome)
+                self._count_charge(await self.gw.settles.submit(outcome))
                 return
             except DatabaseError:
                 logger.warning("settling %s failed; retrying in %.1f s", self.request_id, pause,
                                exc_info=pause == _SETTLE_RETRY_PAUSES_S[0])  # one traceback per request
                 await asyncio.sleep(pause)
-        await self.gw.settles.submit(outcome)  # the last try; if it fails the sweeper takes over
+        self._count_charge(await self.gw.settles.submit(outcome))  # the last try; if it fails the sweeper takes over
+
+    def _count_charge(self, settled: Settled) -> None:
+        if settled.record is not None:
+            metrics.credits_charged(model=self.model.public_name, amount=settled.record.price_charged)
 
 
 def _int(value) -> int:

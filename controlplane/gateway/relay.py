@@ -13,6 +13,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+from controlplane.gateway import metrics
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.upstream import UpstreamError
@@ -124,6 +125,9 @@ class StreamRelay:
             await events.aclose()  # closes the upstream connection unless the stream completed
             if not self.flight.settled:
                 await self.flight.end(status, self.usage, completion_tokens=self.token_events)
+            # A stream's status line said 200 at its start; what became of it is `status`.
+            metrics.request_finished(model=self.flight.model.public_name, outcome=status or metrics.CANCELLED,
+                                     status=200, started=self.flight.started, first_token_at=self.flight.first_token_at)
 
     async def _forward(self, send, data: bytes) -> bool:
         """Send one event on to the client; True once the request is complete."""

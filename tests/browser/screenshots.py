@@ -26,6 +26,9 @@ from decimal import Decimal
 from pathlib import Path
 
 PAGES = {  # file name: (role, url name)
+    "home-operator": ("operator", "dashboard:home"),
+    "home-tenant": ("tenant", "dashboard:home"),
+    "home-admin": ("admin", "dashboard:home"),
     "fleet": ("operator", "dashboard:fleet"),
     "catalog": ("operator", "dashboard:catalog"),
     "audit": ("operator", "dashboard:audit"),
@@ -145,10 +148,13 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
                 page.wait_for_timeout(20_000)  # twenty heartbeats, so the sparklines have a history
             elif name == "playground":
                 page.fill("#id_system_prompt", "You are a concise assistant.")
-                page.fill("#id_max_tokens", "160")
-                page.fill("#id_message", "Write a haiku about GPUs.")
-                page.click("#playground-send")
-                expect(page.locator("#playground-status")).to_have_attribute("data-state", "done")
+                page.fill("#id_max_tokens", "60")
+                for message in ("Write a haiku about GPUs.", "Now one about CPUs."):
+                    page.fill("#id_message", message)
+                    page.click("#playground-send")
+                    expect(page.locator("#playground-status")).to_have_attribute("data-state", "done")
+                page.click("#playground-code summary")
+                expect(page.locator("#code-python")).to_be_visible()
             elif name == "team":
                 page.fill("#id_note", "Dana (new hire)")
                 page.click("#invite-submit")
@@ -163,7 +169,7 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
                 page.wait_for_selector(".uplot")
             page.wait_for_timeout(500)  # fonts, charts' first paint
             path = out / f"{name}.png"
-            page.screenshot(path=path)
+            page.screenshot(path=path, full_page=name.startswith("home") or name in ("playground", "reports"))
             written.append(path)
         browser.close()
     return written

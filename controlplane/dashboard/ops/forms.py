@@ -36,8 +36,13 @@ class DeploymentLimitsForm(forms.Form):
                                               help_text="No request for this long: scale to min (0 never does).")
 
     @classmethod
-    def for_deployment(cls, deployment: Deployment, **kwargs) -> "DeploymentLimitsForm":
+    def for_deployment(cls, deployment: Deployment, *, reach: int | None = None, **kwargs) -> "DeploymentLimitsForm":
+        """The deployment's settings; with `reach`, filled in to scale to that many replicas (Min or
+        Max moved just enough), so a refused scale is one Save away."""
         initial = {name: getattr(deployment, name) for name in cls.base_fields}
+        if reach is not None:
+            initial.update(desired_replicas=reach, min_replicas=min(deployment.min_replicas, reach),
+                           max_replicas=max(deployment.max_replicas, reach))
         return cls(initial=initial, prefix=f"d{deployment.pk}", **kwargs)
 
 

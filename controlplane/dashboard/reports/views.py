@@ -2,12 +2,14 @@
 per-token comparison, and the same rows as CSV. The figures come from billing.reports."""
 
 import csv
+from decimal import ROUND_HALF_EVEN, Decimal
 from urllib.parse import urlencode
 
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
+from controlplane.billing.models import MICRO
 from controlplane.billing.reports import UsageRow, period_bounds, usage_by, usage_daily, usage_totals
 from controlplane.dashboard.permissions import admin_required
 from controlplane.dashboard.reports.forms import ReportForm
@@ -33,13 +35,19 @@ def reports(request: HttpRequest) -> HttpResponse:
         context.update({
             "valid": True, "rows": rows, "totals": usage_totals(since=since, until=until), "group_by": group_by,
             "start": start, "end": end, "query": urlencode(form.data),
+            # Money and requests in charts of their own; the per-token reference, often a small
+            # fraction of the flat price, on an axis of its own so that its line is not flat.
             "daily_chart": {"days": [r.key for r in daily], "series": [
                 {"label": "Revenue ($)", "scale": "$", "values": [float(r.revenue) for r in daily]},
-                {"label": "Per-token reference ($)", "scale": "$", "values": [float(r.reference) for r in daily]},
-                {"label": "Requests", "scale": "requests", "values": [r.requests for r in daily]}]},
+                {"label": "Per-token reference ($)", "scale": "$reference",
+                 "values": [float(r.reference) for r in daily]}]},
+            "requests_chart": {"days": [r.key for r in daily], "series": [
+                {"label": "Requests", "scale": "requests", "values": [r.requests for r in daily]},
+                {"label": "Failed", "scale": "requests", "values": [r.failed for r in daily]}]},
             "group_chart": None if group_by == "day" else {"labels": [r.key for r in rows], "series": [
-                {"label": "Revenue ($)", "values": [float(r.revenue) for r in rows]},
-                {"label": "Per-token reference ($)", "values": [float(r.reference) for r in rows]}]},
+                {"label": "Revenue ($)", "scale": "$", "values": [float(r.revenue) for r in rows]},
+                {"label": "Per-token reference ($)", "scale": "$reference",
+                 "values": [float(r.reference) for r in rows]}]},
         })
     return render(request, "dashboard/reports/reports.html", context)
 
@@ -67,6 +75,12 @@ def _csv_text(value: str) -> str:
     return f"'{value}" if value.startswith(CSV_FORMULA_STARTS) else value
 
 
+def _csv_money(amount) -> str:
+    """An amount with the ledger's six decimal places, however the database summed it ("0" for an
+    empty sum, "0.000863000000000000" for a difference), so a column reads alike."""
+    return str(Decimal(amount).quantize(MICRO, rounding=ROUND_HALF_EVEN))
+
+
 def _csv_row(row: UsageRow) -> tuple:
-    return (_csv_text(row.key), row.requests, row.failed, row.revenue, row.reference, row.difference,
-            f"{row.gpu_time_s:.3f}", row.prompt_tokens, row.completion_tokens)
+    return (_csv_text(row.key), row.requests, row.failed, _csv_money(row.revenue), _csv_money(row.reference),
+            _csv_money(row.difference), f"{row.gpu_time_s:.3f}", row.prompt_tokens, row.completion_tokens)

@@ -10,4 +10,5 @@ urlpatterns: list = [
     path("usage/", views.usage, name="usage"),
     path("credits/", views.credits, name="credits"),
     path("playground/", views.playground, name="playground"),
+    path("playground/code/", views.playground_code, name="playground_code"),
 ]

@@ -16,6 +16,7 @@ from controlplane.dashboard.forms import submit
 from controlplane.dashboard.permissions import tenant_of, tenant_required
 from controlplane.dashboard.tenant.forms import ApiKeyCreateForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm, playground_models
+from controlplane.dashboard.tenant.playground_code import code_samples
 
 
 def _keys_context(request: HttpRequest, form: ApiKeyCreateForm, created=None) -> dict:
@@ -62,15 +63,15 @@ def usage(request: HttpRequest) -> HttpResponse:
     tenant = tenant_of(request)
     now = timezone.now()
     summary = usage_month_summary(tenant=tenant, now=now)
-    # The chart spans the whole month (days still to come at zero), so its axis reads as a month
-    # even on the 1st; the table lists the days so far.
+    # The chart's axis spans the whole month, so it reads as a month even on the 1st, but its
+    # lines stop at today: days still to come have no figures, not zeros.
     month_end = (summary.since + timedelta(days=32)).replace(day=1).date() - timedelta(days=1)
-    month = usage_daily(start=summary.since.date(), end=month_end, tenant=tenant)
-    days = [row for row in month if row.key <= now.date().isoformat()]
-    chart = {"days": [row.key for row in month], "series": [
-        {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in month]},
-        {"label": "Requests", "scale": "requests", "values": [row.requests for row in month]},
-    ]}
+    days = usage_daily(start=summary.since.date(), end=now.date(), tenant=tenant)
+    chart = {"days": [row.key for row in days], "span": [summary.since.date().isoformat(), month_end.isoformat()],
+             "series": [
+                 {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in days]},
+                 {"label": "Requests", "scale": "requests", "values": [row.requests for row in days]},
+             ]}
     return render(request, "dashboard/tenant/usage.html", {
         "summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
         "allowance": allowance_this_month(tenant=tenant, now=now),
@@ -88,8 +89,18 @@ def credits(request: HttpRequest) -> HttpResponse:
 @tenant_required
 @require_GET
 def playground(request: HttpRequest) -> HttpResponse:
-    form = PlaygroundForm(initial={"temperature": 0.7, "max_tokens": 128})
+    form = PlaygroundForm(initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128})
     models = list(playground_models().values("public_name", "context_length"))
     return render(request, "dashboard/tenant/playground.html", {
         "form": form, "models": models, "max_tokens_limit": MAX_TOKENS_LIMIT,
     })
+
+
+@tenant_required
+@require_GET
+def playground_code(request: HttpRequest) -> HttpResponse:
+    """The "view code" panel for the playground form's current values (sent by htmx as a GET)."""
+    prompt = PlaygroundForm(request.GET).prompt_so_far()
+    base_url = request.build_absolute_uri("/v1")
+    return render(request, "dashboard/tenant/_playground_code.html", {
+        "samples": code_samples(base_url=base_url, prompt=prompt)})

@@ -143,3 +143,19 @@ def test_another_tenants_key_is_not_found(client, member):
 def test_a_playground_key_cannot_be_revoked_through_the_page(client, member):
     session = playground_key_create(user=member)
     assert client.post(reverse("dashboard:key_revoke", args=[session.api_key.pk])).status_code == 404
+
+
+def test_a_key_used_moments_ago_reads_just_now(client, member):
+    now = timezone.now()
+    ApiKeyFactory(tenant=member.tenant, name="fresh", last_used_at=now - timedelta(seconds=20))
+    ApiKeyFactory(tenant=member.tenant, name="older", last_used_at=now - timedelta(minutes=5, seconds=10))
+    ApiKeyFactory(tenant=member.tenant, name="unused", last_used_at=None)
+    page = client.get(reverse("dashboard:keys")).content.decode().replace("\xa0", " ")
+
+    def row(name: str) -> str:
+        start = page.index(f'data-key-name="{name}"')
+        return page[start:page.index("</tr>", start)]
+
+    assert "just now" in row("fresh") and "0 minutes" not in page
+    assert "5 minutes ago" in row("older")
+    assert "Never" in row("unused")

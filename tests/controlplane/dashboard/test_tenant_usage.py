@@ -56,6 +56,10 @@ def test_month_figures_daily_rows_and_isolation(client):
     chart = response.context["chart"]
     series = {s["label"]: s["values"] for s in chart["series"]}
     assert chart["days"][0] == first_day and series["Requests"][0] == 3 and series["Spend ($)"][0] == pytest.approx(0.03)
-    # The chart spans the whole month; the table only the days so far.
-    assert len(chart["days"]) == calendar.monthrange(now.year, now.month)[1] and sum(series["Requests"]) == 3
+    # The chart's axis spans the whole month, its figures (and the table) stop at today: no
+    # zeros for days still to come.
+    last_day = now.date().replace(day=calendar.monthrange(now.year, now.month)[1]).isoformat()
+    assert chart["span"] == [first_day, last_day]
+    assert chart["days"][-1] == now.date().isoformat() and len(chart["days"]) == now.day
+    assert all(len(values) == now.day for values in series.values()) and sum(series["Requests"]) == 3
     assert len(response.context["days"]) == now.day

@@ -158,8 +158,9 @@ def start_module_gateway(database_url: str) -> GatewayServer:
     return start_gateway(database_url, redis_url)
 
 
-def start_gateway(database_url: str, redis_url: str, **env_overrides: str) -> GatewayServer:
-    """uvicorn serving controlplane.asgi in its own process, as in production; waits until it answers."""
+def start_gateway(database_url: str, redis_url: str, *, workers: int = 1, **env_overrides: str) -> GatewayServer:
+    """uvicorn serving controlplane.asgi in its own process (`workers` processes behind one port,
+    as docker-compose runs it), as in production; waits until it answers."""
     port = free_port()
     env = {
         **os.environ,
@@ -173,7 +174,7 @@ def start_gateway(database_url: str, redis_url: str, **env_overrides: str) -> Ga
     }
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning", "--no-access-log"],
+         "--port", str(port), "--log-level", "warning", "--no-access-log", "--workers", str(workers)],
         cwd=REPO, env=env, stdin=subprocess.DEVNULL,
     )
     server = GatewayServer(f"http://127.0.0.1:{port}", redis_url, process)
