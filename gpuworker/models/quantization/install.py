@@ -10,14 +10,13 @@ from pathlib import Path
 from torch import nn
 
 from gpuworker.checkpoint_quantization import QuantConfig
+from gpuworker.models.layers import GatedMLP
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 
 def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
     """Replace each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj by its quantized
     twin, unless the checkpoint leaves those modules unquantized (quant.ignore)."""
-    from gpuworker.models.layers import GatedMLP  # not at import: layers imports nothing of ours
-
     config = model.config
     if config.moe is not None:
         raise ValueError(f"{config.model_path}: quantized mixture-of-experts checkpoints are not supported yet")
@@ -75,6 +74,7 @@ def _quantized(linear: nn.Module, quant: QuantConfig, shard_sizes: tuple[int, ..
         return linear
     if any(ignored):
         raise ValueError(f"{', '.join(names)} are fused into one projection but only some are quantized")
+    # Imported when a quantized model is built: they import Triton, which float models on CPU never need.
     from gpuworker.models.quantization.fp8 import Fp8Linear
     from gpuworker.models.quantization.int4 import Int4Linear
 
