@@ -164,7 +164,14 @@ def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
         mlp = 3 * h * i
     per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + mlp + 2 * h
     params = cfg["num_hidden_layers"] * per_layer + h + v * h  # + final norm + lm_head
-    return params * bytes_per_param
+    quantization = cfg.get("quantization_config")
+    if quantization is None:
+        return params * bytes_per_param
+    # Quantized checkpoints: the decoder's projections at FP8's byte, or INT4's half byte plus a
+    # float16 scale and a uint8 zero point per 128 weights; norms and lm_head stay dense.
+    projections = cfg["num_hidden_layers"] * (per_layer - 2 * h)
+    quantized_bytes = 0.5 + 3 / 128 if quantization.get("quant_method") in ("awq", "gptq") else 1
+    return int((params - projections) * bytes_per_param + projections * quantized_bytes)
 
 
 def build_hf_model(config_dir: Path, dtype: torch.dtype):

@@ -2,6 +2,7 @@
 
     python bench/latency.py [--config bench/configs/llama-3-8b] [--prompt-len 128] [--output-len 512]
         [--sampling greedy,t0.8-k200,t0.7-p0.9,t0.8-p0.95-seeded]
+    python bench/latency.py --config bench/configs/llama-3-8b-fp8 --skip-hf  # or llama-3-8b-awq
 
 Weights are random (load_format="dummy"): speed does not depend on their values. --sampling runs
 each mode in turn on one engine and prints each against greedy (the first mode), HF only for greedy.

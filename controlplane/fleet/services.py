@@ -57,6 +57,7 @@ def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worke
     worker.version = registration.version
     worker.model_roots = list(registration.models.roots) if registration.models else []
     worker.model_paths = list(registration.models.paths) if registration.models else []
+    worker.model_quantization = dict(registration.models.quantization) if registration.models else {}
     worker.state = Worker.State.ONLINE
     worker.state_changed_at = now
     validated_save(worker)
@@ -93,7 +94,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
         _worker_set_state(worker=worker, to_state=State.DRAINING if heartbeat.draining else State.ONLINE, now=now)
     if heartbeat.models is not None:
         Worker.objects.filter(pk=worker_id).update(
-            model_roots=list(heartbeat.models.roots), model_paths=list(heartbeat.models.paths))
+            model_roots=list(heartbeat.models.roots), model_paths=list(heartbeat.models.paths),
+            model_quantization=dict(heartbeat.models.quantization))
     plan = plan_heartbeat(recorded=_recorded_replicas(worker_id, heartbeat), reported=list(heartbeat.replicas))
     if plan.steps:
         plan = _apply_heartbeat(worker_id=worker_id, heartbeat=heartbeat, now=now)

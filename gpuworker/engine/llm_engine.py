@@ -37,7 +37,7 @@ from gpuworker.engine.grammar_masks import StructuredOutputs
 from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
-from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
+from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype, with_quantization
 
 logger = logging.getLogger(__name__)
 # A text longer than max_model_len times this many characters is first tokenized by its head only
@@ -122,7 +122,7 @@ class LLMEngine:
         # Seconds per start-up stage, for /health and bench/load_time.py.
         self.load_timings: dict[str, float] = {}
         clock = _StageClock(self.load_timings, config.device)
-        mc = load_model_config(config.model)
+        mc = with_quantization(load_model_config(config.model), config.quantization)
         self.model_config = mc
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc)

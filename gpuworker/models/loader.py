@@ -29,6 +29,10 @@ from gpuworker.models.gguf_checkpoint import load_gguf_tokenizer, read_gguf_conf
 from gpuworker.models.layers import GatedMLP, RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
+from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
+from gpuworker.models.quantization.install import (install_quantized_linears, load_quantized_tensors,
+                                                   missing_quantized_tensors, quantized_shards)
+from gpuworker.models.quantization.linear import QuantizedLinear
 from gpuworker.models.weight_stream import TensorCopy, copy_tensors
 
 CONFIG_FILE = "config.json"
@@ -74,13 +78,16 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 def load_model(config: ModelConfig | str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.float32, attn_backend: AttentionBackend | None = None,
-               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> LlamaForCausalLM:
     """Build the decoder on `device` in `dtype` and fill it from the checkpoint's safetensors.
+
+    A quantized checkpoint (config.json's quantization_config) loads into quantized linears;
+    quantization "fp8" quantizes a float checkpoint's projections to FP8 as they load.
 
     load_format "dummy" reads no weight file: parameters are drawn from normal(0, 0.02) (norm weights
     set to 1) directly on the device, for benchmarks of full-size shapes where values do not matter.
     """
-    mc = config if isinstance(config, ModelConfig) else load_model_config(config)
+    mc = with_quantization(config if isinstance(config, ModelConfig) else load_model_config(config), quantization)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     torch_dtype = resolve_dtype(dtype, mc)
@@ -91,15 +98,31 @@ def load_model(config: ModelConfig | str | Path, device: str | torch.device = "c
     # staging copy and no init kernels, which matters for 8B-parameter models.
     with torch.device("meta"):
         model = LlamaForCausalLM(mc, attn_backend)
+        if mc.quantization is not None:
+            install_quantized_linears(model, mc.quantization)
     model = model.to(torch_dtype).to_empty(device=device)
     model.rotary.reset_cache()
     if load_format == "dummy":
         _fill_dummy(model, seed)
     elif mc.model_path is not None and gguf_file(mc.model_path) is not None:
+        if mc.quantization is not None:
+            raise ValueError(f"{mc.model_path}: a GGUF checkpoint cannot be quantized at load")
         _load_gguf(model, mc)
     else:
         _load_safetensors(model, mc)
     return model.eval()
+
+
+def with_quantization(mc: ModelConfig, quantization: str | None) -> ModelConfig:
+    """mc with the quantization asked for at load (None: the checkpoint's own, if any)."""
+    if quantization not in LOAD_QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {LOAD_QUANTIZATIONS}, got {quantization!r}")
+    if quantization is None:
+        return mc
+    if mc.quantization is not None:
+        raise ValueError(f"{mc.model_path}: the checkpoint is already quantized "
+                         f"({mc.quantization.label}); leave quantization unset")
+    return replace(mc, quantization=fp8_at_load())
 
 
 def load_tokenizer(path: str | Path):
@@ -206,6 +229,8 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     if mc.model_path is None:
         raise ValueError("ModelConfig.model_path is not set; build it with load_model_config(path)")
     targets = checkpoint_targets(model)
+    shards = quantized_shards(model)
+    quantized: list[tuple[Path, str]] = []
     files = checkpoint_files(Path(mc.model_path))
     # The headers first: names and shapes are checked before any weight is copied.
     plan: list[tuple[Path, list[TensorCopy]]] = []
@@ -214,6 +239,12 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         copies = []
         for entry in read_header(file):
             target = targets.get(entry.name)
+            module_name, _, field = entry.name.rpartition(".")
+            if target is None and module_name in shards:
+                module, shard = shards[module_name]
+                module.check_field(shard, field)
+                quantized.append((file, entry.name))
+                continue
             if target is None:
                 if not _skippable(entry.name, mc):
                     unexpected.append(f"{entry.name} (in {file.name})")
@@ -224,9 +255,16 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         plan.append((file, copies))
     found = {copy.entry.name for _, copies in plan for copy in copies}
     _check_coverage(mc, targets, found, unexpected, ", ".join(f.name for f in files))
+    missing = missing_quantized_tensors(shards, {name for _, name in quantized})
+    if missing:
+        raise ValueError(f"{mc.model_path}: {len(missing)} quantized tensor(s) missing from "
+                         f"{', '.join(f.name for f in files)}: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
     # Cached shards copy fastest in parallel; a cold disk reads fastest as one stream in file order.
     readers = None if resident_fraction(files) >= WARM_FRACTION else 1
     copy_tensors(plan, progress=_progress_callback.get(), num_readers=readers)
+    if shards:
+        load_quantized_tensors(shards, quantized)
 
 
 @torch.no_grad()
@@ -269,6 +307,9 @@ def _check_coverage(mc: ModelConfig, targets: dict[str, _Target], found: set[str
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
     generator = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.fill_dummy(generator)
     for param in model.parameters():
         if id(param) in norm_weights:
             param.fill_(1.0)

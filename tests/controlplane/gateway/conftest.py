@@ -261,6 +261,26 @@ class World:
         return asyncio.run(fire())
 
 
+def assert_answers_with_engine_text(world: World, checkpoint: Path, prompt: list[int], max_tokens: int = 8) -> None:
+    """A greedy completion of `prompt` through the gateway has the text our engine gives on
+    `checkpoint` by itself, and is billed once, per request."""
+    from controlplane.billing.models import UsageRecord
+    from gpuworker.engine import LLMEngine, SamplingParams
+
+    response = world.client().completions.with_raw_response.create(
+        model=world.model.public_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True})
+    completion = response.parse()
+    assert completion.usage.completion_tokens == max_tokens
+    assert completion.choices[0].finish_reason == "length"
+    engine = LLMEngine(checkpoint, device="cpu", dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    assert completion.choices[0].text == engine.generate([prompt], params)[0].text
+    world.settled()
+    record = UsageRecord.objects.get(request_id=response.headers["x-request-id"])
+    assert record.status == "completed" and record.price_charged > Decimal("0")
+
+
 def make_world(gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002"), plan=None, kind="chat",
                **key_fields) -> World:
     """Rows for a tenant and a model whose ready replicas are `servers`; waits until the gateway
