@@ -76,7 +76,8 @@ def start_replica(checkpoint: Path, name: str, *, max_model_len: int | None = 25
     return ReplicaServer(f"http://127.0.0.1:{port}", process)
 
 
-def wait_ready(replica: ReplicaServer) -> None:
+def wait_ready(replica: ReplicaServer, timeout: float = 600) -> None:
+    """Until the replica answers /health; generous, as a loaded CI machine loads models slowly."""
     headers = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 
     def ready():
@@ -84,7 +85,7 @@ def wait_ready(replica: ReplicaServer) -> None:
             pytest.fail(f"replica at {replica.url} exited with {replica.process.returncode}")
         return httpx.get(f"{replica.url}/health", headers=headers, timeout=2).status_code == 200
 
-    wait_until(ready, 120, f"the replica at {replica.url}")
+    wait_until(ready, timeout, f"the replica at {replica.url}")
 
 
 @pytest.fixture(scope="session")
