@@ -1,6 +1,6 @@
 """The batched sampler on synthetic logits (the torch path, as on the CPU): filters, distributions,
 penalties, seeds, greedy and logprobs. The Triton kernel is checked against the same torch path, draw
-for draw, in tests/kernels/test_sampling.py."""
+for draw, in tests/kernels/test_sampling_kernel.py."""
 
 from __future__ import annotations
 
