@@ -1,7 +1,7 @@
 """Command line of the GPU worker.
 
     python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
-                              [--max-num-seqs N] [--max-num-batched-tokens N]
+                              [--max-num-seqs N] [--max-num-batched-tokens N] [--tensor-parallel-size N]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
                                [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
                                [--model-root DIR ...] [--stage-budget-bytes N] [--no-spare-replicas]
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens each, up to 1024; 256 on CPU)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="most tokens in one step (default: from the model's size, 2048-16384; 8192 on CPU)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model over N ranks: GPUs device..device+N-1 (NCCL), or N CPU processes "
+                            "(gloo); the replica starts the N-1 worker processes itself")
     serve.add_argument("--memory-fraction", type=float, default=0.9,
                        help="fraction of free GPU memory the KV cache may take")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
@@ -140,7 +143,8 @@ def serve(args: argparse.Namespace) -> None:
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
                           dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout)
+                          gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout,
+                          tensor_parallel_size=args.tensor_parallel_size)
     holder = EngineHolder(config)
     holder.start_loading()
     from gpuworker.models.loader import TRANSFORMERS_IMPORT_LOCK

@@ -43,6 +43,9 @@ class ServerConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
+    # Ranks (GPUs of this host from `device`'s index on) the model is split over; the replica starts
+    # the other ranks' processes itself and answers as one.
+    tensor_parallel_size: int = 1
     # SIGTERM (or POST /drain without a timeout): in-flight requests get this long to finish.
     drain_timeout_s: float = 30.0
 
@@ -99,7 +102,7 @@ class EngineHolder:
                                   "gpu_memory_utilization": self.config.gpu_memory_utilization}
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self.config, name) is not None:
                 kwargs[name] = getattr(self.config, name)
         self.load_progress = WEIGHTS_PROGRESS_START
@@ -123,7 +126,8 @@ class EngineHolder:
         self.engine_limits = {"max_num_seqs": config.max_num_seqs,
                               "max_num_batched_tokens": config.max_num_batched_tokens,
                               "max_model_len": config.max_model_len,
-                              "kv_cache_tokens": config.num_kv_blocks * config.block_size}
+                              "kv_cache_tokens": config.num_kv_blocks * config.block_size,
+                              "tensor_parallel_size": config.tensor_parallel_size}
         if self.state == "loading":  # a drain that began meanwhile wins
             self.state = "ready"
         logger.info("model %s ready in %.2fs: %s; %s", self.config.model_name, self.load_timings["engine_s"],

@@ -549,3 +549,76 @@ def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monke
     assert order == ["health", "stream advanced", "huge"]
     assert result["response"].status_code == 400
     assert result["response"].json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.slow
+def test_cli_serve_tensor_parallel_answers_as_one_replica(tiny_checkpoint):
+    """`serve --tensor-parallel-size 2` starts its second rank itself, answers as one replica with the
+    unsplit model's tokens, and on SIGTERM exits 0 with its worker gone."""
+    path = tiny_checkpoint("llama")
+    prompt = [1, 5, 9, 200, 17]
+    from gpuworker.engine import LLMEngine, SamplingParams
+
+    expected = LLMEngine(path).generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    sock = _bound_socket()
+    port = sock.getsockname()[1]
+    with sock:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpuworker", "serve", "--model", str(path), "--token", TOKEN,
+             "--fd", str(sock.fileno()), "--served-model-name", "tp", "--tensor-parallel-size", "2",
+             "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        with _client(base) as client:
+            while time.monotonic() < deadline:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None, process.stdout.read().decode()
+                time.sleep(0.1)
+            assert client.get("/health").json()["limits"]["tensor_parallel_size"] == 2
+            workers = _children(process.pid)
+            assert len(workers) >= 1  # the second rank (and multiprocessing's resource tracker)
+            response = client.post("/v1/completions", json={"model": "tp", "prompt": prompt, "max_tokens": 6,
+                                                            "ignore_eos": True, "temperature": 0})
+            assert response.status_code == 200
+            assert response.json()["choices"][0]["text"] == expected[0].outputs[0].text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while _running(workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(workers)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The process ids of pid's children (Linux)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(child) for child in f.read().split()]
+    return children
+
+
+def _running(pids: list[int]) -> list[str]:
+    """The command lines of those of pids still running (not exited, not zombies)."""
+    running = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode()
+        except FileNotFoundError:
+            continue
+        if state != "Z":
+            running.append(f"{pid}: {cmdline}")
+    return running
