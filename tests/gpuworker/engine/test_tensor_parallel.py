@@ -24,6 +24,7 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in engine.generate(PROMPTS, GREEDY)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "overrides"), [
     ("llama", {}),
     # One KV head for two ranks (replicated), biases on every projection, a vocabulary that does
@@ -126,4 +127,20 @@ def test_a_rank_that_hangs_times_out_the_step(tiny_checkpoint):
             _generate(engine)
     finally:
         os.kill(worker.pid, signal.SIGKILL)
+        engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
+def test_tp2_on_two_gpus_matches_one_gpu(tiny_checkpoint, family):
+    """NCCL on two GPUs: the Triton kernels over each rank's heads and experts give one GPU's tokens."""
+    path = tiny_checkpoint(family)
+    kwargs = dict(device="cuda", dtype="float32", num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
+    expected = _generate(LLMEngine(path, **kwargs))
+    engine = LLMEngine(path, tensor_parallel_size=2, **kwargs)
+    try:
+        assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+        assert _generate(engine) == expected
+    finally:
         engine.shutdown()
