@@ -395,31 +395,42 @@ def _env_without_token() -> dict:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
+def _start_cli_serve(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """`python -m gpuworker serve ARGS` on a socket bound here and handed over, as the daemon does
+    (--fd); returns the process and its base URL."""
+    sock = _bound_socket()
+    port = sock.getsockname()[1]
+    with sock:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpuworker", "serve", *args, "--token", TOKEN, "--fd", str(sock.fileno()),
+             "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
+    return process, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(client: httpx.Client, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None, process.stdout.read().decode()
+        time.sleep(0.1)
+    pytest.fail("the replica never became healthy")
+
+
 @pytest.mark.slow
 def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
     """`python -m gpuworker serve` starts and serves; SIGTERM drains (503 for new requests, the stream
     in flight finishes) and the process then exits 0."""
-    sock = _bound_socket()  # handed over as the daemon does (--fd)
-    port = sock.getsockname()[1]
-    with sock:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")), "--token", TOKEN,
-             "--fd", str(sock.fileno()), "--served-model-name", "cli", "--max-model-len", "512",
-             "--max-num-seqs", "6", "--max-num-batched-tokens", "96",
-             "--drain-timeout", "60", "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
+    process, base = _start_cli_serve(
+        ["--model", str(tiny_checkpoint("llama")), "--served-model-name", "cli", "--max-model-len", "512",
+         "--max-num-seqs", "6", "--max-num-batched-tokens", "96", "--drain-timeout", "60"])
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
         with _client(base) as client:
-            while time.monotonic() < deadline:
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert process.poll() is None, process.stdout.read().decode()
-                time.sleep(0.1)
+            _wait_healthy(client, process, timeout=60)
             response = client.post("/v1/completions", json={"model": "cli", "prompt": "hey", "max_tokens": 3,
                                                             "ignore_eos": True})
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
@@ -560,26 +571,10 @@ def test_cli_serve_tensor_parallel_answers_as_one_replica(tiny_checkpoint):
     from gpuworker.engine import LLMEngine, SamplingParams
 
     expected = LLMEngine(path).generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    sock = _bound_socket()
-    port = sock.getsockname()[1]
-    with sock:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gpuworker", "serve", "--model", str(path), "--token", TOKEN,
-             "--fd", str(sock.fileno()), "--served-model-name", "tp", "--tensor-parallel-size", "2",
-             "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
+    process, base = _start_cli_serve(["--model", str(path), "--served-model-name", "tp", "--tensor-parallel-size", "2"])
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
         with _client(base) as client:
-            while time.monotonic() < deadline:
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert process.poll() is None, process.stdout.read().decode()
-                time.sleep(0.1)
+            _wait_healthy(client, process, timeout=120)
             assert client.get("/health").json()["limits"]["tensor_parallel_size"] == 2
             workers = _children(process.pid)
             assert len(workers) >= 1  # the second rank (and multiprocessing's resource tracker)
