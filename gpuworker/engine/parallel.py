@@ -12,7 +12,6 @@ naming it; a collective that waits longer than distributed_timeout_s (a rank hun
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import shutil
@@ -33,7 +32,6 @@ from gpuworker.engine.model_runner import ModelInputs, ModelRunner
 from gpuworker.models.loader import load_model, load_model_config, resolve_dtype
 from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 
-logger = logging.getLogger(__name__)
 # NVLink multicast (NVLS) off: it reserves fabric memory per communicator and fails to initialise
 # on hosts whose fabric manager does not grant it; plain NVLink rings cost little at our sizes.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
@@ -184,14 +182,14 @@ class Workers:
         try:
             yield
         except RuntimeError as exc:
-            gone = self._gone()
+            gone = self.gone()
             detail = f"; {gone}" if gone else ""
             raise RuntimeError(f"tensor-parallel step failed: {exc}{detail}") from exc
 
     def check_alive(self) -> None:
         if self._stopped:
             raise RuntimeError("the tensor-parallel workers have been shut down")
-        gone = self._gone()
+        gone = self.gone()
         if gone:
             raise RuntimeError(f"tensor-parallel {gone}: the engine cannot run steps without it")
 
@@ -219,7 +217,8 @@ class Workers:
     def ranks(self) -> range:
         return range(1, len(self.processes) + 1)
 
-    def _gone(self) -> str:
+    def gone(self) -> str:
+        """The ranks whose process has exited, as a person reads them; "" while all run."""
         gone = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                 for rank, p in zip(self.ranks, self.processes) if p.exitcode is not None]
         return ", ".join(gone)
@@ -229,7 +228,7 @@ class Workers:
             self.pipes[rank - 1].send(message)
         except OSError as exc:
             self.processes[rank - 1].join(STOP_GRACE_S)
-            raise RuntimeError(f"tensor-parallel rank {rank} is gone ({self._gone() or exc})") from exc
+            raise RuntimeError(f"tensor-parallel rank {rank} is gone ({self.gone() or exc})") from exc
 
     def _receive(self, rank: int, kind: str):
         """The payload of the worker's next message, which must be `kind`; its error, raised here."""
@@ -238,7 +237,7 @@ class Workers:
         except (EOFError, OSError) as exc:
             self.processes[rank - 1].join(STOP_GRACE_S)
             raise RuntimeError(f"tensor-parallel rank {rank} is gone before {kind!r} "
-                               f"({self._gone() or exc})") from exc
+                               f"({self.gone() or exc})") from exc
         if got == "error":
             raise RuntimeError(f"tensor-parallel rank {rank} failed: {payload}")
         if got != kind:

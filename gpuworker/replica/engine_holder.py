@@ -85,6 +85,17 @@ class EngineHolder:
         # by it. It asks at once, so a bounded window of the latest ones is enough.
         self._started: OrderedDict[str, None] = OrderedDict()
 
+    def check_ranks(self) -> None:
+        """A ready replica whose tensor-parallel rank died can run no step: it turns failed, so the
+        daemon reports it and the fleet replaces it, instead of failing every request it is sent."""
+        workers = self.engine.engine.workers if self.engine is not None else None
+        if self.state != "ready" or workers is None:
+            return
+        gone = workers.gone()
+        if gone:
+            self.state, self.error = "failed", f"tensor-parallel {gone}"
+            logger.error("replica failed: %s", self.error)
+
     # -- loading --------------------------------------------------------------------------------
 
     def start_loading(self) -> None:

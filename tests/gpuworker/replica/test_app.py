@@ -617,3 +617,21 @@ def _running(pids: list[int]) -> list[str]:
         if state != "Z":
             running.append(f"{pid}: {cmdline}")
     return running
+
+
+@pytest.mark.slow
+def test_a_replica_whose_tensor_parallel_rank_dies_turns_failed(tiny_checkpoint):
+    """/health and every request then answer 503 naming the rank, so the daemon reports the replica
+    failed and the gateway sends requests elsewhere, rather than each one failing in a step."""
+    with _serving(_config(tiny_checkpoint, tensor_parallel_size=2)) as (base, app):
+        [worker] = app.state.holder.engine.engine.workers.processes
+        with _client(base) as client:
+            ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+            assert ok.status_code == 200
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join()
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "failed"
+            assert health.json()["error"] == f"tensor-parallel rank 1 (pid {worker.pid}) exited with code -9"
+            refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503 and "rank 1" in refused.json()["error"]["message"]
