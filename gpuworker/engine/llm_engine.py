@@ -39,7 +39,7 @@ from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
-from gpuworker.models.tensor_parallel import shard_config
+from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 
 logger = logging.getLogger(__name__)
 # A text longer than max_model_len times this many characters is first tokenized by its head only
@@ -122,8 +122,12 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig, attn_backend: AttentionBackend | None) -> None:
         # With tensor parallelism this process is rank 0: the other ranks' processes start first and
-        # load their shards alongside this one's (engine.parallel).
-        self.workers = Workers.start(config) if config.tensor_parallel_size > 1 else None
+        # load their shards alongside this one's (engine.parallel). A model that does not split
+        # into that many ranks is refused before any process starts.
+        self.workers = None
+        if config.tensor_parallel_size > 1:
+            shard_config(load_model_config(config.model), ParallelContext(0, config.tensor_parallel_size))
+            self.workers = Workers.start(config)
         try:
             self._build(config, attn_backend)
         except BaseException:

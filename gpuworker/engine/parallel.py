@@ -5,9 +5,11 @@ then runs the same forward, whose collectives join the shards (models.tensor_par
 logits gather; only the driver samples.
 
 The pipes carry what is not a tensor: the resolved EngineConfig at start-up, each step's header, and
-stop. A worker waits on its pipe between steps however long the engine idles, and exits when the
-driver goes (the pipe ends). A rank that dies makes the driver's next step fail with a RuntimeError
-naming it; a collective that waits longer than distributed_timeout_s (a rank hung) fails too.
+stop. The driver joins the process group only once every worker says it is joining, so slow starts
+never count against the collectives' timeout. A worker waits on its pipe between steps however long
+the engine idles, and exits when the driver goes (the pipe ends). A rank that dies makes the
+driver's next step fail with a RuntimeError naming it; a collective that waits longer than
+distributed_timeout_s (a rank hung) fails too.
 """
 
 from __future__ import annotations
@@ -148,6 +150,11 @@ class Workers:
                 child.close()  # the worker's end: the driver sees EOF when the worker is gone
                 workers.processes.append(process)
                 workers.pipes.append(parent)
+            # Joined only once every worker has imported and is joining too: the group's timeout
+            # is for collectives, not for starting processes, and a worker that dies starting is
+            # seen at once (its pipe ends) instead of at the timeout.
+            for rank in workers.ranks:
+                workers._receive(rank, "joining")
             workers.context = init_rank(config, 0, store_path)
         except BaseException:
             workers.shutdown()
@@ -264,6 +271,7 @@ def worker_main(config: EngineConfig, rank: int, store_path: str, pipe: Connecti
 
 
 def _serve(config: EngineConfig, rank: int, store_path: str, pipe: Connection) -> None:
+    pipe.send(("joining", None))
     parallel = init_rank(config, rank, store_path)
     device = rank_device(config, rank)
     mc = load_model_config(config.model)

@@ -96,7 +96,7 @@ def test_a_model_that_does_not_split_is_refused(tiny_checkpoint):
     path = tiny_checkpoint("llama")  # 4 attention heads
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
         LLMEngine(path, tensor_parallel_size=3)
-    assert not multiprocessing.active_children()  # the workers started for it are gone
+    assert not multiprocessing.active_children()  # refused before any worker started
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
