@@ -43,6 +43,40 @@ def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int | N
     parser.add_argument("--max-model-len", type=int, default=max_model_len)
 
 
+# Sampling settings the engine benchmarks compare (--sampling): greedy against the filters the issue
+# measured. "seeded" modes give request i the seed i.
+SAMPLING_MODES = {
+    "greedy": dict(temperature=0.0),
+    "t0.8-k200": dict(temperature=0.8, top_k=200),
+    "t0.7-p0.9": dict(temperature=0.7, top_p=0.9),
+    "t0.8-p0.95": dict(temperature=0.8, top_p=0.95),
+    "t0.8-p0.95-seeded": dict(temperature=0.8, top_p=0.95, seeded=True),
+}
+
+
+def add_sampling_option(parser: argparse.ArgumentParser, default: str = "greedy") -> None:
+    parser.add_argument("--sampling", default=default,
+                        help=f"comma-separated modes, each run in turn on the same engine: {', '.join(SAMPLING_MODES)}")
+
+
+def sampling_modes(arg: str) -> list[str]:
+    modes = [m for m in arg.split(",") if m]
+    unknown = [m for m in modes if m not in SAMPLING_MODES]
+    if unknown or not modes:
+        raise SystemExit(f"--sampling: unknown mode(s) {unknown}; choose from {', '.join(SAMPLING_MODES)}")
+    return modes
+
+
+def sampling_params(mode: str, request_index: int, **fixed):
+    """SamplingParams of `mode` for the request_index-th request, plus `fixed` (max_tokens...)."""
+    from gpuworker.engine import SamplingParams
+
+    settings = dict(SAMPLING_MODES[mode])
+    if settings.pop("seeded", False):
+        settings["seed"] = request_index
+    return SamplingParams(**settings, **fixed)
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(
@@ -130,7 +164,14 @@ def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
         mlp = 3 * h * i
     per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + mlp + 2 * h
     params = cfg["num_hidden_layers"] * per_layer + h + v * h  # + final norm + lm_head
-    return params * bytes_per_param
+    quantization = cfg.get("quantization_config")
+    if quantization is None:
+        return params * bytes_per_param
+    # Quantized checkpoints: the decoder's projections at FP8's byte, or INT4's half byte plus a
+    # float16 scale and a uint8 zero point per 128 weights; norms and lm_head stay dense.
+    projections = cfg["num_hidden_layers"] * (per_layer - 2 * h)
+    quantized_bytes = 0.5 + 3 / 128 if quantization.get("quant_method") in ("awq", "gptq") else 1
+    return int((params - projections) * bytes_per_param + projections * quantized_bytes)
 
 
 def build_hf_model(config_dir: Path, dtype: torch.dtype):

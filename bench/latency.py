@@ -1,8 +1,11 @@
 """Batch-1 decode latency: tokens/s and achieved weight-read bandwidth, against HF transformers.
 
     python bench/latency.py [--config bench/configs/llama-3-8b] [--prompt-len 128] [--output-len 512]
+        [--sampling greedy,t0.8-k200,t0.7-p0.9,t0.8-p0.95-seeded]
+    python bench/latency.py --config bench/configs/llama-3-8b-fp8 --skip-hf  # or llama-3-8b-awq
 
-Weights are random (load_format="dummy"): speed does not depend on their values.
+Weights are random (load_format="dummy"): speed does not depend on their values. --sampling runs
+each mode in turn on one engine and prints each against greedy (the first mode), HF only for greedy.
 """
 
 from __future__ import annotations
@@ -12,23 +15,32 @@ import time
 
 import torch
 
-from common import (Timer, build_hf_model, copy_bandwidth_gbs, engine_parser, environment, load_hf_config, print_table,
-                    weight_bytes_per_token, write_json)
+from common import (Timer, add_sampling_option, build_hf_model, copy_bandwidth_gbs, engine_parser, environment,
+                    load_hf_config, print_table, sampling_modes, sampling_params, weight_bytes_per_token, write_json)
 
 
-def engine_decode_rate(args, prompt: list[int]) -> dict:
-    from gpuworker.engine import LLMEngine, SamplingParams
+def engine_decode_rates(args, prompt: list[int], modes: list[str]) -> dict[str, dict]:
+    from gpuworker.engine import LLMEngine
 
     engine = LLMEngine(
         str(args.config), device="cuda", dtype=args.dtype, load_format="dummy",
         max_num_seqs=8, max_num_batched_tokens=2048, seed=0,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    engine.generate([prompt[:16]], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    rates = {}
+    for mode in modes:
+        # Warm-up per mode: the sampler's kernel variants compile outside the timed runs.
+        engine.generate([prompt[:16]], sampling_params(mode, 0, max_tokens=32, ignore_eos=True))
+        rates[mode] = decode_rate(args, engine, prompt, mode)
+    del engine
+    torch.cuda.empty_cache()
+    return rates
 
+
+def decode_rate(args, engine, prompt: list[int], mode: str) -> dict:
     runs = []
     for run in range(args.repeats):
-        engine.add_request(f"lat-{run}", prompt, params)
+        params = sampling_params(mode, run, max_tokens=args.output_len, ignore_eos=True)
+        engine.add_request(f"lat-{mode}-{run}", prompt, params)
         token_times = []
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -38,10 +50,7 @@ def engine_decode_rate(args, prompt: list[int]) -> dict:
         decode_s = token_times[-1] - token_times[0]
         runs.append({"ttft_s": ttft, "decode_tok_s": (len(token_times) - 1) / decode_s})
     runs.sort(key=lambda r: r["decode_tok_s"])
-    best = runs[len(runs) // 2]
-    del engine
-    torch.cuda.empty_cache()
-    return best
+    return runs[len(runs) // 2]
 
 
 @torch.inference_mode()
@@ -69,7 +78,9 @@ def main() -> None:
     parser.add_argument("--hf-output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
+    add_sampling_option(parser)
     args = parser.parse_args()
+    modes = sampling_modes(args.sampling)
 
     cfg = load_hf_config(args.config)
     rng = random.Random(0)
@@ -77,17 +88,21 @@ def main() -> None:
     weight_gb = weight_bytes_per_token(cfg) / 1e9
     copy_gbs = copy_bandwidth_gbs()
 
-    ours = engine_decode_rate(args, prompt)
-    hf = None if args.skip_hf else hf_decode_rate(args, prompt)
+    rates = engine_decode_rates(args, prompt, modes)
+    ours = rates[modes[0]]
+    hf = None if args.skip_hf or modes[0] != "greedy" else hf_decode_rate(args, prompt)
 
     ours_bw = weight_gb * ours["decode_tok_s"]
     rows = [
         ("workload", f"batch 1, prompt {args.prompt_len}, {args.output_len} output tokens, {args.dtype}"),
         ("weights read per token", f"{weight_gb:.2f} GB"),
         ("device copy bandwidth", f"{copy_gbs:.0f} GB/s (bound {copy_gbs / weight_gb:.0f} tok/s)"),
-        ("gpuworker decode", f"{ours['decode_tok_s']:.1f} tok/s, {ours_bw:.0f} GB/s "
+        (f"gpuworker decode, {modes[0]}", f"{ours['decode_tok_s']:.1f} tok/s, {ours_bw:.0f} GB/s "
          f"({100 * ours_bw / copy_gbs:.0f}% of copy), TTFT {1e3 * ours['ttft_s']:.1f} ms"),
     ]
+    rows += [(f"gpuworker decode, {mode}", f"{rates[mode]['decode_tok_s']:.1f} tok/s "
+              f"({100 * rates[mode]['decode_tok_s'] / ours['decode_tok_s']:.1f}% of {modes[0]}), "
+              f"TTFT {1e3 * rates[mode]['ttft_s']:.1f} ms") for mode in modes[1:]]
     if hf:
         rows += [
             ("HF transformers decode", f"{hf['decode_tok_s']:.1f} tok/s, TTFT {1e3 * hf['ttft_s']:.1f} ms"),
@@ -97,7 +112,7 @@ def main() -> None:
     write_json("latency", {
         "env": environment(), "args": {k: str(v) for k, v in vars(args).items()},
         "weight_gb_per_token": weight_gb, "copy_bandwidth_gbs": copy_gbs,
-        "gpuworker": ours, "gpuworker_weight_bandwidth_gbs": ours_bw, "hf": hf,
+        "gpuworker": ours, "gpuworker_by_sampling": rates, "gpuworker_weight_bandwidth_gbs": ours_bw, "hf": hf,
     })
 
 

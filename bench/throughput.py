@@ -1,11 +1,14 @@
 """Offline throughput: many random-token requests submitted at once, against HF transformers.
 
-    python bench/throughput.py [--num-requests 1024] [--hf-requests 128]
+    python bench/throughput.py [--num-requests 1024] [--hf-requests 128] [--output-len 256]
+        [--sampling greedy,t0.8-k200,t0.7-p0.9,t0.8-p0.95,t0.8-p0.95-seeded]
 
 Default workload (seed 0): 1024 requests, prompts of 100-1024 random tokens, outputs of 100-1024
 tokens with ignore_eos, all submitted at once. The HF baseline runs `generate` on static, padded
 batches of the first --hf-requests requests (the whole set takes HF far longer than a device call
 allows); our engine is timed on that same subset too, so the ratio compares identical work.
+--output-len fixes every output length instead. --sampling runs the whole workload once per mode on
+the same engine and prints each against the first (HF and the subset only for the first).
 
 The engine runs with its defaults for the device (gpuworker/engine/sizing.py): on an H200 with the
 Llama-3-8B shape, 1024 sequences and 8192 tokens per step, which the KV pool holds without
@@ -21,22 +24,20 @@ import time
 
 import torch
 
-from common import (Timer, add_engine_options, build_hf_model, engine_parser, environment, load_hf_config, print_table,
-                    write_json)
+from common import (Timer, add_engine_options, add_sampling_option, build_hf_model, engine_parser, environment,
+                    load_hf_config, print_table, sampling_modes, sampling_params, write_json)
 
 
-def make_workload(num_requests: int, vocab: int, seed: int, lo: int, hi: int):
+def make_workload(num_requests: int, vocab: int, seed: int, lo: int, hi: int, output_len: int | None = None):
     rng = random.Random(seed)
     requests = []
     for _ in range(num_requests):
-        prompt_len, output_len = rng.randint(lo, hi), rng.randint(lo, hi)
-        requests.append(([rng.randrange(vocab) for _ in range(prompt_len)], output_len))
+        prompt_len, random_output_len = rng.randint(lo, hi), rng.randint(lo, hi)
+        requests.append(([rng.randrange(vocab) for _ in range(prompt_len)], output_len or random_output_len))
     return requests
 
 
-def run_engine(engine, requests, profile_steps: tuple[int, int] | None = None) -> dict:
-    from gpuworker.engine import SamplingParams
-
+def run_engine(engine, requests, profile_steps: tuple[int, int] | None = None, mode: str = "greedy") -> dict:
     profiler = None
 
     # Per step: wall time of the step() call, and what the step it completed ran.
@@ -46,8 +47,8 @@ def run_engine(engine, requests, profile_steps: tuple[int, int] | None = None) -
     with Timer() as t:
         for i, (prompt, output_len) in enumerate(requests):
             # Offline: only the final outputs are read (as LLMEngine.generate does).
-            engine.add_request(f"req-{i}", prompt, SamplingParams(
-                temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind="final_only"))
+            engine.add_request(f"req-{i}", prompt, sampling_params(
+                mode, i, max_tokens=output_len, ignore_eos=True, output_kind="final_only"))
         generated = 0
         while engine.has_unfinished_requests():
             if profile_steps and len(trace) == profile_steps[0]:
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=1024)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=None, help="every output this long (default: random)")
     add_engine_options(parser, max_num_seqs=None, max_model_len=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's choice")
     parser.add_argument("--hf-requests", type=int, default=128)
@@ -161,12 +163,15 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile-steps", default="",
                         help="A:B profiles steps A to B of the full run (torch profiler; slows them)")
+    add_sampling_option(parser)
     args = parser.parse_args()
+    modes = sampling_modes(args.sampling)
 
     from gpuworker.engine import LLMEngine, SamplingParams
 
     cfg = load_hf_config(args.config)
-    requests = make_workload(args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len)
+    requests = make_workload(args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len,
+                             args.output_len)
     engine = LLMEngine(
         str(args.config), device="cuda", dtype=args.dtype, load_format="dummy", seed=args.seed,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -182,21 +187,32 @@ def main() -> None:
     warmup_s = time.perf_counter() - t0
 
     window = tuple(int(x) for x in args.profile_steps.split(":")) if args.profile_steps else None
-    ours = run_engine(engine, requests, window)
+    by_mode = {}
+    for mode in modes:
+        if mode != "greedy":  # the sampler's kernel variants compile outside the timed run
+            engine.generate([p for p, _ in requests[:24]], sampling_params(mode, 0, max_tokens=16, ignore_eos=True))
+        by_mode[mode] = run_engine(engine, requests, window, mode)
+    ours = by_mode[modes[0]]
     engine_kv_tokens = engine.config.num_kv_blocks * engine.config.block_size
     limits = (engine.config.max_num_seqs, engine.config.max_num_batched_tokens)
     graph_capture_s = engine.load_timings.get("cuda_graphs", 0.0)
     subset = requests[: args.hf_requests]
-    ours_subset = None if args.skip_hf else run_engine(engine, subset)
+    ours_subset = None if args.skip_hf else run_engine(engine, subset, mode=modes[0])
     del engine
     torch.cuda.empty_cache()
     hf = None if args.skip_hf else run_hf(args, subset)
 
+    outputs = f"output {args.output_len}" if args.output_len else f"output {args.min_len}-{args.max_len}"
     rows = [
-        ("workload", f"{args.num_requests} requests, prompt/output {args.min_len}-{args.max_len} tokens, "
+        ("workload", f"{args.num_requests} requests, prompt {args.min_len}-{args.max_len} tokens, {outputs}, "
          f"seed {args.seed}, {args.dtype}"),
-        ("gpuworker", f"{ours['output_tok_s']:.0f} output tok/s, {ours['total_tok_s']:.0f} total tok/s "
+        (f"gpuworker, {modes[0]}", f"{ours['output_tok_s']:.0f} output tok/s, {ours['total_tok_s']:.0f} total tok/s "
          f"({ours['seconds']:.1f} s; warm-up {warmup_s:.1f} s)"),
+    ]
+    rows += [(f"gpuworker, {mode}", f"{by_mode[mode]['output_tok_s']:.0f} output tok/s "
+              f"({100 * by_mode[mode]['output_tok_s'] / ours['output_tok_s']:.1f}% of {modes[0]}; "
+              f"{by_mode[mode]['seconds']:.1f} s)") for mode in modes[1:]]
+    rows += [
         ("engine", f"max_num_seqs {limits[0]}, max_num_batched_tokens {limits[1]}, {ours['steps']} steps, "
                    f"{ours['preemptions']} preemptions, KV pool {engine_kv_tokens} tokens, "
                    f"peak use {100 * ours['peak_kv_cache_usage']:.0f}%, CUDA graphs captured in "
@@ -216,8 +232,9 @@ def main() -> None:
         for kind, v in ours["phases"].items()])
     write_json("throughput", {
         "env": environment(), "args": {k: str(v) for k, v in vars(args).items()},
-        "gpuworker": ours, "gpuworker_subset": ours_subset, "hf_subset": hf, "warmup_s": warmup_s,
-        "max_num_seqs": limits[0], "max_num_batched_tokens": limits[1], "graph_capture_s": graph_capture_s,
+        "gpuworker": ours, "gpuworker_by_sampling": by_mode, "gpuworker_subset": ours_subset, "hf_subset": hf,
+        "warmup_s": warmup_s, "max_num_seqs": limits[0], "max_num_batched_tokens": limits[1],
+        "graph_capture_s": graph_capture_s,
     })
 
 

@@ -18,6 +18,7 @@ from django.core.exceptions import SuspiciousFileOperation  # noqa: E402
 from django.http import Http404  # noqa: E402
 
 from controlplane.gateway.app import process_app  # noqa: E402
+from controlplane.routine_logs import quiet_heartbeat_access_lines  # noqa: E402
 from controlplane.routing import websocket_urlpatterns  # noqa: E402
 
 
@@ -33,6 +34,9 @@ class StaticFilesHandler(ASGIStaticFilesHandler):
         except SuspiciousFileOperation as exc:
             raise Http404("no such static file") from exc
 
+
+# Each worker's heartbeat is an HTTP request a second: its access line goes to DEBUG.
+quiet_heartbeat_access_lines()
 
 http_app = StaticFilesHandler(django_asgi_app) if settings.SERVE_STATIC else django_asgi_app
 gateway_app = process_app()

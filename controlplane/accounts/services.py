@@ -6,6 +6,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 from django.conf import settings
 from django.contrib.auth.password_validation import validate_password
@@ -100,6 +101,7 @@ def api_key_create(
     expires_at: datetime | None = None,
     rate_limit_per_minute: int | None = None,
     max_concurrent_requests: int | None = None,
+    monthly_spend_limit: Decimal | None = None,
     created_by: User | None = None,
     purpose: str = ApiKey.Purpose.API,
 ) -> ApiKeyCreated:
@@ -114,7 +116,7 @@ def api_key_create(
         tenant=tenant, name=name, purpose=purpose, prefix=visible_prefix(plaintext),
         key_hash=hash_api_key(plaintext), all_models=all_models, expires_at=expires_at,
         rate_limit_per_minute=rate_limit_per_minute, max_concurrent_requests=max_concurrent_requests,
-        created_by=created_by,
+        monthly_spend_limit=_spend_limit(monthly_spend_limit), created_by=created_by,
     ))
     api_key.allowed_models.set(allowed_models)
     if purpose == ApiKey.Purpose.API:  # playground session keys are the dashboard's own, one an hour
@@ -133,6 +135,34 @@ def api_key_revoke(*, api_key: ApiKey, actor: User | None = None) -> ApiKey:
     return api_key
 
 
+@transaction.atomic
+def api_key_set_spend_limit(*, api_key: ApiKey, monthly_spend_limit: Decimal | None,
+                            actor: User | None = None) -> ApiKey:
+    """Set (or, with None, remove) the most the key may spend in a calendar month. The gateway
+    checks it when each request's credit is held (billing.key_spend), so it applies from the next
+    request, counting what the key already spent this month."""
+    before = api_key.monthly_spend_limit
+    api_key.monthly_spend_limit = _spend_limit(monthly_spend_limit)
+    api_key.full_clean()
+    api_key.save(update_fields=["monthly_spend_limit"])  # not the whole row: the gateway writes last_used_at
+    audit_record(actor=actor, action=AuditEntry.Action.API_KEY_SPEND_LIMIT, target=api_key,
+                 target_label=_key_label(api_key),
+                 detail={"monthly_spend_limit": [_limit_text(before), _limit_text(api_key.monthly_spend_limit)]})
+    return api_key
+
+
+def _limit_text(limit: Decimal | None) -> str:
+    return "none" if limit is None else f"${limit:.2f}"
+
+
+def _spend_limit(amount: Decimal | None) -> Decimal | None:
+    # Money as Decimal, as the ledger takes it: a float cannot hold cents exactly.
+    if amount is None:
+        return None
+    if not isinstance(amount, Decimal) or not amount.is_finite() or amount < 0:
+        raise ValidationError({"monthly_spend_limit": f"The monthly spend limit must be an amount of at least 0; "
+                                                      f"got {amount}."})
+    return amount
 def _key_label(api_key: ApiKey) -> str:
     return f"{api_key.tenant.name}: {api_key.name} ({api_key.prefix}…)"
 
@@ -145,6 +175,8 @@ def _key_detail(api_key: ApiKey, allowed_models: list) -> dict:
         detail["rate_limit_per_minute"] = api_key.rate_limit_per_minute
     if api_key.max_concurrent_requests is not None:
         detail["max_concurrent_requests"] = api_key.max_concurrent_requests
+    if api_key.monthly_spend_limit is not None:
+        detail["monthly_spend_limit"] = _limit_text(api_key.monthly_spend_limit)
     return detail
 
 

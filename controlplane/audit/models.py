@@ -20,6 +20,7 @@ class AuditEntry(models.Model):
         WORKER_DRAIN = "worker.drain", "Worker drained"
         API_KEY_CREATE = "api_key.create", "API key created"
         API_KEY_REVOKE = "api_key.revoke", "API key revoked"
+        API_KEY_SPEND_LIMIT = "api_key.spend_limit", "API key spend limit set"
         TENANT_CREATE = "tenant.create", "Tenant created"
         CREDIT_GRANT = "credit.grant", "Credits granted"
         INVITATION_CREATE = "invitation.create", "Invitation made"

@@ -20,10 +20,11 @@ from decimal import Decimal
 
 from django.db import connection, transaction
 
-from controlplane.accounts.models import Tenant
+from controlplane.accounts.models import ApiKey, Tenant
+from controlplane.billing.key_spend import key_spend_add, lock_key_budgets
 from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
-from controlplane.billing.pricing import flat_price, month_start, reference_price, take_allowance
-from controlplane.billing.selectors import credit_holds_expired
+from controlplane.billing.pricing import flat_price, reference_price, take_allowance
+from controlplane.billing.selectors import credit_holds_expired, month_start
 from controlplane.billing.services import lock_credit_accounts
 from controlplane.billing.sql import adapt, as_date, insert, marks, money, rows
 from controlplane.catalog.models import Model
@@ -32,6 +33,7 @@ _ACCOUNT, _HOLD = CreditAccount._meta.db_table, CreditHold._meta.db_table
 _RECORD, _ENTRY = UsageRecord._meta.db_table, CreditEntry._meta.db_table
 _MODEL, _TIER = Model._meta.db_table, PriceTier._meta.db_table
 _TENANT, _PLAN = Tenant._meta.db_table, Plan._meta.db_table
+_KEY = ApiKey._meta.db_table
 _HOLD_FIELDS = ("request_id", "tenant_id", "api_key_id", "model_id", "num_requests", "included_requests",
                 "allowance_month", "amount", "created_at", "expires_at")
 
@@ -49,10 +51,22 @@ class HoldRequest:
 
 
 @dataclass(frozen=True)
+class HoldRefused:
+    """Why a request's hold was not placed: the tenant's available credit cannot cover it
+    (CREDIT), or it would take its key's spend this month above the key's limit (KEY_BUDGET)."""
+
+    CREDIT = "credit"
+    KEY_BUDGET = "key_budget"
+
+    reason: str
+    key_limit: Decimal | None = None  # the key's monthly spend limit, for KEY_BUDGET
+
+
+@dataclass(frozen=True)
 class RequestOutcome:
     """How a held request ended. `status` completed or cancelled (after its first token) is
-    charged; failed is recorded free; None releases the hold without a record (client errors,
-    clients gone before the first token)."""
+    charged; failed is recorded free, with the `error_code` its client was given; None releases
+    the hold without a record (client errors, clients gone before the first token)."""
 
     request_id: str
     status: str | None
@@ -62,6 +76,7 @@ class RequestOutcome:
     total_latency_ms: int = 0
     gpu_time_s: float | None = None
     replica_id: int | None = None
+    error_code: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,9 +88,10 @@ class Settled:
 
 def credit_holds_place(
     *, requests: Sequence[HoldRequest], at: datetime, expires_at: datetime
-) -> list[CreditHold | None]:
-    """Hold each request's price, in order; None where the tenant's available credit (balance
-    less what is already held) cannot cover it. The plan's monthly allowance pays first."""
+) -> list[CreditHold | HoldRefused]:
+    """Hold each request's price, in order; HoldRefused where the tenant's available credit
+    (balance less what is already held) cannot cover it, or where it would take the key's spend
+    this month above the key's limit. The plan's monthly allowance pays first."""
     if len(requests) == 1 and (hold := _place_one_conditionally(requests[0], at, expires_at)) is not None:
         return [hold]
     return _place_locked(requests, at, expires_at)
@@ -83,9 +99,10 @@ def credit_holds_place(
 
 def _place_one_conditionally(request: HoldRequest, at: datetime, expires_at: datetime) -> CreditHold | None:
     """The common case in one statement (one round trip, its own transaction): a conditional
-    update of the account that holds the price only if the credit covers it and no allowance is
-    left to use, and the hold inserted with it. None when that does not apply (no credit, an
-    allowance left, no account yet, SQLite): then the locked path decides."""
+    update of the account that holds the price only if the credit covers it, no allowance is left
+    to use and the key has no spend limit, and the hold inserted with it. None when that does not
+    apply (no credit, an allowance left, a limited key, no account yet, SQLite): then the locked
+    path decides."""
     if connection.vendor != "postgresql" or request.price_per_request is None:
         return None
     sql, params = conditional_hold_statement(request, at, expires_at)
@@ -103,6 +120,7 @@ def conditional_hold_statement(request: HoldRequest, at: datetime, expires_at: d
             WHERE a.tenant_id = %(tenant)s AND t.id = a.tenant_id AND a.balance - a.held >= %(amount)s
               AND (COALESCE(p.included_requests_per_month, 0) = 0
                    OR (a.allowance_month = %(month)s AND a.allowance_used >= p.included_requests_per_month))
+              AND NOT EXISTS (SELECT 1 FROM {_KEY} k WHERE k.id = %(api_key)s AND k.monthly_spend_limit IS NOT NULL)
             RETURNING a.tenant_id)
         INSERT INTO {_HOLD} ({", ".join(_HOLD_FIELDS)})
         SELECT %(request_id)s, tenant_id, %(api_key)s, %(model)s, %(n)s, 0, NULL, %(amount)s, %(at)s, %(expires)s
@@ -125,13 +143,14 @@ def conditional_hold_result(request: HoldRequest, result: list[tuple], at: datet
 
 def credit_holds_place_locked(
     *, requests: Sequence[HoldRequest], at: datetime, expires_at: datetime
-) -> list[CreditHold | None]:
+) -> list[CreditHold | HoldRefused]:
     """`credit_holds_place` without its one-statement attempt: for callers that made it already."""
     return _place_locked(requests, at, expires_at)
 
 
 @transaction.atomic
-def _place_locked(requests: Sequence[HoldRequest], at: datetime, expires_at: datetime) -> list[CreditHold | None]:
+def _place_locked(requests: Sequence[HoldRequest], at: datetime,
+                  expires_at: datetime) -> list[CreditHold | HoldRefused]:
     if not requests:
         return []
     prices = {r.model_id: r.price_per_request for r in requests if r.price_per_request is not None}
@@ -142,7 +161,8 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime, expires_at: dat
     locked = lock_credit_accounts(tenant_ids={r.tenant_id for r in requests})
     accounts = locked.accounts
     month = month_start(at)
-    holds: list[CreditHold | None] = []
+    budgets = lock_key_budgets(key_ids=[r.api_key_id for r in requests], month=month)  # after the accounts
+    holds: list[CreditHold | HoldRefused] = []
     for request in requests:
         account = accounts[request.tenant_id]
         before = (account.allowance_month, account.allowance_used)
@@ -150,17 +170,23 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime, expires_at: dat
                                   month=month, requests=request.num_requests)
         amount = flat_price(price_per_request=money(prices[request.model_id]), num_requests=request.num_requests,
                             included=included)
-        if amount > account.available:
+        budget = budgets.get(request.api_key_id)
+        refused = (HoldRefused(HoldRefused.CREDIT) if amount > account.available
+                   else HoldRefused(HoldRefused.KEY_BUDGET, budget.limit) if budget is not None and amount > budget.left
+                   else None)
+        if refused is not None:
             account.allowance_month, account.allowance_used = before  # give the allowance back
-            holds.append(None)
+            holds.append(refused)
             continue
         account.held += amount
+        if budget is not None:
+            budget.committed += amount
         holds.append(CreditHold(
             request_id=request.request_id, tenant_id=request.tenant_id, api_key_id=request.api_key_id,
             model_id=request.model_id, num_requests=request.num_requests, included_requests=included,
             allowance_month=month if included else None, amount=amount, created_at=at, expires_at=expires_at,
         ))
-    placed = [hold for hold in holds if hold is not None]
+    placed = [hold for hold in holds if isinstance(hold, CreditHold)]
     if placed:
         insert(_HOLD, _HOLD_FIELDS, [[adapt(getattr(h, f)) for f in _HOLD_FIELDS] for h in placed])
     with connection.cursor() as cursor:
@@ -220,6 +246,11 @@ def credit_holds_settle(*, outcomes: Sequence[RequestOutcome], at: datetime, dur
         results.append(Settled(outcome.request_id, found=True, record=record))
     if records:
         _insert_records(records, {model_id: name for model_id, (name, _) in models.items()}, at)
+        key_charges: dict[int, Decimal] = {}
+        for record in records:
+            if record.api_key_id is not None:
+                key_charges[record.api_key_id] = key_charges.get(record.api_key_id, Decimal("0")) + record.price_charged
+        key_spend_add(charges=key_charges, month=month_start(at))
     with connection.cursor() as cursor:
         # In tenant-id order, as lock_credit_accounts locks them: a batch of several tenants
         # updated in another order deadlocks with a concurrent placement.
@@ -255,6 +286,7 @@ def _record(outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_reques
     return UsageRecord(
         request_id=outcome.request_id, tenant_id=tenant_id, api_key_id=api_key_id, model_id=model_id,
         replica_id=outcome.replica_id, status=outcome.status, num_requests=num_requests,
+        error_code=outcome.error_code[:40] if outcome.status == UsageRecord.Status.FAILED else "",
         prompt_tokens=prompt, completion_tokens=completion,
         time_to_first_token_ms=None if ttft is None else min(max(0, int(ttft)), total_ms),
         total_latency_ms=total_ms,
@@ -265,8 +297,8 @@ def _record(outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_reques
     )
 
 
-_RECORD_FIELDS = ("request_id", "tenant_id", "api_key_id", "model_id", "replica_id", "status", "num_requests",
-                  "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "total_latency_ms", "gpu_time_s",
+_RECORD_FIELDS = ("request_id", "tenant_id", "api_key_id", "model_id", "replica_id", "status", "error_code",
+                  "num_requests", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "total_latency_ms", "gpu_time_s",
                   "price_charged", "reference_price", "created_at")
 
 

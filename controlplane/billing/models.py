@@ -186,6 +186,10 @@ class UsageRecord(models.Model):
         "fleet.Replica", on_delete=models.SET_NULL, null=True, blank=True, related_name="usage_records"
     )
     status = models.CharField(max_length=20, choices=Status.choices)
+    error_code = models.CharField(
+        max_length=40, blank=True,
+        help_text="Why a failed request failed, as the client's error code said (replica_unavailable, timeout...).",
+    )
     num_requests = models.PositiveSmallIntegerField(
         default=1, validators=[MinValueValidator(1)], help_text="Choices asked for (n): n requests' price."
     )
@@ -215,6 +219,13 @@ class UsageRecord(models.Model):
     def __str__(self) -> str:
         return self.request_id
 
+    @property
+    def outcome(self) -> str:
+        """How the request ended, in the request log's words: ok, client gone, or its error code."""
+        if self.status == self.Status.FAILED:
+            return self.error_code or "error"
+        return "client gone" if self.status == self.Status.CANCELLED else "ok"
+
     def clean(self) -> None:
         super().clean()
         if self.api_key_id is not None and self.tenant_id is not None and self.api_key.tenant_id != self.tenant_id:
@@ -227,3 +238,18 @@ class UsageRecord(models.Model):
             raise ValidationError(
                 {"time_to_first_token_ms": "Time to first token cannot exceed the total latency."}
             )
+
+
+class KeySpend(models.Model):
+    """What one API key was charged in one calendar month (UTC), kept up to date by settlement, so
+    that a key's monthly spend limit is checked against one row instead of a month of records."""
+
+    api_key = models.ForeignKey("accounts.ApiKey", on_delete=models.CASCADE, related_name="monthly_spend")
+    month = models.DateField(help_text="First day of the month.")
+    spent = models.DecimalField(**MONEY, default=Decimal("0"))
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["api_key", "month"], name="keyspend_one_row_per_month")]
+
+    def __str__(self) -> str:
+        return f"key {self.api_key_id} {self.month:%Y-%m}: {self.spent}"

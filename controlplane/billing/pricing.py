@@ -26,11 +26,6 @@ def reference_price(*, per_million_tokens: Decimal, tokens: int) -> Decimal:
     return price.quantize(MICRO, rounding=ROUND_HALF_EVEN)
 
 
-def month_start(moment: datetime) -> date:
-    """The first day of `moment`'s month: allowances reset at each calendar month in UTC."""
-    return moment.astimezone(UTC).date().replace(day=1)
-
-
 def take_allowance(*, account: CreditAccount, included_per_month: int, month: date, requests: int) -> int:
     """How many of `requests` the plan's monthly allowance (`included_per_month`) pays for,
     counted as used on the account."""

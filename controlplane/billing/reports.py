@@ -10,17 +10,21 @@ Failed requests are free at the flat price, so they are left out of the referenc
 columns then price the same (served) traffic.
 """
 
+import math
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 
-from django.db.models import Count, DecimalField, F, FloatField, IntegerField, Q, QuerySet, Sum, Value
-from django.db.models.functions import Coalesce, TruncDate
+from django.db.models import (Case, CharField, Count, DecimalField, F, FloatField, IntegerField, Q, QuerySet, Sum,
+                              Value, When)
+from django.db.models.functions import Coalesce, Concat, TruncDate
 
-from controlplane.billing.models import MONEY, CreditAccount, UsageRecord
+from controlplane.accounts.models import ApiKey
+from controlplane.billing.models import MICRO, MONEY, CreditAccount, UsageRecord
 from controlplane.billing.selectors import credit_available, credit_balance, usage_billable_count_since
+from controlplane.fleet.selectors import gpu_seconds_by_model
 
-GROUPINGS = ("tenant", "model", "day")
+GROUPINGS = ("tenant", "model", "key", "day")
 _FAILED = Q(status=UsageRecord.Status.FAILED)
 
 
@@ -28,7 +32,7 @@ _FAILED = Q(status=UsageRecord.Status.FAILED)
 class UsageRow:
     """The traffic of one group (a tenant, a model or a day) in a period."""
 
-    key: str  # the tenant's name, the model's public name, or the day as YYYY-MM-DD
+    key: str  # the tenant's name, the model's public name, the key's name (see _key_label), or YYYY-MM-DD
     requests: int
     failed: int
     revenue: Decimal  # charged at the flat per-request price (the plan's included requests are free)
@@ -103,9 +107,21 @@ def usage_totals(*, since: datetime, until: datetime, tenant=None) -> UsageRow:
     return _row("total", _records(since=since, until=until, tenant=tenant).aggregate(**_TOTALS))
 
 
+def _key_label(*, with_tenant: bool):
+    """A key's name (with its prefix, since names are reused after revocation); every playground
+    session's short-lived key as one "Playground"; and, across tenants, the tenant's name first."""
+    name = Case(
+        When(api_key__isnull=True, then=Value("(no key)")),
+        When(api_key__purpose=ApiKey.Purpose.PLAYGROUND, then=Value("Playground")),
+        default=Concat("api_key__name", Value(" ("), "api_key__prefix", Value("…)")),
+        output_field=CharField(),
+    )
+    return Concat("tenant__name", Value(" · "), name, output_field=CharField()) if with_tenant else name
+
+
 def usage_by(*, group_by: str, since: datetime, until: datetime, tenant=None) -> list[UsageRow]:
-    """Traffic in [since, until) grouped by "tenant", "model" or "day"; days in order, tenants and
-    models by revenue (largest first)."""
+    """Traffic in [since, until) grouped by "tenant", "model", "key" or "day"; days in order, the
+    others by revenue (largest first)."""
     if group_by not in GROUPINGS:
         raise ValueError(f"group_by must be one of {', '.join(GROUPINGS)}, got {group_by!r}")
     records = _records(since=since, until=until, tenant=tenant)
@@ -113,8 +129,9 @@ def usage_by(*, group_by: str, since: datetime, until: datetime, tenant=None) ->
         grouped = (records.annotate(key=TruncDate("created_at", tzinfo=UTC)).values("key")
                    .annotate(**_TOTALS).order_by("key"))
         return [_row(values["key"].isoformat(), values) for values in grouped]
-    field = "tenant__name" if group_by == "tenant" else "model__public_name"
-    grouped = records.values(key=F(field)).annotate(**_TOTALS).order_by("-revenue", "key")
+    field = (F("tenant__name") if group_by == "tenant" else F("model__public_name") if group_by == "model"
+             else _key_label(with_tenant=tenant is None))
+    grouped = records.values(key=field).annotate(**_TOTALS).order_by("-revenue", "key")
     return [_row(values["key"], values) for values in grouped]
 
 
@@ -169,3 +186,69 @@ def allowance_this_month(*, tenant, now: datetime) -> Allowance:
         used = usage_billable_count_since(tenant=tenant, since=since)
     return Allowance(included=included, used=min(used, included), period_start=since,
                      period_end=month_start_of(since + timedelta(days=32)))
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Nearest-rank percentiles (ms) of the completed requests in a period; None without any."""
+
+    requests: int
+    p50_ms: int | None
+    p95_ms: int | None
+    ttft_p50_ms: int | None
+    ttft_p95_ms: int | None
+
+
+def _percentile(records: QuerySet[UsageRecord], field: str, share: float) -> int | None:
+    # Sorted and picked by the database (ORDER BY ... OFFSET), the same on PostgreSQL and SQLite,
+    # so no period's latencies travel to Python.
+    values = records.exclude(**{f"{field}__isnull": True})
+    count = values.count()
+    if count == 0:
+        return None
+    rank = max(1, math.ceil(share * count))
+    return values.order_by(field).values_list(field, flat=True)[rank - 1]
+
+
+def usage_latency(*, since: datetime, until: datetime, tenant=None) -> Latency:
+    """p50 and p95 of total latency and time to first token over completed requests in [since, until)."""
+    records = _records(since=since, until=until, tenant=tenant).filter(status=UsageRecord.Status.COMPLETED)
+    return Latency(
+        requests=records.count(),
+        p50_ms=_percentile(records, "total_latency_ms", 0.50), p95_ms=_percentile(records, "total_latency_ms", 0.95),
+        ttft_p50_ms=_percentile(records, "time_to_first_token_ms", 0.50),
+        ttft_p95_ms=_percentile(records, "time_to_first_token_ms", 0.95),
+    )
+
+
+@dataclass(frozen=True)
+class ModelMargin:
+    """A model's flat-price revenue in a period against what its GPUs cost in that period."""
+
+    model: str
+    requests: int
+    revenue: Decimal
+    gpu_hours: float
+    gpu_cost: Decimal
+
+    @property
+    def margin(self) -> Decimal:
+        return self.revenue - self.gpu_cost
+
+
+def model_margins(*, since: datetime, until: datetime, gpu_hour_cost: Decimal) -> list[ModelMargin]:
+    """Per model: revenue charged at the flat price (usage records) against the GPU-hours its
+    replicas held a GPU (`fleet.selectors.gpu_seconds_by_model`, from the replicas' recorded
+    lifetimes) times `gpu_hour_cost` (settings.GPU_HOUR_COST_USD). Largest revenue first; a model
+    whose GPUs earned nothing is listed too, with its cost."""
+    revenue = {row.key: row for row in usage_by(group_by="model", since=since, until=until)}
+    seconds = gpu_seconds_by_model(since=since, until=until)
+    margins = []
+    for model in [*revenue, *sorted(name for name in seconds if name not in revenue)]:
+        hours = seconds.get(model, 0.0) / 3600
+        row = revenue.get(model)
+        margins.append(ModelMargin(
+            model=model, requests=row.requests if row else 0, revenue=row.revenue if row else Decimal("0"),
+            gpu_hours=hours, gpu_cost=(gpu_hour_cost * Decimal(str(hours))).quantize(MICRO),
+        ))
+    return margins

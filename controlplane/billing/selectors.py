@@ -1,6 +1,6 @@
 """Reads for billing: the credit balance, the usage counts pricing depends on, and expired holds."""
 
-from datetime import datetime
+from datetime import UTC, date, datetime, time
 from decimal import Decimal
 
 from django.db.models import QuerySet, Sum
@@ -24,6 +24,11 @@ def credit_available(*, tenant) -> Decimal:
     if account is None:
         return credit_balance(tenant=tenant)
     return account.available
+
+
+def month_start(moment: datetime) -> date:
+    """The first day of `moment`'s month: allowances reset at each calendar month in UTC."""
+    return moment.astimezone(UTC).date().replace(day=1)
 
 
 def usage_billable_count_since(*, tenant, since: datetime, until: datetime | None = None) -> int:

@@ -24,6 +24,13 @@ class Model(models.Model):
             )
         ],
     )
+    # The labels gpuworker's QuantConfig.label gives (the control plane imports nothing of the worker's).
+    class Quantization(models.TextChoices):
+        NONE = "", "None (bf16/fp16)"
+        FP8 = "fp8", "FP8"
+        AWQ_INT4 = "awq-int4", "AWQ INT4"
+        GPTQ_INT4 = "gptq-int4", "GPTQ INT4"
+
     family = models.CharField(max_length=50, help_text="Architecture family, e.g. llama.")
     kind = models.CharField(max_length=20, choices=Kind.choices, default=Kind.CHAT)
     weights_path = models.CharField(
@@ -31,6 +38,10 @@ class Model(models.Model):
     )
     context_length = models.PositiveIntegerField(validators=[MinValueValidator(1)])
     parameter_count = models.PositiveBigIntegerField(validators=[MinValueValidator(1)])
+    quantization = models.CharField(
+        max_length=20, choices=Quantization.choices, default=Quantization.NONE, blank=True,
+        help_text="How the checkpoint's weights are stored (its config.json's quantization_config).",
+    )
     gpu_memory_bytes = models.PositiveBigIntegerField(
         validators=[MinValueValidator(1)],
         help_text="Estimated GPU memory a replica needs: weights plus a working KV cache.",

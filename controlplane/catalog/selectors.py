@@ -30,6 +30,17 @@ class WeightsPathReport:
         return self.status == "found"
 
 
+def reported_quantization(*, weights_path: str, workers: Iterable) -> str | None:
+    """How the checkpoint at `weights_path` is quantized, as the first of `workers` that has it
+    reports (Model.Quantization.NONE for a float checkpoint); None when none of them has it."""
+    path = posixpath.normpath(weights_path.strip()) if weights_path.strip() else ""
+    for worker in workers:
+        if path in {posixpath.normpath(p) for p in worker.model_paths}:
+            reported = {posixpath.normpath(p): label for p, label in (worker.model_quantization or {}).items()}
+            return reported.get(path, Model.Quantization.NONE)
+    return None
+
+
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 

@@ -25,6 +25,7 @@ NAV_ITEMS = (
     NavItem("Audit log", "dashboard:audit", OPERATOR_ROLES),
     NavItem("API keys", "dashboard:keys", TENANT_ROLES),
     NavItem("Usage", "dashboard:usage", TENANT_ROLES),
+    NavItem("Requests", "dashboard:requests", TENANT_ROLES + ADMIN_ROLES),
     NavItem("Credits", "dashboard:credits", TENANT_ROLES),
     NavItem("Playground", "dashboard:playground", TENANT_ROLES),
     NavItem("Team", "dashboard:team", TENANT_ROLES),

@@ -9,6 +9,8 @@ from django.core.cache import caches
 # Long enough to outlive any silence we still reason about (lost, then offline); a missing entry
 # is read as "silent since the worker's last state change".
 _TTL_SECONDS = 24 * 3600
+# Heartbeats' device figures kept per worker for the fleet page's sparklines: about a minute.
+RECENT_FIGURES = 60
 
 
 def _cache():
@@ -43,3 +45,23 @@ def staging_sent(*, worker_id: int) -> list[str] | None:
 
 def store_staging_sent(*, worker_id: int, model_paths: list[str]) -> None:
     _cache().set(_staging_key(worker_id), model_paths, _TTL_SECONDS)
+
+
+def _figures_key(worker_id: int) -> str:
+    return f"fleet:figures:{worker_id}"
+
+
+def store_figures(*, worker_id: int, figures: dict[str, Any]) -> None:
+    """Add one heartbeat's device figures ({"received_at", "gpus", "cpu"}) to the worker's last
+    RECENT_FIGURES, so a page opened now draws its sparklines with the last minute in them.
+
+    Read, append, write: a worker's heartbeats arrive one at a time, and two that raced would at
+    worst lose one point of a sparkline."""
+    recent = _cache().get(_figures_key(worker_id)) or []
+    _cache().set(_figures_key(worker_id), [*recent[-(RECENT_FIGURES - 1):], figures], _TTL_SECONDS)
+
+
+def recent_figures(*, worker_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """Each worker's stored figures, oldest first."""
+    found = _cache().get_many([_figures_key(worker_id) for worker_id in worker_ids])
+    return {worker_id: found[_figures_key(worker_id)] for worker_id in worker_ids if _figures_key(worker_id) in found}

@@ -50,6 +50,9 @@ class Worker(models.Model):
     # with no roots reports nothing, and its paths are simply not checked.
     model_roots = models.JSONField(default=list, blank=True)
     model_paths = models.JSONField(default=list, blank=True)
+    # {path: quantization label} for the quantized checkpoints among model_paths (the catalog's
+    # Model.Quantization values), as last reported.
+    model_quantization = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=20, choices=State.choices, default=State.ONLINE)
     # Written on registration and state changes only; the latest heartbeat lives in the live cache.
     state_changed_at = models.DateTimeField(default=timezone.now)

@@ -34,6 +34,45 @@ def workers_latest_heartbeats(*, worker_ids: Iterable[int]) -> dict[int, dict[st
     return heartbeat_cache.read_many(worker_ids=list(worker_ids))
 
 
+def worker_silence_seconds(worker: Worker, latest: dict | None, now: datetime) -> float:
+    """Seconds since the worker was last heard from (`latest`: its cached heartbeat, if any)."""
+    # Counted from the last state change too: a worker with no heartbeat cached yet (just
+    # registered, or the cache was flushed) is not lost before its first heartbeat is due.
+    last = max((latest or {}).get("received_at", 0.0), worker.state_changed_at.timestamp())
+    return now.timestamp() - last
+
+
+def workers_heard_from(*, now: datetime) -> list[tuple[Worker, float]]:
+    """Workers not offline, each with the seconds since it was last heard from."""
+    workers = list(Worker.objects.exclude(state=Worker.State.OFFLINE))
+    latest = workers_latest_heartbeats(worker_ids=[worker.pk for worker in workers])
+    return [(worker, worker_silence_seconds(worker, latest.get(worker.pk), now)) for worker in workers]
+
+
+def replica_counts_by_model_and_state() -> dict[tuple[str, str], int]:
+    """Live replicas (pending, loading, ready, draining) per deployed model and state; every pair
+    of a deployed model and a live state is there, 0 where none is."""
+    counts = {(name, state): 0 for name in Deployment.objects.values_list("model__public_name", flat=True)
+              for state in Replica.LIVE_STATES}
+    rows = (Replica.objects.filter(state__in=Replica.LIVE_STATES)
+            .values_list("deployment__model__public_name", "state").annotate(count=Count("pk")).order_by())
+    for name, state, count in rows:
+        counts[(name, state)] = count
+    return counts
+
+
+def deployments_desired_replicas() -> list[tuple[str, int]]:
+    """(model name, desired replicas) of every deployment, by model name."""
+    return list(Deployment.objects.values_list("model__public_name", "desired_replicas").order_by("model__public_name"))
+def workers_recent_figures(*, since: float, worker_ids: Iterable[int] | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Each worker's (all, or these) device figures from its heartbeats received after `since`
+    (epoch seconds), oldest first: {"received_at", "gpus", "cpu"} each, as reported."""
+    if worker_ids is None:
+        worker_ids = Worker.objects.values_list("pk", flat=True)
+    recent = heartbeat_cache.recent_figures(worker_ids=list(worker_ids))
+    return {worker_id: [f for f in figures if f.get("received_at", 0) > since] for worker_id, figures in recent.items()}
+
+
 def placement_slots(*, workers: list[Worker]) -> list[Slot]:
     """Where replicas can go on these workers: each present GPU, or a CPU-only worker's memory,
     with the memory its live replicas are estimated to use (their models' gpu_memory_bytes)."""
@@ -218,3 +257,56 @@ def deployment_replica_loads(*, deployment: Deployment) -> tuple[int, list[Repli
 def _figure(figures: dict[str, Any], name: str) -> float | None:
     value = figures.get(name)
     return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class FleetHealth:
+    """The fleet at a glance, for the operators' home page."""
+
+    workers_by_state: dict[str, int]
+    gpus_present: int
+    gpus_busy: int  # present GPUs holding at least one live replica
+    # Mean GPU utilisation over the GPUs the latest heartbeats report (None: no GPU reports one).
+    gpu_utilisation_pct: float | None
+    replicas_failed_recently: int
+    not_ready: list[DeploymentStatus]  # deployments that want replicas and lack some (or have errors)
+
+
+def fleet_health(*, now: datetime, failures_since: datetime) -> FleetHealth:
+    workers = dict(Worker.objects.order_by().values_list("state").annotate(n=Count("pk")).values_list("state", "n"))
+    gpus = Gpu.objects.filter(present=True)
+    busy = gpus.filter(replicas__state__in=Replica.LIVE_STATES).distinct().count()
+    live = heartbeat_cache.read_many(worker_ids=list(Worker.objects.exclude(state=Worker.State.OFFLINE)
+                                                     .values_list("pk", flat=True)))
+    utilisation = [float(gpu["utilization_pct"]) for beat in live.values() for gpu in beat.get("gpus") or ()
+                   if gpu.get("utilization_pct") is not None]
+    return FleetHealth(
+        workers_by_state={state: workers.get(state, 0) for state in Worker.State.values},
+        gpus_present=gpus.count(), gpus_busy=busy,
+        gpu_utilisation_pct=sum(utilisation) / len(utilisation) if utilisation else None,
+        replicas_failed_recently=Replica.objects.filter(state=Replica.State.FAILED,
+                                                        state_changed_at__gte=failures_since).count(),
+        not_ready=[s for s in deployment_statuses(now=now) if s.state not in ("ready", "stopped")],
+    )
+
+
+def gpu_seconds_by_model(*, since: datetime, until: datetime) -> dict[str, float]:
+    """Seconds each model's replicas held a GPU within [since, until), by the model's public name.
+
+    A replica holds its GPU from placement (`created_at`: placement reserves the GPU's memory for
+    it, and loading already occupies the device) until it ends (`state_changed_at` of a stopped or
+    failed replica; a live replica still holds it at `until`). These are the replica's own
+    recorded transitions, which heartbeats drive; replicas on a worker's CPU hold no GPU and are
+    left out. This is capacity held, not busy time: the engine's busy share is each usage record's
+    `gpu_time_s`."""
+    ended = (Replica.State.STOPPED, Replica.State.FAILED)
+    replicas = (Replica.objects.filter(gpu__isnull=False, created_at__lt=until)
+                .exclude(state__in=ended, state_changed_at__lte=since)
+                .values_list("deployment__model__public_name", "created_at", "state", "state_changed_at"))
+    seconds: dict[str, float] = {}
+    for model_name, created_at, state, changed_at in replicas:
+        end = min(changed_at, until) if state in ended else until
+        held = (end - max(created_at, since)).total_seconds()
+        if held > 0:
+            seconds[model_name] = seconds.get(model_name, 0.0) + held
+    return seconds

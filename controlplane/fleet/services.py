@@ -25,7 +25,7 @@ from controlplane.fleet.staging import StagingCandidate, StagingWorker, plan_sta
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import AutoscaleDecision, Gpu, LoadBackoff, Replica, Worker
 from controlplane.fleet.placement import SlotRoom, memory_fraction, room_message
-from controlplane.fleet.selectors import deployment_replica_loads, placement_slots
+from controlplane.fleet.selectors import deployment_replica_loads, placement_slots, worker_silence_seconds
 from controlplane.gateway.cold_start_counts import cold_start_waiting
 from controlplane.gateway.traffic import TrafficSnapshot, traffic_snapshot
 from gpuworker.contract.heartbeat import Heartbeat, WorkerRegistration
@@ -57,6 +57,7 @@ def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worke
     worker.version = registration.version
     worker.model_roots = list(registration.models.roots) if registration.models else []
     worker.model_paths = list(registration.models.paths) if registration.models else []
+    worker.model_quantization = dict(registration.models.quantization) if registration.models else {}
     worker.state = Worker.State.ONLINE
     worker.state_changed_at = now
     validated_save(worker)
@@ -93,7 +94,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
         _worker_set_state(worker=worker, to_state=State.DRAINING if heartbeat.draining else State.ONLINE, now=now)
     if heartbeat.models is not None:
         Worker.objects.filter(pk=worker_id).update(
-            model_roots=list(heartbeat.models.roots), model_paths=list(heartbeat.models.paths))
+            model_roots=list(heartbeat.models.roots), model_paths=list(heartbeat.models.paths),
+            model_quantization=dict(heartbeat.models.quantization))
     plan = plan_heartbeat(recorded=_recorded_replicas(worker_id, heartbeat), reported=list(heartbeat.replicas))
     if plan.steps:
         plan = _apply_heartbeat(worker_id=worker_id, heartbeat=heartbeat, now=now)
@@ -107,6 +109,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
         "staging": heartbeat.staging.to_json() if heartbeat.staging is not None else None,
     }
     heartbeat_cache.store(worker_id=worker.pk, state=state)
+    heartbeat_cache.store_figures(worker_id=worker.pk, figures={
+        "received_at": state["received_at"], "gpus": state["gpus"], "cpu": state["cpu"]})
     live_events.publish(group=live_events.FLEET_GROUP, event="worker.heartbeat", data=state)
     return plan.unload
 
@@ -145,7 +149,7 @@ def workers_mark_lost(*, now: datetime) -> int:
     latest = heartbeat_cache.read_many(worker_ids=[w.pk for w in workers])
     changed = 0
     for worker in workers:
-        silent_for = _silent_for(worker, latest.get(worker.pk), now)
+        silent_for = worker_silence_seconds(worker, latest.get(worker.pk), now)
         if worker.state == State.LOST:
             if silent_for > settings.FLEET_WORKER_OFFLINE_AFTER_SECONDS:
                 _worker_set_state(worker=worker, to_state=State.OFFLINE, now=now)
@@ -155,17 +159,10 @@ def workers_mark_lost(*, now: datetime) -> int:
     return changed
 
 
-def _silent_for(worker: Worker, latest: dict | None, now: datetime) -> float:
-    # Counted from the last state change too: a worker with no heartbeat cached yet (just
-    # registered, or the cache was flushed) is not lost before its first heartbeat is due.
-    last = max((latest or {}).get("received_at", 0.0), worker.state_changed_at.timestamp())
-    return now.timestamp() - last
-
-
 @transaction.atomic
 def _worker_mark_lost(*, worker_id: int, now: datetime) -> bool:
     worker = Worker.objects.select_for_update(no_key=True).get(pk=worker_id)
-    silent_for = _silent_for(worker, heartbeat_cache.read(worker_id=worker_id), now)
+    silent_for = worker_silence_seconds(worker, heartbeat_cache.read(worker_id=worker_id), now)
     if worker.state not in (Worker.State.ONLINE, Worker.State.DRAINING) or silent_for <= settings.FLEET_WORKER_LOST_AFTER_SECONDS:
         return False  # a heartbeat or another checker got there first
     replicas = list(Replica.objects.select_for_update(no_key=True).select_related("deployment__model")
@@ -341,9 +338,11 @@ def _deployment_set_desired(*, deployment: Deployment, desired_replicas: int, ac
     scale, the autoscaler's decision): bounds, the scaling time cooldowns count from, audit, reconcile."""
     _check_whole_number(desired_replicas, "desired_replicas")
     if not deployment.min_replicas <= desired_replicas <= deployment.max_replicas:
+        # In the words of the limits form (Min, Max), naming the one to change.
+        fix = ("raise Max replicas" if desired_replicas > deployment.max_replicas else "lower Min replicas")
         raise ValidationError({"desired_replicas": (
-            f"Must lie between min_replicas ({deployment.min_replicas}) and max_replicas "
-            f"({deployment.max_replicas}); got {desired_replicas}."
+            f"This deployment allows {deployment.min_replicas} to {deployment.max_replicas} replicas; "
+            f"{fix} to scale to {desired_replicas}."
         )})
     before = deployment.desired_replicas
     deployment.desired_replicas = desired_replicas

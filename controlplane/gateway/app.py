@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from controlplane.gateway import completions
+from controlplane.gateway import completions, metrics
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.errors import GatewayError, dependency_unavailable, model_not_found
 from controlplane.gateway.openapi import openapi_document
@@ -42,27 +42,37 @@ def build_app() -> Starlette:
                     app.state.gateway = Gateway(GatewayConfig.from_settings())
         return app.state.gateway
 
-    def endpoint(handler):
+    def endpoint(handler, *, counted: bool = False):
+        """`handler` with errors answered OpenAI's way; `counted`: its requests go to the metrics
+        (a stream counts itself when it ends, see relay)."""
         async def run(request: Request) -> Response:
             request_id = new_request_id()
             started = time.monotonic()
-            try:
-                response = await handler(await gateway(), request, request_id)
-            except GatewayError as error:
-                return error.response(request_id)
-            except Exception as exc:
-                retry_after = app.state.gateway.config.retry_after_s if app.state.gateway else 1
-                if (error := dependency_unavailable(exc, retry_after)) is not None:
-                    logger.warning("request %s: %s (%s)", request_id, error.message, type(exc).__name__)
-                    return error.response(request_id)
-                logger.exception("request %s failed", request_id)
-                error = GatewayError(500, "The server had an error while processing your request.",
-                                     type="server_error", code="internal_error")
-                return error.response(request_id)
+            response = await answer(handler, request, request_id)
             if isinstance(response, Response):
                 response.headers["openai-processing-ms"] = str(int((time.monotonic() - started) * 1000))
+                if counted:
+                    # The model, once the request named one it may use (completions sets it).
+                    metrics.request_finished(model=getattr(request.state, "model", ""), started=started,
+                                             outcome=metrics.outcome_of_status(response.status_code),
+                                             status=response.status_code)
             return response
         return run
+
+    async def answer(handler, request: Request, request_id: str) -> Response:
+        try:
+            return await handler(await gateway(), request, request_id)
+        except GatewayError as error:
+            return error.response(request_id)
+        except Exception as exc:
+            retry_after = app.state.gateway.config.retry_after_s if app.state.gateway else 1
+            if (error := dependency_unavailable(exc, retry_after)) is not None:
+                logger.warning("request %s: %s (%s)", request_id, error.message, type(exc).__name__)
+                return error.response(request_id)
+            logger.exception("request %s failed", request_id)
+            error = GatewayError(500, "The server had an error while processing your request.",
+                                 type="server_error", code="internal_error")
+            return error.response(request_id)
 
     def served(path: str):
         async def serve(gw: Gateway, request: Request, request_id: str):
@@ -97,7 +107,7 @@ def build_app() -> Starlette:
         routes=[
             Route("/v1/models", endpoint(list_models)),
             Route("/v1/models/{model:path}", endpoint(retrieve_model)),
-            *(Route(path, endpoint(served(path)), methods=["POST"]) for path in completions.ENDPOINTS),
+            *(Route(path, endpoint(served(path), counted=True), methods=["POST"]) for path in completions.ENDPOINTS),
             Route("/v1/openapi.json", openapi),
         ],
         exception_handlers={HTTPException: http_error},

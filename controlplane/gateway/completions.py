@@ -50,6 +50,7 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
     grant = await gw.keys.authenticate(request.headers.get("authorization"))
     body = json_object(raw)
     model = await _model(gw, grant, body.get("model"))
+    request.state.model = model.public_name  # the metrics' label (app.endpoint)
     gw.spawn(gw.traffic.record(model.model_id, time.time()))  # off the request's path
     try:
         parsed = parse_request(schema, body)
@@ -67,28 +68,32 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
             return replay
     stored = False
     try:
-        if model.ready:
-            replicas, cold_start_s = model.ready, None
-        else:  # it waits for a replica to start; nothing is held or billed yet, so leaving costs nothing
-            waited = await _client_present(request, gw.cold_starts.ready_replicas(model, request_id))
-            if waited is _GONE:
-                return Response(status_code=499)  # nobody reads it: the client is gone
-            replicas, cold_start_s = waited
         # Encoders keep no prefix cache: their requests only spread by load.
         key = "" if for_embeddings else affinity_key(body, chat, gw.config.affinity_prefix_chars)
-        # Rate limits, concurrency limits and the choice of replica: one round trip to Redis.
-        admission, first = await gw.shared.admit_and_pick(
-            grant, request_id, replicas, affinity_choice(key, replicas))
+        replicas, cold_start_s = model.ready, None
+        if replicas:  # rate limits, concurrency limits and the choice of replica: one round trip to Redis
+            admission, first = await gw.shared.admit_and_pick(
+                grant, request_id, replicas, affinity_choice(key, replicas))
+        else:  # admitted (and, below, its credit held) before it waits: a refusal comes at once
+            admission, first = await gw.shared.admit(grant, request_id), None
         if not admission.allowed:
             which = admission.reason.replace("_", " ").replace("rpm", "requests per minute")
             raise GatewayError(429, f"Rate limit reached ({which}: {admission.limit}); retry after the "
                                     f"retry-after header's seconds.", type="requests", code="rate_limit_exceeded",
                                headers=admission.headers())
         flight = Flight(gw, request_id, grant, model, parsed.n)
-        flight.replica_id = first.replica_id
-        headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
         try:
             await flight.hold()
+            if first is None:
+                # It waits for a replica to start, holding its credit and its slots but charged
+                # nothing: leaving costs nothing, and nobody out of credit or over a limit wakes a model.
+                waited = await _client_present(request, gw.cold_starts.ready_replicas(model, request_id))
+                if waited is _GONE:
+                    return Response(status_code=499)  # nobody reads it: the client is gone
+                replicas, cold_start_s = waited
+                first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas))
+            flight.replica_id = first.replica_id
+            headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
             if parsed.stream:
                 # The replica always reports usage: billing needs it, the client gets it on request.
                 upstream_body = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
@@ -265,8 +270,9 @@ async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, 
         usage["cost"] = float(flight.cost)
         payload["usage"], payload["model"] = usage, flight.model.public_name
         return Response(json.dumps(payload).encode(), headers=headers, media_type="application/json")
-    await flight.end(FAILED if tried else None)
-    raise _no_replica(gw, flight, reason)
+    error = _no_replica(gw, flight, reason)
+    await flight.end(FAILED if tried else None, error_code=error.code)
+    raise error
 
 
 async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
@@ -307,5 +313,6 @@ async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, pa
             await events.aclose()
             raise
         return StreamRelay(flight, events, buffered, headers, include_usage, deadline)
-    await flight.end(FAILED if tried else None)
-    raise _no_replica(gw, flight, reason)
+    error = _no_replica(gw, flight, reason)
+    await flight.end(FAILED if tried else None, error_code=error.code)
+    raise error

@@ -29,8 +29,9 @@ class GatewayConfig:
 
     @property
     def hold_lifetime_s(self) -> float:
-        # A hold must outlive the longest request, or the sweeper could settle a live one.
-        return self.request_timeout_s + 60.0
+        # A hold must outlive the longest request, or the sweeper could settle a live one; a
+        # request that waited for a cold start was held through the wait too.
+        return self.cold_start_wait_s + self.request_timeout_s + 60.0
 
     @classmethod
     def from_settings(cls) -> "GatewayConfig":

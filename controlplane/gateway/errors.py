@@ -56,6 +56,14 @@ def insufficient_quota() -> GatewayError:
                         code="insufficient_quota", headers={"x-should-retry": "false"})
 
 
+def key_budget_exceeded(limit) -> GatewayError:
+    # A 429 like insufficient_quota (what the SDKs raise as RateLimitError), with its own code so a
+    # client can tell this key's limit from the tenant's credit; waiting will not help either.
+    return GatewayError(429, f"This API key has reached its monthly spend limit (${limit:.2f}): raise the key's "
+                             "limit on the API keys page, use another key, or wait for next month.",
+                        type="insufficient_quota", code="key_budget_exceeded", headers={"x-should-retry": "false"})
+
+
 def unavailable(message: str, retry_after_s: int, code: str = "model_unavailable") -> GatewayError:
     return GatewayError(503, message, type="service_unavailable", code=code,
                         headers={"retry-after": str(retry_after_s)})

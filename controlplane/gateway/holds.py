@@ -30,12 +30,13 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from controlplane.billing.holds import (
-    HoldRequest, RequestOutcome, Settled, conditional_hold_result, conditional_hold_statement, credit_holds_expire,
-    credit_holds_place, credit_holds_place_locked, credit_holds_settle,
+    HoldRefused, HoldRequest, RequestOutcome, Settled, conditional_hold_result, conditional_hold_statement,
+    credit_holds_expire, credit_holds_place, credit_holds_place_locked, credit_holds_settle,
 )
 from controlplane.billing.models import CreditHold, UsageRecord
+from controlplane.gateway import metrics
 from controlplane.gateway.database import Batcher, DatabaseLane
-from controlplane.gateway.errors import insufficient_quota
+from controlplane.gateway.errors import insufficient_quota, key_budget_exceeded
 from controlplane.gateway.selectors import KeyGrant, ModelRoute
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ class HoldPlacer:
         self._connection = None
         self._busy = False
 
-    async def submit(self, request: HoldRequest) -> CreditHold | None:
-        """The request's hold, or None when the tenant's credit cannot cover it."""
+    async def submit(self, request: HoldRequest) -> CreditHold | HoldRefused:
+        """The request's hold, or why it was refused (billing.holds.HoldRefused)."""
         # Under load the lane's batches are cheaper, and two connections would only queue on the
         # same account row: the direct path is for a request that finds the lane idle.
         if (self._connect_kwargs is None or self._busy or request.price_per_request is None
@@ -155,14 +156,15 @@ class Flight:
         self.released = self.settled = False
 
     async def hold(self) -> None:
-        """Set the request's price aside; 429 insufficient_quota when the credit cannot cover it."""
+        """Set the request's price aside; 429 insufficient_quota when the credit cannot cover it,
+        429 key_budget_exceeded when the key's monthly spend limit cannot."""
         hold = await self.gw.holds.submit(HoldRequest(
             request_id=self.request_id, tenant_id=self.grant.tenant_id, model_id=self.model.model_id,
             api_key_id=self.grant.key_id, num_requests=self.num_requests,
             price_per_request=self.model.price_per_request,
         ))
-        if hold is None:
-            raise insufficient_quota()
+        if isinstance(hold, HoldRefused):
+            raise key_budget_exceeded(hold.key_limit) if hold.reason == HoldRefused.KEY_BUDGET else insufficient_quota()
         self.amount = hold.amount
 
     async def first_token(self) -> None:
@@ -205,20 +207,23 @@ class Flight:
         if not self.released:
             self.gw.spawn(self.release())
 
-    async def settle(self, status: str | None, usage: dict | None = None, completion_tokens: int = 0) -> None:
-        """Settle the hold with `status` (see billing.holds.RequestOutcome)."""
+    async def settle(self, status: str | None, usage: dict | None = None, completion_tokens: int = 0,
+                     error_code: str = "") -> None:
+        """Settle the hold with `status` (see billing.holds.RequestOutcome); a failed request
+        carries the `error_code` its client got."""
         if self._begin_settling():
-            await self._submit(status, usage, completion_tokens)
+            await self._submit(status, usage, completion_tokens, error_code)
 
     def settle_soon(self, status: str | None, usage: dict | None = None) -> None:
         if self._begin_settling():
             self.gw.spawn(self._submit(status, usage, 0))
 
-    async def end(self, status: str | None, usage: dict | None = None, completion_tokens: int = 0) -> None:
+    async def end(self, status: str | None, usage: dict | None = None, completion_tokens: int = 0,
+                  error_code: str = "") -> None:
         try:
             await self.release()
         finally:
-            await self.settle(status, usage, completion_tokens)
+            await self.settle(status, usage, completion_tokens, error_code)
 
     @property
     def cost(self) -> Decimal:
@@ -231,7 +236,8 @@ class Flight:
         self.settled = True
         return self.amount is not None
 
-    async def _submit(self, status: str | None, usage: dict | None, completion_tokens: int) -> None:
+    async def _submit(self, status: str | None, usage: dict | None, completion_tokens: int,
+                      error_code: str = "") -> None:
         usage = usage or {}
         outcome = RequestOutcome(
             request_id=self.request_id, status=status,
@@ -240,17 +246,21 @@ class Flight:
             time_to_first_token_ms=None if self.first_token_at is None
             else int((self.first_token_at - self.started) * 1000),
             total_latency_ms=int((time.monotonic() - self.started) * 1000),
-            gpu_time_s=usage.get("gpu_time_s"), replica_id=self.replica_id,
+            gpu_time_s=usage.get("gpu_time_s"), replica_id=self.replica_id, error_code=error_code,
         )
         for pause in _SETTLE_RETRY_PAUSES_S:
             try:
-                await self.gw.settles.submit(outcome)
+                self._count_charge(await self.gw.settles.submit(outcome))
                 return
             except DatabaseError:
                 logger.warning("settling %s failed; retrying in %.1f s", self.request_id, pause,
                                exc_info=pause == _SETTLE_RETRY_PAUSES_S[0])  # one traceback per request
                 await asyncio.sleep(pause)
-        await self.gw.settles.submit(outcome)  # the last try; if it fails the sweeper takes over
+        self._count_charge(await self.gw.settles.submit(outcome))  # the last try; if it fails the sweeper takes over
+
+    def _count_charge(self, settled: Settled) -> None:
+        if settled.record is not None:
+            metrics.credits_charged(model=self.model.public_name, amount=settled.record.price_charged)
 
 
 def _int(value) -> int:

@@ -13,6 +13,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
+from controlplane.gateway import metrics
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.upstream import UpstreamError
@@ -94,7 +95,7 @@ class StreamRelay:
 
     async def _relay(self, send) -> None:
         # A client gone before its first token went out got nothing: released unbilled (None).
-        status, finished = None, False
+        status, finished, error_code = None, False, ""
         events = aiter(self.events)
         try:
             try:
@@ -118,12 +119,15 @@ class StreamRelay:
             status = FAILED
             timed_out = isinstance(exc, TimeoutError)
             message = "The request took too long and was stopped." if timed_out else f"The replica failed mid-stream: {exc}"
-            await send({"type": "http.response.body", "body": error_event(message, "timeout" if timed_out else "replica_failed"),
-                        "more_body": False})
+            error_code = "timeout" if timed_out else "replica_failed"
+            await send({"type": "http.response.body", "body": error_event(message, error_code), "more_body": False})
         finally:
             await events.aclose()  # closes the upstream connection unless the stream completed
             if not self.flight.settled:
-                await self.flight.end(status, self.usage, completion_tokens=self.token_events)
+                await self.flight.end(status, self.usage, completion_tokens=self.token_events, error_code=error_code)
+            # A stream's status line said 200 at its start; what became of it is `status`.
+            metrics.request_finished(model=self.flight.model.public_name, outcome=status or metrics.CANCELLED,
+                                     status=200, started=self.flight.started, first_token_at=self.flight.first_token_at)
 
     async def _forward(self, send, data: bytes) -> bool:
         """Send one event on to the client; True once the request is complete."""

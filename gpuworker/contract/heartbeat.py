@@ -34,6 +34,9 @@ MAX_MODEL_ROOTS = 32
 MAX_MODEL_PATHS = 2000
 MAX_STAGED = 64
 STAGING_HOWS = ("page_cache", "pinned")
+# How a found checkpoint's weights are stored (gpuworker.checkpoint_quantization's QuantConfig.label);
+# a float checkpoint is left out of the report.
+QUANTIZATION_LABELS = ("fp8", "awq-int4", "gptq-int4")
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,14 @@ class ModelPaths:
     """The directories a daemon searches for checkpoints and the checkpoint directories it found."""
     roots: tuple[str, ...]
     paths: tuple[str, ...]
+    # (path, QUANTIZATION_LABELS entry) for each quantized checkpoint among paths.
+    quantization: tuple[tuple[str, str], ...] = ()
 
-    def to_json(self) -> dict[str, list[str]]:
-        return {"roots": list(self.roots), "paths": list(self.paths)}
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"roots": list(self.roots), "paths": list(self.paths)}
+        if self.quantization:
+            body["quantization"] = dict(self.quantization)
+        return body
 
 
 @dataclass(frozen=True)
@@ -189,8 +197,15 @@ def _model_paths(value: Any) -> ModelPaths | None:
     if value is None:
         return None
     raw = _object(value, "models")
-    return ModelPaths(roots=_paths(raw.get("roots", []), "models.roots", limit=MAX_MODEL_ROOTS),
-                      paths=_paths(raw.get("paths", []), "models.paths", limit=MAX_MODEL_PATHS))
+    paths = _paths(raw.get("paths", []), "models.paths", limit=MAX_MODEL_PATHS)
+    quantization = _object(raw.get("quantization", {}), "models.quantization")
+    for path, label in quantization.items():
+        if path not in paths:
+            raise ContractError(f"models.quantization[{path!r}]", "Must be one of models.paths.")
+        if label not in QUANTIZATION_LABELS:
+            raise ContractError(f"models.quantization[{path!r}]", f"Must be one of {', '.join(QUANTIZATION_LABELS)}.")
+    return ModelPaths(roots=_paths(raw.get("roots", []), "models.roots", limit=MAX_MODEL_ROOTS), paths=paths,
+                      quantization=tuple(sorted(quantization.items())))
 
 
 def _staging(value: Any) -> Staging | None:

@@ -7,12 +7,14 @@ check a model's weight path before any replica is placed, and loads nothing from
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 
-from gpuworker.contract.heartbeat import MAX_MODEL_PATHS, ModelPaths
 from gpuworker.checkpoint_files import GGUF_SUFFIX
+from gpuworker.checkpoint_quantization import parse_quantization
+from gpuworker.contract.heartbeat import MAX_MODEL_PATHS, ModelPaths
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,21 @@ def scan_model_roots(roots: list[Path] | tuple[Path, ...]) -> ModelPaths:
     if len(found) >= MAX_MODEL_PATHS:
         logger.warning("more than %d checkpoints under %s; reporting the first %d", MAX_MODEL_PATHS,
                        ", ".join(absolute), MAX_MODEL_PATHS)
-    return ModelPaths(roots=absolute, paths=tuple(sorted(dict.fromkeys(found[:MAX_MODEL_PATHS]))))
+    paths = tuple(sorted(dict.fromkeys(found[:MAX_MODEL_PATHS])))
+    quantization = tuple((path, label) for path in paths if (label := checkpoint_quantization(Path(path))))
+    return ModelPaths(roots=absolute, paths=paths, quantization=quantization)
+
+
+def checkpoint_quantization(directory: Path) -> str | None:
+    """The quantization label of the checkpoint in `directory` (from its config.json), None for a
+    float or GGUF checkpoint, or one whose quantization is unreadable or not served (its load says why)."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        quant = parse_quantization(config, str(directory / "config.json")) if isinstance(config, dict) else None
+    except (OSError, ValueError) as exc:
+        logger.debug("no quantization read from %s: %s", directory, exc)
+        return None
+    return None if quant is None else quant.label
 
 
 def resolve_model_root_path(model_path: str, roots: tuple[Path, ...]) -> tuple[Path | None, str | None]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 # On CPU there is no "free device memory" to fill, so the KV pool gets a fixed budget by default.
@@ -41,6 +43,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     load_format: str = "auto"
+    # "fp8": quantize a float checkpoint's projections to FP8 at load. None: as the checkpoint is
+    # (a quantized checkpoint says so in its config.json).
+    quantization: str | None = None
     seed: int = 0
     # Read by the model runner: True keeps every step eager (no CUDA-graph capture).
     enforce_eager: bool = False
@@ -67,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization not in LOAD_QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {LOAD_QUANTIZATIONS}, got {self.quantization!r}")
         _positive_int("block_size", self.block_size)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         timeout = self.distributed_timeout_s

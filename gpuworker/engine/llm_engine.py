@@ -38,7 +38,7 @@ from gpuworker.engine.grammar_masks import StructuredOutputs
 from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
-from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype
+from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype, with_quantization
 from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,8 @@ class LLMEngine:
         # into that many ranks is refused before any process starts.
         self.workers = None
         if config.tensor_parallel_size > 1:
-            shard_config(load_model_config(config.model), ParallelContext(0, config.tensor_parallel_size))
+            shard_config(with_quantization(load_model_config(config.model), config.quantization),
+                         ParallelContext(0, config.tensor_parallel_size))
             self.workers = Workers.start(config)
         try:
             self._build(config, attn_backend)
@@ -138,7 +139,7 @@ class LLMEngine:
         # Seconds per start-up stage, for /health and bench/load_time.py.
         self.load_timings: dict[str, float] = {}
         clock = _StageClock(self.load_timings, config.device)
-        mc = load_model_config(config.model)
+        mc = with_quantization(load_model_config(config.model), config.quantization)
         self.model_config = mc
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc)

@@ -145,11 +145,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run one eager step of made-up tokens (a decode and a prefill chunk side by side) and the
-        logits and greedy tokens of one and of two rows, so the kernels of the eager path compile
-        now rather than during the first requests (a second or more each on a GPU). Its slots are
-        all -1: it writes no KV, so it may run between steps while sequences hold blocks
-        (EngineConfig.defer_warm_up)."""
+        """Run one eager step of made-up tokens (a decode and a prefill chunk side by side), the
+        logits and greedy tokens of one and of two rows and the sampler's common variants, so the
+        kernels of the eager path compile now rather than during the first requests (a second or
+        more each on a GPU). Its slots are all -1: it writes no KV, so it may run between steps
+        while sequences hold blocks (EngineConfig.defer_warm_up)."""
         bs = self.block_size
         chunk = max(1, min(32, self.config.max_num_batched_tokens - 1, self.config.max_model_len - 1))
         num_blocks = min(self.config.num_kv_blocks, -(-chunk // bs))
@@ -175,6 +175,10 @@ class ModelRunner:
             selected = hidden[torch.tensor(rows, device=device)]
             self.model.compute_logits(selected).argmax(dim=-1)
             self.model.greedy_tokens(selected)
+        if device.type == "cuda":
+            from gpuworker.kernels.sampling import warm_up as warm_up_sampling
+
+            warm_up_sampling(device, self.model_config.vocab_size)
         backend = getattr(self.model, "attn_backend", None)
         if hasattr(backend, "warm_up"):
             mc = self.model_config
@@ -204,8 +208,8 @@ class ModelRunner:
     def _launch(self, batch: ScheduledBatch, previous: StepHandle | None, defer_sampling: bool) -> StepHandle:
         host = self.host_inputs(batch)
         sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
-        sampling_meta = (SamplingMetadata.build(sample_seqs, self.model_config.vocab_size,
-                                                self.model_config.eos_token_ids, self.device)
+        sampling_meta = (self.sampler.metadata(sample_seqs, self.model_config.vocab_size,
+                                               self.model_config.eos_token_ids)
                          if sample_seqs else None)
         rows = self.forward(host, batch, previous)
         if sampling_meta is None:

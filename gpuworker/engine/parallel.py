@@ -282,7 +282,7 @@ def _serve(config: EngineConfig, rank: int, store_path: str, pipe: Connection) -
 
         backend = TritonAttentionBackend()
     model = load_model(mc, device=device, dtype=dtype, attn_backend=backend, load_format=config.load_format,
-                       seed=config.seed, parallel=parallel)
+                       seed=config.seed, quantization=config.quantization, parallel=parallel)
     free = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -1,16 +1,19 @@
 """Batched sampling on the device, one row per sequence that needs a token this step.
 
 Penalties (OpenAI/vLLM semantics) -> grammar masks (constrained rows only) -> temperature -> top-k
--> top-p -> min-p, then a draw by the exponential-noise trick: argmax(probs / E) with E ~ Exp(1)
-samples from probs without a cumulative sum or a multinomial, and without any device->host sync. Seeded rows draw their noise from a
-generator keyed by (seed, choice index, output position), so a seeded request gets the same tokens
-whatever else shares the batch and however it was scheduled. Temperature 0 is the plain argmax.
-Logprobs are those of the model's raw logits (before penalties and temperature), as in vLLM.
+-> top-p -> min-p, then a Gumbel-max draw (gpuworker.kernels.sampling: one Triton launch on CUDA,
+no sort of the vocabulary and no device->host sync; the same draws by a full sort in torch on the
+CPU). Every row's noise comes from Philox keyed by a per-row seed: a seeded request's key is made
+from (seed, choice index, output position), so it gets the same tokens whatever else shares the
+batch and however it was scheduled; the others' keys come from the sampler's generator, seeded
+once per engine. Temperature 0 is the plain argmax. Logprobs are those of the model's raw logits
+(before penalties and temperature), as in vLLM.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -24,19 +27,17 @@ _SEED_MASK = (1 << 63) - 1
 
 @dataclass
 class SamplingMetadata:
-    # [B] float32; 1.0 on greedy rows, whose draws are replaced by the argmax anyway.
-    # None (like `greedy`) when every row is greedy: nothing is drawn.
+    # [B] float32, 0.0 on greedy rows. None (like the filters) when every row is greedy.
     temperature: torch.Tensor | None
-    greedy: torch.Tensor | None  # [B] bool
     all_greedy: bool
-    top_k: torch.Tensor | None  # [B] int64, vocab_size where disabled
-    top_p: torch.Tensor | None  # [B] float32, > 1 where disabled
+    top_k: torch.Tensor | None  # [B] int64, vocab_size where disabled; None when no row filters
+    top_p: torch.Tensor | None  # [B] float32, 1.0 where disabled
     min_p: torch.Tensor | None  # [B] float32
+    # [B] int64: each row's noise key (see the module docstring).
+    seeds: torch.Tensor | None
     penalties: Penalties | None
     # (rows, token ids) whose logits are -inf: EOS and stop tokens before min_tokens.
     banned: tuple[torch.Tensor, torch.Tensor] | None
-    # (row, generator seed) for the rows of seeded requests.
-    seeded_rows: list[tuple[int, int]]
     # The most top logprobs any row asked for; None when no row wants logprobs.
     max_logprobs: int | None
 
@@ -47,19 +48,13 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-              device: torch.device) -> SamplingMetadata:
+              device: torch.device, rng: np.random.Generator) -> SamplingMetadata:
+        """`rng` draws the noise keys of unseeded rows."""
         if all(seq.group.plain_greedy for seq in seqs):
             # The common offline case, kept cheap: argmax of the raw logits, nothing to copy.
-            return cls(temperature=None, greedy=None, all_greedy=True, top_k=None, top_p=None, min_p=None,
-                       penalties=None, banned=None, seeded_rows=[], max_logprobs=None)
+            return cls(temperature=None, all_greedy=True, top_k=None, top_p=None, min_p=None, seeds=None,
+                       penalties=None, banned=None, max_logprobs=None)
         params: list[SamplingParams] = [seq.group.params for seq in seqs]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(values, dtype, device)
-
-        greedy = [p.is_greedy for p in params]
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
         banned_rows, banned_ids = [], []
         for row, (seq, p) in enumerate(zip(seqs, params)):
             # A grammar decides itself where a constrained output may end.
@@ -68,55 +63,80 @@ class SamplingMetadata:
                 banned_rows += [row] * len(ids)
                 banned_ids += ids
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        banned = (to_device(banned_rows, torch.int64, device), to_device(banned_ids, torch.int64, device)) \
+            if banned_rows else None
+        penalties = Penalties.build(seqs, vocab_size, device) if any(p.has_penalties for p in params) else None
+        max_logprobs = max(wanted) if wanted else None
+        greedy = [p.is_greedy for p in params]
+        if all(greedy):
+            return cls(temperature=None, all_greedy=True, top_k=None, top_p=None, min_p=None, seeds=None,
+                       penalties=penalties, banned=banned, max_logprobs=max_logprobs)
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        seeds = rng.integers(0, _SEED_MASK, size=len(seqs), dtype=np.int64)
+        for row, (seq, p) in enumerate(zip(seqs, params)):
+            if p.seed is not None:
+                seeds[row] = noise_seed(p.seed, seq.index, seq.num_output_tokens)
+        # Two host->device copies: the float parameters and the integer ones.
+        floats = to_device(np.array([[0.0 if g else p.temperature for g, p in zip(greedy, params)],
+                                     [p.top_p for p in params], [p.min_p for p in params]], dtype=np.float32),
+                           torch.float32, device)
+        ints = to_device(np.stack([np.array(top_k, dtype=np.int64), seeds]), torch.int64, device)
         return cls(
-            temperature=tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
-            greedy=tensor(greedy, torch.bool),
-            all_greedy=all(greedy),
-            top_k=tensor(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
-            top_p=tensor(top_p, torch.float32) if any(p <= 1.0 for p in top_p) else None,
-            min_p=tensor([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None,
-            penalties=Penalties.build(seqs, vocab_size, device) if any(p.has_penalties for p in params) else None,
-            banned=(tensor(banned_rows, torch.int64), tensor(banned_ids, torch.int64)) if banned_rows else None,
-            seeded_rows=[(row, noise_seed(p.seed, seq.index, seq.num_output_tokens))
-                         for row, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None],
-            max_logprobs=max(wanted) if wanted else None,
+            temperature=floats[0], all_greedy=False,
+            top_k=ints[0] if any(k < vocab_size for k in top_k) else None,
+            top_p=floats[1] if any(p.top_p < 1.0 for p in params) else None,
+            min_p=floats[2] if any(p.min_p > 0 for p in params) else None,
+            seeds=ints[1], penalties=penalties, banned=banned, max_logprobs=max_logprobs,
         )
 
 
 @dataclass
 class Penalties:
+    """Repetition, presence and frequency penalties, applied only where they apply: to the logits of
+    the tokens each row has seen, gathered, penalised and scattered back in a few vectorised ops."""
+
     presence: torch.Tensor  # [B]
     frequency: torch.Tensor  # [B]
     repetition: torch.Tensor  # [B]
-    output_counts: torch.Tensor  # [B, V] how often each token was generated
-    seen: torch.Tensor  # [B, V] bool: in the prompt or the output
+    # Flat indices row * V + token: every prompt token then every output token (repeats included).
+    seen: torch.Tensor
+    num_prompt_entries: int
+    vocab_size: int
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> Penalties:
         params = [seq.group.params for seq in seqs]
-        outputs = _padded([seq.output_token_ids for seq in seqs], vocab_size, device)
-        prompts = _padded([seq.group.prompt_token_ids for seq in seqs], vocab_size, device)
-        # One extra column takes the padding, then is dropped.
-        counts = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.int32, device=device)
-        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.int32))
-        seen = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.bool, device=device)
-        seen.scatter_(1, prompts, True)
-        output_counts = counts[:, :vocab_size]
-        return cls(
-            presence=to_device([p.presence_penalty for p in params], torch.float32, device),
-            frequency=to_device([p.frequency_penalty for p in params], torch.float32, device),
-            repetition=to_device([p.repetition_penalty for p in params], torch.float32, device),
-            output_counts=output_counts,
-            seen=seen[:, :vocab_size] | (output_counts > 0),
-        )
+        prompts = [seq.group.prompt_token_ids for seq in seqs]
+        outputs = [seq.output_token_ids for seq in seqs]
+        row_starts = np.arange(len(seqs), dtype=np.int64) * vocab_size
+
+        def entries(rows: list[list[int]]) -> np.ndarray:
+            tokens = np.fromiter(chain.from_iterable(rows), np.int64)
+            flat = tokens + np.repeat(row_starts, [len(r) for r in rows])
+            return flat[tokens < vocab_size]  # ids past the model's vocabulary have no logit
+
+        prompt_entries, output_entries = entries(prompts), entries(outputs)
+        factors = to_device(np.array([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                                      [p.repetition_penalty for p in params]], dtype=np.float32),
+                            torch.float32, device)
+        return cls(presence=factors[0], frequency=factors[1], repetition=factors[2],
+                   seen=to_device(np.concatenate([prompt_entries, output_entries]), torch.int64, device),
+                   num_prompt_entries=len(prompt_entries), vocab_size=vocab_size)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        repetition = self.repetition[:, None]
-        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(self.seen, penalised, logits)
-        counts = self.output_counts.to(logits.dtype)
-        return (logits - self.frequency[:, None] * counts
-                - self.presence[:, None] * (counts > 0).to(logits.dtype))
+        """Penalise `logits` [B, V] in place (and return it)."""
+        flat = logits.view(-1)
+        outputs = self.seen[self.num_prompt_entries:]
+        counts = torch.zeros(flat.shape, dtype=torch.int32, device=flat.device)
+        counts.index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.int32))
+        rows = self.seen // self.vocab_size
+        count = counts[self.seen].to(flat.dtype)
+        values = flat[self.seen]
+        repetition = self.repetition[rows]
+        values = torch.where(values > 0, values / repetition, values * repetition)
+        # A token seen several times is written several times, always with the same value.
+        flat[self.seen] = values - self.frequency[rows] * count - self.presence[rows] * (count > 0).to(flat.dtype)
+        return logits
 
 
 @dataclass
@@ -131,63 +151,43 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
-        # For unseeded rows; seeded once so that a whole engine run is reproducible.
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Noise keys for unseeded rows; seeded once so that a whole engine run is reproducible.
+        self.rng = np.random.default_rng(seed)
+
+    def metadata(self, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int]) -> SamplingMetadata:
+        return SamplingMetadata.build(seqs, vocab_size, eos_token_ids, self.device, self.rng)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
                  allowed: TokenBitmask | None = None) -> SamplerOutput:
         """logits [B, V] float32 -> one token per row; `allowed` masks the constrained rows."""
         raw = logits
+        if meta.max_logprobs is not None and (meta.penalties is not None or allowed is not None):
+            logits = logits.clone()  # logprobs are those of the raw logits
         if meta.penalties is not None:
             logits = meta.penalties.apply(logits)
         if meta.banned is not None:
             logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
         if allowed is not None:
-            if logits is raw and meta.max_logprobs is not None:
-                logits = logits.clone()  # logprobs are those of the raw logits
             apply_token_bitmask(logits, allowed)
-        greedy_ids = logits.argmax(dim=-1)
         if meta.all_greedy:
-            token_ids = greedy_ids
+            token_ids = logits.argmax(dim=-1)
+        elif logits.is_cuda:
+            from gpuworker.kernels.sampling import sample  # Triton only where there is a GPU
+
+            token_ids = sample(logits, meta.temperature, seeds=meta.seeds, top_k=meta.top_k, top_p=meta.top_p,
+                               min_p=meta.min_p)
         else:
-            token_ids = torch.where(meta.greedy, greedy_ids, self._draw(logits, meta))
+            from gpuworker.kernels.sampling import sample_reference
+
+            token_ids, _ = sample_reference(logits, meta.temperature, seeds=meta.seeds, top_k=meta.top_k,
+                                            top_p=meta.top_p, min_p=meta.min_p)
         out = SamplerOutput(token_ids=token_ids)
         if meta.max_logprobs is not None:
             logprobs = torch.log_softmax(raw, dim=-1)
             out.logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
             out.top_logprobs, out.top_ids = logprobs.topk(meta.max_logprobs, dim=-1)
         return out
-
-    def _draw(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        logits = logits / meta.temperature[:, None]
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if meta.min_p is not None:
-            threshold = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seed in meta.seeded_rows:
-            generator = torch.Generator(device=probs.device).manual_seed(seed)
-            noise[row].exponential_(generator=generator)
-        # Filtered tokens have probability 0 and so can never win; the clamp keeps 0/0 out.
-        return (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Set to -inf every logit outside the row's top k, then outside the smallest set of most
-    likely tokens whose probability reaches top_p (the most likely token always stays)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
 def apply_token_bitmask(logits: torch.Tensor, allowed: TokenBitmask) -> None:
@@ -225,8 +225,3 @@ def to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.devic
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
-
-
-def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(row) for row in rows))
-    return to_device([row + [pad] * (width - len(row)) for row in rows], torch.int64, device)

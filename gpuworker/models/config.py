@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuworker.checkpoint_quantization import QuantConfig, parse_quantization
+
 # Per architecture: whether q/k/v and o_proj carry biases ("config" = the config's attention_bias,
 # another string = that config field, true when absent), whether q/k get a per-head RMSNorm before
 # rotary (Qwen3), and the mixture-of-experts layout if any (_MOE_LAYOUTS).
@@ -81,6 +83,8 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
     sliding_window: int | None = None
     moe: MoEConfig | None = None
+    # The checkpoint's quantization (config.json's quantization_config), or FP8 chosen at load.
+    quantization: QuantConfig | None = None
     # The checkpoint directory the weights and tokenizer are read from (set by load_model_config).
     model_path: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -161,6 +165,7 @@ class ModelConfig:
             torch_dtype=str(dtype).removeprefix("torch."),
             sliding_window=sliding_window,
             moe=_moe(config, family.get("moe"), num_layers, need, source),
+            quantization=parse_quantization(config, source),
             extra={"config_max_position_embeddings": max_pos},
         )
 

@@ -63,7 +63,7 @@ def norm_then_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor,
     """(linear(norm(s)), s) with s = x + residual (x without one): the pre-norm and the projection
     after it. A single decode row on a shape where our GEMV runs the projection takes one kernel for
     both (gemv_rms_norm: the norm applied as the GEMV loads its input)."""
-    if x.is_cuda:
+    if x.is_cuda and isinstance(linear, Linear):  # quantized projections have their own kernels
         from gpuworker.kernels.gemv import fuses_rms_norm, gemv_rms_norm, tuned_config
 
         config = tuned_config(x, linear.weight)
@@ -92,8 +92,11 @@ class GatedMLP(nn.Module):
             from gpuworker.kernels.gemv import gemv, tuned_config
 
             down = self.down_proj
-            # Where our GEMV runs the down projection, it applies SiLU-and-mul as it loads its input.
-            config = tuned_config(gate_up[:, : self.intermediate_size], down.weight)
+            # Where our GEMV runs the down projection, it applies SiLU-and-mul as it loads its input
+            # (a dense weight only: quantized projections have their own kernels).
+            config = None
+            if isinstance(down, Linear):
+                config = tuned_config(gate_up[:, : self.intermediate_size], down.weight)
             if config is not None:
                 return gemv(gate_up, down.weight, down.bias, silu_mul_input=True, config=config)
             return down(silu_and_mul(gate_up))

@@ -26,11 +26,15 @@ from gpuworker.checkpoint_files import (WARM_FRACTION, TensorEntry, checkpoint_f
                                         read_json, resident_fraction)
 from gpuworker.attention.torch_backend import TorchAttentionBackend
 from gpuworker.models.config import ModelConfig
-from gpuworker.models.gguf_checkpoint import load_gguf_tokenizer, read_gguf_config, read_gguf_tensors
+from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
 from gpuworker.models.tensor_parallel import ParallelContext, kv_head_range, vocab_range
+from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
+from gpuworker.models.quantization.install import (install_quantized_linears, load_quantized_tensors,
+                                                   missing_quantized_tensors, quantized_shards)
+from gpuworker.models.quantization.linear import QuantizedLinear
 from gpuworker.models.weight_stream import TORCH_DTYPES, TensorCopy, copy_tensors
 
 CONFIG_FILE = "config.json"
@@ -76,14 +80,18 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 def load_model(config: ModelConfig | str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.float32, attn_backend: AttentionBackend | None = None,
-               load_format: str = "auto", seed: int = 0, parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None,
+               parallel: ParallelContext | None = None) -> LlamaForCausalLM:
     """Build the decoder on `device` in `dtype` and fill it from the checkpoint's safetensors
     (with `parallel`: this rank's shard of it, see models.tensor_parallel).
+
+    A quantized checkpoint (config.json's quantization_config) loads into quantized linears;
+    quantization "fp8" quantizes a float checkpoint's projections to FP8 as they load.
 
     load_format "dummy" reads no weight file: parameters are drawn from normal(0, 0.02) (norm weights
     set to 1) directly on the device, for benchmarks of full-size shapes where values do not matter.
     """
-    mc = config if isinstance(config, ModelConfig) else load_model_config(config)
+    mc = with_quantization(config if isinstance(config, ModelConfig) else load_model_config(config), quantization)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     torch_dtype = resolve_dtype(dtype, mc)
@@ -94,15 +102,31 @@ def load_model(config: ModelConfig | str | Path, device: str | torch.device = "c
     # staging copy and no init kernels, which matters for 8B-parameter models.
     with torch.device("meta"):
         model = LlamaForCausalLM(mc, attn_backend, parallel)
+        if mc.quantization is not None:
+            install_quantized_linears(model, mc.quantization)
     model = model.to(torch_dtype).to_empty(device=device)
     model.rotary.reset_cache()
     if load_format == "dummy":
         _fill_dummy(model, seed)
     elif mc.model_path is not None and gguf_file(mc.model_path) is not None:
+        if mc.quantization is not None:
+            raise ValueError(f"{mc.model_path}: a GGUF checkpoint cannot be quantized at load")
         _load_gguf(model, mc)
     else:
         _load_safetensors(model, mc)
     return model.eval()
+
+
+def with_quantization(mc: ModelConfig, quantization: str | None) -> ModelConfig:
+    """mc with the quantization asked for at load (None: the checkpoint's own, if any)."""
+    if quantization not in LOAD_QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {LOAD_QUANTIZATIONS}, got {quantization!r}")
+    if quantization is None:
+        return mc
+    if mc.quantization is not None:
+        raise ValueError(f"{mc.model_path}: the checkpoint is already quantized "
+                         f"({mc.quantization.label}); leave quantization unset")
+    return replace(mc, quantization=fp8_at_load())
 
 
 def load_tokenizer(path: str | Path):
@@ -261,6 +285,8 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     if mc.model_path is None:
         raise ValueError("ModelConfig.model_path is not set; build it with load_model_config(path)")
     targets = checkpoint_targets(model)
+    shards = quantized_shards(model)
+    quantized: list[tuple[Path, str]] = []
     files = checkpoint_files(Path(mc.model_path))
     # The headers first: names and shapes are checked before any weight is copied.
     plan: list[tuple[Path, list[TensorCopy]]] = []
@@ -272,6 +298,12 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
             if entry.name in targets:
                 found.add(entry.name)
             target = targets.get(entry.name)
+            module_name, _, field = entry.name.rpartition(".")
+            if target is None and module_name in shards:
+                module, shard = shards[module_name]
+                module.check_field(shard, field)
+                quantized.append((file, entry.name))
+                continue
             if target is None:
                 if entry.name not in targets and not _skippable(entry.name, mc):
                     unexpected.append(f"{entry.name} (in {file.name})")
@@ -281,9 +313,16 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
             copies.append(_shard_copy(entry, target))
         plan.append((file, copies))
     _check_coverage(mc, targets, found, unexpected, ", ".join(f.name for f in files))
+    missing = missing_quantized_tensors(shards, {name for _, name in quantized})
+    if missing:
+        raise ValueError(f"{mc.model_path}: {len(missing)} quantized tensor(s) missing from "
+                         f"{', '.join(f.name for f in files)}: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
     # Cached shards copy fastest in parallel; a cold disk reads fastest as one stream in file order.
     readers = None if resident_fraction(files) >= WARM_FRACTION else 1
     copy_tensors(plan, progress=_progress_callback.get(), num_readers=readers)
+    if shards:
+        load_quantized_tensors(shards, quantized)
 
 
 def _shard_copy(entry: TensorEntry, target: _Target) -> TensorCopy:
@@ -304,21 +343,33 @@ def _shard_copy(entry: TensorEntry, target: _Target) -> TensorCopy:
 def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     file = Path(mc.model_path)
     with TRANSFORMERS_IMPORT_LOCK:
-        tensors = read_gguf_tensors(file)
+        weights = GGUFWeights(file)
     targets = checkpoint_targets(model)
-    unexpected = [name for name in tensors if name not in targets and not _skippable(name, mc)]
-    _check_coverage(mc, targets, set(tensors) - set(unexpected), unexpected, file.name)
-    for name, tensor in tensors.items():
-        target = targets.get(name)
+    # Names and shapes first, as for safetensors: checked before any block is dequantised.
+    plan: list[tuple[GGUFTensor, torch.Tensor, Shard | None]] = []
+    unexpected: list[str] = []
+    found: set[str] = set()
+    for tensor in weights.tensors():
+        if tensor.name in targets:
+            found.add(tensor.name)
+        target = targets.get(tensor.name) if tensor.name is not None else None
         if target is None:
+            if tensor.name is not None and tensor.name not in targets and not _skippable(tensor.name, mc):
+                unexpected.append(tensor.name)
             continue
-        if tuple(tensor.shape) != target.shape:
-            raise ValueError(f"{name} in {file.name} has shape {tuple(tensor.shape)}, expected {target.shape}")
+        if tensor.shape != target.shape:
+            raise ValueError(f"{tensor.name} in {file.name} has shape {tensor.shape}, expected {target.shape}")
         shard = target.shard
-        target.dest.copy_(tensor if shard is None else tensor.narrow(shard.dim, shard.begin, shard.length))
+        plan.append((tensor, target.dest, shard))
+    _check_coverage(mc, targets, found, unexpected, file.name)
+    # One tensor dequantised at a time, straight into its parameter: the float32 copy is dropped
+    # before the next, so a load holds the model and one tensor (not a second whole model).
     callback = _progress_callback.get()
-    if callback is not None:
-        callback(1.0)
+    for done, (tensor, destination, shard) in enumerate(plan, 1):
+        weight = weights.read(tensor)
+        destination.copy_(weight if shard is None else weight.narrow(shard.dim, shard.begin, shard.length))
+        if callback is not None:
+            callback(done / len(plan))
 
 
 def _skippable(name: str, mc: ModelConfig) -> bool:
@@ -341,6 +392,9 @@ def _check_coverage(mc: ModelConfig, targets: dict[str, _Target | None], found: 
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
     generator = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.fill_dummy(generator)
     for param in model.parameters():
         if id(param) in norm_weights:
             param.fill_(1.0)

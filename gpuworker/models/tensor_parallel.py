@@ -84,6 +84,9 @@ def shard_config(mc: ModelConfig, parallel: ParallelContext | None) -> ModelConf
     parallel = active(parallel)
     if parallel is None:
         return mc
+    if mc.quantization is not None:
+        raise ValueError(f"quantization: a {mc.quantization.label} model cannot be split over "
+                         f"tensor_parallel_size ({parallel.world_size}) ranks yet")
     _, heads = parallel.split(mc.num_heads, "num_attention_heads")
     _, kv_heads = kv_head_range(mc, parallel)
     moe = mc.moe

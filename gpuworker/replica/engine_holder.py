@@ -42,6 +42,8 @@ class ServerConfig:
     # None: chosen by the engine for the device and the model (gpuworker/engine/sizing.py).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    # "fp8": quantize a float checkpoint at load (a quantized checkpoint needs nothing).
+    quantization: str | None = None
     gpu_memory_utilization: float = 0.9
     # Ranks (GPUs of this host from `device`'s index on) the model is split over; the replica starts
     # the other ranks' processes itself and answers as one.
@@ -113,7 +115,8 @@ class EngineHolder:
                                   "gpu_memory_utilization": self.config.gpu_memory_utilization}
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization",
+                     "tensor_parallel_size"):
             if getattr(self.config, name) is not None:
                 kwargs[name] = getattr(self.config, name)
         self.load_progress = WEIGHTS_PROGRESS_START

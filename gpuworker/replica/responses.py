@@ -225,6 +225,11 @@ class Responder:
                         choices.append({"index": c.index, "delta": delta, "logprobs": logprobs,
                                         "finish_reason": _finish_reason(c, bool(parsers[c.index].calls))})
                     elif self.chat:
+                        if not c.delta_text and logprobs is None and c.finish_reason is None:
+                            # Token ids that are no text yet (part of a character, or a stop string
+                            # held back): OpenAI sends no empty delta, only the last one beside its
+                            # finish_reason.
+                            continue
                         choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
                                         "logprobs": logprobs, "finish_reason": c.finish_reason})
                     else:

@@ -26,11 +26,16 @@ from decimal import Decimal
 from pathlib import Path
 
 PAGES = {  # file name: (role, url name)
+    "home-operator": ("operator", "dashboard:home"),
+    "home-tenant": ("tenant", "dashboard:home"),
+    "home-admin": ("admin", "dashboard:home"),
     "fleet": ("operator", "dashboard:fleet"),
     "catalog": ("operator", "dashboard:catalog"),
     "audit": ("operator", "dashboard:audit"),
     "keys": ("tenant", "dashboard:keys"),
     "usage": ("tenant", "dashboard:usage"),
+    "usage-by-model-and-key": ("tenant", "dashboard:usage"),
+    "requests": ("tenant", "dashboard:requests"),
     "playground": ("tenant", "dashboard:playground"),
     "reports": ("admin", "dashboard:reports"),
     "credits": ("tenant", "dashboard:credits"),
@@ -80,9 +85,11 @@ def prepare(system) -> dict[str, str]:
     operator = user_get_by_username(username=system.login("operator").username)
 
     production = api_key_create(tenant=tenant, name="production", created_by=alice)
-    api_key_create(tenant=tenant, name="staging", rate_limit_per_minute=30, created_by=alice)
+    staging = api_key_create(tenant=tenant, name="staging", rate_limit_per_minute=30,
+                             monthly_spend_limit=Decimal("5.00"), created_by=alice)
     api_key_revoke(api_key=api_key_create(tenant=tenant, name="laptop (old)", created_by=alice).api_key)
-    other_key = api_key_create(tenant=other, name="batch jobs").plaintext
+    other_created = api_key_create(tenant=other, name="batch jobs")
+    other_key = other_created.plaintext
     for _ in range(8):
         _chat(system, production.plaintext)
     for _ in range(4):
@@ -108,14 +115,16 @@ def prepare(system) -> dict[str, str]:
     rng = random.Random(7)
     now = timezone.now()
     for days_ago in range(1, HISTORY_DAYS):
-        for who, base in ((tenant, 40), (other, 15)):
+        for who, keys, base in ((tenant, (production.api_key, staging.api_key), 40),
+                                (other, (other_created.api_key,), 15)):
             for _ in range(max(0, int(base * (0.6 + 0.8 * rng.random())))):
                 prompt, completion = rng.randint(20, 400), rng.randint(10, 300)
                 usage_record_settled(
-                    request_id=f"screenshots-{uuid.uuid4().hex}", tenant=who, model=demo,
+                    request_id=f"screenshots-{uuid.uuid4().hex}", tenant=who, model=demo, api_key=rng.choice(keys),
                     status=UsageRecord.Status.COMPLETED if rng.random() > 0.03 else UsageRecord.Status.FAILED,
                     prompt_tokens=prompt, completion_tokens=completion, time_to_first_token_ms=rng.randint(20, 90),
                     total_latency_ms=rng.randint(200, 2500), gpu_time_s=completion * 0.004,
+                    error_code="replica_unavailable",  # kept only on the failed ones
                     at=now - timedelta(days=days_ago, minutes=rng.randint(0, 600)))
     return links
 
@@ -145,10 +154,13 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
                 page.wait_for_timeout(20_000)  # twenty heartbeats, so the sparklines have a history
             elif name == "playground":
                 page.fill("#id_system_prompt", "You are a concise assistant.")
-                page.fill("#id_max_tokens", "160")
-                page.fill("#id_message", "Write a haiku about GPUs.")
-                page.click("#playground-send")
-                expect(page.locator("#playground-status")).to_have_attribute("data-state", "done")
+                page.fill("#id_max_tokens", "60")
+                for message in ("Write a haiku about GPUs.", "Now one about CPUs."):
+                    page.fill("#id_message", message)
+                    page.click("#playground-send")
+                    expect(page.locator("#playground-status")).to_have_attribute("data-state", "done")
+                page.click("#playground-code summary")
+                expect(page.locator("#code-python")).to_be_visible()
             elif name == "team":
                 page.fill("#id_note", "Dana (new hire)")
                 page.click("#invite-submit")
@@ -161,9 +173,14 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
                 expect(page.locator("#grant-done")).to_be_visible()
             elif name in ("usage", "reports"):
                 page.wait_for_selector(".uplot")
+            elif name == "usage-by-model-and-key":
+                page.wait_for_selector("#usage-chart-by-key .uplot")
             page.wait_for_timeout(500)  # fonts, charts' first paint
             path = out / f"{name}.png"
-            page.screenshot(path=path)
+            if name == "usage-by-model-and-key":  # below the fold: the section itself, whole
+                page.locator("#usage-breakdown").screenshot(path=path)
+            else:
+                page.screenshot(path=path, full_page=name.startswith("home") or name in ("playground", "reports"))
             written.append(path)
         browser.close()
     return written

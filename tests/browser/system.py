@@ -27,6 +27,7 @@ SYSTEM_ENV = {"FLEET_WORKER_LOST_AFTER_SECONDS": "20", "OMP_NUM_THREADS": "1", "
 # Passes Django's password validators; the same for every login, none of them is a secret.
 PASSWORD = "browser-tests-Pa55word"
 OTHER_TENANT_NAME = "Other tenant"
+PAY_AS_YOU_GO_PLAN = "Pay as you go"  # no included requests: every request is charged
 
 
 @dataclass(frozen=True)
@@ -81,33 +82,33 @@ def chromium_missing_reason() -> str | None:
 
 
 def seed(*, var_dir: Path) -> Seeded:
-    """`make run`'s demo (admin, demo tenant with credits and a key, the tiny demo model deployed
-    with one replica), plus an operator, a member of the demo tenant (its tenant admin) and a
-    second tenant with a member and a key of its own, all with PASSWORD."""
+    """`make run`'s demo (admin and operator logins, demo tenant with credits and a key, the tiny
+    demo model deployed with one replica, its member login the tenant's admin), plus a second
+    tenant with a member and a key of its own, all with PASSWORD."""
     from controlplane.accounts.models import User
     from controlplane.accounts.selectors import tenant_get_by_name, user_get_by_username
     from controlplane.accounts.services import api_key_create, tenant_create, user_create, user_set_password
     from controlplane.billing.services import credit_grant, plan_create
-    from controlplane.demo import ADMIN_USERNAME, MODEL_NAME, TENANT_NAME, seed_demo
+    from controlplane.demo import ADMIN_USERNAME, MEMBER_USERNAME, MODEL_NAME, OPERATOR_USERNAME, TENANT_NAME, seed_demo
 
     # The demo model is written under the system's VAR_DIR, where its daemon and replicas read it.
     with override_settings(VAR_DIR=var_dir):
         demo = seed_demo(env_path=var_dir / ".env.demo")
-    user_set_password(user=user_get_by_username(username=ADMIN_USERNAME), password=PASSWORD)
+    # The demo seeds the admin, operator and member logins (the member is its tenant's one
+    # admin); the tests know them by PASSWORD.
+    for username in (ADMIN_USERNAME, OPERATOR_USERNAME, MEMBER_USERNAME):
+        user_set_password(user=user_get_by_username(username=username), password=PASSWORD)
     tenant = tenant_get_by_name(name=TENANT_NAME)
     # The second tenant pays for every request (no monthly allowance), so its spend shows.
-    pay_as_you_go = plan_create(name="Pay as you go", included_requests_per_month=0, rate_limit_per_minute=600)
+    pay_as_you_go = plan_create(name=PAY_AS_YOU_GO_PLAN, included_requests_per_month=0, rate_limit_per_minute=600)
     other = tenant_create(name=OTHER_TENANT_NAME, plan=pay_as_you_go)
     credit_grant(tenant=other, amount=Decimal("10.00"), memo="Browser tests")
-    user_create(username="operator", password=PASSWORD, role=User.Role.OPERATOR)
-    user_create(username="alice", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=tenant,
-                tenant_role=User.TenantRole.ADMIN)
     user_create(username="bob", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=other)
     other_key = api_key_create(tenant=other, name="bob's key").api_key
     logins = {
         "admin": Login(ADMIN_USERNAME, PASSWORD, User.Role.ADMIN),
-        "operator": Login("operator", PASSWORD, User.Role.OPERATOR),
-        "tenant": Login("alice", PASSWORD, User.Role.TENANT_MEMBER),
+        "operator": Login(OPERATOR_USERNAME, PASSWORD, User.Role.OPERATOR),
+        "tenant": Login(MEMBER_USERNAME, PASSWORD, User.Role.TENANT_MEMBER),
         "other_tenant": Login("bob", PASSWORD, User.Role.TENANT_MEMBER),
     }
     return Seeded(logins=logins, demo_model=MODEL_NAME, tenant_name=TENANT_NAME, other_tenant_name=other.name,

@@ -12,17 +12,17 @@ from tests.browser.system import log_in
 pytestmark = pytest.mark.slow
 
 OPERATOR_SECTIONS = ["Fleet", "Catalog", "Audit log"]
-TENANT_SECTIONS = ["API keys", "Usage", "Credits", "Playground", "Team"]
+TENANT_SECTIONS = ["API keys", "Usage", "Requests", "Credits", "Playground", "Team"]
 SECTIONS = {
     "operator": OPERATOR_SECTIONS,
-    "admin": [*OPERATOR_SECTIONS, "Reports", "Tenants", "Staff"],
+    "admin": [*OPERATOR_SECTIONS, "Requests", "Reports", "Tenants", "Staff"],
     "tenant": TENANT_SECTIONS,
 }
 PAGES = {
     "Fleet": "dashboard:fleet", "Catalog": "dashboard:catalog", "Audit log": "dashboard:audit",
     "API keys": "dashboard:keys", "Usage": "dashboard:usage", "Playground": "dashboard:playground",
     "Reports": "dashboard:reports", "Credits": "dashboard:credits", "Team": "dashboard:team",
-    "Tenants": "dashboard:tenants", "Staff": "dashboard:staff",
+    "Tenants": "dashboard:tenants", "Staff": "dashboard:staff", "Requests": "dashboard:requests",
 }
 
 
@@ -57,7 +57,7 @@ def test_bad_password_shows_an_error_and_signs_nobody_in(open_page, system):
 
 @pytest.mark.parametrize(("role", "forbidden"), [
     ("tenant", ["Fleet", "Catalog", "Audit log", "Reports", "Tenants", "Staff"]),
-    ("operator", ["API keys", "Usage", "Credits", "Playground", "Team", "Reports", "Tenants", "Staff"]),
+    ("operator", ["API keys", "Usage", "Requests", "Credits", "Playground", "Team", "Reports", "Tenants", "Staff"]),
     ("admin", ["API keys", "Usage", "Credits", "Playground", "Team"]),
 ])
 def test_other_roles_pages_answer_403(open_page, role, forbidden):

@@ -118,7 +118,10 @@ def test_stop_aborts_the_generation_on_the_worker(open_page, system, demo_replic
                        timeout=15, what="the stopped request's usage record", fleet=system.fleet)
     assert 0 < usage["completion_tokens"] < MAX_TOKENS
 
-    # The page is usable again: the next answer streams to the end.
+    # The page is usable again: the next answer streams to the end. (The stopped answer, as far
+    # as it went, joined the conversation and emptied the message box.)
+    expect(page.locator("[data-testid=playground-turn]")).to_have_count(1)
+    page.fill("#id_message", "go on")
     page.fill("#id_max_tokens", "16")
     page.click("#playground-send")
     expect(status).to_have_attribute("data-state", "done", timeout=60_000)
@@ -147,3 +150,44 @@ def test_playground_form_shows_each_error_beside_its_field(open_page, system):
     page.click("#playground-send")
     expect(page.locator("#field-max_tokens #error-max_tokens")).to_contain_text("At most 2047 for demo-tiny")
     expect(page.locator("#field-temperature #error-temperature")).to_be_hidden()
+
+
+def test_a_conversation_goes_on_and_view_code_follows_the_settings(open_page, system, demo_replicas):
+    page = open_page("tenant")
+    _send(page, max_tokens=8)
+    status = page.locator("#playground-status")
+    expect(status).to_have_attribute("data-state", "done", timeout=60_000)
+    first_answer = page.inner_text("#playground-output")
+    expect(page.locator("#id_message")).to_have_value("")  # emptied for the next message
+
+    page.fill("#id_message", "and then?")
+    page.click("#playground-send")
+    expect(status).to_have_attribute("data-state", "done", timeout=60_000)
+    turns = page.locator("[data-testid=playground-turn]")
+    expect(turns).to_have_count(3)  # the first question, its answer, the second question
+    expect(turns.nth(0)).to_contain_text(PROMPT)
+    assert first_answer.strip() in turns.nth(1).inner_text()
+    expect(turns.nth(2)).to_contain_text("and then?")
+
+    page.fill("#id_top_p", "0.8")
+    page.click("#playground-code summary")
+    python = page.locator("#code-python")
+    expect(python).to_contain_text('model="demo-tiny"')
+    expect(python).to_contain_text("top_p=0.8")
+    expect(python).to_contain_text("and then?")  # the conversation so far, up to the last answer
+    expect(page.locator("#code-shell")).to_contain_text("curl ")
+    expect(page.locator("#code-javascript")).to_contain_text("fetch(")
+    assert "sk-" not in page.inner_text("#playground-code")
+
+    page.click("#playground-clear")
+    expect(status).to_have_attribute("data-state", "idle")
+    expect(turns).to_have_count(0)
+    expect(page.locator("#playground-history")).to_have_value("")
+
+
+def test_stop_sits_beside_send(open_page, system):
+    page = open_page("tenant")
+    page.goto(reverse("dashboard:playground"))
+    send, stop = page.locator("#playground-send").bounding_box(), page.locator("#playground-stop").bounding_box()
+    assert abs(send["y"] - stop["y"]) < 1 and abs(send["height"] - stop["height"]) < 1, (send, stop)
+    assert 0 < stop["x"] - (send["x"] + send["width"]) < 40, (send, stop)  # just right of Send

@@ -53,6 +53,11 @@ def test_usage_page_counts_the_tenants_own_requests(open_page, system, traffic):
     expect(page.locator("#usage-requests")).to_have_text(str(traffic + REQUESTS))
     expect(page.locator("#usage-balance")).to_contain_text("$")
     expect(page.locator("#usage-chart .uplot")).to_have_count(1)
+    # The month is on the axis, but the line stops at today: no zeros for days to come.
+    last_x = page.evaluate("(() => { const u = document.getElementById('usage-chart').uplot; "
+                           "return [u.data[0][u.data[0].length - 1], u.scales.x.max]; })()")
+    today = page.evaluate("Math.floor(Date.now() / 86400000) * 86400")
+    assert last_x[0] == today and last_x[1] >= today, last_x
     expect(page.locator("#usage-table tbody tr")).to_have_count(1)  # all of it today
 
     other = open_page("other_tenant")
@@ -71,6 +76,16 @@ def test_admin_reports_by_tenant_with_csv_export(open_page, system, traffic):
     expect(page.locator(f"[data-testid=report-row][data-key='{system.seeded.other_tenant_name}']")).to_have_count(0)
     expect(page.locator("#report-comparison")).to_contain_text("Per-token pricing would have")
     expect(page.locator("#report-chart-daily .uplot")).to_have_count(1)
+    # Tick labels tell their ticks apart (no "0, 0, 0.001"): money with a $ and enough decimals, each
+    # money series on an axis of its own; requests as whole numbers in a chart of their own.
+    for axis in (1, 2):
+        labels = page.evaluate(f"document.getElementById('report-chart-daily').uplot.axes[{axis}]._values")
+        assert labels and len(set(labels)) == len(labels) and all(label.startswith("$") for label in labels), labels
+    request_ticks = page.evaluate("document.getElementById('report-chart-requests').uplot.axes[1]._values")
+    assert request_ticks and all(label.replace("k", "").isdigit() for label in request_ticks), request_ticks
+    assert page.evaluate("[gpuserveCharts.format('usd', 0.0005, 0.0005), gpuserveCharts.format('usd', 1500, 500),"
+                         " gpuserveCharts.format('count', 2500000, 500000), gpuserveCharts.format('usd', 0.75, 0.25)]"
+                         ) == ["$0.0005", "$1.5k", "2.5M", "$0.75"]
 
     with page.expect_download() as download:
         page.click("#report-csv")

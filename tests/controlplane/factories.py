@@ -11,7 +11,7 @@ from django.utils import timezone
 from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
 from controlplane.accounts.models import ApiKey, Tenant, User
 from controlplane.billing.holds import HoldRequest, RequestOutcome, credit_holds_place, credit_holds_settle
-from controlplane.billing.models import Plan, PriceTier, UsageRecord
+from controlplane.billing.models import CreditHold, Plan, PriceTier, UsageRecord
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet.models import Gpu, Replica, Worker
 
@@ -149,6 +149,7 @@ def usage_record_settled(
     replica: Replica | None = None,
     gpu_time_s: float | None = None,
     request_id: str | None = None,
+    error_code: str = "",
 ) -> UsageRecord:
     """One finished request's usage record, written as the gateway writes it: a credit hold placed
     at `at`, then settled with the request's outcome. So, as for a real request, the tenant needs
@@ -159,12 +160,12 @@ def usage_record_settled(
     (hold,) = credit_holds_place(
         requests=[HoldRequest(request_id, tenant.pk, model.pk, api_key.pk if api_key else None, num_requests)],
         at=at, expires_at=timezone.now() + timedelta(minutes=10))
-    if hold is None:
+    if not isinstance(hold, CreditHold):
         raise ValueError(f"The hold for {request_id} was refused: give tenant {tenant} credit to cover it first.")
     (settled,) = credit_holds_settle(outcomes=[RequestOutcome(
         request_id, status, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         time_to_first_token_ms=time_to_first_token_ms, total_latency_ms=total_latency_ms, gpu_time_s=gpu_time_s,
-        replica_id=replica.pk if replica else None)], at=at)
+        replica_id=replica.pk if replica else None, error_code=error_code)], at=at)
     if not settled.found:
         raise ValueError(f"The hold for {request_id} was settled by someone else (the sweeper?) first.")
     return UsageRecord.objects.get(pk=settled.record.pk)

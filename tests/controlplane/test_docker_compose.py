@@ -48,3 +48,16 @@ def test_compose_refuses_to_start_without_secrets():
 def test_the_gpu_worker_runs_the_daemon_against_the_web_service():
     rendered = _config(env=PRODUCTION).stdout
     assert "gpuworker" in rendered and "daemon" in rendered and "http://web:8000" in rendered
+
+
+def test_the_web_processes_share_a_fresh_metrics_directory():
+    import yaml
+
+    services = yaml.safe_load(_config(env={**PRODUCTION, "METRICS_TOKEN": "m" * 40}).stdout)["services"]
+    web = services["web"]
+    assert web["environment"]["PROMETHEUS_MULTIPROC_DIR"] == "/run/gpuserve-metrics"
+    assert "/run/gpuserve-metrics" in web["tmpfs"]
+    assert web["environment"]["METRICS_TOKEN"] == "m" * 40
+    assert web["environment"]["DATABASE_URL"].startswith("postgres://")  # the shared settings are kept
+    # Only the web processes write metric files: the GPU worker's replicas keep theirs in memory.
+    assert "PROMETHEUS_MULTIPROC_DIR" not in services["gpuworker"].get("environment", {})

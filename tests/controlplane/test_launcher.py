@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.env import read_env_file
-from controlplane.launcher import Launcher, ProcessSpec, build_parser, process_specs
+from controlplane.launcher import Launcher, ProcessSpec, banner, build_parser, process_specs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,6 +65,31 @@ def test_the_web_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
     assert build_parser().parse_args([]).host == "::"
     web = process_specs(host=build_parser().parse_args([]).host, port=8000)[0].argv
     assert web[web.index("--host") + 1] == "::"
+
+
+@pytest.mark.django_db
+def test_the_banner_names_each_login_with_what_it_can_do_and_points_at_the_dashboard(tmp_path):
+    from django.core.management import call_command
+
+    env_file = tmp_path / ".env.demo"
+    call_command("seed_demo", env_file=env_file, stdout=io.StringIO())
+    demo = read_env_file(env_file)
+    text = banner(port=8123, env_file=env_file)
+    lines = text.splitlines()
+    assert "  dashboard: http://127.0.0.1:8123/" in lines
+    assert "/admin/" not in text
+    for username, password, does in (("admin", demo["DEMO_ADMIN_PASSWORD"], "reports"),
+                                     ("operator", demo["DEMO_OPERATOR_PASSWORD"], "runs the fleet"),
+                                     ("member", demo["DEMO_MEMBER_PASSWORD"], "API keys")):
+        [line] = [line for line in lines if f" {username} / {password} " in line]
+        assert does in line
+    assert f"OPENAI_API_KEY={demo['OPENAI_API_KEY']}" in text
+    assert "http://127.0.0.1:8123/metrics" in text
+
+
+def test_the_banner_without_a_seed_says_how_to_get_one(tmp_path):
+    text = banner(port=8000, env_file=tmp_path / ".env.demo")
+    assert "seed_demo" in text and "OPENAI_BASE_URL=http://127.0.0.1:8000/v1" in text
 
 
 def test_a_child_dying_stops_the_others_and_fails():
@@ -137,6 +162,9 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
                 model="smollm2-135m-instruct", temperature=0, max_tokens=24,
                 messages=[{"role": "user", "content": "What is the capital of France?"}])
             assert "Paris" in reply.choices[0].message.content
+            # At idle the log stays readable: heartbeats and beat's checks (each a second) are at
+            # DEBUG, so a quiet half minute adds at most a line per ten seconds.
+            _wait_for_quiet_log(log_path, launcher, seconds=30, most_lines=3)
             launcher.send_signal(signal.SIGINT)
             assert launcher.wait(timeout=60) == 0
         finally:
@@ -148,12 +176,27 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
     assert set(pids) == {"web", "worker", "beat", "gpuworker"}
     leftovers = {name: _live_members_of_group(pid) for name, pid in pids.items()}
     assert not any(leftovers.values()), leftovers
-    # The banner gives the URL, the login and the API key that seed_demo wrote.
+    # The banner gives the URL, the logins and the API key that seed_demo wrote.
     demo = read_env_file(env_file)
     assert f"http://127.0.0.1:{port}/" in output
-    assert demo["OPENAI_API_KEY"] in output and demo["DEMO_ADMIN_PASSWORD"] in output
+    assert demo["OPENAI_API_KEY"] in output
+    assert all(demo[f"DEMO_{role}_PASSWORD"] in output for role in ("ADMIN", "OPERATOR", "MEMBER"))
     assert "random noise" in output
     assert "all processes stopped" in output
+
+
+def _wait_for_quiet_log(log_path: Path, launcher: subprocess.Popen, *, seconds: float, most_lines: int) -> None:
+    """Fails unless some `seconds`-long stretch of the log (within five tries, so a replica's late
+    start-up lines do not count) adds at most `most_lines` lines."""
+    for _ in range(5):
+        before = len(log_path.read_text().splitlines())
+        time.sleep(seconds)
+        if launcher.poll() is not None:
+            pytest.fail(f"the launcher exited early ({launcher.returncode}):\n{log_path.read_text()}")
+        added = log_path.read_text().splitlines()[before:]
+        if len(added) <= most_lines:
+            return
+    pytest.fail(f"{len(added)} lines in {seconds:.0f}s of idle time:\n" + "\n".join(added))
 
 
 def _wait_for_ready_replica(database: Path, model: str, launcher: subprocess.Popen, log_path: Path,

@@ -10,7 +10,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from controlplane import integrations
-from controlplane.env import env_bool, env_int, env_list, read_env_file
+from controlplane.env import env_bool, env_decimal, env_int, env_list, read_env_file
 
 REPO = Path(__file__).resolve().parents[2]
 # Variables the test environment may carry that would change what is being checked.
@@ -102,6 +102,20 @@ def test_env_defaults_and_errors(monkeypatch):
         env_int("NUM", 1)
     monkeypatch.setenv("HOSTS", " a.example , ,b.example ")
     assert env_list("HOSTS", []) == ["a.example", "b.example"]
+
+
+@pytest.mark.parametrize("raw", ["two dollars", "-1", "NaN", "Infinity"])
+def test_env_decimal_refuses_what_is_not_an_amount(monkeypatch, raw):
+    monkeypatch.setenv("GPU_HOUR_COST_USD", raw)
+    with pytest.raises(ImproperlyConfigured, match="GPU_HOUR_COST_USD must be"):
+        env_decimal("GPU_HOUR_COST_USD", "2.00")
+
+
+def test_env_decimal_reads_an_amount_or_the_default(monkeypatch):
+    monkeypatch.setenv("GPU_HOUR_COST_USD", " 3.25 ")
+    assert str(env_decimal("GPU_HOUR_COST_USD", "2.00")) == "3.25"
+    monkeypatch.setenv("GPU_HOUR_COST_USD", "")
+    assert str(env_decimal("GPU_HOUR_COST_USD", "2.00")) == "2.00"
 
 
 def test_read_env_file(tmp_path):

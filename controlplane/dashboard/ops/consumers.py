@@ -1,6 +1,7 @@
 """The fleet page's WebSocket (ws/fleet/): operators and admins only. It joins the "fleet" group
 the fleet services publish to and relays each event as HTML fragments addressed by id; it keeps the
-last minute of figures per open page for the sparklines. A page that reconnects asks to resync."""
+last minute of figures per open page for the sparklines, starting from the fleet's recent ones. A
+page that reconnects asks to resync."""
 
 import json
 import logging
@@ -26,6 +27,8 @@ class FleetConsumer(AsyncWebsocketConsumer):
             return
         self.history = FigureHistory()
         await self.channel_layer.group_add(FLEET_GROUP, self.channel_name)
+        # Joined first, then seeded: a heartbeat in between is drawn twice rather than missed.
+        self.history = await database_sync_to_async(FigureHistory.recent)()
         await self.accept()
 
     async def disconnect(self, code) -> None:

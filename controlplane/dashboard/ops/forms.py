@@ -7,6 +7,7 @@ from django.core.exceptions import ValidationError
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
+from controlplane.catalog.selectors import reported_quantization
 from controlplane.catalog.services import estimate_gpu_memory_bytes
 from controlplane.fleet.models import Gpu, Worker
 from controlplane.fleet.selectors import workers_for_path_check
@@ -35,8 +36,13 @@ class DeploymentLimitsForm(forms.Form):
                                               help_text="No request for this long: scale to min (0 never does).")
 
     @classmethod
-    def for_deployment(cls, deployment: Deployment, **kwargs) -> "DeploymentLimitsForm":
+    def for_deployment(cls, deployment: Deployment, *, reach: int | None = None, **kwargs) -> "DeploymentLimitsForm":
+        """The deployment's settings; with `reach`, filled in to scale to that many replicas (Min or
+        Max moved just enough), so a refused scale is one Save away."""
         initial = {name: getattr(deployment, name) for name in cls.base_fields}
+        if reach is not None:
+            initial.update(desired_replicas=reach, min_replicas=min(deployment.min_replicas, reach),
+                           max_replicas=max(deployment.max_replicas, reach))
         return cls(initial=initial, prefix=f"d{deployment.pk}", **kwargs)
 
 
@@ -74,13 +80,21 @@ class LoadForm(forms.Form):
 
 
 class CatalogModelForm(forms.ModelForm):
-    """Add or edit a catalog model; the weight path is checked against the chosen workers' reports."""
+    """Add or edit a catalog model; the weight path is checked against the chosen workers' reports,
+    which also say how the checkpoint is quantized."""
+
+    DETECT = "detect"
 
     context_length = forms.IntegerField(min_value=1, label="Context length (tokens)")
     parameter_count = forms.IntegerField(min_value=1, label="Parameters")
     gpu_memory_bytes = forms.IntegerField(
         min_value=1, required=False, label="GPU memory (bytes)",
-        help_text="Weights plus a working KV cache. Leave empty to estimate from the parameter count.")
+        help_text="Weights plus a working KV cache. Leave empty to estimate from the parameter count "
+                  "and the quantization.")
+    quantization = forms.ChoiceField(
+        choices=[(DETECT, "Detect from the checkpoint"), *Model.Quantization.choices], initial=DETECT,
+        required=False, label="Quantization",
+        help_text="As the checked workers report the checkpoint's config.json; a float checkpoint if none does.")
     check_workers = forms.ModelMultipleChoiceField(
         queryset=Worker.objects.none(), required=False, widget=forms.CheckboxSelectMultiple,
         label="Check the weight path on",
@@ -89,7 +103,7 @@ class CatalogModelForm(forms.ModelForm):
     class Meta:
         model = Model
         fields = ["public_name", "family", "kind", "weights_path", "context_length", "parameter_count",
-                  "gpu_memory_bytes", "price_tier", "enabled"]
+                  "quantization", "gpu_memory_bytes", "price_tier", "enabled"]
         labels = {"public_name": "Name", "weights_path": "Weight path", "price_tier": "Price tier"}
         help_texts = {"public_name": "What clients send as `model`.",
                       "weights_path": "A directory in Hugging Face layout on the worker hosts, inside their model roots "
@@ -111,9 +125,14 @@ class CatalogModelForm(forms.ModelForm):
 
     def clean(self) -> dict:
         cleaned = super().clean()
+        if cleaned.get("quantization") in (self.DETECT, None):
+            cleaned["quantization"] = reported_quantization(
+                weights_path=cleaned.get("weights_path") or "", workers=cleaned.get("check_workers") or ()
+            ) or Model.Quantization.NONE
         if cleaned.get("gpu_memory_bytes") is None and cleaned.get("parameter_count"):
             # The ModelForm builds and validates its instance from cleaned_data after this.
-            cleaned["gpu_memory_bytes"] = estimate_gpu_memory_bytes(parameter_count=cleaned["parameter_count"])
+            cleaned["gpu_memory_bytes"] = estimate_gpu_memory_bytes(
+                parameter_count=cleaned["parameter_count"], quantization=cleaned.get("quantization") or "")
         return cleaned
 
     def model_fields(self) -> dict:

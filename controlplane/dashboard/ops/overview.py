@@ -3,26 +3,32 @@ host's CPU), each slot's live figures with a short history for its sparklines, t
 there, and each deployment with its status. No ORM here: the reads are fleet selectors.
 
 The history is kept by whoever renders repeatedly (a WebSocket connection keeps one per open page),
-so nothing is stored per second on the server beyond each worker's latest heartbeat.
+starting from the last minute of figures the fleet keeps per worker (`FigureHistory.recent`), so a
+page's sparklines are drawn full from the moment it opens.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from controlplane.fleet.heartbeat_cache import RECENT_FIGURES
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import (
     deployment_statuses,
     deployments_with_live_replicas,
     workers_latest_heartbeats,
+    workers_recent_figures,
     workers_with_live_replicas,
 )
 
 # About a minute of one-second heartbeats.
-HISTORY_POINTS = 60
+HISTORY_POINTS = RECENT_FIGURES
+# Stored figures older than this are not drawn: after a silence the line starts afresh.
+HISTORY_MAX_AGE_S = 2 * HISTORY_POINTS
 SPARK_WIDTH, SPARK_HEIGHT = 120, 28
 CPU_SLOT = "cpu"
 
@@ -41,6 +47,16 @@ class FigureHistory:
             for name, value in _values(figures).items():
                 if value is not None:
                     self._series.setdefault((worker_id, slot, name), deque(maxlen=HISTORY_POINTS)).append(value)
+
+    @classmethod
+    def recent(cls, *, worker_ids: list[int] | None = None, now: float | None = None) -> "FigureHistory":
+        """A history holding the figures of the workers' (all, or these) recent heartbeats."""
+        history = cls()
+        since = (now or time.time()) - HISTORY_MAX_AGE_S
+        for worker_id, figures in workers_recent_figures(worker_ids=worker_ids, since=since).items():
+            for beat in figures:
+                history.record({"worker_id": worker_id, **beat})
+        return history
 
     def series(self, worker_id: int, slot: str, name: str) -> list[float]:
         return list(self._series.get((worker_id, slot, name), ()))

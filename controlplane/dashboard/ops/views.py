@@ -27,7 +27,7 @@ from controlplane.dashboard.ops.forms import (
     ScaleForm,
 )
 from controlplane.dashboard.ops.fragments import deployment_context
-from controlplane.dashboard.ops.overview import deployment_views, worker_views
+from controlplane.dashboard.ops.overview import FigureHistory, deployment_views, worker_views
 from controlplane.dashboard.permissions import operator_required
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import deployment_statuses, workers_for_path_check
@@ -51,7 +51,7 @@ FLEET, CATALOG = "dashboard:fleet", "dashboard:catalog"
 @require_GET
 def fleet(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/ops/fleet.html", {
-        "workers": worker_views(),
+        "workers": worker_views(history=FigureHistory.recent()),
         "deployments": [deployment_context(view) for view in deployment_views()],
         "load_form": LoadForm(),
     })
@@ -68,10 +68,16 @@ def _render_deployment(request, deployment_id: int, *, action_error: str = "", *
 def deployment_scale_view(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
     form = ScaleForm(request.POST, prefix=f"s{pk}")
+    requested = form.cleaned_data["desired_replicas"] if form.is_valid() else None
     if submit(form, lambda data: deployment_scale(deployment=deployment, desired_replicas=data["desired_replicas"],
                                                   actor=request.user)) is None:
-        return fragment_or_redirect(request, lambda: _render_deployment(request, pk, scale_form=form), to=FLEET,
-                                    errors=form_error_messages(form))
+        fix = {}
+        if requested is not None:
+            # A well-formed count the service refused (outside Min..Max): the limits form opens,
+            # filled in to allow it.
+            fix = {"open_limits": True, "limits_form": DeploymentLimitsForm.for_deployment(deployment, reach=requested)}
+        return fragment_or_redirect(request, lambda: _render_deployment(request, pk, scale_form=form, **fix),
+                                    to=FLEET, errors=form_error_messages(form))
     return fragment_or_redirect(request, lambda: _render_deployment(request, pk), to=FLEET, success=(
         f"{deployment.model.public_name} now wants {form.cleaned_data['desired_replicas']} replicas."))
 

@@ -1,4 +1,5 @@
-"""The report's range and grouping, from the query string (so a report is a link to share)."""
+"""Ranges of days from the query string (so a report or a log view is a link to share): the
+admin report's range and grouping, and the period form the other pages that read usage share."""
 
 from datetime import date, timedelta
 
@@ -11,20 +12,26 @@ DEFAULT_DAYS = 30
 MAX_DAYS = 366
 
 
-class ReportForm(forms.Form):
+class PeriodForm(forms.Form):
+    """A range of whole days (UTC), both included, at most MAX_DAYS long."""
+
     start = forms.DateField(widget=forms.DateInput(attrs={"type": "date"}), help_text="First day (UTC), included.")
     end = forms.DateField(widget=forms.DateInput(attrs={"type": "date"}), help_text="Last day (UTC), included.")
-    group_by = forms.ChoiceField(choices=[(g, g.capitalize()) for g in GROUPINGS], initial="tenant",
-                                 label="Group by")
 
     @classmethod
-    def from_query(cls, query) -> "ReportForm":
-        """Bound to the query string, with the defaults (the last 30 days by tenant) filled in."""
+    def from_query(cls, query, **defaults):
+        """Bound to the query string, with the defaults filled in (see query_data)."""
+        return cls(cls.query_data(query, **defaults))
+
+    @classmethod
+    def query_data(cls, query, *, start: date | None = None, **defaults: str) -> dict:
+        """The query string's values of this form's fields, the defaults where it has none: from
+        `start` (the last DEFAULT_DAYS days when None) to today, and `defaults` for the others."""
         today = timezone.now().date()
-        data = {"start": (today - timedelta(days=DEFAULT_DAYS - 1)).isoformat(), "end": today.isoformat(),
-                "group_by": "tenant"}
-        data.update({name: query[name] for name in data if query.get(name)})
-        return cls(data)
+        start = start or today - timedelta(days=DEFAULT_DAYS - 1)
+        data = {"start": start.isoformat(), "end": today.isoformat(), **defaults}
+        data.update({name: query[name] for name in cls.base_fields if query.get(name)})
+        return data
 
     def clean(self):
         data = super().clean()
@@ -40,3 +47,13 @@ class ReportForm(forms.Form):
     @property
     def period(self) -> tuple[date, date]:
         return self.cleaned_data["start"], self.cleaned_data["end"]
+
+
+class ReportForm(PeriodForm):
+    group_by = forms.ChoiceField(choices=[(g, g.capitalize()) for g in GROUPINGS], initial="tenant",
+                                 label="Group by")
+
+    @classmethod
+    def from_query(cls, query, **defaults) -> "ReportForm":
+        """The last 30 days by tenant unless the query string says otherwise."""
+        return super().from_query(query, **{"group_by": "tenant", **defaults})

@@ -9,12 +9,10 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from controlplane.billing.reports import UsageRow, period_bounds, usage_by, usage_daily, usage_totals
+from controlplane.dashboard.csv_export import csv_money, csv_text
 from controlplane.dashboard.permissions import admin_required
 from controlplane.dashboard.reports.forms import ReportForm
 
-# A spreadsheet runs a cell starting with one of these as a formula (=HYPERLINK(...) sends data
-# out); OWASP's CSV injection advice: start such text with a ' so it stays text.
-CSV_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 CSV_COLUMNS = ("requests", "failed", "revenue", "reference", "difference", "gpu_time_s", "prompt_tokens",
                "completion_tokens")
 
@@ -33,13 +31,19 @@ def reports(request: HttpRequest) -> HttpResponse:
         context.update({
             "valid": True, "rows": rows, "totals": usage_totals(since=since, until=until), "group_by": group_by,
             "start": start, "end": end, "query": urlencode(form.data),
+            # Money and requests in charts of their own; the per-token reference, often a small
+            # fraction of the flat price, on an axis of its own so that its line is not flat.
             "daily_chart": {"days": [r.key for r in daily], "series": [
                 {"label": "Revenue ($)", "scale": "$", "values": [float(r.revenue) for r in daily]},
-                {"label": "Per-token reference ($)", "scale": "$", "values": [float(r.reference) for r in daily]},
-                {"label": "Requests", "scale": "requests", "values": [r.requests for r in daily]}]},
+                {"label": "Per-token reference ($)", "scale": "$reference",
+                 "values": [float(r.reference) for r in daily]}]},
+            "requests_chart": {"days": [r.key for r in daily], "series": [
+                {"label": "Requests", "scale": "requests", "values": [r.requests for r in daily]},
+                {"label": "Failed", "scale": "requests", "values": [r.failed for r in daily]}]},
             "group_chart": None if group_by == "day" else {"labels": [r.key for r in rows], "series": [
-                {"label": "Revenue ($)", "values": [float(r.revenue) for r in rows]},
-                {"label": "Per-token reference ($)", "values": [float(r.reference) for r in rows]}]},
+                {"label": "Revenue ($)", "scale": "$", "values": [float(r.revenue) for r in rows]},
+                {"label": "Per-token reference ($)", "scale": "$reference",
+                 "values": [float(r.reference) for r in rows]}]},
         })
     return render(request, "dashboard/reports/reports.html", context)
 
@@ -62,11 +66,6 @@ def reports_csv(request: HttpRequest) -> HttpResponse:
     return response
 
 
-def _csv_text(value: str) -> str:
-    """Text from tenants (a tenant or model name) made inert for spreadsheets; figures stay numbers."""
-    return f"'{value}" if value.startswith(CSV_FORMULA_STARTS) else value
-
-
 def _csv_row(row: UsageRow) -> tuple:
-    return (_csv_text(row.key), row.requests, row.failed, row.revenue, row.reference, row.difference,
-            f"{row.gpu_time_s:.3f}", row.prompt_tokens, row.completion_tokens)
+    return (csv_text(row.key), row.requests, row.failed, csv_money(row.revenue), csv_money(row.reference),
+            csv_money(row.difference), f"{row.gpu_time_s:.3f}", row.prompt_tokens, row.completion_tokens)

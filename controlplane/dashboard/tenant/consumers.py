@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 # is not affected by its key expiring).
 _KEY_RENEW_BEFORE = timedelta(minutes=5)
 FORBIDDEN = 4403
+# The answer's text reaches the page at most this often (playground.DeltaBatcher says why).
+DELTA_INTERVAL_S = 0.05
 
 
 class PlaygroundConsumer(AsyncWebsocketConsumer):
@@ -71,6 +73,13 @@ class PlaygroundConsumer(AsyncWebsocketConsumer):
             if running:
                 self.stop.set()
             return
+        if action == "clear":
+            if running:
+                await self._send_fragment("dashboard/tenant/_playground_error.html",
+                                          {"message": "An answer is still streaming: stop it first."})
+            else:
+                await self._send_fragment("dashboard/tenant/_playground_cleared.html", {})
+            return
         if action != "send":
             await self._send_fragment("dashboard/tenant/_playground_error.html",
                                       {"message": f"Unknown action {action!r}."})
@@ -99,20 +108,29 @@ class PlaygroundConsumer(AsyncWebsocketConsumer):
     async def _generate(self, prompt: playground.PlaygroundPrompt, api_key: str) -> None:
         await self._send_fragment("dashboard/tenant/_playground_started.html", {
             "prompt": prompt, "field_names": list(playground.PlaygroundForm.base_fields)})
-        final = None
+        final, answer = None, []
+        deltas = playground.DeltaBatcher(
+            lambda text: self._send_fragment("dashboard/tenant/_playground_delta.html", {"text": text}),
+            interval=DELTA_INTERVAL_S)
         try:
             async for event in playground.stream_chat(api_key=api_key, prompt=prompt, stop=self.stop):
                 if isinstance(event, playground.Delta):
-                    await self._send_fragment("dashboard/tenant/_playground_delta.html", {"text": event.text})
+                    answer.append(event.text)
+                    deltas.add(event.text)
                 else:
                     final = event
         except Exception:
             logger.exception("the playground generation failed")
             final = playground.Failed("The server had an error while generating the answer.", "internal_error", 500)
+        await deltas.flush()
+        # A finished or stopped answer joins the conversation (as much of it as was shown); after
+        # a failure the conversation stays as it was, so Send tries the same message again.
+        failed = final if isinstance(final, playground.Failed) else None
         await self._send_fragment("dashboard/tenant/_playground_finished.html", {
             "finished": final if isinstance(final, playground.Finished) else None,
-            "stopped": isinstance(final, playground.Stopped),
-            "failed": final if isinstance(final, playground.Failed) else None,
+            "stopped": isinstance(final, playground.Stopped), "failed": failed,
+            "history_json": None if failed else json.dumps(prompt.history_after("".join(answer))),
+            "message_input": None if failed else playground.empty_message_input(),
         })
 
     async def _send_fragment(self, template: str, context: dict) -> None:

@@ -25,6 +25,10 @@ class ApiKeyCreateForm(forms.Form):
         required=False, min_value=1, label="Concurrent requests",
         help_text="Optional; empty means your plan's limit.",
     )
+    monthly_spend_limit = forms.DecimalField(
+        required=False, min_value=0, max_digits=18, decimal_places=2, label="Monthly spend limit ($)",
+        help_text="Optional; requests that would take this key's spend in a month (UTC) above it are refused.",
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -46,4 +50,12 @@ class ApiKeyCreateForm(forms.Form):
             "allowed_model_names": data["allowed_models"],
             "rate_limit_per_minute": data["rate_limit_per_minute"],
             "max_concurrent_requests": data["max_concurrent_requests"],
+            "monthly_spend_limit": data["monthly_spend_limit"],
         }
+
+
+class ApiKeyBudgetForm(forms.Form):
+    monthly_spend_limit = forms.DecimalField(
+        required=False, min_value=0, max_digits=18, decimal_places=2, label="Monthly spend limit ($)",
+        help_text="Empty: no limit beyond your credit.",
+    )

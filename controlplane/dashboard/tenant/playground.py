@@ -11,7 +11,7 @@ replica's stream, which aborts the request on the worker and settles it by the g
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from django import forms
@@ -26,19 +26,42 @@ MAX_TOKENS_LIMIT = 4096
 _finishing: set[asyncio.Task] = set()
 
 
+MAX_HISTORY_MESSAGES = 100
+# What "view code" puts where the message box is still empty.
+MESSAGE_PLACEHOLDER = "Your next message"
+HISTORY_ROLES = ("user", "assistant")
+
+
 @dataclass(frozen=True)
 class PlaygroundPrompt:
     model: str
     system_prompt: str
     message: str
     temperature: float
+    top_p: float
     max_tokens: int
+    # The conversation so far, oldest first: {"role": "user" | "assistant", "content": ...} each.
+    history: tuple[dict, ...] = ()
+
+    def messages(self) -> list[dict]:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, *self.history, {"role": "user", "content": self.message}]
+
+    def request_body(self) -> dict:
+        """The chat completion as an API client sends it (what "view code" shows)."""
+        return {"model": self.model, "messages": self.messages(), "temperature": self.temperature,
+                "top_p": self.top_p, "max_tokens": self.max_tokens}
 
     def chat_body(self) -> dict:
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        messages.append({"role": "user", "content": self.message})
-        return {"model": self.model, "messages": messages, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        return {**self.request_body(), "stream": True, "stream_options": {"include_usage": True}}
+
+    def turns(self) -> list[dict]:
+        """The conversation as the page shows it while the answer streams: no system prompt."""
+        return [*self.history, {"role": "user", "content": self.message}]
+
+    def history_after(self, answer: str) -> list[dict]:
+        """The conversation once `answer` (possibly cut short by Stop) follows this message."""
+        return [*self.history, {"role": "user", "content": self.message}, {"role": "assistant", "content": answer}]
 
 
 @dataclass(frozen=True)
@@ -67,6 +90,55 @@ class Failed:
 Event = Delta | Finished | Stopped | Failed
 
 
+class DeltaBatcher:
+    """Sends an answer's text as it streams, at most one send per `interval` seconds, joining the
+    deltas that arrived meanwhile. One fragment per token costs a template render, a WebSocket
+    frame and an htmx swap in the page each, which made the playground far slower than the API
+    for the same answer (bench/playground.py measures both); joined, the page keeps up with the
+    stream and the text still appears as it comes (the first delta goes at once)."""
+
+    def __init__(self, send: Callable[[str], Awaitable[None]], *, interval: float) -> None:
+        self._send, self._interval = send, interval
+        self._pending: list[str] = []
+        self._sending: asyncio.Task | None = None
+        self._last_sent = float("-inf")
+        self._sleeping = self._flushing = False
+
+    def add(self, text: str) -> None:
+        self._pending.append(text)
+        if self._sending is None or self._sending.done():
+            self._sending = asyncio.ensure_future(self._send_pending())
+
+    async def _send_pending(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Runs until nothing is pending: text added while a send is under way goes in the next one.
+        while self._pending:
+            delay = self._last_sent + self._interval - loop.time()
+            if delay > 0 and not self._flushing:
+                self._sleeping = True
+                try:
+                    await asyncio.sleep(delay)
+                finally:
+                    self._sleeping = False
+            text = "".join(self._pending)
+            self._pending.clear()
+            self._last_sent = loop.time()
+            await self._send(text)
+
+    async def flush(self) -> None:
+        """Send what is pending now, after any send under way: the answer's end comes after its text."""
+        self._flushing = True
+        sending = self._sending
+        if sending is not None and not sending.done():
+            if self._sleeping:  # only a wait is cut short, never a send (frames keep their order)
+                sending.cancel()
+            try:
+                await sending
+            except asyncio.CancelledError:
+                pass
+        await self._send_pending()
+
+
 def playground_models():
     """The models a tenant may try here: every enabled model that generates text (playground
     keys may call every model, as the tenant's own keys may by default)."""
@@ -81,7 +153,12 @@ class PlaygroundForm(forms.Form):
     system_prompt = forms.CharField(required=False, max_length=8000, strip=False)
     message = forms.CharField(max_length=32000, strip=False)
     temperature = forms.FloatField(min_value=0.0, max_value=2.0, initial=0.7)
+    top_p = forms.FloatField(min_value=0.0, max_value=1.0, initial=1.0, required=False, label="Top p",
+                             help_text="Sample from the smallest set of tokens whose probabilities add up to this.")
     max_tokens = forms.IntegerField(min_value=1, max_value=MAX_TOKENS_LIMIT, initial=128)
+    # The conversation so far as JSON, kept in the page (the server keeps no conversation): each
+    # answer's fragment writes it back with the new turn.
+    history = forms.JSONField(required=False, widget=forms.HiddenInput)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -94,6 +171,22 @@ class PlaygroundForm(forms.Form):
             raise ValidationError("Write a message to send.")
         return message
 
+    def clean_top_p(self) -> float:
+        top_p = self.cleaned_data["top_p"]
+        return self.fields["top_p"].initial if top_p is None else top_p  # empty: the API's default
+
+    def clean_history(self) -> tuple[dict, ...]:
+        history = self.cleaned_data["history"] or []
+        if not isinstance(history, list) or len(history) > MAX_HISTORY_MESSAGES:
+            raise ValidationError(f"The conversation must be a list of at most {MAX_HISTORY_MESSAGES} messages; "
+                                  "start a new conversation.")
+        for message in history:
+            if (not isinstance(message, dict) or set(message) != {"role", "content"}
+                    or message["role"] not in HISTORY_ROLES or not isinstance(message["content"], str)):
+                raise ValidationError("The conversation holds a message that is not a user or assistant "
+                                      "message with text content; start a new conversation.")
+        return tuple(history)
+
     def clean(self):
         data = super().clean()
         model, max_tokens = data.get("model"), data.get("max_tokens")
@@ -102,10 +195,35 @@ class PlaygroundForm(forms.Form):
                                          f"(its context is {self.context_lengths[model]} tokens).")
         return data
 
+    def prompt_so_far(self) -> PlaygroundPrompt:
+        """The prompt with what is valid of the fields so far and each other field's initial value
+        (a placeholder message): what "view code" shows while the form is being filled in."""
+        self.is_valid()
+        data = {name: self.cleaned_data.get(name) for name in self.fields if name not in self.errors}
+
+        def value(name, default=None):
+            if data.get(name) not in (None, ""):
+                return data[name]
+            return self.fields[name].initial if default is None else default
+
+        return PlaygroundPrompt(
+            model=value("model", next(iter(self.context_lengths), "")), system_prompt=value("system_prompt", ""),
+            message=value("message", MESSAGE_PLACEHOLDER), temperature=value("temperature"), top_p=value("top_p"),
+            max_tokens=value("max_tokens"), history=value("history", ()),
+        )
+
     def prompt(self) -> PlaygroundPrompt:
         data = self.cleaned_data
         return PlaygroundPrompt(model=data["model"], system_prompt=data["system_prompt"], message=data["message"],
-                                temperature=data["temperature"], max_tokens=data["max_tokens"])
+                                temperature=data["temperature"], top_p=data["top_p"], max_tokens=data["max_tokens"],
+                                history=data["history"])
+
+
+def empty_message_input() -> str:
+    """The message box, emptied, for the page to swap in once the answer joined the conversation."""
+    field = PlaygroundForm.base_fields["message"]
+    attrs = {**field.widget_attrs(field.widget), "id": "id_message", "required": True, "hx-swap-oob": "true"}
+    return field.widget.render("message", "", attrs=attrs)
 
 
 async def stream_chat(*, api_key: str, prompt: PlaygroundPrompt, stop: asyncio.Event,

@@ -7,7 +7,9 @@ from controlplane.dashboard.tenant import views
 urlpatterns: list = [
     path("keys/", views.keys, name="keys"),
     path("keys/<int:key_id>/revoke/", views.key_revoke, name="key_revoke"),
+    path("keys/<int:key_id>/budget/", views.key_budget, name="key_budget"),
     path("usage/", views.usage, name="usage"),
     path("credits/", views.credits, name="credits"),
     path("playground/", views.playground, name="playground"),
+    path("playground/code/", views.playground_code, name="playground_code"),
 ]

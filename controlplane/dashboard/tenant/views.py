@@ -1,26 +1,37 @@
-"""Tenant pages: API keys, usage this month, credits, the playground. Views gather what the templates
+"""Tenant pages: API keys, usage, credits, the playground. Views gather what the templates
 show and call services; every query is filtered by the signed-in member's own tenant."""
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from controlplane.accounts.selectors import api_keys_for_tenant
-from controlplane.accounts.services import api_key_create, api_key_revoke
-from controlplane.billing.reports import allowance_this_month, usage_daily, usage_month_summary
+from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit
+from controlplane.billing.key_spend import api_keys_with_spend
+from controlplane.billing.reports import (UsageRow, allowance_this_month, period_bounds, usage_by, usage_daily,
+                                          usage_month_summary)
 from controlplane.dashboard.credits import credits_context
-from controlplane.dashboard.forms import submit
+from controlplane.dashboard.forms import form_error_messages, submit
+from controlplane.dashboard.htmx import fragment_or_redirect
 from controlplane.dashboard.permissions import tenant_of, tenant_required
-from controlplane.dashboard.tenant.forms import ApiKeyCreateForm
+from controlplane.dashboard.reports.forms import PeriodForm
+from controlplane.dashboard.tenant.forms import ApiKeyBudgetForm, ApiKeyCreateForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm, playground_models
+from controlplane.dashboard.tenant.playground_code import code_samples
+
+
+def _keys(request: HttpRequest):
+    """The member's tenant's keys, each with its spend this month (for its budget)."""
+    return api_keys_with_spend(keys=api_keys_for_tenant(tenant=tenant_of(request)), at=timezone.now())
 
 
 def _keys_context(request: HttpRequest, form: ApiKeyCreateForm, created=None) -> dict:
-    return {"keys": api_keys_for_tenant(tenant=tenant_of(request)), "form": form, "created": created,
-            "now": timezone.now()}
+    return {"keys": _keys(request), "form": form, "created": created, "now": timezone.now()}
 
 
 @tenant_required
@@ -48,7 +59,7 @@ def keys(request: HttpRequest) -> HttpResponse:
 @tenant_required
 @require_POST
 def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
-    api_key = get_object_or_404(api_keys_for_tenant(tenant=tenant_of(request)), pk=key_id)
+    api_key = get_object_or_404(_keys(request), pk=key_id)
     if not api_key.revoked:
         api_key = api_key_revoke(api_key=api_key, actor=request.user)
     if request.htmx:
@@ -57,24 +68,61 @@ def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
 
 
 @tenant_required
+@require_POST
+def key_budget(request: HttpRequest, key_id: int) -> HttpResponse:
+    """Set or clear a key's monthly spend limit; htmx gets the key's row back, with the error
+    beside the field when the amount is refused."""
+    api_key = get_object_or_404(_keys(request), pk=key_id)
+    form = ApiKeyBudgetForm(request.POST)
+    saved = submit(form, lambda data: api_key_set_spend_limit(
+        api_key=api_key, monthly_spend_limit=data["monthly_spend_limit"], actor=request.user))
+    return fragment_or_redirect(
+        request, lambda: render(request, "dashboard/tenant/_key_row.html",
+                                {"key": api_key, "now": timezone.now(), "budget_form": form}),
+        to=reverse("dashboard:keys"),
+        success=f"The monthly spend limit of “{api_key.name}” is saved." if saved else "",
+        errors=form_error_messages(form))
+
+
+@tenant_required
 @require_GET
 def usage(request: HttpRequest) -> HttpResponse:
     tenant = tenant_of(request)
     now = timezone.now()
     summary = usage_month_summary(tenant=tenant, now=now)
-    # The chart spans the whole month (days still to come at zero), so its axis reads as a month
-    # even on the 1st; the table lists the days so far.
+    # The chart's axis spans the whole month, so it reads as a month even on the 1st, but its
+    # lines stop at today: days still to come have no figures, not zeros.
     month_end = (summary.since + timedelta(days=32)).replace(day=1).date() - timedelta(days=1)
-    month = usage_daily(start=summary.since.date(), end=month_end, tenant=tenant)
-    days = [row for row in month if row.key <= now.date().isoformat()]
-    chart = {"days": [row.key for row in month], "series": [
-        {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in month]},
-        {"label": "Requests", "scale": "requests", "values": [row.requests for row in month]},
-    ]}
-    return render(request, "dashboard/tenant/usage.html", {
-        "summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
-        "allowance": allowance_this_month(tenant=tenant, now=now),
-    })
+    days = usage_daily(start=summary.since.date(), end=now.date(), tenant=tenant)
+    chart = {"days": [row.key for row in days], "span": [summary.since.date().isoformat(), month_end.isoformat()],
+             "series": [
+                 {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in days]},
+                 {"label": "Requests", "scale": "requests", "values": [row.requests for row in days]},
+             ]}
+    context = {"summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
+               "allowance": allowance_this_month(tenant=tenant, now=now),
+               "period_form": (period_form := PeriodForm.from_query(request.GET))}  # the last 30 days
+    if period_form.is_valid():
+        since, until = period_bounds(*period_form.period)
+        context["groups"] = [_usage_group(label, usage_by(group_by=group_by, since=since, until=until, tenant=tenant))
+                             for label, group_by in (("By model", "model"), ("By key", "key"))]
+    return render(request, "dashboard/tenant/usage.html", context)
+
+
+@dataclass(frozen=True)
+class UsageGroup:
+    """One breakdown of the usage page's period (by model or by key): its rows and their bar chart."""
+
+    title: str
+    id: str
+    rows: list[UsageRow]
+    chart: dict
+
+
+def _usage_group(title: str, rows: list[UsageRow]) -> UsageGroup:
+    # Requests, not spend: the plan's included requests cost nothing but are traffic all the same.
+    return UsageGroup(title, title.lower().replace(" ", "-"), rows, {"labels": [r.key for r in rows], "series": [
+        {"label": "Requests", "values": [r.requests for r in rows]}]})
 
 
 @tenant_required
@@ -88,8 +136,18 @@ def credits(request: HttpRequest) -> HttpResponse:
 @tenant_required
 @require_GET
 def playground(request: HttpRequest) -> HttpResponse:
-    form = PlaygroundForm(initial={"temperature": 0.7, "max_tokens": 128})
+    form = PlaygroundForm(initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128})
     models = list(playground_models().values("public_name", "context_length"))
     return render(request, "dashboard/tenant/playground.html", {
         "form": form, "models": models, "max_tokens_limit": MAX_TOKENS_LIMIT,
     })
+
+
+@tenant_required
+@require_GET
+def playground_code(request: HttpRequest) -> HttpResponse:
+    """The "view code" panel for the playground form's current values (sent by htmx as a GET)."""
+    prompt = PlaygroundForm(request.GET).prompt_so_far()
+    base_url = request.build_absolute_uri("/v1")
+    return render(request, "dashboard/tenant/_playground_code.html", {
+        "samples": code_samples(base_url=base_url, prompt=prompt)})

@@ -41,8 +41,21 @@ def test_seed_creates_a_working_demo(tmp_path):
     admin = User.objects.get(username=demo["DEMO_ADMIN_USERNAME"])
     assert admin.check_password(demo["DEMO_ADMIN_PASSWORD"])
     assert admin.role == User.Role.ADMIN and admin.is_staff and admin.is_superuser
+    # One login per role, each with its own password in the env file.
+    operator = User.objects.get(username="operator")
+    assert operator.role == User.Role.OPERATOR and operator.check_password(demo["DEMO_OPERATOR_PASSWORD"])
+    assert not operator.is_staff and operator.tenant is None
+    member = User.objects.get(username="member")
+    assert member.role == User.Role.TENANT_MEMBER and member.check_password(demo["DEMO_MEMBER_PASSWORD"])
+    assert member.tenant == api_key.tenant
+    assert member.tenant_role == User.TenantRole.ADMIN  # someone on the demo tenant can manage its team
+    # Requests cost money from the first one (the plan includes none), so cost figures show.
+    assert api_key.tenant.plan.included_requests_per_month == 0
     model = Model.objects.get(public_name="demo-tiny")
+    assert model.price_tier.price_per_request > 0
     assert model.deployment.desired_replicas == 1 and model.enabled
+    # Every demo deployment may be scaled to a second replica.
+    assert {d.max_replicas for d in Deployment.objects.all()} == {2}
     # The demo weights are written once, where the model row says; the daemon loads them from there.
     assert (Path(model.weights_path) / "config.json").is_file()
     # The real chat model: SmolLM2's GGUF file, copied where its row says (inside the model roots).
@@ -75,7 +88,8 @@ def test_seed_without_the_env_file_issues_a_new_key_and_password(tmp_path):
     second = _seed(tmp_path / "b.env")
     assert second["OPENAI_API_KEY"] != first["OPENAI_API_KEY"]
     api_key_authenticate(plaintext=second["OPENAI_API_KEY"])
-    assert User.objects.get(username="admin").check_password(second["DEMO_ADMIN_PASSWORD"])
+    for username in ("admin", "operator", "member"):
+        assert User.objects.get(username=username).check_password(second[f"DEMO_{username.upper()}_PASSWORD"])
     assert Tenant.objects.count() == 1 and Model.objects.count() == 3 and CreditEntry.objects.count() == 1
 
 
@@ -87,6 +101,17 @@ def test_seed_replaces_a_key_that_no_longer_works(tmp_path):
     assert second["OPENAI_API_KEY"] != first["OPENAI_API_KEY"]
     assert api_key_authenticate(plaintext=second["OPENAI_API_KEY"]).name == "demo 2"
     assert second["DEMO_ADMIN_PASSWORD"] == first["DEMO_ADMIN_PASSWORD"]
+
+
+def test_seed_replaces_only_the_password_that_no_longer_works(tmp_path):
+    env_file = tmp_path / ".env.demo"
+    first = _seed(env_file)
+    User.objects.filter(username="operator").update(password="!")
+    second = _seed(env_file)
+    assert second["DEMO_OPERATOR_PASSWORD"] != first["DEMO_OPERATOR_PASSWORD"]
+    assert User.objects.get(username="operator").check_password(second["DEMO_OPERATOR_PASSWORD"])
+    assert {k: v for k, v in second.items() if k != "DEMO_OPERATOR_PASSWORD"} == \
+        {k: v for k, v in first.items() if k != "DEMO_OPERATOR_PASSWORD"}
 
 
 def test_embedding_model_unzip_replaces_an_interrupted_one(tmp_path):

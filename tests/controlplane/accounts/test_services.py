@@ -1,4 +1,5 @@
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.core.exceptions import ValidationError
@@ -9,6 +10,7 @@ from controlplane.accounts.models import ApiKey, Tenant, User
 from controlplane.accounts.services import (
     api_key_create,
     api_key_revoke,
+    api_key_set_spend_limit,
     tenant_create,
     user_create,
     user_set_password,
@@ -162,3 +164,16 @@ def test_api_key_record_use_writes_at_most_once_a_minute():
     assert api_key_record_use(api_key_id=api_key.pk, at=now + timedelta(seconds=61))
     api_key.refresh_from_db()
     assert api_key.last_used_at == now + timedelta(seconds=61)
+
+
+def test_a_keys_monthly_spend_limit_is_an_amount_of_money_at_least_zero():
+    api_key = api_key_create(tenant=TenantFactory(), name="k", monthly_spend_limit=Decimal("3")).api_key
+    assert ApiKey.objects.get(pk=api_key.pk).monthly_spend_limit == Decimal("3")
+    for bad in (Decimal("-0.01"), 2.5, Decimal("NaN")):
+        with pytest.raises(ValidationError) as error:
+            api_key_set_spend_limit(api_key=api_key, monthly_spend_limit=bad)
+        assert "monthly_spend_limit" in error.value.message_dict
+    with pytest.raises(ValidationError):
+        api_key_create(tenant=api_key.tenant, name="k2", monthly_spend_limit=Decimal("-1"))
+    assert api_key_set_spend_limit(api_key=api_key, monthly_spend_limit=None).monthly_spend_limit is None
+    assert ApiKey.objects.get(pk=api_key.pk).monthly_spend_limit is None

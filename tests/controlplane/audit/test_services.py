@@ -148,3 +148,21 @@ def test_tenant_creation_is_audited():
     tenant = tenant_create(name="Initech", actor=admin)
     entry = AuditEntry.objects.get(action=AuditEntry.Action.TENANT_CREATE)
     assert (entry.actor, entry.target_id, entry.target_label) == (admin, str(tenant.pk), "Initech")
+
+
+def test_a_keys_spend_limit_is_audited_with_its_change():
+    from decimal import Decimal
+
+    from controlplane.accounts.services import api_key_create, api_key_set_spend_limit
+    from tests.controlplane.factories import TenantFactory
+
+    member = UserFactory(username="alice", tenant=TenantFactory(name="Acme"))
+    api_key = api_key_create(tenant=member.tenant, name="ci", monthly_spend_limit=Decimal("5"),
+                             created_by=member).api_key
+    api_key_set_spend_limit(api_key=api_key, monthly_spend_limit=Decimal("12.5"), actor=member)
+    api_key_set_spend_limit(api_key=api_key, monthly_spend_limit=None, actor=member)
+    created, raised, cleared = AuditEntry.objects.order_by("pk")
+    assert created.detail == {"models": "all", "monthly_spend_limit": "$5.00"}
+    assert (raised.action, raised.actor_label, raised.describe()) == (
+        "api_key.spend_limit", "alice", "monthly_spend_limit: $5.00 → $12.50")
+    assert cleared.describe() == "monthly_spend_limit: $12.50 → none"

@@ -9,7 +9,7 @@ from decimal import Decimal
 import pytest
 from django.db import connections
 
-from controlplane.billing.holds import (HoldRequest, RequestOutcome, credit_holds_expire, credit_holds_place,
+from controlplane.billing.holds import (HoldRefused, HoldRequest, RequestOutcome, credit_holds_expire, credit_holds_place,
                                         credit_holds_settle)
 from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, UsageRecord
 from controlplane.billing.selectors import credit_available, credit_balance
@@ -46,10 +46,11 @@ def test_holds_are_placed_while_the_available_credit_covers_them(setup):
     tenant, model, key = setup
     credit_grant(tenant=tenant, amount=Decimal("0.005"))
     holds = place(tenant, model, key, "a", "b", "c")
-    assert [h is not None for h in holds] == [True, True, False]
+    assert [isinstance(h, CreditHold) for h in holds] == [True, True, False]
+    assert holds[2] == HoldRefused(HoldRefused.CREDIT)
     assert credit_available(tenant=tenant) == Decimal("0.001")
     # n choices hold n requests' price; what is held is not available to the next request either.
-    assert place(tenant, model, key, "d", n=2) == [None]
+    assert place(tenant, model, key, "d", n=2) == [HoldRefused(HoldRefused.CREDIT)]
     assert credit_balance(tenant=tenant) == Decimal("0.005")  # nothing is charged by holding
 
 
@@ -93,7 +94,7 @@ def test_the_monthly_allowance_pays_first_and_comes_back_when_not_billed(setup):
     tenant.save()
     holds = place(tenant, model, key, "a", "b", n=2)  # no credit at all: only the allowance
     assert holds[0].amount == Decimal("0") and holds[0].included_requests == 2
-    assert holds[1] is None  # one included request left, two asked for
+    assert holds[1] == HoldRefused(HoldRefused.CREDIT)  # one included request left, two asked for
     credit_holds_settle(outcomes=[RequestOutcome("a", None)], at=NOW)  # never served
     assert place(tenant, model, key, "c", n=3)[0].amount == Decimal("0")
     next_month = datetime(2026, 6, 1, tzinfo=UTC)
@@ -179,7 +180,7 @@ def test_debits_cannot_spend_held_credit(setup):
 def test_an_account_starts_from_the_ledger_it_did_not_see(setup):
     tenant, model, key = setup
     CreditEntry.objects.create(tenant=tenant, kind="grant", amount=Decimal("0.003"))  # before accounts
-    assert [h is not None for h in place(tenant, model, key, "a", "b")] == [True, False]
+    assert [isinstance(h, CreditHold) for h in place(tenant, model, key, "a", "b")] == [True, False]
     assert CreditAccount.objects.get(tenant=tenant).balance == Decimal("0.003")
 
 
@@ -211,9 +212,9 @@ def test_concurrent_holds_never_exceed_the_credit(require_postgres, setup, durab
         try:
             start.wait()
             (hold,) = place(tenant, model, key, f"r{i}")
-            if hold is not None:
+            if isinstance(hold, CreditHold):
                 credit_holds_settle(outcomes=[done(f"r{i}")], at=NOW, durable=durable)
-            outcomes.append(hold is not None)
+            outcomes.append(isinstance(hold, CreditHold))
         finally:
             connections.close_all()
 
@@ -239,15 +240,15 @@ def test_a_single_priced_request_is_held_in_one_statement_or_by_the_locked_path(
                                   at=NOW, expires_at=LATER)[0]
 
     assert one("a").amount == Decimal("0.002") and one("b").amount == Decimal("0.002")
-    assert one("c") is None
+    assert one("c") == HoldRefused(HoldRefused.CREDIT)
     assert CreditAccount.objects.get(tenant=tenant).held == Decimal("0.004")
     assert sorted(CreditHold.objects.values_list("request_id", "amount")) == [
         ("a", Decimal("0.002")), ("b", Decimal("0.002"))]
     tenant.plan = PlanFactory(included_requests_per_month=1)
     tenant.save()
     hold = one("d", n=2)  # one included request left, and no credit left for a paid one
-    assert hold is None
-    assert one("e").amount == Decimal("0") and one("f") is None
+    assert hold == HoldRefused(HoldRefused.CREDIT)
+    assert one("e").amount == Decimal("0") and one("f") == HoldRefused(HoldRefused.CREDIT)
 
 
 def _others_wait_for_locks(conn) -> bool:
@@ -300,3 +301,14 @@ def test_settlement_locks_accounts_in_tenant_order_as_placement_does(require_pos
         placement.close()
     assert not failures
     assert credit_balance(tenant=first) == credit_balance(tenant=second) == Decimal("0.998")
+
+
+@db
+def test_a_failed_requests_record_keeps_its_error_code(setup):
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    place(tenant, model, key, "broke", "ok")
+    credit_holds_settle(outcomes=[done("broke", "failed", error_code="replica_unavailable"),
+                                  done("ok", error_code="ignored")], at=NOW)
+    assert dict(UsageRecord.objects.values_list("request_id", "error_code")) == {
+        "broke": "replica_unavailable", "ok": ""}

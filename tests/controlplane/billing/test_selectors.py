@@ -1,12 +1,14 @@
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
+from controlplane.billing.holds import HoldRequest, credit_holds_place
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.selectors import credit_balance, usage_billable_count_since
 from controlplane.billing.services import credit_grant
-from tests.controlplane.factories import ModelFactory, TenantFactory, usage_record_settled
+from tests.controlplane.factories import ModelFactory, PlanFactory, TenantFactory, usage_record_settled
 
 pytestmark = pytest.mark.django_db
 

@@ -28,6 +28,37 @@ def test_model_create_estimates_gpu_memory_when_not_given():
     assert model.gpu_memory_bytes > 2 * 8_030_000_000
 
 
+def test_quantized_models_are_estimated_by_their_weight_bytes():
+    params = 8_030_000_000
+    bf16, fp8, awq, gptq = (estimate_gpu_memory_bytes(parameter_count=params, quantization=q)
+                            for q in ("", "fp8", "awq-int4", "gptq-int4"))
+    assert bf16 > fp8 > awq == gptq
+    # FP8 halves the projections' bytes but not the bf16 embeddings'; INT4 quarters them.
+    assert 0.5 * bf16 < fp8 < 0.65 * bf16
+    assert 0.25 * bf16 < awq < 0.45 * bf16
+    model = model_create(**_model_fields(quantization=Model.Quantization.FP8))
+    assert (model.quantization, model.gpu_memory_bytes) == ("fp8", fp8)
+
+
+def test_the_quantization_is_detected_from_the_workers_reports():
+    path = "/models/llama-3-8b-awq"
+    plain = WorkerFactory(model_roots=["/models"], model_paths=["/models/other"])
+    reporting = WorkerFactory(model_roots=["/models"], model_paths=[path], model_quantization={path: "awq-int4"})
+    model = model_create(**_model_fields(weights_path=path), verify_on=[reporting])
+    assert model.quantization == "awq-int4"
+    assert model.gpu_memory_bytes == estimate_gpu_memory_bytes(parameter_count=8_030_000_000, quantization="awq-int4")
+    # A float checkpoint, one no worker reports, or no workers to ask: not quantized.
+    float_model = model_create(**_model_fields(public_name="float", weights_path="/models/other"), verify_on=[plain])
+    unchecked = model_create(**_model_fields(public_name="unchecked", weights_path=path))
+    assert float_model.quantization == unchecked.quantization == ""
+
+
+def test_an_unknown_quantization_is_refused():
+    with pytest.raises(ValidationError) as error:
+        model_create(**_model_fields(quantization="int3"))
+    assert "quantization" in error.value.message_dict
+
+
 def test_model_create_keeps_a_given_memory_figure():
     model = model_create(**_model_fields(gpu_memory_bytes=20 * 1024**3))
     assert Model.objects.get(pk=model.pk).gpu_memory_bytes == 20 * 1024**3

@@ -38,9 +38,9 @@ def make_worker(**fields):
     return WorkerFactory(name=fields.pop("name", f"test-{uuid.uuid4().hex[:12]}"), **fields)
 
 
-def beat(worker, *, gpus=(), cpu=None, replicas=()) -> None:
-    """One heartbeat through the service the /internal/ endpoint calls."""
+def beat(worker, *, gpus=(), cpu=None, replicas=(), now=None) -> None:
+    """One heartbeat through the service the /internal/ endpoint calls, received at `now`."""
     body = {"gpus": list(gpus), "cpu": cpu or {"utilization_pct": 5.0, "memory_used_bytes": 1 << 30,
                                                 "memory_total_bytes": 8 << 30},
             "replicas": list(replicas)}
-    worker_heartbeat(worker_id=worker.pk, heartbeat=parse_heartbeat(body), now=timezone.now())
+    worker_heartbeat(worker_id=worker.pk, heartbeat=parse_heartbeat(body), now=now or timezone.now())

@@ -42,7 +42,7 @@ def test_scaling_updates_the_deployment_and_is_audited(operator_client, operator
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ("5", "Must lie between min_replicas (0) and max_replicas (3); got 5."),
+    ("5", "This deployment allows 0 to 3 replicas; raise Max replicas to scale to 5."),
     ("-1", "Ensure this value is greater than or equal to 0."),
     ("two", "Enter a whole number."),
 ])
@@ -58,6 +58,38 @@ def test_a_bad_scale_is_refused_beside_the_field(operator_client, value, message
     deployment.refresh_from_db()
     assert deployment.desired_replicas == 1
     assert not AuditEntry.objects.exists()
+
+
+@pytest.mark.parametrize(("bounds", "value", "fix", "filled"), [
+    ((0, 1), 2, "raise Max replicas to scale to 2", {"min_replicas": 0, "max_replicas": 2}),
+    ((2, 4), 1, "lower Min replicas to scale to 1", {"min_replicas": 1, "max_replicas": 4}),
+])
+def test_a_scale_outside_min_and_max_opens_the_limits_filled_in_to_allow_it(operator_client, bounds, value, fix,
+                                                                             filled):
+    low, high = bounds
+    deployment = DeploymentFactory(desired_replicas=low or 1, min_replicas=low, max_replicas=high)
+    p = f"d{deployment.pk}-"
+    fragment = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
+                                    {f"s{deployment.pk}-desired_replicas": str(value)}, **HTMX).content.decode()
+    assert f"This deployment allows {low} to {high} replicas; {fix}." in fragment
+    assert "<details open>" in fragment
+    for name, expected in {"desired_replicas": value, **filled}.items():
+        assert f'name="{p}{name}" value="{expected}"' in fragment
+    # The form as filled in is one Save away from the scale that was asked for.
+    saved = operator_client.post(reverse("dashboard:deployment_edit", args=[deployment.pk]),
+                                 {p + "desired_replicas": str(value), **{p + k: str(v) for k, v in filled.items()}},
+                                 **HTMX)
+    assert saved.status_code == 200
+    deployment.refresh_from_db()
+    assert (deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas) == (
+        value, filled["min_replicas"], filled["max_replicas"])
+
+
+def test_a_malformed_scale_leaves_the_limits_closed(operator_client):
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=1)
+    fragment = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
+                                    {f"s{deployment.pk}-desired_replicas": "two"}, **HTMX).content.decode()
+    assert "Enter a whole number." in fragment and "<details open>" not in fragment
 
 
 def test_editing_min_max_and_keep_warm(operator_client, operator):
@@ -182,7 +214,7 @@ def test_without_htmx_an_action_redirects_back_with_a_message(operator_client):
     assert "now wants 2 replicas" in response.content.decode()
     response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
                                     {f"s{deployment.pk}-desired_replicas": "9"}, follow=True)
-    assert "Must lie between min_replicas (0) and max_replicas (3); got 9." in response.content.decode()
+    assert "This deployment allows 0 to 3 replicas; raise Max replicas to scale to 9." in response.content.decode()
 
 
 def _degraded(settings, *, cause: str):

@@ -28,11 +28,12 @@ def _form(**overrides) -> dict:
             "price_tier": str(PriceTierFactory().pk), "enabled": "on", **overrides}
 
 
-def _reporting_worker(name: str, *, roots: list[str], paths: list[str]) -> Worker:
+def _reporting_worker(name: str, *, roots: list[str], paths: list[str], quantization: dict | None = None) -> Worker:
     """A worker registered through the service, reporting its model roots like the daemon does."""
     return worker_register(registration=parse_registration({
         "name": name, "advertise_host": "10.0.0.5", "device": "cpu", "gpus": [],
-        "cpu": {"memory_total_bytes": 1 << 34, "cores": 8}, "models": {"roots": roots, "paths": paths},
+        "cpu": {"memory_total_bytes": 1 << 34, "cores": 8},
+        "models": {"roots": roots, "paths": paths, "quantization": quantization or {}},
     }), now=timezone.now())
 
 
@@ -53,7 +54,27 @@ def test_adding_a_model_estimates_its_memory_and_is_audited(operator_client, ope
     assert (entry.actor, entry.detail["weights_path"]) == (operator, "/models/llama-3-8b")
 
 
+def test_a_quantized_model_is_estimated_smaller_and_shown(operator_client):
+    response = operator_client.post(reverse("dashboard:catalog_add"),
+                                    _form(quantization="awq-int4", check_workers=[]), follow=True)
+    model = Model.objects.get(public_name="llama-3-8b")
+    assert model.quantization == "awq-int4"
+    # INT4 projections and bf16 embeddings: under half of bf16's estimate.
+    assert model.gpu_memory_bytes < int(8_000_000_000 * 2 * 1.2) / 2
+    assert 'data-testid="model-quantization">AWQ INT4<' in response.content.decode()
+
+
+def test_the_add_form_detects_the_quantization_the_checked_worker_reports(operator_client):
+    worker = _reporting_worker("gpu-a", roots=["/models"], paths=["/models/llama-3-8b"],
+                               quantization={"/models/llama-3-8b": "fp8"})
+    operator_client.post(reverse("dashboard:catalog_add"), _form(quantization="detect", check_workers=[worker.pk]))
+    model = Model.objects.get(public_name="llama-3-8b")
+    assert model.quantization == "fp8"
+    assert model.gpu_memory_bytes < int(8_000_000_000 * 2 * 1.2) * 0.65
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
+    ("quantization", "int3", "Select a valid choice."),
     ("public_name", "bad name!", "Use letters, digits and . _ : / - only"),
     ("public_name", "", "This field is required."),
     ("weights_path", "models/relative", "Give an absolute path"),

@@ -98,6 +98,21 @@ async def test_operators_receive_each_heartbeats_figures_with_a_growing_sparklin
         await communicator.disconnect()
 
 
+async def test_a_new_page_continues_the_sparklines_from_the_fleets_recent_figures():
+    worker = await sync_to_async(make_worker)()
+    await sync_to_async(GpuFactory)(worker=worker, index=0)
+    for utilisation in (10.0, 20.0):  # before the page opens
+        await sync_to_async(beat)(worker, gpus=[{"index": 0, "utilization_pct": utilisation}])
+    communicator, connected, _ = await _connect(User.Role.OPERATOR)
+    assert connected
+    try:
+        await sync_to_async(beat)(worker, gpus=[{"index": 0, "utilization_pct": 30.0}])
+        html = await _receive_matching(communicator, f'id="metrics-{worker.pk}-gpu0"')
+        assert len(_polyline(html, f"figure-{worker.pk}-gpu0-utilization")) == 3
+    finally:
+        await communicator.disconnect()
+
+
 async def test_load_progress_and_replica_changes_reach_the_page():
     worker = await sync_to_async(make_worker)()
     gpu = await sync_to_async(GpuFactory)(worker=worker, index=0)

@@ -1,6 +1,7 @@
 """The operator pages by role, and what the fleet page shows: workers with their GPUs' live
 figures, replicas with load progress, deployments, and the empty state."""
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -93,6 +94,29 @@ def test_the_fleet_page_shows_gpus_with_their_live_figures_and_loading_replicas(
     assert figures["power"] + "412 W<" in page
     assert f'id="replica-{replica.pk}-progress"' in page and 'aria-valuenow="42"' in page
     assert 'data-testid="drain-worker"' in page and 'data-testid="unload-replica"' in page
+
+
+def test_the_fleet_page_opens_with_the_last_minute_of_figures_in_its_sparklines(operator_client):
+    worker = make_worker()
+    GpuFactory(worker=worker, index=0)
+    for utilisation in (10.0, 50.0, 90.0):
+        beat(worker, gpus=[{"index": 0, "utilization_pct": utilisation}])
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    start = page.index(f'id="figure-{worker.pk}-gpu0-utilization"')
+    points = re.search(r'<polyline points="([^"]*)"', page[start:]).group(1).split()
+    heights = [float(point.split(",")[1]) for point in points]
+    assert len(heights) == 3 and heights[0] > heights[1] > heights[2]  # oldest at the left, 90% highest
+
+
+def test_the_fleet_page_leaves_out_figures_from_before_a_silence(operator_client):
+    worker = make_worker()
+    GpuFactory(worker=worker, index=0)
+    beat(worker, gpus=[{"index": 0, "utilization_pct": 10.0}], now=timezone.now() - timedelta(minutes=10))
+    beat(worker, gpus=[{"index": 0, "utilization_pct": 90.0}])
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    start = page.index(f'id="figure-{worker.pk}-gpu0-utilization"')
+    points = re.search(r'<polyline points="([^"]*)"', page[start:]).group(1).split()
+    assert len(points) == 2 and points[0].split(",")[1] == points[1].split(",")[1]  # one reading: a flat stub
 
 
 def test_the_fleet_page_lists_deployments_with_their_forms(operator_client):

@@ -109,9 +109,12 @@ def test_by_model_and_by_day(client, admin, traffic):
     assert (rows["2026-03-01"].requests, rows["2026-03-01"].revenue) == (2, Decimal("0.012"))
     assert (rows["2026-03-03"].requests, rows["2026-03-03"].revenue, rows["2026-03-03"].reference) == (
         3, Decimal("0.012"), Decimal("0.140"))
-    daily = response.context["daily_chart"]  # the chart has every day, zeros included
+    daily = response.context["requests_chart"]  # the chart has every day, zeros included
     requests = {s["label"]: s["values"] for s in daily["series"]}["Requests"]
     assert daily["days"] == ["2026-03-01", "2026-03-02", "2026-03-03"] and requests == [2, 0, 3]
+    # Money in a chart of its own, the per-token reference on a scale (and axis) of its own.
+    money = {s["label"]: s["scale"] for s in response.context["daily_chart"]["series"]}
+    assert money == {"Revenue ($)": "$", "Per-token reference ($)": "$reference"}
     assert response.context["group_chart"] is None
 
 
@@ -128,6 +131,22 @@ def test_csv_has_the_same_rows(client, admin, traffic):
     ]
     page = client.get(reverse("dashboard:reports"), {**QUERY, "group_by": "model"}).content.decode()
     assert 'href="/reports/export.csv?start=2026-03-01&amp;end=2026-03-03&amp;group_by=model"' in page
+
+
+def test_csv_amounts_have_six_decimal_places_whatever_the_database_summed(client, admin):
+    """A tenant whose one request failed sums to no revenue (the database's 0) and one whose
+    reference is a fraction of a cent: every amount reads with the ledger's six places."""
+    model = ModelFactory(public_name="m", price_tier=PriceTierFactory(
+        price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.50")))
+    for name, status, tokens in (("failing", "failed", 0), ("paying", "completed", 1726)):
+        tenant = TenantFactory(name=name, plan=PlanFactory(included_requests_per_month=0))
+        credit_grant(tenant=tenant, amount=Decimal("1"))
+        usage_record_settled(request_id=f"dp-{name}", tenant=tenant, model=model, status=status, at=DAY1,
+                             prompt_tokens=tokens, completion_tokens=0, total_latency_ms=1, time_to_first_token_ms=1)
+    response = client.get(reverse("dashboard:reports_csv"), {**QUERY, "group_by": "tenant"})
+    rows = {row[0]: row for row in csv.reader(io.StringIO(response.content.decode()))}
+    assert rows["failing"][3:6] == ["0.000000", "0.000000", "0.000000"]
+    assert rows["paying"][3:6] == ["0.002000", "0.000863", "-0.001137"]
 
 
 @pytest.mark.parametrize(("query", "field", "message"), [
@@ -159,3 +178,23 @@ def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_neutralised(client, a
     keys = sorted(row[0] for row in rows[1:])
     assert keys == sorted([f"'{name}" for name in names[:-1]] + ["plain"])
     assert all(not cell.startswith("'") for row in rows[1:] for cell in row[1:])
+
+
+def test_by_key_names_each_tenants_keys_and_puts_playground_sessions_together(client, admin, traffic):
+    from controlplane.accounts.models import ApiKey, Tenant
+    from controlplane.catalog.models import Model
+    from tests.controlplane.factories import ApiKeyFactory
+
+    acme, small = Tenant.objects.get(name="acme"), Model.objects.get(public_name="small")
+    prod = ApiKeyFactory(tenant=acme, name="production")
+    for i, key in enumerate((prod, prod, ApiKeyFactory(tenant=acme, purpose=ApiKey.Purpose.PLAYGROUND),
+                             ApiKeyFactory(tenant=acme, purpose=ApiKey.Purpose.PLAYGROUND))):
+        usage_record_settled(request_id=f"key-{i}", tenant=acme, model=small, api_key=key, at=DAY1)
+    response = client.get(reverse("dashboard:reports"), {**QUERY, "group_by": "key"})
+    rows = _rows(response)
+    assert (rows[f"acme · production ({prod.prefix}…)"].requests, rows["acme · Playground"].requests) == (2, 2)
+    assert (rows["acme · (no key)"].requests, rows["bolt · (no key)"].requests) == (3, 2)
+    assert response.context["group_chart"]["labels"] == list(rows)
+    csv_rows = list(csv.reader(io.StringIO(client.get(reverse("dashboard:reports_csv"),
+                                                      {**QUERY, "group_by": "key"}).content.decode())))
+    assert csv_rows[0][0] == "key" and {row[0] for row in csv_rows[1:]} == set(rows)

@@ -1,6 +1,7 @@
 """The API keys page: roles, tenant isolation, a created key shown once, revoking, field errors."""
 
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.urls import reverse
@@ -143,3 +144,63 @@ def test_another_tenants_key_is_not_found(client, member):
 def test_a_playground_key_cannot_be_revoked_through_the_page(client, member):
     session = playground_key_create(user=member)
     assert client.post(reverse("dashboard:key_revoke", args=[session.api_key.pk])).status_code == 404
+
+
+def test_a_key_is_created_with_a_monthly_spend_limit(client, member):
+    client.post(reverse("dashboard:keys"), {"name": "capped", "monthly_spend_limit": "12.50"})
+    assert ApiKey.objects.get(name="capped").monthly_spend_limit == Decimal("12.50")
+    response = client.post(reverse("dashboard:keys"), {"name": "bad", "monthly_spend_limit": "-1"})
+    assert response.context["form"].errors["monthly_spend_limit"] and not ApiKey.objects.filter(name="bad").exists()
+
+
+def test_a_keys_limit_is_set_changed_and_cleared_from_its_row_with_this_months_spend(client, member):
+    from controlplane.billing.services import credit_grant
+    from tests.controlplane.factories import usage_record_settled
+
+    api_key = ApiKeyFactory(tenant=member.tenant, name="production")
+    credit_grant(tenant=member.tenant, amount=Decimal("1"))
+    model = ModelFactory(price_tier=PriceTierFactory(price_per_request=Decimal("0.25")))
+    usage_record_settled(tenant=member.tenant, model=model, api_key=api_key)
+    usage_record_settled(tenant=member.tenant, model=model, api_key=api_key,
+                         at=timezone.now() - timedelta(days=40))  # an earlier month: not this month's spend
+    url = reverse("dashboard:key_budget", args=[api_key.pk])
+    row = client.post(url, {"monthly_spend_limit": "5"}, headers={"HX-Request": "true"}).content.decode()
+    assert row.startswith(f'<tr id="key-{api_key.pk}"')
+    assert 'data-testid="key-spent">$0.25<' in row and 'data-testid="key-limit"> of $5.00<' in row
+    api_key.refresh_from_db()
+    assert api_key.monthly_spend_limit == Decimal("5")
+
+    row = client.post(url, {"monthly_spend_limit": "-2"}, headers={"HX-Request": "true"}).content.decode()
+    assert 'data-testid="key-budget-error">' in row and "greater than or equal to 0" in row and 'value="-2"' in row
+    api_key.refresh_from_db()
+    assert api_key.monthly_spend_limit == Decimal("5")
+
+    response = client.post(url, {"monthly_spend_limit": ""})  # no JavaScript: back to the page
+    assert response.status_code == 302 and response["Location"] == reverse("dashboard:keys")
+    api_key.refresh_from_db()
+    assert api_key.monthly_spend_limit is None
+    assert "is saved" in client.get(reverse("dashboard:keys")).content.decode()
+
+
+def test_another_tenants_key_limit_cannot_be_set(client, member):
+    theirs = ApiKeyFactory(tenant=TenantFactory())
+    response = client.post(reverse("dashboard:key_budget", args=[theirs.pk]), {"monthly_spend_limit": "1"})
+    assert response.status_code == 404
+    theirs.refresh_from_db()
+    assert theirs.monthly_spend_limit is None
+
+
+def test_a_key_used_moments_ago_reads_just_now(client, member):
+    now = timezone.now()
+    ApiKeyFactory(tenant=member.tenant, name="fresh", last_used_at=now - timedelta(seconds=20))
+    ApiKeyFactory(tenant=member.tenant, name="older", last_used_at=now - timedelta(minutes=5, seconds=10))
+    ApiKeyFactory(tenant=member.tenant, name="unused", last_used_at=None)
+    page = client.get(reverse("dashboard:keys")).content.decode().replace("\xa0", " ")
+
+    def row(name: str) -> str:
+        start = page.index(f'data-key-name="{name}"')
+        return page[start:page.index("</tr>", start)]
+
+    assert "just now" in row("fresh") and "0 minutes" not in page
+    assert "5 minutes ago" in row("older")
+    assert "Never" in row("unused")

@@ -56,6 +56,40 @@ def test_month_figures_daily_rows_and_isolation(client):
     chart = response.context["chart"]
     series = {s["label"]: s["values"] for s in chart["series"]}
     assert chart["days"][0] == first_day and series["Requests"][0] == 3 and series["Spend ($)"][0] == pytest.approx(0.03)
-    # The chart spans the whole month; the table only the days so far.
-    assert len(chart["days"]) == calendar.monthrange(now.year, now.month)[1] and sum(series["Requests"]) == 3
+    # The chart's axis spans the whole month, its figures (and the table) stop at today: no
+    # zeros for days still to come.
+    last_day = now.date().replace(day=calendar.monthrange(now.year, now.month)[1]).isoformat()
+    assert chart["span"] == [first_day, last_day]
+    assert chart["days"][-1] == now.date().isoformat() and len(chart["days"]) == now.day
+    assert all(len(values) == now.day for values in series.values()) and sum(series["Requests"]) == 3
     assert len(response.context["days"]) == now.day
+
+
+def test_usage_by_model_and_by_key_over_a_period(client):
+    from tests.controlplane.factories import ApiKeyFactory
+
+    tenant, other = TenantFactory(), TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("5"))
+    credit_grant(tenant=other, amount=Decimal("5"))
+    chat, embed = _model("0.01"), _model("0.001")
+    prod, batch = ApiKeyFactory(tenant=tenant, name="production"), ApiKeyFactory(tenant=tenant, name="batch")
+    now = timezone.now()
+    for model, key in ((chat, prod), (chat, prod), (embed, batch)):
+        usage_record_settled(tenant=tenant, model=model, api_key=key, at=now)
+    usage_record_settled(tenant=tenant, model=chat, api_key=batch, at=now - timedelta(days=40))  # before the period
+    usage_record_settled(tenant=other, model=chat, api_key=ApiKeyFactory(tenant=other, name="theirs"), at=now)
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=tenant))
+    response = client.get(reverse("dashboard:usage"))
+    by_model, by_key = response.context["groups"]
+    assert [(r.key, r.requests, r.revenue) for r in by_model.rows] == [
+        (chat.public_name, 2, Decimal("0.02")), (embed.public_name, 1, Decimal("0.001"))]
+    assert [(r.key, r.requests) for r in by_key.rows] == [
+        (f"production ({prod.prefix}…)", 2), (f"batch ({batch.prefix}…)", 1)]
+    assert by_key.chart == {"labels": [r.key for r in by_key.rows], "series": [{"label": "Requests", "values": [2, 1]}]}
+    assert "theirs" not in response.content.decode()
+
+    earlier = (now - timedelta(days=40)).date().isoformat()
+    by_model, by_key = client.get(reverse("dashboard:usage"), {"start": earlier, "end": earlier}).context["groups"]
+    assert [(r.key, r.requests) for r in by_key.rows] == [(f"batch ({batch.prefix}…)", 1)]
+    response = client.get(reverse("dashboard:usage"), {"start": "2026-03-10", "end": "2026-03-01"})
+    assert "groups" not in response.context and response.context["period_form"].errors["end"]

@@ -1,7 +1,16 @@
-import pytest
+from datetime import timedelta
 
+import pytest
+from django.utils import timezone
+
+from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.selectors import deployment_get_for_model, placement_slots, replicas_ready_for_model
+from controlplane.fleet.selectors import (
+    deployment_get_for_model,
+    fleet_health,
+    placement_slots,
+    replicas_ready_for_model,
+)
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker
 
@@ -41,3 +50,35 @@ def test_deployment_get_for_model():
     deployment = DeploymentFactory()
     assert deployment_get_for_model(model=deployment.model) == deployment
     assert deployment_get_for_model(model=ModelFactory()) is None
+
+
+def test_fleet_health_counts_workers_busy_gpus_utilisation_failures_and_models_not_ready():
+    now = timezone.now()
+    online = make_worker()
+    make_worker(state=Worker.State.LOST)
+    busy_gpu = GpuFactory(worker=online, index=0)
+    GpuFactory(worker=online, index=1)  # idle
+    GpuFactory(worker=online, index=2, present=False)  # gone: not counted
+    ready = DeploymentFactory(desired_replicas=1)
+    ReplicaFactory(deployment=ready, worker=online, gpu=busy_gpu, state=Replica.State.READY, endpoint_url="http://w:1")
+    waiting = DeploymentFactory(desired_replicas=1)  # no replica: not ready
+    DeploymentFactory(desired_replicas=0)  # stopped on purpose: fine
+    failed = ReplicaFactory(deployment=waiting, worker=online, gpu=busy_gpu, state=Replica.State.FAILED)
+    Replica.objects.filter(pk=failed.pk).update(state_changed_at=now - timedelta(minutes=5))
+    old = ReplicaFactory(deployment=waiting, worker=online, state=Replica.State.FAILED)
+    Replica.objects.filter(pk=old.pk).update(state_changed_at=now - timedelta(hours=2))
+    heartbeat_cache.store(worker_id=online.pk, state={"worker_id": online.pk, "gpus": [
+        {"index": 0, "utilization_pct": 90.0}, {"index": 1, "utilization_pct": 10.0}]})
+
+    health = fleet_health(now=now, failures_since=now - timedelta(hours=1))
+    assert health.workers_by_state == {"online": 1, "draining": 0, "lost": 1, "offline": 0}
+    assert (health.gpus_present, health.gpus_busy, health.gpu_utilisation_pct) == (2, 1, 50.0)
+    assert health.replicas_failed_recently == 1
+    assert [s.model_name for s in health.not_ready] == [waiting.model.public_name]
+
+
+def test_fleet_health_without_heartbeats_has_no_utilisation():
+    GpuFactory(worker=make_worker())
+    now = timezone.now()
+    health = fleet_health(now=now, failures_since=now)
+    assert (health.gpus_present, health.gpus_busy, health.gpu_utilisation_pct, health.not_ready) == (1, 0, None, [])

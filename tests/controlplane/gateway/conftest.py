@@ -6,6 +6,7 @@ official `openai` SDK.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -75,7 +76,8 @@ def start_replica(checkpoint: Path, name: str, *, max_model_len: int | None = 25
     return ReplicaServer(f"http://127.0.0.1:{port}", process)
 
 
-def wait_ready(replica: ReplicaServer) -> None:
+def wait_ready(replica: ReplicaServer, timeout: float = 600) -> None:
+    """Until the replica answers /health; generous, as a loaded CI machine loads models slowly."""
     headers = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 
     def ready():
@@ -83,7 +85,7 @@ def wait_ready(replica: ReplicaServer) -> None:
             pytest.fail(f"replica at {replica.url} exited with {replica.process.returncode}")
         return httpx.get(f"{replica.url}/health", headers=headers, timeout=2).status_code == 200
 
-    wait_until(ready, 120, f"the replica at {replica.url}")
+    wait_until(ready, timeout, f"the replica at {replica.url}")
 
 
 @pytest.fixture(scope="session")
@@ -158,8 +160,9 @@ def start_module_gateway(database_url: str) -> GatewayServer:
     return start_gateway(database_url, redis_url)
 
 
-def start_gateway(database_url: str, redis_url: str, **env_overrides: str) -> GatewayServer:
-    """uvicorn serving controlplane.asgi in its own process, as in production; waits until it answers."""
+def start_gateway(database_url: str, redis_url: str, *, workers: int = 1, **env_overrides: str) -> GatewayServer:
+    """uvicorn serving controlplane.asgi in its own process (`workers` processes behind one port,
+    as docker-compose runs it), as in production; waits until it answers."""
     port = free_port()
     env = {
         **os.environ,
@@ -173,7 +176,7 @@ def start_gateway(database_url: str, redis_url: str, **env_overrides: str) -> Ga
     }
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning", "--no-access-log"],
+         "--port", str(port), "--log-level", "warning", "--no-access-log", "--workers", str(workers)],
         cwd=REPO, env=env, stdin=subprocess.DEVNULL,
     )
     server = GatewayServer(f"http://127.0.0.1:{port}", redis_url, process)
@@ -230,6 +233,53 @@ class World:
 
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key or self.api_key.plaintext,
                                   **{"max_retries": 0, "timeout": 60, **options})
+
+    def chats_at_once(self, count: int, api_key: str | None = None) -> list[str]:
+        """`count` one-token chat completions released at the same moment: "served" for each
+        answered, the error code for each refused with a 429."""
+        import openai
+
+        async def fire() -> list[str]:
+            client = self.async_client(api_key)
+            start = asyncio.Event()
+
+            async def one() -> str:
+                await start.wait()
+                try:
+                    await client.chat.completions.create(model=self.model.public_name, max_tokens=1,
+                                                         messages=[{"role": "user", "content": "hi"}])
+                    return "served"
+                except openai.RateLimitError as error:
+                    return error.code
+
+            tasks = [asyncio.ensure_future(one()) for _ in range(count)]
+            await asyncio.sleep(0.1)
+            start.set()
+            outcomes = await asyncio.gather(*tasks)
+            await client.close()
+            return outcomes
+
+        return asyncio.run(fire())
+
+
+def assert_answers_with_engine_text(world: World, checkpoint: Path, prompt: list[int], max_tokens: int = 8) -> None:
+    """A greedy completion of `prompt` through the gateway has the text our engine gives on
+    `checkpoint` by itself, and is billed once, per request."""
+    from controlplane.billing.models import UsageRecord
+    from gpuworker.engine import LLMEngine, SamplingParams
+
+    response = world.client().completions.with_raw_response.create(
+        model=world.model.public_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True})
+    completion = response.parse()
+    assert completion.usage.completion_tokens == max_tokens
+    assert completion.choices[0].finish_reason == "length"
+    engine = LLMEngine(checkpoint, device="cpu", dtype="float32", max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    assert completion.choices[0].text == engine.generate([prompt], params)[0].text
+    world.settled()
+    record = UsageRecord.objects.get(request_id=response.headers["x-request-id"])
+    assert record.status == "completed" and record.price_charged > Decimal("0")
 
 
 def make_world(gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002"), plan=None, kind="chat",

@@ -1,7 +1,6 @@
 """Per-request billing through the running gateway: exact under concurrency, idempotent replays,
 the plan's allowance, and holds left behind by a gateway that died mid-request."""
 
-import asyncio
 import time
 from datetime import timedelta
 from decimal import Decimal
@@ -26,28 +25,8 @@ def test_200_concurrent_requests_with_credit_for_50(gateway, replicas, require_p
     """Exactly 50 are served and billed, 150 refused for quota; the balance ends at zero and the
     ledger equals the usage records."""
     world = make_world(gateway, replicas, credit=Decimal("0.100"), price=Decimal("0.002"))
-
-    async def fire():
-        client = world.async_client()
-        start = asyncio.Event()
-
-        async def one():
-            await start.wait()
-            try:
-                await client.chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=1)
-                return "billed"
-            except openai.RateLimitError as error:
-                return error.code
-
-        tasks = [asyncio.ensure_future(one()) for _ in range(200)]
-        await asyncio.sleep(0.1)
-        start.set()
-        outcomes = await asyncio.gather(*tasks)
-        await client.close()
-        return outcomes
-
-    outcomes = asyncio.run(fire())
-    assert outcomes.count("billed") == 50 and outcomes.count("insufficient_quota") == 150
+    outcomes = world.chats_at_once(200)
+    assert outcomes.count("served") == 50 and outcomes.count("insufficient_quota") == 150
     world.settled()
     assert credit_balance(tenant=world.tenant) == Decimal("0")
     records = UsageRecord.objects.filter(tenant=world.tenant)

@@ -41,7 +41,8 @@ def patient_gateway(replica_processes, database_url, gateway):
     server.stop()
 
 
-def cold_world(gateway, *, worker_memory_bytes: int = 64 * GB, **deployment_fields) -> World:
+def cold_world(gateway, *, worker_memory_bytes: int = 64 * GB, credit: Decimal = Decimal("10"),
+               **deployment_fields) -> World:
     """A tenant and a model scaled to zero (no replica at all) that an online worker could hold;
     returns once the gateway lists the model (it can cold-start)."""
     from controlplane.billing.services import credit_grant
@@ -49,7 +50,8 @@ def cold_world(gateway, *, worker_memory_bytes: int = 64 * GB, **deployment_fiel
                                               PriceTierFactory, TenantFactory)
 
     tenant = TenantFactory(plan=PlanFactory(rate_limit_per_minute=10_000, max_concurrent_requests=50))
-    credit_grant(tenant=tenant, amount=Decimal("10"))
+    if credit:
+        credit_grant(tenant=tenant, amount=credit)
     api_key = ApiKeyFactory(tenant=tenant)
     model = ModelFactory(price_tier=PriceTierFactory(price_per_request=PRICE), context_length=256,
                          gpu_memory_bytes=8 * GB)
@@ -161,6 +163,18 @@ def test_a_cold_start_that_does_not_finish_in_time_is_503_with_retry_after_unbil
     assert _waiting(gateway, world) == 0
     assert not UsageRecord.objects.exists() and not CreditHold.objects.exists()
     assert credit_balance(tenant=world.tenant) == Decimal("10")
+
+
+def test_a_request_out_of_credit_is_refused_at_once_and_wakes_nothing(patient_gateway, replicas):
+    # Admission (rate and concurrency limits) and the credit hold come before the wait: refused
+    # without waking the model (a refusal after the wait would be a 503 cold_start_timeout,
+    # LONG_WAIT_S later, with the deployment woken for nothing).
+    world = cold_world(patient_gateway, credit=Decimal("0"))
+    with pytest.raises(openai.RateLimitError) as error:
+        world.client().chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=2)
+    assert error.value.code == "insufficient_quota"
+    assert _desired(world) == 0 and _waiting(patient_gateway, world) == 0
+    assert not UsageRecord.objects.exists() and not CreditHold.objects.exists()
 
 
 def test_a_full_cold_start_queue_answers_503_at_once(patient_gateway, replicas):

@@ -7,7 +7,7 @@ from decimal import Decimal
 import pytest
 from django.db import connections
 
-from controlplane.billing.holds import HoldRequest
+from controlplane.billing.holds import HoldRefused, HoldRequest
 from controlplane.billing.models import CreditAccount, CreditHold
 from controlplane.billing.services import credit_grant
 from controlplane.gateway.database import DatabaseLane
@@ -49,7 +49,7 @@ def test_sequential_holds_take_the_asynchronous_path_until_the_credit_runs_out(s
 
     holds = asyncio.run(_with_placer(work))
     connections.close_all()
-    assert [hold is not None for hold in holds] == [True, True, True, False]
+    assert [isinstance(hold, CreditHold) for hold in holds] == [True, True, True, False]
     assert all(hold.pk and hold.amount == PRICE for hold in holds[:3])
     assert CreditAccount.objects.get(tenant=tenant).held == Decimal("0.006")
     assert sorted(CreditHold.objects.values_list("request_id", flat=True)) == ["r0", "r1", "r2"]
@@ -67,7 +67,7 @@ def test_an_allowance_to_use_goes_to_the_locked_path(setup):
     first, second, third = asyncio.run(_with_placer(work))
     connections.close_all()
     assert first.included_requests == 1 and first.amount == 0
-    assert second.amount == PRICE and third is None
+    assert second.amount == PRICE and third == HoldRefused(HoldRefused.CREDIT)
 
 
 def test_concurrent_holds_from_both_paths_never_exceed_the_credit(setup):
@@ -81,7 +81,7 @@ def test_concurrent_holds_from_both_paths_never_exceed_the_credit(setup):
 
     holds = asyncio.run(_with_placer(work))
     connections.close_all()
-    assert sum(hold is not None for hold in holds) == 9
+    assert sum(isinstance(hold, CreditHold) for hold in holds) == 9
     account = CreditAccount.objects.get(tenant=tenant)
     assert account.held == account.balance == PRICE * 9
     assert CreditHold.objects.filter(tenant=tenant).count() == 9

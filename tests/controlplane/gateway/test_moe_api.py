@@ -5,12 +5,11 @@ transformers', tests/gpuworker/engine/test_engine_greedy.py), billed per request
 from __future__ import annotations
 
 import os
-from decimal import Decimal
 
 import pytest
 
-from controlplane.billing.models import UsageRecord
-from tests.controlplane.gateway.conftest import make_world, start_module_gateway, start_replica, wait_ready
+from tests.controlplane.gateway.conftest import (assert_answers_with_engine_text, make_world, start_module_gateway,
+                                                 start_replica, wait_ready)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -42,19 +41,4 @@ def moe_gateway(moe_replica, database_url):
 
 def test_a_moe_replica_answers_the_sdk_with_the_reference_tokens(moe_gateway, moe_replica, moe_checkpoint):
     wait_ready(moe_replica)
-    world = make_world(moe_gateway, [moe_replica])
-    client = world.client()
-    response = client.completions.with_raw_response.create(
-        model=world.model.public_name, prompt=PROMPT, max_tokens=8, temperature=0,
-        extra_body={"ignore_eos": True})
-    completion = response.parse()
-    assert completion.usage.completion_tokens == 8
-    assert completion.choices[0].finish_reason == "length"
-    from gpuworker.engine import LLMEngine, SamplingParams
-
-    engine = LLMEngine(moe_checkpoint, device="cpu", dtype="float32", max_model_len=256)
-    expected = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    assert completion.choices[0].text == expected.text
-    world.settled()
-    record = UsageRecord.objects.get(request_id=response.headers["x-request-id"])
-    assert record.status == "completed" and record.price_charged > Decimal("0")
+    assert_answers_with_engine_text(make_world(moe_gateway, [moe_replica]), moe_checkpoint, PROMPT)

@@ -120,6 +120,7 @@ def test_when_every_replica_fails_the_request_is_503_and_free(gateway, replicas)
     world.settled()
     record = UsageRecord.objects.get()
     assert (record.status, record.price_charged) == ("failed", Decimal("0"))
+    assert record.error_code == "replica_unavailable"  # what the client was told, for the request log
     assert credit_balance(tenant=world.tenant) == Decimal("10")
 
 

@@ -76,8 +76,14 @@ def test_bad_heartbeats_name_the_field(body, field):
     assert field == _error_fields(parse_heartbeat, body)
 
 
+@pytest.mark.parametrize("quantization", [{"/models/elsewhere": "fp8"}, {"/models/a": "int3"}, ["/models/a"]])
+def test_a_bad_quantization_report_is_named(quantization):
+    body = {"models": {"roots": ["/models"], "paths": ["/models/a"], "quantization": quantization}}
+    assert _error_fields(parse_heartbeat, body).startswith("models.quantization")
+
+
 def test_what_the_daemon_builds_the_control_plane_parses_back():
-    models = ModelPaths(roots=("/models",), paths=("/models/a", "/models/b"))
+    models = ModelPaths(roots=("/models",), paths=("/models/a", "/models/b"), quantization=(("/models/b", "fp8"),))
     registration = WorkerRegistration(name="host-a", advertise_host="10.0.0.5", device="cuda",
                                       gpus=(GpuSpec(index=0, name="NVIDIA H200", memory_total_bytes=150 * 10**9),),
                                       cpu_memory_total_bytes=64 * 2**30, cpu_cores=16, version="1.0", models=models)

@@ -1,6 +1,7 @@
 """The daemon reports the checkpoints under its model roots: the scan itself, and registration plus
 heartbeats against the real control plane (Django's live server), where the catalog reads them."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,23 @@ def test_a_folder_holding_a_gguf_file_is_a_checkpoint(tmp_path):
     assert scan_model_roots([root]).paths == (str(smollm2),)
 
 
+def test_quantized_checkpoints_are_reported_with_their_quantization(tmp_path):
+    root = tmp_path / "models"
+    _checkpoint(root / "llama-8b")
+    awq = _checkpoint(root / "llama-8b-awq")
+    (awq / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}))
+    fp8 = _checkpoint(root / "llama-8b-fp8")
+    (fp8 / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    # Not served (its load will say why) or unreadable: reported as a checkpoint, without a quantization.
+    (_checkpoint(root / "act-order") / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}}))
+    (_checkpoint(root / "garbled") / "config.json").write_text("{not json")
+    scan = scan_model_roots([root])
+    assert len(scan.paths) == 5
+    assert scan.quantization == ((str(awq), "awq-int4"), (str(fp8), "fp8"))
+
+
 @pytest.mark.django_db(transaction=True)
 def test_registration_and_heartbeats_carry_the_scan_to_the_control_plane(tmp_path, live_server, settings):
     from controlplane.fleet.models import Worker
@@ -68,10 +86,12 @@ def test_registration_and_heartbeats_carry_the_scan_to_the_control_plane(tmp_pat
         # Unchanged since registration: not resent.
         assert "models" not in heartbeat.to_json() and heartbeat.models is None
         second = _checkpoint(root / "second")
+        (second / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
         agent._model_scan_at -= 60  # the next scan is due
         agent._beat()
         worker.refresh_from_db()
         assert worker.model_paths == [str(first), str(second)]
+        assert worker.model_quantization == {str(second): "fp8"}
         heartbeat = agent._heartbeat()
         assert "models" not in heartbeat.to_json()  # acknowledged by the last heartbeat
     finally:

@@ -18,7 +18,11 @@ def hf_model(path: Path):
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding), never stopping at EOS."""
-    model = hf_model(path)
+    return greedy_generate(hf_model(path), prompts, max_new_tokens)
+
+
+def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """hf_greedy on a transformers model already built."""
     config = copy.deepcopy(model.generation_config)
     # None would fall back to the model's own EOS (transformers 5); no token id is -1.
     config.eos_token_id = -1

@@ -122,3 +122,16 @@ def test_an_idle_async_engine_does_its_deferred_warm_up(tiny_checkpoint):
         assert asyncio.run(one()) == expected
     finally:
         async_engine.shutdown()
+def test_seeded_sampling_draws_the_cpus_tokens(tiny_checkpoint):
+    # The kernel and the CPU's torch path draw the same Philox noise and keep the same top-k sets, so
+    # seeded requests give the same tokens on both (float32: the logits agree to ~1e-6).
+    path = tiny_checkpoint("llama")
+    kwargs = dict(dtype="float32", num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
+    cpu = LLMEngine(path, device="cpu", **kwargs)
+    gpu = LLMEngine(path, device="cuda", **kwargs)
+    batch = prompts(cpu.model_config.vocab_size)
+    params = [SamplingParams(temperature=0.9, top_k=k, seed=i, max_tokens=16, ignore_eos=True)
+              for i, k in enumerate((0, 50, 5, 0, 20, 1))]
+    expected = [o.token_ids for o in cpu.generate(batch, params)]
+    assert [o.token_ids for o in gpu.generate(batch, params)] == expected
+    assert len({tuple(tokens) for tokens in expected}) == len(expected)

@@ -1,11 +1,14 @@
-"""The batched sampler on synthetic logits: filters, penalties, seeds, greedy and logprobs."""
+"""The batched sampler on synthetic logits (the torch path, as on the CPU): filters, distributions,
+penalties, seeds, greedy and logprobs. The Triton kernel is checked against the same torch path, draw
+for draw, in tests/kernels/test_sampling.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpuworker.engine.sampling import Penalties, Sampler, SamplingMetadata, apply_top_k_top_p
+from gpuworker.engine.sampling import Penalties, Sampler
+from gpuworker.kernels.sampling import kept_mask_reference, sample_reference
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.sequence import Sequence, SequenceGroup
 
@@ -22,8 +25,8 @@ def seq_for(params: SamplingParams, prompt: list[int] = (1, 2, 3), output: list[
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos: list[int] = (), seed: int = 0) -> list[int]:
-    meta = SamplingMetadata.build(seqs, logits.shape[1], list(eos), CPU)
-    return Sampler(CPU, seed)(logits, meta).token_ids.tolist()
+    sampler = Sampler(CPU, seed)
+    return sampler(logits, sampler.metadata(seqs, logits.shape[1], list(eos))).token_ids.tolist()
 
 
 def random_logits(rows: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
@@ -73,15 +76,97 @@ def _top_p_set(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def test_top_k_and_top_p_per_row():
-    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
-    out = apply_top_k_top_p(logits, torch.tensor([2, 4]), torch.tensor([2.0, 0.5]))
-    assert torch.isfinite(out).tolist() == [[True, True, False, False], [True, False, False, False]]
+    x = torch.tensor([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 2.0, 1.0]])
+    kept = kept_mask_reference(x, torch.tensor([2, 4]), torch.tensor([1.0, 0.5]), None)
+    assert kept.tolist() == [[True, True, False, False], [True, False, False, False]]
 
 
-def test_draws_follow_the_distribution():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    counts = torch.bincount(torch.tensor(draws(logits, SamplingParams(), count=4000)), minlength=4)
-    assert torch.allclose(counts / 4000, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+def test_tied_tokens_stay_or_go_together():
+    x = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]])
+    # The 2nd largest value is shared by three tokens: top-2 keeps all of them.
+    assert kept_mask_reference(x, torch.tensor([2]), None, None).tolist() == [[True, False, True, True, True, False]]
+    # Mass strictly above the tied tokens is that of the 3.0 alone (~0.45 < 0.5): all three stay.
+    kept = kept_mask_reference(x, None, torch.tensor([0.5]), None)
+    assert kept.tolist() == [[True, False, True, True, True, False]]
+    kept = kept_mask_reference(x, None, torch.tensor([0.4]), None)
+    assert kept.tolist() == [[True, False, False, False, False, False]]
+
+
+# Chi-square tests: COUNT draws of one fixed logits row, each with its own seed (so the test is
+# deterministic), against the filtered softmax computed here from its definition. A wrong filter or
+# a biased draw fails by far (see test_the_chi_square_test_catches_a_wrong_distribution).
+COUNT = 20000
+ALPHA = 1e-4
+
+
+def draw_counts(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """How often each token comes out of COUNT draws (seeds 0..COUNT-1) of the sampler's torch path."""
+    rows = torch.ones(COUNT)
+    tokens, _ = sample_reference(
+        logits.expand(COUNT, -1), rows * params.temperature, seeds=torch.arange(COUNT),
+        top_k=(rows * (params.top_k if params.top_k > 0 else len(logits))).long(),
+        top_p=rows * params.top_p, min_p=rows * params.min_p)
+    return torch.bincount(tokens, minlength=len(logits))
+
+
+def expected_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution the filters define, written out token by token."""
+    x = (logits / params.temperature).tolist()
+    order = sorted(range(len(x)), key=lambda i: -x[i])
+    kept = set(order)
+    if params.top_k > 0:
+        kth = x[order[params.top_k - 1]]
+        kept = {i for i in kept if x[i] >= kth}
+    if params.top_p < 1.0:
+        weights = {i: torch.tensor(x[i]).exp().item() for i in kept}
+        total = sum(weights.values())
+        kept = {i for i in kept if sum(w for j, w in weights.items() if x[j] > x[i]) / total < params.top_p}
+    if params.min_p > 0:
+        best = max(x[i] for i in kept)
+        kept = {i for i in kept if torch.tensor(x[i] - best).exp().item() >= params.min_p}
+    mask = torch.tensor([i in kept for i in range(len(x))])
+    return torch.softmax(torch.where(mask, torch.tensor(x), float("-inf")), dim=-1)
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of the observed counts under probs (tokens with probability 0 must never appear)."""
+    assert counts[probs == 0].sum() == 0, "a filtered-out token was drawn"
+    expected = probs[probs > 0].double() * counts.sum()
+    observed = counts[probs > 0].double()
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor(len(expected) - 1, dtype=torch.float64)
+    return torch.special.gammaincc(dof / 2, statistic / 2).item()
+
+
+CHI_SQUARE_CASES = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k": SamplingParams(top_k=6),
+    "top_p": SamplingParams(top_p=0.8),
+    "min_p": SamplingParams(min_p=0.2),
+    "combined": SamplingParams(temperature=1.3, top_k=12, top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("params", CHI_SQUARE_CASES.values(), ids=CHI_SQUARE_CASES.keys())
+def test_draws_follow_the_filtered_distribution(params):
+    # bfloat16-valued logits, as a real lm_head gives: ties included.
+    logits = (torch.randn(24, generator=torch.Generator().manual_seed(11)) * 1.5).bfloat16().float()
+    logits[5] = logits[9]
+    assert chi_square_p_value(draw_counts(logits, params), expected_probs(logits, params)) > ALPHA
+
+
+def test_the_chi_square_test_catches_a_wrong_distribution():
+    logits = (torch.randn(24, generator=torch.Generator().manual_seed(11)) * 1.5).bfloat16().float()
+    counts = draw_counts(logits, SamplingParams(temperature=0.7))
+    # The same draws against a slightly different temperature, or a top-p set one token short.
+    assert chi_square_p_value(counts, expected_probs(logits, SamplingParams(temperature=0.75))) < ALPHA
+    top_p = SamplingParams(top_p=0.8)
+    counts = draw_counts(logits, top_p)
+    probs = expected_probs(logits, top_p)
+    smallest = torch.where(probs > 0, probs, 1.0).argmin()
+    probs[smallest] = 0.0
+    with pytest.raises(AssertionError, match="filtered-out token"):
+        chi_square_p_value(counts, probs / probs.sum())
 
 
 def test_seeded_rows_ignore_the_rest_of_the_batch():
@@ -119,11 +204,23 @@ def test_penalties_follow_openai_and_vllm_semantics():
     torch.testing.assert_close(penalised, expected)
 
 
+def test_penalties_per_row_with_repeats_and_ids_past_the_vocabulary():
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5], [1.0, -1.0, 2.0, 0.5]])
+    first = seq_for(SamplingParams(repetition_penalty=2.0), prompt=[0, 0, 9], output=[0, 3])
+    second = seq_for(SamplingParams(frequency_penalty=1.0, presence_penalty=0.5), prompt=[1], output=[2, 2, 2, 1])
+    penalised = Penalties.build([first, second], 4, CPU).apply(logits.clone())
+    expected = torch.tensor([
+        [1.0 / 2.0, -1.0, 2.0, 0.5 / 2.0],  # each seen token divided once, however often seen
+        [1.0, -1.0 - 1.0 - 0.5, 2.0 - 3.0 - 0.5, 0.5],  # the prompt alone adds no frequency/presence
+    ])
+    torch.testing.assert_close(penalised, expected)
+
+
 def test_penalty_steers_greedy_away_from_repeats():
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     plain = seq_for(SamplingParams(temperature=0.0), output=[0])
     penalised = seq_for(SamplingParams(temperature=0.0, frequency_penalty=0.5), output=[0])
-    assert sample(logits, [plain, penalised]) == [0, 1]
+    assert sample(logits.repeat(2, 1), [plain, penalised]) == [0, 1]
 
 
 def test_min_tokens_bans_eos_and_stop_tokens():
@@ -133,11 +230,12 @@ def test_min_tokens_bans_eos_and_stop_tokens():
     assert sample(logits.repeat(2, 1), [early, late], eos=[0]) == [2, 0]
 
 
-def test_logprobs_are_of_the_raw_logits():
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_are_of_the_raw_logits(temperature):
     logits = random_logits(2, seed=4)
-    seqs = [seq_for(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.5), output=[0, 1])] * 2
-    meta = SamplingMetadata.build(seqs, VOCAB, [], CPU)
-    out = Sampler(CPU, 0)(logits, meta)
+    seqs = [seq_for(SamplingParams(temperature=temperature, logprobs=3, repetition_penalty=1.5), output=[0, 1])] * 2
+    sampler = Sampler(CPU, 0)
+    out = sampler(logits.clone(), sampler.metadata(seqs, VOCAB, []))
     reference = torch.log_softmax(logits, dim=-1)
     torch.testing.assert_close(out.logprobs, reference.gather(1, out.token_ids[:, None])[:, 0])
     torch.testing.assert_close(out.top_logprobs, reference.topk(3).values)

@@ -122,6 +122,25 @@ def test_openai_sdk_chat_stream_completions_models(server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+def test_a_chat_stream_sends_no_empty_deltas(server):
+    """Tokens that are no text yet (bytes of a split character: the tiny model's byte-level
+    vocabulary makes many) send nothing; OpenAI's shape stays: the first chunk has the role, the
+    last its finish_reason, the text adds up."""
+    openai = pytest.importorskip("openai")
+    base, _ = server
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN)
+    request = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=64, temperature=1.0,
+                   seed=3, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(stream=True, **request))
+    deltas = [c.choices[0] for c in chunks]
+    assert deltas[0].delta.role == "assistant" and deltas[0].finish_reason is None
+    assert deltas[-1].finish_reason == "length"
+    assert [d for d in deltas[1:-1] if not d.delta.content] == []
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    whole = client.chat.completions.create(**request)
+    assert "".join(d.delta.content or "" for d in deltas) == whole.choices[0].message.content
+
+
 def test_completion_stream_ends_with_done_and_usage(server):
     base, _ = server
     with _client(base) as client:

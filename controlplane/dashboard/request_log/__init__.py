@@ -1,0 +1,1 @@
+"""Dashboard pages: the request log."""

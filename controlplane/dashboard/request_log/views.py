@@ -1,0 +1,93 @@
+"""The request log: each request's time, key, model, tokens, time to first token, latency,
+outcome and cost, filtered, paged and exported as CSV. A tenant member reads their own tenant's
+requests; an admin reads every tenant's, with a tenant filter. The rows come from
+billing.request_log."""
+
+import csv
+from collections.abc import Iterator
+from urllib.parse import urlencode
+
+from django.core.paginator import Paginator
+from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
+from django.shortcuts import render
+from django.views.decorators.http import require_GET
+
+from controlplane.accounts.models import ApiKey, Tenant
+from controlplane.billing.models import UsageRecord
+from controlplane.billing.reports import period_bounds
+from controlplane.billing.request_log import request_log
+from controlplane.dashboard.csv_export import csv_money, csv_text
+from controlplane.dashboard.permissions import ADMIN_ROLES, TENANT_ROLES, has_role, role_required, tenant_of
+from controlplane.dashboard.request_log.forms import RequestLogForm
+
+PAGE_SIZE = 50
+CSV_COLUMNS = ("time", "request_id", "tenant", "key", "key_prefix", "model", "outcome", "prompt_tokens",
+               "completion_tokens", "time_to_first_token_ms", "total_latency_ms", "cost")
+
+request_log_required = role_required(*TENANT_ROLES, *ADMIN_ROLES)
+
+
+def _own_tenant(request: HttpRequest) -> Tenant | None:
+    """A tenant member's own tenant, the only one they may read; None for an admin (any tenant)."""
+    return tenant_of(request) if has_role(request.user, TENANT_ROLES) else None
+
+
+def _records(form: RequestLogForm, own: Tenant | None):
+    since, until = period_bounds(*form.period)
+    tenant = own if own is not None else form.cleaned_data["tenant"]
+    return request_log(since=since, until=until, tenant=tenant, **form.filters())
+
+
+@request_log_required
+@require_GET
+def requests_log(request: HttpRequest) -> HttpResponse:
+    own = _own_tenant(request)
+    form = RequestLogForm.from_query(request.GET, tenant=own)
+    context: dict = {"form": form, "all_tenants": own is None}
+    if form.is_valid():
+        page = Paginator(_records(form, own), PAGE_SIZE).get_page(request.GET.get("page"))
+        context.update({"valid": True, "page": page, "query": urlencode(form.data)})
+    return render(request, "dashboard/request_log/requests.html", context)
+
+
+@request_log_required
+@require_GET
+def requests_csv(request: HttpRequest) -> HttpResponse:
+    own = _own_tenant(request)
+    form = RequestLogForm.from_query(request.GET, tenant=own)
+    if not form.is_valid():
+        return render(request, "dashboard/request_log/requests.html",
+                      {"form": form, "all_tenants": own is None}, status=400)
+    start, end = form.period
+    # Streamed: a year of a busy tenant's requests is too many rows to hold in memory.
+    response = StreamingHttpResponse(_csv_lines(_records(form, own)), content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="gpuserve-requests-{start}-to-{end}.csv"'
+    return response
+
+
+class _Line:
+    """csv.writer's file: hands back each written line."""
+
+    def write(self, line: str) -> str:
+        return line
+
+
+def _csv_lines(records) -> Iterator[str]:
+    writer = csv.writer(_Line())
+    yield writer.writerow(CSV_COLUMNS)
+    for record in records.iterator(chunk_size=2000):
+        yield writer.writerow(_csv_row(record))
+
+
+def key_label(api_key: ApiKey | None) -> str:
+    if api_key is None:
+        return ""
+    return "Playground" if api_key.purpose == ApiKey.Purpose.PLAYGROUND else api_key.name
+
+
+def _csv_row(record: UsageRecord) -> tuple:
+    key = record.api_key
+    return (record.created_at.isoformat(), record.request_id, csv_text(record.tenant.name), csv_text(key_label(key)),
+            key.prefix if key else "", csv_text(record.model.public_name), record.outcome, record.prompt_tokens,
+            record.completion_tokens, "" if record.time_to_first_token_ms is None else record.time_to_first_token_ms,
+            record.total_latency_ms, csv_money(record.price_charged))

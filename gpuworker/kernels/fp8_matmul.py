@@ -1,0 +1,144 @@
+"""FP8 weight GEMM: out [M, N] = (x * x_scale) @ (weight * weight_scale)^T (+ bias), for FP8 e4m3
+checkpoints, with the weight dequantised in the kernel.
+
+The weight [N, K] is read as float8_e4m3fn (half the bytes of bf16, which is the point at decode);
+its float32 scale per output channel (a per-tensor scale is repeated per channel at load) and the
+activations' scale per row (x quantized to FP8 per token or with a static scale; x_scale None: x
+left in the model dtype) are applied to the float32 accumulator once per tile. FP8 x takes FP8
+tensor-core products; a float x multiplies the weight converted to its dtype; a single row (batch-1
+decode) is a GEMV of CUDA-core FMAs over narrow weight tiles instead. Decode batches and the
+shapes torch._scaled_mm does not take run here; models.quantization.fp8 picks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
+                                      interpreting, lazy_jit, pdl_options)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def _fp8_matmul_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:  # see launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        # The weight tile transposed: [BLOCK_K, BLOCK_N] of rows of the [N, K] weight.
+        w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if BLOCK_M == 1:  # one decode row: a weight stream through CUDA-core FMAs, no tile padded to 16 rows
+            acc += tl.sum(tl.trans(x).to(tl.float32) * w.to(tl.float32), axis=0)[None, :]
+        elif UPCAST:  # float32 x, or the interpreter: products in float32
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        elif HAS_X_SCALE:  # FP8 x FP8 on the tensor cores
+            acc = tl.dot(x, w, acc)
+        else:
+            acc = tl.dot(x, w.to(x.dtype), acc)
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    acc = acc * w_scale[None, :]
+    if HAS_X_SCALE:
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
+        acc = acc * x_scale[:, None]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+_fp8_matmul = lazy_jit(_fp8_matmul_kernel, do_not_specialize=("M",))
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+               x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (FP8 with x_scale [M] float32, or a float dtype without) @ (weight [N, K] float8_e4m3fn
+    * weight_scale [N] float32)^T (+ bias [N] in out_dtype) -> [M, N] in out_dtype (default: x's
+    dtype; required for FP8 x), accumulated in float32."""
+    check_tensor("x", x, ndim=2, dtypes=(*FLOAT_DTYPES, FP8_DTYPE))
+    check_tensor("weight", weight, ndim=2, dtypes=(FP8_DTYPE,), device=x.device)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight has {weight.shape[1]} columns but x has {k}")
+    check_operand("weight_scale", weight_scale, (n,), torch.float32, x.device)
+    if (x.dtype == FP8_DTYPE) != (x_scale is not None):
+        raise ValueError("x_scale is required for FP8 x and only for FP8 x")
+    if x_scale is not None:
+        check_operand("x_scale", x_scale, (m,), torch.float32, x.device)
+    if out_dtype is None:
+        if x.dtype == FP8_DTYPE:
+            raise ValueError("out_dtype is required for FP8 x")
+        out_dtype = x.dtype
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be a float dtype, got {out_dtype}")
+    if bias is not None:
+        check_operand("bias", bias, (n,), out_dtype, x.device)
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_m, block_n, block_k = _tiles(m, x.is_cuda)
+    upcast = x.dtype == torch.float32 or interpreting()
+    _fp8_matmul[(-(-m // block_m), -(-n // block_n))](
+        x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
+        bias if bias is not None else weight_scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_X_SCALE=x_scale is not None, HAS_BIAS=bias is not None, UPCAST=upcast, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION="ieee" if upcast else "tf32", num_warps=4,
+        **pdl_options(x.device))
+    return out
+
+
+def _tiles(m: int, on_cuda: bool) -> tuple[int, int, int]:
+    """BLOCK_M, BLOCK_N, BLOCK_K: one row streams narrow, deep weight tiles (many programs, long
+    loads); batches take tensor-core tiles. Untuned: bench/kernels.py has no FP8 entry yet."""
+    if m == 1:
+        return (1, 16, 256) if on_cuda else (1, 16, 32)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return (block_m, 64, 128) if on_cuda else (block_m, 32, 32)
+
+
+def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
+                         x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Pure torch: dequantise both operands to float32, then one float32 matmul."""
+    out_dtype = out_dtype or x.dtype
+    xf = x.float() if x_scale is None else x.float() * x_scale[:, None]
+    out = torch.nn.functional.linear(xf, weight.float() * weight_scale[:, None],
+                                     None if bias is None else bias.float())
+    return out.to(out_dtype)
+
+
+def quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (float8_e4m3fn [M, K], float32 scale [M]) with x ~= q * scale per row.
+
+    static_scale (a float32 scalar tensor): one scale for every row, values beyond it saturate;
+    None: each row's own scale, its largest magnitude mapped to FP8_MAX (dynamic per-token).
+    """
+    x32 = x.float()
+    if static_scale is None:
+        scale = x32.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    else:
+        scale = static_scale.float().reshape(1).expand(x.shape[0])
+    q = (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.contiguous()

@@ -1,0 +1,523 @@
+"""One token per row from float logits in one launch, without sorting the vocabulary: temperature,
+top-k, top-p, min-p and a seeded Gumbel draw; greedy rows (temperature 0) take the argmax.
+
+What is drawn (sample_reference below computes the same with a full sort):
+- x = logits / temperature. A greedy row takes the argmax of its logits, the first index on ties.
+- top-k keeps every token whose x is at least the row's k-th largest (tokens tied with it all stay,
+  as in transformers' TopKLogitsWarper); top-p then keeps, of what top-k left (renormalised), each
+  token whose strictly more likely tokens hold less than top_p of the mass (ties again stay
+  together); min-p keeps the tokens whose probability is at least min_p times the largest.
+- The draw is the Gumbel-max trick: argmax over the kept tokens of x - log(-log U), where U comes
+  from Philox-4x32-10 keyed by the row's 64-bit seed at counter (token id, 0, 0, 0). A row's noise
+  depends on its seed alone, not on the batch, and is the same in the kernel and the reference.
+
+How the kernel avoids the sort: each filter keeps the tokens whose x is at least a threshold. The
+top-k, then the top-p, threshold is found by narrowing an interval of float keys (the bits of x as
+integers in value order): each pass over the row counts the tokens and sums exp(x - max) above 8
+thresholds inside the interval, keeps the sub-interval where the filter's test flips, and stops when
+the interval holds at most one distinct value (which is then kept). A pass shrinks the interval
+9-fold (the first pass spaces its thresholds by value, the others by key), so a search takes at most
+~11 passes, and about 5 on a Llama-3-sized vocabulary.
+
+A row is split over several programs when the batch is small (one row would otherwise run on one
+SM): the programs of a row exchange per-pass partial sums through a scratch buffer and wait for
+each other at a counter after every pass. That needs every program of the launch resident at once,
+so rows x splits stays within the SM count; the interpreter runs programs one after another, so it
+uses one program per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
+
+# 8 thresholds per pass: a pass costs compute in proportion, and shrinks the interval 9-fold.
+NUM_THRESHOLDS = 8
+# A program's partial record per pass: NUM_THRESHOLDS sums and a few scalars.
+RECORD_WIDTH = 32
+MAX_SPLITS = 64
+# A float32 key interval of 2**32 shrinks 9-fold per pass: 11 passes always suffice.
+MAX_PASSES = 16
+# Logits per program per loop step. At large batches a row is one program, and each program runs
+# latency-bound on its own loads: the blocks are as large as registers allow, to keep bytes in flight.
+BLOCK = 2048
+# Search passes hold a [SEARCH_BLOCK, NUM_THRESHOLDS] tile of sums in registers, reduced once per pass.
+SEARCH_BLOCK = 1024
+
+# Philox-4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
+PHILOX_ROUND_A = 0xD2511F53
+PHILOX_ROUND_B = 0xCD9E8D57
+PHILOX_KEY_A = 0x9E3779B9
+PHILOX_KEY_B = 0xBB67AE85
+PHILOX_ROUNDS = 10
+
+# Round kinds of the kernel's state machine.
+_STATS, _TOP_K, _TOP_P, _DRAW, _DONE = 0, 1, 2, 3, 4
+
+
+def _sample_kernel(
+    logits_ptr, stride_logits,
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
+    token_ids_ptr, num_kept_ptr, part_f_ptr, part_i_ptr, counter_ptr,
+    vocab_size, chunk,
+    BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NT: tl.constexpr, WIDTH: tl.constexpr, SPLITS_P2: tl.constexpr,
+    MAX_PASSES: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    WRITE_NUM_KEPT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    row_ptr = logits_ptr + row * stride_logits
+    begin = split * chunk
+    end = tl.minimum(begin + chunk, vocab_size)
+    cols = tl.arange(0, BLOCK)
+    thr_ids = tl.arange(0, NT)
+    split_ids = tl.arange(0, SPLITS_P2)
+    split_mask = split_ids < splits
+    INT_MAX: tl.constexpr = 2147483647
+    INT_MIN: tl.constexpr = -2147483648
+
+    temperature = tl.load(temperature_ptr + row)
+    greedy = temperature <= 0.0
+    divisor = tl.where(greedy, 1.0, temperature)
+    top_k = INT_MAX  # off: never below the number of finite logits
+    if HAS_TOP_K:
+        top_k = tl.load(top_k_ptr + row).to(tl.int32)
+    top_p = 1.0
+    if HAS_TOP_P:
+        top_p = tl.load(top_p_ptr + row)
+    min_p = 0.0
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + row)
+
+    # Row state, the same in every program of the row (each reduces the same partials in one order).
+    kind = 0  # _STATS
+    rounds = 0  # passes done so far (and barriers passed)
+    passes = 0  # passes of the current search
+    row_max = float("-inf")
+    token = 0
+    tau = INT_MIN  # the smallest kept key
+    num_finite = 0
+    z_dom = 0.0  # the mass (sum of exp(x - row_max)) of the tokens still in play
+    limit = 0.0  # top-p: the mass above a kept token stays below this
+    lo = tl.zeros([], tl.int64)  # search interval (lo, hi] of keys
+    hi = tl.zeros([], tl.int64)
+    mass_lo = 0.0  # the mass above lo
+    num_kept = 0
+
+    while kind != 4:  # _DONE
+        # Thresholds of a search pass: even in value over the first pass (where the key interval
+        # may cross zero and most keys are subnormal-sized), even in key after.
+        step = ((hi - lo) * (thr_ids + 1).to(tl.int64)) // (NT + 1)
+        by_key = (lo + step).to(tl.int32)
+        lo_bits = (lo + 1).to(tl.int32)
+        hi_bits = hi.to(tl.int32)
+        v_lo = tl.where(lo_bits >= 0, lo_bits, lo_bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        v_hi = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        v = v_lo + (v_hi - v_lo) * ((thr_ids + 1).to(tl.float32) / (NT + 1))
+        v_key = v.to(tl.int32, bitcast=True)
+        v_key = tl.where(v_key >= 0, v_key, v_key ^ 0x7FFFFFFF)
+        v_key = tl.minimum(tl.maximum(v_key, (lo + 1).to(tl.int32)), hi.to(tl.int32))
+        thresholds = tl.where(passes == 0, v_key, by_key)
+
+        # This program's pass over its part of the row.
+        f0 = float("-inf")
+        f1 = 0.0
+        i0 = 0
+        i1 = 0
+        i2 = 0
+        counts = tl.zeros([NT], tl.int32)
+        masses = tl.zeros([NT], tl.float32)
+        if kind == 0:  # _STATS: max (first index), sum of exp(x - max), smallest finite key, finite count
+            lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+            lane_arg = tl.zeros([BLOCK], tl.int32) + begin
+            lane_sum = tl.zeros([BLOCK], tl.float32)
+            lane_min_key = tl.full([BLOCK], INT_MAX, tl.int32)
+            lane_finite = tl.zeros([BLOCK], tl.int32)
+            for start in range(begin, end, BLOCK):
+                idx = start + cols
+                valid = idx < end
+                raw = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32)
+                x = tl.math.div_rn(raw, divisor) + 0.0  # + 0.0: -0.0 becomes 0.0, one key per value
+                finite = x > float("-inf")
+                bits = x.to(tl.int32, bitcast=True)
+                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                bigger = x > lane_max
+                new_max = tl.where(bigger, x, lane_max)
+                lane_sum = (tl.where(bigger, lane_sum * tl.exp(lane_max - new_max), lane_sum)
+                            + tl.where(finite, tl.exp(x - new_max), 0.0))
+                lane_arg = tl.where(bigger, idx, lane_arg)
+                lane_max = new_max
+                lane_min_key = tl.minimum(lane_min_key, tl.where(finite, key, INT_MAX))
+                lane_finite += finite.to(tl.int32)
+            f0 = tl.max(lane_max, 0)
+            f1 = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - f0), 0.0), 0)
+            i0 = tl.min(tl.where(lane_max == f0, lane_arg, INT_MAX), 0)
+            i1 = tl.min(lane_min_key, 0)
+            i2 = tl.sum(lane_finite, 0)
+        elif kind == 3:  # _DRAW: the best Gumbel score among the kept tokens, and their count
+            seed = tl.load(seed_ptr + row)
+            seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+            seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
+            lane_arg = tl.zeros([BLOCK], tl.int32) + begin
+            lane_kept = tl.zeros([BLOCK], tl.int32)
+            for start in range(begin, end, BLOCK):
+                idx = start + cols
+                valid = idx < end
+                raw = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32)
+                x = tl.math.div_rn(raw, divisor) + 0.0
+                bits = x.to(tl.int32, bitcast=True)
+                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                kept = (x > float("-inf")) & (key >= tau)
+                if HAS_MIN_P:
+                    kept = kept & (tl.exp(x - row_max) >= min_p)
+                # Noise only for blocks with a kept token (top-k keeps a few hundred of 128k).
+                if tl.max(kept.to(tl.int32), 0) > 0:
+                    c0 = idx.to(tl.uint32)
+                    c1 = c0 * 0
+                    c2 = c1
+                    c3 = c1
+                    k0 = seed_lo
+                    k1 = seed_hi
+                    for _ in tl.static_range(10):
+                        prev0 = c0
+                        prev2 = c2
+                        c0 = tl.umulhi(prev2, 0xCD9E8D57) ^ c1 ^ k0
+                        c2 = tl.umulhi(prev0, 0xD2511F53) ^ c3 ^ k1
+                        c1 = prev2 * 0xCD9E8D57
+                        c3 = prev0 * 0xD2511F53
+                        k0 = k0 + 0x9E3779B9
+                        k1 = k1 + 0xBB67AE85
+                    # U in (0, 1), exactly representable: odd multiples of 2**-24.
+                    u = ((c0 >> 9).to(tl.int32) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+                    score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
+                    better = score > lane_best
+                    lane_best = tl.where(better, score, lane_best)
+                    lane_arg = tl.where(better, idx, lane_arg)
+                lane_kept += kept.to(tl.int32)
+            f0 = tl.max(lane_best, 0)
+            i0 = tl.min(tl.where(lane_best == f0, lane_arg, INT_MAX), 0)
+            i1 = tl.sum(lane_kept, 0)
+        else:  # a search pass: count and mass above each threshold; count, min and max key inside (lo, hi]
+            search_cols = tl.arange(0, SEARCH_BLOCK)
+            tile_counts = tl.zeros([SEARCH_BLOCK, NT], tl.int32)
+            tile_masses = tl.zeros([SEARCH_BLOCK, NT], tl.float32)
+            lane_in = tl.zeros([SEARCH_BLOCK], tl.int32)
+            lane_min_key = tl.full([SEARCH_BLOCK], INT_MAX, tl.int32)
+            lane_max_key = tl.full([SEARCH_BLOCK], INT_MIN, tl.int32)
+            for start in range(begin, end, SEARCH_BLOCK):
+                idx = start + search_cols
+                valid = idx < end
+                raw = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32)
+                x = tl.math.div_rn(raw, divisor) + 0.0
+                finite = x > float("-inf")
+                bits = x.to(tl.int32, bitcast=True)
+                key = tl.where(finite, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
+                mass = tl.where(finite, tl.exp(x - row_max), 0.0)
+                above = key[:, None] > thresholds[None, :]
+                tile_counts += above.to(tl.int32)
+                tile_masses += tl.where(above, mass[:, None], 0.0)
+                inside = (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi)
+                lane_in += inside.to(tl.int32)
+                lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
+                lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
+            counts = tl.sum(tile_counts, 0)
+            masses = tl.sum(tile_masses, 0)
+            i0 = tl.sum(lane_in, 0)
+            i1 = tl.min(lane_min_key, 0)
+            i2 = tl.max(lane_max_key, 0)
+
+        # Publish this program's partials, wait for the row's other programs, read them all.
+        record = ((row * 2 + rounds % 2) * splits + split) * WIDTH
+        tl.store(part_f_ptr + record + thr_ids, masses)
+        tl.store(part_i_ptr + record + thr_ids, counts)
+        tl.store(part_f_ptr + record + NT, f0)
+        tl.store(part_f_ptr + record + NT + 1, f1)
+        tl.store(part_i_ptr + record + NT, i0)
+        tl.store(part_i_ptr + record + NT + 1, i1)
+        tl.store(part_i_ptr + record + NT + 2, i2)
+        # The barrier orders every thread's stores before the (one-thread, acq_rel, gpu-scope) ticket.
+        tl.debug_barrier()
+        tl.atomic_add(counter_ptr + row, 1)
+        rounds += 1
+        arrived = tl.atomic_add(counter_ptr + row, 0)
+        while arrived < rounds * splits:
+            arrived = tl.atomic_add(counter_ptr + row, 0)
+        records = ((row * 2 + (rounds - 1) % 2) * splits + split_ids) * WIDTH
+        # .cg: from L2, never a line this SM cached before the other programs wrote it.
+        all_f0 = tl.load(part_f_ptr + records + NT, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
+        all_f1 = tl.load(part_f_ptr + records + NT + 1, mask=split_mask, other=0.0, cache_modifier=".cg")
+        all_i0 = tl.load(part_i_ptr + records + NT, mask=split_mask, other=0, cache_modifier=".cg")
+        all_i1 = tl.load(part_i_ptr + records + NT + 1, mask=split_mask, other=INT_MAX, cache_modifier=".cg")
+        all_i2 = tl.load(part_i_ptr + records + NT + 2, mask=split_mask, other=0, cache_modifier=".cg")
+
+        if kind == 0:
+            row_max = tl.max(all_f0, 0)
+            token = tl.min(tl.where(all_f0 == row_max, all_i0, INT_MAX), 0)
+            z_dom = tl.sum(tl.where(all_f0 > float("-inf"), all_f1 * tl.exp(all_f0 - row_max), 0.0), 0)
+            min_key = tl.min(all_i1, 0)
+            num_finite = tl.sum(all_i2, 0)
+            tau = min_key
+            max_bits = row_max.to(tl.int32, bitcast=True)
+            hi = tl.where(max_bits >= 0, max_bits, max_bits ^ 0x7FFFFFFF).to(tl.int64)
+            lo = min_key.to(tl.int64) - 1
+            mass_lo = z_dom
+            passes = 0
+            if greedy:
+                kind = 4
+            elif top_k < num_finite:
+                kind = 1
+            elif top_p < 1.0:
+                kind = 2
+                limit = top_p * z_dom
+            else:
+                kind = 3
+        elif kind == 3:
+            best = tl.max(all_f0, 0)
+            token = tl.min(tl.where(all_f0 == best, all_i0, INT_MAX), 0)
+            num_kept = tl.sum(tl.where(split_mask, all_i1, 0), 0)
+            kind = 4
+        else:
+            thr_records = records[:, None] + thr_ids[None, :]
+            thr_mask = split_mask[:, None]
+            counts = tl.sum(tl.load(part_i_ptr + thr_records, mask=thr_mask, other=0, cache_modifier=".cg"), 0)
+            masses = tl.sum(tl.load(part_f_ptr + thr_records, mask=thr_mask, other=0.0, cache_modifier=".cg"), 0)
+            num_in = tl.sum(all_i0, 0)
+            min_in = tl.min(all_i1, 0)
+            max_in = tl.max(tl.where(split_mask, all_i2, INT_MIN), 0)
+            if kind == 1:
+                keep = counts < top_k
+            else:
+                keep = masses < limit
+            # The test holds from the first kept threshold on (it is monotone in the threshold).
+            first = tl.min(tl.where(keep, thr_ids, NT), 0)
+            new_hi = tl.sum(tl.where(thr_ids == first, thresholds, 0), 0).to(tl.int64)
+            new_lo = tl.sum(tl.where(thr_ids == first - 1, thresholds, 0), 0).to(tl.int64)
+            new_mass_lo = tl.sum(tl.where(thr_ids == first - 1, masses, 0.0), 0)
+            if first < NT:
+                hi_next = new_hi
+            else:
+                hi_next = hi
+            if first > 0:
+                lo_next = new_lo
+                mass_lo = new_mass_lo
+            else:
+                lo_next = lo
+            # No token lies in (lo, min_in) or (max_in, hi]: tighten to the tokens' keys.
+            lo_next = tl.maximum(lo_next, min_in.to(tl.int64) - 1)
+            hi_next = tl.minimum(hi_next, max_in.to(tl.int64))
+            passes += 1
+            if num_in == 0 or min_in == max_in:
+                # At most one distinct value in (lo, hi]: it has the tokens above hi above it, so it is kept.
+                hi_next = lo + 1
+                lo_next = lo
+            lo = lo_next
+            hi = hi_next
+            if passes >= MAX_PASSES:
+                hi = lo + 1
+
+        # A search whose interval holds at most one key is over: keys above lo are kept.
+        if kind == 1:
+            if hi - lo <= 1:
+                tau = (lo + 1).to(tl.int32)
+                z_dom = mass_lo
+                max_bits = row_max.to(tl.int32, bitcast=True)
+                hi = tl.where(max_bits >= 0, max_bits, max_bits ^ 0x7FFFFFFF).to(tl.int64)
+                passes = 0
+                if top_p < 1.0:
+                    kind = 2
+                    limit = top_p * z_dom
+                else:
+                    kind = 3
+        if kind == 2:
+            if hi - lo <= 1:
+                tau = (lo + 1).to(tl.int32)
+                kind = 3
+
+    if split == 0:
+        tl.store(token_ids_ptr + row, token.to(tl.int64))
+        if WRITE_NUM_KEPT:
+            tl.store(num_kept_ptr + row, num_kept)
+    # Leave the counter at zero for the next launch: the last program of the row resets it, once
+    # every program is past its last wait.
+    ticket = tl.atomic_add(counter_ptr + row, 1)
+    if ticket == (rounds + 1) * splits - 1:
+        tl.atomic_xchg(counter_ptr + row, 0)
+
+
+# The parameter pointers are slices of one host->device copy whose offsets depend on the batch size:
+# left specialised on alignment they would compile a variant per batch size modulo 4.
+_sample = lazy_jit(_sample_kernel, do_not_specialize=("temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr",
+                                                      "seed_ptr", "vocab_size", "chunk"))
+
+# One int32 per row, per device: zero between launches (the kernel leaves them so); launches sharing
+# them must be ordered, i.e. issued on one stream.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_NUM_SMS: dict[torch.device, int] = {}
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tensor,
+           top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+           min_p: torch.Tensor | None = None, num_kept: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of `logits` [B, V] (float32, bfloat16 or float16): [B] int64.
+
+    temperature [B] float32 (0: greedy); seeds [B] int64 (each row's Philox key, 0 <= seed < 2**63);
+    top_k [B] int (rows without a filter hold V), top_p [B] float32 (1.0: off), min_p [B] float32
+    (0.0: off); None turns a filter off for every row. num_kept: an optional [B] int32 output, how
+    many tokens each sampled row kept, 0 on greedy rows (for tests and diagnostics)."""
+    check_tensor("logits", logits, ndim=2, dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    if logits.stride(1) != 1:
+        raise ValueError(f"logits must be contiguous in its last dimension, got strides {logits.stride()}")
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    check_operand("temperature", temperature, (num_rows,), torch.float32, device)
+    check_operand("seeds", seeds, (num_rows,), torch.int64, device)
+    if top_k is not None:
+        check_tensor("top_k", top_k, ndim=1, dtypes=(torch.int32, torch.int64), device=device)
+        if top_k.shape[0] != num_rows:
+            raise ValueError(f"top_k must have shape ({num_rows},), got {tuple(top_k.shape)}")
+    for name, values in (("top_p", top_p), ("min_p", min_p)):
+        if values is not None:
+            check_operand(name, values, (num_rows,), torch.float32, device)
+    if num_kept is not None:
+        check_operand("num_kept", num_kept, (num_rows,), torch.int32, device)
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+    if num_rows == 0:
+        return token_ids
+    splits = _splits(device, num_rows, vocab_size)
+    chunk = -(-vocab_size // (splits * BLOCK)) * BLOCK
+    splits = -(-vocab_size // chunk)
+    part_f = torch.empty(num_rows * 2 * splits * RECORD_WIDTH, dtype=torch.float32, device=device)
+    part_i = torch.empty(num_rows * 2 * splits * RECORD_WIDTH, dtype=torch.int32, device=device)
+    _sample[(num_rows, splits)](
+        logits, logits.stride(0), temperature,
+        top_k if top_k is not None else seeds, top_p if top_p is not None else temperature,
+        min_p if min_p is not None else temperature, seeds,
+        token_ids, num_kept if num_kept is not None else part_i, part_f, part_i, _counters(device, num_rows),
+        vocab_size, chunk,
+        BLOCK=BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, NT=NUM_THRESHOLDS, WIDTH=RECORD_WIDTH, SPLITS_P2=MAX_SPLITS,
+        MAX_PASSES=MAX_PASSES, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
+        HAS_MIN_P=min_p is not None, WRITE_NUM_KEPT=num_kept is not None,
+        # One num_warps for all batch sizes: each value is a variant to compile (and warm up).
+        num_warps=8,
+    )
+    return token_ids
+
+
+def _splits(device: torch.device, num_rows: int, vocab_size: int) -> int:
+    """Programs per row: enough to spread a small batch over the SMs, few enough that every program
+    of the launch is resident at once (they wait for each other)."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    num_sms = _NUM_SMS.get(device)
+    if num_sms is None:
+        num_sms = _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, num_sms // num_rows, -(-vocab_size // BLOCK)))
+
+
+def _counters(device: torch.device, count: int) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
+def warm_up(device: torch.device, vocab_size: int) -> None:
+    """Compile the kernel's variants for the filter combinations requests commonly use (temperature
+    alone, top-k, top-p, both), so that the first such request does not wait for the compiler."""
+    logits = torch.zeros(1, vocab_size, device=device)
+    ones = torch.ones(1, device=device)
+    seeds = torch.zeros(1, dtype=torch.int64, device=device)
+    top_k = torch.ones(1, dtype=torch.int64, device=device)
+    for filters in ({}, {"top_k": top_k}, {"top_p": ones * 0.5}, {"top_k": top_k, "top_p": ones * 0.5}):
+        sample(logits, ones, seeds=seeds, **filters)
+
+
+# --- The pure-torch reference: the same draws, by a full sort --------------------------------------
+
+
+def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tensor,
+                     top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                     min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `sample` draws, computed with a full sort of each row: (token ids [B] int64, number of
+    kept tokens [B] int32, 0 on greedy rows). The engine's sampler on the CPU."""
+    greedy = temperature <= 0
+    x = scaled_logits(logits, temperature)
+    kept = kept_mask_reference(x, top_k, top_p, min_p)
+    rows, cols = kept.nonzero(as_tuple=True)
+    # Noise only where it can matter: a kept token's noise is a function of (seed, token id) alone.
+    score = torch.full_like(x, float("-inf"))
+    score[rows, cols] = x[rows, cols] + gumbel_noise(seeds[rows], cols)
+    token_ids = torch.where(greedy, logits.float().argmax(dim=-1), score.argmax(dim=-1))
+    num_kept = torch.where(greedy, 0, kept.sum(dim=-1, dtype=torch.int32))
+    return token_ids, num_kept
+
+
+def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """x = logits / temperature in float32 (greedy rows: the logits), -0.0 made 0.0."""
+    divisor = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+    return logits.float() / divisor[:, None] + 0.0
+
+
+def kept_mask_reference(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                        min_p: torch.Tensor | None) -> torch.Tensor:
+    """[B, V] bool: the tokens that top-k, then top-p, then min-p keep (the module's semantics)."""
+    num_rows, vocab_size = x.shape
+    kept = x > float("-inf")
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    if top_k is not None:
+        kth = sorted_x.gather(1, (top_k.long().clamp(1, vocab_size) - 1)[:, None])
+        kept &= x >= kth
+        sorted_x = torch.where(sorted_x >= kth, sorted_x, float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        # Tied tokens share the mass strictly above their value: that of the first of them.
+        group_start = torch.ones_like(kept)
+        group_start[:, 1:] = sorted_x[:, 1:] != sorted_x[:, :-1]
+        mass_above = torch.cummax(torch.where(group_start, mass_before, 0.0), dim=-1).values
+        keep_sorted = (mass_above < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        kept &= torch.zeros_like(kept).scatter(1, order, keep_sorted)
+    if min_p is not None:
+        probs = torch.softmax(torch.where(kept, x, float("-inf")), dim=-1)
+        kept &= probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return kept
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def philox_bits(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Philox-4x32-10's first output word for key `seeds` (int64) at counter (counters, 0, 0, 0), as
+    int64 in [0, 2**32): what tl.randint(seed, counter) gives for int32 counters."""
+    c0 = counters.long() & _MASK32
+    c1 = torch.zeros_like(c0)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0 = (seeds.long() & _MASK32).expand_as(c0)
+    k1 = ((seeds.long() >> 32) & _MASK32).expand_as(c0)
+    for _ in range(PHILOX_ROUNDS):
+        hi_b, lo_b = _mul_hi_lo(PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul_hi_lo(PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + PHILOX_KEY_A) & _MASK32
+        k1 = (k1 + PHILOX_KEY_B) & _MASK32
+    return c0
+
+
+def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of a * b (both < 2**32) without overflowing int64."""
+    p_lo = b * (a & 0xFFFF)
+    q = b * (a >> 16) + (p_lo >> 16)
+    return q >> 16, ((q & 0xFFFF) << 16) | (p_lo & 0xFFFF)
+
+
+def gumbel_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """-log(-log U) in float32, U in (0, 1) from Philox's bits as the kernel makes it."""
+    bits = philox_bits(seeds, token_ids)
+    u = ((bits >> 9) * 2 + 1).float() * 2.0**-24
+    return -torch.log(-torch.log(u))

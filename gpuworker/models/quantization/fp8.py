@@ -1,0 +1,109 @@
+"""Fp8Linear: FP8 e4m3 weights with a float32 scale per output channel, activations optionally
+quantized to FP8 (per token at run time, or with the checkpoint's static per-tensor scale).
+
+Checkpoint tensors per module (compressed-tensors and vLLM's fp8 method name them alike):
+weight float8_e4m3fn [out, in]; weight_scale float32, one per tensor ([] or [1]) or per channel
+([out] or [out, 1]); input_scale float32 [] or [1] for static activations. A per-tensor scale is
+repeated over the channels of its shard, so fused q/k/v keep their own scales; their static input
+scales become one (the largest, as vLLM does), since they quantize the same input. With
+fp8-at-load the checkpoint's float weight is quantized here, per channel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpuworker.kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference, quantize_fp8_rows
+from gpuworker.models.quantization.linear import QuantizedLinear
+
+# Below this many rows the Triton kernel (a weight stream) beats torch._scaled_mm's tiles.
+SCALED_MM_MIN_ROWS = 17
+
+
+class Fp8Linear(QuantizedLinear):
+    fixed_dtypes = {"weight_fp8": FP8_DTYPE, "weight_scale": torch.float32, "input_scale": torch.float32}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("weight_fp8", torch.empty(self.out_features, self.in_features, dtype=FP8_DTYPE))
+        self.register_buffer("weight_scale", torch.empty(self.out_features, dtype=torch.float32))
+        static = self.quant.activation_scheme == "static"
+        self.register_buffer("input_scale", torch.empty((), dtype=torch.float32) if static else None)
+
+    def expected_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        if self.quant.checkpoint_format == "fp8-at-load":
+            return ("weight",), ()
+        if self.quant.activation_scheme == "static":
+            return ("weight", "weight_scale", "input_scale"), ()
+        # Dynamic checkpoints may still carry calibration scales; they are not needed.
+        return ("weight", "weight_scale"), ("input_scale",)
+
+    def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        weights, scales, input_scales = [], [], []
+        for i, (staged, rows) in enumerate(zip(shards, self.shard_sizes)):
+            weight = staged["weight"]
+            self._check_shape(i, "weight", weight, (rows, self.in_features))
+            if self.quant.checkpoint_format == "fp8-at-load":
+                weight, scale = quantize_fp8_rows(weight)
+            else:
+                if weight.dtype != FP8_DTYPE:
+                    raise ValueError(f"{self.checkpoint_names[i]}.weight has dtype {weight.dtype}, "
+                                     f"expected {FP8_DTYPE}")
+                scale = self._channel_scale(i, staged["weight_scale"], rows)
+            weights.append(weight)
+            scales.append(scale)
+            if "input_scale" in staged and self.input_scale is not None:
+                input_scale = staged["input_scale"]
+                if input_scale.numel() != 1:
+                    raise ValueError(f"{self.checkpoint_names[i]}.input_scale must hold one value, "
+                                     f"got shape {tuple(input_scale.shape)}")
+                input_scales.append(input_scale.float().reshape(()))
+        self.weight_fp8.copy_(torch.cat(weights))
+        self.weight_scale.copy_(torch.cat(scales))
+        if self.input_scale is not None:
+            self.input_scale.copy_(torch.stack(input_scales).max())
+
+    def _channel_scale(self, shard: int, scale: torch.Tensor, rows: int) -> torch.Tensor:
+        scale = scale.float()
+        if scale.numel() == 1:
+            return scale.reshape(1).expand(rows)
+        if tuple(scale.shape) in ((rows,), (rows, 1)):
+            return scale.reshape(rows)
+        raise ValueError(f"{self.checkpoint_names[shard]}.weight_scale has shape {tuple(scale.shape)}, expected "
+                         f"one value (per tensor) or ({rows}, 1) (per channel)")
+
+    @torch.no_grad()
+    def fill_dummy(self, generator: torch.Generator) -> None:
+        weight = torch.empty(self.out_features, self.in_features, device=self.weight_fp8.device)
+        weight.normal_(0.0, 0.02, generator=generator)
+        q, scale = quantize_fp8_rows(weight)
+        self.weight_fp8.copy_(q)
+        self.weight_scale.copy_(scale)
+        if self.input_scale is not None:
+            self.input_scale.fill_(4.0 / FP8_MAX)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias
+        if self.quant.activation_scheme is None:
+            x_q, x_scale = x, None
+        else:
+            x_q, x_scale = quantize_fp8_rows(x, self.input_scale)
+        if not x.is_cuda:
+            return fp8_matmul_reference(x_q, self.weight_fp8, self.weight_scale, x_scale=x_scale, bias=bias,
+                                        out_dtype=x.dtype)
+        if x_scale is not None and _takes_scaled_mm(x_q, self.weight_fp8, x.dtype):
+            # Row-wise scaled FP8 GEMM on the tensor cores (cuBLASLt); bias added after, in x's dtype.
+            out = torch._scaled_mm(x_q, self.weight_fp8.t(), scale_a=x_scale[:, None],
+                                   scale_b=self.weight_scale[None, :], out_dtype=x.dtype)
+            return out if bias is None else out + bias
+        return fp8_matmul(x_q, self.weight_fp8, self.weight_scale, x_scale=x_scale, bias=bias, out_dtype=x.dtype)
+
+
+def _takes_scaled_mm(x_q: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """torch._scaled_mm's row-wise scaling: bfloat16 output, dimensions multiples of 16, a GPU with
+    FP8 tensor cores (compute capability 8.9 or later), and enough rows to fill its tiles."""
+    if not hasattr(torch, "_scaled_mm") or out_dtype != torch.bfloat16 or x_q.shape[0] < SCALED_MM_MIN_ROWS:
+        return False
+    if x_q.shape[1] % 16 or weight.shape[0] % 16:
+        return False
+    return torch.cuda.get_device_capability(x_q.device) >= (8, 9)

@@ -1,0 +1,83 @@
+"""install_quantized_linears swaps the dense projections of a freshly built model (on the meta device)
+for quantized ones; the dense Linear path is untouched for unquantized models. Embeddings, lm_head,
+norms and MoE experts stay dense.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from gpuworker.checkpoint_quantization import QuantConfig
+from gpuworker.models.layers import GatedMLP
+from gpuworker.models.quantization.linear import QuantizedLinear
+
+
+def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
+    """Replace each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj by its quantized
+    twin, unless the checkpoint leaves those modules unquantized (quant.ignore)."""
+    config = model.config
+    if config.moe is not None:
+        raise ValueError(f"{config.model_path}: quantized mixture-of-experts checkpoints are not supported yet")
+    q, kv = config.q_size, config.kv_size
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _quantized(attn.qkv_proj, quant, (q, kv, kv),
+                                   tuple(f"{prefix}self_attn.{n}_proj" for n in "qkv"))
+        attn.o_proj = _quantized(attn.o_proj, quant, (config.hidden_size,), (f"{prefix}self_attn.o_proj",))
+        if isinstance(mlp, GatedMLP):
+            inter = mlp.intermediate_size
+            mlp.gate_up_proj = _quantized(mlp.gate_up_proj, quant, (inter, inter),
+                                          (f"{prefix}mlp.gate_proj", f"{prefix}mlp.up_proj"))
+            mlp.down_proj = _quantized(mlp.down_proj, quant, (config.hidden_size,), (f"{prefix}mlp.down_proj",))
+
+
+def quantized_shards(model: nn.Module) -> dict[str, tuple[QuantizedLinear, int]]:
+    """Checkpoint module name (model.layers.0.self_attn.k_proj) -> (its quantized linear, shard index)."""
+    return {name: (module, shard) for module in model.modules() if isinstance(module, QuantizedLinear)
+            for shard, name in enumerate(module.checkpoint_names)}
+
+
+def missing_quantized_tensors(shards: dict[str, tuple[QuantizedLinear, int]], found: set[str]) -> list[str]:
+    """The tensors the quantized linears need that are not in `found` (checkpoint tensor names)."""
+    modules = {id(m): m for m, _ in shards.values()}.values()
+    return [name for module in modules for name in module.required_names() if name not in found]
+
+
+def load_quantized_tensors(shards: dict[str, tuple[QuantizedLinear, int]], entries: list[tuple[Path, str]]) -> None:
+    """Hand each quantized tensor (file, name) to its linear, then let every linear build its kernel layout.
+
+    Read with safetensors' own reader rather than the loader's byte streaming: these tensors are
+    converted (unpacked, fused, quantized) on their way in, not copied as they are.
+    """
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for file, name in entries:
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt") as reader:
+            for name in names:
+                module_name, _, field = name.rpartition(".")
+                module, shard = shards[module_name]
+                module.load_shard(shard, field, reader.get_tensor(name))
+    for module in {id(m): m for m, _ in shards.values()}.values():
+        module.finish()
+
+
+def _quantized(linear: nn.Module, quant: QuantConfig, shard_sizes: tuple[int, ...],
+               names: tuple[str, ...]) -> nn.Module:
+    ignored = [quant.ignores(name) for name in names]
+    if all(ignored):
+        return linear
+    if any(ignored):
+        raise ValueError(f"{', '.join(names)} are fused into one projection but only some are quantized")
+    # Imported when a quantized model is built: they import Triton, which float models on CPU never need.
+    from gpuworker.models.quantization.fp8 import Fp8Linear
+    from gpuworker.models.quantization.int4 import Int4Linear
+
+    cls = Fp8Linear if quant.method == "fp8" else Int4Linear
+    out_features, in_features = linear.weight.shape
+    return cls(in_features, out_features, linear.bias is not None, quant, names, shard_sizes)

@@ -1,0 +1,88 @@
+"""QuantizedLinear: what the FP8 and INT4 linears share with the loader.
+
+A quantized projection may stand for several checkpoint modules fused along its output (q, k and v;
+gate and up), each stored as its own group of tensors (weight and scales, or qweight, qzeros and
+scales). The loader hands each tensor to load_shard; finish() checks that every shard is complete
+and converts them into the layout the kernels read. Biases stay ordinary parameters, loaded by the
+dense path as row ranges of `bias`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpuworker.checkpoint_quantization import QuantConfig
+
+
+class QuantizedLinear(nn.Module):
+    # No dense weight: loader.checkpoint_targets skips a None weight, and the quantized tensors
+    # arrive through load_shard instead.
+    weight = None
+    # Buffers kept in their own dtype when the model is cast to the activation dtype (model.to).
+    fixed_dtypes: dict[str, torch.dtype] = {}
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantConfig,
+                 checkpoint_names: tuple[str, ...], shard_sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        if sum(shard_sizes) != out_features or len(shard_sizes) != len(checkpoint_names):
+            raise ValueError(f"shards {shard_sizes} of {checkpoint_names} do not make {out_features} outputs")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.quant = quant
+        self.checkpoint_names = checkpoint_names
+        self.shard_sizes = shard_sizes
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._staged: list[dict[str, torch.Tensor]] = [{} for _ in checkpoint_names]
+
+    def expected_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(required, optional) tensor names under each checkpoint module."""
+        raise NotImplementedError
+
+    def required_names(self) -> list[str]:
+        """The checkpoint tensors this module cannot load without."""
+        required, _ = self.expected_fields()
+        return [f"{name}.{field}" for name in self.checkpoint_names for field in required]
+
+    def check_field(self, shard: int, field: str) -> None:
+        required, optional = self.expected_fields()
+        if field not in required and field not in optional:
+            raise ValueError(f"{self.checkpoint_names[shard]}.{field}: unexpected tensor for "
+                             f"{self.quant.checkpoint_format} (expected {', '.join(required + optional)})")
+
+    def load_shard(self, shard: int, field: str, tensor: torch.Tensor) -> None:
+        self.check_field(shard, field)
+        self._staged[shard][field] = tensor
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Convert the staged shards into this module's buffers; a ValueError names what is missing."""
+        staged = {f"{name}.{field}" for name, fields in zip(self.checkpoint_names, self._staged) for field in fields}
+        missing = [name for name in self.required_names() if name not in staged]
+        if missing:
+            raise ValueError(f"{len(missing)} quantized tensor(s) missing: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+        device = next(iter(self.buffers())).device
+        # Converted on the model's device: unpacking or quantizing an 8B model on the host is slow.
+        self._build([{field: t.to(device) for field, t in staged.items()} for staged in self._staged])
+        self._staged = [{} for _ in self.checkpoint_names]
+
+    def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def fill_dummy(self, generator: torch.Generator) -> None:
+        """Random values of the right dtypes, for load_format "dummy" (benchmarks)."""
+        raise NotImplementedError
+
+    def _check_shape(self, shard: int, field: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{self.checkpoint_names[shard]}.{field} has shape {tuple(tensor.shape)}, "
+                             f"expected {shape}")
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name, dtype in self.fixed_dtypes.items():
+            buffer = getattr(self, name)
+            if buffer is not None and buffer.dtype != dtype:
+                setattr(self, name, buffer.to(dtype))
+        return self

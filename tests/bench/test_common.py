@@ -1,0 +1,29 @@
+"""bench/common.py: the bytes a decode step reads, for the configs the benchmarks run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def common():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+        yield common
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_quantized_configs_read_fewer_bytes(common):
+    bf16, fp8, awq = (common.weight_bytes_per_token(common.load_hf_config(BENCH / "configs" / name))
+                      for name in ("llama-3-8b", "llama-3-8b-fp8", "llama-3-8b-awq"))
+    assert round(bf16 / 1e9, 2) == 15.01  # Llama-3-8B without its embedding table, at 2 bytes
+    # The projections (6.98 B parameters) at 1 byte and at 0.52 bytes; lm_head and norms at 2.
+    assert round(fp8 / 1e9, 2) == 8.03
+    assert round(awq / 1e9, 2) == 4.70

@@ -1,0 +1,165 @@
+"""The playground's parts that need no replica: the form's conversation and parameters, the delta
+batching that keeps the page up with the stream, and the "view code" samples."""
+
+import asyncio
+import json
+import shlex
+
+import pytest
+from django.urls import reverse
+
+from controlplane.accounts.models import User
+from controlplane.dashboard.tenant.playground import DeltaBatcher, PlaygroundForm, PlaygroundPrompt
+from controlplane.dashboard.tenant.playground_code import code_samples
+from tests.controlplane.factories import ModelFactory, TenantFactory, UserFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def _form(**fields) -> PlaygroundForm:
+    ModelFactory(public_name="chat-a", context_length=512)
+    return PlaygroundForm({"model": "chat-a", "message": "Next?", "temperature": "0.5", "max_tokens": "16", **fields})
+
+
+def test_the_form_sends_the_conversation_after_the_system_prompt_and_before_the_message():
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    form = _form(system_prompt="Be brief.", history=json.dumps(history), top_p="0.9")
+    assert form.is_valid(), form.errors
+    body = form.prompt().chat_body()
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, *history,
+                                {"role": "user", "content": "Next?"}]
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["stream"]) == (0.5, 0.9, 16, True)
+
+
+def test_an_empty_top_p_and_history_are_the_defaults():
+    form = _form(top_p="", history="")
+    assert form.is_valid(), form.errors
+    prompt = form.prompt()
+    assert (prompt.top_p, prompt.history) == (1.0, ())
+
+
+@pytest.mark.parametrize(("history", "error"), [
+    ("not json", "Enter a valid JSON"),
+    (json.dumps({"role": "user"}), "must be a list"),
+    (json.dumps([{"role": "system", "content": "sneaky"}]), "not a user or assistant message"),
+    (json.dumps([{"role": "user", "content": 3}]), "not a user or assistant message"),
+    (json.dumps([{"role": "user", "content": "x", "name": "y"}]), "not a user or assistant message"),
+    (json.dumps([{"role": "user", "content": "x"}] * 101), "at most 100 messages"),
+])
+def test_a_malformed_conversation_is_refused_with_a_reason(history, error):
+    form = _form(history=history)
+    assert not form.is_valid()
+    assert error in " ".join(form.errors["history"])
+
+
+def test_top_p_out_of_range_is_refused():
+    form = _form(top_p="1.5")
+    assert not form.is_valid() and "less than or equal to 1" in " ".join(form.errors["top_p"])
+
+
+def test_the_delta_batcher_sends_the_first_delta_at_once_and_joins_the_rest_in_order():
+    async def scenario():
+        sent: list[str] = []
+
+        async def send(text: str) -> None:
+            sent.append(text)
+
+        batcher = DeltaBatcher(send, interval=3600)  # nothing but the first goes before the flush
+        batcher.add("Hel")
+        await asyncio.sleep(0)  # the first send runs
+        for text in ("lo", ", ", "world"):
+            batcher.add(text)
+        await asyncio.sleep(0)
+        assert sent == ["Hel"]
+        await batcher.flush()
+        return sent
+
+    assert asyncio.run(scenario()) == ["Hel", "lo, world"]
+
+
+def test_the_delta_batcher_sends_text_added_during_a_send_without_another_add():
+    async def scenario():
+        sent: list[str] = []
+        release = asyncio.Event()
+
+        async def slow_send(text: str) -> None:
+            sent.append(text)
+            await release.wait()
+
+        batcher = DeltaBatcher(slow_send, interval=0)
+        batcher.add("a")
+        await asyncio.sleep(0)
+        batcher.add("b")  # while "a" is still being sent
+        batcher.add("c")
+        release.set()
+        await batcher.flush()
+        return sent
+
+    assert asyncio.run(scenario()) == ["a", "bc"]
+
+
+def _prompt(**fields) -> PlaygroundPrompt:
+    values = {"model": "chat-a", "system_prompt": "Be brief.", "message": "It's \"quoted\" — ok?",
+              "temperature": 0.2, "top_p": 0.9, "max_tokens": 64,
+              "history": ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"})}
+    return PlaygroundPrompt(**{**values, **fields})
+
+
+def test_code_samples_carry_the_model_settings_and_conversation_and_no_key():
+    prompt = _prompt()
+    samples = {s.name: s.code for s in code_samples(base_url="https://gpu.example/v1", prompt=prompt)}
+    assert set(samples) == {"curl", "Python", "JavaScript"}
+    for code in samples.values():
+        assert "https://gpu.example/v1" in code and "OPENAI_API_KEY" in code and "sk-" not in code
+        assert '"chat-a"' in code and "0.2" in code and "0.9" in code and "64" in code and "Hello!" in code
+
+
+def test_the_curl_sample_sends_exactly_the_request_body():
+    prompt = _prompt()
+    curl = next(s.code for s in code_samples(base_url="https://gpu.example/v1", prompt=prompt) if s.name == "curl")
+    # What the shell would pass to -d: the command split as a POSIX shell splits it.
+    words = shlex.split(curl.replace("\\\n", " "))
+    assert words[-2] == "-d" and json.loads(words[-1]) == prompt.request_body()
+
+
+def test_the_python_sample_calls_the_sdk_with_the_request_body(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-the-environment")
+    prompt = _prompt()
+    python = next(s.code for s in code_samples(base_url="https://gpu.example/v1", prompt=prompt) if s.name == "Python")
+    captured = {}
+
+    class Completions:
+        def create(self, **arguments):
+            captured.update(arguments)
+
+            class Reply:
+                choices = [type("Choice", (), {"message": type("Message", (), {"content": "ok"})})]
+            return Reply
+
+    class OpenAI:  # the SDK stands outside the system; the sample's own code runs as written
+        def __init__(self, base_url, api_key):
+            captured["base_url"], captured["api_key"] = base_url, api_key
+            self.chat = type("Chat", (), {"completions": Completions()})
+
+    code = python.replace("from openai import OpenAI\n", "")
+    exec(compile(code, "sample.py", "exec"), {"OpenAI": OpenAI})
+    assert (captured.pop("base_url"), captured.pop("api_key")) == ("https://gpu.example/v1", "sk-from-the-environment")
+    assert captured == prompt.request_body()
+
+
+def test_the_code_view_follows_the_form_and_fills_in_what_is_not_valid_yet(client):
+    ModelFactory(public_name="chat-a", context_length=512)
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
+    response = client.get(reverse("dashboard:playground_code"),
+                          {"model": "chat-a", "temperature": "abc", "max_tokens": "7", "message": ""})
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert page.count('data-testid="code-sample"') == 3
+    assert "&quot;max_tokens&quot;: 7" in page or "max_tokens=7" in page
+    assert "0.7" in page and "Your next message" in page  # the initial temperature, a placeholder message
+
+
+@pytest.mark.parametrize("role", [User.Role.OPERATOR, User.Role.ADMIN])
+def test_the_code_view_is_for_tenant_members(client, role):
+    client.force_login(UserFactory(role=role, tenant=None))
+    assert client.get(reverse("dashboard:playground_code")).status_code == 403

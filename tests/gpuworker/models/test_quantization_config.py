@@ -1,0 +1,85 @@
+"""QuantConfig from config.json's quantization_config: the layouts served, and a clear ValueError
+naming the field for those that are not."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuworker.models.config import ModelConfig
+from gpuworker.checkpoint_quantization import QuantConfig, parse_quantization
+from tests.gpuworker.quantized_checkpoints import SCHEMES, quantization_config
+
+BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+
+
+def parse(qc):
+    return parse_quantization({"quantization_config": qc}, "config.json")
+
+
+@pytest.mark.parametrize("scheme, expected", [
+    ("fp8-ct-channel-weight-only", ("fp8", "compressed-tensors", "channel", None)),
+    ("fp8-ct-channel-dynamic", ("fp8", "compressed-tensors", "channel", "dynamic")),
+    ("fp8-ct-tensor-static", ("fp8", "compressed-tensors", "tensor", "static")),
+    ("fp8-vllm-static", ("fp8", "fp8", "tensor", "static")),
+    ("fp8-vllm-dynamic", ("fp8", "fp8", "tensor", "dynamic")),
+])
+def test_fp8_layouts(scheme, expected):
+    quant = parse(quantization_config(scheme))
+    assert (quant.method, quant.checkpoint_format, quant.weight_strategy, quant.activation_scheme) == expected
+    assert quant.label == "fp8"
+
+
+@pytest.mark.parametrize("scheme, zero_point", [("awq", True), ("gptq-sym", False), ("gptq-asym", True)])
+def test_int4_layouts(scheme, zero_point):
+    quant = parse(quantization_config(scheme))
+    assert (quant.bits, quant.group_size, quant.zero_point) == (4, 128, zero_point)
+    assert quant.label == f"{scheme.split('-')[0]}-int4"
+
+
+def test_model_config_carries_it():
+    assert ModelConfig.from_hf(BASE).quantization is None
+    mc = ModelConfig.from_hf({**BASE, "quantization_config": quantization_config("awq")})
+    assert mc.quantization == parse(quantization_config("awq"))
+
+
+def test_ignore_patterns():
+    quant = QuantConfig(method="fp8", checkpoint_format="compressed-tensors",
+                        ignore=("lm_head", "re:.*self_attn\\.o_proj"))
+    assert quant.ignores("lm_head")
+    assert quant.ignores("model.layers.3.self_attn.o_proj")
+    assert not quant.ignores("model.layers.3.self_attn.q_proj")
+
+
+@pytest.mark.parametrize("qc, match", [
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "activation_scheme": "per-block"}, "activation_scheme"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits must be 4"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 100}, "group_size must be a positive multiple of 8"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "gptq_v2"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "pack-quantized"),
+    ("fp8", "must be an object"),
+])
+def test_unsupported_layouts_are_named(qc, match):
+    with pytest.raises(ValueError, match=match):
+        parse(qc)
+
+
+def test_compressed_tensors_activation_strategies_are_checked():
+    qc = quantization_config("fp8-ct-channel-dynamic")
+    qc["config_groups"]["group_0"]["input_activations"]["strategy"] = "tensor"  # dynamic per tensor
+    with pytest.raises(ValueError, match="dynamic scales must be per 'token'"):
+        parse(qc)
+    qc = quantization_config("fp8-ct-tensor-static")
+    qc["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    with pytest.raises(ValueError, match="weights must be 8-bit float"):
+        parse(qc)
+
+
+def test_every_test_scheme_parses():
+    assert all(parse(quantization_config(scheme)) is not None for scheme in SCHEMES)

@@ -1,0 +1,183 @@
+"""Quantized checkpoints (FP8 compressed-tensors / vLLM fp8, AWQ, GPTQ) load into quantized linears and
+give the logits of their dequantised float32 twin run by transformers (with the format's FP8
+activation rounding where it has one); FP8 at load; what a broken or unsupported checkpoint says.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpuworker.kernels.fp8_matmul import FP8_DTYPE
+from gpuworker.models.loader import load_model, load_model_config
+from gpuworker.models.quantization.fp8 import Fp8Linear
+from gpuworker.models.quantization.int4 import Int4Linear
+from gpuworker.models.quantization.awq import unpack_columns
+from tests.gpuworker.models.paged_batch import PagedBatcher
+from tests.gpuworker.quantized_checkpoints import SCHEMES, hf_reference, make_quantized_checkpoint
+
+# float32 on both sides, the same dequantised weights: GEMM rounding only.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-4}
+
+
+def _logits(model, mc, prompt: list[int]) -> torch.Tensor:
+    batcher = PagedBatcher(mc)
+    input_ids, positions, meta = batcher.batch([("s", prompt)])
+    with torch.no_grad():
+        return model.compute_logits(model(input_ids, positions, batcher.kv_caches, meta))
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_logits_equal_the_dequantised_reference(scheme, prompt, tmp_path):
+    quantized, twin = make_quantized_checkpoint(tmp_path, scheme)
+    mc = load_model_config(quantized)
+    model = load_model(mc)
+    expected_class = Fp8Linear if scheme.startswith("fp8") else Int4Linear
+    assert isinstance(model.layers[1].self_attn.qkv_proj, expected_class)
+    assert isinstance(model.layers[0].mlp.down_proj, expected_class)
+    with torch.no_grad():
+        expected = hf_reference(quantized, twin, scheme)(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(_logits(model, mc, prompt), expected, **TOLERANCE)
+
+
+def test_buffers_keep_their_dtypes_in_bfloat16(tmp_path, prompt):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "fp8-ct-tensor-static")
+    model = load_model(quantized, dtype="bfloat16")
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.weight_fp8.dtype == FP8_DTYPE
+    assert qkv.weight_scale.dtype == qkv.input_scale.dtype == torch.float32
+    # q, k and v were calibrated with different static scales: the fused projection takes the largest.
+    scales = load_file(str(next(quantized.glob("*.safetensors"))))
+    expected = max(scales[f"model.layers.0.self_attn.{p}_proj.input_scale"].item() for p in "qkv")
+    assert qkv.input_scale.item() == expected
+    assert torch.isfinite(_logits(model, load_model_config(quantized), prompt)).all()
+
+
+def test_fp8_at_load_quantizes_a_float_checkpoint(tmp_path, prompt):
+    # The per-channel, per-token scheme is what quantization="fp8" makes of the float checkpoint the
+    # quantized files were made from: the same reference applies.
+    quantized, twin = make_quantized_checkpoint(tmp_path, "fp8-ct-channel-dynamic")
+    source = quantized.parent / "float" / "llama"
+    mc = load_model_config(source)
+    model = load_model(mc, quantization="fp8")
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and qkv.quant.activation_scheme == "dynamic"
+    with torch.no_grad():
+        expected = hf_reference(quantized, twin, "fp8-ct-channel-dynamic")(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(_logits(model, mc, prompt), expected, **TOLERANCE)
+
+
+def test_dummy_weights_of_the_right_dtypes(tmp_path, prompt):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "gptq-sym")
+    mc = load_model_config(quantized)
+    model = load_model(mc, dtype="bfloat16", load_format="dummy")
+    down = model.layers[0].mlp.down_proj
+    assert (down.qweight.dtype, down.zeros.dtype, down.scales.dtype) == (torch.int32, torch.uint8, torch.float16)
+    assert torch.isfinite(_logits(model, mc, prompt)).all()
+
+
+def test_awq_nibble_order():
+    # Nibble i of a word holds column ORDER[i] = (0, 2, 4, 6, 1, 3, 5, 7)[i].
+    word = sum(i << (4 * i) for i in range(8))
+    assert unpack_columns(torch.tensor([[word]], dtype=torch.int32)).tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+
+
+def test_gptq_zero_points_are_stored_minus_one(tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "gptq-sym")
+    model = load_model(quantized)
+    # Symmetric GPTQ stores 7 for a zero point of 8.
+    assert (model.layers[0].self_attn.o_proj.zeros == 8).all()
+
+
+def _rewrite(directory, edit) -> None:
+    [file] = directory.glob("*.safetensors")
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_missing_scale_is_named(tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "fp8-ct-channel-dynamic")
+    _rewrite(quantized, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight_scale"))
+    with pytest.raises(ValueError, match=r"missing .*model\.layers\.1\.self_attn\.k_proj\.weight_scale"):
+        load_model(quantized)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "awq")
+    _rewrite(quantized, lambda t: t.update({"model.layers.0.mlp.up_proj.bias_scale": torch.ones(2)}))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.bias_scale: unexpected tensor"):
+        load_model(quantized)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "gptq-asym")
+    name = "model.layers.0.mlp.gate_proj.scales"
+    _rewrite(quantized, lambda t: t.update({name: t[name][:, :8].contiguous()}))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj: scales is torch.float16 \(1, 8\)"):
+        load_model(quantized)
+
+
+def test_act_order_is_refused(tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "gptq-sym")
+    name = "model.layers.0.self_attn.q_proj.g_idx"
+
+    def permute(tensors):  # input row 0 in another group than row // group_size
+        tensors[name] = tensors[name].clone()
+        tensors[name][0] = 1
+
+    _rewrite(quantized, permute)
+    with pytest.raises(ValueError, match="act-order"):
+        load_model(quantized)
+
+
+def test_fp8_at_load_of_a_quantized_checkpoint_is_refused(tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "fp8-vllm-dynamic")
+    with pytest.raises(ValueError, match=r"already quantized \(fp8\)"):
+        load_model(quantized, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_model(quantized, quantization="int3")
+
+
+def test_quantized_moe_is_refused(tmp_path, tiny_checkpoint):
+    path = tiny_checkpoint("qwen3-moe")
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        load_model(path, quantization="fp8")
+
+
+def test_ignored_modules_stay_dense(tmp_path, prompt):
+    quantized, twin = make_quantized_checkpoint(tmp_path, "fp8-ct-channel-weight-only")
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["lm_head", "re:.*\\.mlp\\.down_proj"]
+    (quantized / "config.json").write_text(json.dumps(config))
+    _rewrite(quantized, lambda t: [t.update({f"model.layers.{i}.mlp.down_proj.weight":
+                                             load_file(str(next(twin.glob("*.safetensors"))))
+                                             [f"model.layers.{i}.mlp.down_proj.weight"]}) or
+                                   t.pop(f"model.layers.{i}.mlp.down_proj.weight_scale") for i in range(2)])
+    model = load_model(quantized)
+    assert not isinstance(model.layers[0].mlp.down_proj, Fp8Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, Fp8Linear)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 16, 17, 256])
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_cuda_linears_equal_their_cpu_reference(scheme, rows, tmp_path):
+    # bfloat16: FP8 rows >= 17 take torch._scaled_mm, fewer the Triton kernel; INT4 the Triton GEMM.
+    quantized, _ = make_quantized_checkpoint(tmp_path, scheme)
+    cpu = load_model(quantized, dtype="bfloat16")
+    gpu = load_model(quantized, device="cuda", dtype="bfloat16")
+    generator = torch.Generator().manual_seed(rows)
+    for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj"):
+        reference, linear = cpu.get_submodule(name), gpu.get_submodule(name)
+        x = torch.randn(rows, reference.in_features, generator=generator).bfloat16()
+        with torch.no_grad():
+            torch.testing.assert_close(linear(x.cuda()).cpu(), reference(x), rtol=2e-2, atol=2e-2)

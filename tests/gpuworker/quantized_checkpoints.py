@@ -1,0 +1,209 @@
+"""Tiny quantized checkpoints in the published layouts, each with its dequantised float32 twin.
+
+    from tests.gpuworker.quantized_checkpoints import make_quantized_checkpoint, SCHEMES
+    quantized, dequantised = make_quantized_checkpoint(tmp_path, "awq")
+
+A tiny random float32 checkpoint (tests/gpuworker/checkpoints.py) has its decoder projections
+quantized by the reference code below, written from the formats' documentation and independent of
+gpuworker's readers: llm-compressor's compressed-tensors (float-quantized), vLLM's fp8 method, AutoAWQ's
+GEMM layout and AutoGPTQ's layout. The twin holds, in the plain Llama layout, exactly the float32
+weights the quantized ones stand for, so transformers run on it is the reference for the engine run
+on the quantized files. Shapes are the smallest that hold a whole INT4 group of 128 inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.gpuworker.checkpoints import make_checkpoint
+
+# Big enough that every projection has whole groups of 128 input rows.
+QUANTIZABLE_SHAPE = {"hidden_size": 128, "intermediate_size": 256}
+GROUP_SIZE = 128
+FP8_MAX = 448.0
+_PROJECTION = re.compile(r"^(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj))\.weight$")
+# AutoAWQ packs the eight columns of a word in this order: nibble i holds column ORDER[i].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+# scheme -> quantization_config
+SCHEMES: dict[str, dict[str, Any]] = {
+    "fp8-ct-channel-weight-only": {"weights": "channel", "input_activations": None},
+    "fp8-ct-channel-dynamic": {"weights": "channel", "input_activations": "token"},
+    "fp8-ct-tensor-static": {"weights": "tensor", "input_activations": "tensor"},
+    "fp8-vllm-static": {"quant_method": "fp8", "activation_scheme": "static"},
+    "fp8-vllm-dynamic": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True, "version": "gemm"},
+    "gptq-sym": {"quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "sym": True, "desc_act": False},
+    "gptq-asym": {"quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "sym": False, "desc_act": False},
+}
+# Schemes whose activations stay in the model dtype: the engine must match the float32 twin closely.
+WEIGHT_ONLY = ("fp8-ct-channel-weight-only", "awq", "gptq-sym", "gptq-asym")
+
+
+def make_quantized_checkpoint(tmp_path: str | Path, scheme: str, family: str = "llama", *, seed: int = 0,
+                              **overrides: Any) -> tuple[Path, Path]:
+    """(quantized checkpoint directory, dequantised float32 twin directory) under tmp_path."""
+    from safetensors.torch import load_file, save_file
+
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    root = Path(tmp_path) / scheme
+    source = make_checkpoint(root / "float", family, seed=seed, **{**QUANTIZABLE_SHAPE, **overrides})
+    [weights_file] = source.glob("*.safetensors")
+    tensors = load_file(str(weights_file))
+    quantized: dict[str, torch.Tensor] = {}
+    dequantised: dict[str, torch.Tensor] = {}
+    for index, (name, tensor) in enumerate(sorted(tensors.items())):
+        match = _PROJECTION.match(name)
+        if match is None:
+            quantized[name] = dequantised[name] = tensor
+            continue
+        packed, weight = _quantize(scheme, tensor.float(), index)
+        quantized.update({f"{match.group(1)}.{field}": value for field, value in packed.items()})
+        dequantised[name] = weight
+    quantized_dir, twin_dir = root / "quantized", root / "dequantised"
+    for directory, weights in ((quantized_dir, quantized), (twin_dir, dequantised)):
+        shutil.copytree(source, directory)
+        (directory / weights_file.name).unlink()
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / weights_file.name),
+                  metadata={"format": "pt"})
+    config = json.loads((quantized_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config(scheme)
+    (quantized_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return quantized_dir, twin_dir
+
+
+def quantization_config(scheme: str) -> dict[str, Any]:
+    spec = SCHEMES[scheme]
+    if "quant_method" in spec:
+        return dict(spec)
+    activations = spec["input_activations"]
+    group = {"targets": ["Linear"],
+             "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": spec["weights"],
+                         "dynamic": False}}
+    group["input_activations"] = None if activations is None else {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": activations,
+        "dynamic": activations == "token"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
+
+
+def _quantize(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the checkpoint tensors of one projection, the float32 weight [out, in] they stand for)."""
+    if scheme.startswith("fp8"):
+        return _fp8(scheme, weight, index)
+    q, zeros, scales = _int4_groups(weight, symmetric=scheme == "gptq-sym", keep_zero_nonzero=scheme == "gptq-asym")
+    groups = torch.arange(weight.shape[1]) // GROUP_SIZE
+    dequantised = ((q - zeros[:, groups]).float() * scales.float()[:, groups])
+    # Both formats store [in, out]-major tensors.
+    q_t, zeros_t, scales_t = q.t().contiguous(), zeros.t().contiguous(), scales.t().contiguous()
+    if scheme == "awq":
+        packed = {"qweight": _pack_awq_columns(q_t), "qzeros": _pack_awq_columns(zeros_t), "scales": scales_t}
+    else:
+        packed = {"qweight": _pack_along_rows(q_t), "qzeros": _pack_along_rows((zeros_t - 1).t().contiguous()).t(),
+                  "scales": scales_t, "g_idx": groups.to(torch.int32)}
+    return packed, dequantised
+
+
+def _fp8(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    per_channel = SCHEMES[scheme].get("weights") == "channel"
+    amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax().reshape(1, 1)
+    scale = amax / FP8_MAX
+    q = (weight / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    dequantised = q.float() * scale
+    vllm = scheme.startswith("fp8-vllm")
+    # compressed-tensors writes [out, 1] per channel and [1] per tensor; vLLM's fp8 writes scalars.
+    packed = {"weight": q, "weight_scale": scale.reshape(()) if vllm else scale if per_channel else scale.reshape(1)}
+    if scheme.endswith("static"):
+        # Calibrated scales differ between fused projections (q, k, v): the engine must use the largest.
+        input_scale = torch.tensor(6.0 / FP8_MAX * (1 + 0.1 * (index % 3)))
+        packed["input_scale"] = input_scale if vllm else input_scale.reshape(1)
+    return packed, dequantised
+
+
+def _int4_groups(weight: torch.Tensor, *, symmetric: bool,
+                 keep_zero_nonzero: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per output row and group of GROUP_SIZE inputs: q [out, in] in 0..15, zeros and float16 scales
+    [out, in / GROUP_SIZE], with weight ~= (q - zero) * scale."""
+    out_features, in_features = weight.shape
+    grouped = weight.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    if symmetric:
+        scales = (grouped.abs().amax(dim=-1) / 7.5).half()
+        zeros = torch.full(scales.shape, 8, dtype=torch.int32)
+    else:
+        low, high = grouped.amin(dim=-1).clamp(max=0), grouped.amax(dim=-1).clamp(min=0)
+        scales = ((high - low) / 15).half()
+        zeros = torch.round(-low / scales.float()).to(torch.int32)
+        if keep_zero_nonzero:
+            # GPTQ stores zero - 1 in four bits: a zero of 0 would read back as 16 (the format's
+            # overflow), so calibrators keep it at least 1.
+            zeros = zeros.clamp(min=1)
+    zeros = zeros.clamp(0, 15)
+    q = torch.round(grouped / scales.float()[..., None]) + zeros[..., None]
+    q = q.clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+    return q, zeros, scales
+
+
+def _pack_awq_columns(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] values 0..15 -> int32 [R, C / 8]: word c's nibble i holds column 8c + AWQ_ORDER[i]."""
+    rows, cols = values.shape
+    packed = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for c in range(cols // 8):
+        for i, column in enumerate(AWQ_ORDER):
+            packed[:, c] |= (values[:, 8 * c + column].to(torch.int64) & 0xF) << (4 * i)
+    return _as_int32(packed)
+
+
+def _pack_along_rows(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] values 0..15 -> int32 [R / 8, C]: word i's nibble j holds row 8i + j (GPTQ's qweight)."""
+    rows, cols = values.shape
+    packed = torch.zeros(rows // 8, cols, dtype=torch.int64)
+    for j in range(8):
+        packed |= (values[j::8].to(torch.int64) & 0xF) << (4 * j)
+    return _as_int32(packed)
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+# Projections fused into one GEMM by the engine, which share one static input scale (the largest).
+_FUSED_INPUTS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
+                 "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),
+                 "up_proj": ("gate_proj", "up_proj")}
+
+
+def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str):
+    """transformers' float32 model of the twin; for schemes that quantize activations, each projection
+    first rounds its input through FP8 as the format says (per token, or with the static scale)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(twin_dir), dtype=torch.float32).eval()
+    activations = SCHEMES[scheme].get("input_activations", SCHEMES[scheme].get("activation_scheme"))
+    if activations is None or scheme in WEIGHT_ONLY:
+        return model
+    tensors = load_file(str(next(quantized_dir.glob("*.safetensors"))))
+    for name, module in model.named_modules():
+        match = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp))\.(\w+_proj)", name)
+        if match is None:
+            continue
+        static = None
+        if scheme.endswith("static"):
+            parent, proj = match.groups()
+            static = max(float(tensors[f"{parent}.{p}.input_scale"].reshape(()))
+                         for p in _FUSED_INPUTS.get(proj, (proj,)))
+        module.register_forward_pre_hook(lambda _, args, static=static: (_fake_fp8(args[0], static),))
+    return model
+
+
+def _fake_fp8(x: torch.Tensor, static: float | None) -> torch.Tensor:
+    scale = (torch.full((*x.shape[:-1], 1), static) if static is not None
+             else x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale

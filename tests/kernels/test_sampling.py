@@ -1,0 +1,121 @@
+"""The sampling kernel against its full-sort torch reference: the same kept sets (exactly) and, with
+the same Philox noise, the same tokens; on a GPU at Llama-3's vocabulary with rows split over
+programs, in the interpreter at a small vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuworker.kernels.sampling import gumbel_noise, philox_bits, sample, sample_reference
+
+ON_CUDA = torch.cuda.is_available()
+VOCAB = 128256 if ON_CUDA else 600
+TOLERANCE = 1e-5
+# Row settings, cycled over the batch: (temperature, top_k, top_p, min_p); top_k 0 is off.
+SETTINGS = [
+    (0.0, 0, 1.0, 0.0),  # greedy
+    (0.8, 0, 1.0, 0.0),
+    (0.8, 200, 1.0, 0.0),
+    (0.7, 0, 0.9, 0.0),
+    (0.8, 0, 0.95, 0.0),
+    (1.0, 5, 1.0, 0.0),
+    (1.1, 50, 0.8, 0.0),
+    (0.9, 0, 1.0, 0.1),
+    (1.3, 40, 0.9, 0.02),
+    (0.6, 1, 1.0, 0.0),
+]
+
+
+def row_params(num_rows: int, device: str) -> dict:
+    rows = [SETTINGS[i % len(SETTINGS)] for i in range(num_rows)]
+    temperature, top_k, top_p, min_p = (list(column) for column in zip(*rows))
+    return dict(
+        temperature=torch.tensor(temperature, device=device),
+        top_k=torch.tensor([k if k > 0 else VOCAB for k in top_k], device=device),
+        top_p=torch.tensor(top_p, device=device),
+        min_p=torch.tensor(min_p, device=device),
+        seeds=torch.arange(num_rows, device=device) * 7919 + 2**40,
+    )
+
+
+def make_logits(kind: str, num_rows: int, generator: torch.Generator, device: str) -> torch.Tensor:
+    # Roughly what a Llama-3-8B-shaped model with random weights gives: flat, so top-p keeps thousands.
+    logits = torch.randn(num_rows, VOCAB, generator=generator) * 1.3
+    if kind == "bfloat16":  # a real lm_head's values: many ties
+        logits = logits.bfloat16().float()
+    elif kind == "peaked":  # a trained model's: a few likely tokens
+        logits = logits * 4
+    elif kind == "masked":  # banned tokens and grammar masks; a row of equal logits
+        logits[:, ::3] = float("-inf")
+        logits[-1] = 0.5
+    return logits.to(device)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "peaked", "masked"])
+def test_same_kept_sets_and_tokens_as_the_reference(kind, device, generator):
+    num_rows = 300 if ON_CUDA else 2 * len(SETTINGS)
+    logits = make_logits(kind, num_rows, generator, device)
+    params = row_params(num_rows, device)
+    num_kept = torch.zeros(num_rows, dtype=torch.int32, device=device)
+    tokens = sample(logits, num_kept=num_kept, **params)
+    expected_tokens, expected_kept = sample_reference(logits, **params)
+    # Top-k keeps by count: exactly the reference's set. Top-p and min-p compare sums of exp(x),
+    # added in another order than the reference's cumsum: where the boundary falls within rounding
+    # of top_p (likely on a GPU, with 128k tokens of ~1e-5 each), either side of it is right.
+    lowest = sample_reference(logits, **{**params, "top_p": params["top_p"] * (1 - TOLERANCE),
+                                         "min_p": params["min_p"] * (1 + TOLERANCE)})[1]
+    highest = sample_reference(logits, **{**params, "top_p": (params["top_p"] * (1 + TOLERANCE)).clamp(max=1.0),
+                                          "min_p": params["min_p"] * (1 - TOLERANCE)})[1]
+    assert ((lowest <= num_kept) & (num_kept <= highest)).all(), (num_kept, expected_kept)
+    same_set = num_kept == expected_kept
+    assert same_set.float().mean() > 0.9
+    # The same kept set and the same noise: the same token.
+    assert tokens[same_set].tolist() == expected_tokens[same_set].tolist()
+
+
+def test_filters_are_optional_and_logits_may_be_bfloat16(device, generator):
+    logits = make_logits("float32", 6, generator, device).bfloat16()
+    params = row_params(6, device)
+    tokens = sample(logits, params["temperature"], seeds=params["seeds"])
+    expected, _ = sample_reference(logits.float(), params["temperature"], seeds=params["seeds"])
+    assert tokens.tolist() == expected.tolist()
+    only_top_p = sample(logits, params["temperature"], seeds=params["seeds"], top_p=params["top_p"])
+    expected, _ = sample_reference(logits.float(), params["temperature"], seeds=params["seeds"], top_p=params["top_p"])
+    assert only_top_p.tolist() == expected.tolist()
+
+
+def test_a_row_draws_the_same_whatever_the_batch(device, generator):
+    # A batch of one spreads its row over many programs on a GPU; a large batch gives each row one.
+    num_rows = 200 if ON_CUDA else 4
+    logits = make_logits("bfloat16", num_rows, generator, device)
+    params = row_params(num_rows, device)
+    together = sample(logits, **params)
+    for row in (0, 3, num_rows - 1):
+        alone = sample(logits[row:row + 1], **{name: value[row:row + 1] for name, value in params.items()})
+        assert alone.item() == together[row].item()
+
+
+def test_seed_and_token_id_alone_decide_the_noise():
+    # Random123's known answer for Philox-4x32-10 with key 0 at counter 0.
+    assert philox_bits(torch.tensor([0]), torch.tensor([0])).item() == 0x6627E8D5
+    seeds = torch.tensor([5, 5, 6, 2**62 + 5])
+    bits = philox_bits(seeds, torch.tensor([9, 9, 9, 9]))
+    assert bits[0] == bits[1] and len(set(bits.tolist())) == 3
+    noise = gumbel_noise(torch.full((20000,), 3), torch.arange(20000))
+    # Standard Gumbel: mean is Euler's constant, variance pi^2 / 6.
+    assert abs(noise.mean().item() - 0.5772) < 0.03 and abs(noise.var().item() - 1.6449) < 0.08
+
+
+def test_rejects_bad_arguments(device):
+    logits = torch.zeros(2, 16, device=device)
+    temperature = torch.ones(2, device=device)
+    seeds = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="temperature must have shape"):
+        sample(logits, torch.ones(3, device=device), seeds=seeds)
+    with pytest.raises(ValueError, match="seeds must have dtype"):
+        sample(logits, temperature, seeds=seeds.int())
+    with pytest.raises(ValueError, match="top_k must have shape"):
+        sample(logits, temperature, seeds=seeds, top_k=torch.ones(1, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="logits must have dtype"):
+        sample(logits.long(), temperature, seeds=seeds)
