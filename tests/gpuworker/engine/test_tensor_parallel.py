@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpuworker.engine import LLMEngine, SamplingParams
-from gpuworker.models.loader import load_model, load_model_config
+from gpuworker.models.loader import load_model, load_model_config, with_quantization
 from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 
 # Mixed lengths and a small token budget: chunked prefills share steps with decodes.
@@ -97,6 +97,13 @@ def test_a_model_that_does_not_split_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
         LLMEngine(path, tensor_parallel_size=3)
     assert not multiprocessing.active_children()  # refused before any worker started
+
+
+def test_a_quantized_model_is_not_split(tiny_checkpoint):
+    mc = with_quantization(load_model_config(tiny_checkpoint("llama")), "fp8")
+    with pytest.raises(ValueError, match=r"quantization: a .* model cannot be split over tensor_parallel_size \(2\)"):
+        shard_config(mc, ParallelContext(0, 2))
+    assert shard_config(mc, ParallelContext(0, 1)) is mc  # one rank: nothing to split
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
