@@ -1,7 +1,7 @@
 """Command line of the GPU worker.
 
     python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
-                              [--max-num-seqs N] [--max-num-batched-tokens N]
+                              [--max-num-seqs N] [--max-num-batched-tokens N] [--tensor-parallel-size N]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
                                [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
                                [--model-root DIR ...] [--stage-budget-bytes N] [--no-spare-replicas]
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens each, up to 1024; 256 on CPU)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="most tokens in one step (default: from the model's size, 2048-16384; 8192 on CPU)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="split the model over N ranks: GPUs device..device+N-1 (NCCL), or N CPU processes "
+                            "(gloo); the replica starts the N-1 worker processes itself")
     serve.add_argument("--quantization", choices=("fp8",), default=None,
                        help="quantize a float checkpoint's projections to FP8 at load (quantized FP8, AWQ and "
                             "GPTQ checkpoints are detected from their config.json)")
@@ -144,7 +147,8 @@ def serve(args: argparse.Namespace) -> None:
                           dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           quantization=args.quantization,
-                          gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout)
+                          gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout,
+                          tensor_parallel_size=args.tensor_parallel_size)
     holder = EngineHolder(config)
     holder.start_loading()
     from gpuworker.models.loader import TRANSFORMERS_IMPORT_LOCK

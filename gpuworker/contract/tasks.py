@@ -89,7 +89,8 @@ class _Task:
 
 @dataclass(frozen=True)
 class LoadModel(_Task):
-    """Start a replica of the checkpoint at model_path on GPU gpu_index (None: the CPU)."""
+    """Start a replica of the checkpoint at model_path on GPU gpu_index (None: the CPU); with
+    tensor_parallel_size N, split over GPUs gpu_index..gpu_index+N-1 (or N CPU processes)."""
     NAME: ClassVar[str] = LOAD_MODEL
     replica_id: int = _argument(_int_at_least(0))
     model_path: str = _argument(_text)
@@ -98,6 +99,7 @@ class LoadModel(_Task):
     memory_fraction: float = _argument(_number_in(0.0, 1.0, low_open=True))
     max_model_len: int | None = _argument(_int_at_least(1, optional=True), None)
     dtype: str = _argument(_dtype, "auto")
+    tensor_parallel_size: int = _argument(_int_at_least(1), 1)
 
 
 @dataclass(frozen=True)

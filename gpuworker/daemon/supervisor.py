@@ -200,6 +200,11 @@ class Supervisor:
             return None, (f"gpu_index {request.gpu_index} was requested, but this worker has no GPU"
                           if not self.gpu_count else f"gpu_index {request.gpu_index} does not exist on this worker "
                           f"(it has {self.gpu_count} GPU(s), 0-{self.gpu_count - 1})")
+        last_gpu = (request.gpu_index or 0) + request.tensor_parallel_size - 1
+        if request.gpu_index is not None and last_gpu >= self.gpu_count:
+            return None, (f"tensor_parallel_size {request.tensor_parallel_size} from gpu_index {request.gpu_index} "
+                          f"needs GPUs {request.gpu_index}-{last_gpu}; this worker has {self.gpu_count} (0-"
+                          f"{self.gpu_count - 1})")
         resolved, problem = resolve_model_root_path(request.model_path, self.model_roots)
         if problem is not None:
             return None, problem
@@ -234,6 +239,8 @@ class Supervisor:
                       "--memory-fraction", str(request.memory_fraction), "--exit-with-parent", str(os.getpid())]
         if request.max_model_len is not None:
             serve_argv += ["--max-model-len", str(request.max_model_len)]
+        if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself
+            serve_argv += ["--tensor-parallel-size", str(request.tensor_parallel_size)]
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
         spare = self._spares.pop(device, None)
         try:

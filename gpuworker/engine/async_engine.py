@@ -86,12 +86,13 @@ class AsyncLLMEngine:
         return await self._call(lambda: fn(self.engine))
 
     def shutdown(self) -> None:
-        """Stop the loop thread; unfinished requests are aborted."""
+        """Stop the loop thread (unfinished requests are aborted) and the engine's worker ranks."""
         if self._stopped:
             return
         self._stopped = True
         self._commands.put(None)
         self._thread.join()
+        self.engine.shutdown()
 
     async def __aenter__(self) -> AsyncLLMEngine:
         return self

@@ -56,6 +56,12 @@ class EngineConfig:
     # Schedule and launch step N+1 while step N runs on the device, so host work hides behind it.
     # None: on for CUDA, off for CPU (where nothing runs asynchronously to hide behind).
     async_scheduling: bool | None = None
+    # Ranks the model is split over (engine.parallel): one process each, on consecutive GPUs from
+    # `device`'s index on CUDA (NCCL), or CPU processes (gloo). 1: one process, no collectives.
+    tensor_parallel_size: int = 1
+    # A collective that waits longer than this for another rank fails (a rank died or hung), so the
+    # engine raises instead of hanging.
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -69,6 +75,10 @@ class EngineConfig:
         if self.quantization not in LOAD_QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {LOAD_QUANTIZATIONS}, got {self.quantization!r}")
         _positive_int("block_size", self.block_size)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        timeout = self.distributed_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {timeout!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len",
                      "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:

@@ -28,6 +28,7 @@ from gpuworker.attention.backend import AttentionBackend
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from gpuworker.engine.model_runner import ModelRunner, StepHandle
+from gpuworker.engine.parallel import Workers
 from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepStats,
                                       TokenLogprob)
 from gpuworker.engine.sampling_params import SamplingParams
@@ -38,6 +39,7 @@ from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype, with_quantization
+from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 
 logger = logging.getLogger(__name__)
 # A text longer than max_model_len times this many characters is first tokenized by its head only
@@ -119,6 +121,21 @@ class LLMEngine:
         return engine
 
     def _start(self, config: EngineConfig, attn_backend: AttentionBackend | None) -> None:
+        # With tensor parallelism this process is rank 0: the other ranks' processes start first and
+        # load their shards alongside this one's (engine.parallel). A model that does not split
+        # into that many ranks is refused before any process starts.
+        self.workers = None
+        if config.tensor_parallel_size > 1:
+            shard_config(with_quantization(load_model_config(config.model), config.quantization),
+                         ParallelContext(0, config.tensor_parallel_size))
+            self.workers = Workers.start(config)
+        try:
+            self._build(config, attn_backend)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, attn_backend: AttentionBackend | None) -> None:
         # Seconds per start-up stage, for /health and bench/load_time.py.
         self.load_timings: dict[str, float] = {}
         clock = _StageClock(self.load_timings, config.device)
@@ -147,14 +164,22 @@ class LLMEngine:
             with clock("cuda_init"):
                 torch.cuda.init()
                 torch.empty(0, device=self.device)
+        parallel = self.workers.context if self.workers is not None else None
         with clock("weights"):
             model = load_model(mc, device=self.device, dtype=self.dtype, attn_backend=attn_backend,
-                               load_format=config.load_format, seed=config.seed)
+                               load_format=config.load_format, seed=config.seed, parallel=parallel)
         free_device_bytes = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free_device_bytes, _ = torch.cuda.mem_get_info(self.device)
-        sized = plan_sizes(config, mc, element_size=self.dtype.itemsize, max_model_len=max_model_len,
+        if self.workers is not None:
+            with clock("workers_weights_wait"):
+                # Every rank's pool has as many blocks: sized for the GPU with the least room.
+                free = [free_device_bytes, *self.workers.free_device_bytes()]
+                free_device_bytes = None if None in free else min(free)
+        # The KV cache and the memory sizing count the heads this rank holds.
+        rank_mc = shard_config(mc, parallel)
+        sized = plan_sizes(config, rank_mc, element_size=self.dtype.itemsize, max_model_len=max_model_len,
                            free_device_bytes=free_device_bytes)
         pool_tokens = sized.num_kv_blocks * config.block_size
         if config.max_model_len is None and pool_tokens < max_model_len:
@@ -171,15 +196,18 @@ class LLMEngine:
             [self.tokenizer.eos_token_id] if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else [])
         self.scheduler = Scheduler(self.config)
+        if self.workers is not None:
+            self.workers.start_runners(self.config)
         with clock("kv_cache"):
-            self.runner = ModelRunner(self.config, mc, model, self.device, self.dtype)
+            self.runner = ModelRunner(self.config, rank_mc, model, self.device, self.dtype, self.workers)
         if self.runner.graph_capture_s:
             self.load_timings["cuda_graphs"] = self.runner.graph_capture_s
             self.load_timings["kv_cache"] = round(self.load_timings["kv_cache"] - self.runner.graph_capture_s, 4)
         # Triton compiles on first use: for the eager path before the first requests, as the graphs
         # are captured; with defer_warm_up both as the engine's first work after it is ready.
         self._deferred_warm_up: deque[tuple[str, Callable[[], object]]] = deque()
-        if self.device.type == "cuda" and self.config.defer_warm_up:
+        # The workers warm up as they start, so the driver's warm-up cannot wait for the first idle step.
+        if self.device.type == "cuda" and self.config.defer_warm_up and self.workers is None:
             self._deferred_warm_up.append(("warm_up", self.runner.warm_up))
             graphs = self.runner.decode_graphs
             if graphs is not None:
@@ -187,6 +215,9 @@ class LLMEngine:
         elif self.device.type == "cuda":
             with clock("warm_up"):
                 self.runner.warm_up()
+        if self.workers is not None:
+            with clock("workers_ready_wait"):
+                self.workers.wait_ready()
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._next_seq_id = 0
@@ -310,6 +341,11 @@ class LLMEngine:
                 seq.token_ids.pop()
         request.finish_time = time.time()
         return self._output(request, {})
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any; the engine runs no step after this."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)

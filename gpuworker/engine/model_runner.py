@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from gpuworker.engine.scheduler import ScheduledBatch
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from gpuworker.engine.grammar_masks import TokenBitmask
 from gpuworker.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from gpuworker.engine.parallel import Workers
 
 
 @dataclass
@@ -106,12 +110,15 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, mc: ModelConfig, model: nn.Module,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, workers: Workers | None = None) -> None:
+        """mc: the shapes this rank holds (models.tensor_parallel.shard_config); workers: the other
+        tensor-parallel ranks, which run each eager forward with this one (engine.parallel)."""
         if not config.is_resolved:
             raise ValueError("the model runner needs a resolved config (see EngineConfig.is_resolved)")
         self.config = config
         self.model_config = mc
         self.model = model
+        self.workers = workers
         self.device = device
         self.block_size = config.block_size
         # One tensor for the whole pool; each layer gets a view [2, blocks, block_size, kv_heads, head_dim].
@@ -125,7 +132,9 @@ class ModelRunner:
         self.graph_capture_s = 0.0
         # Only a backend that never reads device values on the host can be captured.
         backend_name = getattr(getattr(model, "attn_backend", None), "name", "")
-        if device.type == "cuda" and not config.enforce_eager and backend_name == "triton":
+        # A split model runs eagerly: its collectives are not captured.
+        unsplit = getattr(model, "parallel", None) is None
+        if device.type == "cuda" and not config.enforce_eager and backend_name == "triton" and unsplit:
             from gpuworker.engine.cuda_graphs import DecodeGraphs
 
             started = time.perf_counter()
@@ -183,7 +192,6 @@ class ModelRunner:
         """Run one step and wait for its sampled tokens."""
         return self.wait(self.launch(batch))
 
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: StepHandle | None = None,
                defer_sampling: bool = False) -> StepHandle:
         """Enqueue one step on the device; `previous` supplies tokens still held as placeholders.
@@ -191,6 +199,13 @@ class ModelRunner:
         defer_sampling: enqueue only the forward pass and the logits, and return; the caller then
         calls `sample` (with a grammar's token mask built on the host meanwhile).
         """
+        if self.workers is None:
+            return self._launch(batch, previous, defer_sampling)
+        with self.workers.guard():
+            return self._launch(batch, previous, defer_sampling)
+
+    @torch.inference_mode()
+    def _launch(self, batch: ScheduledBatch, previous: StepHandle | None, defer_sampling: bool) -> StepHandle:
         host = self.host_inputs(batch)
         sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
         sampling_meta = (self.sampler.metadata(sample_seqs, self.model_config.vocab_size,
@@ -272,6 +287,8 @@ class ModelRunner:
                               positions=host.positions, slot_mapping=host.slot_mapping,
                               seq_lens=host.seq_lens, block_tables=host.block_tables)
         inputs = self.prepare_inputs(batch, previous, host=host)
+        if self.workers is not None:
+            self.workers.send_step(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return hidden if inputs.samples_every_row else hidden[inputs.sample_indices]
 

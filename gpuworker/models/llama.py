@@ -17,10 +17,13 @@ from gpuworker.attention.backend import AttentionBackend, AttentionMetadata, fus
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_then_linear
 from gpuworker.models.moe import SparseMoE
+from gpuworker.models.tensor_parallel import (ParallelContext, ParallelGatedMLP, RowParallelLinear, active,
+                                              shard_config, vocab_parallel_embedding, vocab_parallel_logits,
+                                              vocab_range)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -30,7 +33,8 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         # q, k and v fused into one GEMM (rows: q, then k, then v), as gpt-fast and vLLM do.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
+        self.o_proj = (Linear(self.q_size, config.hidden_size, config.o_proj_bias) if parallel is None
+                       else RowParallelLinear(self.q_size, config.hidden_size, config.o_proj_bias, parallel))
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # Shared by all layers; kept out of the module tree so it is not registered once per layer.
@@ -60,13 +64,16 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config, rotary, parallel)
         if config.moe is not None and config.moe.sparse_layers[index]:
-            self.mlp: GatedMLP | SparseMoE = SparseMoE(config.hidden_size, config.moe)
-        else:
+            self.mlp: GatedMLP | SparseMoE = SparseMoE(config.hidden_size, config.moe, parallel)
+        elif parallel is None:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        else:
+            self.mlp = ParallelGatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,23 +96,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden_size]."""
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden_size].
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+    With a `parallel` context of several ranks, this rank's shard (models.tensor_parallel); `config`
+    stays the whole model's."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
         self.attn_backend = attn_backend
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size),
-                                         requires_grad=False)
+        self.parallel = active(parallel)
+        layer_config = shard_config(config, self.parallel)
+        vocab_rows = config.vocab_size if self.parallel is None else vocab_range(config.vocab_size, self.parallel)[2]
+        self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, config.hidden_size), requires_grad=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rotary, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(layer_config, self.rotary, i, self.parallel)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size),
-                                        requires_grad=False)
+            self.lm_head = nn.Parameter(torch.empty(vocab_rows, config.hidden_size), requires_grad=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -113,7 +126,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens[input_ids]
+        if self.parallel is None:
+            hidden = self.embed_tokens[input_ids]
+        else:
+            hidden = vocab_parallel_embedding(self.embed_tokens, input_ids, self.config.vocab_size, self.parallel)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.attn_backend)
@@ -122,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (rows already selected) -> logits [N, vocab_size] in float32."""
         weight = self.lm_head_weight
+        if self.parallel is not None:
+            return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.parallel)
         if hidden.is_cuda:
             from gpuworker.kernels.gemv import gemv, tuned_config
 
@@ -138,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         argmax in its own launch and no float32 logits are made.
         """
         weight = self.lm_head_weight
-        if hidden.is_cuda:
+        if hidden.is_cuda and self.parallel is None:
             from gpuworker.kernels.gemv import gemv_argmax, tuned_config
 
             config = tuned_config(hidden, weight)

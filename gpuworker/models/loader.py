@@ -9,6 +9,7 @@ checkpoint fails at once with the file and the expected shape in the message.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -21,19 +22,20 @@ from typing import Any
 import torch
 
 from gpuworker.attention.backend import AttentionBackend
-from gpuworker.checkpoint_files import (WARM_FRACTION, checkpoint_files, gguf_file, read_header, read_json,
-                                        resident_fraction)
+from gpuworker.checkpoint_files import (WARM_FRACTION, TensorEntry, checkpoint_files, gguf_file, read_header,
+                                        read_json, resident_fraction)
 from gpuworker.attention.torch_backend import TorchAttentionBackend
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
+from gpuworker.models.tensor_parallel import ParallelContext, kv_head_range, vocab_range
 from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.quantization.install import (install_quantized_linears, load_quantized_tensors,
                                                    missing_quantized_tensors, quantized_shards)
 from gpuworker.models.quantization.linear import QuantizedLinear
-from gpuworker.models.weight_stream import TensorCopy, copy_tensors
+from gpuworker.models.weight_stream import TORCH_DTYPES, TensorCopy, copy_tensors
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -78,8 +80,10 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 def load_model(config: ModelConfig | str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str = torch.float32, attn_backend: AttentionBackend | None = None,
-               load_format: str = "auto", seed: int = 0, quantization: str | None = None) -> LlamaForCausalLM:
-    """Build the decoder on `device` in `dtype` and fill it from the checkpoint's safetensors.
+               load_format: str = "auto", seed: int = 0, quantization: str | None = None,
+               parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+    """Build the decoder on `device` in `dtype` and fill it from the checkpoint's safetensors
+    (with `parallel`: this rank's shard of it, see models.tensor_parallel).
 
     A quantized checkpoint (config.json's quantization_config) loads into quantized linears;
     quantization "fp8" quantizes a float checkpoint's projections to FP8 as they load.
@@ -97,7 +101,7 @@ def load_model(config: ModelConfig | str | Path, device: str | torch.device = "c
     # Built on the meta device and then allocated uninitialised in the target dtype: no float32
     # staging copy and no init kernels, which matters for 8B-parameter models.
     with torch.device("meta"):
-        model = LlamaForCausalLM(mc, attn_backend)
+        model = LlamaForCausalLM(mc, attn_backend, parallel)
         if mc.quantization is not None:
             install_quantized_linears(model, mc.quantization)
     model = model.to(torch_dtype).to_empty(device=device)
@@ -157,43 +161,82 @@ def resolve_dtype(dtype: torch.dtype | str, mc: ModelConfig) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint tensor one tensor-parallel rank holds: indices [begin, begin + length)
+    of dimension `dim` (0: rows, 1: columns), of `size` in the checkpoint."""
+
+    dim: int
+    begin: int
+    length: int
+    size: int
+
+
+@dataclass(frozen=True)
 class _Target:
-    """Where one checkpoint tensor goes: rows [start, start + rows) of a model parameter."""
+    """Where one checkpoint tensor (or its `shard`) goes: rows [start, start + rows) of a model parameter."""
 
     param: torch.Tensor
     start: int
     rows: int
+    shard: Shard | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.rows, *self.param.shape[1:])
+        """The checkpoint tensor's shape."""
+        shape = [self.rows, *self.param.shape[1:]]
+        if self.shard is not None:
+            shape[self.shard.dim] = self.shard.size
+        return tuple(shape)
+
+    @property
+    def dest(self) -> torch.Tensor:
+        return self.param[self.start:self.start + self.rows]
 
 
-def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target]:
-    """HF tensor name -> slice of our (fused) parameters."""
+def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
+    """HF tensor name -> slice of our (fused) parameters; None for a tensor that only other
+    tensor-parallel ranks hold (another rank's experts)."""
     mc = model.config
-    targets: dict[str, _Target] = {}
+    targets: dict[str, _Target | None] = {}
+    parallel = model.parallel
 
-    def add(name: str, param: torch.Tensor | None, start: int = 0, rows: int | None = None) -> None:
+    def add(name: str, param: torch.Tensor | None, start: int = 0, rows: int | None = None,
+            shard: Shard | None = None) -> None:
         if param is not None:
-            targets[name] = _Target(param, start, param.shape[0] if rows is None else rows)
+            rows = param.shape[0] if rows is None else rows
+            targets[name] = _Target(param, start, rows, shard)
 
-    add("model.embed_tokens.weight", model.embed_tokens)
+    def split(dim: int, size: int, length: int, begin: int | None = None) -> Shard | None:
+        """This rank's `length` indices of `size` along dim (by default the rank's equal share)."""
+        if parallel is None:
+            return None
+        return Shard(dim, parallel.rank * length if begin is None else begin, length, size)
+
+    first_token, tokens, _ = (0, mc.vocab_size, 0) if parallel is None else vocab_range(mc.vocab_size, parallel)
+    vocab = split(0, mc.vocab_size, tokens, first_token)
+    add("model.embed_tokens.weight", model.embed_tokens, 0, tokens, vocab)
     add("model.norm.weight", model.norm.weight)
-    add("lm_head.weight", model.lm_head)
-    q, kv = mc.q_size, mc.kv_size
+    if model.lm_head is not None:
+        add("lm_head.weight", model.lm_head, 0, tokens, vocab)
+    hd = mc.head_dim
+    first_kv, num_kv = (0, mc.num_kv_heads) if parallel is None else kv_head_range(mc, parallel)
     for i, layer in enumerate(model.layers):
         attn, mlp, prefix = layer.self_attn, layer.mlp, f"model.layers.{i}."
-        for kind in ("weight", "bias"):
+        q, kv = attn.q_size, attn.kv_size
+        q_rows = split(0, mc.q_size, q)
+        kv_rows = split(0, mc.kv_size, num_kv * hd, first_kv * hd)
+        for kind in ("weight", "bias"):  # the biases of column-parallel projections split like their rows
             qkv = getattr(attn.qkv_proj, kind)
-            add(f"{prefix}self_attn.q_proj.{kind}", qkv, 0, q)
-            add(f"{prefix}self_attn.k_proj.{kind}", qkv, q, kv)
-            add(f"{prefix}self_attn.v_proj.{kind}", qkv, q + kv, kv)
-            add(f"{prefix}self_attn.o_proj.{kind}", getattr(attn.o_proj, kind))
+            add(f"{prefix}self_attn.q_proj.{kind}", qkv, 0, q, q_rows)
+            add(f"{prefix}self_attn.k_proj.{kind}", qkv, q, kv, kv_rows)
+            add(f"{prefix}self_attn.v_proj.{kind}", qkv, q + kv, kv, kv_rows)
             if isinstance(mlp, GatedMLP):
-                _add_gated_mlp(add, f"{prefix}mlp.", mlp, kind)
+                _add_gated_mlp(add, split, f"{prefix}mlp.", mlp, kind, mc.intermediate_size)
+        o_columns = None if q_rows is None else replace(q_rows, dim=1)
+        add(f"{prefix}self_attn.o_proj.weight", attn.o_proj.weight, shard=o_columns)
+        add(f"{prefix}self_attn.o_proj.bias", attn.o_proj.bias)
         if isinstance(mlp, SparseMoE):
-            _add_moe(add, prefix, mlp, mc.hidden_size)
+            _add_moe(add, split, targets, prefix, mlp, mc.hidden_size)
         if attn.q_norm is not None:
             add(f"{prefix}self_attn.q_norm.weight", attn.q_norm.weight)
             add(f"{prefix}self_attn.k_norm.weight", attn.k_norm.weight)
@@ -202,25 +245,38 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target]:
     return targets
 
 
-def _add_gated_mlp(add: Callable[..., None], prefix: str, mlp: GatedMLP, kind: str) -> None:
+def _add_gated_mlp(add: Callable[..., None], split: Callable[..., Shard | None], prefix: str, mlp: GatedMLP,
+                   kind: str, full_inter: int) -> None:
+    """gate and up: row ranges of gate_up_proj (this rank's rows of each); down: its columns."""
     inter, gate_up = mlp.intermediate_size, getattr(mlp.gate_up_proj, kind)
-    add(f"{prefix}gate_proj.{kind}", gate_up, 0, inter)
-    add(f"{prefix}up_proj.{kind}", gate_up, inter, inter)
-    add(f"{prefix}down_proj.{kind}", getattr(mlp.down_proj, kind))
+    rows = split(0, full_inter, inter)
+    add(f"{prefix}gate_proj.{kind}", gate_up, 0, inter, rows)
+    add(f"{prefix}up_proj.{kind}", gate_up, inter, inter, rows)
+    columns = None if rows is None or kind == "bias" else replace(rows, dim=1)
+    add(f"{prefix}down_proj.{kind}", getattr(mlp.down_proj, kind), shard=columns)
 
 
-def _add_moe(add: Callable[..., None], prefix: str, moe: SparseMoE, hidden_size: int) -> None:
-    """The router, each expert's projections (row ranges of the stacked w13 and w2) and the shared expert."""
+def _add_moe(add: Callable[..., None], split: Callable[..., Shard | None], targets: dict[str, _Target | None],
+             prefix: str, moe: SparseMoE, hidden_size: int) -> None:
+    """The router, this rank's experts' projections (row ranges of the stacked w13 and w2; other
+    ranks' experts map to None) and the shared expert."""
     config = moe.config
     block, (gate, up, down) = f"{prefix}{config.checkpoint_prefix}.", config.expert_names
     inter = config.expert_intermediate_size
     add(f"{block}gate.weight", moe.gate.weight)
     for e in range(config.num_experts):
-        add(f"{block}experts.{e}.{gate}.weight", moe.w13, 2 * inter * e, inter)
-        add(f"{block}experts.{e}.{up}.weight", moe.w13, 2 * inter * e + inter, inter)
-        add(f"{block}experts.{e}.{down}.weight", moe.w2, hidden_size * e, hidden_size)
+        local = e - moe.first_expert
+        names = (f"{block}experts.{e}.{gate}.weight", f"{block}experts.{e}.{up}.weight",
+                 f"{block}experts.{e}.{down}.weight")
+        if not 0 <= local < moe.num_local_experts:
+            targets.update(dict.fromkeys(names))
+            continue
+        add(names[0], moe.w13, 2 * inter * local, inter)
+        add(names[1], moe.w13, 2 * inter * local + inter, inter)
+        add(names[2], moe.w2, hidden_size * local, hidden_size)
     if moe.shared_expert is not None:
-        _add_gated_mlp(add, f"{block}shared_expert.", moe.shared_expert, "weight")
+        _add_gated_mlp(add, split, f"{block}shared_expert.", moe.shared_expert, "weight",
+                       config.shared_expert_intermediate_size)
         add(f"{block}shared_expert_gate.weight", moe.shared_expert_gate.weight)
 
 
@@ -235,9 +291,12 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     # The headers first: names and shapes are checked before any weight is copied.
     plan: list[tuple[Path, list[TensorCopy]]] = []
     unexpected: list[str] = []
+    found: set[str] = set()
     for file in files:
         copies = []
         for entry in read_header(file):
+            if entry.name in targets:
+                found.add(entry.name)
             target = targets.get(entry.name)
             module_name, _, field = entry.name.rpartition(".")
             if target is None and module_name in shards:
@@ -246,14 +305,13 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
                 quantized.append((file, entry.name))
                 continue
             if target is None:
-                if not _skippable(entry.name, mc):
+                if entry.name not in targets and not _skippable(entry.name, mc):
                     unexpected.append(f"{entry.name} (in {file.name})")
                 continue
             if entry.shape != target.shape:
                 raise ValueError(f"{entry.name} in {file.name} has shape {entry.shape}, expected {target.shape}")
-            copies.append(TensorCopy(entry, target.param[target.start:target.start + target.rows]))
+            copies.append(_shard_copy(entry, target))
         plan.append((file, copies))
-    found = {copy.entry.name for _, copies in plan for copy in copies}
     _check_coverage(mc, targets, found, unexpected, ", ".join(f.name for f in files))
     missing = missing_quantized_tensors(shards, {name for _, name in quantized})
     if missing:
@@ -267,6 +325,20 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         load_quantized_tensors(shards, quantized)
 
 
+def _shard_copy(entry: TensorEntry, target: _Target) -> TensorCopy:
+    """The copy of a target's part of a checkpoint tensor: a row shard is a contiguous byte range of
+    the file, read alone; a column shard is read whole and its columns taken."""
+    shard = target.shard
+    if shard is None:
+        return TensorCopy(entry, target.dest)
+    if shard.dim == 1:
+        return TensorCopy(entry, target.dest, columns=(shard.begin, shard.length))
+    row_bytes = TORCH_DTYPES[entry.dtype].itemsize * math.prod(entry.shape[1:])
+    begin = entry.begin + shard.begin * row_bytes
+    rows = replace(entry, shape=(shard.length, *entry.shape[1:]), begin=begin, end=begin + shard.length * row_bytes)
+    return TensorCopy(rows, target.dest)
+
+
 @torch.no_grad()
 def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     file = Path(mc.model_path)
@@ -274,23 +346,28 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         weights = GGUFWeights(file)
     targets = checkpoint_targets(model)
     # Names and shapes first, as for safetensors: checked before any block is dequantised.
-    plan: list[tuple[GGUFTensor, torch.Tensor]] = []
+    plan: list[tuple[GGUFTensor, torch.Tensor, Shard | None]] = []
     unexpected: list[str] = []
+    found: set[str] = set()
     for tensor in weights.tensors():
+        if tensor.name in targets:
+            found.add(tensor.name)
         target = targets.get(tensor.name) if tensor.name is not None else None
         if target is None:
-            if tensor.name is not None and not _skippable(tensor.name, mc):
+            if tensor.name is not None and tensor.name not in targets and not _skippable(tensor.name, mc):
                 unexpected.append(tensor.name)
             continue
         if tensor.shape != target.shape:
             raise ValueError(f"{tensor.name} in {file.name} has shape {tensor.shape}, expected {target.shape}")
-        plan.append((tensor, target.param[target.start:target.start + target.rows]))
-    _check_coverage(mc, targets, {tensor.name for tensor, _ in plan}, unexpected, file.name)
+        shard = target.shard
+        plan.append((tensor, target.dest, shard))
+    _check_coverage(mc, targets, found, unexpected, file.name)
     # One tensor dequantised at a time, straight into its parameter: the float32 copy is dropped
     # before the next, so a load holds the model and one tensor (not a second whole model).
     callback = _progress_callback.get()
-    for done, (tensor, destination) in enumerate(plan, 1):
-        destination.copy_(weights.read(tensor))
+    for done, (tensor, destination, shard) in enumerate(plan, 1):
+        weight = weights.read(tensor)
+        destination.copy_(weight if shard is None else weight.narrow(shard.dim, shard.begin, shard.length))
         if callback is not None:
             callback(done / len(plan))
 
@@ -299,7 +376,7 @@ def _skippable(name: str, mc: ModelConfig) -> bool:
     return bool(_IGNORED.search(name)) or (name == "lm_head.weight" and mc.tie_word_embeddings)
 
 
-def _check_coverage(mc: ModelConfig, targets: dict[str, _Target], found: set[str], unexpected: list[str],
+def _check_coverage(mc: ModelConfig, targets: dict[str, _Target | None], found: set[str], unexpected: list[str],
                     files: str) -> None:
     """Every parameter found in the checkpoint and no tensor left over, or a ValueError naming them."""
     missing = [name for name in targets if name not in found]

@@ -16,6 +16,7 @@ from torch import nn
 
 from gpuworker.models.config import MoEConfig
 from gpuworker.models.layers import GatedMLP, Linear
+from gpuworker.models.tensor_parallel import ParallelContext, local_experts
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,15 +47,23 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden_size: int, config: MoEConfig) -> None:
+    def __init__(self, hidden_size: int, config: MoEConfig, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
-        experts, inter = config.num_experts, config.expert_intermediate_size
+        # Expert parallel: this rank's experts [first_expert, first_expert + num_local_experts) and its
+        # slice of the shared expert; forward sums the ranks' partial outputs in one all-reduce.
+        self.parallel = parallel
+        self.first_expert, experts = (0, config.num_experts) if parallel is None else \
+            parallel.split(config.num_experts, "num_experts")
+        self.num_local_experts = experts
+        inter = config.expert_intermediate_size
         self.hidden_size = hidden_size
-        self.gate = Linear(hidden_size, experts)  # the router
+        self.gate = Linear(hidden_size, config.num_experts)  # the router
         self.w13 = nn.Parameter(torch.empty(experts * 2 * inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(experts * hidden_size, inter), requires_grad=False)
         shared = config.shared_expert_intermediate_size
+        if parallel is not None and shared:
+            shared = parallel.split(shared, "shared_expert_intermediate_size")[1]
         self.shared_expert = GatedMLP(hidden_size, shared, False) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1) if shared else None
 
@@ -62,8 +71,10 @@ class SparseMoE(nn.Module):
         """x [T, H], already normalised -> [T, H]."""
         config = self.config
         weights, ids = route(self.gate(x), config.top_k, config.norm_topk_prob)
-        w13 = self.w13.view(config.num_experts, -1, self.hidden_size)
-        w2 = self.w2.view(config.num_experts, self.hidden_size, -1)
+        if self.parallel is not None:
+            weights, ids = local_experts(weights, ids, self.first_expert, self.num_local_experts)
+        w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
+        w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
         if x.is_cuda:
             from gpuworker.kernels.fused_moe import fused_moe
 
@@ -73,4 +84,4 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert.down(self.shared_expert.gate_up_proj(x))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return out
+        return out if self.parallel is None else self.parallel.all_reduce(out)

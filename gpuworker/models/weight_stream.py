@@ -33,14 +33,21 @@ MAX_READERS = 8
 
 @dataclass(frozen=True)
 class TensorCopy:
-    """Checkpoint tensor `entry` goes to `dest`, a contiguous tensor of the same shape."""
+    """Checkpoint tensor `entry` goes to `dest`, a contiguous tensor of the same shape (or, with
+    `columns` (first, count), of those columns of it: a tensor-parallel rank's shard)."""
 
     entry: TensorEntry
     dest: torch.Tensor
+    columns: tuple[int, int] | None = None
 
     @property
     def same_dtype(self) -> bool:
         return TORCH_DTYPES[self.entry.dtype] == self.dest.dtype
+
+    @property
+    def byte_for_byte(self) -> bool:
+        """The file's bytes are dest's bytes: copied without a staging tensor."""
+        return self.same_dtype and self.columns is None
 
     @property
     def nbytes(self) -> int:
@@ -92,15 +99,18 @@ def split_plan(plan: list[tuple[Path, list[TensorCopy]]], parts: int) -> list[tu
 def _copy_file(file: Path, copies: list[TensorCopy], advance: Callable[[int], None], chunk_bytes: int) -> None:
     fd = os.open(file, os.O_RDONLY)
     try:
-        streamed = [c for c in copies if c.same_dtype and c.dest.is_cuda]
+        streamed = [c for c in copies if c.byte_for_byte and c.dest.is_cuda]
         for copy in copies:
-            if copy.same_dtype and not copy.dest.is_cuda:
+            if copy.byte_for_byte and not copy.dest.is_cuda:
                 _pread_into(fd, _bytes_of(copy.dest), copy.entry.begin, file)
                 advance(copy.nbytes)
-            elif not copy.same_dtype:
+            elif not copy.byte_for_byte:
                 raw = torch.empty(copy.nbytes, dtype=torch.uint8)
                 _pread_into(fd, raw, copy.entry.begin, file)
-                copy.dest.copy_(raw.view(TORCH_DTYPES[copy.entry.dtype]).view(copy.entry.shape))
+                tensor = raw.view(TORCH_DTYPES[copy.entry.dtype]).view(copy.entry.shape)
+                if copy.columns is not None:
+                    tensor = tensor.narrow(1, *copy.columns)
+                copy.dest.copy_(tensor)
                 advance(copy.nbytes)
         if streamed:
             _stream_to_device(fd, file, streamed, advance, chunk_bytes)

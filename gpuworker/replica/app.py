@@ -75,6 +75,7 @@ def _holder(request: Request) -> EngineHolder:
 
 
 def _not_ready(holder: EngineHolder) -> JSONResponse | None:
+    holder.check_ranks()
     if holder.state == "ready":
         return None
     if holder.draining:
@@ -86,6 +87,7 @@ def _not_ready(holder: EngineHolder) -> JSONResponse | None:
 
 async def health(request: Request) -> Response:
     holder = _holder(request)
+    holder.check_ranks()
     if holder.state == "ready":
         return JSONResponse({"status": "ready", "load_started_at": holder.load_started_at,
                              "load_timings": holder.load_timings, "limits": holder.engine_limits})

@@ -45,6 +45,9 @@ class ServerConfig:
     # "fp8": quantize a float checkpoint at load (a quantized checkpoint needs nothing).
     quantization: str | None = None
     gpu_memory_utilization: float = 0.9
+    # Ranks (GPUs of this host from `device`'s index on) the model is split over; the replica starts
+    # the other ranks' processes itself and answers as one.
+    tensor_parallel_size: int = 1
     # SIGTERM (or POST /drain without a timeout): in-flight requests get this long to finish.
     drain_timeout_s: float = 30.0
 
@@ -84,6 +87,17 @@ class EngineHolder:
         # by it. It asks at once, so a bounded window of the latest ones is enough.
         self._started: OrderedDict[str, None] = OrderedDict()
 
+    def check_ranks(self) -> None:
+        """A ready replica whose tensor-parallel rank died can run no step: it turns failed, so the
+        daemon reports it and the fleet replaces it, instead of failing every request it is sent."""
+        workers = self.engine.engine.workers if self.engine is not None else None
+        if self.state != "ready" or workers is None:
+            return
+        gone = workers.gone()
+        if gone:
+            self.state, self.error = "failed", f"tensor-parallel {gone}"
+            logger.error("replica failed: %s", self.error)
+
     # -- loading --------------------------------------------------------------------------------
 
     def start_loading(self) -> None:
@@ -101,7 +115,8 @@ class EngineHolder:
                                   "gpu_memory_utilization": self.config.gpu_memory_utilization}
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization",
+                     "tensor_parallel_size"):
             if getattr(self.config, name) is not None:
                 kwargs[name] = getattr(self.config, name)
         self.load_progress = WEIGHTS_PROGRESS_START
@@ -125,7 +140,8 @@ class EngineHolder:
         self.engine_limits = {"max_num_seqs": config.max_num_seqs,
                               "max_num_batched_tokens": config.max_num_batched_tokens,
                               "max_model_len": config.max_model_len,
-                              "kv_cache_tokens": config.num_kv_blocks * config.block_size}
+                              "kv_cache_tokens": config.num_kv_blocks * config.block_size,
+                              "tensor_parallel_size": config.tensor_parallel_size}
         if self.state == "loading":  # a drain that began meanwhile wins
             self.state = "ready"
         logger.info("model %s ready in %.2fs: %s; %s", self.config.model_name, self.load_timings["engine_s"],

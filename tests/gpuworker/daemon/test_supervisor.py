@@ -124,6 +124,41 @@ def test_loads_from_outside_the_model_roots_are_refused_however_the_path_escapes
     assert not [p for p in psutil.Process().children() if "serve" in p.cmdline() and str(outside) in p.cmdline()]
 
 
+def test_a_tensor_parallel_load_past_the_last_gpu_fails_before_any_process_starts(tmp_path, tmp_path_factory,
+                                                                                  tiny_checkpoint):
+    supervisor = Supervisor(token=TOKEN, gpu_count=2, advertise_host="127.0.0.1", bind_host="127.0.0.1",
+                            state_dir=tmp_path, worker_name="test-host", model_roots=(tmp_path_factory.getbasetemp(),))
+    supervisor.start()
+    try:
+        supervisor.load(LoadModel(replica_id=1, model_path=str(tiny_checkpoint("llama")), served_model_name="m",
+                                  gpu_index=1, memory_fraction=0.5, tensor_parallel_size=2))
+        error = _wait(supervisor, 1, "failed", timeout=5).error
+    finally:
+        supervisor.close(drain_timeout_s=5)
+    assert error == "tensor_parallel_size 2 from gpu_index 1 needs GPUs 1-2; this worker has 2 (0-1)"
+    assert not [p for p in psutil.Process().children() if "serve" in p.cmdline()]
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_replica_is_one_replica_with_its_ranks_below_it(supervisor, tiny_checkpoint):
+    """The daemon starts one serve process; its second rank is that process's child, and stopping
+    the replica stops both."""
+    supervisor.load(LoadModel(replica_id=8, model_path=str(tiny_checkpoint("llama")), served_model_name="tp",
+                              gpu_index=None, memory_fraction=0.5, max_model_len=128, tensor_parallel_size=2))
+    ready = _wait(supervisor, 8, "ready", "failed", timeout=120)
+    assert ready.state == "ready", ready.error
+    [child] = _serve_children()
+    assert "--tensor-parallel-size" in child.cmdline()
+    ranks = [p for p in child.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+    assert len(ranks) == 1
+    completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+                            json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=60)
+    assert completion.status_code == 200
+    supervisor.unload(8, drain_timeout_s=5)
+    assert _wait(supervisor, 8, "stopped", timeout=60).error == ""
+    assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
+
+
 @pytest.mark.slow
 def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor, tiny_checkpoint):
     request = LoadModel(replica_id=7, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",

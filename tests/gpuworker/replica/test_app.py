@@ -414,31 +414,42 @@ def _env_without_token() -> dict:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
+def _start_cli_serve(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """`python -m gpuworker serve ARGS` on a socket bound here and handed over, as the daemon does
+    (--fd); returns the process and its base URL."""
+    sock = _bound_socket()
+    port = sock.getsockname()[1]
+    with sock:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gpuworker", "serve", *args, "--token", TOKEN, "--fd", str(sock.fileno()),
+             "--log-level", "warning"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
+    return process, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(client: httpx.Client, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None, process.stdout.read().decode()
+        time.sleep(0.1)
+    pytest.fail("the replica never became healthy")
+
+
 @pytest.mark.slow
 def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
     """`python -m gpuworker serve` starts and serves; SIGTERM drains (503 for new requests, the stream
     in flight finishes) and the process then exits 0."""
-    sock = _bound_socket()  # handed over as the daemon does (--fd)
-    port = sock.getsockname()[1]
-    with sock:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "gpuworker", "serve", "--model", str(tiny_checkpoint("llama")), "--token", TOKEN,
-             "--fd", str(sock.fileno()), "--served-model-name", "cli", "--max-model-len", "512",
-             "--max-num-seqs", "6", "--max-num-batched-tokens", "96",
-             "--drain-timeout", "60", "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
+    process, base = _start_cli_serve(
+        ["--model", str(tiny_checkpoint("llama")), "--served-model-name", "cli", "--max-model-len", "512",
+         "--max-num-seqs", "6", "--max-num-batched-tokens", "96", "--drain-timeout", "60"])
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
         with _client(base) as client:
-            while time.monotonic() < deadline:
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert process.poll() is None, process.stdout.read().decode()
-                time.sleep(0.1)
+            _wait_healthy(client, process, timeout=60)
             response = client.post("/v1/completions", json={"model": "cli", "prompt": "hey", "max_tokens": 3,
                                                             "ignore_eos": True})
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
@@ -568,3 +579,78 @@ def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monke
     assert order == ["health", "stream advanced", "huge"]
     assert result["response"].status_code == 400
     assert result["response"].json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.slow
+def test_cli_serve_tensor_parallel_answers_as_one_replica(tiny_checkpoint):
+    """`serve --tensor-parallel-size 2` starts its second rank itself, answers as one replica with the
+    unsplit model's tokens, and on SIGTERM exits 0 with its worker gone."""
+    path = tiny_checkpoint("llama")
+    prompt = [1, 5, 9, 200, 17]
+    from gpuworker.engine import LLMEngine, SamplingParams
+
+    expected = LLMEngine(path).generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    process, base = _start_cli_serve(["--model", str(path), "--served-model-name", "tp", "--tensor-parallel-size", "2"])
+    try:
+        with _client(base) as client:
+            _wait_healthy(client, process, timeout=120)
+            assert client.get("/health").json()["limits"]["tensor_parallel_size"] == 2
+            workers = _children(process.pid)
+            assert len(workers) >= 1  # the second rank (and multiprocessing's resource tracker)
+            response = client.post("/v1/completions", json={"model": "tp", "prompt": prompt, "max_tokens": 6,
+                                                            "ignore_eos": True, "temperature": 0})
+            assert response.status_code == 200
+            assert response.json()["choices"][0]["text"] == expected[0].outputs[0].text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while _running(workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(workers)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The process ids of pid's children (Linux)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(child) for child in f.read().split()]
+    return children
+
+
+def _running(pids: list[int]) -> list[str]:
+    """The command lines of those of pids still running (not exited, not zombies)."""
+    running = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode()
+        except FileNotFoundError:
+            continue
+        if state != "Z":
+            running.append(f"{pid}: {cmdline}")
+    return running
+
+
+@pytest.mark.slow
+def test_a_replica_whose_tensor_parallel_rank_dies_turns_failed(tiny_checkpoint):
+    """/health and every request then answer 503 naming the rank, so the daemon reports the replica
+    failed and the gateway sends requests elsewhere, rather than each one failing in a step."""
+    with _serving(_config(tiny_checkpoint, tensor_parallel_size=2)) as (base, app):
+        [worker] = app.state.holder.engine.engine.workers.processes
+        with _client(base) as client:
+            ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+            assert ok.status_code == 200
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join()
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "failed"
+            assert health.json()["error"] == f"tensor-parallel rank 1 (pid {worker.pid}) exited with code -9"
+            refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503 and "rank 1" in refused.json()["error"]["message"]

@@ -1,0 +1,158 @@
+"""Tensor parallelism inside the model: which shard of each weight a rank holds, and the layers whose
+outputs the ranks join with a collective.
+
+A model built with a ParallelContext of world size N holds on each rank: its num_heads / N query
+heads and their KV heads (a KV head is replicated on N / num_kv_heads ranks when N exceeds them),
+its slice of every MLP's intermediate size, its num_experts / N experts, and its slice of the
+vocabulary. Column-parallel projections (qkv_proj, gate_up_proj) are plain Linears of fewer rows;
+row-parallel ones (o_proj, down_proj) sum their partial products with an all-reduce; the MoE block
+sums its experts' and shared expert's partial outputs with one all-reduce; the embedding is a masked
+lookup in the rank's vocabulary rows, then an all-reduce; the logits are the rank's vocabulary
+columns, all-gathered. Without a context (N = 1) the model is built exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gpuworker.models.config import ModelConfig
+from gpuworker.models.layers import GatedMLP, Linear
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This process's rank among world_size tensor-parallel ranks, and their process group
+    (None: torch.distributed's default group)."""
+
+    rank: int
+    world_size: int
+    group: Any = None
+
+    def split(self, size: int, what: str) -> tuple[int, int]:
+        """(first, count) of this rank's equal share of `size` items; ValueError if they do not divide."""
+        if size % self.world_size:
+            raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({self.world_size})")
+        count = size // self.world_size
+        return self.rank * count, count
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place; returns it."""
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return parts
+
+
+def active(parallel: ParallelContext | None) -> ParallelContext | None:
+    """The context if it splits anything; None for one rank, so N = 1 takes the plain path."""
+    return parallel if parallel is not None and parallel.world_size > 1 else None
+
+
+def kv_head_range(mc: ModelConfig, parallel: ParallelContext) -> tuple[int, int]:
+    """(first KV head, count) of this rank: an equal share, or, with more ranks than KV heads, the
+    one head its query heads read (each head then on world_size / num_kv_heads ranks)."""
+    kv, world = mc.num_kv_heads, parallel.world_size
+    if world <= kv:
+        return parallel.split(kv, "num_key_value_heads")
+    if world % kv:
+        raise ValueError(f"tensor_parallel_size ({world}) must divide num_key_value_heads ({kv}) "
+                         "or be a multiple of it")
+    return parallel.rank // (world // kv), 1
+
+
+def vocab_range(vocab_size: int, parallel: ParallelContext) -> tuple[int, int, int]:
+    """(first token, tokens held, rows allocated) of this rank's vocabulary slice: every rank
+    allocates ceil(vocab_size / N) rows so the logits gather in equal parts; the last rank's
+    slice may hold fewer tokens."""
+    rows = -(-vocab_size // parallel.world_size)
+    first = parallel.rank * rows
+    return first, max(0, min(rows, vocab_size - first)), rows
+
+
+def shard_config(mc: ModelConfig, parallel: ParallelContext | None) -> ModelConfig:
+    """The shapes one rank holds: its query and KV heads and its share of the dense MLP (the KV
+    cache and the memory sizing read these); `mc` itself for one rank. ValueError naming the field
+    when the model does not split into world_size ranks."""
+    parallel = active(parallel)
+    if parallel is None:
+        return mc
+    if mc.quantization is not None:
+        raise ValueError(f"quantization: a {mc.quantization.label} model cannot be split over "
+                         f"tensor_parallel_size ({parallel.world_size}) ranks yet")
+    _, heads = parallel.split(mc.num_heads, "num_attention_heads")
+    _, kv_heads = kv_head_range(mc, parallel)
+    moe = mc.moe
+    dense_layers = moe is None or not all(moe.sparse_layers)
+    intermediate = parallel.split(mc.intermediate_size, "intermediate_size")[1] if dense_layers else mc.intermediate_size
+    if moe is not None:
+        parallel.split(moe.num_experts, "num_experts")
+        if moe.shared_expert_intermediate_size:
+            parallel.split(moe.shared_expert_intermediate_size, "shared_expert_intermediate_size")
+    return replace(mc, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=intermediate)
+
+
+class RowParallelLinear(Linear):
+    """A linear whose input features are split across the ranks: each rank multiplies its slice,
+    an all-reduce sums the partial products, and the bias (whole on every rank) is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.parallel.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class ParallelGatedMLP(GatedMLP):
+    """GatedMLP over this rank's slice of the intermediate size (gate_up_proj column-parallel,
+    down_proj row-parallel)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, parallel: ParallelContext) -> None:
+        super().__init__(hidden_size, intermediate_size, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, parallel)
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # Not GatedMLP's fused GEMV: that applies the bias before the partial sums are joined.
+        if gate_up.is_cuda:
+            from gpuworker.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, input_ids: torch.Tensor, vocab_size: int,
+                             parallel: ParallelContext) -> torch.Tensor:
+    """Rows of this rank's vocabulary slice `weight` for the ids it holds, zeros for the others,
+    summed over the ranks: every id's embedding, from the one rank that holds it."""
+    first, held, _ = vocab_range(vocab_size, parallel)
+    local = input_ids - first
+    mine = (local >= 0) & (local < held)
+    hidden = weight[torch.where(mine, local, 0)]
+    return parallel.all_reduce(torch.where(mine[:, None], hidden, 0))
+
+
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
+                          parallel: ParallelContext) -> torch.Tensor:
+    """hidden [N, H] -> the full logits [N, vocab_size] in float32: this rank's vocabulary columns,
+    gathered from every rank (the padding rows of the last slice cut off)."""
+    local = F.linear(hidden, weight).float()
+    return torch.cat(parallel.all_gather(local), dim=-1)[:, :vocab_size]
+
+
+def local_experts(weights: torch.Tensor, ids: torch.Tensor, first: int,
+                  count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing (weights, ids [T, top_k]) restricted to experts [first, first + count): their ids made
+    local; a choice of another rank's expert gets weight 0 and local id 0, so it adds nothing."""
+    local = ids - first
+    mine = (local >= 0) & (local < count)
+    return torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
