@@ -196,7 +196,7 @@ def test_replica_place_sends_the_load_message_after_commit(django_capture_on_com
     assert queued_tasks(gpu.worker.queue_name) == [("gpuworker.load_model", {
         "replica_id": replica.pk, "model_path": deployment.model.weights_path,
         "served_model_name": deployment.model.public_name, "gpu_index": 3, "memory_fraction": 0.25,
-        "max_model_len": 2048, "dtype": "auto",
+        "max_model_len": 2048, "dtype": "auto", "tensor_parallel_size": 1,
     })]
 
 
