@@ -132,7 +132,7 @@ def test_a_tensor_parallel_load_past_the_last_gpu_fails_before_any_process_start
     try:
         supervisor.load(LoadModel(replica_id=1, model_path=str(tiny_checkpoint("llama")), served_model_name="m",
                                   gpu_index=1, memory_fraction=0.5, tensor_parallel_size=2))
-        error = _wait(supervisor, 1, "failed", timeout=5).error
+        error = _wait(supervisor, 1, "failed", timeout=120).error
     finally:
         supervisor.close(drain_timeout_s=5)
     assert error == "tensor_parallel_size 2 from gpu_index 1 needs GPUs 1-2; this worker has 2 (0-1)"
