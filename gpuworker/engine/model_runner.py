@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -35,8 +36,14 @@ from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from gpuworker.engine.grammar_masks import TokenBitmask
 from gpuworker.models.config import ModelConfig
 
-if TYPE_CHECKING:
-    from gpuworker.engine.parallel import Workers
+
+
+class RankWorkers(Protocol):
+    """The other tensor-parallel ranks, as the runner drives them (engine.parallel.Workers)."""
+
+    def guard(self) -> AbstractContextManager[None]: ...
+
+    def send_step(self, inputs: ModelInputs) -> None: ...
 
 
 @dataclass
@@ -110,7 +117,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, mc: ModelConfig, model: nn.Module,
-                 device: torch.device, dtype: torch.dtype, workers: Workers | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, workers: RankWorkers | None = None) -> None:
         """mc: the shapes this rank holds (models.tensor_parallel.shard_config); workers: the other
         tensor-parallel ranks, which run each eager forward with this one (engine.parallel)."""
         if not config.is_resolved:

@@ -27,8 +27,10 @@ REPLICA_KEYS = {"replica_id", "state", "endpoint_url", "load_progress", "error",
 # Latency p95s in seconds: present once the replica has a sample, absent (never 0 or null) before.
 REPLICA_LATENCY_KEYS = {"ttft_p95_s", "itl_p95_s"}
 REPLICA_STATES = {"loading", "ready", "draining", "stopped", "failed"}
-# Sent by a daemon with --model-root: at registration, and in a heartbeat when the scan changed.
+# Sent by a daemon with --model-root: at registration, and in a heartbeat when the scan changed;
+# `quantization` (path -> how its weights are stored) only when a found checkpoint is quantized.
 MODELS_KEYS = {"roots", "paths"}
+MODELS_OPTIONAL_KEYS = {"quantization"}
 
 
 class ShapeError(ValueError):
@@ -46,7 +48,14 @@ def _models(where: str, body: dict, keys: set[str]) -> None:
     if not isinstance(body, dict):
         _keys(where, body, keys)  # raises, naming what came instead
     if "models" in body:
-        _keys(f"{where}.models", body["models"], MODELS_KEYS)
+        models = body["models"]
+        _keys(f"{where}.models", {k: v for k, v in models.items() if k not in MODELS_OPTIONAL_KEYS}
+              if isinstance(models, dict) else models, MODELS_KEYS)
+        quantization = models.get("quantization", {})
+        if not isinstance(quantization, dict) or not all(
+                isinstance(p, str) and p.startswith("/") and isinstance(q, str) and q
+                for p, q in quantization.items()):
+            raise ShapeError(f"{where}.models.quantization: expected absolute path -> label, got {quantization!r}")
         for key in sorted(MODELS_KEYS):
             if not isinstance(body["models"][key], list) or not all(
                     isinstance(p, str) and p.startswith("/") for p in body["models"][key]):

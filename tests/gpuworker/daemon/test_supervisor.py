@@ -126,6 +126,7 @@ def test_loads_from_outside_the_model_roots_are_refused_however_the_path_escapes
 
 def test_a_tensor_parallel_load_past_the_last_gpu_fails_before_any_process_starts(tmp_path, tmp_path_factory,
                                                                                   tiny_checkpoint):
+    before = set(_serve_children())  # other tests' replicas may be running in this process
     supervisor = Supervisor(token=TOKEN, gpu_count=2, advertise_host="127.0.0.1", bind_host="127.0.0.1",
                             state_dir=tmp_path, worker_name="test-host", model_roots=(tmp_path_factory.getbasetemp(),))
     supervisor.start()
@@ -136,7 +137,7 @@ def test_a_tensor_parallel_load_past_the_last_gpu_fails_before_any_process_start
     finally:
         supervisor.close(drain_timeout_s=5)
     assert error == "tensor_parallel_size 2 from gpu_index 1 needs GPUs 1-2; this worker has 2 (0-1)"
-    assert not [p for p in psutil.Process().children() if "serve" in p.cmdline()]
+    assert set(_serve_children()) == before
 
 
 @pytest.mark.slow
