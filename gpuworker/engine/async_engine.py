@@ -7,6 +7,11 @@
 Only the engine thread touches the LLMEngine: adds and aborts travel to it as commands and run
 between steps, so their errors (ValueError for bad input) come back to the caller. Cancelling the
 consuming task, or leaving the `async for` early, aborts the request and frees its KV blocks.
+
+Outputs reach the consumers' event loop once per step for all their requests (one wake-up, not
+one per request). A consumer that falls behind finds one output for the steps it missed, their
+deltas joined (`merge_outputs`), so a busy server sends fewer, larger stream chunks instead of
+building a backlog.
 """
 
 from __future__ import annotations
@@ -15,16 +20,45 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from gpuworker.engine.llm_engine import LLMEngine, Prompt, TokenizedPrompt
-from gpuworker.engine.outputs import RequestOutput
+from gpuworker.engine.outputs import RequestOutput, merge_outputs
 from gpuworker.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class _Stream:
+    """A request's outputs on its consumer's event loop, not yet taken. Consecutive outputs merge
+    into one; an error stays an item of its own, in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:  # on the consumer's loop
+        if self._items and isinstance(item, RequestOutput) and isinstance(self._items[-1], RequestOutput):
+            self._items[-1] = merge_outputs(self._items[-1], item)
+        else:
+            self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+def _put_all(deliveries: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in deliveries:
+        stream.put(item)
 
 
 class AsyncLLMEngine:
@@ -34,8 +68,8 @@ class AsyncLLMEngine:
             raise ValueError("pass either a model path or an engine")
         self.engine = engine if engine is not None else LLMEngine(model, **config)
         self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
-        # request id -> (its event loop, its output queue); touched only by the engine thread.
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> its stream; touched only by the engine thread.
+        self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
@@ -47,8 +81,7 @@ class AsyncLLMEngine:
     async def generate(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield an output each step the request advances; the last one has finished=True."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = _Stream(asyncio.get_running_loop())
         if not isinstance(prompt, TokenizedPrompt):
             # Tokenizing (or checking) megabytes takes seconds: neither on the caller's event loop,
             # which serves other streams, nor on the engine thread, which steps them.
@@ -56,7 +89,7 @@ class AsyncLLMEngine:
 
         def add() -> None:
             self.engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = (loop, outputs)
+            self._streams[request_id] = outputs
 
         if params is not None and params.structured_output is not None:
             # A new schema compiles here, off the engine thread, so running streams do not stall.
@@ -117,14 +150,19 @@ class AsyncLLMEngine:
         output = self.engine.abort(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None and output is not None:
-            self._deliver(stream, output)
+            self._deliver([(stream, output)])
 
-    def _deliver(self, stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: Any) -> None:
-        loop, outputs = stream
-        try:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
-        except RuntimeError:
-            pass  # the consumer's loop is closed: nobody is listening any more
+    @staticmethod
+    def _deliver(deliveries: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+        """Hand items to their streams: one call into each consumer loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in deliveries:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:
+                pass  # the consumer's loop is closed: nobody is listening any more
 
     def _loop(self) -> None:
         while True:
@@ -160,19 +198,23 @@ class AsyncLLMEngine:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; aborting all requests")
+            failed = []
             for request_id in self.engine.unfinished_request_ids():
                 self.engine.abort(request_id)
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
-                    self._deliver(stream, exc)
+                    failed.append((stream, exc))
+            self._deliver(failed)
             return
+        deliveries = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            self._deliver(stream, output)
+            deliveries.append((stream, output))
+        self._deliver(deliveries)
 
     def _shut_down_requests(self) -> None:
         for request_id in self.engine.unfinished_request_ids():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -74,6 +75,20 @@ class RequestOutput:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(output.token_ids) for output in self.outputs)
+
+
+def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One output standing for two consecutive outputs of a request, for a consumer that fell
+    behind: the newer state, with each completion's deltas of both joined in order."""
+    earlier = {c.index: c for c in older.outputs}
+    outputs = []
+    for c in newer.outputs:
+        before = earlier.get(c.index)
+        if before is not None:
+            c = dataclasses.replace(c, delta_text=before.delta_text + c.delta_text,
+                                    delta_token_ids=before.delta_token_ids + c.delta_token_ids)
+        outputs.append(c)
+    return dataclasses.replace(newer, outputs=outputs)
 
 
 @dataclass
