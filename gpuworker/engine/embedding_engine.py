@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 # Tokens in one forward pass (batch x padded length): bounds the activations' memory.
 DEFAULT_MAX_BATCH_TOKENS = 65_536
+# A batch is padded to a multiple of this many tokens: fewer distinct shapes for the kernels.
+PAD_MULTIPLE = 8
 # Sorted inputs go to one bucket while the longest stays within this factor of the shortest, so
 # short sentences are not padded to a long one's length.
 BUCKET_GROWTH = 2.0
@@ -142,7 +144,9 @@ class EmbeddingEngine:
     def _padded(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ids and their mask on the device, built with one tensor per batch (not per row)."""
         lengths = torch.tensor([len(ids) for ids in batch])
-        mask = torch.arange(int(lengths.max())) < lengths[:, None]
+        longest = int(lengths.max())
+        width = min(-(-longest // PAD_MULTIPLE) * PAD_MULTIPLE, max(longest, self.model.config.max_position_embeddings))
+        mask = torch.arange(width) < lengths[:, None]
         input_ids = torch.zeros(mask.shape, dtype=torch.long)
         input_ids[mask] = torch.tensor(list(itertools.chain.from_iterable(batch)))  # row-major: each row's ids
         return input_ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)

@@ -16,6 +16,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Attention over a padded batch needs its padding mask, which flash attention does not take. The
+# memory-efficient kernel does, in every dtype. cuDNN's, which PyTorch may prefer for half types on
+# Hopper, plans each new (batch, length) shape anew; batches of sentences bring new shapes all the
+# time, so it is left out.
+ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # Where a sentence-transformers checkpoint may declare the Matryoshka dimensions it was trained
 # for (its vectors can be cut to any of them and renormalised); without it `dimensions` is refused.
@@ -137,8 +144,9 @@ class BertEncoder(nn.Module):
         x = self.embed_norm(x)
         keep = attention_mask.bool()
         mask = keep[:, None, None, :]  # padding keys are never attended to
-        for layer in self.layers:
-            x = layer(x, mask)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            for layer in self.layers:
+                x = layer(x, mask)
         x, m = x.float(), keep.unsqueeze(-1).float()
         pooling = self.head.pooling
         if pooling == "cls_token":

@@ -91,3 +91,20 @@ def test_too_long_or_bad_token_ids_are_value_errors(minilm_checkpoint):
             engine.check([[101, 10 ** 6]])
     finally:
         engine.shutdown()
+
+
+def test_batches_are_padded_to_a_multiple_of_8_within_the_position_limit(minilm_checkpoint):
+    engine = EmbeddingEngine(minilm_checkpoint)
+    try:
+        input_ids, mask = engine._padded([[101, 7592, 102], [101] + [2088] * 9 + [102]])
+        assert input_ids.shape == mask.shape == (2, 16)
+        assert mask.sum(dim=1).tolist() == [3, 11]
+        limit = engine.model.config.max_position_embeddings
+        input_ids, mask = engine._padded([[101] * (limit - 2)])
+        assert input_ids.shape == (1, limit)  # 510 -> 512, the model's last position
+        # Padding changes no vector: a sentence alone equals itself beside a longer one.
+        alone = engine.model(*engine._padded([[101, 7592, 102]]))
+        beside = engine.model(*engine._padded([[101, 7592, 102], [101] + [2088] * 30 + [102]]))
+        assert torch.allclose(alone[0], beside[0], atol=1e-6)
+    finally:
+        engine.shutdown()
