@@ -226,7 +226,7 @@ def workers_with_live_replicas(*, worker_ids: Iterable[int] | None = None) -> li
     workers = Worker.objects.prefetch_related(
         Prefetch("gpus", queryset=Gpu.objects.filter(present=True).order_by("index"), to_attr="present_gpus"),
         Prefetch("replicas", to_attr="live_replicas", queryset=Replica.objects.filter(state__in=Replica.LIVE_STATES)
-                 .select_related("deployment__model").order_by("created_at", "pk")),
+                 .select_related("deployment__model", "gpu").order_by("created_at", "pk")),
     )
     if worker_ids is not None:
         workers = workers.filter(pk__in=list(worker_ids))
