@@ -5,7 +5,7 @@ from controlplane.catalog.models import Deployment, Model
 
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
-    list_display = ["public_name", "family", "kind", "context_length", "price_tier", "enabled"]
+    list_display = ["public_name", "family", "kind", "context_length", "tensor_parallel_size", "price_tier", "enabled"]
     list_filter = ["kind", "family", "enabled", "price_tier"]
     search_fields = ["public_name", "family"]
 

@@ -7,6 +7,10 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 
+# More GPUs than one host holds; past it a typo, not a wish.
+MAX_TENSOR_PARALLEL_SIZE = 16
+
+
 class Model(models.Model):
     class Kind(models.TextChoices):
         CHAT = "chat", "Chat"
@@ -45,6 +49,13 @@ class Model(models.Model):
     gpu_memory_bytes = models.PositiveBigIntegerField(
         validators=[MinValueValidator(1)],
         help_text="Estimated GPU memory a replica needs: weights plus a working KV cache.",
+    )
+    # A replica's GPUs: it runs split over this many GPUs of one worker (tensor parallel), each
+    # holding its share of gpu_memory_bytes. The model's heads (and experts) must divide by it;
+    # the catalog does not know them, so a size that does not divide fails the load, saying why.
+    tensor_parallel_size = models.PositiveSmallIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(MAX_TENSOR_PARALLEL_SIZE)],
+        help_text="GPUs of one worker a replica is split over (tensor parallel); 1: one GPU.",
     )
     price_tier = models.ForeignKey("billing.PriceTier", on_delete=models.PROTECT, related_name="models")
     enabled = models.BooleanField(default=True)

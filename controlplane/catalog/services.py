@@ -16,7 +16,7 @@ from controlplane.catalog.selectors import reported_quantization, weights_path_r
 
 # What a model edit may change, and what its audit entry compares.
 MODEL_FIELDS = ("public_name", "family", "kind", "weights_path", "context_length", "parameter_count",
-                "quantization", "gpu_memory_bytes", "price_tier", "enabled")
+                "quantization", "gpu_memory_bytes", "tensor_parallel_size", "price_tier", "enabled")
 
 # Bytes per parameter of the weights by quantization, and the share added for activations and a KV
 # cache large enough to batch; an operator can always enter a measured figure instead. Quantized
@@ -72,6 +72,7 @@ def model_create(
     price_tier,
     gpu_memory_bytes: int | None = None,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
     enabled: bool = True,
     actor=None,
     verify_on: Iterable | None = None,
@@ -94,6 +95,7 @@ def model_create(
         parameter_count=parameter_count,
         quantization=quantization,
         gpu_memory_bytes=gpu_memory_bytes,
+        tensor_parallel_size=tensor_parallel_size,
         price_tier=price_tier,
         enabled=enabled,
     )

@@ -3,9 +3,11 @@
 from urllib.parse import urlsplit
 
 from django.core.exceptions import ValidationError
-from django.core.validators import RegexValidator
+from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
+
+from controlplane.fleet.placement import held_gpu_indexes
 
 
 def validate_endpoint_url(value: str) -> None:
@@ -127,8 +129,11 @@ class Replica(models.Model):
     worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="replicas")
     gpu = models.ForeignKey(
         Gpu, on_delete=models.CASCADE, null=True, blank=True, related_name="replicas",
-        help_text="Empty for a replica running on the worker's CPU.",
+        help_text="Empty for a replica running on the worker's CPU; its first GPU when split over several.",
     )
+    # The model's tensor_parallel_size when the replica was placed: it holds the GPUs with indexes
+    # gpu.index .. gpu.index + tensor_parallel_size - 1 of its worker (placement.held_gpu_indexes).
+    tensor_parallel_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
     endpoint_url = models.CharField(
         max_length=300, blank=True, validators=[validate_endpoint_url],
@@ -145,6 +150,20 @@ class Replica(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment.model.public_name} on {self.worker.name} [{self.state}]"
+
+    @property
+    def gpu_indexes(self) -> list[int]:
+        """The indexes of the GPUs it holds (none on a worker's CPU)."""
+        return held_gpu_indexes(first_index=self.gpu.index if self.gpu_id is not None else None,
+                                tensor_parallel_size=self.tensor_parallel_size)
+
+    @property
+    def gpus_label(self) -> str:
+        """Where on its worker it runs, as the pages say it: "GPU 0", "GPUs 0–1", or "" (the CPU)."""
+        indexes = self.gpu_indexes
+        if not indexes:
+            return ""
+        return f"GPU {indexes[0]}" if len(indexes) == 1 else f"GPUs {indexes[0]}–{indexes[-1]}"
 
     def clean(self) -> None:
         super().clean()

@@ -23,31 +23,88 @@ class Slot:
         return self.total_bytes - self.used_bytes
 
 
+def held_gpu_indexes(*, first_index: int | None, tensor_parallel_size: int) -> list[int]:
+    """The GPUs a replica holds: tensor_parallel_size GPUs from its first, as the worker's
+    supervisor starts rank r on GPU first_index + r; none for a replica on a worker's CPU."""
+    return [] if first_index is None else list(range(first_index, first_index + tensor_parallel_size))
+
+
+def gpu_share_bytes(*, need_bytes: int, tensor_parallel_size: int) -> int:
+    """A replica's memory on each of its GPUs: each rank holds 1/N of the weights and of the KV cache."""
+    return -(-need_bytes // tensor_parallel_size)
+
+
+def share_bytes(*, need_bytes: int, slot: Slot, tensor_parallel_size: int) -> int:
+    """What a replica of `need_bytes` needs on one slot of its group: its share on a GPU, all of
+    it on a CPU worker (whose ranks share the host's memory)."""
+    if slot.gpu_id is None:
+        return need_bytes
+    return gpu_share_bytes(need_bytes=need_bytes, tensor_parallel_size=tensor_parallel_size)
+
+
+def slot_groups(slots: list[Slot], tensor_parallel_size: int) -> list[tuple[Slot, ...]]:
+    """Where one replica split over tensor_parallel_size GPUs can go: each run of that many GPUs
+    of one worker with consecutive indexes (a GPU not present breaks the run), and each CPU-only
+    worker's memory. For one GPU: each slot on its own."""
+    groups = []
+    by_worker: dict[int, dict[int, Slot]] = {}
+    for slot in slots:
+        if slot.gpu_index is None:
+            groups.append((slot,))
+        else:
+            by_worker.setdefault(slot.worker_id, {})[slot.gpu_index] = slot
+    for gpus in by_worker.values():
+        for first in sorted(gpus):
+            run = [gpus.get(first + r) for r in range(tensor_parallel_size)]
+            if None not in run:
+                groups.append(tuple(run))
+    return groups
+
+
+def group_fits(group: tuple[Slot, ...], *, need_bytes: int, tensor_parallel_size: int) -> bool:
+    return all(slot.free_bytes >= share_bytes(need_bytes=need_bytes, slot=slot, tensor_parallel_size=tensor_parallel_size)
+               for slot in group)
+
+
+def largest_replica_bytes(*, slots: list[Slot], tensor_parallel_size: int) -> int | None:
+    """The largest replica these slots could hold if they were empty (capacity, not free room)."""
+    sizes = [min(slot.total_bytes for slot in group) * (1 if group[0].gpu_id is None else tensor_parallel_size)
+             for group in slot_groups(slots, tensor_parallel_size)]
+    return max(sizes, default=None)
+
+
 def plan_placements(
     *, slots: list[Slot], need_bytes: int, count: int,
     replicas_per_worker: Counter, replicas_per_slot: Counter, failures_per_worker: Counter | None = None,
-) -> list[Slot]:
-    """Up to `count` slots for new replicas of one deployment, each with `need_bytes` free.
+    tensor_parallel_size: int = 1,
+) -> list[tuple[Slot, ...]]:
+    """Up to `count` places for new replicas of one deployment: each a group of slots
+    (slot_groups) with the replica's share of `need_bytes` free on every one. Its first slot is
+    where the replica is recorded and the load starts (gpu_index).
 
     A deployment is spread across workers first, then away from workers where its load failed
     lately (`failures_per_worker`: a retry there comes after the others), then across GPUs (a host
-    going away should take as few of its replicas as possible), then onto the emptiest GPU, which
-    leaves room for the KV cache to grow. Fewer than `count` come back when the fleet has no more room.
+    going away should take as few of its replicas as possible; `replicas_per_slot` counts them by
+    (worker id, GPU index), None for the CPU), then onto the emptiest GPUs, which leaves room for
+    the KV cache to grow. Fewer than `count` come back when the fleet has no more room.
     """
     failures = failures_per_worker or Counter()
     per_worker, per_slot = Counter(replicas_per_worker), Counter(replicas_per_slot)
+    groups = slot_groups(slots, tensor_parallel_size)
     chosen = []
     for _ in range(count):
-        fitting = [slot for slot in slots if slot.free_bytes >= need_bytes]
+        fitting = [g for g in groups if group_fits(g, need_bytes=need_bytes, tensor_parallel_size=tensor_parallel_size)]
         if not fitting:
             break
-        slot = min(fitting, key=lambda s: (
-            per_worker[s.worker_id], failures[s.worker_id], per_slot[(s.worker_id, s.gpu_id)], -s.free_bytes, s.worker_id, s.gpu_index or 0,
+        group = min(fitting, key=lambda g: (
+            per_worker[g[0].worker_id], failures[g[0].worker_id], sum(per_slot[(s.worker_id, s.gpu_index)] for s in g),
+            -min(s.free_bytes for s in g), g[0].worker_id, g[0].gpu_index or 0,
         ))
-        slot.used_bytes += need_bytes
-        per_worker[slot.worker_id] += 1
-        per_slot[(slot.worker_id, slot.gpu_id)] += 1
-        chosen.append(slot)
+        for slot in group:
+            slot.used_bytes += share_bytes(need_bytes=need_bytes, slot=slot, tensor_parallel_size=tensor_parallel_size)
+            per_slot[(slot.worker_id, slot.gpu_index)] += 1
+        per_worker[group[0].worker_id] += 1
+        chosen.append(group)
     return chosen
 
 
@@ -62,17 +119,22 @@ class SlotRoom:
     note: str = ""
 
 
-def room_message(*, need_bytes: int, rooms: list[SlotRoom]) -> str:
+def room_message(*, need_bytes: int, rooms: list[SlotRoom], tensor_parallel_size: int = 1) -> str:
     """What a replica needs and what each place has free, in human units, e.g. "needs 9.6 GiB;
     free: worker-a GPU 0 (H200) 19.0 GiB of 140.0 GiB but backing off until 12:03:10 after 2
-    failed loads; worker-b GPU 1 (H200) 2.1 GiB of 140.0 GiB"."""
+    failed loads; worker-b GPU 1 (H200) 2.1 GiB of 140.0 GiB". Split over N GPUs: "needs 4.8 GiB
+    on each of 2 GPUs of one worker (9.6 GiB in all); free: ..."."""
+    need = human_bytes(need_bytes)
+    if tensor_parallel_size > 1:
+        share = human_bytes(gpu_share_bytes(need_bytes=need_bytes, tensor_parallel_size=tensor_parallel_size))
+        need = f"{share} on each of {tensor_parallel_size} GPUs of one worker ({need} in all)"
     if not rooms:
-        return f"needs {human_bytes(need_bytes)}; no online worker to place it on"
+        return f"needs {need}; no online worker to place it on"
     parts = []
     for room in rooms:
         text = f"{room.label} {human_bytes(max(0, room.free_bytes))} of {human_bytes(room.total_bytes)}"
         parts.append(f"{text} but {room.note}" if room.note else text)
-    return f"needs {human_bytes(need_bytes)}; free: " + "; ".join(parts)
+    return f"needs {need}; free: " + "; ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,15 @@ from django.db import transaction
 from controlplane.catalog.models import Deployment
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Gpu, PlacementReport, Replica, Worker
-from controlplane.fleet.placement import Candidate, SlotRoom, choose_to_remove, plan_placements, room_message
-from controlplane.fleet.selectors import backoff_note, load_backoffs, placement_slots
+from controlplane.fleet.placement import (
+    Candidate,
+    SlotRoom,
+    choose_to_remove,
+    held_gpu_indexes,
+    plan_placements,
+    room_message,
+)
+from controlplane.fleet.selectors import backoff_note, live_replica_placements, load_backoffs, placement_slots
 from controlplane.fleet.services import (
     publish_deployment,
     replica_place,
@@ -103,18 +110,22 @@ def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[i
     # but after workers where the model has not failed.
     waiting = {worker_id for worker_id, b in backoffs.items() if b.next_attempt_at > now}
     slots = placement_slots(workers=workers)
-    mine = list(Replica.objects.filter(deployment=deployment, state__in=Replica.LIVE_STATES).values_list("worker_id", "gpu_id"))
-    need = deployment.model.gpu_memory_bytes
+    model = deployment.model
+    need, size = model.gpu_memory_bytes, model.tensor_parallel_size
+    mine = live_replica_placements(worker_ids=[w.pk for w in workers], deployment_id=deployment.pk)
     chosen = plan_placements(
         slots=[slot for slot in slots if slot.worker_id not in waiting], need_bytes=need, count=count,
-        replicas_per_worker=Counter(worker_id for worker_id, _ in mine), replicas_per_slot=Counter(mine),
+        replicas_per_worker=Counter(worker_id for worker_id, *_ in mine),
+        replicas_per_slot=Counter((worker_id, index) for worker_id, first, held, _ in mine
+                                  for index in held_gpu_indexes(first_index=first, tensor_parallel_size=held) or [None]),
         failures_per_worker=Counter({worker_id: b.consecutive_failures for worker_id, b in backoffs.items()}),
+        tensor_parallel_size=size,
     )
     by_id = {w.pk: w for w in workers}
     gpus = Gpu.objects.in_bulk([slot.gpu_id for slot in slots if slot.gpu_id is not None])
     placed = [
-        replica_place(deployment=deployment, worker=by_id[slot.worker_id], gpu=gpus.get(slot.gpu_id)).pk
-        for slot in chosen
+        replica_place(deployment=deployment, worker=by_id[group[0].worker_id], gpu=gpus.get(group[0].gpu_id)).pk
+        for group in chosen
     ]
     if len(placed) == count:
         return placed, ""
@@ -123,7 +134,7 @@ def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[i
                       free_bytes=slot.free_bytes, total_bytes=slot.total_bytes,
                       note=backoff_note(backoffs[slot.worker_id], now=now) if slot.worker_id in waiting else "")
              for slot in slots]
-    return placed, room_message(need_bytes=need, rooms=rooms)
+    return placed, room_message(need_bytes=need, rooms=rooms, tensor_parallel_size=size)
 
 
 def _placement_report_record(deployment: Deployment, outcome: ReconcileOutcome, now: datetime) -> None:

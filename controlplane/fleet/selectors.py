@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, F, Prefetch, Q, QuerySet, Sum
+from django.db.models import Count, F, Prefetch, Q, QuerySet
 from django.utils import timezone
 
 from controlplane.catalog.models import Deployment, Model
@@ -15,7 +15,7 @@ from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.autoscaling import ReplicaLoad
 from controlplane.fleet.backoff import error_cause
 from controlplane.fleet.models import Gpu, LoadBackoff, PlacementReport, Replica, Worker
-from controlplane.fleet.placement import Slot
+from controlplane.fleet.placement import Slot, held_gpu_indexes, share_bytes
 
 
 def replicas_ready_for_model(*, model) -> QuerySet[Replica]:
@@ -75,24 +75,34 @@ def workers_recent_figures(*, since: float, worker_ids: Iterable[int] | None = N
 
 def placement_slots(*, workers: list[Worker]) -> list[Slot]:
     """Where replicas can go on these workers: each present GPU, or a CPU-only worker's memory,
-    with the memory its live replicas are estimated to use (their models' gpu_memory_bytes)."""
+    with the memory its live replicas are estimated to use (their models' gpu_memory_bytes; a
+    replica split over N GPUs counts its share on each of them)."""
     ids = [worker.pk for worker in workers]
-    used = {
-        (row["worker_id"], row["gpu_id"]): row["used"]
-        for row in Replica.objects.filter(worker_id__in=ids, state__in=Replica.LIVE_STATES)
-        .values("worker_id", "gpu_id").annotate(used=Sum("deployment__model__gpu_memory_bytes"))
-    }
     slots = [
-        Slot(worker_id=gpu.worker_id, gpu_id=gpu.pk, gpu_index=gpu.index,
-             total_bytes=gpu.memory_total_bytes, used_bytes=used.get((gpu.worker_id, gpu.pk), 0))
+        Slot(worker_id=gpu.worker_id, gpu_id=gpu.pk, gpu_index=gpu.index, total_bytes=gpu.memory_total_bytes, used_bytes=0)
         for gpu in Gpu.objects.filter(worker_id__in=ids, present=True).order_by("worker_id", "index")
     ]
     slots += [
-        Slot(worker_id=worker.pk, gpu_id=None, gpu_index=None,
-             total_bytes=worker.cpu_memory_total_bytes, used_bytes=used.get((worker.pk, None), 0))
+        Slot(worker_id=worker.pk, gpu_id=None, gpu_index=None, total_bytes=worker.cpu_memory_total_bytes, used_bytes=0)
         for worker in workers if worker.device == Worker.Device.CPU
     ]
+    by_place = {(slot.worker_id, slot.gpu_index): slot for slot in slots}
+    for worker_id, first_index, size, need in live_replica_placements(worker_ids=ids):
+        for index in held_gpu_indexes(first_index=first_index, tensor_parallel_size=size) or [None]:
+            slot = by_place.get((worker_id, index))
+            if slot is not None:
+                slot.used_bytes += share_bytes(need_bytes=need, slot=slot, tensor_parallel_size=size)
     return slots
+
+
+def live_replica_placements(*, worker_ids: Iterable[int], deployment_id: int | None = None
+                            ) -> list[tuple[int, int | None, int, int]]:
+    """(worker id, first GPU index or None for the CPU, tensor_parallel_size, model's gpu_memory_bytes)
+    of each live replica on these workers (of one deployment, if given)."""
+    rows = Replica.objects.filter(worker_id__in=list(worker_ids), state__in=Replica.LIVE_STATES)
+    if deployment_id is not None:
+        rows = rows.filter(deployment_id=deployment_id)
+    return list(rows.values_list("worker_id", "gpu__index", "tensor_parallel_size", "deployment__model__gpu_memory_bytes"))
 
 
 def deployment_get_for_model(*, model: Model) -> Deployment | None:
@@ -216,7 +226,7 @@ def workers_with_live_replicas(*, worker_ids: Iterable[int] | None = None) -> li
     workers = Worker.objects.prefetch_related(
         Prefetch("gpus", queryset=Gpu.objects.filter(present=True).order_by("index"), to_attr="present_gpus"),
         Prefetch("replicas", to_attr="live_replicas", queryset=Replica.objects.filter(state__in=Replica.LIVE_STATES)
-                 .select_related("deployment__model").order_by("created_at", "pk")),
+                 .select_related("deployment__model", "gpu").order_by("created_at", "pk")),
     )
     if worker_ids is not None:
         workers = workers.filter(pk__in=list(worker_ids))
@@ -275,14 +285,17 @@ class FleetHealth:
 def fleet_health(*, now: datetime, failures_since: datetime) -> FleetHealth:
     workers = dict(Worker.objects.order_by().values_list("state").annotate(n=Count("pk")).values_list("state", "n"))
     gpus = Gpu.objects.filter(present=True)
-    busy = gpus.filter(replicas__state__in=Replica.LIVE_STATES).distinct().count()
+    present = set(gpus.values_list("worker_id", "index"))
+    held = {(worker_id, index)
+            for worker_id, first, size, _ in live_replica_placements(worker_ids=Worker.objects.values_list("pk", flat=True))
+            for index in held_gpu_indexes(first_index=first, tensor_parallel_size=size)}
     live = heartbeat_cache.read_many(worker_ids=list(Worker.objects.exclude(state=Worker.State.OFFLINE)
                                                      .values_list("pk", flat=True)))
     utilisation = [float(gpu["utilization_pct"]) for beat in live.values() for gpu in beat.get("gpus") or ()
                    if gpu.get("utilization_pct") is not None]
     return FleetHealth(
         workers_by_state={state: workers.get(state, 0) for state in Worker.State.values},
-        gpus_present=gpus.count(), gpus_busy=busy,
+        gpus_present=len(present), gpus_busy=len(held & present),
         gpu_utilisation_pct=sum(utilisation) / len(utilisation) if utilisation else None,
         replicas_failed_recently=Replica.objects.filter(state=Replica.State.FAILED,
                                                         state_changed_at__gte=failures_since).count(),
@@ -298,15 +311,16 @@ def gpu_seconds_by_model(*, since: datetime, until: datetime) -> dict[str, float
     failed replica; a live replica still holds it at `until`). These are the replica's own
     recorded transitions, which heartbeats drive; replicas on a worker's CPU hold no GPU and are
     left out. This is capacity held, not busy time: the engine's busy share is each usage record's
-    `gpu_time_s`."""
+    `gpu_time_s`. A replica split over N GPUs holds N GPU-seconds a second."""
     ended = (Replica.State.STOPPED, Replica.State.FAILED)
     replicas = (Replica.objects.filter(gpu__isnull=False, created_at__lt=until)
                 .exclude(state__in=ended, state_changed_at__lte=since)
-                .values_list("deployment__model__public_name", "created_at", "state", "state_changed_at"))
+                .values_list("deployment__model__public_name", "created_at", "state", "state_changed_at",
+                             "tensor_parallel_size"))
     seconds: dict[str, float] = {}
-    for model_name, created_at, state, changed_at in replicas:
+    for model_name, created_at, state, changed_at, gpus in replicas:
         end = min(changed_at, until) if state in ended else until
         held = (end - max(created_at, since)).total_seconds()
         if held > 0:
-            seconds[model_name] = seconds.get(model_name, 0.0) + held
+            seconds[model_name] = seconds.get(model_name, 0.0) + held * gpus
     return seconds

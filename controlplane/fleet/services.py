@@ -24,7 +24,14 @@ from controlplane.fleet.backoff import next_attempt_at
 from controlplane.fleet.staging import StagingCandidate, StagingWorker, plan_staging
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import AutoscaleDecision, Gpu, LoadBackoff, Replica, Worker
-from controlplane.fleet.placement import SlotRoom, memory_fraction, room_message
+from controlplane.fleet.placement import (
+    SlotRoom,
+    gpu_share_bytes,
+    group_fits,
+    memory_fraction,
+    room_message,
+    slot_groups,
+)
 from controlplane.fleet.selectors import deployment_replica_loads, placement_slots, worker_silence_seconds
 from controlplane.gateway.cold_start_counts import cold_start_waiting
 from controlplane.gateway.traffic import TrafficSnapshot, traffic_snapshot
@@ -242,16 +249,23 @@ def replica_transition(
 
 @transaction.atomic
 def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
-    """Create a pending replica and send the worker its load message (after commit)."""
-    replica = validated_save(Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING))
-    _publish_replica(replica)  # the fleet page shows the new replica at once, before it loads
+    """Create a pending replica and send the worker its load message (after commit). `gpu`: the
+    first of its GPUs when the model is split over several (tensor_parallel_size)."""
     model = deployment.model
-    total = gpu.memory_total_bytes if gpu is not None else worker.cpu_memory_total_bytes
+    size = model.tensor_parallel_size
+    replica = validated_save(Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING,
+                                     tensor_parallel_size=size))
+    _publish_replica(replica)  # the fleet page shows the new replica at once, before it loads
+    if gpu is not None:
+        need = gpu_share_bytes(need_bytes=model.gpu_memory_bytes, tensor_parallel_size=size)
+        total = gpu.memory_total_bytes
+    else:
+        need, total = model.gpu_memory_bytes, worker.cpu_memory_total_bytes
     commands.send_to_worker(queue=worker.queue_name, task=LoadModel(
         replica_id=replica.pk, model_path=model.weights_path, served_model_name=model.public_name,
         gpu_index=gpu.index if gpu is not None else None,
-        memory_fraction=memory_fraction(need_bytes=model.gpu_memory_bytes, total_bytes=total),
-        max_model_len=model.context_length,
+        memory_fraction=memory_fraction(need_bytes=need, total_bytes=total),
+        max_model_len=model.context_length, tensor_parallel_size=size,
     ))
     return replica
 
@@ -441,24 +455,32 @@ def deployment_update(
 
 @transaction.atomic
 def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) -> Replica:
-    """Put one more replica of `deployment` on this worker's GPU (None on a CPU-only worker).
+    """Put one more replica of `deployment` on this worker's GPU (None on a CPU-only worker; the
+    first of its GPUs for a model split over several).
     Allowed where the model failed before: unlike reconcile's retries, this is a person's choice."""
     deployment = _lock_deployment(deployment)
     worker = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
     model = deployment.model
     if worker.state != Worker.State.ONLINE:
         raise ValidationError({"worker": f"Worker {worker.name} is {worker.state}; only an online worker takes new replicas."})
-    slots = {slot.gpu_id: slot for slot in placement_slots(workers=[worker])}
-    if gpu is None and None not in slots:
+    slots = placement_slots(workers=[worker])
+    if gpu is None and not any(slot.gpu_id is None for slot in slots):
         raise ValidationError({"gpu": f"Worker {worker.name} has GPUs: choose one."})
-    if gpu is not None and gpu.pk not in slots:
+    if gpu is not None and gpu.pk not in {slot.gpu_id for slot in slots}:
         raise ValidationError({"gpu": f"GPU {gpu.index} ({gpu.name}) is not a present GPU of worker {worker.name}."})
-    slot = slots[gpu.pk if gpu is not None else None]
-    if slot.free_bytes < model.gpu_memory_bytes:
-        room = SlotRoom(label=slot_label(worker=worker, gpu=gpu), free_bytes=slot.free_bytes,
-                        total_bytes=slot.total_bytes)
+    size = model.tensor_parallel_size
+    first = gpu.index if gpu is not None else None
+    group = next((g for g in slot_groups(slots, size) if g[0].gpu_index == first), None)
+    if group is None:
+        last = first + size - 1
+        raise ValidationError({"gpu": f"{model.public_name} is split over {size} GPUs: from GPU {first} it needs "
+                                      f"GPUs {first}–{last} of {worker.name}, and not all of them are present."})
+    if not group_fits(group, need_bytes=model.gpu_memory_bytes, tensor_parallel_size=size):
+        gpus = Gpu.objects.in_bulk([slot.gpu_id for slot in group if slot.gpu_id is not None])
+        rooms = [SlotRoom(label=slot_label(worker=worker, gpu=gpus.get(slot.gpu_id)),
+                          free_bytes=slot.free_bytes, total_bytes=slot.total_bytes) for slot in group]
         raise ValidationError({"gpu": f"{model.public_name} does not fit: "
-                                      f"{room_message(need_bytes=model.gpu_memory_bytes, rooms=[room])}."})
+                                      f"{room_message(need_bytes=model.gpu_memory_bytes, rooms=rooms, tensor_parallel_size=size)}."})
     if deployment.desired_replicas >= deployment.max_replicas:
         raise ValidationError({"deployment": f"{model.public_name} already wants {deployment.desired_replicas} "
                                              f"replicas, its max_replicas ({deployment.max_replicas}); raise it first."})

@@ -7,6 +7,7 @@ from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_a
 from controlplane.catalog.models import Model
 from controlplane.common.units import human_bytes
 from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.placement import largest_replica_bytes
 from controlplane.fleet.selectors import placement_slots
 
 
@@ -85,26 +86,29 @@ def routing_table() -> dict[str, ModelRoute]:
             loading.add(model_id)
         elif endpoint_url and worker_state == Worker.State.ONLINE:
             ready.setdefault(model_id, []).append(ReplicaRoute(replica_id, endpoint_url.rstrip("/")))
-    largest = max((slot.total_bytes for slot in placement_slots(
-        workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))), default=None)
-    models = Model.objects.filter(enabled=True).values_list(
+    slots = placement_slots(workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))
+    models = list(Model.objects.filter(enabled=True).values_list(
         "pk", "public_name", "kind", "price_tier__price_per_request", "created_at", "gpu_memory_bytes",
-        "deployment__max_replicas",
-    )
+        "deployment__max_replicas", "tensor_parallel_size",
+    ))
+    largest = {size: largest_replica_bytes(slots=slots, tensor_parallel_size=size) for size in {m[-1] for m in models}}
     return {
         name: ModelRoute(
             model_id=pk, public_name=name, kind=kind, price_per_request=price, created=int(created_at.timestamp()),
             ready=tuple(ready.get(pk, ())), loading=pk in loading,
-            cannot_start=cold_start_refusal(need_bytes=need, max_replicas=max_replicas, largest_slot_bytes=largest),
+            cannot_start=cold_start_refusal(need_bytes=need, max_replicas=max_replicas,
+                                            largest_slot_bytes=largest[size], tensor_parallel_size=size),
         )
-        for pk, name, kind, price, created_at, need, max_replicas in models
+        for pk, name, kind, price, created_at, need, max_replicas, size in models
     }
 
 
-def cold_start_refusal(*, need_bytes: int, max_replicas: int | None, largest_slot_bytes: int | None) -> str:
+def cold_start_refusal(*, need_bytes: int, max_replicas: int | None, largest_slot_bytes: int | None,
+                       tensor_parallel_size: int = 1) -> str:
     """Why a replica of a model cannot be started for a waiting request, or "" when it can: the
     model needs a deployment that allows a replica, and an online worker with a GPU (or, CPU-only,
-    memory) at least as large as the model's estimate. Capacity, not what is free right now: room
+    memory; split over N GPUs: N GPUs of one worker together, fleet.placement.largest_replica_bytes)
+    at least as large as the model's estimate. Capacity, not what is free right now: room
     is made by scaling other models down, and a model must not drop out of /v1/models whenever
     the fleet is busy."""
     if max_replicas is None:
@@ -114,6 +118,7 @@ def cold_start_refusal(*, need_bytes: int, max_replicas: int | None, largest_slo
     if largest_slot_bytes is None:
         return "no worker is online"
     if need_bytes > largest_slot_bytes:
-        return (f"it needs {human_bytes(need_bytes)} and no online worker has that much GPU memory (or, CPU-only, "
-                f"memory): the largest has {human_bytes(largest_slot_bytes)}")
+        over = f" over {tensor_parallel_size} GPUs of one worker" if tensor_parallel_size > 1 else ""
+        return (f"it needs {human_bytes(need_bytes)}{over} and no online worker has that much GPU memory (or, "
+                f"CPU-only, memory): the largest has {human_bytes(largest_slot_bytes)}")
     return ""

@@ -305,7 +305,9 @@ class Supervisor:
         if closing or self.refuse_loads or not self.spare_replicas:
             self._retire_spares()
             return
-        loading = {_device(r.request) for r in self._replicas.values() if r.state == "loading"}
+        # Every GPU of a loading replica split over several: a spare starting on one while its rank
+        # sizes the KV cache from the memory free there would take memory the rank counted on.
+        loading = {device for r in self._replicas.values() if r.state == "loading" for device in load_devices(r.request)}
         for device in self._spare_devices():
             spare = self._spares.get(device)
             if spare is not None and spare.process.poll() is not None:
@@ -479,3 +481,11 @@ class Supervisor:
 
 def _device(request: LoadModel) -> str:
     return "cpu" if request.gpu_index is None else f"cuda:{request.gpu_index}"
+
+
+def load_devices(request: LoadModel) -> list[str]:
+    """Every device a load runs on: its tensor_parallel_size GPUs from gpu_index (rank r on
+    gpu_index + r, as gpuworker.engine.parallel.rank_device), or the CPU."""
+    if request.gpu_index is None:
+        return ["cpu"]
+    return [f"cuda:{request.gpu_index + rank}" for rank in range(request.tensor_parallel_size)]

@@ -7,7 +7,12 @@ one expert and a column tile: the first kernel computes gate and up for them fro
 and writes silu(gate) * up [pairs, I] (SiLU-and-mul fused: the [pairs, 2I] product is never
 stored); the second multiplies by w2 [E, H, I], scales each row by its routing weight and writes
 [pairs, H], which is summed over each token's top_k pairs. Blocks past the last expert's run exit
-at once. Rounding follows transformers' expert loop: each projection rounded to the activation
+at once.
+
+Expert parallel: w13 and w2 may hold only a range of the experts (a tensor-parallel rank's share,
+from `first_expert`). Routing ids stay global; pairs choosing another rank's expert are grouped in
+one more run after this rank's, which the gate/up kernel skips and the down kernel writes as zeros,
+so a rank multiplies only its own experts' pairs and the all-reduce after it sums the ranks' parts. Rounding follows transformers' expert loop: each projection rounded to the activation
 dtype, silu in float32, the weighted rows summed per token.
 """
 
@@ -95,7 +100,7 @@ def _down_kernel(
 ):
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block).to(tl.int64)
-    if expert >= NUM_EXPERTS:
+    if expert > NUM_EXPERTS:  # past the last run
         return
     pair = tl.load(pair_of_row_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = pair < num_pairs
@@ -103,14 +108,17 @@ def _down_kernel(
     col_mask = cols < HIDDEN
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w = w2_ptr + expert * stride_we
-    for k0 in range(0, INTER, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < INTER
-        a = tl.load(act_ptr + pair[:, None] * INTER + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if DOT_FP32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if expert < NUM_EXPERTS:  # the run of other ranks' experts (== NUM_EXPERTS) keeps 0: they add nothing here
+        for k0 in range(0, INTER, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < INTER
+            a = tl.load(act_ptr + pair[:, None] * INTER + ks[None, :], mask=valid[:, None] & k_mask[None, :],
+                        other=0.0)
+            b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
+                        other=0.0)
+            if DOT_FP32:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     dtype = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
     out = acc.to(dtype).to(tl.float32) * weight[:, None]
@@ -123,9 +131,10 @@ _down = lazy_jit(_down_kernel, do_not_specialize=("num_pairs",))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights [T, top_k] float32;
-    ids [T, top_k] int64 -> [T, H]: the weighted sum of each token's experts (see
+              ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] of experts
+    first_expert..first_expert+E-1; weights [T, top_k] float32; ids [T, top_k] int64 (global
+    expert ids) -> [T, H]: the weighted sum of each token's experts among these (see
     models.moe.experts_reference)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -144,8 +153,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
+    # Choices of experts outside the range form one more run, num_experts, after the local ones.
+    local = ids - first_expert
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
     block_m = block_m_for(num_pairs, num_experts)
-    pair_of_row, expert_of_block = align_by_expert(ids, num_experts, block_m)
+    pair_of_row, expert_of_block = align_by_expert(local, num_experts + 1, block_m)
     blocks = expert_of_block.numel()
     dots = dot_options(x.dtype)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)

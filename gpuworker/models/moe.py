@@ -16,7 +16,7 @@ from torch import nn
 
 from gpuworker.models.config import MoEConfig
 from gpuworker.models.layers import GatedMLP, Linear
-from gpuworker.models.tensor_parallel import ParallelContext, local_experts
+from gpuworker.models.tensor_parallel import ParallelContext
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,19 +30,21 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
-    """sum over each token's chosen experts e of weight * down_e(silu(gate_e(x)) * up_e(x)).
+                      ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """sum over each token's chosen experts e of weight * down_e(silu(gate_e(x)) * up_e(x)), for the
+    experts e these weights hold: first_expert..first_expert+E-1 (a rank's share under expert
+    parallelism; choices of other experts add nothing here).
 
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights, ids [T, top_k]. Every expert runs on every
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights, ids [T, top_k] (global ids). Every expert runs on every
     token, weighted 0 where not chosen: E / top_k times the work of the sparse kernel, but nothing
     is read on the host (the model has no data-dependent control flow) and, as in transformers, the
     experts' contributions are added in expert order."""
     out = torch.zeros_like(x)
     inter = w2.shape[2]
-    for expert in range(w13.shape[0]):
-        weight = torch.where(ids == expert, weights, 0.0).sum(dim=-1, keepdim=True)
-        gate, up = F.linear(x, w13[expert]).split(inter, dim=-1)
-        out += (F.linear(F.silu(gate) * up, w2[expert]) * weight).to(x.dtype)
+    for local in range(w13.shape[0]):
+        weight = torch.where(ids == first_expert + local, weights, 0.0).sum(dim=-1, keepdim=True)
+        gate, up = F.linear(x, w13[local]).split(inter, dim=-1)
+        out += (F.linear(F.silu(gate) * up, w2[local]) * weight).to(x.dtype)
     return out
 
 
@@ -50,8 +52,10 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, config: MoEConfig, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
-        # Expert parallel: this rank's experts [first_expert, first_expert + num_local_experts) and its
-        # slice of the shared expert; forward sums the ranks' partial outputs in one all-reduce.
+        # Expert parallel: this rank holds (and loads) only its experts [first_expert, first_expert +
+        # num_local_experts) and its slice of the shared expert. Every token is routed over all the
+        # experts; the rank computes only the choices of its own, and forward sums the ranks' partial
+        # outputs in one all-reduce.
         self.parallel = parallel
         self.first_expert, experts = (0, config.num_experts) if parallel is None else \
             parallel.split(config.num_experts, "num_experts")
@@ -71,16 +75,14 @@ class SparseMoE(nn.Module):
         """x [T, H], already normalised -> [T, H]."""
         config = self.config
         weights, ids = route(self.gate(x), config.top_k, config.norm_topk_prob)
-        if self.parallel is not None:
-            weights, ids = local_experts(weights, ids, self.first_expert, self.num_local_experts)
         w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
         w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
         if x.is_cuda:
             from gpuworker.kernels.fused_moe import fused_moe
 
-            out = fused_moe(x, w13, w2, weights, ids)
+            out = fused_moe(x, w13, w2, weights, ids, self.first_expert)
         else:
-            out = experts_reference(x, w13, w2, weights, ids)
+            out = experts_reference(x, w13, w2, weights, ids, self.first_expert)
         if self.shared_expert is not None:
             shared = self.shared_expert.down(self.shared_expert.gate_up_proj(x))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared

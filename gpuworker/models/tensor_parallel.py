@@ -6,6 +6,7 @@ heads and their KV heads (a KV head is replicated on N / num_kv_heads ranks when
 its slice of every MLP's intermediate size, its num_experts / N experts, and its slice of the
 vocabulary. Column-parallel projections (qkv_proj, gate_up_proj) are plain Linears of fewer rows;
 row-parallel ones (o_proj, down_proj) sum their partial products with an all-reduce; the MoE block
+routes every token over all the experts, computes only the choices of its own (models.moe), and
 sums its experts' and shared expert's partial outputs with one all-reduce; the embedding is a masked
 lookup in the rank's vocabulary rows, then an all-reduce; the logits are the rank's vocabulary
 columns, all-gathered. Without a context (N = 1) the model is built exactly as before.
@@ -148,11 +149,3 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size
     local = F.linear(hidden, weight).float()
     return torch.cat(parallel.all_gather(local), dim=-1)[:, :vocab_size]
 
-
-def local_experts(weights: torch.Tensor, ids: torch.Tensor, first: int,
-                  count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing (weights, ids [T, top_k]) restricted to experts [first, first + count): their ids made
-    local; a choice of another rank's expert gets weight 0 and local id 0, so it adds nothing."""
-    local = ids - first
-    mine = (local >= 0) & (local < count)
-    return torch.where(mine, weights, 0.0), torch.where(mine, local, 0)

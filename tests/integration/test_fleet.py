@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import psutil
 import pytest
 from django.db import connection
 
@@ -24,8 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 State = Replica.State
 
 
-def _deployment(weights_path, *, desired=0, max_replicas=2) -> Deployment:
-    model = ModelFactory(weights_path=str(weights_path), context_length=512, gpu_memory_bytes=64 * 1024**2)
+def _deployment(weights_path, *, desired=0, max_replicas=2, tensor_parallel_size=1) -> Deployment:
+    model = ModelFactory(weights_path=str(weights_path), context_length=512, gpu_memory_bytes=64 * 1024**2,
+                         tensor_parallel_size=tensor_parallel_size)
     return DeploymentFactory(model=model, desired_replicas=desired, min_replicas=0, max_replicas=max_replicas)
 
 
@@ -225,3 +227,20 @@ def test_a_wrong_weight_path_is_retried_with_backoff_and_bad_task_args_leave_dae
     assert {r.worker_id for r in ready} == {w.pk for w in workers}
     assert all(d.popen.poll() is None for d in daemons)
     assert set(Worker.objects.values_list("state", flat=True)) == {Worker.State.ONLINE}
+
+
+def test_a_split_replica_is_placed_loaded_over_two_ranks_and_answers(fleet, tiny_model_path):
+    """tensor_parallel_size 2 on a CPU daemon: reconcile sends it with the load, the daemon's replica
+    runs two gloo ranks (a serve process and its rank child) and answers as one replica."""
+    daemon = fleet.start_daemon("tp")
+    [worker] = _online_workers(fleet, 1)
+    deployment = _deployment(tiny_model_path, max_replicas=1, tensor_parallel_size=2)
+    deployment_scale(deployment=deployment, desired_replicas=1, actor=None)
+    [replica] = _ready(deployment, 1, fleet, timeout=180)
+    assert (replica.worker_id, replica.gpu_id, replica.tensor_parallel_size) == (worker.pk, None, 2)
+    # The second rank: a spawned child below the daemon's replica process.
+    ranks = [p for p in psutil.Process(daemon.popen.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    assert len(ranks) == 1
+    completion = httpx.post(f"{replica.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {fleet.token}"},
+                            json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True}, timeout=60)
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 4

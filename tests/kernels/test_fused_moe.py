@@ -74,3 +74,30 @@ def test_no_tokens_and_bad_arguments():
         fused_moe(x, w13, w2, weights[:, :1], ids)
     with pytest.raises(ValueError):
         fused_moe(x, w13, w2, weights, ids.to(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first,count", [(0, 4), (4, 4), (2, 2), (7, 1)])
+def test_a_range_of_the_experts_computes_only_their_choices(first, count, dtype):
+    """Expert parallel: the kernel and the reference over experts [first, first + count) only (a
+    rank's weights, global routing ids) give the full computation with every other choice's
+    weight set to 0; the ranges of all ranks add up to the whole."""
+    hidden, inter, experts, top_k = 64, 48, 8, 2
+    x, w13, w2, weights, ids = problem(37, hidden, inter, experts, top_k, dtype)
+    mine = (ids >= first) & (ids < first + count)
+    restricted = experts_reference(x.float(), w13.float(), w2.float(), torch.where(mine, weights, 0.0), ids).to(dtype)
+    local = slice(first, first + count)
+    reference = experts_reference(x.float(), w13[local].float(), w2[local].float(), weights, ids, first).to(dtype)
+    torch.testing.assert_close(reference, restricted, **TOLERANCES[dtype])
+    out = fused_moe(x, w13[local].contiguous(), w2[local].contiguous(), weights, ids, first)
+    torch.testing.assert_close(out, restricted, **TOLERANCES[dtype])
+    if not mine.any(dim=1).all():
+        untouched = ~mine.any(dim=1)  # tokens none of whose experts are here get exactly 0
+        assert (out[untouched] == 0).all()
+
+
+def test_the_ranks_ranges_add_up_to_all_the_experts():
+    x, w13, w2, weights, ids = problem(20, 64, 48, 8, 2, torch.float32)
+    parts = [fused_moe(x, w13[r * 4:(r + 1) * 4].contiguous(), w2[r * 4:(r + 1) * 4].contiguous(), weights, ids, r * 4)
+             for r in range(2)]
+    torch.testing.assert_close(parts[0] + parts[1], fused_moe(x, w13, w2, weights, ids), **TOLERANCES[torch.float32])

@@ -55,7 +55,7 @@ class LoadForm(forms.Form):
 
     deployment = forms.ModelChoiceField(queryset=Deployment.objects.select_related("model"), empty_label="Choose a model…",
                                         label="Model")
-    slot = forms.ChoiceField(label="Worker / GPU")
+    slot = forms.ChoiceField(label="Worker / GPU", help_text="For a model split over several GPUs: the first of them.")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -103,9 +103,13 @@ class CatalogModelForm(forms.ModelForm):
     class Meta:
         model = Model
         fields = ["public_name", "family", "kind", "weights_path", "context_length", "parameter_count",
-                  "quantization", "gpu_memory_bytes", "price_tier", "enabled"]
-        labels = {"public_name": "Name", "weights_path": "Weight path", "price_tier": "Price tier"}
+                  "quantization", "gpu_memory_bytes", "tensor_parallel_size", "price_tier", "enabled"]
+        labels = {"public_name": "Name", "weights_path": "Weight path", "price_tier": "Price tier",
+                  "tensor_parallel_size": "GPUs per replica"}
         help_texts = {"public_name": "What clients send as `model`.",
+                      "tensor_parallel_size": "Tensor parallel: a replica is split over this many GPUs of one worker, "
+                                              "each holding its share of the GPU memory. The model's attention "
+                                              "heads must divide by it.",
                       "weights_path": "A directory in Hugging Face layout on the worker hosts, inside their model roots "
                                       "(--model-root), e.g. /models/llama-3-8b."}
 

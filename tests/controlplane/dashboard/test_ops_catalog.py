@@ -25,7 +25,7 @@ pytestmark = pytest.mark.django_db
 def _form(**overrides) -> dict:
     return {"public_name": "llama-3-8b", "family": "llama", "kind": "chat", "weights_path": "/models/llama-3-8b",
             "context_length": "8192", "parameter_count": "8000000000", "gpu_memory_bytes": "",
-            "price_tier": str(PriceTierFactory().pk), "enabled": "on", **overrides}
+            "tensor_parallel_size": "1", "price_tier": str(PriceTierFactory().pk), "enabled": "on", **overrides}
 
 
 def _reporting_worker(name: str, *, roots: list[str], paths: list[str], quantization: dict | None = None) -> Worker:
@@ -64,6 +64,14 @@ def test_a_quantized_model_is_estimated_smaller_and_shown(operator_client):
     assert 'data-testid="model-quantization">AWQ INT4<' in response.content.decode()
 
 
+def test_a_model_split_over_several_gpus_records_and_shows_it(operator_client, operator):
+    response = operator_client.post(reverse("dashboard:catalog_add"), _form(tensor_parallel_size="2", check_workers=[]),
+                                    follow=True)
+    assert Model.objects.get(public_name="llama-3-8b").tensor_parallel_size == 2
+    assert 'data-testid="model-tensor-parallel">2 GPUs per replica<' in response.content.decode()
+    assert AuditEntry.objects.get(action="model.create").detail["tensor_parallel_size"] == 2
+
+
 def test_the_add_form_detects_the_quantization_the_checked_worker_reports(operator_client):
     worker = _reporting_worker("gpu-a", roots=["/models"], paths=["/models/llama-3-8b"],
                                quantization={"/models/llama-3-8b": "fp8"})
@@ -82,6 +90,8 @@ def test_the_add_form_detects_the_quantization_the_checked_worker_reports(operat
     ("parameter_count", "lots", "Enter a whole number."),
     ("kind", "poem", "Select a valid choice."),
     ("gpu_memory_bytes", "-5", "Ensure this value is greater than or equal to 1."),
+    ("tensor_parallel_size", "0", "Ensure this value is greater than or equal to 1."),
+    ("tensor_parallel_size", "17", "Ensure this value is less than or equal to 16."),
 ])
 def test_bad_input_is_refused_beside_the_field(operator_client, field, value, message):
     response = operator_client.post(reverse("dashboard:catalog_add"), _form(**{field: value}))

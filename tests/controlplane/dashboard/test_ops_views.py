@@ -96,6 +96,18 @@ def test_the_fleet_page_shows_gpus_with_their_live_figures_and_loading_replicas(
     assert 'data-testid="drain-worker"' in page and 'data-testid="unload-replica"' in page
 
 
+def test_the_fleet_page_shows_which_gpus_a_split_replica_holds(operator_client):
+    worker = make_worker()
+    gpus = [GpuFactory(worker=worker, index=i) for i in range(2)]
+    model = ModelFactory(tensor_parallel_size=2)
+    replica = ReplicaFactory(worker=worker, gpu=gpus[0], tensor_parallel_size=2, state=Replica.State.LOADING,
+                             deployment=DeploymentFactory(model=model))
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    card = page[page.index(f'id="replica-{replica.pk}"'):]
+    assert 'data-testid="replica-gpus">GPUs 0–1<' in card[:card.index("</li>")]
+    assert f"{worker.name} · GPUs 0–1 · Loading" in page  # the deployment's list of replicas
+
+
 def test_the_fleet_page_opens_with_the_last_minute_of_figures_in_its_sparklines(operator_client):
     worker = make_worker()
     GpuFactory(worker=worker, index=0)

@@ -1,4 +1,5 @@
 import threading
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -8,9 +9,9 @@ from django.utils import timezone
 from controlplane.catalog.models import Model
 from controlplane.fleet.models import LoadBackoff, Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile, fleet_reconcile
-from controlplane.fleet.selectors import deployment_statuses
-from controlplane.fleet.services import replica_transition, worker_heartbeat
-from gpuworker.contract.heartbeat import parse_heartbeat
+from controlplane.fleet.selectors import deployment_statuses, placement_slots
+from controlplane.fleet.services import replica_transition, worker_heartbeat, worker_register
+from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks
 
@@ -301,3 +302,57 @@ def test_editing_the_model_gives_every_worker_a_fresh_start(retry_settings):
     [second] = _place(deployment, t0 + timedelta(seconds=2)).placed
     _fail(second, t0 + timedelta(seconds=2))
     assert LoadBackoff.objects.get(deployment=deployment).consecutive_failures == 1  # counted afresh
+
+
+# --- tensor parallel: a replica split over N GPUs of one worker ------------------------------------
+
+def _register(name, gpus):
+    """A GPU worker registered through the service, as its daemon does (the daemon itself is outside)."""
+    return worker_register(registration=parse_registration({
+        "name": name, "advertise_host": "10.0.0.5", "device": "cuda",
+        "gpus": [{"index": i, "name": "NVIDIA H200", "memory_total_bytes": m} for i, m in enumerate(gpus)],
+        "cpu": {"memory_total_bytes": 256 * GB, "cores": 32},
+    }), now=timezone.now())
+
+
+def _split_deployment(desired, memory, size=2):
+    return DeploymentFactory(model=ModelFactory(gpu_memory_bytes=memory, tensor_parallel_size=size),
+                             desired_replicas=desired, max_replicas=max(desired, 4))
+
+
+@pytest.mark.django_db
+def test_a_split_replica_is_placed_on_consecutive_gpus_of_one_worker_and_they_count_as_used(
+        django_capture_on_commit_callbacks):
+    worker = _register(f"tp-{uuid.uuid4().hex[:8]}", [80 * GB] * 4)
+    deployment = _split_deployment(1, memory=100 * GB)
+    with django_capture_on_commit_callbacks(execute=True):
+        [placed] = _reconcile(deployment).placed
+    replica = Replica.objects.select_related("gpu").get(pk=placed)
+    assert (replica.worker_id, replica.gpu.index, replica.tensor_parallel_size) == (worker.pk, 0, 2)
+    assert (replica.gpu_indexes, replica.gpus_label) == ([0, 1], "GPUs 0–1")
+    [(name, kwargs)] = queued_tasks(worker.queue_name)
+    # 50 GiB (its share) of each 80 GiB GPU.
+    assert (name, kwargs["gpu_index"], kwargs["tensor_parallel_size"], kwargs["memory_fraction"]) == (
+        "gpuworker.load_model", 0, 2, 0.625)
+    assert [s.used_bytes for s in placement_slots(workers=[worker])] == [50 * GB, 50 * GB, 0, 0]
+    # The next replica goes on GPUs 2-3; a one-GPU model needing 40 GiB then finds no room anywhere.
+    deployment.desired_replicas = 2
+    deployment.save()
+    [second] = _reconcile(deployment).placed
+    assert Replica.objects.get(pk=second).gpu_indexes == [2, 3]
+    single = _deployment(1, memory=40 * GB)
+    outcome = _reconcile(single)
+    assert outcome.unplaced == 1 and outcome.reason.startswith("needs 40.0 GiB; free: ")
+
+
+@pytest.mark.django_db
+def test_free_gpus_on_two_workers_do_not_hold_a_split_replica_and_the_reason_says_so():
+    a, b = (_register(f"tp-{uuid.uuid4().hex[:8]}", [80 * GB]) for _ in range(2))
+    deployment = _split_deployment(1, memory=100 * GB)
+    outcome = _reconcile(deployment)
+    assert outcome.unplaced == 1 and not Replica.objects.filter(deployment=deployment).exists()
+    assert outcome.reason == (f"needs 50.0 GiB on each of 2 GPUs of one worker (100.0 GiB in all); free: "
+                              f"{a.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB; "
+                              f"{b.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB")
+    [status] = deployment_statuses(deployment_ids=[deployment.pk])
+    assert status.state == "waiting" and outcome.reason in status.message

@@ -8,6 +8,7 @@ from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import (
     deployment_get_for_model,
     fleet_health,
+    gpu_seconds_by_model,
     placement_slots,
     replicas_ready_for_model,
 )
@@ -82,3 +83,18 @@ def test_fleet_health_without_heartbeats_has_no_utilisation():
     now = timezone.now()
     health = fleet_health(now=now, failures_since=now)
     assert (health.gpus_present, health.gpus_busy, health.gpu_utilisation_pct, health.not_ready) == (1, 0, None, [])
+
+
+def test_a_split_replica_holds_each_of_its_gpus():
+    """Its share of memory on each GPU for placement, each GPU busy, and N GPU-seconds a second."""
+    worker = make_worker()
+    gpus = [GpuFactory(worker=worker, index=i, memory_total_bytes=80 * GB) for i in range(3)]
+    model = ModelFactory(gpu_memory_bytes=30 * GB, tensor_parallel_size=2)
+    replica = ReplicaFactory(deployment=DeploymentFactory(model=model), worker=worker, gpu=gpus[1],
+                             tensor_parallel_size=2, state=Replica.State.LOADING)
+    assert [s.used_bytes for s in placement_slots(workers=[worker])] == [0, 15 * GB, 15 * GB]
+    now = timezone.now()
+    assert fleet_health(now=now, failures_since=now).gpus_busy == 2
+    Replica.objects.filter(pk=replica.pk).update(created_at=now - timedelta(seconds=100))
+    seconds = gpu_seconds_by_model(since=now - timedelta(seconds=60), until=now)
+    assert seconds == {model.public_name: pytest.approx(120.0)}

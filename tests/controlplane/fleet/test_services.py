@@ -427,3 +427,23 @@ def test_retry_now_forgets_the_backoff_is_audited_and_reconciles_at_once(setting
     with pytest.raises(ValidationError, match="no failed loads to retry"):
         deployment_retry_loads(deployment=deployment, actor=None)
     assert AuditEntry.objects.filter(action=AuditEntry.Action.DEPLOYMENT_RETRY).count() == 1
+
+
+def test_replica_load_on_a_split_model_takes_the_chosen_gpu_and_the_next(django_capture_on_commit_callbacks):
+    worker = make_worker()
+    gpus = [GpuFactory(worker=worker, index=i, memory_total_bytes=10 * GB) for i in range(2)]
+    deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=16 * GB, tensor_parallel_size=2),
+                                   desired_replicas=0, max_replicas=2)
+    with pytest.raises(ValidationError) as error:
+        replica_load_on(deployment=deployment, worker=worker, gpu=gpus[1])
+    assert "from GPU 1 it needs GPUs 1–2" in str(error.value.message_dict["gpu"])
+    with django_capture_on_commit_callbacks(execute=True):
+        replica = replica_load_on(deployment=deployment, worker=worker, gpu=gpus[0])
+    assert (replica.gpu_indexes, replica.tensor_parallel_size) == ([0, 1], 2)
+    [(_, kwargs)] = queued_tasks(worker.queue_name)
+    assert (kwargs["gpu_index"], kwargs["tensor_parallel_size"], kwargs["memory_fraction"]) == (0, 2, 0.8)
+    with pytest.raises(ValidationError) as error:  # both GPUs now hold 8 GiB of it
+        replica_load_on(deployment=deployment, worker=worker, gpu=gpus[0])
+    assert (f"needs 8.0 GiB on each of 2 GPUs of one worker (16.0 GiB in all); free: {worker.name} GPU 0 "
+            f"({gpus[0].name}) 2.0 GiB of 10.0 GiB; {worker.name} GPU 1 ({gpus[1].name}) 2.0 GiB of 10.0 GiB"
+            ) in str(error.value.message_dict["gpu"])

@@ -17,7 +17,7 @@ import pytest
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
 from gpuworker.contract.heartbeat import ReplicaReport
 from gpuworker.contract.tasks import LoadModel
-from gpuworker.daemon.supervisor import Supervisor
+from gpuworker.daemon.supervisor import Supervisor, load_devices
 
 TOKEN = "replica-token"
 
@@ -303,3 +303,14 @@ def test_replica_on_a_gpu(tmp_path, tmp_path_factory, tiny_checkpoint):
         supervisor.close(drain_timeout_s=5)
         probe.close()
     assert _serve_children() == []
+
+
+def test_a_split_load_runs_on_each_of_its_gpus():
+    """What the spares keep off while a load is in progress: every GPU of a split replica."""
+    def load(gpu_index, size):
+        return LoadModel(replica_id=1, model_path="/m", served_model_name="m", gpu_index=gpu_index,
+                         memory_fraction=0.5, tensor_parallel_size=size)
+
+    assert load_devices(load(1, 2)) == ["cuda:1", "cuda:2"]
+    assert load_devices(load(0, 1)) == ["cuda:0"]
+    assert load_devices(load(None, 2)) == ["cpu"]

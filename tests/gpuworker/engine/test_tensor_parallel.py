@@ -79,6 +79,22 @@ def test_each_rank_loads_its_shard(tiny_checkpoint, family):
                                        mlp.down_proj.weight, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_holds_only_its_share_of_the_experts(tiny_checkpoint, world):
+    """Expert parallel: each rank allocates and loads num_experts / N experts, 1/N of the experts' memory."""
+    mc = load_model_config(tiny_checkpoint("qwen3-moe"))
+
+    def expert_bytes(model) -> int:
+        return sum(p.numel() * p.element_size() for layer in model.layers for name, p in layer.mlp.named_parameters()
+                   if name in ("w13", "w2"))
+
+    whole = expert_bytes(load_model(mc))
+    for rank in range(world):
+        model = load_model(mc, parallel=ParallelContext(rank, world))
+        assert model.layers[0].mlp.num_local_experts == mc.moe.num_experts // world
+        assert expert_bytes(model) * world == whole
+
+
 def test_replicated_kv_heads_go_to_the_ranks_that_read_them(tiny_checkpoint):
     """With four ranks and two KV heads, ranks 0-1 hold head 0 and ranks 2-3 head 1."""
     mc = load_model_config(tiny_checkpoint("llama"))
