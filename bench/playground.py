@@ -14,12 +14,9 @@ answer early; a real model may, and the run then says so). A warm-up of each is 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 # Long enough an answer at temperature 0 for a real model as for the random demo-tiny.
 PROMPT = "Count from 1 to 1000, one number per line."
@@ -111,39 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--model", default="demo-tiny")
     args = parser.parse_args(argv)
-    if not os.environ.get("DATABASE_URL", "").startswith("postgres") or not os.environ.get("REDIS_URL"):
-        parser.error("set DATABASE_URL (PostgreSQL) and REDIS_URL (a Redis database no running system uses)")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    import django
-
-    django.setup()
-    from django.conf import settings
     from django.db import connections
-    from django.test.utils import setup_databases, teardown_databases
 
-    from controlplane.fleet.models import Replica
-    from tests.browser.system import chromium_missing_reason, start_system
-    from tests.integration.conftest import wait_until
+    from tests.browser.system import scratch_system, scratch_system_problem
 
-    if reason := chromium_missing_reason():
-        parser.error(reason)
-    database = settings.DATABASES["default"]
-    database.setdefault("TEST", {})["NAME"] = f"{database['NAME']}_bench"
-    created = setup_databases(verbosity=0, interactive=False, aliases={"default"})
-    try:
-        with tempfile.TemporaryDirectory(prefix="gpuserve-bench-playground-") as scratch:
-            system = start_system(scratch=Path(scratch), redis_url=os.environ["REDIS_URL"])
-            try:
-                wait_until(lambda: Replica.objects.filter(deployment__model__public_name=args.model,
-                                                          state=Replica.State.READY).exists(),
-                           timeout=300, what=f"a ready replica of {args.model}", fleet=system.fleet)
-                connections.close_all()  # Playwright's loop must not meet an open connection
-                api, playground = measure(system, model=args.model, tokens=args.tokens, runs=args.runs)
-            finally:
-                system.stop()
-    finally:
-        connections.close_all()
-        teardown_databases(created, verbosity=0)
+    if problem := scratch_system_problem():
+        parser.error(problem)
+    with scratch_system("bench") as system:
+        from controlplane.fleet.models import Replica  # once scratch_system has set Django up
+        from tests.integration.conftest import wait_until
+
+        wait_until(lambda: Replica.objects.filter(deployment__model__public_name=args.model,
+                                                  state=Replica.State.READY).exists(),
+                   timeout=300, what=f"a ready replica of {args.model}", fleet=system.fleet)
+        connections.close_all()  # Playwright's loop must not meet an open connection
+        api, playground = measure(system, model=args.model, tokens=args.tokens, runs=args.runs)
     api_median, playground_median = statistics.median(api), statistics.median(playground)
     print(f"{args.model}, {args.tokens} tokens, median of {args.runs}: API {api_median:.3f} s, playground {playground_median:.3f} s "
           f"({playground_median / api_median:.2f}x)")

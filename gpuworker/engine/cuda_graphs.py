@@ -19,6 +19,8 @@ then the rest. Capturing all buckets took 1-2 s of a replica's start on the H200
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 import torch
 from torch import nn
@@ -32,6 +34,19 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 def bucket_sizes(max_num_seqs: int) -> list[int]:
     sizes = [b for b in BUCKETS if b < max_num_seqs]
     return sizes + [max_num_seqs]
+
+
+def padded_sizes(captured: Collection[int], max_rows: int) -> tuple[int | None, ...]:
+    """Index n (0..max_rows) -> the captured graph a decode of n rows pads up to: the smallest captured
+    size >= n (padding is cheap: decode reads weights), None where there is none (the step runs eager).
+    Rebuilt as each graph is captured, so that a step looks its size up instead of scanning."""
+    table: list[int | None] = [None] * (max_rows + 1)
+    smallest = None
+    for n in range(max_rows, -1, -1):
+        if n in captured:
+            smallest = n
+        table[n] = smallest
+    return tuple(table)
 
 
 def _align(nbytes: int) -> int:
@@ -119,6 +134,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self._padded_sizes = padded_sizes(self.graphs, n)
         self._pool = torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs then reuse its pool, and (deferred) every size can pad up.
         self.pending = sorted(self.buckets, reverse=True)
@@ -166,11 +182,12 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self.outputs[size] = self._forward(size)
         self.graphs[size] = graph
+        self._padded_sizes = padded_sizes(self.graphs, self.buckets[-1])
         return bool(self.pending)
 
     def _graph_size(self, n: int) -> int | None:
-        """The smallest captured bucket that holds n rows (padding is cheap: decode reads weights)."""
-        return min((size for size in self.graphs if size >= n), default=None)
+        """The captured graph n rows pad up to (see padded_sizes); None: none holds them."""
+        return self._padded_sizes[n] if n < len(self._padded_sizes) else None
 
     def can_run(self, num_decode_seqs: int, num_seqs: int, num_tokens: int, max_seq_len: int) -> bool:
         return (num_decode_seqs == num_seqs == num_tokens and max_seq_len <= self.max_model_len

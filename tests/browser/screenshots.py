@@ -16,10 +16,8 @@ in their ids.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
-import tempfile
 import uuid
 from datetime import timedelta
 from decimal import Decimal
@@ -190,36 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs" / "screenshots")
     args = parser.parse_args(argv)
-    if not os.environ.get("DATABASE_URL", "").startswith("postgres") or not os.environ.get("REDIS_URL"):
-        parser.error("set DATABASE_URL (PostgreSQL) and REDIS_URL (a Redis database no running system uses)")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    import django
-
-    django.setup()
-    from django.conf import settings
     from django.db import connections
-    from django.test.utils import setup_databases, teardown_databases
 
-    from tests.browser.system import chromium_missing_reason, start_system
+    from tests.browser.system import scratch_system, scratch_system_problem
 
-    if reason := chromium_missing_reason():
-        parser.error(reason)
-    database = settings.DATABASES["default"]
-    database.setdefault("TEST", {})["NAME"] = f"{database['NAME']}_screenshots"
-    created = setup_databases(verbosity=1, interactive=False, aliases={"default"})
-    try:
-        with tempfile.TemporaryDirectory(prefix="gpuserve-screenshots-") as scratch:
-            system = start_system(scratch=Path(scratch), redis_url=os.environ["REDIS_URL"])
-            try:
-                links = prepare(system)
-                connections.close_all()  # Playwright's loop must not meet an open connection
-                for path in shoot(system, args.out, links):
-                    print(f"wrote {path}")
-            finally:
-                system.stop()
-    finally:
-        connections.close_all()
-        teardown_databases(created, verbosity=1)
+    if problem := scratch_system_problem():
+        parser.error(problem)
+    with scratch_system("screenshots") as system:
+        links = prepare(system)
+        connections.close_all()  # Playwright's loop must not meet an open connection
+        for path in shoot(system, args.out, links):
+            print(f"wrote {path}")
     return 0
 
 

@@ -3,18 +3,25 @@
 CPU) over a database seeded like `make run` seeds it, plus one login per role and a second tenant.
 
 Starting it costs about half a minute on two cores, so callers start it once (per test package, or
-per screenshot run) and share it. Nothing here imports pytest fixtures; both callers hand it a
-scratch folder and the Redis URL.
+per screenshot run) and share it. Nothing here imports pytest fixtures: the browser tests hand
+`start_system` a scratch folder and the Redis URL, and the scripts (tests/browser/screenshots.py,
+bench/playground.py) take the whole system, database included, from `scratch_system`.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from django.test.utils import override_settings
+import django
+from django.conf import settings
+from django.db import connections
+from django.test.utils import override_settings, setup_databases, teardown_databases
 
 from tests.integration.conftest import Fleet
 
@@ -133,6 +140,38 @@ def start_system(*, scratch: Path, redis_url: str) -> System:
         fleet.stop()
         raise
     return System(fleet, seeded)
+
+
+def scratch_system_problem() -> str | None:
+    """Why a script cannot start a scratch system here, or None when it can."""
+    if not os.environ.get("DATABASE_URL", "").startswith("postgres") or not os.environ.get("REDIS_URL"):
+        return "set DATABASE_URL (PostgreSQL) and REDIS_URL (a Redis database no running system uses)"
+    return chromium_missing_reason()
+
+
+@contextmanager
+def scratch_system(name: str) -> Iterator[System]:
+    """For scripts: set up Django, create a throwaway database `<DATABASE_URL's name>_<name>` and start
+    the system in a temporary folder; afterwards stop it and drop the database and the folder.
+
+    Check scratch_system_problem() first, to report a missing setting or browser as a usage error."""
+    if problem := scratch_system_problem():
+        raise RuntimeError(problem)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+    django.setup()
+    database = settings.DATABASES["default"]
+    database.setdefault("TEST", {})["NAME"] = f"{database['NAME']}_{name}"
+    created = setup_databases(verbosity=0, interactive=False, aliases={"default"})
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"gpuserve-{name}-") as scratch:
+            system = start_system(scratch=Path(scratch), redis_url=os.environ["REDIS_URL"])
+            try:
+                yield system
+            finally:
+                system.stop()
+    finally:
+        connections.close_all()
+        teardown_databases(created, verbosity=0)
 
 
 def env_flag(name: str) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from gpuworker.models.quantization.int4_checkpoint import check_tensors
+
 FIELDS = ("qweight", "qzeros", "scales")
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -24,13 +26,7 @@ def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
 
 def unpack(tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
            group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups = in_features // group_size
-    expected = {"qweight": ((in_features, out_features // 8), torch.int32),
-                "qzeros": ((groups, out_features // 8), torch.int32),
-                "scales": ((groups, out_features), torch.float16)}
-    for field, (shape, dtype) in expected.items():
-        tensor = tensors[field]
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(f"{field} is {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} {shape}")
+    check_tensors(tensors, qweight_shape=(in_features, out_features // 8), in_features=in_features,
+                  out_features=out_features, group_size=group_size)
     zeros = unpack_columns(tensors["qzeros"]).to(torch.uint8)
     return unpack_columns(tensors["qweight"]), zeros, tensors["scales"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from gpuworker.kernels.int4_matmul import unpack_rows
+from gpuworker.models.quantization.int4_checkpoint import check_tensors
 
 FIELDS = ("qweight", "qzeros", "scales")
 OPTIONAL_FIELDS = ("g_idx",)
@@ -21,14 +22,8 @@ OPTIONAL_FIELDS = ("g_idx",)
 
 def unpack(tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
            group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups = in_features // group_size
-    expected = {"qweight": ((in_features // 8, out_features), torch.int32),
-                "qzeros": ((groups, out_features // 8), torch.int32),
-                "scales": ((groups, out_features), torch.float16)}
-    for field, (shape, dtype) in expected.items():
-        tensor = tensors[field]
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(f"{field} is {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} {shape}")
+    check_tensors(tensors, qweight_shape=(in_features // 8, out_features), in_features=in_features,
+                  out_features=out_features, group_size=group_size)
     g_idx = tensors.get("g_idx")
     if g_idx is not None:
         trivial = torch.arange(in_features, dtype=torch.int64, device=g_idx.device) // group_size

@@ -6,6 +6,7 @@ activation rounding where it has one); FP8 at load; what a broken or unsupported
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -123,6 +124,21 @@ def test_wrong_shape_is_named(tmp_path):
     name = "model.layers.0.mlp.gate_proj.scales"
     _rewrite(quantized, lambda t: t.update({name: t[name][:, :8].contiguous()}))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj: scales is torch.float16 \(1, 8\)"):
+        load_model(quantized)
+
+
+# qweight [in, out / 8] in AWQ, [in / 8, out] in GPTQ: the same words in the other format's shape.
+@pytest.mark.parametrize(("scheme", "other_shape"), [("awq", lambda rows, cols: (rows // 8, cols * 8)),
+                                                     ("gptq-sym", lambda rows, cols: (rows * 8, cols // 8))])
+def test_the_other_formats_qweight_shape_is_named(scheme, other_shape, tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, scheme)
+    name = "model.layers.0.mlp.gate_proj.qweight"
+    [file] = quantized.glob("*.safetensors")
+    stored = tuple(load_file(str(file))[name].shape)
+    wrong = other_shape(*stored)
+    _rewrite(quantized, lambda t: t.update({name: t[name].reshape(wrong).contiguous()}))
+    with pytest.raises(ValueError, match=re.escape(f"gate_proj: qweight is torch.int32 {wrong}, "
+                                                   f"expected torch.int32 {stored}")):
         load_model(quantized)
 
 
