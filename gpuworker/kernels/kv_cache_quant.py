@@ -11,25 +11,25 @@ from __future__ import annotations
 
 import torch
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_DTYPE = torch.float8_e4m3fn
 # The largest finite e4m3fn value; larger magnitudes saturate instead of turning into NaN.
 FP8_MAX = 448.0
 
 
 def is_fp8_cache(kv_cache: torch.Tensor) -> bool:
-    return kv_cache.dtype == FP8_KV_DTYPE
+    return kv_cache.dtype == FP8_DTYPE
 
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
     """x (keys or values) as the cache stores them."""
-    if cache_dtype != FP8_KV_DTYPE:
+    if cache_dtype != FP8_DTYPE:
         return x.to(cache_dtype)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
 
 
 def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Cached keys or values in float32."""
-    if x.dtype != FP8_KV_DTYPE:
+    if x.dtype != FP8_DTYPE:
         return x.float()
     return x.float() * scale
 

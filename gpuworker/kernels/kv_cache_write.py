@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.kv_cache_quant import FP8_MAX, check_kv_scale, is_fp8_cache, quantize_kv
+from gpuworker.kernels import kv_cache_fp8
+from gpuworker.kernels.kv_cache_quant import check_kv_scale, is_fp8_cache, quantize_kv
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_kv_cache, check_last_dim_contiguous,
                                       check_operand, check_shape, check_tensor, lazy_jit, next_power_of_2,
                                       pdl_options)
@@ -21,7 +22,7 @@ def _kv_cache_write_kernel(
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_CACHE: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
@@ -40,8 +41,8 @@ def _kv_cache_write_kernel(
     v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask=mask)
     dst = cache_ptr + block * stride_cache_block + offset * stride_cache_offset + heads * stride_cache_head + dims
     if FP8_CACHE:
-        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+        k = kv_cache_fp8.quantize(k, k_scale)
+        v = kv_cache_fp8.quantize(v, v_scale)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -89,7 +90,7 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
-        FP8_CACHE=is_fp8_cache(kv_cache), FP8_MAX=FP8_MAX, **pdl_options(key.device),
+        FP8_CACHE=is_fp8_cache(kv_cache), **pdl_options(key.device),
     )
 
 

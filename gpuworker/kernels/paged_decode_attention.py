@@ -32,7 +32,8 @@ import triton.language as tl
 from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_contiguous, check_host_bound,
                                       check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
                                       lazy_jit, next_power_of_2, pdl_options)
-from gpuworker.kernels.kv_cache_quant import FP8_MAX, check_kv_scale, dequantize_kv, is_fp8_cache
+from gpuworker.kernels import kv_cache_fp8
+from gpuworker.kernels.kv_cache_quant import check_kv_scale, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write
 from gpuworker.kernels.rotary import apply_rotary_and_cache_reference, check_rotary
 
@@ -61,7 +62,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SPLIT: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr, FP8_MAX: tl.constexpr,
+    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options. The next kernel may launch at once: at batch 1 it is
@@ -140,8 +141,8 @@ def _paged_decode_kernel(
         v_new = tl.load(value_ptr + seq * stride_value_seq + kv_head * stride_value_head + dims,
                         mask=dim_mask, other=0.0)
         if FP8_CACHE:  # as the cache stores them (their scales apply with the cached tokens')
-            k_new = tl.clamp(k_new.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX).to(cache_ptr.dtype.element_ty)
-            v_new = tl.clamp(v_new.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX).to(cache_ptr.dtype.element_ty)
+            k_new = kv_cache_fp8.quantize(k_new, k_scale).to(cache_ptr.dtype.element_ty)
+            v_new = kv_cache_fp8.quantize(v_new, v_scale).to(cache_ptr.dtype.element_ty)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -448,7 +449,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, QUERY_GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(num_splits),
         SPLIT=split, MERGE_IN_LAUNCH=launch.merge_in_launch, **dot_options(query.dtype),
-        NEW_TOKEN=new_tokens is not None, HALF=half, FP8_CACHE=fp8, FP8_MAX=FP8_MAX, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        NEW_TOKEN=new_tokens is not None, HALF=half, FP8_CACHE=fp8, num_warps=launch.num_warps, num_stages=launch.num_stages,
         **pdl_options(device),
     )
     if split and not launch.merge_in_launch:

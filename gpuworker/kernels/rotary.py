@@ -17,7 +17,8 @@ import triton.language as tl
 
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_shape,
                                       check_tensor, lazy_jit, next_power_of_2, pdl_options)
-from gpuworker.kernels.kv_cache_quant import FP8_MAX, check_kv_scale, is_fp8_cache
+from gpuworker.kernels import kv_cache_fp8
+from gpuworker.kernels.kv_cache_quant import check_kv_scale, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
 
 
@@ -28,7 +29,7 @@ def _rotary_kernel(
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    CACHE_BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr, FP8_CACHE: tl.constexpr, FP8_MAX: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr, FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
@@ -69,8 +70,8 @@ def _rotary_kernel(
         out1 = out1.to(dtype).to(tl.float32)
         out2 = out2.to(dtype).to(tl.float32)
         if FP8_CACHE:
-            out1 = tl.clamp(out1 / k_scale, -FP8_MAX, FP8_MAX)
-            out2 = tl.clamp(out2 / k_scale, -FP8_MAX, FP8_MAX)
+            out1 = kv_cache_fp8.quantize(out1, k_scale)
+            out2 = kv_cache_fp8.quantize(out2, k_scale)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         # Padding tokens (slot < 0) store nothing; the slot test is broadcast to a tensor because the
         # interpreter mistypes `scalar_bool & tensor_bool` (see kv_cache_write).
@@ -84,12 +85,12 @@ def _rotary_kernel(
             tail = (heads < NUM_KV_HEADS) & (all_dims >= 2 * HALF) & (all_dims < HEAD_DIM) & keep
             k_tail = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + all_dims, mask=tail)
             if FP8_CACHE:
-                k_tail = tl.clamp(k_tail.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+                k_tail = kv_cache_fp8.quantize(k_tail, k_scale)
             tl.store(row + all_dims, k_tail.to(cache_dtype), mask=tail)
         full = (heads < NUM_KV_HEADS) & (all_dims < HEAD_DIM) & keep
         v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + all_dims, mask=full)
         if FP8_CACHE:
-            v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+            v = kv_cache_fp8.quantize(v, v_scale)
         tl.store(row + stride_cache_kv + all_dims, v.to(cache_dtype), mask=full)
     else:
         tl.store(first, out1.to(dtype), mask=mask)
@@ -143,7 +144,7 @@ def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None)
         BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(half), BLOCK_D=next_power_of_2(head_dim),
         CACHE_BLOCK_SIZE=cache_block_size, WRITE_CACHE=cache_write is not None,
-        FP8_CACHE=is_fp8_cache(kv_cache), FP8_MAX=FP8_MAX, **pdl_options(query.device),
+        FP8_CACHE=is_fp8_cache(kv_cache), **pdl_options(query.device),
     )
 
 
