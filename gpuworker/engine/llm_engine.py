@@ -35,6 +35,7 @@ from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 from gpuworker.engine.grammar_masks import StructuredOutputs
+from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
 from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
