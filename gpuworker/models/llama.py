@@ -60,10 +60,11 @@ class Attention(nn.Module):
             # The backend rotates and writes the cache itself (decode rows: inside the attention launch).
             rotary = self._rotary[0]
             out = backend.forward_with_rotary(positions, q, k, v, kv_cache, meta, self.scale,
-                                              rotary.cos_cache, rotary.sin_cache, self.k_scale, self.v_scale)
+                                              rotary.cos_cache, rotary.sin_cache, k_scale=self.k_scale,
+                                              v_scale=self.v_scale)
         else:
             q, k = self._rotary[0](positions, q, k)
-            out = backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
