@@ -5,6 +5,7 @@ cache decodes, within FP8's rounding; the prefix cache and (on a GPU) the CUDA g
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,27 +92,40 @@ def test_second_pass_reads_the_fp8_prefix_cache(tiny_checkpoint, prompts):
     assert [out.token_ids for out in second] == [out.token_ids for out in first]
 
 
-def test_checkpoint_kv_scales_are_used(tiny_checkpoint, prompts, tmp_path):
-    # The tiny model's keys and values reach ~10 and ~3: scales that put them far inside e4m3's
-    # range, as a calibrated checkpoint's would. A layer's scales change what its cache holds, and
-    # the answers still follow the model-dtype cache's.
+def with_tensors(source: Path, destination: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """A copy of the checkpoint at `source` with `extra` tensors added to its safetensors file."""
     from safetensors.torch import load_file, save_file
 
-    source = tiny_checkpoint("llama")
-    path = tmp_path / "llama-kv-scales"
-    shutil.copytree(source, path)
-    tensors = load_file(path / "model.safetensors")
+    shutil.copytree(source, destination)
+    tensors = load_file(destination / "model.safetensors")
+    save_file({**tensors, **extra}, destination / "model.safetensors", metadata={"format": "pt"})
+    return destination
+
+
+def test_checkpoint_kv_scales_are_used(tiny_checkpoint, prompts, tmp_path):
+    # The tiny model's keys and values reach ~5: scales that put them far inside e4m3's range, as a
+    # calibrated checkpoint's would. A layer's scales change what its cache holds, and the answers
+    # still follow the model-dtype cache's (which ignores the scales).
     scales = {0: (0.03, 0.01), 1: (0.05, 0.02)}
+    extra = {}
     for layer, (k_scale, v_scale) in scales.items():
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v_scale])
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        extra[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale)  # a scalar, or one element
+        extra[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v_scale])
+    path = with_tensors(tiny_checkpoint("llama"), tmp_path / "llama-kv-scales", extra)
 
     fp8 = LLMEngine(path, kv_cache_dtype="fp8", **ENGINE)
     for layer, (k_scale, v_scale) in scales.items():
         attn = fp8.runner.model.layers[layer].self_attn
         assert (attn.k_scale, attn.v_scale) == pytest.approx((k_scale, v_scale))
     assert_close_to_model_dtype_cache(fp8, LLMEngine(path, **ENGINE), prompts)
+
+
+def test_a_kv_scale_that_is_not_one_number_is_refused(tiny_checkpoint, tmp_path):
+    path = with_tensors(tiny_checkpoint("llama"), tmp_path / "llama-per-head-scales",
+                        {"model.layers.1.self_attn.k_scale": torch.full((2,), 0.1)})
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_scale in model.safetensors must hold one "
+                                         r"scale .* got shape \(2,\)"):
+        LLMEngine(path, kv_cache_dtype="fp8", **ENGINE)
 
 
 @pytest.mark.gpu
