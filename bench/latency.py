@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from common import (Timer, add_kv_cache_dtype_option, add_sampling_option, build_hf_model, copy_bandwidth_gbs, engine_parser, environment,
-                    load_hf_config, print_table, sampling_modes, sampling_params, weight_bytes_per_token, write_json)
+from common import (Timer, add_kv_cache_dtype_option, add_sampling_option, build_hf_model, copy_bandwidth_gbs,
+                    engine_parser, environment, load_hf_config, print_table, sampling_modes, sampling_params,
+                    weight_bytes_per_token, write_json)
 
 
 def engine_decode_rates(args, prompt: list[int], modes: list[str]) -> dict[str, dict]:

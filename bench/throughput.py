@@ -24,8 +24,9 @@ import time
 
 import torch
 
-from common import (Timer, add_engine_options, add_kv_cache_dtype_option, add_sampling_option, build_hf_model, engine_parser, environment,
-                    load_hf_config, print_table, sampling_modes, sampling_params, write_json)
+from common import (Timer, add_engine_options, add_kv_cache_dtype_option, add_sampling_option, build_hf_model,
+                    engine_parser, environment, load_hf_config, print_table, sampling_modes, sampling_params,
+                    write_json)
 
 
 def make_workload(num_requests: int, vocab: int, seed: int, lo: int, hi: int, output_len: int | None = None):

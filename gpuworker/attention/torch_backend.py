@@ -2,8 +2,9 @@
 
 Clear over fast: new keys/values are scattered into the cache through slot_mapping, then each
 sequence gathers its whole context through its block table and attends with an explicit causal
-mask, in float32 (an FP8 cache's values are dequantized to float32 first). One Python iteration per sequence, vectorised within it; the host copies of the
-metadata mean no device->host sync is needed to slice the batch.
+mask, in float32 (an FP8 cache's keys and values are dequantized to float32 first). One Python
+iteration per sequence, vectorised within it; the host copies of the metadata mean no device->host
+sync is needed to slice the batch.
 """
 
 from __future__ import annotations

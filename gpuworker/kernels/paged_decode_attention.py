@@ -449,7 +449,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, QUERY_GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(num_splits),
         SPLIT=split, MERGE_IN_LAUNCH=launch.merge_in_launch, **dot_options(query.dtype),
-        NEW_TOKEN=new_tokens is not None, HALF=half, FP8_CACHE=fp8, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        NEW_TOKEN=new_tokens is not None, HALF=half, FP8_CACHE=fp8, num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
         **pdl_options(device),
     )
     if split and not launch.merge_in_launch:
