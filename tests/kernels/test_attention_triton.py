@@ -220,3 +220,24 @@ def test_fp8_cache_matches_torch_backend(fused, device, generator, tolerance):
             assert torch.equal(triton_cache[0].float(), torch_cache[0].float())
             torch.testing.assert_close(got, expected, **tolerance(torch.float32))
         assert torch.equal(got[num_tokens - padding:], torch.zeros_like(got[num_tokens - padding:]))
+
+
+def test_engine_on_fp8_cache_matches_torch_backend(tmp_path, device):
+    # The whole engine on an FP8 cache, through the Triton kernels (decode rows rotated and cached
+    # in the attention launch, prefill rows by the rotary kernel; CUDA graphs on a GPU) and through
+    # the CPU's torch backend: the same greedy tokens, and again on a second pass whose prompts
+    # start from FP8 blocks in the prefix cache.
+    from gpuworker.engine import LLMEngine, SamplingParams
+    from tests.gpuworker.checkpoints import TINY, make_checkpoint
+    from tests.gpuworker.engine.reference import random_prompts
+
+    path = make_checkpoint(tmp_path, "llama")
+    config = dict(dtype="float32", num_kv_blocks=64, max_model_len=128, kv_cache_dtype="fp8")
+    prompts = random_prompts((3, 21, 40), TINY["vocab_size"], seed=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = [out.token_ids for out in LLMEngine(path, device="cpu", **config).generate(prompts, greedy)]
+    engine = LLMEngine(path, device=device, attn_backend=TritonAttentionBackend(), **config)
+    assert [out.token_ids for out in engine.generate(prompts, greedy)] == expected
+    second = engine.generate(prompts, greedy)
+    assert [out.num_cached_tokens for out in second] == [0, 16, 32]
+    assert [out.token_ids for out in second] == expected
