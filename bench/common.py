@@ -43,6 +43,12 @@ def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int | N
     parser.add_argument("--max-model-len", type=int, default=max_model_len)
 
 
+def add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype: the engine's KV cache in the model's dtype ("auto") or FP8 e4m3 ("fp8": twice
+    the blocks in the same memory)."""
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+
+
 # Sampling settings the engine benchmarks compare (--sampling): greedy against the filters the issue
 # measured. "seeded" modes give request i the seed i.
 SAMPLING_MODES = {

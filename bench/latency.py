@@ -15,8 +15,9 @@ import time
 
 import torch
 
-from common import (Timer, add_sampling_option, build_hf_model, copy_bandwidth_gbs, engine_parser, environment,
-                    load_hf_config, print_table, sampling_modes, sampling_params, weight_bytes_per_token, write_json)
+from common import (Timer, add_kv_cache_dtype_option, add_sampling_option, build_hf_model, copy_bandwidth_gbs,
+                    engine_parser, environment, load_hf_config, print_table, sampling_modes, sampling_params,
+                    weight_bytes_per_token, write_json)
 
 
 def engine_decode_rates(args, prompt: list[int], modes: list[str]) -> dict[str, dict]:
@@ -24,7 +25,7 @@ def engine_decode_rates(args, prompt: list[int], modes: list[str]) -> dict[str, 
 
     engine = LLMEngine(
         str(args.config), device="cuda", dtype=args.dtype, load_format="dummy",
-        max_num_seqs=8, max_num_batched_tokens=2048, seed=0,
+        max_num_seqs=8, max_num_batched_tokens=2048, seed=0, kv_cache_dtype=args.kv_cache_dtype,
     )
     rates = {}
     for mode in modes:
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--hf-output-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
+    add_kv_cache_dtype_option(parser)
     add_sampling_option(parser)
     args = parser.parse_args()
     modes = sampling_modes(args.sampling)
@@ -94,7 +96,8 @@ def main() -> None:
 
     ours_bw = weight_gb * ours["decode_tok_s"]
     rows = [
-        ("workload", f"batch 1, prompt {args.prompt_len}, {args.output_len} output tokens, {args.dtype}"),
+        ("workload", f"batch 1, prompt {args.prompt_len}, {args.output_len} output tokens, {args.dtype}, "
+                     f"KV cache {args.kv_cache_dtype}"),
         ("weights read per token", f"{weight_gb:.2f} GB"),
         ("device copy bandwidth", f"{copy_gbs:.0f} GB/s (bound {copy_gbs / weight_gb:.0f} tok/s)"),
         (f"gpuworker decode, {modes[0]}", f"{ours['decode_tok_s']:.1f} tok/s, {ours_bw:.0f} GB/s "

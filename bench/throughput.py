@@ -24,8 +24,9 @@ import time
 
 import torch
 
-from common import (Timer, add_engine_options, add_sampling_option, build_hf_model, engine_parser, environment,
-                    load_hf_config, print_table, sampling_modes, sampling_params, write_json)
+from common import (Timer, add_engine_options, add_kv_cache_dtype_option, add_sampling_option, build_hf_model,
+                    engine_parser, environment, load_hf_config, print_table, sampling_modes, sampling_params,
+                    write_json)
 
 
 def make_workload(num_requests: int, vocab: int, seed: int, lo: int, hi: int, output_len: int | None = None):
@@ -157,6 +158,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=None, help="every output this long (default: random)")
     add_engine_options(parser, max_num_seqs=None, max_model_len=2048)
+    add_kv_cache_dtype_option(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's choice")
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
@@ -176,7 +178,7 @@ def main() -> None:
         str(args.config), device="cuda", dtype=args.dtype, load_format="dummy", seed=args.seed,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts share nothing; keep the hash work out
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
     )
     t0 = time.perf_counter()  # warm-up: kernel compilation and graph capture stay out of the figures
     warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -205,7 +207,7 @@ def main() -> None:
     outputs = f"output {args.output_len}" if args.output_len else f"output {args.min_len}-{args.max_len}"
     rows = [
         ("workload", f"{args.num_requests} requests, prompt {args.min_len}-{args.max_len} tokens, {outputs}, "
-         f"seed {args.seed}, {args.dtype}"),
+         f"seed {args.seed}, {args.dtype}, KV cache {args.kv_cache_dtype}"),
         (f"gpuworker, {modes[0]}", f"{ours['output_tok_s']:.0f} output tok/s, {ours['total_tok_s']:.0f} total tok/s "
          f"({ours['seconds']:.1f} s; warm-up {warmup_s:.1f} s)"),
     ]
@@ -214,7 +216,8 @@ def main() -> None:
               f"{by_mode[mode]['seconds']:.1f} s)") for mode in modes[1:]]
     rows += [
         ("engine", f"max_num_seqs {limits[0]}, max_num_batched_tokens {limits[1]}, {ours['steps']} steps, "
-                   f"{ours['preemptions']} preemptions, KV pool {engine_kv_tokens} tokens, "
+                   f"{ours['preemptions']} preemptions, KV pool {engine_kv_tokens} tokens "
+                   f"({engine_kv_tokens // engine.config.block_size} blocks), "
                    f"peak use {100 * ours['peak_kv_cache_usage']:.0f}%, CUDA graphs captured in "
                    f"{graph_capture_s:.1f} s"),
     ]
@@ -234,7 +237,7 @@ def main() -> None:
         "env": environment(), "args": {k: str(v) for k, v in vars(args).items()},
         "gpuworker": ours, "gpuworker_by_sampling": by_mode, "gpuworker_subset": ours_subset, "hf_subset": hf,
         "warmup_s": warmup_s, "max_num_seqs": limits[0], "max_num_batched_tokens": limits[1],
-        "graph_capture_s": graph_capture_s,
+        "graph_capture_s": graph_capture_s, "kv_cache_tokens": engine_kv_tokens,
     })
 
 

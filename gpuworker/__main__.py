@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quantization", choices=("fp8",), default=None,
                        help="quantize a float checkpoint's projections to FP8 at load (quantized FP8, AWQ and "
                             "GPTQ checkpoints are detected from their config.json)")
+    serve.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                       help="the KV cache's dtype: auto (the model's) or fp8 (e4m3 with per-layer scales, the "
+                            "checkpoint's k_scale/v_scale where it has them: twice the cached tokens; needs a GPU "
+                            "of compute capability 8.9+)")
     serve.add_argument("--memory-fraction", type=float, default=0.9,
                        help="fraction of free GPU memory the KV cache may take")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
@@ -146,7 +150,7 @@ def serve(args: argparse.Namespace) -> None:
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
                           dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          quantization=args.quantization,
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout,
                           tensor_parallel_size=args.tensor_parallel_size)
     holder = EngineHolder(config)

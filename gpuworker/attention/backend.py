@@ -7,7 +7,8 @@ reference and the Triton kernels are interchangeable behind `AttentionBackend`.
 KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (index 0 holds keys, 1 values). A token at position ``p`` of a sequence lives in block
 ``block_table[p // block_size]`` at offset ``p % block_size``; its slot is
-``block * block_size + offset``.
+``block * block_size + offset``. The cache holds the model's dtype, or float8_e4m3fn with a static
+scale per layer for keys (k_scale) and one for values (v_scale): gpuworker.kernels.kv_cache_quant.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,  # an FP8 cache's scales (ignored by other caches)
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's keys and values into the cache, then attend through the block tables."""
         ...
@@ -85,6 +88,8 @@ class RotaryCacheWritingBackend(AttentionBackend, Protocol):
         scale: float,
         cos_cache: torch.Tensor,  # [max_positions, rot_dim // 2], float32 (RotaryEmbedding's)
         sin_cache: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Rotate query and key by positions, write the rotated keys and the values into the cache at
         meta.slot_mapping, attend through the block tables."""

@@ -2,8 +2,9 @@
 
 Clear over fast: new keys/values are scattered into the cache through slot_mapping, then each
 sequence gathers its whole context through its block table and attends with an explicit causal
-mask, in float32. One Python iteration per sequence, vectorised within it; the host copies of the
-metadata mean no device->host sync is needed to slice the batch.
+mask, in float32 (an FP8 cache's keys and values are dequantized to float32 first). One Python
+iteration per sequence, vectorised within it; the host copies of the metadata mean no device->host
+sync is needed to slice the batch.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import torch
 
 from gpuworker.attention.backend import AttentionMetadata
+from gpuworker.kernels.kv_cache_quant import dequantize_kv, quantize_kv
 
 
 class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], kv_cache [2, blocks, block_size, KVH, D] -> [T, H, D]."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = query.shape[1]
@@ -25,7 +28,7 @@ class TorchAttentionBackend:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         key_cache = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
         value_cache = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
-        write_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        write_cache(key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
 
         # Rows past the last sequence (padding for a fixed batch shape) stay zero.
         output = torch.zeros_like(query)
@@ -37,17 +40,18 @@ class TorchAttentionBackend:
                 continue
             blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
             slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]
-            output[start:end] = attend(query[start:end], key_cache[slots], value_cache[slots], scale)
+            output[start:end] = attend(query[start:end], dequantize_kv(key_cache[slots], k_scale),
+                                       dequantize_kv(value_cache[slots], v_scale), scale)
         return output
 
 
-def write_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store each token's K/V at its slot; slots < 0 (padding) are skipped."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    key_cache[slots] = key[valid].to(key_cache.dtype)
-    value_cache[slots] = value[valid].to(value_cache.dtype)
+    key_cache[slots] = quantize_kv(key[valid], key_cache.dtype, k_scale)
+    value_cache[slots] = quantize_kv(value[valid], value_cache.dtype, v_scale)
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

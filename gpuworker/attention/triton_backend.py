@@ -31,14 +31,15 @@ class TritonAttentionBackend:
     # The two entry points take what backend.py's protocols say (shapes are given there).
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Write this step's keys and values into the cache, then attend (the unfused path)."""
-        kv_cache_write(key, value, kv_cache, meta.slot_mapping)
-        return self.forward_rotated(query, kv_cache, meta, scale)
+        kv_cache_write(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
+        return self.forward_rotated(query, kv_cache, meta, scale, k_scale, v_scale)
 
     def forward_with_rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                            cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> torch.Tensor:
+                            cos_cache: torch.Tensor, sin_cache: torch.Tensor, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
         """Rotary, the cache write and attention. Decode rows take one launch each layer (the decode
         kernel rotates and caches their token itself); the prefill rows after them (and padding) go
         through the rotary kernel, which rotates their queries in place and writes their keys and
@@ -47,12 +48,12 @@ class TritonAttentionBackend:
         if num_decode < query.shape[0]:
             rest = slice(num_decode, None)
             apply_rotary_and_cache(positions[rest], query[rest], key[rest], value[rest], cos_cache, sin_cache,
-                                   kv_cache, meta.slot_mapping[rest])
+                                   kv_cache, meta.slot_mapping[rest], k_scale, v_scale)
         new_tokens = None
         if num_decode > 0:
             new_tokens = NewTokens(positions[:num_decode], key[:num_decode], value[:num_decode], cos_cache,
                                    sin_cache, meta.slot_mapping[:num_decode])
-        return self._attend(query, kv_cache, meta, scale, new_tokens)
+        return self._attend(query, kv_cache, meta, scale, k_scale, v_scale, new_tokens)
 
     def forward_rotated(
         self,
@@ -60,6 +61,8 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], this step's K/V in it
         meta: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Attend through the block tables to a cache that already holds this step's keys and values.
 
@@ -67,7 +70,7 @@ class TritonAttentionBackend:
         torch reference. A decode sequence with seq_len 0 also gets zeros.
         """
         self._check(meta)
-        return self._attend(query, kv_cache, meta, scale)
+        return self._attend(query, kv_cache, meta, scale, k_scale, v_scale)
 
     @staticmethod
     def _check(meta: AttentionMetadata) -> int:
@@ -77,7 +80,7 @@ class TritonAttentionBackend:
         return num_decode
 
     def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                new_tokens: NewTokens | None = None) -> torch.Tensor:
+                k_scale: float, v_scale: float, new_tokens: NewTokens | None = None) -> torch.Tensor:
         """The decode kernel on the first num_decode_seqs rows (given their new_tokens, it rotates and
         caches them itself), the prefill kernel on the rest, zeros on padding rows."""
         num_decode, num_seqs = meta.num_decode_seqs, meta.num_seqs
@@ -87,12 +90,13 @@ class TritonAttentionBackend:
             paged_decode_attention(
                 query[:num_decode], kv_cache, meta.block_tables[:num_decode], meta.seq_lens[:num_decode],
                 scale, meta.max_seq_len, out=out[:num_decode], counters=counters, new_tokens=new_tokens,
+                k_scale=k_scale, v_scale=v_scale,
             )
         if num_seqs > num_decode:
             # query_start_loc values are absolute rows of `query`, so a slice addresses the prefill part.
             prefill_attention(
                 query, kv_cache, meta.query_start_loc[num_decode:], meta.seq_lens[num_decode:],
-                meta.block_tables[num_decode:], scale, meta.max_query_len, out=out,
+                meta.block_tables[num_decode:], scale, meta.max_query_len, out=out, k_scale=k_scale, v_scale=v_scale,
             )
         rows_used = meta.query_start_loc_cpu[-1]
         if rows_used < out.shape[0]:
@@ -101,7 +105,7 @@ class TritonAttentionBackend:
 
     @torch.inference_mode()
     def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, max_model_len: int, scale: float,
-                cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
+                cos_cache: torch.Tensor, sin_cache: torch.Tensor, dtype: torch.dtype) -> None:
         """Compile every variant of the decode kernel a step can pick, before serving.
 
         The split count (chosen per launch from the batch and the longest context, up to MAX_SPLITS)
@@ -109,7 +113,8 @@ class TritonAttentionBackend:
         that fills the device and once for one that does not (each has its own tile and way of
         merging the partitions); an eager step meeting a new one would compile it (a second or more
         on a GPU) in the middle of serving. The launches are the model's (forward_with_rotary: views
-        of a fused qkv, this rotary cache) with slot -1, so nothing is written to the cache.
+        of a fused qkv of `dtype`, the model's, this rotary cache) with slot -1, so nothing is written
+        to the cache.
         """
         block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
         device = kv_cache.device
@@ -117,7 +122,7 @@ class TritonAttentionBackend:
         most = min(MAX_SPLITS, -(-max_model_len // MIN_PARTITION))
         # One sequence, and the smallest batch whose programs fill the multiprocessors.
         for batch in (1, -(-multiprocessor_count(device) // num_kv_heads)):
-            qkv = torch.zeros(batch, q_size + 2 * kv_size, dtype=kv_cache.dtype, device=device)
+            qkv = torch.zeros(batch, q_size + 2 * kv_size, dtype=dtype, device=device)
             query = qkv[:, :q_size].view(batch, num_q_heads, head_dim)
             new_tokens = NewTokens(
                 torch.zeros(batch, dtype=torch.int64, device=device),

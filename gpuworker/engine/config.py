@@ -15,6 +15,9 @@ from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
+# "auto": the model's dtype; "fp8": float8_e4m3fn with a scale per layer for keys and for values
+# (engine.kv_cache_dtype), twice the blocks of a bf16 cache in the same memory.
+KV_CACHE_DTYPES = ("auto", "fp8")
 # On CPU there is no "free device memory" to fill, so the KV pool gets a fixed budget by default.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -46,6 +49,7 @@ class EngineConfig:
     # "fp8": quantize a float checkpoint's projections to FP8 at load. None: as the checkpoint is
     # (a quantized checkpoint says so in its config.json).
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     # Read by the model runner: True keeps every step eager (no CUDA-graph capture).
     enforce_eager: bool = False
@@ -70,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.quantization not in LOAD_QUANTIZATIONS:

@@ -35,6 +35,7 @@ from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 from gpuworker.engine.grammar_masks import StructuredOutputs
+from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
 from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
@@ -143,6 +144,8 @@ class LLMEngine:
         self.model_config = mc
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc)
+        # Refused here, before any weight is read, on a device that cannot run an FP8 cache.
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype, config.device)
         max_model_len = config.max_model_len or mc.max_position_embeddings
         if max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context "
@@ -180,7 +183,7 @@ class LLMEngine:
         # The KV cache and the memory sizing count the heads this rank holds.
         rank_mc = shard_config(mc, parallel)
         sized = plan_sizes(config, rank_mc, element_size=self.dtype.itemsize, max_model_len=max_model_len,
-                           free_device_bytes=free_device_bytes)
+                           free_device_bytes=free_device_bytes, kv_element_size=kv_dtype.itemsize)
         pool_tokens = sized.num_kv_blocks * config.block_size
         if config.max_model_len is None and pool_tokens < max_model_len:
             max_model_len = pool_tokens

@@ -29,6 +29,7 @@ from torch import nn
 from gpuworker.attention.backend import AttentionMetadata
 from gpuworker.engine.block_tables import BlockTables
 from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
 from gpuworker.engine.outputs import TokenLogprob
 from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
 from gpuworker.engine.scheduler import ScheduledBatch
@@ -127,10 +128,12 @@ class ModelRunner:
         self.model = model
         self.workers = workers
         self.device = device
+        self.dtype = dtype
         self.block_size = config.block_size
         # One tensor for the whole pool; each layer gets a view [2, blocks, block_size, kv_heads, head_dim].
         self.kv_cache = torch.zeros(mc.num_layers, 2, config.num_kv_blocks, config.block_size,
-                                    mc.num_kv_heads, mc.head_dim, dtype=dtype, device=device)
+                                    mc.num_kv_heads, mc.head_dim,
+                                    dtype=kv_cache_torch_dtype(config.kv_cache_dtype, dtype, device), device=device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(device, config.seed)
         self.block_tables = BlockTables(2 * config.max_num_seqs + 8,
@@ -191,7 +194,7 @@ class ModelRunner:
             mc = self.model_config
             rotary = self.model.rotary
             backend.warm_up(self.kv_caches[0], mc.num_heads, self.config.max_model_len, mc.head_dim**-0.5,
-                            rotary.cos_cache, rotary.sin_cache)
+                            rotary.cos_cache, rotary.sin_cache, self.dtype)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

@@ -67,11 +67,12 @@ def default_max_num_batched_tokens(mc: ModelConfig) -> int:
 
 
 def plan_sizes(config: EngineConfig, mc: ModelConfig, *, element_size: int, max_model_len: int,
-               free_device_bytes: int | None) -> EngineConfig:
+               free_device_bytes: int | None, kv_element_size: int | None = None) -> EngineConfig:
     """config with num_kv_blocks, max_num_seqs and max_num_batched_tokens filled in where None;
-    given values are kept. free_device_bytes: device memory free after loading the weights (None:
-    the CPU, whose pool takes kv_cache_memory_bytes)."""
-    block_bytes = kv_cache_block_bytes(mc, config.block_size, element_size)
+    given values are kept. element_size: bytes per activation value; kv_element_size: per cached
+    key or value (None: element_size; 1 for an FP8 cache). free_device_bytes: device memory free
+    after loading the weights (None: the CPU, whose pool takes kv_cache_memory_bytes)."""
+    block_bytes = kv_cache_block_bytes(mc, config.block_size, kv_element_size or element_size)
     max_num_seqs = config.max_num_seqs
     if free_device_bytes is None:
         max_num_batched_tokens = config.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS

@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+# The e4m3 format (dtype, largest finite value), shared with the FP8 KV cache.
+from gpuworker.kernels.kv_cache_quant import FP8_DTYPE, FP8_MAX
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
                                       interpreting, lazy_jit, pdl_options)
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def _fp8_matmul_kernel(

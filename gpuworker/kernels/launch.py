@@ -18,7 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What a KV cache may hold: the keys' own dtype, or FP8 with scales (kernels/kv_cache_quant.py).
+KV_CACHE_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -64,7 +68,8 @@ _INTERPRETED_STDLIB: dict[int, Any] = {}
 
 @contextmanager
 def _interpretable_stdlib() -> Iterator[None]:
-    """Let the interpreter call tl.max, tl.sum & co. even if triton was imported before TRITON_INTERPRET=1.
+    """Let the interpreter call tl.max, tl.sum & co. (and our kv_cache_fp8 helpers) even if triton was
+    imported before TRITON_INTERPRET=1.
 
     Triton's own @jit helpers (triton.language.standard) are decorated when triton is imported; if
     that happened without the flag they are compiled-mode functions that the interpreter refuses to
@@ -74,8 +79,10 @@ def _interpretable_stdlib() -> Iterator[None]:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    from gpuworker.kernels import kv_cache_fp8
+
     saved = []
-    for module in (tl, tl.standard):
+    for module in (tl, tl.standard, kv_cache_fp8):
         for name, value in list(vars(module).items()):
             if isinstance(value, JITFunction):
                 twin = _INTERPRETED_STDLIB.get(id(value))
@@ -197,15 +204,17 @@ def check_host_bound(name: str, value: Any) -> None:
 
 def check_kv_cache(kv_cache: Any, *, dtype: torch.dtype | None = None,
                    device: torch.device | None = None) -> tuple[int, int, int, int]:
-    """Check a per-layer cache [2, num_blocks, block_size, num_kv_heads, head_dim]; return its sizes."""
-    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=FLOAT_DTYPES, device=device)
+    """Check a per-layer cache [2, num_blocks, block_size, num_kv_heads, head_dim] holding keys of
+    `dtype` (as they are, or in FP8); return its sizes."""
+    check_tensor("kv_cache", kv_cache, ndim=5, dtypes=KV_CACHE_DTYPES, device=device)
     if kv_cache.shape[0] != 2:
         raise ValueError(
             "kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(kv_cache.shape)}"
         )
-    if dtype is not None and kv_cache.dtype != dtype:
-        raise ValueError(f"kv_cache has dtype {kv_cache.dtype} but the keys/queries are {dtype}")
+    if dtype is not None and kv_cache.dtype not in (dtype, FP8_DTYPE):
+        raise ValueError(f"kv_cache has dtype {kv_cache.dtype} but the keys/queries are {dtype} "
+                         f"(a cache holds their dtype or {FP8_DTYPE})")
     check_last_dim_contiguous("kv_cache", kv_cache)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     return num_blocks, block_size, num_kv_heads, head_dim

@@ -14,6 +14,10 @@ layer, however short the contexts it replays with.
 Given the step's own tokens (NewTokens), the launch also does what the rotary kernel would do
 before it: it rotates the query and the new key, stores the key and value in the cache, and
 attends to that token from registers (the engine's decode rows: one launch per layer fewer).
+
+An FP8 cache (kv_cache_quant.py) is widened to the query's dtype as it is loaded (exact); the key
+scale multiplies the scores and the value scale the output. The new token is quantized as the
+cache stores it before it is attended to, so it counts as every other cached token does.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import triton.language as tl
 from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_contiguous, check_host_bound,
                                       check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
                                       lazy_jit, next_power_of_2, pdl_options)
+from gpuworker.kernels import kv_cache_fp8
+from gpuworker.kernels.kv_cache_quant import check_kv_scale, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write
 from gpuworker.kernels.rotary import apply_rotary_and_cache_reference, check_rotary
 
@@ -47,7 +53,7 @@ def _paged_decode_kernel(
     query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
     positions_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, slot_mapping_ptr,
-    qk_scale,
+    qk_scale, k_scale, v_scale,
     stride_query_seq, stride_query_head, stride_out_seq, stride_out_head,
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
     stride_block_tables_seq,
@@ -56,7 +62,8 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SPLIT: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options. The next kernel may launch at once: at batch 1 it is
         # the merge or the o_proj GEMV, whose programs then load their first weight tiles while this
@@ -103,12 +110,12 @@ def _paged_decode_kernel(
     dim_mask = dims < HEAD_DIM
     q_ptrs = query_ptr + seq * stride_query_seq + q_heads[:, None] * stride_query_head
     q = tl.load(q_ptrs + dims[None, :], mask=group_mask[:, None] & dim_mask[None, :], other=0.0)
+    dtype = query_ptr.dtype.element_ty
     if NEW_TOKEN:
         # Rotary as kernels/rotary.py computes it (rotate-half over the first 2 * HALF dims, HF's
         # rounding), written over the whole head: dim d pairs with d +- HALF, the tail keeps cos 1
         # and sin 0. The query is rotated in registers; the key of this (sequence, kv head) too,
         # and the partition holding the last position attends to it and stores it, with the value.
-        dtype = query_ptr.dtype.element_ty
         position = tl.load(positions_ptr + seq).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         lower = dims < HALF
@@ -133,6 +140,9 @@ def _paged_decode_kernel(
         k_new = tl.where(lower, k_cos - k_sin, k_cos + k_sin).to(dtype)
         v_new = tl.load(value_ptr + seq * stride_value_seq + kv_head * stride_value_head + dims,
                         mask=dim_mask, other=0.0)
+        if FP8_CACHE:  # as the cache stores them (their scales apply with the cached tokens')
+            k_new = kv_cache_fp8.quantize(k_new, k_scale).to(cache_ptr.dtype.element_ty)
+            v_new = kv_cache_fp8.quantize(v_new, v_scale).to(cache_ptr.dtype.element_ty)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -146,6 +156,8 @@ def _paged_decode_kernel(
         row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
         kv_mask = valid[None, :] & dim_mask[:, None]
         k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=kv_mask, other=0.0)  # [D, N]
+        if FP8_CACHE:
+            k_t = k_t.to(dtype)
         if DOT_FP32:
             scores = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
         else:
@@ -157,6 +169,8 @@ def _paged_decode_kernel(
         p = tl.exp2(scores - m_new[:, None])
         v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
                     mask=valid[:, None] & dim_mask[None, :], other=0.0)  # [N, D]
+        if FP8_CACHE:
+            v = v.to(dtype)
         if DOT_FP32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -181,6 +195,8 @@ def _paged_decode_kernel(
             l_i = l_i * rescale + weight
             m_i = m_last
 
+    if FP8_CACHE:
+        acc = acc * v_scale
     has_tokens = l_i > 0.0  # false for a padded row (seq_len 0); empty split partitions returned above
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
     out_mask = group_mask[:, None] & dim_mask[None, :]
@@ -364,6 +380,8 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     new_tokens: NewTokens | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, D] over each sequence's first seq_lens[b] cached tokens -> [B, Hq, D].
 
@@ -378,6 +396,8 @@ def paged_decode_attention(
 
     new_tokens: the step's own tokens, not yet rotated nor cached (see NewTokens); query is then
     not rotated either.
+
+    k_scale, v_scale: a float8_e4m3fn cache's scales (kv_cache_quant.py; other caches ignore them).
 
     block_n, num_warps, num_stages: the tile (keys per iteration) and launch shape; None takes
     default_tile's.
@@ -416,10 +436,12 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused by the kernel when SPLIT is false
         counters = seq_lens
     rotary_args, rotary_strides = _new_token_operands(new_tokens, query, seq_lens)
+    fp8 = is_fp8_cache(kv_cache)
+    k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     _paged_decode[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens,
         out, part_out, part_lse, counters, *rotary_args,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E * (k_scale if fp8 else 1.0), k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), *rotary_strides,
@@ -427,7 +449,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, QUERY_GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(num_splits),
         SPLIT=split, MERGE_IN_LAUNCH=launch.merge_in_launch, **dot_options(query.dtype),
-        NEW_TOKEN=new_tokens is not None, HALF=half, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        NEW_TOKEN=new_tokens is not None, HALF=half, FP8_CACHE=fp8, num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
         **pdl_options(device),
     )
     if split and not launch.merge_in_launch:
@@ -522,6 +545,8 @@ def paged_decode_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
     new_tokens: NewTokens | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Pure-torch reference: gather each sequence's context through its block table, softmax in fp32.
 
@@ -530,7 +555,7 @@ def paged_decode_attention_reference(
     if new_tokens is not None:
         t = new_tokens
         query = apply_rotary_and_cache_reference(t.positions, query, t.key, t.value, t.cos_cache, t.sin_cache,
-                                                 kv_cache, t.slot_mapping)
+                                                 kv_cache, t.slot_mapping, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -540,8 +565,8 @@ def paged_decode_attention_reference(
             continue
         positions = torch.arange(seq_len, device=query.device)
         blocks = block_tables[i].long()[positions // block_size]
-        keys = kv_cache[0, blocks, positions % block_size].float()  # [L, Hkv, D]
-        values = kv_cache[1, blocks, positions % block_size].float()
+        keys = dequantize_kv(kv_cache[0, blocks, positions % block_size], k_scale)  # [L, Hkv, D]
+        values = dequantize_kv(kv_cache[1, blocks, positions % block_size], v_scale)
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", query[i].float(), keys) * scale

@@ -5,7 +5,9 @@ tokens, the last q_len of which are the new ones (already written to the cache).
 absolute position p = seq_len - q_len + i and attends causally to positions 0..p, so a chunk after a
 prefix-cache hit or an earlier chunk also sees the cached prefix. Flash-attention tiling: a program
 owns BLOCK_M query rows of one head, walks the keys in BLOCK_N tiles with an online softmax, and only
-masks the tiles that cross the causal diagonal.
+masks the tiles that cross the causal diagonal. An FP8 cache's keys and values are widened to the
+query's dtype as they are loaded (exact); their scales multiply the scores and the output
+(kv_cache_quant.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuworker.kernels.kv_cache_quant import check_kv_scale, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_host_bound, check_operand,
                                       check_query_and_cache, check_shape, check_tensor, dot_options, lazy_jit,
                                       next_power_of_2, pdl_options)
@@ -23,13 +26,13 @@ _LOG2E = 1.4426950408889634
 
 def _prefill_attention_kernel(
     query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    qk_scale,
+    qk_scale, v_scale,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head,
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
     stride_block_tables_seq,
     BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
@@ -56,6 +59,7 @@ def _prefill_attention_kernel(
         query_ptr + (q_start + rows)[:, None] * stride_query_token + q_head * stride_query_head + dims[None, :],
         mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
     )
+    dtype = query_ptr.dtype.element_ty
     if DOT_FP32:
         q = q.to(tl.float32)
     # Rows past the chunk's end copy the last row's position so no row is fully masked (no NaNs).
@@ -77,6 +81,9 @@ def _prefill_attention_kernel(
         row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
         k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=dim_mask[:, None], other=0.0)
         v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
+        if FP8_CACHE:
+            k_t = k_t.to(dtype)
+            v = v.to(dtype)
         if DOT_FP32:
             scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
         else:
@@ -100,6 +107,9 @@ def _prefill_attention_kernel(
         k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
         v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
                     mask=valid[:, None] & dim_mask[None, :], other=0.0)
+        if FP8_CACHE:
+            k_t = k_t.to(dtype)
+            v = v.to(dtype)
         if DOT_FP32:
             scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
         else:
@@ -118,6 +128,8 @@ def _prefill_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
+    if FP8_CACHE:
+        acc = acc * v_scale
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_out_token + q_head * stride_out_head + dims[None, :],
@@ -143,6 +155,8 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of ragged query chunks [T, Hq, D] over their paged contexts -> [T, Hq, D].
 
@@ -150,7 +164,8 @@ def prefill_attention(
     the step's metadata can address the prefill part of a mixed batch); seq_lens [B] is each
     sequence's context including its new tokens; block_tables [B, max_blocks]. All three stay on the
     device; max_query_len is a host upper bound on the chunk lengths that sizes the grid. Rows of `out`
-    outside every chunk are left untouched.
+    outside every chunk are left untouched. k_scale, v_scale: a float8_e4m3fn cache's scales (other
+    caches ignore them).
     """
     block_size, num_kv_heads = _checked(query, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len, out)
     num_q_heads, head_dim = query.shape[1], query.shape[2]
@@ -164,15 +179,17 @@ def prefill_attention(
     block_n = tile[1] if block_n is None else block_n
     num_warps = tile[2] if num_warps is None else num_warps
     block_d = next_power_of_2(head_dim)
+    fp8 = is_fp8_cache(kv_cache)
+    k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     grid = (triton.cdiv(max_query_len, block_m), num_q_heads, num_seqs)
     _prefill_attention[grid](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E * (k_scale if fp8 else 1.0), v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         BLOCK_SIZE=block_size, QUERY_GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, **dot_options(query.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, **dot_options(query.dtype), FP8_CACHE=fp8,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(query.device),
     )
     return out
@@ -215,6 +232,8 @@ def prefill_attention_reference(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Pure-torch reference: per sequence, gather the context and apply a causal mask offset by the prefix."""
     num_q_heads = query.shape[1]
@@ -229,8 +248,8 @@ def prefill_attention_reference(
             continue
         positions = torch.arange(seq_len, device=query.device)
         blocks = block_tables[i].long()[positions // block_size]
-        keys = kv_cache[0, blocks, positions % block_size].float().repeat_interleave(group, dim=1)
-        values = kv_cache[1, blocks, positions % block_size].float().repeat_interleave(group, dim=1)
+        keys = dequantize_kv(kv_cache[0, blocks, positions % block_size], k_scale).repeat_interleave(group, dim=1)
+        values = dequantize_kv(kv_cache[1, blocks, positions % block_size], v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))

@@ -17,17 +17,19 @@ import triton.language as tl
 
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_shape,
                                       check_tensor, lazy_jit, next_power_of_2, pdl_options)
+from gpuworker.kernels import kv_cache_fp8
+from gpuworker.kernels.kv_cache_quant import check_kv_scale, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
 
 
 def _rotary_kernel(
-    positions_ptr, query_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, cache_ptr, slot_mapping_ptr,
+    positions_ptr, query_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
     stride_query_token, stride_query_head, stride_key_token, stride_key_head,
     stride_value_token, stride_value_head, stride_cos_position, stride_sin_position,
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    CACHE_BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr, FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
@@ -62,23 +64,33 @@ def _rotary_kernel(
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     if WRITE_CACHE:
         # The rotated keys go to the cache only (attention reads them from there), rounded to the
-        # activation dtype first so the cache holds what apply_rotary + kv_cache_write would store.
+        # activation dtype first so the cache holds what apply_rotary + kv_cache_write would store
+        # (an FP8 cache: divided by the scale and clamped, as kv_cache_write does).
         cache_dtype = cache_ptr.dtype.element_ty
+        out1 = out1.to(dtype).to(tl.float32)
+        out2 = out2.to(dtype).to(tl.float32)
+        if FP8_CACHE:
+            out1 = kv_cache_fp8.quantize(out1, k_scale)
+            out2 = kv_cache_fp8.quantize(out2, k_scale)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         # Padding tokens (slot < 0) store nothing; the slot test is broadcast to a tensor because the
         # interpreter mistypes `scalar_bool & tensor_bool` (see kv_cache_write).
         keep = (heads * 0 + slot) >= 0
         row = (cache_ptr + (slot // CACHE_BLOCK_SIZE) * stride_cache_block
                + (slot % CACHE_BLOCK_SIZE) * stride_cache_offset + heads * stride_cache_head)
-        tl.store(row + dims[None, :], out1.to(dtype).to(cache_dtype), mask=mask & keep)
-        tl.store(row + HALF + dims[None, :], out2.to(dtype).to(cache_dtype), mask=mask & keep)
+        tl.store(row + dims[None, :], out1.to(cache_dtype), mask=mask & keep)
+        tl.store(row + HALF + dims[None, :], out2.to(cache_dtype), mask=mask & keep)
         all_dims = tl.arange(0, BLOCK_D)[None, :]
         if 2 * HALF < HEAD_DIM:  # partial rotary: the key's tail is copied as it is
             tail = (heads < NUM_KV_HEADS) & (all_dims >= 2 * HALF) & (all_dims < HEAD_DIM) & keep
             k_tail = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + all_dims, mask=tail)
+            if FP8_CACHE:
+                k_tail = kv_cache_fp8.quantize(k_tail, k_scale)
             tl.store(row + all_dims, k_tail.to(cache_dtype), mask=tail)
         full = (heads < NUM_KV_HEADS) & (all_dims < HEAD_DIM) & keep
         v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + all_dims, mask=full)
+        if FP8_CACHE:
+            v = kv_cache_fp8.quantize(v, v_scale)
         tl.store(row + stride_cache_kv + all_dims, v.to(cache_dtype), mask=full)
     else:
         tl.store(first, out1.to(dtype), mask=mask)
@@ -112,18 +124,19 @@ def check_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
 
 
 def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None) -> None:
-    """One program per token; cache_write = (value, kv_cache, slot_mapping) also fills the cache."""
+    """One program per token; cache_write = (value, kv_cache, slot_mapping, k_scale, v_scale) also
+    fills the cache."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     if cache_write is None:
         # Unused without WRITE_CACHE: any pointers of the right kinds will do.
-        value, kv_cache, slot_mapping = key, query, positions
+        value, kv_cache, slot_mapping, k_scale, v_scale = key, query, positions, 1.0, 1.0
         cache_strides, cache_block_size = (0, 0, 0, 0), 1
     else:
-        value, kv_cache, slot_mapping = cache_write
+        value, kv_cache, slot_mapping, k_scale, v_scale = cache_write
         cache_strides, cache_block_size = kv_cache.stride()[:4], kv_cache.shape[2]
     _rotary[(num_tokens,)](
-        positions, query, key, value, cos_cache, sin_cache, kv_cache, slot_mapping,
+        positions, query, key, value, cos_cache, sin_cache, kv_cache, slot_mapping, k_scale, v_scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), cos_cache.stride(0), sin_cache.stride(0),
         *cache_strides,
@@ -131,7 +144,7 @@ def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None)
         BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(half), BLOCK_D=next_power_of_2(head_dim),
         CACHE_BLOCK_SIZE=cache_block_size, WRITE_CACHE=cache_write is not None,
-        **pdl_options(query.device),
+        FP8_CACHE=is_fp8_cache(kv_cache), **pdl_options(query.device),
     )
 
 
@@ -164,18 +177,22 @@ def apply_rotary_and_cache(
     sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """apply_rotary, then kv_cache_write of the rotated key and value, in one launch; returns query.
 
     query is rotated in place; the rotated key goes to kv_cache[0, slot] only (key itself is not
     modified) and value to kv_cache[1, slot], for every slot >= 0 of slot_mapping [T]. The cache
-    ends up bit-identical to apply_rotary followed by kv_cache_write. Arguments as for those two.
+    ends up bit-identical to apply_rotary followed by kv_cache_write. Arguments as for those two
+    (k_scale and v_scale: an FP8 cache's scales).
     """
     half = check_rotary(positions, query, key, cos_cache, sin_cache)
     check_kv_cache_write(key, value, kv_cache, slot_mapping)
+    scales = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
     if query.shape[0] == 0:
         return query
-    _launch(positions, query, key, cos_cache, sin_cache, half, (value, kv_cache, slot_mapping))
+    _launch(positions, query, key, cos_cache, sin_cache, half, (value, kv_cache, slot_mapping, *scales))
     return query
 
 
@@ -195,8 +212,9 @@ def apply_rotary_reference(positions: torch.Tensor, query: torch.Tensor, key: to
 
 def apply_rotary_and_cache_reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                      value: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-                                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                                     v_scale: float = 1.0) -> torch.Tensor:
     """Pure-torch reference: returns the rotated query (out of place) and writes the cache in place."""
     query, key = apply_rotary_reference(positions, query, key, cos_cache, sin_cache)
-    kv_cache_write_reference(key, value, kv_cache, slot_mapping)
+    kv_cache_write_reference(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     return query

@@ -39,6 +39,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # Shared by all layers; kept out of the module tree so it is not registered once per layer.
         self._rotary = (rotary,)
+        # An FP8 KV cache's static scales for this layer (the checkpoint's, else 1.0: see
+        # models.quantization.kv_scales); host floats, so a CUDA graph holds them as constants.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -56,10 +60,11 @@ class Attention(nn.Module):
             # The backend rotates and writes the cache itself (decode rows: inside the attention launch).
             rotary = self._rotary[0]
             out = backend.forward_with_rotary(positions, q, k, v, kv_cache, meta, self.scale,
-                                              rotary.cos_cache, rotary.sin_cache)
+                                              rotary.cos_cache, rotary.sin_cache, k_scale=self.k_scale,
+                                              v_scale=self.v_scale)
         else:
             q, k = self._rotary[0](positions, q, k)
-            out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+            out = backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

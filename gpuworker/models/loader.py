@@ -34,6 +34,7 @@ from gpuworker.models.tensor_parallel import ParallelContext, kv_head_range, voc
 from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.quantization.install import (install_quantized_linears, load_quantized_tensors,
                                                    missing_quantized_tensors, quantized_shards)
+from gpuworker.models.quantization.kv_scales import is_kv_scale, load_kv_scales
 from gpuworker.models.quantization.linear import QuantizedLinear
 from gpuworker.models.weight_stream import TORCH_DTYPES, TensorCopy, copy_tensors
 
@@ -287,6 +288,7 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     targets = checkpoint_targets(model)
     shards = quantized_shards(model)
     quantized: list[tuple[Path, str]] = []
+    kv_scales: list[tuple[Path, str]] = []
     files = checkpoint_files(Path(mc.model_path))
     # The headers first: names and shapes are checked before any weight is copied.
     plan: list[tuple[Path, list[TensorCopy]]] = []
@@ -303,6 +305,9 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
                 module, shard = shards[module_name]
                 module.check_field(shard, field)
                 quantized.append((file, entry.name))
+                continue
+            if is_kv_scale(entry.name, mc.num_layers):
+                kv_scales.append((file, entry.name))
                 continue
             if target is None:
                 if entry.name not in targets and not _skippable(entry.name, mc):
@@ -323,6 +328,7 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     copy_tensors(plan, progress=_progress_callback.get(), num_readers=readers)
     if shards:
         load_quantized_tensors(shards, quantized)
+    load_kv_scales(model.layers, kv_scales)
 
 
 def _shard_copy(entry: TensorEntry, target: _Target) -> TensorCopy:

@@ -44,6 +44,8 @@ class ServerConfig:
     max_num_batched_tokens: int | None = None
     # "fp8": quantize a float checkpoint at load (a quantized checkpoint needs nothing).
     quantization: str | None = None
+    # "fp8": the KV cache in FP8 e4m3 (twice the cached tokens); "auto": the model's dtype.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     # Ranks (GPUs of this host from `device`'s index on) the model is split over; the replica starts
     # the other ranks' processes itself and answers as one.
@@ -112,7 +114,8 @@ class EngineHolder:
     def _load(self) -> None:
         # Warm-up after ready: the replica is ready 1-2 s sooner on an 8B model (BENCHMARKS.md, "Load time").
         kwargs: dict[str, Any] = {"device": self.config.device, "defer_warm_up": True,
-                                  "gpu_memory_utilization": self.config.gpu_memory_utilization}
+                                  "gpu_memory_utilization": self.config.gpu_memory_utilization,
+                                  "kv_cache_dtype": self.config.kv_cache_dtype}
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization",

@@ -176,3 +176,68 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
         torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
     for triton_cache, torch_cache in zip(batchers["triton"].kv_caches, batchers["torch"].kv_caches, strict=True):
         torch.testing.assert_close(triton_cache.cpu(), torch_cache, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["forward", "forward_with_rotary"])
+def test_fp8_cache_matches_torch_backend(fused, device, generator, tolerance):
+    # Both backends on an FP8 cache with per-layer scales, step by step over prefills, decodes and
+    # padding: the same cache (float32 activations, whose rotations agree bit for bit in the
+    # interpreter) and the same attention, to float32's tolerance; on a GPU the fused rotation may
+    # round a key an ulp differently (see above), which can move it one e4m3 step.
+    from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+    from gpuworker.kernels.rotary import apply_rotary
+    from gpuworker.models.layers import RotaryEmbedding
+
+    scales = {"k_scale": 0.05, "v_scale": 0.1}
+    steps = REAL_STEPS if ON_CUDA else SMALL_STEPS
+    num_blocks = 300 if ON_CUDA else 16
+    sequences = _Sequences(num_blocks, device)
+    rotary = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, None).to(device)
+    triton_cache = torch.zeros(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=FP8_DTYPE, device=device)
+    torch_cache = triton_cache.clone()
+    scale = HEAD_DIM**-0.5
+    backend = TritonAttentionBackend()
+    for chunks, padding in steps:
+        meta = sequences.step(chunks, padding)
+        num_tokens = meta.query_start_loc_cpu[-1] + padding
+        positions = torch.cat([torch.arange(n - q, n) for n, (_, q) in zip(meta.seq_lens_cpu, chunks)]
+                              + [torch.zeros(padding, dtype=torch.int64)]).to(device)
+        query, key, value = (torch.randn(num_tokens, heads, HEAD_DIM, generator=generator).to(device)
+                             for heads in (NUM_Q_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+        ref_query, ref_key = apply_rotary(positions, query.clone(), key.clone(), rotary.cos_cache, rotary.sin_cache)
+        expected = TorchAttentionBackend().forward(ref_query, ref_key, value, torch_cache, meta, scale, **scales)
+        if fused:
+            got = backend.forward_with_rotary(positions, query, key, value, triton_cache, meta, scale,
+                                              rotary.cos_cache, rotary.sin_cache, **scales)
+        else:
+            got = backend.forward(ref_query, ref_key, value, triton_cache, meta, scale, **scales)
+
+        assert torch.equal(triton_cache[1].float(), torch_cache[1].float())
+        if ON_CUDA and fused:
+            assert (triton_cache[0].float() != torch_cache[0].float()).float().mean() < 0.01
+            torch.testing.assert_close(got, expected, atol=0.05, rtol=0.05)
+        else:
+            assert torch.equal(triton_cache[0].float(), torch_cache[0].float())
+            torch.testing.assert_close(got, expected, **tolerance(torch.float32))
+        assert torch.equal(got[num_tokens - padding:], torch.zeros_like(got[num_tokens - padding:]))
+
+
+def test_engine_on_fp8_cache_matches_torch_backend(tmp_path, device):
+    # The whole engine on an FP8 cache, through the Triton kernels (decode rows rotated and cached
+    # in the attention launch, prefill rows by the rotary kernel; CUDA graphs on a GPU) and through
+    # the CPU's torch backend: the same greedy tokens, and again on a second pass whose prompts
+    # start from FP8 blocks in the prefix cache.
+    from gpuworker.engine import LLMEngine, SamplingParams
+    from tests.gpuworker.checkpoints import TINY, make_checkpoint
+    from tests.gpuworker.engine.reference import random_prompts
+
+    path = make_checkpoint(tmp_path, "llama")
+    config = dict(dtype="float32", num_kv_blocks=64, max_model_len=128, kv_cache_dtype="fp8")
+    prompts = random_prompts((3, 21, 40), TINY["vocab_size"], seed=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = [out.token_ids for out in LLMEngine(path, device="cpu", **config).generate(prompts, greedy)]
+    engine = LLMEngine(path, device=device, attn_backend=TritonAttentionBackend(), **config)
+    assert [out.token_ids for out in engine.generate(prompts, greedy)] == expected
+    second = engine.generate(prompts, greedy)
+    assert [out.num_cached_tokens for out in second] == [0, 16, 32]
+    assert [out.token_ids for out in second] == expected

@@ -24,9 +24,10 @@ def model(**overrides) -> ModelConfig:
     return ModelConfig.from_hf({**LLAMA_3_8B, **overrides})
 
 
-def plan(free_gib: float | None, *, mc: ModelConfig | None = None, max_model_len: int = 8192, **config):
+def plan(free_gib: float | None, *, mc: ModelConfig | None = None, max_model_len: int = 8192,
+         kv_element_size: int | None = None, **config):
     return plan_sizes(EngineConfig(model="unused", **config), mc or model(), element_size=2,
-                      max_model_len=max_model_len,
+                      max_model_len=max_model_len, kv_element_size=kv_element_size,
                       free_device_bytes=None if free_gib is None else int(free_gib * GIB))
 
 
@@ -94,6 +95,14 @@ def test_cpu_keeps_small_fixed_limits():
     sized = plan(None, kv_cache_memory_bytes=64 * 2 * 1024 * 1024)
     assert (sized.max_num_seqs, sized.max_num_batched_tokens) == (CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS)
     assert sized.num_kv_blocks == 64
+
+
+def test_an_fp8_cache_holds_twice_the_blocks_in_the_same_memory():
+    # One byte per cached key or value instead of bf16's two; the activations keep theirs.
+    bf16, fp8 = plan(125), plan(125, kv_element_size=1)
+    assert fp8.max_num_seqs == bf16.max_num_seqs == MAX_NUM_SEQS
+    assert fp8.num_kv_blocks in (2 * bf16.num_kv_blocks, 2 * bf16.num_kv_blocks + 1)  # one floor apart
+    assert plan(None, kv_cache_memory_bytes=64 * 2 * 1024 * 1024, kv_element_size=1).num_kv_blocks == 2 * 64
 
 
 @pytest.mark.parametrize("shape, tokens", [

@@ -46,6 +46,20 @@ def test_tp2_matches_tp1(tiny_checkpoint, family, overrides):
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
+def test_tp2_matches_tp1_on_an_fp8_kv_cache(tiny_checkpoint):
+    # Each rank's cache holds its KV heads in FP8, quantized as the unsplit model's are.
+    path = tiny_checkpoint("llama")
+    expected = _generate(LLMEngine(path, max_num_batched_tokens=32, kv_cache_dtype="fp8"))
+    engine = LLMEngine(path, tensor_parallel_size=2, max_num_batched_tokens=32, kv_cache_dtype="fp8")
+    try:
+        assert engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert _generate(engine) == expected
+    finally:
+        engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.parametrize("family", ["llama-bias", "qwen2-moe"])
 def test_each_rank_loads_its_shard(tiny_checkpoint, family):
     """The shards of two ranks put together are the unsplit model's weights: rows of the

@@ -109,7 +109,7 @@ def test_forward_has_no_data_dependent_control_flow(pair):
     """
 
     class ShapeOnlyBackend:
-        def forward(self, query, key, value, kv_cache, meta, scale):
+        def forward(self, query, key, value, kv_cache, meta, scale, k_scale, v_scale):
             return query * scale
 
     mc = pair.mc

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -406,6 +407,17 @@ def test_load_progress_comes_from_the_weights_loader(tiny_checkpoint):
     try:
         assert holder.state == "ready" and holder.load_progress == 1.0
         assert len(seen) > 3 and seen == sorted(seen) and 0.05 < seen[0] and seen[-1] == pytest.approx(0.9)
+    finally:
+        holder.shutdown()
+
+
+def test_kv_cache_dtype_reaches_the_engine(tiny_checkpoint):
+    # `serve --kv-cache-dtype fp8` builds this ServerConfig; the engine it loads keeps an FP8 cache.
+    holder = EngineHolder(ServerConfig(model=str(tiny_checkpoint("llama")), max_model_len=64, kv_cache_dtype="fp8"))
+    holder._load()  # the load thread's body, run here
+    try:
+        assert holder.state == "ready", holder.error
+        assert holder.engine.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
     finally:
         holder.shutdown()
 

@@ -1,0 +1,32 @@
+"""The device side of kv_cache_quant.py: how a kernel quantizes a key or value for an FP8 cache.
+
+Kernels call `kv_cache_fp8.quantize(...)` through the module (so the interpreter's launches can swap
+in an interpretable twin, see launch.py). The rounding is done in float32 arithmetic: Triton's CPU
+interpreter rounds float32 -> e4m3 wrongly near a power of two (it halves the value instead of
+carrying into the exponent), and with the value already on the e4m3 grid every backend's cast is
+exact, so the kernels store what torch's cast stores, on the GPU and in the interpreter.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gpuworker.kernels.kv_cache_quant import FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def quantize(x, scale):
+    """x / scale (IEEE division, as torch's) clamped to +-FP8_MAX and rounded to the nearest e4m3
+    value, ties to even, as float32: the cast to float8e4nv that follows changes nothing."""
+    x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
+    # e4m3 keeps 3 mantissa bits: values in [2^e, 2^(e+1)) are multiples of 2^(e-3); below the
+    # smallest normal (2^-6) the subnormals are multiples of 2^-9.
+    exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    # Adding 1.5 * 2^23 quanta leaves a float32 whose last place is one quantum, so the addition
+    # rounds x to a multiple of it (ties to even); subtracting gives it back exactly.
+    magic = quantum * 12582912.0
+    return (x + magic) - magic
