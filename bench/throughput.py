@@ -195,7 +195,8 @@ def main() -> None:
             engine.generate([p for p, _ in requests[:24]], sampling_params(mode, 0, max_tokens=16, ignore_eos=True))
         by_mode[mode] = run_engine(engine, requests, window, mode)
     ours = by_mode[modes[0]]
-    engine_kv_tokens = engine.config.num_kv_blocks * engine.config.block_size
+    engine_kv_blocks = engine.config.num_kv_blocks
+    engine_kv_tokens = engine_kv_blocks * engine.config.block_size
     limits = (engine.config.max_num_seqs, engine.config.max_num_batched_tokens)
     graph_capture_s = engine.load_timings.get("cuda_graphs", 0.0)
     subset = requests[: args.hf_requests]
@@ -217,7 +218,7 @@ def main() -> None:
     rows += [
         ("engine", f"max_num_seqs {limits[0]}, max_num_batched_tokens {limits[1]}, {ours['steps']} steps, "
                    f"{ours['preemptions']} preemptions, KV pool {engine_kv_tokens} tokens "
-                   f"({engine_kv_tokens // engine.config.block_size} blocks), "
+                   f"({engine_kv_blocks} blocks), "
                    f"peak use {100 * ours['peak_kv_cache_usage']:.0f}%, CUDA graphs captured in "
                    f"{graph_capture_s:.1f} s"),
     ]

@@ -7,6 +7,8 @@ programs share the rows (more programs for N=4096), and the last of them to fini
 partials, all in one launch. Two inner products: CUDA-core FMAs (best at M=1, where the tile is
 accumulated elementwise and reduced once at the end) or tl.dot on a 16-row padded x (tensor cores,
 for M >= 2). With silu_mul_input the down projection reads the gate_up output [M, 2K] directly.
+With weight_scale the weight is FP8 (float8_e4m3fn, one float32 scale per output row), read as such
+and widened in registers: half the bytes of bfloat16 per token (the FP8 linears' batch-1 path).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
                                       dot_options, lazy_jit, next_power_of_2, pdl_options)
 
@@ -110,7 +113,7 @@ def pick_config(m: int, n: int, k: int) -> GemvConfig:
 
 
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     residual_ptr, norm_weight_ptr, residual_out_ptr, eps,
     best_value_ptr, best_index_ptr, argmax_ptr,
     M, N, K, stride_xm, stride_wn, stride_om,
@@ -118,7 +121,7 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     NORM_INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_W_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -218,6 +221,8 @@ def _gemv_kernel(
     out_mask = (rows[:, None] < N) & (ms[None, :] < M)
     out_ptrs = out_ptr + ms[None, :] * stride_om + rows[:, None]
     if SPLIT_K == 1:
+        if HAS_W_SCALE:
+            acc = acc * tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
         out_values = acc.to(out_ptr.dtype.element_ty)
@@ -266,6 +271,8 @@ def _gemv_kernel(
             for split in tl.static_range(SPLIT_K):
                 # .cg: read from L2, never a line this SM cached before the other splits wrote it.
                 total += tl.load(part_ptrs + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_W_SCALE:
+                total = total * tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)[:, None]
             if HAS_BIAS:
                 total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -313,42 +320,54 @@ def gemv(
     *,
     silu_mul_input: bool = False,
     config: GemvConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32.
+
+    weight_scale [N] float32: the weight is float8_e4m3fn and row n stands for weight[n] * scale[n];
+    only with an FMA config (the one-row default), not tl.dot's.
 
     M <= 16; x, weight and bias share one dtype; last dimensions contiguous. With silu_mul_input, x is
     the gate_up output [M, 2K] and the input is silu_and_mul(x) (rounded to x's dtype as the unfused
     kernel rounds it). `config` defaults to pick_config(M, N, K). gemv_rms_norm fuses an RMSNorm
     into the input instead.
     """
-    m, n, config = _checked(x, weight, bias, config, "gemv", silu_mul_input=silu_mul_input)
+    m, n, config = _checked(x, weight, bias, config, "gemv", silu_mul_input=silu_mul_input,
+                            weight_scale=weight_scale)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    _launch(x, weight, bias, out, config, silu_mul_input=silu_mul_input)
+    _launch(x, weight, bias, out, config, silu_mul_input=silu_mul_input, weight_scale=weight_scale)
     return out
 
 
 def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
-             caller: str, *, silu_mul_input: bool = False) -> tuple[int, int, GemvConfig]:
+             caller: str, *, silu_mul_input: bool = False,
+             weight_scale: torch.Tensor | None = None) -> tuple[int, int, GemvConfig]:
     """Check a call's operands and row count; return M, N and the config (pick_config's if None)."""
-    _check_operands(x, weight, bias, silu_mul_input=silu_mul_input)
+    _check_operands(x, weight, bias, silu_mul_input=silu_mul_input, fp8_weight=weight_scale is not None)
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     if m > MAX_M:
         raise ValueError(f"x has {m} rows; {caller} handles at most {MAX_M} (use F.linear for larger batches)")
     if config is None:
         config = pick_config(m, n, k)
+        if weight_scale is not None and config.use_dot:
+            config = _DEFAULT_SINGLE_ROW
     _check_config(config)
+    if weight_scale is not None:
+        check_operand("weight_scale", weight_scale, (n,), torch.float32, x.device)
+        if config.use_dot:
+            raise ValueError(f"an FP8 weight needs an FMA config, not {config.name}")
     return m, n, config
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                    silu_mul_input: bool = False) -> None:
-    """x [M, K] (or [M, 2K] for silu_mul_input), weight [N, K], bias [N]: one dtype and device, last
-    dimensions contiguous."""
+                    silu_mul_input: bool = False, fp8_weight: bool = False) -> None:
+    """x [M, K] (or [M, 2K] for silu_mul_input), weight [N, K], bias [N]: one dtype (the weight FP8
+    with fp8_weight) and device, last dimensions contiguous."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = x.device
-    check_tensor("weight", weight, ndim=2, dtypes=(x.dtype,), device=device)
+    check_tensor("weight", weight, ndim=2, dtypes=(FP8_DTYPE if fp8_weight else x.dtype,), device=device)
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
     width = x.shape[1]
@@ -361,9 +380,10 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         check_operand("bias", bias, (n,), x.dtype, device)
 
 
-def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, argmax=None) -> None:
+def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, argmax=None,
+            weight_scale=None) -> None:
     """norm: (residual or None, norm_weight, residual_out, eps) for gemv_rms_norm; argmax: [M] int64
-    for gemv_argmax (SPLIT_K 1)."""
+    for gemv_argmax (SPLIT_K 1); weight_scale: [N] float32 for an FP8 weight."""
     m, k, n, device = x.shape[0], weight.shape[1], weight.shape[0], x.device
     num_row_blocks = triton.cdiv(n, config.block_n)
     split_k = config.split_k
@@ -384,7 +404,8 @@ def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, ar
     block_m = _DOT_ROWS if config.use_dot else next_power_of_2(m)
     residual, norm_weight, residual_out, eps = norm if norm is not None else (None, out, out, 0.0)
     _gemv[(num_row_blocks, split_k)](
-        x, weight, bias if bias is not None else out, out, partial, counters,
+        x, weight, weight_scale if weight_scale is not None else out, bias if bias is not None else out, out,
+        partial, counters,
         residual if residual is not None else out, norm_weight, residual_out, float(eps),
         best_value, best_index, argmax,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
@@ -394,6 +415,7 @@ def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, ar
         EVEN_K=k % config.block_k == 0, **dot_options(x.dtype),
         NORM_INPUT=norm is not None, HAS_RESIDUAL=residual is not None, ARGMAX=has_argmax,
         PREFETCH=_prefetch_tiles(config, m, k, silu_mul_input or norm is not None),
+        HAS_W_SCALE=weight_scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(device),
     )
 

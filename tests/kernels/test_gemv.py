@@ -242,3 +242,38 @@ def test_prefetched_tiles_give_the_same_product(config, dtype, device, generator
         torch.testing.assert_close(got, gemv_reference(x, weight, bias), **tolerance(dtype))
         plain = gemv(x, weight, bias, config=CANDIDATES_BY_NAME[config.name.rsplit("-pf", 1)[0]])
         torch.testing.assert_close(got, plain, **tolerance(dtype))
+
+
+FP8_CONFIGS = [c for c in CANDIDATES if not c.use_dot]
+
+
+@pytest.mark.parametrize("config", FP8_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_weight_with_row_scales_matches_the_dequantised_product(config, with_bias, device, generator):
+    from gpuworker.kernels.fp8_matmul import FP8_DTYPE, fp8_matmul_reference
+
+    k = SPLIT_K_DEPTH if config.split_k > 1 else K
+    x, weight, bias = make(1, N, k, torch.bfloat16, generator, device)
+    scale = (weight.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
+    weight_fp8 = (weight.float() / scale[:, None]).to(FP8_DTYPE)
+    bias = bias if with_bias else None
+    got = gemv(x, weight_fp8, bias, config=config, weight_scale=scale)
+    assert got.shape == (1, N) and got.dtype == torch.bfloat16
+    # The same FP8 weight, widened to float32 by torch: only the sums' order and x's dtype differ.
+    want = fp8_matmul_reference(x, weight_fp8, scale, bias=bias, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_weight_is_refused_where_the_kernel_cannot_take_it(device, generator):
+    from gpuworker.kernels.fp8_matmul import FP8_DTYPE
+
+    x, weight, _ = make(1, N, K, torch.bfloat16, generator, device)
+    weight_fp8 = weight.to(FP8_DTYPE)
+    scale = torch.ones(N, device=device)
+    with pytest.raises(ValueError, match="FMA config"):
+        gemv(x, weight_fp8, config=DOT, weight_scale=scale)
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemv(x, weight_fp8, weight_scale=scale[:-1])
+    with pytest.raises(ValueError, match="weight"):
+        gemv(x, weight_fp8)  # an FP8 weight without its scales
+    assert gemv(x.expand(3, K).contiguous(), weight_fp8, weight_scale=scale).shape == (3, N)  # rows still FMA

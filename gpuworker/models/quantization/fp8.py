@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from gpuworker.kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference, quantize_fp8_rows
+from gpuworker.kernels.gemv import gemv
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 # Below this many rows the Triton kernel (a weight stream) beats torch._scaled_mm's tiles.
@@ -84,6 +85,10 @@ class Fp8Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias
+        if x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
+            # Batch 1 is a weight stream: the GEMV reads the FP8 weight as is and keeps x in its own
+            # dtype (no activation quantization: one rounding fewer than the W8A8 GEMM).
+            return gemv(x, self.weight_fp8, bias, weight_scale=self.weight_scale)
         if self.quant.activation_scheme is None:
             x_q, x_scale = x, None
         else:
