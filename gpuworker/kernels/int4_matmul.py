@@ -8,8 +8,10 @@ One layout for AWQ and GPTQ checkpoints (models.quantization converts both at lo
 - scales float16 [K / G, N].
 W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n], computed in float32 and rounded to x's
 dtype before the product, as the reference does. A weight is a quarter of bf16's bytes; each program
-owns a BLOCK_M x BLOCK_N tile of the output and walks K (tl.dot for batches; CUDA-core FMAs for a
-single row, the batch-1 GEMV).
+owns a BLOCK_M x BLOCK_N tile of the output and walks K with tl.dot. A single row (batch-1 decode)
+takes a GEMV of its own: each program owns GEMV_BLOCK_N adjacent columns (one contiguous run of each
+packed row) and walks the packed rows in tiles, unpacking the eight nibbles of each int32 in
+registers, so every weight byte is read once.
 """
 
 from __future__ import annotations
@@ -51,9 +53,7 @@ def _int4_matmul_kernel(
         zeros = tl.load(zeros_ptr + group[:, None] * N + offs_n[None, :], mask=kn_mask, other=0).to(tl.int32)
         scales = tl.load(scales_ptr + group[:, None] * N + offs_n[None, :], mask=kn_mask, other=0.0)
         w = ((q - zeros).to(tl.float32) * scales.to(tl.float32)).to(x.dtype)
-        if BLOCK_M == 1:  # one decode row: CUDA-core FMAs, no tile padded to 16 rows
-            acc += tl.sum(tl.trans(x).to(tl.float32) * w.to(tl.float32), axis=0)[None, :]
-        elif DOT_FP32:
+        if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
@@ -64,6 +64,48 @@ def _int4_matmul_kernel(
 
 
 _int4_matmul = lazy_jit(_int4_matmul_kernel, do_not_specialize=("M",))
+
+# The batch-1 GEMV's tile: columns per program (128 contiguous bytes of each packed row) and packed
+# rows per step (8 input rows each). Untuned.
+GEMV_BLOCK_N = 32
+GEMV_BLOCK_KP = 64
+
+
+def _int4_gemv_kernel(
+    x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, KP,
+    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_p = tl.arange(0, BLOCK_KP)
+    if USE_PDL:  # see launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
+    for p0 in tl.range(0, KP, BLOCK_KP, num_stages=NUM_STAGES):
+        ps = p0 + offs_p  # packed rows: input rows 8p .. 8p+7
+        p_mask = ps < KP
+        pn_mask = p_mask[:, None] & n_mask[None, :]
+        packed = tl.load(qweight_ptr + ps[:, None].to(tl.int64) * N + offs_n[None, :], mask=pn_mask, other=0,
+                         eviction_policy="evict_first")
+        group = (ps * 8 // GROUP_SIZE).to(tl.int64)  # the 8 rows of a packed row share their group
+        zeros = tl.load(zeros_ptr + group[:, None] * N + offs_n[None, :], mask=pn_mask, other=0).to(tl.float32)
+        scales = tl.load(scales_ptr + group[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
+            x = tl.load(x_ptr + ps * 8 + j, mask=p_mask, other=0.0, eviction_policy="evict_last")
+            # Rounded to x's dtype before the product, as the reference rounds the dequantised weight.
+            w = ((q - zeros) * scales).to(x.dtype).to(tl.float32)
+            acc += w * x.to(tl.float32)[:, None]
+    out = tl.sum(acc, axis=0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+_int4_gemv = lazy_jit(_int4_gemv_kernel)
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -78,9 +120,15 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    # One row streams narrow tiles (many programs); batches take tensor-core tiles. Untuned.
-    block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = (16 if m == 1 else 64) if x.is_cuda else 32
+    if m == 1:
+        _int4_gemv[(-(-n // GEMV_BLOCK_N),)](
+            x, qweight, zeros, scales, bias if bias is not None else scales, out, n, k // PACK,
+            GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N,
+            BLOCK_KP=GEMV_BLOCK_KP if x.is_cuda else 8, NUM_STAGES=3, num_warps=4, **pdl_options(x.device))
+        return out
+    # Batches take tensor-core tiles. Untuned.
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if x.is_cuda else 32
     block_k = min(group_size, 128 if x.is_cuda else 32)
     _int4_matmul[(-(-m // block_m), -(-n // block_n))](
         x, qweight, zeros, scales, bias if bias is not None else scales, out, m, n, k, x.stride(0), out.stride(0),

@@ -77,3 +77,14 @@ def test_bad_input_is_named(device):
 def test_no_rows(device, generator):
     qweight, zeros, scales, _ = _packed(generator, device, n=8, k=32, group=32)
     assert int4_matmul(torch.zeros(0, 32, device=device), qweight, zeros, scales, 32).shape == (0, 8)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 104, 8), (70, 160, 16), (32, 512, 128)])
+def test_one_row_gemv_over_ragged_columns_packed_rows_and_groups(n, k, group, device, generator, tolerance):
+    # One row takes the GEMV: columns past a tile, packed rows past a step, several groups per step.
+    qweight, zeros, scales, _ = _packed(generator, device, n=n, k=k, group=group)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1, k, generator=generator).to(dtype).to(device)
+        bias = torch.randn(n, generator=generator).to(dtype).to(device)
+        torch.testing.assert_close(int4_matmul(x, qweight, zeros, scales, group, bias),
+                                   int4_matmul_reference(x, qweight, zeros, scales, group, bias), **tolerance(dtype))
