@@ -85,14 +85,18 @@ CITY_MESSAGES = [{"role": "user", "content": "Paris is the capital of France. Ex
 # fills it in.
 @pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
 def test_instructor_gets_a_parsed_object_from_the_demo_chat_model(demo_gateway, smollm2_replica, mode):
-    # Installed by `make install` (with --no-deps: see the Makefile); imported here so that the
+    _assert_instructor_extracts_paris(demo_gateway, smollm2_replica, mode, CITY_MESSAGES)
+
+
+def _assert_instructor_extracts_paris(demo_gateway, replica, mode: str, messages: list[dict]) -> None:
+    # Installed by `make install-dev` (with --no-deps: see the Makefile); imported here so that the
     # other tests of the module run without it.
     import instructor
 
-    wait_ready(smollm2_replica)
-    world = make_world(demo_gateway, [smollm2_replica])
+    wait_ready(replica)
+    world = make_world(demo_gateway, [replica])
     client = instructor.from_openai(world.client(timeout=300), mode=getattr(instructor.Mode, mode))
-    city = client.chat.completions.create(model=world.model.public_name, messages=CITY_MESSAGES,
+    city = client.chat.completions.create(model=world.model.public_name, messages=messages,
                                           response_model=City, temperature=0, max_tokens=64, max_retries=0)
     assert isinstance(city, City)
     assert city.name == "Paris" and city.country.lower() == "france"
@@ -114,13 +118,4 @@ CITY_MESSAGES_WITH_AN_EXAMPLE = [
 
 @pytest.mark.parametrize("mode", ["JSON", "MD_JSON"])
 def test_instructor_gets_a_parsed_object_without_a_schema_on_the_server(demo_gateway, smollm2_replica, mode):
-    import instructor
-
-    wait_ready(smollm2_replica)
-    world = make_world(demo_gateway, [smollm2_replica])
-    client = instructor.from_openai(world.client(timeout=300), mode=getattr(instructor.Mode, mode))
-    city = client.chat.completions.create(model=world.model.public_name, messages=CITY_MESSAGES_WITH_AN_EXAMPLE,
-                                          response_model=City, temperature=0, max_tokens=64, max_retries=0)
-    assert isinstance(city, City)
-    assert city.name == "Paris" and city.country.lower() == "france"
-    world.settled(30)
+    _assert_instructor_extracts_paris(demo_gateway, smollm2_replica, mode, CITY_MESSAGES_WITH_AN_EXAMPLE)
