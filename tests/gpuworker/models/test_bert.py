@@ -108,3 +108,19 @@ def test_batches_are_padded_to_a_multiple_of_8_within_the_position_limit(minilm_
         assert torch.allclose(alone[0], beside[0], atol=1e-6)
     finally:
         engine.shutdown()
+
+
+def test_tokenize_gives_the_ids_of_the_tokenizer_itself_without_its_file_padding_or_truncation(minilm_checkpoint):
+    # The checkpoint's tokenizer.json pads and truncates to 128: the engine's batch encoder must do
+    # neither, and must normalise as the transformers tokenizer does.
+    engine = EmbeddingEngine(minilm_checkpoint)
+    try:
+        texts = [*SENTENCES, "", "Ünïcödé Straße façade naïve", "日本語のテキスト", "  tabs\tand\nnewlines  ",
+                 "ÀÉÎÕÜ mixed CASE", "word " * 200]
+        ids = engine.tokenize(texts)
+        assert ids == engine.tokenizer(texts, add_special_tokens=True)["input_ids"]
+        assert len(ids[-1]) == 202 and len(ids[3 + len(SENTENCES)]) < 128  # not truncated, not padded
+        with pytest.raises(ValueError, match="has 602 tokens"):
+            engine.tokenize(["word " * 600])
+    finally:
+        engine.shutdown()
