@@ -187,8 +187,13 @@ class ModelRunner:
             self.model.greedy_tokens(selected)
         if device.type == "cuda":
             from gpuworker.kernels.sampling import warm_up as warm_up_sampling
+            from gpuworker.models.moe import SparseMoE
 
             warm_up_sampling(device, self.model_config.vocab_size)
+            # The MoE layers share their kernels: the first one's warm-up compiles them all.
+            moe = next((m for m in self.model.modules() if isinstance(m, SparseMoE)), None)
+            if moe is not None:
+                moe.warm_up()
         backend = getattr(self.model, "attn_backend", None)
         if hasattr(backend, "warm_up"):
             mc = self.model_config

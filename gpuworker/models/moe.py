@@ -71,6 +71,34 @@ class SparseMoE(nn.Module):
         self.shared_expert = GatedMLP(hidden_size, shared, False) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1) if shared else None
 
+    def warm_up_token_counts(self, limit: int = 4096) -> list[int]:
+        """Token counts, smallest first, at which the fused kernel takes each of its row tiles
+        (kernels.fused_moe.block_m_for) for this layer's experts."""
+        from gpuworker.kernels.fused_moe import block_m_for
+
+        counts, tiles, tokens = [], set(), 1
+        while tokens <= limit:
+            tile = block_m_for(tokens * self.config.top_k, self.num_local_experts)
+            if tile not in tiles:
+                tiles.add(tile)
+                counts.append(tokens)
+            tokens *= 2
+        return counts
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the fused kernel once per row tile (warm_up_token_counts) on zeros, so that the first
+        long prompt does not compile one (about a second on a GPU; the engine's warm-up step is too
+        short to reach the prefill tile). The experts alone: no collective, so one rank may run it."""
+        from gpuworker.kernels.fused_moe import fused_moe
+
+        w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
+        w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
+        for tokens in self.warm_up_token_counts():
+            x = torch.zeros(tokens, self.hidden_size, dtype=w13.dtype, device=w13.device)
+            weights, ids = route(self.gate(x), self.config.top_k, self.config.norm_topk_prob)
+            fused_moe(x, w13, w2, weights, ids, self.first_expert)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H], already normalised -> [T, H]."""
         config = self.config
