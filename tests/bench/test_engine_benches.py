@@ -22,7 +22,8 @@ THROUGHPUT_KEYS = {"env", "args", "gpuworker", "gpuworker_by_sampling", "gpuwork
 
 def _run(tmp_path: Path, script: str, *args: str) -> tuple[dict, str]:
     out = subprocess.run([sys.executable, f"bench/{script}.py", "--smoke", *args], cwd=REPO,
-                         env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                         env={**os.environ, "OUT": str(tmp_path), "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO),
+                              "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return json.loads((tmp_path / f"{script}.json").read_text()), out.stdout
