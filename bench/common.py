@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -26,13 +27,53 @@ READY_DEADLINE_S = 900.0
 
 
 def engine_parser(doc: str | None, *, dtype: str | None = "bfloat16", dtype_help: str | None = None,
-                  raw_description: bool = False) -> argparse.ArgumentParser:
-    """A parser with the options of every engine benchmark: --config (the model's shape) and --dtype."""
+                  device: str | None = "cuda", raw_description: bool = False) -> argparse.ArgumentParser:
+    """A parser with the options of every engine benchmark: --config (the model's shape), --dtype and,
+    unless `device` is None (a CUDA-only benchmark), --device."""
     formatter = argparse.RawDescriptionHelpFormatter if raw_description else argparse.HelpFormatter
     parser = argparse.ArgumentParser(description=doc, formatter_class=formatter)
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--dtype", default=dtype, help=dtype_help)
+    if device is not None:
+        parser.add_argument("--device", default=device)
     return parser
+
+
+# --smoke: the model of --config at this size (quantized projections keep whole groups).
+SMOKE_DIMS = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+              "bos_token_id": 1, "eos_token_id": 2}
+SMOKE_EXPERTS = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                 "shared_expert_intermediate_size": 128}
+
+
+def add_smoke_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true",
+                        help="the CPU, float32, --config's architecture and quantization at a tiny size, a few "
+                             "requests: the whole script in seconds (tests)")
+
+
+def use_smoke_model(args: argparse.Namespace) -> None:
+    """--smoke's device, dtype and model: args.config becomes a tiny config written to a new
+    temporary directory."""
+    args.device, args.dtype = "cpu", "float32"
+    args.config = write_smoke_config(args.config, Path(tempfile.mkdtemp(prefix="bench-smoke-")))
+
+
+def write_smoke_config(config_dir: Path, directory: Path) -> Path:
+    """config_dir's config.json (architecture, quantization_config, experts) with SMOKE_DIMS, into
+    `directory`; returns `directory`."""
+    cfg = {**load_hf_config(config_dir), **SMOKE_DIMS}
+    cfg |= {key: value for key, value in SMOKE_EXPERTS.items() if key in cfg}
+    group = (cfg.get("quantization_config") or {}).get("group_size")
+    if group:  # INT4: every projection's input whole groups
+        cfg["hidden_size"] = max(cfg["hidden_size"], group)
+        cfg["intermediate_size"] = max(cfg["intermediate_size"], group)
+    if "head_dim" in cfg:
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    return directory
 
 
 def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int | None, max_model_len: int) -> None:
@@ -121,15 +162,24 @@ def environment() -> dict:
     return env
 
 
-def synchronize() -> None:
+def synchronize(device: str) -> None:
+    """Wait for the work queued on `device` (the CPU has none)."""
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_memory(device: str) -> None:
+    """Give the memory the caching allocator of `device` holds back (the CPU's is the process's)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def copy_bandwidth_gbs(num_bytes: int = 4 << 30, repeats: int = 20) -> float:
-    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    """GPU device-to-device copy bandwidth, counting bytes read plus bytes written."""
     import torch
 
     src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -180,13 +230,13 @@ def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
     return int((params - projections) * bytes_per_param + projections * quantized_bytes)
 
 
-def build_hf_model(config_dir: Path, dtype: torch.dtype):
-    """A transformers model of the benchmark's shape with random weights, built on the GPU."""
+def build_hf_model(config_dir: Path, dtype: torch.dtype, device: str):
+    """A transformers model of the benchmark's shape with random weights, built on `device`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(config_dir))
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 
@@ -337,16 +387,18 @@ def stop_replica(process: subprocess.Popen) -> None:
 
 @dataclass
 class Timer:
+    """Wall time of a block, the work queued on `device` within it included."""
+    device: str
     start: float = 0.0
     elapsed: float = 0.0
 
     def __enter__(self):
-        synchronize()
+        synchronize(self.device)
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
-        synchronize()
+        synchronize(self.device)
         self.elapsed = time.perf_counter() - self.start
 
 

@@ -67,16 +67,16 @@ def batches(sentences: list[str], size: int) -> list[list[str]]:
     return [sentences[i:i + size] for i in range(0, len(sentences), size)]
 
 
-def rate(run, sentences: list[str], batch_size: int, warmup: int) -> float:
+def rate(run, sentences: list[str], batch_size: int, warmup: int, device: str) -> float:
     """Sentences/s of `run` over `sentences` in batches, after `warmup` untimed batches."""
     chunks = batches(sentences, batch_size)
     for chunk in chunks[:warmup]:
         run(chunk)
-    synchronize()
+    synchronize(device)
     started = time.perf_counter()
     for chunk in chunks:
         run(chunk)
-    synchronize()
+    synchronize(device)
     return len(sentences) / (time.perf_counter() - started)
 
 
@@ -174,7 +174,8 @@ def main() -> None:
             try:
                 if dtype == torch.float32:
                     vectors[name] = runner(parity_sentences)
-                results[label] = {f"batch {b}": rate(runner, workload[b], b, args.warmup_batches) for b in batch_sizes}
+                results[label] = {f"batch {b}": rate(runner, workload[b], b, args.warmup_batches, args.device)
+                                  for b in batch_sizes}
             finally:
                 if isinstance(runner, Ours):
                     runner.close()
@@ -185,7 +186,7 @@ def main() -> None:
         runner = OverHttp(model_dir, args.device, http_dtype, workdir / "replica.log")
         try:
             results[f"ours over HTTP {http_dtype}"] = {
-                f"batch {b}": rate(runner, workload[b], b, args.warmup_batches) for b in batch_sizes}
+                f"batch {b}": rate(runner, workload[b], b, args.warmup_batches, args.device) for b in batch_sizes}
         finally:
             runner.close()
 

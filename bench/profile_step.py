@@ -178,7 +178,7 @@ def kernel_table(runner, inputs, steps: int) -> list[tuple[str, float, int]]:
 
 
 def main() -> None:
-    parser = engine_parser(__doc__)
+    parser = engine_parser(__doc__, device=None)  # CUDA events and graphs: CUDA only
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)

@@ -19,9 +19,8 @@ import random
 import statistics
 import time
 
-import torch
-
-from common import add_engine_options, engine_parser, environment, load_hf_config, print_table, write_json
+from common import (add_engine_options, engine_parser, environment, free_device_memory, load_hf_config, print_table,
+                    write_json)
 
 
 def make_prompts(rng: random.Random, vocab: int, count: int, length: int) -> list[list[int]]:
@@ -83,14 +82,12 @@ def run_share(args, share: float, longs: list[list[int]], shorts: list[list[int]
     }
     del engine
     gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    free_device_memory(args.device)
     return result
 
 
 def main() -> None:
     parser = engine_parser(__doc__)
-    parser.add_argument("--device", default="cuda")
     add_engine_options(parser, max_num_seqs=None, max_model_len=8192)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's choice")
     parser.add_argument("--shares", default="0,0.125",

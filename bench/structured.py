@@ -164,7 +164,7 @@ class MaskTimer:
 
 
 def run(engine, prompts, params_list) -> dict:
-    with Timer() as t:
+    with Timer(str(engine.device)) as t:
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             engine.add_request(f"req-{i}", prompt, params)
         outputs = {}
@@ -256,10 +256,9 @@ def check_outputs(outputs) -> dict:
 
 def main() -> None:
     parser = engine_parser(__doc__, dtype=None, dtype_help="default: bfloat16 on CUDA, float32 on CPU",
-                           raw_description=True)
+                           device="cuda" if torch.cuda.is_available() else "cpu", raw_description=True)
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer random model with --config's vocabulary (a CPU check of the whole path)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-requests", type=int, default=None, help="default: 256 (GPU), 16 (--tiny)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--min-prompt-len", type=int, default=64)

@@ -2,6 +2,7 @@
 
     python bench/throughput.py [--num-requests 1024] [--hf-requests 128] [--output-len 256]
         [--sampling greedy,t0.8-k200,t0.7-p0.9,t0.8-p0.95,t0.8-p0.95-seeded]
+    python bench/throughput.py --smoke [--config ...]  # CPU, float32, that architecture at a tiny size
 
 Default workload (seed 0): 1024 requests, prompts of 100-1024 random tokens, outputs of 100-1024
 tokens with ignore_eos, all submitted at once. The HF baseline runs `generate` on static, padded
@@ -24,9 +25,9 @@ import time
 
 import torch
 
-from common import (Timer, add_engine_options, add_kv_cache_dtype_option, add_sampling_option, build_hf_model,
-                    engine_parser, environment, load_hf_config, print_table, sampling_modes, sampling_params,
-                    write_json)
+from common import (Timer, add_engine_options, add_kv_cache_dtype_option, add_sampling_option, add_smoke_option,
+                    build_hf_model, engine_parser, environment, free_device_memory, load_hf_config, print_table,
+                    sampling_modes, sampling_params, use_smoke_model, write_json)
 
 
 def make_workload(num_requests: int, vocab: int, seed: int, lo: int, hi: int, output_len: int | None = None):
@@ -45,7 +46,7 @@ def run_engine(engine, requests, profile_steps: tuple[int, int] | None = None, m
     trace: list[tuple[float, int, int]] = []
     preemptions_before = engine.scheduler.num_preemptions
     peak_kv_usage = 0.0
-    with Timer() as t:
+    with Timer(str(engine.device)) as t:
         for i, (prompt, output_len) in enumerate(requests):
             # Offline: only the final outputs are read (as LLMEngine.generate does).
             engine.add_request(f"req-{i}", prompt, sampling_params(
@@ -125,9 +126,9 @@ def step_phases(trace: list[tuple[float, int, int]]) -> dict:
 
 @torch.inference_mode()
 def run_hf(args, requests) -> dict:
-    model = build_hf_model(args.config, getattr(torch, args.dtype))
+    model = build_hf_model(args.config, getattr(torch, args.dtype), args.device)
     generated = prompt_tokens = 0
-    with Timer() as t:
+    with Timer(args.device) as t:
         for start in range(0, len(requests), args.hf_batch_size):
             batch = requests[start : start + args.hf_batch_size]
             width = max(len(p) for p, _ in batch)
@@ -138,13 +139,13 @@ def run_hf(args, requests) -> dict:
                 mask[row, width - len(prompt):] = 1
             new = max(n for _, n in batch)
             model.generate(
-                ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new, min_new_tokens=new,
+                ids.to(args.device), attention_mask=mask.to(args.device), max_new_tokens=new, min_new_tokens=new,
                 do_sample=False, pad_token_id=0,
             )
             generated += sum(n for _, n in batch)  # only the tokens each request asked for count
             prompt_tokens += sum(len(p) for p, _ in batch)
     del model
-    torch.cuda.empty_cache()
+    free_device_memory(args.device)
     return {
         "requests": len(requests), "batch_size": args.hf_batch_size, "seconds": t.elapsed,
         "output_tok_s": generated / t.elapsed, "total_tok_s": (generated + prompt_tokens) / t.elapsed,
@@ -166,8 +167,14 @@ def main() -> None:
     parser.add_argument("--profile-steps", default="",
                         help="A:B profiles steps A to B of the full run (torch profiler; slows them)")
     add_sampling_option(parser)
+    add_smoke_option(parser)
     args = parser.parse_args()
     modes = sampling_modes(args.sampling)
+    if args.smoke:
+        use_smoke_model(args)
+        args.num_requests, args.min_len, args.max_len, args.max_model_len = 6, 8, 24, 256
+    if args.profile_steps and torch.device(args.device).type != "cuda":
+        parser.error(f"--profile-steps profiles CUDA kernels: it needs a CUDA --device, not {args.device}")
 
     from gpuworker.engine import LLMEngine, SamplingParams
 
@@ -175,7 +182,7 @@ def main() -> None:
     requests = make_workload(args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len,
                              args.output_len)
     engine = LLMEngine(
-        str(args.config), device="cuda", dtype=args.dtype, load_format="dummy", seed=args.seed,
+        str(args.config), device=args.device, dtype=args.dtype, load_format="dummy", seed=args.seed,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts share nothing; keep the hash work out
         max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
@@ -202,13 +209,13 @@ def main() -> None:
     subset = requests[: args.hf_requests]
     ours_subset = None if args.skip_hf else run_engine(engine, subset, mode=modes[0])
     del engine
-    torch.cuda.empty_cache()
+    free_device_memory(args.device)
     hf = None if args.skip_hf else run_hf(args, subset)
 
     outputs = f"output {args.output_len}" if args.output_len else f"output {args.min_len}-{args.max_len}"
     rows = [
         ("workload", f"{args.num_requests} requests, prompt {args.min_len}-{args.max_len} tokens, {outputs}, "
-         f"seed {args.seed}, {args.dtype}, KV cache {args.kv_cache_dtype}"),
+         f"seed {args.seed}, {args.dtype} on {args.device}, KV cache {args.kv_cache_dtype}"),
         (f"gpuworker, {modes[0]}", f"{ours['output_tok_s']:.0f} output tok/s, {ours['total_tok_s']:.0f} total tok/s "
          f"({ours['seconds']:.1f} s; warm-up {warmup_s:.1f} s)"),
     ]
