@@ -10,8 +10,8 @@ W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n], computed in float32 
 dtype before the product, as the reference does. A weight is a quarter of bf16's bytes; each program
 owns a BLOCK_M x BLOCK_N tile of the output and walks K with tl.dot. A single row (batch-1 decode)
 takes a GEMV of its own: each program owns GEMV_BLOCK_N adjacent columns (one contiguous run of each
-packed row) and walks the packed rows in tiles, unpacking the eight nibbles of each int32 in
-registers, so every weight byte is read once.
+packed row) and walks K a group at a time, unpacking the eight nibbles of each int32 in registers
+(every weight byte read once) and applying the group's zero point and scale once per column.
 """
 
 from __future__ import annotations
@@ -65,40 +65,40 @@ def _int4_matmul_kernel(
 
 _int4_matmul = lazy_jit(_int4_matmul_kernel, do_not_specialize=("M",))
 
-# The batch-1 GEMV's tile: columns per program (128 contiguous bytes of each packed row) and packed
-# rows per step (8 input rows each). Untuned.
+# The batch-1 GEMV's columns per program (128 contiguous bytes of each packed row). Untuned.
 GEMV_BLOCK_N = 32
-GEMV_BLOCK_KP = 64
 
 
 def _int4_gemv_kernel(
     x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, KP,
-    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    # One group per step: its GROUP_SIZE / 8 packed rows share one zero point and one scale per
+    # column, so sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k): two FMAs per column
+    # and group instead of a subtraction and a product per weight.
+    ROWS: tl.constexpr = GROUP_SIZE // 8
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_p = tl.arange(0, BLOCK_KP)
+    offs_r = tl.arange(0, ROWS)
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros((BLOCK_KP, BLOCK_N), dtype=tl.float32)
-    for p0 in tl.range(0, KP, BLOCK_KP, num_stages=NUM_STAGES):
-        ps = p0 + offs_p  # packed rows: input rows 8p .. 8p+7
-        p_mask = ps < KP
-        pn_mask = p_mask[:, None] & n_mask[None, :]
-        packed = tl.load(qweight_ptr + ps[:, None].to(tl.int64) * N + offs_n[None, :], mask=pn_mask, other=0,
-                         eviction_policy="evict_first")
-        group = (ps * 8 // GROUP_SIZE).to(tl.int64)  # the 8 rows of a packed row share their group
-        zeros = tl.load(zeros_ptr + group[:, None] * N + offs_n[None, :], mask=pn_mask, other=0).to(tl.float32)
-        scales = tl.load(scales_ptr + group[:, None] * N + offs_n[None, :], mask=pn_mask, other=0.0).to(tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for group in tl.range(0, KP // ROWS, num_stages=NUM_STAGES):
+        ps = group * ROWS + offs_r  # packed rows: input rows 8p .. 8p+7
+        packed = tl.load(qweight_ptr + ps[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :],
+                         other=0, eviction_policy="evict_first")
+        zeros = tl.load(zeros_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+        scales = tl.load(scales_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        qx = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        xs = tl.zeros((ROWS,), dtype=tl.float32)
         for j in tl.static_range(8):
-            q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
-            x = tl.load(x_ptr + ps * 8 + j, mask=p_mask, other=0.0, eviction_policy="evict_last")
-            # Rounded to x's dtype before the product, as the reference rounds the dequantised weight.
-            w = ((q - zeros) * scales).to(x.dtype).to(tl.float32)
-            acc += w * x.to(tl.float32)[:, None]
+            x = tl.load(x_ptr + ps * 8 + j, eviction_policy="evict_last").to(tl.float32)
+            qx += ((packed >> (4 * j)) & 0xF).to(tl.float32) * x[:, None]
+            xs += x
+        acc += scales[None, :] * (qx - zeros[None, :] * xs[:, None])
     out = tl.sum(acc, axis=0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -120,13 +120,13 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    if m == 1:
+    if m == 1 and _gemv_takes(group_size):
         _int4_gemv[(-(-n // GEMV_BLOCK_N),)](
             x, qweight, zeros, scales, bias if bias is not None else scales, out, n, k // PACK,
-            GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N,
-            BLOCK_KP=GEMV_BLOCK_KP if x.is_cuda else 8, NUM_STAGES=3, num_warps=4, **pdl_options(x.device))
+            GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, NUM_STAGES=4, num_warps=4,
+            **pdl_options(x.device))
         return out
-    # Batches take tensor-core tiles. Untuned.
+    # Batches (and one row whose groups the GEMV cannot tile) take tensor-core tiles. Untuned.
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if x.is_cuda else 32
     block_k = min(group_size, 128 if x.is_cuda else 32)
@@ -135,6 +135,12 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, **dot_options(x.dtype), **pdl_options(x.device))
     return out
+
+
+def _gemv_takes(group_size: int) -> bool:
+    """The GEMV tiles one group at a time: its packed rows (group_size / 8) must be a power of two."""
+    rows = group_size // PACK
+    return rows & (rows - 1) == 0
 
 
 def _check_layout(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
