@@ -130,14 +130,21 @@ def _vllm_fp8(qc: dict[str, Any], source: str) -> QuantConfig:
                        activation_scheme=scheme, ignore=tuple(qc.get("ignored_layers") or ()))
 
 
+def int4_group_size_supported(group_size: object) -> bool:
+    """INT4 groups the kernels tile (kernels/int4_matmul.py): 8, 16, 32, ... input rows."""
+    return (isinstance(group_size, int) and not isinstance(group_size, bool) and group_size >= 8
+            and group_size & (group_size - 1) == 0)
+
+
 def _int4(qc: dict[str, Any], method: str, source: str) -> QuantConfig:
     where = f"{source}: quantization_config"
     bits = qc.get("bits", qc.get("w_bit"))
     group_size = qc.get("group_size", qc.get("q_group_size"))
     if bits != 4:
         raise ValueError(f"{where}.bits must be 4, got {bits!r}")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 8 or group_size % 8:
-        raise ValueError(f"{where}.group_size must be a positive multiple of 8, got {group_size!r}")
+    if not int4_group_size_supported(group_size):
+        raise ValueError(f"{where}.group_size must be a power of two of at least 8 (the INT4 kernels take one "
+                         f"group at a time), got {group_size!r}")
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":

