@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 
+from gpuworker.engine.structured_output import SCHEMA_DATA_KEYWORDS
 from gpuworker.replica.json_string import JsonStringDecoder
 from gpuworker.replica.tool_call_scanner import CallScanner, Malformed, ValueScanner, skip_ws
 from gpuworker.replica.tool_calls import ParsedDelta, ToolCall, tool_call_id
@@ -24,12 +25,44 @@ CALL_KEY, CALLS_KEY, RESPONSE_KEY = "tool_call", "tool_calls", "response"
 TEXT_RESPONSE = {"type": "string"}
 
 
-def _call_schema(function: dict) -> dict:
+def _moved_refs(schema: object, root: str) -> object:
+    """`schema` with its local references ("#...") pointed at its new place, definition `root`
+    (its own definitions beside it as `root.<name>`)."""
+    if isinstance(schema, list):
+        return [_moved_refs(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in SCHEMA_DATA_KEYWORDS else _moved_refs(value, root) for key, value in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        for defs in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(defs):
+                out["$ref"] = f"#/$defs/{root}.{ref[len(defs):]}"
+                break
+        else:
+            out["$ref"] = f"#/$defs/{root}{ref[1:]}"
+    return out
+
+
+def _as_definition(schema: object, root: str, definitions: dict) -> object:
+    """A reference to `schema`, which goes into the answer schema's `definitions` as `root` (its
+    own definitions beside it): nested in the answer's schema, its references ("#/$defs/Item", as
+    Pydantic writes them) would otherwise point at the wrong root."""
+    if not isinstance(schema, dict):
+        return schema
+    own = dict(schema)
+    for defs in ("$defs", "definitions"):
+        for name, definition in (own.pop(defs, None) or {}).items():
+            definitions[f"{root}.{name}"] = _moved_refs(definition, root)
+    definitions[root] = _moved_refs(own, root)
+    return {"$ref": f"#/$defs/{root}"}
+
+
+def _arguments_schema(function: dict, index: int, definitions: dict) -> object:
     parameters = function.get("parameters")
     if parameters is None or function.get("strict") is False:
-        parameters = {"type": "object"}  # any JSON object
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"]}
+        return {"type": "object"}  # any JSON object
+    return _as_definition(parameters, f"tool{index}", definitions)
 
 
 def generic_tool_schema(tools: list[dict], *, parallel_tool_calls: bool,
@@ -37,15 +70,19 @@ def generic_tool_schema(tools: list[dict], *, parallel_tool_calls: bool,
     """The JSON schema of the answer: one call of an offered tool (its arguments following the
     tool's parameters schema), a list of one or more calls when parallel calls are allowed, or the
     response (a string, or `response_schema` when the request's response_format asks for JSON)."""
-    calls = [_call_schema(tool["function"]) for tool in tools]
+    definitions: dict = {}
+    calls = [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
+                                               "arguments": _arguments_schema(tool["function"], i, definitions)},
+              "required": ["name", "arguments"]} for i, tool in enumerate(tools)]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     choices = [{"type": "object", "properties": {CALL_KEY: call}, "required": [CALL_KEY]}]
     if parallel_tool_calls:
         choices.append({"type": "object", "properties": {CALLS_KEY: {"type": "array", "items": call, "minItems": 1}},
                         "required": [CALLS_KEY]})
-    choices.append({"type": "object", "properties": {RESPONSE_KEY: TEXT_RESPONSE if response_schema is None else response_schema},
+    response = TEXT_RESPONSE if response_schema is None else _as_definition(response_schema, RESPONSE_KEY, definitions)
+    choices.append({"type": "object", "properties": {RESPONSE_KEY: response},
                     "required": [RESPONSE_KEY]})
-    return {"anyOf": choices}
+    return {"anyOf": choices, "$defs": definitions} if definitions else {"anyOf": choices}
 
 
 def generic_tools_instruction(tools: list[dict], *, parallel_tool_calls: bool) -> str:

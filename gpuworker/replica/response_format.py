@@ -13,7 +13,8 @@ from typing import Any
 import xgrammar as xgr
 from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag
 
-from gpuworker.engine.structured_output import JSON_MAX_WHITESPACE, StructuredOutput, xgrammar_reason
+from gpuworker.engine.structured_output import (JSON_MAX_WHITESPACE, SCHEMA_DATA_KEYWORDS, StructuredOutput,
+                                               xgrammar_reason)
 from gpuworker.contract.openai_api import ChatCompletionRequest, NamedToolChoice, ProtocolError, ResponseFormat
 from gpuworker.replica.generic_tool_calls import generic_tool_schema
 from gpuworker.replica.tool_calls import ToolCallFormat, forced_tool_grammar
@@ -30,10 +31,6 @@ def check_json_schema(schema: dict, param: str) -> None:
                             param=param) from None
 
 
-# Keywords whose values are data, not schemas: never rewritten.
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
-
-
 def grammar_schema(schema: Any) -> Any:
     """A copy of `schema` for the grammar, working around xgrammar 0.2's length-limited strings.
 
@@ -46,7 +43,7 @@ def grammar_schema(schema: Any) -> Any:
         return [grammar_schema(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    copy = {key: value if key in _DATA_KEYWORDS else grammar_schema(value) for key, value in schema.items()}
+    copy = {key: value if key in SCHEMA_DATA_KEYWORDS else grammar_schema(value) for key, value in schema.items()}
     limited = "minLength" in copy or "maxLength" in copy
     if copy.get("type") == "string" and limited and not {"pattern", "format", "enum", "const"} & copy.keys():
         low = copy.pop("minLength", 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import BaseModel
 import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,6 +60,34 @@ def test_with_response_format_the_response_is_that_json():
     assert not _is_grammar_accept_string(grammar, ANSWER)
     parsed = _parse('{"response": {"sky": "clear"}}')
     assert parsed.content == '{"sky": "clear"}' and not parsed.calls
+
+
+class Item(BaseModel):
+    sku: str
+    count: int
+
+
+class Order(BaseModel):
+    """Pydantic writes the nested model as "$defs" with "#/$defs/Item" references."""
+
+    items: list[Item]
+    gift: Item | None = None
+
+
+def test_schemas_with_definitions_keep_their_references():
+    # Nested in the answer's schema, "#/$defs/Item" would point at the answer's root.
+    order = Order.model_json_schema()
+    assert "$defs" in order
+    tool = {"type": "function", "function": {"name": "place_order", "parameters": order}}
+    body = {"tools": [tool, *TOOLS], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "order", "schema": order}}}
+    grammar = _grammar(**body)
+    good = '{"items": [{"sku": "a1", "count": 2}], "gift": {"sku": "b", "count": 1}}'
+    bad = '{"items": [{"sku": "a1", "count": "two"}]}'
+    for wrap in ('{{"tool_call": {{"name": "place_order", "arguments": {}}}}}', '{{"response": {}}}'):
+        assert _is_grammar_accept_string(grammar, wrap.format(good))
+        assert not _is_grammar_accept_string(grammar, wrap.format(bad))
+    assert _is_grammar_accept_string(grammar, ONE)
 
 
 def test_the_instruction_shows_the_tools_and_the_grammar_keys():
