@@ -106,14 +106,14 @@ def plan_chat(llm: Any, request: ChatCompletionRequest) -> RequestPlan:
         if fmt is None and not request.forces_tool_call:
             # The template cannot show tools and the model may answer either way: one JSON object,
             # a call or the response, chosen early and kept well-formed by the grammar.
-            parallel = request.parallel_tool_calls
-            messages = with_tools_in_prompt(messages, generic_tools_instruction(tools or [], parallel_tool_calls=parallel),
-                                            generic_calls_text, generic_result_text)
+            instruction = generic_tools_instruction(tools or [], parallel_tool_calls=request.parallel_tool_calls)
+            messages = with_tools_in_prompt(messages, instruction, generic_calls_text, generic_result_text)
             tools, tool_parsing = None, ToolParsing(FALLBACK_FORMAT, names, generic=True)
             constraint = generic_tools_constraint(request)
         else:
             if fmt is None:  # the template cannot show tools: they go into the system prompt instead
-                fmt, messages, tools = FALLBACK_FORMAT, with_tools_in_prompt(messages, tools_system_prompt(tools or [])), None
+                messages = with_tools_in_prompt(messages, tools_system_prompt(tools or []))
+                fmt, tools = FALLBACK_FORMAT, None
             tool_parsing = ToolParsing(fmt, names)
             constraint = tool_choice_constraint(request, fmt) or constraint
     params = SamplingParams(**kwargs, structured_output=constraint)
