@@ -30,6 +30,8 @@ DEFAULT_GRAMMAR_CACHE_SIZE = 256
 # model wrote 30-blank runs and ran out of tokens); newlines and indentation are never needed.
 # 1, not 0: xgrammar's structural tags (which tool calls use) refuse a cap of 0.
 JSON_MAX_WHITESPACE = 1
+# JSON-schema keywords whose values are data, not schemas (nothing inside them is rewritten).
+SCHEMA_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
 # OpenAI's JSON mode promises an object (xgrammar's builtin JSON grammar also allows an array).
 _ANY_JSON_OBJECT = '{"type": "object"}'
 # xgrammar (through 0.2.9, mlc-ai/xgrammar#800) writes a string with minLength/maxLength as a

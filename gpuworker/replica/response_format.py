@@ -13,8 +13,10 @@ from typing import Any
 import xgrammar as xgr
 from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag
 
-from gpuworker.engine.structured_output import JSON_MAX_WHITESPACE, StructuredOutput, xgrammar_reason
+from gpuworker.engine.structured_output import (JSON_MAX_WHITESPACE, SCHEMA_DATA_KEYWORDS, StructuredOutput,
+                                               xgrammar_reason)
 from gpuworker.contract.openai_api import ChatCompletionRequest, NamedToolChoice, ProtocolError, ResponseFormat
+from gpuworker.replica.generic_tool_calls import generic_tool_schema
 from gpuworker.replica.tool_calls import ToolCallFormat, forced_tool_grammar
 
 _XGRAMMAR_ERRORS = (RuntimeError, ValueError, TypeError)
@@ -29,10 +31,6 @@ def check_json_schema(schema: dict, param: str) -> None:
                             param=param) from None
 
 
-# Keywords whose values are data, not schemas: never rewritten.
-_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "example"})
-
-
 def grammar_schema(schema: Any) -> Any:
     """A copy of `schema` for the grammar, working around xgrammar 0.2's length-limited strings.
 
@@ -45,7 +43,7 @@ def grammar_schema(schema: Any) -> Any:
         return [grammar_schema(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    copy = {key: value if key in _DATA_KEYWORDS else grammar_schema(value) for key, value in schema.items()}
+    copy = {key: value if key in SCHEMA_DATA_KEYWORDS else grammar_schema(value) for key, value in schema.items()}
     limited = "minLength" in copy or "maxLength" in copy
     if copy.get("type") == "string" and limited and not {"pattern", "format", "enum", "const"} & copy.keys():
         low = copy.pop("minLength", 0)
@@ -69,24 +67,36 @@ def json_constraint(schema: dict | bool) -> StructuredOutput:
     return StructuredOutput.structural_tag(tag.model_dump_json())
 
 
-def response_format_constraint(response_format: ResponseFormat | None) -> StructuredOutput | None:
+def response_format_schema(response_format: ResponseFormat | None) -> dict | bool | None:
+    """The JSON schema a response_format asks for (checked), None for text."""
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return json_constraint({"type": "object"})
+        return {"type": "object"}
     assert response_format.json_schema is not None  # ResponseFormat's own check
     schema = response_format.json_schema.schema_
     check_json_schema(schema, "response_format.json_schema.schema")
-    return json_constraint(schema)
+    return schema
+
+
+def response_format_constraint(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    schema = response_format_schema(response_format)
+    return None if schema is None else json_constraint(schema)
+
+
+def checked_tools(request: ChatCompletionRequest) -> list[dict]:
+    """The request's tools as dicts, each parameters schema checked (ProtocolError naming it)."""
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+    for i, tool in enumerate(tools):
+        if "parameters" in tool["function"]:
+            check_json_schema(tool["function"]["parameters"], f"tools.{i}.function.parameters")
+    return tools
 
 
 def tool_choice_constraint(request: ChatCompletionRequest, fmt: ToolCallFormat) -> StructuredOutput | None:
     """The grammar of a forced call (tool_choice 'required' or a named function); None for 'auto'.
     Every tool's parameters schema is checked, whatever the choice: a call to any of them parses."""
-    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
-    for i, tool in enumerate(tools):
-        if "parameters" in tool["function"]:
-            check_json_schema(tool["function"]["parameters"], f"tools.{i}.function.parameters")
+    tools = checked_tools(request)
     if not request.forces_tool_call:
         return None
     choice = request.effective_tool_choice
@@ -94,8 +104,21 @@ def tool_choice_constraint(request: ChatCompletionRequest, fmt: ToolCallFormat) 
     for tool in tools:
         if "parameters" in tool["function"]:
             tool["function"]["parameters"] = grammar_schema(tool["function"]["parameters"])
-    spec = forced_tool_grammar(fmt, tools, function_name=name, parallel_tool_calls=request.parallel_tool_calls,
-                               max_whitespace=JSON_MAX_WHITESPACE)
+    return _tool_grammar(forced_tool_grammar(fmt, tools, function_name=name,
+                                             parallel_tool_calls=request.parallel_tool_calls,
+                                             max_whitespace=JSON_MAX_WHITESPACE))
+
+
+def generic_tools_constraint(request: ChatCompletionRequest) -> StructuredOutput:
+    """The grammar of tool_choice "auto" in the generic format (generic_tool_calls): one JSON
+    object, a call of an offered tool or the response (text, or the JSON of response_format)."""
+    schema = generic_tool_schema(checked_tools(request), parallel_tool_calls=request.parallel_tool_calls,
+                                 response_schema=response_format_schema(request.response_format))
+    return _tool_grammar(json_constraint(schema).spec)
+
+
+def _tool_grammar(spec: str) -> StructuredOutput:
+    """A structural tag that admits tool calls, built once here so that a failure is a 400 naming `tools`."""
     try:
         xgr.Grammar.from_structural_tag(spec)
     except _XGRAMMAR_ERRORS as exc:

@@ -22,9 +22,12 @@ from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.replica.engine_holder import EngineHolder
 from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequest, ProtocolError, now,
                                            parse_json_body, parse_request, usage_dict)
-from gpuworker.replica.response_format import response_format_constraint, tool_choice_constraint
-from gpuworker.replica.tool_calls import ToolCallFormat, ToolCallParser, detect_tool_format, parse_tool_calls
-from gpuworker.replica.tool_prompt import FALLBACK_FORMAT, with_tools_in_prompt
+from gpuworker.replica.generic_tool_calls import (GenericToolParser, generic_calls_text, generic_result_text,
+                                                  generic_tools_instruction)
+from gpuworker.replica.response_format import (generic_tools_constraint, response_format_constraint,
+                                               tool_choice_constraint)
+from gpuworker.replica.tool_calls import ToolCallFormat, ToolCallParser, detect_tool_format
+from gpuworker.replica.tool_prompt import FALLBACK_FORMAT, tools_system_prompt, with_tools_in_prompt
 
 
 def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
@@ -51,13 +54,15 @@ def drain_expired_error(timeout_s: float) -> ProtocolError:
 
 @dataclass
 class ToolParsing:
-    """How a chat request's output is read for tool calls: the model's format, the callable names."""
+    """How a chat request's output is read for tool calls: the model's format and the callable
+    names, or (generic) the one JSON object of tool_choice "auto" on a template without tools."""
 
     fmt: ToolCallFormat
     names: frozenset[str]
+    generic: bool = False
 
-    def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.fmt, self.names)
+    def parser(self) -> ToolCallParser | GenericToolParser:
+        return GenericToolParser() if self.generic else ToolCallParser(self.fmt, self.names)
 
 
 @dataclass
@@ -82,8 +87,10 @@ def plan_request(llm: Any, raw: bytes, chat: bool) -> RequestPlan:
 
 def plan_chat(llm: Any, request: ChatCompletionRequest) -> RequestPlan:
     """A chat request for `llm` (an LLMEngine): the prompt (tools rendered by the model's own chat
-    template, or written into the system prompt when the template cannot: tool_prompt), the sampling parameters with the output constraint of response_format or of a
-    forced tool call, and how to read tool calls back. Raises ProtocolError / ValueError (400)."""
+    template, or written into the system prompt when the template cannot: tool_prompt), the
+    sampling parameters with the output constraint of response_format, of a forced tool call or
+    of the generic format (tool_choice "auto" on a template without tools: generic_tool_calls),
+    and how to read tool calls back. Raises ProtocolError / ValueError (400)."""
     kwargs = request.sampling_kwargs()
     tool_parsing = None
     constraint = response_format_constraint(request.response_format)
@@ -95,10 +102,20 @@ def plan_chat(llm: Any, request: ChatCompletionRequest) -> RequestPlan:
                                      llm.model_config.model_type)
         except ValueError as exc:
             raise ProtocolError(str(exc), param="tools") from None
-        if fmt is None:  # the template cannot show tools: they go into the system prompt instead
-            fmt, messages, tools = FALLBACK_FORMAT, with_tools_in_prompt(messages, tools or []), None
-        tool_parsing = ToolParsing(fmt, frozenset(tool.function.name for tool in request.tools or ()))
-        constraint = tool_choice_constraint(request, fmt) or constraint
+        names = frozenset(tool.function.name for tool in request.tools or ())
+        if fmt is None and not request.forces_tool_call:
+            # The template cannot show tools and the model may answer either way: one JSON object,
+            # a call or the response, chosen early and kept well-formed by the grammar.
+            instruction = generic_tools_instruction(tools or [], parallel_tool_calls=request.parallel_tool_calls)
+            messages = with_tools_in_prompt(messages, instruction, generic_calls_text, generic_result_text)
+            tools, tool_parsing = None, ToolParsing(FALLBACK_FORMAT, names, generic=True)
+            constraint = generic_tools_constraint(request)
+        else:
+            if fmt is None:  # the template cannot show tools: they go into the system prompt instead
+                messages = with_tools_in_prompt(messages, tools_system_prompt(tools or []))
+                fmt, tools = FALLBACK_FORMAT, None
+            tool_parsing = ToolParsing(fmt, names)
+            constraint = tool_choice_constraint(request, fmt) or constraint
     params = SamplingParams(**kwargs, structured_output=constraint)
     # Only the token ids: a chat's output does not echo the rendered prompt.
     prompt = TokenizedPrompt(None, llm.render_chat(messages, tools=tools).token_ids)
@@ -155,11 +172,13 @@ class Responder:
                 message: dict[str, Any] = {"role": "assistant", "content": c.text}
                 finish_reason = c.finish_reason
                 if self.tool_parsing is not None:
-                    parsed = parse_tool_calls(self.tool_parsing.fmt, c.text, self.tool_parsing.names)
-                    message["content"] = parsed.content
-                    if parsed.tool_calls:
-                        message["tool_calls"] = [call.to_dict() for call in parsed.tool_calls]
-                    finish_reason = _finish_reason(c, bool(parsed.tool_calls))
+                    parser = self.tool_parsing.parser()
+                    parser.feed(c.text)
+                    parser.finish()
+                    message["content"] = parser.content or None
+                    if parser.calls:
+                        message["tool_calls"] = [call.to_dict() for call in parser.calls]
+                    finish_reason = _finish_reason(c, bool(parser.calls))
                 choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                                 "finish_reason": finish_reason})
             else:
@@ -170,7 +189,7 @@ class Responder:
                 "model": self.holder.config.model_name, "choices": choices, "usage": self._usage(output)}
 
     @staticmethod
-    def _tool_delta(parser: ToolCallParser, choice: CompletionOutput) -> dict:
+    def _tool_delta(parser: ToolCallParser | GenericToolParser, choice: CompletionOutput) -> dict:
         """A chat delta with tool calls read out of the text: content, then tool_calls deltas."""
         said = parser.feed(choice.delta_text)
         if choice.finish_reason is not None:

@@ -8,11 +8,14 @@ system message with an instruction to answer with Hermes-style blocks,
 which the Hermes parser reads back and the forced-call grammar (tool_choice "required" or a named
 function) writes. Earlier calls and tool results in the conversation are written as text in the
 same format, so the template sees only system, user and assistant messages with plain content.
+This is the format of forced calls (whose grammar writes the blocks); `tool_choice: "auto"` uses
+the generic format instead (gpuworker.replica.generic_tool_calls), through the same rewriting.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from gpuworker.replica.tool_calls import HERMES, ToolCallFormat
 
@@ -39,13 +42,24 @@ def call_text(name: str, arguments: object) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
 
 
-def with_tools_in_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
+def calls_text(calls: list[dict]) -> str:
+    """An assistant's calls (template_message shape) as <tool_call> blocks."""
+    return "\n".join(call_text(call["function"]["name"], call["function"]["arguments"]) for call in calls)
+
+
+def result_text(content: str) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def with_tools_in_prompt(messages: list[dict], instruction: str,
+                         write_calls: Callable[[list[dict]], str] = calls_text,
+                         write_result: Callable[[str], str] = result_text) -> list[dict]:
     """`messages` (as chat templates read them, see ChatMessage.template_message) rewritten for a
-    template without tools: the tool definitions before the first system message's text (a system
-    message is added when there is none), an assistant's calls as <tool_call> blocks after its
-    text, and tool results as a user message of <tool_response> blocks (consecutive results in one
-    message, so that templates which insist on alternating roles accept the conversation)."""
-    instruction = tools_system_prompt(tools)
+    template without tools: `instruction` (the tool definitions and the format to answer in) before
+    the first system message's text (a system message is added when there is none), an assistant's
+    calls as text after its text, and tool results as a user message (consecutive results in one
+    message, so that templates which insist on alternating roles accept the conversation).
+    `write_calls` and `write_result` write them; by default as the Hermes blocks above."""
     out: list[dict] = []
     if messages and messages[0]["role"] == "system":
         system_text = messages[0]["content"]
@@ -57,11 +71,10 @@ def with_tools_in_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
     for message in messages:
         role = message["role"]
         if role == "assistant" and message.get("tool_calls"):
-            blocks = [call_text(call["function"]["name"], call["function"]["arguments"])
-                      for call in message["tool_calls"]]
-            out.append({"role": "assistant", "content": "\n".join(filter(None, [message["content"], *blocks]))})
+            calls = write_calls(message["tool_calls"])
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [message["content"], calls]))})
         elif role == "tool":
-            response = f"<tool_response>\n{message['content']}\n</tool_response>"
+            response = write_result(message["content"])
             if previous_was_tool:
                 out[-1]["content"] += "\n" + response
             else:

@@ -73,6 +73,60 @@ def test_the_demo_chat_model_makes_a_forced_tool_call(demo_gateway, smollm2_repl
     world.settled(30)
 
 
+PARIS_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_the_demo_chat_model_calls_a_tool_when_it_may_choose(demo_gateway, smollm2_replica):
+    # tool_choice "auto" on a template without tools: the generic format (one JSON object, a call
+    # or the response), which the replica turns into OpenAI's tool calls.
+    wait_ready(smollm2_replica)
+    world = make_world(demo_gateway, [smollm2_replica])
+    client = world.client(timeout=300)
+    reply = client.chat.completions.create(model=world.model.public_name, messages=PARIS_WEATHER,
+                                           tools=[WEATHER_TOOL], temperature=0, max_tokens=60)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments, dict) and set(arguments) == {"city"} and isinstance(arguments["city"], str)
+
+    stream = client.chat.completions.create(model=world.model.public_name, messages=PARIS_WEATHER,
+                                            tools=[WEATHER_TOOL], temperature=0, max_tokens=60, stream=True)
+    chunks = [chunk for chunk in stream if chunk.choices]
+    assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)  # no wrapper, no text
+    deltas = [d for chunk in chunks for d in (chunk.choices[0].delta.tool_calls or [])]
+    first, rest = deltas[0], deltas[1:]
+    assert first.index == 0 and first.id.startswith("call_") and first.function.name == "get_weather"
+    assert rest and all(d.index == 0 and d.id is None for d in rest)
+    assert json.loads("".join(d.function.arguments for d in rest)) == arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    world.settled(30)
+
+
+# SmolLM2-135M over-calls (asked the capital of France or told "Hello!", it calls get_weather);
+# asked for a poem, it answers, and the answer arrives as plain content.
+POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+def test_the_demo_chat_model_answers_in_text_when_it_may_call(demo_gateway, smollm2_replica):
+    wait_ready(smollm2_replica)
+    world = make_world(demo_gateway, [smollm2_replica])
+    client = world.client(timeout=300)
+    reply = client.chat.completions.create(model=world.model.public_name, messages=POEM, tools=[WEATHER_TOOL],
+                                           temperature=0, max_tokens=30)
+    choice = reply.choices[0]
+    assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
+    text = choice.message.content
+    assert "sea" in text.lower() and not text.lstrip().startswith("{") and '"response"' not in text
+    stream = client.chat.completions.create(model=world.model.public_name, messages=POEM, tools=[WEATHER_TOOL],
+                                            temperature=0, max_tokens=30, stream=True)
+    chunks = [chunk for chunk in stream if chunk.choices]
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == text
+    assert not any(chunk.choices[0].delta.tool_calls for chunk in chunks)
+    world.settled(30)
+
+
 class City(BaseModel):
     name: str
     country: str

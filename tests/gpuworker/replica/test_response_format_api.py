@@ -17,6 +17,7 @@ from xgrammar.testing import _is_grammar_accept_string
 
 from gpuworker.engine import LLMEngine
 from gpuworker.contract.openai_api import ChatCompletionRequest, ProtocolError, parse_request
+from gpuworker.replica.generic_tool_calls import generic_tools_instruction
 from gpuworker.replica.response_format import grammar_schema, json_constraint
 from gpuworker.replica.responses import plan_chat
 from gpuworker.replica.app import ServerConfig
@@ -254,33 +255,70 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt(tiny_checkpoint
                        max_model_len=MAX_MODEL_LEN)
     system = {"role": "system", "content": "Be brief."}
     request = parse_request(ChatCompletionRequest, {"model": "m", "messages": [system, *ASK], "tools": TOOLS})
+    # auto: the generic format, one JSON object (a call or the response) that its grammar holds.
     plan = plan_chat(engine, request)
     prompt = engine.tokenizer.decode(plan.prompt.token_ids)
     # The demo template shows only roles and contents: the tools are in the system message's text.
+    assert prompt.index("Be brief.") < prompt.index('"get_weather"') < prompt.index("What is the weather")
+    assert generic_tools_instruction(TOOLS, parallel_tool_calls=True) in prompt
+    assert plan.tool_parsing.generic and plan.params.structured_output.kind == "structural_tag"
+    assert '"tool_call"' in plan.params.structured_output.spec
+    # required: Hermes blocks, written by the forced-call grammar.
+    request.tool_choice = "required"
+    forced = plan_chat(engine, request)
+    prompt = engine.tokenizer.decode(forced.prompt.token_ids)
     assert prompt.index("Be brief.") < prompt.index("<tools>") < prompt.index("What is the weather")
     for tool in TOOLS:
         assert json.dumps(tool["function"]) in prompt
     assert '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>' in prompt
-    # auto: free text, read for <tool_call> blocks; required: the grammar writes them.
-    assert plan.tool_parsing.fmt.name == "hermes" and plan.params.structured_output is None
-    request.tool_choice = "required"
-    forced = plan_chat(engine, request)
+    assert not forced.tool_parsing.generic and forced.tool_parsing.fmt.name == "hermes"
     assert forced.params.structured_output.kind == "structural_tag"
-    assert forced.prompt.token_ids == plan.prompt.token_ids
     # tool_choice "none": the model is not told of the tools.
     request.tool_choice = "none"
     plan = plan_chat(engine, request)
     assert plan.tool_parsing is None and plan.params.structured_output is None
-    assert "<tools>" not in engine.tokenizer.decode(plan.prompt.token_ids)
+    assert "get_weather" not in engine.tokenizer.decode(plan.prompt.token_ids)
 
 
-def test_auto_on_a_template_without_tools_reads_calls_from_free_text(plain):
-    """A random model's free text is noise: the reply is content (no call), finished normally, and
-    the prompt carries the tool definitions (far longer than without tools)."""
-    with_tools = plain.chat.completions.create(model="tiny-plain", messages=ASK, tools=TOOLS, seed=1, max_tokens=8)
-    without = plain.chat.completions.create(model="tiny-plain", messages=ASK, seed=1, max_tokens=8)
-    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + len(json.dumps(TOOLS[0]["function"]))
-    assert with_tools.choices[0].finish_reason in ("stop", "length")
+def _assert_generic_choice(choice) -> None:
+    """A choice of tool_choice "auto" in the generic format: calls of offered tools with arguments
+    that follow their schemas and no content, or content with none of the JSON wrapper."""
+    if choice.message.tool_calls:
+        assert choice.finish_reason in ("tool_calls", "length") and choice.message.content is None
+        for call in choice.message.tool_calls:
+            assert call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+            if choice.finish_reason == "tool_calls":
+                if call.function.name == "get_weather":
+                    Weather.model_validate_json(call.function.arguments)
+                else:
+                    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    else:
+        assert choice.finish_reason in ("stop", "length")
+        assert not (choice.message.content or "").lstrip().startswith("{")
+
+
+def test_auto_on_a_template_without_tools_answers_in_the_generic_format(plain):
+    """A random model's choice is noise, but the grammar holds it to a call or the response, and
+    each comes back as OpenAI's calls or as bare content. (This one answers: its strings are long
+    noise, cut by max_tokens. Calls through this path: tests/controlplane/gateway/test_demo_chat_model.py.)"""
+    reply = plain.chat.completions.create(model="tiny-plain", messages=ASK, tools=TOOLS, n=12, seed=3,
+                                          max_tokens=48)
+    for choice in reply.choices:
+        _assert_generic_choice(choice)
+    assert any(c.message.content for c in reply.choices)
+    # Streamed, each choice adds up to the same message (same seed, same tokens).
+    stream = plain.chat.completions.create(model="tiny-plain", messages=ASK, tools=TOOLS, n=12, seed=3,
+                                           max_tokens=48, stream=True)
+    streamed = [c for chunk in stream for c in chunk.choices]
+    for whole in reply.choices:
+        mine = [c for c in streamed if c.index == whole.index]
+        content = "".join(c.delta.content or "" for c in mine)
+        deltas = [d for c in mine for d in (c.delta.tool_calls or [])]
+        calls = [(d.function.name, "".join(e.function.arguments for e in deltas if e.index == d.index and not e.id))
+                 for d in deltas if d.id]
+        assert (content or None) == whole.message.content
+        assert calls == [(call.function.name, call.function.arguments) for call in whole.message.tool_calls or []]
+        assert mine[-1].finish_reason == whole.finish_reason
 
 
 @pytest.mark.parametrize("grammar", [
