@@ -19,7 +19,7 @@ import re
 from gpuworker.engine.structured_output import SCHEMA_DATA_KEYWORDS
 from gpuworker.replica.json_string import JsonStringDecoder
 from gpuworker.replica.tool_call_scanner import CallScanner, Malformed, ValueScanner, skip_ws
-from gpuworker.replica.tool_calls import ParsedDelta, ToolCall, tool_call_id
+from gpuworker.replica.tool_calls import ParsedDelta, StreamingToolParser, ToolCall, tool_call_id
 
 CALL_KEY, CALLS_KEY, RESPONSE_KEY = "tool_call", "tool_calls", "response"
 TEXT_RESPONSE = {"type": "string"}
@@ -114,7 +114,7 @@ _OPENING = re.compile(r'\s*\{\s*"([^"\\]*)"\s*:')
 _OPENING_PREFIX = re.compile(r'\s*(\{\s*("[^"\\]*("\s*)?)?)?\Z')
 
 
-class GenericToolParser:
+class GenericToolParser(StreamingToolParser):
     """Splits a generic-format answer into content and tool calls, piece by piece, with
     ToolCallParser's interface: feed(text) and finish() return ParsedDelta; `calls` and `content`
     hold the whole. A response string is said decoded as it is written; a response that is JSON
@@ -135,22 +135,13 @@ class GenericToolParser:
         self.calls: list[ToolCall] = []
         self.content = ""
 
-    def feed(self, text: str) -> ParsedDelta:
-        out = ParsedDelta()
-        self.buffer += text
-        self._advance(out, final=False)
-        return out
-
-    def finish(self) -> ParsedDelta:
-        out = ParsedDelta()
-        self._advance(out, final=True)
+    def _close(self, out: ParsedDelta) -> None:
         if self.state == "string":
             assert self.string is not None
             self._say(out, self.string.finish())
         elif self.state == "call":
             self._end_call(out)
         self.state = "done"
-        return out
 
     def _say(self, out: ParsedDelta, text: str) -> None:
         out.content += text

@@ -145,7 +145,33 @@ class ParsedDelta:
         return bool(self.content or self.tool_calls)
 
 
-class ToolCallParser:
+class StreamingToolParser:
+    """What the tool-call parsers share: the model's text arrives in pieces (feed), then its end
+    (finish), and each returns what can be said so far. A parser reads `buffer` in _advance and
+    says what is left at the end in _close."""
+
+    buffer: str
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        self.buffer += text
+        self._advance(out, final=False)
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        self._advance(out, final=True)
+        self._close(out)
+        return out
+
+    def _advance(self, out: ParsedDelta, final: bool) -> None:
+        raise NotImplementedError
+
+    def _close(self, out: ParsedDelta) -> None:
+        raise NotImplementedError
+
+
+class ToolCallParser(StreamingToolParser):
     """Splits a choice's output into content and tool calls, piece by piece.
 
     feed(text) returns what can be said for sure so far: content that cannot be the start of a
@@ -191,21 +217,12 @@ class ToolCallParser:
 
     # -- the step --
 
-    def feed(self, text: str) -> ParsedDelta:
-        out = ParsedDelta()
-        self.buffer += text
-        self._advance(out, final=False)
-        return out
-
-    def finish(self) -> ParsedDelta:
-        out = ParsedDelta()
-        self._advance(out, final=True)
+    def _close(self, out: ParsedDelta) -> None:
         if self.call is not None:
             self._end_call(out)
         elif self.buffer:
             self._say(out, self.buffer)
             self.buffer = ""
-        return out
 
     def _advance(self, out: ParsedDelta, final: bool) -> None:
         while self.buffer:
