@@ -61,7 +61,7 @@ class StreamRelay:
         self.rename = _rename(buffered, flight.model.public_name)
         self.usage: dict | None = None
         self.usage_event: dict = {}
-        self.token_events = 0  # for a cancelled stream's record: one token or more per event (a lagging stream joins them)
+        self.token_events = 0  # for a cancelled stream's record: one or more tokens per event
         self.ended: list[str] = []  # why the relay stopped early: "gone" or "timeout"; or "complete"
 
     async def __call__(self, scope, receive, send) -> None:
