@@ -172,13 +172,11 @@ class Responder:
                 message: dict[str, Any] = {"role": "assistant", "content": c.text}
                 finish_reason = c.finish_reason
                 if self.tool_parsing is not None:
-                    parser = self.tool_parsing.parser()
-                    parser.feed(c.text)
-                    parser.finish()
-                    message["content"] = parser.content or None
-                    if parser.calls:
-                        message["tool_calls"] = [call.to_dict() for call in parser.calls]
-                    finish_reason = _finish_reason(c, bool(parser.calls))
+                    parsed = self.tool_parsing.parser().whole(c.text)
+                    message["content"] = parsed.content
+                    if parsed.tool_calls:
+                        message["tool_calls"] = [call.to_dict() for call in parsed.tool_calls]
+                    finish_reason = _finish_reason(c, bool(parsed.tool_calls))
                 choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                                 "finish_reason": finish_reason})
             else:

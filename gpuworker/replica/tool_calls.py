@@ -145,12 +145,26 @@ class ParsedDelta:
         return bool(self.content or self.tool_calls)
 
 
+@dataclass
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
 class StreamingToolParser:
     """What the tool-call parsers share: the model's text arrives in pieces (feed), then its end
-    (finish), and each returns what can be said so far. A parser reads `buffer` in _advance and
-    says what is left at the end in _close."""
+    (finish), and each returns what can be said so far; `content` and `calls` hold the whole. A
+    parser reads `buffer` in _advance and says what is left at the end in _close."""
 
     buffer: str
+    content: str
+    calls: list[ToolCall]
+
+    def whole(self, text: str) -> ParsedOutput:
+        """A whole output's content (None when empty) and tool calls: the same as streaming it."""
+        self.feed(text)
+        self.finish()
+        return ParsedOutput(self.content or None, self.calls)
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -360,15 +374,6 @@ class ToolCallParser(StreamingToolParser):
         return True
 
 
-@dataclass
-class ParsedOutput:
-    content: str | None
-    tool_calls: list[ToolCall]
-
-
 def parse_tool_calls(fmt: ToolCallFormat, text: str, tool_names: set[str] | None = None) -> ParsedOutput:
     """A whole output's content and tool calls (the same as streaming it through ToolCallParser)."""
-    parser = ToolCallParser(fmt, tool_names)
-    parser.feed(text)
-    parser.finish()
-    return ParsedOutput(parser.content or None, parser.calls)
+    return ToolCallParser(fmt, tool_names).whole(text)
