@@ -90,27 +90,24 @@ class SparseMoE(nn.Module):
         """Run the fused kernel once per row tile (warm_up_token_counts) on zeros, so that the first
         long prompt does not compile one (about a second on a GPU; the engine's warm-up step is too
         short to reach the prefill tile). The experts alone: no collective, so one rank may run it."""
-        from gpuworker.kernels.fused_moe import fused_moe
-
-        w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
-        w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
         for tokens in self.warm_up_token_counts():
-            x = torch.zeros(tokens, self.hidden_size, dtype=w13.dtype, device=w13.device)
-            weights, ids = route(self.gate(x), self.config.top_k, self.config.norm_topk_prob)
-            fused_moe(x, w13, w2, weights, ids, self.first_expert)
+            self._routed_experts(torch.zeros(tokens, self.hidden_size, dtype=self.w13.dtype, device=self.w13.device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H], already normalised -> [T, H]."""
-        config = self.config
-        weights, ids = route(self.gate(x), config.top_k, config.norm_topk_prob)
+    def _routed_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' part of the output for x [T, H]: routed over all experts, the fused
+        kernel on the GPU, the reference on the CPU."""
+        weights, ids = route(self.gate(x), self.config.top_k, self.config.norm_topk_prob)
         w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
         w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
         if x.is_cuda:
             from gpuworker.kernels.fused_moe import fused_moe
 
-            out = fused_moe(x, w13, w2, weights, ids, self.first_expert)
-        else:
-            out = experts_reference(x, w13, w2, weights, ids, self.first_expert)
+            return fused_moe(x, w13, w2, weights, ids, self.first_expert)
+        return experts_reference(x, w13, w2, weights, ids, self.first_expert)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H], already normalised -> [T, H]."""
+        out = self._routed_experts(x)
         if self.shared_expert is not None:
             shared = self.shared_expert.down(self.shared_expert.gate_up_proj(x))
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
