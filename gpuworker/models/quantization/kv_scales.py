@@ -26,12 +26,16 @@ def load_kv_scales(layers: nn.ModuleList, entries: list[tuple[Path, str]]) -> No
     the checkpoint tensors (file, name)."""
     from safetensors import safe_open
 
+    by_file: dict[Path, list[str]] = {}
     for file, name in entries:
-        match = KV_SCALE_NAME.fullmatch(name)
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():  # each file opened once
         with safe_open(str(file), framework="pt") as reader:
-            tensor = reader.get_tensor(name)
-        if tensor.numel() != 1:
-            raise ValueError(f"{name} in {file.name} must hold one scale (a per-tensor KV cache scale), "
-                             f"got shape {tuple(tensor.shape)}")
-        attn = layers[int(match.group(1))].self_attn
-        setattr(attn, f"{match.group(2)}_scale", check_kv_scale(name, float(tensor.float().item())))
+            for name in names:
+                tensor = reader.get_tensor(name)
+                if tensor.numel() != 1:
+                    raise ValueError(f"{name} in {file.name} must hold one scale (a per-tensor KV cache scale), "
+                                     f"got shape {tuple(tensor.shape)}")
+                match = KV_SCALE_NAME.fullmatch(name)
+                attn = layers[int(match.group(1))].self_attn
+                setattr(attn, f"{match.group(2)}_scale", check_kv_scale(name, float(tensor.float().item())))
