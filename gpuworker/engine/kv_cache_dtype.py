@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+
 # The Triton kernels convert to and from e4m3 with Hopper/Ada instructions (compute capability 8.9+).
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -15,9 +17,6 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: 
         return model_dtype
     if kv_cache_dtype != "fp8":
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
-    fp8 = getattr(torch, "float8_e4m3fn", None)
-    if fp8 is None:
-        raise ValueError(f"kv_cache_dtype 'fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} lacks")
     device = torch.device(device)
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
@@ -25,4 +24,4 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: 
             needed = ".".join(map(str, FP8_MIN_CAPABILITY))
             raise ValueError(f"kv_cache_dtype 'fp8' needs a GPU of compute capability {needed} or newer (Ada, "
                              f"Hopper); {device} has {capability[0]}.{capability[1]}: use kv_cache_dtype 'auto'")
-    return fp8
+    return FP8_DTYPE

@@ -38,7 +38,6 @@ from gpuworker.engine.grammar_masks import TokenBitmask
 from gpuworker.models.config import ModelConfig
 
 
-
 class RankWorkers(Protocol):
     """The other tensor-parallel ranks, as the runner drives them (engine.parallel.Workers)."""
 

@@ -12,8 +12,10 @@ at once.
 Expert parallel: w13 and w2 may hold only a range of the experts (a tensor-parallel rank's share,
 from `first_expert`). Routing ids stay global; pairs choosing another rank's expert are grouped in
 one more run after this rank's, which the gate/up kernel skips and the down kernel writes as zeros,
-so a rank multiplies only its own experts' pairs and the all-reduce after it sums the ranks' parts. Rounding follows transformers' expert loop: each projection rounded to the activation
-dtype, silu in float32, the weighted rows summed per token.
+so a rank multiplies only its own experts' pairs and the all-reduce after it sums the ranks' parts.
+
+Rounding follows transformers' expert loop: each projection rounded to the activation dtype, silu in
+float32, the weighted rows summed per token.
 """
 
 from __future__ import annotations

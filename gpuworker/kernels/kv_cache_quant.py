@@ -39,3 +39,8 @@ def check_kv_scale(name: str, scale: object) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
         raise ValueError(f"{name} must be a positive finite number, got {scale!r}")
     return float(scale)
+
+
+def check_kv_scales(k_scale: object, v_scale: object) -> tuple[float, float]:
+    """A kernel's k_scale and v_scale arguments, checked (check_kv_scale)."""
+    return check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)

@@ -11,7 +11,7 @@ import torch
 import triton.language as tl
 
 from gpuworker.kernels import kv_cache_fp8
-from gpuworker.kernels.kv_cache_quant import check_kv_scale, is_fp8_cache, quantize_kv
+from gpuworker.kernels.kv_cache_quant import check_kv_scales, is_fp8_cache, quantize_kv
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_kv_cache, check_last_dim_contiguous,
                                       check_operand, check_shape, check_tensor, lazy_jit, next_power_of_2,
                                       pdl_options)
@@ -80,7 +80,7 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     device sync). gpuworker.kernels.rotary.apply_rotary_and_cache does the same write fused with rotary.
     """
     block_size = check_kv_cache_write(key, value, kv_cache, slot_mapping)
-    k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    k_scale, v_scale = check_kv_scales(k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

@@ -33,7 +33,7 @@ from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_co
                                       check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
                                       lazy_jit, next_power_of_2, pdl_options)
 from gpuworker.kernels import kv_cache_fp8
-from gpuworker.kernels.kv_cache_quant import check_kv_scale, dequantize_kv, is_fp8_cache
+from gpuworker.kernels.kv_cache_quant import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write
 from gpuworker.kernels.rotary import apply_rotary_and_cache_reference, check_rotary
 
@@ -437,7 +437,7 @@ def paged_decode_attention(
         counters = seq_lens
     rotary_args, rotary_strides = _new_token_operands(new_tokens, query, seq_lens)
     fp8 = is_fp8_cache(kv_cache)
-    k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    k_scale, v_scale = check_kv_scales(k_scale, v_scale)
     _paged_decode[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens,
         out, part_out, part_lse, counters, *rotary_args,

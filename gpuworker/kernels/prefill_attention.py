@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.kv_cache_quant import check_kv_scale, dequantize_kv, is_fp8_cache
+from gpuworker.kernels.kv_cache_quant import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_host_bound, check_operand,
                                       check_query_and_cache, check_shape, check_tensor, dot_options, lazy_jit,
                                       next_power_of_2, pdl_options)
@@ -180,7 +180,7 @@ def prefill_attention(
     num_warps = tile[2] if num_warps is None else num_warps
     block_d = next_power_of_2(head_dim)
     fp8 = is_fp8_cache(kv_cache)
-    k_scale, v_scale = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    k_scale, v_scale = check_kv_scales(k_scale, v_scale)
     grid = (triton.cdiv(max_query_len, block_m), num_q_heads, num_seqs)
     _prefill_attention[grid](
         query, kv_cache, block_tables, seq_lens, query_start_loc, out,

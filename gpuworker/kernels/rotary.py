@@ -18,7 +18,7 @@ import triton.language as tl
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_shape,
                                       check_tensor, lazy_jit, next_power_of_2, pdl_options)
 from gpuworker.kernels import kv_cache_fp8
-from gpuworker.kernels.kv_cache_quant import check_kv_scale, is_fp8_cache
+from gpuworker.kernels.kv_cache_quant import check_kv_scales, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
 
 
@@ -189,7 +189,7 @@ def apply_rotary_and_cache(
     """
     half = check_rotary(positions, query, key, cos_cache, sin_cache)
     check_kv_cache_write(key, value, kv_cache, slot_mapping)
-    scales = check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    scales = check_kv_scales(k_scale, v_scale)
     if query.shape[0] == 0:
         return query
     _launch(positions, query, key, cos_cache, sin_cache, half, (value, kv_cache, slot_mapping, *scales))
