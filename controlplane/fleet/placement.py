@@ -34,10 +34,10 @@ def gpu_share_bytes(*, need_bytes: int, tensor_parallel_size: int) -> int:
     return -(-need_bytes // tensor_parallel_size)
 
 
-def share_bytes(*, need_bytes: int, slot: Slot, tensor_parallel_size: int) -> int:
-    """What a replica of `need_bytes` needs on one slot of its group: its share on a GPU, all of
-    it on a CPU worker (whose ranks share the host's memory)."""
-    if slot.gpu_id is None:
+def share_bytes(*, need_bytes: int, on_gpu: bool, tensor_parallel_size: int) -> int:
+    """What a replica of `need_bytes` needs on one place it holds: its share on a GPU, all of it on
+    a CPU worker (whose ranks share the host's memory)."""
+    if not on_gpu:
         return need_bytes
     return gpu_share_bytes(need_bytes=need_bytes, tensor_parallel_size=tensor_parallel_size)
 
@@ -62,7 +62,8 @@ def slot_groups(slots: list[Slot], tensor_parallel_size: int) -> list[tuple[Slot
 
 
 def group_fits(group: tuple[Slot, ...], *, need_bytes: int, tensor_parallel_size: int) -> bool:
-    return all(slot.free_bytes >= share_bytes(need_bytes=need_bytes, slot=slot, tensor_parallel_size=tensor_parallel_size)
+    return all(slot.free_bytes >= share_bytes(need_bytes=need_bytes, on_gpu=slot.gpu_id is not None,
+                                              tensor_parallel_size=tensor_parallel_size)
                for slot in group)
 
 
@@ -101,7 +102,8 @@ def plan_placements(
             -min(s.free_bytes for s in g), g[0].worker_id, g[0].gpu_index or 0,
         ))
         for slot in group:
-            slot.used_bytes += share_bytes(need_bytes=need_bytes, slot=slot, tensor_parallel_size=tensor_parallel_size)
+            slot.used_bytes += share_bytes(need_bytes=need_bytes, on_gpu=slot.gpu_id is not None,
+                                           tensor_parallel_size=tensor_parallel_size)
             per_slot[(slot.worker_id, slot.gpu_index)] += 1
         per_worker[group[0].worker_id] += 1
         chosen.append(group)

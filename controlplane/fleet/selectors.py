@@ -91,7 +91,8 @@ def placement_slots(*, workers: list[Worker]) -> list[Slot]:
         for index in held_gpu_indexes(first_index=first_index, tensor_parallel_size=size) or [None]:
             slot = by_place.get((worker_id, index))
             if slot is not None:
-                slot.used_bytes += share_bytes(need_bytes=need, slot=slot, tensor_parallel_size=size)
+                slot.used_bytes += share_bytes(need_bytes=need, on_gpu=slot.gpu_id is not None,
+                                               tensor_parallel_size=size)
     return slots
 
 

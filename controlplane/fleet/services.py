@@ -26,10 +26,10 @@ from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, Recorde
 from controlplane.fleet.models import AutoscaleDecision, Gpu, LoadBackoff, Replica, Worker
 from controlplane.fleet.placement import (
     SlotRoom,
-    gpu_share_bytes,
     group_fits,
     memory_fraction,
     room_message,
+    share_bytes,
     slot_groups,
 )
 from controlplane.fleet.selectors import deployment_replica_loads, placement_slots, worker_silence_seconds
@@ -256,11 +256,8 @@ def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
     replica = validated_save(Replica(deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.PENDING,
                                      tensor_parallel_size=size))
     _publish_replica(replica)  # the fleet page shows the new replica at once, before it loads
-    if gpu is not None:
-        need = gpu_share_bytes(need_bytes=model.gpu_memory_bytes, tensor_parallel_size=size)
-        total = gpu.memory_total_bytes
-    else:
-        need, total = model.gpu_memory_bytes, worker.cpu_memory_total_bytes
+    need = share_bytes(need_bytes=model.gpu_memory_bytes, on_gpu=gpu is not None, tensor_parallel_size=size)
+    total = gpu.memory_total_bytes if gpu is not None else worker.cpu_memory_total_bytes
     commands.send_to_worker(queue=worker.queue_name, task=LoadModel(
         replica_id=replica.pk, model_path=model.weights_path, served_model_name=model.public_name,
         gpu_index=gpu.index if gpu is not None else None,
