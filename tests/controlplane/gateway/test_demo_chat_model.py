@@ -56,24 +56,29 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+PARIS_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _weather_call(choice) -> tuple:
+    """The choice's one call, get_weather with a string city: the call and its parsed arguments."""
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    arguments = json.loads(call.function.arguments)
+    assert isinstance(arguments, dict) and isinstance(arguments.get("city"), str)
+    return call, arguments
+
+
 def test_the_demo_chat_model_makes_a_forced_tool_call(demo_gateway, smollm2_replica):
     # SmolLM2's template has no tools: the replica's fallback prompt and the arguments' grammar carry it.
     wait_ready(smollm2_replica)
     world = make_world(demo_gateway, [smollm2_replica])
     client = world.client(timeout=300)
     reply = client.chat.completions.create(
-        model=world.model.public_name, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        model=world.model.public_name, messages=PARIS_WEATHER,
         tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
         temperature=0, max_tokens=40)
-    choice = reply.choices[0]
-    [call] = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "get_weather" and call.id
-    arguments = json.loads(call.function.arguments)
-    assert isinstance(arguments, dict) and isinstance(arguments.get("city"), str)
+    _weather_call(reply.choices[0])
     world.settled(30)
-
-
-PARIS_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def test_the_demo_chat_model_calls_a_tool_when_it_may_choose(demo_gateway, smollm2_replica):
@@ -86,10 +91,8 @@ def test_the_demo_chat_model_calls_a_tool_when_it_may_choose(demo_gateway, smoll
                                            tools=[WEATHER_TOOL], temperature=0, max_tokens=60)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    [call] = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
-    arguments = json.loads(call.function.arguments)
-    assert isinstance(arguments, dict) and set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    call, arguments = _weather_call(choice)
+    assert call.id.startswith("call_") and set(arguments) == {"city"}
 
     stream = client.chat.completions.create(model=world.model.public_name, messages=PARIS_WEATHER,
                                             tools=[WEATHER_TOOL], temperature=0, max_tokens=60, stream=True)
