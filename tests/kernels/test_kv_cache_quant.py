@@ -25,6 +25,9 @@ K_SCALE, V_SCALE = 0.05, 0.1
 SCALES = {"k_scale": K_SCALE, "v_scale": V_SCALE}
 SEQ_LENS = [1, 900, 17, 4099] if ON_CUDA else [1, 15, 17, 40]
 TILE = {} if ON_CUDA else {"block_n": 16}
+# A bfloat16 rotated key near zero is the difference of two products, each rounded to bfloat16: two
+# kernels (an FMA kept or not) may disagree there by about an ulp of the products (~±4), in key units.
+ROTATED_BF16_KEY_ATOL = 0.05
 # What quantizing keys and values to e4m3 (3 mantissa bits: ±3% rounding) costs an attention output
 # of N(0, 1) values, against the float cache the FP8 one was made from.
 FP8_TOLERANCE = {"atol": 0.1, "rtol": 0.1}
@@ -35,15 +38,16 @@ def as_fp8(cache: torch.Tensor) -> torch.Tensor:
     return torch.stack([quantize_kv(cache[0], FP8_DTYPE, K_SCALE), quantize_kv(cache[1], FP8_DTYPE, V_SCALE)])
 
 
-def assert_same_fp8(got: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_same_fp8(got: torch.Tensor, expected: torch.Tensor, atol: float = 2**-9) -> None:
     """The same values (a zero's sign aside) under the interpreter. On a GPU, a rotated key may differ
     from the reference's by an ulp of the activation dtype before it is quantized (an FMA kept or
-    not, see test_paged_decode_attention), which can land a few on the neighbouring e4m3 step: at most that."""
+    not, see test_paged_decode_attention), which can land a few on the neighbouring e4m3 step: at most
+    that, or `atol` (in stored units) where the key is a difference of two rounded products."""
     if not ON_CUDA:
         assert torch.equal(got.float(), expected.float())
         return
     assert (got.float() != expected.float()).float().mean() < 0.01
-    torch.testing.assert_close(got.float(), expected.float(), rtol=0.13, atol=2**-9)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0.13, atol=atol)
 
 
 def test_quantize_scales_saturates_and_leaves_other_dtypes_alone():
@@ -121,7 +125,7 @@ def test_rotary_cache_write_quantizes_keys_after_rotating(dtype, device, generat
         assert_same_fp8(cache, reference)
     else:  # a rotated key near zero is a difference of two products, each rounded to bfloat16
         torch.testing.assert_close(dequantize_kv(cache[0], K_SCALE), dequantize_kv(reference[0], K_SCALE),
-                                   rtol=0.13, atol=0.05)
+                                   rtol=0.13, atol=ROTATED_BF16_KEY_ATOL)
         assert torch.equal(cache[1].float(), reference[1].float())
 
 
@@ -182,7 +186,10 @@ def test_paged_decode_quantizes_the_new_token_it_caches_and_attends(dtype, num_s
     apply_rotary_and_cache(new.positions, query.clone(), new.key, new.value, new.cos_cache, new.sin_cache,
                            unfused_cache, slots, **SCALES)
 
-    assert_same_fp8(fp8_cache, unfused_cache)
+    # bfloat16 on a GPU: the fused decode kernel and the rotary kernel round the rotation's products
+    # each their own way (2 of 10.5 M elements differed on the H200 by 0.03 stored units).
+    assert_same_fp8(fp8_cache, unfused_cache,
+                    atol=2**-9 if dtype == torch.float32 else ROTATED_BF16_KEY_ATOL / K_SCALE)
     if dtype == torch.float32:
         assert_same_fp8(fp8_cache, reference_cache)
         torch.testing.assert_close(out, expected, **tolerance(dtype))
