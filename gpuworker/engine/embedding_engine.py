@@ -1,6 +1,6 @@
 """The embedding engine: requests queue up, a background thread takes what is waiting and runs it
-through the encoder in padding-aware buckets (inputs sorted by length, each batch padded only to
-its own longest), and hands each request its vectors.
+through the encoder packed (the inputs back to back, no padding; models/bert.py), in passes of at
+most max_batch_tokens tokens, and hands each request its vectors.
 
     engine = EmbeddingEngine("/models/all-MiniLM-L6-v2", device="cuda")
     vectors, prompt_tokens = await engine.embed(["a sentence", "another"])
@@ -9,29 +9,22 @@ its own longest), and hands each request its vectors.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from gpuworker.models.bert import BertEncoder, is_sentence_encoder, load_bert_encoder  # noqa: F401 (re-exported for the replica)
+from gpuworker.models.bert import BertEncoder, PackedBatch, is_sentence_encoder, load_bert_encoder  # noqa: F401 (re-exported for the replica)
 
 logger = logging.getLogger(__name__)
 
-# Tokens in one forward pass (batch x padded length): bounds the activations' memory.
+# Tokens in one forward pass: bounds the activations' memory.
 DEFAULT_MAX_BATCH_TOKENS = 65_536
-# A batch is padded to a multiple of this many tokens: fewer distinct shapes for the kernels.
-PAD_MULTIPLE = 8
-# Sorted inputs go to one bucket while the longest stays within this factor of the shortest, so
-# short sentences are not padded to a long one's length.
-BUCKET_GROWTH = 2.0
 
 
 @dataclass
@@ -42,18 +35,18 @@ class _Job:
     vectors: list[torch.Tensor | None] = field(default_factory=list)
 
 
-def buckets(lengths: list[int], max_batch_tokens: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into batches: by length, each within BUCKET_GROWTH of its
-    shortest and with batch size x longest <= max_batch_tokens (a single longer input alone)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        group = groups[-1] if groups else None
-        if group and lengths[i] <= BUCKET_GROWTH * max(lengths[group[0]], 1) \
-                and (len(group) + 1) * lengths[i] <= max_batch_tokens:
-            group.append(i)
-        else:
-            groups.append([i])
+def passes(lengths: list[int], max_batch_tokens: int) -> list[range]:
+    """Consecutive inputs grouped into forward passes of at most max_batch_tokens tokens (an input
+    longer than that alone)."""
+    groups: list[range] = []
+    start, tokens = 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and tokens + length > max_batch_tokens:
+            groups.append(range(start, i))
+            start, tokens = i, 0
+        tokens += length
+    if start < len(lengths):
+        groups.append(range(start, len(lengths)))
     return groups
 
 
@@ -114,7 +107,7 @@ class EmbeddingEngine:
             if job is None:
                 return
             jobs = [job]
-            while True:  # everything waiting now goes into the same buckets
+            while True:  # everything waiting now goes into the same passes
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
@@ -134,30 +127,16 @@ class EmbeddingEngine:
                 j.loop.call_soon_threadsafe(_resolve, j.future, j.vectors, None)
 
     def _run(self, jobs: list[_Job]) -> None:
-        owners = [(j, k) for j in jobs for k in range(len(j.token_ids))]
         token_ids = [ids for j in jobs for ids in j.token_ids]
-        groups = buckets([len(ids) for ids in token_ids], self.max_batch_tokens)
-        # One copy back to the host at the end: the buckets' forward passes queue up on the device
-        # without a synchronisation between them.
-        vectors = torch.cat([self.model(*self._padded([token_ids[i] for i in group])) for group in groups]).cpu()
+        # One copy back to the host at the end: the passes queue up on the device without a
+        # synchronisation between them.
+        vectors = torch.cat([self.model(PackedBatch.build(token_ids[group.start:group.stop], self.device))
+                             for group in passes([len(ids) for ids in token_ids], self.max_batch_tokens)]).cpu()
+        row = 0
         for j in jobs:
-            j.vectors = [None] * len(j.token_ids)
-        for row, i in enumerate(i for group in groups for i in group):
-            job, k = owners[i]
-            job.vectors[k] = vectors[row]
+            j.vectors = list(vectors[row:row + len(j.token_ids)])
+            row += len(j.token_ids)
         self.num_embedded_inputs += len(token_ids)
-
-    def _padded(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded ids and their mask on the device, built with one tensor per batch (not per row)."""
-        lengths = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
-        longest = int(lengths.max())
-        width = min(-(-longest // PAD_MULTIPLE) * PAD_MULTIPLE, max(longest, self.model.config.max_position_embeddings))
-        mask = np.arange(width) < lengths[:, None]
-        input_ids = np.zeros(mask.shape, dtype=np.int64)
-        # Row-major: each row's ids, in one pass over them (numpy: a tenth of the time of torch here).
-        input_ids[mask] = np.fromiter(itertools.chain.from_iterable(batch), dtype=np.int64, count=int(lengths.sum()))
-        return (torch.from_numpy(input_ids).to(self.device, non_blocking=True),
-                torch.from_numpy(mask).to(self.device, non_blocking=True))
 
 
 def _batch_encoder(tokenizer) -> Tokenizer | None:

@@ -1,5 +1,5 @@
 """The BERT encoder against transformers' BertModel with sentence-transformers' head (mean pooling,
-then normalise) on the real all-MiniLM-L6-v2, and the engine's padding-aware buckets."""
+then normalise) on the real all-MiniLM-L6-v2, and the engine's packed passes."""
 
 import asyncio
 import json
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, BertModel
 
-from gpuworker.engine.embedding_engine import EmbeddingEngine, buckets
-from gpuworker.models.bert import SentenceHead, load_bert_encoder
+from gpuworker.engine.embedding_engine import EmbeddingEngine, passes
+from gpuworker.models.bert import PackedBatch, SentenceHead, load_bert_encoder
 
 SENTENCES = ["What is the capital of France?", "a", "Embeddings map text to vectors; " * 12,
              "The quick brown fox jumps over the lazy dog.", "GPU inference, self-hosted."]
@@ -44,21 +44,28 @@ def test_pooling_and_normalisation_come_from_the_sentence_transformers_config(mi
     head = SentenceHead.read(minilm_checkpoint)
     assert (head.pooling, head.normalize, head.max_seq_length) == ("mean_tokens", True, 256)
     # The same weights configured for CLS pooling without Normalize give the raw first hidden state.
-    for item in minilm_checkpoint.iterdir():
-        (tmp_path / item.name).symlink_to(item)
-    (tmp_path / "1_Pooling").unlink()
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 384, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
-    (tmp_path / "modules.json").unlink()
-    modules = json.loads((minilm_checkpoint / "modules.json").read_text())[:2]
-    (tmp_path / "modules.json").write_text(json.dumps(modules))
-    model = load_bert_encoder(tmp_path)
+    model = load_bert_encoder(_with_pooling(minilm_checkpoint, tmp_path, "cls_token"))
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     batch = tokenizer(SENTENCES[:2], padding=True, return_tensors="pt")
     with torch.no_grad():
         expected = BertModel.from_pretrained(tmp_path).eval()(**batch).last_hidden_state[:, 0]
-    torch.testing.assert_close(model(batch["input_ids"], batch["attention_mask"]), expected, atol=1e-5, rtol=1e-4)
+    packed = PackedBatch.build(tokenizer(SENTENCES[:2])["input_ids"], "cpu")
+    torch.testing.assert_close(model(packed), expected, atol=1e-5, rtol=1e-4)
+
+
+def _with_pooling(model_dir, tmp_path, mode: str):
+    """A copy (by links) of model_dir whose sentence-transformers head pools by `mode`, unnormalised."""
+    for item in model_dir.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "1_Pooling").unlink()
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 384, **{f"pooling_mode_{m}": m == mode for m in
+                                            ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")}}))
+    (tmp_path / "modules.json").unlink()
+    modules = json.loads((model_dir / "modules.json").read_text())[:2]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    return tmp_path
 
 
 def test_unsupported_checkpoints_are_refused_clearly(minilm_checkpoint, tmp_path):
@@ -71,15 +78,11 @@ def test_unsupported_checkpoints_are_refused_clearly(minilm_checkpoint, tmp_path
         load_bert_encoder(tmp_path)
 
 
-def test_buckets_keep_similar_lengths_together_within_the_token_budget():
-    lengths = [3, 100, 4, 120, 5, 6, 90]
-    groups = buckets(lengths, max_batch_tokens=250)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    for group in groups:
-        sizes = [lengths[i] for i in group]
-        assert max(sizes) <= 2 * min(sizes)
-        assert len(group) * max(sizes) <= 250 or len(group) == 1
-    assert [sorted(lengths[i] for i in g) for g in groups] == [[3, 4, 5, 6], [90, 100], [120]]
+def test_passes_keep_the_order_within_the_token_budget():
+    lengths = [3, 100, 4, 120, 5, 6, 90, 300, 1]
+    groups = passes(lengths, max_batch_tokens=250)
+    assert [list(g) for g in groups] == [[0, 1, 2, 3, 4, 5], [6], [7], [8]]  # 238 tokens; 300 go alone
+    assert passes([], 250) == []
 
 
 def test_too_long_or_bad_token_ids_are_value_errors(minilm_checkpoint):
@@ -93,21 +96,26 @@ def test_too_long_or_bad_token_ids_are_value_errors(minilm_checkpoint):
         engine.shutdown()
 
 
-def test_batches_are_padded_to_a_multiple_of_8_within_the_position_limit(minilm_checkpoint):
-    engine = EmbeddingEngine(minilm_checkpoint)
-    try:
-        input_ids, mask = engine._padded([[101, 7592, 102], [101] + [2088] * 9 + [102]])
-        assert input_ids.shape == mask.shape == (2, 16)
-        assert mask.sum(dim=1).tolist() == [3, 11]
-        limit = engine.model.config.max_position_embeddings
-        input_ids, mask = engine._padded([[101] * (limit - 2)])
-        assert input_ids.shape == (1, limit)  # 510 -> 512, the model's last position
-        # Padding changes no vector: a sentence alone equals itself beside a longer one.
-        alone = engine.model(*engine._padded([[101, 7592, 102]]))
-        beside = engine.model(*engine._padded([[101, 7592, 102], [101] + [2088] * 30 + [102]]))
-        assert torch.allclose(alone[0], beside[0], atol=1e-6)
-    finally:
-        engine.shutdown()
+def test_a_packed_batch_addresses_each_token_of_each_input(minilm_checkpoint):
+    batch = PackedBatch.build([[101, 7592, 102], [101] + [2088] * 9 + [102], [5]], "cpu")
+    assert batch.input_ids.tolist() == [101, 7592, 102, 101, *[2088] * 9, 102, 5]
+    assert batch.positions.tolist() == [0, 1, 2, *range(11), 0]
+    assert batch.seq_index.tolist() == [0, 0, 0, *[1] * 11, 2]
+    assert batch.cu_seqlens.tolist() == [0, 3, 14, 15] and batch.cu_seqlens.dtype == torch.int32
+    assert batch.lengths.tolist() == [3, 11, 1] and batch.max_seqlen == 11
+
+
+@pytest.mark.parametrize("pooling", ["mean_tokens", "cls_token", "max_tokens", "mean_sqrt_len_tokens"])
+def test_a_sentence_is_the_same_alone_and_packed_beside_others(minilm_checkpoint, tmp_path, pooling):
+    # Each input attends to itself only and pools over its own tokens, whatever lies beside it.
+    model_dir = _with_pooling(minilm_checkpoint, tmp_path, pooling)
+    model = load_bert_encoder(model_dir)
+    short, long = [101, 7592, 102], [101] + [2088, 7592] * 15 + [102]
+    alone = model(PackedBatch.build([short], "cpu"))
+    beside = model(PackedBatch.build([long, short, long[:7]], "cpu"))
+    # (Unnormalised values up to ~5: the projections' float32 sums may round differently per batch size.)
+    torch.testing.assert_close(alone[0], beside[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(PackedBatch.build([long], "cpu"))[0], beside[0], atol=1e-5, rtol=1e-5)
 
 
 def test_tokenize_gives_the_ids_of_the_tokenizer_itself_without_its_file_padding_or_truncation(minilm_checkpoint):
