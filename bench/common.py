@@ -84,6 +84,12 @@ def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int | N
     parser.add_argument("--max-model-len", type=int, default=max_model_len)
 
 
+def add_parallel_option(parser: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size: the engine's ranks, one GPU each (NCCL, NVLink multicast off), or one
+    process each on the CPU (gloo; --smoke)."""
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+
+
 def add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:
     """--kv-cache-dtype: the engine's KV cache in the model's dtype ("auto") or FP8 e4m3 ("fp8": twice
     the blocks in the same memory)."""

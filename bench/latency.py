@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from common import (Timer, add_kv_cache_dtype_option, add_sampling_option, add_smoke_option, build_hf_model,
+from common import (Timer, add_kv_cache_dtype_option, add_parallel_option, add_sampling_option, add_smoke_option, build_hf_model,
                     copy_bandwidth_gbs, engine_parser, environment, free_device_memory, load_hf_config, print_table,
                     sampling_modes, sampling_params, use_smoke_model, weight_bytes_per_token, write_json)
 
@@ -27,6 +27,7 @@ def engine_decode_rates(args, prompt: list[int], modes: list[str]) -> dict[str, 
     engine = LLMEngine(
         str(args.config), device=args.device, dtype=args.dtype, load_format="dummy",
         max_num_seqs=8, max_num_batched_tokens=2048, seed=0, kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     rates = {}
     for mode in modes:
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
     add_kv_cache_dtype_option(parser)
+    add_parallel_option(parser)
     add_sampling_option(parser)
     add_smoke_option(parser)
     args = parser.parse_args()
@@ -103,7 +105,7 @@ def main() -> None:
     ours_bw = weight_gb * ours["decode_tok_s"]
     rows = [
         ("workload", f"batch 1, prompt {args.prompt_len}, {args.output_len} output tokens, {args.dtype} on "
-                     f"{args.device}, KV cache {args.kv_cache_dtype}"),
+                     f"{args.device}, KV cache {args.kv_cache_dtype}, tensor parallel {args.tensor_parallel_size}"),
         ("weights read per token", f"{weight_gb:.2f} GB"),
         ("device copy bandwidth", f"{copy_gbs:.0f} GB/s (bound {copy_gbs / weight_gb:.0f} tok/s)" if copy_gbs
          else f"n/a ({args.device})"),

@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from common import (Timer, add_engine_options, add_kv_cache_dtype_option, add_sampling_option, add_smoke_option,
-                    build_hf_model, engine_parser, environment, free_device_memory, load_hf_config, print_table,
+from common import (Timer, add_engine_options, add_kv_cache_dtype_option, add_parallel_option, add_sampling_option,
+                    add_smoke_option, build_hf_model, engine_parser, environment, free_device_memory, load_hf_config, print_table,
                     sampling_modes, sampling_params, use_smoke_model, write_json)
 
 
@@ -160,6 +160,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=None, help="every output this long (default: random)")
     add_engine_options(parser, max_num_seqs=None, max_model_len=2048)
     add_kv_cache_dtype_option(parser)
+    add_parallel_option(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's choice")
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
@@ -186,6 +187,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts share nothing; keep the hash work out
         max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     t0 = time.perf_counter()  # warm-up: kernel compilation and graph capture stay out of the figures
     warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -215,7 +217,8 @@ def main() -> None:
     outputs = f"output {args.output_len}" if args.output_len else f"output {args.min_len}-{args.max_len}"
     rows = [
         ("workload", f"{args.num_requests} requests, prompt {args.min_len}-{args.max_len} tokens, {outputs}, "
-         f"seed {args.seed}, {args.dtype} on {args.device}, KV cache {args.kv_cache_dtype}"),
+         f"seed {args.seed}, {args.dtype} on {args.device}, KV cache {args.kv_cache_dtype}, "
+         f"tensor parallel {args.tensor_parallel_size}"),
         (f"gpuworker, {modes[0]}", f"{ours['output_tok_s']:.0f} output tok/s, {ours['total_tok_s']:.0f} total tok/s "
          f"({ours['seconds']:.1f} s; warm-up {warmup_s:.1f} s)"),
     ]

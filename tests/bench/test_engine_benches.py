@@ -52,7 +52,7 @@ def test_throughput_runs_each_sampling_mode_and_the_hf_baseline_with_an_fp8_kv_c
     assert "ratio (same requests)" in stdout and "where the wall time went" in stdout
 
 
-@pytest.mark.parametrize("config", ["llama-3-8b-awq", "llama-3-8b-fp8", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("config", ["llama-3-8b-awq", "llama-3-8b-fp8", "qwen3-30b-a3b", "llama-3-70b-fp8"])
 @pytest.mark.parametrize("script", ["latency", "throughput"])
 def test_the_gpu_runs_configs_run_at_a_tiny_size(tmp_path, script, config):
     result, _ = _run(tmp_path, script, "--config", str(CONFIGS / config), "--skip-hf")
@@ -68,3 +68,13 @@ def test_the_smoke_config_keeps_the_architecture_and_quantization_at_a_tiny_size
     moe = load_hf_config(write_smoke_config(CONFIGS / "qwen3-30b-a3b", tmp_path / "moe"))
     assert moe["architectures"] == ["Qwen3MoeForCausalLM"] and moe["model_type"] == "qwen3_moe"
     assert (moe["num_experts"], moe["num_experts_per_tok"], moe["head_dim"], moe["hidden_size"]) == (4, 2, 16, 64)
+
+
+@pytest.mark.parametrize("config", ["llama-3-8b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("script", ["latency", "throughput"])
+def test_the_multi_gpu_runs_options_run_at_two_cpu_ranks(tmp_path, script, config):
+    # Issue 25's commands (BENCHMARKS.md) with --tensor-parallel-size 2: two gloo ranks on the CPU.
+    result, stdout = _run(tmp_path, script, "--config", str(CONFIGS / config), "--skip-hf",
+                          "--tensor-parallel-size", "2")
+    assert result["args"]["tensor_parallel_size"] == "2" and "tensor parallel 2" in stdout
+    assert result["gpuworker"]["decode_tok_s" if script == "latency" else "output_tok_s"] > 0
