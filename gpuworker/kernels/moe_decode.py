@@ -215,8 +215,7 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, stride_we, stride_wn, stride_o, first_expert,
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     if USE_PDL:
@@ -226,25 +225,29 @@ def _down_kernel(
     row_offsets = tl.minimum(rows, HIDDEN - 1).to(tl.int64)[:, None] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
+    K_TILES: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for choice in range(TOP_K):  # in top_k order, as fused_moe's sum over the pairs
+    # One loop over the token's pairs and their K tiles, so the loads stay pipelined from one expert
+    # to the next (a loop per expert would wait for memory at each one's start); pairs in top_k order,
+    # as fused_moe sums them. Another rank's expert is read as nothing (masked) and adds nothing.
+    for step in tl.range(0, TOP_K * K_TILES, num_stages=NUM_STAGES):
+        choice = step // K_TILES
+        tile = step - choice * K_TILES
         pair = token * TOP_K + choice
         expert = tl.load(ids_ptr + pair) - first_expert
-        if (expert >= 0) & (expert < NUM_EXPERTS):
-            w_rows = w2_ptr + expert * stride_we + row_offsets
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for tile in tl.range(0, tl.cdiv(INTER, BLOCK_K), num_stages=NUM_STAGES):
-                ks = tile * BLOCK_K + offs_k
-                if EVEN_K:
-                    a = tl.load(act_ptr + pair * INTER + ks, eviction_policy="evict_last")
-                    w = tl.load(w_rows + ks[None, :], eviction_policy="evict_first")
-                else:
-                    a = tl.load(act_ptr + pair * INTER + ks, mask=ks < INTER, other=0.0, eviction_policy="evict_last")
-                    w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < INTER, other=0.0,
-                                eviction_policy="evict_first")
-                acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        local = (expert >= 0) & (expert < NUM_EXPERTS)
+        w_rows = w2_ptr + tl.where(local, expert, 0) * stride_we + row_offsets
+        ks = tile * BLOCK_K + offs_k
+        k_mask = tl.where(local, ks < INTER, False)  # (ks < INTER) & local: the interpreter makes that int32
+        a = tl.load(act_ptr + pair * INTER + ks, mask=k_mask, other=0.0, eviction_policy="evict_last")
+        w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        if tile == K_TILES - 1:  # the pair's projection is complete: weight it, round it, add it
             projected = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
-            total += (projected * tl.load(weights_ptr + pair)).to(dtype).to(tl.float32)
+            weight = tl.load(weights_ptr + pair)
+            total += tl.where(local, (projected * weight).to(dtype).to(tl.float32), 0.0)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     tl.store(out_ptr + token * stride_o + rows, total.to(dtype), mask=rows < HIDDEN)
 
 
@@ -300,6 +303,5 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     _down[(num_tokens, triton.cdiv(hidden, down.block_n))](
         act, w2, ids, weights, out, w2.stride(0), w2.stride(1), out.stride(0), first_expert,
         NUM_EXPERTS=num_experts, TOP_K=top_k, HIDDEN=hidden, INTER=inter,
-        BLOCK_N=down.block_n, BLOCK_K=down.block_k, NUM_STAGES=down.num_stages,
-        EVEN_K=inter % down.block_k == 0, num_warps=down.num_warps, num_stages=down.num_stages, **pdl)
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, NUM_STAGES=down.num_stages, num_warps=down.num_warps, num_stages=down.num_stages, **pdl)
     return out
