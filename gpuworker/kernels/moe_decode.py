@@ -225,15 +225,15 @@ def _down_kernel(
     row_offsets = tl.minimum(rows, HIDDEN - 1).to(tl.int64)[:, None] * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    K_TILES: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+    k_tiles = (INTER + BLOCK_K - 1) // BLOCK_K  # constexpr arithmetic: a constant
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     # One loop over the token's pairs and their K tiles, so the loads stay pipelined from one expert
     # to the next (a loop per expert would wait for memory at each one's start); pairs in top_k order,
     # as fused_moe sums them. Another rank's expert is read as nothing (masked) and adds nothing.
-    for step in tl.range(0, TOP_K * K_TILES, num_stages=NUM_STAGES):
-        choice = step // K_TILES
-        tile = step - choice * K_TILES
+    for step in tl.range(0, TOP_K * k_tiles, num_stages=NUM_STAGES):
+        choice = step // k_tiles
+        tile = step - choice * k_tiles
         pair = token * TOP_K + choice
         expert = tl.load(ids_ptr + pair) - first_expert
         local = (expert >= 0) & (expert < NUM_EXPERTS)
@@ -243,7 +243,7 @@ def _down_kernel(
         a = tl.load(act_ptr + pair * INTER + ks, mask=k_mask, other=0.0, eviction_policy="evict_last")
         w = tl.load(w_rows + ks[None, :], mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-        if tile == K_TILES - 1:  # the pair's projection is complete: weight it, round it, add it
+        if tile == k_tiles - 1:  # the pair's projection is complete: weight it, round it, add it
             projected = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
             weight = tl.load(weights_ptr + pair)
             total += tl.where(local, (projected * weight).to(dtype).to(tl.float32), 0.0)
