@@ -150,7 +150,9 @@ def _route_kernel(
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     # The top_k by logit, the first index on ties: the softmax keeps the logits' order, and comparing
-    # logits leaves out ties that only its rounding would make.
+    # logits leaves out ties that only its rounding would make. NaN logits (a broken model) can make
+    # the index BLOCK_E, past every rank's experts: the experts kernels skip it, nothing is read out
+    # of bounds.
     taken = experts >= NUM_EXPERTS
     slots = tl.arange(0, BLOCK_TOP_K)
     chosen_weights = tl.zeros([BLOCK_TOP_K], dtype=tl.float32)

@@ -51,6 +51,21 @@ def test_routing_breaks_ties_towards_the_lower_expert():
     torch.testing.assert_close(weights[1, 0], weights[1, 1])
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on the NaN row
+def test_a_token_with_nan_logits_reads_nothing_out_of_bounds_and_leaves_the_others_alone():
+    # Whatever the top-k of NaNs is (a GPU's max may skip them), its ids are experts or 4, the index
+    # past them all (BLOCK_E), which the experts kernels skip.
+    x, w13, w2, logits = problem(2, 64, 48, 4, 2, torch.float32, seed=3)
+    logits[0] = float("nan")
+    weights, ids = route_top_k(logits, 2, normalize=True)
+    assert 0 <= ids.min() and ids.max() <= 4
+    out = moe_decode(x, w13, w2, weights, ids)
+    expected_weights, expected_ids = route_reference(logits[1:], 2, normalize=True)
+    assert torch.equal(ids[1:], expected_ids)
+    torch.testing.assert_close(out[1:], experts_reference(x[1:], w13, w2, expected_weights, expected_ids),
+                               **TOLERANCES[torch.float32])
+
+
 def test_routing_refuses_bad_arguments():
     logits = torch.randn(2, 4, device=DEVICE)
     with pytest.raises(ValueError, match="top_k must be an int in 1..4"):
