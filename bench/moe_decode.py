@@ -34,10 +34,12 @@ ROWS = (1, 2, 4, 8)
 # --check-only on a CPU: ragged tiny shapes, top-8 of 16 experts and top-2 of 8.
 TINY_SHAPES = ((96, 80, 16, 8), (64, 48, 8, 2))
 WEIGHT_COPIES = 2
-GATE_UP_TILES = ("n16-k256-w4-p3", "n8-k512-w4-p3", "n32-k128-w4-p3", "n16-k512-w8-p2", "n8-k256-w2-p4",
-                 "n4-k512-w2-p3", "n16-k128-w4-p4")
-DOWN_TILES = ("n8-k256-w4-p3", "n4-k256-w2-p3", "n16-k256-w4-p3", "n8-k128-w2-p4", "n2-k256-w2-p3",
-              "n16-k128-w4-p4")
+# Candidate tiles: rows per program (programs per SM), K per step, warps, pipeline stages (bytes in
+# flight per program). The first of each list is moe_decode.DEFAULT_CONFIG's.
+GATE_UP_TILES = ("n16-k256-w4-p3", "n16-k256-w4-p4", "n8-k512-w4-p3", "n32-k128-w4-p3", "n16-k512-w8-p2",
+                 "n8-k256-w2-p4", "n4-k512-w2-p3", "n16-k128-w4-p4")
+DOWN_TILES = ("n8-k256-w4-p3", "n8-k256-w4-p5", "n4-k256-w2-p3", "n4-k256-w2-p5", "n16-k256-w4-p3",
+              "n8-k128-w2-p4", "n2-k256-w2-p3", "n16-k128-w4-p4")
 
 
 def max_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, bool]:
