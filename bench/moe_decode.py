@@ -140,10 +140,14 @@ def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bo
             if "us" in entry:
                 decode[combined.name] = entry
         best = min(decode, key=lambda name: decode[name]["us"])
+        saved = os.environ.get("GPUWORKER_PDL")
         os.environ["GPUWORKER_PDL"] = "0"  # read at each launch
         chosen = DecodeConfig.parse(best)
         no_pdl = measure(best + " (PDL off)", lambda i: decode_call(i, chosen))
-        os.environ.pop("GPUWORKER_PDL")
+        if saved is None:
+            os.environ.pop("GPUWORKER_PDL")
+        else:
+            os.environ["GPUWORKER_PDL"] = saved
         sweep.append({**no_pdl, "pdl": False})
         grouped_us = sweep[0].get("us")
         row.update(best_config=best, best_us=decode[best]["us"], best_GBps=decode[best]["GBps"],
