@@ -158,6 +158,35 @@ def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bo
     return row, sweep
 
 
+def tuned_entry(results: list[dict]) -> dict[int, str]:
+    """{M: "grouped" where the grouped kernels were at least as fast, else the best decode config}."""
+    return {r["M"]: ("grouped" if r.get("speedup") is not None and r["speedup"] <= 1.0 else r["best_config"])
+            for r in results if "best_config" in r}
+
+
+def print_timed(results: list[dict], copy_gbps: float) -> None:
+    def fmt(value, width):
+        return f"{value:{width}.1f}" if value is not None else f"{'-':>{width}s}"
+
+    print(f"\n== MoE layer (routing + experts), bf16, {EXPERTS} experts top-{TOP_K}, "
+          f"copy bandwidth {copy_gbps:.0f} GB/s ==")
+    print(f"{'M':>2s} {'grouped us':>10s} {'default us':>10s} {'best us':>8s} {'GB/s':>6s} {'%copy':>5s} "
+          f"{'speedup':>7s} {'no-PDL us':>9s}  best config")
+    for r in results:
+        if "best_us" not in r:
+            print(f"{r['M']:2d}  no decode config passed the check")
+            continue
+        print(f"{r['M']:2d} {fmt(r['grouped_us'], 10)} {fmt(r['default_us'], 10)} {r['best_us']:8.1f} "
+              f"{r['best_GBps']:6.0f} {100 * r['best_GBps'] / copy_gbps:4.0f}% "
+              f"{(r['speedup'] or 0):6.2f}x {fmt(r['best_no_pdl_us'], 9)}  {r['best_config']}")
+    first = results[0] if results else {}
+    if first.get("M") == 1 and first.get("grouped_us") and first.get("best_us"):
+        print(f"\n48 layers at M=1: grouped {48 * first['grouped_us'] / 1e3:.3f} ms, "
+              f"decode {48 * first['best_us'] / 1e3:.3f} ms")
+    print("\nTUNED for gpuworker/kernels/moe_decode.py:")
+    print(f"    ({HIDDEN}, {INTER}, {TOP_K}): {tuned_entry(results)!r},")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check-only", action="store_true",
@@ -171,6 +200,8 @@ def main() -> None:
                              "interpreter)")
         os.environ["TRITON_INTERPRET"] = "1"  # read at launch by gpuworker.kernels.launch
     os.environ.pop("GPUWORKER_MOE_DECODE", None)  # every config is passed explicitly
+    from gpuworker.kernels.moe_decode import DECODE_MAX_PAIRS
+
     torch.manual_seed(0)
     device = "cuda" if on_cuda else "cpu"
     timed = on_cuda and not args.check_only
@@ -187,8 +218,8 @@ def main() -> None:
     results, sweep = [], []
     for shape in shapes:
         for m in rows:
-            if m * shape[3] > 64:
-                continue  # past DECODE_MAX_PAIRS: the engine takes the grouped kernels
+            if m * shape[3] > DECODE_MAX_PAIRS:
+                continue  # the engine takes the grouped kernels there
             row, row_sweep = run_rows(m, shape, device=device, timed=timed)
             results.append(row)
             sweep += row_sweep
@@ -198,25 +229,8 @@ def main() -> None:
     payload = {"environment": env, "dtype": str(DTYPE), "copy_bandwidth_GBps": copy_gbps, "timed": timed,
                "results": results, "sweep": sweep}
     if timed:
-        tuned = {r["M"]: (r["best_config"] if r.get("speedup", 0) > 1.0 else "grouped")
-                 for r in results if "best_config" in r}
-        payload["tuned"] = {f"{HIDDEN}x{INTER}x{TOP_K}": tuned}
-        print(f"\n== MoE layer (routing + experts), bf16, {EXPERTS} experts top-{TOP_K}, "
-              f"copy bandwidth {copy_gbps:.0f} GB/s ==")
-        print(f"{'M':>2s} {'grouped us':>10s} {'default us':>10s} {'best us':>8s} {'GB/s':>6s} {'%copy':>5s} "
-              f"{'speedup':>7s} {'no-PDL us':>9s}  best config")
-        for r in results:
-            if "best_us" not in r:
-                print(f"{r['M']:2d}  no decode config passed the check")
-                continue
-            fmt = lambda v, w: f"{v:{w}.1f}" if v is not None else f"{'-':>{w}s}"  # noqa: E731
-            print(f"{r['M']:2d} {fmt(r['grouped_us'], 10)} {fmt(r['default_us'], 10)} {r['best_us']:8.1f} "
-                  f"{r['best_GBps']:6.0f} {100 * r['best_GBps'] / copy_gbps:4.0f}% "
-                  f"{(r['speedup'] or 0):6.2f}x {fmt(r['best_no_pdl_us'], 9)}  {r['best_config']}")
-        print(f"\n48 layers at M=1: grouped {48 * results[0]['grouped_us'] / 1e3:.3f} ms, "
-              f"decode {48 * results[0]['best_us'] / 1e3:.3f} ms" if results and "best_us" in results[0] else "")
-        print("\nTUNED for gpuworker/kernels/moe_decode.py:")
-        print(f"    ({HIDDEN}, {INTER}, {TOP_K}): {tuned!r},")
+        payload["tuned"] = {f"{HIDDEN}x{INTER}x{TOP_K}": tuned_entry(results)}
+        print_timed(results, copy_gbps)
     else:
         for r in results:
             print(f"M={r['M']} {r['hidden']}x{r['inter']} top-{r['top_k']} of {r['experts']}: "
