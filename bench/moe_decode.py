@@ -10,12 +10,12 @@ A call is the layer after its router GEMM: routing (route_top_k, or torch's soft
 grouped path) and the experts. Every config is first checked against moe_decode_reference (same
 routing); one that disagrees is reported and skipped. The sweep times each gate/up tile with the
 default down tile and each down tile with the default gate/up tile, then the best of each together
-(and that pair with programmatic dependent launch off). Times are medians of CUDA-graph replays over
-input sets whose routings differ, alternating between two copies of the experts (2 x 1.2 GB), so the
-50 MB L2 holds neither the experts of one call nor those of the next; launch overhead is out. GB/s
-counts the expert weights the call's routing reads (each distinct expert once) against the measured
-copy bandwidth (read + write). Prints a TUNED entry for gpuworker/kernels/moe_decode.py and writes
-moe_decode.json to $OUT (or bench/results/).
+(and that pair with programmatic dependent launch off), and the routing alone. Times are medians of
+CUDA-graph replays over input sets whose routings differ, alternating between two copies of the
+experts (2 x 1.2 GB), so the H200's L2 holds neither the experts of one call nor those of the next;
+launch overhead is out. GB/s counts the expert weights the call's routing reads (each distinct
+expert once) against the measured copy bandwidth (read + write). Prints a TUNED entry for
+gpuworker/kernels/moe_decode.py and writes moe_decode.json to $OUT (or bench/results/).
 """
 
 from __future__ import annotations
@@ -149,6 +149,12 @@ def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bo
         else:
             os.environ["GPUWORKER_PDL"] = saved
         sweep.append({**no_pdl, "pdl": False})
+        # The routing alone, the kernel against torch's softmax, top-k and renormalisation.
+        from kernels import graph_time_us
+
+        row["route_kernel_us"] = graph_time_us([lambda i=i: route_top_k(logits[i], top_k, True) for i in range(sets)])
+        row["route_torch_us"] = graph_time_us([lambda i=i: route_reference(logits[i], top_k, True)
+                                               for i in range(sets)])
         grouped_us = sweep[0].get("us")
         row.update(best_config=best, best_us=decode[best]["us"], best_GBps=decode[best]["GBps"],
                    default_us=decode.get(DEFAULT_CONFIG.name, {}).get("us"), grouped_us=grouped_us,
@@ -179,6 +185,8 @@ def print_timed(results: list[dict], copy_gbps: float) -> None:
         print(f"{r['M']:2d} {fmt(r['grouped_us'], 10)} {fmt(r['default_us'], 10)} {r['best_us']:8.1f} "
               f"{r['best_GBps']:6.0f} {100 * r['best_GBps'] / copy_gbps:4.0f}% "
               f"{(r['speedup'] or 0):6.2f}x {fmt(r['best_no_pdl_us'], 9)}  {r['best_config']}")
+    print("routing alone (us): " + ", ".join(f"M={r['M']} kernel {r['route_kernel_us']:.1f} / torch "
+                                              f"{r['route_torch_us']:.1f}" for r in results if "route_kernel_us" in r))
     first = results[0] if results else {}
     if first.get("M") == 1 and first.get("grouped_us") and first.get("best_us"):
         print(f"\n48 layers at M=1: grouped {48 * first['grouped_us'] / 1e3:.3f} ms, "
