@@ -305,5 +305,6 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     _down[(num_tokens, triton.cdiv(hidden, down.block_n))](
         act, w2, ids, weights, out, w2.stride(0), w2.stride(1), out.stride(0), first_expert,
         NUM_EXPERTS=num_experts, TOP_K=top_k, HIDDEN=hidden, INTER=inter,
-        BLOCK_N=down.block_n, BLOCK_K=down.block_k, NUM_STAGES=down.num_stages, num_warps=down.num_warps, num_stages=down.num_stages, **pdl)
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, NUM_STAGES=down.num_stages,
+        num_warps=down.num_warps, num_stages=down.num_stages, **pdl)
     return out
