@@ -132,12 +132,10 @@ _gate_up = lazy_jit(_gate_up_kernel, do_not_specialize=("num_pairs",))
 _down = lazy_jit(_down_kernel, do_not_specialize=("num_pairs",))
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] of experts
-    first_expert..first_expert+E-1; weights [T, top_k] float32; ids [T, top_k] int64 (global
-    expert ids) -> [T, H]: the weighted sum of each token's experts among these (see
-    models.moe.experts_reference)."""
+def check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Check the operands of an experts kernel (fused_moe's, moe_decode's); return (tokens, hidden,
+    local experts, expert intermediate size, top_k)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=x.device)
     check_tensor("w2", w2, ndim=3, dtypes=(x.dtype,), device=x.device)
@@ -152,6 +150,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be [T, top_k]")
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("x, w13 and w2 need a contiguous last dimension")
+    return num_tokens, hidden, num_experts, inter, top_k
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] of experts
+    first_expert..first_expert+E-1; weights [T, top_k] float32; ids [T, top_k] int64 (global
+    expert ids) -> [T, H]: the weighted sum of each token's experts among these (see
+    models.moe.experts_reference)."""
+    num_tokens, hidden, num_experts, inter, top_k = check_experts(x, w13, w2, weights, ids)
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)

@@ -2,10 +2,12 @@
 
 The experts' weights are stacked expert-major into two parameters, so the loader fills them as row
 ranges like any fused projection: w13 [E * 2I, H] holds each expert's gate rows then its up rows,
-w2 [E * H, I] each expert's down projection. On the GPU the experts run in the fused Triton kernel
-(kernels.fused_moe: tokens grouped by expert, one grouped GEMM per projection, SiLU-and-mul fused,
-no host syncs, so decode steps can be captured in CUDA graphs); on the CPU in `experts_reference`,
-which computes what transformers computes, densely.
+w2 [E * H, I] each expert's down projection. On the GPU the experts run in Triton kernels
+with no host syncs, so decode steps can be captured in CUDA graphs: for a few tokens the decode path
+(kernels.moe_decode: routing in one launch, then one GEMV-like program per pair and row block), else
+the grouped one (kernels.fused_moe: tokens grouped by expert, one grouped GEMM per projection,
+SiLU-and-mul fused); on the CPU in `experts_reference`, which computes what transformers computes,
+densely.
 """
 
 from __future__ import annotations
@@ -14,19 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpuworker.kernels.moe_decode import route_reference
 from gpuworker.models.config import MoEConfig
 from gpuworker.models.layers import GatedMLP, Linear
 from gpuworker.models.tensor_parallel import ParallelContext
-
-
-def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64): softmax over
-    all experts in float32, the top_k, renormalised over them when `normalize`."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -71,38 +64,55 @@ class SparseMoE(nn.Module):
         self.shared_expert = GatedMLP(hidden_size, shared, False) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1) if shared else None
 
-    def warm_up_token_counts(self, limit: int = 4096) -> list[int]:
-        """Token counts, smallest first, at which the fused kernel takes each of its row tiles
-        (kernels.fused_moe.block_m_for) for this layer's experts."""
+    def kernel_variant(self, num_tokens: int) -> tuple[str, str | int]:
+        """Which GPU kernels T tokens take: ("decode", its config name) or ("grouped", its row tile)."""
         from gpuworker.kernels.fused_moe import block_m_for
+        from gpuworker.kernels.moe_decode import decode_config
 
-        counts, tiles, tokens = [], set(), 1
+        config = decode_config(num_tokens, self.config.top_k, self.hidden_size, self.config.expert_intermediate_size)
+        if config is not None:
+            return "decode", config.name
+        return "grouped", block_m_for(num_tokens * self.config.top_k, self.num_local_experts)
+
+    def warm_up_token_counts(self, limit: int = 4096) -> list[int]:
+        """Token counts, smallest first, at which the GPU path takes each of its kernel variants
+        (kernel_variant) for this layer's experts."""
+        counts, variants, tokens = [], set(), 1
         while tokens <= limit:
-            tile = block_m_for(tokens * self.config.top_k, self.num_local_experts)
-            if tile not in tiles:
-                tiles.add(tile)
+            variant = self.kernel_variant(tokens)
+            if variant not in variants:
+                variants.add(variant)
                 counts.append(tokens)
             tokens *= 2
         return counts
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run the fused kernel once per row tile (warm_up_token_counts) on zeros, so that the first
+        """Run the GPU kernels once per variant (warm_up_token_counts) on zeros, so that the first
         long prompt does not compile one (about a second on a GPU; the engine's warm-up step is too
         short to reach the prefill tile). The experts alone: no collective, so one rank may run it."""
         for tokens in self.warm_up_token_counts():
             self._routed_experts(torch.zeros(tokens, self.hidden_size, dtype=self.w13.dtype, device=self.w13.device))
 
     def _routed_experts(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's experts' part of the output for x [T, H]: routed over all experts, the fused
-        kernel on the GPU, the reference on the CPU."""
-        weights, ids = route(self.gate(x), self.config.top_k, self.config.norm_topk_prob)
+        """This rank's experts' part of the output for x [T, H]: routed over all experts; on the GPU
+        the decode kernels for a few tokens (kernels.moe_decode.decode_config), else the grouped
+        ones; on the CPU the reference."""
+        logits = self.gate(x)
+        top_k, normalize = self.config.top_k, self.config.norm_topk_prob
         w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
         w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
         if x.is_cuda:
             from gpuworker.kernels.fused_moe import fused_moe
+            from gpuworker.kernels.moe_decode import decode_config, moe_decode, route_top_k
 
+            config = decode_config(x.shape[0], top_k, self.hidden_size, self.config.expert_intermediate_size)
+            if config is not None:
+                weights, ids = route_top_k(logits, top_k, normalize)
+                return moe_decode(x, w13, w2, weights, ids, self.first_expert, config=config)
+            weights, ids = route_reference(logits, top_k, normalize)
             return fused_moe(x, w13, w2, weights, ids, self.first_expert)
+        weights, ids = route_reference(logits, top_k, normalize)
         return experts_reference(x, w13, w2, weights, ids, self.first_expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

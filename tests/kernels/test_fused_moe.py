@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from gpuworker.kernels.fused_moe import align_by_expert, fused_moe
-from gpuworker.models.moe import experts_reference, route
+from gpuworker.kernels.moe_decode import route_reference
+from gpuworker.models.moe import experts_reference
 from tests.kernels.conftest import DEVICE, ON_CUDA, TOLERANCES
 
 # (hidden, expert intermediate, experts): sizes not multiples of the tiles, so the masks are used.
@@ -22,7 +23,7 @@ def problem(tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtyp
     logits = torch.randn(tokens, experts, generator=g)
     if tokens > 2:
         logits[:, 0] -= 100.0  # expert 0 gets no token: an empty run in the middle of nothing
-    weights, ids = route(logits, top_k, normalize=True)
+    weights, ids = route_reference(logits, top_k, normalize=True)
     return [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
 
 

@@ -21,11 +21,23 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3.1", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe"])
-def test_float32_greedy_matches_cpu(tiny_checkpoint, family):
+def test_float32_greedy_matches_cpu(tiny_checkpoint, family, monkeypatch):
+    from gpuworker.kernels import moe_decode as moe_decode_module
+
     path = tiny_checkpoint(family)
     kwargs = dict(dtype="float32", num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
     cpu = LLMEngine(path, device="cpu", **kwargs)
+    # The MoE families' decode steps (a few tokens) take the decode kernels, the long prompts the
+    # grouped ones: record the token counts the decode kernels see (while the graphs are captured).
+    decode_tokens = []
+    original = moe_decode_module.moe_decode
+    monkeypatch.setattr(moe_decode_module, "moe_decode",
+                        lambda x, *a, **k: decode_tokens.append(x.shape[0]) or original(x, *a, **k))
     gpu = LLMEngine(path, device="cuda", **kwargs)
+    if gpu.model_config.moe is not None:
+        assert 1 in decode_tokens, "a batch-1 decode step should take the MoE decode kernels"
+    else:
+        assert not decode_tokens
     assert gpu.runner.decode_graphs is not None, "decode steps should replay CUDA graphs"
     batch = prompts(cpu.model_config.vocab_size)
     expected = [o.token_ids for o in cpu.generate(batch, GREEDY)]

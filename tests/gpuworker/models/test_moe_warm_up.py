@@ -1,11 +1,12 @@
-"""The MoE layer's warm-up reaches every row tile of the fused kernel, so a first long prompt
-compiles nothing (on the GPU each variant costs about a second: a 957 ms first TTFT was measured
-for the Qwen3-30B-A3B shape before this warm-up)."""
+"""The MoE layer's warm-up reaches every variant of its kernels (the decode path's configs, the
+grouped kernel's row tiles), so a first long prompt compiles nothing (on the GPU each variant
+costs about a second: a 957 ms first TTFT was measured for the Qwen3-30B-A3B shape before this
+warm-up)."""
 
 import pytest
 import torch
 
-from gpuworker.kernels.fused_moe import block_m_for
+from gpuworker.kernels.moe_decode import ENV_OVERRIDE, TUNED
 from gpuworker.models.config import MoEConfig
 from gpuworker.models.moe import SparseMoE
 
@@ -17,18 +18,30 @@ def _moe(num_experts: int, top_k: int) -> SparseMoE:
     return SparseMoE(16, config)
 
 
-@pytest.mark.parametrize(("num_experts", "top_k", "expected"), [(128, 8, [1, 128]), (8, 2, [1, 32]), (60, 4, [1, 64])])
-def test_warm_up_token_counts_reach_each_row_tile(num_experts, top_k, expected):
+@pytest.mark.parametrize(("num_experts", "top_k", "expected"), [(128, 8, [1, 16, 128]), (8, 2, [1, 64]),
+                                                                (60, 4, [1, 32, 64])])
+def test_warm_up_token_counts_reach_each_kernel_variant(num_experts, top_k, expected, monkeypatch):
+    monkeypatch.delenv(ENV_OVERRIDE, raising=False)
     moe = _moe(num_experts, top_k)
     counts = moe.warm_up_token_counts()
     assert counts == expected
-    tiles = {block_m_for(t * top_k, num_experts) for t in counts}
-    every = {block_m_for(t * top_k, num_experts) for t in range(1, 8193)}
-    assert tiles == every  # nothing a batch of up to 8192 tokens takes is left out
+    variants = {moe.kernel_variant(t) for t in counts}
+    every = {moe.kernel_variant(t) for t in range(1, 8193)}
+    assert variants == every  # nothing a batch of up to 8192 tokens takes is left out
+    # A decode batch takes the decode kernels, a long prompt the grouped ones.
+    assert moe.kernel_variant(1)[0] == "decode" and moe.kernel_variant(4096)[0] == "grouped"
+
+
+def test_a_tuned_decode_config_per_bucket_is_warmed_up_too(monkeypatch):
+    monkeypatch.delenv(ENV_OVERRIDE, raising=False)
+    moe = _moe(128, 8)
+    monkeypatch.setitem(TUNED, (16, 8, 8), {2: "gate_up=n8-k64-w2-p1,down=n8-k64-w2-p1", 8: "grouped"})
+    assert moe.warm_up_token_counts() == [1, 2, 8, 128]  # 4 takes the default, as 1 does
+    assert moe.kernel_variant(8) == ("grouped", 16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_warm_up_runs_the_fused_kernel_at_each_count():
+def test_warm_up_runs_the_kernels_at_each_count():
     moe = _moe(8, 2).cuda().to(torch.bfloat16)
     torch.nn.init.normal_(moe.w13)
     torch.nn.init.normal_(moe.w2)
