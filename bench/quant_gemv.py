@@ -46,6 +46,8 @@ TINY_GROUP = 32
 # a step, no split), kept as the baseline.
 INT4_TILES = (
     (32, 128, 4, 4),
+    (16, 256, 2, 3),
+    (16, 512, 4, 3),
     (32, 256, 4, 3),
     (32, 512, 4, 2),
     (64, 128, 4, 3),
@@ -60,8 +62,10 @@ INT4_TILES = (
     (128, 512, 8, 2),
     (256, 128, 8, 3),
 )
-# Split-K counts tried per tile: those giving 2 to 8 programs per SM of an H200 (132 SMs).
-MIN_PROGRAMS, MAX_PROGRAMS = 2 * 132, 8 * 132
+# Split-K counts tried per tile: those giving 2 to 8 programs per SM of an H200 (132 SMs), and no split
+# where the column blocks alone give every SM one (split-K's reduction costs a round trip to L2).
+NUM_SMS = 132
+MIN_PROGRAMS, MAX_PROGRAMS = 2 * NUM_SMS, 8 * NUM_SMS
 
 
 def int4_candidates(n: int, k: int, group: int, *, on_cuda: bool):
@@ -79,7 +83,8 @@ def int4_candidates(n: int, k: int, group: int, *, on_cuda: bool):
         elif not on_cuda:
             splits = [1, 3]
         else:
-            splits = [s for s in (1, 2, 4, 8, 16, 32) if s <= steps and MIN_PROGRAMS <= blocks * s <= MAX_PROGRAMS]
+            splits = [s for s in (1, 2, 4, 8, 16, 32) if s <= steps and (
+                MIN_PROGRAMS <= blocks * s <= MAX_PROGRAMS or (s == 1 and blocks >= NUM_SMS))]
             splits = splits or [min((1, 2, 4, 8, 16, 32), key=lambda s: abs(blocks * s - MIN_PROGRAMS))]
         configs += [replace(tile, split_k=s) for s in splits]
     unique = {c.name: c for c in configs}

@@ -78,6 +78,7 @@ FP8_CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=1),
     GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=3),
     GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=2),
+    GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3),
     GemvConfig(block_n=8, block_k=2048, num_warps=4, num_stages=1),
     GemvConfig(block_n=8, block_k=2048, num_warps=8, num_stages=2),
     GemvConfig(block_n=4, block_k=2048, num_warps=4, num_stages=2),
@@ -85,6 +86,7 @@ FP8_CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=3, prefetch=1),
     GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=1, split_k=2),
     GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=3, split_k=4),
+    GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, split_k=2),
     GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=2, split_k=4),
     GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=3, split_k=4),
 )
