@@ -137,43 +137,53 @@ def _int4_gemv_kernel(
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    # Pointers for the split's first step, advanced by a step each iteration (cheaper than
+    # recomputing 64-bit addresses from the step index).
+    groups = step_start * GROUPS_PER_STEP + offs_g
+    ps = groups[:, None] * ROWS + offs_r[None, :]  # packed rows: input rows 8p .. 8p+7
+    w_ptrs = qweight_ptr + ps[:, :, None].to(tl.int64) * N + offs_n[None, None, :]
+    group_offsets = groups[:, None].to(tl.int64) * N + offs_n[None, :]
+    z_ptrs = zeros_ptr + group_offsets
+    s_ptrs = scales_ptr + group_offsets
+    x_ptrs = x_ptr + ps * 8
     acc = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
     for step in tl.range(step_start, step_end, num_stages=NUM_STAGES):
-        groups = step * GROUPS_PER_STEP + offs_g
-        ps = groups[:, None] * ROWS + offs_r[None, :]  # packed rows: input rows 8p .. 8p+7
-        w_ptrs = qweight_ptr + ps[:, :, None].to(tl.int64) * N + offs_n[None, None, :]
-        zs_offsets = groups[:, None].to(tl.int64) * N + offs_n[None, :]
         if MASKED:  # a column tail or a last step past the last group
-            g_mask = groups < NUM_GROUPS
+            g_mask = step * GROUPS_PER_STEP + offs_g < NUM_GROUPS
             gn_mask = g_mask[:, None] & n_mask[None, :]
             packed = tl.load(w_ptrs, mask=gn_mask[:, None, :], other=0, eviction_policy="evict_first")
-            zeros = tl.load(zeros_ptr + zs_offsets, mask=gn_mask, other=0).to(tl.float32)
-            scales = tl.load(scales_ptr + zs_offsets, mask=gn_mask, other=0.0).to(tl.float32)
+            zeros = tl.load(z_ptrs, mask=gn_mask, other=0).to(tl.float32)
+            scales = tl.load(s_ptrs, mask=gn_mask, other=0.0).to(tl.float32)
             x_mask = g_mask[:, None] & (offs_r[None, :] < ROWS)
         else:
             packed = tl.load(w_ptrs, eviction_policy="evict_first")
-            zeros = tl.load(zeros_ptr + zs_offsets).to(tl.float32)
-            scales = tl.load(scales_ptr + zs_offsets).to(tl.float32)
+            zeros = tl.load(z_ptrs).to(tl.float32)
+            scales = tl.load(s_ptrs).to(tl.float32)
         # Nibbles without integer-to-float conversions (a quarter-rate instruction that capped the
-        # kernel below copy bandwidth): OR-ing a nibble that stays in place into the mantissa of
-        # 2**23 gives the float 2**23 + q * 16**j exactly, one subtraction leaves q * 16**j, and x is
-        # scaled by 16**-j instead (exact in float32). Nibbles 0-3 are read in place, 4-7 after one
-        # shift by 16 (bits past 22 would reach the exponent).
-        high = packed >> 16
+        # kernel below copy bandwidth): nibble i of a word, left in place at bits 4i..4i+3 and OR-ed
+        # with the exponent of 2**(23 - 4i), is the float 2**(23 - 4i) + q exactly; one subtraction
+        # leaves q. Nibbles 0-3 are read in place, 4-7 after one logical shift by 16 (bits past 22
+        # would reach the exponent).
+        low = packed.to(tl.uint32, bitcast=True)
+        high = low >> 16
         qx = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
         xs = tl.zeros((GROUPS_PER_STEP, ROWS), dtype=tl.float32)
         for j in tl.static_range(8):
             if MASKED:
-                x = tl.load(x_ptr + ps * 8 + j, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                x = tl.load(x_ptrs + j, mask=x_mask, other=0.0, eviction_policy="evict_last")
             else:
-                x = tl.load(x_ptr + ps * 8 + j, eviction_policy="evict_last")
+                x = tl.load(x_ptrs + j, eviction_policy="evict_last")
             x = x.to(tl.float32)
-            word = packed if j < 4 else high
-            bits = (word & (0xF << (4 * (j % 4)))) | 0x4B000000
-            q_scaled = bits.to(tl.float32, bitcast=True) - 8388608.0
-            qx += q_scaled * (x * (1.0 / (16 ** (j % 4))))[:, :, None]
+            word = low if j < 4 else high
+            bits = (word & (0xF << (4 * (j % 4)))) | ((150 - 4 * (j % 4)) << 23)
+            q = bits.to(tl.float32, bitcast=True) - float(2 ** (23 - 4 * (j % 4)))
+            qx += q * x[:, :, None]
             xs += x
         acc += scales[:, None, :] * (qx - zeros[:, None, :] * xs[:, :, None])
+        w_ptrs += GROUPS_PER_STEP * ROWS * N
+        z_ptrs += GROUPS_PER_STEP * N
+        s_ptrs += GROUPS_PER_STEP * N
+        x_ptrs += GROUPS_PER_STEP * GROUP_SIZE
     out = tl.sum(tl.sum(acc, axis=1), axis=0)
     if SPLIT_K == 1:
         if HAS_BIAS:
