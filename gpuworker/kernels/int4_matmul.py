@@ -70,6 +70,7 @@ def _int4_matmul_kernel(
 
 _int4_matmul = lazy_jit(_int4_matmul_kernel, do_not_specialize=("M",))
 
+
 @dataclass(frozen=True)
 class Int4GemvConfig:
     """How the one-row GEMV tiles [K / 8, N]: BLOCK_N columns per program, BLOCK_K input rows (whole
