@@ -122,7 +122,7 @@ def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str
     """One shape for one kernel: check then time every candidate; cuBLAS bf16 alongside."""
     from gpuworker.kernels.fp8_matmul import fp8_matmul_reference
     from gpuworker.kernels.gemv import gemv, pick_config
-    from gpuworker.kernels.int4_matmul import int4_matmul, int4_matmul_reference, pick_gemv_config
+    from gpuworker.kernels.int4_matmul import Int4GemvConfig, int4_matmul, int4_matmul_reference, pick_gemv_config
 
     copies = 1
     if timed:
@@ -136,6 +136,7 @@ def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str
         expected = int4_matmul_reference(xs[0], *weights[0], group)
         candidates = int4_candidates(n, k, group, on_cuda=device == "cuda")
         picked = pick_gemv_config(n, k, group).name
+        before = Int4GemvConfig(*INT4_TILES[0]).name  # the tiling before split-K
 
         def call(config, i):
             return int4_matmul(xs[i], *weights[i], group, gemv_config=config)
@@ -144,13 +145,13 @@ def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str
         moved = n * k + 4 * n + 2 * k + 2 * n
         expected = fp8_matmul_reference(xs[0], *weights[0], out_dtype=DTYPE)
         candidates = fp8_candidates(n, k)
-        picked = pick_config(1, n, k, fp8_weight=True).name
+        picked = before = pick_config(1, n, k, fp8_weight=True).name
 
         def call(config, i):
             return gemv(xs[i], weights[i][0], config=config, weight_scale=weights[i][1])
 
     row = {"kernel": kind, "shape": name, "N": n, "K": k, "group": group if kind == "int4" else None,
-           "bytes": moved, "copies": copies, "picked_config": picked}
+           "bytes": moved, "copies": copies, "picked_config": picked, "before_config": before}
     if timed:
         cublas_copies = num_sets(n * k * 2, cap=16)
         dense = [(torch.randn(n, k, device=device) / k**0.5).to(DTYPE) for _ in range(cublas_copies)]
@@ -178,7 +179,8 @@ def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str
     if timings:
         best = min(timings, key=lambda name_: timings[name_][0])
         row.update(best_config=best, best_us=timings[best][0], best_GBps=moved / timings[best][0] / 1e3,
-                   best=timings[best][1], picked_us=timings.get(picked, (None,))[0])
+                   best=timings[best][1], picked_us=timings.get(picked, (None,))[0],
+                   before_us=timings.get(before, (None,))[0])
     del weights
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -194,8 +196,10 @@ def print_results(rows: list[dict], copy_gbps: float | None) -> None:
                   f"  {status}")
         return
     print(f"\n== quantized GEMV, M=1, bf16 activations (copy bandwidth {copy_gbps:.0f} GB/s) ==")
-    print(f"{'kernel':6s} {'shape':8s} {'N':>6s} {'K':>6s} {'cuBLAS bf16 us':>14s} {'picked us':>9s} {'%copy':>5s} "
-          f"{'best config':30s} {'us':>7s} {'GB/s':>6s} {'%copy':>5s} {'vs cuBLAS':>9s}")
+    print("(before: INT4, the tiling before split-K, n32-k128 unsplit, with today's unpacking; FP8, the bf16 table's config,\n"
+          " used until TUNED_FP8 is filled. picked: what the kernel takes today.)")
+    print(f"{'kernel':6s} {'shape':8s} {'N':>6s} {'K':>6s} {'cuBLAS bf16 us':>14s} {'before us':>9s} {'picked us':>9s} "
+          f"{'%copy':>5s} {'best config':30s} {'us':>7s} {'GB/s':>6s} {'%copy':>5s} {'vs cuBLAS':>9s}")
     for r in rows:
         if "best_us" not in r:
             print(f"{r['kernel']:6s} {r['shape']:8s} {r['N']:6d} {r['K']:6d} {r['cublas_us']:14.1f}  no config passed")
@@ -203,7 +207,8 @@ def print_results(rows: list[dict], copy_gbps: float | None) -> None:
         picked = r.get("picked_us")
         picked_text = (f"{picked:9.1f} {100 * r['bytes'] / picked / 1e3 / copy_gbps:4.0f}%" if picked
                        else f"{'-':>9s} {'-':>5s}")
-        print(f"{r['kernel']:6s} {r['shape']:8s} {r['N']:6d} {r['K']:6d} {r['cublas_us']:14.1f} {picked_text} "
+        before = f"{r['before_us']:9.1f}" if r.get("before_us") else f"{'-':>9s}"
+        print(f"{r['kernel']:6s} {r['shape']:8s} {r['N']:6d} {r['K']:6d} {r['cublas_us']:14.1f} {before} {picked_text} "
               f"{r['best_config']:30s} {r['best_us']:7.1f} {r['best_GBps']:6.0f} "
               f"{100 * r['best_GBps'] / copy_gbps:4.0f}% {r['cublas_us'] / r['best_us']:8.2f}x")
 
