@@ -196,8 +196,8 @@ def print_results(rows: list[dict], copy_gbps: float | None) -> None:
                   f"  {status}")
         return
     print(f"\n== quantized GEMV, M=1, bf16 activations (copy bandwidth {copy_gbps:.0f} GB/s) ==")
-    print("(before: INT4, the tiling before split-K, n32-k128 unsplit, with today's unpacking; FP8, the bf16 table's config,\n"
-          " used until TUNED_FP8 is filled. picked: what the kernel takes today.)")
+    print("(before: INT4, the tiling before split-K, n32-k128 unsplit, with today's unpacking; FP8, the bf16\n"
+          " table's config, used until TUNED_FP8 is filled. picked: what the kernel takes today.)")
     print(f"{'kernel':6s} {'shape':8s} {'N':>6s} {'K':>6s} {'cuBLAS bf16 us':>14s} {'before us':>9s} {'picked us':>9s} "
           f"{'%copy':>5s} {'best config':30s} {'us':>7s} {'GB/s':>6s} {'%copy':>5s} {'vs cuBLAS':>9s}")
     for r in rows:
