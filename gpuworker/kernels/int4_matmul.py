@@ -115,7 +115,7 @@ def pick_gemv_config(n: int, k: int, group_size: int) -> Int4GemvConfig:
 
 def _int4_gemv_kernel(
     x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, N, NUM_GROUPS,
-    SPLIT_K, GROUP_SIZE: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K, NIBBLE_MASK, GROUP_SIZE: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Each step loads GROUPS_PER_STEP whole groups, a [GROUPS_PER_STEP, ROWS, BLOCK_N] tile of packed
@@ -164,7 +164,8 @@ def _int4_gemv_kernel(
         # kernel below copy bandwidth): nibble i of a word, left in place at bits 4i..4i+3 and OR-ed
         # with the exponent of 2**(23 - 4i), is the float 2**(23 - 4i) + q exactly; one subtraction
         # leaves q. Nibbles 0-3 are read in place, 4-7 after one logical shift by 16 (bits past 22
-        # would reach the exponent).
+        # would reach the exponent). The masks derive from NIBBLE_MASK (0xF), a plain argument: as
+        # literals, ptxas re-materialised each one with a MOV before every AND-OR (a sixth of the loop).
         low = packed.to(tl.uint32, bitcast=True)
         high = low >> 16
         qx = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
@@ -176,7 +177,7 @@ def _int4_gemv_kernel(
                 x = tl.load(x_ptrs + j, eviction_policy="evict_last")
             x = x.to(tl.float32)
             word = low if j < 4 else high
-            bits = (word & (0xF << (4 * (j % 4)))) | ((150 - 4 * (j % 4)) << 23)
+            bits = (word & (NIBBLE_MASK << (4 * (j % 4))).to(tl.uint32)) | ((150 - 4 * (j % 4)) << 23)
             q = bits.to(tl.float32, bitcast=True) - float(2 ** (23 - 4 * (j % 4)))
             qx += q * x[:, :, None]
             xs += x
@@ -208,8 +209,9 @@ def _int4_gemv_kernel(
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch
 
 
-# SPLIT_K is a plain argument so that one compile serves every split count of a tile shape.
-_int4_gemv = lazy_jit(_int4_gemv_kernel, do_not_specialize=("SPLIT_K",))
+# SPLIT_K is a plain argument so that one compile serves every split count of a tile shape;
+# NIBBLE_MASK must stay a run-time value (see the kernel).
+_int4_gemv = lazy_jit(_int4_gemv_kernel, do_not_specialize=("SPLIT_K", "NIBBLE_MASK"))
 
 
 def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -225,7 +227,7 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sc
         partial = counters = out  # unused
     _int4_gemv[(column_blocks, config.split_k)](
         x, qweight, zeros, scales, bias if bias is not None else scales, out, partial, counters, n, num_groups,
-        config.split_k, GROUP_SIZE=group_size, GROUPS_PER_STEP=groups_per_step, BLOCK_N=config.block_n,
+        config.split_k, 0xF, GROUP_SIZE=group_size, GROUPS_PER_STEP=groups_per_step, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, MASKED=bool(n % config.block_n or num_groups % groups_per_step),
         HAS_BIAS=bias is not None, num_warps=config.num_warps, **pdl_options(x.device))
 
