@@ -175,7 +175,12 @@ def _int4_gemv_kernel(
                 x = tl.load(x_ptrs + j, mask=x_mask, other=0.0, eviction_policy="evict_last")
             else:
                 x = tl.load(x_ptrs + j, eviction_policy="evict_last")
-            x = x.to(tl.float32)
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                # bfloat16 is float32's top half. Triton's own conversion converted each x twice (its
+                # pairwise conversion of a layout that holds every x twice per thread).
+                x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            else:
+                x = x.to(tl.float32)
             word = low if j < 4 else high
             bits = (word & (NIBBLE_MASK << (4 * (j % 4))).to(tl.uint32)) | ((150 - 4 * (j % 4)) << 23)
             q = bits.to(tl.float32, bitcast=True) - float(2 ** (23 - 4 * (j % 4)))
