@@ -181,3 +181,20 @@ def test_bad_gemv_config_is_named(config, message, device):
                               torch.ones(1, 8, dtype=torch.float16, device=device))
     with pytest.raises(ValueError, match=message):
         int4_matmul(torch.zeros(1, 32, device=device), qweight, zeros, scales, 32, gemv_config=config)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need a CUDA device")
+def test_split_k_gemv_replays_in_a_cuda_graph(generator):
+    # As the engine runs it: a warm-up outside capture (which creates the tickets), then replays of
+    # the captured launch on new inputs, each matching the reference.
+    config = Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=8)
+    qweight, zeros, scales, _ = _packed(generator, "cuda", n=4096, k=4096, group=128)
+    x = torch.randn(1, 4096, generator=generator).bfloat16().cuda()
+    int4_matmul(x, qweight, zeros, scales, 128, gemv_config=config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_matmul(x, qweight, zeros, scales, 128, gemv_config=config)
+    for _ in range(3):
+        x.copy_(torch.randn(1, 4096, generator=generator).bfloat16())
+        graph.replay()
+        torch.testing.assert_close(out, int4_matmul_reference(x, qweight, zeros, scales, 128), atol=2e-2, rtol=2e-2)
