@@ -8,7 +8,8 @@ partials, all in one launch. Two inner products: CUDA-core FMAs (best at M=1, wh
 accumulated elementwise and reduced once at the end) or tl.dot on a 16-row padded x (tensor cores,
 for M >= 2). With silu_mul_input the down projection reads the gate_up output [M, 2K] directly.
 With weight_scale the weight is FP8 (float8_e4m3fn, one float32 scale per output row), read as such
-and widened in registers: half the bytes of bfloat16 per token (the FP8 linears' batch-1 path).
+and widened in registers: half the bytes of bfloat16 per token (the FP8 linears' batch-1 path), with
+its own tuned configs (TUNED_FP8, from bench/quant_gemv.py).
 """
 
 from __future__ import annotations
