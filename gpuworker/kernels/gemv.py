@@ -8,7 +8,8 @@ partials, all in one launch. Two inner products: CUDA-core FMAs (best at M=1, wh
 accumulated elementwise and reduced once at the end) or tl.dot on a 16-row padded x (tensor cores,
 for M >= 2). With silu_mul_input the down projection reads the gate_up output [M, 2K] directly.
 With weight_scale the weight is FP8 (float8_e4m3fn, one float32 scale per output row), read as such
-and widened in registers: half the bytes of bfloat16 per token (the FP8 linears' batch-1 path).
+and widened in registers: half the bytes of bfloat16 per token (the FP8 linears' batch-1 path), with
+its own tuned configs (TUNED_FP8, from bench/quant_gemv.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import triton.language as tl
 
 from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
-                                      dot_options, lazy_jit, next_power_of_2, pdl_options)
+                                      dot_options, lazy_jit, next_power_of_2, pdl_options,
+                                      split_k_counters)
 
 MAX_M = 16
 # tl.dot needs every dimension >= 16; x rows are padded to this.
@@ -69,7 +71,27 @@ CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=2, use_dot=True),
     GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, use_dot=True),
 )
-CANDIDATES_BY_NAME = {c.name: c for c in CANDIDATES}
+# One-row candidates for an FP8 weight (gemv's weight_scale), which bench/quant_gemv.py times beside
+# the bf16 ones: a byte per weight, so wider K tiles keep 16 B or more per thread per load, and more
+# split-K for N = 4096. At most 128 weights per thread per tile (the elementwise accumulator's
+# registers).
+FP8_CANDIDATES: tuple[GemvConfig, ...] = (
+    GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=1),
+    GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=3),
+    GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=2),
+    GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3),
+    GemvConfig(block_n=8, block_k=2048, num_warps=4, num_stages=1),
+    GemvConfig(block_n=8, block_k=2048, num_warps=8, num_stages=2),
+    GemvConfig(block_n=4, block_k=2048, num_warps=4, num_stages=2),
+    GemvConfig(block_n=32, block_k=1024, num_warps=8, num_stages=2),
+    GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=3, prefetch=1),
+    GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=1, split_k=2),
+    GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=3, split_k=4),
+    GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=3, split_k=2),
+    GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=2, split_k=4),
+    GemvConfig(block_n=32, block_k=512, num_warps=4, num_stages=3, split_k=4),
+)
+CANDIDATES_BY_NAME = {c.name: c for c in (*CANDIDATES, *FP8_CANDIDATES)}
 
 # Chosen configs from bench/gemv.py on an H200: {(N, K): {M bucket: config name}}; M buckets are 1, 2,
 # 4, 8, 16 (M rounds up). Only entries where the kernel beat cuBLAS (F.linear) in bf16 are kept; the
@@ -85,6 +107,11 @@ TUNED: dict[tuple[int, int], dict[int, str]] = {
     (4096, 14336): {1: "fma-n16-k512-w4-p3"},  # down (also with SiLU-and-mul fused into its input)
     (128256, 4096): {1: "dot-n64-k128-w4-p4"},  # lm_head
 }
+
+# The same for an FP8 weight (float8_e4m3fn, gemv's weight_scale), from bench/quant_gemv.py's
+# printed table: {(N, K): {1: config name}} (the FP8 linears take gemv at one row only). A shape not
+# listed takes TUNED's bf16 choice, then the default.
+TUNED_FP8: dict[tuple[int, int], dict[int, str]] = {}
 
 _DEFAULT_SINGLE_ROW = CANDIDATES_BY_NAME["fma-n16-k512-w4-p1"]
 _DEFAULT_MULTI_ROW = CANDIDATES_BY_NAME["dot-n64-k128-w4-p4"]
@@ -102,9 +129,12 @@ def tuned_config(x: torch.Tensor, weight: torch.Tensor) -> GemvConfig | None:
     return None if name is None else CANDIDATES_BY_NAME[name]
 
 
-def pick_config(m: int, n: int, k: int) -> GemvConfig:
-    """The config for x [m, k] @ W[n, k]^T: TUNED's entry for (n, k) and m's bucket, else a default."""
-    name = TUNED.get((n, k), {}).get(m_bucket(m))
+def pick_config(m: int, n: int, k: int, *, fp8_weight: bool = False) -> GemvConfig:
+    """The config for x [m, k] @ W[n, k]^T: TUNED's entry for (n, k) and m's bucket (TUNED_FP8's first
+    for an FP8 weight), else a default."""
+    name = TUNED_FP8.get((n, k), {}).get(m_bucket(m)) if fp8_weight else None
+    if name is None:
+        name = TUNED.get((n, k), {}).get(m_bucket(m))
     if name is not None:
         return CANDIDATES_BY_NAME[name]
     # One row needs only one FMA per weight element; from two rows on, tensor cores keep the
@@ -281,25 +311,6 @@ def _gemv_kernel(
 
 _gemv = lazy_jit(_gemv_kernel)
 
-# Split-K tickets, one int32 per row block, per device. They must start at zero and the kernel leaves
-# them at zero, so they are allocated once (a per-call torch.zeros would cost a memset launch) and
-# reused; split-K calls sharing them must be ordered, i.e. issued on one stream.
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_k_counters(device: torch.device, count: int) -> torch.Tensor:
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                "gemv with split_k > 1 must run once outside CUDA graph capture (a warm-up) before being "
-                "captured: its zeroed ticket buffer cannot be created inside a graph"
-            )
-        counters = torch.zeros(max(count, 16384), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
 def _check_config(config: GemvConfig) -> None:
     for field in ("block_n", "block_k", "num_warps", "split_k"):
         value = getattr(config, field)
@@ -350,7 +361,7 @@ def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     if m > MAX_M:
         raise ValueError(f"x has {m} rows; {caller} handles at most {MAX_M} (use F.linear for larger batches)")
     if config is None:
-        config = pick_config(m, n, k)
+        config = pick_config(m, n, k, fp8_weight=weight_scale is not None)
         if weight_scale is not None and config.use_dot:
             config = _DEFAULT_SINGLE_ROW
     _check_config(config)
@@ -389,10 +400,10 @@ def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, ar
     split_k = config.split_k
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=device)
-        counters = _split_k_counters(device, num_row_blocks)
+        counters = split_k_counters(device, num_row_blocks)
     elif argmax is not None:
         partial = out  # unused
-        counters = _split_k_counters(device, 1)  # one ticket: free, as split-K launches are ordered
+        counters = split_k_counters(device, 1)  # one ticket: free, as split-K launches are ordered
     else:
         partial = counters = out  # unused when SPLIT_K is 1
     has_argmax = argmax is not None

@@ -9,19 +9,23 @@ One layout for AWQ and GPTQ checkpoints (models.quantization converts both at lo
 W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n], computed in float32 and rounded to x's
 dtype before the product, as the reference does. A weight is a quarter of bf16's bytes; each program
 owns a BLOCK_M x BLOCK_N tile of the output and walks K with tl.dot. A single row (batch-1 decode)
-takes a GEMV of its own: each program owns GEMV_BLOCK_N adjacent columns (one contiguous run of each
-packed row) and walks K a group at a time, unpacking the eight nibbles of each int32 in registers
-(every weight byte read once) and applying the group's zero point and scale once per column.
+takes a GEMV of its own (a weight stream): each program owns BLOCK_N adjacent columns (one
+contiguous run of each packed row) and, with split-K, a share of K; it walks whole groups, several per
+step, unpacking the eight nibbles of each int32 in registers without integer-to-float conversions
+(every weight byte read once) and applying a group's zero point and scale once per packed row and
+column. Its tiles come from TUNED (bench/quant_gemv.py), else default_gemv_config.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
 
 from gpuworker.checkpoint_quantization import int4_group_size_supported
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
-                                      dot_options, lazy_jit, pdl_options)
+                                      dot_options, lazy_jit, pdl_options, split_k_counters)
 
 PACK = 8  # 4-bit values per int32
 
@@ -66,66 +70,207 @@ def _int4_matmul_kernel(
 
 _int4_matmul = lazy_jit(_int4_matmul_kernel, do_not_specialize=("M",))
 
-# The batch-1 GEMV's columns per program (128 contiguous bytes of each packed row). Untuned.
-GEMV_BLOCK_N = 32
+
+@dataclass(frozen=True)
+class Int4GemvConfig:
+    """How the one-row GEMV tiles [K / 8, N]: BLOCK_N columns per program, BLOCK_K input rows (whole
+    groups, at least one) per loop step, SPLIT_K programs sharing each column block's K."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"int4-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}-s{self.split_k}"
+
+
+# Chosen configs from bench/quant_gemv.py on an H200, {(N, K, group_size): config}, filled from its
+# printed table. Shapes not listed take default_gemv_config.
+TUNED: dict[tuple[int, int, int], Int4GemvConfig] = {}
+
+# The default aims at about four programs per SM of an H200 (132 SMs): a batch-1 GEMV is a weight
+# stream, and a program streaming one column block's whole K is latency-bound at N = 4096.
+TARGET_PROGRAMS = 512
+
+
+def default_gemv_config(n: int, k: int, group_size: int) -> Int4GemvConfig:
+    """64 columns (256 contiguous bytes of each packed row), 256 input rows a step (8 KB of weights),
+    and split-K doubled until about TARGET_PROGRAMS programs or one step per split."""
+    config = Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3)
+    column_blocks = -(-n // config.block_n)
+    steps = -(-k // max(config.block_k, group_size))
+    split_k = 1
+    while column_blocks * split_k < TARGET_PROGRAMS and split_k * 2 <= steps:
+        split_k *= 2
+    return replace(config, split_k=split_k)
+
+
+def pick_gemv_config(n: int, k: int, group_size: int) -> Int4GemvConfig:
+    """TUNED's config for (N, K, group_size), else default_gemv_config's."""
+    return TUNED.get((n, k, group_size)) or default_gemv_config(n, k, group_size)
 
 
 def _int4_gemv_kernel(
-    x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, N, KP,
-    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, N, NUM_GROUPS,
+    SPLIT_K, NIBBLE_MASK, GROUP_SIZE: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # One group per step: its GROUP_SIZE / 8 packed rows share one zero point and one scale per
-    # column, so sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k): two FMAs per column
-    # and group instead of a subtraction and a product per weight.
+    # Each step loads GROUPS_PER_STEP whole groups, a [GROUPS_PER_STEP, ROWS, BLOCK_N] tile of packed
+    # rows: a group's ROWS packed rows share one zero point and one scale per column, so
+    # sum_k (q_k - z) * s * x_k = s * (sum_k q_k x_k - z * sum_k x_k), applied per packed row and
+    # column (two FMAs per eight weights). The accumulator keeps the tile's shape, so the only
+    # cross-thread reduction is the one after the loop.
     ROWS: tl.constexpr = GROUP_SIZE // 8
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    offs_g = tl.arange(0, GROUPS_PER_STEP)
     offs_r = tl.arange(0, ROWS)
+    # Each split owns a contiguous run of whole steps; a split past the last step stores zeros.
+    num_steps = tl.cdiv(NUM_GROUPS, GROUPS_PER_STEP)
+    steps_per_split = tl.cdiv(num_steps, SPLIT_K)
+    step_start = pid_k * steps_per_split
+    step_end = tl.minimum(step_start + steps_per_split, num_steps)
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for group in tl.range(0, KP // ROWS, num_stages=NUM_STAGES):
-        ps = group * ROWS + offs_r  # packed rows: input rows 8p .. 8p+7
-        packed = tl.load(qweight_ptr + ps[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask[None, :],
-                         other=0, eviction_policy="evict_first")
-        zeros = tl.load(zeros_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-        scales = tl.load(scales_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        qx = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        xs = tl.zeros((ROWS,), dtype=tl.float32)
+    # Pointers for the split's first step, advanced by a step each iteration (cheaper than
+    # recomputing 64-bit addresses from the step index).
+    groups = step_start * GROUPS_PER_STEP + offs_g
+    ps = groups[:, None] * ROWS + offs_r[None, :]  # packed rows: input rows 8p .. 8p+7
+    w_ptrs = qweight_ptr + ps[:, :, None].to(tl.int64) * N + offs_n[None, None, :]
+    group_offsets = groups[:, None].to(tl.int64) * N + offs_n[None, :]
+    z_ptrs = zeros_ptr + group_offsets
+    s_ptrs = scales_ptr + group_offsets
+    x_ptrs = x_ptr + ps * 8
+    acc = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
+    for step in tl.range(step_start, step_end, num_stages=NUM_STAGES):
+        if MASKED:  # a column tail or a last step past the last group
+            g_mask = step * GROUPS_PER_STEP + offs_g < NUM_GROUPS
+            gn_mask = g_mask[:, None] & n_mask[None, :]
+            packed = tl.load(w_ptrs, mask=gn_mask[:, None, :], other=0, eviction_policy="evict_first")
+            zeros = tl.load(z_ptrs, mask=gn_mask, other=0).to(tl.float32)
+            scales = tl.load(s_ptrs, mask=gn_mask, other=0.0).to(tl.float32)
+            x_mask = g_mask[:, None] & (offs_r[None, :] < ROWS)
+        else:
+            packed = tl.load(w_ptrs, eviction_policy="evict_first")
+            zeros = tl.load(z_ptrs).to(tl.float32)
+            scales = tl.load(s_ptrs).to(tl.float32)
+        # Nibbles without integer-to-float conversions (a quarter-rate instruction that capped the
+        # kernel below copy bandwidth): nibble i of a word, left in place at bits 4i..4i+3 and OR-ed
+        # with the exponent of 2**(23 - 4i), is the float 2**(23 - 4i) + q exactly; one subtraction
+        # leaves q. Nibbles 0-3 are read in place, 4-7 after one logical shift by 16 (bits past 22
+        # would reach the exponent). The masks derive from NIBBLE_MASK (0xF), a plain argument: as
+        # literals, ptxas re-materialised each one with a MOV before every AND-OR (a sixth of the loop).
+        low = packed.to(tl.uint32, bitcast=True)
+        high = low >> 16
+        qx = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
+        xs = tl.zeros((GROUPS_PER_STEP, ROWS), dtype=tl.float32)
         for j in tl.static_range(8):
-            x = tl.load(x_ptr + ps * 8 + j, eviction_policy="evict_last").to(tl.float32)
-            qx += ((packed >> (4 * j)) & 0xF).to(tl.float32) * x[:, None]
+            if MASKED:
+                x = tl.load(x_ptrs + j, mask=x_mask, other=0.0, eviction_policy="evict_last")
+            else:
+                x = tl.load(x_ptrs + j, eviction_policy="evict_last")
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                # bfloat16 is float32's top half. Triton's own conversion converted each x twice (its
+                # pairwise conversion of a layout that holds every x twice per thread).
+                x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            else:
+                x = x.to(tl.float32)
+            word = low if j < 4 else high
+            bits = (word & (NIBBLE_MASK << (4 * (j % 4))).to(tl.uint32)) | ((150 - 4 * (j % 4)) << 23)
+            q = bits.to(tl.float32, bitcast=True) - float(2 ** (23 - 4 * (j % 4)))
+            qx += q * x[:, :, None]
             xs += x
-        acc += scales[None, :] * (qx - zeros[None, :] * xs[:, None])
-    out = tl.sum(acc, axis=0)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+        acc += scales[:, None, :] * (qx - zeros[:, None, :] * xs[:, :, None])
+        w_ptrs += GROUPS_PER_STEP * ROWS * N
+        z_ptrs += GROUPS_PER_STEP * N
+        s_ptrs += GROUPS_PER_STEP * N
+        x_ptrs += GROUPS_PER_STEP * GROUP_SIZE
+    out = tl.sum(tl.sum(acc, axis=1), axis=0)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        # partial [SPLIT_K, N] float32; the last split to draw its ticket sums them in split order
+        # (deterministic), as gemv's split-K: the barrier orders every thread's partial stores before
+        # the (one-thread, acq_rel, gpu-scope) ticket.
+        tl.store(partial_ptr + pid_k * N + offs_n, out, mask=n_mask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter_ptr + pid_n, 1)
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for split in range(0, SPLIT_K):
+                # .cg: from L2, never a line this SM cached before the other splits wrote it.
+                total += tl.load(partial_ptr + split * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch
 
 
-_int4_gemv = lazy_jit(_int4_gemv_kernel)
+# SPLIT_K is a plain argument so that one compile serves every split count of a tile shape;
+# NIBBLE_MASK must stay a run-time value (see the kernel).
+_int4_gemv = lazy_jit(_int4_gemv_kernel, do_not_specialize=("SPLIT_K", "NIBBLE_MASK"))
+
+
+def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None, out: torch.Tensor, config: Int4GemvConfig) -> None:
+    k, n = x.shape[1], qweight.shape[1]
+    num_groups = k // group_size
+    groups_per_step = max(1, config.block_k // group_size)
+    column_blocks = -(-n // config.block_n)
+    if config.split_k > 1:
+        partial = torch.empty(config.split_k, n, dtype=torch.float32, device=x.device)
+        counters = split_k_counters(x.device, column_blocks)
+    else:
+        partial = counters = out  # unused
+    _int4_gemv[(column_blocks, config.split_k)](
+        x, qweight, zeros, scales, bias if bias is not None else scales, out, partial, counters, n, num_groups,
+        config.split_k, 0xF, GROUP_SIZE=group_size, GROUPS_PER_STEP=groups_per_step, BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages, MASKED=bool(n % config.block_n or num_groups % groups_per_step),
+        HAS_BIAS=bias is not None, num_warps=config.num_warps, **pdl_options(x.device))
+
+
+def check_gemv_config(config: Int4GemvConfig) -> None:
+    """Tile sizes are powers of 2 (Triton's aranges); split_k and num_stages any positive int."""
+    for field in ("block_n", "block_k", "num_warps", "split_k", "num_stages"):
+        value = getattr(config, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"gemv_config.{field} must be a positive int, got {value!r}")
+    for field in ("block_n", "block_k", "num_warps"):
+        value = getattr(config, field)
+        if value & (value - 1):
+            raise ValueError(f"gemv_config.{field} must be a power of 2, got {value}")
+    if config.block_k < PACK:
+        raise ValueError(f"gemv_config.block_k must be at least {PACK} (one packed row), got {config.block_k}")
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                group_size: int, bias: torch.Tensor | None = None, *,
+                gemv_config: Int4GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] float @ dequant(qweight, zeros, scales)^T (+ bias [N]) -> [M, N] in x's dtype
-    (the layout in the module docstring), accumulated in float32."""
+    (the layout in the module docstring), accumulated in float32. One row takes the GEMV with
+    gemv_config (default: pick_gemv_config's); a split-K config must run once outside CUDA graph
+    capture before it is captured (launch.split_k_counters)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     m, k, n = _check_layout(x, qweight, zeros, scales, group_size)
     if bias is not None:
         check_operand("bias", bias, (n,), x.dtype, x.device)
     check_last_dim_contiguous("x", x)
+    if gemv_config is not None:
+        check_gemv_config(gemv_config)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if m == 1:
-        _int4_gemv[(-(-n // GEMV_BLOCK_N),)](
-            x, qweight, zeros, scales, bias if bias is not None else scales, out, n, k // PACK,
-            GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_N=GEMV_BLOCK_N, NUM_STAGES=4, num_warps=4,
-            **pdl_options(x.device))
+        _launch_gemv(x, qweight, zeros, scales, group_size, bias, out,
+                     gemv_config or pick_gemv_config(n, k, group_size))
         return out
     # Batches take tensor-core tiles. Untuned.
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64

@@ -260,3 +260,24 @@ def dot_options(dtype: torch.dtype) -> dict[str, Any]:
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
         "DOT_FP32": interpreting() and dtype == torch.bfloat16,
     }
+
+
+# Split-K tickets (gemv, the INT4 GEMV), one int32 per column or row block, per device. They must start
+# at zero and the kernels leave them at zero, so they are allocated once (a per-call torch.zeros would
+# cost a memset launch) and reused; split-K calls sharing them must be ordered, i.e. issued on one
+# stream.
+SPLIT_K_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_k_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` zeroed tickets on `device`, shared by every split-K launch there."""
+    counters = SPLIT_K_COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "a split-K GEMV must run once outside CUDA graph capture (a warm-up) before being "
+                "captured: its zeroed ticket buffer cannot be created inside a graph"
+            )
+        counters = torch.zeros(max(count, 16384), dtype=torch.int32, device=device)
+        SPLIT_K_COUNTERS[device] = counters
+    return counters

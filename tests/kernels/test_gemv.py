@@ -10,6 +10,7 @@ from gpuworker.kernels.activation import silu_and_mul
 from gpuworker.kernels.gemv import (
     CANDIDATES,
     CANDIDATES_BY_NAME,
+    FP8_CANDIDATES,
     MAX_M,
     GemvConfig,
     fuses_rms_norm,
@@ -20,6 +21,7 @@ from gpuworker.kernels.gemv import (
     gemv_rms_norm_reference,
     pick_config,
 )
+from gpuworker.kernels.launch import SPLIT_K_COUNTERS
 from gpuworker.kernels.rms_norm import rms_norm_reference
 
 ON_CUDA = torch.cuda.is_available()
@@ -96,7 +98,7 @@ def test_split_k_leaves_its_tickets_at_zero(device, generator, tolerance):
     config = SPLIT
     x, weight, bias = make(2, N, SPLIT_K_DEPTH, torch.float32, generator, device)
     first = gemv(x, weight, bias, config=config)
-    counters = gemv_module._COUNTERS[torch.device(device) if not ON_CUDA else x.device]
+    counters = SPLIT_K_COUNTERS[torch.device(device) if not ON_CUDA else x.device]
     assert int(counters.abs().sum()) == 0
     second = gemv(x, weight, bias, config=config)
     torch.testing.assert_close(first, second, rtol=0, atol=0)
@@ -112,6 +114,16 @@ def test_pick_config_uses_the_tuned_table(monkeypatch):
     assert pick_config(4, 4096, 4096) == tuned
     assert pick_config(8, 4096, 4096) != tuned
     assert pick_config(4, 4096, 14336) != tuned
+
+
+def test_pick_config_takes_the_fp8_table_for_an_fp8_weight(monkeypatch):
+    fp8_choice = FP8_CANDIDATES[0]
+    monkeypatch.setitem(gemv_module.TUNED, (4096, 4096), {1: "fma-n16-k512-w4-p3"})
+    monkeypatch.setitem(gemv_module.TUNED_FP8, (4096, 4096), {1: fp8_choice.name})
+    assert pick_config(1, 4096, 4096, fp8_weight=True) == fp8_choice
+    assert pick_config(1, 4096, 4096).name == "fma-n16-k512-w4-p3"
+    # No FP8 entry: the bf16 choice.
+    assert pick_config(1, 4096, 14336, fp8_weight=True) == pick_config(1, 4096, 14336)
 
 
 def test_empty_batch(device):
@@ -211,7 +223,7 @@ def test_argmax_ties_nan_and_many_programs(config, device, generator):
     weight[n - 1] = float("nan")
     out, ids = gemv_argmax(x, weight, config=config)
     assert ids.tolist() == [n - 2] * 3 == out.float().argmax(dim=-1).tolist()
-    counters = gemv_module._COUNTERS[x.device]
+    counters = SPLIT_K_COUNTERS[x.device]
     assert int(counters.abs().sum()) == 0  # the ticket is back at zero for the next launch
     # Equal rows everywhere: index 0.
     _, ids = gemv_argmax(x[:1], torch.ones(n, k, dtype=torch.bfloat16, device=device), config=config)
@@ -244,7 +256,7 @@ def test_prefetched_tiles_give_the_same_product(config, dtype, device, generator
         torch.testing.assert_close(got, plain, **tolerance(dtype))
 
 
-FP8_CONFIGS = [c for c in CANDIDATES if not c.use_dot]
+FP8_CONFIGS = [c for c in CANDIDATES if not c.use_dot] + list(FP8_CANDIDATES)
 
 
 @pytest.mark.parametrize("config", FP8_CONFIGS, ids=lambda c: c.name)
@@ -252,7 +264,8 @@ FP8_CONFIGS = [c for c in CANDIDATES if not c.use_dot]
 def test_fp8_weight_with_row_scales_matches_the_dequantised_product(config, with_bias, device, generator):
     from gpuworker.kernels.fp8_matmul import FP8_DTYPE, fp8_matmul_reference
 
-    k = SPLIT_K_DEPTH if config.split_k > 1 else K
+    # Deep enough for split-K configs to give several splits work and for a prefetch to happen.
+    k = SPLIT_K_DEPTH if config.split_k > 1 or config.prefetch else K
     x, weight, bias = make(1, N, k, torch.bfloat16, generator, device)
     scale = (weight.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
     weight_fp8 = (weight.float() / scale[:, None]).to(FP8_DTYPE)

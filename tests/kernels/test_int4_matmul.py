@@ -1,13 +1,17 @@
 """int4_matmul against its torch reference (dequantise, then matmul) for batch 1 to 256, zero points
-0..16, bias and ragged tiles; pack_rows / unpack_rows round trips."""
+0..16, bias and ragged tiles; the one-row GEMV's configs (multi-group steps, split-K, tails) and the
+zero points each loader produces; pack_rows / unpack_rows round trips."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpuworker.kernels.int4_matmul import (dequantize_int4, int4_matmul, int4_matmul_reference, pack_rows,
+from gpuworker.kernels import int4_matmul as int4_module
+from gpuworker.kernels.int4_matmul import (TARGET_PROGRAMS, Int4GemvConfig, default_gemv_config, dequantize_int4,
+                                           int4_matmul, int4_matmul_reference, pack_rows, pick_gemv_config,
                                            unpack_rows)
+from gpuworker.kernels.launch import SPLIT_K_COUNTERS
 
 ON_CUDA = torch.cuda.is_available()
 # Llama-3-8B's gate_up projection on the GPU; N not a multiple of the tile elsewhere.
@@ -15,9 +19,15 @@ N, K, GROUP = (28672, 4096, 128) if ON_CUDA else (40, 96, 32)
 ROWS = (1, 16, 17, 64, 256) if ON_CUDA else (1, 17, 40)
 
 
-def _packed(generator, device, n=N, k=K, group=GROUP):
+# The zero points each loader leaves (models/quantization): AWQ stores 0..15; GPTQ stores zero - 1, so a
+# symmetric checkpoint reads 8 everywhere and an asymmetric one 1..16.
+ZERO_POINTS = {"awq": (0, 16), "gptq-sym": (8, 9), "gptq-asym": (1, 17), "any": (0, 17)}
+
+
+def _packed(generator, device, n=N, k=K, group=GROUP, zero_points="any"):
     q = torch.randint(0, 16, (k, n), generator=generator)
-    zeros = torch.randint(0, 17, (k // group, n), generator=generator).to(torch.uint8)
+    low, high = ZERO_POINTS[zero_points]
+    zeros = torch.randint(low, high, (k // group, n), generator=generator).to(torch.uint8)
     scales = (0.02 * torch.rand(k // group, n, generator=generator) + 0.001).half()
     return pack_rows(q).to(device), zeros.to(device), scales.to(device), q
 
@@ -88,3 +98,103 @@ def test_one_row_gemv_over_ragged_columns_packed_rows_and_groups(n, k, group, de
         bias = torch.randn(n, generator=generator).to(dtype).to(device)
         torch.testing.assert_close(int4_matmul(x, qweight, zeros, scales, group, bias),
                                    int4_matmul_reference(x, qweight, zeros, scales, group, bias), **tolerance(dtype))
+
+
+# One-row GEMV tiles: one packed row a step (one group, whatever its size), several groups a step
+# (with a last step past the last group where the count does not divide), split-K with and without
+# splits left empty, and a split count that is not a power of 2.
+GEMV_CONFIGS = [
+    Int4GemvConfig(block_n=16, block_k=8, num_warps=4, num_stages=1),
+    Int4GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=2),
+    Int4GemvConfig(block_n=8, block_k=64, num_warps=2, num_stages=1, split_k=4),
+    Int4GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=3, split_k=3),
+    Int4GemvConfig(block_n=64, block_k=512, num_warps=4, num_stages=3, split_k=16),
+]
+GEMV_SHAPES = [(37, 104, 8), (70, 160, 16), (40, 352, 32), (32, 512, 128)] if not ON_CUDA else [
+    (6144, 4096, 128), (4096, 14336, 128), (1000, 4160, 32), (37, 1024, 256)]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize(("n", "k", "group"), GEMV_SHAPES)
+def test_one_row_gemv_configs(config, n, k, group, device, generator, tolerance):
+    qweight, zeros, scales, _ = _packed(generator, device, n=n, k=k, group=group)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(1, k, generator=generator).to(dtype).to(device)
+        bias = torch.randn(n, generator=generator).to(dtype).to(device)
+        torch.testing.assert_close(int4_matmul(x, qweight, zeros, scales, group, bias, gemv_config=config),
+                                   int4_matmul_reference(x, qweight, zeros, scales, group, bias), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("zero_points", ["awq", "gptq-sym", "gptq-asym"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_row_gemv_takes_every_loaders_zero_points(zero_points, with_bias, device, generator, tolerance):
+    n, k, group = (4096, 4096, 128) if ON_CUDA else (72, 256, 32)
+    qweight, zeros, scales, _ = _packed(generator, device, n=n, k=k, group=group, zero_points=zero_points)
+    x = torch.randn(1, k, generator=generator).half().to(device)
+    bias = torch.randn(n, generator=generator).half().to(device) if with_bias else None
+    torch.testing.assert_close(int4_matmul(x, qweight, zeros, scales, group, bias),
+                               int4_matmul_reference(x, qweight, zeros, scales, group, bias),
+                               **tolerance(torch.float16))
+
+
+def test_split_k_gemv_is_deterministic_and_leaves_its_tickets_at_zero(device, generator, tolerance):
+    config = Int4GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=1, split_k=4)
+    qweight, zeros, scales, _ = _packed(generator, device, n=40, k=512, group=32)
+    x = torch.randn(1, 512, generator=generator).to(device)
+    first = int4_matmul(x, qweight, zeros, scales, 32, gemv_config=config)
+    assert int(SPLIT_K_COUNTERS[x.device].abs().sum()) == 0
+    second = int4_matmul(x, qweight, zeros, scales, 32, gemv_config=config)
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    torch.testing.assert_close(first, int4_matmul_reference(x, qweight, zeros, scales, 32),
+                               **tolerance(torch.float32))
+
+
+def test_default_gemv_config_splits_k_until_the_gpu_is_full():
+    # Llama-3-8B's projections: 64 columns a program, split-K up to ~TARGET_PROGRAMS programs.
+    assert default_gemv_config(4096, 4096, 128).split_k == 8  # o_proj: 64 column blocks
+    assert default_gemv_config(6144, 4096, 128).split_k == 8  # qkv: 96
+    assert default_gemv_config(28672, 4096, 128).split_k == 2  # gate_up: 448
+    assert default_gemv_config(4096, 14336, 128).split_k == 8  # down
+    # Never more splits than steps: K = 512 in 256-row steps is two.
+    assert default_gemv_config(64, 512, 128).split_k == 2
+    # A group wider than a step is a step of one group.
+    assert default_gemv_config(64, 1024, 512).split_k == 2
+    assert TARGET_PROGRAMS >= 4 * 64
+
+
+def test_pick_gemv_config_uses_the_tuned_table(monkeypatch):
+    tuned = Int4GemvConfig(block_n=128, block_k=512, num_warps=8, num_stages=2, split_k=5)
+    monkeypatch.setitem(int4_module.TUNED, (4096, 4096, 128), tuned)
+    assert pick_gemv_config(4096, 4096, 128) == tuned
+    assert pick_gemv_config(4096, 4096, 64) == default_gemv_config(4096, 4096, 64)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    (Int4GemvConfig(block_n=24, block_k=64, num_warps=4, num_stages=1), "block_n must be a power of 2"),
+    (Int4GemvConfig(block_n=16, block_k=4, num_warps=4, num_stages=1), "block_k must be at least 8"),
+    (Int4GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=0), "num_stages must be a positive int"),
+    (Int4GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, split_k=0), "split_k must be a positive"),
+])
+def test_bad_gemv_config_is_named(config, message, device):
+    qweight, zeros, scales = (torch.zeros(4, 8, dtype=torch.int32, device=device),
+                              torch.zeros(1, 8, dtype=torch.uint8, device=device),
+                              torch.ones(1, 8, dtype=torch.float16, device=device))
+    with pytest.raises(ValueError, match=message):
+        int4_matmul(torch.zeros(1, 32, device=device), qweight, zeros, scales, 32, gemv_config=config)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need a CUDA device")
+def test_split_k_gemv_replays_in_a_cuda_graph(generator):
+    # As the engine runs it: a warm-up outside capture (which creates the tickets), then replays of
+    # the captured launch on new inputs, each matching the reference.
+    config = Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=8)
+    qweight, zeros, scales, _ = _packed(generator, "cuda", n=4096, k=4096, group=128)
+    x = torch.randn(1, 4096, generator=generator).bfloat16().cuda()
+    int4_matmul(x, qweight, zeros, scales, 128, gemv_config=config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_matmul(x, qweight, zeros, scales, 128, gemv_config=config)
+    for _ in range(3):
+        x.copy_(torch.randn(1, 4096, generator=generator).bfloat16())
+        graph.replay()
+        torch.testing.assert_close(out, int4_matmul_reference(x, qweight, zeros, scales, 128), atol=2e-2, rtol=2e-2)
