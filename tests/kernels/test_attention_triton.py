@@ -147,9 +147,9 @@ def test_forward_with_rotary_matches_rotary_then_torch_backend(dtype, device, ge
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device):
-    # Attention.forward takes the fused path for the Triton backend (qwen3: after the q/k norms) and
-    # the unfused one for the torch backend (on the CPU); the logits of a prefill and of padded
-    # decodes agree, and so do the caches.
+    # Attention.forward takes the fused path for the Triton backend (qwen3: the q/k norms inside the
+    # rotary launches, so the norm modules never run) and the unfused one for the torch backend (on
+    # the CPU); the logits of a prefill and of padded decodes agree, and so do the caches.
     from gpuworker.models.loader import load_model, load_model_config
     from tests.gpuworker.checkpoints import make_checkpoint
     from tests.gpuworker.models.paged_batch import PagedBatcher
@@ -160,6 +160,11 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
               for backend in (TritonAttentionBackend(), TorchAttentionBackend())}
     batchers = {name: PagedBatcher(mc) for name in models}
     batchers["triton"].kv_caches = [cache.to(device) for cache in batchers["triton"].kv_caches]
+    qk_norms = [module for name, module in models["triton"].named_modules() if name.endswith(("q_norm", "k_norm"))]
+    assert len(qk_norms) == (2 * mc.num_layers if family == "qwen3" else 0)
+    norm_calls = []
+    for module in qk_norms:
+        module.register_forward_hook(lambda *_: norm_calls.append(1))
     steps = [([("a", list(range(3, 40))), ("b", list(range(50, 55)))], None),
              ([("a", [7]), ("b", [8])], 4), ([("a", [9]), ("b", [10])], 3)]
     for chunks, pad_to in steps:
@@ -174,6 +179,7 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
                                meta)
                 logits[name] = model.compute_logits(hidden).cpu()
         torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
+    assert norm_calls == []
     for triton_cache, torch_cache in zip(batchers["triton"].kv_caches, batchers["torch"].kv_caches, strict=True):
         torch.testing.assert_close(triton_cache.cpu(), torch_cache, rtol=1e-5, atol=1e-5)
 
