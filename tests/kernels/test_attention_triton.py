@@ -145,7 +145,7 @@ def test_forward_with_rotary_matches_rotary_then_torch_backend(dtype, device, ge
             assert torch.equal(got[-padding:], torch.zeros_like(got[-padding:]))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-moe"])
 def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device):
     # Attention.forward takes the fused path for the Triton backend (qwen3: the q/k norms inside the
     # rotary launches, so the norm modules never run) and the unfused one for the torch backend (on
@@ -161,7 +161,7 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
     batchers = {name: PagedBatcher(mc) for name in models}
     batchers["triton"].kv_caches = [cache.to(device) for cache in batchers["triton"].kv_caches]
     qk_norms = [module for name, module in models["triton"].named_modules() if name.endswith(("q_norm", "k_norm"))]
-    assert len(qk_norms) == (2 * mc.num_layers if family == "qwen3" else 0)
+    assert len(qk_norms) == (2 * mc.num_layers if family.startswith("qwen3") else 0)
     norm_calls = []
     for module in qk_norms:
         module.register_forward_hook(lambda *_: norm_calls.append(1))
@@ -228,16 +228,18 @@ def test_fp8_cache_matches_torch_backend(fused, device, generator, tolerance):
         assert torch.equal(got[num_tokens - padding:], torch.zeros_like(got[num_tokens - padding:]))
 
 
-def test_engine_on_fp8_cache_matches_torch_backend(tmp_path, device):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_on_fp8_cache_matches_torch_backend(family, tmp_path, device):
     # The whole engine on an FP8 cache, through the Triton kernels (decode rows rotated and cached
-    # in the attention launch, prefill rows by the rotary kernel; CUDA graphs on a GPU) and through
-    # the CPU's torch backend: the same greedy tokens, and again on a second pass whose prompts
-    # start from FP8 blocks in the prefix cache.
+    # in the attention launch, prefill rows by the rotary kernel, qwen3's q/k norms inside both;
+    # CUDA graphs on a GPU, after a warm-up that compiles those launches) and through the CPU's
+    # torch backend: the same greedy tokens, and again on a second pass whose prompts start from
+    # FP8 blocks in the prefix cache.
     from gpuworker.engine import LLMEngine, SamplingParams
     from tests.gpuworker.checkpoints import TINY, make_checkpoint
     from tests.gpuworker.engine.reference import random_prompts
 
-    path = make_checkpoint(tmp_path, "llama")
+    path = make_checkpoint(tmp_path, family)
     config = dict(dtype="float32", num_kv_blocks=64, max_model_len=128, kv_cache_dtype="fp8")
     prompts = random_prompts((3, 21, 40), TINY["vocab_size"], seed=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
