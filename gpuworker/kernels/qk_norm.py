@@ -55,3 +55,13 @@ def normalize(x, rstd, weight, dtype):
     rounded to dtype, times the weight (broadcast to x), rounded again, as kernels.rms_norm; in float32."""
     x = (x * rstd).to(dtype).to(tl.float32) * weight.to(tl.float32)
     return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def normalize_halves(x1, x2, weight_ptr, dims, dim_mask, eps, dtype, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Heads held as their two halves, float32 [H, BLOCK_HALF] each (dims, dim_mask: a half's
+    columns), normalised with the weight at weight_ptr [HEAD_DIM = 2 * HALF]; in float32."""
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+    w1 = tl.load(weight_ptr + dims, mask=dim_mask, other=0.0)[None, :]
+    w2 = tl.load(weight_ptr + HALF + dims, mask=dim_mask, other=0.0)[None, :]
+    return normalize(x1, rstd, w1, dtype), normalize(x2, rstd, w2, dtype)

@@ -59,11 +59,7 @@ def _rotary_kernel(
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:  # the head's RMSNorm first (the launcher checked that the halves are the whole head)
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + norm_eps)[:, None]
-        w1 = tl.load(q_norm_ptr + dims, mask=dim_mask, other=0.0)[None, :]
-        w2 = tl.load(q_norm_ptr + HALF + dims, mask=dim_mask, other=0.0)[None, :]
-        x1 = qk_norm_device.normalize(x1, rstd, w1, dtype)
-        x2 = qk_norm_device.normalize(x2, rstd, w2, dtype)
+        x1, x2 = qk_norm_device.normalize_halves(x1, x2, q_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     tl.store(first, out1.to(dtype), mask=mask)
@@ -75,11 +71,7 @@ def _rotary_kernel(
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + norm_eps)[:, None]
-        w1 = tl.load(k_norm_ptr + dims, mask=dim_mask, other=0.0)[None, :]
-        w2 = tl.load(k_norm_ptr + HALF + dims, mask=dim_mask, other=0.0)[None, :]
-        x1 = qk_norm_device.normalize(x1, rstd, w1, dtype)
-        x2 = qk_norm_device.normalize(x2, rstd, w2, dtype)
+        x1, x2 = qk_norm_device.normalize_halves(x1, x2, k_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     if WRITE_CACHE:
