@@ -1,7 +1,8 @@
-"""GEMV benchmark: cuBLAS (F.linear) against gpuworker.kernels.gemv's candidate configs at Llama-3-8B's
-decode projections, M = 1, 2, 4, 8 rows, bf16, on one GPU.
+"""GEMV benchmark: cuBLAS (F.linear) against gpuworker.kernels.gemv's candidate configs at one model's
+decode projections (Llama-3-8B's, or --shapes qwen3-30b-a3b), M = 1, 2, 4, 8 rows, bf16, on one GPU.
 
     PYTHONPATH=. python bench/gemv.py [--quick]        # H200: about a minute, mostly Triton compiles
+    PYTHONPATH=. python bench/gemv.py --quick --shapes qwen3-30b-a3b
     PYTHONPATH=. python bench/gemv.py --check-only     # no timing; on a CPU: tiny shapes, interpreter
     PYTHONPATH=. python bench/gemv.py --layer-chain    # 32 layers' decode-row projections in one graph
 
@@ -9,7 +10,8 @@ Every result is checked against F.linear (max abs error) before it is timed; a c
 is reported and skipped. Times are medians of CUDA-graph replays over enough weight copies that the
 L2 cannot hold them (as 32 layers do in a real step), so launch overhead is out. GB/s counts the
 weight plus activations read and the output written. Also times the down projection fed by
-silu_and_mul (today: the activation kernel then cuBLAS) against the fused gemv. Prints a TUNED table
+silu_and_mul (today: the activation kernel then cuBLAS) against the fused gemv, for models with a dense
+MLP. Prints a TUNED table
 for gpuworker/kernels/gemv.py and writes gemv.json to $OUT (or bench/results/).
 """
 
@@ -25,14 +27,25 @@ from common import environment, write_json
 
 DTYPE = torch.bfloat16
 ES = 2
-# (N, K) and how many times one decode step runs each.
-SHAPES = {
-    "qkv": ((6144, 4096), 32),
-    "o_proj": ((4096, 4096), 32),
-    "gate_up": ((28672, 4096), 32),
-    "down": ((4096, 14336), 32),
-    "lm_head": ((128256, 4096), 1),
+# Per model, each decode projection's (N, K) and how many times one decode step runs it.
+SHAPE_SETS = {
+    "llama-3-8b": {
+        "qkv": ((6144, 4096), 32),
+        "o_proj": ((4096, 4096), 32),
+        "gate_up": ((28672, 4096), 32),
+        "down": ((4096, 14336), 32),
+        "lm_head": ((128256, 4096), 1),
+    },
+    # Qwen3-30B-A3B: 32 query heads and 4 kv heads of 128 over a hidden size of 2048, 128 experts
+    # (the router); the experts themselves run in kernels.moe_decode (bench/moe_decode.py).
+    "qwen3-30b-a3b": {
+        "qkv": ((5120, 2048), 48),
+        "o_proj": ((2048, 4096), 48),
+        "router": ((128, 2048), 48),
+        "lm_head": ((151936, 2048), 1),
+    },
 }
+SHAPES = SHAPE_SETS["llama-3-8b"]
 ROWS = (1, 2, 4, 8)
 # Interpreter shapes for --check-only on a CPU: ragged N and K, and a K deep enough for split-K.
 TINY_SHAPES = {"ragged": ((70, 200), 1), "deep": ((48, 1100), 1)}
@@ -154,7 +167,8 @@ def print_results(results: list[dict], fused: list[dict], copy_gbps: float | Non
             print(f"{r['shape']:9s} {r['N']:6d} {r['K']:6d} {r['M']:2d} {r['cublas_us']:9.1f} {r['cublas_GBps']:6.0f} "
                   f"{r['best_config']:28s} {r['best_us']:7.1f} {r['best_GBps']:6.0f} "
                   f"{100 * r['best_GBps'] / copy_gbps:4.0f}% {r['speedup']:6.2f}x {default}")
-        print(f"\n{'fused down':20s} {'M':>2s} {'silu+cuBLAS us':>14s} {'fused us':>9s} {'speedup':>7s}  config")
+        if fused:
+            print(f"\n{'fused down':20s} {'M':>2s} {'silu+cuBLAS us':>14s} {'fused us':>9s} {'speedup':>7s}  config")
         for r in fused:
             fused_us = f"{r['fused_us']:9.1f} {r['speedup']:6.2f}x" if "fused_us" in r else f"{'FAILED':>9s} {'-':>7s}"
             print(f"{r['shape']:20s} {r['M']:2d} {r['unfused_us']:14.1f} {fused_us}  {r['config']}")
@@ -165,13 +179,14 @@ def print_results(results: list[dict], fused: list[dict], copy_gbps: float | Non
                   f"  {status}")
 
 
-def step_estimate(results: list[dict]) -> dict:
-    """Linear-layer time of one decode step per M: all cuBLAS, and the faster of the two per shape."""
+def step_estimate(results: list[dict], shapes: dict) -> dict:
+    """Linear-layer time of one decode step per M (the projections of `shapes`): all cuBLAS, and the
+    faster of the two per shape."""
     estimate = {}
     for m in sorted({r["M"] for r in results}):
         cublas = best = 0.0
         for r in (r for r in results if r["M"] == m):
-            count = SHAPES[r["shape"]][1]
+            count = shapes[r["shape"]][1]
             cublas += count * r["cublas_us"]
             best += count * min(r["cublas_us"], r.get("best_us", r["cublas_us"]))
         estimate[m] = {"cublas_ms": cublas / 1e3, "best_of_both_ms": best / 1e3}
@@ -236,7 +251,9 @@ def main() -> None:
                         help="check every config against F.linear without timing (tiny shapes on a CPU)")
     parser.add_argument("--quick", action="store_true", help="M = 1 and 4 only")
     parser.add_argument("--layer-chain", action="store_true",
-                        help="only the 32-layer chain of batch-1 projections (PDL on and off)")
+                        help="only the 32-layer chain of Llama-3-8B's batch-1 projections (PDL on and off)")
+    parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="llama-3-8b",
+                        help="whose decode projections to time (default: llama-3-8b)")
     args = parser.parse_args()
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
@@ -248,7 +265,8 @@ def main() -> None:
     torch.manual_seed(0)
     device = "cuda" if on_cuda else "cpu"
     timed = on_cuda and not args.check_only
-    shapes = SHAPES if on_cuda else TINY_SHAPES
+    model_shapes = SHAPE_SETS[args.shapes]
+    shapes = model_shapes if on_cuda else TINY_SHAPES
     rows = (1, 4) if args.quick else ROWS
     env = environment()
     copy_gbps = None
@@ -269,24 +287,27 @@ def main() -> None:
         sweep += shape_sweep
         print(f"  {name} ({n}x{k}) done")
     down = [r for r in results if r["shape"] == ("down" if on_cuda else "deep")]
-    n, k = down[0]["N"], down[0]["K"]
-    fused = run_fused_down(n, k, rows, {r["M"]: r["best_config"] for r in down if "best_config" in r},
-                           device=device, timed=timed)
+    fused = []
+    if down:  # a dense MLP's down projection (an MoE model has none outside its experts)
+        n, k = down[0]["N"], down[0]["K"]
+        fused = run_fused_down(n, k, rows, {r["M"]: r["best_config"] for r in down if "best_config" in r},
+                               device=device, timed=timed)
 
-    payload = {"environment": env, "dtype": str(DTYPE), "copy_bandwidth_GBps": copy_gbps, "timed": timed,
-               "results": results, "fused_down": fused, "sweep": sweep}
+    payload = {"environment": env, "shapes": args.shapes, "dtype": str(DTYPE), "copy_bandwidth_GBps": copy_gbps,
+               "timed": timed, "results": results, "fused_down": fused, "sweep": sweep}
     if timed:
         tuned = {}
         for r in results:
             if "best_config" in r and r["speedup"] > 1.0:
                 tuned.setdefault((r["N"], r["K"]), {})[r["M"]] = r["best_config"]
         payload["tuned"] = {f"{n}x{k}": v for (n, k), v in tuned.items()}
-        payload["step_estimate"] = step_estimate(results)
-    write_json("gemv" if timed else "gemv_check", payload)
+        payload["step_estimate"] = step_estimate(results, model_shapes)
+    suffix = "" if args.shapes == "llama-3-8b" else f"_{args.shapes}"
+    write_json(("gemv" if timed else "gemv_check") + suffix, payload)
 
     print_results(results, fused, copy_gbps)
     if timed:
-        print("\nlinear layers per decode step (32 layers + lm_head):")
+        print(f"\nlinear layers per decode step ({args.shapes}: {model_shapes['qkv'][1]} layers + lm_head):")
         for m, e in payload["step_estimate"].items():
             print(f"  M={m}: cuBLAS {e['cublas_ms']:.3f} ms, "
                   f"best of cuBLAS/Triton per shape {e['best_of_both_ms']:.3f} ms")

@@ -18,6 +18,8 @@ from typing import Protocol, TypeGuard
 
 import torch
 
+from gpuworker.kernels.qk_norm import QKNorm
+
 
 @dataclass
 class AttentionMetadata:
@@ -90,9 +92,10 @@ class RotaryCacheWritingBackend(AttentionBackend, Protocol):
         sin_cache: torch.Tensor,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        qk_norm: QKNorm | None = None,  # Qwen3's q_norm and k_norm, applied to each head before rotary
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Rotate query and key by positions, write the rotated keys and the values into the cache at
-        meta.slot_mapping, attend through the block tables."""
+        """Rotate query and key by positions (normalised first with a qk_norm), write the rotated keys
+        and the values into the cache at meta.slot_mapping, attend through the block tables."""
         ...
 
 

@@ -16,6 +16,7 @@ from gpuworker.kernels.kv_cache_write import kv_cache_write
 from gpuworker.kernels.paged_decode_attention import (MAX_SPLITS, MIN_PARTITION, NewTokens, SplitCounters,
                                                      multiprocessor_count, paged_decode_attention)
 from gpuworker.kernels.prefill_attention import prefill_attention
+from gpuworker.kernels.qk_norm import QKNorm
 from gpuworker.kernels.rotary import apply_rotary_and_cache
 
 
@@ -39,20 +40,21 @@ class TritonAttentionBackend:
     def forward_with_rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                             cos_cache: torch.Tensor, sin_cache: torch.Tensor, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0, qk_norm: QKNorm | None = None) -> torch.Tensor:
         """Rotary, the cache write and attention. Decode rows take one launch each layer (the decode
         kernel rotates and caches their token itself); the prefill rows after them (and padding) go
         through the rotary kernel, which rotates their queries in place and writes their keys and
-        values, before the prefill kernel attends. key and value are left as they were."""
+        values, before the prefill kernel attends. key and value are left as they were. qk_norm
+        (Qwen3): both launches normalise the heads before rotating them."""
         num_decode = self._check(meta)
         if num_decode < query.shape[0]:
             rest = slice(num_decode, None)
             apply_rotary_and_cache(positions[rest], query[rest], key[rest], value[rest], cos_cache, sin_cache,
-                                   kv_cache, meta.slot_mapping[rest], k_scale, v_scale)
+                                   kv_cache, meta.slot_mapping[rest], k_scale, v_scale, qk_norm)
         new_tokens = None
         if num_decode > 0:
             new_tokens = NewTokens(positions[:num_decode], key[:num_decode], value[:num_decode], cos_cache,
-                                   sin_cache, meta.slot_mapping[:num_decode])
+                                   sin_cache, meta.slot_mapping[:num_decode], qk_norm)
         return self._attend(query, kv_cache, meta, scale, k_scale, v_scale, new_tokens)
 
     def forward_rotated(
@@ -105,7 +107,8 @@ class TritonAttentionBackend:
 
     @torch.inference_mode()
     def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, max_model_len: int, scale: float,
-                cos_cache: torch.Tensor, sin_cache: torch.Tensor, dtype: torch.dtype) -> None:
+                cos_cache: torch.Tensor, sin_cache: torch.Tensor, dtype: torch.dtype,
+                qk_norm: QKNorm | None = None) -> None:
         """Compile every variant of the decode kernel a step can pick, before serving.
 
         The split count (chosen per launch from the batch and the longest context, up to MAX_SPLITS)
@@ -114,7 +117,7 @@ class TritonAttentionBackend:
         merging the partitions); an eager step meeting a new one would compile it (a second or more
         on a GPU) in the middle of serving. The launches are the model's (forward_with_rotary: views
         of a fused qkv of `dtype`, the model's, this rotary cache) with slot -1, so nothing is written
-        to the cache.
+        to the cache. qk_norm: the model's (Qwen3), whose launches are a variant of their own.
         """
         block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
         device = kv_cache.device
@@ -128,7 +131,7 @@ class TritonAttentionBackend:
                 torch.zeros(batch, dtype=torch.int64, device=device),
                 qkv[:, q_size:q_size + kv_size].view(batch, num_kv_heads, head_dim),
                 qkv[:, q_size + kv_size:].view(batch, num_kv_heads, head_dim),
-                cos_cache, sin_cache, torch.full((batch,), -1, dtype=torch.int64, device=device))
+                cos_cache, sin_cache, torch.full((batch,), -1, dtype=torch.int64, device=device), qk_norm)
             tables = torch.zeros(batch, -(-max_model_len // block_size), dtype=torch.int32, device=device)
             seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
             counters = self._split_counters.get(batch * num_kv_heads, device)

@@ -198,7 +198,8 @@ class ModelRunner:
             mc = self.model_config
             rotary = self.model.rotary
             backend.warm_up(self.kv_caches[0], mc.num_heads, self.config.max_model_len, mc.head_dim**-0.5,
-                            rotary.cos_cache, rotary.sin_cache, self.dtype)
+                            rotary.cos_cache, rotary.sin_cache, self.dtype,
+                            self.model.layers[0].self_attn.fused_qk_norm(self.dtype))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

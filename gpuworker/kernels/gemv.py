@@ -106,6 +106,15 @@ TUNED: dict[tuple[int, int], dict[int, str]] = {
     (28672, 4096): {1: "fma-n16-k512-w4-p3"},  # gate_up
     (4096, 14336): {1: "fma-n16-k512-w4-p3"},  # down (also with SiLU-and-mul fused into its input)
     (128256, 4096): {1: "dot-n64-k128-w4-p4"},  # lm_head
+    # Qwen3-30B-A3B, M=1: not measured yet (bench/gemv.py --shapes qwen3-30b-a3b times them). Without
+    # entries its projections went to cuBLAS and its input norm could not fuse into qkv; each takes
+    # the Llama-3-8B winner nearest in K and in bytes per weight row, tiles whose loads do not depend
+    # on N, and which beat cuBLAS on all five Llama shapes (1.07-1.22x).
+    (5120, 2048): {1: "fma-n16-k512-w4-p1"},  # qkv: Llama's qkv tile (also fuses the RMSNorm), 4 K tiles
+    (2048, 4096): {1: "fma-n16-k512-w4-p3-pf2"},  # o_proj: Llama's o_proj, same K (prefetch after attention)
+    # router: 128 rows are 8 programs of 16; 8-row tiles twice as many, each a 4 KB row in two loads.
+    (128, 2048): {1: "fma-n8-k1024-w4-p1"},
+    (151936, 2048): {1: "dot-n64-k128-w4-p4"},  # lm_head: Llama's lm_head (argmax in the launch)
 }
 
 # The same for an FP8 weight (float8_e4m3fn, gemv's weight_scale), from bench/quant_gemv.py's

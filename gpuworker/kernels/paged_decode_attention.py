@@ -33,8 +33,10 @@ from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_co
                                       check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
                                       lazy_jit, next_power_of_2, pdl_options)
 from gpuworker.kernels import kv_cache_fp8
+from gpuworker.kernels import qk_norm as qk_norm_device
 from gpuworker.kernels.kv_cache_quant import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write
+from gpuworker.kernels.qk_norm import QKNorm, check_qk_norm
 from gpuworker.kernels.rotary import apply_rotary_and_cache_reference, check_rotary
 
 _LOG2E = 1.4426950408889634
@@ -52,7 +54,7 @@ _WAVES = 2
 def _paged_decode_kernel(
     query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
-    positions_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, slot_mapping_ptr,
+    positions_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_norm_ptr, k_norm_ptr, norm_eps,
     qk_scale, k_scale, v_scale,
     stride_query_seq, stride_query_head, stride_out_seq, stride_out_head,
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
@@ -62,7 +64,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SPLIT: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr,
+    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options. The next kernel may launch at once: at batch 1 it is
@@ -127,14 +129,29 @@ def _paged_decode_kernel(
         cos = cos.to(dtype).to(tl.float32)
         sin = sin.to(dtype).to(tl.float32)
         q_partner = tl.load(q_ptrs + partner[None, :], mask=group_mask[:, None] & rotated[None, :], other=0.0)
+        k_row = key_ptr + seq * stride_key_seq + kv_head * stride_key_head
+        k_new = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        k_partner = tl.load(k_row + partner, mask=rotated, other=0.0).to(tl.float32)
+        if QK_NORM:
+            # Each head's RMSNorm before rotary (Qwen3), as kernels.rotary applies it: the partner
+            # tile is the same head permuted, so it takes the head's own 1 / rms.
+            q32 = q.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(q32 * q32, 1) / HEAD_DIM + norm_eps)[:, None]
+            q = qk_norm_device.normalize(q32, rstd, tl.load(q_norm_ptr + dims, mask=dim_mask, other=0.0)[None, :],
+                                         dtype).to(dtype)
+            q_partner = qk_norm_device.normalize(q_partner.to(tl.float32), rstd,
+                                                 tl.load(q_norm_ptr + partner, mask=rotated, other=0.0)[None, :],
+                                                 dtype)
+            k_rstd = tl.rsqrt(tl.sum(k_new * k_new, 0) / HEAD_DIM + norm_eps)
+            k_new = qk_norm_device.normalize(k_new, k_rstd, tl.load(k_norm_ptr + dims, mask=dim_mask, other=0.0),
+                                             dtype)
+            k_partner = qk_norm_device.normalize(k_partner, k_rstd,
+                                                 tl.load(k_norm_ptr + partner, mask=rotated, other=0.0), dtype)
         # x1 cos - x2 sin in the first half, x2 cos + x1 sin in the second, as rotary.py writes them
         # (so float32 contracts the same products into FMAs as that kernel does).
         q_cos = (q.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
         q_sin = (q_partner.to(tl.float32) * sin[None, :]).to(dtype).to(tl.float32)
         q = tl.where(lower[None, :], q_cos - q_sin, q_cos + q_sin).to(dtype)
-        k_row = key_ptr + seq * stride_key_seq + kv_head * stride_key_head
-        k_new = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
-        k_partner = tl.load(k_row + partner, mask=rotated, other=0.0).to(tl.float32)
         k_cos = (k_new * cos).to(dtype).to(tl.float32)
         k_sin = (k_partner * sin).to(dtype).to(tl.float32)
         k_new = tl.where(lower, k_cos - k_sin, k_cos + k_sin).to(dtype)
@@ -332,7 +349,8 @@ class NewTokens:
     rotated key and value at kv_cache[:, slot_mapping[b]] (nothing for a slot < 0), and attends to
     the cache's first seq_lens[b] - 1 tokens plus this one, taken from registers: one launch instead
     of apply_rotary_and_cache and then the attention. positions [B]; key, value [B, Hkv, D] (strided
-    views of a fused qkv will do); slot_mapping [B].
+    views of a fused qkv will do); slot_mapping [B]. qk_norm: each head of the query and key is
+    normalised first (Qwen3's q_norm and k_norm; kernels.qk_norm), in the same launch.
     """
 
     positions: torch.Tensor
@@ -341,6 +359,7 @@ class NewTokens:
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
     slot_mapping: torch.Tensor
+    qk_norm: QKNorm | None = None
 
 
 class SplitCounters:
@@ -449,7 +468,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, QUERY_GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(num_splits),
         SPLIT=split, MERGE_IN_LAUNCH=launch.merge_in_launch, **dot_options(query.dtype),
-        NEW_TOKEN=new_tokens is not None, HALF=half, FP8_CACHE=fp8, num_warps=launch.num_warps,
+        NEW_TOKEN=new_tokens is not None, HALF=half,
+        QK_NORM=new_tokens is not None and new_tokens.qk_norm is not None, FP8_CACHE=fp8, num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **pdl_options(device),
     )
@@ -490,6 +510,8 @@ def _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters
         return block_size, num_kv_heads, 0
     t = new_tokens
     half = check_rotary(t.positions, query, t.key, t.cos_cache, t.sin_cache)
+    if t.qk_norm is not None:
+        check_qk_norm(t.qk_norm, query, half)
     check_kv_cache_write(t.key, t.value, kv_cache, t.slot_mapping)  # also key's heads against the cache
     return block_size, num_kv_heads, half
 
@@ -529,11 +551,13 @@ def _pick_launch(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.d
 
 def _new_token_operands(new_tokens: NewTokens | None, query: torch.Tensor,
                         seq_lens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """The rotary and cache-write pointers and strides the kernel takes with NEW_TOKEN."""
+    """The rotary, norm and cache-write operands and the strides the kernel takes with NEW_TOKEN."""
     if new_tokens is None:  # unused without NEW_TOKEN: any pointers of the right kinds will do
-        return (seq_lens, query, query, query, query, seq_lens), (0,) * 6
+        return (seq_lens, query, query, query, query, seq_lens, query, query, 1.0), (0,) * 6
     t = new_tokens
-    return ((t.positions, t.key, t.value, t.cos_cache, t.sin_cache, t.slot_mapping),
+    # Unused without QK_NORM: the query stands in for the weights.
+    norm = (query, query, 1.0) if t.qk_norm is None else (t.qk_norm.q_weight, t.qk_norm.k_weight, float(t.qk_norm.eps))
+    return ((t.positions, t.key, t.value, t.cos_cache, t.sin_cache, t.slot_mapping, *norm),
             (t.key.stride(0), t.key.stride(1), t.value.stride(0), t.value.stride(1),
              t.cos_cache.stride(0), t.sin_cache.stride(0)))
 
@@ -555,7 +579,7 @@ def paged_decode_attention_reference(
     if new_tokens is not None:
         t = new_tokens
         query = apply_rotary_and_cache_reference(t.positions, query, t.key, t.value, t.cos_cache, t.sin_cache,
-                                                 kv_cache, t.slot_mapping, k_scale, v_scale)
+                                                 kv_cache, t.slot_mapping, k_scale, v_scale, t.qk_norm)
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads

@@ -8,6 +8,10 @@ cos/sin layout as gpuworker.models.layers.RotaryEmbedding keeps it: cos_cache an
 dimensions of every head are rotated (all of them for Llama). Numerics replay HF's eager ops in the
 activation dtype: cos/sin cast to it, each product rounded, then the sum rounded, so bf16 results are
 bit-identical to transformers'.
+
+With a QKNorm (Qwen3's q_norm and k_norm) the launch first applies each head's RMSNorm, as
+models.layers.RMSNorm computes it (float32, rounded to the activation dtype, times the weight, rounded
+again), then rotates: the model's two norm launches and their copies go away.
 """
 
 from __future__ import annotations
@@ -20,17 +24,21 @@ from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_last_dim
 from gpuworker.kernels import kv_cache_fp8
 from gpuworker.kernels.kv_cache_quant import check_kv_scales, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
+from gpuworker.kernels import qk_norm as qk_norm_device
+from gpuworker.kernels.qk_norm import QKNorm, check_qk_norm, qk_norm_reference
+
 
 
 def _rotary_kernel(
     positions_ptr, query_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
+    q_norm_ptr, k_norm_ptr, norm_eps,
     stride_query_token, stride_query_head, stride_key_token, stride_key_head,
     stride_value_token, stride_value_head, stride_cos_position, stride_sin_position,
     stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     CACHE_BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr, FP8_CACHE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -50,6 +58,8 @@ def _rotary_kernel(
     first = query_ptr + token * stride_query_token + heads * stride_query_head + dims[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # the head's RMSNorm first (the launcher checked that the halves are the whole head)
+        x1, x2 = qk_norm_device.normalize_halves(x1, x2, q_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     tl.store(first, out1.to(dtype), mask=mask)
@@ -60,6 +70,8 @@ def _rotary_kernel(
     first = key_ptr + token * stride_key_token + heads * stride_key_head + dims[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        x1, x2 = qk_norm_device.normalize_halves(x1, x2, k_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     if WRITE_CACHE:
@@ -123,9 +135,9 @@ def check_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     return half
 
 
-def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None) -> None:
+def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None, qk_norm=None) -> None:
     """One program per token; cache_write = (value, kv_cache, slot_mapping, k_scale, v_scale) also
-    fills the cache."""
+    fills the cache; qk_norm (a checked QKNorm) normalises the heads first."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     if cache_write is None:
@@ -135,8 +147,12 @@ def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None)
     else:
         value, kv_cache, slot_mapping, k_scale, v_scale = cache_write
         cache_strides, cache_block_size = kv_cache.stride()[:4], kv_cache.shape[2]
+    # Unused without QK_NORM: any pointers of the query's dtype will do.
+    q_norm, k_norm, eps = (query, query, 1.0) if qk_norm is None else (qk_norm.q_weight, qk_norm.k_weight,
+                                                                      qk_norm.eps)
     _rotary[(num_tokens,)](
         positions, query, key, value, cos_cache, sin_cache, kv_cache, slot_mapping, k_scale, v_scale,
+        q_norm, k_norm, float(eps),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1),
         value.stride(0), value.stride(1), cos_cache.stride(0), sin_cache.stride(0),
         *cache_strides,
@@ -144,7 +160,7 @@ def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None)
         BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(half), BLOCK_D=next_power_of_2(head_dim),
         CACHE_BLOCK_SIZE=cache_block_size, WRITE_CACHE=cache_write is not None,
-        FP8_CACHE=is_fp8_cache(kv_cache), **pdl_options(query.device),
+        FP8_CACHE=is_fp8_cache(kv_cache), QK_NORM=qk_norm is not None, **pdl_options(query.device),
     )
 
 
@@ -154,17 +170,21 @@ def apply_rotary(
     key: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate query [T, Hq, D] and key [T, Hkv, D] in place by positions [T]; returns (query, key).
 
     query/key may be strided views (slices of a fused qkv output) with a contiguous last dimension.
     cos_cache/sin_cache: [max_positions, rot_dim // 2], rot_dim <= D. Positions must be below
-    max_positions (not checked: that would need a device sync).
+    max_positions (not checked: that would need a device sync). qk_norm: normalise each head first
+    (rot_dim == D then).
     """
     half = check_rotary(positions, query, key, cos_cache, sin_cache)
+    if qk_norm is not None:
+        check_qk_norm(qk_norm, query, half)
     if query.shape[0] == 0:
         return query, key
-    _launch(positions, query, key, cos_cache, sin_cache, half)
+    _launch(positions, query, key, cos_cache, sin_cache, half, qk_norm=qk_norm)
     return query, key
 
 
@@ -179,26 +199,32 @@ def apply_rotary_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
     """apply_rotary, then kv_cache_write of the rotated key and value, in one launch; returns query.
 
     query is rotated in place; the rotated key goes to kv_cache[0, slot] only (key itself is not
     modified) and value to kv_cache[1, slot], for every slot >= 0 of slot_mapping [T]. The cache
     ends up bit-identical to apply_rotary followed by kv_cache_write. Arguments as for those two
-    (k_scale and v_scale: an FP8 cache's scales).
+    (k_scale and v_scale: an FP8 cache's scales; qk_norm: normalise query's and key's heads first).
     """
     half = check_rotary(positions, query, key, cos_cache, sin_cache)
+    if qk_norm is not None:
+        check_qk_norm(qk_norm, query, half)
     check_kv_cache_write(key, value, kv_cache, slot_mapping)
     scales = check_kv_scales(k_scale, v_scale)
     if query.shape[0] == 0:
         return query
-    _launch(positions, query, key, cos_cache, sin_cache, half, (value, kv_cache, slot_mapping, *scales))
+    _launch(positions, query, key, cos_cache, sin_cache, half, (value, kv_cache, slot_mapping, *scales), qk_norm)
     return query
 
 
 def apply_rotary_reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
-                           sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch reference (out of place), written as transformers' apply_rotary_pos_emb."""
+                           sin_cache: torch.Tensor, qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference (out of place), written as transformers' apply_rotary_pos_emb (after
+    Qwen3's q_norm and k_norm with a qk_norm)."""
+    if qk_norm is not None:
+        query, key = qk_norm_reference(qk_norm, query, key)
     rot_dim = 2 * cos_cache.shape[1]
     cos = cos_cache[positions.long()].to(query.dtype).unsqueeze(1)
     sin = sin_cache[positions.long()].to(query.dtype).unsqueeze(1)
@@ -213,8 +239,8 @@ def apply_rotary_reference(positions: torch.Tensor, query: torch.Tensor, key: to
 def apply_rotary_and_cache_reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                      value: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                                     v_scale: float = 1.0) -> torch.Tensor:
+                                     v_scale: float = 1.0, qk_norm: QKNorm | None = None) -> torch.Tensor:
     """Pure-torch reference: returns the rotated query (out of place) and writes the cache in place."""
-    query, key = apply_rotary_reference(positions, query, key, cos_cache, sin_cache)
+    query, key = apply_rotary_reference(positions, query, key, cos_cache, sin_cache, qk_norm)
     kv_cache_write_reference(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     return query

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuworker.attention.backend import AttentionBackend, AttentionMetadata, fuses_rotary_and_cache_write
+from gpuworker.kernels.qk_norm import QKNorm
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_then_linear
 from gpuworker.models.moe import SparseMoE
@@ -44,6 +45,16 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    def fused_qk_norm(self, dtype: torch.dtype) -> QKNorm | None:
+        """The q/k norms (Qwen3) as the rotary launches take them, for activations of `dtype`; None
+        without them or where the launches cannot reproduce the two RMSNorm modules (weights of
+        another dtype, whose product torch would promote; two different eps)."""
+        if self.q_norm is None or self.k_norm is None or self.q_norm.eps != self.k_norm.eps:
+            return None
+        if self.q_norm.weight.dtype != dtype or self.k_norm.weight.dtype != dtype:
+            return None
+        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Everything after qkv_proj (which the decoder layer runs fused with its norm): rotary,
@@ -53,15 +64,18 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        fused = fuses_rotary_and_cache_write(backend)
+        qk_norm = self.fused_qk_norm(q.dtype) if fused else None
+        if self.q_norm is not None and qk_norm is None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        if fuses_rotary_and_cache_write(backend):
-            # The backend rotates and writes the cache itself (decode rows: inside the attention launch).
+        if fused:
+            # The backend rotates and writes the cache itself (decode rows: inside the attention launch),
+            # normalising the heads first when it takes the q/k norms.
             rotary = self._rotary[0]
             out = backend.forward_with_rotary(positions, q, k, v, kv_cache, meta, self.scale,
                                               rotary.cos_cache, rotary.sin_cache, k_scale=self.k_scale,
-                                              v_scale=self.v_scale)
+                                              v_scale=self.v_scale, qk_norm=qk_norm)
         else:
             q, k = self._rotary[0](positions, q, k)
             out = backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)

@@ -145,11 +145,11 @@ def test_forward_with_rotary_matches_rotary_then_torch_backend(dtype, device, ge
             assert torch.equal(got[-padding:], torch.zeros_like(got[-padding:]))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-moe"])
 def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device):
-    # Attention.forward takes the fused path for the Triton backend (qwen3: after the q/k norms) and
-    # the unfused one for the torch backend (on the CPU); the logits of a prefill and of padded
-    # decodes agree, and so do the caches.
+    # Attention.forward takes the fused path for the Triton backend (qwen3: the q/k norms inside the
+    # rotary launches, so the norm modules never run) and the unfused one for the torch backend (on
+    # the CPU); the logits of a prefill and of padded decodes agree, and so do the caches.
     from gpuworker.models.loader import load_model, load_model_config
     from tests.gpuworker.checkpoints import make_checkpoint
     from tests.gpuworker.models.paged_batch import PagedBatcher
@@ -160,6 +160,11 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
               for backend in (TritonAttentionBackend(), TorchAttentionBackend())}
     batchers = {name: PagedBatcher(mc) for name in models}
     batchers["triton"].kv_caches = [cache.to(device) for cache in batchers["triton"].kv_caches]
+    qk_norms = [module for name, module in models["triton"].named_modules() if name.endswith(("q_norm", "k_norm"))]
+    assert len(qk_norms) == (2 * mc.num_layers if family.startswith("qwen3") else 0)
+    norm_calls = []
+    for module in qk_norms:
+        module.register_forward_hook(lambda *_: norm_calls.append(1))
     steps = [([("a", list(range(3, 40))), ("b", list(range(50, 55)))], None),
              ([("a", [7]), ("b", [8])], 4), ([("a", [9]), ("b", [10])], 3)]
     for chunks, pad_to in steps:
@@ -174,6 +179,7 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
                                meta)
                 logits[name] = model.compute_logits(hidden).cpu()
         torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
+    assert norm_calls == []
     for triton_cache, torch_cache in zip(batchers["triton"].kv_caches, batchers["torch"].kv_caches, strict=True):
         torch.testing.assert_close(triton_cache.cpu(), torch_cache, rtol=1e-5, atol=1e-5)
 
@@ -222,16 +228,18 @@ def test_fp8_cache_matches_torch_backend(fused, device, generator, tolerance):
         assert torch.equal(got[num_tokens - padding:], torch.zeros_like(got[num_tokens - padding:]))
 
 
-def test_engine_on_fp8_cache_matches_torch_backend(tmp_path, device):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_on_fp8_cache_matches_torch_backend(family, tmp_path, device):
     # The whole engine on an FP8 cache, through the Triton kernels (decode rows rotated and cached
-    # in the attention launch, prefill rows by the rotary kernel; CUDA graphs on a GPU) and through
-    # the CPU's torch backend: the same greedy tokens, and again on a second pass whose prompts
-    # start from FP8 blocks in the prefix cache.
+    # in the attention launch, prefill rows by the rotary kernel, qwen3's q/k norms inside both;
+    # CUDA graphs on a GPU, after a warm-up that compiles those launches) and through the CPU's
+    # torch backend: the same greedy tokens, and again on a second pass whose prompts start from
+    # FP8 blocks in the prefix cache.
     from gpuworker.engine import LLMEngine, SamplingParams
     from tests.gpuworker.checkpoints import TINY, make_checkpoint
     from tests.gpuworker.engine.reference import random_prompts
 
-    path = make_checkpoint(tmp_path, "llama")
+    path = make_checkpoint(tmp_path, family)
     config = dict(dtype="float32", num_kv_blocks=64, max_model_len=128, kv_cache_dtype="fp8")
     prompts = random_prompts((3, 21, 40), TINY["vocab_size"], seed=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

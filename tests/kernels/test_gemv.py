@@ -20,6 +20,7 @@ from gpuworker.kernels.gemv import (
     gemv_rms_norm,
     gemv_rms_norm_reference,
     pick_config,
+    tuned_config,
 )
 from gpuworker.kernels.launch import SPLIT_K_COUNTERS
 from gpuworker.kernels.rms_norm import rms_norm_reference
@@ -124,6 +125,28 @@ def test_pick_config_takes_the_fp8_table_for_an_fp8_weight(monkeypatch):
     assert pick_config(1, 4096, 4096).name == "fma-n16-k512-w4-p3"
     # No FP8 entry: the bf16 choice.
     assert pick_config(1, 4096, 14336, fp8_weight=True) == pick_config(1, 4096, 14336)
+
+
+# Qwen3-30B-A3B's batch-1 projections (N, K) beside its MoE experts.
+QWEN3_30B_A3B = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048), "lm_head": (151936, 2048)}
+
+
+@pytest.mark.parametrize("name", QWEN3_30B_A3B)
+def test_qwen3_moe_projections_take_the_gemv(name, device, generator, tolerance):
+    # Shapes missing from TUNED go to cuBLAS, and their norm cannot fuse: each has an entry, qkv's
+    # fuses the input RMSNorm, lm_head's takes the argmax in its launch (no split-K); the product is
+    # F.linear's. The interpreter runs the config over the full K but fewer rows.
+    n, k = QWEN3_30B_A3B[name]
+    config = pick_config(1, n, k)
+    assert gemv_module.TUNED[(n, k)][1] == config.name
+    if name == "qkv":
+        assert fuses_rms_norm(config)
+    if name == "lm_head":
+        assert config.split_k == 1
+    x, weight, _ = make(1, n if ON_CUDA else min(n, 96), k, torch.bfloat16, generator, device)
+    if ON_CUDA:
+        assert tuned_config(x, weight) == config
+    torch.testing.assert_close(gemv(x, weight, config=config), gemv_reference(x, weight), **tolerance(torch.bfloat16))
 
 
 def test_empty_batch(device):

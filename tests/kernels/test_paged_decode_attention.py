@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from gpuworker.kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from gpuworker.kernels.qk_norm import QKNorm
 from gpuworker.kernels.rotary import apply_rotary_and_cache
 
 ON_CUDA = torch.cuda.is_available()
@@ -120,7 +123,7 @@ def _assert_cache_as_unfused(kv_cache, unfused_cache, reference_cache, query, ne
     unrounded inside an FMA in one kernel and not the other: on an H200 about 2% of bf16 keys differ
     by one ulp (float32: an ulp of FMA contraction)."""
     apply_rotary_and_cache(new.positions, query.clone(), new.key, new.value, new.cos_cache, new.sin_cache,
-                           unfused_cache, new.slot_mapping)
+                           unfused_cache, new.slot_mapping, qk_norm=new.qk_norm)
     assert torch.equal(kv_cache[1], unfused_cache[1])
     close = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else tolerance(dtype)
     torch.testing.assert_close(kv_cache[0], unfused_cache[0], **close)
@@ -169,6 +172,44 @@ def test_new_tokens_with_partial_rotary(paged_cache, device, generator, toleranc
                                  new_tokens=new, **TILE)
     _assert_cache_as_unfused(kv_cache, unfused_cache, reference_cache, query, new, torch.bfloat16, tolerance)
     torch.testing.assert_close(out, expected, **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("dtype", "gqa"), [(torch.float32, 4), (torch.bfloat16, 2)], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_new_tokens_with_qk_norm(dtype, gqa, num_splits, paged_cache, device, generator, tolerance):
+    # Qwen3's decode step: the launch normalises each head of the query and of the new key (q_norm,
+    # k_norm) before rotating them; against the rotary kernel with the same norm and the references.
+    num_kv_heads = NUM_Q_HEADS // gqa
+    seq_lens = [0, *SEQ_LENS]
+    kv_cache, block_tables = paged_cache(seq_lens, num_kv_heads, HEAD_DIM, 16, dtype, generator)
+    query, new = _new_tokens(seq_lens, num_kv_heads, HEAD_DIM, 16, dtype, block_tables, generator, device)
+    query.mul_(3.0)  # rms far from 1 (query, key and value share one qkv), so a missing norm shows
+    weights = (1.0 + 0.5 * torch.randn(2, HEAD_DIM, generator=generator)).to(dtype).to(device)
+    new = replace(new, qk_norm=QKNorm(weights[0], weights[1], 1e-6))
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    unfused_cache, reference_cache = kv_cache.clone(), kv_cache.clone()
+    scale = HEAD_DIM**-0.5
+    expected = paged_decode_attention_reference(query, reference_cache, block_tables, lens, scale, new_tokens=new)
+    without_norm = paged_decode_attention_reference(query, kv_cache.clone(), block_tables, lens, scale,
+                                                    new_tokens=replace(new, qk_norm=None))
+    query_before = query.clone()
+    out = paged_decode_attention(query, kv_cache, block_tables, lens, scale, max(seq_lens), num_splits=num_splits,
+                                 new_tokens=new, **TILE)
+    _assert_cache_as_unfused(kv_cache, unfused_cache, reference_cache, query_before, new, dtype, tolerance)
+    assert torch.equal(query, query_before)
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+    assert not torch.allclose(expected.float(), without_norm.float(), atol=0.1)
+
+
+def test_new_tokens_qk_norm_needs_whole_head_rotary(paged_cache, device, generator):
+    kv_cache, block_tables = paged_cache([5, 9], 2, HEAD_DIM, 16, torch.float32, generator)
+    query, new = _new_tokens([5, 9], 2, HEAD_DIM, 16, torch.float32, block_tables, generator, device,
+                             rot_dim=HEAD_DIM // 2)
+    lens = torch.tensor([5, 9], dtype=torch.int32, device=device)
+    weight = torch.ones(HEAD_DIM, device=device)
+    with pytest.raises(ValueError, match="qk_norm needs rotary over the whole head"):
+        paged_decode_attention(query, kv_cache, block_tables, lens, 1.0, 9,
+                               new_tokens=replace(new, qk_norm=QKNorm(weight, weight, 1e-6)))
 
 
 def test_new_tokens_must_match_the_query(paged_cache, device, generator):

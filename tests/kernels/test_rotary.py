@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from gpuworker.kernels.kv_cache_write import kv_cache_write
+from gpuworker.kernels.qk_norm import QKNorm
+from gpuworker.kernels.rms_norm import rms_norm
 from gpuworker.kernels.rotary import (
     apply_rotary,
     apply_rotary_and_cache,
@@ -77,6 +79,54 @@ def test_rejects_bad_arguments(device):
         apply_rotary(pos, q, k.half(), cos, cos)
 
 
+def _qk_norm(dtype, device, generator, head_dim=HEAD_DIM):
+    """Qwen3-like norm weights: around 1, not all equal, so a missed or swapped weight shows."""
+    weights = (1.0 + 0.5 * torch.randn(2, head_dim, generator=generator)).to(dtype).to(device)
+    return QKNorm(weights[0], weights[1], 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_qk_norm_then_rotary_in_one_launch(dtype, device, generator, tolerance):
+    # Qwen3: each head of q and k RMS-normalised with its own weight, then rotated; against the model's
+    # two steps (the rms_norm kernel on each, then apply_rotary) and the torch reference.
+    rotary = RotaryEmbedding(HEAD_DIM, MAX_POS, 1000000.0, None).to(device)
+    qkv, query, key = _fused_qkv(dtype, device, generator)
+    qkv.mul_(3.0)  # rms far from 1, so a missing norm shows
+    norm = _qk_norm(dtype, device, generator)
+    positions = torch.randint(0, MAX_POS, (NUM_TOKENS,), generator=generator).to(device)
+    v_before = qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM:].clone()
+    two_q = rms_norm(query, norm.q_weight, norm.eps)
+    two_k = rms_norm(key, norm.k_weight, norm.eps)
+    apply_rotary(positions, two_q, two_k, rotary.cos_cache, rotary.sin_cache)
+    expected_q, expected_k = apply_rotary_reference(positions, query, key, rotary.cos_cache, rotary.sin_cache, norm)
+    unnormed_q = apply_rotary_reference(positions, query, key, rotary.cos_cache, rotary.sin_cache)[0]
+
+    apply_rotary(positions, query, key, rotary.cos_cache, rotary.sin_cache, qk_norm=norm)
+
+    for got, two_step, expected in ((query, two_q, expected_q), (key, two_k, expected_k)):
+        torch.testing.assert_close(got, expected, **tolerance(dtype))
+        torch.testing.assert_close(got, two_step, **tolerance(dtype))
+    assert torch.equal(qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM:], v_before)
+    # Without the norm the heads keep their rms of about 3: the comparisons above see the norm.
+    assert not torch.allclose(expected_q.float(), unnormed_q.float(), atol=0.5)
+
+
+def test_qk_norm_rejects_bad_arguments(device):
+    q, k = torch.zeros(3, 4, 16, device=device), torch.zeros(3, 2, 16, device=device)
+    cos = torch.zeros(10, 8, device=device)
+    pos = torch.zeros(3, dtype=torch.int64, device=device)
+    weight = torch.ones(16, device=device)
+    with pytest.raises(ValueError, match="qk_norm needs rotary over the whole head: cos_cache's width 4"):
+        apply_rotary(pos, q, k, cos[:, :4], cos[:, :4], qk_norm=QKNorm(weight, weight, 1e-6))
+    with pytest.raises(ValueError, match=r"qk_norm.k_weight must have shape \(16,\)"):
+        apply_rotary(pos, q, k, cos, cos, qk_norm=QKNorm(weight, weight[:8], 1e-6))
+    with pytest.raises(ValueError, match="qk_norm.q_weight must have dtype"):
+        apply_rotary(pos, q, k, cos, cos, qk_norm=QKNorm(weight.half(), weight, 1e-6))
+    with pytest.raises(ValueError, match="qk_norm.eps must be > 0"):
+        apply_rotary_and_cache(pos, q, k, k, cos, cos, torch.zeros(2, 4, 16, 2, 16, device=device), pos,
+                               qk_norm=QKNorm(weight, weight, 0.0))
+
+
 def _cache_and_slots(dtype, block_size, device, generator):
     """A random cache with room for every token, shuffled slots, about a fifth of them padding (-1)."""
     num_blocks = -(-NUM_TOKENS // block_size) + 2
@@ -126,6 +176,36 @@ def test_fused_cache_write_is_rotary_then_kv_cache_write(dtype, block_size, rot_
     written[slot_mapping[~padded]] = True
     untouched = ~written.view(cache.shape[1], block_size)
     assert torch.equal(cache[:, untouched], untouched_cache[:, untouched])  # padding wrote nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_cache_write_with_qk_norm(dtype, device, generator, tolerance):
+    # The prefill rows' path for Qwen3: norm, rotary and the cache write in one launch, as the
+    # normalised heads rotated (apply_rotary with the norm) and then written.
+    qkv, query, key, value = _fused_qkv(dtype, device, generator, with_value=True)
+    qkv.mul_(3.0)
+    norm = _qk_norm(dtype, device, generator)
+    rotary = RotaryEmbedding(HEAD_DIM, MAX_POS, 1000000.0, None).to(device)
+    positions = torch.randint(0, MAX_POS, (NUM_TOKENS,), generator=generator).to(device)
+    cache, slot_mapping = _cache_and_slots(dtype, 16, device, generator)
+    two_step = qkv.clone()
+    q2, k2, v2 = (two_step.as_strided(t.shape, t.stride(), t.storage_offset() - qkv.storage_offset())
+                  for t in (query, key, value))
+    two_step_cache, reference_cache = cache.clone(), cache.clone()
+    apply_rotary(positions, q2, k2, rotary.cos_cache, rotary.sin_cache, qk_norm=norm)
+    kv_cache_write(k2, v2, two_step_cache, slot_mapping)
+    reference_q = apply_rotary_and_cache_reference(positions, query, key, value, rotary.cos_cache, rotary.sin_cache,
+                                                   reference_cache, slot_mapping, qk_norm=norm)
+    key_before = key.clone()
+
+    apply_rotary_and_cache(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache, slot_mapping,
+                           qk_norm=norm)
+
+    assert torch.equal(query, q2)
+    assert torch.equal(cache, two_step_cache)
+    assert torch.equal(key, key_before)
+    torch.testing.assert_close(query, reference_q, **tolerance(dtype))
+    torch.testing.assert_close(cache, reference_cache, **tolerance(dtype))
 
 
 def test_fused_casts_to_the_cache_dtype(device, generator):
