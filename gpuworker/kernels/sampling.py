@@ -18,7 +18,10 @@ thresholds (8 by default) inside the interval, keeps the sub-interval where the 
 and stops when the interval holds at most one distinct value (which is then kept). A pass shrinks
 the interval (NT + 1)-fold: the first few space their thresholds by value (logits are spread evenly
 in value; a key interval that crosses zero holds most of its keys in tiny values no token has), the
-others by key, which bounds a search to SamplingConfig.max_passes passes.
+others by key, which bounds a search to SamplingConfig.max_passes passes. Once the interval holds
+few enough tokens (SamplingConfig.list_capacity), the pass over the row also writes their keys to a
+list, and the search's later passes read that list instead of the row: flat top-p 0.95 rows at
+Llama-3's vocabulary take ~8 search passes, of which the last ~5 then read ~5k keys, not 128k logits.
 
 A row is split over several programs when the batch is small (one row would otherwise run on one
 SM): the programs of a row exchange per-pass partial sums through a scratch buffer and wait for
@@ -53,7 +56,9 @@ class SamplingConfig:
     search passes, which hold a [search_block, num_thresholds] tile of sums in registers.
     num_thresholds: a search pass costs compute in proportion and shrinks the interval
     (num_thresholds + 1)-fold. value_passes: search passes whose thresholds are even in value (then
-    even in key). prefetch: load the next block before reducing this one (two blocks in flight per
+    even in key). list_capacity: once a search's interval holds at most this many tokens, a pass
+    lists their keys (per program, 4 bytes each: rows x programs x list_capacity in all) and the
+    search's later passes read the list instead of the row; 0: never. prefetch: load the next block before reducing this one (two blocks in flight per
     program). programs_per_sm: rows are split until rows x programs per row reaches this many
     programs per SM, or as many as the compiled kernel's registers and shared memory let reside at
     once, whichever is fewer (a row's programs wait for each other)."""
@@ -61,10 +66,11 @@ class SamplingConfig:
     block: int = 2048
     search_block: int = 1024
     num_thresholds: int = 8
-    value_passes: int = 4
+    value_passes: int = 1
     num_warps: int = 8
     prefetch: bool = False
     programs_per_sm: int = 1
+    list_capacity: int = 8192
 
     def __post_init__(self) -> None:
         for field, value, low, high in (("block", self.block, 16, 1 << 16),
@@ -75,6 +81,8 @@ class SamplingConfig:
                 raise ValueError(f"SamplingConfig.{field} must be a power of two in [{low}, {high}], got {value}")
         if not 0 <= self.value_passes <= 8:
             raise ValueError(f"SamplingConfig.value_passes must be in [0, 8], got {self.value_passes}")
+        if not 0 <= self.list_capacity <= 1 << 20:
+            raise ValueError(f"SamplingConfig.list_capacity must be in [0, {1 << 20}], got {self.list_capacity}")
         if not 1 <= self.programs_per_sm <= 32:
             raise ValueError(f"SamplingConfig.programs_per_sm must be in [1, 32], got {self.programs_per_sm}")
 
@@ -87,11 +95,12 @@ class SamplingConfig:
     @property
     def name(self) -> str:
         return (f"b{self.block}-s{self.search_block}-t{self.num_thresholds}-v{self.value_passes}-w{self.num_warps}"
-                f"{'-pf' if self.prefetch else ''}-p{self.programs_per_sm}")
+                f"{'-pf' if self.prefetch else ''}-p{self.programs_per_sm}-l{self.list_capacity}")
 
 
-# The kernel as it was tuned before issue 21 (one value pass): the benchmark's baseline.
-BASELINE_CONFIG = SamplingConfig(value_passes=1)
+# The kernel as it was before issue 21 (one value pass, every pass over the whole row): the
+# benchmark's baseline.
+BASELINE_CONFIG = SamplingConfig(value_passes=1, list_capacity=0)
 DEFAULT_CONFIG = SamplingConfig()
 # Per batch-size bucket (the smallest bucket at least the batch; the last beyond): fill from
 # bench/sampling.py's TUNED output on the target GPU.
@@ -111,11 +120,11 @@ _STATS, _TOP_K, _TOP_P, _DRAW, _DONE = 0, 1, 2, 3, 4
 def _sample_kernel(
     logits_ptr, stride_logits,
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
-    token_ids_ptr, num_kept_ptr, part_f_ptr, part_i_ptr, counter_ptr,
+    token_ids_ptr, num_kept_ptr, part_f_ptr, part_i_ptr, counter_ptr, list_ptr,
     vocab_size, chunk,
     BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NT: tl.constexpr, WIDTH: tl.constexpr, SPLITS_P2: tl.constexpr,
-    VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, PREFETCH: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    WRITE_NUM_KEPT: tl.constexpr,
+    VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, PREFETCH: tl.constexpr, LIST_CAP: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, WRITE_NUM_KEPT: tl.constexpr,
 ):
     # A row's programs are consecutive in launch order (axis 0 varies fastest).
     row = tl.program_id(1).to(tl.int64)
@@ -124,6 +133,8 @@ def _sample_kernel(
     row_ptr = logits_ptr + row * stride_logits
     begin = split * chunk
     end = tl.minimum(begin + chunk, vocab_size)
+    # This program's list of candidate keys (the row's tokens inside the search interval, its part).
+    list_base = list_ptr + (row * splits + split) * LIST_CAP
     cols = tl.arange(0, BLOCK)
     thr_ids = tl.arange(0, NT)
     split_ids = tl.arange(0, SPLITS_P2)
@@ -157,6 +168,11 @@ def _sample_kernel(
     lo = tl.zeros([], tl.int64)  # search interval (lo, hi] of keys
     hi = tl.zeros([], tl.int64)
     mass_lo = 0.0  # the mass above lo
+    count_lo = 0  # the tokens above lo
+    count_hi = 0  # the tokens above hi, and their mass
+    mass_hi = 0.0
+    listed = 0  # 1: every token inside (lo, hi] is in its program's list, and search passes read the lists
+    list_len = 0  # this program's list
     num_kept = 0
 
     while kind != 4:  # _DONE
@@ -175,6 +191,12 @@ def _sample_kernel(
         v_key = tl.where(v_key >= 0, v_key, v_key ^ 0x7FFFFFFF)
         v_key = tl.minimum(tl.maximum(v_key, (lo + 1).to(tl.int32)), hi.to(tl.int32))
         thresholds = tl.where((passes < VALUE_PASSES) & (hi - lo > NT + 1), v_key, by_key)
+        # A full search pass lists the tokens inside (lo, hi] once they fit the lists: the row's
+        # later passes read its candidates only (top-p at batch 512 reads ~5k of 128k).
+        compact = 0
+        if LIST_CAP > 0:
+            if (kind == 1 or kind == 2) and listed == 0 and count_lo - count_hi <= LIST_CAP:
+                compact = 1
 
         # This program's pass over its part of the row.
         f0 = float("-inf")
@@ -273,27 +295,47 @@ def _sample_kernel(
             # (lo, hi] in int32: lo >= the smallest finite key - 1 and hi <= the largest key, both in range.
             lo32 = lo.to(tl.int32)
             hi32 = hi.to(tl.int32)
-            ahead = tl.load(row_ptr + begin + search_cols, mask=begin + search_cols < end, other=float("-inf"))
-            for start in range(begin, end, SEARCH_BLOCK):
-                idx = start + search_cols
-                if PREFETCH:
-                    raw = ahead.to(tl.float32)
-                    ahead = tl.load(row_ptr + idx + SEARCH_BLOCK, mask=idx + SEARCH_BLOCK < end,
-                                    other=float("-inf"))
-                else:
-                    raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-                x = tl.math.div_rn(raw, divisor) + 0.0
-                finite = x > float("-inf")
-                bits = x.to(tl.int32, bitcast=True)
-                key = tl.where(finite, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
-                mass = tl.where(finite, tl.exp(x - row_max), 0.0)
-                above = key[:, None] > thresholds[None, :]
-                tile_counts += above.to(tl.int32)
-                tile_masses += tl.where(above, mass[:, None], 0.0)
-                inside = (key > lo32) & (key <= hi32)
-                lane_in += inside.to(tl.int32)
-                lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
-                lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
+            if listed == 1:  # only the listed candidates: those above hi are counted in count_hi, mass_hi
+                for start in range(0, list_len, SEARCH_BLOCK):
+                    slot = start + search_cols
+                    key = tl.load(list_base + slot, mask=slot < list_len, other=INT_MIN)
+                    inside = (key > lo32) & (key <= hi32)
+                    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+                    mass = tl.where(inside, tl.exp(bits.to(tl.float32, bitcast=True) - row_max), 0.0)
+                    above = inside[:, None] & (key[:, None] > thresholds[None, :])
+                    tile_counts += above.to(tl.int32)
+                    tile_masses += tl.where(above, mass[:, None], 0.0)
+                    lane_in += inside.to(tl.int32)
+                    lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
+                    lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
+            else:
+                if compact == 1:
+                    list_len = 0
+                ahead = tl.load(row_ptr + begin + search_cols, mask=begin + search_cols < end, other=float("-inf"))
+                for start in range(begin, end, SEARCH_BLOCK):
+                    idx = start + search_cols
+                    if PREFETCH:
+                        raw = ahead.to(tl.float32)
+                        ahead = tl.load(row_ptr + idx + SEARCH_BLOCK, mask=idx + SEARCH_BLOCK < end,
+                                        other=float("-inf"))
+                    else:
+                        raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+                    x = tl.math.div_rn(raw, divisor) + 0.0
+                    finite = x > float("-inf")
+                    bits = x.to(tl.int32, bitcast=True)
+                    key = tl.where(finite, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
+                    mass = tl.where(finite, tl.exp(x - row_max), 0.0)
+                    above = key[:, None] > thresholds[None, :]
+                    tile_counts += above.to(tl.int32)
+                    tile_masses += tl.where(above, mass[:, None], 0.0)
+                    inside = (key > lo32) & (key <= hi32)
+                    lane_in += inside.to(tl.int32)
+                    lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
+                    lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
+                    if compact == 1:  # write the candidates to this program's list, in order
+                        slot = list_len + tl.cumsum(inside.to(tl.int32), 0) - 1
+                        tl.store(list_base + slot, key, mask=inside)
+                        list_len += tl.sum(inside.to(tl.int32), 0)
             counts = tl.sum(tile_counts, 0)
             masses = tl.sum(tile_masses, 0)
             i0 = tl.sum(lane_in, 0)
@@ -335,6 +377,10 @@ def _sample_kernel(
             hi = tl.where(max_bits >= 0, max_bits, max_bits ^ 0x7FFFFFFF).to(tl.int64)
             lo = min_key.to(tl.int64) - 1
             mass_lo = z_dom
+            count_lo = num_finite
+            count_hi = 0
+            mass_hi = 0.0
+            listed = 0
             passes = 0
             if greedy:
                 kind = 4
@@ -355,6 +401,9 @@ def _sample_kernel(
             thr_mask = split_mask[:, None]
             counts = tl.sum(tl.load(part_i_ptr + thr_records, mask=thr_mask, other=0, cache_modifier=".cg"), 0)
             masses = tl.sum(tl.load(part_f_ptr + thr_records, mask=thr_mask, other=0.0, cache_modifier=".cg"), 0)
+            if listed == 1:
+                counts += count_hi
+                masses += mass_hi
             num_in = tl.sum(all_i0, 0)
             min_in = tl.min(all_i1, 0)
             max_in = tl.max(tl.where(split_mask, all_i2, INT_MIN), 0)
@@ -367,15 +416,23 @@ def _sample_kernel(
             new_hi = tl.sum(tl.where(thr_ids == first, thresholds, 0), 0).to(tl.int64)
             new_lo = tl.sum(tl.where(thr_ids == first - 1, thresholds, 0), 0).to(tl.int64)
             new_mass_lo = tl.sum(tl.where(thr_ids == first - 1, masses, 0.0), 0)
+            new_count_lo = tl.sum(tl.where(thr_ids == first - 1, counts, 0), 0)
+            new_mass_hi = tl.sum(tl.where(thr_ids == first, masses, 0.0), 0)
+            new_count_hi = tl.sum(tl.where(thr_ids == first, counts, 0), 0)
             if first < NT:
                 hi_next = new_hi
+                mass_hi = new_mass_hi
+                count_hi = new_count_hi
             else:
                 hi_next = hi
             if first > 0:
                 lo_next = new_lo
                 mass_lo = new_mass_lo
+                count_lo = new_count_lo
             else:
                 lo_next = lo
+            if compact == 1:
+                listed = 1
             # No token lies in (lo, min_in) or (max_in, hi]: tighten to the tokens' keys.
             lo_next = tl.maximum(lo_next, min_in.to(tl.int64) - 1)
             hi_next = tl.minimum(hi_next, max_in.to(tl.int64))
@@ -396,6 +453,9 @@ def _sample_kernel(
                 z_dom = mass_lo
                 max_bits = row_max.to(tl.int32, bitcast=True)
                 hi = tl.where(max_bits >= 0, max_bits, max_bits ^ 0x7FFFFFFF).to(tl.int64)
+                count_hi = 0
+                mass_hi = 0.0
+                listed = 0
                 passes = 0
                 if top_p < 1.0:
                     kind = 2
@@ -468,15 +528,16 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
     splits = -(-vocab_size // chunk)
     part_f = torch.empty(num_rows * 2 * splits * RECORD_WIDTH, dtype=torch.float32, device=device)
     part_i = torch.empty(num_rows * 2 * splits * RECORD_WIDTH, dtype=torch.int32, device=device)
+    candidates = torch.empty(max(1, num_rows * splits * config.list_capacity), dtype=torch.int32, device=device)
     kernel = _sample[(splits, num_rows)](
         logits, logits.stride(0), temperature,
         top_k if top_k is not None else seeds, top_p if top_p is not None else temperature,
         min_p if min_p is not None else temperature, seeds,
         token_ids, num_kept if num_kept is not None else part_i, part_f, part_i, _counters(device, num_rows),
-        vocab_size, chunk,
+        candidates, vocab_size, chunk,
         BLOCK=config.block, SEARCH_BLOCK=config.search_block, NT=config.num_thresholds, WIDTH=RECORD_WIDTH,
         SPLITS_P2=MAX_SPLITS, VALUE_PASSES=config.value_passes, MAX_PASSES=config.max_passes,
-        PREFETCH=config.prefetch, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
+        PREFETCH=config.prefetch, LIST_CAP=config.list_capacity, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
         HAS_MIN_P=min_p is not None, WRITE_NUM_KEPT=num_kept is not None,
         # One num_warps per config: each value is a variant to compile (and warm up).
         num_warps=config.num_warps,

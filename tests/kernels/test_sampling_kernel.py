@@ -124,8 +124,10 @@ def test_rejects_bad_arguments(device):
 # Launch configs at their extremes: tiny blocks (many loop steps and, on a GPU, many programs per
 # row), few and many thresholds, no value passes and many, prefetching on and off.
 CONFIGS = [
-    SamplingConfig(block=16, search_block=16, num_thresholds=2, value_passes=0, num_warps=1, prefetch=True),
-    SamplingConfig(block=64, search_block=32, num_thresholds=4, value_passes=8, num_warps=2, programs_per_sm=4),
+    SamplingConfig(block=16, search_block=16, num_thresholds=2, value_passes=0, num_warps=1, prefetch=True,
+                   list_capacity=40),
+    SamplingConfig(block=64, search_block=32, num_thresholds=4, value_passes=8, num_warps=2, programs_per_sm=4,
+                   list_capacity=0),
     SamplingConfig(block=256, search_block=128, num_thresholds=16, value_passes=1, num_warps=4, prefetch=True),
 ]
 
