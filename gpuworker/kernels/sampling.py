@@ -193,10 +193,7 @@ def _sample_kernel(
         thresholds = tl.where((passes < VALUE_PASSES) & (hi - lo > NT + 1), v_key, by_key)
         # A full search pass lists the tokens inside (lo, hi] once they fit the lists: the row's
         # later passes read its candidates only (top-p at batch 512 reads ~5k of 128k).
-        compact = 0
-        if LIST_CAP > 0:
-            if (kind == 1 or kind == 2) and listed == 0 and count_lo - count_hi <= LIST_CAP:
-                compact = 1
+        compact = (LIST_CAP > 0) & ((kind == 1) | (kind == 2)) & (listed == 0) & (count_lo - count_hi <= LIST_CAP)
 
         # This program's pass over its part of the row.
         f0 = float("-inf")
@@ -212,12 +209,12 @@ def _sample_kernel(
             lane_sum = tl.zeros([BLOCK], tl.float32)
             lane_min_key = tl.full([BLOCK], INT_MAX, tl.int32)
             lane_finite = tl.zeros([BLOCK], tl.int32)
-            ahead = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
+            ahead_stats = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
             for start in range(begin, end, BLOCK):
                 idx = start + cols
                 if PREFETCH:  # the next block's loads in flight while this one is reduced
-                    raw = ahead.to(tl.float32)
-                    ahead = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
+                    raw = ahead_stats.to(tl.float32)
+                    ahead_stats = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
                 else:
                     raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
                 x = tl.math.div_rn(raw, divisor) + 0.0  # + 0.0: -0.0 becomes 0.0, one key per value
@@ -244,12 +241,12 @@ def _sample_kernel(
             lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
             lane_arg = tl.zeros([BLOCK], tl.int32) + begin
             lane_kept = tl.zeros([BLOCK], tl.int32)
-            ahead = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
+            ahead_draw = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
             for start in range(begin, end, BLOCK):
                 idx = start + cols
                 if PREFETCH:
-                    raw = ahead.to(tl.float32)
-                    ahead = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
+                    raw = ahead_draw.to(tl.float32)
+                    ahead_draw = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
                 else:
                     raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
                 x = tl.math.div_rn(raw, divisor) + 0.0
@@ -295,47 +292,43 @@ def _sample_kernel(
             # (lo, hi] in int32: lo >= the smallest finite key - 1 and hi <= the largest key, both in range.
             lo32 = lo.to(tl.int32)
             hi32 = hi.to(tl.int32)
-            if listed == 1:  # only the listed candidates: those above hi are counted in count_hi, mass_hi
-                for start in range(0, list_len, SEARCH_BLOCK):
-                    slot = start + search_cols
-                    key = tl.load(list_base + slot, mask=slot < list_len, other=INT_MIN)
-                    inside = (key > lo32) & (key <= hi32)
+            # A listed search reads this program's list (keys above hi there are stale: count_hi and
+            # mass_hi hold them); otherwise the row, listing the tokens inside when compact.
+            ceiling = tl.where(listed == 1, hi32, INT_MAX)
+            num_items = tl.where(listed == 1, list_len, end - begin)
+            if compact:
+                list_len = 0
+            ahead_search = tl.load(row_ptr + begin + search_cols, mask=begin + search_cols < end, other=float("-inf"))
+            for start in range(0, num_items, SEARCH_BLOCK):
+                offs = start + search_cols
+                if listed == 1:
+                    key = tl.load(list_base + offs, mask=offs < num_items, other=INT_MIN)
                     bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
-                    mass = tl.where(inside, tl.exp(bits.to(tl.float32, bitcast=True) - row_max), 0.0)
-                    above = inside[:, None] & (key[:, None] > thresholds[None, :])
-                    tile_counts += above.to(tl.int32)
-                    tile_masses += tl.where(above, mass[:, None], 0.0)
-                    lane_in += inside.to(tl.int32)
-                    lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
-                    lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
-            else:
-                if compact == 1:
-                    list_len = 0
-                ahead = tl.load(row_ptr + begin + search_cols, mask=begin + search_cols < end, other=float("-inf"))
-                for start in range(begin, end, SEARCH_BLOCK):
-                    idx = start + search_cols
+                    x = bits.to(tl.float32, bitcast=True)
+                else:
+                    idx = begin + offs
                     if PREFETCH:
-                        raw = ahead.to(tl.float32)
-                        ahead = tl.load(row_ptr + idx + SEARCH_BLOCK, mask=idx + SEARCH_BLOCK < end,
+                        raw = ahead_search.to(tl.float32)
+                        ahead_search = tl.load(row_ptr + idx + SEARCH_BLOCK, mask=idx + SEARCH_BLOCK < end,
                                         other=float("-inf"))
                     else:
                         raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
                     x = tl.math.div_rn(raw, divisor) + 0.0
-                    finite = x > float("-inf")
                     bits = x.to(tl.int32, bitcast=True)
-                    key = tl.where(finite, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
-                    mass = tl.where(finite, tl.exp(x - row_max), 0.0)
-                    above = key[:, None] > thresholds[None, :]
-                    tile_counts += above.to(tl.int32)
-                    tile_masses += tl.where(above, mass[:, None], 0.0)
-                    inside = (key > lo32) & (key <= hi32)
-                    lane_in += inside.to(tl.int32)
-                    lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
-                    lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
-                    if compact == 1:  # write the candidates to this program's list, in order
-                        slot = list_len + tl.cumsum(inside.to(tl.int32), 0) - 1
-                        tl.store(list_base + slot, key, mask=inside)
-                        list_len += tl.sum(inside.to(tl.int32), 0)
+                    key = tl.where(x > float("-inf"), tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
+                key = tl.where(key <= ceiling, key, INT_MIN)
+                mass = tl.where(key > INT_MIN, tl.exp(x - row_max), 0.0)
+                above = key[:, None] > thresholds[None, :]
+                tile_counts += above.to(tl.int32)
+                tile_masses += tl.where(above, mass[:, None], 0.0)
+                inside = (key > lo32) & (key <= hi32)
+                lane_in += inside.to(tl.int32)
+                lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
+                lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
+                if compact:  # write the candidates to this program's list, in order
+                    slot = list_len + tl.cumsum(inside.to(tl.int32), 0) - 1
+                    tl.store(list_base + slot, key, mask=inside)
+                    list_len += tl.sum(inside.to(tl.int32), 0)
             counts = tl.sum(tile_counts, 0)
             masses = tl.sum(tile_masses, 0)
             i0 = tl.sum(lane_in, 0)
@@ -431,7 +424,7 @@ def _sample_kernel(
                 count_lo = new_count_lo
             else:
                 lo_next = lo
-            if compact == 1:
+            if compact:
                 listed = 1
             # No token lies in (lo, min_in) or (max_in, hi]: tighten to the tokens' keys.
             lo_next = tl.maximum(lo_next, min_in.to(tl.int64) - 1)
