@@ -40,8 +40,9 @@ DESCENT = {
     "block": (256, 512, 1024, 2048),
     "search_block": (128, 256, 512, 1024),
     "num_thresholds": (4, 8, 16),
-    "prefetch": (False, True),
+    "prefetch": (0, 1, 2, 3),
     "list_capacity": (0, 8192, 16384),
+    "max_registers": (None, 64, 80, 96, 128),
 }
 
 
@@ -162,7 +163,7 @@ def main() -> None:
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         if not args.check_only:
-            raise SystemExit("bench/sampling.py needs a CUDA device (or --check-only, which runs the Triton interpreter)")
+            raise SystemExit("bench/sampling.py needs a CUDA device (or --check-only, which runs the interpreter)")
         os.environ["TRITON_INTERPRET"] = "1"  # read at launch by gpuworker.kernels.launch
     from gpuworker.kernels.sampling import BASELINE_CONFIG, DEFAULT_CONFIG, TUNED, SamplingConfig
 
@@ -179,7 +180,7 @@ def main() -> None:
         if timed:
             winner = descend(DEFAULT_CONFIG, 512, cache, device=device, timed=timed, log=descent)
         else:  # the interpreter: a few small configs instead of the descent
-            winner = SamplingConfig(block=64, search_block=32, num_thresholds=4, list_capacity=40, prefetch=True)
+            winner = SamplingConfig(block=64, search_block=32, num_thresholds=4, list_capacity=128, prefetch=2)
         configs.append(winner)
         if timed:  # more programs per row at small batches (the same compiled kernel)
             configs += [dataclasses.replace(winner, programs_per_sm=2), dataclasses.replace(winner, programs_per_sm=4)]

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 
-# A program's partial record per pass: a sum per threshold and three scalars.
+# A program's partial record per pass: a sum per threshold and four scalars.
 RECORD_WIDTH = 32
 MAX_THRESHOLDS = 16  # the largest power of two that leaves the scalars room
 MAX_SPLITS = 64
@@ -56,21 +56,26 @@ class SamplingConfig:
     search passes, which hold a [search_block, num_thresholds] tile of sums in registers.
     num_thresholds: a search pass costs compute in proportion and shrinks the interval
     (num_thresholds + 1)-fold. value_passes: search passes whose thresholds are even in value (then
-    even in key). list_capacity: once a search's interval holds at most this many tokens, a pass
-    lists their keys (per program, 4 bytes each: rows x programs x list_capacity in all) and the
-    search's later passes read the list instead of the row; 0: never. prefetch: load the next block before reducing this one (two blocks in flight per
-    program). programs_per_sm: rows are split until rows x programs per row reaches this many
-    programs per SM, or as many as the compiled kernel's registers and shared memory let reside at
-    once, whichever is fewer (a row's programs wait for each other)."""
+    even in key). list_capacity: once a search's interval holds at most half this many tokens, a
+    pass lists their keys (per program, 4 bytes each: rows x programs x list_capacity in all) and
+    the search's later passes read the list instead of the row; 0: never. prefetch: how many blocks
+    ahead of the one being reduced are loaded, their loads in flight meanwhile (a program is
+    latency-bound on its loads otherwise; each costs a register per element). programs_per_sm: rows
+    are split until rows x programs per row reaches this many programs per SM, or as many as the
+    compiled kernel's registers and shared memory let reside at once, whichever is fewer (a row's
+    programs wait for each other). num_warps: per program. max_registers: the compiler's limit per
+    thread (ptx .maxnreg; None: its own choice, ~120-240 here, which lets only one or two programs
+    reside per SM): fewer registers let more programs reside, at the cost of spills."""
 
-    block: int = 2048
-    search_block: int = 1024
+    block: int = 1024
+    search_block: int = 256
     num_thresholds: int = 8
     value_passes: int = 1
     num_warps: int = 8
-    prefetch: bool = False
+    prefetch: int = 1
     programs_per_sm: int = 1
-    list_capacity: int = 8192
+    list_capacity: int = 16384
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         for field, value, low, high in (("block", self.block, 16, 1 << 16),
@@ -79,10 +84,15 @@ class SamplingConfig:
                                         ("num_warps", self.num_warps, 1, 32)):
             if not low <= value <= high or value & (value - 1):
                 raise ValueError(f"SamplingConfig.{field} must be a power of two in [{low}, {high}], got {value}")
+        if not 0 <= self.prefetch <= 3:
+            raise ValueError(f"SamplingConfig.prefetch must be in [0, 3], got {self.prefetch}")
         if not 0 <= self.value_passes <= 8:
             raise ValueError(f"SamplingConfig.value_passes must be in [0, 8], got {self.value_passes}")
-        if not 0 <= self.list_capacity <= 1 << 20:
-            raise ValueError(f"SamplingConfig.list_capacity must be in [0, {1 << 20}], got {self.list_capacity}")
+        if not 0 <= self.list_capacity <= 1 << 20 or self.list_capacity % self.search_block:
+            raise ValueError(f"SamplingConfig.list_capacity must be a multiple of search_block "
+                             f"({self.search_block}) in [0, {1 << 20}], got {self.list_capacity}")
+        if self.max_registers is not None and not 32 <= self.max_registers <= 255:
+            raise ValueError(f"SamplingConfig.max_registers must be None or in [32, 255], got {self.max_registers}")
         if not 1 <= self.programs_per_sm <= 32:
             raise ValueError(f"SamplingConfig.programs_per_sm must be in [1, 32], got {self.programs_per_sm}")
 
@@ -95,12 +105,15 @@ class SamplingConfig:
     @property
     def name(self) -> str:
         return (f"b{self.block}-s{self.search_block}-t{self.num_thresholds}-v{self.value_passes}-w{self.num_warps}"
-                f"{'-pf' if self.prefetch else ''}-p{self.programs_per_sm}-l{self.list_capacity}")
+                f"-f{self.prefetch}-p{self.programs_per_sm}-l{self.list_capacity}"
+                f"{'' if self.max_registers is None else f'-r{self.max_registers}'}")
 
 
 # The kernel as it was before issue 21 (one value pass, every pass over the whole row): the
 # benchmark's baseline.
-BASELINE_CONFIG = SamplingConfig(value_passes=1, list_capacity=0)
+BASELINE_CONFIG = SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0)
+# Compiled for sm_90 (Triton 3.9, offline): the baseline holds 178 registers a thread, so one
+# program of 8 warps resides per SM (132 of a batch's 512 rows at a time); this one ~120, two.
 DEFAULT_CONFIG = SamplingConfig()
 # Per batch-size bucket (the smallest bucket at least the batch; the last beyond): fill from
 # bench/sampling.py's TUNED output on the target GPU.
@@ -172,7 +185,11 @@ def _sample_kernel(
     count_hi = 0  # the tokens above hi, and their mass
     mass_hi = 0.0
     listed = 0  # 1: every token inside (lo, hi] is in its program's list, and search passes read the lists
-    list_len = 0  # this program's list
+    # This program's list: a column per lane of a search block, LIST_ROWS deep, so that a pass
+    # appends without a scan across lanes (and in the same order every time).
+    LIST_ROWS: tl.constexpr = LIST_CAP // SEARCH_BLOCK
+    lane_len = tl.zeros([SEARCH_BLOCK], tl.int32)
+    list_rows = 0  # the longest column
     num_kept = 0
 
     while kind != 4:  # _DONE
@@ -193,7 +210,9 @@ def _sample_kernel(
         thresholds = tl.where((passes < VALUE_PASSES) & (hi - lo > NT + 1), v_key, by_key)
         # A full search pass lists the tokens inside (lo, hi] once they fit the lists: the row's
         # later passes read its candidates only (top-p at batch 512 reads ~5k of 128k).
-        compact = (LIST_CAP > 0) & ((kind == 1) | (kind == 2)) & (listed == 0) & (count_lo - count_hi <= LIST_CAP)
+        # Half the capacity: a column overflows only if its lanes draw twice their share of candidates.
+        compact = ((LIST_ROWS > 0) & ((kind == 1) | (kind == 2)) & (listed == 0)
+                   & (count_lo - count_hi <= LIST_CAP // 2))
 
         # This program's pass over its part of the row.
         f0 = float("-inf")
@@ -201,6 +220,7 @@ def _sample_kernel(
         i0 = 0
         i1 = 0
         i2 = 0
+        i3 = 0
         counts = tl.zeros([NT], tl.int32)
         masses = tl.zeros([NT], tl.float32)
         if kind == 0:  # _STATS: max (first index), sum of exp(x - max), smallest finite key, finite count
@@ -209,14 +229,28 @@ def _sample_kernel(
             lane_sum = tl.zeros([BLOCK], tl.float32)
             lane_min_key = tl.full([BLOCK], INT_MAX, tl.int32)
             lane_finite = tl.zeros([BLOCK], tl.int32)
-            ahead_stats = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
+            # PREFETCH blocks ahead of the one being reduced have their loads in flight.
+            pre1 = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
+            if PREFETCH >= 2:
+                pre2 = tl.load(row_ptr + begin + BLOCK + cols, mask=begin + BLOCK + cols < end, other=float("-inf"))
+            if PREFETCH >= 3:
+                pre3 = tl.load(row_ptr + begin + 2 * BLOCK + cols, mask=begin + 2 * BLOCK + cols < end,
+                               other=float("-inf"))
             for start in range(begin, end, BLOCK):
                 idx = start + cols
-                if PREFETCH:  # the next block's loads in flight while this one is reduced
-                    raw = ahead_stats.to(tl.float32)
-                    ahead_stats = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
-                else:
+                if PREFETCH == 0:
                     raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+                else:
+                    raw = pre1.to(tl.float32)
+                    if PREFETCH == 1:
+                        pre1 = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
+                    elif PREFETCH == 2:
+                        pre1 = pre2
+                        pre2 = tl.load(row_ptr + idx + 2 * BLOCK, mask=idx + 2 * BLOCK < end, other=float("-inf"))
+                    else:
+                        pre1 = pre2
+                        pre2 = pre3
+                        pre3 = tl.load(row_ptr + idx + 3 * BLOCK, mask=idx + 3 * BLOCK < end, other=float("-inf"))
                 x = tl.math.div_rn(raw, divisor) + 0.0  # + 0.0: -0.0 becomes 0.0, one key per value
                 finite = x > float("-inf")
                 bits = x.to(tl.int32, bitcast=True)
@@ -241,14 +275,28 @@ def _sample_kernel(
             lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
             lane_arg = tl.zeros([BLOCK], tl.int32) + begin
             lane_kept = tl.zeros([BLOCK], tl.int32)
-            ahead_draw = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
+            # PREFETCH blocks ahead of the one being reduced have their loads in flight.
+            pre1 = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
+            if PREFETCH >= 2:
+                pre2 = tl.load(row_ptr + begin + BLOCK + cols, mask=begin + BLOCK + cols < end, other=float("-inf"))
+            if PREFETCH >= 3:
+                pre3 = tl.load(row_ptr + begin + 2 * BLOCK + cols, mask=begin + 2 * BLOCK + cols < end,
+                               other=float("-inf"))
             for start in range(begin, end, BLOCK):
                 idx = start + cols
-                if PREFETCH:
-                    raw = ahead_draw.to(tl.float32)
-                    ahead_draw = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
-                else:
+                if PREFETCH == 0:
                     raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+                else:
+                    raw = pre1.to(tl.float32)
+                    if PREFETCH == 1:
+                        pre1 = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
+                    elif PREFETCH == 2:
+                        pre1 = pre2
+                        pre2 = tl.load(row_ptr + idx + 2 * BLOCK, mask=idx + 2 * BLOCK < end, other=float("-inf"))
+                    else:
+                        pre1 = pre2
+                        pre2 = pre3
+                        pre3 = tl.load(row_ptr + idx + 3 * BLOCK, mask=idx + 3 * BLOCK < end, other=float("-inf"))
                 x = tl.math.div_rn(raw, divisor) + 0.0
                 bits = x.to(tl.int32, bitcast=True)
                 key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
@@ -295,24 +343,42 @@ def _sample_kernel(
             # A listed search reads this program's list (keys above hi there are stale: count_hi and
             # mass_hi hold them); otherwise the row, listing the tokens inside when compact.
             ceiling = tl.where(listed == 1, hi32, INT_MAX)
-            num_items = tl.where(listed == 1, list_len, end - begin)
+            num_steps = tl.where(listed == 1, list_rows, tl.cdiv(end - begin, SEARCH_BLOCK))
             if compact:
-                list_len = 0
-            ahead_search = tl.load(row_ptr + begin + search_cols, mask=begin + search_cols < end, other=float("-inf"))
-            for start in range(0, num_items, SEARCH_BLOCK):
-                offs = start + search_cols
+                lane_len = tl.zeros([SEARCH_BLOCK], tl.int32)
+            # PREFETCH blocks ahead of the one being reduced have their loads in flight.
+            first_idx = begin + search_cols
+            pre_s1 = tl.load(row_ptr + first_idx, mask=first_idx < end, other=float("-inf"))
+            if PREFETCH >= 2:
+                pre_s2 = tl.load(row_ptr + first_idx + SEARCH_BLOCK, mask=first_idx + SEARCH_BLOCK < end,
+                                 other=float("-inf"))
+            if PREFETCH >= 3:
+                pre_s3 = tl.load(row_ptr + first_idx + 2 * SEARCH_BLOCK, mask=first_idx + 2 * SEARCH_BLOCK < end,
+                                 other=float("-inf"))
+            for block_index in range(0, num_steps):
                 if listed == 1:
-                    key = tl.load(list_base + offs, mask=offs < num_items, other=INT_MIN)
+                    key = tl.load(list_base + block_index * SEARCH_BLOCK + search_cols, mask=block_index < lane_len,
+                                  other=INT_MIN)
                     bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
                     x = bits.to(tl.float32, bitcast=True)
                 else:
-                    idx = begin + offs
-                    if PREFETCH:
-                        raw = ahead_search.to(tl.float32)
-                        ahead_search = tl.load(row_ptr + idx + SEARCH_BLOCK, mask=idx + SEARCH_BLOCK < end,
-                                        other=float("-inf"))
-                    else:
+                    idx = begin + block_index * SEARCH_BLOCK + search_cols
+                    if PREFETCH == 0:
                         raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+                    else:
+                        raw = pre_s1.to(tl.float32)
+                        if PREFETCH == 1:
+                            pre_s1 = tl.load(row_ptr + idx + SEARCH_BLOCK, mask=idx + SEARCH_BLOCK < end,
+                                             other=float("-inf"))
+                        elif PREFETCH == 2:
+                            pre_s1 = pre_s2
+                            pre_s2 = tl.load(row_ptr + idx + 2 * SEARCH_BLOCK, mask=idx + 2 * SEARCH_BLOCK < end,
+                                             other=float("-inf"))
+                        else:
+                            pre_s1 = pre_s2
+                            pre_s2 = pre_s3
+                            pre_s3 = tl.load(row_ptr + idx + 3 * SEARCH_BLOCK, mask=idx + 3 * SEARCH_BLOCK < end,
+                                             other=float("-inf"))
                     x = tl.math.div_rn(raw, divisor) + 0.0
                     bits = x.to(tl.int32, bitcast=True)
                     key = tl.where(x > float("-inf"), tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
@@ -325,10 +391,13 @@ def _sample_kernel(
                 lane_in += inside.to(tl.int32)
                 lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
                 lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
-                if compact:  # write the candidates to this program's list, in order
-                    slot = list_len + tl.cumsum(inside.to(tl.int32), 0) - 1
-                    tl.store(list_base + slot, key, mask=inside)
-                    list_len += tl.sum(inside.to(tl.int32), 0)
+                if compact:  # append the candidates to their lanes' columns (counting past a full one)
+                    tl.store(list_base + lane_len * SEARCH_BLOCK + search_cols, key,
+                             mask=inside & (lane_len < LIST_ROWS))
+                    lane_len += inside.to(tl.int32)
+            if compact:
+                list_rows = tl.max(lane_len, 0)
+                i3 = (list_rows > LIST_ROWS).to(tl.int32)  # overflowed: the row keeps reading itself
             counts = tl.sum(tile_counts, 0)
             masses = tl.sum(tile_masses, 0)
             i0 = tl.sum(lane_in, 0)
@@ -344,6 +413,7 @@ def _sample_kernel(
         tl.store(part_i_ptr + record + NT, i0)
         tl.store(part_i_ptr + record + NT + 1, i1)
         tl.store(part_i_ptr + record + NT + 2, i2)
+        tl.store(part_i_ptr + record + NT + 3, i3)
         # The barrier orders every thread's stores before the (one-thread, acq_rel, gpu-scope) ticket.
         tl.debug_barrier()
         tl.atomic_add(counter_ptr + row, 1)
@@ -425,7 +495,9 @@ def _sample_kernel(
             else:
                 lo_next = lo
             if compact:
-                listed = 1
+                all_i3 = tl.load(part_i_ptr + records + NT + 3, mask=split_mask, other=0, cache_modifier=".cg")
+                if tl.max(all_i3, 0) == 0:
+                    listed = 1
             # No token lies in (lo, min_in) or (max_in, hi]: tighten to the tokens' keys.
             lo_next = tl.maximum(lo_next, min_in.to(tl.int64) - 1)
             hi_next = tl.minimum(hi_next, max_in.to(tl.int64))
@@ -530,10 +602,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
         candidates, vocab_size, chunk,
         BLOCK=config.block, SEARCH_BLOCK=config.search_block, NT=config.num_thresholds, WIDTH=RECORD_WIDTH,
         SPLITS_P2=MAX_SPLITS, VALUE_PASSES=config.value_passes, MAX_PASSES=config.max_passes,
-        PREFETCH=config.prefetch, LIST_CAP=config.list_capacity, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
-        HAS_MIN_P=min_p is not None, WRITE_NUM_KEPT=num_kept is not None,
+        PREFETCH=config.prefetch, LIST_CAP=config.list_capacity, HAS_TOP_K=top_k is not None,
+        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, WRITE_NUM_KEPT=num_kept is not None,
         # One num_warps per config: each value is a variant to compile (and warm up).
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, maxnreg=config.max_registers,
     )
     if (device, variant) not in _RESIDENT_PER_SM and getattr(kernel, "n_regs", None) is not None:
         _RESIDENT_PER_SM[device, variant] = _resident_per_sm(device, kernel.n_regs, kernel.metadata.shared,

@@ -122,13 +122,14 @@ def test_rejects_bad_arguments(device):
 
 
 # Launch configs at their extremes: tiny blocks (many loop steps and, on a GPU, many programs per
-# row), few and many thresholds, no value passes and many, prefetching on and off.
+# row), few and many thresholds, no value passes and many, prefetching 0 to 3 blocks ahead.
 CONFIGS = [
-    SamplingConfig(block=16, search_block=16, num_thresholds=2, value_passes=0, num_warps=1, prefetch=True,
-                   list_capacity=40),
+    SamplingConfig(block=16, search_block=16, num_thresholds=2, value_passes=0, num_warps=1, prefetch=3,
+                   list_capacity=64),
     SamplingConfig(block=64, search_block=32, num_thresholds=4, value_passes=8, num_warps=2, programs_per_sm=4,
-                   list_capacity=0),
-    SamplingConfig(block=256, search_block=128, num_thresholds=16, value_passes=1, num_warps=4, prefetch=True),
+                   prefetch=2, list_capacity=0),
+    SamplingConfig(block=256, search_block=128, num_thresholds=16, value_passes=1, num_warps=4, prefetch=1,
+                   max_registers=64),
 ]
 
 
@@ -193,3 +194,9 @@ def test_config_values_are_checked():
         SamplingConfig(value_passes=-1)
     with pytest.raises(ValueError, match="programs_per_sm must be in"):
         SamplingConfig(programs_per_sm=0)
+    with pytest.raises(ValueError, match="prefetch must be in"):
+        SamplingConfig(prefetch=4)
+    with pytest.raises(ValueError, match="list_capacity must be a multiple of search_block"):
+        SamplingConfig(search_block=1024, list_capacity=1000)
+    with pytest.raises(ValueError, match="max_registers must be None or in"):
+        SamplingConfig(max_registers=16)
