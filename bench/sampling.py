@@ -1,7 +1,7 @@
 """Sampling kernel benchmark: gpuworker.kernels.sampling's launch configs against the kernel as it was
 before issue 21 (BASELINE_CONFIG), at Llama-3-8B's vocabulary (128,256), batch 1, 64 and 512.
 
-    PYTHONPATH=. python bench/sampling.py [--quick]      # H200: 1-2 min, mostly Triton compiles
+    PYTHONPATH=. python bench/sampling.py [--quick]      # H200: ~5 min (--quick: 1-2), mostly compiles
     PYTHONPATH=. python bench/sampling.py --check-only   # no timing; on a CPU: tiny vocab, interpreter
 
 Modes, temperature 0.8 unless greedy: greedy (torch's argmax, what the engine runs when every row is
@@ -37,12 +37,12 @@ MODES = ("greedy", "top-k", "top-p", "min-p", "seeded-top-p")
 # The values the descent tries for each field, in this order (blocks before what depends on them).
 DESCENT = {
     "num_warps": (4, 8, 16),
-    "block": (256, 512, 1024, 2048),
-    "search_block": (128, 256, 512, 1024),
+    "block": (512, 1024, 2048),
+    "search_block": (128, 256, 512),
     "num_thresholds": (4, 8, 16),
     "prefetch": (0, 1, 2, 3),
     "list_capacity": (0, 8192, 16384),
-    "max_registers": (None, 64, 80, 96, 128),
+    "max_registers": (None, 80, 96),
 }
 
 
@@ -68,22 +68,20 @@ def mode_params(mode: str, num_rows: int, vocab: int, device: str, generator: to
     return params
 
 
-def check(config, logits: torch.Tensor, params: dict, expected: tuple) -> str | None:
-    """None if `config` draws what the reference does (wherever the kept sets agree), else why not."""
+def check(config, logits: torch.Tensor, params: dict, expected: torch.Tensor) -> str | None:
+    """None if `config` draws the reference's tokens, else why not. The call is the timed one (no
+    num_kept output: that would be another variant to compile): a row whose top-p or min-p boundary
+    falls within rounding of the threshold may keep one token more or less than the reference
+    (float sums added in another order), which changes its token only if that token wins the draw."""
     from gpuworker.kernels.sampling import sample
 
-    num_kept = torch.zeros(logits.shape[0], dtype=torch.int32, device=logits.device)
     try:
-        tokens = sample(logits, num_kept=num_kept, config=config, **params)
+        tokens = sample(logits, config=config, **params)
     except Exception as exc:  # noqa: BLE001 - a config that cannot compile or run is reported, not fatal
         return repr(exc)[:300]
-    expected_tokens, expected_kept = expected
-    same_set = num_kept == expected_kept
-    # Top-p and min-p compare float sums added in another order: a boundary within rounding may differ.
-    if same_set.float().mean().item() < 0.9:
-        return f"kept sets differ on {(~same_set).sum().item()} of {len(same_set)} rows"
-    if not torch.equal(tokens[same_set], expected_tokens[same_set]):
-        return "different tokens from the same kept sets"
+    differ = (tokens != expected).sum().item()
+    if differ > 0.01 * len(tokens):
+        return f"different tokens on {differ} of {len(tokens)} rows"
     return None
 
 
@@ -110,7 +108,7 @@ def measure(config, batch: int, mode: str, kind: str, cache: dict, *, device: st
 
         logit_sets = [make_logits(kind, batch, vocab, device, generator) for _ in range(copies)]
         params = mode_params(mode, batch, vocab, device, generator)
-        cache[key] = (logit_sets, params, sample_reference(logit_sets[0], **params))
+        cache[key] = (logit_sets, params, sample_reference(logit_sets[0], **params)[0])
     logit_sets, params, expected = cache[key]
     row = {"batch": batch, "mode": mode, "logits": kind, "config": config.name}
     error = check(config, logit_sets[0], params, expected)
