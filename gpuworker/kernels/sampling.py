@@ -16,12 +16,14 @@ top-k, then the top-p, threshold is found by narrowing an interval of float keys
 integers in value order): each pass over the row counts the tokens and sums exp(x - max) above NT
 thresholds (8 by default) inside the interval, keeps the sub-interval where the filter's test flips,
 and stops when the interval holds at most one distinct value (which is then kept). A pass shrinks
-the interval (NT + 1)-fold: the first few space their thresholds by value (logits are spread evenly
-in value; a key interval that crosses zero holds most of its keys in tiny values no token has), the
-others by key, which bounds a search to SamplingConfig.max_passes passes. Once the interval holds
-few enough tokens (SamplingConfig.list_capacity), the pass over the row also writes their keys to a
-list, and the search's later passes read that list instead of the row: flat top-p 0.95 rows at
-Llama-3's vocabulary take ~8 search passes, of which the last ~5 then read ~5k keys, not 128k logits.
+the interval (NT + 1)-fold: the first (SamplingConfig.value_passes) space their thresholds by value
+(a key interval that crosses zero holds most of its keys in tiny values no token has), the others by
+key, which bounds a search to SamplingConfig.max_passes passes. Once the interval holds at most half
+SamplingConfig.list_capacity tokens, the pass over the row also appends their keys to per-lane
+columns of a list, and the search's later passes read that list instead of the row. Flat top-p 0.95
+rows at Llama-3's vocabulary (a random-weight model's) take ~8 search passes, of which the first 3-4
+read the row (n inside per pass in a replica of the search: 128k, 50k, 20k, 2k, 241, 21, 3, 1);
+top-k 200 reads it twice (128k, 471, ...). Before, every pass read the row: ~10 reads, now ~6.
 
 A row is split over several programs when the batch is small (one row would otherwise run on one
 SM): the programs of a row exchange per-pass partial sums through a scratch buffer and wait for
@@ -112,8 +114,9 @@ class SamplingConfig:
 # The kernel as it was before issue 21 (one value pass, every pass over the whole row): the
 # benchmark's baseline.
 BASELINE_CONFIG = SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0)
-# Compiled for sm_90 (Triton 3.9, offline): the baseline holds 178 registers a thread, so one
-# program of 8 warps resides per SM (132 of a batch's 512 rows at a time); this one ~120, two.
+# Compiled for sm_90 (Triton 3.9, offline; cuobjdump --dump-resource-usage): the baseline holds
+# 180-187 registers a thread, so one program of 8 warps resides per SM (132 of a batch's 512 rows
+# at a time, 8 warps an SM); this one 118-126, so two.
 DEFAULT_CONFIG = SamplingConfig()
 # Per batch-size bucket (the smallest bucket at least the batch; the last beyond): fill from
 # bench/sampling.py's TUNED output on the target GPU.
