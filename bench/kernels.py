@@ -1,6 +1,6 @@
 """Kernel benchmark: each Triton kernel against its torch equivalent at Llama-3-8B shapes, on one GPU.
 
-    PYTHONPATH=. python bench/kernels.py [--quick] [--no-sweep] [--batch1-decode-only]
+    PYTHONPATH=. python bench/kernels.py [--quick] [--no-sweep] [--batch1-decode-only] [--fp8-decode-only]
 
 Every figure is the median per-call time of a CUDA graph that replays the call over enough distinct
 input sets (different caches / activations) that the data cannot stay in L2, as 32 layers do in a
@@ -192,6 +192,45 @@ def bench_decode_tiles_mixed(cases=((512, 200, 2048), (256, 200, 2048), (512, 60
                     rows.append({"shape": f"B={batch} ctx U[{lo},{hi}]", "block_n": block_n, "num_warps": warps,
                                  "num_stages": stages, "us": us, "GBps": kv_bytes / us / 1e3})
         del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_decode_fp8(cases=((512, 700), (256, 1024), (64, 2048)),
+                     tiles=((64, 4, 2), (64, 8, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3), (64, 8, 3))) -> list[dict]:
+    """Decode attention over an FP8 cache (float8_e4m3fn, per-tensor scales) against the same
+    values in a bf16 cache, at the default launch and over a tile sweep for FP8, per case (batch,
+    context). GB/s counts the bytes each cache holds for the context (FP8: half of bf16's)."""
+    from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+
+    rows = []
+    scale = HEAD_DIM**-0.5
+    k_scale, v_scale = 0.02, 0.015
+    for batch, context in cases:
+        cache, tables, seq_lens, query, out, kv_bytes, sets = decode_inputs(batch, context)
+        cache_fp8 = torch.empty_like(cache, dtype=FP8_DTYPE)
+        cache_fp8[0] = (cache[0].float() / k_scale).clamp(-448, 448).to(FP8_DTYPE)
+        cache_fp8[1] = (cache[1].float() / v_scale).clamp(-448, 448).to(FP8_DTYPE)
+
+        def timed(kv_cache, **kw):
+            fp8 = kv_cache.dtype == FP8_DTYPE
+            scales = {"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}
+            return graph_time_us([(lambda i=i: paged_decode_attention(
+                query[i], kv_cache, tables[i], seq_lens, scale, context, out=out, **scales, **kw))
+                for i in range(sets)])
+
+        bf16_us = timed(cache)
+        fp8_us = timed(cache_fp8)
+        shape = f"B={batch} ctx={context}"
+        rows.append({"shape": shape, "cache": "bf16", "tile": "default", "us": bf16_us,
+                     "GBps": kv_bytes / bf16_us / 1e3})
+        rows.append({"shape": shape, "cache": "fp8", "tile": "default", "us": fp8_us,
+                     "GBps": kv_bytes / 2 / fp8_us / 1e3, "vs_bf16": bf16_us / fp8_us})
+        for block_n, warps, stages in tiles:
+            us = timed(cache_fp8, block_n=block_n, num_warps=warps, num_stages=stages)
+            rows.append({"shape": shape, "cache": "fp8", "tile": f"{block_n}x{warps}w{stages}s", "us": us,
+                         "GBps": kv_bytes / 2 / us / 1e3, "vs_bf16": bf16_us / us})
+        del cache, cache_fp8
         torch.cuda.empty_cache()
     return rows
 
@@ -404,6 +443,8 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile/split sweeps")
     parser.add_argument("--batch1-decode-only", action="store_true",
                         help="only the decode-graph probes: batch-1 merges, rotary fused into the launch or not")
+    parser.add_argument("--fp8-decode-only", action="store_true",
+                        help="only decode attention over an FP8 cache against bf16, with FP8 tile sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
@@ -429,6 +470,14 @@ def main() -> None:
     payload = {"environment": env, "copy_bandwidth_GBps": copy_gbps, "dtype": str(DTYPE),
                "model_shape": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                                "hidden": HIDDEN, "block_size": BLOCK_SIZE}}
+    if args.fp8_decode_only:
+        payload["decode_fp8"] = fp8_rows = bench_decode_fp8()
+        print(f"\n== decode attention, FP8 cache vs bf16 (copy bandwidth {copy_gbps:.0f} GB/s) ==")
+        for r in fp8_rows:
+            versus = f"  {r['vs_bf16']:.2f}x bf16's speed" if "vs_bf16" in r else ""
+            print(f"{r['shape']:16s} {r['cache']:5s} {r['tile']:10s} {r['us']:9.1f} us {r['GBps']:6.0f} GB/s{versus}")
+        write_json("kernels_fp8_decode", payload)
+        return
     payload["decode_batch1_graph"] = batch1 = bench_decode_batch1()
     print("\n== batch-1 paged decode in a graph of 32 layers' launches (us per launch) ==")
     print(f"{'context':>8s} {'max_len':>8s} {'splits':>7s} {'in-launch merge':>16s} {'merge kernel':>13s} "

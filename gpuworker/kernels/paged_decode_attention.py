@@ -15,8 +15,9 @@ Given the step's own tokens (NewTokens), the launch also does what the rotary ke
 before it: it rotates the query and the new key, stores the key and value in the cache, and
 attends to that token from registers (the engine's decode rows: one launch per layer fewer).
 
-An FP8 cache (kv_cache_quant.py) is widened to the query's dtype as it is loaded (exact); the key
-scale multiplies the scores and the value scale the output. The new token is quantized as the
+An FP8 cache (kv_cache_quant.py) is widened as it is loaded (exact): to float16 for half-precision
+queries (one instruction per two values; the dots then run in float16), to float32 for float32
+ones; the key scale multiplies the scores and the value scale the output. The new token is quantized as the
 cache stores it before it is attended to, so it counts as every other cached token does.
 """
 
@@ -65,6 +66,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SPLIT: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, FP8_CACHE: tl.constexpr,
+    FP8_AS_F16: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options. The next kernel may launch at once: at batch 1 it is
@@ -166,6 +168,15 @@ def _paged_decode_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_tables_seq
     head_base = cache_ptr + kv_head * stride_cache_head
+    if FP8_AS_F16:
+        # An FP8 tile widens to float16 at one instruction per two values; to bfloat16 it would go
+        # through float16 and then a conversion per value (sm_90's SASS for this loop: 256 of them
+        # a thread per 128-key tile). The dots take float16 operands: the cache's values exactly,
+        # the query exactly within float16's range (clamped to it), the probabilities rounded
+        # finer than bfloat16 would.
+        q_dot = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    else:
+        q_dot = q
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
@@ -173,12 +184,14 @@ def _paged_decode_kernel(
         row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
         kv_mask = valid[None, :] & dim_mask[:, None]
         k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=kv_mask, other=0.0)  # [D, N]
-        if FP8_CACHE:
+        if FP8_AS_F16:
+            k_t = k_t.to(tl.float16)
+        elif FP8_CACHE:
             k_t = k_t.to(dtype)
         if DOT_FP32:
-            scores = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
+            scores = tl.dot(q_dot.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
         else:
-            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+            scores = tl.dot(q_dot, k_t, input_precision=DOT_PRECISION)
         scores = scores * qk_scale  # [G, N], log2 units
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -186,7 +199,9 @@ def _paged_decode_kernel(
         p = tl.exp2(scores - m_new[:, None])
         v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
                     mask=valid[:, None] & dim_mask[None, :], other=0.0)  # [N, D]
-        if FP8_CACHE:
+        if FP8_AS_F16:
+            v = v.to(tl.float16)
+        elif FP8_CACHE:
             v = v.to(dtype)
         if DOT_FP32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -321,7 +336,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> tuple[int, int, int]:
+def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool,
+                 fp8_cache: bool = False) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) of a launch whose batch x kv heads programs fill the
     multiprocessors (fills_device) or not.
 
@@ -332,11 +348,16 @@ def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> tuple
     warps are best.
     float32 tiles go through FMA-based IEEE dots, which spill registers beyond 16 keys a tile at
     head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed.
+    An FP8 cache's tiles widen in registers: at 128 keys and 4 warps the kernel holds 255 registers
+    a thread and spills (sm_90, Triton 3.9, compiled offline), at 8 warps 178 and none; until
+    bench/kernels.py's FP8 sweep says otherwise on the GPU, large batches take 8 warps.
     """
     if dtype == torch.float32:
         return 16, 4, 2
     if head_dim > 128:
         return 32, 8, 2
+    if fills_device and fp8_cache:
+        return 128, 8, 3
     return (128, 4, 3) if fills_device else (64, 8, 2)
 
 
@@ -437,7 +458,8 @@ def paged_decode_attention(
         return out
 
     launch = _pick_launch(num_seqs, num_kv_heads, head_dim, query.dtype, max_seq_len, device, num_splits=num_splits,
-                          merge_in_launch=merge_in_launch, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                          merge_in_launch=merge_in_launch, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                          fp8_cache=is_fp8_cache(kv_cache))
     num_splits, block_n = launch.num_splits, launch.block_n
     group = num_q_heads // num_kv_heads
     block_d = next_power_of_2(head_dim)
@@ -469,7 +491,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(num_splits),
         SPLIT=split, MERGE_IN_LAUNCH=launch.merge_in_launch, **dot_options(query.dtype),
         NEW_TOKEN=new_tokens is not None, HALF=half,
-        QK_NORM=new_tokens is not None and new_tokens.qk_norm is not None, FP8_CACHE=fp8, num_warps=launch.num_warps,
+        QK_NORM=new_tokens is not None and new_tokens.qk_norm is not None, FP8_CACHE=fp8,
+        FP8_AS_F16=fp8 and query.dtype != torch.float32, num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **pdl_options(device),
     )
@@ -530,11 +553,12 @@ class _Launch:
 
 def _pick_launch(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
                  device: torch.device, *, num_splits: int | None, merge_in_launch: bool | None,
-                 block_n: int | None, num_warps: int | None, num_stages: int | None) -> _Launch:
+                 block_n: int | None, num_warps: int | None, num_stages: int | None,
+                 fp8_cache: bool = False) -> _Launch:
     """The call's own choices, the rest from default_tile and choose_num_splits; partitions are
     whole tiles, so only the last tile of a partition needs its tail masked."""
     fills_device = num_seqs * num_kv_heads >= multiprocessor_count(device)
-    tile = default_tile(dtype, head_dim, fills_device)
+    tile = default_tile(dtype, head_dim, fills_device, fp8_cache)
     block_n = tile[0] if block_n is None else block_n
     num_warps = tile[1] if num_warps is None else num_warps
     num_stages = tile[2] if num_stages is None else num_stages

@@ -13,38 +13,114 @@ What is drawn (sample_reference below computes the same with a full sort):
 
 How the kernel avoids the sort: each filter keeps the tokens whose x is at least a threshold. The
 top-k, then the top-p, threshold is found by narrowing an interval of float keys (the bits of x as
-integers in value order): each pass over the row counts the tokens and sums exp(x - max) above 8
-thresholds inside the interval, keeps the sub-interval where the filter's test flips, and stops when
-the interval holds at most one distinct value (which is then kept). A pass shrinks the interval
-9-fold (the first pass spaces its thresholds by value, the others by key), so a search takes at most
-~11 passes, and about 5 on a Llama-3-sized vocabulary.
+integers in value order): each pass over the row counts the tokens and sums exp(x - max) above NT
+thresholds (8 by default) inside the interval, keeps the sub-interval where the filter's test flips,
+and stops when the interval holds at most one distinct value (which is then kept). A pass shrinks
+the interval (NT + 1)-fold: the first (SamplingConfig.value_passes) space their thresholds by value
+(a key interval that crosses zero holds most of its keys in tiny values no token has), the others by
+key, which bounds a search to SamplingConfig.max_passes passes. Once the interval holds at most half
+SamplingConfig.list_capacity tokens, the pass over the row also appends their keys to per-lane
+columns of a list, and the search's later passes read that list instead of the row. Flat top-p 0.95
+rows at Llama-3's vocabulary (a random-weight model's) take ~8 search passes, of which the first 3-4
+read the row (n inside per pass in a replica of the search: 128k, 50k, 20k, 2k, 241, 21, 3, 1);
+top-k 200 reads it twice (128k, 471, ...). Before, every pass read the row: ~10 reads, now ~6.
 
 A row is split over several programs when the batch is small (one row would otherwise run on one
 SM): the programs of a row exchange per-pass partial sums through a scratch buffer and wait for
 each other at a counter after every pass. That needs every program of the launch resident at once,
-so rows x splits stays within the SM count; the interpreter runs programs one after another, so it
-uses one program per row.
+so rows x splits stays within what the SMs hold (one program each until a compiled variant's
+occupancy is known); the interpreter runs programs one after another, so it uses one program per
+row. Block sizes, thresholds, warps and splitting are a SamplingConfig, tuned per batch size
+(bench/sampling.py).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import triton.language as tl
 
 from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 
-# 8 thresholds per pass: a pass costs compute in proportion, and shrinks the interval 9-fold.
-NUM_THRESHOLDS = 8
-# A program's partial record per pass: NUM_THRESHOLDS sums and a few scalars.
+# A program's partial record per pass: a sum per threshold and four scalars.
 RECORD_WIDTH = 32
+MAX_THRESHOLDS = 16  # the largest power of two that leaves the scalars room
 MAX_SPLITS = 64
-# A float32 key interval of 2**32 shrinks 9-fold per pass: 11 passes always suffice.
-MAX_PASSES = 16
-# Logits per program per loop step. At large batches a row is one program, and each program runs
-# latency-bound on its own loads: the blocks are as large as registers allow, to keep bytes in flight.
-BLOCK = 2048
-# Search passes hold a [SEARCH_BLOCK, NUM_THRESHOLDS] tile of sums in registers, reduced once per pass.
-SEARCH_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the kernel is launched; what it draws does not depend on any of these.
+
+    block: logits per program per loop step of the stats and draw passes. search_block: the same for
+    search passes, which hold a [search_block, num_thresholds] tile of sums in registers.
+    num_thresholds: a search pass costs compute in proportion and shrinks the interval
+    (num_thresholds + 1)-fold. value_passes: search passes whose thresholds are even in value (then
+    even in key). list_capacity: once a search's interval holds at most half this many tokens, a
+    pass lists their keys (per program, 4 bytes each: rows x programs x list_capacity in all) and
+    the search's later passes read the list instead of the row; 0: never. prefetch: how many blocks
+    ahead of the one being reduced are loaded, their loads in flight meanwhile (a program is
+    latency-bound on its loads otherwise; each costs a register per element). programs_per_sm: rows
+    are split until rows x programs per row reaches this many programs per SM, or as many as the
+    compiled kernel's registers and shared memory let reside at once, whichever is fewer (a row's
+    programs wait for each other). num_warps: per program. max_registers: the compiler's limit per
+    thread (ptx .maxnreg; None: its own choice, ~120-240 here, which lets only one or two programs
+    reside per SM): fewer registers let more programs reside, at the cost of spills."""
+
+    block: int = 1024
+    search_block: int = 256
+    num_thresholds: int = 8
+    value_passes: int = 1
+    num_warps: int = 8
+    prefetch: int = 1
+    programs_per_sm: int = 1
+    list_capacity: int = 16384
+    max_registers: int | None = None
+
+    def __post_init__(self) -> None:
+        for field, value, low, high in (("block", self.block, 16, 1 << 16),
+                                        ("search_block", self.search_block, 16, 1 << 16),
+                                        ("num_thresholds", self.num_thresholds, 2, MAX_THRESHOLDS),
+                                        ("num_warps", self.num_warps, 1, 32)):
+            if not low <= value <= high or value & (value - 1):
+                raise ValueError(f"SamplingConfig.{field} must be a power of two in [{low}, {high}], got {value}")
+        if not 0 <= self.prefetch <= 3:
+            raise ValueError(f"SamplingConfig.prefetch must be in [0, 3], got {self.prefetch}")
+        if not 0 <= self.value_passes <= 8:
+            raise ValueError(f"SamplingConfig.value_passes must be in [0, 8], got {self.value_passes}")
+        if not 0 <= self.list_capacity <= 1 << 20 or self.list_capacity % self.search_block:
+            raise ValueError(f"SamplingConfig.list_capacity must be a multiple of search_block "
+                             f"({self.search_block}) in [0, {1 << 20}], got {self.list_capacity}")
+        if self.max_registers is not None and not 32 <= self.max_registers <= 255:
+            raise ValueError(f"SamplingConfig.max_registers must be None or in [32, 255], got {self.max_registers}")
+        if not 1 <= self.programs_per_sm <= 32:
+            raise ValueError(f"SamplingConfig.programs_per_sm must be in [1, 32], got {self.programs_per_sm}")
+
+    @property
+    def max_passes(self) -> int:
+        """Passes a search may take: its value passes, then key passes that shrink a float32 key
+        interval (at most 2**32 keys) (num_thresholds + 1)-fold each until one key is left."""
+        return self.value_passes + math.ceil(32 / math.log2(self.num_thresholds + 1)) + 1
+
+    @property
+    def name(self) -> str:
+        return (f"b{self.block}-s{self.search_block}-t{self.num_thresholds}-v{self.value_passes}-w{self.num_warps}"
+                f"-f{self.prefetch}-p{self.programs_per_sm}-l{self.list_capacity}"
+                f"{'' if self.max_registers is None else f'-r{self.max_registers}'}")
+
+
+# The kernel as it was before issue 21 (one value pass, every pass over the whole row): the
+# benchmark's baseline.
+BASELINE_CONFIG = SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0)
+# Compiled for sm_90 (Triton 3.9, offline; cuobjdump --dump-resource-usage): the baseline holds
+# 180-187 registers a thread, so one program of 8 warps resides per SM (132 of a batch's 512 rows
+# at a time, 8 warps an SM); this one 118-126, so two.
+DEFAULT_CONFIG = SamplingConfig()
+# Per batch-size bucket (the smallest bucket at least the batch; the last beyond): fill from
+# bench/sampling.py's TUNED output on the target GPU.
+TUNED: dict[int, SamplingConfig] = {}
 
 # Philox-4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
 PHILOX_ROUND_A = 0xD2511F53
@@ -60,18 +136,21 @@ _STATS, _TOP_K, _TOP_P, _DRAW, _DONE = 0, 1, 2, 3, 4
 def _sample_kernel(
     logits_ptr, stride_logits,
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
-    token_ids_ptr, num_kept_ptr, part_f_ptr, part_i_ptr, counter_ptr,
+    token_ids_ptr, num_kept_ptr, part_f_ptr, part_i_ptr, counter_ptr, list_ptr,
     vocab_size, chunk,
     BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NT: tl.constexpr, WIDTH: tl.constexpr, SPLITS_P2: tl.constexpr,
-    MAX_PASSES: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    WRITE_NUM_KEPT: tl.constexpr,
+    VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, PREFETCH: tl.constexpr, LIST_CAP: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, WRITE_NUM_KEPT: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    splits = tl.num_programs(1)
+    # A row's programs are consecutive in launch order (axis 0 varies fastest).
+    row = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(0)
+    splits = tl.num_programs(0)
     row_ptr = logits_ptr + row * stride_logits
     begin = split * chunk
     end = tl.minimum(begin + chunk, vocab_size)
+    # This program's list of candidate keys (the row's tokens inside the search interval, its part).
+    list_base = list_ptr + (row * splits + split) * LIST_CAP
     cols = tl.arange(0, BLOCK)
     thr_ids = tl.arange(0, NT)
     split_ids = tl.arange(0, SPLITS_P2)
@@ -105,11 +184,22 @@ def _sample_kernel(
     lo = tl.zeros([], tl.int64)  # search interval (lo, hi] of keys
     hi = tl.zeros([], tl.int64)
     mass_lo = 0.0  # the mass above lo
+    count_lo = 0  # the tokens above lo
+    count_hi = 0  # the tokens above hi, and their mass
+    mass_hi = 0.0
+    listed = 0  # 1: every token inside (lo, hi] is in its program's list, and search passes read the lists
+    # This program's list: a column per lane of a search block, LIST_ROWS deep, so that a pass
+    # appends without a scan across lanes (and in the same order every time).
+    LIST_ROWS: tl.constexpr = LIST_CAP // SEARCH_BLOCK
+    lane_len = tl.zeros([SEARCH_BLOCK], tl.int32)
+    list_rows = 0  # the longest column
     num_kept = 0
 
     while kind != 4:  # _DONE
-        # Thresholds of a search pass: even in value over the first pass (where the key interval
-        # may cross zero and most keys are subnormal-sized), even in key after.
+        # Thresholds of a search pass: even in value over the first VALUE_PASSES passes of a search
+        # (logits are spread evenly in value, not in key: an interval that crosses zero, or spans
+        # binades, holds most of its keys in values near zero that no token has), even in key
+        # after, which bounds the passes (value steps may shrink a wide interval's keys slowly).
         step = ((hi - lo) * (thr_ids + 1).to(tl.int64)) // (NT + 1)
         by_key = (lo + step).to(tl.int32)
         lo_bits = (lo + 1).to(tl.int32)
@@ -120,7 +210,12 @@ def _sample_kernel(
         v_key = v.to(tl.int32, bitcast=True)
         v_key = tl.where(v_key >= 0, v_key, v_key ^ 0x7FFFFFFF)
         v_key = tl.minimum(tl.maximum(v_key, (lo + 1).to(tl.int32)), hi.to(tl.int32))
-        thresholds = tl.where(passes == 0, v_key, by_key)
+        thresholds = tl.where((passes < VALUE_PASSES) & (hi - lo > NT + 1), v_key, by_key)
+        # A full search pass lists the tokens inside (lo, hi] once they fit the lists: the row's
+        # later passes read its candidates only (top-p at batch 512 reads ~5k of 128k).
+        # Half the capacity: a column overflows only if its lanes draw twice their share of candidates.
+        compact = ((LIST_ROWS > 0) & ((kind == 1) | (kind == 2)) & (listed == 0)
+                   & (count_lo - count_hi <= LIST_CAP // 2))
 
         # This program's pass over its part of the row.
         f0 = float("-inf")
@@ -128,6 +223,7 @@ def _sample_kernel(
         i0 = 0
         i1 = 0
         i2 = 0
+        i3 = 0
         counts = tl.zeros([NT], tl.int32)
         masses = tl.zeros([NT], tl.float32)
         if kind == 0:  # _STATS: max (first index), sum of exp(x - max), smallest finite key, finite count
@@ -136,10 +232,28 @@ def _sample_kernel(
             lane_sum = tl.zeros([BLOCK], tl.float32)
             lane_min_key = tl.full([BLOCK], INT_MAX, tl.int32)
             lane_finite = tl.zeros([BLOCK], tl.int32)
+            # PREFETCH blocks ahead of the one being reduced have their loads in flight.
+            pre1 = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
+            if PREFETCH >= 2:
+                pre2 = tl.load(row_ptr + begin + BLOCK + cols, mask=begin + BLOCK + cols < end, other=float("-inf"))
+            if PREFETCH >= 3:
+                pre3 = tl.load(row_ptr + begin + 2 * BLOCK + cols, mask=begin + 2 * BLOCK + cols < end,
+                               other=float("-inf"))
             for start in range(begin, end, BLOCK):
                 idx = start + cols
-                valid = idx < end
-                raw = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32)
+                if PREFETCH == 0:
+                    raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+                else:
+                    raw = pre1.to(tl.float32)
+                    if PREFETCH == 1:
+                        pre1 = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
+                    elif PREFETCH == 2:
+                        pre1 = pre2
+                        pre2 = tl.load(row_ptr + idx + 2 * BLOCK, mask=idx + 2 * BLOCK < end, other=float("-inf"))
+                    else:
+                        pre1 = pre2
+                        pre2 = pre3
+                        pre3 = tl.load(row_ptr + idx + 3 * BLOCK, mask=idx + 3 * BLOCK < end, other=float("-inf"))
                 x = tl.math.div_rn(raw, divisor) + 0.0  # + 0.0: -0.0 becomes 0.0, one key per value
                 finite = x > float("-inf")
                 bits = x.to(tl.int32, bitcast=True)
@@ -164,10 +278,28 @@ def _sample_kernel(
             lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
             lane_arg = tl.zeros([BLOCK], tl.int32) + begin
             lane_kept = tl.zeros([BLOCK], tl.int32)
+            # PREFETCH blocks ahead of the one being reduced have their loads in flight.
+            pre1 = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
+            if PREFETCH >= 2:
+                pre2 = tl.load(row_ptr + begin + BLOCK + cols, mask=begin + BLOCK + cols < end, other=float("-inf"))
+            if PREFETCH >= 3:
+                pre3 = tl.load(row_ptr + begin + 2 * BLOCK + cols, mask=begin + 2 * BLOCK + cols < end,
+                               other=float("-inf"))
             for start in range(begin, end, BLOCK):
                 idx = start + cols
-                valid = idx < end
-                raw = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32)
+                if PREFETCH == 0:
+                    raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+                else:
+                    raw = pre1.to(tl.float32)
+                    if PREFETCH == 1:
+                        pre1 = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
+                    elif PREFETCH == 2:
+                        pre1 = pre2
+                        pre2 = tl.load(row_ptr + idx + 2 * BLOCK, mask=idx + 2 * BLOCK < end, other=float("-inf"))
+                    else:
+                        pre1 = pre2
+                        pre2 = pre3
+                        pre3 = tl.load(row_ptr + idx + 3 * BLOCK, mask=idx + 3 * BLOCK < end, other=float("-inf"))
                 x = tl.math.div_rn(raw, divisor) + 0.0
                 bits = x.to(tl.int32, bitcast=True)
                 key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
@@ -208,22 +340,67 @@ def _sample_kernel(
             lane_in = tl.zeros([SEARCH_BLOCK], tl.int32)
             lane_min_key = tl.full([SEARCH_BLOCK], INT_MAX, tl.int32)
             lane_max_key = tl.full([SEARCH_BLOCK], INT_MIN, tl.int32)
-            for start in range(begin, end, SEARCH_BLOCK):
-                idx = start + search_cols
-                valid = idx < end
-                raw = tl.load(row_ptr + idx, mask=valid, other=float("-inf")).to(tl.float32)
-                x = tl.math.div_rn(raw, divisor) + 0.0
-                finite = x > float("-inf")
-                bits = x.to(tl.int32, bitcast=True)
-                key = tl.where(finite, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
-                mass = tl.where(finite, tl.exp(x - row_max), 0.0)
+            # (lo, hi] in int32: lo >= the smallest finite key - 1 and hi <= the largest key, both in range.
+            lo32 = lo.to(tl.int32)
+            hi32 = hi.to(tl.int32)
+            # A listed search reads this program's list (keys above hi there are stale: count_hi and
+            # mass_hi hold them); otherwise the row, listing the tokens inside when compact.
+            ceiling = tl.where(listed == 1, hi32, INT_MAX)
+            num_steps = tl.where(listed == 1, list_rows, tl.cdiv(end - begin, SEARCH_BLOCK))
+            if compact:
+                lane_len = tl.zeros([SEARCH_BLOCK], tl.int32)
+            # PREFETCH blocks ahead of the one being reduced have their loads in flight.
+            first_idx = begin + search_cols
+            pre_s1 = tl.load(row_ptr + first_idx, mask=first_idx < end, other=float("-inf"))
+            if PREFETCH >= 2:
+                pre_s2 = tl.load(row_ptr + first_idx + SEARCH_BLOCK, mask=first_idx + SEARCH_BLOCK < end,
+                                 other=float("-inf"))
+            if PREFETCH >= 3:
+                pre_s3 = tl.load(row_ptr + first_idx + 2 * SEARCH_BLOCK, mask=first_idx + 2 * SEARCH_BLOCK < end,
+                                 other=float("-inf"))
+            for block_index in range(0, num_steps):
+                if listed == 1:
+                    key = tl.load(list_base + block_index * SEARCH_BLOCK + search_cols, mask=block_index < lane_len,
+                                  other=INT_MIN)
+                    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+                    x = bits.to(tl.float32, bitcast=True)
+                else:
+                    idx = begin + block_index * SEARCH_BLOCK + search_cols
+                    if PREFETCH == 0:
+                        raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+                    else:
+                        raw = pre_s1.to(tl.float32)
+                        if PREFETCH == 1:
+                            pre_s1 = tl.load(row_ptr + idx + SEARCH_BLOCK, mask=idx + SEARCH_BLOCK < end,
+                                             other=float("-inf"))
+                        elif PREFETCH == 2:
+                            pre_s1 = pre_s2
+                            pre_s2 = tl.load(row_ptr + idx + 2 * SEARCH_BLOCK, mask=idx + 2 * SEARCH_BLOCK < end,
+                                             other=float("-inf"))
+                        else:
+                            pre_s1 = pre_s2
+                            pre_s2 = pre_s3
+                            pre_s3 = tl.load(row_ptr + idx + 3 * SEARCH_BLOCK, mask=idx + 3 * SEARCH_BLOCK < end,
+                                             other=float("-inf"))
+                    x = tl.math.div_rn(raw, divisor) + 0.0
+                    bits = x.to(tl.int32, bitcast=True)
+                    key = tl.where(x > float("-inf"), tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
+                key = tl.where(key <= ceiling, key, INT_MIN)
+                mass = tl.where(key > INT_MIN, tl.exp(x - row_max), 0.0)
                 above = key[:, None] > thresholds[None, :]
                 tile_counts += above.to(tl.int32)
                 tile_masses += tl.where(above, mass[:, None], 0.0)
-                inside = (key.to(tl.int64) > lo) & (key.to(tl.int64) <= hi)
+                inside = (key > lo32) & (key <= hi32)
                 lane_in += inside.to(tl.int32)
                 lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
                 lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
+                if compact:  # append the candidates to their lanes' columns (counting past a full one)
+                    tl.store(list_base + lane_len * SEARCH_BLOCK + search_cols, key,
+                             mask=inside & (lane_len < LIST_ROWS))
+                    lane_len += inside.to(tl.int32)
+            if compact:
+                list_rows = tl.max(lane_len, 0)
+                i3 = (list_rows > LIST_ROWS).to(tl.int32)  # overflowed: the row keeps reading itself
             counts = tl.sum(tile_counts, 0)
             masses = tl.sum(tile_masses, 0)
             i0 = tl.sum(lane_in, 0)
@@ -239,6 +416,7 @@ def _sample_kernel(
         tl.store(part_i_ptr + record + NT, i0)
         tl.store(part_i_ptr + record + NT + 1, i1)
         tl.store(part_i_ptr + record + NT + 2, i2)
+        tl.store(part_i_ptr + record + NT + 3, i3)
         # The barrier orders every thread's stores before the (one-thread, acq_rel, gpu-scope) ticket.
         tl.debug_barrier()
         tl.atomic_add(counter_ptr + row, 1)
@@ -265,6 +443,10 @@ def _sample_kernel(
             hi = tl.where(max_bits >= 0, max_bits, max_bits ^ 0x7FFFFFFF).to(tl.int64)
             lo = min_key.to(tl.int64) - 1
             mass_lo = z_dom
+            count_lo = num_finite
+            count_hi = 0
+            mass_hi = 0.0
+            listed = 0
             passes = 0
             if greedy:
                 kind = 4
@@ -285,6 +467,9 @@ def _sample_kernel(
             thr_mask = split_mask[:, None]
             counts = tl.sum(tl.load(part_i_ptr + thr_records, mask=thr_mask, other=0, cache_modifier=".cg"), 0)
             masses = tl.sum(tl.load(part_f_ptr + thr_records, mask=thr_mask, other=0.0, cache_modifier=".cg"), 0)
+            if listed == 1:
+                counts += count_hi
+                masses += mass_hi
             num_in = tl.sum(all_i0, 0)
             min_in = tl.min(all_i1, 0)
             max_in = tl.max(tl.where(split_mask, all_i2, INT_MIN), 0)
@@ -297,15 +482,25 @@ def _sample_kernel(
             new_hi = tl.sum(tl.where(thr_ids == first, thresholds, 0), 0).to(tl.int64)
             new_lo = tl.sum(tl.where(thr_ids == first - 1, thresholds, 0), 0).to(tl.int64)
             new_mass_lo = tl.sum(tl.where(thr_ids == first - 1, masses, 0.0), 0)
+            new_count_lo = tl.sum(tl.where(thr_ids == first - 1, counts, 0), 0)
+            new_mass_hi = tl.sum(tl.where(thr_ids == first, masses, 0.0), 0)
+            new_count_hi = tl.sum(tl.where(thr_ids == first, counts, 0), 0)
             if first < NT:
                 hi_next = new_hi
+                mass_hi = new_mass_hi
+                count_hi = new_count_hi
             else:
                 hi_next = hi
             if first > 0:
                 lo_next = new_lo
                 mass_lo = new_mass_lo
+                count_lo = new_count_lo
             else:
                 lo_next = lo
+            if compact:
+                all_i3 = tl.load(part_i_ptr + records + NT + 3, mask=split_mask, other=0, cache_modifier=".cg")
+                if tl.max(all_i3, 0) == 0:
+                    listed = 1
             # No token lies in (lo, min_in) or (max_in, hi]: tighten to the tokens' keys.
             lo_next = tl.maximum(lo_next, min_in.to(tl.int64) - 1)
             hi_next = tl.minimum(hi_next, max_in.to(tl.int64))
@@ -326,6 +521,9 @@ def _sample_kernel(
                 z_dom = mass_lo
                 max_bits = row_max.to(tl.int32, bitcast=True)
                 hi = tl.where(max_bits >= 0, max_bits, max_bits ^ 0x7FFFFFFF).to(tl.int64)
+                count_hi = 0
+                mass_hi = 0.0
+                listed = 0
                 passes = 0
                 if top_p < 1.0:
                     kind = 2
@@ -357,17 +555,21 @@ _sample = lazy_jit(_sample_kernel, do_not_specialize=("temperature_ptr", "top_k_
 # them must be ordered, i.e. issued on one stream.
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _NUM_SMS: dict[torch.device, int] = {}
+# Programs of one compiled variant that an SM holds at once, learnt from its first launch.
+_RESIDENT_PER_SM: dict[tuple[torch.device, tuple], int] = {}
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tensor,
            top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-           min_p: torch.Tensor | None = None, num_kept: torch.Tensor | None = None) -> torch.Tensor:
+           min_p: torch.Tensor | None = None, num_kept: torch.Tensor | None = None,
+           config: SamplingConfig | None = None) -> torch.Tensor:
     """One token per row of `logits` [B, V] (float32, bfloat16 or float16): [B] int64.
 
     temperature [B] float32 (0: greedy); seeds [B] int64 (each row's Philox key, 0 <= seed < 2**63);
     top_k [B] int (rows without a filter hold V), top_p [B] float32 (1.0: off), min_p [B] float32
     (0.0: off); None turns a filter off for every row. num_kept: an optional [B] int32 output, how
-    many tokens each sampled row kept, 0 on greedy rows (for tests and diagnostics)."""
+    many tokens each sampled row kept, 0 on greedy rows (for tests and diagnostics). config: launch
+    parameters (default: pick_config's for the batch size)."""
     check_tensor("logits", logits, ndim=2, dtypes=(torch.float32, torch.bfloat16, torch.float16))
     if logits.stride(1) != 1:
         raise ValueError(f"logits must be contiguous in its last dimension, got strides {logits.stride()}")
@@ -387,35 +589,67 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:
         return token_ids
-    splits = _splits(device, num_rows, vocab_size)
-    chunk = -(-vocab_size // (splits * BLOCK)) * BLOCK
+    config = config or pick_config(num_rows)
+    variant = (config, top_k is not None, top_p is not None, min_p is not None, num_kept is not None)
+    splits = _splits(device, num_rows, vocab_size, config, variant)
+    chunk = -(-vocab_size // (splits * config.block)) * config.block
     splits = -(-vocab_size // chunk)
     part_f = torch.empty(num_rows * 2 * splits * RECORD_WIDTH, dtype=torch.float32, device=device)
     part_i = torch.empty(num_rows * 2 * splits * RECORD_WIDTH, dtype=torch.int32, device=device)
-    _sample[(num_rows, splits)](
+    candidates = torch.empty(max(1, num_rows * splits * config.list_capacity), dtype=torch.int32, device=device)
+    kernel = _sample[(splits, num_rows)](
         logits, logits.stride(0), temperature,
         top_k if top_k is not None else seeds, top_p if top_p is not None else temperature,
         min_p if min_p is not None else temperature, seeds,
         token_ids, num_kept if num_kept is not None else part_i, part_f, part_i, _counters(device, num_rows),
-        vocab_size, chunk,
-        BLOCK=BLOCK, SEARCH_BLOCK=SEARCH_BLOCK, NT=NUM_THRESHOLDS, WIDTH=RECORD_WIDTH, SPLITS_P2=MAX_SPLITS,
-        MAX_PASSES=MAX_PASSES, HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None,
-        HAS_MIN_P=min_p is not None, WRITE_NUM_KEPT=num_kept is not None,
-        # One num_warps for all batch sizes: each value is a variant to compile (and warm up).
-        num_warps=8,
+        candidates, vocab_size, chunk,
+        BLOCK=config.block, SEARCH_BLOCK=config.search_block, NT=config.num_thresholds, WIDTH=RECORD_WIDTH,
+        SPLITS_P2=MAX_SPLITS, VALUE_PASSES=config.value_passes, MAX_PASSES=config.max_passes,
+        PREFETCH=config.prefetch, LIST_CAP=config.list_capacity, HAS_TOP_K=top_k is not None,
+        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, WRITE_NUM_KEPT=num_kept is not None,
+        # One num_warps per config: each value is a variant to compile (and warm up).
+        num_warps=config.num_warps, maxnreg=config.max_registers,
     )
+    if (device, variant) not in _RESIDENT_PER_SM and getattr(kernel, "n_regs", None) is not None:
+        _RESIDENT_PER_SM[device, variant] = _resident_per_sm(device, kernel.n_regs, kernel.metadata.shared,
+                                                             config.num_warps)
     return token_ids
 
 
-def _splits(device: torch.device, num_rows: int, vocab_size: int) -> int:
-    """Programs per row: enough to spread a small batch over the SMs, few enough that every program
-    of the launch is resident at once (they wait for each other)."""
+def pick_config(num_rows: int) -> SamplingConfig:
+    """The tuned config of the smallest batch bucket holding num_rows (the largest bucket's beyond)."""
+    if not TUNED:
+        return DEFAULT_CONFIG
+    buckets = sorted(TUNED)
+    return TUNED[next((b for b in buckets if b >= num_rows), buckets[-1])]
+
+
+def _splits(device: torch.device, num_rows: int, vocab_size: int, config: SamplingConfig, variant: tuple) -> int:
+    """Programs per row: enough to reach config.programs_per_sm programs per SM, few enough that
+    every program of the launch is resident at once (they wait for each other). Until a variant has
+    run once its occupancy is unknown, and the launch keeps to one program per SM, which always
+    resides."""
     if device.type != "cuda" or interpreting():
         return 1
     num_sms = _NUM_SMS.get(device)
     if num_sms is None:
         num_sms = _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, num_sms // num_rows, -(-vocab_size // BLOCK)))
+    per_sm = min(config.programs_per_sm, _RESIDENT_PER_SM.get((device, variant), 1))
+    return max(1, min(MAX_SPLITS, num_sms * per_sm // num_rows, -(-vocab_size // config.block)))
+
+
+def _resident_per_sm(device: torch.device, regs_per_thread: int, shared_bytes: int, num_warps: int) -> int:
+    """How many programs of a compiled kernel one SM holds at once, by registers (allocated per warp
+    in units of 256), threads and shared memory (plus the 1 KiB the runtime reserves per block)."""
+    props = torch.cuda.get_device_properties(device)
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    shared_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 << 10)
+    regs_per_warp = -(-max(regs_per_thread, 1) * 32 // 256) * 256
+    by_regs = regs_per_sm // (regs_per_warp * num_warps)
+    by_threads = threads_per_sm // (32 * num_warps)
+    by_shared = shared_per_sm // (shared_bytes + 1024)
+    return max(1, min(by_regs, by_threads, by_shared, 32))
 
 
 def _counters(device: torch.device, count: int) -> torch.Tensor:
@@ -428,13 +662,15 @@ def _counters(device: torch.device, count: int) -> torch.Tensor:
 
 def warm_up(device: torch.device, vocab_size: int) -> None:
     """Compile the kernel's variants for the filter combinations requests commonly use (temperature
-    alone, top-k, top-p, both), so that the first such request does not wait for the compiler."""
+    alone, top-k, top-p, both) in every config pick_config may return, so that the first such
+    request does not wait for the compiler."""
     logits = torch.zeros(1, vocab_size, device=device)
     ones = torch.ones(1, device=device)
     seeds = torch.zeros(1, dtype=torch.int64, device=device)
     top_k = torch.ones(1, dtype=torch.int64, device=device)
-    for filters in ({}, {"top_k": top_k}, {"top_p": ones * 0.5}, {"top_k": top_k, "top_p": ones * 0.5}):
-        sample(logits, ones, seeds=seeds, **filters)
+    for config in dict.fromkeys(TUNED.values()) if TUNED else [DEFAULT_CONFIG]:
+        for filters in ({}, {"top_k": top_k}, {"top_p": ones * 0.5}, {"top_k": top_k, "top_p": ones * 0.5}):
+            sample(logits, ones, seeds=seeds, config=config, **filters)
 
 
 # --- The pure-torch reference: the same draws, by a full sort --------------------------------------

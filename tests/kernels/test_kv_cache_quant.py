@@ -156,6 +156,23 @@ def test_paged_decode_on_fp8_cache(dtype, num_splits, fp8_and_float_caches, devi
     torch.testing.assert_close(out.float(), float_out.float(), **FP8_TOLERANCE)
 
 
+def test_paged_decode_on_fp8_cache_takes_a_query_beyond_float16s_range(fp8_and_float_caches, device, generator):
+    # The FP8 path's dots take float16 operands: a bfloat16 query past float16's largest value is
+    # clamped to it (the scores keep their order), not made inf (inf - inf scores are NaN).
+    _, fp8_cache, block_tables = fp8_and_float_caches(torch.bfloat16, SEQ_LENS)
+    query = torch.randn(len(SEQ_LENS), NUM_Q_HEADS, HEAD_DIM, generator=generator)
+    query[:, :, 0] = 1e5
+    query = query.bfloat16().to(device)
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=device)
+    scale = HEAD_DIM**-0.5
+
+    out = paged_decode_attention(query, fp8_cache, block_tables, lens, scale, max(SEQ_LENS), **TILE, **SCALES)
+
+    expected = paged_decode_attention_reference(query, fp8_cache, block_tables, lens, scale, **SCALES)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected.float(), **FP8_TOLERANCE)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_decode_quantizes_the_new_token_it_caches_and_attends(dtype, num_splits, fp8_and_float_caches, device,

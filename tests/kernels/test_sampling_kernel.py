@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.sampling import gumbel_noise, philox_bits, sample, sample_reference
+from gpuworker.kernels.sampling import SamplingConfig, gumbel_noise, philox_bits, sample, sample_reference
 
 ON_CUDA = torch.cuda.is_available()
 VOCAB = 128256 if ON_CUDA else 600
@@ -119,3 +119,84 @@ def test_rejects_bad_arguments(device):
         sample(logits, temperature, seeds=seeds, top_k=torch.ones(1, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="logits must have dtype"):
         sample(logits.long(), temperature, seeds=seeds)
+
+
+# Launch configs at their extremes: tiny blocks (many loop steps and, on a GPU, many programs per
+# row), few and many thresholds, no value passes and many, prefetching 0 to 3 blocks ahead.
+CONFIGS = [
+    SamplingConfig(block=16, search_block=16, num_thresholds=2, value_passes=0, num_warps=1, prefetch=3,
+                   list_capacity=64),
+    SamplingConfig(block=64, search_block=32, num_thresholds=4, value_passes=8, num_warps=2, programs_per_sm=4,
+                   prefetch=2, list_capacity=0),
+    SamplingConfig(block=256, search_block=128, num_thresholds=16, value_passes=1, num_warps=4, prefetch=1,
+                   max_registers=64),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda config: config.name)
+def test_the_launch_config_does_not_change_what_is_drawn(config, device, generator):
+    num_rows = 64 if ON_CUDA else len(SETTINGS)
+    logits = make_logits("bfloat16", num_rows, generator, device)
+    params = row_params(num_rows, device)
+    num_kept = torch.zeros(num_rows, dtype=torch.int32, device=device)
+    default_kept = torch.zeros(num_rows, dtype=torch.int32, device=device)
+    tokens = sample(logits, num_kept=num_kept, config=config, **params)
+    default_tokens = sample(logits, num_kept=default_kept, **params)
+    expected_tokens, expected_kept = sample_reference(logits, **params)
+    assert num_kept.tolist() == default_kept.tolist()
+    assert tokens.tolist() == default_tokens.tolist()
+    same_set = num_kept == expected_kept
+    assert same_set.float().mean() > 0.9
+    assert tokens[same_set].tolist() == expected_tokens[same_set].tolist()
+
+
+# Enough tokens that two thresholds a pass need more than 16 passes after 8 value passes.
+WIDE_VOCAB = 128256 if ON_CUDA else 20000
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(num_thresholds=2, value_passes=8), SamplingConfig()],
+                         ids=lambda config: config.name)
+def test_logits_spread_over_every_binade_are_searched_to_the_end(config, device, generator):
+    # Value-spaced thresholds shrink such a row's key interval a binade or so a pass, and two
+    # thresholds a pass shrink it only 3-fold: a search stopped at a pass limit short of
+    # config.max_passes would keep tokens that top-k and top-p drop.
+    num_rows, vocab = 4, WIDE_VOCAB
+    negative = -(10.0 ** torch.linspace(-30, 38, vocab - 8))
+    positive = torch.arange(1, 9) * 1e-30
+    order = torch.randperm(vocab, generator=generator)
+    logits = torch.cat([negative, positive])[order].repeat(num_rows, 1).to(device)
+    # Top-k's boundary and top-p's (all tokens within ~1 of zero weigh about the same) fall among
+    # the negative logits of magnitude below 1, 30 binades that differ in value by less than 1.
+    params = {"temperature": torch.ones(num_rows, device=device),
+              "seeds": torch.arange(num_rows, device=device),
+              "top_k": torch.tensor([vocab // 6, vocab, vocab, vocab // 5], device=device),
+              "top_p": torch.tensor([1.0, 0.5, 0.9, 0.5], device=device)}
+    num_kept = torch.zeros(num_rows, dtype=torch.int32, device=device)
+    tokens = sample(logits, num_kept=num_kept, config=config, **params)
+    expected_tokens, expected_kept = sample_reference(logits, **params)
+    # Top-k keeps by count: exactly. Top-p compares sums of thousands of exp(x) ~ 1: within rounding.
+    lowest = sample_reference(logits, **{**params, "top_p": params["top_p"] * (1 - TOLERANCE)})[1]
+    highest = sample_reference(logits, **{**params, "top_p": (params["top_p"] * (1 + TOLERANCE)).clamp(max=1.0)})[1]
+    assert num_kept[0].item() == expected_kept[0].item()
+    assert ((lowest <= num_kept) & (num_kept <= highest)).all(), (num_kept, expected_kept)
+    same_set = num_kept == expected_kept
+    assert same_set[0] and tokens[same_set].tolist() == expected_tokens[same_set].tolist()
+
+
+def test_config_values_are_checked():
+    with pytest.raises(ValueError, match="num_thresholds must be a power of two"):
+        SamplingConfig(num_thresholds=6)
+    with pytest.raises(ValueError, match="num_thresholds must be a power of two"):
+        SamplingConfig(num_thresholds=32)
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        SamplingConfig(block=1000)
+    with pytest.raises(ValueError, match="value_passes must be in"):
+        SamplingConfig(value_passes=-1)
+    with pytest.raises(ValueError, match="programs_per_sm must be in"):
+        SamplingConfig(programs_per_sm=0)
+    with pytest.raises(ValueError, match="prefetch must be in"):
+        SamplingConfig(prefetch=4)
+    with pytest.raises(ValueError, match="list_capacity must be a multiple of search_block"):
+        SamplingConfig(search_block=1024, list_capacity=1000)
+    with pytest.raises(ValueError, match="max_registers must be None or in"):
+        SamplingConfig(max_registers=16)
