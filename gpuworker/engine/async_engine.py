@@ -26,11 +26,18 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from gpuworker.engine.llm_engine import LLMEngine, Prompt, TokenizedPrompt
+from gpuworker.engine.llm_engine import LLMEngine
 from gpuworker.engine.outputs import RequestOutput, merge_outputs
+from gpuworker.engine.prompts import Prompt, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
+from gpuworker.engine.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can run no more steps (its process died, or it was shut down): requests in flight
+    end with this error and new ones are refused with it."""
 
 
 class _Stream:
@@ -62,8 +69,19 @@ def _put_all(deliveries: list[tuple[_Stream, RequestOutput | BaseException]]) ->
 
 
 class AsyncLLMEngine:
+    """The engine stepping in a thread of this process; `AsyncLLMEngine(model, process=True)` gives
+    the same interface over an engine in a process of its own (engine_process.ProcessLLMEngine),
+    whose steps no work of this process's threads can slow down."""
+
+    def __new__(cls, *args: Any, process: Any = False, **kwargs: Any) -> AsyncLLMEngine:
+        if process and cls is AsyncLLMEngine:
+            from gpuworker.engine.engine_process import ProcessLLMEngine
+
+            return super().__new__(ProcessLLMEngine)
+        return super().__new__(cls)
+
     def __init__(self, model: str | Path | None = None, *, engine: LLMEngine | None = None,
-                 **config: Any) -> None:
+                 process: bool = False, **config: Any) -> None:
         if (model is None) == (engine is None):
             raise ValueError("pass either a model path or an engine")
         self.engine = engine if engine is not None else LLMEngine(model, **config)
@@ -86,15 +104,9 @@ class AsyncLLMEngine:
             # Tokenizing (or checking) megabytes takes seconds: neither on the caller's event loop,
             # which serves other streams, nor on the engine thread, which steps them.
             prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
-
-        def add() -> None:
-            self.engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = outputs
-
         if params is not None and params.structured_output is not None:
-            # A new schema compiles here, off the engine thread, so running streams do not stall.
-            await asyncio.to_thread(self.engine.compile_grammar, params.structured_output)
-        await self._call(add)
+            await self._compile_grammar(params.structured_output)
+        await self._add(request_id, prompt, params, outputs)
         finished = False
         try:
             while True:
@@ -108,7 +120,7 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 # Not awaited: this also runs when the task is being cancelled.
-                self._submit(lambda: self._abort(request_id))
+                self._abort_soon(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; when this returns its KV blocks are free."""
@@ -133,12 +145,27 @@ class AsyncLLMEngine:
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.shutdown)
 
+    async def _compile_grammar(self, structured: StructuredOutput) -> None:
+        # A new schema compiles here, off the engine thread, so running streams do not stall.
+        await asyncio.to_thread(self.engine.compile_grammar, structured)
+
+    async def _add(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None,
+                   outputs: _Stream) -> None:
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, params)
+            self._streams[request_id] = outputs
+
+        await self._call(add)
+
+    def _abort_soon(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id))
+
     # -- engine thread --------------------------------------------------------------------------
 
     def _submit(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
         if self._stopped:
-            future.set_exception(RuntimeError("the engine has been shut down"))
+            future.set_exception(EngineDeadError("the engine has been shut down"))
         else:
             self._commands.put((fn, future))
         return future
