@@ -39,8 +39,10 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, Callable
 
@@ -151,10 +153,17 @@ def _engine_main(conn: Any, device: str, steps: Any) -> None:
         from gpuworker.models.loader import report_load_progress
 
         if device.startswith("cuda"):
+            import gpuworker.attention.triton_backend  # noqa: F401  Triton and the kernels (from its cache)
+
             torch.cuda.init()
             torch.empty(0, device=device)
         send(("prepared", os.getpid()))
-        message = conn.recv()
+        while (message := conn.recv())[0] == "output":
+            # The API process's stdout and stderr changed (a spare took its load): ours follow.
+            fd = reduction.recv_handle(conn)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
     except EOFError:
         return
     except Exception as exc:
@@ -334,6 +343,13 @@ class EngineProcess:
         if message[0] == "failed":
             raise _error(message[1])
         self._prepared = True
+
+    def share_output(self) -> None:
+        """Point the engine process's stdout and stderr where this process's now go (before load)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.conn.send(("output",))
+        reduction.send_handle(self.conn, 1, self.pid)
 
     def load(self, model: str | Path, config: dict[str, Any],
              on_progress: Callable[[float], None] | None = None) -> EngineFacts:

@@ -67,10 +67,16 @@ def _config(tiny_checkpoint, **overrides) -> ServerConfig:
                         max_model_len=1024, **overrides)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    with _serving(_config(tiny_checkpoint)) as running:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, tiny_checkpoint):
+    """A server whose engine steps in a thread of this process, or in a process of its own."""
+    with _serving(_config(tiny_checkpoint, engine_process=request.param == "process")) as running:
         yield running
+
+
+def _generated(client: httpx.Client) -> int:
+    """Tokens the engine has generated so far (its own count, wherever it runs)."""
+    return client.get("/stats").json()["num_generated_tokens"]
 
 
 def _client(base: str) -> httpx.Client:
@@ -234,9 +240,8 @@ def test_token_is_enforced(server):
 
 def test_disconnect_mid_stream_frees_kv_blocks(server):
     base, app = server
-    engine = app.state.holder.engine.engine
-    generated_before = engine.num_generated_tokens
     with _client(base) as client:
+        generated_before = _generated(client)
         with client.stream("POST", "/v1/completions", json={
                 "prompt": "a long answer please", "max_tokens": 900, "stream": True,
                 "ignore_eos": True}) as response:
@@ -250,8 +255,9 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
             if stats["running"] == 0 and stats["waiting"] == 0:
                 break
             time.sleep(0.02)
+        generated = _generated(client) - generated_before
     assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0
-    assert engine.num_generated_tokens - generated_before < 900  # aborted, not run to the end
+    assert generated < 900  # aborted, not run to the end
 
 
 async def test_health_is_503_while_loading(tiny_checkpoint):
@@ -303,16 +309,16 @@ def _wait_idle(client: httpx.Client) -> dict:
 
 def test_disconnect_of_non_streaming_request_aborts_it(server):
     base, app = server
-    engine = app.state.holder.engine.engine
-    generated_before = engine.num_generated_tokens
+    with _client(base) as client:
+        generated_before = _generated(client)
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=0.5) as client:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
             client.post("/v1/completions", json={"prompt": "a long answer please", "max_tokens": 1000,
                                                  "ignore_eos": True})
     with _client(base) as client:
         stats = _wait_idle(client)
+        generated = _generated(client) - generated_before
     assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0 and stats["in_flight"] == 0
-    generated = engine.num_generated_tokens - generated_before
     assert 0 < generated < 1000  # it ran, and was aborted rather than run to the end
 
 
@@ -540,7 +546,7 @@ def test_the_bearer_scheme_is_case_insensitive(server):
 def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monkeypatch, chat):
     """A prompt of megabytes takes seconds to render and tokenize. Held mid-tokenization, the
     replica still answers /health (its event loop is free) and keeps generating another request's
-    stream (its engine thread is free); the huge request ends only after both."""
+    stream (its engine loop is free); the huge request ends only after both."""
     base, app = server
     llm = app.state.holder.engine.engine
     tokenizing, release = threading.Event(), threading.Event()
@@ -579,13 +585,13 @@ def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monke
         try:
             sender.start()
             assert tokenizing.wait(60), "the huge prompt was never tokenized"
-            generated = llm.num_generated_tokens
+            generated = _generated(client)
             assert client.get("/health").status_code == 200
             order.append("health")
             deadline = time.monotonic() + 30
-            while llm.num_generated_tokens < generated + 5 and time.monotonic() < deadline:
+            while _generated(client) < generated + 5 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert llm.num_generated_tokens >= generated + 5, "the other stream stopped while the prompt was tokenized"
+            assert _generated(client) >= generated + 5, "the other stream stopped while the prompt was tokenized"
             order.append("stream advanced")
         finally:
             release.set()
