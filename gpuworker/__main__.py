@@ -151,6 +151,7 @@ def wants_engine_process(args: argparse.Namespace) -> bool:
 
 def serve(args: argparse.Namespace, engine_process=None) -> None:
     """`engine_process`: an EngineProcess a spare started ahead (used if the engine runs in one)."""
+    _configure_logging(args.log_level)
     if wants_engine_process(args) and engine_process is None:
         from gpuworker.engine.engine_process import EngineProcess
 
@@ -162,7 +163,6 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
     # and the engine (torch, CUDA, the weights) loads while the server's own imports (starlette,
     # xgrammar, transformers: seconds) run.
     prefetch(args.model)
-    _configure_logging(args.log_level)
     from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
 
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,

@@ -46,7 +46,7 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuworker.engine.async_engine import AsyncLLMEngine, EngineDeadError, _Stream
+from gpuworker.engine.output_streams import EngineDeadError, OutputStream, StreamingEngine, deliver
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
@@ -135,11 +135,11 @@ class EngineFacts:
 # -- the engine process -------------------------------------------------------------------------
 
 
-def _engine_main(conn: Any, device: str, steps: Any) -> None:
+def _engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
     """The engine process: prepare the device, load when told, then step until told to stop."""
     # Ctrl-C in a terminal reaches the whole process group: the API process drains, then stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -310,11 +310,13 @@ class EngineProcess:
 
     @classmethod
     def start(cls, device: str) -> EngineProcess:
+        """Spawn the engine process for `device`; it logs at this process's level."""
         context = multiprocessing.get_context("spawn")
         api_end, engine_end = context.Pipe()
         # Steps taken, readable here without a command (it keeps counting while this process is busy).
         steps = context.RawValue("Q", 0)
-        process = context.Process(target=_engine_main, args=(engine_end, device, steps), name="llm-engine")
+        process = context.Process(target=_engine_main, args=(engine_end, device, steps, logging.getLogger().getEffectiveLevel()),
+                                  name="llm-engine")
         process.start()
         engine_end.close()
         return cls(process, api_end, steps, device)
@@ -386,7 +388,7 @@ class EngineProcess:
         self.conn.close()
 
 
-class ProcessLLMEngine(AsyncLLMEngine):
+class ProcessLLMEngine(StreamingEngine):
     """AsyncLLMEngine's interface over an engine process. `engine` holds the EngineFacts (tokenizer,
     configs, tokenize, render_chat); `call(fn)` runs a picklable fn(LLMEngine) in the engine process
     (operator.methodcaller / attrgetter, or a module-level function) and returns its value.
@@ -414,7 +416,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
         self._stopped = False
         self._lock = threading.Lock()
         # request id -> its stream and its output so far; under _lock (the reader thread and callers).
-        self._streams: dict[str, tuple[_Stream, _Assembly]] = {}
+        self._streams: dict[str, tuple[OutputStream, _Assembly]] = {}
         self._replies: dict[int, Future] = {}
         self._command_ids = itertools.count()
         self._outbox: queue.Queue[tuple | None] = queue.Queue()
@@ -450,7 +452,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
         await asyncio.wrap_future(self._command("compile", structured))
 
     async def _add(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None,
-                   outputs: _Stream) -> None:
+                   outputs: OutputStream) -> None:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -521,7 +523,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
             future.set_exception(_error(value))
 
     def _on_outputs(self, wired: list, failure: tuple[list[str], tuple[str, str]] | None) -> None:
-        deliveries: list[tuple[_Stream, RequestOutput | BaseException]] = []
+        deliveries: list[tuple[OutputStream, RequestOutput | BaseException]] = []
         with self._lock:
             for wire in wired:
                 request_id = wire.request_id if isinstance(wire, RequestOutput) else wire[0]
@@ -538,7 +540,7 @@ class ProcessLLMEngine(AsyncLLMEngine):
                     entry = self._streams.pop(request_id, None)
                     if entry is not None:
                         deliveries.append((entry[0], _error(error)))
-        self._deliver(deliveries)
+        deliver(deliveries)
 
     def _on_death(self, reason: str | None) -> None:
         self.process.process.join(STOP_GRACE_S if self._stopped else 1.0)
@@ -554,4 +556,4 @@ class ProcessLLMEngine(AsyncLLMEngine):
         for future in replies.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError(reason))
-        self._deliver([(stream, EngineDeadError(reason)) for stream, _ in streams.values()])
+        deliver([(stream, EngineDeadError(reason)) for stream, _ in streams.values()])

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gpuworker.contract.openai_api import ProtocolError, new_id, now
-from gpuworker.engine.async_engine import EngineDeadError
+from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.replica.embeddings import embeddings as serve_embeddings
 from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
 from gpuworker.replica.responses import Responder, drain_expired_error, engine_error, error_response, plan_request

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gpuworker.engine import AsyncLLMEngine
-from gpuworker.engine.async_engine import EngineDeadError
+from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.engine.engine_process import EngineProcess
 from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encoder
 from gpuworker.engine.outputs import RequestOutput

@@ -14,7 +14,8 @@ from operator import attrgetter
 import pytest
 
 from gpuworker.engine import AsyncLLMEngine, SamplingParams
-from gpuworker.engine.async_engine import EngineDeadError
+from gpuworker.engine.output_streams import EngineDeadError
+from gpuworker.engine.engine_process import EngineProcess
 
 # Generous: the machine running the tests may be busy with others.
 DEADLINE_S = 120
@@ -153,3 +154,31 @@ async def test_a_bad_model_path_fails_the_load_and_leaves_no_process(tmp_path):
     with pytest.raises(Exception, match="missing"):
         await asyncio.to_thread(AsyncLLMEngine, tmp_path / "missing", process=True)
     assert not [p for p in multiprocessing.active_children() if p.name == "llm-engine"]
+
+
+async def test_a_process_started_ahead_takes_its_output_and_its_load_later(tiny_checkpoint, tmp_path):
+    """The spare's path: the engine process starts before the model is known, its output then moves
+    to the replica's log (share_output), and the load goes to it."""
+    process = await asyncio.to_thread(EngineProcess.start, "cpu")
+    await asyncio.to_thread(process.wait_prepared)
+    log = tmp_path / "replica.log"
+    saved = os.dup(1), os.dup(2)
+    with open(log, "wb") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    try:
+        process.share_output()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+    engine = await asyncio.to_thread(AsyncLLMEngine, tiny_checkpoint("llama"), num_kv_blocks=64,
+                                     max_model_len=256, process=process)
+    try:
+        assert engine.process is process
+        outputs = [out async for out in engine.generate([5] * 8, SamplingParams(max_tokens=3, ignore_eos=True), "a")]
+        assert len(outputs[-1].token_ids) == 3
+    finally:
+        await asyncio.to_thread(engine.shutdown)
+    assert "max_num_seqs" in log.read_text()  # the engine's start-up log line, written by the engine process

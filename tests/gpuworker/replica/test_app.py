@@ -674,3 +674,56 @@ def test_a_replica_whose_tensor_parallel_rank_dies_turns_failed(tiny_checkpoint)
             assert health.json()["error"] == f"tensor-parallel rank 1 (pid {worker.pid}) exited with code -9"
             refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert refused.status_code == 503 and "rank 1" in refused.json()["error"]["message"]
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _running([pid]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running([pid])
+
+
+def test_a_replica_whose_engine_process_dies_fails_its_streams_and_turns_failed(tiny_checkpoint):
+    """kill -9 of the engine process: the stream in flight ends at once with an error event (no
+    hang), /health says failed (the daemon's restart logic takes it from there), new requests 503."""
+    with _serving(_config(tiny_checkpoint, engine_process=True)) as (base, app):
+        with _client(base) as client:
+            engine_pid = client.get("/health").json()["engine_pid"]
+            assert engine_pid is not None and engine_pid != os.getpid()
+            thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 900, "stream": True,
+                                                      "ignore_eos": True})
+            assert result["first"].wait(30)
+            os.kill(engine_pid, signal.SIGKILL)
+            thread.join(60)
+            assert not thread.is_alive(), "the stream hung after its engine died"
+            assert result["events"][-1] == "[DONE]"
+            error = result["events"][-2]["error"]
+            assert error["type"] == "server_error" and "exited with code -9" in error["message"]
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "failed"
+            assert "exited with code -9" in health.json()["error"]
+            refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503 and "exited with code -9" in refused.json()["error"]["message"]
+            assert client.get("/stats").json()["state"] == "failed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_replica_leaves_no_engine_process(tiny_checkpoint, sig):
+    """SIGTERM (drain, then stop) or SIGKILL of `serve --engine-process`: its engine process goes too."""
+    process, base = _start_cli_serve(["--model", str(tiny_checkpoint("llama")), "--max-model-len", "512",
+                                      "--engine-process", "--drain-timeout", "5"])
+    try:
+        with _client(base) as client:
+            _wait_healthy(client, process, timeout=120)
+            engine_pid = client.get("/health").json()["engine_pid"]
+            assert engine_pid in _children(process.pid)
+            response = client.post("/v1/completions", json={"prompt": "hey", "max_tokens": 3, "ignore_eos": True})
+            assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+        process.send_signal(sig)
+        process.wait(timeout=60)
+        assert _wait_gone(engine_pid, timeout=60), f"engine process {engine_pid} outlived its replica"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
