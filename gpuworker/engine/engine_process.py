@@ -148,6 +148,9 @@ def _engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
 
     try:
         import torch
+        # What the load imports, before the load: the engine, the models and the loader, and the
+        # tokenizer's modules (the engine detokenizes), all lazily imported otherwise (seconds).
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
         from gpuworker.engine.llm_engine import LLMEngine
         from gpuworker.models.loader import report_load_progress
