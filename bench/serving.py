@@ -2,6 +2,7 @@
 offline `LLMEngine.generate` on the same requests, in one run.
 
     python bench/serving.py [--rates inf,5,10,15,20,25] [--duration 25] [--budget 450] [--plot PNG]
+    python bench/serving.py --engine-modes process,in-process       # both engine modes, one run each
     python bench/serving.py --smoke                                  # CPU, a tiny random model
     python bench/serving.py --replot bench/results/serving.json --plot docs/serving.png
 
@@ -278,6 +279,19 @@ def prepare_model(args, workdir: Path) -> Path:
     return args.checkpoint
 
 
+# serve's arguments for each --engine-modes entry.
+ENGINE_MODE_ARGS = {"default": (), "process": ("--engine-process",), "in-process": ("--engine-in-process",)}
+
+
+def parse_engine_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [mode for mode in modes if mode not in ENGINE_MODE_ARGS]
+    if not modes or unknown:
+        raise argparse.ArgumentTypeError(f"--engine-modes: each must be one of {', '.join(ENGINE_MODE_ARGS)}, "
+                                         f"got {text!r}")
+    return modes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
@@ -300,6 +314,10 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the figures against rate")
     parser.add_argument("--replot", type=Path, default=None, help="only plot a serving.json written before")
     parser.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU, a few requests")
+    parser.add_argument("--engine-modes", type=parse_engine_modes, default=("default",),
+                        help="comma-separated: 'process' (serve --engine-process), 'in-process' (serve "
+                             "--engine-in-process), 'default' (serve's default for the device); the rates run "
+                             "against one replica per mode, in the order given")
     args = parser.parse_args()
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
@@ -322,33 +340,34 @@ def main() -> None:
     if offline:
         print("offline generate", json.dumps(offline), flush=True)
 
-    log = Path(os.environ.get("OUT") or ROOT / "bench" / "results") / "serving_replica.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    process, url = start_replica(model, device=args.device, dtype=args.dtype, log=log,
-                                 extra_args=("--served-model-name", SERVED_MODEL_NAME))
     runs, skipped = [], []
-    try:
-        wait_ready(process, url, log)
-        # Warm-up, left out: prefill and decode kernels compile now, and the replica's deferred
-        # warm-up (one CUDA graph captured per step, EngineConfig.defer_warm_up) ends within its steps.
-        run_load(url, [Request(p, WARMUP_TOKENS, 0.0) for p, _ in warmup], 1)
-        for rate in args.rates:
-            if time.perf_counter() - started > args.budget - 2 * args.duration:
-                skipped.append(rate_label(rate))
-                continue
-            if math.isinf(rate):
-                requests = [Request(p, n, 0.0) for p, n in burst]
-            else:
-                seed = f"{args.seed}:{rate:g}"  # a rate's requests do not depend on the other rates asked for
-                arrivals = poisson_arrivals(rate, args.duration, seed)
-                shapes = make_requests(len(arrivals), vocab_size, seed, prompt_lens, output_lens)
-                requests = [Request(p, n, t) for (p, n), t in zip(shapes, arrivals)]
-            summary = {"rate": rate_label(rate), "offered_rate": None if math.isinf(rate) else rate,
-                       **summarise(run_load(url, requests, args.client_processes))}
-            runs.append(summary)
-            print(json.dumps(summary), flush=True)
-    finally:
-        stop_replica(process)
+    for mode in args.engine_modes:
+        log = Path(os.environ.get("OUT") or ROOT / "bench" / "results") / f"serving_replica_{mode}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        process, url = start_replica(model, device=args.device, dtype=args.dtype, log=log,
+                                     extra_args=("--served-model-name", SERVED_MODEL_NAME, *ENGINE_MODE_ARGS[mode]))
+        try:
+            wait_ready(process, url, log)
+            # Warm-up, left out: prefill and decode kernels compile now, and the replica's deferred
+            # warm-up (one CUDA graph captured per step, EngineConfig.defer_warm_up) ends within its steps.
+            run_load(url, [Request(p, WARMUP_TOKENS, 0.0) for p, _ in warmup], 1)
+            for rate in args.rates:
+                if time.perf_counter() - started > args.budget - 2 * args.duration:
+                    skipped.append(f"{mode} {rate_label(rate)}")
+                    continue
+                if math.isinf(rate):
+                    requests = [Request(p, n, 0.0) for p, n in burst]
+                else:
+                    seed = f"{args.seed}:{rate:g}"  # a rate's requests do not depend on the other rates asked for
+                    arrivals = poisson_arrivals(rate, args.duration, seed)
+                    shapes = make_requests(len(arrivals), vocab_size, seed, prompt_lens, output_lens)
+                    requests = [Request(p, n, t) for (p, n), t in zip(shapes, arrivals)]
+                summary = {"rate": rate_label(rate), "offered_rate": None if math.isinf(rate) else rate,
+                           "engine_mode": mode, **summarise(run_load(url, requests, args.client_processes))}
+                runs.append(summary)
+                print(json.dumps(summary), flush=True)
+        finally:
+            stop_replica(process)
 
     env = environment()
     described = "a tiny random model" if args.smoke else f"{args.config.name} shape, random weights"
@@ -382,7 +401,8 @@ def report(result: dict, prompt_lens: tuple[int, int], output_lens: tuple[int, i
     for run in result["runs"]:
         ratio = f" ({run['output_tok_s'] / offline['output_tok_s']:.2f}x offline)" \
             if offline and run["offered_rate"] is None else ""
-        rows.append((f"{run['rate']}: {run['requests_per_s']:.1f}, {run['output_tok_s']:,.0f}{ratio}, "
+        mode = f"{run['engine_mode']} " if len(set(r.get("engine_mode") for r in result["runs"])) > 1 else ""
+        rows.append((f"{mode}{run['rate']}: {run['requests_per_s']:.1f}, {run['output_tok_s']:,.0f}{ratio}, "
                      f"{run['goodput_requests_per_s']:.1f}",
                      f"{_ms(run['ttft_p50_s'])}/{_ms(run['ttft_p99_s'])} | {_ms(run['tpot_p50_s'])}/"
                      f"{_ms(run['tpot_p99_s'])} | {_ms(run['itl_p50_s'])}/{_ms(run['itl_p99_s'])} | "
@@ -405,8 +425,11 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    poisson = [r for r in result["runs"] if r["offered_rate"] is not None]
-    burst = next((r for r in result["runs"] if r["offered_rate"] is None), None)
+    # One engine mode per plot: the first one run.
+    first_mode = result["runs"][0].get("engine_mode") if result["runs"] else None
+    plotted = [r for r in result["runs"] if r.get("engine_mode") == first_mode]
+    poisson = [r for r in plotted if r["offered_rate"] is not None]
+    burst = next((r for r in plotted if r["offered_rate"] is None), None)
     rates = [r["offered_rate"] for r in poisson]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, metric, slo, title in ((axes[0], "ttft", SLO_TTFT_S, "TTFT"), (axes[1], "tpot", SLO_TPOT_S, "TPOT")):

@@ -2,6 +2,7 @@
 
     python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
                               [--max-num-seqs N] [--max-num-batched-tokens N] [--tensor-parallel-size N]
+                              [--engine-process | --engine-in-process]
     python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
                                [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
                                [--model-root DIR ...] [--stage-budget-bytes N] [--no-spare-replicas]
@@ -84,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fraction of free GPU memory the KV cache may take")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish after SIGTERM")
+    serve.add_argument("--engine-process", dest="engine_process", action="store_true", default=None,
+                       help="run the engine loop in a process of its own, so the server's HTTP work cannot slow "
+                            "its steps (the default on CUDA; on the CPU the engine steps in a thread)")
+    serve.add_argument("--engine-in-process", dest="engine_process", action="store_false",
+                       help="run the engine loop in a thread of the server's process")
     serve.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
                        help="stop (as on SIGTERM) when process PID, our parent, dies (Linux)")
     serve.add_argument("--log-level", default="info")
@@ -137,14 +143,26 @@ def _configure_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat and health poll otherwise
 
 
-def serve(args: argparse.Namespace) -> None:
+def wants_engine_process(args: argparse.Namespace) -> bool:
+    """--engine-process / --engine-in-process, else a process of its own on CUDA only: on the CPU
+    the model's own compute is the bottleneck, and tests start many replicas."""
+    return args.engine_process if args.engine_process is not None else args.device.startswith("cuda")
+
+
+def serve(args: argparse.Namespace, engine_process=None) -> None:
+    """`engine_process`: an EngineProcess a spare started ahead (used if the engine runs in one)."""
+    _configure_logging(args.log_level)
+    if wants_engine_process(args) and engine_process is None:
+        from gpuworker.engine.engine_process import EngineProcess
+
+        # First thing: the engine process imports torch and the engine while this one goes on.
+        engine_process = EngineProcess.start(args.device)
     from gpuworker.checkpoint_files import prefetch
 
     # Start-up overlaps its stages: a cold checkpoint streams from disk from the first moment,
     # and the engine (torch, CUDA, the weights) loads while the server's own imports (starlette,
     # xgrammar, transformers: seconds) run.
     prefetch(args.model)
-    _configure_logging(args.log_level)
     from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
 
     config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
@@ -152,8 +170,9 @@ def serve(args: argparse.Namespace) -> None:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout,
-                          tensor_parallel_size=args.tensor_parallel_size)
-    holder = EngineHolder(config)
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          engine_process=wants_engine_process(args))
+    holder = EngineHolder(config, engine_process)
     holder.start_loading()
     from gpuworker.models.loader import TRANSFORMERS_IMPORT_LOCK
 
@@ -177,14 +196,15 @@ def spare(args: argparse.Namespace) -> int:
 
     if args.exit_with_parent is not None:
         exit_with_parent(args.exit_with_parent)
-    argv = wait_for_load(args.device, args.control_fd, started)
-    if argv is None:
+    load = wait_for_load(args.device, args.control_fd, started)
+    if load is None:
         return 0
+    argv, engine_process = load
     serve_args = build_parser().parse_args(["serve", *argv])
     if serve_args.device != args.device:  # the daemon hands each spare loads for its own device only
         print(f"this spare initialised {args.device}, but the load asks for {serve_args.device}", file=sys.stderr)
         return 2
-    serve(serve_args)
+    serve(serve_args, engine_process)
     return 0
 
 

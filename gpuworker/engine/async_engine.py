@@ -12,6 +12,9 @@ Outputs reach the consumers' event loop once per step for all their requests (on
 one per request). A consumer that falls behind finds one output for the steps it missed, their
 deltas joined (`merge_outputs`), so a busy server sends fewer, larger stream chunks instead of
 building a backlog.
+
+`AsyncLLMEngine(model, process=True)` keeps this interface with the engine in a process of its own
+(engine_process.py), for a server whose own work would otherwise slow the steps through the GIL.
 """
 
 from __future__ import annotations
@@ -20,56 +23,42 @@ import asyncio
 import logging
 import queue
 import threading
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from gpuworker.engine.llm_engine import LLMEngine, Prompt, TokenizedPrompt
-from gpuworker.engine.outputs import RequestOutput, merge_outputs
+from gpuworker.engine.llm_engine import LLMEngine
+from gpuworker.engine.output_streams import EngineDeadError, OutputStream, StreamingEngine, deliver
+from gpuworker.engine.outputs import RequestOutput
+from gpuworker.engine.prompts import TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
+from gpuworker.engine.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
 
-class _Stream:
-    """A request's outputs on its consumer's event loop, not yet taken. Consecutive outputs merge
-    into one; an error stays an item of its own, in order."""
+class AsyncLLMEngine(StreamingEngine):
+    """The engine stepping in a thread of this process; `AsyncLLMEngine(model, process=True)` gives
+    the same interface over an engine in a process of its own (engine_process.ProcessLLMEngine),
+    whose steps no work of this process's threads can slow down."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
+    def __new__(cls, *args: Any, process: Any = False, **kwargs: Any) -> Any:
+        if process:
+            from gpuworker.engine.engine_process import ProcessLLMEngine
 
-    def put(self, item: RequestOutput | BaseException) -> None:  # on the consumer's loop
-        if self._items and isinstance(item, RequestOutput) and isinstance(self._items[-1], RequestOutput):
-            self._items[-1] = merge_outputs(self._items[-1], item)
-        else:
-            self._items.append(item)
-        self._ready.set()
+            # Not an AsyncLLMEngine, so Python does not call __init__ on it a second time.
+            return ProcessLLMEngine(*args, process=process, **kwargs)
+        return super().__new__(cls)
 
-    async def get(self) -> RequestOutput | BaseException:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
-
-
-def _put_all(deliveries: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
-    for stream, item in deliveries:
-        stream.put(item)
-
-
-class AsyncLLMEngine:
     def __init__(self, model: str | Path | None = None, *, engine: LLMEngine | None = None,
-                 **config: Any) -> None:
+                 process: bool = False, **config: Any) -> None:
         if (model is None) == (engine is None):
             raise ValueError("pass either a model path or an engine")
         self.engine = engine if engine is not None else LLMEngine(model, **config)
         self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
         # request id -> its stream; touched only by the engine thread.
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
@@ -77,38 +66,6 @@ class AsyncLLMEngine:
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> AsyncLLMEngine:
         return cls(engine=engine)
-
-    async def generate(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yield an output each step the request advances; the last one has finished=True."""
-        outputs = _Stream(asyncio.get_running_loop())
-        if not isinstance(prompt, TokenizedPrompt):
-            # Tokenizing (or checking) megabytes takes seconds: neither on the caller's event loop,
-            # which serves other streams, nor on the engine thread, which steps them.
-            prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
-
-        def add() -> None:
-            self.engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = outputs
-
-        if params is not None and params.structured_output is not None:
-            # A new schema compiles here, off the engine thread, so running streams do not stall.
-            await asyncio.to_thread(self.engine.compile_grammar, params.structured_output)
-        await self._call(add)
-        finished = False
-        try:
-            while True:
-                output = await outputs.get()
-                if isinstance(output, BaseException):
-                    raise output
-                finished = output.finished
-                yield output
-                if finished:
-                    return
-        finally:
-            if not finished:
-                # Not awaited: this also runs when the task is being cancelled.
-                self._submit(lambda: self._abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; when this returns its KV blocks are free."""
@@ -127,18 +84,27 @@ class AsyncLLMEngine:
         self._thread.join()
         self.engine.shutdown()
 
-    async def __aenter__(self) -> AsyncLLMEngine:
-        return self
+    async def _compile_grammar(self, structured: StructuredOutput) -> None:
+        # A new schema compiles here, off the engine thread, so running streams do not stall.
+        await asyncio.to_thread(self.engine.compile_grammar, structured)
 
-    async def __aexit__(self, *exc: object) -> None:
-        await asyncio.to_thread(self.shutdown)
+    async def _add(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None,
+                   outputs: OutputStream) -> None:
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, params)
+            self._streams[request_id] = outputs
+
+        await self._call(add)
+
+    def _abort_soon(self, request_id: str) -> None:
+        self._submit(lambda: self._abort(request_id))
 
     # -- engine thread --------------------------------------------------------------------------
 
     def _submit(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
         if self._stopped:
-            future.set_exception(RuntimeError("the engine has been shut down"))
+            future.set_exception(EngineDeadError("the engine has been shut down"))
         else:
             self._commands.put((fn, future))
         return future
@@ -150,19 +116,7 @@ class AsyncLLMEngine:
         output = self.engine.abort(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None and output is not None:
-            self._deliver([(stream, output)])
-
-    @staticmethod
-    def _deliver(deliveries: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
-        """Hand items to their streams: one call into each consumer loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for stream, item in deliveries:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, batch)
-            except RuntimeError:
-                pass  # the consumer's loop is closed: nobody is listening any more
+            deliver([(stream, output)])
 
     def _loop(self) -> None:
         while True:
@@ -204,7 +158,7 @@ class AsyncLLMEngine:
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     failed.append((stream, exc))
-            self._deliver(failed)
+            deliver(failed)
             return
         deliveries = []
         for output in outputs:
@@ -214,7 +168,7 @@ class AsyncLLMEngine:
             if output.finished:
                 del self._streams[output.request_id]
             deliveries.append((stream, output))
-        self._deliver(deliveries)
+        deliver(deliveries)
 
     def _shut_down_requests(self) -> None:
         for request_id in self.engine.unfinished_request_ids():

@@ -19,16 +19,16 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from jinja2 import TemplateError
 
 from gpuworker.attention.backend import AttentionBackend
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from gpuworker.engine.model_runner import ModelRunner, StepHandle
 from gpuworker.engine.parallel import Workers
+from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepStats,
                                       TokenLogprob)
 from gpuworker.engine.sampling_params import SamplingParams
@@ -43,19 +43,6 @@ from gpuworker.models.loader import load_model, load_model_config, load_tokenize
 from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 
 logger = logging.getLogger(__name__)
-# A text longer than max_model_len times this many characters is first tokenized by its head only
-# (no tokenizer we serve averages more characters per token on real text).
-PREFIX_CHARS_PER_TOKEN = 16
-
-Prompt = str | list[int]
-
-
-class TokenizedPrompt(NamedTuple):
-    """A prompt made ready by `LLMEngine.tokenize` (or `render_chat`): its text if it was text,
-    and its checked token ids. A server makes it off the engine thread, which then only adds it."""
-
-    text: str | None
-    token_ids: list[int]
 
 
 class _Request:
@@ -161,7 +148,7 @@ class LLMEngine:
         # The tokenizer (and the import of transformers behind it: seconds) loads in a thread
         # while the weights stream in, which spend their time in system calls and copies.
         tokenizer_loading = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        tokenizer_future = tokenizer_loading.submit(_maybe_tokenizer, config)
+        tokenizer_future = tokenizer_loading.submit(engine_tokenizer, config)
         tokenizer_loading.shutdown(wait=False)
         if self.device.type == "cuda":
             with clock("cuda_init"):
@@ -199,6 +186,7 @@ class LLMEngine:
             [self.tokenizer.eos_token_id] if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else [])
         self.scheduler = Scheduler(self.config)
+        self.prompts = PromptTokenizer(self.tokenizer, mc, self.config)
         if self.workers is not None:
             self.workers.start_runners(self.config)
         with clock("kv_cache"):
@@ -289,47 +277,7 @@ class LLMEngine:
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> TokenizedPrompt:
         """Text to token ids, or token ids checked against the vocabulary; ValueError for bad input.
         Safe to call from another thread: it only reads the tokenizer and the model config."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
-            try:
-                return TokenizedPrompt(prompt, self._encode(prompt, add_special_tokens))
-            except TypeError as exc:  # text the tokenizer cannot read (e.g. a lone surrogate)
-                raise ValueError(f"prompt: the tokenizer cannot read this text: {exc}") from None
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt must be a non-empty string or list of token ids")
-        vocab_size = self.model_config.vocab_size
-        for token_id in prompt:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-                raise ValueError(f"prompt: token id {token_id!r} is not in [0, {vocab_size})")
-        return TokenizedPrompt(None, list(prompt))
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:  # a slow (pure Python) tokenizer
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        # What tokenizer.encode does, minus what stalls other threads: the batch call releases the
-        # GIL while it works (the single-text call holds it for seconds on megabytes), and only the
-        # ids become Python objects (not the mask and the rest transformers converts too).
-        max_model_len = self.config.max_model_len
-        head_chars = max_model_len * PREFIX_CHARS_PER_TOKEN
-        if len(text) > head_chars:
-            # A text far longer than the context is refused from its head: tokenizing megabytes only
-            # to refuse them keeps a core busy for seconds that other streams need. The head's
-            # tokens are the text's first ones, but for the one its cut may split.
-            head = backend.encode_batch([text[:head_chars]], add_special_tokens=add_special_tokens)[0]
-            if len(head) - 1 >= max_model_len:
-                raise ValueError(f"prompt has at least {len(head) - 1} tokens (in its first {head_chars} of "
-                                 f"{len(text)} characters), which leaves no room to generate within "
-                                 f"max_model_len ({max_model_len})")
-        encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        if len(encoding) >= max_model_len:
-            # Refused now, by its length alone: millions of ids as Python ints would hold the GIL
-            # for a fifth of a second, only to be refused by the same check in add_request.
-            self.scheduler.check_admissible(len(encoding), None, 1)
-        return encoding.ids
+        return self.prompts.tokenize(prompt, add_special_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; returns its final output (None if unknown)."""
@@ -378,6 +326,16 @@ class LLMEngine:
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
+
+    def serving_figures(self) -> dict[str, Any]:
+        """Live figures for a server's /stats, read between steps: batch and KV pool, cumulative
+        counters, and TTFT / inter-token p95 over the last minute (None without a sample)."""
+        scheduler = self.scheduler
+        bm = scheduler.block_manager
+        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
+                "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": scheduler.num_preemptions,
+                "num_generated_tokens": self.num_generated_tokens, **self.latency.figures()}
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -575,19 +533,8 @@ class LLMEngine:
 
     def render_chat(self, conversation: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None) -> TokenizedPrompt:
-        """One conversation through the model's chat template: its text and token ids.
-
-        `tools` (OpenAI function tools) are handed to the template, which writes them into the
-        prompt in the format the model was trained on."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model's tokenizer has no chat template")
-        try:
-            text = self.tokenizer.apply_chat_template(conversation, tools=tools or None,
-                                                      add_generation_prompt=True, tokenize=False)
-        except (TemplateError, TypeError) as exc:  # a template's raise_exception(), or unreadable messages
-            raise ValueError(f"messages: the model's chat template refused them: {exc}") from exc
-        # The template writes its own special tokens (BOS): do not add them twice.
-        return self.tokenize(text, add_special_tokens=False)
+        """One conversation (and OpenAI function tools) through the model's chat template."""
+        return self.prompts.render_chat(conversation, tools)
 
     def _run_all(self, prompts: list[TokenizedPrompt],
                  params: SamplingParams | list[SamplingParams] | None) -> list[RequestOutput]:
@@ -614,7 +561,8 @@ class LLMEngine:
         return [finished[request_id] for request_id in request_ids]
 
 
-def _maybe_tokenizer(config: EngineConfig):
+def engine_tokenizer(config: EngineConfig):
+    """The tokenizer of the engine `config` describes (None for bare dummy-weight configs)."""
     directory = Path(config.model)
     if config.load_format == "dummy" and not (directory / "tokenizer.json").is_file() \
             and not (directory / "tokenizer.model").is_file():

@@ -48,6 +48,23 @@ class ScheduledBatch:
         return not self.seqs
 
 
+def check_admissible(config: EngineConfig, num_prompt_tokens: int, max_tokens: int | None, n: int) -> None:
+    """Raise ValueError, naming the numbers, for a request that could never run."""
+    max_model_len = config.max_model_len
+    if num_prompt_tokens < 1:
+        raise ValueError("prompt must contain at least one token")
+    if max_tokens is None and num_prompt_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
+                         f"within max_model_len ({max_model_len})")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                         f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len})")
+    # EngineConfig guarantees the pool holds max_model_len tokens, so a request that passes the
+    # checks above always fits the pool once it runs alone.
+    if n > config.max_num_seqs:
+        raise ValueError(f"n ({n}) exceeds max_num_seqs ({config.max_num_seqs})")
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         if not config.is_resolved:
@@ -67,19 +84,7 @@ class Scheduler:
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None, n: int) -> None:
         """Raise ValueError, naming the numbers, for a request that could never run."""
-        max_model_len = self.config.max_model_len
-        if num_prompt_tokens < 1:
-            raise ValueError("prompt must contain at least one token")
-        if max_tokens is None and num_prompt_tokens >= max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
-                             f"within max_model_len ({max_model_len})")
-        if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                             f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len})")
-        # EngineConfig guarantees the pool holds max_model_len tokens, so a request that passes the
-        # checks above always fits the pool once it runs alone.
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        check_admissible(self.config, num_prompt_tokens, max_tokens, n)
 
     def add(self, group: SequenceGroup) -> None:
         self.check_admissible(len(group.prompt_token_ids), group.max_tokens, group.params.n)

@@ -64,6 +64,12 @@ def report_load_progress(callback: Callable[[float], None]) -> Iterator[None]:
         _progress_callback.reset(token)
 
 
+def load_progress_callback() -> Callable[[float], None] | None:
+    """The callback report_load_progress set in this context, if any (to relay another process's
+    load progress to it)."""
+    return _progress_callback.get()
+
+
 def load_model_config(path: str | Path) -> ModelConfig:
     """Parse config.json (and generation_config.json, for extra EOS ids) in the directory `path`,
     or the metadata of the GGUF file `path` names."""

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gpuworker.contract.openai_api import ProtocolError, new_id, now
+from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.replica.embeddings import embeddings as serve_embeddings
 from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
 from gpuworker.replica.responses import Responder, drain_expired_error, engine_error, error_response, plan_request
@@ -75,7 +76,7 @@ def _holder(request: Request) -> EngineHolder:
 
 
 def _not_ready(holder: EngineHolder) -> JSONResponse | None:
-    holder.check_ranks()
+    holder.check_engine()
     if holder.state == "ready":
         return None
     if holder.draining:
@@ -87,10 +88,11 @@ def _not_ready(holder: EngineHolder) -> JSONResponse | None:
 
 async def health(request: Request) -> Response:
     holder = _holder(request)
-    holder.check_ranks()
+    holder.check_engine()
     if holder.state == "ready":
         return JSONResponse({"status": "ready", "load_started_at": holder.load_started_at,
-                             "load_timings": holder.load_timings, "limits": holder.engine_limits})
+                             "load_timings": holder.load_timings, "limits": holder.engine_limits,
+                             "engine_pid": holder.engine_pid})
     body: dict[str, Any] = {"status": holder.state}
     if holder.state == "loading":
         body["progress"] = holder.load_progress
@@ -180,6 +182,8 @@ async def _generate(request: Request, chat: bool) -> Response:
         first = await anext(stream)
     except ValueError as exc:
         return engine_error(exc, "messages" if chat else "prompt")
+    except EngineDeadError:  # its process died: the replica is failed now, and says so
+        return _not_ready(holder) or error_response("the engine stopped", 503, type="service_unavailable")
     except StopAsyncIteration:  # pragma: no cover - the engine always yields a final output
         return error_response("the engine returned nothing", 500, type="server_error")
     if holder.drain_expired and not first.finished:  # admitted just as the drain deadline passed
@@ -189,7 +193,10 @@ async def _generate(request: Request, chat: bool) -> Response:
     responder = Responder(holder, parsed, request_id, chat, engine.engine.tokenizer, plan.tool_parsing)
     if parsed.stream:
         return StreamingResponse(responder.sse(first, stream, request), media_type="text/event-stream")
-    final = await _collect_unless_disconnected(request, first, stream)
+    try:
+        final = await _collect_unless_disconnected(request, first, stream)
+    except EngineDeadError:
+        return _not_ready(holder) or error_response("the engine stopped", 503, type="service_unavailable")
     if final is None:
         await engine.abort(request_id)  # when this returns, its KV blocks are free
         return Response(status_code=499)

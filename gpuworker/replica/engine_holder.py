@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from operator import methodcaller
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 
 from gpuworker.engine import AsyncLLMEngine
+from gpuworker.engine.output_streams import EngineDeadError
+from gpuworker.engine.engine_process import EngineProcess
 from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encoder
 from gpuworker.engine.outputs import RequestOutput
 from gpuworker.replica.metrics import EngineMetrics
@@ -29,6 +32,10 @@ logger = logging.getLogger(__name__)
 WEIGHTS_PROGRESS_START, WEIGHTS_PROGRESS_END = 0.05, 0.9
 # How many callers' started requests a replica remembers (see EngineHolder.note_started).
 STARTED_REQUESTS_KEPT = 10_000
+# /stats without an engine to ask (loading, failed, or its process gone).
+NO_ENGINE_FIGURES = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0,
+                     "prefix_cache_hit_rate": 0.0, "num_generated_tokens": 0, "ttft_p95_s": None,
+                     "itl_p95_s": None}
 
 
 @dataclass
@@ -52,6 +59,9 @@ class ServerConfig:
     tensor_parallel_size: int = 1
     # SIGTERM (or POST /drain without a timeout): in-flight requests get this long to finish.
     drain_timeout_s: float = 30.0
+    # The engine steps in a process of its own (engine/engine_process.py), where the server's work
+    # (HTTP, JSON, SSE) cannot slow its steps; False: in a thread of the server's process.
+    engine_process: bool = False
 
     @property
     def model_name(self) -> str:
@@ -59,9 +69,11 @@ class ServerConfig:
 
 
 class EngineHolder:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, engine_process: EngineProcess | None = None) -> None:
+        """`engine_process`: one started ahead (by `serve` or a spare) for config.engine_process."""
         self.config = config
         self.engine: AsyncLLMEngine | None = None
+        self._engine_process = engine_process
         # An encoder checkpoint (BERT family) is served by /v1/embeddings instead: then this is set
         # and `engine` stays None.
         self.embedder: EmbeddingEngine | None = None
@@ -89,16 +101,24 @@ class EngineHolder:
         # by it. It asks at once, so a bounded window of the latest ones is enough.
         self._started: OrderedDict[str, None] = OrderedDict()
 
-    def check_ranks(self) -> None:
-        """A ready replica whose tensor-parallel rank died can run no step: it turns failed, so the
-        daemon reports it and the fleet replaces it, instead of failing every request it is sent."""
-        workers = self.engine.engine.workers if self.engine is not None else None
-        if self.state != "ready" or workers is None:
+    def check_engine(self) -> None:
+        """A ready replica whose engine process or tensor-parallel rank died can run no step: it
+        turns failed, so the daemon reports it and the fleet replaces it, instead of failing every
+        request it is sent."""
+        if self.state != "ready" or self.engine is None:
             return
-        gone = workers.gone()
+        dead = getattr(self.engine, "dead", None)
+        workers = self.engine.engine.workers
+        gone = dead or (workers.gone() if workers is not None else "")
         if gone:
-            self.state, self.error = "failed", f"tensor-parallel {gone}"
+            self.state, self.error = "failed", gone if dead else f"tensor-parallel {gone}"
             logger.error("replica failed: %s", self.error)
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's pid, when the engine runs in a process of its own."""
+        process = getattr(self.engine, "process", None)
+        return process.pid if process is not None else None
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -125,10 +145,17 @@ class EngineHolder:
         self.load_progress = WEIGHTS_PROGRESS_START
         self.load_started_at = time.time()
         started = time.perf_counter()
+        engine_process, self._engine_process = self._engine_process, None
         try:
+            if engine_process is not None and (not self.config.engine_process
+                                               or is_sentence_encoder(self.config.model)):
+                engine_process.stop()  # started ahead, not wanted after all
+                engine_process = None
             if is_sentence_encoder(self.config.model):
                 self._load_embedder(started)
                 return
+            if self.config.engine_process:
+                kwargs["process"] = engine_process or True
             with report_load_progress(self._on_weights_progress):
                 engine = AsyncLLMEngine(self.config.model, **kwargs)
         except Exception as exc:  # reported through /health and /stats, not a crash loop
@@ -162,6 +189,8 @@ class EngineHolder:
         logger.info("encoder %s ready in %.2fs", self.config.model_name, self.load_timings["engine_s"])
 
     def shutdown(self) -> None:
+        if self._engine_process is not None:  # started ahead, never loaded
+            self._engine_process.stop()
         if self.engine is not None:
             self.engine.shutdown()
         if self.embedder is not None:
@@ -195,8 +224,11 @@ class EngineHolder:
 
     async def abort_all(self) -> None:
         if self.engine is not None:
-            for request_id in await self.engine.call(lambda engine: engine.unfinished_request_ids()):
-                await self.engine.abort(request_id)
+            try:
+                for request_id in await self.engine.call(methodcaller("unfinished_request_ids")):
+                    await self.engine.abort(request_id)
+            except EngineDeadError:
+                pass  # nothing left running to abort
 
     async def wait_drained(self, grace_s: float) -> None:
         """Wait for the drain to end: no request in flight, or grace_s after the deadline aborted
@@ -221,25 +253,16 @@ class EngineHolder:
     # -- figures --------------------------------------------------------------------------------
 
     async def snapshot(self) -> dict[str, Any]:
-        """Live engine figures, read on the engine thread between steps; also refreshes the gauges."""
+        """Live engine figures, read by the engine loop between steps; also refreshes the gauges."""
         base = {"state": self.state, "error": self.error, "load_progress": self.load_progress,
                 "in_flight": self.in_flight}
         if self.engine is None:
-            return {**base, "running": 0, "waiting": 0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0,
-                    "prefix_cache_hit_rate": 0.0, "num_generated_tokens": 0, "ttft_p95_s": None,
-                    "itl_p95_s": None}
-
-        def read(engine):
-            scheduler = engine.scheduler
-            bm = scheduler.block_manager
-            return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                    "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
-                    "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": scheduler.num_preemptions,
-                    "num_generated_tokens": engine.num_generated_tokens,
-                    # p95 over the last minute (None without a sample), read where tokens are produced.
-                    **engine.latency.figures()}
-
-        figures = await self.engine.call(read)
+            return {**base, **NO_ENGINE_FIGURES}
+        try:
+            figures = await self.engine.call(methodcaller("serving_figures"))
+        except EngineDeadError:
+            self.check_engine()
+            return {**base, "state": self.state, "error": self.error, **NO_ENGINE_FIGURES}
         m = self.metrics
         m.num_requests_running.set(figures["running"])
         m.num_requests_waiting.set(figures["waiting"])

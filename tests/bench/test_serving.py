@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import free_port
-from bench.serving import Record, Request, parse_rates, poisson_arrivals, run_load, summarise
+from bench.serving import Record, Request, parse_engine_modes, parse_rates, poisson_arrivals, run_load, summarise
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,6 +58,12 @@ def test_bad_rates_are_refused_naming_the_option(text):
         parse_rates(text)
 
 
+@pytest.mark.parametrize("text", ["", "thread", "process,fast"])
+def test_bad_engine_modes_are_refused_naming_the_option(text):
+    with pytest.raises(Exception, match="--engine-modes"):
+        parse_engine_modes(text)
+
+
 def test_rates_include_all_at_once():
     assert parse_rates("5,10.5,inf") == [5.0, 10.5, math.inf]
 
@@ -74,13 +80,15 @@ def test_a_server_that_is_not_there_fails_every_request_and_the_run_still_ends()
 @pytest.mark.slow
 def test_the_smoke_run_serves_every_request_and_writes_the_figures_and_plot(tmp_path):
     plot = tmp_path / "serving.png"
-    out = subprocess.run([sys.executable, "bench/serving.py", "--smoke", "--plot", str(plot)], cwd=REPO,
+    out = subprocess.run([sys.executable, "bench/serving.py", "--smoke", "--plot", str(plot),
+                          "--engine-modes", "process,in-process"], cwd=REPO,
                          env={**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "serving.json").read_text())
     assert result["offline"]["output_tok_s"] > 0
-    assert [run["rate"] for run in result["runs"]] == ["all at once", "4 req/s"]
+    assert [(run["engine_mode"], run["rate"]) for run in result["runs"]] == [
+        ("process", "all at once"), ("process", "4 req/s"), ("in-process", "all at once"), ("in-process", "4 req/s")]
     for run in result["runs"]:
         assert run["failed"] == 0 and run["output_tok_s"] > 0 and run["ttft_p50_s"] > 0
     assert plot.stat().st_size > 0

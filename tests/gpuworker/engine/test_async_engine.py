@@ -1,8 +1,10 @@
-"""AsyncLLMEngine: concurrent streams, aborts (explicit and by cancelling the consumer), errors."""
+"""AsyncLLMEngine: concurrent streams, aborts (explicit and by cancelling the consumer), errors;
+each with the engine in a thread of the test's process and in a process of its own."""
 
 from __future__ import annotations
 
 import asyncio
+from operator import attrgetter, methodcaller
 
 import pytest
 
@@ -11,15 +13,16 @@ from tests.gpuworker.checkpoints import TINY
 from tests.gpuworker.engine.reference import hf_greedy, random_prompts
 
 
-@pytest.fixture
-async def engine(tiny_checkpoint):
-    engine = AsyncLLMEngine(tiny_checkpoint("llama"), num_kv_blocks=64, max_model_len=256)
+@pytest.fixture(params=["thread", "process"])
+async def engine(request, tiny_checkpoint):
+    engine = AsyncLLMEngine(tiny_checkpoint("llama"), num_kv_blocks=64, max_model_len=256,
+                            process=request.param == "process")
     yield engine
     await asyncio.to_thread(engine.shutdown)
 
 
 async def kv_usage(engine: AsyncLLMEngine) -> float:
-    return await engine.call(lambda e: e.scheduler.block_manager.usage)
+    return await engine.call(attrgetter("scheduler.block_manager.usage"))
 
 
 async def test_two_concurrent_streams(engine, tiny_checkpoint):
@@ -53,7 +56,7 @@ async def test_a_consumer_that_falls_behind_gets_one_output_for_the_steps_it_mis
     stream = engine.generate(prompt, params, "slow")
     first = await stream.__anext__()
     # The consumer looks away until the engine has run the request to its end.
-    while await engine.call(lambda e: e.has_unfinished_requests()):
+    while await engine.call(methodcaller("has_unfinished_requests")):
         await asyncio.sleep(0.01)
     rest = [out async for out in stream]
     assert len(rest) == 1 and rest[0].finished  # 15 steps' outputs, merged into one
@@ -89,10 +92,10 @@ async def test_cancelling_the_consumer_aborts_the_request(engine):
     with pytest.raises(asyncio.CancelledError):
         await task
     for _ in range(100):
-        if not await engine.call(lambda e: e.has_unfinished_requests()):
+        if not await engine.call(methodcaller("has_unfinished_requests")):
             break
         await asyncio.sleep(0.01)
-    assert not await engine.call(lambda e: e.has_unfinished_requests())
+    assert not await engine.call(methodcaller("has_unfinished_requests"))
     assert await kv_usage(engine) == 0.0
 
 

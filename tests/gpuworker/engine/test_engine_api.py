@@ -318,7 +318,7 @@ def test_final_only_requests_report_once_with_the_same_result(path, async_schedu
 def test_a_text_far_beyond_the_context_is_refused_from_its_head(path, monkeypatch):
     """Tokenizing megabytes only to refuse them would keep a core busy for seconds: only the head
     (max_model_len x PREFIX_CHARS_PER_TOKEN characters) is tokenized, and the text is refused."""
-    from gpuworker.engine.llm_engine import PREFIX_CHARS_PER_TOKEN
+    from gpuworker.engine.prompts import PREFIX_CHARS_PER_TOKEN
 
     engine = make_engine(path)
     tokenized: list[int] = []

@@ -67,10 +67,16 @@ def _config(tiny_checkpoint, **overrides) -> ServerConfig:
                         max_model_len=1024, **overrides)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    with _serving(_config(tiny_checkpoint)) as running:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(request, tiny_checkpoint):
+    """A server whose engine steps in a thread of this process, or in a process of its own."""
+    with _serving(_config(tiny_checkpoint, engine_process=request.param == "process")) as running:
         yield running
+
+
+def _generated(client: httpx.Client) -> int:
+    """Tokens the engine has generated so far (its own count, wherever it runs)."""
+    return client.get("/stats").json()["num_generated_tokens"]
 
 
 def _client(base: str) -> httpx.Client:
@@ -234,9 +240,8 @@ def test_token_is_enforced(server):
 
 def test_disconnect_mid_stream_frees_kv_blocks(server):
     base, app = server
-    engine = app.state.holder.engine.engine
-    generated_before = engine.num_generated_tokens
     with _client(base) as client:
+        generated_before = _generated(client)
         with client.stream("POST", "/v1/completions", json={
                 "prompt": "a long answer please", "max_tokens": 900, "stream": True,
                 "ignore_eos": True}) as response:
@@ -250,8 +255,9 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
             if stats["running"] == 0 and stats["waiting"] == 0:
                 break
             time.sleep(0.02)
+        generated = _generated(client) - generated_before
     assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0
-    assert engine.num_generated_tokens - generated_before < 900  # aborted, not run to the end
+    assert generated < 900  # aborted, not run to the end
 
 
 async def test_health_is_503_while_loading(tiny_checkpoint):
@@ -303,16 +309,16 @@ def _wait_idle(client: httpx.Client) -> dict:
 
 def test_disconnect_of_non_streaming_request_aborts_it(server):
     base, app = server
-    engine = app.state.holder.engine.engine
-    generated_before = engine.num_generated_tokens
+    with _client(base) as client:
+        generated_before = _generated(client)
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=0.5) as client:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
             client.post("/v1/completions", json={"prompt": "a long answer please", "max_tokens": 1000,
                                                  "ignore_eos": True})
     with _client(base) as client:
         stats = _wait_idle(client)
+        generated = _generated(client) - generated_before
     assert stats["running"] == 0 and stats["kv_cache_usage"] == 0.0 and stats["in_flight"] == 0
-    generated = engine.num_generated_tokens - generated_before
     assert 0 < generated < 1000  # it ran, and was aborted rather than run to the end
 
 
@@ -540,7 +546,7 @@ def test_the_bearer_scheme_is_case_insensitive(server):
 def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monkeypatch, chat):
     """A prompt of megabytes takes seconds to render and tokenize. Held mid-tokenization, the
     replica still answers /health (its event loop is free) and keeps generating another request's
-    stream (its engine thread is free); the huge request ends only after both."""
+    stream (its engine loop is free); the huge request ends only after both."""
     base, app = server
     llm = app.state.holder.engine.engine
     tokenizing, release = threading.Event(), threading.Event()
@@ -579,13 +585,13 @@ def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monke
         try:
             sender.start()
             assert tokenizing.wait(60), "the huge prompt was never tokenized"
-            generated = llm.num_generated_tokens
+            generated = _generated(client)
             assert client.get("/health").status_code == 200
             order.append("health")
             deadline = time.monotonic() + 30
-            while llm.num_generated_tokens < generated + 5 and time.monotonic() < deadline:
+            while _generated(client) < generated + 5 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert llm.num_generated_tokens >= generated + 5, "the other stream stopped while the prompt was tokenized"
+            assert _generated(client) >= generated + 5, "the other stream stopped while the prompt was tokenized"
             order.append("stream advanced")
         finally:
             release.set()
@@ -668,3 +674,56 @@ def test_a_replica_whose_tensor_parallel_rank_dies_turns_failed(tiny_checkpoint)
             assert health.json()["error"] == f"tensor-parallel rank 1 (pid {worker.pid}) exited with code -9"
             refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert refused.status_code == 503 and "rank 1" in refused.json()["error"]["message"]
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _running([pid]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running([pid])
+
+
+def test_a_replica_whose_engine_process_dies_fails_its_streams_and_turns_failed(tiny_checkpoint):
+    """kill -9 of the engine process: the stream in flight ends at once with an error event (no
+    hang), /health says failed (the daemon's restart logic takes it from there), new requests 503."""
+    with _serving(_config(tiny_checkpoint, engine_process=True)) as (base, app):
+        with _client(base) as client:
+            engine_pid = client.get("/health").json()["engine_pid"]
+            assert engine_pid is not None and engine_pid != os.getpid()
+            thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 900, "stream": True,
+                                                      "ignore_eos": True})
+            assert result["first"].wait(30)
+            os.kill(engine_pid, signal.SIGKILL)
+            thread.join(60)
+            assert not thread.is_alive(), "the stream hung after its engine died"
+            assert result["events"][-1] == "[DONE]"
+            error = result["events"][-2]["error"]
+            assert error["type"] == "server_error" and "exited with code -9" in error["message"]
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "failed"
+            assert "exited with code -9" in health.json()["error"]
+            refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503 and "exited with code -9" in refused.json()["error"]["message"]
+            assert client.get("/stats").json()["state"] == "failed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_replica_leaves_no_engine_process(tiny_checkpoint, sig):
+    """SIGTERM (drain, then stop) or SIGKILL of `serve --engine-process`: its engine process goes too."""
+    process, base = _start_cli_serve(["--model", str(tiny_checkpoint("llama")), "--max-model-len", "512",
+                                      "--engine-process", "--drain-timeout", "5"])
+    try:
+        with _client(base) as client:
+            _wait_healthy(client, process, timeout=120)
+            engine_pid = client.get("/health").json()["engine_pid"]
+            assert engine_pid in _children(process.pid)
+            response = client.post("/v1/completions", json={"prompt": "hey", "max_tokens": 3, "ignore_eos": True})
+            assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+        process.send_signal(sig)
+        process.wait(timeout=60)
+        assert _wait_gone(engine_pid, timeout=60), f"engine process {engine_pid} outlived its replica"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -82,9 +82,10 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
+    """Its engine steps in a process of its own: grammars compile there, tool calls are read here."""
     path = tool_checkpoint(tmp_path_factory.mktemp("llama"), "llama3.1", max_position_embeddings=MAX_MODEL_LEN)
     with _serving(ServerConfig(model=str(path), served_model_name="tiny-llama", token=TOKEN,
-                               max_model_len=MAX_MODEL_LEN)) as (base, _):
+                               max_model_len=MAX_MODEL_LEN, engine_process=True)) as (base, _):
         yield openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=120)
 
 

@@ -1,0 +1,562 @@
+"""The engine core in a process of its own, and the AsyncLLMEngine that drives it from the server
+(`AsyncLLMEngine(model, process=True)`, which builds a ProcessLLMEngine).
+
+Why: in one process the HTTP event loop (SSE chunks, JSON, 512 streams' deltas every ~25 ms step)
+and the engine thread share one GIL; on an H200 at 512 streams the steps ran 2.5x slower than
+offline (TPOT 62 ms vs 25 ms, issue 21). Here the engine process schedules, runs the model, steps
+and detokenizes; the API process keeps HTTP, tokenization and chat templates (a PromptTokenizer
+over its own copy of the tokenizer) and response formatting. This is the split vLLM V1 made.
+
+The wire is a multiprocessing Pipe (a Unix socketpair; pickle):
+  API -> engine   ("load", model, config) once; then (kind, command id, ...) with kind "add",
+                  "abort", "call" (a picklable fn(LLMEngine)), "compile" (a grammar); ("shutdown",)
+  engine -> API   ("prepared", pid), ("progress", fraction), ("ready", facts) | ("failed", error);
+                  then ("outputs", outputs, failure) ONE message per step for all its requests,
+                  ("reply", command id, ok, value), ("fatal", reason) before it stops on its own.
+Outputs travel as deltas (the text and token ids a step added) and the API side rebuilds vLLM's
+cumulative RequestOutput, so a step's message grows with the tokens it made, not with the streams'
+lengths.
+
+How it starts: spawned (a fresh interpreter), early. `serve` starts it first thing, so its imports
+of torch and the engine run alongside the API process's own imports and the checkpoint read-ahead;
+a spare replica (replica/spare.py) starts it before any load, so torch, the engine and CUDA are
+ready in it when the load comes, as they were in the spare for issue 19. Fork would skip those
+imports, but only from a process that has neither initialised CUDA nor started threads (the
+tokenizer's and OpenMP's pools, the loader thread, the read-ahead): a fork of one that has may hang
+or fail in the child, and the cost fork saves is paid before the load anyway when started early.
+
+The engine process ends when the API process says so, or when its end of the pipe closes (the API
+process died, even by SIGKILL): it notices between steps, so no orphan keeps the GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing import reduction
+from pathlib import Path
+from typing import Any, Callable
+
+from gpuworker.engine.output_streams import EngineDeadError, OutputStream, StreamingEngine, deliver
+from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.outputs import CompletionOutput, RequestOutput
+from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
+from gpuworker.engine.sampling_params import SamplingParams
+from gpuworker.engine.structured_output import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+# An idle engine process looks at its pipe (and its tensor-parallel ranks) this often.
+IDLE_POLL_S = 0.5
+# A stopping engine process gets this long to abort its requests and stop its ranks, then SIGKILL.
+STOP_GRACE_S = 10.0
+
+# -- what crosses the pipe ----------------------------------------------------------------------
+
+
+def _error_payload(exc: BaseException) -> tuple[str, str]:
+    """An exception as plain strings: any exception can cross, and bad input stays a ValueError."""
+    if isinstance(exc, ValueError):
+        return "ValueError", str(exc)
+    return "RuntimeError", f"{type(exc).__name__}: {exc}"
+
+
+def _error(payload: tuple[str, str]) -> Exception:
+    kind, message = payload
+    return ValueError(message) if kind == "ValueError" else RuntimeError(message)
+
+
+def _wire(output: RequestOutput) -> tuple:
+    """A step's output as its deltas: (request id, finished, cached tokens, metrics, completions)."""
+    completions = []
+    for c in output.outputs:
+        added = len(c.delta_token_ids)
+        logprobs = c.logprobs[len(c.logprobs) - added:] if c.logprobs is not None else None
+        completions.append((c.index, c.delta_text, c.delta_token_ids, c.finish_reason, c.stop_reason, logprobs))
+    return output.request_id, output.finished, output.num_cached_tokens, output.metrics, completions
+
+
+class _Assembly:
+    """A request's cumulative output on the API side, rebuilt from the deltas of its steps."""
+
+    def __init__(self, prompt: TokenizedPrompt) -> None:
+        self.prompt = prompt
+        self.texts: dict[int, str] = {}
+        self.token_ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}
+
+    def output(self, wire: tuple | RequestOutput) -> RequestOutput:
+        if isinstance(wire, RequestOutput):  # final_only: the whole output, once
+            return wire
+        request_id, finished, num_cached_tokens, metrics, completions = wire
+        outputs = []
+        for index, delta_text, delta_ids, finish_reason, stop_reason, new_logprobs in completions:
+            text = self.texts[index] = self.texts.get(index, "") + delta_text
+            token_ids = self.token_ids.setdefault(index, [])
+            token_ids += delta_ids
+            logprobs = None
+            if new_logprobs is not None:
+                logprobs = self.logprobs.setdefault(index, [])
+                logprobs += new_logprobs
+            outputs.append(CompletionOutput(index=index, text=text, token_ids=list(token_ids),
+                                            finish_reason=finish_reason, stop_reason=stop_reason,
+                                            logprobs=list(logprobs) if logprobs is not None else None,
+                                            delta_text=delta_text, delta_token_ids=delta_ids))
+        return RequestOutput(request_id=request_id, prompt=self.prompt.text, prompt_token_ids=self.prompt.token_ids,
+                             outputs=outputs, finished=finished, num_cached_tokens=num_cached_tokens,
+                             metrics=metrics)
+
+
+class EngineFacts:
+    """What the replica reads of an engine in another process: its configs and start-up timings as
+    they were when it became ready, the tokenizer (loaded in this process too) and tokenization.
+    Everything live (figures, requests) goes through ProcessLLMEngine.call instead."""
+
+    # Tensor-parallel ranks belong to the engine process, which reports their death as its own.
+    workers = None
+
+    def __init__(self, tokenizer: Any, model_config: Any, config: EngineConfig, load_timings: dict[str, float]) -> None:
+        self.tokenizer, self.model_config, self.config = tokenizer, model_config, config
+        self.load_timings = load_timings
+        self.prompts = PromptTokenizer(tokenizer, model_config, config)
+        self.tokenize = self.prompts.tokenize
+        self.render_chat = self.prompts.render_chat
+
+
+# -- the engine process -------------------------------------------------------------------------
+
+
+def _engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
+    """The engine process: prepare the device, load when told, then step until told to stop."""
+    # Ctrl-C in a terminal reaches the whole process group: the API process drains, then stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    try:
+        import torch
+        # What the load imports, before the load: the engine, the models and the loader, and the
+        # tokenizer's modules (the engine detokenizes), all lazily imported otherwise (seconds).
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+        from gpuworker.engine.llm_engine import LLMEngine
+        from gpuworker.models.loader import report_load_progress
+
+        if device.startswith("cuda"):
+            import gpuworker.attention.triton_backend  # noqa: F401  Triton and the kernels (from its cache)
+
+            torch.cuda.init()
+            torch.empty(0, device=device)
+        send(("prepared", os.getpid()))
+        while (message := conn.recv())[0] == "output":
+            # The API process's stdout and stderr changed (a spare took its load): ours follow.
+            fd = reduction.recv_handle(conn)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+    except EOFError:
+        return
+    except Exception as exc:
+        send(("failed", _error_payload(exc)))
+        return
+    if message[0] != "load":
+        return
+    _, model, config = message
+    try:
+        with report_load_progress(lambda fraction: send(("progress", fraction))):
+            engine = LLMEngine(model, **config)
+    except Exception as exc:
+        logger.exception("the engine process could not load %s", model)
+        send(("failed", _error_payload(exc)))
+        return
+    try:
+        send(("ready", {"config": engine.config, "model_config": engine.model_config,
+                        "load_timings": dict(engine.load_timings)}))
+        _EngineCore(engine, conn, send, steps).run()
+    except (EOFError, OSError):
+        pass  # the API process is gone: nobody to answer
+    finally:
+        engine.shutdown()
+
+
+class _EngineCore:
+    """The engine process's loop: commands between steps, one outputs message per step."""
+
+    def __init__(self, engine: Any, conn: Any, send: Callable[[tuple], None], steps: Any) -> None:
+        self.engine, self.conn, self.send, self.steps = engine, conn, send, steps
+        # Grammars compile on a thread of their own, so the steps of running streams go on meanwhile
+        # (add_request then finds the grammar compiled).
+        self.compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.final_only: set[str] = set()
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests() or engine.has_deferred_warm_up
+            if self.conn.poll(0 if busy else IDLE_POLL_S):
+                while True:
+                    if not self.handle(self.conn.recv()):
+                        self.shut_down_requests()
+                        return
+                    if not self.conn.poll(0):
+                        break
+            if engine.workers is not None and (gone := engine.workers.gone()):
+                self.send(("fatal", f"tensor-parallel {gone}"))
+                return
+            if engine.has_unfinished_requests():
+                self.step()
+            elif engine.has_deferred_warm_up:
+                engine.do_deferred_warm_up()
+
+    def handle(self, message: tuple) -> bool:
+        kind = message[0]
+        if kind == "shutdown":
+            return False
+        command_id = message[1]
+        if kind == "compile":
+            self.compiler.submit(self.compile, command_id, message[2])
+            return True
+        try:
+            if kind == "add":
+                _, _, request_id, prompt, params = message
+                self.engine.add_request(request_id, prompt, params)
+                if params is not None and params.output_kind == "final_only":
+                    self.final_only.add(request_id)
+                value = None
+            elif kind == "abort":
+                output = self.engine.abort(message[2])
+                if output is not None:
+                    self.send_outputs([output], None)
+                value = None
+            elif kind == "call":
+                value = message[2](self.engine)
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+        except Exception as exc:
+            self.reply(command_id, False, _error_payload(exc))
+        else:
+            self.reply(command_id, True, value)
+        return True
+
+    def compile(self, command_id: int, structured: StructuredOutput) -> None:
+        try:
+            self.engine.compile_grammar(structured)
+        except Exception as exc:
+            self.reply(command_id, False, _error_payload(exc))
+        else:
+            self.reply(command_id, True, None)
+
+    def reply(self, command_id: int, ok: bool, value: Any) -> None:
+        try:
+            self.send(("reply", command_id, ok, value))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # a call's value that cannot cross
+            self.send(("reply", command_id, False, _error_payload(exc)))
+
+    def send_outputs(self, outputs: list[RequestOutput], failure: tuple[list[str], tuple[str, str]] | None) -> None:
+        wired = []
+        for output in outputs:
+            if output.request_id in self.final_only:
+                if output.finished:
+                    self.final_only.discard(output.request_id)
+                wired.append(output)
+            else:
+                wired.append(_wire(output))
+        self.send(("outputs", wired, failure))
+
+    def step(self) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; aborting its requests")
+            failed = engine.unfinished_request_ids()
+            for request_id in failed:
+                engine.abort(request_id)
+                self.final_only.discard(request_id)
+            self.steps.value += 1
+            self.send_outputs([], (failed, _error_payload(exc)))
+            return
+        self.steps.value += 1
+        if outputs:
+            self.send_outputs(outputs, None)
+
+    def shut_down_requests(self) -> None:
+        outputs = [output for request_id in self.engine.unfinished_request_ids()
+                   if (output := self.engine.abort(request_id)) is not None]
+        if outputs:
+            self.send_outputs(outputs, None)
+
+
+# -- the API side -------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """The API process's handle on an engine process: started (and its device prepared) before the
+    model is known, loaded once, stopped with a deadline."""
+
+    def __init__(self, process: Any, conn: Any, steps: Any, device: str) -> None:
+        self.process, self.conn, self.steps, self.device = process, conn, steps, device
+        self._prepared = False
+
+    @classmethod
+    def start(cls, device: str) -> EngineProcess:
+        """Spawn the engine process for `device`; it logs at this process's level."""
+        context = multiprocessing.get_context("spawn")
+        api_end, engine_end = context.Pipe()
+        # Steps taken, readable here without a command (it keeps counting while this process is busy).
+        steps = context.RawValue("Q", 0)
+        process = context.Process(target=_engine_main, args=(engine_end, device, steps, logging.getLogger().getEffectiveLevel()),
+                                  name="llm-engine")
+        process.start()
+        engine_end.close()
+        return cls(process, api_end, steps, device)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def num_steps(self) -> int:
+        return self.steps.value
+
+    def _recv(self) -> tuple:
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            self.process.join(STOP_GRACE_S)
+            raise EngineDeadError(f"the engine process (pid {self.pid}) exited with code "
+                                  f"{self.process.exitcode} before it was ready") from None
+
+    def wait_prepared(self) -> None:
+        """Wait until the engine process has imported the engine and initialised its device."""
+        if self._prepared:
+            return
+        message = self._recv()
+        if message[0] == "failed":
+            raise _error(message[1])
+        self._prepared = True
+
+    def share_output(self) -> None:
+        """Point the engine process's stdout and stderr where this process's now go (before load)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.conn.send(("output",))
+        reduction.send_handle(self.conn, 1, self.pid)
+
+    def load(self, model: str | Path, config: dict[str, Any],
+             on_progress: Callable[[float], None] | None = None) -> EngineFacts:
+        """Build the engine in the engine process; meanwhile this process loads the tokenizer."""
+        from gpuworker.engine.llm_engine import engine_tokenizer
+
+        self.conn.send(("load", str(model), config))
+        tokenizer_loading = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tokenizer = tokenizer_loading.submit(engine_tokenizer, EngineConfig(model=str(model), **config))
+        tokenizer_loading.shutdown(wait=False)
+        self.wait_prepared()
+        while True:
+            message = self._recv()
+            if message[0] == "progress":
+                if on_progress is not None:
+                    on_progress(message[1])
+            elif message[0] == "failed":
+                raise _error(message[1])
+            elif message[0] == "ready":
+                facts = message[1]
+                return EngineFacts(tokenizer.result(), facts["model_config"], facts["config"], facts["load_timings"])
+
+    def stop(self) -> None:
+        """Ask the engine process to stop (it aborts its requests), then make sure it has."""
+        try:
+            self.conn.send(("shutdown",))
+        except OSError:
+            pass
+        self.process.join(STOP_GRACE_S)
+        if self.process.is_alive():
+            logger.warning("the engine process (pid %d) did not stop within %.0fs: killing it", self.pid, STOP_GRACE_S)
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+class ProcessLLMEngine(StreamingEngine):
+    """AsyncLLMEngine's interface over an engine process. `engine` holds the EngineFacts (tokenizer,
+    configs, tokenize, render_chat); `call(fn)` runs a picklable fn(LLMEngine) in the engine process
+    (operator.methodcaller / attrgetter, or a module-level function) and returns its value.
+
+    A reader thread takes the engine's messages and hands each step's outputs to the streams'
+    event loops (one wake-up per loop per step, merged for a stream that lags, as in the thread
+    version); a sender thread writes commands, so a large prompt never blocks an event loop on
+    the pipe. When the engine process dies, every stream in flight ends with EngineDeadError at
+    once, and so does every later request: `dead` says why."""
+
+    def __init__(self, model: str | Path | None = None, *, process: bool | EngineProcess = True,
+                 **config: Any) -> None:
+        if model is None:
+            raise ValueError("pass a model path: an engine object cannot move into another process")
+        from gpuworker.models.loader import load_progress_callback
+
+        self.process = process if isinstance(process, EngineProcess) else \
+            EngineProcess.start(config.get("device", "cpu"))
+        try:
+            self.engine = self.process.load(model, config, load_progress_callback())
+        except BaseException:
+            self.process.stop()
+            raise
+        self.dead: str | None = None
+        self._stopped = False
+        self._lock = threading.Lock()
+        # request id -> its stream and its output so far; under _lock (the reader thread and callers).
+        self._streams: dict[str, tuple[OutputStream, _Assembly]] = {}
+        self._replies: dict[int, Future] = {}
+        self._command_ids = itertools.count()
+        self._outbox: queue.Queue[tuple | None] = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, name="llm-engine-send", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name="llm-engine-read", daemon=True)
+        self._sender.start()
+        self._reader.start()
+
+    @property
+    def num_steps(self) -> int:
+        """Steps the engine process has taken (shared memory: no command, no wait)."""
+        return self.process.num_steps
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self._command("abort", request_id))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        return await asyncio.wrap_future(self._command("call", fn))
+
+    def shutdown(self) -> None:
+        """Stop the engine process (unfinished requests are aborted) and its ranks; wait for it."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._outbox.put(None)
+        self._sender.join()
+        self.process.stop()
+        self._reader.join(STOP_GRACE_S)
+
+    # -- the hooks of AsyncLLMEngine.generate ---------------------------------------------------
+
+    async def _compile_grammar(self, structured: StructuredOutput) -> None:
+        await asyncio.wrap_future(self._command("compile", structured))
+
+    async def _add(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None,
+                   outputs: OutputStream) -> None:
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = (outputs, _Assembly(prompt))
+        try:
+            await asyncio.wrap_future(self._command("add", request_id, prompt, params))
+        except BaseException as exc:
+            with self._lock:
+                entry = self._streams.get(request_id)
+                if entry is not None and entry[0] is outputs:
+                    del self._streams[request_id]
+            if isinstance(exc, asyncio.CancelledError):
+                self._abort_soon(request_id)  # the add may have gone through meanwhile
+            raise
+
+    def _abort_soon(self, request_id: str) -> None:
+        self._command("abort", request_id)
+
+    # -- the pipe -------------------------------------------------------------------------------
+
+    def _command(self, kind: str, *payload: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self.dead is not None or self._stopped:
+                future.set_exception(EngineDeadError(self.dead or "the engine has been shut down"))
+                return future
+            command_id = next(self._command_ids)
+            self._replies[command_id] = future
+        self._outbox.put((kind, command_id, *payload))
+        return future
+
+    def _send_loop(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.process.conn.send(message)
+            except OSError:
+                return  # the engine process is gone: the reader sees it too and fails everything
+            except Exception as exc:  # e.g. a call's fn that cannot be pickled
+                with self._lock:
+                    future = self._replies.pop(message[1], None)
+                if future is not None:
+                    future.set_exception(exc)
+
+    def _read_loop(self) -> None:
+        reason = None
+        try:
+            while True:
+                message = self.process.conn.recv()
+                if message[0] == "outputs":
+                    self._on_outputs(message[1], message[2])
+                elif message[0] == "reply":
+                    self._on_reply(*message[1:])
+                elif message[0] == "fatal":
+                    reason = f"the engine process stopped: {message[1]}"
+                    break
+        except (EOFError, OSError):
+            pass
+        self._on_death(reason)
+
+    def _on_reply(self, command_id: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            future = self._replies.pop(command_id, None)
+        if future is None or not future.set_running_or_notify_cancel():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(_error(value))
+
+    def _on_outputs(self, wired: list, failure: tuple[list[str], tuple[str, str]] | None) -> None:
+        deliveries: list[tuple[OutputStream, RequestOutput | BaseException]] = []
+        with self._lock:
+            for wire in wired:
+                request_id = wire.request_id if isinstance(wire, RequestOutput) else wire[0]
+                entry = self._streams.get(request_id)
+                if entry is None:
+                    continue
+                output = entry[1].output(wire)
+                if output.finished:
+                    del self._streams[request_id]
+                deliveries.append((entry[0], output))
+            if failure is not None:
+                request_ids, error = failure
+                for request_id in request_ids:
+                    entry = self._streams.pop(request_id, None)
+                    if entry is not None:
+                        deliveries.append((entry[0], _error(error)))
+        deliver(deliveries)
+
+    def _on_death(self, reason: str | None) -> None:
+        self.process.process.join(STOP_GRACE_S if self._stopped else 1.0)
+        if reason is None:
+            reason = "the engine has been shut down" if self._stopped else \
+                f"the engine process (pid {self.process.pid}) exited with code {self.process.process.exitcode}"
+        if not self._stopped:
+            logger.error("%s: failing the requests in flight", reason)
+        with self._lock:
+            self.dead = reason
+            replies, self._replies = self._replies, {}
+            streams, self._streams = self._streams, {}
+        for future in replies.values():
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError(reason))
+        deliver([(stream, EngineDeadError(reason)) for stream, _ in streams.values()])
