@@ -34,7 +34,7 @@ from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_co
                                       check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
                                       lazy_jit, next_power_of_2, pdl_options)
 from gpuworker.kernels import kv_cache_fp8
-from gpuworker.kernels import qk_norm as qk_norm_device
+from gpuworker.kernels import qk_norm_device
 from gpuworker.kernels.kv_cache_quant import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write
 from gpuworker.kernels.qk_norm import QKNorm, check_qk_norm

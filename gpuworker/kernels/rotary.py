@@ -24,7 +24,7 @@ from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_last_dim
 from gpuworker.kernels import kv_cache_fp8
 from gpuworker.kernels.kv_cache_quant import check_kv_scales, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
-from gpuworker.kernels import qk_norm as qk_norm_device
+from gpuworker.kernels import qk_norm_device
 from gpuworker.kernels.qk_norm import QKNorm, check_qk_norm, qk_norm_reference
 
 
