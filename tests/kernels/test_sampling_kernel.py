@@ -145,6 +145,11 @@ def test_the_launch_config_does_not_change_what_is_drawn(config, device, generat
     expected_tokens, expected_kept = sample_reference(logits, **params)
     assert num_kept.tolist() == default_kept.tolist()
     assert tokens.tolist() == default_tokens.tolist()
+    # On a GPU the first launch of a variant learns how many of its programs an SM holds; later ones
+    # split rows up to config.programs_per_sm programs an SM.
+    again_kept = torch.zeros_like(num_kept)
+    assert sample(logits, num_kept=again_kept, config=config, **params).tolist() == tokens.tolist()
+    assert again_kept.tolist() == num_kept.tolist()
     same_set = num_kept == expected_kept
     assert same_set.float().mean() > 0.9
     assert tokens[same_set].tolist() == expected_tokens[same_set].tolist()
