@@ -2,7 +2,7 @@
 launches (kernels.rotary, and the decode attention's NewTokens) instead of as two norm launches.
 
 Numerics as models.layers.RMSNorm: normalise in float32, round to the activation dtype, multiply by
-the weight, round again. Kernels call `qk_norm.head_rms_norm(...)` through the module, so the
+the weight, round again. Kernels call `qk_norm.normalize(...)` and co. through the module, so the
 interpreter's launches can swap in an interpretable twin (launch.py).
 """
 
