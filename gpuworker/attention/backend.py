@@ -14,11 +14,12 @@ scale per layer for keys (k_scale) and one for values (v_scale): gpuworker.kerne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, TypeGuard
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 import torch
 
-from gpuworker.kernels.qk_norm import QKNorm
+if TYPE_CHECKING:  # the metadata and protocols stay importable without Triton
+    from gpuworker.kernels.qk_norm import QKNorm
 
 
 @dataclass

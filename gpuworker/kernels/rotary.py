@@ -28,7 +28,6 @@ from gpuworker.kernels import qk_norm_device
 from gpuworker.kernels.qk_norm import QKNorm, check_qk_norm, qk_norm_reference
 
 
-
 def _rotary_kernel(
     positions_ptr, query_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
     q_norm_ptr, k_norm_ptr, norm_eps,
