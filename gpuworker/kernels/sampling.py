@@ -118,9 +118,15 @@ BASELINE_CONFIG = SamplingConfig(block=2048, search_block=1024, prefetch=0, list
 # 180-187 registers a thread, so one program of 8 warps resides per SM (132 of a batch's 512 rows
 # at a time, 8 warps an SM); this one 118-126, so two.
 DEFAULT_CONFIG = SamplingConfig()
-# Per batch-size bucket (the smallest bucket at least the batch; the last beyond): fill from
-# bench/sampling.py's TUNED output on the target GPU.
-TUNED: dict[int, SamplingConfig] = {}
+# Per batch-size bucket (the smallest bucket at least the batch; the last beyond), from
+# bench/sampling.py --quick on the H200 (2026-12-02, commit 016a8d8; BENCHMARKS.md): the fastest total
+# over modes and logits kinds. At batch 1 the baseline and the default tie; at 64 and 512 the default
+# is 1.1-1.5x faster for top-k, min-p and peaked top-p, and 4% slower for flat top-p at 512.
+TUNED: dict[int, SamplingConfig] = {
+    1: BASELINE_CONFIG,
+    64: DEFAULT_CONFIG,
+    512: DEFAULT_CONFIG,
+}
 
 # Philox-4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
 PHILOX_ROUND_A = 0xD2511F53
