@@ -27,6 +27,12 @@ against it is the ratio printed.
 The load generator is --client-processes processes of asyncio + httpx, the requests dealt to them
 round-robin. Each reports its CPU use and how late it sent requests against their schedule: a
 client near 100% CPU, or sending late, is the bottleneck instead of the server.
+
+Several GPUs (issue 25): --tensor-parallel-size T serves one replica over T GPUs; --replicas R starts
+R replicas on GPUs 0, T, 2T, ... and each client sends every request to the replica with the fewest
+requests outstanding (the gateway's rule, controlplane.gateway.replica_choice.least_outstanding,
+counted per client process: the gateway counts across its workers). The offline baseline runs one
+engine of T ranks.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import (DEFAULT_CONFIG, environment, load_hf_config, print_table, start_replica,  # noqa: E402
                           stop_replica, wait_ready, write_checkpoint, write_json)
+from controlplane.gateway.replica_choice import least_outstanding  # noqa: E402  (standard library only)
 
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.050
 SERVED_MODEL_NAME = "bench"
@@ -78,6 +85,7 @@ class Record:
     chunks: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    replica: int = 0
 
     @property
     def ok(self) -> bool:
@@ -102,12 +110,23 @@ def poisson_arrivals(rate: float, duration_s: float, seed: int | str) -> list[fl
 
 # -- the load generator (runs in client processes) ---------------------------------------------
 
-async def _send(client, request: Request, start: float) -> Record:
+async def _send(clients: list, outstanding: list[int], request: Request, start: float) -> Record:
     import httpx
 
     record = Record(request.output_len)
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
     record.sent = time.monotonic()
+    record.replica = least_outstanding(outstanding, [True] * len(outstanding), None, 0)
+    outstanding[record.replica] += 1
+    try:
+        return await _stream(clients[record.replica], request, record)
+    finally:
+        outstanding[record.replica] -= 1
+
+
+async def _stream(client, request: Request, record: Record) -> Record:
+    import httpx
+
     body = {"model": SERVED_MODEL_NAME, "prompt": request.prompt, "max_tokens": request.output_len,
             "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
@@ -130,36 +149,42 @@ async def _send(client, request: Request, start: float) -> Record:
     return record
 
 
-async def _drive(url: str, requests: list[Request], barrier) -> dict:
+async def _drive(urls: list[str], requests: list[Request], barrier) -> dict:
+    import contextlib
+
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # No limit on waiting for a connection of the pool: a request queued behind many is still timed.
     timeout = httpx.Timeout(STREAM_SILENCE_S, pool=None)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits))
+                   for url in urls]
+        outstanding = [0] * len(urls)
         barrier.wait(timeout=CLIENT_START_S)  # every client process starts the schedule together
         start, cpu_started = time.monotonic(), time.process_time()
-        records = await asyncio.gather(*(_send(client, r, start) for r in requests))
+        records = await asyncio.gather(*(_send(clients, outstanding, r, start) for r in requests))
         wall = time.monotonic() - start
     lags = [r.sent - (start + q.arrival_s) for r, q in zip(records, requests)]
     return {"records": [asdict(r) for r in records], "cpu_share": (time.process_time() - cpu_started) / wall,
             "lags": lags}
 
 
-def client_process(url: str, requests: list[Request], barrier, results) -> None:
+def client_process(urls: list[str], requests: list[Request], barrier, results) -> None:
     try:
-        results.put(asyncio.run(_drive(url, requests, barrier)))
+        results.put(asyncio.run(_drive(urls, requests, barrier)))
     except BaseException as exc:  # the parent reports it instead of waiting for a result forever
         results.put({"error": f"{type(exc).__name__}: {exc}"})
         raise
 
 
-def run_load(url: str, requests: list[Request], processes: int) -> dict:
-    """Send `requests` on their schedule from `processes` client processes: their records and figures."""
+def run_load(urls: list[str], requests: list[Request], processes: int) -> dict:
+    """Send `requests` on their schedule from `processes` client processes, each request to the
+    replica (of `urls`) with the fewest outstanding: their records and figures."""
     context = multiprocessing.get_context("spawn")
     processes = max(1, min(processes, len(requests)))
     barrier, results = context.Barrier(processes), context.Queue()
-    workers = [context.Process(target=client_process, args=(url, requests[k::processes], barrier, results))
+    workers = [context.Process(target=client_process, args=(urls, requests[k::processes], barrier, results))
                for k in range(processes)]
     for worker in workers:
         worker.start()
@@ -213,7 +238,9 @@ def summarise(load: dict) -> dict:
                "goodput_requests_per_s": len(good) / elapsed,
                "goodput_output_tok_s": sum(r.output_tokens for r in good) / elapsed,
                "slo_attained": len(good) / len(records),
-               "client_cpu_share": load["client_cpu_share"], "send_lag_p99_s": percentile(load["send_lags"], 99)}
+               "client_cpu_share": load["client_cpu_share"], "send_lag_p99_s": percentile(load["send_lags"], 99),
+               "requests_per_replica": [sum(r.replica == i for r in records)
+                                        for i in range(1 + max((r.replica for r in records), default=0))]}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         summary |= {f"{name}_p50_s": percentile(values, 50), f"{name}_p99_s": percentile(values, 99)}
     if failed:
@@ -224,12 +251,13 @@ def summarise(load: dict) -> dict:
 # -- the offline baseline (runs in a process of its own) ----------------------------------------
 
 def offline_generate(model: str, device: str, dtype: str, requests: list[tuple[list[int], int]],
-                     warmup: list[tuple[list[int], int]]) -> dict:
+                     warmup: list[tuple[list[int], int]], tensor_parallel_size: int = 1) -> dict:
     """LLMEngine.generate on `requests` with serve's engine settings (dummy weights: the same speed),
     after `warmup` (other prompts, so that nothing of the timed ones is in the prefix cache)."""
     from gpuworker.engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine(model, device=device, dtype=dtype, load_format="dummy", gpu_memory_utilization=0.9)
+    engine = LLMEngine(model, device=device, dtype=dtype, load_format="dummy", gpu_memory_utilization=0.9,
+                       tensor_parallel_size=tensor_parallel_size)
     warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     engine.generate([p for p, _ in warmup], warm)  # kernels compile outside the timed run
     engine.generate([warmup[0][0]], warm)
@@ -242,7 +270,8 @@ def offline_generate(model: str, device: str, dtype: str, requests: list[tuple[l
         raise RuntimeError(f"offline generate made {generated} tokens, expected {sum(n for _, n in requests)}")
     return {"requests": len(requests), "seconds": round(seconds, 3), "output_tok_s": generated / seconds,
             "max_num_seqs": engine.config.max_num_seqs,
-            "max_num_batched_tokens": engine.config.max_num_batched_tokens}
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "tensor_parallel_size": tensor_parallel_size}
 
 
 def in_own_process(function, *args):
@@ -283,6 +312,14 @@ def prepare_model(args, workdir: Path) -> Path:
 ENGINE_MODE_ARGS = {"default": (), "process": ("--engine-process",), "in-process": ("--engine-in-process",)}
 
 
+def replica_device(device: str, first_gpu: int) -> str:
+    """The --device of a replica whose ranks start at GPU first_gpu ("cuda" -> "cuda:N"; CPU as is)."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + first_gpu}"
+
+
 def parse_engine_modes(text: str) -> tuple[str, ...]:
     modes = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [mode for mode in modes if mode not in ENGINE_MODE_ARGS]
@@ -318,6 +355,9 @@ def main() -> None:
                         help="comma-separated: 'process' (serve --engine-process), 'in-process' (serve "
                              "--engine-in-process), 'default' (serve's default for the device); the rates run "
                              "against one replica per mode, in the order given")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="replicas served side by side, the requests routed to the least busy")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU ranks) per replica")
     args = parser.parse_args()
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.plot or args.replot.with_suffix(".png"))
@@ -335,22 +375,30 @@ def main() -> None:
     output_lens = tuple(int(n) for n in args.output_lens.split(","))
     burst = make_requests(args.burst_requests, vocab_size, args.seed, prompt_lens, output_lens)
     warmup = make_requests(24, vocab_size, f"{args.seed}:warm-up", prompt_lens, output_lens)
+    if args.replicas < 1 or args.tensor_parallel_size < 1:
+        parser.error("--replicas and --tensor-parallel-size must be at least 1")
     offline = None if args.skip_offline else in_own_process(offline_generate, str(model), args.device, args.dtype,
-                                                             burst, warmup)
+                                                             burst, warmup, args.tensor_parallel_size)
     if offline:
         print("offline generate", json.dumps(offline), flush=True)
 
     runs, skipped = [], []
     for mode in args.engine_modes:
-        log = Path(os.environ.get("OUT") or ROOT / "bench" / "results") / f"serving_replica_{mode}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        process, url = start_replica(model, device=args.device, dtype=args.dtype, log=log,
-                                     extra_args=("--served-model-name", SERVED_MODEL_NAME, *ENGINE_MODE_ARGS[mode]))
+        replicas = []
         try:
-            wait_ready(process, url, log)
-            # Warm-up, left out: prefill and decode kernels compile now, and the replica's deferred
-            # warm-up (one CUDA graph captured per step, EngineConfig.defer_warm_up) ends within its steps.
-            run_load(url, [Request(p, WARMUP_TOKENS, 0.0) for p, _ in warmup], 1)
+            for index in range(args.replicas):
+                log = Path(os.environ.get("OUT") or ROOT / "bench" / "results") / f"serving_replica_{mode}_{index}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                replicas.append((*start_replica(
+                    model, device=replica_device(args.device, index * args.tensor_parallel_size), dtype=args.dtype,
+                    log=log, extra_args=("--served-model-name", SERVED_MODEL_NAME, "--tensor-parallel-size",
+                                         str(args.tensor_parallel_size), *ENGINE_MODE_ARGS[mode])), log))
+            for process, url, log in replicas:
+                wait_ready(process, url, log)
+                # Warm-up, left out: prefill and decode kernels compile now, and the replica's deferred
+                # warm-up (one CUDA graph captured per step, EngineConfig.defer_warm_up) ends within its steps.
+                run_load([url], [Request(p, WARMUP_TOKENS, 0.0) for p, _ in warmup], 1)
+            urls = [url for _, url, _ in replicas]
             for rate in args.rates:
                 if time.perf_counter() - started > args.budget - 2 * args.duration:
                     skipped.append(f"{mode} {rate_label(rate)}")
@@ -363,14 +411,16 @@ def main() -> None:
                     shapes = make_requests(len(arrivals), vocab_size, seed, prompt_lens, output_lens)
                     requests = [Request(p, n, t) for (p, n), t in zip(shapes, arrivals)]
                 summary = {"rate": rate_label(rate), "offered_rate": None if math.isinf(rate) else rate,
-                           "engine_mode": mode, **summarise(run_load(url, requests, args.client_processes))}
+                           "engine_mode": mode, **summarise(run_load(urls, requests, args.client_processes))}
                 runs.append(summary)
                 print(json.dumps(summary), flush=True)
         finally:
-            stop_replica(process)
+            for process, _, _ in replicas:
+                stop_replica(process)
 
     env = environment()
     described = "a tiny random model" if args.smoke else f"{args.config.name} shape, random weights"
+    described += f", {args.replicas} replica(s) of tensor parallel {args.tensor_parallel_size}"
     result = {"env": env, "model": f"{described}, {args.dtype}", "args": {k: str(v) for k, v in vars(args).items()},
               "offline": offline, "runs": runs, "skipped": skipped, "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
               "total_s": round(time.perf_counter() - started, 1)}

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench.common import free_port
-from bench.serving import Record, Request, parse_engine_modes, parse_rates, poisson_arrivals, run_load, summarise
+from bench.serving import (Record, Request, parse_engine_modes, parse_rates, poisson_arrivals, replica_device, run_load,
+                           summarise)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +71,7 @@ def test_rates_include_all_at_once():
 
 def test_a_server_that_is_not_there_fails_every_request_and_the_run_still_ends():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    load = run_load(url, [Request([1, 2, 3], 4, 0.0), Request([4, 5], 4, 0.01), Request([6], 4, 0.02)], processes=2)
+    load = run_load([url], [Request([1, 2, 3], 4, 0.0), Request([4, 5], 4, 0.01), Request([6], 4, 0.02)], processes=2)
     assert len(load["records"]) == 3 and len(load["client_cpu_share"]) == 2
     assert all(not r.ok and "ConnectError" in r.error for r in load["records"])
     summary = summarise(load)
@@ -99,4 +100,26 @@ def test_a_client_process_that_fails_stops_the_run_with_its_reason():
     url = f"http://127.0.0.1:{free_port()}"
     unsendable = Request({1, 2}, 4, 0.0)  # a set is no JSON: the client's own bug, not a failed request
     with pytest.raises(RuntimeError, match="a client process failed: TypeError.*JSON serializable"):
-        run_load(url, [Request([1], 4, 0.0), unsendable], processes=1)
+        run_load([url], [Request([1], 4, 0.0), unsendable], processes=1)
+
+
+def test_replicas_start_tensor_parallel_size_gpus_apart():
+    assert [replica_device("cuda", i * 2) for i in range(2)] == ["cuda:0", "cuda:2"]
+    assert replica_device("cuda:1", 4) == "cuda:5" and replica_device("cpu", 3) == "cpu"
+
+
+@pytest.mark.slow
+def test_requests_go_to_the_least_busy_of_several_replicas(tmp_path):
+    # Issue 25's "two TP=1 replicas behind the gateway's routing": two tiny CPU replicas, the burst
+    # of 6 sent at once by 2 clients, each client sending to the replica with fewer outstanding.
+    out = subprocess.run([sys.executable, "bench/serving.py", "--smoke", "--replicas", "2", "--engine-modes",
+                          "in-process", "--skip-offline"], cwd=REPO,
+                         env={**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "serving.json").read_text())
+    burst = result["runs"][0]
+    assert burst["rate"] == "all at once" and burst["failed"] == 0
+    # Each client's 3 go 0, 1, 0 (its own counts: 0/0, then 1/0, then 1/1), so both replicas serve.
+    assert burst["requests_per_replica"] == [4, 2]
+    assert "2 replica(s) of tensor parallel 1" in result["model"]
