@@ -429,6 +429,10 @@ class ProcessLLMEngine(StreamingEngine):
         self._reader.start()
 
     @property
+    def engine_pid(self) -> int:
+        return self.process.pid
+
+    @property
     def num_steps(self) -> int:
         """Steps the engine process has taken (shared memory: no command, no wait)."""
         return self.process.num_steps
