@@ -438,6 +438,8 @@ class ProcessLLMEngine(StreamingEngine):
         return self.process.num_steps
 
     async def abort(self, request_id: str) -> None:
+        if self.dead is not None and not self._stopped:
+            return  # the engine process died: nothing of the request is left to free
         await asyncio.wrap_future(self._command("abort", request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
