@@ -1,5 +1,5 @@
-"""The engine core in a process of its own, and the AsyncLLMEngine that drives it from the server
-(`AsyncLLMEngine(model, process=True)`, which builds a ProcessLLMEngine).
+"""The engine core in a process of its own (its side: engine_core.py), and the AsyncLLMEngine that
+drives it from the server (`AsyncLLMEngine(model, process=True)`, which builds a ProcessLLMEngine).
 
 Why: in one process the HTTP event loop (SSE chunks, JSON, 512 streams' deltas every ~25 ms step)
 and the engine thread share one GIL; on an H200 at 512 streams the steps ran 2.5x slower than
