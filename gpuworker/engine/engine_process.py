@@ -1,5 +1,5 @@
-"""The engine core in a process of its own, and the AsyncLLMEngine that drives it from the server
-(`AsyncLLMEngine(model, process=True)`, which builds a ProcessLLMEngine).
+"""The engine core in a process of its own (its side: engine_core.py), and the AsyncLLMEngine that
+drives it from the server (`AsyncLLMEngine(model, process=True)`, which builds a ProcessLLMEngine).
 
 Why: in one process the HTTP event loop (SSE chunks, JSON, 512 streams' deltas every ~25 ms step)
 and the engine thread share one GIL; on an H200 at 512 streams the steps ran 2.5x slower than
@@ -35,10 +35,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
-import pickle
 import queue
-import signal
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,8 +43,9 @@ from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuworker.engine.output_streams import EngineDeadError, OutputStream, StreamingEngine, deliver
 from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.engine_core import engine_main, error
+from gpuworker.engine.output_streams import EngineDeadError, OutputStream, StreamingEngine, deliver
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
@@ -55,34 +53,8 @@ from gpuworker.engine.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
-# An idle engine process looks at its pipe (and its tensor-parallel ranks) this often.
-IDLE_POLL_S = 0.5
 # A stopping engine process gets this long to abort its requests and stop its ranks, then SIGKILL.
 STOP_GRACE_S = 10.0
-
-# -- what crosses the pipe ----------------------------------------------------------------------
-
-
-def _error_payload(exc: BaseException) -> tuple[str, str]:
-    """An exception as plain strings: any exception can cross, and bad input stays a ValueError."""
-    if isinstance(exc, ValueError):
-        return "ValueError", str(exc)
-    return "RuntimeError", f"{type(exc).__name__}: {exc}"
-
-
-def _error(payload: tuple[str, str]) -> Exception:
-    kind, message = payload
-    return ValueError(message) if kind == "ValueError" else RuntimeError(message)
-
-
-def _wire(output: RequestOutput) -> tuple:
-    """A step's output as its deltas: (request id, finished, cached tokens, metrics, completions)."""
-    completions = []
-    for c in output.outputs:
-        added = len(c.delta_token_ids)
-        logprobs = c.logprobs[len(c.logprobs) - added:] if c.logprobs is not None else None
-        completions.append((c.index, c.delta_text, c.delta_token_ids, c.finish_reason, c.stop_reason, logprobs))
-    return output.request_id, output.finished, output.num_cached_tokens, output.metrics, completions
 
 
 class _Assembly:
@@ -131,175 +103,6 @@ class EngineFacts:
         self.tokenize = self.prompts.tokenize
         self.render_chat = self.prompts.render_chat
 
-
-# -- the engine process -------------------------------------------------------------------------
-
-
-def _engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
-    """The engine process: prepare the device, load when told, then step until told to stop."""
-    # Ctrl-C in a terminal reaches the whole process group: the API process drains, then stops us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    send_lock = threading.Lock()
-
-    def send(message: tuple) -> None:
-        with send_lock:
-            conn.send(message)
-
-    try:
-        import torch
-        # What the load imports, before the load: the engine, the models and the loader, and the
-        # tokenizer's modules (the engine detokenizes), all lazily imported otherwise (seconds).
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
-
-        from gpuworker.engine.llm_engine import LLMEngine
-        from gpuworker.models.loader import report_load_progress
-
-        if device.startswith("cuda"):
-            import gpuworker.attention.triton_backend  # noqa: F401  Triton and the kernels (from its cache)
-
-            torch.cuda.init()
-            torch.empty(0, device=device)
-        send(("prepared", os.getpid()))
-        while (message := conn.recv())[0] == "output":
-            # The API process's stdout and stderr changed (a spare took its load): ours follow.
-            fd = reduction.recv_handle(conn)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
-    except EOFError:
-        return
-    except Exception as exc:
-        send(("failed", _error_payload(exc)))
-        return
-    if message[0] != "load":
-        return
-    _, model, config = message
-    try:
-        with report_load_progress(lambda fraction: send(("progress", fraction))):
-            engine = LLMEngine(model, **config)
-    except Exception as exc:
-        logger.exception("the engine process could not load %s", model)
-        send(("failed", _error_payload(exc)))
-        return
-    try:
-        send(("ready", {"config": engine.config, "model_config": engine.model_config,
-                        "load_timings": dict(engine.load_timings)}))
-        _EngineCore(engine, conn, send, steps).run()
-    except (EOFError, OSError):
-        pass  # the API process is gone: nobody to answer
-    finally:
-        engine.shutdown()
-
-
-class _EngineCore:
-    """The engine process's loop: commands between steps, one outputs message per step."""
-
-    def __init__(self, engine: Any, conn: Any, send: Callable[[tuple], None], steps: Any) -> None:
-        self.engine, self.conn, self.send, self.steps = engine, conn, send, steps
-        # Grammars compile on a thread of their own, so the steps of running streams go on meanwhile
-        # (add_request then finds the grammar compiled).
-        self.compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self.final_only: set[str] = set()
-
-    def run(self) -> None:
-        engine = self.engine
-        while True:
-            busy = engine.has_unfinished_requests() or engine.has_deferred_warm_up
-            if self.conn.poll(0 if busy else IDLE_POLL_S):
-                while True:
-                    if not self.handle(self.conn.recv()):
-                        self.shut_down_requests()
-                        return
-                    if not self.conn.poll(0):
-                        break
-            if engine.workers is not None and (gone := engine.workers.gone()):
-                self.send(("fatal", f"tensor-parallel {gone}"))
-                return
-            if engine.has_unfinished_requests():
-                self.step()
-            elif engine.has_deferred_warm_up:
-                engine.do_deferred_warm_up()
-
-    def handle(self, message: tuple) -> bool:
-        kind = message[0]
-        if kind == "shutdown":
-            return False
-        command_id = message[1]
-        if kind == "compile":
-            self.compiler.submit(self.compile, command_id, message[2])
-            return True
-        try:
-            if kind == "add":
-                _, _, request_id, prompt, params = message
-                self.engine.add_request(request_id, prompt, params)
-                if params is not None and params.output_kind == "final_only":
-                    self.final_only.add(request_id)
-                value = None
-            elif kind == "abort":
-                output = self.engine.abort(message[2])
-                if output is not None:
-                    self.send_outputs([output], None)
-                value = None
-            elif kind == "call":
-                value = message[2](self.engine)
-            else:
-                raise ValueError(f"unknown command {kind!r}")
-        except Exception as exc:
-            self.reply(command_id, False, _error_payload(exc))
-        else:
-            self.reply(command_id, True, value)
-        return True
-
-    def compile(self, command_id: int, structured: StructuredOutput) -> None:
-        try:
-            self.engine.compile_grammar(structured)
-        except Exception as exc:
-            self.reply(command_id, False, _error_payload(exc))
-        else:
-            self.reply(command_id, True, None)
-
-    def reply(self, command_id: int, ok: bool, value: Any) -> None:
-        try:
-            self.send(("reply", command_id, ok, value))
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # a call's value that cannot cross
-            self.send(("reply", command_id, False, _error_payload(exc)))
-
-    def send_outputs(self, outputs: list[RequestOutput], failure: tuple[list[str], tuple[str, str]] | None) -> None:
-        wired = []
-        for output in outputs:
-            if output.request_id in self.final_only:
-                if output.finished:
-                    self.final_only.discard(output.request_id)
-                wired.append(output)
-            else:
-                wired.append(_wire(output))
-        self.send(("outputs", wired, failure))
-
-    def step(self) -> None:
-        engine = self.engine
-        try:
-            outputs = engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; aborting its requests")
-            failed = engine.unfinished_request_ids()
-            for request_id in failed:
-                engine.abort(request_id)
-                self.final_only.discard(request_id)
-            self.steps.value += 1
-            self.send_outputs([], (failed, _error_payload(exc)))
-            return
-        self.steps.value += 1
-        if outputs:
-            self.send_outputs(outputs, None)
-
-    def shut_down_requests(self) -> None:
-        outputs = [output for request_id in self.engine.unfinished_request_ids()
-                   if (output := self.engine.abort(request_id)) is not None]
-        if outputs:
-            self.send_outputs(outputs, None)
-
-
 # -- the API side -------------------------------------------------------------------------------
 
 
@@ -318,7 +121,7 @@ class EngineProcess:
         api_end, engine_end = context.Pipe()
         # Steps taken, readable here without a command (it keeps counting while this process is busy).
         steps = context.RawValue("Q", 0)
-        process = context.Process(target=_engine_main, args=(engine_end, device, steps, logging.getLogger().getEffectiveLevel()),
+        process = context.Process(target=engine_main, args=(engine_end, device, steps, logging.getLogger().getEffectiveLevel()),
                                   name="llm-engine")
         process.start()
         engine_end.close()
@@ -346,7 +149,7 @@ class EngineProcess:
             return
         message = self._recv()
         if message[0] == "failed":
-            raise _error(message[1])
+            raise error(message[1])
         self._prepared = True
 
     def share_output(self) -> None:
@@ -372,7 +175,7 @@ class EngineProcess:
                 if on_progress is not None:
                     on_progress(message[1])
             elif message[0] == "failed":
-                raise _error(message[1])
+                raise error(message[1])
             elif message[0] == "ready":
                 facts = message[1]
                 return EngineFacts(tokenizer.result(), facts["model_config"], facts["config"], facts["load_timings"])
@@ -429,11 +232,17 @@ class ProcessLLMEngine(StreamingEngine):
         self._reader.start()
 
     @property
+    def engine_pid(self) -> int:
+        return self.process.pid
+
+    @property
     def num_steps(self) -> int:
         """Steps the engine process has taken (shared memory: no command, no wait)."""
         return self.process.num_steps
 
     async def abort(self, request_id: str) -> None:
+        if self.dead is not None and not self._stopped:
+            return  # the engine process died: nothing of the request is left to free
         await asyncio.wrap_future(self._command("abort", request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
@@ -513,6 +322,10 @@ class ProcessLLMEngine(StreamingEngine):
                     break
         except (EOFError, OSError):
             pass
+        except Exception as exc:  # a message this side cannot take: no output could be trusted after it
+            logger.exception("reading the engine process's messages failed")
+            reason = f"the engine process's messages could not be read ({type(exc).__name__}: {exc})"
+            self.process.process.kill()
         self._on_death(reason)
 
     def _on_reply(self, command_id: int, ok: bool, value: Any) -> None:
@@ -523,7 +336,7 @@ class ProcessLLMEngine(StreamingEngine):
         if ok:
             future.set_result(value)
         else:
-            future.set_exception(_error(value))
+            future.set_exception(error(value))
 
     def _on_outputs(self, wired: list, failure: tuple[list[str], tuple[str, str]] | None) -> None:
         deliveries: list[tuple[OutputStream, RequestOutput | BaseException]] = []
@@ -538,11 +351,11 @@ class ProcessLLMEngine(StreamingEngine):
                     del self._streams[request_id]
                 deliveries.append((entry[0], output))
             if failure is not None:
-                request_ids, error = failure
+                request_ids, payload = failure
                 for request_id in request_ids:
                     entry = self._streams.pop(request_id, None)
                     if entry is not None:
-                        deliveries.append((entry[0], _error(error)))
+                        deliveries.append((entry[0], error(payload)))
         deliver(deliveries)
 
     def _on_death(self, reason: str | None) -> None:

@@ -65,7 +65,14 @@ def deliver(deliveries: list[tuple[OutputStream, RequestOutput | BaseException]]
 class StreamingEngine(ABC):
     """`generate` over an engine loop that runs elsewhere; the loop's side is the hooks below."""
 
-    engine: object  # what the caller may read of the engine: tokenize, tokenizer, config, ...
+    engine: Any  # what the caller may read of the engine: tokenize, tokenizer, config, ...
+    # Why the engine can run no more steps (its process died), or None.
+    dead: str | None = None
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine's own process, where it has one."""
+        return None
 
     async def generate(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:

@@ -11,17 +11,17 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from operator import methodcaller
 from dataclasses import dataclass
+from operator import methodcaller
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpuworker.engine import AsyncLLMEngine
-from gpuworker.engine.output_streams import EngineDeadError
-from gpuworker.engine.engine_process import EngineProcess
 from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encoder
+from gpuworker.engine.engine_process import EngineProcess
+from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.engine.outputs import RequestOutput
 from gpuworker.replica.metrics import EngineMetrics
 from gpuworker.models.loader import report_load_progress
@@ -107,7 +107,7 @@ class EngineHolder:
         request it is sent."""
         if self.state != "ready" or self.engine is None:
             return
-        dead = getattr(self.engine, "dead", None)
+        dead = self.engine.dead
         workers = self.engine.engine.workers
         gone = dead or (workers.gone() if workers is not None else "")
         if gone:
@@ -117,8 +117,7 @@ class EngineHolder:
     @property
     def engine_pid(self) -> int | None:
         """The engine process's pid, when the engine runs in a process of its own."""
-        process = getattr(self.engine, "process", None)
-        return process.pid if process is not None else None
+        return self.engine.engine_pid if self.engine is not None else None
 
     # -- loading --------------------------------------------------------------------------------
 

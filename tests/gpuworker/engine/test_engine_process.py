@@ -132,6 +132,8 @@ async def test_a_killed_engine_process_ends_streams_and_refuses_new_requests(eng
             pass
     with pytest.raises(EngineDeadError):
         await engine.call(attrgetter("num_generated_tokens"))
+    # A server's stream aborts its request as it ends, in a task nobody awaits: that must not fail.
+    await engine.abort("cut")
 
 
 async def test_shutdown_stops_the_engine_process(engine):
@@ -182,3 +184,26 @@ async def test_a_process_started_ahead_takes_its_output_and_its_load_later(tiny_
     finally:
         await asyncio.to_thread(engine.shutdown)
     assert "max_num_seqs" in log.read_text()  # the engine's start-up log line, written by the engine process
+
+
+def _refuse_to_load() -> None:
+    raise RuntimeError("this object cannot be read here")
+
+
+class _Unreadable:
+    """Pickles in the engine process, and fails as the API process reads it back."""
+
+    def __reduce__(self):
+        return _refuse_to_load, ()
+
+
+def _unreadable_value(llm) -> _Unreadable:
+    return _Unreadable()
+
+
+async def test_a_message_the_api_side_cannot_read_fails_the_engine_instead_of_hanging(engine):
+    with pytest.raises(EngineDeadError, match="could not be read"):
+        await asyncio.wait_for(engine.call(_unreadable_value), DEADLINE_S)
+    assert "could not be read" in engine.dead
+    with pytest.raises(EngineDeadError):
+        await engine.call(attrgetter("num_generated_tokens"))

@@ -1,0 +1,209 @@
+"""The engine process's side of engine_process.py: prepare the device, load the engine when told,
+then run its loop: commands between steps, ONE message per step with all its requests' outputs
+(as deltas: `wire`), until the API process says stop or goes away (its end of the pipe closes).
+The wire itself is described in engine_process.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import reduction
+from typing import Any, Callable
+
+from gpuworker.engine.outputs import RequestOutput
+from gpuworker.engine.structured_output import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+# An idle engine process looks at its pipe (and its tensor-parallel ranks) this often.
+IDLE_POLL_S = 0.5
+
+
+def error_payload(exc: BaseException) -> tuple[str, str]:
+    """An exception as plain strings: any exception can cross, and bad input stays a ValueError."""
+    if isinstance(exc, ValueError):
+        return "ValueError", str(exc)
+    return "RuntimeError", f"{type(exc).__name__}: {exc}"
+
+
+def error(payload: tuple[str, str]) -> Exception:
+    kind, message = payload
+    return ValueError(message) if kind == "ValueError" else RuntimeError(message)
+
+
+def wire(output: RequestOutput) -> tuple:
+    """A step's output as its deltas: (request id, finished, cached tokens, metrics, completions)."""
+    completions = []
+    for c in output.outputs:
+        added = len(c.delta_token_ids)
+        logprobs = c.logprobs[len(c.logprobs) - added:] if c.logprobs is not None else None
+        completions.append((c.index, c.delta_text, c.delta_token_ids, c.finish_reason, c.stop_reason, logprobs))
+    return output.request_id, output.finished, output.num_cached_tokens, output.metrics, completions
+
+def engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
+    """The engine process: prepare the device, load when told, then step until told to stop."""
+    # Ctrl-C in a terminal reaches the whole process group: the API process drains, then stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    try:
+        import torch
+        # What the load imports, before the load: the engine, the models and the loader, and the
+        # tokenizer's modules (the engine detokenizes), all lazily imported otherwise (seconds).
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+        from gpuworker.engine.llm_engine import LLMEngine
+        from gpuworker.models.loader import report_load_progress
+
+        if device.startswith("cuda"):
+            import gpuworker.attention.triton_backend  # noqa: F401  Triton and the kernels (from its cache)
+
+            torch.cuda.init()
+            torch.empty(0, device=device)
+        send(("prepared", os.getpid()))
+        while (message := conn.recv())[0] == "output":
+            # The API process's stdout and stderr changed (a spare took its load): ours follow.
+            fd = reduction.recv_handle(conn)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+    except EOFError:
+        return
+    except Exception as exc:
+        send(("failed", error_payload(exc)))
+        return
+    if message[0] != "load":
+        return
+    _, model, config = message
+    try:
+        with report_load_progress(lambda fraction: send(("progress", fraction))):
+            engine = LLMEngine(model, **config)
+    except Exception as exc:
+        logger.exception("the engine process could not load %s", model)
+        send(("failed", error_payload(exc)))
+        return
+    try:
+        send(("ready", {"config": engine.config, "model_config": engine.model_config,
+                        "load_timings": dict(engine.load_timings)}))
+        _EngineCore(engine, conn, send, steps).run()
+    except (EOFError, OSError):
+        pass  # the API process is gone: nobody to answer
+    finally:
+        engine.shutdown()
+
+
+class _EngineCore:
+    """The engine process's loop: commands between steps, one outputs message per step."""
+
+    def __init__(self, engine: Any, conn: Any, send: Callable[[tuple], None], steps: Any) -> None:
+        self.engine, self.conn, self.send, self.steps = engine, conn, send, steps
+        # Grammars compile on a thread of their own, so the steps of running streams go on meanwhile
+        # (add_request then finds the grammar compiled).
+        self.compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.final_only: set[str] = set()
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            busy = engine.has_unfinished_requests() or engine.has_deferred_warm_up
+            if self.conn.poll(0 if busy else IDLE_POLL_S):
+                while True:
+                    if not self.handle(self.conn.recv()):
+                        self.shut_down_requests()
+                        return
+                    if not self.conn.poll(0):
+                        break
+            if engine.workers is not None and (gone := engine.workers.gone()):
+                self.send(("fatal", f"tensor-parallel {gone}"))
+                return
+            if engine.has_unfinished_requests():
+                self.step()
+            elif engine.has_deferred_warm_up:
+                engine.do_deferred_warm_up()
+
+    def handle(self, message: tuple) -> bool:
+        kind = message[0]
+        if kind == "shutdown":
+            return False
+        command_id = message[1]
+        if kind == "compile":
+            self.compiler.submit(self.compile, command_id, message[2])
+            return True
+        try:
+            if kind == "add":
+                _, _, request_id, prompt, params = message
+                self.engine.add_request(request_id, prompt, params)
+                if params is not None and params.output_kind == "final_only":
+                    self.final_only.add(request_id)
+                value = None
+            elif kind == "abort":
+                output = self.engine.abort(message[2])
+                if output is not None:
+                    self.send_outputs([output], None)
+                value = None
+            elif kind == "call":
+                value = message[2](self.engine)
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+        except Exception as exc:
+            self.reply(command_id, False, error_payload(exc))
+        else:
+            self.reply(command_id, True, value)
+        return True
+
+    def compile(self, command_id: int, structured: StructuredOutput) -> None:
+        try:
+            self.engine.compile_grammar(structured)
+        except Exception as exc:
+            self.reply(command_id, False, error_payload(exc))
+        else:
+            self.reply(command_id, True, None)
+
+    def reply(self, command_id: int, ok: bool, value: Any) -> None:
+        try:
+            self.send(("reply", command_id, ok, value))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # a call's value that cannot cross
+            self.send(("reply", command_id, False, error_payload(exc)))
+
+    def send_outputs(self, outputs: list[RequestOutput], failure: tuple[list[str], tuple[str, str]] | None) -> None:
+        wired = []
+        for output in outputs:
+            if output.request_id in self.final_only:
+                if output.finished:
+                    self.final_only.discard(output.request_id)
+                wired.append(output)
+            else:
+                wired.append(wire(output))
+        self.send(("outputs", wired, failure))
+
+    def step(self) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; aborting its requests")
+            failed = engine.unfinished_request_ids()
+            for request_id in failed:
+                engine.abort(request_id)
+                self.final_only.discard(request_id)
+            self.steps.value += 1
+            self.send_outputs([], (failed, error_payload(exc)))
+            return
+        self.steps.value += 1
+        if outputs:
+            self.send_outputs(outputs, None)
+
+    def shut_down_requests(self) -> None:
+        outputs = [output for request_id in self.engine.unfinished_request_ids()
+                   if (output := self.engine.abort(request_id)) is not None]
+        if outputs:
+            self.send_outputs(outputs, None)
