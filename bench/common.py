@@ -168,6 +168,38 @@ def environment() -> dict:
     return env
 
 
+@dataclass(frozen=True)
+class KernelSweep:
+    """Where a kernel sweep runs: `device`, whether it times (`timed`), the environment, and the
+    device's copy bandwidth when it was measured."""
+    device: str
+    timed: bool
+    env: dict
+    copy_gbps: float | None
+
+
+def start_kernel_sweep(script: str, check_only: bool, *, copy_bandwidth: bool = True) -> KernelSweep:
+    """The start every kernel sweep shares (bench/gemv.py, quant_gemv.py, moe_decode.py, sampling.py):
+    on a GPU it times unless --check-only; without one only --check-only runs, under the Triton
+    interpreter (set here, so it must come before the kernels are launched). A timed run prints the
+    environment, and with `copy_bandwidth` measures and prints the copy bandwidth."""
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda:
+        if not check_only:
+            raise SystemExit(f"bench/{script} needs a CUDA device (or --check-only, which runs the Triton "
+                             "interpreter)")
+        os.environ["TRITON_INTERPRET"] = "1"  # read at launch by gpuworker.kernels.launch
+    timed = on_cuda and not check_only
+    env = environment()
+    copy_gbps = copy_bandwidth_gbs(num_bytes=2 << 30) if timed and copy_bandwidth else None
+    if timed:
+        print(f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}"
+              + (f"  copy bandwidth {copy_gbps:.0f} GB/s (read + write)" if copy_gbps else ""))
+    return KernelSweep("cuda" if on_cuda else "cpu", timed, env, copy_gbps)
+
+
 def synchronize(device: str) -> None:
     """Wait for the work queued on `device` (the CPU has none)."""
     import torch

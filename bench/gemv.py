@@ -23,7 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from common import environment, write_json
+from common import start_kernel_sweep, write_json
 
 DTYPE = torch.bfloat16
 ES = 2
@@ -255,27 +255,16 @@ def main() -> None:
     parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="llama-3-8b",
                         help="whose decode projections to time (default: llama-3-8b)")
     args = parser.parse_args()
-    on_cuda = torch.cuda.is_available()
-    if not on_cuda:
-        if not args.check_only:
-            raise SystemExit("bench/gemv.py needs a CUDA device (or --check-only, which runs the Triton interpreter)")
-        os.environ["TRITON_INTERPRET"] = "1"  # read at launch by gpuworker.kernels.launch
+    start = start_kernel_sweep("gemv.py", args.check_only)
+    device, timed, env, copy_gbps = start.device, start.timed, start.env, start.copy_gbps
+    on_cuda = device == "cuda"
     from gpuworker.kernels.gemv import CANDIDATES
 
     torch.manual_seed(0)
-    device = "cuda" if on_cuda else "cpu"
-    timed = on_cuda and not args.check_only
     model_shapes = SHAPE_SETS[args.shapes]
     shapes = model_shapes if on_cuda else TINY_SHAPES
     rows = (1, 4) if args.quick else ROWS
-    env = environment()
-    copy_gbps = None
     if timed:
-        from common import copy_bandwidth_gbs
-
-        copy_gbps = copy_bandwidth_gbs(num_bytes=2 << 30)
-        print(f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
-              f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
         if args.layer_chain:
             write_json("gemv_layer_chain", {"environment": env, "rows": layer_chain(copy_gbps)})
             return

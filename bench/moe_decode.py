@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from common import environment, write_json
+from common import start_kernel_sweep, write_json
 
 DTYPE = torch.bfloat16
 ES = 2  # bytes per bf16 element
@@ -201,28 +201,15 @@ def main() -> None:
                         help="check every config against the reference without timing (tiny shapes on a CPU)")
     parser.add_argument("--quick", action="store_true", help="M = 1 and 4 only")
     args = parser.parse_args()
-    on_cuda = torch.cuda.is_available()
-    if not on_cuda:
-        if not args.check_only:
-            raise SystemExit("bench/moe_decode.py needs a CUDA device (or --check-only, which runs the Triton "
-                             "interpreter)")
-        os.environ["TRITON_INTERPRET"] = "1"  # read at launch by gpuworker.kernels.launch
+    start = start_kernel_sweep("moe_decode.py", args.check_only)
+    device, timed, env, copy_gbps = start.device, start.timed, start.env, start.copy_gbps
+    on_cuda = device == "cuda"
     os.environ.pop("GPUWORKER_MOE_DECODE", None)  # every config is passed explicitly
     from gpuworker.kernels.moe_decode import DECODE_MAX_PAIRS
 
     torch.manual_seed(0)
-    device = "cuda" if on_cuda else "cpu"
-    timed = on_cuda and not args.check_only
     shapes = ((HIDDEN, INTER, EXPERTS, TOP_K),) if on_cuda else TINY_SHAPES
     rows = (1, 4) if args.quick else ROWS
-    env = environment()
-    copy_gbps = None
-    if timed:
-        from common import copy_bandwidth_gbs
-
-        copy_gbps = copy_bandwidth_gbs(num_bytes=2 << 30)
-        print(f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
-              f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
     results, sweep = [], []
     for shape in shapes:
         for m in rows:

@@ -19,13 +19,12 @@ $OUT (or bench/results/).
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from common import environment, write_json
+from common import start_kernel_sweep, write_json
 from gemv import check_config
 
 DTYPE = torch.bfloat16
@@ -254,26 +253,13 @@ def main() -> None:
                         help="check every candidate against its reference without timing (tiny shapes on a CPU)")
     parser.add_argument("--only", choices=("int4", "fp8"), help="sweep one kernel")
     args = parser.parse_args()
-    on_cuda = torch.cuda.is_available()
-    if not on_cuda:
-        if not args.check_only:
-            raise SystemExit("bench/quant_gemv.py needs a CUDA device (or --check-only, which runs the Triton "
-                             "interpreter)")
-        os.environ["TRITON_INTERPRET"] = "1"  # read at launch by gpuworker.kernels.launch
+    start = start_kernel_sweep("quant_gemv.py", args.check_only)
+    device, timed, env, copy_gbps = start.device, start.timed, start.env, start.copy_gbps
+    on_cuda = device == "cuda"
     torch.manual_seed(0)
-    device = "cuda" if on_cuda else "cpu"
-    timed = on_cuda and not args.check_only
     shapes = SHAPES if on_cuda else TINY_SHAPES
     group = GROUP if on_cuda else TINY_GROUP
     kinds = (args.only,) if args.only else ("int4", "fp8")
-    env = environment()
-    copy_gbps = None
-    if timed:
-        from common import copy_bandwidth_gbs
-
-        copy_gbps = copy_bandwidth_gbs(num_bytes=2 << 30)
-        print(f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
-              f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
 
     rows, sweep = [], []
     for kind in kinds:

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 import torch
 
-from common import environment, write_json
+from common import start_kernel_sweep, write_json
 
 VOCAB = 128256
 BATCHES = (1, 64, 512)
@@ -158,18 +157,10 @@ def main() -> None:
                         help="check the configs against the reference without timing (tiny vocab on a CPU)")
     parser.add_argument("--quick", action="store_true", help="no descent: baseline, default and TUNED only")
     args = parser.parse_args()
-    on_cuda = torch.cuda.is_available()
-    if not on_cuda:
-        if not args.check_only:
-            raise SystemExit("bench/sampling.py needs a CUDA device (or --check-only, which runs the interpreter)")
-        os.environ["TRITON_INTERPRET"] = "1"  # read at launch by gpuworker.kernels.launch
+    sweep = start_kernel_sweep("sampling.py", args.check_only, copy_bandwidth=False)
+    device, timed, env = sweep.device, sweep.timed, sweep.env
     from gpuworker.kernels.sampling import BASELINE_CONFIG, DEFAULT_CONFIG, TUNED, SamplingConfig
 
-    device = "cuda" if on_cuda else "cpu"
-    timed = on_cuda and not args.check_only
-    env = environment()
-    if timed:
-        print(f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}")
     cache: dict = {}
     descent: list[dict] = []
     batches = BATCHES if timed else (1, 8)
