@@ -234,7 +234,9 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sc
         partial = torch.empty(config.split_k, n, dtype=torch.float32, device=x.device)
         counters = split_k_counters(x.device, column_blocks)
     else:
-        partial = counters = out  # unused
+        # Unused, but both branches compile (SPLIT_K is a run-time value): the ticket's atomic needs
+        # an int32 pointer (an atomic add on a bfloat16 pointer fails to compile on Triton 3.6).
+        partial, counters = out, qweight
     _int4_gemv[(column_blocks, config.split_k)](
         x, qweight, zeros, scales, bias if bias is not None else scales, out, partial, counters, n, num_groups,
         config.split_k, 0xF, GROUP_SIZE=group_size, GROUPS_PER_STEP=groups_per_step, BLOCK_N=config.block_n,

@@ -1,0 +1,115 @@
+"""Compile recorded kernel launches for an H100/H200 (sm_90) without a GPU.
+
+The interpreter runs a kernel's Python, not its compilation: a launch whose arguments the compiler
+rejects (an atomic on a bfloat16 pointer in a branch that never runs, say) passes every CPU test and
+fails on the GPU. `record_launches` keeps each launch's arguments while the interpreter runs them;
+`compile_sm90` then compiles one with Triton's own front end and ptxas, for compute capability 9.0,
+with the launch's pointer dtypes, integer kinds, constexprs and num_warps/num_stages.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from dataclasses import dataclass
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton.language as tl
+
+from gpuworker.kernels.launch import LazyJIT
+
+_POINTER_TYPES = {
+    torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv",
+    torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
+    torch.bool: "*i1",
+}
+_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
+
+@dataclass
+class Launch:
+    kernel: LazyJIT
+    arguments: dict  # parameter name -> value, in the kernel's order
+    options: dict  # num_warps, num_stages
+
+
+def record_launches(monkeypatch) -> dict[str, list[Launch]]:
+    """From now on, every LazyJIT launch is also recorded under its kernel's name."""
+    launches: dict[str, list[Launch]] = defaultdict(list)
+    getitem = LazyJIT.__getitem__
+
+    def recording(self, grid):
+        launch = getitem(self, grid)
+
+        def run(*args, **kwargs):
+            signature = inspect.signature(self.fn)
+            params = {k: v for k, v in kwargs.items() if k in signature.parameters}
+            bound = signature.bind(*args, **params)
+            options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+            launches[self.fn.__name__].append(Launch(self, dict(bound.arguments), options))
+            return launch(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(LazyJIT, "__getitem__", recording)
+    return launches
+
+
+def _is_constexpr(parameter: inspect.Parameter) -> bool:
+    return parameter.annotation in (tl.constexpr, "tl.constexpr")
+
+
+def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> None:
+    """Compile the launch for sm_90 in a fresh process (the interpreter patches triton.language for
+    the life of its process); raises AssertionError with the compiler's message if it fails.
+    use_pdl: compile the programmatic-dependent-launch variant (what an H200 runs) where the kernel
+    has a USE_PDL constexpr."""
+    fn = launch.kernel.fn
+    parameters = inspect.signature(fn).parameters
+    signature, constexprs = {}, {}
+    for index, (name, value) in enumerate(launch.arguments.items()):
+        if _is_constexpr(parameters[name]):
+            if name == "USE_PDL":
+                value = use_pdl
+            signature[name] = "constexpr"
+            constexprs[index] = value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _POINTER_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: cannot type argument {name}={value!r}")
+    job = {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
+           "do_not_specialize": [n for n in launch.kernel.do_not_specialize if n in parameters],
+           "options": {"num_warps": launch.options.get("num_warps", 4),
+                       "num_stages": launch.options.get("num_stages", 3)}}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(job)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{fn.__name__} does not compile for sm_90:\n{done.stderr[-3000:]}"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+_COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+job = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(job["module"]), job["name"])
+jitted = JITFunction(fn, do_not_specialize=job["do_not_specialize"])
+constexprs = {(int(i),): v for i, v in job["constexprs"].items()}
+source = ASTSource(jitted, job["signature"], constexprs=constexprs)
+triton.compile(source, target=GPUTarget("cuda", 90, 32), options=job["options"])
+"""

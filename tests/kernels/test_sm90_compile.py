@@ -1,0 +1,45 @@
+"""Launches that the CPU tests run under the interpreter also compile for an H100/H200 (sm_90),
+offline, with the arguments the launchers pass (tests/kernels/sm90_compile.py).
+
+The INT4 GEMV's unsplit launch once passed a bfloat16 tensor as its ticket counter: the interpreter
+never ran the split-K branch, but the compiler compiles it and rejects an atomic on bfloat16, so
+every unsplit config failed on the H200 (bench/quant_gemv.py, 2026-12-02).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuworker.kernels.int4_matmul import Int4GemvConfig, int4_matmul, pack_rows
+from tests.kernels.sm90_compile import compile_sm90, record_launches
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles these itself")
+
+
+def _int4_operands(n=64, k=256, group=128):
+    g = torch.Generator().manual_seed(0)
+    qweight = pack_rows(torch.randint(0, 16, (k, n), generator=g))
+    zeros = torch.full((k // group, n), 8, dtype=torch.uint8)
+    scales = torch.full((k // group, n), 0.01, dtype=torch.float16)
+    return qweight, zeros, scales, group
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_int4_gemv_compiles_unsplit_and_split(split_k, monkeypatch):
+    launches = record_launches(monkeypatch)
+    qweight, zeros, scales, group = _int4_operands()
+    x = torch.randn(1, 256).to(torch.bfloat16)
+    config = Int4GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split_k)
+    int4_matmul(x, qweight, zeros, scales, group, gemv_config=config)
+    (launch,) = launches["_int4_gemv_kernel"]
+    compile_sm90(launch)
+
+
+def test_int4_batched_matmul_compiles(monkeypatch):
+    launches = record_launches(monkeypatch)
+    qweight, zeros, scales, group = _int4_operands()
+    int4_matmul(torch.randn(20, 256).to(torch.bfloat16), qweight, zeros, scales, group)
+    for name, recorded in launches.items():
+        for launch in recorded:
+            compile_sm90(launch)
