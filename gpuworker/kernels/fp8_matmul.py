@@ -13,9 +13,11 @@ shapes torch._scaled_mm does not take run here; models.quantization.fp8 picks.
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 # The e4m3 format (dtype, largest finite value), shared with the FP8 KV cache.
+from gpuworker.kernels import kv_cache_fp8
 from gpuworker.kernels.kv_cache_quant import FP8_DTYPE, FP8_MAX
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
                                       interpreting, lazy_jit, pdl_options)
@@ -128,12 +130,68 @@ def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     return out.to(out_dtype)
 
 
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, stride_q,
+    STATIC: tl.constexpr, FP8_MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # One row per program: its largest magnitude (dynamic), then x / scale clamped and rounded to FP8,
+    # in float32 with correctly rounded divisions, as quantize_fp8_rows_reference computes it (the
+    # rounding is kv_cache_fp8's, which the interpreter also gets right).
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    if USE_PDL:  # see launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x_row = x_ptr + row * stride_x
+    if STATIC:
+        scale = tl.load(static_scale_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX_VALUE)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + offs < K
+        x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = kv_cache_fp8.quantize(x, scale)  # on the e4m3 grid already: the cast is exact everywhere
+        tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+_quantize_rows = lazy_jit(_quantize_rows_kernel, do_not_specialize=("K",))
+
+
 def quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float -> (float8_e4m3fn [M, K], float32 scale [M]) with x ~= q * scale per row.
 
     static_scale (a float32 scalar tensor): one scale for every row, values beyond it saturate;
     None: each row's own scale, its largest magnitude mapped to FP8_MAX (dynamic per-token).
+    On a GPU one Triton launch reads x once or twice and writes q and the scales (the activations of
+    every FP8 GEMM pass through here: the torch ops took six passes over a float32 copy of x);
+    elsewhere quantize_fp8_rows_reference, which gives the same bytes.
     """
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if static_scale is not None:
+        check_tensor("static_scale", static_scale, dtypes=(torch.float32,), device=x.device)
+        if static_scale.numel() != 1:
+            raise ValueError(f"static_scale must hold one value, got shape {tuple(static_scale.shape)}")
+    if not (x.is_cuda or interpreting()) or x.shape[0] == 0:
+        return quantize_fp8_rows_reference(x, static_scale)
+    check_last_dim_contiguous("x", x)
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    block = min(max(triton.next_power_of_2(k), 16), 2048)
+    _quantize_rows[(m,)](x, q, scale, static_scale if static_scale is not None else scale, k, x.stride(0),
+                         q.stride(0), STATIC=static_scale is not None, FP8_MAX_VALUE=FP8_MAX, BLOCK=block,
+                         num_warps=4 if block <= 1024 else 8, **pdl_options(x.device))
+    return q, scale
+
+
+def quantize_fp8_rows_reference(x: torch.Tensor,
+                                static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8_rows in torch ops."""
     x32 = x.float()
     if static_scale is None:
         scale = x32.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX

@@ -35,6 +35,10 @@ def _int4_matmul_kernel(
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # A step reads BLOCK_K / 8 packed rows once ([BLOCK_K / 8, BLOCK_N] int32, each word once) and
+    # spreads their nibbles to [BLOCK_K, BLOCK_N]; BLOCK_K divides GROUP_SIZE (the launcher's rule),
+    # so a step lies in one group and takes one zero point and one scale per column. K is a multiple
+    # of GROUP_SIZE, so no step needs a K mask.
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -43,31 +47,56 @@ def _int4_matmul_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    offs_p = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
     m_mask = offs_m < M
     n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = qweight_ptr + offs_p[:, None].to(tl.int64) * N + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_mask = ks < K
-        kn_mask = k_mask[:, None] & n_mask[None, :]
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        packed = tl.load(qweight_ptr + (ks[:, None] // 8).to(tl.int64) * N + offs_n[None, :], mask=kn_mask, other=0)
-        q = (packed >> ((ks[:, None] % 8) * 4)) & 0xF
-        group = (ks // GROUP_SIZE).to(tl.int64)
-        zeros = tl.load(zeros_ptr + group[:, None] * N + offs_n[None, :], mask=kn_mask, other=0).to(tl.int32)
-        scales = tl.load(scales_ptr + group[:, None] * N + offs_n[None, :], mask=kn_mask, other=0.0)
-        w = ((q - zeros).to(tl.float32) * scales.to(tl.float32)).to(x.dtype)
+        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        packed = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        group = k0 // GROUP_SIZE
+        zeros = tl.load(zeros_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+        scales = tl.load(scales_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        w = ((q.to(tl.float32) - zeros[None, :]) * scales[None, :]).to(x.dtype)
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += (BLOCK_K // 8) * N
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+def _dequantize_kernel(
+    qweight_ptr, zeros_ptr, scales_ptr, out_ptr, N, GROUP_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # out [K, N] (W transposed, x's dtype) from BLOCK_P packed rows x BLOCK_N columns a program: each
+    # word read once, each weight written once, rows of out stored whole (coalesced along N).
+    if USE_PDL:  # see launch.pdl_options
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n[None, :] < N
+    packed = tl.load(qweight_ptr + offs_p[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask, other=0)
+    group_offsets = (offs_p * 8 // GROUP_SIZE)[:, None].to(tl.int64) * N + offs_n[None, :]
+    zeros = tl.load(zeros_ptr + group_offsets, mask=n_mask, other=0).to(tl.float32)
+    scales = tl.load(scales_ptr + group_offsets, mask=n_mask, other=0.0).to(tl.float32)
+    rows = out_ptr + (offs_p * 8)[:, None].to(tl.int64) * N + offs_n[None, :]
+    for j in tl.static_range(8):
+        q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
+        tl.store(rows + j * N, ((q - zeros) * scales).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+_dequantize = lazy_jit(_dequantize_kernel)
 _int4_matmul = lazy_jit(_int4_matmul_kernel, do_not_specialize=("M",))
 
 
@@ -85,6 +114,50 @@ class Int4GemvConfig:
     @property
     def name(self) -> str:
         return f"int4-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}-s{self.split_k}"
+
+
+@dataclass(frozen=True)
+class Int4GemmConfig:
+    """Tensor-core tiles of the batched kernel: BLOCK_M rows x BLOCK_N columns a program, BLOCK_K
+    input rows a step (at most a group: the launcher clamps it)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        return f"int4mm-m{self.block_m}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}"
+
+
+# From this many rows the batched path dequantises the weight and calls cuBLAS (int4_matmul);
+# bench/quant_gemv.py --gemm measures the crossover.
+DEQUANT_MIN_ROWS = 256
+DEQUANT_BLOCK_P, DEQUANT_BLOCK_N = 16, 128
+# The batched kernel's tiles on a GPU by row bucket (the smallest bucket holding M); untuned defaults
+# until bench/quant_gemv.py --gemm fills TUNED_GEMM.
+DEFAULT_GEMM: dict[int, Int4GemmConfig] = {
+    16: Int4GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4),
+    32: Int4GemmConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4),
+    64: Int4GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
+    1 << 30: Int4GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+}
+TUNED_GEMM: dict[int, Int4GemmConfig] = {}
+# Under the interpreter (CPU tests): small tiles.
+INTERPRETER_GEMM = Int4GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+
+
+def pick_gemm_config(m: int, group_size: int, *, on_cuda: bool) -> Int4GemmConfig:
+    """TUNED_GEMM's (else DEFAULT_GEMM's) tiles for the smallest bucket holding m, block_k clamped
+    to the group size (a step within one group)."""
+    if not on_cuda:
+        config = INTERPRETER_GEMM
+    else:
+        table = TUNED_GEMM or DEFAULT_GEMM
+        config = table[min((b for b in table if b >= m), default=max(table))]
+    return replace(config, block_k=min(config.block_k, group_size))
 
 
 # Chosen configs from bench/quant_gemv.py on an H200, {(N, K, group_size): config}, filled from its
@@ -260,11 +333,13 @@ def check_gemv_config(config: Int4GemvConfig) -> None:
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                 group_size: int, bias: torch.Tensor | None = None, *,
-                gemv_config: Int4GemvConfig | None = None) -> torch.Tensor:
+                gemv_config: Int4GemvConfig | None = None, gemm_config: Int4GemmConfig | None = None) -> torch.Tensor:
     """x [M, K] float @ dequant(qweight, zeros, scales)^T (+ bias [N]) -> [M, N] in x's dtype
     (the layout in the module docstring), accumulated in float32. One row takes the GEMV with
     gemv_config (default: pick_gemv_config's); a split-K config must run once outside CUDA graph
-    capture before it is captured (launch.split_k_counters)."""
+    capture before it is captured (launch.split_k_counters). More rows take the batched kernel
+    with gemm_config (default: pick_gemm_config's), or from DEQUANT_MIN_ROWS rows, unless a
+    gemm_config is given, a dequantised copy of the weight and torch.mm."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     m, k, n = _check_layout(x, qweight, zeros, scales, group_size)
     if bias is not None:
@@ -279,14 +354,21 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         _launch_gemv(x, qweight, zeros, scales, group_size, bias, out,
                      gemv_config or pick_gemv_config(n, k, group_size))
         return out
-    # Batches take tensor-core tiles. Untuned.
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if x.is_cuda else 32
-    block_k = min(group_size, 128 if x.is_cuda else 32)
-    _int4_matmul[(-(-m // block_m), -(-n // block_n))](
+    if m >= DEQUANT_MIN_ROWS and gemm_config is None:
+        # Enough rows that the GEMM is compute-bound: dequantise the weight once into a scratch copy
+        # (a quarter of its bf16 bytes read, the bf16 bytes written) and let cuBLAS multiply.
+        weight_t = dequantize_int4_to(qweight, zeros, scales, group_size, x.dtype)
+        if bias is None:
+            return torch.mm(x, weight_t, out=out)
+        return torch.addmm(bias, x, weight_t, out=out)
+    config = gemm_config or pick_gemm_config(m, group_size, on_cuda=x.is_cuda)
+    if config.block_k > group_size or group_size % config.block_k:
+        raise ValueError(f"gemm_config.block_k must divide group_size ({group_size}), got {config.block_k}")
+    _int4_matmul[(-(-m // config.block_m), -(-n // config.block_n))](
         x, qweight, zeros, scales, bias if bias is not None else scales, out, m, n, k, x.stride(0), out.stride(0),
-        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, **dot_options(x.dtype), **pdl_options(x.device))
+        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages, **dot_options(x.dtype),
+        **pdl_options(x.device))
     return out
 
 
@@ -314,6 +396,19 @@ def dequantize_int4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Te
     groups = torch.arange(q.shape[0], device=q.device) // group_size
     w = (q - zeros.to(torch.int32)[groups]).float() * scales.float()[groups]
     return w.t()
+
+
+def dequantize_int4_to(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The weight transposed, [K, N] in dtype, as dequantize_int4(...).t().to(dtype) gives it (each
+    value computed in float32, then rounded), in one Triton launch."""
+    k, n = qweight.shape[0] * PACK, qweight.shape[1]
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    block_p = min(DEQUANT_BLOCK_P, group_size // PACK, k // PACK)
+    _dequantize[(k // PACK // block_p, -(-n // DEQUANT_BLOCK_N))](
+        qweight, zeros, scales, out, n, GROUP_SIZE=group_size, BLOCK_P=block_p, BLOCK_N=DEQUANT_BLOCK_N,
+        num_warps=4, **pdl_options(qweight.device))
+    return out
 
 
 def int4_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,

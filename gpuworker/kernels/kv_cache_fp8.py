@@ -1,4 +1,5 @@
-"""The device side of kv_cache_quant.py: how a kernel quantizes a key or value for an FP8 cache.
+"""The device side of kv_cache_quant.py: how a kernel quantizes a key or value for an FP8 cache (and
+fp8_matmul's activations).
 
 Kernels call `kv_cache_fp8.quantize(...)` through the module (so the interpreter's launches can swap
 in an interpretable twin, see launch.py). The rounding is done in float32 arithmetic: Triton's CPU

@@ -336,8 +336,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool,
-                 fp8_cache: bool = False) -> tuple[int, int, int]:
+def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) of a launch whose batch x kv heads programs fill the
     multiprocessors (fills_device) or not.
 
@@ -348,16 +347,14 @@ def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool,
     warps are best.
     float32 tiles go through FMA-based IEEE dots, which spill registers beyond 16 keys a tile at
     head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed.
-    An FP8 cache's tiles widen in registers: at 128 keys and 4 warps the kernel holds 255 registers
-    a thread and spills (sm_90, Triton 3.9, compiled offline), at 8 warps 178 and none; until
-    bench/kernels.py's FP8 sweep says otherwise on the GPU, large batches take 8 warps.
+    An FP8 cache takes the same tiles: on the H200 (bench/kernels.py --fp8-decode-only, 2026-12-02,
+    BENCHMARKS.md) 128 keys, 4 warps, 3 stages were the fastest of six tiles at batch 64, 256 and 512,
+    and 1.7x faster than 8 warps at 512, although Triton reports some register spill for it offline.
     """
     if dtype == torch.float32:
         return 16, 4, 2
     if head_dim > 128:
         return 32, 8, 2
-    if fills_device and fp8_cache:
-        return 128, 8, 3
     return (128, 4, 3) if fills_device else (64, 8, 2)
 
 
@@ -458,8 +455,7 @@ def paged_decode_attention(
         return out
 
     launch = _pick_launch(num_seqs, num_kv_heads, head_dim, query.dtype, max_seq_len, device, num_splits=num_splits,
-                          merge_in_launch=merge_in_launch, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                          fp8_cache=is_fp8_cache(kv_cache))
+                          merge_in_launch=merge_in_launch, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     num_splits, block_n = launch.num_splits, launch.block_n
     group = num_q_heads // num_kv_heads
     block_d = next_power_of_2(head_dim)
@@ -553,12 +549,11 @@ class _Launch:
 
 def _pick_launch(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
                  device: torch.device, *, num_splits: int | None, merge_in_launch: bool | None,
-                 block_n: int | None, num_warps: int | None, num_stages: int | None,
-                 fp8_cache: bool = False) -> _Launch:
+                 block_n: int | None, num_warps: int | None, num_stages: int | None) -> _Launch:
     """The call's own choices, the rest from default_tile and choose_num_splits; partitions are
     whole tiles, so only the last tile of a partition needs its tail masked."""
     fills_device = num_seqs * num_kv_heads >= multiprocessor_count(device)
-    tile = default_tile(dtype, head_dim, fills_device, fp8_cache)
+    tile = default_tile(dtype, head_dim, fills_device)
     block_n = tile[0] if block_n is None else block_n
     num_warps = tile[1] if num_warps is None else num_warps
     num_stages = tile[2] if num_stages is None else num_stages

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpuworker.kernels.fp8_matmul import (FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference,
-                                          quantize_fp8_rows)
+                                          quantize_fp8_rows, quantize_fp8_rows_reference)
 
 ON_CUDA = torch.cuda.is_available()
 # Llama-3-8B's qkv projection on the GPU; sizes that are not multiples of the tiles elsewhere.
@@ -54,6 +54,29 @@ def test_quantize_rows(device):
     # A static scale saturates what lies beyond it.
     q, scale = quantize_fp8_rows(x, torch.tensor(1.0, device=device))
     assert q.float().amax().item() == FP8_MAX and scale.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_quantize_rows_kernel_gives_the_references_bytes(dtype, static, device, generator):
+    # K past one block (2,048) with a tail; rows of very different magnitudes, one all zero, one with
+    # values the static scale saturates.
+    k = 3000 if not ON_CUDA else 14336
+    x = torch.randn(5, k, generator=generator) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 500.0])[:, None]
+    x = x.to(dtype).to(device)
+    static_scale = torch.tensor(0.5, device=device) if static else None
+    q, scale = quantize_fp8_rows(x, static_scale)
+    q_ref, scale_ref = quantize_fp8_rows_reference(x, static_scale)
+    assert q.shape == x.shape and q.dtype == FP8_DTYPE and scale.shape == (5,)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())  # the same values (a zero may lose its sign)
+
+
+def test_quantize_rows_takes_strided_rows(device, generator):
+    x = torch.randn(4, 96, generator=generator).to(device)[:, :80]
+    q, scale = quantize_fp8_rows(x)
+    q_ref, scale_ref = quantize_fp8_rows_reference(x)
+    assert torch.equal(q.float(), q_ref.float()) and torch.equal(scale, scale_ref)
 
 
 def test_bad_input_is_named(device):

@@ -9,8 +9,8 @@ import torch
 
 from gpuworker.kernels import int4_matmul as int4_module
 from gpuworker.kernels.int4_matmul import (TARGET_PROGRAMS, Int4GemvConfig, default_gemv_config, dequantize_int4,
-                                           int4_matmul, int4_matmul_reference, pack_rows, pick_gemv_config,
-                                           unpack_rows)
+                                           dequantize_int4_to, int4_matmul, int4_matmul_reference, pack_rows,
+                                           pick_gemm_config, pick_gemv_config, unpack_rows)
 from gpuworker.kernels.launch import SPLIT_K_COUNTERS
 
 ON_CUDA = torch.cuda.is_available()
@@ -41,6 +41,38 @@ def test_matches_reference(rows, dtype, device, generator, tolerance):
     got = int4_matmul(x, qweight, zeros, scales, GROUP, bias)
     assert got.shape == (rows, N) and got.dtype == dtype
     torch.testing.assert_close(got, int4_matmul_reference(x, qweight, zeros, scales, GROUP, bias), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("group", [8, 32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_dequantize_to_gives_the_references_weight(group, dtype, device, generator):
+    qweight, zeros, scales, _ = _packed(generator, device, n=40, k=256, group=group)
+    got = dequantize_int4_to(qweight, zeros, scales, group, dtype)
+    assert got.shape == (256, 40) and got.dtype == dtype
+    expected = dequantize_int4(qweight, zeros, scales, group).t().to(dtype)
+    if dtype == torch.bfloat16 and not ON_CUDA:
+        # The interpreter rounds float32 -> bfloat16 toward zero (the GPU to nearest): one unit apart.
+        torch.testing.assert_close(got, expected, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_many_rows_dequantise_then_multiply(with_bias, monkeypatch, device, generator, tolerance):
+    # From DEQUANT_MIN_ROWS rows the weight is dequantised once and multiplied by torch.
+    monkeypatch.setattr(int4_module, "DEQUANT_MIN_ROWS", 8)
+    qweight, zeros, scales, _ = _packed(generator, device)
+    x = torch.randn(12, K, generator=generator).to(torch.bfloat16).to(device)
+    bias = torch.randn(N, generator=generator).to(torch.bfloat16).to(device) if with_bias else None
+    got = int4_matmul(x, qweight, zeros, scales, GROUP, bias)
+    torch.testing.assert_close(got, int4_matmul_reference(x, qweight, zeros, scales, GROUP, bias),
+                               **tolerance(torch.bfloat16))
+
+
+def test_gemm_tiles_stay_within_a_group():
+    assert pick_gemm_config(200, 32, on_cuda=True).block_k == 32
+    assert pick_gemm_config(8, 128, on_cuda=True).block_m == 16
+    assert pick_gemm_config(10**6, 128, on_cuda=True).block_m == 128
 
 
 def test_group_of_a_whole_tile(device, generator, tolerance):

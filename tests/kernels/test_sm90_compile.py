@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.int4_matmul import Int4GemvConfig, int4_matmul, pack_rows
+from gpuworker.kernels.fp8_matmul import quantize_fp8_rows
+from gpuworker.kernels import int4_matmul as int4_module
+from gpuworker.kernels.int4_matmul import Int4GemvConfig, dequantize_int4_to, int4_matmul, pack_rows
 from tests.kernels.sm90_compile import compile_sm90, record_launches
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles these itself")
@@ -36,10 +38,28 @@ def test_int4_gemv_compiles_unsplit_and_split(split_k, monkeypatch):
     compile_sm90(launch)
 
 
-def test_int4_batched_matmul_compiles(monkeypatch):
+@pytest.mark.parametrize("rows", [16, 40, 200])
+def test_int4_batched_matmul_compiles_with_the_gpu_tiles(rows, monkeypatch):
+    # The interpreter runs small tiles; compile the tiles a GPU takes for these rows.
+    monkeypatch.setattr(int4_module, "INTERPRETER_GEMM", int4_module.pick_gemm_config(rows, 128, on_cuda=True))
+    launches = record_launches(monkeypatch)
+    qweight, zeros, scales, group = _int4_operands(n=128)
+    int4_matmul(torch.randn(rows, 256).to(torch.bfloat16), qweight, zeros, scales, group)
+    (launch,) = launches["_int4_matmul_kernel"]
+    compile_sm90(launch)
+
+
+def test_int4_dequantize_compiles(monkeypatch):
     launches = record_launches(monkeypatch)
     qweight, zeros, scales, group = _int4_operands()
-    int4_matmul(torch.randn(20, 256).to(torch.bfloat16), qweight, zeros, scales, group)
-    for name, recorded in launches.items():
-        for launch in recorded:
-            compile_sm90(launch)
+    dequantize_int4_to(qweight, zeros, scales, group, torch.bfloat16)
+    (launch,) = launches["_dequantize_kernel"]
+    compile_sm90(launch)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_fp8_row_quantization_compiles(static, monkeypatch):
+    launches = record_launches(monkeypatch)
+    quantize_fp8_rows(torch.randn(3, 4096).to(torch.bfloat16), torch.tensor(0.1) if static else None)
+    (launch,) = launches["_quantize_rows_kernel"]
+    compile_sm90(launch)

@@ -1,0 +1,123 @@
+"""Batched INT4 (AWQ/GPTQ layout, group 128) GEMM sweep at Llama-3-8B's projections: for each row count,
+cuBLAS bf16 F.linear, the dequantise-then-torch.mm path, and the Triton kernel's candidate tiles.
+
+    PYTHONPATH=. python bench/quant_gemm.py                # H200: a few minutes, mostly Triton compiles
+    PYTHONPATH=. python bench/quant_gemm.py --check-only   # no timing; on a CPU: tiny shapes, interpreter
+
+Every candidate is checked against int4_matmul_reference first. Times are medians of CUDA-graph replays
+(bench/kernels.py's graph_time_us) over enough weight copies that the L2 cannot hold them. Prints, per row
+count, the sum over one decode step's 32 layers of the four projections, a TUNED_GEMM table and the
+DEQUANT_MIN_ROWS crossover for gpuworker/kernels/int4_matmul.py, and writes quant_gemm.json to $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from common import start_kernel_sweep, write_json
+from gemv import check_config
+from quant_gemv import GROUP, SHAPES, TINY_GROUP, TINY_SHAPES, make_int4
+
+DTYPE = torch.bfloat16
+ROWS = (16, 32, 64, 128, 256, 512, 1024, 8192)
+TINY_ROWS = (3, 20)
+# (block_m, block_n, block_k, num_warps, num_stages)
+TILES = (
+    (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 3),
+    (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
+)
+TINY_TILES = ((16, 32, 32, 4, 1), (32, 16, 16, 4, 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check-only", action="store_true", help="check every candidate, no timing (CPU: tiny)")
+    args = parser.parse_args()
+    start = start_kernel_sweep("quant_gemm.py", args.check_only)
+    device, timed = start.device, start.timed
+    from gpuworker.kernels.int4_matmul import (Int4GemmConfig, dequantize_int4_to, int4_matmul,
+                                               int4_matmul_reference)
+
+    on_cuda = device == "cuda"
+    shapes, group = (SHAPES, GROUP) if on_cuda else (TINY_SHAPES, TINY_GROUP)
+    rows_list = ROWS if on_cuda else TINY_ROWS
+    tiles = [Int4GemmConfig(*t) for t in (TILES if on_cuda else TINY_TILES)]
+    torch.manual_seed(0)
+    if timed:
+        from kernels import graph_time_us, num_sets
+
+    results, failures = [], 0
+    for name, ((n, k), per_step) in shapes.items():
+        copies = num_sets(n * k // 2, cap=8) if timed else 1
+        weights = make_int4(n, k, group, copies, device)
+        dense = [(torch.randn(n, k, device=device) / k**0.5).to(DTYPE) for _ in range(num_sets(n * k * 2, cap=8))] \
+            if timed else []
+        for m in rows_list:
+            xs = [torch.randn(m, k, device=device).to(DTYPE) for _ in range(copies)]
+            expected = int4_matmul_reference(xs[0], *weights[0], group)
+            row = {"shape": name, "N": n, "K": k, "M": m, "per_step": per_step, "tiles": {}}
+            paths = {"dequant": lambda i: torch.mm(xs[i], dequantize_int4_to(*weights[i], group, DTYPE))}
+            for tile in tiles:
+                if tile.block_k <= group and (tile.block_m <= max(16, m) or not on_cuda):
+                    paths[tile.name] = lambda i, tile=tile: int4_matmul(xs[i], *weights[i], group, gemm_config=tile)
+            for label, call in paths.items():
+                try:
+                    err, ok = check_config(lambda: call(0), expected, repeats=1)
+                    if not ok:
+                        raise AssertionError(f"max abs err {err}")
+                    if timed:
+                        row["tiles"][label] = graph_time_us([lambda i=i: call(i) for i in range(copies)])
+                except Exception as exc:  # noqa: BLE001 - reported, not fatal
+                    failures += 1
+                    print(f"  {name} M={m} {label}: FAILED {repr(exc)[:200]}")
+            if timed:
+                row["cublas_us"] = graph_time_us([lambda i=i: F.linear(xs[i % copies], dense[i])
+                                                  for i in range(len(dense))])
+            results.append(row)
+            print(f"  {name} M={m}: {len(paths)} paths")
+        del weights, dense
+        if on_cuda:
+            torch.cuda.empty_cache()
+
+    write_json("quant_gemm" if timed else "quant_gemm_check", {"environment": start.env, "results": results})
+    if timed:
+        print_summary(results, rows_list)
+    if failures:
+        raise SystemExit(f"{failures} INT4 GEMM result(s) disagreed with the reference or failed to run")
+
+
+def print_summary(results: list[dict], rows_list) -> None:
+    print("\n== INT4 GEMM per decode step (32 layers x qkv, o_proj, gate_up, down), ms ==")
+    print(f"{'M':>6s} {'cuBLAS bf16':>11s} {'dequant+mm':>10s} {'best Triton':>11s}  best tile")
+    tuned, dequant_from = {}, None
+    for m in rows_list:
+        rows = [r for r in results if r["M"] == m]
+        cublas = sum(r["cublas_us"] * r["per_step"] for r in rows) / 1e3
+        dequant = sum(r["tiles"]["dequant"] * r["per_step"] for r in rows) / 1e3
+        names = set.intersection(*(set(r["tiles"]) - {"dequant"} for r in rows))
+        totals = {t: sum(r["tiles"][t] * r["per_step"] for r in rows) / 1e3 for t in names}
+        best = min(totals, key=totals.get)
+        tuned[m] = best
+        print(f"{m:6d} {cublas:11.3f} {dequant:10.3f} {totals[best]:11.3f}  {best}")
+        if dequant < totals[best]:
+            dequant_from = dequant_from or m
+        else:
+            dequant_from = None
+    print("\nTUNED_GEMM for gpuworker/kernels/int4_matmul.py (row bucket: fastest tile summed over the shapes):")
+    print("TUNED_GEMM: dict[int, Int4GemmConfig] = {")
+    for m, name in tuned.items():
+        if dequant_from is not None and m >= dequant_from:
+            break
+        fields = name.removeprefix("int4mm-").split("-")
+        bm, bn, bk, w, s = (int(f[1:]) for f in fields)
+        print(f"    {m}: Int4GemmConfig(block_m={bm}, block_n={bn}, block_k={bk}, num_warps={w}, num_stages={s}),")
+    print("}")
+    print(f"DEQUANT_MIN_ROWS = {dequant_from or 1 << 30}")
+
+
+if __name__ == "__main__":
+    main()
