@@ -502,7 +502,6 @@ def gemv_rms_norm(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
-    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm then a linear layer for one row, in one launch: (norm(s) @ weight^T (+ bias), s).
 
@@ -510,23 +509,22 @@ def gemv_rms_norm(
     norm follows rms_norm (float32 statistics, times norm_weight) except that the normalised row is
     not rounded to the activation dtype before the product, so bfloat16 results differ from the
     unfused pair by rounding. `config` must satisfy fuses_rms_norm (default: pick_config's if it
-    does, else the one-row default). weight_scale: an FP8 weight's row scales, as in gemv.
+    does, else the one-row default).
     """
-    n, config = _checked_rms_norm(x, residual, norm_weight, weight, bias, config, weight_scale)
+    n, config = _checked_rms_norm(x, residual, norm_weight, weight, bias, config)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else x
     if n:
-        _launch(x, weight, bias, out, config, norm=(residual, norm_weight, residual_out, eps),
-                weight_scale=weight_scale)
+        _launch(x, weight, bias, out, config, norm=(residual, norm_weight, residual_out, eps))
     return out, residual_out
 
 
 def _checked_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                       weight: torch.Tensor, bias: torch.Tensor | None,
-                      config: GemvConfig | None, weight_scale: torch.Tensor | None) -> tuple[int, GemvConfig]:
+                      config: GemvConfig | None) -> tuple[int, GemvConfig]:
     """Check gemv_rms_norm's operands (one row; norm_weight [K] and residual like x) and config; return
     N and the config (pick_config's if it fuses the norm, else the one-row default)."""
-    _check_operands(x, weight, bias, fp8_weight=weight_scale is not None)
+    _check_operands(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
     if m != 1:
@@ -534,10 +532,8 @@ def _checked_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     check_operand("norm_weight", norm_weight, (k,), x.dtype, x.device)
     if residual is not None:
         check_operand("residual", residual, tuple(x.shape), x.dtype, x.device)
-    if weight_scale is not None:
-        check_operand("weight_scale", weight_scale, (n,), torch.float32, x.device)
     if config is None:
-        config = pick_config(1, n, k, fp8_weight=weight_scale is not None)
+        config = pick_config(1, n, k)
         if not fuses_rms_norm(config):
             config = _DEFAULT_SINGLE_ROW
     _check_config(config)

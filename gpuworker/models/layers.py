@@ -22,22 +22,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def gemv_operands(self, x: torch.Tensor):
-        """(weight, None, config) where our GEMV runs x @ weight^T (a single decode row on a shape
-        where it measured faster than cuBLAS), else None; Fp8Linear answers the same question."""
-        if not x.is_cuda:
-            return None
-        from gpuworker.kernels.gemv import tuned_config
-
-        config = tuned_config(x, self.weight)
-        return None if config is None else (self.weight, None, config)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        operands = self.gemv_operands(x)
-        if operands is not None:
-            from gpuworker.kernels.gemv import gemv
+        if x.is_cuda:
+            from gpuworker.kernels.gemv import gemv, tuned_config
 
-            return gemv(x, self.weight, self.bias, config=operands[2])
+            # A single decode row on a shape where our GEMV measured faster than cuBLAS.
+            config = tuned_config(x, self.weight)
+            if config is not None:
+                return gemv(x, self.weight, self.bias, config=config)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -70,16 +62,13 @@ def norm_then_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor,
                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(s)), s) with s = x + residual (x without one): the pre-norm and the projection
     after it. A single decode row on a shape where our GEMV runs the projection takes one kernel for
-    both (gemv_rms_norm: the norm applied as the GEMV loads its input), for a dense or an FP8 weight
-    (the projections with a gemv_operands method; INT4 has kernels of its own)."""
-    operands = linear.gemv_operands(x) if hasattr(linear, "gemv_operands") else None
-    if operands is not None and x.shape[0] == 1 and x.dtype == norm.weight.dtype:
-        from gpuworker.kernels.gemv import fuses_rms_norm, gemv_rms_norm
+    both (gemv_rms_norm: the norm applied as the GEMV loads its input)."""
+    if x.is_cuda and isinstance(linear, Linear):  # quantized projections have their own kernels
+        from gpuworker.kernels.gemv import fuses_rms_norm, gemv_rms_norm, tuned_config
 
-        weight, weight_scale, config = operands
-        if fuses_rms_norm(config):
-            return gemv_rms_norm(x, residual, norm.weight, norm.eps, weight, linear.bias, config=config,
-                                 weight_scale=weight_scale)
+        config = tuned_config(x, linear.weight)
+        if config is not None and fuses_rms_norm(config) and x.dtype == norm.weight.dtype:
+            return gemv_rms_norm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config=config)
     if residual is None:
         return linear(norm(x)), x
     normed, residual = norm(x, residual)
@@ -100,17 +89,16 @@ class GatedMLP(nn.Module):
         down(silu(gate) * up)."""
         if gate_up.is_cuda:  # one kernel instead of silu, then the product
             from gpuworker.kernels.activation import silu_and_mul
-            from gpuworker.kernels.gemv import gemv
+            from gpuworker.kernels.gemv import gemv, tuned_config
 
             down = self.down_proj
-            # Where our GEMV runs the down projection (dense or FP8), it applies SiLU-and-mul as it
-            # loads its input.
-            operands = down.gemv_operands(gate_up[:, : self.intermediate_size]) \
-                if hasattr(down, "gemv_operands") else None
-            if operands is not None:
-                weight, weight_scale, config = operands
-                return gemv(gate_up, weight, down.bias, silu_mul_input=True, config=config,
-                            weight_scale=weight_scale)
+            # Where our GEMV runs the down projection, it applies SiLU-and-mul as it loads its input
+            # (a dense weight only: quantized projections have their own kernels).
+            config = None
+            if isinstance(down, Linear):
+                config = tuned_config(gate_up[:, : self.intermediate_size], down.weight)
+            if config is not None:
+                return gemv(gate_up, down.weight, down.bias, silu_mul_input=True, config=config)
             return down(silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

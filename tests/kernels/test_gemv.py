@@ -124,7 +124,6 @@ def test_pick_config_takes_the_fp8_table_for_an_fp8_weight(monkeypatch):
     assert pick_config(1, 4096, 4096, fp8_weight=True) == fp8_choice
     assert pick_config(1, 4096, 4096).name == "fma-n16-k512-w4-p3"
     # No FP8 entry: the bf16 choice.
-    monkeypatch.delitem(gemv_module.TUNED_FP8, (4096, 14336), raising=False)
     assert pick_config(1, 4096, 14336, fp8_weight=True) == pick_config(1, 4096, 14336)
 
 
@@ -314,37 +313,3 @@ def test_fp8_weight_is_refused_where_the_kernel_cannot_take_it(device, generator
     with pytest.raises(ValueError, match="weight"):
         gemv(x, weight_fp8)  # an FP8 weight without its scales
     assert gemv(x.expand(3, K).contiguous(), weight_fp8, weight_scale=scale).shape == (3, N)  # rows still FMA
-
-
-def _fp8(weight):
-    from gpuworker.kernels.fp8_matmul import FP8_DTYPE
-
-    scale = (weight.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
-    return (weight.float() / scale[:, None]).to(FP8_DTYPE), scale
-
-
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_fp8_weight_takes_the_rms_norm_input(with_residual, device, generator):
-    # Batch-1 FP8 decode fuses the norm before qkv and gate_up into the GEMV as bf16 does.
-    x, weight, bias = make(1, N, K, torch.bfloat16, generator, device)
-    x = 4 * x
-    residual = torch.randn(1, K, generator=generator).to(torch.bfloat16).to(device) if with_residual else None
-    norm_weight = (1 + torch.rand(K, generator=generator)).to(torch.bfloat16).to(device)
-    weight_fp8, scale = _fp8(weight)
-    got, stream = gemv_rms_norm(x, residual, norm_weight, 1e-5, weight_fp8, bias, weight_scale=scale)
-    dequantised = weight_fp8.float() * scale[:, None]
-    expected, expected_stream = gemv_rms_norm_reference(x, residual, norm_weight, 1e-5, dequantised, bias.float())
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(stream, expected_stream, atol=0.0, rtol=2**-7)
-    with pytest.raises(ValueError, match="weight_scale"):
-        gemv_rms_norm(x, residual, norm_weight, 1e-5, weight_fp8, bias, weight_scale=scale[:-1])
-
-
-def test_fp8_weight_takes_the_silu_mul_input(device, generator):
-    # ... and SiLU-and-mul into the down projection.
-    gate_up = torch.randn(1, 2 * K, generator=generator).to(torch.bfloat16).to(device)
-    _, weight, _ = make(1, N, K, torch.bfloat16, generator, device)
-    weight_fp8, scale = _fp8(weight)
-    got = gemv(gate_up, weight_fp8, silu_mul_input=True, weight_scale=scale)
-    expected = gemv_reference(gate_up, (weight_fp8.float() * scale[:, None]), silu_mul_input=True)
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)

@@ -63,23 +63,3 @@ def test_fp8_row_quantization_compiles(static, monkeypatch):
     quantize_fp8_rows(torch.randn(3, 4096).to(torch.bfloat16), torch.tensor(0.1) if static else None)
     (launch,) = launches["_quantize_rows_kernel"]
     compile_sm90(launch)
-
-
-@pytest.mark.parametrize("fused", ["rms_norm", "silu_mul"])
-def test_fp8_gemv_with_fused_inputs_compiles(fused, monkeypatch):
-    # Batch-1 FP8 decode: the norm before qkv and gate_up, SiLU-and-mul before down, in the GEMV,
-    # with the configs TUNED_FP8 picks for Llama-3-8B's shapes.
-    from gpuworker.kernels.gemv import CANDIDATES_BY_NAME, TUNED_FP8, gemv, gemv_rms_norm
-
-    launches = record_launches(monkeypatch)
-    weight = (torch.randn(64, 1024) / 32).to(torch.float8_e4m3fn)
-    scale = torch.full((64,), 0.01)
-    if fused == "rms_norm":
-        config = CANDIDATES_BY_NAME[TUNED_FP8[(6144, 4096)][1]]
-        gemv_rms_norm(torch.randn(1, 1024).to(torch.bfloat16), torch.randn(1, 1024).to(torch.bfloat16),
-                      torch.ones(1024).to(torch.bfloat16), 1e-5, weight, config=config, weight_scale=scale)
-    else:
-        config = CANDIDATES_BY_NAME[TUNED_FP8[(4096, 14336)][1]]
-        gemv(torch.randn(1, 2048).to(torch.bfloat16), weight, silu_mul_input=True, config=config, weight_scale=scale)
-    (launch,) = launches["_gemv_kernel"]
-    compile_sm90(launch)

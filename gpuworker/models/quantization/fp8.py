@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from gpuworker.kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference, quantize_fp8_rows
-from gpuworker.kernels.gemv import GemvConfig, gemv, pick_config
+from gpuworker.kernels.gemv import gemv
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 # Below this many rows the Triton kernel (a weight stream) beats torch._scaled_mm's tiles.
@@ -83,24 +83,12 @@ class Fp8Linear(QuantizedLinear):
         if self.input_scale is not None:
             self.input_scale.fill_(4.0 / FP8_MAX)
 
-    def gemv_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, GemvConfig] | None:
-        """(weight, weight_scale, config) for our GEMV when x is one row on a GPU, else None.
-
-        Batch 1 is a weight stream: the GEMV reads the FP8 weight as is and keeps x in its own dtype
-        (no activation quantization: one rounding fewer than the W8A8 GEMM). The decoder layers
-        use this to fuse the norm before a projection, or SiLU-and-mul, into it, as for bf16
-        (models.layers.norm_then_linear, GatedMLP.down)."""
-        if x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
-            return self.weight_fp8, self.weight_scale, pick_config(1, self.out_features, self.in_features,
-                                                                   fp8_weight=True)
-        return None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias
-        operands = self.gemv_operands(x)
-        if operands is not None:
-            weight, weight_scale, config = operands
-            return gemv(x, weight, bias, weight_scale=weight_scale, config=config)
+        if x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
+            # Batch 1 is a weight stream: the GEMV reads the FP8 weight as is and keeps x in its own
+            # dtype (no activation quantization: one rounding fewer than the W8A8 GEMM).
+            return gemv(x, self.weight_fp8, bias, weight_scale=self.weight_scale)
         if self.quant.activation_scheme is None:
             x_q, x_scale = x, None
         else:
