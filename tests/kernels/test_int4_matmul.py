@@ -40,7 +40,10 @@ def test_matches_reference(rows, dtype, device, generator, tolerance):
     bias = torch.randn(N, generator=generator).to(dtype).to(device)
     got = int4_matmul(x, qweight, zeros, scales, GROUP, bias)
     assert got.shape == (rows, N) and got.dtype == dtype
-    torch.testing.assert_close(got, int4_matmul_reference(x, qweight, zeros, scales, GROUP, bias), **tolerance(dtype))
+    # The one-row GEMV sums s * (sum q x - z * sum x) per group, the reference sum (q - z) * s * x: in
+    # float32 at K = 4096 (the GPU's shape) the two orders differ by up to ~2e-5.
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 and rows == 1 else tolerance(dtype)
+    torch.testing.assert_close(got, int4_matmul_reference(x, qweight, zeros, scales, GROUP, bias), **tol)
 
 
 @pytest.mark.parametrize("group", [8, 32, 128])
