@@ -31,9 +31,6 @@ TILES = (
     (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
 )
 TINY_TILES = ((16, 32, 32, 4, 1), (32, 16, 16, 4, 1))
-# Dequantise-then-mm: the whole weight at once (None), or column chunks of this many bytes into one
-# reused scratch buffer that can stay in the L2 (50 MB on an H200).
-DEQUANT_CHUNKS = (None, 8 << 20, 16 << 20, 32 << 20)
 
 
 def main() -> None:
@@ -42,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     start = start_kernel_sweep("quant_gemm.py", args.check_only)
     device, timed = start.device, start.timed
-    from gpuworker.kernels.int4_matmul import (Int4GemmConfig, dequantize_then_mm, int4_matmul,
+    from gpuworker.kernels.int4_matmul import (Int4GemmConfig, dequantize_int4_to, int4_matmul,
                                                int4_matmul_reference)
 
     on_cuda = device == "cuda"
@@ -63,11 +60,7 @@ def main() -> None:
             xs = [torch.randn(m, k, device=device).to(DTYPE) for _ in range(copies)]
             expected = int4_matmul_reference(xs[0], *weights[0], group)
             row = {"shape": name, "N": n, "K": k, "M": m, "per_step": per_step, "tiles": {}}
-            paths = {}
-            for chunk in DEQUANT_CHUNKS:
-                label = "dequant" if chunk is None else f"dequant-{chunk >> 20}MB"
-                paths[label] = lambda i, chunk=chunk: dequantize_then_mm(
-                    xs[i], *weights[i], group, None, torch.empty(m, n, dtype=DTYPE, device=device), chunk)
+            paths = {"dequant": lambda i: torch.mm(xs[i], dequantize_int4_to(*weights[i], group, DTYPE))}
             for tile in tiles:
                 if tile.block_k <= group and (tile.block_m <= max(16, m) or not on_cuda):
                     paths[tile.name] = lambda i, tile=tile: int4_matmul(xs[i], *weights[i], group, gemm_config=tile)
@@ -99,20 +92,17 @@ def main() -> None:
 
 def print_summary(results: list[dict], rows_list) -> None:
     print("\n== INT4 GEMM per decode step (32 layers x qkv, o_proj, gate_up, down), ms ==")
-    print(f"{'M':>6s} {'cuBLAS bf16':>11s} {'dequant+mm':>10s} {'best Triton':>11s}  best tile  (dequant by chunk)")
+    print(f"{'M':>6s} {'cuBLAS bf16':>11s} {'dequant+mm':>10s} {'best Triton':>11s}  best tile")
     tuned, dequant_from = {}, None
     for m in rows_list:
         rows = [r for r in results if r["M"] == m]
         cublas = sum(r["cublas_us"] * r["per_step"] for r in rows) / 1e3
-        dequants = {t: sum(r["tiles"][t] * r["per_step"] for r in rows) / 1e3 for t in rows[0]["tiles"]
-                    if t.startswith("dequant")}
-        chunks = "  ".join(f"{t} {v:.3f}" for t, v in dequants.items())
-        names = set.intersection(*({t for t in r["tiles"] if not t.startswith("dequant")} for r in rows))
+        dequant = sum(r["tiles"]["dequant"] * r["per_step"] for r in rows) / 1e3
+        names = set.intersection(*({t for t in r["tiles"] if t != "dequant"} for r in rows))
         totals = {t: sum(r["tiles"][t] * r["per_step"] for r in rows) / 1e3 for t in names}
         best = min(totals, key=totals.get)
         tuned[m] = best
-        dequant = min(dequants.values())
-        print(f"{m:6d} {cublas:11.3f} {dequant:10.3f} {totals[best]:11.3f}  {best}  ({chunks})")
+        print(f"{m:6d} {cublas:11.3f} {dequant:10.3f} {totals[best]:11.3f}  {best}")
         if dequant < totals[best]:
             dequant_from = dequant_from or m
         else:

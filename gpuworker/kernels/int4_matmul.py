@@ -75,8 +75,8 @@ def _int4_matmul_kernel(
 
 
 def _dequantize_kernel(
-    qweight_ptr, zeros_ptr, scales_ptr, out_ptr, N, stride_q, stride_g, stride_out, GROUP_SIZE: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    qweight_ptr, zeros_ptr, scales_ptr, out_ptr, N, GROUP_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # out [K, N] (W transposed, x's dtype) from BLOCK_P packed rows x BLOCK_N columns a program: each
     # word read once, each weight written once, rows of out stored whole (coalesced along N).
@@ -86,17 +86,19 @@ def _dequantize_kernel(
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n[None, :] < N
-    packed = tl.load(qweight_ptr + offs_p[:, None].to(tl.int64) * stride_q + offs_n[None, :], mask=n_mask, other=0)
-    group_offsets = (offs_p * 8 // GROUP_SIZE)[:, None].to(tl.int64) * stride_g + offs_n[None, :]
+    packed = tl.load(qweight_ptr + offs_p[:, None].to(tl.int64) * N + offs_n[None, :], mask=n_mask, other=0)
+    group_offsets = (offs_p * 8 // GROUP_SIZE)[:, None].to(tl.int64) * N + offs_n[None, :]
     zeros = tl.load(zeros_ptr + group_offsets, mask=n_mask, other=0).to(tl.float32)
     scales = tl.load(scales_ptr + group_offsets, mask=n_mask, other=0.0).to(tl.float32)
-    rows = out_ptr + (offs_p * 8)[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    rows = out_ptr + (offs_p * 8)[:, None].to(tl.int64) * N + offs_n[None, :]
     for j in tl.static_range(8):
         q = ((packed >> (4 * j)) & 0xF).to(tl.float32)
-        tl.store(rows + j * stride_out, ((q - zeros) * scales).to(out_ptr.dtype.element_ty), mask=n_mask)
+        tl.store(rows + j * N, ((q - zeros) * scales).to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-_dequantize = lazy_jit(_dequantize_kernel, do_not_specialize=("N",))  # a last chunk's width varies
+# N stays specialised: known to be a multiple of 16, the masked loads and stores are vectorised (with
+# N a plain value they were not, and the kernel took 4x as long on the H200).
+_dequantize = lazy_jit(_dequantize_kernel)
 _int4_matmul = lazy_jit(_int4_matmul_kernel, do_not_specialize=("M",))
 
 
@@ -138,10 +140,7 @@ class Int4GemmConfig:
 # 8,192 (8.8 against 10.0 ms at 16 rows, 14.5 against 25.8 at 512; cuBLAS bf16 3.9 and 9.8).
 DEQUANT_MIN_ROWS = 16
 DEQUANT_BLOCK_P, DEQUANT_BLOCK_N = 16, 128
-# The weight is dequantised this many bytes at a time (a column chunk of W^T), each chunk multiplied
-# before the next overwrites the same scratch buffer, so that it can stay in the L2 instead of
-# making a round trip through HBM; None: the whole weight at once. bench/quant_gemm.py times both.
-DEQUANT_CHUNK_BYTES: int | None = None
+
 # The batched kernel's tiles on a GPU by row bucket (the smallest bucket holding M); untuned defaults
 # until bench/quant_gemv.py --gemm fills TUNED_GEMM.
 DEFAULT_GEMM: dict[int, Int4GemmConfig] = {
@@ -366,7 +365,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     if m >= DEQUANT_MIN_ROWS and gemm_config is None:
         # Dequantise the weight into a scratch copy (a quarter of its bf16 bytes read, the bf16
         # bytes written) and let cuBLAS multiply: faster than our fused kernel from 16 rows.
-        return dequantize_then_mm(x, qweight, zeros, scales, group_size, bias, out, DEQUANT_CHUNK_BYTES)
+        weight_t = dequantize_int4_to(qweight, zeros, scales, group_size, x.dtype)
+        return torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
     config = gemm_config or pick_gemm_config(m, group_size, on_cuda=x.is_cuda)
     if config.block_k > group_size or group_size % config.block_k:
         raise ValueError(f"gemm_config.block_k must divide group_size ({group_size}), got {config.block_k}")
@@ -405,40 +405,15 @@ def dequantize_int4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Te
 
 
 def dequantize_int4_to(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                      dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                      dtype: torch.dtype) -> torch.Tensor:
     """The weight transposed, [K, N] in dtype, as dequantize_int4(...).t().to(dtype) gives it (each
-    value computed in float32, then rounded), in one Triton launch. qweight, zeros and scales may be
-    column slices of larger tensors (rows strided); out: a [K, N] tensor with contiguous rows to
-    write into."""
+    value computed in float32, then rounded), in one Triton launch."""
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
-    if out is None:
-        out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     block_p = min(DEQUANT_BLOCK_P, group_size // PACK, k // PACK)
     _dequantize[(k // PACK // block_p, -(-n // DEQUANT_BLOCK_N))](
-        qweight, zeros, scales, out, n, qweight.stride(0), zeros.stride(0), out.stride(0), GROUP_SIZE=group_size,
-        BLOCK_P=block_p, BLOCK_N=DEQUANT_BLOCK_N, num_warps=4, **pdl_options(qweight.device))
-    return out
-
-
-def dequantize_then_mm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                       group_size: int, bias: torch.Tensor | None, out: torch.Tensor,
-                       chunk_bytes: int | None) -> torch.Tensor:
-    """out = x @ dequant(W)^T (+ bias) through a dequantised copy of the weight and torch.mm, the
-    whole weight at once (chunk_bytes None) or a column chunk of about chunk_bytes at a time into one
-    reused scratch buffer."""
-    k, n = x.shape[1], qweight.shape[1]
-    columns = n if chunk_bytes is None else max(DEQUANT_BLOCK_N, chunk_bytes // (k * x.element_size())
-                                                // DEQUANT_BLOCK_N * DEQUANT_BLOCK_N)
-    if columns >= n:
-        weight_t = dequantize_int4_to(qweight, zeros, scales, group_size, x.dtype)
-        return torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
-    scratch = torch.empty(k, columns, dtype=x.dtype, device=x.device)
-    for start in range(0, n, columns):
-        stop = min(n, start + columns)
-        weight_t = dequantize_int4_to(qweight[:, start:stop], zeros[:, start:stop], scales[:, start:stop],
-                                      group_size, x.dtype, out=scratch[:, : stop - start])
-        part = torch.mm(x, weight_t) if bias is None else torch.addmm(bias[start:stop], x, weight_t)
-        out[:, start:stop] = part
+        qweight, zeros, scales, out, n, GROUP_SIZE=group_size, BLOCK_P=block_p, BLOCK_N=DEQUANT_BLOCK_N,
+        num_warps=4, **pdl_options(qweight.device))
     return out
 
 

@@ -40,16 +40,16 @@ def test_matches_reference(rows, dtype, device, generator, tolerance):
     bias = torch.randn(N, generator=generator).to(dtype).to(device)
     got = int4_matmul(x, qweight, zeros, scales, GROUP, bias)
     assert got.shape == (rows, N) and got.dtype == dtype
-    # The one-row GEMV sums s * (sum q x - z * sum x) per group, the reference sum (q - z) * s * x: in
-    # float32 at K = 4096 (the GPU's shape) the two orders differ by up to ~2e-5.
-    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 and rows == 1 else tolerance(dtype)
+    # In float32 at K = 4096 (the GPU's shape) sums in another order differ by up to ~4e-5: the one-row
+    # GEMV sums s * (sum q x - z * sum x) per group, and from 16 rows torch.mm takes W^T where the
+    # reference's F.linear takes W (another cuBLAS kernel).
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else tolerance(dtype)
     torch.testing.assert_close(got, int4_matmul_reference(x, qweight, zeros, scales, GROUP, bias), **tol)
 
 
 @pytest.mark.parametrize("group", [8, 32, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_dequantize_to_gives_the_references_weight(group, dtype, device, generator):
-    # (also a column slice into a strided scratch buffer, as the chunked path writes it)
     qweight, zeros, scales, _ = _packed(generator, device, n=40, k=256, group=group)
     got = dequantize_int4_to(qweight, zeros, scales, group, dtype)
     assert got.shape == (256, 40) and got.dtype == dtype
@@ -59,22 +59,12 @@ def test_dequantize_to_gives_the_references_weight(group, dtype, device, generat
         torch.testing.assert_close(got, expected, rtol=2**-7, atol=0)
     else:
         assert torch.equal(got, expected)
-    scratch = torch.zeros(256, 32, dtype=dtype, device=device)
-    part = dequantize_int4_to(qweight[:, 8:28], zeros[:, 8:28], scales[:, 8:28], group, dtype, out=scratch[:, :20])
-    assert part.data_ptr() == scratch.data_ptr()
-    torch.testing.assert_close(scratch[:, :20], got[:, 8:28], rtol=0, atol=0)
-    assert not scratch[:, 20:].any()
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["whole", "chunked"])
-def test_many_rows_dequantise_then_multiply(with_bias, chunk_bytes, monkeypatch, device, generator, tolerance):
-    # From DEQUANT_MIN_ROWS rows the weight is dequantised and multiplied by torch: whole, or a
-    # column chunk at a time (1 byte: the narrowest chunk, DEQUANT_BLOCK_N columns, and a ragged last).
+def test_many_rows_dequantise_then_multiply(with_bias, monkeypatch, device, generator, tolerance):
+    # From DEQUANT_MIN_ROWS rows the weight is dequantised and multiplied by torch.
     monkeypatch.setattr(int4_module, "DEQUANT_MIN_ROWS", 8)
-    monkeypatch.setattr(int4_module, "DEQUANT_CHUNK_BYTES", chunk_bytes)
-    if chunk_bytes:
-        monkeypatch.setattr(int4_module, "DEQUANT_BLOCK_N", 16)
     qweight, zeros, scales, _ = _packed(generator, device)
     x = torch.randn(12, K, generator=generator).to(torch.bfloat16).to(device)
     bias = torch.randn(N, generator=generator).to(torch.bfloat16).to(device) if with_bias else None
