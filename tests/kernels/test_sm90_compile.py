@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gpuworker.kernels.int4_matmul import Int4GemvConfig, int4_matmul, pack_rows
+from gpuworker.kernels.sampling import BASELINE_CONFIG, DEFAULT_CONFIG, sample
 from tests.kernels.sm90_compile import compile_sm90, record_launches
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles these itself")
@@ -43,3 +44,19 @@ def test_int4_batched_matmul_compiles(monkeypatch):
     for name, recorded in launches.items():
         for launch in recorded:
             compile_sm90(launch)
+
+
+@pytest.mark.parametrize("config", [DEFAULT_CONFIG, BASELINE_CONFIG], ids=lambda config: config.name)
+@pytest.mark.parametrize("outputs", ["num_kept", "num_passes"])
+def test_sampling_compiles(config, outputs, monkeypatch):
+    # One compiled kernel serves both one program per row and a row split over programs (the
+    # split count is the grid's, read at run time); the interpreter always runs one per row.
+    # Drawing first (max_draws > 0, no num_kept) and the threshold search are both compiled in.
+    launches = record_launches(monkeypatch)
+    rows, vocab = 3, 64
+    output = torch.zeros(rows, dtype=torch.int32)
+    sample(torch.randn(rows, vocab), torch.full((rows,), 0.8), seeds=torch.arange(rows),
+           top_k=torch.full((rows,), vocab), top_p=torch.full((rows,), 0.9), min_p=torch.full((rows,), 0.05),
+           config=config, **{outputs: output})
+    (launch,) = launches["_sample_kernel"]
+    compile_sm90(launch)
