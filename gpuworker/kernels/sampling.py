@@ -25,6 +25,18 @@ rows at Llama-3's vocabulary (a random-weight model's) take ~8 search passes, of
 read the row (n inside per pass in a replica of the search: 128k, 50k, 20k, 2k, 241, 21, 3, 1);
 top-k 200 reads it twice (128k, 471, ...). Before, every pass read the row: ~10 reads, now ~6.
 
+Rows without top-k mostly skip the search: they draw first and check after. The stats pass (max,
+sum) also draws a candidate c, the argmax over every token of x + noise. The kept tokens are a
+subset of every token, so if the filters keep c it is the reference's token (first index on ties
+too). Min-p's test needs the max alone; top-p's takes one more pass, summing the mass of the tokens
+strictly above x_c. A rejected c rules out every token at or below it (they have as much mass above
+them, or a smaller probability), so the row draws again among the tokens above c (with min-p), and
+checks again. The mass above a candidate drawn from the distribution is about uniform in [0, the row's mass], so
+top-p 0.95 keeps the first one ~95% of the time: two reads of the row instead of ~8 passes. After
+SamplingConfig.max_draws top-p checks fail, the row searches top-p's threshold above the last
+rejected candidate, as above. Top-k rows search (a top-k 200 candidate would almost never be kept),
+and so does every row when num_kept is asked for (counting the kept tokens takes the threshold).
+
 A row is split over several programs when the batch is small (one row would otherwise run on one
 SM): the programs of a row exchange per-pass partial sums through a scratch buffer and wait for
 each other at a counter after every pass. That needs every program of the launch resident at once,
@@ -44,7 +56,7 @@ import triton.language as tl
 
 from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 
-# A program's partial record per pass: a sum per threshold and six scalars.
+# A program's partial record per pass: a sum per threshold and seven scalars.
 RECORD_WIDTH = 32
 MAX_THRESHOLDS = 16  # the largest power of two that leaves the scalars room
 MAX_SPLITS = 64
@@ -121,12 +133,14 @@ class SamplingConfig:
 BASELINE_CONFIG = SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0, max_draws=0)
 # Compiled for sm_90 (Triton 3.9, offline; cuobjdump --dump-resource-usage): the baseline holds
 # 180-187 registers a thread, so one program of 8 warps resides per SM (132 of a batch's 512 rows
-# at a time, 8 warps an SM); this one 118-126, so two.
-DEFAULT_CONFIG = SamplingConfig()
+# at a time, 8 warps an SM); this one, left to ptxas, 157 since the stats pass also draws (118-126
+# before), so one; limited to 128 it spills nothing, and two reside.
+DEFAULT_CONFIG = SamplingConfig(max_registers=128)
 # Per batch-size bucket (the smallest bucket at least the batch; the last beyond), from
-# bench/sampling.py --quick on the H200 (2026-12-02, commit 016a8d8; BENCHMARKS.md): the fastest total
-# over modes and logits kinds. At batch 1 the baseline and the default tie; at 64 and 512 the default
-# is 1.1-1.5x faster for top-k, min-p and peaked top-p, and 4% slower for flat top-p at 512.
+# bench/sampling.py --quick on the H200 (2026-12-02, commit 016a8d8; BENCHMARKS.md), before rows drew
+# first: the fastest total over modes and logits kinds. At batch 1 the baseline and the default tie;
+# at 64 and 512 the default is 1.1-1.5x faster for top-k, min-p and peaked top-p, and 4% slower for
+# flat top-p at 512.
 TUNED: dict[int, SamplingConfig] = {
     1: SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0),
     64: DEFAULT_CONFIG,
@@ -209,7 +223,9 @@ def _sample_kernel(
     # Draw first, check after (module docstring): a sampled row without a top-k cut draws its
     # candidate in the stats pass, unless the launch counts kept tokens (which takes the threshold).
     drawing = ((temperature > 0.0) & (top_k >= vocab_size)).to(tl.int32)
-    if (MAX_DRAWS == 0) or WRITE_NUM_KEPT:
+    if MAX_DRAWS == 0:
+        drawing = drawing * 0
+    if WRITE_NUM_KEPT:
         drawing = drawing * 0
     checks = 0  # top-p checks of drawn candidates
     key_c = 0  # the candidate's key
@@ -245,24 +261,23 @@ def _sample_kernel(
         i2 = 0
         i3 = 0
         i4 = 0
-        i5 = 0
         counts = tl.zeros([NT], tl.int32)
         masses = tl.zeros([NT], tl.float32)
         if (kind == 0) | (kind == 3) | (kind == 5):  # a pass over the row, BLOCK logits a step
             # _STATS: max (first index), sum of exp(x - max), smallest finite key, finite count;
-            # _CHECK: the mass and count of the tokens above the candidate (in lane_sum, lane_finite);
+            # _CHECK: the mass and count of the tokens above the candidate;
             # _DRAW, and _STATS of a row that draws first: the best Gumbel score among the tokens
             # kept so far (key >= tau and min-p; in _STATS row_max is still -inf, so min-p keeps
-            # every token), its first index, and how many were kept.
+            # every token), its first index, and (_DRAW) how many were kept.
+            # Lanes serve several of these (registers decide how many programs an SM holds): the
+            # argmax is a greedy row's, which never draws; the count is of finite, above or kept tokens.
             noisy = (kind == 3) | ((kind == 0) & (drawing == 1))
             lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-            lane_arg = tl.zeros([BLOCK], tl.int32) + begin
             lane_sum = tl.zeros([BLOCK], tl.float32)
-            lane_lowest_key = tl.full([BLOCK], INT_MAX, tl.int32)
-            lane_finite = tl.zeros([BLOCK], tl.int32)
             lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
-            lane_best_arg = tl.zeros([BLOCK], tl.int32) + begin
-            lane_kept = tl.zeros([BLOCK], tl.int32)
+            lane_arg = tl.zeros([BLOCK], tl.int32) + begin  # of lane_max or of lane_best
+            lane_lowest_key = tl.full([BLOCK], INT_MAX, tl.int32)
+            lane_count = tl.zeros([BLOCK], tl.int32)
             seed = tl.load(seed_ptr + row)
             seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
             seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -297,14 +312,14 @@ def _sample_kernel(
                     new_max = tl.where(bigger, x, lane_max)
                     lane_sum = (tl.where(bigger, lane_sum * tl.exp(lane_max - new_max), lane_sum)
                                 + tl.where(finite, tl.exp(x - new_max), 0.0))
-                    lane_arg = tl.where(bigger, idx, lane_arg)
+                    lane_arg = tl.where(bigger & (drawing == 0), idx, lane_arg)
                     lane_max = new_max
                     lane_lowest_key = tl.minimum(lane_lowest_key, tl.where(finite, key, INT_MAX))
-                    lane_finite += finite.to(tl.int32)
+                    lane_count += finite.to(tl.int32)
                 if kind == 5:
                     above = finite & (key > key_c)
                     lane_sum += tl.where(above, tl.exp(x - row_max), 0.0)
-                    lane_finite += above.to(tl.int32)
+                    lane_count += above.to(tl.int32)
                 if noisy:
                     kept = finite & (key >= tau)
                     if HAS_MIN_P:
@@ -331,8 +346,9 @@ def _sample_kernel(
                         score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
                         better = score > lane_best
                         lane_best = tl.where(better, score, lane_best)
-                        lane_best_arg = tl.where(better, idx, lane_best_arg)
-                    lane_kept += kept.to(tl.int32)
+                        lane_arg = tl.where(better, idx, lane_arg)
+                    if kind == 3:
+                        lane_count += kept.to(tl.int32)
             f0 = tl.max(lane_max, 0)
             if kind == 0:
                 f1 = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - f0), 0.0), 0)
@@ -340,10 +356,9 @@ def _sample_kernel(
                 f1 = tl.sum(lane_sum, 0)
             i0 = tl.min(tl.where(lane_max == f0, lane_arg, INT_MAX), 0)
             i1 = tl.min(lane_lowest_key, 0)
-            i2 = tl.sum(lane_finite, 0)
+            i2 = tl.sum(lane_count, 0)
             f2 = tl.max(lane_best, 0)
-            i4 = tl.min(tl.where(lane_best == f2, lane_best_arg, INT_MAX), 0)
-            i5 = tl.sum(lane_kept, 0)
+            i4 = tl.min(tl.where(lane_best == f2, lane_arg, INT_MAX), 0)
         else:  # a search pass: count and mass above each threshold; count, min and max key inside (lo, hi]
             search_cols = tl.arange(0, SEARCH_BLOCK)
             tile_counts = tl.zeros([SEARCH_BLOCK, NT], tl.int32)
@@ -430,7 +445,6 @@ def _sample_kernel(
         tl.store(part_i_ptr + record + NT + 2, i2)
         tl.store(part_i_ptr + record + NT + 3, i3)
         tl.store(part_i_ptr + record + NT + 4, i4)
-        tl.store(part_i_ptr + record + NT + 5, i5)
         # The barrier orders every thread's stores before the (one-thread, acq_rel, gpu-scope) ticket.
         tl.debug_barrier()
         tl.atomic_add(counter_ptr + row, 1)
@@ -570,10 +584,9 @@ def _sample_kernel(
             all_f2 = tl.load(part_f_ptr + records + NT + 2, mask=split_mask, other=float("-inf"),
                              cache_modifier=".cg")
             all_i4 = tl.load(part_i_ptr + records + NT + 4, mask=split_mask, other=INT_MAX, cache_modifier=".cg")
-            all_i5 = tl.load(part_i_ptr + records + NT + 5, mask=split_mask, other=0, cache_modifier=".cg")
             best = tl.max(all_f2, 0)
             token = tl.min(tl.where(all_f2 == best, all_i4, INT_MAX), 0)
-            num_kept = tl.sum(all_i5, 0)
+            num_kept = tl.sum(all_i2, 0)
             kind = 4
             if drawing == 1:
                 # The candidate maximises the score over every token still in play, a superset of
