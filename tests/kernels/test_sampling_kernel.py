@@ -109,7 +109,7 @@ def test_candidates_failing_top_p_or_min_p_are_drawn_again_then_searched(max_dra
     # Low top-p and high min-p reject most first candidates (the mass above a candidate drawn from
     # the row is about uniform in [0, Z]): rows are accepted at their first, second and third check,
     # or fall back to the threshold search, and all draw the reference's token.
-    num_rows = 48
+    num_rows = 480 if ON_CUDA else 48  # enough rows of each kind to take every path
     logits = make_logits("float32", num_rows, generator, device)
     # (top_p, min_p), cycled over the rows.
     cycle = [(0.05, 0.0), (0.2, 0.0), (0.5, 0.0), (1.0, 0.5), (1.0, 0.0), (0.5, 0.3)]
@@ -133,9 +133,10 @@ def test_candidates_failing_top_p_or_min_p_are_drawn_again_then_searched(max_dra
     accepted = {2 * draws for draws in range(1, max_draws + 1)}
     assert accepted <= top_p_rows
     assert max(top_p_rows) > 2 * max_draws + 1  # the fallback
-    # Min-p alone: the stats pass's candidate, or one more draw among the tokens above it (which
-    # min-p then keeps); without filters the stats pass alone.
-    assert set(passes[3].tolist()) == {1, 2}
+    # Min-p alone: the stats pass's candidate, or (min-p 0.5 rejects most) one more draw among the
+    # tokens above it, which min-p then keeps; without filters the stats pass alone.
+    min_p_rows = set(passes[3].tolist())
+    assert 2 in min_p_rows and min_p_rows <= {1, 2}
     assert set(passes[4].tolist()) == {1}
 
 
