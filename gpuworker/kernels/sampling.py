@@ -263,7 +263,7 @@ def _sample_kernel(
         i4 = 0
         counts = tl.zeros([NT], tl.int32)
         masses = tl.zeros([NT], tl.float32)
-        if (kind == 0) | (kind == 3) | (kind == 5):  # a pass over the row, BLOCK logits a step
+        if (kind == 0) | (kind == 3) | (kind == 5):  # _STATS, _DRAW, _CHECK: over the row, BLOCK a step
             # _STATS: max (first index), sum of exp(x - max), smallest finite key, finite count;
             # _CHECK: the mass and count of the tokens above the candidate;
             # _DRAW, and _STATS of a row that draws first: the best Gumbel score among the tokens
