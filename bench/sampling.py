@@ -1,5 +1,6 @@
 """Sampling kernel benchmark: gpuworker.kernels.sampling's launch configs against the kernel as it was
-before issue 21 (BASELINE_CONFIG), at Llama-3-8B's vocabulary (128,256), batch 1, 64 and 512.
+before issue 21 (BASELINE_CONFIG: every pass over the row, every row searching its thresholds, no
+draw first), at Llama-3-8B's vocabulary (128,256), batch 1, 64 and 512.
 
     PYTHONPATH=. python bench/sampling.py [--quick]      # H200: ~5 min (--quick: 1-2), mostly compiles
     PYTHONPATH=. python bench/sampling.py --check-only   # no timing; on a CPU: tiny vocab, interpreter
@@ -41,7 +42,8 @@ DESCENT = {
     "num_thresholds": (4, 8, 16),
     "prefetch": (0, 1, 2, 3),
     "list_capacity": (0, 8192, 16384),
-    "max_registers": (None, 80, 96),
+    "max_registers": (None, 80, 96, 128),
+    "max_draws": (1, 3, 6),
 }
 
 

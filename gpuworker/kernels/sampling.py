@@ -25,6 +25,18 @@ rows at Llama-3's vocabulary (a random-weight model's) take ~8 search passes, of
 read the row (n inside per pass in a replica of the search: 128k, 50k, 20k, 2k, 241, 21, 3, 1);
 top-k 200 reads it twice (128k, 471, ...). Before, every pass read the row: ~10 reads, now ~6.
 
+Rows without top-k mostly skip the search: they draw first and check after. The stats pass (max,
+sum) also draws a candidate c, the argmax over every token of x + noise. The kept tokens are a
+subset of every token, so if the filters keep c it is the reference's token (first index on ties
+too). Min-p's test needs the max alone; top-p's takes one more pass, summing the mass of the tokens
+strictly above x_c. A rejected c rules out every token at or below it (they have as much mass above
+them, or a smaller probability), so the row draws again among the tokens above c (with min-p), and
+checks again. The mass above a candidate drawn from the distribution is about uniform in [0, the row's mass], so
+top-p 0.95 keeps the first one ~95% of the time: two reads of the row instead of ~8 passes. After
+SamplingConfig.max_draws top-p checks fail, the row searches top-p's threshold above the last
+rejected candidate, as above. Top-k rows search (a top-k 200 candidate would almost never be kept),
+and so does every row when num_kept is asked for (counting the kept tokens takes the threshold).
+
 A row is split over several programs when the batch is small (one row would otherwise run on one
 SM): the programs of a row exchange per-pass partial sums through a scratch buffer and wait for
 each other at a counter after every pass. That needs every program of the launch resident at once,
@@ -44,7 +56,7 @@ import triton.language as tl
 
 from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 
-# A program's partial record per pass: a sum per threshold and four scalars.
+# A program's partial record per pass: a sum per threshold and seven scalars.
 RECORD_WIDTH = 32
 MAX_THRESHOLDS = 16  # the largest power of two that leaves the scalars room
 MAX_SPLITS = 64
@@ -67,7 +79,9 @@ class SamplingConfig:
     compiled kernel's registers and shared memory let reside at once, whichever is fewer (a row's
     programs wait for each other). num_warps: per program. max_registers: the compiler's limit per
     thread (ptx .maxnreg; None: its own choice, ~120-240 here, which lets only one or two programs
-    reside per SM): fewer registers let more programs reside, at the cost of spills."""
+    reside per SM): fewer registers let more programs reside, at the cost of spills. max_draws: a
+    row without top-k draws a candidate with its stats pass and checks it against top-p; after this
+    many candidates fail it searches top-p's threshold instead (0: every row searches, as before)."""
 
     block: int = 1024
     search_block: int = 256
@@ -78,6 +92,7 @@ class SamplingConfig:
     programs_per_sm: int = 1
     list_capacity: int = 16384
     max_registers: int | None = None
+    max_draws: int = 3
 
     def __post_init__(self) -> None:
         for field, value, low, high in (("block", self.block, 16, 1 << 16),
@@ -95,6 +110,8 @@ class SamplingConfig:
                              f"({self.search_block}) in [0, {1 << 20}], got {self.list_capacity}")
         if self.max_registers is not None and not 32 <= self.max_registers <= 255:
             raise ValueError(f"SamplingConfig.max_registers must be None or in [32, 255], got {self.max_registers}")
+        if not 0 <= self.max_draws <= 16:
+            raise ValueError(f"SamplingConfig.max_draws must be in [0, 16], got {self.max_draws}")
         if not 1 <= self.programs_per_sm <= 32:
             raise ValueError(f"SamplingConfig.programs_per_sm must be in [1, 32], got {self.programs_per_sm}")
 
@@ -108,22 +125,24 @@ class SamplingConfig:
     def name(self) -> str:
         return (f"b{self.block}-s{self.search_block}-t{self.num_thresholds}-v{self.value_passes}-w{self.num_warps}"
                 f"-f{self.prefetch}-p{self.programs_per_sm}-l{self.list_capacity}"
-                f"{'' if self.max_registers is None else f'-r{self.max_registers}'}")
+                f"{'' if self.max_registers is None else f'-r{self.max_registers}'}-d{self.max_draws}")
 
 
-# The kernel as it was before issue 21 (one value pass, every pass over the whole row): the
-# benchmark's baseline.
-BASELINE_CONFIG = SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0)
+# The kernel as it was before issue 21 (one value pass, every pass over the whole row, every row
+# searching its thresholds): the benchmark's baseline.
+BASELINE_CONFIG = SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0, max_draws=0)
 # Compiled for sm_90 (Triton 3.9, offline; cuobjdump --dump-resource-usage): the baseline holds
 # 180-187 registers a thread, so one program of 8 warps resides per SM (132 of a batch's 512 rows
-# at a time, 8 warps an SM); this one 118-126, so two.
-DEFAULT_CONFIG = SamplingConfig()
+# at a time, 8 warps an SM); this one, left to ptxas, 157 since the stats pass also draws (118-126
+# before), so one; limited to 128 it spills nothing, and two reside.
+DEFAULT_CONFIG = SamplingConfig(max_registers=128)
 # Per batch-size bucket (the smallest bucket at least the batch; the last beyond), from
-# bench/sampling.py --quick on the H200 (2026-12-02, commit 016a8d8; BENCHMARKS.md): the fastest total
-# over modes and logits kinds. At batch 1 the baseline and the default tie; at 64 and 512 the default
-# is 1.1-1.5x faster for top-k, min-p and peaked top-p, and 4% slower for flat top-p at 512.
+# bench/sampling.py --quick on the H200 (2026-12-02, commit 016a8d8; BENCHMARKS.md), before rows drew
+# first: the fastest total over modes and logits kinds. At batch 1 the baseline and the default tie;
+# at 64 and 512 the default is 1.1-1.5x faster for top-k, min-p and peaked top-p, and 4% slower for
+# flat top-p at 512.
 TUNED: dict[int, SamplingConfig] = {
-    1: BASELINE_CONFIG,
+    1: SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0),
     64: DEFAULT_CONFIG,
     512: DEFAULT_CONFIG,
 }
@@ -136,17 +155,18 @@ PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUNDS = 10
 
 # Round kinds of the kernel's state machine.
-_STATS, _TOP_K, _TOP_P, _DRAW, _DONE = 0, 1, 2, 3, 4
+_STATS, _TOP_K, _TOP_P, _DRAW, _DONE, _CHECK = 0, 1, 2, 3, 4, 5
 
 
 def _sample_kernel(
     logits_ptr, stride_logits,
     temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
-    token_ids_ptr, num_kept_ptr, part_f_ptr, part_i_ptr, counter_ptr, list_ptr,
+    token_ids_ptr, num_kept_ptr, num_passes_ptr, part_f_ptr, part_i_ptr, counter_ptr, list_ptr,
     vocab_size, chunk,
     BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NT: tl.constexpr, WIDTH: tl.constexpr, SPLITS_P2: tl.constexpr,
     VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, PREFETCH: tl.constexpr, LIST_CAP: tl.constexpr,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, WRITE_NUM_KEPT: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, MAX_DRAWS: tl.constexpr,
+    WRITE_NUM_KEPT: tl.constexpr, WRITE_NUM_PASSES: tl.constexpr,
 ):
     # A row's programs are consecutive in launch order (axis 0 varies fastest).
     row = tl.program_id(1).to(tl.int64)
@@ -200,6 +220,15 @@ def _sample_kernel(
     lane_len = tl.zeros([SEARCH_BLOCK], tl.int32)
     list_rows = 0  # the longest column
     num_kept = 0
+    # Draw first, check after (module docstring): a sampled row without a top-k cut draws its
+    # candidate in the stats pass, unless the launch counts kept tokens (which takes the threshold).
+    drawing = ((temperature > 0.0) & (top_k >= vocab_size)).to(tl.int32)
+    if MAX_DRAWS == 0:
+        drawing = drawing * 0
+    if WRITE_NUM_KEPT:
+        drawing = drawing * 0
+    checks = 0  # top-p checks of drawn candidates
+    key_c = 0  # the candidate's key
 
     while kind != 4:  # _DONE
         # Thresholds of a search pass: even in value over the first VALUE_PASSES passes of a search
@@ -226,18 +255,32 @@ def _sample_kernel(
         # This program's pass over its part of the row.
         f0 = float("-inf")
         f1 = 0.0
+        f2 = float("-inf")
         i0 = 0
         i1 = 0
         i2 = 0
         i3 = 0
+        i4 = 0
         counts = tl.zeros([NT], tl.int32)
         masses = tl.zeros([NT], tl.float32)
-        if kind == 0:  # _STATS: max (first index), sum of exp(x - max), smallest finite key, finite count
+        if (kind == 0) | (kind == 3) | (kind == 5):  # _STATS, _DRAW, _CHECK: over the row, BLOCK a step
+            # _STATS: max (first index), sum of exp(x - max), smallest finite key, finite count;
+            # _CHECK: the mass and count of the tokens above the candidate;
+            # _DRAW, and _STATS of a row that draws first: the best Gumbel score among the tokens
+            # kept so far (key >= tau and min-p; in _STATS row_max is still -inf, so min-p keeps
+            # every token), its first index, and (_DRAW) how many were kept.
+            # Lanes serve several of these (registers decide how many programs an SM holds): the
+            # argmax is a greedy row's, which never draws; the count is of finite, above or kept tokens.
+            noisy = (kind == 3) | ((kind == 0) & (drawing == 1))
             lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-            lane_arg = tl.zeros([BLOCK], tl.int32) + begin
             lane_sum = tl.zeros([BLOCK], tl.float32)
-            lane_min_key = tl.full([BLOCK], INT_MAX, tl.int32)
-            lane_finite = tl.zeros([BLOCK], tl.int32)
+            lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
+            lane_arg = tl.zeros([BLOCK], tl.int32) + begin  # of lane_max or of lane_best
+            lane_lowest_key = tl.full([BLOCK], INT_MAX, tl.int32)
+            lane_count = tl.zeros([BLOCK], tl.int32)
+            seed = tl.load(seed_ptr + row)
+            seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+            seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
             # PREFETCH blocks ahead of the one being reduced have their loads in flight.
             pre1 = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
             if PREFETCH >= 2:
@@ -264,81 +307,58 @@ def _sample_kernel(
                 finite = x > float("-inf")
                 bits = x.to(tl.int32, bitcast=True)
                 key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-                bigger = x > lane_max
-                new_max = tl.where(bigger, x, lane_max)
-                lane_sum = (tl.where(bigger, lane_sum * tl.exp(lane_max - new_max), lane_sum)
-                            + tl.where(finite, tl.exp(x - new_max), 0.0))
-                lane_arg = tl.where(bigger, idx, lane_arg)
-                lane_max = new_max
-                lane_min_key = tl.minimum(lane_min_key, tl.where(finite, key, INT_MAX))
-                lane_finite += finite.to(tl.int32)
+                if kind == 0:
+                    bigger = x > lane_max
+                    new_max = tl.where(bigger, x, lane_max)
+                    lane_sum = (tl.where(bigger, lane_sum * tl.exp(lane_max - new_max), lane_sum)
+                                + tl.where(finite, tl.exp(x - new_max), 0.0))
+                    lane_arg = tl.where(bigger & (drawing == 0), idx, lane_arg)
+                    lane_max = new_max
+                    lane_lowest_key = tl.minimum(lane_lowest_key, tl.where(finite, key, INT_MAX))
+                    lane_count += finite.to(tl.int32)
+                if kind == 5:
+                    above = finite & (key > key_c)
+                    lane_sum += tl.where(above, tl.exp(x - row_max), 0.0)
+                    lane_count += above.to(tl.int32)
+                if noisy:
+                    kept = finite & (key >= tau)
+                    if HAS_MIN_P:
+                        kept = kept & (tl.exp(x - row_max) >= min_p)
+                    # Noise only for blocks with a kept token (top-k keeps a few hundred of 128k).
+                    if tl.max(kept.to(tl.int32), 0) > 0:
+                        c0 = idx.to(tl.uint32)
+                        c1 = c0 * 0
+                        c2 = c1
+                        c3 = c1
+                        k0 = seed_lo
+                        k1 = seed_hi
+                        for _ in tl.static_range(10):
+                            prev0 = c0
+                            prev2 = c2
+                            c0 = tl.umulhi(prev2, 0xCD9E8D57) ^ c1 ^ k0
+                            c2 = tl.umulhi(prev0, 0xD2511F53) ^ c3 ^ k1
+                            c1 = prev2 * 0xCD9E8D57
+                            c3 = prev0 * 0xD2511F53
+                            k0 = k0 + 0x9E3779B9
+                            k1 = k1 + 0xBB67AE85
+                        # U in (0, 1), exactly representable: odd multiples of 2**-24.
+                        u = ((c0 >> 9).to(tl.int32) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+                        score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
+                        better = score > lane_best
+                        lane_best = tl.where(better, score, lane_best)
+                        lane_arg = tl.where(better, idx, lane_arg)
+                    if kind == 3:
+                        lane_count += kept.to(tl.int32)
             f0 = tl.max(lane_max, 0)
-            f1 = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - f0), 0.0), 0)
+            if kind == 0:
+                f1 = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - f0), 0.0), 0)
+            else:
+                f1 = tl.sum(lane_sum, 0)
             i0 = tl.min(tl.where(lane_max == f0, lane_arg, INT_MAX), 0)
-            i1 = tl.min(lane_min_key, 0)
-            i2 = tl.sum(lane_finite, 0)
-        elif kind == 3:  # _DRAW: the best Gumbel score among the kept tokens, and their count
-            seed = tl.load(seed_ptr + row)
-            seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-            seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-            lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
-            lane_arg = tl.zeros([BLOCK], tl.int32) + begin
-            lane_kept = tl.zeros([BLOCK], tl.int32)
-            # PREFETCH blocks ahead of the one being reduced have their loads in flight.
-            pre1 = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
-            if PREFETCH >= 2:
-                pre2 = tl.load(row_ptr + begin + BLOCK + cols, mask=begin + BLOCK + cols < end, other=float("-inf"))
-            if PREFETCH >= 3:
-                pre3 = tl.load(row_ptr + begin + 2 * BLOCK + cols, mask=begin + 2 * BLOCK + cols < end,
-                               other=float("-inf"))
-            for start in range(begin, end, BLOCK):
-                idx = start + cols
-                if PREFETCH == 0:
-                    raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-                else:
-                    raw = pre1.to(tl.float32)
-                    if PREFETCH == 1:
-                        pre1 = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
-                    elif PREFETCH == 2:
-                        pre1 = pre2
-                        pre2 = tl.load(row_ptr + idx + 2 * BLOCK, mask=idx + 2 * BLOCK < end, other=float("-inf"))
-                    else:
-                        pre1 = pre2
-                        pre2 = pre3
-                        pre3 = tl.load(row_ptr + idx + 3 * BLOCK, mask=idx + 3 * BLOCK < end, other=float("-inf"))
-                x = tl.math.div_rn(raw, divisor) + 0.0
-                bits = x.to(tl.int32, bitcast=True)
-                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-                kept = (x > float("-inf")) & (key >= tau)
-                if HAS_MIN_P:
-                    kept = kept & (tl.exp(x - row_max) >= min_p)
-                # Noise only for blocks with a kept token (top-k keeps a few hundred of 128k).
-                if tl.max(kept.to(tl.int32), 0) > 0:
-                    c0 = idx.to(tl.uint32)
-                    c1 = c0 * 0
-                    c2 = c1
-                    c3 = c1
-                    k0 = seed_lo
-                    k1 = seed_hi
-                    for _ in tl.static_range(10):
-                        prev0 = c0
-                        prev2 = c2
-                        c0 = tl.umulhi(prev2, 0xCD9E8D57) ^ c1 ^ k0
-                        c2 = tl.umulhi(prev0, 0xD2511F53) ^ c3 ^ k1
-                        c1 = prev2 * 0xCD9E8D57
-                        c3 = prev0 * 0xD2511F53
-                        k0 = k0 + 0x9E3779B9
-                        k1 = k1 + 0xBB67AE85
-                    # U in (0, 1), exactly representable: odd multiples of 2**-24.
-                    u = ((c0 >> 9).to(tl.int32) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
-                    score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
-                    better = score > lane_best
-                    lane_best = tl.where(better, score, lane_best)
-                    lane_arg = tl.where(better, idx, lane_arg)
-                lane_kept += kept.to(tl.int32)
-            f0 = tl.max(lane_best, 0)
-            i0 = tl.min(tl.where(lane_best == f0, lane_arg, INT_MAX), 0)
-            i1 = tl.sum(lane_kept, 0)
+            i1 = tl.min(lane_lowest_key, 0)
+            i2 = tl.sum(lane_count, 0)
+            f2 = tl.max(lane_best, 0)
+            i4 = tl.min(tl.where(lane_best == f2, lane_arg, INT_MAX), 0)
         else:  # a search pass: count and mass above each threshold; count, min and max key inside (lo, hi]
             search_cols = tl.arange(0, SEARCH_BLOCK)
             tile_counts = tl.zeros([SEARCH_BLOCK, NT], tl.int32)
@@ -419,10 +439,12 @@ def _sample_kernel(
         tl.store(part_i_ptr + record + thr_ids, counts)
         tl.store(part_f_ptr + record + NT, f0)
         tl.store(part_f_ptr + record + NT + 1, f1)
+        tl.store(part_f_ptr + record + NT + 2, f2)
         tl.store(part_i_ptr + record + NT, i0)
         tl.store(part_i_ptr + record + NT + 1, i1)
         tl.store(part_i_ptr + record + NT + 2, i2)
         tl.store(part_i_ptr + record + NT + 3, i3)
+        tl.store(part_i_ptr + record + NT + 4, i4)
         # The barrier orders every thread's stores before the (one-thread, acq_rel, gpu-scope) ticket.
         tl.debug_barrier()
         tl.atomic_add(counter_ptr + row, 1)
@@ -437,6 +459,7 @@ def _sample_kernel(
         all_i0 = tl.load(part_i_ptr + records + NT, mask=split_mask, other=0, cache_modifier=".cg")
         all_i1 = tl.load(part_i_ptr + records + NT + 1, mask=split_mask, other=INT_MAX, cache_modifier=".cg")
         all_i2 = tl.load(part_i_ptr + records + NT + 2, mask=split_mask, other=0, cache_modifier=".cg")
+        drew = (kind == 3) | ((kind == 0) & (drawing == 1))
 
         if kind == 0:
             row_max = tl.max(all_f0, 0)
@@ -454,21 +477,36 @@ def _sample_kernel(
             mass_hi = 0.0
             listed = 0
             passes = 0
+            limit = top_p * z_dom
             if greedy:
                 kind = 4
+            elif drawing == 1:
+                kind = 3  # its first candidate came with the stats: checked below
             elif top_k < num_finite:
                 kind = 1
             elif top_p < 1.0:
                 kind = 2
-                limit = top_p * z_dom
             else:
                 kind = 3
-        elif kind == 3:
-            best = tl.max(all_f0, 0)
-            token = tl.min(tl.where(all_f0 == best, all_i0, INT_MAX), 0)
-            num_kept = tl.sum(tl.where(split_mask, all_i1, 0), 0)
-            kind = 4
-        else:
+        elif kind == 5:  # _CHECK: top-p keeps the candidate if the mass strictly above it is below the limit
+            mass_above = tl.sum(all_f1, 0)
+            count_above = tl.sum(all_i2, 0)
+            checks += 1
+            if mass_above < limit:
+                kind = 4
+            else:
+                # Every token at or below the candidate fails top-p too: draw again among those
+                # above it, or after MAX_DRAWS checks search top-p's threshold above it.
+                tau = key_c + 1
+                lo = key_c.to(tl.int64)
+                mass_lo = mass_above
+                count_lo = count_above
+                if checks < MAX_DRAWS:
+                    kind = 3
+                else:
+                    drawing = 0
+                    kind = 2
+        elif kind != 3:
             thr_records = records[:, None] + thr_ids[None, :]
             thr_mask = split_mask[:, None]
             counts = tl.sum(tl.load(part_i_ptr + thr_records, mask=thr_mask, other=0, cache_modifier=".cg"), 0)
@@ -541,10 +579,35 @@ def _sample_kernel(
                 tau = (lo + 1).to(tl.int32)
                 kind = 3
 
+        # A draw pass (or a stats pass that drew): the best score, the first index on ties.
+        if drew:
+            all_f2 = tl.load(part_f_ptr + records + NT + 2, mask=split_mask, other=float("-inf"),
+                             cache_modifier=".cg")
+            all_i4 = tl.load(part_i_ptr + records + NT + 4, mask=split_mask, other=INT_MAX, cache_modifier=".cg")
+            best = tl.max(all_f2, 0)
+            token = tl.min(tl.where(all_f2 == best, all_i4, INT_MAX), 0)
+            num_kept = tl.sum(all_i2, 0)
+            kind = 4
+            if drawing == 1:
+                # The candidate maximises the score over every token still in play, a superset of
+                # the kept ones: if the filters keep it, it is the draw.
+                x_c = tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32), divisor) + 0.0
+                bits_c = x_c.to(tl.int32, bitcast=True)
+                key_c = tl.where(bits_c >= 0, bits_c, bits_c ^ 0x7FFFFFFF)
+                if tl.exp(x_c - row_max) < min_p:
+                    # Only a stats pass's candidate (drawn before row_max was known) can fail min-p,
+                    # and with it every token at or below it: draw again above it, with min-p.
+                    tau = key_c + 1
+                    kind = 3
+                elif top_p < 1.0:
+                    kind = 5
+
     if split == 0:
         tl.store(token_ids_ptr + row, token.to(tl.int64))
         if WRITE_NUM_KEPT:
             tl.store(num_kept_ptr + row, num_kept)
+        if WRITE_NUM_PASSES:
+            tl.store(num_passes_ptr + row, rounds)
     # Leave the counter at zero for the next launch: the last program of the row resets it, once
     # every program is past its last wait.
     ticket = tl.atomic_add(counter_ptr + row, 1)
@@ -568,14 +631,16 @@ _RESIDENT_PER_SM: dict[tuple[torch.device, tuple], int] = {}
 def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tensor,
            top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
            min_p: torch.Tensor | None = None, num_kept: torch.Tensor | None = None,
-           config: SamplingConfig | None = None) -> torch.Tensor:
+           num_passes: torch.Tensor | None = None, config: SamplingConfig | None = None) -> torch.Tensor:
     """One token per row of `logits` [B, V] (float32, bfloat16 or float16): [B] int64.
 
     temperature [B] float32 (0: greedy); seeds [B] int64 (each row's Philox key, 0 <= seed < 2**63);
     top_k [B] int (rows without a filter hold V), top_p [B] float32 (1.0: off), min_p [B] float32
     (0.0: off); None turns a filter off for every row. num_kept: an optional [B] int32 output, how
-    many tokens each sampled row kept, 0 on greedy rows (for tests and diagnostics). config: launch
-    parameters (default: pick_config's for the batch size)."""
+    many tokens each sampled row kept, 0 on greedy rows (for tests and diagnostics; counting takes
+    the threshold search, so no row draws first). num_passes: an optional [B] int32 output, the
+    passes each row took (over the row or its list). config: launch parameters (default:
+    pick_config's for the batch size)."""
     check_tensor("logits", logits, ndim=2, dtypes=(torch.float32, torch.bfloat16, torch.float16))
     if logits.stride(1) != 1:
         raise ValueError(f"logits must be contiguous in its last dimension, got strides {logits.stride()}")
@@ -590,13 +655,15 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
     for name, values in (("top_p", top_p), ("min_p", min_p)):
         if values is not None:
             check_operand(name, values, (num_rows,), torch.float32, device)
-    if num_kept is not None:
-        check_operand("num_kept", num_kept, (num_rows,), torch.int32, device)
+    for name, output in (("num_kept", num_kept), ("num_passes", num_passes)):
+        if output is not None:
+            check_operand(name, output, (num_rows,), torch.int32, device)
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:
         return token_ids
     config = config or pick_config(num_rows)
-    variant = (config, top_k is not None, top_p is not None, min_p is not None, num_kept is not None)
+    variant = (config, top_k is not None, top_p is not None, min_p is not None, num_kept is not None,
+               num_passes is not None)
     splits = _splits(device, num_rows, vocab_size, config, variant)
     chunk = -(-vocab_size // (splits * config.block)) * config.block
     splits = -(-vocab_size // chunk)
@@ -607,12 +674,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
         logits, logits.stride(0), temperature,
         top_k if top_k is not None else seeds, top_p if top_p is not None else temperature,
         min_p if min_p is not None else temperature, seeds,
-        token_ids, num_kept if num_kept is not None else part_i, part_f, part_i, _counters(device, num_rows),
+        token_ids, num_kept if num_kept is not None else part_i, num_passes if num_passes is not None else part_i,
+        part_f, part_i, _counters(device, num_rows),
         candidates, vocab_size, chunk,
         BLOCK=config.block, SEARCH_BLOCK=config.search_block, NT=config.num_thresholds, WIDTH=RECORD_WIDTH,
         SPLITS_P2=MAX_SPLITS, VALUE_PASSES=config.value_passes, MAX_PASSES=config.max_passes,
         PREFETCH=config.prefetch, LIST_CAP=config.list_capacity, HAS_TOP_K=top_k is not None,
-        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, WRITE_NUM_KEPT=num_kept is not None,
+        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, MAX_DRAWS=config.max_draws,
+        WRITE_NUM_KEPT=num_kept is not None, WRITE_NUM_PASSES=num_passes is not None,
         # One num_warps per config: each value is a variant to compile (and warm up).
         num_warps=config.num_warps, maxnreg=config.max_registers,
     )

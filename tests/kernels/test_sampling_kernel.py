@@ -72,6 +72,14 @@ def test_same_kept_sets_and_tokens_as_the_reference(kind, device, generator):
     assert same_set.float().mean() > 0.9
     # The same kept set and the same noise: the same token.
     assert tokens[same_set].tolist() == expected_tokens[same_set].tolist()
+    # Counting kept tokens takes the threshold search; without num_kept the rows without top-k draw
+    # first and check after, and draw the same tokens.
+    num_passes = torch.zeros(num_rows, dtype=torch.int32, device=device)
+    drawn_first = sample(logits, num_passes=num_passes, **params)
+    assert drawn_first[same_set].tolist() == expected_tokens[same_set].tolist()
+    # A sampled row without filters takes the stats pass alone (its draw comes with it), as a greedy row.
+    unfiltered = torch.tensor([SETTINGS[i % len(SETTINGS)][1:] == (0, 1.0, 0.0) for i in range(num_rows)])
+    assert num_passes[unfiltered.to(device)].tolist() == [1] * int(unfiltered.sum())
 
 
 def test_filters_are_optional_and_logits_may_be_bfloat16(device, generator):
@@ -94,6 +102,42 @@ def test_a_row_draws_the_same_whatever_the_batch(device, generator):
     for row in (0, 3, num_rows - 1):
         alone = sample(logits[row:row + 1], **{name: value[row:row + 1] for name, value in params.items()})
         assert alone.item() == together[row].item()
+
+
+@pytest.mark.parametrize("max_draws", [1, 3])
+def test_candidates_failing_top_p_or_min_p_are_drawn_again_then_searched(max_draws, device, generator):
+    # Low top-p and high min-p reject most first candidates (the mass above a candidate drawn from
+    # the row is about uniform in [0, Z]): rows are accepted at their first, second and third check,
+    # or fall back to the threshold search, and all draw the reference's token.
+    num_rows = 480 if ON_CUDA else 48  # enough rows of each kind to take every path
+    logits = make_logits("float32", num_rows, generator, device)
+    # (top_p, min_p), cycled over the rows.
+    cycle = [(0.05, 0.0), (0.2, 0.0), (0.5, 0.0), (1.0, 0.5), (1.0, 0.0), (0.5, 0.3)]
+    params = {"temperature": torch.full((num_rows,), 0.8, device=device),
+              "seeds": torch.arange(num_rows, device=device) * 7919 + 2**40,
+              "top_p": torch.tensor([cycle[i % 6][0] for i in range(num_rows)], device=device),
+              "min_p": torch.tensor([cycle[i % 6][1] for i in range(num_rows)], device=device)}
+    num_passes = torch.zeros(num_rows, dtype=torch.int32, device=device)
+    tokens = sample(logits, num_passes=num_passes, config=SamplingConfig(max_draws=max_draws), **params)
+    num_kept = torch.zeros(num_rows, dtype=torch.int32, device=device)
+    searched = sample(logits, num_kept=num_kept, **params)
+    expected_tokens, expected_kept = sample_reference(logits, **params)
+    same_set = num_kept == expected_kept
+    assert same_set.float().mean() > 0.9
+    assert tokens[same_set].tolist() == expected_tokens[same_set].tolist()
+    assert tokens[same_set].tolist() == searched[same_set].tolist()
+    # A top-p row takes a stats pass (which draws) and a check per candidate, a draw before every
+    # check after the first; past max_draws checks, a search and a draw.
+    passes = num_passes.view(-1, len(cycle)).T.cpu()
+    top_p_rows = set(passes[:3].flatten().tolist())
+    accepted = {2 * draws for draws in range(1, max_draws + 1)}
+    assert accepted <= top_p_rows
+    assert max(top_p_rows) > 2 * max_draws + 1  # the fallback
+    # Min-p alone: the stats pass's candidate, or (min-p 0.5 rejects most) one more draw among the
+    # tokens above it, which min-p then keeps; without filters the stats pass alone.
+    min_p_rows = set(passes[3].tolist())
+    assert 2 in min_p_rows and min_p_rows <= {1, 2}
+    assert set(passes[4].tolist()) == {1}
 
 
 def test_seed_and_token_id_alone_decide_the_noise():
@@ -205,3 +249,5 @@ def test_config_values_are_checked():
         SamplingConfig(search_block=1024, list_capacity=1000)
     with pytest.raises(ValueError, match="max_registers must be None or in"):
         SamplingConfig(max_registers=16)
+    with pytest.raises(ValueError, match="max_draws must be in"):
+        SamplingConfig(max_draws=-1)

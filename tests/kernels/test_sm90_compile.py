@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.fp8_matmul import quantize_fp8_rows
 from gpuworker.kernels import int4_matmul as int4_module
+from gpuworker.kernels.fp8_matmul import quantize_fp8_rows
 from gpuworker.kernels.int4_matmul import Int4GemvConfig, dequantize_int4_to, int4_matmul, pack_rows
+from gpuworker.kernels.sampling import BASELINE_CONFIG, DEFAULT_CONFIG, sample
 from tests.kernels.sm90_compile import compile_sm90, record_launches
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles these itself")
@@ -62,4 +63,20 @@ def test_fp8_row_quantization_compiles(static, monkeypatch):
     launches = record_launches(monkeypatch)
     quantize_fp8_rows(torch.randn(3, 4096).to(torch.bfloat16), torch.tensor(0.1) if static else None)
     (launch,) = launches["_quantize_rows_kernel"]
+    compile_sm90(launch)
+
+
+@pytest.mark.parametrize("config", [DEFAULT_CONFIG, BASELINE_CONFIG], ids=lambda config: config.name)
+@pytest.mark.parametrize("outputs", ["num_kept", "num_passes"])
+def test_sampling_compiles(config, outputs, monkeypatch):
+    # One compiled kernel serves both one program per row and a row split over programs (the
+    # split count is the grid's, read at run time); the interpreter always runs one per row.
+    # Drawing first (max_draws > 0, no num_kept) and the threshold search are both compiled in.
+    launches = record_launches(monkeypatch)
+    rows, vocab = 3, 64
+    output = torch.zeros(rows, dtype=torch.int32)
+    sample(torch.randn(rows, vocab), torch.full((rows,), 0.8), seeds=torch.arange(rows),
+           top_k=torch.full((rows,), vocab), top_p=torch.full((rows,), 0.9), min_p=torch.full((rows,), 0.05),
+           config=config, **{outputs: output})
+    (launch,) = launches["_sample_kernel"]
     compile_sm90(launch)
