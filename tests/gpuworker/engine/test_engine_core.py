@@ -3,16 +3,36 @@ API process reads nothing, and what it then reads adds up to every token, in few
 
 from __future__ import annotations
 
+import pickle
+import pickletools
 import time
 
 import pytest
 
 from gpuworker.engine import SamplingParams
-from gpuworker.engine.engine_process import EngineProcess
+from gpuworker.engine.engine_core import wire
+from gpuworker.engine.engine_process import EngineProcess, _Assembly
+from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from gpuworker.engine.prompts import TokenizedPrompt
 
 DEADLINE_S = 120
 NUM_REQUESTS, MAX_TOKENS = 16, 200
+
+
+def test_a_wired_output_holds_no_objects_and_reads_back_the_same():
+    """The per-step message names no class (a dataclass per output, metrics and logprob entry made
+    pickling 512 outputs several times slower), and the API side rebuilds the engine's output."""
+    logprobs = [TokenLogprob(7, -0.5, [(7, -0.5), (9, -1.25)]), TokenLogprob(8, -0.1, [(8, -0.1), (2, -3.0)])]
+    output = RequestOutput(
+        request_id="r", prompt="hi", prompt_token_ids=[1, 2], finished=True, num_cached_tokens=16,
+        outputs=[CompletionOutput(index=0, text="ab", token_ids=[7, 8], finish_reason="length", logprobs=logprobs,
+                                  delta_text="ab", delta_token_ids=[7, 8])],
+        metrics=RequestMetrics(arrival_time=1.0, first_token_time=2.0, finish_time=3.0, gpu_time_s=0.25,
+                               num_preemptions=1, first_scheduled_time=1.5))
+    data = pickle.dumps(("outputs", [wire(output)], None), protocol=5)
+    assert not [op.name for op, _, _ in pickletools.genops(data) if "GLOBAL" in op.name]
+    [wired] = pickle.loads(data)[1]
+    assert _Assembly(TokenizedPrompt("hi", [1, 2]), accumulate=True).output(wired) == output
 
 
 @pytest.fixture
