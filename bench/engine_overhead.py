@@ -12,9 +12,10 @@ outputs of U[--output-len] tokens (greedy, ignore_eos). Rows, each in a process 
   engine process     AsyncLLMEngine(process=True), one asyncio consumer per stream turning each
                      output into an SSE-like JSON chunk (what the replica does, less the HTTP)
 ms/step = wall time / engine steps (for the engine process, its shared step counter); the engine
-process row also gives the messages the API side received (fewer than steps: coalesced), its
-reader thread's time per step, and both processes' CPU time per step. --profile adds cProfile's
-top functions of the engine process's loop thread and of the API process's event loop.
+process row also gives the messages the API side received (fewer than steps: merged), its
+reader thread's time per step, and both processes' CPU time per step. --profile adds a second,
+profiled run of the engine process row (not timed): cProfile's top functions of the engine
+process's loop thread, the API process's event loop and its reader thread.
 
 --checkpoint: a Hugging Face directory (on the GPU, bench/serving.py's random Llama-3-8B, written
 there from --config when not complete); without it, a tiny random llama built as the tests build it.
@@ -259,7 +260,10 @@ def main() -> None:
     results = {}
     for row in args.rows.split(","):
         if row == "process":
-            results[row] = in_own_process(run_engine_process, str(model), config, requests, args.profile)
+            results[row] = in_own_process(run_engine_process, str(model), config, requests, False)
+            if args.profile:  # a run of its own: cProfile slows the Python it watches, steps included
+                profiled = in_own_process(run_engine_process, str(model), config, requests, True)
+                results[row] |= {key: value for key, value in profiled.items() if key.endswith("profile")}
         else:
             results[row] = in_own_process(run_offline, str(model), config, requests, row == "streaming")
     table = []
