@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.engine_core import engine_main, error, logprobs_from_wire, metrics_from_wire
-from gpuworker.engine.output_streams import EngineDeadError, OutputStream, StreamingEngine, deliver
+from gpuworker.engine.output_streams import Deliveries, EngineDeadError, OutputStream, StreamingEngine
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
@@ -238,6 +238,7 @@ class ProcessLLMEngine(StreamingEngine):
         # request id -> its stream and its output so far; under _lock (the reader thread and callers).
         self._streams: dict[str, tuple[OutputStream, _Assembly]] = {}
         self._replies: dict[int, Future] = {}
+        self._deliveries = Deliveries()
         self._command_ids = itertools.count()
         self._outbox: queue.Queue[tuple | None] = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name="llm-engine-send", daemon=True)
@@ -370,7 +371,7 @@ class ProcessLLMEngine(StreamingEngine):
                     entry = self._streams.pop(request_id, None)
                     if entry is not None:
                         deliveries.append((entry[0], error(payload)))
-        deliver(deliveries)
+        self._deliveries.deliver(deliveries)
 
     def _on_death(self, reason: str | None) -> None:
         self.process.process.join(STOP_GRACE_S if self._stopped else 1.0)
@@ -386,4 +387,4 @@ class ProcessLLMEngine(StreamingEngine):
         for future in replies.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError(reason))
-        deliver([(stream, EngineDeadError(reason)) for stream, _ in streams.values()])
+        self._deliveries.deliver([(stream, EngineDeadError(reason)) for stream, _ in streams.values()])
