@@ -34,7 +34,6 @@ import pstats
 import random
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import DEFAULT_CONFIG, environment, print_table, write_checkpoint, write_json  # noqa: E402
 
 PROFILE_TOP = 18
+SERVING_PATH = r"engine_core|engine_process|output_streams|connection|reduction|llm_engine.py.*_output"
 
 
 def workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -147,6 +147,8 @@ def _top(profile: cProfile.Profile) -> str:
     stats = pstats.Stats(profile, stream=out)
     stats.sort_stats("tottime").print_stats(PROFILE_TOP)
     stats.sort_stats("cumulative").print_stats(PROFILE_TOP)
+    # The serving path itself, however small next to the model: the loop, the wire, the pipe.
+    stats.sort_stats("cumulative").print_stats(SERVING_PATH, PROFILE_TOP)
     return out.getvalue()
 
 

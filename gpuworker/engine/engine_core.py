@@ -12,8 +12,8 @@ import os
 import pickle
 import signal
 import threading
-from dataclasses import replace
 from collections import deque
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import reduction
 from typing import Any
@@ -64,6 +64,7 @@ def metrics_from_wire(metrics: tuple) -> RequestMetrics:
 
 def logprobs_from_wire(entries: list[tuple]) -> list[TokenLogprob]:
     return [TokenLogprob(*entry) for entry in entries]
+
 
 def merge_wire(older: tuple | RequestOutput, newer: tuple | RequestOutput) -> tuple | RequestOutput:
     """One wired output standing for two consecutive ones of a request: the newer state, with each
