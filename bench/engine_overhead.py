@@ -4,13 +4,15 @@ AsyncLLMEngine(process=True) against offline LLMEngine on the same requests, wit
     python bench/engine_overhead.py                            # CPU: a tiny random llama, 512 streams
     python bench/engine_overhead.py --device cuda --checkpoint /root/ckpt-serving   # the H200
     python bench/engine_overhead.py --profile                  # + where each process spends its time
+    python bench/engine_overhead.py --chunk-cost-us 400        # an API process slower than the steps
 
 Workload (seed 0): --streams requests sent at once, prompts of U[--prompt-len] random token ids,
 outputs of U[--output-len] tokens (greedy, ignore_eos). Rows, each in a process of its own:
   offline generate   LLMEngine.generate (final_only: no per-step outputs), as bench/serving.py's baseline
   offline streaming  LLMEngine.add_request + step() in a loop: cumulative outputs every step, no process
   engine process     AsyncLLMEngine(process=True), one asyncio consumer per stream turning each
-                     output into an SSE-like JSON chunk (what the replica does, less the HTTP)
+                     output into an SSE-like JSON chunk (what the replica does, less the HTTP;
+                     --chunk-cost-us spins that long per chunk besides, GIL held, as HTTP would)
 ms/step = wall time / engine steps (for the engine process, its shared step counter); the engine
 process row also gives the messages the API side received (fewer than steps: merged), its
 reader thread's time per step, and both processes' CPU time per step. --profile adds a second,
@@ -152,18 +154,22 @@ def _top(profile: cProfile.Profile) -> str:
     return out.getvalue()
 
 
-async def _consume(engine, prompt, max_tokens, request_id) -> int:
-    """One stream as the replica consumes it: each output becomes a JSON chunk."""
+async def _consume(engine, prompt, max_tokens, request_id, chunk_cost_s: float = 0.0) -> int:
+    """One stream as the replica consumes it: each output becomes a JSON chunk, and takes
+    chunk_cost_s of this process's Python besides (the replica's HTTP and SSE work, GIL held)."""
     tokens = 0
     async for output in engine.generate(prompt, _params(max_tokens), request_id):
         for c in output.outputs:
             tokens += len(c.delta_token_ids)
             json.dumps({"id": request_id, "choices": [{"index": c.index, "text": c.delta_text,
                                                         "finish_reason": c.finish_reason}]})
+        end = time.perf_counter() + chunk_cost_s
+        while time.perf_counter() < end:
+            pass
     return tokens
 
 
-async def _engine_process(model: str, config: dict, requests: list, profile: bool) -> dict:
+async def _engine_process(model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float) -> dict:
     from gpuworker.engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(model, process=True, **config)
@@ -193,7 +199,8 @@ async def _engine_process(model: str, config: dict, requests: list, profile: boo
         steps = engine.num_steps
         cpu_start = time.process_time()
         start = time.perf_counter()
-        tokens = await asyncio.gather(*(_consume(engine, prompt, n, f"r{i}") for i, (prompt, n) in enumerate(requests)))
+        tokens = await asyncio.gather(*(_consume(engine, prompt, n, f"r{i}", chunk_cost_s)
+                                        for i, (prompt, n) in enumerate(requests)))
         wall = time.perf_counter() - start
         cpu_s = time.process_time() - cpu_start
         engine_cpu_end, step_end = await engine.call(_engine_figures)
@@ -210,8 +217,8 @@ async def _engine_process(model: str, config: dict, requests: list, profile: boo
         await asyncio.to_thread(engine.shutdown)
 
 
-def run_engine_process(model: str, config: dict, requests: list, profile: bool) -> dict:
-    return asyncio.run(_engine_process(model, config, requests, profile))
+def run_engine_process(model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float) -> dict:
+    return asyncio.run(_engine_process(model, config, requests, profile, chunk_cost_s))
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -246,6 +253,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=pair, default=None, help="lo,hi (default 16,64 CPU; 100,1024 CUDA)")
     parser.add_argument("--output-len", type=pair, default=None, help="lo,hi (default 32,128 CPU; 64,512 CUDA)")
     parser.add_argument("--rows", default="generate,streaming,process")
+    parser.add_argument("--chunk-cost-us", type=float, default=0.0,
+                        help="Python work per stream chunk in the API process (the replica's HTTP/SSE, "
+                             "GIL held): past a step's time per step, the API side is behind the engine")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
@@ -262,9 +272,10 @@ def main() -> None:
     results = {}
     for row in args.rows.split(","):
         if row == "process":
-            results[row] = in_own_process(run_engine_process, str(model), config, requests, False)
+            chunk_cost_s = args.chunk_cost_us * 1e-6
+            results[row] = in_own_process(run_engine_process, str(model), config, requests, False, chunk_cost_s)
             if args.profile:  # a run of its own: cProfile slows the Python it watches, steps included
-                profiled = in_own_process(run_engine_process, str(model), config, requests, True)
+                profiled = in_own_process(run_engine_process, str(model), config, requests, True, chunk_cost_s)
                 results[row] |= {key: value for key, value in profiled.items() if key.endswith("profile")}
         else:
             results[row] = in_own_process(run_offline, str(model), config, requests, row == "streaming")
