@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuworker.engine.llm_engine import LLMEngine
-from gpuworker.engine.output_streams import EngineDeadError, OutputStream, StreamingEngine, deliver
+from gpuworker.engine.output_streams import Deliveries, EngineDeadError, OutputStream, StreamingEngine
 from gpuworker.engine.outputs import RequestOutput
 from gpuworker.engine.prompts import TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
@@ -59,6 +59,7 @@ class AsyncLLMEngine(StreamingEngine):
         self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
         # request id -> its stream; touched only by the engine thread.
         self._streams: dict[str, OutputStream] = {}
+        self._deliveries = Deliveries()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
@@ -116,7 +117,7 @@ class AsyncLLMEngine(StreamingEngine):
         output = self.engine.abort(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None and output is not None:
-            deliver([(stream, output)])
+            self._deliveries.deliver([(stream, output)])
 
     def _loop(self) -> None:
         while True:
@@ -158,7 +159,7 @@ class AsyncLLMEngine(StreamingEngine):
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     failed.append((stream, exc))
-            deliver(failed)
+            self._deliveries.deliver(failed)
             return
         deliveries = []
         for output in outputs:
@@ -168,7 +169,7 @@ class AsyncLLMEngine(StreamingEngine):
             if output.finished:
                 del self._streams[output.request_id]
             deliveries.append((stream, output))
-        deliver(deliveries)
+        self._deliveries.deliver(deliveries)
 
     def _shut_down_requests(self) -> None:
         for request_id in self.engine.unfinished_request_ids():

@@ -1,6 +1,8 @@
 """The engine process's side of engine_process.py: prepare the device, load the engine when told,
 then run its loop: commands between steps, ONE message per step with all its requests' outputs
 (as deltas: `wire`), until the API process says stop or goes away (its end of the pipe closes).
+The loop never writes to the pipe itself: an outbox thread does, and while the API process is
+behind, new steps' outputs merge into the outputs message still waiting (`merge_wire`).
 The wire itself is described in engine_process.py."""
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ import os
 import pickle
 import signal
 import threading
+from collections import deque
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import reduction
-from typing import Any, Callable
+from typing import Any
 
-from gpuworker.engine.outputs import RequestOutput
+from gpuworker.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.structured_output import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -36,13 +41,122 @@ def error(payload: tuple[str, str]) -> Exception:
 
 
 def wire(output: RequestOutput) -> tuple:
-    """A step's output as its deltas: (request id, finished, cached tokens, metrics, completions)."""
+    """A step's output as its deltas: (request id, finished, cached tokens, metrics, completions),
+    in tuples, lists, strings and numbers only: 512 of them pickle and unpickle several times faster
+    than the same in dataclasses (no class to look up, no __dict__ per object). The API side reads
+    them back with metrics_from_wire and logprobs_from_wire."""
     completions = []
     for c in output.outputs:
         added = len(c.delta_token_ids)
-        logprobs = c.logprobs[len(c.logprobs) - added:] if c.logprobs is not None else None
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = [(e.token_id, e.logprob, e.top_logprobs) for e in c.logprobs[len(c.logprobs) - added:]]
         completions.append((c.index, c.delta_text, c.delta_token_ids, c.finish_reason, c.stop_reason, logprobs))
-    return output.request_id, output.finished, output.num_cached_tokens, output.metrics, completions
+    m = output.metrics
+    metrics = (m.arrival_time, m.first_token_time, m.finish_time, m.gpu_time_s, m.num_preemptions,
+               m.first_scheduled_time)  # RequestMetrics' fields in their order
+    return output.request_id, output.finished, output.num_cached_tokens, metrics, completions
+
+
+def metrics_from_wire(metrics: tuple) -> RequestMetrics:
+    return RequestMetrics(*metrics)
+
+
+def logprobs_from_wire(entries: list[tuple]) -> list[TokenLogprob]:
+    return [TokenLogprob(*entry) for entry in entries]
+
+
+def merge_wire(older: tuple | RequestOutput, newer: tuple | RequestOutput) -> tuple | RequestOutput:
+    """One wired output standing for two consecutive ones of a request: the newer state, with each
+    completion's deltas (text, token ids, logprobs) of both joined in order."""
+    if isinstance(newer, RequestOutput):  # final_only: its one output is the whole answer
+        return newer
+    request_id, finished, num_cached_tokens, metrics, completions = newer
+    merged = {c[0]: c for c in older[4]}
+    for index, delta_text, delta_ids, finish_reason, stop_reason, logprobs in completions:
+        before = merged.get(index)
+        if before is not None:
+            delta_text, delta_ids = before[1] + delta_text, before[2] + delta_ids
+            if logprobs is not None and before[5] is not None:
+                logprobs = before[5] + logprobs
+        merged[index] = (index, delta_text, delta_ids, finish_reason, stop_reason, logprobs)
+    return request_id, finished, num_cached_tokens, metrics, list(merged.values())
+
+
+class _Outbox:
+    """The engine process's messages to the API process, written in order by a thread of their own,
+    so that a step never waits on a full pipe (an API process slow to read). Outputs wait as a
+    dict (request id -> wired output) that the next step's outputs merge into until the writer
+    takes it; other messages are pickled when put, so a value that cannot cross fails its sender."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self._ready = threading.Condition()
+        # bytes (pickled), or ["outputs", {request id: wired}, failure] still open to merging.
+        self._pending: deque[bytes | list] = deque()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._writer = threading.Thread(target=self._write_loop, name="llm-engine-outbox", daemon=True)
+        self._writer.start()
+
+    def put(self, message: tuple) -> None:
+        data = reduction.ForkingPickler.dumps(message)
+        with self._ready:
+            self._check()
+            self._pending.append(data)
+            self._ready.notify()
+
+    def put_outputs(self, wired: list, failure: tuple[list[str], tuple[str, str]] | None) -> None:
+        with self._ready:
+            self._check()
+            last = self._pending[-1] if self._pending else None
+            if failure is None and isinstance(last, list) and last[2] is None:
+                outputs = last[1]  # the API process has not taken the previous step's yet
+                for output in wired:
+                    request_id = _request_id(output)
+                    before = outputs.get(request_id)
+                    outputs[request_id] = output if before is None else merge_wire(before, output)
+            else:
+                self._pending.append(["outputs", {_request_id(output): output for output in wired}, failure])
+            self._ready.notify()
+
+    def close(self) -> None:
+        """Write what is waiting (unless the API process is gone), then stop the writer."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        self._writer.join()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error  # the API process is gone: the loop stops as if its own send failed
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._pending and not self._closed:
+                    self._ready.wait()
+                if not self._pending:
+                    return
+                message = self._pending.popleft()
+            try:
+                if isinstance(message, list):
+                    kind, outputs, failure = message
+                    message = reduction.ForkingPickler.dumps((kind, list(outputs.values()), failure))
+                self.conn.send_bytes(message)
+            except Exception as exc:  # the API process is gone (or, never seen, outputs that cannot cross)
+                if not isinstance(exc, (EOFError, OSError)):
+                    logger.exception("writing to the API process failed: stopping")
+                    exc = OSError(f"writing to the API process failed: {type(exc).__name__}: {exc}")
+                with self._ready:
+                    self._error = exc
+                    self._pending.clear()
+                return
+
+
+def _request_id(output: tuple | RequestOutput) -> str:
+    return output.request_id if isinstance(output, RequestOutput) else output[0]
+
 
 def engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
     """The engine process: prepare the device, load when told, then step until told to stop."""
@@ -94,7 +208,11 @@ def engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
     try:
         send(("ready", {"config": engine.config, "model_config": engine.model_config,
                         "load_timings": dict(engine.load_timings)}))
-        _EngineCore(engine, conn, send, steps).run()
+        outbox = _Outbox(conn)
+        try:
+            _EngineCore(engine, conn, outbox, steps).run()
+        finally:
+            outbox.close()
     except (EOFError, OSError):
         pass  # the API process is gone: nobody to answer
     finally:
@@ -104,8 +222,8 @@ def engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
 class _EngineCore:
     """The engine process's loop: commands between steps, one outputs message per step."""
 
-    def __init__(self, engine: Any, conn: Any, send: Callable[[tuple], None], steps: Any) -> None:
-        self.engine, self.conn, self.send, self.steps = engine, conn, send, steps
+    def __init__(self, engine: Any, conn: Any, outbox: _Outbox, steps: Any) -> None:
+        self.engine, self.conn, self.outbox, self.steps = engine, conn, outbox, steps
         # Grammars compile on a thread of their own, so the steps of running streams go on meanwhile
         # (add_request then finds the grammar compiled).
         self.compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -123,7 +241,7 @@ class _EngineCore:
                     if not self.conn.poll(0):
                         break
             if engine.workers is not None and (gone := engine.workers.gone()):
-                self.send(("fatal", f"tensor-parallel {gone}"))
+                self.outbox.put(("fatal", f"tensor-parallel {gone}"))
                 return
             if engine.has_unfinished_requests():
                 self.step()
@@ -141,6 +259,10 @@ class _EngineCore:
         try:
             if kind == "add":
                 _, _, request_id, prompt, params = message
+                if params is None or params.output_kind == "cumulative":
+                    # The API side accumulates (engine_process._Assembly): no step copies a stream's
+                    # tokens and logprobs so far here.
+                    params = replace(params or SamplingParams(), output_kind="delta")
                 self.engine.add_request(request_id, prompt, params)
                 if params is not None and params.output_kind == "final_only":
                     self.final_only.add(request_id)
@@ -170,9 +292,9 @@ class _EngineCore:
 
     def reply(self, command_id: int, ok: bool, value: Any) -> None:
         try:
-            self.send(("reply", command_id, ok, value))
+            self.outbox.put(("reply", command_id, ok, value))
         except (pickle.PicklingError, TypeError, AttributeError) as exc:  # a call's value that cannot cross
-            self.send(("reply", command_id, False, error_payload(exc)))
+            self.outbox.put(("reply", command_id, False, error_payload(exc)))
 
     def send_outputs(self, outputs: list[RequestOutput], failure: tuple[list[str], tuple[str, str]] | None) -> None:
         wired = []
@@ -183,7 +305,7 @@ class _EngineCore:
                 wired.append(output)
             else:
                 wired.append(wire(output))
-        self.send(("outputs", wired, failure))
+        self.outbox.put_outputs(wired, failure)
 
     def step(self) -> None:
         engine = self.engine

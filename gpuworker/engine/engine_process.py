@@ -13,9 +13,13 @@ The wire is a multiprocessing Pipe (a Unix socketpair; pickle):
   engine -> API   ("prepared", pid), ("progress", fraction), ("ready", facts) | ("failed", error);
                   then ("outputs", outputs, failure) ONE message per step for all its requests,
                   ("reply", command id, ok, value), ("fatal", reason) before it stops on its own.
-Outputs travel as deltas (the text and token ids a step added) and the API side rebuilds vLLM's
-cumulative RequestOutput, so a step's message grows with the tokens it made, not with the streams'
-lengths.
+Outputs travel as deltas (the text and token ids a step added; the engine process asks its
+LLMEngine for output_kind="delta", so no step copies a stream's tokens so far) in tuples of plain
+values (engine_core.wire), and the API side rebuilds vLLM's cumulative RequestOutput, so a step's
+message grows with the tokens it made, not with the streams' lengths. The engine process never
+waits on the pipe: a thread of its own writes, and while the API process is behind, the outputs of
+new steps merge into the message still waiting (issue 21: at 512 streams the steps had waited on
+an API process busy with its HTTP streams).
 
 How it starts: spawned (a fresh interpreter), early. `serve` starts it first thing, so its imports
 of torch and the engine run alongside the API process's own imports and the checkpoint read-ahead;
@@ -44,8 +48,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuworker.engine.config import EngineConfig
-from gpuworker.engine.engine_core import engine_main, error
-from gpuworker.engine.output_streams import EngineDeadError, OutputStream, StreamingEngine, deliver
+from gpuworker.engine.engine_core import engine_main, error, logprobs_from_wire, metrics_from_wire
+from gpuworker.engine.output_streams import Deliveries, EngineDeadError, OutputStream, StreamingEngine
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
@@ -60,8 +64,10 @@ STOP_GRACE_S = 10.0
 class _Assembly:
     """A request's cumulative output on the API side, rebuilt from the deltas of its steps."""
 
-    def __init__(self, prompt: TokenizedPrompt) -> None:
+    def __init__(self, prompt: TokenizedPrompt, accumulate: bool) -> None:
         self.prompt = prompt
+        # False where the caller asked for output_kind="delta" itself: its outputs stay deltas.
+        self.accumulate = accumulate
         self.texts: dict[int, str] = {}
         self.token_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}
@@ -72,6 +78,14 @@ class _Assembly:
         request_id, finished, num_cached_tokens, metrics, completions = wire
         outputs = []
         for index, delta_text, delta_ids, finish_reason, stop_reason, new_logprobs in completions:
+            if new_logprobs is not None:
+                new_logprobs = logprobs_from_wire(new_logprobs)
+            if not self.accumulate:
+                outputs.append(CompletionOutput(index=index, text=delta_text, token_ids=delta_ids,
+                                                finish_reason=finish_reason, stop_reason=stop_reason,
+                                                logprobs=new_logprobs, delta_text=delta_text,
+                                                delta_token_ids=delta_ids))
+                continue
             text = self.texts[index] = self.texts.get(index, "") + delta_text
             token_ids = self.token_ids.setdefault(index, [])
             token_ids += delta_ids
@@ -85,7 +99,7 @@ class _Assembly:
                                             delta_text=delta_text, delta_token_ids=delta_ids))
         return RequestOutput(request_id=request_id, prompt=self.prompt.text, prompt_token_ids=self.prompt.token_ids,
                              outputs=outputs, finished=finished, num_cached_tokens=num_cached_tokens,
-                             metrics=metrics)
+                             metrics=metrics_from_wire(metrics))
 
 
 class EngineFacts:
@@ -224,6 +238,7 @@ class ProcessLLMEngine(StreamingEngine):
         # request id -> its stream and its output so far; under _lock (the reader thread and callers).
         self._streams: dict[str, tuple[OutputStream, _Assembly]] = {}
         self._replies: dict[int, Future] = {}
+        self._deliveries = Deliveries()
         self._command_ids = itertools.count()
         self._outbox: queue.Queue[tuple | None] = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name="llm-engine-send", daemon=True)
@@ -268,7 +283,7 @@ class ProcessLLMEngine(StreamingEngine):
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = (outputs, _Assembly(prompt))
+            self._streams[request_id] = (outputs, _Assembly(prompt, params is None or params.output_kind != "delta"))
         try:
             await asyncio.wrap_future(self._command("add", request_id, prompt, params))
         except BaseException as exc:
@@ -356,7 +371,7 @@ class ProcessLLMEngine(StreamingEngine):
                     entry = self._streams.pop(request_id, None)
                     if entry is not None:
                         deliveries.append((entry[0], error(payload)))
-        deliver(deliveries)
+        self._deliveries.deliver(deliveries)
 
     def _on_death(self, reason: str | None) -> None:
         self.process.process.join(STOP_GRACE_S if self._stopped else 1.0)
@@ -372,4 +387,4 @@ class ProcessLLMEngine(StreamingEngine):
         for future in replies.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(EngineDeadError(reason))
-        deliver([(stream, EngineDeadError(reason)) for stream, _ in streams.values()])
+        self._deliveries.deliver([(stream, EngineDeadError(reason)) for stream, _ in streams.values()])

@@ -487,14 +487,19 @@ class LLMEngine:
 
     def _output(self, request: _Request, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
         group = request.group
+        delta = group.params.output_kind == "delta"
         completions = []
         for seq, detokenizer, logprobs in zip(group.seqs, request.detokenizers, request.logprobs):
             delta_text, delta_ids = deltas.get(seq.index, ("", []))
+            if delta:  # one logprob entry per token, the step's at the end
+                text, token_ids = delta_text, delta_ids
+                logprobs = logprobs[len(logprobs) - len(delta_ids):] if logprobs is not None else None
+            else:
+                text, token_ids = detokenizer.released_text, seq.output_token_ids
+                logprobs = list(logprobs) if logprobs is not None else None
             completions.append(CompletionOutput(
-                index=seq.index, text=detokenizer.released_text, token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=list(logprobs) if logprobs is not None else None,
-                delta_text=delta_text, delta_token_ids=delta_ids))
+                index=seq.index, text=text, token_ids=token_ids, finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason, logprobs=logprobs, delta_text=delta_text, delta_token_ids=delta_ids))
         metrics = RequestMetrics(arrival_time=request.arrival_time, first_token_time=request.first_token_time,
                                  first_scheduled_time=group.first_scheduled_time,
                                  finish_time=request.finish_time, gpu_time_s=group.gpu_time_s,

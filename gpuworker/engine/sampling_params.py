@@ -12,7 +12,7 @@ from gpuworker.engine.structured_output import StructuredOutput
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_TEMPERATURE = 1e-5
-OUTPUT_KINDS = ("cumulative", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass
@@ -42,7 +42,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # "cumulative": step() returns the request's output whenever it has new tokens (vLLM's
     # default, what streaming reads); "final_only": only once it finishes, which spares building
-    # an output object per request per step (offline batches, LLMEngine.generate).
+    # an output object per request per step (offline batches, LLMEngine.generate); "delta": as
+    # cumulative, but text, token_ids and logprobs hold only what the step added (vLLM's DELTA), so
+    # a step copies nothing of a long stream (the engine process: its API side accumulates).
     output_kind: str = "cumulative"
     # Constrain the output to JSON, a JSON schema, a grammar or a structural tag (None: free text).
     structured_output: StructuredOutput | None = None

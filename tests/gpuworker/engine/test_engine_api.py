@@ -342,3 +342,24 @@ def test_a_text_far_beyond_the_context_is_refused_from_its_head(path, monkeypatc
     # A text within the head's reach is tokenized whole, as before.
     tokenized.clear()
     assert engine.tokenize("hello world").token_ids and tokenized == [len("hello world")]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_delta_requests_report_only_what_each_step_added(path, async_scheduling):
+    """output_kind="delta" (what the engine process asks for): each output's text, token ids and
+    logprobs are the step's alone, and joined they are the cumulative request's final output."""
+    engine = make_engine(path, async_scheduling=async_scheduling)
+    prompt = random_prompts((9,), 384, seed=3)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    engine.add_request("cumulative", prompt, params)
+    engine.add_request("delta", prompt, SamplingParams(**{**params.__dict__, "output_kind": "delta"}))
+    seen: dict[str, list] = {"cumulative": [], "delta": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    deltas, last = [out.outputs[0] for out in seen["delta"]], seen["cumulative"][-1].outputs[0]
+    assert len(deltas) == 6 and seen["delta"][-1].finished
+    assert all(c.token_ids == c.delta_token_ids and len(c.token_ids) == 1 and len(c.logprobs) == 1 for c in deltas)
+    assert [t for c in deltas for t in c.token_ids] == last.token_ids
+    assert "".join(c.text for c in deltas) == last.text
+    assert [e for c in deltas for e in c.logprobs] == last.logprobs
