@@ -47,6 +47,7 @@ import queue
 import random
 import sys
 import tempfile
+import importlib.util
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,7 +57,20 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import (DEFAULT_CONFIG, environment, load_hf_config, print_table, start_replica,  # noqa: E402
                           stop_replica, wait_ready, write_checkpoint, write_json)
-from controlplane.gateway.replica_choice import least_outstanding  # noqa: E402  (standard library only)
+
+
+def _load_replica_choice():
+    """The gateway's routing rules (controlplane/gateway/replica_choice.py, standard library only),
+    loaded from their file: importing the controlplane package imports Celery and Django, which the
+    GPU machine does not have."""
+    path = ROOT / "controlplane" / "gateway" / "replica_choice.py"
+    spec = importlib.util.spec_from_file_location("replica_choice", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+least_outstanding = _load_replica_choice().least_outstanding
 
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.050
 SERVED_MODEL_NAME = "bench"

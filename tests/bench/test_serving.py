@@ -123,3 +123,13 @@ def test_requests_go_to_the_least_busy_of_several_replicas(tmp_path):
     # Each client's 3 go 0, 1, 0 (its own counts: 0/0, then 1/0, then 1/1), so both replicas serve.
     assert burst["requests_per_replica"] == [4, 2]
     assert "2 replica(s) of tensor parallel 1" in result["model"]
+
+
+def test_the_script_loads_without_the_control_planes_packages():
+    # The GPU machine has neither Celery nor Django: the routing rule must not import the controlplane
+    # package (a run there failed at import).
+    blocked = "import sys; sys.modules.update(celery=None, django=None); sys.path.insert(0, 'bench'); import serving"
+    out = subprocess.run([sys.executable, "-c", blocked + "; print(serving.least_outstanding.__name__)"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "least_outstanding"
