@@ -162,21 +162,24 @@ def _quantize_rows_kernel(
 _quantize_rows = lazy_jit(_quantize_rows_kernel, do_not_specialize=("K",))
 
 
-def quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None, *,
+                      use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float -> (float8_e4m3fn [M, K], float32 scale [M]) with x ~= q * scale per row.
 
     static_scale (a float32 scalar tensor): one scale for every row, values beyond it saturate;
     None: each row's own scale, its largest magnitude mapped to FP8_MAX (dynamic per-token).
     On a GPU one Triton launch reads x once or twice and writes q and the scales (the activations of
     every FP8 GEMM pass through here: the torch ops took six passes over a float32 copy of x);
-    elsewhere quantize_fp8_rows_reference, which gives the same bytes.
+    elsewhere quantize_fp8_rows_reference, which gives the same values. use_kernel: take the Triton
+    launch (True; under the interpreter on a CPU, for its tests) or the reference (False) whatever
+    the device.
     """
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     if static_scale is not None:
         check_tensor("static_scale", static_scale, dtypes=(torch.float32,), device=x.device)
         if static_scale.numel() != 1:
             raise ValueError(f"static_scale must hold one value, got shape {tuple(static_scale.shape)}")
-    if not (x.is_cuda or interpreting()) or x.shape[0] == 0:
+    if not (x.is_cuda if use_kernel is None else use_kernel) or x.shape[0] == 0:
         return quantize_fp8_rows_reference(x, static_scale)
     check_last_dim_contiguous("x", x)
     m, k = x.shape

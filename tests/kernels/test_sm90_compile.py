@@ -61,7 +61,8 @@ def test_int4_dequantize_compiles(monkeypatch):
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
 def test_fp8_row_quantization_compiles(static, monkeypatch):
     launches = record_launches(monkeypatch)
-    quantize_fp8_rows(torch.randn(3, 4096).to(torch.bfloat16), torch.tensor(0.1) if static else None)
+    quantize_fp8_rows(torch.randn(3, 4096).to(torch.bfloat16), torch.tensor(0.1) if static else None,
+                      use_kernel=True)
     (launch,) = launches["_quantize_rows_kernel"]
     compile_sm90(launch)
 
