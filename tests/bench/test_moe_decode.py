@@ -2,21 +2,11 @@
 on the GPU runs and agrees with the reference, and the JSON has a row per token count, so that a
 bug in the script shows here rather than on the H200."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench.sweeps import run_check_only
 
 
 def test_the_check_only_mode_checks_every_config_of_the_sweep(tmp_path):
-    out = subprocess.run([sys.executable, "bench/moe_decode.py", "--check-only", "--quick"], cwd=REPO,
-                         env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    result = json.loads((tmp_path / "moe_decode_check.json").read_text())
+    result, _ = run_check_only("moe_decode", tmp_path, "--quick")
     assert not result["timed"]
     assert [(r["M"], r["top_k"]) for r in result["results"]] == [(1, 8), (4, 8), (1, 2), (4, 2)]
     assert all(r["all_ok"] and r["routing_ids_equal"] for r in result["results"])
