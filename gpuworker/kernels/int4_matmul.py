@@ -141,15 +141,9 @@ class Int4GemmConfig:
 DEQUANT_MIN_ROWS = 16
 DEQUANT_BLOCK_P, DEQUANT_BLOCK_N = 16, 128
 
-# The batched kernel's tiles on a GPU by row bucket (the smallest bucket holding M); untuned defaults
-# until bench/quant_gemv.py --gemm fills TUNED_GEMM.
-DEFAULT_GEMM: dict[int, Int4GemmConfig] = {
-    16: Int4GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4),
-    32: Int4GemmConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4),
-    64: Int4GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
-    1 << 30: Int4GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-}
-# bench/quant_gemm.py on the H200 (2026-12-02): below DEQUANT_MIN_ROWS the fastest tile at 16 rows.
+# The batched kernel's tiles on a GPU by row bucket (the smallest bucket holding M; the largest beyond),
+# from bench/quant_gemm.py on the H200 (2026-12-02): below DEQUANT_MIN_ROWS only the fastest tile at
+# 16 rows is needed.
 TUNED_GEMM: dict[int, Int4GemmConfig] = {
     16: Int4GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
 }
@@ -158,13 +152,12 @@ INTERPRETER_GEMM = Int4GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=
 
 
 def pick_gemm_config(m: int, group_size: int, *, on_cuda: bool) -> Int4GemmConfig:
-    """TUNED_GEMM's (else DEFAULT_GEMM's) tiles for the smallest bucket holding m, block_k clamped
-    to the group size (a step within one group)."""
+    """TUNED_GEMM's tiles for the smallest bucket holding m (the largest beyond), block_k clamped to
+    the group size (a step within one group)."""
     if not on_cuda:
         config = INTERPRETER_GEMM
     else:
-        table = TUNED_GEMM or DEFAULT_GEMM
-        config = table[min((b for b in table if b >= m), default=max(table))]
+        config = TUNED_GEMM[min((b for b in TUNED_GEMM if b >= m), default=max(TUNED_GEMM))]
     return replace(config, block_k=min(config.block_k, group_size))
 
 

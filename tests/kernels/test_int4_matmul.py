@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpuworker.kernels import int4_matmul as int4_module
-from gpuworker.kernels.int4_matmul import (TARGET_PROGRAMS, Int4GemvConfig, default_gemv_config, dequantize_int4,
-                                           dequantize_int4_to, int4_matmul, int4_matmul_reference, pack_rows,
-                                           pick_gemm_config, pick_gemv_config, unpack_rows)
+from gpuworker.kernels.int4_matmul import (TARGET_PROGRAMS, Int4GemmConfig, Int4GemvConfig, default_gemv_config,
+                                           dequantize_int4, dequantize_int4_to, int4_matmul, int4_matmul_reference,
+                                           pack_rows, pick_gemm_config, pick_gemv_config, unpack_rows)
 from gpuworker.kernels.launch import SPLIT_K_COUNTERS
 
 ON_CUDA = torch.cuda.is_available()
@@ -75,7 +75,9 @@ def test_many_rows_dequantise_then_multiply(with_bias, monkeypatch, device, gene
 
 def test_gemm_tiles_stay_within_a_group(monkeypatch):
     assert pick_gemm_config(8, 128, on_cuda=True) == int4_module.TUNED_GEMM[16]
-    monkeypatch.setattr(int4_module, "TUNED_GEMM", {})  # the defaults' buckets
+    tiles = {16: Int4GemmConfig(16, 64, 128, 4, 4), 64: Int4GemmConfig(64, 128, 64, 4, 4),
+             1024: Int4GemmConfig(128, 128, 64, 8, 3)}
+    monkeypatch.setattr(int4_module, "TUNED_GEMM", tiles)  # buckets of several sizes
     assert pick_gemm_config(200, 32, on_cuda=True).block_k == 32
     assert pick_gemm_config(8, 128, on_cuda=True).block_m == 16
     assert pick_gemm_config(10**6, 128, on_cuda=True).block_m == 128
