@@ -85,12 +85,12 @@ def main() -> None:
 
     write_json("quant_gemm" if timed else "quant_gemm_check", {"environment": start.env, "results": results})
     if timed:
-        print_summary(results, rows_list)
+        print_summary(results, rows_list, {tile.name: tile for tile in tiles})
     if failures:
         raise SystemExit(f"{failures} INT4 GEMM result(s) disagreed with the reference or failed to run")
 
 
-def print_summary(results: list[dict], rows_list) -> None:
+def print_summary(results: list[dict], rows_list, tiles_by_name: dict) -> None:
     print("\n== INT4 GEMM per decode step (32 layers x qkv, o_proj, gate_up, down), ms ==")
     print(f"{'M':>6s} {'cuBLAS bf16':>11s} {'dequant+mm':>10s} {'best Triton':>11s}  best tile")
     tuned, dequant_from = {}, None
@@ -112,9 +112,7 @@ def print_summary(results: list[dict], rows_list) -> None:
     for m, name in tuned.items():
         if dequant_from is not None and m >= dequant_from:
             break
-        fields = name.removeprefix("int4mm-").split("-")
-        bm, bn, bk, w, s = (int(f[1:]) for f in fields)
-        print(f"    {m}: Int4GemmConfig(block_m={bm}, block_n={bn}, block_k={bk}, num_warps={w}, num_stages={s}),")
+        print(f"    {m}: {tiles_by_name[name]!r},")
     print("}")
     print(f"DEQUANT_MIN_ROWS = {dequant_from or 1 << 30}")
 
