@@ -4,7 +4,7 @@ The interpreter runs a kernel's Python, not its compilation: a launch whose argu
 rejects (an atomic on a bfloat16 pointer in a branch that never runs, say) passes every CPU test and
 fails on the GPU. `record_launches` keeps each launch's arguments while the interpreter runs them;
 `compile_sm90` then compiles one with Triton's own front end and ptxas, for compute capability 9.0,
-with the launch's pointer dtypes, integer kinds, constexprs and num_warps/num_stages.
+with the launch's pointer dtypes, integer kinds, constexprs and num_warps/num_stages/maxnreg.
 """
 
 from __future__ import annotations
@@ -91,8 +91,9 @@ def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> None:
             raise TypeError(f"{fn.__name__}: cannot type argument {name}={value!r}")
     job = {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
            "do_not_specialize": [n for n in launch.kernel.do_not_specialize if n in parameters],
-           "options": {"num_warps": launch.options.get("num_warps", 4),
-                       "num_stages": launch.options.get("num_stages", 3)}}
+           # the launch's own register limit too (the sampling kernel's max_registers): ptxas
+           # compiles another program under it
+           "options": {"num_warps": 4, "num_stages": 3, **{k: v for k, v in launch.options.items() if v is not None}}}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(job)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
