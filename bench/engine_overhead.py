@@ -17,7 +17,8 @@ ms/step = wall time / engine steps (for the engine process, its shared step coun
 process row also gives the messages the API side received (fewer than steps: merged), its
 reader thread's time per step, and both processes' CPU time per step. --profile adds a second,
 profiled run of the engine process row (not timed): cProfile's top functions of the engine
-process's loop thread, the API process's event loop and its reader thread.
+process's loop thread, the API process's event loop and its reader thread (from Python 3.12 one
+profile per process, all its threads together).
 
 --checkpoint: a Hugging Face directory (on the GPU, bench/serving.py's random Llama-3-8B, written
 there from --config when not complete); without it, a tiny random llama built as the tests build it.
@@ -132,6 +133,11 @@ def _engine_figures(llm) -> tuple[float, float]:
     return time.process_time(), llm.__dict__["bench_timing"]["s"]
 
 
+# Before Python 3.12 a cProfile.Profile follows the thread that enabled it (the reader thread needs
+# its own); from 3.12 it follows every thread (sys.monitoring), and only one may be enabled at once.
+PER_THREAD_PROFILES = sys.version_info < (3, 12)
+
+
 def _start_profile(llm) -> None:  # in the engine process, on its loop thread (calls run there)
     profile = cProfile.Profile()
     llm.__dict__["bench_profile"] = profile
@@ -178,14 +184,14 @@ async def _engine_process(model: str, config: dict, requests: list, profile: boo
                                for i, (prompt, n) in enumerate(_warm_up_requests(requests))))
         reader = {"s": 0.0, "messages": 0}
         on_outputs = engine._on_outputs
-        reader_profile = cProfile.Profile()
+        reader_profile = cProfile.Profile() if profile and PER_THREAD_PROFILES else None
 
         def timed_on_outputs(*args):  # the reader thread's work per outputs message
             start = time.perf_counter()
-            if profile:
+            if reader_profile is not None:
                 reader_profile.enable()  # cProfile follows the thread that enables it
             on_outputs(*args)
-            if profile:
+            if reader_profile is not None:
                 reader_profile.disable()
             reader["s"] += time.perf_counter() - start
             reader["messages"] += 1
@@ -211,7 +217,8 @@ async def _engine_process(model: str, config: dict, requests: list, profile: boo
             api_profile.disable()
             result["engine_profile"] = await engine.call(_stop_profile)
             result["api_profile"] = _top(api_profile)
-            result["api_reader_profile"] = _top(reader_profile)
+            if reader_profile is not None:
+                result["api_reader_profile"] = _top(reader_profile)
         return result
     finally:
         await asyncio.to_thread(engine.shutdown)

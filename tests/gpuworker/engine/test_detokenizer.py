@@ -98,3 +98,20 @@ def test_special_tokens_are_skipped_unless_asked(tokenizer):
 ])
 def test_check_stop_token(token, outputs, params, expected):
     assert check_stop_token(token, outputs, params, [9], max_tokens=params.max_tokens or 10) == expected
+
+
+def test_decoding_skips_decode_s_id_conversion_and_keeps_its_text(tokenizer, monkeypatch):
+    # decode converts every id of every call (to_py_obj) before _decode: at 512 streams, two
+    # decodes a token, that was a fifth of the engine loop. The text must stay decode's, clean-up
+    # of tokenization spaces (where the tokenizer applies it) and special tokens included.
+    text = "Hello , world . It 's fine !"
+    output_ids = list(text.encode()) + [tokenizer.eos_token_id]
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    expected = tokenizer.decode(list(b"Say:") + output_ids, skip_special_tokens=True)[len("Say:"):]
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("decode called: each call walks its ids")
+
+    monkeypatch.setattr(tokenizer, "decode", no_conversion)
+    deltas, _ = stream(tokenizer, output_ids)
+    assert "".join(deltas) == expected
