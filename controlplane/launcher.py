@@ -30,6 +30,11 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 HOST_ENV, DEFAULT_HOST = "GPUSERVE_HOST", "127.0.0.1"
 # Children get this long to shut down cleanly after SIGTERM before they are killed.
 STOP_GRACE_SECONDS = 10.0
+# The GPU worker daemon bounds its own stop: its Celery consumer (<= 10 s), the replicas' drain
+# (GPUWORKER_DRAIN_S), then their stop, SIGKILLed after 10 s (gpuworker.daemon.supervisor.KILL_AFTER_S).
+# Killing it sooner would leave its replicas to die with it, undrained.
+GPUWORKER_DRAIN_S = 5
+GPUWORKER_STOP_GRACE_S = 10.0 + GPUWORKER_DRAIN_S + 10.0 + 5.0
 _POLL_SECONDS = 0.2
 
 
@@ -39,6 +44,8 @@ class ProcessSpec:
     argv: list[str]
     # Extra environment for this process only (over the launcher's own).
     env: dict[str, str] = field(default_factory=dict)
+    # How long it gets after SIGTERM before SIGKILL.
+    stop_grace_s: float = STOP_GRACE_SECONDS
 
 
 def process_specs(*, host: str, port: int, var_dir: Path = BASE_DIR / "var") -> list[ProcessSpec]:
@@ -56,12 +63,13 @@ def process_specs(*, host: str, port: int, var_dir: Path = BASE_DIR / "var") -> 
         # Beat sends a lost-worker check every second: at INFO it would log each one.
         ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "WARNING")),
         ProcessSpec("gpuworker", module("gpuworker", "daemon", "--control-url", f"http://127.0.0.1:{port}", "--name", "local",
-                                        "--state-dir", str(var_dir / "gpuworker" / "local"), "--drain-timeout", "5",
+                                        "--state-dir", str(var_dir / "gpuworker" / "local"), "--drain-timeout", str(GPUWORKER_DRAIN_S),
                                         # reported to the catalog, which checks weight paths against it
                                         "--model-root", str(var_dir / "models")),
                     # CPU replicas share the host with the web server and Celery: PyTorch's default
                     # of one thread per core oversubscribes it (measured ~20x slower on 2 cores).
-                    env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))}),
+                    env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))},
+                    stop_grace_s=GPUWORKER_STOP_GRACE_S),
     ]
 
 
@@ -140,12 +148,12 @@ class Launcher:
         for _, child in self._children:
             if child.poll() is None:
                 child.terminate()
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        stopped_at = time.monotonic()
         for spec, child in self._children:
             try:
-                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+                child.wait(timeout=max(0.0, stopped_at + spec.stop_grace_s - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.say(f"{spec.name} did not stop within {STOP_GRACE_SECONDS:.0f}s; killing it")
+                self.say(f"{spec.name} did not stop within {spec.stop_grace_s:.0f}s; killing it")
         # Sweep the groups: anything a child left behind goes now.
         self._signal_all(signal.SIGKILL)
         for _, child in self._children:

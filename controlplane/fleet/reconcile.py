@@ -16,7 +16,7 @@ from controlplane.fleet.placement import (
     Candidate,
     SlotRoom,
     choose_to_remove,
-    held_gpu_indexes,
+    held_places,
     plan_placements,
     room_message,
 )
@@ -117,7 +117,7 @@ def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[i
         slots=[slot for slot in slots if slot.worker_id not in waiting], need_bytes=need, count=count,
         replicas_per_worker=Counter(worker_id for worker_id, *_ in mine),
         replicas_per_slot=Counter((worker_id, index) for worker_id, first, held, _ in mine
-                                  for index in held_gpu_indexes(first_index=first, tensor_parallel_size=held) or [None]),
+                                  for index in held_places(first_index=first, tensor_parallel_size=held)),
         failures_per_worker=Counter({worker_id: b.consecutive_failures for worker_id, b in backoffs.items()}),
         tensor_parallel_size=size,
     )

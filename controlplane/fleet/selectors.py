@@ -15,7 +15,7 @@ from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.autoscaling import ReplicaLoad
 from controlplane.fleet.backoff import error_cause
 from controlplane.fleet.models import Gpu, LoadBackoff, PlacementReport, Replica, Worker
-from controlplane.fleet.placement import Slot, held_gpu_indexes, share_bytes
+from controlplane.fleet.placement import Slot, held_gpu_indexes, held_places, share_bytes
 
 
 def replicas_ready_for_model(*, model) -> QuerySet[Replica]:
@@ -88,7 +88,7 @@ def placement_slots(*, workers: list[Worker]) -> list[Slot]:
     ]
     by_place = {(slot.worker_id, slot.gpu_index): slot for slot in slots}
     for worker_id, first_index, size, need in live_replica_placements(worker_ids=ids):
-        for index in held_gpu_indexes(first_index=first_index, tensor_parallel_size=size) or [None]:
+        for index in held_places(first_index=first_index, tensor_parallel_size=size):
             slot = by_place.get((worker_id, index))
             if slot is not None:
                 slot.used_bytes += share_bytes(need_bytes=need, on_gpu=slot.gpu_id is not None,

@@ -123,6 +123,38 @@ def test_a_stop_request_stops_every_child():
     assert len(pids) == 2 and not any(_live_members_of_group(pid) for pid in pids)
 
 
+def test_each_child_gets_its_own_stop_grace():
+    # The GPU worker daemon drains its replicas on SIGTERM: a child that takes its time to stop
+    # cleanly is waited for as long as its spec says, and only a child past its grace is killed.
+    out = io.StringIO()
+
+    def slow_stop(seconds: float) -> list[str]:  # exits cleanly that long after SIGTERM
+        return [sys.executable, "-c", "import signal, sys, time\n"
+                f"signal.signal(signal.SIGTERM, lambda *_: (time.sleep({seconds}), sys.exit(0)))\n"
+                "print('ready', flush=True)\ntime.sleep(120)"]
+
+    launcher = Launcher([ProcessSpec("patient", slow_stop(1.0), stop_grace_s=60.0),
+                         ProcessSpec("hasty", slow_stop(60.0), stop_grace_s=0.2)], out=out)
+
+    def stop_when_both_ready() -> bool:
+        if out.getvalue().count("ready") == 2:
+            launcher.request_stop(signal.SIGINT)
+        return False
+
+    assert launcher.run(on_ready=stop_when_both_ready) == 0
+    log = out.getvalue()
+    assert "hasty did not stop within 0s; killing it" in log
+    assert "patient did not stop" not in log
+
+
+def test_the_gpu_worker_daemon_may_drain_and_stop_its_replicas_before_it_is_killed():
+    from gpuworker.daemon.supervisor import KILL_AFTER_S
+
+    spec = next(spec for spec in process_specs(host="127.0.0.1", port=8000) if spec.name == "gpuworker")
+    drain_s = float(spec.argv[spec.argv.index("--drain-timeout") + 1])
+    assert spec.stop_grace_s > drain_s + KILL_AFTER_S
+
+
 @pytest.mark.slow
 def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
     env = _embedded_env(tmp_path)

@@ -7,6 +7,7 @@ from controlplane.fleet.placement import (
     SlotRoom,
     choose_to_remove,
     held_gpu_indexes,
+    held_places,
     largest_replica_bytes,
     memory_fraction,
     plan_placements,
@@ -138,6 +139,8 @@ def test_the_room_message_of_a_split_replica_says_what_each_gpu_needs_and_has():
 def test_held_gpus_and_the_largest_replica_a_fleet_can_hold():
     assert held_gpu_indexes(first_index=2, tensor_parallel_size=2) == [2, 3]
     assert held_gpu_indexes(first_index=None, tensor_parallel_size=2) == []
+    assert held_places(first_index=2, tensor_parallel_size=2) == [2, 3]
+    assert held_places(first_index=None, tensor_parallel_size=2) == [None]
     slots = [_gpu(1, 0, 0, total=80 * GB), _gpu(1, 1, 0, total=40 * GB), _gpu(2, 0, 0, total=140 * GB)]
     assert largest_replica_bytes(slots=slots, tensor_parallel_size=1) == 140 * GB
     assert largest_replica_bytes(slots=slots, tensor_parallel_size=2) == 80 * GB  # 2 × the smaller of worker 1's
