@@ -252,6 +252,11 @@ class ToolCallParser(StreamingToolParser):
                 match = self.fmt.trigger.search(self.buffer)
                 if match is None:
                     hold = self.fmt.trigger_prefix.search(self.buffer)
+                    if final and hold is not None and self.calls:
+                        # Cut (max_tokens) inside the marker of a call after calls: markup, dropped.
+                        self._say(out, self.buffer[:hold.start()])
+                        self.buffer = ""
+                        return
                     cut = len(self.buffer) if final or hold is None else hold.start()
                     self._say(out, self.buffer[:cut])
                     self.buffer = self.buffer[cut:]
@@ -334,8 +339,9 @@ class ToolCallParser(StreamingToolParser):
             out.tool_calls.append({"index": len(self.calls) - 1, "function": {"arguments": fragment}})
 
     def _end_call(self, out: ParsedDelta) -> None:
-        if self.current is None:  # the output ended inside what never became a call
-            self._say(out, self.call_raw)
+        if self.current is None:  # the output ended inside what never became a call:
+            if not self.calls:  # text, unless calls came before it (then the next call, cut)
+                self._say(out, self.call_raw)
         elif not self.current.arguments:
             self.current.arguments = "{}"
             out.tool_calls.append({"index": len(self.calls) - 1, "function": {"arguments": "{}"}})
@@ -364,8 +370,10 @@ class ToolCallParser(StreamingToolParser):
                 continue
             if text.startswith(piece, i):
                 i = skip_ws(text, i + len(piece))
-            elif piece.startswith(text[i:]) and not final:
-                return False  # could still become it
+            elif piece.startswith(text[i:]):
+                if not final:
+                    return False  # could still become it
+                i = len(text)  # the output was cut inside it (max_tokens): markup, dropped
         if i >= len(text) and not final:
             self.buffer = ""
             return False

@@ -81,6 +81,27 @@ def test_the_demo_chat_model_makes_a_forced_tool_call(demo_gateway, smollm2_repl
     world.settled(30)
 
 
+def test_a_required_call_cut_by_max_tokens_leaks_no_markup(demo_gateway, smollm2_replica):
+    # With parallel calls allowed, SmolLM2 repeats its call until max_tokens: the call cut short
+    # comes back as far as it got, and no piece of its markup (a "</tool_call" cut in two) as content.
+    wait_ready(smollm2_replica)
+    world = make_world(demo_gateway, [smollm2_replica])
+    client = world.client(timeout=300)
+    for max_tokens in (60, 61, 62, 63):
+        reply = client.chat.completions.create(
+            model=world.model.public_name, messages=PARIS_WEATHER, tools=[WEATHER_TOOL], tool_choice="required",
+            temperature=0, max_tokens=max_tokens)
+        choice = reply.choices[0]
+        assert choice.message.content is None, (max_tokens, choice.message.content)
+        assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
+        stream = client.chat.completions.create(
+            model=world.model.public_name, messages=PARIS_WEATHER, tools=[WEATHER_TOOL], tool_choice="required",
+            temperature=0, max_tokens=max_tokens, stream=True)
+        chunks = list(stream)
+        assert not any(c.choices and c.choices[0].delta.content for c in chunks), max_tokens
+    world.settled(30)
+
+
 def test_the_demo_chat_model_calls_a_tool_when_it_may_choose(demo_gateway, smollm2_replica):
     # tool_choice "auto" on a template without tools: the generic format (one JSON object, a call
     # or the response), which the replica turns into OpenAI's tool calls.

@@ -81,6 +81,14 @@ def test_hermes_output_with_text_and_two_calls():
     ('<tool_call>\n{"name": "add", "arguments": {"a": 1', None, [("add", '{"a": 1')]),
     # cut off before the name is complete: text
     ('Sure <tool_call>\n{"name": "ad', 'Sure <tool_call>\n{"name": "ad', []),
+    # a model repeating its call until max_tokens, cut inside the close marker, the next trigger or
+    # the next call's name: after a call, the cut markup is dropped, never content
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_ca', None, [("add", '{"a": 1}')]),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_c', None, [("add", '{"a": 1}')]),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "ad',
+     None, [("add", '{"a": 1}')]),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "add", '
+     '"arguments": {"a": 1}}\n</tool_call', None, [("add", '{"a": 1}'), ("add", '{"a": 1}')]),
 ])
 def test_hermes_edge_cases(text, content, calls):
     parsed = parse_tool_calls(HERMES, text, NAMES)
@@ -139,6 +147,8 @@ STREAM_CASES = [
     (HERMES, '<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call> and after'),
     (HERMES, "<tool_call>\nbroken</tool_call> then " + call_text(HERMES, "add", {"a": 3, "b": 4})),
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 12'),
+    (HERMES, call_text(HERMES, "add", {"a": 1, "b": 2}) + "\n" + call_text(HERMES, "add", {"a": 1, "b": 2})[:-3]),
+    (HERMES, call_text(HERMES, "add", {"a": 1, "b": 2}) + '\n<tool_call>\n{"name": "ad'),
     (LLAMA3_JSON, call_text(LLAMA3_JSON, "add", {"a": 1, "b": 2}) + "; " + call_text(LLAMA3_JSON, "add", {"a": 3, "b": 4})),
     (LLAMA3_JSON, 'Data {"name": "Bob"} and {"k": 1} { "name": "add", "parameters": {"a": 1, "b": 0}}'),
     (LLAMA3_JSON, '{"name": "add", "parameters": 12}'),
