@@ -4,7 +4,9 @@ The interpreter runs a kernel's Python, not its compilation: a launch whose argu
 rejects (an atomic on a bfloat16 pointer in a branch that never runs, say) passes every CPU test and
 fails on the GPU. `record_launches` keeps each launch's arguments while the interpreter runs them;
 `compile_sm90` then compiles one with Triton's own front end and ptxas, for compute capability 9.0,
-with the launch's pointer dtypes, integer kinds, constexprs and num_warps/num_stages/maxnreg.
+with the launch's pointer dtypes, integer kinds, constexprs and num_warps/num_stages/maxnreg, except
+the two the interpreter sets otherwise than a GPU: USE_PDL on and DOT_FP32 off (bfloat16 dots, not the
+float32 upcast the interpreter needs).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> None:
         if _is_constexpr(parameters[name]):
             if name == "USE_PDL":
                 value = use_pdl
+            elif name == "DOT_FP32":
+                # Set only under the interpreter (launch.dot_options); a GPU runs the bf16 dots.
+                value = False
             signature[name] = "constexpr"
             constexprs[index] = value
         elif isinstance(value, torch.Tensor):

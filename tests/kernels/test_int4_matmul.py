@@ -73,6 +73,20 @@ def test_many_rows_dequantise_then_multiply(with_bias, monkeypatch, device, gene
                                **tolerance(torch.bfloat16))
 
 
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swapped"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_batched_kernel_plain_and_transposed(swap_ab, with_bias, device, generator, tolerance):
+    # Rows and columns that leave the last tiles ragged; swapped, the tile is computed as W x^T.
+    qweight, zeros, scales, _ = _packed(generator, device)
+    x = torch.randn(20, K, generator=generator).to(torch.bfloat16).to(device)
+    bias = torch.randn(N, generator=generator).to(torch.bfloat16).to(device) if with_bias else None
+    config = Int4GemmConfig(64, 128, 64, 4, 3, swap_ab=swap_ab) if ON_CUDA else \
+        Int4GemmConfig(16, 32, 32, 4, 1, swap_ab=swap_ab)
+    got = int4_matmul(x, qweight, zeros, scales, GROUP, bias, gemm_config=config)
+    torch.testing.assert_close(got, int4_matmul_reference(x, qweight, zeros, scales, GROUP, bias),
+                               **tolerance(torch.bfloat16))
+
+
 def test_gemm_tiles_stay_within_a_group(monkeypatch):
     assert pick_gemm_config(8, 128, on_cuda=True) == int4_module.TUNED_GEMM[16]
     tiles = {16: Int4GemmConfig(16, 64, 128, 4, 4), 64: Int4GemmConfig(64, 128, 64, 4, 4),
