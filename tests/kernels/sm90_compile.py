@@ -4,7 +4,8 @@ The interpreter runs a kernel's Python, not its compilation: a launch whose argu
 rejects (an atomic on a bfloat16 pointer in a branch that never runs, say) passes every CPU test and
 fails on the GPU. `record_launches` keeps each launch's arguments while the interpreter runs them;
 `compile_sm90` then compiles one with Triton's own front end and ptxas, for compute capability 9.0,
-with the launch's pointer dtypes, integer kinds, constexprs and num_warps/num_stages/maxnreg, except
+with the launch's arguments specialised as the JIT would on a GPU (pointer dtypes, integer kinds,
+divisibility by 16, ints of 1 as constants), constexprs and num_warps/num_stages/maxnreg, except
 the two the interpreter sets otherwise than a GPU: USE_PDL on and DOT_FP32 off (bfloat16 dots, not the
 float32 upcast the interpreter needs).
 """
@@ -24,13 +25,11 @@ from pathlib import Path
 import torch
 import triton.language as tl
 
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+
 from gpuworker.kernels.launch import LazyJIT
 
-_POINTER_TYPES = {
-    torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv",
-    torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8",
-    torch.bool: "*i1",
-}
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
@@ -74,7 +73,8 @@ def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> None:
     has a USE_PDL constexpr."""
     fn = launch.kernel.fn
     parameters = inspect.signature(fn).parameters
-    signature, constexprs = {}, {}
+    dont_specialize = set(launch.kernel.do_not_specialize)
+    signature, constexprs, divisible = {}, {}, []
     for index, (name, value) in enumerate(launch.arguments.items()):
         if _is_constexpr(parameters[name]):
             if name == "USE_PDL":
@@ -84,17 +84,22 @@ def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> None:
                 value = False
             signature[name] = "constexpr"
             constexprs[index] = value
-        elif isinstance(value, torch.Tensor):
-            signature[name] = _POINTER_TYPES[value.dtype]
-        elif isinstance(value, bool):
-            signature[name] = "i1"
-        elif isinstance(value, int):
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        elif isinstance(value, float):
-            signature[name] = "fp32"
+        elif isinstance(value, (torch.Tensor, bool, int, float)):
+            # Specialised as the JIT specialises a launch on a GPU: a 16-byte-aligned pointer and an
+            # int divisible by 16 are known to be (tt.divisibility, which lets loads be vectorised and
+            # pipelined), an int 1 becomes a constant; none of it for do_not_specialize's arguments.
+            kind, attr = native_specialize_impl(BaseBackend, value, False, name not in dont_specialize, True)
+            if kind == "constexpr":
+                signature[name] = "constexpr"
+                constexprs[index] = attr
+            else:
+                signature[name] = kind
+                if attr == "D":
+                    divisible.append(index)
         else:
             raise TypeError(f"{fn.__name__}: cannot type argument {name}={value!r}")
     job = {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
+           "divisible": divisible,
            "do_not_specialize": [n for n in launch.kernel.do_not_specialize if n in parameters],
            # the launch's own register limit too (the sampling kernel's max_registers): ptxas
            # compiles another program under it
@@ -116,6 +121,7 @@ job = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(job["module"]), job["name"])
 jitted = JITFunction(fn, do_not_specialize=job["do_not_specialize"])
 constexprs = {(int(i),): v for i, v in job["constexprs"].items()}
-source = ASTSource(jitted, job["signature"], constexprs=constexprs)
+attrs = {(i,): [["tt.divisibility", 16]] for i in job["divisible"]}
+source = ASTSource(jitted, job["signature"], constexprs=constexprs, attrs=attrs)
 triton.compile(source, target=GPUTarget("cuda", 90, 32), options=job["options"])
 """

@@ -92,3 +92,20 @@ def test_sampling_compiles(config, outputs, monkeypatch):
            config=config, **{outputs: output})
     (launch,) = launches["_sample_kernel"]
     compile_sm90(launch)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fills_device", [True, False], ids=["filled", "partitioned"])
+def test_paged_decode_attention_compiles_with_the_gpu_tiles(cache_dtype, fills_device, monkeypatch):
+    # Llama-3-8B's heads (32 query, 8 KV, 128 dims) with the tile the GPU takes for a batch that
+    # fills the device or not, as the decode step launches it (bf16 queries).
+    from gpuworker.kernels.paged_decode_attention import default_tile, paged_decode_attention
+
+    launches = record_launches(monkeypatch)
+    block_n, num_warps, num_stages = default_tile(torch.bfloat16, 128, fills_device)
+    cache = torch.randn(2, 8, 16, 8, 128).to(cache_dtype)
+    paged_decode_attention(torch.randn(2, 32, 128).bfloat16(), cache, torch.arange(8).reshape(2, 4).int(),
+                           torch.tensor([50, 64]).int(), 0.088, 64, block_n=block_n, num_warps=num_warps,
+                           num_stages=num_stages, num_splits=1 if fills_device else 2)
+    (launch,) = launches["_paged_decode_kernel"]
+    compile_sm90(launch)
