@@ -199,8 +199,9 @@ def bench_decode_tiles_mixed(cases=((512, 200, 2048), (256, 200, 2048), (512, 60
 def bench_decode_fp8(cases=((512, 700), (256, 1024), (64, 2048)),
                      tiles=((64, 4, 2), (64, 8, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3), (64, 8, 3))) -> list[dict]:
     """Decode attention over an FP8 cache (float8_e4m3fn, per-tensor scales) against the same
-    values in a bf16 cache, at the default launch and over a tile sweep for FP8, per case (batch,
-    context). GB/s counts the bytes each cache holds for the context (FP8: half of bf16's)."""
+    values in a bf16 cache, at the default launch and over a tile sweep for FP8, each tile with V
+    read as bytes and as 16-bit words ("+pairs", paged_decode_attention's fp8_v_pairs), per case
+    (batch, context). GB/s counts the bytes each cache holds for the context (FP8: half of bf16's)."""
     from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
 
     rows = []
@@ -227,9 +228,11 @@ def bench_decode_fp8(cases=((512, 700), (256, 1024), (64, 2048)),
         rows.append({"shape": shape, "cache": "fp8", "tile": "default", "us": fp8_us,
                      "GBps": kv_bytes / 2 / fp8_us / 1e3, "vs_bf16": bf16_us / fp8_us})
         for block_n, warps, stages in tiles:
-            us = timed(cache_fp8, block_n=block_n, num_warps=warps, num_stages=stages)
-            rows.append({"shape": shape, "cache": "fp8", "tile": f"{block_n}x{warps}w{stages}s", "us": us,
-                         "GBps": kv_bytes / 2 / us / 1e3, "vs_bf16": bf16_us / us})
+            for v_pairs in (False, True):  # V read as bytes (the default) or as 16-bit words
+                us = timed(cache_fp8, block_n=block_n, num_warps=warps, num_stages=stages, fp8_v_pairs=v_pairs)
+                rows.append({"shape": shape, "cache": "fp8", "tile": f"{block_n}x{warps}w{stages}s"
+                             + ("+pairs" if v_pairs else ""), "us": us,
+                             "GBps": kv_bytes / 2 / us / 1e3, "vs_bf16": bf16_us / us})
         del cache, cache_fp8
         torch.cuda.empty_cache()
     return rows
@@ -475,7 +478,7 @@ def main() -> None:
         print(f"\n== decode attention, FP8 cache vs bf16 (copy bandwidth {copy_gbps:.0f} GB/s) ==")
         for r in fp8_rows:
             versus = f"  {r['vs_bf16']:.2f}x bf16's speed" if "vs_bf16" in r else ""
-            print(f"{r['shape']:16s} {r['cache']:5s} {r['tile']:10s} {r['us']:9.1f} us {r['GBps']:6.0f} GB/s{versus}")
+            print(f"{r['shape']:16s} {r['cache']:5s} {r['tile']:16s} {r['us']:9.1f} us {r['GBps']:6.0f} GB/s{versus}")
         write_json("kernels_fp8_decode", payload)
         return
     payload["decode_batch1_graph"] = batch1 = bench_decode_batch1()

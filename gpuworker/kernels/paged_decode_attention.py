@@ -66,7 +66,7 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SPLIT: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, FP8_CACHE: tl.constexpr,
-    FP8_AS_F16: tl.constexpr,
+    FP8_AS_F16: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options. The next kernel may launch at once: at batch 1 it is
@@ -177,6 +177,9 @@ def _paged_decode_kernel(
         q_dot = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     else:
         q_dot = q
+    if FP8_V_PAIRS:  # word offsets: the cache's strides are even (the launcher checks)
+        v_words = (head_base + stride_cache_kv).to(tl.pointer_type(tl.uint16))
+        pairs = tl.arange(0, BLOCK_D // 2)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
@@ -197,9 +200,19 @@ def _paged_decode_kernel(
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
-        v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
-                    mask=valid[:, None] & dim_mask[None, :], other=0.0)  # [N, D]
-        if FP8_AS_F16:
+        if FP8_V_PAIRS:
+            # V read as 16-bit words, two adjacent dims of a position each, and widened in
+            # registers: the dot reads V across positions, which for 8-bit values (no transposing
+            # ldmatrix) Triton gathers from shared memory a byte at a time (sm_90 PTX: 128
+            # ld.shared.b8 a thread per 128-key tile). Little-endian: the low byte is the even dim.
+            words = tl.load(v_words + row[:, None] // 2 + pairs[None, :], mask=valid[:, None], other=0)
+            low = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            high = (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            v = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D))
+        else:
+            v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
+                        mask=valid[:, None] & dim_mask[None, :], other=0.0)  # [N, D]
+        if FP8_AS_F16 and not FP8_V_PAIRS:
             v = v.to(tl.float16)
         elif FP8_CACHE:
             v = v.to(dtype)
@@ -419,6 +432,7 @@ def paged_decode_attention(
     new_tokens: NewTokens | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_v_pairs: bool | None = None,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, D] over each sequence's first seq_lens[b] cached tokens -> [B, Hq, D].
 
@@ -438,6 +452,9 @@ def paged_decode_attention(
 
     block_n, num_warps, num_stages: the tile (keys per iteration) and launch shape; None takes
     default_tile's.
+
+    fp8_v_pairs: an FP8 cache's values read as 16-bit words and widened in registers (see the
+    kernel); None takes FP8_V_PAIRS (not measured on a GPU yet: off).
 
     merge_in_launch: how a split launch combines its partitions. True: the last partition of each
     (sequence, kv head) to finish merges them (one launch). False: every partition stores its
@@ -488,7 +505,9 @@ def paged_decode_attention(
         SPLIT=split, MERGE_IN_LAUNCH=launch.merge_in_launch, **dot_options(query.dtype),
         NEW_TOKEN=new_tokens is not None, HALF=half,
         QK_NORM=new_tokens is not None and new_tokens.qk_norm is not None, FP8_CACHE=fp8,
-        FP8_AS_F16=fp8 and query.dtype != torch.float32, num_warps=launch.num_warps,
+        FP8_AS_F16=fp8 and query.dtype != torch.float32,
+        FP8_V_PAIRS=fp8 and query.dtype != torch.float32 and _v_pairs_apply(kv_cache, head_dim, fp8_v_pairs),
+        num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **pdl_options(device),
     )
@@ -545,6 +564,19 @@ class _Launch:
     num_splits: int
     partition_size: int
     merge_in_launch: bool
+
+
+# Whether an FP8 cache's V tiles are read as 16-bit words (paged_decode_attention's fp8_v_pairs):
+# bench/kernels.py --fp8-decode-only times both; off until it has run on a GPU.
+FP8_V_PAIRS = False
+
+
+def _v_pairs_apply(kv_cache: torch.Tensor, head_dim: int, asked: bool | None) -> bool:
+    """fp8_v_pairs for this cache: asked (or FP8_V_PAIRS), where words can tile its rows (whole,
+    power-of-two head dims; even strides, as every cache the engine allocates has)."""
+    wanted = FP8_V_PAIRS if asked is None else asked
+    even = all(stride % 2 == 0 for stride in kv_cache.stride()[:4])
+    return wanted and head_dim == next_power_of_2(head_dim) and head_dim >= 2 and even
 
 
 def _pick_launch(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,

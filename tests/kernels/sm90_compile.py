@@ -66,11 +66,11 @@ def _is_constexpr(parameter: inspect.Parameter) -> bool:
     return parameter.annotation in (tl.constexpr, "tl.constexpr")
 
 
-def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> None:
+def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> str:
     """Compile the launch for sm_90 in a fresh process (the interpreter patches triton.language for
-    the life of its process); raises AssertionError with the compiler's message if it fails.
-    use_pdl: compile the programmatic-dependent-launch variant (what an H200 runs) where the kernel
-    has a USE_PDL constexpr."""
+    the life of its process) and return its PTX; raises AssertionError with the compiler's message
+    if it fails. use_pdl: compile the programmatic-dependent-launch variant (what an H200 runs)
+    where the kernel has a USE_PDL constexpr."""
     fn = launch.kernel.fn
     parameters = inspect.signature(fn).parameters
     dont_specialize = set(launch.kernel.do_not_specialize)
@@ -108,6 +108,7 @@ def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> None:
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(job)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{fn.__name__} does not compile for sm_90:\n{done.stderr[-3000:]}"
+    return done.stdout
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,5 +124,6 @@ jitted = JITFunction(fn, do_not_specialize=job["do_not_specialize"])
 constexprs = {(int(i),): v for i, v in job["constexprs"].items()}
 attrs = {(i,): [["tt.divisibility", 16]] for i in job["divisible"]}
 source = ASTSource(jitted, job["signature"], constexprs=constexprs, attrs=attrs)
-triton.compile(source, target=GPUTarget("cuda", 90, 32), options=job["options"])
+kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=job["options"])
+sys.stdout.write(kernel.asm["ptx"])
 """

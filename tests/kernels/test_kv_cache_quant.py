@@ -141,14 +141,16 @@ def fp8_and_float_caches(paged_cache, generator):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_on_fp8_cache(dtype, num_splits, fp8_and_float_caches, device, generator, tolerance):
+@pytest.mark.parametrize("v_pairs", [False, True], ids=["v-bytes", "v-pairs"])
+def test_paged_decode_on_fp8_cache(dtype, num_splits, v_pairs, fp8_and_float_caches, device, generator, tolerance):
+    # v_pairs: V read as 16-bit words and widened in registers (bfloat16 queries; float32 ignores it).
     float_cache, fp8_cache, block_tables = fp8_and_float_caches(dtype, SEQ_LENS)
     query = torch.randn(len(SEQ_LENS), NUM_Q_HEADS, HEAD_DIM, generator=generator).to(dtype).to(device)
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=device)
     scale = HEAD_DIM**-0.5
 
     out = paged_decode_attention(query, fp8_cache, block_tables, lens, scale, max(SEQ_LENS), num_splits=num_splits,
-                                 **TILE, **SCALES)
+                                 fp8_v_pairs=v_pairs, **TILE, **SCALES)
 
     same_cache = paged_decode_attention_reference(query, fp8_cache, block_tables, lens, scale, **SCALES)
     torch.testing.assert_close(out, same_cache, **tolerance(dtype))

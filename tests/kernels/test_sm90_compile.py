@@ -94,11 +94,9 @@ def test_sampling_compiles(config, outputs, monkeypatch):
     compile_sm90(launch)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("fills_device", [True, False], ids=["filled", "partitioned"])
-def test_paged_decode_attention_compiles_with_the_gpu_tiles(cache_dtype, fills_device, monkeypatch):
-    # Llama-3-8B's heads (32 query, 8 KV, 128 dims) with the tile the GPU takes for a batch that
-    # fills the device or not, as the decode step launches it (bf16 queries).
+def _decode_attention_ptx(monkeypatch, cache_dtype, fills_device, **kwargs) -> str:
+    """The sm_90 PTX of a decode attention launch at Llama-3-8B's heads (32 query, 8 KV, 128 dims)
+    with the tile the GPU takes for a batch that fills the device or not (bf16 queries)."""
     from gpuworker.kernels.paged_decode_attention import default_tile, paged_decode_attention
 
     launches = record_launches(monkeypatch)
@@ -106,6 +104,22 @@ def test_paged_decode_attention_compiles_with_the_gpu_tiles(cache_dtype, fills_d
     cache = torch.randn(2, 8, 16, 8, 128).to(cache_dtype)
     paged_decode_attention(torch.randn(2, 32, 128).bfloat16(), cache, torch.arange(8).reshape(2, 4).int(),
                            torch.tensor([50, 64]).int(), 0.088, 64, block_n=block_n, num_warps=num_warps,
-                           num_stages=num_stages, num_splits=1 if fills_device else 2)
+                           num_stages=num_stages, num_splits=1 if fills_device else 2, **kwargs)
     (launch,) = launches["_paged_decode_kernel"]
-    compile_sm90(launch)
+    return compile_sm90(launch)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fills_device", [True, False], ids=["filled", "partitioned"])
+def test_paged_decode_attention_compiles_with_the_gpu_tiles(cache_dtype, fills_device, monkeypatch):
+    ptx = _decode_attention_ptx(monkeypatch, cache_dtype, fills_device)
+    # Specialised as on the GPU, the tiles are copied to shared memory 16 bytes a thread at a time.
+    assert "cp.async.cg.shared.global" in ptx
+
+
+def test_fp8_values_read_as_words_are_not_gathered_a_byte_at_a_time(monkeypatch):
+    # The P.V dot reads V across positions: an FP8 tile (no transposing ldmatrix for 8-bit values)
+    # is gathered from shared memory with byte-wide loads, 128 a thread per 128-key tile; read as
+    # 16-bit words and widened in registers, none.
+    assert _decode_attention_ptx(monkeypatch, torch.float8_e4m3fn, True).count("ld.shared.b8") >= 64
+    assert _decode_attention_ptx(monkeypatch, torch.float8_e4m3fn, True, fp8_v_pairs=True).count("ld.shared.b8") == 0
