@@ -212,7 +212,9 @@ def _paged_decode_kernel(
         else:
             v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
                         mask=valid[:, None] & dim_mask[None, :], other=0.0)  # [N, D]
-        if FP8_AS_F16 and not FP8_V_PAIRS:
+        if FP8_V_PAIRS:
+            pass  # float16 already
+        elif FP8_AS_F16:
             v = v.to(tl.float16)
         elif FP8_CACHE:
             v = v.to(dtype)

@@ -122,4 +122,7 @@ def test_fp8_values_read_as_words_are_not_gathered_a_byte_at_a_time(monkeypatch)
     # is gathered from shared memory with byte-wide loads, 128 a thread per 128-key tile; read as
     # 16-bit words and widened in registers, none.
     assert _decode_attention_ptx(monkeypatch, torch.float8_e4m3fn, True).count("ld.shared.b8") >= 64
-    assert _decode_attention_ptx(monkeypatch, torch.float8_e4m3fn, True, fp8_v_pairs=True).count("ld.shared.b8") == 0
+    pairs = _decode_attention_ptx(monkeypatch, torch.float8_e4m3fn, True, fp8_v_pairs=True)
+    assert pairs.count("ld.shared.b8") == 0
+    # Both dots on float16 operands, as the byte path's (V widened once, not rounded on to bf16).
+    assert ".f16.f16.f32" in pairs and ".bf16.bf16.f32" not in pairs
