@@ -69,7 +69,7 @@ MIN_PROGRAMS, MAX_PROGRAMS = 2 * NUM_SMS, 8 * NUM_SMS
 
 def int4_candidates(n: int, k: int, group: int, *, on_cuda: bool):
     """Every INT4 tile with the split counts that fill the GPU (on a CPU: 1 and 3, for the check), the
-    baseline tile unsplit, and the config the kernel picks today."""
+    baseline tile unsplit, and the config the kernel picks today; each also with x read as words."""
     from gpuworker.kernels.int4_matmul import Int4GemvConfig, pick_gemv_config
 
     configs = [pick_gemv_config(n, k, group)]
@@ -86,6 +86,8 @@ def int4_candidates(n: int, k: int, group: int, *, on_cuda: bool):
                 MIN_PROGRAMS <= blocks * s <= MAX_PROGRAMS or (s == 1 and blocks >= NUM_SMS))]
             splits = splits or [min((1, 2, 4, 8, 16, 32), key=lambda s: abs(blocks * s - MIN_PROGRAMS))]
         configs += [replace(tile, split_k=s) for s in splits]
+    # Each with bfloat16 x read as 32-bit words too (half the loads of x, no conversions).
+    configs += [replace(c, x_words=True) for c in configs]
     unique = {c.name: c for c in configs}
     return list(unique.values())
 
@@ -234,7 +236,8 @@ def print_tables(rows: list[dict]) -> None:
         for r in int4:
             c = r["best"]
             print(f"    ({r['N']}, {r['K']}, {r['group']}): Int4GemvConfig(block_n={c.block_n}, block_k={c.block_k}, "
-                  f"num_warps={c.num_warps}, num_stages={c.num_stages}, split_k={c.split_k}),  "
+                  f"num_warps={c.num_warps}, num_stages={c.num_stages}, split_k={c.split_k}"
+                  + (", x_words=True" if c.x_words else "") + "),  "
                   f"# {r['shape']}: {r['best_us']:.1f} us, {r['best_GBps']:.0f} GB/s")
         print("}")
     fp8 = [r for r in rows if r["kernel"] == "fp8" and "best" in r]

@@ -135,10 +135,13 @@ class Int4GemvConfig:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    # bfloat16 x read as 32-bit words, two values each (half the loads, no conversions).
+    x_words: bool = False
 
     @property
     def name(self) -> str:
-        return f"int4-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}-s{self.split_k}"
+        return (f"int4-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}-s{self.split_k}"
+                + ("-xw" if self.x_words else ""))
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,8 @@ def pick_gemv_config(n: int, k: int, group_size: int) -> Int4GemvConfig:
 def _int4_gemv_kernel(
     x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, N, NUM_GROUPS,
     SPLIT_K, NIBBLE_MASK, GROUP_SIZE: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, X_WORDS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Each step loads GROUPS_PER_STEP whole groups, a [GROUPS_PER_STEP, ROWS, BLOCK_N] tile of packed
     # rows: a group's ROWS packed rows share one zero point and one scale per column, so
@@ -252,6 +256,8 @@ def _int4_gemv_kernel(
     z_ptrs = zeros_ptr + group_offsets
     s_ptrs = scales_ptr + group_offsets
     x_ptrs = x_ptr + ps * 8
+    if X_WORDS:  # bfloat16 x read as uint32 words, two values each (4-byte aligned: the launcher checks)
+        xw_ptrs = x_ptr.to(tl.pointer_type(tl.uint32)) + ps * 4
     acc = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
     for step in tl.range(step_start, step_end, num_stages=NUM_STAGES):
         if MASKED:  # a column tail or a last step past the last group
@@ -276,11 +282,24 @@ def _int4_gemv_kernel(
         qx = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
         xs = tl.zeros((GROUPS_PER_STEP, ROWS), dtype=tl.float32)
         for j in tl.static_range(8):
-            if MASKED:
+            if X_WORDS:
+                # Half the loads of x and no conversion: bfloat16 is float32's top half, so the
+                # even value is the word shifted up and the odd one the word's top half in place.
+                if j % 2 == 0:
+                    if MASKED:
+                        x_word = tl.load(xw_ptrs + j // 2, mask=x_mask, other=0, eviction_policy="evict_last")
+                    else:
+                        x_word = tl.load(xw_ptrs + j // 2, eviction_policy="evict_last")
+                    x = (x_word << 16).to(tl.float32, bitcast=True)
+                else:
+                    x = (x_word & 0xFFFF0000).to(tl.float32, bitcast=True)
+            elif MASKED:
                 x = tl.load(x_ptrs + j, mask=x_mask, other=0.0, eviction_policy="evict_last")
             else:
                 x = tl.load(x_ptrs + j, eviction_policy="evict_last")
-            if x_ptr.dtype.element_ty == tl.bfloat16:
+            if X_WORDS:
+                pass  # float32 already
+            elif x_ptr.dtype.element_ty == tl.bfloat16:
                 # bfloat16 is float32's top half. Triton's own conversion converted each x twice (its
                 # pairwise conversion of a layout that holds every x twice per thread).
                 x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
@@ -296,6 +315,8 @@ def _int4_gemv_kernel(
         z_ptrs += GROUPS_PER_STEP * N
         s_ptrs += GROUPS_PER_STEP * N
         x_ptrs += GROUPS_PER_STEP * GROUP_SIZE
+        if X_WORDS:
+            xw_ptrs += GROUPS_PER_STEP * GROUP_SIZE // 2
     out = tl.sum(tl.sum(acc, axis=1), axis=0)
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -341,7 +362,9 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sc
         x, qweight, zeros, scales, bias if bias is not None else scales, out, partial, counters, n, num_groups,
         config.split_k, 0xF, GROUP_SIZE=group_size, GROUPS_PER_STEP=groups_per_step, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, MASKED=bool(n % config.block_n or num_groups % groups_per_step),
-        HAS_BIAS=bias is not None, num_warps=config.num_warps, **pdl_options(x.device))
+        HAS_BIAS=bias is not None,
+        X_WORDS=config.x_words and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0,
+        num_warps=config.num_warps, **pdl_options(x.device))
 
 
 def check_gemv_config(config: Int4GemvConfig) -> None:

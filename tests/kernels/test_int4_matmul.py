@@ -4,6 +4,8 @@ zero points each loader produces; pack_rows / unpack_rows round trips."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -163,6 +165,8 @@ GEMV_CONFIGS = [
     Int4GemvConfig(block_n=8, block_k=64, num_warps=2, num_stages=1, split_k=4),
     Int4GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=3, split_k=3),
     Int4GemvConfig(block_n=64, block_k=512, num_warps=4, num_stages=3, split_k=16),
+    Int4GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=3, split_k=3, x_words=True),
+    Int4GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=2, x_words=True),
 ]
 GEMV_SHAPES = [(37, 104, 8), (70, 160, 16), (40, 352, 32), (32, 512, 128)] if not ON_CUDA else [
     (6144, 4096, 128), (4096, 14336, 128), (1000, 4160, 32), (37, 1024, 256)]
@@ -177,6 +181,19 @@ def test_one_row_gemv_configs(config, n, k, group, device, generator, tolerance)
         bias = torch.randn(n, generator=generator).to(dtype).to(device)
         torch.testing.assert_close(int4_matmul(x, qweight, zeros, scales, group, bias, gemv_config=config),
                                    int4_matmul_reference(x, qweight, zeros, scales, group, bias), **tolerance(dtype))
+
+
+def test_x_read_as_words_gives_the_same_bits(device, generator):
+    # bfloat16 x read as 32-bit words is the same float32 values in the same order: the same output,
+    # bit for bit; an x not 4-byte aligned (a view one value in) is read value by value instead.
+    n, k, group = (4096, 4096, 128) if ON_CUDA else (72, 256, 32)
+    qweight, zeros, scales, _ = _packed(generator, device, n=n, k=k, group=group)
+    buffer = torch.randn(1, k + 1, generator=generator).to(torch.bfloat16).to(device)
+    config = Int4GemvConfig(block_n=32, block_k=2 * group, num_warps=4, num_stages=2, split_k=2)
+    for x in (buffer[:, :k], buffer[:, 1:]):
+        by_value = int4_matmul(x, qweight, zeros, scales, group, gemv_config=config)
+        by_word = int4_matmul(x, qweight, zeros, scales, group, gemv_config=replace(config, x_words=True))
+        assert torch.equal(by_word, by_value)
 
 
 @pytest.mark.parametrize("zero_points", ["awq", "gptq-sym", "gptq-asym"])

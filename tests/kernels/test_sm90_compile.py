@@ -28,15 +28,18 @@ def _int4_operands(n=64, k=256, group=128):
     return qweight, zeros, scales, group
 
 
+@pytest.mark.parametrize("x_words", [False, True], ids=["x-values", "x-words"])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_int4_gemv_compiles_unsplit_and_split(split_k, monkeypatch):
+def test_int4_gemv_compiles_unsplit_and_split(split_k, x_words, monkeypatch):
     launches = record_launches(monkeypatch)
     qweight, zeros, scales, group = _int4_operands()
     x = torch.randn(1, 256).to(torch.bfloat16)
-    config = Int4GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split_k)
+    config = Int4GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=split_k, x_words=x_words)
     int4_matmul(x, qweight, zeros, scales, group, gemv_config=config)
     (launch,) = launches["_int4_gemv_kernel"]
-    compile_sm90(launch)
+    ptx = compile_sm90(launch)
+    # x read as words: 32-bit loads only, and no 16-bit value widened by a conversion.
+    assert ("cvt.u32.u16" in ptx) != x_words
 
 
 @pytest.mark.parametrize("rows", [4, 12])
