@@ -575,9 +575,9 @@ FP8_V_PAIRS = False
 
 def _v_pairs_apply(kv_cache: torch.Tensor, head_dim: int, asked: bool | None) -> bool:
     """fp8_v_pairs for this cache: asked (or FP8_V_PAIRS), where words can tile its rows (whole,
-    power-of-two head dims; even strides, as every cache the engine allocates has)."""
+    power-of-two head dims; an even address and even strides, as every cache the engine allocates has)."""
     wanted = FP8_V_PAIRS if asked is None else asked
-    even = all(stride % 2 == 0 for stride in kv_cache.stride()[:4])
+    even = kv_cache.data_ptr() % 2 == 0 and all(stride % 2 == 0 for stride in kv_cache.stride()[:4])
     return wanted and head_dim == next_power_of_2(head_dim) and head_dim >= 2 and even
 
 
