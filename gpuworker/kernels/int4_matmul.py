@@ -86,15 +86,11 @@ def _int4_matmul_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += (BLOCK_K // 8) * N
     if SWAP_AB:
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None],
-                 acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
-    else:
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N], once a tile
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def _dequantize_kernel(
@@ -293,18 +289,17 @@ def _int4_gemv_kernel(
                     x = (x_word << 16).to(tl.float32, bitcast=True)
                 else:
                     x = (x_word & 0xFFFF0000).to(tl.float32, bitcast=True)
-            elif MASKED:
-                x = tl.load(x_ptrs + j, mask=x_mask, other=0.0, eviction_policy="evict_last")
             else:
-                x = tl.load(x_ptrs + j, eviction_policy="evict_last")
-            if X_WORDS:
-                pass  # float32 already
-            elif x_ptr.dtype.element_ty == tl.bfloat16:
-                # bfloat16 is float32's top half. Triton's own conversion converted each x twice (its
-                # pairwise conversion of a layout that holds every x twice per thread).
-                x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-            else:
-                x = x.to(tl.float32)
+                if MASKED:
+                    x = tl.load(x_ptrs + j, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                else:
+                    x = tl.load(x_ptrs + j, eviction_policy="evict_last")
+                if x_ptr.dtype.element_ty == tl.bfloat16:
+                    # bfloat16 is float32's top half. Triton's own conversion converted each x twice
+                    # (its pairwise conversion of a layout that holds every x twice per thread).
+                    x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                else:
+                    x = x.to(tl.float32)
             word = low if j < 4 else high
             bits = (word & (NIBBLE_MASK << (4 * (j % 4))).to(tl.uint32)) | ((150 - 4 * (j % 4)) << 23)
             q = bits.to(tl.float32, bitcast=True) - float(2 ** (23 - 4 * (j % 4)))

@@ -212,12 +212,10 @@ def _paged_decode_kernel(
         else:
             v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
                         mask=valid[:, None] & dim_mask[None, :], other=0.0)  # [N, D]
-        if FP8_V_PAIRS:
-            pass  # float16 already
-        elif FP8_AS_F16:
-            v = v.to(tl.float16)
-        elif FP8_CACHE:
-            v = v.to(dtype)
+            if FP8_AS_F16:
+                v = v.to(tl.float16)
+            elif FP8_CACHE:
+                v = v.to(dtype)
         if DOT_FP32:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
@@ -493,6 +491,7 @@ def paged_decode_attention(
         counters = seq_lens
     rotary_args, rotary_strides = _new_token_operands(new_tokens, query, seq_lens)
     fp8 = is_fp8_cache(kv_cache)
+    fp8_as_f16 = fp8 and query.dtype != torch.float32
     k_scale, v_scale = check_kv_scales(k_scale, v_scale)
     _paged_decode[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, block_tables, seq_lens,
@@ -507,8 +506,7 @@ def paged_decode_attention(
         SPLIT=split, MERGE_IN_LAUNCH=launch.merge_in_launch, **dot_options(query.dtype),
         NEW_TOKEN=new_tokens is not None, HALF=half,
         QK_NORM=new_tokens is not None and new_tokens.qk_norm is not None, FP8_CACHE=fp8,
-        FP8_AS_F16=fp8 and query.dtype != torch.float32,
-        FP8_V_PAIRS=fp8 and query.dtype != torch.float32 and _v_pairs_apply(kv_cache, head_dim, fp8_v_pairs),
+        FP8_AS_F16=fp8_as_f16, FP8_V_PAIRS=fp8_as_f16 and _v_pairs_apply(kv_cache, head_dim, fp8_v_pairs),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **pdl_options(device),
