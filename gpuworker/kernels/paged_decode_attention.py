@@ -454,7 +454,7 @@ def paged_decode_attention(
     default_tile's.
 
     fp8_v_pairs: an FP8 cache's values read as 16-bit words and widened in registers (see the
-    kernel); None takes FP8_V_PAIRS (not measured on a GPU yet: off).
+    kernel); None takes FP8_V_PAIRS (on: faster on the H200).
 
     merge_in_launch: how a split launch combines its partitions. True: the last partition of each
     (sequence, kv head) to finish merges them (one launch). False: every partition stores its
@@ -567,8 +567,9 @@ class _Launch:
 
 
 # Whether an FP8 cache's V tiles are read as 16-bit words (paged_decode_attention's fp8_v_pairs):
-# bench/kernels.py --fp8-decode-only times both; off until it has run on a GPU.
-FP8_V_PAIRS = False
+# bench/kernels.py --fp8-decode-only on the H200 (2026-12-02, BENCHMARKS.md): with the default
+# 128-key, 4-warp, 3-stage tile 1.07x -> 1.22x bf16's speed at batch 512, 1.17x -> 1.33x at 256.
+FP8_V_PAIRS = True
 
 
 def _v_pairs_apply(kv_cache: torch.Tensor, head_dim: int, asked: bool | None) -> bool:
