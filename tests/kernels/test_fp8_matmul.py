@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpuworker.kernels import fp8_matmul as fp8_module
 from gpuworker.kernels.fp8_matmul import (FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference,
                                           quantize_fp8_rows, quantize_fp8_rows_reference)
 
@@ -58,9 +59,12 @@ def test_quantize_rows(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
-def test_quantize_rows_kernel_gives_the_references_bytes(dtype, static, device, generator):
-    # K past one block (2,048) with a tail; rows of very different magnitudes, one all zero, one with
-    # values the static scale saturates.
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_quantize_rows_kernel_gives_the_references_bytes(dtype, static, one_pass, device, generator, monkeypatch):
+    # K past one block (2,048) with a tail, held whole in registers or read twice in blocks; rows of
+    # very different magnitudes, one all zero, one with values the static scale saturates.
+    if not one_pass:
+        monkeypatch.setattr(fp8_module, "ONE_PASS_MAX", 1024)
     k = 3000 if not ON_CUDA else 14336
     x = torch.randn(5, k, generator=generator) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 500.0])[:, None]
     x = x.to(dtype).to(device)

@@ -8,6 +8,8 @@ every unsplit config failed on the H200 (bench/quant_gemv.py, 2026-12-02).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -82,6 +84,8 @@ def test_fp8_row_quantization_compiles(static, monkeypatch):
     # Every FP8 GEMM's activations pass through here: 16 bytes a load, not a 16-bit value (with K
     # unspecialised, its row mask was unknown in every lane, and each value was loaded and stored alone).
     assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx and "st.global.b8" not in ptx
+    # A 4,096-wide row is held in registers and read once: no loop (two loops, a read each, before).
+    assert not re.search(r"\bbra\b", ptx)
 
 
 @pytest.mark.parametrize("config", [DEFAULT_CONFIG, BASELINE_CONFIG], ids=lambda config: config.name)
