@@ -22,7 +22,13 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 def quantize(x, scale):
     """x / scale (IEEE division, as torch's) clamped to +-FP8_MAX and rounded to the nearest e4m3
     value, ties to even, as float32: the cast to float8e4nv that follows changes nothing."""
-    x = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -_FP8_MAX, _FP8_MAX)
+    return round_to_e4m3(tl.math.div_rn(x.to(tl.float32), scale))
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """float32 x clamped to +-FP8_MAX and rounded to the nearest e4m3 value, ties to even, as float32."""
+    x = tl.clamp(x, -_FP8_MAX, _FP8_MAX)
     # e4m3 keeps 3 mantissa bits: values in [2^e, 2^(e+1)) are multiples of 2^(e-3); below the
     # smallest normal (2^-6) the subnormals are multiples of 2^-9.
     exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)

@@ -152,8 +152,10 @@ def check_tensor(
     ndim: int | None = None,
     dtypes: Iterable[torch.dtype] | None = None,
     device: torch.device | None = None,
+    for_kernel: bool = True,
 ) -> None:
-    """Raise ValueError naming `name` when `tensor` is not a tensor of the expected rank/dtype/device."""
+    """Raise ValueError naming `name` when `tensor` is not a tensor of the expected rank/dtype/device.
+    for_kernel=False: the tensor goes to torch ops, so any device will do."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if ndim is not None and tensor.dim() != ndim:
@@ -165,7 +167,7 @@ def check_tensor(
             raise ValueError(f"{name} must have dtype in ({names}), got {tensor.dtype}")
     if device is not None and tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device} but the other inputs are on {device}")
-    if tensor.device.type != "cuda" and not interpreting():
+    if for_kernel and tensor.device.type != "cuda" and not interpreting():
         raise ValueError(
             f"{name} is on {tensor.device}: Triton kernels need CUDA tensors "
             "(or TRITON_INTERPRET=1 to run them on the CPU interpreter)"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gpuworker.kernels import fp8_matmul as fp8_module
+from gpuworker.kernels import launch as launch_module
 from gpuworker.kernels.fp8_matmul import (FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference,
                                           quantize_fp8_rows, quantize_fp8_rows_reference)
 
@@ -74,6 +75,17 @@ def test_quantize_rows_kernel_gives_the_references_bytes(dtype, static, one_pass
     assert q.shape == x.shape and q.dtype == FP8_DTYPE and scale.shape == (5,)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.float(), q_ref.float())  # the same values (a zero may lose its sign)
+
+
+def test_quantize_rows_of_a_host_tensor_take_torch_ops(monkeypatch, generator):
+    # A CPU tensor on a machine whose kernels run on the GPU (no interpreter): quantizing a host
+    # checkpoint, or a test's weights, takes the reference instead of refusing the tensor.
+    monkeypatch.setattr(launch_module, "interpreting", lambda: False)
+    x = torch.randn(3, 64, generator=generator)
+    for static_scale in (None, torch.tensor(0.01)):
+        q, scale = quantize_fp8_rows(x, static_scale)
+        q_ref, scale_ref = quantize_fp8_rows_reference(x, static_scale)
+        assert torch.equal(q.float(), q_ref.float()) and torch.equal(scale, scale_ref)
 
 
 def test_quantize_rows_takes_strided_rows(device, generator):
