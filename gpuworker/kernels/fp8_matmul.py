@@ -218,16 +218,20 @@ def quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None,
     return q, scale
 
 
-def quantize_fp8_rows_reference(x: torch.Tensor,
-                                static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows_reference(x: torch.Tensor, static_scale: torch.Tensor | None = None, *,
+                                exact_division: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_fp8_rows in torch ops. The scale and its reciprocal are divisions computed in float64
     and rounded to float32, which is the correctly rounded float32 quotient on every device (torch's
-    CUDA division by a scalar multiplies by its reciprocal instead: the last bit differed on the H200)."""
+    CUDA division by a scalar multiplies by its reciprocal instead: the last bit differed on the H200).
+
+    exact_division: x / scale correctly rounded, as llm-compressor quantizes weights (Fp8Linear's
+    fp8-at-load), instead of x times the scale's reciprocal (the kernel's, as vLLM quantizes per-token
+    activations). They differ where a quotient lies within a float32 unit of the point halfway between
+    two e4m3 values: about one value in a million."""
     x32 = x.float()
     if static_scale is None:
         scale = (x32.abs().amax(dim=-1).clamp(min=1e-12).double() / FP8_MAX).float()
     else:
         scale = static_scale.float().reshape(1).expand(x.shape[0])
-    inverse = (1.0 / scale.double()).float()
-    q = (x32 * inverse[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale.contiguous()
+    scaled = x32 / scale[:, None] if exact_division else x32 * (1.0 / scale.double()).float()[:, None]
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from gpuworker.kernels.fp8_matmul import FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference, quantize_fp8_rows
+from gpuworker.kernels.fp8_matmul import (FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference, quantize_fp8_rows,
+                                          quantize_fp8_rows_reference)
 from gpuworker.kernels.gemv import gemv
 from gpuworker.models.quantization.linear import QuantizedLinear
 
@@ -45,7 +46,8 @@ class Fp8Linear(QuantizedLinear):
             weight = staged["weight"]
             self._check_shape(i, "weight", weight, (rows, self.in_features))
             if self.quant.checkpoint_format == "fp8-at-load":
-                weight, scale = quantize_fp8_rows(weight)
+                # Per output channel, divided as llm-compressor divides (a one-time cost at load).
+                weight, scale = quantize_fp8_rows_reference(weight, exact_division=True)
             else:
                 if weight.dtype != FP8_DTYPE:
                     raise ValueError(f"{self.checkpoint_names[i]}.weight has dtype {weight.dtype}, "
