@@ -51,8 +51,11 @@ def _fp8_matmul_kernel(
             acc += tl.sum(tl.trans(x).to(tl.float32) * w.to(tl.float32), axis=0)[None, :]
         elif UPCAST:  # float32 x, or the interpreter: products in float32
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
-        elif HAS_X_SCALE:  # FP8 x FP8 on the tensor cores
-            acc = tl.dot(x, w, acc)
+        elif HAS_X_SCALE:
+            # FP8 x FP8 on the tensor cores, each K tile's sum added in float32 here: Hopper's FP8 MMAs
+            # accumulate with fewer bits than float32 (left in the MMA over K = 4096, outputs were off
+            # by ~1e-3 relative on the H200), so a tile's sum leaves them after BLOCK_K (128) products.
+            acc += tl.dot(x, w)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)

@@ -17,6 +17,11 @@ N, K = (6144, 4096) if ON_CUDA else (72, 80)
 ROWS = (1, 16, 17, 256) if ON_CUDA else (1, 17, 40)
 
 
+def _tolerance(tolerance, dtype):
+    # float32 sums over K = 4096 (the GPU's shape) in another order than torch's differ by ~2e-5.
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 and ON_CUDA else tolerance(dtype)
+
+
 def _weight(generator, device):
     weight = torch.randn(N, K, generator=generator) / K**0.5
     q, scale = quantize_fp8_rows(weight)
@@ -31,7 +36,7 @@ def test_float_activations(rows, dtype, device, generator, tolerance):
     bias = torch.randn(N, generator=generator).to(dtype).to(device)
     got = fp8_matmul(x, weight, scale, bias=bias)
     assert got.shape == (rows, N) and got.dtype == dtype
-    torch.testing.assert_close(got, fp8_matmul_reference(x, weight, scale, bias=bias), **tolerance(dtype))
+    torch.testing.assert_close(got, fp8_matmul_reference(x, weight, scale, bias=bias), **_tolerance(tolerance, dtype))
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -43,7 +48,10 @@ def test_fp8_activations(rows, dtype, static, device, generator, tolerance):
     x_q, x_scale = quantize_fp8_rows(x, torch.tensor(3.0 / FP8_MAX, device=device) if static else None)
     got = fp8_matmul(x_q, weight, scale, x_scale=x_scale, out_dtype=dtype)
     expected = fp8_matmul_reference(x_q, weight, scale, x_scale=x_scale, out_dtype=dtype)
-    torch.testing.assert_close(got, expected, **tolerance(dtype))
+    # Hopper's FP8 MMAs sum a 128-product K tile with fewer bits than float32 (the kernel adds the
+    # tiles in float32): up to 8.6e-4 off at K = 4096 on the H200 (2.3e-2 with the sum left in the MMA).
+    fp8_mma = {"atol": 2e-3, "rtol": 2e-3} if dtype == torch.float32 and ON_CUDA else _tolerance(tolerance, dtype)
+    torch.testing.assert_close(got, expected, **fp8_mma)
 
 
 def test_quantize_rows(device):
