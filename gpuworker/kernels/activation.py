@@ -2,7 +2,9 @@
 
 One read of [T, 2I] and one write of [T, I] instead of eager torch's three kernels (silu, the
 strided split, the product). Numerics follow transformers' Llama MLP in the activation dtype: silu
-is computed in float32 and rounded, then the product is rounded again.
+is computed in float32 and rounded, then the product is rounded again. silu_and_mul_fp8 also
+quantizes each row to FP8 for an FP8 down projection (one write of one byte a value, and no
+quantizer launch reading the output back).
 """
 
 from __future__ import annotations
@@ -10,14 +12,19 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit, pdl_options
+from gpuworker.kernels import kv_cache_fp8
+from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit, next_power_of_2, pdl_options
 
 # Columns one program handles; a row of Llama-3-8B's 14336 takes 14 programs.
 BLOCK = 1024
+# The widest row silu_and_mul_fp8 quantizes in one program (32 values of each half a thread at 16 warps).
+MAX_FP8_ROW = 16384
 
 
 def _silu_and_mul_kernel(
-    gate_up_ptr, out_ptr, stride_in, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    gate_up_ptr, out_ptr, scale_ptr, stride_in, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
+    FP8_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -29,8 +36,13 @@ def _silu_and_mul_kernel(
     up = tl.load(gate_up_ptr + row * stride_in + INTERMEDIATE + cols, mask=mask, other=0.0)
     g32 = gate.to(tl.float32)
     activated = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-    out = activated.to(tl.float32) * up.to(tl.float32)
-    tl.store(out_ptr + row * INTERMEDIATE + cols, out.to(gate.dtype), mask=mask)
+    out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    if FP8_OUT:  # the program holds the whole row (lanes past it are zero): quantized per row here
+        q, scale = kv_cache_fp8.quantize_row(out.to(tl.float32))
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * INTERMEDIATE + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * INTERMEDIATE + cols, out, mask=mask)
 
 
 _silu_and_mul = lazy_jit(_silu_and_mul_kernel)
@@ -38,20 +50,41 @@ _silu_and_mul = lazy_jit(_silu_and_mul_kernel)
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] (gate first, last dim contiguous) -> silu(gate) * up [T, I], contiguous."""
+    num_tokens, intermediate = _checked(gate_up)
+    out = torch.empty(num_tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens:
+        _silu_and_mul[(num_tokens, -(-intermediate // BLOCK))](
+            gate_up, out, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=BLOCK, FP8_OUT=False,
+            num_warps=4, **pdl_options(gate_up.device))
+    return out
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul with its output quantized to FP8 per row in the same launch, the input of an FP8
+    down projection: (float8_e4m3fn [T, I], float32 scale [T]), bit for bit quantize_fp8_rows of
+    silu_and_mul's output, without writing and reading that output. One program holds a row."""
+    num_tokens, intermediate = _checked(gate_up)
+    if intermediate > MAX_FP8_ROW:
+        raise ValueError(f"gate_up's half width {intermediate} exceeds the FP8 launch's row of {MAX_FP8_ROW}")
+    q = torch.empty(num_tokens, intermediate, dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty(num_tokens, dtype=torch.float32, device=gate_up.device)
+    if num_tokens:
+        block = next_power_of_2(intermediate)
+        _silu_and_mul[(num_tokens, 1)](
+            gate_up, q, scale, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=block, FP8_OUT=True,
+            num_warps=min(16, max(4, block // 1024)), **pdl_options(gate_up.device))
+    return q, scale
+
+
+def _checked(gate_up: torch.Tensor) -> tuple[int, int]:
+    """gate_up's rows and half width (the intermediate size)."""
     check_tensor("gate_up", gate_up, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up's last dimension must be even (gate then up), got {width}")
     if gate_up.stride(1) != 1:
         raise ValueError("gate_up's last dimension must be contiguous")
-    intermediate = width // 2
-    out = torch.empty(num_tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
-    if num_tokens == 0:
-        return out
-    _silu_and_mul[(num_tokens, -(-intermediate // BLOCK))](
-        gate_up, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=BLOCK, num_warps=4,
-        **pdl_options(gate_up.device))
-    return out
+    return num_tokens, width // 2
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:

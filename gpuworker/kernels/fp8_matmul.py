@@ -156,11 +156,11 @@ def _quantize_rows_kernel(
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         if STATIC:
             scale = tl.load(static_scale_ptr).to(tl.float32)
+            q = kv_cache_fp8.round_to_e4m3(x * tl.math.div_rn(1.0, scale))
         else:
-            scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX_VALUE)
+            q, scale = kv_cache_fp8.quantize_row(x)
         tl.store(scale_ptr + row, scale)
-        inverse = tl.math.div_rn(1.0, scale)
-        tl.store(q_row + offs, kv_cache_fp8.round_to_e4m3(x * inverse).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         if STATIC:
             scale = tl.load(static_scale_ptr).to(tl.float32)

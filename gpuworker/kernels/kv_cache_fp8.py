@@ -26,6 +26,16 @@ def quantize(x, scale):
 
 
 @triton.jit
+def quantize_row(x):
+    """A float32 row held in registers (lanes past its end zero) -> (its FP8 values as float32, its
+    scale): per-token dynamic quantization, the scale mapping the row's largest magnitude to FP8_MAX
+    and the values multiplied by its reciprocal (both correctly rounded divisions, once a row), as
+    fp8_matmul.quantize_fp8_rows_reference computes them."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), _FP8_MAX)
+    return round_to_e4m3(x * tl.math.div_rn(1.0, scale)), scale
+
+
+@triton.jit
 def round_to_e4m3(x):
     """float32 x clamped to +-FP8_MAX and rounded to the nearest e4m3 value, ties to even, as float32."""
     x = tl.clamp(x, -_FP8_MAX, _FP8_MAX)

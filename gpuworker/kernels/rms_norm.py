@@ -2,7 +2,8 @@
 
 Numerics follow transformers' Llama (and gpuworker.models.layers.RMSNorm): the residual sum is
 rounded to the activation dtype as an eager `hidden + residual` would be, the norm is computed in
-float32, cast back, then multiplied by the weight in the weight's dtype.
+float32, cast back, then multiplied by the weight in the weight's dtype. rms_norm_fp8 also quantizes
+each output row to FP8 for an FP8 projection after the norm.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from gpuworker.kernels import kv_cache_fp8
+from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_shape,
                                       check_tensor, lazy_jit, next_power_of_2, pdl_options)
 
@@ -18,10 +21,10 @@ MAX_HIDDEN = 32768
 
 
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
     stride_x_outer, stride_x_inner, stride_residual_outer, stride_residual_inner,
     eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
@@ -43,7 +46,12 @@ def _rms_norm_kernel(
     normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = normed.to(tl.float32) * weight.to(tl.float32)
-    tl.store(out_ptr + row * HIDDEN + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_OUT:  # the output rounded to x's dtype (as rms_norm stores it), then quantized per row
+        q, scale = kv_cache_fp8.quantize_row(out.to(x.dtype).to(tl.float32))
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * HIDDEN + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * HIDDEN + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _rms_norm = lazy_jit(_rms_norm_kernel)
@@ -73,23 +81,44 @@ def rms_norm(
     is x's dtype promoted with the weight's, as in eager torch.
     """
     _check(x, weight, residual)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    residual_out = _launch(x, weight, eps, residual, out, None)
+    return out if residual is None else (out, residual_out)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """rms_norm of x [T, H] with its output quantized to FP8 per row in the same launch, the input of
+    an FP8 projection: (float8_e4m3fn [T, H], float32 scale [T]), bit for bit quantize_fp8_rows of
+    rms_norm's output, without writing and reading that output. With `residual`: ((q, scale), s)."""
+    _check(x, weight, residual)
+    if x.dim() != 2 or weight.dtype != x.dtype:
+        raise ValueError(f"rms_norm_fp8 takes x [T, H] and a weight of x's dtype, got x {tuple(x.shape)} "
+                         f"{x.dtype} and weight {weight.dtype}")
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    residual_out = _launch(x, weight, eps, residual, q, scale)
+    return (q, scale) if residual is None else ((q, scale), residual_out)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, out: torch.Tensor,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    """One launch writing out (and, with scale, FP8 values and their row scales); returns the
+    residual sum (out itself without a residual)."""
     hidden, device = x.shape[-1], x.device
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=device) if residual is not None else out
     if x.numel() == 0:
-        return out if residual is None else (out, residual_out)
-
+        return residual_out
     x3 = _as_3d(x)
     r3 = _as_3d(residual) if residual is not None else x3
     block = next_power_of_2(hidden)
     _rms_norm[(x3.shape[0], x3.shape[1])](
-        x3, r3, weight, out, residual_out,
+        x3, r3, weight, out, residual_out, scale if scale is not None else weight,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         float(eps),
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, FP8_OUT=scale is not None,
         num_warps=max(1, min(16, block // 512)), **pdl_options(device),
     )
-    return out if residual is None else (out, residual_out)
+    return residual_out
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:

@@ -69,10 +69,25 @@ def norm_then_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor,
         config = tuned_config(x, linear.weight)
         if config is not None and fuses_rms_norm(config) and x.dtype == norm.weight.dtype:
             return gemv_rms_norm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config=config)
+    if _takes_quantized_input(linear, x) and x.dtype == norm.weight.dtype:
+        from gpuworker.kernels.rms_norm import rms_norm_fp8
+
+        if residual is None:
+            return linear.forward_quantized(*rms_norm_fp8(x, norm.weight, norm.eps), x.dtype), x
+        quantized, residual = rms_norm_fp8(x, norm.weight, norm.eps, residual)
+        return linear.forward_quantized(*quantized, x.dtype), residual
     if residual is None:
         return linear(norm(x)), x
     normed, residual = norm(x, residual)
     return linear(normed), residual
+
+
+def _takes_quantized_input(linear: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `linear` is a dynamic FP8 projection that takes x [T, in] quantized by the kernel
+    producing it (Fp8Linear.takes_quantized_input)."""
+    from gpuworker.models.quantization.fp8 import Fp8Linear
+
+    return isinstance(linear, Fp8Linear) and linear.takes_quantized_input(x)
 
 
 class GatedMLP(nn.Module):
@@ -87,6 +102,10 @@ class GatedMLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """Everything after gate_up_proj (which the decoder layer runs fused with its norm):
         down(silu(gate) * up)."""
+        if _takes_quantized_input(self.down_proj, gate_up[:, : self.intermediate_size]):
+            from gpuworker.kernels.activation import silu_and_mul_fp8
+
+            return self.down_proj.forward_quantized(*silu_and_mul_fp8(gate_up), gate_up.dtype)
         if gate_up.is_cuda:  # one kernel instead of silu, then the product
             from gpuworker.kernels.activation import silu_and_mul
             from gpuworker.kernels.gemv import gemv, tuned_config

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.rms_norm import MAX_HIDDEN, rms_norm, rms_norm_reference
+from gpuworker.kernels.fp8_matmul import FP8_DTYPE, quantize_fp8_rows
+from gpuworker.kernels.rms_norm import MAX_HIDDEN, rms_norm, rms_norm_fp8, rms_norm_reference
 
 ON_CUDA = torch.cuda.is_available()
 # Llama-3-8B's hidden size over a prefill-sized batch on the GPU; a small odd width in the interpreter.
@@ -70,3 +71,35 @@ def test_rejects_bad_arguments(device):
         rms_norm(torch.zeros(16, 3, device=device).t(), torch.zeros(16, device=device), 1e-5)
     with pytest.raises(ValueError, match="exceeds the kernel's limit"):
         rms_norm(torch.zeros(1, MAX_HIDDEN + 1, device=device), torch.zeros(MAX_HIDDEN + 1, device=device), 1e-5)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("hidden", [96, 4096])
+def test_fp8_output_is_the_quantized_norm_bit_for_bit(with_residual, hidden, device, generator):
+    # The input of an FP8 projection quantized in the norm's own launch: the same bytes and scales as
+    # quantize_fp8_rows of rms_norm's bfloat16 output (a row all zero included), the same residual sum.
+    x = (4 * torch.randn(5, hidden, generator=generator)).to(torch.bfloat16)
+    x[3] = 0
+    residual = torch.randn(5, hidden, generator=generator).to(torch.bfloat16) if with_residual else None
+    weight = (1 + torch.rand(hidden, generator=generator)).to(torch.bfloat16)
+    x, weight = x.to(device), weight.to(device)
+    residual = residual.to(device) if residual is not None else None
+    got = rms_norm_fp8(x, weight, 1e-5, residual)
+    unfused = rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        (q, scale), stream = got
+        unfused, expected_stream = unfused
+        assert torch.equal(stream, expected_stream)
+    else:
+        q, scale = got
+    q_ref, scale_ref = quantize_fp8_rows(unfused, use_kernel=True)
+    assert q.dtype == FP8_DTYPE and scale.shape == (5,)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
+
+
+def test_fp8_output_refuses_what_it_cannot_quantize_per_row(device):
+    x = torch.zeros(2, 3, 16, device=device)
+    with pytest.raises(ValueError, match=r"x \[T, H\]"):
+        rms_norm_fp8(x, torch.ones(16, device=device), 1e-5)
+    with pytest.raises(ValueError, match="weight of x's dtype"):
+        rms_norm_fp8(x[0], torch.ones(16, device=device, dtype=torch.bfloat16), 1e-5)

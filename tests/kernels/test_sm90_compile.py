@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from gpuworker.kernels import int4_matmul as int4_module
+from gpuworker.kernels.activation import silu_and_mul_fp8
 from gpuworker.kernels.fp8_matmul import quantize_fp8_rows
+from gpuworker.kernels.rms_norm import rms_norm_fp8
 from gpuworker.kernels.int4_matmul import Int4GemvConfig, dequantize_int4_to, int4_matmul, pack_rows
 from gpuworker.kernels.sampling import BASELINE_CONFIG, DEFAULT_CONFIG, sample
 from tests.kernels.sm90_compile import compile_sm90, record_launches
@@ -139,3 +141,15 @@ def test_fp8_values_read_as_words_are_not_gathered_a_byte_at_a_time(monkeypatch)
     assert pairs.count("ld.shared.b8") == 0
     # Both dots on float16 operands, as the byte path's (V widened once, not rounded on to bf16).
     assert ".f16.f16.f32" in pairs and ".bf16.bf16.f32" not in pairs
+
+
+def test_fp8_outputs_of_norm_and_silu_and_mul_compile(monkeypatch):
+    # The launches that quantize an FP8 projection's input themselves; row-wide, not looping.
+    launches = record_launches(monkeypatch)
+    x = torch.randn(3, 4096).to(torch.bfloat16)
+    rms_norm_fp8(x, torch.ones(4096, dtype=torch.bfloat16), 1e-5, x.clone())
+    silu_and_mul_fp8(torch.randn(3, 2 * 14336).to(torch.bfloat16))
+    for name in ("_rms_norm_kernel", "_silu_and_mul_kernel"):
+        (launch,) = launches[name]
+        ptx = compile_sm90(launch)
+        assert "st.global.b8" not in ptx and not re.search(r"\bbra\b", ptx)
