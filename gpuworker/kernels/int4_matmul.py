@@ -186,13 +186,14 @@ def pick_gemm_config(m: int, group_size: int, *, on_cuda: bool) -> Int4GemmConfi
     return replace(config, block_k=min(config.block_k, group_size))
 
 
-# Chosen configs from bench/quant_gemv.py on an H200, {(N, K, group_size): config}, filled from its
-# printed table. Shapes not listed take default_gemv_config.
+# Chosen configs from bench/quant_gemv.py on an H200 (2026-12-02, fourteenth session: x read as words
+# was fastest for every shape; 2.096 against 2.157 ms of linear layers a decode step), {(N, K,
+# group_size): config}, filled from its printed table. Shapes not listed take default_gemv_config.
 TUNED: dict[tuple[int, int, int], Int4GemvConfig] = {
-    (6144, 4096, 128): Int4GemvConfig(block_n=128, block_k=256, num_warps=4, num_stages=2, split_k=8),  # qkv: 11.2 us, 1179 GB/s
-    (4096, 4096, 128): Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, split_k=8),  # o_proj: 8.1 us, 1087 GB/s
-    (28672, 4096, 128): Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, split_k=2),  # gate_up: 30.8 us, 1997 GB/s
-    (4096, 14336, 128): Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, split_k=8),  # down: 18.1 us, 1697 GB/s
+    (6144, 4096, 128): Int4GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=4, x_words=True),  # qkv: 9.9 us, 1332 GB/s
+    (4096, 4096, 128): Int4GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, split_k=1, x_words=True),  # o_proj: 7.9 us, 1119 GB/s
+    (28672, 4096, 128): Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, split_k=2, x_words=True),  # gate_up: 30.4 us, 2027 GB/s
+    (4096, 14336, 128): Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, split_k=8, x_words=True),  # down: 17.4 us, 1773 GB/s
 }
 
 # The default aims at about four programs per SM of an H200 (132 SMs): a batch-1 GEMV is a weight
