@@ -30,7 +30,8 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 HOST_ENV, DEFAULT_HOST = "GPUSERVE_HOST", "127.0.0.1"
 # Children get this long to shut down cleanly after SIGTERM before they are killed.
 STOP_GRACE_SECONDS = 10.0
-# The GPU worker daemon bounds its own stop: its Celery consumer (<= 10 s), the replicas' drain
+# The GPU worker daemon bounds its own stop: its Celery consumer (<= 10 s,
+# gpuworker.daemon.tasks.CONSUMER_STOP_S), the replicas' drain
 # (GPUWORKER_DRAIN_S), then their stop, SIGKILLed after 10 s (gpuworker.daemon.supervisor.KILL_AFTER_S).
 # Killing it sooner would leave its replicas to die with it, undrained.
 GPUWORKER_DRAIN_S = 5

@@ -57,6 +57,11 @@ def build_celery_app(*, worker_name: str, broker_url: str, transport_options: di
     return app
 
 
+# How long the daemon waits for its consumer's warm shutdown (controlplane/launcher.py's stop grace
+# for the daemon counts it).
+CONSUMER_STOP_S = 10.0
+
+
 class CeleryConsumer:
     """A Celery worker (solo pool) consuming exactly `queue`, in a thread of the daemon."""
 
@@ -70,7 +75,7 @@ class CeleryConsumer:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = CONSUMER_STOP_S) -> None:
         """Warm shutdown: the task in progress (never long) finishes, then the thread ends."""
         from celery.worker import state
 

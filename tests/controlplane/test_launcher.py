@@ -148,11 +148,13 @@ def test_each_child_gets_its_own_stop_grace():
 
 
 def test_the_gpu_worker_daemon_may_drain_and_stop_its_replicas_before_it_is_killed():
+    # The daemon's stop: its consumer's warm shutdown, the replicas' drain, then their stop.
     from gpuworker.daemon.supervisor import KILL_AFTER_S
+    from gpuworker.daemon.tasks import CONSUMER_STOP_S
 
     spec = next(spec for spec in process_specs(host="127.0.0.1", port=8000) if spec.name == "gpuworker")
     drain_s = float(spec.argv[spec.argv.index("--drain-timeout") + 1])
-    assert spec.stop_grace_s > drain_s + KILL_AFTER_S
+    assert spec.stop_grace_s > CONSUMER_STOP_S + drain_s + KILL_AFTER_S
 
 
 @pytest.mark.slow
