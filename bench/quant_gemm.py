@@ -24,16 +24,15 @@ from quant_gemv import GROUP, SHAPES, TINY_GROUP, TINY_SHAPES, make_int4
 DTYPE = torch.bfloat16
 ROWS = (16, 32, 64, 128, 256, 512, 1024, 8192)
 TINY_ROWS = (3, 20)
-# (block_m, block_n, block_k, num_warps, num_stages[, swap_ab]): swapped tiles compute W x^T, the
-# dequantised weight as the dot's left operand (from registers on Hopper, not through shared memory).
+# (block_m, block_n, block_k, num_warps, num_stages). Tiles computed transposed (W x^T, the
+# dequantised weight as wgmma's left operand) won none of 32 shapes and row counts on the H200
+# (BENCHMARKS.md, fourteenth session) and are gone.
 TILES = (
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 3),
     (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
     (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
-    (16, 128, 128, 4, 4, True), (32, 128, 128, 4, 4, True), (64, 128, 128, 4, 3, True),
-    (128, 128, 64, 8, 3, True), (64, 256, 64, 8, 3, True), (128, 256, 64, 8, 3, True),
 )
-TINY_TILES = ((16, 32, 32, 4, 1), (32, 16, 16, 4, 1), (16, 32, 32, 4, 1, True))
+TINY_TILES = ((16, 32, 32, 4, 1), (32, 16, 16, 4, 1))
 
 
 def main() -> None:

@@ -33,16 +33,13 @@ PACK = 8  # 4-bit values per int32
 def _int4_matmul_kernel(
     x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_om,
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # A step reads BLOCK_K / 8 packed rows once ([BLOCK_K / 8, BLOCK_N] int32, each word once) and
     # spreads their nibbles to [BLOCK_K, BLOCK_N]; BLOCK_K divides GROUP_SIZE (the launcher's rule),
     # so a step lies in one group and takes one zero point and one scale per column. K is a multiple
     # of GROUP_SIZE, so no step needs a K mask.
-    # SWAP_AB computes the tile transposed, out^T = W x^T: the weight dequantised in registers is
-    # then the dot's left operand, which Hopper's wgmma reads from registers, where as the right
-    # operand it must be written to shared memory first, every step.
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -55,38 +52,23 @@ def _int4_matmul_kernel(
     shifts = tl.arange(0, 8) * 4
     m_mask = offs_m < M
     n_mask = offs_n < N
-    if SWAP_AB:  # x^T [BLOCK_K, BLOCK_M], packed^T [BLOCK_N, BLOCK_K / 8], acc [BLOCK_N, BLOCK_M]
-        x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
-        w_ptrs = qweight_ptr + offs_p[None, :].to(tl.int64) * N + offs_n[:, None]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        w_ptrs = qweight_ptr + offs_p[:, None].to(tl.int64) * N + offs_n[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = qweight_ptr + offs_p[:, None].to(tl.int64) * N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         group = k0 // GROUP_SIZE
         zeros = tl.load(zeros_ptr + group * N + offs_n, mask=n_mask, other=0).to(tl.float32)
         scales = tl.load(scales_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if SWAP_AB:
-            x = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-            packed = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
-            q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
-            w = ((q.to(tl.float32) - zeros[:, None]) * scales[:, None]).to(x.dtype)
-            a, b = w, x
-        else:
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            packed = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
-            q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-            w = ((q.to(tl.float32) - zeros[None, :]) * scales[None, :]).to(x.dtype)
-            a, b = x, w
+        x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        packed = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        w = ((q.to(tl.float32) - zeros[None, :]) * scales[None, :]).to(x.dtype)
         if DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += (BLOCK_K // 8) * N
-    if SWAP_AB:
-        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N], once a tile
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
@@ -150,13 +132,10 @@ class Int4GemmConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    # The tile computed transposed (out^T = W x^T): the dequantised weight as the dot's left operand.
-    swap_ab: bool = False
 
     @property
     def name(self) -> str:
-        return (f"int4mm-m{self.block_m}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}"
-                + ("-swap" if self.swap_ab else ""))
+        return f"int4mm-m{self.block_m}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}"
 
 
 # From this many rows the batched path dequantises the weight and calls cuBLAS (int4_matmul).
@@ -411,7 +390,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     _int4_matmul[(-(-m // config.block_m), -(-n // config.block_n))](
         x, qweight, zeros, scales, bias if bias is not None else scales, out, m, n, k, x.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, SWAP_AB=config.swap_ab, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
         **dot_options(x.dtype),
         **pdl_options(x.device))
     return out

@@ -57,17 +57,6 @@ def test_int4_batched_matmul_compiles_with_the_gpu_tiles(rows, monkeypatch):
     compile_sm90(launch)
 
 
-@pytest.mark.parametrize("tile", [(16, 128, 128, 4, 4), (64, 128, 128, 4, 3), (128, 256, 64, 8, 3)])
-def test_int4_batched_matmul_compiles_swapped(tile, monkeypatch):
-    # The transposed tiles bench/quant_gemm.py sweeps (the dequantised weight as wgmma's left operand).
-    launches = record_launches(monkeypatch)
-    qweight, zeros, scales, group = _int4_operands(n=256)
-    config = int4_module.Int4GemmConfig(*tile, swap_ab=True)
-    int4_matmul(torch.randn(20, 256).to(torch.bfloat16), qweight, zeros, scales, group, gemm_config=config)
-    (launch,) = launches["_int4_matmul_kernel"]
-    compile_sm90(launch)
-
-
 def test_int4_dequantize_compiles(monkeypatch):
     launches = record_launches(monkeypatch)
     qweight, zeros, scales, group = _int4_operands()
