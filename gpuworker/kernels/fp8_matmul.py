@@ -135,8 +135,7 @@ def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, stride_q,
-    STATIC: tl.constexpr, FP8_MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One row per program: its largest magnitude (dynamic), then x times the scale's reciprocal,
     # clamped and rounded to FP8, as quantize_fp8_rows_reference computes it: scale and reciprocal
@@ -156,11 +155,10 @@ def _quantize_rows_kernel(
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         if STATIC:
             scale = tl.load(static_scale_ptr).to(tl.float32)
-            q = kv_cache_fp8.round_to_e4m3(x * tl.math.div_rn(1.0, scale))
         else:
-            q, scale = kv_cache_fp8.quantize_row(x)
+            scale = kv_cache_fp8.row_scale(x)
         tl.store(scale_ptr + row, scale)
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + offs, kv_cache_fp8.quantize_by_reciprocal(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
     else:
         if STATIC:
             scale = tl.load(static_scale_ptr).to(tl.float32)
@@ -169,13 +167,12 @@ def _quantize_rows_kernel(
             for k0 in range(0, K, BLOCK):
                 x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX_VALUE)
+            scale = kv_cache_fp8.row_scale(amax)
         tl.store(scale_ptr + row, scale)
-        inverse = tl.math.div_rn(1.0, scale)
         for k0 in range(0, K, BLOCK):
             mask = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            q = kv_cache_fp8.round_to_e4m3(x * inverse)  # on the e4m3 grid already: the cast is exact
+            q = kv_cache_fp8.quantize_by_reciprocal(x, scale)  # on the e4m3 grid already: the cast is exact
             tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -216,7 +213,7 @@ def quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None,
     one_pass = k <= ONE_PASS_MAX
     block = max(triton.next_power_of_2(k), 16) if one_pass else 2048
     _quantize_rows[(m,)](x, q, scale, static_scale if static_scale is not None else scale, k, x.stride(0),
-                         q.stride(0), STATIC=static_scale is not None, FP8_MAX_VALUE=FP8_MAX, BLOCK=block,
+                         q.stride(0), STATIC=static_scale is not None, BLOCK=block,
                          ONE_PASS=one_pass, num_warps=min(16, max(4, block // 512)), **pdl_options(x.device))
     return q, scale
 

@@ -28,11 +28,23 @@ def quantize(x, scale):
 @triton.jit
 def quantize_row(x):
     """A float32 row held in registers (lanes past its end zero) -> (its FP8 values as float32, its
-    scale): per-token dynamic quantization, the scale mapping the row's largest magnitude to FP8_MAX
-    and the values multiplied by its reciprocal (both correctly rounded divisions, once a row), as
-    fp8_matmul.quantize_fp8_rows_reference computes them."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), _FP8_MAX)
-    return round_to_e4m3(x * tl.math.div_rn(1.0, scale)), scale
+    scale): per-token dynamic quantization, as fp8_matmul.quantize_fp8_rows_reference computes it."""
+    scale = row_scale(x)
+    return quantize_by_reciprocal(x, scale), scale
+
+
+@triton.jit
+def row_scale(x):
+    """The per-token scale of a row (or of its running magnitudes): its largest magnitude mapped to
+    FP8_MAX, a correctly rounded division."""
+    return tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), _FP8_MAX)
+
+
+@triton.jit
+def quantize_by_reciprocal(x, scale):
+    """float32 x times scale's correctly rounded reciprocal (one division, not one a value), clamped
+    and rounded to the nearest e4m3 value as float32."""
+    return round_to_e4m3(x * tl.math.div_rn(1.0, scale))
 
 
 @triton.jit
