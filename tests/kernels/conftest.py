@@ -26,6 +26,9 @@ TOLERANCES = {
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
+# float32 kernels against a torch reference at the GPU's K (4,096 and more): sums of that many terms in
+# another order differ by up to ~4e-5.
+FLOAT32_LONG_SUMS = {"atol": 1e-4, "rtol": 1e-4}
 
 
 def build_paged_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
