@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from django.core.management import call_command
 from django.db import connection, connections
+from playwright.sync_api import expect
 
 from tests.browser.system import (VIEWPORT, chromium_missing_reason, env_flag, launch_options, log_in,
                                   start_system)
@@ -19,6 +20,7 @@ from tests.conftest import require_service
 
 # Playwright's own waits: generous for a loaded two-core machine, far below the test timeout.
 DEFAULT_TIMEOUT_MS = 20_000
+expect.set_options(timeout=DEFAULT_TIMEOUT_MS)  # assertions too; Playwright's own is 5 s
 
 
 def _require_browser() -> None:

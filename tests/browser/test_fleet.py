@@ -154,6 +154,9 @@ def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, sy
     # Room for three, then ask for two: the new replica appears on the worker card and loads.
     _set_limits(_deployment(page, model), min_replicas=0, max_replicas=3, desired_replicas=1)
     expect(_deployment(page, model).locator("[data-testid=deployment-status]")).to_contain_text("max 3")
+    # The live push can show "max 3" before the form's own answer lands; that answer replaces the
+    # whole card, scale form included, so wait for it (the limits close on success) before typing.
+    expect(_deployment(page, model).locator("[data-testid=limits-form]")).to_be_hidden()
     _scale(_deployment(page, model), 2)
     expect(_deployment(page, model).locator("[data-testid=deployment-status]")).to_have_attribute("data-desired", "2")
     expect(replicas).to_have_count(2, timeout=60_000)
