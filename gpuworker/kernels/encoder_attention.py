@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from gpuworker.kernels import online_softmax
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_host_bound, check_shape, check_tensor,
                                       dot_options, lazy_jit, next_power_of_2)
 
@@ -57,22 +58,10 @@ def _encoder_attention_kernel(
         token = (start + cols) * stride_token + head_offset
         k_t = tl.load(k_ptr + token[None, :] + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
         v = tl.load(v_ptr + token[:, None] + dims[None, :], mask=valid[:, None] & dim_mask[None, :], other=0.0)
-        if DOT_FP32:
-            scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
-        else:
-            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        scores = online_softmax.dot(q, k_t, DOT_FP32, DOT_PRECISION)
         # Keys past the sequence's end (only in its last tile) are not seen; every row sees key 0.
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        if DOT_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])

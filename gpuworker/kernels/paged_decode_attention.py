@@ -33,7 +33,7 @@ import triton.language as tl
 from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_contiguous, check_host_bound,
                                       check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
                                       lazy_jit, next_power_of_2, pdl_options)
-from gpuworker.kernels import kv_cache_fp8
+from gpuworker.kernels import kv_cache_fp8, online_softmax
 from gpuworker.kernels import qk_norm_device
 from gpuworker.kernels.kv_cache_quant import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.kv_cache_write import check_kv_cache_write
@@ -191,15 +191,9 @@ def _paged_decode_kernel(
             k_t = k_t.to(tl.float16)
         elif FP8_CACHE:
             k_t = k_t.to(dtype)
-        if DOT_FP32:
-            scores = tl.dot(q_dot.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
-        else:
-            scores = tl.dot(q_dot, k_t, input_precision=DOT_PRECISION)
+        scores = online_softmax.dot(q_dot, k_t, DOT_FP32, DOT_PRECISION)
         scores = scores * qk_scale  # [G, N], log2 units
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
         if FP8_V_PAIRS:
             # V read as 16-bit words, two adjacent dims of a position each, and widened in
             # registers: the dot reads V across positions, which for 8-bit values (no transposing
@@ -216,13 +210,7 @@ def _paged_decode_kernel(
                 v = v.to(tl.float16)
             elif FP8_CACHE:
                 v = v.to(dtype)
-        if DOT_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
 
     if NEW_TOKEN:
         if (split == num_parts - 1) & (seq_len > 0):  # the partition holding the last position

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuworker.kernels import online_softmax
 from gpuworker.kernels.kv_cache_quant import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_host_bound, check_operand,
                                       check_query_and_cache, check_shape, check_tensor, dot_options, lazy_jit,
@@ -84,21 +85,9 @@ def _prefill_attention_kernel(
         if FP8_CACHE:
             k_t = k_t.to(dtype)
             v = v.to(dtype)
-        if DOT_FP32:
-            scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
-        else:
-            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        scores = online_softmax.dot(q, k_t, DOT_FP32, DOT_PRECISION)
         scores = scores * qk_scale
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        if DOT_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
     for n0 in range(unmasked_end, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
@@ -110,23 +99,11 @@ def _prefill_attention_kernel(
         if FP8_CACHE:
             k_t = k_t.to(dtype)
             v = v.to(dtype)
-        if DOT_FP32:
-            scores = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
-        else:
-            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        scores = online_softmax.dot(q, k_t, DOT_FP32, DOT_PRECISION)
         scores = scores * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        if DOT_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
 
     if FP8_CACHE:
         acc = acc * v_scale
