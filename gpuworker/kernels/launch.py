@@ -68,7 +68,7 @@ _INTERPRETED_STDLIB: dict[int, Any] = {}
 
 @contextmanager
 def _interpretable_stdlib() -> Iterator[None]:
-    """Let the interpreter call tl.max, tl.sum & co. (and our kv_cache_fp8, online_softmax and qk_norm_device helpers) even
+    """Let the interpreter call tl.max, tl.sum & co. (and our kv_cache_fp8, online_softmax, prefetch and qk_norm_device helpers) even
     if triton was imported before TRITON_INTERPRET=1.
 
     Triton's own @jit helpers (triton.language.standard) are decorated when triton is imported; if
@@ -79,10 +79,10 @@ def _interpretable_stdlib() -> Iterator[None]:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from gpuworker.kernels import kv_cache_fp8, online_softmax, qk_norm_device
+    from gpuworker.kernels import kv_cache_fp8, online_softmax, prefetch, qk_norm_device
 
     saved = []
-    for module in (tl, tl.standard, kv_cache_fp8, online_softmax, qk_norm_device):
+    for module in (tl, tl.standard, kv_cache_fp8, online_softmax, prefetch, qk_norm_device):
         for name, value in list(vars(module).items()):
             if isinstance(value, JITFunction):
                 twin = _INTERPRETED_STDLIB.get(id(value))

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from gpuworker.kernels import prefetch
 from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 
 # A program's partial record per pass: a sum per threshold and seven scalars.
@@ -281,28 +282,10 @@ def _sample_kernel(
             seed = tl.load(seed_ptr + row)
             seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
             seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-            # PREFETCH blocks ahead of the one being reduced have their loads in flight.
-            pre1 = tl.load(row_ptr + begin + cols, mask=begin + cols < end, other=float("-inf"))
-            if PREFETCH >= 2:
-                pre2 = tl.load(row_ptr + begin + BLOCK + cols, mask=begin + BLOCK + cols < end, other=float("-inf"))
-            if PREFETCH >= 3:
-                pre3 = tl.load(row_ptr + begin + 2 * BLOCK + cols, mask=begin + 2 * BLOCK + cols < end,
-                               other=float("-inf"))
+            pre1, pre2, pre3 = prefetch.first_blocks(row_ptr, begin, end, BLOCK, PREFETCH)
             for start in range(begin, end, BLOCK):
                 idx = start + cols
-                if PREFETCH == 0:
-                    raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-                else:
-                    raw = pre1.to(tl.float32)
-                    if PREFETCH == 1:
-                        pre1 = tl.load(row_ptr + idx + BLOCK, mask=idx + BLOCK < end, other=float("-inf"))
-                    elif PREFETCH == 2:
-                        pre1 = pre2
-                        pre2 = tl.load(row_ptr + idx + 2 * BLOCK, mask=idx + 2 * BLOCK < end, other=float("-inf"))
-                    else:
-                        pre1 = pre2
-                        pre2 = pre3
-                        pre3 = tl.load(row_ptr + idx + 3 * BLOCK, mask=idx + 3 * BLOCK < end, other=float("-inf"))
+                raw, pre1, pre2, pre3 = prefetch.next_block(row_ptr, idx, end, pre1, pre2, pre3, BLOCK, PREFETCH)
                 x = tl.math.div_rn(raw, divisor) + 0.0  # + 0.0: -0.0 becomes 0.0, one key per value
                 finite = x > float("-inf")
                 bits = x.to(tl.int32, bitcast=True)
@@ -375,15 +358,7 @@ def _sample_kernel(
             num_steps = tl.where(listed == 1, list_rows, tl.cdiv(end - begin, SEARCH_BLOCK))
             if compact:
                 lane_len = tl.zeros([SEARCH_BLOCK], tl.int32)
-            # PREFETCH blocks ahead of the one being reduced have their loads in flight.
-            first_idx = begin + search_cols
-            pre_s1 = tl.load(row_ptr + first_idx, mask=first_idx < end, other=float("-inf"))
-            if PREFETCH >= 2:
-                pre_s2 = tl.load(row_ptr + first_idx + SEARCH_BLOCK, mask=first_idx + SEARCH_BLOCK < end,
-                                 other=float("-inf"))
-            if PREFETCH >= 3:
-                pre_s3 = tl.load(row_ptr + first_idx + 2 * SEARCH_BLOCK, mask=first_idx + 2 * SEARCH_BLOCK < end,
-                                 other=float("-inf"))
+            pre_s1, pre_s2, pre_s3 = prefetch.first_blocks(row_ptr, begin, end, SEARCH_BLOCK, PREFETCH)
             for block_index in range(0, num_steps):
                 if listed == 1:
                     key = tl.load(list_base + block_index * SEARCH_BLOCK + search_cols, mask=block_index < lane_len,
@@ -392,22 +367,8 @@ def _sample_kernel(
                     x = bits.to(tl.float32, bitcast=True)
                 else:
                     idx = begin + block_index * SEARCH_BLOCK + search_cols
-                    if PREFETCH == 0:
-                        raw = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-                    else:
-                        raw = pre_s1.to(tl.float32)
-                        if PREFETCH == 1:
-                            pre_s1 = tl.load(row_ptr + idx + SEARCH_BLOCK, mask=idx + SEARCH_BLOCK < end,
-                                             other=float("-inf"))
-                        elif PREFETCH == 2:
-                            pre_s1 = pre_s2
-                            pre_s2 = tl.load(row_ptr + idx + 2 * SEARCH_BLOCK, mask=idx + 2 * SEARCH_BLOCK < end,
-                                             other=float("-inf"))
-                        else:
-                            pre_s1 = pre_s2
-                            pre_s2 = pre_s3
-                            pre_s3 = tl.load(row_ptr + idx + 3 * SEARCH_BLOCK, mask=idx + 3 * SEARCH_BLOCK < end,
-                                             other=float("-inf"))
+                    raw, pre_s1, pre_s2, pre_s3 = prefetch.next_block(row_ptr, idx, end, pre_s1, pre_s2, pre_s3,
+                                                                      SEARCH_BLOCK, PREFETCH)
                     x = tl.math.div_rn(raw, divisor) + 0.0
                     bits = x.to(tl.int32, bitcast=True)
                     key = tl.where(x > float("-inf"), tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
