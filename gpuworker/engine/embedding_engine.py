@@ -3,7 +3,10 @@ through the encoder packed (the inputs back to back, no padding; models/bert.py)
 most max_batch_tokens tokens, and hands each request its vectors.
 
     engine = EmbeddingEngine("/models/all-MiniLM-L6-v2", device="cuda")
-    vectors, prompt_tokens = await engine.embed(["a sentence", "another"])
+    vectors = await engine.embed(engine.tokenize(["a sentence", "another"]))
+
+Inputs are checked once: tokenize and check return CheckedIds, which embed takes as they are
+(the replica checks off the event loop, so a bad request is refused before it queues).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 # Tokens in one forward pass: bounds the activations' memory.
 DEFAULT_MAX_BATCH_TOKENS = 65_536
+
+
+class CheckedIds(list):
+    """Token ids (a list per input) that EmbeddingEngine.check accepted."""
 
 
 @dataclass
@@ -70,16 +77,19 @@ class EmbeddingEngine:
     def max_tokens(self) -> int:
         return self.model.max_tokens
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
+    def tokenize(self, texts: list[str]) -> CheckedIds:
         """Token ids with the model's special tokens; ValueError naming the first input that is too long."""
         if self._encoder is not None:
             ids = [encoding.ids for encoding in self._encoder.encode_batch_fast(texts, add_special_tokens=True)]
         else:
             ids = self.tokenizer(texts, add_special_tokens=True)["input_ids"]
-        self.check(ids)
-        return ids
+        return self.check(ids)
 
-    def check(self, token_ids: list[list[int]]) -> None:
+    def check(self, token_ids: list[list[int]]) -> CheckedIds:
+        """token_ids as CheckedIds; ValueError naming the first input that is empty, too long or
+        holds an id outside the vocabulary."""
+        if isinstance(token_ids, CheckedIds):
+            return token_ids
         vocab = self.model.config.vocab_size
         for index, ids in enumerate(token_ids):
             if not ids:
@@ -88,10 +98,12 @@ class EmbeddingEngine:
                 raise ValueError(f"input {index} has {len(ids)} tokens; this model takes at most {self.max_tokens}")
             if min(ids) < 0 or max(ids) >= vocab:
                 raise ValueError(f"input {index} holds a token id outside [0, {vocab})")
+        return CheckedIds(token_ids)
 
     async def embed(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """One float32 vector (on the CPU) per input, in order."""
-        self.check(token_ids)
+        """One float32 vector (on the CPU) per input, in order; ValueError as check for ids it has
+        not checked."""
+        token_ids = self.check(token_ids)
         loop = asyncio.get_running_loop()
         job = _Job(token_ids, loop, loop.create_future())
         self._queue.put(job)

@@ -26,8 +26,7 @@ def _plan(engine: EmbeddingEngine, raw: bytes) -> tuple[EmbeddingRequest, list[l
         raise ProtocolError(f"dimensions: this model gives vectors of {allowed} dimensions, not {dims}",
                             param="dimensions")
     try:
-        token_ids = engine.tokenize(parsed.texts) if parsed.texts is not None else parsed.input
-        engine.check(token_ids)
+        token_ids = engine.tokenize(parsed.texts) if parsed.texts is not None else engine.check(parsed.input)
     except ValueError as exc:
         raise ProtocolError(f"input: {exc}", param="input") from None
     return parsed, token_ids

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, BertModel
 
-from gpuworker.engine.embedding_engine import EmbeddingEngine, passes
+from gpuworker.engine.embedding_engine import CheckedIds, EmbeddingEngine, passes
 from gpuworker.models.bert import PackedBatch, SentenceHead, load_bert_encoder
 
 SENTENCES = ["What is the capital of France?", "a", "Embeddings map text to vectors; " * 12,
@@ -92,6 +92,20 @@ def test_too_long_or_bad_token_ids_are_value_errors(minilm_checkpoint):
             engine.check([[101] * 257])
         with pytest.raises(ValueError, match="outside"):
             engine.check([[101, 10 ** 6]])
+    finally:
+        engine.shutdown()
+
+
+def test_ids_are_checked_once_and_unchecked_ids_still_are(minilm_checkpoint):
+    # The replica tokenizes (or checks a request's ids) off the event loop; embed then takes the
+    # CheckedIds as they are, instead of scanning every input again on the loop.
+    engine = EmbeddingEngine(minilm_checkpoint)
+    try:
+        ids = engine.tokenize(["hello world"])
+        assert isinstance(ids, CheckedIds) and engine.check(ids) is ids
+        assert len(asyncio.run(engine.embed(ids))) == 1
+        with pytest.raises(ValueError, match="outside"):
+            asyncio.run(engine.embed([[101, 10 ** 6]]))
     finally:
         engine.shutdown()
 
