@@ -12,7 +12,10 @@ outputs of U[--output-len] tokens (greedy, ignore_eos). Rows, each in a process 
   offline streaming  LLMEngine.add_request + step() in a loop: cumulative outputs every step, no process
   engine process     AsyncLLMEngine(process=True), one asyncio consumer per stream turning each
                      output into an SSE-like JSON chunk (what the replica does, less the HTTP;
-                     --chunk-cost-us spins that long per chunk besides, GIL held, as HTTP would)
+                     --chunk-cost-us spins that long per chunk besides, GIL held, as HTTP would),
+                     asking for delta outputs as the replica does
+  process-cumulative the same with cumulative outputs (the replica before it asked for deltas: the
+                     API process copied each stream's answer so far every step)
 ms/step = wall time / engine steps (for the engine process, its shared step counter); the engine
 process row also gives the messages the API side received (fewer than steps: merged), its
 reader thread's time per step, and both processes' CPU time per step. --profile adds a second,
@@ -66,10 +69,10 @@ def engine_config(args: argparse.Namespace) -> dict:
     return config
 
 
-def _params(max_tokens: int):
+def _params(max_tokens: int, output_kind: str = "cumulative"):
     from gpuworker.engine import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=output_kind)
 
 
 def _warm_up_requests(requests):
@@ -160,11 +163,12 @@ def _top(profile: cProfile.Profile) -> str:
     return out.getvalue()
 
 
-async def _consume(engine, prompt, max_tokens, request_id, chunk_cost_s: float = 0.0) -> int:
+async def _consume(engine, prompt, max_tokens, request_id, chunk_cost_s: float = 0.0,
+                   output_kind: str = "delta") -> int:
     """One stream as the replica consumes it: each output becomes a JSON chunk, and takes
     chunk_cost_s of this process's Python besides (the replica's HTTP and SSE work, GIL held)."""
     tokens = 0
-    async for output in engine.generate(prompt, _params(max_tokens), request_id):
+    async for output in engine.generate(prompt, _params(max_tokens, output_kind), request_id):
         for c in output.outputs:
             tokens += len(c.delta_token_ids)
             json.dumps({"id": request_id, "choices": [{"index": c.index, "text": c.delta_text,
@@ -175,7 +179,8 @@ async def _consume(engine, prompt, max_tokens, request_id, chunk_cost_s: float =
     return tokens
 
 
-async def _engine_process(model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float) -> dict:
+async def _engine_process(model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float,
+                          output_kind: str) -> dict:
     from gpuworker.engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine(model, process=True, **config)
@@ -205,7 +210,7 @@ async def _engine_process(model: str, config: dict, requests: list, profile: boo
         steps = engine.num_steps
         cpu_start = time.process_time()
         start = time.perf_counter()
-        tokens = await asyncio.gather(*(_consume(engine, prompt, n, f"r{i}", chunk_cost_s)
+        tokens = await asyncio.gather(*(_consume(engine, prompt, n, f"r{i}", chunk_cost_s, output_kind)
                                         for i, (prompt, n) in enumerate(requests)))
         wall = time.perf_counter() - start
         cpu_s = time.process_time() - cpu_start
@@ -224,8 +229,9 @@ async def _engine_process(model: str, config: dict, requests: list, profile: boo
         await asyncio.to_thread(engine.shutdown)
 
 
-def run_engine_process(model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float) -> dict:
-    return asyncio.run(_engine_process(model, config, requests, profile, chunk_cost_s))
+def run_engine_process(model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float,
+                       output_kind: str = "delta") -> dict:
+    return asyncio.run(_engine_process(model, config, requests, profile, chunk_cost_s, output_kind))
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -278,11 +284,14 @@ def main() -> None:
     config = engine_config(args)
     results = {}
     for row in args.rows.split(","):
-        if row == "process":
+        if row.startswith("process"):
             chunk_cost_s = args.chunk_cost_us * 1e-6
-            results[row] = in_own_process(run_engine_process, str(model), config, requests, False, chunk_cost_s)
+            kind = "cumulative" if row == "process-cumulative" else "delta"
+            results[row] = in_own_process(run_engine_process, str(model), config, requests, False, chunk_cost_s,
+                                          kind)
             if args.profile:  # a run of its own: cProfile slows the Python it watches, steps included
-                profiled = in_own_process(run_engine_process, str(model), config, requests, True, chunk_cost_s)
+                profiled = in_own_process(run_engine_process, str(model), config, requests, True, chunk_cost_s,
+                                          kind)
                 results[row] |= {key: value for key, value in profiled.items() if key.endswith("profile")}
         else:
             results[row] = in_own_process(run_offline, str(model), config, requests, row == "streaming")
@@ -296,7 +305,7 @@ def main() -> None:
         if base is not None:
             line += f"  {r['tokens'] / r['wall_s'] / (base['tokens'] / base['wall_s']):.3f}x generate"
         table.append((row, line))
-        if row == "process":
+        if row.startswith("process"):
             table.append(("  engine process", f"cpu {1000 * r['engine_cpu_s'] / max(r['steps'], 1):.2f} ms/step"))
             table.append(("  API process", f"cpu {1000 * r['cpu_s'] / max(r['steps'], 1):.2f} ms/step"))
             table.append(("  API reader", f"{r['messages']} outputs messages, "

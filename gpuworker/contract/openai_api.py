@@ -80,6 +80,10 @@ class _SamplingFields(_Strict):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, logprobs=logprobs,
+            # Each step's additions only: a stream sends them as they are and a whole answer is
+            # joined once at its end (outputs.join_deltas), instead of the replica receiving the
+            # answer so far, copied, every step.
+            output_kind="delta",
         )
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens

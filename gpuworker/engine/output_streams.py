@@ -25,16 +25,18 @@ class EngineDeadError(RuntimeError):
 
 class OutputStream:
     """A request's outputs on its consumer's event loop, not yet taken. Consecutive outputs merge
-    into one; an error stays an item of its own, in order."""
+    into one (merge_outputs; deltas: the request's outputs are output_kind="delta"); an error stays
+    an item of its own, in order."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, deltas: bool = False) -> None:
         self.loop = loop
+        self.deltas = deltas
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:  # on the consumer's loop
         if self._items and isinstance(item, RequestOutput) and isinstance(self._items[-1], RequestOutput):
-            self._items[-1] = merge_outputs(self._items[-1], item)
+            self._items[-1] = merge_outputs(self._items[-1], item, deltas=self.deltas)
         else:
             self._items.append(item)
         self._ready.set()
@@ -96,7 +98,7 @@ class StreamingEngine(ABC):
     async def generate(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield an output each step the request advances; the last one has finished=True."""
-        outputs = OutputStream(asyncio.get_running_loop())
+        outputs = OutputStream(asyncio.get_running_loop(), deltas=params is not None and params.output_kind == "delta")
         if not isinstance(prompt, TokenizedPrompt):
             # Tokenizing (or checking) megabytes takes seconds: neither on the caller's event loop,
             # which serves other streams, nor on the engine thread, which steps them.

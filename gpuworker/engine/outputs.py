@@ -77,9 +77,12 @@ class RequestOutput:
         return sum(len(output.token_ids) for output in self.outputs)
 
 
-def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+def merge_outputs(older: RequestOutput, newer: RequestOutput, *, deltas: bool = False) -> RequestOutput:
     """One output standing for two consecutive outputs of a request, for a consumer that fell
-    behind: the newer state, with each completion's deltas of both joined in order."""
+    behind: the newer state, with each completion's deltas of both joined in order (and, for
+    output_kind="delta" outputs, whose text, token ids and logprobs are deltas too, those)."""
+    if deltas:
+        return join_deltas([older, newer])
     earlier = {c.index: c for c in older.outputs}
     outputs = []
     for c in newer.outputs:
@@ -89,6 +92,27 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
                                     delta_token_ids=before.delta_token_ids + c.delta_token_ids)
         outputs.append(c)
     return dataclasses.replace(newer, outputs=outputs)
+
+
+def join_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive output_kind="delta" outputs of a request as one: the newest state, with each
+    completion's text, token ids and logprobs joined in order, once (linear in their length, where
+    joining them step by step, as a cumulative output does, copies the answer so far every step)."""
+    texts: dict[int, list[str]] = {}
+    token_ids: dict[int, list[int]] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
+    for output in outputs:
+        for c in output.outputs:
+            texts.setdefault(c.index, []).append(c.text)
+            token_ids.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                logprobs.setdefault(c.index, []).extend(c.logprobs)
+    joined = []
+    for c in outputs[-1].outputs:
+        text, ids = "".join(texts[c.index]), token_ids[c.index]
+        joined.append(dataclasses.replace(c, text=text, token_ids=ids, delta_text=text, delta_token_ids=list(ids),
+                                          logprobs=logprobs.get(c.index, []) if c.logprobs is not None else None))
+    return dataclasses.replace(outputs[-1], outputs=joined)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from gpuworker.contract.openai_api import ProtocolError, new_id, now
 from gpuworker.engine.output_streams import EngineDeadError
+from gpuworker.engine.outputs import join_deltas
 from gpuworker.replica.embeddings import embeddings as serve_embeddings
 from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
 from gpuworker.replica.responses import Responder, drain_expired_error, engine_error, error_response, plan_request
@@ -203,21 +204,22 @@ async def _generate(request: Request, chat: bool) -> Response:
     if holder.drain_expired and final.finish_reason == "abort":
         error = drain_expired_error(holder.drain_timeout_s)
         return JSONResponse(error.to_dict(), status_code=error.status)
-    holder.record_finished(final)
+    holder.record_finished(final, final.num_generated_tokens)
     # Detokenized logprobs, tool calls read out of the text and the JSON of a long answer: off the loop too.
     return await asyncio.to_thread(lambda: JSONResponse(responder.full(final)))
 
 
 async def _collect_unless_disconnected(request: Request, first, stream):
-    """The request's final output, or None if the client went away first (a non-streaming client
-    sends nothing more, so its disconnect is only seen by waiting for it alongside the engine)."""
+    """The request's whole answer (its deltas joined), or None if the client went away first (a
+    non-streaming client sends nothing more, so its disconnect is only seen by waiting for it
+    alongside the engine)."""
 
     async def collect():
-        final = first
+        outputs = [first]  # deltas (output_kind="delta"), joined once at the end
         if not first.finished:
             async for output in stream:
-                final = output
-        return final
+                outputs.append(output)
+        return join_deltas(outputs)
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":

@@ -286,10 +286,11 @@ class EngineHolder:
                 "num_generated_tokens": figures["num_generated_tokens"],
                 "ttft_p95_s": figures["ttft_p95_s"], "itl_p95_s": figures["itl_p95_s"]}
 
-    def record_finished(self, output: RequestOutput) -> None:
+    def record_finished(self, output: RequestOutput, generated_tokens: int) -> None:
+        """A finished request's figures: `output` its last, generated_tokens its whole answer's."""
         m, metrics = self.metrics, output.metrics
         m.prompt_tokens.inc(len(output.prompt_token_ids))
-        m.generation_tokens.inc(output.num_generated_tokens)
+        m.generation_tokens.inc(generated_tokens)
         if metrics.first_scheduled_time is not None:
             m.request_queue_time.observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
         if metrics.first_token_time is not None:

@@ -159,12 +159,13 @@ class Responder:
                 "top_logprobs": [{self._token(t): lp for t, lp in e.top_logprobs} for e in entries],
                 "text_offset": offsets}
 
-    def _usage(self, output: RequestOutput) -> dict:
-        return usage_dict(len(output.prompt_token_ids), output.num_generated_tokens,
+    def _usage(self, output: RequestOutput, completion_tokens: int) -> dict:
+        return usage_dict(len(output.prompt_token_ids), completion_tokens,
                           prompt_tokens_details={"cached_tokens": output.num_cached_tokens},
                           gpu_time_s=output.metrics.gpu_time_s)
 
     def full(self, output: RequestOutput) -> dict:
+        """The response body of a whole answer: `output` joined from the request's deltas."""
         choices = []
         for c in output.outputs:
             logprobs = self._logprobs(c.logprobs)
@@ -184,7 +185,8 @@ class Responder:
                 choices.append({"index": c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
         return {"id": self.request_id, "object": self.object, "created": self.created,
-                "model": self.holder.config.model_name, "choices": choices, "usage": self._usage(output)}
+                "model": self.holder.config.model_name, "choices": choices,
+                "usage": self._usage(output, output.num_generated_tokens)}
 
     @staticmethod
     def _tool_delta(parser: ToolCallParser | GenericToolParser, choice: CompletionOutput) -> dict:
@@ -213,7 +215,7 @@ class Responder:
         engine = self.holder.engine
         metrics = self.holder.metrics
         finished = False
-        sent_logprobs = [0] * len(first.outputs)
+        generated = 0  # tokens so far: the outputs are deltas (output_kind="delta")
         parsers = [self.tool_parsing.parser() for _ in first.outputs] if self.tool_parsing and self.chat else None
         try:
             if self.chat:  # OpenAI opens every choice with the role
@@ -228,13 +230,11 @@ class Responder:
                     yield f"data: {json.dumps(drain_expired_error(self.holder.drain_timeout_s).to_dict())}\n\n"
                     break
                 choices = []
+                generated += sum(len(c.delta_token_ids) for c in output.outputs)
                 for c in output.outputs:
                     if not c.delta_text and not c.delta_token_ids and c.finish_reason is None:
                         continue
-                    logprobs = None
-                    if c.logprobs is not None:
-                        logprobs = self._logprobs(c.logprobs[sent_logprobs[c.index]:])
-                        sent_logprobs[c.index] = len(c.logprobs)
+                    logprobs = self._logprobs(c.logprobs)
                     if parsers is not None:
                         delta = self._tool_delta(parsers[c.index], c)
                         if not delta and logprobs is None and c.finish_reason is None:
@@ -256,9 +256,9 @@ class Responder:
                     yield self._chunk(choices)
                 if output.finished:
                     finished = True
-                    self.holder.record_finished(output)
+                    self.holder.record_finished(output, generated)
                     if self.parsed.include_usage:
-                        yield self._chunk([], usage=self._usage(output))
+                        yield self._chunk([], usage=self._usage(output, generated))
                     break
                 output = await anext(stream)
                 t = time.monotonic()
