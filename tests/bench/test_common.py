@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.conftest import BENCH
 
 
 @pytest.fixture(scope="module")
-def common():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import common
-        yield common
-    finally:
-        sys.path.remove(str(BENCH))
+def common(bench_script):
+    return bench_script("common")
 
 
 def test_quantized_configs_read_fewer_bytes(common):

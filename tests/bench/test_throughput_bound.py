@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
-def bound():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import throughput_bound
-        yield throughput_bound
-    finally:
-        sys.path.remove(str(BENCH))
+def bound(bench_script):
+    return bench_script("throughput_bound")
 
 
 def test_work_and_least_time_of_two_requests(bound):
