@@ -23,6 +23,8 @@ from django.conf import settings
 from django.db import connection
 
 REPO = Path(__file__).resolve().parents[2]
+# How long a daemon lets its replicas' streams finish when it unloads them (see start_daemon).
+DRAIN_TIMEOUT_S = 60
 # Fast enough to test within seconds, slow enough for a loaded two-core CI machine.
 FLEET_ENV = {
     # Not the 3 s default: on a busy 2-core CI box a heartbeat can lag seconds behind, and a worker
@@ -126,11 +128,13 @@ class Fleet:
     def start_daemon(self, label: str) -> Process:
         name = f"it-{uuid.uuid4().hex[:8]}-{label}"
         # No --port-range: the daemon binds each replica's socket on a port the OS chooses and hands
-        # it to the child, so no other process of a busy machine can take it first.
+        # it to the child, so no other process of a busy machine can take it first. The drain waits
+        # only for the streams in flight, so its limit can be generous: a drain that runs out ends
+        # them with an error, and on a loaded CI machine a 300-token stream took 14 s (10 s failed).
         return self._start(name, [
             "-m", "gpuworker", "daemon", "--control-url", self.url, "--name", name, "--device", "cpu",
             "--advertise-host", "127.0.0.1",
-            "--state-dir", str(self.tmp_path / name), "--drain-timeout", "10",
+            "--state-dir", str(self.tmp_path / name), "--drain-timeout", str(DRAIN_TIMEOUT_S),
         ])
 
     def kill(self, process: Process) -> None:
