@@ -242,12 +242,23 @@ def load_hf_config(config_dir: Path) -> dict:
     return json.loads((Path(config_dir) / "config.json").read_text())
 
 
+def attention_heads(cfg: dict) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a Hugging Face config."""
+    heads = cfg["num_attention_heads"]
+    return heads, cfg.get("num_key_value_heads", heads), cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+
+def attention_params(cfg: dict) -> int:
+    """Parameters of one layer's attention projections: q, k, v and o."""
+    h = cfg["hidden_size"]
+    nh, nkv, hd = attention_heads(cfg)
+    return h * nh * hd + 2 * h * nkv * hd + nh * hd * h
+
+
 def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
     """Bytes of weights one decode step must read: every matrix, but only one embedding row; of a
     mixture of experts, the router and the top-k experts' MLPs (a batch of one token)."""
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    hd = cfg.get("head_dim") or h // nh
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:  # every layer sparse (Mixtral, Qwen3-MoE); a shared expert counts as one more
         expert_i = cfg.get("moe_intermediate_size") or i
@@ -256,7 +267,7 @@ def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
             mlp += 3 * h * cfg["shared_expert_intermediate_size"] + h
     else:
         mlp = 3 * h * i
-    per_layer = h * nh * hd + 2 * h * nkv * hd + nh * hd * h + mlp + 2 * h
+    per_layer = attention_params(cfg) + mlp + 2 * h
     params = cfg["num_hidden_layers"] * per_layer + h + v * h  # + final norm + lm_head
     quantization = cfg.get("quantization_config")
     if quantization is None:
@@ -281,8 +292,8 @@ def build_hf_model(config_dir: Path, dtype: torch.dtype, device: str):
 
 def hf_tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    heads, kv_heads, head_dim = attention_heads(cfg)
+    q, kv = heads * head_dim, kv_heads * head_dim
     shapes = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import load_hf_config
+from common import attention_heads, attention_params, load_hf_config
 from throughput import make_workload
 
 BENCH = Path(__file__).resolve().parent
@@ -26,10 +26,9 @@ def workload_work(cfg: dict, requests: list[tuple[list[int], int]], kv_bytes_per
     every later output token, lm_head included), FLOPs of causal prefill attention, and the KV
     bytes the decode steps read (each output token after the first reads its whole context)."""
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or h // heads
-    per_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h + 3 * h * cfg["intermediate_size"]
-    projections, lm_head = layers * per_layer, h * vocab
+    heads, kv_heads, head_dim = attention_heads(cfg)
+    projections = layers * (attention_params(cfg) + 3 * h * cfg["intermediate_size"])
+    lm_head = h * vocab
     kv_per_token = layers * 2 * kv_heads * head_dim * kv_bytes_per_value
     work = {"prompt_tokens": 0, "output_tokens": 0, "gemm_flops": 0, "attention_flops": 0, "kv_bytes": 0}
     for prompt, output_len in requests:

@@ -283,7 +283,7 @@ class ProcessLLMEngine(StreamingEngine):
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self._streams[request_id] = (outputs, _Assembly(prompt, params is None or params.output_kind != "delta"))
+            self._streams[request_id] = (outputs, _Assembly(prompt, accumulate=not outputs.deltas))
         try:
             await asyncio.wrap_future(self._command("add", request_id, prompt, params))
         except BaseException as exc:

@@ -98,7 +98,8 @@ class StreamingEngine(ABC):
     async def generate(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield an output each step the request advances; the last one has finished=True."""
-        outputs = OutputStream(asyncio.get_running_loop(), deltas=params is not None and params.output_kind == "delta")
+        outputs = OutputStream(asyncio.get_running_loop(),
+                               deltas=params is not None and params.output_kind == "delta")
         if not isinstance(prompt, TokenizedPrompt):
             # Tokenizing (or checking) megabytes takes seconds: neither on the caller's event loop,
             # which serves other streams, nor on the engine thread, which steps them.

@@ -68,8 +68,8 @@ _INTERPRETED_STDLIB: dict[int, Any] = {}
 
 @contextmanager
 def _interpretable_stdlib() -> Iterator[None]:
-    """Let the interpreter call tl.max, tl.sum & co. (and our kv_cache_fp8, online_softmax, prefetch and qk_norm_device helpers) even
-    if triton was imported before TRITON_INTERPRET=1.
+    """Let the interpreter call tl.max, tl.sum & co. (and our device helpers: kv_cache_fp8,
+    online_softmax, prefetch, qk_norm_device) even if triton was imported before TRITON_INTERPRET=1.
 
     Triton's own @jit helpers (triton.language.standard) are decorated when triton is imported; if
     that happened without the flag they are compiled-mode functions that the interpreter refuses to
