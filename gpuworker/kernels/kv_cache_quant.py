@@ -24,7 +24,11 @@ def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torc
     """x (keys or values) as the cache stores them."""
     if cache_dtype != FP8_DTYPE:
         return x.to(cache_dtype)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    # The divisor is a tensor on x's device, not a Python number: CUDA's torch divides by a host scalar
+    # as a product with its float32 reciprocal, which rounds a value in ~10^6 to another e4m3 step than
+    # the IEEE division the kernels (and torch on the CPU) do.
+    divisor = torch.full((), scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
 
 
 def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -59,6 +59,41 @@ def test_quantize_scales_saturates_and_leaves_other_dtypes_alone():
     assert torch.equal(dequantize_kv(x.bfloat16(), 0.5), x.bfloat16().float())
 
 
+def _quotients_a_reciprocal_rounds_elsewhere(scale: float, count: int = 64) -> torch.Tensor:
+    """float32 values x whose x / scale and x * (1 / scale) (both rounded to float32) fall on different
+    e4m3 steps: CUDA's torch takes the second for a host scalar divisor."""
+    scale32 = torch.tensor(scale, dtype=torch.float32)
+    # Only quotients within an ulp or two of a midpoint between two e4m3 steps can round apart: take
+    # the float32 neighbours of every midpoint times the scale.
+    steps = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    steps = steps[torch.isfinite(steps) & (steps > 0)].unique()
+    midpoints = (steps[1:] + steps[:-1]) / 2
+    near = (midpoints.double() * scale32.double()).float()
+    bits = near.view(torch.int32).unsqueeze(1) + torch.arange(-3, 4, dtype=torch.int32)
+    x = bits.flatten().view(torch.float32)
+    x = torch.cat([x, -x])
+    divided = (x.double() / scale32.double()).float()  # correctly rounded float32 quotients
+    by_reciprocal = x * (1.0 / scale32)
+    differ = divided.to(FP8_DTYPE).float() != by_reciprocal.to(FP8_DTYPE).float()
+    found = x[differ][:count]
+    assert len(found) > 0
+    return found
+
+
+@pytest.mark.parametrize("scale", [K_SCALE, V_SCALE, 0.3])
+def test_quantize_divides_as_the_kernels_do_on_every_device(scale, device):
+    # The reference and the cache-write kernel store clamp(x / scale) with an IEEE division, on the
+    # GPU too, for exactly the values where a multiply by the reciprocal would land a step away.
+    x = _quotients_a_reciprocal_rounds_elsewhere(scale)
+    expected = (x.double() / torch.tensor(scale, dtype=torch.float32).double()).float().to(FP8_DTYPE)
+    assert torch.equal(quantize_kv(x.to(device), FP8_DTYPE, scale).cpu().float(), expected.float())
+    rows = x.view(-1, 1, 1).expand(-1, 1, 16).contiguous().to(device)
+    cache = torch.zeros(2, 1, len(x), 1, 16, dtype=FP8_DTYPE, device=device)
+    slots = torch.arange(len(x), device=device)
+    kv_cache_write(rows, rows, cache, slots, k_scale=scale, v_scale=scale)
+    assert torch.equal(cache[0, 0, :, 0, 0].cpu().float(), expected.float())
+
+
 def test_kernels_refuse_a_scale_that_is_not_positive(device):
     key = torch.zeros(1, 2, 16, device=device)
     cache = torch.zeros(2, 2, 16, 2, 16, dtype=FP8_DTYPE, device=device)
