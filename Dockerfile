@@ -19,4 +19,6 @@ RUN pip install . \
 
 USER gpuserve
 EXPOSE 8000
-CMD ["uvicorn", "controlplane.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--lifespan", "off"]
+# No proxy headers: TRUSTED_PROXIES (controlplane/common/client_address.py) decides whom to believe.
+CMD ["uvicorn", "controlplane.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--lifespan", "off", \
+     "--no-proxy-headers"]

@@ -1,5 +1,6 @@
 """Typed readers for environment variables, so a bad value fails at start-up naming the variable."""
 
+import ipaddress
 import os
 from decimal import Decimal, InvalidOperation
 
@@ -54,6 +55,31 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None:
         return list(default)
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(name: str, text: str) -> tuple[IPNetwork, ...]:
+    """Comma-separated addresses and networks (CIDR) such as `10.0.0.5, 172.16.238.0/24, ::1`."""
+    networks = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if item == "*":
+            raise ImproperlyConfigured(f"{name} lists addresses or networks; '*' would trust every client to "
+                                       "name its own address. List the proxies (0.0.0.0/0 if you truly mean all).")
+        try:
+            networks.append(ipaddress.ip_network(item))
+        except ValueError as exc:
+            raise ImproperlyConfigured(f"{name} must list IP addresses or networks such as 10.0.0.0/8; "
+                                       f"{item!r} is not one ({exc}).") from None
+    return tuple(networks)
+
+
+def env_networks(name: str) -> tuple[IPNetwork, ...]:
+    """parse_networks of the variable; unset or empty: none."""
+    return parse_networks(name, os.environ.get(name, ""))
 
 
 def read_env_file(path) -> dict[str, str]:

@@ -59,7 +59,9 @@ def process_specs(*, host: str, port: int, var_dir: Path = BASE_DIR / "var") -> 
     # daemon registers with the web server (retrying until it is up), takes the worker token from
     # the environment main() prepares, and drains within the launcher's stop grace.
     return [
-        ProcessSpec("web", module("uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port), "--lifespan", "off")),
+        # No proxy headers: common.client_address alone decides whom X-Forwarded-For may name.
+        ProcessSpec("web", module("uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port),
+                                  "--lifespan", "off", "--no-proxy-headers")),
         ProcessSpec("worker", module("celery", "-A", "controlplane", "worker", "-l", "INFO", "-c", "2", "--without-gossip", "--without-mingle")),
         # Beat sends a lost-worker check every second: at INFO it would log each one.
         ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "WARNING")),

@@ -11,7 +11,7 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 
 from controlplane import integrations
-from controlplane.env import env_bool, env_decimal, env_int, env_list, env_str
+from controlplane.env import env_bool, env_decimal, env_int, env_list, env_networks, env_str
 from controlplane.tokens import read_or_create_secret_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -56,6 +56,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "controlplane.audit.middleware.audit_source_middleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
@@ -95,14 +96,18 @@ AUTH_PASSWORD_VALIDATORS = [
 # Login throttling (django-axes) on the dashboard's login and /admin: after LOGIN_FAILURE_LIMIT
 # failed attempts for one username from one IP address, that pair is refused for
 # LOGIN_LOCKOUT_MINUTES (a 429 with the page below); a successful login clears the count. The
-# AxesStandaloneBackend only checks the lockout; ModelBackend checks passwords. The client
-# address is REMOTE_ADDR: behind a proxy, see django-axes' AXES_IPWARE_* settings.
+# AxesStandaloneBackend only checks the lockout; ModelBackend checks passwords. The address is
+# common.client_address's, as everywhere an address counts.
 AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
 AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("LOGIN_LOCKOUT_MINUTES", 15))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "controlplane.dashboard.views.login_locked_out"
+AXES_CLIENT_IP_CALLABLE = "controlplane.common.client_address.client_address"
+# The proxies (addresses or CIDR networks) whose X-Forwarded-For names the client; nobody else's
+# header counts. Default none: the client is the socket's peer.
+TRUSTED_PROXIES = env_networks("TRUSTED_PROXIES")
 
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard:home"

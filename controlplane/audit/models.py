@@ -42,6 +42,9 @@ class AuditEntry(models.Model):
     target_label = models.CharField(max_length=200)
     # What changed: {"field": [before, after]} for edits, or the action's parameters.
     detail = models.JSONField(default=dict, blank=True)
+    # The client address of the web request that did it (through trusted proxies: see
+    # common.client_address); empty for actions outside a request (Celery, management commands).
+    source_address = models.GenericIPAddressField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:

@@ -2,6 +2,9 @@
 in their transaction, so an action is recorded exactly when it commits, whoever called the service."""
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
@@ -10,6 +13,20 @@ from django.db import models
 from controlplane.audit.models import AuditEntry
 
 SYSTEM_ACTOR = "system"
+
+# The client address of the request being served. Services take the acting user, not the request,
+# so the address reaches audit_record this way (set by audit.middleware around each request).
+_source_address: ContextVar[str | None] = ContextVar("audit_source_address", default=None)
+
+
+@contextmanager
+def audit_source(address: str | None) -> Iterator[None]:
+    """Entries recorded inside this block were done from `address`."""
+    token = _source_address.set(address)
+    try:
+        yield
+    finally:
+        _source_address.reset(token)
 
 
 def _json_safe(detail: dict[str, Any]) -> dict[str, Any]:
@@ -20,7 +37,7 @@ def _json_safe(detail: dict[str, Any]) -> dict[str, Any]:
 def audit_record(*, actor, action: str, target: models.Model, detail: dict[str, Any] | None = None,
                  target_label: str | None = None) -> AuditEntry:
     """Record that `actor` (a user, or None for the system) did `action` to `target`, named
-    `target_label` (default: str(target)) as it was then."""
+    `target_label` (default: str(target)) as it was then, from the address audit_source set."""
     if action not in AuditEntry.Action.values:
         raise ValueError(f"Unknown audit action {action!r}; add it to AuditEntry.Action.")
     if target.pk is None:
@@ -34,6 +51,7 @@ def audit_record(*, actor, action: str, target: models.Model, detail: dict[str, 
         target_id=str(target.pk),
         target_label=(target_label if target_label is not None else str(target))[:200],
         detail=_json_safe(detail or {}),
+        source_address=_source_address.get(),
     )
 
 

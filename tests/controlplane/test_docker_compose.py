@@ -61,3 +61,19 @@ def test_the_web_processes_share_a_fresh_metrics_directory():
     assert web["environment"]["DATABASE_URL"].startswith("postgres://")  # the shared settings are kept
     # Only the web processes write metric files: the GPU worker's replicas keep theirs in memory.
     assert "PROMETHEUS_MULTIPROC_DIR" not in services["gpuworker"].get("environment", {})
+
+
+def test_web_believes_x_forwarded_for_only_from_the_hosts_proxy():
+    import yaml
+
+    rendered = yaml.safe_load(_config(env=PRODUCTION).stdout)
+    web = rendered["services"]["web"]
+    # uvicorn's own proxy-header handling is off (it would believe anyone it was told to);
+    # the control plane's TRUSTED_PROXIES decides, and names only this network's gateway, where a
+    # proxy on the host appears.
+    assert "--no-proxy-headers" in web["command"] and "--forwarded-allow-ips" not in web["command"]
+    gateway = rendered["networks"]["default"]["ipam"]["config"][0]["gateway"]
+    assert web["environment"]["TRUSTED_PROXIES"] == gateway
+    # An operator with nothing in front sets it empty, and empty stays empty (nobody trusted).
+    emptied = yaml.safe_load(_config(env={**PRODUCTION, "TRUSTED_PROXIES": ""}).stdout)
+    assert emptied["services"]["web"]["environment"]["TRUSTED_PROXIES"] in ("", None)

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 _ISOLATE = (
     "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "CSRF_TRUSTED_ORIGINS", "SECURE_SSL_REDIRECT",
     "SESSION_COOKIE_SECURE", "CSRF_COOKIE_SECURE", "SECURE_HSTS_SECONDS",
-    "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD", "SECURE_PROXY_SSL_HEADER",
+    "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD", "SECURE_PROXY_SSL_HEADER", "TRUSTED_PROXIES",
 )
 
 
@@ -78,6 +78,12 @@ def test_bad_boolean_names_the_variable(tmp_path):
     result = _manage("check", env={"DEBUG": "maybe"}, tmp_path=tmp_path)
     assert result.returncode != 0
     assert "DEBUG must be one of" in result.stderr
+
+
+def test_a_bad_trusted_proxies_value_stops_the_start(tmp_path):
+    result = _manage("check", env={"TRUSTED_PROXIES": "*"}, tmp_path=tmp_path)
+    assert result.returncode != 0
+    assert "TRUSTED_PROXIES lists addresses or networks; '*' would trust every client" in result.stderr
 
 
 def test_autoscaling_settings_out_of_bounds_name_the_variable(tmp_path):

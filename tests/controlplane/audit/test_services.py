@@ -3,11 +3,12 @@ catalog and fleet services lands in it, whoever calls them (and nothing when the
 
 import pytest
 from django.core.exceptions import ValidationError
+from django.urls import reverse
 
 from controlplane.accounts.models import User
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.selectors import audit_actor_labels, audit_entries
-from controlplane.audit.services import SYSTEM_ACTOR, audit_record, changes
+from controlplane.audit.services import SYSTEM_ACTOR, audit_record, audit_source, changes
 from controlplane.catalog.services import model_create, model_set_enabled, model_update
 from controlplane.fleet.models import Replica
 from controlplane.fleet.services import (
@@ -29,6 +30,25 @@ from tests.controlplane.factories import (
 )
 
 pytestmark = pytest.mark.django_db
+
+
+def test_an_entry_keeps_the_address_it_was_done_from():
+    model = ModelFactory()
+    outside = audit_record(actor=None, action=AuditEntry.Action.MODEL_UPDATE, target=model)
+    with audit_source("2001:db8::5"):
+        inside = audit_record(actor=None, action=AuditEntry.Action.MODEL_UPDATE, target=model)
+    after = audit_record(actor=None, action=AuditEntry.Action.MODEL_UPDATE, target=model)
+    assert [e.source_address for e in AuditEntry.objects.filter(pk__in=[outside.pk, inside.pk, after.pk])
+            .order_by("pk")] == [None, "2001:db8::5", None]
+
+
+def test_a_dashboard_action_records_the_clients_address(client):
+    user = UserFactory(role=User.Role.OPERATOR)
+    client.force_login(user)
+    model = ModelFactory(enabled=True)
+    client.post(reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "0"},
+                REMOTE_ADDR="198.51.100.9")
+    assert AuditEntry.objects.get(action=AuditEntry.Action.MODEL_DISABLE).source_address == "198.51.100.9"
 
 
 def test_audit_record_keeps_who_what_and_the_target_as_it_was():
