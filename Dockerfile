@@ -1,5 +1,6 @@
 # One image for every gpuserve process: the web server, the Celery worker and beat, and the GPU
-# worker daemon (PyPI's torch wheels carry CUDA, so the same image drives the GPU).
+# worker daemon (requirements/image.txt locks PyPI's torch, which carries CUDA, so the same image
+# drives the GPU).
 FROM python:3.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -12,8 +13,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 RUN useradd --create-home --uid 1000 gpuserve
 
+# Only the hashed pins of the lock (written by `make lock`), in a layer of their own that a code
+# change does not rebuild; then the project itself, built by the locked setuptools, with nothing else.
+COPY requirements/image.txt requirements/image.txt
+RUN pip install --require-hashes -r requirements/image.txt
 COPY . .
-RUN pip install . \
+RUN pip install --no-deps --no-build-isolation . \
     && mkdir -p /app/var \
     && chown -R gpuserve:gpuserve /app/var
 

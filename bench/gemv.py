@@ -77,7 +77,7 @@ def run_shape(name: str, n: int, k: int, rows, configs, *, device: str, timed: b
     results, sweep = [], []
     copies = 1
     if timed:
-        from kernels import graph_time_us, num_sets
+        from kernel_times import graph_time_us, num_sets
 
         copies = num_sets(n * k * ES, cap=16)
     weights = make_weights(n, k, copies, device)
@@ -127,7 +127,7 @@ def run_fused_down(n: int, k: int, rows, best_by_m: dict[int, str], *, device: s
 
     copies = 1
     if timed:
-        from kernels import graph_time_us, num_sets
+        from kernel_times import graph_time_us, num_sets
 
         copies = num_sets(n * k * ES, cap=16)
     weights = make_weights(n, k, copies, device)

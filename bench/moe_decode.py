@@ -108,7 +108,7 @@ def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bo
             err, ok = max_error(call(0), expected)
             entry.update(max_abs_err=err, ok=ok)
             if ok and timed:
-                from kernels import graph_time_us
+                from kernel_times import graph_time_us
 
                 us = graph_time_us([lambda i=i: call(i) for i in range(sets)])
                 entry.update(us=us, GBps=moved / us / 1e3)
@@ -150,7 +150,7 @@ def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bo
             os.environ["GPUWORKER_PDL"] = saved
         sweep.append({**no_pdl, "pdl": False})
         # The routing alone, the kernel against torch's softmax, top-k and renormalisation.
-        from kernels import graph_time_us
+        from kernel_times import graph_time_us
 
         row["route_kernel_us"] = graph_time_us([lambda i=i: route_top_k(logits[i], top_k, True) for i in range(sets)])
         row["route_torch_us"] = graph_time_us([lambda i=i: route_reference(logits[i], top_k, True)

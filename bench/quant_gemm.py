@@ -5,7 +5,7 @@ cuBLAS bf16 F.linear, the dequantise-then-torch.mm path, and the Triton kernel's
     PYTHONPATH=. python bench/quant_gemm.py --check-only   # no timing; on a CPU: tiny shapes, interpreter
 
 Every candidate is checked against int4_matmul_reference first. Times are medians of CUDA-graph replays
-(bench/kernels.py's graph_time_us) over enough weight copies that the L2 cannot hold them. Prints, per row
+(bench/kernel_times.py's graph_time_us) over enough weight copies that the L2 cannot hold them. Prints, per row
 count, the sum over one decode step's 32 layers of the four projections, a TUNED_GEMM table and the
 DEQUANT_MIN_ROWS crossover for gpuworker/kernels/int4_matmul.py, and writes quant_gemm.json to $OUT.
 """
@@ -50,7 +50,7 @@ def main() -> None:
     tiles = [Int4GemmConfig(*t) for t in (TILES if on_cuda else TINY_TILES)]
     torch.manual_seed(0)
     if timed:
-        from kernels import graph_time_us, num_sets
+        from kernel_times import graph_time_us, num_sets
 
     results, failures = [], 0
     for name, ((n, k), per_step) in shapes.items():

@@ -9,7 +9,7 @@ and the config each kernel picks today.
 Every candidate is checked against the kernel's torch reference (int4_matmul_reference,
 fp8_matmul_reference) before it is timed; one that disagrees or fails to compile is reported and
 skipped. Times are medians of CUDA-graph replays over enough weight copies that the L2 cannot hold
-them (bench/kernels.py's graph_time_us), so launch overhead is out. GB/s counts the bytes the kernel
+them (bench/kernel_times.py's graph_time_us), so launch overhead is out. GB/s counts the bytes the kernel
 must move (packed weight, zero points and scales, or the FP8 weight and its row scales, plus x and
 the output); cuBLAS's counts its bf16 weight. Prints a TUNED table for gpuworker/kernels/int4_matmul.py
 and a TUNED_FP8 table for gpuworker/kernels/gemv.py, ready to paste, and writes quant_gemv.json to
@@ -127,7 +127,7 @@ def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str
 
     copies = 1
     if timed:
-        from kernels import graph_time_us, num_sets
+        from kernel_times import graph_time_us, num_sets
 
         copies = num_sets(n * k // (2 if kind == "int4" else 1), cap=16)
     xs = [torch.randn(1, k, device=device).to(DTYPE) for _ in range(copies)]

@@ -87,7 +87,7 @@ def check(config, logits: torch.Tensor, params: dict, expected: torch.Tensor) ->
 
 
 def time_config(config, logit_sets: list[torch.Tensor], params: dict) -> float:
-    from kernels import graph_time_us
+    from kernel_times import graph_time_us
 
     from gpuworker.kernels.sampling import sample
 
@@ -102,7 +102,7 @@ def measure(config, batch: int, mode: str, kind: str, cache: dict, *, device: st
         vocab = VOCAB if timed else 600
         copies = 1
         if timed:
-            from kernels import num_sets
+            from kernel_times import num_sets
 
             copies = num_sets(batch * vocab * 4, cap=16)
         from gpuworker.kernels.sampling import sample_reference
@@ -124,7 +124,7 @@ def measure(config, batch: int, mode: str, kind: str, cache: dict, *, device: st
 
 
 def argmax_us(batch: int, cache: dict) -> float:
-    from kernels import graph_time_us
+    from kernel_times import graph_time_us
 
     logit_sets = cache[(batch, "greedy", "flat")][0]
     return graph_time_us([lambda x=x: x.argmax(dim=-1) for x in logit_sets])

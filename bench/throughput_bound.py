@@ -7,7 +7,7 @@ which GEMM rate and KV bandwidth that needs.
     python bench/throughput_bound.py --num-requests 512 --output-len 256 --gemm-tflops 719 --kv-tbps 4.1
 
 --gemm-tflops: what cuBLAS reached on the prefill GEMMs in bench/throughput.py --profile-steps
-(H200, BENCHMARKS.md); --kv-tbps: what the bf16 decode attention reads at (bench/kernels.py).
+(H200, BENCHMARKS.md); --kv-tbps: what the bf16 decode attention reads at (bench/kernel_times.py).
 """
 
 from __future__ import annotations

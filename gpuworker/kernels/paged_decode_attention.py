@@ -45,7 +45,7 @@ _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 # Shortest partition worth its own program (one 64-token tile).
 MIN_PARTITION = 64
-# Programs per multiprocessor to aim for, from bench/kernels.py's split sweeps on Hopper (Llama-3-8B
+# Programs per multiprocessor to aim for, from bench/kernel_times.py's split sweeps on Hopper (Llama-3-8B
 # heads): a batch too small to fill the device wants many short partitions, while one that nearly
 # fills it wants few (BENCHMARKS.md, "Figures formerly in code comments").
 _WAVES_SMALL_BATCH = 4
@@ -342,13 +342,13 @@ def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> tuple
     multiprocessors (fills_device) or not.
 
     A batch that fills the device is bandwidth-bound and wants long tiles with more loads in
-    flight: 128 keys, 4 warps, 3 stages beat 64 keys, 8 warps, 2 stages on Hopper (bench/kernels.py,
+    flight: 128 keys, 4 warps, 3 stages beat 64 keys, 8 warps, 2 stages on Hopper (bench/kernel_times.py,
     Llama-3-8B heads, bf16; BENCHMARKS.md, fifth session, "Decode tile for batches that fill the
     GPU"). A small batch is latency-bound and cut into many short partitions, where 64 keys and 8
     warps are best.
     float32 tiles go through FMA-based IEEE dots, which spill registers beyond 16 keys a tile at
     head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed.
-    An FP8 cache takes the same tiles: on the H200 (bench/kernels.py --fp8-decode-only, 2026-12-02,
+    An FP8 cache takes the same tiles: on the H200 (bench/kernel_times.py --fp8-decode-only, 2026-12-02,
     BENCHMARKS.md) 128 keys, 4 warps, 3 stages were the fastest of six tiles at batch 64, 256 and 512,
     and 1.7x faster than 8 warps at 512, although Triton reports some register spill for it offline.
     """
@@ -555,7 +555,7 @@ class _Launch:
 
 
 # Whether an FP8 cache's V tiles are read as 16-bit words (paged_decode_attention's fp8_v_pairs):
-# bench/kernels.py --fp8-decode-only on the H200 (2026-12-02, BENCHMARKS.md): with the default
+# bench/kernel_times.py --fp8-decode-only on the H200 (2026-12-02, BENCHMARKS.md): with the default
 # 128-key, 4-warp, 3-stage tile 1.07x -> 1.22x bf16's speed at batch 512, 1.17x -> 1.33x at 256.
 FP8_V_PAIRS = True
 

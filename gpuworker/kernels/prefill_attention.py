@@ -192,7 +192,7 @@ def default_tile(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps) of a launch on `dtype` heads of `head_dim`.
 
     bf16/fp16 tiles run on wgmma, where 64x64 tiles on 4 warps ran faster than 128x64 on 8 on Hopper
-    (1 x 4096 tokens, bench/kernels.py sweep; BENCHMARKS.md, "Figures formerly in code comments").
+    (1 x 4096 tokens, bench/kernel_times.py sweep; BENCHMARKS.md, "Figures formerly in code comments").
     float32 ones go through FMA-based IEEE dots, which spill registers beyond 32x16 at head_dim 128
     (Triton's resource report for sm_90); float32 serves exactness checks, not speed.
     """

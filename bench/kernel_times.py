@@ -1,6 +1,6 @@
 """Kernel benchmark: each Triton kernel against its torch equivalent at Llama-3-8B shapes, on one GPU.
 
-    PYTHONPATH=. python bench/kernels.py [--quick] [--no-sweep] [--batch1-decode-only] [--fp8-decode-only]
+    PYTHONPATH=. python bench/kernel_times.py [--quick] [--no-sweep] [--batch1-decode-only] [--fp8-decode-only]
 
 Every figure is the median per-call time of a CUDA graph that replays the call over enough distinct
 input sets (different caches / activations) that the data cannot stay in L2, as 32 layers do in a
@@ -450,7 +450,7 @@ def main() -> None:
                         help="only decode attention over an FP8 cache against bf16, with FP8 tile sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench/kernels.py needs a CUDA device")
+        raise SystemExit("bench/kernel_times.py needs a CUDA device")
     torch.manual_seed(0)
     env = environment()
     copy_gbps = copy_bandwidth_gbs()
