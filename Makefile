@@ -13,13 +13,20 @@ INSTALLED := $(VENV)/.installed
 DEV_INSTALLED := $(VENV)/.installed-dev
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-dev migrate seed lock
+.PHONY: run test gpu-test install install-dev migrate seed lock
 
 run: migrate seed
 	$(VENV_PYTHON) -m controlplane.launcher
 
 test: install-dev
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+
+# The GPU suite: every test marked gpu (all of tests/kernels at real shapes, the engine's CUDA tests), on
+# a machine with a CUDA device and its own torch and Triton; it has no .venv, so GPU_PYTHON names the
+# interpreter. --durations lists the slowest, which the suite's time budget (README) is judged by.
+GPU_PYTHON ?= python3
+gpu-test:
+	$(GPU_PYTHON) -m pytest -m gpu -q -p no:cacheprovider --durations=30 tests/kernels tests/gpuworker $(PYTEST_ARGS)
 
 install: $(INSTALLED)
 

@@ -52,6 +52,14 @@ def build_paged_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, blo
     return kv_cache.to(DEVICE), block_tables.to(DEVICE)
 
 
+def pytest_collection_modifyitems(config, items):
+    # Every kernel test runs at real shapes on a CUDA device, so all of them belong to the GPU suite.
+    here = os.path.dirname(__file__)
+    for item in items:
+        if str(item.path).startswith(here + os.sep):
+            item.add_marker(pytest.mark.gpu)
+
+
 @pytest.fixture
 def generator() -> torch.Generator:
     return torch.Generator().manual_seed(1234)

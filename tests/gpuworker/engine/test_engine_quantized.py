@@ -28,7 +28,8 @@ def case(request, tmp_path_factory):
 @pytest.mark.parametrize("device, async_scheduling", [
     ("cpu", False), ("cpu", True),
     # The Triton kernels (and CUDA graphs for decode) on the same float32 weights.
-    pytest.param("cuda", True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    pytest.param("cuda", True, marks=[pytest.mark.gpu,
+                                      pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ], ids=["cpu-sync", "cpu-async", "cuda"])
 def test_greedy_equals_the_dequantised_reference(case, device, async_scheduling):
     path, prompts, reference = case

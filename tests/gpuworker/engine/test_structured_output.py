@@ -393,6 +393,7 @@ def test_length_bounded_strings_refuse_control_characters(engine, name, valid):
     assert (matcher.accept_string(document) and matcher.is_completed()) is valid
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_mixed_batch_on_cuda(checkpoint):
     """The device path: pinned bitmask copied without blocking, xgrammar's Triton kernel, async steps."""

@@ -40,6 +40,7 @@ def test_a_tuned_decode_config_per_bucket_is_warmed_up_too(monkeypatch):
     assert moe.kernel_variant(8) == ("grouped", 16)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_warm_up_runs_the_kernels_at_each_count():
     moe = _moe(8, 2).cuda().to(torch.bfloat16)

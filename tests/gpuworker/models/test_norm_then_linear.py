@@ -36,6 +36,7 @@ def test_cpu_is_norm_then_linear(with_residual):
     torch.testing.assert_close(out, linear(norm(expected_stream)))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused path runs on CUDA only")
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_cuda_decode_row_takes_one_fused_kernel(monkeypatch, with_residual):

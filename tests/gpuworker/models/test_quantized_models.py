@@ -183,6 +183,7 @@ def test_ignored_modules_stay_dense(tmp_path, prompt):
     assert isinstance(model.layers[0].mlp.gate_up_proj, Fp8Linear)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 16, 17, 256])
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
