@@ -127,7 +127,7 @@ def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str
 
     copies = 1
     if timed:
-        from kernels import graph_time_us, num_sets
+        from kernel_times import graph_time_us, num_sets
 
         copies = num_sets(n * k // (2 if kind == "int4" else 1), cap=16)
     xs = [torch.randn(1, k, device=device).to(DTYPE) for _ in range(copies)]
