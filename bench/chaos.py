@@ -66,8 +66,10 @@ SYSTEM_ENV = {
     "GATEWAY_REQUEST_TIMEOUT_SECONDS": "60", "GATEWAY_HOLD_SWEEP_SECONDS": "2",
 }
 HOLD_LIFETIME_S = 60 + 60
-# How long a replica kill waits for a target (a fault just before may have taken both replicas),
-# then for the control plane to record the killed replica failed, then for a new one to be ready.
+# How long a replica kill waits for every replica to be ready with its process reported, and so for
+# longer than the gateway takes to route to a new one (the fault before may have taken one, and
+# killing the last would test an outage, not a fail-over; past this it takes what is there), then
+# for the control plane to record the killed replica failed, then for a new one to be ready.
 REPLICA_TARGET_WAIT_S = 120
 REPLICA_FAILED_WAIT_S = 60
 REPLICA_REPLACED_WAIT_S = 180
@@ -226,17 +228,39 @@ class Chaos:
     # --- faults (each returns once what it broke is back) ---------------------------------------
 
     def replica_kill(self, rng: random.Random) -> Fault:
-        targets = self._poll(self.replica_processes, REPLICA_TARGET_WAIT_S)
+        from django.conf import settings
+
+        settle_s = 2 * settings.GATEWAY_ROUTING_REFRESH_MS / 1000
+        targets: list[ReplicaProcess] = []
+        whole: dict[frozenset[int], float] = {}  # the whole fleet's replica ids, as last seen: since when
+
+        def settled() -> bool:
+            targets.clear()  # a look that fails finds nothing, never what an earlier look found
+            targets.extend(self.replica_processes())
+            ids = frozenset(t.replica_id for t in targets)
+            since = whole.get(ids, time.monotonic())
+            whole.clear()
+            if len(ids) < REPLICAS:
+                return False
+            whole[ids] = since
+            return time.monotonic() - since >= settle_s
+
+        self._poll(settled, REPLICA_TARGET_WAIT_S)
         if not targets:
             now = time.monotonic()
             return Fault("replica_kill", "nothing killed", now, now, problem=(
                 f"no ready replica with a live process its daemon reported within {REPLICA_TARGET_WAIT_S}s"))
         target = rng.choice(targets)
         newest = self._poll(self._newest_replica_id, REPLICA_TARGET_WAIT_S) or 0
-        os.kill(target.pid, signal.SIGKILL)
         now = time.monotonic()
-        fault = Fault("replica_kill", f"replica {target.replica_id} on {target.worker}, pid {target.pid}", now, now,
-                      replica_id=target.replica_id, pid=target.pid)
+        try:
+            os.kill(target.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return Fault("replica_kill", "nothing killed", now, now, problem=(
+                f"replica {target.replica_id}'s process {target.pid} was gone before the kill"))
+        only = " (the only ready one)" if len(targets) == 1 else ""
+        fault = Fault("replica_kill", f"replica {target.replica_id} on {target.worker}, pid {target.pid}{only}", now,
+                      now, replica_id=target.replica_id, pid=target.pid)
         failed = self._poll(lambda: self._recorded_failure(target.replica_id), REPLICA_FAILED_WAIT_S)
         if failed is None:
             fault.problem = f"replica {target.replica_id} was not recorded failed within {REPLICA_FAILED_WAIT_S}s"
