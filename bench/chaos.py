@@ -11,11 +11,11 @@ ports in temporary folders (`tests/private_services.py`): the machine's shared s
 touched. Tenants each have a key and credit (the last one credit for only a few requests) and
 send chat and completion requests, streaming or not, with a JSON schema or tools; some clients
 leave before the first token, mid-stream or while waiting for a whole answer
-(`bench/chaos_traffic.py`). On a seeded schedule, one fault at a time: a replica SIGKILLed (its
-daemon reports it and reconcile replaces it), a daemon SIGKILLed and restarted, Redis stopped and
-started (empty), PostgreSQL stopped (`pg_ctl stop -m fast`) and started. At the end, after every
-hold is settled or swept, `bench/chaos_audit.py` checks the invariants; the exit status is 0 only
-when it finds nothing. `tests/integration/test_chaos.py` runs a short one in CI.
+(`bench/chaos_traffic.py`). On a seeded schedule, one fault at a time, every kind once per round
+(FAULT_HELP says what each does). A fault that finds nothing to act on, or whose effect is never
+seen, is a failure of the run: its audit lists it. At the end, after every hold is settled or
+swept, `bench/chaos_audit.py` checks the invariants; the exit status is 0 only when it finds
+nothing. `tests/integration/test_chaos.py` runs a short one in CI.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections import Counter
@@ -43,7 +44,15 @@ sys.path.insert(0, str(REPO))
 from bench.chaos_traffic import COMPLETED, ERROR, STREAM_ERROR, STAY, ClientRecord, Tenant, Traffic, send  # noqa: E402
 from tests.private_services import PrivatePostgres, PrivateRedis  # noqa: E402
 
-FAULTS = ("replica_kill", "daemon_kill", "redis_restart", "postgres_restart")
+FAULT_HELP = {
+    "replica_kill": "SIGKILL a ready replica's process, found by the pid its daemon reports in heartbeats (as "
+                    "the control plane recorded them), never by process name; it must then be recorded failed "
+                    "and a new replica become ready",
+    "daemon_kill": "SIGKILL a running worker daemon (its replicas exit with it) and restart it 1-4 s later",
+    "redis_restart": "stop the private Redis and start it again, empty, 2-6 s later",
+    "postgres_restart": "stop the private PostgreSQL (pg_ctl stop -m fast) and start it again 2-6 s later",
+}
+FAULTS = tuple(FAULT_HELP)
 MODEL = "chaos-tiny"
 REPLICAS = 2  # one per daemon: a killed replica or daemon leaves the other serving
 PRICE = Decimal("0.002")
@@ -57,6 +66,13 @@ SYSTEM_ENV = {
     "GATEWAY_REQUEST_TIMEOUT_SECONDS": "60", "GATEWAY_HOLD_SWEEP_SECONDS": "2",
 }
 HOLD_LIFETIME_S = 60 + 60
+# How long a replica kill waits for every replica to be ready with its process reported, and so for
+# longer than the gateway takes to route to a new one (the fault before may have taken one, and
+# killing the last would test an outage, not a fail-over; past this it takes what is there), then
+# for the control plane to record the killed replica failed, then for a new one to be ready.
+REPLICA_TARGET_WAIT_S = 120
+REPLICA_FAILED_WAIT_S = 60
+REPLICA_REPLACED_WAIT_S = 180
 
 
 @dataclass
@@ -68,6 +84,24 @@ class Fault:
     recovered_s: float | None = None  # from restored to the end of the first request served after it
     replicas_whole_s: float | None = None  # from injected until both replicas were ready again, if one went
     server_errors: int = 0  # 5xx answers and stream error events clients saw between injection and recovery
+    # Why the fault did not do what it is for (it found nothing to act on, or its effect was never
+    # seen); empty when it did. Any one fails the run.
+    problem: str = ""
+    # A replica kill's target, as its daemon reported it, and what the control plane then recorded.
+    replica_id: int | None = None
+    pid: int | None = None
+    failure_seen: str = ""  # the killed replica's recorded failure and error
+    failed_seen_s: float | None = None  # from the kill until the control plane recorded the replica failed
+    replaced_s: float | None = None  # from the kill until a replica created after it was ready
+
+
+@dataclass(frozen=True)
+class ReplicaProcess:
+    """A ready replica and the process its daemon reports serving it."""
+    replica_id: int
+    worker: str
+    endpoint_url: str
+    pid: int
 
 
 class Chaos:
@@ -75,9 +109,10 @@ class Chaos:
 
     def __init__(self, scratch: Path, *, tenants: int):
         self.scratch = scratch
-        self.postgres = PrivatePostgres()
+        self.postgres: PrivatePostgres | None = None  # made (initdb) when the run starts
         self.redis = PrivateRedis(scratch)
         self.tenant_count = tenants
+        self.deployment = None  # the run's one deployment, made when it starts
         self.began = time.monotonic()  # every time reported is counted from here
         self.fleet = None
         self.daemons = []
@@ -88,6 +123,7 @@ class Chaos:
     # --- start and stop -----------------------------------------------------------------------
 
     def start(self) -> list[Tenant]:
+        self.postgres = PrivatePostgres()
         self.postgres.start()
         self.postgres.create_database()
         self.redis.start()
@@ -166,7 +202,8 @@ class Chaos:
         if self.fleet is not None:
             self.fleet.stop()
         self.redis.stop()
-        self.postgres.remove()
+        if self.postgres is not None:
+            self.postgres.remove()
 
     # --- the replicas' readiness over time ------------------------------------------------------
 
@@ -191,21 +228,113 @@ class Chaos:
     # --- faults (each returns once what it broke is back) ---------------------------------------
 
     def replica_kill(self, rng: random.Random) -> Fault:
+        from django.conf import settings
+
+        settle_s = 2 * settings.GATEWAY_ROUTING_REFRESH_MS / 1000
+        targets: list[ReplicaProcess] = []
+        whole: dict[frozenset[int], float] = {}  # the whole fleet's replica ids, as last seen: since when
+
+        def settled() -> bool:
+            targets.clear()  # a look that fails finds nothing, never what an earlier look found
+            targets.extend(self.replica_processes())
+            ids = frozenset(t.replica_id for t in targets)
+            since = whole.get(ids, time.monotonic())
+            whole.clear()
+            if len(ids) < REPLICAS:
+                return False
+            whole[ids] = since
+            return time.monotonic() - since >= settle_s
+
+        self._poll(settled, REPLICA_TARGET_WAIT_S)
+        if not targets:
+            now = time.monotonic()
+            return Fault("replica_kill", "nothing killed", now, now, problem=(
+                f"no ready replica with a live process its daemon reported within {REPLICA_TARGET_WAIT_S}s"))
+        target = rng.choice(targets)
+        newest = self._poll(self._newest_replica_id, REPLICA_TARGET_WAIT_S) or 0
+        now = time.monotonic()
+        try:
+            os.kill(target.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return Fault("replica_kill", "nothing killed", now, now, problem=(
+                f"replica {target.replica_id}'s process {target.pid} was gone before the kill"))
+        only = " (the only ready one)" if len(targets) == 1 else ""
+        fault = Fault("replica_kill", f"replica {target.replica_id} on {target.worker}, pid {target.pid}{only}", now,
+                      now, replica_id=target.replica_id, pid=target.pid)
+        failed = self._poll(lambda: self._recorded_failure(target.replica_id), REPLICA_FAILED_WAIT_S)
+        if failed is None:
+            fault.problem = f"replica {target.replica_id} was not recorded failed within {REPLICA_FAILED_WAIT_S}s"
+            return fault
+        fault.failed_seen_s, fault.failure_seen = time.monotonic() - now, failed
+        if self._poll(lambda: self._ready_since(newest), REPLICA_REPLACED_WAIT_S) is None:
+            fault.problem = f"no new replica was ready within {REPLICA_REPLACED_WAIT_S}s of the kill"
+        else:
+            fault.replaced_s = time.monotonic() - now
+        return fault
+
+    def replica_processes(self) -> list[ReplicaProcess]:
+        """The ready replicas of the run's deployment whose daemon, one of ours and running, reports
+        the process serving them. The pid must be a child of that daemon: a pid the host reused for
+        some other process is never signalled."""
+        from controlplane.fleet.models import Replica
+        from controlplane.fleet.selectors import workers_latest_heartbeats
         from tests.integration.conftest import _children_of
 
-        replicas = [pid for daemon in self.daemons if daemon.popen.poll() is None
-                    for pid in _children_of(daemon.popen.pid) if b"serve" in _cmdline(pid)]
-        if not replicas:
-            now = time.monotonic()
-            return Fault("replica_kill", "no replica process to kill", now, now)
-        pid = rng.choice(replicas)
-        now = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        return Fault("replica_kill", f"replica pid {pid}", now, now)
+        daemons = {daemon.name: daemon.popen.pid for daemon in self.daemons if daemon.popen.poll() is None}
+        ready = list(Replica.objects.filter(deployment=self.deployment, state=Replica.State.READY)
+                     .select_related("worker"))
+        latest = workers_latest_heartbeats(worker_ids={replica.worker_id for replica in ready})
+        found = []
+        for replica in ready:
+            report = ((latest.get(replica.worker_id) or {}).get("replicas") or {}).get(str(replica.pk)) or {}
+            pid, daemon = report.get("pid"), daemons.get(replica.worker.name)
+            if report.get("state") == "ready" and pid and daemon and pid in _children_of(daemon):
+                found.append(ReplicaProcess(replica.pk, replica.worker.name, report.get("endpoint_url", ""), pid))
+        return found
+
+    def _newest_replica_id(self) -> int | None:
+        from controlplane.fleet.models import Replica
+
+        return Replica.objects.filter(deployment=self.deployment).order_by("-pk").values_list("pk", flat=True).first()
+
+    def _recorded_failure(self, replica_id: int) -> str | None:
+        from controlplane.fleet.models import Replica
+
+        replica = Replica.objects.get(pk=replica_id)
+        if replica.state != Replica.State.FAILED:
+            return None
+        return f"{replica.failure}: {replica.last_error[:120]}"
+
+    def _ready_since(self, newest: int) -> int | None:
+        """A ready replica created after the one numbered `newest`."""
+        from controlplane.fleet.models import Replica
+
+        return Replica.objects.filter(deployment=self.deployment, state=Replica.State.READY, pk__gt=newest) \
+            .values_list("pk", flat=True).first()
+
+    @staticmethod
+    def _poll(look, timeout: float):
+        """`look()`'s first truthy answer within `timeout` seconds, else None. An error counts as no
+        answer: the database or Redis may still be coming back from the fault before."""
+        from django.db import connection
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if found := look():
+                    return found
+            except Exception:  # noqa: BLE001 - a service still restarting; the deadline bounds it
+                connection.close()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.5)
 
     def daemon_kill(self, rng: random.Random) -> Fault:
-        daemon = rng.choice(self.daemons)
+        running = [daemon for daemon in self.daemons if daemon.popen.poll() is None]
         injected = time.monotonic()
+        if not running:
+            return Fault("daemon_kill", "nothing killed", injected, injected, problem="no worker daemon was running")
+        daemon = rng.choice(running)
         self.fleet.kill(daemon)
         time.sleep(rng.uniform(1, 4))
         self.daemons[self.daemons.index(daemon)] = self.fleet.restart(daemon)
@@ -220,7 +349,12 @@ class Chaos:
 
     def _outage(self, kind: str, service: PrivateRedis | PrivatePostgres, rng: random.Random) -> Fault:
         injected = time.monotonic()
+        if not service.running:
+            return Fault(kind, "nothing stopped", injected, injected, problem="the service was not running")
         service.stop()
+        if service.running:
+            problem = "the service was still running after it was stopped"
+            return Fault(kind, "not stopped", injected, time.monotonic(), problem=problem)
         time.sleep(rng.uniform(2, 6))
         service.start()
         return Fault(kind, f"down {time.monotonic() - injected:.1f}s", injected, time.monotonic())
@@ -260,13 +394,6 @@ class Chaos:
         return True
 
 
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def measure_recovery(faults: list[Fault], records: list[ClientRecord], samples) -> None:
     """For each fault: the first request that started after it was restored and was served whole
     (and how long after the restore it ended); when both replicas were ready again, if one went
@@ -286,6 +413,19 @@ def measure_recovery(faults: list[Fault], records: list[ClientRecord], samples) 
             fault.replicas_whole_s = None if back is None else back - fault.injected
 
 
+def fault_detail(fault: Fault) -> str:
+    detail = fault.detail
+    if fault.failed_seen_s is not None:
+        detail += f"; recorded failed after {fault.failed_seen_s:.1f}s ({fault.failure_seen.split(':')[0]})"
+    if fault.replaced_s is not None:
+        detail += f", a new replica ready after {fault.replaced_s:.1f}s"
+    return f"{detail}; NO EFFECT: {fault.problem}" if fault.problem else detail
+
+
+def fault_problems(faults: list[Fault]) -> list[str]:
+    return [f"fault {i} ({f.kind}): {f.problem}" for i, f in enumerate(faults, 1) if f.problem]
+
+
 def report(args, records: list[ClientRecord], faults: list[Fault], result, settled: bool, began: float,
            started: float, elapsed: float) -> dict:
     outcomes = Counter(r.label for r in records)
@@ -301,7 +441,7 @@ def report(args, records: list[ClientRecord], faults: list[Fault], result, settl
     def secs(value):
         return "-" if value is None else f"{value:.1f}"
 
-    lines += [f"| {i} | {f.kind} | {f.detail} | {f.injected - began:.0f} | {secs(f.recovered_s)} | "
+    lines += [f"| {i} | {f.kind} | {fault_detail(f)} | {f.injected - began:.0f} | {secs(f.recovered_s)} | "
               f"{secs(f.replicas_whole_s)} | {f.server_errors} |" for i, f in enumerate(faults, 1)]
     lines += ["", f"charged requests {result.charged} = ledger usage entries {result.ledger_usage_entries}; "
               f"recorded unbilled {result.recorded_unbilled}; released {result.released}; "
@@ -340,7 +480,12 @@ async def traffic_with_faults(chaos: Chaos, tenants: list[Tenant], args) -> tupl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    faults = "\n".join(textwrap.fill(text, 100, initial_indent=f"  {kind}: ", subsequent_indent="    ")
+                       for kind, text in FAULT_HELP.items())
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="faults: one at a time, every kind once per round in a seeded order; a fault that finds nothing to\n"
+               f"act on, or whose effect is never seen, fails the run (its audit and exit status).\n{faults}")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
     parser.add_argument("--tenants", type=int, default=4, help="tenants (the last has credit for ~10 requests)")
     parser.add_argument("--concurrency", type=int, default=8, help="clients sending at once")
@@ -369,8 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.chaos_audit import audit
 
         measure_recovery(faults, records, chaos.samples)
-        summary = report(args, records, faults, audit(records, [t.name for t in tenants]), settled, chaos.began, started,
-                         elapsed)
+        result = audit(records, [t.name for t in tenants], fault_problems(faults))
+        summary = report(args, records, faults, result, settled, chaos.began, started, elapsed)
         if args.json:
             summary["records"] = [r.to_json() for r in records]
             summary["replica_changes"] = chaos.replica_changes

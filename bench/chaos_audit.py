@@ -8,7 +8,9 @@ overcharge); every
 charged usage record has exactly one ledger entry of its price; every tenant's balance equals the
 sum of its ledger entries and is not below zero, with nothing held; every client that stayed got
 a well-formed OpenAI answer or error. Records whose request id no client saw must be explained by
-clients that left before the response headers (they never learnt their id).
+clients that left before the response headers (they never learnt their id). And the run itself:
+every fault injected acted on something and had the effect it is there for (`chaos.Fault.problem`);
+a run whose faults did nothing proves nothing about them.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ class Audit:
     balances_not_ledger: list[str] = field(default_factory=list)
     negative_balances: list[str] = field(default_factory=list)
     malformed: list[str] = field(default_factory=list)
+    faults_without_effect: list[str] = field(default_factory=list)
 
     PROBLEMS = ("lost_charges", "double_charges", "overcharges", "duplicate_ids", "unexplained_records",
                 "entries_not_matching_records", "holds_left", "balances_not_ledger", "negative_balances",
-                "malformed")
+                "malformed", "faults_without_effect")
 
     @property
     def ok(self) -> bool:
@@ -53,16 +56,17 @@ class Audit:
         return {**asdict(self), "ok": self.ok}
 
 
-def audit(records: list[ClientRecord], tenant_names: list[str]) -> Audit:
+def audit(records: list[ClientRecord], tenant_names: list[str], fault_problems: list[str] = ()) -> Audit:
     """Read the database (Django must be set up) and check every invariant; never raises on a
-    violation, it lists it."""
+    violation, it lists it. `fault_problems`: each fault that found nothing to act on or whose
+    effect was never seen, described."""
     from django.db.models import Sum
 
     from controlplane.accounts.models import Tenant
     from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, UsageRecord
 
     tenants = {t.pk: t.name for t in Tenant.objects.filter(name__in=tenant_names)}
-    result = Audit(requests=len(records))
+    result = Audit(requests=len(records), faults_without_effect=list(fault_problems))
     usage = {r.request_id: r for r in UsageRecord.objects.filter(tenant_id__in=tenants)}
     entries = list(CreditEntry.objects.filter(tenant_id__in=tenants, kind=CreditEntry.Kind.USAGE)
                    .values("usage_record__request_id", "amount"))

@@ -110,7 +110,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
         "worker_id": worker.pk, "name": worker.name, "state": worker.state, "received_at": now.timestamp(),
         "sent_at": heartbeat.sent_at, "draining": heartbeat.draining,
         "gpus": list(heartbeat.gpus), "cpu": heartbeat.cpu,
-        "replicas": {str(r.replica_id): {"state": r.state, "endpoint_url": r.endpoint_url, "error": r.error, **r.figures}
+        "replicas": {str(r.replica_id): {"state": r.state, "endpoint_url": r.endpoint_url, "error": r.error,
+                                         "pid": r.pid, **r.figures}
                      for r in heartbeat.replicas},
         # What the worker keeps warm for fast loads (controlplane/fleet/staging.py decides it).
         "staging": heartbeat.staging.to_json() if heartbeat.staging is not None else None,

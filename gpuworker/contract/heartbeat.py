@@ -94,10 +94,16 @@ class ReplicaReport:
     error: str = ""
     # REPLICA_FIGURES: load_progress, running, waiting, kv_cache_usage...
     figures: dict[str, float] = field(default_factory=dict)
+    # The process serving it on the worker's host, while there is one (None: none, or a daemon that
+    # does not report it); operators and the chaos suite find the replica's process by it.
+    pid: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"replica_id": self.replica_id, "state": self.state, "endpoint_url": self.endpoint_url,
+        body = {"replica_id": self.replica_id, "state": self.state, "endpoint_url": self.endpoint_url,
                 "error": self.error, **self.figures}
+        if self.pid is not None:
+            body["pid"] = self.pid
+        return body
 
 
 @dataclass(frozen=True)
@@ -304,4 +310,5 @@ def _replica_report(raw: dict, where: str) -> ReplicaReport:
         error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000,
                     required=False)[:MAX_REPLICA_ERROR_CHARS],
         figures=_figures(raw, REPLICA_FIGURES, where),
+        pid=None if raw.get("pid") is None else _int(raw["pid"], f"{where}.pid", minimum=1),
     )

@@ -88,7 +88,8 @@ class Replica:
         figures |= {name: engine[name] for name in REPLICA_LATENCY_FIGURES if engine.get(name) is not None}
         figures["load_progress"] = self.load_progress
         return ReplicaReport(replica_id=self.request.replica_id, state=self.state, endpoint_url=self.endpoint_url,
-                             error=self.error, figures=figures)
+                             error=self.error, figures=figures,
+                             pid=self.process.pid if self.process is not None else None)
 
 
 class Supervisor:

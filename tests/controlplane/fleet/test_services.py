@@ -93,11 +93,13 @@ def test_heartbeat_of_an_unknown_worker_raises():
 
 def test_heartbeat_moves_a_replica_to_ready_and_keeps_figures_in_the_cache():
     replica = ReplicaFactory(worker=make_worker())
-    _beat(replica.worker, {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL, "running": 3})
+    _beat(replica.worker, {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL, "running": 3, "pid": 4242})
     replica.refresh_from_db()
     assert (replica.state, replica.endpoint_url) == (State.READY, URL)
     live = worker_latest_heartbeat(worker_id=replica.worker_id)
     assert live["replicas"][str(replica.pk)]["running"] == 3 and live["gpus"][0]["utilization_pct"] == 50.0
+    # The process the worker runs it in, as reported: how an operator or the chaos suite finds it.
+    assert live["replicas"][str(replica.pk)]["pid"] == 4242
 
 
 def test_a_steady_heartbeat_writes_nothing_to_the_database():

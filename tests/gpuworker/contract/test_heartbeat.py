@@ -52,6 +52,8 @@ def test_heartbeat_parses_figures_and_leaves_out_missing_ones():
     })
     assert heartbeat.gpus == ({"index": 0, "utilization_pct": 37.0},)
     assert heartbeat.replicas[0].figures == {"load_progress": 1.0, "running": 2, "waiting": 0}
+    # A daemon that does not report its replicas' processes (an older one) is still understood.
+    assert heartbeat.replicas[0].pid is None
 
 
 @pytest.mark.parametrize(("body", "field"), [
@@ -62,6 +64,8 @@ def test_heartbeat_parses_figures_and_leaves_out_missing_ones():
     ({"replicas": [{"replica_id": 1, "state": "ready", "endpoint_url": "gpuworker:8001"}]}, "replicas[0].endpoint_url"),
     ({"replicas": [{"replica_id": 0, "state": "loading"}]}, "replicas[0].replica_id"),
     ({"replicas": [{"replica_id": 1, "state": "loading", "running": "2"}]}, "replicas[0].running"),
+    ({"replicas": [{"replica_id": 1, "state": "loading", "pid": 0}]}, "replicas[0].pid"),
+    ({"replicas": [{"replica_id": 1, "state": "loading", "pid": "4242"}]}, "replicas[0].pid"),
     ({"replicas": [{"replica_id": 1, "state": "loading"}, {"replica_id": 1, "state": "loading"}]}, "replicas"),
     ({"staging": []}, "staging"),
     ({"staging": {"budget_bytes": -1}}, "staging.budget_bytes"),
@@ -93,9 +97,11 @@ def test_what_the_daemon_builds_the_control_plane_parses_back():
         gpus=({"index": 0, "utilization_pct": 12.0, "memory_used_bytes": 10, "memory_total_bytes": 20},),
         cpu={"utilization_pct": 3.0}, models=None,
         replicas=(ReplicaReport(replica_id=7, state="ready", endpoint_url="http://10.0.0.5:8101", error="",
-                                figures={"load_progress": 1.0, "running": 2, "kv_cache_usage": 0.25}),))
+                                figures={"load_progress": 1.0, "running": 2, "kv_cache_usage": 0.25}, pid=4242),
+                  ReplicaReport(replica_id=8, state="failed", error="it died")))
     assert parse_heartbeat(heartbeat.to_json()) == heartbeat
     assert "models" not in heartbeat.to_json()  # sent only when the scan changed
+    assert "pid" not in heartbeat.to_json()["replicas"][1]  # no process: nothing an older control plane misreads
     staged = Heartbeat(sent_at="", draining=False, gpus=(), cpu={}, replicas=(), staging=Staging(
         budget_bytes=32 * 10**9, models=(StagedWeights(path="/models/a", bytes=16 * 10**9, how="page_cache",
                                                       resident_fraction=0.5),)))

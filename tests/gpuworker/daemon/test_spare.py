@@ -97,6 +97,7 @@ def test_a_load_is_handed_to_the_spare_and_the_next_spare_follows(supervisor, ti
     _load(supervisor, 1, tiny_checkpoint("llama"))
     ready = _wait_for(lambda: _entry(supervisor, 1, "ready", "failed"), "replica 1 ready or failed")
     assert ready.state == "ready", ready.error
+    assert ready.pid == spare.pid  # reported as the replica's process: what the chaos suite kills
     # The spare's process is the replica: it listens on the replica's port (the socket the daemon bound).
     port = int(ready.endpoint_url.rsplit(":", 1)[1])
     assert port in {c.laddr.port for c in spare.net_connections() if c.status == psutil.CONN_LISTEN}

@@ -170,6 +170,7 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
     ready = _wait(supervisor, 7, "ready")
     assert ready.figures["load_progress"] == 1.0 and ready.error == ""
     [child] = _serve_children()
+    assert ready.pid == child.pid  # the heartbeat names the process serving the replica
     # The child demands the worker token; it got it through its environment, not its command line.
     assert httpx.get(f"{ready.endpoint_url}/v1/models").status_code == 401
     assert TOKEN not in " ".join(child.cmdline())
@@ -184,6 +185,7 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
     os.kill(child.pid, signal.SIGKILL)  # as the OOM killer would
     failed = _wait(supervisor, 7, "failed", timeout=10)
     assert failed.error.startswith("the replica process was killed by SIGKILL; last log lines:")
+    assert failed.pid is None  # no process serves it any more
     assert "model tiny ready" in failed.error  # the tail of the child's own log
 
     supervisor.load(request)  # a failed replica may be loaded again: a fresh process
