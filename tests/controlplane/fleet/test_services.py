@@ -1,4 +1,3 @@
-from datetime import timedelta
 from itertools import product
 
 import pytest
