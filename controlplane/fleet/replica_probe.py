@@ -3,7 +3,8 @@ the worker stopped, and not only the control plane's recording of its heartbeats
 
 A replica server exits with the daemon that started it (`serve --exit-with-parent`: Linux's
 parent-death signal), so one that answers its `/health` as loading or ready shows that its worker
-runs; one that refuses, times out or answers anything else shows nothing.
+runs. One that refuses, times out or answers anything else shows nothing; nor does one draining,
+as a replica does once its daemon is gone (or when it is being unloaded).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from django.core.management import call_command
 from django.db import connection
 
 from controlplane.fleet.models import Replica, Worker
-from tests.integration.conftest import Fleet, wait_until
 from tests.controlplane.factories import DeploymentFactory, ModelFactory
+from tests.integration.conftest import Fleet, wait_until
 from tests.integration.test_fleet import _online_workers, _ready
 from tests.private_services import PrivatePostgres, PrivateRedis
 
@@ -95,9 +95,9 @@ def _celery_log(fleet) -> str:
     return next(p for p in fleet.processes if p.name == "celery").log_path.read_text(errors="replace")
 
 
-def _outage(fleet, service, killed_daemon) -> None:
+def _outage(fleet, service, killed_daemon) -> float:
     """`service` down for OUTAGE_S, the daemon killed meanwhile; then back, and this test's own
-    database connection (broken by a PostgreSQL restart) opened again."""
+    database connection (broken by a PostgreSQL restart) opened again. Returns when it was back."""
     service.stop()
     try:
         fleet.kill(killed_daemon)
@@ -105,17 +105,24 @@ def _outage(fleet, service, killed_daemon) -> None:
     finally:
         service.start()
         connection.close()
+    return time.monotonic()
+
+
+def _wait_lost(fleet, killed, kept, since: float, what: str) -> None:
+    """Until the killed daemon's replica (or, wrongly, the kept one) failed; prints how long after `since`."""
+    wait_until(lambda: _failed(killed) or _failed(kept), timeout=120, what="the killed daemon's replica to fail",
+               fleet=fleet)
+    print(f"\n[measured] {what} -> the killed daemon's worker lost: {time.monotonic() - since:.1f} s")
 
 
 def test_a_postgresql_outage_fails_no_healthy_replica_and_a_daemon_that_died_in_it_is_lost(
         private_fleet, tiny_model_path):
     fleet = private_fleet
     (_, kept), (killed_daemon, killed) = _two_serving_daemons(fleet, tiny_model_path)
-    _outage(fleet, fleet.postgres, killed_daemon)
+    back = _outage(fleet, fleet.postgres, killed_daemon)
     # The dead one is lost once the judge has watched a whole lost window since the database came
     # back; that same check judged the running one.
-    wait_until(lambda: _failed(killed) or _failed(kept), timeout=120, what="the killed daemon's replica to fail",
-               fleet=fleet)
+    _wait_lost(fleet, killed, kept, back, "PostgreSQL back")
     _assert_kept(kept)
     _assert_lost(killed)
     log = _celery_log(fleet)
@@ -129,9 +136,8 @@ def test_a_redis_outage_fails_no_healthy_replica_and_a_daemon_that_died_in_it_is
     and Redis comes back empty."""
     fleet = private_fleet
     (_, kept), (killed_daemon, killed) = _two_serving_daemons(fleet, tiny_model_path)
-    _outage(fleet, fleet.redis, killed_daemon)
-    wait_until(lambda: _failed(killed) or _failed(kept), timeout=120, what="the killed daemon's replica to fail",
-               fleet=fleet)
+    back = _outage(fleet, fleet.redis, killed_daemon)
+    _wait_lost(fleet, killed, kept, back, "Redis back")
     _assert_kept(kept)
     _assert_lost(killed)
     assert "lost-worker judgement paused: the cache holds no watch" in _celery_log(fleet)
@@ -148,8 +154,7 @@ def test_a_control_plane_too_busy_to_record_heartbeats_fails_no_healthy_replica(
     os.kill(web.popen.pid, signal.SIGSTOP)
     try:
         fleet.kill(killed_daemon)
-        wait_until(lambda: _failed(killed) or _failed(kept), timeout=120,
-                   what="the killed daemon's replica to fail", fleet=fleet)
+        _wait_lost(fleet, killed, kept, time.monotonic(), "daemon killed while the web server is frozen")
         wait_until(lambda: f"worker {kept_name} silent for" in _celery_log(fleet) or _failed(kept), timeout=60,
                    what="the running daemon's worker to be held", fleet=fleet)
         _assert_kept(kept)

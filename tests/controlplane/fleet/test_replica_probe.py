@@ -1,5 +1,6 @@
 """Asking replicas whether they run: a real replica server answers; a closed port, a port that
-never answers, and a server that is not a replica (garbage, another status) are no evidence."""
+never answers, a server that is not a replica (garbage) and a replica failed or draining (as one
+does once its daemon is gone) are no evidence."""
 
 import socket
 import threading
@@ -63,6 +64,7 @@ def test_a_closed_port_or_one_that_never_answers_is_no_evidence(silent_port):
 
 
 @pytest.mark.parametrize("answering", [(200, b"not json"), (200, b'["ready"]'), (503, b'{"status": "failed"}'),
-                                       (404, b'{"detail": "Not Found"}')], indirect=True)
+                                       (503, b'{"status": "draining"}'), (404, b'{"detail": "Not Found"}')],
+                         indirect=True)
 def test_a_server_that_is_not_a_running_replica_is_no_evidence(answering):
     assert not any_replica_answers(endpoint_urls=[answering], token=WORKER_TOKEN)
