@@ -8,7 +8,9 @@ not run (the database, the cache or the broker down; Celery or beat stopped or t
 gap; after a gap longer than a lost window, or when the cache no longer holds the record (Redis
 restarted empty, or flushed), the watch starts again at that check, and no worker's silence counts
 from before it. A worker is then lost at the earliest a whole lost window after the control plane
-came back, whatever it missed meanwhile.
+came back, whatever it missed meanwhile. The other half of the judgement, for a control plane that
+runs the check but cannot record heartbeats (too busy, or unable to write them), is
+`replica_probe.py`: a silent worker whose replicas answer is held, not lost.
 """
 
 from __future__ import annotations
@@ -65,4 +67,3 @@ def paused_reasons(watch: Watch | None, *, now: float, lost_after_s: float) -> l
     if watch.held:
         reasons.append(REPLICAS_ANSWER)
     return reasons
-
