@@ -1,13 +1,15 @@
 """Each worker's latest heartbeat (its registration until the first one arrives), kept in the shared
 "live" cache (Redis in production) rather than the database: the dashboard, reconcile and lost-worker
-detection read it; it changes every second. Pages hear of changes through `controlplane.live_events`."""
+detection read it; it changes every second. Pages hear of changes through `controlplane.live_events`.
+The lost-worker judge keeps its watch here too (`lost_watch`)."""
 
 from typing import Any
 
 from django.core.cache import caches
 
 # Long enough to outlive any silence we still reason about (lost, then offline); a missing entry
-# is read as "silent since the worker's last state change".
+# is read as "silent since the worker's last state change, or since the lost-worker judge's watch
+# began" (the watch is kept here too, so an emptied cache starts it again: see lost_watch).
 _TTL_SECONDS = 24 * 3600
 # Heartbeats' device figures kept per worker for the fleet page's sparklines: about a minute.
 RECENT_FIGURES = 60
@@ -65,3 +67,16 @@ def recent_figures(*, worker_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
     """Each worker's stored figures, oldest first."""
     found = _cache().get_many([_figures_key(worker_id) for worker_id in worker_ids])
     return {worker_id: found[_figures_key(worker_id)] for worker_id in worker_ids if _figures_key(worker_id) in found}
+
+
+_LOST_WATCH_KEY = "fleet:lost-watch"
+
+
+def lost_watch() -> dict[str, Any] | None:
+    """The lost-worker judge's watch as stored (controlplane/fleet/lost_watch.py), or None: kept
+    here, with the heartbeats, so a cache that comes back empty starts the watch again too."""
+    return _cache().get(_LOST_WATCH_KEY)
+
+
+def store_lost_watch(*, watch: dict[str, Any]) -> None:
+    _cache().set(_LOST_WATCH_KEY, watch, _TTL_SECONDS)

@@ -14,6 +14,7 @@ from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.autoscaling import ReplicaLoad
 from controlplane.fleet.backoff import error_cause
+from controlplane.fleet.lost_watch import Watch, paused_reasons
 from controlplane.fleet.models import Gpu, LoadBackoff, PlacementReport, Replica, Worker
 from controlplane.fleet.placement import Slot, held_gpu_indexes, held_places, share_bytes
 
@@ -34,12 +35,35 @@ def workers_latest_heartbeats(*, worker_ids: Iterable[int]) -> dict[int, dict[st
     return heartbeat_cache.read_many(worker_ids=list(worker_ids))
 
 
-def worker_silence_seconds(worker: Worker, latest: dict | None, now: datetime) -> float:
-    """Seconds since the worker was last heard from (`latest`: its cached heartbeat, if any)."""
+def worker_silence_seconds(worker: Worker, latest: dict | None, now: datetime,
+                           *, watched_since: float | None = None) -> float:
+    """Seconds since the worker was last heard from (`latest`: its cached heartbeat, if any), or,
+    with `watched_since` (epoch seconds: the lost-worker judge's watch, lost_watch.py), the part of
+    them since then: the silence the control plane could have recorded a heartbeat in."""
     # Counted from the last state change too: a worker with no heartbeat cached yet (just
     # registered, or the cache was flushed) is not lost before its first heartbeat is due.
-    last = max((latest or {}).get("received_at", 0.0), worker.state_changed_at.timestamp())
+    last = max((latest or {}).get("received_at", 0.0), worker.state_changed_at.timestamp(), watched_since or 0.0)
     return now.timestamp() - last
+
+
+def worker_replica_endpoints(*, worker_id: int) -> list[str]:
+    """The endpoints of the worker's live replicas that have one (a pending replica has none yet)."""
+    return list(Replica.objects.filter(worker_id=worker_id, state__in=Replica.LIVE_STATES).exclude(endpoint_url="")
+                .order_by("pk").values_list("endpoint_url", flat=True))
+
+
+@dataclass(frozen=True)
+class LostJudgement:
+    """Whether the lost-worker judge can judge now, for /metrics."""
+
+    paused_reasons: list[str]  # lost_watch.PAUSE_REASONS that hold now; empty: judging every worker
+    checked_at: float | None  # when its latest completed check began (epoch seconds); None: none recorded
+
+
+def lost_judgement(*, now: datetime) -> LostJudgement:
+    watch = Watch.from_json(heartbeat_cache.lost_watch())
+    reasons = paused_reasons(watch, now=now.timestamp(), lost_after_s=settings.FLEET_WORKER_LOST_AFTER_SECONDS)
+    return LostJudgement(paused_reasons=reasons, checked_at=watch.checked_at if watch is not None else None)
 
 
 def workers_heard_from(*, now: datetime) -> list[tuple[Worker, float]]:

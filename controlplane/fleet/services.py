@@ -3,6 +3,7 @@ state changes, deployments (desired replicas: create, scale, edit, wake for a wa
 operators' load/unload/drain, and the autoscaler's decisions. Atomic; messages go out after commit."""
 
 import logging
+from dataclasses import replace
 from datetime import datetime
 
 from django.conf import settings
@@ -21,6 +22,7 @@ from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
 from controlplane.fleet.autoscaling import AutoscalePolicy, Decision, DeploymentSignals, decide, popular
 from controlplane.fleet.backoff import next_attempt_at
+from controlplane.fleet.lost_watch import Watch, watch_resume
 from controlplane.fleet.staging import StagingCandidate, StagingWorker, plan_staging
 from controlplane.fleet.heartbeat import FAILED, STOPPED, HeartbeatPlan, RecordedReplica, plan_heartbeat
 from controlplane.fleet.models import AutoscaleDecision, Gpu, LoadBackoff, Replica, Worker
@@ -32,7 +34,13 @@ from controlplane.fleet.placement import (
     share_bytes,
     slot_groups,
 )
-from controlplane.fleet.selectors import deployment_replica_loads, placement_slots, worker_silence_seconds
+from controlplane.fleet.replica_probe import any_replica_answers
+from controlplane.fleet.selectors import (
+    deployment_replica_loads,
+    placement_slots,
+    worker_replica_endpoints,
+    worker_silence_seconds,
+)
 from controlplane.gateway.cold_start_counts import cold_start_waiting
 from controlplane.gateway.traffic import TrafficSnapshot, traffic_snapshot
 from gpuworker.contract.heartbeat import Heartbeat, WorkerRegistration
@@ -150,27 +158,53 @@ def _apply_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
 
 
 def workers_mark_lost(*, now: datetime) -> int:
-    """Workers silent for FLEET_WORKER_LOST_AFTER_SECONDS become lost and their live replicas
-    failed (a drained one just goes offline); lost ones silent much longer go offline."""
+    """The lost-worker judge (beat, every second). A worker silent for FLEET_WORKER_LOST_AFTER_SECONDS
+    of watched time whose replicas do not answer is lost and its live replicas failed (a drained
+    one just goes offline); lost ones silent much longer go offline.
+
+    Silence counts only over the judge's unbroken watch (lost_watch.py): after the database, the
+    cache, the broker or Celery kept the check from running, or the cache came back empty, every
+    worker has a whole lost window again. A silent worker whose replicas answer their /health
+    (replica_probe.py) runs: its heartbeats go unrecorded (the control plane too busy, or unable
+    to write them), so it is held, not lost, and the log and /metrics say so."""
     State = Worker.State
+    lost_after = settings.FLEET_WORKER_LOST_AFTER_SECONDS
     workers = list(Worker.objects.filter(state__in=[State.ONLINE, State.DRAINING, State.LOST]))
     latest = heartbeat_cache.read_many(worker_ids=[w.pk for w in workers])
-    changed = 0
+    at = now.timestamp()
+    watch, restarted = watch_resume(Watch.from_json(heartbeat_cache.lost_watch()), now=at, max_gap_s=lost_after)
+    if restarted:
+        logger.warning("lost-worker judgement paused: %s; silence counts from now, so no worker is judged lost "
+                       "for %s s", restarted, lost_after)
+    changed, held = 0, {}
     for worker in workers:
-        silent_for = worker_silence_seconds(worker, latest.get(worker.pk), now)
+        silent_for = worker_silence_seconds(worker, latest.get(worker.pk), now, watched_since=watch.since)
         if worker.state == State.LOST:
             if silent_for > settings.FLEET_WORKER_OFFLINE_AFTER_SECONDS:
                 _worker_set_state(worker=worker, to_state=State.OFFLINE, now=now)
                 changed += 1
-        elif silent_for > settings.FLEET_WORKER_LOST_AFTER_SECONDS:
-            changed += _worker_mark_lost(worker_id=worker.pk, now=now)
+        elif silent_for > lost_after:
+            endpoints = worker_replica_endpoints(worker_id=worker.pk)
+            if endpoints and any_replica_answers(endpoint_urls=endpoints, token=settings.FLEET_WORKER_TOKEN):
+                held[worker.pk] = watch.held.get(worker.pk, at)
+                if worker.pk not in watch.held:
+                    logger.warning("worker %s silent for %.1f s, but its replicas answer: not marked lost "
+                                   "(the control plane is not recording its heartbeats); judgement paused for it",
+                                   worker.name, silent_for)
+                continue
+            changed += _worker_mark_lost(worker_id=worker.pk, now=now, watched_since=watch.since)
+        elif worker.pk in watch.held:
+            logger.warning("worker %s heard from again after %.1f s held: its replicas were kept",
+                           worker.name, at - watch.held[worker.pk])
+    heartbeat_cache.store_lost_watch(watch=replace(watch, checked_at=at, held=held).to_json())
     return changed
 
 
 @transaction.atomic
-def _worker_mark_lost(*, worker_id: int, now: datetime) -> bool:
+def _worker_mark_lost(*, worker_id: int, now: datetime, watched_since: float) -> bool:
     worker = Worker.objects.select_for_update(no_key=True).get(pk=worker_id)
-    silent_for = worker_silence_seconds(worker, heartbeat_cache.read(worker_id=worker_id), now)
+    silent_for = worker_silence_seconds(worker, heartbeat_cache.read(worker_id=worker_id), now,
+                                        watched_since=watched_since)
     if worker.state not in (Worker.State.ONLINE, Worker.State.DRAINING) or silent_for <= settings.FLEET_WORKER_LOST_AFTER_SECONDS:
         return False  # a heartbeat or another checker got there first
     replicas = list(Replica.objects.select_for_update(no_key=True).select_related("deployment__model")
@@ -182,7 +216,8 @@ def _worker_mark_lost(*, worker_id: int, now: datetime) -> bool:
     _publish_worker(worker)
     for replica in replicas:
         _transition(replica, to_state=Replica.State.FAILED, at=now, failure=Replica.Failure.WORKER_LOST,
-                    error=f"Worker {worker.name} lost: no heartbeat for {silent_for:.1f} s.")
+                    error=f"Worker {worker.name} lost: no heartbeat for {silent_for:.1f} s, and its replicas "
+                          f"do not answer.")
     if replicas:
         commands.request_reconcile(deployment_ids=[r.deployment_id for r in replicas])
     return True

@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from controlplane.fleet.reconcile import fleet_reconcile
 from controlplane.fleet.services import deployments_autoscale, workers_mark_lost, workers_stage_weights
+from controlplane.integrations import unreachable_dependency
 
 logger = logging.getLogger(__name__)
 
@@ -17,7 +18,14 @@ logger = logging.getLogger(__name__)
 @shared_task(name="controlplane.fleet.tasks.mark_lost_workers")
 def mark_lost_workers() -> int:
     """Workers that stopped sending heartbeats become lost and their replicas are replaced."""
-    changed = workers_mark_lost(now=timezone.now())
+    try:
+        changed = workers_mark_lost(now=timezone.now())
+    except Exception as exc:
+        if (dependency := unreachable_dependency(exc)) is None:
+            raise
+        # The next check that runs tells from the gap whether its watch must start again (lost_watch.py).
+        logger.warning("lost-worker judgement paused: the %s is unreachable (%s)", dependency, type(exc).__name__)
+        return 0
     if changed:
         logger.info("%d silent worker(s) marked lost or offline", changed)
     return changed

@@ -16,6 +16,7 @@ from controlplane import metrics
 from controlplane.accounts.models import User
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.services import workers_mark_lost
 from tests.controlplane.dashboard.ops_support import _private_live_cache, make_user  # noqa: F401 (fixture)
 from tests.controlplane.factories import DeploymentFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker
@@ -92,6 +93,33 @@ def test_fleet_gauges_are_read_from_the_database(client, token):
     assert ("gpuserve_worker_heartbeat_age_seconds", (("worker", "gpu-c"),)) not in samples
 
 
+def _paused(client) -> tuple[set[str], float | None]:
+    """The reasons the lost-worker judgement is paused for, and its last check's time."""
+    samples = _samples(client.get(reverse("metrics"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}").content.decode())
+    reasons = {dict(labels)["reason"] for (name, labels), value in samples.items()
+               if name == "gpuserve_fleet_lost_judgement_paused" and value == 1}
+    return reasons, samples.get(("gpuserve_fleet_lost_check_timestamp_seconds", ()))
+
+
+def test_the_lost_worker_judgement_says_when_it_is_paused(client, token, settings):
+    settings.FLEET_WORKER_LOST_AFTER_SECONDS = 3
+    assert _paused(client) == ({"check_not_running"}, None)
+    now = timezone.now()
+    for seconds in range(60, 49, -1):  # a minute ago, ten checks; none since (the database was down, say)
+        workers_mark_lost(now=now - timedelta(seconds=seconds))
+    assert _paused(client) == ({"check_not_running"}, (now - timedelta(seconds=50)).timestamp())
+    workers_mark_lost(now=now)  # back: a whole lost window must pass before anyone is judged
+    assert _paused(client) == ({"watch_resumed"}, now.timestamp())
+
+
+def test_the_lost_worker_judgement_is_not_paused_after_a_lost_window_of_checks(client, token, settings):
+    settings.FLEET_WORKER_LOST_AFTER_SECONDS = 3
+    now = timezone.now()
+    for seconds in range(10, -1, -1):
+        workers_mark_lost(now=now - timedelta(seconds=seconds))
+    assert _paused(client) == (set(), now.timestamp())
+
+
 _RECORD = """
 import time
 from controlplane.gateway import metrics
@@ -134,6 +162,8 @@ def test_with_the_database_down_it_still_answers_and_says_so(client, token):
     samples = _samples(response.content.decode())
     assert samples[("gpuserve_fleet_metrics_up", ())] == 0
     assert not any(name.startswith("gpuserve_replicas") for name, _ in samples)
+    # Read from the cache alone: no lost-worker check has completed (none could, without the database).
+    assert samples[("gpuserve_fleet_lost_judgement_paused", (("reason", "check_not_running"),))] == 1
     # Reachable again, the figures come back.
     samples = _samples(client.get(reverse("metrics"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}").content.decode())
     assert samples[("gpuserve_fleet_metrics_up", ())] == 1

@@ -1,5 +1,6 @@
 """Fleet test helpers: a private live-cache namespace per test, uniquely named workers (their Celery
-queue names must not meet another test run's on the shared broker), and reading those queues."""
+queue names must not meet another test run's on the shared broker), reading those queues, and a
+real replica server for the lost-worker judge to ask."""
 
 import uuid
 
@@ -34,3 +35,18 @@ def queued_tasks(queue: str) -> list[tuple[str, dict]]:
         finally:
             queue_reader.close()
     return found
+
+
+@pytest.fixture(scope="session")
+def replica_server(tmp_path_factory):
+    """A real replica server (`python -m gpuworker serve` on CPU, a tiny checkpoint) that answers
+    /health as a worker's replica does; it asks for the gateway tests' WORKER_TOKEN."""
+    from tests.controlplane.gateway.conftest import start_replica, wait_ready
+    from tests.gpuworker.checkpoints import make_checkpoint
+
+    server = start_replica(make_checkpoint(tmp_path_factory.mktemp("fleet-replica"), "llama"), "tiny")
+    try:
+        wait_ready(server)
+        yield server
+    finally:
+        server.kill()

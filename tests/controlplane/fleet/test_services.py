@@ -1,4 +1,3 @@
-from datetime import timedelta
 from itertools import product
 
 import pytest
@@ -27,7 +26,6 @@ from controlplane.fleet.services import (
     worker_drain,
     worker_heartbeat,
     worker_register,
-    workers_mark_lost,
 )
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks
@@ -149,42 +147,6 @@ def test_heartbeats_bring_a_lost_worker_back_and_report_draining():
     _beat(worker, draining=True)
     worker.refresh_from_db()
     assert worker.state == Worker.State.DRAINING
-
-
-# --- lost workers -------------------------------------------------------------------------------
-
-def test_silent_workers_are_lost_and_their_replicas_failed(settings):
-    settings.FLEET_WORKER_LOST_AFTER_SECONDS = 3
-    now = timezone.now()
-    silent, fresh = make_worker(), make_worker()
-    _beat(silent, now=now - timedelta(seconds=4))
-    _beat(fresh, now=now - timedelta(seconds=1))
-    replica = ReplicaFactory(worker=silent, state=State.READY, endpoint_url=URL)
-    kept = ReplicaFactory(worker=fresh, state=State.READY, endpoint_url=URL)
-    Worker.objects.update(state_changed_at=now - timedelta(minutes=1))
-    assert workers_mark_lost(now=now) == 1
-    silent.refresh_from_db(), fresh.refresh_from_db(), replica.refresh_from_db()
-    assert (silent.state, fresh.state, _state(kept)) == (Worker.State.LOST, Worker.State.ONLINE, State.READY)
-    assert (replica.state, replica.failure) == (State.FAILED, Replica.Failure.WORKER_LOST)
-    assert replica.last_error.startswith(f"Worker {silent.name} lost: no heartbeat for 4.")
-
-
-def test_a_just_registered_worker_is_not_lost(settings):
-    now = timezone.now()
-    worker = make_worker(state_changed_at=now - timedelta(seconds=1))
-    assert workers_mark_lost(now=now) == 0
-    worker.refresh_from_db()
-    assert worker.state == Worker.State.ONLINE
-
-
-def test_a_drained_worker_that_goes_quiet_is_offline_and_a_long_lost_one_too(settings):
-    settings.FLEET_WORKER_OFFLINE_AFTER_SECONDS = 600
-    long_ago = timezone.now() - timedelta(hours=1)
-    drained = make_worker(state=Worker.State.DRAINING, state_changed_at=long_ago)
-    lost = make_worker(state=Worker.State.LOST, state_changed_at=long_ago)
-    assert workers_mark_lost(now=timezone.now()) == 2
-    drained.refresh_from_db(), lost.refresh_from_db()
-    assert (drained.state, lost.state) == (Worker.State.OFFLINE, Worker.State.OFFLINE)
 
 
 # --- replicas and their state machine -------------------------------------------------------------

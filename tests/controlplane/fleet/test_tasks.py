@@ -1,5 +1,7 @@
 """Fleet tasks run by a real Celery worker consuming from the real broker (Redis in CI)."""
 
+import logging
+import socket
 import uuid
 from datetime import timedelta
 
@@ -10,6 +12,8 @@ from django.db import connection
 from django.utils import timezone
 
 from controlplane.celery import app as celery_app
+from controlplane.fleet import heartbeat_cache
+from controlplane.fleet.lost_watch import Watch
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.services import deployment_scale
 from controlplane.fleet.tasks import mark_lost_workers, reconcile
@@ -38,8 +42,11 @@ def celery_queue(redis_url):
 
 @pytest.mark.django_db(transaction=True)
 def test_beat_task_marks_silent_workers_lost_through_the_broker(celery_queue, settings):
-    settings.FLEET_WORKER_LOST_AFTER_SECONDS = 3
-    silent = make_worker(state_changed_at=timezone.now() - timedelta(minutes=5))
+    # The judge has watched for a minute; the task may come a while after this check on a busy machine.
+    settings.FLEET_WORKER_LOST_AFTER_SECONDS = 30
+    now = timezone.now()
+    heartbeat_cache.store_lost_watch(watch=Watch(since=now.timestamp() - 60, checked_at=now.timestamp()).to_json())
+    silent = make_worker(state_changed_at=now - timedelta(minutes=5))
     replica = ReplicaFactory(worker=silent, state=Replica.State.READY, endpoint_url="http://w:1")
     alive = make_worker()
     assert mark_lost_workers.apply_async(queue=celery_queue).get(timeout=20) == 1
@@ -69,3 +76,34 @@ def test_scaling_a_deployment_requests_a_reconcile_after_commit(redis_url, djang
     requests = [kwargs for name, kwargs in queued_tasks(celery_app.conf.task_default_queue)
                 if name == "controlplane.fleet.tasks.reconcile"]
     assert {"deployment_ids": [deployment.pk]} in requests
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.django_db
+def test_the_check_pauses_and_says_so_while_redis_is_unreachable(settings, caplog):
+    make_worker(state_changed_at=timezone.now() - timedelta(minutes=5))
+    settings.CACHES = {**settings.CACHES, "live": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                                                   "LOCATION": f"redis://127.0.0.1:{_closed_port()}/0"}}
+    with caplog.at_level(logging.WARNING, logger="controlplane.fleet.tasks"):
+        assert mark_lost_workers() == 0
+    assert "lost-worker judgement paused: the redis is unreachable (ConnectionError)" in caplog.text
+    assert set(Worker.objects.values_list("state", flat=True)) == {Worker.State.ONLINE}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_check_pauses_and_says_so_while_the_database_is_unreachable(caplog):
+    port = connection.settings_dict["PORT"]
+    connection.close()
+    connection.settings_dict["PORT"] = _closed_port()
+    try:
+        with caplog.at_level(logging.WARNING, logger="controlplane.fleet.tasks"):
+            assert mark_lost_workers() == 0
+    finally:
+        connection.close()
+        connection.settings_dict["PORT"] = port
+    assert "lost-worker judgement paused: the database is unreachable (OperationalError)" in caplog.text
