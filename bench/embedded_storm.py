@@ -379,11 +379,14 @@ def main(argv: list[str] | None = None) -> int:
                       reconcile_requests=storm.reconcile_requests, settle_s=time.monotonic() - ended,
                       account=storm.account(), kills=storm.kills, processes=storm.processes(),
                       traffic=dict(traffic.outcomes))
+    except RuntimeError as exc:  # the system did not come up, or the launcher exited under the storm
+        print(exc, file=sys.stderr)
+        report["error"] = str(exc).splitlines()[0]
     finally:
         report["launcher_exit"] = storm.stop()
     problems = []
     if "processes" not in report:
-        problems.append("the storm did not finish")
+        problems.append(f"the storm did not finish: {report.get('error', 'see above')}")
     else:
         processes, account = report["processes"], report["account"]
         problems += [f"{name} is not alive" for name, row in processes.items() if not row["alive"]]
@@ -402,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         if account["json_decode_errors"]:
             problems.append("a JSONDecodeError in the log")
     if report["launcher_exit"] != 0:
-        problems.append(f"the launcher exited {report['launcher_exit']} on Ctrl-C")
+        problems.append(f"the launcher's exit status was {report['launcher_exit']}, not 0 after Ctrl-C")
     report.update(ok=not problems, problems=problems)
     if "processes" in report:
         report["table"] = table(report)
