@@ -6,8 +6,11 @@ from celery import Celery
 from celery.signals import after_setup_logger
 
 from controlplane.routine_logs import quiet_celery_task_lines
+from gpuworker.contract import sqlite_broker
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+# The embedded set-up's broker URL (sqlite://, settings.CELERY_BROKER_URL) names this transport.
+sqlite_broker.register()
 
 app = Celery("controlplane")
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -1,14 +1,16 @@
 """Settings for the services the control plane talks to: the database, Redis, the Celery broker.
 
 Each function returns the PostgreSQL/Redis configuration when its URL is given and otherwise an
-embedded stand-in that needs no server (SQLite, locmem cache, in-memory channel layer, kombu's
-filesystem transport), which is what `make run` uses.
+embedded stand-in that needs no server (SQLite, locmem cache, in-memory channel layer, a Celery
+broker in a SQLite file), which is what `make run` uses.
 """
 
 from pathlib import Path
 from typing import Any
 
 import dj_database_url
+
+from gpuworker.contract import sqlite_broker
 
 
 def database(database_url: str, var_dir: Path) -> dict[str, Any]:
@@ -55,26 +57,17 @@ def celery_broker(redis_url: str, var_dir: Path) -> tuple[str, dict[str, Any]]:
     """The broker URL and its transport options."""
     if redis_url:
         return redis_url, {}
-    queue_dir = var_dir / "celery" / "queue"
-    control_dir = var_dir / "celery" / "control"
-    for folder in (queue_dir, control_dir):
-        folder.mkdir(parents=True, exist_ok=True)
-    # Producers and consumers are all local processes, so both directions share one folder.
-    # An explicit host keeps kombu from warning that none was given; the transport ignores it.
-    return "filesystem://localhost//", {
-        "data_folder_in": str(queue_dir),
-        "data_folder_out": str(queue_dir),
-        "control_folder": str(control_dir),
-        "store_processed": False,
-    }
+    # Several processes send and take at once (web, Celery worker and beat, the GPU worker daemon):
+    # SQLite's transactions keep every message whole (gpuworker.contract.sqlite_broker).
+    broker_dir = var_dir / "celery"
+    broker_dir.mkdir(parents=True, exist_ok=True)
+    return sqlite_broker.broker_url(broker_dir / "broker.sqlite3"), {}
 
 
-def celery_result_backend(redis_url: str, var_dir: Path) -> str:
-    if redis_url:
-        return redis_url
-    results_dir = var_dir / "celery" / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    return f"file://{results_dir}"
+def celery_result_backend(redis_url: str) -> str | None:
+    """Redis, or no result backend: nothing in the system reads a task's result (the embedded
+    set-up's file:// backend wrote one file per task, truncated then filled, unread)."""
+    return redis_url or None
 
 
 def unreachable_dependency(exc: BaseException) -> str | None:

@@ -1,8 +1,11 @@
 """Runs the whole system in the foreground for `make run`: one child process per line below.
 
 Each child gets its own process group, so stopping it also stops whatever it forked (Celery's
-pool, for instance). Ctrl-C or SIGTERM stops every child; if a child dies on its own the others
-are stopped too and the launcher exits non-zero, so a broken set-up never looks half alive.
+pool, for instance). A child that exits on its own is started again after a delay that doubles
+with each of its exits in a row (RestartPolicy), and the launcher says which child, how it ended
+and when it comes back; the others keep running. Ctrl-C or SIGTERM stops every child and exits 0.
+A crash loop (a child's exits reaching RestartPolicy.crash_loop_exits within window_s) stops every
+child and exits non-zero, so a set-up that cannot run never looks half alive.
 
     python -m controlplane.launcher [--host 127.0.0.1] [--port 8000] [--env-file .env.demo]
 
@@ -37,6 +40,20 @@ STOP_GRACE_SECONDS = 10.0
 GPUWORKER_DRAIN_S = 5
 GPUWORKER_STOP_GRACE_S = 10.0 + GPUWORKER_DRAIN_S + 10.0 + 5.0
 _POLL_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    # A child's first restart waits first_delay_s; each further exit within window_s doubles it,
+    # up to max_delay_s. Its crash_loop_exits-th exit within window_s is a crash loop.
+    first_delay_s: float = 1.0
+    max_delay_s: float = 30.0
+    crash_loop_exits: int = 5
+    window_s: float = 120.0
+
+    def delay_s(self, recent_exits: int) -> float:
+        """The wait before a restart, given the child's exits within the window (this one included)."""
+        return min(self.max_delay_s, self.first_delay_s * 2 ** (recent_exits - 1))
 
 
 @dataclass(frozen=True)
@@ -76,16 +93,36 @@ def process_specs(*, host: str, port: int, var_dir: Path = BASE_DIR / "var") -> 
     ]
 
 
+@dataclass
+class _Child:
+    """One line of process_specs and its current process (None while it waits for a restart)."""
+    spec: ProcessSpec
+    process: subprocess.Popen | None = None
+    exits: list[float] = field(default_factory=list)  # time.monotonic() of its exits within the window
+    restart_at: float = 0.0
+
+
+def exit_status(returncode: int) -> str:
+    """A child's exit as a person reads it: `status 3`, `status -9 (SIGKILL)`."""
+    if returncode < 0:
+        try:
+            return f"status {returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            pass
+    return f"status {returncode}"
+
+
 class Launcher:
-    def __init__(self, specs: Sequence[ProcessSpec], *, out: TextIO | None = None):
-        self._specs = list(specs)
+    def __init__(self, specs: Sequence[ProcessSpec], *, out: TextIO | None = None,
+                 restart: RestartPolicy = RestartPolicy()):
+        self._children = [_Child(spec) for spec in specs]
+        self._restart = restart
         self._out = out or sys.stdout
         self._out_lock = threading.Lock()
-        self._children: list[tuple[ProcessSpec, subprocess.Popen]] = []
         self._pumps: list[threading.Thread] = []
         self._stop_requested = threading.Event()
         self._stopping = False
-        self._width = max(len(spec.name) for spec in self._specs)
+        self._width = max(len(spec.name) for spec in specs)
 
     def say(self, text: str, *, name: str = "launcher") -> None:
         with self._out_lock:
@@ -101,66 +138,100 @@ class Launcher:
 
     def run(self, *, on_ready=None) -> int:
         """Start every child and supervise them; returns the exit status for the launcher."""
-        try:
-            for spec in self._specs:
-                self._start(spec)
-        except OSError as exc:
-            self.say(f"could not start {spec.name}: {exc}")
-            return self._stop(1)
+        for child in self._children:
+            try:
+                self._start(child)
+            except OSError as exc:
+                self.say(f"could not start {child.spec.name}: {exc}")
+                return self._stop(1)
         ready = on_ready is None
         while not self._stop_requested.is_set():
-            for spec, child in self._children:
-                if child.poll() is not None:
-                    self.say(f"{spec.name} exited unexpectedly with status {child.returncode}; stopping the rest")
-                    return self._stop(1)
+            now = time.monotonic()
+            for child in self._children:
+                if child.process is not None and child.process.poll() is not None:
+                    if not self._schedule_restart(child, now):
+                        return self._stop(1)
+                elif child.process is None and now >= child.restart_at:
+                    try:
+                        self._start(child, restart=True)
+                    except OSError as exc:
+                        self.say(f"could not restart {child.spec.name}: {exc}")
+                        return self._stop(1)
             if not ready:
                 ready = on_ready()
             self._stop_requested.wait(_POLL_SECONDS)
         self.say("stopping…")
         return self._stop(0)
 
-    def _start(self, spec: ProcessSpec) -> None:
+    def _schedule_restart(self, child: _Child, now: float) -> bool:
+        """Notes a child's exit and when it starts again; False for a crash loop."""
+        name, status = child.spec.name, exit_status(child.process.returncode)
+        # Whatever it forked (a Celery pool) must not outlive it: the new one starts its own.
+        self._signal_group(child.process, signal.SIGKILL)
+        child.process = None
+        child.exits = [at for at in child.exits if now - at < self._restart.window_s] + [now]
+        policy = self._restart
+        if len(child.exits) >= policy.crash_loop_exits:
+            self.say(f"{name} exited with {status}: {len(child.exits)} exits within {policy.window_s:g}s, "
+                     "a crash loop; stopping everything")
+            return False
+        delay = policy.delay_s(len(child.exits))
+        child.restart_at = now + delay
+        self.say(f"{name} exited unexpectedly with {status}; restarting it in {delay:g}s "
+                 f"(exit {len(child.exits)} of {policy.crash_loop_exits - 1} tolerated within {policy.window_s:g}s)")
+        return True
+
+    def _start(self, child: _Child, *, restart: bool = False) -> None:
+        spec = child.spec
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
-        child = subprocess.Popen(
+        process = subprocess.Popen(
             spec.argv, cwd=BASE_DIR, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        self._children.append((spec, child))
-        self.say(f"started {spec.name} (pid {child.pid})")
-        pump = threading.Thread(target=self._pump, args=(spec.name, child), daemon=True)
+        child.process = process
+        self.say(f"{'restarted' if restart else 'started'} {spec.name} (pid {process.pid})")
+        pump = threading.Thread(target=self._pump, args=(spec.name, process), daemon=True)
         pump.start()
         self._pumps.append(pump)
 
-    def _pump(self, name: str, child: subprocess.Popen) -> None:
-        for raw in iter(child.stdout.readline, b""):
+    def _pump(self, name: str, process: subprocess.Popen) -> None:
+        for raw in iter(process.stdout.readline, b""):
             self.say(raw.decode("utf-8", errors="replace").rstrip("\n"), name=name)
-        child.stdout.close()
+        process.stdout.close()
+
+    @staticmethod
+    def _signal_group(process: subprocess.Popen, signum: int) -> None:
+        try:
+            # The group id is the child's pid (start_new_session), so this reaches its forks too.
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def _running(self) -> list[tuple[ProcessSpec, subprocess.Popen]]:
+        return [(child.spec, child.process) for child in self._children if child.process is not None]
 
     def _signal_all(self, signum: int) -> None:
-        for _, child in self._children:
-            try:
-                # The group id is the child's pid (start_new_session), so this reaches its forks too.
-                os.killpg(child.pid, signum)
-            except ProcessLookupError:
-                pass
+        for _, process in self._running():
+            self._signal_group(process, signum)
 
     def _stop(self, status: int) -> int:
         self._stopping = True
+        running = self._running()
         # SIGTERM goes to each child alone: a Celery worker then stops its own pool in order,
         # whereas a group-wide SIGTERM would kill the pool under it mid-task.
-        for _, child in self._children:
-            if child.poll() is None:
-                child.terminate()
+        for _, process in running:
+            if process.poll() is None:
+                process.terminate()
         stopped_at = time.monotonic()
-        for spec, child in self._children:
+        for spec, process in running:
             try:
-                child.wait(timeout=max(0.0, stopped_at + spec.stop_grace_s - time.monotonic()))
+                process.wait(timeout=max(0.0, stopped_at + spec.stop_grace_s - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.say(f"{spec.name} did not stop within {spec.stop_grace_s:.0f}s; killing it")
         # Sweep the groups: anything a child left behind goes now.
         self._signal_all(signal.SIGKILL)
-        for _, child in self._children:
-            child.wait()
+        for _, process in running:
+            process.wait()
         for pump in self._pumps:
             pump.join(timeout=2)
         self.say("all processes stopped")

@@ -137,7 +137,7 @@ CACHES["live"] = (
 CHANNEL_LAYERS = integrations.channel_layers(REDIS_URL)
 
 CELERY_BROKER_URL, CELERY_BROKER_TRANSPORT_OPTIONS = integrations.celery_broker(REDIS_URL, VAR_DIR)
-CELERY_RESULT_BACKEND = integrations.celery_result_backend(REDIS_URL, VAR_DIR)
+CELERY_RESULT_BACKEND = integrations.celery_result_backend(REDIS_URL)
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from celery import Celery
 
+from gpuworker.contract import sqlite_broker
 from gpuworker.contract.tasks import (DRAIN_WORKER, LOAD_MODEL, STAGE_WEIGHTS, UNLOAD_MODEL, DrainWorker,
                                       LoadModel, StageWeights, TaskArgumentError, UnloadModel, parse_task)
 
@@ -45,6 +46,8 @@ def register_tasks(app: Celery, handler: TaskHandler) -> None:
 
 def build_celery_app(*, worker_name: str, broker_url: str, transport_options: dict[str, Any],
                      queue: str) -> Celery:
+    # The embedded set-up's control plane names its SQLite broker (sqlite://) at registration.
+    sqlite_broker.register()
     app = Celery(f"gpuworker-{worker_name}", set_as_current=False)
     app.conf.update(
         broker_url=broker_url, broker_transport_options=transport_options, task_default_queue=queue,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.env import read_env_file
-from controlplane.launcher import Launcher, ProcessSpec, banner, build_parser, process_specs
+from controlplane.launcher import Launcher, ProcessSpec, RestartPolicy, banner, build_parser, process_specs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -92,19 +92,70 @@ def test_the_banner_without_a_seed_says_how_to_get_one(tmp_path):
     assert "seed_demo" in text and "OPENAI_BASE_URL=http://127.0.0.1:8000/v1" in text
 
 
-def test_a_child_dying_stops_the_others_and_fails():
+# Quick restarts so the tests do not wait; the crash loop is the policy's, not a timing.
+FAST_RESTARTS = RestartPolicy(first_delay_s=0.05, max_delay_s=0.2, crash_loop_exits=3, window_s=600)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_child_is_restarted_with_its_forks_swept_and_the_others_left_running():
+    out = io.StringIO()
+    # The victim forks a grandchild (as Celery forks its pool), then waits to be killed.
+    victim = [sys.executable, "-c", "import subprocess, time\n"
+              "grandchild = subprocess.Popen(['sleep', '120'])\n"
+              "print('up with grandchild', grandchild.pid, flush=True)\ntime.sleep(120)"]
+    launcher = Launcher([ProcessSpec("steady", ["sleep", "120"]), ProcessSpec("victim", victim)],
+                        out=out, restart=FAST_RESTARTS)
+    seen: dict[str, list[int]] = {"victims": [], "grandchildren": []}
+
+    def kill_the_first_victim_then_stop() -> bool:
+        log = out.getvalue()
+        victims = [int(pid) for pid in re.findall(r"started victim \(pid (\d+)\)", log)]
+        grandchildren = [int(pid) for pid in re.findall(r"up with grandchild (\d+)", log)]
+        if len(victims) == 1 and len(grandchildren) == 1 and not seen["victims"]:
+            seen.update(victims=victims, grandchildren=grandchildren)
+            os.kill(victims[0], signal.SIGKILL)  # the process alone, as the OOM killer would
+        elif len(grandchildren) == 2:  # the second victim is up
+            launcher.request_stop(signal.SIGINT)
+        return False
+
+    assert launcher.run(on_ready=kill_the_first_victim_then_stop) == 0
+    log = out.getvalue()
+    first = seen["victims"][0]
+    assert "victim exited unexpectedly with status -9 (SIGKILL); restarting it in 0.05s" in log, log
+    assert re.search(r"restarted victim \(pid \d+\)", log), log
+    # The first victim's fork went with it; the steady child was started once and never stopped.
+    assert not _alive(seen["grandchildren"][0])
+    assert not _live_members_of_group(first)
+    assert log.count("started steady") == 1 and "steady exited" not in log
+
+
+def test_a_crash_loop_stops_everything_and_fails():
     out = io.StringIO()
     launcher = Launcher([
         ProcessSpec("sleeper", ["sleep", "60"]),
-        ProcessSpec("crasher", [sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(3)"]),
-    ], out=out)
-    started = time.monotonic()
+        ProcessSpec("crasher", [sys.executable, "-c", "raise SystemExit(3)"]),
+    ], out=out, restart=FAST_RESTARTS)
     assert launcher.run() == 1
-    assert time.monotonic() - started < 10
     log = out.getvalue()
-    assert "crasher exited unexpectedly with status 3" in log
+    # Restarted twice with a doubling delay, then its third exit is a crash loop.
+    assert "crasher exited unexpectedly with status 3; restarting it in 0.05s (exit 1 of 2" in log, log
+    assert "crasher exited unexpectedly with status 3; restarting it in 0.1s (exit 2 of 2" in log, log
+    assert "crasher exited with status 3: 3 exits within 600s, a crash loop; stopping everything" in log, log
+    assert len(re.findall(r"started crasher \(pid \d+\)", log)) == 3
     pids = [int(pid) for pid in re.findall(r"started \w+ \(pid (\d+)\)", log)]
-    assert len(pids) == 2 and not any(_live_members_of_group(pid) for pid in pids)
+    assert not any(_live_members_of_group(pid) for pid in pids)
+
+
+def test_the_restart_delay_doubles_up_to_its_cap():
+    policy = RestartPolicy(first_delay_s=1, max_delay_s=30)
+    assert [policy.delay_s(exits) for exits in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
 
 
 def test_a_stop_request_stops_every_child():

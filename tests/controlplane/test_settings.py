@@ -138,9 +138,10 @@ def test_embedded_defaults_need_no_server(tmp_path):
     assert integrations.caches("")["default"]["BACKEND"].endswith("LocMemCache")
     assert integrations.channel_layers("")["default"]["BACKEND"] == "channels.layers.InMemoryChannelLayer"
     broker, options = integrations.celery_broker("", tmp_path)
-    assert broker.startswith("filesystem://")
-    assert Path(options["data_folder_in"]).is_dir() and Path(options["control_folder"]).is_dir()
-    assert integrations.celery_result_backend("", tmp_path).startswith("file://")
+    assert broker == f"sqlite:///{tmp_path / 'celery' / 'broker.sqlite3'}" and options == {}
+    assert (tmp_path / "celery").is_dir()
+    # Nothing reads a task's result: the embedded set-up keeps none.
+    assert integrations.celery_result_backend("") is None
 
 
 def test_urls_switch_to_postgresql_and_redis(tmp_path):
@@ -152,4 +153,4 @@ def test_urls_switch_to_postgresql_and_redis(tmp_path):
     assert integrations.caches(redis)["default"]["LOCATION"] == redis
     assert integrations.channel_layers(redis)["default"]["CONFIG"]["hosts"] == [{"address": redis, "socket_timeout": None}]
     assert integrations.celery_broker(redis, tmp_path) == (redis, {})
-    assert integrations.celery_result_backend(redis, tmp_path) == redis
+    assert integrations.celery_result_backend(redis) == redis
