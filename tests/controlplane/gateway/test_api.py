@@ -108,7 +108,7 @@ def test_logit_bias_steers_chat_and_completions_streamed_or_not(world, checkpoin
 
     [z] = AutoTokenizer.from_pretrained(checkpoint).encode("z", add_special_tokens=False)
     client, model = world.client(), world.model.public_name
-    common = dict(model=model, max_tokens=3, logit_bias={str(z): 100}, extra_body={"ignore_eos": True})
+    common = {"model": model, "max_tokens": 3, "logit_bias": {str(z): 100}, "extra_body": {"ignore_eos": True}}
     assert client.completions.create(prompt="abc", **common).choices[0].text == "zzz"
     assert client.chat.completions.create(messages=CHAT, **common).choices[0].message.content == "zzz"
     streamed = client.chat.completions.create(messages=CHAT, stream=True, **common)
