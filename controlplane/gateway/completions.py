@@ -222,13 +222,30 @@ async def _attempt(gw: Gateway, flight: Flight, replicas: tuple[ReplicaRoute, ..
         "authorization": f"Bearer {gw.config.worker_token}", "content-type": "application/json",
         "x-request-id": flight.request_id,
     })
-    if response.status >= 500:  # loading, draining, broken: not this request's fault
+    if response.status not in (200, 400):
+        # 5xx: loading, draining, broken; any other: not the request's fault either (a 400 is
+        # the replica refusing the request itself), so not the client's to see.
         response.discard()
         raise ReplicaFailed(f"the replica answered {response.status}")
     return replica, response
 
 
-async def _failed_attempt(gw: Gateway, flight: Flight) -> None:
+def _replica_json(status: int, data: bytes) -> dict:
+    """A replica's whole answer (200) or refusal (400, in OpenAI's error shape) as JSON;
+    ReplicaFailed for anything else it sent."""
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or (status == 400 and not isinstance(answer.get("error"), dict)):
+        raise ReplicaFailed(f"the replica's {status} answer is not what it sends: {data[:200]!r}")
+    return answer
+
+
+async def _failed_attempt(gw: Gateway, flight: Flight, why: BaseException) -> None:
+    # The detail is for the operator: the client is told only that a replica failed.
+    logger.warning("request %s: replica %s failed: %s", flight.request_id, flight.replica_id,
+                   "no answer within the request's time limit" if isinstance(why, TimeoutError) else why)
     await gw.shared.finish(flight.request_id, replica_id=flight.replica_id, replica_failed=True)
     flight.replica_id = None
 
@@ -238,39 +255,38 @@ def _deadline(gw: Gateway, flight: Flight) -> float:
     return loop.time() + gw.config.request_timeout_s - (time.monotonic() - flight.started)
 
 
-def _no_replica(gw: Gateway, flight: Flight, reason: str) -> GatewayError:
-    return unavailable(f"No replica of {flight.model.public_name!r} could serve the request ({reason}); "
-                       "try again shortly.", gw.config.retry_after_s, code="replica_unavailable")
+def _no_replica(gw: Gateway, flight: Flight, tried: bool) -> GatewayError:
+    why = "the replicas tried failed" if tried else "none is ready"
+    return unavailable(f"No replica of {flight.model.public_name!r} could serve the request ({why}; request id "
+                       f"{flight.request_id}); try again shortly.", gw.config.retry_after_s, code="replica_unavailable")
 
 
 async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
                     key: str, headers: dict[str, str]) -> Response:
     tried: set[int] = set()
-    reason = "none is ready"
     while len(tried) < min(_ATTEMPTS, len(replicas)):
         try:
             async with asyncio.timeout_at(_deadline(gw, flight)):
                 replica, response = await _attempt(gw, flight, replicas, first, tried, path, body, key)
                 data = await response.read()
+            payload = _replica_json(response.status, data)
         except (UpstreamError, ReplicaFailed) as exc:
-            reason = str(exc)
-            await _failed_attempt(gw, flight)
+            await _failed_attempt(gw, flight, exc)
             continue
-        except TimeoutError:
-            await _failed_attempt(gw, flight)
+        except TimeoutError as exc:
+            await _failed_attempt(gw, flight, exc)
             raise GatewayError(504, "The request took too long and was stopped.", type="server_error",
                                code="timeout") from None
-        if response.status != 200:  # the replica refused the request itself (4xx): not billed
+        if response.status != 200:  # the replica refused the request itself (400): not billed
             await flight.end(None)
             return Response(data, status_code=response.status, headers=headers, media_type="application/json")
-        payload = json.loads(data)
         usage = payload.get("usage") or {}
         await flight.release_served()
         flight.settle_soon(COMPLETED, dict(usage))
         usage["cost"] = float(flight.cost)
         payload["usage"], payload["model"] = usage, flight.model.public_name
         return Response(json.dumps(payload).encode(), headers=headers, media_type="application/json")
-    error = _no_replica(gw, flight, reason)
+    error = _no_replica(gw, flight, bool(tried))
     await flight.end(FAILED if tried else None, error_code=error.code)
     raise error
 
@@ -278,7 +294,6 @@ async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, 
 async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
                   key: str, headers: dict[str, str], *, chat: bool, include_usage: bool) -> Response | StreamRelay:
     tried: set[int] = set()
-    reason = "none is ready"
     deadline = _deadline(gw, flight)
     while len(tried) < min(_ATTEMPTS, len(replicas)):
         buffered: list[bytes] = []
@@ -288,6 +303,7 @@ async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, pa
                 replica, response = await _attempt(gw, flight, replicas, first, tried, path, body, key)
                 if response.status != 200:
                     data = await response.read()
+                    _replica_json(response.status, data)
                     await flight.end(None)
                     return Response(data, status_code=response.status, headers=headers,
                                     media_type="application/json")
@@ -301,11 +317,10 @@ async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, pa
         except (UpstreamError, ReplicaFailed, ValueError, TimeoutError) as exc:
             if events is not None:
                 await events.aclose()  # closes the connection: the replica drops the request
-            await _failed_attempt(gw, flight)
+            await _failed_attempt(gw, flight, exc)
             if isinstance(exc, TimeoutError):
                 raise GatewayError(504, "The request took too long and was stopped.", type="server_error",
                                    code="timeout") from None
-            reason = str(exc)
             continue
         try:
             await flight.first_token()
@@ -313,6 +328,6 @@ async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, pa
             await events.aclose()
             raise
         return StreamRelay(flight, events, buffered, headers, include_usage, deadline)
-    error = _no_replica(gw, flight, reason)
+    error = _no_replica(gw, flight, bool(tried))
     await flight.end(FAILED if tried else None, error_code=error.code)
     raise error

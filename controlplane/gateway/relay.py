@@ -11,12 +11,15 @@ see completions).
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from controlplane.gateway import metrics
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.upstream import UpstreamError
+
+logger = logging.getLogger(__name__)
 
 DONE = b"[DONE]"
 
@@ -115,11 +118,18 @@ class StreamRelay:
             await _drain(events)
         except (UpstreamError, TimeoutError, ValueError) as exc:
             # After the first token the client has part of an answer: the stream ends with an
-            # error event, and the request is recorded as failed (not charged).
+            # error event, and the request is recorded as failed (not charged). What broke is the
+            # operator's to read in the log; the client learns that the replica failed, and the
+            # request id to quote.
             status = FAILED
-            timed_out = isinstance(exc, TimeoutError)
-            message = "The request took too long and was stopped." if timed_out else f"The replica failed mid-stream: {exc}"
-            error_code = "timeout" if timed_out else "replica_failed"
+            if isinstance(exc, TimeoutError):
+                message, error_code = "The request took too long and was stopped.", "timeout"
+            else:
+                logger.warning("request %s: replica %s failed mid-stream: %s", self.flight.request_id,
+                               self.flight.replica_id, exc)
+                message = (f"The model's replica failed while answering; the answer is incomplete (request id "
+                           f"{self.flight.request_id}).")
+                error_code = "replica_failed"
             await send({"type": "http.response.body", "body": error_event(message, error_code), "more_body": False})
         finally:
             await events.aclose()  # closes the upstream connection unless the stream completed
@@ -144,7 +154,9 @@ class StreamRelay:
             await self.flight.settle(COMPLETED, self.usage, completion_tokens=self.token_events)
             return True
         if data.startswith(b'{"error"'):
-            raise UpstreamError(json.loads(data)["error"].get("message", "error event"))
+            raise UpstreamError(f"its error event {data[:500]!r}")
+        if not data.startswith(b"{"):  # every chunk is a JSON object: this is not one of the replica's
+            raise UpstreamError(f"an event that is not a chunk: {data[:200]!r}")
         if b'"usage"' in data:
             event = json.loads(data)
             if event.get("usage") is not None and not event.get("choices"):

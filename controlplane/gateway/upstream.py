@@ -24,6 +24,11 @@ class UpstreamError(Exception):
     """The replica could not be reached, or the connection broke before the response ended."""
 
 
+# How a response can break: the connection drops, or what arrives is not HTTP (a status line,
+# header or chunk size that does not parse, or a line longer than the reader's limit).
+_BROKEN = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError)
+
+
 @lru_cache(maxsize=1024)
 def _origin(base_url: str) -> tuple[str, int, bool, str]:
     parts = urlsplit(base_url)
@@ -61,7 +66,7 @@ class UpstreamResponse:
             else:
                 body = await reader.read()
                 self.headers["connection"] = "close"
-        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        except _BROKEN as exc:
             self.discard()
             raise UpstreamError(f"the replica broke off its response: {exc!r}") from None
         except asyncio.CancelledError:
@@ -88,7 +93,7 @@ class UpstreamResponse:
                     for line in event.split(b"\n"):
                         if line.startswith(b"data:"):
                             yield line[5:].strip()
-        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+        except _BROKEN as exc:
             raise UpstreamError(f"the replica broke off its stream: {exc!r}") from None
         finally:
             if finished and chunked:
@@ -148,7 +153,7 @@ class UpstreamPool:
             try:
                 conn.writer.write(message)
                 status, response_headers = await _read_head(conn.reader)
-            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            except _BROKEN as exc:
                 conn.close()
                 if reused and isinstance(exc, asyncio.IncompleteReadError) and not exc.partial:
                     continue  # the server had closed this idle connection: nothing was processed
@@ -196,7 +201,10 @@ class UpstreamPool:
 async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
+    version, _, rest = lines[0].partition(" ")
+    if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
+        raise ValueError(f"not an HTTP/1.x status line: {lines[0][:100]!r}")
+    status = int(rest[:3])
     headers = {}
     for line in lines[1:]:
         if line:

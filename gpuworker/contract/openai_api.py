@@ -10,9 +10,9 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
 
 class ProtocolError(ValueError):
@@ -38,6 +38,14 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# OpenAI's bounds on logit_bias (the engine checks the same, and that the ids are in the vocabulary).
+MAX_LOGIT_BIAS = 100
+MAX_LOGIT_BIAS_ENTRIES = 300
+# What the schema documents; `_SamplingFields._logit_bias` checks it first, in words.
+_TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
+_Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+
+
 class _SamplingFields(_Strict):
     model_config = ConfigDict(extra="ignore")
 
@@ -59,6 +67,42 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # token id (a string, as JSON keys are) -> bias added to its logit before sampling.
+    logit_bias: dict[_TokenIdKey, _Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES)
+    # Only as many candidates as choices: more would need each candidate's whole answer scored
+    # (vLLM's V1 engine refuses it too); 1, OpenAI's default, means the same as n.
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value):
+        if value is None:
+            return value
+        if not isinstance(value, dict):
+            raise ProtocolError("logit_bias: must be an object mapping token ids to biases, e.g. "
+                                "{\"50256\": -100}", param="logit_bias")
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ProtocolError(f"logit_bias: {len(value)} tokens given; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                                param="logit_bias")
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit()):
+                raise ProtocolError(f"logit_bias: {key!r} is not a token id (a non-negative integer, as a string)",
+                                    param="logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not \
+                    -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ProtocolError(f"logit_bias: the bias of token {key} is {bias!r}; it must be a number from "
+                                    f"{-MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}", param="logit_bias")
+        return value
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            if self.best_of < self.n:
+                raise ProtocolError(f"best_of: {self.best_of} must be at least n ({self.n})", param="best_of")
+            raise ProtocolError(f"best_of: generating {self.best_of} candidates to return the best {self.n} is not "
+                                "supported; leave best_of out (or equal to n) and ask for the choices you want with n",
+                                param="best_of")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -80,6 +124,7 @@ class _SamplingFields(_Strict):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos, logprobs=logprobs,
+            logit_bias={int(token): float(bias) for token, bias in (self.logit_bias or {}).items()} or None,
             # Each step's additions only: a stream sends them as they are and a whole answer is
             # joined once at its end (outputs.join_deltas), instead of the replica receiving the
             # answer so far, copied, every step.
@@ -358,9 +403,21 @@ class EmbeddingRequest(_Strict):
                 raise ValueError(f"input item {index} must not be empty")
         return value
 
-    # What the gateway's admission asks of every request: one answer, never a stream.
-    n: int = 1
+    # Embeddings come back whole: OpenAI has no stream for them, and a client asking for one is told.
     stream: bool = False
+
+    @field_validator("stream")
+    @classmethod
+    def _stream(cls, value: bool) -> bool:
+        if value:
+            raise ProtocolError("stream: embeddings are answered whole; streaming is not supported for "
+                                "/v1/embeddings", param="stream")
+        return value
+
+    @property
+    def n(self) -> int:
+        """What the gateway's admission asks of every request: one answer (not a client's field)."""
+        return 1
 
     @property
     def texts(self) -> list[str] | None:

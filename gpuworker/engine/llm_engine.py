@@ -243,6 +243,9 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.scheduler.check_admissible(len(prompt_ids), params.max_tokens, params.n)
+        vocab_size = self.model_config.vocab_size
+        if params.logit_bias and (outside := [t for t in params.logit_bias if t >= vocab_size]):
+            raise ValueError(f"logit_bias: token id {outside[0]} is not in [0, {vocab_size})")
         grammar = None
         if params.structured_output is not None:
             grammar = self._structured_outputs().compile(params.structured_output)

@@ -1,6 +1,6 @@
 """Batched sampling on the device, one row per sequence that needs a token this step.
 
-Penalties (OpenAI/vLLM semantics) -> grammar masks (constrained rows only) -> temperature -> top-k
+Logit bias -> penalties (OpenAI/vLLM semantics) -> grammar masks (constrained rows only) -> temperature -> top-k
 -> top-p -> min-p, then a Gumbel-max draw (gpuworker.kernels.sampling: one Triton launch on CUDA,
 no sort of the vocabulary and no device->host sync; the same draws by a full sort in torch on the
 CPU). Every row's noise comes from Philox keyed by a per-row seed: a seeded request's key is made
@@ -38,13 +38,16 @@ class SamplingMetadata:
     penalties: Penalties | None
     # (rows, token ids) whose logits are -inf: EOS and stop tokens before min_tokens.
     banned: tuple[torch.Tensor, torch.Tensor] | None
+    # The requests' logit_bias entries as (flat indices row * V + token, biases); None when no row has any.
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None
     # The most top logprobs any row asked for; None when no row wants logprobs.
     max_logprobs: int | None
 
     @property
     def plain_argmax(self) -> bool:
-        """Every row takes the argmax of its raw logits: no penalties, bans or logprobs."""
-        return self.all_greedy and self.penalties is None and self.banned is None and self.max_logprobs is None
+        """Every row takes the argmax of its raw logits: no bias, penalties, bans or logprobs."""
+        return (self.all_greedy and self.penalties is None and self.banned is None and self.logit_bias is None
+                and self.max_logprobs is None)
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
@@ -53,7 +56,7 @@ class SamplingMetadata:
         if all(seq.group.plain_greedy for seq in seqs):
             # The common offline case, kept cheap: argmax of the raw logits, nothing to copy.
             return cls(temperature=None, all_greedy=True, top_k=None, top_p=None, min_p=None, seeds=None,
-                       penalties=None, banned=None, max_logprobs=None)
+                       penalties=None, banned=None, logit_bias=None, max_logprobs=None)
         params: list[SamplingParams] = [seq.group.params for seq in seqs]
         banned_rows, banned_ids = [], []
         for row, (seq, p) in enumerate(zip(seqs, params)):
@@ -66,11 +69,12 @@ class SamplingMetadata:
         banned = (to_device(banned_rows, torch.int64, device), to_device(banned_ids, torch.int64, device)) \
             if banned_rows else None
         penalties = Penalties.build(seqs, vocab_size, device) if any(p.has_penalties for p in params) else None
+        logit_bias = _logit_bias(params, vocab_size, device) if any(p.logit_bias for p in params) else None
         max_logprobs = max(wanted) if wanted else None
         greedy = [p.is_greedy for p in params]
         if all(greedy):
             return cls(temperature=None, all_greedy=True, top_k=None, top_p=None, min_p=None, seeds=None,
-                       penalties=penalties, banned=banned, max_logprobs=max_logprobs)
+                       penalties=penalties, banned=banned, logit_bias=logit_bias, max_logprobs=max_logprobs)
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         seeds = rng.integers(0, _SEED_MASK, size=len(seqs), dtype=np.int64)
         for row, (seq, p) in enumerate(zip(seqs, params)):
@@ -86,7 +90,7 @@ class SamplingMetadata:
             top_k=ints[0] if any(k < vocab_size for k in top_k) else None,
             top_p=floats[1] if any(p.top_p < 1.0 for p in params) else None,
             min_p=floats[2] if any(p.min_p > 0 for p in params) else None,
-            seeds=ints[1], penalties=penalties, banned=banned, max_logprobs=max_logprobs,
+            seeds=ints[1], penalties=penalties, banned=banned, logit_bias=logit_bias, max_logprobs=max_logprobs,
         )
 
 
@@ -162,8 +166,12 @@ class Sampler:
                  allowed: TokenBitmask | None = None) -> SamplerOutput:
         """logits [B, V] float32 -> one token per row; `allowed` masks the constrained rows."""
         raw = logits
-        if meta.max_logprobs is not None and (meta.penalties is not None or allowed is not None):
+        if meta.max_logprobs is not None and (meta.penalties is not None or meta.logit_bias is not None
+                                              or allowed is not None):
             logits = logits.clone()  # logprobs are those of the raw logits
+        if meta.logit_bias is not None:
+            # A sparse add, in place: only the biased tokens' logits are touched.
+            logits.view(-1).index_add_(0, *meta.logit_bias)
         if meta.penalties is not None:
             logits = meta.penalties.apply(logits)
         if meta.banned is not None:
@@ -188,6 +196,15 @@ class Sampler:
             out.logprobs = logprobs.gather(1, token_ids[:, None])[:, 0]
             out.top_logprobs, out.top_ids = logprobs.topk(meta.max_logprobs, dim=-1)
         return out
+
+
+def _logit_bias(params: list[SamplingParams], vocab_size: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's logit_bias entries as flat indices into the [B, V] logits and their biases."""
+    ids, values = zip(*(p.logit_bias_arrays for p in params))
+    rows = np.repeat(np.arange(len(params), dtype=np.int64) * vocab_size, [len(i) for i in ids])
+    return (to_device(np.concatenate(ids) + rows, torch.int64, device),
+            to_device(np.concatenate(values), torch.float32, device))
 
 
 def apply_token_bitmask(logits: torch.Tensor, allowed: TokenBitmask) -> None:

@@ -6,10 +6,16 @@ Validated on construction: a bad value raises ValueError naming the field and it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
 
 from gpuworker.engine.structured_output import StructuredOutput
 
 MAX_LOGPROBS = 20
+# OpenAI's bounds on logit_bias: a bias per token in [-100, 100], for at most this many tokens.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_TEMPERATURE = 1e-5
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
@@ -48,6 +54,9 @@ class SamplingParams:
     output_kind: str = "cumulative"
     # Constrain the output to JSON, a JSON schema, a grammar or a structural tag (None: free text).
     structured_output: StructuredOutput | None = None
+    # token id -> a bias added to its logit before sampling (OpenAI's logit_bias): +100 all but
+    # forces a token, -100 all but bans it. Logprobs stay those of the raw logits, as vLLM's.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         _int_at_least("n", self.n, 1)
@@ -88,6 +97,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+        self.logit_bias = _logit_bias(self.logit_bias)
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError("structured_output must be a StructuredOutput or None, "
                              f"got {type(self.structured_output).__name__}")
@@ -100,6 +110,30 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @cached_property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids int64, biases float32), made once: the sampler reads them
+        every step the request samples."""
+        bias = self.logit_bias or {}
+        return (np.fromiter(bias.keys(), np.int64, len(bias)), np.fromiter(bias.values(), np.float32, len(bias)))
+
+
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """The bias map checked (ids >= 0, biases in range, not too many), floats; None when empty.
+    Whether the ids are in the model's vocabulary is the engine's check (it knows the model)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    checked = {}
+    for token_id, value in bias.items():
+        _int_at_least("logit_bias token id", token_id, 0)
+        _number_in(f"logit_bias[{token_id}]", value, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+        checked[token_id] = float(value)
+    return checked or None
 
 
 def _int(name: str, value: object) -> None:

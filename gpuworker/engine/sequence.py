@@ -97,7 +97,7 @@ class SequenceGroup:
         # Greedy with nothing that changes the logits or asks for more than the token: sampling
         # is a plain argmax (decided once here, as the sampler asks for every row every step).
         self.plain_greedy = (params.is_greedy and not params.has_penalties and params.logprobs is None
-                             and params.min_tokens == 0)
+                             and params.min_tokens == 0 and params.logit_bias is None)
         # Siblings waiting for the first sequence's prompt to be computed.
         self.pending_forks: list[Sequence] = self.seqs[1:]
         # Device time attributed to this request: each step's duration split by tokens processed.

@@ -152,17 +152,20 @@ class GatewayServer:
             self.process.kill()
 
 
-def start_module_gateway(database_url: str) -> GatewayServer:
+def start_module_gateway(database_url: str, *, log=None) -> GatewayServer:
     """A test module's own gateway on the Redis database of REDIS_URL (emptied first), so that it
-    neither needs nor disturbs the shared gateway fixture's replicas and keys."""
+    neither needs nor disturbs the shared gateway fixture's replicas and keys; `log`: a file its
+    log (stderr) goes to, for a test that reads it."""
     redis_url = os.environ["REDIS_URL"]
     redis.Redis.from_url(redis_url).flushdb()
-    return start_gateway(database_url, redis_url)
+    return start_gateway(database_url, redis_url, log=log)
 
 
-def start_gateway(database_url: str, redis_url: str, *, workers: int = 1, **env_overrides: str) -> GatewayServer:
+def start_gateway(database_url: str, redis_url: str, *, workers: int = 1, log=None,
+                  **env_overrides: str) -> GatewayServer:
     """uvicorn serving controlplane.asgi in its own process (`workers` processes behind one port,
-    as docker-compose runs it), as in production; waits until it answers."""
+    as docker-compose runs it), as in production; waits until it answers. `log`: a file for its
+    stderr (None: this process's)."""
     port = free_port()
     env = {
         **os.environ,
@@ -177,7 +180,7 @@ def start_gateway(database_url: str, redis_url: str, *, workers: int = 1, **env_
     process = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
          "--port", str(port), "--log-level", "warning", "--no-access-log", "--workers", str(workers)],
-        cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stderr=log,
     )
     server = GatewayServer(f"http://127.0.0.1:{port}", redis_url, process)
     try:

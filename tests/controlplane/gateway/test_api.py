@@ -103,6 +103,27 @@ def test_streaming_completion_without_usage_has_none(world):
     assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 1
 
 
+def test_logit_bias_steers_chat_and_completions_streamed_or_not(world, checkpoint):
+    from transformers import AutoTokenizer
+
+    [z] = AutoTokenizer.from_pretrained(checkpoint).encode("z", add_special_tokens=False)
+    client, model = world.client(), world.model.public_name
+    common = {"model": model, "max_tokens": 3, "logit_bias": {str(z): 100}, "extra_body": {"ignore_eos": True}}
+    assert client.completions.create(prompt="abc", **common).choices[0].text == "zzz"
+    assert client.chat.completions.create(messages=CHAT, **common).choices[0].message.content == "zzz"
+    streamed = client.chat.completions.create(messages=CHAT, stream=True, **common)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "zzz"
+    streamed = client.completions.create(prompt="abc", stream=True, **common)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "zzz"
+    # best_of equal to n is n; best_of beyond n is refused before any replica is asked.
+    assert len(client.completions.create(model=model, prompt="abc", n=2, best_of=2, max_tokens=2).choices) == 2
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="abc", n=1, best_of=3, max_tokens=2)
+    assert refused.value.param == "best_of"
+    world.settled()
+    assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 5
+
+
 def test_every_response_has_a_request_id(world):
     ok = httpx.get(f"{world.base_url}/v1/models", headers={"Authorization": f"Bearer {world.api_key.plaintext}"})
     missing = httpx.post(f"{world.base_url}/v1/chat/completions", json={})

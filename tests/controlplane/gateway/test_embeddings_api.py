@@ -100,3 +100,21 @@ def test_embeddings_on_a_chat_model_is_400(embeddings_gateway, encoder_replica):
     with pytest.raises(openai.BadRequestError) as wrong:
         chat_world.client().embeddings.create(model=chat_world.model.public_name, input="hi")
     assert wrong.value.body["code"] == "wrong_model_kind"
+
+
+def test_a_stream_is_a_400_naming_it_and_n_is_no_field_of_embeddings(embeddings_gateway, encoder_replica):
+    world = _world(embeddings_gateway, encoder_replica)
+    client = world.client()
+    with pytest.raises(openai.BadRequestError) as streamed:
+        client.embeddings.create(model=world.model.public_name, input="hi", extra_body={"stream": True})
+    assert (streamed.value.param, streamed.value.type) == ("stream", "invalid_request_error")
+    assert "stream" in streamed.value.message
+    # n is not a field of the embeddings API: ignored like any other, the request is one request.
+    for n in (3, -5, 100_000):
+        response = client.embeddings.with_raw_response.create(model=world.model.public_name, input="hi",
+                                                              extra_body={"n": n})
+        assert len(response.parse().data) == 1
+    world.settled()
+    assert [(r.status, r.num_requests, r.price_charged) for r in UsageRecord.objects.filter(tenant=world.tenant)] \
+        == [("completed", 1, Decimal("0.002"))] * 3
+    assert credit_balance(tenant=world.tenant) == Decimal("10") - 3 * Decimal("0.002")

@@ -94,6 +94,9 @@ def test_unknown_model_is_404(world):
     ({"max_tokens": 0}, "max_tokens"),
     ({"top_logprobs": 2}, None),  # without logprobs: the request as a whole is wrong
     ({"messages": []}, "messages"),
+    ({"logit_bias": {"5": 150}}, "logit_bias"),
+    ({"logit_bias": {"the": -100}}, "logit_bias"),
+    ({"n": 2, "extra_body": {"best_of": 4}}, "best_of"),
 ])
 def test_bad_fields_are_400_naming_the_field(world, fields, param):
     with pytest.raises(openai.BadRequestError) as error:

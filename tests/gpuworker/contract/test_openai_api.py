@@ -2,10 +2,11 @@
 
 import pytest
 
-from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequest, ProtocolError, parse_json_body,
-                                           parse_request)
+from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ProtocolError,
+                                           parse_json_body, parse_request)
 
 CHAT = [{"role": "user", "content": "hi"}]
+SAMPLED = [(ChatCompletionRequest, {"messages": CHAT}), (CompletionRequest, {"prompt": "x"})]
 
 
 @pytest.mark.parametrize(("raw", "message"), [
@@ -64,3 +65,62 @@ def test_an_int_is_still_a_number_where_a_float_is_asked():
     assert request.temperature == 1.0 and isinstance(request.temperature, float)
     completion = parse_request(CompletionRequest, {"prompt": [1, 2, 3], "max_tokens": 3, "echo": True})
     assert completion.prompt == [1, 2, 3] and completion.echo
+
+
+@pytest.mark.parametrize(("bias", "message"), [
+    ({"5": 100.5}, "bias of token 5 is 100.5; it must be a number from -100 to 100"),
+    ({"5": -101}, "from -100 to 100"),
+    ({"5": "1"}, "from -100 to 100"),
+    ({"5": True}, "from -100 to 100"),
+    ({"5": None}, "from -100 to 100"),
+    ({"-5": 1}, "'-5' is not a token id"),
+    ({"five": 1}, "'five' is not a token id"),
+    ({"": 1}, "'' is not a token id"),
+    ({"٣": 1}, "is not a token id"),  # a digit, but not an ASCII one
+    ({str(i): 1 for i in range(301)}, "301 tokens given; at most 300"),
+    ([5, 1], "must be an object mapping token ids to biases"),
+])
+@pytest.mark.parametrize("schema, base", SAMPLED)
+def test_logit_bias_is_checked_as_openai_does(schema, base, bias, message):
+    with pytest.raises(ProtocolError, match=message) as caught:
+        parse_request(schema, {**base, "logit_bias": bias})
+    assert caught.value.param == "logit_bias" and caught.value.status == 400
+
+
+def test_logit_bias_reaches_the_sampling_parameters_as_ids_and_floats():
+    request = parse_request(CompletionRequest, {"prompt": "x", "logit_bias": {"50256": -100, "007": 2.5}})
+    assert request.sampling_kwargs()["logit_bias"] == {50256: -100.0, 7: 2.5}
+    assert parse_request(CompletionRequest, {"prompt": "x", "logit_bias": {str(i): 1 for i in range(300)}})
+    for absent in ({}, {"logit_bias": None}, {"logit_bias": {}}):
+        assert parse_request(CompletionRequest, {"prompt": "x", **absent}).sampling_kwargs()["logit_bias"] is None
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"best_of": 2}, "generating 2 candidates to return the best 1 is not supported"),
+    ({"best_of": 4, "n": 2}, "generating 4 candidates to return the best 2"),
+    ({"best_of": 2, "n": 3}, "must be at least n"),
+    ({"best_of": 0}, "greater than or equal to 1"),
+])
+@pytest.mark.parametrize("schema, base", SAMPLED)
+def test_best_of_beyond_n_is_refused(schema, base, fields, message):
+    with pytest.raises(ProtocolError, match=message) as caught:
+        parse_request(schema, {**base, **fields})
+    assert caught.value.param == "best_of"
+
+
+@pytest.mark.parametrize("fields", [{"best_of": 1}, {"best_of": 1, "n": 3}, {"best_of": 3, "n": 3}, {"best_of": None}])
+def test_best_of_equal_to_n_or_1_means_n(fields):
+    request = parse_request(CompletionRequest, {"prompt": "x", **fields})
+    assert request.sampling_kwargs()["n"] == fields.get("n", 1)
+
+
+def test_embeddings_refuse_stream_and_take_no_n():
+    base = {"model": "m", "input": "hi"}
+    with pytest.raises(ProtocolError, match="streaming is not supported") as caught:
+        parse_request(EmbeddingRequest, {**base, "stream": True})
+    assert caught.value.param == "stream" and caught.value.status == 400
+    assert parse_request(EmbeddingRequest, {**base, "stream": False}).stream is False
+    # Not a field of the embeddings API: a client's n is ignored, as any unknown field, and the
+    # request counts once (the gateway holds credit and slots for `n` requests).
+    assert parse_request(EmbeddingRequest, {**base, "n": -5}).n == 1
+    assert parse_request(EmbeddingRequest, {**base, "n": 16}).n == 1

@@ -35,6 +35,7 @@ def run(engine: LLMEngine) -> dict[str, object]:
     ([1, 2, 999], SamplingParams(), r"prompt: token id 999 is not in \[0, 384\)"),
     ([1] * 250, SamplingParams(max_tokens=10), r"max_tokens \(10\) = 260 exceeds max_model_len \(256\)"),
     ([1] * 256, SamplingParams(), r"prompt has 256 tokens, which leaves no room"),
+    ([1, 2], SamplingParams(logit_bias={5: 1.0, 384: -100}), r"logit_bias: token id 384 is not in \[0, 384\)"),
 ])
 def test_bad_requests_fail_alone_and_the_others_keep_running(path, prompt, params, match):
     engine = make_engine(path)
@@ -55,6 +56,9 @@ def test_bad_requests_fail_alone_and_the_others_keep_running(path, prompt, param
     ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"), ({"logprobs": 21}, "logprobs"),
     ({"stop": [""]}, "stop"), ({"min_p": 2.0}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"presence_penalty": 3.0}, "presence_penalty"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
 ])
 def test_sampling_params_name_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -174,6 +178,33 @@ def test_logprobs_match_transformers(path):
         assert entry.logprob == pytest.approx(row[entry.token_id].item(), abs=1e-4)
         assert [i for i, _ in entry.top_logprobs] == row.topk(3).indices.tolist()
         assert [v for _, v in entry.top_logprobs] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+
+
+def test_logit_bias_equals_transformers_sequence_bias(path):
+    """Greedy with a bias on a few tokens takes the path transformers takes with the same biases
+    (its SequenceBiasLogitsProcessor adds them to the logits of single-token sequences): small
+    biases that change some choices, +100 that forces a token, -100 that bans one."""
+    from transformers import GenerationConfig
+
+    from tests.gpuworker.engine.reference import hf_model
+
+    prompts = random_prompts((7, 30), TINY["vocab_size"], seed=11)
+    engine = make_engine(path)
+    changed = 0
+    for prompt, unbiased in zip(prompts, hf_greedy(path, prompts, 8)):
+        ban, nudge, force = {unbiased[0]: -100.0}, {unbiased[2]: -3.0, unbiased[4]: -2.5, 17: 2.0}, {42: 100.0}
+        outputs = engine.generate([prompt] * 3, [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                                logit_bias=bias) for bias in (ban, nudge, force)])
+        for bias, out in zip((ban, nudge, force), outputs):
+            config = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=-1,
+                                      sequence_bias={(token,): value for token, value in bias.items()})
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                reference = hf_model(path).generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            assert out.token_ids == reference[0, len(prompt):].tolist(), bias
+        assert outputs[0].token_ids[0] != unbiased[0] and outputs[2].token_ids == [42] * 8
+        changed += outputs[1].token_ids != unbiased
+    assert changed  # the small biases changed a greedy path, and it still matched
 
 
 def test_stop_string_split_across_tokens_through_the_engine(path):

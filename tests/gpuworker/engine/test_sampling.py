@@ -240,3 +240,56 @@ def test_logprobs_are_of_the_raw_logits(temperature):
     torch.testing.assert_close(out.logprobs, reference.gather(1, out.token_ids[:, None])[:, 0])
     torch.testing.assert_close(out.top_logprobs, reference.topk(3).values)
     assert out.top_ids.tolist() == reference.topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logit_bias_forces_and_bans_tokens_only_in_its_own_rows(temperature):
+    logits = random_logits(4, seed=6)
+    top = logits.argmax(-1).tolist()
+    forced = next(t for t in range(VOCAB) if t != top[0])
+    plain = SamplingParams(temperature=temperature)
+    seqs = [seq_for(SamplingParams(temperature=temperature, logit_bias={forced: 100})),
+            seq_for(plain),
+            seq_for(SamplingParams(temperature=temperature, logit_bias={top[2]: -100})),
+            seq_for(plain)]
+    for seed in range(20):
+        tokens = sample(logits.clone(), seqs, seed=seed)
+        assert tokens[0] == forced and tokens[2] != top[2]
+        if temperature == 0.0:
+            assert tokens[1::2] == top[1::2]  # the rows without a bias are untouched
+            assert tokens[2] == logits[2].topk(2).indices[1].item()  # the next best once the best is banned
+    if temperature == 1.0:  # the unbiased rows still sample, exactly as in a batch without biased rows
+        assert sample(logits.clone(), seqs, seed=3)[1::2] == sample(logits.clone(), [seq_for(plain)] * 4, seed=3)[1::2]
+
+
+def test_logit_bias_shifts_the_sampled_distribution_by_its_value():
+    logits = torch.zeros(1, VOCAB)
+    # exp(ln 3) = 3: token 5 three times as likely as any other token.
+    draws_5 = draws(logits[0], SamplingParams(logit_bias={5: float(torch.log(torch.tensor(3.0)))}), count=2000)
+    expected = 3 / (VOCAB - 1 + 3)
+    assert abs(draws_5.count(5) / 2000 - expected) < 4 * (expected * (1 - expected) / 2000) ** 0.5
+
+
+def test_logit_bias_leaves_logprobs_raw_and_adds_to_penalties():
+    logits = random_logits(1, seed=8)
+    low = logits[0].argmin().item()
+    params = SamplingParams(temperature=0.0, logprobs=2, logit_bias={low: 100}, presence_penalty=2.0)
+    sampler = Sampler(CPU, 0)
+    out = sampler(logits.clone(), sampler.metadata([seq_for(params, output=[low])], VOCAB, []))
+    assert out.token_ids.tolist() == [low]  # +100, less the presence penalty of 2, still wins
+    reference = torch.log_softmax(logits, dim=-1)  # as in vLLM: the model's own logprobs
+    torch.testing.assert_close(out.logprobs, reference[:, low])
+    assert out.top_ids.tolist() == reference.topk(2).indices.tolist()
+
+
+def test_a_grammar_mask_outranks_logit_bias():
+    from gpuworker.engine.grammar_masks import TokenBitmask
+
+    logits = random_logits(2, seed=9)
+    bitmask = torch.zeros(2, (VOCAB + 31) // 32, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 3) | (1 << 4)  # row 0 may only say token 3 or 4
+    params = SamplingParams(temperature=0.0, logit_bias={10: 100})
+    sampler = Sampler(CPU, 0)
+    out = sampler(logits.clone(), sampler.metadata([seq_for(params), seq_for(params)], VOCAB, []),
+                  TokenBitmask(bitmask, [0]))
+    assert out.token_ids.tolist() == [3 + int(logits[0, 4] > logits[0, 3]), 10]

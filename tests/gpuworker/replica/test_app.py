@@ -730,3 +730,52 @@ def test_a_stopped_replica_leaves_no_engine_process(tiny_checkpoint, sig):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logit_bias_reaches_the_engine_for_chat_and_completions_streamed_or_not(server, temperature):
+    """+100 on one token makes every token that one, greedy or sampled; -100 on it at the same time
+    as +100 on another bans it; an id past the vocabulary is a 400 naming logit_bias."""
+    base, app = server
+    tokenizer = app.state.holder.engine.engine.tokenizer
+    [z], [y] = (tokenizer.encode(letter, add_special_tokens=False) for letter in "zy")
+    common = {"max_tokens": 4, "temperature": temperature, "seed": 1, "ignore_eos": True}
+    with _client(base) as client:
+        for bias, text in (({str(z): 100}, "zzzz"), ({str(z): -100, str(y): 100}, "yyyy")):
+            completion = client.post("/v1/completions", json={"prompt": "Hello", "logit_bias": bias, **common})
+            assert completion.json()["choices"][0]["text"] == text
+            chat = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "logit_bias": bias, **common})
+            assert chat.json()["choices"][0]["message"]["content"] == text
+            for path, body in (("/v1/completions", {"prompt": "Hello"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                streamed = {**body, "logit_bias": bias, "stream": True, **common}
+                with client.stream("POST", path, json=streamed) as response:
+                    events = _sse(response.iter_lines())
+                choices = [c for e in events[:-1] for c in e["choices"]]
+                assert "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices) == text
+        vocab_size = app.state.holder.engine.engine.model_config.vocab_size
+        outside = client.post("/v1/completions", json={"prompt": "Hello", "logit_bias": {str(vocab_size): 1}})
+    assert outside.status_code == 400
+    assert outside.json()["error"]["param"] == "logit_bias" and str(vocab_size) in outside.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "best_of": 3, "n": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, "logit_bias"),
+])
+def test_best_of_beyond_n_and_bad_logit_bias_are_400_naming_the_field(server, path, fields, param):
+    base, _ = server
+    with _client(base) as client:
+        response = client.post(path, json=fields)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_best_of_equal_to_n_or_1_is_served_as_n(server):
+    base, _ = server
+    with _client(base) as client:
+        for best_of, n in ((2, 2), (1, 2), (1, 1)):
+            response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": n, "best_of": best_of})
+            assert response.status_code == 200 and len(response.json()["choices"]) == n
