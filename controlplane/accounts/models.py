@@ -7,7 +7,7 @@ from django.db import models
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from controlplane.billing.models import MONEY
+from controlplane.common.money import MoneyField
 
 
 class Tenant(models.Model):
@@ -140,8 +140,8 @@ class ApiKey(models.Model):
         null=True, blank=True, validators=[MinValueValidator(1)],
         help_text="Requests in flight at once for this key; empty means the tenant's plan limit.",
     )
-    monthly_spend_limit = models.DecimalField(
-        **MONEY, null=True, blank=True, validators=[MinValueValidator(0)],
+    monthly_spend_limit = MoneyField(
+        null=True, blank=True, validators=[MinValueValidator(0)],
         help_text="Most this key may spend in a calendar month (UTC); empty means no limit beyond the credit.",
     )
     created_by = models.ForeignKey(

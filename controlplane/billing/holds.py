@@ -26,8 +26,9 @@ from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, 
 from controlplane.billing.pricing import flat_price, reference_price, take_allowance
 from controlplane.billing.selectors import credit_holds_expired, month_start
 from controlplane.billing.services import lock_credit_accounts
-from controlplane.billing.sql import adapt, as_date, insert, marks, money, rows
+from controlplane.billing.sql import adapt, adapt_all, as_date, insert, marks, rows
 from controlplane.catalog.models import Model
+from controlplane.common.money import from_micros
 
 _ACCOUNT, _HOLD = CreditAccount._meta.db_table, CreditHold._meta.db_table
 _RECORD, _ENTRY = UsageRecord._meta.db_table, CreditEntry._meta.db_table
@@ -110,8 +111,9 @@ def _place_one_conditionally(request: HoldRequest, at: datetime, expires_at: dat
 
 
 def conditional_hold_statement(request: HoldRequest, at: datetime, expires_at: datetime) -> tuple[str, dict]:
-    """`_place_one_conditionally`'s statement (PostgreSQL) and its parameters, for callers that
-    run it on their own connection (the gateway's asynchronous fast path)."""
+    """`_place_one_conditionally`'s statement (PostgreSQL) and its parameters, adapted (money in
+    micro-units), for callers that run it on their own connection (the gateway's asynchronous
+    fast path)."""
     amount = flat_price(price_per_request=request.price_per_request, num_requests=request.num_requests)
     return f"""
         WITH account AS (
@@ -124,10 +126,10 @@ def conditional_hold_statement(request: HoldRequest, at: datetime, expires_at: d
             RETURNING a.tenant_id)
         INSERT INTO {_HOLD} ({", ".join(_HOLD_FIELDS)})
         SELECT %(request_id)s, tenant_id, %(api_key)s, %(model)s, %(n)s, 0, NULL, %(amount)s, %(at)s, %(expires)s
-        FROM account RETURNING id""", {
+        FROM account RETURNING id""", adapt_all({
         "amount": amount, "tenant": request.tenant_id, "month": month_start(at), "request_id": request.request_id,
         "api_key": request.api_key_id, "model": request.model_id, "n": request.num_requests, "at": at,
-        "expires": expires_at}
+        "expires": expires_at})
 
 
 def conditional_hold_result(request: HoldRequest, result: list[tuple], at: datetime,
@@ -156,8 +158,9 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime,
     prices = {r.model_id: r.price_per_request for r in requests if r.price_per_request is not None}
     unpriced = list({r.model_id for r in requests} - prices.keys())
     if unpriced:
-        prices.update(rows(f"SELECT m.id, t.price_per_request FROM {_MODEL} m JOIN {_TIER} t "
-                            f"ON t.id = m.price_tier_id WHERE m.id IN ({marks(unpriced)})", unpriced))
+        prices.update((model_id, from_micros(price)) for model_id, price in rows(
+            f"SELECT m.id, t.price_per_request FROM {_MODEL} m JOIN {_TIER} t "
+            f"ON t.id = m.price_tier_id WHERE m.id IN ({marks(unpriced)})", unpriced))
     locked = lock_credit_accounts(tenant_ids={r.tenant_id for r in requests})
     accounts = locked.accounts
     month = month_start(at)
@@ -168,7 +171,7 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime,
         before = (account.allowance_month, account.allowance_used)
         included = take_allowance(account=account, included_per_month=locked.included_per_month[request.tenant_id],
                                   month=month, requests=request.num_requests)
-        amount = flat_price(price_per_request=money(prices[request.model_id]), num_requests=request.num_requests,
+        amount = flat_price(price_per_request=prices[request.model_id], num_requests=request.num_requests,
                             included=included)
         budget = budgets.get(request.api_key_id)
         refused = (HoldRefused(HoldRefused.CREDIT) if amount > account.available
@@ -188,12 +191,12 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime,
         ))
     placed = [hold for hold in holds if isinstance(hold, CreditHold)]
     if placed:
-        insert(_HOLD, _HOLD_FIELDS, [[adapt(getattr(h, f)) for f in _HOLD_FIELDS] for h in placed])
+        insert(_HOLD, _HOLD_FIELDS, [[getattr(h, f) for f in _HOLD_FIELDS] for h in placed])
     with connection.cursor() as cursor:
         for account in accounts.values():
             cursor.execute(f"UPDATE {_ACCOUNT} SET held = %s, allowance_month = %s, allowance_used = %s "
-                           "WHERE tenant_id = %s", [account.held, adapt(account.allowance_month),
-                                                    account.allowance_used, account.tenant_id])
+                           "WHERE tenant_id = %s", adapt_all([account.held, account.allowance_month,
+                                                              account.allowance_used, account.tenant_id]))
     return holds
 
 
@@ -230,7 +233,7 @@ def credit_holds_settle(*, outcomes: Sequence[RequestOutcome], at: datetime, dur
             results.append(Settled(outcome.request_id, found=False, record=None))
             continue
         _, tenant_id, api_key_id, model_id, num_requests, included, allowance_month, amount = hold
-        amount = money(amount)
+        amount = from_micros(amount)
         charged = outcome.status in (UsageRecord.Status.COMPLETED, UsageRecord.Status.CANCELLED)
         change = changes.setdefault(tenant_id, [Decimal("0"), Decimal("0")])
         change[0] += amount if charged else 0
@@ -256,7 +259,7 @@ def credit_holds_settle(*, outcomes: Sequence[RequestOutcome], at: datetime, dur
         # updated in another order deadlocks with a concurrent placement.
         for tenant_id, (charged, released) in sorted(changes.items()):
             cursor.execute(f"UPDATE {_ACCOUNT} SET balance = balance - %s, held = held - %s WHERE tenant_id = %s",
-                           [charged, released, tenant_id])
+                           adapt_all([charged, released, tenant_id]))
         for (tenant_id, month), count in allowance_back.items():
             cursor.execute(f"UPDATE {_ACCOUNT} SET allowance_used = CASE WHEN allowance_used > %s "
                            "THEN allowance_used - %s ELSE 0 END WHERE tenant_id = %s AND allowance_month = %s",
@@ -292,7 +295,7 @@ def _record(outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_reques
         total_latency_ms=total_ms,
         gpu_time_s=None if outcome.gpu_time_s is None else max(0.0, float(outcome.gpu_time_s)),
         price_charged=price,
-        reference_price=reference_price(per_million_tokens=money(reference_rate), tokens=prompt + completion),
+        reference_price=reference_price(per_million_tokens=from_micros(reference_rate), tokens=prompt + completion),
         created_at=at,
     )
 
@@ -303,7 +306,7 @@ _RECORD_FIELDS = ("request_id", "tenant_id", "api_key_id", "model_id", "replica_
 
 
 def _insert_records(records: list[UsageRecord], model_names: dict[int, str], at: datetime) -> None:
-    ids = dict(insert(_RECORD, _RECORD_FIELDS, [[adapt(getattr(r, f)) for f in _RECORD_FIELDS] for r in records],
+    ids = dict(insert(_RECORD, _RECORD_FIELDS, [[getattr(r, f) for f in _RECORD_FIELDS] for r in records],
                     returning="request_id, id"))
     for record in records:
         record.pk = ids[record.request_id]
@@ -311,4 +314,4 @@ def _insert_records(records: list[UsageRecord], model_names: dict[int, str], at:
     if charged:
         insert(_ENTRY, ("tenant_id", "kind", "amount", "memo", "usage_record_id", "created_at"), [
             [r.tenant_id, CreditEntry.Kind.USAGE, -r.price_charged,
-             f"{model_names[r.model_id]} request {r.request_id}", r.pk, adapt(at)] for r in charged])
+             f"{model_names[r.model_id]} request {r.request_id}", r.pk, at] for r in charged])

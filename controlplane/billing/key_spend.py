@@ -15,13 +15,14 @@ from datetime import date, datetime
 from decimal import Decimal
 
 from django.db import connection
-from django.db.models import DecimalField, OuterRef, QuerySet, Subquery, Value
+from django.db.models import OuterRef, QuerySet, Subquery, Value
 from django.db.models.functions import Coalesce
 
 from controlplane.accounts.models import ApiKey
-from controlplane.billing.models import MONEY, CreditHold, KeySpend
+from controlplane.billing.models import CreditHold, KeySpend
 from controlplane.billing.selectors import month_start
-from controlplane.billing.sql import adapt, marks, money, rows
+from controlplane.billing.sql import adapt, marks, rows
+from controlplane.common.money import MoneyField, from_micros
 
 _KEY, _SPEND, _HOLD = ApiKey._meta.db_table, KeySpend._meta.db_table, CreditHold._meta.db_table
 
@@ -47,7 +48,7 @@ def lock_key_budgets(*, key_ids: Iterable[int | None], month: date) -> dict[int,
     # NO KEY UPDATE: settlements insert usage records that reference the key (a KEY SHARE lock),
     # and must not wait for a placement.
     lock = " FOR NO KEY UPDATE" if connection.vendor == "postgresql" else ""
-    limits = {row[0]: money(row[1]) for row in rows(
+    limits = {row[0]: from_micros(row[1]) for row in rows(
         f"SELECT id, monthly_spend_limit FROM {_KEY} WHERE id IN ({marks(ids)}) "
         f"AND monthly_spend_limit IS NOT NULL ORDER BY id{lock}", ids)}
     if not limits:
@@ -59,7 +60,8 @@ def lock_key_budgets(*, key_ids: Iterable[int | None], month: date) -> dict[int,
         f"SELECT k.id, COALESCE((SELECT s.spent FROM {_SPEND} s WHERE s.api_key_id = k.id AND s.month = %s), 0) "
         f"+ COALESCE((SELECT SUM(h.amount) FROM {_HOLD} h WHERE h.api_key_id = k.id), 0) "
         f"FROM {_KEY} k WHERE k.id IN ({marks(limited)})", [adapt(month), *limited]))
-    return {key_id: KeyBudget(limit=limit, committed=money(committed[key_id])) for key_id, limit in limits.items()}
+    return {key_id: KeyBudget(limit=limit, committed=from_micros(committed[key_id]))
+            for key_id, limit in limits.items()}
 
 
 def key_spend_add(*, charges: dict[int, Decimal], month: date) -> None:
@@ -80,5 +82,4 @@ def key_spend_add(*, charges: dict[int, Decimal], month: date) -> None:
 def api_keys_with_spend(*, keys: QuerySet[ApiKey], at: datetime) -> QuerySet[ApiKey]:
     """`keys`, each with `spent_this_month`: what it was charged in `at`'s calendar month (UTC)."""
     spent = KeySpend.objects.filter(api_key=OuterRef("pk"), month=month_start(at)).values("spent")
-    return keys.annotate(spent_this_month=Coalesce(Subquery(spent), Value(Decimal("0")),
-                                                   output_field=DecimalField(**MONEY)))
+    return keys.annotate(spent_this_month=Coalesce(Subquery(spent), Value(0), output_field=MoneyField()))

@@ -1,6 +1,7 @@
 """Prices, plans, the append-only credit ledger, each tenant's credit account and holds, and usage.
 
-Money is Decimal with six decimal places: per-request prices are fractions of a cent.
+Money is a Decimal with six decimal places (per-request prices are fractions of a cent), stored
+as whole micro-units (`common.money.MoneyField`) so that sums are exact on every database.
 """
 
 from decimal import Decimal
@@ -11,16 +12,15 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-MONEY = {"max_digits": 18, "decimal_places": 6}
-MICRO = Decimal("0.000001")  # the smallest amount of money the ledger records
+from controlplane.common.money import MoneyField
 
 
 class PriceTier(models.Model):
     name = models.CharField(max_length=50, unique=True)
-    price_per_request = models.DecimalField(**MONEY, validators=[MinValueValidator(0)])
+    price_per_request = MoneyField(validators=[MinValueValidator(0)])
     # What a per-token price list would charge, recorded beside each request so reports can show
     # how flat per-request pricing compares.
-    reference_price_per_million_tokens = models.DecimalField(**MONEY, validators=[MinValueValidator(0)])
+    reference_price_per_million_tokens = MoneyField(validators=[MinValueValidator(0)])
 
     class Meta:
         ordering = ["price_per_request", "name"]
@@ -69,7 +69,7 @@ class CreditEntry(models.Model):
 
     tenant = models.ForeignKey("accounts.Tenant", on_delete=models.PROTECT, related_name="credit_entries")
     kind = models.CharField(max_length=10, choices=Kind.choices)
-    amount = models.DecimalField(**MONEY, help_text="Positive adds credits, negative spends them.")
+    amount = MoneyField(help_text="Positive adds credits, negative spends them.")
     memo = models.CharField(max_length=200, blank=True)
     # At most one charge per request: the request id is unique on the usage record.
     usage_record = models.OneToOneField(
@@ -120,8 +120,8 @@ class CreditAccount(models.Model):
     tenant = models.OneToOneField(
         "accounts.Tenant", on_delete=models.PROTECT, primary_key=True, related_name="credit_account"
     )
-    balance = models.DecimalField(**MONEY, default=Decimal("0"))
-    held = models.DecimalField(**MONEY, default=Decimal("0"))
+    balance = MoneyField(default=Decimal("0"))
+    held = MoneyField(default=Decimal("0"))
     allowance_month = models.DateField(null=True, blank=True, help_text="First day of the counted month.")
     allowance_used = models.PositiveIntegerField(default=0)
 
@@ -159,7 +159,7 @@ class CreditHold(models.Model):
         default=0, help_text="How many of them the plan's monthly allowance pays for."
     )
     allowance_month = models.DateField(null=True, blank=True)
-    amount = models.DecimalField(**MONEY, validators=[MinValueValidator(0)])
+    amount = MoneyField(validators=[MinValueValidator(0)])
     created_at = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField(db_index=True)
 
@@ -203,9 +203,9 @@ class UsageRecord(models.Model):
         null=True, blank=True, validators=[MinValueValidator(0)],
         help_text="The request's share of the replica's engine step time, as the worker reported it.",
     )
-    price_charged = models.DecimalField(**MONEY, validators=[MinValueValidator(0)])
-    reference_price = models.DecimalField(
-        **MONEY, validators=[MinValueValidator(0)],
+    price_charged = MoneyField(validators=[MinValueValidator(0)])
+    reference_price = MoneyField(
+        validators=[MinValueValidator(0)],
         help_text="This request's price at the tier's per-token reference rate.",
     )
     # When the request ended; set by the service (not auto_now_add) so monthly allowances and
@@ -246,7 +246,7 @@ class KeySpend(models.Model):
 
     api_key = models.ForeignKey("accounts.ApiKey", on_delete=models.CASCADE, related_name="monthly_spend")
     month = models.DateField(help_text="First day of the month.")
-    spent = models.DecimalField(**MONEY, default=Decimal("0"))
+    spent = MoneyField(default=Decimal("0"))
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["api_key", "month"], name="keyspend_one_row_per_month")]

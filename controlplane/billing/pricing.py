@@ -4,8 +4,9 @@ flat per-request price, and each record carries the per-token reference price re
 from datetime import UTC, date, datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 
-from controlplane.billing.models import MICRO, CreditAccount
+from controlplane.billing.models import CreditAccount
 from controlplane.billing.selectors import usage_billable_count_since
+from controlplane.common.money import MICRO
 
 _TOKENS_PER_PRICE_UNIT = Decimal(1_000_000)
 

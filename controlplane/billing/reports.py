@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 
-from django.db.models import (Case, CharField, Count, DecimalField, F, FloatField, IntegerField, Q, QuerySet, Sum,
-                              Value, When)
+from django.db.models import Case, CharField, Count, F, FloatField, IntegerField, Q, QuerySet, Sum, Value, When
 from django.db.models.functions import Coalesce, Concat, TruncDate
 
 from controlplane.accounts.models import ApiKey
-from controlplane.billing.models import MICRO, MONEY, CreditAccount, UsageRecord
+from controlplane.billing.models import CreditAccount, UsageRecord
 from controlplane.billing.selectors import credit_available, credit_balance, usage_billable_count_since
+from controlplane.common.money import MICRO, money_sum
 from controlplane.fleet.selectors import gpu_seconds_by_model
 
 GROUPINGS = ("tenant", "model", "key", "day")
@@ -78,15 +78,11 @@ def _records(*, since: datetime, until: datetime, tenant=None) -> QuerySet[Usage
     return records if tenant is None else records.filter(tenant=tenant)
 
 
-def _money_sum(field: str, **options) -> Coalesce:
-    return Coalesce(Sum(field, **options), Value(Decimal("0")), output_field=DecimalField(**MONEY))
-
-
 _TOTALS = {
     "requests": Count("id"),
     "failed": Count("id", filter=_FAILED),
-    "revenue": _money_sum("price_charged"),
-    "reference": _money_sum("reference_price", filter=~_FAILED),
+    "revenue": money_sum("price_charged"),
+    "reference": money_sum("reference_price", filter=~_FAILED),
     "gpu_time_s": Coalesce(Sum("gpu_time_s"), Value(0.0), output_field=FloatField()),
     "prompt_tokens": Coalesce(Sum("prompt_tokens"), Value(0), output_field=IntegerField()),
     "completion_tokens": Coalesce(Sum("completion_tokens"), Value(0), output_field=IntegerField()),

@@ -5,17 +5,13 @@ from decimal import Decimal
 
 from django.db.models import QuerySet, Sum
 
-from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
+from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, Plan, PriceTier, UsageRecord
+from controlplane.common.money import from_micros, money_sum
 
 
 def credit_balance(*, tenant) -> Decimal:
     """The tenant's credits: by definition the sum of its ledger entries."""
-    total = credit_entries_for_tenant(tenant=tenant).aggregate(total=Sum("amount"))["total"]
-    if total is None:
-        return Decimal("0")
-    # PostgreSQL sums NUMERIC exactly; SQLite (the embedded demo) sums in floating point, so the
-    # result is brought back to the ledger's resolution of one millionth.
-    return total.quantize(MICRO)
+    return credit_entries_for_tenant(tenant=tenant).aggregate(total=money_sum("amount"))["total"]
 
 
 def credit_available(*, tenant) -> Decimal:
@@ -46,7 +42,7 @@ def credit_balances(*, tenant_ids) -> dict[int, Decimal]:
     """Each tenant's balance (the sum of its ledger) by tenant id, in one query; 0 without entries."""
     sums = dict(CreditEntry.objects.filter(tenant_id__in=list(tenant_ids)).values("tenant_id")
                 .annotate(total=Sum("amount")).values_list("tenant_id", "total"))
-    return {tenant_id: (sums.get(tenant_id) or Decimal("0")).quantize(MICRO) for tenant_id in tenant_ids}
+    return {tenant_id: sums.get(tenant_id, from_micros(0)) for tenant_id in tenant_ids}
 
 
 def credit_holds_expired(*, now: datetime, limit: int = 500) -> list[str]:

@@ -13,13 +13,14 @@ from decimal import Decimal
 
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
-from django.db.models import Sum
 
 from controlplane.accounts.models import Tenant
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record
-from controlplane.billing.models import MICRO, CreditAccount, CreditEntry, Plan, PriceTier
-from controlplane.billing.sql import as_date, marks, money, rows
+from controlplane.billing.models import CreditAccount, CreditEntry, Plan, PriceTier
+from controlplane.billing.selectors import credit_balances
+from controlplane.billing.sql import as_date, marks, rows
+from controlplane.common.money import from_micros
 from controlplane.common.services import validated_save
 
 _ACCOUNT, _TENANT, _PLAN = CreditAccount._meta.db_table, Tenant._meta.db_table, Plan._meta.db_table
@@ -76,7 +77,7 @@ def lock_credit_accounts(*, tenant_ids: Iterable[int]) -> LockedAccounts:
         create_missing_credit_accounts(tenant_ids=[t for t in ids if t not in {row[0] for row in found}])
         found = rows(query, ids)
     return LockedAccounts(
-        accounts={row[0]: CreditAccount(tenant_id=row[0], balance=money(row[1]), held=money(row[2]),
+        accounts={row[0]: CreditAccount(tenant_id=row[0], balance=from_micros(row[1]), held=from_micros(row[2]),
                                         allowance_month=as_date(row[3]), allowance_used=row[4]) for row in found},
         included_per_month={row[0]: row[5] or 0 for row in found},
     )
@@ -84,14 +85,9 @@ def lock_credit_accounts(*, tenant_ids: Iterable[int]) -> LockedAccounts:
 
 def create_missing_credit_accounts(*, tenant_ids: list[int]) -> None:
     """Accounts for these tenants, starting from their ledger sums; existing ones are left alone."""
-    sums = dict(
-        CreditEntry.objects.filter(tenant_id__in=tenant_ids).values("tenant_id")
-        .annotate(total=Sum("amount")).values_list("tenant_id", "total")
-    )
-    CreditAccount.objects.bulk_create(
-        [CreditAccount(tenant_id=t, balance=(sums.get(t) or Decimal("0")).quantize(MICRO)) for t in tenant_ids],
-        ignore_conflicts=True,
-    )
+    sums = credit_balances(tenant_ids=tenant_ids)
+    CreditAccount.objects.bulk_create([CreditAccount(tenant_id=t, balance=sums[t]) for t in tenant_ids],
+                                      ignore_conflicts=True)
 
 
 def _lock_account(tenant: Tenant) -> CreditAccount:

@@ -1,6 +1,7 @@
 """Helpers for the billing statements written as plain SQL (credit holds and the credit-account
 lock), for PostgreSQL and SQLite alike: placeholders, multi-row inserts, and values as each
-backend stores and returns them."""
+backend stores and returns them. Money travels as micro-units (`common.money`) both ways: every
+parameter passes `adapt`, and every amount read back passes `from_micros`."""
 
 from collections.abc import Sequence
 from datetime import date, datetime
@@ -8,7 +9,7 @@ from decimal import Decimal
 
 from django.db import connection
 
-from controlplane.billing.models import MICRO
+from controlplane.common.money import to_micros
 
 
 def insert(table: str, fields: Sequence[str], values: list[list], returning: str = "") -> list[tuple]:
@@ -21,7 +22,7 @@ def insert(table: str, fields: Sequence[str], values: list[list], returning: str
 
 def rows(sql: str, params, fetch: bool = True) -> list[tuple]:
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(sql, adapt_all(params))
         return cursor.fetchall() if fetch else []
 
 
@@ -30,7 +31,10 @@ def marks(items) -> str:
 
 
 def adapt(value):
-    # What the database driver expects: aware datetimes and dates as the backend stores them.
+    """A parameter as the column stores it: money (every Decimal in these statements is money) as
+    micro-units, aware datetimes and dates as the backend stores them."""
+    if isinstance(value, Decimal):
+        return to_micros(value)
     if isinstance(value, datetime):
         return connection.ops.adapt_datetimefield_value(value)
     if isinstance(value, date):
@@ -38,9 +42,10 @@ def adapt(value):
     return value
 
 
-def money(value) -> Decimal:
-    # PostgreSQL returns NUMERIC as Decimal; SQLite (the embedded demo) as a number.
-    return value if isinstance(value, Decimal) else Decimal(str(value)).quantize(MICRO)
+def adapt_all(params: Sequence | dict) -> list | dict:
+    if isinstance(params, dict):
+        return {name: adapt(value) for name, value in params.items()}
+    return [adapt(value) for value in params]
 
 
 def as_date(value) -> date | None:

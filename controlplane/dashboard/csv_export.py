@@ -3,7 +3,7 @@ amounts of money written alike."""
 
 from decimal import ROUND_HALF_EVEN, Decimal
 
-from controlplane.billing.models import MICRO
+from controlplane.common.money import MICRO
 
 # A spreadsheet runs a cell starting with one of these as a formula (=HYPERLINK(...) sends data
 # out); OWASP's CSV injection advice: start such text with a ' so it stays text.
@@ -16,6 +16,6 @@ def csv_text(value: str) -> str:
 
 
 def csv_money(amount) -> str:
-    """An amount with the ledger's six decimal places, however the database summed it ("0" for an
-    empty sum, "0.000863000000000000" for a difference), so a column reads alike."""
+    """An amount with the ledger's six decimal places ("0.000000" for nothing), so a column reads
+    alike whatever arithmetic made the figure."""
     return str(Decimal(amount).quantize(MICRO, rounding=ROUND_HALF_EVEN))

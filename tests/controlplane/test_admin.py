@@ -1,5 +1,7 @@
 """The admin, logged in as the seeded admin, shows every registered model and the seeded objects."""
 
+from decimal import Decimal
+
 import pytest
 from django.contrib import admin
 from django.core.management import call_command
@@ -61,3 +63,19 @@ def test_admin_refuses_non_staff(client):
     client.force_login(user)
     response = client.get(reverse("admin:index"))
     assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def test_prices_are_edited_and_listed_in_dollars(admin_client_seeded):
+    """Amounts are micro-units in the database; the admin reads and writes them as dollars."""
+    tier = PriceTier.objects.first()
+    form = admin_client_seeded.get(_admin_url(PriceTier, "change", tier.pk)).content.decode()
+    assert f'value="{tier.price_per_request}"' in form and 'step="0.000001"' in form
+    response = admin_client_seeded.post(_admin_url(PriceTier, "change", tier.pk), {
+        "name": tier.name, "price_per_request": "0.333333", "reference_price_per_million_tokens": "1.5"})
+    assert response.status_code == 302, response.content.decode()
+    tier.refresh_from_db()
+    assert (tier.price_per_request, tier.reference_price_per_million_tokens) == (Decimal("0.333333"), Decimal("1.5"))
+    assert "0.333333" in admin_client_seeded.get(_admin_url(PriceTier, "changelist")).content.decode()
+    refused = admin_client_seeded.post(_admin_url(PriceTier, "change", tier.pk), {
+        "name": tier.name, "price_per_request": "0.0000001", "reference_price_per_million_tokens": "1.5"})
+    assert refused.status_code == 200 and "decimal places" in refused.content.decode()

@@ -3,7 +3,8 @@ services validate and write (a grant's amount to the ledger's millionth, positiv
 
 from django import forms
 
-from controlplane.billing.models import MICRO, MONEY, Plan
+from controlplane.billing.models import Plan
+from controlplane.common.money import MICRO, MONEY_DIGITS
 
 
 class TenantCreateForm(forms.Form):
@@ -19,7 +20,7 @@ class TenantCreateForm(forms.Form):
 
 
 class CreditGrantForm(forms.Form):
-    amount = forms.DecimalField(**MONEY, min_value=MICRO, label="Amount ($)",
+    amount = forms.DecimalField(**MONEY_DIGITS, min_value=MICRO, label="Amount ($)",
                                 widget=forms.NumberInput(attrs={"step": "0.01", "min": "0"}),
                                 help_text="Added to the tenant's balance at once.")
     note = forms.CharField(max_length=200, label="Note",
