@@ -27,7 +27,6 @@ import os
 import random
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import textwrap
@@ -42,6 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.chaos_traffic import COMPLETED, ERROR, STREAM_ERROR, STAY, ClientRecord, Tenant, Traffic, send  # noqa: E402
+from bench.replica_faults import ReplicaProcess, kill_replica, poll, replica_processes  # noqa: E402
 from tests.private_services import PrivatePostgres, PrivateRedis  # noqa: E402
 
 FAULT_HELP = {
@@ -93,15 +93,6 @@ class Fault:
     failure_seen: str = ""  # the killed replica's recorded failure and error
     failed_seen_s: float | None = None  # from the kill until the control plane recorded the replica failed
     replaced_s: float | None = None  # from the kill until a replica created after it was ready
-
-
-@dataclass(frozen=True)
-class ReplicaProcess:
-    """A ready replica and the process its daemon reports serving it."""
-    replica_id: int
-    worker: str
-    endpoint_url: str
-    pid: int
 
 
 class Chaos:
@@ -245,89 +236,26 @@ class Chaos:
             whole[ids] = since
             return time.monotonic() - since >= settle_s
 
-        self._poll(settled, REPLICA_TARGET_WAIT_S)
+        poll(settled, REPLICA_TARGET_WAIT_S)
         if not targets:
             now = time.monotonic()
             return Fault("replica_kill", "nothing killed", now, now, problem=(
                 f"no ready replica with a live process its daemon reported within {REPLICA_TARGET_WAIT_S}s"))
         target = rng.choice(targets)
-        newest = self._poll(self._newest_replica_id, REPLICA_TARGET_WAIT_S) or 0
-        now = time.monotonic()
-        try:
-            os.kill(target.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return Fault("replica_kill", "nothing killed", now, now, problem=(
-                f"replica {target.replica_id}'s process {target.pid} was gone before the kill"))
         only = " (the only ready one)" if len(targets) == 1 else ""
-        fault = Fault("replica_kill", f"replica {target.replica_id} on {target.worker}, pid {target.pid}{only}", now,
-                      now, replica_id=target.replica_id, pid=target.pid)
-        failed = self._poll(lambda: self._recorded_failure(target.replica_id), REPLICA_FAILED_WAIT_S)
-        if failed is None:
-            fault.problem = f"replica {target.replica_id} was not recorded failed within {REPLICA_FAILED_WAIT_S}s"
-            return fault
-        fault.failed_seen_s, fault.failure_seen = time.monotonic() - now, failed
-        if self._poll(lambda: self._ready_since(newest), REPLICA_REPLACED_WAIT_S) is None:
-            fault.problem = f"no new replica was ready within {REPLICA_REPLACED_WAIT_S}s of the kill"
-        else:
-            fault.replaced_s = time.monotonic() - now
-        return fault
+        kill = kill_replica(target, failed_wait_s=REPLICA_FAILED_WAIT_S, replaced_wait_s=REPLICA_REPLACED_WAIT_S)
+        if not kill.killed:
+            return Fault("replica_kill", "nothing killed", kill.killed_at, kill.killed_at, problem=kill.problem)
+        return Fault("replica_kill", f"replica {target.replica_id} on {target.worker}, pid {target.pid}{only}",
+                     kill.killed_at, kill.killed_at, problem=kill.problem, replica_id=target.replica_id,
+                     pid=target.pid, failure_seen=kill.failure_seen, failed_seen_s=kill.failed_seen_s,
+                     replaced_s=kill.replaced_s)
 
     def replica_processes(self) -> list[ReplicaProcess]:
         """The ready replicas of the run's deployment whose daemon, one of ours and running, reports
-        the process serving them. The pid must be a child of that daemon: a pid the host reused for
-        some other process is never signalled."""
-        from controlplane.fleet.models import Replica
-        from controlplane.fleet.selectors import workers_latest_heartbeats
-        from tests.integration.conftest import _children_of
-
+        the process serving them (bench/replica_faults.py)."""
         daemons = {daemon.name: daemon.popen.pid for daemon in self.daemons if daemon.popen.poll() is None}
-        ready = list(Replica.objects.filter(deployment=self.deployment, state=Replica.State.READY)
-                     .select_related("worker"))
-        latest = workers_latest_heartbeats(worker_ids={replica.worker_id for replica in ready})
-        found = []
-        for replica in ready:
-            report = ((latest.get(replica.worker_id) or {}).get("replicas") or {}).get(str(replica.pk)) or {}
-            pid, daemon = report.get("pid"), daemons.get(replica.worker.name)
-            if report.get("state") == "ready" and pid and daemon and pid in _children_of(daemon):
-                found.append(ReplicaProcess(replica.pk, replica.worker.name, report.get("endpoint_url", ""), pid))
-        return found
-
-    def _newest_replica_id(self) -> int | None:
-        from controlplane.fleet.models import Replica
-
-        return Replica.objects.filter(deployment=self.deployment).order_by("-pk").values_list("pk", flat=True).first()
-
-    def _recorded_failure(self, replica_id: int) -> str | None:
-        from controlplane.fleet.models import Replica
-
-        replica = Replica.objects.get(pk=replica_id)
-        if replica.state != Replica.State.FAILED:
-            return None
-        return f"{replica.failure}: {replica.last_error[:120]}"
-
-    def _ready_since(self, newest: int) -> int | None:
-        """A ready replica created after the one numbered `newest`."""
-        from controlplane.fleet.models import Replica
-
-        return Replica.objects.filter(deployment=self.deployment, state=Replica.State.READY, pk__gt=newest) \
-            .values_list("pk", flat=True).first()
-
-    @staticmethod
-    def _poll(look, timeout: float):
-        """`look()`'s first truthy answer within `timeout` seconds, else None. An error counts as no
-        answer: the database or Redis may still be coming back from the fault before."""
-        from django.db import connection
-
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if found := look():
-                    return found
-            except Exception:  # noqa: BLE001 - a service still restarting; the deadline bounds it
-                connection.close()
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.5)
+        return replica_processes(deployment_ids=[self.deployment.pk], daemons=daemons)
 
     def daemon_kill(self, rng: random.Random) -> Fault:
         running = [daemon for daemon in self.daemons if daemon.popen.poll() is None]

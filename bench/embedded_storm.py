@@ -1,9 +1,9 @@
 """A storm on the embedded default (`make run`): fleet tasks, scale actions and /v1 requests for
---duration seconds while the Celery worker is SIGKILLed once midway; then every process must be
-alive and nothing lost.
+--duration seconds while the Celery worker is SIGKILLed once midway (or the children and replicas
+--kill names); then every process must be alive and nothing lost.
 
     python -m bench.embedded_storm [--duration 600] [--scale-interval 4] [--concurrency 2]
-                                  [--kill worker[,gpuworker]] [--seed 0] [--json report.json]
+                                  [--kill worker[,gpuworker][,replica...]] [--seed 0] [--json report.json]
 
 It runs `python -m controlplane.launcher` as `make run` does (no DATABASE_URL, no REDIS_URL: SQLite
 and the SQLite broker under a fresh VAR_DIR, a free port). This process migrates that VAR_DIR's
@@ -15,7 +15,12 @@ autoscaling off, a tenant with a key), then, against the running system:
 - asks for a reconcile of every deployment each second (the fleet task a scale sends);
 - sends /v1/completions for storm-a from --concurrency clients;
 - at half time SIGKILLs the Celery worker (its main process, as the OOM killer would); with
-  `--kill worker,gpuworker` the GPU worker daemon too, the kills spread evenly over the run.
+  `--kill worker,gpuworker` the GPU worker daemon too, the kills spread evenly over the run;
+- each `replica` in --kill SIGKILLs a ready storm-a replica's process, found by the pid the daemon
+  reports in its heartbeats and signalled only while it is the daemon's child (bench/replica_faults.py,
+  as bench/chaos.py does), once the fleet is settled; the storm's actions pause until the control
+  plane records the replica failed, a new one is ready and a request is served after that. A replica
+  kill that finds nothing to kill, or whose failure or replacement is never seen, fails the run.
 After --duration it stops acting and waits for the fleet to settle (every deployment's ready
 replicas equal to its desired, none pending, loading or draining), then accounts for every message
 sent to the GPU worker daemon: each replica placed is one load message and each stopped one an
@@ -23,8 +28,8 @@ unload message; the daemon logs each it takes ("accepted ..."). One not taken mu
 a load by reconcile (the replica failed as not acknowledged and placed again, or stopped before it
 loaded), an unload by the daemon's heartbeat (the control plane answers it with the replicas to
 stop). The exit status is 0 only when every process is alive, each killed child came back once and
-a load placed after its restart reached the daemon, no other child exited, nothing was lost and
-the fleet settled; the launcher is then stopped with Ctrl-C (SIGINT) and must exit 0.
+a load placed after its restart reached the daemon, each replica kill acted, no other child exited,
+nothing was lost and the fleet settled; the launcher is then stopped with Ctrl-C (SIGINT) and must exit 0.
 `tests/integration/test_embedded_storm.py` runs a short one in CI.
 """
 
@@ -51,13 +56,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.replica_faults import is_child, kill_replica, poll, replica_processes  # noqa: E402
+
 CHILDREN = ("web", "worker", "beat", "gpuworker")
+REPLICA = "replica"  # --kill's name for a replica's process
 # (model, min replicas, max replicas, replicas at the start)
 DEPLOYMENTS = (("storm-a", 1, 2, 1), ("storm-b", 0, 1, 1), ("storm-c", 0, 1, 0))
 TRAFFIC_MODEL = "storm-a"
 SETTLE_TIMEOUT_S = 300
 STARTUP_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 120
+# A replica kill waits this long for the fleet to settle with a storm-a replica whose process the
+# daemon reports, then for the control plane to record it failed, for a new replica to be ready, and
+# for a request to be served after that.
+REPLICA_TARGET_WAIT_S = 180
+REPLICA_FAILED_WAIT_S = 60
+REPLICA_REPLACED_WAIT_S = 180
+SERVED_AGAIN_WAIT_S = 120
 
 
 def _free_port() -> int:
@@ -93,6 +108,7 @@ class Storm:
         self.scale_refused = 0
         self.reconcile_requests = 0
         self.kills: list[dict] = []
+        self.traffic: Traffic | None = None
 
     # --- the system ----------------------------------------------------------------------------
 
@@ -206,7 +222,7 @@ class Storm:
             commands.request_reconcile(deployment_ids=list(Deployment.objects.values_list("pk", flat=True)))
         self.reconcile_requests += 1
 
-    def traffic(self, key: str, concurrency: int) -> tuple[Traffic, list[threading.Thread]]:
+    def send_traffic(self, key: str, concurrency: int) -> tuple[Traffic, list[threading.Thread]]:
         import httpx
 
         traffic = Traffic()
@@ -242,15 +258,65 @@ class Storm:
         kill["back_after_s"] = time.monotonic() - self.began - kill["at_s"]
         kill["restarted_wall"] = time.time()
 
+    def daemons(self) -> dict[str, int]:
+        """The GPU worker daemon's worker name and pid, from the launcher's lines, while it runs as the
+        launcher's child (none otherwise)."""
+        from controlplane.launcher import process_specs
+
+        [spec] = [spec for spec in process_specs(host="127.0.0.1", port=self.port) if spec.name == "gpuworker"]
+        started = self.pids()["gpuworker"]
+        if not started or self.launcher is None or not is_child(started[-1], self.launcher.pid):
+            return {}
+        return {spec.argv[spec.argv.index("--name") + 1]: started[-1]}
+
+    def kill_replica(self) -> None:
+        """SIGKILL a ready replica of the traffic model (bench/replica_faults.py), once the fleet is settled so
+        the kill is healed by a replacement, not by a scale action; record what the control plane saw."""
+        from controlplane.catalog.models import Deployment
+
+        kill = {"child": REPLICA, "at_s": time.monotonic() - self.began}
+        self.kills.append(kill)
+        deployment_id = Deployment.objects.get(model__public_name=TRAFFIC_MODEL).pk
+        targets = []
+
+        def found() -> bool:
+            targets[:] = []  # a look that fails finds nothing, never what an earlier look found
+            if self.settled():
+                targets.extend(replica_processes(deployment_ids=[deployment_id], daemons=self.daemons()))
+            return bool(targets)
+
+        if not poll(found, REPLICA_TARGET_WAIT_S):
+            kill["problem"] = (f"no ready {TRAFFIC_MODEL} replica with a live process the daemon reported, in a "
+                               f"settled fleet, within {REPLICA_TARGET_WAIT_S}s")
+            return
+        target = self.rng.choice(targets)
+        done = kill_replica(target, failed_wait_s=REPLICA_FAILED_WAIT_S, replaced_wait_s=REPLICA_REPLACED_WAIT_S)
+        kill.update(at_s=done.killed_at - self.began, killed=done.killed, replica_id=target.replica_id,
+                    pid=target.pid, of=len(targets), failure_seen=done.failure_seen,
+                    failed_seen_s=done.failed_seen_s, replaced_by=done.replaced_by, replaced_s=done.replaced_s,
+                    problem=done.problem)
+        if done.problem:
+            return
+        served = self.traffic.outcomes["200"]
+        if poll(lambda: self.traffic.outcomes["200"] > served, SERVED_AGAIN_WAIT_S):
+            kill["served_again_s"] = time.monotonic() - done.killed_at
+        else:
+            kill["problem"] = f"no request was served within {SERVED_AGAIN_WAIT_S}s of the new replica being ready"
+
     def run(self, *, duration: float, scale_interval: float, concurrency: int, key: str,
             kill: list[str]) -> Traffic:
-        traffic, clients = self.traffic(key, concurrency)
+        traffic, clients = self.send_traffic(key, concurrency)
+        self.traffic = traffic
         started = time.monotonic()
         next_scale = started
         kills = [(started + duration * (i + 1) / (len(kill) + 1), name) for i, name in enumerate(kill)]
         while (now := time.monotonic()) < started + duration:
             if kills and now >= kills[0][0]:
-                self.kill_child(kills.pop(0)[1])
+                name = kills.pop(0)[1]
+                if name == REPLICA:
+                    self.kill_replica()
+                else:
+                    self.kill_child(name)
             if now >= next_scale:
                 self.scale_once()
                 next_scale = now + scale_interval
@@ -293,7 +359,7 @@ class Storm:
                 unloads["sent"] += 1
                 unloads["taken" if replica.pk in taken_unloads else "healed"] += 1
         unloads["lost"] = Replica.objects.filter(state=State.DRAINING).count()
-        for kill in self.kills:
+        for kill in (k for k in self.kills if k["child"] != REPLICA):
             kill["loads_taken_after_restart"] = sum(
                 1 for r in replicas if r.pk in taken_loads and r.created_at.timestamp() > kill["restarted_wall"])
         tracebacks = Counter(re.findall(r"^(\w+)\s*\| Traceback \(most recent call last\)", log, re.M))
@@ -320,6 +386,54 @@ class Storm:
             return None
 
 
+def kill_line(kill: dict) -> str:
+    if kill["child"] != REPLICA:
+        return (f"{kill['child']} pid {kill['pid']} SIGKILLed at {kill['at_s']:.0f}s; back as pid {kill['new_pid']} "
+                f"{kill['back_after_s']:.1f}s later; {kill['loads_taken_after_restart']} load(s) placed after its "
+                "restart reached the daemon")
+    if not kill.get("killed"):
+        return f"replica kill at {kill['at_s']:.0f}s: nothing killed; NO EFFECT: {kill['problem']}"
+    line = (f"replica {kill['replica_id']} ({TRAFFIC_MODEL}, 1 of {kill['of']} ready) pid {kill['pid']} SIGKILLed at "
+            f"{kill['at_s']:.0f}s")
+    if kill["failed_seen_s"] is not None:
+        line += f"; recorded failed after {kill['failed_seen_s']:.1f}s ({kill['failure_seen'].split(';')[0]})"
+    if kill["replaced_s"] is not None:
+        line += f"; replica {kill['replaced_by']} ready after {kill['replaced_s']:.1f}s"
+    if kill.get("served_again_s") is not None:
+        line += f"; a request served again after {kill['served_again_s']:.1f}s"
+    return line + (f"; NO EFFECT: {kill['problem']}" if kill["problem"] else "")
+
+
+def judge(report: dict, kill: list[str], *, settled: bool) -> list[str]:
+    """Why the storm failed (nothing: it passed)."""
+    problems = []
+    if "processes" not in report:
+        problems.append(f"the storm did not finish: {report.get('error', 'see above')}")
+    else:
+        processes, account = report["processes"], report["account"]
+        children = [name for name in kill if name != REPLICA]
+        problems += [f"{name} is not alive" for name, row in processes.items() if not row["alive"]]
+        problems += [f"{name} exited ({', '.join(row['exits'])})" for name, row in processes.items()
+                     if name not in children and row["exits"]]
+        problems += [f"{name} should have exited once and started twice: {processes[name]}" for name in children
+                     if len(processes[name]["exits"]) != 1 or processes[name]["starts"] != 2]
+        if len(report["kills"]) != len(kill):
+            problems.append(f"{len(report['kills'])} of {len(kill)} kills were made")
+        if account["loads"]["lost"] or account["unloads"]["lost"]:
+            problems.append(f"messages lost: loads {account['loads']}, unloads {account['unloads']}")
+        problems += [f"no load placed after {k['child']}'s restart reached the daemon" for k in report["kills"]
+                     if k["child"] != REPLICA and not k["loads_taken_after_restart"]]
+        problems += [f"replica kill at {k['at_s']:.0f}s: {k['problem']}" for k in report["kills"]
+                     if k["child"] == REPLICA and k["problem"]]
+        if not settled:
+            problems.append("the fleet did not settle")
+        if account["json_decode_errors"]:
+            problems.append("a JSONDecodeError in the log")
+    if report["launcher_exit"] != 0:
+        problems.append(f"the launcher's exit status was {report['launcher_exit']}, not 0 after Ctrl-C")
+    return problems
+
+
 def table(report: dict) -> str:
     p, a, t = report["processes"], report["account"], report["traffic"]
     lines = [f"embedded storm: {report['duration_s']:.0f}s, {report['scale_actions']} scale actions "
@@ -328,9 +442,7 @@ def table(report: dict) -> str:
              "", f"{'process':<10} {'alive':>5} {'starts':>6}  exits"]
     lines += [f"{name:<10} {str(row['alive']):>5} {row['starts']:>6}  {', '.join(row['exits']) or '-'}"
               for name, row in p.items()]
-    lines += [""] + [f"{kill['child']} pid {kill['pid']} SIGKILLed at {kill['at_s']:.0f}s; back as pid "
-                     f"{kill['new_pid']} {kill['back_after_s']:.1f}s later; {kill['loads_taken_after_restart']} "
-                     "load(s) placed after its restart reached the daemon" for kill in report["kills"]]
+    lines += [""] + [kill_line(kill) for kill in report["kills"]]
     lines += ["", f"{'to the daemon':<14} {'sent':>6} {'taken':>6} {'healed':>7} {'lost':>5}"]
     lines += [f"{kind:<14} {row['sent']:>6} {row['taken']:>6} {row['healed']:>7} {row['lost']:>5}"
               for kind, row in (("load_model", a["loads"]), ("unload_model", a["unloads"]))]
@@ -348,14 +460,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale-interval", type=float, default=4)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--kill", default="worker",
-                        help="children to SIGKILL once each, spread over the run (comma-separated; default: worker)")
+                        help="what to SIGKILL, spread over the run (comma-separated; default: worker): "
+                             f"children ({', '.join(CHILDREN)}) once each, `{REPLICA}` (a replica's process) "
+                             "as often as named")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (VAR_DIR, the launcher's log)")
     args = parser.parse_args(argv)
     kill = [name for name in args.kill.split(",") if name]
-    if unknown := set(kill) - set(CHILDREN):
-        parser.error(f"--kill names {sorted(unknown)}; the children are {', '.join(CHILDREN)}")
+    if unknown := set(kill) - {*CHILDREN, REPLICA}:
+        parser.error(f"--kill names {sorted(unknown)}; it takes {', '.join(CHILDREN)} and {REPLICA}")
+    if twice := sorted(name for name, n in Counter(kill).items() if n > 1 and name != REPLICA):
+        parser.error(f"--kill names {', '.join(twice)} more than once; a child is killed once per run")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
 
     scratch = Path(tempfile.mkdtemp(prefix="embedded-storm-"))
@@ -384,28 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         report["error"] = str(exc).splitlines()[0]
     finally:
         report["launcher_exit"] = storm.stop()
-    problems = []
-    if "processes" not in report:
-        problems.append(f"the storm did not finish: {report.get('error', 'see above')}")
-    else:
-        processes, account = report["processes"], report["account"]
-        problems += [f"{name} is not alive" for name, row in processes.items() if not row["alive"]]
-        problems += [f"{name} exited ({', '.join(row['exits'])})" for name, row in processes.items()
-                     if name not in kill and row["exits"]]
-        problems += [f"{name} should have exited once and started twice: {processes[name]}" for name in kill
-                     if len(processes[name]["exits"]) != 1 or processes[name]["starts"] != 2]
-        if len(report["kills"]) != len(kill):
-            problems.append(f"{len(report['kills'])} of {len(kill)} kills were made")
-        if account["loads"]["lost"] or account["unloads"]["lost"]:
-            problems.append(f"messages lost: loads {account['loads']}, unloads {account['unloads']}")
-        problems += [f"no load placed after {k['child']}'s restart reached the daemon" for k in report["kills"]
-                     if not k["loads_taken_after_restart"]]
-        if not settled:
-            problems.append("the fleet did not settle")
-        if account["json_decode_errors"]:
-            problems.append("a JSONDecodeError in the log")
-    if report["launcher_exit"] != 0:
-        problems.append(f"the launcher's exit status was {report['launcher_exit']}, not 0 after Ctrl-C")
+    problems = judge(report, kill, settled=settled)
     report.update(ok=not problems, problems=problems)
     if "processes" in report:
         report["table"] = table(report)
