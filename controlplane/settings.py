@@ -254,6 +254,13 @@ GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS = env_int("GATEWAY_UPSTREAM_CONNECT_TIM
 # The largest request body the gateway reads (bytes); a longer one is a 413 before any other work
 # (key, parsing, holds). 4 MiB holds a 128k-token context's text several times over.
 GATEWAY_MAX_REQUEST_BYTES = env_int("GATEWAY_MAX_REQUEST_BYTES", 4 * 1024 * 1024)
+# Bodies up to this many bytes are parsed on the event loop (well under a millisecond); larger ones
+# in a pool of GATEWAY_BODY_PARSERS worker processes per gateway process, at most
+# GATEWAY_BODY_PARSERS_PER_TENANT of one tenant's at a time, after the request was admitted
+# against its key's and tenant's limits (controlplane.gateway.body_parsing).
+GATEWAY_INLINE_BODY_BYTES = env_int("GATEWAY_INLINE_BODY_BYTES", 64 * 1024)
+GATEWAY_BODY_PARSERS = env_int("GATEWAY_BODY_PARSERS", 2)
+GATEWAY_BODY_PARSERS_PER_TENANT = env_int("GATEWAY_BODY_PARSERS_PER_TENANT", 1)
 # The longest a request may run, streaming included; its credit hold lives a minute longer.
 GATEWAY_REQUEST_TIMEOUT_SECONDS = env_int("GATEWAY_REQUEST_TIMEOUT_SECONDS", 600)
 # A replica that failed a request is passed over this long (by every gateway process).
