@@ -8,13 +8,16 @@ default: this one) over a PostgreSQL and a Redis of its own (tests/private_servi
 server (uvicorn: the dashboard and the /v1 gateway), the fleet server (controlplane.fleet_asgi,
 where the checkout has one: the daemon calls it; without one the daemon calls the web server, as
 it used to), a Celery worker with beat, and one worker daemon on CPU serving one replica of the
-demo model (context 512). The attacker's key has the demo plan's limits (60 requests a minute, 16
+demo model (context 2048). The attacker's key has the demo plan's limits (60 requests a minute, 16
 at once). Once another tenant's stream has run for 20 chunks, each attacker sends its 4 MB body
 (`--rounds` times in a row); every one is refused (400) somewhere. Printed: the attack's answers and
 time, the stream's gaps between chunks meanwhile (max and median; target: max <= 100 ms), the
 gaps between the worker's heartbeats as the control plane recorded them (it is judged lost after
 FLEET_WORKER_LOST_AFTER_SECONDS = `--lost-after` of silence), and whether the worker stayed online
-and its replica up. One 4 MB request before the measurement warms the gateway up.
+and its replica up; for comparison, the stream's gaps over `--quiet` seconds before the attack (the
+machine's own noise), those of a second stream read from the replica itself, past the gateway (what
+the replica does on a shared CPU), and the round trips of GET /v1/models sent meanwhile (the web
+server's own latency). One 4 MB request before the measurement warms the gateway up.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import secrets
 import statistics
@@ -42,7 +46,7 @@ sys.path.insert(0, str(REPO))
 from tests.private_services import PrivatePostgres, PrivateRedis, free_port  # noqa: E402
 
 MODEL = "stall-tiny"
-CONTEXT = 512
+CONTEXT = 2048
 TOKEN_IDS = 2_000_000  # 4 MB as JSON: within the gateway's 4 MiB body limit
 
 
@@ -171,20 +175,48 @@ class HeartbeatWatch(threading.Thread):
                 self.received.append(received)
 
 
-async def measure(system: System, keys: dict, body: bytes, attackers: int, rounds: int) -> dict:
-    arrivals: list[float] = []
-    answers: Counter = Counter()
-    window: dict[str, float] = {}
+def _attackers(url: str, key: str, body: bytes, attackers: int, rounds: int, go, answers) -> None:
+    """The attack, in a process of its own so that the client's work does not delay the measuring
+    one: `attackers` threads each send `body` `rounds` times once `go` is set; `answers` gets a
+    Counter of the answers."""
+    counted: Counter = Counter()
 
     def attack() -> None:
-        with httpx.Client(timeout=600, headers={"Authorization": f"Bearer {keys['attacker']}",
+        with httpx.Client(timeout=600, headers={"Authorization": f"Bearer {key}",
                                                 "Content-Type": "application/json"}) as client:
             for _ in range(rounds):
                 try:
-                    response = client.post(f"{system.web_url}/v1/completions", content=body)
-                    answers[f"{response.status_code} {(response.json().get('error') or {}).get('code', '')}"] += 1
+                    response = client.post(f"{url}/v1/completions", content=body)
+                    counted[f"{response.status_code} {(response.json().get('error') or {}).get('code', '')}"] += 1
                 except httpx.HTTPError as exc:
-                    answers[type(exc).__name__] += 1
+                    counted[type(exc).__name__] += 1
+
+    threads = [threading.Thread(target=attack) for _ in range(attackers)]
+    go.wait()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    answers.put(counted)
+
+
+def _gaps(arrivals: list[float], start: float, end: float) -> list[float]:
+    """The gaps between a stream's chunks that began within [start, end] (seconds)."""
+    times = [t for t in arrivals if t >= start]
+    return [b - a for a, b in zip(times, times[1:]) if a <= end]
+
+
+async def measure(system: System, keys: dict, body: bytes, attackers: int, rounds: int, quiet_s: float,
+                  replica_url: str) -> dict:
+    arrivals: list[float] = []
+    direct: list[float] = []  # a stream from the replica itself, past the gateway: what the replica alone does
+    window: dict[str, float] = {}
+    spawn = multiprocessing.get_context("spawn")
+    go, answered = spawn.Event(), spawn.Queue()
+    attacking = spawn.Process(target=_attackers, args=(system.web_url, keys["attacker"], body, attackers, rounds,
+                                                       go, answered))
+    attacking.start()
+    probes: list[float] = []  # GET /v1/models round trips during the attack: the web server's own latency
 
     async with httpx.AsyncClient(base_url=system.web_url, timeout=600,
                                  headers={"Authorization": f"Bearer {keys['other']}"}) as client:
@@ -200,23 +232,50 @@ async def measure(system: System, keys: dict, body: bytes, attackers: int, round
                         if len(arrivals) == 20:
                             started.set()
 
-        streamer = asyncio.create_task(stream())
+        async def stream_direct() -> None:
+            async with httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {system.token}"}) as replica:
+                async with replica.stream("POST", f"{replica_url}/v1/completions", json={
+                        "model": MODEL, "prompt": "go", "max_tokens": CONTEXT - 8, "stream": True,
+                        "ignore_eos": True}) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            direct.append(time.time())
+
+        async def probe() -> None:
+            while "end" not in window:
+                sent = time.perf_counter()
+                await client.get("/v1/models")
+                probes.append(time.perf_counter() - sent)
+                await asyncio.sleep(0.05)
+
+        streamers = [asyncio.create_task(stream()), asyncio.create_task(stream_direct())]
         await started.wait()
-        threads = [threading.Thread(target=attack) for _ in range(attackers)]
+        window["quiet"] = time.time()  # the same stream with nothing else sent: the machine's own noise
+        await asyncio.sleep(quiet_s)
         window["start"] = time.time()
-        for thread in threads:
-            thread.start()
-        await asyncio.to_thread(lambda: [thread.join() for thread in threads])
+        go.set()
+        prober = asyncio.create_task(probe())
+        answers = await asyncio.to_thread(answered.get)
         window["end"] = time.time()
+        attacking.join()
+        await prober
         await asyncio.sleep(0.3)  # the gap that spans the end of the window is counted too
-        streamer.cancel()
-        await asyncio.gather(streamer, return_exceptions=True)
-    times = [t for t in arrivals if t >= window["start"]]
-    gaps = [b - a for a, b in zip(times, times[1:]) if a <= window["end"]]
-    return {"window": window, "answers": answers, "chunks": len([t for t in times if t <= window["end"]]),
+        for streamer in streamers:
+            streamer.cancel()
+        await asyncio.gather(*streamers, return_exceptions=True)
+    gaps, quiet = _gaps(arrivals, window["start"], window["end"]), _gaps(arrivals, window["quiet"], window["start"])
+    direct_gaps = _gaps(direct, window["start"], window["end"])
+    return {"window": window, "answers": answers,
+            "chunks": len([t for t in arrivals if window["start"] <= t <= window["end"]]),
             "stream_ended_in_window": bool(arrivals) and arrivals[-1] < window["end"],
-            "max_gap_ms": max(gaps) * 1000 if gaps else float("inf"),
-            "p50_gap_ms": statistics.median(gaps) * 1000 if gaps else float("inf")}
+            "max_gap_ms": max(gaps, default=float("inf")) * 1000,
+            "p50_gap_ms": statistics.median(gaps) * 1000 if gaps else float("inf"),
+            "quiet_max_gap_ms": max(quiet, default=float("inf")) * 1000,
+            "quiet_p50_gap_ms": statistics.median(quiet) * 1000 if quiet else float("inf"),
+            "direct_max_gap_ms": max(direct_gaps, default=float("inf")) * 1000,
+            "direct_p50_gap_ms": statistics.median(direct_gaps) * 1000 if direct_gaps else float("inf"),
+            "probe_max_ms": max(probes, default=float("inf")) * 1000,
+            "probe_p50_ms": statistics.median(probes) * 1000 if probes else float("inf")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attackers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1, help="requests each attacker sends, one after another")
     parser.add_argument("--lost-after", type=int, default=3, help="FLEET_WORKER_LOST_AFTER_SECONDS")
+    parser.add_argument("--quiet", type=float, default=3.0, help="seconds of the stream measured before the attack")
     args = parser.parse_args(argv)
     code = args.code.resolve()
     with tempfile.TemporaryDirectory(prefix="gateway-stall-") as tmp:
@@ -244,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                 "Authorization": f"Bearer {seeded['keys']['attacker']}", "Content-Type": "application/json"})
             watch = HeartbeatWatch(worker.pk)
             watch.start()
-            result = asyncio.run(measure(system, seeded["keys"], body, args.attackers, args.rounds))
+            result = asyncio.run(measure(system, seeded["keys"], body, args.attackers, args.rounds, args.quiet,
+                                         replica.endpoint_url.rstrip("/")))
             time.sleep(args.lost_after + 2)  # a worker judged lost at the end of the window is seen too
             watch.halt.set()
             watch.join()
@@ -265,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"other tenant's stream while it ran: {result['chunks']} chunks, max gap {result['max_gap_ms']:.1f} ms, "
           f"median {result['p50_gap_ms']:.1f} ms" + (" (the stream ended in the window)"
                                                       if result["stream_ended_in_window"] else ""))
+    print(f"  the same stream for {args.quiet:g} s before the attack: max gap {result['quiet_max_gap_ms']:.1f} ms, "
+          f"median {result['quiet_p50_gap_ms']:.1f} ms")
+    print(f"  a stream from the replica itself, past the gateway, meanwhile: max gap "
+          f"{result['direct_max_gap_ms']:.1f} ms, median {result['direct_p50_gap_ms']:.1f} ms")
+    print(f"GET /v1/models (other tenant) while it ran: max {result['probe_max_ms']:.1f} ms, "
+          f"median {result['probe_p50_ms']:.1f} ms")
     print(f"heartbeats recorded around it: {len(around)}, gaps (s): {[round(b, 2) for b in beats]}, "
           f"max {max(beats, default=float('inf')):.2f} s (lost after {args.lost_after} s)")
     print(f"worker: {worker_after.state}{' (its state changed: judged lost and back)' if lost else ', never lost'}; "

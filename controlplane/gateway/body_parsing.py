@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -26,6 +27,16 @@ from controlplane.gateway.body_check import CheckedBody, check_body
 from controlplane.gateway.errors import unavailable
 
 logger = logging.getLogger(__name__)
+
+# How much less of the CPU a parser process gets than the processes it shares a host with (nice(1)).
+PARSER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """A parser process yields the CPU to the event loops and replicas streaming tokens whenever
+    they compete for it: a parse waiting a few milliseconds delays one request, a loop that
+    waits delays every stream it relays."""
+    os.nice(PARSER_NICENESS)
 
 
 class _TenantTurns:
@@ -102,7 +113,8 @@ class BodyParsers:
         if self._pool is None:
             # Spawned, not forked: this process has threads (database lanes, the executor's own)
             # whose locks a fork could copy held.
-            self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_lower_priority)
         return self._pool
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:

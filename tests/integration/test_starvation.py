@@ -42,17 +42,17 @@ class HeartbeatWatch(threading.Thread):
     def __init__(self, worker_id: int):
         super().__init__(daemon=True)
         self.worker_id, self.received = worker_id, []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             latest = heartbeat_cache.read(worker_id=self.worker_id) or {}
             if latest.get("received_at") and latest["received_at"] not in self.received[-1:]:
                 self.received.append(latest["received_at"])
             time.sleep(0.1)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=10)
 
 
