@@ -63,14 +63,19 @@ def process_specs(*, host: str, port: int, fleet_port: int = DEFAULT_FLEET_PORT,
     # One local worker has no peers: gossip and mingle would only slow its start. The GPU worker
     # daemon registers with the fleet server (retrying until it is up), which tenant traffic on the
     # web server cannot delay; it takes the worker token from the environment main() prepares, and
-    # drains within the launcher's stop grace.
+    # drains within the launcher's stop grace. The control plane's processes send the live events
+    # they publish to the web server's pages, by UDP on the web server's port number
+    # (controlplane.live_relay).
+    relay = {"LIVE_EVENTS_RELAY_PORT": str(port)}
     return [
-        ProcessSpec("web", module("uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port), "--lifespan", "off")),
+        ProcessSpec("web", module("uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port), "--lifespan", "off"),
+                    env=relay),
         ProcessSpec("fleet", module("uvicorn", "controlplane.fleet_asgi:application", "--host", "127.0.0.1",
-                                    "--port", str(fleet_port))),
-        ProcessSpec("worker", module("celery", "-A", "controlplane", "worker", "-l", "INFO", "-c", "2", "--without-gossip", "--without-mingle")),
+                                    "--port", str(fleet_port)), env=relay),
+        ProcessSpec("worker", module("celery", "-A", "controlplane", "worker", "-l", "INFO", "-c", "2", "--without-gossip", "--without-mingle"),
+                    env=relay),
         # Beat sends a lost-worker check every second: at INFO it would log each one.
-        ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "WARNING")),
+        ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "WARNING"), env=relay),
         ProcessSpec("gpuworker", module("gpuworker", "daemon", "--control-url", f"http://127.0.0.1:{fleet_port}", "--name", "local",
                                         "--state-dir", str(var_dir / "gpuworker" / "local"), "--drain-timeout", str(GPUWORKER_DRAIN_S),
                                         # reported to the catalog, which checks weight paths against it

@@ -129,7 +129,10 @@ CACHES["live"] = (
     {**CACHES["default"], "KEY_PREFIX": "gpuserve-live"} if REDIS_URL else
     {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache", "LOCATION": str(VAR_DIR / "cache" / "live")}
 )
-CHANNEL_LAYERS = integrations.channel_layers(REDIS_URL)
+# Without Redis, the UDP port on 127.0.0.1 where the web server receives the live events the other
+# processes publish (the launcher sets it; 0: not relayed).
+LIVE_EVENTS_RELAY_PORT = env_int("LIVE_EVENTS_RELAY_PORT", 0)
+CHANNEL_LAYERS = integrations.channel_layers(REDIS_URL, relay_port=LIVE_EVENTS_RELAY_PORT)
 
 CELERY_BROKER_URL, CELERY_BROKER_TRANSPORT_OPTIONS = integrations.celery_broker(REDIS_URL, VAR_DIR)
 CELERY_RESULT_BACKEND = integrations.celery_result_backend(REDIS_URL, VAR_DIR)
