@@ -10,6 +10,9 @@ The pool is shared by every tenant of this process; a tenant's large bodies beyo
 GATEWAY_BODY_PARSERS_PER_TENANT wait for their turn (they were admitted against the key's and the
 tenant's concurrency limits before, so the wait is bounded), and others' are parsed meanwhile.
 The bound is per tenant, not per key: a tenant can create keys, not tenants.
+
+Parsers are spawned processes: like any, they import the server's main module, which must be safe
+to import (uvicorn's and gunicorn's are; a script of one's own needs `if __name__ == "__main__"`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -32,11 +37,20 @@ logger = logging.getLogger(__name__)
 PARSER_NICENESS = 10
 
 
-def _lower_priority() -> None:
+def _start_parser() -> None:
     """A parser process yields the CPU to the event loops and replicas streaming tokens whenever
-    they compete for it: a parse waiting a few milliseconds delays one request, a loop that
-    waits delays every stream it relays."""
+    they compete for it: a parse waiting a few milliseconds delays one request, a loop that waits
+    delays every stream it relays. It exits with the gateway process: one killed outright (SIGKILL)
+    tells its pool nothing, and the pool's queue would keep the parser waiting for ever."""
     os.nice(PARSER_NICENESS)
+    gateway = os.getppid()
+
+    def exit_with_the_gateway() -> None:
+        while os.getppid() == gateway:  # once the gateway is gone the parser has another parent
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_the_gateway, name="exit-with-the-gateway", daemon=True).start()
 
 
 class _TenantTurns:
@@ -114,7 +128,7 @@ class BodyParsers:
             # Spawned, not forked: this process has threads (database lanes, the executor's own)
             # whose locks a fork could copy held.
             self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_lower_priority)
+                                             initializer=_start_parser)
         return self._pool
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:

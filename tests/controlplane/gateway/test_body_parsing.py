@@ -6,7 +6,11 @@ longer than the model's context is refused by its length. The gateway app runs i
 import asyncio
 import json
 import os
+import subprocess
+import sys
+import time
 from decimal import Decimal
+from pathlib import Path
 
 import httpx
 import psutil
@@ -20,6 +24,7 @@ from controlplane.gateway.errors import GatewayError
 from gpuworker.contract.openai_api import CompletionRequest, EmbeddingRequest
 from tests.conftest import require_service
 
+REPO = Path(__file__).resolve().parents[3]
 INLINE_BYTES = 64 * 1024
 CONTEXT = 256
 
@@ -185,3 +190,42 @@ async def test_a_large_body_over_its_keys_concurrency_is_a_429_and_a_refused_one
         assert (await _post(app, key, _prompt(model, 200_000))).status_code == 400
     finally:
         await app.state.gateway.aclose()
+
+
+_GATEWAY_WITH_PARSERS = """
+import asyncio, json
+from controlplane.gateway.body_parsing import BodyParsers
+from gpuworker.contract.openai_api import CompletionRequest
+
+async def main():
+    parsers = BodyParsers(workers=2, per_tenant=1, inline_bytes=10, retry_after_s=1)
+    await parsers.check(1, json.dumps({"model": "m", "prompt": [1] * 100}).encode(), CompletionRequest, 64, {})
+    print("parsed", flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_parser_processes_exit_with_a_gateway_killed_outright():
+    gateway = subprocess.Popen([sys.executable, "-c", _GATEWAY_WITH_PARSERS], stdout=subprocess.PIPE,
+                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert gateway.stdout.readline() == b"parsed\n"
+        parsers = [child for child in psutil.Process(gateway.pid).children()
+                   if "spawn_main" in " ".join(child.cmdline())]
+        assert parsers
+    finally:
+        gateway.kill()
+        gateway.wait()
+
+    def running(process: psutil.Process) -> bool:
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 60
+    while any(running(parser) for parser in parsers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(running(parser) for parser in parsers)
