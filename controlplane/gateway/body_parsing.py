@@ -1,9 +1,9 @@
 """Where /v1 bodies are parsed: small ones on the event loop (microseconds), large ones in a pool
 of worker processes, at most a few of one tenant's at a time.
 
-Parsing is CPU work that holds the GIL: json.loads and pydantic over a 4 MB list of token ids
-hold it for a quarter of a second at a time, so a thread would stall the event loop (and every
-stream and limit check on it) as surely as parsing on the loop itself. A worker process gets the
+Parsing is CPU work that holds the GIL: json.loads and pydantic over megabytes of token ids keep
+it for the whole call, so a thread would stall the event loop (and every stream and limit check
+on it) as surely as parsing on the loop itself. A worker process gets the
 bytes and gives back a small `body_check.CheckedBody`; the body's ids are never sent back.
 
 The pool is shared by every tenant of this process; a tenant's large bodies beyond
