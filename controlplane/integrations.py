@@ -38,7 +38,7 @@ def caches(redis_url: str) -> dict[str, Any]:
     return {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 
-def channel_layers(redis_url: str) -> dict[str, Any]:
+def channel_layers(redis_url: str, relay_port: int = 0) -> dict[str, Any]:
     if redis_url:
         return {
             "default": {
@@ -49,8 +49,10 @@ def channel_layers(redis_url: str) -> dict[str, Any]:
                 "CONFIG": {"hosts": [{"address": redis_url, "socket_timeout": None}], "prefix": "gpuserve"},
             }
         }
-    # One web process in the embedded set-up, so an in-process layer reaches every consumer.
-    return {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    # One web process in the embedded set-up, so an in-process layer reaches every consumer; the
+    # other processes relay their events to it (controlplane.live_relay).
+    return {"default": {"BACKEND": "controlplane.live_relay.RelayedInMemoryChannelLayer",
+                        "CONFIG": {"relay_port": relay_port}}}
 
 
 def celery_broker(redis_url: str, var_dir: Path) -> tuple[str, dict[str, Any]]:

@@ -7,10 +7,12 @@ and when it comes back; the others keep running. Ctrl-C or SIGTERM stops every c
 A crash loop (a child's exits reaching RestartPolicy.crash_loop_exits within window_s) stops every
 child and exits non-zero, so a set-up that cannot run never looks half alive.
 
-    python -m controlplane.launcher [--host 127.0.0.1] [--port 8000] [--env-file .env.demo]
+    python -m controlplane.launcher [--host 127.0.0.1] [--port 8000] [--fleet-port 8001] [--env-file .env.demo]
 
 The web server listens on this machine only (127.0.0.1) unless told otherwise (--host or
-GPUSERVE_HOST): the embedded set-up has a demo login and a development secret key.
+GPUSERVE_HOST): the embedded set-up has a demo login and a development secret key. The fleet
+server, which the local GPU worker daemon calls (controlplane.fleet_asgi), always listens on
+127.0.0.1, on --fleet-port (or FLEET_PORT).
 """
 
 import argparse
@@ -31,6 +33,8 @@ from controlplane.env import read_env_file
 BASE_DIR = Path(__file__).resolve().parent.parent
 # Where the web server listens by default: loopback, so a demo set-up is not open to the network.
 HOST_ENV, DEFAULT_HOST = "GPUSERVE_HOST", "127.0.0.1"
+# Where the fleet server (worker daemons' registration and heartbeats) listens by default.
+FLEET_PORT_ENV, DEFAULT_FLEET_PORT = "FLEET_PORT", 8001
 # Children get this long to shut down cleanly after SIGTERM before they are killed.
 STOP_GRACE_SECONDS = 10.0
 # The GPU worker daemon bounds its own stop: its Celery consumer (<= 10 s,
@@ -66,23 +70,31 @@ class ProcessSpec:
     stop_grace_s: float = STOP_GRACE_SECONDS
 
 
-def process_specs(*, host: str, port: int, var_dir: Path = BASE_DIR / "var") -> list[ProcessSpec]:
+def process_specs(*, host: str, port: int, fleet_port: int = DEFAULT_FLEET_PORT,
+                  var_dir: Path = BASE_DIR / "var") -> list[ProcessSpec]:
     """The processes of the embedded system; adding one is adding a line."""
 
     def module(*args: str) -> list[str]:
         return [sys.executable, "-m", *args]
 
     # One local worker has no peers: gossip and mingle would only slow its start. The GPU worker
-    # daemon registers with the web server (retrying until it is up), takes the worker token from
-    # the environment main() prepares, and drains within the launcher's stop grace.
+    # daemon registers with the fleet server (retrying until it is up), which tenant traffic on the
+    # web server cannot delay; it takes the worker token from the environment main() prepares, and
+    # drains within the launcher's stop grace. The control plane's processes send the live events
+    # they publish to the web server's pages, by UDP on the web server's port number
+    # (controlplane.live_relay).
+    relay = {"LIVE_EVENTS_RELAY_PORT": str(port)}
     return [
         # No proxy headers: common.client_address alone decides whom X-Forwarded-For may name.
         ProcessSpec("web", module("uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port),
-                                  "--lifespan", "off", "--no-proxy-headers")),
-        ProcessSpec("worker", module("celery", "-A", "controlplane", "worker", "-l", "INFO", "-c", "2", "--without-gossip", "--without-mingle")),
+                                  "--lifespan", "off", "--no-proxy-headers"), env=relay),
+        ProcessSpec("fleet", module("uvicorn", "controlplane.fleet_asgi:application", "--host", "127.0.0.1",
+                                    "--port", str(fleet_port), "--no-proxy-headers"), env=relay),
+        ProcessSpec("worker", module("celery", "-A", "controlplane", "worker", "-l", "INFO", "-c", "2", "--without-gossip", "--without-mingle"),
+                    env=relay),
         # Beat sends a lost-worker check every second: at INFO it would log each one.
-        ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "WARNING")),
-        ProcessSpec("gpuworker", module("gpuworker", "daemon", "--control-url", f"http://127.0.0.1:{port}", "--name", "local",
+        ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "WARNING"), env=relay),
+        ProcessSpec("gpuworker", module("gpuworker", "daemon", "--control-url", f"http://127.0.0.1:{fleet_port}", "--name", "local",
                                         "--state-dir", str(var_dir / "gpuworker" / "local"), "--drain-timeout", str(GPUWORKER_DRAIN_S),
                                         # reported to the catalog, which checks weight paths against it
                                         "--model-root", str(var_dir / "models")),
@@ -246,7 +258,7 @@ def port_answers(host: str, port: int) -> bool:
         return False
 
 
-def banner(*, port: int, env_file: Path) -> str:
+def banner(*, port: int, env_file: Path, fleet_port: int = DEFAULT_FLEET_PORT) -> str:
     # Imported here: the demo module needs Django's apps, which main() sets up first.
     from controlplane.demo import LOGINS, password_variable
 
@@ -275,7 +287,9 @@ def banner(*, port: int, env_file: Path) -> str:
             f"  API:       OPENAI_BASE_URL={url}/v1",
             f"  no {env_file.name} yet: run `python manage.py seed_demo` for the logins and an API key",
         ]
-    lines += ["Press Ctrl-C to stop everything.", ""]
+    lines += [f"  fleet:     http://127.0.0.1:{fleet_port}/internal/ (the GPU worker daemons' registration and "
+              "heartbeats, apart from tenant traffic)",
+              "Press Ctrl-C to stop everything.", ""]
     return "\n".join(lines)
 
 
@@ -295,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"address the web server listens on (default: ${HOST_ENV}, else {DEFAULT_HOST}: this "
                              "machine only); 0.0.0.0 opens it to the network")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--fleet-port", type=int, default=int(os.environ.get(FLEET_PORT_ENV, DEFAULT_FLEET_PORT)),
+                        help=f"port of the fleet server the GPU worker daemon calls, on 127.0.0.1 (default: "
+                             f"${FLEET_PORT_ENV}, else {DEFAULT_FLEET_PORT})")
     parser.add_argument("--env-file", type=Path, default=BASE_DIR / ".env.demo")
     return parser
 
@@ -305,14 +322,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every child gets the fleet's worker token: the daemon needs it and reads no Django settings.
     os.environ.setdefault("GPUSERVE_WORKER_TOKEN", settings.FLEET_WORKER_TOKEN)
 
-    launcher = Launcher(process_specs(host=args.host, port=args.port, var_dir=settings.VAR_DIR))
+    launcher = Launcher(process_specs(host=args.host, port=args.port, fleet_port=args.fleet_port,
+                                      var_dir=settings.VAR_DIR))
     signal.signal(signal.SIGINT, launcher.request_stop)
     signal.signal(signal.SIGTERM, launcher.request_stop)
 
     def on_ready() -> bool:
-        if not port_answers("127.0.0.1", args.port):
+        if not (port_answers("127.0.0.1", args.port) and port_answers("127.0.0.1", args.fleet_port)):
             return False
-        launcher.say(banner(port=args.port, env_file=args.env_file))
+        launcher.say(banner(port=args.port, env_file=args.env_file, fleet_port=args.fleet_port))
         return True
 
     return launcher.run(on_ready=on_ready)

@@ -134,7 +134,10 @@ CACHES["live"] = (
     {**CACHES["default"], "KEY_PREFIX": "gpuserve-live"} if REDIS_URL else
     {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache", "LOCATION": str(VAR_DIR / "cache" / "live")}
 )
-CHANNEL_LAYERS = integrations.channel_layers(REDIS_URL)
+# Without Redis, the UDP port on 127.0.0.1 where the web server receives the live events the other
+# processes publish (the launcher sets it; 0: not relayed).
+LIVE_EVENTS_RELAY_PORT = env_int("LIVE_EVENTS_RELAY_PORT", 0)
+CHANNEL_LAYERS = integrations.channel_layers(REDIS_URL, relay_port=LIVE_EVENTS_RELAY_PORT)
 
 CELERY_BROKER_URL, CELERY_BROKER_TRANSPORT_OPTIONS = integrations.celery_broker(REDIS_URL, VAR_DIR)
 CELERY_RESULT_BACKEND = integrations.celery_result_backend(REDIS_URL)
@@ -259,6 +262,13 @@ GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS = env_int("GATEWAY_UPSTREAM_CONNECT_TIM
 # The largest request body the gateway reads (bytes); a longer one is a 413 before any other work
 # (key, parsing, holds). 4 MiB holds a 128k-token context's text several times over.
 GATEWAY_MAX_REQUEST_BYTES = env_int("GATEWAY_MAX_REQUEST_BYTES", 4 * 1024 * 1024)
+# Bodies up to this many bytes are parsed on the event loop (well under a millisecond); larger ones
+# in a pool of GATEWAY_BODY_PARSERS worker processes per gateway process, at most
+# GATEWAY_BODY_PARSERS_PER_TENANT of one tenant's at a time, after the request was admitted
+# against its key's and tenant's limits (controlplane.gateway.body_parsing).
+GATEWAY_INLINE_BODY_BYTES = env_int("GATEWAY_INLINE_BODY_BYTES", 64 * 1024)
+GATEWAY_BODY_PARSERS = env_int("GATEWAY_BODY_PARSERS", 2)
+GATEWAY_BODY_PARSERS_PER_TENANT = env_int("GATEWAY_BODY_PARSERS_PER_TENANT", 1)
 # The longest a request may run, streaming included; its credit hold lives a minute longer.
 GATEWAY_REQUEST_TIMEOUT_SECONDS = env_int("GATEWAY_REQUEST_TIMEOUT_SECONDS", 600)
 # A replica that failed a request is passed over this long (by every gateway process).

@@ -1,8 +1,13 @@
 """The /internal/ HTTP API the worker daemons call: registration and heartbeats. JSON in and out,
-fleet token required; parsing in the worker contract (gpuworker.contract.heartbeat), the work in services."""
+fleet token required; parsing in the worker contract (gpuworker.contract.heartbeat), the work in services.
+
+The fleet server (controlplane.fleet_asgi) serves these on a port of its own. The public server
+answers them too, so that daemons set up before the fleet server existed keep their workers; a
+registration that arrives there is logged as a warning, since tenant traffic can delay it."""
 
 import hmac
 import json
+import logging
 from collections.abc import Callable
 from functools import wraps
 
@@ -15,6 +20,11 @@ from django.views.decorators.csrf import csrf_exempt
 from controlplane.fleet.services import WorkerUnknown, worker_heartbeat, worker_register
 from controlplane.integrations import unreachable_dependency
 from gpuworker.contract.heartbeat import ContractError, parse_heartbeat, parse_registration
+
+logger = logging.getLogger(__name__)
+
+# Set by the fleet server (controlplane.fleet_asgi) in the ASGI scope of each request it serves.
+FLEET_SERVER_SCOPE_KEY = "gpuserve.fleet_server"
 
 
 def internal_endpoint(view: Callable) -> Callable:
@@ -53,6 +63,11 @@ def internal_endpoint(view: Callable) -> Callable:
 @internal_endpoint
 def register(request: HttpRequest, body) -> JsonResponse:
     worker = worker_register(registration=parse_registration(body), now=timezone.now())
+    scope = getattr(request, "scope", None)  # None: not served over ASGI (a test's live server)
+    if scope is not None and not scope.get(FLEET_SERVER_SCOPE_KEY):
+        logger.warning("worker %s registered through the public server, where tenant traffic can delay its "
+                       "heartbeats until it is judged lost: point its --control-url at the fleet server "
+                       "(FLEET_PORT)", worker.name)
     return JsonResponse({
         "worker_id": worker.pk,
         "queue": worker.queue_name,

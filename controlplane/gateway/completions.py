@@ -15,17 +15,18 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ProtocolError,
-                                          parse_request)
+from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
+from controlplane.gateway.body_check import BodyError
 from controlplane.gateway.cold_start import cold_start_header
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
-from controlplane.gateway.replica_choice import affinity_choice, affinity_key
-from controlplane.gateway.request_body import json_object, read_body
+from controlplane.gateway.replica_choice import affinity_choice
+from controlplane.gateway.request_body import read_body
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
+from controlplane.gateway.shared import Admission
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
 
 logger = logging.getLogger(__name__)
@@ -48,76 +49,107 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
     chat = schema is ChatCompletionRequest
     raw = await read_body(request, gw.config.max_request_bytes)  # bounded before any other work
     grant = await gw.keys.authenticate(request.headers.get("authorization"))
-    body = json_object(raw)
-    model = await _model(gw, grant, body.get("model"))
-    request.state.model = model.public_name  # the metrics' label (app.endpoint)
-    gw.spawn(gw.traffic.record(model.model_id, time.time()))  # off the request's path
+    admission = None
+    if not gw.bodies.parses_inline(raw):
+        # Parsing a large body is work the key's limits admit, as they admit its tokens: it counts
+        # against the key's and the tenant's rate and concurrency limits before it is parsed. A
+        # small body is parsed first, so that admission and the choice of replica are one call.
+        admission = _admitted(await gw.shared.admit(grant, request_id))
+    flight = None
     try:
-        parsed = parse_request(schema, body)
-    except ProtocolError as exc:
-        raise bad_request(exc.message, param=exc.param) from None
-    if (model.kind == "embedding") != for_embeddings:
-        use = "/v1/embeddings" if model.kind == "embedding" else "/v1/chat/completions or /v1/completions"
-        raise bad_request(f"{model.public_name!r} is {'an embedding' if model.kind == 'embedding' else 'a generative'} "
-                          f"model; use {use}.", param="model", code="wrong_model_kind")
-    idempotency = None if parsed.stream else request.headers.get("idempotency-key")
-    if idempotency:
-        scope = f"{grant.tenant_id}:{hashlib.sha256(idempotency.encode()).hexdigest()}"
-        fingerprint = hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
-        if (replay := await _idempotent_replay(gw, scope, fingerprint, request_id)) is not None:
-            return replay
-    stored = False
-    try:
-        # Encoders keep no prefix cache: their requests only spread by load.
-        key = "" if for_embeddings else affinity_key(body, chat, gw.config.affinity_prefix_chars)
-        replicas, cold_start_s = model.ready, None
-        if replicas:  # rate limits, concurrency limits and the choice of replica: one round trip to Redis
-            admission, first = await gw.shared.admit_and_pick(
-                grant, request_id, replicas, affinity_choice(key, replicas))
-        else:  # admitted (and, below, its credit held) before it waits: a refusal comes at once
-            admission, first = await gw.shared.admit(grant, request_id), None
-        if not admission.allowed:
-            which = admission.reason.replace("_", " ").replace("rpm", "requests per minute")
-            raise GatewayError(429, f"Rate limit reached ({which}: {admission.limit}); retry after the "
-                                    f"retry-after header's seconds.", type="requests", code="rate_limit_exceeded",
-                               headers=admission.headers())
-        flight = Flight(gw, request_id, grant, model, parsed.n)
+        checked = await gw.bodies.check(grant.tenant_id, raw, schema, gw.config.affinity_prefix_chars,
+                                        await gw.routing.context_lengths())
+        if checked.json_error:
+            raise _invalid(checked.error)
+        model = await _model(gw, grant, checked.model)
+        request.state.model = model.public_name  # the metrics' label (app.endpoint)
+        gw.spawn(gw.traffic.record(model.model_id, time.time()))  # off the request's path
+        if checked.error is not None:
+            raise _invalid(checked.error)
+        if (model.kind == "embedding") != for_embeddings:
+            kind, use = (("an embedding", "/v1/embeddings") if model.kind == "embedding"
+                         else ("a generative", "/v1/chat/completions or /v1/completions"))
+            raise bad_request(f"{model.public_name!r} is {kind} model; use {use}.", param="model",
+                              code="wrong_model_kind")
+        idempotency = None if checked.stream else request.headers.get("idempotency-key")
+        if idempotency:
+            scope = f"{grant.tenant_id}:{hashlib.sha256(idempotency.encode()).hexdigest()}"
+            fingerprint = hashlib.sha256(request.url.path.encode() + b"\0" + raw).hexdigest()
+            if (replay := await _idempotent_replay(gw, scope, fingerprint, request_id)) is not None:
+                return replay
+        stored = False
         try:
-            await flight.hold()
-            if first is None:
-                # It waits for a replica to start, holding its credit and its slots but charged
-                # nothing: leaving costs nothing, and nobody out of credit or over a limit wakes a model.
-                waited = await _client_present(request, gw.cold_starts.ready_replicas(model, request_id))
-                if waited is _GONE:
-                    return Response(status_code=499)  # nobody reads it: the client is gone
-                replicas, cold_start_s = waited
-                first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas))
-            flight.replica_id = first.replica_id
-            headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
-            if parsed.stream:
-                # The replica always reports usage: billing needs it, the client gets it on request.
-                upstream_body = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
-                return await _unless_client_leaves(gw, request, flight, replicas, stream=True, work=_stream(
-                    gw, flight, replicas, first, path, upstream_body, key, headers,
-                    chat=chat, include_usage=parsed.include_usage))
-            response = await _unless_client_leaves(gw, request, flight, replicas, stream=False, work=_complete(
-                gw, flight, replicas, first, path, raw, key, headers))
-            if idempotency and response.status_code == 200:
-                try:
-                    await gw.shared.idempotency_store(scope, {"state": "done", "fingerprint": fingerprint,
-                                                              "status": 200, "body": response.body.decode()})
-                    stored = True
-                except Exception:  # the answer is served and billed: deliver it regardless
-                    logger.warning("could not store the result for an Idempotency-Key", exc_info=True)
-            return response
+            key = checked.affinity_key
+            replicas, cold_start_s = model.ready, None
+            if admission is not None:  # admitted before its body was parsed
+                first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas)) if replicas else None
+            elif replicas:  # rate limits, concurrency limits and the choice of replica: one round trip to Redis
+                admission, first = await gw.shared.admit_and_pick(
+                    grant, request_id, replicas, affinity_choice(key, replicas))
+                _admitted(admission)
+            else:  # admitted (and, below, its credit held) before it waits: a refusal comes at once
+                admission, first = _admitted(await gw.shared.admit(grant, request_id)), None
+            flight = Flight(gw, request_id, grant, model, checked.n)
+            try:
+                await flight.hold()
+                if first is None:
+                    # It waits for a replica to start, holding its credit and its slots but charged
+                    # nothing: leaving costs nothing, and nobody out of credit or over a limit wakes a model.
+                    waited = await _client_present(request, gw.cold_starts.ready_replicas(model, request_id))
+                    if waited is _GONE:
+                        return Response(status_code=499)  # nobody reads it: the client is gone
+                    replicas, cold_start_s = waited
+                    first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas))
+                flight.replica_id = first.replica_id
+                headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
+                if checked.stream:
+                    return await _unless_client_leaves(gw, request, flight, replicas, stream=True, work=_stream(
+                        gw, flight, replicas, first, path, checked.upstream_body, key, headers,
+                        chat=chat, include_usage=checked.include_usage))
+                response = await _unless_client_leaves(gw, request, flight, replicas, stream=False, work=_complete(
+                    gw, flight, replicas, first, path, raw, key, headers))
+                if idempotency and response.status_code == 200:
+                    try:
+                        await gw.shared.idempotency_store(scope, {"state": "done", "fingerprint": fingerprint,
+                                                                  "status": 200, "body": response.body.decode()})
+                        stored = True
+                    except Exception:  # the answer is served and billed: deliver it regardless
+                        logger.warning("could not store the result for an Idempotency-Key", exc_info=True)
+                return response
+            finally:
+                # Whatever ended the request before it was served (an error, a refusal) releases it
+                # unbilled; a stream that started is the relay's to finish.
+                if not flight.settled and (not checked.stream or flight.first_token_at is None):
+                    await flight.end(None)
         finally:
-            # Whatever ended the request before it was served (an error, a refusal) releases it
-            # unbilled; a stream that started is the relay's to finish.
-            if not flight.settled and (not parsed.stream or flight.first_token_at is None):
-                await flight.end(None)
+            if idempotency and not stored:
+                await gw.shared.idempotency_abandon(scope)
     finally:
-        if idempotency and not stored:
-            await gw.shared.idempotency_abandon(scope)
+        if flight is None and admission is not None and admission.allowed:
+            # Admitted, then refused before its flight began (a bad body, an unknown model): its
+            # slots are freed here, as a flight's end would.
+            await _release_admitted(gw, grant, request_id)
+
+
+def _invalid(error: BodyError) -> GatewayError:
+    return bad_request(error.message, param=error.param, code=error.code)
+
+
+def _admitted(admission: Admission) -> Admission:
+    """`admission`, or the 429 that says which limit refused it."""
+    if not admission.allowed:
+        which = admission.reason.replace("_", " ").replace("rpm", "requests per minute")
+        raise GatewayError(429, f"Rate limit reached ({which}: {admission.limit}); retry after the "
+                                f"retry-after header's seconds.", type="requests", code="rate_limit_exceeded",
+                           headers=admission.headers())
+    return admission
+
+
+async def _release_admitted(gw: Gateway, grant: KeyGrant, request_id: str) -> None:
+    try:
+        await gw.shared.finish(request_id, grant=grant)
+    except Exception:  # its entries expire with the hold lifetime; the answer goes out regardless
+        logger.warning("could not clear request %s from the in-flight sets", request_id, exc_info=True)
 
 
 async def _unless_client_leaves(gw: Gateway, request: Request, flight: Flight, replicas: tuple[ReplicaRoute, ...], *,

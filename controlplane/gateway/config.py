@@ -19,6 +19,9 @@ class GatewayConfig:
     connect_timeout_s: float
     request_timeout_s: float
     max_request_bytes: int
+    inline_body_bytes: int
+    body_parsers: int
+    body_parsers_per_tenant: int
     replica_cooldown_s: float
     default_rate_limit_per_minute: int
     default_max_concurrent_requests: int
@@ -41,6 +44,9 @@ class GatewayConfig:
                 "FLEET_WORKER_TOKEN is not set: the gateway needs the fleet's worker token "
                 "(env GPUSERVE_WORKER_TOKEN) to call replicas."
             )
+        for name in ("GATEWAY_BODY_PARSERS", "GATEWAY_BODY_PARSERS_PER_TENANT"):
+            if getattr(settings, name) < 1:
+                raise ImproperlyConfigured(f"{name} must be at least 1; got {getattr(settings, name)}.")
         return cls(
             redis_url=settings.REDIS_URL,
             worker_token=worker_token,
@@ -53,6 +59,9 @@ class GatewayConfig:
             connect_timeout_s=float(settings.GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS),
             request_timeout_s=float(settings.GATEWAY_REQUEST_TIMEOUT_SECONDS),
             max_request_bytes=settings.GATEWAY_MAX_REQUEST_BYTES,
+            inline_body_bytes=settings.GATEWAY_INLINE_BODY_BYTES,
+            body_parsers=settings.GATEWAY_BODY_PARSERS,
+            body_parsers_per_tenant=settings.GATEWAY_BODY_PARSERS_PER_TENANT,
             replica_cooldown_s=float(settings.GATEWAY_REPLICA_COOLDOWN_SECONDS),
             default_rate_limit_per_minute=settings.GATEWAY_DEFAULT_RATE_LIMIT_PER_MINUTE,
             default_max_concurrent_requests=settings.GATEWAY_DEFAULT_MAX_CONCURRENT_REQUESTS,

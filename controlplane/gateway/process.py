@@ -5,6 +5,7 @@ on the first request and closed with the app. The routes (app.py) and the reques
 import asyncio
 import logging
 
+from controlplane.gateway.body_parsing import BodyParsers
 from controlplane.gateway.cold_start import ColdStartQueue
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
@@ -28,6 +29,8 @@ class Gateway:
         self.keys = KeyCache(config, self.admit_lane)
         self.routing = RoutingTable(config, self.admit_lane)
         self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
+        self.bodies = BodyParsers(workers=config.body_parsers, per_tenant=config.body_parsers_per_tenant,
+                                  inline_bytes=config.inline_body_bytes, retry_after_s=config.retry_after_s)
         self.holds = HoldPlacer(self.admit_lane, config.hold_lifetime_s)
         self.settles = settle_batcher(self.settle_lane)
         self.shared = _shared_state(config)
@@ -57,6 +60,7 @@ class Gateway:
         if self._spawned:  # settlements still being written
             await asyncio.wait(self._spawned, timeout=30)
         self.upstream.close()
+        self.bodies.close()
         await self.holds.aclose()
         await self.shared.aclose()
         await self.traffic.aclose()

@@ -25,7 +25,9 @@ def affinity_key(body: dict, chat: bool, chars: int) -> str:
     Whether it is worth pinning is judged on the whole rendered length, system prompt included."""
     if not chat:
         prompt = body.get("prompt")
-        text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        # A list's first `chars` items already render to at least `chars` characters: the key is
+        # the same as from the whole list, which may hold millions of token ids.
+        text = prompt if isinstance(prompt, str) else json.dumps(prompt[:chars] if isinstance(prompt, list) else prompt)
         return text[:chars] if len(text) >= chars else ""
     messages = [m for m in body.get("messages") or () if isinstance(m, dict)]
     rendered = [f"{m.get('role')}:{_content(m.get('content'))}\n" for m in messages]

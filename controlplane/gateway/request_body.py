@@ -1,11 +1,9 @@
-"""Reading a /v1 request body: bounded in bytes before anything else is done with the request,
-then parsed by the contract's rules (the same the replica applies)."""
+"""Reading a /v1 request body: bounded in bytes before anything else is done with the request.
+Parsing it follows (body_parsing, by the contract's rules: the same the replica applies)."""
 
 from starlette.requests import Request
 
-from gpuworker.contract.openai_api import ProtocolError, parse_json_body
-
-from controlplane.gateway.errors import bad_request, request_too_large
+from controlplane.gateway.errors import request_too_large
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -21,12 +19,3 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise request_too_large(limit)
         parts.append(chunk)
     return b"".join(parts)
-
-
-def json_object(raw: bytes) -> dict:
-    """The body as a JSON object; a 400 naming the problem otherwise (never a 500: not for
-    nesting deeper than the parser goes, bytes that are not UTF-8 or a lone surrogate either)."""
-    try:
-        return parse_json_body(raw)
-    except ProtocolError as exc:
-        raise bad_request(exc.message, param=exc.param) from None

@@ -21,6 +21,7 @@ class RoutingTable:
     def __init__(self, config: GatewayConfig, lane: DatabaseLane):
         self._config, self._lane = config, lane
         self._table: dict[str, ModelRoute] = {}
+        self._context_lengths: dict[str, int] = {}
         self._fetched_at = float("-inf")
         self._refreshing: asyncio.Task | None = None
 
@@ -35,6 +36,11 @@ class RoutingTable:
             await self._fresh(_MISS_REFRESH_S)
             route = self._table.get(name)
         return route
+
+    async def context_lengths(self) -> dict[str, int]:
+        """Each model's context length by public name, to check bodies by before they are validated."""
+        await self._fresh(self._config.routing_refresh_s)
+        return self._context_lengths
 
     async def fresh_model(self, name: str, max_age_s: float) -> ModelRoute | None:
         """The model's route from a table at most `max_age_s` old (for requests waiting on it)."""
@@ -59,6 +65,7 @@ class RoutingTable:
         try:
             started = time.monotonic()
             self._table = await self._lane.run(routing_table)
+            self._context_lengths = {name: route.context_length for name, route in self._table.items()}
             self._fetched_at = started
         finally:
             self._refreshing = None

@@ -42,6 +42,7 @@ class ModelRoute:
     kind: str
     price_per_request: Decimal
     created: int  # epoch seconds, for /v1/models
+    context_length: int  # tokens, as the catalog says: no replica of the model takes more
     ready: tuple[ReplicaRoute, ...]
     loading: bool  # some replica is pending or loading
     # Why no replica can be started for a request (empty when one can): see `cold_start_refusal`.
@@ -88,18 +89,18 @@ def routing_table() -> dict[str, ModelRoute]:
             ready.setdefault(model_id, []).append(ReplicaRoute(replica_id, endpoint_url.rstrip("/")))
     slots = placement_slots(workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))
     models = list(Model.objects.filter(enabled=True).values_list(
-        "pk", "public_name", "kind", "price_tier__price_per_request", "created_at", "gpu_memory_bytes",
-        "deployment__max_replicas", "tensor_parallel_size",
+        "pk", "public_name", "kind", "price_tier__price_per_request", "created_at", "context_length",
+        "gpu_memory_bytes", "deployment__max_replicas", "tensor_parallel_size",
     ))
     largest = {size: largest_replica_bytes(slots=slots, tensor_parallel_size=size) for size in {m[-1] for m in models}}
     return {
         name: ModelRoute(
             model_id=pk, public_name=name, kind=kind, price_per_request=price, created=int(created_at.timestamp()),
-            ready=tuple(ready.get(pk, ())), loading=pk in loading,
+            context_length=context_length, ready=tuple(ready.get(pk, ())), loading=pk in loading,
             cannot_start=cold_start_refusal(need_bytes=need, max_replicas=max_replicas,
                                             largest_slot_bytes=largest[size], tensor_parallel_size=size),
         )
-        for pk, name, kind, price, created_at, need, max_replicas, size in models
+        for pk, name, kind, price, created_at, context_length, need, max_replicas, size in models
     }
 
 

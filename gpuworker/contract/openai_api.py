@@ -350,8 +350,13 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_kwargs(self.max_completion_tokens or self.max_tokens, logprobs)
 
 
+# Token ids first, tried in order: pydantic's default "smart" union validates a long list of ids
+# against the other forms too, many times the CPU for the same result.
+_PROMPT_FORMS = Field(union_mode="left_to_right")
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[list[int], str, list[str], list[list[int]]] = _PROMPT_FORMS
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
@@ -382,7 +387,7 @@ class EmbeddingRequest(_Strict):
     """POST /v1/embeddings: `input` is a string, a list of strings, a list of token ids or a list
     of token-id lists (token ids are encoded as given, without special tokens added)."""
     model: str
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: Union[list[int], str, list[str], list[list[int]]] = _PROMPT_FORMS
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
@@ -466,6 +471,36 @@ def _lone_surrogate(body: dict) -> str | None:
         elif isinstance(value, list):
             stack.extend((f"{path}.{i}", item) for i, item in reversed(list(enumerate(value))))
     return None
+
+
+def check_token_ids_fit(cls: type[BaseModel], body: dict, context_length: int) -> None:
+    """Refuse token-id prompts (completions) or inputs (embeddings) too long for a model of
+    `context_length` tokens, from their lengths alone: called before `parse_request`, which would
+    first spend CPU on every id of a list that cannot be served. A completion's prompt must leave
+    room for one generated token; an embedding's input may fill the context. The replica applies
+    the exact rule with its own max_model_len, which is never above the catalog's context length.
+    Raises ProtocolError (400, context_length_exceeded)."""
+    if cls is CompletionRequest:
+        for ids in _token_id_lists(body.get("prompt")):
+            if len(ids) >= context_length:
+                raise ProtocolError(f"prompt has {len(ids)} tokens, which leaves no room to generate within the "
+                                    f"model's context of {context_length} tokens", param="prompt",
+                                    code="context_length_exceeded")
+    elif cls is EmbeddingRequest:
+        for index, ids in enumerate(_token_id_lists(body.get("input"))):
+            if len(ids) > context_length:
+                raise ProtocolError(f"input: input {index} has {len(ids)} tokens; this model takes at most "
+                                    f"{context_length}", param="input", code="context_length_exceeded")
+
+
+def _token_id_lists(value: Any) -> list[list]:
+    """The lists of token ids in a prompt or input as sent: the value itself when it is a list of
+    ids, its lists when it is a list of them, none for text."""
+    if not isinstance(value, list) or not value or isinstance(value[0], str):
+        return []
+    if isinstance(value[0], list):
+        return [item for item in value if isinstance(item, list)]
+    return [value]
 
 
 def parse_request(cls: type[BaseModel], body: Any):

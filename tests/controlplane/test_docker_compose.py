@@ -28,11 +28,11 @@ def test_compose_config_accepts_the_file():
     result = _config(env=PRODUCTION)
     assert result.returncode == 0, result.stderr
     services = _config("--services", env=PRODUCTION).stdout.split()
-    assert {"postgres", "redis", "web", "celery-worker", "beat", "gpuworker"} <= set(services)
+    assert {"postgres", "redis", "web", "fleet", "celery-worker", "beat", "gpuworker"} <= set(services)
     rendered = result.stdout
     assert "driver: nvidia" in rendered and "- gpu" in rendered  # the GPU is reserved
     # Every service but the GPU worker daemon, which serves no port (heartbeats show its health).
-    assert rendered.count("healthcheck:") >= 5
+    assert rendered.count("healthcheck:") >= 6
     for volume in ("pgdata:", "models:"):
         assert volume in rendered
 
@@ -45,9 +45,17 @@ def test_compose_refuses_to_start_without_secrets():
     assert result.returncode != 0 and "GPUSERVE_WORKER_TOKEN" in result.stderr
 
 
-def test_the_gpu_worker_runs_the_daemon_against_the_web_service():
-    rendered = _config(env=PRODUCTION).stdout
-    assert "gpuworker" in rendered and "daemon" in rendered and "http://web:8000" in rendered
+def test_the_gpu_worker_runs_the_daemon_against_the_fleet_server():
+    import yaml
+
+    services = yaml.safe_load(_config(env=PRODUCTION).stdout)["services"]
+    daemon = services["gpuworker"]["command"]
+    assert "daemon" in daemon and daemon[daemon.index("--control-url") + 1] == "http://fleet:8001"
+    # The fleet server serves only the daemons' routes, apart from the web server's tenant traffic.
+    fleet = services["fleet"]["command"]
+    assert "controlplane.fleet_asgi:application" in fleet and fleet[fleet.index("--port") + 1] == "8001"
+    assert "fleet" in services["fleet"]["environment"]["ALLOWED_HOSTS"].split(",")
+    assert "fleet" in services["gpuworker"]["depends_on"]
 
 
 def test_the_web_processes_share_a_fresh_metrics_directory():

@@ -48,13 +48,15 @@ def _embedded_env(tmp_path: Path) -> dict[str, str]:
     return {**env, "DEBUG": "1", "VAR_DIR": str(tmp_path / "var")}
 
 
-def test_process_specs_name_web_worker_beat_and_the_gpu_worker_daemon():
-    specs = process_specs(host="0.0.0.0", port=8000)
-    assert [spec.name for spec in specs] == ["web", "worker", "beat", "gpuworker"]
-    web = specs[0].argv
+def test_process_specs_name_web_fleet_worker_beat_and_the_gpu_worker_daemon():
+    specs = {spec.name: spec.argv for spec in process_specs(host="0.0.0.0", port=8000, fleet_port=8101)}
+    assert list(specs) == ["web", "fleet", "worker", "beat", "gpuworker"]
+    web, fleet, daemon = specs["web"], specs["fleet"], specs["gpuworker"]
     assert "controlplane.asgi:application" in web and web[web.index("--port") + 1] == "8000"
-    daemon = specs[3].argv
-    assert daemon[daemon.index("daemon") + 1:daemon.index("daemon") + 3] == ["--control-url", "http://127.0.0.1:8000"]
+    # The daemon calls the fleet server, on this machine only, whatever address the web server opens.
+    assert "controlplane.fleet_asgi:application" in fleet and fleet[fleet.index("--port") + 1] == "8101"
+    assert fleet[fleet.index("--host") + 1] == "127.0.0.1"
+    assert daemon[daemon.index("daemon") + 1:daemon.index("daemon") + 3] == ["--control-url", "http://127.0.0.1:8101"]
 
 
 def test_the_web_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
@@ -219,7 +221,8 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
     log_path = tmp_path / "launcher.log"
     with open(log_path, "w") as log:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.launcher", "--port", str(port), "--env-file", str(env_file)],
+            [sys.executable, "-m", "controlplane.launcher", "--port", str(port), "--fleet-port", str(_free_port()),
+             "--env-file", str(env_file)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
         )
         try:
@@ -258,7 +261,7 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
                 launcher.wait()
     output = log_path.read_text()
     pids = {name: int(pid) for name, pid in re.findall(r"started (\w+) \(pid (\d+)\)", output)}
-    assert set(pids) == {"web", "worker", "beat", "gpuworker"}
+    assert set(pids) == {"web", "fleet", "worker", "beat", "gpuworker"}
     leftovers = {name: _live_members_of_group(pid) for name, pid in pids.items()}
     assert not any(leftovers.values()), leftovers
     # The banner gives the URL, the logins and the API key that seed_demo wrote.

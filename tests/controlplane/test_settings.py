@@ -136,7 +136,9 @@ def test_embedded_defaults_need_no_server(tmp_path):
     assert database["ENGINE"] == "django.db.backends.sqlite3"
     assert database["NAME"] == str(tmp_path / "db.sqlite3")
     assert integrations.caches("")["default"]["BACKEND"].endswith("LocMemCache")
-    assert integrations.channel_layers("")["default"]["BACKEND"] == "channels.layers.InMemoryChannelLayer"
+    layer = integrations.channel_layers("", relay_port=8123)["default"]
+    assert layer["BACKEND"] == "controlplane.live_relay.RelayedInMemoryChannelLayer"
+    assert layer["CONFIG"] == {"relay_port": 8123}
     broker, options = integrations.celery_broker("", tmp_path)
     assert broker == f"sqlite:///{tmp_path / 'celery' / 'broker.sqlite3'}" and options == {}
     assert (tmp_path / "celery").is_dir()

@@ -1,6 +1,7 @@
-"""A real fleet for integration tests: the control plane's HTTP server (uvicorn) and a Celery worker
-with beat as subprocesses on the test database and the real Redis broker, and real
-`python -m gpuworker daemon` processes on CPU, which start real replica servers for tiny models.
+"""A real fleet for integration tests: the control plane's HTTP servers (uvicorn: the public one and
+the fleet server the daemons call) and a Celery worker with beat as subprocesses on the test
+database and the real Redis broker, and real `python -m gpuworker daemon` processes on CPU, which
+start real replica servers for tiny models.
 
 Each test gets its own fleet; worker names are unique, so their Celery queues never meet another
 run's. The control plane's Celery worker consumes the default queue of the test's Redis.
@@ -37,6 +38,8 @@ FLEET_ENV = {
     "FLEET_LOAD_RETRY_INITIAL_SECONDS": "2",
     "FLEET_LOAD_RETRY_MAX_SECONDS": "8",
 }
+# The processes of the control plane (the rest are daemons).
+CONTROL_PLANE = ("web", "fleet", "celery")
 
 
 def _free_port() -> int:
@@ -84,6 +87,7 @@ class Fleet:
         self.token = settings.FLEET_WORKER_TOKEN
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.fleet_url = f"http://127.0.0.1:{_free_port()}"
         self.env = {
             **os.environ, **FLEET_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url,
             "DEBUG": "1", "VAR_DIR": str(tmp_path / "var"), "GPUSERVE_WORKER_TOKEN": self.token,
@@ -104,14 +108,17 @@ class Fleet:
     def start_control_plane(self, *, mode: str = "wb") -> None:
         self._start("web", ["-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
                             "--port", str(self.port), "--lifespan", "off", "--no-access-log"], mode=mode)
+        self._start("fleet", ["-m", "uvicorn", "controlplane.fleet_asgi:application", "--host", "127.0.0.1",
+                              "--port", self.fleet_url.rsplit(":", 1)[1], "--no-access-log"], mode=mode)
         self._start("celery", ["-m", "celery", "-A", "controlplane", "worker", "--beat", "-l", "INFO", "-c", "2",
                                "--without-gossip", "--without-mingle"], mode=mode)
-        wait_until(self._answers, timeout=60, what="the control plane's /healthz", fleet=self)
+        for url in (self.url, self.fleet_url):
+            wait_until(lambda: self._answers(url), timeout=60, what=f"{url}/healthz", fleet=self)
 
     def stop_control_plane(self) -> None:
-        """Stop the web server and Celery (worker and beat), as a restart or an upgrade would:
+        """Stop the web servers and Celery (worker and beat), as a restart or an upgrade would:
         only the database and the broker carry anything over to the next start."""
-        for process in [p for p in self.processes if p.name in ("web", "celery")]:
+        for process in [p for p in self.processes if p.name in CONTROL_PLANE]:
             self._stop_process(process)
             self.processes.remove(process)
 
@@ -119,9 +126,10 @@ class Fleet:
         self.stop_control_plane()
         self.start_control_plane(mode="ab")  # the logs go on
 
-    def _answers(self) -> bool:
+    @staticmethod
+    def _answers(url: str) -> bool:
         try:
-            return httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200
+            return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -132,7 +140,7 @@ class Fleet:
         # only for the streams in flight, so its limit can be generous: a drain that runs out ends
         # them with an error, and on a loaded CI machine a 300-token stream took 14 s (10 s failed).
         return self._start(name, [
-            "-m", "gpuworker", "daemon", "--control-url", self.url, "--name", name, "--device", "cpu",
+            "-m", "gpuworker", "daemon", "--control-url", self.fleet_url, "--name", name, "--device", "cpu",
             "--advertise-host", "127.0.0.1",
             "--state-dir", str(self.tmp_path / name), "--drain-timeout", str(DRAIN_TIMEOUT_S),
         ])
@@ -150,7 +158,7 @@ class Fleet:
 
     def stop(self) -> None:
         # Daemons first (they drain their replicas), then Celery and the web server.
-        for process in sorted(self.processes, key=lambda p: p.name in ("web", "celery")):
+        for process in sorted(self.processes, key=lambda p: p.name in CONTROL_PLANE):
             self._stop_process(process)
 
     @staticmethod

@@ -22,7 +22,7 @@ def _config(redis_url: str = "") -> GatewayConfig:
     return GatewayConfig(
         redis_url=redis_url, worker_token="t", key_cache_s=30, key_changes_poll_s=0.5, routing_refresh_s=1,
         cold_start_wait_s=1, cold_start_queue_max=4, retry_after_s=5, connect_timeout_s=1, request_timeout_s=60, replica_cooldown_s=30,
-        max_request_bytes=1 << 20,
+        max_request_bytes=1 << 20, inline_body_bytes=1 << 16, body_parsers=1, body_parsers_per_tenant=1,
         default_rate_limit_per_minute=60, default_max_concurrent_requests=8, affinity_prefix_chars=64,
         affinity_max_extra=2, idempotency_s=60, hold_sweep_s=1,
     )

@@ -1,0 +1,74 @@
+"""A /v1 request body parsed and checked into what the request path needs of it (`CheckedBody`).
+
+Runs on the event loop for small bodies and in a worker process for large ones (body_parsing), so
+it imports nothing that needs Django: a worker process imports this module and the contract only.
+The result is small, whatever the body's size: the body itself stays with the gateway, which
+forwards the bytes it read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from gpuworker.contract.openai_api import (ChatCompletionRequest, EmbeddingRequest, ProtocolError,
+                                           check_token_ids_fit, parse_json_body, parse_request)
+
+from controlplane.gateway.replica_choice import affinity_key
+
+
+@dataclass(frozen=True)
+class BodyError:
+    """A ProtocolError as data (its own pickling would lose the param and code)."""
+
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckedBody:
+    """What the request path needs of a body. `model` is the field as sent (the gateway checks it
+    against its routing table before `error`, so an unknown model is named first); `error` is set
+    when the body is not a valid request, and `json_error` when it is not even a JSON object
+    (nothing else is known then)."""
+
+    model: Any = None
+    error: BodyError | None = None
+    json_error: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    n: int = 1
+    affinity_key: str = ""
+    # A stream's body as sent to the replica, which must report usage whatever the client asked;
+    # None: the body is forwarded as it came.
+    upstream_body: bytes | None = None
+
+
+def check_body(raw: bytes, schema: type[BaseModel], affinity_chars: int,
+               context_lengths: dict[str, int]) -> CheckedBody:
+    """`raw` parsed by `schema`'s rules (the replica's): a token-id prompt longer than its model's
+    context (`context_lengths`, by public name) is refused by its length before its ids are
+    validated."""
+    try:
+        body = parse_json_body(raw)
+    except ProtocolError as exc:
+        return CheckedBody(error=BodyError(exc.message, exc.param, exc.code), json_error=True)
+    model = body.get("model")
+    try:
+        if isinstance(model, str) and model in context_lengths:
+            check_token_ids_fit(schema, body, context_lengths[model])
+        parsed = parse_request(schema, body)
+    except ProtocolError as exc:
+        return CheckedBody(model=model, error=BodyError(exc.message, exc.param, exc.code))
+    upstream_body, include_usage = None, False
+    if parsed.stream:
+        upstream_body = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
+        include_usage = parsed.include_usage
+    # Encoders keep no prefix cache: their requests only spread by load.
+    key = "" if schema is EmbeddingRequest else affinity_key(body, schema is ChatCompletionRequest, affinity_chars)
+    return CheckedBody(model=model, stream=parsed.stream, include_usage=include_usage, n=parsed.n,
+                       affinity_key=key, upstream_body=upstream_body)
