@@ -371,7 +371,8 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("this worker takes one prompt per request")
             if isinstance(value[0], str) or isinstance(value[0], list):
                 value = value[0]
-        if isinstance(value, str) and not value:
+        # Checked again once unwrapped: [""] and [[]] are empty prompts too.
+        if not value:
             raise ValueError("prompt must not be empty")
         return value
 

@@ -124,3 +124,10 @@ def test_embeddings_refuse_stream_and_take_no_n():
     # request counts once (the gateway holds credit and slots for `n` requests).
     assert parse_request(EmbeddingRequest, {**base, "n": -5}).n == 1
     assert parse_request(EmbeddingRequest, {**base, "n": 16}).n == 1
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
+def test_an_empty_prompt_is_a_400_in_every_form(prompt):
+    with pytest.raises(ProtocolError, match="prompt must not be empty") as caught:
+        parse_request(CompletionRequest, {"model": "m", "prompt": prompt})
+    assert caught.value.param == "prompt"
