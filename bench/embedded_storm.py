@@ -57,8 +57,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.replica_faults import is_child, kill_replica, poll, replica_processes  # noqa: E402
+from controlplane.launcher import process_specs  # noqa: E402
 
-CHILDREN = ("web", "worker", "beat", "gpuworker")
+# The launcher's children, by the names it starts them under (one more process is one more line there).
+CHILDREN = tuple(spec.name for spec in process_specs(host="127.0.0.1", port=0))
 REPLICA = "replica"  # --kill's name for a replica's process
 # (model, min replicas, max replicas, replicas at the start)
 DEPLOYMENTS = (("storm-a", 1, 2, 1), ("storm-b", 0, 1, 1), ("storm-c", 0, 1, 0))
@@ -261,8 +263,6 @@ class Storm:
     def daemons(self) -> dict[str, int]:
         """The GPU worker daemon's worker name and pid, from the launcher's lines, while it runs as the
         launcher's child (none otherwise)."""
-        from controlplane.launcher import process_specs
-
         [spec] = [spec for spec in process_specs(host="127.0.0.1", port=self.port) if spec.name == "gpuworker"]
         started = self.pids()["gpuworker"]
         if not started or self.launcher is None or not is_child(started[-1], self.launcher.pid):
