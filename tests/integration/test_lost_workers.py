@@ -144,23 +144,23 @@ def test_a_redis_outage_fails_no_healthy_replica_and_a_daemon_that_died_in_it_is
 
 
 def test_a_control_plane_too_busy_to_record_heartbeats_fails_no_healthy_replica(private_fleet, tiny_model_path):
-    """The web server that records heartbeats is frozen (SIGSTOP: as starved as a process can be)
-    while the database, Redis and Celery are fine: the running daemon's replica answers, so its
+    """The fleet server, which records heartbeats, is frozen (SIGSTOP: as starved as a process can
+    be) while the database, Redis and Celery are fine: the running daemon's replica answers, so its
     worker is held; the killed daemon's does not, so its worker is lost."""
     fleet = private_fleet
     (_, kept), (killed_daemon, killed) = _two_serving_daemons(fleet, tiny_model_path)
     kept_name = Worker.objects.get(pk=kept.worker_id).name
-    web = next(p for p in fleet.processes if p.name == "web")
-    os.kill(web.popen.pid, signal.SIGSTOP)
+    recorder = next(p for p in fleet.processes if p.name == "fleet")
+    os.kill(recorder.popen.pid, signal.SIGSTOP)
     try:
         fleet.kill(killed_daemon)
-        _wait_lost(fleet, killed, kept, time.monotonic(), "daemon killed while the web server is frozen")
+        _wait_lost(fleet, killed, kept, time.monotonic(), "daemon killed while the fleet server is frozen")
         wait_until(lambda: f"worker {kept_name} silent for" in _celery_log(fleet) or _failed(kept), timeout=60,
                    what="the running daemon's worker to be held", fleet=fleet)
         _assert_kept(kept)
         _assert_lost(killed)
     finally:
-        os.kill(web.popen.pid, signal.SIGCONT)
+        os.kill(recorder.popen.pid, signal.SIGCONT)
     wait_until(lambda: f"worker {kept_name} heard from again" in _celery_log(fleet), timeout=60,
                what="the running daemon's heartbeats to be recorded again", fleet=fleet)
     _assert_kept(kept)

@@ -26,6 +26,8 @@ REPLICA_KEYS = {"replica_id", "state", "endpoint_url", "load_progress", "error",
                 "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate"}
 # Latency p95s in seconds: present once the replica has a sample, absent (never 0 or null) before.
 REPLICA_LATENCY_KEYS = {"ttft_p95_s", "itl_p95_s"}
+# The pid of the process serving the replica: present once there is one, absent (never 0 or null) before.
+REPLICA_PID_KEY = "pid"
 REPLICA_STATES = {"loading", "ready", "draining", "stopped", "failed"}
 # Sent by a daemon with --model-root: at registration, and in a heartbeat when the scan changed;
 # `quantization` (path -> how its weights are stored) only when a found checkpoint is quantized.
@@ -107,7 +109,10 @@ def check_heartbeat(body: Any) -> None:
         raise ShapeError("heartbeat.replicas: expected a list")
     for i, replica in enumerate(body["replicas"]):
         where = f"heartbeat.replicas[{i}]"
-        _keys(where, {k: v for k, v in replica.items() if k not in REPLICA_LATENCY_KEYS}, REPLICA_KEYS)
+        optional = REPLICA_LATENCY_KEYS | {REPLICA_PID_KEY}
+        _keys(where, {k: v for k, v in replica.items() if k not in optional}, REPLICA_KEYS)
+        if REPLICA_PID_KEY in replica:
+            _number(f"{where}.{REPLICA_PID_KEY}", replica[REPLICA_PID_KEY], 1, integer=True)
         for key in REPLICA_LATENCY_KEYS & set(replica):
             _number(f"{where}.{key}", replica[key])
             if replica[key] <= 0:
