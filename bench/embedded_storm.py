@@ -42,7 +42,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,8 +55,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.replica_faults import is_child, kill_replica, poll, replica_processes  # noqa: E402
+from bench.replica_faults import alive, is_child, kill_replica, poll, replica_processes  # noqa: E402
 from controlplane.launcher import process_specs  # noqa: E402
+from tests.private_services import free_port  # noqa: E402
 
 # The launcher's children, by the names it starts them under (one more process is one more line there).
 CHILDREN = tuple(spec.name for spec in process_specs(host="127.0.0.1", port=0))
@@ -77,20 +77,6 @@ REPLICA_REPLACED_WAIT_S = 180
 SERVED_AGAIN_WAIT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @dataclass
 class Traffic:
     outcomes: Counter = field(default_factory=Counter)
@@ -101,7 +87,7 @@ class Storm:
     def __init__(self, scratch: Path, *, seed: int):
         self.scratch = scratch
         self.var_dir = scratch / "var"
-        self.port = _free_port()
+        self.port = free_port()
         self.log_path = scratch / "launcher.log"
         self.rng = random.Random(seed)
         self.began = time.monotonic()
@@ -370,7 +356,7 @@ class Storm:
     def processes(self) -> dict:
         pids = self.pids()
         exits = re.findall(r"^launcher\s*\| (\w+) exited (?:unexpectedly )?with (status [^;:]+)", self.log(), re.M)
-        return {name: {"pid": found[-1] if found else None, "alive": bool(found) and _alive(found[-1]),
+        return {name: {"pid": found[-1] if found else None, "alive": bool(found) and alive(found[-1]),
                        "starts": len(found), "exits": [status for who, status in exits if who == name]}
                 for name, found in pids.items()}
 

@@ -39,6 +39,14 @@ class ReplicaKill:
     problem: str = ""
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` is a running process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def is_child(pid: int, parent: int) -> bool:
     """Whether `pid` is a live (not zombie) child of `parent`: a pid the host reused for some other
     process is never signalled."""

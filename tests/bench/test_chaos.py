@@ -5,58 +5,25 @@ run's audit. The whole suite over a real fleet runs in tests/integration/test_ch
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 
-import psutil
 import pytest
-from django.utils import timezone
-
 from bench import chaos as chaos_module
 from bench.chaos import Chaos, fault_problems
 from bench.chaos_audit import audit
 from controlplane.fleet.models import Replica
-from controlplane.fleet.services import worker_heartbeat
-from gpuworker.contract.heartbeat import parse_heartbeat
 from tests.controlplane.factories import ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker
+from bench.replica_faults import alive
+from tests.bench.conftest import REPLICA_URL, replica_reporter, wait_dead
 from tests.integration.conftest import Process
 
 pytestmark = pytest.mark.django_db
 
-URL = "http://127.0.0.1:8101"
-# A stand-in for a worker daemon: a process whose child stands in for its replica's process.
-DAEMON = "import subprocess, sys, time; child = subprocess.Popen(['sleep', '300']); print(child.pid, flush=True); " \
-         "time.sleep(300)"
-
-
 @pytest.fixture
-def processes():
-    """start(argv, **popen_arguments) -> Popen; every process started, and its children, ends with the test."""
-    started = []
-
-    def start(argv, **kwargs):
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, **kwargs)
-        started.append((popen, psutil.Process(popen.pid)))
-        return popen
-
-    yield start
-    for popen, process in started:
-        for child in process.children(recursive=True) if popen.poll() is None else []:
-            child.kill()
-        popen.kill()
-        popen.wait()
-
-
-@pytest.fixture
-def daemon(processes, tmp_path):
-    """(the daemon, its child's pid)."""
-    popen = processes([sys.executable, "-c", DAEMON], stdout=subprocess.PIPE, text=True)
-    child = int(popen.stdout.readline())
-    yield Process(f"chaos-{popen.pid}", popen, tmp_path / "daemon.log"), child
-    if _alive(child):  # its daemon was stopped first
-        psutil.Process(child).kill()
+def daemon(daemon, tmp_path):
+    """(the stand-in daemon as the chaos run keeps its daemons, its child's pid)."""
+    popen, child = daemon
+    return Process(f"chaos-{popen.pid}", popen, tmp_path / "daemon.log"), child
 
 
 @pytest.fixture
@@ -64,29 +31,13 @@ def run(tmp_path, daemon, monkeypatch):
     """A chaos run with one daemon and one ready replica on its worker, reported as the test says."""
     monkeypatch.setattr(chaos_module, "REPLICA_TARGET_WAIT_S", 1)
     monkeypatch.setattr(chaos_module, "REPLICA_FAILED_WAIT_S", 1)
-    replica = ReplicaFactory(worker=make_worker(name=daemon[0].name), state=Replica.State.READY, endpoint_url=URL)
+    replica = ReplicaFactory(worker=make_worker(name=daemon[0].name), state=Replica.State.READY,
+                             endpoint_url=REPLICA_URL)
     chaos = Chaos(tmp_path, tenants=1)
     chaos.deployment, chaos.daemons = replica.deployment, [daemon[0]]
 
-    def report(**fields):
-        body = {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL, **fields}
-        worker_heartbeat(worker_id=replica.worker_id, heartbeat=parse_heartbeat({"replicas": [body]}),
-                         now=timezone.now())
+    report = replica_reporter(replica)
     return chaos, replica, report
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_dead(pid: int) -> bool:
-    deadline = time.monotonic() + 30
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _alive(pid)
 
 
 @pytest.mark.parametrize("reported", ["no pid", "a process of no daemon", "a stopped daemon's process"])
@@ -106,7 +57,7 @@ def test_a_replica_kill_that_finds_no_replica_process_fails_the_run_and_signals_
 
     fault = chaos.replica_kill(chaos_module.random.Random(0))
     assert fault.problem.startswith("no ready replica with a live process its daemon reported")
-    assert fault.pid is None and _alive(stranger.pid) and stranger.poll() is None
+    assert fault.pid is None and alive(stranger.pid) and stranger.poll() is None
     result = audit([], [], fault_problems([fault]))
     assert not result.ok and result.faults_without_effect == [f"fault 1 (replica_kill): {fault.problem}"]
 
@@ -118,7 +69,7 @@ def test_a_replica_kill_kills_the_reported_process_and_fails_the_run_when_no_fai
     assert (target.replica_id, target.worker, target.pid) == (replica.pk, daemon[0].name, daemon[1])
 
     fault = chaos.replica_kill(chaos_module.random.Random(0))
-    assert (fault.replica_id, fault.pid) == (replica.pk, daemon[1]) and _wait_dead(daemon[1])
+    assert (fault.replica_id, fault.pid) == (replica.pk, daemon[1]) and wait_dead(daemon[1])
     # Nothing here is a real daemon: no one reports the replica failed, and the run says so.
     assert fault.problem == f"replica {replica.pk} was not recorded failed within 1s"
     assert not audit([], [], fault_problems([fault])).ok

@@ -6,59 +6,19 @@ embedded system runs in tests/integration/test_embedded_storm.py."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 from types import SimpleNamespace
 
-import psutil
 import pytest
-from django.utils import timezone
-
 from bench import embedded_storm
 from bench.embedded_storm import REPLICA, TRAFFIC_MODEL, Storm, judge
 from controlplane.fleet.models import Replica
-from controlplane.fleet.services import worker_heartbeat
-from gpuworker.contract.heartbeat import parse_heartbeat
 from tests.controlplane.factories import DeploymentFactory, ModelFactory, ReplicaFactory
+from bench.replica_faults import alive
+from tests.bench.conftest import REPLICA_URL, replica_reporter, wait_dead
 from tests.controlplane.fleet.conftest import make_worker
 
 # Committed: the storm looks at the fleet as the storm process does, with close_old_connections().
 pytestmark = pytest.mark.django_db(transaction=True)
-
-URL = "http://127.0.0.1:8101"
-# A stand-in for the GPU worker daemon: a process whose child stands in for its replica's process.
-DAEMON = "import subprocess, sys, time; child = subprocess.Popen(['sleep', '300']); print(child.pid, flush=True); " \
-         "time.sleep(300)"
-
-
-@pytest.fixture
-def processes():
-    """start(argv, **popen_arguments) -> Popen; every process started, and its children, ends with the test."""
-    started = []
-
-    def start(argv, **kwargs):
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, **kwargs)
-        started.append((popen, psutil.Process(popen.pid)))
-        return popen
-
-    yield start
-    for popen, process in started:
-        for child in process.children(recursive=True) if popen.poll() is None else []:
-            child.kill()
-        popen.kill()
-        popen.wait()
-
-
-@pytest.fixture
-def daemon(processes):
-    """(the daemon, its child's pid)."""
-    popen = processes([sys.executable, "-c", DAEMON], stdout=subprocess.PIPE, text=True)
-    child = int(popen.stdout.readline())
-    yield popen, child
-    if _alive(child):  # its daemon was stopped first
-        psutil.Process(child).kill()
-
 
 @pytest.fixture
 def storm(tmp_path, daemon, monkeypatch):
@@ -72,27 +32,10 @@ def storm(tmp_path, daemon, monkeypatch):
     [name] = storm.daemons()
     deployment = DeploymentFactory(model=ModelFactory(public_name=TRAFFIC_MODEL), desired_replicas=1)
     replica = ReplicaFactory(deployment=deployment, worker=make_worker(name=name), state=Replica.State.READY,
-                             endpoint_url=URL)
+                             endpoint_url=REPLICA_URL)
 
-    def report(**fields):
-        body = {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL, **fields}
-        worker_heartbeat(worker_id=replica.worker_id, heartbeat=parse_heartbeat({"replicas": [body]}),
-                         now=timezone.now())
+    report = replica_reporter(replica)
     return storm, replica, report
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_dead(pid: int) -> bool:
-    deadline = time.monotonic() + 30
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not _alive(pid)
 
 
 def _passing_report(kills: list[dict]) -> dict:
@@ -120,7 +63,7 @@ def test_a_replica_kill_that_finds_no_replica_process_fails_the_storm_and_signal
     storm.kill_replica()
     [kill] = storm.kills
     assert kill["problem"].startswith(f"no ready {TRAFFIC_MODEL} replica with a live process the daemon reported")
-    assert "pid" not in kill and _alive(stranger.pid) and _alive(daemon[1])
+    assert "pid" not in kill and alive(stranger.pid) and alive(daemon[1])
     assert judge(_passing_report(storm.kills), [REPLICA], settled=True) == [f"replica kill at {kill['at_s']:.0f}s: "
                                                                            f"{kill['problem']}"]
     assert "NO EFFECT" in embedded_storm.kill_line(kill)
@@ -132,7 +75,7 @@ def test_a_replica_kill_kills_the_reported_process_and_fails_the_storm_when_no_f
 
     storm.kill_replica()
     [kill] = storm.kills
-    assert (kill["killed"], kill["replica_id"], kill["pid"]) == (True, replica.pk, daemon[1]) and _wait_dead(daemon[1])
+    assert (kill["killed"], kill["replica_id"], kill["pid"]) == (True, replica.pk, daemon[1]) and wait_dead(daemon[1])
     # Nothing here is a real daemon: no one reports the replica failed, and the storm says so.
     assert kill["problem"] == f"replica {replica.pk} was not recorded failed within 1s"
     assert judge(_passing_report(storm.kills), [REPLICA], settled=True) == [
