@@ -1,4 +1,4 @@
-"""GEMV benchmark: cuBLAS (F.linear) against gpuworker.kernels.gemv's candidate configs at one model's
+"""GEMV benchmark: cuBLAS (F.linear) against gpuworker.kernels.linear.gemv's candidate configs at one model's
 decode projections (Llama-3-8B's, or --shapes qwen3-30b-a3b), M = 1, 2, 4, 8 rows, bf16, on one GPU.
 
     PYTHONPATH=. python bench/gemv.py [--quick]        # H200: about a minute, mostly Triton compiles
@@ -12,7 +12,7 @@ L2 cannot hold them (as 32 layers do in a real step), so launch overhead is out.
 weight plus activations read and the output written. Also times the down projection fed by
 silu_and_mul (today: the activation kernel then cuBLAS) against the fused gemv, for models with a dense
 MLP. Prints a TUNED table
-for gpuworker/kernels/gemv.py and writes gemv.json to $OUT (or bench/results/).
+for gpuworker/kernels/linear/gemv.py and writes gemv.json to $OUT (or bench/results/).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def make_weights(n: int, k: int, copies: int, device: str) -> list[torch.Tensor]
 
 
 def run_shape(name: str, n: int, k: int, rows, configs, *, device: str, timed: bool) -> tuple[list, list]:
-    from gpuworker.kernels.gemv import gemv, pick_config
+    from gpuworker.kernels.linear.gemv import gemv, pick_config
 
     results, sweep = [], []
     copies = 1
@@ -122,8 +122,8 @@ def run_shape(name: str, n: int, k: int, rows, configs, *, device: str, timed: b
 
 def run_fused_down(n: int, k: int, rows, best_by_m: dict[int, str], *, device: str, timed: bool) -> list[dict]:
     """down(silu_and_mul(gate_up)): activation kernel + cuBLAS against gemv(silu_mul_input=True)."""
-    from gpuworker.kernels.activation import silu_and_mul
-    from gpuworker.kernels.gemv import CANDIDATES_BY_NAME, gemv, pick_config
+    from gpuworker.kernels.linear.activation import silu_and_mul
+    from gpuworker.kernels.linear.gemv import CANDIDATES_BY_NAME, gemv, pick_config
 
     copies = 1
     if timed:
@@ -197,7 +197,7 @@ def layer_chain(copy_gbps: float, layers: int = 32) -> list[dict]:
     """The decode-row projections of `layers` Llama-3-8B layers as the model runs them at batch 1
     (pre-norm fused into qkv and gate_up, o_proj, down with SiLU-and-mul fused; attention left out),
     each layer its own weights, in one CUDA graph; with programmatic dependent launch on and off."""
-    from gpuworker.kernels.gemv import CANDIDATES_BY_NAME, TUNED, gemv, gemv_rms_norm
+    from gpuworker.kernels.linear.gemv import CANDIDATES_BY_NAME, TUNED, gemv, gemv_rms_norm
 
     def weight(name):
         (n, k), _ = SHAPES[name]
@@ -258,7 +258,7 @@ def main() -> None:
     start = start_kernel_sweep("gemv.py", args.check_only)
     device, timed, env, copy_gbps = start.device, start.timed, start.env, start.copy_gbps
     on_cuda = device == "cuda"
-    from gpuworker.kernels.gemv import CANDIDATES
+    from gpuworker.kernels.linear.gemv import CANDIDATES
 
     torch.manual_seed(0)
     model_shapes = SHAPE_SETS[args.shapes]
@@ -300,7 +300,7 @@ def main() -> None:
         for m, e in payload["step_estimate"].items():
             print(f"  M={m}: cuBLAS {e['cublas_ms']:.3f} ms, "
                   f"best of cuBLAS/Triton per shape {e['best_of_both_ms']:.3f} ms")
-        print("\nTUNED for gpuworker/kernels/gemv.py (only where Triton beat cuBLAS):")
+        print("\nTUNED for gpuworker/kernels/linear/gemv.py (only where Triton beat cuBLAS):")
         print("TUNED = {")
         for (n, k), by_m in tuned.items():
             print(f"    ({n}, {k}): {by_m!r},")

@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from common import copy_bandwidth_gbs, environment, write_json
-from gpuworker.kernels.kv_cache_write import kv_cache_write
-from gpuworker.kernels.paged_decode_attention import (NewTokens, SplitCounters, choose_num_splits,
+from gpuworker.kernels.attention.kv_cache_write import kv_cache_write
+from gpuworker.kernels.attention.paged_decode import (NewTokens, SplitCounters, choose_num_splits,
                                                      paged_decode_attention)
-from gpuworker.kernels.prefill_attention import prefill_attention
-from gpuworker.kernels.rms_norm import rms_norm, rms_norm_reference
-from gpuworker.kernels.rotary import apply_rotary, apply_rotary_and_cache, apply_rotary_reference
+from gpuworker.kernels.attention.prefill import prefill_attention
+from gpuworker.kernels.norm.rms_norm import rms_norm, rms_norm_reference
+from gpuworker.kernels.attention.rotary import apply_rotary, apply_rotary_and_cache, apply_rotary_reference
 from gpuworker.models.layers import RotaryEmbedding
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, BLOCK_SIZE = 32, 8, 128, 4096, 16
@@ -202,7 +202,7 @@ def bench_decode_fp8(cases=((512, 700), (256, 1024), (64, 2048)),
     values in a bf16 cache, at the default launch and over a tile sweep for FP8, each tile with V
     read as bytes and as 16-bit words ("+pairs", paged_decode_attention's fp8_v_pairs), per case
     (batch, context). GB/s counts the bytes each cache holds for the context (FP8: half of bf16's)."""
-    from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+    from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 
     rows = []
     scale = HEAD_DIM**-0.5

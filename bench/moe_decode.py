@@ -1,4 +1,4 @@
-"""MoE decode benchmark: the decode kernels (gpuworker.kernels.moe_decode) against the grouped ones
+"""MoE decode benchmark: the decode kernels (gpuworker.kernels.moe.decode) against the grouped ones
 (kernels.fused_moe, today's path) at Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts, top-8, expert
 intermediate 768), M = 1, 2, 4, 8 tokens, bf16, on one GPU.
 
@@ -15,7 +15,7 @@ CUDA-graph replays over input sets whose routings differ, alternating between tw
 experts (2 x 1.2 GB), so the H200's L2 holds neither the experts of one call nor those of the next;
 launch overhead is out. GB/s counts the expert weights the call's routing reads (each distinct
 expert once) against the measured copy bandwidth (read + write). Prints a TUNED entry for
-gpuworker/kernels/moe_decode.py and writes moe_decode.json to $OUT (or bench/results/).
+gpuworker/kernels/moe/decode.py and writes moe_decode.json to $OUT (or bench/results/).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def make_problem(m: int, hidden: int, inter: int, experts: int, top_k: int, sets
 
 def expert_bytes(problem: dict, top_k: int) -> float:
     """Mean bytes of expert weights one call reads: each distinct chosen expert's w13 and w2 once."""
-    from gpuworker.kernels.moe_decode import route_reference
+    from gpuworker.kernels.moe.decode import route_reference
 
     w13, w2 = problem["w13"][0], problem["w2"][0]
     per_expert = (w13[0].numel() + w2[0].numel()) * ES
@@ -72,15 +72,15 @@ def expert_bytes(problem: dict, top_k: int) -> float:
 def sweep_configs(default, tiles: int | None = None) -> tuple[list, list]:
     """(the gate/up tiles with the default down tile, the down tiles with the default gate/up tile),
     the first `tiles` of each list if given."""
-    from gpuworker.kernels.moe_decode import DecodeConfig, Tile
+    from gpuworker.kernels.moe.decode import DecodeConfig, Tile
 
     return ([DecodeConfig(Tile.parse(t), default.down) for t in GATE_UP_TILES[:tiles]],
             [DecodeConfig(default.gate_up, Tile.parse(t)) for t in DOWN_TILES[:tiles]])
 
 
 def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bool) -> tuple[dict, list[dict]]:
-    from gpuworker.kernels.fused_moe import fused_moe
-    from gpuworker.kernels.moe_decode import (DEFAULT_CONFIG, DecodeConfig, moe_decode, moe_decode_reference,
+    from gpuworker.kernels.moe.fused import fused_moe
+    from gpuworker.kernels.moe.decode import (DEFAULT_CONFIG, DecodeConfig, moe_decode, moe_decode_reference,
                                               route_reference, route_top_k)
 
     hidden, inter, experts, top_k = shape
@@ -191,7 +191,7 @@ def print_timed(results: list[dict], copy_gbps: float) -> None:
     if first.get("M") == 1 and first.get("grouped_us") and first.get("best_us"):
         print(f"\n48 layers at M=1: grouped {48 * first['grouped_us'] / 1e3:.3f} ms, "
               f"decode {48 * first['best_us'] / 1e3:.3f} ms")
-    print("\nTUNED for gpuworker/kernels/moe_decode.py:")
+    print("\nTUNED for gpuworker/kernels/moe/decode.py:")
     print(f"    ({HIDDEN}, {INTER}, {TOP_K}): {tuned_entry(results)!r},")
 
 
@@ -205,7 +205,7 @@ def main() -> None:
     device, timed, env, copy_gbps = start.device, start.timed, start.env, start.copy_gbps
     on_cuda = device == "cuda"
     os.environ.pop("GPUWORKER_MOE_DECODE", None)  # every config is passed explicitly
-    from gpuworker.kernels.moe_decode import DECODE_MAX_PAIRS
+    from gpuworker.kernels.moe.decode import DECODE_MAX_PAIRS
 
     torch.manual_seed(0)
     shapes = ((HIDDEN, INTER, EXPERTS, TOP_K),) if on_cuda else TINY_SHAPES

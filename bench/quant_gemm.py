@@ -7,7 +7,7 @@ cuBLAS bf16 F.linear, the dequantise-then-torch.mm path, and the Triton kernel's
 Every candidate is checked against int4_matmul_reference first. Times are medians of CUDA-graph replays
 (bench/kernel_times.py's graph_time_us) over enough weight copies that the L2 cannot hold them. Prints, per row
 count, the sum over one decode step's 32 layers of the four projections, a TUNED_GEMM table and the
-DEQUANT_MIN_ROWS crossover for gpuworker/kernels/int4_matmul.py, and writes quant_gemm.json to $OUT.
+DEQUANT_MIN_ROWS crossover for gpuworker/kernels/quant/int4_matmul.py, and writes quant_gemm.json to $OUT.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     start = start_kernel_sweep("quant_gemm.py", args.check_only)
     device, timed = start.device, start.timed
-    from gpuworker.kernels.int4_matmul import (Int4GemmConfig, dequantize_int4_to, int4_matmul,
+    from gpuworker.kernels.quant.int4_matmul import (Int4GemmConfig, dequantize_int4_to, int4_matmul,
                                                int4_matmul_reference)
 
     on_cuda = device == "cuda"
@@ -109,7 +109,7 @@ def print_summary(results: list[dict], rows_list, tiles_by_name: dict) -> None:
             dequant_from = dequant_from or m
         else:
             dequant_from = None
-    print("\nTUNED_GEMM for gpuworker/kernels/int4_matmul.py (row bucket: fastest tile summed over the shapes):")
+    print("\nTUNED_GEMM for gpuworker/kernels/quant/int4_matmul.py (row bucket: fastest tile summed over the shapes):")
     print("TUNED_GEMM: dict[int, Int4GemmConfig] = {")
     for m, name in tuned.items():
         if dequant_from is not None and m >= dequant_from:

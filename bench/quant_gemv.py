@@ -11,8 +11,8 @@ fp8_matmul_reference) before it is timed; one that disagrees or fails to compile
 skipped. Times are medians of CUDA-graph replays over enough weight copies that the L2 cannot hold
 them (bench/kernel_times.py's graph_time_us), so launch overhead is out. GB/s counts the bytes the kernel
 must move (packed weight, zero points and scales, or the FP8 weight and its row scales, plus x and
-the output); cuBLAS's counts its bf16 weight. Prints a TUNED table for gpuworker/kernels/int4_matmul.py
-and a TUNED_FP8 table for gpuworker/kernels/gemv.py, ready to paste, and writes quant_gemv.json to
+the output); cuBLAS's counts its bf16 weight. Prints a TUNED table for gpuworker/kernels/quant/int4_matmul.py
+and a TUNED_FP8 table for gpuworker/kernels/linear/gemv.py, ready to paste, and writes quant_gemv.json to
 $OUT (or bench/results/).
 """
 
@@ -70,7 +70,7 @@ MIN_PROGRAMS, MAX_PROGRAMS = 2 * NUM_SMS, 8 * NUM_SMS
 def int4_candidates(n: int, k: int, group: int, *, on_cuda: bool):
     """Every INT4 tile with the split counts that fill the GPU (on a CPU: 1 and 3, for the check), the
     baseline tile unsplit, and the config the kernel picks today; each also with x read as words."""
-    from gpuworker.kernels.int4_matmul import Int4GemvConfig, pick_gemv_config
+    from gpuworker.kernels.quant.int4_matmul import Int4GemvConfig, pick_gemv_config
 
     configs = [pick_gemv_config(n, k, group)]
     for i, (block_n, block_k, num_warps, num_stages) in enumerate(INT4_TILES):
@@ -94,7 +94,7 @@ def int4_candidates(n: int, k: int, group: int, *, on_cuda: bool):
 
 def fp8_candidates(n: int, k: int):
     """gemv's FP8 candidates, the bf16 one-row FMA candidates, and the config gemv picks today."""
-    from gpuworker.kernels.gemv import CANDIDATES, FP8_CANDIDATES, pick_config
+    from gpuworker.kernels.linear.gemv import CANDIDATES, FP8_CANDIDATES, pick_config
 
     configs = [pick_config(1, n, k, fp8_weight=True), *FP8_CANDIDATES, *(c for c in CANDIDATES if not c.use_dot)]
     return list({c.name: c for c in configs}.values())
@@ -114,16 +114,16 @@ def make_int4(n: int, k: int, group: int, copies: int, device: str):
 
 
 def make_fp8(n: int, k: int, copies: int, device: str):
-    from gpuworker.kernels.fp8_matmul import quantize_fp8_rows
+    from gpuworker.kernels.quant.fp8_matmul import quantize_fp8_rows
 
     return [quantize_fp8_rows(torch.randn(n, k, device=device) / k**0.5) for _ in range(copies)]
 
 
 def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str, timed: bool) -> tuple[dict, list]:
     """One shape for one kernel: check then time every candidate; cuBLAS bf16 alongside."""
-    from gpuworker.kernels.fp8_matmul import fp8_matmul_reference
-    from gpuworker.kernels.gemv import gemv, pick_config
-    from gpuworker.kernels.int4_matmul import Int4GemvConfig, int4_matmul, int4_matmul_reference, pick_gemv_config
+    from gpuworker.kernels.quant.fp8_matmul import fp8_matmul_reference
+    from gpuworker.kernels.linear.gemv import gemv, pick_config
+    from gpuworker.kernels.quant.int4_matmul import Int4GemvConfig, int4_matmul, int4_matmul_reference, pick_gemv_config
 
     copies = 1
     if timed:
@@ -231,7 +231,7 @@ def step_estimate(rows: list[dict]) -> dict:
 def print_tables(rows: list[dict]) -> None:
     int4 = [r for r in rows if r["kernel"] == "int4" and "best" in r]
     if int4:
-        print("\nTUNED for gpuworker/kernels/int4_matmul.py (one-row GEMV, fastest config per shape):")
+        print("\nTUNED for gpuworker/kernels/quant/int4_matmul.py (one-row GEMV, fastest config per shape):")
         print("TUNED: dict[tuple[int, int, int], Int4GemvConfig] = {")
         for r in int4:
             c = r["best"]
@@ -242,7 +242,7 @@ def print_tables(rows: list[dict]) -> None:
         print("}")
     fp8 = [r for r in rows if r["kernel"] == "fp8" and "best" in r]
     if fp8:
-        print("\nTUNED_FP8 for gpuworker/kernels/gemv.py (FP8 weight, one row, fastest config per shape):")
+        print("\nTUNED_FP8 for gpuworker/kernels/linear/gemv.py (FP8 weight, one row, fastest config per shape):")
         print("TUNED_FP8: dict[tuple[int, int], dict[int, str]] = {")
         for r in fp8:
             print(f"    ({r['N']}, {r['K']}): {{1: {r['best_config']!r}}},  "

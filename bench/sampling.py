@@ -1,4 +1,4 @@
-"""Sampling kernel benchmark: gpuworker.kernels.sampling's launch configs against the kernel as it was
+"""Sampling kernel benchmark: gpuworker.kernels.sampling.sample's launch configs against the kernel as it was
 before issue 21 (BASELINE_CONFIG: every pass over the row, every row searching its thresholds, no
 draw first), at Llama-3-8B's vocabulary (128,256), batch 1, 64 and 512.
 
@@ -18,7 +18,7 @@ variants of it at every batch, mode and logits kind. Every config is checked aga
 sample_reference (the same tokens wherever the kept sets agree) before it is timed; one that
 disagrees is reported and skipped. Times are medians of CUDA-graph replays over enough logits copies
 that the L2 cannot hold them; GB/s counts one read of the logits. Prints a TUNED table for
-gpuworker/kernels/sampling.py and writes sampling.json to $OUT (or bench/results/).
+gpuworker/kernels/sampling/sample.py and writes sampling.json to $OUT (or bench/results/).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def check(config, logits: torch.Tensor, params: dict, expected: torch.Tensor) ->
     num_kept output: that would be another variant to compile): a row whose top-p or min-p boundary
     falls within rounding of the threshold may keep one token more or less than the reference
     (float sums added in another order), which changes its token only if that token wins the draw."""
-    from gpuworker.kernels.sampling import sample
+    from gpuworker.kernels.sampling.sample import sample
 
     try:
         tokens = sample(logits, config=config, **params)
@@ -89,7 +89,7 @@ def check(config, logits: torch.Tensor, params: dict, expected: torch.Tensor) ->
 def time_config(config, logit_sets: list[torch.Tensor], params: dict) -> float:
     from kernel_times import graph_time_us
 
-    from gpuworker.kernels.sampling import sample
+    from gpuworker.kernels.sampling.sample import sample
 
     return graph_time_us([lambda x=x: sample(x, config=config, **params) for x in logit_sets])
 
@@ -105,7 +105,7 @@ def measure(config, batch: int, mode: str, kind: str, cache: dict, *, device: st
             from kernel_times import num_sets
 
             copies = num_sets(batch * vocab * 4, cap=16)
-        from gpuworker.kernels.sampling import sample_reference
+        from gpuworker.kernels.sampling.sample import sample_reference
 
         logit_sets = [make_logits(kind, batch, vocab, device, generator) for _ in range(copies)]
         params = mode_params(mode, batch, vocab, device, generator)
@@ -161,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     sweep = start_kernel_sweep("sampling.py", args.check_only, copy_bandwidth=False)
     device, timed, env = sweep.device, sweep.timed, sweep.env
-    from gpuworker.kernels.sampling import BASELINE_CONFIG, DEFAULT_CONFIG, TUNED, SamplingConfig
+    from gpuworker.kernels.sampling.sample import BASELINE_CONFIG, DEFAULT_CONFIG, TUNED, SamplingConfig
 
     cache: dict = {}
     descent: list[dict] = []
@@ -193,7 +193,7 @@ def main() -> None:
     if timed:
         print_results(results, argmax, configs)
         payload["tuned"] = tuned = pick_tuned(results, configs)
-        print("\nTUNED for gpuworker/kernels/sampling.py (fastest total over modes and logits per batch):")
+        print("\nTUNED for gpuworker/kernels/sampling/sample.py (fastest total over modes and logits per batch):")
         print("TUNED = {")
         for batch, name in tuned.items():
             config = next(c for c in configs if c.name == name)

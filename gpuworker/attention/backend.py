@@ -8,7 +8,7 @@ KV cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim
 (index 0 holds keys, 1 values). A token at position ``p`` of a sequence lives in block
 ``block_table[p // block_size]`` at offset ``p % block_size``; its slot is
 ``block * block_size + offset``. The cache holds the model's dtype, or float8_e4m3fn with a static
-scale per layer for keys (k_scale) and one for values (v_scale): gpuworker.kernels.kv_cache_quant.
+scale per layer for keys (k_scale) and one for values (v_scale): gpuworker.kernels.quant.kv_cache.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol, TypeGuard
 import torch
 
 if TYPE_CHECKING:  # the metadata and protocols stay importable without Triton
-    from gpuworker.kernels.qk_norm import QKNorm
+    from gpuworker.kernels.norm.qk_norm import QKNorm
 
 
 @dataclass

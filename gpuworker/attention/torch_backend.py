@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gpuworker.attention.backend import AttentionMetadata
-from gpuworker.kernels.kv_cache_quant import dequantize_kv, quantize_kv
+from gpuworker.kernels.quant.kv_cache import dequantize_kv, quantize_kv
 
 
 class TorchAttentionBackend:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 
 from gpuworker.attention.backend import AttentionMetadata
-from gpuworker.kernels.kv_cache_write import kv_cache_write
-from gpuworker.kernels.paged_decode_attention import (MAX_SPLITS, MIN_PARTITION, NewTokens, SplitCounters,
+from gpuworker.kernels.attention.kv_cache_write import kv_cache_write
+from gpuworker.kernels.attention.paged_decode import (MAX_SPLITS, MIN_PARTITION, NewTokens, SplitCounters,
                                                      multiprocessor_count, paged_decode_attention)
-from gpuworker.kernels.prefill_attention import prefill_attention
-from gpuworker.kernels.qk_norm import QKNorm
-from gpuworker.kernels.rotary import apply_rotary_and_cache
+from gpuworker.kernels.attention.prefill import prefill_attention
+from gpuworker.kernels.norm.qk_norm import QKNorm
+from gpuworker.kernels.attention.rotary import apply_rotary_and_cache
 
 
 class TritonAttentionBackend:

@@ -1,12 +1,12 @@
 """The KV cache's torch dtype from EngineConfig.kv_cache_dtype: "auto" (the model's dtype) or "fp8"
-(float8_e4m3fn with per-layer scales, gpuworker.kernels.kv_cache_quant), refused where the device
+(float8_e4m3fn with per-layer scales, gpuworker.kernels.quant.kv_cache), refused where the device
 cannot run it."""
 
 from __future__ import annotations
 
 import torch
 
-from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 
 # The Triton kernels convert to and from e4m3 with Hopper/Ada instructions (compute capability 8.9+).
 FP8_MIN_CAPABILITY = (8, 9)

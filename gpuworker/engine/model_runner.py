@@ -185,7 +185,7 @@ class ModelRunner:
             self.model.compute_logits(selected).argmax(dim=-1)
             self.model.greedy_tokens(selected)
         if device.type == "cuda":
-            from gpuworker.kernels.sampling import warm_up as warm_up_sampling
+            from gpuworker.kernels.sampling.sample import warm_up as warm_up_sampling
             from gpuworker.models.moe import SparseMoE
 
             warm_up_sampling(device, self.model_config.vocab_size)

@@ -1,7 +1,7 @@
 """Batched sampling on the device, one row per sequence that needs a token this step.
 
 Logit bias -> penalties (OpenAI/vLLM semantics) -> grammar masks (constrained rows only) -> temperature -> top-k
--> top-p -> min-p, then a Gumbel-max draw (gpuworker.kernels.sampling: one Triton launch on CUDA,
+-> top-p -> min-p, then a Gumbel-max draw (gpuworker.kernels.sampling.sample: one Triton launch on CUDA,
 no sort of the vocabulary and no device->host sync; the same draws by a full sort in torch on the
 CPU). Every row's noise comes from Philox keyed by a per-row seed: a seeded request's key is made
 from (seed, choice index, output position), so it gets the same tokens whatever else shares the
@@ -181,12 +181,12 @@ class Sampler:
         if meta.all_greedy:
             token_ids = logits.argmax(dim=-1)
         elif logits.is_cuda:
-            from gpuworker.kernels.sampling import sample  # Triton only where there is a GPU
+            from gpuworker.kernels.sampling.sample import sample  # Triton only where there is a GPU
 
             token_ids = sample(logits, meta.temperature, seeds=meta.seeds, top_k=meta.top_k, top_p=meta.top_p,
                                min_p=meta.min_p)
         else:
-            from gpuworker.kernels.sampling import sample_reference
+            from gpuworker.kernels.sampling.sample import sample_reference
 
             token_ids, _ = sample_reference(logits, meta.temperature, seeds=meta.seeds, top_k=meta.top_k,
                                             top_p=meta.top_p, min_p=meta.min_p)

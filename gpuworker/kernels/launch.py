@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # What a KV cache may hold: the keys' own dtype, or FP8 with scales (kernels/kv_cache_quant.py).
@@ -68,8 +70,8 @@ _INTERPRETED_STDLIB: dict[int, Any] = {}
 
 @contextmanager
 def _interpretable_stdlib() -> Iterator[None]:
-    """Let the interpreter call tl.max, tl.sum & co. (and our device helpers: kv_cache_fp8,
-    online_softmax, prefetch, qk_norm_device) even if triton was imported before TRITON_INTERPRET=1.
+    """Let the interpreter call tl.max, tl.sum & co. (and every @triton.jit device function of this
+    package) even if triton was imported before TRITON_INTERPRET=1.
 
     Triton's own @jit helpers (triton.language.standard) are decorated when triton is imported; if
     that happened without the flag they are compiled-mode functions that the interpreter refuses to
@@ -79,10 +81,8 @@ def _interpretable_stdlib() -> Iterator[None]:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from gpuworker.kernels import kv_cache_fp8, online_softmax, prefetch, qk_norm_device
-
     saved = []
-    for module in (tl, tl.standard, kv_cache_fp8, online_softmax, prefetch, qk_norm_device):
+    for module in (tl, tl.standard, *_device_modules()):
         for name, value in list(vars(module).items()):
             if isinstance(value, JITFunction):
                 twin = _INTERPRETED_STDLIB.get(id(value))
@@ -95,6 +95,13 @@ def _interpretable_stdlib() -> Iterator[None]:
     finally:
         for module, name, value in reversed(saved):
             setattr(module, name, value)
+
+
+def _device_modules() -> list[ModuleType]:
+    """Every imported module of this package: wherever a kernel family keeps its @triton.jit device
+    functions (kernels/device/ for shared ones, a family's own modules for its private ones)."""
+    package = __name__.rpartition(".")[0] + "."
+    return [module for name, module in list(sys.modules.items()) if name.startswith(package) and module is not None]
 
 
 def lazy_jit(fn: Callable[..., Any], do_not_specialize: tuple[str, ...] = ()) -> LazyJIT:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from gpuworker.kernels.encoder_attention import encoder_attention, encoder_attention_reference
+from gpuworker.kernels.attention.encoder import encoder_attention, encoder_attention_reference
 
 # Where a sentence-transformers checkpoint may declare the Matryoshka dimensions it was trained
 # for (its vectors can be cut to any of them and renormalised); without it `dimensions` is refused.

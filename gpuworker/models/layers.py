@@ -24,7 +24,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from gpuworker.kernels.gemv import gemv, tuned_config
+            from gpuworker.kernels.linear.gemv import gemv, tuned_config
 
             # A single decode row on a shape where our GEMV measured faster than cuBLAS.
             config = tuned_config(x, self.weight)
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual`: s = x + residual, returns (norm(s), s)."""
         if x.is_cuda:  # one fused Triton kernel instead of six eager ones (seven with the add)
-            from gpuworker.kernels.rms_norm import rms_norm
+            from gpuworker.kernels.norm.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -64,13 +64,13 @@ def norm_then_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor,
     after it. A single decode row on a shape where our GEMV runs the projection takes one kernel for
     both (gemv_rms_norm: the norm applied as the GEMV loads its input)."""
     if x.is_cuda and isinstance(linear, Linear):  # quantized projections have their own kernels
-        from gpuworker.kernels.gemv import fuses_rms_norm, gemv_rms_norm, tuned_config
+        from gpuworker.kernels.linear.gemv import fuses_rms_norm, gemv_rms_norm, tuned_config
 
         config = tuned_config(x, linear.weight)
         if config is not None and fuses_rms_norm(config) and x.dtype == norm.weight.dtype:
             return gemv_rms_norm(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, config=config)
     if _takes_quantized_input(linear, x) and x.dtype == norm.weight.dtype:
-        from gpuworker.kernels.rms_norm import rms_norm_fp8
+        from gpuworker.kernels.norm.rms_norm import rms_norm_fp8
 
         if residual is None:
             return linear.forward_quantized(*rms_norm_fp8(x, norm.weight, norm.eps), x.dtype), x
@@ -103,12 +103,12 @@ class GatedMLP(nn.Module):
         """Everything after gate_up_proj (which the decoder layer runs fused with its norm):
         down(silu(gate) * up)."""
         if _takes_quantized_input(self.down_proj, gate_up[:, : self.intermediate_size]):
-            from gpuworker.kernels.activation import silu_and_mul_fp8
+            from gpuworker.kernels.linear.activation import silu_and_mul_fp8
 
             return self.down_proj.forward_quantized(*silu_and_mul_fp8(gate_up), gate_up.dtype)
         if gate_up.is_cuda:  # one kernel instead of silu, then the product
-            from gpuworker.kernels.activation import silu_and_mul
-            from gpuworker.kernels.gemv import gemv, tuned_config
+            from gpuworker.kernels.linear.activation import silu_and_mul
+            from gpuworker.kernels.linear.gemv import gemv, tuned_config
 
             down = self.down_proj
             # Where our GEMV runs the down projection, it applies SiLU-and-mul as it loads its input
@@ -183,7 +183,7 @@ class RotaryEmbedding(nn.Module):
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H, D]; key [T, KVH, D] -> rotated (query, key)."""
         if query.is_cuda:  # the Triton kernel rotates in place, with HF's rounding
-            from gpuworker.kernels.rotary import apply_rotary
+            from gpuworker.kernels.attention.rotary import apply_rotary
 
             return apply_rotary(positions, query, key, self.cos_cache, self.sin_cache)
         # HF casts cos/sin to the activation dtype before multiplying; do the same.

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpuworker.attention.backend import AttentionBackend, AttentionMetadata, fuses_rotary_and_cache_write
-from gpuworker.kernels.qk_norm import QKNorm
+from gpuworker.kernels.norm.qk_norm import QKNorm
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_then_linear
 from gpuworker.models.moe import SparseMoE
@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         if self.parallel is not None:
             return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.parallel)
         if hidden.is_cuda:
-            from gpuworker.kernels.gemv import gemv, tuned_config
+            from gpuworker.kernels.linear.gemv import gemv, tuned_config
 
             config = tuned_config(hidden, weight)
             if config is not None:
@@ -176,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         """
         weight = self.lm_head_weight
         if hidden.is_cuda and self.parallel is None:
-            from gpuworker.kernels.gemv import gemv_argmax, tuned_config
+            from gpuworker.kernels.linear.gemv import gemv_argmax, tuned_config
 
             config = tuned_config(hidden, weight)
             if config is not None and config.split_k == 1:

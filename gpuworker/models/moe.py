@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpuworker.kernels.moe_decode import route_reference
+from gpuworker.kernels.moe.decode import route_reference
 from gpuworker.models.config import MoEConfig
 from gpuworker.models.layers import GatedMLP, Linear
 from gpuworker.models.tensor_parallel import ParallelContext
@@ -66,8 +66,8 @@ class SparseMoE(nn.Module):
 
     def kernel_variant(self, num_tokens: int) -> tuple[str, str | int]:
         """Which GPU kernels T tokens take: ("decode", its config name) or ("grouped", its row tile)."""
-        from gpuworker.kernels.fused_moe import block_m_for
-        from gpuworker.kernels.moe_decode import decode_config
+        from gpuworker.kernels.moe.fused import block_m_for
+        from gpuworker.kernels.moe.decode import decode_config
 
         config = decode_config(num_tokens, self.config.top_k, self.hidden_size, self.config.expert_intermediate_size)
         if config is not None:
@@ -103,8 +103,8 @@ class SparseMoE(nn.Module):
         w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
         w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
         if x.is_cuda:
-            from gpuworker.kernels.fused_moe import fused_moe
-            from gpuworker.kernels.moe_decode import decode_config, moe_decode, route_top_k
+            from gpuworker.kernels.moe.fused import fused_moe
+            from gpuworker.kernels.moe.decode import decode_config, moe_decode, route_top_k
 
             config = decode_config(x.shape[0], top_k, self.hidden_size, self.config.expert_intermediate_size)
             if config is not None:

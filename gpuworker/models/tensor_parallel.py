@@ -124,7 +124,7 @@ class ParallelGatedMLP(GatedMLP):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         # Not GatedMLP's fused GEMV: that applies the bias before the partial sums are joined.
         if gate_up.is_cuda:
-            from gpuworker.kernels.activation import silu_and_mul
+            from gpuworker.kernels.linear.activation import silu_and_mul
 
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

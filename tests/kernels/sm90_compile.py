@@ -71,6 +71,12 @@ def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> str:
     the life of its process) and return its PTX; raises AssertionError with the compiler's message
     if it fails. use_pdl: compile the programmatic-dependent-launch variant (what an H200 runs)
     where the kernel has a USE_PDL constexpr."""
+    [ptx] = compile_jobs([compile_job(launch, use_pdl=use_pdl)])
+    return ptx
+
+
+def compile_job(launch: Launch, *, use_pdl: bool = True) -> dict:
+    """The launch as the JIT on an sm_90 GPU would compile it: a JSON-able job for compile_jobs."""
     fn = launch.kernel.fn
     parameters = inspect.signature(fn).parameters
     dont_specialize = set(launch.kernel.do_not_specialize)
@@ -104,11 +110,18 @@ def compile_sm90(launch: Launch, *, use_pdl: bool = True) -> str:
            # the launch's own register limit too (the sampling kernel's max_registers): ptxas
            # compiles another program under it
            "options": {"num_warps": 4, "num_stages": 3, **{k: v for k, v in launch.options.items() if v is not None}}}
+    return job
+
+
+def compile_jobs(jobs: list[dict]) -> list[str]:
+    """Compile the jobs in one fresh process and return their PTX, in order; raises AssertionError
+    with the compiler's message for the first that fails."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(job)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{fn.__name__} does not compile for sm_90:\n{done.stderr[-3000:]}"
-    return done.stdout
+    done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(jobs), env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600 + 60 * len(jobs))
+    names = ", ".join(sorted({job["name"] for job in jobs}))
+    assert done.returncode == 0, f"{names} does not compile for sm_90:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout)
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,12 +131,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
-job = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(job["module"]), job["name"])
-jitted = JITFunction(fn, do_not_specialize=job["do_not_specialize"])
-constexprs = {(int(i),): v for i, v in job["constexprs"].items()}
-attrs = {(i,): [["tt.divisibility", 16]] for i in job["divisible"]}
-source = ASTSource(jitted, job["signature"], constexprs=constexprs, attrs=attrs)
-kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=job["options"])
-sys.stdout.write(kernel.asm["ptx"])
+out = []
+for job in json.load(sys.stdin):
+    fn = getattr(importlib.import_module(job["module"]), job["name"])
+    jitted = JITFunction(fn, do_not_specialize=job["do_not_specialize"])
+    constexprs = {(int(i),): v for i, v in job["constexprs"].items()}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in job["divisible"]}
+    source = ASTSource(jitted, job["signature"], constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=job["options"])
+    out.append(kernel.asm["ptx"])
+json.dump(out, sys.stdout)
 """

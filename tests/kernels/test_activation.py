@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.activation import MAX_FP8_ROW, silu_and_mul, silu_and_mul_fp8, silu_and_mul_reference
-from gpuworker.kernels.fp8_matmul import FP8_DTYPE, quantize_fp8_rows
+from gpuworker.kernels.linear.activation import MAX_FP8_ROW, silu_and_mul, silu_and_mul_fp8, silu_and_mul_reference
+from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE, quantize_fp8_rows
 
 ON_CUDA = torch.cuda.is_available()
 # Llama-3-8B's intermediate size on the GPU; a width that is not a multiple of the block elsewhere.

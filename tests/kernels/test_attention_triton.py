@@ -103,7 +103,7 @@ def test_forward_with_rotary_matches_rotary_then_torch_backend(dtype, device, ge
     # launch, the rotary kernel those of the prefill rows. Against the rotary kernel alone + the torch
     # backend's forward, step by step over prefills, decodes and padding: the cache bit for bit.
     from gpuworker.attention.backend import fuses_rotary_and_cache_write
-    from gpuworker.kernels.rotary import apply_rotary
+    from gpuworker.kernels.attention.rotary import apply_rotary
     from gpuworker.models.layers import RotaryEmbedding
 
     backend = TritonAttentionBackend()
@@ -190,8 +190,8 @@ def test_fp8_cache_matches_torch_backend(fused, device, generator, tolerance):
     # padding: the same cache (float32 activations, whose rotations agree bit for bit in the
     # interpreter) and the same attention, to float32's tolerance; on a GPU the fused rotation may
     # round a key an ulp differently (see above), which can move it one e4m3 step.
-    from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
-    from gpuworker.kernels.rotary import apply_rotary
+    from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
+    from gpuworker.kernels.attention.rotary import apply_rotary
     from gpuworker.models.layers import RotaryEmbedding
 
     scales = {"k_scale": 0.05, "v_scale": 0.1}

@@ -4,7 +4,7 @@ the Triton interpreter on CPU and compiled on a GPU."""
 import pytest
 import torch
 
-from gpuworker.kernels.encoder_attention import encoder_attention, encoder_attention_reference
+from gpuworker.kernels.attention.encoder import encoder_attention, encoder_attention_reference
 
 ON_CUDA = torch.cuda.is_available()
 

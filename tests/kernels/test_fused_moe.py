@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.fused_moe import align_by_expert, fused_moe
-from gpuworker.kernels.moe_decode import route_reference
+from gpuworker.kernels.moe.fused import align_by_expert, fused_moe
+from gpuworker.kernels.moe.decode import route_reference
 from gpuworker.models.moe import experts_reference
 from tests.kernels.conftest import DEVICE, ON_CUDA, TOLERANCES
 

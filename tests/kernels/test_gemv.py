@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels import gemv as gemv_module
-from gpuworker.kernels.activation import silu_and_mul
-from gpuworker.kernels.gemv import (
+from gpuworker.kernels.linear import gemv as gemv_module
+from gpuworker.kernels.linear.activation import silu_and_mul
+from gpuworker.kernels.linear.gemv import (
     CANDIDATES,
     CANDIDATES_BY_NAME,
     FP8_CANDIDATES,
@@ -23,7 +23,7 @@ from gpuworker.kernels.gemv import (
     tuned_config,
 )
 from gpuworker.kernels.launch import SPLIT_K_COUNTERS
-from gpuworker.kernels.rms_norm import rms_norm_reference
+from gpuworker.kernels.norm.rms_norm import rms_norm_reference
 
 ON_CUDA = torch.cuda.is_available()
 # N and K that no candidate's BLOCK_N / BLOCK_K divide, so row and K tails are exercised.
@@ -286,7 +286,7 @@ FP8_CONFIGS = [c for c in CANDIDATES if not c.use_dot] + list(FP8_CANDIDATES)
 @pytest.mark.parametrize("config", FP8_CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp8_weight_with_row_scales_matches_the_dequantised_product(config, with_bias, device, generator):
-    from gpuworker.kernels.fp8_matmul import FP8_DTYPE, fp8_matmul_reference
+    from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE, fp8_matmul_reference
 
     # Deep enough for split-K configs to give several splits work and for a prefetch to happen.
     k = SPLIT_K_DEPTH if config.split_k > 1 or config.prefetch else K
@@ -302,7 +302,7 @@ def test_fp8_weight_with_row_scales_matches_the_dequantised_product(config, with
 
 
 def test_fp8_weight_is_refused_where_the_kernel_cannot_take_it(device, generator):
-    from gpuworker.kernels.fp8_matmul import FP8_DTYPE
+    from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE
 
     x, weight, _ = make(1, N, K, torch.bfloat16, generator, device)
     weight_fp8 = weight.to(FP8_DTYPE)

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpuworker.kernels import int4_matmul as int4_module
-from gpuworker.kernels.int4_matmul import (TARGET_PROGRAMS, Int4GemmConfig, Int4GemvConfig, default_gemv_config,
+from gpuworker.kernels.quant import int4_matmul as int4_module
+from gpuworker.kernels.quant.int4_matmul import (TARGET_PROGRAMS, Int4GemmConfig, Int4GemvConfig, default_gemv_config,
                                            dequantize_int4, dequantize_int4_to, int4_matmul, int4_matmul_reference,
                                            pack_rows, pick_gemm_config, pick_gemv_config, unpack_rows)
 from gpuworker.kernels.launch import SPLIT_K_COUNTERS

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.kv_cache_quant import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
-from gpuworker.kernels.kv_cache_write import kv_cache_write, kv_cache_write_reference
-from gpuworker.kernels.paged_decode_attention import (NewTokens, paged_decode_attention,
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
+from gpuworker.kernels.attention.kv_cache_write import kv_cache_write, kv_cache_write_reference
+from gpuworker.kernels.attention.paged_decode import (NewTokens, paged_decode_attention,
                                                      paged_decode_attention_reference)
-from gpuworker.kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from gpuworker.kernels.rotary import apply_rotary, apply_rotary_and_cache, apply_rotary_and_cache_reference
+from gpuworker.kernels.attention.prefill import prefill_attention, prefill_attention_reference
+from gpuworker.kernels.attention.rotary import apply_rotary, apply_rotary_and_cache, apply_rotary_and_cache_reference
 from gpuworker.models.layers import RotaryEmbedding
 
 ON_CUDA = torch.cuda.is_available()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.kv_cache_write import kv_cache_write, kv_cache_write_reference
+from gpuworker.kernels.attention.kv_cache_write import kv_cache_write, kv_cache_write_reference
 
 ON_CUDA = torch.cuda.is_available()
 # (num_tokens, num_kv_heads, head_dim, num_blocks)

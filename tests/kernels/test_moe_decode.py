@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels import moe_decode as moe_decode_module
-from gpuworker.kernels.moe_decode import (DECODE_MAX_PAIRS, DEFAULT_CONFIG, ENV_OVERRIDE, DecodeConfig, Tile,
+from gpuworker.kernels.moe import decode as moe_decode_module
+from gpuworker.kernels.moe.decode import (DECODE_MAX_PAIRS, DEFAULT_CONFIG, ENV_OVERRIDE, DecodeConfig, Tile,
                                           decode_config, moe_decode, moe_decode_reference, route_reference,
                                           route_top_k)
 from gpuworker.models.moe import experts_reference

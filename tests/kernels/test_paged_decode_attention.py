@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gpuworker.kernels.paged_decode_attention import (
+from gpuworker.kernels.attention.paged_decode import (
     MAX_SPLITS,
     NewTokens,
     SplitCounters,
@@ -15,8 +15,8 @@ from gpuworker.kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from gpuworker.kernels.qk_norm import QKNorm
-from gpuworker.kernels.rotary import apply_rotary_and_cache
+from gpuworker.kernels.norm.qk_norm import QKNorm
+from gpuworker.kernels.attention.rotary import apply_rotary_and_cache
 
 ON_CUDA = torch.cuda.is_available()
 DTYPES, BLOCK_SIZES, GQA_RATIOS = (torch.float32, torch.float16, torch.bfloat16), (16, 32), (1, 2, 4)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.gemv import gemv, pick_config
+from gpuworker.kernels.linear.gemv import gemv, pick_config
 from gpuworker.kernels.launch import pdl_options
-from gpuworker.kernels.paged_decode_attention import paged_decode_attention
-from gpuworker.kernels.rms_norm import rms_norm
+from gpuworker.kernels.attention.paged_decode import paged_decode_attention
+from gpuworker.kernels.norm.rms_norm import rms_norm
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from gpuworker.kernels.attention.prefill import prefill_attention, prefill_attention_reference
 
 ON_CUDA = torch.cuda.is_available()
 DTYPES, BLOCK_SIZES, GQA_RATIOS = (torch.float32, torch.float16, torch.bfloat16), (16, 32), (1, 2, 4)

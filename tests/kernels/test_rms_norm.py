@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.fp8_matmul import FP8_DTYPE, quantize_fp8_rows
-from gpuworker.kernels.rms_norm import MAX_HIDDEN, rms_norm, rms_norm_fp8, rms_norm_reference
+from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE, quantize_fp8_rows
+from gpuworker.kernels.norm.rms_norm import MAX_HIDDEN, rms_norm, rms_norm_fp8, rms_norm_reference
 
 ON_CUDA = torch.cuda.is_available()
 # Llama-3-8B's hidden size over a prefill-sized batch on the GPU; a small odd width in the interpreter.

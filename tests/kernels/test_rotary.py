@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.kv_cache_write import kv_cache_write
-from gpuworker.kernels.qk_norm import QKNorm
-from gpuworker.kernels.rms_norm import rms_norm
-from gpuworker.kernels.rotary import (
+from gpuworker.kernels.attention.kv_cache_write import kv_cache_write
+from gpuworker.kernels.norm.qk_norm import QKNorm
+from gpuworker.kernels.norm.rms_norm import rms_norm
+from gpuworker.kernels.attention.rotary import (
     apply_rotary,
     apply_rotary_and_cache,
     apply_rotary_and_cache_reference,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.sampling import SamplingConfig, gumbel_noise, philox_bits, sample, sample_reference
+from gpuworker.kernels.sampling.sample import SamplingConfig, gumbel_noise, philox_bits, sample, sample_reference
 
 ON_CUDA = torch.cuda.is_available()
 VOCAB = 128256 if ON_CUDA else 600

@@ -13,12 +13,12 @@ import re
 import pytest
 import torch
 
-from gpuworker.kernels import int4_matmul as int4_module
-from gpuworker.kernels.activation import silu_and_mul_fp8
-from gpuworker.kernels.fp8_matmul import quantize_fp8_rows
-from gpuworker.kernels.rms_norm import rms_norm_fp8
-from gpuworker.kernels.int4_matmul import Int4GemvConfig, dequantize_int4_to, int4_matmul, pack_rows
-from gpuworker.kernels.sampling import BASELINE_CONFIG, DEFAULT_CONFIG, sample
+from gpuworker.kernels.quant import int4_matmul as int4_module
+from gpuworker.kernels.linear.activation import silu_and_mul_fp8
+from gpuworker.kernels.quant.fp8_matmul import quantize_fp8_rows
+from gpuworker.kernels.norm.rms_norm import rms_norm_fp8
+from gpuworker.kernels.quant.int4_matmul import Int4GemvConfig, dequantize_int4_to, int4_matmul, pack_rows
+from gpuworker.kernels.sampling.sample import BASELINE_CONFIG, DEFAULT_CONFIG, sample
 from tests.kernels.sm90_compile import compile_sm90, record_launches
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles these itself")
@@ -101,7 +101,7 @@ def test_sampling_compiles(config, outputs, monkeypatch):
 def _decode_attention_ptx(monkeypatch, cache_dtype, fills_device, **kwargs) -> str:
     """The sm_90 PTX of a decode attention launch at Llama-3-8B's heads (32 query, 8 KV, 128 dims)
     with the tile the GPU takes for a batch that fills the device or not (bf16 queries)."""
-    from gpuworker.kernels.paged_decode_attention import default_tile, paged_decode_attention
+    from gpuworker.kernels.attention.paged_decode import default_tile, paged_decode_attention
 
     launches = record_launches(monkeypatch)
     block_n, num_warps, num_stages = default_tile(torch.bfloat16, 128, fills_device)

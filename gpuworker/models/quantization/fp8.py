@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from gpuworker.kernels.fp8_matmul import (FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference, quantize_fp8_rows,
+from gpuworker.kernels.quant.fp8_matmul import (FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference, quantize_fp8_rows,
                                           quantize_fp8_rows_reference)
-from gpuworker.kernels.gemv import gemv
+from gpuworker.kernels.linear.gemv import gemv
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 # Below this many rows the Triton kernel (a weight stream) beats torch._scaled_mm's tiles.

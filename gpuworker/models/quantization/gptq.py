@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gpuworker.kernels.int4_matmul import unpack_rows
+from gpuworker.kernels.quant.int4_matmul import unpack_rows
 from gpuworker.models.quantization.int4_checkpoint import check_tensors
 
 FIELDS = ("qweight", "qzeros", "scales")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gpuworker.kernels.int4_matmul import PACK, int4_matmul, int4_matmul_reference, pack_rows
+from gpuworker.kernels.quant.int4_matmul import PACK, int4_matmul, int4_matmul_reference, pack_rows
 from gpuworker.models.quantization import awq, gptq
 from gpuworker.models.quantization.linear import QuantizedLinear
 

@@ -1,7 +1,7 @@
 """The FP8 KV cache's static scales a checkpoint may carry: one scalar per layer for keys and one for
 values, `model.layers.N.self_attn.k_scale` / `.v_scale`, as llm-compressor writes them for a
 `kv_cache_scheme` (compressed-tensors) and vLLM reads them. A layer without them keeps 1.0; a cache of
-the model's dtype ignores them (gpuworker.kernels.kv_cache_quant).
+the model's dtype ignores them (gpuworker.kernels.quant.kv_cache).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
-from gpuworker.kernels.kv_cache_quant import check_kv_scale
+from gpuworker.kernels.quant.kv_cache import check_kv_scale
 
 KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
 

@@ -22,7 +22,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("family", ["llama", "llama3.1", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe"])
 def test_float32_greedy_matches_cpu(tiny_checkpoint, family, monkeypatch):
-    from gpuworker.kernels import moe_decode as moe_decode_module
+    from gpuworker.kernels.moe import decode as moe_decode_module
 
     path = tiny_checkpoint(family)
     kwargs = dict(dtype="float32", num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
@@ -73,7 +73,7 @@ def test_greedy_argmax_inside_the_lm_head_launch(tiny_checkpoint, monkeypatch):
     # Plain greedy rows take their token from the lm_head GEMV's fused argmax (where the GEMV has a
     # tuned config, as for Llama-3-8B; given one here for the tiny model). Asking for logprobs
     # takes the sampler's path over the same kernel's logits: the tokens must be the same.
-    from gpuworker.kernels import gemv as gemv_module
+    from gpuworker.kernels.linear import gemv as gemv_module
 
     path = tiny_checkpoint("llama")
     engine = LLMEngine(path, device="cuda", dtype="bfloat16", num_kv_blocks=64, max_model_len=512)

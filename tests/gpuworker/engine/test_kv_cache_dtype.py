@@ -13,7 +13,7 @@ import torch
 from gpuworker.engine import LLMEngine, SamplingParams
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
-from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 from tests.gpuworker.checkpoints import TINY
 from tests.gpuworker.engine.reference import random_prompts
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpuworker.engine.sampling import Penalties, Sampler
-from gpuworker.kernels.sampling import kept_mask_reference, sample_reference
+from gpuworker.kernels.sampling.sample import kept_mask_reference, sample_reference
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.sequence import Sequence, SequenceGroup
 

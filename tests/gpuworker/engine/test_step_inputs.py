@@ -8,7 +8,9 @@ from triton.runtime.jit import JITFunction
 
 from gpuworker.engine import LLMEngine, SamplingParams
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID
-from gpuworker.kernels import paged_decode_attention, prefill_attention, rotary
+from gpuworker.kernels.attention import paged_decode
+from gpuworker.kernels.attention import prefill
+from gpuworker.kernels.attention import rotary
 from gpuworker.kernels.launch import _no_specialization
 from tests.gpuworker.checkpoints import TINY
 from tests.gpuworker.engine.reference import hf_greedy, random_prompts

@@ -6,7 +6,7 @@ warm-up)."""
 import pytest
 import torch
 
-from gpuworker.kernels.moe_decode import ENV_OVERRIDE, TUNED
+from gpuworker.kernels.moe.decode import ENV_OVERRIDE, TUNED
 from gpuworker.models.config import MoEConfig
 from gpuworker.models.moe import SparseMoE
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpuworker.checkpoint_quantization import QuantConfig
-from gpuworker.kernels import gemv as gemv_module
+from gpuworker.kernels.linear import gemv as gemv_module
 from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, norm_then_linear
 from gpuworker.models.quantization import fp8 as fp8_module
 from gpuworker.models.quantization.fp8 import Fp8Linear

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpuworker.kernels.fp8_matmul import FP8_DTYPE
+from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE
 from gpuworker.models.loader import load_model, load_model_config
 from gpuworker.models.quantization.fp8 import Fp8Linear
 from gpuworker.models.quantization.int4 import Int4Linear

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels import kv_cache_fp8
-from gpuworker.kernels.kv_cache_quant import check_kv_scales, is_fp8_cache, quantize_kv
+from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.quant.kv_cache import check_kv_scales, is_fp8_cache, quantize_kv
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_kv_cache, check_last_dim_contiguous,
                                       check_operand, check_shape, check_tensor, lazy_jit, next_power_of_2,
                                       pdl_options)
@@ -41,8 +41,8 @@ def _kv_cache_write_kernel(
     v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask=mask)
     dst = cache_ptr + block * stride_cache_block + offset * stride_cache_offset + heads * stride_cache_head + dims
     if FP8_CACHE:
-        k = kv_cache_fp8.quantize(k, k_scale)
-        v = kv_cache_fp8.quantize(v, v_scale)
+        k = fp8_codec.quantize(k, k_scale)
+        v = fp8_codec.quantize(v, v_scale)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -77,7 +77,7 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     dimension is contiguous; they are cast to the cache's dtype (float8_e4m3fn: divided by k_scale and
     v_scale first, see kv_cache_quant; other dtypes ignore the scales). slot_mapping [T] is int32 or int64 on
     the same device; slots must lie below num_blocks * block_size (not checked: that would need a
-    device sync). gpuworker.kernels.rotary.apply_rotary_and_cache does the same write fused with rotary.
+    device sync). gpuworker.kernels.attention.rotary.apply_rotary_and_cache does the same write fused with rotary.
     """
     block_size = check_kv_cache_write(key, value, kv_cache, slot_mapping)
     k_scale, v_scale = check_kv_scales(k_scale, v_scale)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels import kv_cache_fp8
-from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_shape,
                                       check_tensor, lazy_jit, next_power_of_2, pdl_options)
 
@@ -47,7 +47,7 @@ def _rms_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = normed.to(tl.float32) * weight.to(tl.float32)
     if FP8_OUT:  # the output rounded to x's dtype (as rms_norm stores it), then quantized per row
-        q, scale = kv_cache_fp8.quantize_row(out.to(x.dtype).to(tl.float32))
+        q, scale = fp8_codec.quantize_row(out.to(x.dtype).to(tl.float32))
         tl.store(scale_ptr + row, scale)
         tl.store(out_ptr + row * HIDDEN + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
     else:

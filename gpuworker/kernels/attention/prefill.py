@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels import online_softmax
-from gpuworker.kernels.kv_cache_quant import check_kv_scales, dequantize_kv, is_fp8_cache
+from gpuworker.kernels.device import online_softmax
+from gpuworker.kernels.quant.kv_cache import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_host_bound, check_operand,
                                       check_query_and_cache, check_shape, check_tensor, dot_options, lazy_jit,
                                       next_power_of_2, pdl_options)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.fused_moe import check_experts
+from gpuworker.kernels.moe.fused import check_experts
 from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit, next_power_of_2, pdl_options
 
 # Above this many (token, expert) pairs the grouped kernels win: a pair reads its expert's weights

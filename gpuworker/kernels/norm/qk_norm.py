@@ -1,7 +1,7 @@
 """Qwen3's per-head RMSNorm of the queries and keys (q_norm, k_norm), applied inside the rotary
 launches (kernels.rotary, and the decode attention's NewTokens) instead of as two norm launches.
 
-This module holds the host side (QKNorm, its checks, the torch reference); qk_norm_device.py the
+This module holds the host side (QKNorm, its checks, the torch reference); head_norm.py the
 kernels' helpers.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from gpuworker.kernels.launch import check_last_dim_contiguous, check_shape, check_tensor
-from gpuworker.kernels.rms_norm import rms_norm_reference
+from gpuworker.kernels.norm.rms_norm import rms_norm_reference
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 # The e4m3 format (dtype, largest finite value), shared with the FP8 KV cache.
-from gpuworker.kernels import kv_cache_fp8
-from gpuworker.kernels.kv_cache_quant import FP8_DTYPE, FP8_MAX
+from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE, FP8_MAX
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
                                       interpreting, lazy_jit, pdl_options)
 
@@ -156,9 +156,9 @@ def _quantize_rows_kernel(
         if STATIC:
             scale = tl.load(static_scale_ptr).to(tl.float32)
         else:
-            scale = kv_cache_fp8.row_scale(x)
+            scale = fp8_codec.row_scale(x)
         tl.store(scale_ptr + row, scale)
-        tl.store(q_row + offs, kv_cache_fp8.quantize_by_reciprocal(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + offs, fp8_codec.quantize_by_reciprocal(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
     else:
         if STATIC:
             scale = tl.load(static_scale_ptr).to(tl.float32)
@@ -167,12 +167,12 @@ def _quantize_rows_kernel(
             for k0 in range(0, K, BLOCK):
                 x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-            scale = kv_cache_fp8.row_scale(amax)
+            scale = fp8_codec.row_scale(amax)
         tl.store(scale_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             mask = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            q = kv_cache_fp8.quantize_by_reciprocal(x, scale)  # on the e4m3 grid already: the cast is exact
+            q = fp8_codec.quantize_by_reciprocal(x, scale)  # on the e4m3 grid already: the cast is exact
             tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -33,12 +33,11 @@ import triton.language as tl
 from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_contiguous, check_host_bound,
                                       check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
                                       lazy_jit, next_power_of_2, pdl_options)
-from gpuworker.kernels import kv_cache_fp8, online_softmax
-from gpuworker.kernels import qk_norm_device
-from gpuworker.kernels.kv_cache_quant import check_kv_scales, dequantize_kv, is_fp8_cache
-from gpuworker.kernels.kv_cache_write import check_kv_cache_write
-from gpuworker.kernels.qk_norm import QKNorm, check_qk_norm
-from gpuworker.kernels.rotary import apply_rotary_and_cache_reference, check_rotary
+from gpuworker.kernels.device import fp8_codec, head_norm, online_softmax
+from gpuworker.kernels.quant.kv_cache import check_kv_scales, dequantize_kv, is_fp8_cache
+from gpuworker.kernels.attention.kv_cache_write import check_kv_cache_write
+from gpuworker.kernels.norm.qk_norm import QKNorm, check_qk_norm
+from gpuworker.kernels.attention.rotary import apply_rotary_and_cache_reference, check_rotary
 
 _LOG2E = 1.4426950408889634
 # Most splits a launch uses; the merging program reads all of a head's partials in one tile.
@@ -139,15 +138,15 @@ def _paged_decode_kernel(
             # tile is the same head permuted, so it takes the head's own 1 / rms.
             q32 = q.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(q32 * q32, 1) / HEAD_DIM + norm_eps)[:, None]
-            q = qk_norm_device.normalize(q32, rstd, tl.load(q_norm_ptr + dims, mask=dim_mask, other=0.0)[None, :],
+            q = head_norm.normalize(q32, rstd, tl.load(q_norm_ptr + dims, mask=dim_mask, other=0.0)[None, :],
                                          dtype).to(dtype)
-            q_partner = qk_norm_device.normalize(q_partner.to(tl.float32), rstd,
+            q_partner = head_norm.normalize(q_partner.to(tl.float32), rstd,
                                                  tl.load(q_norm_ptr + partner, mask=rotated, other=0.0)[None, :],
                                                  dtype)
             k_rstd = tl.rsqrt(tl.sum(k_new * k_new, 0) / HEAD_DIM + norm_eps)
-            k_new = qk_norm_device.normalize(k_new, k_rstd, tl.load(k_norm_ptr + dims, mask=dim_mask, other=0.0),
+            k_new = head_norm.normalize(k_new, k_rstd, tl.load(k_norm_ptr + dims, mask=dim_mask, other=0.0),
                                              dtype)
-            k_partner = qk_norm_device.normalize(k_partner, k_rstd,
+            k_partner = head_norm.normalize(k_partner, k_rstd,
                                                  tl.load(k_norm_ptr + partner, mask=rotated, other=0.0), dtype)
         # x1 cos - x2 sin in the first half, x2 cos + x1 sin in the second, as rotary.py writes them
         # (so float32 contracts the same products into FMAs as that kernel does).
@@ -160,8 +159,8 @@ def _paged_decode_kernel(
         v_new = tl.load(value_ptr + seq * stride_value_seq + kv_head * stride_value_head + dims,
                         mask=dim_mask, other=0.0)
         if FP8_CACHE:  # as the cache stores them (their scales apply with the cached tokens')
-            k_new = kv_cache_fp8.quantize(k_new, k_scale).to(cache_ptr.dtype.element_ty)
-            v_new = kv_cache_fp8.quantize(v_new, v_scale).to(cache_ptr.dtype.element_ty)
+            k_new = fp8_codec.quantize(k_new, k_scale).to(cache_ptr.dtype.element_ty)
+            v_new = fp8_codec.quantize(v_new, v_scale).to(cache_ptr.dtype.element_ty)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
                                       dot_options, lazy_jit, next_power_of_2, pdl_options,
                                       split_k_counters)

@@ -1,7 +1,7 @@
 """The device side of kv_cache_quant.py: how a kernel quantizes a key or value for an FP8 cache (and
 fp8_matmul's activations).
 
-Kernels call `kv_cache_fp8.quantize(...)` through the module (so the interpreter's launches can swap
+Kernels call `fp8_codec.quantize(...)` through the module (so the interpreter's launches can swap
 in an interpretable twin, see launch.py). The rounding is done in float32 arithmetic: Triton's CPU
 interpreter rounds float32 -> e4m3 wrongly near a power of two (it halves the value instead of
 carrying into the exponent), and with the value already on the e4m3 grid every backend's cast is
@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.kv_cache_quant import FP8_MAX
+from gpuworker.kernels.quant.kv_cache import FP8_MAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 

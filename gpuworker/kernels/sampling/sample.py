@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from gpuworker.kernels import prefetch
+from gpuworker.kernels.device import prefetch
 from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 
 # A program's partial record per pass: a sum per threshold and seven scalars.

@@ -21,11 +21,10 @@ import triton.language as tl
 
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_shape,
                                       check_tensor, lazy_jit, next_power_of_2, pdl_options)
-from gpuworker.kernels import kv_cache_fp8
-from gpuworker.kernels.kv_cache_quant import check_kv_scales, is_fp8_cache
-from gpuworker.kernels.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
-from gpuworker.kernels import qk_norm_device
-from gpuworker.kernels.qk_norm import QKNorm, check_qk_norm, qk_norm_reference
+from gpuworker.kernels.device import fp8_codec, head_norm
+from gpuworker.kernels.quant.kv_cache import check_kv_scales, is_fp8_cache
+from gpuworker.kernels.attention.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
+from gpuworker.kernels.norm.qk_norm import QKNorm, check_qk_norm, qk_norm_reference
 
 
 def _rotary_kernel(
@@ -58,7 +57,7 @@ def _rotary_kernel(
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:  # the head's RMSNorm first (the launcher checked that the halves are the whole head)
-        x1, x2 = qk_norm_device.normalize_halves(x1, x2, q_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
+        x1, x2 = head_norm.normalize_halves(x1, x2, q_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     tl.store(first, out1.to(dtype), mask=mask)
@@ -70,7 +69,7 @@ def _rotary_kernel(
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     if QK_NORM:
-        x1, x2 = qk_norm_device.normalize_halves(x1, x2, k_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
+        x1, x2 = head_norm.normalize_halves(x1, x2, k_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     if WRITE_CACHE:
@@ -81,8 +80,8 @@ def _rotary_kernel(
         out1 = out1.to(dtype).to(tl.float32)
         out2 = out2.to(dtype).to(tl.float32)
         if FP8_CACHE:
-            out1 = kv_cache_fp8.quantize(out1, k_scale)
-            out2 = kv_cache_fp8.quantize(out2, k_scale)
+            out1 = fp8_codec.quantize(out1, k_scale)
+            out2 = fp8_codec.quantize(out2, k_scale)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         # Padding tokens (slot < 0) store nothing; the slot test is broadcast to a tensor because the
         # interpreter mistypes `scalar_bool & tensor_bool` (see kv_cache_write).
@@ -96,12 +95,12 @@ def _rotary_kernel(
             tail = (heads < NUM_KV_HEADS) & (all_dims >= 2 * HALF) & (all_dims < HEAD_DIM) & keep
             k_tail = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + all_dims, mask=tail)
             if FP8_CACHE:
-                k_tail = kv_cache_fp8.quantize(k_tail, k_scale)
+                k_tail = fp8_codec.quantize(k_tail, k_scale)
             tl.store(row + all_dims, k_tail.to(cache_dtype), mask=tail)
         full = (heads < NUM_KV_HEADS) & (all_dims < HEAD_DIM) & keep
         v = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + all_dims, mask=full)
         if FP8_CACHE:
-            v = kv_cache_fp8.quantize(v, v_scale)
+            v = fp8_codec.quantize(v, v_scale)
         tl.store(row + stride_cache_kv + all_dims, v.to(cache_dtype), mask=full)
     else:
         tl.store(first, out1.to(dtype), mask=mask)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels import kv_cache_fp8
-from gpuworker.kernels.kv_cache_quant import FP8_DTYPE
+from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit, next_power_of_2, pdl_options
 
 # Columns one program handles; a row of Llama-3-8B's 14336 takes 14 programs.
@@ -38,7 +38,7 @@ def _silu_and_mul_kernel(
     activated = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
     out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     if FP8_OUT:  # the program holds the whole row (lanes past it are zero): quantized per row here
-        q, scale = kv_cache_fp8.quantize_row(out.to(tl.float32))
+        q, scale = fp8_codec.quantize_row(out.to(tl.float32))
         tl.store(scale_ptr + row, scale)
         tl.store(out_ptr + row * INTERMEDIATE + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
     else:

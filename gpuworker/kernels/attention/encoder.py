@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from gpuworker.kernels import online_softmax
+from gpuworker.kernels.device import online_softmax
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_host_bound, check_shape, check_tensor,
                                       dot_options, lazy_jit, next_power_of_2)
 

@@ -1,7 +1,7 @@
 """The device side of qk_norm.py: Qwen3's per-head RMSNorm of queries and keys inside a kernel.
 
 Numerics as models.layers.RMSNorm: normalise in float32, round to the activation dtype, multiply by
-the weight, round again. Kernels call `qk_norm_device.normalize_halves(...)` through the module, so
+the weight, round again. Kernels call `head_norm.normalize_halves(...)` through the module, so
 the interpreter's launches can swap in an interpretable twin (launch.py); it imports nothing of
 ours, so launch.py can import it.
 """

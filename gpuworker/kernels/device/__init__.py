@@ -1,0 +1,4 @@
+"""Shared @triton.jit device functions that kernels of several families call: one module per
+computation (online softmax, block-table prefetch, FP8 codec, per-head RMS norm), imported as a module
+and called by attribute (`prefetch.next_block(...)`). Everything here is made interpretable for
+interpreted launches (launch.py)."""
