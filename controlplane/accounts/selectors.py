@@ -54,6 +54,23 @@ def api_keys_for_tenant(*, tenant: Tenant) -> QuerySet[ApiKey]:
     return ApiKey.objects.filter(tenant=tenant, purpose=ApiKey.Purpose.API).prefetch_related("allowed_models")
 
 
+def api_keys_unrevoked_for_tenant(*, tenant: Tenant) -> QuerySet[ApiKey]:
+    """The tenant's own API keys that are not revoked (expired ones included: expiry is a time)."""
+    return api_keys_for_tenant(tenant=tenant).filter(revoked=False)
+
+
+def api_key_choices(*, tenant: Tenant | None) -> QuerySet[ApiKey]:
+    """The tenant's own API keys by name, to filter its requests by; none without a tenant."""
+    if tenant is None:
+        return ApiKey.objects.none()
+    return ApiKey.objects.filter(tenant=tenant, purpose=ApiKey.Purpose.API).order_by("name", "pk")
+
+
+def tenants_by_name() -> QuerySet[Tenant]:
+    """Every tenant with its plan, by name."""
+    return Tenant.objects.select_related("plan").order_by("name")
+
+
 def tenant_get_by_name(*, name: str) -> Tenant | None:
     return Tenant.objects.filter(name=name).first()
 
@@ -86,6 +103,12 @@ def invitations_open(*, tenant: Tenant | None, now: datetime | None = None) -> Q
     open_ = Invitation.objects.filter(accepted_at__isnull=True, revoked=False,
                                       expires_at__gt=now or timezone.now()).select_related("created_by")
     return open_.filter(tenant=tenant) if tenant is not None else open_.filter(tenant__isnull=True)
+
+
+def invitations_of(*, tenant: Tenant | None) -> QuerySet[Invitation]:
+    """Every invitation, open or not, of `tenant`, or of the staff when `tenant` is None."""
+    return Invitation.objects.filter(tenant=tenant) if tenant is not None else Invitation.objects.filter(
+        tenant__isnull=True)
 
 
 def invitation_get_by_token(*, token: str) -> Invitation | None:

@@ -6,8 +6,8 @@ from controlplane.audit.models import AuditEntry
 
 
 def audit_entries(*, action: str = "", actor: str = "") -> QuerySet[AuditEntry]:
-    """Entries newest first; `action` matches exactly, `actor` the username exactly."""
-    entries = AuditEntry.objects.all()
+    """Entries newest first, with their actors; `action` matches exactly, `actor` the username exactly."""
+    entries = AuditEntry.objects.select_related("actor")
     if action:
         entries = entries.filter(action=action)
     if actor:

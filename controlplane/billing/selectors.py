@@ -69,5 +69,9 @@ def price_tier_get_by_name(*, name: str) -> PriceTier | None:
     return PriceTier.objects.filter(name=name).first()
 
 
+def plans_all() -> QuerySet[Plan]:
+    return Plan.objects.all()
+
+
 def plan_get_by_name(*, name: str) -> Plan | None:
     return Plan.objects.filter(name=name).first()

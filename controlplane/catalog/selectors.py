@@ -1,11 +1,14 @@
-"""Reads for the catalog: models by public name, and what the workers report about a model's
-weight path (a worker loads only from inside its model roots, so a path elsewhere cannot load)."""
+"""Reads for the catalog: models by public name, the lists the pages offer, and what the workers
+report about a model's weight path (a worker loads only from inside its model roots, so a path
+elsewhere cannot load)."""
 
 import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from controlplane.catalog.models import Model
+from django.db.models import QuerySet
+
+from controlplane.catalog.models import Deployment, Model
 
 
 def model_get_by_public_name(*, public_name: str) -> Model | None:
@@ -14,6 +17,27 @@ def model_get_by_public_name(*, public_name: str) -> Model | None:
 
 def models_by_public_name(*, public_names: Iterable[str]) -> dict[str, Model]:
     return {m.public_name: m for m in Model.objects.filter(public_name__in=list(public_names))}
+
+
+def catalog_models() -> QuerySet[Model]:
+    """Every model in the catalog, enabled or not, with its price tier, by public name."""
+    return Model.objects.select_related("price_tier").order_by("public_name")
+
+
+def model_names_enabled() -> list[str]:
+    """The public names of the models clients may call now, in order."""
+    return list(Model.objects.filter(enabled=True).order_by("public_name").values_list("public_name", flat=True))
+
+
+def models_for_playground() -> QuerySet[Model]:
+    """The models a tenant may try in the playground: every enabled model that generates text
+    (playground keys may call every model, as the tenant's own keys may by default)."""
+    return Model.objects.filter(enabled=True).exclude(kind=Model.Kind.EMBEDDING).order_by("public_name")
+
+
+def deployments_with_model() -> QuerySet[Deployment]:
+    """Every deployment with its model (the operators' forms name a deployment by its model)."""
+    return Deployment.objects.select_related("model")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from controlplane.accounts.models import ApiKey
-from controlplane.accounts.selectors import api_keys_for_tenant
+from controlplane.accounts.selectors import api_keys_unrevoked_for_tenant
 from controlplane.billing.reports import (
     Latency,
     ModelMargin,
@@ -109,7 +109,7 @@ def tenant_home(*, tenant, now: datetime) -> TenantHome:
     month = usage_month_summary(tenant=tenant, now=now)
     day_start = datetime.combine(now.astimezone(UTC).date(), datetime.min.time(), tzinfo=UTC)
     today = usage_totals(since=day_start, until=now, tenant=tenant)
-    usable = [key for key in api_keys_for_tenant(tenant=tenant).filter(revoked=False) if not key.is_expired(now)]
+    usable = [key for key in api_keys_unrevoked_for_tenant(tenant=tenant) if not key.is_expired(now)]
     usable.sort(key=lambda key: (key.last_used_at is None, -(key.last_used_at or now).timestamp()))
     return TenantHome(
         spend_this_month=month.totals.revenue, balance=month.balance,

@@ -240,9 +240,52 @@ def _status(deployment, backoffs: list[LoadBackoff], report: PlacementReport | N
     )
 
 
-def workers_for_path_check() -> QuerySet[Worker]:
-    """Workers a weight path can be checked on: those not gone (online, draining or lost)."""
-    return Worker.objects.exclude(state=Worker.State.OFFLINE)
+def workers_for_path_check(*, worker_ids: Iterable[int] | None = None) -> QuerySet[Worker]:
+    """Workers a weight path can be checked on (all, or those of these): those not gone (online,
+    draining or lost)."""
+    workers = Worker.objects.exclude(state=Worker.State.OFFLINE)
+    return workers if worker_ids is None else workers.filter(pk__in=list(worker_ids))
+
+
+def workers_all() -> QuerySet[Worker]:
+    """Every worker, whatever its state, by name."""
+    return Worker.objects.all()
+
+
+def worker_get(*, pk: int) -> Worker | None:
+    return Worker.objects.filter(pk=pk).first()
+
+
+def gpu_get_of_worker(*, pk: int, worker: Worker | None) -> Gpu | None:
+    """The worker's GPU with this id (present or not); None when it is another worker's, or gone."""
+    return Gpu.objects.filter(pk=pk, worker=worker).first()
+
+
+def workers_online_with_present_gpus() -> QuerySet[Worker]:
+    """Online workers, by name, each with `present_gpus` (by index) attached: where a replica can
+    be loaded by hand."""
+    return Worker.objects.filter(state=Worker.State.ONLINE).prefetch_related(
+        Prefetch("gpus", queryset=Gpu.objects.filter(present=True), to_attr="present_gpus"))
+
+
+def replicas_with_model_and_worker() -> QuerySet[Replica]:
+    """Replicas with their deployment's model and their worker (the operators' actions name both)."""
+    return Replica.objects.select_related("deployment__model", "worker")
+
+
+def models_with_fleet_status(*, model_ids: Iterable[int] | None = None) -> list[Model]:
+    """Catalog models (all, or these), by public name, with their price tier and deployment, each
+    with `fleet_status`: its deployment's DeploymentStatus (None when not deployed), so the catalog
+    can say which are degraded and why."""
+    models = Model.objects.select_related("price_tier", "deployment").order_by("public_name")
+    if model_ids is not None:
+        models = models.filter(pk__in=list(model_ids))
+    models = list(models)
+    deployed = [m.deployment.pk for m in models if hasattr(m, "deployment")]
+    statuses = {s.deployment_id: s for s in deployment_statuses(deployment_ids=deployed)} if deployed else {}
+    for m in models:
+        m.fleet_status = statuses.get(m.deployment.pk) if hasattr(m, "deployment") else None
+    return models
 
 
 def workers_with_live_replicas(*, worker_ids: Iterable[int] | None = None) -> list[Worker]:

@@ -139,8 +139,7 @@ def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, sy
     limits = _deployment(page, model).locator("[data-testid=limits-form]")
     expect(limits).to_be_visible()
     expect(limits.locator("input[name$=-max_replicas]")).to_have_value("3")
-    # A negative count: the form is sent (novalidate) and refused by the server beside the field;
-    # waiting for that answer also keeps its swap from landing while the next form is in use.
+    # A negative count: the form is sent (novalidate) and refused by the server beside the field.
     _scale(_deployment(page, model), -1)
     expect(_deployment(page, model).locator("[data-testid=scale-form] [data-testid=field-error]")).to_contain_text(
         "greater than or equal to 0")
@@ -151,14 +150,16 @@ def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, sy
     expect(limits.locator("[id$=-max_replicas].field [data-testid=field-error]")).to_have_count(0)
     expect(_deployment(page, model).locator("[data-testid=deployment-status]")).to_have_attribute("data-desired", "1")
 
-    # Room for three, then ask for two: the new replica appears on the worker card and loads.
+    # Room for three, then ask for two: the new replica appears on the worker card and loads. The
+    # status shows each change from the live push alone, and each form's answer replaces only that
+    # form, so the scale form is used at once, whether or not the limits' answer has landed yet.
     _set_limits(_deployment(page, model), min_replicas=0, max_replicas=3, desired_replicas=1)
     expect(_deployment(page, model).locator("[data-testid=deployment-status]")).to_contain_text("max 3")
-    # The live push can show "max 3" before the form's own answer lands; that answer replaces the
-    # whole card, scale form included, so wait for it (the limits close on success) before typing.
-    expect(_deployment(page, model).locator("[data-testid=limits-form]")).to_be_hidden()
     _scale(_deployment(page, model), 2)
     expect(_deployment(page, model).locator("[data-testid=deployment-status]")).to_have_attribute("data-desired", "2")
+    expect(_deployment(page, model).locator("[data-testid=scale-done]")).to_contain_text("now wants 2 replicas.")
+    expect(_deployment(page, model).locator("[data-testid=limits-form]")).to_be_hidden()  # closed on its answer
+    expect(_deployment(page, model).locator("[data-testid=limits-done]")).to_contain_text("updated.")
     expect(replicas).to_have_count(2, timeout=60_000)
     new = page.locator(f"[data-testid=replica][data-model='{model}']:not(#{first_id})")
     expect(new).to_have_attribute("data-state", re.compile(r"pending|loading|ready"))

@@ -7,15 +7,25 @@ from django.core.exceptions import ValidationError
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
-from controlplane.catalog.selectors import reported_quantization
+from controlplane.catalog.selectors import deployments_with_model, reported_quantization
 from controlplane.catalog.services import estimate_gpu_memory_bytes
 from controlplane.fleet.models import Gpu, Worker
-from controlplane.fleet.selectors import workers_for_path_check
+from controlplane.fleet.selectors import (
+    gpu_get_of_worker,
+    worker_get,
+    workers_for_path_check,
+    workers_online_with_present_gpus,
+)
 from controlplane.fleet.services import MAX_REPLICAS_LIMIT
 
 
 class ScaleForm(forms.Form):
     desired_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Replicas")
+
+    @classmethod
+    def for_deployment(cls, deployment: Deployment) -> "ScaleForm":
+        """Filled with the deployment's desired replicas."""
+        return cls(initial={"desired_replicas": deployment.desired_replicas}, prefix=f"s{deployment.pk}")
 
 
 class DeploymentLimitsForm(forms.Form):
@@ -53,7 +63,7 @@ def slot_value(worker_id: int, gpu_id: int | None) -> str:
 class LoadForm(forms.Form):
     """Load one more replica of a deployment on a chosen worker's GPU (or a CPU worker's memory)."""
 
-    deployment = forms.ModelChoiceField(queryset=Deployment.objects.select_related("model"), empty_label="Choose a model…",
+    deployment = forms.ModelChoiceField(queryset=deployments_with_model(), empty_label="Choose a model…",
                                         label="Model")
     slot = forms.ChoiceField(label="Worker / GPU", help_text="For a model split over several GPUs: the first of them.")
 
@@ -61,19 +71,17 @@ class LoadForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.fields["deployment"].label_from_instance = lambda d: d.model.public_name
         choices = [("", "Choose where…")]
-        workers = Worker.objects.filter(state=Worker.State.ONLINE).prefetch_related("gpus")
-        for worker in workers:
-            for gpu in worker.gpus.all():
-                if gpu.present:
-                    choices.append((slot_value(worker.pk, gpu.pk), f"{worker.name} · GPU {gpu.index} ({gpu.name})"))
+        for worker in workers_online_with_present_gpus():
+            for gpu in worker.present_gpus:
+                choices.append((slot_value(worker.pk, gpu.pk), f"{worker.name} · GPU {gpu.index} ({gpu.name})"))
             if worker.device == Worker.Device.CPU:
                 choices.append((slot_value(worker.pk, None), f"{worker.name} · CPU"))
         self.fields["slot"].choices = choices
 
     def clean_slot(self) -> tuple[Worker, Gpu | None]:
         worker_id, _, gpu_part = self.cleaned_data["slot"].partition(":")
-        worker = Worker.objects.filter(pk=int(worker_id)).first()
-        gpu = None if gpu_part == "cpu" else Gpu.objects.filter(pk=int(gpu_part), worker=worker).first()
+        worker = worker_get(pk=int(worker_id))
+        gpu = None if gpu_part == "cpu" else gpu_get_of_worker(pk=int(gpu_part), worker=worker)
         if worker is None or (gpu_part != "cpu" and gpu is None):
             raise ValidationError("That worker or GPU is gone; choose again.")
         return worker, gpu
@@ -96,7 +104,7 @@ class CatalogModelForm(forms.ModelForm):
         required=False, label="Quantization",
         help_text="As the checked workers report the checkpoint's config.json; a float checkpoint if none does.")
     check_workers = forms.ModelMultipleChoiceField(
-        queryset=Worker.objects.none(), required=False, widget=forms.CheckboxSelectMultiple,
+        queryset=workers_for_path_check(), required=False, widget=forms.CheckboxSelectMultiple,
         label="Check the weight path on",
         help_text="Workers that report their model roots confirm the path exists; others cannot tell.")
 

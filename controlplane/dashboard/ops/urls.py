@@ -6,6 +6,7 @@ from controlplane.dashboard.ops import views
 
 urlpatterns: list = [
     path("fleet/", views.fleet, name="fleet"),
+    path("fleet/live", views.fleet_live, name="fleet_live"),
     path("fleet/deployments/<int:pk>/scale", views.deployment_scale_view, name="deployment_scale"),
     path("fleet/deployments/<int:pk>/edit", views.deployment_edit_view, name="deployment_edit"),
     path("fleet/deployments/<int:pk>/retry", views.deployment_retry_view, name="deployment_retry"),

@@ -1,8 +1,13 @@
 """The operators' pages: the fleet (live), its actions, the audit log and the catalog.
 
-Every action calls a service (which validates, audits and sends the Celery task after commit). An
-htmx request gets back the fragment it replaces, with the service's errors beside the fields; a
-plain form post (no JavaScript) is redirected back to the page with a message (`dashboard.htmx`).
+Every action calls a service (which validates, audits, publishes the change to the fleet pages and
+sends the Celery task after commit). On the fleet page each part has one renderer: the live parts
+(worker cards, deployment statuses) come only from `fragments`, over the page's WebSocket; an htmx
+action gets back only what is its own, its form with the service's errors beside the fields or a
+line saying what was done, and the change reaches the page with the live push like anyone else's.
+Its answer also says `fleet-changed`, so a page whose WebSocket is down fetches the live parts over
+HTTP (`fleet_live`). A plain form post (no JavaScript) is redirected back to the page with a
+message (`dashboard.htmx`).
 """
 
 from functools import partial
@@ -11,14 +16,17 @@ from django.contrib import messages
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.loader import render_to_string
 from django.views.decorators.http import require_GET, require_POST
+from django_htmx.http import trigger_client_event
 
 from controlplane.audit.selectors import audit_actor_labels, audit_entries
-from controlplane.catalog.models import Deployment, Model
-from controlplane.catalog.selectors import weights_path_reports
+from controlplane.catalog.models import Deployment
+from controlplane.catalog.selectors import catalog_models, deployments_with_model, weights_path_reports
 from controlplane.catalog.services import model_create, model_set_enabled, model_update
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect, run_action
+from controlplane.dashboard.ops import fragments
 from controlplane.dashboard.ops.forms import (
     AuditFilterForm,
     CatalogModelForm,
@@ -26,11 +34,14 @@ from controlplane.dashboard.ops.forms import (
     LoadForm,
     ScaleForm,
 )
-from controlplane.dashboard.ops.fragments import deployment_context
 from controlplane.dashboard.ops.overview import FigureHistory, deployment_views, worker_views
 from controlplane.dashboard.permissions import operator_required
-from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.selectors import deployment_statuses, workers_for_path_check
+from controlplane.fleet.selectors import (
+    models_with_fleet_status,
+    replicas_with_model_and_worker,
+    workers_all,
+    workers_for_path_check,
+)
 from controlplane.fleet.services import (
     deployment_create,
     deployment_retry_loads,
@@ -43,6 +54,10 @@ from controlplane.fleet.services import (
 
 AUDIT_PAGE_SIZE = 50
 FLEET, CATALOG = "dashboard:fleet", "dashboard:catalog"
+# What an answer to a change on the fleet page says (HX-Trigger): the page's catch-up listens for
+# it while its WebSocket is down (fleet.html).
+FLEET_CHANGED = "fleet-changed"
+WORKERS_ANSWER_ID = "workers-answer"
 
 
 # --- Fleet -------------------------------------------------------------------------------------
@@ -52,63 +67,101 @@ FLEET, CATALOG = "dashboard:fleet", "dashboard:catalog"
 def fleet(request: HttpRequest) -> HttpResponse:
     return render(request, "dashboard/ops/fleet.html", {
         "workers": worker_views(history=FigureHistory.recent()),
-        "deployments": [deployment_context(view) for view in deployment_views()],
+        "deployments": [fragments.deployment_context(view) for view in deployment_views()],
         "load_form": LoadForm(),
+        "workers_answer_id": WORKERS_ANSWER_ID,
     })
 
 
-def _render_deployment(request, deployment_id: int, *, action_error: str = "", **forms) -> HttpResponse:
-    (view,) = deployment_views(deployment_ids=[deployment_id])
-    return render(request, "dashboard/ops/_deployment.html", {"d": deployment_context(view, **forms),
-                                                              "action_error": action_error})
+@operator_required
+@require_GET
+def fleet_live(request: HttpRequest) -> HttpResponse:
+    """The fleet page's live parts as they are now, for a page whose WebSocket is down: what a
+    reconnecting socket gets, each part marked for htmx to swap in by id."""
+    return HttpResponse(fragments.resync_fragment(FigureHistory.recent(), oob=True))
+
+
+def _answered(response: HttpResponse, *, changed: bool) -> HttpResponse:
+    """An action's answer; after a change it says so, and a page whose WebSocket is down catches up
+    over HTTP (a refusal changed nothing)."""
+    return trigger_client_event(response, FLEET_CHANGED) if changed else response
+
+
+def _scale_answer(request, deployment: Deployment, *, form: ScaleForm | None = None, done: str = "",
+                  limits_form: DeploymentLimitsForm | None = None) -> HttpResponse:
+    """The scale form (fresh after `done`, else with its errors); with `limits_form`, the limits
+    too, opened out of band."""
+    html = render_to_string("dashboard/ops/_scale_form.html", {
+        "dep": deployment, "form": form or ScaleForm.for_deployment(deployment), "done": done}, request=request)
+    if limits_form is not None:
+        html += render_to_string("dashboard/ops/_limits_form.html", {
+            "dep": deployment, "form": limits_form, "open": True, "oob": True}, request=request)
+    return _answered(HttpResponse(html), changed=bool(done))
 
 
 @operator_required
 @require_POST
 def deployment_scale_view(request: HttpRequest, pk: int) -> HttpResponse:
-    deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
+    deployment = get_object_or_404(deployments_with_model(), pk=pk)
     form = ScaleForm(request.POST, prefix=f"s{pk}")
     requested = form.cleaned_data["desired_replicas"] if form.is_valid() else None
-    if submit(form, lambda data: deployment_scale(deployment=deployment, desired_replicas=data["desired_replicas"],
-                                                  actor=request.user)) is None:
-        fix = {}
-        if requested is not None:
-            # A well-formed count the service refused (outside Min..Max): the limits form opens,
-            # filled in to allow it.
-            fix = {"open_limits": True, "limits_form": DeploymentLimitsForm.for_deployment(deployment, reach=requested)}
-        return fragment_or_redirect(request, lambda: _render_deployment(request, pk, scale_form=form, **fix),
+    scaled = submit(form, lambda data: deployment_scale(
+        deployment=deployment, desired_replicas=data["desired_replicas"], actor=request.user))
+    if scaled is None:
+        # A well-formed count the service refused (outside Min..Max): the limits form opens,
+        # filled in to allow it.
+        fix = DeploymentLimitsForm.for_deployment(deployment, reach=requested) if requested is not None else None
+        return fragment_or_redirect(request, lambda: _scale_answer(request, deployment, form=form, limits_form=fix),
                                     to=FLEET, errors=form_error_messages(form))
-    return fragment_or_redirect(request, lambda: _render_deployment(request, pk), to=FLEET, success=(
-        f"{deployment.model.public_name} now wants {form.cleaned_data['desired_replicas']} replicas."))
+    done = f"{deployment.model.public_name} now wants {scaled.desired_replicas} replicas."
+    return fragment_or_redirect(request, lambda: _scale_answer(request, scaled, done=done), to=FLEET, success=done)
+
+
+def _limits_answer(request, deployment: Deployment, *, form: DeploymentLimitsForm | None = None,
+                   done: str = "") -> HttpResponse:
+    """The limits form: closed and filled with the saved settings after `done`, else open with its errors."""
+    return _answered(render(request, "dashboard/ops/_limits_form.html", {
+        "dep": deployment, "form": form or DeploymentLimitsForm.for_deployment(deployment), "open": not done,
+        "done": done}), changed=bool(done))
 
 
 @operator_required
 @require_POST
 def deployment_edit_view(request: HttpRequest, pk: int) -> HttpResponse:
-    deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
+    deployment = get_object_or_404(deployments_with_model(), pk=pk)
     form = DeploymentLimitsForm(request.POST, prefix=f"d{pk}")
-    if submit(form, lambda data: deployment_update(deployment=deployment, actor=request.user, **data)) is None:
-        return fragment_or_redirect(
-            request, lambda: _render_deployment(request, pk, limits_form=form, open_limits=True), to=FLEET,
-            errors=form_error_messages(form))
-    return fragment_or_redirect(request, lambda: _render_deployment(request, pk), to=FLEET,
-                                success=f"{deployment.model.public_name} updated.")
+    saved = submit(form, lambda data: deployment_update(deployment=deployment, actor=request.user, **data))
+    if saved is None:
+        return fragment_or_redirect(request, lambda: _limits_answer(request, deployment, form=form), to=FLEET,
+                                    errors=form_error_messages(form))
+    done = f"{deployment.model.public_name} updated."
+    return fragment_or_redirect(request, lambda: _limits_answer(request, saved, done=done), to=FLEET, success=done)
+
+
+def _answer(request, answer_id: str, *, done: str = "", action_error: str = "") -> HttpResponse:
+    """A button's answer line: what was done (the page catches up if its WebSocket is down), or why
+    not (`action_error`: nothing changed)."""
+    return _answered(render(request, "dashboard/ops/_answer.html", {
+        "answer_id": answer_id, "done": "" if action_error else done, "action_error": action_error}),
+        changed=not action_error)
+
+
+def _run_button(request, action, *, answer_id: str, to: str, success: str) -> HttpResponse:
+    return run_action(request, action, partial(_answer, request, answer_id, done=success), to=to, success=success)
 
 
 @operator_required
 @require_POST
 def deployment_retry_view(request: HttpRequest, pk: int) -> HttpResponse:
-    deployment = get_object_or_404(Deployment.objects.select_related("model"), pk=pk)
-    return run_action(request, lambda: deployment_retry_loads(deployment=deployment, actor=request.user),
-                      partial(_render_deployment, request, pk), to=FLEET,
-                      success=f"Retrying {deployment.model.public_name} on every worker now.")
+    deployment = get_object_or_404(deployments_with_model(), pk=pk)
+    return _run_button(request, lambda: deployment_retry_loads(deployment=deployment, actor=request.user),
+                       answer_id=fragments.deployment_answer_id(pk), to=FLEET,
+                       success=f"Retrying {deployment.model.public_name} on every worker now.")
 
 
-def _render_load_form(request, form, *, done: str = "", worker_id: int | None = None) -> HttpResponse:
-    context = {"load_form": form, "load_done": done}
-    if worker_id is not None:  # the new replica's worker card, swapped out of band
-        context["oob_workers"] = worker_views(worker_ids=[worker_id])
-    return render(request, "dashboard/ops/_load_form.html", context)
+def _render_load_form(request, form, *, done: str = "") -> HttpResponse:
+    return _answered(render(request, "dashboard/ops/_load_form.html", {"load_form": form, "load_done": done}),
+                     changed=bool(done))
 
 
 @operator_required
@@ -124,30 +177,25 @@ def replica_load_view(request: HttpRequest) -> HttpResponse:
     (worker, gpu), deployment = form.cleaned_data["slot"], form.cleaned_data["deployment"]
     where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else worker.name
     message = f"Loading {deployment.model.public_name} on {where} (replica {replica.pk})."
-    return fragment_or_redirect(request, lambda: _render_load_form(request, LoadForm(), done=message,
-                                                                   worker_id=worker.pk), to=FLEET, success=message)
-
-
-def _render_worker(request, worker_id: int, *, action_error: str = "") -> HttpResponse:
-    (view,) = worker_views(worker_ids=[worker_id])
-    return render(request, "dashboard/ops/_worker.html", {"w": view, "action_error": action_error})
+    return fragment_or_redirect(request, lambda: _render_load_form(request, LoadForm(), done=message), to=FLEET,
+                                success=message)
 
 
 @operator_required
 @require_POST
 def replica_unload_view(request: HttpRequest, pk: int) -> HttpResponse:
-    replica = get_object_or_404(Replica.objects.select_related("deployment__model", "worker"), pk=pk)
-    return run_action(request, lambda: replica_unload(replica=replica, actor=request.user),
-                      partial(_render_worker, request, replica.worker_id), to=FLEET,
-                      success=f"Unloading replica {pk} of {replica.deployment.model.public_name}.")
+    replica = get_object_or_404(replicas_with_model_and_worker(), pk=pk)
+    return _run_button(request, lambda: replica_unload(replica=replica, actor=request.user),
+                       answer_id=WORKERS_ANSWER_ID, to=FLEET,
+                       success=f"Unloading replica {pk} of {replica.deployment.model.public_name}.")
 
 
 @operator_required
 @require_POST
 def worker_drain_view(request: HttpRequest, pk: int) -> HttpResponse:
-    worker = get_object_or_404(Worker, pk=pk)
-    return run_action(request, lambda: worker_drain(worker=worker, actor=request.user),
-                      partial(_render_worker, request, pk), to=FLEET, success=f"Draining {worker.name}.")
+    worker = get_object_or_404(workers_all(), pk=pk)
+    return _run_button(request, lambda: worker_drain(worker=worker, actor=request.user),
+                       answer_id=WORKERS_ANSWER_ID, to=FLEET, success=f"Draining {worker.name}.")
 
 
 # --- Audit log ---------------------------------------------------------------------------------
@@ -158,7 +206,7 @@ def audit(request: HttpRequest) -> HttpResponse:
     form = AuditFilterForm(request.GET or None, actors=audit_actor_labels())
     filters = form.cleaned_data if form.is_valid() else {}
     entries = audit_entries(action=filters.get("action", ""), actor=filters.get("actor", ""))
-    page = Paginator(entries.select_related("actor"), AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
+    page = Paginator(entries, AUDIT_PAGE_SIZE).get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
     context = {"form": form, "page": page, "query": query.urlencode()}
@@ -171,19 +219,7 @@ def audit(request: HttpRequest) -> HttpResponse:
 @operator_required
 @require_GET
 def catalog(request: HttpRequest) -> HttpResponse:
-    models = _with_fleet_status(Model.objects.select_related("price_tier", "deployment").order_by("public_name"))
-    return render(request, "dashboard/ops/catalog.html", {"models": models})
-
-
-def _with_fleet_status(models) -> list[Model]:
-    """The models, each with `fleet_status`: its deployment's status (None when not deployed), so
-    the list can say which are degraded and why."""
-    models = list(models)
-    deployed = [m.deployment.pk for m in models if hasattr(m, "deployment")]
-    statuses = {s.deployment_id: s for s in deployment_statuses(deployment_ids=deployed)} if deployed else {}
-    for m in models:
-        m.fleet_status = statuses.get(m.deployment.pk) if hasattr(m, "deployment") else None
-    return models
+    return render(request, "dashboard/ops/catalog.html", {"models": models_with_fleet_status()})
 
 
 def _path_notes(form: CatalogModelForm) -> list:
@@ -212,12 +248,12 @@ def catalog_add(request: HttpRequest) -> HttpResponse:
 
 @operator_required
 def catalog_edit(request: HttpRequest, pk: int) -> HttpResponse:
-    model = get_object_or_404(Model, pk=pk)
+    model = get_object_or_404(catalog_models(), pk=pk)
     form = CatalogModelForm(request.POST or None, instance=model)
     saved = submit(form, lambda data: model_update(model=model, actor=request.user,
                                                    verify_on=list(data["check_workers"]), **form.model_fields()))
     if saved is None:  # a GET, or refused
-        return _catalog_form_page(request, form, model=Model.objects.get(pk=pk))
+        return _catalog_form_page(request, form, model=get_object_or_404(catalog_models(), pk=pk))
     messages.success(request, f"Saved {saved.public_name}.")
     if "weights_path" in form.changed_data:
         for note in _path_notes(form):
@@ -226,14 +262,14 @@ def catalog_edit(request: HttpRequest, pk: int) -> HttpResponse:
 
 
 def _catalog_row(request, model_id: int, *, action_error: str = "") -> HttpResponse:
-    [model] = _with_fleet_status(Model.objects.select_related("price_tier", "deployment").filter(pk=model_id))
+    [model] = models_with_fleet_status(model_ids=[model_id])
     return render(request, "dashboard/ops/_catalog_row.html", {"m": model, "action_error": action_error})
 
 
 @operator_required
 @require_POST
 def catalog_set_enabled(request: HttpRequest, pk: int) -> HttpResponse:
-    model = get_object_or_404(Model, pk=pk)
+    model = get_object_or_404(catalog_models(), pk=pk)
     enabled = request.POST.get("enabled") == "1"
     model = model_set_enabled(model=model, enabled=enabled, actor=request.user)
     return fragment_or_redirect(request, lambda: _catalog_row(request, pk), to=CATALOG,
@@ -243,7 +279,7 @@ def catalog_set_enabled(request: HttpRequest, pk: int) -> HttpResponse:
 @operator_required
 @require_POST
 def catalog_deploy(request: HttpRequest, pk: int) -> HttpResponse:
-    model = get_object_or_404(Model, pk=pk)
+    model = get_object_or_404(catalog_models(), pk=pk)
     deploy = partial(deployment_create, model_name=model.public_name, desired_replicas=1, min_replicas=0,
                      max_replicas=1, actor=request.user)
     return run_action(request, deploy, partial(_catalog_row, request, pk), to=CATALOG,
@@ -256,6 +292,6 @@ def catalog_path_check(request: HttpRequest) -> HttpResponse:
     """The chosen workers' view of a weight path, while the operator types it."""
     path = request.GET.get("weights_path", "").strip()
     ids = [int(i) for i in request.GET.getlist("check_workers") if i.isdigit()]
-    workers = list(workers_for_path_check().filter(pk__in=ids))
+    workers = list(workers_for_path_check(worker_ids=ids))
     reports = weights_path_reports(weights_path=path, workers=workers) if path.startswith("/") else []
     return render(request, "dashboard/ops/_path_check.html", {"path": path, "reports": reports, "workers": workers})

@@ -7,7 +7,8 @@ from django import forms
 from django.utils import timezone
 
 from controlplane.accounts.models import ApiKey, Tenant
-from controlplane.catalog.models import Model
+from controlplane.accounts.selectors import api_key_choices, tenants_by_name
+from controlplane.catalog.selectors import catalog_models
 from controlplane.dashboard.reports.forms import PeriodForm
 
 DEFAULT_DAYS = 7
@@ -20,10 +21,10 @@ class _KeyChoice(forms.ModelChoiceField):
 
 
 class RequestLogForm(PeriodForm):
-    tenant = forms.ModelChoiceField(Tenant.objects.order_by("name"), required=False, empty_label="All tenants")
-    model = forms.ModelChoiceField(Model.objects.order_by("public_name"), to_field_name="public_name",
+    tenant = forms.ModelChoiceField(tenants_by_name(), required=False, empty_label="All tenants")
+    model = forms.ModelChoiceField(catalog_models(), to_field_name="public_name",
                                    required=False, empty_label="All models")
-    key = _KeyChoice(ApiKey.objects.none(), required=False, empty_label="All keys")
+    key = _KeyChoice(api_key_choices(tenant=None), required=False, empty_label="All keys")
     outcome = forms.ChoiceField(choices=OUTCOME_CHOICES, required=False)
 
     def __init__(self, *args, tenant: Tenant | None = None, **kwargs):
@@ -37,9 +38,7 @@ class RequestLogForm(PeriodForm):
                 tenant = self.fields["tenant"].clean(self.data.get("tenant"))
             except forms.ValidationError:
                 tenant = None  # reported beside the field when the form is cleaned
-        keys = ApiKey.objects.none() if tenant is None else ApiKey.objects.filter(
-            tenant=tenant, purpose=ApiKey.Purpose.API).order_by("name", "pk")
-        self.fields["key"].queryset = keys
+        self.fields["key"].queryset = api_key_choices(tenant=tenant)
         if tenant is None:
             self.fields["key"].help_text = "Pick a tenant to choose one of its keys."
 

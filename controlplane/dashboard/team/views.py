@@ -14,8 +14,15 @@ from django.urls import reverse
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 from django_htmx.http import HttpResponseClientRedirect
 
-from controlplane.accounts.models import Invitation, Tenant, User
-from controlplane.accounts.selectors import invitation_get_by_token, invitations_open, staff_members, team_members
+from controlplane.accounts.models import Tenant, User
+from controlplane.accounts.selectors import (
+    invitation_get_by_token,
+    invitations_of,
+    invitations_open,
+    staff_members,
+    team_members,
+    tenants_by_name,
+)
 from controlplane.accounts.services import (
     invitation_accept,
     invitation_create,
@@ -62,7 +69,7 @@ def _team_page(request: HttpRequest, tenant: Tenant) -> str:
 def _tenant_for(request: HttpRequest, tenant_id: int) -> Tenant:
     """The tenant a team action addresses: any for admins, only their own for tenant members."""
     if request.user.role == User.Role.ADMIN:
-        return get_object_or_404(Tenant, pk=tenant_id)
+        return get_object_or_404(tenants_by_name(), pk=tenant_id)
     if request.user.tenant_id != tenant_id:
         raise Http404("No such tenant.")
     return tenant_of(request)
@@ -107,7 +114,7 @@ def team_invitation_create(request: HttpRequest, tenant_id: int) -> HttpResponse
 @require_POST
 def team_invitation_revoke(request: HttpRequest, tenant_id: int, pk: int) -> HttpResponse:
     tenant = _tenant_for(request, tenant_id)
-    invitation = get_object_or_404(Invitation, pk=pk, tenant=tenant)
+    invitation = get_object_or_404(invitations_of(tenant=tenant), pk=pk)
     try:
         invitation_revoke(invitation=invitation, actor=request.user)
     except ValidationError as exc:
@@ -171,7 +178,7 @@ def staff(request: HttpRequest) -> HttpResponse:
 @admin_required
 @require_POST
 def staff_invitation_revoke(request: HttpRequest, pk: int) -> HttpResponse:
-    invitation = get_object_or_404(Invitation, pk=pk, tenant__isnull=True)
+    invitation = get_object_or_404(invitations_of(tenant=None), pk=pk)
     error = ""
     try:
         invitation_revoke(invitation=invitation, actor=request.user)

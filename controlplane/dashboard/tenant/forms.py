@@ -2,7 +2,7 @@
 
 from django import forms
 
-from controlplane.catalog.models import Model
+from controlplane.catalog.selectors import model_names_enabled
 
 
 class ApiKeyCreateForm(forms.Form):
@@ -32,8 +32,7 @@ class ApiKeyCreateForm(forms.Form):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        names = Model.objects.filter(enabled=True).order_by("public_name").values_list("public_name", flat=True)
-        self.fields["allowed_models"].choices = [(name, name) for name in names]
+        self.fields["allowed_models"].choices = [(name, name) for name in model_names_enabled()]
 
     def clean_name(self) -> str:
         name = self.cleaned_data["name"].strip()

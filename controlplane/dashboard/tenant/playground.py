@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from django import forms
 from django.core.exceptions import ValidationError
 
-from controlplane.catalog.models import Model
+from controlplane.catalog.selectors import models_for_playground
 from controlplane.gateway.app import process_app
 
 _PATH = "/v1/chat/completions"
@@ -139,12 +139,6 @@ class DeltaBatcher:
         await self._send_pending()
 
 
-def playground_models():
-    """The models a tenant may try here: every enabled model that generates text (playground
-    keys may call every model, as the tenant's own keys may by default)."""
-    return Model.objects.filter(enabled=True).exclude(kind=Model.Kind.EMBEDDING).order_by("public_name")
-
-
 class PlaygroundForm(forms.Form):
     """What the page's Send form carries (as JSON over the WebSocket); field errors go back to
     the fields."""
@@ -162,7 +156,7 @@ class PlaygroundForm(forms.Form):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.context_lengths = {m.public_name: m.context_length for m in playground_models()}
+        self.context_lengths = {m.public_name: m.context_length for m in models_for_playground()}
         self.fields["model"].choices = [(name, name) for name in self.context_lengths]
 
     def clean_message(self) -> str:

@@ -15,13 +15,14 @@ from controlplane.accounts.services import api_key_create, api_key_revoke, api_k
 from controlplane.billing.key_spend import api_keys_with_spend
 from controlplane.billing.reports import (UsageRow, allowance_this_month, period_bounds, usage_by, usage_daily,
                                           usage_month_summary)
+from controlplane.catalog.selectors import models_for_playground
 from controlplane.dashboard.credits import credits_context
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect
 from controlplane.dashboard.permissions import tenant_of, tenant_required
 from controlplane.dashboard.reports.forms import PeriodForm
 from controlplane.dashboard.tenant.forms import ApiKeyBudgetForm, ApiKeyCreateForm
-from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm, playground_models
+from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm
 from controlplane.dashboard.tenant.playground_code import code_samples
 
 
@@ -137,7 +138,7 @@ def credits(request: HttpRequest) -> HttpResponse:
 @require_GET
 def playground(request: HttpRequest) -> HttpResponse:
     form = PlaygroundForm(initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128})
-    models = list(playground_models().values("public_name", "context_length"))
+    models = [{"public_name": m.public_name, "context_length": m.context_length} for m in models_for_playground()]
     return render(request, "dashboard/tenant/playground.html", {
         "form": form, "models": models, "max_tokens_limit": MAX_TOKENS_LIMIT,
     })

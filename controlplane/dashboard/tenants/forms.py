@@ -3,13 +3,13 @@ services validate and write (a grant's amount to the ledger's millionth, positiv
 
 from django import forms
 
-from controlplane.billing.models import Plan
+from controlplane.billing.selectors import plans_all
 from controlplane.common.money import MICRO, MONEY_DIGITS
 
 
 class TenantCreateForm(forms.Form):
     name = forms.CharField(max_length=100)
-    plan = forms.ModelChoiceField(queryset=Plan.objects.all(), required=False, empty_label="No plan",
+    plan = forms.ModelChoiceField(queryset=plans_all(), required=False, empty_label="No plan",
                                   help_text="Sets the monthly included requests and rate limits.")
 
     def clean_name(self) -> str:

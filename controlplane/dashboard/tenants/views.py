@@ -9,7 +9,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from controlplane.accounts.models import Tenant
-from controlplane.accounts.selectors import tenants_with_member_counts
+from controlplane.accounts.selectors import tenants_by_name, tenants_with_member_counts
 from controlplane.accounts.services import tenant_create
 from controlplane.billing.selectors import credit_balances
 from controlplane.billing.services import credit_grant
@@ -44,7 +44,7 @@ def _detail_context(request: HttpRequest, tenant: Tenant, *, grant_form=None) ->
 @admin_required
 @require_GET
 def tenant_detail(request: HttpRequest, pk: int) -> HttpResponse:
-    tenant = get_object_or_404(Tenant.objects.select_related("plan"), pk=pk)
+    tenant = get_object_or_404(tenants_by_name(), pk=pk)
     return render(request, "dashboard/tenants/tenant_detail.html",
                   {**_detail_context(request, tenant), **team_context(request, tenant)})
 
@@ -52,7 +52,7 @@ def tenant_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @admin_required
 @require_POST
 def tenant_credit_grant(request: HttpRequest, pk: int) -> HttpResponse:
-    tenant = get_object_or_404(Tenant.objects.select_related("plan"), pk=pk)
+    tenant = get_object_or_404(tenants_by_name(), pk=pk)
     form = CreditGrantForm(request.POST)
     entry = submit(form, lambda data: credit_grant(tenant=tenant, amount=data["amount"], memo=data["note"],
                                                    created_by=request.user))

@@ -1,6 +1,10 @@
 """The fleet page's actions through the real services: each changes the desired state, sends its
 Celery message to the worker's own queue on the real broker, lands in the audit log, and answers
-htmx with the fragment it replaces (errors beside the field that caused them)."""
+htmx with only what is its own: its form (errors beside the field that caused them) or a line
+saying what was done. The change itself reaches the page's live parts over the live push
+(test_ops_consumer.py); the answer says fleet-changed, for a page whose WebSocket is down."""
+
+import re
 
 import pytest
 from django.urls import reverse
@@ -22,6 +26,10 @@ pytestmark = pytest.mark.django_db
 HTMX = {"HTTP_HX_REQUEST": "true"}
 
 
+def _says_fleet_changed(response) -> bool:
+    return "fleet-changed" in response.get("HX-Trigger", "")
+
+
 def _audit(action: str) -> AuditEntry:
     return AuditEntry.objects.get(action=action)
 
@@ -33,8 +41,13 @@ def test_scaling_updates_the_deployment_and_is_audited(operator_client, operator
                                         {f"s{deployment.pk}-desired_replicas": "3"}, **HTMX)
     assert response.status_code == 200
     fragment = response.content.decode()
-    assert fragment.lstrip().startswith(f'<div class="deployment" id="deployment-{deployment.pk}"')
-    assert "desired 3 · min 0 · max 3" in fragment
+    # The scale form's own answer: the form, filled with the new count, and what was done; the
+    # deployment's status is the live push's alone.
+    assert fragment.lstrip().startswith(f'<form class="inline-form" id="deployment-{deployment.pk}-scale"')
+    assert f'name="s{deployment.pk}-desired_replicas" value="3"' in fragment
+    assert 'data-testid="scale-done"' in fragment and "now wants 3 replicas." in fragment
+    assert f'id="deployment-{deployment.pk}-status"' not in fragment and "desired 3 · min 0" not in fragment
+    assert _says_fleet_changed(response)
     deployment.refresh_from_db()
     assert deployment.desired_replicas == 3
     entry = _audit("deployment.scale")
@@ -51,7 +64,7 @@ def test_a_bad_scale_is_refused_beside_the_field(operator_client, value, message
     response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
                                     {f"s{deployment.pk}-desired_replicas": value}, **HTMX)
     fragment = response.content.decode()
-    assert response.status_code == 200
+    assert response.status_code == 200 and not _says_fleet_changed(response)
     errors_at = fragment.index(f'id="errors-s{deployment.pk}-desired_replicas"')
     assert fragment.index(f'name="s{deployment.pk}-desired_replicas"') < errors_at
     assert message in fragment[errors_at:]
@@ -72,6 +85,8 @@ def test_a_scale_outside_min_and_max_opens_the_limits_filled_in_to_allow_it(oper
     fragment = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
                                     {f"s{deployment.pk}-desired_replicas": str(value)}, **HTMX).content.decode()
     assert f"This deployment allows {low} to {high} replicas; {fix}." in fragment
+    # The limits come along out of band, opened.
+    assert f'<div class="deployment-limits" id="deployment-{deployment.pk}-limits" hx-swap-oob="true">' in fragment
     assert "<details open>" in fragment
     for name, expected in {"desired_replicas": value, **filled}.items():
         assert f'name="{p}{name}" value="{expected}"' in fragment
@@ -85,11 +100,12 @@ def test_a_scale_outside_min_and_max_opens_the_limits_filled_in_to_allow_it(oper
         value, filled["min_replicas"], filled["max_replicas"])
 
 
-def test_a_malformed_scale_leaves_the_limits_closed(operator_client):
+def test_a_malformed_scale_leaves_the_limits_as_they_are(operator_client):
     deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=1)
     fragment = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
                                     {f"s{deployment.pk}-desired_replicas": "two"}, **HTMX).content.decode()
-    assert "Enter a whole number." in fragment and "<details open>" not in fragment
+    assert "Enter a whole number." in fragment
+    assert f'id="deployment-{deployment.pk}-limits"' not in fragment and "<details" not in fragment
 
 
 def test_editing_min_max_and_keep_warm(operator_client, operator):
@@ -106,7 +122,14 @@ def test_editing_min_max_and_keep_warm(operator_client, operator):
 
     response = operator_client.post(url, {p + "desired_replicas": "2", p + "min_replicas": "1",
                                           p + "max_replicas": "4", p + "keep_warm": "on"}, **HTMX)
-    assert "desired 2 · min 1 · max 4 · keep warm" in response.content.decode()
+    # The limits form's own answer: closed, filled with what was saved, and what was done.
+    saved = response.content.decode()
+    assert saved.lstrip().startswith(f'<div class="deployment-limits" id="deployment-{deployment.pk}-limits">')
+    assert "<details>" in saved and 'data-testid="limits-done"' in saved and "updated." in saved
+    for name, value in {"desired_replicas": 2, "min_replicas": 1, "max_replicas": 4}.items():
+        assert f'name="{p}{name}" value="{value}"' in saved
+    assert re.search(f'<input type="checkbox" name="{p}keep_warm"[^>]* checked>', saved)
+    assert f'id="deployment-{deployment.pk}-status"' not in saved and _says_fleet_changed(response)
     deployment.refresh_from_db()
     assert (deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas, deployment.keep_warm) == (2, 1, 4, True)
     assert _audit("deployment.update").detail == {"desired_replicas": [1, 2], "min_replicas": [0, 1],
@@ -141,9 +164,9 @@ def test_loading_on_a_gpu_sends_the_load_message_to_that_worker(operator_client,
     assert (replica.worker_id, replica.gpu_id, replica.state) == (gpu.worker_id, gpu.pk, Replica.State.PENDING)
     fragment = response.content.decode()
     assert 'data-testid="load-done"' in fragment and f"(replica {replica.pk})" in fragment
-    # The worker's card comes along out of band, already showing the new replica.
-    assert f'id="worker-{gpu.worker_id}"' in fragment and 'hx-swap-oob="true"' in fragment
-    assert f'id="replica-{replica.pk}"' in fragment
+    # The new replica reaches the worker's card over the live push, not in this answer.
+    assert f'id="worker-{gpu.worker_id}"' not in fragment and f'id="replica-{replica.pk}"' not in fragment
+    assert _says_fleet_changed(response)
     ((task, kwargs),) = queued_tasks(gpu.worker.queue_name)
     assert task == LOAD_MODEL
     assert (kwargs["replica_id"], kwargs["model_path"], kwargs["gpu_index"]) == (replica.pk, "/models/tiny", 1)
@@ -177,16 +200,22 @@ def test_unloading_a_replica_after_confirmation(operator_client, operator, djang
     replica.refresh_from_db()
     assert replica.state == Replica.State.DRAINING
     fragment = response.content.decode()
-    assert fragment.lstrip().startswith(f'<article class="card worker" id="worker-{worker.pk}"')
+    # The workers' answer line says what was done; the card shows it over the live push.
+    assert fragment.lstrip().startswith('<div class="answer" id="workers-answer"')
+    assert f"Unloading replica {replica.pk} of " in fragment and f'id="worker-{worker.pk}"' not in fragment
+    assert _says_fleet_changed(response)
     assert [task for task, _ in queued_tasks(worker.queue_name)] == [UNLOAD_MODEL]
     assert _audit("replica.unload").actor == operator
 
 
-def test_unloading_below_min_replicas_shows_why_on_the_card(operator_client):
+def test_unloading_below_min_replicas_says_why_beside_the_workers(operator_client):
     replica = ReplicaFactory(worker=make_worker(), state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100",
                              deployment=DeploymentFactory(desired_replicas=1, min_replicas=1))
-    fragment = operator_client.post(reverse("dashboard:replica_unload", args=[replica.pk]), **HTMX).content.decode()
+    response = operator_client.post(reverse("dashboard:replica_unload", args=[replica.pk]), **HTMX)
+    fragment = response.content.decode()
+    assert fragment.lstrip().startswith('<div class="answer" id="workers-answer"')
     assert 'data-testid="action-error"' in fragment and "must keep at least 1 replicas" in fragment
+    assert not _says_fleet_changed(response)  # nothing changed
     replica.refresh_from_db()
     assert replica.state == Replica.State.READY
 
@@ -197,7 +226,7 @@ def test_draining_a_worker(operator_client, operator, django_capture_on_commit_c
     assert f'hx-confirm="Drain {worker.name}?' in page
     with django_capture_on_commit_callbacks(execute=True):
         fragment = operator_client.post(reverse("dashboard:worker_drain", args=[worker.pk]), **HTMX).content.decode()
-    assert 'data-state="draining"' in fragment and 'data-testid="drain-worker"' not in fragment
+    assert f"Draining {worker.name}." in fragment and f'id="worker-{worker.pk}"' not in fragment
     worker.refresh_from_db()
     assert worker.state == Worker.State.DRAINING
     assert [task for task, _ in queued_tasks(worker.queue_name)] == [DRAIN_WORKER]
@@ -249,17 +278,21 @@ def test_a_degraded_deployment_shows_its_cause_in_full_and_retry_now_clears_it(
     assert 'data-state="degraded"' in status[:200]
     assert f"{worker.name}: {LONG_CAUSE}" in status  # the whole first line, never cut before its cause
     assert 'data-testid="backoff"' in status and 'data-testid="retry-now"' in status
+    assert f'hx-target="#deployment-{deployment.pk}-answer"' in status  # it answers in the card's answer line
+    assert f'id="deployment-{deployment.pk}-answer"' in page
     catalog = operator_client.get(reverse("dashboard:catalog")).content.decode()
     assert 'data-testid="model-degraded"' in catalog and LONG_CAUSE in catalog
 
     with django_capture_on_commit_callbacks(execute=True):
         response = operator_client.post(reverse("dashboard:deployment_retry", args=[deployment.pk]), **HTMX)
     fragment = response.content.decode()
-    assert fragment.lstrip().startswith(f'<div class="deployment" id="deployment-{deployment.pk}"')
-    assert 'data-testid="retry-now"' not in fragment and not deployment.load_backoffs.exists()
+    assert fragment.lstrip().startswith(f'<div class="answer" id="deployment-{deployment.pk}-answer"')
+    assert "Retrying" in fragment and 'data-testid="retry-now"' not in fragment and _says_fleet_changed(response)
+    assert not deployment.load_backoffs.exists()
     entry = _audit("deployment.retry")
     assert (entry.actor, entry.detail) == (operator, {"backoffs": {worker.name: 3}})
 
-    # Again, with nothing left to retry: the refusal is shown in the deployment.
+    # Again, with nothing left to retry: the refusal is shown in the deployment's answer line.
     fragment = operator_client.post(reverse("dashboard:deployment_retry", args=[deployment.pk]), **HTMX).content.decode()
+    assert fragment.lstrip().startswith(f'<div class="answer" id="deployment-{deployment.pk}-answer"')
     assert "has no failed loads to retry" in fragment and 'data-testid="action-error"' in fragment

@@ -9,6 +9,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
 from django.test import Client
+from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts.models import User
@@ -191,6 +192,63 @@ async def test_deployment_changes_reach_the_page_with_their_inputs():
         await sync_to_async(deployment_create)(model_name=model.public_name, desired_replicas=0, actor=None)
         html = await _receive_matching(communicator, 'data-model="newcomer"')
         assert html.lstrip().startswith('<div id="deployments"')
+    finally:
+        await communicator.disconnect()
+
+
+@sync_to_async
+def _operator_posts(url: str, data: dict) -> tuple[str, str]:
+    """An operator's htmx form post: the answer's body and its HX-Trigger."""
+    client = Client()
+    client.force_login(make_user(User.Role.OPERATOR))
+    response = client.post(url, data, HTTP_HX_REQUEST="true")
+    assert response.status_code == 200
+    return response.content.decode(), response.get("HX-Trigger", "")
+
+
+async def _drawn_once(communicator: WebSocketClient, element_id: str) -> str:
+    """The one fragment that draws `element_id`; nothing else arrives after it."""
+    html = await _receive_matching(communicator, f'id="{element_id}"')
+    assert html.count(f'id="{element_id}"') == 1
+    assert await communicator.receive_nothing(timeout=1.0), "the page was sent more after the change"
+    return html
+
+
+async def test_each_change_on_the_fleet_page_is_drawn_once_by_the_live_push():
+    # The operator's own form posts answer with their form and a line, never with the deployment's
+    # status or a worker's card: those reach every page, the operator's included, over the live
+    # push alone, so no answer can land after a newer push and draw an older state over it.
+    worker = await sync_to_async(make_worker)()
+    gpu = await sync_to_async(GpuFactory)(worker=worker, index=0)
+    deployment = await sync_to_async(DeploymentFactory)(
+        model=await sync_to_async(ModelFactory)(public_name="drawn-once", gpu_memory_bytes=1024),
+        desired_replicas=1, min_replicas=0, max_replicas=2)
+    pk, status = deployment.pk, f"deployment-{deployment.pk}-status"
+    communicator, connected, _ = await _connect(User.Role.OPERATOR)
+    assert connected
+    try:
+        answer, trigger = await _operator_posts(reverse("dashboard:deployment_edit", args=[pk]), {
+            f"d{pk}-desired_replicas": "1", f"d{pk}-min_replicas": "0", f"d{pk}-max_replicas": "3"})
+        assert f'id="{status}"' not in answer and "fleet-changed" in trigger
+        assert "desired 1 · min 0 · max 3" in await _drawn_once(communicator, status)
+
+        answer, _ = await _operator_posts(reverse("dashboard:deployment_scale", args=[pk]),
+                                          {f"s{pk}-desired_replicas": "2"})
+        assert f'id="{status}"' not in answer and "now wants 2 replicas." in answer
+        assert 'data-desired="2"' in await _drawn_once(communicator, status)
+
+        # A refused change changes nothing, and nothing is pushed: the answer alone says why.
+        answer, trigger = await _operator_posts(reverse("dashboard:deployment_scale", args=[pk]),
+                                                {f"s{pk}-desired_replicas": "9"})
+        assert "raise Max replicas to scale to 9" in answer and trigger == ""
+        assert await communicator.receive_nothing(timeout=1.0)
+
+        # Loading by hand: the new replica reaches the worker's card over the push, once.
+        answer, _ = await _operator_posts(reverse("dashboard:replica_load"),
+                                          {"deployment": pk, "slot": f"{worker.pk}:{gpu.pk}"})
+        assert 'data-testid="load-done"' in answer and f'id="worker-{worker.pk}"' not in answer
+        card = await _receive_matching(communicator, f'id="worker-{worker.pk}"')
+        assert card.count(f'id="worker-{worker.pk}"') == 1 and 'data-testid="replica"' in card
     finally:
         await communicator.disconnect()
 

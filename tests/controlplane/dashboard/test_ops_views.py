@@ -1,8 +1,10 @@
 """The operator pages by role, and what the fleet page shows: workers with their GPUs' live
-figures, replicas with load progress, deployments, and the empty state."""
+figures, replicas with load progress, deployments, and the empty state; its live parts drawn in
+one place, and fetched over HTTP while its WebSocket is down."""
 
 import re
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.urls import reverse
@@ -23,7 +25,13 @@ from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFac
 
 pytestmark = pytest.mark.django_db
 
-PAGES = ["dashboard:fleet", "dashboard:catalog", "dashboard:audit", "dashboard:catalog_add"]
+PAGES = ["dashboard:fleet", "dashboard:fleet_live", "dashboard:catalog", "dashboard:audit", "dashboard:catalog_add"]
+ROOT = Path(__file__).resolve().parents[3]
+OPS_TEMPLATES = ROOT / "templates" / "dashboard" / "ops"
+# The fleet page's live parts, and the answers of its forms and buttons.
+LIVE_TEMPLATES = ("_deployments.html", "_deployment.html", "_deployment_status.html", "_autoscale.html",
+                  "_workers.html", "_worker.html", "_heartbeat.html")
+ANSWER_TEMPLATES = ("_scale_form.html", "_limits_form.html", "_answer.html", "_load_form.html")
 
 
 @pytest.mark.parametrize("name", PAGES)
@@ -165,3 +173,30 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
     assert 'data-action="up"' in block and "Scaled up · 2" in block
     assert "utilisation 100% of 1 ready (target 70%), above 84%" in block
     assert "waiting 3 · running 5" in block
+
+
+def test_the_fleet_pages_live_parts_are_rendered_in_one_place():
+    # Only fragments.py renders them (the page includes the same templates); no answer to a form
+    # or button includes one, so no part of the page is drawn both by an answer and by the push.
+    renderers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "controlplane").rglob("*.py")
+                       if any(f"dashboard/ops/{name}" in path.read_text() for name in LIVE_TEMPLATES))
+    assert renderers == ["controlplane/dashboard/ops/fragments.py"]
+    for answer in ANSWER_TEMPLATES:
+        text = (OPS_TEMPLATES / answer).read_text()
+        assert not [name for name in LIVE_TEMPLATES if name in text], answer
+
+
+def test_a_fleet_page_whose_websocket_is_down_catches_up_over_http(operator_client):
+    worker = make_worker()
+    deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=4)
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    catch_up = page[page.index('id="fleet-catch-up"'):]
+    assert f'hx-get="{reverse("dashboard:fleet_live")}" hx-swap="none"' in catch_up[:200]
+    assert 'hx-trigger="fleet-changed[!fleetLive()] from:body, every 10s [!fleetLive()]"' in catch_up
+    # What a reconnecting WebSocket gets, each part marked to be swapped in by id.
+    live = operator_client.get(reverse("dashboard:fleet_live")).content.decode()
+    assert live.lstrip().startswith('<div id="workers" class="workers" data-testid="workers" hx-swap-oob="true">')
+    assert f'id="worker-{worker.pk}"' in live
+    status = live[live.index(f'id="deployment-{deployment.pk}-status"'):]
+    assert 'data-desired="1" hx-swap-oob="true"' in status[:300] and "desired 1 · min 0 · max 4" in status
+    assert 'data-testid="scale-form"' not in live and 'data-testid="limits-form"' not in live  # forms left alone
