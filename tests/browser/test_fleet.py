@@ -125,6 +125,9 @@ def _set_limits(deployment, **values) -> None:
 def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, system):
     model = system.seeded.demo_model
     page = _open_fleet(open_page)
+    # While the WebSocket is up it is the only way the live parts arrive: no catch-up over HTTP.
+    catch_ups, live_path = [], reverse("dashboard:fleet_live")
+    page.on("request", lambda request: catch_ups.append(request.url) if live_path in request.url else None)
     replicas = page.locator(f"[data-testid=worker-card] [data-testid=replica][data-model='{model}']")
     expect(replicas).to_have_count(1, timeout=120_000)
     expect(replicas.first).to_have_attribute("data-state", "ready", timeout=120_000)
@@ -173,6 +176,7 @@ def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, sy
     _scale(_deployment(page, model), 1)
     expect(replicas).to_have_count(1, timeout=90_000)
     expect(page.locator(f"#{first_id}")).to_have_attribute("data-state", "ready")
+    assert catch_ups == []
 
     # Every action is in the audit log, with who did it.
     page.goto(reverse("dashboard:audit"))
@@ -184,3 +188,23 @@ def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, sy
     expect(rows("deployment.scale").first).to_contain_text("desired_replicas: 2 → 1")
     expect(rows("deployment.update")).to_have_count(1)
     expect(rows("deployment.update")).to_contain_text("max_replicas: 2 → 3")
+
+
+def test_a_page_whose_websocket_is_down_still_shows_each_change(open_page, system):
+    """Behind a proxy that drops WebSockets, say: the page says it is not live, and its live parts
+    come over HTTP instead, at once after the operator's own change (then every 10 s)."""
+    model = system.seeded.demo_model
+    page = open_page("operator")
+    page.route_web_socket("**/ws/fleet/", lambda socket: socket.close())  # never reaches the server
+    page.goto(reverse("dashboard:fleet"))
+    expect(page.locator("#live-status")).to_have_text("Reconnecting…")
+    page.evaluate(MARK_DOCUMENT)
+    status = _deployment(page, model).locator("[data-testid=deployment-status]")
+    before = re.search(r"max (\d+)", status.inner_text()).group(1)
+    for max_replicas in (int(before) + 1, int(before)):  # and back, as the next tests expect it
+        _set_limits(_deployment(page, model), max_replicas=max_replicas)
+        expect(_deployment(page, model).locator("[data-testid=limits-done]")).to_contain_text("updated.")
+        # Sooner than the 10 s poll: the answer's fleet-changed fetched it.
+        expect(status).to_contain_text(f"max {max_replicas}", timeout=9_000)
+    expect(page.locator("#live-status")).to_have_attribute("data-connected", "false")
+    assert page.evaluate(SAME_DOCUMENT), "the page was reloaded"
