@@ -107,8 +107,8 @@ def invitations_open(*, tenant: Tenant | None, now: datetime | None = None) -> Q
 
 def invitations_of(*, tenant: Tenant | None) -> QuerySet[Invitation]:
     """Every invitation, open or not, of `tenant`, or of the staff when `tenant` is None."""
-    return Invitation.objects.filter(tenant=tenant) if tenant is not None else Invitation.objects.filter(
-        tenant__isnull=True)
+    invitations = Invitation.objects.all()
+    return invitations.filter(tenant=tenant) if tenant is not None else invitations.filter(tenant__isnull=True)
 
 
 def invitation_get_by_token(*, token: str) -> Invitation | None:

@@ -201,7 +201,7 @@ def test_unloading_a_replica_after_confirmation(operator_client, operator, djang
     assert replica.state == Replica.State.DRAINING
     fragment = response.content.decode()
     # The workers' answer line says what was done; the card shows it over the live push.
-    assert fragment.lstrip().startswith('<div class="answer" id="workers-answer"')
+    assert fragment.lstrip().startswith('<div class="action-answer" id="workers-answer"')
     assert f"Unloading replica {replica.pk} of " in fragment and f'id="worker-{worker.pk}"' not in fragment
     assert _says_fleet_changed(response)
     assert [task for task, _ in queued_tasks(worker.queue_name)] == [UNLOAD_MODEL]
@@ -213,7 +213,7 @@ def test_unloading_below_min_replicas_says_why_beside_the_workers(operator_clien
                              deployment=DeploymentFactory(desired_replicas=1, min_replicas=1))
     response = operator_client.post(reverse("dashboard:replica_unload", args=[replica.pk]), **HTMX)
     fragment = response.content.decode()
-    assert fragment.lstrip().startswith('<div class="answer" id="workers-answer"')
+    assert fragment.lstrip().startswith('<div class="action-answer" id="workers-answer"')
     assert 'data-testid="action-error"' in fragment and "must keep at least 1 replicas" in fragment
     assert not _says_fleet_changed(response)  # nothing changed
     replica.refresh_from_db()
@@ -286,7 +286,7 @@ def test_a_degraded_deployment_shows_its_cause_in_full_and_retry_now_clears_it(
     with django_capture_on_commit_callbacks(execute=True):
         response = operator_client.post(reverse("dashboard:deployment_retry", args=[deployment.pk]), **HTMX)
     fragment = response.content.decode()
-    assert fragment.lstrip().startswith(f'<div class="answer" id="deployment-{deployment.pk}-answer"')
+    assert fragment.lstrip().startswith(f'<div class="action-answer" id="deployment-{deployment.pk}-answer"')
     assert "Retrying" in fragment and 'data-testid="retry-now"' not in fragment and _says_fleet_changed(response)
     assert not deployment.load_backoffs.exists()
     entry = _audit("deployment.retry")
@@ -294,5 +294,5 @@ def test_a_degraded_deployment_shows_its_cause_in_full_and_retry_now_clears_it(
 
     # Again, with nothing left to retry: the refusal is shown in the deployment's answer line.
     fragment = operator_client.post(reverse("dashboard:deployment_retry", args=[deployment.pk]), **HTMX).content.decode()
-    assert fragment.lstrip().startswith(f'<div class="answer" id="deployment-{deployment.pk}-answer"')
+    assert fragment.lstrip().startswith(f'<div class="action-answer" id="deployment-{deployment.pk}-answer"')
     assert "has no failed loads to retry" in fragment and 'data-testid="action-error"' in fragment
