@@ -44,6 +44,9 @@ so rows x splits stays within what the SMs hold (one program each until a compil
 occupancy is known); the interpreter runs programs one after another, so it uses one program per
 row. Block sizes, thresholds, warps and splitting are a SamplingConfig, tuned per batch size
 (bench/sampling.py).
+
+The kernel below is the row's state machine, a loop of rounds until the row is DONE; its passes, the
+steps from one state to the next and the states themselves live in passes.py.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.device import prefetch
+from gpuworker.kernels.sampling import passes
+from gpuworker.kernels.sampling.passes import CHECK, DONE, DRAW, INT_MIN, STATS, TOP_K, TOP_P
 from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 
 # A program's partial record per pass: a sum per threshold and seven scalars.
@@ -155,9 +159,6 @@ PHILOX_KEY_A = 0x9E3779B9
 PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUNDS = 10
 
-# Round kinds of the kernel's state machine.
-_STATS, _TOP_K, _TOP_P, _DRAW, _DONE, _CHECK = 0, 1, 2, 3, 4, 5
-
 
 def _sample_kernel(
     logits_ptr, stride_logits,
@@ -182,26 +183,13 @@ def _sample_kernel(
     thr_ids = tl.arange(0, NT)
     split_ids = tl.arange(0, SPLITS_P2)
     split_mask = split_ids < splits
-    INT_MAX: tl.constexpr = 2147483647
-    INT_MIN: tl.constexpr = -2147483648
-
-    temperature = tl.load(temperature_ptr + row)
-    greedy = temperature <= 0.0
-    divisor = tl.where(greedy, 1.0, temperature)
-    top_k = INT_MAX  # off: never below the number of finite logits
-    if HAS_TOP_K:
-        top_k = tl.load(top_k_ptr + row).to(tl.int32)
-    top_p = 1.0
-    if HAS_TOP_P:
-        top_p = tl.load(top_p_ptr + row)
-    min_p = 0.0
-    if HAS_MIN_P:
-        min_p = tl.load(min_p_ptr + row)
+    temperature, greedy, divisor, top_k, top_p, min_p = passes.load_filters(
+        row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
 
     # Row state, the same in every program of the row (each reduces the same partials in one order).
-    kind = 0  # _STATS
+    kind = STATS
     rounds = 0  # passes done so far (and barriers passed)
-    passes = 0  # passes of the current search
+    search_passes = 0  # passes of the current search
     row_max = float("-inf")
     token = 0
     tau = INT_MIN  # the smallest kept key
@@ -223,357 +211,69 @@ def _sample_kernel(
     num_kept = 0
     # Draw first, check after (module docstring): a sampled row without a top-k cut draws its
     # candidate in the stats pass, unless the launch counts kept tokens (which takes the threshold).
-    drawing = ((temperature > 0.0) & (top_k >= vocab_size)).to(tl.int32)
-    if MAX_DRAWS == 0:
-        drawing = drawing * 0
-    if WRITE_NUM_KEPT:
-        drawing = drawing * 0
+    drawing = passes.draws_first(temperature, top_k, vocab_size, MAX_DRAWS, WRITE_NUM_KEPT)
     checks = 0  # top-p checks of drawn candidates
     key_c = 0  # the candidate's key
 
-    while kind != 4:  # _DONE
-        # Thresholds of a search pass: even in value over the first VALUE_PASSES passes of a search
-        # (logits are spread evenly in value, not in key: an interval that crosses zero, or spans
-        # binades, holds most of its keys in values near zero that no token has), even in key
-        # after, which bounds the passes (value steps may shrink a wide interval's keys slowly).
-        step = ((hi - lo) * (thr_ids + 1).to(tl.int64)) // (NT + 1)
-        by_key = (lo + step).to(tl.int32)
-        lo_bits = (lo + 1).to(tl.int32)
-        hi_bits = hi.to(tl.int32)
-        v_lo = tl.where(lo_bits >= 0, lo_bits, lo_bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        v_hi = tl.where(hi_bits >= 0, hi_bits, hi_bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        v = v_lo + (v_hi - v_lo) * ((thr_ids + 1).to(tl.float32) / (NT + 1))
-        v_key = v.to(tl.int32, bitcast=True)
-        v_key = tl.where(v_key >= 0, v_key, v_key ^ 0x7FFFFFFF)
-        v_key = tl.minimum(tl.maximum(v_key, (lo + 1).to(tl.int32)), hi.to(tl.int32))
-        thresholds = tl.where((passes < VALUE_PASSES) & (hi - lo > NT + 1), v_key, by_key)
+    while kind != DONE:
+        thresholds = passes.search_thresholds(lo, hi, search_passes, thr_ids, NT, VALUE_PASSES)
         # A full search pass lists the tokens inside (lo, hi] once they fit the lists: the row's
         # later passes read its candidates only (top-p at batch 512 reads ~5k of 128k).
         # Half the capacity: a column overflows only if its lanes draw twice their share of candidates.
-        compact = ((LIST_ROWS > 0) & ((kind == 1) | (kind == 2)) & (listed == 0)
+        compact = ((LIST_ROWS > 0) & ((kind == TOP_K) | (kind == TOP_P)) & (listed == 0)
                    & (count_lo - count_hi <= LIST_CAP // 2))
 
-        # This program's pass over its part of the row.
-        f0 = float("-inf")
-        f1 = 0.0
-        f2 = float("-inf")
-        i0 = 0
-        i1 = 0
-        i2 = 0
-        i3 = 0
-        i4 = 0
-        counts = tl.zeros([NT], tl.int32)
-        masses = tl.zeros([NT], tl.float32)
-        if (kind == 0) | (kind == 3) | (kind == 5):  # _STATS, _DRAW, _CHECK: over the row, BLOCK a step
-            # _STATS: max (first index), sum of exp(x - max), smallest finite key, finite count;
-            # _CHECK: the mass and count of the tokens above the candidate;
-            # _DRAW, and _STATS of a row that draws first: the best Gumbel score among the tokens
-            # kept so far (key >= tau and min-p; in _STATS row_max is still -inf, so min-p keeps
-            # every token), its first index, and (_DRAW) how many were kept.
-            # Lanes serve several of these (registers decide how many programs an SM holds): the
-            # argmax is a greedy row's, which never draws; the count is of finite, above or kept tokens.
-            noisy = (kind == 3) | ((kind == 0) & (drawing == 1))
-            lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
-            lane_sum = tl.zeros([BLOCK], tl.float32)
-            lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
-            lane_arg = tl.zeros([BLOCK], tl.int32) + begin  # of lane_max or of lane_best
-            lane_lowest_key = tl.full([BLOCK], INT_MAX, tl.int32)
-            lane_count = tl.zeros([BLOCK], tl.int32)
-            seed = tl.load(seed_ptr + row)
-            seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-            seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-            pre1, pre2, pre3 = prefetch.first_blocks(row_ptr, begin, end, BLOCK, PREFETCH)
-            for start in range(begin, end, BLOCK):
-                idx = start + cols
-                raw, pre1, pre2, pre3 = prefetch.next_block(row_ptr, idx, end, pre1, pre2, pre3, BLOCK, PREFETCH)
-                x = tl.math.div_rn(raw, divisor) + 0.0  # + 0.0: -0.0 becomes 0.0, one key per value
-                finite = x > float("-inf")
-                bits = x.to(tl.int32, bitcast=True)
-                key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-                if kind == 0:
-                    bigger = x > lane_max
-                    new_max = tl.where(bigger, x, lane_max)
-                    lane_sum = (tl.where(bigger, lane_sum * tl.exp(lane_max - new_max), lane_sum)
-                                + tl.where(finite, tl.exp(x - new_max), 0.0))
-                    lane_arg = tl.where(bigger & (drawing == 0), idx, lane_arg)
-                    lane_max = new_max
-                    lane_lowest_key = tl.minimum(lane_lowest_key, tl.where(finite, key, INT_MAX))
-                    lane_count += finite.to(tl.int32)
-                if kind == 5:
-                    above = finite & (key > key_c)
-                    lane_sum += tl.where(above, tl.exp(x - row_max), 0.0)
-                    lane_count += above.to(tl.int32)
-                if noisy:
-                    kept = finite & (key >= tau)
-                    if HAS_MIN_P:
-                        kept = kept & (tl.exp(x - row_max) >= min_p)
-                    # Noise only for blocks with a kept token (top-k keeps a few hundred of 128k).
-                    if tl.max(kept.to(tl.int32), 0) > 0:
-                        c0 = idx.to(tl.uint32)
-                        c1 = c0 * 0
-                        c2 = c1
-                        c3 = c1
-                        k0 = seed_lo
-                        k1 = seed_hi
-                        for _ in tl.static_range(10):
-                            prev0 = c0
-                            prev2 = c2
-                            c0 = tl.umulhi(prev2, 0xCD9E8D57) ^ c1 ^ k0
-                            c2 = tl.umulhi(prev0, 0xD2511F53) ^ c3 ^ k1
-                            c1 = prev2 * 0xCD9E8D57
-                            c3 = prev0 * 0xD2511F53
-                            k0 = k0 + 0x9E3779B9
-                            k1 = k1 + 0xBB67AE85
-                        # U in (0, 1), exactly representable: odd multiples of 2**-24.
-                        u = ((c0 >> 9).to(tl.int32) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
-                        score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
-                        better = score > lane_best
-                        lane_best = tl.where(better, score, lane_best)
-                        lane_arg = tl.where(better, idx, lane_arg)
-                    if kind == 3:
-                        lane_count += kept.to(tl.int32)
-            f0 = tl.max(lane_max, 0)
-            if kind == 0:
-                f1 = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - f0), 0.0), 0)
-            else:
-                f1 = tl.sum(lane_sum, 0)
-            i0 = tl.min(tl.where(lane_max == f0, lane_arg, INT_MAX), 0)
-            i1 = tl.min(lane_lowest_key, 0)
-            i2 = tl.sum(lane_count, 0)
-            f2 = tl.max(lane_best, 0)
-            i4 = tl.min(tl.where(lane_best == f2, lane_arg, INT_MAX), 0)
-        else:  # a search pass: count and mass above each threshold; count, min and max key inside (lo, hi]
-            search_cols = tl.arange(0, SEARCH_BLOCK)
-            tile_counts = tl.zeros([SEARCH_BLOCK, NT], tl.int32)
-            tile_masses = tl.zeros([SEARCH_BLOCK, NT], tl.float32)
-            lane_in = tl.zeros([SEARCH_BLOCK], tl.int32)
-            lane_min_key = tl.full([SEARCH_BLOCK], INT_MAX, tl.int32)
-            lane_max_key = tl.full([SEARCH_BLOCK], INT_MIN, tl.int32)
-            # (lo, hi] in int32: lo >= the smallest finite key - 1 and hi <= the largest key, both in range.
-            lo32 = lo.to(tl.int32)
-            hi32 = hi.to(tl.int32)
-            # A listed search reads this program's list (keys above hi there are stale: count_hi and
-            # mass_hi hold them); otherwise the row, listing the tokens inside when compact.
-            ceiling = tl.where(listed == 1, hi32, INT_MAX)
-            num_steps = tl.where(listed == 1, list_rows, tl.cdiv(end - begin, SEARCH_BLOCK))
-            if compact:
-                lane_len = tl.zeros([SEARCH_BLOCK], tl.int32)
-            pre_s1, pre_s2, pre_s3 = prefetch.first_blocks(row_ptr, begin, end, SEARCH_BLOCK, PREFETCH)
-            for block_index in range(0, num_steps):
-                if listed == 1:
-                    key = tl.load(list_base + block_index * SEARCH_BLOCK + search_cols, mask=block_index < lane_len,
-                                  other=INT_MIN)
-                    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
-                    x = bits.to(tl.float32, bitcast=True)
-                else:
-                    idx = begin + block_index * SEARCH_BLOCK + search_cols
-                    raw, pre_s1, pre_s2, pre_s3 = prefetch.next_block(row_ptr, idx, end, pre_s1, pre_s2, pre_s3,
-                                                                      SEARCH_BLOCK, PREFETCH)
-                    x = tl.math.div_rn(raw, divisor) + 0.0
-                    bits = x.to(tl.int32, bitcast=True)
-                    key = tl.where(x > float("-inf"), tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT_MIN)
-                key = tl.where(key <= ceiling, key, INT_MIN)
-                mass = tl.where(key > INT_MIN, tl.exp(x - row_max), 0.0)
-                above = key[:, None] > thresholds[None, :]
-                tile_counts += above.to(tl.int32)
-                tile_masses += tl.where(above, mass[:, None], 0.0)
-                inside = (key > lo32) & (key <= hi32)
-                lane_in += inside.to(tl.int32)
-                lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
-                lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
-                if compact:  # append the candidates to their lanes' columns (counting past a full one)
-                    tl.store(list_base + lane_len * SEARCH_BLOCK + search_cols, key,
-                             mask=inside & (lane_len < LIST_ROWS))
-                    lane_len += inside.to(tl.int32)
-            if compact:
-                list_rows = tl.max(lane_len, 0)
-                i3 = (list_rows > LIST_ROWS).to(tl.int32)  # overflowed: the row keeps reading itself
-            counts = tl.sum(tile_counts, 0)
-            masses = tl.sum(tile_masses, 0)
-            i0 = tl.sum(lane_in, 0)
-            i1 = tl.min(lane_min_key, 0)
-            i2 = tl.max(lane_max_key, 0)
+        # This program's pass over its part of the row: its partial record (what a pass does not
+        # compute stays empty).
+        f0, f1, f2, i0, i1, i2, i3, i4, counts, masses = passes.empty_record(NT)
+        if (kind == STATS) | (kind == DRAW) | (kind == CHECK):
+            f0, f1, f2, i0, i1, i2, i4 = passes.row_pass(kind, drawing, row_ptr, seed_ptr, row, begin, end, cols,
+                                                         divisor, tau, row_max, min_p, key_c,
+                                                         BLOCK, PREFETCH, HAS_MIN_P)
+        else:
+            counts, masses, i0, i1, i2, i3, lane_len, list_rows = passes.search_pass(
+                row_ptr, list_base, begin, end, divisor, row_max, lo, hi, listed, lane_len, list_rows, thresholds,
+                compact, SEARCH_BLOCK, NT, PREFETCH, LIST_ROWS)
 
         # Publish this program's partials, wait for the row's other programs, read them all.
-        record = ((row * 2 + rounds % 2) * splits + split) * WIDTH
-        tl.store(part_f_ptr + record + thr_ids, masses)
-        tl.store(part_i_ptr + record + thr_ids, counts)
-        tl.store(part_f_ptr + record + NT, f0)
-        tl.store(part_f_ptr + record + NT + 1, f1)
-        tl.store(part_f_ptr + record + NT + 2, f2)
-        tl.store(part_i_ptr + record + NT, i0)
-        tl.store(part_i_ptr + record + NT + 1, i1)
-        tl.store(part_i_ptr + record + NT + 2, i2)
-        tl.store(part_i_ptr + record + NT + 3, i3)
-        tl.store(part_i_ptr + record + NT + 4, i4)
-        # The barrier orders every thread's stores before the (one-thread, acq_rel, gpu-scope) ticket.
-        tl.debug_barrier()
-        tl.atomic_add(counter_ptr + row, 1)
-        rounds += 1
-        arrived = tl.atomic_add(counter_ptr + row, 0)
-        while arrived < rounds * splits:
-            arrived = tl.atomic_add(counter_ptr + row, 0)
-        records = ((row * 2 + (rounds - 1) % 2) * splits + split_ids) * WIDTH
-        # .cg: from L2, never a line this SM cached before the other programs wrote it.
-        all_f0 = tl.load(part_f_ptr + records + NT, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
-        all_f1 = tl.load(part_f_ptr + records + NT + 1, mask=split_mask, other=0.0, cache_modifier=".cg")
-        all_i0 = tl.load(part_i_ptr + records + NT, mask=split_mask, other=0, cache_modifier=".cg")
-        all_i1 = tl.load(part_i_ptr + records + NT + 1, mask=split_mask, other=INT_MAX, cache_modifier=".cg")
-        all_i2 = tl.load(part_i_ptr + records + NT + 2, mask=split_mask, other=0, cache_modifier=".cg")
-        drew = (kind == 3) | ((kind == 0) & (drawing == 1))
+        rounds = passes.publish(part_f_ptr, part_i_ptr, counter_ptr, row, split, splits, rounds, thr_ids, masses,
+                                counts, f0, f1, f2, i0, i1, i2, i3, i4, NT, WIDTH)
+        records, all_f0, all_f1, all_i0, all_i1, all_i2 = passes.gather(part_f_ptr, part_i_ptr, row, splits,
+                                                                        split_ids, split_mask, rounds, NT, WIDTH)
+        drew = (kind == DRAW) | ((kind == STATS) & (drawing == 1))
 
-        if kind == 0:
-            row_max = tl.max(all_f0, 0)
-            token = tl.min(tl.where(all_f0 == row_max, all_i0, INT_MAX), 0)
-            z_dom = tl.sum(tl.where(all_f0 > float("-inf"), all_f1 * tl.exp(all_f0 - row_max), 0.0), 0)
-            min_key = tl.min(all_i1, 0)
-            num_finite = tl.sum(all_i2, 0)
+        # The row's next state.
+        if kind == STATS:
+            row_max, token, z_dom, min_key, num_finite = passes.reduce_stats(all_f0, all_f1, all_i0, all_i1,
+                                                                             all_i2)
+            # Every finite token is in play: a search starts over (the smallest key - 1, the largest].
             tau = min_key
-            max_bits = row_max.to(tl.int32, bitcast=True)
-            hi = tl.where(max_bits >= 0, max_bits, max_bits ^ 0x7FFFFFFF).to(tl.int64)
+            hi = passes.key_of(row_max).to(tl.int64)
             lo = min_key.to(tl.int64) - 1
             mass_lo = z_dom
             count_lo = num_finite
             count_hi = 0
             mass_hi = 0.0
             listed = 0
-            passes = 0
+            search_passes = 0
             limit = top_p * z_dom
-            if greedy:
-                kind = 4
-            elif drawing == 1:
-                kind = 3  # its first candidate came with the stats: checked below
-            elif top_k < num_finite:
-                kind = 1
-            elif top_p < 1.0:
-                kind = 2
-            else:
-                kind = 3
-        elif kind == 5:  # _CHECK: top-p keeps the candidate if the mass strictly above it is below the limit
-            mass_above = tl.sum(all_f1, 0)
-            count_above = tl.sum(all_i2, 0)
-            checks += 1
-            if mass_above < limit:
-                kind = 4
-            else:
-                # Every token at or below the candidate fails top-p too: draw again among those
-                # above it, or after MAX_DRAWS checks search top-p's threshold above it.
-                tau = key_c + 1
-                lo = key_c.to(tl.int64)
-                mass_lo = mass_above
-                count_lo = count_above
-                if checks < MAX_DRAWS:
-                    kind = 3
-                else:
-                    drawing = 0
-                    kind = 2
-        elif kind != 3:
-            thr_records = records[:, None] + thr_ids[None, :]
-            thr_mask = split_mask[:, None]
-            counts = tl.sum(tl.load(part_i_ptr + thr_records, mask=thr_mask, other=0, cache_modifier=".cg"), 0)
-            masses = tl.sum(tl.load(part_f_ptr + thr_records, mask=thr_mask, other=0.0, cache_modifier=".cg"), 0)
-            if listed == 1:
-                counts += count_hi
-                masses += mass_hi
-            num_in = tl.sum(all_i0, 0)
-            min_in = tl.min(all_i1, 0)
-            max_in = tl.max(tl.where(split_mask, all_i2, INT_MIN), 0)
-            if kind == 1:
-                keep = counts < top_k
-            else:
-                keep = masses < limit
-            # The test holds from the first kept threshold on (it is monotone in the threshold).
-            first = tl.min(tl.where(keep, thr_ids, NT), 0)
-            new_hi = tl.sum(tl.where(thr_ids == first, thresholds, 0), 0).to(tl.int64)
-            new_lo = tl.sum(tl.where(thr_ids == first - 1, thresholds, 0), 0).to(tl.int64)
-            new_mass_lo = tl.sum(tl.where(thr_ids == first - 1, masses, 0.0), 0)
-            new_count_lo = tl.sum(tl.where(thr_ids == first - 1, counts, 0), 0)
-            new_mass_hi = tl.sum(tl.where(thr_ids == first, masses, 0.0), 0)
-            new_count_hi = tl.sum(tl.where(thr_ids == first, counts, 0), 0)
-            if first < NT:
-                hi_next = new_hi
-                mass_hi = new_mass_hi
-                count_hi = new_count_hi
-            else:
-                hi_next = hi
-            if first > 0:
-                lo_next = new_lo
-                mass_lo = new_mass_lo
-                count_lo = new_count_lo
-            else:
-                lo_next = lo
-            if compact:
-                all_i3 = tl.load(part_i_ptr + records + NT + 3, mask=split_mask, other=0, cache_modifier=".cg")
-                if tl.max(all_i3, 0) == 0:
-                    listed = 1
-            # No token lies in (lo, min_in) or (max_in, hi]: tighten to the tokens' keys.
-            lo_next = tl.maximum(lo_next, min_in.to(tl.int64) - 1)
-            hi_next = tl.minimum(hi_next, max_in.to(tl.int64))
-            passes += 1
-            if num_in == 0 or min_in == max_in:
-                # At most one distinct value in (lo, hi]: it has the tokens above hi above it, so it is kept.
-                hi_next = lo + 1
-                lo_next = lo
-            lo = lo_next
-            hi = hi_next
-            if passes >= MAX_PASSES:
-                hi = lo + 1
-
-        # A search whose interval holds at most one key is over: keys above lo are kept.
-        if kind == 1:
-            if hi - lo <= 1:
-                tau = (lo + 1).to(tl.int32)
-                z_dom = mass_lo
-                max_bits = row_max.to(tl.int32, bitcast=True)
-                hi = tl.where(max_bits >= 0, max_bits, max_bits ^ 0x7FFFFFFF).to(tl.int64)
-                count_hi = 0
-                mass_hi = 0.0
-                listed = 0
-                passes = 0
-                if top_p < 1.0:
-                    kind = 2
-                    limit = top_p * z_dom
-                else:
-                    kind = 3
-        if kind == 2:
-            if hi - lo <= 1:
-                tau = (lo + 1).to(tl.int32)
-                kind = 3
-
-        # A draw pass (or a stats pass that drew): the best score, the first index on ties.
+            kind = passes.state_after_stats(greedy, drawing, top_k, num_finite, top_p)
+        elif kind == CHECK:
+            kind, tau, lo, mass_lo, count_lo, drawing, checks = passes.check_candidate(
+                kind, tau, limit, lo, mass_lo, count_lo, drawing, checks, key_c, all_f1, all_i2, MAX_DRAWS)
+        elif kind != DRAW:
+            search_passes, lo, hi, mass_lo, count_lo, count_hi, mass_hi, listed = passes.narrow_search(
+                top_k, kind, search_passes, limit, lo, hi, mass_lo, count_lo, count_hi, mass_hi, listed, thresholds,
+                compact, part_f_ptr, part_i_ptr, records, thr_ids, split_mask, all_i0, all_i1, all_i2, NT, MAX_PASSES)
+        kind, search_passes, tau, z_dom, limit, hi, count_hi, mass_hi, listed = passes.end_search(
+            top_p, kind, search_passes, row_max, tau, z_dom, limit, lo, hi, mass_lo, count_hi, mass_hi, listed)
         if drew:
-            all_f2 = tl.load(part_f_ptr + records + NT + 2, mask=split_mask, other=float("-inf"),
-                             cache_modifier=".cg")
-            all_i4 = tl.load(part_i_ptr + records + NT + 4, mask=split_mask, other=INT_MAX, cache_modifier=".cg")
-            best = tl.max(all_f2, 0)
-            token = tl.min(tl.where(all_f2 == best, all_i4, INT_MAX), 0)
-            num_kept = tl.sum(all_i2, 0)
-            kind = 4
-            if drawing == 1:
-                # The candidate maximises the score over every token still in play, a superset of
-                # the kept ones: if the filters keep it, it is the draw.
-                x_c = tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32), divisor) + 0.0
-                bits_c = x_c.to(tl.int32, bitcast=True)
-                key_c = tl.where(bits_c >= 0, bits_c, bits_c ^ 0x7FFFFFFF)
-                if tl.exp(x_c - row_max) < min_p:
-                    # Only a stats pass's candidate (drawn before row_max was known) can fail min-p,
-                    # and with it every token at or below it: draw again above it, with min-p.
-                    tau = key_c + 1
-                    kind = 3
-                elif top_p < 1.0:
-                    kind = 5
+            kind, token, tau, num_kept, key_c = passes.take_draw(row_ptr, divisor, min_p, top_p, kind, row_max, tau,
+                                                                 drawing, key_c, part_f_ptr, part_i_ptr, records,
+                                                                 split_mask, all_i2, NT)
 
-    if split == 0:
-        tl.store(token_ids_ptr + row, token.to(tl.int64))
-        if WRITE_NUM_KEPT:
-            tl.store(num_kept_ptr + row, num_kept)
-        if WRITE_NUM_PASSES:
-            tl.store(num_passes_ptr + row, rounds)
-    # Leave the counter at zero for the next launch: the last program of the row resets it, once
-    # every program is past its last wait.
-    ticket = tl.atomic_add(counter_ptr + row, 1)
-    if ticket == (rounds + 1) * splits - 1:
-        tl.atomic_xchg(counter_ptr + row, 0)
+    passes.finish(token_ids_ptr, num_kept_ptr, num_passes_ptr, counter_ptr, row, split, splits, token, num_kept,
+                  rounds, WRITE_NUM_KEPT, WRITE_NUM_PASSES)
 
 
 # The parameter pointers are slices of one host->device copy whose offsets depend on the batch size:
