@@ -50,7 +50,8 @@ def device_name(device: torch.device | str | None = None) -> str:
             return INTERPRETER_DEVICE
         index = torch.cuda.current_device()
     else:
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         if device.type != "cuda":
             return INTERPRETER_DEVICE
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -80,12 +81,13 @@ def table(kernel: str, key: tuple[str, ...], device: torch.device | str | None =
     `key` (which must be the file's key): {key values: build(**the other fields)}, or read-only dicts
     of the other fields without `build`. Empty where the device has no file. Read once per file and
     `build`; the result must not be modified."""
-    return _table(config_path(kernel, device_name(device)), tuple(key), build)
+    return _table(CONFIG_DIR, kernel, device_name(device), tuple(key), build)
 
 
 @functools.lru_cache(maxsize=None)
-def _table(path: Path, key: tuple[str, ...], build: Callable[..., Any] | None) -> Mapping[tuple, Any]:
-    records = _read(path, key)
+def _table(directory: Path, kernel: str, name: str, key: tuple[str, ...],
+           build: Callable[..., Any] | None) -> Mapping[tuple, Any]:
+    records = _read(config_path(kernel, name, directory), key)
     out = {}
     for index, values in records.items():
         fields = {name: value for name, value in values.items() if name not in key and name != NOTE}
