@@ -200,6 +200,24 @@ def start_kernel_sweep(script: str, check_only: bool, *, copy_bandwidth: bool = 
     return KernelSweep("cuda" if on_cuda else "cpu", timed, env, copy_gbps)
 
 
+def add_write_configs_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """--write-configs: a kernel sweep merges its winners into the tuned configs of the GPU it ran on."""
+    parser.add_argument("--write-configs", action="store_true",
+                        help=f"merge the winners into {what} for this GPU (a timed run)")
+
+
+def write_configs(kernel: str, key: tuple[str, ...], records: list[dict], remove: list[dict] | tuple = ()) -> Path:
+    """Merge a sweep's records into gpuworker/kernels/configs/<kernel>/<this GPU>.json (and take the
+    records of `remove` out) through the loader's writer; print where."""
+    import torch
+
+    from gpuworker.kernels import configs
+
+    path = configs.write(kernel, key, records, device=configs.device_name(torch.device("cuda")), remove=remove)
+    print(f"wrote {len(records)} config(s) to {path}" + (f", removed {len(remove)}" if remove else ""))
+    return path
+
+
 def synchronize(device: str) -> None:
     """Wait for the work queued on `device` (the CPU has none)."""
     import torch

@@ -10,9 +10,10 @@ Every result is checked against F.linear (max abs error) before it is timed; a c
 is reported and skipped. Times are medians of CUDA-graph replays over enough weight copies that the
 L2 cannot hold them (as 32 layers do in a real step), so launch overhead is out. GB/s counts the
 weight plus activations read and the output written. Also times the down projection fed by
-silu_and_mul (today: the activation kernel then cuBLAS) against the fused gemv, for models with a dense
-MLP. Prints a TUNED table
-for gpuworker/kernels/linear/gemv.py and writes gemv.json to $OUT (or bench/results/).
+silu_and_mul (the activation kernel then cuBLAS) against the fused gemv, for models with a dense MLP.
+Prints the one-row winners that beat cuBLAS and writes gemv.json to $OUT (or bench/results/); with
+--write-configs it merges them into gpuworker/kernels/configs/gemv/<this GPU>.json (and takes out the
+records of shapes where cuBLAS won), which the model layers' choice of gemv or cuBLAS follows.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from common import start_kernel_sweep, write_json
+from common import add_write_configs_option, start_kernel_sweep, write_configs, write_json
 
 DTYPE = torch.bfloat16
 ES = 2
@@ -49,6 +50,9 @@ SHAPES = SHAPE_SETS["llama-3-8b"]
 ROWS = (1, 2, 4, 8)
 # Interpreter shapes for --check-only on a CPU: ragged N and K, and a K deep enough for split-K.
 TINY_SHAPES = {"ragged": ((70, 200), 1), "deep": ((48, 1100), 1)}
+# The row counts whose winners --write-configs records: the model layers take gemv for one decode row
+# (at more rows the winners were within noise of cuBLAS and need split-K counters under CUDA graphs).
+WRITTEN_ROWS = (1,)
 
 
 def max_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, bool]:
@@ -197,14 +201,14 @@ def layer_chain(copy_gbps: float, layers: int = 32) -> list[dict]:
     """The decode-row projections of `layers` Llama-3-8B layers as the model runs them at batch 1
     (pre-norm fused into qkv and gate_up, o_proj, down with SiLU-and-mul fused; attention left out),
     each layer its own weights, in one CUDA graph; with programmatic dependent launch on and off."""
-    from gpuworker.kernels.linear.gemv import CANDIDATES_BY_NAME, TUNED, gemv, gemv_rms_norm
+    from gpuworker.kernels.linear.gemv import gemv, gemv_rms_norm, pick_config
 
     def weight(name):
         (n, k), _ = SHAPES[name]
         return (torch.randn(n, k, device="cuda") / k**0.5).to(DTYPE)
 
     stack = [{name: weight(name) for name in ("qkv", "o_proj", "gate_up", "down")} for _ in range(layers)]
-    config = {name: CANDIDATES_BY_NAME[TUNED[SHAPES[name][0]][1]] for name in ("qkv", "o_proj", "gate_up", "down")}
+    config = {name: pick_config(1, *SHAPES[name][0]) for name in ("qkv", "o_proj", "gate_up", "down")}
     norm_weight = torch.ones(SHAPES["o_proj"][0][0], device="cuda", dtype=DTYPE)
     x0 = torch.randn(1, norm_weight.numel(), device="cuda").to(DTYPE)
     weight_bytes = sum(w.numel() * ES for layer in stack for w in layer.values())
@@ -245,6 +249,23 @@ def layer_chain(copy_gbps: float, layers: int = 32) -> list[dict]:
     return rows
 
 
+def config_records(results: list[dict], shapes: str) -> tuple[list[dict], list[dict]]:
+    """(records, removals) for gpuworker/kernels/configs/gemv at WRITTEN_ROWS: the fastest config of
+    each shape where it beat cuBLAS, else the shape's record taken out (cuBLAS runs it)."""
+    from gpuworker.kernels.linear.gemv import m_bucket
+
+    records, removals = [], []
+    for r in results:
+        if r["M"] not in WRITTEN_ROWS or "cublas_us" not in r:
+            continue
+        key = {"weight_dtype": "bfloat16", "n": r["N"], "k": r["K"], "m": m_bucket(r["M"])}
+        if "best_config" in r and r["speedup"] > 1.0:
+            records.append(key | {"config": r["best_config"], "note": f"{shapes} {r['shape']}"})
+        else:
+            removals.append(key)
+    return records, removals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check-only", action="store_true",
@@ -254,9 +275,12 @@ def main() -> None:
                         help="only the 32-layer chain of Llama-3-8B's batch-1 projections (PDL on and off)")
     parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="llama-3-8b",
                         help="whose decode projections to time (default: llama-3-8b)")
+    add_write_configs_option(parser, "gpuworker/kernels/configs/gemv")
     args = parser.parse_args()
     start = start_kernel_sweep("gemv.py", args.check_only)
     device, timed, env, copy_gbps = start.device, start.timed, start.env, start.copy_gbps
+    if args.write_configs and (not timed or args.layer_chain):
+        parser.error("--write-configs needs a timed sweep on a GPU (not --check-only or --layer-chain)")
     on_cuda = device == "cuda"
     from gpuworker.kernels.linear.gemv import CANDIDATES
 
@@ -300,11 +324,13 @@ def main() -> None:
         for m, e in payload["step_estimate"].items():
             print(f"  M={m}: cuBLAS {e['cublas_ms']:.3f} ms, "
                   f"best of cuBLAS/Triton per shape {e['best_of_both_ms']:.3f} ms")
-        print("\nTUNED for gpuworker/kernels/linear/gemv.py (only where Triton beat cuBLAS):")
-        print("TUNED = {")
+        print("\nwinners where Triton beat cuBLAS, {(N, K): {M: config}}:")
         for (n, k), by_m in tuned.items():
             print(f"    ({n}, {k}): {by_m!r},")
-        print("}")
+        if args.write_configs:
+            from gpuworker.kernels.linear.gemv import TABLE_KEY
+
+            write_configs("gemv", TABLE_KEY, *config_records(results, args.shapes))
     failed = [e for e in sweep if not e.get("ok")] + [r for r in fused if not r["ok"]]
     if failed:
         raise SystemExit(f"{len(failed)} gemv result(s) disagreed with F.linear or failed to run")

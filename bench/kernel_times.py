@@ -1,12 +1,15 @@
 """Kernel benchmark: each Triton kernel against its torch equivalent at Llama-3-8B shapes, on one GPU.
 
     PYTHONPATH=. python bench/kernel_times.py [--quick] [--no-sweep] [--batch1-decode-only] [--fp8-decode-only]
+    PYTHONPATH=. python bench/kernel_times.py --write-configs   # and merge the decode tiles into configs/
 
 Every figure is the median per-call time of a CUDA graph that replays the call over enough distinct
 input sets (different caches / activations) that the data cannot stay in L2, as 32 layers do in a
 real step; launch overhead is out of the numbers. Decode attention is reported in GB/s of KV read
 against the device's measured copy bandwidth, prefill in TFLOP/s, the rest in GB/s. Writes
-kernels.json to $OUT (or bench/results/).
+kernels.json to $OUT (or bench/results/); with --write-configs the decode attention's fastest tiles, for
+batches that fill the device and for those that do not, go to
+gpuworker/kernels/configs/paged_decode/<this GPU>.json.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from common import copy_bandwidth_gbs, environment, write_json
+from common import add_write_configs_option, copy_bandwidth_gbs, environment, write_configs, write_json
 from gpuworker.kernels.attention.kv_cache_write import kv_cache_write
-from gpuworker.kernels.attention.paged_decode import (NewTokens, SplitCounters, choose_num_splits,
-                                                     paged_decode_attention)
+from gpuworker.kernels.attention.paged_decode import (TABLE_KEY, NewTokens, SplitCounters, choose_num_splits,
+                                                     multiprocessor_count, paged_decode_attention)
 from gpuworker.kernels.attention.prefill import prefill_attention
 from gpuworker.kernels.norm.rms_norm import rms_norm, rms_norm_reference
 from gpuworker.kernels.attention.rotary import apply_rotary, apply_rotary_and_cache, apply_rotary_reference
@@ -189,8 +192,8 @@ def bench_decode_tiles_mixed(cases=((512, 200, 2048), (256, 200, 2048), (512, 60
                     us = graph_time_us([(lambda i=i: paged_decode_attention(
                         query[i], cache, tables[i], lens, scale, max_len, out=out,
                         block_n=block_n, num_warps=warps, num_stages=stages)) for i in range(sets)])
-                    rows.append({"shape": f"B={batch} ctx U[{lo},{hi}]", "block_n": block_n, "num_warps": warps,
-                                 "num_stages": stages, "us": us, "GBps": kv_bytes / us / 1e3})
+                    rows.append({"shape": f"B={batch} ctx U[{lo},{hi}]", "batch": batch, "block_n": block_n,
+                                 "num_warps": warps, "num_stages": stages, "us": us, "GBps": kv_bytes / us / 1e3})
         del cache
         torch.cuda.empty_cache()
     return rows
@@ -282,7 +285,7 @@ def bench_decode(shapes, configs, split_options) -> tuple[list[dict], list[dict]
                                                     block_n=block_n, num_warps=warps, num_stages=stages))
                 for i in range(sets)
             ])
-            sweep.append({"kernel": "paged_decode_attention", "shape": f"B={batch} ctx={context}",
+            sweep.append({"kernel": "paged_decode_attention", "shape": f"B={batch} ctx={context}", "batch": batch,
                           "block_n": block_n, "num_warps": warps, "num_stages": stages,
                           "us": us, "GBps": kv_bytes / us / 1e3})
         for splits in split_options.get((batch, context), []):
@@ -440,6 +443,28 @@ def print_rows(title: str, rows: list[dict], unit: str, copy_gbps: float) -> Non
         print(f"{r['kernel'][:24]:24s} {r['shape'][:26]:26s} {us:10.1f} {value:9.1f} {pct:>6s} {base_cols}")
 
 
+def decode_tile_records(tile_rows: list[dict], multiprocessors: int) -> list[dict]:
+    """gpuworker/kernels/configs/paged_decode's records (bf16, Llama-3-8B's head_dim): for batches
+    whose programs (batch x kv heads) fill the multiprocessors and for those that do not, the tile
+    with the least total time over the swept shapes of that kind that timed every tile."""
+    records = []
+    for fills in (True, False):
+        rows = [r for r in tile_rows if "block_n" in r and (r["batch"] * NUM_KV_HEADS >= multiprocessors) == fills]
+        tiles = {(r["block_n"], r["num_warps"], r["num_stages"]) for r in rows}
+        shapes = {r["shape"] for r in rows}
+        totals = {}
+        for tile in tiles:
+            times = [r["us"] for r in rows if (r["block_n"], r["num_warps"], r["num_stages"]) == tile]
+            if len(times) == len(shapes):
+                totals[tile] = sum(times)
+        if totals:
+            block_n, num_warps, num_stages = min(totals, key=totals.get)
+            batches = "batches that fill the device" if fills else "small batches"
+            records.append({"dtype": "bfloat16", "max_head_dim": HEAD_DIM, "fills_device": fills, "block_n": block_n,
+                            "num_warps": num_warps, "num_stages": num_stages, "note": f"llama-3-8b heads, {batches}"})
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
@@ -448,7 +473,11 @@ def main() -> None:
                         help="only the decode-graph probes: batch-1 merges, rotary fused into the launch or not")
     parser.add_argument("--fp8-decode-only", action="store_true",
                         help="only decode attention over an FP8 cache against bf16, with FP8 tile sweep")
+    add_write_configs_option(parser, "gpuworker/kernels/configs/paged_decode (the decode tiles)")
     args = parser.parse_args()
+    if args.write_configs and (args.no_sweep or args.batch1_decode_only or args.fp8_decode_only):
+        parser.error("--write-configs needs the tile sweeps "
+                     "(not --no-sweep, --batch1-decode-only or --fp8-decode-only)")
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernel_times.py needs a CUDA device")
     torch.manual_seed(0)
@@ -507,6 +536,12 @@ def main() -> None:
     decode_rows, decode_sweep_rows = bench_decode(decode_shapes, decode_sweep, split_options)
     payload["decode"], payload["decode_sweep"] = decode_rows, decode_sweep_rows
     write_json("kernels", payload)
+    if args.write_configs:
+        # Batches that fill the device from the uneven-context sweep (every tile), small ones from the
+        # decode sweep's.
+        fills = multiprocessor_count(torch.device("cuda"))
+        small = [r for r in decode_sweep_rows if "block_n" in r and r["batch"] * NUM_KV_HEADS < fills]
+        write_configs("paged_decode", TABLE_KEY, decode_tile_records(payload["decode_tiles_mixed"] + small, fills))
     prefill_rows, prefill_sweep_rows = bench_prefill(prefill_shapes, prefill_tiles)
     payload["prefill"], payload["prefill_sweep"] = prefill_rows, prefill_sweep_rows
     write_json("kernels", payload)

@@ -14,8 +14,9 @@ default down tile and each down tile with the default gate/up tile, then the bes
 CUDA-graph replays over input sets whose routings differ, alternating between two copies of the
 experts (2 x 1.2 GB), so the H200's L2 holds neither the experts of one call nor those of the next;
 launch overhead is out. GB/s counts the expert weights the call's routing reads (each distinct
-expert once) against the measured copy bandwidth (read + write). Prints a TUNED entry for
-gpuworker/kernels/moe/decode.py and writes moe_decode.json to $OUT (or bench/results/).
+expert once) against the measured copy bandwidth (read + write). Prints the choice per token count and
+writes moe_decode.json to $OUT (or bench/results/); with --write-configs it merges the choices into
+gpuworker/kernels/configs/moe_decode/<this GPU>.json.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 
 import torch
 
-from common import start_kernel_sweep, write_json
+from common import add_write_configs_option, start_kernel_sweep, write_configs, write_json
 
 DTYPE = torch.bfloat16
 ES = 2  # bytes per bf16 element
@@ -170,6 +171,13 @@ def tuned_entry(results: list[dict]) -> dict[int, str]:
             for r in results if "best_config" in r}
 
 
+def config_records(results: list[dict]) -> list[dict]:
+    """gpuworker/kernels/configs/moe_decode's records: tuned_entry's choice per token count (a power of
+    2, its own bucket) at the swept shape."""
+    return [{"hidden": HIDDEN, "inter": INTER, "top_k": TOP_K, "tokens": m, "config": name,
+             "note": "qwen3-30b-a3b MoE layer"} for m, name in tuned_entry(results).items()]
+
+
 def print_timed(results: list[dict], copy_gbps: float) -> None:
     def fmt(value, width):
         return f"{value:{width}.1f}" if value is not None else f"{'-':>{width}s}"
@@ -191,8 +199,8 @@ def print_timed(results: list[dict], copy_gbps: float) -> None:
     if first.get("M") == 1 and first.get("grouped_us") and first.get("best_us"):
         print(f"\n48 layers at M=1: grouped {48 * first['grouped_us'] / 1e3:.3f} ms, "
               f"decode {48 * first['best_us'] / 1e3:.3f} ms")
-    print("\nTUNED for gpuworker/kernels/moe/decode.py:")
-    print(f"    ({HIDDEN}, {INTER}, {TOP_K}): {tuned_entry(results)!r},")
+    print(f"\nchoice per token count at hidden {HIDDEN}, expert intermediate {INTER}, top-{TOP_K}:")
+    print(f"    {tuned_entry(results)!r}")
 
 
 def main() -> None:
@@ -200,9 +208,12 @@ def main() -> None:
     parser.add_argument("--check-only", action="store_true",
                         help="check every config against the reference without timing (tiny shapes on a CPU)")
     parser.add_argument("--quick", action="store_true", help="M = 1 and 4 only")
+    add_write_configs_option(parser, "gpuworker/kernels/configs/moe_decode")
     args = parser.parse_args()
     start = start_kernel_sweep("moe_decode.py", args.check_only)
     device, timed, env, copy_gbps = start.device, start.timed, start.env, start.copy_gbps
+    if args.write_configs and not timed:
+        parser.error("--write-configs needs a timed sweep on a GPU (not --check-only)")
     on_cuda = device == "cuda"
     os.environ.pop("GPUWORKER_MOE_DECODE", None)  # every config is passed explicitly
     from gpuworker.kernels.moe.decode import DECODE_MAX_PAIRS
@@ -226,6 +237,10 @@ def main() -> None:
     if timed:
         payload["tuned"] = {f"{HIDDEN}x{INTER}x{TOP_K}": tuned_entry(results)}
         print_timed(results, copy_gbps)
+        if args.write_configs:
+            from gpuworker.kernels.moe.decode import TABLE_KEY
+
+            write_configs("moe_decode", TABLE_KEY, config_records(results))
     else:
         for r in results:
             print(f"M={r['M']} {r['hidden']}x{r['inter']} top-{r['top_k']} of {r['experts']}: "

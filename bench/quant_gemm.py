@@ -6,8 +6,10 @@ cuBLAS bf16 F.linear, the dequantise-then-torch.mm path, and the Triton kernel's
 
 Every candidate is checked against int4_matmul_reference first. Times are medians of CUDA-graph replays
 (bench/kernel_times.py's graph_time_us) over enough weight copies that the L2 cannot hold them. Prints, per row
-count, the sum over one decode step's 32 layers of the four projections, a TUNED_GEMM table and the
-DEQUANT_MIN_ROWS crossover for gpuworker/kernels/quant/int4_matmul.py, and writes quant_gemm.json to $OUT.
+count, the sum over one decode step's 32 layers of the four projections, the fastest tile per row bucket
+and the DEQUANT_MIN_ROWS crossover of gpuworker/kernels/quant/int4_matmul.py, and writes quant_gemm.json to
+$OUT; with --write-configs it merges the tiles below the crossover into
+gpuworker/kernels/configs/int4_matmul/<this GPU>.json.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from common import start_kernel_sweep, write_json
+from common import add_write_configs_option, start_kernel_sweep, write_configs, write_json
 from gemv import check_config
 from quant_gemv import GROUP, SHAPES, TINY_GROUP, TINY_SHAPES, make_int4
 
@@ -26,7 +28,7 @@ ROWS = (16, 32, 64, 128, 256, 512, 1024, 8192)
 TINY_ROWS = (3, 20)
 # (block_m, block_n, block_k, num_warps, num_stages). Tiles computed transposed (W x^T, the
 # dequantised weight as wgmma's left operand) won none of 32 shapes and row counts on the H200
-# (BENCHMARKS.md, fourteenth session) and are gone.
+# (BENCHMARKS.md) and are gone.
 TILES = (
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 3),
     (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
@@ -38,9 +40,12 @@ TINY_TILES = ((16, 32, 32, 4, 1), (32, 16, 16, 4, 1))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check-only", action="store_true", help="check every candidate, no timing (CPU: tiny)")
+    add_write_configs_option(parser, "gpuworker/kernels/configs/int4_matmul")
     args = parser.parse_args()
     start = start_kernel_sweep("quant_gemm.py", args.check_only)
     device, timed = start.device, start.timed
+    if args.write_configs and not timed:
+        parser.error("--write-configs needs a timed sweep on a GPU (not --check-only)")
     from gpuworker.kernels.quant.int4_matmul import (Int4GemmConfig, dequantize_int4_to, int4_matmul,
                                                int4_matmul_reference)
 
@@ -87,12 +92,19 @@ def main() -> None:
 
     write_json("quant_gemm" if timed else "quant_gemm_check", {"environment": start.env, "results": results})
     if timed:
-        print_summary(results, rows_list, {tile.name: tile for tile in tiles})
+        tiles_by_name = {tile.name: tile for tile in tiles}
+        tuned, dequant_from = print_summary(results, rows_list, tiles_by_name)
+        if args.write_configs:
+            from gpuworker.kernels.quant.int4_matmul import GEMM_TABLE_KEY
+
+            write_configs("int4_matmul", GEMM_TABLE_KEY, *config_records(tuned, dequant_from, tiles_by_name))
     if failures:
         raise SystemExit(f"{failures} INT4 GEMM result(s) disagreed with the reference or failed to run")
 
 
-def print_summary(results: list[dict], rows_list, tiles_by_name: dict) -> None:
+def print_summary(results: list[dict], rows_list, tiles_by_name: dict) -> tuple[dict[int, str], int | None]:
+    """Print the per-step totals; return ({rows: fastest tile}, the row count from which dequantise-then-mm
+    wins at every larger count, None if it does not)."""
     print("\n== INT4 GEMM per decode step (32 layers x qkv, o_proj, gate_up, down), ms ==")
     print(f"{'M':>6s} {'cuBLAS bf16':>11s} {'dequant+mm':>10s} {'best Triton':>11s}  best tile")
     tuned, dequant_from = {}, None
@@ -109,14 +121,30 @@ def print_summary(results: list[dict], rows_list, tiles_by_name: dict) -> None:
             dequant_from = dequant_from or m
         else:
             dequant_from = None
-    print("\nTUNED_GEMM for gpuworker/kernels/quant/int4_matmul.py (row bucket: fastest tile summed over the shapes):")
-    print("TUNED_GEMM: dict[int, Int4GemmConfig] = {")
+    print("\nfastest tile per row bucket, summed over the shapes, below the crossover:")
     for m, name in tuned.items():
-        if dequant_from is not None and m >= dequant_from:
+        if dequant_from is not None and m >= dequant_from and m != min(tuned):
             break
-        print(f"    {m}: {tiles_by_name[name]!r},")
-    print("}")
-    print(f"DEQUANT_MIN_ROWS = {dequant_from or 1 << 30}")
+        print(f"    {m}: {tiles_by_name[name]!r}")
+    print(f"crossover (DEQUANT_MIN_ROWS) = {dequant_from or 1 << 30}")
+    return tuned, dequant_from
+
+
+def config_records(tuned: dict[int, str], dequant_from: int | None,
+                   tiles_by_name: dict) -> tuple[list[dict], list[dict]]:
+    """(records, removals) for gpuworker/kernels/configs/int4_matmul: the fastest tile of each row
+    bucket below the crossover, and always of the smallest bucket, which serves every row count below
+    it; the other buckets' records taken out."""
+    import dataclasses
+
+    records, removals = [], []
+    for m, name in sorted(tuned.items()):
+        if dequant_from is None or m < dequant_from or m == min(tuned):
+            records.append({"rows": m, **dataclasses.asdict(tiles_by_name[name]),
+                            "note": "llama-3-8b projections, the fastest tile summed over the shapes"})
+        else:
+            removals.append({"rows": m})
+    return records, removals
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ fp8_matmul_reference) before it is timed; one that disagrees or fails to compile
 skipped. Times are medians of CUDA-graph replays over enough weight copies that the L2 cannot hold
 them (bench/kernel_times.py's graph_time_us), so launch overhead is out. GB/s counts the bytes the kernel
 must move (packed weight, zero points and scales, or the FP8 weight and its row scales, plus x and
-the output); cuBLAS's counts its bf16 weight. Prints a TUNED table for gpuworker/kernels/quant/int4_matmul.py
-and a TUNED_FP8 table for gpuworker/kernels/linear/gemv.py, ready to paste, and writes quant_gemv.json to
-$OUT (or bench/results/).
+the output); cuBLAS's counts its bf16 weight. Prints the fastest config per shape and writes
+quant_gemv.json to $OUT (or bench/results/); with --write-configs it merges them into
+gpuworker/kernels/configs/int4_gemv/<this GPU>.json and the FP8 records of configs/gemv/<this GPU>.json.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from common import start_kernel_sweep, write_json
+from common import add_write_configs_option, start_kernel_sweep, write_configs, write_json
 from gemv import check_config
 
 DTYPE = torch.bfloat16
@@ -197,8 +197,8 @@ def print_results(rows: list[dict], copy_gbps: float | None) -> None:
                   f"  {status}")
         return
     print(f"\n== quantized GEMV, M=1, bf16 activations (copy bandwidth {copy_gbps:.0f} GB/s) ==")
-    print("(before: INT4, the tiling before split-K, n32-k128 unsplit, with today's unpacking; FP8, the bf16\n"
-          " table's config, used until TUNED_FP8 is filled. picked: what the kernel takes today.)")
+    print("(before: INT4, the tiling before split-K, n32-k128 unsplit, with the current unpacking; FP8, the\n"
+          " bf16 table's config. picked: what the kernel takes now, from this GPU's tables.)")
     print(f"{'kernel':6s} {'shape':8s} {'N':>6s} {'K':>6s} {'cuBLAS bf16 us':>14s} {'before us':>9s} {'picked us':>9s} "
           f"{'%copy':>5s} {'best config':30s} {'us':>7s} {'GB/s':>6s} {'%copy':>5s} {'vs cuBLAS':>9s}")
     for r in rows:
@@ -229,25 +229,32 @@ def step_estimate(rows: list[dict]) -> dict:
 
 
 def print_tables(rows: list[dict]) -> None:
-    int4 = [r for r in rows if r["kernel"] == "int4" and "best" in r]
-    if int4:
-        print("\nTUNED for gpuworker/kernels/quant/int4_matmul.py (one-row GEMV, fastest config per shape):")
-        print("TUNED: dict[tuple[int, int, int], Int4GemvConfig] = {")
-        for r in int4:
-            c = r["best"]
-            print(f"    ({r['N']}, {r['K']}, {r['group']}): Int4GemvConfig(block_n={c.block_n}, block_k={c.block_k}, "
-                  f"num_warps={c.num_warps}, num_stages={c.num_stages}, split_k={c.split_k}"
-                  + (", x_words=True" if c.x_words else "") + "),  "
-                  f"# {r['shape']}: {r['best_us']:.1f} us, {r['best_GBps']:.0f} GB/s")
-        print("}")
-    fp8 = [r for r in rows if r["kernel"] == "fp8" and "best" in r]
-    if fp8:
-        print("\nTUNED_FP8 for gpuworker/kernels/linear/gemv.py (FP8 weight, one row, fastest config per shape):")
-        print("TUNED_FP8: dict[tuple[int, int], dict[int, str]] = {")
-        for r in fp8:
-            print(f"    ({r['N']}, {r['K']}): {{1: {r['best_config']!r}}},  "
-                  f"# {r['shape']}: {r['best_us']:.1f} us, {r['best_GBps']:.0f} GB/s")
-        print("}")
+    for kind, title in (("int4", "INT4 GEMV (int4_matmul, one row)"), ("fp8", "FP8-weight gemv (one row)")):
+        best = [r for r in rows if r["kernel"] == kind and "best" in r]
+        if best:
+            print(f"\nfastest {title} per shape:")
+        for r in best:
+            print(f"    {r['shape']:8s} N={r['N']:<6d} K={r['K']:<6d} {r['best_config']:30s} "
+                  f"{r['best_us']:.1f} us, {r['best_GBps']:.0f} GB/s")
+
+
+def config_records(rows: list[dict]) -> dict[str, list[dict]]:
+    """The records --write-configs merges, per configs/ kernel: int4_gemv (each INT4 shape's fastest
+    config) and gemv (each FP8 shape's, as an FP8 weight's record; FP8 linears take gemv at one row)."""
+    import dataclasses
+
+    records: dict[str, list[dict]] = {"int4_gemv": [], "gemv": []}
+    for r in rows:
+        if "best" not in r:
+            continue
+        note = f"llama-3-8b {r['shape']}"
+        if r["kernel"] == "int4":
+            records["int4_gemv"].append({"n": r["N"], "k": r["K"], "group_size": r["group"],
+                                         **dataclasses.asdict(r["best"]), "note": note})
+        else:
+            records["gemv"].append({"weight_dtype": "float8_e4m3fn", "n": r["N"], "k": r["K"], "m": 1,
+                                    "config": r["best_config"], "note": note})
+    return records
 
 
 def main() -> None:
@@ -255,9 +262,12 @@ def main() -> None:
     parser.add_argument("--check-only", action="store_true",
                         help="check every candidate against its reference without timing (tiny shapes on a CPU)")
     parser.add_argument("--only", choices=("int4", "fp8"), help="sweep one kernel")
+    add_write_configs_option(parser, "gpuworker/kernels/configs/int4_gemv and configs/gemv (FP8 weights)")
     args = parser.parse_args()
     start = start_kernel_sweep("quant_gemv.py", args.check_only)
     device, timed, env, copy_gbps = start.device, start.timed, start.env, start.copy_gbps
+    if args.write_configs and not timed:
+        parser.error("--write-configs needs a timed sweep on a GPU (not --check-only)")
     on_cuda = device == "cuda"
     torch.manual_seed(0)
     shapes = SHAPES if on_cuda else TINY_SHAPES
@@ -285,6 +295,14 @@ def main() -> None:
             print(f"  {kind}: cuBLAS bf16 {e['cublas_bf16_ms']:.3f} ms, picked {e['picked_ms']:.3f} ms, "
                   f"best {e['best_ms']:.3f} ms")
         print_tables(rows)
+        if args.write_configs:
+            from gpuworker.kernels.linear.gemv import TABLE_KEY
+            from gpuworker.kernels.quant.int4_matmul import GEMV_TABLE_KEY
+
+            records = config_records(rows)
+            for kernel, key in (("int4_gemv", GEMV_TABLE_KEY), ("gemv", TABLE_KEY)):
+                if records[kernel]:
+                    write_configs(kernel, key, records[kernel])
     failed = [e for e in sweep if not e.get("ok")]
     if failed:
         raise SystemExit(f"{len(failed)} quantized GEMV result(s) disagreed with the reference or failed to run")

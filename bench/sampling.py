@@ -1,6 +1,6 @@
-"""Sampling kernel benchmark: gpuworker.kernels.sampling.sample's launch configs against the kernel as it was
-before issue 21 (BASELINE_CONFIG: every pass over the row, every row searching its thresholds, no
-draw first), at Llama-3-8B's vocabulary (128,256), batch 1, 64 and 512.
+"""Sampling kernel benchmark: gpuworker.kernels.sampling.sample's launch configs against the kernel in its
+plainest form (BASELINE_CONFIG: every pass over the row, every row searching its thresholds, no draw
+first), at Llama-3-8B's vocabulary (128,256), batch 1, 64 and 512.
 
     PYTHONPATH=. python bench/sampling.py [--quick]      # H200: ~5 min (--quick: 1-2), mostly compiles
     PYTHONPATH=. python bench/sampling.py --check-only   # no timing; on a CPU: tiny vocab, interpreter
@@ -13,12 +13,13 @@ Llama-3-8B gives (top-p 0.95 keeps about half the vocabulary), "peaked" is 4x th
 trained model's.
 
 First a coordinate descent over the config's fields at batch 512, top-p 0.95, flat logits (the
-issue's case), starting from DEFAULT_CONFIG; then the baseline, the default, the winner and a few
+slowest case), starting from DEFAULT_CONFIG; then the baseline, the default, the winner and a few
 variants of it at every batch, mode and logits kind. Every config is checked against
 sample_reference (the same tokens wherever the kept sets agree) before it is timed; one that
 disagrees is reported and skipped. Times are medians of CUDA-graph replays over enough logits copies
-that the L2 cannot hold them; GB/s counts one read of the logits. Prints a TUNED table for
-gpuworker/kernels/sampling/sample.py and writes sampling.json to $OUT (or bench/results/).
+that the L2 cannot hold them; GB/s counts one read of the logits. Prints the fastest config per batch
+and writes sampling.json to $OUT (or bench/results/); with --write-configs it merges them into
+gpuworker/kernels/configs/sample/<this GPU>.json.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import dataclasses
 
 import torch
 
-from common import start_kernel_sweep, write_json
+from common import add_write_configs_option, start_kernel_sweep, write_configs, write_json
 
 VOCAB = 128256
 BATCHES = (1, 64, 512)
@@ -157,16 +158,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check-only", action="store_true",
                         help="check the configs against the reference without timing (tiny vocab on a CPU)")
-    parser.add_argument("--quick", action="store_true", help="no descent: baseline, default and TUNED only")
+    parser.add_argument("--quick", action="store_true",
+                        help="no descent: baseline, default and this GPU's tuned configs only")
+    add_write_configs_option(parser, "gpuworker/kernels/configs/sample")
     args = parser.parse_args()
     sweep = start_kernel_sweep("sampling.py", args.check_only, copy_bandwidth=False)
     device, timed, env = sweep.device, sweep.timed, sweep.env
-    from gpuworker.kernels.sampling.sample import BASELINE_CONFIG, DEFAULT_CONFIG, TUNED, SamplingConfig
+    if args.write_configs and not timed:
+        parser.error("--write-configs needs a timed sweep on a GPU (not --check-only)")
+    from gpuworker.kernels.sampling.sample import BASELINE_CONFIG, DEFAULT_CONFIG, SamplingConfig, tuned_configs
 
     cache: dict = {}
     descent: list[dict] = []
     batches = BATCHES if timed else (1, 8)
-    configs = [BASELINE_CONFIG, DEFAULT_CONFIG, *TUNED.values()]
+    configs = [BASELINE_CONFIG, DEFAULT_CONFIG, *tuned_configs(torch.device(device))]
     if not args.quick:
         if timed:
             winner = descend(DEFAULT_CONFIG, 512, cache, device=device, timed=timed, log=descent)
@@ -193,14 +198,13 @@ def main() -> None:
     if timed:
         print_results(results, argmax, configs)
         payload["tuned"] = tuned = pick_tuned(results, configs)
-        print("\nTUNED for gpuworker/kernels/sampling/sample.py (fastest total over modes and logits per batch):")
-        print("TUNED = {")
+        print("\nfastest total over modes and logits per batch:")
         for batch, name in tuned.items():
-            config = next(c for c in configs if c.name == name)
-            fields = ", ".join(f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
-                               if getattr(config, f.name) != f.default)
-            print(f"    {batch}: SamplingConfig({fields}),")
-        print("}")
+            print(f"    {batch}: {name}")
+        if args.write_configs:
+            from gpuworker.kernels.sampling.sample import TABLE_KEY
+
+            write_configs("sample", TABLE_KEY, config_records(tuned, configs))
     else:
         for r in results:
             print(f"  batch {r['batch']:3d} {r['mode']:13s} {r['logits']:6s} {r['config']:40s} "
@@ -246,6 +250,13 @@ def pick_tuned(results: list[dict], configs: list) -> dict[int, str]:
         if totals:
             tuned[batch] = min(totals, key=totals.get)
     return tuned
+
+
+def config_records(tuned: dict[int, str], configs: list) -> list[dict]:
+    """gpuworker/kernels/configs/sample's records: each batch bucket's fastest config, every field."""
+    by_name = {config.name: config for config in configs}
+    return [{"rows": batch, **dataclasses.asdict(by_name[name]), "note": f"vocabulary {VOCAB}, float32 logits"}
+            for batch, name in tuned.items()]
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def channel_layers(redis_url: str, relay_port: int = 0) -> dict[str, Any]:
                 "BACKEND": "channels_redis.core.RedisChannelLayer",
                 # No client-side read timeout: the layer's receive is a blocking pop that waits
                 # for its own server-side timeout, and redis-py 8 otherwise cuts every idle read
-                # at 5 s, tearing down idle WebSocket consumers (channels_redis issue #422).
+                # at 5 s, tearing down idle WebSocket consumers (django/channels_redis#422).
                 "CONFIG": {"hosts": [{"address": redis_url, "socket_timeout": None}], "prefix": "gpuserve"},
             }
         }

@@ -48,3 +48,24 @@ def minilm_checkpoint(tmp_path_factory):
     with zipfile.ZipFile(str(archive)) as bundle:
         bundle.extractall(target)
     return target
+
+
+@pytest.fixture
+def kernel_configs(tmp_path, monkeypatch):
+    """add(kernel, key, records, device=None, remove=()): the shipped tuned configs
+    (gpuworker/kernels/configs), copied to a temporary folder the kernels read instead, with `records`
+    merged into (and `remove` taken out of) the tables of the device they run on (None: the current
+    one, as the kernels' own default), for this test only."""
+    import shutil
+
+    from gpuworker.kernels import configs
+
+    folder = tmp_path / "kernel-configs"
+    shutil.copytree(configs.CONFIG_DIR, folder, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(configs, "CONFIG_DIR", folder)
+
+    def add(kernel: str, key: tuple[str, ...], records: list[dict], device=None, remove=()):
+        return configs.write(kernel, key, records, device=configs.device_name(device), remove=remove,
+                             directory=folder)
+
+    return add

@@ -13,7 +13,7 @@ from gpuworker.contract.heartbeat import MAX_REPLICA_ERROR_CHARS
 
 LOG_TAIL_HEADER = "; last log lines:\n"
 TRACEBACK_START = "Traceback (most recent call last):"
-# An ERROR or CRITICAL line of our log format ("2026-01-01 10:00:00,000 ERROR name: message", see
+# An ERROR or CRITICAL line of our log format ("<date> <time>,<ms> ERROR name: message", see
 # gpuworker/__main__.py) or of uvicorn's ("ERROR:    message").
 _LOG_ERROR = re.compile(r"^(?:\S+ \S+ (?:ERROR|CRITICAL) \S+: |(?:ERROR|CRITICAL):\s+)(?P<message>\S.*)$")
 

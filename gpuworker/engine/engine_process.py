@@ -3,7 +3,7 @@ drives it from the server (`AsyncLLMEngine(model, process=True)`, which builds a
 
 Why: in one process the HTTP event loop (SSE chunks, JSON, 512 streams' deltas every ~25 ms step)
 and the engine thread share one GIL; on an H200 at 512 streams the steps ran 2.5x slower than
-offline (TPOT 62 ms vs 25 ms, issue 21). Here the engine process schedules, runs the model, steps
+offline (TPOT 62 ms vs 25 ms; BENCHMARKS.md). Here the engine process schedules, runs the model, steps
 and detokenizes; the API process keeps HTTP, tokenization and chat templates (a PromptTokenizer
 over its own copy of the tokenizer) and response formatting. This is the split vLLM V1 made.
 
@@ -18,13 +18,13 @@ LLMEngine for output_kind="delta", so no step copies a stream's tokens so far) i
 values (engine_core.wire), and the API side rebuilds vLLM's cumulative RequestOutput, so a step's
 message grows with the tokens it made, not with the streams' lengths. The engine process never
 waits on the pipe: a thread of its own writes, and while the API process is behind, the outputs of
-new steps merge into the message still waiting (issue 21: at 512 streams the steps had waited on
-an API process busy with its HTTP streams).
+new steps merge into the message still waiting (so that at 512 streams the steps do not wait on an
+API process busy with its HTTP streams).
 
 How it starts: spawned (a fresh interpreter), early. `serve` starts it first thing, so its imports
 of torch and the engine run alongside the API process's own imports and the checkpoint read-ahead;
 a spare replica (replica/spare.py) starts it before any load, so torch, the engine and CUDA are
-ready in it when the load comes, as they were in the spare for issue 19. Fork would skip those
+ready in it when the load comes, as the spare's own imports are. Fork would skip those
 imports, but only from a process that has neither initialised CUDA nor started threads (the
 tokenizer's and OpenMP's pools, the loader thread, the read-ahead): a fork of one that has may hang
 or fail in the child, and the cost fork saves is paid before the load anyway when started early.

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.linear import gemv as gemv_module
+from gpuworker.kernels import configs
 from gpuworker.kernels.linear.activation import silu_and_mul
 from gpuworker.kernels.linear.gemv import (
     CANDIDATES,
     CANDIDATES_BY_NAME,
     FP8_CANDIDATES,
     MAX_M,
+    TABLE_KEY,
     GemvConfig,
     fuses_rms_norm,
     gemv,
@@ -20,6 +21,7 @@ from gpuworker.kernels.linear.gemv import (
     gemv_rms_norm,
     gemv_rms_norm_reference,
     pick_config,
+    table_config,
     tuned_config,
 )
 from gpuworker.kernels.launch import SPLIT_K_COUNTERS
@@ -106,26 +108,30 @@ def test_split_k_leaves_its_tickets_at_zero(device, generator, tolerance):
     torch.testing.assert_close(first, gemv_reference(x, weight, bias), **tolerance(torch.float32))
 
 
-def test_pick_config_uses_the_tuned_table(monkeypatch):
+def test_pick_config_uses_the_tuned_table(kernel_configs):
     assert not pick_config(1, 4096, 4096).use_dot
     assert pick_config(4, 4096, 4096).use_dot
     tuned = next(c for c in CANDIDATES if c not in (pick_config(1, 1, 1), pick_config(4, 1, 1)))
-    monkeypatch.setitem(gemv_module.TUNED, (4096, 4096), {4: tuned.name})
+    kernel_configs("gemv", TABLE_KEY, [dict(weight_dtype="bfloat16", n=4096, k=4096, m=4, config=tuned.name)])
     assert pick_config(3, 4096, 4096) == tuned  # 3 rounds up to the bucket of 4
     assert pick_config(4, 4096, 4096) == tuned
     assert pick_config(8, 4096, 4096) != tuned
     assert pick_config(4, 4096, 14336) != tuned
 
 
-def test_pick_config_takes_the_fp8_table_for_an_fp8_weight(monkeypatch):
+def test_pick_config_takes_the_fp8_table_for_an_fp8_weight(kernel_configs):
     fp8_choice = FP8_CANDIDATES[0]
-    monkeypatch.setitem(gemv_module.TUNED, (4096, 4096), {1: "fma-n16-k512-w4-p3"})
-    monkeypatch.setitem(gemv_module.TUNED_FP8, (4096, 4096), {1: fp8_choice.name})
+    kernel_configs("gemv", TABLE_KEY, [
+        dict(weight_dtype="bfloat16", n=4096, k=4096, m=1, config="fma-n16-k512-w4-p3"),
+        dict(weight_dtype="float8_e4m3fn", n=4096, k=4096, m=1, config=fp8_choice.name),
+        dict(weight_dtype="bfloat16", n=4096, k=14336, m=1, config="fma-n16-k512-w4-p1"),
+    ])
     assert pick_config(1, 4096, 4096, fp8_weight=True) == fp8_choice
     assert pick_config(1, 4096, 4096).name == "fma-n16-k512-w4-p3"
     # No FP8 entry: the bf16 choice.
-    monkeypatch.delitem(gemv_module.TUNED_FP8, (4096, 14336), raising=False)
+    kernel_configs("gemv", TABLE_KEY, [], remove=[dict(weight_dtype="float8_e4m3fn", n=4096, k=14336, m=1)])
     assert pick_config(1, 4096, 14336, fp8_weight=True) == pick_config(1, 4096, 14336)
+    assert pick_config(1, 4096, 14336).name == "fma-n16-k512-w4-p1"
 
 
 # Qwen3-30B-A3B's batch-1 projections (N, K) beside its MoE experts.
@@ -133,13 +139,15 @@ QWEN3_30B_A3B = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 20
 
 
 @pytest.mark.parametrize("name", QWEN3_30B_A3B)
-def test_qwen3_moe_projections_take_the_gemv(name, device, generator, tolerance):
-    # Shapes missing from TUNED go to cuBLAS, and their norm cannot fuse: each has an entry, qkv's
-    # fuses the input RMSNorm, lm_head's takes the argmax in its launch (no split-K); the product is
-    # F.linear's. The interpreter runs the config over the full K but fewer rows.
+def test_qwen3_moe_projections_take_the_gemv(name, device, generator, tolerance, monkeypatch):
+    # On the H200, whose table the model was tuned on: shapes missing from the table go to cuBLAS,
+    # and their norm cannot fuse: each has an entry, qkv's fuses the input RMSNorm, lm_head's takes
+    # the argmax in its launch (no split-K); the product is F.linear's. The interpreter runs the
+    # config over the full K but fewer rows.
+    monkeypatch.setattr(configs, "device_name", lambda device=None: "NVIDIA H200")
     n, k = QWEN3_30B_A3B[name]
     config = pick_config(1, n, k)
-    assert gemv_module.TUNED[(n, k)][1] == config.name
+    assert table_config(1, n, k) == config
     if name == "qkv":
         assert fuses_rms_norm(config)
     if name == "lm_head":

@@ -4,15 +4,16 @@ zero points each loader produces; pack_rows / unpack_rows round trips."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
 from gpuworker.kernels.quant import int4_matmul as int4_module
-from gpuworker.kernels.quant.int4_matmul import (TARGET_PROGRAMS, Int4GemmConfig, Int4GemvConfig, default_gemv_config,
-                                           dequantize_int4, dequantize_int4_to, int4_matmul, int4_matmul_reference,
-                                           pack_rows, pick_gemm_config, pick_gemv_config, unpack_rows)
+from gpuworker.kernels.quant.int4_matmul import (GEMM_TABLE_KEY, GEMV_TABLE_KEY, TARGET_PROGRAMS, Int4GemmConfig,
+                                                 Int4GemvConfig, default_gemv_config, dequantize_int4,
+                                                 dequantize_int4_to, int4_matmul, int4_matmul_reference, pack_rows,
+                                                 pick_gemm_config, pick_gemv_config, unpack_rows)
 from gpuworker.kernels.launch import SPLIT_K_COUNTERS
 from tests.kernels.conftest import FLOAT32_LONG_SUMS, TOLERANCES
 
@@ -98,11 +99,11 @@ def test_the_batched_kernel(with_bias, device, generator):
     assert_matches_reference(got, x, qweight, zeros, scales, GROUP, bias)
 
 
-def test_gemm_tiles_stay_within_a_group(monkeypatch):
-    assert pick_gemm_config(8, 128, on_cuda=True) == int4_module.TUNED_GEMM[16]
+def test_gemm_tiles_stay_within_a_group(kernel_configs):
     tiles = {16: Int4GemmConfig(16, 64, 128, 4, 4), 64: Int4GemmConfig(64, 128, 64, 4, 4),
              1024: Int4GemmConfig(128, 128, 64, 8, 3)}
-    monkeypatch.setattr(int4_module, "TUNED_GEMM", tiles)  # buckets of several sizes
+    kernel_configs("int4_matmul", GEMM_TABLE_KEY, [dict(rows=rows, **asdict(tile)) for rows, tile in tiles.items()])
+    assert pick_gemm_config(8, 128, on_cuda=True) == tiles[16]
     assert pick_gemm_config(200, 32, on_cuda=True).block_k == 32
     assert pick_gemm_config(8, 128, on_cuda=True).block_m == 16
     assert pick_gemm_config(10**6, 128, on_cuda=True).block_m == 128
@@ -239,9 +240,9 @@ def test_default_gemv_config_splits_k_until_the_gpu_is_full():
     assert TARGET_PROGRAMS >= 4 * 64
 
 
-def test_pick_gemv_config_uses_the_tuned_table(monkeypatch):
+def test_pick_gemv_config_uses_the_tuned_table(kernel_configs):
     tuned = Int4GemvConfig(block_n=128, block_k=512, num_warps=8, num_stages=2, split_k=5)
-    monkeypatch.setitem(int4_module.TUNED, (4096, 4096, 128), tuned)
+    kernel_configs("int4_gemv", GEMV_TABLE_KEY, [dict(n=4096, k=4096, group_size=128, **asdict(tuned))])
     assert pick_gemv_config(4096, 4096, 128) == tuned
     assert pick_gemv_config(4096, 4096, 64) == default_gemv_config(4096, 4096, 64)
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.moe import decode as moe_decode_module
-from gpuworker.kernels.moe.decode import (DECODE_MAX_PAIRS, DEFAULT_CONFIG, ENV_OVERRIDE, DecodeConfig, Tile,
-                                          decode_config, moe_decode, moe_decode_reference, route_reference,
+from gpuworker.kernels.moe.decode import (DECODE_MAX_PAIRS, DEFAULT_CONFIG, ENV_OVERRIDE, TABLE_KEY, DecodeConfig,
+                                          Tile, decode_config, moe_decode, moe_decode_reference, route_reference,
                                           route_top_k)
 from gpuworker.models.moe import experts_reference
 from tests.kernels.conftest import DEVICE, ON_CUDA, TOLERANCES
@@ -142,7 +141,7 @@ def test_no_tokens_and_bad_arguments():
         moe_decode(x, w13, w2, weights, ids.to(torch.int32))
 
 
-def test_decode_config_up_to_the_pair_limit(monkeypatch):
+def test_decode_config_up_to_the_pair_limit(monkeypatch, kernel_configs):
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
     assert decode_config(1, 8, 2048, 768) == DEFAULT_CONFIG
     assert decode_config(DECODE_MAX_PAIRS // 8, 8, 2048, 768) == DEFAULT_CONFIG
@@ -150,7 +149,8 @@ def test_decode_config_up_to_the_pair_limit(monkeypatch):
     assert decode_config(0, 8, 2048, 768) is None
     # A measured table: its entry for the token count's bucket, "grouped" sending it to the grouped kernels.
     tile = "gate_up=n32-k128-w8-p2,down=n4-k512-w4-p3"
-    monkeypatch.setitem(moe_decode_module.TUNED, (2048, 768, 8), {1: tile, 4: "grouped"})
+    kernel_configs("moe_decode", TABLE_KEY, [dict(hidden=2048, inter=768, top_k=8, tokens=1, config=tile),
+                                             dict(hidden=2048, inter=768, top_k=8, tokens=4, config="grouped")])
     assert decode_config(1, 8, 2048, 768) == DecodeConfig(Tile(32, 128, 8, 2), Tile(4, 512, 4, 3))
     assert decode_config(3, 8, 2048, 768) is None
     assert decode_config(2, 8, 2048, 768) == DEFAULT_CONFIG

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpuworker.kernels import configs
 from gpuworker.kernels.linear.gemv import gemv, pick_config
 from gpuworker.kernels.launch import pdl_options
 from gpuworker.kernels.attention.paged_decode import paged_decode_attention
@@ -61,7 +62,9 @@ def test_chained_kernels_match_plain_launches(monkeypatch, in_graph):
 def test_attention_then_prefetching_gemv_match_plain_launches(monkeypatch, in_graph, paged_cache):
     # As in a layer at batch 1: the decode kernel and its merge let the next kernel launch before
     # they wait, and the o_proj-shaped GEMV loads its first weight tiles before its own wait. Each
-    # attention takes its query from the GEMV before it, each GEMV its input from the merge.
+    # attention takes its query from the GEMV before it, each GEMV its input from the merge. With the
+    # H200's tables, whose o_proj config prefetches, on whichever Hopper GPU runs the test.
+    monkeypatch.setattr(configs, "device_name", lambda device=None: "NVIDIA H200")
     assert pdl_options(torch.device("cuda"))["USE_PDL"]
     assert pick_config(1, 4096, 4096).prefetch, "the o_proj config is the one that prefetches"
     generator = torch.Generator().manual_seed(0)

@@ -33,6 +33,7 @@ import triton.language as tl
 from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_contiguous, check_host_bound,
                                       check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
                                       lazy_jit, next_power_of_2, pdl_options)
+from gpuworker.kernels import configs
 from gpuworker.kernels.device import fp8_codec, head_norm, online_softmax
 from gpuworker.kernels.quant.kv_cache import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.attention.kv_cache_write import check_kv_cache_write
@@ -336,26 +337,37 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> tuple[int, int, int]:
-    """(block_n, num_warps, num_stages) of a launch whose batch x kv heads programs fill the
-    multiprocessors (fills_device) or not.
+# The tiles measured on each device: configs/paged_decode/<device>.json, {(query dtype, max_head_dim,
+# fills_device): block_n, num_warps, num_stages} from bench/kernel_times.py; a launch takes the record
+# with the smallest max_head_dim holding its head_dim. A batch that fills the device is bandwidth-bound
+# (long tiles with more loads in flight pay), a small one latency-bound and cut into many short
+# partitions, hence fills_device. float16 takes the bfloat16 records (the same bytes per element; the
+# sweeps time bfloat16), and an FP8 cache its query dtype's.
+TABLE_KEY = ("dtype", "max_head_dim", "fills_device")
 
-    A batch that fills the device is bandwidth-bound and wants long tiles with more loads in
-    flight: 128 keys, 4 warps, 3 stages beat 64 keys, 8 warps, 2 stages on Hopper (bench/kernel_times.py,
-    Llama-3-8B heads, bf16; BENCHMARKS.md, fifth session, "Decode tile for batches that fill the
-    GPU"). A small batch is latency-bound and cut into many short partitions, where 64 keys and 8
-    warps are best.
+
+def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool,
+                 device: torch.device | None = None) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) of a launch whose batch x kv heads programs fill the
+    multiprocessors of `device` (fills_device) or not: the device's measured tile (None: the current
+    device's), else a default.
+
     float32 tiles go through FMA-based IEEE dots, which spill registers beyond 16 keys a tile at
-    head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed.
-    An FP8 cache takes the same tiles: on the H200 (bench/kernel_times.py --fp8-decode-only, 2026-12-02,
-    BENCHMARKS.md) 128 keys, 4 warps, 3 stages were the fastest of six tiles at batch 64, 256 and 512,
-    and 1.7x faster than 8 warps at 512, although Triton reports some register spill for it offline.
+    head_dim 128 (Triton's resource report for sm_90); float32 serves exactness, not speed. Without a
+    measured tile, a short one on 8 warps: what a latency-bound batch wants, and light on registers;
+    32 keys beyond head_dim 128.
     """
     if dtype == torch.float32:
         return 16, 4, 2
+    table = configs.table("paged_decode", TABLE_KEY, device)
+    sizes = [size for (kind, size, fills) in table if kind == "bfloat16" and fills == fills_device]
+    size = configs.bucket(head_dim, sizes)
+    if size is not None:
+        tile = table[("bfloat16", size, fills_device)]
+        return tile["block_n"], tile["num_warps"], tile["num_stages"]
     if head_dim > 128:
         return 32, 8, 2
-    return (128, 4, 3) if fills_device else (64, 8, 2)
+    return 64, 8, 2
 
 
 @dataclass(frozen=True)
@@ -553,9 +565,9 @@ class _Launch:
     merge_in_launch: bool
 
 
-# Whether an FP8 cache's V tiles are read as 16-bit words (paged_decode_attention's fp8_v_pairs):
-# bench/kernel_times.py --fp8-decode-only on the H200 (2026-12-02, BENCHMARKS.md): with the default
-# 128-key, 4-warp, 3-stage tile 1.07x -> 1.22x bf16's speed at batch 512, 1.17x -> 1.33x at 256.
+# Whether an FP8 cache's V tiles are read as 16-bit words (paged_decode_attention's fp8_v_pairs): half
+# the load instructions for the same bytes (bench/kernel_times.py --fp8-decode-only: 1.07x -> 1.22x
+# bf16's speed at batch 512 on the H200; BENCHMARKS.md).
 FP8_V_PAIRS = True
 
 
@@ -573,7 +585,7 @@ def _pick_launch(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.d
     """The call's own choices, the rest from default_tile and choose_num_splits; partitions are
     whole tiles, so only the last tile of a partition needs its tail masked."""
     fills_device = num_seqs * num_kv_heads >= multiprocessor_count(device)
-    tile = default_tile(dtype, head_dim, fills_device)
+    tile = default_tile(dtype, head_dim, fills_device, device)
     block_n = tile[0] if block_n is None else block_n
     num_warps = tile[1] if num_warps is None else num_warps
     num_stages = tile[2] if num_stages is None else num_stages

@@ -9,7 +9,7 @@ accumulated elementwise and reduced once at the end) or tl.dot on a 16-row padde
 for M >= 2). With silu_mul_input the down projection reads the gate_up output [M, 2K] directly.
 With weight_scale the weight is FP8 (float8_e4m3fn, one float32 scale per output row), read as such
 and widened in registers: half the bytes of bfloat16 per token (the FP8 linears' batch-1 path), with
-its own tuned configs (TUNED_FP8, from bench/quant_gemv.py).
+its own tuned configs (bench/quant_gemv.py). Tuned configs per device: configs/gemv/<device>.json.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuworker.kernels import configs
 from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
                                       dot_options, lazy_jit, next_power_of_2, pdl_options,
@@ -61,7 +62,7 @@ CANDIDATES: tuple[GemvConfig, ...] = (
     GemvConfig(block_n=32, block_k=512, num_warps=8, num_stages=2),
     GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=1, split_k=4),
     # Two tiles (16 KB of bf16 per program, 64 registers per thread) held through the wait; four
-    # measured slower as o_proj at batch 1 (BENCHMARKS.md, sixth session, the o_proj config table).
+    # measured slower as o_proj at batch 1 (BENCHMARKS.md, the o_proj config table).
     GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, prefetch=2),
     # BLOCK_N 64 is one wgmma tile on sm_90. At N=4096 that is only 64 programs for 132 SMs, hence the
     # split-K variants.
@@ -93,39 +94,15 @@ FP8_CANDIDATES: tuple[GemvConfig, ...] = (
 )
 CANDIDATES_BY_NAME = {c.name: c for c in (*CANDIDATES, *FP8_CANDIDATES)}
 
-# Chosen configs from bench/gemv.py on an H200: {(N, K): {M bucket: config name}}; M buckets are 1, 2,
-# 4, 8, 16 (M rounds up). Only entries where the kernel beat cuBLAS (F.linear) in bf16 are kept; the
-# model layers use gemv exactly for these and F.linear otherwise. Llama-3-8B shapes, M=1 (the M=4
-# winners were close to cuBLAS and need split-K counters under CUDA graphs: not used yet). The
-# timings: BENCHMARKS.md, "Triton GEMV vs cuBLAS", and for o_proj's prefetch the sixth session.
-TUNED: dict[tuple[int, int], dict[int, str]] = {
-    (6144, 4096): {1: "fma-n16-k512-w4-p1"},  # qkv
-    # o_proj: after the attention kernels it loads 2 of its 8 K tiles while they run (prefetch),
-    # which beat the same tile without it and the p2/p1 variants in batch-1 decode.
-    (4096, 4096): {1: "fma-n16-k512-w4-p3-pf2"},
-    (28672, 4096): {1: "fma-n16-k512-w4-p3"},  # gate_up
-    (4096, 14336): {1: "fma-n16-k512-w4-p3"},  # down (also with SiLU-and-mul fused into its input)
-    (128256, 4096): {1: "dot-n64-k128-w4-p4"},  # lm_head
-    # Qwen3-30B-A3B, M=1: not measured yet (bench/gemv.py --shapes qwen3-30b-a3b times them). Without
-    # entries its projections went to cuBLAS and its input norm could not fuse into qkv; each takes
-    # the Llama-3-8B winner nearest in K and in bytes per weight row, tiles whose loads do not depend
-    # on N, and which beat cuBLAS on all five Llama shapes (1.07-1.22x).
-    (5120, 2048): {1: "fma-n16-k512-w4-p1"},  # qkv: Llama's qkv tile (also fuses the RMSNorm), 4 K tiles
-    (2048, 4096): {1: "fma-n16-k512-w4-p3-pf2"},  # o_proj: Llama's o_proj, same K (prefetch after attention)
-    # router: 128 rows are 8 programs of 16; 8-row tiles twice as many, each a 4 KB row in two loads.
-    (128, 2048): {1: "fma-n8-k1024-w4-p1"},
-    (151936, 2048): {1: "dot-n64-k128-w4-p4"},  # lm_head: Llama's lm_head (argmax in the launch)
-}
-
-# The same for an FP8 weight (float8_e4m3fn, gemv's weight_scale), from bench/quant_gemv.py's
-# printed table: {(N, K): {1: config name}} (the FP8 linears take gemv at one row only). A shape not
-# listed takes TUNED's bf16 choice, then the default.
-TUNED_FP8: dict[tuple[int, int], dict[int, str]] = {
-    (6144, 4096): {1: 'fma-n16-k512-w4-p3-pf2'},  # qkv: 9.0 us, 2794 GB/s
-    (4096, 4096): {1: 'fma-n8-k1024-w4-p3'},  # o_proj: 6.4 us, 2639 GB/s
-    (28672, 4096): {1: 'fma-n16-k512-w4-p3'},  # gate_up: 33.9 us, 3468 GB/s
-    (4096, 14336): {1: 'fma-n8-k1024-w4-p3'},  # down: 16.5 us, 3562 GB/s
-}
+# The configs measured on each device: configs/gemv/<device>.json, {(weight dtype, N, K, M bucket):
+# candidate name}, M buckets 1, 2, 4, 8, 16 (M rounds up). A bfloat16 record exists only where the
+# kernel beat cuBLAS (F.linear) on that shape (bench/gemv.py); the model layers use gemv exactly there
+# (tuned_config) and F.linear elsewhere, so on a device without a file every layer takes cuBLAS. A
+# float16 weight takes the bfloat16 records (the same bytes per weight; the sweep times bfloat16). An
+# FP8 weight (float8_e4m3fn, gemv's weight_scale) takes its own records (bench/quant_gemv.py), else the
+# bfloat16 one, else the default.
+TABLE_KEY = ("weight_dtype", "n", "k", "m")
+_SIXTEEN_BIT, _FP8 = "bfloat16", "float8_e4m3fn"
 
 _DEFAULT_SINGLE_ROW = CANDIDATES_BY_NAME["fma-n16-k512-w4-p1"]
 _DEFAULT_MULTI_ROW = CANDIDATES_BY_NAME["dot-n64-k128-w4-p4"]
@@ -135,22 +112,35 @@ def m_bucket(m: int) -> int:
     return next_power_of_2(m)
 
 
+def _candidate(config: str) -> GemvConfig:
+    """A table record's config, by candidate name."""
+    if config not in CANDIDATES_BY_NAME:
+        raise ValueError(f"gemv config {config!r} is not one of the candidates (CANDIDATES, FP8_CANDIDATES)")
+    return CANDIDATES_BY_NAME[config]
+
+
+def table_config(m: int, n: int, k: int, *, fp8_weight: bool = False,
+                 device: torch.device | None = None) -> GemvConfig | None:
+    """The config measured on `device` (None: the current one) for x [m, k] @ W[n, k]^T: an FP8
+    weight's own record first, then the bfloat16 one; None where the device's table has neither."""
+    table = configs.table("gemv", TABLE_KEY, device, _candidate)
+    bucket = m_bucket(m)
+    config = table.get((_FP8, n, k, bucket)) if fp8_weight else None
+    return config if config is not None else table.get((_SIXTEEN_BIT, n, k, bucket))
+
+
 def tuned_config(x: torch.Tensor, weight: torch.Tensor) -> GemvConfig | None:
-    """The measured config for x @ weight^T if the kernel beat cuBLAS on that shape, else None."""
+    """The measured config for x @ weight^T if the kernel beat cuBLAS on that shape on x's GPU, else None."""
     if not x.is_cuda or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_M:
         return None
-    name = TUNED.get(tuple(weight.shape), {}).get(m_bucket(x.shape[0]))
-    return None if name is None else CANDIDATES_BY_NAME[name]
+    return table_config(x.shape[0], weight.shape[0], weight.shape[1], device=x.device)
 
 
-def pick_config(m: int, n: int, k: int, *, fp8_weight: bool = False) -> GemvConfig:
-    """The config for x [m, k] @ W[n, k]^T: TUNED's entry for (n, k) and m's bucket (TUNED_FP8's first
-    for an FP8 weight), else a default."""
-    name = TUNED_FP8.get((n, k), {}).get(m_bucket(m)) if fp8_weight else None
-    if name is None:
-        name = TUNED.get((n, k), {}).get(m_bucket(m))
-    if name is not None:
-        return CANDIDATES_BY_NAME[name]
+def pick_config(m: int, n: int, k: int, *, fp8_weight: bool = False, device: torch.device | None = None) -> GemvConfig:
+    """The config for x [m, k] @ W[n, k]^T on `device`: table_config's, else a default."""
+    config = table_config(m, n, k, fp8_weight=fp8_weight, device=device)
+    if config is not None:
+        return config
     # One row needs only one FMA per weight element; from two rows on, tensor cores keep the
     # arithmetic off the critical path.
     return _DEFAULT_SINGLE_ROW if m == 1 else _DEFAULT_MULTI_ROW
@@ -375,7 +365,7 @@ def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     if m > MAX_M:
         raise ValueError(f"x has {m} rows; {caller} handles at most {MAX_M} (use F.linear for larger batches)")
     if config is None:
-        config = pick_config(m, n, k, fp8_weight=weight_scale is not None)
+        config = pick_config(m, n, k, fp8_weight=weight_scale is not None, device=x.device)
         if weight_scale is not None and config.use_dot:
             config = _DEFAULT_SINGLE_ROW
     _check_config(config)
@@ -533,7 +523,7 @@ def _checked_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     if residual is not None:
         check_operand("residual", residual, tuple(x.shape), x.dtype, x.device)
     if config is None:
-        config = pick_config(1, n, k)
+        config = pick_config(1, n, k, device=x.device)
         if not fuses_rms_norm(config):
             config = _DEFAULT_SINGLE_ROW
     _check_config(config)

@@ -11,9 +11,9 @@ BLOCK_N rows of the hidden) over the token's top_k pairs and sums their weighted
 order (deterministic, no atomics, no reduce launch). Shapes depend only on the token count, nothing
 is read on the host: the three launches are captured in the decode CUDA graphs.
 
-Tiles come from TUNED (bench/moe_decode.py measures them) or the GPUWORKER_MOE_DECODE environment
-variable; rounding follows fused_moe (each projection rounded to the activation dtype, each pair's
-weighted output rounded, the top_k of them summed in float32).
+Tiles come from the device's table (configs/moe_decode/, which bench/moe_decode.py writes) or the
+GPUWORKER_MOE_DECODE environment variable; rounding follows fused_moe (each projection rounded to the
+activation dtype, each pair's weighted output rounded, the top_k of them summed in float32).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuworker.kernels import configs
 from gpuworker.kernels.moe.fused import check_experts
 from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit, next_power_of_2, pdl_options
 
@@ -84,20 +85,27 @@ class DecodeConfig:
 # Down: 256 programs (2048 / 8), each summing the token's 8 experts.
 DEFAULT_CONFIG = DecodeConfig(gate_up=Tile(16, 256, 4, 3), down=Tile(8, 256, 4, 3))
 GROUPED = "grouped"
-# Measured choices (bench/moe_decode.py): {(hidden, expert intermediate, top_k): {token bucket: config
-# name, or GROUPED for the grouped kernels}}; buckets 1, 2, 4, 8, ... (the count rounded up to a power
-# of 2). A shape or bucket missing here takes DEFAULT_CONFIG up to DECODE_MAX_PAIRS pairs.
-TUNED: dict[tuple[int, int, int], dict[int, str]] = {}
+# The choices measured on each device: configs/moe_decode/<device>.json, {(hidden, expert intermediate,
+# top_k, token bucket): config name, or GROUPED for the grouped kernels} from bench/moe_decode.py;
+# buckets 1, 2, 4, 8, ... (the count rounded up to a power of 2). A device, shape or bucket without a
+# record takes DEFAULT_CONFIG up to DECODE_MAX_PAIRS pairs.
+TABLE_KEY = ("hidden", "inter", "top_k", "tokens")
 
 
-def decode_config(num_tokens: int, top_k: int, hidden: int, inter: int) -> DecodeConfig | None:
-    """The decode path's tiles for this many tokens, or None where the grouped kernels should run.
+def decode_config(num_tokens: int, top_k: int, hidden: int, inter: int,
+                  device: torch.device | None = None) -> DecodeConfig | None:
+    """The decode path's tiles for this many tokens on `device` (None: the current one), or None where
+    the grouped kernels should run.
 
-    GPUWORKER_MOE_DECODE overrides TUNED for every shape: a config name (gate_up=<tile>,down=<tile>)
+    GPUWORKER_MOE_DECODE overrides the table for every shape: a config name (gate_up=<tile>,down=<tile>)
     for every count up to DECODE_MAX_PAIRS pairs, or "grouped" to turn the decode path off."""
     if num_tokens < 1 or num_tokens * top_k > DECODE_MAX_PAIRS:
         return None
-    name = os.environ.get(ENV_OVERRIDE) or TUNED.get((hidden, inter, top_k), {}).get(next_power_of_2(num_tokens))
+    name = os.environ.get(ENV_OVERRIDE)
+    if not name:
+        table = configs.table("moe_decode", TABLE_KEY, device)
+        record = table.get((hidden, inter, top_k, next_power_of_2(num_tokens)))
+        name = None if record is None else record["config"]
     if name is None:
         return DEFAULT_CONFIG
     if name.strip() == GROUPED:
@@ -288,7 +296,7 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     else DEFAULT_CONFIG."""
     num_tokens, hidden, num_experts, inter, top_k = check_experts(x, w13, w2, weights, ids)
     if config is None:
-        config = decode_config(num_tokens, top_k, hidden, inter) or DEFAULT_CONFIG
+        config = decode_config(num_tokens, top_k, hidden, inter, x.device) or DEFAULT_CONFIG
     device = x.device
     out = torch.empty_like(x)
     if num_tokens == 0:

@@ -115,7 +115,8 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def _tiles(m: int, on_cuda: bool) -> tuple[int, int, int]:
     """BLOCK_M, BLOCK_N, BLOCK_K: one row streams narrow, deep weight tiles (many programs, long
-    loads); batches take tensor-core tiles. Untuned: bench/kernel_times.py has no FP8 entry yet."""
+    loads); batches take tensor-core tiles. Generic tiles for any GPU: no sweep measures them, so they
+    have no per-device table (gpuworker/kernels/configs)."""
     if m == 1:
         return (1, 16, 256) if on_cuda else (1, 16, 32)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64

@@ -13,7 +13,8 @@ takes a GEMV of its own (a weight stream): each program owns BLOCK_N adjacent co
 contiguous run of each packed row) and, with split-K, a share of K; it walks whole groups, several per
 step, unpacking the eight nibbles of each int32 in registers without integer-to-float conversions
 (every weight byte read once) and applying a group's zero point and scale once per packed row and
-column. Its tiles come from TUNED (bench/quant_gemv.py), else default_gemv_config.
+column. Its tiles come from the device's table (configs/int4_gemv/, bench/quant_gemv.py), else
+default_gemv_config.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import triton.language as tl
 
 from gpuworker.checkpoint_quantization import int4_group_size_supported
+from gpuworker.kernels import configs
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
                                       dot_options, lazy_jit, pdl_options, split_k_counters)
 
@@ -138,42 +140,40 @@ class Int4GemmConfig:
         return f"int4mm-m{self.block_m}-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}"
 
 
-# From this many rows the batched path dequantises the weight and calls cuBLAS (int4_matmul).
-# bench/quant_gemm.py on the H200 (2026-12-02, BENCHMARKS.md): per decode step of Llama-3-8B's
-# projections, dequantise-then-mm beat the Triton kernel's best tile at every row count from 16 to
-# 8,192 (8.8 against 10.0 ms at 16 rows, 14.5 against 25.8 at 512; cuBLAS bf16 3.9 and 9.8).
+# From this many rows the batched path dequantises the weight and calls cuBLAS (int4_matmul): once the
+# product is compute-bound, a dequantised copy at cuBLAS's tensor-core speed beats dequantising in the
+# fused kernel's inner loop (bench/quant_gemm.py on the H200: at every row count from 16 to 8,192;
+# BENCHMARKS.md).
 DEQUANT_MIN_ROWS = 16
 DEQUANT_BLOCK_P, DEQUANT_BLOCK_N = 16, 128
 
-# The batched kernel's tiles on a GPU by row bucket (the smallest bucket holding M; the largest beyond),
-# from bench/quant_gemm.py on the H200 (2026-12-02): below DEQUANT_MIN_ROWS only the fastest tile at
-# 16 rows is needed.
-TUNED_GEMM: dict[int, Int4GemmConfig] = {
-    16: Int4GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
-}
+# The batched kernel's tiles measured on each device: configs/int4_matmul/<device>.json, {(row bucket,):
+# Int4GemmConfig fields} from bench/quant_gemm.py; M takes the smallest bucket holding it (the largest
+# beyond). Below DEQUANT_MIN_ROWS the fastest tile at 16 rows is all a device needs. Without a file:
+# DEFAULT_GEMM, a 16-row tensor-core tile whose pipeline fits any GPU's shared memory.
+GEMM_TABLE_KEY = ("rows",)
+DEFAULT_GEMM = Int4GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2)
 # Under the interpreter (CPU tests): small tiles.
 INTERPRETER_GEMM = Int4GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
 
 
-def pick_gemm_config(m: int, group_size: int, *, on_cuda: bool) -> Int4GemmConfig:
-    """TUNED_GEMM's tiles for the smallest bucket holding m (the largest beyond), block_k clamped to
-    the group size (a step within one group)."""
+def pick_gemm_config(m: int, group_size: int, *, on_cuda: bool, device: torch.device | None = None) -> Int4GemmConfig:
+    """The device's tiles for the smallest row bucket holding m (the largest beyond; DEFAULT_GEMM
+    without a table), block_k clamped to the group size (a step within one group)."""
     if not on_cuda:
         config = INTERPRETER_GEMM
     else:
-        config = TUNED_GEMM[min((b for b in TUNED_GEMM if b >= m), default=max(TUNED_GEMM))]
+        table = configs.table("int4_matmul", GEMM_TABLE_KEY, device, Int4GemmConfig)
+        buckets = [rows for (rows,) in table]
+        row_bucket = configs.bucket(m, buckets) or max(buckets, default=None)
+        config = DEFAULT_GEMM if row_bucket is None else table[(row_bucket,)]
     return replace(config, block_k=min(config.block_k, group_size))
 
 
-# Chosen configs from bench/quant_gemv.py on an H200 (2026-12-02, fourteenth session: x read as words
-# was fastest for every shape; 2.096 against 2.157 ms of linear layers a decode step), {(N, K,
-# group_size): config}, filled from its printed table. Shapes not listed take default_gemv_config.
-TUNED: dict[tuple[int, int, int], Int4GemvConfig] = {
-    (6144, 4096, 128): Int4GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=3, split_k=4, x_words=True),  # qkv: 9.9 us, 1332 GB/s
-    (4096, 4096, 128): Int4GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, split_k=1, x_words=True),  # o_proj: 7.9 us, 1119 GB/s
-    (28672, 4096, 128): Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, split_k=2, x_words=True),  # gate_up: 30.4 us, 2027 GB/s
-    (4096, 14336, 128): Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, split_k=8, x_words=True),  # down: 17.4 us, 1773 GB/s
-}
+# The one-row GEMV's configs measured on each device: configs/int4_gemv/<device>.json, {(N, K,
+# group_size): Int4GemvConfig fields} from bench/quant_gemv.py. Shapes not listed take
+# default_gemv_config.
+GEMV_TABLE_KEY = ("n", "k", "group_size")
 
 # The default aims at about four programs per SM of an H200 (132 SMs): a batch-1 GEMV is a weight
 # stream, and a program streaming one column block's whole K is latency-bound at N = 4096.
@@ -192,9 +192,11 @@ def default_gemv_config(n: int, k: int, group_size: int) -> Int4GemvConfig:
     return replace(config, split_k=split_k)
 
 
-def pick_gemv_config(n: int, k: int, group_size: int) -> Int4GemvConfig:
-    """TUNED's config for (N, K, group_size), else default_gemv_config's."""
-    return TUNED.get((n, k, group_size)) or default_gemv_config(n, k, group_size)
+def pick_gemv_config(n: int, k: int, group_size: int, device: torch.device | None = None) -> Int4GemvConfig:
+    """The config measured on `device` (None: the current one) for (N, K, group_size), else
+    default_gemv_config's."""
+    config = configs.table("int4_gemv", GEMV_TABLE_KEY, device, Int4GemvConfig).get((n, k, group_size))
+    return config or default_gemv_config(n, k, group_size)
 
 
 def _int4_gemv_kernel(
@@ -377,14 +379,14 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
         return out
     if m == 1:
         _launch_gemv(x, qweight, zeros, scales, group_size, bias, out,
-                     gemv_config or pick_gemv_config(n, k, group_size))
+                     gemv_config or pick_gemv_config(n, k, group_size, x.device))
         return out
     if m >= DEQUANT_MIN_ROWS and gemm_config is None:
         # Dequantise the weight into a scratch copy (a quarter of its bf16 bytes read, the bf16
         # bytes written) and let cuBLAS multiply: faster than our fused kernel from 16 rows.
         weight_t = dequantize_int4_to(qweight, zeros, scales, group_size, x.dtype)
         return torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
-    config = gemm_config or pick_gemm_config(m, group_size, on_cuda=x.is_cuda)
+    config = gemm_config or pick_gemm_config(m, group_size, on_cuda=x.is_cuda, device=x.device)
     if config.block_k > group_size or group_size % config.block_k:
         raise ValueError(f"gemm_config.block_k must divide group_size ({group_size}), got {config.block_k}")
     _int4_matmul[(-(-m // config.block_m), -(-n // config.block_n))](

@@ -23,7 +23,7 @@ SamplingConfig.list_capacity tokens, the pass over the row also appends their ke
 columns of a list, and the search's later passes read that list instead of the row. Flat top-p 0.95
 rows at Llama-3's vocabulary (a random-weight model's) take ~8 search passes, of which the first 3-4
 read the row (n inside per pass in a replica of the search: 128k, 50k, 20k, 2k, 241, 21, 3, 1);
-top-k 200 reads it twice (128k, 471, ...). Before, every pass read the row: ~10 reads, now ~6.
+top-k 200 reads it twice (128k, 471, ...): ~6 reads of the row where reading it every pass takes ~10.
 
 Rows without top-k mostly skip the search: they draw first and check after. The stats pass (max,
 sum) also draws a candidate c, the argmax over every token of x + noise. The kept tokens are a
@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from gpuworker.kernels import configs
 from gpuworker.kernels.sampling import passes
 from gpuworker.kernels.sampling.passes import CHECK, DONE, DRAW, INT_MIN, STATS, TOP_K, TOP_P
 from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
@@ -133,24 +134,18 @@ class SamplingConfig:
                 f"{'' if self.max_registers is None else f'-r{self.max_registers}'}-d{self.max_draws}")
 
 
-# The kernel as it was before issue 21 (one value pass, every pass over the whole row, every row
-# searching its thresholds): the benchmark's baseline.
+# The kernel in its plainest form (one value pass, every pass over the whole row, every row searching
+# its thresholds): the benchmark's baseline.
 BASELINE_CONFIG = SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0, max_draws=0)
 # Compiled for sm_90 (Triton 3.9, offline; cuobjdump --dump-resource-usage): the baseline holds
 # 180-187 registers a thread, so one program of 8 warps resides per SM (132 of a batch's 512 rows
-# at a time, 8 warps an SM); this one, left to ptxas, 157 since the stats pass also draws (118-126
-# before), so one; limited to 128 it spills nothing, and two reside.
+# at a time, 8 warps an SM); this one, left to ptxas, 157 (the stats pass also draws), so one;
+# limited to 128 it spills nothing, and two reside.
 DEFAULT_CONFIG = SamplingConfig(max_registers=128)
-# Per batch-size bucket (the smallest bucket at least the batch; the last beyond), from
-# bench/sampling.py --quick on the H200 (2026-12-02, commit 016a8d8; BENCHMARKS.md), before rows drew
-# first: the fastest total over modes and logits kinds. At batch 1 the baseline and the default tie;
-# at 64 and 512 the default is 1.1-1.5x faster for top-k, min-p and peaked top-p, and 4% slower for
-# flat top-p at 512.
-TUNED: dict[int, SamplingConfig] = {
-    1: SamplingConfig(block=2048, search_block=1024, prefetch=0, list_capacity=0),
-    64: DEFAULT_CONFIG,
-    512: DEFAULT_CONFIG,
-}
+# The configs measured on each device: configs/sample/<device>.json, {(batch bucket,): SamplingConfig
+# fields} from bench/sampling.py (the fastest total over modes and logits kinds); a batch takes the
+# smallest bucket holding it (the largest beyond), and DEFAULT_CONFIG on a device without a file.
+TABLE_KEY = ("rows",)
 
 # Philox-4x32 constants (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011).
 PHILOX_ROUND_A = 0xD2511F53
@@ -322,7 +317,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:
         return token_ids
-    config = config or pick_config(num_rows)
+    config = config or pick_config(num_rows, device)
     variant = (config, top_k is not None, top_p is not None, min_p is not None, num_kept is not None,
                num_passes is not None)
     splits = _splits(device, num_rows, vocab_size, config, variant)
@@ -352,12 +347,21 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
     return token_ids
 
 
-def pick_config(num_rows: int) -> SamplingConfig:
-    """The tuned config of the smallest batch bucket holding num_rows (the largest bucket's beyond)."""
-    if not TUNED:
-        return DEFAULT_CONFIG
-    buckets = sorted(TUNED)
-    return TUNED[next((b for b in buckets if b >= num_rows), buckets[-1])]
+def pick_config(num_rows: int, device: torch.device | None = None) -> SamplingConfig:
+    """The config measured on `device` (None: the current one) for the smallest batch bucket holding
+    num_rows (the largest bucket's beyond), DEFAULT_CONFIG without a table."""
+    table = configs.table("sample", TABLE_KEY, device, SamplingConfig)
+    buckets = [rows for (rows,) in table]
+    bucket = configs.bucket(num_rows, buckets)
+    if bucket is None:
+        bucket = max(buckets, default=None)
+    return DEFAULT_CONFIG if bucket is None else table[(bucket,)]
+
+
+def tuned_configs(device: torch.device | None = None) -> list[SamplingConfig]:
+    """Every config pick_config may return on `device`, once each, smallest bucket first."""
+    table = configs.table("sample", TABLE_KEY, device, SamplingConfig)
+    return list(dict.fromkeys(table[key] for key in sorted(table))) or [DEFAULT_CONFIG]
 
 
 def _splits(device: torch.device, num_rows: int, vocab_size: int, config: SamplingConfig, variant: tuple) -> int:
@@ -404,7 +408,7 @@ def warm_up(device: torch.device, vocab_size: int) -> None:
     ones = torch.ones(1, device=device)
     seeds = torch.zeros(1, dtype=torch.int64, device=device)
     top_k = torch.ones(1, dtype=torch.int64, device=device)
-    for config in dict.fromkeys(TUNED.values()) if TUNED else [DEFAULT_CONFIG]:
+    for config in tuned_configs(device):
         for filters in ({}, {"top_k": top_k}, {"top_p": ones * 0.5}, {"top_k": top_k, "top_p": ones * 0.5}):
             sample(logits, ones, seeds=seeds, config=config, **filters)
 

@@ -69,7 +69,7 @@ def test_bfloat16_logits_close_to_float32(tiny_checkpoint):
             assert abs(top_a[token] - top_b[token]) < 0.25  # bf16 keeps 8 mantissa bits: ~0.1 drift over a few layers is its normal rounding
 
 
-def test_greedy_argmax_inside_the_lm_head_launch(tiny_checkpoint, monkeypatch):
+def test_greedy_argmax_inside_the_lm_head_launch(tiny_checkpoint, monkeypatch, kernel_configs):
     # Plain greedy rows take their token from the lm_head GEMV's fused argmax (where the GEMV has a
     # tuned config, as for Llama-3-8B; given one here for the tiny model). Asking for logprobs
     # takes the sampler's path over the same kernel's logits: the tokens must be the same.
@@ -78,7 +78,8 @@ def test_greedy_argmax_inside_the_lm_head_launch(tiny_checkpoint, monkeypatch):
     path = tiny_checkpoint("llama")
     engine = LLMEngine(path, device="cuda", dtype="bfloat16", num_kv_blocks=64, max_model_len=512)
     mc = engine.model_config
-    monkeypatch.setitem(gemv_module.TUNED, (mc.vocab_size, mc.hidden_size), {1: "dot-n64-k128-w4-p4"})
+    lm_head = dict(weight_dtype="bfloat16", n=mc.vocab_size, k=mc.hidden_size, m=1, config="dot-n64-k128-w4-p4")
+    kernel_configs("gemv", gemv_module.TABLE_KEY, [lm_head], device="cuda")
     calls = []
     original = gemv_module.gemv_argmax
     monkeypatch.setattr(gemv_module, "gemv_argmax", lambda *a, **k: calls.append(1) or original(*a, **k))

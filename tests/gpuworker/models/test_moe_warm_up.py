@@ -6,7 +6,7 @@ warm-up)."""
 import pytest
 import torch
 
-from gpuworker.kernels.moe.decode import ENV_OVERRIDE, TUNED
+from gpuworker.kernels.moe.decode import ENV_OVERRIDE, TABLE_KEY
 from gpuworker.models.config import MoEConfig
 from gpuworker.models.moe import SparseMoE
 
@@ -32,10 +32,13 @@ def test_warm_up_token_counts_reach_each_kernel_variant(num_experts, top_k, expe
     assert moe.kernel_variant(1)[0] == "decode" and moe.kernel_variant(4096)[0] == "grouped"
 
 
-def test_a_tuned_decode_config_per_bucket_is_warmed_up_too(monkeypatch):
+def test_a_tuned_decode_config_per_bucket_is_warmed_up_too(monkeypatch, kernel_configs):
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
     moe = _moe(128, 8)
-    monkeypatch.setitem(TUNED, (16, 8, 8), {2: "gate_up=n8-k64-w2-p1,down=n8-k64-w2-p1", 8: "grouped"})
+    kernel_configs("moe_decode", TABLE_KEY, [
+        dict(hidden=16, inter=8, top_k=8, tokens=2, config="gate_up=n8-k64-w2-p1,down=n8-k64-w2-p1"),
+        dict(hidden=16, inter=8, top_k=8, tokens=8, config="grouped"),
+    ])
     assert moe.warm_up_token_counts() == [1, 2, 8, 128]  # 4 takes the default, as 1 does
     assert moe.kernel_variant(8) == ("grouped", 16)
 

@@ -39,10 +39,11 @@ def test_cpu_is_norm_then_linear(with_residual):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused path runs on CUDA only")
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_cuda_decode_row_takes_one_fused_kernel(monkeypatch, with_residual):
+def test_cuda_decode_row_takes_one_fused_kernel(monkeypatch, kernel_configs, with_residual):
     norm, linear, x, residual = build(torch.bfloat16, "cuda")
     residual = residual if with_residual else None
-    monkeypatch.setitem(gemv_module.TUNED, (OUT, HIDDEN), {1: "fma-n16-k512-w4-p1"})
+    kernel_configs("gemv", gemv_module.TABLE_KEY,
+                   [dict(weight_dtype="bfloat16", n=OUT, k=HIDDEN, m=1, config="fma-n16-k512-w4-p1")], device=x.device)
     calls = []
     fused = gemv_module.gemv_rms_norm
     monkeypatch.setattr(gemv_module, "gemv_rms_norm", lambda *a, **k: calls.append(1) or fused(*a, **k))
