@@ -1,5 +1,5 @@
 """The engine process's serving overhead (issue 21): steps/s of N concurrent streams through
-AsyncLLMEngine(process=True) against offline LLMEngine on the same requests, without HTTP.
+start_engine(process=True) against offline LLMEngine on the same requests, without HTTP.
 
     python bench/engine_overhead.py                            # CPU: a tiny random llama, 512 streams
     python bench/engine_overhead.py --device cuda --checkpoint /root/ckpt-serving   # the H200
@@ -10,7 +10,7 @@ Workload (seed 0): --streams requests sent at once, prompts of U[--prompt-len] r
 outputs of U[--output-len] tokens (greedy, ignore_eos). Rows, each in a process of its own:
   offline generate   LLMEngine.generate (final_only: no per-step outputs), as bench/serving.py's baseline
   offline streaming  LLMEngine.add_request + step() in a loop: cumulative outputs every step, no process
-  engine process     AsyncLLMEngine(process=True), one asyncio consumer per stream turning each
+  engine process     start_engine(process=True), one asyncio consumer per stream turning each
                      output into an SSE-like JSON chunk (what the replica does, less the HTTP;
                      --chunk-cost-us spins that long per chunk besides, GIL held, as HTTP would),
                      asking for delta outputs as the replica does
@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import DEFAULT_CONFIG, environment, print_table, write_checkpoint, write_json  # noqa: E402
 
 PROFILE_TOP = 18
-SERVING_PATH = r"engine_core|engine_process|output_streams|connection|reduction|llm_engine.py.*_output"
+SERVING_PATH = r"engine_process|output_streams|connection|reduction|llm_engine.py.*_output"
 
 
 def workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -181,9 +181,9 @@ async def _consume(engine, prompt, max_tokens, request_id, chunk_cost_s: float =
 
 async def _engine_process(model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float,
                           output_kind: str) -> dict:
-    from gpuworker.engine import AsyncLLMEngine
+    from gpuworker.engine import start_engine
 
-    engine = AsyncLLMEngine(model, process=True, **config)
+    engine = start_engine(model, process=True, **config)
     try:
         await asyncio.gather(*(_consume(engine, prompt, n, f"warm-{i}")
                                for i, (prompt, n) in enumerate(_warm_up_requests(requests))))

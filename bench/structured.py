@@ -131,12 +131,12 @@ def tokenizer_dir(args, vocab_size: int) -> Path:
 class MaskTimer:
     """Accumulates the host time of the engine's per-step grammar work (instrumentation only)."""
 
-    def __init__(self, structured_outputs) -> None:
+    def __init__(self, grammar_matchers) -> None:
         self.seconds = {"bitmask": 0.0, "accept": 0.0}
         self.calls = {"bitmask": 0, "accept": 0}
         self.rows = 0
         for name in self.seconds:
-            self._wrap(structured_outputs, name)
+            self._wrap(grammar_matchers, name)
 
     def _wrap(self, target, name: str) -> None:
         original = getattr(target, name)
@@ -217,8 +217,8 @@ def profile_steps(engine, prompts, params_list, *, skip: int = 16, steps: int = 
     wrap(engine.runner, "wait")
     wrap(engine, "_receive")
     wrap(engine, "_process")
-    if engine.structured_outputs is not None:
-        wrap(engine.structured_outputs, "bitmask")
+    if engine.grammar_matchers is not None:
+        wrap(engine.grammar_matchers, "bitmask")
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -329,7 +329,7 @@ def main() -> None:
                 print(f"    {name:<50}{ms:8.3f}{count:6d}")
         return
 
-    timer = MaskTimer(engine.structured_outputs)
+    timer = MaskTimer(engine.grammar_matchers)
     constrained = run(engine, prompts, [
         SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, output_kind="final_only",
                        structured_output=schema) for i in range(num_requests)])

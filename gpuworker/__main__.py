@@ -153,7 +153,7 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
     """`engine_process`: an EngineProcess a spare started ahead (used if the engine runs in one)."""
     _configure_logging(args.log_level)
     if wants_engine_process(args) and engine_process is None:
-        from gpuworker.engine.engine_process import EngineProcess
+        from gpuworker.engine.engine_process_client import EngineProcess
 
         # First thing: the engine process imports torch and the engine while this one goes on.
         engine_process = EngineProcess.start(args.device)

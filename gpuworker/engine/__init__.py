@@ -1,6 +1,6 @@
 """The paged-KV inference engine.
 
-    from gpuworker.engine import LLMEngine, SamplingParams, AsyncLLMEngine
+    from gpuworker.engine import LLMEngine, SamplingParams, start_engine
 
 Names are imported on first use, so the torch-free modules (sequence, block_manager, scheduler,
 sampling_params, config) can be imported and tested without loading torch.
@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "LLMEngine": "gpuworker.engine.llm_engine",
     "AsyncLLMEngine": "gpuworker.engine.async_engine",
+    "start_engine": "gpuworker.engine.async_engine",
+    "EngineFacts": "gpuworker.engine.facts",
     "SamplingParams": "gpuworker.engine.sampling_params",
     "EngineConfig": "gpuworker.engine.config",
     "RequestOutput": "gpuworker.engine.outputs",
@@ -25,8 +27,9 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from gpuworker.engine.async_engine import AsyncLLMEngine
+    from gpuworker.engine.async_engine import AsyncLLMEngine, start_engine
     from gpuworker.engine.config import EngineConfig
+    from gpuworker.engine.facts import EngineFacts
     from gpuworker.engine.llm_engine import LLMEngine
     from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepStats,
                                           TokenLogprob)

@@ -1,6 +1,6 @@
 """AsyncLLMEngine: the engine loop in a background thread, streamed per request to asyncio.
 
-    engine = AsyncLLMEngine("/models/llama", device="cuda")
+    engine = start_engine("/models/llama", device="cuda")
     async for out in engine.generate("Hello", SamplingParams(max_tokens=64), "req-1"):
         print(out.outputs[0].delta_text, end="")
 
@@ -13,8 +13,9 @@ one per request). A consumer that falls behind finds one output for the steps it
 deltas joined (`merge_outputs`), so a busy server sends fewer, larger stream chunks instead of
 building a backlog.
 
-`AsyncLLMEngine(model, process=True)` keeps this interface with the engine in a process of its own
-(engine_process.py), for a server whose own work would otherwise slow the steps through the GIL.
+`start_engine(model, process=True)` gives this interface over an engine in a process of its own
+(ProcessLLMEngine, engine_process_client.py), for a server whose own work would otherwise slow the
+steps through the GIL; `start_engine(model)` an AsyncLLMEngine.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from gpuworker.engine.engine_process_client import EngineProcess, ProcessLLMEngine
 from gpuworker.engine.llm_engine import LLMEngine
 from gpuworker.engine.output_streams import Deliveries, EngineDeadError, OutputStream, StreamingEngine
-from gpuworker.engine.outputs import RequestOutput
 from gpuworker.engine.prompts import TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.structured_output import StructuredOutput
@@ -38,24 +39,28 @@ from gpuworker.engine.structured_output import StructuredOutput
 logger = logging.getLogger(__name__)
 
 
+def start_engine(model: str | Path, *, process: bool | EngineProcess = False,
+                 **config: Any) -> AsyncLLMEngine | ProcessLLMEngine:
+    """Load the engine for a server. process=False: an AsyncLLMEngine, the engine stepping in a
+    thread of this process. process=True (or an EngineProcess started ahead, which then loads it):
+    a ProcessLLMEngine, the same interface over an engine in a process of its own, whose steps no
+    work of this process's threads can slow down. `config`: EngineConfig's fields."""
+    if process:
+        return ProcessLLMEngine(model, process=process, **config)
+    return AsyncLLMEngine(model, **config)
+
+
 class AsyncLLMEngine(StreamingEngine):
-    """The engine stepping in a thread of this process; `AsyncLLMEngine(model, process=True)` gives
-    the same interface over an engine in a process of its own (engine_process.ProcessLLMEngine),
-    whose steps no work of this process's threads can slow down."""
-
-    def __new__(cls, *args: Any, process: Any = False, **kwargs: Any) -> Any:
-        if process:
-            from gpuworker.engine.engine_process import ProcessLLMEngine
-
-            # Not an AsyncLLMEngine, so Python does not call __init__ on it a second time.
-            return ProcessLLMEngine(*args, process=process, **kwargs)
-        return super().__new__(cls)
+    """The engine stepping in a thread of this process (`engine`, the LLMEngine, is the thread's)."""
 
     def __init__(self, model: str | Path | None = None, *, engine: LLMEngine | None = None,
-                 process: bool = False, **config: Any) -> None:
+                 **config: Any) -> None:
         if (model is None) == (engine is None):
             raise ValueError("pass either a model path or an engine")
         self.engine = engine if engine is not None else LLMEngine(model, **config)
+        self.prompts = self.engine.prompts
+        # Read before the loop starts: the timings up to ready, not those of the deferred warm-up.
+        self.facts = self.engine.facts
         self._commands: queue.Queue[tuple[Callable[[], Any], Future] | None] = queue.Queue()
         # request id -> its stream; touched only by the engine thread.
         self._streams: dict[str, OutputStream] = {}
@@ -64,10 +69,6 @@ class AsyncLLMEngine(StreamingEngine):
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
 
-    @classmethod
-    def from_engine(cls, engine: LLMEngine) -> AsyncLLMEngine:
-        return cls(engine=engine)
-
     async def abort(self, request_id: str) -> None:
         """Abort a request; when this returns its KV blocks are free."""
         await self._call(lambda: self._abort(request_id))
@@ -75,6 +76,11 @@ class AsyncLLMEngine(StreamingEngine):
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (e.g. to read stats consistently)."""
         return await self._call(lambda: fn(self.engine))
+
+    def failure(self) -> str | None:
+        workers = self.engine.workers
+        gone = workers.gone() if workers is not None else ""
+        return f"tensor-parallel {gone}" if gone else None
 
     def shutdown(self) -> None:
         """Stop the loop thread (unfinished requests are aborted) and the engine's worker ranks."""

@@ -93,7 +93,7 @@ class BlockManager:
             parent_prefix_id = block.prefix_id
         return matched
 
-    def can_admit(self, seq: Sequence, matched: list[int], num_new_tokens: int) -> bool:
+    def can_admit(self, matched: list[int], num_new_tokens: int) -> bool:
         num_matched_tokens = len(matched) * self.block_size
         needed = self.num_blocks_for(num_matched_tokens + num_new_tokens) - len(matched)
         # Matched blocks that sit free (cached) leave the free pool when taken.

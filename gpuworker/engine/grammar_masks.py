@@ -30,8 +30,8 @@ class TokenBitmask:
     rows: list[int]  # the constrained rows; the other rows of `bitmask` are not filled
 
 
-class StructuredOutputs:
-    """The engine's matchers: one per constrained sequence, keyed by seq_id.
+class GrammarMatchers:
+    """The engine's grammar matchers: one per constrained sequence, keyed by seq_id.
 
     A matcher has accepted exactly the sequence's known output tokens: a preempted sequence keeps
     its tokens (it is recomputed, not regenerated), so its matcher needs no rewinding.
@@ -56,9 +56,6 @@ class StructuredOutputs:
     def remove(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             self._matchers.pop(seq.seq_id, None)
-
-    def is_constrained(self, seq: Sequence) -> bool:
-        return seq.seq_id in self._matchers
 
     def any_constrained(self, seqs: list[Sequence]) -> bool:
         matchers = self._matchers

@@ -26,6 +26,7 @@ import torch
 from gpuworker.attention.backend import AttentionBackend
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.detokenizer import IncrementalDetokenizer, check_stop_token
+from gpuworker.engine.facts import EngineFacts
 from gpuworker.engine.model_runner import ModelRunner, StepHandle
 from gpuworker.engine.parallel import Workers
 from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
@@ -34,11 +35,12 @@ from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestO
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
-from gpuworker.engine.grammar_masks import StructuredOutputs
+from gpuworker.engine.grammar_masks import GrammarMatchers
 from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
 from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
+from gpuworker.models.config import ModelConfig
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype, with_quantization
 from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 
@@ -97,18 +99,21 @@ class _StageClock:
         self.timings[stage] = round(self.timings.get(stage, 0.0) + time.perf_counter() - started, 4)
 
 
+def _default_attention_backend(device: torch.device) -> AttentionBackend:
+    """Triton kernels on CUDA, the pure-torch reference elsewhere."""
+    if device.type == "cuda":
+        from gpuworker.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from gpuworker.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
 class LLMEngine:
     def __init__(self, model: str | Path, *, attn_backend: AttentionBackend | None = None,
                  **config: Any) -> None:
-        self._start(EngineConfig(model=str(model), **config), attn_backend)
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, attn_backend: AttentionBackend | None = None) -> LLMEngine:
-        engine = cls.__new__(cls)
-        engine._start(config, attn_backend)
-        return engine
-
-    def _start(self, config: EngineConfig, attn_backend: AttentionBackend | None) -> None:
+        config = EngineConfig(model=str(model), **config)
         # With tensor parallelism this process is rank 0: the other ranks' processes start first and
         # load their shards alongside this one's (engine.parallel). A model that does not split
         # into that many ranks is refused before any process starts.
@@ -124,9 +129,39 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, attn_backend: AttentionBackend | None) -> None:
+        """Start-up, stage by stage: the model's config checked, the weights loaded (the tokenizer
+        meanwhile), the batch limits and the KV pool sized, the runner built, the warm-up run or
+        deferred."""
         # Seconds per start-up stage, for /health and bench/load_time.py.
         self.load_timings: dict[str, float] = {}
         clock = _StageClock(self.load_timings, config.device)
+        max_model_len, kv_dtype = self._read_model_config(config)
+        if attn_backend is None:
+            attn_backend = _default_attention_backend(self.device)
+        # The tokenizer (and the import of transformers behind it: seconds) loads in a thread
+        # while the weights stream in, which spend their time in system calls and copies.
+        tokenizer_loading = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        tokenizer_future = tokenizer_loading.submit(engine_tokenizer, config)
+        tokenizer_loading.shutdown(wait=False)
+        model, free_device_bytes = self._load_weights(config, attn_backend, clock)
+        rank_mc = self._size(config, max_model_len, kv_dtype, free_device_bytes)
+        with clock("tokenizer_wait"):
+            self.tokenizer = tokenizer_future.result()
+        self.eos_token_ids = list(self.model_config.eos_token_ids) or (
+            [self.tokenizer.eos_token_id] if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
+            else [])
+        self.scheduler = Scheduler(self.config)
+        self.prompts = PromptTokenizer(self.tokenizer, self.model_config, self.config)
+        self._start_runner(rank_mc, model, clock)
+        self._warm_up_or_defer(clock)
+        if self.workers is not None:
+            with clock("workers_ready_wait"):
+                self.workers.wait_ready()
+        self._start_request_state()
+
+    def _read_model_config(self, config: EngineConfig) -> tuple[int, torch.dtype]:
+        """The model's config, device and dtype, checked before any weight is read. Returns the
+        context asked for (or the model's) and the KV cache's dtype."""
         mc = with_quantization(load_model_config(config.model), config.quantization)
         self.model_config = mc
         self.device = torch.device(config.device)
@@ -137,26 +172,19 @@ class LLMEngine:
         if max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context "
                              f"({mc.max_position_embeddings} positions)")
-        if attn_backend is None and self.device.type == "cuda":
-            from gpuworker.attention.triton_backend import TritonAttentionBackend
+        return max_model_len, kv_dtype
 
-            attn_backend = TritonAttentionBackend()
-        elif attn_backend is None:
-            from gpuworker.attention.torch_backend import TorchAttentionBackend
-
-            attn_backend = TorchAttentionBackend()
-        # The tokenizer (and the import of transformers behind it: seconds) loads in a thread
-        # while the weights stream in, which spend their time in system calls and copies.
-        tokenizer_loading = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        tokenizer_future = tokenizer_loading.submit(engine_tokenizer, config)
-        tokenizer_loading.shutdown(wait=False)
+    def _load_weights(self, config: EngineConfig, attn_backend: AttentionBackend,
+                      clock: _StageClock) -> tuple[torch.nn.Module, int | None]:
+        """The model with its weights on the device, and the device memory left free after them on
+        the rank with the least (None on CPU)."""
         if self.device.type == "cuda":
             with clock("cuda_init"):
                 torch.cuda.init()
                 torch.empty(0, device=self.device)
         parallel = self.workers.context if self.workers is not None else None
         with clock("weights"):
-            model = load_model(mc, device=self.device, dtype=self.dtype, attn_backend=attn_backend,
+            model = load_model(self.model_config, device=self.device, dtype=self.dtype, attn_backend=attn_backend,
                                load_format=config.load_format, seed=config.seed, parallel=parallel)
         free_device_bytes = None
         if self.device.type == "cuda":
@@ -167,8 +195,14 @@ class LLMEngine:
                 # Every rank's pool has as many blocks: sized for the GPU with the least room.
                 free = [free_device_bytes, *self.workers.free_device_bytes()]
                 free_device_bytes = None if None in free else min(free)
+        return model, free_device_bytes
+
+    def _size(self, config: EngineConfig, max_model_len: int, kv_dtype: torch.dtype,
+              free_device_bytes: int | None) -> ModelConfig:
+        """Resolve the config's batch limits, KV pool and context for the room left (self.config);
+        returns the shapes this rank holds."""
         # The KV cache and the memory sizing count the heads this rank holds.
-        rank_mc = shard_config(mc, parallel)
+        rank_mc = shard_config(self.model_config, self.workers.context if self.workers is not None else None)
         sized = plan_sizes(config, rank_mc, element_size=self.dtype.itemsize, max_model_len=max_model_len,
                            free_device_bytes=free_device_bytes, kv_element_size=kv_dtype.itemsize)
         pool_tokens = sized.num_kv_blocks * config.block_size
@@ -180,13 +214,11 @@ class LLMEngine:
                     self.config.max_num_seqs, "" if config.max_num_seqs else " (default)",
                     self.config.max_num_batched_tokens, "" if config.max_num_batched_tokens else " (default)",
                     pool_tokens, max_model_len)
-        with clock("tokenizer_wait"):
-            self.tokenizer = tokenizer_future.result()
-        self.eos_token_ids = list(mc.eos_token_ids) or (
-            [self.tokenizer.eos_token_id] if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
-            else [])
-        self.scheduler = Scheduler(self.config)
-        self.prompts = PromptTokenizer(self.tokenizer, mc, self.config)
+        return rank_mc
+
+    def _start_runner(self, rank_mc: ModelConfig, model: torch.nn.Module, clock: _StageClock) -> None:
+        """The model runner over the KV pool (and the other ranks' runners), its decode graphs captured
+        unless deferred."""
         if self.workers is not None:
             self.workers.start_runners(self.config)
         with clock("kv_cache"):
@@ -194,6 +226,8 @@ class LLMEngine:
         if self.runner.graph_capture_s:
             self.load_timings["cuda_graphs"] = self.runner.graph_capture_s
             self.load_timings["kv_cache"] = round(self.load_timings["kv_cache"] - self.runner.graph_capture_s, 4)
+
+    def _warm_up_or_defer(self, clock: _StageClock) -> None:
         # Triton compiles on first use: for the eager path before the first requests, as the graphs
         # are captured; with defer_warm_up both as the engine's first work after it is ready.
         self._deferred_warm_up: deque[tuple[str, Callable[[], object]]] = deque()
@@ -206,9 +240,8 @@ class LLMEngine:
         elif self.device.type == "cuda":
             with clock("warm_up"):
                 self.runner.warm_up()
-        if self.workers is not None:
-            with clock("workers_ready_wait"):
-                self.workers.wait_ready()
+
+    def _start_request_state(self) -> None:
         self._requests: dict[str, _Request] = {}
         self._arrivals = itertools.count()
         self._next_seq_id = 0
@@ -223,8 +256,13 @@ class LLMEngine:
         self._num_sync_requests = 0
         self._last_completion = 0.0
         # Grammar matchers of constrained requests; built on the first such request.
-        self.structured_outputs: StructuredOutputs | None = None
+        self.grammar_matchers: GrammarMatchers | None = None
         self._grammar_lock = threading.Lock()
+
+    @property
+    def facts(self) -> EngineFacts:
+        """What a server reads of this engine: its limits, vocabulary and start-up timings so far."""
+        return EngineFacts.of(self.config, self.model_config, self.load_timings)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -242,13 +280,14 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        # The request's one admission check, before anything is built for it (Scheduler.add trusts it).
         self.scheduler.check_admissible(len(prompt_ids), params.max_tokens, params.n)
         vocab_size = self.model_config.vocab_size
         if params.logit_bias and (outside := [t for t in params.logit_bias if t >= vocab_size]):
             raise ValueError(f"logit_bias: token id {outside[0]} is not in [0, {vocab_size})")
         grammar = None
         if params.structured_output is not None:
-            grammar = self._structured_outputs().compile(params.structured_output)
+            grammar = self._grammar_matchers().compile(params.structured_output)
         max_tokens = params.max_tokens or self.config.max_model_len - len(prompt_ids)
         group = SequenceGroup(request_id, prompt_ids, params, next(self._arrivals), max_tokens,
                               first_seq_id=self._next_seq_id)
@@ -256,7 +295,7 @@ class LLMEngine:
         detokenizers = [IncrementalDetokenizer(self.tokenizer, len(prompt_ids), params) for _ in group.seqs]
         self.scheduler.add(group)
         if grammar is not None:
-            self.structured_outputs.add(group, grammar)
+            self.grammar_matchers.add(group, grammar)
         self._requests[request_id] = _Request(group, prompt_text, detokenizers,
                                               time.time() if arrival_time is None else arrival_time)
         if _needs_sync(params):
@@ -266,16 +305,17 @@ class LLMEngine:
         """Compile (or find cached) a request's grammar; ValueError if it is not usable. Safe to
         call from another thread, so a server can compile a new schema (hundreds of ms) without
         stalling the engine loop, whose add_request then finds it in the cache."""
-        self._structured_outputs().compile(structured)
+        self._grammar_matchers().compile(structured)
 
-    def _structured_outputs(self) -> StructuredOutputs:
+    def _grammar_matchers(self) -> GrammarMatchers:
+        """self.grammar_matchers, built on the first call."""
         with self._grammar_lock:
-            if self.structured_outputs is None:
+            if self.grammar_matchers is None:
                 if self.tokenizer is None:
                     raise ValueError("structured_output: this model has no tokenizer to build grammars over")
                 grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-                self.structured_outputs = StructuredOutputs(grammars, pin_memory=self.device.type == "cuda")
-            return self.structured_outputs
+                self.grammar_matchers = GrammarMatchers(grammars, pin_memory=self.device.type == "cuda")
+            return self.grammar_matchers
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> TokenizedPrompt:
         """Text to token ids, or token ids checked against the vocabulary; ValueError for bad input.
@@ -359,8 +399,8 @@ class LLMEngine:
         handle = None
         # Constrained rows sample only after their grammars have seen the previous step's tokens:
         # the forward is launched first, and the mask is built on the host while it runs.
-        constrained = (self.structured_outputs is not None
-                       and self.structured_outputs.any_constrained([e.seq for e in batch.seqs if e.samples]))
+        constrained = (self.grammar_matchers is not None
+                       and self.grammar_matchers.any_constrained([e.seq for e in batch.seqs if e.samples]))
         if not batch.is_empty:
             handle = self.runner.launch(batch, self._inflight.handle if self._inflight else None,
                                         defer_sampling=constrained)
@@ -370,7 +410,7 @@ class LLMEngine:
             # with it, before their stop checks and text below. (Filling it on a worker thread
             # during those was measured slower: the two contend; BENCHMARKS.md, "Constrained
             # decoding".)
-            self.runner.sample(handle, self.structured_outputs.bitmask(handle.sample_seqs))
+            self.runner.sample(handle, self.grammar_matchers.bitmask(handle.sample_seqs))
         if received is not None:
             # Stop checks and text of the previous step's tokens (filled in by _receive, so
             # advance() below hashes only known tokens).
@@ -403,7 +443,7 @@ class LLMEngine:
             row = rows[seq.seq_id]
             token_id = seq.token_ids[position] = token_ids[row]
             grammar_ended = (seq.group.params.structured_output is not None
-                             and self.structured_outputs.accept(seq, token_id))
+                             and self.grammar_matchers.accept(seq, token_id))
             tokens.append((seq, logprobs[row], grammar_ended))
         return _Received(inflight.handle.batch, duration, tokens)
 
@@ -456,7 +496,7 @@ class LLMEngine:
     def _forget(self, request: _Request) -> None:
         del self._requests[request.group.request_id]
         if request.group.params.structured_output is not None:
-            self.structured_outputs.remove(request.group)
+            self.grammar_matchers.remove(request.group)
         if _needs_sync(request.group.params):
             self._num_sync_requests -= 1
 

@@ -154,11 +154,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Run one eager step of made-up tokens (a decode and a prefill chunk side by side), the
-        logits and greedy tokens of one and of two rows and the sampler's common variants, so the
-        kernels of the eager path compile now rather than during the first requests (a second or
-        more each on a GPU). Its slots are all -1: it writes no KV, so it may run between steps
-        while sequences hold blocks (EngineConfig.defer_warm_up)."""
+        """Compile the eager path's kernels now rather than during the first requests (a second or
+        more each on a GPU): one step of made-up tokens, the logits and sampling of its rows, then
+        the kernels the model picks by shape at run time, which the model warms up itself. It
+        writes no KV, so it may run between steps while sequences hold blocks
+        (EngineConfig.defer_warm_up)."""
+        hidden = self._warm_up_step()
+        self._warm_up_sampling(hidden)
+        self.model.warm_up(self.kv_caches[0], self.config.max_model_len, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _warm_up_step(self) -> torch.Tensor:
+        """One eager forward of a decode and a prefill chunk side by side, with the shortest context
+        and with the longest; its slots are all -1, so it writes no KV. Its hidden states."""
         bs = self.block_size
         chunk = max(1, min(32, self.config.max_num_batched_tokens - 1, self.config.max_model_len - 1))
         num_blocks = min(self.config.num_kv_blocks, -(-chunk // bs))
@@ -180,32 +189,20 @@ class ModelRunner:
             query_start_loc_cpu=[0, 1, 1 + chunk], seq_lens_cpu=[1, chunk])
         for max_seq_len in (chunk, self.config.max_model_len):
             hidden = self.model(input_ids, positions_t, self.kv_caches, replace(meta, max_seq_len=max_seq_len))
-        for rows in ([chunk], [0, chunk]):
-            selected = hidden[torch.tensor(rows, device=device)]
+        return hidden
+
+    def _warm_up_sampling(self, hidden: torch.Tensor) -> None:
+        """The logits and greedy tokens of one row and of two (the warm-up step's `hidden`), and on
+        the GPU the sampler's common variants."""
+        last = hidden.shape[0] - 1
+        for rows in ([last], [0, last]):
+            selected = hidden[torch.tensor(rows, device=self.device)]
             self.model.compute_logits(selected).argmax(dim=-1)
             self.model.greedy_tokens(selected)
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             from gpuworker.kernels.sampling.sample import warm_up as warm_up_sampling
-            from gpuworker.models.moe import SparseMoE
 
-            warm_up_sampling(device, self.model_config.vocab_size)
-            # The MoE layers share their kernels: the first one's warm-up compiles them all.
-            moe = next((m for m in self.model.modules() if isinstance(m, SparseMoE)), None)
-            if moe is not None:
-                moe.warm_up()
-        backend = getattr(self.model, "attn_backend", None)
-        if hasattr(backend, "warm_up"):
-            mc = self.model_config
-            rotary = self.model.rotary
-            backend.warm_up(self.kv_caches[0], mc.num_heads, self.config.max_model_len, mc.head_dim**-0.5,
-                            rotary.cos_cache, rotary.sin_cache, self.dtype,
-                            self.model.layers[0].self_attn.fused_qk_norm(self.dtype))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Run one step and wait for its sampled tokens."""
-        return self.wait(self.launch(batch))
+            warm_up_sampling(self.device, self.model_config.vocab_size)
 
     def launch(self, batch: ScheduledBatch, previous: StepHandle | None = None,
                defer_sampling: bool = False) -> StepHandle:

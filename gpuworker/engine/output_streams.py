@@ -1,4 +1,4 @@
-"""What both engine loops (a thread: async_engine, a process: engine_process) share with their
+"""What both engine loops (a thread: async_engine, a process: engine_process_client) share with their
 callers: a request's stream of outputs on the caller's event loop, their delivery from another
 thread, and `generate` over them.
 """
@@ -12,8 +12,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from gpuworker.engine.facts import EngineFacts
 from gpuworker.engine.outputs import RequestOutput, merge_outputs
-from gpuworker.engine.prompts import Prompt, TokenizedPrompt
+from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.structured_output import StructuredOutput
 
@@ -86,7 +87,10 @@ class Deliveries:
 class StreamingEngine(ABC):
     """`generate` over an engine loop that runs elsewhere; the loop's side is the hooks below."""
 
-    engine: Any  # what the caller may read of the engine: tokenize, tokenizer, config, ...
+    # The prompts' side of the engine: tokenize, render_chat and the tokenizer, safe from any thread.
+    prompts: PromptTokenizer
+    # What the engine is (its limits, vocabulary and start-up timings), fixed once it is ready.
+    facts: EngineFacts
     # Why the engine can run no more steps (its process died), or None.
     dead: str | None = None
 
@@ -94,6 +98,10 @@ class StreamingEngine(ABC):
     def engine_pid(self) -> int | None:
         """The engine's own process, where it has one."""
         return None
+
+    def failure(self) -> str | None:
+        """Why the engine can run no more steps (its process or a tensor-parallel rank died), or None."""
+        return self.dead
 
     async def generate(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -103,7 +111,7 @@ class StreamingEngine(ABC):
         if not isinstance(prompt, TokenizedPrompt):
             # Tokenizing (or checking) megabytes takes seconds: neither on the caller's event loop,
             # which serves other streams, nor on the engine thread, which steps them.
-            prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
+            prompt = await asyncio.to_thread(self.prompts.tokenize, prompt)
         if params is not None and params.structured_output is not None:
             await self._compile_grammar(params.structured_output)
         await self._add(request_id, prompt, params, outputs)

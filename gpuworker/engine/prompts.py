@@ -1,6 +1,6 @@
 """Prompts made ready for the engine: text tokenized (within the context), token ids checked, chat
 conversations rendered by the model's template. Needs only the tokenizer and the configs, so an API
-process tokenizes with it while the engine process steps (engine_process.py)."""
+process tokenizes with it while the engine process steps (engine_process_client.py)."""
 
 from __future__ import annotations
 

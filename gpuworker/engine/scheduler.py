@@ -87,7 +87,7 @@ class Scheduler:
         check_admissible(self.config, num_prompt_tokens, max_tokens, n)
 
     def add(self, group: SequenceGroup) -> None:
-        self.check_admissible(len(group.prompt_token_ids), group.max_tokens, group.params.n)
+        """Queue a new request's sequences; the caller has admitted it with check_admissible."""
         self.waiting.append(group.seqs[0])
         self.num_short_waiting += not self._is_long(group.seqs[0])
 
@@ -96,8 +96,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        """The next step, filled phase by phase within its token budget and sequence cap: running
+        decodes first, so a long prefill never stalls the running streams; then running prefills;
+        then new requests from the queue."""
         step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        # Decodes first, so a long prefill never stalls the running streams.
+        decodes, prefills = self._running_by_phase()
+        self._schedule_decodes(step, decodes)
+        self._schedule_prefills(step, prefills)
+        self._admit_waiting(step)
+        return step.build()
+
+    def _running_by_phase(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences with work to do: those decoding one token, those prefilling."""
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         running_status = SequenceStatus.RUNNING
@@ -111,9 +121,13 @@ class Scheduler:
                 decodes.append(seq)
             else:
                 prefills.append(seq)
+        return decodes, prefills
+
+    def _schedule_decodes(self, step: _StepBuilder, decodes: list[Sequence]) -> None:
+        """One token per decode, in admission order, preempting the newest sequences for a new block."""
         block_manager = self.block_manager
         block_size = block_manager.block_size
-        max_num_seqs = self.config.max_num_seqs
+        running_status = SequenceStatus.RUNNING
         room = min(step.max_seqs, step.token_budget)
         for seq in decodes:
             if len(step.entries) >= room:
@@ -126,10 +140,15 @@ class Scheduler:
                     continue
                 block_manager.allocate(seq, 1)
             step.add(seq, 1)
+
+    def _schedule_prefills(self, step: _StepBuilder, prefills: list[Sequence]) -> None:
+        """The next chunk of each running prefill, short prompts first."""
         # Short ones first: a short prompt admitted in pieces finishes before long ones go on.
         prefills.sort(key=self._is_long)
         # Tokens long prefills leave to the short prompts waiting, while these have seats to take.
-        reserve = self.short_prefill_tokens if self.num_short_waiting and len(self.running) < max_num_seqs else 0
+        reserve = (self.short_prefill_tokens
+                   if self.num_short_waiting and len(self.running) < self.config.max_num_seqs else 0)
+        running_status = SequenceStatus.RUNNING
         for seq in prefills:
             if step.is_full:
                 break
@@ -137,8 +156,15 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, step.token_budget - (reserve if self._is_long(seq) else 0))
             if num_new > 0 and self._make_room(seq, num_new, step):
-                block_manager.allocate(seq, num_new)
+                self.block_manager.allocate(seq, num_new)
                 step.add(seq, num_new)
+
+    def _admit_waiting(self, step: _StepBuilder) -> None:
+        """Admit queued sequences (their first chunk) while the step and the pool have room; short
+        prompts may pass long ones."""
+        block_manager = self.block_manager
+        block_size = block_manager.block_size
+        max_num_seqs = self.config.max_num_seqs
         # Long prompts passed this step by short ones behind them, in queue order.
         passed: list[Sequence] = []
         # No new admissions in a step that had to preempt: the pool is already too tight.
@@ -159,7 +185,7 @@ class Scheduler:
             matched = block_manager.match_prefix(seq)
             num_computed = len(matched) * block_size
             num_new = min(seq.num_tokens - num_computed, step.token_budget - (reserve if long else 0))
-            if not block_manager.can_admit(seq, matched, num_new):
+            if not block_manager.can_admit(matched, num_new):
                 break
             self.waiting.popleft()
             self.num_short_waiting -= not long
@@ -170,7 +196,6 @@ class Scheduler:
             self.running.append(seq)
             step.add(seq, num_new)
         self.waiting.extendleft(reversed(passed))
-        return step.build()
 
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > self.short_prefill_tokens

@@ -104,7 +104,8 @@ def xgrammar_reason(exc: BaseException) -> str:
 
 
 class GrammarCache:
-    """Compiles StructuredOutputs against one tokenizer, keeping the last `max_entries` compiled.
+    """Compiles StructuredOutput constraints against one tokenizer, keeping the last `max_entries`
+    compiled.
 
     The vocabulary is the model's (lm_head rows), which may be larger than the tokenizer's: the
     bitmask then covers every logit, and ids beyond the tokenizer are never allowed.

@@ -139,6 +139,24 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(vocab_rows, config.hidden_size), requires_grad=False)
 
+    @torch.inference_mode()
+    def warm_up(self, kv_cache: torch.Tensor, max_model_len: int, dtype: torch.dtype) -> None:
+        """Compile the kernels this model picks by shape at run time, which the engine's short
+        warm-up step does not reach: on the GPU its experts' variants (the MoE layers share their
+        kernels, so the first one's warm-up compiles them all), and its attention backend's decode
+        variants for contexts up to max_model_len, launched as the layers launch them (activations
+        of `dtype`, the rotary cache, the fused q/k norms) on `kv_cache`, one layer's, which they
+        leave unwritten."""
+        if kv_cache.is_cuda:
+            moe = next((m for m in self.modules() if isinstance(m, SparseMoE)), None)
+            if moe is not None:
+                moe.warm_up()
+        backend = self.attn_backend
+        if hasattr(backend, "warm_up"):
+            attn = self.layers[0].self_attn
+            backend.warm_up(kv_cache, attn.num_heads, max_model_len, attn.scale, self.rotary.cos_cache,
+                            self.rotary.sin_cache, dtype, attn.fused_qk_norm(dtype))
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head

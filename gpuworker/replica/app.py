@@ -140,7 +140,7 @@ async def models(request: Request) -> Response:
     card = {"id": config.model_name, "object": "model", "created": now(), "owned_by": "gpuworker",
             "root": config.model}
     if holder.engine is not None:
-        card["max_model_len"] = holder.engine.engine.config.max_model_len
+        card["max_model_len"] = holder.engine.facts.max_model_len
     return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -171,7 +171,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     try:
         # Off the event loop: parsing, the chat template and tokenization of a prompt of megabytes
         # take seconds, and this loop serves every other stream of the replica.
-        plan = await asyncio.to_thread(plan_request, engine.engine, raw, chat)
+        plan = await asyncio.to_thread(plan_request, engine.prompts, raw, chat)
     except ProtocolError as exc:
         return JSONResponse(exc.to_dict(), status_code=exc.status)
     except ValueError as exc:
@@ -191,7 +191,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         await engine.abort(request_id)
     if not parsed.stream:  # a stream's caller sees the first token itself
         holder.note_started(request.headers.get("x-request-id"))
-    responder = Responder(holder, parsed, request_id, chat, engine.engine.tokenizer, plan.tool_parsing)
+    responder = Responder(holder, parsed, request_id, chat, engine.prompts.tokenizer, plan.tool_parsing)
     if parsed.stream:
         return StreamingResponse(responder.sse(first, stream, request), media_type="text/event-stream")
     try:

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from gpuworker.engine import AsyncLLMEngine
+from gpuworker.engine import start_engine
 from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encoder
-from gpuworker.engine.engine_process import EngineProcess
-from gpuworker.engine.output_streams import EngineDeadError
+from gpuworker.engine.engine_process_client import EngineProcess
+from gpuworker.engine.output_streams import EngineDeadError, StreamingEngine
 from gpuworker.engine.outputs import RequestOutput
 from gpuworker.replica.metrics import EngineMetrics
 from gpuworker.models.loader import report_load_progress
@@ -59,8 +59,8 @@ class ServerConfig:
     tensor_parallel_size: int = 1
     # SIGTERM (or POST /drain without a timeout): in-flight requests get this long to finish.
     drain_timeout_s: float = 30.0
-    # The engine steps in a process of its own (engine/engine_process.py), where the server's work
-    # (HTTP, JSON, SSE) cannot slow its steps; False: in a thread of the server's process.
+    # The engine steps in a process of its own (engine/engine_process_client.py), where the server's
+    # work (HTTP, JSON, SSE) cannot slow its steps; False: in a thread of the server's process.
     engine_process: bool = False
 
     @property
@@ -72,7 +72,7 @@ class EngineHolder:
     def __init__(self, config: ServerConfig, engine_process: EngineProcess | None = None) -> None:
         """`engine_process`: one started ahead (by `serve` or a spare) for config.engine_process."""
         self.config = config
-        self.engine: AsyncLLMEngine | None = None
+        self.engine: StreamingEngine | None = None
         self._engine_process = engine_process
         # An encoder checkpoint (BERT family) is served by /v1/embeddings instead: then this is set
         # and `engine` stays None.
@@ -107,11 +107,9 @@ class EngineHolder:
         request it is sent."""
         if self.state != "ready" or self.engine is None:
             return
-        dead = self.engine.dead
-        workers = self.engine.engine.workers
-        gone = dead or (workers.gone() if workers is not None else "")
-        if gone:
-            self.state, self.error = "failed", gone if dead else f"tensor-parallel {gone}"
+        failure = self.engine.failure()
+        if failure:
+            self.state, self.error = "failed", failure
             logger.error("replica failed: %s", self.error)
 
     @property
@@ -156,7 +154,7 @@ class EngineHolder:
             if self.config.engine_process:
                 kwargs["process"] = engine_process or True
             with report_load_progress(self._on_weights_progress):
-                engine = AsyncLLMEngine(self.config.model, **kwargs)
+                engine = start_engine(self.config.model, **kwargs)
         except Exception as exc:  # reported through /health and /stats, not a crash loop
             logger.exception("loading %s failed", self.config.model)
             self.error = f"{type(exc).__name__}: {exc}"
@@ -164,13 +162,8 @@ class EngineHolder:
                 self.state = "failed"
             return
         self.engine, self.load_progress = engine, 1.0
-        self.load_timings = {**engine.engine.load_timings, "engine_s": round(time.perf_counter() - started, 4)}
-        config = engine.engine.config
-        self.engine_limits = {"max_num_seqs": config.max_num_seqs,
-                              "max_num_batched_tokens": config.max_num_batched_tokens,
-                              "max_model_len": config.max_model_len,
-                              "kv_cache_tokens": config.num_kv_blocks * config.block_size,
-                              "tensor_parallel_size": config.tensor_parallel_size}
+        self.load_timings = {**engine.facts.load_timings, "engine_s": round(time.perf_counter() - started, 4)}
+        self.engine_limits = engine.facts.limits
         if self.state == "loading":  # a drain that began meanwhile wins
             self.state = "ready"
         logger.info("model %s ready in %.2fs: %s; %s", self.config.model_name, self.load_timings["engine_s"],

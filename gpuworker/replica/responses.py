@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gpuworker.engine.llm_engine import TokenizedPrompt
+from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.replica.engine_holder import EngineHolder
@@ -75,19 +75,19 @@ class RequestPlan:
     tool_parsing: ToolParsing | None = None
 
 
-def plan_request(llm: Any, raw: bytes, chat: bool) -> RequestPlan:
+def plan_request(prompts: PromptTokenizer, raw: bytes, chat: bool) -> RequestPlan:
     """A /v1 request body parsed and checked, its prompt rendered and tokenized. Megabytes of it
     take seconds of CPU, so the server calls this in a worker thread, never on its event loop.
     Raises ProtocolError / ValueError (400)."""
     request = parse_request(ChatCompletionRequest if chat else CompletionRequest, parse_json_body(raw))
     if chat:
-        return plan_chat(llm, request)
-    return RequestPlan(request, llm.tokenize(request.prompt), SamplingParams(**request.sampling_kwargs()))
+        return plan_chat(prompts, request)
+    return RequestPlan(request, prompts.tokenize(request.prompt), SamplingParams(**request.sampling_kwargs()))
 
 
-def plan_chat(llm: Any, request: ChatCompletionRequest) -> RequestPlan:
-    """A chat request for `llm` (an LLMEngine): the prompt (tools rendered by the model's own chat
-    template, or written into the system prompt when the template cannot: tool_prompt), the
+def plan_chat(prompts: PromptTokenizer, request: ChatCompletionRequest) -> RequestPlan:
+    """A chat request, prepared by `prompts` (the engine's): the prompt (tools rendered by the model's
+    own chat template, or written into the system prompt when the template cannot: tool_prompt), the
     sampling parameters with the output constraint of response_format, of a forced tool call or
     of the generic format (tool_choice "auto" on a template without tools: generic_tool_calls),
     and how to read tool calls back. Raises ProtocolError / ValueError (400)."""
@@ -96,10 +96,10 @@ def plan_chat(llm: Any, request: ChatCompletionRequest) -> RequestPlan:
     constraint = response_format_constraint(request.response_format)
     messages, tools = request.chat_messages(), request.template_tools()
     if request.uses_tools:
-        template = getattr(llm.tokenizer, "chat_template", None) if llm.tokenizer is not None else None
+        template = getattr(prompts.tokenizer, "chat_template", None) if prompts.tokenizer is not None else None
         try:
             fmt = detect_tool_format(template if isinstance(template, str) else None,
-                                     llm.model_config.model_type)
+                                     prompts.model_config.model_type)
         except ValueError as exc:
             raise ProtocolError(str(exc), param="tools") from None
         names = frozenset(tool.function.name for tool in request.tools or ())
@@ -118,7 +118,7 @@ def plan_chat(llm: Any, request: ChatCompletionRequest) -> RequestPlan:
             constraint = tool_choice_constraint(request, fmt) or constraint
     params = SamplingParams(**kwargs, structured_output=constraint)
     # Only the token ids: a chat's output does not echo the rendered prompt.
-    prompt = TokenizedPrompt(None, llm.render_chat(messages, tools=tools).token_ids)
+    prompt = TokenizedPrompt(None, prompts.render_chat(messages, tools=tools).token_ids)
     return RequestPlan(request, prompt, params, tool_parsing)
 
 

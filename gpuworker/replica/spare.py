@@ -12,8 +12,8 @@ becomes the process's stdout and stderr. From there on it is the replica `serve`
 The daemon closing its end (or SIGTERM) before a load ends the spare. The message itself is in
 gpuworker/contract/spare_handover.py.
 
-On CUDA the replica's engine steps in a process of its own (engine/engine_process.py): the spare
-starts that process first, and it imports the engine and initialises the device alongside the
+On CUDA the replica's engine steps in a process of its own (engine/engine_process_client.py): the
+spare starts that process first, and it imports the engine and initialises the device alongside the
 spare's own imports; the spare itself then leaves CUDA alone (a load that asks for the engine in
 the server's process, --engine-in-process, initialises it then, and stops the unused process).
 """
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from gpuworker.contract.spare_handover import READY_LINE, receive_load
 
 if TYPE_CHECKING:
-    from gpuworker.engine.engine_process import EngineProcess
+    from gpuworker.engine.engine_process_client import EngineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ def prepare(device: str) -> EngineProcess | None:
     that happens in the engine process started here for the replica (returned)."""
     engine_process = None
     if device.startswith("cuda"):
-        from gpuworker.engine.engine_process import EngineProcess
+        from gpuworker.engine.engine_process_client import EngineProcess
 
         engine_process = EngineProcess.start(device)
     import torch
 
-    from gpuworker.engine import AsyncLLMEngine  # noqa: F401  the engine, the models, the loader
+    from gpuworker.engine import start_engine  # noqa: F401  the engine, the models, the loader
     from gpuworker.replica import server  # noqa: F401  starlette, uvicorn, xgrammar (which imports transformers)
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401  what the tokenizer load imports
 

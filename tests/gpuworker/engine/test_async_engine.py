@@ -1,5 +1,6 @@
-"""AsyncLLMEngine: concurrent streams, aborts (explicit and by cancelling the consumer), errors;
-each with the engine in a thread of the test's process and in a process of its own."""
+"""The streaming engines (start_engine): concurrent streams, aborts (explicit and by cancelling the
+consumer), errors; each with the engine in a thread of the test's process (AsyncLLMEngine) and in a
+process of its own (ProcessLLMEngine)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,21 @@ from operator import attrgetter, methodcaller
 
 import pytest
 
-from gpuworker.engine import AsyncLLMEngine, SamplingParams
+from gpuworker.engine import SamplingParams, start_engine
+from gpuworker.engine.output_streams import StreamingEngine
 from tests.gpuworker.checkpoints import TINY
 from tests.gpuworker.engine.reference import hf_greedy, random_prompts
 
 
 @pytest.fixture(params=["thread", "process"])
 async def engine(request, tiny_checkpoint):
-    engine = AsyncLLMEngine(tiny_checkpoint("llama"), num_kv_blocks=64, max_model_len=256,
-                            process=request.param == "process")
+    engine = start_engine(tiny_checkpoint("llama"), num_kv_blocks=64, max_model_len=256,
+                          process=request.param == "process")
     yield engine
     await asyncio.to_thread(engine.shutdown)
 
 
-async def kv_usage(engine: AsyncLLMEngine) -> float:
+async def kv_usage(engine: StreamingEngine) -> float:
     return await engine.call(attrgetter("scheduler.block_manager.usage"))
 
 

@@ -25,7 +25,7 @@ def run_prompt(bm: BlockManager, seq: Sequence) -> list[int]:
     """Admit seq with its prefix hits, 'compute' the rest of it, register its blocks."""
     matched = bm.match_prefix(seq)
     num_new = seq.num_tokens - len(matched) * bm.block_size
-    assert bm.can_admit(seq, matched, num_new)
+    assert bm.can_admit(matched, num_new)
     bm.admit(seq, matched, num_new)
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_computed_blocks(seq, len(matched) * bm.block_size)
@@ -140,8 +140,8 @@ def test_can_admit_counts_revived_blocks():
     matched = bm.match_prefix(seq)
     assert len(matched) == 1
     # 1 revived + 2 new blocks for tokens 4..8 > 2 free.
-    assert not bm.can_admit(seq, matched, 5)
-    assert bm.can_admit(seq, matched, 4)
+    assert not bm.can_admit(matched, 5)
+    assert bm.can_admit(matched, 4)
 
 
 def test_fork_shares_prompt_blocks_but_not_the_last_token():
@@ -187,7 +187,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = make_seq(tokens, n=2)
         matched = self.bm.match_prefix(seq)
         num_new = seq.num_tokens - len(matched) * BLOCK_SIZE
-        if not self.bm.can_admit(seq, matched, num_new):
+        if not self.bm.can_admit(matched, num_new):
             return
         self.bm.admit(seq, matched, num_new)
         self._check_computed(seq)

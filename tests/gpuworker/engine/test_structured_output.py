@@ -257,7 +257,7 @@ def test_mixed_batch_leaves_unconstrained_rows_unchanged(checkpoint, async_sched
         assert out.finish_reason == "stop"
         assert validation_errors(json.loads(out.text), SCHEMAS["arrays"]) == []
     # Nothing is left behind: finished requests drop their matchers.
-    assert len(engine.structured_outputs) == 0
+    assert len(engine.grammar_matchers) == 0
 
 
 def test_sync_and_async_scheduling_agree_on_constrained_outputs(checkpoint):
@@ -310,7 +310,7 @@ def test_grammars_compile_once_per_distinct_spec(checkpoint):
     engine = LLMEngine(checkpoint, num_kv_blocks=256, max_model_len=1024)
     schema = SCHEMAS["enums"]
     engine.generate("first", constrained(StructuredOutput.json_schema(schema), seed=1))
-    grammars = engine.structured_outputs.grammars
+    grammars = engine.grammar_matchers.grammars
     assert (grammars.num_compiles, grammars.num_hits) == (1, 0)
     engine.generate("second", constrained(StructuredOutput.json_schema(dict(schema)), seed=2))
     assert (grammars.num_compiles, grammars.num_hits) == (1, 1)
@@ -330,7 +330,7 @@ async def test_the_async_engine_compiles_a_new_schema_off_the_engine_thread(chec
 
     engine = LLMEngine(checkpoint, num_kv_blocks=256, max_model_len=1024)
     compiled_on: list[str] = []
-    grammars = engine._structured_outputs().grammars
+    grammars = engine._grammar_matchers().grammars
     compile_one = grammars._compile
 
     def recording(structured):
@@ -338,7 +338,7 @@ async def test_the_async_engine_compiles_a_new_schema_off_the_engine_thread(chec
         return compile_one(structured)
 
     grammars._compile = recording
-    async with AsyncLLMEngine.from_engine(engine) as served:
+    async with AsyncLLMEngine(engine=engine) as served:
         outputs = [out async for out in served.generate(
             "x", constrained(StructuredOutput.json_schema(SCHEMAS["enums"]), seed=4), "a")]
         assert outputs[-1].finished and outputs[-1].finish_reason == "stop"

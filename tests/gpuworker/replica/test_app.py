@@ -525,9 +525,9 @@ def test_bodies_that_cannot_be_read_are_400_without_a_traceback(server, caplog, 
 def test_a_lone_surrogate_given_to_the_engine_is_a_value_error(server, chat):
     """Past the body's check too (a caller of the engine itself): the tokenizer's TypeError is bad input."""
     _, app = server
-    llm = app.state.holder.engine.engine
+    prompts = app.state.holder.engine.prompts
     with pytest.raises(ValueError, match="cannot read"):
-        llm.render_chat([{"role": "user", "content": "\ud800"}]) if chat else llm.tokenize("a\ud800")
+        prompts.render_chat([{"role": "user", "content": "\ud800"}]) if chat else prompts.tokenize("a\ud800")
 
 
 @pytest.mark.parametrize(("fields", "param"), [({"max_tokens": "4"}, "max_tokens"), ({"stream": "yes"}, "stream")])
@@ -551,7 +551,7 @@ def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monke
     replica still answers /health (its event loop is free) and keeps generating another request's
     stream (its engine loop is free); the huge request ends only after both."""
     base, app = server
-    llm = app.state.holder.engine.engine
+    tokenizer = app.state.holder.engine.prompts.tokenizer
     tokenizing, release = threading.Event(), threading.Event()
     huge = "y" * (1 << 20)
 
@@ -570,7 +570,7 @@ def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monke
         def __getattr__(self, name):
             return getattr(self.real, name)
 
-    monkeypatch.setattr(llm.tokenizer, "_tokenizer", ObservedTokenizer(llm.tokenizer._tokenizer))
+    monkeypatch.setattr(tokenizer, "_tokenizer", ObservedTokenizer(tokenizer._tokenizer))
     order: list[str] = []
     result: dict = {}
 
@@ -737,7 +737,7 @@ def test_logit_bias_reaches_the_engine_for_chat_and_completions_streamed_or_not(
     """+100 on one token makes every token that one, greedy or sampled; -100 on it at the same time
     as +100 on another bans it; an id past the vocabulary is a 400 naming logit_bias."""
     base, app = server
-    tokenizer = app.state.holder.engine.engine.tokenizer
+    tokenizer = app.state.holder.engine.prompts.tokenizer
     [z], [y] = (tokenizer.encode(letter, add_special_tokens=False) for letter in "zy")
     common = {"max_tokens": 4, "temperature": temperature, "seed": 1, "ignore_eos": True}
     with _client(base) as client:
@@ -754,7 +754,7 @@ def test_logit_bias_reaches_the_engine_for_chat_and_completions_streamed_or_not(
                     events = _sse(response.iter_lines())
                 choices = [c for e in events[:-1] for c in e["choices"]]
                 assert "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices) == text
-        vocab_size = app.state.holder.engine.engine.model_config.vocab_size
+        vocab_size = app.state.holder.engine.facts.vocab_size
         outside = client.post("/v1/completions", json={"prompt": "Hello", "logit_bias": {str(vocab_size): 1}})
     assert outside.status_code == 400
     assert outside.json()["error"]["param"] == "logit_bias" and str(vocab_size) in outside.json()["error"]["message"]

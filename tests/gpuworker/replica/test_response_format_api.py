@@ -257,7 +257,7 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt(tiny_checkpoint
     system = {"role": "system", "content": "Be brief."}
     request = parse_request(ChatCompletionRequest, {"model": "m", "messages": [system, *ASK], "tools": TOOLS})
     # auto: the generic format, one JSON object (a call or the response) that its grammar holds.
-    plan = plan_chat(engine, request)
+    plan = plan_chat(engine.prompts, request)
     prompt = engine.tokenizer.decode(plan.prompt.token_ids)
     # The demo template shows only roles and contents: the tools are in the system message's text.
     assert prompt.index("Be brief.") < prompt.index('"get_weather"') < prompt.index("What is the weather")
@@ -266,7 +266,7 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt(tiny_checkpoint
     assert '"tool_call"' in plan.params.structured_output.spec
     # required: Hermes blocks, written by the forced-call grammar.
     request.tool_choice = "required"
-    forced = plan_chat(engine, request)
+    forced = plan_chat(engine.prompts, request)
     prompt = engine.tokenizer.decode(forced.prompt.token_ids)
     assert prompt.index("Be brief.") < prompt.index("<tools>") < prompt.index("What is the weather")
     for tool in TOOLS:
@@ -276,7 +276,7 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt(tiny_checkpoint
     assert forced.params.structured_output.kind == "structural_tag"
     # tool_choice "none": the model is not told of the tools.
     request.tool_choice = "none"
-    plan = plan_chat(engine, request)
+    plan = plan_chat(engine.prompts, request)
     assert plan.tool_parsing is None and plan.params.structured_output is None
     assert "get_weather" not in engine.tokenizer.decode(plan.prompt.token_ids)
 

@@ -1,9 +1,10 @@
-"""The engine process's side of engine_process.py: prepare the device, load the engine when told,
-then run its loop: commands between steps, ONE message per step with all its requests' outputs
-(as deltas: `wire`), until the API process says stop or goes away (its end of the pipe closes).
+"""What runs in the engine process (the API process's side, its client: engine_process_client.py):
+prepare the device, load the engine when told, then run its loop: commands between steps, ONE
+message per step with all its requests' outputs (as deltas: `wire`), until the API process says
+stop or goes away (its end of the pipe closes).
 The loop never writes to the pipe itself: an outbox thread does, and while the API process is
 behind, new steps' outputs merge into the outputs message still waiting (`merge_wire`).
-The wire itself is described in engine_process.py."""
+The wire itself is described in engine_process_client.py."""
 
 from __future__ import annotations
 
@@ -210,7 +211,7 @@ def engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
                         "load_timings": dict(engine.load_timings)}))
         outbox = _Outbox(conn)
         try:
-            _EngineCore(engine, conn, outbox, steps).run()
+            _EngineLoop(engine, conn, outbox, steps).run()
         finally:
             outbox.close()
     except (EOFError, OSError):
@@ -219,7 +220,7 @@ def engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
         engine.shutdown()
 
 
-class _EngineCore:
+class _EngineLoop:
     """The engine process's loop: commands between steps, one outputs message per step."""
 
     def __init__(self, engine: Any, conn: Any, outbox: _Outbox, steps: Any) -> None:
@@ -260,7 +261,7 @@ class _EngineCore:
             if kind == "add":
                 _, _, request_id, prompt, params = message
                 if params is None or params.output_kind == "cumulative":
-                    # The API side accumulates (engine_process._Assembly): no step copies a stream's
+                    # The API side accumulates (engine_process_client._Assembly): no step copies a stream's
                     # tokens and logprobs so far here.
                     params = replace(params or SamplingParams(), output_kind="delta")
                 self.engine.add_request(request_id, prompt, params)

@@ -1,5 +1,6 @@
-"""The engine core in a process of its own (its side: engine_core.py), and the AsyncLLMEngine that
-drives it from the server (`AsyncLLMEngine(model, process=True)`, which builds a ProcessLLMEngine).
+"""The API process's side of an engine in a process of its own (the engine process's side:
+engine_process_main.py): ProcessLLMEngine, AsyncLLMEngine's interface over it, which
+`start_engine(model, process=True)` builds, and EngineProcess, the handle that starts and stops it.
 
 Why: in one process the HTTP event loop (SSE chunks, JSON, 512 streams' deltas every ~25 ms step)
 and the engine thread share one GIL; on an H200 at 512 streams the steps ran 2.5x slower than
@@ -15,7 +16,7 @@ The wire is a multiprocessing Pipe (a Unix socketpair; pickle):
                   ("reply", command id, ok, value), ("fatal", reason) before it stops on its own.
 Outputs travel as deltas (the text and token ids a step added; the engine process asks its
 LLMEngine for output_kind="delta", so no step copies a stream's tokens so far) in tuples of plain
-values (engine_core.wire), and the API side rebuilds vLLM's cumulative RequestOutput, so a step's
+values (engine_process_main.wire), and the API side rebuilds vLLM's cumulative RequestOutput, so a step's
 message grows with the tokens it made, not with the streams' lengths. The engine process never
 waits on the pipe: a thread of its own writes, and while the API process is behind, the outputs of
 new steps merge into the message still waiting (so that at 512 streams the steps do not wait on an
@@ -48,7 +49,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuworker.engine.config import EngineConfig
-from gpuworker.engine.engine_core import engine_main, error, logprobs_from_wire, metrics_from_wire
+from gpuworker.engine.engine_process_main import engine_main, error, logprobs_from_wire, metrics_from_wire
+from gpuworker.engine.facts import EngineFacts
 from gpuworker.engine.output_streams import Deliveries, EngineDeadError, OutputStream, StreamingEngine
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
@@ -102,21 +104,6 @@ class _Assembly:
                              metrics=metrics_from_wire(metrics))
 
 
-class EngineFacts:
-    """What the replica reads of an engine in another process: its configs and start-up timings as
-    they were when it became ready, the tokenizer (loaded in this process too) and tokenization.
-    Everything live (figures, requests) goes through ProcessLLMEngine.call instead."""
-
-    # Tensor-parallel ranks belong to the engine process, which reports their death as its own.
-    workers = None
-
-    def __init__(self, tokenizer: Any, model_config: Any, config: EngineConfig, load_timings: dict[str, float]) -> None:
-        self.tokenizer, self.model_config, self.config = tokenizer, model_config, config
-        self.load_timings = load_timings
-        self.prompts = PromptTokenizer(tokenizer, model_config, config)
-        self.tokenize = self.prompts.tokenize
-        self.render_chat = self.prompts.render_chat
-
 # -- the API side -------------------------------------------------------------------------------
 
 
@@ -135,8 +122,8 @@ class EngineProcess:
         api_end, engine_end = context.Pipe()
         # Steps taken, readable here without a command (it keeps counting while this process is busy).
         steps = context.RawValue("Q", 0)
-        process = context.Process(target=engine_main, args=(engine_end, device, steps, logging.getLogger().getEffectiveLevel()),
-                                  name="llm-engine")
+        log_level = logging.getLogger().getEffectiveLevel()
+        process = context.Process(target=engine_main, args=(engine_end, device, steps, log_level), name="llm-engine")
         process.start()
         engine_end.close()
         return cls(process, api_end, steps, device)
@@ -174,8 +161,9 @@ class EngineProcess:
         reduction.send_handle(self.conn, 1, self.pid)
 
     def load(self, model: str | Path, config: dict[str, Any],
-             on_progress: Callable[[float], None] | None = None) -> EngineFacts:
-        """Build the engine in the engine process; meanwhile this process loads the tokenizer."""
+             on_progress: Callable[[float], None] | None = None) -> tuple[PromptTokenizer, EngineFacts]:
+        """Build the engine in the engine process; meanwhile this process loads the tokenizer. Returns
+        this process's tokenization (over its own tokenizer) and the engine's facts as it became ready."""
         from gpuworker.engine.llm_engine import engine_tokenizer
 
         self.conn.send(("load", str(model), config))
@@ -191,8 +179,9 @@ class EngineProcess:
             elif message[0] == "failed":
                 raise error(message[1])
             elif message[0] == "ready":
-                facts = message[1]
-                return EngineFacts(tokenizer.result(), facts["model_config"], facts["config"], facts["load_timings"])
+                ready = message[1]
+                prompts = PromptTokenizer(tokenizer.result(), ready["model_config"], ready["config"])
+                return prompts, EngineFacts.of(ready["config"], ready["model_config"], ready["load_timings"])
 
     def stop(self) -> None:
         """Ask the engine process to stop (it aborts its requests), then make sure it has."""
@@ -209,9 +198,10 @@ class EngineProcess:
 
 
 class ProcessLLMEngine(StreamingEngine):
-    """AsyncLLMEngine's interface over an engine process. `engine` holds the EngineFacts (tokenizer,
-    configs, tokenize, render_chat); `call(fn)` runs a picklable fn(LLMEngine) in the engine process
-    (operator.methodcaller / attrgetter, or a module-level function) and returns its value.
+    """AsyncLLMEngine's interface over an engine process. `prompts` tokenizes in this process and
+    `facts` are the engine's as it became ready; `call(fn)` runs a picklable fn(LLMEngine) in the
+    engine process (operator.methodcaller / attrgetter, or a module-level function) and returns its
+    value. Tensor-parallel ranks belong to the engine process, which reports their death as its own.
 
     A reader thread takes the engine's messages and hands each step's outputs to the streams'
     event loops (one wake-up per loop per step, merged for a stream that lags, as in the thread
@@ -228,7 +218,7 @@ class ProcessLLMEngine(StreamingEngine):
         self.process = process if isinstance(process, EngineProcess) else \
             EngineProcess.start(config.get("device", "cpu"))
         try:
-            self.engine = self.process.load(model, config, load_progress_callback())
+            self.prompts, self.facts = self.process.load(model, config, load_progress_callback())
         except BaseException:
             self.process.stop()
             raise
@@ -273,7 +263,7 @@ class ProcessLLMEngine(StreamingEngine):
         self.process.stop()
         self._reader.join(STOP_GRACE_S)
 
-    # -- the hooks of AsyncLLMEngine.generate ---------------------------------------------------
+    # -- the hooks of StreamingEngine.generate -------------------------------------------------
 
     async def _compile_grammar(self, structured: StructuredOutput) -> None:
         await asyncio.wrap_future(self._command("compile", structured))

@@ -1,4 +1,4 @@
-"""The engine in a process of its own (AsyncLLMEngine(process=True)): it steps whatever the API
+"""The engine in a process of its own (start_engine(process=True)): it steps whatever the API
 process does, its outputs match the engine thread's, and its failures reach the callers."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from operator import attrgetter
 
 import pytest
 
-from gpuworker.engine import AsyncLLMEngine, SamplingParams
+from gpuworker.engine import AsyncLLMEngine, SamplingParams, start_engine
 from gpuworker.engine.output_streams import EngineDeadError
-from gpuworker.engine.engine_process import EngineProcess
+from gpuworker.engine.engine_process_client import EngineProcess
 
 # Generous: the machine running the tests may be busy with others.
 DEADLINE_S = 120
@@ -23,7 +23,7 @@ DEADLINE_S = 120
 
 @pytest.fixture
 async def engine(tiny_checkpoint):
-    engine = AsyncLLMEngine(tiny_checkpoint("llama"), num_kv_blocks=64, max_model_len=256, process=True)
+    engine = start_engine(tiny_checkpoint("llama"), num_kv_blocks=64, max_model_len=256, process=True)
     yield engine
     await asyncio.to_thread(engine.shutdown)
 
@@ -154,7 +154,7 @@ async def test_a_call_that_cannot_cross_the_pipe_is_an_error_for_its_caller(engi
 
 async def test_a_bad_model_path_fails_the_load_and_leaves_no_process(tmp_path):
     with pytest.raises(Exception, match="missing"):
-        await asyncio.to_thread(AsyncLLMEngine, tmp_path / "missing", process=True)
+        await asyncio.to_thread(start_engine, tmp_path / "missing", process=True)
     assert not [p for p in multiprocessing.active_children() if p.name == "llm-engine"]
 
 
@@ -175,7 +175,7 @@ async def test_a_process_started_ahead_takes_its_output_and_its_load_later(tiny_
         os.dup2(saved[1], 2)
         os.close(saved[0])
         os.close(saved[1])
-    engine = await asyncio.to_thread(AsyncLLMEngine, tiny_checkpoint("llama"), num_kv_blocks=64,
+    engine = await asyncio.to_thread(start_engine, tiny_checkpoint("llama"), num_kv_blocks=64,
                                      max_model_len=256, process=process)
     try:
         assert engine.process is process

@@ -1,4 +1,4 @@
-"""The engine process's loop (engine_core.py) against the raw pipe: it keeps stepping while the
+"""The engine process's loop (engine_process_main.py) against the raw pipe: it keeps stepping while the
 API process reads nothing, and what it then reads adds up to every token, in fewer messages."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from gpuworker.engine import SamplingParams
-from gpuworker.engine.engine_core import wire
-from gpuworker.engine.engine_process import EngineProcess, _Assembly
+from gpuworker.engine.engine_process_client import EngineProcess, _Assembly
+from gpuworker.engine.engine_process_main import wire
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from gpuworker.engine.prompts import TokenizedPrompt
 
