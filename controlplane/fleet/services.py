@@ -41,8 +41,8 @@ from controlplane.fleet.selectors import (
     worker_replica_endpoints,
     worker_silence_seconds,
 )
-from controlplane.gateway.cold_start_counts import cold_start_waiting
-from controlplane.gateway.traffic import TrafficSnapshot, traffic_snapshot
+from controlplane.fleet.cold_start_counts import cold_start_waiting
+from controlplane.fleet.traffic import TrafficSnapshot, traffic_snapshot
 from gpuworker.contract.heartbeat import Heartbeat, WorkerRegistration
 from gpuworker.contract.tasks import DrainWorker, LoadModel, StageWeights, UnloadModel
 

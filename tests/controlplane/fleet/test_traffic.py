@@ -9,7 +9,7 @@ import pytest
 import redis
 from django.conf import settings as django_settings
 
-from controlplane.gateway.traffic import BUCKET_SECONDS, LocalTraffic, RedisTraffic, traffic_snapshot
+from controlplane.fleet.traffic import BUCKET_SECONDS, LocalTraffic, RedisTraffic, traffic_snapshot
 from tests.conftest import require_service
 from tests.controlplane.gateway.conftest import make_world, wait_until
 
