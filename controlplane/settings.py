@@ -186,8 +186,8 @@ FLEET_WORKER_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_WORKER_DRAIN_TIMEOUT_SECONDS
 # against its revenue at this rate (dashboard.margins.model_margins).
 GPU_HOUR_COST_USD = env_decimal("GPU_HOUR_COST_USD", "2.00")
 
-# --- The autoscaler (controlplane/fleet/autoscaling.py: the policy; fleet/services.py: one
-# decision per deployment per tick). Defaults for new deployments, each editable per deployment:
+# --- The autoscaler (controlplane/fleet/autoscaling.py: the policy; fleet/services/autoscaling.py:
+# one decision per deployment per tick). Defaults for new deployments, each editable per deployment:
 # requests (running + waiting) per replica at full utilisation, the p95 latency SLOs, and how long
 # without a request before a deployment scales to zero (0: never).
 AUTOSCALE_TARGET_CONCURRENCY = env_int("AUTOSCALE_TARGET_CONCURRENCY", 8)

@@ -11,7 +11,7 @@ from controlplane.catalog.selectors import reported_quantization
 from controlplane.catalog.services import estimate_gpu_memory_bytes
 from controlplane.fleet.models import Gpu, Worker
 from controlplane.fleet.selectors import workers_for_path_check
-from controlplane.fleet.services import MAX_REPLICAS_LIMIT
+from controlplane.fleet.services.deployments import MAX_REPLICAS_LIMIT
 
 
 class ScaleForm(forms.Form):

@@ -14,13 +14,9 @@ from django.utils import timezone
 from controlplane.audit.models import AuditEntry
 from controlplane.fleet import heartbeat_cache, tasks
 from controlplane.fleet.models import AutoscaleDecision, Replica
-from controlplane.fleet.services import (
-    deployment_create,
-    deployment_scale,
-    deployment_update,
-    deployments_autoscale,
-    worker_heartbeat,
-)
+from controlplane.fleet.services.autoscaling import deployments_autoscale
+from controlplane.fleet.services.deployments import deployment_create, deployment_scale, deployment_update
+from controlplane.fleet.services.heartbeats import worker_heartbeat
 from controlplane.fleet.traffic import RedisTraffic
 from gpuworker.contract.heartbeat import parse_heartbeat
 from tests.conftest import require_service

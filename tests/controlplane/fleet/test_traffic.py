@@ -1,6 +1,7 @@
-"""The gateway's request counters for the autoscaler: recorded in Redis or in the process (the
-embedded set-up, flushed to the live cache), read by the control plane; a Redis outage costs counts,
-never requests. The last test counts a real request through a running gateway."""
+"""The fleet's request counters for the autoscaler, which the gateway writes: recorded in Redis or in
+the process (the embedded set-up, flushed to the live cache), read by the control plane; a Redis
+outage costs counts, never requests. tests/controlplane/gateway/test_traffic.py counts a real request
+through a running gateway."""
 
 import os
 import time
@@ -11,7 +12,6 @@ from django.conf import settings as django_settings
 
 from controlplane.fleet.traffic import BUCKET_SECONDS, LocalTraffic, RedisTraffic, traffic_snapshot
 from tests.conftest import require_service
-from tests.controlplane.gateway.conftest import make_world, wait_until
 
 DOWN = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 
@@ -93,16 +93,3 @@ async def test_redis_down_loses_counts_but_never_fails_the_request(settings, cap
     settings.REDIS_URL = DOWN
     with pytest.raises(redis.ConnectionError):
         _snapshot(time.time())  # the reader says so; the autoscaler then decides nothing
-
-
-@pytest.mark.slow
-@pytest.mark.django_db(transaction=True)
-def test_each_request_through_the_gateway_is_counted_for_its_model(gateway, replicas, settings):
-    world = make_world(gateway, replicas)
-    settings.REDIS_URL = gateway.redis_url
-    world.client().chat.completions.create(model=world.model.public_name, max_tokens=2,
-                                           messages=[{"role": "user", "content": "hi"}])
-    world.client().completions.create(model=world.model.public_name, prompt="hi", max_tokens=2)
-    wait_until(lambda: _snapshot(time.time()).window_counts.get(world.model.pk) == 2, 30, "the requests to be counted")
-    assert _snapshot(time.time()).last_request_at[world.model.pk] <= time.time()
-    world.settled()
