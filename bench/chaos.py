@@ -144,7 +144,7 @@ class Chaos:
         from controlplane.accounts.services import api_key_create, tenant_create
         from controlplane.billing.services import credit_grant, plan_create, price_tier_create
         from controlplane.catalog.services import model_create
-        from controlplane.fleet.services import deployment_create
+        from controlplane.fleet.services.deployments import deployment_create
 
         # No monthly allowance: every charged request is a ledger entry.
         plan = plan_create(name="chaos", included_requests_per_month=0, rate_limit_per_minute=100_000,

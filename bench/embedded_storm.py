@@ -120,7 +120,7 @@ class Storm:
         from controlplane.accounts.services import api_key_create, tenant_create
         from controlplane.billing.services import credit_grant, plan_create, price_tier_create
         from controlplane.catalog.services import model_create
-        from controlplane.fleet.services import deployment_create
+        from controlplane.fleet.services.deployments import deployment_create
         from gpuworker.demo_model import write_demo_model
 
         tier = price_tier_create(name="storm", price_per_request=Decimal("0.001"),
@@ -189,7 +189,7 @@ class Storm:
         from django.core.exceptions import ValidationError
 
         from controlplane.catalog.models import Deployment
-        from controlplane.fleet.services import deployment_scale
+        from controlplane.fleet.services.deployments import deployment_scale
 
         deployment = self.rng.choice(list(Deployment.objects.select_related("model").order_by("pk")))
         sizes = [n for n in range(deployment.min_replicas, deployment.max_replicas + 1)

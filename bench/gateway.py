@@ -169,7 +169,7 @@ def prepare_database(database_url: str, stub_port: int) -> str:
     from controlplane.billing.services import credit_grant, plan_create, price_tier_create
     from controlplane.catalog.services import model_create
     from controlplane.fleet.models import Replica, Worker
-    from controlplane.fleet.services import deployment_create
+    from controlplane.fleet.services.deployments import deployment_create
 
     plan = plan_create(name="bench", included_requests_per_month=0, rate_limit_per_minute=10_000_000,
                        max_concurrent_requests=10_000)

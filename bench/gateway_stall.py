@@ -140,7 +140,7 @@ def seed(system: System) -> dict:
     from controlplane.accounts.services import api_key_create, tenant_create
     from controlplane.billing.services import credit_grant, plan_create, price_tier_create
     from controlplane.catalog.services import model_create
-    from controlplane.fleet.services import deployment_create
+    from controlplane.fleet.services.deployments import deployment_create
     from gpuworker.demo_model import write_demo_model
 
     checkpoint = write_demo_model(system.scratch / "models" / MODEL, max_position_embeddings=CONTEXT)

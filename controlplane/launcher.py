@@ -260,7 +260,7 @@ def port_answers(host: str, port: int) -> bool:
 
 def banner(*, port: int, env_file: Path, fleet_port: int = DEFAULT_FLEET_PORT) -> str:
     # Imported here: the demo module needs Django's apps, which main() sets up first.
-    from controlplane.demo import LOGINS, password_variable
+    from controlplane.demo.seed import LOGINS, password_variable
 
     demo = read_env_file(env_file)
     url = f"http://127.0.0.1:{port}"
@@ -298,7 +298,7 @@ def _settings():
     import django
     from django.conf import settings
 
-    # The banner names the demo's logins, which live beside their models (controlplane.demo).
+    # The banner names the demo's logins, which live beside their models (controlplane.demo.seed).
     django.setup()
     return settings
 

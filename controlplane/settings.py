@@ -48,6 +48,7 @@ INSTALLED_APPS = [
     "controlplane.gateway",
     "controlplane.dashboard",
     "controlplane.audit",
+    "controlplane.demo",
 ]
 
 MIDDLEWARE = [
@@ -182,11 +183,11 @@ FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS
 FLEET_WORKER_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_WORKER_DRAIN_TIMEOUT_SECONDS", 60)
 
 # What one GPU-hour costs the operator (USD): the admins' home page sets each model's GPU-hours
-# against its revenue at this rate (billing.reports.model_margins).
+# against its revenue at this rate (dashboard.margins.model_margins).
 GPU_HOUR_COST_USD = env_decimal("GPU_HOUR_COST_USD", "2.00")
 
-# --- The autoscaler (controlplane/fleet/autoscaling.py: the policy; fleet/services.py: one
-# decision per deployment per tick). Defaults for new deployments, each editable per deployment:
+# --- The autoscaler (controlplane/fleet/autoscaling.py: the policy; fleet/services/autoscaling.py:
+# one decision per deployment per tick). Defaults for new deployments, each editable per deployment:
 # requests (running + waiting) per replica at full utilisation, the p95 latency SLOs, and how long
 # without a request before a deployment scales to zero (0: never).
 AUTOSCALE_TARGET_CONCURRENCY = env_int("AUTOSCALE_TARGET_CONCURRENCY", 8)

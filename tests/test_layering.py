@@ -1,6 +1,7 @@
 """The layout shows the processes: no import loops between product modules, and imports that run
 one way (kernels <- attention <- models <- engine <- replica; daemon and replica apart; gpuworker
-free of Django). Every import counts, including those inside functions."""
+free of Django; the control plane's apps in one order, below). Every import counts, including those
+inside functions."""
 
 from __future__ import annotations
 
@@ -136,3 +137,89 @@ def test_control_plane_imports_only_the_contract_of_gpuworker():
     wrong = sorted(f"{name} -> {other}" for name, imported in graph.items() if name.startswith("controlplane")
                    for other in imported if other.startswith("gpuworker") and not other.startswith("gpuworker.contract"))
     assert wrong == []
+
+
+# The control plane's parts, lowest first. A part may import itself and the parts before it, never
+# one after it; the parts of one row (the plumbing, the entry points) may also import each other.
+# A part is an app (controlplane/<app>/) or a top-level module (controlplane/<name>.py).
+CONTROL_PLANE_ORDER = (
+    # The project's plumbing, below every app: the package itself (it loads the Celery app), settings
+    # and their readers, secrets, the Celery app, routine-log filters, and the one wrapper services
+    # publish live events through (with the embedded set-up's relay for it). It imports no app.
+    ("__init__", "settings", "env", "integrations", "tokens", "celery", "routine_logs", "live_events",
+     "live_relay"),
+    ("common",),  # money, units, the client's address, validated saves: what every app shares
+    ("audit",),  # who changed what: the apps below record their writes in it
+    ("catalog",),  # models and deployments
+    ("accounts",),  # tenants, users, API keys (a key may be limited to catalog models)
+    ("billing",),  # price tiers, plans, credit, usage records and reports
+    ("fleet",),  # workers, GPUs, replicas, reconcile, the autoscaler and the traffic counts it reads
+    ("gateway",),  # the public /v1 API: writes the fleet's traffic counts, routes to its replicas
+    ("dashboard",),  # the pages: compose reports from billing's and fleet's parts
+    ("demo",),  # `manage.py seed_demo`: creates a tenant, models and deployments through the apps' services
+    # The entry points, above every app: the URL maps and WebSocket routes, the probes, /metrics,
+    # the two ASGI apps and the launcher wire the apps into processes.
+    ("urls", "routing", "health", "metrics", "asgi", "fleet_asgi", "launcher"),
+)
+
+# Model relations by label ("billing.Plan") are no imports, but they are dependencies too. These
+# point against the order; no other may.
+RELATIONS_AGAINST_THE_ORDER = {
+    "accounts.Tenant.plan -> billing.Plan",  # a tenant's plan: billing prices the tenant's traffic
+    "catalog.Model.price_tier -> billing.PriceTier",  # a model's price tier
+    "billing.UsageRecord.replica -> fleet.Replica",  # the replica that served the request
+}
+
+
+def _part(module: str) -> str:
+    """controlplane.fleet.services.deployments -> fleet; controlplane.urls -> urls; controlplane -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _rank() -> dict[str, int]:
+    return {part: rank for rank, row in enumerate(CONTROL_PLANE_ORDER) for part in row}
+
+
+def test_every_control_plane_part_has_a_place_in_the_order():
+    parts = {_part(name) for name in _modules() if name.startswith("controlplane")}
+    placed = set(_rank())
+    assert sorted(parts - placed) == [], "place these in CONTROL_PLANE_ORDER"
+    assert sorted(placed - parts) == [], "these parts of CONTROL_PLANE_ORDER no longer exist"
+
+
+def test_control_plane_apps_import_only_apps_before_them():
+    rank = _rank()
+    wrong = sorted(
+        f"{name} -> {other} ({_part(name)} comes before {_part(other)})"
+        for name, imported in _graph().items() if name.startswith("controlplane")
+        for other in imported if other.startswith("controlplane") and rank[_part(other)] > rank[_part(name)]
+    )
+    assert wrong == [], "imports against CONTROL_PLANE_ORDER:\n" + "\n".join(wrong)
+
+
+def _relations() -> list[str]:
+    """'app.Model.field -> app.Model' for every relation to a model named by label in the apps' models."""
+    found = []
+    for path in sorted((ROOT / "controlplane").glob("*/models.py")):
+        app = path.parent.name
+        for cls in ast.parse(path.read_text(), str(path)).body:
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in cls.body:
+                call = node.value if isinstance(node, ast.Assign) else None
+                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                        and call.func.attr in ("ForeignKey", "OneToOneField", "ManyToManyField")
+                        and call.args and isinstance(call.args[0], ast.Constant)
+                        and "." in str(call.args[0].value)):
+                    field = node.targets[0].id
+                    found.append(f"{app}.{cls.name}.{field} -> {call.args[0].value}")
+    return found
+
+
+def test_model_relations_point_against_the_order_only_where_listed():
+    rank = _rank()
+    relations = _relations()
+    assert "billing.CreditEntry.tenant -> accounts.Tenant" in relations  # the scan finds relations by label
+    against = {r for r in relations if rank[r.split(" -> ")[1].split(".")[0]] > rank[r.split(".")[0]]}
+    assert against == RELATIONS_AGAINST_THE_ORDER

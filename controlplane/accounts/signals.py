@@ -1,6 +1,8 @@
-"""Every saved change to a key, a tenant or a plan is recorded for the gateways' key caches
+"""Every saved change to a key or a tenant is recorded for the gateways' key caches
 (`api_key_changes_record`), whoever makes it: a service, the admin, a shell. Receivers only call
-that service; creations are not recorded, since nothing can have cached what did not exist."""
+that service; creations are not recorded, since nothing can have cached what did not exist.
+A tenant's plan changes what its keys may do too: billing, which owns plans and comes after
+accounts, records those through the same service (billing/signals.py)."""
 
 from django.db.models.signals import m2m_changed, post_delete, post_save
 
@@ -37,11 +39,6 @@ def _tenant_changed(sender, instance: Tenant, created: bool = False, **kwargs) -
         api_key_changes_record(tenant_ids=[instance.pk])
 
 
-def _plan_changed(sender, instance, created: bool = False, **kwargs) -> None:
-    if not created:
-        api_key_changes_record(plan_ids=[instance.pk])
-
-
 def connect() -> None:
     post_save.connect(_key_saved, sender=ApiKey, dispatch_uid="api-key-saved")
     post_delete.connect(_key_deleted, sender=ApiKey, dispatch_uid="api-key-deleted")
@@ -49,6 +46,3 @@ def connect() -> None:
                         dispatch_uid="api-key-models-changed")
     post_save.connect(_tenant_changed, sender=Tenant, dispatch_uid="tenant-saved")
     post_delete.connect(_tenant_changed, sender=Tenant, dispatch_uid="tenant-deleted")
-    # A lazy sender: accounts does not import billing (billing imports accounts).
-    post_save.connect(_plan_changed, sender="billing.Plan", dispatch_uid="plan-saved")
-    post_delete.connect(_plan_changed, sender="billing.Plan", dispatch_uid="plan-deleted")

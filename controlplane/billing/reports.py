@@ -21,8 +21,7 @@ from django.db.models.functions import Coalesce, Concat, TruncDate
 from controlplane.accounts.models import ApiKey
 from controlplane.billing.models import CreditAccount, UsageRecord
 from controlplane.billing.selectors import credit_available, credit_balance, usage_billable_count_since
-from controlplane.common.money import MICRO, money_sum
-from controlplane.fleet.selectors import gpu_seconds_by_model
+from controlplane.common.money import money_sum
 
 GROUPINGS = ("tenant", "model", "key", "day")
 _FAILED = Q(status=UsageRecord.Status.FAILED)
@@ -215,36 +214,3 @@ def usage_latency(*, since: datetime, until: datetime, tenant=None) -> Latency:
         ttft_p50_ms=_percentile(records, "time_to_first_token_ms", 0.50),
         ttft_p95_ms=_percentile(records, "time_to_first_token_ms", 0.95),
     )
-
-
-@dataclass(frozen=True)
-class ModelMargin:
-    """A model's flat-price revenue in a period against what its GPUs cost in that period."""
-
-    model: str
-    requests: int
-    revenue: Decimal
-    gpu_hours: float
-    gpu_cost: Decimal
-
-    @property
-    def margin(self) -> Decimal:
-        return self.revenue - self.gpu_cost
-
-
-def model_margins(*, since: datetime, until: datetime, gpu_hour_cost: Decimal) -> list[ModelMargin]:
-    """Per model: revenue charged at the flat price (usage records) against the GPU-hours its
-    replicas held a GPU (`fleet.selectors.gpu_seconds_by_model`, from the replicas' recorded
-    lifetimes) times `gpu_hour_cost` (settings.GPU_HOUR_COST_USD). Largest revenue first; a model
-    whose GPUs earned nothing is listed too, with its cost."""
-    revenue = {row.key: row for row in usage_by(group_by="model", since=since, until=until)}
-    seconds = gpu_seconds_by_model(since=since, until=until)
-    margins = []
-    for model in [*revenue, *sorted(name for name in seconds if name not in revenue)]:
-        hours = seconds.get(model, 0.0) / 3600
-        row = revenue.get(model)
-        margins.append(ModelMargin(
-            model=model, requests=row.requests if row else 0, revenue=row.revenue if row else Decimal("0"),
-            gpu_hours=hours, gpu_cost=(gpu_hour_cost * Decimal(str(hours))).quantize(MICRO),
-        ))
-    return margins

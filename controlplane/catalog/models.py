@@ -86,7 +86,8 @@ def default_idle_to_zero_seconds() -> int:
     return settings.AUTOSCALE_IDLE_TO_ZERO_SECONDS
 
 
-# Each autoscaling field's bounds (fleet.services reports them per field); past them a typo, not a wish.
+# Each autoscaling field's bounds (fleet.services.deployments reports them per field); past them a
+# typo, not a wish.
 AUTOSCALING_BOUNDS = {
     "target_concurrency": (1, 1024),
     "ttft_slo_ms": (1, 600_000),

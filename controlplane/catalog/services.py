@@ -1,6 +1,7 @@
 """Writes for the catalog: adding, editing, enabling and disabling models. Atomic and fully
 validated; every change lands in the audit log (`actor`: the user acting, None for the system).
-Deployments (how many replicas of a model) are the fleet's: `controlplane.fleet.services`."""
+Deployments (how many replicas of a model) are the fleet's: `controlplane.fleet.services.deployments`.
+"""
 
 from collections.abc import Iterable
 from pathlib import PurePosixPath

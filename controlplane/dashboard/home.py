@@ -7,12 +7,12 @@ Where the figures come from:
   drive replica states) and the workers' latest heartbeats (GPU utilisation);
   `fleet.selectors.fleet_health`.
 - requests/s: the gateways' own request counters over AUTOSCALE_RATE_WINDOW_SECONDS, the figure the
-  autoscaler reads (`gateway.traffic.traffic_snapshot`).
+  autoscaler reads (`fleet.traffic.traffic_snapshot`).
 - errors, spend, requests, latency, revenue, top tenants: usage records, one per finished request
   (`billing.reports`); allowance left: `billing.reports.allowance_this_month`, as the credits page.
 - GPU-hours and margin per model: the replicas' recorded lifetimes on GPUs
   (`fleet.selectors.gpu_seconds_by_model`) at settings.GPU_HOUR_COST_USD, against flat-price
-  revenue (`billing.reports.model_margins`).
+  revenue (`dashboard.margins.model_margins`).
 """
 
 import logging
@@ -27,19 +27,18 @@ from controlplane.accounts.models import ApiKey
 from controlplane.accounts.selectors import api_keys_unrevoked_for_tenant
 from controlplane.billing.reports import (
     Latency,
-    ModelMargin,
     UsageRow,
     allowance_this_month,
     month_start_of,
-    model_margins,
     usage_by,
     usage_latency,
     usage_month_summary,
     usage_totals,
 )
+from controlplane.dashboard.margins import ModelMargin, model_margins
 from controlplane.dashboard.permissions import ADMIN_ROLES, OPERATOR_ROLES, TENANT_ROLES, has_role
 from controlplane.fleet.selectors import FleetHealth, fleet_health
-from controlplane.gateway.traffic import traffic_snapshot
+from controlplane.fleet.traffic import traffic_snapshot
 
 logger = logging.getLogger(__name__)
 

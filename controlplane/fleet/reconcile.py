@@ -21,13 +21,8 @@ from controlplane.fleet.placement import (
     room_message,
 )
 from controlplane.fleet.selectors import backoff_note, live_replica_placements, load_backoffs, placement_slots
-from controlplane.fleet.services import (
-    publish_deployment,
-    replica_place,
-    replica_stop,
-    replica_transition,
-    slot_label,
-)
+from controlplane.fleet.services.deployments import publish_deployment
+from controlplane.fleet.services.replicas import replica_place, replica_stop, replica_transition, slot_label
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ from celery import shared_task
 from django.utils import timezone
 
 from controlplane.fleet.reconcile import fleet_reconcile
-from controlplane.fleet.services import deployments_autoscale, workers_mark_lost, workers_stage_weights
+from controlplane.fleet.services.autoscaling import deployments_autoscale
+from controlplane.fleet.services.heartbeats import workers_mark_lost
+from controlplane.fleet.services.staging import workers_stage_weights
 from controlplane.integrations import unreachable_dependency
 
 logger = logging.getLogger(__name__)

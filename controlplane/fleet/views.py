@@ -17,7 +17,8 @@ from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
-from controlplane.fleet.services import WorkerUnknown, worker_heartbeat, worker_register
+from controlplane.fleet.services.heartbeats import worker_heartbeat
+from controlplane.fleet.services.workers import WorkerUnknown, worker_register
 from controlplane.integrations import unreachable_dependency
 from gpuworker.contract.heartbeat import ContractError, parse_heartbeat, parse_registration
 

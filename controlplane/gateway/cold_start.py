@@ -1,6 +1,6 @@
 """Cold starts that wait instead of failing: a request for a model with no ready replica waits in a
 bounded queue (per model, per gateway process) while one loads, and asks the fleet to start one if
-none is loading (`controlplane.fleet.services.deployment_wake`). Every process counts its waiting
+none is loading (`controlplane.fleet.services.deployments.deployment_wake`). Every process counts its waiting
 requests in the shared state, where the autoscaler reads them (`cold_start_counts`).
 """
 
@@ -9,7 +9,7 @@ import logging
 import time
 from collections import Counter
 
-from controlplane.fleet.services import deployment_wake
+from controlplane.fleet.services.deployments import deployment_wake
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.errors import unavailable

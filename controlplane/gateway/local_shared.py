@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from controlplane.gateway.cold_start_counts import publish_to_cache
+from controlplane.fleet.cold_start_counts import publish_to_cache
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.replica_choice import least_outstanding
 from controlplane.gateway.selectors import KeyGrant, ReplicaRoute

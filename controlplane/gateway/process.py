@@ -12,7 +12,7 @@ from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.holds import HoldPlacer, settle_batcher, sweep_expired_holds
 from controlplane.gateway.keys import KeyCache
 from controlplane.gateway.routing import RoutingTable
-from controlplane.gateway.traffic import traffic_recorder
+from controlplane.fleet.traffic import traffic_recorder
 from controlplane.gateway.upstream import UpstreamPool
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from controlplane.accounts.services import API_KEY_CHANGES_CHANNEL
 from controlplane.gateway import scripts
-from controlplane.gateway.cold_start_counts import redis_key
+from controlplane.fleet.cold_start_counts import redis_key
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
 

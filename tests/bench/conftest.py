@@ -76,7 +76,7 @@ def replica_reporter(replica):
     """report(**fields): a heartbeat of the replica's worker that reports it ready, with these fields."""
     from django.utils import timezone
 
-    from controlplane.fleet.services import worker_heartbeat
+    from controlplane.fleet.services.heartbeats import worker_heartbeat
     from gpuworker.contract.heartbeat import parse_heartbeat
 
     def report(**fields):

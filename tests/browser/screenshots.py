@@ -69,7 +69,7 @@ def prepare(system) -> dict[str, str]:
     from controlplane.catalog.models import Deployment, Model
     from controlplane.catalog.services import model_create, model_set_enabled
     from controlplane.fleet.models import Replica
-    from controlplane.fleet.services import deployment_update
+    from controlplane.fleet.services.deployments import deployment_update
     from tests.browser.system import PASSWORD
     from tests.controlplane.factories import usage_record_settled
     from tests.integration.conftest import wait_until

@@ -96,7 +96,9 @@ def seed(*, var_dir: Path) -> Seeded:
     from controlplane.accounts.selectors import tenant_get_by_name, user_get_by_username
     from controlplane.accounts.services import api_key_create, tenant_create, user_create, user_set_password
     from controlplane.billing.services import credit_grant, plan_create
-    from controlplane.demo import ADMIN_USERNAME, MEMBER_USERNAME, MODEL_NAME, OPERATOR_USERNAME, TENANT_NAME, seed_demo
+    from controlplane.demo.seed import (
+        ADMIN_USERNAME, MEMBER_USERNAME, MODEL_NAME, OPERATOR_USERNAME, TENANT_NAME, seed_demo,
+    )
 
     # The demo model is written under the system's VAR_DIR, where its daemon and replicas read it.
     with override_settings(VAR_DIR=var_dir):

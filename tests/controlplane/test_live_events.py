@@ -9,7 +9,7 @@ from channels.layers import get_channel_layer
 from django.utils import timezone
 
 from gpuworker.contract.heartbeat import parse_heartbeat
-from controlplane.fleet.services import worker_heartbeat
+from controlplane.fleet.services.heartbeats import worker_heartbeat
 from controlplane.live_events import FLEET_GROUP
 from tests.controlplane.fleet.conftest import make_worker
 

@@ -16,7 +16,7 @@ from controlplane import metrics
 from controlplane.accounts.models import User
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.services import workers_mark_lost
+from controlplane.fleet.services.heartbeats import workers_mark_lost
 from tests.controlplane.dashboard.ops_support import _private_live_cache, make_user  # noqa: F401 (fixture)
 from tests.controlplane.factories import DeploymentFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker

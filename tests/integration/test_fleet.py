@@ -16,7 +16,7 @@ from controlplane.catalog.models import Deployment
 from controlplane.celery import app as celery_app
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import deployment_statuses
-from controlplane.fleet.services import deployment_scale
+from controlplane.fleet.services.deployments import deployment_scale
 from tests.controlplane.factories import DeploymentFactory, ModelFactory
 from tests.integration.conftest import DRAIN_TIMEOUT_S, wait_until
 

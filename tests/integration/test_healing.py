@@ -8,7 +8,7 @@ import pytest
 
 from controlplane.fleet.models import LoadBackoff, Replica
 from controlplane.fleet.selectors import deployment_statuses
-from controlplane.fleet.services import deployment_scale
+from controlplane.fleet.services.deployments import deployment_scale
 from tests.integration.conftest import wait_until
 from tests.integration.test_fleet import _deployment, _online_workers, _ready
 

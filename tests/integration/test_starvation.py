@@ -15,7 +15,7 @@ from controlplane.billing.services import credit_grant
 from controlplane.catalog.models import Deployment
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.services import deployment_scale
+from controlplane.fleet.services.deployments import deployment_scale
 from tests.controlplane.factories import (ApiKeyFactory, DeploymentFactory, ModelFactory, PlanFactory,
                                           TenantFactory)
 from tests.integration.conftest import wait_until

@@ -16,7 +16,7 @@ from controlplane.fleet.selectors import (
     workers_for_path_check,
     workers_online_with_present_gpus,
 )
-from controlplane.fleet.services import MAX_REPLICAS_LIMIT
+from controlplane.fleet.services.deployments import MAX_REPLICAS_LIMIT
 
 
 class ScaleForm(forms.Form):

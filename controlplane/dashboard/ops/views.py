@@ -42,15 +42,14 @@ from controlplane.fleet.selectors import (
     workers_all,
     workers_for_path_check,
 )
-from controlplane.fleet.services import (
+from controlplane.fleet.services.deployments import (
     deployment_create,
     deployment_retry_loads,
     deployment_scale,
     deployment_update,
-    replica_load_on,
-    replica_unload,
-    worker_drain,
 )
+from controlplane.fleet.services.replicas import replica_load_on, replica_unload
+from controlplane.fleet.services.workers import worker_drain
 
 AUDIT_PAGE_SIZE = 50
 FLEET, CATALOG = "dashboard:fleet", "dashboard:catalog"

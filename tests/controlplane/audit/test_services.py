@@ -11,14 +11,9 @@ from controlplane.audit.selectors import audit_actor_labels, audit_entries
 from controlplane.audit.services import SYSTEM_ACTOR, audit_record, audit_source, changes
 from controlplane.catalog.services import model_create, model_set_enabled, model_update
 from controlplane.fleet.models import Replica
-from controlplane.fleet.services import (
-    deployment_create,
-    deployment_scale,
-    deployment_update,
-    replica_load_on,
-    replica_unload,
-    worker_drain,
-)
+from controlplane.fleet.services.deployments import deployment_create, deployment_scale, deployment_update
+from controlplane.fleet.services.replicas import replica_load_on, replica_unload
+from controlplane.fleet.services.workers import worker_drain
 from tests.controlplane.dashboard.ops_support import _private_live_cache, make_worker  # noqa: F401
 from tests.controlplane.factories import (
     DeploymentFactory,

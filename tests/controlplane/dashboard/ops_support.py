@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from controlplane.accounts.models import User
 from gpuworker.contract.heartbeat import parse_heartbeat
-from controlplane.fleet.services import worker_heartbeat
+from controlplane.fleet.services.heartbeats import worker_heartbeat
 from tests.controlplane.factories import TenantFactory, UserFactory, WorkerFactory
 
 

@@ -251,7 +251,7 @@ def _degraded(settings, *, cause: str):
     from django.utils import timezone
 
     from controlplane.fleet.reconcile import deployment_reconcile
-    from controlplane.fleet.services import worker_heartbeat
+    from controlplane.fleet.services.heartbeats import worker_heartbeat
     from gpuworker.contract.heartbeat import parse_heartbeat
 
     settings.FLEET_LOAD_DEGRADED_AFTER_FAILURES = 3

@@ -10,7 +10,8 @@ from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet.models import Worker
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
-from controlplane.fleet.services import worker_heartbeat, worker_register
+from controlplane.fleet.services.heartbeats import worker_heartbeat
+from controlplane.fleet.services.workers import worker_register
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     make_worker,

@@ -17,7 +17,9 @@ from controlplane.asgi import application
 from controlplane.fleet.models import Replica
 from gpuworker.contract.heartbeat import parse_registration
 from controlplane.fleet.reconcile import deployment_reconcile
-from controlplane.fleet.services import deployment_create, deployment_scale, replica_transition, worker_register
+from controlplane.fleet.services.deployments import deployment_create, deployment_scale
+from controlplane.fleet.services.replicas import replica_transition
+from controlplane.fleet.services.workers import worker_register
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     beat,
@@ -152,7 +154,7 @@ async def test_a_new_worker_appears_on_the_page():
 
 
 async def test_replica_load_figures_and_autoscaling_decisions_reach_the_page():
-    from controlplane.fleet.services import deployments_autoscale
+    from controlplane.fleet.services.autoscaling import deployments_autoscale
 
     worker = await sync_to_async(make_worker)()
     gpu = await sync_to_async(GpuFactory)(worker=worker, index=0)

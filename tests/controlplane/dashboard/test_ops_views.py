@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from controlplane.accounts.models import User
 from controlplane.fleet.models import Replica
-from controlplane.fleet.services import deployments_autoscale
+from controlplane.fleet.services.autoscaling import deployments_autoscale
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     beat,

@@ -10,7 +10,9 @@ from controlplane.catalog.models import Model
 from controlplane.fleet.models import LoadBackoff, Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile, fleet_reconcile
 from controlplane.fleet.selectors import deployment_statuses, placement_slots
-from controlplane.fleet.services import replica_transition, worker_heartbeat, worker_register
+from controlplane.fleet.services.heartbeats import worker_heartbeat
+from controlplane.fleet.services.replicas import replica_transition
+from controlplane.fleet.services.workers import worker_register
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks

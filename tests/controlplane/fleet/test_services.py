@@ -13,20 +13,15 @@ from controlplane.fleet.models import Gpu, LoadBackoff, Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from controlplane.fleet.selectors import worker_latest_heartbeat
-from controlplane.fleet.services import (
-    WorkerUnknown,
+from controlplane.fleet.services.deployments import (
     deployment_create,
     deployment_retry_loads,
     deployment_scale,
     deployment_wake,
-    replica_load_on,
-    replica_place,
-    replica_transition,
-    replica_unload,
-    worker_drain,
-    worker_heartbeat,
-    worker_register,
 )
+from controlplane.fleet.services.heartbeats import worker_heartbeat
+from controlplane.fleet.services.replicas import replica_load_on, replica_place, replica_transition, replica_unload
+from controlplane.fleet.services.workers import WorkerUnknown, worker_drain, worker_register
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks
 

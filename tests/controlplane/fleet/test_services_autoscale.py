@@ -14,14 +14,10 @@ from django.utils import timezone
 from controlplane.audit.models import AuditEntry
 from controlplane.fleet import heartbeat_cache, tasks
 from controlplane.fleet.models import AutoscaleDecision, Replica
-from controlplane.fleet.services import (
-    deployment_create,
-    deployment_scale,
-    deployment_update,
-    deployments_autoscale,
-    worker_heartbeat,
-)
-from controlplane.gateway.traffic import RedisTraffic
+from controlplane.fleet.services.autoscaling import deployments_autoscale
+from controlplane.fleet.services.deployments import deployment_create, deployment_scale, deployment_update
+from controlplane.fleet.services.heartbeats import worker_heartbeat
+from controlplane.fleet.traffic import RedisTraffic
 from gpuworker.contract.heartbeat import parse_heartbeat
 from tests.conftest import require_service
 from tests.controlplane.factories import DeploymentFactory, ModelFactory, ReplicaFactory
@@ -251,7 +247,7 @@ def test_autoscaling_settings_are_saved_and_audited():
 def test_a_request_queued_for_a_cold_start_keeps_the_model_from_scaling_to_zero():
     """The gateway's cold-start queue (the real Redis set it writes) counts as demand: an idle
     deployment with a request waiting for its first replica is not scaled to zero under it."""
-    from controlplane.gateway.cold_start_counts import redis_key
+    from controlplane.fleet.cold_start_counts import redis_key
 
     deployment = _deployment(desired=1)
     _requests(deployment.model_id, ago=timedelta(minutes=11))

@@ -16,7 +16,7 @@ from django.utils import timezone
 from controlplane.fleet.lost_watch import REPLICAS_ANSWER
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import lost_judgement
-from controlplane.fleet.services import worker_heartbeat, workers_mark_lost
+from controlplane.fleet.services.heartbeats import worker_heartbeat, workers_mark_lost
 from gpuworker.contract.heartbeat import parse_heartbeat
 from tests.controlplane.factories import ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker
@@ -118,7 +118,7 @@ def test_after_the_check_could_not_run_every_worker_has_a_whole_lost_window_agai
 
     # The outage: 10 s without a check or a heartbeat. The first check after it judges no one.
     back = t0 + 10 * SECOND
-    with caplog.at_level(logging.WARNING, logger="controlplane.fleet.services"):
+    with caplog.at_level(logging.WARNING, logger="controlplane.fleet.services.heartbeats"):
         assert workers_mark_lost(now=back) == 0
     assert "lost-worker judgement paused: no check completed for 10.0 s" in caplog.text
     assert (_state(kept), _state(failed)) == (State.READY, State.READY)
@@ -181,7 +181,7 @@ def test_a_silent_worker_whose_replicas_answer_is_held_not_lost(settings, caplog
         state_changed_at=now - timedelta(minutes=1))
     kept, failed = _ready_replica(running, replica_server.url), _ready_replica(stopped, _closed_port_url())
     _beat(running, now=now - 10 * SECOND), _beat(stopped, now=now - 10 * SECOND)
-    with caplog.at_level(logging.WARNING, logger="controlplane.fleet.services"):
+    with caplog.at_level(logging.WARNING, logger="controlplane.fleet.services.heartbeats"):
         assert _watch(now - 20 * SECOND, now) == 1
     assert (_state(running), _state(kept)) == (Worker.State.ONLINE, State.READY)
     assert (_state(stopped), _state(failed)) == (Worker.State.LOST, State.FAILED)
@@ -190,7 +190,7 @@ def test_a_silent_worker_whose_replicas_answer_is_held_not_lost(settings, caplog
 
     _beat(running, now=now + 0.5 * SECOND)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="controlplane.fleet.services"):
+    with caplog.at_level(logging.WARNING, logger="controlplane.fleet.services.heartbeats"):
         assert workers_mark_lost(now=now + SECOND) == 0
     assert f"worker {running.name} heard from again after 7.0 s held: its replicas were kept" in caplog.text
     assert lost_judgement(now=now + SECOND).paused_reasons == []

@@ -9,9 +9,9 @@ import redis
 
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica
-from controlplane.fleet.services import workers_stage_weights
+from controlplane.fleet.services.staging import workers_stage_weights
 from controlplane.fleet.staging import StagingCandidate, StagingWorker, plan_staging
-from controlplane.gateway.traffic import RedisTraffic
+from controlplane.fleet.traffic import RedisTraffic
 from tests.controlplane.factories import DeploymentFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks
 

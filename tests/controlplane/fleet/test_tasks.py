@@ -15,7 +15,7 @@ from controlplane.celery import app as celery_app
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.lost_watch import Watch
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.services import deployment_scale
+from controlplane.fleet.services.deployments import deployment_scale
 from controlplane.fleet.tasks import mark_lost_workers, reconcile
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks

@@ -18,8 +18,8 @@ from controlplane.billing.models import CreditHold, UsageRecord
 from controlplane.billing.selectors import credit_balance
 from controlplane.catalog.models import Deployment
 from controlplane.fleet.models import Replica, Worker
-from controlplane.fleet.services import replica_transition
-from controlplane.gateway.cold_start_counts import cold_start_waiting, waiting_in_redis
+from controlplane.fleet.services.replicas import replica_transition
+from controlplane.fleet.cold_start_counts import cold_start_waiting, waiting_in_redis
 from tests.controlplane.gateway.conftest import World, start_gateway, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

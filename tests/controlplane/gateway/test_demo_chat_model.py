@@ -9,7 +9,7 @@ import json
 import pytest
 from pydantic import BaseModel
 
-from controlplane.demo import CHAT_MODEL_FILE, ensure_chat_model
+from controlplane.demo.seed import CHAT_MODEL_FILE, ensure_chat_model
 from tests.controlplane.gateway.conftest import make_world, start_module_gateway, start_replica, wait_ready
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

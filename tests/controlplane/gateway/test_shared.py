@@ -7,7 +7,7 @@ import os
 import pytest
 import redis
 
-from controlplane.gateway.cold_start_counts import waiting_in_cache, waiting_in_redis
+from controlplane.fleet.cold_start_counts import waiting_in_cache, waiting_in_redis
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.local_shared import LocalShared
 from controlplane.gateway.selectors import KeyGrant, ReplicaRoute

@@ -5,7 +5,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from controlplane.demo import seed_demo
+from controlplane.demo.seed import seed_demo
 
 
 class Command(BaseCommand):

@@ -1,5 +1,6 @@
-"""Requests per model as the gateway sees them, for the autoscaler: counts in time buckets (the
-request rate, and which models are most used over a longer window) and each model's last request.
+"""Requests per model as the gateways see them, for the autoscaler and weight staging: counts in
+time buckets (the request rate, and which models are most used over a longer window) and each
+model's last request. The fleet owns the counts; the gateway writes them through `traffic_recorder`.
 
 The hot path records once per request, in the background: in Redis one pipelined HINCRBY (the
 bucket's hash, model id → count, expiring after the longest window read) and ZADD GT (model id →

@@ -42,7 +42,7 @@ from controlplane.catalog.selectors import model_get_by_public_name
 from controlplane.catalog.services import model_create
 from controlplane.env import read_env_file
 from controlplane.fleet.selectors import deployment_get_for_model
-from controlplane.fleet.services import deployment_create
+from controlplane.fleet.services.deployments import deployment_create
 
 BASE_URL = "http://127.0.0.1:8000"
 ADMIN_USERNAME = "admin"

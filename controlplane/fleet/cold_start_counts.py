@@ -1,6 +1,6 @@
 """How many requests wait for each model's first ready replica (a cold start), over all gateway
-processes: written by the gateway's shared state, read by the autoscaler (`cold_start_waiting`).
-A leaf module (Redis, the live cache, settings), so the fleet can import it without a loop.
+processes: read by the autoscaler (`cold_start_waiting`), written by the gateway's shared state
+through `redis_key` and `publish_to_cache`. The fleet owns the counts; the gateway imports them.
 
 In Redis, the sorted set `gw:cold_start:<model id>` holds the waiting requests' ids, each scored
 by the end of its wait (epoch ms): an entry of a process that died while waiting lapses on its

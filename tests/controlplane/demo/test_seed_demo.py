@@ -12,7 +12,7 @@ from controlplane.accounts.selectors import api_key_authenticate
 from controlplane.billing.models import CreditEntry, Plan, PriceTier
 from controlplane.billing.selectors import credit_balance
 from controlplane.catalog.models import Deployment, Model
-from controlplane.demo import ensure_embedding_model
+from controlplane.demo.seed import ensure_embedding_model
 from controlplane.env import read_env_file
 from gpuworker.daemon.model_paths import scan_model_roots
 
