@@ -358,8 +358,8 @@ def report(args, records: list[ClientRecord], faults: list[Fault], result, settl
            started: float, elapsed: float) -> dict:
     outcomes = Counter(r.label for r in records)
     by_plan = Counter(r.plan for r in records)
-    lines = [f"chaos run: {elapsed:.0f}s of traffic from {started - began:.0f}s, {args.tenants} tenants, {args.concurrency} clients, "
-             f"seed {args.seed}, a fault every ~{args.fault_interval:.0f}s",
+    lines = [f"chaos run: {elapsed:.0f}s of traffic from {started - began:.0f}s, {args.tenants} tenants, "
+             f"{args.concurrency} clients, seed {args.seed}, a fault every ~{args.fault_interval:.0f}s",
              f"requests: {len(records)} ({', '.join(f'{n} {plan}' for plan, n in sorted(by_plan.items()))})",
              "", "| outcome seen by the client | requests | what the ledger did |", "|---|---|---|"]
     lines += [f"| {label} | {n} | {', '.join(f'{k} {v}' for k, v in sorted(result.ledger_by_outcome[label].items()))} |"

@@ -194,7 +194,9 @@ def bench_decode_tiles_mixed(cases=((512, 200, 2048), (256, 200, 2048), (512, 60
                         block_n=block_n, num_warps=warps, num_stages=stages)) for i in range(sets)])
                     rows.append({"shape": f"B={batch} ctx U[{lo},{hi}]", "batch": batch, "block_n": block_n,
                                  "num_warps": warps, "num_stages": stages, "us": us, "GBps": kv_bytes / us / 1e3})
-        del cache
+        # Rebound to None rather than deleted: ruff reads a name deleted after a lambda or closure that
+        # uses it as undefined there (F821); the memory goes back all the same.
+        cache = None
         torch.cuda.empty_cache()
     return rows
 
@@ -253,7 +255,7 @@ def bench_decode(shapes, configs, split_options) -> tuple[list[dict], list[dict]
         us = graph_time_us([call(i) for i in range(sets)])
         eager = eager_time_us(call(0))
         splits = choose_num_splits(batch, NUM_KV_HEADS, context, cache.device)
-        del cache
+        cache = None
         sdpa_us = None
         try:
             dense_sets = num_sets(kv_bytes, cap=8)
@@ -264,7 +266,7 @@ def bench_decode(shapes, configs, split_options) -> tuple[list[dict], list[dict]
                 (lambda i=i: F.scaled_dot_product_attention(q, k[i], v[i], scale=scale, enable_gqa=True))
                 for i in range(dense_sets)
             ])
-            del k, v
+            k = v = None
         except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
             print(f"  sdpa decode {batch}x{context}: {exc!r}")
         rows.append({
@@ -296,7 +298,7 @@ def bench_decode(shapes, configs, split_options) -> tuple[list[dict], list[dict]
             ])
             sweep.append({"kernel": "paged_decode_attention", "shape": f"B={batch} ctx={context}",
                           "num_splits": splits, "us": us, "GBps": kv_bytes / us / 1e3})
-        del cache
+        cache = None
         torch.cuda.empty_cache()
     return rows, sweep
 
@@ -360,7 +362,7 @@ def bench_prefill(shapes, tiles) -> tuple[list[dict], list[dict]]:
                 sweep.append({"kernel": "prefill_attention", "shape": shape, "block_m": block_m,
                               "block_n": block_n, "num_warps": warps, "num_stages": stages,
                               "us": t, "TFLOPs": flops / t / 1e6})
-        del cache
+        cache = None
         torch.cuda.empty_cache()
     return rows, sweep
 
@@ -387,7 +389,7 @@ def bench_small(token_counts) -> list[dict]:
         rows.append(_row("kv_cache_write", f"T={tokens}", moved,
                          [lambda i=i: kv_cache_write(keys[i], keys[i], cache, slots[i]) for i in range(sets)],
                          [lambda i=i: torch_write(i) for i in range(sets)], "torch index_put"))
-        del cache
+        cache = None
 
         # rms_norm with residual: read x, residual; write out, new residual.
         moved = 4 * tokens * HIDDEN * ES
@@ -399,7 +401,7 @@ def bench_small(token_counts) -> list[dict]:
                          [lambda i=i: rms_norm(xs[i], weight, 1e-5, rs[i]) for i in range(sets)],
                          [lambda i=i: rms_norm_reference(xs[i], weight, 1e-5, rs[i]) for i in range(sets)],
                          "torch eager ops (HF numerics)"))
-        del xs, rs
+        xs = rs = None
 
         # rotary on q and k views of a fused qkv output, in place.
         moved = 2 * tokens * (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM * ES
@@ -415,7 +417,7 @@ def bench_small(token_counts) -> list[dict]:
                          [lambda i=i: apply_rotary(positions, qs[i], ks[i], cos, sin) for i in range(sets)],
                          [lambda i=i: apply_rotary_reference(positions, qs[i], ks[i], cos, sin) for i in range(sets)],
                          "torch eager ops (HF numerics)"))
-        del qkv, qs, ks
+        qkv = qs = ks = None
         torch.cuda.empty_cache()
     return rows
 

@@ -8,7 +8,8 @@ CPU daemon serving the demo models) in a throwaway database (`<name>_bench`), th
 `--runs` streamed API requests (httpx, from sending to the last SSE event) and `--runs` playground
 answers in headless Chromium (from pressing Send to the status reading "done", measured in the page),
 each for `--tokens` completion tokens at temperature 0 (`demo-tiny`'s random weights never end an
-answer early; a real model may, and the run then says so). A warm-up of each is left out. Prints each run and the medians.
+answer early; a real model may, and the run then says so). A warm-up of each is left out. Prints each run
+and the medians.
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         connections.close_all()  # Playwright's loop must not meet an open connection
         api, playground = measure(system, model=args.model, tokens=args.tokens, runs=args.runs)
     api_median, playground_median = statistics.median(api), statistics.median(playground)
-    print(f"{args.model}, {args.tokens} tokens, median of {args.runs}: API {api_median:.3f} s, playground {playground_median:.3f} s "
-          f"({playground_median / api_median:.2f}x)")
+    print(f"{args.model}, {args.tokens} tokens, median of {args.runs}: API {api_median:.3f} s, "
+          f"playground {playground_median:.3f} s ({playground_median / api_median:.2f}x)")
     return 0
 
 

@@ -182,7 +182,9 @@ def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str
         row.update(best_config=best, best_us=timings[best][0], best_GBps=moved / timings[best][0] / 1e3,
                    best=timings[best][1], picked_us=timings.get(picked, (None,))[0],
                    before_us=timings.get(before, (None,))[0])
-    del weights
+    # Rebound to None rather than deleted: ruff reads a name deleted after a lambda or closure that
+    # uses it as undefined there (F821); the memory goes back all the same.
+    weights = None
     if device == "cuda":
         torch.cuda.empty_cache()
     return row, sweep

@@ -219,7 +219,7 @@ def print_results(results: list[dict], argmax: dict, configs: list) -> None:
     by_key = {(r["batch"], r["mode"], r["logits"], r["config"]): r for r in results}
     print(f"\n== sampling kernel, vocab {VOCAB}, float32 logits: us per call (x baseline) ==")
     header = f"{'batch':>5s} {'mode':13s} {'logits':6s} {'argmax':>7s}"
-    for i, config in enumerate(configs):
+    for i in range(len(configs)):
         header += f" {'c' + str(i):>15s}"
     print(header)
     for batch in sorted({r["batch"] for r in results}):

@@ -29,6 +29,7 @@ def run_action(request: HttpRequest, action: Callable[[], object], fragment: Cal
     try:
         action()
     except ValidationError as exc:
-        return fragment_or_redirect(request, lambda: fragment(action_error=" ".join(exc.messages)), to=to,
-                                    errors=exc.messages)
+        messages = exc.messages
+        return fragment_or_redirect(request, lambda: fragment(action_error=" ".join(messages)), to=to,
+                                    errors=messages)
     return fragment_or_redirect(request, fragment, to=to, success=success)

@@ -26,15 +26,18 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:
-    from gpuworker.engine.async_engine import AsyncLLMEngine, start_engine
-    from gpuworker.engine.config import EngineConfig
-    from gpuworker.engine.facts import EngineFacts
-    from gpuworker.engine.llm_engine import LLMEngine
-    from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepStats,
-                                          TokenLogprob)
-    from gpuworker.engine.sampling_params import SamplingParams
-
+if TYPE_CHECKING:  # the redundant aliases mark these as re-exports (__all__ is computed)
+    from gpuworker.engine.async_engine import AsyncLLMEngine as AsyncLLMEngine
+    from gpuworker.engine.async_engine import start_engine as start_engine
+    from gpuworker.engine.config import EngineConfig as EngineConfig
+    from gpuworker.engine.facts import EngineFacts as EngineFacts
+    from gpuworker.engine.llm_engine import LLMEngine as LLMEngine
+    from gpuworker.engine.outputs import CompletionOutput as CompletionOutput
+    from gpuworker.engine.outputs import RequestMetrics as RequestMetrics
+    from gpuworker.engine.outputs import RequestOutput as RequestOutput
+    from gpuworker.engine.outputs import StepStats as StepStats
+    from gpuworker.engine.outputs import TokenLogprob as TokenLogprob
+    from gpuworker.engine.sampling_params import SamplingParams as SamplingParams
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

@@ -9,13 +9,14 @@ from bench.fleet_sim import FleetParams, Simulation, run_scenarios, summarise
 
 SHAPE = TraceShape(models=4, peak_requests_per_s=6.0, day_s=900.0, bursts=1, burst_s=60.0, think_mean_s=5.0)
 DURATION_S = 900.0
+DEFAULT_PARAMS = FleetParams()
 
 
 # Sparse traffic: models go idle long enough to scale to zero.
 SPARSE = replace(SHAPE, peak_requests_per_s=0.4, bursts=0)
 
 
-def _run(params: FleetParams = FleetParams(), *, affinity: bool = True, static: dict | None = None, seed: int = 1,
+def _run(params: FleetParams = DEFAULT_PARAMS, *, affinity: bool = True, static: dict | None = None, seed: int = 1,
          shape: TraceShape = SHAPE):
     return Simulation("t", Trace(shape, seed, DURATION_S), params, affinity=affinity, static=static).run()
 

@@ -93,7 +93,7 @@ def seed(*, var_dir: Path) -> Seeded:
     demo model deployed with one replica, its member login the tenant's admin), plus a second
     tenant with a member and a key of its own, all with PASSWORD."""
     from controlplane.accounts.models import User
-    from controlplane.accounts.selectors import tenant_get_by_name, user_get_by_username
+    from controlplane.accounts.selectors import user_get_by_username
     from controlplane.accounts.services import api_key_create, tenant_create, user_create, user_set_password
     from controlplane.billing.services import credit_grant, plan_create
     from controlplane.demo.seed import (
@@ -107,7 +107,6 @@ def seed(*, var_dir: Path) -> Seeded:
     # admin); the tests know them by PASSWORD.
     for username in (ADMIN_USERNAME, OPERATOR_USERNAME, MEMBER_USERNAME):
         user_set_password(user=user_get_by_username(username=username), password=PASSWORD)
-    tenant = tenant_get_by_name(name=TENANT_NAME)
     # The second tenant pays for every request (no monthly allowance), so its spend shows.
     pay_as_you_go = plan_create(name=PAY_AS_YOU_GO_PLAN, included_requests_per_month=0, rate_limit_per_minute=600)
     other = tenant_create(name=OTHER_TENANT_NAME, plan=pay_as_you_go)

@@ -15,8 +15,6 @@ from controlplane.fleet.models import Replica, Worker
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     make_worker,
-    operator,
-    operator_client,
 )
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import queued_tasks

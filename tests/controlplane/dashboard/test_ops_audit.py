@@ -6,7 +6,7 @@ from django.urls import reverse
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record
 from controlplane.dashboard.ops.views import AUDIT_PAGE_SIZE
-from tests.controlplane.dashboard.ops_support import _private_live_cache, operator, operator_client  # noqa: F401
+from tests.controlplane.dashboard.ops_support import _private_live_cache  # noqa: F401 (fixture)
 from tests.controlplane.factories import ModelFactory, UserFactory
 
 pytestmark = pytest.mark.django_db

@@ -15,8 +15,6 @@ from controlplane.fleet.services.workers import worker_register
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     make_worker,
-    operator,
-    operator_client,
 )
 from tests.controlplane.factories import ModelFactory, PriceTierFactory
 

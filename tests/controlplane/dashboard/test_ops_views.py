@@ -18,8 +18,6 @@ from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     beat,
     make_user,
     make_worker,
-    operator,
-    operator_client,
 )
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 

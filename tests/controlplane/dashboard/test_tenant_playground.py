@@ -22,9 +22,7 @@ from controlplane.billing.models import CreditEntry, UsageRecord
 from controlplane.gateway.app import process_app
 from tests.controlplane.dashboard.websocket_client import WebSocketClient
 from tests.controlplane.factories import PlanFactory, TenantFactory, UserFactory
-from tests.controlplane.gateway.conftest import (  # noqa: F401 (fixtures)
-    WORKER_TOKEN, checkpoint, database_url, gateway, make_world, replica_processes, replicas, wait_until,
-)
+from tests.controlplane.gateway.conftest import WORKER_TOKEN, make_world, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

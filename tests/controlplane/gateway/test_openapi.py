@@ -15,8 +15,8 @@ from tests.controlplane.gateway.conftest import make_world
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
-# Per operation and generation mode (valid requests, and requests breaking the schema): enough to cover every field's type and bounds now and then,
-# few enough for CI on two cores (each completion runs on a tiny CPU model).
+# Per operation and generation mode (valid requests, and requests breaking the schema): enough to cover every
+# field's type and bounds now and then, few enough for CI on two cores (each completion runs on a tiny CPU model).
 MAX_EXAMPLES = 25
 # Completions are kept this short: the fuzzing is about the request, not the generation.
 MAX_TOKENS = 4

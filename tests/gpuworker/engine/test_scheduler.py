@@ -320,6 +320,6 @@ def test_every_request_completes_correctly_under_any_budget(requests, block_size
     assert sim.bm.num_free_blocks == sim.bm.num_blocks
     event(f"preempted: {sim.scheduler.num_preemptions > 0}")
     event(f"prefix hits: {sim.bm.prefix_cache_hits > 0}")
-    for request_id, prompt, max_tokens, n in (r for rs in arrivals.values() for r in rs):
+    for request_id, prompt, max_tokens, _n in (r for rs in arrivals.values() for r in rs):
         for seq in sim.groups[request_id].seqs:
             assert seq.output_token_ids == expected_output(prompt, max_tokens, seq.index)

@@ -196,7 +196,8 @@ def test_tool_results_continue_the_conversation(qwen):
                 {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21}'}]
     base = qwen.chat.completions.create(model="tiny-qwen", messages=ASK, tools=TOOLS, max_tokens=1)
     reply = qwen.chat.completions.create(model="tiny-qwen", messages=messages, tools=TOOLS, max_tokens=2)
-    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius", "days": 1}}\n</tool_call>'
+    call_text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius", "days": 1}}\n'
+                 '</tool_call>')
     # The prompt grew by the call and the answer as the template writes them (one token per byte).
     grown = reply.usage.prompt_tokens - base.usage.prompt_tokens
     assert grown >= len(call_text) + len('{"temperature": 21}')
