@@ -9,8 +9,10 @@ code leaves what the GPU runs unchanged.
     python -m tests.kernels.ptx_inventory compare before.json after.json
 
 An inventory maps each kernel's name to the SHA-256 of its variants' PTX, with the lines that carry
-source positions and file names (.file, .loc, comments, debug sections) left out, so moving or
-renaming code changes nothing while any change to the instructions does. `compare` exits 1 when a
+source positions and file names (.file, .loc, comments, debug sections, and the $L__tmp labels that
+only the debug sections refer to: where the code of an inlined device function starts and ends) left
+out, so moving or renaming code, or moving it into device functions, changes nothing while any change
+to the instructions does. `compare` exits 1 when a
 variant of `before` has no identical PTX in `after`.
 """
 
@@ -25,11 +27,11 @@ from collections import Counter
 from pathlib import Path
 
 _ENTRY = re.compile(r"^\s*\.visible\s+\.entry\s+(\w+)\s*\(", re.M)
-_POSITIONAL = re.compile(r"^\s*(\.file|\.loc|//)")
+_POSITIONAL = re.compile(r"^\s*(\.file|\.loc|//|\$L__tmp\d+:\s*$)")
 
 
 def normalized(ptx: str) -> str:
-    """The PTX without source positions, file names and debug sections."""
+    """The PTX without source positions, file names, debug sections and debug-only labels."""
     ptx = ptx.split("\t.section\t.debug", 1)[0].split(".section .debug", 1)[0]
     return "\n".join(line for line in ptx.splitlines() if line.strip() and not _POSITIONAL.match(line))
 

@@ -29,6 +29,19 @@ def test_moving_the_source_keeps_the_fingerprint():
     assert fingerprint(before)[0] == "_rms_norm_kernel"
 
 
+def test_code_inlined_from_device_functions_keeps_the_fingerprint():
+    # The compiler marks where an inlined function's code starts and ends with labels that only the
+    # debug sections refer to; the instructions, what the GPU runs, are the same.
+    before = PTX.format(path="rms_norm", op="mul.f32")
+    after = before.replace("\t.loc\t1 42 0\n", "\t.loc\t1 42 0\n$L__tmp1:\n")
+    after = after.replace("}\n\t.section", "$L__tmp2:\n}\n\t.section")
+    assert "$L__tmp1:" in after and "$L__tmp2:" in after
+    assert fingerprint(before) == fingerprint(after)
+    # A label that code branches to counts.
+    branching = before.replace("}\n\t.section", "$L__BB0_1:\n}\n\t.section")
+    assert fingerprint(before) != fingerprint(branching)
+
+
 def test_a_changed_instruction_is_reported():
     before = from_ptx([PTX.format(path="rms_norm", op="mul.f32")])
     after = from_ptx([PTX.format(path="rms_norm", op="fma.rn.f32")])
