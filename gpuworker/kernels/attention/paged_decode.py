@@ -13,7 +13,9 @@ layer, however short the contexts it replays with.
 
 Given the step's own tokens (NewTokens), the launch also does what the rotary kernel would do
 before it: it rotates the query and the new key, stores the key and value in the cache, and
-attends to that token from registers (the engine's decode rows: one launch per layer fewer).
+attends to that token from registers (the engine's decode rows: one launch per layer fewer). That
+work is device/rotary_cache.py's, whose rules the rotary kernel shares; DecodeVariant says which of
+these features a launch has and turns them into the kernel's constexprs.
 
 An FP8 cache (kv_cache_quant.py) is widened as it is loaded (exact): to float16 for half-precision
 queries (one instruction per two values; the dots then run in float16), to float32 for float32
@@ -34,7 +36,7 @@ from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_co
                                       check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
                                       lazy_jit, next_power_of_2, pdl_options)
 from gpuworker.kernels import configs
-from gpuworker.kernels.device import fp8_codec, head_norm, online_softmax
+from gpuworker.kernels.device import online_softmax, rotary_cache
 from gpuworker.kernels.quant.kv_cache import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.attention.kv_cache_write import check_kv_cache_write
 from gpuworker.kernels.norm.qk_norm import QKNorm, check_qk_norm
@@ -69,6 +71,7 @@ def _paged_decode_kernel(
     FP8_AS_F16: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    # The constexprs come from DecodeVariant.constexprs (see there for what each switch does).
     if USE_PDL:  # see launch.pdl_options. The next kernel may launch at once: at batch 1 it is
         # the merge or the o_proj GEMV, whose programs then load their first weight tiles while this
         # latency-bound kernel runs (gemv's prefetch); their wait still orders them after us.
@@ -82,13 +85,7 @@ def _paged_decode_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT and not MERGE_IN_LAUNCH:
-        # Partitions sized for this sequence's own context, whole tiles, at most num_splits of them:
-        # a short context in a graph captured for long ones still spreads over as many programs as
-        # it has tiles. _merge_partitions computes the same num_parts.
-        tiles = tl.maximum((seq_len + BLOCK_N - 1) // BLOCK_N, 1)
-        tiles_per_part = (tiles + num_splits - 1) // num_splits
-        partition_size = tiles_per_part * BLOCK_N
-        num_parts = (tiles + tiles_per_part - 1) // tiles_per_part
+        partition_size, num_parts = _sequence_partitions(seq_len, num_splits, BLOCK_N)
     else:
         # Partitions holding tokens: at least one, which writes the zeros of a padded row (seq_len 0).
         # The grid covers max_seq_len, so in a graph captured for long contexts most of them are
@@ -114,55 +111,77 @@ def _paged_decode_kernel(
     dim_mask = dims < HEAD_DIM
     q_ptrs = query_ptr + seq * stride_query_seq + q_heads[:, None] * stride_query_head
     q = tl.load(q_ptrs + dims[None, :], mask=group_mask[:, None] & dim_mask[None, :], other=0.0)
-    dtype = query_ptr.dtype.element_ty
     if NEW_TOKEN:
-        # Rotary as kernels/rotary.py computes it (rotate-half over the first 2 * HALF dims, HF's
-        # rounding), written over the whole head: dim d pairs with d +- HALF, the tail keeps cos 1
-        # and sin 0. The query is rotated in registers; the key of this (sequence, kv head) too,
-        # and the partition holding the last position attends to it and stores it, with the value.
+        # Rotary (after each head's norm with QK_NORM) as kernels/rotary.py computes it, in
+        # registers: the query, and the key of this (sequence, kv head), which the partition
+        # holding the last position attends to and stores, with the value.
         position = tl.load(positions_ptr + seq).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
-        lower = dims < HALF
-        rotated = dims < 2 * HALF
-        partner = tl.where(lower, dims + HALF, dims - HALF)
-        freq = tl.where(lower, dims, dims - HALF)
-        cos = tl.load(cos_ptr + position * stride_cos + freq, mask=rotated, other=1.0)
-        sin = tl.load(sin_ptr + position * stride_sin + freq, mask=rotated, other=0.0)
-        cos = cos.to(dtype).to(tl.float32)
-        sin = sin.to(dtype).to(tl.float32)
-        q_partner = tl.load(q_ptrs + partner[None, :], mask=group_mask[:, None] & rotated[None, :], other=0.0)
-        k_row = key_ptr + seq * stride_key_seq + kv_head * stride_key_head
-        k_new = tl.load(k_row + dims, mask=dim_mask, other=0.0).to(tl.float32)
-        k_partner = tl.load(k_row + partner, mask=rotated, other=0.0).to(tl.float32)
-        if QK_NORM:
-            # Each head's RMSNorm before rotary (Qwen3), as kernels.rotary applies it: the partner
-            # tile is the same head permuted, so it takes the head's own 1 / rms.
-            q32 = q.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(q32 * q32, 1) / HEAD_DIM + norm_eps)[:, None]
-            q = head_norm.normalize(q32, rstd, tl.load(q_norm_ptr + dims, mask=dim_mask, other=0.0)[None, :],
-                                         dtype).to(dtype)
-            q_partner = head_norm.normalize(q_partner.to(tl.float32), rstd,
-                                                 tl.load(q_norm_ptr + partner, mask=rotated, other=0.0)[None, :],
-                                                 dtype)
-            k_rstd = tl.rsqrt(tl.sum(k_new * k_new, 0) / HEAD_DIM + norm_eps)
-            k_new = head_norm.normalize(k_new, k_rstd, tl.load(k_norm_ptr + dims, mask=dim_mask, other=0.0),
-                                             dtype)
-            k_partner = head_norm.normalize(k_partner, k_rstd,
-                                                 tl.load(k_norm_ptr + partner, mask=rotated, other=0.0), dtype)
-        # x1 cos - x2 sin in the first half, x2 cos + x1 sin in the second, as rotary.py writes them
-        # (so float32 contracts the same products into FMAs as that kernel does).
-        q_cos = (q.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
-        q_sin = (q_partner.to(tl.float32) * sin[None, :]).to(dtype).to(tl.float32)
-        q = tl.where(lower[None, :], q_cos - q_sin, q_cos + q_sin).to(dtype)
-        k_cos = (k_new * cos).to(dtype).to(tl.float32)
-        k_sin = (k_partner * sin).to(dtype).to(tl.float32)
-        k_new = tl.where(lower, k_cos - k_sin, k_cos + k_sin).to(dtype)
-        v_new = tl.load(value_ptr + seq * stride_value_seq + kv_head * stride_value_head + dims,
-                        mask=dim_mask, other=0.0)
-        if FP8_CACHE:  # as the cache stores them (their scales apply with the cached tokens')
-            k_new = fp8_codec.quantize(k_new, k_scale).to(cache_ptr.dtype.element_ty)
-            v_new = fp8_codec.quantize(v_new, v_scale).to(cache_ptr.dtype.element_ty)
+        q, k_new, v_new = rotary_cache.decode_token(
+            q, q_ptrs, group_mask, dims, dim_mask, position, seq, kv_head,
+            key_ptr, stride_key_seq, stride_key_head, value_ptr, stride_value_seq, stride_value_head,
+            cos_ptr, sin_ptr, stride_cos, stride_sin, q_norm_ptr, k_norm_ptr, norm_eps, k_scale, v_scale,
+            cache_ptr.dtype.element_ty, HALF, HEAD_DIM, QK_NORM, FP8_CACHE)
 
+    # In this order: Triton orders the results of the `if` below by when their names were first
+    # defined, and the compiled code's registers follow (another order renumbers them).
+    m_i, l_i, acc = _attend_cached(
+        q, seq, kv_head, start, end, dims, dim_mask, block_tables_ptr, stride_block_tables_seq, cache_ptr,
+        stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, qk_scale,
+        GROUP_PAD, BLOCK_D, BLOCK_N, BLOCK_SIZE, FP8_CACHE, FP8_AS_F16, FP8_V_PAIRS, DOT_FP32, DOT_PRECISION)
+
+    if NEW_TOKEN:
+        if (split == num_parts - 1) & (seq_len > 0):  # the partition holding the last position
+            rotary_cache.cache_decode_token(cache_ptr, slot, kv_head, dims, dim_mask, k_new, v_new, stride_cache_kv,
+                                            stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_SIZE)
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+            acc, l_i, m_i = online_softmax.step_one(score, v_new, acc, l_i, m_i)
+
+    if FP8_CACHE:
+        acc = acc * v_scale
+    has_tokens = l_i > 0.0  # false for a padded row (seq_len 0); empty split partitions returned above
+    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    out_mask = group_mask[:, None] & dim_mask[None, :]
+    if not SPLIT:
+        _store_heads(out_ptr, out, seq, q_heads, dims, out_mask, stride_out_seq, stride_out_head)
+    elif not MERGE_IN_LAUNCH:
+        # _merge_partitions (the next launch) combines the partitions holding tokens; a padded row
+        # stores zeros and lse -inf in its first.
+        row_id = (seq * num_q_heads + q_heads) * num_splits + split
+        _store_partial(part_out_ptr, part_lse_ptr, out, m_i, l_i, has_tokens, row_id, dims, out_mask, group_mask,
+                       BLOCK_D, True)
+    elif num_parts == 1:  # the context fits one partition (split 0): no partials, no merge
+        _store_heads(out_ptr, out, seq, q_heads, dims, out_mask, stride_out_seq, stride_out_head)
+    else:
+        row_id = (seq * num_q_heads + q_heads) * num_splits + split  # [G] index into [B, Hq, S]
+        _store_partial(part_out_ptr, part_lse_ptr, out, m_i, l_i, has_tokens, row_id, dims, out_mask, group_mask,
+                       BLOCK_D, False)
+        _merge_if_last(counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_kv_heads, num_q_heads,
+                       num_parts, num_splits, dims, dim_mask, stride_out_seq, stride_out_head,
+                       QUERY_GROUP, SPLITS_PAD, BLOCK_D)
+
+
+@triton.jit
+def _sequence_partitions(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """(partition_size, num_parts) sized for this sequence's own context: whole tiles, at most
+    num_splits partitions, so a short context in a graph captured for long ones still spreads over
+    as many programs as it has tiles (a split launch merged by _merge_partitions; both cut the same)."""
+    tiles = tl.maximum((seq_len + BLOCK_N - 1) // BLOCK_N, 1)
+    tiles_per_part = (tiles + num_splits - 1) // num_splits
+    partition_size = tiles_per_part * BLOCK_N
+    num_parts = (tiles + tiles_per_part - 1) // tiles_per_part
+    return partition_size, num_parts
+
+
+@triton.jit
+def _attend_cached(q, seq, kv_head, start, end, dims, dim_mask, block_tables_ptr, stride_block_tables_seq, cache_ptr,
+                   stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, qk_scale,
+                   GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   FP8_CACHE: tl.constexpr, FP8_AS_F16: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
+                   DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(m_i, l_i, acc) of the query heads q [GROUP_PAD, BLOCK_D] over the cached tokens start..end of
+    this (sequence, kv head), BLOCK_N at a time (online_softmax; scores times qk_scale, log2 units)."""
+    dtype = q.dtype
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -211,69 +230,58 @@ def _paged_decode_kernel(
             elif FP8_CACHE:
                 v = v.to(dtype)
         acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
+    return m_i, l_i, acc
 
-    if NEW_TOKEN:
-        if (split == num_parts - 1) & (seq_len > 0):  # the partition holding the last position
-            # The slot test is broadcast to a tensor: the interpreter mistypes scalar & tensor masks.
-            keep = dim_mask & ((dims * 0 + slot) >= 0)
-            row = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
-                   + kv_head * stride_cache_head + dims)
-            tl.store(row, k_new.to(cache_ptr.dtype.element_ty), mask=keep)
-            tl.store(row + stride_cache_kv, v_new.to(cache_ptr.dtype.element_ty), mask=keep)
-            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-            m_last = tl.maximum(m_i, score)
-            rescale = tl.exp2(m_i - m_last)
-            weight = tl.exp2(score - m_last)
-            acc = acc * rescale[:, None] + weight[:, None] * v_new.to(tl.float32)[None, :]
-            l_i = l_i * rescale + weight
-            m_i = m_last
 
-    if FP8_CACHE:
-        acc = acc * v_scale
-    has_tokens = l_i > 0.0  # false for a padded row (seq_len 0); empty split partitions returned above
-    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
-    out_mask = group_mask[:, None] & dim_mask[None, :]
-    if not SPLIT:
-        tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif not MERGE_IN_LAUNCH:
-        # _merge_partitions (the next launch) combines the partitions holding tokens; a padded row
-        # stores zeros and lse -inf in its first.
-        row_id = (seq * num_q_heads + q_heads) * num_splits + split
-        tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
+@triton.jit
+def _store_heads(out_ptr, out, seq, q_heads, dims, mask, stride_out_seq, stride_out_head):
+    """The normalised output of the query heads q_heads [G] into out [B, Hq, D]."""
+    tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_lse_ptr, out, m_i, l_i, has_tokens, row_id, dims, out_mask, group_mask,
+                   BLOCK_D: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    """A partition's output and log-sum-exp (log2 units) for rows row_id [G] of [B, Hq, S] (partials
+    [B, Hq, S, BLOCK_D], one flat stride). MAY_BE_EMPTY: a padded row (no tokens) stores lse -inf."""
+    tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
+    if MAY_BE_EMPTY:
         lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row_id, lse, mask=group_mask)
-    elif num_parts == 1:  # the context fits one partition (split 0): no partials, no merge
-        tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        row_id = (seq * num_q_heads + q_heads) * num_splits + split  # [G] index into [B, Hq, S]
-        tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
+    else:  # every partition holds tokens (num_parts > 1). The address before the sum: as in the
+        # other branch, the order of the two is the order of the compiled code.
         tl.store(part_lse_ptr + row_id, m_i + tl.log2(l_i), mask=group_mask)
-        # The last partition of this (sequence, kv head) to finish merges them all, so no second
-        # kernel is launched. The barrier puts every thread's stores before the increment (a
-        # release); its acquire side makes the other programs' partials visible to the merger.
-        tl.debug_barrier()
-        counter = counters_ptr + seq * num_kv_heads + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_parts - 1:
-            tl.store(counter, 0)  # zero again for the next launch or graph replay
-            splits = tl.arange(0, SPLITS_PAD)
-            split_mask = splits < num_parts
-            # One head at a time, all of its partials in one [SPLITS_PAD, BLOCK_D] tile, read from
-            # L2 (.cg), where the other programs' stores landed.
-            for g in tl.static_range(QUERY_GROUP):
-                head = kv_head * QUERY_GROUP + g
-                head_row = (seq * num_q_heads + head) * num_splits
-                lse = tl.load(part_lse_ptr + head_row + splits, mask=split_mask, other=float("-inf"),
-                              cache_modifier=".cg")
-                weight = tl.where(split_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-                parts = tl.load(part_out_ptr + (head_row + splits)[:, None] * BLOCK_D + dims[None, :],
-                                mask=split_mask[:, None] & dim_mask[None, :], other=0.0,
-                                cache_modifier=".cg")
-                merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-                tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
-                         merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+@triton.jit
+def _merge_if_last(counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_kv_heads, num_q_heads,
+                   num_parts, num_splits, dims, dim_mask, stride_out_seq, stride_out_head,
+                   QUERY_GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The last partition of this (sequence, kv head) to finish merges them all, so no second kernel
+    is launched. The barrier puts every thread's partial stores before the increment (a release);
+    its acquire side makes the other programs' partials visible to the merger."""
+    tl.debug_barrier()
+    counter = counters_ptr + seq * num_kv_heads + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_parts - 1:
+        tl.store(counter, 0)  # zero again for the next launch or graph replay
+        splits = tl.arange(0, SPLITS_PAD)
+        split_mask = splits < num_parts
+        # One head at a time, all of its partials in one [SPLITS_PAD, BLOCK_D] tile, read from
+        # L2 (.cg), where the other programs' stores landed.
+        for g in tl.static_range(QUERY_GROUP):
+            head = kv_head * QUERY_GROUP + g
+            head_row = (seq * num_q_heads + head) * num_splits
+            lse = tl.load(part_lse_ptr + head_row + splits, mask=split_mask, other=float("-inf"),
+                          cache_modifier=".cg")
+            weight = tl.where(split_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+            parts = tl.load(part_out_ptr + (head_row + splits)[:, None] * BLOCK_D + dims[None, :],
+                            mask=split_mask[:, None] & dim_mask[None, :], other=0.0,
+                            cache_modifier=".cg")
+            merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+            tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+                     merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
 def _merge_partitions_kernel(
@@ -291,10 +299,7 @@ def _merge_partitions_kernel(
     dims = tl.arange(0, BLOCK_D)
     row_base = (seq * tl.num_programs(1) + head) * num_splits
     seq_len = tl.load(seq_lens_ptr + seq)
-    # The partitions _paged_decode_kernel cut this sequence into (its merge-kernel mode).
-    tiles = tl.maximum((seq_len + BLOCK_N - 1) // BLOCK_N, 1)
-    tiles_per_part = (tiles + num_splits - 1) // num_splits
-    num_parts = (tiles + tiles_per_part - 1) // tiles_per_part
+    _, num_parts = _sequence_partitions(seq_len, num_splits, BLOCK_N)  # as _paged_decode_kernel cut it
     split_mask = splits < num_parts  # the partitions that stored a partial
     lse = tl.load(part_lse_ptr + row_base + splits, mask=split_mask, other=float("-inf"))
     parts = tl.load(part_out_ptr + (row_base + splits)[:, None] * BLOCK_D + dims[None, :],
@@ -462,61 +467,128 @@ def paged_decode_attention(
     there on (BENCHMARKS.md, "Paged decode attention: merge in the same launch vs a separate merge
     kernel").
     """
-    block_size, num_kv_heads, half = _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters,
-                                              new_tokens)
-    num_seqs, num_q_heads, head_dim = query.shape
-    device = query.device
+    _, num_kv_heads, half = _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters, new_tokens)
     out = torch.empty_like(query) if out is None else out
+    num_seqs, num_q_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
+    launch = _pick_launch(num_seqs, num_kv_heads, head_dim, query.dtype, max_seq_len, query.device,
+                          num_splits=num_splits, merge_in_launch=merge_in_launch, block_n=block_n,
+                          num_warps=num_warps, num_stages=num_stages)
+    variant = DecodeVariant.of(query, kv_cache, launch, new_tokens, half, fp8_v_pairs)
+    _launch(query, kv_cache, block_tables, seq_lens, float(scale), out, counters, new_tokens,
+            check_kv_scales(k_scale, v_scale), launch, variant)
+    return out
 
-    launch = _pick_launch(num_seqs, num_kv_heads, head_dim, query.dtype, max_seq_len, device, num_splits=num_splits,
-                          merge_in_launch=merge_in_launch, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    num_splits, block_n = launch.num_splits, launch.block_n
-    group = num_q_heads // num_kv_heads
-    block_d = next_power_of_2(head_dim)
-    split = num_splits > 1
-    if split:
-        # Padded to BLOCK_D so the merge can use one flat stride. Never initialised: only the
-        # partitions holding tokens write theirs, and only those are read.
-        part_out = torch.empty((num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32, device=device)
-        part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
-        if counters is None and launch.merge_in_launch:
-            counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
-        elif counters is None:
-            counters = seq_lens  # unused without the in-launch merge
-    else:
-        part_out = part_lse = out  # unused by the kernel when SPLIT is false
-        counters = seq_lens
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """Which compiled variant of _paged_decode_kernel a launch runs: the shapes it is specialised for
+    and its feature switches. constexprs() is the one place where they become the kernel's
+    constexpr arguments."""
+
+    block_size: int  # the cache's tokens per block
+    query_group: int  # query heads per kv head
+    head_dim: int
+    block_n: int  # keys per tile
+    num_splits: int  # partitions of the longest context (flash-decoding); 1: the context in one
+    dtype: torch.dtype  # the queries', which sets the dots' precision (launch.dot_options)
+    merge_in_launch: bool = False  # a split launch's partitions merged by the last to finish
+    new_token: bool = False  # the step's own tokens rotated, cached and attended in the launch
+    rotary_half: int = 0  # with new_token: half the rotated width
+    qk_norm: bool = False  # with new_token: each head of their query and key normalised first
+    fp8_cache: bool = False  # a float8_e4m3fn cache (with k_scale and v_scale)
+    fp8_as_f16: bool = False  # its tiles widened to float16 (half-precision queries)
+    fp8_v_pairs: bool = False  # its values read as 16-bit words (paged_decode_attention's fp8_v_pairs)
+
+    @classmethod
+    def of(cls, query: torch.Tensor, kv_cache: torch.Tensor, launch: _Launch, new_tokens: NewTokens | None,
+           rotary_half: int, fp8_v_pairs: bool | None) -> DecodeVariant:
+        """The variant of a checked call (rotary_half: _checked's) with launch shape `launch`."""
+        head_dim = query.shape[2]
+        fp8 = is_fp8_cache(kv_cache)
+        fp8_as_f16 = fp8 and query.dtype != torch.float32
+        return cls(block_size=kv_cache.shape[2], query_group=query.shape[1] // kv_cache.shape[3], head_dim=head_dim,
+                   block_n=launch.block_n, num_splits=launch.num_splits, dtype=query.dtype,
+                   merge_in_launch=launch.merge_in_launch, new_token=new_tokens is not None, rotary_half=rotary_half,
+                   qk_norm=new_tokens is not None and new_tokens.qk_norm is not None, fp8_cache=fp8,
+                   fp8_as_f16=fp8_as_f16,
+                   fp8_v_pairs=fp8_as_f16 and _v_pairs_apply(kv_cache, head_dim, fp8_v_pairs))
+
+    @property
+    def split(self) -> bool:
+        return self.num_splits > 1
+
+    @property
+    def block_d(self) -> int:
+        return next_power_of_2(self.head_dim)
+
+    def constexprs(self) -> dict[str, object]:
+        """_paged_decode_kernel's constexpr arguments (USE_PDL aside: launch.pdl_options, as for every kernel)."""
+        return dict(
+            BLOCK_SIZE=self.block_size, QUERY_GROUP=self.query_group,
+            GROUP_PAD=max(16, next_power_of_2(self.query_group)), HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
+            BLOCK_N=self.block_n, SPLITS_PAD=next_power_of_2(self.num_splits), SPLIT=self.split,
+            MERGE_IN_LAUNCH=self.merge_in_launch, **dot_options(self.dtype), NEW_TOKEN=self.new_token,
+            HALF=self.rotary_half, QK_NORM=self.qk_norm, FP8_CACHE=self.fp8_cache, FP8_AS_F16=self.fp8_as_f16,
+            FP8_V_PAIRS=self.fp8_v_pairs,
+        )
+
+    def merge_constexprs(self) -> dict[str, object]:
+        """_merge_partitions' constexpr arguments, for a split launch it merges."""
+        return dict(HEAD_DIM=self.head_dim, BLOCK_N=self.block_n, BLOCK_D=self.block_d,
+                    SPLITS_PAD=next_power_of_2(self.num_splits))
+
+
+def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            scale: float, out: torch.Tensor, counters: torch.Tensor | None, new_tokens: NewTokens | None,
+            kv_scales: tuple[float, float], launch: _Launch, variant: DecodeVariant) -> None:
+    """The kernel for a checked call, and _merge_partitions after it for a split launch that does
+    not merge in the launch."""
+    num_seqs, num_q_heads, _ = query.shape
+    num_kv_heads = num_q_heads // variant.query_group
+    device = query.device
+    part_out, part_lse, counters = _partials(variant, num_seqs, num_q_heads, num_kv_heads, out, counters, seq_lens)
     rotary_args, rotary_strides = _new_token_operands(new_tokens, query, seq_lens)
-    fp8 = is_fp8_cache(kv_cache)
-    fp8_as_f16 = fp8 and query.dtype != torch.float32
-    k_scale, v_scale = check_kv_scales(k_scale, v_scale)
-    _paged_decode[(num_seqs, num_kv_heads, num_splits)](
+    k_scale, v_scale = kv_scales
+    _paged_decode[(num_seqs, num_kv_heads, variant.num_splits)](
         query, kv_cache, block_tables, seq_lens,
         out, part_out, part_lse, counters, *rotary_args,
-        float(scale) * _LOG2E * (k_scale if fp8 else 1.0), k_scale, v_scale,
+        scale * _LOG2E * (k_scale if variant.fp8_cache else 1.0), k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), *rotary_strides,
-        launch.partition_size, num_splits,
-        BLOCK_SIZE=block_size, QUERY_GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(num_splits),
-        SPLIT=split, MERGE_IN_LAUNCH=launch.merge_in_launch, **dot_options(query.dtype),
-        NEW_TOKEN=new_tokens is not None, HALF=half,
-        QK_NORM=new_tokens is not None and new_tokens.qk_norm is not None, FP8_CACHE=fp8,
-        FP8_AS_F16=fp8_as_f16, FP8_V_PAIRS=fp8_as_f16 and _v_pairs_apply(kv_cache, head_dim, fp8_v_pairs),
+        launch.partition_size, variant.num_splits,
+        **variant.constexprs(),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
         **pdl_options(device),
     )
-    if split and not launch.merge_in_launch:
+    if variant.split and not variant.merge_in_launch:
         _merge_partitions[(num_seqs, num_q_heads)](
-            part_out, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS_PAD=next_power_of_2(num_splits),
-            num_warps=4, **pdl_options(device),
+            part_out, part_lse, out, seq_lens, out.stride(0), out.stride(1), variant.num_splits,
+            **variant.merge_constexprs(), num_warps=4, **pdl_options(device),
         )
-    return out
+
+
+def _partials(variant: DecodeVariant, num_seqs: int, num_q_heads: int, num_kv_heads: int, out: torch.Tensor,
+              counters: torch.Tensor | None, seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(part_out, part_lse, counters): a split launch's partial outputs, their log-sum-exps and the
+    in-launch merge's arrival counters. What a variant does not use, the kernel never touches: `out`
+    and `seq_lens` stand in."""
+    if not variant.split:
+        return out, out, seq_lens
+    device = out.device
+    # Padded to BLOCK_D so the merge can use one flat stride. Never initialised: only the
+    # partitions holding tokens write theirs, and only those are read.
+    part_out = torch.empty((num_seqs, num_q_heads, variant.num_splits, variant.block_d), dtype=torch.float32,
+                           device=device)
+    part_lse = torch.empty((num_seqs, num_q_heads, variant.num_splits), dtype=torch.float32, device=device)
+    if counters is None and variant.merge_in_launch:
+        counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
+    elif counters is None:
+        counters = seq_lens  # unused without the in-launch merge
+    return part_out, part_lse, counters
 
 
 def _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters,

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_shape,
                                       check_tensor, lazy_jit, next_power_of_2, pdl_options)
-from gpuworker.kernels.device import fp8_codec, head_norm
+from gpuworker.kernels.device import fp8_codec, rotary_cache
 from gpuworker.kernels.quant.kv_cache import check_kv_scales, is_fp8_cache
 from gpuworker.kernels.attention.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
 from gpuworker.kernels.norm.qk_norm import QKNorm, check_qk_norm, qk_norm_reference
@@ -46,32 +46,25 @@ def _rotary_kernel(
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < HALF
     dtype = query_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + position * stride_cos_position + dims, mask=dim_mask, other=0.0)
-    sin = tl.load(sin_ptr + position * stride_sin_position + dims, mask=dim_mask, other=0.0)
-    cos = cos.to(dtype).to(tl.float32)[None, :]
-    sin = sin.to(dtype).to(tl.float32)[None, :]
+    cos, sin = rotary_cache.cos_sin(cos_ptr, sin_ptr, position, stride_cos_position, stride_sin_position, dims,
+                                    dim_mask, 0.0, dtype)
+    cos = cos[None, :]
+    sin = sin[None, :]
 
     heads = tl.arange(0, BLOCK_HQ)[:, None]
     mask = (heads < NUM_Q_HEADS) & dim_mask[None, :]
     first = query_ptr + token * stride_query_token + heads * stride_query_head + dims[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    if QK_NORM:  # the head's RMSNorm first (the launcher checked that the halves are the whole head)
-        x1, x2 = head_norm.normalize_halves(x1, x2, q_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    # With QK_NORM the head's RMSNorm first (the launcher checked that the halves are the whole head).
+    out1, out2 = rotary_cache.rotate_halves(first, mask, cos, sin, q_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF,
+                                            HEAD_DIM, QK_NORM)
     tl.store(first, out1.to(dtype), mask=mask)
     tl.store(first + HALF, out2.to(dtype), mask=mask)
 
     heads = tl.arange(0, BLOCK_HK)[:, None]
     mask = (heads < NUM_KV_HEADS) & dim_mask[None, :]
     first = key_ptr + token * stride_key_token + heads * stride_key_head + dims[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    if QK_NORM:
-        x1, x2 = head_norm.normalize_halves(x1, x2, k_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM)
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    out1, out2 = rotary_cache.rotate_halves(first, mask, cos, sin, k_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF,
+                                            HEAD_DIM, QK_NORM)
     if WRITE_CACHE:
         # The rotated keys go to the cache only (attention reads them from there), rounded to the
         # activation dtype first so the cache holds what apply_rotary + kv_cache_write would store
@@ -83,11 +76,9 @@ def _rotary_kernel(
             out1 = fp8_codec.quantize(out1, k_scale)
             out2 = fp8_codec.quantize(out2, k_scale)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        # Padding tokens (slot < 0) store nothing; the slot test is broadcast to a tensor because the
-        # interpreter mistypes `scalar_bool & tensor_bool` (see kv_cache_write).
-        keep = (heads * 0 + slot) >= 0
-        row = (cache_ptr + (slot // CACHE_BLOCK_SIZE) * stride_cache_block
-               + (slot % CACHE_BLOCK_SIZE) * stride_cache_offset + heads * stride_cache_head)
+        keep = rotary_cache.slot_kept(heads, slot)  # padding tokens (slot < 0) store nothing
+        row = rotary_cache.slot_row(cache_ptr, slot, heads, stride_cache_block, stride_cache_offset, stride_cache_head,
+                                    CACHE_BLOCK_SIZE)
         tl.store(row + dims[None, :], out1.to(cache_dtype), mask=mask & keep)
         tl.store(row + HALF + dims[None, :], out2.to(cache_dtype), mask=mask & keep)
         all_dims = tl.arange(0, BLOCK_D)[None, :]

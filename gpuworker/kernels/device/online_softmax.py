@@ -32,3 +32,15 @@ def step(scores, v, acc, l_i, m_i, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.con
     acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return acc, l_i, m_new
+
+
+@triton.jit
+def step_one(score, v, acc, l_i, m_i):
+    """(acc, l_i, m_i) after one key held in registers: score [M] its scores (log2 units), v [D] its
+    value (any float dtype, widened to float32); the other arguments as for step."""
+    m_new = tl.maximum(m_i, score)
+    alpha = tl.exp2(m_i - m_new)
+    weight = tl.exp2(score - m_new)
+    acc = acc * alpha[:, None] + weight[:, None] * v.to(tl.float32)[None, :]
+    l_i = l_i * alpha + weight
+    return acc, l_i, m_new

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.device import fp8_codec, gated_activation
 from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit, next_power_of_2, pdl_options
 
@@ -34,9 +34,7 @@ def _silu_and_mul_kernel(
     mask = cols < INTERMEDIATE
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + INTERMEDIATE + cols, mask=mask, other=0.0)
-    g32 = gate.to(tl.float32)
-    activated = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-    out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    out = gated_activation.silu_and_mul(gate, up)
     if FP8_OUT:  # the program holds the whole row (lanes past it are zero): quantized per row here
         q, scale = fp8_codec.quantize_row(out.to(tl.float32))
         tl.store(scale_ptr + row, scale)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from gpuworker.kernels import configs
+from gpuworker.kernels.device import gated_activation
 from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
                                       dot_options, lazy_jit, next_power_of_2, pdl_options,
@@ -200,45 +201,18 @@ def _gemv_kernel(
         else:
             w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0, eviction_policy="evict_first")
         if USE_DOT:
-            x_ptrs = x_ptr + ms[:, None] * stride_xm + ks[None, :]
-            x_mask = (ms[:, None] < M) & (ks[None, :] < K)
-            if SILU_MUL:
-                gate = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
-                up = tl.load(x_ptrs + K, mask=x_mask, other=0.0, eviction_policy="evict_last")
-                g32 = gate.to(tl.float32)
-                activated = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-                x = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-            else:
-                x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
-            if DOT_FP32:
-                acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+            acc = _dot_tile(acc, w, x_ptr, ms, ks, M, K, stride_xm, SILU_MUL, DOT_FP32, DOT_PRECISION)
         else:
             w32 = w.to(tl.float32)
             for m in tl.static_range(BLOCK_M):
                 x_mask = (ks < K) & (tl.full([BLOCK_K], m, tl.int32) < M)
                 if SILU_MUL:
-                    gate = tl.load(x_ptr + m * stride_xm + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
-                    up = tl.load(x_ptr + m * stride_xm + K + ks, mask=x_mask, other=0.0,
-                                 eviction_policy="evict_last")
-                    g32 = gate.to(tl.float32)
-                    activated = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-                    x_row = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+                    x_row = gated_activation.silu_and_mul(
+                        tl.load(x_ptr + m * stride_xm + ks, mask=x_mask, other=0.0, eviction_policy="evict_last"),
+                        tl.load(x_ptr + m * stride_xm + K + ks, mask=x_mask, other=0.0, eviction_policy="evict_last"))
                 elif NORM_INPUT:
-                    # RMSNorm of (x + residual) on the fly: accumulate w * (s * norm_weight) and the
-                    # squares of s, scale by 1/rms after the loop. s is rounded to x's dtype like the
-                    # unfused residual add; the normalised input is not rounded before the product.
-                    x_row = tl.load(x_ptr + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
-                    if HAS_RESIDUAL:
-                        res = tl.load(residual_ptr + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
-                        x_row = (x_row.to(tl.float32) + res.to(tl.float32)).to(x_row.dtype)
-                        if pid_n == 0:  # the new residual stream, written once
-                            tl.store(residual_out_ptr + ks, x_row, mask=x_mask)
-                    s32 = x_row.to(tl.float32)
-                    sum_sq += s32 * s32
-                    gain = tl.load(norm_weight_ptr + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
-                    x_row = s32 * gain.to(tl.float32)
+                    x_row, sum_sq = _norm_input(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, ks, x_mask,
+                                                sum_sq, pid_n, HAS_RESIDUAL)
                 else:
                     x_row = tl.load(x_ptr + m * stride_xm + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
                 if BLOCK_M == 1:
@@ -255,62 +229,121 @@ def _gemv_kernel(
     out_mask = (rows[:, None] < N) & (ms[None, :] < M)
     out_ptrs = out_ptr + ms[None, :] * stride_om + rows[:, None]
     if SPLIT_K == 1:
-        if HAS_W_SCALE:
-            acc = acc * tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+        acc = _scale_and_bias(acc, rows, N, w_scale_ptr, bias_ptr, HAS_W_SCALE, HAS_BIAS)
         out_values = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptrs, out_values, mask=out_mask)
         if ARGMAX:
-            # Each row's argmax over the stored (rounded) values, first index on ties, NaN above
-            # everything as in torch.argmax: this program's best of its BLOCK_N columns, then the
-            # last program to finish reduces the per-program bests (ordering as for split-K below).
-            values = out_values.to(tl.float32)
-            values = tl.where(values != values, float("inf"), values)
-            values = tl.where(rows[:, None] < N, values, float("-inf"))
-            num_blocks = tl.num_programs(0)
-            best_ptrs = ms * num_blocks + pid_n
-            tl.store(best_value_ptr + best_ptrs, tl.max(values, axis=0), mask=ms < M)
-            local = tl.argmax(values, axis=0, tie_break_left=True)
-            tl.store(best_index_ptr + best_ptrs, pid_n * BLOCK_N + local, mask=ms < M)
-            tl.debug_barrier()
-            ticket = tl.atomic_add(counter_ptr, 1)
-            if ticket == num_blocks - 1:
-                best = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                best_index = tl.zeros([BLOCK_M], dtype=tl.int32)
-                for start in range(0, num_blocks, 256):
-                    blocks = start + tl.arange(0, 256)
-                    mask = (ms[:, None] < M) & (blocks[None, :] < num_blocks)
-                    ptrs = ms[:, None] * num_blocks + blocks[None, :]
-                    # .cg: from L2, never a line this SM cached before the other programs wrote it.
-                    chunk = tl.load(best_value_ptr + ptrs, mask=mask, other=float("-inf"), cache_modifier=".cg")
-                    chunk_indices = tl.load(best_index_ptr + ptrs, mask=mask, other=0, cache_modifier=".cg")
-                    chunk_best = tl.max(chunk, axis=1)
-                    # Indices grow with the program, so the chunk's first maximum has the smallest.
-                    chunk_index = tl.min(tl.where(chunk == chunk_best[:, None], chunk_indices, 2147483647), axis=1)
-                    take = chunk_best > best  # an equal maximum in a later chunk comes after
-                    best = tl.where(take, chunk_best, best)
-                    best_index = tl.where(take, chunk_index, best_index)
-                tl.store(argmax_ptr + ms, best_index.to(tl.int64), mask=ms < M)
-                tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
+            _argmax(out_values, rows, ms, pid_n, M, N, best_value_ptr, best_index_ptr, argmax_ptr, counter_ptr,
+                    BLOCK_N, BLOCK_M)
     else:
-        # partial [SPLIT_K, M, N] fp32. The barrier orders every thread's partial stores before the
-        # (one-thread, acq_rel, gpu-scope) ticket, so whoever draws the last ticket sees all partials.
-        part_ptrs = partial_ptr + ms[None, :] * N + rows[:, None]
-        tl.store(part_ptrs + pid_k * M * N, acc, mask=out_mask)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(counter_ptr + pid_n, 1)
-        if ticket == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for split in tl.static_range(SPLIT_K):
-                # .cg: read from L2, never a line this SM cached before the other splits wrote it.
-                total += tl.load(part_ptrs + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_W_SCALE:
-                total = total * tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)[:, None]
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch
+        _sum_splits(acc, rows, ms, pid_n, pid_k, M, N, out_ptrs, out_mask, partial_ptr, counter_ptr, w_scale_ptr,
+                    bias_ptr, SPLIT_K, BLOCK_N, BLOCK_M, HAS_W_SCALE, HAS_BIAS)
+
+
+@triton.jit
+def _dot_tile(acc, w, x_ptr, ms, ks, M, K, stride_xm, SILU_MUL: tl.constexpr, DOT_FP32: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] plus the weight tile w [BLOCK_N, BLOCK_K] times the input's rows ms
+    (padded to tl.dot's 16) at columns ks, on tensor cores (IEEE float32 FMAs where DOT_FP32)."""
+    x_ptrs = x_ptr + ms[:, None] * stride_xm + ks[None, :]
+    x_mask = (ms[:, None] < M) & (ks[None, :] < K)
+    if SILU_MUL:
+        x = gated_activation.silu_and_mul(tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last"),
+                                          tl.load(x_ptrs + K, mask=x_mask, other=0.0, eviction_policy="evict_last"))
+    else:
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
+    if DOT_FP32:
+        acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+    else:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _norm_input(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, ks, x_mask, sum_sq, pid_n,
+                HAS_RESIDUAL: tl.constexpr):
+    """(the input row's columns ks for w * (s * norm_weight), sum_sq plus their squares): RMSNorm of
+    s = x + residual on the fly, scaled by 1 / rms after the loop. s is rounded to x's dtype like the
+    unfused residual add (and written once, by the first column block, as the new residual stream);
+    the normalised input is not rounded before the product."""
+    x_row = tl.load(x_ptr + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
+        x_row = (x_row.to(tl.float32) + res.to(tl.float32)).to(x_row.dtype)
+        if pid_n == 0:  # the new residual stream, written once
+            tl.store(residual_out_ptr + ks, x_row, mask=x_mask)
+    s32 = x_row.to(tl.float32)
+    sum_sq += s32 * s32
+    gain = tl.load(norm_weight_ptr + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
+    return s32 * gain.to(tl.float32), sum_sq
+
+
+@triton.jit
+def _scale_and_bias(acc, rows, N, w_scale_ptr, bias_ptr, HAS_W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (float32) times an FP8 weight's row scales, plus the bias."""
+    if HAS_W_SCALE:
+        acc = acc * tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+    return acc
+
+
+@triton.jit
+def _argmax(out_values, rows, ms, pid_n, M, N, best_value_ptr, best_index_ptr, argmax_ptr, counter_ptr,
+            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each row's argmax over the stored (rounded) values out_values [BLOCK_N, BLOCK_M], first index
+    on ties, NaN above everything as in torch.argmax: this program's best of its BLOCK_N columns,
+    then the last program to finish reduces the per-program bests (ordering as for split-K)."""
+    values = out_values.to(tl.float32)
+    values = tl.where(values != values, float("inf"), values)
+    values = tl.where(rows[:, None] < N, values, float("-inf"))
+    num_blocks = tl.num_programs(0)
+    best_ptrs = ms * num_blocks + pid_n
+    tl.store(best_value_ptr + best_ptrs, tl.max(values, axis=0), mask=ms < M)
+    local = tl.argmax(values, axis=0, tie_break_left=True)
+    tl.store(best_index_ptr + best_ptrs, pid_n * BLOCK_N + local, mask=ms < M)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1)
+    if ticket == num_blocks - 1:
+        best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        best_index = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for start in range(0, num_blocks, 256):
+            blocks = start + tl.arange(0, 256)
+            mask = (ms[:, None] < M) & (blocks[None, :] < num_blocks)
+            ptrs = ms[:, None] * num_blocks + blocks[None, :]
+            # .cg: from L2, never a line this SM cached before the other programs wrote it.
+            chunk = tl.load(best_value_ptr + ptrs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+            chunk_indices = tl.load(best_index_ptr + ptrs, mask=mask, other=0, cache_modifier=".cg")
+            chunk_best = tl.max(chunk, axis=1)
+            # Indices grow with the program, so the chunk's first maximum has the smallest.
+            chunk_index = tl.min(tl.where(chunk == chunk_best[:, None], chunk_indices, 2147483647), axis=1)
+            take = chunk_best > best  # an equal maximum in a later chunk comes after
+            best = tl.where(take, chunk_best, best)
+            best_index = tl.where(take, chunk_index, best_index)
+        tl.store(argmax_ptr + ms, best_index.to(tl.int64), mask=ms < M)
+        tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch
+
+
+@triton.jit
+def _sum_splits(acc, rows, ms, pid_n, pid_k, M, N, out_ptrs, out_mask, partial_ptr, counter_ptr, w_scale_ptr,
+                bias_ptr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                HAS_W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Split-K: this split's partial sums acc into partial [SPLIT_K, M, N] (float32); whoever draws
+    the last ticket adds the splits in order (deterministic), scales, adds the bias and stores. The
+    barrier orders every thread's partial stores before the (one-thread, acq_rel, gpu-scope)
+    ticket, so the last one sees all partials."""
+    part_ptrs = partial_ptr + ms[None, :] * N + rows[:, None]
+    tl.store(part_ptrs + pid_k * M * N, acc, mask=out_mask)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr + pid_n, 1)
+    if ticket == SPLIT_K - 1:
+        total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):
+            # .cg: read from L2, never a line this SM cached before the other splits wrote it.
+            total += tl.load(part_ptrs + split * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+        total = _scale_and_bias(total, rows, N, w_scale_ptr, bias_ptr, HAS_W_SCALE, HAS_BIAS)
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=out_mask)
+        tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next launch
 
 
 _gemv = lazy_jit(_gemv_kernel)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 import triton.language as tl
 
 from gpuworker.checkpoint_quantization import int4_group_size_supported
@@ -236,6 +237,8 @@ def _int4_gemv_kernel(
     x_ptrs = x_ptr + ps * 8
     if X_WORDS:  # bfloat16 x read as uint32 words, two values each (4-byte aligned: the launcher checks)
         xw_ptrs = x_ptr.to(tl.pointer_type(tl.uint32)) + ps * 4
+    else:
+        xw_ptrs = None
     acc = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
     for step in tl.range(step_start, step_end, num_stages=NUM_STAGES):
         if MASKED:  # a column tail or a last step past the last group
@@ -249,44 +252,9 @@ def _int4_gemv_kernel(
             packed = tl.load(w_ptrs, eviction_policy="evict_first")
             zeros = tl.load(z_ptrs).to(tl.float32)
             scales = tl.load(s_ptrs).to(tl.float32)
-        # Nibbles without integer-to-float conversions (a quarter-rate instruction that capped the
-        # kernel below copy bandwidth): nibble i of a word, left in place at bits 4i..4i+3 and OR-ed
-        # with the exponent of 2**(23 - 4i), is the float 2**(23 - 4i) + q exactly; one subtraction
-        # leaves q. Nibbles 0-3 are read in place, 4-7 after one logical shift by 16 (bits past 22
-        # would reach the exponent). The masks derive from NIBBLE_MASK (0xF), a plain argument: as
-        # literals, ptxas re-materialised each one with a MOV before every AND-OR (a sixth of the loop).
-        low = packed.to(tl.uint32, bitcast=True)
-        high = low >> 16
-        qx = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
-        xs = tl.zeros((GROUPS_PER_STEP, ROWS), dtype=tl.float32)
-        for j in tl.static_range(8):
-            if X_WORDS:
-                # Half the loads of x and no conversion: bfloat16 is float32's top half, so the
-                # even value is the word shifted up and the odd one the word's top half in place.
-                if j % 2 == 0:
-                    if MASKED:
-                        x_word = tl.load(xw_ptrs + j // 2, mask=x_mask, other=0, eviction_policy="evict_last")
-                    else:
-                        x_word = tl.load(xw_ptrs + j // 2, eviction_policy="evict_last")
-                    x = (x_word << 16).to(tl.float32, bitcast=True)
-                else:
-                    x = (x_word & 0xFFFF0000).to(tl.float32, bitcast=True)
-            else:
-                if MASKED:
-                    x = tl.load(x_ptrs + j, mask=x_mask, other=0.0, eviction_policy="evict_last")
-                else:
-                    x = tl.load(x_ptrs + j, eviction_policy="evict_last")
-                if x_ptr.dtype.element_ty == tl.bfloat16:
-                    # bfloat16 is float32's top half. Triton's own conversion converted each x twice
-                    # (its pairwise conversion of a layout that holds every x twice per thread).
-                    x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-                else:
-                    x = x.to(tl.float32)
-            word = low if j < 4 else high
-            bits = (word & (NIBBLE_MASK << (4 * (j % 4))).to(tl.uint32)) | ((150 - 4 * (j % 4)) << 23)
-            q = bits.to(tl.float32, bitcast=True) - float(2 ** (23 - 4 * (j % 4)))
-            qx += q * x[:, :, None]
-            xs += x
+            x_mask = None
+        qx, xs = _nibble_products(packed, x_ptrs, xw_ptrs, x_mask, NIBBLE_MASK, GROUPS_PER_STEP, ROWS, BLOCK_N,
+                                  MASKED, X_WORDS)
         acc += scales[:, None, :] * (qx - zeros[:, None, :] * xs[:, :, None])
         w_ptrs += GROUPS_PER_STEP * ROWS * N
         z_ptrs += GROUPS_PER_STEP * N
@@ -295,15 +263,70 @@ def _int4_gemv_kernel(
         if X_WORDS:
             xw_ptrs += GROUPS_PER_STEP * GROUP_SIZE // 2
     out = tl.sum(tl.sum(acc, axis=1), axis=0)
+    _store_columns(out, offs_n, n_mask, pid_n, pid_k, N, SPLIT_K, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+                   BLOCK_N, HAS_BIAS)
+
+
+@triton.jit
+def _nibble_products(packed, x_ptrs, xw_ptrs, x_mask, NIBBLE_MASK, GROUPS_PER_STEP: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, X_WORDS: tl.constexpr):
+    """(qx, xs) of one step's packed rows [GROUPS_PER_STEP, ROWS, BLOCK_N] and their inputs (x_ptrs:
+    input row 8p of packed row p; xw_ptrs: the same as uint32 words with X_WORDS): qx the sum of each
+    word's eight q * x, xs [GROUPS_PER_STEP, ROWS] the sum of its eight x, in float32."""
+    # Nibbles without integer-to-float conversions (a quarter-rate instruction that capped the
+    # kernel below copy bandwidth): nibble i of a word, left in place at bits 4i..4i+3 and OR-ed
+    # with the exponent of 2**(23 - 4i), is the float 2**(23 - 4i) + q exactly; one subtraction
+    # leaves q. Nibbles 0-3 are read in place, 4-7 after one logical shift by 16 (bits past 22
+    # would reach the exponent). The masks derive from NIBBLE_MASK (0xF), a plain argument: as
+    # literals, ptxas re-materialised each one with a MOV before every AND-OR (a sixth of the loop).
+    low = packed.to(tl.uint32, bitcast=True)
+    high = low >> 16
+    qx = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
+    xs = tl.zeros((GROUPS_PER_STEP, ROWS), dtype=tl.float32)
+    for j in tl.static_range(8):
+        if X_WORDS:
+            # Half the loads of x and no conversion: bfloat16 is float32's top half, so the
+            # even value is the word shifted up and the odd one the word's top half in place.
+            if j % 2 == 0:
+                if MASKED:
+                    x_word = tl.load(xw_ptrs + j // 2, mask=x_mask, other=0, eviction_policy="evict_last")
+                else:
+                    x_word = tl.load(xw_ptrs + j // 2, eviction_policy="evict_last")
+                x = (x_word << 16).to(tl.float32, bitcast=True)
+            else:
+                x = (x_word & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            if MASKED:
+                x = tl.load(x_ptrs + j, mask=x_mask, other=0.0, eviction_policy="evict_last")
+            else:
+                x = tl.load(x_ptrs + j, eviction_policy="evict_last")
+            if x_ptrs.dtype.element_ty == tl.bfloat16:
+                # bfloat16 is float32's top half. Triton's own conversion converted each x twice
+                # (its pairwise conversion of a layout that holds every x twice per thread).
+                x = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            else:
+                x = x.to(tl.float32)
+        word = low if j < 4 else high
+        bits = (word & (NIBBLE_MASK << (4 * (j % 4))).to(tl.uint32)) | ((150 - 4 * (j % 4)) << 23)
+        q = bits.to(tl.float32, bitcast=True) - float(2 ** (23 - 4 * (j % 4)))
+        qx += q * x[:, :, None]
+        xs += x
+    return qx, xs
+
+
+@triton.jit
+def _store_columns(out, offs_n, n_mask, pid_n, pid_k, N, SPLIT_K, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The columns offs_n of the output row: out (float32 sums) plus the bias; with split-K (SPLIT_K
+    > 1) this split's partial, and the last split to draw its ticket sums them in split order
+    (deterministic), as gemv's split-K: the barrier orders every thread's partial stores before the
+    (one-thread, acq_rel, gpu-scope) ticket."""
     if SPLIT_K == 1:
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
-        # partial [SPLIT_K, N] float32; the last split to draw its ticket sums them in split order
-        # (deterministic), as gemv's split-K: the barrier orders every thread's partial stores before
-        # the (one-thread, acq_rel, gpu-scope) ticket.
-        tl.store(partial_ptr + pid_k * N + offs_n, out, mask=n_mask)
+        tl.store(partial_ptr + pid_k * N + offs_n, out, mask=n_mask)  # partial [SPLIT_K, N] float32
         tl.debug_barrier()
         ticket = tl.atomic_add(counter_ptr + pid_n, 1)
         if ticket == SPLIT_K - 1:
