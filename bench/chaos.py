@@ -40,14 +40,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.chaos_traffic import COMPLETED, ERROR, STREAM_ERROR, STAY, ClientRecord, Tenant, Traffic, send  # noqa: E402
+from bench.chaos_traffic import COMPLETED, ERROR, STAY, STREAM_ERROR, ClientRecord, Tenant, Traffic, send  # noqa: E402
 from bench.replica_faults import ReplicaProcess, kill_replica, poll, replica_processes  # noqa: E402
 from tests.private_services import PrivatePostgres, PrivateRedis  # noqa: E402
 
 FAULT_HELP = {
     "replica_kill": "SIGKILL a ready replica's process, found by the pid its daemon reports in heartbeats (as "
-                    "the control plane recorded them), never by process name; it must then be recorded failed "
-                    "and a new replica become ready",
+    "the control plane recorded them), never by process name; it must then be recorded failed "
+    "and a new replica become ready",
     "daemon_kill": "SIGKILL a running worker daemon (its replicas exit with it) and restart it 1-4 s later",
     "redis_restart": "stop the private Redis and start it again, empty, 2-6 s later",
     "postgres_restart": "stop the private PostgreSQL (pg_ctl stop -m fast) and start it again 2-6 s later",
@@ -62,8 +62,11 @@ POOR_CREDIT = PRICE * 10  # the last tenant runs out after about ten requests
 # holds of requests whose settlement was lost are swept within the run (hold lifetime = request
 # timeout + 60 s).
 SYSTEM_ENV = {
-    "OMP_NUM_THREADS": "1", "LOG_LEVEL": "WARNING", "FLEET_WORKER_LOST_AFTER_SECONDS": "6",
-    "GATEWAY_REQUEST_TIMEOUT_SECONDS": "60", "GATEWAY_HOLD_SWEEP_SECONDS": "2",
+    "OMP_NUM_THREADS": "1",
+    "LOG_LEVEL": "WARNING",
+    "FLEET_WORKER_LOST_AFTER_SECONDS": "6",
+    "GATEWAY_REQUEST_TIMEOUT_SECONDS": "60",
+    "GATEWAY_HOLD_SWEEP_SECONDS": "2",
 }
 HOLD_LIFETIME_S = 60 + 60
 # How long a replica kill waits for every replica to be ready with its process reported, and so for
@@ -118,9 +121,15 @@ class Chaos:
         self.postgres.start()
         self.postgres.create_database()
         self.redis.start()
-        os.environ.update(DATABASE_URL=self.postgres.url, REDIS_URL=self.redis.url, DEBUG="1",
-                          GPUSERVE_WORKER_TOKEN=secrets.token_urlsafe(24), VAR_DIR=str(self.scratch / "script"),
-                          DJANGO_SETTINGS_MODULE="controlplane.settings", LOG_LEVEL="WARNING")
+        os.environ.update(
+            DATABASE_URL=self.postgres.url,
+            REDIS_URL=self.redis.url,
+            DEBUG="1",
+            GPUSERVE_WORKER_TOKEN=secrets.token_urlsafe(24),
+            VAR_DIR=str(self.scratch / "script"),
+            DJANGO_SETTINGS_MODULE="controlplane.settings",
+            LOG_LEVEL="WARNING",
+        )
         import django
         from django.core.management import call_command
 
@@ -147,14 +156,25 @@ class Chaos:
         from controlplane.fleet.services.deployments import deployment_create
 
         # No monthly allowance: every charged request is a ledger entry.
-        plan = plan_create(name="chaos", included_requests_per_month=0, rate_limit_per_minute=100_000,
-                           max_concurrent_requests=64)
-        tier = price_tier_create(name="chaos", price_per_request=PRICE, reference_price_per_million_tokens=Decimal("0.5"))
-        model_create(public_name=MODEL, family="llama", kind="chat", weights_path=str(checkpoint), context_length=512,
-                     parameter_count=4_000_000, price_tier=tier)
+        plan = plan_create(
+            name="chaos", included_requests_per_month=0, rate_limit_per_minute=100_000, max_concurrent_requests=64
+        )
+        tier = price_tier_create(
+            name="chaos", price_per_request=PRICE, reference_price_per_million_tokens=Decimal("0.5")
+        )
+        model_create(
+            public_name=MODEL,
+            family="llama",
+            kind="chat",
+            weights_path=str(checkpoint),
+            context_length=512,
+            parameter_count=4_000_000,
+            price_tier=tier,
+        )
         # Hand-scaled: the run counts on exactly REPLICAS replicas, which the autoscaler would move.
-        self.deployment = deployment_create(model_name=MODEL, desired_replicas=REPLICAS, max_replicas=REPLICAS + 1,
-                                            autoscale=False)
+        self.deployment = deployment_create(
+            model_name=MODEL, desired_replicas=REPLICAS, max_replicas=REPLICAS + 1, autoscale=False
+        )
         tenants = []
         for i in range(self.tenant_count):
             poor = i == self.tenant_count - 1 and self.tenant_count > 1
@@ -166,8 +186,9 @@ class Chaos:
     def _wait_for_replicas(self) -> None:
         from tests.integration.conftest import wait_until
 
-        wait_until(lambda: self.ready_replicas() == REPLICAS, timeout=240, what=f"{REPLICAS} ready replicas",
-                   fleet=self.fleet)
+        wait_until(
+            lambda: self.ready_replicas() == REPLICAS, timeout=240, what=f"{REPLICAS} ready replicas", fleet=self.fleet
+        )
 
     def ready_replicas(self) -> int:
         from controlplane.fleet.models import Replica
@@ -184,8 +205,10 @@ class Chaos:
             if known.get(replica.pk) != replica.state:
                 known[replica.pk] = replica.state
                 reason = f" ({replica.failure}: {replica.last_error[:120]})" if replica.last_error else ""
-                self.replica_changes.append(f"[{time.monotonic() - self.began:5.0f}s] replica {replica.pk} on "
-                                            f"{replica.worker.name}: {replica.state}{reason}")
+                self.replica_changes.append(
+                    f"[{time.monotonic() - self.began:5.0f}s] replica {replica.pk} on "
+                    f"{replica.worker.name}: {replica.state}{reason}"
+                )
         return ready
 
     def stop(self) -> None:
@@ -239,17 +262,30 @@ class Chaos:
         poll(settled, REPLICA_TARGET_WAIT_S)
         if not targets:
             now = time.monotonic()
-            return Fault("replica_kill", "nothing killed", now, now, problem=(
-                f"no ready replica with a live process its daemon reported within {REPLICA_TARGET_WAIT_S}s"))
+            return Fault(
+                "replica_kill",
+                "nothing killed",
+                now,
+                now,
+                problem=(f"no ready replica with a live process its daemon reported within {REPLICA_TARGET_WAIT_S}s"),
+            )
         target = rng.choice(targets)
         only = " (the only ready one)" if len(targets) == 1 else ""
         kill = kill_replica(target, failed_wait_s=REPLICA_FAILED_WAIT_S, replaced_wait_s=REPLICA_REPLACED_WAIT_S)
         if not kill.killed:
             return Fault("replica_kill", "nothing killed", kill.killed_at, kill.killed_at, problem=kill.problem)
-        return Fault("replica_kill", f"replica {target.replica_id} on {target.worker}, pid {target.pid}{only}",
-                     kill.killed_at, kill.killed_at, problem=kill.problem, replica_id=target.replica_id,
-                     pid=target.pid, failure_seen=kill.failure_seen, failed_seen_s=kill.failed_seen_s,
-                     replaced_s=kill.replaced_s)
+        return Fault(
+            "replica_kill",
+            f"replica {target.replica_id} on {target.worker}, pid {target.pid}{only}",
+            kill.killed_at,
+            kill.killed_at,
+            problem=kill.problem,
+            replica_id=target.replica_id,
+            pid=target.pid,
+            failure_seen=kill.failure_seen,
+            failed_seen_s=kill.failed_seen_s,
+            replaced_s=kill.replaced_s,
+        )
 
     def replica_processes(self) -> list[ReplicaProcess]:
         """The ready replicas of the run's deployment whose daemon, one of ours and running, reports
@@ -266,8 +302,12 @@ class Chaos:
         self.fleet.kill(daemon)
         time.sleep(rng.uniform(1, 4))
         self.daemons[self.daemons.index(daemon)] = self.fleet.restart(daemon)
-        return Fault("daemon_kill", f"{daemon.name}, restarted after {time.monotonic() - injected:.1f}s",
-                     injected, time.monotonic())
+        return Fault(
+            "daemon_kill",
+            f"{daemon.name}, restarted after {time.monotonic() - injected:.1f}s",
+            injected,
+            time.monotonic(),
+        )
 
     def redis_restart(self, rng: random.Random) -> Fault:
         return self._outage("redis_restart", self.redis, rng)
@@ -299,8 +339,10 @@ class Chaos:
                 order = rng.sample(FAULTS, len(FAULTS))
             kind = order.pop()
             fault = await asyncio.to_thread(getattr(self, kind), rng)
-            print(f"[{fault.injected - self.began:5.0f}s] fault {len(faults) + 1}: {fault.kind} ({fault.detail})",
-                  flush=True)
+            print(
+                f"[{fault.injected - self.began:5.0f}s] fault {len(faults) + 1}: {fault.kind} ({fault.detail})",
+                flush=True,
+            )
             faults.append(fault)
 
     # --- the end --------------------------------------------------------------------------------
@@ -331,8 +373,12 @@ def measure_recovery(faults: list[Fault], records: list[ClientRecord], samples) 
         first = next((r for r in served if r.started >= fault.restored), None)
         fault.recovered_s = None if first is None else first.ended - fault.restored
         until = first.ended if first else float("inf")
-        fault.server_errors = sum(1 for r in records if fault.injected <= r.ended <= until and (
-            r.outcome == STREAM_ERROR or (r.outcome == ERROR and r.status >= 500)))
+        fault.server_errors = sum(
+            1
+            for r in records
+            if fault.injected <= r.ended <= until
+            and (r.outcome == STREAM_ERROR or (r.outcome == ERROR and r.status >= 500))
+        )
         # A dip counts only before the next fault, whose own dip it would otherwise be.
         after = [(t, n) for t, n in samples if t >= fault.injected and (following is None or t < following.injected)]
         dip = next((i for i, (_, n) in enumerate(after) if n is not None and n < REPLICAS), None)
@@ -354,38 +400,70 @@ def fault_problems(faults: list[Fault]) -> list[str]:
     return [f"fault {i} ({f.kind}): {f.problem}" for i, f in enumerate(faults, 1) if f.problem]
 
 
-def report(args, records: list[ClientRecord], faults: list[Fault], result, settled: bool, began: float,
-           started: float, elapsed: float) -> dict:
+def report(
+    args,
+    records: list[ClientRecord],
+    faults: list[Fault],
+    result,
+    settled: bool,
+    began: float,
+    started: float,
+    elapsed: float,
+) -> dict:
     outcomes = Counter(r.label for r in records)
     by_plan = Counter(r.plan for r in records)
-    lines = [f"chaos run: {elapsed:.0f}s of traffic from {started - began:.0f}s, {args.tenants} tenants, "
-             f"{args.concurrency} clients, seed {args.seed}, a fault every ~{args.fault_interval:.0f}s",
-             f"requests: {len(records)} ({', '.join(f'{n} {plan}' for plan, n in sorted(by_plan.items()))})",
-             "", "| outcome seen by the client | requests | what the ledger did |", "|---|---|---|"]
-    lines += [f"| {label} | {n} | {', '.join(f'{k} {v}' for k, v in sorted(result.ledger_by_outcome[label].items()))} |"
-              for label, n in sorted(outcomes.items(), key=lambda kv: -kv[1])]
-    lines += ["", "| # | fault | detail | at (s) | served again after (s) | both replicas ready after (s) | "
-              "5xx seen meanwhile |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"chaos run: {elapsed:.0f}s of traffic from {started - began:.0f}s, {args.tenants} tenants, "
+        f"{args.concurrency} clients, seed {args.seed}, a fault every ~{args.fault_interval:.0f}s",
+        f"requests: {len(records)} ({', '.join(f'{n} {plan}' for plan, n in sorted(by_plan.items()))})",
+        "",
+        "| outcome seen by the client | requests | what the ledger did |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {label} | {n} | {', '.join(f'{k} {v}' for k, v in sorted(result.ledger_by_outcome[label].items()))} |"
+        for label, n in sorted(outcomes.items(), key=lambda kv: -kv[1])
+    ]
+    lines += [
+        "",
+        "| # | fault | detail | at (s) | served again after (s) | both replicas ready after (s) | 5xx seen meanwhile |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
     def secs(value):
         return "-" if value is None else f"{value:.1f}"
 
-    lines += [f"| {i} | {f.kind} | {fault_detail(f)} | {f.injected - began:.0f} | {secs(f.recovered_s)} | "
-              f"{secs(f.replicas_whole_s)} | {f.server_errors} |" for i, f in enumerate(faults, 1)]
-    lines += ["", f"charged requests {result.charged} = ledger usage entries {result.ledger_usage_entries}; "
-              f"recorded unbilled {result.recorded_unbilled}; released {result.released}; "
-              f"every hold settled: {'yes' if settled else 'NO'}"]
+    lines += [
+        f"| {i} | {f.kind} | {fault_detail(f)} | {f.injected - began:.0f} | {secs(f.recovered_s)} | "
+        f"{secs(f.replicas_whole_s)} | {f.server_errors} |"
+        for i, f in enumerate(faults, 1)
+    ]
+    lines += [
+        "",
+        f"charged requests {result.charged} = ledger usage entries {result.ledger_usage_entries}; "
+        f"recorded unbilled {result.recorded_unbilled}; released {result.released}; "
+        f"every hold settled: {'yes' if settled else 'NO'}",
+    ]
     for name in result.PROBLEMS:
         found = getattr(result, name)
         lines.append(f"{name.replace('_', ' ')}: {len(found)}" + "".join(f"\n    {item}" for item in found[:20]))
     lines.append(f"audit: {'OK' if result.ok and settled else 'FAILED'}")
     print("\n".join(lines), flush=True)
-    return {"options": vars(args), "seconds": elapsed, "requests": len(records), "outcomes": dict(outcomes),
-            "faults": [asdict(f) for f in faults], "settled": settled, "audit": result.to_json(),
-            "table": "\n".join(lines)}
+    return {
+        "options": vars(args),
+        "seconds": elapsed,
+        "requests": len(records),
+        "outcomes": dict(outcomes),
+        "faults": [asdict(f) for f in faults],
+        "settled": settled,
+        "audit": result.to_json(),
+        "table": "\n".join(lines),
+    }
 
 
-async def traffic_with_faults(chaos: Chaos, tenants: list[Tenant], args) -> tuple[list[ClientRecord], list[Fault],
-                                                                                 float, float]:
+async def traffic_with_faults(
+    chaos: Chaos, tenants: list[Tenant], args
+) -> tuple[list[ClientRecord], list[Fault], float, float]:
     import httpx
 
     traffic = Traffic(chaos.fleet.url, MODEL, tenants, args.concurrency, args.seed)
@@ -402,18 +480,23 @@ async def traffic_with_faults(chaos: Chaos, tenants: list[Tenant], args) -> tupl
             await asyncio.sleep(0.5)
     started = time.monotonic()
     until = started + args.duration
-    faults, _ = await asyncio.gather(chaos.inject_faults(until, random.Random(args.seed), args.fault_interval),
-                                     traffic.run(args.duration))
+    faults, _ = await asyncio.gather(
+        chaos.inject_faults(until, random.Random(args.seed), args.fault_interval), traffic.run(args.duration)
+    )
     return traffic.records, faults, started, time.monotonic() - started
 
 
 def main(argv: list[str] | None = None) -> int:
-    faults = "\n".join(textwrap.fill(text, 100, initial_indent=f"  {kind}: ", subsequent_indent="    ")
-                       for kind, text in FAULT_HELP.items())
+    faults = "\n".join(
+        textwrap.fill(text, 100, initial_indent=f"  {kind}: ", subsequent_indent="    ")
+        for kind, text in FAULT_HELP.items()
+    )
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="faults: one at a time, every kind once per round in a seeded order; a fault that finds nothing to\n"
-               f"act on, or whose effect is never seen, fails the run (its audit and exit status).\n{faults}")
+        f"act on, or whose effect is never seen, fails the run (its audit and exit status).\n{faults}",
+    )
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
     parser.add_argument("--tenants", type=int, default=4, help="tenants (the last has credit for ~10 requests)")
     parser.add_argument("--concurrency", type=int, default=8, help="clients sending at once")

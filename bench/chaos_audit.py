@@ -44,9 +44,19 @@ class Audit:
     malformed: list[str] = field(default_factory=list)
     faults_without_effect: list[str] = field(default_factory=list)
 
-    PROBLEMS = ("lost_charges", "double_charges", "overcharges", "duplicate_ids", "unexplained_records",
-                "entries_not_matching_records", "holds_left", "balances_not_ledger", "negative_balances",
-                "malformed", "faults_without_effect")
+    PROBLEMS = (
+        "lost_charges",
+        "double_charges",
+        "overcharges",
+        "duplicate_ids",
+        "unexplained_records",
+        "entries_not_matching_records",
+        "holds_left",
+        "balances_not_ledger",
+        "negative_balances",
+        "malformed",
+        "faults_without_effect",
+    )
 
     @property
     def ok(self) -> bool:
@@ -68,8 +78,11 @@ def audit(records: list[ClientRecord], tenant_names: list[str], fault_problems: 
     tenants = {t.pk: t.name for t in Tenant.objects.filter(name__in=tenant_names)}
     result = Audit(requests=len(records), faults_without_effect=list(fault_problems))
     usage = {r.request_id: r for r in UsageRecord.objects.filter(tenant_id__in=tenants)}
-    entries = list(CreditEntry.objects.filter(tenant_id__in=tenants, kind=CreditEntry.Kind.USAGE)
-                   .values("usage_record__request_id", "amount"))
+    entries = list(
+        CreditEntry.objects.filter(tenant_id__in=tenants, kind=CreditEntry.Kind.USAGE).values(
+            "usage_record__request_id", "amount"
+        )
+    )
     result.ledger_usage_entries = len(entries)
     per_record = Counter(e["usage_record__request_id"] for e in entries)
     result.double_charges = sorted(rid for rid, n in per_record.items() if n > 1)
@@ -110,16 +123,25 @@ def audit(records: list[ClientRecord], tenant_names: list[str], fault_problems: 
         if count > anonymous[tenant]:
             ids = sorted(rid for rid, r in usage.items() if rid not in seen and tenants[r.tenant_id] == tenant)
             result.unexplained_records.append(
-                f"{tenant}: {count} records no client saw, {anonymous[tenant]} clients left before their id: {ids[:10]}")
+                f"{tenant}: {count} records no client saw, {anonymous[tenant]} clients left before their id: {ids[:10]}"
+            )
 
-    result.holds_left = [f"{h.request_id} ({tenants.get(h.tenant_id)}, {h.amount}, expires {h.expires_at:%H:%M:%S})"
-                         for h in CreditHold.objects.filter(tenant_id__in=tenants)]
-    sums = dict(CreditEntry.objects.filter(tenant_id__in=tenants).values("tenant_id")
-                .annotate(total=Sum("amount")).values_list("tenant_id", "total"))
+    result.holds_left = [
+        f"{h.request_id} ({tenants.get(h.tenant_id)}, {h.amount}, expires {h.expires_at:%H:%M:%S})"
+        for h in CreditHold.objects.filter(tenant_id__in=tenants)
+    ]
+    sums = dict(
+        CreditEntry.objects.filter(tenant_id__in=tenants)
+        .values("tenant_id")
+        .annotate(total=Sum("amount"))
+        .values_list("tenant_id", "total")
+    )
     for account in CreditAccount.objects.filter(tenant_id__in=tenants):
         name, ledger = tenants[account.tenant_id], sums.get(account.tenant_id) or Decimal("0")
         if account.balance != ledger or account.held != 0:
-            result.balances_not_ledger.append(f"{name}: balance {account.balance}, ledger {ledger}, held {account.held}")
+            result.balances_not_ledger.append(
+                f"{name}: balance {account.balance}, ledger {ledger}, held {account.held}"
+            )
         if account.balance < 0:
             result.negative_balances.append(f"{name}: {account.balance}")
     return result

@@ -21,11 +21,22 @@ STAY, LEAVE_EARLY, LEAVE_MID_STREAM, LEAVE_WAITING = "stay", "leave_early", "lea
 # How a request ended, seen from the client.
 COMPLETED, ERROR, STREAM_ERROR, LEFT, BROKEN = "completed", "error", "stream_error", "left", "broken"
 
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8}}, "required": ["answer"],
-          "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 8}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 KINDS = ("chat", "chat_stream", "completion", "completion_stream", "json_schema", "tools")
 
 
@@ -91,14 +102,24 @@ def choose_plan(kind: str, rng: random.Random) -> str:
 def is_error_body(data) -> bool:
     """An OpenAI error: {"error": {"message", "type", "param", "code"}} with a message."""
     error = data.get("error") if isinstance(data, dict) else None
-    return (isinstance(error, dict) and {"message", "type", "param", "code"} <= error.keys()
-            and isinstance(error["message"], str) and bool(error["message"]))
+    return (
+        isinstance(error, dict)
+        and {"message", "type", "param", "code"} <= error.keys()
+        and isinstance(error["message"], str)
+        and bool(error["message"])
+    )
 
 
 def is_answer(data, path: str) -> bool:
     expected = "chat.completion" if path.endswith("chat/completions") else "text_completion"
-    return (isinstance(data, dict) and data.get("object") == expected and isinstance(data.get("choices"), list)
-            and bool(data["choices"]) and isinstance(data.get("usage"), dict) and isinstance(data.get("id"), str))
+    return (
+        isinstance(data, dict)
+        and data.get("object") == expected
+        and isinstance(data.get("choices"), list)
+        and bool(data["choices"])
+        and isinstance(data.get("usage"), dict)
+        and isinstance(data.get("id"), str)
+    )
 
 
 def is_chunk(data, path: str) -> bool:
@@ -138,7 +159,7 @@ class StreamJudge:
             if line.strip() and not line.startswith(":"):
                 self._broken(f"unexpected line {line[:40]!r}")
             return
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         if data == "[DONE]":
             self.ended = True
             self.record.outcome, self.record.well_formed = COMPLETED, True
@@ -165,8 +186,9 @@ class StreamJudge:
         self.record.outcome, self.record.well_formed, self.record.code = BROKEN, False, why
 
 
-async def send(client: httpx.AsyncClient, tenant: Tenant, kind: str, plan: str, model: str,
-               rng: random.Random) -> ClientRecord:
+async def send(
+    client: httpx.AsyncClient, tenant: Tenant, kind: str, plan: str, model: str, rng: random.Random
+) -> ClientRecord:
     """One request, as `plan` says; never raises for what the server or the network did."""
     path, body = request_body(kind, model, rng)
     record = ClientRecord(tenant=tenant.name, kind=kind, plan=plan, started=time.monotonic())

@@ -30,8 +30,14 @@ DEFAULT_CONFIG = BENCH_DIR / "configs" / "llama-3-8b"
 READY_DEADLINE_S = 900.0
 
 
-def engine_parser(doc: str | None, *, dtype: str | None = "bfloat16", dtype_help: str | None = None,
-                  device: str | None = "cuda", raw_description: bool = False) -> argparse.ArgumentParser:
+def engine_parser(
+    doc: str | None,
+    *,
+    dtype: str | None = "bfloat16",
+    dtype_help: str | None = None,
+    device: str | None = "cuda",
+    raw_description: bool = False,
+) -> argparse.ArgumentParser:
     """A parser with the options of every engine benchmark: --config (the model's shape), --dtype and,
     unless `device` is None (a CUDA-only benchmark), --device."""
     formatter = argparse.RawDescriptionHelpFormatter if raw_description else argparse.HelpFormatter
@@ -44,17 +50,33 @@ def engine_parser(doc: str | None, *, dtype: str | None = "bfloat16", dtype_help
 
 
 # --smoke: the model of --config at this size (quantized projections keep whole groups).
-SMOKE_DIMS = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-              "bos_token_id": 1, "eos_token_id": 2}
-SMOKE_EXPERTS = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                 "shared_expert_intermediate_size": 128}
+SMOKE_DIMS = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+SMOKE_EXPERTS = {
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+}
 
 
 def add_smoke_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--smoke", action="store_true",
-                        help="the CPU, float32, --config's architecture and quantization at a tiny size, a few "
-                             "requests: the whole script in seconds (tests)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the CPU, float32, --config's architecture and quantization at a tiny size, a few "
+        "requests: the whole script in seconds (tests)",
+    )
 
 
 def use_smoke_model(args: argparse.Namespace) -> None:
@@ -112,8 +134,11 @@ SAMPLING_MODES = {
 
 
 def add_sampling_option(parser: argparse.ArgumentParser, default: str = "greedy") -> None:
-    parser.add_argument("--sampling", default=default,
-                        help=f"comma-separated modes, each run in turn on the same engine: {', '.join(SAMPLING_MODES)}")
+    parser.add_argument(
+        "--sampling",
+        default=default,
+        help=f"comma-separated modes, each run in turn on the same engine: {', '.join(SAMPLING_MODES)}",
+    )
 
 
 def sampling_modes(arg: str) -> list[str]:
@@ -136,9 +161,7 @@ def sampling_params(mode: str, request_index: int, **fixed):
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True
-        )
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True)
         return out.stdout.strip() or os.environ.get("GIT_COMMIT", "unknown")
     except OSError:
         return os.environ.get("GIT_COMMIT", "unknown")
@@ -176,6 +199,7 @@ def environment() -> dict:
 class KernelSweep:
     """Where a kernel sweep runs: `device`, whether it times (`timed`), the environment, and the
     device's copy bandwidth when it was measured."""
+
     device: str
     timed: bool
     env: dict
@@ -192,22 +216,24 @@ def start_kernel_sweep(script: str, check_only: bool, *, copy_bandwidth: bool = 
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         if not check_only:
-            raise SystemExit(f"bench/{script} needs a CUDA device (or --check-only, which runs the Triton "
-                             "interpreter)")
+            raise SystemExit(f"bench/{script} needs a CUDA device (or --check-only, which runs the Triton interpreter)")
         os.environ["TRITON_INTERPRET"] = "1"  # read at launch by gpuworker.kernels.launch
     timed = on_cuda and not check_only
     env = environment()
     copy_gbps = copy_bandwidth_gbs(num_bytes=2 << 30) if timed and copy_bandwidth else None
     if timed:
-        print(f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}"
-              + (f"  copy bandwidth {copy_gbps:.0f} GB/s (read + write)" if copy_gbps else ""))
+        print(
+            f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}"
+            + (f"  copy bandwidth {copy_gbps:.0f} GB/s (read + write)" if copy_gbps else "")
+        )
     return KernelSweep("cuda" if on_cuda else "cpu", timed, env, copy_gbps)
 
 
 def add_write_configs_option(parser: argparse.ArgumentParser, what: str) -> None:
     """--write-configs: a kernel sweep merges its winners into the tuned configs of the GPU it ran on."""
-    parser.add_argument("--write-configs", action="store_true",
-                        help=f"merge the winners into {what} for this GPU (a timed run)")
+    parser.add_argument(
+        "--write-configs", action="store_true", help=f"merge the winners into {what} for this GPU (a timed run)"
+    )
 
 
 def write_configs(kernel: str, key: tuple[str, ...], records: list[dict], remove: list[dict] | tuple = ()) -> Path:
@@ -319,11 +345,17 @@ def hf_tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     shapes = [("model.embed_tokens.weight", (vocab, h))]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                   (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
-                   (p + "post_attention_layernorm.weight", (h,))]
+        shapes += [
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
     return shapes + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
 
 
@@ -353,16 +385,19 @@ def write_checkpoint(directory: Path, config_dir: Path, shards: int) -> None:
     weight_map = {}
     for k, group in enumerate(groups):
         file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {name: (torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) * 0.02)
-                   .cpu() for name, shape in group}
+        tensors = {
+            name: (torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16) * 0.02).cpu()
+            for name, shape in group
+        }
         save_file(tensors, str(directory / file), metadata={"format": "pt"})
         weight_map |= {name: file for name in tensors}
         del tensors
         with open(directory / file, "rb") as f:
             os.fsync(f.fileno())  # written to disk, so DONTNEED can drop the pages later
         print(f"wrote {file}", flush=True)
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     shutil.copy(config_dir / "config.json", directory / "config.json")
     write_tokenizer(directory, MIN_VOCAB_SIZE, cfg["max_position_embeddings"])  # its tokenizer_config.json
     write_llama3_like_tokenizer(directory, cfg["vocab_size"])
@@ -410,18 +445,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_replica(model: Path, *, device: str, dtype: str, log: Path, tree: Path = ROOT,
-                  extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def start_replica(
+    model: Path, *, device: str, dtype: str, log: Path, tree: Path = ROOT, extra_args: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     """`python -m gpuworker serve` from the checkout `tree`, spawned as the daemon spawns it, on a
     free port: the process and its base URL. Its output goes to `log`."""
     port = free_port()
-    argv = [sys.executable, "-m", "gpuworker", "serve", "--model", str(model), "--port", str(port),
-            "--device", device, "--dtype", dtype, "--log-level", "warning", *extra_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "gpuworker",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        "--log-level",
+        "warning",
+        *extra_args,
+    ]
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     with open(log, "ab") as out:
-        process = subprocess.Popen(argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -459,6 +511,7 @@ def stop_replica(process: subprocess.Popen) -> None:
 @dataclass
 class Timer:
     """Wall time of a block, the work queued on `device` within it included."""
+
     device: str
     start: float = 0.0
     elapsed: float = 0.0

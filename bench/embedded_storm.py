@@ -102,10 +102,18 @@ class Storm:
 
     def environment(self) -> dict[str, str]:
         """What `make run` sees on a fresh machine: no DATABASE_URL or REDIS_URL, state under VAR_DIR."""
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "GPUSERVE_HOST", "GPUSERVE_WORKER_TOKEN")}
-        return {**env, "DEBUG": "1", "VAR_DIR": str(self.var_dir), "DJANGO_SETTINGS_MODULE": "controlplane.settings",
-                "PYTHONPATH": str(REPO)}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "GPUSERVE_HOST", "GPUSERVE_WORKER_TOKEN")
+        }
+        return {
+            **env,
+            "DEBUG": "1",
+            "VAR_DIR": str(self.var_dir),
+            "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+            "PYTHONPATH": str(REPO),
+        }
 
     def prepare(self) -> str:
         """Migrate and seed this VAR_DIR from this process; returns the tenant's API key."""
@@ -123,16 +131,26 @@ class Storm:
         from controlplane.fleet.services.deployments import deployment_create
         from gpuworker.demo_model import write_demo_model
 
-        tier = price_tier_create(name="storm", price_per_request=Decimal("0.001"),
-                                 reference_price_per_million_tokens=Decimal("0.5"))
+        tier = price_tier_create(
+            name="storm", price_per_request=Decimal("0.001"), reference_price_per_million_tokens=Decimal("0.5")
+        )
         for i, (name, low, high, start) in enumerate(DEPLOYMENTS):
             checkpoint = write_demo_model(self.var_dir / "models" / name, max_position_embeddings=256, seed=i)
-            model_create(public_name=name, family="llama", kind="chat", weights_path=str(checkpoint),
-                         context_length=256, parameter_count=4_000_000, price_tier=tier)
-            deployment_create(model_name=name, desired_replicas=start, min_replicas=low, max_replicas=high,
-                              autoscale=False)
-        plan = plan_create(name="storm", included_requests_per_month=0, rate_limit_per_minute=100_000,
-                           max_concurrent_requests=64)
+            model_create(
+                public_name=name,
+                family="llama",
+                kind="chat",
+                weights_path=str(checkpoint),
+                context_length=256,
+                parameter_count=4_000_000,
+                price_tier=tier,
+            )
+            deployment_create(
+                model_name=name, desired_replicas=start, min_replicas=low, max_replicas=high, autoscale=False
+            )
+        plan = plan_create(
+            name="storm", included_requests_per_month=0, rate_limit_per_minute=100_000, max_concurrent_requests=64
+        )
         tenant = tenant_create(name="storm", plan=plan)
         credit_grant(tenant=tenant, amount=Decimal("1000"), memo="storm")
         return api_key_create(tenant=tenant, name="storm").plaintext
@@ -140,9 +158,20 @@ class Storm:
     def start(self) -> None:
         log = open(self.log_path, "w")
         self.launcher = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.launcher", "--port", str(self.port),
-             "--env-file", str(self.scratch / ".env.demo")],
-            cwd=REPO, env=self.environment(), stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "controlplane.launcher",
+                "--port",
+                str(self.port),
+                "--env-file",
+                str(self.scratch / ".env.demo"),
+            ],
+            cwd=REPO,
+            env=self.environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         self.wait_until(lambda: "Press Ctrl-C to stop everything" in self.log(), STARTUP_TIMEOUT_S, "the banner")
         self.wait_until(self.settled, STARTUP_TIMEOUT_S, "the first replicas")
 
@@ -163,8 +192,9 @@ class Storm:
             if value:
                 return value
             if self.launcher is not None and self.launcher.poll() is not None:
-                raise RuntimeError(f"the launcher exited ({self.launcher.returncode}) waiting for {what}:\n"
-                                   + self.log()[-6000:])
+                raise RuntimeError(
+                    f"the launcher exited ({self.launcher.returncode}) waiting for {what}:\n" + self.log()[-6000:]
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}:\n" + self.log()[-6000:])
             time.sleep(0.5)
@@ -180,8 +210,7 @@ class Storm:
         State = Replica.State
         if Replica.objects.filter(state__in=(State.PENDING, State.LOADING, State.DRAINING)).exists():
             return False
-        return all(d.replicas.filter(state=State.READY).count() == d.desired_replicas
-                   for d in Deployment.objects.all())
+        return all(d.replicas.filter(state=State.READY).count() == d.desired_replicas for d in Deployment.objects.all())
 
     # --- the load ------------------------------------------------------------------------------
 
@@ -192,8 +221,9 @@ class Storm:
         from controlplane.fleet.services.deployments import deployment_scale
 
         deployment = self.rng.choice(list(Deployment.objects.select_related("model").order_by("pk")))
-        sizes = [n for n in range(deployment.min_replicas, deployment.max_replicas + 1)
-                 if n != deployment.desired_replicas]
+        sizes = [
+            n for n in range(deployment.min_replicas, deployment.max_replicas + 1) if n != deployment.desired_replicas
+        ]
         try:
             deployment_scale(deployment=deployment, desired_replicas=self.rng.choice(sizes))
             self.scale_actions += 1
@@ -220,8 +250,10 @@ class Storm:
             with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {key}"}) as http:
                 while not traffic.stop.is_set():
                     try:
-                        answer = http.post(url, json={"model": TRAFFIC_MODEL, "prompt": f"storm {i}",
-                                                      "max_tokens": 8, "temperature": 0})
+                        answer = http.post(
+                            url,
+                            json={"model": TRAFFIC_MODEL, "prompt": f"storm {i}", "max_tokens": 8, "temperature": 0},
+                        )
                         traffic.outcomes[str(answer.status_code)] += 1
                     except httpx.HTTPError as exc:
                         traffic.outcomes[type(exc).__name__] += 1
@@ -272,15 +304,25 @@ class Storm:
             return bool(targets)
 
         if not poll(found, REPLICA_TARGET_WAIT_S):
-            kill["problem"] = (f"no ready {TRAFFIC_MODEL} replica with a live process the daemon reported, in a "
-                               f"settled fleet, within {REPLICA_TARGET_WAIT_S}s")
+            kill["problem"] = (
+                f"no ready {TRAFFIC_MODEL} replica with a live process the daemon reported, in a "
+                f"settled fleet, within {REPLICA_TARGET_WAIT_S}s"
+            )
             return
         target = self.rng.choice(targets)
         done = kill_replica(target, failed_wait_s=REPLICA_FAILED_WAIT_S, replaced_wait_s=REPLICA_REPLACED_WAIT_S)
-        kill.update(at_s=done.killed_at - self.began, killed=done.killed, replica_id=target.replica_id,
-                    pid=target.pid, of=len(targets), failure_seen=done.failure_seen,
-                    failed_seen_s=done.failed_seen_s, replaced_by=done.replaced_by, replaced_s=done.replaced_s,
-                    problem=done.problem)
+        kill.update(
+            at_s=done.killed_at - self.began,
+            killed=done.killed,
+            replica_id=target.replica_id,
+            pid=target.pid,
+            of=len(targets),
+            failure_seen=done.failure_seen,
+            failed_seen_s=done.failed_seen_s,
+            replaced_by=done.replaced_by,
+            replaced_s=done.replaced_s,
+            problem=done.problem,
+        )
         if done.problem:
             return
         served = self.traffic.outcomes["200"]
@@ -289,8 +331,7 @@ class Storm:
         else:
             kill["problem"] = f"no request was served within {SERVED_AGAIN_WAIT_S}s of the new replica being ready"
 
-    def run(self, *, duration: float, scale_interval: float, concurrency: int, key: str,
-            kill: list[str]) -> Traffic:
+    def run(self, *, duration: float, scale_interval: float, concurrency: int, key: str, kill: list[str]) -> Traffic:
         traffic, clients = self.send_traffic(key, concurrency)
         self.traffic = traffic
         started = time.monotonic()
@@ -347,18 +388,30 @@ class Storm:
         unloads["lost"] = Replica.objects.filter(state=State.DRAINING).count()
         for kill in (k for k in self.kills if k["child"] != REPLICA):
             kill["loads_taken_after_restart"] = sum(
-                1 for r in replicas if r.pk in taken_loads and r.created_at.timestamp() > kill["restarted_wall"])
+                1 for r in replicas if r.pk in taken_loads and r.created_at.timestamp() > kill["restarted_wall"]
+            )
         tracebacks = Counter(re.findall(r"^(\w+)\s*\| Traceback \(most recent call last\)", log, re.M))
-        return {"loads": loads, "unloads": unloads, "lost_replica_ids": lost_ids,
-                "failures": dict(Counter(r.failure for r in replicas if r.state == State.FAILED)),
-                "tracebacks": dict(tracebacks), "json_decode_errors": log.count("JSONDecodeError")}
+        return {
+            "loads": loads,
+            "unloads": unloads,
+            "lost_replica_ids": lost_ids,
+            "failures": dict(Counter(r.failure for r in replicas if r.state == State.FAILED)),
+            "tracebacks": dict(tracebacks),
+            "json_decode_errors": log.count("JSONDecodeError"),
+        }
 
     def processes(self) -> dict:
         pids = self.pids()
         exits = re.findall(r"^launcher\s*\| (\w+) exited (?:unexpectedly )?with (status [^;:]+)", self.log(), re.M)
-        return {name: {"pid": found[-1] if found else None, "alive": bool(found) and alive(found[-1]),
-                       "starts": len(found), "exits": [status for who, status in exits if who == name]}
-                for name, found in pids.items()}
+        return {
+            name: {
+                "pid": found[-1] if found else None,
+                "alive": bool(found) and alive(found[-1]),
+                "starts": len(found),
+                "exits": [status for who, status in exits if who == name],
+            }
+            for name, found in pids.items()
+        }
 
     def stop(self) -> int | None:
         if self.launcher is None or self.launcher.poll() is not None:
@@ -374,13 +427,17 @@ class Storm:
 
 def kill_line(kill: dict) -> str:
     if kill["child"] != REPLICA:
-        return (f"{kill['child']} pid {kill['pid']} SIGKILLed at {kill['at_s']:.0f}s; back as pid {kill['new_pid']} "
-                f"{kill['back_after_s']:.1f}s later; {kill['loads_taken_after_restart']} load(s) placed after its "
-                "restart reached the daemon")
+        return (
+            f"{kill['child']} pid {kill['pid']} SIGKILLed at {kill['at_s']:.0f}s; back as pid {kill['new_pid']} "
+            f"{kill['back_after_s']:.1f}s later; {kill['loads_taken_after_restart']} load(s) placed after its "
+            "restart reached the daemon"
+        )
     if not kill.get("killed"):
         return f"replica kill at {kill['at_s']:.0f}s: nothing killed; NO EFFECT: {kill['problem']}"
-    line = (f"replica {kill['replica_id']} ({TRAFFIC_MODEL}, 1 of {kill['of']} ready) pid {kill['pid']} SIGKILLed at "
-            f"{kill['at_s']:.0f}s")
+    line = (
+        f"replica {kill['replica_id']} ({TRAFFIC_MODEL}, 1 of {kill['of']} ready) pid {kill['pid']} SIGKILLed at "
+        f"{kill['at_s']:.0f}s"
+    )
     if kill["failed_seen_s"] is not None:
         line += f"; recorded failed after {kill['failed_seen_s']:.1f}s ({kill['failure_seen'].split(';')[0]})"
     if kill["replaced_s"] is not None:
@@ -399,18 +456,30 @@ def judge(report: dict, kill: list[str], *, settled: bool) -> list[str]:
         processes, account = report["processes"], report["account"]
         children = [name for name in kill if name != REPLICA]
         problems += [f"{name} is not alive" for name, row in processes.items() if not row["alive"]]
-        problems += [f"{name} exited ({', '.join(row['exits'])})" for name, row in processes.items()
-                     if name not in children and row["exits"]]
-        problems += [f"{name} should have exited once and started twice: {processes[name]}" for name in children
-                     if len(processes[name]["exits"]) != 1 or processes[name]["starts"] != 2]
+        problems += [
+            f"{name} exited ({', '.join(row['exits'])})"
+            for name, row in processes.items()
+            if name not in children and row["exits"]
+        ]
+        problems += [
+            f"{name} should have exited once and started twice: {processes[name]}"
+            for name in children
+            if len(processes[name]["exits"]) != 1 or processes[name]["starts"] != 2
+        ]
         if len(report["kills"]) != len(kill):
             problems.append(f"{len(report['kills'])} of {len(kill)} kills were made")
         if account["loads"]["lost"] or account["unloads"]["lost"]:
             problems.append(f"messages lost: loads {account['loads']}, unloads {account['unloads']}")
-        problems += [f"no load placed after {k['child']}'s restart reached the daemon" for k in report["kills"]
-                     if k["child"] != REPLICA and not k["loads_taken_after_restart"]]
-        problems += [f"replica kill at {k['at_s']:.0f}s: {k['problem']}" for k in report["kills"]
-                     if k["child"] == REPLICA and k["problem"]]
+        problems += [
+            f"no load placed after {k['child']}'s restart reached the daemon"
+            for k in report["kills"]
+            if k["child"] != REPLICA and not k["loads_taken_after_restart"]
+        ]
+        problems += [
+            f"replica kill at {k['at_s']:.0f}s: {k['problem']}"
+            for k in report["kills"]
+            if k["child"] == REPLICA and k["problem"]
+        ]
         if not settled:
             problems.append("the fleet did not settle")
         if account["json_decode_errors"]:
@@ -422,21 +491,31 @@ def judge(report: dict, kill: list[str], *, settled: bool) -> list[str]:
 
 def table(report: dict) -> str:
     p, a, t = report["processes"], report["account"], report["traffic"]
-    lines = [f"embedded storm: {report['duration_s']:.0f}s, {report['scale_actions']} scale actions "
-             f"({report['scale_refused']} refused), {report['reconcile_requests']} reconcile requests, "
-             f"settled {report['settle_s']:.1f}s after the end",
-             "", f"{'process':<10} {'alive':>5} {'starts':>6}  exits"]
-    lines += [f"{name:<10} {str(row['alive']):>5} {row['starts']:>6}  {', '.join(row['exits']) or '-'}"
-              for name, row in p.items()]
+    lines = [
+        f"embedded storm: {report['duration_s']:.0f}s, {report['scale_actions']} scale actions "
+        f"({report['scale_refused']} refused), {report['reconcile_requests']} reconcile requests, "
+        f"settled {report['settle_s']:.1f}s after the end",
+        "",
+        f"{'process':<10} {'alive':>5} {'starts':>6}  exits",
+    ]
+    lines += [
+        f"{name:<10} {str(row['alive']):>5} {row['starts']:>6}  {', '.join(row['exits']) or '-'}"
+        for name, row in p.items()
+    ]
     lines += [""] + [kill_line(kill) for kill in report["kills"]]
     lines += ["", f"{'to the daemon':<14} {'sent':>6} {'taken':>6} {'healed':>7} {'lost':>5}"]
-    lines += [f"{kind:<14} {row['sent']:>6} {row['taken']:>6} {row['healed']:>7} {row['lost']:>5}"
-              for kind, row in (("load_model", a["loads"]), ("unload_model", a["unloads"]))]
-    lines += ["", f"replicas failed: {a['failures'] or 'none'}; tracebacks in the log, by process: "
-                  f"{a['tracebacks'] or 'none'} (JSONDecodeError: {a['json_decode_errors']})",
-              f"/v1/completions ({TRAFFIC_MODEL}): " + ", ".join(f"{k}: {v}" for k, v in sorted(t.items())),
-              f"launcher stopped with Ctrl-C: exit {report['launcher_exit']}",
-              "verdict: " + ("PASS" if report["ok"] else "FAIL: " + "; ".join(report["problems"]))]
+    lines += [
+        f"{kind:<14} {row['sent']:>6} {row['taken']:>6} {row['healed']:>7} {row['lost']:>5}"
+        for kind, row in (("load_model", a["loads"]), ("unload_model", a["unloads"]))
+    ]
+    lines += [
+        "",
+        f"replicas failed: {a['failures'] or 'none'}; tracebacks in the log, by process: "
+        f"{a['tracebacks'] or 'none'} (JSONDecodeError: {a['json_decode_errors']})",
+        f"/v1/completions ({TRAFFIC_MODEL}): " + ", ".join(f"{k}: {v}" for k, v in sorted(t.items())),
+        f"launcher stopped with Ctrl-C: exit {report['launcher_exit']}",
+        "verdict: " + ("PASS" if report["ok"] else "FAIL: " + "; ".join(report["problems"])),
+    ]
     return "\n".join(lines)
 
 
@@ -445,10 +524,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=600)
     parser.add_argument("--scale-interval", type=float, default=4)
     parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--kill", default="worker",
-                        help="what to SIGKILL, spread over the run (comma-separated; default: worker): "
-                             f"children ({', '.join(CHILDREN)}) once each, `{REPLICA}` (a replica's process) "
-                             "as often as named")
+    parser.add_argument(
+        "--kill",
+        default="worker",
+        help="what to SIGKILL, spread over the run (comma-separated; default: worker): "
+        f"children ({', '.join(CHILDREN)}) once each, `{REPLICA}` (a replica's process) "
+        "as often as named",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (VAR_DIR, the launcher's log)")
@@ -466,10 +548,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         key = storm.prepare()
         storm.start()
-        print(f"system up after {time.monotonic() - storm.began:.0f}s (port {storm.port}, VAR_DIR {storm.var_dir})",
-              flush=True)
-        traffic = storm.run(duration=args.duration, scale_interval=args.scale_interval,
-                            concurrency=args.concurrency, key=key, kill=kill)
+        print(
+            f"system up after {time.monotonic() - storm.began:.0f}s (port {storm.port}, VAR_DIR {storm.var_dir})",
+            flush=True,
+        )
+        traffic = storm.run(
+            duration=args.duration, scale_interval=args.scale_interval, concurrency=args.concurrency, key=key, kill=kill
+        )
         ended = time.monotonic()
         settled = True
         try:
@@ -477,10 +562,17 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as exc:
             settled = False
             print(exc, file=sys.stderr)
-        report.update(duration_s=args.duration, scale_actions=storm.scale_actions, scale_refused=storm.scale_refused,
-                      reconcile_requests=storm.reconcile_requests, settle_s=time.monotonic() - ended,
-                      account=storm.account(), kills=storm.kills, processes=storm.processes(),
-                      traffic=dict(traffic.outcomes))
+        report.update(
+            duration_s=args.duration,
+            scale_actions=storm.scale_actions,
+            scale_refused=storm.scale_refused,
+            reconcile_requests=storm.reconcile_requests,
+            settle_s=time.monotonic() - ended,
+            account=storm.account(),
+            kills=storm.kills,
+            processes=storm.processes(),
+            traffic=dict(traffic.outcomes),
+        )
     except RuntimeError as exc:  # the system did not come up, or the launcher exited under the storm
         print(exc, file=sys.stderr)
         report["error"] = str(exc).splitlines()[0]

@@ -34,8 +34,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from bench.common import (environment, print_table, start_replica, stop_replica, synchronize, wait_ready,  # noqa: E402
-                          write_json)
+from bench.common import environment, print_table, start_replica, stop_replica, synchronize, wait_ready, write_json  # noqa: E402
 from gpuworker.engine.embedding_engine import EmbeddingEngine  # noqa: E402
 
 PARITY_MAX_COSINE_DISTANCE = 1e-5
@@ -52,8 +51,9 @@ def model_directory(args, workdir: Path) -> Path:
     return workdir
 
 
-def make_sentences(vocabulary: dict[str, int], count: int, seed: int, min_words: int = 10,
-                   max_words: int = 60) -> list[str]:
+def make_sentences(
+    vocabulary: dict[str, int], count: int, seed: int, min_words: int = 10, max_words: int = 60
+) -> list[str]:
     words = sorted(w for w in vocabulary if w.isascii() and w.isalpha() and len(w) >= 2)
     rng = random.Random(seed)
     sentences = []
@@ -64,7 +64,7 @@ def make_sentences(vocabulary: dict[str, int], count: int, seed: int, min_words:
 
 
 def batches(sentences: list[str], size: int) -> list[list[str]]:
-    return [sentences[i:i + size] for i in range(0, len(sentences), size)]
+    return [sentences[i : i + size] for i in range(0, len(sentences), size)]
 
 
 def rate(run, sentences: list[str], batch_size: int, warmup: int, device: str) -> float:
@@ -120,8 +120,9 @@ class OverHttp:
         self.client = httpx.Client(timeout=120)
 
     def __call__(self, texts: list[str]) -> int:
-        response = self.client.post(f"{self.url}/v1/embeddings",
-                                    json={"model": "bench", "input": texts, "encoding_format": "base64"})
+        response = self.client.post(
+            f"{self.url}/v1/embeddings", json={"model": "bench", "input": texts, "encoding_format": "base64"}
+        )
         response.raise_for_status()
         return len(response.json()["data"])
 
@@ -145,13 +146,19 @@ def main() -> None:
     parser.add_argument("--warmup-batches", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--http", action="store_true", help="also time our replica over HTTP")
-    parser.add_argument("--no-sentence-transformers", action="store_true",
-                        help="time ours alone (no baseline, no parity check)")
+    parser.add_argument(
+        "--no-sentence-transformers", action="store_true", help="time ours alone (no baseline, no parity check)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for a CPU check that the script runs")
     args = parser.parse_args()
     if args.smoke:
-        args.device, args.batch_sizes, args.sentences, args.batch1_sentences, args.warmup_batches = \
-            "cpu", "1,16", 32, 4, 1
+        args.device, args.batch_sizes, args.sentences, args.batch1_sentences, args.warmup_batches = (
+            "cpu",
+            "1,16",
+            32,
+            4,
+            1,
+        )
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     dtypes = [torch.float32] + ([torch.float16] if args.device.startswith("cuda") else [])
     workdir = Path(tempfile.mkdtemp(prefix="bench-embeddings-"))
@@ -161,10 +168,11 @@ def main() -> None:
     sentences = make_sentences(tokenizer.get_vocab(), max(args.sentences, args.batch1_sentences), args.seed)
     tokens = [len(ids) for ids in tokenizer(sentences)["input_ids"]]
     parity_sentences = sentences[:PARITY_SENTENCES]
-    workload = {1: sentences[:args.batch1_sentences]} | {b: sentences[:args.sentences] for b in batch_sizes if b > 1}
+    workload = {1: sentences[: args.batch1_sentences]} | {b: sentences[: args.sentences] for b in batch_sizes if b > 1}
 
-    systems = [("ours", Ours)] + ([] if args.no_sentence_transformers else [("sentence-transformers",
-                                                                            SentenceTransformers)])
+    systems = [("ours", Ours)] + (
+        [] if args.no_sentence_transformers else [("sentence-transformers", SentenceTransformers)]
+    )
     results: dict[str, dict] = {}
     vectors: dict[str, torch.Tensor] = {}
     for name, system in systems:
@@ -174,8 +182,9 @@ def main() -> None:
             try:
                 if dtype == torch.float32:
                     vectors[name] = runner(parity_sentences)
-                results[label] = {f"batch {b}": rate(runner, workload[b], b, args.warmup_batches, args.device)
-                                  for b in batch_sizes}
+                results[label] = {
+                    f"batch {b}": rate(runner, workload[b], b, args.warmup_batches, args.device) for b in batch_sizes
+                }
             finally:
                 if isinstance(runner, Ours):
                     runner.close()
@@ -186,36 +195,60 @@ def main() -> None:
         runner = OverHttp(model_dir, args.device, http_dtype, workdir / "replica.log")
         try:
             results[f"ours over HTTP {http_dtype}"] = {
-                f"batch {b}": rate(runner, workload[b], b, args.warmup_batches, args.device) for b in batch_sizes}
+                f"batch {b}": rate(runner, workload[b], b, args.warmup_batches, args.device) for b in batch_sizes
+            }
         finally:
             runner.close()
 
-    rows = [("model", f"{model_dir.name if args.model_dir else 'all-MiniLM-L6-v2'} on {args.device}"),
-            ("workload", f"{len(sentences)} sentences of 10-60 words, seed {args.seed}, "
-                         f"{sum(tokens) / len(tokens):.1f} tokens on average ({min(tokens)}-{max(tokens)}); "
-                         f"batch 1 on the first {args.batch1_sentences}, larger batches on {args.sentences}")]
-    rows += [(label, ", ".join(f"{k}: {v:,.0f} sentences/s" for k, v in figures.items()))
-             for label, figures in results.items()]
+    rows = [
+        ("model", f"{model_dir.name if args.model_dir else 'all-MiniLM-L6-v2'} on {args.device}"),
+        (
+            "workload",
+            f"{len(sentences)} sentences of 10-60 words, seed {args.seed}, "
+            f"{sum(tokens) / len(tokens):.1f} tokens on average ({min(tokens)}-{max(tokens)}); "
+            f"batch 1 on the first {args.batch1_sentences}, larger batches on {args.sentences}",
+        ),
+    ]
+    rows += [
+        (label, ", ".join(f"{k}: {v:,.0f} sentences/s" for k, v in figures.items()))
+        for label, figures in results.items()
+    ]
     parity = None
     if "sentence-transformers" in vectors:
         parity = max_cosine_distance(vectors["ours"], vectors["sentence-transformers"])
         verdict = "ok" if parity <= PARITY_MAX_COSINE_DISTANCE else "FAILED"
-        rows.append(("parity (fp32, cosine distance)", f"max {parity:.2e} over {len(parity_sentences)} sentences "
-                                                       f"({verdict}, limit {PARITY_MAX_COSINE_DISTANCE:.0e})"))
+        rows.append(
+            (
+                "parity (fp32, cosine distance)",
+                f"max {parity:.2e} over {len(parity_sentences)} sentences "
+                f"({verdict}, limit {PARITY_MAX_COSINE_DISTANCE:.0e})",
+            )
+        )
         for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
             for b in batch_sizes:
                 ratio = results[f"ours {name}"][f"batch {b}"] / results[f"sentence-transformers {name}"][f"batch {b}"]
                 rows.append((f"ours / sentence-transformers, {name}, batch {b}", f"{ratio:.2f}x"))
         best_ours = max(results[f"ours {str(d).removeprefix('torch.')}"][f"batch {max(batch_sizes)}"] for d in dtypes)
-        rows.append((f"best ours / sentence-transformers fp32, batch {max(batch_sizes)}",
-                     f"{best_ours / results['sentence-transformers float32'][f'batch {max(batch_sizes)}']:.2f}x "
-                     "(target >= 3x)"))
+        rows.append(
+            (
+                f"best ours / sentence-transformers fp32, batch {max(batch_sizes)}",
+                f"{best_ours / results['sentence-transformers float32'][f'batch {max(batch_sizes)}']:.2f}x "
+                "(target >= 3x)",
+            )
+        )
     env = environment()
     print_table(f"embeddings ({env['gpu']}, commit {env['commit']})", rows)
-    write_json("embeddings", {"env": env, "args": {k: str(v) for k, v in vars(args).items()},
-                              "mean_tokens": sum(tokens) / len(tokens), "sentences_per_s": results,
-                              "parity_max_cosine_distance": parity})
+    write_json(
+        "embeddings",
+        {
+            "env": env,
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "mean_tokens": sum(tokens) / len(tokens),
+            "sentences_per_s": results,
+            "parity_max_cosine_distance": parity,
+        },
+    )
     if parity is not None and parity > PARITY_MAX_COSINE_DISTANCE:
         sys.exit(f"parity FAILED: our fp32 vectors are {parity:.2e} (cosine distance) from sentence-transformers'")
 

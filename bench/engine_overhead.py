@@ -57,13 +57,19 @@ def workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int],
     rng = random.Random(0)
     lo_p, hi_p = args.prompt_len
     lo_o, hi_o = args.output_len
-    return [([rng.randrange(3, vocab_size) for _ in range(rng.randint(lo_p, hi_p))], rng.randint(lo_o, hi_o))
-            for _ in range(args.streams)]
+    return [
+        ([rng.randrange(3, vocab_size) for _ in range(rng.randint(lo_p, hi_p))], rng.randint(lo_o, hi_o))
+        for _ in range(args.streams)
+    ]
 
 
 def engine_config(args: argparse.Namespace) -> dict:
-    config = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.streams,
-              "max_model_len": args.prompt_len[1] + args.output_len[1] + 16}
+    config = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_num_seqs": args.streams,
+        "max_model_len": args.prompt_len[1] + args.output_len[1] + 16,
+    }
     if args.device == "cpu":
         config["num_kv_blocks"] = args.streams * (config["max_model_len"] // 16 + 1)
     return config
@@ -80,6 +86,7 @@ def _warm_up_requests(requests):
 
 
 # -- offline rows (each in a process of its own: one engine on the device at a time) ------------
+
 
 def run_offline(model: str, config: dict, requests: list, streaming: bool) -> dict:
     from gpuworker.engine import LLMEngine
@@ -103,8 +110,13 @@ def run_offline(model: str, config: dict, requests: list, streaming: bool) -> di
             outputs = engine.generate([prompt for prompt, _ in requests], [_params(n) for _, n in requests])
             tokens = sum(out.num_generated_tokens for out in outputs)
         wall = time.perf_counter() - start
-        return {"steps": timing["steps"], "wall_s": wall, "tokens": tokens, "cpu_s": time.process_time() - cpu_start,
-                "step_s": timing["s"]}
+        return {
+            "steps": timing["steps"],
+            "wall_s": wall,
+            "tokens": tokens,
+            "cpu_s": time.process_time() - cpu_start,
+            "step_s": timing["s"],
+        }
     finally:
         engine.shutdown()
 
@@ -128,6 +140,7 @@ def _time_steps(llm) -> dict:
 
 
 # -- the engine process row ---------------------------------------------------------------------
+
 
 def _engine_figures(llm) -> tuple[float, float]:
     """In the engine process: CPU time of all its threads, and time inside LLMEngine.step so far."""
@@ -163,30 +176,37 @@ def _top(profile: cProfile.Profile) -> str:
     return out.getvalue()
 
 
-async def _consume(engine, prompt, max_tokens, request_id, chunk_cost_s: float = 0.0,
-                   output_kind: str = "delta") -> int:
+async def _consume(
+    engine, prompt, max_tokens, request_id, chunk_cost_s: float = 0.0, output_kind: str = "delta"
+) -> int:
     """One stream as the replica consumes it: each output becomes a JSON chunk, and takes
     chunk_cost_s of this process's Python besides (the replica's HTTP and SSE work, GIL held)."""
     tokens = 0
     async for output in engine.generate(prompt, _params(max_tokens, output_kind), request_id):
         for c in output.outputs:
             tokens += len(c.delta_token_ids)
-            json.dumps({"id": request_id, "choices": [{"index": c.index, "text": c.delta_text,
-                                                        "finish_reason": c.finish_reason}]})
+            json.dumps(
+                {
+                    "id": request_id,
+                    "choices": [{"index": c.index, "text": c.delta_text, "finish_reason": c.finish_reason}],
+                }
+            )
         end = time.perf_counter() + chunk_cost_s
         while time.perf_counter() < end:
             pass
     return tokens
 
 
-async def _engine_process(model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float,
-                          output_kind: str) -> dict:
+async def _engine_process(
+    model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float, output_kind: str
+) -> dict:
     from gpuworker.engine import start_engine
 
     engine = start_engine(model, process=True, **config)
     try:
-        await asyncio.gather(*(_consume(engine, prompt, n, f"warm-{i}")
-                               for i, (prompt, n) in enumerate(_warm_up_requests(requests))))
+        await asyncio.gather(
+            *(_consume(engine, prompt, n, f"warm-{i}") for i, (prompt, n) in enumerate(_warm_up_requests(requests)))
+        )
         reader = {"s": 0.0, "messages": 0}
         on_outputs = engine._on_outputs
         reader_profile = cProfile.Profile() if profile and PER_THREAD_PROFILES else None
@@ -210,14 +230,22 @@ async def _engine_process(model: str, config: dict, requests: list, profile: boo
         steps = engine.num_steps
         cpu_start = time.process_time()
         start = time.perf_counter()
-        tokens = await asyncio.gather(*(_consume(engine, prompt, n, f"r{i}", chunk_cost_s, output_kind)
-                                        for i, (prompt, n) in enumerate(requests)))
+        tokens = await asyncio.gather(
+            *(_consume(engine, prompt, n, f"r{i}", chunk_cost_s, output_kind) for i, (prompt, n) in enumerate(requests))
+        )
         wall = time.perf_counter() - start
         cpu_s = time.process_time() - cpu_start
         engine_cpu_end, step_end = await engine.call(_engine_figures)
-        result = {"steps": engine.num_steps - steps, "wall_s": wall, "tokens": sum(tokens), "cpu_s": cpu_s,
-                  "engine_cpu_s": engine_cpu_end - engine_cpu, "step_s": step_end - step_s,
-                  "messages": reader["messages"], "reader_s": reader["s"]}
+        result = {
+            "steps": engine.num_steps - steps,
+            "wall_s": wall,
+            "tokens": sum(tokens),
+            "cpu_s": cpu_s,
+            "engine_cpu_s": engine_cpu_end - engine_cpu,
+            "step_s": step_end - step_s,
+            "messages": reader["messages"],
+            "reader_s": reader["s"],
+        }
         if profile:
             api_profile.disable()
             result["engine_profile"] = await engine.call(_stop_profile)
@@ -229,12 +257,14 @@ async def _engine_process(model: str, config: dict, requests: list, profile: boo
         await asyncio.to_thread(engine.shutdown)
 
 
-def run_engine_process(model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float,
-                       output_kind: str = "delta") -> dict:
+def run_engine_process(
+    model: str, config: dict, requests: list, profile: bool, chunk_cost_s: float, output_kind: str = "delta"
+) -> dict:
     return asyncio.run(_engine_process(model, config, requests, profile, chunk_cost_s, output_kind))
 
 
 # -- the run ------------------------------------------------------------------------------------
+
 
 def in_own_process(function, *args):
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -266,9 +296,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=pair, default=None, help="lo,hi (default 16,64 CPU; 100,1024 CUDA)")
     parser.add_argument("--output-len", type=pair, default=None, help="lo,hi (default 32,128 CPU; 64,512 CUDA)")
     parser.add_argument("--rows", default="generate,streaming,process")
-    parser.add_argument("--chunk-cost-us", type=float, default=0.0,
-                        help="Python work per stream chunk in the API process (the replica's HTTP/SSE, "
-                             "GIL held): past a step's time per step, the API side is behind the engine")
+    parser.add_argument(
+        "--chunk-cost-us",
+        type=float,
+        default=0.0,
+        help="Python work per stream chunk in the API process (the replica's HTTP/SSE, "
+        "GIL held): past a step's time per step, the API side is behind the engine",
+    )
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
@@ -287,11 +321,9 @@ def main() -> None:
         if row.startswith("process"):
             chunk_cost_s = args.chunk_cost_us * 1e-6
             kind = "cumulative" if row == "process-cumulative" else "delta"
-            results[row] = in_own_process(run_engine_process, str(model), config, requests, False, chunk_cost_s,
-                                          kind)
+            results[row] = in_own_process(run_engine_process, str(model), config, requests, False, chunk_cost_s, kind)
             if args.profile:  # a run of its own: cProfile slows the Python it watches, steps included
-                profiled = in_own_process(run_engine_process, str(model), config, requests, True, chunk_cost_s,
-                                          kind)
+                profiled = in_own_process(run_engine_process, str(model), config, requests, True, chunk_cost_s, kind)
                 results[row] |= {key: value for key, value in profiled.items() if key.endswith("profile")}
         else:
             results[row] = in_own_process(run_offline, str(model), config, requests, row == "streaming")
@@ -300,25 +332,33 @@ def main() -> None:
     for row, r in results.items():
         ms = 1000 * r["wall_s"] / max(r["steps"], 1)
         in_step = 1000 * r["step_s"] / max(r["steps"], 1)
-        line = (f"{r['steps']:5d} steps  {ms:7.2f} ms/step = step {in_step:7.2f} + outside {ms - in_step:6.2f}"
-                f"  {r['tokens'] / r['wall_s']:9.1f} tok/s")
+        line = (
+            f"{r['steps']:5d} steps  {ms:7.2f} ms/step = step {in_step:7.2f} + outside {ms - in_step:6.2f}"
+            f"  {r['tokens'] / r['wall_s']:9.1f} tok/s"
+        )
         if base is not None:
             line += f"  {r['tokens'] / r['wall_s'] / (base['tokens'] / base['wall_s']):.3f}x generate"
         table.append((row, line))
         if row.startswith("process"):
             table.append(("  engine process", f"cpu {1000 * r['engine_cpu_s'] / max(r['steps'], 1):.2f} ms/step"))
             table.append(("  API process", f"cpu {1000 * r['cpu_s'] / max(r['steps'], 1):.2f} ms/step"))
-            table.append(("  API reader", f"{r['messages']} outputs messages, "
-                                          f"{1000 * r['reader_s'] / max(r['steps'], 1):.2f} ms/step"))
+            table.append(
+                (
+                    "  API reader",
+                    f"{r['messages']} outputs messages, {1000 * r['reader_s'] / max(r['steps'], 1):.2f} ms/step",
+                )
+            )
     env = environment()
-    print_table(f"engine overhead: {args.streams} streams, {args.device} {args.dtype}, commit {env.get('commit')}",
-                table)
+    print_table(
+        f"engine overhead: {args.streams} streams, {args.device} {args.dtype}, commit {env.get('commit')}", table
+    )
     for row, r in results.items():
         for key in ("engine_profile", "api_profile", "api_reader_profile"):
             if key in r:
                 print(f"\n== {row}: {key} ==\n{r.pop(key)}")
-    write_json("engine_overhead", {"args": {k: str(v) for k, v in vars(args).items()}, "environment": env,
-                                   "results": results})
+    write_json(
+        "engine_overhead", {"args": {k: str(v) for k, v in vars(args).items()}, "environment": env, "results": results}
+    )
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ _DECODE_STEP_TABLE = [decode_step_s(rows) for rows in range(MAX_NUM_SEQS + 1)]  
 
 # ---- traffic ----------------------------------------------------------------------------------
 
+
 @dataclass(eq=False)  # identity: two requests are never equal
 class Request:
     model: int
@@ -131,12 +132,19 @@ class Trace:
         self.share = [w / total for w in weights]
         layout = random.Random(seed)
         days = max(1, math.ceil(duration_s / shape.day_s))
-        self.burst_starts = sorted(layout.uniform(d * shape.day_s, (d + 1) * shape.day_s - shape.burst_s)
-                                   for d in range(days) for _ in range(shape.bursts))
+        self.burst_starts = sorted(
+            layout.uniform(d * shape.day_s, (d + 1) * shape.day_s - shape.burst_s)
+            for d in range(days)
+            for _ in range(shape.bursts)
+        )
         self._rngs = [random.Random(f"{seed}:{m}") for m in range(shape.models)]
         self._next_id = [m * 10_000_000 for m in range(shape.models)]
-        self._system_text = [(f"You are assistant {m} of the fleet simulator. " * (shape.system_prompt_chars // 40 + 1))
-                             [:shape.system_prompt_chars] for m in range(shape.models)]
+        self._system_text = [
+            (f"You are assistant {m} of the fleet simulator. " * (shape.system_prompt_chars // 40 + 1))[
+                : shape.system_prompt_chars
+            ]
+            for m in range(shape.models)
+        ]
 
     def rate(self, t: float) -> float:
         """All models' request rate at time t (requests per second)."""
@@ -157,8 +165,11 @@ class Trace:
             i = bisect.bisect_right(self.burst_starts, t) - 1
             in_burst = i >= 0 and t < self.burst_starts[i] + s.burst_s
             bound = s.peak_requests_per_s * (s.burst_factor if in_burst else 1.0) * scale
-            change = self.burst_starts[i] + s.burst_s if in_burst else (
-                self.burst_starts[i + 1] if i + 1 < len(self.burst_starts) else math.inf)
+            change = (
+                self.burst_starts[i] + s.burst_s
+                if in_burst
+                else (self.burst_starts[i + 1] if i + 1 < len(self.burst_starts) else math.inf)
+            )
             candidate = t + rng.expovariate(bound)
             if candidate >= change:  # the bound changes first: start again there (memoryless)
                 t = change
@@ -174,8 +185,9 @@ class Trace:
         think = [rng.expovariate(1 / s.think_mean_s) for _ in range(turns)]
         cid = self._next_id[model]
         self._next_id[model] += 1
-        return t, Conversation(cid, model, self._system_text[model], users, outputs, think,
-                               s.system_prompt_chars // CHARS_PER_TOKEN)
+        return t, Conversation(
+            cid, model, self._system_text[model], users, outputs, think, s.system_prompt_chars // CHARS_PER_TOKEN
+        )
 
 
 def _lognormal(rng: random.Random, median: float, cap: int) -> int:
@@ -183,6 +195,7 @@ def _lognormal(rng: random.Random, median: float, cap: int) -> int:
 
 
 # ---- one replica ------------------------------------------------------------------------------
+
 
 @dataclass(eq=False)
 class Replica:

@@ -30,8 +30,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.fleet_model import KV_CAPACITY_TOKENS, Replica, Request, Trace, TraceShape  # noqa: E402
-from controlplane.fleet.autoscaling import (  # noqa: E402
-    AutoscalePolicy, DeploymentSignals, ReplicaLoad, decide, popular)
+from controlplane.fleet.autoscaling import AutoscalePolicy, DeploymentSignals, ReplicaLoad, decide, popular  # noqa: E402
 from controlplane.gateway.replica_choice import affinity_choice, affinity_key, least_outstanding  # noqa: E402
 
 # The gateway's defaults (controlplane/settings.py: GATEWAY_AFFINITY_PREFIX_CHARS, _MAX_EXTRA).
@@ -55,9 +54,19 @@ class FleetParams:
     popular_window_s: float = 3600.0  # AUTOSCALE_POPULAR_WINDOW_SECONDS
     popular_top_k: int = 3  # AUTOSCALE_POPULAR_TOP_K
     policy: AutoscalePolicy = AutoscalePolicy(
-        min_replicas=0, max_replicas=16, keep_warm=False, target_concurrency=8.0, target_utilisation=0.7,
-        hysteresis=0.2, ttft_slo_s=2.0, itl_slo_s=0.1, kv_cache_high=0.9, scale_up_cooldown_s=30.0,
-        scale_down_cooldown_s=300.0, idle_to_zero_s=900.0)
+        min_replicas=0,
+        max_replicas=16,
+        keep_warm=False,
+        target_concurrency=8.0,
+        target_utilisation=0.7,
+        hysteresis=0.2,
+        ttft_slo_s=2.0,
+        itl_slo_s=0.1,
+        kv_cache_high=0.9,
+        scale_up_cooldown_s=30.0,
+        scale_down_cooldown_s=300.0,
+        idle_to_zero_s=900.0,
+    )
 
 
 @dataclass
@@ -76,8 +85,9 @@ class Simulation:
     """One scenario: the trace's requests through the router to simulated replicas, and (unless the
     fleet is static) the autoscaler's decision for every model each tick, applied at once."""
 
-    def __init__(self, name: str, trace: Trace, params: FleetParams, *, affinity: bool,
-                 static: dict[int, int] | None = None):
+    def __init__(
+        self, name: str, trace: Trace, params: FleetParams, *, affinity: bool, static: dict[int, int] | None = None
+    ):
         self.name, self.trace, self.params, self.affinity, self.static = name, trace, params, affinity, static
         self.events: list = []
         self.seq = itertools.count()
@@ -112,8 +122,14 @@ class Simulation:
                 self._add_replica(model, 0.0, load_s=0.0)
         self.push(0.0, TICK, None)
         end = self.trace.duration_s
-        handlers = {ARRIVE: self._arrive, STEP: self._step, READY: self._ready, COLD_TIMEOUT: self._cold_timeout,
-                    TICK: self._tick, NEXT_CONVERSATION: self._next_conversation}
+        handlers = {
+            ARRIVE: self._arrive,
+            STEP: self._step,
+            READY: self._ready,
+            COLD_TIMEOUT: self._cold_timeout,
+            TICK: self._tick,
+            NEXT_CONVERSATION: self._next_conversation,
+        }
         while self.events:
             at, _, kind, payload = heapq.heappop(self.events)
             if kind == TICK and at > end:
@@ -121,8 +137,16 @@ class Simulation:
             handlers[kind](at, payload)
         last = max([end] + [r.finished_at or r.arrival for r in self.requests])
         gpu_s = sum((r.released_at if r.released_at is not None else last) - r.created_at for r in self.all_replicas)
-        return Result(self.name, self.requests, gpu_s / 3600, self.timeline, dict(self.peak), self.model_replicas,
-                      dict(self.decisions), time.perf_counter() - started)
+        return Result(
+            self.name,
+            self.requests,
+            gpu_s / 3600,
+            self.timeline,
+            dict(self.peak),
+            self.model_replicas,
+            dict(self.decisions),
+            time.perf_counter() - started,
+        )
 
     # ---- traffic ----
     def _schedule_conversation(self, model: int, after: float) -> None:
@@ -155,8 +179,9 @@ class Simulation:
         candidates = self._ready_replicas(request.model)
         if self.affinity:
             preferred = affinity_choice(affinity_key(request.body, True, AFFINITY_PREFIX_CHARS), candidates)
-            index = least_outstanding([r.outstanding for r in candidates], [True] * len(candidates), preferred,
-                                      AFFINITY_MAX_EXTRA)
+            index = least_outstanding(
+                [r.outstanding for r in candidates], [True] * len(candidates), preferred, AFFINITY_MAX_EXTRA
+            )
         else:
             index = self.round_robin[request.model] % len(candidates)
             self.round_robin[request.model] += 1
@@ -267,8 +292,10 @@ class Simulation:
         p = self.params
         counts = {}
         for model in range(self.trace.shape.models):
-            for window, arrivals in ((p.rate_window_s, self.arrivals[model]),
-                                     (p.popular_window_s, self.popular_counts[model])):
+            for window, arrivals in (
+                (p.rate_window_s, self.arrivals[model]),
+                (p.popular_window_s, self.popular_counts[model]),
+            ):
                 while arrivals and arrivals[0] <= now - window:
                     arrivals.popleft()
             counts[model] = len(self.popular_counts[model])
@@ -284,16 +311,24 @@ class Simulation:
             for replica in ready:
                 replica.advance(now)
             signals = DeploymentSignals(
-                now=now, current_replicas=len(self._active(model)),
-                loads=tuple(ReplicaLoad(
-                    running=r.running, waiting=len(r.waiting), kv_cache_usage=r.kv_used / KV_CAPACITY_TOKENS,
-                    ttft_p95_s=r.p95(r.ttft_samples, now, p.signal_window_s),
-                    itl_p95_s=r.p95(r.step_samples, now, p.signal_window_s)) for r in ready),
+                now=now,
+                current_replicas=len(self._active(model)),
+                loads=tuple(
+                    ReplicaLoad(
+                        running=r.running,
+                        waiting=len(r.waiting),
+                        kv_cache_usage=r.kv_used / KV_CAPACITY_TOKENS,
+                        ttft_p95_s=r.p95(r.ttft_samples, now, p.signal_window_s),
+                        itl_p95_s=r.p95(r.step_samples, now, p.signal_window_s),
+                    )
+                    for r in ready
+                ),
                 request_rate_per_s=len(self.arrivals[model]) / p.rate_window_s,
                 last_request_at=self.last_request_at.get(model),
                 last_scaled_at=self.last_scaled_at.get(model),
                 popular=model in top,
-                queued_cold_starts=len(self.cold_queue[model]))
+                queued_cold_starts=len(self.cold_queue[model]),
+            )
             decision = decide(p.policy, signals)
             self.decisions[decision.action] += 1
             if decision.action == "down" and decision.desired == 0:
@@ -314,6 +349,7 @@ class Simulation:
 
 # ---- figures ----------------------------------------------------------------------------------
 
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -330,28 +366,39 @@ def summarise(result: Result, top_models: list[int], slo_s: float) -> dict:
     for model in top_models:
         values = [r.ttft for r in served if r.model == model]
         p99 = percentile(values, 0.99)
-        per_model[model] = {"requests": len(values), "ttft_p50_s": percentile(values, 0.5), "ttft_p99_s": p99,
-                            "within_slo": p99 is not None and p99 <= slo_s}
+        per_model[model] = {
+            "requests": len(values),
+            "ttft_p50_s": percentile(values, 0.5),
+            "ttft_p99_s": p99,
+            "within_slo": p99 is not None and p99 <= slo_s,
+        }
     total = len(result.requests)
     return {
-        "scenario": result.name, "requests": total, "served": len(served),
+        "scenario": result.name,
+        "requests": total,
+        "served": len(served),
         "failed": sum(r.failed for r in result.requests),
         "unfinished": total - len(served) - sum(r.failed for r in result.requests),
         "cold_starts": sum(r.cold for r in result.requests),
         "cold_start_share": sum(r.cold for r in result.requests) / total if total else 0.0,
-        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
         "later_turns_ttft_mean_s": sum(later_turns) / len(later_turns) if later_turns else None,
-        "gpu_hours": result.gpu_hours, "peak_replicas": sum(result.peak_replicas.values()),
-        "top_models": per_model, "decisions": result.decisions, "wall_s": result.wall_s,
+        "gpu_hours": result.gpu_hours,
+        "peak_replicas": sum(result.peak_replicas.values()),
+        "top_models": per_model,
+        "decisions": result.decisions,
+        "wall_s": result.wall_s,
     }
 
 
 SCENARIOS = ("autoscaled", "static-peak", "static-peak-round-robin", "autoscaled-round-robin", "static-daily-peak")
 
 
-def run_scenarios(shape: TraceShape, params: FleetParams, seed: int, duration_s: float,
-                  scenarios: tuple[str, ...] = SCENARIOS) -> list[Result]:
+def run_scenarios(
+    shape: TraceShape, params: FleetParams, seed: int, duration_s: float, scenarios: tuple[str, ...] = SCENARIOS
+) -> list[Result]:
     """Runs the scenarios on the same trace. The static ones hold the autoscaled run's per-model peak:
     over the whole run ("static-peak"), or outside the bursts and the scale-down cooldown after each
     ("static-daily-peak": a fleet sized for the daily cycle that rides out bursts on batching)."""
@@ -359,8 +406,9 @@ def run_scenarios(shape: TraceShape, params: FleetParams, seed: int, duration_s:
     results = [Simulation("autoscaled", trace, params, affinity=True).run()]
     static = {m: max(1, results[0].peak_replicas.get(m, 0)) for m in range(shape.models)}
     settle_s = shape.burst_s + params.policy.scale_down_cooldown_s + 2 * params.tick_s
-    calm = [counts for t, counts in results[0].model_replicas
-            if not any(b <= t <= b + settle_s for b in trace.burst_starts)]
+    calm = [
+        counts for t, counts in results[0].model_replicas if not any(b <= t <= b + settle_s for b in trace.burst_starts)
+    ]
     daily = {m: max([1] + [counts[m] for counts in calm]) for m in range(shape.models)}
     others = {
         "static-daily-peak": dict(affinity=True, static=daily),
@@ -375,6 +423,7 @@ def run_scenarios(shape: TraceShape, params: FleetParams, seed: int, duration_s:
 
 def plot(results: list[Result], summaries: list[dict], out: Path) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -383,8 +432,12 @@ def plot(results: list[Result], summaries: list[dict], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(9, 4))
     for result in results:
         if result.name.startswith("autoscaled"):
-            ax.step([t / 3600 for t, _, _ in result.timeline], [n for _, n, _ in result.timeline], where="post",
-                    label=f"replicas, {result.name}")
+            ax.step(
+                [t / 3600 for t, _, _ in result.timeline],
+                [n for _, n, _ in result.timeline],
+                where="post",
+                label=f"replicas, {result.name}",
+            )
     for name, style in (("static-peak", "--"), ("static-daily-peak", ":")):
         static = next((r for r in results if r.name == name), None)
         if static is not None:
@@ -393,8 +446,14 @@ def plot(results: list[Result], summaries: list[dict], out: Path) -> list[Path]:
     ax.set_xlabel("simulated hours")
     ax.set_ylabel("replicas (GPUs)")
     twin = ax.twinx()
-    twin.plot([t / 3600 for t, _, _ in results[0].timeline], [rate for _, _, rate in results[0].timeline],
-              color="tab:red", alpha=0.4, linewidth=0.8, label="requests/s (right)")
+    twin.plot(
+        [t / 3600 for t, _, _ in results[0].timeline],
+        [rate for _, _, rate in results[0].timeline],
+        color="tab:red",
+        alpha=0.4,
+        linewidth=0.8,
+        label="requests/s (right)",
+    )
     twin.set_ylim(bottom=0)
     twin.set_ylabel("requests per second")
     lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
@@ -430,6 +489,7 @@ def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
+
     plt.close(fig)
     return path
 
@@ -441,18 +501,27 @@ def _fmt(value: float | None, unit: str = " s") -> str:
 
 
 def table(summaries: list[dict], top_models: list[int]) -> str:
-    lines = ["| scenario | requests | TTFT p50 | TTFT p99 | mean TTFT, later turns | cold starts | failed | "
-             "GPU-hours | peak replicas |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| scenario | requests | TTFT p50 | TTFT p99 | mean TTFT, later turns | cold starts | failed | "
+        "GPU-hours | peak replicas |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in summaries:
-        lines.append(f"| {s['scenario']} | {s['requests']:,} | {_fmt(s['ttft_p50_s'])} | {_fmt(s['ttft_p99_s'])} | "
-                     f"{_fmt(s['later_turns_ttft_mean_s'])} | {s['cold_starts']} ({s['cold_start_share']:.2%}) | "
-                     f"{s['failed']} | {s['gpu_hours']:.1f} | {s['peak_replicas']} |")
-    lines += ["", "| scenario | " + " | ".join(f"model {m} p50 / p99" for m in top_models) + " |",
-              "|---|" + "---|" * len(top_models)]
+        lines.append(
+            f"| {s['scenario']} | {s['requests']:,} | {_fmt(s['ttft_p50_s'])} | {_fmt(s['ttft_p99_s'])} | "
+            f"{_fmt(s['later_turns_ttft_mean_s'])} | {s['cold_starts']} ({s['cold_start_share']:.2%}) | "
+            f"{s['failed']} | {s['gpu_hours']:.1f} | {s['peak_replicas']} |"
+        )
+    lines += [
+        "",
+        "| scenario | " + " | ".join(f"model {m} p50 / p99" for m in top_models) + " |",
+        "|---|" + "---|" * len(top_models),
+    ]
     for s in summaries:
-        cells = [f"{_fmt(v['ttft_p50_s'])} / {_fmt(v['ttft_p99_s'])}{'' if v['within_slo'] else ' ✗'}"
-                 for v in s["top_models"].values()]
+        cells = [
+            f"{_fmt(v['ttft_p50_s'])} / {_fmt(v['ttft_p99_s'])}{'' if v['within_slo'] else ' ✗'}"
+            for v in s["top_models"].values()
+        ]
         lines.append(f"| {s['scenario']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -464,21 +533,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--day-hours", type=float, default=4.0, help="length of one daily cycle")
     parser.add_argument("--peak-rps", type=float, default=TraceShape.peak_requests_per_s)
     parser.add_argument("--system-prompt-chars", type=int, default=TraceShape.system_prompt_chars)
-    parser.add_argument("--target-concurrency", type=float, default=FleetParams.policy.target_concurrency,
-                        help="the deployments' target (AUTOSCALE_TARGET_CONCURRENCY)")
+    parser.add_argument(
+        "--target-concurrency",
+        type=float,
+        default=FleetParams.policy.target_concurrency,
+        help="the deployments' target (AUTOSCALE_TARGET_CONCURRENCY)",
+    )
     parser.add_argument("--load-staged-s", type=float, default=FleetParams.load_staged_s)
     parser.add_argument("--load-cold-s", type=float, default=FleetParams.load_cold_s)
     parser.add_argument("--out", type=Path, default=Path("docs/fleet_sim"), help="folder for the PNGs")
     parser.add_argument("--json", type=Path, help="write the summaries here")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
-                        help="comma-separated, autoscaled first (the static ones hold its peak)")
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help="comma-separated, autoscaled first (the static ones hold its peak)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
 
-    shape = replace(TraceShape(), peak_requests_per_s=args.peak_rps, day_s=args.day_hours * 3600,
-                    system_prompt_chars=args.system_prompt_chars)
-    params = replace(FleetParams(), load_staged_s=args.load_staged_s, load_cold_s=args.load_cold_s,
-                     policy=replace(FleetParams.policy, target_concurrency=args.target_concurrency))
+    shape = replace(
+        TraceShape(),
+        peak_requests_per_s=args.peak_rps,
+        day_s=args.day_hours * 3600,
+        system_prompt_chars=args.system_prompt_chars,
+    )
+    params = replace(
+        FleetParams(),
+        load_staged_s=args.load_staged_s,
+        load_cold_s=args.load_cold_s,
+        policy=replace(FleetParams.policy, target_concurrency=args.target_concurrency),
+    )
     duration = args.hours * 3600
     scenarios = tuple(args.scenarios.split(","))
     if scenarios[0] != "autoscaled" or not set(scenarios) <= set(SCENARIOS):
@@ -487,9 +571,11 @@ def main(argv: list[str] | None = None) -> int:
     trace = Trace(shape, args.seed, duration)
     top = sorted(range(shape.models), key=lambda m: -trace.share[m])[:5]
     summaries = [summarise(r, top, params.policy.ttft_slo_s) for r in results]
-    print(f"seed {args.seed}, {args.hours} h simulated, day {args.day_hours} h, peak {args.peak_rps} req/s, "
-          f"target concurrency {args.target_concurrency}, system prompt {args.system_prompt_chars} chars, "
-          f"bursts at {[round(t / 3600, 2) for t in trace.burst_starts]} h")
+    print(
+        f"seed {args.seed}, {args.hours} h simulated, day {args.day_hours} h, peak {args.peak_rps} req/s, "
+        f"target concurrency {args.target_concurrency}, system prompt {args.system_prompt_chars} chars, "
+        f"bursts at {[round(t / 3600, 2) for t in trace.burst_starts]} h"
+    )
     print(table(summaries, top))
     by_name = {s["scenario"]: s for s in summaries}
     auto, peak = by_name["autoscaled"], by_name.get("static-peak")
@@ -498,13 +584,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"GPU-hours saved against {name}: {1 - auto['gpu_hours'] / by_name[name]['gpu_hours']:.1%}")
     rr = by_name.get("static-peak-round-robin")
     if peak and rr:
-        print(f"mean TTFT of later turns, round-robin / prefix-aware (static fleet): "
-              f"{rr['later_turns_ttft_mean_s'] / peak['later_turns_ttft_mean_s']:.2f}x")
+        print(
+            f"mean TTFT of later turns, round-robin / prefix-aware (static fleet): "
+            f"{rr['later_turns_ttft_mean_s'] / peak['later_turns_ttft_mean_s']:.2f}x"
+        )
     print("autoscaler decisions:", ", ".join(f"{s['scenario']} {s['decisions']}" for s in summaries if s["decisions"]))
     print("wall:", ", ".join(f"{s['scenario']} {s['wall_s']:.0f} s" for s in summaries))
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                         "params": asdict(params), "summaries": summaries}, indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "params": asdict(params), "summaries": summaries},
+                indent=1,
+                default=str,
+            )
+        )
     if not args.no_plots:
         for path in plot(results, summaries, args.out):
             print("wrote", path)

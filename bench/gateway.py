@@ -31,12 +31,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "bench-worker-token"
-CHAT = {"model": "bench-model", "messages": [{"role": "user", "content": "Say hello in five words."}],
-        "max_tokens": 16}
+CHAT = {"model": "bench-model", "messages": [{"role": "user", "content": "Say hello in five words."}], "max_tokens": 16}
 STREAM_CHUNKS = 16
 
 
 # --- the stub upstream ----------------------------------------------------------------------
+
 
 def stub_app():
     from starlette.applications import Starlette
@@ -44,29 +44,62 @@ def stub_app():
     from starlette.responses import Response, StreamingResponse
     from starlette.routing import Route
 
-    usage = {"prompt_tokens": 12, "completion_tokens": STREAM_CHUNKS, "total_tokens": 12 + STREAM_CHUNKS,
-             "gpu_time_s": 0.001}
-    whole = json.dumps({"id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": "bench-model",
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there, how are you?"},
-                                     "logprobs": None, "finish_reason": "stop"}], "usage": usage}).encode()
+    usage = {
+        "prompt_tokens": 12,
+        "completion_tokens": STREAM_CHUNKS,
+        "total_tokens": 12 + STREAM_CHUNKS,
+        "gpu_time_s": 0.001,
+    }
+    whole = json.dumps(
+        {
+            "id": "chatcmpl-stub",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "bench-model",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "Hello there, how are you?"},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": usage,
+        }
+    ).encode()
 
     def chunk(choices, **extra) -> bytes:
-        body = {"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0, "model": "bench-model",
-                "choices": choices, **extra}
+        body = {
+            "id": "chatcmpl-stub",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "bench-model",
+            "choices": choices,
+            **extra,
+        }
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
-    events = [chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])]
-    events += [chunk([{"index": 0, "delta": {"content": " tok"}, "logprobs": None, "finish_reason": None}])
-               for _ in range(STREAM_CHUNKS - 1)]
-    events += [chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]),
-               chunk([], usage=usage), b"data: [DONE]\n\n"]
+    events = [
+        chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+    ]
+    events += [
+        chunk([{"index": 0, "delta": {"content": " tok"}, "logprobs": None, "finish_reason": None}])
+        for _ in range(STREAM_CHUNKS - 1)
+    ]
+    events += [
+        chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}]),
+        chunk([], usage=usage),
+        b"data: [DONE]\n\n",
+    ]
 
     async def chat(request: Request) -> Response:
         body = json.loads(await request.body())
         if body.get("stream"):
+
             async def stream():
                 for event in events:
                     yield event
+
             return StreamingResponse(stream(), media_type="text/event-stream")
         return Response(whole, media_type="application/json")
 
@@ -74,6 +107,7 @@ def stub_app():
 
 
 # --- the load generator ---------------------------------------------------------------------
+
 
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
@@ -92,12 +126,15 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 
 def _request(port: int, api_key: str, stream: bool) -> bytes:
     body = json.dumps({**CHAT, "stream": stream}).encode()
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
-            f"authorization: Bearer {api_key}\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {api_key}\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
-async def load(port: int, api_key: str, *, stream: bool, concurrency: int, count: int = 0,
-               seconds: float = 0.0, warmup: int = 50) -> dict:
+async def load(
+    port: int, api_key: str, *, stream: bool, concurrency: int, count: int = 0, seconds: float = 0.0, warmup: int = 50
+) -> dict:
     """`count` requests per client, or as many as fit in `seconds`; latencies of each in seconds."""
     message = _request(port, api_key, stream)
     latencies: list[float] = []
@@ -124,11 +161,17 @@ async def load(port: int, api_key: str, *, stream: bool, concurrency: int, count
     if failures:
         raise SystemExit(f"{len(failures)} request(s) failed, e.g. {failures[0]}")
     latencies.sort()
-    return {"requests": len(latencies), "wall_s": wall, "requests_per_s": len(latencies) / wall,
-            "p50_ms": 1000 * latencies[len(latencies) // 2], "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)]}
+    return {
+        "requests": len(latencies),
+        "wall_s": wall,
+        "requests_per_s": len(latencies) / wall,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)],
+    }
 
 
 # --- set-up ---------------------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -171,19 +214,30 @@ def prepare_database(database_url: str, stub_port: int) -> str:
     from controlplane.fleet.models import Replica, Worker
     from controlplane.fleet.services.deployments import deployment_create
 
-    plan = plan_create(name="bench", included_requests_per_month=0, rate_limit_per_minute=10_000_000,
-                       max_concurrent_requests=10_000)
+    plan = plan_create(
+        name="bench", included_requests_per_month=0, rate_limit_per_minute=10_000_000, max_concurrent_requests=10_000
+    )
     tenant = tenant_create(name="bench", plan=plan)
     credit_grant(tenant=tenant, amount=Decimal("1000000"))
-    tier = price_tier_create(name="bench", price_per_request=Decimal("0.000001"),
-                             reference_price_per_million_tokens=Decimal("0.1"))
-    model_create(public_name=CHAT["model"], family="llama", kind="chat", weights_path="/stub", context_length=4096,
-                 parameter_count=1, price_tier=tier)
+    tier = price_tier_create(
+        name="bench", price_per_request=Decimal("0.000001"), reference_price_per_million_tokens=Decimal("0.1")
+    )
+    model_create(
+        public_name=CHAT["model"],
+        family="llama",
+        kind="chat",
+        weights_path="/stub",
+        context_length=4096,
+        parameter_count=1,
+        price_tier=tier,
+    )
     deployment = deployment_create(model_name=CHAT["model"])
-    worker = Worker.objects.create(name="bench", queue_name="gpuworker.bench", advertise_host="127.0.0.1",
-                                   device=Worker.Device.CPU)
-    Replica.objects.create(deployment=deployment, worker=worker, state=Replica.State.READY,
-                           endpoint_url=f"http://127.0.0.1:{stub_port}")
+    worker = Worker.objects.create(
+        name="bench", queue_name="gpuworker.bench", advertise_host="127.0.0.1", device=Worker.Device.CPU
+    )
+    Replica.objects.create(
+        deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=f"http://127.0.0.1:{stub_port}"
+    )
     return api_key_create(tenant=tenant, name="bench").plaintext
 
 
@@ -218,10 +272,31 @@ def main() -> None:
     try:
         api_key = prepare_database(os.environ["DATABASE_URL"], stub_port)
         env = {**os.environ, "LOG_LEVEL": "WARNING", "DEBUG": "0", "SECRET_KEY": "bench", "SECURE_SSL_REDIRECT": "0"}
-        children.append(subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
-             "--port", str(gateway_port), "--workers", str(args.processes), "--log-level", "warning",
-             "--no-access-log", "--loop", "uvloop", "--http", "httptools"], cwd=REPO, env=env))
+        children.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "controlplane.asgi:application",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(gateway_port),
+                    "--workers",
+                    str(args.processes),
+                    "--log-level",
+                    "warning",
+                    "--no-access-log",
+                    "--loop",
+                    "uvloop",
+                    "--http",
+                    "httptools",
+                ],
+                cwd=REPO,
+                env=env,
+            )
+        )
         _wait_http(stub_port, "/")
         _wait_http(gateway_port, "/v1/models")
         results = uvloop.run(_measure(args, stub_port, gateway_port, api_key, children[1].pid))
@@ -258,14 +333,24 @@ async def _measure(args, stub_port: int, gateway_port: int, api_key: str, gatewa
             direct = await load(stub_port, api_key, stream=stream, concurrency=1, count=args.latency_requests)
             cpu_before = _cpu_seconds(gateway_pid)
             through = await load(gateway_port, api_key, stream=stream, concurrency=1, count=args.latency_requests)
-            through["cpu_ms_per_request"] = 1000 * (_cpu_seconds(gateway_pid) - cpu_before) / (args.latency_requests + 50)
-            runs.append({"direct": direct, "gateway": through,
-                         "added_p50_ms": through["p50_ms"] - direct["p50_ms"],
-                         "added_p99_ms": through["p99_ms"] - direct["p99_ms"]})
+            through["cpu_ms_per_request"] = (
+                1000 * (_cpu_seconds(gateway_pid) - cpu_before) / (args.latency_requests + 50)
+            )
+            runs.append(
+                {
+                    "direct": direct,
+                    "gateway": through,
+                    "added_p50_ms": through["p50_ms"] - direct["p50_ms"],
+                    "added_p99_ms": through["p99_ms"] - direct["p99_ms"],
+                }
+            )
         median = sorted(runs, key=lambda run: run["added_p50_ms"])[len(runs) // 2]
         busy = await load(gateway_port, api_key, stream=stream, concurrency=args.concurrency, seconds=args.seconds)
-        results[kind] = {**median, "gateway_loaded": busy,
-                         "added_p50_ms_runs": [round(run["added_p50_ms"], 3) for run in runs]}
+        results[kind] = {
+            **median,
+            "gateway_loaded": busy,
+            "added_p50_ms_runs": [round(run["added_p50_ms"], 3) for run in runs],
+        }
     return results
 
 
@@ -273,21 +358,36 @@ def _report(args, results: dict, load_average) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import git_commit, write_json
 
-    print(f"\n== gateway overhead ({args.processes} gateway process(es), {os.cpu_count()} cores, "
-          f"load generator and stub on the same machine) ==")
-    print(f"{'':16}{'added p50':>11}{'added p99':>11}{'direct p50':>12}{'gateway p50':>13}"
-          f"{'req/s @' + str(args.concurrency):>11}{'loaded p50':>12}{'loaded p99':>12}{'CPU/req':>10}")
+    print(
+        f"\n== gateway overhead ({args.processes} gateway process(es), {os.cpu_count()} cores, "
+        f"load generator and stub on the same machine) =="
+    )
+    print(
+        f"{'':16}{'added p50':>11}{'added p99':>11}{'direct p50':>12}{'gateway p50':>13}"
+        f"{'req/s @' + str(args.concurrency):>11}{'loaded p50':>12}{'loaded p99':>12}{'CPU/req':>10}"
+    )
     for kind, r in results.items():
-        print(f"{kind:16}{r['added_p50_ms']:>9.2f}ms{r['added_p99_ms']:>9.2f}ms{r['direct']['p50_ms']:>10.2f}ms"
-              f"{r['gateway']['p50_ms']:>11.2f}ms{r['gateway_loaded']['requests_per_s']:>11.0f}"
-              f"{r['gateway_loaded']['p50_ms']:>10.2f}ms{r['gateway_loaded']['p99_ms']:>10.2f}ms"
-              f"{r['gateway']['cpu_ms_per_request']:>8.2f}ms")
-    write_json("gateway", {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": git_commit(),
-        "cores": os.cpu_count(), "load_average_before": load_average, "processes": args.processes,
-        "concurrency": args.concurrency, "seconds": args.seconds, "repeats": args.repeats, "stream_chunks": STREAM_CHUNKS,
-        "results": results,
-    })
+        print(
+            f"{kind:16}{r['added_p50_ms']:>9.2f}ms{r['added_p99_ms']:>9.2f}ms{r['direct']['p50_ms']:>10.2f}ms"
+            f"{r['gateway']['p50_ms']:>11.2f}ms{r['gateway_loaded']['requests_per_s']:>11.0f}"
+            f"{r['gateway_loaded']['p50_ms']:>10.2f}ms{r['gateway_loaded']['p99_ms']:>10.2f}ms"
+            f"{r['gateway']['cpu_ms_per_request']:>8.2f}ms"
+        )
+    write_json(
+        "gateway",
+        {
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": git_commit(),
+            "cores": os.cpu_count(),
+            "load_average_before": load_average,
+            "processes": args.processes,
+            "concurrency": args.concurrency,
+            "seconds": args.seconds,
+            "repeats": args.repeats,
+            "stream_chunks": STREAM_CHUNKS,
+            "results": results,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -64,10 +64,17 @@ class System:
         self.has_fleet_server = (code / "controlplane" / "fleet_asgi.py").exists()
         self.fleet_url = f"http://127.0.0.1:{free_port()}" if self.has_fleet_server else self.web_url
         self.token = secrets.token_urlsafe(24)
-        self.env = {**os.environ, "PYTHONPATH": str(code), "DEBUG": "1", "LOG_LEVEL": "WARNING",
-                    "GPUSERVE_WORKER_TOKEN": self.token, "VAR_DIR": str(scratch / "var"),
-                    "FLEET_WORKER_LOST_AFTER_SECONDS": str(lost_after_s), "OMP_NUM_THREADS": "1",
-                    "GPUSERVE_MODEL_ROOTS": str(scratch / "models")}
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(code),
+            "DEBUG": "1",
+            "LOG_LEVEL": "WARNING",
+            "GPUSERVE_WORKER_TOKEN": self.token,
+            "VAR_DIR": str(scratch / "var"),
+            "FLEET_WORKER_LOST_AFTER_SECONDS": str(lost_after_s),
+            "OMP_NUM_THREADS": "1",
+            "GPUSERVE_MODEL_ROOTS": str(scratch / "models"),
+        }
         self.processes: dict[str, subprocess.Popen] = {}
 
     def start(self) -> None:
@@ -75,9 +82,13 @@ class System:
         self.postgres.create_database()
         self.redis.start()
         self.env.update(DATABASE_URL=self.postgres.url, REDIS_URL=self.redis.url)
-        os.environ.update({k: self.env[k] for k in ("DATABASE_URL", "REDIS_URL", "GPUSERVE_WORKER_TOKEN",
-                                                    "VAR_DIR", "DEBUG", "LOG_LEVEL")},
-                          DJANGO_SETTINGS_MODULE="controlplane.settings")
+        os.environ.update(
+            {
+                k: self.env[k]
+                for k in ("DATABASE_URL", "REDIS_URL", "GPUSERVE_WORKER_TOKEN", "VAR_DIR", "DEBUG", "LOG_LEVEL")
+            },
+            DJANGO_SETTINGS_MODULE="controlplane.settings",
+        )
         import django
         from django.core.management import call_command
 
@@ -86,23 +97,67 @@ class System:
 
     def run(self, name: str, *argv: str) -> None:
         log = open(self.scratch / f"{name}.log", "wb")
-        self.processes[name] = subprocess.Popen([sys.executable, *argv], cwd=self.code, env=self.env,
-                                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=self.code,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def start_processes(self) -> None:
         def server(app: str, url: str) -> list[str]:
-            return ["-m", "uvicorn", app, "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--lifespan", "off",
-                    "--no-access-log"]
+            return [
+                "-m",
+                "uvicorn",
+                app,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                url.rsplit(":", 1)[1],
+                "--lifespan",
+                "off",
+                "--no-access-log",
+            ]
 
         self.run("web", *server("controlplane.asgi:application", self.web_url))
         if self.has_fleet_server:
             self.run("fleet", *server("controlplane.fleet_asgi:application", self.fleet_url))
-        self.run("celery", "-m", "celery", "-A", "controlplane", "worker", "--beat", "-l", "WARNING", "-c", "2",
-                 "--without-gossip", "--without-mingle")
-        self.run("daemon", "-m", "gpuworker", "daemon", "--control-url", self.fleet_url, "--name", "stall-a",
-                 "--device", "cpu", "--advertise-host", "127.0.0.1", "--state-dir", str(self.scratch / "daemon"),
-                 "--drain-timeout", "5")
+        self.run(
+            "celery",
+            "-m",
+            "celery",
+            "-A",
+            "controlplane",
+            "worker",
+            "--beat",
+            "-l",
+            "WARNING",
+            "-c",
+            "2",
+            "--without-gossip",
+            "--without-mingle",
+        )
+        self.run(
+            "daemon",
+            "-m",
+            "gpuworker",
+            "daemon",
+            "--control-url",
+            self.fleet_url,
+            "--name",
+            "stall-a",
+            "--device",
+            "cpu",
+            "--advertise-host",
+            "127.0.0.1",
+            "--state-dir",
+            str(self.scratch / "daemon"),
+            "--drain-timeout",
+            "5",
+        )
 
     def wait(self, check, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -116,8 +171,10 @@ class System:
         raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}:\n{self.logs()}")
 
     def logs(self) -> str:
-        return "\n".join(f"----- {path.name}\n{path.read_text(errors='replace')[-3000:]}"
-                         for path in sorted(self.scratch.glob("*.log")))
+        return "\n".join(
+            f"----- {path.name}\n{path.read_text(errors='replace')[-3000:]}"
+            for path in sorted(self.scratch.glob("*.log"))
+        )
 
     def stop(self) -> None:
         for process in self.processes.values():
@@ -144,15 +201,27 @@ def seed(system: System) -> dict:
     from gpuworker.demo_model import write_demo_model
 
     checkpoint = write_demo_model(system.scratch / "models" / MODEL, max_position_embeddings=CONTEXT)
-    tier = price_tier_create(name="stall", price_per_request=Decimal("0.002"),
-                             reference_price_per_million_tokens=Decimal("0.5"))
-    model_create(public_name=MODEL, family="llama", kind="chat", weights_path=str(checkpoint),
-                 context_length=CONTEXT, parameter_count=4_000_000, price_tier=tier)
+    tier = price_tier_create(
+        name="stall", price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.5")
+    )
+    model_create(
+        public_name=MODEL,
+        family="llama",
+        kind="chat",
+        weights_path=str(checkpoint),
+        context_length=CONTEXT,
+        parameter_count=4_000_000,
+        price_tier=tier,
+    )
     deployment = deployment_create(model_name=MODEL, desired_replicas=1, max_replicas=1, autoscale=False)
     keys = {}
     for name, rpm, concurrent in (("attacker", 60, 16), ("other", 100_000, 64)):  # the demo plan's limits
-        tenant = tenant_create(name=name, plan=plan_create(name=name, included_requests_per_month=0,
-                                                           rate_limit_per_minute=rpm, max_concurrent_requests=concurrent))
+        tenant = tenant_create(
+            name=name,
+            plan=plan_create(
+                name=name, included_requests_per_month=0, rate_limit_per_minute=rpm, max_concurrent_requests=concurrent
+            ),
+        )
         credit_grant(tenant=tenant, amount=Decimal("100"), memo="stall bench")
         keys[name] = api_key_create(tenant=tenant, name=name).plaintext
     return {"deployment": deployment, "keys": keys}
@@ -182,8 +251,9 @@ def _attackers(url: str, key: str, body: bytes, attackers: int, rounds: int, go,
     counted: Counter = Counter()
 
     def attack() -> None:
-        with httpx.Client(timeout=600, headers={"Authorization": f"Bearer {key}",
-                                                "Content-Type": "application/json"}) as client:
+        with httpx.Client(
+            timeout=600, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        ) as client:
             for _ in range(rounds):
                 try:
                     response = client.post(f"{url}/v1/completions", content=body)
@@ -206,26 +276,31 @@ def _gaps(arrivals: list[float], start: float, end: float) -> list[float]:
     return [b - a for a, b in zip(times, times[1:]) if a <= end]
 
 
-async def measure(system: System, keys: dict, body: bytes, attackers: int, rounds: int, quiet_s: float,
-                  replica_url: str) -> dict:
+async def measure(
+    system: System, keys: dict, body: bytes, attackers: int, rounds: int, quiet_s: float, replica_url: str
+) -> dict:
     arrivals: list[float] = []
     direct: list[float] = []  # a stream from the replica itself, past the gateway: what the replica alone does
     window: dict[str, float] = {}
     spawn = multiprocessing.get_context("spawn")
     go, answered = spawn.Event(), spawn.Queue()
-    attacking = spawn.Process(target=_attackers, args=(system.web_url, keys["attacker"], body, attackers, rounds,
-                                                       go, answered))
+    attacking = spawn.Process(
+        target=_attackers, args=(system.web_url, keys["attacker"], body, attackers, rounds, go, answered)
+    )
     attacking.start()
     probes: list[float] = []  # GET /v1/models round trips during the attack: the web server's own latency
 
-    async with httpx.AsyncClient(base_url=system.web_url, timeout=600,
-                                 headers={"Authorization": f"Bearer {keys['other']}"}) as client:
+    async with httpx.AsyncClient(
+        base_url=system.web_url, timeout=600, headers={"Authorization": f"Bearer {keys['other']}"}
+    ) as client:
         started = asyncio.Event()
 
         async def stream() -> None:
-            async with client.stream("POST", "/v1/completions", json={
-                    "model": MODEL, "prompt": "go", "max_tokens": CONTEXT - 8, "stream": True,
-                    "ignore_eos": True}) as response:
+            async with client.stream(
+                "POST",
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "go", "max_tokens": CONTEXT - 8, "stream": True, "ignore_eos": True},
+            ) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         arrivals.append(time.time())
@@ -234,9 +309,17 @@ async def measure(system: System, keys: dict, body: bytes, attackers: int, round
 
         async def stream_direct() -> None:
             async with httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {system.token}"}) as replica:
-                async with replica.stream("POST", f"{replica_url}/v1/completions", json={
-                        "model": MODEL, "prompt": "go", "max_tokens": CONTEXT - 8, "stream": True,
-                        "ignore_eos": True}) as response:
+                async with replica.stream(
+                    "POST",
+                    f"{replica_url}/v1/completions",
+                    json={
+                        "model": MODEL,
+                        "prompt": "go",
+                        "max_tokens": CONTEXT - 8,
+                        "stream": True,
+                        "ignore_eos": True,
+                    },
+                ) as response:
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
                             direct.append(time.time())
@@ -265,17 +348,20 @@ async def measure(system: System, keys: dict, body: bytes, attackers: int, round
         await asyncio.gather(*streamers, return_exceptions=True)
     gaps, quiet = _gaps(arrivals, window["start"], window["end"]), _gaps(arrivals, window["quiet"], window["start"])
     direct_gaps = _gaps(direct, window["start"], window["end"])
-    return {"window": window, "answers": answers,
-            "chunks": len([t for t in arrivals if window["start"] <= t <= window["end"]]),
-            "stream_ended_in_window": bool(arrivals) and arrivals[-1] < window["end"],
-            "max_gap_ms": max(gaps, default=float("inf")) * 1000,
-            "p50_gap_ms": statistics.median(gaps) * 1000 if gaps else float("inf"),
-            "quiet_max_gap_ms": max(quiet, default=float("inf")) * 1000,
-            "quiet_p50_gap_ms": statistics.median(quiet) * 1000 if quiet else float("inf"),
-            "direct_max_gap_ms": max(direct_gaps, default=float("inf")) * 1000,
-            "direct_p50_gap_ms": statistics.median(direct_gaps) * 1000 if direct_gaps else float("inf"),
-            "probe_max_ms": max(probes, default=float("inf")) * 1000,
-            "probe_p50_ms": statistics.median(probes) * 1000 if probes else float("inf")}
+    return {
+        "window": window,
+        "answers": answers,
+        "chunks": len([t for t in arrivals if window["start"] <= t <= window["end"]]),
+        "stream_ended_in_window": bool(arrivals) and arrivals[-1] < window["end"],
+        "max_gap_ms": max(gaps, default=float("inf")) * 1000,
+        "p50_gap_ms": statistics.median(gaps) * 1000 if gaps else float("inf"),
+        "quiet_max_gap_ms": max(quiet, default=float("inf")) * 1000,
+        "quiet_p50_gap_ms": statistics.median(quiet) * 1000 if quiet else float("inf"),
+        "direct_max_gap_ms": max(direct_gaps, default=float("inf")) * 1000,
+        "direct_p50_gap_ms": statistics.median(direct_gaps) * 1000 if direct_gaps else float("inf"),
+        "probe_max_ms": max(probes, default=float("inf")) * 1000,
+        "probe_p50_ms": statistics.median(probes) * 1000 if probes else float("inf"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,47 +381,81 @@ def main(argv: list[str] | None = None) -> int:
             system.start_processes()
             from controlplane.fleet.models import Replica, Worker
 
-            replica = system.wait(lambda: Replica.objects.filter(deployment=seeded["deployment"],
-                                                                 state=Replica.State.READY).first(),
-                                  600, "the replica to be ready")
+            replica = system.wait(
+                lambda: Replica.objects.filter(deployment=seeded["deployment"], state=Replica.State.READY).first(),
+                600,
+                "the replica to be ready",
+            )
             worker = Worker.objects.get(pk=replica.worker_id)
             body = attack_body()
-            warm = httpx.post(f"{system.web_url}/v1/completions", content=body, timeout=600, headers={
-                "Authorization": f"Bearer {seeded['keys']['attacker']}", "Content-Type": "application/json"})
+            warm = httpx.post(
+                f"{system.web_url}/v1/completions",
+                content=body,
+                timeout=600,
+                headers={"Authorization": f"Bearer {seeded['keys']['attacker']}", "Content-Type": "application/json"},
+            )
             watch = HeartbeatWatch(worker.pk)
             watch.start()
-            result = asyncio.run(measure(system, seeded["keys"], body, args.attackers, args.rounds, args.quiet,
-                                         replica.endpoint_url.rstrip("/")))
+            result = asyncio.run(
+                measure(
+                    system,
+                    seeded["keys"],
+                    body,
+                    args.attackers,
+                    args.rounds,
+                    args.quiet,
+                    replica.endpoint_url.rstrip("/"),
+                )
+            )
             time.sleep(args.lost_after + 2)  # a worker judged lost at the end of the window is seen too
             watch.halt.set()
             watch.join()
             start, end = result["window"]["start"], result["window"]["end"]
-            around = ([t for t in watch.received if t < start][-1:] + [t for t in watch.received if start <= t <= end]
-                      + [t for t in watch.received if t > end][:1])
+            around = (
+                [t for t in watch.received if t < start][-1:]
+                + [t for t in watch.received if start <= t <= end]
+                + [t for t in watch.received if t > end][:1]
+            )
             beats = [b - a for a, b in zip(around, around[1:])]
             worker_after = Worker.objects.get(pk=worker.pk)
             replicas_after = list(Replica.objects.filter(deployment=seeded["deployment"]).values_list("pk", "state"))
         finally:
             system.stop()
     lost = worker_after.state_changed_at != worker.state_changed_at
-    print(f"\ncode: {code}  cores: {os.cpu_count()}  python {sys.version.split()[0]}  "
-          f"daemon calls: {'the fleet server' if system.has_fleet_server else 'the web server'}")
+    print(
+        f"\ncode: {code}  cores: {os.cpu_count()}  python {sys.version.split()[0]}  "
+        f"daemon calls: {'the fleet server' if system.has_fleet_server else 'the web server'}"
+    )
     print(f"warm-up request: {warm.status_code}")
-    print(f"attack: {args.attackers} x {args.rounds} x {len(body) / 1e6:.1f} MB of token ids in "
-          f"{end - start:.2f} s; answers: {dict(result['answers'])}")
-    print(f"other tenant's stream while it ran: {result['chunks']} chunks, max gap {result['max_gap_ms']:.1f} ms, "
-          f"median {result['p50_gap_ms']:.1f} ms" + (" (the stream ended in the window)"
-                                                      if result["stream_ended_in_window"] else ""))
-    print(f"  the same stream for {args.quiet:g} s before the attack: max gap {result['quiet_max_gap_ms']:.1f} ms, "
-          f"median {result['quiet_p50_gap_ms']:.1f} ms")
-    print(f"  a stream from the replica itself, past the gateway, meanwhile: max gap "
-          f"{result['direct_max_gap_ms']:.1f} ms, median {result['direct_p50_gap_ms']:.1f} ms")
-    print(f"GET /v1/models (other tenant) while it ran: max {result['probe_max_ms']:.1f} ms, "
-          f"median {result['probe_p50_ms']:.1f} ms")
-    print(f"heartbeats recorded around it: {len(around)}, gaps (s): {[round(b, 2) for b in beats]}, "
-          f"max {max(beats, default=float('inf')):.2f} s (lost after {args.lost_after} s)")
-    print(f"worker: {worker_after.state}{' (its state changed: judged lost and back)' if lost else ', never lost'}; "
-          f"replicas: before [({replica.pk}, 'ready')], after {replicas_after}")
+    print(
+        f"attack: {args.attackers} x {args.rounds} x {len(body) / 1e6:.1f} MB of token ids in "
+        f"{end - start:.2f} s; answers: {dict(result['answers'])}"
+    )
+    print(
+        f"other tenant's stream while it ran: {result['chunks']} chunks, max gap {result['max_gap_ms']:.1f} ms, "
+        f"median {result['p50_gap_ms']:.1f} ms"
+        + (" (the stream ended in the window)" if result["stream_ended_in_window"] else "")
+    )
+    print(
+        f"  the same stream for {args.quiet:g} s before the attack: max gap {result['quiet_max_gap_ms']:.1f} ms, "
+        f"median {result['quiet_p50_gap_ms']:.1f} ms"
+    )
+    print(
+        f"  a stream from the replica itself, past the gateway, meanwhile: max gap "
+        f"{result['direct_max_gap_ms']:.1f} ms, median {result['direct_p50_gap_ms']:.1f} ms"
+    )
+    print(
+        f"GET /v1/models (other tenant) while it ran: max {result['probe_max_ms']:.1f} ms, "
+        f"median {result['probe_p50_ms']:.1f} ms"
+    )
+    print(
+        f"heartbeats recorded around it: {len(around)}, gaps (s): {[round(b, 2) for b in beats]}, "
+        f"max {max(beats, default=float('inf')):.2f} s (lost after {args.lost_after} s)"
+    )
+    print(
+        f"worker: {worker_after.state}{' (its state changed: judged lost and back)' if lost else ', never lost'}; "
+        f"replicas: before [({replica.pk}, 'ready')], after {replicas_after}"
+    )
     return 0
 
 

@@ -108,15 +108,21 @@ def run_shape(name: str, n: int, k: int, rows, configs, *, device: str, timed: b
             if not entry.get("ok"):
                 print(f"  {name} M={m} {config.name}: FAILED {entry.get('error') or entry.get('max_abs_err')}")
             sweep.append(entry)
-        row["max_abs_err"] = max((e.get("max_abs_err", 0.0) for e in sweep if e["shape"] == name and e["M"] == m),
-                                 default=0.0)
+        row["max_abs_err"] = max(
+            (e.get("max_abs_err", 0.0) for e in sweep if e["shape"] == name and e["M"] == m), default=0.0
+        )
         row["all_ok"] = all(e.get("ok") for e in sweep if e["shape"] == name and e["M"] == m)
         if timings:
             best = min(timings, key=timings.get)
             default = pick_config(m, n, k).name
-            row.update(best_config=best, best_us=timings[best], best_GBps=moved / timings[best] / 1e3,
-                       speedup=row["cublas_us"] / timings[best],
-                       default_config=default, default_us=timings.get(default))
+            row.update(
+                best_config=best,
+                best_us=timings[best],
+                best_GBps=moved / timings[best] / 1e3,
+                speedup=row["cublas_us"] / timings[best],
+                default_config=default,
+                default_us=timings.get(default),
+            )
         results.append(row)
     # Rebound to None rather than deleted: ruff reads a name deleted after a lambda or closure that
     # uses it as undefined there (F821); the memory goes back all the same.
@@ -148,11 +154,15 @@ def run_fused_down(n: int, k: int, rows, best_by_m: dict[int, str], *, device: s
         row.update(max_abs_err=err, ok=ok)
         if timed:
             row["unfused_us"] = graph_time_us(
-                [lambda i=i: F.linear(silu_and_mul(gate_up[i]), weights[i]) for i in range(copies)])
+                [lambda i=i: F.linear(silu_and_mul(gate_up[i]), weights[i]) for i in range(copies)]
+            )
             if ok:
                 row["fused_us"] = graph_time_us(
-                    [lambda i=i: gemv(gate_up[i], weights[i], silu_mul_input=True, config=config)
-                     for i in range(copies)])
+                    [
+                        lambda i=i: gemv(gate_up[i], weights[i], silu_mul_input=True, config=config)
+                        for i in range(copies)
+                    ]
+                )
                 row["speedup"] = row["unfused_us"] / row["fused_us"]
         out.append(row)
     weights = None
@@ -162,17 +172,23 @@ def run_fused_down(n: int, k: int, rows, best_by_m: dict[int, str], *, device: s
 def print_results(results: list[dict], fused: list[dict], copy_gbps: float | None) -> None:
     print(f"\n== GEMV, bf16 (copy bandwidth {copy_gbps:.0f} GB/s) ==" if copy_gbps else "\n== GEMV check ==")
     if copy_gbps:
-        print(f"{'shape':9s} {'N':>6s} {'K':>6s} {'M':>2s} {'cuBLAS us':>9s} {'GB/s':>6s} {'best triton':28s} "
-              f"{'us':>7s} {'GB/s':>6s} {'%copy':>5s} {'speedup':>7s} {'default us':>10s}")
+        print(
+            f"{'shape':9s} {'N':>6s} {'K':>6s} {'M':>2s} {'cuBLAS us':>9s} {'GB/s':>6s} {'best triton':28s} "
+            f"{'us':>7s} {'GB/s':>6s} {'%copy':>5s} {'speedup':>7s} {'default us':>10s}"
+        )
         for r in results:
             if "best_us" not in r:
-                print(f"{r['shape']:9s} {r['N']:6d} {r['K']:6d} {r['M']:2d} {r['cublas_us']:9.1f} "
-                      f"{r['cublas_GBps']:6.0f}  no Triton config passed the check")
+                print(
+                    f"{r['shape']:9s} {r['N']:6d} {r['K']:6d} {r['M']:2d} {r['cublas_us']:9.1f} "
+                    f"{r['cublas_GBps']:6.0f}  no Triton config passed the check"
+                )
                 continue
             default = f"{r['default_us']:10.1f}" if r.get("default_us") else f"{'-':>10s}"
-            print(f"{r['shape']:9s} {r['N']:6d} {r['K']:6d} {r['M']:2d} {r['cublas_us']:9.1f} {r['cublas_GBps']:6.0f} "
-                  f"{r['best_config']:28s} {r['best_us']:7.1f} {r['best_GBps']:6.0f} "
-                  f"{100 * r['best_GBps'] / copy_gbps:4.0f}% {r['speedup']:6.2f}x {default}")
+            print(
+                f"{r['shape']:9s} {r['N']:6d} {r['K']:6d} {r['M']:2d} {r['cublas_us']:9.1f} {r['cublas_GBps']:6.0f} "
+                f"{r['best_config']:28s} {r['best_us']:7.1f} {r['best_GBps']:6.0f} "
+                f"{100 * r['best_GBps'] / copy_gbps:4.0f}% {r['speedup']:6.2f}x {default}"
+            )
         if fused:
             print(f"\n{'fused down':20s} {'M':>2s} {'silu+cuBLAS us':>14s} {'fused us':>9s} {'speedup':>7s}  config")
         for r in fused:
@@ -181,8 +197,10 @@ def print_results(results: list[dict], fused: list[dict], copy_gbps: float | Non
     else:
         for r in results + fused:
             status = "ok" if r.get("all_ok", r.get("ok")) else "MISMATCH"
-            print(f"{r['shape']:20s} N={r['N']:<6d} K={r['K']:<6d} M={r['M']:<2d} max abs err {r['max_abs_err']:.4g}"
-                  f"  {status}")
+            print(
+                f"{r['shape']:20s} N={r['N']:<6d} K={r['K']:<6d} M={r['M']:<2d} max abs err {r['max_abs_err']:.4g}"
+                f"  {status}"
+            )
 
 
 def step_estimate(results: list[dict], shapes: dict) -> dict:
@@ -220,8 +238,9 @@ def layer_chain(copy_gbps: float, layers: int = 32) -> list[dict]:
         for layer in stack:
             qkv, residual = gemv_rms_norm(hidden, residual, norm_weight, 1e-5, layer["qkv"], config=config["qkv"])
             hidden = gemv(qkv[:, : norm_weight.numel()], layer["o_proj"], config=config["o_proj"])
-            gate_up, residual = gemv_rms_norm(hidden, residual, norm_weight, 1e-5, layer["gate_up"],
-                                              config=config["gate_up"])
+            gate_up, residual = gemv_rms_norm(
+                hidden, residual, norm_weight, 1e-5, layer["gate_up"], config=config["gate_up"]
+            )
             hidden = gemv(gate_up, layer["down"], silu_mul_input=True, config=config["down"])
         return hidden
 
@@ -242,10 +261,20 @@ def layer_chain(copy_gbps: float, layers: int = 32) -> list[dict]:
         end.record()
         end.synchronize()
         ms = start.elapsed_time(end) / 20
-        rows.append({"pdl": pdl == "1", "layers": layers, "ms": ms, "weight_GB": weight_bytes / 1e9,
-                     "GBps": weight_bytes / ms / 1e6, "copy_GBps": copy_gbps})
-        print(f"  PDL {'on ' if pdl == '1' else 'off'}: {ms:.3f} ms for {weight_bytes / 1e9:.2f} GB of weights, "
-              f"{weight_bytes / ms / 1e6:.0f} GB/s ({100 * weight_bytes / ms / 1e6 / copy_gbps:.0f}% of copy)")
+        rows.append(
+            {
+                "pdl": pdl == "1",
+                "layers": layers,
+                "ms": ms,
+                "weight_GB": weight_bytes / 1e9,
+                "GBps": weight_bytes / ms / 1e6,
+                "copy_GBps": copy_gbps,
+            }
+        )
+        print(
+            f"  PDL {'on ' if pdl == '1' else 'off'}: {ms:.3f} ms for {weight_bytes / 1e9:.2f} GB of weights, "
+            f"{weight_bytes / ms / 1e6:.0f} GB/s ({100 * weight_bytes / ms / 1e6 / copy_gbps:.0f}% of copy)"
+        )
         del graph
     os.environ.pop("GPUWORKER_PDL")
     return rows
@@ -270,13 +299,23 @@ def config_records(results: list[dict], shapes: str) -> tuple[list[dict], list[d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check-only", action="store_true",
-                        help="check every config against F.linear without timing (tiny shapes on a CPU)")
+    parser.add_argument(
+        "--check-only",
+        action="store_true",
+        help="check every config against F.linear without timing (tiny shapes on a CPU)",
+    )
     parser.add_argument("--quick", action="store_true", help="M = 1 and 4 only")
-    parser.add_argument("--layer-chain", action="store_true",
-                        help="only the 32-layer chain of Llama-3-8B's batch-1 projections (PDL on and off)")
-    parser.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="llama-3-8b",
-                        help="whose decode projections to time (default: llama-3-8b)")
+    parser.add_argument(
+        "--layer-chain",
+        action="store_true",
+        help="only the 32-layer chain of Llama-3-8B's batch-1 projections (PDL on and off)",
+    )
+    parser.add_argument(
+        "--shapes",
+        choices=sorted(SHAPE_SETS),
+        default="llama-3-8b",
+        help="whose decode projections to time (default: llama-3-8b)",
+    )
     add_write_configs_option(parser, "gpuworker/kernels/configs/gemv")
     args = parser.parse_args()
     start = start_kernel_sweep("gemv.py", args.check_only)
@@ -305,11 +344,20 @@ def main() -> None:
     fused = []
     if down:  # a dense MLP's down projection (an MoE model has none outside its experts)
         n, k = down[0]["N"], down[0]["K"]
-        fused = run_fused_down(n, k, rows, {r["M"]: r["best_config"] for r in down if "best_config" in r},
-                               device=device, timed=timed)
+        fused = run_fused_down(
+            n, k, rows, {r["M"]: r["best_config"] for r in down if "best_config" in r}, device=device, timed=timed
+        )
 
-    payload = {"environment": env, "shapes": args.shapes, "dtype": str(DTYPE), "copy_bandwidth_GBps": copy_gbps,
-               "timed": timed, "results": results, "fused_down": fused, "sweep": sweep}
+    payload = {
+        "environment": env,
+        "shapes": args.shapes,
+        "dtype": str(DTYPE),
+        "copy_bandwidth_GBps": copy_gbps,
+        "timed": timed,
+        "results": results,
+        "fused_down": fused,
+        "sweep": sweep,
+    }
     if timed:
         tuned = {}
         for r in results:
@@ -324,8 +372,10 @@ def main() -> None:
     if timed:
         print(f"\nlinear layers per decode step ({args.shapes}: {model_shapes['qkv'][1]} layers + lm_head):")
         for m, e in payload["step_estimate"].items():
-            print(f"  M={m}: cuBLAS {e['cublas_ms']:.3f} ms, "
-                  f"best of cuBLAS/Triton per shape {e['best_of_both_ms']:.3f} ms")
+            print(
+                f"  M={m}: cuBLAS {e['cublas_ms']:.3f} ms, "
+                f"best of cuBLAS/Triton per shape {e['best_of_both_ms']:.3f} ms"
+            )
         print("\nwinners where Triton beat cuBLAS, {(N, K): {M: config}}:")
         for (n, k), by_m in tuned.items():
             print(f"    ({n}, {k}): {by_m!r},")

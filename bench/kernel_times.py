@@ -25,11 +25,17 @@ import torch.nn.functional as F
 
 from common import add_write_configs_option, copy_bandwidth_gbs, environment, write_configs, write_json
 from gpuworker.kernels.attention.kv_cache_write import kv_cache_write
-from gpuworker.kernels.attention.paged_decode import (TABLE_KEY, NewTokens, SplitCounters, choose_num_splits,
-                                                     multiprocessor_count, paged_decode_attention)
+from gpuworker.kernels.attention.paged_decode import (
+    TABLE_KEY,
+    NewTokens,
+    SplitCounters,
+    choose_num_splits,
+    multiprocessor_count,
+    paged_decode_attention,
+)
 from gpuworker.kernels.attention.prefill import prefill_attention
-from gpuworker.kernels.norm.rms_norm import rms_norm, rms_norm_reference
 from gpuworker.kernels.attention.rotary import apply_rotary, apply_rotary_and_cache, apply_rotary_reference
+from gpuworker.kernels.norm.rms_norm import rms_norm, rms_norm_reference
 from gpuworker.models.layers import RotaryEmbedding
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, BLOCK_SIZE = 32, 8, 128, 4096, 16
@@ -117,20 +123,38 @@ def bench_decode_batch1(contexts=(128, 384, 640, 1024), max_lens=(2048, 8192), l
         tables[0, :blocks] = torch.arange(1, blocks + 1, dtype=torch.int32, device="cuda")
         for context in contexts:
             seq_lens = torch.tensor([context], dtype=torch.int32, device="cuda")
-            row = {"context": context, "max_len": max_len,
-                   "num_splits": choose_num_splits(1, NUM_KV_HEADS, max_len, query.device)}
-            for key, merge_in_launch, block_n in (("in_launch_us", True, None), ("merge_kernel_us", False, None),
-                                                  ("merge_kernel_n32_us", False, 32)):
-                calls = [lambda cache=cache, merge=merge_in_launch, n=block_n: paged_decode_attention(
-                    query, cache, tables, seq_lens, HEAD_DIM**-0.5, max_len, counters=counters,
-                    merge_in_launch=merge, block_n=n) for cache in caches]
+            row = {
+                "context": context,
+                "max_len": max_len,
+                "num_splits": choose_num_splits(1, NUM_KV_HEADS, max_len, query.device),
+            }
+            for key, merge_in_launch, block_n in (
+                ("in_launch_us", True, None),
+                ("merge_kernel_us", False, None),
+                ("merge_kernel_n32_us", False, 32),
+            ):
+                calls = [
+                    lambda cache=cache, merge=merge_in_launch, n=block_n: paged_decode_attention(
+                        query,
+                        cache,
+                        tables,
+                        seq_lens,
+                        HEAD_DIM**-0.5,
+                        max_len,
+                        counters=counters,
+                        merge_in_launch=merge,
+                        block_n=n,
+                    )
+                    for cache in caches
+                ]
                 row[key] = graph_time_us(calls)
             rows.append(row)
     return rows
 
 
-def bench_decode_new_tokens(cases=((1, 128, 128, 8192, 32), (1, 384, 384, 8192, 32), (1, 640, 640, 8192, 32),
-                                   (512, 200, 2048, 2048, 4))) -> list[dict]:
+def bench_decode_new_tokens(
+    cases=((1, 128, 128, 8192, 32), (1, 384, 384, 8192, 32), (1, 640, 640, 8192, 32), (512, 200, 2048, 2048, 4)),
+) -> list[dict]:
     """Rotary + cache write as their own kernel before the decode launch, against the decode launch
     doing both (new_tokens), as a layer of a decode graph runs them: per case (batch, contexts
     uniform in [lo, hi], max_len the graph is captured for, layers each with its own cache)."""
@@ -145,11 +169,12 @@ def bench_decode_new_tokens(cases=((1, 128, 128, 8192, 32), (1, 384, 384, 8192, 
         tables = (torch.randperm(batch * blocks_per_seq, device="cuda").int() + 1).view(batch, blocks_per_seq)
         qkv = randn(batch, q_size + 2 * kv_size)
         query = qkv[:, :q_size].view(batch, NUM_Q_HEADS, HEAD_DIM)
-        key = qkv[:, q_size:q_size + kv_size].view(batch, NUM_KV_HEADS, HEAD_DIM)
-        value = qkv[:, q_size + kv_size:].view(batch, NUM_KV_HEADS, HEAD_DIM)
+        key = qkv[:, q_size : q_size + kv_size].view(batch, NUM_KV_HEADS, HEAD_DIM)
+        value = qkv[:, q_size + kv_size :].view(batch, NUM_KV_HEADS, HEAD_DIM)
         positions = (lens - 1).long()
-        slots = tables.gather(1, (positions // BLOCK_SIZE)[:, None]).squeeze(1).long() * BLOCK_SIZE \
-            + positions % BLOCK_SIZE
+        slots = (
+            tables.gather(1, (positions // BLOCK_SIZE)[:, None]).squeeze(1).long() * BLOCK_SIZE + positions % BLOCK_SIZE
+        )
         counters = SplitCounters().get(batch * NUM_KV_HEADS, query.device)
         out = torch.empty_like(query)
         new_tokens = NewTokens(positions, key, value, rotary.cos_cache, rotary.sin_cache, slots)
@@ -159,12 +184,19 @@ def bench_decode_new_tokens(cases=((1, 128, 128, 8192, 32), (1, 384, 384, 8192, 
             paged_decode_attention(query, cache, tables, lens, scale, max_len, out=out, counters=counters)
 
         def fused(cache):
-            paged_decode_attention(query, cache, tables, lens, scale, max_len, out=out, counters=counters,
-                                   new_tokens=new_tokens)
+            paged_decode_attention(
+                query, cache, tables, lens, scale, max_len, out=out, counters=counters, new_tokens=new_tokens
+            )
 
-        rows.append({"batch": batch, "contexts": f"{lo}-{hi}", "max_len": max_len,
-                     "separate_us": graph_time_us([lambda c=c: separate(c) for c in caches]),
-                     "fused_us": graph_time_us([lambda c=c: fused(c) for c in caches])})
+        rows.append(
+            {
+                "batch": batch,
+                "contexts": f"{lo}-{hi}",
+                "max_len": max_len,
+                "separate_us": graph_time_us([lambda c=c: separate(c) for c in caches]),
+                "fused_us": graph_time_us([lambda c=c: fused(c) for c in caches]),
+            }
+        )
         del caches
         torch.cuda.empty_cache()
     return rows
@@ -183,17 +215,43 @@ def bench_decode_tiles_mixed(cases=((512, 200, 2048), (256, 200, 2048), (512, 60
         sets = min(4, num_sets(kv_bytes))
         cache = randn(2, sets * batch * blocks_per_seq + 1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         tables = (torch.randperm(sets * batch * blocks_per_seq, device="cuda").int() + 1).view(
-            sets, batch, blocks_per_seq)
+            sets, batch, blocks_per_seq
+        )
         query = [randn(batch, NUM_Q_HEADS, HEAD_DIM) for _ in range(sets)]
         out = torch.empty_like(query[0])
         for block_n in (32, 64, 128):
             for warps in (4, 8):
                 for stages in (1, 2, 3, 4):
-                    us = graph_time_us([(lambda i=i: paged_decode_attention(
-                        query[i], cache, tables[i], lens, scale, max_len, out=out,
-                        block_n=block_n, num_warps=warps, num_stages=stages)) for i in range(sets)])
-                    rows.append({"shape": f"B={batch} ctx U[{lo},{hi}]", "batch": batch, "block_n": block_n,
-                                 "num_warps": warps, "num_stages": stages, "us": us, "GBps": kv_bytes / us / 1e3})
+                    us = graph_time_us(
+                        [
+                            (
+                                lambda i=i: paged_decode_attention(
+                                    query[i],
+                                    cache,
+                                    tables[i],
+                                    lens,
+                                    scale,
+                                    max_len,
+                                    out=out,
+                                    block_n=block_n,
+                                    num_warps=warps,
+                                    num_stages=stages,
+                                )
+                            )
+                            for i in range(sets)
+                        ]
+                    )
+                    rows.append(
+                        {
+                            "shape": f"B={batch} ctx U[{lo},{hi}]",
+                            "batch": batch,
+                            "block_n": block_n,
+                            "num_warps": warps,
+                            "num_stages": stages,
+                            "us": us,
+                            "GBps": kv_bytes / us / 1e3,
+                        }
+                    )
         # Rebound to None rather than deleted: ruff reads a name deleted after a lambda or closure that
         # uses it as undefined there (F821); the memory goes back all the same.
         cache = None
@@ -201,8 +259,10 @@ def bench_decode_tiles_mixed(cases=((512, 200, 2048), (256, 200, 2048), (512, 60
     return rows
 
 
-def bench_decode_fp8(cases=((512, 700), (256, 1024), (64, 2048)),
-                     tiles=((64, 4, 2), (64, 8, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3), (64, 8, 3))) -> list[dict]:
+def bench_decode_fp8(
+    cases=((512, 700), (256, 1024), (64, 2048)),
+    tiles=((64, 4, 2), (64, 8, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3), (64, 8, 3)),
+) -> list[dict]:
     """Decode attention over an FP8 cache (float8_e4m3fn, per-tensor scales) against the same
     values in a bf16 cache, at the default launch and over a tile sweep for FP8, each tile with V
     read as bytes and as 16-bit words ("+pairs", paged_decode_attention's fp8_v_pairs), per case
@@ -221,23 +281,46 @@ def bench_decode_fp8(cases=((512, 700), (256, 1024), (64, 2048)),
         def timed(kv_cache, **kw):
             fp8 = kv_cache.dtype == FP8_DTYPE
             scales = {"k_scale": k_scale, "v_scale": v_scale} if fp8 else {}
-            return graph_time_us([(lambda i=i: paged_decode_attention(
-                query[i], kv_cache, tables[i], seq_lens, scale, context, out=out, **scales, **kw))
-                for i in range(sets)])
+            return graph_time_us(
+                [
+                    (
+                        lambda i=i: paged_decode_attention(
+                            query[i], kv_cache, tables[i], seq_lens, scale, context, out=out, **scales, **kw
+                        )
+                    )
+                    for i in range(sets)
+                ]
+            )
 
         bf16_us = timed(cache)
         fp8_us = timed(cache_fp8)
         shape = f"B={batch} ctx={context}"
-        rows.append({"shape": shape, "cache": "bf16", "tile": "default", "us": bf16_us,
-                     "GBps": kv_bytes / bf16_us / 1e3})
-        rows.append({"shape": shape, "cache": "fp8", "tile": "default", "us": fp8_us,
-                     "GBps": kv_bytes / 2 / fp8_us / 1e3, "vs_bf16": bf16_us / fp8_us})
+        rows.append(
+            {"shape": shape, "cache": "bf16", "tile": "default", "us": bf16_us, "GBps": kv_bytes / bf16_us / 1e3}
+        )
+        rows.append(
+            {
+                "shape": shape,
+                "cache": "fp8",
+                "tile": "default",
+                "us": fp8_us,
+                "GBps": kv_bytes / 2 / fp8_us / 1e3,
+                "vs_bf16": bf16_us / fp8_us,
+            }
+        )
         for block_n, warps, stages in tiles:
             for v_pairs in (False, True):  # V read as bytes (the default) or as 16-bit words
                 us = timed(cache_fp8, block_n=block_n, num_warps=warps, num_stages=stages, fp8_v_pairs=v_pairs)
-                rows.append({"shape": shape, "cache": "fp8", "tile": f"{block_n}x{warps}w{stages}s"
-                             + ("+pairs" if v_pairs else ""), "us": us,
-                             "GBps": kv_bytes / 2 / us / 1e3, "vs_bf16": bf16_us / us})
+                rows.append(
+                    {
+                        "shape": shape,
+                        "cache": "fp8",
+                        "tile": f"{block_n}x{warps}w{stages}s" + ("+pairs" if v_pairs else ""),
+                        "us": us,
+                        "GBps": kv_bytes / 2 / us / 1e3,
+                        "vs_bf16": bf16_us / us,
+                    }
+                )
         del cache, cache_fp8
         torch.cuda.empty_cache()
     return rows
@@ -262,19 +345,29 @@ def bench_decode(shapes, configs, split_options) -> tuple[list[dict], list[dict]
             k = [randn(batch, NUM_KV_HEADS, context, HEAD_DIM) for _ in range(dense_sets)]
             v = [randn(batch, NUM_KV_HEADS, context, HEAD_DIM) for _ in range(dense_sets)]
             q = randn(batch, NUM_Q_HEADS, 1, HEAD_DIM)
-            sdpa_us = graph_time_us([
-                (lambda i=i: F.scaled_dot_product_attention(q, k[i], v[i], scale=scale, enable_gqa=True))
-                for i in range(dense_sets)
-            ])
+            sdpa_us = graph_time_us(
+                [
+                    (lambda i=i: F.scaled_dot_product_attention(q, k[i], v[i], scale=scale, enable_gqa=True))
+                    for i in range(dense_sets)
+                ]
+            )
             k = v = None
         except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
             print(f"  sdpa decode {batch}x{context}: {exc!r}")
-        rows.append({
-            "kernel": "paged_decode_attention", "shape": f"B={batch} ctx={context}", "splits": splits,
-            "us": us, "eager_us": eager, "kv_bytes": kv_bytes, "GBps": kv_bytes / us / 1e3,
-            "baseline": "torch SDPA (dense contiguous KV, enable_gqa)", "baseline_us": sdpa_us,
-            "baseline_GBps": kv_bytes / sdpa_us / 1e3 if sdpa_us else None,
-        })
+        rows.append(
+            {
+                "kernel": "paged_decode_attention",
+                "shape": f"B={batch} ctx={context}",
+                "splits": splits,
+                "us": us,
+                "eager_us": eager,
+                "kv_bytes": kv_bytes,
+                "GBps": kv_bytes / us / 1e3,
+                "baseline": "torch SDPA (dense contiguous KV, enable_gqa)",
+                "baseline_us": sdpa_us,
+                "baseline_GBps": kv_bytes / sdpa_us / 1e3 if sdpa_us else None,
+            }
+        )
         torch.cuda.empty_cache()
 
     sweep_shapes = list(dict.fromkeys([*configs["shapes"], *split_options]))
@@ -282,22 +375,57 @@ def bench_decode(shapes, configs, split_options) -> tuple[list[dict], list[dict]
         cache, tables, seq_lens, query, out, kv_bytes, sets = decode_inputs(batch, context)
         tiles = configs["tiles"] if (batch, context) in configs["shapes"] else []
         for block_n, warps, stages in tiles:
-            us = graph_time_us([
-                (lambda i=i: paged_decode_attention(query[i], cache, tables[i], seq_lens, scale, context, out=out,
-                                                    block_n=block_n, num_warps=warps, num_stages=stages))
-                for i in range(sets)
-            ])
-            sweep.append({"kernel": "paged_decode_attention", "shape": f"B={batch} ctx={context}", "batch": batch,
-                          "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                          "us": us, "GBps": kv_bytes / us / 1e3})
+            us = graph_time_us(
+                [
+                    (
+                        lambda i=i: paged_decode_attention(
+                            query[i],
+                            cache,
+                            tables[i],
+                            seq_lens,
+                            scale,
+                            context,
+                            out=out,
+                            block_n=block_n,
+                            num_warps=warps,
+                            num_stages=stages,
+                        )
+                    )
+                    for i in range(sets)
+                ]
+            )
+            sweep.append(
+                {
+                    "kernel": "paged_decode_attention",
+                    "shape": f"B={batch} ctx={context}",
+                    "batch": batch,
+                    "block_n": block_n,
+                    "num_warps": warps,
+                    "num_stages": stages,
+                    "us": us,
+                    "GBps": kv_bytes / us / 1e3,
+                }
+            )
         for splits in split_options.get((batch, context), []):
-            us = graph_time_us([
-                (lambda i=i: paged_decode_attention(query[i], cache, tables[i], seq_lens, scale, context, out=out,
-                                                    num_splits=splits))
-                for i in range(sets)
-            ])
-            sweep.append({"kernel": "paged_decode_attention", "shape": f"B={batch} ctx={context}",
-                          "num_splits": splits, "us": us, "GBps": kv_bytes / us / 1e3})
+            us = graph_time_us(
+                [
+                    (
+                        lambda i=i: paged_decode_attention(
+                            query[i], cache, tables[i], seq_lens, scale, context, out=out, num_splits=splits
+                        )
+                    )
+                    for i in range(sets)
+                ]
+            )
+            sweep.append(
+                {
+                    "kernel": "paged_decode_attention",
+                    "shape": f"B={batch} ctx={context}",
+                    "num_splits": splits,
+                    "us": us,
+                    "GBps": kv_bytes / us / 1e3,
+                }
+            )
         cache = None
         torch.cuda.empty_cache()
     return rows, sweep
@@ -346,22 +474,38 @@ def bench_prefill(shapes, tiles) -> tuple[list[dict], list[dict]]:
         except Exception as exc:  # noqa: BLE001
             print(f"  sdpa prefill {num_seqs}x{q_len}+{prefix}: {exc!r}")
         shape = f"{num_seqs}x{q_len}" + (f" after {prefix} cached" if prefix else "")
-        rows.append({
-            "kernel": "prefill_attention", "shape": shape, "us": us, "TFLOPs": flops / us / 1e6,
-            "baseline": "torch SDPA (dense, causal, enable_gqa)", "baseline_us": sdpa_us,
-            "baseline_TFLOPs": flops / sdpa_us / 1e6 if sdpa_us else None,
-        })
+        rows.append(
+            {
+                "kernel": "prefill_attention",
+                "shape": shape,
+                "us": us,
+                "TFLOPs": flops / us / 1e6,
+                "baseline": "torch SDPA (dense, causal, enable_gqa)",
+                "baseline_us": sdpa_us,
+                "baseline_TFLOPs": flops / sdpa_us / 1e6 if sdpa_us else None,
+            }
+        )
         if (num_seqs, q_len, prefix) in tiles["shapes"]:
             for block_m, block_n, warps, stages in tiles["tiles"]:
                 try:
-                    t = graph_time_us([lambda: run(block_m=block_m, block_n=block_n, num_warps=warps,
-                                                   num_stages=stages)] * 3)
+                    t = graph_time_us(
+                        [lambda: run(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)] * 3
+                    )
                 except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for a large tile
                     print(f"  prefill tile {block_m}x{block_n} w{warps} s{stages}: {exc!r}")
                     continue
-                sweep.append({"kernel": "prefill_attention", "shape": shape, "block_m": block_m,
-                              "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                              "us": t, "TFLOPs": flops / t / 1e6})
+                sweep.append(
+                    {
+                        "kernel": "prefill_attention",
+                        "shape": shape,
+                        "block_m": block_m,
+                        "block_n": block_n,
+                        "num_warps": warps,
+                        "num_stages": stages,
+                        "us": t,
+                        "TFLOPs": flops / t / 1e6,
+                    }
+                )
         cache = None
         torch.cuda.empty_cache()
     return rows, sweep
@@ -386,9 +530,16 @@ def bench_small(token_counts) -> list[dict]:
             flat[0][slots[i]] = keys[i]
             flat[1][slots[i]] = keys[i]
 
-        rows.append(_row("kv_cache_write", f"T={tokens}", moved,
-                         [lambda i=i: kv_cache_write(keys[i], keys[i], cache, slots[i]) for i in range(sets)],
-                         [lambda i=i: torch_write(i) for i in range(sets)], "torch index_put"))
+        rows.append(
+            _row(
+                "kv_cache_write",
+                f"T={tokens}",
+                moved,
+                [lambda i=i: kv_cache_write(keys[i], keys[i], cache, slots[i]) for i in range(sets)],
+                [lambda i=i: torch_write(i) for i in range(sets)],
+                "torch index_put",
+            )
+        )
         cache = None
 
         # rms_norm with residual: read x, residual; write out, new residual.
@@ -397,10 +548,16 @@ def bench_small(token_counts) -> list[dict]:
         xs = [randn(tokens, HIDDEN) for _ in range(sets)]
         rs = [randn(tokens, HIDDEN) for _ in range(sets)]
         weight = randn(HIDDEN)
-        rows.append(_row("rms_norm+residual", f"T={tokens} H={HIDDEN}", moved,
-                         [lambda i=i: rms_norm(xs[i], weight, 1e-5, rs[i]) for i in range(sets)],
-                         [lambda i=i: rms_norm_reference(xs[i], weight, 1e-5, rs[i]) for i in range(sets)],
-                         "torch eager ops (HF numerics)"))
+        rows.append(
+            _row(
+                "rms_norm+residual",
+                f"T={tokens} H={HIDDEN}",
+                moved,
+                [lambda i=i: rms_norm(xs[i], weight, 1e-5, rs[i]) for i in range(sets)],
+                [lambda i=i: rms_norm_reference(xs[i], weight, 1e-5, rs[i]) for i in range(sets)],
+                "torch eager ops (HF numerics)",
+            )
+        )
         xs = rs = None
 
         # rotary on q and k views of a fused qkv output, in place.
@@ -408,15 +565,23 @@ def bench_small(token_counts) -> list[dict]:
         sets = num_sets(moved)
         qkv = [randn(tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM) for _ in range(sets)]
         qs = [x[:, : NUM_Q_HEADS * HEAD_DIM].view(tokens, NUM_Q_HEADS, HEAD_DIM) for x in qkv]
-        ks = [x[:, NUM_Q_HEADS * HEAD_DIM:(NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(tokens, NUM_KV_HEADS, HEAD_DIM)
-              for x in qkv]
+        ks = [
+            x[:, NUM_Q_HEADS * HEAD_DIM : (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(tokens, NUM_KV_HEADS, HEAD_DIM)
+            for x in qkv
+        ]
         positions = torch.randint(0, 8192, (tokens,), device="cuda")
         freqs = torch.arange(8192, device="cuda").float()[:, None] * torch.rand(HEAD_DIM // 2, device="cuda")[None]
         cos, sin = freqs.cos(), freqs.sin()
-        rows.append(_row("rotary", f"T={tokens}", moved,
-                         [lambda i=i: apply_rotary(positions, qs[i], ks[i], cos, sin) for i in range(sets)],
-                         [lambda i=i: apply_rotary_reference(positions, qs[i], ks[i], cos, sin) for i in range(sets)],
-                         "torch eager ops (HF numerics)"))
+        rows.append(
+            _row(
+                "rotary",
+                f"T={tokens}",
+                moved,
+                [lambda i=i: apply_rotary(positions, qs[i], ks[i], cos, sin) for i in range(sets)],
+                [lambda i=i: apply_rotary_reference(positions, qs[i], ks[i], cos, sin) for i in range(sets)],
+                "torch eager ops (HF numerics)",
+            )
+        )
         qkv = qs = ks = None
         torch.cuda.empty_cache()
     return rows
@@ -425,8 +590,16 @@ def bench_small(token_counts) -> list[dict]:
 def _row(kernel, shape, moved, triton_calls, torch_calls, baseline) -> dict:
     us = graph_time_us(triton_calls)
     base = graph_time_us(torch_calls)
-    return {"kernel": kernel, "shape": shape, "us": us, "eager_us": eager_time_us(triton_calls[0]),
-            "GBps": moved / us / 1e3, "baseline": baseline, "baseline_us": base, "baseline_GBps": moved / base / 1e3}
+    return {
+        "kernel": kernel,
+        "shape": shape,
+        "us": us,
+        "eager_us": eager_time_us(triton_calls[0]),
+        "GBps": moved / us / 1e3,
+        "baseline": baseline,
+        "baseline_us": base,
+        "baseline_GBps": moved / base / 1e3,
+    }
 
 
 # ---------------------------------------------------------------- main
@@ -434,14 +607,19 @@ def _row(kernel, shape, moved, triton_calls, torch_calls, baseline) -> dict:
 
 def print_rows(title: str, rows: list[dict], unit: str, copy_gbps: float) -> None:
     print(f"\n== {title} ==")
-    print(f"{'kernel':24s} {'shape':26s} {'triton us':>10s} {unit:>9s} {'%copy':>6s} {'torch us':>10s} "
-          f"{'torch ' + unit:>11s} {'speedup':>8s}")
+    print(
+        f"{'kernel':24s} {'shape':26s} {'triton us':>10s} {unit:>9s} {'%copy':>6s} {'torch us':>10s} "
+        f"{'torch ' + unit:>11s} {'speedup':>8s}"
+    )
     for r in rows:
         us, value = r["us"], r[unit]
         base_us, base_value = r.get("baseline_us"), r.get("baseline_" + unit)
         pct = f"{100 * value / copy_gbps:5.0f}%" if unit == "GBps" else ""
-        base_cols = (f"{base_us:10.1f} {base_value:11.1f} {base_us / us:7.2f}x" if base_us
-                     else f"{'-':>10s} {'-':>11s} {'-':>8s}")
+        base_cols = (
+            f"{base_us:10.1f} {base_value:11.1f} {base_us / us:7.2f}x"
+            if base_us
+            else f"{'-':>10s} {'-':>11s} {'-':>8s}"
+        )
         print(f"{r['kernel'][:24]:24s} {r['shape'][:26]:26s} {us:10.1f} {value:9.1f} {pct:>6s} {base_cols}")
 
 
@@ -462,8 +640,17 @@ def decode_tile_records(tile_rows: list[dict], multiprocessors: int) -> list[dic
         if totals:
             block_n, num_warps, num_stages = min(totals, key=totals.get)
             batches = "batches that fill the device" if fills else "small batches"
-            records.append({"dtype": "bfloat16", "max_head_dim": HEAD_DIM, "fills_device": fills, "block_n": block_n,
-                            "num_warps": num_warps, "num_stages": num_stages, "note": f"llama-3-8b heads, {batches}"})
+            records.append(
+                {
+                    "dtype": "bfloat16",
+                    "max_head_dim": HEAD_DIM,
+                    "fills_device": fills,
+                    "block_n": block_n,
+                    "num_warps": num_warps,
+                    "num_stages": num_stages,
+                    "note": f"llama-3-8b heads, {batches}",
+                }
+            )
     return records
 
 
@@ -471,39 +658,69 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--no-sweep", action="store_true", help="skip the tile/split sweeps")
-    parser.add_argument("--batch1-decode-only", action="store_true",
-                        help="only the decode-graph probes: batch-1 merges, rotary fused into the launch or not")
-    parser.add_argument("--fp8-decode-only", action="store_true",
-                        help="only decode attention over an FP8 cache against bf16, with FP8 tile sweep")
+    parser.add_argument(
+        "--batch1-decode-only",
+        action="store_true",
+        help="only the decode-graph probes: batch-1 merges, rotary fused into the launch or not",
+    )
+    parser.add_argument(
+        "--fp8-decode-only",
+        action="store_true",
+        help="only decode attention over an FP8 cache against bf16, with FP8 tile sweep",
+    )
     add_write_configs_option(parser, "gpuworker/kernels/configs/paged_decode (the decode tiles)")
     args = parser.parse_args()
     if args.write_configs and (args.no_sweep or args.batch1_decode_only or args.fp8_decode_only):
-        parser.error("--write-configs needs the tile sweeps "
-                     "(not --no-sweep, --batch1-decode-only or --fp8-decode-only)")
+        parser.error(
+            "--write-configs needs the tile sweeps (not --no-sweep, --batch1-decode-only or --fp8-decode-only)"
+        )
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernel_times.py needs a CUDA device")
     torch.manual_seed(0)
     env = environment()
     copy_gbps = copy_bandwidth_gbs()
-    print(f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
-          f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+    print(
+        f"{env.get('gpu')}  torch {env.get('torch')}  triton {env.get('triton')}  "
+        f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)"
+    )
 
-    decode_shapes = [(1, 1024), (1, 4096), (1, 16384), (8, 4096), (32, 2048), (64, 1024), (128, 2048),
-                     (256, 1024), (256, 2048)]
+    decode_shapes = [
+        (1, 1024),
+        (1, 4096),
+        (1, 16384),
+        (8, 4096),
+        (32, 2048),
+        (64, 1024),
+        (128, 2048),
+        (256, 1024),
+        (256, 2048),
+    ]
     prefill_shapes = [(1, 4096, 0), (8, 1024, 0), (16, 512, 0), (4, 512, 1536), (1, 2048, 6144)]
     small_tokens = [1, 256, 8192]
     if args.quick:
         decode_shapes, prefill_shapes, small_tokens = decode_shapes[::3], prefill_shapes[:2], [256]
-    decode_sweep = {"shapes": [] if args.no_sweep else [(1, 16384), (256, 1024)],
-                    "tiles": [(64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2)]}
-    split_options = {} if args.no_sweep else {(1, 1024): [4, 8, 16], (1, 4096): [16, 32, 64],
-                                              (64, 1024): [1, 2, 4]}
-    prefill_tiles = {"shapes": [] if args.no_sweep else [(1, 4096, 0), (4, 512, 1536)],
-                     "tiles": [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3)]}
+    decode_sweep = {
+        "shapes": [] if args.no_sweep else [(1, 16384), (256, 1024)],
+        "tiles": [(64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 2)],
+    }
+    split_options = {} if args.no_sweep else {(1, 1024): [4, 8, 16], (1, 4096): [16, 32, 64], (64, 1024): [1, 2, 4]}
+    prefill_tiles = {
+        "shapes": [] if args.no_sweep else [(1, 4096, 0), (4, 512, 1536)],
+        "tiles": [(64, 64, 4, 2), (64, 128, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 3)],
+    }
 
-    payload = {"environment": env, "copy_bandwidth_GBps": copy_gbps, "dtype": str(DTYPE),
-               "model_shape": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                               "hidden": HIDDEN, "block_size": BLOCK_SIZE}}
+    payload = {
+        "environment": env,
+        "copy_bandwidth_GBps": copy_gbps,
+        "dtype": str(DTYPE),
+        "model_shape": {
+            "num_q_heads": NUM_Q_HEADS,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "hidden": HIDDEN,
+            "block_size": BLOCK_SIZE,
+        },
+    }
     if args.fp8_decode_only:
         payload["decode_fp8"] = fp8_rows = bench_decode_fp8()
         print(f"\n== decode attention, FP8 cache vs bf16 (copy bandwidth {copy_gbps:.0f} GB/s) ==")
@@ -514,16 +731,22 @@ def main() -> None:
         return
     payload["decode_batch1_graph"] = batch1 = bench_decode_batch1()
     print("\n== batch-1 paged decode in a graph of 32 layers' launches (us per launch) ==")
-    print(f"{'context':>8s} {'max_len':>8s} {'splits':>7s} {'in-launch merge':>16s} {'merge kernel':>13s} "
-          f"{'merge kernel, 32-token tiles':>29s}")
+    print(
+        f"{'context':>8s} {'max_len':>8s} {'splits':>7s} {'in-launch merge':>16s} {'merge kernel':>13s} "
+        f"{'merge kernel, 32-token tiles':>29s}"
+    )
     for r in batch1:
-        print(f"{r['context']:8d} {r['max_len']:8d} {r['num_splits']:7d} {r['in_launch_us']:16.2f} "
-              f"{r['merge_kernel_us']:13.2f} {r['merge_kernel_n32_us']:29.2f}")
+        print(
+            f"{r['context']:8d} {r['max_len']:8d} {r['num_splits']:7d} {r['in_launch_us']:16.2f} "
+            f"{r['merge_kernel_us']:13.2f} {r['merge_kernel_n32_us']:29.2f}"
+        )
     payload["decode_new_tokens"] = fused = bench_decode_new_tokens()
     print("\n== rotary + cache write: own kernel before the decode launch vs inside it (us per layer) ==")
     for r in fused:
-        print(f"B={r['batch']:4d} ctx {r['contexts']:>9s} max_len {r['max_len']:5d}: separate "
-              f"{r['separate_us']:8.2f}  fused {r['fused_us']:8.2f}")
+        print(
+            f"B={r['batch']:4d} ctx {r['contexts']:>9s} max_len {r['max_len']:5d}: separate "
+            f"{r['separate_us']:8.2f}  fused {r['fused_us']:8.2f}"
+        )
     write_json("kernels", payload)
     if args.batch1_decode_only:
         return
@@ -532,8 +755,10 @@ def main() -> None:
         print("\n== decode tiles, large batches of uneven contexts (fastest 4 per shape) ==")
         for shape in dict.fromkeys(r["shape"] for r in tiles):
             for r in sorted((r for r in tiles if r["shape"] == shape), key=lambda r: r["us"])[:4]:
-                print(f"{shape}: block_n {r['block_n']:3d} warps {r['num_warps']} stages {r['num_stages']}: "
-                      f"{r['us']:8.1f} us {r['GBps']:6.0f} GB/s")
+                print(
+                    f"{shape}: block_n {r['block_n']:3d} warps {r['num_warps']} stages {r['num_stages']}: "
+                    f"{r['us']:8.1f} us {r['GBps']:6.0f} GB/s"
+                )
         write_json("kernels", payload)
     decode_rows, decode_sweep_rows = bench_decode(decode_shapes, decode_sweep, split_options)
     payload["decode"], payload["decode_sweep"] = decode_rows, decode_sweep_rows
@@ -554,8 +779,12 @@ def main() -> None:
         print("  sweep", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()})
     print_rows("memory-bound helpers (bf16)", payload["small"], "GBps", copy_gbps)
     print_rows("prefill attention (bf16, Llama-3-8B heads)", prefill_rows, "TFLOPs", copy_gbps)
-    print_rows(f"paged decode attention (bf16, 32q/8kv heads, block {BLOCK_SIZE}; copy {copy_gbps:.0f} GB/s)",
-               decode_rows, "GBps", copy_gbps)
+    print_rows(
+        f"paged decode attention (bf16, 32q/8kv heads, block {BLOCK_SIZE}; copy {copy_gbps:.0f} GB/s)",
+        decode_rows,
+        "GBps",
+        copy_gbps,
+    )
 
 
 if __name__ == "__main__":

@@ -16,17 +16,39 @@ import time
 
 import torch
 
-from common import (Timer, add_kv_cache_dtype_option, add_parallel_option, add_sampling_option, add_smoke_option, build_hf_model,
-                    copy_bandwidth_gbs, engine_parser, environment, free_device_memory, load_hf_config, print_table,
-                    sampling_modes, sampling_params, use_smoke_model, weight_bytes_per_token, write_json)
+from common import (
+    Timer,
+    add_kv_cache_dtype_option,
+    add_parallel_option,
+    add_sampling_option,
+    add_smoke_option,
+    build_hf_model,
+    copy_bandwidth_gbs,
+    engine_parser,
+    environment,
+    free_device_memory,
+    load_hf_config,
+    print_table,
+    sampling_modes,
+    sampling_params,
+    use_smoke_model,
+    weight_bytes_per_token,
+    write_json,
+)
 
 
 def engine_decode_rates(args, prompt: list[int], modes: list[str]) -> dict[str, dict]:
     from gpuworker.engine import LLMEngine
 
     engine = LLMEngine(
-        str(args.config), device=args.device, dtype=args.dtype, load_format="dummy",
-        max_num_seqs=8, max_num_batched_tokens=2048, seed=0, kv_cache_dtype=args.kv_cache_dtype,
+        str(args.config),
+        device=args.device,
+        dtype=args.dtype,
+        load_format="dummy",
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        seed=0,
+        kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     rates = {}
@@ -106,29 +128,51 @@ def main() -> None:
 
     ours_bw = weight_gb * ours["decode_tok_s"]
     rows = [
-        ("workload", f"batch 1, prompt {args.prompt_len}, {args.output_len} output tokens, {args.dtype} on "
-                     f"{args.device}, KV cache {args.kv_cache_dtype}, tensor parallel {args.tensor_parallel_size}"),
+        (
+            "workload",
+            f"batch 1, prompt {args.prompt_len}, {args.output_len} output tokens, {args.dtype} on "
+            f"{args.device}, KV cache {args.kv_cache_dtype}, tensor parallel {args.tensor_parallel_size}",
+        ),
         ("weights read per token", f"{weight_gb:.2f} GB"),
-        ("device copy bandwidth", f"{copy_gbs:.0f} GB/s (bound {copy_gbs / weight_gb:.0f} tok/s)" if copy_gbs
-         else f"n/a ({args.device})"),
-        (f"gpuworker decode, {modes[0]}", f"{ours['decode_tok_s']:.1f} tok/s, {ours_bw:.0f} GB/s"
-         + (f" ({100 * ours_bw / copy_gbs:.0f}% of copy)" if copy_gbs else "")
-         + f", TTFT {1e3 * ours['ttft_s']:.1f} ms"),
+        (
+            "device copy bandwidth",
+            f"{copy_gbs:.0f} GB/s (bound {copy_gbs / weight_gb:.0f} tok/s)" if copy_gbs else f"n/a ({args.device})",
+        ),
+        (
+            f"gpuworker decode, {modes[0]}",
+            f"{ours['decode_tok_s']:.1f} tok/s, {ours_bw:.0f} GB/s"
+            + (f" ({100 * ours_bw / copy_gbs:.0f}% of copy)" if copy_gbs else "")
+            + f", TTFT {1e3 * ours['ttft_s']:.1f} ms",
+        ),
     ]
-    rows += [(f"gpuworker decode, {mode}", f"{rates[mode]['decode_tok_s']:.1f} tok/s "
-              f"({100 * rates[mode]['decode_tok_s'] / ours['decode_tok_s']:.1f}% of {modes[0]}), "
-              f"TTFT {1e3 * rates[mode]['ttft_s']:.1f} ms") for mode in modes[1:]]
+    rows += [
+        (
+            f"gpuworker decode, {mode}",
+            f"{rates[mode]['decode_tok_s']:.1f} tok/s "
+            f"({100 * rates[mode]['decode_tok_s'] / ours['decode_tok_s']:.1f}% of {modes[0]}), "
+            f"TTFT {1e3 * rates[mode]['ttft_s']:.1f} ms",
+        )
+        for mode in modes[1:]
+    ]
     if hf:
         rows += [
             ("HF transformers decode", f"{hf['decode_tok_s']:.1f} tok/s, TTFT {1e3 * hf['ttft_s']:.1f} ms"),
             ("ratio", f"{ours['decode_tok_s'] / hf['decode_tok_s']:.2f}x"),
         ]
     print_table("latency (batch 1)", rows)
-    write_json("latency", {
-        "env": environment(), "args": {k: str(v) for k, v in vars(args).items()},
-        "weight_gb_per_token": weight_gb, "copy_bandwidth_gbs": copy_gbs,
-        "gpuworker": ours, "gpuworker_by_sampling": rates, "gpuworker_weight_bandwidth_gbs": ours_bw, "hf": hf,
-    })
+    write_json(
+        "latency",
+        {
+            "env": environment(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "weight_gb_per_token": weight_gb,
+            "copy_bandwidth_gbs": copy_gbs,
+            "gpuworker": ours,
+            "gpuworker_by_sampling": rates,
+            "gpuworker_weight_bandwidth_gbs": ours_bw,
+            "hf": hf,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import (DEFAULT_CONFIG, READY_DEADLINE_S, environment, print_table, start_replica,  # noqa: E402
-                          stop_replica, wait_ready, write_checkpoint)
+from bench.common import (  # noqa: E402
+    DEFAULT_CONFIG,
+    READY_DEADLINE_S,
+    environment,
+    print_table,
+    start_replica,
+    stop_replica,
+    wait_ready,
+    write_checkpoint,
+)
 from gpuworker.checkpoint_files import advise, checkpoint_files  # noqa: E402
 
 READ_BYTES = 16 << 20
@@ -83,9 +91,16 @@ def spare_once(model: Path, device: str, state_dir: Path) -> dict:
 
     gpu_index = int(device.split(":")[1]) if device.startswith("cuda:") else (0 if device == "cuda" else None)
     token = "bench"
-    supervisor = Supervisor(token=token, gpu_count=0 if gpu_index is None else gpu_index + 1,
-                            advertise_host="127.0.0.1", bind_host="127.0.0.1", state_dir=state_dir,
-                            worker_name="bench", model_roots=(model.parent,), spare_replicas=True)
+    supervisor = Supervisor(
+        token=token,
+        gpu_count=0 if gpu_index is None else gpu_index + 1,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        state_dir=state_dir,
+        worker_name="bench",
+        model_roots=(model.parent,),
+        spare_replicas=True,
+    )
     spare_log = state_dir / "replicas" / f"spare-{'cpu' if gpu_index is None else f'cuda-{gpu_index}'}.log"
     supervisor.start()
     try:
@@ -95,8 +110,16 @@ def spare_once(model: Path, device: str, state_dir: Path) -> dict:
                 raise RuntimeError(f"the spare never got ready; see {spare_log}")
             time.sleep(0.05)
         started_wall, started = time.time(), time.perf_counter()
-        supervisor.load(LoadModel(replica_id=1, model_path=str(model), served_model_name="bench", gpu_index=gpu_index,
-                                  memory_fraction=0.9, dtype="bfloat16"))
+        supervisor.load(
+            LoadModel(
+                replica_id=1,
+                model_path=str(model),
+                served_model_name="bench",
+                gpu_index=gpu_index,
+                memory_fraction=0.9,
+                dtype="bfloat16",
+            )
+        )
         with httpx.Client(timeout=2.0, headers={"Authorization": f"Bearer {token}"}) as client:
             while True:
                 if time.perf_counter() > deadline:
@@ -116,8 +139,11 @@ def spare_once(model: Path, device: str, state_dir: Path) -> dict:
                 time.sleep(0.02)
             # A request sent the moment it is ready waits for whatever warm-up piece is running
             # (EngineConfig.defer_warm_up): its completion time is the honest "serving" figure.
-            reply = client.post(f"{entry.endpoint_url}/v1/completions", timeout=60.0, json={
-                "model": "bench", "prompt": "Hello", "max_tokens": 16, "ignore_eos": True})
+            reply = client.post(
+                f"{entry.endpoint_url}/v1/completions",
+                timeout=60.0,
+                json={"model": "bench", "prompt": "Hello", "max_tokens": 16, "ignore_eos": True},
+            )
             reply.raise_for_status()
             first_completion_s = time.perf_counter() - started
     except Exception:
@@ -170,7 +196,7 @@ def verify(model_dir: Path, device: str) -> int:
         with safe_open(file, framework="pt", device=device) as f:
             for name in f.keys():
                 t = targets[name]
-                if not torch.equal(t.param[t.start:t.start + t.rows], f.get_tensor(name)):
+                if not torch.equal(t.param[t.start : t.start + t.rows], f.get_tensor(name)):
                     raise AssertionError(f"{name} differs from {file.name}")
                 checked += 1
     del model
@@ -192,12 +218,15 @@ print(json.dumps({"imports_s": round(t1 - t0, 3), "from_pretrained_s": round(tim
 
 def hf_once(model: Path) -> dict:
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", HF_SNIPPET, str(model)], capture_output=True, text=True,
-                         timeout=READY_DEADLINE_S)
+    out = subprocess.run(
+        [sys.executable, "-c", HF_SNIPPET, str(model)], capture_output=True, text=True, timeout=READY_DEADLINE_S
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
-    return {"process_total_s": round(time.perf_counter() - started, 3),
-            **json.loads(out.stdout.strip().splitlines()[-1])}
+    return {
+        "process_total_s": round(time.perf_counter() - started, 3),
+        **json.loads(out.stdout.strip().splitlines()[-1]),
+    }
 
 
 def main() -> None:
@@ -210,7 +239,9 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="also run with the page cache dropped")
     parser.add_argument("--hf", action="store_true", help="also time transformers' from_pretrained")
     parser.add_argument("--baseline-tree", type=Path, default=None, help="another checkout to time alike")
-    parser.add_argument("--spare-runs", type=int, default=0, help="warm runs through a spare (and one cold, with --cold)")
+    parser.add_argument(
+        "--spare-runs", type=int, default=0, help="warm runs through a spare (and one cold, with --cold)"
+    )
     parser.add_argument("--readers", default="", help="comma-separated reader counts to time the loader alone with")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     args = parser.parse_args()
@@ -227,7 +258,11 @@ def main() -> None:
     write_checkpoint(args.dir, args.config, args.shards)
     files = checkpoint_files(args.dir)
     total_bytes = sum(f.stat().st_size for f in files)
-    results["checkpoint"] = {"bytes": total_bytes, "files": len(files), "write_s": round(time.perf_counter() - started, 1)}
+    results["checkpoint"] = {
+        "bytes": total_bytes,
+        "files": len(files),
+        "write_s": round(time.perf_counter() - started, 1),
+    }
     record("loader check", {"tensors_equal": verify(args.dir, args.device)})
     for readers in (int(r) for r in args.readers.split(",") if r):
         record(f"loader alone, {readers} readers, warm", loader_alone(args.dir, args.device, readers))

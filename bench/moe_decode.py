@@ -37,10 +37,26 @@ TINY_SHAPES = ((96, 80, 16, 8), (64, 48, 8, 2))
 WEIGHT_COPIES = 2
 # Candidate tiles: rows per program (programs per SM), K per step, warps, pipeline stages (bytes in
 # flight per program). The first of each list is moe_decode.DEFAULT_CONFIG's.
-GATE_UP_TILES = ("n16-k256-w4-p3", "n16-k256-w4-p4", "n8-k512-w4-p3", "n32-k128-w4-p3", "n16-k512-w8-p2",
-                 "n8-k256-w2-p4", "n4-k512-w2-p3", "n16-k128-w4-p4")
-DOWN_TILES = ("n8-k256-w4-p3", "n8-k256-w4-p5", "n4-k256-w2-p3", "n4-k256-w2-p5", "n16-k256-w4-p3",
-              "n8-k128-w2-p4", "n2-k256-w2-p3", "n16-k128-w4-p4")
+GATE_UP_TILES = (
+    "n16-k256-w4-p3",
+    "n16-k256-w4-p4",
+    "n8-k512-w4-p3",
+    "n32-k128-w4-p3",
+    "n16-k512-w8-p2",
+    "n8-k256-w2-p4",
+    "n4-k512-w2-p3",
+    "n16-k128-w4-p4",
+)
+DOWN_TILES = (
+    "n8-k256-w4-p3",
+    "n8-k256-w4-p5",
+    "n4-k256-w2-p3",
+    "n4-k256-w2-p5",
+    "n16-k256-w4-p3",
+    "n8-k128-w2-p4",
+    "n2-k256-w2-p3",
+    "n16-k128-w4-p4",
+)
 
 
 def max_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, bool]:
@@ -49,8 +65,9 @@ def max_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, bool]:
     return err, err <= 0.02 * max(1.0, expected.float().abs().max().item())
 
 
-def make_problem(m: int, hidden: int, inter: int, experts: int, top_k: int, sets: int, device: str,
-                 dtype: torch.dtype) -> dict:
+def make_problem(
+    m: int, hidden: int, inter: int, experts: int, top_k: int, sets: int, device: str, dtype: torch.dtype
+) -> dict:
     """Two copies of the experts and `sets` inputs (x, router logits), scaled so outputs are ~N(0, 1)."""
     copies = WEIGHT_COPIES if device == "cuda" else 1
     w13 = [(torch.randn(experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype) for _ in range(copies)]
@@ -75,14 +92,22 @@ def sweep_configs(default, tiles: int | None = None) -> tuple[list, list]:
     the first `tiles` of each list if given."""
     from gpuworker.kernels.moe.decode import DecodeConfig, Tile
 
-    return ([DecodeConfig(Tile.parse(t), default.down) for t in GATE_UP_TILES[:tiles]],
-            [DecodeConfig(default.gate_up, Tile.parse(t)) for t in DOWN_TILES[:tiles]])
+    return (
+        [DecodeConfig(Tile.parse(t), default.down) for t in GATE_UP_TILES[:tiles]],
+        [DecodeConfig(default.gate_up, Tile.parse(t)) for t in DOWN_TILES[:tiles]],
+    )
 
 
 def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bool) -> tuple[dict, list[dict]]:
+    from gpuworker.kernels.moe.decode import (
+        DEFAULT_CONFIG,
+        DecodeConfig,
+        moe_decode,
+        moe_decode_reference,
+        route_reference,
+        route_top_k,
+    )
     from gpuworker.kernels.moe.fused import fused_moe
-    from gpuworker.kernels.moe.decode import (DEFAULT_CONFIG, DecodeConfig, moe_decode, moe_decode_reference,
-                                              route_reference, route_top_k)
 
     hidden, inter, experts, top_k = shape
     sets = 8 if timed else 1
@@ -92,8 +117,15 @@ def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bo
     moved = expert_bytes(problem, top_k)
     weights0, ids0 = route_reference(logits[0], top_k, True)
     expected = moe_decode_reference(xs[0], w13[0], w2[0], weights0, ids0)
-    row = {"M": m, "hidden": hidden, "inter": inter, "experts": experts, "top_k": top_k, "expert_bytes": moved,
-           "sets": sets}
+    row = {
+        "M": m,
+        "hidden": hidden,
+        "inter": inter,
+        "experts": experts,
+        "top_k": top_k,
+        "expert_bytes": moved,
+        "sets": sets,
+    }
 
     def decode_call(i: int, config):
         weights, ids = route_top_k(logits[i], top_k, True)
@@ -116,8 +148,10 @@ def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bo
         except Exception as exc:  # noqa: BLE001 - a config that cannot compile/run is reported, not fatal
             entry.update(ok=False, error=repr(exc)[:300])
         status = f"{entry['us']:8.1f} us" if "us" in entry else ("ok" if entry.get("ok") else "FAILED")
-        print(f"  M={m} {name:45s} {status}  max abs err {entry.get('max_abs_err', float('nan')):.3g}"
-              f"{'  ' + entry['error'] if 'error' in entry else ''}")
+        print(
+            f"  M={m} {name:45s} {status}  max abs err {entry.get('max_abs_err', float('nan')):.3g}"
+            f"{'  ' + entry['error'] if 'error' in entry else ''}"
+        )
         return entry
 
     routed = route_top_k(logits[0], top_k, True)[1]
@@ -130,10 +164,12 @@ def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bo
     decode = {e["config"]: e for e in sweep[1:] if "us" in e}
     if decode:
         # The best gate/up tile (timed with the default down) with the best down tile (with the default gate/up).
-        best_gate_up = min((c for c in gate_up_configs if c.name in decode),
-                           key=lambda c: decode[c.name]["us"], default=DEFAULT_CONFIG).gate_up
-        best_down = min((c for c in down_configs if c.name in decode),
-                        key=lambda c: decode[c.name]["us"], default=DEFAULT_CONFIG).down
+        best_gate_up = min(
+            (c for c in gate_up_configs if c.name in decode), key=lambda c: decode[c.name]["us"], default=DEFAULT_CONFIG
+        ).gate_up
+        best_down = min(
+            (c for c in down_configs if c.name in decode), key=lambda c: decode[c.name]["us"], default=DEFAULT_CONFIG
+        ).down
         combined = DecodeConfig(best_gate_up, best_down)
         if combined.name not in decode:
             entry = measure(combined.name, lambda i: decode_call(i, combined))
@@ -154,59 +190,94 @@ def run_rows(m: int, shape: tuple[int, int, int, int], *, device: str, timed: bo
         from kernel_times import graph_time_us
 
         row["route_kernel_us"] = graph_time_us([lambda i=i: route_top_k(logits[i], top_k, True) for i in range(sets)])
-        row["route_torch_us"] = graph_time_us([lambda i=i: route_reference(logits[i], top_k, True)
-                                               for i in range(sets)])
+        row["route_torch_us"] = graph_time_us(
+            [lambda i=i: route_reference(logits[i], top_k, True) for i in range(sets)]
+        )
         grouped_us = sweep[0].get("us")
-        row.update(best_config=best, best_us=decode[best]["us"], best_GBps=decode[best]["GBps"],
-                   default_us=decode.get(DEFAULT_CONFIG.name, {}).get("us"), grouped_us=grouped_us,
-                   best_no_pdl_us=no_pdl.get("us"),
-                   speedup=grouped_us / decode[best]["us"] if grouped_us else None)
+        row.update(
+            best_config=best,
+            best_us=decode[best]["us"],
+            best_GBps=decode[best]["GBps"],
+            default_us=decode.get(DEFAULT_CONFIG.name, {}).get("us"),
+            grouped_us=grouped_us,
+            best_no_pdl_us=no_pdl.get("us"),
+            speedup=grouped_us / decode[best]["us"] if grouped_us else None,
+        )
     row["all_ok"] = all(e.get("ok") for e in sweep) and row["routing_ids_equal"]
     return row, sweep
 
 
 def tuned_entry(results: list[dict]) -> dict[int, str]:
     """{M: "grouped" where the grouped kernels were at least as fast, else the best decode config}."""
-    return {r["M"]: ("grouped" if r.get("speedup") is not None and r["speedup"] <= 1.0 else r["best_config"])
-            for r in results if "best_config" in r}
+    return {
+        r["M"]: ("grouped" if r.get("speedup") is not None and r["speedup"] <= 1.0 else r["best_config"])
+        for r in results
+        if "best_config" in r
+    }
 
 
 def config_records(results: list[dict]) -> list[dict]:
     """gpuworker/kernels/configs/moe_decode's records: tuned_entry's choice per token count (a power of
     2, its own bucket) at the swept shape."""
-    return [{"hidden": HIDDEN, "inter": INTER, "top_k": TOP_K, "tokens": m, "config": name,
-             "note": "qwen3-30b-a3b MoE layer"} for m, name in tuned_entry(results).items()]
+    return [
+        {
+            "hidden": HIDDEN,
+            "inter": INTER,
+            "top_k": TOP_K,
+            "tokens": m,
+            "config": name,
+            "note": "qwen3-30b-a3b MoE layer",
+        }
+        for m, name in tuned_entry(results).items()
+    ]
 
 
 def print_timed(results: list[dict], copy_gbps: float) -> None:
     def fmt(value, width):
         return f"{value:{width}.1f}" if value is not None else f"{'-':>{width}s}"
 
-    print(f"\n== MoE layer (routing + experts), bf16, {EXPERTS} experts top-{TOP_K}, "
-          f"copy bandwidth {copy_gbps:.0f} GB/s ==")
-    print(f"{'M':>2s} {'grouped us':>10s} {'default us':>10s} {'best us':>8s} {'GB/s':>6s} {'%copy':>5s} "
-          f"{'speedup':>7s} {'no-PDL us':>9s}  best config")
+    print(
+        f"\n== MoE layer (routing + experts), bf16, {EXPERTS} experts top-{TOP_K}, "
+        f"copy bandwidth {copy_gbps:.0f} GB/s =="
+    )
+    print(
+        f"{'M':>2s} {'grouped us':>10s} {'default us':>10s} {'best us':>8s} {'GB/s':>6s} {'%copy':>5s} "
+        f"{'speedup':>7s} {'no-PDL us':>9s}  best config"
+    )
     for r in results:
         if "best_us" not in r:
             print(f"{r['M']:2d}  no decode config passed the check")
             continue
-        print(f"{r['M']:2d} {fmt(r['grouped_us'], 10)} {fmt(r['default_us'], 10)} {r['best_us']:8.1f} "
-              f"{r['best_GBps']:6.0f} {100 * r['best_GBps'] / copy_gbps:4.0f}% "
-              f"{(r['speedup'] or 0):6.2f}x {fmt(r['best_no_pdl_us'], 9)}  {r['best_config']}")
-    print("routing alone (us): " + ", ".join(f"M={r['M']} kernel {r['route_kernel_us']:.1f} / torch "
-                                              f"{r['route_torch_us']:.1f}" for r in results if "route_kernel_us" in r))
+        print(
+            f"{r['M']:2d} {fmt(r['grouped_us'], 10)} {fmt(r['default_us'], 10)} {r['best_us']:8.1f} "
+            f"{r['best_GBps']:6.0f} {100 * r['best_GBps'] / copy_gbps:4.0f}% "
+            f"{(r['speedup'] or 0):6.2f}x {fmt(r['best_no_pdl_us'], 9)}  {r['best_config']}"
+        )
+    print(
+        "routing alone (us): "
+        + ", ".join(
+            f"M={r['M']} kernel {r['route_kernel_us']:.1f} / torch {r['route_torch_us']:.1f}"
+            for r in results
+            if "route_kernel_us" in r
+        )
+    )
     first = results[0] if results else {}
     if first.get("M") == 1 and first.get("grouped_us") and first.get("best_us"):
-        print(f"\n48 layers at M=1: grouped {48 * first['grouped_us'] / 1e3:.3f} ms, "
-              f"decode {48 * first['best_us'] / 1e3:.3f} ms")
+        print(
+            f"\n48 layers at M=1: grouped {48 * first['grouped_us'] / 1e3:.3f} ms, "
+            f"decode {48 * first['best_us'] / 1e3:.3f} ms"
+        )
     print(f"\nchoice per token count at hidden {HIDDEN}, expert intermediate {INTER}, top-{TOP_K}:")
     print(f"    {tuned_entry(results)!r}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check-only", action="store_true",
-                        help="check every config against the reference without timing (tiny shapes on a CPU)")
+    parser.add_argument(
+        "--check-only",
+        action="store_true",
+        help="check every config against the reference without timing (tiny shapes on a CPU)",
+    )
     parser.add_argument("--quick", action="store_true", help="M = 1 and 4 only")
     add_write_configs_option(parser, "gpuworker/kernels/configs/moe_decode")
     args = parser.parse_args()
@@ -232,8 +303,14 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
 
-    payload = {"environment": env, "dtype": str(DTYPE), "copy_bandwidth_GBps": copy_gbps, "timed": timed,
-               "results": results, "sweep": sweep}
+    payload = {
+        "environment": env,
+        "dtype": str(DTYPE),
+        "copy_bandwidth_GBps": copy_gbps,
+        "timed": timed,
+        "results": results,
+        "sweep": sweep,
+    }
     if timed:
         payload["tuned"] = {f"{HIDDEN}x{INTER}x{TOP_K}": tuned_entry(results)}
         print_timed(results, copy_gbps)
@@ -243,8 +320,10 @@ def main() -> None:
             write_configs("moe_decode", TABLE_KEY, config_records(results))
     else:
         for r in results:
-            print(f"M={r['M']} {r['hidden']}x{r['inter']} top-{r['top_k']} of {r['experts']}: "
-                  f"{'ok' if r['all_ok'] else 'MISMATCH'}")
+            print(
+                f"M={r['M']} {r['hidden']}x{r['inter']} top-{r['top_k']} of {r['experts']}: "
+                f"{'ok' if r['all_ok'] else 'MISMATCH'}"
+            )
     write_json("moe_decode" if timed else "moe_decode_check", payload)
     failed = [e for e in sweep if not e.get("ok")] + [r for r in results if not r["routing_ids_equal"]]
     if failed:

@@ -40,12 +40,23 @@ _TIME_ANSWER = """() => new Promise((resolve) => {
 def api_seconds(system, *, model: str, tokens: int) -> float:
     import httpx
 
-    body = {"model": model, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": PROMPT}]}
+    body = {
+        "model": model,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": PROMPT}],
+    }
     started = time.perf_counter()
     completion_tokens = None
-    with httpx.stream("POST", f"{system.url}/v1/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {system.seeded.api_key}"}) as response:
+    with httpx.stream(
+        "POST",
+        f"{system.url}/v1/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {system.seeded.api_key}"},
+    ) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: {") and '"usage"' in line and '"completion_tokens"' in line:
@@ -97,8 +108,11 @@ def measure(system, *, model: str, tokens: int, runs: int) -> tuple[list[float],
         for run in range(runs):
             api.append(api_seconds(system, model=model, tokens=tokens))
             playground.append(playground_seconds(page, tokens=tokens, frames=frames))
-            print(f"run {run + 1}: API {api[-1]:.3f} s, playground {playground[-1]:.3f} s "
-                  f"({len(frames)} WebSocket messages to the page)", flush=True)
+            print(
+                f"run {run + 1}: API {api[-1]:.3f} s, playground {playground[-1]:.3f} s "
+                f"({len(frames)} WebSocket messages to the page)",
+                flush=True,
+            )
         browser.close()
     return api, playground
 
@@ -119,14 +133,21 @@ def main(argv: list[str] | None = None) -> int:
         from controlplane.fleet.models import Replica  # once scratch_system has set Django up
         from tests.integration.conftest import wait_until
 
-        wait_until(lambda: Replica.objects.filter(deployment__model__public_name=args.model,
-                                                  state=Replica.State.READY).exists(),
-                   timeout=300, what=f"a ready replica of {args.model}", fleet=system.fleet)
+        wait_until(
+            lambda: Replica.objects.filter(
+                deployment__model__public_name=args.model, state=Replica.State.READY
+            ).exists(),
+            timeout=300,
+            what=f"a ready replica of {args.model}",
+            fleet=system.fleet,
+        )
         connections.close_all()  # Playwright's loop must not meet an open connection
         api, playground = measure(system, model=args.model, tokens=args.tokens, runs=args.runs)
     api_median, playground_median = statistics.median(api), statistics.median(playground)
-    print(f"{args.model}, {args.tokens} tokens, median of {args.runs}: API {api_median:.3f} s, "
-          f"playground {playground_median:.3f} s ({playground_median / api_median:.2f}x)")
+    print(
+        f"{args.model}, {args.tokens} tokens, median of {args.runs}: API {api_median:.3f} s, "
+        f"playground {playground_median:.3f} s ({playground_median / api_median:.2f}x)"
+    )
     return 0
 
 

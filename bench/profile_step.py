@@ -41,18 +41,28 @@ def profile_decode(args, batch_size: int) -> dict:
     from gpuworker.engine import LLMEngine, SamplingParams
 
     cfg = load_hf_config(args.config)
-    engine = LLMEngine(str(args.config), device="cuda", dtype=args.dtype, load_format="dummy",
-                       max_num_seqs=max(batch_size, 8), max_num_batched_tokens=max(8192, batch_size),
-                       max_model_len=args.max_model_len, seed=0)
+    engine = LLMEngine(
+        str(args.config),
+        device="cuda",
+        dtype=args.dtype,
+        load_format="dummy",
+        max_num_seqs=max(batch_size, 8),
+        max_num_batched_tokens=max(8192, batch_size),
+        max_model_len=args.max_model_len,
+        seed=0,
+    )
     rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_model_len - max(args.prompt_len, args.prefill_len) - 1, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_model_len - max(args.prompt_len, args.prefill_len) - 1, ignore_eos=True
+    )
     for i in range(batch_size):
         engine.add_request(f"p{i}", [rng.randrange(cfg["vocab_size"]) for _ in range(args.prompt_len)], params)
     # Prefill everything and warm up until every step is a pure decode of the whole batch.
     for _ in range(args.warmup):
         engine.step()
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                          for s in engine.scheduler.running):
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
         engine.step()
     runner = engine.runner
     timer = PhaseTimer()
@@ -101,9 +111,18 @@ def profile_decode(args, batch_size: int) -> dict:
     per_step = {label: total / args.steps for label, total in timer.totals.items()}
     del engine, runner
     torch.cuda.empty_cache()
-    return {"batch_size": batch_size, "measured_batch": shape, "mean_context": context, "step_wall_s": wall, "forward_gpu_s": forward_gpu,
-            "logits_sample_gpu_s": logits_gpu, "host_phases_s": per_step, "kernels": kernels,
-            "loop_ops": loop_ops, "timeline": timeline}
+    return {
+        "batch_size": batch_size,
+        "measured_batch": shape,
+        "mean_context": context,
+        "step_wall_s": wall,
+        "forward_gpu_s": forward_gpu,
+        "logits_sample_gpu_s": logits_gpu,
+        "host_phases_s": per_step,
+        "kernels": kernels,
+        "loop_ops": loop_ops,
+        "timeline": timeline,
+    }
 
 
 def loop_table(engine, steps: int) -> list[tuple[str, float, float, int]]:
@@ -114,8 +133,10 @@ def loop_table(engine, steps: int) -> list[tuple[str, float, float, int]]:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    rows = [(e.key[:60], e.self_cpu_time_total / 1e3 / steps, e.self_device_time_total / 1e3 / steps,
-             e.count // steps) for e in prof.key_averages()]
+    rows = [
+        (e.key[:60], e.self_cpu_time_total / 1e3 / steps, e.self_device_time_total / 1e3 / steps, e.count // steps)
+        for e in prof.key_averages()
+    ]
     device_total = sum(r[2] for r in rows)
     rows = sorted(rows, key=lambda r: -r[1])[:18]
     return [("ALL device time per step", 0.0, device_total, 0)] + rows
@@ -142,8 +163,9 @@ def timeline_table(engine, steps: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(pathlib.Path(f.name).read_text())["traceEvents"]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"][:48]) for e in events
-                     if e.get("cat") == "kernel" and "dur" in e)
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][:48]) for e in events if e.get("cat") == "kernel" and "dur" in e
+    )
     if not kernels:
         return {}
     busy = idle = 0.0
@@ -159,9 +181,12 @@ def timeline_table(engine, steps: int) -> dict:
         end = max(end, stop)
         previous = name
     top = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:12]
-    return {"kernels_per_step": len(kernels) / steps, "busy_us_per_step": busy / steps,
-            "idle_us_per_step": idle / steps,
-            "idle_pairs": [(f"{a} -> {b}", sum(g) / steps, sum(g) / len(g), len(g) // steps) for (a, b), g in top]}
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "busy_us_per_step": busy / steps,
+        "idle_us_per_step": idle / steps,
+        "idle_pairs": [(f"{a} -> {b}", sum(g) / steps, sum(g) / len(g), len(g) // steps) for (a, b), g in top],
+    }
 
 
 def kernel_table(runner, inputs, steps: int) -> list[tuple[str, float, int]]:
@@ -172,8 +197,11 @@ def kernel_table(runner, inputs, steps: int) -> list[tuple[str, float, int]]:
         for _ in range(steps):
             runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
         torch.cuda.synchronize()
-    rows = [(e.key[:60], e.device_time_total / 1e3 / steps, e.count // steps)
-            for e in prof.key_averages() if e.device_time_total > 0]
+    rows = [
+        (e.key[:60], e.device_time_total / 1e3 / steps, e.count // steps)
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
     return sorted(rows, key=lambda r: -r[1])[:16]
 
 
@@ -184,40 +212,57 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--prefill-len", type=int, default=0,
-                        help="GPU-time a mixed step: the decode batch plus one new prompt of this length")
+    parser.add_argument(
+        "--prefill-len",
+        type=int,
+        default=0,
+        help="GPU-time a mixed step: the decode batch plus one new prompt of this length",
+    )
     parser.add_argument("--kernels", action="store_true", help="also print a per-kernel GPU time table")
-    parser.add_argument("--timeline", action="store_true",
-                        help="also print the engine loop's device timeline: kernel vs idle time between kernels")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also print the engine loop's device timeline: kernel vs idle time between kernels",
+    )
     args = parser.parse_args()
 
     results = [profile_decode(args, int(b)) for b in args.batch_sizes.split(",")]
     for r in results:
         ms = lambda s: f"{1e3 * s:.3f} ms"  # noqa: E731
         gpu = r["forward_gpu_s"] + r["logits_sample_gpu_s"]
-        rows = [("GPU-timed batch", f"{r['measured_batch']}, mean context {r['mean_context']:.0f}"),
-                ("step wall time (pure decode)", ms(r["step_wall_s"])),
-                ("GPU: forward", ms(r["forward_gpu_s"])),
-                ("GPU: logits + argmax", ms(r["logits_sample_gpu_s"])),
-                ("not GPU-bound (wall - GPU)", ms(r["step_wall_s"] - gpu))]
+        rows = [
+            ("GPU-timed batch", f"{r['measured_batch']}, mean context {r['mean_context']:.0f}"),
+            ("step wall time (pure decode)", ms(r["step_wall_s"])),
+            ("GPU: forward", ms(r["forward_gpu_s"])),
+            ("GPU: logits + argmax", ms(r["logits_sample_gpu_s"])),
+            ("not GPU-bound (wall - GPU)", ms(r["step_wall_s"] - gpu)),
+        ]
         rows += [(f"host: {label}", ms(value)) for label, value in r["host_phases_s"].items()]
         print_table(f"decode step, batch {r['batch_size']}", rows)
         if r["loop_ops"]:
-            print_table(f"engine loop ops per step (host self ms / device ms), batch {r['batch_size']}",
-                        [(name, f"{cpu:.3f} / {dev:.3f} x{count}") for name, cpu, dev, count in r["loop_ops"]])
+            print_table(
+                f"engine loop ops per step (host self ms / device ms), batch {r['batch_size']}",
+                [(name, f"{cpu:.3f} / {dev:.3f} x{count}") for name, cpu, dev, count in r["loop_ops"]],
+            )
         if r["timeline"]:
             t = r["timeline"]
-            rows = [("kernels per step", f"{t['kernels_per_step']:.0f}"),
-                    ("device busy per step", f"{t['busy_us_per_step']:.1f} us"),
-                    ("device idle per step", f"{t['idle_us_per_step']:.1f} us")]
-            rows += [(pair, f"{total:.1f} us/step ({mean:.2f} us x{count})")
-                     for pair, total, mean, count in t["idle_pairs"]]
+            rows = [
+                ("kernels per step", f"{t['kernels_per_step']:.0f}"),
+                ("device busy per step", f"{t['busy_us_per_step']:.1f} us"),
+                ("device idle per step", f"{t['idle_us_per_step']:.1f} us"),
+            ]
+            rows += [
+                (pair, f"{total:.1f} us/step ({mean:.2f} us x{count})") for pair, total, mean, count in t["idle_pairs"]
+            ]
             print_table(f"device timeline of the engine loop, batch {r['batch_size']}", rows)
         if r["kernels"]:
-            print_table(f"kernels per eager forward, batch {r['batch_size']}",
-                        [(name, f"{ms_:.3f} ms x{count}") for name, ms_, count in r["kernels"]])
-    write_json("profile_step", {"env": environment(), "args": vars(args) | {"config": str(args.config)},
-                                "results": results})
+            print_table(
+                f"kernels per eager forward, batch {r['batch_size']}",
+                [(name, f"{ms_:.3f} ms x{count}") for name, ms_, count in r["kernels"]],
+            )
+    write_json(
+        "profile_step", {"env": environment(), "args": vars(args) | {"config": str(args.config)}, "results": results}
+    )
 
 
 if __name__ == "__main__":

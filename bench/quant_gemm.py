@@ -30,9 +30,16 @@ TINY_ROWS = (3, 20)
 # dequantised weight as wgmma's left operand) won none of 32 shapes and row counts on the H200
 # (BENCHMARKS.md) and are gone.
 TILES = (
-    (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 3),
-    (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
-    (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
+    (16, 64, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+    (32, 128, 128, 4, 4),
+    (64, 64, 128, 4, 3),
+    (64, 128, 64, 4, 4),
+    (64, 128, 128, 4, 3),
+    (64, 256, 64, 8, 3),
+    (128, 128, 64, 8, 3),
+    (128, 256, 64, 8, 3),
+    (128, 128, 128, 8, 3),
 )
 TINY_TILES = ((16, 32, 32, 4, 1), (32, 16, 16, 4, 1))
 
@@ -46,8 +53,12 @@ def main() -> None:
     device, timed = start.device, start.timed
     if args.write_configs and not timed:
         parser.error("--write-configs needs a timed sweep on a GPU (not --check-only)")
-    from gpuworker.kernels.quant.int4_matmul import (Int4GemmConfig, dequantize_int4_to, int4_matmul,
-                                               int4_matmul_reference)
+    from gpuworker.kernels.quant.int4_matmul import (
+        Int4GemmConfig,
+        dequantize_int4_to,
+        int4_matmul,
+        int4_matmul_reference,
+    )
 
     on_cuda = device == "cuda"
     shapes, group = (SHAPES, GROUP) if on_cuda else (TINY_SHAPES, TINY_GROUP)
@@ -61,8 +72,11 @@ def main() -> None:
     for name, ((n, k), per_step) in shapes.items():
         copies = num_sets(n * k // 2, cap=8) if timed else 1
         weights = make_int4(n, k, group, copies, device)
-        dense = [(torch.randn(n, k, device=device) / k**0.5).to(DTYPE) for _ in range(num_sets(n * k * 2, cap=8))] \
-            if timed else []
+        dense = (
+            [(torch.randn(n, k, device=device) / k**0.5).to(DTYPE) for _ in range(num_sets(n * k * 2, cap=8))]
+            if timed
+            else []
+        )
         for m in rows_list:
             xs = [torch.randn(m, k, device=device).to(DTYPE) for _ in range(copies)]
             expected = int4_matmul_reference(xs[0], *weights[0], group)
@@ -82,8 +96,9 @@ def main() -> None:
                     failures += 1
                     print(f"  {name} M={m} {label}: FAILED {repr(exc)[:200]}")
             if timed:
-                row["cublas_us"] = graph_time_us([lambda i=i: F.linear(xs[i % copies], dense[i])
-                                                  for i in range(len(dense))])
+                row["cublas_us"] = graph_time_us(
+                    [lambda i=i: F.linear(xs[i % copies], dense[i]) for i in range(len(dense))]
+                )
             results.append(row)
             print(f"  {name} M={m}: {len(paths)} paths")
         # Rebound to None rather than deleted: ruff reads a name deleted after a lambda or closure that
@@ -132,8 +147,9 @@ def print_summary(results: list[dict], rows_list, tiles_by_name: dict) -> tuple[
     return tuned, dequant_from
 
 
-def config_records(tuned: dict[int, str], dequant_from: int | None,
-                   tiles_by_name: dict) -> tuple[list[dict], list[dict]]:
+def config_records(
+    tuned: dict[int, str], dequant_from: int | None, tiles_by_name: dict
+) -> tuple[list[dict], list[dict]]:
     """(records, removals) for gpuworker/kernels/configs/int4_matmul: the fastest tile of each row
     bucket below the crossover, and always of the smallest bucket, which serves every row count below
     it; the other buckets' records taken out."""
@@ -142,8 +158,13 @@ def config_records(tuned: dict[int, str], dequant_from: int | None,
     records, removals = [], []
     for m, name in sorted(tuned.items()):
         if dequant_from is None or m < dequant_from or m == min(tuned):
-            records.append({"rows": m, **dataclasses.asdict(tiles_by_name[name]),
-                            "note": "llama-3-8b projections, the fastest tile summed over the shapes"})
+            records.append(
+                {
+                    "rows": m,
+                    **dataclasses.asdict(tiles_by_name[name]),
+                    "note": "llama-3-8b projections, the fastest tile summed over the shapes",
+                }
+            )
         else:
             removals.append({"rows": m})
     return records, removals

@@ -82,8 +82,11 @@ def int4_candidates(n: int, k: int, group: int, *, on_cuda: bool):
         elif not on_cuda:
             splits = [1, 3]
         else:
-            splits = [s for s in (1, 2, 4, 8, 16, 32) if s <= steps and (
-                MIN_PROGRAMS <= blocks * s <= MAX_PROGRAMS or (s == 1 and blocks >= NUM_SMS))]
+            splits = [
+                s
+                for s in (1, 2, 4, 8, 16, 32)
+                if s <= steps and (MIN_PROGRAMS <= blocks * s <= MAX_PROGRAMS or (s == 1 and blocks >= NUM_SMS))
+            ]
             splits = splits or [min((1, 2, 4, 8, 16, 32), key=lambda s: abs(blocks * s - MIN_PROGRAMS))]
         configs += [replace(tile, split_k=s) for s in splits]
     # Each with bfloat16 x read as 32-bit words too (half the loads of x, no conversions).
@@ -121,8 +124,8 @@ def make_fp8(n: int, k: int, copies: int, device: str):
 
 def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str, timed: bool) -> tuple[dict, list]:
     """One shape for one kernel: check then time every candidate; cuBLAS bf16 alongside."""
-    from gpuworker.kernels.quant.fp8_matmul import fp8_matmul_reference
     from gpuworker.kernels.linear.gemv import gemv, pick_config
+    from gpuworker.kernels.quant.fp8_matmul import fp8_matmul_reference
     from gpuworker.kernels.quant.int4_matmul import Int4GemvConfig, int4_matmul, int4_matmul_reference, pick_gemv_config
 
     copies = 1
@@ -151,8 +154,17 @@ def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str
         def call(config, i):
             return gemv(xs[i], weights[i][0], config=config, weight_scale=weights[i][1])
 
-    row = {"kernel": kind, "shape": name, "N": n, "K": k, "group": group if kind == "int4" else None,
-           "bytes": moved, "copies": copies, "picked_config": picked, "before_config": before}
+    row = {
+        "kernel": kind,
+        "shape": name,
+        "N": n,
+        "K": k,
+        "group": group if kind == "int4" else None,
+        "bytes": moved,
+        "copies": copies,
+        "picked_config": picked,
+        "before_config": before,
+    }
     if timed:
         cublas_copies = num_sets(n * k * 2, cap=16)
         dense = [(torch.randn(n, k, device=device) / k**0.5).to(DTYPE) for _ in range(cublas_copies)]
@@ -179,9 +191,14 @@ def sweep_shape(kind: str, name: str, n: int, k: int, group: int, *, device: str
     row["all_ok"] = all(e.get("ok") for e in sweep)
     if timings:
         best = min(timings, key=lambda name_: timings[name_][0])
-        row.update(best_config=best, best_us=timings[best][0], best_GBps=moved / timings[best][0] / 1e3,
-                   best=timings[best][1], picked_us=timings.get(picked, (None,))[0],
-                   before_us=timings.get(before, (None,))[0])
+        row.update(
+            best_config=best,
+            best_us=timings[best][0],
+            best_GBps=moved / timings[best][0] / 1e3,
+            best=timings[best][1],
+            picked_us=timings.get(picked, (None,))[0],
+            before_us=timings.get(before, (None,))[0],
+        )
     # Rebound to None rather than deleted: ruff reads a name deleted after a lambda or closure that
     # uses it as undefined there (F821); the memory goes back all the same.
     weights = None
@@ -195,25 +212,34 @@ def print_results(rows: list[dict], copy_gbps: float | None) -> None:
         print("\n== quantized GEMV check ==")
         for r in rows:
             status = "ok" if r["all_ok"] else "MISMATCH"
-            print(f"{r['kernel']:4s} {r['shape']:8s} N={r['N']:<6d} K={r['K']:<6d} max abs err {r['max_abs_err']:.4g}"
-                  f"  {status}")
+            print(
+                f"{r['kernel']:4s} {r['shape']:8s} N={r['N']:<6d} K={r['K']:<6d} max abs err {r['max_abs_err']:.4g}"
+                f"  {status}"
+            )
         return
     print(f"\n== quantized GEMV, M=1, bf16 activations (copy bandwidth {copy_gbps:.0f} GB/s) ==")
-    print("(before: INT4, the tiling before split-K, n32-k128 unsplit, with the current unpacking; FP8, the\n"
-          " bf16 table's config. picked: what the kernel takes now, from this GPU's tables.)")
-    print(f"{'kernel':6s} {'shape':8s} {'N':>6s} {'K':>6s} {'cuBLAS bf16 us':>14s} {'before us':>9s} {'picked us':>9s} "
-          f"{'%copy':>5s} {'best config':30s} {'us':>7s} {'GB/s':>6s} {'%copy':>5s} {'vs cuBLAS':>9s}")
+    print(
+        "(before: INT4, the tiling before split-K, n32-k128 unsplit, with the current unpacking; FP8, the\n"
+        " bf16 table's config. picked: what the kernel takes now, from this GPU's tables.)"
+    )
+    print(
+        f"{'kernel':6s} {'shape':8s} {'N':>6s} {'K':>6s} {'cuBLAS bf16 us':>14s} {'before us':>9s} {'picked us':>9s} "
+        f"{'%copy':>5s} {'best config':30s} {'us':>7s} {'GB/s':>6s} {'%copy':>5s} {'vs cuBLAS':>9s}"
+    )
     for r in rows:
         if "best_us" not in r:
             print(f"{r['kernel']:6s} {r['shape']:8s} {r['N']:6d} {r['K']:6d} {r['cublas_us']:14.1f}  no config passed")
             continue
         picked = r.get("picked_us")
-        picked_text = (f"{picked:9.1f} {100 * r['bytes'] / picked / 1e3 / copy_gbps:4.0f}%" if picked
-                       else f"{'-':>9s} {'-':>5s}")
+        picked_text = (
+            f"{picked:9.1f} {100 * r['bytes'] / picked / 1e3 / copy_gbps:4.0f}%" if picked else f"{'-':>9s} {'-':>5s}"
+        )
         before = f"{r['before_us']:9.1f}" if r.get("before_us") else f"{'-':>9s}"
-        print(f"{r['kernel']:6s} {r['shape']:8s} {r['N']:6d} {r['K']:6d} {r['cublas_us']:14.1f} {before} {picked_text} "
-              f"{r['best_config']:30s} {r['best_us']:7.1f} {r['best_GBps']:6.0f} "
-              f"{100 * r['best_GBps'] / copy_gbps:4.0f}% {r['cublas_us'] / r['best_us']:8.2f}x")
+        print(
+            f"{r['kernel']:6s} {r['shape']:8s} {r['N']:6d} {r['K']:6d} {r['cublas_us']:14.1f} {before} {picked_text} "
+            f"{r['best_config']:30s} {r['best_us']:7.1f} {r['best_GBps']:6.0f} "
+            f"{100 * r['best_GBps'] / copy_gbps:4.0f}% {r['cublas_us'] / r['best_us']:8.2f}x"
+        )
 
 
 def step_estimate(rows: list[dict]) -> dict:
@@ -236,8 +262,10 @@ def print_tables(rows: list[dict]) -> None:
         if best:
             print(f"\nfastest {title} per shape:")
         for r in best:
-            print(f"    {r['shape']:8s} N={r['N']:<6d} K={r['K']:<6d} {r['best_config']:30s} "
-                  f"{r['best_us']:.1f} us, {r['best_GBps']:.0f} GB/s")
+            print(
+                f"    {r['shape']:8s} N={r['N']:<6d} K={r['K']:<6d} {r['best_config']:30s} "
+                f"{r['best_us']:.1f} us, {r['best_GBps']:.0f} GB/s"
+            )
 
 
 def config_records(rows: list[dict]) -> dict[str, list[dict]]:
@@ -251,18 +279,30 @@ def config_records(rows: list[dict]) -> dict[str, list[dict]]:
             continue
         note = f"llama-3-8b {r['shape']}"
         if r["kernel"] == "int4":
-            records["int4_gemv"].append({"n": r["N"], "k": r["K"], "group_size": r["group"],
-                                         **dataclasses.asdict(r["best"]), "note": note})
+            records["int4_gemv"].append(
+                {"n": r["N"], "k": r["K"], "group_size": r["group"], **dataclasses.asdict(r["best"]), "note": note}
+            )
         else:
-            records["gemv"].append({"weight_dtype": "float8_e4m3fn", "n": r["N"], "k": r["K"], "m": 1,
-                                    "config": r["best_config"], "note": note})
+            records["gemv"].append(
+                {
+                    "weight_dtype": "float8_e4m3fn",
+                    "n": r["N"],
+                    "k": r["K"],
+                    "m": 1,
+                    "config": r["best_config"],
+                    "note": note,
+                }
+            )
     return records
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check-only", action="store_true",
-                        help="check every candidate against its reference without timing (tiny shapes on a CPU)")
+    parser.add_argument(
+        "--check-only",
+        action="store_true",
+        help="check every candidate against its reference without timing (tiny shapes on a CPU)",
+    )
     parser.add_argument("--only", choices=("int4", "fp8"), help="sweep one kernel")
     add_write_configs_option(parser, "gpuworker/kernels/configs/int4_gemv and configs/gemv (FP8 weights)")
     args = parser.parse_args()
@@ -284,9 +324,13 @@ def main() -> None:
             sweep += shape_sweep
             print(f"  {kind} {name} ({n}x{k}) done: {len(shape_sweep)} configs")
 
-    payload = {"environment": env, "copy_bandwidth_GBps": copy_gbps, "timed": timed,
-               "results": [{key: value for key, value in r.items() if key != "best"} for r in rows],
-               "sweep": sweep}
+    payload = {
+        "environment": env,
+        "copy_bandwidth_GBps": copy_gbps,
+        "timed": timed,
+        "results": [{key: value for key, value in r.items() if key != "best"} for r in rows],
+        "sweep": sweep,
+    }
     if timed:
         payload["step_estimate"] = step_estimate(rows)
     write_json("quant_gemv" if timed else "quant_gemv_check", payload)
@@ -294,8 +338,10 @@ def main() -> None:
     if timed:
         print("\nlinear layers per decode step (32 layers, lm_head left out):")
         for kind, e in payload["step_estimate"].items():
-            print(f"  {kind}: cuBLAS bf16 {e['cublas_bf16_ms']:.3f} ms, picked {e['picked_ms']:.3f} ms, "
-                  f"best {e['best_ms']:.3f} ms")
+            print(
+                f"  {kind}: cuBLAS bf16 {e['cublas_bf16_ms']:.3f} ms, picked {e['picked_ms']:.3f} ms, "
+                f"best {e['best_ms']:.3f} ms"
+            )
         print_tables(rows)
         if args.write_configs:
             from gpuworker.kernels.linear.gemv import TABLE_KEY

@@ -18,6 +18,7 @@ import psutil
 @dataclass(frozen=True)
 class ReplicaProcess:
     """A ready replica and the process its daemon reports serving it."""
+
     replica_id: int
     deployment_id: int
     worker: str
@@ -63,16 +64,22 @@ def replica_processes(*, deployment_ids: Iterable[int], daemons: dict[str, int])
     from controlplane.fleet.models import Replica
     from controlplane.fleet.selectors import workers_latest_heartbeats
 
-    ready = list(Replica.objects.filter(deployment_id__in=list(deployment_ids), state=Replica.State.READY)
-                 .select_related("worker").order_by("pk"))
+    ready = list(
+        Replica.objects.filter(deployment_id__in=list(deployment_ids), state=Replica.State.READY)
+        .select_related("worker")
+        .order_by("pk")
+    )
     latest = workers_latest_heartbeats(worker_ids={replica.worker_id for replica in ready})
     found = []
     for replica in ready:
         report = ((latest.get(replica.worker_id) or {}).get("replicas") or {}).get(str(replica.pk)) or {}
         pid, daemon = report.get("pid"), daemons.get(replica.worker.name)
         if report.get("state") == "ready" and pid and daemon and is_child(pid, daemon):
-            found.append(ReplicaProcess(replica.pk, replica.deployment_id, replica.worker.name,
-                                        report.get("endpoint_url", ""), pid))
+            found.append(
+                ReplicaProcess(
+                    replica.pk, replica.deployment_id, replica.worker.name, report.get("endpoint_url", ""), pid
+                )
+            )
     return found
 
 
@@ -82,13 +89,18 @@ def kill_replica(target: ReplicaProcess, *, failed_wait_s: float, replaced_wait_
     newest = poll(lambda: _newest_replica_id(target.deployment_id), failed_wait_s)
     now = time.monotonic()
     if newest is None:
-        return ReplicaKill(target, False, now, problem=f"the replicas of deployment {target.deployment_id} could "
-                                                       f"not be read within {failed_wait_s:g}s")
+        return ReplicaKill(
+            target,
+            False,
+            now,
+            problem=f"the replicas of deployment {target.deployment_id} could not be read within {failed_wait_s:g}s",
+        )
     try:
         os.kill(target.pid, signal.SIGKILL)
     except ProcessLookupError:
-        return ReplicaKill(target, False, now, problem=(
-            f"replica {target.replica_id}'s process {target.pid} was gone before the kill"))
+        return ReplicaKill(
+            target, False, now, problem=(f"replica {target.replica_id}'s process {target.pid} was gone before the kill")
+        )
     kill = ReplicaKill(target, True, now)
     failed = poll(lambda: _recorded_failure(target.replica_id), failed_wait_s)
     if failed is None:
@@ -139,5 +151,8 @@ def _ready_since(deployment_id: int, newest: int) -> int | None:
     """A ready replica of the deployment created after the one numbered `newest`."""
     from controlplane.fleet.models import Replica
 
-    return Replica.objects.filter(deployment_id=deployment_id, state=Replica.State.READY, pk__gt=newest) \
-        .values_list("pk", flat=True).first()
+    return (
+        Replica.objects.filter(deployment_id=deployment_id, state=Replica.State.READY, pk__gt=newest)
+        .values_list("pk", flat=True)
+        .first()
+    )

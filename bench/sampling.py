@@ -88,9 +88,8 @@ def check(config, logits: torch.Tensor, params: dict, expected: torch.Tensor) ->
 
 
 def time_config(config, logit_sets: list[torch.Tensor], params: dict) -> float:
-    from kernel_times import graph_time_us
-
     from gpuworker.kernels.sampling.sample import sample
+    from kernel_times import graph_time_us
 
     return graph_time_us([lambda x=x: sample(x, config=config, **params) for x in logit_sets])
 
@@ -156,10 +155,14 @@ def descend(start, batch: int, cache: dict, *, device: str, timed: bool, log: li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check-only", action="store_true",
-                        help="check the configs against the reference without timing (tiny vocab on a CPU)")
-    parser.add_argument("--quick", action="store_true",
-                        help="no descent: baseline, default and this GPU's tuned configs only")
+    parser.add_argument(
+        "--check-only",
+        action="store_true",
+        help="check the configs against the reference without timing (tiny vocab on a CPU)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="no descent: baseline, default and this GPU's tuned configs only"
+    )
     add_write_configs_option(parser, "gpuworker/kernels/configs/sample")
     args = parser.parse_args()
     sweep = start_kernel_sweep("sampling.py", args.check_only, copy_bandwidth=False)
@@ -191,9 +194,15 @@ def main() -> None:
         print(f"  batch {batch} done")
     argmax = {batch: argmax_us(batch, cache) for batch in batches} if timed else {}
 
-    payload = {"environment": env, "vocab": VOCAB if timed else 600, "timed": timed, "results": results,
-               "descent": descent, "argmax_us": argmax, "configs": [dataclasses.asdict(c) | {"name": c.name}
-                                                                    for c in configs]}
+    payload = {
+        "environment": env,
+        "vocab": VOCAB if timed else 600,
+        "timed": timed,
+        "results": results,
+        "descent": descent,
+        "argmax_us": argmax,
+        "configs": [dataclasses.asdict(c) | {"name": c.name} for c in configs],
+    }
     failed = [r for r in results + descent if not r["ok"]]
     if timed:
         print_results(results, argmax, configs)
@@ -207,8 +216,10 @@ def main() -> None:
             write_configs("sample", TABLE_KEY, config_records(tuned, configs))
     else:
         for r in results:
-            print(f"  batch {r['batch']:3d} {r['mode']:13s} {r['logits']:6s} {r['config']:40s} "
-                  f"{'ok' if r['ok'] else 'MISMATCH'}")
+            print(
+                f"  batch {r['batch']:3d} {r['mode']:13s} {r['logits']:6s} {r['config']:40s} "
+                f"{'ok' if r['ok'] else 'MISMATCH'}"
+            )
     write_json("sampling" if timed else "sampling_check", payload)
     if failed:
         raise SystemExit(f"{len(failed)} sampling result(s) disagreed with the reference or failed to run")
@@ -255,8 +266,10 @@ def pick_tuned(results: list[dict], configs: list) -> dict[int, str]:
 def config_records(tuned: dict[int, str], configs: list) -> list[dict]:
     """gpuworker/kernels/configs/sample's records: each batch bucket's fastest config, every field."""
     by_name = {config.name: config for config in configs}
-    return [{"rows": batch, **dataclasses.asdict(by_name[name]), "note": f"vocabulary {VOCAB}, float32 logits"}
-            for batch, name in tuned.items()]
+    return [
+        {"rows": batch, **dataclasses.asdict(by_name[name]), "note": f"vocabulary {VOCAB}, float32 logits"}
+        for batch, name in tuned.items()
+    ]
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -47,7 +48,6 @@ import queue
 import random
 import sys
 import tempfile
-import importlib.util
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,8 +55,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import (DEFAULT_CONFIG, environment, load_hf_config, print_table, start_replica,  # noqa: E402
-                          stop_replica, wait_ready, write_checkpoint, write_json)
+from bench.common import (  # noqa: E402
+    DEFAULT_CONFIG,
+    environment,
+    load_hf_config,
+    print_table,
+    start_replica,
+    stop_replica,
+    wait_ready,
+    write_checkpoint,
+    write_json,
+)
 
 
 def _load_replica_choice():
@@ -94,6 +103,7 @@ class Request:
 @dataclass
 class Record:
     """One request as its client saw it; times are time.monotonic() (the same clock in every process)."""
+
     output_len: int
     sent: float = 0.0
     chunks: list[float] = field(default_factory=list)
@@ -106,11 +116,14 @@ class Record:
         return self.error is None and self.output_tokens == self.output_len and bool(self.chunks)
 
 
-def make_requests(count: int, vocab_size: int, seed: int | str, prompt_lens: tuple[int, int],
-                  output_lens: tuple[int, int]) -> list[tuple[list[int], int]]:
+def make_requests(
+    count: int, vocab_size: int, seed: int | str, prompt_lens: tuple[int, int], output_lens: tuple[int, int]
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
-            for _ in range(count)]
+    return [
+        ([rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
+        for _ in range(count)
+    ]
 
 
 def poisson_arrivals(rate: float, duration_s: float, seed: int | str) -> list[float]:
@@ -124,8 +137,8 @@ def poisson_arrivals(rate: float, duration_s: float, seed: int | str) -> list[fl
 
 # -- the load generator (runs in client processes) ---------------------------------------------
 
+
 async def _send(clients: list, outstanding: list[int], request: Request, start: float) -> Record:
-    import httpx
 
     record = Record(request.output_len)
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
@@ -141,8 +154,15 @@ async def _send(clients: list, outstanding: list[int], request: Request, start: 
 async def _stream(client, request: Request, record: Record) -> Record:
     import httpx
 
-    body = {"model": SERVED_MODEL_NAME, "prompt": request.prompt, "max_tokens": request.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -172,16 +192,21 @@ async def _drive(urls: list[str], requests: list[Request], barrier) -> dict:
     # No limit on waiting for a connection of the pool: a request queued behind many is still timed.
     timeout = httpx.Timeout(STREAM_SILENCE_S, pool=None)
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits))
-                   for url in urls]
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits))
+            for url in urls
+        ]
         outstanding = [0] * len(urls)
         barrier.wait(timeout=CLIENT_START_S)  # every client process starts the schedule together
         start, cpu_started = time.monotonic(), time.process_time()
         records = await asyncio.gather(*(_send(clients, outstanding, r, start) for r in requests))
         wall = time.monotonic() - start
     lags = [r.sent - (start + q.arrival_s) for r, q in zip(records, requests)]
-    return {"records": [asdict(r) for r in records], "cpu_share": (time.process_time() - cpu_started) / wall,
-            "lags": lags}
+    return {
+        "records": [asdict(r) for r in records],
+        "cpu_share": (time.process_time() - cpu_started) / wall,
+        "lags": lags,
+    }
 
 
 def client_process(urls: list[str], requests: list[Request], barrier, results) -> None:
@@ -198,8 +223,10 @@ def run_load(urls: list[str], requests: list[Request], processes: int) -> dict:
     context = multiprocessing.get_context("spawn")
     processes = max(1, min(processes, len(requests)))
     barrier, results = context.Barrier(processes), context.Queue()
-    workers = [context.Process(target=client_process, args=(urls, requests[k::processes], barrier, results))
-               for k in range(processes)]
+    workers = [
+        context.Process(target=client_process, args=(urls, requests[k::processes], barrier, results))
+        for k in range(processes)
+    ]
     for worker in workers:
         worker.start()
     outcomes = []
@@ -219,12 +246,15 @@ def run_load(urls: list[str], requests: list[Request], processes: int) -> dict:
             worker.join(timeout=10)
             if worker.is_alive():
                 worker.kill()
-    return {"records": [Record(**r) for o in outcomes for r in o["records"]],
-            "client_cpu_share": [round(o["cpu_share"], 3) for o in outcomes],
-            "send_lags": [lag for o in outcomes for lag in o["lags"]]}
+    return {
+        "records": [Record(**r) for o in outcomes for r in o["records"]],
+        "client_cpu_share": [round(o["cpu_share"], 3) for o in outcomes],
+        "send_lags": [lag for o in outcomes for lag in o["lags"]],
+    }
 
 
 # -- figures ------------------------------------------------------------------------------------
+
 
 def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile (linear between ranks, as numpy's default); None for no values."""
@@ -243,18 +273,29 @@ def summarise(load: dict) -> dict:
     ttft = [r.chunks[0] - r.sent for r in done]
     tpot = [(r.chunks[-1] - r.chunks[0]) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     itl = [b - a for r in done for a, b in zip(r.chunks, r.chunks[1:])]
-    good = [r for r in done if r.chunks[0] - r.sent <= SLO_TTFT_S
-            and (r.output_tokens <= 1 or (r.chunks[-1] - r.chunks[0]) / (r.output_tokens - 1) <= SLO_TPOT_S)]
+    good = [
+        r
+        for r in done
+        if r.chunks[0] - r.sent <= SLO_TTFT_S
+        and (r.output_tokens <= 1 or (r.chunks[-1] - r.chunks[0]) / (r.output_tokens - 1) <= SLO_TPOT_S)
+    ]
     elapsed = max(r.chunks[-1] for r in done) - min(r.sent for r in records) if done else float("nan")
     failed = [r for r in records if not r.ok]
-    summary = {"requests": len(records), "failed": len(failed), "seconds": round(elapsed, 3),
-               "requests_per_s": len(done) / elapsed, "output_tok_s": sum(r.output_tokens for r in done) / elapsed,
-               "goodput_requests_per_s": len(good) / elapsed,
-               "goodput_output_tok_s": sum(r.output_tokens for r in good) / elapsed,
-               "slo_attained": len(good) / len(records),
-               "client_cpu_share": load["client_cpu_share"], "send_lag_p99_s": percentile(load["send_lags"], 99),
-               "requests_per_replica": [sum(r.replica == i for r in records)
-                                        for i in range(1 + max((r.replica for r in records), default=0))]}
+    summary = {
+        "requests": len(records),
+        "failed": len(failed),
+        "seconds": round(elapsed, 3),
+        "requests_per_s": len(done) / elapsed,
+        "output_tok_s": sum(r.output_tokens for r in done) / elapsed,
+        "goodput_requests_per_s": len(good) / elapsed,
+        "goodput_output_tok_s": sum(r.output_tokens for r in good) / elapsed,
+        "slo_attained": len(good) / len(records),
+        "client_cpu_share": load["client_cpu_share"],
+        "send_lag_p99_s": percentile(load["send_lags"], 99),
+        "requests_per_replica": [
+            sum(r.replica == i for r in records) for i in range(1 + max((r.replica for r in records), default=0))
+        ],
+    }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         summary |= {f"{name}_p50_s": percentile(values, 50), f"{name}_p99_s": percentile(values, 99)}
     if failed:
@@ -264,14 +305,27 @@ def summarise(load: dict) -> dict:
 
 # -- the offline baseline (runs in a process of its own) ----------------------------------------
 
-def offline_generate(model: str, device: str, dtype: str, requests: list[tuple[list[int], int]],
-                     warmup: list[tuple[list[int], int]], tensor_parallel_size: int = 1) -> dict:
+
+def offline_generate(
+    model: str,
+    device: str,
+    dtype: str,
+    requests: list[tuple[list[int], int]],
+    warmup: list[tuple[list[int], int]],
+    tensor_parallel_size: int = 1,
+) -> dict:
     """LLMEngine.generate on `requests` with serve's engine settings (dummy weights: the same speed),
     after `warmup` (other prompts, so that nothing of the timed ones is in the prefix cache)."""
     from gpuworker.engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine(model, device=device, dtype=dtype, load_format="dummy", gpu_memory_utilization=0.9,
-                       tensor_parallel_size=tensor_parallel_size)
+    engine = LLMEngine(
+        model,
+        device=device,
+        dtype=dtype,
+        load_format="dummy",
+        gpu_memory_utilization=0.9,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     engine.generate([p for p, _ in warmup], warm)  # kernels compile outside the timed run
     engine.generate([warmup[0][0]], warm)
@@ -282,10 +336,14 @@ def offline_generate(model: str, device: str, dtype: str, requests: list[tuple[l
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     if generated != sum(n for _, n in requests):
         raise RuntimeError(f"offline generate made {generated} tokens, expected {sum(n for _, n in requests)}")
-    return {"requests": len(requests), "seconds": round(seconds, 3), "output_tok_s": generated / seconds,
-            "max_num_seqs": engine.config.max_num_seqs,
-            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-            "tensor_parallel_size": tensor_parallel_size}
+    return {
+        "requests": len(requests),
+        "seconds": round(seconds, 3),
+        "output_tok_s": generated / seconds,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "tensor_parallel_size": tensor_parallel_size,
+    }
 
 
 def in_own_process(function, *args):
@@ -296,6 +354,7 @@ def in_own_process(function, *args):
 
 
 # -- the run ------------------------------------------------------------------------------------
+
 
 def parse_rates(text: str) -> list[float]:
     rates = []
@@ -338,24 +397,37 @@ def parse_engine_modes(text: str) -> tuple[str, ...]:
     modes = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [mode for mode in modes if mode not in ENGINE_MODE_ARGS]
     if not modes or unknown:
-        raise argparse.ArgumentTypeError(f"--engine-modes: each must be one of {', '.join(ENGINE_MODE_ARGS)}, "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--engine-modes: each must be one of {', '.join(ENGINE_MODE_ARGS)}, got {text!r}"
+        )
     return modes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    parser.add_argument("--checkpoint", type=Path, default=Path("/root/ckpt-serving"),
-                        help="where the random checkpoint is (written once)")
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=Path("/root/ckpt-serving"),
+        help="where the random checkpoint is (written once)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--rates", type=parse_rates, default=parse_rates("inf,5,10,15,20,25"),
-                        help="requests/s, comma-separated, run in this order; inf sends --burst-requests at once")
+    parser.add_argument(
+        "--rates",
+        type=parse_rates,
+        default=parse_rates("inf,5,10,15,20,25"),
+        help="requests/s, comma-separated, run in this order; inf sends --burst-requests at once",
+    )
     parser.add_argument("--duration", type=float, default=25.0, help="seconds of Poisson arrivals per rate")
-    parser.add_argument("--budget", type=float, default=450.0,
-                        help="seconds the whole run may take (checkpoint writing included); rates that would "
-                             "start too late are skipped")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=450.0,
+        help="seconds the whole run may take (checkpoint writing included); rates that would "
+        "start too late are skipped",
+    )
     parser.add_argument("--burst-requests", type=int, default=512)
     parser.add_argument("--prompt-lens", default="100,1024", help="min,max prompt tokens (uniform)")
     parser.add_argument("--output-lens", default="64,512", help="min,max output tokens (uniform)")
@@ -365,12 +437,17 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of the figures against rate")
     parser.add_argument("--replot", type=Path, default=None, help="only plot a serving.json written before")
     parser.add_argument("--smoke", action="store_true", help="a tiny random model on the CPU, a few requests")
-    parser.add_argument("--engine-modes", type=parse_engine_modes, default=("default",),
-                        help="comma-separated: 'process' (serve --engine-process), 'in-process' (serve "
-                             "--engine-in-process), 'default' (serve's default for the device); the rates run "
-                             "against one replica per mode, in the order given")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="replicas served side by side, the requests routed to the least busy")
+    parser.add_argument(
+        "--engine-modes",
+        type=parse_engine_modes,
+        default=("default",),
+        help="comma-separated: 'process' (serve --engine-process), 'in-process' (serve "
+        "--engine-in-process), 'default' (serve's default for the device); the rates run "
+        "against one replica per mode, in the order given",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="replicas served side by side, the requests routed to the least busy"
+    )
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs (or CPU ranks) per replica")
     args = parser.parse_args()
     if args.replot:
@@ -391,8 +468,13 @@ def main() -> None:
     warmup = make_requests(24, vocab_size, f"{args.seed}:warm-up", prompt_lens, output_lens)
     if args.replicas < 1 or args.tensor_parallel_size < 1:
         parser.error("--replicas and --tensor-parallel-size must be at least 1")
-    offline = None if args.skip_offline else in_own_process(offline_generate, str(model), args.device, args.dtype,
-                                                             burst, warmup, args.tensor_parallel_size)
+    offline = (
+        None
+        if args.skip_offline
+        else in_own_process(
+            offline_generate, str(model), args.device, args.dtype, burst, warmup, args.tensor_parallel_size
+        )
+    )
     if offline:
         print("offline generate", json.dumps(offline), flush=True)
 
@@ -403,10 +485,24 @@ def main() -> None:
             for index in range(args.replicas):
                 log = Path(os.environ.get("OUT") or ROOT / "bench" / "results") / f"serving_replica_{mode}_{index}.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
-                replicas.append((*start_replica(
-                    model, device=replica_device(args.device, index * args.tensor_parallel_size), dtype=args.dtype,
-                    log=log, extra_args=("--served-model-name", SERVED_MODEL_NAME, "--tensor-parallel-size",
-                                         str(args.tensor_parallel_size), *ENGINE_MODE_ARGS[mode])), log))
+                replicas.append(
+                    (
+                        *start_replica(
+                            model,
+                            device=replica_device(args.device, index * args.tensor_parallel_size),
+                            dtype=args.dtype,
+                            log=log,
+                            extra_args=(
+                                "--served-model-name",
+                                SERVED_MODEL_NAME,
+                                "--tensor-parallel-size",
+                                str(args.tensor_parallel_size),
+                                *ENGINE_MODE_ARGS[mode],
+                            ),
+                        ),
+                        log,
+                    )
+                )
             for process, url, log in replicas:
                 wait_ready(process, url, log)
                 # Warm-up, left out: prefill and decode kernels compile now, and the replica's deferred
@@ -424,8 +520,12 @@ def main() -> None:
                     arrivals = poisson_arrivals(rate, args.duration, seed)
                     shapes = make_requests(len(arrivals), vocab_size, seed, prompt_lens, output_lens)
                     requests = [Request(p, n, t) for (p, n), t in zip(shapes, arrivals)]
-                summary = {"rate": rate_label(rate), "offered_rate": None if math.isinf(rate) else rate,
-                           "engine_mode": mode, **summarise(run_load(urls, requests, args.client_processes))}
+                summary = {
+                    "rate": rate_label(rate),
+                    "offered_rate": None if math.isinf(rate) else rate,
+                    "engine_mode": mode,
+                    **summarise(run_load(urls, requests, args.client_processes)),
+                }
                 runs.append(summary)
                 print(json.dumps(summary), flush=True)
         finally:
@@ -435,9 +535,16 @@ def main() -> None:
     env = environment()
     described = "a tiny random model" if args.smoke else f"{args.config.name} shape, random weights"
     described += f", {args.replicas} replica(s) of tensor parallel {args.tensor_parallel_size}"
-    result = {"env": env, "model": f"{described}, {args.dtype}", "args": {k: str(v) for k, v in vars(args).items()},
-              "offline": offline, "runs": runs, "skipped": skipped, "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
-              "total_s": round(time.perf_counter() - started, 1)}
+    result = {
+        "env": env,
+        "model": f"{described}, {args.dtype}",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "offline": offline,
+        "runs": runs,
+        "skipped": skipped,
+        "slo": {"ttft_s": SLO_TTFT_S, "tpot_s": SLO_TPOT_S},
+        "total_s": round(time.perf_counter() - started, 1),
+    }
     report(result, prompt_lens, output_lens)
     written = write_json("serving", result)
     if args.plot:
@@ -453,25 +560,46 @@ def _ms(seconds: float | None) -> str:
 
 def report(result: dict, prompt_lens: tuple[int, int], output_lens: tuple[int, int]) -> None:
     env, offline, args = result["env"], result["offline"], result["args"]
-    rows = [("model", f"{result['model']}, on {env['gpu']} (commit {env['commit']})"),
-            ("workload", f"prompts U{list(prompt_lens)}, outputs U{list(output_lens)} tokens, greedy, ignore_eos, "
-                         f"seed {args['seed']}; Poisson for {args['duration']} s per rate"),
-            ("SLO", f"TTFT <= {SLO_TTFT_S:g} s and TPOT <= {1e3 * SLO_TPOT_S:g} ms")]
+    rows = [
+        ("model", f"{result['model']}, on {env['gpu']} (commit {env['commit']})"),
+        (
+            "workload",
+            f"prompts U{list(prompt_lens)}, outputs U{list(output_lens)} tokens, greedy, ignore_eos, "
+            f"seed {args['seed']}; Poisson for {args['duration']} s per rate",
+        ),
+        ("SLO", f"TTFT <= {SLO_TTFT_S:g} s and TPOT <= {1e3 * SLO_TPOT_S:g} ms"),
+    ]
     if offline:
-        rows.append(("offline generate", f"{offline['output_tok_s']:,.0f} output tok/s on the {offline['requests']} "
-                                         f"requests sent at once (max_num_seqs {offline['max_num_seqs']})"))
-    rows.append(("rate: req/s, out tok/s, goodput", "TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | "
-                                                    "failed | client CPU max, send lag p99"))
+        rows.append(
+            (
+                "offline generate",
+                f"{offline['output_tok_s']:,.0f} output tok/s on the {offline['requests']} "
+                f"requests sent at once (max_num_seqs {offline['max_num_seqs']})",
+            )
+        )
+    rows.append(
+        (
+            "rate: req/s, out tok/s, goodput",
+            "TTFT p50/p99 ms | TPOT p50/p99 ms | ITL p50/p99 ms | failed | client CPU max, send lag p99",
+        )
+    )
     for run in result["runs"]:
-        ratio = f" ({run['output_tok_s'] / offline['output_tok_s']:.2f}x offline)" \
-            if offline and run["offered_rate"] is None else ""
+        ratio = (
+            f" ({run['output_tok_s'] / offline['output_tok_s']:.2f}x offline)"
+            if offline and run["offered_rate"] is None
+            else ""
+        )
         mode = f"{run['engine_mode']} " if len(set(r.get("engine_mode") for r in result["runs"])) > 1 else ""
-        rows.append((f"{mode}{run['rate']}: {run['requests_per_s']:.1f}, {run['output_tok_s']:,.0f}{ratio}, "
-                     f"{run['goodput_requests_per_s']:.1f}",
-                     f"{_ms(run['ttft_p50_s'])}/{_ms(run['ttft_p99_s'])} | {_ms(run['tpot_p50_s'])}/"
-                     f"{_ms(run['tpot_p99_s'])} | {_ms(run['itl_p50_s'])}/{_ms(run['itl_p99_s'])} | "
-                     f"{run['failed']} of {run['requests']} | {100 * max(run['client_cpu_share']):.0f}%, "
-                     f"{_ms(run['send_lag_p99_s'])} ms"))
+        rows.append(
+            (
+                f"{mode}{run['rate']}: {run['requests_per_s']:.1f}, {run['output_tok_s']:,.0f}{ratio}, "
+                f"{run['goodput_requests_per_s']:.1f}",
+                f"{_ms(run['ttft_p50_s'])}/{_ms(run['ttft_p99_s'])} | {_ms(run['tpot_p50_s'])}/"
+                f"{_ms(run['tpot_p99_s'])} | {_ms(run['itl_p50_s'])}/{_ms(run['itl_p99_s'])} | "
+                f"{run['failed']} of {run['requests']} | {100 * max(run['client_cpu_share']):.0f}%, "
+                f"{_ms(run['send_lag_p99_s'])} ms",
+            )
+        )
         if max(run["client_cpu_share"]) > CLIENT_CPU_WARNING:
             rows.append(("  warning", "a client process was busy: use more --client-processes"))
         if run["failed"]:

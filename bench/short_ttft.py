@@ -19,8 +19,15 @@ import random
 import statistics
 import time
 
-from common import (add_engine_options, engine_parser, environment, free_device_memory, load_hf_config, print_table,
-                    write_json)
+from common import (
+    add_engine_options,
+    engine_parser,
+    environment,
+    free_device_memory,
+    load_hf_config,
+    print_table,
+    write_json,
+)
 
 
 def make_prompts(rng: random.Random, vocab: int, count: int, length: int) -> list[list[int]]:
@@ -31,13 +38,19 @@ def run_share(args, share: float, longs: list[list[int]], shorts: list[list[int]
     from gpuworker.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(
-        str(args.config), device=args.device, dtype=args.dtype, load_format="dummy", seed=args.seed,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, short_prefill_share=share,
+        str(args.config),
+        device=args.device,
+        dtype=args.dtype,
+        load_format="dummy",
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        short_prefill_share=share,
         enable_prefix_caching=False,  # random prompts share nothing; keep the hash work out
     )
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    engine.generate([longs[0], longs[1][:len(shorts[0])]], warm)  # prefill chunks beside decodes, then decodes
+    engine.generate([longs[0], longs[1][: len(shorts[0])]], warm)  # prefill chunks beside decodes, then decodes
     long_params = SamplingParams(temperature=0.0, max_tokens=args.long_output, ignore_eos=True)
     short_params = SamplingParams(temperature=0.0, max_tokens=args.short_output, ignore_eos=True)
 
@@ -71,13 +84,20 @@ def run_share(args, share: float, longs: list[list[int]], shorts: list[list[int]
     long_ttft = [ttft[f"long{i}"] for i in range(len(longs))]
     config = engine.config
     result = {
-        "share": share, "short_prefill_tokens": engine.scheduler.short_prefill_tokens,
-        "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-        "short_ttft_s": short_ttft, "short_ttft_p50_s": statistics.median(short_ttft), "short_ttft_max_s": short_ttft[-1],
+        "share": share,
+        "short_prefill_tokens": engine.scheduler.short_prefill_tokens,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "short_ttft_s": short_ttft,
+        "short_ttft_p50_s": statistics.median(short_ttft),
+        "short_ttft_max_s": short_ttft[-1],
         "short_waited_steps": [waited_steps[r] for r in added_at],
-        "long_ttft_mean_s": statistics.fmean(long_ttft), "long_ttft_max_s": max(long_ttft),
+        "long_ttft_mean_s": statistics.fmean(long_ttft),
+        "long_ttft_max_s": max(long_ttft),
         "long_waited_steps": [waited_steps[f"long{i}"] for i in range(len(longs))],
-        "steps": steps, "seconds": seconds, "output_tok_s": generated / seconds,
+        "steps": steps,
+        "seconds": seconds,
+        "output_tok_s": generated / seconds,
         "total_tok_s": (generated + sum(map(len, longs)) + sum(map(len, shorts))) / seconds,
     }
     del engine
@@ -90,8 +110,11 @@ def main() -> None:
     parser = engine_parser(__doc__)
     add_engine_options(parser, max_num_seqs=None, max_model_len=8192)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's choice")
-    parser.add_argument("--shares", default="0,0.125",
-                        help="comma-separated short_prefill_share values, each on a fresh engine (0: plain order)")
+    parser.add_argument(
+        "--shares",
+        default="0,0.125",
+        help="comma-separated short_prefill_share values, each on a fresh engine (0: plain order)",
+    )
     parser.add_argument("--num-long", type=int, default=8)
     parser.add_argument("--long-len", type=int, default=7000)
     parser.add_argument("--long-output", type=int, default=16)
@@ -107,23 +130,41 @@ def main() -> None:
     shares = [float(s) for s in args.shares.split(",") if s]
     results = [run_share(args, share, longs, shorts) for share in shares]
 
-    rows = [("workload", f"{args.num_long} x {args.long_len}-token prompts at once ({args.long_output} out), "
-                         f"then {args.shorts} x {args.short_len} tokens ({args.short_output} out), one per step; "
-                         f"{args.dtype}")]
+    rows = [
+        (
+            "workload",
+            f"{args.num_long} x {args.long_len}-token prompts at once ({args.long_output} out), "
+            f"then {args.shorts} x {args.short_len} tokens ({args.short_output} out), one per step; "
+            f"{args.dtype}",
+        )
+    ]
     for r in results:
-        label = f"share {r['share']:g}" + (" (plain order)" if not r["share"] else f" (<= {r['short_prefill_tokens']} tokens)")
+        label = f"share {r['share']:g}" + (
+            " (plain order)" if not r["share"] else f" (<= {r['short_prefill_tokens']} tokens)"
+        )
         rows += [
-            (label, f"short TTFT p50 {1e3 * r['short_ttft_p50_s']:.0f} ms, max {1e3 * r['short_ttft_max_s']:.0f} ms; "
-                    f"waited {r['short_waited_steps']} steps"),
-            ("", f"long TTFT mean {r['long_ttft_mean_s']:.2f} s, max {r['long_ttft_max_s']:.2f} s "
-                 f"({r['long_waited_steps']} steps); all done in {r['seconds']:.2f} s ({r['steps']} steps), "
-                 f"{r['total_tok_s']:.0f} total tok/s, {r['output_tok_s']:.0f} output tok/s"),
+            (
+                label,
+                f"short TTFT p50 {1e3 * r['short_ttft_p50_s']:.0f} ms, max {1e3 * r['short_ttft_max_s']:.0f} ms; "
+                f"waited {r['short_waited_steps']} steps",
+            ),
+            (
+                "",
+                f"long TTFT mean {r['long_ttft_mean_s']:.2f} s, max {r['long_ttft_max_s']:.2f} s "
+                f"({r['long_waited_steps']} steps); all done in {r['seconds']:.2f} s ({r['steps']} steps), "
+                f"{r['total_tok_s']:.0f} total tok/s, {r['output_tok_s']:.0f} output tok/s",
+            ),
         ]
-    rows.append(("engine", f"max_num_seqs {results[0]['max_num_seqs']}, "
-                           f"max_num_batched_tokens {results[0]['max_num_batched_tokens']}"))
+    rows.append(
+        (
+            "engine",
+            f"max_num_seqs {results[0]['max_num_seqs']}, max_num_batched_tokens {results[0]['max_num_batched_tokens']}",
+        )
+    )
     print_table("short requests behind long prefills", rows)
-    write_json("short_ttft", {"env": environment(), "args": {k: str(v) for k, v in vars(args).items()},
-                              "results": results})
+    write_json(
+        "short_ttft", {"env": environment(), "args": {k: str(v) for k, v in vars(args).items()}, "results": results}
+    )
 
 
 if __name__ == "__main__":

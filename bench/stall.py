@@ -42,8 +42,26 @@ def start_replica(code: Path, model: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(code)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "gpuworker", "serve", "--model", str(model), "--port", str(port), "--token", TOKEN,
-         "--max-model-len", "2048", "--log-level", "warning"], cwd=code, env=env, stdin=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "gpuworker",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--token",
+            TOKEN,
+            "--max-model-len",
+            "2048",
+            "--log-level",
+            "warning",
+        ],
+        cwd=code,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -62,8 +80,9 @@ def start_replica(code: Path, model: Path) -> tuple[subprocess.Popen, str]:
 def huge_body(kind: str, size: int) -> tuple[str, bytes]:
     text = ("lorem ipsum dolor sit amet " * (size // 27 + 1))[:size]
     if kind == "chat":
-        return "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": text}],
-                                                   "max_tokens": 4}).encode()
+        return "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": text}], "max_tokens": 4}
+        ).encode()
     return "/v1/completions", json.dumps({"prompt": text, "max_tokens": 4}).encode()
 
 
@@ -77,8 +96,9 @@ async def measure(base: str, path: str | None, body: bytes | None, warmup_chunks
         started = asyncio.Event()
 
         async def stream() -> None:
-            async with client.stream("POST", "/v1/completions", json={
-                    "prompt": "go", "max_tokens": 2000, "stream": True, "ignore_eos": True}) as response:
+            async with client.stream(
+                "POST", "/v1/completions", json={"prompt": "go", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+            ) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data: "):
                         arrivals.append(time.perf_counter())
@@ -91,8 +111,9 @@ async def measure(base: str, path: str | None, body: bytes | None, warmup_chunks
         if path is None:
             await asyncio.sleep(1.0)
         else:
-            async with httpx.AsyncClient(base_url=base, headers={**HEADERS, "content-type": "application/json"},
-                                         timeout=600) as other:
+            async with httpx.AsyncClient(
+                base_url=base, headers={**HEADERS, "content-type": "application/json"}, timeout=600
+            ) as other:
                 response = await other.post(path, content=body)
             huge = {"status": response.status_code, "code": (response.json().get("error") or {}).get("code")}
         window["end"] = time.perf_counter()
@@ -106,17 +127,26 @@ async def measure(base: str, path: str | None, body: bytes | None, warmup_chunks
     times = [t for t in arrivals if t >= window["start"]]
     inside = [t for t in times if t <= window["end"]]
     gaps = [b - a for a, b in zip(times, times[1:]) if a <= window["end"]]
-    return {"seconds": window["end"] - window["start"], "chunks": len(inside), "huge": huge,
-            "max_gap_ms": max(gaps) * 1000 if gaps else float("inf"),
-            "p50_gap_ms": statistics.median(gaps) * 1000 if gaps else float("inf"),
-            "stream_ended_early": stream_done}
+    return {
+        "seconds": window["end"] - window["start"],
+        "chunks": len(inside),
+        "huge": huge,
+        "max_gap_ms": max(gaps) * 1000 if gaps else float("inf"),
+        "p50_gap_ms": statistics.median(gaps) * 1000 if gaps else float("inf"),
+        "stream_ended_early": stream_done,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4])
-    parser.add_argument("--code", action="append", default=None, metavar="LABEL=PATH",
-                        help="a checkout to run the replica from (repeatable; default: this one)")
+    parser.add_argument(
+        "--code",
+        action="append",
+        default=None,
+        metavar="LABEL=PATH",
+        help="a checkout to run the replica from (repeatable; default: this one)",
+    )
     parser.add_argument("--model", type=Path, default=None, help="a checkpoint (default: the demo model)")
     args = parser.parse_args(argv)
     codes = [(c.split("=", 1)[0], Path(c.split("=", 1)[1]).resolve()) for c in args.code or [f"this={REPO}"]]
@@ -124,10 +154,17 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model
         if model is None:
             model = Path(tmp) / "demo"
-            subprocess.run([sys.executable, "-m", "gpuworker.demo_model", str(model)], check=True,
-                           cwd=REPO, stdout=subprocess.DEVNULL)
-        cases = [("none", None, None)] + [(f"{kind} {mb:g} MB", *huge_body(kind, int(mb * 1024 * 1024)))
-                                          for mb in args.sizes_mb for kind in ("chat", "completion")]
+            subprocess.run(
+                [sys.executable, "-m", "gpuworker.demo_model", str(model)],
+                check=True,
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+            )
+        cases = [("none", None, None)] + [
+            (f"{kind} {mb:g} MB", *huge_body(kind, int(mb * 1024 * 1024)))
+            for mb in args.sizes_mb
+            for kind in ("chat", "completion")
+        ]
         rows = []
         for label, code in codes:
             process, base = start_replica(code, model)
@@ -141,12 +178,14 @@ def main(argv: list[str] | None = None) -> int:
                 process.kill()
                 process.wait()
     print(f"\ncores: {os.cpu_count()}  python {sys.version.split()[0]}\n")
-    print(f"| code | huge request | its answer | its time (s) | stream chunks meanwhile | max gap (ms) | p50 gap (ms) |")
+    print("| code | huge request | its answer | its time (s) | stream chunks meanwhile | max gap (ms) | p50 gap (ms) |")
     print("|---|---|---|---|---|---|---|")
     for label, name, r in rows:
         answer = f"{r['huge']['status']} {r['huge']['code'] or ''}".strip() if r["huge"] else "-"
-        print(f"| {label} | {name} | {answer} | {r['seconds']:.2f} | {r['chunks']} | {r['max_gap_ms']:.1f} | "
-              f"{r['p50_gap_ms']:.1f} |")
+        print(
+            f"| {label} | {name} | {answer} | {r['seconds']:.2f} | {r['chunks']} | {r['max_gap_ms']:.1f} | "
+            f"{r['p50_gap_ms']:.1f} |"
+        )
     return 0
 
 

@@ -28,8 +28,16 @@ from pathlib import Path
 
 import torch
 
-from common import (BENCH_DIR, Timer, add_engine_options, engine_parser, environment, load_hf_config, print_table,
-                    write_json)
+from common import (
+    BENCH_DIR,
+    Timer,
+    add_engine_options,
+    engine_parser,
+    environment,
+    load_hf_config,
+    print_table,
+    write_json,
+)
 from throughput import make_workload
 
 ORDER_SCHEMA = {
@@ -80,8 +88,9 @@ def build_bpe_tokenizer(directory: Path, vocab_size: int, num_special: int = 256
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     num_bpe = vocab_size - num_special
-    trainer = trainers.BpeTrainer(vocab_size=num_bpe, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=num_bpe, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     started = time.perf_counter()
     tokenizer.train_from_iterator((Path(f).read_text(encoding="utf-8", errors="ignore") for f in files), trainer)
     if tokenizer.get_vocab_size() != num_bpe:
@@ -90,9 +99,17 @@ def build_bpe_tokenizer(directory: Path, vocab_size: int, num_special: int = 256
     tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in names])
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": names[0], "eos_token": names[min(9, num_special - 1)],
-        "clean_up_tokenization_spaces": False}, indent=2))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": names[0],
+                "eos_token": names[min(9, num_special - 1)],
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
     print(f"trained a {vocab_size}-token BPE on {len(files)} stdlib files in {time.perf_counter() - started:.0f} s")
     return directory
 
@@ -111,11 +128,20 @@ def model_directory(args, workdir: Path) -> Path:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(args.seed)
-        LlamaForCausalLM(LlamaConfig(
-            vocab_size=hf_config["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-            bos_token_id=hf_config["bos_token_id"], eos_token_id=hf_config["eos_token_id"],
-            architectures=["LlamaForCausalLM"])).save_pretrained(str(directory))
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=hf_config["vocab_size"],
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=2048,
+                bos_token_id=hf_config["bos_token_id"],
+                eos_token_id=hf_config["eos_token_id"],
+                architectures=["LlamaForCausalLM"],
+            )
+        ).save_pretrained(str(directory))
     else:
         directory.mkdir()
         shutil.copy(config / "config.json", directory)
@@ -178,10 +204,16 @@ def run(engine, prompts, params_list) -> dict:
     ordered = [outputs[f"req-{i}"] for i in range(len(prompts))]
     generated = sum(len(out.token_ids) for out in ordered)
     ranked = sorted(step_ms)
-    return {"seconds": t.elapsed, "output_tokens": generated, "output_tok_s": generated / t.elapsed,
-            "outputs": ordered, "steps": len(step_ms), "step_ms_p50": ranked[len(ranked) // 2],
-            "step_ms_p90": ranked[int(len(ranked) * 0.9)],
-            "slowest_steps_ms": sorted(((round(ms, 1), i) for i, ms in enumerate(step_ms)), reverse=True)[:8]}
+    return {
+        "seconds": t.elapsed,
+        "output_tokens": generated,
+        "output_tok_s": generated / t.elapsed,
+        "outputs": ordered,
+        "steps": len(step_ms),
+        "step_ms_p50": ranked[len(ranked) // 2],
+        "step_ms_p90": ranked[int(len(ranked) * 0.9)],
+        "slowest_steps_ms": sorted(((round(ms, 1), i) for i, ms in enumerate(step_ms)), reverse=True)[:8],
+    }
 
 
 def profile_steps(engine, prompts, params_list, *, skip: int = 16, steps: int = 24) -> dict:
@@ -208,6 +240,7 @@ def profile_steps(engine, prompts, params_list, *, skip: int = 16, steps: int = 
                 return inner(*a, **k)
             finally:
                 totals[name] += time.perf_counter() - t0
+
         setattr(obj, name, timed)
 
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
@@ -238,9 +271,12 @@ def profile_steps(engine, prompts, params_list, *, skip: int = 16, steps: int = 
         engine.abort(request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"step_ms": 1e3 * wall, "phases_ms": {k: 1e3 * v / steps for k, v in totals.items()},
-            "top_host_ops_ms": [(e.key[:50], e.self_cpu_time_total / 8e3, e.count // 8) for e in by_host],
-            "top_device_ops_ms": [(e.key[:50], e.self_device_time_total / 8e3, e.count // 8) for e in by_device]}
+    return {
+        "step_ms": 1e3 * wall,
+        "phases_ms": {k: 1e3 * v / steps for k, v in totals.items()},
+        "top_host_ops_ms": [(e.key[:50], e.self_cpu_time_total / 8e3, e.count // 8) for e in by_host],
+        "top_device_ops_ms": [(e.key[:50], e.self_device_time_total / 8e3, e.count // 8) for e in by_device],
+    }
 
 
 def check_outputs(outputs) -> dict:
@@ -255,10 +291,18 @@ def check_outputs(outputs) -> dict:
 
 
 def main() -> None:
-    parser = engine_parser(__doc__, dtype=None, dtype_help="default: bfloat16 on CUDA, float32 on CPU",
-                           device="cuda" if torch.cuda.is_available() else "cpu", raw_description=True)
-    parser.add_argument("--tiny", action="store_true",
-                        help="a 2-layer random model with --config's vocabulary (a CPU check of the whole path)")
+    parser = engine_parser(
+        __doc__,
+        dtype=None,
+        dtype_help="default: bfloat16 on CUDA, float32 on CPU",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        raw_description=True,
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a 2-layer random model with --config's vocabulary (a CPU check of the whole path)",
+    )
     parser.add_argument("--num-requests", type=int, default=None, help="default: 256 (GPU), 16 (--tiny)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--min-prompt-len", type=int, default=64)
@@ -266,12 +310,21 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     add_engine_options(parser, max_num_seqs=256, max_model_len=1024)
     parser.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto")
-    parser.add_argument("--tokenizer-dir", default=None,
-                        help="where the trained BPE tokenizer is cached (default bench/results/bpe-<vocab>)")
-    parser.add_argument("--profile", action="store_true",
-                        help="instead of the comparison, print per-step phases and top ops of both kinds of batch")
-    parser.add_argument("--build-tokenizer-only", action="store_true",
-                        help="train and cache the tokenizer for --config, then exit (run it off the GPU)")
+    parser.add_argument(
+        "--tokenizer-dir",
+        default=None,
+        help="where the trained BPE tokenizer is cached (default bench/results/bpe-<vocab>)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the comparison, print per-step phases and top ops of both kinds of batch",
+    )
+    parser.add_argument(
+        "--build-tokenizer-only",
+        action="store_true",
+        help="train and cache the tokenizer for --config, then exit (run it off the GPU)",
+    )
     args = parser.parse_args()
     if args.build_tokenizer_only:
         vocab_size = load_hf_config(Path(args.config))["vocab_size"]
@@ -287,12 +340,22 @@ def main() -> None:
         model = model_directory(args, Path(workdir))
         vocab_size = load_hf_config(model)["vocab_size"]
         engine = LLMEngine(
-            str(model), device=args.device, dtype=dtype, load_format="auto" if args.tiny else "dummy",
-            seed=args.seed, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+            str(model),
+            device=args.device,
+            dtype=dtype,
+            load_format="auto" if args.tiny else "dummy",
+            seed=args.seed,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
             enable_prefix_caching=False,  # random prompts share nothing
-            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
-    prompts = [prompt for prompt, _ in make_workload(num_requests, min(vocab_size, 32000), args.seed,
-                                                     args.min_prompt_len, args.max_prompt_len)]
+            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        )
+    prompts = [
+        prompt
+        for prompt, _ in make_workload(
+            num_requests, min(vocab_size, 32000), args.seed, args.min_prompt_len, args.max_prompt_len
+        )
+    ]
     schema = StructuredOutput.json_schema(ORDER_SCHEMA)
 
     # Warm-up: kernels, graph capture, the mask kernel, and the schema's compile (timed on its own).
@@ -308,15 +371,20 @@ def main() -> None:
     # so warmed up here (one untimed pass of the workload) rather than charged to the first run.
     for count in (16, 17):
         engine.generate(prompts[:count], SamplingParams(max_tokens=4, structured_output=schema))
-    engine.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                            ignore_eos=True))
+    engine.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True))
     warmup_s = time.perf_counter() - t0
 
     if args.profile:
-        for label, params in (("json_schema", SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                                               structured_output=schema)),
-                              ("unconstrained", SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                                                                 ignore_eos=True))):
+        for label, params in (
+            (
+                "json_schema",
+                SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, structured_output=schema),
+            ),
+            (
+                "unconstrained",
+                SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True),
+            ),
+        ):
             report = profile_steps(engine, prompts, [params] * num_requests)
             print(f"\n== profile: {label}, step {report['step_ms']:.2f} ms ==")
             for name, ms in report["phases_ms"].items():
@@ -330,45 +398,88 @@ def main() -> None:
         return
 
     timer = MaskTimer(engine.grammar_matchers)
-    constrained = run(engine, prompts, [
-        SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, output_kind="final_only",
-                       structured_output=schema) for i in range(num_requests)])
+    constrained = run(
+        engine,
+        prompts,
+        [
+            SamplingParams(
+                temperature=args.temperature,
+                max_tokens=args.max_tokens,
+                output_kind="final_only",
+                structured_output=schema,
+            )
+            for i in range(num_requests)
+        ],
+    )
     masks = timer.summary()
     validity = check_outputs(constrained["outputs"])
     lengths = [len(out.token_ids) for out in constrained["outputs"]]
-    free = run(engine, prompts, [
-        SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, output_kind="final_only")
-        for i, n in enumerate(lengths)])
+    free = run(
+        engine,
+        prompts,
+        [
+            SamplingParams(temperature=args.temperature, max_tokens=n, ignore_eos=True, output_kind="final_only")
+            for i, n in enumerate(lengths)
+        ],
+    )
     if free["output_tokens"] != constrained["output_tokens"]:
         raise RuntimeError(f"the runs differ in work: {free['output_tokens']} vs {constrained['output_tokens']} tokens")
     ratio = constrained["output_tok_s"] / free["output_tok_s"]
 
-    workload = (f"{num_requests} requests, prompts {args.min_prompt_len}-{args.max_prompt_len} random tokens, "
-                f"up to {args.max_tokens} output tokens (mean {sum(lengths) / len(lengths):.0f}), "
-                f"temperature {args.temperature}, seed {args.seed}, {dtype} on {args.device}")
-    print_table("structured output throughput", [
-        ("model", f"{Path(args.config).name}" + (" vocabulary, 2 tiny layers" if args.tiny else ", dummy weights")
-         + f", {vocab_size}-token tokenizer"),
-        ("workload", workload),
-        ("unconstrained", f"{free['output_tok_s']:.0f} output tok/s ({free['seconds']:.2f} s)"),
-        ("json_schema", f"{constrained['output_tok_s']:.0f} output tok/s ({constrained['seconds']:.2f} s); "
-                        f"{validity['completed']} completed, {validity['cut_by_max_tokens']} cut by max_tokens"),
-        ("ratio", f"{ratio:.3f} (target >= 0.9 on the GPU)"),
-        ("steps", f"unconstrained {free['steps']} (p50 {free['step_ms_p50']:.1f} ms, p90 {free['step_ms_p90']:.1f}), "
-                  f"json_schema {constrained['steps']} (p50 {constrained['step_ms_p50']:.1f} ms, "
-                  f"p90 {constrained['step_ms_p90']:.1f})"),
-        ("slowest steps", f"unconstrained {free['slowest_steps_ms'][:4]}; json_schema {constrained['slowest_steps_ms']}"),
-        ("host mask work", f"{masks['mask_ms_per_step']:.2f} ms/step for {masks['constrained_rows_per_step']:.0f} "
-                           f"rows ({masks['mask_us_per_row']:.1f} us/row); accept "
-                           f"{masks['accept_us_per_token']:.1f} us/token"),
-        ("schema compile", f"{compile_s * 1e3:.0f} ms (first request; later ones hit the cache)"),
-    ])
-    write_json("structured", {
-        "env": environment(), "args": {k: str(v) for k, v in vars(args).items()},
-        "unconstrained": {k: v for k, v in free.items() if k != "outputs"},
-        "json_schema": {k: v for k, v in constrained.items() if k != "outputs"} | validity,
-        "ratio": ratio, "host_mask": masks, "compile_s": compile_s, "warmup_s": warmup_s,
-    })
+    workload = (
+        f"{num_requests} requests, prompts {args.min_prompt_len}-{args.max_prompt_len} random tokens, "
+        f"up to {args.max_tokens} output tokens (mean {sum(lengths) / len(lengths):.0f}), "
+        f"temperature {args.temperature}, seed {args.seed}, {dtype} on {args.device}"
+    )
+    print_table(
+        "structured output throughput",
+        [
+            (
+                "model",
+                f"{Path(args.config).name}"
+                + (" vocabulary, 2 tiny layers" if args.tiny else ", dummy weights")
+                + f", {vocab_size}-token tokenizer",
+            ),
+            ("workload", workload),
+            ("unconstrained", f"{free['output_tok_s']:.0f} output tok/s ({free['seconds']:.2f} s)"),
+            (
+                "json_schema",
+                f"{constrained['output_tok_s']:.0f} output tok/s ({constrained['seconds']:.2f} s); "
+                f"{validity['completed']} completed, {validity['cut_by_max_tokens']} cut by max_tokens",
+            ),
+            ("ratio", f"{ratio:.3f} (target >= 0.9 on the GPU)"),
+            (
+                "steps",
+                f"unconstrained {free['steps']} (p50 {free['step_ms_p50']:.1f} ms, p90 {free['step_ms_p90']:.1f}), "
+                f"json_schema {constrained['steps']} (p50 {constrained['step_ms_p50']:.1f} ms, "
+                f"p90 {constrained['step_ms_p90']:.1f})",
+            ),
+            (
+                "slowest steps",
+                f"unconstrained {free['slowest_steps_ms'][:4]}; json_schema {constrained['slowest_steps_ms']}",
+            ),
+            (
+                "host mask work",
+                f"{masks['mask_ms_per_step']:.2f} ms/step for {masks['constrained_rows_per_step']:.0f} "
+                f"rows ({masks['mask_us_per_row']:.1f} us/row); accept "
+                f"{masks['accept_us_per_token']:.1f} us/token",
+            ),
+            ("schema compile", f"{compile_s * 1e3:.0f} ms (first request; later ones hit the cache)"),
+        ],
+    )
+    write_json(
+        "structured",
+        {
+            "env": environment(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "unconstrained": {k: v for k, v in free.items() if k != "outputs"},
+            "json_schema": {k: v for k, v in constrained.items() if k != "outputs"} | validity,
+            "ratio": ratio,
+            "host_mask": masks,
+            "compile_s": compile_s,
+            "warmup_s": warmup_s,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,24 @@ import time
 
 import torch
 
-from common import (Timer, add_engine_options, add_kv_cache_dtype_option, add_parallel_option, add_sampling_option,
-                    add_smoke_option, build_hf_model, engine_parser, environment, free_device_memory, load_hf_config, print_table,
-                    sampling_modes, sampling_params, use_smoke_model, write_json)
+from common import (
+    Timer,
+    add_engine_options,
+    add_kv_cache_dtype_option,
+    add_parallel_option,
+    add_sampling_option,
+    add_smoke_option,
+    build_hf_model,
+    engine_parser,
+    environment,
+    free_device_memory,
+    load_hf_config,
+    print_table,
+    sampling_modes,
+    sampling_params,
+    use_smoke_model,
+    write_json,
+)
 
 
 def make_workload(num_requests: int, vocab: int, seed: int, lo: int, hi: int, output_len: int | None = None):
@@ -49,8 +64,11 @@ def run_engine(engine, requests, profile_steps: tuple[int, int] | None = None, m
     with Timer(str(engine.device)) as t:
         for i, (prompt, output_len) in enumerate(requests):
             # Offline: only the final outputs are read (as LLMEngine.generate does).
-            engine.add_request(f"req-{i}", prompt, sampling_params(
-                mode, i, max_tokens=output_len, ignore_eos=True, output_kind="final_only"))
+            engine.add_request(
+                f"req-{i}",
+                prompt,
+                sampling_params(mode, i, max_tokens=output_len, ignore_eos=True, output_kind="final_only"),
+            )
         generated = 0
         while engine.has_unfinished_requests():
             if profile_steps and len(trace) == profile_steps[0]:
@@ -64,17 +82,26 @@ def run_engine(engine, requests, profile_steps: tuple[int, int] | None = None, m
                     generated += len(out.outputs[0].token_ids)
             stats = engine.last_step_stats
             peak_kv_usage = max(peak_kv_usage, stats.kv_cache_usage if stats else 0.0)
-            trace.append((time.perf_counter() - started, stats.num_decode_tokens if stats else 0,
-                          stats.num_prefill_tokens if stats else 0))
+            trace.append(
+                (
+                    time.perf_counter() - started,
+                    stats.num_decode_tokens if stats else 0,
+                    stats.num_prefill_tokens if stats else 0,
+                )
+            )
     expected = sum(n for _, n in requests)
     if generated != expected:
         raise RuntimeError(f"engine generated {generated} tokens, expected {expected}")
     prompt_tokens = sum(len(p) for p, _ in requests)
     return {
-        "requests": len(requests), "seconds": t.elapsed,
-        "output_tok_s": expected / t.elapsed, "total_tok_s": (expected + prompt_tokens) / t.elapsed,
-        "phases": step_phases(trace), "steps": len(trace),
-        "preemptions": engine.scheduler.num_preemptions - preemptions_before, "peak_kv_cache_usage": peak_kv_usage,
+        "requests": len(requests),
+        "seconds": t.elapsed,
+        "output_tok_s": expected / t.elapsed,
+        "total_tok_s": (expected + prompt_tokens) / t.elapsed,
+        "phases": step_phases(trace),
+        "steps": len(trace),
+        "preemptions": engine.scheduler.num_preemptions - preemptions_before,
+        "peak_kv_cache_usage": peak_kv_usage,
     }
 
 
@@ -95,13 +122,20 @@ def report_profile(profiler, steps: int) -> None:
     profiler.stop()
     events = [e for e in profiler.key_averages() if e.self_device_time_total > 0]
     busy = sum(e.self_device_time_total for e in events) / 1e6
-    rows = [(f"{steps} steps", f"wall {1e3 * wall / steps:.2f} ms/step, GPU busy {1e3 * busy / steps:.2f} ms/step "
-                               f"({100 * busy / wall:.0f}%)")]
+    rows = [
+        (
+            f"{steps} steps",
+            f"wall {1e3 * wall / steps:.2f} ms/step, GPU busy {1e3 * busy / steps:.2f} ms/step "
+            f"({100 * busy / wall:.0f}%)",
+        )
+    ]
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
         rows.append((e.key[:60], f"{e.self_device_time_total / 1e3 / steps:.3f} ms/step x{e.count / steps:.0f}"))
     host = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
-    rows += [(f"host: {e.key[:54]}", f"{e.self_cpu_time_total / 1e3 / steps:.3f} ms/step x{e.count / steps:.0f}")
-             for e in host]
+    rows += [
+        (f"host: {e.key[:54]}", f"{e.self_cpu_time_total / 1e3 / steps:.3f} ms/step x{e.count / steps:.0f}")
+        for e in host
+    ]
     print_table("profiled window", rows)
 
 
@@ -119,9 +153,16 @@ def step_phases(trace: list[tuple[float, int, int]]) -> dict:
         entry[1] += wall
         entry[2] += decodes
         entry[3] += prefills
-    return {kind: {"steps": n, "seconds": round(sec, 3), "ms_per_step": round(1e3 * sec / n, 2),
-                   "decode_tokens": d, "prefill_tokens": p}
-            for kind, (n, sec, d, p) in sorted(kinds.items())}
+    return {
+        kind: {
+            "steps": n,
+            "seconds": round(sec, 3),
+            "ms_per_step": round(1e3 * sec / n, 2),
+            "decode_tokens": d,
+            "prefill_tokens": p,
+        }
+        for kind, (n, sec, d, p) in sorted(kinds.items())
+    }
 
 
 @torch.inference_mode()
@@ -135,20 +176,27 @@ def run_hf(args, requests) -> dict:
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for row, (prompt, _) in enumerate(batch):  # left padding, as decoder-only generate wants
-                ids[row, width - len(prompt):] = torch.tensor(prompt)
-                mask[row, width - len(prompt):] = 1
+                ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                mask[row, width - len(prompt) :] = 1
             new = max(n for _, n in batch)
             model.generate(
-                ids.to(args.device), attention_mask=mask.to(args.device), max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=0,
+                ids.to(args.device),
+                attention_mask=mask.to(args.device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
             )
             generated += sum(n for _, n in batch)  # only the tokens each request asked for count
             prompt_tokens += sum(len(p) for p, _ in batch)
     del model
     free_device_memory(args.device)
     return {
-        "requests": len(requests), "batch_size": args.hf_batch_size, "seconds": t.elapsed,
-        "output_tok_s": generated / t.elapsed, "total_tok_s": (generated + prompt_tokens) / t.elapsed,
+        "requests": len(requests),
+        "batch_size": args.hf_batch_size,
+        "seconds": t.elapsed,
+        "output_tok_s": generated / t.elapsed,
+        "total_tok_s": (generated + prompt_tokens) / t.elapsed,
     }
 
 
@@ -165,8 +213,9 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--profile-steps", default="",
-                        help="A:B profiles steps A to B of the full run (torch profiler; slows them)")
+    parser.add_argument(
+        "--profile-steps", default="", help="A:B profiles steps A to B of the full run (torch profiler; slows them)"
+    )
     add_sampling_option(parser)
     add_smoke_option(parser)
     args = parser.parse_args()
@@ -180,13 +229,20 @@ def main() -> None:
     from gpuworker.engine import LLMEngine, SamplingParams
 
     cfg = load_hf_config(args.config)
-    requests = make_workload(args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len,
-                             args.output_len)
+    requests = make_workload(
+        args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len, args.output_len
+    )
     engine = LLMEngine(
-        str(args.config), device=args.device, dtype=args.dtype, load_format="dummy", seed=args.seed,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        str(args.config),
+        device=args.device,
+        dtype=args.dtype,
+        load_format="dummy",
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts share nothing; keep the hash work out
-        max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     t0 = time.perf_counter()  # warm-up: kernel compilation and graph capture stay out of the figures
@@ -216,40 +272,75 @@ def main() -> None:
 
     outputs = f"output {args.output_len}" if args.output_len else f"output {args.min_len}-{args.max_len}"
     rows = [
-        ("workload", f"{args.num_requests} requests, prompt {args.min_len}-{args.max_len} tokens, {outputs}, "
-         f"seed {args.seed}, {args.dtype} on {args.device}, KV cache {args.kv_cache_dtype}, "
-         f"tensor parallel {args.tensor_parallel_size}"),
-        (f"gpuworker, {modes[0]}", f"{ours['output_tok_s']:.0f} output tok/s, {ours['total_tok_s']:.0f} total tok/s "
-         f"({ours['seconds']:.1f} s; warm-up {warmup_s:.1f} s)"),
+        (
+            "workload",
+            f"{args.num_requests} requests, prompt {args.min_len}-{args.max_len} tokens, {outputs}, "
+            f"seed {args.seed}, {args.dtype} on {args.device}, KV cache {args.kv_cache_dtype}, "
+            f"tensor parallel {args.tensor_parallel_size}",
+        ),
+        (
+            f"gpuworker, {modes[0]}",
+            f"{ours['output_tok_s']:.0f} output tok/s, {ours['total_tok_s']:.0f} total tok/s "
+            f"({ours['seconds']:.1f} s; warm-up {warmup_s:.1f} s)",
+        ),
     ]
-    rows += [(f"gpuworker, {mode}", f"{by_mode[mode]['output_tok_s']:.0f} output tok/s "
-              f"({100 * by_mode[mode]['output_tok_s'] / ours['output_tok_s']:.1f}% of {modes[0]}; "
-              f"{by_mode[mode]['seconds']:.1f} s)") for mode in modes[1:]]
     rows += [
-        ("engine", f"max_num_seqs {limits[0]}, max_num_batched_tokens {limits[1]}, {ours['steps']} steps, "
-                   f"{ours['preemptions']} preemptions, KV pool {engine_kv_tokens} tokens "
-                   f"({engine_kv_blocks} blocks), "
-                   f"peak use {100 * ours['peak_kv_cache_usage']:.0f}%, CUDA graphs captured in "
-                   f"{graph_capture_s:.1f} s"),
+        (
+            f"gpuworker, {mode}",
+            f"{by_mode[mode]['output_tok_s']:.0f} output tok/s "
+            f"({100 * by_mode[mode]['output_tok_s'] / ours['output_tok_s']:.1f}% of {modes[0]}; "
+            f"{by_mode[mode]['seconds']:.1f} s)",
+        )
+        for mode in modes[1:]
+    ]
+    rows += [
+        (
+            "engine",
+            f"max_num_seqs {limits[0]}, max_num_batched_tokens {limits[1]}, {ours['steps']} steps, "
+            f"{ours['preemptions']} preemptions, KV pool {engine_kv_tokens} tokens "
+            f"({engine_kv_blocks} blocks), "
+            f"peak use {100 * ours['peak_kv_cache_usage']:.0f}%, CUDA graphs captured in "
+            f"{graph_capture_s:.1f} s",
+        ),
     ]
     if hf:
         rows += [
             (f"gpuworker, first {len(subset)}", f"{ours_subset['output_tok_s']:.0f} output tok/s"),
-            (f"HF generate, first {len(subset)}", f"{hf['output_tok_s']:.0f} output tok/s "
-             f"(static batches of {args.hf_batch_size}, padded; {hf['seconds']:.1f} s)"),
+            (
+                f"HF generate, first {len(subset)}",
+                f"{hf['output_tok_s']:.0f} output tok/s "
+                f"(static batches of {args.hf_batch_size}, padded; {hf['seconds']:.1f} s)",
+            ),
             ("ratio (same requests)", f"{ours_subset['output_tok_s'] / hf['output_tok_s']:.1f}x"),
         ]
     print_table("offline throughput", rows)
-    print_table("where the wall time went (all requests)", [
-        (kind, f"{v['steps']} steps, {v['seconds']:.1f} s, {v['ms_per_step']:.2f} ms/step, "
-               f"{v['decode_tokens']} decode + {v['prefill_tokens']} prefill tokens")
-        for kind, v in ours["phases"].items()])
-    write_json("throughput", {
-        "env": environment(), "args": {k: str(v) for k, v in vars(args).items()},
-        "gpuworker": ours, "gpuworker_by_sampling": by_mode, "gpuworker_subset": ours_subset, "hf_subset": hf,
-        "warmup_s": warmup_s, "max_num_seqs": limits[0], "max_num_batched_tokens": limits[1],
-        "graph_capture_s": graph_capture_s, "kv_cache_tokens": engine_kv_tokens,
-    })
+    print_table(
+        "where the wall time went (all requests)",
+        [
+            (
+                kind,
+                f"{v['steps']} steps, {v['seconds']:.1f} s, {v['ms_per_step']:.2f} ms/step, "
+                f"{v['decode_tokens']} decode + {v['prefill_tokens']} prefill tokens",
+            )
+            for kind, v in ours["phases"].items()
+        ],
+    )
+    write_json(
+        "throughput",
+        {
+            "env": environment(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "gpuworker": ours,
+            "gpuworker_by_sampling": by_mode,
+            "gpuworker_subset": ours_subset,
+            "hf_subset": hf,
+            "warmup_s": warmup_s,
+            "max_num_seqs": limits[0],
+            "max_num_batched_tokens": limits[1],
+            "graph_capture_s": graph_capture_s,
+            "kv_cache_tokens": engine_kv_tokens,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,9 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=12_000.0, help="output tok/s to check")
     args = parser.parse_args()
     cfg = load_hf_config(args.config)
-    requests = make_workload(args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len,
-                             args.output_len)
+    requests = make_workload(
+        args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len, args.output_len
+    )
     work = workload_work(cfg, requests)
     seconds = least_time_s(work, args.gemm_tflops, args.kv_tbps)
     gemm_s = (work["gemm_flops"] + work["attention_flops"]) / (args.gemm_tflops * 1e12)
@@ -69,10 +70,14 @@ def main() -> None:
     left_s = work["output_tokens"] / args.target - gemm_s
     needed = f"{work['kv_bytes'] / left_s / 1e12:.2f} TB/s" if left_s > 0 else "impossible: the GEMMs alone take longer"
     print(f"{args.num_requests} requests, {work['prompt_tokens']:,} prompt and {work['output_tokens']:,} output tokens")
-    print(f"GEMMs {work['gemm_flops'] / 1e15:.2f} PFLOP + prefill attention {work['attention_flops'] / 1e15:.3f} "
-          f"PFLOP at {args.gemm_tflops:g} TFLOP/s: {gemm_s:.2f} s")
-    print(f"decode KV reads {work['kv_bytes'] / 1e12:.2f} TB at {args.kv_tbps:g} TB/s: "
-          f"{work['kv_bytes'] / (args.kv_tbps * 1e12):.2f} s")
+    print(
+        f"GEMMs {work['gemm_flops'] / 1e15:.2f} PFLOP + prefill attention {work['attention_flops'] / 1e15:.3f} "
+        f"PFLOP at {args.gemm_tflops:g} TFLOP/s: {gemm_s:.2f} s"
+    )
+    print(
+        f"decode KV reads {work['kv_bytes'] / 1e12:.2f} TB at {args.kv_tbps:g} TB/s: "
+        f"{work['kv_bytes'] / (args.kv_tbps * 1e12):.2f} s"
+    )
     print(f"least time {seconds:.2f} s: at most {work['output_tokens'] / seconds:,.0f} output tok/s")
     print(f"{args.target:,.0f} tok/s needs the KV read at {needed}")
 

@@ -22,7 +22,6 @@ from controlplane.routine_logs import quiet_heartbeat_access_lines  # noqa: E402
 from controlplane.routing import websocket_urlpatterns  # noqa: E402
 
 
-
 class StaticFilesHandler(ASGIStaticFilesHandler):
     """Django's /static/ handler, where a path leaving the static folders (/static/../x) is a 404:
     Django raises SuspiciousFileOperation for it here, outside the middleware that would answer

@@ -67,13 +67,16 @@ def parse_networks(name: str, text: str) -> tuple[IPNetwork, ...]:
         if not item:
             continue
         if item == "*":
-            raise ImproperlyConfigured(f"{name} lists addresses or networks; '*' would trust every client to "
-                                       "name its own address. List the proxies (0.0.0.0/0 if you truly mean all).")
+            raise ImproperlyConfigured(
+                f"{name} lists addresses or networks; '*' would trust every client to "
+                "name its own address. List the proxies (0.0.0.0/0 if you truly mean all)."
+            )
         try:
             networks.append(ipaddress.ip_network(item))
         except ValueError as exc:
-            raise ImproperlyConfigured(f"{name} must list IP addresses or networks such as 10.0.0.0/8; "
-                                       f"{item!r} is not one ({exc}).") from None
+            raise ImproperlyConfigured(
+                f"{name} must list IP addresses or networks such as 10.0.0.0/8; {item!r} is not one ({exc})."
+            ) from None
     return tuple(networks)
 
 

@@ -35,10 +35,19 @@ async def application(scope, receive, send):
     elif scope["type"] == "http" and serves(scope.get("path", "")):
         await django_asgi_app({**scope, FLEET_SERVER_SCOPE_KEY: True}, receive, send)
     elif scope["type"] == "http":
-        body = json.dumps({"error": "The fleet server answers only /internal/ (the worker daemons' API) and the "
-                                    "health probes; the dashboard and /v1 are on the public server."}).encode()
-        await send({"type": "http.response.start", "status": 404,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "error": "The fleet server answers only /internal/ (the worker daemons' API) and the "
+                "health probes; the dashboard and /v1 are on the public server."
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 404,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
     else:  # a WebSocket: nothing here speaks it
         await receive()

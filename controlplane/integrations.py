@@ -51,8 +51,12 @@ def channel_layers(redis_url: str, relay_port: int = 0) -> dict[str, Any]:
         }
     # One web process in the embedded set-up, so an in-process layer reaches every consumer; the
     # other processes relay their events to it (controlplane.live_relay).
-    return {"default": {"BACKEND": "controlplane.live_relay.RelayedInMemoryChannelLayer",
-                        "CONFIG": {"relay_port": relay_port}}}
+    return {
+        "default": {
+            "BACKEND": "controlplane.live_relay.RelayedInMemoryChannelLayer",
+            "CONFIG": {"relay_port": relay_port},
+        }
+    }
 
 
 def celery_broker(redis_url: str, var_dir: Path) -> tuple[str, dict[str, Any]]:
@@ -73,7 +77,7 @@ def celery_result_backend(redis_url: str) -> str | None:
 
 
 def unreachable_dependency(exc: BaseException) -> str | None:
-    """"database" or "redis" when `exc` says that service cannot be reached right now (an answer
+    """ "database" or "redis" when `exc` says that service cannot be reached right now (an answer
     to give as a 503, naming it), None for any other error."""
     import redis.exceptions
     from django.db import InterfaceError, OperationalError

@@ -70,8 +70,9 @@ class ProcessSpec:
     stop_grace_s: float = STOP_GRACE_SECONDS
 
 
-def process_specs(*, host: str, port: int, fleet_port: int = DEFAULT_FLEET_PORT,
-                  var_dir: Path = BASE_DIR / "var") -> list[ProcessSpec]:
+def process_specs(
+    *, host: str, port: int, fleet_port: int = DEFAULT_FLEET_PORT, var_dir: Path = BASE_DIR / "var"
+) -> list[ProcessSpec]:
     """The processes of the embedded system; adding one is adding a line."""
 
     def module(*args: str) -> list[str]:
@@ -86,28 +87,81 @@ def process_specs(*, host: str, port: int, fleet_port: int = DEFAULT_FLEET_PORT,
     relay = {"LIVE_EVENTS_RELAY_PORT": str(port)}
     return [
         # No proxy headers: common.client_address alone decides whom X-Forwarded-For may name.
-        ProcessSpec("web", module("uvicorn", "controlplane.asgi:application", "--host", host, "--port", str(port),
-                                  "--lifespan", "off", "--no-proxy-headers"), env=relay),
-        ProcessSpec("fleet", module("uvicorn", "controlplane.fleet_asgi:application", "--host", "127.0.0.1",
-                                    "--port", str(fleet_port), "--no-proxy-headers"), env=relay),
-        ProcessSpec("worker", module("celery", "-A", "controlplane", "worker", "-l", "INFO", "-c", "2", "--without-gossip", "--without-mingle"),
-                    env=relay),
+        ProcessSpec(
+            "web",
+            module(
+                "uvicorn",
+                "controlplane.asgi:application",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--lifespan",
+                "off",
+                "--no-proxy-headers",
+            ),
+            env=relay,
+        ),
+        ProcessSpec(
+            "fleet",
+            module(
+                "uvicorn",
+                "controlplane.fleet_asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(fleet_port),
+                "--no-proxy-headers",
+            ),
+            env=relay,
+        ),
+        ProcessSpec(
+            "worker",
+            module(
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "-l",
+                "INFO",
+                "-c",
+                "2",
+                "--without-gossip",
+                "--without-mingle",
+            ),
+            env=relay,
+        ),
         # Beat sends a lost-worker check every second: at INFO it would log each one.
         ProcessSpec("beat", module("celery", "-A", "controlplane", "beat", "-l", "WARNING"), env=relay),
-        ProcessSpec("gpuworker", module("gpuworker", "daemon", "--control-url", f"http://127.0.0.1:{fleet_port}", "--name", "local",
-                                        "--state-dir", str(var_dir / "gpuworker" / "local"), "--drain-timeout", str(GPUWORKER_DRAIN_S),
-                                        # reported to the catalog, which checks weight paths against it
-                                        "--model-root", str(var_dir / "models")),
-                    # CPU replicas share the host with the web server and Celery: PyTorch's default
-                    # of one thread per core oversubscribes it (measured ~20x slower on 2 cores).
-                    env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))},
-                    stop_grace_s=GPUWORKER_STOP_GRACE_S),
+        ProcessSpec(
+            "gpuworker",
+            module(
+                "gpuworker",
+                "daemon",
+                "--control-url",
+                f"http://127.0.0.1:{fleet_port}",
+                "--name",
+                "local",
+                "--state-dir",
+                str(var_dir / "gpuworker" / "local"),
+                "--drain-timeout",
+                str(GPUWORKER_DRAIN_S),
+                # reported to the catalog, which checks weight paths against it
+                "--model-root",
+                str(var_dir / "models"),
+            ),
+            # CPU replicas share the host with the web server and Celery: PyTorch's default
+            # of one thread per core oversubscribes it (measured ~20x slower on 2 cores).
+            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))},
+            stop_grace_s=GPUWORKER_STOP_GRACE_S,
+        ),
     ]
 
 
 @dataclass
 class _Child:
     """One line of process_specs and its current process (None while it waits for a restart)."""
+
     spec: ProcessSpec
     process: subprocess.Popen | None = None
     exits: list[float] = field(default_factory=list)  # time.monotonic() of its exits within the window
@@ -125,8 +179,9 @@ def exit_status(returncode: int) -> str:
 
 
 class Launcher:
-    def __init__(self, specs: Sequence[ProcessSpec], *, out: TextIO | None = None,
-                 restart: RestartPolicy = RestartPolicy()):
+    def __init__(
+        self, specs: Sequence[ProcessSpec], *, out: TextIO | None = None, restart: RestartPolicy = RestartPolicy()
+    ):
         self._children = [_Child(spec) for spec in specs]
         self._restart = restart
         self._out = out or sys.stdout
@@ -184,21 +239,30 @@ class Launcher:
         child.exits = [at for at in child.exits if now - at < self._restart.window_s] + [now]
         policy = self._restart
         if len(child.exits) >= policy.crash_loop_exits:
-            self.say(f"{name} exited with {status}: {len(child.exits)} exits within {policy.window_s:g}s, "
-                     "a crash loop; stopping everything")
+            self.say(
+                f"{name} exited with {status}: {len(child.exits)} exits within {policy.window_s:g}s, "
+                "a crash loop; stopping everything"
+            )
             return False
         delay = policy.delay_s(len(child.exits))
         child.restart_at = now + delay
-        self.say(f"{name} exited unexpectedly with {status}; restarting it in {delay:g}s "
-                 f"(exit {len(child.exits)} of {policy.crash_loop_exits - 1} tolerated within {policy.window_s:g}s)")
+        self.say(
+            f"{name} exited unexpectedly with {status}; restarting it in {delay:g}s "
+            f"(exit {len(child.exits)} of {policy.crash_loop_exits - 1} tolerated within {policy.window_s:g}s)"
+        )
         return True
 
     def _start(self, child: _Child, *, restart: bool = False) -> None:
         spec = child.spec
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         process = subprocess.Popen(
-            spec.argv, cwd=BASE_DIR, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            spec.argv,
+            cwd=BASE_DIR,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         child.process = process
         self.say(f"{'restarted' if restart else 'started'} {spec.name} (pid {process.pid})")
@@ -287,9 +351,12 @@ def banner(*, port: int, env_file: Path, fleet_port: int = DEFAULT_FLEET_PORT) -
             f"  API:       OPENAI_BASE_URL={url}/v1",
             f"  no {env_file.name} yet: run `python manage.py seed_demo` for the logins and an API key",
         ]
-    lines += [f"  fleet:     http://127.0.0.1:{fleet_port}/internal/ (the GPU worker daemons' registration and "
-              "heartbeats, apart from tenant traffic)",
-              "Press Ctrl-C to stop everything.", ""]
+    lines += [
+        f"  fleet:     http://127.0.0.1:{fleet_port}/internal/ (the GPU worker daemons' registration and "
+        "heartbeats, apart from tenant traffic)",
+        "Press Ctrl-C to stop everything.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -305,13 +372,20 @@ def _settings():
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default=os.environ.get(HOST_ENV, DEFAULT_HOST),
-                        help=f"address the web server listens on (default: ${HOST_ENV}, else {DEFAULT_HOST}: this "
-                             "machine only); 0.0.0.0 opens it to the network")
+    parser.add_argument(
+        "--host",
+        default=os.environ.get(HOST_ENV, DEFAULT_HOST),
+        help=f"address the web server listens on (default: ${HOST_ENV}, else {DEFAULT_HOST}: this "
+        "machine only); 0.0.0.0 opens it to the network",
+    )
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--fleet-port", type=int, default=int(os.environ.get(FLEET_PORT_ENV, DEFAULT_FLEET_PORT)),
-                        help=f"port of the fleet server the GPU worker daemon calls, on 127.0.0.1 (default: "
-                             f"${FLEET_PORT_ENV}, else {DEFAULT_FLEET_PORT})")
+    parser.add_argument(
+        "--fleet-port",
+        type=int,
+        default=int(os.environ.get(FLEET_PORT_ENV, DEFAULT_FLEET_PORT)),
+        help=f"port of the fleet server the GPU worker daemon calls, on 127.0.0.1 (default: "
+        f"${FLEET_PORT_ENV}, else {DEFAULT_FLEET_PORT})",
+    )
     parser.add_argument("--env-file", type=Path, default=BASE_DIR / ".env.demo")
     return parser
 
@@ -322,8 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Every child gets the fleet's worker token: the daemon needs it and reads no Django settings.
     os.environ.setdefault("GPUSERVE_WORKER_TOKEN", settings.FLEET_WORKER_TOKEN)
 
-    launcher = Launcher(process_specs(host=args.host, port=args.port, fleet_port=args.fleet_port,
-                                      var_dir=settings.VAR_DIR))
+    launcher = Launcher(
+        process_specs(host=args.host, port=args.port, fleet_port=args.fleet_port, var_dir=settings.VAR_DIR)
+    )
     signal.signal(signal.SIGINT, launcher.request_stop)
     signal.signal(signal.SIGTERM, launcher.request_stop)
 

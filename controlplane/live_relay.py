@@ -38,11 +38,16 @@ class RelayedInMemoryChannelLayer(InMemoryChannelLayer):
         if self.relay_port and self._listener is None and not self._could_not_listen:
             try:
                 self._listener, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-                    lambda: _Receiver(self), local_addr=("127.0.0.1", self.relay_port))
+                    lambda: _Receiver(self), local_addr=("127.0.0.1", self.relay_port)
+                )
             except OSError:
                 self._could_not_listen = True
-                logger.warning("cannot receive live events from the other processes on UDP port %d; pages "
-                               "show their changes when reloaded", self.relay_port, exc_info=True)
+                logger.warning(
+                    "cannot receive live events from the other processes on UDP port %d; pages "
+                    "show their changes when reloaded",
+                    self.relay_port,
+                    exc_info=True,
+                )
 
     async def group_send(self, group: str, message: dict) -> None:
         await super().group_send(group, message)

@@ -35,8 +35,11 @@ def metrics(request: HttpRequest) -> HttpResponse:
     authorization = request.headers.get("Authorization", "")
     if authorization:
         scheme, _, token = authorization.partition(" ")
-        allowed = (scheme.lower() == "bearer" and bool(settings.METRICS_TOKEN)
-                   and hmac.compare_digest(token.strip().encode(), settings.METRICS_TOKEN.encode()))
+        allowed = (
+            scheme.lower() == "bearer"
+            and bool(settings.METRICS_TOKEN)
+            and hmac.compare_digest(token.strip().encode(), settings.METRICS_TOKEN.encode())
+        )
         if not allowed:
             return _refused(401, "Wrong metrics token (Authorization: Bearer <METRICS_TOKEN>).")
     elif not request.user.is_authenticated:

@@ -19,8 +19,12 @@ class HeartbeatAccessAtDebug(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
-        if not (isinstance(args, tuple) and len(args) == 5 and _HEARTBEAT_PATH.match(str(args[2]))
-                and str(args[4]).startswith("2")):
+        if not (
+            isinstance(args, tuple)
+            and len(args) == 5
+            and _HEARTBEAT_PATH.match(str(args[2]))
+            and str(args[4]).startswith("2")
+        ):
             return True
         record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)

@@ -132,8 +132,9 @@ CACHES = integrations.caches(REDIS_URL)
 # the Celery worker that detects lost workers, so it needs a cache all processes share: Redis, or
 # files under VAR_DIR in the embedded set-up (whose default cache is per process).
 CACHES["live"] = (
-    {**CACHES["default"], "KEY_PREFIX": "gpuserve-live"} if REDIS_URL else
-    {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache", "LOCATION": str(VAR_DIR / "cache" / "live")}
+    {**CACHES["default"], "KEY_PREFIX": "gpuserve-live"}
+    if REDIS_URL
+    else {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache", "LOCATION": str(VAR_DIR / "cache" / "live")}
 )
 # Without Redis, the UDP port on 127.0.0.1 where the web server receives the live events the other
 # processes publish (the launcher sets it; 0: not relayed).
@@ -212,10 +213,14 @@ AUTOSCALE_RATE_WINDOW_SECONDS = env_int("AUTOSCALE_RATE_WINDOW_SECONDS", 60)
 AUTOSCALE_INTERVAL_SECONDS = env_int("AUTOSCALE_INTERVAL_SECONDS", 10)
 # The fleet-wide figures' bounds (the per-deployment defaults are checked by the Deployment fields).
 for _name, _low, _high in (
-    ("AUTOSCALE_TARGET_UTILISATION_PERCENT", 1, 100), ("AUTOSCALE_HYSTERESIS_PERCENT", 0, 99),
-    ("AUTOSCALE_KV_CACHE_HIGH_PERCENT", 1, 100), ("AUTOSCALE_INTERVAL_SECONDS", 1, 3600),
-    ("AUTOSCALE_SCALE_UP_COOLDOWN_SECONDS", 0, 24 * 3600), ("AUTOSCALE_SCALE_DOWN_COOLDOWN_SECONDS", 0, 24 * 3600),
-    ("AUTOSCALE_POPULAR_TOP_K", 0, 1000), ("AUTOSCALE_POPULAR_WINDOW_SECONDS", 10, 7 * 24 * 3600),
+    ("AUTOSCALE_TARGET_UTILISATION_PERCENT", 1, 100),
+    ("AUTOSCALE_HYSTERESIS_PERCENT", 0, 99),
+    ("AUTOSCALE_KV_CACHE_HIGH_PERCENT", 1, 100),
+    ("AUTOSCALE_INTERVAL_SECONDS", 1, 3600),
+    ("AUTOSCALE_SCALE_UP_COOLDOWN_SECONDS", 0, 24 * 3600),
+    ("AUTOSCALE_SCALE_DOWN_COOLDOWN_SECONDS", 0, 24 * 3600),
+    ("AUTOSCALE_POPULAR_TOP_K", 0, 1000),
+    ("AUTOSCALE_POPULAR_WINDOW_SECONDS", 10, 7 * 24 * 3600),
     ("AUTOSCALE_RATE_WINDOW_SECONDS", 10, 3600),
 ):
     if not _low <= globals()[_name] <= _high:

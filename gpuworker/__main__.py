@@ -1,12 +1,12 @@
 """Command line of the GPU worker.
 
-    python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
-                              [--max-num-seqs N] [--max-num-batched-tokens N] [--tensor-parallel-size N]
-                              [--engine-process | --engine-in-process]
-    python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
-                               [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
-                               [--model-root DIR ...] [--stage-budget-bytes N] [--no-spare-replicas]
-    python -m gpuworker spare --device cpu|cuda:N --control-fd N  (started by the daemon; see replica/spare.py)
+python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
+                          [--max-num-seqs N] [--max-num-batched-tokens N] [--tensor-parallel-size N]
+                          [--engine-process | --engine-in-process]
+python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
+                           [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
+                           [--model-root DIR ...] [--stage-budget-bytes N] [--no-spare-replicas]
+python -m gpuworker spare --device cpu|cuda:N --control-fd N  (started by the daemon; see replica/spare.py)
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ def _byte_count(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--stage-budget-bytes must be a whole number of bytes, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--stage-budget-bytes must be a whole number of bytes, got {text!r}"
+        ) from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"--stage-budget-bytes must be >= 0, got {text!r}")
     return value
@@ -57,80 +59,153 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", required=True, help="directory of a Hugging Face checkpoint")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8100)
-    serve.add_argument("--fd", type=int, default=None, metavar="FD",
-                       help="serve on this inherited socket, already bound (the daemon binds it so no other "
-                            "process can take the port first); --host and --port then only name it in logs")
+    serve.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="serve on this inherited socket, already bound (the daemon binds it so no other "
+        "process can take the port first); --host and --port then only name it in logs",
+    )
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--token", default=_token_default(),
-                       help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
+    serve.add_argument(
+        "--token", default=_token_default(), help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})"
+    )
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=None,
-                       help="most sequences in one step (default: as many as the GPU's KV cache holds at ~768 "
-                            "tokens each, up to 1024; 256 on CPU)")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="most tokens in one step (default: from the model's size, 2048-16384; 8192 on CPU)")
-    serve.add_argument("--tensor-parallel-size", type=int, default=1,
-                       help="split the model over N ranks: GPUs device..device+N-1 (NCCL), or N CPU processes "
-                            "(gloo); the replica starts the N-1 worker processes itself")
-    serve.add_argument("--quantization", choices=("fp8",), default=None,
-                       help="quantize a float checkpoint's projections to FP8 at load (quantized FP8, AWQ and "
-                            "GPTQ checkpoints are detected from their config.json)")
-    serve.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                       help="the KV cache's dtype: auto (the model's) or fp8 (e4m3 with per-layer scales, the "
-                            "checkpoint's k_scale/v_scale where it has them: twice the cached tokens; needs a GPU "
-                            "of compute capability 8.9+)")
-    serve.add_argument("--memory-fraction", type=float, default=0.9,
-                       help="fraction of free GPU memory the KV cache may take")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish after SIGTERM")
-    serve.add_argument("--engine-process", dest="engine_process", action="store_true", default=None,
-                       help="run the engine loop in a process of its own, so the server's HTTP work cannot slow "
-                            "its steps (the default on CUDA; on the CPU the engine steps in a thread)")
-    serve.add_argument("--engine-in-process", dest="engine_process", action="store_false",
-                       help="run the engine loop in a thread of the server's process")
-    serve.add_argument("--exit-with-parent", type=int, default=None, metavar="PID",
-                       help="stop (as on SIGTERM) when process PID, our parent, dies (Linux)")
+    serve.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most sequences in one step (default: as many as the GPU's KV cache holds at ~768 "
+        "tokens each, up to 1024; 256 on CPU)",
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="most tokens in one step (default: from the model's size, 2048-16384; 8192 on CPU)",
+    )
+    serve.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over N ranks: GPUs device..device+N-1 (NCCL), or N CPU processes "
+        "(gloo); the replica starts the N-1 worker processes itself",
+    )
+    serve.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="quantize a float checkpoint's projections to FP8 at load (quantized FP8, AWQ and "
+        "GPTQ checkpoints are detected from their config.json)",
+    )
+    serve.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        default="auto",
+        help="the KV cache's dtype: auto (the model's) or fp8 (e4m3 with per-layer scales, the "
+        "checkpoint's k_scale/v_scale where it has them: twice the cached tokens; needs a GPU "
+        "of compute capability 8.9+)",
+    )
+    serve.add_argument(
+        "--memory-fraction", type=float, default=0.9, help="fraction of free GPU memory the KV cache may take"
+    )
+    serve.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
+    )
+    serve.add_argument(
+        "--engine-process",
+        dest="engine_process",
+        action="store_true",
+        default=None,
+        help="run the engine loop in a process of its own, so the server's HTTP work cannot slow "
+        "its steps (the default on CUDA; on the CPU the engine steps in a thread)",
+    )
+    serve.add_argument(
+        "--engine-in-process",
+        dest="engine_process",
+        action="store_false",
+        help="run the engine loop in a thread of the server's process",
+    )
+    serve.add_argument(
+        "--exit-with-parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="stop (as on SIGTERM) when process PID, our parent, dies (Linux)",
+    )
     serve.add_argument("--log-level", default="info")
 
     daemon = commands.add_parser("daemon", help="the host agent: register, heartbeat, load/unload replicas")
     daemon.add_argument("--control-url", required=True, help="the control plane's base URL")
-    daemon.add_argument("--token", default=os.environ.get(TOKEN_ENV),
-                        help=f"the fleet's worker token (default: ${TOKEN_ENV})")
+    daemon.add_argument(
+        "--token", default=os.environ.get(TOKEN_ENV), help=f"the fleet's worker token (default: ${TOKEN_ENV})"
+    )
     daemon.add_argument("--name", default=socket.gethostname(), help="this worker's name (default: host name)")
-    daemon.add_argument("--advertise-host", default=None,
-                        help="host the gateway reaches replicas at (default: the address facing the control plane)")
+    daemon.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host the gateway reaches replicas at (default: the address facing the control plane)",
+    )
     daemon.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    daemon.add_argument("--port-range", type=_port_range, default=None,
-                        help="ports replicas may listen on, e.g. 8100-8199, for a firewall that opens only "
-                             "those (default: any free port, chosen by the OS)")
-    daemon.add_argument("--state-dir", type=Path, default=None,
-                        help="where replica logs go (default: var/gpuworker/NAME)")
-    daemon.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish when the daemon is stopped")
-    daemon.add_argument("--model-root", dest="model_roots", type=Path, action="append",
-                        default=None,
-                        help="a directory holding model checkpoints: the daemon loads models only from "
-                             "inside its model roots (paths resolved, so '..' and symlinks cannot leave "
-                             "them) and loads none without one; reported to the control plane so the "
-                             f"catalog can check weight paths (repeatable; default: ${MODEL_ROOTS_ENV}, "
-                             "separated by ':')")
-    daemon.add_argument("--stage-budget-bytes", type=_byte_count, default=os.environ.get(STAGE_BUDGET_ENV, "0"),
-                        help="host memory (page cache) this worker may fill with the checkpoints the control "
-                             "plane expects to scale here, so such a load reads memory, not a cold disk "
-                             f"(default: ${STAGE_BUDGET_ENV}, else 0: no staging)")
-    daemon.add_argument("--spare-replicas", action=argparse.BooleanOptionalAction, default=True,
-                        help="keep one replica process per GPU (or one on a CPU-only worker) started ahead, its "
-                             "imports done and its device initialised, so a load skips those seconds "
-                             "(default: on; --no-spare-replicas, or --no-spare, starts each replica afresh)")
+    daemon.add_argument(
+        "--port-range",
+        type=_port_range,
+        default=None,
+        help="ports replicas may listen on, e.g. 8100-8199, for a firewall that opens only "
+        "those (default: any free port, chosen by the OS)",
+    )
+    daemon.add_argument(
+        "--state-dir", type=Path, default=None, help="where replica logs go (default: var/gpuworker/NAME)"
+    )
+    daemon.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish when the daemon is stopped",
+    )
+    daemon.add_argument(
+        "--model-root",
+        dest="model_roots",
+        type=Path,
+        action="append",
+        default=None,
+        help="a directory holding model checkpoints: the daemon loads models only from "
+        "inside its model roots (paths resolved, so '..' and symlinks cannot leave "
+        "them) and loads none without one; reported to the control plane so the "
+        f"catalog can check weight paths (repeatable; default: ${MODEL_ROOTS_ENV}, "
+        "separated by ':')",
+    )
+    daemon.add_argument(
+        "--stage-budget-bytes",
+        type=_byte_count,
+        default=os.environ.get(STAGE_BUDGET_ENV, "0"),
+        help="host memory (page cache) this worker may fill with the checkpoints the control "
+        "plane expects to scale here, so such a load reads memory, not a cold disk "
+        f"(default: ${STAGE_BUDGET_ENV}, else 0: no staging)",
+    )
+    daemon.add_argument(
+        "--spare-replicas",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep one replica process per GPU (or one on a CPU-only worker) started ahead, its "
+        "imports done and its device initialised, so a load skips those seconds "
+        "(default: on; --no-spare-replicas, or --no-spare, starts each replica afresh)",
+    )
     daemon.add_argument("--no-spare", dest="spare_replicas", action="store_false", help=argparse.SUPPRESS)
     daemon.add_argument("--log-level", default="info")
 
     spare = commands.add_parser("spare", help="(started by the daemon) a replica process waiting for its load")
     spare.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: initialised before the load")
-    spare.add_argument("--control-fd", type=int, required=True, metavar="FD",
-                       help="inherited Unix socket the load's serve arguments and sockets arrive on")
+    spare.add_argument(
+        "--control-fd",
+        type=int,
+        required=True,
+        metavar="FD",
+        help="inherited Unix socket the load's serve arguments and sockets arrive on",
+    )
     spare.add_argument("--exit-with-parent", type=int, default=None, metavar="PID")
     spare.add_argument("--log-level", default="info")
     return parser
@@ -138,8 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _configure_logging(level: str) -> None:
     # force: a spare configured logging before its load, whose level now applies.
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        force=True)
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat and health poll otherwise
 
 
@@ -165,13 +239,22 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
     prefetch(args.model)
     from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
 
-    config = ServerConfig(model=args.model, served_model_name=args.served_model_name, device=args.device,
-                          dtype=args.dtype, token=args.token, max_model_len=args.max_model_len,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-                          gpu_memory_utilization=args.memory_fraction, drain_timeout_s=args.drain_timeout,
-                          tensor_parallel_size=args.tensor_parallel_size,
-                          engine_process=wants_engine_process(args))
+    config = ServerConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        token=args.token,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.memory_fraction,
+        drain_timeout_s=args.drain_timeout,
+        tensor_parallel_size=args.tensor_parallel_size,
+        engine_process=wants_engine_process(args),
+    )
     holder = EngineHolder(config, engine_process)
     holder.start_loading()
     from gpuworker.models.loader import TRANSFORMERS_IMPORT_LOCK
@@ -181,8 +264,7 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
 
     if args.exit_with_parent is not None:
         exit_with_parent(args.exit_with_parent)
-    run_server(config, host=args.host, port=args.port, fd=args.fd, log_level=args.log_level,
-               holder=holder)
+    run_server(config, host=args.host, port=args.port, fd=args.fd, log_level=args.log_level, holder=holder)
 
 
 def spare(args: argparse.Namespace) -> int:
@@ -220,14 +302,21 @@ def daemon(args: argparse.Namespace) -> int:
 
     _configure_logging(args.log_level)
     if not args.token:
-        print(f"--token (or ${TOKEN_ENV}) is required: the control plane and replicas demand it",
-              file=sys.stderr)
+        print(f"--token (or ${TOKEN_ENV}) is required: the control plane and replicas demand it", file=sys.stderr)
         return 2
-    config = AgentConfig(control_url=args.control_url.rstrip("/"), token=args.token, name=args.name,
-                         advertise_host=args.advertise_host, device=args.device, port_range=args.port_range,
-                         state_dir=args.state_dir or Path("var") / "gpuworker" / args.name,
-                         drain_timeout_s=args.drain_timeout, model_roots=_model_roots(args.model_roots),
-                         stage_budget_bytes=args.stage_budget_bytes, spare_replicas=args.spare_replicas)
+    config = AgentConfig(
+        control_url=args.control_url.rstrip("/"),
+        token=args.token,
+        name=args.name,
+        advertise_host=args.advertise_host,
+        device=args.device,
+        port_range=args.port_range,
+        state_dir=args.state_dir or Path("var") / "gpuworker" / args.name,
+        drain_timeout_s=args.drain_timeout,
+        model_roots=_model_roots(args.model_roots),
+        stage_budget_bytes=args.stage_budget_bytes,
+        spare_replicas=args.spare_replicas,
+    )
     return Agent(config).run()
 
 

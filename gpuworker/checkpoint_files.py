@@ -30,8 +30,20 @@ READ_BYTES = 16 << 20
 # order, one stream, as a disk reads fastest.
 WARM_FRACTION = 0.9
 # Element sizes of the safetensors dtypes the engine can load.
-DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPE_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def read_json(file: Path, required: bool) -> dict[str, Any] | None:
@@ -58,8 +70,9 @@ def gguf_file(path: str | Path) -> Path | None:
         return None
     files = sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
     if len(files) > 1:
-        raise ValueError(f"{path} holds {len(files)} {GGUF_SUFFIX} files ({', '.join(f.name for f in files)}); "
-                         "name the one to load")
+        raise ValueError(
+            f"{path} holds {len(files)} {GGUF_SUFFIX} files ({', '.join(f.name for f in files)}); name the one to load"
+        )
     return files[0] if files else None
 
 
@@ -104,8 +117,9 @@ def read_header(file: Path) -> list[TensorEntry]:
             raise ValueError(f"{file.name} is not a safetensors file (shorter than its 8-byte header length)")
         (length,) = struct.unpack("<Q", head)
         if length > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{file.name} is not a safetensors file or is truncated "
-                             f"(header length {length}, file size {size})")
+            raise ValueError(
+                f"{file.name} is not a safetensors file or is truncated (header length {length}, file size {size})"
+            )
         try:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -126,8 +140,10 @@ def read_header(file: Path) -> list[TensorEntry]:
         for d in shape:
             count *= d
         if not (0 <= begin <= end and end - begin == count * DTYPE_SIZES[dtype] and base + end <= size):
-            raise ValueError(f"{name} in {file.name}: data offsets {begin}-{end} do not fit its shape "
-                             f"{shape} ({dtype}) or the file ({size} bytes); the file may be truncated")
+            raise ValueError(
+                f"{name} in {file.name}: data offsets {begin}-{end} do not fit its shape "
+                f"{shape} ({dtype}) or the file ({size} bytes); the file may be truncated"
+            )
         entries.append(TensorEntry(name, dtype, shape, base + begin, base + end))
     entries.sort(key=lambda e: e.begin)
     return entries

@@ -59,8 +59,9 @@ class QuantConfig:
 
 
 def fp8_at_load() -> QuantConfig:
-    return QuantConfig(method="fp8", checkpoint_format="fp8-at-load", weight_strategy="channel",
-                       activation_scheme="dynamic")
+    return QuantConfig(
+        method="fp8", checkpoint_format="fp8-at-load", weight_strategy="channel", activation_scheme="dynamic"
+    )
 
 
 def parse_quantization(config: dict[str, Any], source: str) -> QuantConfig | None:
@@ -78,8 +79,10 @@ def parse_quantization(config: dict[str, Any], source: str) -> QuantConfig | Non
         return _vllm_fp8(qc, source)
     if method in ("awq", "gptq"):
         return _int4(qc, method, source)
-    raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not supported "
-                     "(expected 'compressed-tensors', 'fp8', 'awq' or 'gptq')")
+    raise ValueError(
+        f"{source}: quantization_config.quant_method {method!r} is not supported "
+        "(expected 'compressed-tensors', 'fp8', 'awq' or 'gptq')"
+    )
 
 
 def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
@@ -89,15 +92,18 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(f"{where}.config_groups must hold exactly one group, got {len(groups)}")
-    (name, group), = groups.items()
+    ((name, group),) = groups.items()
     weights = group.get("weights") or {}
     if weights.get("num_bits") != 8 or weights.get("type") != "float":
-        raise ValueError(f"{where}.config_groups.{name}.weights must be 8-bit float, got "
-                         f"num_bits={weights.get('num_bits')!r} type={weights.get('type')!r}")
+        raise ValueError(
+            f"{where}.config_groups.{name}.weights must be 8-bit float, got "
+            f"num_bits={weights.get('num_bits')!r} type={weights.get('type')!r}"
+        )
     strategy = weights.get("strategy")
     if strategy not in ("tensor", "channel") or weights.get("dynamic"):
-        raise ValueError(f"{where}.config_groups.{name}.weights.strategy must be static 'tensor' or 'channel', "
-                         f"got {strategy!r}")
+        raise ValueError(
+            f"{where}.config_groups.{name}.weights.strategy must be static 'tensor' or 'channel', got {strategy!r}"
+        )
     activations = group.get("input_activations")
     scheme = None
     if activations is not None:
@@ -105,16 +111,25 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
             raise ValueError(f"{where}.config_groups.{name}.input_activations must be 8-bit float")
         if activations.get("dynamic"):
             if activations.get("strategy") != "token":
-                raise ValueError(f"{where}.config_groups.{name}.input_activations: dynamic scales must be "
-                                 f"per 'token', got {activations.get('strategy')!r}")
+                raise ValueError(
+                    f"{where}.config_groups.{name}.input_activations: dynamic scales must be "
+                    f"per 'token', got {activations.get('strategy')!r}"
+                )
             scheme = "dynamic"
         elif activations.get("strategy") == "tensor":
             scheme = "static"
         else:
-            raise ValueError(f"{where}.config_groups.{name}.input_activations: static scales must be per "
-                             f"'tensor', got {activations.get('strategy')!r}")
-    return QuantConfig(method="fp8", checkpoint_format="compressed-tensors", weight_strategy=strategy,
-                       activation_scheme=scheme, ignore=tuple(qc.get("ignore") or ()))
+            raise ValueError(
+                f"{where}.config_groups.{name}.input_activations: static scales must be per "
+                f"'tensor', got {activations.get('strategy')!r}"
+            )
+    return QuantConfig(
+        method="fp8",
+        checkpoint_format="compressed-tensors",
+        weight_strategy=strategy,
+        activation_scheme=scheme,
+        ignore=tuple(qc.get("ignore") or ()),
+    )
 
 
 def _vllm_fp8(qc: dict[str, Any], source: str) -> QuantConfig:
@@ -122,18 +137,28 @@ def _vllm_fp8(qc: dict[str, Any], source: str) -> QuantConfig:
         raise ValueError(f"{source}: quantization_config.weight_block_size (block-wise FP8) is not supported")
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("static", "dynamic"):
-        raise ValueError(f"{source}: quantization_config.activation_scheme must be 'static' or 'dynamic', "
-                         f"got {scheme!r}")
+        raise ValueError(
+            f"{source}: quantization_config.activation_scheme must be 'static' or 'dynamic', got {scheme!r}"
+        )
     # vLLM's dynamic scheme for fp8 checkpoints quantizes activations per tensor; per token is at
     # least as accurate and is what our kernels take.
-    return QuantConfig(method="fp8", checkpoint_format="fp8", weight_strategy="tensor",
-                       activation_scheme=scheme, ignore=tuple(qc.get("ignored_layers") or ()))
+    return QuantConfig(
+        method="fp8",
+        checkpoint_format="fp8",
+        weight_strategy="tensor",
+        activation_scheme=scheme,
+        ignore=tuple(qc.get("ignored_layers") or ()),
+    )
 
 
 def int4_group_size_supported(group_size: object) -> bool:
     """INT4 groups the kernels tile (kernels/int4_matmul.py): 8, 16, 32, ... input rows."""
-    return (isinstance(group_size, int) and not isinstance(group_size, bool) and group_size >= 8
-            and group_size & (group_size - 1) == 0)
+    return (
+        isinstance(group_size, int)
+        and not isinstance(group_size, bool)
+        and group_size >= 8
+        and group_size & (group_size - 1) == 0
+    )
 
 
 def _int4(qc: dict[str, Any], method: str, source: str) -> QuantConfig:
@@ -143,8 +168,10 @@ def _int4(qc: dict[str, Any], method: str, source: str) -> QuantConfig:
     if bits != 4:
         raise ValueError(f"{where}.bits must be 4, got {bits!r}")
     if not int4_group_size_supported(group_size):
-        raise ValueError(f"{where}.group_size must be a power of two of at least 8 (the INT4 kernels take one "
-                         f"group at a time), got {group_size!r}")
+        raise ValueError(
+            f"{where}.group_size must be a power of two of at least 8 (the INT4 kernels take one "
+            f"group at a time), got {group_size!r}"
+        )
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
@@ -161,5 +188,6 @@ def _int4(qc: dict[str, Any], method: str, source: str) -> QuantConfig:
             raise ValueError(f"{where}.checkpoint_format {checkpoint_format!r} is not supported (expected 'gptq')")
         zero_point = not qc.get("sym", True)
         ignore = ()
-    return QuantConfig(method=method, checkpoint_format=method, bits=4, group_size=group_size,
-                       zero_point=zero_point, ignore=ignore)
+    return QuantConfig(
+        method=method, checkpoint_format=method, bits=4, group_size=group_size, zero_point=zero_point, ignore=ignore
+    )

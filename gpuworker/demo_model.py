@@ -46,17 +46,17 @@ def build_tokenizer(vocab_size: int):
     if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE}, got {vocab_size}")
     byte_to_char = bytes_to_unicode()
-    tokenizer = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)},
-                                     merges=[], fuse_unk=False))
+    tokenizer = Tokenizer(
+        models.BPE(vocab={byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)}, merges=[], fuse_unk=False)
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     reserved = [f"<|reserved_special_token_{i}|>" for i in range(vocab_size - MIN_VOCAB_SIZE)]
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t in (*SPECIAL_TOKENS, *reserved)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *reserved)])
     # Like Llama 3, plain encoding starts with BOS (the chat template writes its own).
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, BOS_TOKEN_ID)])
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, BOS_TOKEN_ID)]
+    )
     return tokenizer
 
 
@@ -77,10 +77,19 @@ def write_tokenizer(path: str | Path, vocab_size: int, model_max_length: int) ->
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def write_demo_model(path: str | Path, *, hidden: int = 64, layers: int = 2, heads: int = 4,
-                     kv_heads: int = 2, intermediate: int | None = None, vocab: int = 320,
-                     max_position_embeddings: int = 2048, rope_theta: float = 500000.0,
-                     seed: int = 0) -> Path:
+def write_demo_model(
+    path: str | Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab: int = 320,
+    max_position_embeddings: int = 2048,
+    rope_theta: float = 500000.0,
+    seed: int = 0,
+) -> Path:
     """Write the checkpoint into `path` (created if needed) and return it."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -88,11 +97,18 @@ def write_demo_model(path: str | Path, *, hidden: int = 64, layers: int = 2, hea
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_IDS, tie_word_embeddings=False,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_IDS,
+        tie_word_embeddings=False,
         architectures=["LlamaForCausalLM"],
     )
     torch.manual_seed(seed)
@@ -104,8 +120,7 @@ def write_demo_model(path: str | Path, *, hidden: int = 64, layers: int = 2, hea
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpuworker.demo_model",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gpuworker.demo_model", description=__doc__.splitlines()[0])
     parser.add_argument("path", help="directory to write the checkpoint into")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -124,9 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab < MIN_VOCAB_SIZE:
         parser.error(f"--vocab must be at least {MIN_VOCAB_SIZE}")
     directory = write_demo_model(
-        args.path, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-        intermediate=args.intermediate, vocab=args.vocab,
-        max_position_embeddings=args.max_position_embeddings, seed=args.seed)
+        args.path,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        vocab=args.vocab,
+        max_position_embeddings=args.max_position_embeddings,
+        seed=args.seed,
+    )
     print(f"Wrote a tiny Llama-style demo model to {directory}")
     print(NOISE_NOTICE)
     return 0

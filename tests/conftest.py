@@ -65,7 +65,6 @@ def kernel_configs(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "CONFIG_DIR", folder)
 
     def add(kernel: str, key: tuple[str, ...], records: list[dict], device=None, remove=()):
-        return configs.write(kernel, key, records, device=configs.device_name(device), remove=remove,
-                             directory=folder)
+        return configs.write(kernel, key, records, device=configs.device_name(device), remove=remove, directory=folder)
 
     return add

@@ -29,8 +29,11 @@ def _queries() -> list[str]:
 
 @pytest.mark.django_db
 def test_every_metric_the_dashboard_queries_is_exposed():
-    exposed = (_series_names(gateway_metrics.REGISTRY) | _series_names(FleetCollector())
-               | _series_names(EngineMetrics("m").registry))
+    exposed = (
+        _series_names(gateway_metrics.REGISTRY)
+        | _series_names(FleetCollector())
+        | _series_names(EngineMetrics("m").registry)
+    )
     named = {name for query in _queries() for name in METRIC_NAME.findall(query)}
     assert named - exposed == set()
     # It shows both sides: the control plane's figures and the replicas'.

@@ -20,8 +20,12 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    return {_module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")
-            if "migrations" not in path.parts}
+    return {
+        _module_name(path): path
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if "migrations" not in path.parts
+    }
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
@@ -38,8 +42,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             # `from package import name`: the module package.name if there is one, else the package.
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
-                       for alias in node.names]
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
         for target in targets:
             while target and target not in known:
                 target = target.rpartition(".")[0]
@@ -126,16 +129,26 @@ def test_gpuworker_imports_no_django():
         if not name.startswith("gpuworker"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             users += [f"{name} -> {n}" for n in names if n.split(".")[0] in ("django", "channels")]
     assert users == []
 
 
 def test_control_plane_imports_only_the_contract_of_gpuworker():
     graph = _graph()
-    wrong = sorted(f"{name} -> {other}" for name, imported in graph.items() if name.startswith("controlplane")
-                   for other in imported if other.startswith("gpuworker") and not other.startswith("gpuworker.contract"))
+    wrong = sorted(
+        f"{name} -> {other}"
+        for name, imported in graph.items()
+        if name.startswith("controlplane")
+        for other in imported
+        if other.startswith("gpuworker") and not other.startswith("gpuworker.contract")
+    )
     assert wrong == []
 
 
@@ -146,8 +159,7 @@ CONTROL_PLANE_ORDER = (
     # The project's plumbing, below every app: the package itself (it loads the Celery app), settings
     # and their readers, secrets, the Celery app, routine-log filters, and the one wrapper services
     # publish live events through (with the embedded set-up's relay for it). It imports no app.
-    ("__init__", "settings", "env", "integrations", "tokens", "celery", "routine_logs", "live_events",
-     "live_relay"),
+    ("__init__", "settings", "env", "integrations", "tokens", "celery", "routine_logs", "live_events", "live_relay"),
     ("common",),  # money, units, the client's address, validated saves: what every app shares
     ("audit",),  # who changed what: the apps below record their writes in it
     ("catalog",),  # models and deployments
@@ -192,8 +204,10 @@ def test_control_plane_apps_import_only_apps_before_them():
     rank = _rank()
     wrong = sorted(
         f"{name} -> {other} ({_part(name)} comes before {_part(other)})"
-        for name, imported in _graph().items() if name.startswith("controlplane")
-        for other in imported if other.startswith("controlplane") and rank[_part(other)] > rank[_part(name)]
+        for name, imported in _graph().items()
+        if name.startswith("controlplane")
+        for other in imported
+        if other.startswith("controlplane") and rank[_part(other)] > rank[_part(name)]
     )
     assert wrong == [], "imports against CONTROL_PLANE_ORDER:\n" + "\n".join(wrong)
 
@@ -208,10 +222,14 @@ def _relations() -> list[str]:
                 continue
             for node in cls.body:
                 call = node.value if isinstance(node, ast.Assign) else None
-                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
-                        and call.func.attr in ("ForeignKey", "OneToOneField", "ManyToManyField")
-                        and call.args and isinstance(call.args[0], ast.Constant)
-                        and "." in str(call.args[0].value)):
+                if (
+                    isinstance(call, ast.Call)
+                    and isinstance(call.func, ast.Attribute)
+                    and call.func.attr in ("ForeignKey", "OneToOneField", "ManyToManyField")
+                    and call.args
+                    and isinstance(call.args[0], ast.Constant)
+                    and "." in str(call.args[0].value)
+                ):
                     field = node.targets[0].id
                     found.append(f"{app}.{cls.name}.{field} -> {call.args[0].value}")
     return found

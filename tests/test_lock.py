@@ -20,8 +20,12 @@ HASH = re.compile(r"--hash=(sha256:[0-9a-f]{64})")
 # torch's CUDA build from PyPI pins its own Triton; the rest of the image is the run lock's.
 IMAGE_OWN_BUILD = {"torch", "triton"}
 # The locks are compiled for CI's and the image's Python and platform (the Makefile's `lock`).
-LOCK_ENVIRONMENT = {"python_version": "3.11", "sys_platform": "linux", "platform_system": "Linux",
-                    "platform_machine": "x86_64"}
+LOCK_ENVIRONMENT = {
+    "python_version": "3.11",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+}
 PIP_INSTALL = re.compile(r"(\bpip|\$\(PIP\)) install\b")
 # The project itself, installed from the working tree with nothing else: `pip install --no-deps
 # --no-build-isolation [-e] .` (the build backend comes from the lock).
@@ -101,16 +105,20 @@ def test_the_run_lock_is_the_dev_locks_pins():
 def test_the_image_lock_is_the_run_locks_pins_but_for_torchs_build():
     run, image = lock("run.txt"), lock("image.txt")
     assert sorted(run.keys() - image.keys()) == []
-    assert {name: (run[name][0], image[name][0]) for name in run.keys() - IMAGE_OWN_BUILD
-            if image[name] != run[name]} == {}
+    assert {
+        name: (run[name][0], image[name][0]) for name in run.keys() - IMAGE_OWN_BUILD if image[name] != run[name]
+    } == {}
     assert image["torch"][0].public == run["torch"][0].public
     # its own build: PyPI's, not the CPU build in this machine kind's wheelhouse
     assert image["torch"][1].isdisjoint(run["torch"][1])
 
 
 def test_the_no_deps_lock_pins_what_its_input_names():
-    wanted = {canonicalize_name(match[1]): Version(match[2])
-              for line in (LOCKS / "no-deps.in").read_text().splitlines() if (match := PIN.match(line))}
+    wanted = {
+        canonicalize_name(match[1]): Version(match[2])
+        for line in (LOCKS / "no-deps.in").read_text().splitlines()
+        if (match := PIN.match(line))
+    }
     assert wanted
     assert {name: version for name, (version, _) in lock("no-deps.txt").items()} == wanted
 
@@ -121,10 +129,15 @@ def test_every_install_takes_hashed_pins_or_only_the_project_itself():
     installs = []
     for path in (ROOT / "Makefile", ROOT / "Dockerfile"):
         text = path.read_text().replace("\\\n", " ")
-        installs += [(path.name, line.strip()) for line in text.splitlines()
-                     if PIP_INSTALL.search(line) and not line.lstrip().startswith("#")]
+        installs += [
+            (path.name, line.strip())
+            for line in text.splitlines()
+            if PIP_INSTALL.search(line) and not line.lstrip().startswith("#")
+        ]
     assert len(installs) >= 5
-    drifting = [(name, line) for name, line in installs
-                if "--require-hashes" not in line
-                and not PROJECT_INSTALL.search(line) and "'uv==$(UV_VERSION)'" not in line]
+    drifting = [
+        (name, line)
+        for name, line in installs
+        if "--require-hashes" not in line and not PROJECT_INSTALL.search(line) and "'uv==$(UV_VERSION)'" not in line
+    ]
     assert drifting == []

@@ -33,8 +33,7 @@ def script_folders() -> set[Path]:
 def top_level_names(folder: Path) -> set[str]:
     """Modules (x.py) and regular packages (x/__init__.py) directly in the folder. A folder without
     __init__.py is a namespace package, and a regular package of the same name wins over it."""
-    return {entry.stem for entry in folder.glob("*.py")} | {
-        entry.parent.name for entry in folder.glob("*/__init__.py")}
+    return {entry.stem for entry in folder.glob("*.py")} | {entry.parent.name for entry in folder.glob("*/__init__.py")}
 
 
 def shadowed(folders: set[Path], installed: dict[str, list[str]], own: str) -> list[str]:
@@ -43,8 +42,9 @@ def shadowed(folders: set[Path], installed: dict[str, list[str]], own: str) -> l
     clashes = []
     for folder in sorted(folders):
         for name in sorted(top_level_names(folder)):
-            others = sorted({dist for dist in installed.get(name, ())
-                             if canonicalize_name(dist) != canonicalize_name(own)})
+            others = sorted(
+                {dist for dist in installed.get(name, ()) if canonicalize_name(dist) != canonicalize_name(own)}
+            )
             if others:
                 where = folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder
                 clashes.append(f"{where}/{name}: the installed {', '.join(others)} has a package of that name")

@@ -25,21 +25,29 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gpuworker", "controlplane")
 SUFFIXES = {".py", ".html", ".json"}
 
-_ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth"
-             "|fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|\\d+(?:st|nd|rd|th)")
+_ORDINALS = (
+    "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth"
+    "|fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|\\d+(?:st|nd|rd|th)"
+)
 PATTERNS = {
     "date": re.compile(r"\b(?:19|20)\d\d-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])\b"),
-    "work session": re.compile(rf"\b(?:{_ORDINALS})\s+(?:work\s+)?session\b|\bsession\s+#?\d+\b"
-                               r"|\b(?:earlier|previous|past|prior)\s+(?:work\s+)?sessions\b|\bwork\s+periods?\b",
-                               re.IGNORECASE),
+    "work session": re.compile(
+        rf"\b(?:{_ORDINALS})\s+(?:work\s+)?session\b|\bsession\s+#?\d+\b"
+        r"|\b(?:earlier|previous|past|prior)\s+(?:work\s+)?sessions\b|\bwork\s+periods?\b",
+        re.IGNORECASE,
+    ),
     "issue number": re.compile(r"\b(?:issues?|PRs?|pull\s+requests?)(?:\s+#?|#)\d+\b", re.IGNORECASE),
     "commit hash": re.compile(r"(?<![\w#-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w-])"),
 }
 
 
 def product_files() -> list[Path]:
-    return sorted(path for package in PACKAGES for path in (ROOT / package).rglob("*")
-                  if path.suffix in SUFFIXES and "migrations" not in path.parts and "__pycache__" not in path.parts)
+    return sorted(
+        path
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*")
+        if path.suffix in SUFFIXES and "migrations" not in path.parts and "__pycache__" not in path.parts
+    )
 
 
 def history_references(text: str) -> list[tuple[int, str, str]]:
@@ -54,8 +62,11 @@ def history_references(text: str) -> list[tuple[int, str, str]]:
 
 def test_no_dates_sessions_issue_numbers_or_hashes_in_product_code():
     assert product_files(), "no product files found"
-    found = [f"{path.relative_to(ROOT)}:{number}: {what}: {line}"
-             for path in product_files() for number, what, line in history_references(path.read_text())]
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {what}: {line}"
+        for path in product_files()
+        for number, what, line in history_references(path.read_text())
+    ]
     assert not found, "history in product code (say why instead, or move it to BENCHMARKS.md):\n" + "\n".join(found)
 
 

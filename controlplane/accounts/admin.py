@@ -36,8 +36,17 @@ class ApiKeyAdmin(admin.ModelAdmin):
     search_fields = ["name", "prefix", "tenant__name"]
     readonly_fields = ["prefix", "tenant", "last_used_at", "created_by", "created_at", "revoked"]
     fields = [
-        "name", "prefix", "tenant", "all_models", "allowed_models", "expires_at",
-        "rate_limit_per_minute", "revoked", "last_used_at", "created_by", "created_at",
+        "name",
+        "prefix",
+        "tenant",
+        "all_models",
+        "allowed_models",
+        "expires_at",
+        "rate_limit_per_minute",
+        "revoked",
+        "last_used_at",
+        "created_by",
+        "created_at",
     ]
     actions = ["revoke"]
 

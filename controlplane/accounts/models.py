@@ -12,9 +12,7 @@ from controlplane.common.money import MoneyField
 
 class Tenant(models.Model):
     name = models.CharField(max_length=100, unique=True)
-    plan = models.ForeignKey(
-        "billing.Plan", on_delete=models.PROTECT, null=True, blank=True, related_name="tenants"
-    )
+    plan = models.ForeignKey("billing.Plan", on_delete=models.PROTECT, null=True, blank=True, related_name="tenants")
     # Tenants are deactivated, never deleted: their ledger and usage history must stay.
     is_active = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -44,11 +42,11 @@ class User(AbstractUser):
         MEMBER = "member", "Member"
 
     role = models.CharField(max_length=20, choices=Role.choices, default=Role.TENANT_MEMBER)
-    tenant = models.ForeignKey(
-        Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="members"
-    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="members")
     tenant_role = models.CharField(
-        max_length=20, choices=TenantRole.choices, default=TenantRole.MEMBER,
+        max_length=20,
+        choices=TenantRole.choices,
+        default=TenantRole.MEMBER,
         help_text="A tenant member's part in its team; ignored for operators and admins.",
     )
 
@@ -73,9 +71,7 @@ class Invitation(models.Model):
 
     token_hash = models.CharField(max_length=64, unique=True, editable=False)
     role = models.CharField(max_length=20, choices=User.Role.choices)
-    tenant = models.ForeignKey(
-        Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="invitations"
-    )
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="invitations")
     tenant_role = models.CharField(max_length=20, choices=User.TenantRole.choices, default=User.TenantRole.MEMBER)
     note = models.CharField(max_length=100, blank=True, help_text="Who it is for, so you can tell invitations apart.")
     created_by = models.ForeignKey(User, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
@@ -126,34 +122,41 @@ class ApiKey(models.Model):
     key_hash = models.CharField(max_length=64, unique=True, editable=False)
     all_models = models.BooleanField(default=True, help_text="Allow every enabled model.")
     allowed_models = models.ManyToManyField(
-        "catalog.Model", blank=True, related_name="api_keys",
+        "catalog.Model",
+        blank=True,
+        related_name="api_keys",
         help_text="Used only when 'all models' is off.",
     )
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked = models.BooleanField(default=False)
     last_used_at = models.DateTimeField(null=True, blank=True)
     rate_limit_per_minute = models.PositiveIntegerField(
-        null=True, blank=True, validators=[MinValueValidator(1)],
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
         help_text="Requests per minute for this key; empty means the tenant's plan limit.",
     )
     max_concurrent_requests = models.PositiveIntegerField(
-        null=True, blank=True, validators=[MinValueValidator(1)],
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
         help_text="Requests in flight at once for this key; empty means the tenant's plan limit.",
     )
     monthly_spend_limit = MoneyField(
-        null=True, blank=True, validators=[MinValueValidator(0)],
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
         help_text="Most this key may spend in a calendar month (UTC); empty means no limit beyond the credit.",
     )
-    created_by = models.ForeignKey(
-        "accounts.User", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
-    )
+    created_by = models.ForeignKey("accounts.User", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["-created_at"]
         constraints = [
             models.UniqueConstraint(
-                fields=["tenant", "name"], name="apikey_unique_name_per_tenant",
+                fields=["tenant", "name"],
+                name="apikey_unique_name_per_tenant",
                 violation_error_message="This tenant already has a key with this name.",
             ),
         ]

@@ -82,26 +82,32 @@ def user_get_by_username(*, username: str) -> User | None:
 def api_key_changes_recent(*, within: timedelta) -> list[tuple[int, str, int | None, int | None]]:
     """(id, key hash, tenant id, plan id) of the key changes of the last `within`, by the
     database's clock; one range scan of an index."""
-    return list(ApiKeyChange.objects.filter(changed_at__gte=Now() - within)
-                .values_list("id", "key_hash", "tenant_id", "plan_id"))
+    return list(
+        ApiKeyChange.objects.filter(changed_at__gte=Now() - within).values_list(
+            "id", "key_hash", "tenant_id", "plan_id"
+        )
+    )
 
 
 def team_members(*, tenant: Tenant) -> QuerySet[User]:
     """The tenant's active members, admins first; removed members are deactivated, not listed."""
-    return (User.objects.filter(tenant=tenant, role=User.Role.TENANT_MEMBER, is_active=True)
-            .order_by("tenant_role", "username"))
+    return User.objects.filter(tenant=tenant, role=User.Role.TENANT_MEMBER, is_active=True).order_by(
+        "tenant_role", "username"
+    )
 
 
 def staff_members() -> QuerySet[User]:
     """Active operators and admins."""
     return User.objects.filter(role__in=[User.Role.OPERATOR, User.Role.ADMIN], is_active=True).order_by(
-        "role", "username")
+        "role", "username"
+    )
 
 
 def invitations_open(*, tenant: Tenant | None, now: datetime | None = None) -> QuerySet[Invitation]:
     """Invitations still usable: of `tenant`, or of the staff when `tenant` is None."""
-    open_ = Invitation.objects.filter(accepted_at__isnull=True, revoked=False,
-                                      expires_at__gt=now or timezone.now()).select_related("created_by")
+    open_ = Invitation.objects.filter(
+        accepted_at__isnull=True, revoked=False, expires_at__gt=now or timezone.now()
+    ).select_related("created_by")
     return open_.filter(tenant=tenant) if tenant is not None else open_.filter(tenant__isnull=True)
 
 

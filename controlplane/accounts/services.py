@@ -62,21 +62,32 @@ class InvitationCreated:
 @transaction.atomic
 def tenant_create(*, name: str, plan=None, is_active: bool = True, actor: User | None = None) -> Tenant:
     tenant = validated_save(Tenant(name=name, plan=plan, is_active=is_active))
-    audit_record(actor=actor, action=AuditEntry.Action.TENANT_CREATE, target=tenant,
-                 detail={"plan": str(plan) if plan else None})
+    audit_record(
+        actor=actor, action=AuditEntry.Action.TENANT_CREATE, target=tenant, detail={"plan": str(plan) if plan else None}
+    )
     return tenant
 
 
 @transaction.atomic
 def user_create(
-    *, username: str, password: str, role: str, tenant: Tenant | None = None, email: str = "",
+    *,
+    username: str,
+    password: str,
+    role: str,
+    tenant: Tenant | None = None,
+    email: str = "",
     tenant_role: str = User.TenantRole.MEMBER,
 ) -> User:
     is_admin = role == User.Role.ADMIN
     user = User(
-        username=username, email=email, role=role, tenant=tenant, tenant_role=tenant_role,
+        username=username,
+        email=email,
+        role=role,
+        tenant=tenant,
+        tenant_role=tenant_role,
         # Admins read reports in the Django admin, so they get staff access; others do not.
-        is_staff=is_admin, is_superuser=is_admin,
+        is_staff=is_admin,
+        is_superuser=is_admin,
     )
     _validate_password(password, user)
     user.set_password(password)
@@ -112,16 +123,30 @@ def api_key_create(
         # Checked here (the constraint below still guards races) so the error names the field.
         raise ValidationError({"name": "This tenant already has a key with this name."})
     plaintext = generate_api_key()
-    api_key = validated_save(ApiKey(
-        tenant=tenant, name=name, purpose=purpose, prefix=visible_prefix(plaintext),
-        key_hash=hash_api_key(plaintext), all_models=all_models, expires_at=expires_at,
-        rate_limit_per_minute=rate_limit_per_minute, max_concurrent_requests=max_concurrent_requests,
-        monthly_spend_limit=_spend_limit(monthly_spend_limit), created_by=created_by,
-    ))
+    api_key = validated_save(
+        ApiKey(
+            tenant=tenant,
+            name=name,
+            purpose=purpose,
+            prefix=visible_prefix(plaintext),
+            key_hash=hash_api_key(plaintext),
+            all_models=all_models,
+            expires_at=expires_at,
+            rate_limit_per_minute=rate_limit_per_minute,
+            max_concurrent_requests=max_concurrent_requests,
+            monthly_spend_limit=_spend_limit(monthly_spend_limit),
+            created_by=created_by,
+        )
+    )
     api_key.allowed_models.set(allowed_models)
     if purpose == ApiKey.Purpose.API:  # playground session keys are the dashboard's own, one an hour
-        audit_record(actor=created_by, action=AuditEntry.Action.API_KEY_CREATE, target=api_key,
-                     target_label=_key_label(api_key), detail=_key_detail(api_key, allowed_models))
+        audit_record(
+            actor=created_by,
+            action=AuditEntry.Action.API_KEY_CREATE,
+            target=api_key,
+            target_label=_key_label(api_key),
+            detail=_key_detail(api_key, allowed_models),
+        )
     return ApiKeyCreated(api_key=api_key, plaintext=plaintext)
 
 
@@ -130,14 +155,16 @@ def api_key_revoke(*, api_key: ApiKey, actor: User | None = None) -> ApiKey:
     api_key.revoked = True
     api_key.save(update_fields=["revoked"])  # recorded by accounts.signals
     if api_key.purpose == ApiKey.Purpose.API:
-        audit_record(actor=actor, action=AuditEntry.Action.API_KEY_REVOKE, target=api_key,
-                     target_label=_key_label(api_key))
+        audit_record(
+            actor=actor, action=AuditEntry.Action.API_KEY_REVOKE, target=api_key, target_label=_key_label(api_key)
+        )
     return api_key
 
 
 @transaction.atomic
-def api_key_set_spend_limit(*, api_key: ApiKey, monthly_spend_limit: Decimal | None,
-                            actor: User | None = None) -> ApiKey:
+def api_key_set_spend_limit(
+    *, api_key: ApiKey, monthly_spend_limit: Decimal | None, actor: User | None = None
+) -> ApiKey:
     """Set (or, with None, remove) the most the key may spend in a calendar month. The gateway
     checks it when each request's credit is held (billing.key_spend), so it applies from the next
     request, counting what the key already spent this month."""
@@ -145,9 +172,13 @@ def api_key_set_spend_limit(*, api_key: ApiKey, monthly_spend_limit: Decimal | N
     api_key.monthly_spend_limit = _spend_limit(monthly_spend_limit)
     api_key.full_clean()
     api_key.save(update_fields=["monthly_spend_limit"])  # not the whole row: the gateway writes last_used_at
-    audit_record(actor=actor, action=AuditEntry.Action.API_KEY_SPEND_LIMIT, target=api_key,
-                 target_label=_key_label(api_key),
-                 detail={"monthly_spend_limit": [_limit_text(before), _limit_text(api_key.monthly_spend_limit)]})
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.API_KEY_SPEND_LIMIT,
+        target=api_key,
+        target_label=_key_label(api_key),
+        detail={"monthly_spend_limit": [_limit_text(before), _limit_text(api_key.monthly_spend_limit)]},
+    )
     return api_key
 
 
@@ -160,9 +191,12 @@ def _spend_limit(amount: Decimal | None) -> Decimal | None:
     if amount is None:
         return None
     if not isinstance(amount, Decimal) or not amount.is_finite() or amount < 0:
-        raise ValidationError({"monthly_spend_limit": f"The monthly spend limit must be an amount of at least 0; "
-                                                      f"got {amount}."})
+        raise ValidationError(
+            {"monthly_spend_limit": f"The monthly spend limit must be an amount of at least 0; got {amount}."}
+        )
     return amount
+
+
 def _key_label(api_key: ApiKey) -> str:
     return f"{api_key.tenant.name}: {api_key.name} ({api_key.prefix}…)"
 
@@ -190,8 +224,11 @@ def playground_key_create(*, user: User, lifetime: timedelta = PLAYGROUND_KEY_LI
     if user.tenant_id is None:
         raise ValidationError("Only members of a tenant can use the playground.")
     return api_key_create(
-        tenant=user.tenant, name=f"playground {user.username[:60]} {secrets.token_hex(6)}",
-        expires_at=timezone.now() + lifetime, created_by=user, purpose=ApiKey.Purpose.PLAYGROUND,
+        tenant=user.tenant,
+        name=f"playground {user.username[:60]} {secrets.token_hex(6)}",
+        expires_at=timezone.now() + lifetime,
+        created_by=user,
+        purpose=ApiKey.Purpose.PLAYGROUND,
     )
 
 
@@ -211,6 +248,7 @@ def _validate_password(password: str, user: User) -> None:
 
 # --- Teams and invitations -----------------------------------------------------------------------
 
+
 def may_manage_team(*, user: User, tenant: Tenant) -> bool:
     """Admins manage every tenant's team; a tenant's own admins manage theirs; nobody else."""
     if not (user.is_authenticated and user.is_active):
@@ -225,8 +263,13 @@ def _require_team_manager(actor: User, tenant: Tenant) -> None:
 
 @transaction.atomic
 def invitation_create(
-    *, created_by: User, role: str, tenant: Tenant | None = None, tenant_role: str = User.TenantRole.MEMBER,
-    note: str = "", lifetime: timedelta = INVITATION_LIFETIME,
+    *,
+    created_by: User,
+    role: str,
+    tenant: Tenant | None = None,
+    tenant_role: str = User.TenantRole.MEMBER,
+    note: str = "",
+    lifetime: timedelta = INVITATION_LIFETIME,
 ) -> InvitationCreated:
     """An invitation to join `tenant` with `tenant_role`, or (tenant None, admins only) to join the
     staff as an operator or admin. PermissionDenied when `created_by` may not invite so."""
@@ -243,12 +286,23 @@ def invitation_create(
             raise ValidationError({"tenant": "Operators and admins belong to no tenant."})
         tenant_role = User.TenantRole.MEMBER
     token = new_secret_token()
-    invitation = validated_save(Invitation(
-        token_hash=secret_hash(token), role=role, tenant=tenant, tenant_role=tenant_role, note=note.strip(),
-        created_by=created_by, expires_at=timezone.now() + lifetime,
-    ))
-    audit_record(actor=created_by, action=AuditEntry.Action.INVITATION_CREATE, target=invitation,
-                 detail={"role": invitation.role_label, "expires_at": invitation.expires_at})
+    invitation = validated_save(
+        Invitation(
+            token_hash=secret_hash(token),
+            role=role,
+            tenant=tenant,
+            tenant_role=tenant_role,
+            note=note.strip(),
+            created_by=created_by,
+            expires_at=timezone.now() + lifetime,
+        )
+    )
+    audit_record(
+        actor=created_by,
+        action=AuditEntry.Action.INVITATION_CREATE,
+        target=invitation,
+        detail={"role": invitation.role_label, "expires_at": invitation.expires_at},
+    )
     return InvitationCreated(invitation=invitation, token=token)
 
 
@@ -272,8 +326,12 @@ def invitation_revoke(*, invitation: Invitation, actor: User) -> Invitation:
 def invitation_accept(*, token: str, username: str, password: str, email: str = "") -> User:
     """Create the invited person's login. The invitation is locked, so of two people racing with
     one link exactly one gets in; it is spent by the first success and never works again."""
-    invitation = (Invitation.objects.select_for_update(of=("self",)).select_related("tenant")
-                  .filter(token_hash=secret_hash(token)).first())
+    invitation = (
+        Invitation.objects.select_for_update(of=("self",))
+        .select_related("tenant")
+        .filter(token_hash=secret_hash(token))
+        .first()
+    )
     if invitation is None:
         raise ValidationError("This invitation link is not valid.")
     refusal = invitation.refusal()
@@ -281,13 +339,23 @@ def invitation_accept(*, token: str, username: str, password: str, email: str = 
         raise ValidationError(refusal)
     if User.objects.filter(username__iexact=username).exists():
         raise ValidationError({"username": "This username is taken; choose another."})
-    user = user_create(username=username, password=password, role=invitation.role, tenant=invitation.tenant,
-                       tenant_role=invitation.tenant_role, email=email)
+    user = user_create(
+        username=username,
+        password=password,
+        role=invitation.role,
+        tenant=invitation.tenant,
+        tenant_role=invitation.tenant_role,
+        email=email,
+    )
     invitation.accepted_at = timezone.now()
     invitation.accepted_by = user
     invitation.save(update_fields=["accepted_at", "accepted_by"])
-    audit_record(actor=user, action=AuditEntry.Action.INVITATION_ACCEPT, target=invitation,
-                 detail={"username": user.username, "role": invitation.role_label})
+    audit_record(
+        actor=user,
+        action=AuditEntry.Action.INVITATION_ACCEPT,
+        target=invitation,
+        detail={"username": user.username, "role": invitation.role_label},
+    )
     return user
 
 
@@ -304,8 +372,13 @@ def member_set_tenant_role(*, member: User, tenant_role: str, actor: User) -> Us
         _require_another_admin(member)
     member.tenant_role = tenant_role
     member.save(update_fields=["tenant_role"])
-    audit_record(actor=actor, action=AuditEntry.Action.MEMBER_ROLE, target=member, target_label=_member_label(member),
-                 detail={"role": [User.TenantRole(before).label, User.TenantRole(tenant_role).label]})
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.MEMBER_ROLE,
+        target=member,
+        target_label=_member_label(member),
+        detail={"role": [User.TenantRole(before).label, User.TenantRole(tenant_role).label]},
+    )
     return member
 
 
@@ -320,8 +393,7 @@ def member_remove(*, member: User, actor: User) -> User:
         _require_another_admin(member)
     member.is_active = False
     member.save(update_fields=["is_active"])
-    audit_record(actor=actor, action=AuditEntry.Action.MEMBER_REMOVE, target=member,
-                 target_label=_member_label(member))
+    audit_record(actor=actor, action=AuditEntry.Action.MEMBER_REMOVE, target=member, target_label=_member_label(member))
     return member
 
 
@@ -336,11 +408,13 @@ def _locked_member(member: User, actor: User) -> User:
 
 
 def _require_another_admin(member: User) -> None:
-    others = User.objects.filter(tenant_id=member.tenant_id, role=User.Role.TENANT_MEMBER, is_active=True,
-                                 tenant_role=User.TenantRole.ADMIN).exclude(pk=member.pk)
+    others = User.objects.filter(
+        tenant_id=member.tenant_id, role=User.Role.TENANT_MEMBER, is_active=True, tenant_role=User.TenantRole.ADMIN
+    ).exclude(pk=member.pk)
     if not others.exists():
-        raise ValidationError(f"{member.username} is the last admin of {member.tenant.name}: "
-                              "make another member an admin first.")
+        raise ValidationError(
+            f"{member.username} is the last admin of {member.tenant.name}: make another member an admin first."
+        )
 
 
 def _member_label(member: User) -> str:
@@ -355,12 +429,16 @@ def _redis(url: str):
 
 
 @transaction.atomic
-def api_key_changes_record(*, key_hashes: Sequence[str] = (), tenant_ids: Sequence[int] = (),
-                           plan_ids: Sequence[int] = ()) -> None:
+def api_key_changes_record(
+    *, key_hashes: Sequence[str] = (), tenant_ids: Sequence[int] = (), plan_ids: Sequence[int] = ()
+) -> None:
     """Record, in the caller's transaction, that these keys (or every key of these tenants or
     plans) changed, so that gateways drop their cached copies; announced after commit."""
-    rows = ([ApiKeyChange(key_hash=h) for h in key_hashes] + [ApiKeyChange(tenant_id=t) for t in tenant_ids]
-            + [ApiKeyChange(plan_id=p) for p in plan_ids])
+    rows = (
+        [ApiKeyChange(key_hash=h) for h in key_hashes]
+        + [ApiKeyChange(tenant_id=t) for t in tenant_ids]
+        + [ApiKeyChange(plan_id=p) for p in plan_ids]
+    )
     if not rows:
         return
     ApiKeyChange.objects.bulk_create(rows)
@@ -383,14 +461,10 @@ def _publish_api_key_changes(hints: list[str]) -> None:
 def _allowed_models(*, all_models: bool, names: Sequence[str]) -> list:
     if all_models:
         if names:
-            raise ValidationError(
-                {"allowed_models": "Give a list of models or allow all models, not both."}
-            )
+            raise ValidationError({"allowed_models": "Give a list of models or allow all models, not both."})
         return []
     if not names:
-        raise ValidationError(
-            {"allowed_models": "A key limited to a list of models needs at least one model."}
-        )
+        raise ValidationError({"allowed_models": "A key limited to a list of models needs at least one model."})
     found = models_by_public_name(public_names=names)
     unknown = sorted(set(names) - found.keys())
     if unknown:

@@ -42,7 +42,8 @@ def _tenant_changed(sender, instance: Tenant, created: bool = False, **kwargs) -
 def connect() -> None:
     post_save.connect(_key_saved, sender=ApiKey, dispatch_uid="api-key-saved")
     post_delete.connect(_key_deleted, sender=ApiKey, dispatch_uid="api-key-deleted")
-    m2m_changed.connect(_allowed_models_changed, sender=ApiKey.allowed_models.through,
-                        dispatch_uid="api-key-models-changed")
+    m2m_changed.connect(
+        _allowed_models_changed, sender=ApiKey.allowed_models.through, dispatch_uid="api-key-models-changed"
+    )
     post_save.connect(_tenant_changed, sender=Tenant, dispatch_uid="tenant-saved")
     post_delete.connect(_tenant_changed, sender=Tenant, dispatch_uid="tenant-deleted")

@@ -10,11 +10,14 @@ from controlplane.common.client_address import client_address
 @sync_and_async_middleware
 def audit_source_middleware(get_response):
     if iscoroutinefunction(get_response):
+
         async def middleware(request):
             with audit_source(client_address(request)):
                 return await get_response(request)
     else:
+
         def middleware(request):
             with audit_source(client_address(request)):
                 return get_response(request)
+
     return middleware

@@ -31,7 +31,11 @@ class AuditEntry(models.Model):
 
     # Kept when the user is deleted: the label below still says who it was.
     actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="audit_entries",
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="audit_entries",
     )
     # The username at the time, or "system" for actions no person took (seeding, automation).
     actor_label = models.CharField(max_length=150)

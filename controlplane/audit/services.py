@@ -34,8 +34,9 @@ def _json_safe(detail: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(detail, cls=DjangoJSONEncoder))
 
 
-def audit_record(*, actor, action: str, target: models.Model, detail: dict[str, Any] | None = None,
-                 target_label: str | None = None) -> AuditEntry:
+def audit_record(
+    *, actor, action: str, target: models.Model, detail: dict[str, Any] | None = None, target_label: str | None = None
+) -> AuditEntry:
     """Record that `actor` (a user, or None for the system) did `action` to `target`, named
     `target_label` (default: str(target)) as it was then, from the address audit_source set."""
     if action not in AuditEntry.Action.values:

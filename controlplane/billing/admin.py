@@ -30,8 +30,15 @@ class UsageRecordAdmin(ReadOnlyAdmin):
     """Usage is written by the gateway's credit holds, once per request."""
 
     list_display = [
-        "created_at", "request_id", "tenant", "model", "status",
-        "prompt_tokens", "completion_tokens", "total_latency_ms", "price_charged",
+        "created_at",
+        "request_id",
+        "tenant",
+        "model",
+        "status",
+        "prompt_tokens",
+        "completion_tokens",
+        "total_latency_ms",
+        "price_charged",
     ]
     list_filter = ["status", "model"]
     search_fields = ["request_id", "tenant__name"]

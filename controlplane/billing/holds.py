@@ -35,8 +35,18 @@ _RECORD, _ENTRY = UsageRecord._meta.db_table, CreditEntry._meta.db_table
 _MODEL, _TIER = Model._meta.db_table, PriceTier._meta.db_table
 _TENANT, _PLAN = Tenant._meta.db_table, Plan._meta.db_table
 _KEY = ApiKey._meta.db_table
-_HOLD_FIELDS = ("request_id", "tenant_id", "api_key_id", "model_id", "num_requests", "included_requests",
-                "allowance_month", "amount", "created_at", "expires_at")
+_HOLD_FIELDS = (
+    "request_id",
+    "tenant_id",
+    "api_key_id",
+    "model_id",
+    "num_requests",
+    "included_requests",
+    "allowance_month",
+    "amount",
+    "created_at",
+    "expires_at",
+)
 
 
 @dataclass(frozen=True)
@@ -115,7 +125,8 @@ def conditional_hold_statement(request: HoldRequest, at: datetime, expires_at: d
     micro-units), for callers that run it on their own connection (the gateway's asynchronous
     fast path)."""
     amount = flat_price(price_per_request=request.price_per_request, num_requests=request.num_requests)
-    return f"""
+    return (
+        f"""
         WITH account AS (
             UPDATE {_ACCOUNT} a SET held = a.held + %(amount)s
             FROM {_TENANT} t LEFT JOIN {_PLAN} p ON p.id = t.plan_id
@@ -126,21 +137,40 @@ def conditional_hold_statement(request: HoldRequest, at: datetime, expires_at: d
             RETURNING a.tenant_id)
         INSERT INTO {_HOLD} ({", ".join(_HOLD_FIELDS)})
         SELECT %(request_id)s, tenant_id, %(api_key)s, %(model)s, %(n)s, 0, NULL, %(amount)s, %(at)s, %(expires)s
-        FROM account RETURNING id""", adapt_all({
-        "amount": amount, "tenant": request.tenant_id, "month": month_start(at), "request_id": request.request_id,
-        "api_key": request.api_key_id, "model": request.model_id, "n": request.num_requests, "at": at,
-        "expires": expires_at})
+        FROM account RETURNING id""",
+        adapt_all(
+            {
+                "amount": amount,
+                "tenant": request.tenant_id,
+                "month": month_start(at),
+                "request_id": request.request_id,
+                "api_key": request.api_key_id,
+                "model": request.model_id,
+                "n": request.num_requests,
+                "at": at,
+                "expires": expires_at,
+            }
+        ),
+    )
 
 
-def conditional_hold_result(request: HoldRequest, result: list[tuple], at: datetime,
-                            expires_at: datetime) -> CreditHold | None:
+def conditional_hold_result(
+    request: HoldRequest, result: list[tuple], at: datetime, expires_at: datetime
+) -> CreditHold | None:
     if not result:
         return None
-    return CreditHold(pk=result[0][0], request_id=request.request_id, tenant_id=request.tenant_id,
-                      api_key_id=request.api_key_id, model_id=request.model_id, num_requests=request.num_requests,
-                      included_requests=0,
-                      amount=flat_price(price_per_request=request.price_per_request, num_requests=request.num_requests),
-                      created_at=at, expires_at=expires_at)
+    return CreditHold(
+        pk=result[0][0],
+        request_id=request.request_id,
+        tenant_id=request.tenant_id,
+        api_key_id=request.api_key_id,
+        model_id=request.model_id,
+        num_requests=request.num_requests,
+        included_requests=0,
+        amount=flat_price(price_per_request=request.price_per_request, num_requests=request.num_requests),
+        created_at=at,
+        expires_at=expires_at,
+    )
 
 
 def credit_holds_place_locked(
@@ -151,16 +181,22 @@ def credit_holds_place_locked(
 
 
 @transaction.atomic
-def _place_locked(requests: Sequence[HoldRequest], at: datetime,
-                  expires_at: datetime) -> list[CreditHold | HoldRefused]:
+def _place_locked(
+    requests: Sequence[HoldRequest], at: datetime, expires_at: datetime
+) -> list[CreditHold | HoldRefused]:
     if not requests:
         return []
     prices = {r.model_id: r.price_per_request for r in requests if r.price_per_request is not None}
     unpriced = list({r.model_id for r in requests} - prices.keys())
     if unpriced:
-        prices.update((model_id, from_micros(price)) for model_id, price in rows(
-            f"SELECT m.id, t.price_per_request FROM {_MODEL} m JOIN {_TIER} t "
-            f"ON t.id = m.price_tier_id WHERE m.id IN ({marks(unpriced)})", unpriced))
+        prices.update(
+            (model_id, from_micros(price))
+            for model_id, price in rows(
+                f"SELECT m.id, t.price_per_request FROM {_MODEL} m JOIN {_TIER} t "
+                f"ON t.id = m.price_tier_id WHERE m.id IN ({marks(unpriced)})",
+                unpriced,
+            )
+        )
     locked = lock_credit_accounts(tenant_ids={r.tenant_id for r in requests})
     accounts = locked.accounts
     month = month_start(at)
@@ -169,14 +205,23 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime,
     for request in requests:
         account = accounts[request.tenant_id]
         before = (account.allowance_month, account.allowance_used)
-        included = take_allowance(account=account, included_per_month=locked.included_per_month[request.tenant_id],
-                                  month=month, requests=request.num_requests)
-        amount = flat_price(price_per_request=prices[request.model_id], num_requests=request.num_requests,
-                            included=included)
+        included = take_allowance(
+            account=account,
+            included_per_month=locked.included_per_month[request.tenant_id],
+            month=month,
+            requests=request.num_requests,
+        )
+        amount = flat_price(
+            price_per_request=prices[request.model_id], num_requests=request.num_requests, included=included
+        )
         budget = budgets.get(request.api_key_id)
-        refused = (HoldRefused(HoldRefused.CREDIT) if amount > account.available
-                   else HoldRefused(HoldRefused.KEY_BUDGET, budget.limit) if budget is not None and amount > budget.left
-                   else None)
+        refused = (
+            HoldRefused(HoldRefused.CREDIT)
+            if amount > account.available
+            else HoldRefused(HoldRefused.KEY_BUDGET, budget.limit)
+            if budget is not None and amount > budget.left
+            else None
+        )
         if refused is not None:
             account.allowance_month, account.allowance_used = before  # give the allowance back
             holds.append(refused)
@@ -184,19 +229,29 @@ def _place_locked(requests: Sequence[HoldRequest], at: datetime,
         account.held += amount
         if budget is not None:
             budget.committed += amount
-        holds.append(CreditHold(
-            request_id=request.request_id, tenant_id=request.tenant_id, api_key_id=request.api_key_id,
-            model_id=request.model_id, num_requests=request.num_requests, included_requests=included,
-            allowance_month=month if included else None, amount=amount, created_at=at, expires_at=expires_at,
-        ))
+        holds.append(
+            CreditHold(
+                request_id=request.request_id,
+                tenant_id=request.tenant_id,
+                api_key_id=request.api_key_id,
+                model_id=request.model_id,
+                num_requests=request.num_requests,
+                included_requests=included,
+                allowance_month=month if included else None,
+                amount=amount,
+                created_at=at,
+                expires_at=expires_at,
+            )
+        )
     placed = [hold for hold in holds if isinstance(hold, CreditHold)]
     if placed:
         insert(_HOLD, _HOLD_FIELDS, [[getattr(h, f) for f in _HOLD_FIELDS] for h in placed])
     with connection.cursor() as cursor:
         for account in accounts.values():
-            cursor.execute(f"UPDATE {_ACCOUNT} SET held = %s, allowance_month = %s, allowance_used = %s "
-                           "WHERE tenant_id = %s", adapt_all([account.held, account.allowance_month,
-                                                              account.allowance_used, account.tenant_id]))
+            cursor.execute(
+                f"UPDATE {_ACCOUNT} SET held = %s, allowance_month = %s, allowance_used = %s WHERE tenant_id = %s",
+                adapt_all([account.held, account.allowance_month, account.allowance_used, account.tenant_id]),
+            )
     return holds
 
 
@@ -214,15 +269,27 @@ def credit_holds_settle(*, outcomes: Sequence[RequestOutcome], at: datetime, dur
     if not durable and connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute("SET LOCAL synchronous_commit TO OFF")
-    holds = {row[0]: row for row in rows(
-        f"DELETE FROM {_HOLD} WHERE request_id IN ({marks(outcomes)}) RETURNING request_id, tenant_id, "
-        "api_key_id, model_id, num_requests, included_requests, allowance_month, amount",
-        [o.request_id for o in outcomes])}
+    holds = {
+        row[0]: row
+        for row in rows(
+            f"DELETE FROM {_HOLD} WHERE request_id IN ({marks(outcomes)}) RETURNING request_id, tenant_id, "
+            "api_key_id, model_id, num_requests, included_requests, allowance_month, amount",
+            [o.request_id for o in outcomes],
+        )
+    }
     model_ids = list({hold[3] for hold in holds.values()})
-    models = {row[0]: row[1:] for row in rows(
-        f"SELECT m.id, m.public_name, t.reference_price_per_million_tokens FROM {_MODEL} m "
-        f"JOIN {_TIER} t ON t.id = m.price_tier_id WHERE m.id IN ({marks(model_ids)})",
-        model_ids)} if holds else {}
+    models = (
+        {
+            row[0]: row[1:]
+            for row in rows(
+                f"SELECT m.id, m.public_name, t.reference_price_per_million_tokens FROM {_MODEL} m "
+                f"JOIN {_TIER} t ON t.id = m.price_tier_id WHERE m.id IN ({marks(model_ids)})",
+                model_ids,
+            )
+        }
+        if holds
+        else {}
+    )
     records: list[UsageRecord] = []
     changes: dict[int, list[Decimal]] = {}  # tenant -> [charged, released from held]
     allowance_back: dict[tuple[int, date], int] = {}
@@ -243,8 +310,16 @@ def credit_holds_settle(*, outcomes: Sequence[RequestOutcome], at: datetime, dur
             allowance_back[key] = allowance_back.get(key, 0) + included
         record = None
         if outcome.status is not None:
-            record = _record(outcome, tenant_id, api_key_id, model_id, num_requests, models[model_id][1],
-                             amount if charged else Decimal("0"), at)
+            record = _record(
+                outcome,
+                tenant_id,
+                api_key_id,
+                model_id,
+                num_requests,
+                models[model_id][1],
+                amount if charged else Decimal("0"),
+                at,
+            )
             records.append(record)
         results.append(Settled(outcome.request_id, found=True, record=record))
     if records:
@@ -258,12 +333,16 @@ def credit_holds_settle(*, outcomes: Sequence[RequestOutcome], at: datetime, dur
         # In tenant-id order, as lock_credit_accounts locks them: a batch of several tenants
         # updated in another order deadlocks with a concurrent placement.
         for tenant_id, (charged, released) in sorted(changes.items()):
-            cursor.execute(f"UPDATE {_ACCOUNT} SET balance = balance - %s, held = held - %s WHERE tenant_id = %s",
-                           adapt_all([charged, released, tenant_id]))
+            cursor.execute(
+                f"UPDATE {_ACCOUNT} SET balance = balance - %s, held = held - %s WHERE tenant_id = %s",
+                adapt_all([charged, released, tenant_id]),
+            )
         for (tenant_id, month), count in allowance_back.items():
-            cursor.execute(f"UPDATE {_ACCOUNT} SET allowance_used = CASE WHEN allowance_used > %s "
-                           "THEN allowance_used - %s ELSE 0 END WHERE tenant_id = %s AND allowance_month = %s",
-                           [count, count, tenant_id, adapt(month)])
+            cursor.execute(
+                f"UPDATE {_ACCOUNT} SET allowance_used = CASE WHEN allowance_used > %s "
+                "THEN allowance_used - %s ELSE 0 END WHERE tenant_id = %s AND allowance_month = %s",
+                [count, count, tenant_id, adapt(month)],
+            )
     return results
 
 
@@ -275,22 +354,31 @@ def credit_holds_expire(*, now: datetime, started: Callable[[list[str]], Iterabl
         return []
     began = set(started(expired))
     return credit_holds_settle(
-        outcomes=[RequestOutcome(request_id, UsageRecord.Status.CANCELLED if request_id in began else None)
-                  for request_id in expired],
+        outcomes=[
+            RequestOutcome(request_id, UsageRecord.Status.CANCELLED if request_id in began else None)
+            for request_id in expired
+        ],
         at=now,
     )
 
 
-def _record(outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_requests, reference_rate,
-            price: Decimal, at: datetime) -> UsageRecord:
+def _record(
+    outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_requests, reference_rate, price: Decimal, at: datetime
+) -> UsageRecord:
     total_ms = max(0, int(outcome.total_latency_ms))
     ttft = outcome.time_to_first_token_ms
     prompt, completion = max(0, outcome.prompt_tokens), max(0, outcome.completion_tokens)
     return UsageRecord(
-        request_id=outcome.request_id, tenant_id=tenant_id, api_key_id=api_key_id, model_id=model_id,
-        replica_id=outcome.replica_id, status=outcome.status, num_requests=num_requests,
+        request_id=outcome.request_id,
+        tenant_id=tenant_id,
+        api_key_id=api_key_id,
+        model_id=model_id,
+        replica_id=outcome.replica_id,
+        status=outcome.status,
+        num_requests=num_requests,
         error_code=outcome.error_code[:40] if outcome.status == UsageRecord.Status.FAILED else "",
-        prompt_tokens=prompt, completion_tokens=completion,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
         time_to_first_token_ms=None if ttft is None else min(max(0, int(ttft)), total_ms),
         total_latency_ms=total_ms,
         gpu_time_s=None if outcome.gpu_time_s is None else max(0.0, float(outcome.gpu_time_s)),
@@ -300,18 +388,51 @@ def _record(outcome: RequestOutcome, tenant_id, api_key_id, model_id, num_reques
     )
 
 
-_RECORD_FIELDS = ("request_id", "tenant_id", "api_key_id", "model_id", "replica_id", "status", "error_code",
-                  "num_requests", "prompt_tokens", "completion_tokens", "time_to_first_token_ms", "total_latency_ms", "gpu_time_s",
-                  "price_charged", "reference_price", "created_at")
+_RECORD_FIELDS = (
+    "request_id",
+    "tenant_id",
+    "api_key_id",
+    "model_id",
+    "replica_id",
+    "status",
+    "error_code",
+    "num_requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "time_to_first_token_ms",
+    "total_latency_ms",
+    "gpu_time_s",
+    "price_charged",
+    "reference_price",
+    "created_at",
+)
 
 
 def _insert_records(records: list[UsageRecord], model_names: dict[int, str], at: datetime) -> None:
-    ids = dict(insert(_RECORD, _RECORD_FIELDS, [[getattr(r, f) for f in _RECORD_FIELDS] for r in records],
-                    returning="request_id, id"))
+    ids = dict(
+        insert(
+            _RECORD,
+            _RECORD_FIELDS,
+            [[getattr(r, f) for f in _RECORD_FIELDS] for r in records],
+            returning="request_id, id",
+        )
+    )
     for record in records:
         record.pk = ids[record.request_id]
     charged = [r for r in records if r.price_charged > 0]
     if charged:
-        insert(_ENTRY, ("tenant_id", "kind", "amount", "memo", "usage_record_id", "created_at"), [
-            [r.tenant_id, CreditEntry.Kind.USAGE, -r.price_charged,
-             f"{model_names[r.model_id]} request {r.request_id}", r.pk, at] for r in charged])
+        insert(
+            _ENTRY,
+            ("tenant_id", "kind", "amount", "memo", "usage_record_id", "created_at"),
+            [
+                [
+                    r.tenant_id,
+                    CreditEntry.Kind.USAGE,
+                    -r.price_charged,
+                    f"{model_names[r.model_id]} request {r.request_id}",
+                    r.pk,
+                    at,
+                ]
+                for r in charged
+            ],
+        )

@@ -48,20 +48,30 @@ def lock_key_budgets(*, key_ids: Iterable[int | None], month: date) -> dict[int,
     # NO KEY UPDATE: settlements insert usage records that reference the key (a KEY SHARE lock),
     # and must not wait for a placement.
     lock = " FOR NO KEY UPDATE" if connection.vendor == "postgresql" else ""
-    limits = {row[0]: from_micros(row[1]) for row in rows(
-        f"SELECT id, monthly_spend_limit FROM {_KEY} WHERE id IN ({marks(ids)}) "
-        f"AND monthly_spend_limit IS NOT NULL ORDER BY id{lock}", ids)}
+    limits = {
+        row[0]: from_micros(row[1])
+        for row in rows(
+            f"SELECT id, monthly_spend_limit FROM {_KEY} WHERE id IN ({marks(ids)}) "
+            f"AND monthly_spend_limit IS NOT NULL ORDER BY id{lock}",
+            ids,
+        )
+    }
     if not limits:
         return {}
     # A statement of its own, after the lock was granted: it sees every hold and settlement
     # committed by the transactions this one waited for.
     limited = sorted(limits)
-    committed = dict(rows(
-        f"SELECT k.id, COALESCE((SELECT s.spent FROM {_SPEND} s WHERE s.api_key_id = k.id AND s.month = %s), 0) "
-        f"+ COALESCE((SELECT SUM(h.amount) FROM {_HOLD} h WHERE h.api_key_id = k.id), 0) "
-        f"FROM {_KEY} k WHERE k.id IN ({marks(limited)})", [adapt(month), *limited]))
-    return {key_id: KeyBudget(limit=limit, committed=from_micros(committed[key_id]))
-            for key_id, limit in limits.items()}
+    committed = dict(
+        rows(
+            f"SELECT k.id, COALESCE((SELECT s.spent FROM {_SPEND} s WHERE s.api_key_id = k.id AND s.month = %s), 0) "
+            f"+ COALESCE((SELECT SUM(h.amount) FROM {_HOLD} h WHERE h.api_key_id = k.id), 0) "
+            f"FROM {_KEY} k WHERE k.id IN ({marks(limited)})",
+            [adapt(month), *limited],
+        )
+    )
+    return {
+        key_id: KeyBudget(limit=limit, committed=from_micros(committed[key_id])) for key_id, limit in limits.items()
+    }
 
 
 def key_spend_add(*, charges: dict[int, Decimal], month: date) -> None:
@@ -74,9 +84,12 @@ def key_spend_add(*, charges: dict[int, Decimal], month: date) -> None:
         return
     values = ", ".join(["(%s, %s, %s)"] * len(charged))
     params = [value for key_id, amount in charged for value in (key_id, adapt(month), amount)]
-    rows(f"INSERT INTO {_SPEND} (api_key_id, month, spent) VALUES {values} "
-         f"ON CONFLICT (api_key_id, month) DO UPDATE SET spent = {_SPEND}.spent + EXCLUDED.spent", params,
-         fetch=False)
+    rows(
+        f"INSERT INTO {_SPEND} (api_key_id, month, spent) VALUES {values} "
+        f"ON CONFLICT (api_key_id, month) DO UPDATE SET spent = {_SPEND}.spent + EXCLUDED.spent",
+        params,
+        fetch=False,
+    )
 
 
 def api_keys_with_spend(*, keys: QuerySet[ApiKey], at: datetime) -> QuerySet[ApiKey]:

@@ -36,7 +36,8 @@ class Plan(models.Model):
     )
     rate_limit_per_minute = models.PositiveIntegerField(validators=[MinValueValidator(1)])
     max_concurrent_requests = models.PositiveIntegerField(
-        default=16, validators=[MinValueValidator(1)],
+        default=16,
+        validators=[MinValueValidator(1)],
         help_text="Requests in flight at once, for the whole tenant and for each of its keys.",
     )
 
@@ -75,9 +76,7 @@ class CreditEntry(models.Model):
     usage_record = models.OneToOneField(
         "billing.UsageRecord", on_delete=models.PROTECT, null=True, blank=True, related_name="credit_entry"
     )
-    created_by = models.ForeignKey(
-        "accounts.User", on_delete=models.PROTECT, null=True, blank=True, related_name="+"
-    )
+    created_by = models.ForeignKey("accounts.User", on_delete=models.PROTECT, null=True, blank=True, related_name="+")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     objects = CreditEntryQuerySet.as_manager()
@@ -128,7 +127,8 @@ class CreditAccount(models.Model):
     class Meta:
         constraints = [
             models.CheckConstraint(
-                condition=Q(held__gte=0), name="creditaccount_held_not_negative",
+                condition=Q(held__gte=0),
+                name="creditaccount_held_not_negative",
                 violation_error_message="Held credit cannot be negative.",
             ),
         ]
@@ -150,9 +150,7 @@ class CreditHold(models.Model):
 
     request_id = models.CharField(max_length=64, unique=True)
     tenant = models.ForeignKey("accounts.Tenant", on_delete=models.PROTECT, related_name="credit_holds")
-    api_key = models.ForeignKey(
-        "accounts.ApiKey", on_delete=models.PROTECT, null=True, blank=True, related_name="+"
-    )
+    api_key = models.ForeignKey("accounts.ApiKey", on_delete=models.PROTECT, null=True, blank=True, related_name="+")
     model = models.ForeignKey("catalog.Model", on_delete=models.PROTECT, related_name="+")
     num_requests = models.PositiveSmallIntegerField(default=1, help_text="Choices asked for (n).")
     included_requests = models.PositiveSmallIntegerField(
@@ -178,7 +176,11 @@ class UsageRecord(models.Model):
     request_id = models.CharField(max_length=64, unique=True)
     tenant = models.ForeignKey("accounts.Tenant", on_delete=models.PROTECT, related_name="usage_records")
     api_key = models.ForeignKey(
-        "accounts.ApiKey", on_delete=models.PROTECT, null=True, blank=True, related_name="usage_records",
+        "accounts.ApiKey",
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="usage_records",
         help_text="Empty for requests from the dashboard playground.",
     )
     model = models.ForeignKey("catalog.Model", on_delete=models.PROTECT, related_name="usage_records")
@@ -187,7 +189,8 @@ class UsageRecord(models.Model):
     )
     status = models.CharField(max_length=20, choices=Status.choices)
     error_code = models.CharField(
-        max_length=40, blank=True,
+        max_length=40,
+        blank=True,
         help_text="Why a failed request failed, as the client's error code said (replica_unavailable, timeout...).",
     )
     num_requests = models.PositiveSmallIntegerField(
@@ -200,7 +203,9 @@ class UsageRecord(models.Model):
     )
     total_latency_ms = models.PositiveIntegerField()
     gpu_time_s = models.FloatField(
-        null=True, blank=True, validators=[MinValueValidator(0)],
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
         help_text="The request's share of the replica's engine step time, as the worker reported it.",
     )
     price_charged = MoneyField(validators=[MinValueValidator(0)])
@@ -235,9 +240,7 @@ class UsageRecord(models.Model):
             and self.total_latency_ms is not None
             and self.time_to_first_token_ms > self.total_latency_ms
         ):
-            raise ValidationError(
-                {"time_to_first_token_ms": "Time to first token cannot exceed the total latency."}
-            )
+            raise ValidationError({"time_to_first_token_ms": "Time to first token cannot exceed the total latency."})
 
 
 class KeySpend(models.Model):

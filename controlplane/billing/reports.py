@@ -62,8 +62,10 @@ class UsageSummary:
 
 def period_bounds(start: date, end: date) -> tuple[datetime, datetime]:
     """[start 00:00, the day after end 00:00) in UTC: both days are included."""
-    return (datetime.combine(start, time.min, tzinfo=UTC),
-            datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC))
+    return (
+        datetime.combine(start, time.min, tzinfo=UTC),
+        datetime.combine(end + timedelta(days=1), time.min, tzinfo=UTC),
+    )
 
 
 def month_start_of(moment: datetime) -> datetime:
@@ -93,8 +95,16 @@ def _row(key: str, values: dict) -> UsageRow:
 
 
 def _empty_row(key: str) -> UsageRow:
-    return UsageRow(key=key, requests=0, failed=0, revenue=Decimal("0"), reference=Decimal("0"),
-                    gpu_time_s=0.0, prompt_tokens=0, completion_tokens=0)
+    return UsageRow(
+        key=key,
+        requests=0,
+        failed=0,
+        revenue=Decimal("0"),
+        reference=Decimal("0"),
+        gpu_time_s=0.0,
+        prompt_tokens=0,
+        completion_tokens=0,
+    )
 
 
 def usage_totals(*, since: datetime, until: datetime, tenant=None) -> UsageRow:
@@ -121,11 +131,17 @@ def usage_by(*, group_by: str, since: datetime, until: datetime, tenant=None) ->
         raise ValueError(f"group_by must be one of {', '.join(GROUPINGS)}, got {group_by!r}")
     records = _records(since=since, until=until, tenant=tenant)
     if group_by == "day":
-        grouped = (records.annotate(key=TruncDate("created_at", tzinfo=UTC)).values("key")
-                   .annotate(**_TOTALS).order_by("key"))
+        grouped = (
+            records.annotate(key=TruncDate("created_at", tzinfo=UTC)).values("key").annotate(**_TOTALS).order_by("key")
+        )
         return [_row(values["key"].isoformat(), values) for values in grouped]
-    field = (F("tenant__name") if group_by == "tenant" else F("model__public_name") if group_by == "model"
-             else _key_label(with_tenant=tenant is None))
+    field = (
+        F("tenant__name")
+        if group_by == "tenant"
+        else F("model__public_name")
+        if group_by == "model"
+        else _key_label(with_tenant=tenant is None)
+    )
     grouped = records.values(key=field).annotate(**_TOTALS).order_by("-revenue", "key")
     return [_row(values["key"], values) for values in grouped]
 
@@ -179,8 +195,12 @@ def allowance_this_month(*, tenant, now: datetime) -> Allowance:
         used = account.allowance_used
     else:
         used = usage_billable_count_since(tenant=tenant, since=since)
-    return Allowance(included=included, used=min(used, included), period_start=since,
-                     period_end=month_start_of(since + timedelta(days=32)))
+    return Allowance(
+        included=included,
+        used=min(used, included),
+        period_start=since,
+        period_end=month_start_of(since + timedelta(days=32)),
+    )
 
 
 @dataclass(frozen=True)
@@ -210,7 +230,8 @@ def usage_latency(*, since: datetime, until: datetime, tenant=None) -> Latency:
     records = _records(since=since, until=until, tenant=tenant).filter(status=UsageRecord.Status.COMPLETED)
     return Latency(
         requests=records.count(),
-        p50_ms=_percentile(records, "total_latency_ms", 0.50), p95_ms=_percentile(records, "total_latency_ms", 0.95),
+        p50_ms=_percentile(records, "total_latency_ms", 0.50),
+        p95_ms=_percentile(records, "total_latency_ms", 0.95),
         ttft_p50_ms=_percentile(records, "time_to_first_token_ms", 0.50),
         ttft_p95_ms=_percentile(records, "time_to_first_token_ms", 0.95),
     )

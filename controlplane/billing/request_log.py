@@ -15,8 +15,9 @@ OUTCOMES = {
 }
 
 
-def request_log(*, since: datetime, until: datetime, tenant=None, api_key=None, model=None,
-                outcome: str | None = None) -> QuerySet[UsageRecord]:
+def request_log(
+    *, since: datetime, until: datetime, tenant=None, api_key=None, model=None, outcome: str | None = None
+) -> QuerySet[UsageRecord]:
     """Records that ended in [since, until), newest first; each filter applies when given."""
     if outcome is not None and outcome not in OUTCOMES:
         raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")

@@ -1,6 +1,6 @@
 """Reads for billing: the credit balance, the usage counts pricing depends on, and expired holds."""
 
-from datetime import UTC, date, datetime, time
+from datetime import UTC, date, datetime
 from decimal import Decimal
 
 from django.db.models import QuerySet, Sum
@@ -30,9 +30,7 @@ def month_start(moment: datetime) -> date:
 def usage_billable_count_since(*, tenant, since: datetime, until: datetime | None = None) -> int:
     """Requests since `since` (and before `until`) that count against the plan's allowance: n
     choices count n times; failed requests do not count."""
-    records = UsageRecord.objects.filter(tenant=tenant, created_at__gte=since).exclude(
-        status=UsageRecord.Status.FAILED
-    )
+    records = UsageRecord.objects.filter(tenant=tenant, created_at__gte=since).exclude(status=UsageRecord.Status.FAILED)
     if until is not None:
         records = records.filter(created_at__lt=until)
     return records.aggregate(total=Sum("num_requests"))["total"] or 0
@@ -40,15 +38,20 @@ def usage_billable_count_since(*, tenant, since: datetime, until: datetime | Non
 
 def credit_balances(*, tenant_ids) -> dict[int, Decimal]:
     """Each tenant's balance (the sum of its ledger) by tenant id, in one query; 0 without entries."""
-    sums = dict(CreditEntry.objects.filter(tenant_id__in=list(tenant_ids)).values("tenant_id")
-                .annotate(total=Sum("amount")).values_list("tenant_id", "total"))
+    sums = dict(
+        CreditEntry.objects.filter(tenant_id__in=list(tenant_ids))
+        .values("tenant_id")
+        .annotate(total=Sum("amount"))
+        .values_list("tenant_id", "total")
+    )
     return {tenant_id: sums.get(tenant_id, from_micros(0)) for tenant_id in tenant_ids}
 
 
 def credit_holds_expired(*, now: datetime, limit: int = 500) -> list[str]:
     """Request ids of holds past their expiry (their gateway died mid-request), oldest first."""
     return list(
-        CreditHold.objects.filter(expires_at__lt=now).order_by("expires_at")
+        CreditHold.objects.filter(expires_at__lt=now)
+        .order_by("expires_at")
         .values_list("request_id", flat=True)[:limit]
     )
 

@@ -34,17 +34,27 @@ class InsufficientCredit(ValidationError):
 def price_tier_create(
     *, name: str, price_per_request: Decimal, reference_price_per_million_tokens: Decimal
 ) -> PriceTier:
-    return validated_save(PriceTier(name=name, price_per_request=price_per_request,
-                                    reference_price_per_million_tokens=reference_price_per_million_tokens))
+    return validated_save(
+        PriceTier(
+            name=name,
+            price_per_request=price_per_request,
+            reference_price_per_million_tokens=reference_price_per_million_tokens,
+        )
+    )
 
 
 @transaction.atomic
 def plan_create(
     *, name: str, included_requests_per_month: int, rate_limit_per_minute: int, max_concurrent_requests: int = 16
 ) -> Plan:
-    return validated_save(Plan(name=name, included_requests_per_month=included_requests_per_month,
-                               rate_limit_per_minute=rate_limit_per_minute,
-                               max_concurrent_requests=max_concurrent_requests))
+    return validated_save(
+        Plan(
+            name=name,
+            included_requests_per_month=included_requests_per_month,
+            rate_limit_per_minute=rate_limit_per_minute,
+            max_concurrent_requests=max_concurrent_requests,
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -68,17 +78,27 @@ def lock_credit_accounts(*, tenant_ids: Iterable[int]) -> LockedAccounts:
     """
     ids = sorted(set(tenant_ids))
     lock = " FOR UPDATE OF a" if connection.features.has_select_for_update_of else ""
-    query = ("SELECT a.tenant_id, a.balance, a.held, a.allowance_month, a.allowance_used, "
-             f"p.included_requests_per_month FROM {_ACCOUNT} a JOIN {_TENANT} t ON t.id = a.tenant_id "
-             f"LEFT JOIN {_PLAN} p ON p.id = t.plan_id WHERE a.tenant_id IN ({marks(ids)}) "
-             f"ORDER BY a.tenant_id{lock}")
+    query = (
+        "SELECT a.tenant_id, a.balance, a.held, a.allowance_month, a.allowance_used, "
+        f"p.included_requests_per_month FROM {_ACCOUNT} a JOIN {_TENANT} t ON t.id = a.tenant_id "
+        f"LEFT JOIN {_PLAN} p ON p.id = t.plan_id WHERE a.tenant_id IN ({marks(ids)}) "
+        f"ORDER BY a.tenant_id{lock}"
+    )
     found = rows(query, ids)
     if len(found) < len(ids):
         create_missing_credit_accounts(tenant_ids=[t for t in ids if t not in {row[0] for row in found}])
         found = rows(query, ids)
     return LockedAccounts(
-        accounts={row[0]: CreditAccount(tenant_id=row[0], balance=from_micros(row[1]), held=from_micros(row[2]),
-                                        allowance_month=as_date(row[3]), allowance_used=row[4]) for row in found},
+        accounts={
+            row[0]: CreditAccount(
+                tenant_id=row[0],
+                balance=from_micros(row[1]),
+                held=from_micros(row[2]),
+                allowance_month=as_date(row[3]),
+                allowance_used=row[4],
+            )
+            for row in found
+        },
         included_per_month={row[0]: row[5] or 0 for row in found},
     )
 
@@ -86,8 +106,9 @@ def lock_credit_accounts(*, tenant_ids: Iterable[int]) -> LockedAccounts:
 def create_missing_credit_accounts(*, tenant_ids: list[int]) -> None:
     """Accounts for these tenants, starting from their ledger sums; existing ones are left alone."""
     sums = credit_balances(tenant_ids=tenant_ids)
-    CreditAccount.objects.bulk_create([CreditAccount(tenant_id=t, balance=sums[t]) for t in tenant_ids],
-                                      ignore_conflicts=True)
+    CreditAccount.objects.bulk_create(
+        [CreditAccount(tenant_id=t, balance=sums[t]) for t in tenant_ids], ignore_conflicts=True
+    )
 
 
 def _lock_account(tenant: Tenant) -> CreditAccount:
@@ -111,8 +132,12 @@ def credit_grant(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=
     )
     account.balance += amount
     account.save(update_fields=["balance"])
-    audit_record(actor=created_by, action=AuditEntry.Action.CREDIT_GRANT, target=tenant,
-                 detail={"amount": amount, "note": memo, "balance": account.balance})
+    audit_record(
+        actor=created_by,
+        action=AuditEntry.Action.CREDIT_GRANT,
+        target=tenant,
+        detail={"amount": amount, "note": memo, "balance": account.balance},
+    )
     return entry
 
 

@@ -6,7 +6,6 @@ from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
 
-
 # More GPUs than one host holds; past it a typo, not a wish.
 MAX_TENSOR_PARALLEL_SIZE = 16
 
@@ -28,6 +27,7 @@ class Model(models.Model):
             )
         ],
     )
+
     # The labels gpuworker's QuantConfig.label gives (the control plane imports nothing of the worker's).
     class Quantization(models.TextChoices):
         NONE = "", "None (bf16/fp16)"
@@ -43,7 +43,10 @@ class Model(models.Model):
     context_length = models.PositiveIntegerField(validators=[MinValueValidator(1)])
     parameter_count = models.PositiveBigIntegerField(validators=[MinValueValidator(1)])
     quantization = models.CharField(
-        max_length=20, choices=Quantization.choices, default=Quantization.NONE, blank=True,
+        max_length=20,
+        choices=Quantization.choices,
+        default=Quantization.NONE,
+        blank=True,
         help_text="How the checkpoint's weights are stored (its config.json's quantization_config).",
     )
     gpu_memory_bytes = models.PositiveBigIntegerField(
@@ -54,7 +57,8 @@ class Model(models.Model):
     # holding its share of gpu_memory_bytes. The model's heads (and experts) must divide by it;
     # the catalog does not know them, so a size that does not divide fails the load, saying why.
     tensor_parallel_size = models.PositiveSmallIntegerField(
-        default=1, validators=[MinValueValidator(1), MaxValueValidator(MAX_TENSOR_PARALLEL_SIZE)],
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_TENSOR_PARALLEL_SIZE)],
         help_text="GPUs of one worker a replica is split over (tensor parallel); 1: one GPU.",
     )
     price_tier = models.ForeignKey("billing.PriceTier", on_delete=models.PROTECT, related_name="models")
@@ -112,7 +116,8 @@ class Deployment(models.Model):
     )
     # The autoscaler (controlplane/fleet/autoscaling.py) moves desired_replicas within min..max.
     autoscale = models.BooleanField(
-        default=True, help_text="Let the autoscaler set the desired replicas within min and max.",
+        default=True,
+        help_text="Let the autoscaler set the desired replicas within min and max.",
     )
     target_concurrency = models.PositiveIntegerField(
         default=default_target_concurrency,
@@ -120,15 +125,18 @@ class Deployment(models.Model):
         help_text="Requests (running + waiting) one replica should carry at full utilisation.",
     )
     ttft_slo_ms = models.PositiveIntegerField(
-        default=default_ttft_slo_ms, validators=_bounds("ttft_slo_ms"),
+        default=default_ttft_slo_ms,
+        validators=_bounds("ttft_slo_ms"),
         help_text="Time to first token, p95, a replica should stay under (ms).",
     )
     itl_slo_ms = models.PositiveIntegerField(
-        default=default_itl_slo_ms, validators=_bounds("itl_slo_ms"),
+        default=default_itl_slo_ms,
+        validators=_bounds("itl_slo_ms"),
         help_text="Time between tokens, p95, a replica should stay under (ms).",
     )
     idle_to_zero_seconds = models.PositiveIntegerField(
-        default=default_idle_to_zero_seconds, validators=_bounds("idle_to_zero_seconds"),
+        default=default_idle_to_zero_seconds,
+        validators=_bounds("idle_to_zero_seconds"),
         help_text="Scale to zero (or min) after this long without requests; 0 never does.",
     )
     # The last change of desired_replicas, by anyone: the autoscaler's cooldowns count from it.
@@ -146,8 +154,7 @@ class Deployment(models.Model):
                 violation_error_message="Min replicas cannot exceed max replicas.",
             ),
             models.CheckConstraint(
-                condition=Q(desired_replicas__gte=F("min_replicas"))
-                & Q(desired_replicas__lte=F("max_replicas")),
+                condition=Q(desired_replicas__gte=F("min_replicas")) & Q(desired_replicas__lte=F("max_replicas")),
                 name="deployment_desired_within_bounds",
                 violation_error_message="Desired replicas must lie between min and max replicas.",
             ),

@@ -80,19 +80,34 @@ def weights_path_reports(*, weights_path: str, workers: Iterable) -> list[Weight
         roots = [posixpath.normpath(root) for root in worker.model_roots]
         found = {posixpath.normpath(p) for p in worker.model_paths}
         if not roots:
-            reports.append(WeightsPathReport(worker.name, "no_roots",
-                                             f"{worker.name} reports no model roots, so it loads no model: start "
-                                             f"its daemon with --model-root DIR naming the folder that holds {path}."))
+            reports.append(
+                WeightsPathReport(
+                    worker.name,
+                    "no_roots",
+                    f"{worker.name} reports no model roots, so it loads no model: start "
+                    f"its daemon with --model-root DIR naming the folder that holds {path}.",
+                )
+            )
         elif not any(_under(path, root) for root in roots):
-            reports.append(WeightsPathReport(worker.name, "outside",
-                                             f"{path} lies outside {worker.name}'s model roots ({', '.join(roots)}), "
-                                             f"so it refuses to load it: put the checkpoint under one of them, "
-                                             f"or start its daemon with another --model-root."))
+            reports.append(
+                WeightsPathReport(
+                    worker.name,
+                    "outside",
+                    f"{path} lies outside {worker.name}'s model roots ({', '.join(roots)}), "
+                    f"so it refuses to load it: put the checkpoint under one of them, "
+                    f"or start its daemon with another --model-root.",
+                )
+            )
         elif path in found or (path.endswith(".gguf") and posixpath.dirname(path) in found):
             # A GGUF file is its own checkpoint; the daemon reports the folder that holds it.
             reports.append(WeightsPathReport(worker.name, "found", f"{worker.name} has a checkpoint at {path}."))
         else:
-            reports.append(WeightsPathReport(worker.name, "missing",
-                                             f"{worker.name} has no checkpoint (a directory with config.json "
-                                             f"or a .gguf file) at {path}; it found {len(found)} under {', '.join(roots)}."))
+            reports.append(
+                WeightsPathReport(
+                    worker.name,
+                    "missing",
+                    f"{worker.name} has no checkpoint (a directory with config.json "
+                    f"or a .gguf file) at {path}; it found {len(found)} under {', '.join(roots)}.",
+                )
+            )
     return reports

@@ -16,8 +16,19 @@ from controlplane.catalog.models import Model
 from controlplane.catalog.selectors import reported_quantization, weights_path_reports
 
 # What a model edit may change, and what its audit entry compares.
-MODEL_FIELDS = ("public_name", "family", "kind", "weights_path", "context_length", "parameter_count",
-                "quantization", "gpu_memory_bytes", "tensor_parallel_size", "price_tier", "enabled")
+MODEL_FIELDS = (
+    "public_name",
+    "family",
+    "kind",
+    "weights_path",
+    "context_length",
+    "parameter_count",
+    "quantization",
+    "gpu_memory_bytes",
+    "tensor_parallel_size",
+    "price_tier",
+    "enabled",
+)
 
 # Bytes per parameter of the weights by quantization, and the share added for activations and a KV
 # cache large enough to batch; an operator can always enter a measured figure instead. Quantized
@@ -45,12 +56,15 @@ def _check_weights_path(weights_path: str, verify_on: Iterable | None) -> None:
     where the checkpoint is), and one that a chosen worker cannot load: outside its model roots,
     no roots at all, or no checkpoint there."""
     if ".." in PurePosixPath(weights_path).parts:
-        raise ValidationError({"weights_path": f"{weights_path} contains '..': give the checkpoint's own path, "
-                                               f"inside a worker's model root (--model-root)."})
+        raise ValidationError(
+            {
+                "weights_path": f"{weights_path} contains '..': give the checkpoint's own path, "
+                f"inside a worker's model root (--model-root)."
+            }
+        )
     if verify_on is None or not weights_path:
         return
-    refused = [r.message for r in weights_path_reports(weights_path=weights_path, workers=verify_on)
-               if not r.loadable]
+    refused = [r.message for r in weights_path_reports(weights_path=weights_path, workers=verify_on) if not r.loadable]
     if refused:
         raise ValidationError({"weights_path": refused})
 
@@ -84,8 +98,12 @@ def model_create(
     if quantization is None:
         reported = reported_quantization(weights_path=weights_path, workers=verify_on or ())
         quantization = reported or Model.Quantization.NONE
-    if (gpu_memory_bytes is None and isinstance(parameter_count, int) and parameter_count > 0
-            and quantization in Model.Quantization.values):
+    if (
+        gpu_memory_bytes is None
+        and isinstance(parameter_count, int)
+        and parameter_count > 0
+        and quantization in Model.Quantization.values
+    ):
         gpu_memory_bytes = estimate_gpu_memory_bytes(parameter_count=parameter_count, quantization=quantization)
     model = Model(
         public_name=public_name,

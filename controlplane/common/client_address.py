@@ -30,8 +30,9 @@ def client_address(request: HttpRequest) -> str | None:
     )
 
 
-def forwarded_client_address(*, peer: str | None, forwarded_for: str | None,
-                             trusted_proxies: Iterable[IPNetwork]) -> str | None:
+def forwarded_client_address(
+    *, peer: str | None, forwarded_for: str | None, trusted_proxies: Iterable[IPNetwork]
+) -> str | None:
     trusted = tuple(trusted_proxies)
     address = parse_address(peer or "")
     if address is None:

@@ -14,8 +14,10 @@ class AlterMoneyToMicros(migrations.AlterField):
         if schema_editor.connection.vendor == "postgresql":
             # One statement, exact (NUMERIC arithmetic): no row triggers fire (the ledger's
             # append-only trigger refuses UPDATE), and the column's constraints are kept.
-            schema_editor.execute(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE bigint "
-                                  f"USING round({column} * {MICROS_PER_UNIT})::bigint")
+            schema_editor.execute(
+                f"ALTER TABLE {table} ALTER COLUMN {column} TYPE bigint "
+                f"USING round({column} * {MICROS_PER_UNIT})::bigint"
+            )
             return
         # SQLite kept the amounts as floats; rounding the scaled float recovers the micro-units
         # (its 15 significant digits held them, and any drift is far below half a micro-unit).
@@ -27,9 +29,11 @@ class AlterMoneyToMicros(migrations.AlterField):
         table, column = self._table_column(app_label, schema_editor, to_state)
         if schema_editor.connection.vendor == "postgresql":
             decimal = to_state.apps.get_model(app_label, self.model_name)._meta.get_field(self.name)
-            schema_editor.execute(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE "
-                                  f"{decimal.db_type(schema_editor.connection)} "
-                                  f"USING {column}::numeric / {MICROS_PER_UNIT}")
+            schema_editor.execute(
+                f"ALTER TABLE {table} ALTER COLUMN {column} TYPE "
+                f"{decimal.db_type(schema_editor.connection)} "
+                f"USING {column}::numeric / {MICROS_PER_UNIT}"
+            )
             return
         super().database_backwards(app_label, schema_editor, from_state, to_state)
         schema_editor.execute(f"UPDATE {table} SET {column} = {column} / {MICROS_PER_UNIT}.0")

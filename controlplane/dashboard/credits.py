@@ -19,7 +19,8 @@ def credits_context(*, tenant, now: datetime) -> dict:
         "allowance": allowance_this_month(tenant=tenant, now=now),
         "balance": credit_balance(tenant=tenant),
         "available": credit_available(tenant=tenant),
-        "grants": credit_entries_recent(tenant=tenant, limit=RECENT_GRANTS,
-                                        kinds=[CreditEntry.Kind.GRANT, CreditEntry.Kind.DEBIT]),
+        "grants": credit_entries_recent(
+            tenant=tenant, limit=RECENT_GRANTS, kinds=[CreditEntry.Kind.GRANT, CreditEntry.Kind.DEBIT]
+        ),
         "charges": credit_entries_recent(tenant=tenant, limit=RECENT_CHARGES, kinds=[CreditEntry.Kind.USAGE]),
     }

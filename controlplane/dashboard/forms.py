@@ -35,5 +35,8 @@ def submit(form: forms.Form, service: Callable[[dict], T], *, rename: dict[str, 
 
 def form_error_messages(form: forms.Form) -> list[str]:
     """The form's errors as lines for a page's messages (after a plain post), each with its field's label."""
-    return [f"{form.fields[field].label}: {text}" if field in form.fields else text
-            for field, errors in form.errors.items() for text in errors]
+    return [
+        f"{form.fields[field].label}: {text}" if field in form.fields else text
+        for field, errors in form.errors.items()
+        for text in errors
+    ]

@@ -93,15 +93,20 @@ class AdminHome:
 
 def operator_home(*, now: datetime) -> OperatorHome:
     try:
-        traffic = traffic_snapshot(now=now.timestamp(), rate_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
-                                   popular_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS)
+        traffic = traffic_snapshot(
+            now=now.timestamp(),
+            rate_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
+            popular_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
+        )
         requests_per_s = sum(traffic.rate_per_s.values())
     except Exception:  # Redis down: the page still shows everything else
         logger.warning("the home page could not read the gateways' request counters", exc_info=True)
         requests_per_s = None
-    return OperatorHome(fleet=fleet_health(now=now, failures_since=now - ERRORS_WINDOW),
-                        requests_per_s=requests_per_s,
-                        last_hour=usage_totals(since=now - ERRORS_WINDOW, until=now))
+    return OperatorHome(
+        fleet=fleet_health(now=now, failures_since=now - ERRORS_WINDOW),
+        requests_per_s=requests_per_s,
+        last_hour=usage_totals(since=now - ERRORS_WINDOW, until=now),
+    )
 
 
 def tenant_home(*, tenant, now: datetime) -> TenantHome:
@@ -111,11 +116,14 @@ def tenant_home(*, tenant, now: datetime) -> TenantHome:
     usable = [key for key in api_keys_unrevoked_for_tenant(tenant=tenant) if not key.is_expired(now)]
     usable.sort(key=lambda key: (key.last_used_at is None, -(key.last_used_at or now).timestamp()))
     return TenantHome(
-        spend_this_month=month.totals.revenue, balance=month.balance,
+        spend_this_month=month.totals.revenue,
+        balance=month.balance,
         allowance_left=allowance_this_month(tenant=tenant, now=now).left if tenant.plan_id else None,
         included_per_month=tenant.plan.included_requests_per_month if tenant.plan else 0,
-        requests_today=today.requests, failed_today=today.failed,
-        latency_today=usage_latency(since=day_start, until=now, tenant=tenant), keys=usable,
+        requests_today=today.requests,
+        failed_today=today.failed,
+        latency_today=usage_latency(since=day_start, until=now, tenant=tenant),
+        keys=usable,
     )
 
 
@@ -123,7 +131,10 @@ def admin_home(*, now: datetime) -> AdminHome:
     since = month_start_of(now)
     totals = usage_totals(since=since, until=now)
     return AdminHome(
-        since=since, revenue=totals.revenue, requests=totals.requests, gpu_hour_cost=settings.GPU_HOUR_COST_USD,
+        since=since,
+        revenue=totals.revenue,
+        requests=totals.requests,
+        gpu_hour_cost=settings.GPU_HOUR_COST_USD,
         margins=model_margins(since=since, until=now, gpu_hour_cost=settings.GPU_HOUR_COST_USD),
         top_tenants=usage_by(group_by="tenant", since=since, until=now)[:TOP_TENANTS],
     )

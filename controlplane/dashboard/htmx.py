@@ -9,8 +9,14 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
 
 
-def fragment_or_redirect(request: HttpRequest, fragment: Callable[[], HttpResponse], *, to: str,
-                         success: str = "", errors: Iterable[str] = ()) -> HttpResponse:
+def fragment_or_redirect(
+    request: HttpRequest,
+    fragment: Callable[[], HttpResponse],
+    *,
+    to: str,
+    success: str = "",
+    errors: Iterable[str] = (),
+) -> HttpResponse:
     """`fragment` is called only for htmx, so a plain post pays for none of its queries; `to` names
     the page's URL; `success` and `errors` are shown there as messages."""
     if request.htmx:
@@ -22,14 +28,14 @@ def fragment_or_redirect(request: HttpRequest, fragment: Callable[[], HttpRespon
     return redirect(to)
 
 
-def run_action(request: HttpRequest, action: Callable[[], object], fragment: Callable[..., HttpResponse], *,
-               to: str, success: str) -> HttpResponse:
+def run_action(
+    request: HttpRequest, action: Callable[[], object], fragment: Callable[..., HttpResponse], *, to: str, success: str
+) -> HttpResponse:
     """A one-button action (unload, drain, deploy): call `action` (a service). A refusal reaches htmx
     as `fragment(action_error=...)`, shown beside the button, and a plain post as the page's message."""
     try:
         action()
     except ValidationError as exc:
         messages = exc.messages
-        return fragment_or_redirect(request, lambda: fragment(action_error=" ".join(messages)), to=to,
-                                    errors=messages)
+        return fragment_or_redirect(request, lambda: fragment(action_error=" ".join(messages)), to=to, errors=messages)
     return fragment_or_redirect(request, fragment, to=to, success=success)

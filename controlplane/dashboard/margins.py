@@ -36,8 +36,13 @@ def model_margins(*, since: datetime, until: datetime, gpu_hour_cost: Decimal) -
     for model in [*revenue, *sorted(name for name in seconds if name not in revenue)]:
         hours = seconds.get(model, 0.0) / 3600
         row = revenue.get(model)
-        margins.append(ModelMargin(
-            model=model, requests=row.requests if row else 0, revenue=row.revenue if row else Decimal("0"),
-            gpu_hours=hours, gpu_cost=(gpu_hour_cost * Decimal(str(hours))).quantize(MICRO),
-        ))
+        margins.append(
+            ModelMargin(
+                model=model,
+                requests=row.requests if row else 0,
+                revenue=row.revenue if row else Decimal("0"),
+                gpu_hours=hours,
+                gpu_cost=(gpu_hour_cost * Decimal(str(hours))).quantize(MICRO),
+            )
+        )
     return margins

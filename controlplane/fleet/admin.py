@@ -17,8 +17,16 @@ class WorkerAdmin(admin.ModelAdmin):
     search_fields = ["name", "advertise_host"]
     # Workers register themselves; state comes from heartbeats and the fleet's services.
     readonly_fields = [
-        "name", "queue_name", "advertise_host", "device", "cpu_memory_total_bytes", "cpu_cores",
-        "version", "state", "state_changed_at", "created_at",
+        "name",
+        "queue_name",
+        "advertise_host",
+        "device",
+        "cpu_memory_total_bytes",
+        "cpu_cores",
+        "version",
+        "state",
+        "state_changed_at",
+        "created_at",
     ]
     inlines = [GpuInline]
 
@@ -44,8 +52,15 @@ class ReplicaAdmin(admin.ModelAdmin):
     search_fields = ["deployment__model__public_name", "worker__name"]
     # Replicas are placed by reconcile and moved by the state machine in services, never by a form.
     readonly_fields = [
-        "deployment", "worker", "gpu", "state", "endpoint_url", "state_changed_at", "last_error",
-        "failure", "created_at",
+        "deployment",
+        "worker",
+        "gpu",
+        "state",
+        "endpoint_url",
+        "state_changed_at",
+        "last_error",
+        "failure",
+        "created_at",
     ]
 
     def has_add_permission(self, request) -> bool:

@@ -62,7 +62,7 @@ def popular(request_counts: dict[int, float], top_k: int) -> set[int]:
     """The ids with the most traffic, at most `top_k` (ties go to the lower id); an id with no
     traffic is never popular."""
     ranked = sorted((-count, key) for key, count in request_counts.items() if count > 0)
-    return {key for _, key in ranked[:max(0, top_k)]}
+    return {key for _, key in ranked[: max(0, top_k)]}
 
 
 def floor_replicas(policy: AutoscalePolicy, *, popular: bool) -> int:
@@ -89,24 +89,32 @@ def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
     itl = _worst(load.itl_p95_s for load in signals.loads)
     kv = max((load.kv_cache_usage for load in signals.loads), default=None)
     idle_since = max(
-        (t for t in (signals.last_request_at, signals.last_scaled_at) if t is not None), default=None,
+        (t for t in (signals.last_request_at, signals.last_scaled_at) if t is not None),
+        default=None,
     )
     since_scaled = None if signals.last_scaled_at is None else now - signals.last_scaled_at
     inputs = {
-        "current_replicas": current, "ready_replicas": ready,
+        "current_replicas": current,
+        "ready_replicas": ready,
         "running": _round(sum(load.running for load in signals.loads)),
         "waiting": _round(sum(load.waiting for load in signals.loads)),
-        "utilisation": _round(utilisation), "target_utilisation": policy.target_utilisation,
+        "utilisation": _round(utilisation),
+        "target_utilisation": policy.target_utilisation,
         "target_concurrency": policy.target_concurrency,
-        "ttft_p95_s": _round(ttft), "ttft_slo_s": policy.ttft_slo_s,
-        "itl_p95_s": _round(itl), "itl_slo_s": policy.itl_slo_s,
-        "kv_cache_usage": _round(kv), "kv_cache_high": policy.kv_cache_high,
+        "ttft_p95_s": _round(ttft),
+        "ttft_slo_s": policy.ttft_slo_s,
+        "itl_p95_s": _round(itl),
+        "itl_slo_s": policy.itl_slo_s,
+        "kv_cache_usage": _round(kv),
+        "kv_cache_high": policy.kv_cache_high,
         "request_rate_per_s": _round(signals.request_rate_per_s),
         "idle_s": None if idle_since is None else _round(now - idle_since),
         "since_scaled_s": _round(since_scaled),
         "queued_cold_starts": signals.queued_cold_starts,
-        "popular": signals.popular, "keep_warm": policy.keep_warm,
-        "min_replicas": policy.min_replicas, "max_replicas": policy.max_replicas,
+        "popular": signals.popular,
+        "keep_warm": policy.keep_warm,
+        "min_replicas": policy.min_replicas,
+        "max_replicas": policy.max_replicas,
     }
 
     def decision(desired: int, reason: str) -> Decision:
@@ -116,14 +124,16 @@ def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
     def cooling(cooldown_s: float) -> bool:
         return since_scaled is not None and since_scaled < cooldown_s
 
-    if current == 0 and policy.max_replicas > 0 and (
-        signals.queued_cold_starts > 0 or signals.request_rate_per_s > 0
-    ):
+    if current == 0 and policy.max_replicas > 0 and (signals.queued_cold_starts > 0 or signals.request_rate_per_s > 0):
         waiting = signals.queued_cold_starts
-        return decision(max(1, floor), (
-            f"{waiting} request(s) wait for a cold start" if waiting
-            else f"requests arrive ({signals.request_rate_per_s:.2g}/s) and no replica is running"
-        ))
+        return decision(
+            max(1, floor),
+            (
+                f"{waiting} request(s) wait for a cold start"
+                if waiting
+                else f"requests arrive ({signals.request_rate_per_s:.2g}/s) and no replica is running"
+            ),
+        )
     if current < floor:
         return decision(floor, _below_floor_reason(policy, signals.popular, floor))
     if current > policy.max_replicas:
@@ -131,8 +141,11 @@ def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
 
     # Replicas still working are not idle, whatever the gateway's counts say (they may be lost).
     idle = (
-        policy.idle_to_zero_s > 0 and signals.request_rate_per_s <= 0 and signals.queued_cold_starts <= 0
-        and demand <= 0 and (idle_since is None or now - idle_since >= policy.idle_to_zero_s)
+        policy.idle_to_zero_s > 0
+        and signals.request_rate_per_s <= 0
+        and signals.queued_cold_starts <= 0
+        and demand <= 0
+        and (idle_since is None or now - idle_since >= policy.idle_to_zero_s)
     )
     if idle and current > floor:
         if idle_since is None:
@@ -167,8 +180,10 @@ def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
                 return decision(current, f"{why}, but already at the maximum of {policy.max_replicas}")
             return decision(current, f"{why}; {current - ready} replica(s) still loading")
         if cooling(policy.scale_up_cooldown_s):
-            return decision(current, f"{why}; scale-up cooling down ({_seconds(since_scaled)} of "
-                                     f"{_seconds(policy.scale_up_cooldown_s)})")
+            return decision(
+                current,
+                f"{why}; scale-up cooling down ({_seconds(since_scaled)} of {_seconds(policy.scale_up_cooldown_s)})",
+            )
         return decision(want, why)
 
     if utilisation < low and current > max(floor, 1):
@@ -177,8 +192,11 @@ def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
         if want >= current:
             return decision(current, f"{why}, but fewer replicas would run above the target")
         if cooling(policy.scale_down_cooldown_s):
-            return decision(current, f"{why}; scale-down cooling down ({_seconds(since_scaled)} of "
-                                     f"{_seconds(policy.scale_down_cooldown_s)})")
+            return decision(
+                current,
+                f"{why}; scale-down cooling down ({_seconds(since_scaled)} of "
+                f"{_seconds(policy.scale_down_cooldown_s)})",
+            )
         return decision(want, why)
 
     return decision(current, f"{load_text}, within {low:.0%}–{high:.0%}")

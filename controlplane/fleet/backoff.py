@@ -13,10 +13,14 @@ def retry_delay_seconds(*, consecutive_failures: int, initial_seconds: float, ma
     return float(min(max_seconds, initial_seconds * 2 ** min(consecutive_failures - 1, 62)))
 
 
-def next_attempt_at(*, failed_at: datetime, consecutive_failures: int, initial_seconds: float,
-                    max_seconds: float) -> datetime:
-    return failed_at + timedelta(seconds=retry_delay_seconds(
-        consecutive_failures=consecutive_failures, initial_seconds=initial_seconds, max_seconds=max_seconds))
+def next_attempt_at(
+    *, failed_at: datetime, consecutive_failures: int, initial_seconds: float, max_seconds: float
+) -> datetime:
+    return failed_at + timedelta(
+        seconds=retry_delay_seconds(
+            consecutive_failures=consecutive_failures, initial_seconds=initial_seconds, max_seconds=max_seconds
+        )
+    )
 
 
 def error_cause(error: str) -> str:

@@ -49,5 +49,7 @@ def publish_to_cache(model_id: int, waiting: dict[str, float]) -> None:
 def waiting_in_cache(model_ids: list[int]) -> dict[int, int]:
     found = caches["live"].get_many([_cache_key(model_id) for model_id in model_ids])
     now = time.time()
-    return {model_id: sum(deadline > now for deadline in found.get(_cache_key(model_id), {}).values())
-            for model_id in model_ids}
+    return {
+        model_id: sum(deadline > now for deadline in found.get(_cache_key(model_id), {}).values())
+        for model_id in model_ids
+    }

@@ -25,8 +25,14 @@ _PATHS: dict[tuple[str, str], tuple[str, ...]] = {
 _LIVE = (PENDING, LOADING, READY, DRAINING)
 # The worker still runs it, but the control plane wants it gone (its unload message was lost,
 # or the control plane gave up on it, e.g. while the worker was lost).
-_UNLOAD = {(DRAINING, LOADING), (DRAINING, READY), (STOPPED, LOADING), (STOPPED, READY),
-           (FAILED, LOADING), (FAILED, READY)}
+_UNLOAD = {
+    (DRAINING, LOADING),
+    (DRAINING, READY),
+    (STOPPED, LOADING),
+    (STOPPED, READY),
+    (FAILED, LOADING),
+    (FAILED, READY),
+}
 
 
 @dataclass(frozen=True)
@@ -64,16 +70,22 @@ def plan_heartbeat(*, recorded: list[RecordedReplica], reported: list[ReplicaRep
         if (mine.state, report.state) in _UNLOAD:
             plan.unload.append(report.replica_id)
         elif report.state == FAILED and mine.state in _LIVE:
-            plan.steps.append(Step(
-                mine.replica_id, (FAILED,),
-                error=report.error or "The worker reported the replica failed without giving a reason.",
-                failure="load" if mine.state in (PENDING, LOADING) else "crashed",
-            ))
+            plan.steps.append(
+                Step(
+                    mine.replica_id,
+                    (FAILED,),
+                    error=report.error or "The worker reported the replica failed without giving a reason.",
+                    failure="load" if mine.state in (PENDING, LOADING) else "crashed",
+                )
+            )
         elif (mine.state, report.state) in _PATHS:
-            plan.steps.append(Step(
-                mine.replica_id, _PATHS[(mine.state, report.state)],
-                endpoint_url=report.endpoint_url or None,
-            ))
+            plan.steps.append(
+                Step(
+                    mine.replica_id,
+                    _PATHS[(mine.state, report.state)],
+                    endpoint_url=report.endpoint_url or None,
+                )
+            )
     reported_ids = {report.replica_id for report in reported}
     for mine in recorded:
         if mine.replica_id in reported_ids:
@@ -81,10 +93,14 @@ def plan_heartbeat(*, recorded: list[RecordedReplica], reported: list[ReplicaRep
         # A pending replica's load message may simply not have arrived yet (the acknowledgement
         # timeout covers a lost one); anything else the worker forgot is gone.
         if mine.state in (LOADING, READY):
-            plan.steps.append(Step(
-                mine.replica_id, (FAILED,), failure="vanished",
-                error="The worker stopped reporting this replica (its daemon may have restarted).",
-            ))
+            plan.steps.append(
+                Step(
+                    mine.replica_id,
+                    (FAILED,),
+                    failure="vanished",
+                    error="The worker stopped reporting this replica (its daemon may have restarted).",
+                )
+            )
         elif mine.state == DRAINING:
             plan.steps.append(Step(mine.replica_id, (STOPPED,)))
     return plan

@@ -60,7 +60,7 @@ def store_figures(*, worker_id: int, figures: dict[str, Any]) -> None:
     Read, append, write: a worker's heartbeats arrive one at a time, and two that raced would at
     worst lose one point of a sparkline."""
     recent = _cache().get(_figures_key(worker_id)) or []
-    _cache().set(_figures_key(worker_id), [*recent[-(RECENT_FIGURES - 1):], figures], _TTL_SECONDS)
+    _cache().set(_figures_key(worker_id), [*recent[-(RECENT_FIGURES - 1) :], figures], _TTL_SECONDS)
 
 
 def recent_figures(*, worker_ids: list[int]) -> dict[int, list[dict[str, Any]]]:

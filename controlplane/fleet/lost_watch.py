@@ -33,15 +33,21 @@ class Watch:
     held: dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"since": self.since, "checked_at": self.checked_at,
-                "held": {str(worker_id): at for worker_id, at in self.held.items()}}
+        return {
+            "since": self.since,
+            "checked_at": self.checked_at,
+            "held": {str(worker_id): at for worker_id, at in self.held.items()},
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> Watch | None:
         """The stored watch, or None for none (or one this code cannot read: a new watch starts)."""
         try:
-            return cls(since=float(data["since"]), checked_at=float(data["checked_at"]),
-                       held={int(worker_id): float(at) for worker_id, at in (data.get("held") or {}).items()})
+            return cls(
+                since=float(data["since"]),
+                checked_at=float(data["checked_at"]),
+                held={int(worker_id): float(at) for worker_id, at in (data.get("held") or {}).items()},
+            )
         except (TypeError, KeyError, ValueError, AttributeError):
             return None
 

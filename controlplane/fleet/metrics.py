@@ -53,40 +53,49 @@ class FleetCollector:
             "gpuserve_fleet_lost_judgement_paused",
             "1 while workers cannot be judged lost, by reason: check_not_running (no check completed for a "
             "lost window), watch_resumed (the check came back less than a lost window ago), replicas_answer "
-            "(a silent worker's replicas answer: its heartbeats go unrecorded).", labels=["reason"])
+            "(a silent worker's replicas answer: its heartbeats go unrecorded).",
+            labels=["reason"],
+        )
         for reason in PAUSE_REASONS:
             paused.add_metric([reason], 1 if reason in judgement.paused_reasons else 0)
         yield paused
         if judgement.checked_at is not None:
-            checked = GaugeMetricFamily("gpuserve_fleet_lost_check_timestamp_seconds",
-                                        "When the lost-worker check last completed (Unix time).")
+            checked = GaugeMetricFamily(
+                "gpuserve_fleet_lost_check_timestamp_seconds", "When the lost-worker check last completed (Unix time)."
+            )
             checked.add_metric([], judgement.checked_at)
             yield checked
 
     def _families(self):
-        replicas = GaugeMetricFamily("gpuserve_replicas", "Live replicas by model and state.",
-                                     labels=["model", "state"])
+        replicas = GaugeMetricFamily(
+            "gpuserve_replicas", "Live replicas by model and state.", labels=["model", "state"]
+        )
         for (model, state), count in sorted(replica_counts_by_model_and_state().items()):
             replicas.add_metric([model, str(state)], count)
         yield replicas
 
-        desired = GaugeMetricFamily("gpuserve_deployment_desired_replicas",
-                                    "Replicas each deployment wants (set by operators and the autoscaler).",
-                                    labels=["model"])
+        desired = GaugeMetricFamily(
+            "gpuserve_deployment_desired_replicas",
+            "Replicas each deployment wants (set by operators and the autoscaler).",
+            labels=["model"],
+        )
         for model, count in deployments_desired_replicas():
             desired.add_metric([model], count)
         yield desired
 
         heard_from = workers_heard_from(now=timezone.now())
-        workers = GaugeMetricFamily("gpuserve_workers", "GPU worker daemons by state (offline ones left out).",
-                                    labels=["state"])
+        workers = GaugeMetricFamily(
+            "gpuserve_workers", "GPU worker daemons by state (offline ones left out).", labels=["state"]
+        )
         for state in (Worker.State.ONLINE, Worker.State.DRAINING, Worker.State.LOST):
             workers.add_metric([str(state)], sum(1 for worker, _ in heard_from if worker.state == state))
         yield workers
 
-        age = GaugeMetricFamily("gpuserve_worker_heartbeat_age_seconds",
-                                "Seconds since each worker's last heartbeat (offline workers left out).",
-                                labels=["worker"])
+        age = GaugeMetricFamily(
+            "gpuserve_worker_heartbeat_age_seconds",
+            "Seconds since each worker's last heartbeat (offline workers left out).",
+            labels=["worker"],
+        )
         for worker, seconds in heard_from:
             age.add_metric([worker.name], max(0.0, seconds))
         yield age

@@ -80,7 +80,8 @@ class Gpu(models.Model):
         ordering = ["worker", "index"]
         constraints = [
             models.UniqueConstraint(
-                fields=["worker", "index"], name="gpu_unique_index_per_worker",
+                fields=["worker", "index"],
+                name="gpu_unique_index_per_worker",
                 violation_error_message="This worker already has a GPU with this index.",
             ),
         ]
@@ -128,7 +129,11 @@ class Replica(models.Model):
     deployment = models.ForeignKey("catalog.Deployment", on_delete=models.CASCADE, related_name="replicas")
     worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="replicas")
     gpu = models.ForeignKey(
-        Gpu, on_delete=models.CASCADE, null=True, blank=True, related_name="replicas",
+        Gpu,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="replicas",
         help_text="Empty for a replica running on the worker's CPU; its first GPU when split over several.",
     )
     # The model's tensor_parallel_size when the replica was placed: it holds the GPUs with indexes
@@ -136,7 +141,9 @@ class Replica(models.Model):
     tensor_parallel_size = models.PositiveSmallIntegerField(default=1, validators=[MinValueValidator(1)])
     state = models.CharField(max_length=20, choices=State.choices, default=State.PENDING)
     endpoint_url = models.CharField(
-        max_length=300, blank=True, validators=[validate_endpoint_url],
+        max_length=300,
+        blank=True,
+        validators=[validate_endpoint_url],
         help_text="The worker's internal OpenAI-compatible API for this replica.",
     )
     last_error = models.TextField(blank=True)
@@ -154,8 +161,10 @@ class Replica(models.Model):
     @property
     def gpu_indexes(self) -> list[int]:
         """The indexes of the GPUs it holds (none on a worker's CPU)."""
-        return held_gpu_indexes(first_index=self.gpu.index if self.gpu_id is not None else None,
-                                tensor_parallel_size=self.tensor_parallel_size)
+        return held_gpu_indexes(
+            first_index=self.gpu.index if self.gpu_id is not None else None,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
 
     @property
     def gpus_label(self) -> str:
@@ -182,8 +191,9 @@ class AutoscaleDecision(models.Model):
         DOWN = "down", "Scale down"
         HOLD = "hold", "Hold"
 
-    deployment = models.OneToOneField("catalog.Deployment", on_delete=models.CASCADE, primary_key=True,
-                                      related_name="autoscale_decision")
+    deployment = models.OneToOneField(
+        "catalog.Deployment", on_delete=models.CASCADE, primary_key=True, related_name="autoscale_decision"
+    )
     action = models.CharField(max_length=10, choices=Action.choices)
     desired_replicas = models.PositiveIntegerField()
     reason = models.CharField(max_length=500)
@@ -217,7 +227,9 @@ class LoadBackoff(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.deployment_id} on {self.worker_id}: {self.consecutive_failures} failed, next {self.next_attempt_at}"
+        return (
+            f"{self.deployment_id} on {self.worker_id}: {self.consecutive_failures} failed, next {self.next_attempt_at}"
+        )
 
 
 class PlacementReport(models.Model):

@@ -68,21 +68,30 @@ def slot_groups(slots: list[Slot], tensor_parallel_size: int) -> list[tuple[Slot
 
 
 def group_fits(group: tuple[Slot, ...], *, need_bytes: int, tensor_parallel_size: int) -> bool:
-    return all(slot.free_bytes >= share_bytes(need_bytes=need_bytes, on_gpu=slot.gpu_id is not None,
-                                              tensor_parallel_size=tensor_parallel_size)
-               for slot in group)
+    return all(
+        slot.free_bytes
+        >= share_bytes(need_bytes=need_bytes, on_gpu=slot.gpu_id is not None, tensor_parallel_size=tensor_parallel_size)
+        for slot in group
+    )
 
 
 def largest_replica_bytes(*, slots: list[Slot], tensor_parallel_size: int) -> int | None:
     """The largest replica these slots could hold if they were empty (capacity, not free room)."""
-    sizes = [min(slot.total_bytes for slot in group) * (1 if group[0].gpu_id is None else tensor_parallel_size)
-             for group in slot_groups(slots, tensor_parallel_size)]
+    sizes = [
+        min(slot.total_bytes for slot in group) * (1 if group[0].gpu_id is None else tensor_parallel_size)
+        for group in slot_groups(slots, tensor_parallel_size)
+    ]
     return max(sizes, default=None)
 
 
 def plan_placements(
-    *, slots: list[Slot], need_bytes: int, count: int,
-    replicas_per_worker: Counter, replicas_per_slot: Counter, failures_per_worker: Counter | None = None,
+    *,
+    slots: list[Slot],
+    need_bytes: int,
+    count: int,
+    replicas_per_worker: Counter,
+    replicas_per_slot: Counter,
+    failures_per_worker: Counter | None = None,
     tensor_parallel_size: int = 1,
 ) -> list[tuple[Slot, ...]]:
     """Up to `count` places for new replicas of one deployment: each a group of slots
@@ -103,13 +112,21 @@ def plan_placements(
         fitting = [g for g in groups if group_fits(g, need_bytes=need_bytes, tensor_parallel_size=tensor_parallel_size)]
         if not fitting:
             break
-        group = min(fitting, key=lambda g: (
-            per_worker[g[0].worker_id], failures[g[0].worker_id], sum(per_slot[(s.worker_id, s.gpu_index)] for s in g),
-            -min(s.free_bytes for s in g), g[0].worker_id, g[0].gpu_index or 0,
-        ))
+        group = min(
+            fitting,
+            key=lambda g: (
+                per_worker[g[0].worker_id],
+                failures[g[0].worker_id],
+                sum(per_slot[(s.worker_id, s.gpu_index)] for s in g),
+                -min(s.free_bytes for s in g),
+                g[0].worker_id,
+                g[0].gpu_index or 0,
+            ),
+        )
         for slot in group:
-            slot.used_bytes += share_bytes(need_bytes=need_bytes, on_gpu=slot.gpu_id is not None,
-                                           tensor_parallel_size=tensor_parallel_size)
+            slot.used_bytes += share_bytes(
+                need_bytes=need_bytes, on_gpu=slot.gpu_id is not None, tensor_parallel_size=tensor_parallel_size
+            )
             per_slot[(slot.worker_id, slot.gpu_index)] += 1
         per_worker[group[0].worker_id] += 1
         chosen.append(group)
@@ -161,10 +178,16 @@ _REMOVE_FIRST = {"pending": 0, "loading": 1, "ready": 2}
 def choose_to_remove(*, candidates: list[Candidate], count: int) -> list[int]:
     """The `count` least useful replicas: not yet serving before serving, then the least busy
     (draining it cuts the fewest requests short), then the newest."""
-    ordered = sorted(candidates, key=lambda c: (
-        _REMOVE_FIRST.get(c.state, 3), c.outstanding_requests, -c.created_at.timestamp(), -c.replica_id,
-    ))
-    return [c.replica_id for c in ordered[:max(0, count)]]
+    ordered = sorted(
+        candidates,
+        key=lambda c: (
+            _REMOVE_FIRST.get(c.state, 3),
+            c.outstanding_requests,
+            -c.created_at.timestamp(),
+            -c.replica_id,
+        ),
+    )
+    return [c.replica_id for c in ordered[: max(0, count)]]
 
 
 def memory_fraction(*, need_bytes: int, total_bytes: int) -> float:

@@ -52,11 +52,18 @@ def replicas_fail_unacknowledged(*, now: datetime) -> int:
     failed = 0
     for pk in stale.values_list("pk", flat=True):
         with transaction.atomic():
-            replica = (Replica.objects.select_for_update(no_key=True, skip_locked=True).select_related("worker")
-                       .filter(pk=pk, state=Replica.State.PENDING).first())
+            replica = (
+                Replica.objects.select_for_update(no_key=True, skip_locked=True)
+                .select_related("worker")
+                .filter(pk=pk, state=Replica.State.PENDING)
+                .first()
+            )
             if replica is not None:
                 replica_transition(
-                    replica=replica, to_state=Replica.State.FAILED, at=now, failure=Replica.Failure.NOT_ACKNOWLEDGED,
+                    replica=replica,
+                    to_state=Replica.State.FAILED,
+                    at=now,
+                    failure=Replica.Failure.NOT_ACKNOWLEDGED,
                     error=f"Worker {replica.worker.name} did not acknowledge the load within {timeout} s.",
                 )
                 failed += 1
@@ -86,8 +93,9 @@ def _deployment_reconcile_locked(*, deployment_id: int, now: datetime) -> Reconc
     missing = _missing(deployment)
     if missing > 0:
         placed, reason = _scale_up(deployment, missing, now)
-        outcome = ReconcileOutcome(deployment.pk, placed=placed, unplaced=missing - len(placed),
-                                   reason=reason if len(placed) < missing else "")
+        outcome = ReconcileOutcome(
+            deployment.pk, placed=placed, unplaced=missing - len(placed), reason=reason if len(placed) < missing else ""
+        )
         _placement_report_record(deployment, outcome, now)
         return outcome
     if missing < 0:
@@ -109,10 +117,15 @@ def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[i
     need, size = model.gpu_memory_bytes, model.tensor_parallel_size
     mine = live_replica_placements(worker_ids=[w.pk for w in workers], deployment_id=deployment.pk)
     chosen = plan_placements(
-        slots=[slot for slot in slots if slot.worker_id not in waiting], need_bytes=need, count=count,
+        slots=[slot for slot in slots if slot.worker_id not in waiting],
+        need_bytes=need,
+        count=count,
         replicas_per_worker=Counter(worker_id for worker_id, *_ in mine),
-        replicas_per_slot=Counter((worker_id, index) for worker_id, first, held, _ in mine
-                                  for index in held_places(first_index=first, tensor_parallel_size=held)),
+        replicas_per_slot=Counter(
+            (worker_id, index)
+            for worker_id, first, held, _ in mine
+            for index in held_places(first_index=first, tensor_parallel_size=held)
+        ),
         failures_per_worker=Counter({worker_id: b.consecutive_failures for worker_id, b in backoffs.items()}),
         tensor_parallel_size=size,
     )
@@ -125,10 +138,15 @@ def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[i
     if len(placed) == count:
         return placed, ""
     # The slots now count the replicas just placed: the free memory left, as the next one sees it.
-    rooms = [SlotRoom(label=slot_label(worker=by_id[slot.worker_id], gpu=gpus.get(slot.gpu_id)),
-                      free_bytes=slot.free_bytes, total_bytes=slot.total_bytes,
-                      note=backoff_note(backoffs[slot.worker_id], now=now) if slot.worker_id in waiting else "")
-             for slot in slots]
+    rooms = [
+        SlotRoom(
+            label=slot_label(worker=by_id[slot.worker_id], gpu=gpus.get(slot.gpu_id)),
+            free_bytes=slot.free_bytes,
+            total_bytes=slot.total_bytes,
+            note=backoff_note(backoffs[slot.worker_id], now=now) if slot.worker_id in waiting else "",
+        )
+        for slot in slots
+    ]
     return placed, room_message(need_bytes=need, rooms=rooms, tensor_parallel_size=size)
 
 
@@ -139,24 +157,34 @@ def _placement_report_record(deployment: Deployment, outcome: ReconcileOutcome, 
         return
     if report is None and not outcome.unplaced:
         return
-    PlacementReport.objects.update_or_create(deployment=deployment, defaults={
-        "unplaced": outcome.unplaced, "reason": outcome.reason, "at": now})
+    PlacementReport.objects.update_or_create(
+        deployment=deployment, defaults={"unplaced": outcome.unplaced, "reason": outcome.reason, "at": now}
+    )
     publish_deployment(deployment)
 
 
 def _scale_down(deployment: Deployment, count: int, now: datetime) -> list[int]:
-    replicas = list(Replica.objects.select_for_update(no_key=True).select_related("worker")
-                    .filter(deployment=deployment, state__in=Replica.ACTIVE_STATES).order_by("pk"))
+    replicas = list(
+        Replica.objects.select_for_update(no_key=True)
+        .select_related("worker")
+        .filter(deployment=deployment, state__in=Replica.ACTIVE_STATES)
+        .order_by("pk")
+    )
     latest = heartbeat_cache.read_many(worker_ids=list({r.worker_id for r in replicas}))
 
     def outstanding(replica: Replica) -> int:
         figures = (latest.get(replica.worker_id) or {}).get("replicas", {}).get(str(replica.pk), {})
         return int(figures.get("running", 0) + figures.get("waiting", 0))
 
-    remove = set(choose_to_remove(candidates=[
-        Candidate(replica_id=r.pk, state=r.state, created_at=r.created_at, outstanding_requests=outstanding(r))
-        for r in replicas
-    ], count=count))
+    remove = set(
+        choose_to_remove(
+            candidates=[
+                Candidate(replica_id=r.pk, state=r.state, created_at=r.created_at, outstanding_requests=outstanding(r))
+                for r in replicas
+            ],
+            count=count,
+        )
+    )
     for replica in replicas:
         if replica.pk in remove:
             replica_stop(replica=replica, at=now)

@@ -35,8 +35,9 @@ def workers_latest_heartbeats(*, worker_ids: Iterable[int]) -> dict[int, dict[st
     return heartbeat_cache.read_many(worker_ids=list(worker_ids))
 
 
-def worker_silence_seconds(worker: Worker, latest: dict | None, now: datetime,
-                           *, watched_since: float | None = None) -> float:
+def worker_silence_seconds(
+    worker: Worker, latest: dict | None, now: datetime, *, watched_since: float | None = None
+) -> float:
     """Seconds since the worker was last heard from (`latest`: its cached heartbeat, if any), or,
     with `watched_since` (epoch seconds: the lost-worker judge's watch, lost_watch.py), the part of
     them since then: the silence the control plane could have recorded a heartbeat in."""
@@ -48,8 +49,12 @@ def worker_silence_seconds(worker: Worker, latest: dict | None, now: datetime,
 
 def worker_replica_endpoints(*, worker_id: int) -> list[str]:
     """The endpoints of the worker's live replicas that have one (a pending replica has none yet)."""
-    return list(Replica.objects.filter(worker_id=worker_id, state__in=Replica.LIVE_STATES).exclude(endpoint_url="")
-                .order_by("pk").values_list("endpoint_url", flat=True))
+    return list(
+        Replica.objects.filter(worker_id=worker_id, state__in=Replica.LIVE_STATES)
+        .exclude(endpoint_url="")
+        .order_by("pk")
+        .values_list("endpoint_url", flat=True)
+    )
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,17 @@ def workers_heard_from(*, now: datetime) -> list[tuple[Worker, float]]:
 def replica_counts_by_model_and_state() -> dict[tuple[str, str], int]:
     """Live replicas (pending, loading, ready, draining) per deployed model and state; every pair
     of a deployed model and a live state is there, 0 where none is."""
-    counts = {(name, state): 0 for name in Deployment.objects.values_list("model__public_name", flat=True)
-              for state in Replica.LIVE_STATES}
-    rows = (Replica.objects.filter(state__in=Replica.LIVE_STATES)
-            .values_list("deployment__model__public_name", "state").annotate(count=Count("pk")).order_by())
+    counts = {
+        (name, state): 0
+        for name in Deployment.objects.values_list("model__public_name", flat=True)
+        for state in Replica.LIVE_STATES
+    }
+    rows = (
+        Replica.objects.filter(state__in=Replica.LIVE_STATES)
+        .values_list("deployment__model__public_name", "state")
+        .annotate(count=Count("pk"))
+        .order_by()
+    )
     for name, state, count in rows:
         counts[(name, state)] = count
     return counts
@@ -88,6 +100,8 @@ def replica_counts_by_model_and_state() -> dict[tuple[str, str], int]:
 def deployments_desired_replicas() -> list[tuple[str, int]]:
     """(model name, desired replicas) of every deployment, by model name."""
     return list(Deployment.objects.values_list("model__public_name", "desired_replicas").order_by("model__public_name"))
+
+
 def workers_recent_figures(*, since: float, worker_ids: Iterable[int] | None = None) -> dict[int, list[dict[str, Any]]]:
     """Each worker's (all, or these) device figures from its heartbeats received after `since`
     (epoch seconds), oldest first: {"received_at", "gpus", "cpu"} each, as reported."""
@@ -103,31 +117,42 @@ def placement_slots(*, workers: list[Worker]) -> list[Slot]:
     replica split over N GPUs counts its share on each of them)."""
     ids = [worker.pk for worker in workers]
     slots = [
-        Slot(worker_id=gpu.worker_id, gpu_id=gpu.pk, gpu_index=gpu.index, total_bytes=gpu.memory_total_bytes, used_bytes=0)
+        Slot(
+            worker_id=gpu.worker_id,
+            gpu_id=gpu.pk,
+            gpu_index=gpu.index,
+            total_bytes=gpu.memory_total_bytes,
+            used_bytes=0,
+        )
         for gpu in Gpu.objects.filter(worker_id__in=ids, present=True).order_by("worker_id", "index")
     ]
     slots += [
         Slot(worker_id=worker.pk, gpu_id=None, gpu_index=None, total_bytes=worker.cpu_memory_total_bytes, used_bytes=0)
-        for worker in workers if worker.device == Worker.Device.CPU
+        for worker in workers
+        if worker.device == Worker.Device.CPU
     ]
     by_place = {(slot.worker_id, slot.gpu_index): slot for slot in slots}
     for worker_id, first_index, size, need in live_replica_placements(worker_ids=ids):
         for index in held_places(first_index=first_index, tensor_parallel_size=size):
             slot = by_place.get((worker_id, index))
             if slot is not None:
-                slot.used_bytes += share_bytes(need_bytes=need, on_gpu=slot.gpu_id is not None,
-                                               tensor_parallel_size=size)
+                slot.used_bytes += share_bytes(
+                    need_bytes=need, on_gpu=slot.gpu_id is not None, tensor_parallel_size=size
+                )
     return slots
 
 
-def live_replica_placements(*, worker_ids: Iterable[int], deployment_id: int | None = None
-                            ) -> list[tuple[int, int | None, int, int]]:
+def live_replica_placements(
+    *, worker_ids: Iterable[int], deployment_id: int | None = None
+) -> list[tuple[int, int | None, int, int]]:
     """(worker id, first GPU index or None for the CPU, tensor_parallel_size, model's gpu_memory_bytes)
     of each live replica on these workers (of one deployment, if given)."""
     rows = Replica.objects.filter(worker_id__in=list(worker_ids), state__in=Replica.LIVE_STATES)
     if deployment_id is not None:
         rows = rows.filter(deployment_id=deployment_id)
-    return list(rows.values_list("worker_id", "gpu__index", "tensor_parallel_size", "deployment__model__gpu_memory_bytes"))
+    return list(
+        rows.values_list("worker_id", "gpu__index", "tensor_parallel_size", "deployment__model__gpu_memory_bytes")
+    )
 
 
 def deployment_get_for_model(*, model: Model) -> Deployment | None:
@@ -137,9 +162,13 @@ def deployment_get_for_model(*, model: Model) -> Deployment | None:
 def load_backoffs(*, deployment_ids: Iterable[int]) -> QuerySet[LoadBackoff]:
     """The deployments' current load backoffs, with their workers: those since each model last
     changed (editing a model, say its weight path, gives every worker a fresh start)."""
-    return (LoadBackoff.objects.filter(deployment_id__in=list(deployment_ids),
-                                       last_failed_at__gte=F("deployment__model__updated_at"))
-            .select_related("worker").order_by("next_attempt_at", "pk"))
+    return (
+        LoadBackoff.objects.filter(
+            deployment_id__in=list(deployment_ids), last_failed_at__gte=F("deployment__model__updated_at")
+        )
+        .select_related("worker")
+        .order_by("next_attempt_at", "pk")
+    )
 
 
 def format_time_of_day(at: datetime) -> str:
@@ -185,8 +214,9 @@ class DeploymentStatus:
     backoffs: list[BackoffView] = field(default_factory=list)
 
 
-def deployment_statuses(*, deployment_ids: Iterable[int] | None = None,
-                        now: datetime | None = None) -> list[DeploymentStatus]:
+def deployment_statuses(
+    *, deployment_ids: Iterable[int] | None = None, now: datetime | None = None
+) -> list[DeploymentStatus]:
     S = Replica.State
     deployments = Deployment.objects.select_related("model").annotate(
         n_ready=Count("replicas", filter=Q(replicas__state=S.READY)),
@@ -208,9 +238,14 @@ def deployment_statuses(*, deployment_ids: Iterable[int] | None = None,
 def _status(deployment, backoffs: list[LoadBackoff], report: PlacementReport | None, now: datetime) -> DeploymentStatus:
     ready, starting, draining = deployment.n_ready, deployment.n_starting, deployment.n_draining
     desired, model = deployment.desired_replicas, deployment.model
-    failure = (Replica.objects.filter(deployment=deployment, state=Replica.State.FAILED,
-                                      state_changed_at__gte=model.updated_at)
-               .order_by("-state_changed_at", "-pk").select_related("worker").first())
+    failure = (
+        Replica.objects.filter(
+            deployment=deployment, state=Replica.State.FAILED, state_changed_at__gte=model.updated_at
+        )
+        .order_by("-state_changed_at", "-pk")
+        .select_related("worker")
+        .first()
+    )
     last_error = f"{failure.worker.name}: {error_cause(failure.last_error)}" if failure else ""
     failed_in_a_row = sum(b.consecutive_failures for b in backoffs)
     active = ready + starting
@@ -220,10 +255,15 @@ def _status(deployment, backoffs: list[LoadBackoff], report: PlacementReport | N
         state, message = "ready", f"{ready} of {desired} replicas ready."
     elif ready < desired and backoffs and failed_in_a_row >= settings.FLEET_LOAD_DEGRADED_AFTER_FAILURES:
         upcoming = min(backoffs, key=lambda b: b.next_attempt_at)
-        when = ("now" if upcoming.next_attempt_at <= now
-                else f"at {format_time_of_day(upcoming.next_attempt_at)} on {upcoming.worker.name}")
-        state, message = "degraded", (f"{ready} of {desired} ready; {failed_in_a_row} loads failed in a row; "
-                                      f"retrying {when}.")
+        when = (
+            "now"
+            if upcoming.next_attempt_at <= now
+            else f"at {format_time_of_day(upcoming.next_attempt_at)} on {upcoming.worker.name}"
+        )
+        state, message = (
+            "degraded",
+            (f"{ready} of {desired} ready; {failed_in_a_row} loads failed in a row; retrying {when}."),
+        )
     elif starting or active > desired or (draining and active >= desired):
         state, message = "scaling", f"{ready} of {desired} ready, {starting} starting, {draining} draining."
     elif report is not None:
@@ -231,12 +271,27 @@ def _status(deployment, backoffs: list[LoadBackoff], report: PlacementReport | N
     else:
         state, message = "waiting", f"{ready} of {desired} ready; waiting for the next reconcile to place it."
     return DeploymentStatus(
-        deployment_id=deployment.pk, model_name=model.public_name, desired_replicas=desired,
-        ready=ready, starting=starting, draining=draining, state=state, last_error=last_error, message=message,
-        error_detail=failure.last_error if failure and failure.last_error.strip() != error_cause(failure.last_error) else "",
-        backoffs=[BackoffView(worker_name=b.worker.name, consecutive_failures=b.consecutive_failures,
-                              next_attempt_at=b.next_attempt_at, cause=error_cause(b.last_error))
-                  for b in backoffs],
+        deployment_id=deployment.pk,
+        model_name=model.public_name,
+        desired_replicas=desired,
+        ready=ready,
+        starting=starting,
+        draining=draining,
+        state=state,
+        last_error=last_error,
+        message=message,
+        error_detail=failure.last_error
+        if failure and failure.last_error.strip() != error_cause(failure.last_error)
+        else "",
+        backoffs=[
+            BackoffView(
+                worker_name=b.worker.name,
+                consecutive_failures=b.consecutive_failures,
+                next_attempt_at=b.next_attempt_at,
+                cause=error_cause(b.last_error),
+            )
+            for b in backoffs
+        ],
     )
 
 
@@ -265,7 +320,8 @@ def workers_online_with_present_gpus() -> QuerySet[Worker]:
     """Online workers, by name, each with `present_gpus` (by index) attached: where a replica can
     be loaded by hand."""
     return Worker.objects.filter(state=Worker.State.ONLINE).prefetch_related(
-        Prefetch("gpus", queryset=Gpu.objects.filter(present=True), to_attr="present_gpus"))
+        Prefetch("gpus", queryset=Gpu.objects.filter(present=True), to_attr="present_gpus")
+    )
 
 
 def replicas_with_model_and_worker() -> QuerySet[Replica]:
@@ -293,8 +349,13 @@ def workers_with_live_replicas(*, worker_ids: Iterable[int] | None = None) -> li
     for the operators' fleet page."""
     workers = Worker.objects.prefetch_related(
         Prefetch("gpus", queryset=Gpu.objects.filter(present=True).order_by("index"), to_attr="present_gpus"),
-        Prefetch("replicas", to_attr="live_replicas", queryset=Replica.objects.filter(state__in=Replica.LIVE_STATES)
-                 .select_related("deployment__model", "gpu").order_by("created_at", "pk")),
+        Prefetch(
+            "replicas",
+            to_attr="live_replicas",
+            queryset=Replica.objects.filter(state__in=Replica.LIVE_STATES)
+            .select_related("deployment__model", "gpu")
+            .order_by("created_at", "pk"),
+        ),
     )
     if worker_ids is not None:
         workers = workers.filter(pk__in=list(worker_ids))
@@ -304,8 +365,13 @@ def workers_with_live_replicas(*, worker_ids: Iterable[int] | None = None) -> li
 def deployments_with_live_replicas(*, deployment_ids: Iterable[int] | None = None) -> list[Deployment]:
     """Deployments with their model and `live_replicas` (with worker and GPU) attached."""
     deployments = Deployment.objects.select_related("model", "autoscale_decision").prefetch_related(
-        Prefetch("replicas", to_attr="live_replicas", queryset=Replica.objects.filter(state__in=Replica.LIVE_STATES)
-                 .select_related("worker", "gpu").order_by("created_at", "pk")),
+        Prefetch(
+            "replicas",
+            to_attr="live_replicas",
+            queryset=Replica.objects.filter(state__in=Replica.LIVE_STATES)
+            .select_related("worker", "gpu")
+            .order_by("created_at", "pk"),
+        ),
     )
     if deployment_ids is not None:
         deployments = deployments.filter(pk__in=list(deployment_ids))
@@ -316,19 +382,26 @@ def deployment_replica_loads(*, deployment: Deployment) -> tuple[int, list[Repli
     """How many replicas the deployment has active (pending, loading, ready), and the figures of
     each ready one from its worker's latest heartbeat (a ready replica no heartbeat reports yet is
     left out of the figures: nothing is known of its load)."""
-    active = list(Replica.objects.filter(deployment=deployment, state__in=Replica.ACTIVE_STATES)
-                  .values_list("pk", "state", "worker_id"))
+    active = list(
+        Replica.objects.filter(deployment=deployment, state__in=Replica.ACTIVE_STATES).values_list(
+            "pk", "state", "worker_id"
+        )
+    )
     ready = [(pk, worker_id) for pk, state, worker_id in active if state == Replica.State.READY]
     latest = heartbeat_cache.read_many(worker_ids=sorted({worker_id for _, worker_id in ready}))
     loads = []
     for pk, worker_id in ready:
         figures = ((latest.get(worker_id) or {}).get("replicas") or {}).get(str(pk))
         if figures is not None:
-            loads.append(ReplicaLoad(
-                running=float(figures.get("running") or 0.0), waiting=float(figures.get("waiting") or 0.0),
-                kv_cache_usage=float(figures.get("kv_cache_usage") or 0.0),
-                ttft_p95_s=_figure(figures, "ttft_p95_s"), itl_p95_s=_figure(figures, "itl_p95_s"),
-            ))
+            loads.append(
+                ReplicaLoad(
+                    running=float(figures.get("running") or 0.0),
+                    waiting=float(figures.get("waiting") or 0.0),
+                    kv_cache_usage=float(figures.get("kv_cache_usage") or 0.0),
+                    ttft_p95_s=_figure(figures, "ttft_p95_s"),
+                    itl_p95_s=_figure(figures, "itl_p95_s"),
+                )
+            )
     return len(active), loads
 
 
@@ -354,19 +427,28 @@ def fleet_health(*, now: datetime, failures_since: datetime) -> FleetHealth:
     workers = dict(Worker.objects.order_by().values_list("state").annotate(n=Count("pk")).values_list("state", "n"))
     gpus = Gpu.objects.filter(present=True)
     present = set(gpus.values_list("worker_id", "index"))
-    held = {(worker_id, index)
-            for worker_id, first, size, _ in live_replica_placements(worker_ids=Worker.objects.values_list("pk", flat=True))
-            for index in held_gpu_indexes(first_index=first, tensor_parallel_size=size)}
-    live = heartbeat_cache.read_many(worker_ids=list(Worker.objects.exclude(state=Worker.State.OFFLINE)
-                                                     .values_list("pk", flat=True)))
-    utilisation = [float(gpu["utilization_pct"]) for beat in live.values() for gpu in beat.get("gpus") or ()
-                   if gpu.get("utilization_pct") is not None]
+    held = {
+        (worker_id, index)
+        for worker_id, first, size, _ in live_replica_placements(worker_ids=Worker.objects.values_list("pk", flat=True))
+        for index in held_gpu_indexes(first_index=first, tensor_parallel_size=size)
+    }
+    live = heartbeat_cache.read_many(
+        worker_ids=list(Worker.objects.exclude(state=Worker.State.OFFLINE).values_list("pk", flat=True))
+    )
+    utilisation = [
+        float(gpu["utilization_pct"])
+        for beat in live.values()
+        for gpu in beat.get("gpus") or ()
+        if gpu.get("utilization_pct") is not None
+    ]
     return FleetHealth(
         workers_by_state={state: workers.get(state, 0) for state in Worker.State.values},
-        gpus_present=len(present), gpus_busy=len(held & present),
+        gpus_present=len(present),
+        gpus_busy=len(held & present),
         gpu_utilisation_pct=sum(utilisation) / len(utilisation) if utilisation else None,
-        replicas_failed_recently=Replica.objects.filter(state=Replica.State.FAILED,
-                                                        state_changed_at__gte=failures_since).count(),
+        replicas_failed_recently=Replica.objects.filter(
+            state=Replica.State.FAILED, state_changed_at__gte=failures_since
+        ).count(),
         not_ready=[s for s in deployment_statuses(now=now) if s.state not in ("ready", "stopped")],
     )
 
@@ -381,10 +463,13 @@ def gpu_seconds_by_model(*, since: datetime, until: datetime) -> dict[str, float
     left out. This is capacity held, not busy time: the engine's busy share is each usage record's
     `gpu_time_s`. A replica split over N GPUs holds N GPU-seconds a second."""
     ended = (Replica.State.STOPPED, Replica.State.FAILED)
-    replicas = (Replica.objects.filter(gpu__isnull=False, created_at__lt=until)
-                .exclude(state__in=ended, state_changed_at__lte=since)
-                .values_list("deployment__model__public_name", "created_at", "state", "state_changed_at",
-                             "tensor_parallel_size"))
+    replicas = (
+        Replica.objects.filter(gpu__isnull=False, created_at__lt=until)
+        .exclude(state__in=ended, state_changed_at__lte=since)
+        .values_list(
+            "deployment__model__public_name", "created_at", "state", "state_changed_at", "tensor_parallel_size"
+        )
+    )
     seconds: dict[str, float] = {}
     for model_name, created_at, state, changed_at, gpus in replicas:
         end = min(changed_at, until) if state in ended else until

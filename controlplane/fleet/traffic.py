@@ -47,8 +47,9 @@ class _Warner:
         now = time.monotonic()
         if now - self._last >= _WARN_EVERY_S:
             self._last = now
-            logger.warning("could not record gateway traffic (%s); the autoscaler sees fewer requests", what,
-                           exc_info=True)
+            logger.warning(
+                "could not record gateway traffic (%s); the autoscaler sees fewer requests", what, exc_info=True
+            )
 
 
 class RedisTraffic:
@@ -121,6 +122,7 @@ def traffic_recorder(redis_url: str) -> RedisTraffic | LocalTraffic:
 
 # --- The control plane's reader --------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class TrafficSnapshot:
     """Per model id: requests per second over the rate window, requests over the popularity
@@ -154,7 +156,8 @@ def traffic_snapshot(*, now: float, rate_window_s: float, popular_window_s: floa
                 rate[model_id] += count
     return TrafficSnapshot(
         rate_per_s={model_id: count / covered for model_id, count in rate.items()},
-        window_counts=dict(window), last_request_at=dict(last),
+        window_counts=dict(window),
+        last_request_at=dict(last),
     )
 
 

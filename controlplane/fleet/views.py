@@ -55,8 +55,11 @@ def internal_endpoint(view: Callable) -> Callable:
             # The control plane's own database or Redis gone: the daemon retries its next beat.
             if (dependency := unreachable_dependency(exc)) is None:
                 raise
-            return JsonResponse({"error": f"The control plane cannot reach its {dependency} right now."},
-                                status=503, headers={"Retry-After": "1"})
+            return JsonResponse(
+                {"error": f"The control plane cannot reach its {dependency} right now."},
+                status=503,
+                headers={"Retry-After": "1"},
+            )
 
     return wrapper
 
@@ -66,18 +69,23 @@ def register(request: HttpRequest, body) -> JsonResponse:
     worker = worker_register(registration=parse_registration(body), now=timezone.now())
     scope = getattr(request, "scope", None)  # None: not served over ASGI (a test's live server)
     if scope is not None and not scope.get(FLEET_SERVER_SCOPE_KEY):
-        logger.warning("worker %s registered through the public server, where tenant traffic can delay its "
-                       "heartbeats until it is judged lost: point its --control-url at the fleet server "
-                       "(FLEET_PORT)", worker.name)
-    return JsonResponse({
-        "worker_id": worker.pk,
-        "queue": worker.queue_name,
-        "heartbeat_interval_s": settings.FLEET_HEARTBEAT_INTERVAL_SECONDS,
-        "celery": {
-            "broker_url": settings.FLEET_WORKER_BROKER_URL,
-            "broker_transport_options": settings.CELERY_BROKER_TRANSPORT_OPTIONS,
-        },
-    })
+        logger.warning(
+            "worker %s registered through the public server, where tenant traffic can delay its "
+            "heartbeats until it is judged lost: point its --control-url at the fleet server "
+            "(FLEET_PORT)",
+            worker.name,
+        )
+    return JsonResponse(
+        {
+            "worker_id": worker.pk,
+            "queue": worker.queue_name,
+            "heartbeat_interval_s": settings.FLEET_HEARTBEAT_INTERVAL_SECONDS,
+            "celery": {
+                "broker_url": settings.FLEET_WORKER_BROKER_URL,
+                "broker_transport_options": settings.CELERY_BROKER_TRANSPORT_OPTIONS,
+            },
+        }
+    )
 
 
 @internal_endpoint

@@ -45,6 +45,7 @@ def build_app() -> Starlette:
     def endpoint(handler, *, counted: bool = False):
         """`handler` with errors answered OpenAI's way; `counted`: its requests go to the metrics
         (a stream counts itself when it ends, see relay)."""
+
         async def run(request: Request) -> Response:
             request_id = new_request_id()
             started = time.monotonic()
@@ -53,10 +54,14 @@ def build_app() -> Starlette:
                 response.headers["openai-processing-ms"] = str(int((time.monotonic() - started) * 1000))
                 if counted:
                     # The model, once the request named one it may use (completions sets it).
-                    metrics.request_finished(model=getattr(request.state, "model", ""), started=started,
-                                             outcome=metrics.outcome_of_status(response.status_code),
-                                             status=response.status_code)
+                    metrics.request_finished(
+                        model=getattr(request.state, "model", ""),
+                        started=started,
+                        outcome=metrics.outcome_of_status(response.status_code),
+                        status=response.status_code,
+                    )
             return response
+
         return run
 
     async def answer(handler, request: Request, request_id: str) -> Response:
@@ -70,13 +75,18 @@ def build_app() -> Starlette:
                 logger.warning("request %s: %s (%s)", request_id, error.message, type(exc).__name__)
                 return error.response(request_id)
             logger.exception("request %s failed", request_id)
-            error = GatewayError(500, "The server had an error while processing your request.",
-                                 type="server_error", code="internal_error")
+            error = GatewayError(
+                500,
+                "The server had an error while processing your request.",
+                type="server_error",
+                code="internal_error",
+            )
             return error.response(request_id)
 
     def served(path: str):
         async def serve(gw: Gateway, request: Request, request_id: str):
             return await completions.serve(gw, request, request_id, path=path)
+
         return serve
 
     async def list_models(gw: Gateway, request: Request, request_id: str) -> Response:

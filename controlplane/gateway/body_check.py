@@ -14,10 +14,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gpuworker.contract.openai_api import (ChatCompletionRequest, EmbeddingRequest, ProtocolError,
-                                           check_token_ids_fit, parse_json_body, parse_request)
-
 from controlplane.gateway.replica_choice import affinity_key
+from gpuworker.contract.openai_api import (
+    ChatCompletionRequest,
+    EmbeddingRequest,
+    ProtocolError,
+    check_token_ids_fit,
+    parse_json_body,
+    parse_request,
+)
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,9 @@ class CheckedBody:
     upstream_body: bytes | None = None
 
 
-def check_body(raw: bytes, schema: type[BaseModel], affinity_chars: int,
-               context_lengths: dict[str, int]) -> CheckedBody:
+def check_body(
+    raw: bytes, schema: type[BaseModel], affinity_chars: int, context_lengths: dict[str, int]
+) -> CheckedBody:
     """`raw` parsed by `schema`'s rules (the replica's): a token-id prompt longer than its model's
     context (`context_lengths`, by public name) is refused by its length before its ids are
     validated."""
@@ -70,5 +76,11 @@ def check_body(raw: bytes, schema: type[BaseModel], affinity_chars: int,
         include_usage = parsed.include_usage
     # Encoders keep no prefix cache: their requests only spread by load.
     key = "" if schema is EmbeddingRequest else affinity_key(body, schema is ChatCompletionRequest, affinity_chars)
-    return CheckedBody(model=model, stream=parsed.stream, include_usage=include_usage, n=parsed.n,
-                       affinity_key=key, upstream_body=upstream_body)
+    return CheckedBody(
+        model=model,
+        stream=parsed.stream,
+        include_usage=include_usage,
+        n=parsed.n,
+        affinity_key=key,
+        upstream_body=upstream_body,
+    )

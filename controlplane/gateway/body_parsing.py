@@ -77,8 +77,9 @@ class BodyParsers:
         turns = self._turns.get(tenant_id)
         return (turns.parsing, turns.users - turns.parsing) if turns is not None else (0, 0)
 
-    async def check(self, tenant_id: int, raw: bytes, schema: type[BaseModel], affinity_chars: int,
-                    context_lengths: dict[str, int]) -> CheckedBody:
+    async def check(
+        self, tenant_id: int, raw: bytes, schema: type[BaseModel], affinity_chars: int, context_lengths: dict[str, int]
+    ) -> CheckedBody:
         """`body_check.check_body` of `raw`: here if it is small, else in the pool in the tenant's turn."""
         if self.parses_inline(raw):
             return check_body(raw, schema, affinity_chars, context_lengths)
@@ -98,12 +99,14 @@ class BodyParsers:
             if not turns.users:
                 del self._turns[tenant_id]
 
-    async def _in_pool(self, raw: bytes, schema: type[BaseModel], affinity_chars: int,
-                       context_lengths: dict[str, int]) -> CheckedBody:
+    async def _in_pool(
+        self, raw: bytes, schema: type[BaseModel], affinity_chars: int, context_lengths: dict[str, int]
+    ) -> CheckedBody:
         pool = self._pool_now()
         try:
-            work = asyncio.get_running_loop().run_in_executor(pool, check_body, raw, schema, affinity_chars,
-                                                              context_lengths)
+            work = asyncio.get_running_loop().run_in_executor(
+                pool, check_body, raw, schema, affinity_chars, context_lengths
+            )
         except BrokenProcessPool:
             work = None
         if work is not None:
@@ -120,15 +123,17 @@ class BodyParsers:
         # serves the next requests; this one is answered as retryable.
         logger.error("a request body parser process died; starting a new pool")
         self._replace(pool)
-        raise unavailable("The request could not be parsed right now; try again.", self._retry_after_s,
-                          code="parser_unavailable")
+        raise unavailable(
+            "The request could not be parsed right now; try again.", self._retry_after_s, code="parser_unavailable"
+        )
 
     def _pool_now(self) -> ProcessPoolExecutor:
         if self._pool is None:
             # Spawned, not forked: this process has threads (database lanes, the executor's own)
             # whose locks a fork could copy held.
-            self._pool = ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_start_parser)
+            self._pool = ProcessPoolExecutor(
+                self._workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_parser
+            )
         return self._pool
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:

@@ -50,9 +50,13 @@ class ColdStartQueue:
             return model.ready, None
         _refuse_if_unservable(model, self._config.retry_after_s)
         if self._waiting[model.model_id] >= self._config.cold_start_queue_max:
-            raise unavailable(f"The model {model.public_name!r} is starting and {self._waiting[model.model_id]} "
-                              f"requests are already waiting for it (GATEWAY_COLD_START_QUEUE_MAX); try again "
-                              f"shortly.", self._config.retry_after_s, code="cold_start_queue_full")
+            raise unavailable(
+                f"The model {model.public_name!r} is starting and {self._waiting[model.model_id]} "
+                f"requests are already waiting for it (GATEWAY_COLD_START_QUEUE_MAX); try again "
+                f"shortly.",
+                self._config.retry_after_s,
+                code="cold_start_queue_full",
+            )
         started = time.monotonic()
         deadline = started + self._config.cold_start_wait_s
         self._waiting[model.model_id] += 1
@@ -65,8 +69,10 @@ class ColdStartQueue:
                 await asyncio.sleep(_POLL_S)
                 route = await self._routing.fresh_model(model.public_name, _POLL_S)
                 if route is None:
-                    raise unavailable(f"The model {model.public_name!r} was disabled while the request waited "
-                                      f"for it to start.", self._config.retry_after_s)
+                    raise unavailable(
+                        f"The model {model.public_name!r} was disabled while the request waited for it to start.",
+                        self._config.retry_after_s,
+                    )
                 if route.ready:
                     return route.ready, time.monotonic() - started
                 _refuse_if_unservable(route, self._config.retry_after_s)
@@ -74,7 +80,9 @@ class ColdStartQueue:
                     error = unavailable(
                         f"No replica of {model.public_name!r} became ready within {self._config.cold_start_wait_s:g} s "
                         f"(GATEWAY_COLD_START_WAIT_SECONDS); it is still starting: try again shortly.",
-                        self._config.retry_after_s, code="cold_start_timeout")
+                        self._config.retry_after_s,
+                        code="cold_start_timeout",
+                    )
                     error.headers.update(cold_start_header(time.monotonic() - started))
                     raise error
         finally:
@@ -97,12 +105,16 @@ class ColdStartQueue:
             del self._woken_at[model.model_id]  # the next poll asks again
             raise
         if not can_start:
-            raise unavailable(f"The model {model.public_name!r} has no replica ready and none can be started: "
-                              f"its deployment allows no replicas.", self._config.retry_after_s)
+            raise unavailable(
+                f"The model {model.public_name!r} has no replica ready and none can be started: "
+                f"its deployment allows no replicas.",
+                self._config.retry_after_s,
+            )
 
 
 def _refuse_if_unservable(model: ModelRoute, retry_after_s: int) -> None:
     if not model.servable:
-        raise unavailable(f"The model {model.public_name!r} has no replica ready and none can be started: "
-                          f"{model.cannot_start}.", retry_after_s)
-
+        raise unavailable(
+            f"The model {model.public_name!r} has no replica ready and none can be started: {model.cannot_start}.",
+            retry_after_s,
+        )

@@ -15,8 +15,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-
 from controlplane.gateway.body_check import BodyError
 from controlplane.gateway.cold_start import cold_start_header
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
@@ -28,6 +26,7 @@ from controlplane.gateway.request_body import read_body
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
+from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +56,9 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
         admission = _admitted(await gw.shared.admit(grant, request_id))
     flight = None
     try:
-        checked = await gw.bodies.check(grant.tenant_id, raw, schema, gw.config.affinity_prefix_chars,
-                                        await gw.routing.context_lengths())
+        checked = await gw.bodies.check(
+            grant.tenant_id, raw, schema, gw.config.affinity_prefix_chars, await gw.routing.context_lengths()
+        )
         if checked.json_error:
             raise _invalid(checked.error)
         model = await _model(gw, grant, checked.model)
@@ -67,10 +67,14 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
         if checked.error is not None:
             raise _invalid(checked.error)
         if (model.kind == "embedding") != for_embeddings:
-            kind, use = (("an embedding", "/v1/embeddings") if model.kind == "embedding"
-                         else ("a generative", "/v1/chat/completions or /v1/completions"))
-            raise bad_request(f"{model.public_name!r} is {kind} model; use {use}.", param="model",
-                              code="wrong_model_kind")
+            kind, use = (
+                ("an embedding", "/v1/embeddings")
+                if model.kind == "embedding"
+                else ("a generative", "/v1/chat/completions or /v1/completions")
+            )
+            raise bad_request(
+                f"{model.public_name!r} is {kind} model; use {use}.", param="model", code="wrong_model_kind"
+            )
         idempotency = None if checked.stream else request.headers.get("idempotency-key")
         if idempotency:
             scope = f"{grant.tenant_id}:{hashlib.sha256(idempotency.encode()).hexdigest()}"
@@ -85,7 +89,8 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
                 first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas)) if replicas else None
             elif replicas:  # rate limits, concurrency limits and the choice of replica: one round trip to Redis
                 admission, first = await gw.shared.admit_and_pick(
-                    grant, request_id, replicas, affinity_choice(key, replicas))
+                    grant, request_id, replicas, affinity_choice(key, replicas)
+                )
                 _admitted(admission)
             else:  # admitted (and, below, its credit held) before it waits: a refusal comes at once
                 admission, first = _admitted(await gw.shared.admit(grant, request_id)), None
@@ -103,15 +108,44 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
                 flight.replica_id = first.replica_id
                 headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
                 if checked.stream:
-                    return await _unless_client_leaves(gw, request, flight, replicas, stream=True, work=_stream(
-                        gw, flight, replicas, first, path, checked.upstream_body, key, headers,
-                        chat=chat, include_usage=checked.include_usage))
-                response = await _unless_client_leaves(gw, request, flight, replicas, stream=False, work=_complete(
-                    gw, flight, replicas, first, path, raw, key, headers))
+                    return await _unless_client_leaves(
+                        gw,
+                        request,
+                        flight,
+                        replicas,
+                        stream=True,
+                        work=_stream(
+                            gw,
+                            flight,
+                            replicas,
+                            first,
+                            path,
+                            checked.upstream_body,
+                            key,
+                            headers,
+                            chat=chat,
+                            include_usage=checked.include_usage,
+                        ),
+                    )
+                response = await _unless_client_leaves(
+                    gw,
+                    request,
+                    flight,
+                    replicas,
+                    stream=False,
+                    work=_complete(gw, flight, replicas, first, path, raw, key, headers),
+                )
                 if idempotency and response.status_code == 200:
                     try:
-                        await gw.shared.idempotency_store(scope, {"state": "done", "fingerprint": fingerprint,
-                                                                  "status": 200, "body": response.body.decode()})
+                        await gw.shared.idempotency_store(
+                            scope,
+                            {
+                                "state": "done",
+                                "fingerprint": fingerprint,
+                                "status": 200,
+                                "body": response.body.decode(),
+                            },
+                        )
                         stored = True
                     except Exception:  # the answer is served and billed: deliver it regardless
                         logger.warning("could not store the result for an Idempotency-Key", exc_info=True)
@@ -139,9 +173,13 @@ def _admitted(admission: Admission) -> Admission:
     """`admission`, or the 429 that says which limit refused it."""
     if not admission.allowed:
         which = admission.reason.replace("_", " ").replace("rpm", "requests per minute")
-        raise GatewayError(429, f"Rate limit reached ({which}: {admission.limit}); retry after the "
-                                f"retry-after header's seconds.", type="requests", code="rate_limit_exceeded",
-                           headers=admission.headers())
+        raise GatewayError(
+            429,
+            f"Rate limit reached ({which}: {admission.limit}); retry after the retry-after header's seconds.",
+            type="requests",
+            code="rate_limit_exceeded",
+            headers=admission.headers(),
+        )
     return admission
 
 
@@ -152,8 +190,15 @@ async def _release_admitted(gw: Gateway, grant: KeyGrant, request_id: str) -> No
         logger.warning("could not clear request %s from the in-flight sets", request_id, exc_info=True)
 
 
-async def _unless_client_leaves(gw: Gateway, request: Request, flight: Flight, replicas: tuple[ReplicaRoute, ...], *,
-                                stream: bool, work: Coroutine[Any, Any, Any]) -> Any:
+async def _unless_client_leaves(
+    gw: Gateway,
+    request: Request,
+    flight: Flight,
+    replicas: tuple[ReplicaRoute, ...],
+    *,
+    stream: bool,
+    work: Coroutine[Any, Any, Any],
+) -> Any:
     """`work`'s response (a whole answer, or a stream from its first token on), unless the client
     leaves first: then the work is cancelled, which closes the replica's connection (the replica
     aborts the request on its side), and the flight ends with its slots freed.
@@ -201,15 +246,17 @@ async def _replica_started(gw: Gateway, replica: ReplicaRoute, request_id: str) 
     """Whether the replica generated a first token for this request (it keeps recent ones)."""
     try:
         async with asyncio.timeout(_STARTED_QUERY_TIMEOUT_S):
-            response = await gw.upstream.get(replica.endpoint_url, f"/requests/{request_id}",
-                                             {"authorization": f"Bearer {gw.config.worker_token}"})
+            response = await gw.upstream.get(
+                replica.endpoint_url, f"/requests/{request_id}", {"authorization": f"Bearer {gw.config.worker_token}"}
+            )
             data = await response.read()
         if response.status == 200 and isinstance(answer := json.loads(data), dict):
             return answer.get("started") is True
     except (UpstreamError, TimeoutError, ValueError):
         pass
-    logger.warning("could not ask replica %s whether request %s had started; releasing it unbilled",
-                   replica.replica_id, request_id)
+    logger.warning(
+        "could not ask replica %s whether request %s had started; releasing it unbilled", replica.replica_id, request_id
+    )
     return False
 
 
@@ -229,17 +276,31 @@ async def _idempotent_replay(gw: Gateway, scope: str, fingerprint: str, request_
     if entry is None:
         return None
     if entry["fingerprint"] != fingerprint:
-        raise bad_request("This Idempotency-Key was already used with a different request.",
-                          code="idempotency_key_reused")
+        raise bad_request(
+            "This Idempotency-Key was already used with a different request.", code="idempotency_key_reused"
+        )
     if entry["state"] != "done":
-        raise GatewayError(409, "A request with this Idempotency-Key is still in progress.",
-                           code="idempotency_key_in_use")
-    return Response(entry["body"], status_code=entry["status"], media_type="application/json",
-                    headers={"x-request-id": request_id, "idempotent-replayed": "true"})
+        raise GatewayError(
+            409, "A request with this Idempotency-Key is still in progress.", code="idempotency_key_in_use"
+        )
+    return Response(
+        entry["body"],
+        status_code=entry["status"],
+        media_type="application/json",
+        headers={"x-request-id": request_id, "idempotent-replayed": "true"},
+    )
 
 
-async def _attempt(gw: Gateway, flight: Flight, replicas: tuple[ReplicaRoute, ...], first: ReplicaRoute,
-                   tried: set[int], path: str, body: bytes, key: str) -> tuple[ReplicaRoute, UpstreamResponse]:
+async def _attempt(
+    gw: Gateway,
+    flight: Flight,
+    replicas: tuple[ReplicaRoute, ...],
+    first: ReplicaRoute,
+    tried: set[int],
+    path: str,
+    body: bytes,
+    key: str,
+) -> tuple[ReplicaRoute, UpstreamResponse]:
     """Send to `first`, or on a retry to the best replica not tried yet; returns once the
     response's status line has arrived."""
     if tried:
@@ -250,10 +311,16 @@ async def _attempt(gw: Gateway, flight: Flight, replicas: tuple[ReplicaRoute, ..
         replica = first  # picked together with admission
     flight.replica_id = replica.replica_id
     tried.add(replica.replica_id)
-    response = await gw.upstream.post(replica.endpoint_url, path, body, {
-        "authorization": f"Bearer {gw.config.worker_token}", "content-type": "application/json",
-        "x-request-id": flight.request_id,
-    })
+    response = await gw.upstream.post(
+        replica.endpoint_url,
+        path,
+        body,
+        {
+            "authorization": f"Bearer {gw.config.worker_token}",
+            "content-type": "application/json",
+            "x-request-id": flight.request_id,
+        },
+    )
     if response.status not in (200, 400):
         # 5xx: loading, draining, broken; any other: not the request's fault either (a 400 is
         # the replica refusing the request itself), so not the client's to see.
@@ -276,8 +343,12 @@ def _replica_json(status: int, data: bytes) -> dict:
 
 async def _failed_attempt(gw: Gateway, flight: Flight, why: BaseException) -> None:
     # The detail is for the operator: the client is told only that a replica failed.
-    logger.warning("request %s: replica %s failed: %s", flight.request_id, flight.replica_id,
-                   "no answer within the request's time limit" if isinstance(why, TimeoutError) else why)
+    logger.warning(
+        "request %s: replica %s failed: %s",
+        flight.request_id,
+        flight.replica_id,
+        "no answer within the request's time limit" if isinstance(why, TimeoutError) else why,
+    )
     await gw.shared.finish(flight.request_id, replica_id=flight.replica_id, replica_failed=True)
     flight.replica_id = None
 
@@ -289,12 +360,24 @@ def _deadline(gw: Gateway, flight: Flight) -> float:
 
 def _no_replica(gw: Gateway, flight: Flight, tried: bool) -> GatewayError:
     why = "the replicas tried failed" if tried else "none is ready"
-    return unavailable(f"No replica of {flight.model.public_name!r} could serve the request ({why}; request id "
-                       f"{flight.request_id}); try again shortly.", gw.config.retry_after_s, code="replica_unavailable")
+    return unavailable(
+        f"No replica of {flight.model.public_name!r} could serve the request ({why}; request id "
+        f"{flight.request_id}); try again shortly.",
+        gw.config.retry_after_s,
+        code="replica_unavailable",
+    )
 
 
-async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
-                    key: str, headers: dict[str, str]) -> Response:
+async def _complete(
+    gw: Gateway,
+    flight: Flight,
+    replicas,
+    first: ReplicaRoute,
+    path: str,
+    body: bytes,
+    key: str,
+    headers: dict[str, str],
+) -> Response:
     tried: set[int] = set()
     while len(tried) < min(_ATTEMPTS, len(replicas)):
         try:
@@ -307,8 +390,9 @@ async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, 
             continue
         except TimeoutError as exc:
             await _failed_attempt(gw, flight, exc)
-            raise GatewayError(504, "The request took too long and was stopped.", type="server_error",
-                               code="timeout") from None
+            raise GatewayError(
+                504, "The request took too long and was stopped.", type="server_error", code="timeout"
+            ) from None
         if response.status != 200:  # the replica refused the request itself (400): not billed
             await flight.end(None)
             return Response(data, status_code=response.status, headers=headers, media_type="application/json")
@@ -323,8 +407,19 @@ async def _complete(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, 
     raise error
 
 
-async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, path: str, body: bytes,
-                  key: str, headers: dict[str, str], *, chat: bool, include_usage: bool) -> Response | StreamRelay:
+async def _stream(
+    gw: Gateway,
+    flight: Flight,
+    replicas,
+    first: ReplicaRoute,
+    path: str,
+    body: bytes,
+    key: str,
+    headers: dict[str, str],
+    *,
+    chat: bool,
+    include_usage: bool,
+) -> Response | StreamRelay:
     tried: set[int] = set()
     deadline = _deadline(gw, flight)
     while len(tried) < min(_ATTEMPTS, len(replicas)):
@@ -337,8 +432,7 @@ async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, pa
                     data = await response.read()
                     _replica_json(response.status, data)
                     await flight.end(None)
-                    return Response(data, status_code=response.status, headers=headers,
-                                    media_type="application/json")
+                    return Response(data, status_code=response.status, headers=headers, media_type="application/json")
                 events = response.events()
                 async for data in events:
                     buffered.append(data)
@@ -351,8 +445,9 @@ async def _stream(gw: Gateway, flight: Flight, replicas, first: ReplicaRoute, pa
                 await events.aclose()  # closes the connection: the replica drops the request
             await _failed_attempt(gw, flight, exc)
             if isinstance(exc, TimeoutError):
-                raise GatewayError(504, "The request took too long and was stopped.", type="server_error",
-                                   code="timeout") from None
+                raise GatewayError(
+                    504, "The request took too long and was stopped.", type="server_error", code="timeout"
+                ) from None
             continue
         try:
             await flight.first_token()

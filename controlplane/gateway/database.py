@@ -78,7 +78,7 @@ class Batcher(Generic[Item, Result]):
     async def _drain(self) -> None:
         try:
             while self._pending:
-                batch, self._pending = self._pending[: self._max_items], self._pending[self._max_items:]
+                batch, self._pending = self._pending[: self._max_items], self._pending[self._max_items :]
                 try:
                     results = await self._lane.run(self._run, [item for item, _ in batch])
                 except Exception as exc:  # the database is down: every caller hears about it

@@ -10,15 +10,24 @@ from controlplane.integrations import unreachable_dependency
 class GatewayError(Exception):
     """A request the gateway answers with an error; raised anywhere on the request path."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
 
     def body(self) -> bytes:
-        return json.dumps({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                     "code": self.code}}).encode()
+        return json.dumps(
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        ).encode()
 
     def response(self, request_id: str, extra_headers: dict[str, str] | None = None) -> Response:
         headers = {**self.headers, **(extra_headers or {}), "x-request-id": request_id}
@@ -35,38 +44,58 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 
 def request_too_large(limit: int) -> GatewayError:
     # The rest of the body is never read, so the connection cannot carry another request.
-    return GatewayError(413, f"The request body is larger than the limit of {limit} bytes "
-                             "(GATEWAY_MAX_REQUEST_BYTES).", code="request_too_large",
-                        headers={"connection": "close"})
+    return GatewayError(
+        413,
+        f"The request body is larger than the limit of {limit} bytes (GATEWAY_MAX_REQUEST_BYTES).",
+        code="request_too_large",
+        headers={"connection": "close"},
+    )
 
 
 def model_not_found(name: str) -> GatewayError:
-    return GatewayError(404, f"The model {name!r} does not exist or is not enabled.", param="model",
-                        code="model_not_found")
+    return GatewayError(
+        404, f"The model {name!r} does not exist or is not enabled.", param="model", code="model_not_found"
+    )
 
 
 def model_not_allowed(name: str) -> GatewayError:
-    return GatewayError(403, f"This API key may not use the model {name!r}.", type="permission_error",
-                        param="model", code="model_not_allowed")
+    return GatewayError(
+        403,
+        f"This API key may not use the model {name!r}.",
+        type="permission_error",
+        param="model",
+        code="model_not_allowed",
+    )
 
 
 def insufficient_quota() -> GatewayError:
     # x-should-retry tells the official SDKs not to retry: more credit will not appear by waiting.
-    return GatewayError(429, "You have run out of credits: add credits to continue.", type="insufficient_quota",
-                        code="insufficient_quota", headers={"x-should-retry": "false"})
+    return GatewayError(
+        429,
+        "You have run out of credits: add credits to continue.",
+        type="insufficient_quota",
+        code="insufficient_quota",
+        headers={"x-should-retry": "false"},
+    )
 
 
 def key_budget_exceeded(limit) -> GatewayError:
     # A 429 like insufficient_quota (what the SDKs raise as RateLimitError), with its own code so a
     # client can tell this key's limit from the tenant's credit; waiting will not help either.
-    return GatewayError(429, f"This API key has reached its monthly spend limit (${limit:.2f}): raise the key's "
-                             "limit on the API keys page, use another key, or wait for next month.",
-                        type="insufficient_quota", code="key_budget_exceeded", headers={"x-should-retry": "false"})
+    return GatewayError(
+        429,
+        f"This API key has reached its monthly spend limit (${limit:.2f}): raise the key's "
+        "limit on the API keys page, use another key, or wait for next month.",
+        type="insufficient_quota",
+        code="key_budget_exceeded",
+        headers={"x-should-retry": "false"},
+    )
 
 
 def unavailable(message: str, retry_after_s: int, code: str = "model_unavailable") -> GatewayError:
-    return GatewayError(503, message, type="service_unavailable", code=code,
-                        headers={"retry-after": str(retry_after_s)})
+    return GatewayError(
+        503, message, type="service_unavailable", code=code, headers={"retry-after": str(retry_after_s)}
+    )
 
 
 def dependency_unavailable(exc: BaseException, retry_after_s: int) -> GatewayError | None:
@@ -75,6 +104,8 @@ def dependency_unavailable(exc: BaseException, retry_after_s: int) -> GatewayErr
     dependency = unreachable_dependency(exc)
     if dependency is None:
         return None
-    what, code = {"database": ("the database", "database_unavailable"),
-                  "redis": ("Redis (rate limits and requests in flight)", "redis_unavailable")}[dependency]
+    what, code = {
+        "database": ("the database", "database_unavailable"),
+        "redis": ("Redis (rate limits and requests in flight)", "redis_unavailable"),
+    }[dependency]
     return unavailable(f"The service cannot reach {what} right now; try again shortly.", retry_after_s, code=code)

@@ -30,8 +30,16 @@ from django.db import DatabaseError
 from django.utils import timezone
 
 from controlplane.billing.holds import (
-    HoldRefused, HoldRequest, RequestOutcome, Settled, conditional_hold_result, conditional_hold_statement,
-    credit_holds_expire, credit_holds_place, credit_holds_place_locked, credit_holds_settle,
+    HoldRefused,
+    HoldRequest,
+    RequestOutcome,
+    Settled,
+    conditional_hold_result,
+    conditional_hold_statement,
+    credit_holds_expire,
+    credit_holds_place,
+    credit_holds_place_locked,
+    credit_holds_settle,
 )
 from controlplane.billing.models import CreditHold, UsageRecord
 from controlplane.gateway import metrics
@@ -69,10 +77,18 @@ class HoldPlacer:
 
     def __init__(self, lane: DatabaseLane, hold_lifetime_s: float, database: dict | None = None):
         self._lifetime = timedelta(seconds=hold_lifetime_s)
-        self._batched = Batcher(lane, lambda requests: credit_holds_place(
-            requests=requests, at=timezone.now(), expires_at=timezone.now() + self._lifetime))
-        self._locked = Batcher(lane, lambda requests: credit_holds_place_locked(
-            requests=requests, at=timezone.now(), expires_at=timezone.now() + self._lifetime))
+        self._batched = Batcher(
+            lane,
+            lambda requests: credit_holds_place(
+                requests=requests, at=timezone.now(), expires_at=timezone.now() + self._lifetime
+            ),
+        )
+        self._locked = Batcher(
+            lane,
+            lambda requests: credit_holds_place_locked(
+                requests=requests, at=timezone.now(), expires_at=timezone.now() + self._lifetime
+            ),
+        )
         database = settings.DATABASES["default"] if database is None else database
         self._connect_kwargs = _connect_kwargs(database)
         self._connection = None
@@ -82,8 +98,12 @@ class HoldPlacer:
         """The request's hold, or why it was refused (billing.holds.HoldRefused)."""
         # Under load the lane's batches are cheaper, and two connections would only queue on the
         # same account row: the direct path is for a request that finds the lane idle.
-        if (self._connect_kwargs is None or self._busy or request.price_per_request is None
-                or not (self._batched.idle and self._locked.idle)):
+        if (
+            self._connect_kwargs is None
+            or self._busy
+            or request.price_per_request is None
+            or not (self._batched.idle and self._locked.idle)
+        ):
             return await self._batched.submit(request)
         self._busy = True
         at = timezone.now()
@@ -158,11 +178,16 @@ class Flight:
     async def hold(self) -> None:
         """Set the request's price aside; 429 insufficient_quota when the credit cannot cover it,
         429 key_budget_exceeded when the key's monthly spend limit cannot."""
-        hold = await self.gw.holds.submit(HoldRequest(
-            request_id=self.request_id, tenant_id=self.grant.tenant_id, model_id=self.model.model_id,
-            api_key_id=self.grant.key_id, num_requests=self.num_requests,
-            price_per_request=self.model.price_per_request,
-        ))
+        hold = await self.gw.holds.submit(
+            HoldRequest(
+                request_id=self.request_id,
+                tenant_id=self.grant.tenant_id,
+                model_id=self.model.model_id,
+                api_key_id=self.grant.key_id,
+                num_requests=self.num_requests,
+                price_per_request=self.model.price_per_request,
+            )
+        )
         if isinstance(hold, HoldRefused):
             raise key_budget_exceeded(hold.key_limit) if hold.reason == HoldRefused.KEY_BUDGET else insufficient_quota()
         self.amount = hold.amount
@@ -186,13 +211,16 @@ class Flight:
             return
         self.released = True
         try:
-            await self.gw.shared.finish(self.request_id, grant=self.grant, replica_id=self.replica_id,
-                                        started=served)
+            await self.gw.shared.finish(self.request_id, grant=self.grant, replica_id=self.replica_id, started=served)
         except Exception:
             # Served: the answer is out and its settlement still follows; only a crash before that
             # settlement would now go unbilled (the sweeper finds no mark).
-            logger.warning("could not clear request %s from the in-flight sets%s", self.request_id,
-                           " or mark it billable" if served else "", exc_info=True)
+            logger.warning(
+                "could not clear request %s from the in-flight sets%s",
+                self.request_id,
+                " or mark it billable" if served else "",
+                exc_info=True,
+            )
 
     async def release_served(self) -> None:
         """The whole answer is about to go out: free the slots and mark the request billable in
@@ -207,8 +235,9 @@ class Flight:
         if not self.released:
             self.gw.spawn(self.release())
 
-    async def settle(self, status: str | None, usage: dict | None = None, completion_tokens: int = 0,
-                     error_code: str = "") -> None:
+    async def settle(
+        self, status: str | None, usage: dict | None = None, completion_tokens: int = 0, error_code: str = ""
+    ) -> None:
         """Settle the hold with `status` (see billing.holds.RequestOutcome); a failed request
         carries the `error_code` its client got."""
         if self._begin_settling():
@@ -218,8 +247,9 @@ class Flight:
         if self._begin_settling():
             self.gw.spawn(self._submit(status, usage, 0))
 
-    async def end(self, status: str | None, usage: dict | None = None, completion_tokens: int = 0,
-                  error_code: str = "") -> None:
+    async def end(
+        self, status: str | None, usage: dict | None = None, completion_tokens: int = 0, error_code: str = ""
+    ) -> None:
         try:
             await self.release()
         finally:
@@ -236,25 +266,34 @@ class Flight:
         self.settled = True
         return self.amount is not None
 
-    async def _submit(self, status: str | None, usage: dict | None, completion_tokens: int,
-                      error_code: str = "") -> None:
+    async def _submit(
+        self, status: str | None, usage: dict | None, completion_tokens: int, error_code: str = ""
+    ) -> None:
         usage = usage or {}
         outcome = RequestOutcome(
-            request_id=self.request_id, status=status,
+            request_id=self.request_id,
+            status=status,
             prompt_tokens=_int(usage.get("prompt_tokens")),
             completion_tokens=_int(usage.get("completion_tokens", completion_tokens)),
-            time_to_first_token_ms=None if self.first_token_at is None
+            time_to_first_token_ms=None
+            if self.first_token_at is None
             else int((self.first_token_at - self.started) * 1000),
             total_latency_ms=int((time.monotonic() - self.started) * 1000),
-            gpu_time_s=usage.get("gpu_time_s"), replica_id=self.replica_id, error_code=error_code,
+            gpu_time_s=usage.get("gpu_time_s"),
+            replica_id=self.replica_id,
+            error_code=error_code,
         )
         for pause in _SETTLE_RETRY_PAUSES_S:
             try:
                 self._count_charge(await self.gw.settles.submit(outcome))
                 return
             except DatabaseError:
-                logger.warning("settling %s failed; retrying in %.1f s", self.request_id, pause,
-                               exc_info=pause == _SETTLE_RETRY_PAUSES_S[0])  # one traceback per request
+                logger.warning(
+                    "settling %s failed; retrying in %.1f s",
+                    self.request_id,
+                    pause,
+                    exc_info=pause == _SETTLE_RETRY_PAUSES_S[0],
+                )  # one traceback per request
                 await asyncio.sleep(pause)
         self._count_charge(await self.gw.settles.submit(outcome))  # the last try; if it fails the sweeper takes over
 

@@ -74,7 +74,8 @@ class KeyCache:
         try:
             try:
                 grant: KeyGrant | str = await self._lane.run(
-                    key_grant_for, plaintext=plaintext,
+                    key_grant_for,
+                    plaintext=plaintext,
                     default_rate_limit_per_minute=self._config.default_rate_limit_per_minute,
                     default_max_concurrent=self._config.default_max_concurrent_requests,
                 )
@@ -105,16 +106,21 @@ class KeyCache:
         self._entries.pop(key_hash, None)
         self._loading.pop(key_hash, None)
 
-    def forget(self, *, key_hashes: Iterable[str] = (), tenant_ids: set[int] = frozenset(),
-               plan_ids: set[int] = frozenset()) -> None:
+    def forget(
+        self, *, key_hashes: Iterable[str] = (), tenant_ids: set[int] = frozenset(), plan_ids: set[int] = frozenset()
+    ) -> None:
         """These keys, and every key of these tenants or plans, changed."""
         for key_hash in key_hashes:
             self.revoke_announced(key_hash)
         if tenant_ids or plan_ids:
             self._entries = {
-                key_hash: entry for key_hash, entry in self._entries.items()
-                if not (isinstance(entry[1], KeyGrant)
-                        and (entry[1].tenant_id in tenant_ids or entry[1].plan_id in plan_ids))}
+                key_hash: entry
+                for key_hash, entry in self._entries.items()
+                if not (
+                    isinstance(entry[1], KeyGrant)
+                    and (entry[1].tenant_id in tenant_ids or entry[1].plan_id in plan_ids)
+                )
+            }
             self._loading.clear()  # a read in flight may be of one of them: do not cache it
 
     def change_announced(self, hint: str) -> None:
@@ -154,9 +160,11 @@ class KeyCache:
             fresh = [row for row in rows if row[0] not in seen]
             seen, last_read = {row[0] for row in rows}, started
             if fresh:
-                self.forget(key_hashes=[h for _, h, _, _ in fresh if h],
-                            tenant_ids={t for _, _, t, _ in fresh if t is not None},
-                            plan_ids={p for _, _, _, p in fresh if p is not None})
+                self.forget(
+                    key_hashes=[h for _, h, _, _ in fresh if h],
+                    tenant_ids={t for _, _, t, _ in fresh if t is not None},
+                    plan_ids={p for _, _, _, p in fresh if p is not None},
+                )
 
     def _note_use(self, key_id: int, now: float) -> None:
         # At most one write a minute per key and process; the service's condition makes it one

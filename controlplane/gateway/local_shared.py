@@ -46,18 +46,23 @@ class LocalShared:
 
     async def admit(self, grant: KeyGrant, request_id: str) -> Admission:
         now = _now_ms()
-        rates = [(f"key:{grant.key_id}", grant.key_rate_limit_per_minute, "key_rpm"),
-                 (f"tenant:{grant.tenant_id}", grant.tenant_rate_limit_per_minute, "tenant_rpm")]
+        rates = [
+            (f"key:{grant.key_id}", grant.key_rate_limit_per_minute, "key_rpm"),
+            (f"tenant:{grant.tenant_id}", grant.tenant_rate_limit_per_minute, "tenant_rpm"),
+        ]
         tats = []
         for name, limit, reason in rates:
             interval = _PERIOD_MS / limit
             tat = max(self._tats.get(name, now), now) + interval
             if tat - _PERIOD_MS - now > 0:
-                return Admission(False, reason, math.ceil(tat - _PERIOD_MS - now), limit, 0,
-                                 math.ceil(tat - interval - now))
+                return Admission(
+                    False, reason, math.ceil(tat - _PERIOD_MS - now), limit, 0, math.ceil(tat - interval - now)
+                )
             tats.append((tat, interval))
-        busy = [(f"key:{grant.key_id}", grant.key_max_concurrent, "key_concurrency"),
-                (f"tenant:{grant.tenant_id}", grant.tenant_max_concurrent, "tenant_concurrency")]
+        busy = [
+            (f"key:{grant.key_id}", grant.key_max_concurrent, "key_concurrency"),
+            (f"tenant:{grant.tenant_id}", grant.tenant_max_concurrent, "tenant_concurrency"),
+        ]
         for name, limit, reason in busy:
             if self._busy.setdefault(name, _Expiring()).live(now) >= limit:
                 return Admission(False, reason, 1000, limit, 0, 1000)
@@ -71,8 +76,9 @@ class LocalShared:
             self._busy[name][request_id] = now + self._entry_ms
         return best
 
-    async def admit_and_pick(self, grant: KeyGrant, request_id: str, candidates: Sequence[ReplicaRoute],
-                             affinity: int | None) -> tuple[Admission, ReplicaRoute | None]:
+    async def admit_and_pick(
+        self, grant: KeyGrant, request_id: str, candidates: Sequence[ReplicaRoute], affinity: int | None
+    ) -> tuple[Admission, ReplicaRoute | None]:
         admission = await self.admit(grant, request_id)
         if not admission.allowed:
             return admission, None
@@ -86,8 +92,15 @@ class LocalShared:
         self._outstanding[candidates[best].replica_id][request_id] = now + self._entry_ms
         return candidates[best]
 
-    async def finish(self, request_id: str, *, grant: KeyGrant | None = None, replica_id: int | None = None,
-                     replica_failed: bool = False, started: bool = False) -> None:
+    async def finish(
+        self,
+        request_id: str,
+        *,
+        grant: KeyGrant | None = None,
+        replica_id: int | None = None,
+        replica_failed: bool = False,
+        started: bool = False,
+    ) -> None:
         if started:
             await self.mark_started(request_id)
         if grant is not None:

@@ -23,19 +23,31 @@ CLIENT_CLOSED_REQUEST = 499
 
 REGISTRY = CollectorRegistry()
 REQUESTS = Counter(
-    "gpuserve_gateway_requests", "Requests to /v1 completions and embeddings, by model, outcome and HTTP status.",
-    ["model", "outcome", "status"], registry=REGISTRY)
+    "gpuserve_gateway_requests",
+    "Requests to /v1 completions and embeddings, by model, outcome and HTTP status.",
+    ["model", "outcome", "status"],
+    registry=REGISTRY,
+)
 REQUEST_DURATION = Histogram(
     "gpuserve_gateway_request_duration_seconds",
     "Time from a request's arrival at the gateway to its answer's last byte.",
-    ["model"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
 TIME_TO_FIRST_TOKEN = Histogram(
     "gpuserve_gateway_time_to_first_token_seconds",
     "Time from a streamed request's arrival at the gateway to its first token going out.",
-    ["model"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+    ["model"],
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
 CREDITS_CHARGED = Counter(
-    "gpuserve_credits_charged", "Credits charged for requests the gateway settled, in the ledger's currency.",
-    ["model"], registry=REGISTRY)
+    "gpuserve_credits_charged",
+    "Credits charged for requests the gateway settled, in the ledger's currency.",
+    ["model"],
+    registry=REGISTRY,
+)
 
 
 def outcome_of_status(status: int) -> str:
@@ -47,8 +59,9 @@ def outcome_of_status(status: int) -> str:
     return COMPLETED if status < 400 else REJECTED
 
 
-def request_finished(*, model: str, outcome: str, status: int, started: float,
-                     first_token_at: float | None = None) -> None:
+def request_finished(
+    *, model: str, outcome: str, status: int, started: float, first_token_at: float | None = None
+) -> None:
     """One answered request; `model` is "" when the request named no model it may use, `started`
     and `first_token_at` are time.monotonic() readings."""
     REQUESTS.labels(model, outcome, str(status)).inc()

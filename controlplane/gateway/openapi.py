@@ -25,56 +25,94 @@ _ERRORS = {
     "500": "An error of the server's own.",
     "502": "The replica failed the request.",
     "503": "No replica can take the request now: none can be started for the model (`model_unavailable`), "
-           "none became ready within the cold-start wait (`cold_start_timeout`) or too many requests wait for "
-           "one (`cold_start_queue_full`); or a dependency is down. See the retry-after header.",
+    "none became ready within the cold-start wait (`cold_start_timeout`) or too many requests wait for "
+    "one (`cold_start_queue_full`); or a dependency is down. See the retry-after header.",
     "504": "The request took longer than the gateway allows.",
 }
 
 _ERROR_SCHEMA = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {
-        "type": "object",
-        "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
-    }},
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
 
-_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {name: {"type": "integer", "minimum": 0}
-                         for name in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        name: {"type": "integer", "minimum": 0} for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+}
 
 
 def _completion_schema(object_name: str) -> dict:
-    return {"type": "object", "required": ["id", "object", "created", "model", "choices"],
-            "properties": {"id": {"type": "string"}, "object": {"const": object_name},
-                           "created": {"type": "integer"}, "model": {"type": "string"},
-                           "choices": {"type": "array", "items": {"type": "object", "required": ["index"]}},
-                           "usage": _USAGE}}
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": object_name},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {"type": "object", "required": ["index"]}},
+            "usage": _USAGE,
+        },
+    }
 
 
 # One server-sent event: its data is a JSON chunk, an error object, or [DONE].
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 
-_MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_by"],
-               "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                              "owned_by": {"type": "string"}}}
+_MODEL_CARD = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": {"type": "string"},
+    },
+}
 
 
 _EMBEDDING_LIST = {
-    "type": "object", "required": ["object", "data", "model", "usage"],
+    "type": "object",
+    "required": ["object", "data", "model", "usage"],
     "properties": {
-        "object": {"const": "list"}, "model": {"type": "string"},
-        "data": {"type": "array", "items": {
-            "type": "object", "required": ["object", "index", "embedding"],
-            "properties": {"object": {"const": "embedding"}, "index": {"type": "integer", "minimum": 0},
-                           # float: the vector; base64: little-endian float32 bytes
-                           "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}},
-                                                   {"type": "string"}]}}}},
-        "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
-                  "properties": {"prompt_tokens": {"type": "integer", "minimum": 0},
-                                 "total_tokens": {"type": "integer", "minimum": 0}}},
+        "object": {"const": "list"},
+        "model": {"type": "string"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["object", "index", "embedding"],
+                "properties": {
+                    "object": {"const": "embedding"},
+                    "index": {"type": "integer", "minimum": 0},
+                    # float: the vector; base64: little-endian float32 bytes
+                    "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]},
+                },
+            },
+        },
+        "usage": {
+            "type": "object",
+            "required": ["prompt_tokens", "total_tokens"],
+            "properties": {
+                "prompt_tokens": {"type": "integer", "minimum": 0},
+                "total_tokens": {"type": "integer", "minimum": 0},
+            },
+        },
     },
 }
 
@@ -84,64 +122,115 @@ def _ref(name: str) -> dict:
 
 
 def _responses(ok: dict) -> dict:
-    errors = {status: {"description": text, "content": {JSON: {"schema": _ref("Error")}}}
-              for status, text in _ERRORS.items()}
+    errors = {
+        status: {"description": text, "content": {JSON: {"schema": _ref("Error")}}} for status, text in _ERRORS.items()
+    }
     return {"200": ok, **errors}
 
 
 # Sent with a completion (streamed or not) that waited for a replica to start, and with the 503
 # that ends a wait that ran out.
-_COLD_START_HEADER = {"x-gpuserve-cold-start": {
-    "description": "The request found no ready replica and waited this many seconds for one to start "
-                   "(a cold start, at most GATEWAY_COLD_START_WAIT_SECONDS). Absent when it did not wait.",
-    "schema": {"type": "string", "pattern": r"^[0-9]+\.[0-9]$"}}}
+_COLD_START_HEADER = {
+    "x-gpuserve-cold-start": {
+        "description": "The request found no ready replica and waited this many seconds for one to start "
+        "(a cold start, at most GATEWAY_COLD_START_WAIT_SECONDS). Absent when it did not wait.",
+        "schema": {"type": "string", "pattern": r"^[0-9]+\.[0-9]$"},
+    }
+}
 
 
 def _completion_operation(summary: str, request: str, response: str) -> dict:
-    ok = {"description": "The completion; with `stream: true`, server-sent events of chunks ending `data: [DONE]`.",
-          "headers": _COLD_START_HEADER,
-          "content": {JSON: {"schema": _ref(response)}, EVENT_STREAM: {"schema": _SSE_EVENT}}}
-    return {"post": {"summary": summary,
-                     "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False,
-                                     "schema": {"type": "string"}}],
-                     "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
-                     "responses": _responses(ok)}}
+    ok = {
+        "description": "The completion; with `stream: true`, server-sent events of chunks ending `data: [DONE]`.",
+        "headers": _COLD_START_HEADER,
+        "content": {JSON: {"schema": _ref(response)}, EVENT_STREAM: {"schema": _SSE_EVENT}},
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "parameters": [
+                {"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"}}
+            ],
+            "requestBody": {"required": True, "content": {JSON: {"schema": _ref(request)}}},
+            "responses": _responses(ok),
+        }
+    }
 
 
 @functools.cache
 def openapi_document() -> dict:
-    _, definitions = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"),
-                                         (EmbeddingRequest, "validation")], ref_template=_REF)
-    schemas = {**definitions["$defs"], "Error": _ERROR_SCHEMA, "Model": _MODEL_CARD,
-               "ChatCompletion": _completion_schema("chat.completion"),
-               "Completion": _completion_schema("text_completion"),
-               "EmbeddingList": _EMBEDDING_LIST,
-               "ModelList": {"type": "object", "required": ["object", "data"],
-                             "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}}}
+    _, definitions = models_json_schema(
+        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"), (EmbeddingRequest, "validation")],
+        ref_template=_REF,
+    )
+    schemas = {
+        **definitions["$defs"],
+        "Error": _ERROR_SCHEMA,
+        "Model": _MODEL_CARD,
+        "ChatCompletion": _completion_schema("chat.completion"),
+        "Completion": _completion_schema("text_completion"),
+        "EmbeddingList": _EMBEDDING_LIST,
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
+        },
+    }
     model_parameter = {"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "gpuserve /v1", "version": "1",
-                 "description": "The OpenAI-compatible API: chat and text completions, embeddings, and the models this key may use."},
+        "info": {
+            "title": "gpuserve /v1",
+            "version": "1",
+            "description": (
+                "The OpenAI-compatible API: chat and text completions, embeddings, and the models this key may use."
+            ),
+        },
         "servers": [{"url": "/"}],
         "security": [{"bearer": []}],
-        "components": {"schemas": schemas,
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                                      "description": "An API key of the tenant's."}}},
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "An API key of the tenant's."}
+            },
+        },
         "paths": {
-            "/v1/chat/completions": _completion_operation("Create a chat completion", "ChatCompletionRequest",
-                                                          "ChatCompletion"),
+            "/v1/chat/completions": _completion_operation(
+                "Create a chat completion", "ChatCompletionRequest", "ChatCompletion"
+            ),
             "/v1/completions": _completion_operation("Create a text completion", "CompletionRequest", "Completion"),
-            "/v1/embeddings": {"post": {
-                "summary": "Create embeddings (models of kind Embedding)",
-                "parameters": [{"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"}}],
-                "requestBody": {"required": True, "content": {JSON: {"schema": _ref("EmbeddingRequest")}}},
-                "responses": _responses({"description": "One embedding per input, in order.", "headers": _COLD_START_HEADER,
-                                         "content": {JSON: {"schema": _ref("EmbeddingList")}}})}},
-            "/v1/models": {"get": {"summary": "The models this key may use", "responses": _responses(
-                {"description": "The models.", "content": {JSON: {"schema": _ref("ModelList")}}})}},
-            "/v1/models/{model}": {"get": {"summary": "One model", "parameters": [model_parameter],
-                                           "responses": _responses({"description": "The model.",
-                                                                    "content": {JSON: {"schema": _ref("Model")}}})}},
+            "/v1/embeddings": {
+                "post": {
+                    "summary": "Create embeddings (models of kind Embedding)",
+                    "parameters": [
+                        {"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"}}
+                    ],
+                    "requestBody": {"required": True, "content": {JSON: {"schema": _ref("EmbeddingRequest")}}},
+                    "responses": _responses(
+                        {
+                            "description": "One embedding per input, in order.",
+                            "headers": _COLD_START_HEADER,
+                            "content": {JSON: {"schema": _ref("EmbeddingList")}},
+                        }
+                    ),
+                }
+            },
+            "/v1/models": {
+                "get": {
+                    "summary": "The models this key may use",
+                    "responses": _responses(
+                        {"description": "The models.", "content": {JSON: {"schema": _ref("ModelList")}}}
+                    ),
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "One model",
+                    "parameters": [model_parameter],
+                    "responses": _responses(
+                        {"description": "The model.", "content": {JSON: {"schema": _ref("Model")}}}
+                    ),
+                }
+            },
         },
     }

@@ -5,6 +5,7 @@ on the first request and closed with the app. The routes (app.py) and the reques
 import asyncio
 import logging
 
+from controlplane.fleet.traffic import traffic_recorder
 from controlplane.gateway.body_parsing import BodyParsers
 from controlplane.gateway.cold_start import ColdStartQueue
 from controlplane.gateway.config import GatewayConfig
@@ -12,7 +13,6 @@ from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.holds import HoldPlacer, settle_batcher, sweep_expired_holds
 from controlplane.gateway.keys import KeyCache
 from controlplane.gateway.routing import RoutingTable
-from controlplane.fleet.traffic import traffic_recorder
 from controlplane.gateway.upstream import UpstreamPool
 
 logger = logging.getLogger(__name__)
@@ -29,8 +29,12 @@ class Gateway:
         self.keys = KeyCache(config, self.admit_lane)
         self.routing = RoutingTable(config, self.admit_lane)
         self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
-        self.bodies = BodyParsers(workers=config.body_parsers, per_tenant=config.body_parsers_per_tenant,
-                                  inline_bytes=config.inline_body_bytes, retry_after_s=config.retry_after_s)
+        self.bodies = BodyParsers(
+            workers=config.body_parsers,
+            per_tenant=config.body_parsers_per_tenant,
+            inline_bytes=config.inline_body_bytes,
+            retry_after_s=config.retry_after_s,
+        )
         self.holds = HoldPlacer(self.admit_lane, config.hold_lifetime_s)
         self.settles = settle_batcher(self.settle_lane)
         self.shared = _shared_state(config)
@@ -41,8 +45,9 @@ class Gateway:
         self._chores = [
             asyncio.ensure_future(self.keys.follow_changes()),
             # Announcements only hurry the reads; after a gap the next read covers what was missed.
-            asyncio.ensure_future(self.shared.listen_key_changes(self.keys.change_announced,
-                                                                 self.keys.read_changes_now)),
+            asyncio.ensure_future(
+                self.shared.listen_key_changes(self.keys.change_announced, self.keys.read_changes_now)
+            ),
             asyncio.ensure_future(sweep_expired_holds(self)),
         ]
 

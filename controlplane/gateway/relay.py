@@ -57,8 +57,15 @@ def error_event(message: str, code: str) -> bytes:
 class StreamRelay:
     """An ASGI response that relays `events` (after the already read `buffered` ones)."""
 
-    def __init__(self, flight: Flight, events: AsyncIterator[bytes], buffered: list[bytes],
-                 headers: dict[str, str], include_usage: bool, deadline: float):
+    def __init__(
+        self,
+        flight: Flight,
+        events: AsyncIterator[bytes],
+        buffered: list[bytes],
+        headers: dict[str, str],
+        include_usage: bool,
+        deadline: float,
+    ):
         self.flight, self.events, self.buffered = flight, events, buffered
         self.headers, self.include_usage, self.deadline = headers, include_usage, deadline
         self.rename = _rename(buffered, flight.model.public_name)
@@ -125,10 +132,13 @@ class StreamRelay:
             if isinstance(exc, TimeoutError):
                 message, error_code = "The request took too long and was stopped.", "timeout"
             else:
-                logger.warning("request %s: replica %s failed mid-stream: %s", self.flight.request_id,
-                               self.flight.replica_id, exc)
-                message = (f"The model's replica failed while answering; the answer is incomplete (request id "
-                           f"{self.flight.request_id}).")
+                logger.warning(
+                    "request %s: replica %s failed mid-stream: %s", self.flight.request_id, self.flight.replica_id, exc
+                )
+                message = (
+                    f"The model's replica failed while answering; the answer is incomplete (request id "
+                    f"{self.flight.request_id})."
+                )
                 error_code = "replica_failed"
             await send({"type": "http.response.body", "body": error_event(message, error_code), "more_body": False})
         finally:
@@ -136,8 +146,13 @@ class StreamRelay:
             if not self.flight.settled:
                 await self.flight.end(status, self.usage, completion_tokens=self.token_events, error_code=error_code)
             # A stream's status line said 200 at its start; what became of it is `status`.
-            metrics.request_finished(model=self.flight.model.public_name, outcome=status or metrics.CANCELLED,
-                                     status=200, started=self.flight.started, first_token_at=self.flight.first_token_at)
+            metrics.request_finished(
+                model=self.flight.model.public_name,
+                outcome=status or metrics.CANCELLED,
+                status=200,
+                started=self.flight.started,
+                first_token_at=self.flight.first_token_at,
+            )
 
     async def _forward(self, send, data: bytes) -> bool:
         """Send one event on to the client; True once the request is complete."""

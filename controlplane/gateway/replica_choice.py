@@ -63,8 +63,7 @@ def affinity_choice(key: str, candidates: Sequence[HasReplicaId]) -> int | None:
     if not key or len(candidates) < 2:
         return None
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    scores = [hashlib.blake2b(b"%d" % replica.replica_id, key=digest, digest_size=8).digest()
-              for replica in candidates]
+    scores = [hashlib.blake2b(b"%d" % replica.replica_id, key=digest, digest_size=8).digest() for replica in candidates]
     return max(range(len(candidates)), key=scores.__getitem__)
 
 

@@ -69,4 +69,3 @@ class RoutingTable:
             self._fetched_at = started
         finally:
             self._refreshing = None
-

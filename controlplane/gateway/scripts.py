@@ -81,7 +81,11 @@ ADMIT = _NOW_MS + _ADMIT + "return admit(KEYS, ARGV)"
 PICK = _NOW_MS + _PICK + "return pick(KEYS, ARGV)"
 
 # KEYS: admit's four, then pick's; ARGV: admit's six, then pick's affinity and max extra.
-ADMIT_AND_PICK = _NOW_MS + _ADMIT + _PICK + """
+ADMIT_AND_PICK = (
+    _NOW_MS
+    + _ADMIT
+    + _PICK
+    + """
 local admitted = admit({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, ARGV)
 if admitted[1] == 0 then return admitted end
 local candidates = {}
@@ -89,6 +93,7 @@ for i = 5, #KEYS do candidates[#candidates + 1] = KEYS[i] end
 admitted[7] = pick(candidates, {ARGV[5], ARGV[6], ARGV[7], ARGV[8]})
 return admitted
 """
+)
 
 # The end of a request (or of one attempt at a replica).
 # KEYS: the key's and the tenant's in-flight sets, the replica's in-flight set, its "down" marker,

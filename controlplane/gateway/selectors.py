@@ -78,34 +78,55 @@ def routing_table() -> dict[str, ModelRoute]:
     a replica of it could be started for a request."""
     ready: dict[int, list[ReplicaRoute]] = {}
     loading: set[int] = set()
-    replicas = Replica.objects.filter(
-        deployment__model__enabled=True,
-        state__in=[Replica.State.READY, Replica.State.PENDING, Replica.State.LOADING],
-    ).order_by("pk").values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state")
+    replicas = (
+        Replica.objects.filter(
+            deployment__model__enabled=True,
+            state__in=[Replica.State.READY, Replica.State.PENDING, Replica.State.LOADING],
+        )
+        .order_by("pk")
+        .values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state")
+    )
     for replica_id, state, endpoint_url, model_id, worker_state in replicas:
         if state != Replica.State.READY:
             loading.add(model_id)
         elif endpoint_url and worker_state == Worker.State.ONLINE:
             ready.setdefault(model_id, []).append(ReplicaRoute(replica_id, endpoint_url.rstrip("/")))
     slots = placement_slots(workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))
-    models = list(Model.objects.filter(enabled=True).values_list(
-        "pk", "public_name", "kind", "price_tier__price_per_request", "created_at", "context_length",
-        "gpu_memory_bytes", "deployment__max_replicas", "tensor_parallel_size",
-    ))
+    models = list(
+        Model.objects.filter(enabled=True).values_list(
+            "pk",
+            "public_name",
+            "kind",
+            "price_tier__price_per_request",
+            "created_at",
+            "context_length",
+            "gpu_memory_bytes",
+            "deployment__max_replicas",
+            "tensor_parallel_size",
+        )
+    )
     largest = {size: largest_replica_bytes(slots=slots, tensor_parallel_size=size) for size in {m[-1] for m in models}}
     return {
         name: ModelRoute(
-            model_id=pk, public_name=name, kind=kind, price_per_request=price, created=int(created_at.timestamp()),
-            context_length=context_length, ready=tuple(ready.get(pk, ())), loading=pk in loading,
-            cannot_start=cold_start_refusal(need_bytes=need, max_replicas=max_replicas,
-                                            largest_slot_bytes=largest[size], tensor_parallel_size=size),
+            model_id=pk,
+            public_name=name,
+            kind=kind,
+            price_per_request=price,
+            created=int(created_at.timestamp()),
+            context_length=context_length,
+            ready=tuple(ready.get(pk, ())),
+            loading=pk in loading,
+            cannot_start=cold_start_refusal(
+                need_bytes=need, max_replicas=max_replicas, largest_slot_bytes=largest[size], tensor_parallel_size=size
+            ),
         )
         for pk, name, kind, price, created_at, context_length, need, max_replicas, size in models
     }
 
 
-def cold_start_refusal(*, need_bytes: int, max_replicas: int | None, largest_slot_bytes: int | None,
-                       tensor_parallel_size: int = 1) -> str:
+def cold_start_refusal(
+    *, need_bytes: int, max_replicas: int | None, largest_slot_bytes: int | None, tensor_parallel_size: int = 1
+) -> str:
     """Why a replica of a model cannot be started for a waiting request, or "" when it can: the
     model needs a deployment that allows a replica, and an online worker with a GPU (or, CPU-only,
     memory; split over N GPUs: N GPUs of one worker together, fleet.placement.largest_replica_bytes)
@@ -120,6 +141,8 @@ def cold_start_refusal(*, need_bytes: int, max_replicas: int | None, largest_slo
         return "no worker is online"
     if need_bytes > largest_slot_bytes:
         over = f" over {tensor_parallel_size} GPUs of one worker" if tensor_parallel_size > 1 else ""
-        return (f"it needs {human_bytes(need_bytes)}{over} and no online worker has that much GPU memory (or, "
-                f"CPU-only, memory): the largest has {human_bytes(largest_slot_bytes)}")
+        return (
+            f"it needs {human_bytes(need_bytes)}{over} and no online worker has that much GPU memory (or, "
+            f"CPU-only, memory): the largest has {human_bytes(largest_slot_bytes)}"
+        )
     return ""

@@ -19,12 +19,13 @@ import redis
 import redis.asyncio as aioredis
 
 from controlplane.accounts.services import API_KEY_CHANGES_CHANNEL
-from controlplane.gateway import scripts
 from controlplane.fleet.cold_start_counts import redis_key
+from controlplane.gateway import scripts
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -36,9 +37,11 @@ class Admission:
     reset_ms: int
 
     def headers(self) -> dict[str, str]:
-        headers = {"x-ratelimit-limit-requests": str(self.limit),
-                   "x-ratelimit-remaining-requests": str(self.remaining),
-                   "x-ratelimit-reset-requests": _duration(self.reset_ms)}
+        headers = {
+            "x-ratelimit-limit-requests": str(self.limit),
+            "x-ratelimit-remaining-requests": str(self.remaining),
+            "x-ratelimit-reset-requests": _duration(self.reset_ms),
+        }
         if not self.allowed:
             headers["retry-after"] = str(max(1, -(-self.retry_after_ms // 1000)))
             headers["retry-after-ms"] = str(self.retry_after_ms)
@@ -61,8 +64,9 @@ def _duration(ms: int) -> str:
 class RedisShared:
     def __init__(self, config: GatewayConfig):
         self._config = config
-        self._redis = aioredis.Redis.from_url(config.redis_url, socket_connect_timeout=2, socket_timeout=5,
-                                              max_connections=512)
+        self._redis = aioredis.Redis.from_url(
+            config.redis_url, socket_connect_timeout=2, socket_timeout=5, max_connections=512
+        )
         self._admit = self._redis.register_script(scripts.ADMIT)
         self._pick = self._redis.register_script(scripts.PICK)
         self._admit_and_pick = self._redis.register_script(scripts.ADMIT_AND_PICK)
@@ -77,17 +81,26 @@ class RedisShared:
 
     def _admit_call(self, grant: KeyGrant, request_id: str) -> dict:
         k, t = grant.key_id, grant.tenant_id
-        return {"keys": [f"gw:rate:key:{k}", f"gw:rate:tenant:{t}", f"gw:busy:key:{k}", f"gw:busy:tenant:{t}"],
-                "args": [grant.key_rate_limit_per_minute, grant.tenant_rate_limit_per_minute,
-                         grant.key_max_concurrent, grant.tenant_max_concurrent, request_id, self._entry_ms]}
+        return {
+            "keys": [f"gw:rate:key:{k}", f"gw:rate:tenant:{t}", f"gw:busy:key:{k}", f"gw:busy:tenant:{t}"],
+            "args": [
+                grant.key_rate_limit_per_minute,
+                grant.tenant_rate_limit_per_minute,
+                grant.key_max_concurrent,
+                grant.tenant_max_concurrent,
+                request_id,
+                self._entry_ms,
+            ],
+        }
 
     async def pick(self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None) -> ReplicaRoute:
         """Choose among `candidates` (non-empty) and count the request as outstanding there."""
         index = await self._pick(**self._pick_call(candidates, request_id, affinity))
         return candidates[int(index) - 1]
 
-    async def admit_and_pick(self, grant: KeyGrant, request_id: str, candidates: Sequence[ReplicaRoute],
-                             affinity: int | None) -> tuple[Admission, ReplicaRoute | None]:
+    async def admit_and_pick(
+        self, grant: KeyGrant, request_id: str, candidates: Sequence[ReplicaRoute], affinity: int | None
+    ) -> tuple[Admission, ReplicaRoute | None]:
         """`admit`, and if admitted `pick`, in one script call (the hot path's usual case)."""
         admit, pick = self._admit_call(grant, request_id), self._pick_call(candidates, request_id, affinity)
         reply = await self._admit_and_pick(keys=admit["keys"] + pick["keys"], args=admit["args"] + pick["args"][2:])
@@ -98,18 +111,37 @@ class RedisShared:
         keys = []
         for replica in candidates:
             keys += [f"gw:outstanding:{replica.replica_id}", f"gw:down:{replica.replica_id}"]
-        return {"keys": keys, "args": [request_id, self._entry_ms, 0 if affinity is None else affinity + 1,
-                                       self._config.affinity_max_extra]}
+        return {
+            "keys": keys,
+            "args": [
+                request_id,
+                self._entry_ms,
+                0 if affinity is None else affinity + 1,
+                self._config.affinity_max_extra,
+            ],
+        }
 
-    async def finish(self, request_id: str, *, grant: KeyGrant | None = None, replica_id: int | None = None,
-                     replica_failed: bool = False, started: bool = False) -> None:
+    async def finish(
+        self,
+        request_id: str,
+        *,
+        grant: KeyGrant | None = None,
+        replica_id: int | None = None,
+        replica_failed: bool = False,
+        started: bool = False,
+    ) -> None:
         """The request no longer counts against its key and tenant (with `grant`) and no longer
         runs on `replica_id`, which failed it if `replica_failed`; `started`: also `mark_started`."""
         key, tenant = (f"gw:busy:key:{grant.key_id}", f"gw:busy:tenant:{grant.tenant_id}") if grant else ("", "")
         outstanding, down = (f"gw:outstanding:{replica_id}", f"gw:down:{replica_id}") if replica_id else ("", "")
-        await self._finish(keys=[key, tenant, outstanding, down, f"gw:started:{request_id}"], args=[
-            request_id, int(self._config.replica_cooldown_s * 1000) if replica_failed and replica_id else 0,
-            self._started_ms if started else 0])
+        await self._finish(
+            keys=[key, tenant, outstanding, down, f"gw:started:{request_id}"],
+            args=[
+                request_id,
+                int(self._config.replica_cooldown_s * 1000) if replica_failed and replica_id else 0,
+                self._started_ms if started else 0,
+            ],
+        )
 
     async def mark_started(self, request_id: str) -> None:
         """Remember that the request sent its first token, for the sweeper should we die now."""
@@ -164,8 +196,7 @@ class RedisShared:
         """Call `on_change(hint)` for every announced key change, forever; `on_gap()` whenever
         (re)subscribed, since announcements made while not subscribed are lost."""
         # A connection of its own without a read timeout: it waits for messages indefinitely.
-        listener = aioredis.Redis.from_url(self._config.redis_url, socket_connect_timeout=2,
-                                           health_check_interval=15)
+        listener = aioredis.Redis.from_url(self._config.redis_url, socket_connect_timeout=2, health_check_interval=15)
         failing = False
         try:
             while True:

@@ -89,7 +89,7 @@ class UpstreamResponse:
                     break
                 buffer += chunk
                 while (end := buffer.find(b"\n\n")) >= 0:
-                    event, buffer = buffer[:end], buffer[end + 2:]
+                    event, buffer = buffer[:end], buffer[end + 2 :]
                     for line in event.split(b"\n"):
                         if line.startswith(b"data:"):
                             yield line[5:].strip()
@@ -139,8 +139,9 @@ class UpstreamPool:
     async def get(self, base_url: str, path: str, headers: dict[str, str]) -> UpstreamResponse:
         return await self._send("GET", base_url, path, b"", headers)
 
-    async def _send(self, method: str, base_url: str, path: str, body: bytes,
-                    headers: dict[str, str]) -> UpstreamResponse:
+    async def _send(
+        self, method: str, base_url: str, path: str, body: bytes, headers: dict[str, str]
+    ) -> UpstreamResponse:
         host, port, secure, netloc = _origin(base_url)
         key = (host, port, secure)
         head = [f"{method} {path} HTTP/1.1", f"host: {netloc}", f"content-length: {len(body)}"]

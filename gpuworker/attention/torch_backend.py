@@ -18,9 +18,17 @@ from gpuworker.kernels.quant.kv_cache import dequantize_kv, quantize_kv
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D], kv_cache [2, blocks, block_size, KVH, D] -> [T, H, D]."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = query.shape[1]
@@ -40,13 +48,24 @@ class TorchAttentionBackend:
                 continue
             blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
             slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]
-            output[start:end] = attend(query[start:end], dequantize_kv(key_cache[slots], k_scale),
-                                       dequantize_kv(value_cache[slots], v_scale), scale)
+            output[start:end] = attend(
+                query[start:end],
+                dequantize_kv(key_cache[slots], k_scale),
+                dequantize_kv(value_cache[slots], v_scale),
+                scale,
+            )
         return output
 
 
-def write_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def write_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Store each token's K/V at its slot; slots < 0 (padding) are skipped."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]

@@ -13,11 +13,17 @@ import torch
 
 from gpuworker.attention.backend import AttentionMetadata
 from gpuworker.kernels.attention.kv_cache_write import kv_cache_write
-from gpuworker.kernels.attention.paged_decode import (MAX_SPLITS, MIN_PARTITION, NewTokens, SplitCounters,
-                                                     multiprocessor_count, paged_decode_attention)
+from gpuworker.kernels.attention.paged_decode import (
+    MAX_SPLITS,
+    MIN_PARTITION,
+    NewTokens,
+    SplitCounters,
+    multiprocessor_count,
+    paged_decode_attention,
+)
 from gpuworker.kernels.attention.prefill import prefill_attention
-from gpuworker.kernels.norm.qk_norm import QKNorm
 from gpuworker.kernels.attention.rotary import apply_rotary_and_cache
+from gpuworker.kernels.norm.qk_norm import QKNorm
 
 
 class TritonAttentionBackend:
@@ -31,16 +37,36 @@ class TritonAttentionBackend:
 
     # The two entry points take what backend.py's protocols say (shapes are given there).
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
         """Write this step's keys and values into the cache, then attend (the unfused path)."""
         kv_cache_write(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         return self.forward_rotated(query, kv_cache, meta, scale, k_scale, v_scale)
 
-    def forward_with_rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                            cos_cache: torch.Tensor, sin_cache: torch.Tensor, k_scale: float = 1.0,
-                            v_scale: float = 1.0, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    def forward_with_rotary(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        qk_norm: QKNorm | None = None,
+    ) -> torch.Tensor:
         """Rotary, the cache write and attention. Decode rows take one launch each layer (the decode
         kernel rotates and caches their token itself); the prefill rows after them (and padding) go
         through the rotary kernel, which rotates their queries in place and writes their keys and
@@ -49,12 +75,30 @@ class TritonAttentionBackend:
         num_decode = self._check(meta)
         if num_decode < query.shape[0]:
             rest = slice(num_decode, None)
-            apply_rotary_and_cache(positions[rest], query[rest], key[rest], value[rest], cos_cache, sin_cache,
-                                   kv_cache, meta.slot_mapping[rest], k_scale, v_scale, qk_norm)
+            apply_rotary_and_cache(
+                positions[rest],
+                query[rest],
+                key[rest],
+                value[rest],
+                cos_cache,
+                sin_cache,
+                kv_cache,
+                meta.slot_mapping[rest],
+                k_scale,
+                v_scale,
+                qk_norm,
+            )
         new_tokens = None
         if num_decode > 0:
-            new_tokens = NewTokens(positions[:num_decode], key[:num_decode], value[:num_decode], cos_cache,
-                                   sin_cache, meta.slot_mapping[:num_decode], qk_norm)
+            new_tokens = NewTokens(
+                positions[:num_decode],
+                key[:num_decode],
+                value[:num_decode],
+                cos_cache,
+                sin_cache,
+                meta.slot_mapping[:num_decode],
+                qk_norm,
+            )
         return self._attend(query, kv_cache, meta, scale, k_scale, v_scale, new_tokens)
 
     def forward_rotated(
@@ -81,8 +125,16 @@ class TritonAttentionBackend:
             raise ValueError(f"meta.num_decode_seqs {num_decode} must be in [0, num_seqs = {meta.num_seqs}]")
         return num_decode
 
-    def _attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                k_scale: float, v_scale: float, new_tokens: NewTokens | None = None) -> torch.Tensor:
+    def _attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: float,
+        v_scale: float,
+        new_tokens: NewTokens | None = None,
+    ) -> torch.Tensor:
         """The decode kernel on the first num_decode_seqs rows (given their new_tokens, it rotates and
         caches them itself), the prefill kernel on the rest, zeros on padding rows."""
         num_decode, num_seqs = meta.num_decode_seqs, meta.num_seqs
@@ -90,15 +142,31 @@ class TritonAttentionBackend:
         if num_decode > 0:
             counters = self._split_counters.get(num_decode * kv_cache.shape[-2], query.device)
             paged_decode_attention(
-                query[:num_decode], kv_cache, meta.block_tables[:num_decode], meta.seq_lens[:num_decode],
-                scale, meta.max_seq_len, out=out[:num_decode], counters=counters, new_tokens=new_tokens,
-                k_scale=k_scale, v_scale=v_scale,
+                query[:num_decode],
+                kv_cache,
+                meta.block_tables[:num_decode],
+                meta.seq_lens[:num_decode],
+                scale,
+                meta.max_seq_len,
+                out=out[:num_decode],
+                counters=counters,
+                new_tokens=new_tokens,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if num_seqs > num_decode:
             # query_start_loc values are absolute rows of `query`, so a slice addresses the prefill part.
             prefill_attention(
-                query, kv_cache, meta.query_start_loc[num_decode:], meta.seq_lens[num_decode:],
-                meta.block_tables[num_decode:], scale, meta.max_query_len, out=out, k_scale=k_scale, v_scale=v_scale,
+                query,
+                kv_cache,
+                meta.query_start_loc[num_decode:],
+                meta.seq_lens[num_decode:],
+                meta.block_tables[num_decode:],
+                scale,
+                meta.max_query_len,
+                out=out,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         rows_used = meta.query_start_loc_cpu[-1]
         if rows_used < out.shape[0]:
@@ -106,9 +174,17 @@ class TritonAttentionBackend:
         return out
 
     @torch.inference_mode()
-    def warm_up(self, kv_cache: torch.Tensor, num_q_heads: int, max_model_len: int, scale: float,
-                cos_cache: torch.Tensor, sin_cache: torch.Tensor, dtype: torch.dtype,
-                qk_norm: QKNorm | None = None) -> None:
+    def warm_up(
+        self,
+        kv_cache: torch.Tensor,
+        num_q_heads: int,
+        max_model_len: int,
+        scale: float,
+        cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor,
+        dtype: torch.dtype,
+        qk_norm: QKNorm | None = None,
+    ) -> None:
         """Compile every variant of the decode kernel a step can pick, before serving.
 
         The split count (chosen per launch from the batch and the longest context, up to MAX_SPLITS)
@@ -129,16 +205,29 @@ class TritonAttentionBackend:
             query = qkv[:, :q_size].view(batch, num_q_heads, head_dim)
             new_tokens = NewTokens(
                 torch.zeros(batch, dtype=torch.int64, device=device),
-                qkv[:, q_size:q_size + kv_size].view(batch, num_kv_heads, head_dim),
-                qkv[:, q_size + kv_size:].view(batch, num_kv_heads, head_dim),
-                cos_cache, sin_cache, torch.full((batch,), -1, dtype=torch.int64, device=device), qk_norm)
+                qkv[:, q_size : q_size + kv_size].view(batch, num_kv_heads, head_dim),
+                qkv[:, q_size + kv_size :].view(batch, num_kv_heads, head_dim),
+                cos_cache,
+                sin_cache,
+                torch.full((batch,), -1, dtype=torch.int64, device=device),
+                qk_norm,
+            )
             tables = torch.zeros(batch, -(-max_model_len // block_size), dtype=torch.int32, device=device)
             seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
             counters = self._split_counters.get(batch * num_kv_heads, device)
             splits = 1
             while True:
-                paged_decode_attention(query, kv_cache, tables, seq_lens, scale, max_model_len, counters=counters,
-                                       num_splits=min(splits, most), new_tokens=new_tokens)
+                paged_decode_attention(
+                    query,
+                    kv_cache,
+                    tables,
+                    seq_lens,
+                    scale,
+                    max_model_len,
+                    counters=counters,
+                    num_splits=min(splits, most),
+                    new_tokens=new_tokens,
+                )
                 if splits >= most:
                     break
                 splits *= 2

@@ -25,8 +25,15 @@ CPU_FIGURES = ("utilization_pct", "memory_used_bytes", "memory_total_bytes")
 # Latency figures are p95 seconds over the replica's last minute (or its last 10,000 samples),
 # absent while it has none: time to first token, and time between a request's consecutive tokens.
 REPLICA_LATENCY_FIGURES = ("ttft_p95_s", "itl_p95_s")
-REPLICA_FIGURES = ("load_progress", "running", "waiting", "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate",
-                   *REPLICA_LATENCY_FIGURES)
+REPLICA_FIGURES = (
+    "load_progress",
+    "running",
+    "waiting",
+    "kv_cache_usage",
+    "tokens_per_s",
+    "prefix_cache_hit_rate",
+    *REPLICA_LATENCY_FIGURES,
+)
 # A replica's error is kept to this many characters (its cause comes first: see the daemon's
 # gpuworker/daemon/replica_errors.py).
 MAX_REPLICA_ERROR_CHARS = 4000
@@ -52,6 +59,7 @@ class GpuSpec:
 @dataclass(frozen=True)
 class ModelPaths:
     """The directories a daemon searches for checkpoints and the checkpoint directories it found."""
+
     roots: tuple[str, ...]
     paths: tuple[str, ...]
     # (path, QUANTIZATION_LABELS entry) for each quantized checkpoint among paths.
@@ -77,10 +85,14 @@ class WorkerRegistration:
     models: ModelPaths | None = None
 
     def to_json(self) -> dict[str, Any]:
-        body = {"name": self.name, "advertise_host": self.advertise_host, "device": self.device,
-                "gpus": [gpu.to_json() for gpu in self.gpus],
-                "cpu": {"memory_total_bytes": self.cpu_memory_total_bytes, "cores": self.cpu_cores},
-                "version": self.version}
+        body = {
+            "name": self.name,
+            "advertise_host": self.advertise_host,
+            "device": self.device,
+            "gpus": [gpu.to_json() for gpu in self.gpus],
+            "cpu": {"memory_total_bytes": self.cpu_memory_total_bytes, "cores": self.cpu_cores},
+            "version": self.version,
+        }
         if self.models is not None:
             body["models"] = self.models.to_json()
         return body
@@ -99,8 +111,13 @@ class ReplicaReport:
     pid: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        body = {"replica_id": self.replica_id, "state": self.state, "endpoint_url": self.endpoint_url,
-                "error": self.error, **self.figures}
+        body = {
+            "replica_id": self.replica_id,
+            "state": self.state,
+            "endpoint_url": self.endpoint_url,
+            "error": self.error,
+            **self.figures,
+        }
         if self.pid is not None:
             body["pid"] = self.pid
         return body
@@ -110,6 +127,7 @@ class ReplicaReport:
 class StagedWeights:
     """A checkpoint a worker keeps warm for fast loads: its weight bytes, how, and the share of
     those bytes in host memory right now (the page cache can drop pages under pressure)."""
+
     path: str
     bytes: int
     how: str  # STAGING_HOWS
@@ -122,6 +140,7 @@ class StagedWeights:
 @dataclass(frozen=True)
 class Staging:
     """The worker's staging budget (--stage-budget-bytes; 0: off) and what it holds now."""
+
     budget_bytes: int
     models: tuple[StagedWeights, ...] = ()
 
@@ -142,8 +161,13 @@ class Heartbeat:
     staging: Staging | None = None
 
     def to_json(self) -> dict[str, Any]:
-        body = {"sent_at": self.sent_at, "draining": self.draining, "gpus": list(self.gpus), "cpu": self.cpu,
-                "replicas": [replica.to_json() for replica in self.replicas]}
+        body = {
+            "sent_at": self.sent_at,
+            "draining": self.draining,
+            "gpus": list(self.gpus),
+            "cpu": self.cpu,
+            "replicas": [replica.to_json() for replica in self.replicas],
+        }
         if self.models is not None:
             body["models"] = self.models.to_json()
         if self.staging is not None:
@@ -210,8 +234,11 @@ def _model_paths(value: Any) -> ModelPaths | None:
             raise ContractError(f"models.quantization[{path!r}]", "Must be one of models.paths.")
         if label not in QUANTIZATION_LABELS:
             raise ContractError(f"models.quantization[{path!r}]", f"Must be one of {', '.join(QUANTIZATION_LABELS)}.")
-    return ModelPaths(roots=_paths(raw.get("roots", []), "models.roots", limit=MAX_MODEL_ROOTS), paths=paths,
-                      quantization=tuple(sorted(quantization.items())))
+    return ModelPaths(
+        roots=_paths(raw.get("roots", []), "models.roots", limit=MAX_MODEL_ROOTS),
+        paths=paths,
+        quantization=tuple(sorted(quantization.items())),
+    )
 
 
 def _staging(value: Any) -> Staging | None:
@@ -233,8 +260,11 @@ def _staging(value: Any) -> Staging | None:
         fraction = item.get("resident_fraction")
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
             raise ContractError(f"{where}.resident_fraction", "Must be a number from 0 to 1.")
-        models.append(StagedWeights(path=path, bytes=_int(item.get("bytes"), f"{where}.bytes"), how=how,
-                                    resident_fraction=float(fraction)))
+        models.append(
+            StagedWeights(
+                path=path, bytes=_int(item.get("bytes"), f"{where}.bytes"), how=how, resident_fraction=float(fraction)
+            )
+        )
     return Staging(budget_bytes=_int(raw.get("budget_bytes", 0), "staging.budget_bytes"), models=tuple(models))
 
 
@@ -246,11 +276,13 @@ def parse_registration(data: Any) -> WorkerRegistration:
     gpus = []
     for i, raw in enumerate(_list(data.get("gpus", []), "gpus")):
         raw = _object(raw, f"gpus[{i}]")
-        gpus.append(GpuSpec(
-            index=_int(raw.get("index"), f"gpus[{i}].index"),
-            name=_text(raw.get("name"), f"gpus[{i}].name", max_length=100),
-            memory_total_bytes=_int(raw.get("memory_total_bytes"), f"gpus[{i}].memory_total_bytes", minimum=1),
-        ))
+        gpus.append(
+            GpuSpec(
+                index=_int(raw.get("index"), f"gpus[{i}].index"),
+                name=_text(raw.get("name"), f"gpus[{i}].name", max_length=100),
+                memory_total_bytes=_int(raw.get("memory_total_bytes"), f"gpus[{i}].memory_total_bytes", minimum=1),
+            )
+        )
     if len({gpu.index for gpu in gpus}) != len(gpus):
         raise ContractError("gpus", "Each GPU index may appear once.")
     if device == "cuda" and not gpus:
@@ -285,7 +317,10 @@ def parse_heartbeat(data: Any) -> Heartbeat:
         raise ContractError("replicas", "Each replica_id may appear once.")
     return Heartbeat(
         sent_at=_text(data.get("sent_at", ""), "sent_at", max_length=64, required=False),
-        draining=draining, gpus=tuple(gpus), cpu=cpu, replicas=tuple(replicas),
+        draining=draining,
+        gpus=tuple(gpus),
+        cpu=cpu,
+        replicas=tuple(replicas),
         models=_model_paths(data.get("models")),
         staging=_staging(data.get("staging")),
     )
@@ -307,8 +342,9 @@ def _replica_report(raw: dict, where: str) -> ReplicaReport:
         state=state,
         endpoint_url=endpoint_url,
         # Errors come from tracebacks and child output: keep the useful start, bounded.
-        error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000,
-                    required=False)[:MAX_REPLICA_ERROR_CHARS],
+        error=_text(raw.get("error") or "", f"{where}.error", max_length=100_000, required=False)[
+            :MAX_REPLICA_ERROR_CHARS
+        ],
         figures=_figures(raw, REPLICA_FIGURES, where),
         pid=None if raw.get("pid") is None else _int(raw["pid"], f"{where}.pid", minimum=1),
     )

@@ -18,8 +18,15 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 class ProtocolError(ValueError):
     """A request the API refuses, in OpenAI's error vocabulary."""
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status: int = 400, type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
 
@@ -79,19 +86,29 @@ class _SamplingFields(_Strict):
         if value is None:
             return value
         if not isinstance(value, dict):
-            raise ProtocolError("logit_bias: must be an object mapping token ids to biases, e.g. "
-                                "{\"50256\": -100}", param="logit_bias")
+            raise ProtocolError(
+                'logit_bias: must be an object mapping token ids to biases, e.g. {"50256": -100}', param="logit_bias"
+            )
         if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ProtocolError(f"logit_bias: {len(value)} tokens given; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
-                                param="logit_bias")
+            raise ProtocolError(
+                f"logit_bias: {len(value)} tokens given; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                param="logit_bias",
+            )
         for key, bias in value.items():
             if not (key.isascii() and key.isdigit()):
-                raise ProtocolError(f"logit_bias: {key!r} is not a token id (a non-negative integer, as a string)",
-                                    param="logit_bias")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not \
-                    -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ProtocolError(f"logit_bias: the bias of token {key} is {bias!r}; it must be a number from "
-                                    f"{-MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}", param="logit_bias")
+                raise ProtocolError(
+                    f"logit_bias: {key!r} is not a token id (a non-negative integer, as a string)", param="logit_bias"
+                )
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, (int, float))
+                or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
+            ):
+                raise ProtocolError(
+                    f"logit_bias: the bias of token {key} is {bias!r}; it must be a number from "
+                    f"{-MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}",
+                    param="logit_bias",
+                )
         return value
 
     @model_validator(mode="after")
@@ -99,9 +116,11 @@ class _SamplingFields(_Strict):
         if self.best_of is not None and self.best_of not in (1, self.n):
             if self.best_of < self.n:
                 raise ProtocolError(f"best_of: {self.best_of} must be at least n ({self.n})", param="best_of")
-            raise ProtocolError(f"best_of: generating {self.best_of} candidates to return the best {self.n} is not "
-                                "supported; leave best_of out (or equal to n) and ask for the choices you want with n",
-                                param="best_of")
+            raise ProtocolError(
+                f"best_of: generating {self.best_of} candidates to return the best {self.n} is not "
+                "supported; leave best_of out (or equal to n) and ask for the choices you want with n",
+                param="best_of",
+            )
         return self
 
     @field_validator("stop")
@@ -119,11 +138,19 @@ class _SamplingFields(_Strict):
     def _sampling_kwargs(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kwargs: dict[str, Any] = dict(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
             logit_bias={int(token): float(bias) for token, bias in (self.logit_bias or {}).items()} or None,
             # Each step's additions only: a stream sends them as they are and a whole answer is
             # joined once at its end (outputs.join_deltas), instead of the replica receiving the
@@ -146,8 +173,9 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 def _function_name(value: str, param: str) -> str:
     if not _FUNCTION_NAME.match(value):
-        raise ProtocolError(f"{param}: {value!r} is not a valid function name (1 to 64 letters, digits, "
-                            f"'_' or '-')", param=param)
+        raise ProtocolError(
+            f"{param}: {value!r} is not a valid function name (1 to 64 letters, digits, '_' or '-')", param=param
+        )
     return value
 
 
@@ -177,14 +205,21 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _check(self):
         if self.type not in RESPONSE_FORMAT_TYPES:
-            raise ProtocolError(f"response_format.type: {self.type!r} is not supported; expected one of "
-                                f"{', '.join(RESPONSE_FORMAT_TYPES)}", param="response_format.type")
+            raise ProtocolError(
+                f"response_format.type: {self.type!r} is not supported; expected one of "
+                f"{', '.join(RESPONSE_FORMAT_TYPES)}",
+                param="response_format.type",
+            )
         if self.type == "json_schema" and self.json_schema is None:
-            raise ProtocolError("response_format.json_schema: required when type is 'json_schema' (give "
-                                "name and schema)", param="response_format.json_schema")
+            raise ProtocolError(
+                "response_format.json_schema: required when type is 'json_schema' (give name and schema)",
+                param="response_format.json_schema",
+            )
         if self.type != "json_schema" and self.json_schema is not None:
-            raise ProtocolError(f"response_format.json_schema: only allowed when type is 'json_schema', "
-                                f"not {self.type!r}", param="response_format.json_schema")
+            raise ProtocolError(
+                f"response_format.json_schema: only allowed when type is 'json_schema', not {self.type!r}",
+                param="response_format.json_schema",
+            )
         return self
 
 
@@ -243,8 +278,7 @@ class ChatMessage(_Strict):
         """The message as chat templates read it: tool-call arguments as objects (templates print
         them with `tojson`), and keys only when set (Llama 3.1's template tests `'tool_calls' in
         message`)."""
-        message: dict[str, Any] = {"role": self.role if self.role != "developer" else "system",
-                                   "content": self.text()}
+        message: dict[str, Any] = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
         if self.tool_calls:
             calls = []
             for j, call in enumerate(self.tool_calls):
@@ -253,8 +287,13 @@ class ChatMessage(_Strict):
                     arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
                 except ValueError as exc:
                     raise ProtocolError(f"{param}: not valid JSON ({exc})", param=param) from None
-                calls.append({"id": call.id, "type": "function",
-                              "function": {"name": call.function.name, "arguments": arguments}})
+                calls.append(
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": arguments},
+                    }
+                )
             message["tool_calls"] = calls
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
@@ -280,11 +319,15 @@ class ChatCompletionRequest(_SamplingFields):
         self._check_tools()
         for i, message in enumerate(self.messages):
             if message.role == "tool" and not message.tool_call_id:
-                raise ProtocolError(f"messages.{i}.tool_call_id: a message with role 'tool' must say which "
-                                    "tool call it answers", param=f"messages.{i}.tool_call_id")
+                raise ProtocolError(
+                    f"messages.{i}.tool_call_id: a message with role 'tool' must say which tool call it answers",
+                    param=f"messages.{i}.tool_call_id",
+                )
             if message.tool_calls and message.role != "assistant":
-                raise ProtocolError(f"messages.{i}.tool_calls: only assistant messages carry tool calls",
-                                    param=f"messages.{i}.tool_calls")
+                raise ProtocolError(
+                    f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                    param=f"messages.{i}.tool_calls",
+                )
             message.template_message(i)  # tool-call arguments must be JSON
         return self
 
@@ -292,8 +335,11 @@ class ChatCompletionRequest(_SamplingFields):
     @classmethod
     def _tool_choice(cls, value):
         if isinstance(value, str) and value not in ("none", "auto", "required"):
-            raise ProtocolError(f"tool_choice: {value!r} is not one of 'none', 'auto', 'required' or "
-                                "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+            raise ProtocolError(
+                f"tool_choice: {value!r} is not one of 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
         return value
 
     def _check_tools(self) -> None:
@@ -301,24 +347,32 @@ class ChatCompletionRequest(_SamplingFields):
         for i, tool in enumerate(self.tools or ()):
             name = _function_name(tool.function.name, f"tools.{i}.function.name")
             if name in names:
-                raise ProtocolError(f"tools.{i}.function.name: {name!r} is defined twice",
-                                    param=f"tools.{i}.function.name")
+                raise ProtocolError(
+                    f"tools.{i}.function.name: {name!r} is defined twice", param=f"tools.{i}.function.name"
+                )
             names.add(name)
             parameters = tool.function.parameters
             if parameters is not None and parameters.get("type", "object") != "object":
-                raise ProtocolError(f"tools.{i}.function.parameters: must be a JSON schema of type 'object'",
-                                    param=f"tools.{i}.function.parameters")
+                raise ProtocolError(
+                    f"tools.{i}.function.parameters: must be a JSON schema of type 'object'",
+                    param=f"tools.{i}.function.parameters",
+                )
         if self.tools is not None and not self.tools:
             raise ProtocolError("tools: give at least one tool, or leave tools out", param="tools")
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise ProtocolError("tool_choice: only allowed when tools are given", param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ProtocolError(f"tool_choice.function.name: no tool is named {self.tool_choice.function.name!r}; the tools "
-                                f"are {', '.join(sorted(names))}", param="tool_choice.function.name")
+            raise ProtocolError(
+                f"tool_choice.function.name: no tool is named {self.tool_choice.function.name!r}; the tools "
+                f"are {', '.join(sorted(names))}",
+                param="tool_choice.function.name",
+            )
         if self.forces_tool_call and self.response_format is not None and self.response_format.type != "text":
-            raise ProtocolError("response_format: cannot be combined with a tool_choice that forces a tool "
-                                "call (the call's arguments already follow the function's schema)",
-                                param="response_format")
+            raise ProtocolError(
+                "response_format: cannot be combined with a tool_choice that forces a tool "
+                "call (the call's arguments already follow the function's schema)",
+                param="response_format",
+            )
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
@@ -387,6 +441,7 @@ MAX_EMBEDDING_INPUTS = 2048
 class EmbeddingRequest(_Strict):
     """POST /v1/embeddings: `input` is a string, a list of strings, a list of token ids or a list
     of token-id lists (token ids are encoded as given, without special tokens added)."""
+
     model: str
     input: Union[list[int], str, list[str], list[list[int]]] = _PROMPT_FORMS
     encoding_format: Literal["float", "base64"] = "float"
@@ -416,8 +471,9 @@ class EmbeddingRequest(_Strict):
     @classmethod
     def _stream(cls, value: bool) -> bool:
         if value:
-            raise ProtocolError("stream: embeddings are answered whole; streaming is not supported for "
-                                "/v1/embeddings", param="stream")
+            raise ProtocolError(
+                "stream: embeddings are answered whole; streaming is not supported for /v1/embeddings", param="stream"
+            )
         return value
 
     @property
@@ -451,8 +507,10 @@ def parse_json_body(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise ProtocolError("request body must be a JSON object")
     if _SURROGATE_SOURCE.search(raw) and (where := _lone_surrogate(body)) is not None:
-        raise ProtocolError(f"{where}: contains a lone UTF-16 surrogate (\\ud800-\\udfff without its pair), "
-                            "which is not text", param=where)
+        raise ProtocolError(
+            f"{where}: contains a lone UTF-16 surrogate (\\ud800-\\udfff without its pair), which is not text",
+            param=where,
+        )
     return body
 
 
@@ -484,14 +542,20 @@ def check_token_ids_fit(cls: type[BaseModel], body: dict, context_length: int) -
     if cls is CompletionRequest:
         for ids in _token_id_lists(body.get("prompt")):
             if len(ids) >= context_length:
-                raise ProtocolError(f"prompt has {len(ids)} tokens, which leaves no room to generate within the "
-                                    f"model's context of {context_length} tokens", param="prompt",
-                                    code="context_length_exceeded")
+                raise ProtocolError(
+                    f"prompt has {len(ids)} tokens, which leaves no room to generate within the "
+                    f"model's context of {context_length} tokens",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
     elif cls is EmbeddingRequest:
         for index, ids in enumerate(_token_id_lists(body.get("input"))):
             if len(ids) > context_length:
-                raise ProtocolError(f"input: input {index} has {len(ids)} tokens; this model takes at most "
-                                    f"{context_length}", param="input", code="context_length_exceeded")
+                raise ProtocolError(
+                    f"input: input {index} has {len(ids)} tokens; this model takes at most {context_length}",
+                    param="input",
+                    code="context_length_exceeded",
+                )
 
 
 def _token_id_lists(value: Any) -> list[list]:
@@ -528,5 +592,9 @@ def now() -> int:
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, **extra: Any) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, **extra}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        **extra,
+    }

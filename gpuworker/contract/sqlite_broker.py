@@ -50,7 +50,7 @@ def broker_url(path: os.PathLike | str) -> str:
 def database_path(url: str) -> str:
     """The file a `sqlite:///<absolute path>` URL names."""
     prefix = f"{SCHEME}://"
-    path = url[len(prefix):] if url.startswith(prefix) else ""
+    path = url[len(prefix) :] if url.startswith(prefix) else ""
     if not path.startswith("/"):
         raise ValueError(f"the broker URL must be {SCHEME}:///<absolute path to a file>; got {url!r}")
     return path

@@ -28,14 +28,17 @@ class TaskArgumentError(ValueError):
 
 # -- argument checks: each returns the value or raises TaskArgumentError naming field and limit --
 
+
 def _int_at_least(minimum: int, optional: bool = False) -> Callable[[str, Any], Any]:
     def check(name: str, value: Any) -> Any:
         if value is None and optional:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise TaskArgumentError(f"{name} must be an integer >= {minimum}{' or null' if optional else ''}, "
-                                    f"got {value!r}")
+            raise TaskArgumentError(
+                f"{name} must be an integer >= {minimum}{' or null' if optional else ''}, got {value!r}"
+            )
         return value
+
     return check
 
 
@@ -47,12 +50,18 @@ def _text(name: str, value: Any) -> str:
 
 def _number_in(low: float, high: float, low_open: bool = False) -> Callable[[str, Any], float]:
     def check(name: str, value: Any) -> float:
-        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and \
-            (low < value if low_open else low <= value) and value <= high
+        ok = (
+            not isinstance(value, bool)
+            and isinstance(value, (int, float))
+            and (low < value if low_open else low <= value)
+            and value <= high
+        )
         if not ok:
-            raise TaskArgumentError(f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}], "
-                                    f"got {value!r}")
+            raise TaskArgumentError(
+                f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}"
+            )
         return float(value)
+
     return check
 
 
@@ -91,6 +100,7 @@ class _Task:
 class LoadModel(_Task):
     """Start a replica of the checkpoint at model_path on GPU gpu_index (None: the CPU); with
     tensor_parallel_size N, split over GPUs gpu_index..gpu_index+N-1 (or N CPU processes)."""
+
     NAME: ClassVar[str] = LOAD_MODEL
     replica_id: int = _argument(_int_at_least(0))
     model_path: str = _argument(_text)
@@ -105,6 +115,7 @@ class LoadModel(_Task):
 @dataclass(frozen=True)
 class UnloadModel(_Task):
     """Drain the replica (in-flight requests get drain_timeout_s), then stop it."""
+
     NAME: ClassVar[str] = UNLOAD_MODEL
     replica_id: int = _argument(_int_at_least(0))
     drain_timeout_s: float = _argument(_number_in(0.0, MAX_TIMEOUT_S), 30.0)
@@ -113,6 +124,7 @@ class UnloadModel(_Task):
 @dataclass(frozen=True)
 class DrainWorker(_Task):
     """Take no more loads and unload every replica within timeout_s."""
+
     NAME: ClassVar[str] = DRAIN_WORKER
     timeout_s: float = _argument(_number_in(0.0, MAX_TIMEOUT_S), 60.0)
 
@@ -122,6 +134,7 @@ class StageWeights(_Task):
     """Keep these checkpoints' weight files warm in host memory (the page cache), first ones first,
     within the worker's staging budget, and let go of any other: the whole desired list, so a
     repeated or late message is harmless. Sent to a worker whose list changed."""
+
     NAME: ClassVar[str] = STAGE_WEIGHTS
     model_paths: tuple[str, ...] = _argument(_model_paths)
 

@@ -28,7 +28,6 @@ import httpx
 
 from gpuworker.contract.heartbeat import GpuSpec, Heartbeat, ModelPaths, WorkerRegistration
 from gpuworker.contract.tasks import DrainWorker, LoadModel, StageWeights, UnloadModel
-
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
 from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV, scan_model_roots
 from gpuworker.daemon.staging import WeightStager
@@ -77,8 +76,11 @@ class ControlPlane:
         if response.status_code == 404 and path.endswith("/heartbeat"):
             raise NotRegistered(response.text[:200])
         if response.status_code != 200:
-            raise httpx.HTTPStatusError(f"{path} answered {response.status_code}: {response.text[:300]}",
-                                        request=response.request, response=response)
+            raise httpx.HTTPStatusError(
+                f"{path} answered {response.status_code}: {response.text[:300]}",
+                request=response.request,
+                response=response,
+            )
         body = response.json()
         if not isinstance(body, dict):
             raise ValueError(f"{path} answered {body!r}, not a JSON object")
@@ -87,8 +89,12 @@ class ControlPlane:
     def register(self, registration: WorkerRegistration) -> dict[str, Any]:
         body = self._post("/internal/workers/register", registration.to_json())
         celery = body.get("celery")
-        if not (isinstance(body.get("worker_id"), int) and isinstance(body.get("queue"), str)
-                and isinstance(celery, dict) and isinstance(celery.get("broker_url"), str)):
+        if not (
+            isinstance(body.get("worker_id"), int)
+            and isinstance(body.get("queue"), str)
+            and isinstance(celery, dict)
+            and isinstance(celery.get("broker_url"), str)
+        ):
             raise ValueError(f"registration answer lacks worker_id, queue or celery.broker_url: {body!r}")
         return body
 
@@ -144,21 +150,34 @@ class Agent:
             return 2
         advertise_host = self.config.advertise_host or _facing_address(self.config.control_url)
         self.supervisor = Supervisor(
-            token=self.config.token, gpu_count=self.probe.gpu_count, port_range=self.config.port_range,
-            advertise_host=advertise_host, bind_host="127.0.0.1" if _is_loopback(advertise_host) else "0.0.0.0",
-            state_dir=self.config.state_dir, worker_name=self.config.name, model_roots=self.config.model_roots,
-            spare_replicas=self.config.spare_replicas)
+            token=self.config.token,
+            gpu_count=self.probe.gpu_count,
+            port_range=self.config.port_range,
+            advertise_host=advertise_host,
+            bind_host="127.0.0.1" if _is_loopback(advertise_host) else "0.0.0.0",
+            state_dir=self.config.state_dir,
+            worker_name=self.config.name,
+            model_roots=self.config.model_roots,
+            spare_replicas=self.config.spare_replicas,
+        )
         self.supervisor.start()
         self.stager.start()
         if not self.config.model_roots:
-            logger.warning("no --model-root given: this worker will refuse every model load until it is "
-                           "started with --model-root DIR (or $%s)", MODEL_ROOTS_ENV)
+            logger.warning(
+                "no --model-root given: this worker will refuse every model load until it is "
+                "started with --model-root DIR (or $%s)",
+                MODEL_ROOTS_ENV,
+            )
         inventory = self.probe.inventory()
         self._registration = WorkerRegistration(
-            name=self.config.name, advertise_host=advertise_host, device=self.probe.device,
+            name=self.config.name,
+            advertise_host=advertise_host,
+            device=self.probe.device,
             gpus=tuple(GpuSpec(**gpu) for gpu in inventory["gpus"]),
-            cpu_memory_total_bytes=inventory["cpu"]["memory_total_bytes"], cpu_cores=inventory["cpu"]["cores"],
-            version=_version())
+            cpu_memory_total_bytes=inventory["cpu"]["memory_total_bytes"],
+            cpu_cores=inventory["cpu"]["cores"],
+            version=_version(),
+        )
         registration = self._register_until_answered()
         consumer = self._start(registration) if registration is not None else None
         while not self._stop.wait(0.5):
@@ -180,16 +199,20 @@ class Agent:
     def _start(self, registration: dict[str, Any]) -> CeleryConsumer:
         """Consume the queue named at registration, and start heartbeating."""
         queue, celery = registration["queue"], registration["celery"]
-        app = build_celery_app(worker_name=self.config.name, broker_url=celery["broker_url"],
-                               transport_options=celery.get("broker_transport_options") or {}, queue=queue)
+        app = build_celery_app(
+            worker_name=self.config.name,
+            broker_url=celery["broker_url"],
+            transport_options=celery.get("broker_transport_options") or {},
+            queue=queue,
+        )
         register_tasks(app, self)
-        consumer = CeleryConsumer(app, worker_name=self.config.name, queue=queue,
-                                  log_level=logging.getLevelName(logging.getLogger().level))
+        consumer = CeleryConsumer(
+            app, worker_name=self.config.name, queue=queue, log_level=logging.getLevelName(logging.getLogger().level)
+        )
         consumer.start()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._heartbeat_thread.start()
-        logger.info("worker %s (id %d) consuming %s on %s", self.config.name, self._worker_id, queue,
-                    self.probe.device)
+        logger.info("worker %s (id %d) consuming %s on %s", self.config.name, self._worker_id, queue, self.probe.device)
         return consumer
 
     def _register(self) -> dict[str, Any]:
@@ -207,8 +230,9 @@ class Agent:
                 return self._register()
             except (httpx.HTTPError, ValueError) as exc:
                 delay = REGISTER_BACKOFF_S[min(attempt, len(REGISTER_BACKOFF_S) - 1)]
-                logger.warning("registration with %s failed (%s); retrying in %.1fs",
-                               self.config.control_url, exc, delay)
+                logger.warning(
+                    "registration with %s failed (%s); retrying in %.1fs", self.config.control_url, exc, delay
+                )
             if self._stop.wait(delay):
                 return None
 
@@ -225,10 +249,15 @@ class Agent:
         sample = self.probe.sample()
         # The checkpoint list goes only when it changed since the control plane last took it.
         scan = self._scan_models(force=False)
-        return Heartbeat(sent_at=datetime.now(timezone.utc).isoformat(), draining=self.draining,
-                         gpus=tuple(sample["gpus"]), cpu=sample["cpu"], replicas=tuple(self.supervisor.snapshot()),
-                         models=scan if scan is not None and scan != self._model_scan_acknowledged else None,
-                         staging=self.stager.report())
+        return Heartbeat(
+            sent_at=datetime.now(timezone.utc).isoformat(),
+            draining=self.draining,
+            gpus=tuple(sample["gpus"]),
+            cpu=sample["cpu"],
+            replicas=tuple(self.supervisor.snapshot()),
+            models=scan if scan is not None and scan != self._model_scan_acknowledged else None,
+            staging=self.stager.report(),
+        )
 
     def _heartbeat_loop(self) -> None:
         while True:

@@ -1,8 +1,8 @@
 """What the host has and how busy it is: GPUs through NVML (nvidia-ml-py), CPU and RAM through psutil.
 
-    probe = HardwareProbe("auto")      # "cuda" if NVML finds a GPU, else "cpu"
-    probe.inventory()                  # for registration: GPU names and memory, RAM and cores
-    probe.sample()                     # for heartbeats: utilisation, memory, temperature, power
+probe = HardwareProbe("auto")      # "cuda" if NVML finds a GPU, else "cpu"
+probe.inventory()                  # for registration: GPU names and memory, RAM and cores
+probe.sample()                     # for heartbeats: utilisation, memory, temperature, power
 """
 
 from __future__ import annotations
@@ -55,24 +55,42 @@ class HardwareProbe:
         gpus = []
         for index, handle in enumerate(self._handles):
             name = self._nvml.nvmlDeviceGetName(handle)
-            gpus.append({"index": index, "name": name.decode() if isinstance(name, bytes) else str(name),
-                         "memory_total_bytes": int(self._nvml.nvmlDeviceGetMemoryInfo(handle).total)})
-        return {"gpus": gpus, "cpu": {"memory_total_bytes": int(psutil.virtual_memory().total),
-                                      "cores": psutil.cpu_count(logical=True) or 1}}
+            gpus.append(
+                {
+                    "index": index,
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "memory_total_bytes": int(self._nvml.nvmlDeviceGetMemoryInfo(handle).total),
+                }
+            )
+        return {
+            "gpus": gpus,
+            "cpu": {
+                "memory_total_bytes": int(psutil.virtual_memory().total),
+                "cores": psutil.cpu_count(logical=True) or 1,
+            },
+        }
 
     def sample(self) -> dict[str, Any]:
         """{"gpus": [per-GPU figures], "cpu": {utilization_pct, memory_used_bytes, memory_total_bytes}}."""
         memory = psutil.virtual_memory()
-        cpu = {"utilization_pct": float(psutil.cpu_percent(interval=None)),
-               "memory_used_bytes": int(memory.total - memory.available),
-               "memory_total_bytes": int(memory.total)}
+        cpu = {
+            "utilization_pct": float(psutil.cpu_percent(interval=None)),
+            "memory_used_bytes": int(memory.total - memory.available),
+            "memory_total_bytes": int(memory.total),
+        }
         return {"gpus": [self._gpu_figures(i, h) for i, h in enumerate(self._handles)], "cpu": cpu}
 
     def _gpu_figures(self, index: int, handle: Any) -> dict[str, Any]:
         nvml = self._nvml
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        figures = {"index": index, "utilization_pct": 0.0, "memory_used_bytes": int(memory.used),
-                   "memory_total_bytes": int(memory.total), "temperature_c": 0.0, "power_w": 0.0}
+        figures = {
+            "index": index,
+            "utilization_pct": 0.0,
+            "memory_used_bytes": int(memory.used),
+            "memory_total_bytes": int(memory.total),
+            "temperature_c": 0.0,
+            "power_w": 0.0,
+        }
         # Some boards (and MIG slices) do not report every figure: leave those at 0 rather than fail.
         readings = {
             "utilization_pct": lambda: float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),

@@ -30,13 +30,17 @@ def _checkpoints_under(root: Path, depth: int, found: list[str]) -> None:
         return
     try:
         if (root / "config.json").is_file() or any(
-                entry.name.endswith(GGUF_SUFFIX) and entry.is_file() for entry in os.scandir(root)):
+            entry.name.endswith(GGUF_SUFFIX) and entry.is_file() for entry in os.scandir(root)
+        ):
             found.append(str(root))
             return  # a checkpoint's own subfolders (e.g. original/) are not separate models
         if depth >= MAX_DEPTH:
             return
-        children = sorted(entry.path for entry in os.scandir(root)
-                          if entry.is_dir(follow_symlinks=True) and not entry.name.startswith("."))
+        children = sorted(
+            entry.path
+            for entry in os.scandir(root)
+            if entry.is_dir(follow_symlinks=True) and not entry.name.startswith(".")
+        )
     except OSError as exc:  # unreadable folders are skipped, not fatal: the rest still counts
         logger.debug("cannot scan %s: %s", root, exc)
         return
@@ -54,8 +58,12 @@ def scan_model_roots(roots: list[Path] | tuple[Path, ...]) -> ModelPaths:
             continue
         _checkpoints_under(Path(root), 0, found)
     if len(found) >= MAX_MODEL_PATHS:
-        logger.warning("more than %d checkpoints under %s; reporting the first %d", MAX_MODEL_PATHS,
-                       ", ".join(absolute), MAX_MODEL_PATHS)
+        logger.warning(
+            "more than %d checkpoints under %s; reporting the first %d",
+            MAX_MODEL_PATHS,
+            ", ".join(absolute),
+            MAX_MODEL_PATHS,
+        )
     paths = tuple(sorted(dict.fromkeys(found[:MAX_MODEL_PATHS])))
     quantization = tuple((path, label) for path in paths if (label := checkpoint_quantization(Path(path))))
     return ModelPaths(roots=absolute, paths=paths, quantization=quantization)
@@ -78,13 +86,17 @@ def resolve_model_root_path(model_path: str, roots: tuple[Path, ...]) -> tuple[P
     `roots` (themselves resolved), else why not. A daemon with no roots loads nothing: a load
     task names a path chosen elsewhere, and the roots are what confines it to the checkpoints."""
     if not roots:
-        return None, (f"this worker has no model root, so it loads no model: start its daemon with "
-                      f"--model-root DIR (or ${MODEL_ROOTS_ENV}) naming the folder that holds {model_path}")
+        return None, (
+            f"this worker has no model root, so it loads no model: start its daemon with "
+            f"--model-root DIR (or ${MODEL_ROOTS_ENV}) naming the folder that holds {model_path}"
+        )
     resolved = Path(os.path.realpath(model_path))
     real_roots = [Path(os.path.realpath(root)) for root in roots]
     if any(resolved == root or root in resolved.parents for root in real_roots):
         return resolved, None
     shown = model_path if str(resolved) == model_path else f"{model_path} (resolved: {resolved})"
-    return None, (f"model path {shown} lies outside this worker's model roots "
-                  f"({', '.join(str(r) for r in real_roots)}); move the checkpoint under one or start the "
-                  f"daemon with another --model-root")
+    return None, (
+        f"model path {shown} lies outside this worker's model roots "
+        f"({', '.join(str(r) for r in real_roots)}); move the checkpoint under one or start the "
+        f"daemon with another --model-root"
+    )

@@ -38,5 +38,6 @@ def bind_replica_socket(host: str, port_range: tuple[int, int] | None = None) ->
         return sock
     if port_range is None:
         raise last_error
-    raise NoFreePort(f"no free port in {port_range[0]}-{port_range[1]} for the replica "
-                     f"(the last bind said: {last_error})")
+    raise NoFreePort(
+        f"no free port in {port_range[0]}-{port_range[1]} for the replica (the last bind said: {last_error})"
+    )

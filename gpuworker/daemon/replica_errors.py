@@ -25,7 +25,7 @@ def error_cause(log_text: str) -> str:
     lines = log_text.splitlines()
     starts = [i for i, line in enumerate(lines) if line.strip() == TRACEBACK_START]
     if starts:
-        for line in lines[starts[-1] + 1:]:
+        for line in lines[starts[-1] + 1 :]:
             # Frames, source lines and caret markers are indented; the exception line is not.
             if line.strip() and not line[0].isspace():
                 return line.strip()
@@ -46,5 +46,5 @@ def failure_message(*, cause: str, what: str, log_text: str) -> str:
         return head
     if len(tail) > room:
         tail = tail[-room:]
-        tail = tail[tail.find("\n") + 1:] if "\n" in tail else tail  # from a line's start
+        tail = tail[tail.find("\n") + 1 :] if "\n" in tail else tail  # from a line's start
     return f"{head}{LOG_TAIL_HEADER}{tail}"

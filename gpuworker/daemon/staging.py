@@ -89,8 +89,13 @@ class WeightStager:
             if staged is None:
                 continue
             if used + staged.bytes > self.budget_bytes:
-                logger.info("staging: %s (%d bytes) does not fit the budget (%d of %d bytes used)", path,
-                            staged.bytes, used, self.budget_bytes)
+                logger.info(
+                    "staging: %s (%d bytes) does not fit the budget (%d of %d bytes used)",
+                    path,
+                    staged.bytes,
+                    used,
+                    self.budget_bytes,
+                )
                 continue
             keep[path], used = staged, used + staged.bytes
         for path, staged in self._staged.items():
@@ -117,8 +122,9 @@ class WeightStager:
 
     def _warm(self, staged: _Staged, generation: int) -> bool:
         """Read the files through the page cache; False if stage() changed the list meanwhile."""
-        logger.info("staging: reading %s (%d bytes, %.0f%% resident)", staged.path, staged.bytes,
-                    100 * staged.resident_fraction)
+        logger.info(
+            "staging: reading %s (%d bytes, %.0f%% resident)", staged.path, staged.bytes, 100 * staged.resident_fraction
+        )
         advise(staged.files, os.POSIX_FADV_WILLNEED)
         buffer = bytearray(READ_BYTES)
         for file in staged.files:
@@ -134,6 +140,12 @@ class WeightStager:
         return True
 
     def _publish(self) -> None:
-        self._report = Staging(budget_bytes=self.budget_bytes, models=tuple(
-            StagedWeights(path=s.path, bytes=s.bytes, how="page_cache", resident_fraction=round(s.resident_fraction, 4))
-            for s in self._staged.values()))
+        self._report = Staging(
+            budget_bytes=self.budget_bytes,
+            models=tuple(
+                StagedWeights(
+                    path=s.path, bytes=s.bytes, how="page_cache", resident_fraction=round(s.resident_fraction, 4)
+                )
+                for s in self._staged.values()
+            ),
+        )

@@ -87,15 +87,30 @@ class Replica:
         figures = {name: engine.get(name, 0) for name in REPLICA_FIGURES if name not in REPLICA_LATENCY_FIGURES}
         figures |= {name: engine[name] for name in REPLICA_LATENCY_FIGURES if engine.get(name) is not None}
         figures["load_progress"] = self.load_progress
-        return ReplicaReport(replica_id=self.request.replica_id, state=self.state, endpoint_url=self.endpoint_url,
-                             error=self.error, figures=figures,
-                             pid=self.process.pid if self.process is not None else None)
+        return ReplicaReport(
+            replica_id=self.request.replica_id,
+            state=self.state,
+            endpoint_url=self.endpoint_url,
+            error=self.error,
+            figures=figures,
+            pid=self.process.pid if self.process is not None else None,
+        )
 
 
 class Supervisor:
-    def __init__(self, *, token: str, gpu_count: int, advertise_host: str, bind_host: str, state_dir: Path,
-                 worker_name: str, model_roots: tuple[Path, ...], port_range: tuple[int, int] | None = None,
-                 spare_replicas: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        token: str,
+        gpu_count: int,
+        advertise_host: str,
+        bind_host: str,
+        state_dir: Path,
+        worker_name: str,
+        model_roots: tuple[Path, ...],
+        port_range: tuple[int, int] | None = None,
+        spare_replicas: bool = False,
+    ) -> None:
         # None: any free port (the OS chooses); a range only for hosts whose firewall needs one.
         self.token, self.gpu_count, self.port_range = token, gpu_count, port_range
         # Loads are confined to these (a load task's path is chosen by the control plane).
@@ -146,8 +161,12 @@ class Supervisor:
     def _run(self) -> None:
         closing = False
         next_poll = time.monotonic()
-        while not (closing and not any(r.process for r in self._replicas.values())
-                   and not self._spares and not self._spares_retired):
+        while not (
+            closing
+            and not any(r.process for r in self._replicas.values())
+            and not self._spares
+            and not self._spares_retired
+        ):
             try:
                 command = self._commands.get(timeout=max(0.0, next_poll - time.monotonic()))
             except queue.Empty:
@@ -174,8 +193,12 @@ class Supervisor:
             if current.state == "draining":
                 logger.warning("replica %d is draining; the load is ignored", request.replica_id)
             elif current.request != request:
-                logger.warning("replica %d is already %s with %s; a load with other arguments is ignored",
-                               request.replica_id, current.state, current.request)
+                logger.warning(
+                    "replica %d is already %s with %s; a load with other arguments is ignored",
+                    request.replica_id,
+                    current.state,
+                    current.request,
+                )
             return  # idempotent: a repeated load changes nothing
         if current is not None and current.process is not None:
             # Failed, and its process is still stopping: replacing it now would leave that process
@@ -198,14 +221,19 @@ class Supervisor:
         if self.refuse_loads:
             return None, f"worker {self.worker_name} is draining and takes no new loads"
         if request.gpu_index is not None and request.gpu_index >= self.gpu_count:
-            return None, (f"gpu_index {request.gpu_index} was requested, but this worker has no GPU"
-                          if not self.gpu_count else f"gpu_index {request.gpu_index} does not exist on this worker "
-                          f"(it has {self.gpu_count} GPU(s), 0-{self.gpu_count - 1})")
+            return None, (
+                f"gpu_index {request.gpu_index} was requested, but this worker has no GPU"
+                if not self.gpu_count
+                else f"gpu_index {request.gpu_index} does not exist on this worker "
+                f"(it has {self.gpu_count} GPU(s), 0-{self.gpu_count - 1})"
+            )
         last_gpu = (request.gpu_index or 0) + request.tensor_parallel_size - 1
         if request.gpu_index is not None and last_gpu >= self.gpu_count:
-            return None, (f"tensor_parallel_size {request.tensor_parallel_size} from gpu_index {request.gpu_index} "
-                          f"needs GPUs {request.gpu_index}-{last_gpu}; this worker has {self.gpu_count} (0-"
-                          f"{self.gpu_count - 1})")
+            return None, (
+                f"tensor_parallel_size {request.tensor_parallel_size} from gpu_index {request.gpu_index} "
+                f"needs GPUs {request.gpu_index}-{last_gpu}; this worker has {self.gpu_count} (0-"
+                f"{self.gpu_count - 1})"
+            )
         resolved, problem = resolve_model_root_path(request.model_path, self.model_roots)
         if problem is not None:
             return None, problem
@@ -220,8 +248,10 @@ class Supervisor:
         if not resolved.is_dir():
             return None, f"model path {path} is not a directory or a .gguf file"
         if not (resolved / "config.json").is_file():
-            return None, (f"model path {path} has no config.json or .gguf file "
-                          "(expected a Hugging Face model directory or a GGUF checkpoint)")
+            return None, (
+                f"model path {path} has no config.json or .gguf file "
+                "(expected a Hugging Face model directory or a GGUF checkpoint)"
+            )
         return resolved, None
 
     def _spawn(self, replica: Replica, model_dir: Path) -> str | None:
@@ -234,10 +264,24 @@ class Supervisor:
             return f"could not bind a port for the replica on {self.bind_host}: {exc}"
         port = listener.getsockname()[1]
         # The directory checked above, not the path again: a symlink swapped since cannot redirect it.
-        serve_argv = ["--model", str(model_dir), "--host", self.bind_host, "--port", str(port),
-                      "--device", device, "--dtype", request.dtype,
-                      "--served-model-name", request.served_model_name,
-                      "--memory-fraction", str(request.memory_fraction), "--exit-with-parent", str(os.getpid())]
+        serve_argv = [
+            "--model",
+            str(model_dir),
+            "--host",
+            self.bind_host,
+            "--port",
+            str(port),
+            "--device",
+            device,
+            "--dtype",
+            request.dtype,
+            "--served-model-name",
+            request.served_model_name,
+            "--memory-fraction",
+            str(request.memory_fraction),
+            "--exit-with-parent",
+            str(os.getpid()),
+        ]
         if request.max_model_len is not None:
             serve_argv += ["--max-model-len", str(request.max_model_len)]
         if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself
@@ -253,38 +297,60 @@ class Supervisor:
                     replica.from_spare = replica.process is not None
                 if replica.process is None:
                     argv = [sys.executable, "-m", "gpuworker", "serve", *serve_argv, "--fd", str(listener.fileno())]
-                    replica.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                                       stderr=subprocess.STDOUT, env=self._child_env(),
-                                                       start_new_session=True, pass_fds=(listener.fileno(),))
+                    replica.process = subprocess.Popen(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=self._child_env(),
+                        start_new_session=True,
+                        pass_fds=(listener.fileno(),),
+                    )
         except OSError as exc:
             return f"could not start the replica process: {exc}"
         finally:
             listener.close()  # the child has its own copy: the port is free again once the child is gone
         host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
         replica.endpoint_url = f"http://{host}:{port}"
-        logger.info("replica %d: %s pid %d on %s (%s, %s); log %s", request.replica_id,
-                    "handed to spare" if spare is not None and replica.process is spare.process else "started",
-                    replica.process.pid, replica.endpoint_url, request.model_path, device, replica.log_path)
+        logger.info(
+            "replica %d: %s pid %d on %s (%s, %s); log %s",
+            request.replica_id,
+            "handed to spare" if spare is not None and replica.process is spare.process else "started",
+            replica.process.pid,
+            replica.endpoint_url,
+            request.model_path,
+            device,
+            replica.log_path,
+        )
         return None
 
     def _child_env(self) -> dict[str, str]:
         # The token travels in the environment, not argv, which every local user can read in `ps`.
         # PCI bus order makes CUDA's device numbers match NVML's, which placed the replica.
-        return {**os.environ, "GPUSERVE_WORKER_TOKEN": self.token, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                "PYTHONUNBUFFERED": "1"}
+        return {
+            **os.environ,
+            "GPUSERVE_WORKER_TOKEN": self.token,
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "PYTHONUNBUFFERED": "1",
+        }
 
     # -- spare replica processes -----------------------------------------------------------------
 
-    def _hand_to_spare(self, spare: Spare, serve_argv: list[str], listener: socket.socket,
-                       log) -> subprocess.Popen | None:
+    def _hand_to_spare(
+        self, spare: Spare, serve_argv: list[str], listener: socket.socket, log
+    ) -> subprocess.Popen | None:
         """The spare's process, now serving this load; None when the spare is gone (start afresh)."""
         try:
             if spare.process.poll() is not None:
                 raise OSError(f"it exited with {spare.process.returncode}")
             send_load(spare.control, serve_argv, listener.fileno(), log.fileno())
         except OSError as exc:
-            logger.warning("spare replica process %d on %s could not take the load (%s); starting a new process",
-                           spare.process.pid, spare.device, exc)
+            logger.warning(
+                "spare replica process %d on %s could not take the load (%s); starting a new process",
+                spare.process.pid,
+                spare.device,
+                exc,
+            )
             self._retire(spare)
             return None
         finally:
@@ -308,12 +374,19 @@ class Supervisor:
             return
         # Every GPU of a loading replica split over several: a spare starting on one while its rank
         # sizes the KV cache from the memory free there would take memory the rank counted on.
-        loading = {device for r in self._replicas.values() if r.state == "loading" for device in load_devices(r.request)}
+        loading = {
+            device for r in self._replicas.values() if r.state == "loading" for device in load_devices(r.request)
+        }
         for device in self._spare_devices():
             spare = self._spares.get(device)
             if spare is not None and spare.process.poll() is not None:
-                logger.warning("spare replica process %d on %s exited with %s; see %s", spare.process.pid, device,
-                               spare.process.returncode, self._spare_log(device))
+                logger.warning(
+                    "spare replica process %d on %s exited with %s; see %s",
+                    spare.process.pid,
+                    device,
+                    spare.process.returncode,
+                    self._spare_log(device),
+                )
                 spare.control.close()
                 del self._spares[device]
                 self._spare_retry_at[device] = spare.started_at + SPARE_RETRY_S
@@ -325,12 +398,29 @@ class Supervisor:
 
     def _start_spare(self, device: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [sys.executable, "-m", "gpuworker", "spare", "--device", device, "--control-fd", str(theirs.fileno()),
-                "--exit-with-parent", str(os.getpid())]
+        argv = [
+            sys.executable,
+            "-m",
+            "gpuworker",
+            "spare",
+            "--device",
+            device,
+            "--control-fd",
+            str(theirs.fileno()),
+            "--exit-with-parent",
+            str(os.getpid()),
+        ]
         try:
             with open(self._spare_log(device), "ab") as log:
-                process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                           env=self._child_env(), start_new_session=True, pass_fds=(theirs.fileno(),))
+                process = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self._child_env(),
+                    start_new_session=True,
+                    pass_fds=(theirs.fileno(),),
+                )
         except OSError as exc:
             ours.close()
             self._spare_retry_at[device] = time.monotonic() + SPARE_RETRY_S
@@ -361,8 +451,9 @@ class Supervisor:
             logger.info("replica %d: the load waiting for its failed process is dropped", replica_id)
             return
         if replica is None or replica.state not in ("loading", "ready"):
-            logger.info("unload of replica %d: nothing to do (%s)", replica_id,
-                        "unknown" if replica is None else replica.state)
+            logger.info(
+                "unload of replica %d: nothing to do (%s)", replica_id, "unknown" if replica is None else replica.state
+            )
             return
         replica.state = "draining"
         replica.drain_deadline = time.monotonic() + drain_timeout_s + DRAIN_GRACE_S
@@ -410,9 +501,15 @@ class Supervisor:
             replica.load_progress = float(health.get("progress", 0.0))
         elif status == "failed":
             # The replica caught its own error: that is the cause; its log adds where it came from.
-            self._end(replica, "failed", failure_message(
-                cause=str(health.get("error") or ""), what="the replica failed to load",
-                log_text=self._log_text(replica)))
+            self._end(
+                replica,
+                "failed",
+                failure_message(
+                    cause=str(health.get("error") or ""),
+                    what="the replica failed to load",
+                    log_text=self._log_text(replica),
+                ),
+            )
             logger.error("replica %d failed: %s", replica.request.replica_id, replica.error)
             self._terminate(replica)
 
@@ -432,8 +529,12 @@ class Supervisor:
         elif replica.state == "loading" and replica.from_spare and not self._log_text(replica).strip():
             # A spare writes to the replica's log as soon as it takes a load: this one died before
             # (it was killed as the load was handed over), so the load never began: start it afresh.
-            logger.warning("replica %d: spare pid %d died (%s) before taking the load; starting a new process",
-                           replica.request.replica_id, replica.ended_pid, code)
+            logger.warning(
+                "replica %d: spare pid %d died (%s) before taking the load; starting a new process",
+                replica.request.replica_id,
+                replica.ended_pid,
+                code,
+            )
             del self._replicas[replica.request.replica_id]
             self._do_load(replica.request)
             return
@@ -477,7 +578,6 @@ class Supervisor:
     def _end(self, replica: Replica, state: str, error: str) -> None:
         replica.state, replica.error, replica.ended_at = state, error, time.monotonic()
         replica.figures = {}
-
 
 
 def _device(request: LoadModel) -> str:

@@ -12,8 +12,18 @@ from typing import Any, Protocol
 from celery import Celery
 
 from gpuworker.contract import sqlite_broker
-from gpuworker.contract.tasks import (DRAIN_WORKER, LOAD_MODEL, STAGE_WEIGHTS, UNLOAD_MODEL, DrainWorker,
-                                      LoadModel, StageWeights, TaskArgumentError, UnloadModel, parse_task)
+from gpuworker.contract.tasks import (
+    DRAIN_WORKER,
+    LOAD_MODEL,
+    STAGE_WEIGHTS,
+    UNLOAD_MODEL,
+    DrainWorker,
+    LoadModel,
+    StageWeights,
+    TaskArgumentError,
+    UnloadModel,
+    parse_task,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,22 +49,32 @@ def register_tasks(app: Celery, handler: TaskHandler) -> None:
         run.__name__ = name.rpartition(".")[2]
         return run
 
-    for name, handle in ((LOAD_MODEL, handler.load), (UNLOAD_MODEL, handler.unload), (DRAIN_WORKER, handler.drain),
-                         (STAGE_WEIGHTS, handler.stage)):
+    for name, handle in (
+        (LOAD_MODEL, handler.load),
+        (UNLOAD_MODEL, handler.unload),
+        (DRAIN_WORKER, handler.drain),
+        (STAGE_WEIGHTS, handler.stage),
+    ):
         app.task(name=name)(consume(name, handle))
 
 
-def build_celery_app(*, worker_name: str, broker_url: str, transport_options: dict[str, Any],
-                     queue: str) -> Celery:
+def build_celery_app(*, worker_name: str, broker_url: str, transport_options: dict[str, Any], queue: str) -> Celery:
     # The embedded set-up's control plane names its SQLite broker (sqlite://) at registration.
     sqlite_broker.register()
     app = Celery(f"gpuworker-{worker_name}", set_as_current=False)
     app.conf.update(
-        broker_url=broker_url, broker_transport_options=transport_options, task_default_queue=queue,
+        broker_url=broker_url,
+        broker_transport_options=transport_options,
+        task_default_queue=queue,
         # JSON only: a pickled message could run code in the daemon.
-        accept_content=["json"], task_serializer="json", task_ignore_result=True,
-        worker_hijack_root_logger=False, worker_redirect_stdouts=False, worker_prefetch_multiplier=1,
-        broker_connection_retry_on_startup=True, worker_enable_remote_control=False,
+        accept_content=["json"],
+        task_serializer="json",
+        task_ignore_result=True,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        worker_enable_remote_control=False,
         worker_send_task_events=False,
     )
     return app
@@ -70,9 +90,17 @@ class CeleryConsumer:
 
     def __init__(self, app: Celery, *, worker_name: str, queue: str, log_level: str = "INFO") -> None:
         self.queue = queue
-        self.worker = app.WorkController(hostname=f"gpuworker@{worker_name}", pool="solo", concurrency=1,
-                                         queues=[queue], loglevel=log_level, ready_callback=None,
-                                         without_heartbeat=True, without_mingle=True, without_gossip=True)
+        self.worker = app.WorkController(
+            hostname=f"gpuworker@{worker_name}",
+            pool="solo",
+            concurrency=1,
+            queues=[queue],
+            loglevel=log_level,
+            ready_callback=None,
+            without_heartbeat=True,
+            without_mingle=True,
+            without_gossip=True,
+        )
         self._thread = threading.Thread(target=self.worker.start, name="celery-consumer", daemon=True)
 
     def start(self) -> None:

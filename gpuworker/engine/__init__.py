@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the redundant aliases mark these as re-exports (__all__ is 
     from gpuworker.engine.outputs import TokenLogprob as TokenLogprob
     from gpuworker.engine.sampling_params import SamplingParams as SamplingParams
 
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

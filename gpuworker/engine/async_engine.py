@@ -39,8 +39,9 @@ from gpuworker.engine.structured_output import StructuredOutput
 logger = logging.getLogger(__name__)
 
 
-def start_engine(model: str | Path, *, process: bool | EngineProcess = False,
-                 **config: Any) -> AsyncLLMEngine | ProcessLLMEngine:
+def start_engine(
+    model: str | Path, *, process: bool | EngineProcess = False, **config: Any
+) -> AsyncLLMEngine | ProcessLLMEngine:
     """Load the engine for a server. process=False: an AsyncLLMEngine, the engine stepping in a
     thread of this process. process=True (or an EngineProcess started ahead, which then loads it):
     a ProcessLLMEngine, the same interface over an engine in a process of its own, whose steps no
@@ -53,8 +54,7 @@ def start_engine(model: str | Path, *, process: bool | EngineProcess = False,
 class AsyncLLMEngine(StreamingEngine):
     """The engine stepping in a thread of this process (`engine`, the LLMEngine, is the thread's)."""
 
-    def __init__(self, model: str | Path | None = None, *, engine: LLMEngine | None = None,
-                 **config: Any) -> None:
+    def __init__(self, model: str | Path | None = None, *, engine: LLMEngine | None = None, **config: Any) -> None:
         if (model is None) == (engine is None):
             raise ValueError("pass either a model path or an engine")
         self.engine = engine if engine is not None else LLMEngine(model, **config)
@@ -95,8 +95,9 @@ class AsyncLLMEngine(StreamingEngine):
         # A new schema compiles here, off the engine thread, so running streams do not stall.
         await asyncio.to_thread(self.engine.compile_grammar, structured)
 
-    async def _add(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None,
-                   outputs: OutputStream) -> None:
+    async def _add(
+        self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None, outputs: OutputStream
+    ) -> None:
         def add() -> None:
             self.engine.add_request(request_id, prompt, params)
             self._streams[request_id] = outputs

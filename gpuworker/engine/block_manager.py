@@ -41,8 +41,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: Callable[[int, tuple[int, ...]], int] = hash_block_tokens) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_fn: Callable[[int, tuple[int, ...]], int] = hash_block_tokens,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
@@ -133,8 +138,9 @@ class BlockManager:
 
         The prompt's last token is left for the child to compute: it needs its own logits.
         """
-        num_shared = min((parent.num_prompt_tokens - 1) // self.block_size,
-                         parent.num_computed_tokens // self.block_size)
+        num_shared = min(
+            (parent.num_prompt_tokens - 1) // self.block_size, parent.num_computed_tokens // self.block_size
+        )
         if child.block_table:
             raise RuntimeError(f"{child} already holds blocks")
         for block_id in parent.block_table[:num_shared]:
@@ -151,8 +157,7 @@ class BlockManager:
         last = seq.num_computed_tokens // self.block_size
         hashes = self._block_hashes(seq, last)
         for i in range(first, last):
-            parent_prefix_id = (ROOT_PREFIX_ID if i == 0
-                                else self.blocks[seq.block_table[i - 1]].prefix_id)
+            parent_prefix_id = ROOT_PREFIX_ID if i == 0 else self.blocks[seq.block_table[i - 1]].prefix_id
             block = self.blocks[seq.block_table[i]]
             if parent_prefix_id is None or block.prefix_id is not None:
                 continue
@@ -171,8 +176,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
-    def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...],
-                  parent_prefix_id: int) -> None:
+    def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...], parent_prefix_id: int) -> None:
         block.block_hash, block.token_ids, block.parent_prefix_id = block_hash, tokens, parent_prefix_id
         holder_id = self._cached.get(block_hash)
         if holder_id is None:
@@ -208,7 +212,7 @@ class BlockManager:
 
     def _tokens(self, seq: Sequence, block_index: int) -> tuple[int, ...]:
         start = block_index * self.block_size
-        return tuple(seq.token_ids[start:start + self.block_size])
+        return tuple(seq.token_ids[start : start + self.block_size])
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         hashes = seq.block_hashes

@@ -48,7 +48,7 @@ class BlockTables:
             if len(table) > row.written:
                 if len(table) > array.shape[1]:
                     array = self._widen(len(table))
-                array[row.index, row.written:len(table)] = table[row.written:]
+                array[row.index, row.written : len(table)] = table[row.written :]
                 row.written = len(table)
             out[i] = row.index
         return out

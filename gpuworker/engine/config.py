@@ -85,8 +85,13 @@ class EngineConfig:
         timeout = self.distributed_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {timeout!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len",
-                     "kv_cache_memory_bytes"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "num_kv_blocks",
+            "max_model_len",
+            "kv_cache_memory_bytes",
+        ):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         share = self.short_prefill_share
@@ -110,7 +115,8 @@ class EngineConfig:
                 raise ValueError(
                     f"num_kv_blocks ({self.num_kv_blocks}) x block_size ({self.block_size}) = {capacity} "
                     f"tokens cannot hold one sequence of max_model_len ({self.max_model_len}) tokens; "
-                    "raise num_kv_blocks (or the memory budget) or lower max_model_len")
+                    "raise num_kv_blocks (or the memory budget) or lower max_model_len"
+                )
 
     @property
     def use_async_scheduling(self) -> bool:

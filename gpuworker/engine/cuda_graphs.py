@@ -27,8 +27,35 @@ from torch import nn
 
 from gpuworker.attention.backend import AttentionMetadata
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 576, 640, 704, 768,
-           832, 896, 960, 1024)
+BUCKETS = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    160,
+    192,
+    224,
+    256,
+    320,
+    384,
+    448,
+    512,
+    576,
+    640,
+    704,
+    768,
+    832,
+    896,
+    960,
+    1024,
+)
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -67,9 +94,15 @@ class GraphInputs:
         self.rows, self.max_blocks = rows, max_blocks
         self._offsets: dict[str, int] = {}
         total = 0
-        for name, nbytes in (("sampled", 8 * rows), ("known_ids", 8 * rows), ("token_index", 8 * rows),
-                             ("positions", 8 * rows), ("slot_mapping", 8 * rows), ("seq_lens", 4 * rows),
-                             ("block_tables", 4 * rows * max_blocks)):
+        for name, nbytes in (
+            ("sampled", 8 * rows),
+            ("known_ids", 8 * rows),
+            ("token_index", 8 * rows),
+            ("positions", 8 * rows),
+            ("slot_mapping", 8 * rows),
+            ("seq_lens", 4 * rows),
+            ("block_tables", 4 * rows * max_blocks),
+        ):
             self._offsets[name] = total
             total += _align(nbytes)
         self.upload_start = self._offsets["known_ids"]
@@ -82,18 +115,28 @@ class GraphInputs:
         self.slot_mapping = self._part(self.buffer, "slot_mapping", rows, torch.int64)
         self.seq_lens = self._part(self.buffer, "seq_lens", rows, torch.int32)
         self.block_tables = self._part(self.buffer, "block_tables", rows * max_blocks, torch.int32).view(
-            rows, max_blocks)
+            rows, max_blocks
+        )
         self.slot_mapping.fill_(-1)  # capture's warm-up runs write no KV
 
     def _part(self, buffer, name: str, count: int, dtype, base: int = 0):
         """A typed view of `count` elements of part `name` of a buffer laid out from byte `base` on."""
         start = self._offsets[name] - base
         itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else np.dtype(dtype).itemsize
-        return buffer[start:start + count * itemsize].view(dtype)
+        return buffer[start : start + count * itemsize].view(dtype)
 
-    def upload(self, *, size: int, known_ids: np.ndarray, placeholders: np.ndarray, sampled_rows: np.ndarray,
-               positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-               block_tables: np.ndarray) -> None:
+    def upload(
+        self,
+        *,
+        size: int,
+        known_ids: np.ndarray,
+        placeholders: np.ndarray,
+        sampled_rows: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+    ) -> None:
         """Fill the inputs of n = len(known_ids) decodes padded to `size` rows, with one copy.
 
         The rows at `placeholders` take their token from `sampled` at `sampled_rows`, the others from
@@ -121,8 +164,16 @@ class GraphInputs:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], *, max_num_seqs: int,
-                 max_model_len: int, block_size: int, defer: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        defer: bool = False,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -151,10 +202,15 @@ class DecodeGraphs:
     def _meta(self, size: int) -> AttentionMetadata:
         inputs = self.inputs
         return AttentionMetadata(
-            slot_mapping=inputs.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=inputs.seq_lens[:size], block_tables=inputs.block_tables[:size],
-            num_decode_seqs=size, max_query_len=1, max_seq_len=self.max_model_len,
-            query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=[0] * size,
+            slot_mapping=inputs.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=inputs.seq_lens[:size],
+            block_tables=inputs.block_tables[:size],
+            num_decode_seqs=size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[0] * size,
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -190,17 +246,35 @@ class DecodeGraphs:
         return self._padded_sizes[n] if n < len(self._padded_sizes) else None
 
     def can_run(self, num_decode_seqs: int, num_seqs: int, num_tokens: int, max_seq_len: int) -> bool:
-        return (num_decode_seqs == num_seqs == num_tokens and max_seq_len <= self.max_model_len
-                and self._graph_size(num_tokens) is not None)
+        return (
+            num_decode_seqs == num_seqs == num_tokens
+            and max_seq_len <= self.max_model_len
+            and self._graph_size(num_tokens) is not None
+        )
 
-    def run(self, *, known_ids: np.ndarray, placeholders: np.ndarray, sampled_rows: np.ndarray,
-            positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-            block_tables: np.ndarray) -> torch.Tensor:
+    def run(
+        self,
+        *,
+        known_ids: np.ndarray,
+        placeholders: np.ndarray,
+        sampled_rows: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+    ) -> torch.Tensor:
         """One decode step from host arrays (see GraphInputs.upload): hidden states [n, hidden_size]."""
         n = len(known_ids)
         size = self._graph_size(n)
-        self.inputs.upload(size=size, known_ids=known_ids, placeholders=placeholders, sampled_rows=sampled_rows,
-                           positions=positions, slot_mapping=slot_mapping, seq_lens=seq_lens,
-                           block_tables=block_tables)
+        self.inputs.upload(
+            size=size,
+            known_ids=known_ids,
+            placeholders=placeholders,
+            sampled_rows=sampled_rows,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+        )
         self.graphs[size].replay()
         return self.outputs[size][:n]

@@ -62,7 +62,7 @@ class IncrementalDetokenizer:
         end = len(self.text) if final else len(self.text) - self._held_back()
         if end <= self.num_released:
             return ""
-        delta = self.text[self.num_released:end]
+        delta = self.text[self.num_released : end]
         self.num_released = end
         return delta
 
@@ -74,14 +74,13 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or len(token_ids) <= self.read_offset:
             return ""
         decode = self._decode
-        context = decode(token_ids[self.prefix_offset:self.read_offset],
-                         skip_special_tokens=self.skip_special_tokens)
-        text = decode(token_ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        context = decode(token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens)
+        text = decode(token_ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         if not final and (len(text) <= len(context) or text.endswith(_REPLACEMENT_CHAR)):
             return ""  # nothing yet, or a character still incomplete
         self.prefix_offset = self.read_offset
         self.read_offset = len(token_ids)
-        return text[len(context):]
+        return text[len(context) :]
 
     def _find_stop(self, previous_len: int) -> str | None:
         if not self.stop:
@@ -109,8 +108,9 @@ class IncrementalDetokenizer:
         return longest
 
 
-def check_stop_token(token_id: int, num_output_tokens: int, params: SamplingParams,
-                     eos_token_ids: list[int], max_tokens: int) -> tuple[str, int | None] | None:
+def check_stop_token(
+    token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_ids: list[int], max_tokens: int
+) -> tuple[str, int | None] | None:
     """(finish_reason, stop_reason) if the just-sampled token ends the sequence, else None."""
     if num_output_tokens >= params.min_tokens:
         if not params.ignore_eos and token_id in eos_token_ids:

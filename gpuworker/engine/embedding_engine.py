@@ -58,8 +58,14 @@ def passes(lengths: list[int], max_batch_tokens: int) -> list[range]:
 
 
 class EmbeddingEngine:
-    def __init__(self, model: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    ) -> None:
         self.model: BertEncoder = load_bert_encoder(model, device, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         self._encoder = _batch_encoder(self.tokenizer)
@@ -142,11 +148,15 @@ class EmbeddingEngine:
         token_ids = [ids for j in jobs for ids in j.token_ids]
         # One copy back to the host at the end: the passes queue up on the device without a
         # synchronisation between them.
-        vectors = torch.cat([self.model(PackedBatch.build(token_ids[group.start:group.stop], self.device))
-                             for group in passes([len(ids) for ids in token_ids], self.max_batch_tokens)]).cpu()
+        vectors = torch.cat(
+            [
+                self.model(PackedBatch.build(token_ids[group.start : group.stop], self.device))
+                for group in passes([len(ids) for ids in token_ids], self.max_batch_tokens)
+            ]
+        ).cpu()
         row = 0
         for j in jobs:
-            j.vectors = list(vectors[row:row + len(j.token_ids)])
+            j.vectors = list(vectors[row : row + len(j.token_ids)])
             row += len(j.token_ids)
         self.num_embedded_inputs += len(token_ids)
 

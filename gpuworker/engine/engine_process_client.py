@@ -83,10 +83,18 @@ class _Assembly:
             if new_logprobs is not None:
                 new_logprobs = logprobs_from_wire(new_logprobs)
             if not self.accumulate:
-                outputs.append(CompletionOutput(index=index, text=delta_text, token_ids=delta_ids,
-                                                finish_reason=finish_reason, stop_reason=stop_reason,
-                                                logprobs=new_logprobs, delta_text=delta_text,
-                                                delta_token_ids=delta_ids))
+                outputs.append(
+                    CompletionOutput(
+                        index=index,
+                        text=delta_text,
+                        token_ids=delta_ids,
+                        finish_reason=finish_reason,
+                        stop_reason=stop_reason,
+                        logprobs=new_logprobs,
+                        delta_text=delta_text,
+                        delta_token_ids=delta_ids,
+                    )
+                )
                 continue
             text = self.texts[index] = self.texts.get(index, "") + delta_text
             token_ids = self.token_ids.setdefault(index, [])
@@ -95,13 +103,27 @@ class _Assembly:
             if new_logprobs is not None:
                 logprobs = self.logprobs.setdefault(index, [])
                 logprobs += new_logprobs
-            outputs.append(CompletionOutput(index=index, text=text, token_ids=list(token_ids),
-                                            finish_reason=finish_reason, stop_reason=stop_reason,
-                                            logprobs=list(logprobs) if logprobs is not None else None,
-                                            delta_text=delta_text, delta_token_ids=delta_ids))
-        return RequestOutput(request_id=request_id, prompt=self.prompt.text, prompt_token_ids=self.prompt.token_ids,
-                             outputs=outputs, finished=finished, num_cached_tokens=num_cached_tokens,
-                             metrics=metrics_from_wire(metrics))
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(token_ids),
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                    logprobs=list(logprobs) if logprobs is not None else None,
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                )
+            )
+        return RequestOutput(
+            request_id=request_id,
+            prompt=self.prompt.text,
+            prompt_token_ids=self.prompt.token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=num_cached_tokens,
+            metrics=metrics_from_wire(metrics),
+        )
 
 
 # -- the API side -------------------------------------------------------------------------------
@@ -141,8 +163,9 @@ class EngineProcess:
             return self.conn.recv()
         except (EOFError, OSError):
             self.process.join(STOP_GRACE_S)
-            raise EngineDeadError(f"the engine process (pid {self.pid}) exited with code "
-                                  f"{self.process.exitcode} before it was ready") from None
+            raise EngineDeadError(
+                f"the engine process (pid {self.pid}) exited with code {self.process.exitcode} before it was ready"
+            ) from None
 
     def wait_prepared(self) -> None:
         """Wait until the engine process has imported the engine and initialised its device."""
@@ -160,8 +183,9 @@ class EngineProcess:
         self.conn.send(("output",))
         reduction.send_handle(self.conn, 1, self.pid)
 
-    def load(self, model: str | Path, config: dict[str, Any],
-             on_progress: Callable[[float], None] | None = None) -> tuple[PromptTokenizer, EngineFacts]:
+    def load(
+        self, model: str | Path, config: dict[str, Any], on_progress: Callable[[float], None] | None = None
+    ) -> tuple[PromptTokenizer, EngineFacts]:
         """Build the engine in the engine process; meanwhile this process loads the tokenizer. Returns
         this process's tokenization (over its own tokenizer) and the engine's facts as it became ready."""
         from gpuworker.engine.llm_engine import engine_tokenizer
@@ -209,14 +233,14 @@ class ProcessLLMEngine(StreamingEngine):
     the pipe. When the engine process dies, every stream in flight ends with EngineDeadError at
     once, and so does every later request: `dead` says why."""
 
-    def __init__(self, model: str | Path | None = None, *, process: bool | EngineProcess = True,
-                 **config: Any) -> None:
+    def __init__(self, model: str | Path | None = None, *, process: bool | EngineProcess = True, **config: Any) -> None:
         if model is None:
             raise ValueError("pass a model path: an engine object cannot move into another process")
         from gpuworker.models.loader import load_progress_callback
 
-        self.process = process if isinstance(process, EngineProcess) else \
-            EngineProcess.start(config.get("device", "cpu"))
+        self.process = (
+            process if isinstance(process, EngineProcess) else EngineProcess.start(config.get("device", "cpu"))
+        )
         try:
             self.prompts, self.facts = self.process.load(model, config, load_progress_callback())
         except BaseException:
@@ -268,8 +292,9 @@ class ProcessLLMEngine(StreamingEngine):
     async def _compile_grammar(self, structured: StructuredOutput) -> None:
         await asyncio.wrap_future(self._command("compile", structured))
 
-    async def _add(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None,
-                   outputs: OutputStream) -> None:
+    async def _add(
+        self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None, outputs: OutputStream
+    ) -> None:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -366,8 +391,11 @@ class ProcessLLMEngine(StreamingEngine):
     def _on_death(self, reason: str | None) -> None:
         self.process.process.join(STOP_GRACE_S if self._stopped else 1.0)
         if reason is None:
-            reason = "the engine has been shut down" if self._stopped else \
-                f"the engine process (pid {self.process.pid}) exited with code {self.process.process.exitcode}"
+            reason = (
+                "the engine has been shut down"
+                if self._stopped
+                else f"the engine process (pid {self.process.pid}) exited with code {self.process.process.exitcode}"
+            )
         if not self._stopped:
             logger.error("%s: failing the requests in flight", reason)
         with self._lock:

@@ -14,8 +14,8 @@ import pickle
 import signal
 import threading
 from collections import deque
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from multiprocessing import reduction
 from typing import Any
 
@@ -51,11 +51,17 @@ def wire(output: RequestOutput) -> tuple:
         added = len(c.delta_token_ids)
         logprobs = None
         if c.logprobs is not None:
-            logprobs = [(e.token_id, e.logprob, e.top_logprobs) for e in c.logprobs[len(c.logprobs) - added:]]
+            logprobs = [(e.token_id, e.logprob, e.top_logprobs) for e in c.logprobs[len(c.logprobs) - added :]]
         completions.append((c.index, c.delta_text, c.delta_token_ids, c.finish_reason, c.stop_reason, logprobs))
     m = output.metrics
-    metrics = (m.arrival_time, m.first_token_time, m.finish_time, m.gpu_time_s, m.num_preemptions,
-               m.first_scheduled_time)  # RequestMetrics' fields in their order
+    metrics = (
+        m.arrival_time,
+        m.first_token_time,
+        m.finish_time,
+        m.gpu_time_s,
+        m.num_preemptions,
+        m.first_scheduled_time,
+    )  # RequestMetrics' fields in their order
     return output.request_id, output.finished, output.num_cached_tokens, metrics, completions
 
 
@@ -172,6 +178,7 @@ def engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
 
     try:
         import torch
+
         # What the load imports, before the load: the engine, the models and the loader, and the
         # tokenizer's modules (the engine detokenizes), all lazily imported otherwise (seconds).
         from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
@@ -207,8 +214,16 @@ def engine_main(conn: Any, device: str, steps: Any, log_level: int) -> None:
         send(("failed", error_payload(exc)))
         return
     try:
-        send(("ready", {"config": engine.config, "model_config": engine.model_config,
-                        "load_timings": dict(engine.load_timings)}))
+        send(
+            (
+                "ready",
+                {
+                    "config": engine.config,
+                    "model_config": engine.model_config,
+                    "load_timings": dict(engine.load_timings),
+                },
+            )
+        )
         outbox = _Outbox(conn)
         try:
             _EngineLoop(engine, conn, outbox, steps).run()
@@ -326,7 +341,10 @@ class _EngineLoop:
             self.send_outputs(outputs, None)
 
     def shut_down_requests(self) -> None:
-        outputs = [output for request_id in self.engine.unfinished_request_ids()
-                   if (output := self.engine.abort(request_id)) is not None]
+        outputs = [
+            output
+            for request_id in self.engine.unfinished_request_ids()
+            if (output := self.engine.abort(request_id)) is not None
+        ]
         if outputs:
             self.send_outputs(outputs, None)

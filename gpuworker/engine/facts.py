@@ -31,15 +31,23 @@ class EngineFacts:
     @classmethod
     def of(cls, config: EngineConfig, model_config: ModelConfig, load_timings: dict[str, float]) -> EngineFacts:
         """The facts of an engine with this resolved config, model and start-up timings so far."""
-        return cls(max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                   max_num_batched_tokens=config.max_num_batched_tokens,
-                   kv_cache_tokens=config.num_kv_blocks * config.block_size,
-                   tensor_parallel_size=config.tensor_parallel_size, vocab_size=model_config.vocab_size,
-                   load_timings=dict(load_timings))
+        return cls(
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            kv_cache_tokens=config.num_kv_blocks * config.block_size,
+            tensor_parallel_size=config.tensor_parallel_size,
+            vocab_size=model_config.vocab_size,
+            load_timings=dict(load_timings),
+        )
 
     @property
     def limits(self) -> dict[str, int]:
         """The engine's sizes, as /health and the ready log show them."""
-        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "max_model_len": self.max_model_len, "kv_cache_tokens": self.kv_cache_tokens,
-                "tensor_parallel_size": self.tensor_parallel_size}
+        return {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "tensor_parallel_size": self.tensor_parallel_size,
+        }

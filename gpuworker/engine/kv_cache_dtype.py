@@ -22,6 +22,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: 
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_MIN_CAPABILITY:
             needed = ".".join(map(str, FP8_MIN_CAPABILITY))
-            raise ValueError(f"kv_cache_dtype 'fp8' needs a GPU of compute capability {needed} or newer (Ada, "
-                             f"Hopper); {device} has {capability[0]}.{capability[1]}: use kv_cache_dtype 'auto'")
+            raise ValueError(
+                f"kv_cache_dtype 'fp8' needs a GPU of compute capability {needed} or newer (Ada, "
+                f"Hopper); {device} has {capability[0]}.{capability[1]}: use kv_cache_dtype 'auto'"
+            )
     return FP8_DTYPE

@@ -53,5 +53,7 @@ class LatencyWindows:
         self.inter_token = SlidingWindow(window_s, max_samples)
 
     def figures(self, now: float | None = None) -> dict[str, float | None]:
-        return {"ttft_p95_s": self.time_to_first_token.percentile(95, now),
-                "itl_p95_s": self.inter_token.percentile(95, now)}
+        return {
+            "ttft_p95_s": self.time_to_first_token.percentile(95, now),
+            "itl_p95_s": self.inter_token.percentile(95, now),
+        }

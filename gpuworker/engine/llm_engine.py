@@ -10,13 +10,13 @@ Bad input raises ValueError from add_request and leaves every other request runn
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import ThreadPoolExecutor
-from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,17 +27,16 @@ from gpuworker.attention.backend import AttentionBackend
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from gpuworker.engine.facts import EngineFacts
-from gpuworker.engine.model_runner import ModelRunner, StepHandle
-from gpuworker.engine.parallel import Workers
-from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
-from gpuworker.engine.outputs import (CompletionOutput, RequestMetrics, RequestOutput, StepStats,
-                                      TokenLogprob)
-from gpuworker.engine.sampling_params import SamplingParams
-from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
-from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 from gpuworker.engine.grammar_masks import GrammarMatchers
 from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
 from gpuworker.engine.latency import LatencyWindows
+from gpuworker.engine.model_runner import ModelRunner, StepHandle
+from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats, TokenLogprob
+from gpuworker.engine.parallel import Workers
+from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
+from gpuworker.engine.sampling_params import SamplingParams
+from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
+from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
 from gpuworker.models.config import ModelConfig
@@ -50,13 +49,15 @@ logger = logging.getLogger(__name__)
 class _Request:
     """The engine's side of a request: text state and timings next to the scheduler's group."""
 
-    def __init__(self, group: SequenceGroup, prompt: str | None, detokenizers: list[IncrementalDetokenizer],
-                 arrival_time: float) -> None:
+    def __init__(
+        self, group: SequenceGroup, prompt: str | None, detokenizers: list[IncrementalDetokenizer], arrival_time: float
+    ) -> None:
         self.group = group
         self.prompt = prompt
         self.detokenizers = detokenizers
         self.logprobs: list[list[TokenLogprob] | None] = [
-            [] if group.params.logprobs is not None else None for _ in group.seqs]
+            [] if group.params.logprobs is not None else None for _ in group.seqs
+        ]
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -111,16 +112,17 @@ def _default_attention_backend(device: torch.device) -> AttentionBackend:
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path, *, attn_backend: AttentionBackend | None = None,
-                 **config: Any) -> None:
+    def __init__(self, model: str | Path, *, attn_backend: AttentionBackend | None = None, **config: Any) -> None:
         config = EngineConfig(model=str(model), **config)
         # With tensor parallelism this process is rank 0: the other ranks' processes start first and
         # load their shards alongside this one's (engine.parallel). A model that does not split
         # into that many ranks is refused before any process starts.
         self.workers = None
         if config.tensor_parallel_size > 1:
-            shard_config(with_quantization(load_model_config(config.model), config.quantization),
-                         ParallelContext(0, config.tensor_parallel_size))
+            shard_config(
+                with_quantization(load_model_config(config.model), config.quantization),
+                ParallelContext(0, config.tensor_parallel_size),
+            )
             self.workers = Workers.start(config)
         try:
             self._build(config, attn_backend)
@@ -148,8 +150,10 @@ class LLMEngine:
         with clock("tokenizer_wait"):
             self.tokenizer = tokenizer_future.result()
         self.eos_token_ids = list(self.model_config.eos_token_ids) or (
-            [self.tokenizer.eos_token_id] if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
-            else [])
+            [self.tokenizer.eos_token_id]
+            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
+            else []
+        )
         self.scheduler = Scheduler(self.config)
         self.prompts = PromptTokenizer(self.tokenizer, self.model_config, self.config)
         self._start_runner(rank_mc, model, clock)
@@ -170,12 +174,14 @@ class LLMEngine:
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype, config.device)
         max_model_len = config.max_model_len or mc.max_position_embeddings
         if max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context "
-                             f"({mc.max_position_embeddings} positions)")
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's context ({mc.max_position_embeddings} positions)"
+            )
         return max_model_len, kv_dtype
 
-    def _load_weights(self, config: EngineConfig, attn_backend: AttentionBackend,
-                      clock: _StageClock) -> tuple[torch.nn.Module, int | None]:
+    def _load_weights(
+        self, config: EngineConfig, attn_backend: AttentionBackend, clock: _StageClock
+    ) -> tuple[torch.nn.Module, int | None]:
         """The model with its weights on the device, and the device memory left free after them on
         the rank with the least (None on CPU)."""
         if self.device.type == "cuda":
@@ -184,8 +190,15 @@ class LLMEngine:
                 torch.empty(0, device=self.device)
         parallel = self.workers.context if self.workers is not None else None
         with clock("weights"):
-            model = load_model(self.model_config, device=self.device, dtype=self.dtype, attn_backend=attn_backend,
-                               load_format=config.load_format, seed=config.seed, parallel=parallel)
+            model = load_model(
+                self.model_config,
+                device=self.device,
+                dtype=self.dtype,
+                attn_backend=attn_backend,
+                load_format=config.load_format,
+                seed=config.seed,
+                parallel=parallel,
+            )
         free_device_bytes = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -197,23 +210,35 @@ class LLMEngine:
                 free_device_bytes = None if None in free else min(free)
         return model, free_device_bytes
 
-    def _size(self, config: EngineConfig, max_model_len: int, kv_dtype: torch.dtype,
-              free_device_bytes: int | None) -> ModelConfig:
+    def _size(
+        self, config: EngineConfig, max_model_len: int, kv_dtype: torch.dtype, free_device_bytes: int | None
+    ) -> ModelConfig:
         """Resolve the config's batch limits, KV pool and context for the room left (self.config);
         returns the shapes this rank holds."""
         # The KV cache and the memory sizing count the heads this rank holds.
         rank_mc = shard_config(self.model_config, self.workers.context if self.workers is not None else None)
-        sized = plan_sizes(config, rank_mc, element_size=self.dtype.itemsize, max_model_len=max_model_len,
-                           free_device_bytes=free_device_bytes, kv_element_size=kv_dtype.itemsize)
+        sized = plan_sizes(
+            config,
+            rank_mc,
+            element_size=self.dtype.itemsize,
+            max_model_len=max_model_len,
+            free_device_bytes=free_device_bytes,
+            kv_element_size=kv_dtype.itemsize,
+        )
         pool_tokens = sized.num_kv_blocks * config.block_size
         if config.max_model_len is None and pool_tokens < max_model_len:
             max_model_len = pool_tokens
             logger.warning("the KV pool holds %d tokens: max_model_len lowered to that", max_model_len)
         self.config = replace(sized, max_model_len=max_model_len)
-        logger.info("max_num_seqs %d%s, max_num_batched_tokens %d%s, KV pool %d tokens, max_model_len %d",
-                    self.config.max_num_seqs, "" if config.max_num_seqs else " (default)",
-                    self.config.max_num_batched_tokens, "" if config.max_num_batched_tokens else " (default)",
-                    pool_tokens, max_model_len)
+        logger.info(
+            "max_num_seqs %d%s, max_num_batched_tokens %d%s, KV pool %d tokens, max_model_len %d",
+            self.config.max_num_seqs,
+            "" if config.max_num_seqs else " (default)",
+            self.config.max_num_batched_tokens,
+            "" if config.max_num_batched_tokens else " (default)",
+            pool_tokens,
+            max_model_len,
+        )
         return rank_mc
 
     def _start_runner(self, rank_mc: ModelConfig, model: torch.nn.Module, clock: _StageClock) -> None:
@@ -266,13 +291,24 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt | TokenizedPrompt,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         prompt_text, prompt_ids = prompt if isinstance(prompt, TokenizedPrompt) else self.tokenize(prompt)
         self._add(request_id, prompt_text, prompt_ids, params, arrival_time)
 
-    def _add(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
-             params: SamplingParams | None, arrival_time: float | None) -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt_text: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams | None,
+        arrival_time: float | None,
+    ) -> None:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -289,15 +325,17 @@ class LLMEngine:
         if params.structured_output is not None:
             grammar = self._grammar_matchers().compile(params.structured_output)
         max_tokens = params.max_tokens or self.config.max_model_len - len(prompt_ids)
-        group = SequenceGroup(request_id, prompt_ids, params, next(self._arrivals), max_tokens,
-                              first_seq_id=self._next_seq_id)
+        group = SequenceGroup(
+            request_id, prompt_ids, params, next(self._arrivals), max_tokens, first_seq_id=self._next_seq_id
+        )
         self._next_seq_id += params.n
         detokenizers = [IncrementalDetokenizer(self.tokenizer, len(prompt_ids), params) for _ in group.seqs]
         self.scheduler.add(group)
         if grammar is not None:
             self.grammar_matchers.add(group, grammar)
-        self._requests[request_id] = _Request(group, prompt_text, detokenizers,
-                                              time.time() if arrival_time is None else arrival_time)
+        self._requests[request_id] = _Request(
+            group, prompt_text, detokenizers, time.time() if arrival_time is None else arrival_time
+        )
         if _needs_sync(params):
             self._num_sync_requests += 1
 
@@ -364,8 +402,10 @@ class LLMEngine:
         key = f"{stage}_deferred"
         self.load_timings[key] = round(self.load_timings.get(key, 0.0) + time.perf_counter() - started, 4)
         if not self._deferred_warm_up:
-            logger.info("deferred warm-up done: %s", ", ".join(
-                f"{k} {v:.2f}s" for k, v in self.load_timings.items() if k.endswith("_deferred")))
+            logger.info(
+                "deferred warm-up done: %s",
+                ", ".join(f"{k} {v:.2f}s" for k, v in self.load_timings.items() if k.endswith("_deferred")),
+            )
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
@@ -375,10 +415,16 @@ class LLMEngine:
         counters, and TTFT / inter-token p95 over the last minute (None without a sample)."""
         scheduler = self.scheduler
         bm = scheduler.block_manager
-        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                "kv_cache_usage": bm.usage, "prefix_cache_queries": bm.prefix_cache_queries,
-                "prefix_cache_hits": bm.prefix_cache_hits, "num_preemptions": scheduler.num_preemptions,
-                "num_generated_tokens": self.num_generated_tokens, **self.latency.figures()}
+        return {
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "kv_cache_usage": bm.usage,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": scheduler.num_preemptions,
+            "num_generated_tokens": self.num_generated_tokens,
+            **self.latency.figures(),
+        }
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -399,11 +445,13 @@ class LLMEngine:
         handle = None
         # Constrained rows sample only after their grammars have seen the previous step's tokens:
         # the forward is launched first, and the mask is built on the host while it runs.
-        constrained = (self.grammar_matchers is not None
-                       and self.grammar_matchers.any_constrained([e.seq for e in batch.seqs if e.samples]))
+        constrained = self.grammar_matchers is not None and self.grammar_matchers.any_constrained(
+            [e.seq for e in batch.seqs if e.samples]
+        )
         if not batch.is_empty:
-            handle = self.runner.launch(batch, self._inflight.handle if self._inflight else None,
-                                        defer_sampling=constrained)
+            handle = self.runner.launch(
+                batch, self._inflight.handle if self._inflight else None, defer_sampling=constrained
+            )
         received = self._receive(self._inflight) if self._inflight is not None else None
         if constrained:
             # Only the grammars had to see the previous tokens: the mask goes out, and the sampling
@@ -442,8 +490,9 @@ class LLMEngine:
                 continue  # aborted while the step ran
             row = rows[seq.seq_id]
             token_id = seq.token_ids[position] = token_ids[row]
-            grammar_ended = (seq.group.params.structured_output is not None
-                             and self.grammar_matchers.accept(seq, token_id))
+            grammar_ended = seq.group.params.structured_output is not None and self.grammar_matchers.accept(
+                seq, token_id
+            )
             tokens.append((seq, logprobs[row], grammar_ended))
         return _Received(inflight.handle.batch, duration, tokens)
 
@@ -500,8 +549,9 @@ class LLMEngine:
         if _needs_sync(request.group.params):
             self._num_sync_requests -= 1
 
-    def _process_token(self, request: _Request, seq: Sequence, logprob: TokenLogprob | None,
-                       grammar_ended: bool = False) -> tuple[str, list[int]]:
+    def _process_token(
+        self, request: _Request, seq: Sequence, logprob: TokenLogprob | None, grammar_ended: bool = False
+    ) -> tuple[str, list[int]]:
         """Stop checks and detokenization for seq's new token; returns (text delta, token delta)."""
         params = request.group.params
         token_ids = seq.token_ids
@@ -510,8 +560,7 @@ class LLMEngine:
         if logprob is not None:
             request.logprobs[seq.index].append(logprob)
         detokenizer = request.detokenizers[seq.index]
-        finish = check_stop_token(token_id, num_output_tokens, params, self.eos_token_ids,
-                                  request.group.max_tokens)
+        finish = check_stop_token(token_id, num_output_tokens, params, self.eos_token_ids, request.group.max_tokens)
         if grammar_ended and (finish is None or finish[0] != "stop"):
             # The grammar took a stop token, which it allows only where the output is complete
             # (also before min_tokens and with ignore_eos: nothing could follow it).
@@ -536,56 +585,87 @@ class LLMEngine:
             delta_text, delta_ids = deltas.get(seq.index, ("", []))
             if delta:  # one logprob entry per token, the step's at the end
                 text, token_ids = delta_text, delta_ids
-                logprobs = logprobs[len(logprobs) - len(delta_ids):] if logprobs is not None else None
+                logprobs = logprobs[len(logprobs) - len(delta_ids) :] if logprobs is not None else None
             else:
                 text, token_ids = detokenizer.released_text, seq.output_token_ids
                 logprobs = list(logprobs) if logprobs is not None else None
-            completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=token_ids, finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, logprobs=logprobs, delta_text=delta_text, delta_token_ids=delta_ids))
-        metrics = RequestMetrics(arrival_time=request.arrival_time, first_token_time=request.first_token_time,
-                                 first_scheduled_time=group.first_scheduled_time,
-                                 finish_time=request.finish_time, gpu_time_s=group.gpu_time_s,
-                                 num_preemptions=group.num_preemptions)
-        return RequestOutput(request_id=group.request_id, prompt=request.prompt,
-                             prompt_token_ids=group.prompt_token_ids, outputs=completions,
-                             finished=group.is_finished, num_cached_tokens=group.num_cached_tokens,
-                             metrics=metrics)
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=token_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=logprobs,
+                    delta_text=delta_text,
+                    delta_token_ids=delta_ids,
+                )
+            )
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time,
+            first_scheduled_time=group.first_scheduled_time,
+            finish_time=request.finish_time,
+            gpu_time_s=group.gpu_time_s,
+            num_preemptions=group.num_preemptions,
+        )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.is_finished,
+            num_cached_tokens=group.num_cached_tokens,
+            metrics=metrics,
+        )
 
-    def _stats(self, batch: ScheduledBatch, duration: float, tokens_per_request: dict[str, int],
-               num_generated: int) -> StepStats:
+    def _stats(
+        self, batch: ScheduledBatch, duration: float, tokens_per_request: dict[str, int], num_generated: int
+    ) -> StepStats:
         block_manager = self.scheduler.block_manager
         decode_tokens = batch.num_decode_seqs
         return StepStats(
-            duration_s=duration, num_prefill_tokens=batch.num_batched_tokens - decode_tokens,
-            num_decode_tokens=decode_tokens, tokens_per_request=tokens_per_request,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=block_manager.usage, prefix_cache_queries=block_manager.prefix_cache_queries,
+            duration_s=duration,
+            num_prefill_tokens=batch.num_batched_tokens - decode_tokens,
+            num_decode_tokens=decode_tokens,
+            tokens_per_request=tokens_per_request,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=block_manager.usage,
+            prefix_cache_queries=block_manager.prefix_cache_queries,
             prefix_cache_hits=block_manager.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions, num_generated_tokens=num_generated)
+            num_preemptions=self.scheduler.num_preemptions,
+            num_generated_tokens=num_generated,
+        )
 
     # -- offline conveniences -------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run prompts (text or token ids) to completion; outputs come back in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run_all([self.tokenize(prompt) for prompt in prompts], params)
 
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self._run_all([self.render_chat(conversation) for conversation in conversations], params)
 
-    def render_chat(self, conversation: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> TokenizedPrompt:
+    def render_chat(
+        self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> TokenizedPrompt:
         """One conversation (and OpenAI function tools) through the model's chat template."""
         return self.prompts.render_chat(conversation, tools)
 
-    def _run_all(self, prompts: list[TokenizedPrompt],
-                 params: SamplingParams | list[SamplingParams] | None) -> list[RequestOutput]:
+    def _run_all(
+        self, prompts: list[TokenizedPrompt], params: SamplingParams | list[SamplingParams] | None
+    ) -> list[RequestOutput]:
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         if len(all_params) != len(prompts):
             raise ValueError(f"params: got {len(all_params)} for {len(prompts)} prompts")
@@ -612,7 +692,10 @@ class LLMEngine:
 def engine_tokenizer(config: EngineConfig):
     """The tokenizer of the engine `config` describes (None for bare dummy-weight configs)."""
     directory = Path(config.model)
-    if config.load_format == "dummy" and not (directory / "tokenizer.json").is_file() \
-            and not (directory / "tokenizer.model").is_file():
+    if (
+        config.load_format == "dummy"
+        and not (directory / "tokenizer.json").is_file()
+        and not (directory / "tokenizer.model").is_file()
+    ):
         return None  # benchmarks of bare configs work on token ids
     return load_tokenizer(directory)

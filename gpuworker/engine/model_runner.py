@@ -18,8 +18,8 @@ dtype) and gather their placeholders with torch ops.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -29,12 +29,12 @@ from torch import nn
 from gpuworker.attention.backend import AttentionMetadata
 from gpuworker.engine.block_tables import BlockTables
 from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.grammar_masks import TokenBitmask
 from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
 from gpuworker.engine.outputs import TokenLogprob
 from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
 from gpuworker.engine.scheduler import ScheduledBatch
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
-from gpuworker.engine.grammar_masks import TokenBitmask
 from gpuworker.models.config import ModelConfig
 
 
@@ -116,8 +116,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, mc: ModelConfig, model: nn.Module,
-                 device: torch.device, dtype: torch.dtype, workers: RankWorkers | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        mc: ModelConfig,
+        model: nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        workers: RankWorkers | None = None,
+    ) -> None:
         """mc: the shapes this rank holds (models.tensor_parallel.shard_config); workers: the other
         tensor-parallel ranks, which run each eager forward with this one (engine.parallel)."""
         if not config.is_resolved:
@@ -130,13 +137,19 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         # One tensor for the whole pool; each layer gets a view [2, blocks, block_size, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(mc.num_layers, 2, config.num_kv_blocks, config.block_size,
-                                    mc.num_kv_heads, mc.head_dim,
-                                    dtype=kv_cache_torch_dtype(config.kv_cache_dtype, dtype, device), device=device)
+        self.kv_cache = torch.zeros(
+            mc.num_layers,
+            2,
+            config.num_kv_blocks,
+            config.block_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype=kv_cache_torch_dtype(config.kv_cache_dtype, dtype, device),
+            device=device,
+        )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler(device, config.seed)
-        self.block_tables = BlockTables(2 * config.max_num_seqs + 8,
-                                        -(-config.max_model_len // config.block_size))
+        self.block_tables = BlockTables(2 * config.max_num_seqs + 8, -(-config.max_model_len // config.block_size))
         self.decode_graphs = None
         self.graph_capture_s = 0.0
         # Only a backend that never reads device values on the host can be captured.
@@ -148,8 +161,13 @@ class ModelRunner:
 
             started = time.perf_counter()
             self.decode_graphs = DecodeGraphs(
-                model, self.kv_caches, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                block_size=config.block_size, defer=config.defer_warm_up)
+                model,
+                self.kv_caches,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                block_size=config.block_size,
+                defer=config.defer_warm_up,
+            )
             self.graph_capture_s = round(time.perf_counter() - started, 4)
 
     @torch.inference_mode()
@@ -185,8 +203,12 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, 1, 1 + chunk], dtype=torch.int32, device=device),
             seq_lens=torch.tensor([1, chunk], dtype=torch.int32, device=device),
             block_tables=torch.tensor([table, table], dtype=torch.int32, device=device),
-            num_decode_seqs=1, max_query_len=chunk, max_seq_len=chunk,
-            query_start_loc_cpu=[0, 1, 1 + chunk], seq_lens_cpu=[1, chunk])
+            num_decode_seqs=1,
+            max_query_len=chunk,
+            max_seq_len=chunk,
+            query_start_loc_cpu=[0, 1, 1 + chunk],
+            seq_lens_cpu=[1, chunk],
+        )
         for max_seq_len in (chunk, self.config.max_model_len):
             hidden = self.model(input_ids, positions_t, self.kv_caches, replace(meta, max_seq_len=max_seq_len))
         return hidden
@@ -204,8 +226,9 @@ class ModelRunner:
 
             warm_up_sampling(self.device, self.model_config.vocab_size)
 
-    def launch(self, batch: ScheduledBatch, previous: StepHandle | None = None,
-               defer_sampling: bool = False) -> StepHandle:
+    def launch(
+        self, batch: ScheduledBatch, previous: StepHandle | None = None, defer_sampling: bool = False
+    ) -> StepHandle:
         """Enqueue one step on the device; `previous` supplies tokens still held as placeholders.
 
         defer_sampling: enqueue only the forward pass and the logits, and return; the caller then
@@ -220,9 +243,11 @@ class ModelRunner:
     def _launch(self, batch: ScheduledBatch, previous: StepHandle | None, defer_sampling: bool) -> StepHandle:
         host = self.host_inputs(batch)
         sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
-        sampling_meta = (self.sampler.metadata(sample_seqs, self.model_config.vocab_size,
-                                               self.model_config.eos_token_ids)
-                         if sample_seqs else None)
+        sampling_meta = (
+            self.sampler.metadata(sample_seqs, self.model_config.vocab_size, self.model_config.eos_token_ids)
+            if sample_seqs
+            else None
+        )
         rows = self.forward(host, batch, previous)
         if sampling_meta is None:
             return StepHandle(batch, [], None, None, None, None)
@@ -231,11 +256,19 @@ class ModelRunner:
             # decode graphs the ids land where the next replay reads its placeholders.
             handle = StepHandle(batch, sample_seqs, None, None, None, None)
             graphs = self.decode_graphs
-            out = graphs.sampled[:len(sample_seqs)] if graphs is not None else None
+            out = graphs.sampled[: len(sample_seqs)] if graphs is not None else None
             self._send_to_host(handle, self.model.greedy_tokens(rows, out=out))
             return handle
-        handle = StepHandle(batch, sample_seqs, None, None, None, sampling_meta.max_logprobs,
-                            logits=self.model.compute_logits(rows), sampling_meta=sampling_meta)
+        handle = StepHandle(
+            batch,
+            sample_seqs,
+            None,
+            None,
+            None,
+            sampling_meta.max_logprobs,
+            logits=self.model.compute_logits(rows),
+            sampling_meta=sampling_meta,
+        )
         if not defer_sampling:
             self.sample(handle)
         return handle
@@ -253,9 +286,19 @@ class ModelRunner:
             self._send_to_host(handle, out.token_ids)
         else:
             # ids are exact in float64, so one transfer carries everything.
-            self._send_to_host(handle, out.token_ids, torch.cat([
-                out.token_ids[:, None].double(), out.logprobs[:, None].double(),
-                out.top_ids.double(), out.top_logprobs.double()], dim=1))
+            self._send_to_host(
+                handle,
+                out.token_ids,
+                torch.cat(
+                    [
+                        out.token_ids[:, None].double(),
+                        out.logprobs[:, None].double(),
+                        out.top_ids.double(),
+                        out.top_logprobs.double(),
+                    ],
+                    dim=1,
+                ),
+            )
 
     def _send_to_host(self, handle: StepHandle, token_ids: torch.Tensor, result: torch.Tensor | None = None) -> None:
         """Enqueue the one device->host transfer of a step: its ids, or `result` packing them with
@@ -289,15 +332,20 @@ class ModelRunner:
         A decode-only step replays a CUDA graph (one copy of its inputs, one launch); any other
         runs eagerly from the device tensors of prepare_inputs."""
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(host.num_decode_seqs, host.num_seqs, len(host.ids),
-                                                 host.max_seq_len):
+        if graphs is not None and graphs.can_run(host.num_decode_seqs, host.num_seqs, len(host.ids), host.max_seq_len):
             sampled_rows = self._placeholder_rows(host, previous)
             if sampled_rows.size and previous.token_ids.data_ptr() != graphs.sampled.data_ptr():
-                graphs.sampled[:len(previous.token_ids)].copy_(previous.token_ids)
+                graphs.sampled[: len(previous.token_ids)].copy_(previous.token_ids)
             # One token per sequence and every one samples: the rows are the hidden states.
-            return graphs.run(known_ids=host.ids, placeholders=host.placeholders, sampled_rows=sampled_rows,
-                              positions=host.positions, slot_mapping=host.slot_mapping,
-                              seq_lens=host.seq_lens, block_tables=host.block_tables)
+            return graphs.run(
+                known_ids=host.ids,
+                placeholders=host.placeholders,
+                sampled_rows=sampled_rows,
+                positions=host.positions,
+                slot_mapping=host.slot_mapping,
+                seq_lens=host.seq_lens,
+                block_tables=host.block_tables,
+            )
         inputs = self.prepare_inputs(batch, previous, host=host)
         if self.workers is not None:
             self.workers.send_step(inputs)
@@ -317,7 +365,7 @@ class ModelRunner:
             if num_new == 1:
                 input_ids.append(seq.token_ids[start])
             else:
-                input_ids += seq.token_ids[start:start + num_new]
+                input_ids += seq.token_ids[start : start + num_new]
         starts = np.fromiter((entry.start for entry in entries), np.int64, num_seqs)
         new_lens = np.fromiter((entry.num_new_tokens for entry in entries), np.int64, num_seqs)
         samples = np.fromiter((entry.samples for entry in entries), np.bool_, num_seqs)
@@ -329,8 +377,7 @@ class ModelRunner:
         if num_tokens == num_seqs:  # decode-only: one token per sequence
             positions, token_rows = starts, rows
         else:
-            positions = (np.arange(num_tokens, dtype=np.int64)
-                         + np.repeat(starts - query_start_loc[:-1], new_lens))
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], new_lens)
             token_rows = np.repeat(rows, new_lens)
         tables = self.block_tables.array
         slot_mapping = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
@@ -340,29 +387,41 @@ class ModelRunner:
         ids = np.array(input_ids, dtype=np.int64)
         placeholders = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
         # The entry each placeholder belongs to.
-        owners = (placeholders if num_tokens == num_seqs
-                  else np.searchsorted(query_start_loc, placeholders, side="right") - 1)
+        owners = (
+            placeholders if num_tokens == num_seqs else np.searchsorted(query_start_loc, placeholders, side="right") - 1
+        )
         in_chunks = owners[new_lens[owners] != 1]
         if in_chunks.size:
             # Only a decode's one input token can still be in flight.
             raise RuntimeError(f"{entries[int(in_chunks[0])].seq}: a prefill chunk ends in a token not yet sampled")
-        return HostInputs(ids=ids, positions=positions, slot_mapping=slot_mapping, sample_indices=sample_indices,
-                          query_start_loc=query_start_loc, seq_lens=seq_lens,
-                          block_tables=tables[rows, :width], num_decode_seqs=batch.num_decode_seqs,
-                          max_query_len=int(new_lens.max()), placeholders=placeholders,
-                          placeholder_seqs=[entries[i].seq for i in owners.tolist()])
+        return HostInputs(
+            ids=ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            sample_indices=sample_indices,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=tables[rows, :width],
+            num_decode_seqs=batch.num_decode_seqs,
+            max_query_len=int(new_lens.max()),
+            placeholders=placeholders,
+            placeholder_seqs=[entries[i].seq for i in owners.tolist()],
+        )
 
-    def prepare_inputs(self, batch: ScheduledBatch, previous: StepHandle | None = None,
-                       host: HostInputs | None = None) -> ModelInputs:
+    def prepare_inputs(
+        self, batch: ScheduledBatch, previous: StepHandle | None = None, host: HostInputs | None = None
+    ) -> ModelInputs:
         """The device tensors of an eager step (`host`: the batch's host_inputs, if already made)."""
         if host is None:
             host = self.host_inputs(batch)
         num_seqs, width = host.block_tables.shape
         # Two host->device copies per step (one per dtype), sliced into the metadata on the device.
         input_ids_t, positions_t, slot_mapping_t, sample_indices_t = _packed_to_device(
-            [host.ids, host.positions, host.slot_mapping, host.sample_indices], torch.int64, self.device)
+            [host.ids, host.positions, host.slot_mapping, host.sample_indices], torch.int64, self.device
+        )
         query_start_loc_t, seq_lens_t, tables_t = _packed_to_device(
-            [host.query_start_loc, host.seq_lens, host.block_tables.reshape(-1)], torch.int32, self.device)
+            [host.query_start_loc, host.seq_lens, host.block_tables.reshape(-1)], torch.int32, self.device
+        )
         meta = AttentionMetadata(
             slot_mapping=slot_mapping_t,
             query_start_loc=query_start_loc_t,
@@ -377,10 +436,16 @@ class ModelRunner:
         if host.placeholders.size:
             # The tokens still held as placeholders, from the previous step's sampled ids.
             sampled_rows = self._placeholder_rows(host, previous)
-            input_ids_t[to_device(host.placeholders, torch.int64, self.device)] = \
-                previous.token_ids[to_device(sampled_rows, torch.int64, self.device)]
-        return ModelInputs(input_ids=input_ids_t, positions=positions_t, meta=meta,
-                           sample_indices=sample_indices_t, samples_every_row=host.samples_every_row)
+            input_ids_t[to_device(host.placeholders, torch.int64, self.device)] = previous.token_ids[
+                to_device(sampled_rows, torch.int64, self.device)
+            ]
+        return ModelInputs(
+            input_ids=input_ids_t,
+            positions=positions_t,
+            meta=meta,
+            sample_indices=sample_indices_t,
+            samples_every_row=host.samples_every_row,
+        )
 
     @staticmethod
     def _placeholder_rows(host: HostInputs, previous: StepHandle | None) -> np.ndarray:
@@ -406,10 +471,14 @@ class ModelRunner:
             if wanted is None:
                 logprobs.append(None)
                 continue
-            top_ids, top_values = row[2:2 + max_logprobs], row[2 + max_logprobs:]
-            logprobs.append(TokenLogprob(
-                token_id=int(row[0]), logprob=row[1],
-                top_logprobs=[(int(i), v) for i, v in zip(top_ids[:wanted], top_values[:wanted])]))
+            top_ids, top_values = row[2 : 2 + max_logprobs], row[2 + max_logprobs :]
+            logprobs.append(
+                TokenLogprob(
+                    token_id=int(row[0]),
+                    logprob=row[1],
+                    top_logprobs=[(int(i), v) for i, v in zip(top_ids[:wanted], top_values[:wanted])],
+                )
+            )
         return StepResult(token_ids, logprobs)
 
 
@@ -426,6 +495,6 @@ def _packed_to_device(arrays: list[np.ndarray], dtype: torch.dtype, device: torc
         total += -(-len(array) // per_16_bytes) * per_16_bytes
     packed = torch.zeros(total, dtype=dtype).numpy()
     for array, offset in zip(arrays, offsets):
-        packed[offset:offset + len(array)] = array
+        packed[offset : offset + len(array)] = array
     flat = to_device(packed, dtype, device)
-    return [flat[offset:offset + len(array)] for array, offset in zip(arrays, offsets)]
+    return [flat[offset : offset + len(array)] for array, offset in zip(arrays, offsets)]

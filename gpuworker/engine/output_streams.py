@@ -103,11 +103,11 @@ class StreamingEngine(ABC):
         """Why the engine can run no more steps (its process or a tensor-parallel rank died), or None."""
         return self.dead
 
-    async def generate(self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         """Yield an output each step the request advances; the last one has finished=True."""
-        outputs = OutputStream(asyncio.get_running_loop(),
-                               deltas=params is not None and params.output_kind == "delta")
+        outputs = OutputStream(asyncio.get_running_loop(), deltas=params is not None and params.output_kind == "delta")
         if not isinstance(prompt, TokenizedPrompt):
             # Tokenizing (or checking) megabytes takes seconds: neither on the caller's event loop,
             # which serves other streams, nor on the engine thread, which steps them.
@@ -153,8 +153,9 @@ class StreamingEngine(ABC):
         """Compile a request's grammar where the engine loop finds it, without stalling its steps."""
 
     @abstractmethod
-    async def _add(self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None,
-                   outputs: OutputStream) -> None:
+    async def _add(
+        self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None, outputs: OutputStream
+    ) -> None:
         """Add the request to the engine, its outputs to go to `outputs`; ValueError for bad input."""
 
     @abstractmethod

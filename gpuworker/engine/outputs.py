@@ -88,8 +88,11 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput, *, deltas: bool = 
     for c in newer.outputs:
         before = earlier.get(c.index)
         if before is not None:
-            c = dataclasses.replace(c, delta_text=before.delta_text + c.delta_text,
-                                    delta_token_ids=before.delta_token_ids + c.delta_token_ids)
+            c = dataclasses.replace(
+                c,
+                delta_text=before.delta_text + c.delta_text,
+                delta_token_ids=before.delta_token_ids + c.delta_token_ids,
+            )
         outputs.append(c)
     return dataclasses.replace(newer, outputs=outputs)
 
@@ -110,8 +113,16 @@ def join_deltas(outputs: list[RequestOutput]) -> RequestOutput:
     joined = []
     for c in outputs[-1].outputs:
         text, ids = "".join(texts[c.index]), token_ids[c.index]
-        joined.append(dataclasses.replace(c, text=text, token_ids=ids, delta_text=text, delta_token_ids=list(ids),
-                                          logprobs=logprobs.get(c.index, []) if c.logprobs is not None else None))
+        joined.append(
+            dataclasses.replace(
+                c,
+                text=text,
+                token_ids=ids,
+                delta_text=text,
+                delta_token_ids=list(ids),
+                logprobs=logprobs.get(c.index, []) if c.logprobs is not None else None,
+            )
+        )
     return dataclasses.replace(outputs[-1], outputs=joined)
 
 

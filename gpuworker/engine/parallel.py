@@ -52,16 +52,22 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 def init_rank(config: EngineConfig, rank: int, store_path: str) -> ParallelContext:
     """Join the ranks' process group (rendezvous through a file, so no port is chosen)."""
     if dist.is_initialized():
-        raise RuntimeError("this process already belongs to a torch.distributed group: "
-                           "one tensor-parallel engine per process")
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed group: one tensor-parallel engine per process"
+        )
     device = rank_device(config, rank)
     if device.type == "cuda":
         os.environ.update(NCCL_ENV)
         torch.cuda.set_device(device)
     world = config.tensor_parallel_size
     timeout = timedelta(seconds=config.distributed_timeout_s)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.FileStore(store_path, world),
-                            rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
     return ParallelContext(rank, world)
 
 
@@ -84,20 +90,42 @@ class StepHeader:
         """Lengths of the pieces of the broadcast int64 tensor: ids, positions, slots, sample
         indices, query_start_loc, seq_lens, block tables."""
         num_seqs = len(self.seq_lens)
-        return [self.num_tokens, self.num_tokens, self.num_tokens, self.num_samples, num_seqs + 1, num_seqs,
-                num_seqs * self.block_table_width]
+        return [
+            self.num_tokens,
+            self.num_tokens,
+            self.num_tokens,
+            self.num_samples,
+            num_seqs + 1,
+            num_seqs,
+            num_seqs * self.block_table_width,
+        ]
 
 
 def step_tensors(inputs: ModelInputs) -> tuple[StepHeader, torch.Tensor]:
     """The driver's side of a step: its header and its inputs packed into one int64 tensor."""
     meta = inputs.meta
-    header = StepHeader(num_tokens=len(inputs.input_ids), num_samples=len(inputs.sample_indices),
-                        block_table_width=meta.block_tables.shape[1], num_decode_seqs=meta.num_decode_seqs,
-                        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-                        query_start_loc=meta.query_start_loc_cpu, seq_lens=meta.seq_lens_cpu,
-                        samples_every_row=inputs.samples_every_row)
-    packed = torch.cat([inputs.input_ids, inputs.positions, meta.slot_mapping, inputs.sample_indices,
-                        meta.query_start_loc.long(), meta.seq_lens.long(), meta.block_tables.long().reshape(-1)])
+    header = StepHeader(
+        num_tokens=len(inputs.input_ids),
+        num_samples=len(inputs.sample_indices),
+        block_table_width=meta.block_tables.shape[1],
+        num_decode_seqs=meta.num_decode_seqs,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+        query_start_loc=meta.query_start_loc_cpu,
+        seq_lens=meta.seq_lens_cpu,
+        samples_every_row=inputs.samples_every_row,
+    )
+    packed = torch.cat(
+        [
+            inputs.input_ids,
+            inputs.positions,
+            meta.slot_mapping,
+            inputs.sample_indices,
+            meta.query_start_loc.long(),
+            meta.seq_lens.long(),
+            meta.block_tables.long().reshape(-1),
+        ]
+    )
     return header, packed
 
 
@@ -107,19 +135,31 @@ def receive_step(header: StepHeader, device: torch.device) -> ModelInputs:
     dist.broadcast(packed, src=0)
     ids, positions, slots, sample_indices, query_start_loc, seq_lens, tables = packed.split(header.sizes)
     meta = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=query_start_loc.int(), seq_lens=seq_lens.int(),
+        slot_mapping=slots,
+        query_start_loc=query_start_loc.int(),
+        seq_lens=seq_lens.int(),
         block_tables=tables.int().view(len(header.seq_lens), header.block_table_width),
-        num_decode_seqs=header.num_decode_seqs, max_query_len=header.max_query_len,
-        max_seq_len=header.max_seq_len, query_start_loc_cpu=header.query_start_loc, seq_lens_cpu=header.seq_lens)
-    return ModelInputs(input_ids=ids, positions=positions, meta=meta, sample_indices=sample_indices,
-                       samples_every_row=header.samples_every_row)
+        num_decode_seqs=header.num_decode_seqs,
+        max_query_len=header.max_query_len,
+        max_seq_len=header.max_seq_len,
+        query_start_loc_cpu=header.query_start_loc,
+        seq_lens_cpu=header.seq_lens,
+    )
+    return ModelInputs(
+        input_ids=ids,
+        positions=positions,
+        meta=meta,
+        sample_indices=sample_indices,
+        samples_every_row=header.samples_every_row,
+    )
 
 
 class Workers:
     """The driver's handle on ranks 1..N-1: their processes and pipes, and this rank's context."""
 
-    def __init__(self, config: EngineConfig, processes: list[multiprocessing.Process],
-                 pipes: list[Connection], store_dir: str) -> None:
+    def __init__(
+        self, config: EngineConfig, processes: list[multiprocessing.Process], pipes: list[Connection], store_dir: str
+    ) -> None:
         self.config = config
         self.processes = processes
         self.pipes = pipes
@@ -134,8 +174,10 @@ class Workers:
         if torch.device(config.device).type == "cuda":
             first = torch.device(config.device).index or 0
             if first + world > torch.cuda.device_count():
-                raise ValueError(f"tensor_parallel_size ({world}) from {config.device} needs GPUs {first}.."
-                                 f"{first + world - 1}; this host has {torch.cuda.device_count()}")
+                raise ValueError(
+                    f"tensor_parallel_size ({world}) from {config.device} needs GPUs {first}.."
+                    f"{first + world - 1}; this host has {torch.cuda.device_count()}"
+                )
             os.environ.update(NCCL_ENV)  # inherited by the workers before they import NCCL
         store_dir = tempfile.mkdtemp(prefix="gpuworker-tp-")
         store_path = os.path.join(store_dir, "store")
@@ -144,8 +186,12 @@ class Workers:
         try:
             for rank in range(1, world):
                 parent, child = spawn.Pipe()
-                process = spawn.Process(target=worker_main, args=(config, rank, store_path, child),
-                                        name=f"tensor-parallel-rank-{rank}", daemon=True)
+                process = spawn.Process(
+                    target=worker_main,
+                    args=(config, rank, store_path, child),
+                    name=f"tensor-parallel-rank-{rank}",
+                    daemon=True,
+                )
                 process.start()
                 child.close()  # the worker's end: the driver sees EOF when the worker is gone
                 workers.processes.append(process)
@@ -226,8 +272,11 @@ class Workers:
 
     def gone(self) -> str:
         """The ranks whose process has exited, as a person reads them; "" while all run."""
-        gone = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
-                for rank, p in zip(self.ranks, self.processes) if p.exitcode is not None]
+        gone = [
+            f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+            for rank, p in zip(self.ranks, self.processes)
+            if p.exitcode is not None
+        ]
         return ", ".join(gone)
 
     def _send(self, rank: int, message: tuple) -> None:
@@ -243,8 +292,7 @@ class Workers:
             got, payload = self.pipes[rank - 1].recv()
         except (EOFError, OSError) as exc:
             self.processes[rank - 1].join(STOP_GRACE_S)
-            raise RuntimeError(f"tensor-parallel rank {rank} is gone before {kind!r} "
-                               f"({self.gone() or exc})") from exc
+            raise RuntimeError(f"tensor-parallel rank {rank} is gone before {kind!r} ({self.gone() or exc})") from exc
         if got == "error":
             raise RuntimeError(f"tensor-parallel rank {rank} failed: {payload}")
         if got != kind:
@@ -281,8 +329,16 @@ def _serve(config: EngineConfig, rank: int, store_path: str, pipe: Connection) -
         from gpuworker.attention.triton_backend import TritonAttentionBackend
 
         backend = TritonAttentionBackend()
-    model = load_model(mc, device=device, dtype=dtype, attn_backend=backend, load_format=config.load_format,
-                       seed=config.seed, quantization=config.quantization, parallel=parallel)
+    model = load_model(
+        mc,
+        device=device,
+        dtype=dtype,
+        attn_backend=backend,
+        load_format=config.load_format,
+        seed=config.seed,
+        quantization=config.quantization,
+        parallel=parallel,
+    )
     free = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)

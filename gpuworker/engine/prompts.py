@@ -65,9 +65,11 @@ class PromptTokenizer:
             # tokens are the text's first ones, but for the one its cut may split.
             head = backend.encode_batch([text[:head_chars]], add_special_tokens=add_special_tokens)[0]
             if len(head) - 1 >= max_model_len:
-                raise ValueError(f"prompt has at least {len(head) - 1} tokens (in its first {head_chars} of "
-                                 f"{len(text)} characters), which leaves no room to generate within "
-                                 f"max_model_len ({max_model_len})")
+                raise ValueError(
+                    f"prompt has at least {len(head) - 1} tokens (in its first {head_chars} of "
+                    f"{len(text)} characters), which leaves no room to generate within "
+                    f"max_model_len ({max_model_len})"
+                )
         encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         if len(encoding) >= max_model_len:
             # Refused now, by its length alone: millions of ids as Python ints would hold the GIL
@@ -75,8 +77,9 @@ class PromptTokenizer:
             check_admissible(self.config, len(encoding), None, 1)
         return encoding.ids
 
-    def render_chat(self, conversation: list[dict[str, Any]],
-                    tools: list[dict[str, Any]] | None = None) -> TokenizedPrompt:
+    def render_chat(
+        self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> TokenizedPrompt:
         """One conversation through the model's chat template: its text and token ids.
 
         `tools` (OpenAI function tools) are handed to the template, which writes them into the
@@ -84,8 +87,9 @@ class PromptTokenizer:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model's tokenizer has no chat template")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tools=tools or None,
-                                                      add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                conversation, tools=tools or None, add_generation_prompt=True, tokenize=False
+            )
         except (TemplateError, TypeError) as exc:  # a template's raise_exception(), or unreadable messages
             raise ValueError(f"messages: the model's chat template refused them: {exc}") from exc
         # The template writes its own special tokens (BOS): do not add them twice.

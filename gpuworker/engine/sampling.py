@@ -18,9 +18,9 @@ from itertools import chain
 import numpy as np
 import torch
 
+from gpuworker.engine.grammar_masks import TokenBitmask
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.sequence import Sequence
-from gpuworker.engine.grammar_masks import TokenBitmask
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -46,17 +46,38 @@ class SamplingMetadata:
     @property
     def plain_argmax(self) -> bool:
         """Every row takes the argmax of its raw logits: no bias, penalties, bans or logprobs."""
-        return (self.all_greedy and self.penalties is None and self.banned is None and self.logit_bias is None
-                and self.max_logprobs is None)
+        return (
+            self.all_greedy
+            and self.penalties is None
+            and self.banned is None
+            and self.logit_bias is None
+            and self.max_logprobs is None
+        )
 
     @classmethod
-    def build(cls, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int],
-              device: torch.device, rng: np.random.Generator) -> SamplingMetadata:
+    def build(
+        cls,
+        seqs: list[Sequence],
+        vocab_size: int,
+        eos_token_ids: list[int],
+        device: torch.device,
+        rng: np.random.Generator,
+    ) -> SamplingMetadata:
         """`rng` draws the noise keys of unseeded rows."""
         if all(seq.group.plain_greedy for seq in seqs):
             # The common offline case, kept cheap: argmax of the raw logits, nothing to copy.
-            return cls(temperature=None, all_greedy=True, top_k=None, top_p=None, min_p=None, seeds=None,
-                       penalties=None, banned=None, logit_bias=None, max_logprobs=None)
+            return cls(
+                temperature=None,
+                all_greedy=True,
+                top_k=None,
+                top_p=None,
+                min_p=None,
+                seeds=None,
+                penalties=None,
+                banned=None,
+                logit_bias=None,
+                max_logprobs=None,
+            )
         params: list[SamplingParams] = [seq.group.params for seq in seqs]
         banned_rows, banned_ids = [], []
         for row, (seq, p) in enumerate(zip(seqs, params)):
@@ -66,31 +87,58 @@ class SamplingMetadata:
                 banned_rows += [row] * len(ids)
                 banned_ids += ids
         wanted = [p.logprobs for p in params if p.logprobs is not None]
-        banned = (to_device(banned_rows, torch.int64, device), to_device(banned_ids, torch.int64, device)) \
-            if banned_rows else None
+        banned = (
+            (to_device(banned_rows, torch.int64, device), to_device(banned_ids, torch.int64, device))
+            if banned_rows
+            else None
+        )
         penalties = Penalties.build(seqs, vocab_size, device) if any(p.has_penalties for p in params) else None
         logit_bias = _logit_bias(params, vocab_size, device) if any(p.logit_bias for p in params) else None
         max_logprobs = max(wanted) if wanted else None
         greedy = [p.is_greedy for p in params]
         if all(greedy):
-            return cls(temperature=None, all_greedy=True, top_k=None, top_p=None, min_p=None, seeds=None,
-                       penalties=penalties, banned=banned, logit_bias=logit_bias, max_logprobs=max_logprobs)
+            return cls(
+                temperature=None,
+                all_greedy=True,
+                top_k=None,
+                top_p=None,
+                min_p=None,
+                seeds=None,
+                penalties=penalties,
+                banned=banned,
+                logit_bias=logit_bias,
+                max_logprobs=max_logprobs,
+            )
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         seeds = rng.integers(0, _SEED_MASK, size=len(seqs), dtype=np.int64)
         for row, (seq, p) in enumerate(zip(seqs, params)):
             if p.seed is not None:
                 seeds[row] = noise_seed(p.seed, seq.index, seq.num_output_tokens)
         # Two host->device copies: the float parameters and the integer ones.
-        floats = to_device(np.array([[0.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                     [p.top_p for p in params], [p.min_p for p in params]], dtype=np.float32),
-                           torch.float32, device)
+        floats = to_device(
+            np.array(
+                [
+                    [0.0 if g else p.temperature for g, p in zip(greedy, params)],
+                    [p.top_p for p in params],
+                    [p.min_p for p in params],
+                ],
+                dtype=np.float32,
+            ),
+            torch.float32,
+            device,
+        )
         ints = to_device(np.stack([np.array(top_k, dtype=np.int64), seeds]), torch.int64, device)
         return cls(
-            temperature=floats[0], all_greedy=False,
+            temperature=floats[0],
+            all_greedy=False,
             top_k=ints[0] if any(k < vocab_size for k in top_k) else None,
             top_p=floats[1] if any(p.top_p < 1.0 for p in params) else None,
             min_p=floats[2] if any(p.min_p > 0 for p in params) else None,
-            seeds=ints[1], penalties=penalties, banned=banned, logit_bias=logit_bias, max_logprobs=max_logprobs,
+            seeds=ints[1],
+            penalties=penalties,
+            banned=banned,
+            logit_bias=logit_bias,
+            max_logprobs=max_logprobs,
         )
 
 
@@ -120,17 +168,31 @@ class Penalties:
             return flat[tokens < vocab_size]  # ids past the model's vocabulary have no logit
 
         prompt_entries, output_entries = entries(prompts), entries(outputs)
-        factors = to_device(np.array([[p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-                                      [p.repetition_penalty for p in params]], dtype=np.float32),
-                            torch.float32, device)
-        return cls(presence=factors[0], frequency=factors[1], repetition=factors[2],
-                   seen=to_device(np.concatenate([prompt_entries, output_entries]), torch.int64, device),
-                   num_prompt_entries=len(prompt_entries), vocab_size=vocab_size)
+        factors = to_device(
+            np.array(
+                [
+                    [p.presence_penalty for p in params],
+                    [p.frequency_penalty for p in params],
+                    [p.repetition_penalty for p in params],
+                ],
+                dtype=np.float32,
+            ),
+            torch.float32,
+            device,
+        )
+        return cls(
+            presence=factors[0],
+            frequency=factors[1],
+            repetition=factors[2],
+            seen=to_device(np.concatenate([prompt_entries, output_entries]), torch.int64, device),
+            num_prompt_entries=len(prompt_entries),
+            vocab_size=vocab_size,
+        )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalise `logits` [B, V] in place (and return it)."""
         flat = logits.view(-1)
-        outputs = self.seen[self.num_prompt_entries:]
+        outputs = self.seen[self.num_prompt_entries :]
         counts = torch.zeros(flat.shape, dtype=torch.int32, device=flat.device)
         counts.index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.int32))
         rows = self.seen // self.vocab_size
@@ -162,12 +224,14 @@ class Sampler:
         return SamplingMetadata.build(seqs, vocab_size, eos_token_ids, self.device, self.rng)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
-                 allowed: TokenBitmask | None = None) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, allowed: TokenBitmask | None = None
+    ) -> SamplerOutput:
         """logits [B, V] float32 -> one token per row; `allowed` masks the constrained rows."""
         raw = logits
-        if meta.max_logprobs is not None and (meta.penalties is not None or meta.logit_bias is not None
-                                              or allowed is not None):
+        if meta.max_logprobs is not None and (
+            meta.penalties is not None or meta.logit_bias is not None or allowed is not None
+        ):
             logits = logits.clone()  # logprobs are those of the raw logits
         if meta.logit_bias is not None:
             # A sparse add, in place: only the biased tokens' logits are touched.
@@ -183,13 +247,15 @@ class Sampler:
         elif logits.is_cuda:
             from gpuworker.kernels.sampling.sample import sample  # Triton only where there is a GPU
 
-            token_ids = sample(logits, meta.temperature, seeds=meta.seeds, top_k=meta.top_k, top_p=meta.top_p,
-                               min_p=meta.min_p)
+            token_ids = sample(
+                logits, meta.temperature, seeds=meta.seeds, top_k=meta.top_k, top_p=meta.top_p, min_p=meta.min_p
+            )
         else:
             from gpuworker.kernels.sampling.sample import sample_reference
 
-            token_ids, _ = sample_reference(logits, meta.temperature, seeds=meta.seeds, top_k=meta.top_k,
-                                            top_p=meta.top_p, min_p=meta.min_p)
+            token_ids, _ = sample_reference(
+                logits, meta.temperature, seeds=meta.seeds, top_k=meta.top_k, top_p=meta.top_p, min_p=meta.min_p
+            )
         out = SamplerOutput(token_ids=token_ids)
         if meta.max_logprobs is not None:
             logprobs = torch.log_softmax(raw, dim=-1)
@@ -198,13 +264,16 @@ class Sampler:
         return out
 
 
-def _logit_bias(params: list[SamplingParams], vocab_size: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _logit_bias(
+    params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's logit_bias entries as flat indices into the [B, V] logits and their biases."""
     ids, values = zip(*(p.logit_bias_arrays for p in params))
     rows = np.repeat(np.arange(len(params), dtype=np.int64) * vocab_size, [len(i) for i in ids])
-    return (to_device(np.concatenate(ids) + rows, torch.int64, device),
-            to_device(np.concatenate(values), torch.float32, device))
+    return (
+        to_device(np.concatenate(ids) + rows, torch.int64, device),
+        to_device(np.concatenate(values), torch.float32, device),
+    )
 
 
 def apply_token_bitmask(logits: torch.Tensor, allowed: TokenBitmask) -> None:

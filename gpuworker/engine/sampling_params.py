@@ -99,8 +99,9 @@ class SamplingParams:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         self.logit_bias = _logit_bias(self.logit_bias)
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
-            raise ValueError("structured_output must be a StructuredOutput or None, "
-                             f"got {type(self.structured_output).__name__}")
+            raise ValueError(
+                f"structured_output must be a StructuredOutput or None, got {type(self.structured_output).__name__}"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -108,8 +109,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @cached_property
     def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -147,8 +147,9 @@ def _int_at_least(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be at least {low}, got {value}")
 
 
-def _number_in(name: str, value: object, low: float | None = None, high: float | None = None,
-               low_open: bool = False) -> None:
+def _number_in(
+    name: str, value: object, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if low is not None and (value < low or (low_open and value == low)):

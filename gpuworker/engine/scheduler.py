@@ -54,11 +54,15 @@ def check_admissible(config: EngineConfig, num_prompt_tokens: int, max_tokens: i
     if num_prompt_tokens < 1:
         raise ValueError("prompt must contain at least one token")
     if max_tokens is None and num_prompt_tokens >= max_model_len:
-        raise ValueError(f"prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
-                         f"within max_model_len ({max_model_len})")
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens, which leaves no room to generate "
+            f"within max_model_len ({max_model_len})"
+        )
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                         f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len})")
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({max_model_len})"
+        )
     # EngineConfig guarantees the pool holds max_model_len tokens, so a request that passes the
     # checks above always fits the pool once it runs alone.
     if n > config.max_num_seqs:
@@ -70,8 +74,7 @@ class Scheduler:
         if not config.is_resolved:
             raise ValueError("the scheduler needs a resolved config (see EngineConfig.is_resolved)")
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         # In admission order.
         self.running: list[Sequence] = []
@@ -146,8 +149,9 @@ class Scheduler:
         # Short ones first: a short prompt admitted in pieces finishes before long ones go on.
         prefills.sort(key=self._is_long)
         # Tokens long prefills leave to the short prompts waiting, while these have seats to take.
-        reserve = (self.short_prefill_tokens
-                   if self.num_short_waiting and len(self.running) < self.config.max_num_seqs else 0)
+        reserve = (
+            self.short_prefill_tokens if self.num_short_waiting and len(self.running) < self.config.max_num_seqs else 0
+        )
         running_status = SequenceStatus.RUNNING
         for seq in prefills:
             if step.is_full:
@@ -254,8 +258,10 @@ class Scheduler:
         """advance() and fill in the sampled tokens at once (synchronous stepping); returns the
         sequences that got a new token. sampled_token_ids: one id per sampling entry, in order."""
         if len(sampled_token_ids) != sum(1 for s in batch.seqs if s.samples):
-            raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for "
-                             f"{sum(1 for s in batch.seqs if s.samples)} sampling sequences")
+            raise ValueError(
+                f"got {len(sampled_token_ids)} sampled tokens for "
+                f"{sum(1 for s in batch.seqs if s.samples)} sampling sequences"
+            )
         advanced = []
         for (seq, position), token_id in zip(self.advance(batch), sampled_token_ids, strict=True):
             seq.token_ids[position] = token_id
@@ -313,6 +319,9 @@ class _StepBuilder:
     def build(self) -> ScheduledBatch:
         decodes = [e for e in self.entries if e.num_new_tokens == 1]
         others = [e for e in self.entries if e.num_new_tokens != 1]
-        return ScheduledBatch(seqs=decodes + others, num_decode_seqs=len(decodes),
-                              num_batched_tokens=sum(e.num_new_tokens for e in self.entries),
-                              preempted=list(self.preempted))
+        return ScheduledBatch(
+            seqs=decodes + others,
+            num_decode_seqs=len(decodes),
+            num_batched_tokens=sum(e.num_new_tokens for e in self.entries),
+            preempted=list(self.preempted),
+        )

@@ -11,7 +11,6 @@ import enum
 
 from gpuworker.engine.sampling_params import SamplingParams
 
-
 # Stands in token_ids for a sampled token whose value is still on the device (async scheduling):
 # the next step reads it from the device, and the host fills it in when the step's results arrive.
 PLACEHOLDER_TOKEN_ID = -1
@@ -57,7 +56,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -73,9 +72,11 @@ class Sequence:
         return (self.group.arrival_index, self.index)
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, request={self.group.request_id!r}, index={self.index}, "
-                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"status={self.status.value})")
+        return (
+            f"Sequence(id={self.seq_id}, request={self.group.request_id!r}, index={self.index}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"status={self.status.value})"
+        )
 
 
 class SequenceGroup:
@@ -85,8 +86,15 @@ class SequenceGroup:
     its prompt has been computed, sharing the prompt's full blocks instead of recomputing them.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_index: int, max_tokens: int, first_seq_id: int) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_index: int,
+        max_tokens: int,
+        first_seq_id: int,
+    ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -96,8 +104,13 @@ class SequenceGroup:
         self.seqs = [Sequence(first_seq_id + i, self, i) for i in range(params.n)]
         # Greedy with nothing that changes the logits or asks for more than the token: sampling
         # is a plain argmax (decided once here, as the sampler asks for every row every step).
-        self.plain_greedy = (params.is_greedy and not params.has_penalties and params.logprobs is None
-                             and params.min_tokens == 0 and params.logit_bias is None)
+        self.plain_greedy = (
+            params.is_greedy
+            and not params.has_penalties
+            and params.logprobs is None
+            and params.min_tokens == 0
+            and params.logit_bias is None
+        )
         # Siblings waiting for the first sequence's prompt to be computed.
         self.pending_forks: list[Sequence] = self.seqs[1:]
         # Device time attributed to this request: each step's duration split by tokens processed.

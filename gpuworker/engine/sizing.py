@@ -55,8 +55,9 @@ def seq_activation_bytes(mc: ModelConfig) -> int:
 
 def decoder_layer_weights(mc: ModelConfig) -> int:
     """Weights every token multiplies through: q, k, v, o and the gated MLP of each layer."""
-    per_layer = (2 * mc.hidden_size * mc.q_size + 2 * mc.hidden_size * mc.kv_size
-                 + 3 * mc.hidden_size * mc.intermediate_size)
+    per_layer = (
+        2 * mc.hidden_size * mc.q_size + 2 * mc.hidden_size * mc.kv_size + 3 * mc.hidden_size * mc.intermediate_size
+    )
     return mc.num_layers * per_layer
 
 
@@ -66,8 +67,15 @@ def default_max_num_batched_tokens(mc: ModelConfig) -> int:
     return min(MAX_NUM_BATCHED_TOKENS, max(MIN_NUM_BATCHED_TOKENS, 1 << round(math.log2(tokens))))
 
 
-def plan_sizes(config: EngineConfig, mc: ModelConfig, *, element_size: int, max_model_len: int,
-               free_device_bytes: int | None, kv_element_size: int | None = None) -> EngineConfig:
+def plan_sizes(
+    config: EngineConfig,
+    mc: ModelConfig,
+    *,
+    element_size: int,
+    max_model_len: int,
+    free_device_bytes: int | None,
+    kv_element_size: int | None = None,
+) -> EngineConfig:
     """config with num_kv_blocks, max_num_seqs and max_num_batched_tokens filled in where None;
     given values are kept. element_size: bytes per activation value; kv_element_size: per cached
     key or value (None: element_size; 1 for an FP8 cache). free_device_bytes: device memory free
@@ -82,10 +90,12 @@ def plan_sizes(config: EngineConfig, mc: ModelConfig, *, element_size: int, max_
         per_seq_bytes = 0
     else:
         # Room for a decode of every sequence in one step.
-        max_num_batched_tokens = config.max_num_batched_tokens or max(default_max_num_batched_tokens(mc),
-                                                                      max_num_seqs or 0)
-        budget = (int(free_device_bytes * config.gpu_memory_utilization)
-                  - max_num_batched_tokens * token_activation_bytes(mc, element_size))
+        max_num_batched_tokens = config.max_num_batched_tokens or max(
+            default_max_num_batched_tokens(mc), max_num_seqs or 0
+        )
+        budget = int(
+            free_device_bytes * config.gpu_memory_utilization
+        ) - max_num_batched_tokens * token_activation_bytes(mc, element_size)
         source = f"gpu_memory_utilization ({config.gpu_memory_utilization}) of {free_device_bytes} free bytes"
         per_seq_bytes = seq_activation_bytes(mc)
         if max_num_seqs is None:
@@ -102,5 +112,6 @@ def plan_sizes(config: EngineConfig, mc: ModelConfig, *, element_size: int, max_
             raise ValueError(f"{source} leaves no room for one KV block of {block_bytes} bytes")
         # More than every sequence at full length could ever use is wasted memory.
         num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-max_model_len // config.block_size))
-    return replace(config, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens)
+    return replace(
+        config, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )

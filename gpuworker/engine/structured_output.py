@@ -38,8 +38,8 @@ _ANY_JSON_OBJECT = '{"type": "object"}'
 # repetition of this class, which lets raw control characters (U+0000-U+001F but CR and LF) into
 # the JSON, where RFC 8259 forbids them: json.loads then refuses the output. The grammar's text is
 # rewritten to the class its unbounded strings use.
-_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 # xgrammar's error text starts with "[hh:mm:ss] /path/file.cc:123: " and sometimes a failed check.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -75,8 +75,9 @@ class StructuredOutput:
                 raise ValueError(f"structured_output.spec: the {self.kind} is not valid JSON: {exc}") from None
             expected = (dict, bool) if self.kind == "json_schema" else (dict,)
             if not isinstance(value, expected):
-                raise ValueError(f"structured_output.spec: a {self.kind} must be a JSON object, "
-                                 f"got {type(value).__name__}")
+                raise ValueError(
+                    f"structured_output.spec: a {self.kind} must be a JSON object, got {type(value).__name__}"
+                )
 
     @classmethod
     def json_object(cls) -> StructuredOutput:
@@ -111,8 +112,15 @@ class GrammarCache:
     bitmask then covers every logit, and ids beyond the tokenizer are never allowed.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], *,
-                 max_entries: int = DEFAULT_GRAMMAR_CACHE_SIZE, max_threads: int = 8) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        *,
+        max_entries: int = DEFAULT_GRAMMAR_CACHE_SIZE,
+        max_threads: int = 8,
+    ) -> None:
         import xgrammar as xgr
 
         if max_entries < 1:
@@ -120,10 +128,10 @@ class GrammarCache:
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+        )
         # xgrammar's own cache is off: this one is keyed by the request's exact (kind, spec).
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
-                                             cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
         self._cache: OrderedDict[StructuredOutput, xgrammar.CompiledGrammar] = OrderedDict()
         # Compiles may run off the engine thread (LLMEngine.compile_grammar): the cache is locked,
         # the compile itself is not.
@@ -153,13 +161,15 @@ class GrammarCache:
         try:
             if structured.kind == "json_object":
                 # strict_mode=False: any properties, any values.
-                return compiler.compile_json_schema(_ANY_JSON_OBJECT, strict_mode=False, any_whitespace=True,
-                                                    max_whitespace_cnt=JSON_MAX_WHITESPACE)
+                return compiler.compile_json_schema(
+                    _ANY_JSON_OBJECT, strict_mode=False, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
+                )
             if structured.kind == "json_schema":
                 # xgrammar's (and vLLM's) default strict mode: no properties or items beyond those
                 # the schema names, so the output stays inside it where the schema leaves it open.
-                grammar = self._xgr.Grammar.from_json_schema(structured.spec, any_whitespace=True,
-                                                             max_whitespace_cnt=JSON_MAX_WHITESPACE)
+                grammar = self._xgr.Grammar.from_json_schema(
+                    structured.spec, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
+                )
                 text = str(grammar)
                 if _BOUNDED_STRING_CHAR in text:
                     grammar = self._xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))

@@ -114,8 +114,7 @@ def _no_specialization(names: tuple[str, ...]) -> dict[str, list[str]]:
     if not names:
         return {}
     accepted = inspect.signature(triton.jit).parameters
-    return {key: list(names) for key in ("do_not_specialize", "do_not_specialize_on_alignment")
-            if key in accepted}
+    return {key: list(names) for key in ("do_not_specialize", "do_not_specialize_on_alignment") if key in accepted}
 
 
 _PDL_DEVICES: dict[int, bool] = {}
@@ -135,8 +134,12 @@ def pdl_options(device: torch.device) -> dict[str, bool]:
     take USE_PDL (constexpr) for the two calls; off under the interpreter, on older GPUs, with a
     Triton without them, or when GPUWORKER_PDL=0 (for A/B measurements).
     """
-    enabled = (device.type == "cuda" and not interpreting() and os.environ.get("GPUWORKER_PDL", "1") != "0"
-               and _pdl_supported(device))
+    enabled = (
+        device.type == "cuda"
+        and not interpreting()
+        and os.environ.get("GPUWORKER_PDL", "1") != "0"
+        and _pdl_supported(device)
+    )
     return {"USE_PDL": True, "launch_pdl": True} if enabled else {"USE_PDL": False}
 
 
@@ -146,8 +149,11 @@ def _pdl_supported(device: torch.device) -> bool:
     if supported is None:
         from triton.language.extra import cuda as tl_cuda
 
-        supported = (torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl_cuda, "gdc_wait")
-                     and hasattr(tl_cuda, "gdc_launch_dependents"))
+        supported = (
+            torch.cuda.get_device_capability(index)[0] >= 9
+            and hasattr(tl_cuda, "gdc_wait")
+            and hasattr(tl_cuda, "gdc_launch_dependents")
+        )
         _PDL_DEVICES[index] = supported
     return supported
 
@@ -211,19 +217,21 @@ def check_host_bound(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a non-negative host int, got {value!r}")
 
 
-def check_kv_cache(kv_cache: Any, *, dtype: torch.dtype | None = None,
-                   device: torch.device | None = None) -> tuple[int, int, int, int]:
+def check_kv_cache(
+    kv_cache: Any, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> tuple[int, int, int, int]:
     """Check a per-layer cache [2, num_blocks, block_size, num_kv_heads, head_dim] holding keys of
     `dtype` (as they are, or in FP8); return its sizes."""
     check_tensor("kv_cache", kv_cache, ndim=5, dtypes=KV_CACHE_DTYPES, device=device)
     if kv_cache.shape[0] != 2:
         raise ValueError(
-            "kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(kv_cache.shape)}"
+            f"kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}"
         )
     if dtype is not None and kv_cache.dtype not in (dtype, FP8_DTYPE):
-        raise ValueError(f"kv_cache has dtype {kv_cache.dtype} but the keys/queries are {dtype} "
-                         f"(a cache holds their dtype or {FP8_DTYPE})")
+        raise ValueError(
+            f"kv_cache has dtype {kv_cache.dtype} but the keys/queries are {dtype} "
+            f"(a cache holds their dtype or {FP8_DTYPE})"
+        )
     check_last_dim_contiguous("kv_cache", kv_cache)
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     return num_blocks, block_size, num_kv_heads, head_dim

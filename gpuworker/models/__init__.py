@@ -4,5 +4,11 @@ from gpuworker.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaForCausalLM", "ModelConfig", "load_model",
-           "load_model_config", "load_tokenizer"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "load_model",
+    "load_model_config",
+    "load_tokenizer",
+]

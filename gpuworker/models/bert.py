@@ -45,20 +45,33 @@ class BertConfig:
         if raw.get("model_type") not in ("bert",) and "BertModel" not in (raw.get("architectures") or []):
             raise ValueError(f"not a BERT-family encoder (model_type {raw.get('model_type')!r})")
         if raw.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"position_embedding_type {raw['position_embedding_type']!r} is not supported; "
-                             "only 'absolute'")
+            raise ValueError(
+                f"position_embedding_type {raw['position_embedding_type']!r} is not supported; only 'absolute'"
+            )
         if raw.get("hidden_act", "gelu") not in ("gelu", "gelu_new", "relu"):
             raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported")
-        return cls(**{name: raw[name] for name in ("vocab_size", "hidden_size", "num_hidden_layers",
-                                                   "num_attention_heads", "intermediate_size",
-                                                   "max_position_embeddings")},
-                   type_vocab_size=raw.get("type_vocab_size", 2), layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
-                   hidden_act=raw.get("hidden_act", "gelu"))
+        return cls(
+            **{
+                name: raw[name]
+                for name in (
+                    "vocab_size",
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "intermediate_size",
+                    "max_position_embeddings",
+                )
+            },
+            type_vocab_size=raw.get("type_vocab_size", 2),
+            layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
+            hidden_act=raw.get("hidden_act", "gelu"),
+        )
 
 
 @dataclass(frozen=True)
 class SentenceHead:
     """What sentence-transformers does after the encoder: one pooling mode, then maybe normalise."""
+
     pooling: str
     normalize: bool
     max_seq_length: int | None
@@ -77,8 +90,10 @@ class SentenceHead:
                 config = json.loads((model_dir / module["path"] / "config.json").read_text())
                 chosen = [mode for mode in POOLING_MODES if config.get(f"pooling_mode_{mode}")]
                 if len(chosen) != 1:
-                    raise ValueError(f"{module['path']}/config.json: exactly one pooling mode of {POOLING_MODES} "
-                                     f"is supported, found {chosen}")
+                    raise ValueError(
+                        f"{module['path']}/config.json: exactly one pooling mode of {POOLING_MODES} "
+                        f"is supported, found {chosen}"
+                    )
                 pooling = chosen[0]
             elif kind == "Normalize":
                 normalize = True
@@ -95,6 +110,7 @@ class SentenceHead:
 class PackedBatch:
     """Token sequences back to back on the device: row t of the batch is token positions[t] of
     sequence seq_index[t]; sequence b owns rows [cu_seqlens[b], cu_seqlens[b+1])."""
+
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     seq_index: torch.Tensor  # [T] int64
@@ -116,9 +132,14 @@ class PackedBatch:
         rows[1] = np.arange(total) - cu_seqlens[:-1][rows[2]]
         rows_on_device = torch.from_numpy(rows).to(device, non_blocking=True)
         per_seq = torch.from_numpy(np.concatenate([cu_seqlens, lengths])).to(device, non_blocking=True)
-        return cls(rows_on_device[0], rows_on_device[1], rows_on_device[2],
-                   per_seq[:len(token_ids) + 1].to(torch.int32), per_seq[len(token_ids) + 1:],
-                   int(lengths.max(initial=0)))
+        return cls(
+            rows_on_device[0],
+            rows_on_device[1],
+            rows_on_device[2],
+            per_seq[: len(token_ids) + 1].to(torch.int32),
+            per_seq[len(token_ids) + 1 :],
+            int(lengths.max(initial=0)),
+        )
 
 
 def _attention(qkv: torch.Tensor, batch: PackedBatch, scale: float) -> torch.Tensor:
@@ -140,8 +161,7 @@ class _Layer(nn.Module):
         self.up = nn.Linear(h, c.intermediate_size)
         self.down = nn.Linear(c.intermediate_size, h)
         self.out_norm = nn.LayerNorm(h, eps=c.layer_norm_eps)
-        self.act = {"gelu": F.gelu, "relu": F.relu,
-                    "gelu_new": lambda x: F.gelu(x, approximate="tanh")}[c.hidden_act]
+        self.act = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}[c.hidden_act]
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         t, h = x.shape
@@ -195,16 +215,19 @@ def _hf_weights(state: dict[str, torch.Tensor], layers: int) -> dict[str, torch.
     """Hugging Face BertModel names (with or without the `bert.` prefix) to this module's."""
     state = {name.removeprefix("bert."): tensor for name, tensor in state.items()}
     try:
-        out = {"word.weight": state["embeddings.word_embeddings.weight"],
-               "position.weight": state["embeddings.position_embeddings.weight"],
-               "token_type.weight": state["embeddings.token_type_embeddings.weight"],
-               "embed_norm.weight": state["embeddings.LayerNorm.weight"],
-               "embed_norm.bias": state["embeddings.LayerNorm.bias"]}
+        out = {
+            "word.weight": state["embeddings.word_embeddings.weight"],
+            "position.weight": state["embeddings.position_embeddings.weight"],
+            "token_type.weight": state["embeddings.token_type_embeddings.weight"],
+            "embed_norm.weight": state["embeddings.LayerNorm.weight"],
+            "embed_norm.bias": state["embeddings.LayerNorm.bias"],
+        }
         for i in range(layers):
             p = f"encoder.layer.{i}."
             for kind in ("weight", "bias"):
                 out[f"layers.{i}.qkv.{kind}"] = torch.cat(
-                    [state[f"{p}attention.self.{part}.{kind}"] for part in ("query", "key", "value")])
+                    [state[f"{p}attention.self.{part}.{kind}"] for part in ("query", "key", "value")]
+                )
                 out[f"layers.{i}.attn_out.{kind}"] = state[f"{p}attention.output.dense.{kind}"]
                 out[f"layers.{i}.attn_norm.{kind}"] = state[f"{p}attention.output.LayerNorm.{kind}"]
                 out[f"layers.{i}.up.{kind}"] = state[f"{p}intermediate.dense.{kind}"]

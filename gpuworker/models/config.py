@@ -24,13 +24,21 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "Qwen2MoeForCausalLM": {"qkv_bias": "qkv_bias", "o_bias": False, "qk_norm": False, "moe": "qwen_moe"},
     "Qwen3MoeForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "moe": "qwen_moe"},
 }
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 # Checkpoint names of a MoE block: its module under model.layers.N, and each expert's gate, up and
 # down projections under <module>.experts.E.
-_MOE_LAYOUTS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-                "qwen_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+_MOE_LAYOUTS = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,8 @@ class MoEConfig:
     sparse_layers: tuple[bool, ...]  # per layer: MoE, or the dense MLP of intermediate_size
     checkpoint_prefix: str
     expert_names: tuple[str, str, str]  # gate, up, down
+
+
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -98,8 +108,9 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None,
-                source: str = "config.json") -> ModelConfig:
+    def from_hf(
+        cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None, source: str = "config.json"
+    ) -> ModelConfig:
         """Build from config.json's dict (and generation_config.json's, for extra EOS ids)."""
         architecture = _architecture(config, source)
         family = _FAMILIES[architecture]
@@ -116,8 +127,10 @@ class ModelConfig:
         num_heads = need("num_attention_heads")
         num_kv_heads = config.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads != 0:
-            raise ValueError(f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
-                             f"num_key_value_heads ({num_kv_heads})")
+            raise ValueError(
+                f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
         head_dim = config.get("head_dim") or hidden_size // num_heads
         if head_dim % 2 != 0:
             raise ValueError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
@@ -189,9 +202,16 @@ def _moe(config: dict[str, Any], layout: str | None, num_layers: int, need: Any,
     top_k = need("num_experts_per_tok")
     if top_k > num_experts:
         raise ValueError(f"{source}: num_experts_per_tok ({top_k}) exceeds the {num_experts} experts")
-    return MoEConfig(num_experts=num_experts, top_k=top_k, expert_intermediate_size=expert_size,
-                     norm_topk_prob=norm_topk_prob, shared_expert_intermediate_size=shared, sparse_layers=sparse,
-                     checkpoint_prefix=prefix, expert_names=names)
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate_size=expert_size,
+        norm_topk_prob=norm_topk_prob,
+        shared_expert_intermediate_size=shared,
+        sparse_layers=sparse,
+        checkpoint_prefix=prefix,
+        expert_names=names,
+    )
 
 
 def _architecture(config: dict[str, Any], source: str) -> str:
@@ -201,8 +221,10 @@ def _architecture(config: dict[str, Any], source: str) -> str:
     for name in architectures:
         if name in _FAMILIES:
             return name
-    raise ValueError(f"{source}: unsupported architecture {architectures or config.get('model_type')!r}; "
-                     f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(
+        f"{source}: unsupported architecture {architectures or config.get('model_type')!r}; "
+        f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
 
 
 def _rope(config: dict[str, Any], max_pos: int, source: str) -> tuple[float, dict[str, Any] | None]:
@@ -217,8 +239,7 @@ def _rope(config: dict[str, Any], max_pos: int, source: str) -> tuple[float, dic
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
-                         "(expected 'default' or 'llama3')")
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported (expected 'default' or 'llama3')")
     scaling: dict[str, Any] = {"rope_type": "llama3"}
     for key in _LLAMA3_KEYS:
         # transformers falls back to max_position_embeddings for the original context too.

@@ -47,8 +47,12 @@ class GGUFWeights:
     def __init__(self, file: Path) -> None:
         from gguf import GGUFReader
         from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              get_gguf_hf_weights_map, read_field)
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            read_field,
+        )
 
         config = read_gguf_config(file)
         reader = GGUFReader(str(file))  # memory-mapped: a tensor's blocks are read when used
@@ -67,16 +71,22 @@ class GGUFWeights:
     def tensors(self) -> list[GGUFTensor]:
         """Every tensor's name and shape (rows first, as in PyTorch), without reading any block.
         The dense families' processors keep GGUF names, so the map names them up front."""
-        return [GGUFTensor(self.hf_names.get(t.name), tuple(int(n) for n in reversed(t.shape)), t)
-                for t in self.source_tensors]
+        return [
+            GGUFTensor(self.hf_names.get(t.name), tuple(int(n) for n in reversed(t.shape)), t)
+            for t in self.source_tensors
+        ]
 
     def read(self, tensor: GGUFTensor) -> torch.Tensor:
         """`tensor` dequantised to float32 (and un-permuted where llama.cpp permuted it)."""
         from gguf import dequantize
 
         source = tensor.source
-        weights = self.processor.process(weights=dequantize(source.data, source.tensor_type), name=source.name,
-                                         tensor_key_mapping=self.hf_names, parsed_parameters={}).weights
+        weights = self.processor.process(
+            weights=dequantize(source.data, source.tensor_type),
+            name=source.name,
+            tensor_key_mapping=self.hf_names,
+            parsed_parameters={},
+        ).weights
         # An F32 tensor comes back as a read-only view of the mapped file, which torch wraps only
         # with a warning: it is copied (one tensor; the others are fresh arrays already).
         return torch.from_numpy(np.require(weights, requirements="W"))

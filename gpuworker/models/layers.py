@@ -58,8 +58,9 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def norm_then_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor,
-                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_then_linear(
+    norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(s)), s) with s = x + residual (x without one): the pre-norm and the projection
     after it. A single decode row on a shape where our GEMV runs the projection takes one kernel for
     both (gemv_rms_norm: the norm applied as the GEMV loads its input)."""
@@ -150,8 +151,7 @@ class RotaryEmbedding(nn.Module):
     half repeated twice, so the products below are bit-identical to HF's apply_rotary_pos_emb.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
@@ -179,8 +179,9 @@ class RotaryEmbedding(nn.Module):
         self.sin_cache = self.sin_cache.float()
         return self
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H, D]; key [T, KVH, D] -> rotated (query, key)."""
         if query.is_cuda:  # the Triton kernel rotates in place, with HF's rounding
             from gpuworker.kernels.attention.rotary import apply_rotary

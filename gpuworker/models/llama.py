@@ -18,9 +18,16 @@ from gpuworker.kernels.norm.qk_norm import QKNorm
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, norm_then_linear
 from gpuworker.models.moe import SparseMoE
-from gpuworker.models.tensor_parallel import (ParallelContext, ParallelGatedMLP, RowParallelLinear, active,
-                                              shard_config, vocab_parallel_embedding, vocab_parallel_logits,
-                                              vocab_range)
+from gpuworker.models.tensor_parallel import (
+    ParallelContext,
+    ParallelGatedMLP,
+    RowParallelLinear,
+    active,
+    shard_config,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
+    vocab_range,
+)
 
 
 class Attention(nn.Module):
@@ -34,8 +41,11 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         # q, k and v fused into one GEMM (rows: q, then k, then v), as gpt-fast and vLLM do.
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias)
-        self.o_proj = (Linear(self.q_size, config.hidden_size, config.o_proj_bias) if parallel is None
-                       else RowParallelLinear(self.q_size, config.hidden_size, config.o_proj_bias, parallel))
+        self.o_proj = (
+            Linear(self.q_size, config.hidden_size, config.o_proj_bias)
+            if parallel is None
+            else RowParallelLinear(self.q_size, config.hidden_size, config.o_proj_bias, parallel)
+        )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         # Shared by all layers; kept out of the module tree so it is not registered once per layer.
@@ -55,8 +65,14 @@ class Attention(nn.Module):
             return None
         return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
-               meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def attend(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         """Everything after qkv_proj (which the decoder layer runs fused with its norm): rotary,
         cache write, attention and o_proj."""
         num_tokens = qkv.shape[0]
@@ -73,9 +89,20 @@ class Attention(nn.Module):
             # The backend rotates and writes the cache itself (decode rows: inside the attention launch),
             # normalising the heads first when it takes the q/k norms.
             rotary = self._rotary[0]
-            out = backend.forward_with_rotary(positions, q, k, v, kv_cache, meta, self.scale,
-                                              rotary.cos_cache, rotary.sin_cache, k_scale=self.k_scale,
-                                              v_scale=self.v_scale, qk_norm=qk_norm)
+            out = backend.forward_with_rotary(
+                positions,
+                q,
+                k,
+                v,
+                kv_cache,
+                meta,
+                self.scale,
+                rotary.cos_cache,
+                rotary.sin_cache,
+                k_scale=self.k_scale,
+                v_scale=self.v_scale,
+                qk_norm=qk_norm,
+            )
         else:
             q, k = self._rotary[0](positions, q, k)
             out = backend.forward(q, k, v, kv_cache, meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
@@ -83,8 +110,9 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, index: int,
-                 parallel: ParallelContext | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, index: int, parallel: ParallelContext | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(config, rotary, parallel)
         if config.moe is not None and config.moe.sparse_layers[index]:
@@ -96,9 +124,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) -> (this layer's MLP output, the residual stream before it).
 
         The residual add is deferred into the next norm, which fuses it: the stream after the
@@ -120,8 +154,9 @@ class LlamaForCausalLM(nn.Module):
     With a `parallel` context of several ranks, this rank's shard (models.tensor_parallel); `config`
     stays the whole model's."""
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend,
-                 parallel: ParallelContext | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend, parallel: ParallelContext | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.attn_backend = attn_backend
@@ -129,10 +164,12 @@ class LlamaForCausalLM(nn.Module):
         layer_config = shard_config(config, self.parallel)
         vocab_rows = config.vocab_size if self.parallel is None else vocab_range(config.vocab_size, self.parallel)[2]
         self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, config.hidden_size), requires_grad=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                      config.rope_theta, config.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(layer_config, self.rotary, i, self.parallel)
-                                    for i in range(config.num_layers))
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(layer_config, self.rotary, i, self.parallel) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -154,15 +191,24 @@ class LlamaForCausalLM(nn.Module):
         backend = self.attn_backend
         if hasattr(backend, "warm_up"):
             attn = self.layers[0].self_attn
-            backend.warm_up(kv_cache, attn.num_heads, max_model_len, attn.scale, self.rotary.cos_cache,
-                            self.rotary.sin_cache, dtype, attn.fused_qk_norm(dtype))
+            backend.warm_up(
+                kv_cache,
+                attn.num_heads,
+                max_model_len,
+                attn.scale,
+                self.rotary.cos_cache,
+                self.rotary.sin_cache,
+                dtype,
+                attn.fused_qk_norm(dtype),
+            )
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         if self.parallel is None:
             hidden = self.embed_tokens[input_ids]
         else:

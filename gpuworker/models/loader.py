@@ -17,25 +17,35 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from gpuworker.attention.backend import AttentionBackend
-from gpuworker.checkpoint_files import (WARM_FRACTION, TensorEntry, checkpoint_files, gguf_file, read_header,
-                                        read_json, resident_fraction)
 from gpuworker.attention.torch_backend import TorchAttentionBackend
+from gpuworker.checkpoint_files import (
+    WARM_FRACTION,
+    TensorEntry,
+    checkpoint_files,
+    gguf_file,
+    read_header,
+    read_json,
+    resident_fraction,
+)
+from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
-from gpuworker.models.tensor_parallel import ParallelContext, kv_head_range, vocab_range
-from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
-from gpuworker.models.quantization.install import (install_quantized_linears, load_quantized_tensors,
-                                                   missing_quantized_tensors, quantized_shards)
+from gpuworker.models.quantization.install import (
+    install_quantized_linears,
+    load_quantized_tensors,
+    missing_quantized_tensors,
+    quantized_shards,
+)
 from gpuworker.models.quantization.kv_scales import is_kv_scale, load_kv_scales
 from gpuworker.models.quantization.linear import QuantizedLinear
+from gpuworker.models.tensor_parallel import ParallelContext, kv_head_range, vocab_range
 from gpuworker.models.weight_stream import TORCH_DTYPES, TensorCopy, copy_tensors
 
 CONFIG_FILE = "config.json"
@@ -85,10 +95,16 @@ def load_model_config(path: str | Path) -> ModelConfig:
     return replace(mc, model_path=str(directory))
 
 
-def load_model(config: ModelConfig | str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str = torch.float32, attn_backend: AttentionBackend | None = None,
-               load_format: str = "auto", seed: int = 0, quantization: str | None = None,
-               parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+def load_model(
+    config: ModelConfig | str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    attn_backend: AttentionBackend | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
+    quantization: str | None = None,
+    parallel: ParallelContext | None = None,
+) -> LlamaForCausalLM:
     """Build the decoder on `device` in `dtype` and fill it from the checkpoint's safetensors
     (with `parallel`: this rank's shard of it, see models.tensor_parallel).
 
@@ -131,8 +147,9 @@ def with_quantization(mc: ModelConfig, quantization: str | None) -> ModelConfig:
     if quantization is None:
         return mc
     if mc.quantization is not None:
-        raise ValueError(f"{mc.model_path}: the checkpoint is already quantized "
-                         f"({mc.quantization.label}); leave quantization unset")
+        raise ValueError(
+            f"{mc.model_path}: the checkpoint is already quantized ({mc.quantization.label}); leave quantization unset"
+        )
     return replace(mc, quantization=fp8_at_load())
 
 
@@ -147,8 +164,7 @@ def load_tokenizer(path: str | Path):
             return load_gguf_tokenizer(file)
     directory = _directory(path)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"{directory}: no tokenizer found; "
-                                f"expected one of {', '.join(TOKENIZER_FILES)}")
+        raise FileNotFoundError(f"{directory}: no tokenizer found; expected one of {', '.join(TOKENIZER_FILES)}")
     try:
         with TRANSFORMERS_IMPORT_LOCK:  # from_pretrained imports the tokenizer's modules lazily
             return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
@@ -160,8 +176,13 @@ def resolve_dtype(dtype: torch.dtype | str, mc: ModelConfig) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = mc.torch_dtype if dtype == "auto" else dtype
-    names = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16}
+    names = {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+    }
     if name not in names:
         raise ValueError(f"dtype must be one of {sorted(names)} or 'auto', got {dtype!r}")
     return names[name]
@@ -197,7 +218,7 @@ class _Target:
 
     @property
     def dest(self) -> torch.Tensor:
-        return self.param[self.start:self.start + self.rows]
+        return self.param[self.start : self.start + self.rows]
 
 
 def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
@@ -207,8 +228,9 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
     targets: dict[str, _Target | None] = {}
     parallel = model.parallel
 
-    def add(name: str, param: torch.Tensor | None, start: int = 0, rows: int | None = None,
-            shard: Shard | None = None) -> None:
+    def add(
+        name: str, param: torch.Tensor | None, start: int = 0, rows: int | None = None, shard: Shard | None = None
+    ) -> None:
         if param is not None:
             rows = param.shape[0] if rows is None else rows
             targets[name] = _Target(param, start, rows, shard)
@@ -252,8 +274,9 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
     return targets
 
 
-def _add_gated_mlp(add: Callable[..., None], split: Callable[..., Shard | None], prefix: str, mlp: GatedMLP,
-                   kind: str, full_inter: int) -> None:
+def _add_gated_mlp(
+    add: Callable[..., None], split: Callable[..., Shard | None], prefix: str, mlp: GatedMLP, kind: str, full_inter: int
+) -> None:
     """gate and up: row ranges of gate_up_proj (this rank's rows of each); down: its columns."""
     inter, gate_up = mlp.intermediate_size, getattr(mlp.gate_up_proj, kind)
     rows = split(0, full_inter, inter)
@@ -263,8 +286,14 @@ def _add_gated_mlp(add: Callable[..., None], split: Callable[..., Shard | None],
     add(f"{prefix}down_proj.{kind}", getattr(mlp.down_proj, kind), shard=columns)
 
 
-def _add_moe(add: Callable[..., None], split: Callable[..., Shard | None], targets: dict[str, _Target | None],
-             prefix: str, moe: SparseMoE, hidden_size: int) -> None:
+def _add_moe(
+    add: Callable[..., None],
+    split: Callable[..., Shard | None],
+    targets: dict[str, _Target | None],
+    prefix: str,
+    moe: SparseMoE,
+    hidden_size: int,
+) -> None:
     """The router, this rank's experts' projections (row ranges of the stacked w13 and w2; other
     ranks' experts map to None) and the shared expert."""
     config = moe.config
@@ -273,8 +302,11 @@ def _add_moe(add: Callable[..., None], split: Callable[..., Shard | None], targe
     add(f"{block}gate.weight", moe.gate.weight)
     for e in range(config.num_experts):
         local = e - moe.first_expert
-        names = (f"{block}experts.{e}.{gate}.weight", f"{block}experts.{e}.{up}.weight",
-                 f"{block}experts.{e}.{down}.weight")
+        names = (
+            f"{block}experts.{e}.{gate}.weight",
+            f"{block}experts.{e}.{up}.weight",
+            f"{block}experts.{e}.{down}.weight",
+        )
         if not 0 <= local < moe.num_local_experts:
             targets.update(dict.fromkeys(names))
             continue
@@ -282,8 +314,9 @@ def _add_moe(add: Callable[..., None], split: Callable[..., Shard | None], targe
         add(names[1], moe.w13, 2 * inter * local + inter, inter)
         add(names[2], moe.w2, hidden_size * local, hidden_size)
     if moe.shared_expert is not None:
-        _add_gated_mlp(add, split, f"{block}shared_expert.", moe.shared_expert, "weight",
-                       config.shared_expert_intermediate_size)
+        _add_gated_mlp(
+            add, split, f"{block}shared_expert.", moe.shared_expert, "weight", config.shared_expert_intermediate_size
+        )
         add(f"{block}shared_expert_gate.weight", moe.shared_expert_gate.weight)
 
 
@@ -326,9 +359,10 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     _check_coverage(mc, targets, found, unexpected, ", ".join(f.name for f in files))
     missing = missing_quantized_tensors(shards, {name for _, name in quantized})
     if missing:
-        raise ValueError(f"{mc.model_path}: {len(missing)} quantized tensor(s) missing from "
-                         f"{', '.join(f.name for f in files)}: {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
+        raise ValueError(
+            f"{mc.model_path}: {len(missing)} quantized tensor(s) missing from "
+            f"{', '.join(f.name for f in files)}: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
+        )
     # Cached shards copy fastest in parallel; a cold disk reads fastest as one stream in file order.
     readers = None if resident_fraction(files) >= WARM_FRACTION else 1
     copy_tensors(plan, progress=_progress_callback.get(), num_readers=readers)
@@ -388,16 +422,21 @@ def _skippable(name: str, mc: ModelConfig) -> bool:
     return bool(_IGNORED.search(name)) or (name == "lm_head.weight" and mc.tie_word_embeddings)
 
 
-def _check_coverage(mc: ModelConfig, targets: dict[str, _Target | None], found: set[str], unexpected: list[str],
-                    files: str) -> None:
+def _check_coverage(
+    mc: ModelConfig, targets: dict[str, _Target | None], found: set[str], unexpected: list[str], files: str
+) -> None:
     """Every parameter found in the checkpoint and no tensor left over, or a ValueError naming them."""
     missing = [name for name in targets if name not in found]
     if missing:
-        raise ValueError(f"{mc.model_path}: {len(missing)} tensor(s) missing from "
-                         f"{files}: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+        raise ValueError(
+            f"{mc.model_path}: {len(missing)} tensor(s) missing from "
+            f"{files}: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
+        )
     if unexpected:
-        raise ValueError(f"{mc.model_path}: tensors not used by {mc.architecture}: "
-                         f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+        raise ValueError(
+            f"{mc.model_path}: tensors not used by {mc.architecture}: "
+            f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else "")
+        )
 
 
 @torch.no_grad()

@@ -22,8 +22,14 @@ from gpuworker.models.layers import GatedMLP, Linear
 from gpuworker.models.tensor_parallel import ParallelContext
 
 
-def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+def experts_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
     """sum over each token's chosen experts e of weight * down_e(silu(gate_e(x)) * up_e(x)), for the
     experts e these weights hold: first_expert..first_expert+E-1 (a rank's share under expert
     parallelism; choices of other experts add nothing here).
@@ -50,8 +56,9 @@ class SparseMoE(nn.Module):
         # experts; the rank computes only the choices of its own, and forward sums the ranks' partial
         # outputs in one all-reduce.
         self.parallel = parallel
-        self.first_expert, experts = (0, config.num_experts) if parallel is None else \
-            parallel.split(config.num_experts, "num_experts")
+        self.first_expert, experts = (
+            (0, config.num_experts) if parallel is None else parallel.split(config.num_experts, "num_experts")
+        )
         self.num_local_experts = experts
         inter = config.expert_intermediate_size
         self.hidden_size = hidden_size
@@ -66,8 +73,8 @@ class SparseMoE(nn.Module):
 
     def kernel_variant(self, num_tokens: int) -> tuple[str, str | int]:
         """Which GPU kernels T tokens take: ("decode", its config name) or ("grouped", its row tile)."""
-        from gpuworker.kernels.moe.fused import block_m_for
         from gpuworker.kernels.moe.decode import decode_config
+        from gpuworker.kernels.moe.fused import block_m_for
 
         config = decode_config(num_tokens, self.config.top_k, self.hidden_size, self.config.expert_intermediate_size)
         if config is not None:
@@ -103,8 +110,8 @@ class SparseMoE(nn.Module):
         w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
         w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
         if x.is_cuda:
-            from gpuworker.kernels.moe.fused import fused_moe
             from gpuworker.kernels.moe.decode import decode_config, moe_decode, route_top_k
+            from gpuworker.kernels.moe.fused import fused_moe
 
             config = decode_config(x.shape[0], top_k, self.hidden_size, self.config.expert_intermediate_size)
             if config is not None:

@@ -64,8 +64,9 @@ def kv_head_range(mc: ModelConfig, parallel: ParallelContext) -> tuple[int, int]
     if world <= kv:
         return parallel.split(kv, "num_key_value_heads")
     if world % kv:
-        raise ValueError(f"tensor_parallel_size ({world}) must divide num_key_value_heads ({kv}) "
-                         "or be a multiple of it")
+        raise ValueError(
+            f"tensor_parallel_size ({world}) must divide num_key_value_heads ({kv}) or be a multiple of it"
+        )
     return parallel.rank // (world // kv), 1
 
 
@@ -86,13 +87,17 @@ def shard_config(mc: ModelConfig, parallel: ParallelContext | None) -> ModelConf
     if parallel is None:
         return mc
     if mc.quantization is not None:
-        raise ValueError(f"quantization: a {mc.quantization.label} model cannot be split over "
-                         f"tensor_parallel_size ({parallel.world_size}) ranks yet")
+        raise ValueError(
+            f"quantization: a {mc.quantization.label} model cannot be split over "
+            f"tensor_parallel_size ({parallel.world_size}) ranks yet"
+        )
     _, heads = parallel.split(mc.num_heads, "num_attention_heads")
     _, kv_heads = kv_head_range(mc, parallel)
     moe = mc.moe
     dense_layers = moe is None or not all(moe.sparse_layers)
-    intermediate = parallel.split(mc.intermediate_size, "intermediate_size")[1] if dense_layers else mc.intermediate_size
+    intermediate = (
+        parallel.split(mc.intermediate_size, "intermediate_size")[1] if dense_layers else mc.intermediate_size
+    )
     if moe is not None:
         parallel.split(moe.num_experts, "num_experts")
         if moe.shared_expert_intermediate_size:
@@ -131,8 +136,9 @@ class ParallelGatedMLP(GatedMLP):
         return self.down_proj(F.silu(gate) * up)
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, input_ids: torch.Tensor, vocab_size: int,
-                             parallel: ParallelContext) -> torch.Tensor:
+def vocab_parallel_embedding(
+    weight: torch.Tensor, input_ids: torch.Tensor, vocab_size: int, parallel: ParallelContext
+) -> torch.Tensor:
     """Rows of this rank's vocabulary slice `weight` for the ids it holds, zeros for the others,
     summed over the ranks: every id's embedding, from the one rank that holds it."""
     first, held, _ = vocab_range(vocab_size, parallel)
@@ -142,10 +148,10 @@ def vocab_parallel_embedding(weight: torch.Tensor, input_ids: torch.Tensor, voca
     return parallel.all_reduce(torch.where(mine[:, None], hidden, 0))
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                          parallel: ParallelContext) -> torch.Tensor:
+def vocab_parallel_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, parallel: ParallelContext
+) -> torch.Tensor:
     """hidden [N, H] -> the full logits [N, vocab_size] in float32: this rank's vocabulary columns,
     gathered from every rank (the padding rows of the last slice cut off)."""
     local = F.linear(hidden, weight).float()
     return torch.cat(parallel.all_gather(local), dim=-1)[:, :vocab_size]
-

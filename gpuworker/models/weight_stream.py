@@ -22,9 +22,20 @@ import torch
 
 from gpuworker.checkpoint_files import TensorEntry
 
-TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 # Per reader thread, two pinned buffers of this size: large enough that a copy launch is cheap
 # next to its bytes, small enough that pinning them costs little at start-up.
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -54,8 +65,13 @@ class TensorCopy:
         return self.entry.end - self.entry.begin
 
 
-def copy_tensors(plan: list[tuple[Path, list[TensorCopy]]], *, progress: Callable[[float], None] | None = None,
-                 num_readers: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+def copy_tensors(
+    plan: list[tuple[Path, list[TensorCopy]]],
+    *,
+    progress: Callable[[float], None] | None = None,
+    num_readers: int | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
     """Fill every copy's dest from its file; progress(fraction of bytes done) from the reader threads."""
     total = sum(c.nbytes for _, copies in plan for c in copies) or 1
     done, lock = 0, threading.Lock()
@@ -118,8 +134,9 @@ def _copy_file(file: Path, copies: list[TensorCopy], advance: Callable[[int], No
         os.close(fd)
 
 
-def _stream_to_device(fd: int, file: Path, copies: list[TensorCopy], advance: Callable[[int], None],
-                      chunk_bytes: int) -> None:
+def _stream_to_device(
+    fd: int, file: Path, copies: list[TensorCopy], advance: Callable[[int], None], chunk_bytes: int
+) -> None:
     """Read the span of `copies` chunk by chunk into two alternating pinned buffers; each chunk's
     pieces go to their parameters by async copies on this thread's stream."""
     copies = sorted(copies, key=lambda c: c.entry.begin)
@@ -134,7 +151,7 @@ def _stream_to_device(fd: int, file: Path, copies: list[TensorCopy], advance: Ca
         stop = min(cursor + chunk_bytes, span_end)
         if events[k] is not None:
             events[k].synchronize()  # its last copies are done: the buffer may be overwritten
-        buffer = buffers[k][:stop - cursor]
+        buffer = buffers[k][: stop - cursor]
         _pread_into(fd, buffer, cursor, file)
         copied = 0
         with torch.cuda.stream(stream):
@@ -143,8 +160,9 @@ def _stream_to_device(fd: int, file: Path, copies: list[TensorCopy], advance: Ca
                 entry = copies[i].entry
                 lo, hi = max(entry.begin, cursor), min(entry.end, stop)
                 if lo < hi:
-                    _bytes_of(copies[i].dest)[lo - entry.begin:hi - entry.begin].copy_(
-                        buffer[lo - cursor:hi - cursor], non_blocking=True)
+                    _bytes_of(copies[i].dest)[lo - entry.begin : hi - entry.begin].copy_(
+                        buffer[lo - cursor : hi - cursor], non_blocking=True
+                    )
                     copied += hi - lo
                 if entry.end <= stop and i == first:
                     first += 1
@@ -170,6 +188,7 @@ def _pread_into(fd: int, dest: torch.Tensor, offset: int, file: Path) -> None:
     while filled < len(view):
         n = os.preadv(fd, [view[filled:]], offset + filled)
         if n == 0:
-            raise ValueError(f"{file.name} ended {len(view) - filled} bytes early at offset {offset + filled}; "
-                             "the file is truncated")
+            raise ValueError(
+                f"{file.name} ended {len(view) - filled} bytes early at offset {offset + filled}; the file is truncated"
+            )
         filled += n

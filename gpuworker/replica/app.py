@@ -50,8 +50,9 @@ class BearerAuth:
         if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected):
             await self.app(scope, receive, send)
             return
-        denied = error_response("missing or wrong bearer token", 401, type="authentication_error",
-                                code="invalid_api_key")
+        denied = error_response(
+            "missing or wrong bearer token", 401, type="authentication_error", code="invalid_api_key"
+        )
         await denied(scope, receive, send)
 
 
@@ -81,19 +82,30 @@ def _not_ready(holder: EngineHolder) -> JSONResponse | None:
     if holder.state == "ready":
         return None
     if holder.draining:
-        return error_response("this replica is draining and takes no new requests", 503,
-                              type="service_unavailable", code="replica_draining")
-    return error_response(f"the model is {holder.state}" + (f": {holder.error}" if holder.error else ""), 503,
-                          type="service_unavailable")
+        return error_response(
+            "this replica is draining and takes no new requests",
+            503,
+            type="service_unavailable",
+            code="replica_draining",
+        )
+    return error_response(
+        f"the model is {holder.state}" + (f": {holder.error}" if holder.error else ""), 503, type="service_unavailable"
+    )
 
 
 async def health(request: Request) -> Response:
     holder = _holder(request)
     holder.check_engine()
     if holder.state == "ready":
-        return JSONResponse({"status": "ready", "load_started_at": holder.load_started_at,
-                             "load_timings": holder.load_timings, "limits": holder.engine_limits,
-                             "engine_pid": holder.engine_pid})
+        return JSONResponse(
+            {
+                "status": "ready",
+                "load_started_at": holder.load_started_at,
+                "load_timings": holder.load_timings,
+                "limits": holder.engine_limits,
+                "engine_pid": holder.engine_pid,
+            }
+        )
     body: dict[str, Any] = {"status": holder.state}
     if holder.state == "loading":
         body["progress"] = holder.load_progress
@@ -119,10 +131,15 @@ async def drain(request: Request) -> Response:
     except json.JSONDecodeError as exc:
         return error_response(f"request body is not valid JSON: {exc}")
     timeout_s = body.get("timeout_s", holder.config.drain_timeout_s) if isinstance(body, dict) else None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-            or not 0 <= timeout_s <= MAX_DRAIN_TIMEOUT_S:
-        return error_response(f"timeout_s must be a number of seconds in [0, {MAX_DRAIN_TIMEOUT_S:g}], "
-                              f"got {timeout_s!r}", param="timeout_s")
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not 0 <= timeout_s <= MAX_DRAIN_TIMEOUT_S
+    ):
+        return error_response(
+            f"timeout_s must be a number of seconds in [0, {MAX_DRAIN_TIMEOUT_S:g}], got {timeout_s!r}",
+            param="timeout_s",
+        )
     holder.begin_drain(float(timeout_s))
     return JSONResponse({"running": holder.in_flight})
 
@@ -137,8 +154,7 @@ async def request_status(request: Request) -> Response:
 async def models(request: Request) -> Response:
     holder = _holder(request)
     config = holder.config
-    card = {"id": config.model_name, "object": "model", "created": now(), "owned_by": "gpuworker",
-            "root": config.model}
+    card = {"id": config.model_name, "object": "model", "created": now(), "owned_by": "gpuworker", "root": config.model}
     if holder.engine is not None:
         card["max_model_len"] = holder.engine.facts.max_model_len
     return JSONResponse({"object": "list", "data": [card]})
@@ -164,8 +180,11 @@ async def _generate(request: Request, chat: bool) -> Response:
     if (unavailable := _not_ready(holder)) is not None:
         return unavailable
     if holder.embedder is not None:
-        return error_response(f"{holder.config.model_name!r} is an embedding model; use /v1/embeddings",
-                              param="model", code="wrong_model_kind")
+        return error_response(
+            f"{holder.config.model_name!r} is an embedding model; use /v1/embeddings",
+            param="model",
+            code="wrong_model_kind",
+        )
     raw = await request.body()
     engine = holder.engine
     try:
@@ -238,8 +257,11 @@ async def _collect_unless_disconnected(request: Request, first, stream):
 
 
 ROUTES = [
-    Route("/health", health), Route("/stats", stats), Route("/metrics", metrics),
-    Route("/drain", drain, methods=["POST"]), Route("/requests/{request_id}", request_status),
+    Route("/health", health),
+    Route("/stats", stats),
+    Route("/metrics", metrics),
+    Route("/drain", drain, methods=["POST"]),
+    Route("/requests/{request_id}", request_status),
     Route("/v1/models", models),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -260,7 +282,10 @@ def build_app(config: ServerConfig, holder: EngineHolder | None = None) -> Starl
             await asyncio.to_thread(holder.shutdown)
 
     # Auth runs first, so a request without the token is neither counted nor read.
-    app = Starlette(routes=ROUTES, lifespan=lifespan, middleware=[
-        Middleware(BearerAuth, token=config.token), Middleware(CountInFlight, holder=holder)])
+    app = Starlette(
+        routes=ROUTES,
+        lifespan=lifespan,
+        middleware=[Middleware(BearerAuth, token=config.token), Middleware(CountInFlight, holder=holder)],
+    )
     app.state.holder = holder
     return app

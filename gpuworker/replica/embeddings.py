@@ -23,8 +23,9 @@ def _plan(engine: EmbeddingEngine, raw: bytes) -> tuple[EmbeddingRequest, list[l
     dims = parsed.dimensions
     if dims is not None and dims != engine.dimensions and dims not in engine.model.head.matryoshka_dimensions:
         allowed = sorted({engine.dimensions, *engine.model.head.matryoshka_dimensions})
-        raise ProtocolError(f"dimensions: this model gives vectors of {allowed} dimensions, not {dims}",
-                            param="dimensions")
+        raise ProtocolError(
+            f"dimensions: this model gives vectors of {allowed} dimensions, not {dims}", param="dimensions"
+        )
     try:
         token_ids = engine.tokenize(parsed.texts) if parsed.texts is not None else engine.check(parsed.input)
     except ValueError as exc:
@@ -40,10 +41,13 @@ def _encode(vector: torch.Tensor, dimensions: int | None, encoding_format: str):
     return vector.tolist()
 
 
-def embeddings_response(parsed: EmbeddingRequest, model_name: str, vectors: list[torch.Tensor],
-                        prompt_tokens: int) -> dict:
-    data = [{"object": "embedding", "index": i, "embedding": _encode(v, parsed.dimensions, parsed.encoding_format)}
-            for i, v in enumerate(vectors)]
+def embeddings_response(
+    parsed: EmbeddingRequest, model_name: str, vectors: list[torch.Tensor], prompt_tokens: int
+) -> dict:
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encode(v, parsed.dimensions, parsed.encoding_format)}
+        for i, v in enumerate(vectors)
+    ]
     usage = usage_dict(prompt_tokens, 0)
     del usage["completion_tokens"]  # OpenAI's embedding usage: prompt_tokens and total_tokens
     return {"object": "list", "data": data, "model": model_name, "usage": usage}
@@ -51,8 +55,11 @@ def embeddings_response(parsed: EmbeddingRequest, model_name: str, vectors: list
 
 async def embeddings(request: Request, engine: EmbeddingEngine | None, model_name: str) -> Response:
     if engine is None:
-        return error_response(f"{model_name!r} is a generative model; use /v1/chat/completions or /v1/completions",
-                              param="model", code="wrong_model_kind")
+        return error_response(
+            f"{model_name!r} is a generative model; use /v1/chat/completions or /v1/completions",
+            param="model",
+            code="wrong_model_kind",
+        )
     raw = await request.body()
     try:
         # Off the event loop: parsing and tokenizing 2048 inputs takes a while.
@@ -62,4 +69,3 @@ async def embeddings(request: Request, engine: EmbeddingEngine | None, model_nam
     vectors = await engine.embed(token_ids)
     body = await asyncio.to_thread(embeddings_response, parsed, model_name, vectors, sum(map(len, token_ids)))
     return JSONResponse(body)
-

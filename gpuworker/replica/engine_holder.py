@@ -23,8 +23,8 @@ from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encod
 from gpuworker.engine.engine_process_client import EngineProcess
 from gpuworker.engine.output_streams import EngineDeadError, StreamingEngine
 from gpuworker.engine.outputs import RequestOutput
-from gpuworker.replica.metrics import EngineMetrics
 from gpuworker.models.loader import report_load_progress
+from gpuworker.replica.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +33,16 @@ WEIGHTS_PROGRESS_START, WEIGHTS_PROGRESS_END = 0.05, 0.9
 # How many callers' started requests a replica remembers (see EngineHolder.note_started).
 STARTED_REQUESTS_KEPT = 10_000
 # /stats without an engine to ask (loading, failed, or its process gone).
-NO_ENGINE_FIGURES = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "tokens_per_s": 0.0,
-                     "prefix_cache_hit_rate": 0.0, "num_generated_tokens": 0, "ttft_p95_s": None,
-                     "itl_p95_s": None}
+NO_ENGINE_FIGURES = {
+    "running": 0,
+    "waiting": 0,
+    "kv_cache_usage": 0.0,
+    "tokens_per_s": 0.0,
+    "prefix_cache_hit_rate": 0.0,
+    "num_generated_tokens": 0,
+    "ttft_p95_s": None,
+    "itl_p95_s": None,
+}
 
 
 @dataclass
@@ -130,13 +137,15 @@ class EngineHolder:
 
     def _load(self) -> None:
         # Warm-up after ready: the replica is ready 1-2 s sooner on an 8B model (BENCHMARKS.md, "Load time").
-        kwargs: dict[str, Any] = {"device": self.config.device, "defer_warm_up": True,
-                                  "gpu_memory_utilization": self.config.gpu_memory_utilization,
-                                  "kv_cache_dtype": self.config.kv_cache_dtype}
+        kwargs: dict[str, Any] = {
+            "device": self.config.device,
+            "defer_warm_up": True,
+            "gpu_memory_utilization": self.config.gpu_memory_utilization,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+        }
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization",
-                     "tensor_parallel_size"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization", "tensor_parallel_size"):
             if getattr(self.config, name) is not None:
                 kwargs[name] = getattr(self.config, name)
         self.load_progress = WEIGHTS_PROGRESS_START
@@ -144,8 +153,9 @@ class EngineHolder:
         started = time.perf_counter()
         engine_process, self._engine_process = self._engine_process, None
         try:
-            if engine_process is not None and (not self.config.engine_process
-                                               or is_sentence_encoder(self.config.model)):
+            if engine_process is not None and (
+                not self.config.engine_process or is_sentence_encoder(self.config.model)
+            ):
                 engine_process.stop()  # started ahead, not wanted after all
                 engine_process = None
             if is_sentence_encoder(self.config.model):
@@ -166,13 +176,20 @@ class EngineHolder:
         self.engine_limits = engine.facts.limits
         if self.state == "loading":  # a drain that began meanwhile wins
             self.state = "ready"
-        logger.info("model %s ready in %.2fs: %s; %s", self.config.model_name, self.load_timings["engine_s"],
-                    ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.load_timings.items()),
-                    ", ".join(f"{name} {value}" for name, value in self.engine_limits.items()))
+        logger.info(
+            "model %s ready in %.2fs: %s; %s",
+            self.config.model_name,
+            self.load_timings["engine_s"],
+            ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.load_timings.items()),
+            ", ".join(f"{name} {value}" for name, value in self.engine_limits.items()),
+        )
 
     def _load_embedder(self, started: float) -> None:
-        dtype = torch.float32 if self.config.dtype == "auto" and self.config.device == "cpu" else \
-            getattr(torch, "float16" if self.config.dtype == "auto" else self.config.dtype)
+        dtype = (
+            torch.float32
+            if self.config.dtype == "auto" and self.config.device == "cpu"
+            else getattr(torch, "float16" if self.config.dtype == "auto" else self.config.dtype)
+        )
         self.embedder = EmbeddingEngine(self.config.model, device=self.config.device, dtype=dtype)
         self.load_progress = 1.0
         self.load_timings = {"engine_s": round(time.perf_counter() - started, 4)}
@@ -246,8 +263,12 @@ class EngineHolder:
 
     async def snapshot(self) -> dict[str, Any]:
         """Live engine figures, read by the engine loop between steps; also refreshes the gauges."""
-        base = {"state": self.state, "error": self.error, "load_progress": self.load_progress,
-                "in_flight": self.in_flight}
+        base = {
+            "state": self.state,
+            "error": self.error,
+            "load_progress": self.load_progress,
+            "in_flight": self.in_flight,
+        }
         if self.engine is None:
             return {**base, **NO_ENGINE_FIGURES}
         try:
@@ -259,9 +280,11 @@ class EngineHolder:
         m.num_requests_running.set(figures["running"])
         m.num_requests_waiting.set(figures["waiting"])
         m.kv_cache_usage.set(figures["kv_cache_usage"])
-        for key, counter in (("prefix_cache_queries", m.prefix_cache_queries),
-                             ("prefix_cache_hits", m.prefix_cache_hits),
-                             ("num_preemptions", m.num_preemptions)):
+        for key, counter in (
+            ("prefix_cache_queries", m.prefix_cache_queries),
+            ("prefix_cache_hits", m.prefix_cache_hits),
+            ("num_preemptions", m.num_preemptions),
+        ):
             delta = figures[key] - self._seen[key]
             if delta > 0:
                 counter.inc(delta)
@@ -273,11 +296,17 @@ class EngineHolder:
         first_t, first_n = self._tokens_window[0]
         tokens_per_s = (figures["num_generated_tokens"] - first_n) / (t - first_t) if t > first_t else 0.0
         queries = figures["prefix_cache_queries"]
-        return {**base, "running": figures["running"], "waiting": figures["waiting"],
-                "kv_cache_usage": figures["kv_cache_usage"], "tokens_per_s": tokens_per_s,
-                "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0,
-                "num_generated_tokens": figures["num_generated_tokens"],
-                "ttft_p95_s": figures["ttft_p95_s"], "itl_p95_s": figures["itl_p95_s"]}
+        return {
+            **base,
+            "running": figures["running"],
+            "waiting": figures["waiting"],
+            "kv_cache_usage": figures["kv_cache_usage"],
+            "tokens_per_s": tokens_per_s,
+            "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0,
+            "num_generated_tokens": figures["num_generated_tokens"],
+            "ttft_p95_s": figures["ttft_p95_s"],
+            "itl_p95_s": figures["itl_p95_s"],
+        }
 
     def record_finished(self, output: RequestOutput, generated_tokens: int) -> None:
         """A finished request's figures: `output` its last, generated_tokens its whole answer's."""

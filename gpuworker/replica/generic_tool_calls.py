@@ -37,7 +37,7 @@ def _moved_refs(schema: object, root: str) -> object:
     if isinstance(ref, str) and ref.startswith("#"):
         for defs in ("#/$defs/", "#/definitions/"):
             if ref.startswith(defs):
-                out["$ref"] = f"#/$defs/{root}.{ref[len(defs):]}"
+                out["$ref"] = f"#/$defs/{root}.{ref[len(defs) :]}"
                 break
         else:
             out["$ref"] = f"#/$defs/{root}{ref[1:]}"
@@ -65,37 +65,56 @@ def _arguments_schema(function: dict, index: int, definitions: dict) -> object:
     return _as_definition(parameters, f"tool{index}", definitions)
 
 
-def generic_tool_schema(tools: list[dict], *, parallel_tool_calls: bool,
-                        response_schema: dict | bool | None = None) -> dict:
+def generic_tool_schema(
+    tools: list[dict], *, parallel_tool_calls: bool, response_schema: dict | bool | None = None
+) -> dict:
     """The JSON schema of the answer: one call of an offered tool (its arguments following the
     tool's parameters schema), a list of one or more calls when parallel calls are allowed, or the
     response (a string, or `response_schema` when the request's response_format asks for JSON)."""
     definitions: dict = {}
-    calls = [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
-                                               "arguments": _arguments_schema(tool["function"], i, definitions)},
-              "required": ["name", "arguments"]} for i, tool in enumerate(tools)]
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                "arguments": _arguments_schema(tool["function"], i, definitions),
+            },
+            "required": ["name", "arguments"],
+        }
+        for i, tool in enumerate(tools)
+    ]
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     choices = [{"type": "object", "properties": {CALL_KEY: call}, "required": [CALL_KEY]}]
     if parallel_tool_calls:
-        choices.append({"type": "object", "properties": {CALLS_KEY: {"type": "array", "items": call, "minItems": 1}},
-                        "required": [CALLS_KEY]})
+        choices.append(
+            {
+                "type": "object",
+                "properties": {CALLS_KEY: {"type": "array", "items": call, "minItems": 1}},
+                "required": [CALLS_KEY],
+            }
+        )
     response = TEXT_RESPONSE if response_schema is None else _as_definition(response_schema, RESPONSE_KEY, definitions)
-    choices.append({"type": "object", "properties": {RESPONSE_KEY: response},
-                    "required": [RESPONSE_KEY]})
+    choices.append({"type": "object", "properties": {RESPONSE_KEY: response}, "required": [RESPONSE_KEY]})
     return {"anyOf": choices, "$defs": definitions} if definitions else {"anyOf": choices}
 
 
 def generic_tools_instruction(tools: list[dict], *, parallel_tool_calls: bool) -> str:
     """The system-prompt text: the tools, and the answer's format (the grammar's, shown by example)."""
     definitions = json.dumps(tools, indent=2, ensure_ascii=False)
-    several = (f'\nTo call several tools at once: {{"{CALLS_KEY}": [<a call like the one above>, ...]}}'
-               if parallel_tool_calls else "")
-    return (f"You can call any of the following tools to satisfy the user's requests: {definitions}\n\n"
-            "Example tool call syntax:\n\n"
-            f'{{\n  "{CALL_KEY}": {{\n    "name": "tool_name",\n    "arguments": {{\n      "arg1": "some_value"\n    }}\n  }}\n}}\n'
-            f"{several}\n"
-            f"Respond in JSON format, either with `{CALL_KEY}` (a request to call tools) or with `{RESPONSE_KEY}` "
-            "(your reply to the user's request)")
+    several = (
+        f'\nTo call several tools at once: {{"{CALLS_KEY}": [<a call like the one above>, ...]}}'
+        if parallel_tool_calls
+        else ""
+    )
+    return (
+        f"You can call any of the following tools to satisfy the user's requests: {definitions}\n\n"
+        "Example tool call syntax:\n\n"
+        f'{{\n  "{CALL_KEY}": {{\n    "name": "tool_name",\n'
+        f'    "arguments": {{\n      "arg1": "some_value"\n    }}\n  }}\n}}\n'
+        f"{several}\n"
+        f"Respond in JSON format, either with `{CALL_KEY}` (a request to call tools) or with `{RESPONSE_KEY}` "
+        "(your reply to the user's request)"
+    )
 
 
 def generic_calls_text(calls: list[dict]) -> str:
@@ -161,7 +180,7 @@ class GenericToolParser(StreamingToolParser):
                         self.buffer = ""  # the output ended inside the wrapper: nothing to say
                     continue
                 key = match.group(1)
-                self.buffer = self.buffer[match.end():]
+                self.buffer = self.buffer[match.end() :]
                 self.state = {RESPONSE_KEY: "response_value", CALL_KEY: "call", CALLS_KEY: "list"}.get(key, "text")
                 if self.state == "text":  # another object: the text as written
                     self.buffer = match.group(0) + self.buffer
@@ -220,7 +239,7 @@ class GenericToolParser(StreamingToolParser):
             self.buffer = ""
             return False
         c = self.buffer[i]
-        self.buffer = self.buffer[i + 1:]
+        self.buffer = self.buffer[i + 1 :]
         if c == "[" and not self.in_list or c == "," and self.in_list:
             self.in_list = True
             self._start_call()
@@ -240,17 +259,23 @@ class GenericToolParser(StreamingToolParser):
         if self.current is None and call.name is not None:
             self.current = ToolCall(tool_call_id(), call.name)
             self.calls.append(self.current)
-            out.tool_calls.append({"index": len(self.calls) - 1, "id": self.current.id, "type": "function",
-                                   "function": {"name": self.current.name, "arguments": ""}})
+            out.tool_calls.append(
+                {
+                    "index": len(self.calls) - 1,
+                    "id": self.current.id,
+                    "type": "function",
+                    "function": {"name": self.current.name, "arguments": ""},
+                }
+            )
         if self.current is not None and call.args_start is not None:
             stop = call.args_end if call.args_end is not None else len(call.text)
-            fragment = call.text[call.args_start + self.args_sent:stop]
+            fragment = call.text[call.args_start + self.args_sent : stop]
             self.args_sent += len(fragment)
             if fragment:
                 self.current.arguments += fragment
                 out.tool_calls.append({"index": len(self.calls) - 1, "function": {"arguments": fragment}})
         if call.end is not None or call.malformed:
-            rest = call.text[call.end:] if call.end is not None else ""
+            rest = call.text[call.end :] if call.end is not None else ""
             self._end_call(out)
             self.buffer = rest
             self.state = "list" if self.in_list and not call.malformed else "done"

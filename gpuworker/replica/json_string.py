@@ -42,7 +42,7 @@ class JsonStringDecoder:
             if i == len(s):
                 break
             if s[i] == '"':
-                self.closed, self.rest, self.pending = True, s[i + 1:], ""
+                self.closed, self.rest, self.pending = True, s[i + 1 :], ""
                 return "".join(out)
             decoded, used = self._escape(s, i)
             if used == 0:
@@ -68,13 +68,13 @@ class JsonStringDecoder:
             return "", 0
         if not _HEX4.fullmatch(s, i + 2, i + 6):
             return REPLACEMENT, 2  # not JSON; the grammars never write it
-        code = int(s[i + 2:i + 6], 16)
+        code = int(s[i + 2 : i + 6], 16)
         if 0xDC00 <= code <= 0xDFFF:
             return REPLACEMENT, 6
         if not 0xD800 <= code <= 0xDBFF:
             return chr(code), 6
         # A high surrogate: one character with the low half that must follow.
-        tail = s[i + 6:i + 12]
+        tail = s[i + 6 : i + 12]
         if len(tail) < 6 and _LOW_SURROGATE_PREFIX.match(tail):
             return "", 0
         if _LOW_SURROGATE.fullmatch(tail):

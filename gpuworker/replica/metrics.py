@@ -9,10 +9,50 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-                         0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+TOKEN_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 
 
 class EngineMetrics:
@@ -39,13 +79,17 @@ class EngineMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.")
         self.time_to_first_token = histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+            "vllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS
+        )
         self.inter_token_latency = histogram(
-            "vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS)
+            "vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS
+        )
         self.e2e_request_latency = histogram(
-            "vllm:e2e_request_latency_seconds", "Request latency from arrival to finish.", LATENCY_BUCKETS)
+            "vllm:e2e_request_latency_seconds", "Request latency from arrival to finish.", LATENCY_BUCKETS
+        )
         self.request_queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Time a request waited before its first scheduling.", LATENCY_BUCKETS)
+            "vllm:request_queue_time_seconds", "Time a request waited before its first scheduling.", LATENCY_BUCKETS
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

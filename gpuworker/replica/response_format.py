@@ -13,9 +13,13 @@ from typing import Any
 import xgrammar as xgr
 from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag
 
-from gpuworker.engine.structured_output import (JSON_MAX_WHITESPACE, SCHEMA_DATA_KEYWORDS, StructuredOutput,
-                                               xgrammar_reason)
 from gpuworker.contract.openai_api import ChatCompletionRequest, NamedToolChoice, ProtocolError, ResponseFormat
+from gpuworker.engine.structured_output import (
+    JSON_MAX_WHITESPACE,
+    SCHEMA_DATA_KEYWORDS,
+    StructuredOutput,
+    xgrammar_reason,
+)
 from gpuworker.replica.generic_tool_calls import generic_tool_schema
 from gpuworker.replica.tool_calls import ToolCallFormat, forced_tool_grammar
 
@@ -27,8 +31,9 @@ def check_json_schema(schema: dict, param: str) -> None:
     try:
         xgr.Grammar.from_json_schema(json.dumps(schema))
     except _XGRAMMAR_ERRORS as exc:
-        raise ProtocolError(f"{param}: this JSON schema is not supported: {xgrammar_reason(exc)}",
-                            param=param) from None
+        raise ProtocolError(
+            f"{param}: this JSON schema is not supported: {xgrammar_reason(exc)}", param=param
+        ) from None
 
 
 def grammar_schema(schema: Any) -> Any:
@@ -62,8 +67,9 @@ def json_constraint(schema: dict | bool) -> StructuredOutput:
     xgrammar's structural tag carries that cap, so the constraint is a one-part structural tag.
     The schema stays in its declared property order, which is the order the output follows.
     """
-    tag = StructuralTag(format=JSONSchemaFormat(json_schema=grammar_schema(schema),
-                                                max_whitespace_cnt=JSON_MAX_WHITESPACE))
+    tag = StructuralTag(
+        format=JSONSchemaFormat(json_schema=grammar_schema(schema), max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    )
     return StructuredOutput.structural_tag(tag.model_dump_json())
 
 
@@ -104,16 +110,25 @@ def tool_choice_constraint(request: ChatCompletionRequest, fmt: ToolCallFormat) 
     for tool in tools:
         if "parameters" in tool["function"]:
             tool["function"]["parameters"] = grammar_schema(tool["function"]["parameters"])
-    return _tool_grammar(forced_tool_grammar(fmt, tools, function_name=name,
-                                             parallel_tool_calls=request.parallel_tool_calls,
-                                             max_whitespace=JSON_MAX_WHITESPACE))
+    return _tool_grammar(
+        forced_tool_grammar(
+            fmt,
+            tools,
+            function_name=name,
+            parallel_tool_calls=request.parallel_tool_calls,
+            max_whitespace=JSON_MAX_WHITESPACE,
+        )
+    )
 
 
 def generic_tools_constraint(request: ChatCompletionRequest) -> StructuredOutput:
     """The grammar of tool_choice "auto" in the generic format (generic_tool_calls): one JSON
     object, a call of an offered tool or the response (text, or the JSON of response_format)."""
-    schema = generic_tool_schema(checked_tools(request), parallel_tool_calls=request.parallel_tool_calls,
-                                 response_schema=response_format_schema(request.response_format))
+    schema = generic_tool_schema(
+        checked_tools(request),
+        parallel_tool_calls=request.parallel_tool_calls,
+        response_schema=response_format_schema(request.response_format),
+    )
     return _tool_grammar(json_constraint(schema).spec)
 
 
@@ -122,6 +137,7 @@ def _tool_grammar(spec: str) -> StructuredOutput:
     try:
         xgr.Grammar.from_structural_tag(spec)
     except _XGRAMMAR_ERRORS as exc:
-        raise ProtocolError(f"tools: the tool-call grammar could not be built: {xgrammar_reason(exc)}",
-                            param="tools") from None
+        raise ProtocolError(
+            f"tools: the tool-call grammar could not be built: {xgrammar_reason(exc)}", param="tools"
+        ) from None
     return StructuredOutput.structural_tag(spec)

@@ -16,24 +16,44 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
+from gpuworker.contract.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolError,
+    now,
+    parse_json_body,
+    parse_request,
+    usage_dict,
+)
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
+from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.replica.engine_holder import EngineHolder
-from gpuworker.contract.openai_api import (ChatCompletionRequest, CompletionRequest, ProtocolError, now,
-                                           parse_json_body, parse_request, usage_dict)
-from gpuworker.replica.generic_tool_calls import (GenericToolParser, generic_calls_text, generic_result_text,
-                                                  generic_tools_instruction)
-from gpuworker.replica.response_format import (generic_tools_constraint, response_format_constraint,
-                                               tool_choice_constraint)
+from gpuworker.replica.generic_tool_calls import (
+    GenericToolParser,
+    generic_calls_text,
+    generic_result_text,
+    generic_tools_instruction,
+)
+from gpuworker.replica.response_format import (
+    generic_tools_constraint,
+    response_format_constraint,
+    tool_choice_constraint,
+)
 from gpuworker.replica.tool_calls import ToolCallFormat, ToolCallParser, detect_tool_format
 from gpuworker.replica.tool_prompt import FALLBACK_FORMAT, tools_system_prompt, with_tools_in_prompt
 
 
-def error_response(message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                   type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(ProtocolError(message, param=param, code=code, status=status, type=type).to_dict(),
-                        status_code=status)
+def error_response(
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    code: str | None = None,
+    type: str = "invalid_request_error",
+) -> JSONResponse:
+    return JSONResponse(
+        ProtocolError(message, param=param, code=code, status=status, type=type).to_dict(), status_code=status
+    )
 
 
 def engine_error(exc: ValueError, prompt_field: str) -> JSONResponse:
@@ -47,9 +67,13 @@ def engine_error(exc: ValueError, prompt_field: str) -> JSONResponse:
 
 def drain_expired_error(timeout_s: float) -> ProtocolError:
     """Why a request was cut short: the replica was being stopped and its drain timeout passed."""
-    return ProtocolError(f"the replica is shutting down and this request did not finish within the "
-                         f"drain timeout ({timeout_s:g}s); retry it", status=503, type="server_error",
-                         code="replica_draining")
+    return ProtocolError(
+        f"the replica is shutting down and this request did not finish within the "
+        f"drain timeout ({timeout_s:g}s); retry it",
+        status=503,
+        type="server_error",
+        code="replica_draining",
+    )
 
 
 @dataclass
@@ -98,8 +122,7 @@ def plan_chat(prompts: PromptTokenizer, request: ChatCompletionRequest) -> Reque
     if request.uses_tools:
         template = getattr(prompts.tokenizer, "chat_template", None) if prompts.tokenizer is not None else None
         try:
-            fmt = detect_tool_format(template if isinstance(template, str) else None,
-                                     prompts.model_config.model_type)
+            fmt = detect_tool_format(template if isinstance(template, str) else None, prompts.model_config.model_type)
         except ValueError as exc:
             raise ProtocolError(str(exc), param="tools") from None
         names = frozenset(tool.function.name for tool in request.tools or ())
@@ -130,8 +153,15 @@ def _finish_reason(choice: CompletionOutput, made_calls: bool) -> str | None:
 class Responder:
     """Turns engine outputs into OpenAI response bodies (whole or as SSE chunks)."""
 
-    def __init__(self, holder: EngineHolder, parsed: Any, request_id: str, chat: bool, tokenizer: Any,
-                 tool_parsing: ToolParsing | None = None):
+    def __init__(
+        self,
+        holder: EngineHolder,
+        parsed: Any,
+        request_id: str,
+        chat: bool,
+        tokenizer: Any,
+        tool_parsing: ToolParsing | None = None,
+    ):
         self.holder, self.parsed, self.request_id, self.chat = holder, parsed, request_id, chat
         self.tokenizer = tokenizer
         self.tool_parsing = tool_parsing
@@ -145,24 +175,36 @@ class Responder:
         if entries is None:
             return None
         if self.chat:
+
             def item(token_id, logprob):
                 token = self._token(token_id)
                 return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-            return {"content": [{**item(e.token_id, e.logprob),
-                                 "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]} for e in entries]}
+
+            return {
+                "content": [
+                    {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]}
+                    for e in entries
+                ]
+            }
         tokens = [self._token(e.token_id) for e in entries]
         offsets, offset = [], 0
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token(t): lp for t, lp in e.top_logprobs} for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token(t): lp for t, lp in e.top_logprobs} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _usage(self, output: RequestOutput, completion_tokens: int) -> dict:
-        return usage_dict(len(output.prompt_token_ids), completion_tokens,
-                          prompt_tokens_details={"cached_tokens": output.num_cached_tokens},
-                          gpu_time_s=output.metrics.gpu_time_s)
+        return usage_dict(
+            len(output.prompt_token_ids),
+            completion_tokens,
+            prompt_tokens_details={"cached_tokens": output.num_cached_tokens},
+            gpu_time_s=output.metrics.gpu_time_s,
+        )
 
     def full(self, output: RequestOutput) -> dict:
         """The response body of a whole answer: `output` joined from the request's deltas."""
@@ -178,15 +220,20 @@ class Responder:
                     if parsed.tool_calls:
                         message["tool_calls"] = [call.to_dict() for call in parsed.tool_calls]
                     finish_reason = _finish_reason(c, bool(parsed.tool_calls))
-                choices.append({"index": c.index, "message": message, "logprobs": logprobs,
-                                "finish_reason": finish_reason})
+                choices.append(
+                    {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+                )
             else:
                 text = (output.prompt or "") + c.text if self.parsed.echo else c.text
-                choices.append({"index": c.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason})
-        return {"id": self.request_id, "object": self.object, "created": self.created,
-                "model": self.holder.config.model_name, "choices": choices,
-                "usage": self._usage(output, output.num_generated_tokens)}
+                choices.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        return {
+            "id": self.request_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.holder.config.model_name,
+            "choices": choices,
+            "usage": self._usage(output, output.num_generated_tokens),
+        }
 
     @staticmethod
     def _tool_delta(parser: ToolCallParser | GenericToolParser, choice: CompletionOutput) -> dict:
@@ -204,14 +251,20 @@ class Responder:
         return delta
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        body = {"id": self.request_id, "object": f"{self.object}.chunk" if self.chat else self.object,
-                "created": self.created, "model": self.holder.config.model_name, "choices": choices}
+        body = {
+            "id": self.request_id,
+            "object": f"{self.object}.chunk" if self.chat else self.object,
+            "created": self.created,
+            "model": self.holder.config.model_name,
+            "choices": choices,
+        }
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    async def sse(self, first: RequestOutput, stream: AsyncIterator[RequestOutput],
-                  request: Request) -> AsyncIterator[str]:
+    async def sse(
+        self, first: RequestOutput, stream: AsyncIterator[RequestOutput], request: Request
+    ) -> AsyncIterator[str]:
         engine = self.holder.engine
         metrics = self.holder.metrics
         finished = False
@@ -219,13 +272,25 @@ class Responder:
         parsers = [self.tool_parsing.parser() for _ in first.outputs] if self.tool_parsing and self.chat else None
         try:
             if self.chat:  # OpenAI opens every choice with the role
-                yield self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None} for c in first.outputs])
+                yield self._chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for c in first.outputs
+                    ]
+                )
             output = first
             last_time = time.monotonic()
             while True:
-                if output.finished and self.holder.drain_expired and \
-                        any(c.finish_reason == "abort" for c in output.outputs):
+                if (
+                    output.finished
+                    and self.holder.drain_expired
+                    and any(c.finish_reason == "abort" for c in output.outputs)
+                ):
                     finished = True  # aborted by the drain: the client gets an error, not "abort"
                     yield f"data: {json.dumps(drain_expired_error(self.holder.drain_timeout_s).to_dict())}\n\n"
                     break
@@ -239,19 +304,37 @@ class Responder:
                         delta = self._tool_delta(parsers[c.index], c)
                         if not delta and logprobs is None and c.finish_reason is None:
                             continue  # held back: it may be the start of a tool call
-                        choices.append({"index": c.index, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": _finish_reason(c, bool(parsers[c.index].calls))})
+                        choices.append(
+                            {
+                                "index": c.index,
+                                "delta": delta,
+                                "logprobs": logprobs,
+                                "finish_reason": _finish_reason(c, bool(parsers[c.index].calls)),
+                            }
+                        )
                     elif self.chat:
                         if not c.delta_text and logprobs is None and c.finish_reason is None:
                             # Token ids that are no text yet (part of a character, or a stop string
                             # held back): OpenAI sends no empty delta, only the last one beside its
                             # finish_reason.
                             continue
-                        choices.append({"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                                        "logprobs": logprobs, "finish_reason": c.finish_reason})
+                        choices.append(
+                            {
+                                "index": c.index,
+                                "delta": {"content": c.delta_text} if c.delta_text else {},
+                                "logprobs": logprobs,
+                                "finish_reason": c.finish_reason,
+                            }
+                        )
                     else:
-                        choices.append({"index": c.index, "text": c.delta_text, "logprobs": logprobs,
-                                        "finish_reason": c.finish_reason})
+                        choices.append(
+                            {
+                                "index": c.index,
+                                "text": c.delta_text,
+                                "logprobs": logprobs,
+                                "finish_reason": c.finish_reason,
+                            }
+                        )
                 if choices:
                     yield self._chunk(choices)
                 if output.finished:

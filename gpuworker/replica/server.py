@@ -60,15 +60,24 @@ class _QuietPolls(logging.Filter):
         return not (len(args) >= 3 and args[2] in ("/health", "/stats"))
 
 
-def run_server(config: ServerConfig, *, host: str, port: int, fd: int | None = None, log_level: str = "info",
-               holder: EngineHolder | None = None) -> None:
+def run_server(
+    config: ServerConfig,
+    *,
+    host: str,
+    port: int,
+    fd: int | None = None,
+    log_level: str = "info",
+    holder: EngineHolder | None = None,
+) -> None:
     """Serve on host:port, or on the inherited socket `fd` (bound already; host and port then only
     name it). uvicorn's own `fd` option takes the socket for a Unix one, so it is handed over as a
     socket object. `holder`: an engine already loading (started before the server's imports)."""
     logging.getLogger("uvicorn.access").addFilter(_QuietPolls())
     app = build_app(config, holder)
-    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=int(DRAIN_GRACE_S)), app.state.holder)
+    server = _DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(DRAIN_GRACE_S)),
+        app.state.holder,
+    )
     if fd is None:
         server.run()
         return

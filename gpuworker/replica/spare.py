@@ -43,10 +43,10 @@ def prepare(device: str) -> EngineProcess | None:
 
         engine_process = EngineProcess.start(device)
     import torch
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401  what the tokenizer load imports
 
     from gpuworker.engine import start_engine  # noqa: F401  the engine, the models, the loader
     from gpuworker.replica import server  # noqa: F401  starlette, uvicorn, xgrammar (which imports transformers)
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401  what the tokenizer load imports
 
     if engine_process is not None:
         engine_process.wait_prepared()
@@ -82,6 +82,7 @@ def wait_for_load(device: str, control_fd: int, started: float) -> tuple[list[st
         engine_process.share_output()
     # At once: the daemon reads a replica log still empty at the process's death as a load never
     # taken (a spare killed as it was handed over), and starts the load afresh.
-    logger.info("spare pid %d on %s took the load, %.2fs after it started", os.getpid(), device,
-                time.perf_counter() - started)
+    logger.info(
+        "spare pid %d on %s took the load, %.2fs after it started", os.getpid(), device, time.perf_counter() - started
+    )
     return [*argv, "--fd", str(listener_fd)], engine_process

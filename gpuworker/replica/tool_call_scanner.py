@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+
 class Incomplete(Exception):
     """The text ends before the JSON value does."""
 
@@ -109,7 +110,7 @@ class CallScanner:
             return
         try:
             if self.args_start is not None and self.args_end is None:
-                self.args.scan(self.text[self.args_start:])
+                self.args.scan(self.text[self.args_start :])
                 if self.args_end is None:
                     return
             self._members()
@@ -159,7 +160,7 @@ class CallScanner:
                 if end is None:
                     return
                 if key == "name":
-                    name = json.loads(text[i:i + end])
+                    name = json.loads(text[i : i + end])
                     if not isinstance(name, str) or not name:
                         raise Malformed
                     self.name = name

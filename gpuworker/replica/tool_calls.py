@@ -82,8 +82,10 @@ def detect_tool_format(chat_template: str | None, model_type: str = "") -> ToolC
         return HERMES
     if '"parameters"' in template and ("<|start_header_id|>" in template or model_type == "llama"):
         return LLAMA3_JSON
-    raise ValueError(f"tools: this model's chat template uses a tool-call format the server does not "
-                     f"support (supported: {', '.join(FORMATS)})")
+    raise ValueError(
+        f"tools: this model's chat template uses a tool-call format the server does not "
+        f"support (supported: {', '.join(FORMATS)})"
+    )
 
 
 def tool_call_id() -> str:
@@ -93,30 +95,41 @@ def tool_call_id() -> str:
 # -- the grammar of forced calls -------------------------------------------------------------------
 
 
-def forced_tool_grammar(fmt: ToolCallFormat, tools: list[dict], *, function_name: str | None,
-                        parallel_tool_calls: bool, max_whitespace: int | None = None) -> str:
+def forced_tool_grammar(
+    fmt: ToolCallFormat,
+    tools: list[dict],
+    *,
+    function_name: str | None,
+    parallel_tool_calls: bool,
+    max_whitespace: int | None = None,
+) -> str:
     """An xgrammar structural tag (JSON text) that admits only tool calls in `fmt`: exactly one call
     of `function_name`, or (function_name None, tool_choice "required") one or more calls of any
     tool, or exactly one when parallel calls are off. Arguments follow each function's parameters
     schema (with runs of whitespace capped at `max_whitespace`); nothing else may be written, so
     the output always parses."""
-    from xgrammar.structural_tag import (JSONSchemaFormat, StructuralTag, TagFormat,
-                                         TagsWithSeparatorFormat)
+    from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
 
     def tag(function: dict) -> TagFormat:
         schema = function.get("parameters")
         if schema is None or function.get("strict") is False:
             schema = {"type": "object"}  # any JSON object
-        return TagFormat(begin=fmt.tag_begin + function["name"] + fmt.tag_middle,
-                         content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=max_whitespace),
-                         end=fmt.tag_end)
+        return TagFormat(
+            begin=fmt.tag_begin + function["name"] + fmt.tag_middle,
+            content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=max_whitespace),
+            end=fmt.tag_end,
+        )
 
     functions = [tool["function"] for tool in tools]
     if function_name is not None:
         structure: Any = tag(next(f for f in functions if f["name"] == function_name))
     else:
-        structure = TagsWithSeparatorFormat(tags=[tag(f) for f in functions], separator=fmt.separator,
-                                            at_least_one=True, stop_after_first=not parallel_tool_calls)
+        structure = TagsWithSeparatorFormat(
+            tags=[tag(f) for f in functions],
+            separator=fmt.separator,
+            at_least_one=True,
+            stop_after_first=not parallel_tool_calls,
+        )
     return StructuralTag(format=structure).model_dump_json()
 
 
@@ -225,7 +238,7 @@ class ToolCallParser(StreamingToolParser):
         if stripped:
             out.content += self.held_space + stripped
             self.content += self.held_space + stripped
-            self.held_space = text[len(stripped):]
+            self.held_space = text[len(stripped) :]
         else:
             self.held_space += text
 
@@ -254,16 +267,16 @@ class ToolCallParser(StreamingToolParser):
                     hold = self.fmt.trigger_prefix.search(self.buffer)
                     if final and hold is not None and self.calls:
                         # Cut (max_tokens) inside the marker of a call after calls: markup, dropped.
-                        self._say(out, self.buffer[:hold.start()])
+                        self._say(out, self.buffer[: hold.start()])
                         self.buffer = ""
                         return
                     cut = len(self.buffer) if final or hold is None else hold.start()
                     self._say(out, self.buffer[:cut])
                     self.buffer = self.buffer[cut:]
                     return
-                self._say(out, self.buffer[:match.start()])
+                self._say(out, self.buffer[: match.start()])
                 start = match.start() if self.fmt.object_in_trigger else match.end()
-                self.call_raw = self.buffer[match.start():start]
+                self.call_raw = self.buffer[match.start() : start]
                 self.buffer = self.buffer[start:]
                 self.call = CallScanner(self.fmt.argument_keys)
                 self.args_sent = 0
@@ -274,7 +287,7 @@ class ToolCallParser(StreamingToolParser):
 
     def _not_a_call(self, out: ParsedDelta, rest: str = "") -> None:
         """The text taken for a call is none: say it as content and read on after it."""
-        raw = self.call_raw[:len(self.call_raw) - len(rest)]
+        raw = self.call_raw[: len(self.call_raw) - len(rest)]
         # The trigger's first character is content; the text after it is read again (it may
         # hold a real call).
         self._say(out, raw[:1])
@@ -287,7 +300,7 @@ class ToolCallParser(StreamingToolParser):
         text, self.buffer = self.buffer, ""
         self.call_raw += text
         call.feed(text)
-        rest = call.text[call.end:] if call.end is not None else ""
+        rest = call.text[call.end :] if call.end is not None else ""
         if self.current is None and call.name is not None:
             if self.tool_names is not None and call.name not in self.tool_names:
                 self._not_a_call(out, rest)
@@ -300,15 +313,21 @@ class ToolCallParser(StreamingToolParser):
                 return
             self.current = ToolCall(tool_call_id(), call.name)
             self.calls.append(self.current)
-            out.tool_calls.append({"index": len(self.calls) - 1, "id": self.current.id, "type": "function",
-                                   "function": {"name": self.current.name, "arguments": ""}})
+            out.tool_calls.append(
+                {
+                    "index": len(self.calls) - 1,
+                    "id": self.current.id,
+                    "type": "function",
+                    "function": {"name": self.current.name, "arguments": ""},
+                }
+            )
         if self.current is not None and call.args_start is not None:
             self._send_args(out, self.current, call)
         if call.malformed:
             if self.current is None:
                 self._not_a_call(out)
             else:  # already announced: close it as it stands; its other text is dropped
-                after = call.text[call.args_end:] if call.args_end is not None else ""
+                after = call.text[call.args_end :] if call.args_end is not None else ""
                 self._end_call(out)
                 self.buffer, self.skipping = after, True
             return
@@ -322,7 +341,7 @@ class ToolCallParser(StreamingToolParser):
 
     def _send_args(self, out: ParsedDelta, current: ToolCall, call: CallScanner) -> None:
         start, end = call.args_start, call.args_end
-        if call.text[start:start + 1] == '"':
+        if call.text[start : start + 1] == '"':
             # Arguments written as a JSON string holding JSON: said once, decoded, when complete.
             if end is None or current.arguments:
                 return
@@ -332,7 +351,7 @@ class ToolCallParser(StreamingToolParser):
                 fragment = call.text[start:end]
         else:
             stop = end if end is not None else len(call.text)
-            fragment = call.text[start + self.args_sent:stop]
+            fragment = call.text[start + self.args_sent : stop]
             self.args_sent += len(fragment)
         if fragment:
             current.arguments += fragment
@@ -353,11 +372,11 @@ class ToolCallParser(StreamingToolParser):
         at = self.buffer.find(close) if close else -1
         if at < 0:
             keep = 0 if final or not close else len(close) - 1
-            self.buffer = self.buffer[len(self.buffer) - keep:] if keep else ""
+            self.buffer = self.buffer[len(self.buffer) - keep :] if keep else ""
             if final:
                 self.buffer = ""
             return False
-        self.buffer = self.buffer[at + len(close):]
+        self.buffer = self.buffer[at + len(close) :]
         self.skipping, self.closing = False, True
         return True
 

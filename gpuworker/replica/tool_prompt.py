@@ -26,15 +26,17 @@ FALLBACK_FORMAT: ToolCallFormat = HERMES
 def tools_system_prompt(tools: list[dict]) -> str:
     """The instruction and the tool definitions, as system-prompt text."""
     definitions = "\n".join(json.dumps(tool["function"], ensure_ascii=False) for tool in tools)
-    return ("# Tools\n\n"
-            "You may call one or more functions to assist with the user query. The functions, "
-            "with the JSON schema of their arguments, are within <tools></tools> tags:\n"
-            f"<tools>\n{definitions}\n</tools>\n\n"
-            "To call a function, answer with a JSON object holding its name and arguments within "
-            "<tool_call></tool_call> tags, one block per call:\n"
-            '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>\n'
-            "Function results come back within <tool_response></tool_response> tags. "
-            "When no function is needed, answer the user directly.")
+    return (
+        "# Tools\n\n"
+        "You may call one or more functions to assist with the user query. The functions, "
+        "with the JSON schema of their arguments, are within <tools></tools> tags:\n"
+        f"<tools>\n{definitions}\n</tools>\n\n"
+        "To call a function, answer with a JSON object holding its name and arguments within "
+        "<tool_call></tool_call> tags, one block per call:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>\n'
+        "Function results come back within <tool_response></tool_response> tags. "
+        "When no function is needed, answer the user directly."
+    )
 
 
 def call_text(name: str, arguments: object) -> str:
@@ -51,9 +53,12 @@ def result_text(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
-def with_tools_in_prompt(messages: list[dict], instruction: str,
-                         write_calls: Callable[[list[dict]], str] = calls_text,
-                         write_result: Callable[[str], str] = result_text) -> list[dict]:
+def with_tools_in_prompt(
+    messages: list[dict],
+    instruction: str,
+    write_calls: Callable[[list[dict]], str] = calls_text,
+    write_result: Callable[[str], str] = result_text,
+) -> list[dict]:
     """`messages` (as chat templates read them, see ChatMessage.template_message) rewritten for a
     template without tools: `instruction` (the tool definitions and the format to answer in) before
     the first system message's text (a system message is added when there is none), an assistant's

@@ -28,8 +28,10 @@ def bench_script():
 # Where the fault tests' replicas say they serve; nothing listens there, no test calls it.
 REPLICA_URL = "http://127.0.0.1:8101"
 # A stand-in for a worker daemon: a process whose child stands in for its replica's process.
-_DAEMON = "import subprocess, sys, time; child = subprocess.Popen(['sleep', '300']); print(child.pid, flush=True); " \
-          "time.sleep(300)"
+_DAEMON = (
+    "import subprocess, sys, time; child = subprocess.Popen(['sleep', '300']); print(child.pid, flush=True); "
+    "time.sleep(300)"
+)
 
 
 @pytest.fixture
@@ -81,6 +83,8 @@ def replica_reporter(replica):
 
     def report(**fields):
         body = {"replica_id": replica.pk, "state": "ready", "endpoint_url": REPLICA_URL, **fields}
-        worker_heartbeat(worker_id=replica.worker_id, heartbeat=parse_heartbeat({"replicas": [body]}),
-                         now=timezone.now())
+        worker_heartbeat(
+            worker_id=replica.worker_id, heartbeat=parse_heartbeat({"replicas": [body]}), now=timezone.now()
+        )
+
     return report

@@ -5,19 +5,20 @@ run's audit. The whole suite over a real fleet runs in tests/integration/test_ch
 
 from __future__ import annotations
 
-
 import pytest
+
 from bench import chaos as chaos_module
 from bench.chaos import Chaos, fault_problems
 from bench.chaos_audit import audit
+from bench.replica_faults import alive
 from controlplane.fleet.models import Replica
+from tests.bench.conftest import REPLICA_URL, replica_reporter, wait_dead
 from tests.controlplane.factories import ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker
-from bench.replica_faults import alive
-from tests.bench.conftest import REPLICA_URL, replica_reporter, wait_dead
 from tests.integration.conftest import Process
 
 pytestmark = pytest.mark.django_db
+
 
 @pytest.fixture
 def daemon(daemon, tmp_path):
@@ -31,8 +32,9 @@ def run(tmp_path, daemon, monkeypatch):
     """A chaos run with one daemon and one ready replica on its worker, reported as the test says."""
     monkeypatch.setattr(chaos_module, "REPLICA_TARGET_WAIT_S", 1)
     monkeypatch.setattr(chaos_module, "REPLICA_FAILED_WAIT_S", 1)
-    replica = ReplicaFactory(worker=make_worker(name=daemon[0].name), state=Replica.State.READY,
-                             endpoint_url=REPLICA_URL)
+    replica = ReplicaFactory(
+        worker=make_worker(name=daemon[0].name), state=Replica.State.READY, endpoint_url=REPLICA_URL
+    )
     chaos = Chaos(tmp_path, tenants=1)
     chaos.deployment, chaos.daemons = replica.deployment, [daemon[0]]
 
@@ -42,7 +44,8 @@ def run(tmp_path, daemon, monkeypatch):
 
 @pytest.mark.parametrize("reported", ["no pid", "a process of no daemon", "a stopped daemon's process"])
 def test_a_replica_kill_that_finds_no_replica_process_fails_the_run_and_signals_nothing(
-        run, daemon, processes, reported):
+    run, daemon, processes, reported
+):
     chaos, replica, report = run
     stranger = processes(["sleep", "300"])
     if reported == "no pid":  # a daemon that does not report pids

@@ -28,9 +28,14 @@ def test_sentences_are_seeded_whole_words_of_10_to_60():
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[dict, str]:
-    out = subprocess.run([sys.executable, "bench/embeddings.py", "--smoke", *args], cwd=REPO,
-                         env={**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "bench/embeddings.py", "--smoke", *args],
+        cwd=REPO,
+        env={**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads((tmp_path / "embeddings.json").read_text()), out.stdout
 

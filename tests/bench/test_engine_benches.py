@@ -14,17 +14,46 @@ from bench.common import SMOKE_DIMS, load_hf_config, write_smoke_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "bench" / "configs"
-LATENCY_KEYS = {"env", "args", "weight_gb_per_token", "copy_bandwidth_gbs", "gpuworker", "gpuworker_by_sampling",
-                "gpuworker_weight_bandwidth_gbs", "hf"}
-THROUGHPUT_KEYS = {"env", "args", "gpuworker", "gpuworker_by_sampling", "gpuworker_subset", "hf_subset", "warmup_s",
-                   "max_num_seqs", "max_num_batched_tokens", "graph_capture_s", "kv_cache_tokens"}
+LATENCY_KEYS = {
+    "env",
+    "args",
+    "weight_gb_per_token",
+    "copy_bandwidth_gbs",
+    "gpuworker",
+    "gpuworker_by_sampling",
+    "gpuworker_weight_bandwidth_gbs",
+    "hf",
+}
+THROUGHPUT_KEYS = {
+    "env",
+    "args",
+    "gpuworker",
+    "gpuworker_by_sampling",
+    "gpuworker_subset",
+    "hf_subset",
+    "warmup_s",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "graph_capture_s",
+    "kv_cache_tokens",
+}
 
 
 def _run(tmp_path: Path, script: str, *args: str) -> tuple[dict, str]:
-    out = subprocess.run([sys.executable, f"bench/{script}.py", "--smoke", *args], cwd=REPO,
-                         env={**os.environ, "OUT": str(tmp_path), "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO),
-                              "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, f"bench/{script}.py", "--smoke", *args],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "OUT": str(tmp_path),
+            "TMPDIR": str(tmp_path),
+            "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1",
+        },
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return json.loads((tmp_path / f"{script}.json").read_text()), out.stdout
 
@@ -42,8 +71,18 @@ def test_latency_times_each_sampling_mode_and_hf_with_an_fp8_kv_cache(tmp_path):
 
 
 def test_throughput_runs_each_sampling_mode_and_the_hf_baseline_with_an_fp8_kv_cache(tmp_path):
-    result, stdout = _run(tmp_path, "throughput", "--sampling", "greedy,t0.8-k200", "--kv-cache-dtype", "fp8",
-                          "--hf-requests", "2", "--hf-batch-size", "2")
+    result, stdout = _run(
+        tmp_path,
+        "throughput",
+        "--sampling",
+        "greedy,t0.8-k200",
+        "--kv-cache-dtype",
+        "fp8",
+        "--hf-requests",
+        "2",
+        "--hf-batch-size",
+        "2",
+    )
     assert set(result) == THROUGHPUT_KEYS
     assert list(result["gpuworker_by_sampling"]) == ["greedy", "t0.8-k200"]
     assert result["gpuworker"]["output_tok_s"] > 0 and result["gpuworker"]["preemptions"] == 0
@@ -74,7 +113,8 @@ def test_the_smoke_config_keeps_the_architecture_and_quantization_at_a_tiny_size
 @pytest.mark.parametrize("script", ["latency", "throughput"])
 def test_the_multi_gpu_runs_options_run_at_two_cpu_ranks(tmp_path, script, config):
     # Issue 25's commands (BENCHMARKS.md) with --tensor-parallel-size 2: two gloo ranks on the CPU.
-    result, stdout = _run(tmp_path, script, "--config", str(CONFIGS / config), "--skip-hf",
-                          "--tensor-parallel-size", "2")
+    result, stdout = _run(
+        tmp_path, script, "--config", str(CONFIGS / config), "--skip-hf", "--tensor-parallel-size", "2"
+    )
     assert result["args"]["tensor_parallel_size"] == "2" and "tensor parallel 2" in stdout
     assert result["gpuworker"]["decode_tok_s" if script == "latency" else "output_tok_s"] > 0

@@ -16,8 +16,14 @@ DEFAULT_PARAMS = FleetParams()
 SPARSE = replace(SHAPE, peak_requests_per_s=0.4, bursts=0)
 
 
-def _run(params: FleetParams = DEFAULT_PARAMS, *, affinity: bool = True, static: dict | None = None, seed: int = 1,
-         shape: TraceShape = SHAPE):
+def _run(
+    params: FleetParams = DEFAULT_PARAMS,
+    *,
+    affinity: bool = True,
+    static: dict | None = None,
+    seed: int = 1,
+    shape: TraceShape = SHAPE,
+):
     return Simulation("t", Trace(shape, seed, DURATION_S), params, affinity=affinity, static=static).run()
 
 
@@ -49,12 +55,16 @@ def test_the_same_seed_gives_the_same_run_and_another_seed_another():
 def test_a_cold_start_slower_than_the_gateway_waits_fails_its_requests():
     # Models scale to zero after 30 s idle; a reload takes longer than a request may wait for one.
     policy = replace(FleetParams.policy, idle_to_zero_s=30.0)
-    slow = _run(replace(FleetParams(), policy=policy, staged_models=0, load_cold_s=120.0, cold_wait_s=60.0,
-                        popular_top_k=0), shape=SPARSE)
+    slow = _run(
+        replace(FleetParams(), policy=policy, staged_models=0, load_cold_s=120.0, cold_wait_s=60.0, popular_top_k=0),
+        shape=SPARSE,
+    )
     _accounted(slow)
     assert any(r.failed for r in slow.requests)
-    fast = _run(replace(FleetParams(), policy=policy, staged_models=0, load_cold_s=5.0, cold_wait_s=60.0,
-                        popular_top_k=0), shape=SPARSE)
+    fast = _run(
+        replace(FleetParams(), policy=policy, staged_models=0, load_cold_s=5.0, cold_wait_s=60.0, popular_top_k=0),
+        shape=SPARSE,
+    )
     _accounted(fast)
     cold = [r for r in fast.requests if r.cold]
     assert cold and not any(r.failed for r in fast.requests)
@@ -92,8 +102,9 @@ def test_prefix_affinity_keeps_conversations_on_their_replica_and_makes_later_tu
 def test_scenarios_share_one_trace_and_static_holds_the_autoscaled_peak():
     results = run_scenarios(SHAPE, FleetParams(), 2, DURATION_S, ("autoscaled", "static-peak"))
     auto, static = results
-    assert sorted(r.arrival for r in auto.requests if r.turn == 0) == sorted(r.arrival for r in static.requests
-                                                                           if r.turn == 0)
+    assert sorted(r.arrival for r in auto.requests if r.turn == 0) == sorted(
+        r.arrival for r in static.requests if r.turn == 0
+    )
     assert static.peak_replicas == {m: max(1, auto.peak_replicas.get(m, 0)) for m in range(SHAPE.models)}
 
 

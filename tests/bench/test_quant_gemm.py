@@ -7,5 +7,9 @@ from tests.bench.sweeps import run_check_only
 def test_check_only_checks_every_path(tmp_path):
     result, stdout = run_check_only("quant_gemm", tmp_path)
     assert {(r["shape"], r["M"]) for r in result["results"]} == {
-        ("ragged", 3), ("ragged", 20), ("deep", 3), ("deep", 20)}
+        ("ragged", 3),
+        ("ragged", 20),
+        ("deep", 3),
+        ("deep", 20),
+    }
     assert "FAILED" not in stdout

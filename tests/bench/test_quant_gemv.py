@@ -7,7 +7,11 @@ from tests.bench.sweeps import run_check_only
 def test_check_only_checks_every_candidate(tmp_path):
     result, stdout = run_check_only("quant_gemv", tmp_path)
     assert [(r["kernel"], r["shape"]) for r in result["results"]] == [
-        ("int4", "ragged"), ("int4", "deep"), ("fp8", "ragged"), ("fp8", "deep")]
+        ("int4", "ragged"),
+        ("int4", "deep"),
+        ("fp8", "ragged"),
+        ("fp8", "deep"),
+    ]
     assert all(r["all_ok"] for r in result["results"])
     names = {e["config"] for e in result["sweep"]}
     assert any(name.startswith("int4-") and not name.endswith("-s1") for name in names)  # INT4 split-K

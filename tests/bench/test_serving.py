@@ -11,8 +11,16 @@ from pathlib import Path
 import pytest
 
 from bench.common import free_port
-from bench.serving import (Record, Request, parse_engine_modes, parse_rates, poisson_arrivals, replica_device, run_load,
-                           summarise)
+from bench.serving import (
+    Record,
+    Request,
+    parse_engine_modes,
+    parse_rates,
+    poisson_arrivals,
+    replica_device,
+    run_load,
+    summarise,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,13 +30,17 @@ def _record(sent: float, chunks: list[float], tokens: int, expected: int | None 
 
 
 def test_latencies_throughput_and_goodput_come_from_the_stream_times():
-    load = {"records": [
-        _record(0.0, [0.5, 0.52, 0.54], 3),   # TTFT 0.5 s, TPOT 20 ms: within the SLO
-        _record(1.0, [3.0, 3.1, 3.2], 3),     # TTFT 2 s: outside
-        _record(1.0, [1.2, 1.5], 2),          # TPOT 300 ms: outside
-        _record(2.0, [2.1], 1, expected=4),   # stopped after 1 of 4 tokens: failed
-        _record(2.0, [], 0, error="HTTP 500"),
-    ], "client_cpu_share": [0.1, 0.2], "send_lags": [0.0, 0.001, 0.002, 0.003, 0.004]}
+    load = {
+        "records": [
+            _record(0.0, [0.5, 0.52, 0.54], 3),  # TTFT 0.5 s, TPOT 20 ms: within the SLO
+            _record(1.0, [3.0, 3.1, 3.2], 3),  # TTFT 2 s: outside
+            _record(1.0, [1.2, 1.5], 2),  # TPOT 300 ms: outside
+            _record(2.0, [2.1], 1, expected=4),  # stopped after 1 of 4 tokens: failed
+            _record(2.0, [], 0, error="HTTP 500"),
+        ],
+        "client_cpu_share": [0.1, 0.2],
+        "send_lags": [0.0, 0.001, 0.002, 0.003, 0.004],
+    }
     summary = summarise(load)
     assert summary["requests"] == 5 and summary["failed"] == 2
     assert summary["first_error"] == "1 of 4 tokens"
@@ -81,15 +93,23 @@ def test_a_server_that_is_not_there_fails_every_request_and_the_run_still_ends()
 @pytest.mark.slow
 def test_the_smoke_run_serves_every_request_and_writes_the_figures_and_plot(tmp_path):
     plot = tmp_path / "serving.png"
-    out = subprocess.run([sys.executable, "bench/serving.py", "--smoke", "--plot", str(plot),
-                          "--engine-modes", "process,in-process"], cwd=REPO,
-                         env={**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, "bench/serving.py", "--smoke", "--plot", str(plot), "--engine-modes", "process,in-process"],
+        cwd=REPO,
+        env={**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "serving.json").read_text())
     assert result["offline"]["output_tok_s"] > 0
     assert [(run["engine_mode"], run["rate"]) for run in result["runs"]] == [
-        ("process", "all at once"), ("process", "4 req/s"), ("in-process", "all at once"), ("in-process", "4 req/s")]
+        ("process", "all at once"),
+        ("process", "4 req/s"),
+        ("in-process", "all at once"),
+        ("in-process", "4 req/s"),
+    ]
     for run in result["runs"]:
         assert run["failed"] == 0 and run["output_tok_s"] > 0 and run["ttft_p50_s"] > 0
     assert plot.stat().st_size > 0
@@ -112,10 +132,23 @@ def test_replicas_start_tensor_parallel_size_gpus_apart():
 def test_requests_go_to_the_least_busy_of_several_replicas(tmp_path):
     # Issue 25's "two TP=1 replicas behind the gateway's routing": two tiny CPU replicas, the burst
     # of 6 sent at once by 2 clients, each client sending to the replica with fewer outstanding.
-    out = subprocess.run([sys.executable, "bench/serving.py", "--smoke", "--replicas", "2", "--engine-modes",
-                          "in-process", "--skip-offline"], cwd=REPO,
-                         env={**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/serving.py",
+            "--smoke",
+            "--replicas",
+            "2",
+            "--engine-modes",
+            "in-process",
+            "--skip-offline",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "serving.json").read_text())
     burst = result["runs"][0]
@@ -129,7 +162,12 @@ def test_the_script_loads_without_the_control_planes_packages():
     # The GPU machine has neither Celery nor Django: the routing rule must not import the controlplane
     # package (a run there failed at import).
     blocked = "import sys; sys.modules.update(celery=None, django=None); sys.path.insert(0, 'bench'); import serving"
-    out = subprocess.run([sys.executable, "-c", blocked + "; print(serving.least_outstanding.__name__)"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", blocked + "; print(serving.least_outstanding.__name__)"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "least_outstanding"

@@ -12,8 +12,14 @@ def bound(bench_script):
 
 def test_work_and_least_time_of_two_requests(bound):
     # One layer, hidden 4, 2 heads of 2 dims, 1 KV head, MLP 8, vocabulary 10.
-    cfg = {"hidden_size": 4, "num_hidden_layers": 1, "vocab_size": 10, "num_attention_heads": 2,
-           "num_key_value_heads": 1, "intermediate_size": 8}
+    cfg = {
+        "hidden_size": 4,
+        "num_hidden_layers": 1,
+        "vocab_size": 10,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 8,
+    }
     work = bound.workload_work(cfg, [([0] * 3, 2), ([0] * 5, 1)])
     projections = 4 * 4 + 2 * 4 * 2 + 4 * 4 + 3 * 4 * 8  # q, k and v, o, gate/up/down = 144
     assert (work["prompt_tokens"], work["output_tokens"]) == (8, 3)
@@ -25,4 +31,5 @@ def test_work_and_least_time_of_two_requests(bound):
     # The decode step reads the K and V of 4 positions: 1 KV head x 2 dims x 2 bytes each.
     assert work["kv_bytes"] == 4 * 2 * 1 * 2 * 2
     assert bound.least_time_s(work, 1e-12, 1e-12) == pytest.approx(
-        work["gemm_flops"] + work["attention_flops"] + work["kv_bytes"])
+        work["gemm_flops"] + work["attention_flops"] + work["kv_bytes"]
+    )

@@ -30,12 +30,33 @@ def test_gemv_records_one_row_winners_and_leaves_cublas_shapes_to_cublas(bench_s
 
     gemv = bench_script("gemv")
     results = [
-        {"shape": "qkv", "N": 6144, "K": 4096, "M": 1, "cublas_us": 10.0, "best_config": "fma-n16-k512-w4-p3",
-         "speedup": 1.2},
-        {"shape": "o_proj", "N": 4096, "K": 4096, "M": 1, "cublas_us": 5.0, "best_config": "fma-n16-k512-w4-p1",
-         "speedup": 0.9},
-        {"shape": "qkv", "N": 6144, "K": 4096, "M": 4, "cublas_us": 12.0, "best_config": "dot-n64-k128-w4-p4",
-         "speedup": 1.1},
+        {
+            "shape": "qkv",
+            "N": 6144,
+            "K": 4096,
+            "M": 1,
+            "cublas_us": 10.0,
+            "best_config": "fma-n16-k512-w4-p3",
+            "speedup": 1.2,
+        },
+        {
+            "shape": "o_proj",
+            "N": 4096,
+            "K": 4096,
+            "M": 1,
+            "cublas_us": 5.0,
+            "best_config": "fma-n16-k512-w4-p1",
+            "speedup": 0.9,
+        },
+        {
+            "shape": "qkv",
+            "N": 6144,
+            "K": 4096,
+            "M": 4,
+            "cublas_us": 12.0,
+            "best_config": "dot-n64-k128-w4-p4",
+            "speedup": 1.1,
+        },
     ]
     # An earlier sweep's record for o_proj, where cuBLAS now wins.
     on_test_gpu("gemv", TABLE_KEY, [dict(weight_dtype="bfloat16", n=4096, k=4096, m=1, config="fma-n16-k512-w4-p3")])
@@ -52,11 +73,27 @@ def test_quant_gemv_records_int4_and_fp8_winners(bench_script, on_test_gpu):
 
     quant_gemv = bench_script("quant_gemv")
     int4 = Int4GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=1, split_k=2, x_words=True)
-    rows = [{"kernel": "int4", "shape": "gate_up", "N": 28672, "K": 4096, "group": 128, "best": int4,
-             "best_config": int4.name},
-            {"kernel": "fp8", "shape": "o_proj", "N": 4096, "K": 4096, "group": None,
-             "best": CANDIDATES_BY_NAME["fma-n8-k1024-w4-p3"], "best_config": "fma-n8-k1024-w4-p3"},
-            {"kernel": "fp8", "shape": "down", "N": 4096, "K": 14336, "group": None}]  # nothing passed
+    rows = [
+        {
+            "kernel": "int4",
+            "shape": "gate_up",
+            "N": 28672,
+            "K": 4096,
+            "group": 128,
+            "best": int4,
+            "best_config": int4.name,
+        },
+        {
+            "kernel": "fp8",
+            "shape": "o_proj",
+            "N": 4096,
+            "K": 4096,
+            "group": None,
+            "best": CANDIDATES_BY_NAME["fma-n8-k1024-w4-p3"],
+            "best_config": "fma-n8-k1024-w4-p3",
+        },
+        {"kernel": "fp8", "shape": "down", "N": 4096, "K": 14336, "group": None},
+    ]  # nothing passed
     records = quant_gemv.config_records(rows)
     on_test_gpu("int4_gemv", GEMV_TABLE_KEY, records["int4_gemv"])
     on_test_gpu("gemv", TABLE_KEY, records["gemv"])
@@ -71,11 +108,13 @@ def test_quant_gemm_records_the_buckets_below_the_crossover(bench_script, on_tes
     quant_gemm = bench_script("quant_gemm")
     tiles = {tile.name: tile for tile in (Int4GemmConfig(16, 64, 128, 4, 4), Int4GemmConfig(64, 128, 64, 4, 4))}
     small, large = tiles
-    on_test_gpu("int4_matmul", GEMM_TABLE_KEY, [dict(rows=512, block_m=128, block_n=128, block_k=64, num_warps=8,
-                                                     num_stages=3)])
+    on_test_gpu(
+        "int4_matmul", GEMM_TABLE_KEY, [dict(rows=512, block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)]
+    )
     # Dequantise-then-mm wins from 16 rows: the 16-row bucket is kept (it serves 2 to 15 rows), 512's goes.
-    on_test_gpu("int4_matmul", GEMM_TABLE_KEY, *quant_gemm.config_records({16: small, 64: large, 512: large}, 16,
-                                                                           tiles))
+    on_test_gpu(
+        "int4_matmul", GEMM_TABLE_KEY, *quant_gemm.config_records({16: small, 64: large, 512: large}, 16, tiles)
+    )
     assert pick_gemm_config(8, 128, on_cuda=True) == tiles[small]
     assert pick_gemm_config(1000, 128, on_cuda=True) == tiles[small]
     # Without a crossover every bucket is kept.
@@ -87,8 +126,11 @@ def test_sampling_records_each_batchs_fastest_config(bench_script, on_test_gpu):
     from gpuworker.kernels.sampling.sample import BASELINE_CONFIG, DEFAULT_CONFIG, TABLE_KEY, pick_config
 
     sampling = bench_script("sampling")
-    on_test_gpu("sample", TABLE_KEY, sampling.config_records({1: BASELINE_CONFIG.name, 512: DEFAULT_CONFIG.name},
-                                                             [BASELINE_CONFIG, DEFAULT_CONFIG]))
+    on_test_gpu(
+        "sample",
+        TABLE_KEY,
+        sampling.config_records({1: BASELINE_CONFIG.name, 512: DEFAULT_CONFIG.name}, [BASELINE_CONFIG, DEFAULT_CONFIG]),
+    )
     assert pick_config(1) == BASELINE_CONFIG
     assert pick_config(2) == DEFAULT_CONFIG
 
@@ -109,12 +151,18 @@ def test_kernel_times_records_a_decode_tile_per_kind_of_batch(bench_script, on_t
     from gpuworker.kernels.attention.paged_decode import TABLE_KEY, default_tile
 
     kernel_times = bench_script("kernel_times")
-    rows = [{"shape": shape, "batch": batch, "block_n": block_n, "num_warps": warps, "num_stages": stages, "us": us}
-            for shape, batch, block_n, warps, stages, us in (
-                ("B=512 a", 512, 128, 4, 3, 10.0), ("B=512 a", 512, 64, 8, 2, 12.0),
-                ("B=256 b", 256, 128, 4, 3, 9.0), ("B=256 b", 256, 64, 8, 2, 8.0),
-                ("B=256 b", 256, 32, 4, 1, 1.0),  # timed on one shape only: not a candidate
-                ("B=1", 1, 64, 8, 2, 5.0), ("B=1", 1, 128, 4, 2, 6.0))]
+    rows = [
+        {"shape": shape, "batch": batch, "block_n": block_n, "num_warps": warps, "num_stages": stages, "us": us}
+        for shape, batch, block_n, warps, stages, us in (
+            ("B=512 a", 512, 128, 4, 3, 10.0),
+            ("B=512 a", 512, 64, 8, 2, 12.0),
+            ("B=256 b", 256, 128, 4, 3, 9.0),
+            ("B=256 b", 256, 64, 8, 2, 8.0),
+            ("B=256 b", 256, 32, 4, 1, 1.0),  # timed on one shape only: not a candidate
+            ("B=1", 1, 64, 8, 2, 5.0),
+            ("B=1", 1, 128, 4, 2, 6.0),
+        )
+    ]
     on_test_gpu("paged_decode", TABLE_KEY, kernel_times.decode_tile_records(rows, multiprocessors=132))
     assert default_tile(torch.bfloat16, 128, True) == (128, 4, 3)  # 19 us in all against 20
     assert default_tile(torch.bfloat16, 128, False) == (64, 8, 2)

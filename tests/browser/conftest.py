@@ -14,8 +14,7 @@ from django.core.management import call_command
 from django.db import connection, connections
 from playwright.sync_api import expect
 
-from tests.browser.system import (VIEWPORT, chromium_missing_reason, env_flag, launch_options, log_in,
-                                  start_system)
+from tests.browser.system import VIEWPORT, chromium_missing_reason, env_flag, launch_options, log_in, start_system
 from tests.conftest import require_service
 
 # Playwright's own waits: generous for a loaded two-core machine, far below the test timeout.
@@ -139,8 +138,9 @@ def open_page(system, browser, signed_in_state, request, tmp_path):
     contexts, pages, page_errors = [], [], []
 
     def open_(role: str | None = None):
-        context = browser.new_context(base_url=system.url, viewport=VIEWPORT,
-                                      storage_state=signed_in_state(role) if role else None)
+        context = browser.new_context(
+            base_url=system.url, viewport=VIEWPORT, storage_state=signed_in_state(role) if role else None
+        )
         context.set_default_timeout(DEFAULT_TIMEOUT_MS)
         contexts.append(context)
         page = context.new_page()

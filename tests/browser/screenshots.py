@@ -49,9 +49,16 @@ HISTORY_DAYS = 14
 def _chat(system, api_key: str, *, max_tokens: int = 24) -> None:
     import httpx
 
-    response = httpx.post(f"{system.url}/v1/chat/completions", timeout=60,
-                          headers={"Authorization": f"Bearer {api_key}"}, json={"model": system.seeded.demo_model, "max_tokens": max_tokens,
-                                "messages": [{"role": "user", "content": "Summarise the fleet's week."}]})
+    response = httpx.post(
+        f"{system.url}/v1/chat/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {api_key}"},
+        json={
+            "model": system.seeded.demo_model,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "Summarise the fleet's week."}],
+        },
+    )
     response.raise_for_status()
 
 
@@ -75,16 +82,21 @@ def prepare(system) -> dict[str, str]:
     from tests.integration.conftest import wait_until
 
     demo = Model.objects.get(public_name=system.seeded.demo_model)
-    wait_until(lambda: Replica.objects.filter(deployment__model=demo, state=Replica.State.READY).exists(),
-               timeout=180, what="a ready replica of the demo model", fleet=system.fleet)
+    wait_until(
+        lambda: Replica.objects.filter(deployment__model=demo, state=Replica.State.READY).exists(),
+        timeout=180,
+        what="a ready replica of the demo model",
+        fleet=system.fleet,
+    )
     tenant = tenant_get_by_name(name=system.seeded.tenant_name)
     other = tenant_get_by_name(name=system.seeded.other_tenant_name)
     alice = user_get_by_username(username=system.login("tenant").username)
     operator = user_get_by_username(username=system.login("operator").username)
 
     production = api_key_create(tenant=tenant, name="production", created_by=alice)
-    staging = api_key_create(tenant=tenant, name="staging", rate_limit_per_minute=30,
-                             monthly_spend_limit=Decimal("5.00"), created_by=alice)
+    staging = api_key_create(
+        tenant=tenant, name="staging", rate_limit_per_minute=30, monthly_spend_limit=Decimal("5.00"), created_by=alice
+    )
     api_key_revoke(api_key=api_key_create(tenant=tenant, name="laptop (old)", created_by=alice).api_key)
     other_created = api_key_create(tenant=other, name="batch jobs")
     other_key = other_created.plaintext
@@ -94,18 +106,32 @@ def prepare(system) -> dict[str, str]:
         _chat(system, other_key)
 
     deployment = Deployment.objects.get(model=demo)
-    deployment_update(deployment=deployment, desired_replicas=deployment.desired_replicas, min_replicas=1,
-                      max_replicas=2, keep_warm=True, actor=operator)
-    spare = model_create(public_name="demo-tiny-eval", family="llama", kind=Model.Kind.CHAT,
-                         weights_path=demo.weights_path, context_length=demo.context_length,
-                         parameter_count=demo.parameter_count, price_tier=demo.price_tier, actor=operator)
+    deployment_update(
+        deployment=deployment,
+        desired_replicas=deployment.desired_replicas,
+        min_replicas=1,
+        max_replicas=2,
+        keep_warm=True,
+        actor=operator,
+    )
+    spare = model_create(
+        public_name="demo-tiny-eval",
+        family="llama",
+        kind=Model.Kind.CHAT,
+        weights_path=demo.weights_path,
+        context_length=demo.context_length,
+        parameter_count=demo.parameter_count,
+        price_tier=demo.price_tier,
+        actor=operator,
+    )
     model_set_enabled(model=spare, enabled=False, actor=operator)
 
     admin = user_get_by_username(username=system.login("admin").username)
     credit_grant(tenant=tenant, amount=Decimal("25.00"), memo="Pilot top-up", created_by=admin)
     credit_grant(tenant=other, amount=Decimal("5.00"), memo="Goodwill: outage on the 3rd", created_by=admin)
-    user_create(username="bilal", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=tenant,
-                email="bilal@example.com")
+    user_create(
+        username="bilal", password=PASSWORD, role=User.Role.TENANT_MEMBER, tenant=tenant, email="bilal@example.com"
+    )
     invitation_create(created_by=alice, role=User.Role.TENANT_MEMBER, tenant=tenant, note="Chen (data team)")
     staff_invitation = invitation_create(created_by=admin, role=User.Role.OPERATOR, note="On-call SRE")
     links = {"invitation": reverse("dashboard:invitation_accept", args=[staff_invitation.token])}
@@ -113,17 +139,26 @@ def prepare(system) -> dict[str, str]:
     rng = random.Random(7)
     now = timezone.now()
     for days_ago in range(1, HISTORY_DAYS):
-        for who, keys, base in ((tenant, (production.api_key, staging.api_key), 40),
-                                (other, (other_created.api_key,), 15)):
+        for who, keys, base in (
+            (tenant, (production.api_key, staging.api_key), 40),
+            (other, (other_created.api_key,), 15),
+        ):
             for _ in range(max(0, int(base * (0.6 + 0.8 * rng.random())))):
                 prompt, completion = rng.randint(20, 400), rng.randint(10, 300)
                 usage_record_settled(
-                    request_id=f"screenshots-{uuid.uuid4().hex}", tenant=who, model=demo, api_key=rng.choice(keys),
+                    request_id=f"screenshots-{uuid.uuid4().hex}",
+                    tenant=who,
+                    model=demo,
+                    api_key=rng.choice(keys),
                     status=UsageRecord.Status.COMPLETED if rng.random() > 0.03 else UsageRecord.Status.FAILED,
-                    prompt_tokens=prompt, completion_tokens=completion, time_to_first_token_ms=rng.randint(20, 90),
-                    total_latency_ms=rng.randint(200, 2500), gpu_time_s=completion * 0.004,
+                    prompt_tokens=prompt,
+                    completion_tokens=completion,
+                    time_to_first_token_ms=rng.randint(20, 90),
+                    total_latency_ms=rng.randint(200, 2500),
+                    gpu_time_s=completion * 0.004,
                     error_code="replica_unavailable",  # kept only on the failed ones
-                    at=now - timedelta(days=days_ago, minutes=rng.randint(0, 600)))
+                    at=now - timedelta(days=days_ago, minutes=rng.randint(0, 600)),
+                )
     return links
 
 

@@ -84,8 +84,10 @@ def launch_options() -> dict:
 def chromium_missing_reason() -> str | None:
     if Path(CHROMIUM).exists():
         return None
-    return (f"{CHROMIUM} is missing: install Debian's package (`apt-get install chromium`; .ci/run does); "
-            "no test downloads a browser")
+    return (
+        f"{CHROMIUM} is missing: install Debian's package (`apt-get install chromium`; .ci/run does); "
+        "no test downloads a browser"
+    )
 
 
 def seed(*, var_dir: Path) -> Seeded:
@@ -97,7 +99,12 @@ def seed(*, var_dir: Path) -> Seeded:
     from controlplane.accounts.services import api_key_create, tenant_create, user_create, user_set_password
     from controlplane.billing.services import credit_grant, plan_create
     from controlplane.demo.seed import (
-        ADMIN_USERNAME, MEMBER_USERNAME, MODEL_NAME, OPERATOR_USERNAME, TENANT_NAME, seed_demo,
+        ADMIN_USERNAME,
+        MEMBER_USERNAME,
+        MODEL_NAME,
+        OPERATOR_USERNAME,
+        TENANT_NAME,
+        seed_demo,
     )
 
     # The demo model is written under the system's VAR_DIR, where its daemon and replicas read it.
@@ -119,8 +126,14 @@ def seed(*, var_dir: Path) -> Seeded:
         "tenant": Login(MEMBER_USERNAME, PASSWORD, User.Role.TENANT_MEMBER),
         "other_tenant": Login("bob", PASSWORD, User.Role.TENANT_MEMBER),
     }
-    return Seeded(logins=logins, demo_model=MODEL_NAME, tenant_name=TENANT_NAME, other_tenant_name=other.name,
-                  other_tenant_key_id=other_key.pk, api_key=demo.api_key)
+    return Seeded(
+        logins=logins,
+        demo_model=MODEL_NAME,
+        tenant_name=TENANT_NAME,
+        other_tenant_name=other.name,
+        other_tenant_key_id=other_key.pk,
+        api_key=demo.api_key,
+    )
 
 
 def start_system(*, scratch: Path, redis_url: str) -> System:

@@ -19,10 +19,18 @@ SECTIONS = {
     "tenant": TENANT_SECTIONS,
 }
 PAGES = {
-    "Fleet": "dashboard:fleet", "Catalog": "dashboard:catalog", "Audit log": "dashboard:audit",
-    "API keys": "dashboard:keys", "Usage": "dashboard:usage", "Playground": "dashboard:playground",
-    "Reports": "dashboard:reports", "Credits": "dashboard:credits", "Team": "dashboard:team",
-    "Tenants": "dashboard:tenants", "Staff": "dashboard:staff", "Requests": "dashboard:requests",
+    "Fleet": "dashboard:fleet",
+    "Catalog": "dashboard:catalog",
+    "Audit log": "dashboard:audit",
+    "API keys": "dashboard:keys",
+    "Usage": "dashboard:usage",
+    "Playground": "dashboard:playground",
+    "Reports": "dashboard:reports",
+    "Credits": "dashboard:credits",
+    "Team": "dashboard:team",
+    "Tenants": "dashboard:tenants",
+    "Staff": "dashboard:staff",
+    "Requests": "dashboard:requests",
 }
 
 
@@ -55,11 +63,14 @@ def test_bad_password_shows_an_error_and_signs_nobody_in(open_page, system):
     assert "/accounts/login/" in page.url, f"an anonymous visitor reached {response.url}"
 
 
-@pytest.mark.parametrize(("role", "forbidden"), [
-    ("tenant", ["Fleet", "Catalog", "Audit log", "Reports", "Tenants", "Staff"]),
-    ("operator", ["API keys", "Usage", "Requests", "Credits", "Playground", "Team", "Reports", "Tenants", "Staff"]),
-    ("admin", ["API keys", "Usage", "Credits", "Playground", "Team"]),
-])
+@pytest.mark.parametrize(
+    ("role", "forbidden"),
+    [
+        ("tenant", ["Fleet", "Catalog", "Audit log", "Reports", "Tenants", "Staff"]),
+        ("operator", ["API keys", "Usage", "Requests", "Credits", "Playground", "Team", "Reports", "Tenants", "Staff"]),
+        ("admin", ["API keys", "Usage", "Credits", "Playground", "Team"]),
+    ],
+)
 def test_other_roles_pages_answer_403(open_page, role, forbidden):
     page = open_page(role)
     for label in forbidden:
@@ -71,9 +82,11 @@ def _post_from_page(page, url: str) -> int:
     """POST `url` from the page's own JavaScript, with its CSRF token: what a signed-in tenant
     could send by hand."""
     token = page.locator("input[name=csrfmiddlewaretoken]").first.input_value()
-    return page.evaluate("""async ([url, token]) =>
+    return page.evaluate(
+        """async ([url, token]) =>
         (await fetch(url, {method: "POST", headers: {"X-CSRFToken": token, "HX-Request": "true"}})).status""",
-                         [url, token])
+        [url, token],
+    )
 
 
 def test_a_tenant_cannot_see_or_revoke_another_tenants_key(open_page, system, orm):
@@ -103,18 +116,24 @@ def test_pages_send_anonymous_visitors_to_log_in(open_page):
 
 def _socket_opens(page, path: str) -> bool:
     """Whether the page's WebSocket to `path` is accepted (a refused handshake never opens)."""
-    return page.evaluate("""path => new Promise(resolve => {
+    return page.evaluate(
+        """path => new Promise(resolve => {
         const socket = new WebSocket(`ws://${location.host}${path}`);
         socket.onopen = () => { socket.close(); resolve(true); };
         socket.onclose = () => resolve(false);
         setTimeout(() => resolve(false), 10000);
-    })""", path)
+    })""",
+        path,
+    )
 
 
-@pytest.mark.parametrize(("path", "allowed", "refused"), [
-    ("/ws/fleet/", ["operator", "admin"], ["tenant"]),
-    ("/ws/playground/", ["tenant"], ["operator", "admin"]),
-])
+@pytest.mark.parametrize(
+    ("path", "allowed", "refused"),
+    [
+        ("/ws/fleet/", ["operator", "admin"], ["tenant"]),
+        ("/ws/playground/", ["tenant"], ["operator", "admin"]),
+    ],
+)
 def test_live_sockets_accept_only_their_roles(open_page, path, allowed, refused):
     for role in allowed + refused + [None]:
         page = open_page(role)

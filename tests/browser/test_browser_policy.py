@@ -6,11 +6,14 @@ import pytest
 from tests.browser import conftest, system
 
 
-@pytest.mark.parametrize(("env", "outcome"), [
-    ({}, pytest.skip.Exception),
-    ({"CI": "true"}, pytest.fail.Exception),
-    ({"REQUIRE_SERVICES": "1"}, pytest.fail.Exception),
-])
+@pytest.mark.parametrize(
+    ("env", "outcome"),
+    [
+        ({}, pytest.skip.Exception),
+        ({"CI": "true"}, pytest.fail.Exception),
+        ({"REQUIRE_SERVICES": "1"}, pytest.fail.Exception),
+    ],
+)
 def test_missing_chromium_skips_only_outside_ci(monkeypatch, tmp_path, env, outcome):
     monkeypatch.setattr(system, "CHROMIUM", str(tmp_path / "chromium"))
     for name in ("CI", "REQUIRE_SERVICES"):

@@ -43,7 +43,8 @@ def test_add_a_model_with_its_path_checked_then_disable_it(open_page, system):
     expect(page.locator("[data-testid=path-check-result] [data-status=missing]")).to_contain_text(missing)
     page.click("[data-testid=model-save]")
     expect(_error(page, "weights_path")).to_contain_text(
-        f"has no checkpoint (a directory with config.json or a .gguf file) at {missing}")
+        f"has no checkpoint (a directory with config.json or a .gguf file) at {missing}"
+    )
 
     present = str(system.models_dir / system.seeded.demo_model)
     page.fill("#id_weights_path", present)
@@ -65,8 +66,11 @@ def test_add_a_model_with_its_path_checked_then_disable_it(open_page, system):
 
     page.goto(reverse("dashboard:audit"))
     for action in ("model.create", "model.disable"):
-        expect(page.locator(f"[data-testid=audit-row][data-action='{action}']")
-               .filter(has_text=NAME).filter(has_text="operator")).to_have_count(1)
+        expect(
+            page.locator(f"[data-testid=audit-row][data-action='{action}']")
+            .filter(has_text=NAME)
+            .filter(has_text="operator")
+        ).to_have_count(1)
 
     # A disabled model is not offered to tenants.
     tenant = open_page("tenant")

@@ -30,8 +30,9 @@ def _open_fleet(open_page):
 
 
 def _points(page, selector: str) -> int:
-    return page.locator(selector).evaluate("svg => svg.querySelector('polyline').getAttribute('points')"
-                                           ".split(' ').filter(Boolean).length")
+    return page.locator(selector).evaluate(
+        "svg => svg.querySelector('polyline').getAttribute('points').split(' ').filter(Boolean).length"
+    )
 
 
 def test_a_devices_live_figures_change_without_reloading(open_page):
@@ -49,20 +50,24 @@ def test_a_devices_live_figures_change_without_reloading(open_page):
 
     # Record what the utilisation figure shows each time the live fragments touch the page.
     figure = f"#{cpu.locator('.metrics').get_attribute('id')} [data-figure=utilization]"
-    page.evaluate("""figure => {
+    page.evaluate(
+        """figure => {
         window.__seen = [];
         new MutationObserver(() => window.__seen.push([
             document.querySelector(`${figure} .value`)?.textContent,
             document.querySelector(`${figure} polyline`)?.getAttribute("points")]))
           .observe(document.getElementById("fleet-live"),
                    {subtree: true, childList: true, characterData: true, attributes: true});
-    }""", figure)
+    }""",
+        figure,
+    )
     # The page opens with the last minute of heartbeats already drawn (the system has been up for
     # longer than a few heartbeats by now), not an empty line.
     assert _points(page, f"{figure} svg") >= 3
     # Each heartbeat (about one a second) redraws the sparkline: wait for three of them.
-    page.wait_for_function("new Set(window.__seen.map(([, points]) => points).filter(Boolean)).size >= 3",
-                           timeout=30_000)
+    page.wait_for_function(
+        "new Set(window.__seen.map(([, points]) => points).filter(Boolean)).size >= 3", timeout=30_000
+    )
     seen = page.evaluate("window.__seen")
     assert len({points for _, points in seen}) >= 3, f"the sparkline was redrawn fewer than three times: {seen}"
     assert all(re.fullmatch(r"\d+%", text) for text, _ in seen if text is not None), seen
@@ -75,20 +80,43 @@ def test_a_gpus_live_figures_change_without_reloading(open_page, system):
     each heartbeat. It reports itself draining, so nothing is placed on a host with no daemon."""
     headers = {"Authorization": f"Bearer {system.fleet.token}"}
     total = 141 * 2**30
-    registered = httpx.post(f"{system.url}/internal/workers/register", headers=headers, timeout=10, json={
-        "name": "gpu-host-browser", "advertise_host": "10.0.0.7", "device": "cuda", "version": "test",
-        "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_total_bytes": total}],
-        "cpu": {"memory_total_bytes": 2**38, "cores": 16}})
+    registered = httpx.post(
+        f"{system.url}/internal/workers/register",
+        headers=headers,
+        timeout=10,
+        json={
+            "name": "gpu-host-browser",
+            "advertise_host": "10.0.0.7",
+            "device": "cuda",
+            "version": "test",
+            "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_total_bytes": total}],
+            "cpu": {"memory_total_bytes": 2**38, "cores": 16},
+        },
+    )
     registered.raise_for_status()
     worker_id = registered.json()["worker_id"]
 
     def beat(utilisation: float, temperature: float, power: float) -> None:
-        httpx.post(f"{system.url}/internal/workers/{worker_id}/heartbeat", headers=headers, timeout=10, json={
-            "draining": True, "replicas": [],
-            "gpus": [{"index": 0, "utilization_pct": utilisation, "memory_used_bytes": 40 * 2**30,
-                      "memory_total_bytes": total, "temperature_c": temperature, "power_w": power}],
-            "cpu": {"utilization_pct": 3.0, "memory_used_bytes": 2**33, "memory_total_bytes": 2**38},
-        }).raise_for_status()
+        httpx.post(
+            f"{system.url}/internal/workers/{worker_id}/heartbeat",
+            headers=headers,
+            timeout=10,
+            json={
+                "draining": True,
+                "replicas": [],
+                "gpus": [
+                    {
+                        "index": 0,
+                        "utilization_pct": utilisation,
+                        "memory_used_bytes": 40 * 2**30,
+                        "memory_total_bytes": total,
+                        "temperature_c": temperature,
+                        "power_w": power,
+                    }
+                ],
+                "cpu": {"utilization_pct": 3.0, "memory_used_bytes": 2**33, "memory_total_bytes": 2**38},
+            },
+        ).raise_for_status()
 
     beat(17, 41, 212)
     page = _open_fleet(open_page)
@@ -145,11 +173,13 @@ def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, sy
     # A negative count: the form is sent (novalidate) and refused by the server beside the field.
     _scale(_deployment(page, model), -1)
     expect(_deployment(page, model).locator("[data-testid=scale-form] [data-testid=field-error]")).to_contain_text(
-        "greater than or equal to 0")
+        "greater than or equal to 0"
+    )
     _set_limits(_deployment(page, model), min_replicas=3, max_replicas=2)
     limits = _deployment(page, model).locator("[data-testid=limits-form]")
     expect(limits.locator("[id$=-min_replicas].field [data-testid=field-error]")).to_contain_text(
-        "cannot exceed max replicas (2)")
+        "cannot exceed max replicas (2)"
+    )
     expect(limits.locator("[id$=-max_replicas].field [data-testid=field-error]")).to_have_count(0)
     expect(_deployment(page, model).locator("[data-testid=deployment-status]")).to_have_attribute("data-desired", "1")
 
@@ -169,7 +199,8 @@ def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, sy
     expect(new).to_have_attribute("data-state", "ready", timeout=180_000)
     expect(page.locator(f"#{first_id}")).to_have_attribute("data-state", "ready")
     expect(_deployment(page, model).locator("[data-testid=deployment-replica][data-state=ready]")).to_have_count(
-        2, timeout=30_000)
+        2, timeout=30_000
+    )
     assert page.evaluate(SAME_DOCUMENT), "the page was reloaded"
 
     # Back to one: the newest replica is drained and leaves the card.
@@ -180,9 +211,13 @@ def test_scale_a_deployment_and_watch_the_new_replica_become_ready(open_page, sy
 
     # Every action is in the audit log, with who did it.
     page.goto(reverse("dashboard:audit"))
+
     def rows(action: str):
-        return (page.locator(f"[data-testid=audit-row][data-action='{action}']")
-                .filter(has_text=model).filter(has_text="operator"))
+        return (
+            page.locator(f"[data-testid=audit-row][data-action='{action}']")
+            .filter(has_text=model)
+            .filter(has_text="operator")
+        )
 
     expect(rows("deployment.scale")).to_have_count(2)
     expect(rows("deployment.scale").first).to_contain_text("desired_replicas: 2 → 1")

@@ -21,17 +21,30 @@ def one_request(system, orm):
     from controlplane.billing.models import UsageRecord
     from controlplane.fleet.models import Replica
 
-    wait_until(lambda: orm(lambda: Replica.objects.filter(deployment__model__public_name=system.seeded.demo_model,
-                                                          state=Replica.State.READY).exists()),
-               timeout=180, what="a ready replica of the demo model", fleet=system.fleet)
+    wait_until(
+        lambda: orm(
+            lambda: Replica.objects.filter(
+                deployment__model__public_name=system.seeded.demo_model, state=Replica.State.READY
+            ).exists()
+        ),
+        timeout=180,
+        what="a ready replica of the demo model",
+        fleet=system.fleet,
+    )
     before = orm(lambda: UsageRecord.objects.filter(tenant__name=system.seeded.tenant_name).count())
-    response = httpx.post(f"{system.url}/v1/chat/completions", timeout=60,
-                          headers={"Authorization": f"Bearer {system.seeded.api_key}"},
-                          json={"model": system.seeded.demo_model, "max_tokens": 4,
-                                "messages": [{"role": "user", "content": "home"}]})
+    response = httpx.post(
+        f"{system.url}/v1/chat/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {system.seeded.api_key}"},
+        json={"model": system.seeded.demo_model, "max_tokens": 4, "messages": [{"role": "user", "content": "home"}]},
+    )
     assert response.status_code == 200, response.text
-    wait_until(lambda: orm(lambda: UsageRecord.objects.filter(tenant__name=system.seeded.tenant_name).count()) > before,
-               timeout=15, what="the request's usage record", fleet=system.fleet)
+    wait_until(
+        lambda: orm(lambda: UsageRecord.objects.filter(tenant__name=system.seeded.tenant_name).count()) > before,
+        timeout=15,
+        what="the request's usage record",
+        fleet=system.fleet,
+    )
 
 
 def test_operator_home_shows_the_fleet(open_page, system, one_request):
@@ -73,4 +86,6 @@ def test_admin_home_shows_revenue_margin_per_model_and_top_tenants_and_the_fleet
     expect(page.locator("#home-revenue")).to_contain_text("$")
     expect(page.locator("#home-gpu-hours")).to_have_text(re.compile(r"^\d+\.\d\d$"))
     expect(page.locator(f"[data-testid=home-margin-row][data-model='{system.seeded.demo_model}']")).to_be_visible()
-    expect(page.locator(f"[data-testid=home-top-tenant-row][data-tenant='{system.seeded.tenant_name}']")).to_be_visible()
+    expect(
+        page.locator(f"[data-testid=home-top-tenant-row][data-tenant='{system.seeded.tenant_name}']")
+    ).to_be_visible()

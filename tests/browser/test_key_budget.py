@@ -18,9 +18,16 @@ pytestmark = pytest.mark.slow
 
 
 def _chat(system, key: str) -> httpx.Response:
-    return httpx.post(f"{system.url}/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {key}"},
-                      json={"model": system.seeded.demo_model, "max_tokens": 4,
-                            "messages": [{"role": "user", "content": "within budget?"}]})
+    return httpx.post(
+        f"{system.url}/v1/chat/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {key}"},
+        json={
+            "model": system.seeded.demo_model,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "within budget?"}],
+        },
+    )
 
 
 def _budget_tenant_member() -> Login:
@@ -39,9 +46,16 @@ def _budget_tenant_member() -> Login:
 def test_a_keys_monthly_spend_limit_is_set_on_the_keys_page_and_enforced(open_page, system, orm):
     from controlplane.fleet.models import Replica
 
-    wait_until(lambda: orm(lambda: Replica.objects.filter(deployment__model__public_name=system.seeded.demo_model,
-                                                          state=Replica.State.READY).exists()),
-               timeout=180, what="a ready replica of the demo model", fleet=system.fleet)
+    wait_until(
+        lambda: orm(
+            lambda: Replica.objects.filter(
+                deployment__model__public_name=system.seeded.demo_model, state=Replica.State.READY
+            ).exists()
+        ),
+        timeout=180,
+        what="a ready replica of the demo model",
+        fleet=system.fleet,
+    )
     page = open_page()
     log_in(page, orm(_budget_tenant_member))
     page.goto(reverse("dashboard:keys"))

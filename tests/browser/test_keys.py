@@ -66,7 +66,8 @@ def test_dismissing_the_confirmation_keeps_the_key(open_page, system):
     row.locator("[data-testid=key-revoke]").click()
     page.reload()
     expect(page.locator('[data-testid=key-row][data-key-name="kept key"] [data-state]')).to_have_attribute(
-        "data-state", "active")
+        "data-state", "active"
+    )
     assert _models_status(system, plaintext) == 200
 
 
@@ -80,9 +81,11 @@ def test_key_form_shows_each_error_beside_its_field(open_page):
 
     expect(page.locator("#field-name #error-name")).to_have_text(re.compile(r"required|name", re.I))
     expect(page.locator("#field-rate_limit_per_minute #error-rate_limit_per_minute")).to_contain_text(
-        "greater than or equal to 1")
+        "greater than or equal to 1"
+    )
     expect(page.locator("#field-max_concurrent_requests #error-max_concurrent_requests")).to_contain_text(
-        "greater than or equal to 1")
+        "greater than or equal to 1"
+    )
     expect(page.locator("#field-expires_at #error-expires_at")).to_be_hidden()
     # What was typed stays, so only the mistakes need fixing; nothing was created.
     expect(page.locator("#id_rate_limit_per_minute")).to_have_value("0")

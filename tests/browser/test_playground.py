@@ -28,8 +28,11 @@ def demo_replicas(system, orm):
     from controlplane.fleet.models import Replica
 
     def ready():
-        return list(Replica.objects.filter(deployment__model__public_name=system.seeded.demo_model,
-                                           state=Replica.State.READY).values_list("endpoint_url", flat=True))
+        return list(
+            Replica.objects.filter(
+                deployment__model__public_name=system.seeded.demo_model, state=Replica.State.READY
+            ).values_list("endpoint_url", flat=True)
+        )
 
     return wait_until(lambda: orm(ready), timeout=180, what="a ready replica of the demo model", fleet=system.fleet)
 
@@ -48,8 +51,9 @@ def _replica_metrics(system, endpoints: list[str]) -> dict[str, float]:
     """Each metric summed over the demo replicas, from their own /metrics."""
     totals: dict[str, float] = {}
     for endpoint in endpoints:
-        response = httpx.get(f"{endpoint}/metrics", headers={"Authorization": f"Bearer {system.fleet.token}"},
-                             timeout=10)
+        response = httpx.get(
+            f"{endpoint}/metrics", headers={"Authorization": f"Bearer {system.fleet.token}"}, timeout=10
+        )
         response.raise_for_status()
         for line in response.text.splitlines():
             if line.startswith("vllm:"):
@@ -61,8 +65,14 @@ def _replica_metrics(system, endpoints: list[str]) -> dict[str, float]:
 def _latest_usage(orm, system):
     from controlplane.billing.models import UsageRecord
 
-    return orm(lambda: UsageRecord.objects.filter(tenant__name=system.seeded.tenant_name)
-               .order_by("-created_at", "-pk").values("status", "completion_tokens", "price_charged").first())
+    return orm(
+        lambda: (
+            UsageRecord.objects.filter(tenant__name=system.seeded.tenant_name)
+            .order_by("-created_at", "-pk")
+            .values("status", "completion_tokens", "price_charged")
+            .first()
+        )
+    )
 
 
 def test_answer_streams_in_before_it_finishes(open_page, system, demo_replicas, orm):
@@ -76,7 +86,8 @@ def test_answer_streams_in_before_it_finishes(open_page, system, demo_replicas, 
     page.wait_for_function(f"() => {{ const [n, s] = ({_SAMPLE})(); return n > {first} || s !== 'streaming'; }}")
     second, state = page.evaluate(_SAMPLE)
     assert state == "streaming" and second > first, (
-        f"the text did not grow while streaming: {first} then {second} characters, status {state}")
+        f"the text did not grow while streaming: {first} then {second} characters, status {state}"
+    )
     expect(page.locator("#playground-stop")).to_be_enabled()
     expect(page.locator("#playground-send")).to_be_disabled()
 
@@ -87,8 +98,12 @@ def test_answer_streams_in_before_it_finishes(open_page, system, demo_replicas, 
     expect(page.locator("#playground-send")).to_be_enabled()
     expect(page.locator("#playground-stop")).to_be_disabled()
     # Billed like an API request: a completed usage record for the tenant, with every token.
-    usage = wait_until(lambda: (u := _latest_usage(orm, system)) and u["status"] == "completed" and u,
-                       timeout=15, what="the answer's usage record", fleet=system.fleet)
+    usage = wait_until(
+        lambda: (u := _latest_usage(orm, system)) and u["status"] == "completed" and u,
+        timeout=15,
+        what="the answer's usage record",
+        fleet=system.fleet,
+    )
     assert usage["completion_tokens"] == MAX_TOKENS
 
 
@@ -108,14 +123,22 @@ def test_stop_aborts_the_generation_on_the_worker(open_page, system, demo_replic
     # On the worker: the request leaves the running batch without finishing. A request that ran
     # to the end would add its MAX_TOKENS to the finished requests' token counter; one aborted
     # adds none of them.
-    metrics = wait_until(lambda: (m := _replica_metrics(system, demo_replicas))["vllm:num_requests_running"] == 0 and m,
-                         timeout=30, what="the replicas to have no request running", fleet=system.fleet)
+    metrics = wait_until(
+        lambda: (m := _replica_metrics(system, demo_replicas))["vllm:num_requests_running"] == 0 and m,
+        timeout=30,
+        what="the replicas to have no request running",
+        fleet=system.fleet,
+    )
     assert metrics["vllm:generation_tokens_total"] - generated_before < MAX_TOKENS, "the generation ran to its end"
     time.sleep(1.0)
     assert len(page.inner_text("#playground-output")) == stopped_at, "text kept arriving after Stop"
 
-    usage = wait_until(lambda: (u := _latest_usage(orm, system)) and u["status"] == "cancelled" and u,
-                       timeout=15, what="the stopped request's usage record", fleet=system.fleet)
+    usage = wait_until(
+        lambda: (u := _latest_usage(orm, system)) and u["status"] == "cancelled" and u,
+        timeout=15,
+        what="the stopped request's usage record",
+        fleet=system.fleet,
+    )
     assert 0 < usage["completion_tokens"] < MAX_TOKENS
 
     # The page is usable again: the next answer streams to the end. (The stopped answer, as far

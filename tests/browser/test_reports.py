@@ -24,10 +24,16 @@ def _usage_count(orm, tenant_name: str) -> int:
 
 
 def _chat(system) -> None:
-    response = httpx.post(f"{system.url}/v1/chat/completions", timeout=60,
-                          headers={"Authorization": f"Bearer {system.seeded.api_key}"},
-                          json={"model": system.seeded.demo_model, "max_tokens": 8,
-                                "messages": [{"role": "user", "content": "report me"}]})
+    response = httpx.post(
+        f"{system.url}/v1/chat/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {system.seeded.api_key}"},
+        json={
+            "model": system.seeded.demo_model,
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "report me"}],
+        },
+    )
     assert response.status_code == 200, response.text
 
 
@@ -36,14 +42,25 @@ def traffic(system, orm):
     """REQUESTS chat completions through /v1 with the demo tenant's key, recorded."""
     from controlplane.fleet.models import Replica
 
-    wait_until(lambda: orm(lambda: Replica.objects.filter(deployment__model__public_name=system.seeded.demo_model,
-                                                          state=Replica.State.READY).exists()),
-               timeout=180, what="a ready replica of the demo model", fleet=system.fleet)
+    wait_until(
+        lambda: orm(
+            lambda: Replica.objects.filter(
+                deployment__model__public_name=system.seeded.demo_model, state=Replica.State.READY
+            ).exists()
+        ),
+        timeout=180,
+        what="a ready replica of the demo model",
+        fleet=system.fleet,
+    )
     before = _usage_count(orm, system.seeded.tenant_name)
     for _ in range(REQUESTS):
         _chat(system)
-    wait_until(lambda: _usage_count(orm, system.seeded.tenant_name) >= before + REQUESTS, timeout=15,
-               what="the requests' usage records", fleet=system.fleet)
+    wait_until(
+        lambda: _usage_count(orm, system.seeded.tenant_name) >= before + REQUESTS,
+        timeout=15,
+        what="the requests' usage records",
+        fleet=system.fleet,
+    )
     return before
 
 
@@ -54,8 +71,10 @@ def test_usage_page_counts_the_tenants_own_requests(open_page, system, traffic):
     expect(page.locator("#usage-balance")).to_contain_text("$")
     expect(page.locator("#usage-chart .uplot")).to_have_count(1)
     # The month is on the axis, but the line stops at today: no zeros for days to come.
-    last_x = page.evaluate("(() => { const u = document.getElementById('usage-chart').uplot; "
-                           "return [u.data[0][u.data[0].length - 1], u.scales.x.max]; })()")
+    last_x = page.evaluate(
+        "(() => { const u = document.getElementById('usage-chart').uplot; "
+        "return [u.data[0][u.data[0].length - 1], u.scales.x.max]; })()"
+    )
     today = page.evaluate("Math.floor(Date.now() / 86400000) * 86400")
     assert last_x[0] == today and last_x[1] >= today, last_x
     expect(page.locator("#usage-table tbody tr")).to_have_count(1)  # all of it today
@@ -83,9 +102,10 @@ def test_admin_reports_by_tenant_with_csv_export(open_page, system, traffic):
         assert labels and len(set(labels)) == len(labels) and all(label.startswith("$") for label in labels), labels
     request_ticks = page.evaluate("document.getElementById('report-chart-requests').uplot.axes[1]._values")
     assert request_ticks and all(label.replace("k", "").isdigit() for label in request_ticks), request_ticks
-    assert page.evaluate("[gpuserveCharts.format('usd', 0.0005, 0.0005), gpuserveCharts.format('usd', 1500, 500),"
-                         " gpuserveCharts.format('count', 2500000, 500000), gpuserveCharts.format('usd', 0.75, 0.25)]"
-                         ) == ["$0.0005", "$1.5k", "2.5M", "$0.75"]
+    assert page.evaluate(
+        "[gpuserveCharts.format('usd', 0.0005, 0.0005), gpuserveCharts.format('usd', 1500, 500),"
+        " gpuserveCharts.format('count', 2500000, 500000), gpuserveCharts.format('usd', 0.75, 0.25)]"
+    ) == ["$0.0005", "$1.5k", "2.5M", "$0.75"]
 
     with page.expect_download() as download:
         page.click("#report-csv")

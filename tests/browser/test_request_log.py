@@ -24,15 +24,27 @@ def sdk_request(system, orm):
     from controlplane.billing.models import UsageRecord
     from controlplane.fleet.models import Replica
 
-    wait_until(lambda: orm(lambda: Replica.objects.filter(deployment__model__public_name=system.seeded.demo_model,
-                                                          state=Replica.State.READY).exists()),
-               timeout=180, what="a ready replica of the demo model", fleet=system.fleet)
+    wait_until(
+        lambda: orm(
+            lambda: Replica.objects.filter(
+                deployment__model__public_name=system.seeded.demo_model, state=Replica.State.READY
+            ).exists()
+        ),
+        timeout=180,
+        what="a ready replica of the demo model",
+        fleet=system.fleet,
+    )
     client = openai.OpenAI(base_url=f"{system.url}/v1", api_key=system.seeded.api_key, max_retries=0, timeout=60)
     answer = client.chat.completions.with_raw_response.create(
-        model=system.seeded.demo_model, max_tokens=6, messages=[{"role": "user", "content": "log me"}])
+        model=system.seeded.demo_model, max_tokens=6, messages=[{"role": "user", "content": "log me"}]
+    )
     request_id, usage = answer.headers["x-request-id"], answer.parse().usage
-    wait_until(lambda: orm(lambda: UsageRecord.objects.filter(request_id=request_id).exists()), timeout=15,
-               what="the request's usage record", fleet=system.fleet)
+    wait_until(
+        lambda: orm(lambda: UsageRecord.objects.filter(request_id=request_id).exists()),
+        timeout=15,
+        what="the request's usage record",
+        fleet=system.fleet,
+    )
     return request_id, usage
 
 
@@ -65,7 +77,10 @@ def test_a_tenant_finds_an_sdk_request_in_the_log_with_its_figures(open_page, sy
     rows = list(csv.DictReader(io.StringIO(open(download.value.path(), encoding="utf-8").read())))
     (mine,) = [r for r in rows if r["request_id"] == request_id]
     assert (int(mine["prompt_tokens"]), int(mine["completion_tokens"]), mine["outcome"]) == (
-        usage.prompt_tokens, usage.completion_tokens, "ok")
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        "ok",
+    )
 
     other = open_page("other_tenant")
     other.goto(reverse("dashboard:requests"))
@@ -77,7 +92,8 @@ def test_an_admin_filters_the_log_by_tenant(open_page, system, sdk_request):
     page = open_page("admin")
     page.goto(reverse("dashboard:requests"))
     expect(page.locator(f"[data-testid=request-row][data-request-id='{request_id}']")).to_contain_text(
-        system.seeded.tenant_name)
+        system.seeded.tenant_name
+    )
     page.select_option("#id_tenant", label=system.seeded.other_tenant_name)
     page.click("#requests-submit")
     expect(page.locator(f"[data-request-id='{request_id}']")).to_have_count(0)
@@ -88,7 +104,9 @@ def test_an_admin_filters_the_log_by_tenant(open_page, system, sdk_request):
 def test_usage_by_model_and_by_key(open_page, system, sdk_request):
     page = open_page("tenant")
     page.goto(reverse("dashboard:usage"))
-    expect(page.locator(f"#usage-by-model [data-testid=usage-row][data-key='{system.seeded.demo_model}']")).to_be_visible()
+    expect(
+        page.locator(f"#usage-by-model [data-testid=usage-row][data-key='{system.seeded.demo_model}']")
+    ).to_be_visible()
     expect(page.locator("#usage-by-key [data-testid=usage-row]").first).to_be_visible()
     expect(page.locator("#usage-chart-by-model .uplot")).to_have_count(1)
     expect(page.locator("#usage-chart-by-key .uplot")).to_have_count(1)

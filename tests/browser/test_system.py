@@ -16,11 +16,14 @@ def browser(monkeypatch, tmp_path):
     return path
 
 
-@pytest.mark.parametrize(("env", "chromium", "problem"), [
-    ({"DATABASE_URL": "sqlite:///scratch.db"}, True, "set DATABASE_URL"),
-    ({"REDIS_URL": ""}, True, "set DATABASE_URL .* and REDIS_URL"),
-    ({}, False, "chromium is missing"),
-])
+@pytest.mark.parametrize(
+    ("env", "chromium", "problem"),
+    [
+        ({"DATABASE_URL": "sqlite:///scratch.db"}, True, "set DATABASE_URL"),
+        ({"REDIS_URL": ""}, True, "set DATABASE_URL .* and REDIS_URL"),
+        ({}, False, "chromium is missing"),
+    ],
+)
 def test_scratch_system_names_what_is_missing(monkeypatch, browser, env, chromium, problem):
     for name, value in env.items():
         monkeypatch.setenv(name, value)

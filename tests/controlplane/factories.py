@@ -159,13 +159,27 @@ def usage_record_settled(
     # The hold's expiry is wall-clock time: a running gateway's sweeper must not take it first.
     (hold,) = credit_holds_place(
         requests=[HoldRequest(request_id, tenant.pk, model.pk, api_key.pk if api_key else None, num_requests)],
-        at=at, expires_at=timezone.now() + timedelta(minutes=10))
+        at=at,
+        expires_at=timezone.now() + timedelta(minutes=10),
+    )
     if not isinstance(hold, CreditHold):
         raise ValueError(f"The hold for {request_id} was refused: give tenant {tenant} credit to cover it first.")
-    (settled,) = credit_holds_settle(outcomes=[RequestOutcome(
-        request_id, status, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-        time_to_first_token_ms=time_to_first_token_ms, total_latency_ms=total_latency_ms, gpu_time_s=gpu_time_s,
-        replica_id=replica.pk if replica else None, error_code=error_code)], at=at)
+    (settled,) = credit_holds_settle(
+        outcomes=[
+            RequestOutcome(
+                request_id,
+                status,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                time_to_first_token_ms=time_to_first_token_ms,
+                total_latency_ms=total_latency_ms,
+                gpu_time_s=gpu_time_s,
+                replica_id=replica.pk if replica else None,
+                error_code=error_code,
+            )
+        ],
+        at=at,
+    )
     if not settled.found:
         raise ValueError(f"The hold for {request_id} was settled by someone else (the sweeper?) first.")
     return UsageRecord.objects.get(pk=settled.record.pk)

@@ -30,11 +30,20 @@ def run_on_sqlite(function: str, var_dir: Path, *, migrate: bool = True, timeout
     """`function` ("package.module:name") called in a new process on a new SQLite database under
     `var_dir`, after every migration when `migrate`; its result, through JSON."""
     env = {name: value for name, value in os.environ.items() if name not in ("DATABASE_URL", "REDIS_URL")}
-    env.update(VAR_DIR=str(var_dir), DJANGO_SETTINGS_MODULE="controlplane.settings",
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, function, "migrate" if migrate else "as is"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    env.update(
+        VAR_DIR=str(var_dir),
+        DJANGO_SETTINGS_MODULE="controlplane.settings",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, function, "migrate" if migrate else "as is"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
     results = [line for line in done.stdout.splitlines() if line.startswith(_RESULT)]
     if done.returncode != 0 or not results:
         raise AssertionError(f"{function} on SQLite failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(results[-1][len(_RESULT):])
+    return json.loads(results[-1][len(_RESULT) :])

@@ -24,8 +24,9 @@ def admin_client_seeded(client, tmp_path):
     call_command("seed_demo", env_file=env_file, stdout=open("/dev/null", "w"))
     demo = read_env_file(env_file)
     # django-axes (login throttling) needs the request an authentication comes with.
-    assert client.login(request=HttpRequest(), username=demo["DEMO_ADMIN_USERNAME"],
-                        password=demo["DEMO_ADMIN_PASSWORD"])
+    assert client.login(
+        request=HttpRequest(), username=demo["DEMO_ADMIN_USERNAME"], password=demo["DEMO_ADMIN_PASSWORD"]
+    )
     return client
 
 
@@ -70,12 +71,16 @@ def test_prices_are_edited_and_listed_in_dollars(admin_client_seeded):
     tier = PriceTier.objects.first()
     form = admin_client_seeded.get(_admin_url(PriceTier, "change", tier.pk)).content.decode()
     assert f'value="{tier.price_per_request}"' in form and 'step="0.000001"' in form
-    response = admin_client_seeded.post(_admin_url(PriceTier, "change", tier.pk), {
-        "name": tier.name, "price_per_request": "0.333333", "reference_price_per_million_tokens": "1.5"})
+    response = admin_client_seeded.post(
+        _admin_url(PriceTier, "change", tier.pk),
+        {"name": tier.name, "price_per_request": "0.333333", "reference_price_per_million_tokens": "1.5"},
+    )
     assert response.status_code == 302, response.content.decode()
     tier.refresh_from_db()
     assert (tier.price_per_request, tier.reference_price_per_million_tokens) == (Decimal("0.333333"), Decimal("1.5"))
     assert "0.333333" in admin_client_seeded.get(_admin_url(PriceTier, "changelist")).content.decode()
-    refused = admin_client_seeded.post(_admin_url(PriceTier, "change", tier.pk), {
-        "name": tier.name, "price_per_request": "0.0000001", "reference_price_per_million_tokens": "1.5"})
+    refused = admin_client_seeded.post(
+        _admin_url(PriceTier, "change", tier.pk),
+        {"name": tier.name, "price_per_request": "0.0000001", "reference_price_per_million_tokens": "1.5"},
+    )
     assert refused.status_code == 200 and "decimal places" in refused.content.decode()

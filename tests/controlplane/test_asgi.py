@@ -10,9 +10,20 @@ from controlplane.asgi import application
 async def _get(path: str) -> tuple[int, bytes]:
     """One GET through the ASGI app with `path` exactly as a client sent it (HTTP clients remove
     `..` segments themselves, so the scope is built by hand)."""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"127.0.0.1")], "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+    }
     request = [{"type": "http.request", "body": b"", "more_body": False}]
     sent: list[dict] = []
 

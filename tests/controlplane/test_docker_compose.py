@@ -12,15 +12,23 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = shutil.which("docker-compose")
 pytestmark = pytest.mark.skipif(COMPOSE is None, reason="docker-compose is not installed")
 
-PRODUCTION = {"SECRET_KEY": "k" * 60, "POSTGRES_PASSWORD": "pw", "PUBLIC_HOST": "gpuserve.example.com",
-              "GPUSERVE_WORKER_TOKEN": "w" * 43}
+PRODUCTION = {
+    "SECRET_KEY": "k" * 60,
+    "POSTGRES_PASSWORD": "pw",
+    "PUBLIC_HOST": "gpuserve.example.com",
+    "GPUSERVE_WORKER_TOKEN": "w" * 43,
+}
 
 
 def _config(*args, env):
     clean = {k: v for k, v in os.environ.items() if k not in PRODUCTION}
     return subprocess.run(
         [COMPOSE, "-f", str(REPO / "docker-compose.yml"), "config", *args],
-        env={**clean, **env}, cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**clean, **env},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

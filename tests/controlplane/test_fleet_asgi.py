@@ -17,8 +17,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 TOKEN = "fleet-asgi-test-token"
 REGISTRATION = {
-    "name": "host-fleet-asgi", "advertise_host": "127.0.0.1", "device": "cpu", "gpus": [],
-    "cpu": {"memory_total_bytes": 8 * 1024**3, "cores": 4}, "version": "0.1.0",
+    "name": "host-fleet-asgi",
+    "advertise_host": "127.0.0.1",
+    "device": "cpu",
+    "gpus": [],
+    "cpu": {"memory_total_bytes": 8 * 1024**3, "cores": 4},
+    "version": "0.1.0",
 }
 
 
@@ -30,8 +34,11 @@ def _token(settings):
 def _requests(app, *calls: tuple[str, str, dict | None]) -> list[httpx.Response]:
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
-            return [await client.request(method, path, json=body, headers={"Authorization": f"Bearer {TOKEN}"})
-                    for method, path, body in calls]
+            return [
+                await client.request(method, path, json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+                for method, path, body in calls
+            ]
+
     return asyncio.run(go())
 
 

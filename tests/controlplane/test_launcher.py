@@ -56,7 +56,7 @@ def test_process_specs_name_web_fleet_worker_beat_and_the_gpu_worker_daemon():
     # The daemon calls the fleet server, on this machine only, whatever address the web server opens.
     assert "controlplane.fleet_asgi:application" in fleet and fleet[fleet.index("--port") + 1] == "8101"
     assert fleet[fleet.index("--host") + 1] == "127.0.0.1"
-    assert daemon[daemon.index("daemon") + 1:daemon.index("daemon") + 3] == ["--control-url", "http://127.0.0.1:8101"]
+    assert daemon[daemon.index("daemon") + 1 : daemon.index("daemon") + 3] == ["--control-url", "http://127.0.0.1:8101"]
 
 
 def test_the_web_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
@@ -80,9 +80,11 @@ def test_the_banner_names_each_login_with_what_it_can_do_and_points_at_the_dashb
     lines = text.splitlines()
     assert "  dashboard: http://127.0.0.1:8123/" in lines
     assert "/admin/" not in text
-    for username, password, does in (("admin", demo["DEMO_ADMIN_PASSWORD"], "reports"),
-                                     ("operator", demo["DEMO_OPERATOR_PASSWORD"], "runs the fleet"),
-                                     ("member", demo["DEMO_MEMBER_PASSWORD"], "API keys")):
+    for username, password, does in (
+        ("admin", demo["DEMO_ADMIN_PASSWORD"], "reports"),
+        ("operator", demo["DEMO_OPERATOR_PASSWORD"], "runs the fleet"),
+        ("member", demo["DEMO_MEMBER_PASSWORD"], "API keys"),
+    ):
         [line] = [line for line in lines if f" {username} / {password} " in line]
         assert does in line
     assert f"OPENAI_API_KEY={demo['OPENAI_API_KEY']}" in text
@@ -109,11 +111,16 @@ def _alive(pid: int) -> bool:
 def test_a_killed_child_is_restarted_with_its_forks_swept_and_the_others_left_running():
     out = io.StringIO()
     # The victim forks a grandchild (as Celery forks its pool), then waits to be killed.
-    victim = [sys.executable, "-c", "import subprocess, time\n"
-              "grandchild = subprocess.Popen(['sleep', '120'])\n"
-              "print('up with grandchild', grandchild.pid, flush=True)\ntime.sleep(120)"]
-    launcher = Launcher([ProcessSpec("steady", ["sleep", "120"]), ProcessSpec("victim", victim)],
-                        out=out, restart=FAST_RESTARTS)
+    victim = [
+        sys.executable,
+        "-c",
+        "import subprocess, time\n"
+        "grandchild = subprocess.Popen(['sleep', '120'])\n"
+        "print('up with grandchild', grandchild.pid, flush=True)\ntime.sleep(120)",
+    ]
+    launcher = Launcher(
+        [ProcessSpec("steady", ["sleep", "120"]), ProcessSpec("victim", victim)], out=out, restart=FAST_RESTARTS
+    )
     seen: dict[str, list[int]] = {"victims": [], "grandchildren": []}
 
     def kill_the_first_victim_then_stop() -> bool:
@@ -140,10 +147,14 @@ def test_a_killed_child_is_restarted_with_its_forks_swept_and_the_others_left_ru
 
 def test_a_crash_loop_stops_everything_and_fails():
     out = io.StringIO()
-    launcher = Launcher([
-        ProcessSpec("sleeper", ["sleep", "60"]),
-        ProcessSpec("crasher", [sys.executable, "-c", "raise SystemExit(3)"]),
-    ], out=out, restart=FAST_RESTARTS)
+    launcher = Launcher(
+        [
+            ProcessSpec("sleeper", ["sleep", "60"]),
+            ProcessSpec("crasher", [sys.executable, "-c", "raise SystemExit(3)"]),
+        ],
+        out=out,
+        restart=FAST_RESTARTS,
+    )
     assert launcher.run() == 1
     log = out.getvalue()
     # Restarted twice with a doubling delay, then its third exit is a crash loop.
@@ -182,12 +193,21 @@ def test_each_child_gets_its_own_stop_grace():
     out = io.StringIO()
 
     def slow_stop(seconds: float) -> list[str]:  # exits cleanly that long after SIGTERM
-        return [sys.executable, "-c", "import signal, sys, time\n"
-                f"signal.signal(signal.SIGTERM, lambda *_: (time.sleep({seconds}), sys.exit(0)))\n"
-                "print('ready', flush=True)\ntime.sleep(120)"]
+        return [
+            sys.executable,
+            "-c",
+            "import signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, lambda *_: (time.sleep({seconds}), sys.exit(0)))\n"
+            "print('ready', flush=True)\ntime.sleep(120)",
+        ]
 
-    launcher = Launcher([ProcessSpec("patient", slow_stop(1.0), stop_grace_s=60.0),
-                         ProcessSpec("hasty", slow_stop(60.0), stop_grace_s=0.2)], out=out)
+    launcher = Launcher(
+        [
+            ProcessSpec("patient", slow_stop(1.0), stop_grace_s=60.0),
+            ProcessSpec("hasty", slow_stop(60.0), stop_grace_s=0.2),
+        ],
+        out=out,
+    )
 
     def stop_when_both_ready() -> bool:
         if out.getvalue().count("ready") == 2:
@@ -215,15 +235,28 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
     env = _embedded_env(tmp_path)
     env_file = tmp_path / ".env.demo"
     for command in (["migrate", "--noinput"], ["seed_demo", "--env-file", str(env_file)]):
-        subprocess.run([sys.executable, "manage.py", *command], cwd=REPO, env=env, check=True,
-                       capture_output=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "manage.py", *command], cwd=REPO, env=env, check=True, capture_output=True, timeout=300
+        )
     port = _free_port()
     log_path = tmp_path / "launcher.log"
     with open(log_path, "w") as log:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "controlplane.launcher", "--port", str(port), "--fleet-port", str(_free_port()),
-             "--env-file", str(env_file)],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "controlplane.launcher",
+                "--port",
+                str(port),
+                "--fleet-port",
+                str(_free_port()),
+                "--env-file",
+                str(env_file),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
         try:
             login = _wait_for_page(f"http://127.0.0.1:{port}/accounts/login/", launcher, log_path)
@@ -244,11 +277,15 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
             import openai
 
             demo = read_env_file(env_file)
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=demo["OPENAI_API_KEY"],
-                                   max_retries=0, timeout=300)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key=demo["OPENAI_API_KEY"], max_retries=0, timeout=300
+            )
             reply = client.chat.completions.create(
-                model="smollm2-135m-instruct", temperature=0, max_tokens=24,
-                messages=[{"role": "user", "content": "What is the capital of France?"}])
+                model="smollm2-135m-instruct",
+                temperature=0,
+                max_tokens=24,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+            )
             assert "Paris" in reply.choices[0].message.content
             # At idle the log stays readable: heartbeats and beat's checks (each a second) are at
             # DEBUG, so a quiet half minute adds at most a line per ten seconds.
@@ -287,17 +324,21 @@ def _wait_for_quiet_log(log_path: Path, launcher: subprocess.Popen, *, seconds: 
     pytest.fail(f"{len(added)} lines in {seconds:.0f}s of idle time:\n" + "\n".join(added))
 
 
-def _wait_for_ready_replica(database: Path, model: str, launcher: subprocess.Popen, log_path: Path,
-                            timeout: float = 120) -> str:
+def _wait_for_ready_replica(
+    database: Path, model: str, launcher: subprocess.Popen, log_path: Path, timeout: float = 120
+) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if launcher.poll() is not None:
             pytest.fail(f"the launcher exited early ({launcher.returncode}):\n{log_path.read_text()}")
         with sqlite3.connect(database, timeout=20) as db:
-            row = db.execute("SELECT r.endpoint_url FROM fleet_replica r "
-                             "JOIN catalog_deployment d ON r.deployment_id = d.id "
-                             "JOIN catalog_model m ON d.model_id = m.id "
-                             "WHERE r.state = 'ready' AND m.public_name = ?", (model,)).fetchone()
+            row = db.execute(
+                "SELECT r.endpoint_url FROM fleet_replica r "
+                "JOIN catalog_deployment d ON r.deployment_id = d.id "
+                "JOIN catalog_model m ON d.model_id = m.id "
+                "WHERE r.state = 'ready' AND m.public_name = ?",
+                (model,),
+            ).fetchone()
         if row:
             return row[0]
         time.sleep(0.5)

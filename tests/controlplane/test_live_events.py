@@ -8,9 +8,9 @@ from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.utils import timezone
 
-from gpuworker.contract.heartbeat import parse_heartbeat
 from controlplane.fleet.services.heartbeats import worker_heartbeat
 from controlplane.live_events import FLEET_GROUP
+from gpuworker.contract.heartbeat import parse_heartbeat
 from tests.controlplane.fleet.conftest import make_worker
 
 pytestmark = pytest.mark.django_db
@@ -25,8 +25,9 @@ def test_a_heartbeat_publishes_its_figures_to_the_fleet_group(django_capture_on_
     channel = async_to_sync(layer.new_channel)()
     async_to_sync(layer.group_add)(FLEET_GROUP, channel)
     worker = make_worker()
-    heartbeat = parse_heartbeat({"gpus": [{"index": 0, "utilization_pct": 37.0, "power_w": 310.5}],
-                                 "cpu": {"utilization_pct": 12.0}})
+    heartbeat = parse_heartbeat(
+        {"gpus": [{"index": 0, "utilization_pct": 37.0, "power_w": 310.5}], "cpu": {"utilization_pct": 12.0}}
+    )
     try:
         with django_capture_on_commit_callbacks(execute=True):
             worker_heartbeat(worker_id=worker.pk, heartbeat=heartbeat, now=timezone.now())

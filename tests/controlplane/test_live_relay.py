@@ -44,8 +44,12 @@ async def test_bad_datagrams_and_oversized_events_are_dropped_and_the_next_event
     page = await web.new_channel()
     await web.group_add("fleet", page)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
-        for garbage in (b"not json", b'{"group": "fleet"}', b'{"group": "bad group!", "message": {}}',
-                        b'{"group": "fleet", "message": [1]}'):
+        for garbage in (
+            b"not json",
+            b'{"group": "fleet"}',
+            b'{"group": "bad group!", "message": {}}',
+            b'{"group": "fleet", "message": [1]}',
+        ):
             other.sendto(garbage, ("127.0.0.1", port))
     await celery.group_send("fleet", {**EVENT, "data": {"blob": "x" * MAX_DATAGRAM_BYTES}})
     await celery.group_send("fleet", EVENT)

@@ -28,8 +28,11 @@ TOKEN = "scraper-secret"
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 @pytest.fixture
@@ -75,7 +78,9 @@ def test_fleet_gauges_are_read_from_the_database(client, token):
     ReplicaFactory.create_batch(2, deployment=deployment, worker=worker, state=Replica.State.READY)
     ReplicaFactory(deployment=deployment, worker=worker, state=Replica.State.LOADING)
     ReplicaFactory(deployment=deployment, worker=worker, state=Replica.State.STOPPED)  # history, not counted
-    heartbeat_cache.store(worker_id=worker.pk, state={"received_at": (timezone.now() - timedelta(seconds=7)).timestamp()})
+    heartbeat_cache.store(
+        worker_id=worker.pk, state={"received_at": (timezone.now() - timedelta(seconds=7)).timestamp()}
+    )
     make_worker(name="gpu-b", state=Worker.State.LOST, state_changed_at=timezone.now() - timedelta(seconds=40))
     make_worker(name="gpu-c", state=Worker.State.OFFLINE)
 
@@ -96,8 +101,11 @@ def test_fleet_gauges_are_read_from_the_database(client, token):
 def _paused(client) -> tuple[set[str], float | None]:
     """The reasons the lost-worker judgement is paused for, and its last check's time."""
     samples = _samples(client.get(reverse("metrics"), HTTP_AUTHORIZATION=f"Bearer {TOKEN}").content.decode())
-    reasons = {dict(labels)["reason"] for (name, labels), value in samples.items()
-               if name == "gpuserve_fleet_lost_judgement_paused" and value == 1}
+    reasons = {
+        dict(labels)["reason"]
+        for (name, labels), value in samples.items()
+        if name == "gpuserve_fleet_lost_judgement_paused" and value == 1
+    }
     return reasons, samples.get(("gpuserve_fleet_lost_check_timestamp_seconds", ()))
 
 
@@ -132,11 +140,18 @@ metrics.credits_charged(model="m", amount="0.002")
 def test_figures_of_several_gateway_processes_are_summed(monkeypatch, tmp_path):
     # Two processes record, as two uvicorn workers would; this one only reads their files.
     for _ in range(2):
-        subprocess.run([sys.executable, "-c", _RECORD], cwd=REPO, check=True, timeout=120,
-                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+        subprocess.run(
+            [sys.executable, "-c", _RECORD],
+            cwd=REPO,
+            check=True,
+            timeout=120,
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+        )
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     samples = _samples(metrics.render().decode())
-    assert samples[("gpuserve_gateway_requests_total", (("model", "m"), ("outcome", "completed"), ("status", "200")))] == 2
+    assert (
+        samples[("gpuserve_gateway_requests_total", (("model", "m"), ("outcome", "completed"), ("status", "200")))] == 2
+    )
     assert samples[("gpuserve_gateway_request_duration_seconds_count", (("model", "m"),))] == 2
     assert samples[("gpuserve_gateway_time_to_first_token_seconds_count", (("model", "m"),))] == 2
     assert samples[("gpuserve_credits_charged_total", (("model", "m"),))] == pytest.approx(0.004)

@@ -50,7 +50,9 @@ def test_a_heartbeat_access_line_shows_at_debug(access_log, caplog):
     caplog.set_level(logging.DEBUG, logger="uvicorn.access")
     _access(access_log, "/internal/workers/7/heartbeat", 200)
     [record] = caplog.records
-    assert record.levelname == "DEBUG" and record.getMessage().endswith('"POST /internal/workers/7/heartbeat HTTP/1.1" 200')
+    assert record.levelname == "DEBUG" and record.getMessage().endswith(
+        '"POST /internal/workers/7/heartbeat HTTP/1.1" 200'
+    )
 
 
 @pytest.fixture
@@ -61,8 +63,10 @@ def celery_task_loggers():
         logging.getLogger(name).setLevel(level)
 
 
-@pytest.mark.parametrize(("loglevel", "quiet"), [("INFO", True), (logging.INFO, True), ("WARNING", True),
-                                                  ("DEBUG", False), (logging.DEBUG, False)])
+@pytest.mark.parametrize(
+    ("loglevel", "quiet"),
+    [("INFO", True), (logging.INFO, True), ("WARNING", True), ("DEBUG", False), (logging.DEBUG, False)],
+)
 def test_celery_task_lines_are_left_out_unless_the_worker_runs_at_debug(celery_task_loggers, loglevel, quiet):
     for name in CELERY_TASK_LOGGERS:
         logging.getLogger(name).setLevel(logging.NOTSET)

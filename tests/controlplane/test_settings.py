@@ -15,9 +15,18 @@ from controlplane.env import env_bool, env_decimal, env_int, env_list, read_env_
 REPO = Path(__file__).resolve().parents[2]
 # Variables the test environment may carry that would change what is being checked.
 _ISOLATE = (
-    "DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "CSRF_TRUSTED_ORIGINS", "SECURE_SSL_REDIRECT",
-    "SESSION_COOKIE_SECURE", "CSRF_COOKIE_SECURE", "SECURE_HSTS_SECONDS",
-    "SECURE_HSTS_INCLUDE_SUBDOMAINS", "SECURE_HSTS_PRELOAD", "SECURE_PROXY_SSL_HEADER", "TRUSTED_PROXIES",
+    "DEBUG",
+    "SECRET_KEY",
+    "ALLOWED_HOSTS",
+    "CSRF_TRUSTED_ORIGINS",
+    "SECURE_SSL_REDIRECT",
+    "SESSION_COOKIE_SECURE",
+    "CSRF_COOKIE_SECURE",
+    "SECURE_HSTS_SECONDS",
+    "SECURE_HSTS_INCLUDE_SUBDOMAINS",
+    "SECURE_HSTS_PRELOAD",
+    "SECURE_PROXY_SSL_HEADER",
+    "TRUSTED_PROXIES",
 )
 
 
@@ -25,8 +34,11 @@ def _manage(*args, env, tmp_path):
     clean = {k: v for k, v in os.environ.items() if k not in _ISOLATE}
     return subprocess.run(
         [sys.executable, "manage.py", *args],
-        cwd=REPO, env={**clean, "VAR_DIR": str(tmp_path), **env},
-        capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env={**clean, "VAR_DIR": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -92,7 +104,9 @@ def test_autoscaling_settings_out_of_bounds_name_the_variable(tmp_path):
     assert "AUTOSCALE_HYSTERESIS_PERCENT must lie between 0 and 99; got 150." in result.stderr
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("1", True), ("yes", True), ("ON", True), ("0", False), ("off", False), ("", False)])
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("1", True), ("yes", True), ("ON", True), ("0", False), ("off", False), ("", False)]
+)
 def test_env_bool(monkeypatch, raw, expected):
     monkeypatch.setenv("FLAG", raw)
     assert env_bool("FLAG", not expected) is expected
@@ -149,10 +163,14 @@ def test_embedded_defaults_need_no_server(tmp_path):
 def test_urls_switch_to_postgresql_and_redis(tmp_path):
     database = integrations.database("postgres://u:p@db.internal:5432/gpuserve", tmp_path)
     assert (database["ENGINE"], database["HOST"], database["NAME"]) == (
-        "django.db.backends.postgresql", "db.internal", "gpuserve",
+        "django.db.backends.postgresql",
+        "db.internal",
+        "gpuserve",
     )
     redis = "redis://cache.internal:6379/2"
     assert integrations.caches(redis)["default"]["LOCATION"] == redis
-    assert integrations.channel_layers(redis)["default"]["CONFIG"]["hosts"] == [{"address": redis, "socket_timeout": None}]
+    assert integrations.channel_layers(redis)["default"]["CONFIG"]["hosts"] == [
+        {"address": redis, "socket_timeout": None}
+    ]
     assert integrations.celery_broker(redis, tmp_path) == (redis, {})
     assert integrations.celery_result_backend(redis) == redis

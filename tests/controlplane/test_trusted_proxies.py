@@ -35,7 +35,7 @@ ATTACKER, CLIENT, OTHER_CLIENT = "203.0.113.7", "198.51.100.23", "198.51.100.24"
 
 
 def _uvicorn_args(argv: list[str]) -> list[str]:
-    return argv[argv.index("uvicorn") + 1:] if "uvicorn" in argv else argv[argv.index("-m") + 2:]
+    return argv[argv.index("uvicorn") + 1 :] if "uvicorn" in argv else argv[argv.index("-m") + 2 :]
 
 
 def _launcher_command() -> list[str]:
@@ -54,7 +54,7 @@ def _compose_command() -> list[str]:
 def _dockerfile_command() -> list[str]:
     lines = (REPO / "Dockerfile").read_text().replace("\\\n", " ").splitlines()  # continuations joined
     line = next(line for line in lines if line.startswith("CMD "))
-    return _uvicorn_args(json.loads(line[len("CMD "):]))
+    return _uvicorn_args(json.loads(line[len("CMD ") :]))
 
 
 SERVERS = {"launcher": _launcher_command, "docker-compose": _compose_command, "Dockerfile": _dockerfile_command}
@@ -66,8 +66,13 @@ def _served_app(args: list[str]):
     from controlplane.asgi import application
 
     params = uvicorn_command_line.make_context("uvicorn", list(args)).params
-    config = uvicorn.Config(application, proxy_headers=params["proxy_headers"],
-                            forwarded_allow_ips=params["forwarded_allow_ips"], lifespan="off", log_config=None)
+    config = uvicorn.Config(
+        application,
+        proxy_headers=params["proxy_headers"],
+        forwarded_allow_ips=params["forwarded_allow_ips"],
+        lifespan="off",
+        log_config=None,
+    )
     config.load()
     return config.loaded_app
 
@@ -111,8 +116,9 @@ def _no_uvicorn_environment(monkeypatch):
 
 # Each shipped command line, with a peer its uvicorn would have believed: the launcher's and the
 # image's uvicorn trust loopback by default, and compose's trusted everyone.
-@pytest.mark.parametrize(("server", "peer"), [("launcher", "127.0.0.1"), ("Dockerfile", "127.0.0.1"),
-                                              ("docker-compose", ATTACKER)])
+@pytest.mark.parametrize(
+    ("server", "peer"), [("launcher", "127.0.0.1"), ("Dockerfile", "127.0.0.1"), ("docker-compose", ATTACKER)]
+)
 def test_a_new_forwarded_for_each_try_does_not_reset_the_lockout(ada, server, peer):
     browser = Browser(_served_app(SERVERS[server]()), peer)
     answers = [browser.log_in(f"wrong-{i}", forwarded_for=_spoof()) for i in range(LIMIT)]
@@ -146,16 +152,30 @@ def test_behind_the_trusted_proxy_the_forwarded_client_is_locked_out_and_audited
     # Another client behind the same proxy is not the one locked out: it logs in and acts.
     assert client.log_in(PASSWORD, forwarded_for=OTHER_CLIENT) == 302
     model = ModelFactory(enabled=True)
-    answer = client.post(reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "0"},
-                         forwarded_for=f"{_spoof()}, {OTHER_CLIENT}")
+    answer = client.post(
+        reverse("dashboard:catalog_set_enabled", args=[model.pk]),
+        {"enabled": "0"},
+        forwarded_for=f"{_spoof()}, {OTHER_CLIENT}",
+    )
     assert answer.status_code == 302
     entry = AuditEntry.objects.get(action=AuditEntry.Action.MODEL_DISABLE)
     assert (entry.actor_label, entry.source_address) == ("ada", OTHER_CLIENT)
 
 
 MALFORMED = [
-    "", ",", "not-an-address", "unknown", "999.1.1.1", "198.51.100.23, ,", "[::1", "[2001:db8::1]:x", "::ffff:zz",
-    "1.2.3.4:99999999999999999999", "\u00e9t\u00e9".encode("latin-1"), b"\xff\xfe", "a" * 4000,
+    "",
+    ",",
+    "not-an-address",
+    "unknown",
+    "999.1.1.1",
+    "198.51.100.23, ,",
+    "[::1",
+    "[2001:db8::1]:x",
+    "::ffff:zz",
+    "1.2.3.4:99999999999999999999",
+    "\u00e9t\u00e9".encode("latin-1"),
+    b"\xff\xfe",
+    "a" * 4000,
     ", ".join(["198.51.100.23"] * 500),
 ]
 

@@ -37,15 +37,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
     "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
     "llama-mha": ("LlamaConfig", {"num_key_value_heads": 4}),
-    "llama3.1": ("LlamaConfig", {
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            # small, so that the tiny head_dim has high, blended and scaled bands
-                            "original_max_position_embeddings": 256},
-        "eos_token_id": EOS_TOKEN_IDS,
-    }),
-    "mistral": ("MistralConfig", {"sliding_window": 4096,
-                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "llama3.1": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                # small, so that the tiny head_dim has high, blended and scaled bands
+                "original_max_position_embeddings": 256,
+            },
+            "eos_token_id": EOS_TOKEN_IDS,
+        },
+    ),
+    "mistral": (
+        "MistralConfig",
+        {"sliding_window": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    ),
     "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
     "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
     # head_dim 32 != hidden_size / heads, as in real Qwen3 models.
@@ -54,16 +64,39 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Mixture of experts: 4 experts, 2 per token (renormalised); Qwen2-MoE with its shared expert,
     # no renormalisation and layer 0 dense; Qwen3-MoE with q/k norms and renormalisation.
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}),
-    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
-                                     "shared_expert_intermediate_size": 96, "norm_topk_prob": False,
-                                     "mlp_only_layers": [0]}),
-    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
-                                     "norm_topk_prob": True, "head_dim": 32}),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [0],
+        },
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "head_dim": 32,
+        },
+    ),
 }
 
 
-def make_checkpoint(tmp_path: str | Path, family: str, *, seed: int = 0, dtype: str = "float32",
-                    tokenizer: bool = True, **overrides: Any) -> Path:
+def make_checkpoint(
+    tmp_path: str | Path,
+    family: str,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    tokenizer: bool = True,
+    **overrides: Any,
+) -> Path:
     """Write a tiny random `family` checkpoint into tmp_path/family and return that directory.
 
     `overrides` are config fields (e.g. num_hidden_layers=3, vocab_size=512); `dtype` is the stored

@@ -46,8 +46,9 @@ SCHEMES: dict[str, dict[str, Any]] = {
 WEIGHT_ONLY = ("fp8-ct-channel-weight-only", "awq", "gptq-sym", "gptq-asym")
 
 
-def make_quantized_checkpoint(tmp_path: str | Path, scheme: str, family: str = "llama", *, seed: int = 0,
-                              **overrides: Any) -> tuple[Path, Path]:
+def make_quantized_checkpoint(
+    tmp_path: str | Path, scheme: str, family: str = "llama", *, seed: int = 0, **overrides: Any
+) -> tuple[Path, Path]:
     """(quantized checkpoint directory, dequantised float32 twin directory) under tmp_path."""
     from safetensors.torch import load_file, save_file
 
@@ -71,8 +72,11 @@ def make_quantized_checkpoint(tmp_path: str | Path, scheme: str, family: str = "
     for directory, weights in ((quantized_dir, quantized), (twin_dir, dequantised)):
         shutil.copytree(source, directory)
         (directory / weights_file.name).unlink()
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / weights_file.name),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            str(directory / weights_file.name),
+            metadata={"format": "pt"},
+        )
     config = json.loads((quantized_dir / "config.json").read_text())
     config["quantization_config"] = quantization_config(scheme)
     (quantized_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -84,14 +88,28 @@ def quantization_config(scheme: str) -> dict[str, Any]:
     if "quant_method" in spec:
         return dict(spec)
     activations = spec["input_activations"]
-    group = {"targets": ["Linear"],
-             "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": spec["weights"],
-                         "dynamic": False}}
-    group["input_activations"] = None if activations is None else {
-        "num_bits": 8, "type": "float", "symmetric": True, "strategy": activations,
-        "dynamic": activations == "token"}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
+    group = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": spec["weights"], "dynamic": False},
+    }
+    group["input_activations"] = (
+        None
+        if activations is None
+        else {
+            "num_bits": 8,
+            "type": "float",
+            "symmetric": True,
+            "strategy": activations,
+            "dynamic": activations == "token",
+        }
+    )
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
 
 
 def _quantize(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -100,14 +118,18 @@ def _quantize(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, 
         return _fp8(scheme, weight, index)
     q, zeros, scales = _int4_groups(weight, symmetric=scheme == "gptq-sym", keep_zero_nonzero=scheme == "gptq-asym")
     groups = torch.arange(weight.shape[1]) // GROUP_SIZE
-    dequantised = ((q - zeros[:, groups]).float() * scales.float()[:, groups])
+    dequantised = (q - zeros[:, groups]).float() * scales.float()[:, groups]
     # Both formats store [in, out]-major tensors.
     q_t, zeros_t, scales_t = q.t().contiguous(), zeros.t().contiguous(), scales.t().contiguous()
     if scheme == "awq":
         packed = {"qweight": _pack_awq_columns(q_t), "qzeros": _pack_awq_columns(zeros_t), "scales": scales_t}
     else:
-        packed = {"qweight": _pack_along_rows(q_t), "qzeros": _pack_along_rows((zeros_t - 1).t().contiguous()).t(),
-                  "scales": scales_t, "g_idx": groups.to(torch.int32)}
+        packed = {
+            "qweight": _pack_along_rows(q_t),
+            "qzeros": _pack_along_rows((zeros_t - 1).t().contiguous()).t(),
+            "scales": scales_t,
+            "g_idx": groups.to(torch.int32),
+        }
     return packed, dequantised
 
 
@@ -127,8 +149,9 @@ def _fp8(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, torch
     return packed, dequantised
 
 
-def _int4_groups(weight: torch.Tensor, *, symmetric: bool,
-                 keep_zero_nonzero: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _int4_groups(
+    weight: torch.Tensor, *, symmetric: bool, keep_zero_nonzero: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per output row and group of GROUP_SIZE inputs: q [out, in] in 0..15, zeros and float16 scales
     [out, in / GROUP_SIZE], with weight ~= (q - zero) * scale."""
     out_features, in_features = weight.shape
@@ -174,9 +197,13 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
 
 
 # Projections fused into one GEMM by the engine, which share one static input scale (the largest).
-_FUSED_INPUTS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
-                 "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),
-                 "up_proj": ("gate_proj", "up_proj")}
+_FUSED_INPUTS = {
+    "q_proj": ("q_proj", "k_proj", "v_proj"),
+    "k_proj": ("q_proj", "k_proj", "v_proj"),
+    "v_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_proj": ("gate_proj", "up_proj"),
+    "up_proj": ("gate_proj", "up_proj"),
+}
 
 
 def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str):
@@ -197,13 +224,17 @@ def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str):
         static = None
         if scheme.endswith("static"):
             parent, proj = match.groups()
-            static = max(float(tensors[f"{parent}.{p}.input_scale"].reshape(()))
-                         for p in _FUSED_INPUTS.get(proj, (proj,)))
+            static = max(
+                float(tensors[f"{parent}.{p}.input_scale"].reshape(())) for p in _FUSED_INPUTS.get(proj, (proj,))
+            )
         module.register_forward_pre_hook(lambda _, args, static=static: (_fake_fp8(args[0], static),))
     return model
 
 
 def _fake_fp8(x: torch.Tensor, static: float | None) -> torch.Tensor:
-    scale = (torch.full((*x.shape[:-1], 1), static) if static is not None
-             else x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX)
+    scale = (
+        torch.full((*x.shape[:-1], 1), static)
+        if static is not None
+        else x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    )
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale

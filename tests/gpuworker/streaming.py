@@ -15,12 +15,14 @@ def stream_in_thread(url: str, body: dict, token: str) -> tuple[threading.Thread
 
     def run() -> None:
         try:
-            with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30) as client, \
-                    client.stream("POST", url, json=body) as response:
+            with (
+                httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30) as client,
+                client.stream("POST", url, json=body) as response,
+            ):
                 result["status"] = response.status_code
                 for line in response.iter_lines():
                     if line.startswith("data: "):
-                        data = line[len("data: "):]
+                        data = line[len("data: ") :]
                         result["events"].append(data if data == "[DONE]" else json.loads(data))
                         result["first"].set()
         finally:

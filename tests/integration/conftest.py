@@ -82,15 +82,22 @@ class Process:
 class Fleet:
     def __init__(self, tmp_path: Path, redis_url: str) -> None:
         db = connection.settings_dict
-        database_url = f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+        database_url = (
+            f"postgres://{db['USER']}:{db['PASSWORD']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+        )
         self.tmp_path = tmp_path
         self.token = settings.FLEET_WORKER_TOKEN
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.fleet_url = f"http://127.0.0.1:{_free_port()}"
         self.env = {
-            **os.environ, **FLEET_ENV, "DATABASE_URL": database_url, "REDIS_URL": redis_url,
-            "DEBUG": "1", "VAR_DIR": str(tmp_path / "var"), "GPUSERVE_WORKER_TOKEN": self.token,
+            **os.environ,
+            **FLEET_ENV,
+            "DATABASE_URL": database_url,
+            "REDIS_URL": redis_url,
+            "DEBUG": "1",
+            "VAR_DIR": str(tmp_path / "var"),
+            "GPUSERVE_WORKER_TOKEN": self.token,
             "PYTHONUNBUFFERED": "1",
         }
         (tmp_path / "var").mkdir()
@@ -99,19 +106,68 @@ class Fleet:
     def _start(self, name: str, argv: list[str], *, mode: str = "wb") -> Process:
         log_path = self.tmp_path / f"{name}.log"
         with open(log_path, mode) as log:
-            popen = subprocess.Popen([sys.executable, *argv], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            popen = subprocess.Popen(
+                [sys.executable, *argv],
+                cwd=REPO,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         process = Process(name, popen, log_path)
         self.processes.append(process)
         return process
 
     def start_control_plane(self, *, mode: str = "wb") -> None:
-        self._start("web", ["-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
-                            "--port", str(self.port), "--lifespan", "off", "--no-access-log"], mode=mode)
-        self._start("fleet", ["-m", "uvicorn", "controlplane.fleet_asgi:application", "--host", "127.0.0.1",
-                              "--port", self.fleet_url.rsplit(":", 1)[1], "--no-access-log"], mode=mode)
-        self._start("celery", ["-m", "celery", "-A", "controlplane", "worker", "--beat", "-l", "INFO", "-c", "2",
-                               "--without-gossip", "--without-mingle"], mode=mode)
+        self._start(
+            "web",
+            [
+                "-m",
+                "uvicorn",
+                "controlplane.asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--lifespan",
+                "off",
+                "--no-access-log",
+            ],
+            mode=mode,
+        )
+        self._start(
+            "fleet",
+            [
+                "-m",
+                "uvicorn",
+                "controlplane.fleet_asgi:application",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                self.fleet_url.rsplit(":", 1)[1],
+                "--no-access-log",
+            ],
+            mode=mode,
+        )
+        self._start(
+            "celery",
+            [
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "--beat",
+                "-l",
+                "INFO",
+                "-c",
+                "2",
+                "--without-gossip",
+                "--without-mingle",
+            ],
+            mode=mode,
+        )
         for url in (self.url, self.fleet_url):
             wait_until(lambda: self._answers(url), timeout=60, what=f"{url}/healthz", fleet=self)
 
@@ -139,11 +195,26 @@ class Fleet:
         # it to the child, so no other process of a busy machine can take it first. The drain waits
         # only for the streams in flight, so its limit can be generous: a drain that runs out ends
         # them with an error, and on a loaded CI machine a 300-token stream took 14 s (10 s failed).
-        return self._start(name, [
-            "-m", "gpuworker", "daemon", "--control-url", self.fleet_url, "--name", name, "--device", "cpu",
-            "--advertise-host", "127.0.0.1",
-            "--state-dir", str(self.tmp_path / name), "--drain-timeout", str(DRAIN_TIMEOUT_S),
-        ])
+        return self._start(
+            name,
+            [
+                "-m",
+                "gpuworker",
+                "daemon",
+                "--control-url",
+                self.fleet_url,
+                "--name",
+                name,
+                "--device",
+                "cpu",
+                "--advertise-host",
+                "127.0.0.1",
+                "--state-dir",
+                str(self.tmp_path / name),
+                "--drain-timeout",
+                str(DRAIN_TIMEOUT_S),
+            ],
+        )
 
     def kill(self, process: Process) -> None:
         """SIGKILL, as a crash would: the daemon gets no chance to drain or say goodbye."""

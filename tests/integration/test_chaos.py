@@ -23,12 +23,31 @@ def test_a_short_chaos_run_loses_no_charge_and_charges_none_twice(tmp_path):
     report_path = tmp_path / "report.json"
     # Its own PostgreSQL and Redis: the script ignores the suite's DATABASE_URL and REDIS_URL.
     run = subprocess.run(
-        [sys.executable, "bench/chaos.py", "--duration", "60", "--tenants", "3", "--concurrency", "4",
-         "--fault-interval", "6", "--seed", "3", "--json", str(report_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=540)
+        [
+            sys.executable,
+            "bench/chaos.py",
+            "--duration",
+            "60",
+            "--tenants",
+            "3",
+            "--concurrency",
+            "4",
+            "--fault-interval",
+            "6",
+            "--seed",
+            "3",
+            "--json",
+            str(report_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     print(run.stdout)
-    assert report_path.exists(), (f"the chaos run did not finish (exit {run.returncode}):\n{run.stdout[-3000:]}\n"
-                                  f"{run.stderr[-6000:]}")
+    assert report_path.exists(), (
+        f"the chaos run did not finish (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    )
     report = json.loads(report_path.read_text())
     audit = report["audit"]
     failed = {name: audit[name] for name in Audit.PROBLEMS if audit[name]}

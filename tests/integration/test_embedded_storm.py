@@ -21,15 +21,34 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_short_storm_with_the_celery_worker_and_a_replica_killed_leaves_every_process_alive_and_loses_nothing(
-        tmp_path):
+    tmp_path,
+):
     report_path = tmp_path / "report.json"
     run = subprocess.run(
-        [sys.executable, "-m", "bench.embedded_storm", "--duration", "75", "--scale-interval", "4", "--seed", "1",
-         "--kill", "worker,replica", "--json", str(report_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=840)
+        [
+            sys.executable,
+            "-m",
+            "bench.embedded_storm",
+            "--duration",
+            "75",
+            "--scale-interval",
+            "4",
+            "--seed",
+            "1",
+            "--kill",
+            "worker,replica",
+            "--json",
+            str(report_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
     print(run.stdout)
-    assert report_path.exists(), (f"the storm did not finish (exit {run.returncode}):\n{run.stdout[-3000:]}\n"
-                                  f"{run.stderr[-6000:]}")
+    assert report_path.exists(), (
+        f"the storm did not finish (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}"
+    )
     report = json.loads(report_path.read_text())
     assert "processes" in report, report["problems"]
     processes, account = report["processes"], report["account"]
@@ -45,11 +64,13 @@ def test_a_short_storm_with_the_celery_worker_and_a_replica_killed_leaves_every_
     # The replica kill killed the process the daemon reported: the daemon saw it die of SIGKILL, the
     # control plane recorded the replica crashed, a replica created after it became ready, and a
     # request was served after that, with no other process exiting.
-    assert replica_kill["child"] == "replica" and replica_kill["killed"] and not replica_kill["problem"], \
-        report["table"]
+    assert replica_kill["child"] == "replica" and replica_kill["killed"] and not replica_kill["problem"], report[
+        "table"
+    ]
     assert replica_kill["pid"] and replica_kill["replica_id"], report["table"]
-    assert replica_kill["failure_seen"].startswith("crashed: the replica process was killed by SIGKILL"), \
-        report["table"]
+    assert replica_kill["failure_seen"].startswith("crashed: the replica process was killed by SIGKILL"), report[
+        "table"
+    ]
     assert replica_kill["replaced_by"] > replica_kill["replica_id"], report["table"]
     assert replica_kill["served_again_s"] is not None and report["traffic"].get("200"), report["table"]
     assert account["failures"].get("crashed") == 1, report["table"]

@@ -26,8 +26,12 @@ State = Replica.State
 
 
 def _deployment(weights_path, *, desired=0, max_replicas=2, tensor_parallel_size=1) -> Deployment:
-    model = ModelFactory(weights_path=str(weights_path), context_length=512, gpu_memory_bytes=64 * 1024**2,
-                         tensor_parallel_size=tensor_parallel_size)
+    model = ModelFactory(
+        weights_path=str(weights_path),
+        context_length=512,
+        gpu_memory_bytes=64 * 1024**2,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     return DeploymentFactory(model=model, desired_replicas=desired, min_replicas=0, max_replicas=max_replicas)
 
 
@@ -35,6 +39,7 @@ def _online_workers(fleet, count):
     def check():
         workers = list(Worker.objects.filter(state=Worker.State.ONLINE))
         return workers if len(workers) == count else None
+
     return wait_until(check, timeout=60, what=f"{count} daemons online", fleet=fleet)
 
 
@@ -42,8 +47,10 @@ def _ready(deployment, count, fleet, timeout=120):
     def check():
         ready = list(Replica.objects.filter(deployment=deployment, state=State.READY))
         return ready if len(ready) == count else None
-    return wait_until(check, timeout=timeout, what=f"{count} ready replicas of {deployment.model.public_name}",
-                      fleet=fleet)
+
+    return wait_until(
+        check, timeout=timeout, what=f"{count} ready replicas of {deployment.model.public_name}", fleet=fleet
+    )
 
 
 @dataclass
@@ -90,8 +97,11 @@ class Load:
         with httpx.Client(headers={"Authorization": f"Bearer {self.token}"}, timeout=60) as client:
             turn = offset
             while not self._stop.is_set():
-                targets = list(Replica.objects.filter(deployment=self.deployment, state=State.READY)
-                               .values_list("pk", "endpoint_url"))
+                targets = list(
+                    Replica.objects.filter(deployment=self.deployment, state=State.READY).values_list(
+                        "pk", "endpoint_url"
+                    )
+                )
                 if not targets:
                     time.sleep(0.1)
                     continue
@@ -100,8 +110,13 @@ class Load:
         connection.close()
 
     def _one(self, client, replica_id, endpoint_url):
-        body = {"model": self.deployment.model.public_name, "stream": True, "max_tokens": 300, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "stream while the fleet changes"}]}
+        body = {
+            "model": self.deployment.model.public_name,
+            "stream": True,
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "stream while the fleet changes"}],
+        }
         request = Request(replica_id, time.monotonic())
         try:
             with client.stream("POST", f"{endpoint_url}/v1/chat/completions", json=body) as response:
@@ -137,23 +152,39 @@ def test_scale_0_to_2_across_two_daemons_and_back_to_0_while_streaming(fleet, ti
         wait_until(lambda: all(load.in_flight(r.pk) for r in ready), timeout=60, what="requests on both replicas")
         scaled_at = time.monotonic()
         deployment_scale(deployment=deployment, desired_replicas=1, actor=None)
-        drained = wait_until(lambda: Replica.objects.filter(deployment=deployment, state=State.DRAINING).first()
-                             or Replica.objects.filter(deployment=deployment, state=State.STOPPED).first(),
-                             timeout=30, what="one replica drained", fleet=fleet)
+        drained = wait_until(
+            lambda: (
+                Replica.objects.filter(deployment=deployment, state=State.DRAINING).first()
+                or Replica.objects.filter(deployment=deployment, state=State.STOPPED).first()
+            ),
+            timeout=30,
+            what="one replica drained",
+            fleet=fleet,
+        )
         draining_seen_at = time.monotonic()
-        wait_until(lambda: Replica.objects.filter(pk=drained.pk, state=State.STOPPED).exists(),
-                   timeout=DRAIN_TIMEOUT_S + 60, what="the drained replica stopped", fleet=fleet)
+        wait_until(
+            lambda: Replica.objects.filter(pk=drained.pk, state=State.STOPPED).exists(),
+            timeout=DRAIN_TIMEOUT_S + 60,
+            what="the drained replica stopped",
+            fleet=fleet,
+        )
         survivor = Replica.objects.get(deployment=deployment, state=State.READY)
         wait_until(lambda: load.in_flight(survivor.pk), timeout=30, what="requests on the survivor")
         deployment_scale(deployment=deployment, desired_replicas=0, actor=None)
-        wait_until(lambda: not Replica.objects.filter(deployment=deployment, state__in=Replica.LIVE_STATES).exists(),
-                   timeout=DRAIN_TIMEOUT_S + 60, what="every replica stopped", fleet=fleet)
+        wait_until(
+            lambda: not Replica.objects.filter(deployment=deployment, state__in=Replica.LIVE_STATES).exists(),
+            timeout=DRAIN_TIMEOUT_S + 60,
+            what="every replica stopped",
+            fleet=fleet,
+        )
 
     served = {r.replica_id for r in load.requests if r.completed}
     assert served == {r.pk for r in ready}, "both replicas served requests"
     assert load.lost() == [], load.lost()
     # Requests were in flight on the drained replica when it was told to drain, and finished.
-    caught = [r for r in load.requests if r.replica_id == drained.pk and r.started < scaled_at < draining_seen_at < r.ended]
+    caught = [
+        r for r in load.requests if r.replica_id == drained.pk and r.started < scaled_at < draining_seen_at < r.ended
+    ]
     assert caught and all(r.completed for r in caught)
     assert [r.error for r in load.requests if r.error] == []
     assert set(Replica.objects.filter(deployment=deployment).values_list("state", flat=True)) == {State.STOPPED}
@@ -173,8 +204,12 @@ def test_a_killed_daemon_is_lost_and_its_replica_replaced(fleet, tiny_model_path
     fleet.kill(victim)
     # Failed once the worker is silent for FLEET_WORKER_LOST_AFTER_SECONDS (no timing bound here:
     # a busy machine only delays it).
-    wait_until(lambda: Replica.objects.filter(pk=first.pk, state=State.FAILED).exists(), timeout=90,
-               what="the replica failed", fleet=fleet)
+    wait_until(
+        lambda: Replica.objects.filter(pk=first.pk, state=State.FAILED).exists(),
+        timeout=90,
+        what="the replica failed",
+        fleet=fleet,
+    )
     first.refresh_from_db()
     assert first.failure == Replica.Failure.WORKER_LOST and "lost" in first.last_error
     assert Worker.objects.get(pk=first.worker_id).state == Worker.State.LOST
@@ -183,8 +218,7 @@ def test_a_killed_daemon_is_lost_and_its_replica_replaced(fleet, tiny_model_path
     assert replacement.worker_id != first.worker_id
 
 
-def test_a_wrong_weight_path_is_retried_with_backoff_and_bad_task_args_leave_daemons_serving(
-        fleet, tiny_model_path):
+def test_a_wrong_weight_path_is_retried_with_backoff_and_bad_task_args_leave_daemons_serving(fleet, tiny_model_path):
     daemons = [fleet.start_daemon("a"), fleet.start_daemon("b")]
     workers = _online_workers(fleet, 2)
     broken = _deployment(tiny_model_path.parent / "no-such-model", max_replicas=1)
@@ -193,6 +227,7 @@ def test_a_wrong_weight_path_is_retried_with_backoff_and_bad_task_args_leave_dae
     def degraded_status():
         [status] = deployment_statuses(deployment_ids=[broken.pk])
         return status if status.state == "degraded" else None
+
     status = wait_until(degraded_status, timeout=120, what="the broken deployment degraded", fleet=fleet)
     assert "no-such-model" in status.last_error
     # Tried on both daemons, and again on each only once its backoff (2 s, doubling) had passed:
@@ -213,12 +248,18 @@ def test_a_wrong_weight_path_is_retried_with_backoff_and_bad_task_args_leave_dae
 
     # Bad arguments straight onto each daemon's queue: rejected with a logged reason.
     for worker in workers:
-        for name, kwargs in [("gpuworker.load_model", {"replica_id": "seven", "model_path": 3}),
-                             ("gpuworker.unload_model", {"replica_id": 1, "surprise": True}),
-                             ("gpuworker.drain_worker", {"timeout_s": -5})]:
+        for name, kwargs in [
+            ("gpuworker.load_model", {"replica_id": "seven", "model_path": 3}),
+            ("gpuworker.unload_model", {"replica_id": 1, "surprise": True}),
+            ("gpuworker.drain_worker", {"timeout_s": -5}),
+        ]:
             celery_app.send_task(name, kwargs=kwargs, queue=worker.queue_name)
-    wait_until(lambda: all("rejected gpuworker.drain_worker" in d.log_path.read_text() for d in daemons),
-               timeout=30, what="both daemons logging the rejections", fleet=fleet)
+    wait_until(
+        lambda: all("rejected gpuworker.drain_worker" in d.log_path.read_text() for d in daemons),
+        timeout=30,
+        what="both daemons logging the rejections",
+        fleet=fleet,
+    )
 
     # Both daemons still serve: a good model loads on each of them.
     good = _deployment(tiny_model_path)
@@ -239,8 +280,14 @@ def test_a_split_replica_is_placed_loaded_over_two_ranks_and_answers(fleet, tiny
     [replica] = _ready(deployment, 1, fleet, timeout=180)
     assert (replica.worker_id, replica.gpu_id, replica.tensor_parallel_size) == (worker.pk, None, 2)
     # The second rank: a spawned child below the daemon's replica process.
-    ranks = [p for p in psutil.Process(daemon.popen.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    ranks = [
+        p for p in psutil.Process(daemon.popen.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
+    ]
     assert len(ranks) == 1
-    completion = httpx.post(f"{replica.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {fleet.token}"},
-                            json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True}, timeout=60)
+    completion = httpx.post(
+        f"{replica.endpoint_url}/v1/completions",
+        headers={"Authorization": f"Bearer {fleet.token}"},
+        json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True},
+        timeout=60,
+    )
     assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 4

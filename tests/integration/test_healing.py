@@ -23,8 +23,12 @@ def test_a_failed_load_followed_by_a_control_plane_restart_serves_again_unattend
     late = tiny_model_path.parent / f"late-{uuid.uuid4().hex[:8]}"
     deployment = _deployment(late, max_replicas=1)
     deployment_scale(deployment=deployment, desired_replicas=1, actor=None)
-    failed = wait_until(lambda: Replica.objects.filter(deployment=deployment, failure=Replica.Failure.LOAD).first(),
-                        timeout=90, what="the first load to fail", fleet=fleet)
+    failed = wait_until(
+        lambda: Replica.objects.filter(deployment=deployment, failure=Replica.Failure.LOAD).first(),
+        timeout=90,
+        what="the first load to fail",
+        fleet=fleet,
+    )
     assert failed.worker_id == worker.pk
     backoff = LoadBackoff.objects.get(deployment=deployment, worker=worker)
     assert backoff.consecutive_failures >= 1 and str(late) in backoff.last_error

@@ -37,8 +37,9 @@ def private_fleet(transactional_db, require_postgres, tmp_path, tmp_path_factory
         postgres.create_database()
         redis_server.start()
         connection.close()
-        connection.settings_dict.update(HOST="127.0.0.1", PORT=str(postgres.port), NAME=postgres.database,
-                                        USER="postgres", PASSWORD="")
+        connection.settings_dict.update(
+            HOST="127.0.0.1", PORT=str(postgres.port), NAME=postgres.database, USER="postgres", PASSWORD=""
+        )
         call_command("migrate", verbosity=0)
         fleet = Fleet(tmp_path, redis_server.url)
         fleet.env.update(FLEET_WORKER_LOST_AFTER_SECONDS="3", GPUSERVE_MODEL_ROOTS=str(tmp_path_factory.getbasetemp()))
@@ -65,8 +66,11 @@ def _two_serving_daemons(fleet, model_path):
     workers = _online_workers(fleet, 2)
     # Each replica is said to need 60% of a worker's memory (a CPU replica's KV cache does not
     # follow it), so there is room for one on each worker and for no replacement.
-    model = ModelFactory(weights_path=str(model_path), context_length=512,
-                         gpu_memory_bytes=int(min(w.cpu_memory_total_bytes for w in workers) * 0.6))
+    model = ModelFactory(
+        weights_path=str(model_path),
+        context_length=512,
+        gpu_memory_bytes=int(min(w.cpu_memory_total_bytes for w in workers) * 0.6),
+    )
     deployment = DeploymentFactory(model=model, desired_replicas=2, min_replicas=0, max_replicas=2)
     replicas = {r.worker.name: r for r in _ready(deployment, 2, fleet, timeout=240)}
     kept, killed = sorted(replicas, key=lambda name: not name.endswith("-kept"))
@@ -110,13 +114,15 @@ def _outage(fleet, service, killed_daemon) -> float:
 
 def _wait_lost(fleet, killed, kept, since: float, what: str) -> None:
     """Until the killed daemon's replica (or, wrongly, the kept one) failed; prints how long after `since`."""
-    wait_until(lambda: _failed(killed) or _failed(kept), timeout=120, what="the killed daemon's replica to fail",
-               fleet=fleet)
+    wait_until(
+        lambda: _failed(killed) or _failed(kept), timeout=120, what="the killed daemon's replica to fail", fleet=fleet
+    )
     print(f"\n[measured] {what} -> the killed daemon's worker lost: {time.monotonic() - since:.1f} s")
 
 
 def test_a_postgresql_outage_fails_no_healthy_replica_and_a_daemon_that_died_in_it_is_lost(
-        private_fleet, tiny_model_path):
+    private_fleet, tiny_model_path
+):
     fleet = private_fleet
     (_, kept), (killed_daemon, killed) = _two_serving_daemons(fleet, tiny_model_path)
     back = _outage(fleet, fleet.postgres, killed_daemon)
@@ -130,8 +136,7 @@ def test_a_postgresql_outage_fails_no_healthy_replica_and_a_daemon_that_died_in_
     assert "lost-worker judgement paused: no check completed for" in log
 
 
-def test_a_redis_outage_fails_no_healthy_replica_and_a_daemon_that_died_in_it_is_lost(
-        private_fleet, tiny_model_path):
+def test_a_redis_outage_fails_no_healthy_replica_and_a_daemon_that_died_in_it_is_lost(private_fleet, tiny_model_path):
     """Redis is the broker and the heartbeat cache here: no check runs, no heartbeat is recorded,
     and Redis comes back empty."""
     fleet = private_fleet
@@ -155,12 +160,20 @@ def test_a_control_plane_too_busy_to_record_heartbeats_fails_no_healthy_replica(
     try:
         fleet.kill(killed_daemon)
         _wait_lost(fleet, killed, kept, time.monotonic(), "daemon killed while the fleet server is frozen")
-        wait_until(lambda: f"worker {kept_name} silent for" in _celery_log(fleet) or _failed(kept), timeout=60,
-                   what="the running daemon's worker to be held", fleet=fleet)
+        wait_until(
+            lambda: f"worker {kept_name} silent for" in _celery_log(fleet) or _failed(kept),
+            timeout=60,
+            what="the running daemon's worker to be held",
+            fleet=fleet,
+        )
         _assert_kept(kept)
         _assert_lost(killed)
     finally:
         os.kill(recorder.popen.pid, signal.SIGCONT)
-    wait_until(lambda: f"worker {kept_name} heard from again" in _celery_log(fleet), timeout=60,
-               what="the running daemon's heartbeats to be recorded again", fleet=fleet)
+    wait_until(
+        lambda: f"worker {kept_name} heard from again" in _celery_log(fleet),
+        timeout=60,
+        what="the running daemon's heartbeats to be recorded again",
+        fleet=fleet,
+    )
     _assert_kept(kept)

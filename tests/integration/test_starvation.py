@@ -16,8 +16,7 @@ from controlplane.catalog.models import Deployment
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.services.deployments import deployment_scale
-from tests.controlplane.factories import (ApiKeyFactory, DeploymentFactory, ModelFactory, PlanFactory,
-                                          TenantFactory)
+from tests.controlplane.factories import ApiKeyFactory, DeploymentFactory, ModelFactory, PlanFactory, TenantFactory
 from tests.integration.conftest import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -30,8 +29,9 @@ ATTACK = json.dumps({"prompt": [1] * 2_000_000}, separators=(",", ":")).encode()
 
 def _tenant_key(rate_limit_per_minute: int = 60, max_concurrent_requests: int = 16):
     """A key of a tenant on the demo plan's limits, with credit."""
-    tenant = TenantFactory(plan=PlanFactory(rate_limit_per_minute=rate_limit_per_minute,
-                                            max_concurrent_requests=max_concurrent_requests))
+    tenant = TenantFactory(
+        plan=PlanFactory(rate_limit_per_minute=rate_limit_per_minute, max_concurrent_requests=max_concurrent_requests)
+    )
     credit_grant(tenant=tenant, amount=Decimal("100"))
     return ApiKeyFactory(tenant=tenant)
 
@@ -58,8 +58,9 @@ class HeartbeatWatch(threading.Thread):
 
 def _attack(url: str, key: str, model: str, outcomes: list) -> None:
     body = ATTACK[:1] + f'"model":"{model}",'.encode() + ATTACK[1:]
-    with httpx.Client(timeout=300, headers={"Authorization": f"Bearer {key}",
-                                            "Content-Type": "application/json"}) as client:
+    with httpx.Client(
+        timeout=300, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    ) as client:
         for _ in range(ROUNDS):
             try:
                 response = client.post(f"{url}/v1/completions", content=body)
@@ -69,11 +70,11 @@ def _attack(url: str, key: str, model: str, outcomes: list) -> None:
 
 
 def _stream(url: str, key: str, model: str, result: dict) -> None:
-    body = {"model": model, "prompt": "another tenant's stream", "max_tokens": 48, "ignore_eos": True,
-            "stream": True}
+    body = {"model": model, "prompt": "another tenant's stream", "max_tokens": 48, "ignore_eos": True, "stream": True}
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300,
-                          headers={"Authorization": f"Bearer {key}"}) as response:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, timeout=300, headers={"Authorization": f"Bearer {key}"}
+        ) as response:
             result["status"] = response.status_code
             events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     except httpx.HTTPError as exc:
@@ -85,25 +86,41 @@ def _stream(url: str, key: str, model: str, result: dict) -> None:
 
 def test_eight_4mb_token_id_requests_at_once_leave_the_worker_online_and_every_replica_up(fleet, tiny_model_path):
     fleet.start_daemon("a")
-    worker = wait_until(lambda: Worker.objects.filter(state=Worker.State.ONLINE).first(), timeout=60,
-                        what="the daemon online", fleet=fleet)
+    worker = wait_until(
+        lambda: Worker.objects.filter(state=Worker.State.ONLINE).first(),
+        timeout=60,
+        what="the daemon online",
+        fleet=fleet,
+    )
     model = ModelFactory(weights_path=str(tiny_model_path), context_length=512, gpu_memory_bytes=64 * 1024**2)
     deployment: Deployment = DeploymentFactory(model=model, desired_replicas=0, min_replicas=0, max_replicas=1)
     deployment_scale(deployment=deployment, desired_replicas=1, actor=None)
-    replica = wait_until(lambda: Replica.objects.filter(deployment=deployment, state=Replica.State.READY).first(),
-                         timeout=180, what="the replica ready", fleet=fleet)
+    replica = wait_until(
+        lambda: Replica.objects.filter(deployment=deployment, state=Replica.State.READY).first(),
+        timeout=180,
+        what="the replica ready",
+        fleet=fleet,
+    )
     worker.refresh_from_db()
     attacker, other = _tenant_key(), _tenant_key()
     headers = {"Authorization": f"Bearer {other.plaintext}"}
-    wait_until(lambda: any(m["id"] == model.public_name for m in httpx.get(
-        f"{fleet.url}/v1/models", headers=headers, timeout=10).json()["data"]), timeout=30,
-        what="the gateway to route the model", fleet=fleet)
+    wait_until(
+        lambda: any(
+            m["id"] == model.public_name
+            for m in httpx.get(f"{fleet.url}/v1/models", headers=headers, timeout=10).json()["data"]
+        ),
+        timeout=30,
+        what="the gateway to route the model",
+        fleet=fleet,
+    )
 
     watch = HeartbeatWatch(worker.pk)
     watch.start()
     outcomes, streamed = [], {}
-    attack = [threading.Thread(target=_attack, args=(fleet.url, attacker.plaintext, model.public_name, outcomes))
-              for _ in range(ATTACKERS)]
+    attack = [
+        threading.Thread(target=_attack, args=(fleet.url, attacker.plaintext, model.public_name, outcomes))
+        for _ in range(ATTACKERS)
+    ]
     stream = threading.Thread(target=_stream, args=(fleet.url, other.plaintext, model.public_name, streamed))
     started = time.time()
     for thread in attack:
@@ -127,6 +144,7 @@ def test_eight_4mb_token_id_requests_at_once_leave_the_worker_online_and_every_r
     after = Worker.objects.get(pk=worker.pk)
     assert after.state == Worker.State.ONLINE and after.state_changed_at == worker.state_changed_at
     assert list(Replica.objects.filter(deployment=deployment).values_list("pk", "state")) == [
-        (replica.pk, Replica.State.READY)]
+        (replica.pk, Replica.State.READY)
+    ]
     # The other tenant's stream was served whole.
     assert streamed.get("status") == 200 and streamed.get("done") and not streamed.get("errors"), streamed

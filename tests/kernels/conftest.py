@@ -31,9 +31,16 @@ TOLERANCES = {
 FLOAT32_LONG_SUMS = {"atol": 1e-4, "rtol": 1e-4}
 
 
-def build_paged_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-                      dtype: torch.dtype, generator: torch.Generator, spare_blocks: int = 3,
-                      table_width: int | None = None):
+def build_paged_cache(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    spare_blocks: int = 3,
+    table_width: int | None = None,
+):
     """A random cache and shuffled block tables holding `seq_lens` tokens per sequence.
 
     Every block, used or not, holds random data and tables get a padding column of block 0, so a
@@ -47,7 +54,7 @@ def build_paged_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, blo
     block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     taken = 0
     for i, n in enumerate(per_seq):
-        block_tables[i, :n] = torch.tensor(order[taken:taken + n], dtype=torch.int32)
+        block_tables[i, :n] = torch.tensor(order[taken : taken + n], dtype=torch.int32)
         taken += n
     return kv_cache.to(DEVICE), block_tables.to(DEVICE)
 

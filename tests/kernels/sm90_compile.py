@@ -13,18 +13,16 @@ float32 upcast the interpreter needs).
 from __future__ import annotations
 
 import inspect
-from collections import defaultdict
-from dataclasses import dataclass
-
 import json
 import os
 import subprocess
 import sys
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton.language as tl
-
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 
@@ -104,12 +102,17 @@ def compile_job(launch: Launch, *, use_pdl: bool = True) -> dict:
                     divisible.append(index)
         else:
             raise TypeError(f"{fn.__name__}: cannot type argument {name}={value!r}")
-    job = {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
-           "divisible": divisible,
-           "do_not_specialize": [n for n in launch.kernel.do_not_specialize if n in parameters],
-           # the launch's own register limit too (the sampling kernel's max_registers): ptxas
-           # compiles another program under it
-           "options": {"num_warps": 4, "num_stages": 3, **{k: v for k, v in launch.options.items() if v is not None}}}
+    job = {
+        "module": fn.__module__,
+        "name": fn.__name__,
+        "signature": signature,
+        "constexprs": constexprs,
+        "divisible": divisible,
+        "do_not_specialize": [n for n in launch.kernel.do_not_specialize if n in parameters],
+        # the launch's own register limit too (the sampling kernel's max_registers): ptxas
+        # compiles another program under it
+        "options": {"num_warps": 4, "num_stages": 3, **{k: v for k, v in launch.options.items() if v is not None}},
+    }
     return job
 
 
@@ -117,8 +120,15 @@ def compile_jobs(jobs: list[dict]) -> list[str]:
     """Compile the jobs in one fresh process and return their PTX, in order; raises AssertionError
     with the compiler's message for the first that fails."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(jobs), env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600 + 60 * len(jobs))
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE],
+        input=json.dumps(jobs),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600 + 60 * len(jobs),
+    )
     names = ", ".join(sorted({job["name"] for job in jobs}))
     assert done.returncode == 0, f"{names} does not compile for sm_90:\n{done.stderr[-3000:]}"
     return json.loads(done.stdout)

@@ -120,19 +120,21 @@ def test_forward_with_rotary_matches_rotary_then_torch_backend(dtype, device, ge
     for chunks, padding in steps:
         meta = sequences.step(chunks, padding)
         num_tokens = meta.query_start_loc_cpu[-1] + padding
-        positions = torch.cat([torch.arange(n - q, n) for n, (_, q) in zip(meta.seq_lens_cpu, chunks)]
-                              + [torch.zeros(padding, dtype=torch.int64)]).to(device)
+        positions = torch.cat(
+            [torch.arange(n - q, n) for n, (_, q) in zip(meta.seq_lens_cpu, chunks)]
+            + [torch.zeros(padding, dtype=torch.int64)]
+        ).to(device)
         qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=generator).to(dtype).to(device)
         query = qkv[:, :q_size].view(num_tokens, NUM_Q_HEADS, HEAD_DIM)
-        key = qkv[:, q_size:q_size + kv_size].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-        value = qkv[:, q_size + kv_size:].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-        ref_query, ref_key = apply_rotary(positions, query.clone(), key.clone(), rotary.cos_cache,
-                                          rotary.sin_cache)
+        key = qkv[:, q_size : q_size + kv_size].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        value = qkv[:, q_size + kv_size :].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        ref_query, ref_key = apply_rotary(positions, query.clone(), key.clone(), rotary.cos_cache, rotary.sin_cache)
         expected = TorchAttentionBackend().forward(ref_query, ref_key, value.clone(), torch_cache, meta, scale)
 
         key_before, value_before = key.clone(), value.clone()
-        got = backend.forward_with_rotary(positions, query, key, value, triton_cache, meta, scale,
-                                          rotary.cos_cache, rotary.sin_cache)
+        got = backend.forward_with_rotary(
+            positions, query, key, value, triton_cache, meta, scale, rotary.cos_cache, rotary.sin_cache
+        )
 
         # Values bit for bit; keys within one rounding: the decode kernel's rotary may round one
         # product differently from the rotary kernel's (an FMA kept or not; ~2% of bf16 keys by an ulp).
@@ -156,8 +158,10 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
 
     mc = load_model_config(make_checkpoint(tmp_path, family))
     devices = {"triton": device, "torch": "cpu"}
-    models = {backend.name: load_model(mc, device=devices[backend.name], dtype=torch.float32, attn_backend=backend)
-              for backend in (TritonAttentionBackend(), TorchAttentionBackend())}
+    models = {
+        backend.name: load_model(mc, device=devices[backend.name], dtype=torch.float32, attn_backend=backend)
+        for backend in (TritonAttentionBackend(), TorchAttentionBackend())
+    }
     batchers = {name: PagedBatcher(mc) for name in models}
     batchers["triton"].kv_caches = [cache.to(device) for cache in batchers["triton"].kv_caches]
     qk_norms = [module for name, module in models["triton"].named_modules() if name.endswith(("q_norm", "k_norm"))]
@@ -165,18 +169,25 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
     norm_calls = []
     for module in qk_norms:
         module.register_forward_hook(lambda *_: norm_calls.append(1))
-    steps = [([("a", list(range(3, 40))), ("b", list(range(50, 55)))], None),
-             ([("a", [7]), ("b", [8])], 4), ([("a", [9]), ("b", [10])], 3)]
+    steps = [
+        ([("a", list(range(3, 40))), ("b", list(range(50, 55)))], None),
+        ([("a", [7]), ("b", [8])], 4),
+        ([("a", [9]), ("b", [10])], 3),
+    ]
     for chunks, pad_to in steps:
         logits = {}
         for name, model in models.items():
             input_ids, positions, meta = batchers[name].batch(chunks, pad_to=pad_to)
-            meta = dataclasses.replace(meta, **{field.name: getattr(meta, field.name).to(devices[name])
-                                                for field in dataclasses.fields(meta)
-                                                if isinstance(getattr(meta, field.name), torch.Tensor)})
+            meta = dataclasses.replace(
+                meta,
+                **{
+                    field.name: getattr(meta, field.name).to(devices[name])
+                    for field in dataclasses.fields(meta)
+                    if isinstance(getattr(meta, field.name), torch.Tensor)
+                },
+            )
             with torch.no_grad():
-                hidden = model(input_ids.to(devices[name]), positions.to(devices[name]), batchers[name].kv_caches,
-                               meta)
+                hidden = model(input_ids.to(devices[name]), positions.to(devices[name]), batchers[name].kv_caches, meta)
                 logits[name] = model.compute_logits(hidden).cpu()
         torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
     assert norm_calls == []
@@ -190,8 +201,8 @@ def test_fp8_cache_matches_torch_backend(fused, device, generator, tolerance):
     # padding: the same cache (float32 activations, whose rotations agree bit for bit in the
     # interpreter) and the same attention, to float32's tolerance; on a GPU the fused rotation may
     # round a key an ulp differently (see above), which can move it one e4m3 step.
-    from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
     from gpuworker.kernels.attention.rotary import apply_rotary
+    from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
     from gpuworker.models.layers import RotaryEmbedding
 
     scales = {"k_scale": 0.05, "v_scale": 0.1}
@@ -206,15 +217,20 @@ def test_fp8_cache_matches_torch_backend(fused, device, generator, tolerance):
     for chunks, padding in steps:
         meta = sequences.step(chunks, padding)
         num_tokens = meta.query_start_loc_cpu[-1] + padding
-        positions = torch.cat([torch.arange(n - q, n) for n, (_, q) in zip(meta.seq_lens_cpu, chunks)]
-                              + [torch.zeros(padding, dtype=torch.int64)]).to(device)
-        query, key, value = (torch.randn(num_tokens, heads, HEAD_DIM, generator=generator).to(device)
-                             for heads in (NUM_Q_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+        positions = torch.cat(
+            [torch.arange(n - q, n) for n, (_, q) in zip(meta.seq_lens_cpu, chunks)]
+            + [torch.zeros(padding, dtype=torch.int64)]
+        ).to(device)
+        query, key, value = (
+            torch.randn(num_tokens, heads, HEAD_DIM, generator=generator).to(device)
+            for heads in (NUM_Q_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
+        )
         ref_query, ref_key = apply_rotary(positions, query.clone(), key.clone(), rotary.cos_cache, rotary.sin_cache)
         expected = TorchAttentionBackend().forward(ref_query, ref_key, value, torch_cache, meta, scale, **scales)
         if fused:
-            got = backend.forward_with_rotary(positions, query, key, value, triton_cache, meta, scale,
-                                              rotary.cos_cache, rotary.sin_cache, **scales)
+            got = backend.forward_with_rotary(
+                positions, query, key, value, triton_cache, meta, scale, rotary.cos_cache, rotary.sin_cache, **scales
+            )
         else:
             got = backend.forward(ref_query, ref_key, value, triton_cache, meta, scale, **scales)
 
@@ -225,7 +241,7 @@ def test_fp8_cache_matches_torch_backend(fused, device, generator, tolerance):
         else:
             assert torch.equal(triton_cache[0].float(), torch_cache[0].float())
             torch.testing.assert_close(got, expected, **tolerance(torch.float32))
-        assert torch.equal(got[num_tokens - padding:], torch.zeros_like(got[num_tokens - padding:]))
+        assert torch.equal(got[num_tokens - padding :], torch.zeros_like(got[num_tokens - padding :]))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

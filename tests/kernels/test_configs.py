@@ -46,8 +46,10 @@ def test_file_names_are_the_device_names_made_safe():
 
 
 def test_what_the_writer_writes_the_loader_reads_back(folder):
-    records = [{"dtype": "bfloat16", "n": 4096, "k": 4096, "config": "a", "note": "o_proj"},
-               {"dtype": "bfloat16", "n": 128, "k": 2048, "config": "b"}]
+    records = [
+        {"dtype": "bfloat16", "n": 4096, "k": 4096, "config": "a", "note": "o_proj"},
+        {"dtype": "bfloat16", "n": 128, "k": 2048, "config": "b"},
+    ]
     path = configs.write("toy", KEY, records, device="Test GPU 80GB")
     assert path == folder / "toy" / "Test_GPU_80GB.json"
     data = json.loads(path.read_text())
@@ -61,15 +63,29 @@ def test_what_the_writer_writes_the_loader_reads_back(folder):
 
 
 def test_a_write_merges_replaces_and_removes(folder):
-    configs.write("toy", KEY, [{"dtype": "bfloat16", "n": 1, "k": 1, "config": "a"},
-                               {"dtype": "bfloat16", "n": 2, "k": 2, "config": "b"},
-                               {"dtype": "float16", "n": 2, "k": 2, "config": "c"}], device="Test GPU 80GB")
+    configs.write(
+        "toy",
+        KEY,
+        [
+            {"dtype": "bfloat16", "n": 1, "k": 1, "config": "a"},
+            {"dtype": "bfloat16", "n": 2, "k": 2, "config": "b"},
+            {"dtype": "float16", "n": 2, "k": 2, "config": "c"},
+        ],
+        device="Test GPU 80GB",
+    )
     assert configs.table("toy", KEY)[("bfloat16", 2, 2)] == {"config": "b"}  # read, and cached
-    configs.write("toy", KEY, [{"dtype": "bfloat16", "n": 2, "k": 2, "config": "b2"},
-                               {"dtype": "bfloat16", "n": 3, "k": 3, "config": "d"}],
-                  remove=[{"dtype": "float16", "n": 2, "k": 2}], device="Test GPU 80GB")
+    configs.write(
+        "toy",
+        KEY,
+        [{"dtype": "bfloat16", "n": 2, "k": 2, "config": "b2"}, {"dtype": "bfloat16", "n": 3, "k": 3, "config": "d"}],
+        remove=[{"dtype": "float16", "n": 2, "k": 2}],
+        device="Test GPU 80GB",
+    )
     assert {index: record["config"] for index, record in configs.table("toy", KEY).items()} == {
-        ("bfloat16", 1, 1): "a", ("bfloat16", 2, 2): "b2", ("bfloat16", 3, 3): "d"}
+        ("bfloat16", 1, 1): "a",
+        ("bfloat16", 2, 2): "b2",
+        ("bfloat16", 3, 3): "d",
+    }
     assert not list(folder.glob("toy/.*")), "no temporary file left behind"
 
 

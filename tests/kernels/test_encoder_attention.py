@@ -26,10 +26,15 @@ def test_each_sequence_attends_to_itself_only(dtype, head_dim, device, generator
     torch.testing.assert_close(out.float(), expected, **tolerance)
     # A sequence alone gives what it gives packed beside the others.
     first = lengths[0] + lengths[1]
-    alone = encoder_attention(q[lengths[0]:first], k[lengths[0]:first], v[lengths[0]:first],
-                              torch.tensor([0, lengths[1]], dtype=torch.int32, device=device), lengths[1],
-                              head_dim**-0.5)
-    torch.testing.assert_close(alone, out[lengths[0]:first])
+    alone = encoder_attention(
+        q[lengths[0] : first],
+        k[lengths[0] : first],
+        v[lengths[0] : first],
+        torch.tensor([0, lengths[1]], dtype=torch.int32, device=device),
+        lengths[1],
+        head_dim**-0.5,
+    )
+    torch.testing.assert_close(alone, out[lengths[0] : first])
 
 
 def test_the_reference_equals_attention_per_sequence(generator):

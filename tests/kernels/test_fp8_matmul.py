@@ -6,10 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.quant import fp8_matmul as fp8_module
 from gpuworker.kernels import launch as launch_module
-from gpuworker.kernels.quant.fp8_matmul import (FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference,
-                                          quantize_fp8_rows, quantize_fp8_rows_reference)
+from gpuworker.kernels.quant import fp8_matmul as fp8_module
+from gpuworker.kernels.quant.fp8_matmul import (
+    FP8_DTYPE,
+    FP8_MAX,
+    fp8_matmul,
+    fp8_matmul_reference,
+    quantize_fp8_rows,
+    quantize_fp8_rows_reference,
+)
 from tests.kernels.conftest import FLOAT32_LONG_SUMS
 
 ON_CUDA = torch.cuda.is_available()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.moe.fused import align_by_expert, fused_moe
 from gpuworker.kernels.moe.decode import route_reference
+from gpuworker.kernels.moe.fused import align_by_expert, fused_moe
 from gpuworker.models.moe import experts_reference
 from tests.kernels.conftest import DEVICE, ON_CUDA, TOLERANCES
 
@@ -41,7 +41,7 @@ def test_alignment_groups_every_pair_once_by_expert(tokens, top_k, experts, bloc
     assert (pair_of_row[pair_of_row >= num_pairs] == num_pairs).all()  # padding is marked
     flat = ids.flatten()
     for block, expert in enumerate(expert_of_block.tolist()):
-        rows = pair_of_row[block * block_m:(block + 1) * block_m]
+        rows = pair_of_row[block * block_m : (block + 1) * block_m]
         rows = rows[rows < num_pairs]
         if expert == experts:
             assert rows.numel() == 0  # past the last run
@@ -99,6 +99,8 @@ def test_a_range_of_the_experts_computes_only_their_choices(first, count, dtype)
 
 def test_the_ranks_ranges_add_up_to_all_the_experts():
     x, w13, w2, weights, ids = problem(20, 64, 48, 8, 2, torch.float32)
-    parts = [fused_moe(x, w13[r * 4:(r + 1) * 4].contiguous(), w2[r * 4:(r + 1) * 4].contiguous(), weights, ids, r * 4)
-             for r in range(2)]
+    parts = [
+        fused_moe(x, w13[r * 4 : (r + 1) * 4].contiguous(), w2[r * 4 : (r + 1) * 4].contiguous(), weights, ids, r * 4)
+        for r in range(2)
+    ]
     torch.testing.assert_close(parts[0] + parts[1], fused_moe(x, w13, w2, weights, ids), **TOLERANCES[torch.float32])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpuworker.kernels import configs
+from gpuworker.kernels.launch import SPLIT_K_COUNTERS
 from gpuworker.kernels.linear.activation import silu_and_mul
 from gpuworker.kernels.linear.gemv import (
     CANDIDATES,
@@ -24,7 +25,6 @@ from gpuworker.kernels.linear.gemv import (
     table_config,
     tuned_config,
 )
-from gpuworker.kernels.launch import SPLIT_K_COUNTERS
 from gpuworker.kernels.norm.rms_norm import rms_norm_reference
 
 ON_CUDA = torch.cuda.is_available()
@@ -62,8 +62,9 @@ def test_every_candidate(config, dtype, device, generator, tolerance):
     k = SPLIT_K_DEPTH if config.split_k > 1 else K
     for m in (1, 5):
         x, weight, bias = make(m, N, k, dtype, generator, device)
-        torch.testing.assert_close(gemv(x, weight, bias, config=config), gemv_reference(x, weight, bias),
-                                   **tolerance(dtype))
+        torch.testing.assert_close(
+            gemv(x, weight, bias, config=config), gemv_reference(x, weight, bias), **tolerance(dtype)
+        )
 
 
 @pytest.mark.parametrize("config", [FMA, DOT, SPLIT], ids=lambda c: c.name)
@@ -82,8 +83,9 @@ def test_silu_mul_input_matches_unfused(config, dtype, m, device, generator, tol
     # Triton's interpreter truncates float32 -> bfloat16 casts where the GPU (and torch) round to
     # nearest, so there the rounded activations sit up to one bf16 step below torch's.
     loose = not ON_CUDA and dtype == torch.bfloat16
-    torch.testing.assert_close(got, gemv_reference(x, weight, bias, silu_mul_input=True),
-                               **({"atol": 0.3, "rtol": 0.05} if loose else close))
+    torch.testing.assert_close(
+        got, gemv_reference(x, weight, bias, silu_mul_input=True), **({"atol": 0.3, "rtol": 0.05} if loose else close)
+    )
 
 
 def test_row_views_and_exact_tiles(device, generator, tolerance):
@@ -93,8 +95,9 @@ def test_row_views_and_exact_tiles(device, generator, tolerance):
     x = wide[:, :k]
     _, weight, _ = make(3, n, k, torch.bfloat16, generator, device)
     for config in (FMA, DOT):
-        torch.testing.assert_close(gemv(x, weight, config=config), gemv_reference(x, weight),
-                                   **tolerance(torch.bfloat16))
+        torch.testing.assert_close(
+            gemv(x, weight, config=config), gemv_reference(x, weight), **tolerance(torch.bfloat16)
+        )
 
 
 def test_split_k_leaves_its_tickets_at_zero(device, generator, tolerance):
@@ -121,11 +124,15 @@ def test_pick_config_uses_the_tuned_table(kernel_configs):
 
 def test_pick_config_takes_the_fp8_table_for_an_fp8_weight(kernel_configs):
     fp8_choice = FP8_CANDIDATES[0]
-    kernel_configs("gemv", TABLE_KEY, [
-        dict(weight_dtype="bfloat16", n=4096, k=4096, m=1, config="fma-n16-k512-w4-p3"),
-        dict(weight_dtype="float8_e4m3fn", n=4096, k=4096, m=1, config=fp8_choice.name),
-        dict(weight_dtype="bfloat16", n=4096, k=14336, m=1, config="fma-n16-k512-w4-p1"),
-    ])
+    kernel_configs(
+        "gemv",
+        TABLE_KEY,
+        [
+            dict(weight_dtype="bfloat16", n=4096, k=4096, m=1, config="fma-n16-k512-w4-p3"),
+            dict(weight_dtype="float8_e4m3fn", n=4096, k=4096, m=1, config=fp8_choice.name),
+            dict(weight_dtype="bfloat16", n=4096, k=14336, m=1, config="fma-n16-k512-w4-p1"),
+        ],
+    )
     assert pick_config(1, 4096, 4096, fp8_weight=True) == fp8_choice
     assert pick_config(1, 4096, 4096).name == "fma-n16-k512-w4-p3"
     # No FP8 entry: the bf16 choice.

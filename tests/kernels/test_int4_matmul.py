@@ -9,12 +9,24 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from gpuworker.kernels.quant import int4_matmul as int4_module
-from gpuworker.kernels.quant.int4_matmul import (GEMM_TABLE_KEY, GEMV_TABLE_KEY, TARGET_PROGRAMS, Int4GemmConfig,
-                                                 Int4GemvConfig, default_gemv_config, dequantize_int4,
-                                                 dequantize_int4_to, int4_matmul, int4_matmul_reference, pack_rows,
-                                                 pick_gemm_config, pick_gemv_config, unpack_rows)
 from gpuworker.kernels.launch import SPLIT_K_COUNTERS
+from gpuworker.kernels.quant import int4_matmul as int4_module
+from gpuworker.kernels.quant.int4_matmul import (
+    GEMM_TABLE_KEY,
+    GEMV_TABLE_KEY,
+    TARGET_PROGRAMS,
+    Int4GemmConfig,
+    Int4GemvConfig,
+    default_gemv_config,
+    dequantize_int4,
+    dequantize_int4_to,
+    int4_matmul,
+    int4_matmul_reference,
+    pack_rows,
+    pick_gemm_config,
+    pick_gemv_config,
+    unpack_rows,
+)
 from tests.kernels.conftest import FLOAT32_LONG_SUMS, TOLERANCES
 
 ON_CUDA = torch.cuda.is_available()
@@ -100,8 +112,11 @@ def test_the_batched_kernel(with_bias, device, generator):
 
 
 def test_gemm_tiles_stay_within_a_group(kernel_configs):
-    tiles = {16: Int4GemmConfig(16, 64, 128, 4, 4), 64: Int4GemmConfig(64, 128, 64, 4, 4),
-             1024: Int4GemmConfig(128, 128, 64, 8, 3)}
+    tiles = {
+        16: Int4GemmConfig(16, 64, 128, 4, 4),
+        64: Int4GemmConfig(64, 128, 64, 4, 4),
+        1024: Int4GemmConfig(128, 128, 64, 8, 3),
+    }
     kernel_configs("int4_matmul", GEMM_TABLE_KEY, [dict(rows=rows, **asdict(tile)) for rows, tile in tiles.items()])
     assert pick_gemm_config(8, 128, on_cuda=True) == tiles[16]
     assert pick_gemm_config(200, 32, on_cuda=True).block_k == 32
@@ -177,8 +192,11 @@ GEMV_CONFIGS = [
     Int4GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=3, split_k=3, x_words=True),
     Int4GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=2, x_words=True),
 ]
-GEMV_SHAPES = [(37, 104, 8), (70, 160, 16), (40, 352, 32), (32, 512, 128)] if not ON_CUDA else [
-    (6144, 4096, 128), (4096, 14336, 128), (1000, 4160, 32), (37, 1024, 256)]
+GEMV_SHAPES = (
+    [(37, 104, 8), (70, 160, 16), (40, 352, 32), (32, 512, 128)]
+    if not ON_CUDA
+    else [(6144, 4096, 128), (4096, 14336, 128), (1000, 4160, 32), (37, 1024, 256)]
+)
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS, ids=lambda c: c.name)
@@ -247,16 +265,21 @@ def test_pick_gemv_config_uses_the_tuned_table(kernel_configs):
     assert pick_gemv_config(4096, 4096, 64) == default_gemv_config(4096, 4096, 64)
 
 
-@pytest.mark.parametrize(("config", "message"), [
-    (Int4GemvConfig(block_n=24, block_k=64, num_warps=4, num_stages=1), "block_n must be a power of 2"),
-    (Int4GemvConfig(block_n=16, block_k=4, num_warps=4, num_stages=1), "block_k must be at least 8"),
-    (Int4GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=0), "num_stages must be a positive int"),
-    (Int4GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, split_k=0), "split_k must be a positive"),
-])
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (Int4GemvConfig(block_n=24, block_k=64, num_warps=4, num_stages=1), "block_n must be a power of 2"),
+        (Int4GemvConfig(block_n=16, block_k=4, num_warps=4, num_stages=1), "block_k must be at least 8"),
+        (Int4GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=0), "num_stages must be a positive int"),
+        (Int4GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=1, split_k=0), "split_k must be a positive"),
+    ],
+)
 def test_bad_gemv_config_is_named(config, message, device):
-    qweight, zeros, scales = (torch.zeros(4, 8, dtype=torch.int32, device=device),
-                              torch.zeros(1, 8, dtype=torch.uint8, device=device),
-                              torch.ones(1, 8, dtype=torch.float16, device=device))
+    qweight, zeros, scales = (
+        torch.zeros(4, 8, dtype=torch.int32, device=device),
+        torch.zeros(1, 8, dtype=torch.uint8, device=device),
+        torch.ones(1, 8, dtype=torch.float16, device=device),
+    )
     with pytest.raises(ValueError, match=message):
         int4_matmul(torch.zeros(1, 32, device=device), qweight, zeros, scales, 32, gemv_config=config)
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.quant.kv_cache import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
 from gpuworker.kernels.attention.kv_cache_write import kv_cache_write, kv_cache_write_reference
-from gpuworker.kernels.attention.paged_decode import (NewTokens, paged_decode_attention,
-                                                     paged_decode_attention_reference)
+from gpuworker.kernels.attention.paged_decode import NewTokens, paged_decode_attention, paged_decode_attention_reference
 from gpuworker.kernels.attention.prefill import prefill_attention, prefill_attention_reference
 from gpuworker.kernels.attention.rotary import apply_rotary, apply_rotary_and_cache, apply_rotary_and_cache_reference
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
 from gpuworker.models.layers import RotaryEmbedding
 
 ON_CUDA = torch.cuda.is_available()
@@ -124,8 +123,9 @@ def test_cache_write_quantizes_with_the_scales(dtype, device, generator):
     block, offset = int(slots[0]) // block_size, int(slots[0]) % block_size
     assert float(cache[0, block, offset, 0, 0].float()) * K_SCALE == pytest.approx(FP8_MAX * K_SCALE)
     # Against the float values: within e4m3's rounding (3 mantissa bits), below saturation.
-    stored = dequantize_kv(cache[1, slots[slots >= 0].cpu() // block_size, slots[slots >= 0].cpu() % block_size],
-                           V_SCALE)
+    stored = dequantize_kv(
+        cache[1, slots[slots >= 0].cpu() // block_size, slots[slots >= 0].cpu() % block_size], V_SCALE
+    )
     torch.testing.assert_close(stored, value[(slots >= 0)].float(), rtol=2**-4, atol=V_SCALE * 2**-9)
 
 
@@ -139,8 +139,8 @@ def test_rotary_cache_write_quantizes_keys_after_rotating(dtype, device, generat
     qkv = qkv.to(dtype).to(device)
     q_size, kv_size = NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
     query = qkv[:, :q_size].view(num_tokens, NUM_Q_HEADS, HEAD_DIM)
-    key = qkv[:, q_size:q_size + kv_size].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    value = qkv[:, q_size + kv_size:].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    key = qkv[:, q_size : q_size + kv_size].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    value = qkv[:, q_size + kv_size :].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     rotary = RotaryEmbedding(HEAD_DIM // 2, 4096, 10000.0, None).to(device)  # partial: the tail is copied
     positions = torch.randint(0, 4096, (num_tokens,), generator=generator).to(device)
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
@@ -151,22 +151,28 @@ def test_rotary_cache_write_quantizes_keys_after_rotating(dtype, device, generat
 
     q2, k2 = apply_rotary(positions, query.clone(), key.clone(), rotary.cos_cache, rotary.sin_cache)
     kv_cache_write(k2, value, two_step, slots, **SCALES)
-    apply_rotary_and_cache_reference(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, reference,
-                                     slots, **SCALES)
+    apply_rotary_and_cache_reference(
+        positions, query, key, value, rotary.cos_cache, rotary.sin_cache, reference, slots, **SCALES
+    )
     apply_rotary_and_cache(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache, slots, **SCALES)
 
     assert torch.equal(cache.float(), two_step.float())
     if dtype == torch.float32:
         assert_same_fp8(cache, reference)
     else:  # a rotated key near zero is a difference of two products, each rounded to bfloat16
-        torch.testing.assert_close(dequantize_kv(cache[0], K_SCALE), dequantize_kv(reference[0], K_SCALE),
-                                   rtol=0.13, atol=ROTATED_BF16_KEY_ATOL)
+        torch.testing.assert_close(
+            dequantize_kv(cache[0], K_SCALE),
+            dequantize_kv(reference[0], K_SCALE),
+            rtol=0.13,
+            atol=ROTATED_BF16_KEY_ATOL,
+        )
         assert torch.equal(cache[1].float(), reference[1].float())
 
 
 @pytest.fixture
 def fp8_and_float_caches(paged_cache, generator):
     """(float cache, the same quantized to FP8, block tables) holding SEQ_LENS tokens."""
+
     def build(dtype, seq_lens, **kwargs):
         float_cache, block_tables = paged_cache(seq_lens, NUM_KV_HEADS, HEAD_DIM, 16, dtype, generator, **kwargs)
         return float_cache, as_fp8(float_cache), block_tables
@@ -184,8 +190,18 @@ def test_paged_decode_on_fp8_cache(dtype, num_splits, v_pairs, fp8_and_float_cac
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=device)
     scale = HEAD_DIM**-0.5
 
-    out = paged_decode_attention(query, fp8_cache, block_tables, lens, scale, max(SEQ_LENS), num_splits=num_splits,
-                                 fp8_v_pairs=v_pairs, **TILE, **SCALES)
+    out = paged_decode_attention(
+        query,
+        fp8_cache,
+        block_tables,
+        lens,
+        scale,
+        max(SEQ_LENS),
+        num_splits=num_splits,
+        fp8_v_pairs=v_pairs,
+        **TILE,
+        **SCALES,
+    )
 
     same_cache = paged_decode_attention_reference(query, fp8_cache, block_tables, lens, scale, **SCALES)
     torch.testing.assert_close(out, same_cache, **tolerance(dtype))
@@ -212,8 +228,9 @@ def test_paged_decode_on_fp8_cache_takes_a_query_beyond_float16s_range(fp8_and_f
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_quantizes_the_new_token_it_caches_and_attends(dtype, num_splits, fp8_and_float_caches, device,
-                                                                      generator, tolerance):
+def test_paged_decode_quantizes_the_new_token_it_caches_and_attends(
+    dtype, num_splits, fp8_and_float_caches, device, generator, tolerance
+):
     # The step's own token, rotated and stored by the launch, counts as the cache will hold it: the
     # cache as the fused rotary kernel leaves it, and (float32, where the rotations agree bit for bit)
     # the output and the cache of the torch reference.
@@ -223,27 +240,43 @@ def test_paged_decode_quantizes_the_new_token_it_caches_and_attends(dtype, num_s
     query = qkv[:, :q_size].view(-1, NUM_Q_HEADS, HEAD_DIM)
     rotary = RotaryEmbedding(HEAD_DIM, 8192, 500000.0, None).to(device)
     tables = block_tables.cpu()
-    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(SEQ_LENS)],
-                         device=device)
-    new = NewTokens(torch.tensor([n - 1 for n in SEQ_LENS], device=device),
-                    qkv[:, q_size:q_size + kv_size].view(-1, NUM_KV_HEADS, HEAD_DIM),
-                    qkv[:, q_size + kv_size:].view(-1, NUM_KV_HEADS, HEAD_DIM), rotary.cos_cache, rotary.sin_cache,
-                    slots)
+    slots = torch.tensor(
+        [int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(SEQ_LENS)], device=device
+    )
+    new = NewTokens(
+        torch.tensor([n - 1 for n in SEQ_LENS], device=device),
+        qkv[:, q_size : q_size + kv_size].view(-1, NUM_KV_HEADS, HEAD_DIM),
+        qkv[:, q_size + kv_size :].view(-1, NUM_KV_HEADS, HEAD_DIM),
+        rotary.cos_cache,
+        rotary.sin_cache,
+        slots,
+    )
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=device)
     unfused_cache, reference_cache = fp8_cache.clone(), fp8_cache.clone()
     scale = HEAD_DIM**-0.5
 
-    expected = paged_decode_attention_reference(query, reference_cache, block_tables, lens, scale, new_tokens=new,
-                                                **SCALES)
-    out = paged_decode_attention(query, fp8_cache, block_tables, lens, scale, max(SEQ_LENS), num_splits=num_splits,
-                                 new_tokens=new, **TILE, **SCALES)
-    apply_rotary_and_cache(new.positions, query.clone(), new.key, new.value, new.cos_cache, new.sin_cache,
-                           unfused_cache, slots, **SCALES)
+    expected = paged_decode_attention_reference(
+        query, reference_cache, block_tables, lens, scale, new_tokens=new, **SCALES
+    )
+    out = paged_decode_attention(
+        query,
+        fp8_cache,
+        block_tables,
+        lens,
+        scale,
+        max(SEQ_LENS),
+        num_splits=num_splits,
+        new_tokens=new,
+        **TILE,
+        **SCALES,
+    )
+    apply_rotary_and_cache(
+        new.positions, query.clone(), new.key, new.value, new.cos_cache, new.sin_cache, unfused_cache, slots, **SCALES
+    )
 
     # bfloat16 on a GPU: the fused decode kernel and the rotary kernel round the rotation's products
     # each their own way (2 of 10.5 M elements differed on the H200 by 0.03 stored units).
-    assert_same_fp8(fp8_cache, unfused_cache,
-                    atol=2**-9 if dtype == torch.float32 else ROTATED_BF16_KEY_ATOL / K_SCALE)
+    assert_same_fp8(fp8_cache, unfused_cache, atol=2**-9 if dtype == torch.float32 else ROTATED_BF16_KEY_ATOL / K_SCALE)
     if dtype == torch.float32:
         assert_same_fp8(fp8_cache, reference_cache)
         torch.testing.assert_close(out, expected, **tolerance(dtype))
@@ -275,5 +308,6 @@ def test_fp8_cache_must_come_with_queries_of_a_float_dtype(fp8_and_float_caches,
     _, fp8_cache, block_tables = fp8_and_float_caches(torch.float32, [5])
     lens = torch.tensor([5], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="query must have dtype"):
-        paged_decode_attention(torch.zeros(1, NUM_Q_HEADS, HEAD_DIM, dtype=FP8_DTYPE, device=device), fp8_cache,
-                               block_tables, lens, 1.0, 5)
+        paged_decode_attention(
+            torch.zeros(1, NUM_Q_HEADS, HEAD_DIM, dtype=FP8_DTYPE, device=device), fp8_cache, block_tables, lens, 1.0, 5
+        )

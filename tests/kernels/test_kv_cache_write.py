@@ -19,8 +19,8 @@ def test_matches_reference_with_padding_and_strided_views(dtype, block_size, dev
     num_slots = num_blocks * block_size
     # k and v as the model produces them: column slices of one fused qkv row, not contiguous.
     qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=generator).to(dtype).to(device)
-    key = qkv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, 2 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    key = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, 2 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     slots = torch.randperm(num_slots, generator=generator)[:num_tokens]
     slots[torch.rand(num_tokens, generator=generator) < 0.2] = -1  # padding tokens
     slots[-1] = num_slots - 1  # the very last slot of the cache

@@ -6,17 +6,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.moe.decode import (DECODE_MAX_PAIRS, DEFAULT_CONFIG, ENV_OVERRIDE, TABLE_KEY, DecodeConfig,
-                                          Tile, decode_config, moe_decode, moe_decode_reference, route_reference,
-                                          route_top_k)
+from gpuworker.kernels.moe.decode import (
+    DECODE_MAX_PAIRS,
+    DEFAULT_CONFIG,
+    ENV_OVERRIDE,
+    TABLE_KEY,
+    DecodeConfig,
+    Tile,
+    decode_config,
+    moe_decode,
+    moe_decode_reference,
+    route_reference,
+    route_top_k,
+)
 from gpuworker.models.moe import experts_reference
 from tests.kernels.conftest import DEVICE, ON_CUDA, TOLERANCES
 
 # (hidden, expert intermediate, experts): not multiples of the tiles, so the masks and clamped rows are used.
 SHAPES = [(64, 48, 4), (96, 80, 8)] if not ON_CUDA else [(64, 48, 4), (2048, 768, 128), (4096, 14336, 8)]
 # Tiles wider and narrower than the tiny shapes, with one and several pipeline stages.
-CONFIGS = [DEFAULT_CONFIG, DecodeConfig(gate_up=Tile(8, 32, 2, 1), down=Tile(32, 16, 4, 2)),
-           DecodeConfig(gate_up=Tile(64, 128, 4, 2), down=Tile(4, 512, 8, 1))]
+CONFIGS = [
+    DEFAULT_CONFIG,
+    DecodeConfig(gate_up=Tile(8, 32, 2, 1), down=Tile(32, 16, 4, 2)),
+    DecodeConfig(gate_up=Tile(64, 128, 4, 2), down=Tile(4, 512, 8, 1)),
+]
 
 
 def problem(tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, seed: int = 0):
@@ -61,8 +74,9 @@ def test_a_token_with_nan_logits_reads_nothing_out_of_bounds_and_leaves_the_othe
     out = moe_decode(x, w13, w2, weights, ids)
     expected_weights, expected_ids = route_reference(logits[1:], 2, normalize=True)
     assert torch.equal(ids[1:], expected_ids)
-    torch.testing.assert_close(out[1:], experts_reference(x[1:], w13, w2, expected_weights, expected_ids),
-                               **TOLERANCES[torch.float32])
+    torch.testing.assert_close(
+        out[1:], experts_reference(x[1:], w13, w2, expected_weights, expected_ids), **TOLERANCES[torch.float32]
+    )
 
 
 def test_routing_refuses_bad_arguments():
@@ -97,8 +111,9 @@ def test_every_tile_gives_the_same_answer(config):
     x, w13, w2, logits = problem(3, hidden, inter, experts, 2, torch.float32, seed=1)
     weights, ids = route_top_k(logits, 2, normalize=False)
     expected = experts_reference(x, w13, w2, weights, ids)
-    torch.testing.assert_close(moe_decode(x, w13, w2, weights, ids, config=config), expected,
-                               **TOLERANCES[torch.float32])
+    torch.testing.assert_close(
+        moe_decode(x, w13, w2, weights, ids, config=config), expected, **TOLERANCES[torch.float32]
+    )
 
 
 @pytest.mark.parametrize("first,count", [(0, 4), (4, 4), (2, 2), (7, 1)])
@@ -115,18 +130,29 @@ def test_a_range_of_the_experts_computes_only_their_choices(first, count):
     restricted = experts_reference(x, w13, w2, torch.where(mine, weights, 0.0), ids)
     torch.testing.assert_close(out, restricted, **TOLERANCES[torch.float32])
     assert (out[~mine.any(dim=1)] == 0).all()
-    parts = [moe_decode(x, w13[lo:hi].contiguous(), w2[lo:hi].contiguous(), weights, ids, lo)
-             for lo, hi in ((0, first), (first + count, experts)) if hi > lo]
+    parts = [
+        moe_decode(x, w13[lo:hi].contiguous(), w2[lo:hi].contiguous(), weights, ids, lo)
+        for lo, hi in ((0, first), (first + count, experts))
+        if hi > lo
+    ]
     torch.testing.assert_close(sum(parts, out), moe_decode(x, w13, w2, weights, ids), **TOLERANCES[torch.float32])
 
 
 def test_the_sparse_reference_equals_the_dense_one():
     x, w13, w2, logits = problem(4, 64, 48, 8, 3, torch.float32, seed=2)
     weights, ids = route_reference(logits, 3, normalize=False)
-    torch.testing.assert_close(moe_decode_reference(x, w13, w2, weights, ids),
-                               experts_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(moe_decode_reference(x, w13[2:5], w2[2:5], weights, ids, 2),
-                               experts_reference(x, w13[2:5], w2[2:5], weights, ids, 2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        moe_decode_reference(x, w13, w2, weights, ids),
+        experts_reference(x, w13, w2, weights, ids),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    torch.testing.assert_close(
+        moe_decode_reference(x, w13[2:5], w2[2:5], weights, ids, 2),
+        experts_reference(x, w13[2:5], w2[2:5], weights, ids, 2),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_no_tokens_and_bad_arguments():
@@ -149,8 +175,14 @@ def test_decode_config_up_to_the_pair_limit(monkeypatch, kernel_configs):
     assert decode_config(0, 8, 2048, 768) is None
     # A measured table: its entry for the token count's bucket, "grouped" sending it to the grouped kernels.
     tile = "gate_up=n32-k128-w8-p2,down=n4-k512-w4-p3"
-    kernel_configs("moe_decode", TABLE_KEY, [dict(hidden=2048, inter=768, top_k=8, tokens=1, config=tile),
-                                             dict(hidden=2048, inter=768, top_k=8, tokens=4, config="grouped")])
+    kernel_configs(
+        "moe_decode",
+        TABLE_KEY,
+        [
+            dict(hidden=2048, inter=768, top_k=8, tokens=1, config=tile),
+            dict(hidden=2048, inter=768, top_k=8, tokens=4, config="grouped"),
+        ],
+    )
     assert decode_config(1, 8, 2048, 768) == DecodeConfig(Tile(32, 128, 8, 2), Tile(4, 512, 4, 3))
     assert decode_config(3, 8, 2048, 768) is None
     assert decode_config(2, 8, 2048, 768) == DEFAULT_CONFIG
@@ -163,10 +195,12 @@ def test_the_environment_overrides_the_table(monkeypatch):
     assert decode_config(9, 8, 2048, 768) is None  # past the pair limit whatever it says
     monkeypatch.setenv(ENV_OVERRIDE, "grouped")
     assert decode_config(1, 8, 2048, 768) is None
-    for bad, message in [("gate_up=n8-k512-w4-p1", "gate_up=<tile>,down=<tile>"),
-                         ("gate_up=n8-k512-w4,down=n8-k512-w4-p1", "n<BLOCK_N>-k<BLOCK_K>"),
-                         ("gate_up=n12-k512-w4-p1,down=n8-k512-w4-p1", "block_n must be a positive power of 2"),
-                         ("gate_up=n8-k512-w4-p0,down=n8-k512-w4-p1", "num_stages")]:
+    for bad, message in [
+        ("gate_up=n8-k512-w4-p1", "gate_up=<tile>,down=<tile>"),
+        ("gate_up=n8-k512-w4,down=n8-k512-w4-p1", "n<BLOCK_N>-k<BLOCK_K>"),
+        ("gate_up=n12-k512-w4-p1,down=n8-k512-w4-p1", "block_n must be a positive power of 2"),
+        ("gate_up=n8-k512-w4-p0,down=n8-k512-w4-p1", "num_stages"),
+    ]:
         monkeypatch.setenv(ENV_OVERRIDE, bad)
         with pytest.raises(ValueError, match=message):
             decode_config(1, 8, 2048, 768)

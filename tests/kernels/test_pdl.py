@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from gpuworker.kernels import configs
-from gpuworker.kernels.linear.gemv import gemv, pick_config
-from gpuworker.kernels.launch import pdl_options
 from gpuworker.kernels.attention.paged_decode import paged_decode_attention
+from gpuworker.kernels.launch import pdl_options
+from gpuworker.kernels.linear.gemv import gemv, pick_config
 from gpuworker.kernels.norm.rms_norm import rms_norm
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -77,8 +77,9 @@ def test_attention_then_prefetching_gemv_match_plain_launches(monkeypatch, in_gr
     def chain(x):
         for weight in weights:
             # Captured for 8192 tokens as the engine does: split, merged by the second kernel.
-            attended = paged_decode_attention(x.view(1, heads, head_dim), kv_cache, block_tables, seq_lens,
-                                              head_dim**-0.5, 8192)
+            attended = paged_decode_attention(
+                x.view(1, heads, head_dim), kv_cache, block_tables, seq_lens, head_dim**-0.5, 8192
+            )
             x = gemv(attended.view(1, heads * head_dim), weight)
         return x
 

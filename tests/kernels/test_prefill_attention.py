@@ -12,7 +12,8 @@ DTYPES, BLOCK_SIZES, GQA_RATIOS = (torch.float32, torch.float16, torch.bfloat16)
 # The GPU runs every combination; the interpreter a covering subset (each dtype with both block
 # sizes, each GQA ratio with two dtypes) to stay fast.
 CASES = (
-    [(d, b, g) for d in DTYPES for b in BLOCK_SIZES for g in GQA_RATIOS] if ON_CUDA
+    [(d, b, g) for d in DTYPES for b in BLOCK_SIZES for g in GQA_RATIOS]
+    if ON_CUDA
     else [(DTYPES[i // 2], BLOCK_SIZES[i % 2], GQA_RATIOS[i % 3]) for i in range(6)]
 )
 NUM_Q_HEADS, HEAD_DIM = (32, 128) if ON_CUDA else (4, 32)
@@ -20,7 +21,8 @@ NUM_Q_HEADS, HEAD_DIM = (32, 128) if ON_CUDA else (4, 32)
 # cached prefix (prefix-cache hit or an earlier chunk), one exactly a block long.
 CHUNKS = (
     [(1, 1), (700, 700), (1, 900), (513, 1537), (16, 16), (300, 2348), (37, 37)]
-    if ON_CUDA else [(1, 1), (37, 37), (1, 20), (25, 70), (16, 16), (3, 50)]
+    if ON_CUDA
+    else [(1, 1), (37, 37), (1, 20), (25, 70), (16, 16), (3, 50)]
 )
 # Small tiles in the interpreter so short chunks still cross several tiles and the diagonal.
 TILES = {} if ON_CUDA else {"block_m": 16, "block_n": 16}
@@ -41,8 +43,9 @@ def prefill(paged_cache, device, generator):
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         scale = HEAD_DIM**-0.5
         out = torch.full_like(query, float("nan"))
-        prefill_attention(query, kv_cache, query_start_loc, lens, block_tables, scale, max(q_lens), out=out,
-                          **{**TILES, **kwargs})
+        prefill_attention(
+            query, kv_cache, query_start_loc, lens, block_tables, scale, max(q_lens), out=out, **{**TILES, **kwargs}
+        )
         expected = torch.full_like(query, float("nan"))
         prefill_attention_reference(query, kv_cache, query_start_loc, lens, block_tables, scale, out=expected)
         return out, expected, starts
@@ -56,21 +59,22 @@ def test_matches_reference(dtype, block_size, gqa, prefill, tolerance):
     inside = slice(starts[0], starts[-1])
     torch.testing.assert_close(out[inside], expected[inside], **tolerance(dtype))
     # Rows outside every chunk are left untouched.
-    assert out[starts[-1]:].isnan().all()
+    assert out[starts[-1] :].isnan().all()
 
 
 def test_query_start_loc_may_start_past_row_zero(prefill, tolerance):
     # The backend hands the prefill part of a mixed batch over as a slice of query_start_loc.
     out, expected, starts = prefill(torch.bfloat16, 16, NUM_Q_HEADS // 4, CHUNKS[1:4], row_offset=5)
     assert out[:5].isnan().all()
-    torch.testing.assert_close(out[5:starts[-1]], expected[5:starts[-1]], **tolerance(torch.bfloat16))
+    torch.testing.assert_close(out[5 : starts[-1]], expected[5 : starts[-1]], **tolerance(torch.bfloat16))
 
 
 @pytest.mark.skipif(ON_CUDA, reason="the default tiles are what the GPU cases use")
 def test_default_tiles(prefill, tolerance):
-    out, expected, starts = prefill(torch.float32, 16, NUM_Q_HEADS // 2, [(150, 200), (3, 3)], block_m=None,
-                                    block_n=None)
-    torch.testing.assert_close(out[:starts[-1]], expected[:starts[-1]], **tolerance(torch.float32))
+    out, expected, starts = prefill(
+        torch.float32, 16, NUM_Q_HEADS // 2, [(150, 200), (3, 3)], block_m=None, block_n=None
+    )
+    torch.testing.assert_close(out[: starts[-1]], expected[: starts[-1]], **tolerance(torch.float32))
 
 
 def test_rejects_bad_arguments(device):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE, quantize_fp8_rows
 from gpuworker.kernels.norm.rms_norm import MAX_HIDDEN, rms_norm, rms_norm_fp8, rms_norm_reference
+from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE, quantize_fp8_rows
 
 ON_CUDA = torch.cuda.is_available()
 # Llama-3-8B's hidden size over a prefill-sized batch on the GPU; a small odd width in the interpreter.
@@ -38,8 +38,9 @@ def test_strided_per_head_view_like_qwen3_qk_norm(device, generator, tolerance):
     qkv = torch.randn(tokens, (heads + 4) * head_dim, generator=generator).bfloat16().to(device)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     weight = torch.randn(head_dim, generator=generator).bfloat16().to(device)
-    torch.testing.assert_close(rms_norm(q, weight, 1e-6), rms_norm_reference(q, weight, 1e-6),
-                               **tolerance(torch.bfloat16))
+    torch.testing.assert_close(
+        rms_norm(q, weight, 1e-6), rms_norm_reference(q, weight, 1e-6), **tolerance(torch.bfloat16)
+    )
 
 
 def test_weight_dtype_promotes_like_eager(device, generator, tolerance):
@@ -53,10 +54,12 @@ def test_weight_dtype_promotes_like_eager(device, generator, tolerance):
 def test_single_row_and_four_dims(device, generator, tolerance):
     x = torch.randn(2, 2, 3, 40, generator=generator).to(device)
     weight = torch.randn(40, generator=generator).to(device)
-    torch.testing.assert_close(rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5),
-                               **tolerance(torch.float32))
-    torch.testing.assert_close(rms_norm(x[0, 0, 0], weight, 1e-5), rms_norm_reference(x[0, 0, 0], weight, 1e-5),
-                               **tolerance(torch.float32))
+    torch.testing.assert_close(
+        rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), **tolerance(torch.float32)
+    )
+    torch.testing.assert_close(
+        rms_norm(x[0, 0, 0], weight, 1e-5), rms_norm_reference(x[0, 0, 0], weight, 1e-5), **tolerance(torch.float32)
+    )
 
 
 def test_rejects_bad_arguments(device):

@@ -7,20 +7,18 @@ import pytest
 import torch
 
 from gpuworker.kernels.attention.kv_cache_write import kv_cache_write
-from gpuworker.kernels.norm.qk_norm import QKNorm
-from gpuworker.kernels.norm.rms_norm import rms_norm
 from gpuworker.kernels.attention.rotary import (
     apply_rotary,
     apply_rotary_and_cache,
     apply_rotary_and_cache_reference,
     apply_rotary_reference,
 )
+from gpuworker.kernels.norm.qk_norm import QKNorm
+from gpuworker.kernels.norm.rms_norm import rms_norm
 from gpuworker.models.layers import RotaryEmbedding
 
 ON_CUDA = torch.cuda.is_available()
-NUM_TOKENS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_POS = (
-    (2000, 32, 8, 128, 8192) if ON_CUDA else (9, 4, 2, 32, 64)
-)
+NUM_TOKENS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, MAX_POS = (2000, 32, 8, 128, 8192) if ON_CUDA else (9, 4, 2, 32, 64)
 
 
 def _fused_qkv(dtype, device, generator, head_dim=HEAD_DIM, with_value=False):
@@ -28,21 +26,32 @@ def _fused_qkv(dtype, device, generator, head_dim=HEAD_DIM, with_value=False):
     q_size, kv_size = NUM_Q_HEADS * head_dim, NUM_KV_HEADS * head_dim
     qkv = torch.randn(NUM_TOKENS, q_size + 2 * kv_size, generator=generator).to(dtype).to(device)
     query = qkv[:, :q_size].view(NUM_TOKENS, NUM_Q_HEADS, head_dim)
-    key = qkv[:, q_size:q_size + kv_size].view(NUM_TOKENS, NUM_KV_HEADS, head_dim)
+    key = qkv[:, q_size : q_size + kv_size].view(NUM_TOKENS, NUM_KV_HEADS, head_dim)
     if with_value:
-        return qkv, query, key, qkv[:, q_size + kv_size:].view(NUM_TOKENS, NUM_KV_HEADS, head_dim)
+        return qkv, query, key, qkv[:, q_size + kv_size :].view(NUM_TOKENS, NUM_KV_HEADS, head_dim)
     return qkv, query, key
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ],
+)
 def test_matches_model_rotary_in_place(dtype, rope_scaling, device, generator, tolerance):
     rotary = RotaryEmbedding(HEAD_DIM, MAX_POS, 500000.0, rope_scaling).to(device)
     qkv, query, key = _fused_qkv(dtype, device, generator)
     positions = torch.randint(0, MAX_POS, (NUM_TOKENS,), generator=generator).to(device)
     positions[0] = MAX_POS - 1
-    v_before = qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM:].clone()
+    v_before = qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM :].clone()
     expected_q, expected_k = rotary(positions, query.clone(), key.clone())
 
     got_q, got_k = apply_rotary(positions, query, key, rotary.cos_cache, rotary.sin_cache)
@@ -50,7 +59,7 @@ def test_matches_model_rotary_in_place(dtype, rope_scaling, device, generator, t
     assert got_q is query and got_k is key
     torch.testing.assert_close(query, expected_q, **tolerance(dtype))
     torch.testing.assert_close(key, expected_k, **tolerance(dtype))
-    assert torch.equal(qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM:], v_before)  # v untouched
+    assert torch.equal(qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM :], v_before)  # v untouched
 
 
 def test_partial_rotary_leaves_the_tail(device, generator, tolerance):
@@ -94,7 +103,7 @@ def test_qk_norm_then_rotary_in_one_launch(dtype, device, generator, tolerance):
     qkv.mul_(3.0)  # rms far from 1, so a missing norm shows
     norm = _qk_norm(dtype, device, generator)
     positions = torch.randint(0, MAX_POS, (NUM_TOKENS,), generator=generator).to(device)
-    v_before = qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM:].clone()
+    v_before = qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM :].clone()
     two_q = rms_norm(query, norm.q_weight, norm.eps)
     two_k = rms_norm(key, norm.k_weight, norm.eps)
     apply_rotary(positions, two_q, two_k, rotary.cos_cache, rotary.sin_cache)
@@ -106,7 +115,7 @@ def test_qk_norm_then_rotary_in_one_launch(dtype, device, generator, tolerance):
     for got, two_step, expected in ((query, two_q, expected_q), (key, two_k, expected_k)):
         torch.testing.assert_close(got, expected, **tolerance(dtype))
         torch.testing.assert_close(got, two_step, **tolerance(dtype))
-    assert torch.equal(qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM:], v_before)
+    assert torch.equal(qkv[:, (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM :], v_before)
     # Without the norm the heads keep their rms of about 3: the comparisons above see the norm.
     assert not torch.allclose(expected_q.float(), unnormed_q.float(), atol=0.5)
 
@@ -123,8 +132,17 @@ def test_qk_norm_rejects_bad_arguments(device):
     with pytest.raises(ValueError, match="qk_norm.q_weight must have dtype"):
         apply_rotary(pos, q, k, cos, cos, qk_norm=QKNorm(weight.half(), weight, 1e-6))
     with pytest.raises(ValueError, match="qk_norm.eps must be > 0"):
-        apply_rotary_and_cache(pos, q, k, k, cos, cos, torch.zeros(2, 4, 16, 2, 16, device=device), pos,
-                               qk_norm=QKNorm(weight, weight, 0.0))
+        apply_rotary_and_cache(
+            pos,
+            q,
+            k,
+            k,
+            cos,
+            cos,
+            torch.zeros(2, 4, 16, 2, 16, device=device),
+            pos,
+            qk_norm=QKNorm(weight, weight, 0.0),
+        )
 
 
 def _cache_and_slots(dtype, block_size, device, generator):
@@ -142,8 +160,7 @@ def _cache_and_slots(dtype, block_size, device, generator):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("rot_dim", [HEAD_DIM, HEAD_DIM // 2], ids=["full", "partial"])
-def test_fused_cache_write_is_rotary_then_kv_cache_write(dtype, block_size, rot_dim, device, generator,
-                                                         tolerance):
+def test_fused_cache_write_is_rotary_then_kv_cache_write(dtype, block_size, rot_dim, device, generator, tolerance):
     qkv, query, key, value = _fused_qkv(dtype, device, generator, with_value=True)  # GQA: 2 q heads per kv head
     freqs = torch.arange(MAX_POS).float()[:, None] * torch.rand(rot_dim // 2, generator=generator)[None, :]
     cos, sin = freqs.cos().to(device), freqs.sin().to(device)
@@ -152,14 +169,17 @@ def test_fused_cache_write_is_rotary_then_kv_cache_write(dtype, block_size, rot_
     untouched_cache = cache.clone()
     # Today's two launches, on copies.
     two_step_qkv = qkv.clone()
-    q2, k2, v2 = (two_step_qkv.as_strided(t.shape, t.stride(), t.storage_offset() - qkv.storage_offset())
-                  for t in (query, key, value))
+    q2, k2, v2 = (
+        two_step_qkv.as_strided(t.shape, t.stride(), t.storage_offset() - qkv.storage_offset())
+        for t in (query, key, value)
+    )
     two_step_cache = cache.clone()
     apply_rotary(positions, q2, k2, cos, sin)
     kv_cache_write(k2, v2, two_step_cache, slot_mapping)
     reference_cache = cache.clone()
-    reference_q = apply_rotary_and_cache_reference(positions, query, key, value, cos, sin, reference_cache,
-                                                   slot_mapping)
+    reference_q = apply_rotary_and_cache_reference(
+        positions, query, key, value, cos, sin, reference_cache, slot_mapping
+    )
     key_before, value_before = key.clone(), value.clone()
 
     got = apply_rotary_and_cache(positions, query, key, value, cos, sin, cache, slot_mapping)
@@ -189,17 +209,20 @@ def test_fused_cache_write_with_qk_norm(dtype, device, generator, tolerance):
     positions = torch.randint(0, MAX_POS, (NUM_TOKENS,), generator=generator).to(device)
     cache, slot_mapping = _cache_and_slots(dtype, 16, device, generator)
     two_step = qkv.clone()
-    q2, k2, v2 = (two_step.as_strided(t.shape, t.stride(), t.storage_offset() - qkv.storage_offset())
-                  for t in (query, key, value))
+    q2, k2, v2 = (
+        two_step.as_strided(t.shape, t.stride(), t.storage_offset() - qkv.storage_offset()) for t in (query, key, value)
+    )
     two_step_cache, reference_cache = cache.clone(), cache.clone()
     apply_rotary(positions, q2, k2, rotary.cos_cache, rotary.sin_cache, qk_norm=norm)
     kv_cache_write(k2, v2, two_step_cache, slot_mapping)
-    reference_q = apply_rotary_and_cache_reference(positions, query, key, value, rotary.cos_cache, rotary.sin_cache,
-                                                   reference_cache, slot_mapping, qk_norm=norm)
+    reference_q = apply_rotary_and_cache_reference(
+        positions, query, key, value, rotary.cos_cache, rotary.sin_cache, reference_cache, slot_mapping, qk_norm=norm
+    )
     key_before = key.clone()
 
-    apply_rotary_and_cache(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache, slot_mapping,
-                           qk_norm=norm)
+    apply_rotary_and_cache(
+        positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache, slot_mapping, qk_norm=norm
+    )
 
     assert torch.equal(query, q2)
     assert torch.equal(cache, two_step_cache)
@@ -215,12 +238,12 @@ def test_fused_casts_to_the_cache_dtype(device, generator):
     cache, slot_mapping = _cache_and_slots(torch.float32, 16, device, generator)
     expected_cache = cache.clone()
     two_step = qkv.clone()
-    q2, k2, v2 = (two_step.as_strided(t.shape, t.stride(), t.storage_offset() - qkv.storage_offset())
-                  for t in (query, key, value))
+    q2, k2, v2 = (
+        two_step.as_strided(t.shape, t.stride(), t.storage_offset() - qkv.storage_offset()) for t in (query, key, value)
+    )
     apply_rotary(positions, q2, k2, rotary.cos_cache, rotary.sin_cache)
     kv_cache_write(k2, v2, expected_cache, slot_mapping)
-    apply_rotary_and_cache(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache,
-                           slot_mapping.int())
+    apply_rotary_and_cache(positions, query, key, value, rotary.cos_cache, rotary.sin_cache, cache, slot_mapping.int())
     assert torch.equal(query, q2)
     assert torch.equal(cache, expected_cache)
 
@@ -233,9 +256,16 @@ def test_fused_rejects_bad_arguments(device):
     with pytest.raises(ValueError, match=r"slot_mapping must have shape \(3,\)"):
         apply_rotary_and_cache(pos, q, k, k, cos, cos, cache, pos[:2])
     with pytest.raises(ValueError, match="kv_cache holds 2 kv heads of dim 16, but key has 2 heads of dim 8"):
-        apply_rotary_and_cache(pos, torch.zeros(3, 4, 8, device=device), torch.zeros(3, 2, 8, device=device),
-                               torch.zeros(3, 2, 8, device=device), torch.zeros(10, 4, device=device),
-                               torch.zeros(10, 4, device=device), cache, pos)
+        apply_rotary_and_cache(
+            pos,
+            torch.zeros(3, 4, 8, device=device),
+            torch.zeros(3, 2, 8, device=device),
+            torch.zeros(3, 2, 8, device=device),
+            torch.zeros(10, 4, device=device),
+            torch.zeros(10, 4, device=device),
+            cache,
+            pos,
+        )
     with pytest.raises(ValueError, match="value must have shape"):
         apply_rotary_and_cache(pos, q, k, k[:, :1], cos, cos, cache, pos)
     with pytest.raises(ValueError, match="kv_cache must have 5 dimensions"):

@@ -42,10 +42,17 @@ def row_params(num_rows: int, device: str) -> dict:
 def kept_band(logits: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The fewest and the most tokens the reference keeps with top_p and min_p moved by TOLERANCE:
     the kept counts that are right within rounding."""
-    lowest = sample_reference(logits, **{**params, "top_p": params["top_p"] * (1 - TOLERANCE),
-                                         "min_p": params["min_p"] * (1 + TOLERANCE)})[1]
-    highest = sample_reference(logits, **{**params, "top_p": (params["top_p"] * (1 + TOLERANCE)).clamp(max=1.0),
-                                          "min_p": params["min_p"] * (1 - TOLERANCE)})[1]
+    lowest = sample_reference(
+        logits, **{**params, "top_p": params["top_p"] * (1 - TOLERANCE), "min_p": params["min_p"] * (1 + TOLERANCE)}
+    )[1]
+    highest = sample_reference(
+        logits,
+        **{
+            **params,
+            "top_p": (params["top_p"] * (1 + TOLERANCE)).clamp(max=1.0),
+            "min_p": params["min_p"] * (1 - TOLERANCE),
+        },
+    )[1]
     return lowest, highest
 
 
@@ -107,7 +114,7 @@ def test_a_row_draws_the_same_whatever_the_batch(device, generator):
     params = row_params(num_rows, device)
     together = sample(logits, **params)
     for row in (0, 3, num_rows - 1):
-        alone = sample(logits[row:row + 1], **{name: value[row:row + 1] for name, value in params.items()})
+        alone = sample(logits[row : row + 1], **{name: value[row : row + 1] for name, value in params.items()})
         assert alone.item() == together[row].item()
 
 
@@ -120,10 +127,12 @@ def test_candidates_failing_top_p_or_min_p_are_drawn_again_then_searched(max_dra
     logits = make_logits("float32", num_rows, generator, device)
     # (top_p, min_p), cycled over the rows.
     cycle = [(0.05, 0.0), (0.2, 0.0), (0.5, 0.0), (1.0, 0.5), (1.0, 0.0), (0.5, 0.3)]
-    params = {"temperature": torch.full((num_rows,), 0.8, device=device),
-              "seeds": torch.arange(num_rows, device=device) * 7919 + 2**40,
-              "top_p": torch.tensor([cycle[i % 6][0] for i in range(num_rows)], device=device),
-              "min_p": torch.tensor([cycle[i % 6][1] for i in range(num_rows)], device=device)}
+    params = {
+        "temperature": torch.full((num_rows,), 0.8, device=device),
+        "seeds": torch.arange(num_rows, device=device) * 7919 + 2**40,
+        "top_p": torch.tensor([cycle[i % 6][0] for i in range(num_rows)], device=device),
+        "min_p": torch.tensor([cycle[i % 6][1] for i in range(num_rows)], device=device),
+    }
     num_passes = torch.zeros(num_rows, dtype=torch.int32, device=device)
     tokens = sample(logits, num_passes=num_passes, config=SamplingConfig(max_draws=max_draws), **params)
     num_kept = torch.zeros(num_rows, dtype=torch.int32, device=device)
@@ -175,12 +184,22 @@ def test_rejects_bad_arguments(device):
 # Launch configs at their extremes: tiny blocks (many loop steps and, on a GPU, many programs per
 # row), few and many thresholds, no value passes and many, prefetching 0 to 3 blocks ahead.
 CONFIGS = [
-    SamplingConfig(block=16, search_block=16, num_thresholds=2, value_passes=0, num_warps=1, prefetch=3,
-                   list_capacity=64),
-    SamplingConfig(block=64, search_block=32, num_thresholds=4, value_passes=8, num_warps=2, programs_per_sm=4,
-                   prefetch=2, list_capacity=0),
-    SamplingConfig(block=256, search_block=128, num_thresholds=16, value_passes=1, num_warps=4, prefetch=1,
-                   max_registers=64),
+    SamplingConfig(
+        block=16, search_block=16, num_thresholds=2, value_passes=0, num_warps=1, prefetch=3, list_capacity=64
+    ),
+    SamplingConfig(
+        block=64,
+        search_block=32,
+        num_thresholds=4,
+        value_passes=8,
+        num_warps=2,
+        programs_per_sm=4,
+        prefetch=2,
+        list_capacity=0,
+    ),
+    SamplingConfig(
+        block=256, search_block=128, num_thresholds=16, value_passes=1, num_warps=4, prefetch=1, max_registers=64
+    ),
 ]
 
 
@@ -216,8 +235,9 @@ def test_the_launch_config_does_not_change_what_is_drawn(config, device, generat
 WIDE_VOCAB = 128256 if ON_CUDA else 20000
 
 
-@pytest.mark.parametrize("config", [SamplingConfig(num_thresholds=2, value_passes=8), SamplingConfig()],
-                         ids=lambda config: config.name)
+@pytest.mark.parametrize(
+    "config", [SamplingConfig(num_thresholds=2, value_passes=8), SamplingConfig()], ids=lambda config: config.name
+)
 def test_logits_spread_over_every_binade_are_searched_to_the_end(config, device, generator):
     # Value-spaced thresholds shrink such a row's key interval a binade or so a pass, and two
     # thresholds a pass shrink it only 3-fold: a search stopped at a pass limit short of
@@ -229,10 +249,12 @@ def test_logits_spread_over_every_binade_are_searched_to_the_end(config, device,
     logits = torch.cat([negative, positive])[order].repeat(num_rows, 1).to(device)
     # Top-k's boundary and top-p's (all tokens within ~1 of zero weigh about the same) fall among
     # the negative logits of magnitude below 1, 30 binades that differ in value by less than 1.
-    params = {"temperature": torch.ones(num_rows, device=device),
-              "seeds": torch.arange(num_rows, device=device),
-              "top_k": torch.tensor([vocab // 6, vocab, vocab, vocab // 5], device=device),
-              "top_p": torch.tensor([1.0, 0.5, 0.9, 0.5], device=device)}
+    params = {
+        "temperature": torch.ones(num_rows, device=device),
+        "seeds": torch.arange(num_rows, device=device),
+        "top_k": torch.tensor([vocab // 6, vocab, vocab, vocab // 5], device=device),
+        "top_p": torch.tensor([1.0, 0.5, 0.9, 0.5], device=device),
+    }
     num_kept = torch.zeros(num_rows, dtype=torch.int32, device=device)
     tokens = sample(logits, num_kept=num_kept, config=config, **params)
     expected_tokens, expected_kept = sample_reference(logits, **params)

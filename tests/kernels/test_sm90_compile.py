@@ -13,10 +13,10 @@ import re
 import pytest
 import torch
 
-from gpuworker.kernels.quant import int4_matmul as int4_module
 from gpuworker.kernels.linear.activation import silu_and_mul_fp8
-from gpuworker.kernels.quant.fp8_matmul import quantize_fp8_rows
 from gpuworker.kernels.norm.rms_norm import rms_norm_fp8
+from gpuworker.kernels.quant import int4_matmul as int4_module
+from gpuworker.kernels.quant.fp8_matmul import quantize_fp8_rows
 from gpuworker.kernels.quant.int4_matmul import Int4GemvConfig, dequantize_int4_to, int4_matmul, pack_rows
 from gpuworker.kernels.sampling.sample import BASELINE_CONFIG, DEFAULT_CONFIG, sample
 from tests.kernels.sm90_compile import compile_sm90, record_launches
@@ -68,8 +68,7 @@ def test_int4_dequantize_compiles(monkeypatch):
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
 def test_fp8_row_quantization_compiles(static, monkeypatch):
     launches = record_launches(monkeypatch)
-    quantize_fp8_rows(torch.randn(3, 4096).to(torch.bfloat16), torch.tensor(0.1) if static else None,
-                      use_kernel=True)
+    quantize_fp8_rows(torch.randn(3, 4096).to(torch.bfloat16), torch.tensor(0.1) if static else None, use_kernel=True)
     (launch,) = launches["_quantize_rows_kernel"]
     ptx = compile_sm90(launch)
     # Every FP8 GEMM's activations pass through here: 16 bytes a load, not a 16-bit value (with K
@@ -91,9 +90,16 @@ def test_sampling_compiles(config, outputs, monkeypatch):
     launches = record_launches(monkeypatch)
     rows, vocab = 3, 64
     output = torch.zeros(rows, dtype=torch.int32)
-    sample(torch.randn(rows, vocab), torch.full((rows,), 0.8), seeds=torch.arange(rows),
-           top_k=torch.full((rows,), vocab), top_p=torch.full((rows,), 0.9), min_p=torch.full((rows,), 0.05),
-           config=config, **{outputs: output})
+    sample(
+        torch.randn(rows, vocab),
+        torch.full((rows,), 0.8),
+        seeds=torch.arange(rows),
+        top_k=torch.full((rows,), vocab),
+        top_p=torch.full((rows,), 0.9),
+        min_p=torch.full((rows,), 0.05),
+        config=config,
+        **{outputs: output},
+    )
     (launch,) = launches["_sample_kernel"]
     compile_sm90(launch)
 
@@ -106,9 +112,19 @@ def _decode_attention_ptx(monkeypatch, cache_dtype, fills_device, **kwargs) -> s
     launches = record_launches(monkeypatch)
     block_n, num_warps, num_stages = default_tile(torch.bfloat16, 128, fills_device)
     cache = torch.randn(2, 8, 16, 8, 128).to(cache_dtype)
-    paged_decode_attention(torch.randn(2, 32, 128).bfloat16(), cache, torch.arange(8).reshape(2, 4).int(),
-                           torch.tensor([50, 64]).int(), 0.088, 64, block_n=block_n, num_warps=num_warps,
-                           num_stages=num_stages, num_splits=1 if fills_device else 2, **kwargs)
+    paged_decode_attention(
+        torch.randn(2, 32, 128).bfloat16(),
+        cache,
+        torch.arange(8).reshape(2, 4).int(),
+        torch.tensor([50, 64]).int(),
+        0.088,
+        64,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        num_splits=1 if fills_device else 2,
+        **kwargs,
+    )
     (launch,) = launches["_paged_decode_kernel"]
     return compile_sm90(launch)
 

@@ -17,8 +17,8 @@ from collections import defaultdict
 import torch
 import triton.language as tl
 
-from gpuworker.engine import LLMEngine, SamplingParams
 from gpuworker.attention.triton_backend import TritonAttentionBackend
+from gpuworker.engine import LLMEngine, SamplingParams
 from gpuworker.kernels.launch import LazyJIT
 from tests.gpuworker.checkpoints import TINY, make_checkpoint
 from tests.gpuworker.engine.reference import random_prompts
@@ -67,8 +67,15 @@ def _record_patterns(monkeypatch, *, with_constexprs: bool = False) -> dict[str,
 def test_one_specialisation_per_kernel_across_changing_batches(tmp_path, monkeypatch, device):
     patterns = _record_patterns(monkeypatch)
     path = make_checkpoint(tmp_path, "llama")
-    engine = LLMEngine(path, device=device, attn_backend=TritonAttentionBackend(), num_kv_blocks=128,
-                       max_model_len=256, block_size=4, max_num_batched_tokens=29)
+    engine = LLMEngine(
+        path,
+        device=device,
+        attn_backend=TritonAttentionBackend(),
+        num_kv_blocks=128,
+        max_model_len=256,
+        block_size=4,
+        max_num_batched_tokens=29,
+    )
     # Odd lengths and a small token budget: chunked prefills, mixed steps and decode batches of many
     # sizes, block tables of many widths.
     prompts = random_prompts((3, 27, 5, 40, 9, 18, 33, 2, 11), TINY["vocab_size"])
@@ -87,8 +94,15 @@ def test_warm_up_compiles_what_later_steps_use_and_leaves_outputs_alone(tmp_path
     patterns = _record_patterns(monkeypatch, with_constexprs=True)
     path = make_checkpoint(tmp_path, "llama")
     # A context long enough for the decode kernel to split it, as on a GPU.
-    engine = LLMEngine(path, device=device, attn_backend=TritonAttentionBackend(), num_kv_blocks=160,
-                       max_model_len=256, block_size=4, max_num_batched_tokens=29)
+    engine = LLMEngine(
+        path,
+        device=device,
+        attn_backend=TritonAttentionBackend(),
+        num_kv_blocks=160,
+        max_model_len=256,
+        block_size=4,
+        max_num_batched_tokens=29,
+    )
     engine.runner.warm_up()
     warmed = {name: set(seen) for name, seen in patterns.items()}
     assert {"_prefill_attention_kernel", "_paged_decode_kernel", "_rotary_kernel"} <= set(warmed)

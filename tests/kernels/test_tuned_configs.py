@@ -12,10 +12,17 @@ from gpuworker.kernels.attention.paged_decode import default_tile
 from gpuworker.kernels.linear.gemv import CANDIDATES_BY_NAME, pick_config, table_config, tuned_config
 from gpuworker.kernels.moe.decode import DEFAULT_CONFIG as MOE_DEFAULT
 from gpuworker.kernels.moe.decode import decode_config
-from gpuworker.kernels.quant.int4_matmul import (DEFAULT_GEMM, Int4GemmConfig, Int4GemvConfig, default_gemv_config,
-                                                 pick_gemm_config, pick_gemv_config)
+from gpuworker.kernels.quant.int4_matmul import (
+    DEFAULT_GEMM,
+    Int4GemmConfig,
+    Int4GemvConfig,
+    default_gemv_config,
+    pick_gemm_config,
+    pick_gemv_config,
+)
 from gpuworker.kernels.sampling.sample import DEFAULT_CONFIG as SAMPLING_DEFAULT
-from gpuworker.kernels.sampling.sample import SamplingConfig, pick_config as pick_sampling_config, tuned_configs
+from gpuworker.kernels.sampling.sample import SamplingConfig, tuned_configs
+from gpuworker.kernels.sampling.sample import pick_config as pick_sampling_config
 
 H200 = "NVIDIA H200"
 UNKNOWN = "NVIDIA H100 80GB HBM3"
@@ -67,6 +74,7 @@ def old_default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool) -> t
 @pytest.fixture
 def gpu_named(monkeypatch):
     """gpu_named(name): the kernels look their tables up as on a GPU called `name`."""
+
     def name(device_name: str) -> None:
         monkeypatch.setattr(configs, "device_name", lambda device=None: device_name)
 

@@ -32,18 +32,24 @@ class DeploymentLimitsForm(forms.Form):
     desired_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Desired")
     min_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Min")
     max_replicas = forms.IntegerField(min_value=0, max_value=MAX_REPLICAS_LIMIT, label="Max")
-    keep_warm = forms.BooleanField(required=False, label="Keep warm",
-                                   help_text="Idle replicas stay loaded instead of being scaled down.")
+    keep_warm = forms.BooleanField(
+        required=False, label="Keep warm", help_text="Idle replicas stay loaded instead of being scaled down."
+    )
     # Autoscaling: bounds are the service's (catalog.models.AUTOSCALING_BOUNDS), reported per field;
     # a number left empty keeps its value.
-    autoscale = forms.BooleanField(required=False, label="Autoscale",
-                                   help_text="Let the autoscaler set the desired replicas within min and max.")
-    target_concurrency = forms.IntegerField(required=False, label="Requests per replica",
-                                            help_text="Running + waiting requests one replica carries at full load.")
+    autoscale = forms.BooleanField(
+        required=False, label="Autoscale", help_text="Let the autoscaler set the desired replicas within min and max."
+    )
+    target_concurrency = forms.IntegerField(
+        required=False,
+        label="Requests per replica",
+        help_text="Running + waiting requests one replica carries at full load.",
+    )
     ttft_slo_ms = forms.IntegerField(required=False, label="TTFT SLO (ms)", help_text="Time to first token, p95.")
     itl_slo_ms = forms.IntegerField(required=False, label="Inter-token SLO (ms)", help_text="Time between tokens, p95.")
-    idle_to_zero_seconds = forms.IntegerField(required=False, label="Idle to zero (s)",
-                                              help_text="No request for this long: scale to min (0 never does).")
+    idle_to_zero_seconds = forms.IntegerField(
+        required=False, label="Idle to zero (s)", help_text="No request for this long: scale to min (0 never does)."
+    )
 
     @classmethod
     def for_deployment(cls, deployment: Deployment, *, reach: int | None = None, **kwargs) -> "DeploymentLimitsForm":
@@ -51,8 +57,11 @@ class DeploymentLimitsForm(forms.Form):
         Max moved just enough), so a refused scale is one Save away."""
         initial = {name: getattr(deployment, name) for name in cls.base_fields}
         if reach is not None:
-            initial.update(desired_replicas=reach, min_replicas=min(deployment.min_replicas, reach),
-                           max_replicas=max(deployment.max_replicas, reach))
+            initial.update(
+                desired_replicas=reach,
+                min_replicas=min(deployment.min_replicas, reach),
+                max_replicas=max(deployment.max_replicas, reach),
+            )
         return cls(initial=initial, prefix=f"d{deployment.pk}", **kwargs)
 
 
@@ -63,8 +72,7 @@ def slot_value(worker_id: int, gpu_id: int | None) -> str:
 class LoadForm(forms.Form):
     """Load one more replica of a deployment on a chosen worker's GPU (or a CPU worker's memory)."""
 
-    deployment = forms.ModelChoiceField(queryset=deployments_with_model(), empty_label="Choose a model…",
-                                        label="Model")
+    deployment = forms.ModelChoiceField(queryset=deployments_with_model(), empty_label="Choose a model…", label="Model")
     slot = forms.ChoiceField(label="Worker / GPU", help_text="For a model split over several GPUs: the first of them.")
 
     def __init__(self, *args, **kwargs) -> None:
@@ -96,30 +104,56 @@ class CatalogModelForm(forms.ModelForm):
     context_length = forms.IntegerField(min_value=1, label="Context length (tokens)")
     parameter_count = forms.IntegerField(min_value=1, label="Parameters")
     gpu_memory_bytes = forms.IntegerField(
-        min_value=1, required=False, label="GPU memory (bytes)",
+        min_value=1,
+        required=False,
+        label="GPU memory (bytes)",
         help_text="Weights plus a working KV cache. Leave empty to estimate from the parameter count "
-                  "and the quantization.")
+        "and the quantization.",
+    )
     quantization = forms.ChoiceField(
-        choices=[(DETECT, "Detect from the checkpoint"), *Model.Quantization.choices], initial=DETECT,
-        required=False, label="Quantization",
-        help_text="As the checked workers report the checkpoint's config.json; a float checkpoint if none does.")
+        choices=[(DETECT, "Detect from the checkpoint"), *Model.Quantization.choices],
+        initial=DETECT,
+        required=False,
+        label="Quantization",
+        help_text="As the checked workers report the checkpoint's config.json; a float checkpoint if none does.",
+    )
     check_workers = forms.ModelMultipleChoiceField(
-        queryset=workers_for_path_check(), required=False, widget=forms.CheckboxSelectMultiple,
+        queryset=workers_for_path_check(),
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
         label="Check the weight path on",
-        help_text="Workers that report their model roots confirm the path exists; others cannot tell.")
+        help_text="Workers that report their model roots confirm the path exists; others cannot tell.",
+    )
 
     class Meta:
         model = Model
-        fields = ["public_name", "family", "kind", "weights_path", "context_length", "parameter_count",
-                  "quantization", "gpu_memory_bytes", "tensor_parallel_size", "price_tier", "enabled"]
-        labels = {"public_name": "Name", "weights_path": "Weight path", "price_tier": "Price tier",
-                  "tensor_parallel_size": "GPUs per replica"}
-        help_texts = {"public_name": "What clients send as `model`.",
-                      "tensor_parallel_size": "Tensor parallel: a replica is split over this many GPUs of one worker, "
-                                              "each holding its share of the GPU memory. The model's attention "
-                                              "heads must divide by it.",
-                      "weights_path": "A directory in Hugging Face layout on the worker hosts, inside their model roots "
-                                      "(--model-root), e.g. /models/llama-3-8b."}
+        fields = [
+            "public_name",
+            "family",
+            "kind",
+            "weights_path",
+            "context_length",
+            "parameter_count",
+            "quantization",
+            "gpu_memory_bytes",
+            "tensor_parallel_size",
+            "price_tier",
+            "enabled",
+        ]
+        labels = {
+            "public_name": "Name",
+            "weights_path": "Weight path",
+            "price_tier": "Price tier",
+            "tensor_parallel_size": "GPUs per replica",
+        }
+        help_texts = {
+            "public_name": "What clients send as `model`.",
+            "tensor_parallel_size": "Tensor parallel: a replica is split over this many GPUs of one worker, "
+            "each holding its share of the GPU memory. The model's attention "
+            "heads must divide by it.",
+            "weights_path": "A directory in Hugging Face layout on the worker hosts, inside their model roots "
+            "(--model-root), e.g. /models/llama-3-8b.",
+        }
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -138,13 +172,17 @@ class CatalogModelForm(forms.ModelForm):
     def clean(self) -> dict:
         cleaned = super().clean()
         if cleaned.get("quantization") in (self.DETECT, None):
-            cleaned["quantization"] = reported_quantization(
-                weights_path=cleaned.get("weights_path") or "", workers=cleaned.get("check_workers") or ()
-            ) or Model.Quantization.NONE
+            cleaned["quantization"] = (
+                reported_quantization(
+                    weights_path=cleaned.get("weights_path") or "", workers=cleaned.get("check_workers") or ()
+                )
+                or Model.Quantization.NONE
+            )
         if cleaned.get("gpu_memory_bytes") is None and cleaned.get("parameter_count"):
             # The ModelForm builds and validates its instance from cleaned_data after this.
             cleaned["gpu_memory_bytes"] = estimate_gpu_memory_bytes(
-                parameter_count=cleaned["parameter_count"], quantization=cleaned.get("quantization") or "")
+                parameter_count=cleaned["parameter_count"], quantization=cleaned.get("quantization") or ""
+            )
         return cleaned
 
     def model_fields(self) -> dict:

@@ -29,11 +29,17 @@ from controlplane.dashboard.ops.overview import (
 def heartbeat_fragment(live: dict[str, Any], history: FigureHistory) -> str:
     """No database work: figures and load progress come straight from the heartbeat."""
     progress = [(replica_id, round(100 * share)) for replica_id, share in loading_progress(live)]
-    return render_to_string("dashboard/ops/_heartbeat.html", {
-        "slots": live_slot_updates(live, history), "progress": progress,
-        "worker_id": live["worker_id"], "heartbeat_at": heartbeat_time(live), "replica_loads": replica_loads(live),
-        "staging": staging_view(live),
-    })
+    return render_to_string(
+        "dashboard/ops/_heartbeat.html",
+        {
+            "slots": live_slot_updates(live, history),
+            "progress": progress,
+            "worker_id": live["worker_id"],
+            "heartbeat_at": heartbeat_time(live),
+            "replica_loads": replica_loads(live),
+            "staging": staging_view(live),
+        },
+    )
 
 
 def workers_fragment(history: FigureHistory, *, oob: bool = False) -> str:
@@ -42,13 +48,17 @@ def workers_fragment(history: FigureHistory, *, oob: bool = False) -> str:
 
 def deployment_status_fragment(*, deployment_ids: list[int] | None = None, oob: bool = False) -> str:
     """The deployments' (all, or these) statuses: counts, settings, replicas, failed loads."""
-    return "".join(render_to_string("dashboard/ops/_deployment_status.html", {"view": view, "oob": oob})
-                   for view in deployment_views(deployment_ids=deployment_ids))
+    return "".join(
+        render_to_string("dashboard/ops/_deployment_status.html", {"view": view, "oob": oob})
+        for view in deployment_views(deployment_ids=deployment_ids)
+    )
 
 
 def replica_change_fragment(data: dict[str, Any], history: FigureHistory) -> str:
-    parts = [render_to_string("dashboard/ops/_worker.html", {"w": view})
-             for view in worker_views(worker_ids=[data["worker_id"]], history=history)]
+    parts = [
+        render_to_string("dashboard/ops/_worker.html", {"w": view})
+        for view in worker_views(worker_ids=[data["worker_id"]], history=history)
+    ]
     parts.append(deployment_status_fragment(deployment_ids=[data["deployment_id"]]))
     return "".join(parts)
 
@@ -85,8 +95,9 @@ def deployment_answer_id(deployment_id: int) -> str:
 def deployments_fragment() -> str:
     """The whole deployment list, each card with its forms: for the page, and after a deployment
     is created (the page has no element for it yet)."""
-    return render_to_string("dashboard/ops/_deployments.html", {
-        "deployments": [deployment_context(view) for view in deployment_views()]})
+    return render_to_string(
+        "dashboard/ops/_deployments.html", {"deployments": [deployment_context(view) for view in deployment_views()]}
+    )
 
 
 def deployment_fragment(data: dict[str, Any]) -> str:

@@ -128,8 +128,15 @@ def figure_views(figures: dict[str, Any], history: list[list[float]] | None = No
     for (name, value), series in zip(values.items(), history):
         series = series or ([value] if value is not None else [])
         fixed = (0.0, 100.0) if name in ("utilization", "memory") else None
-        views.append(FigureView(name=name, label=labels[name], text=texts[name],
-                                points=sparkline_points(series, fixed_range=fixed), available=value is not None))
+        views.append(
+            FigureView(
+                name=name,
+                label=labels[name],
+                text=texts[name],
+                points=sparkline_points(series, fixed_range=fixed),
+                available=value is not None,
+            )
+        )
     return views
 
 
@@ -163,15 +170,22 @@ def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadVie
         return "—" if value is None else f"{value:.0f}"
 
     kv, rate = report.get("kv_cache_usage"), report.get("tokens_per_s")
-    return ReplicaLoadView(replica_id=replica_id, waiting=count("waiting"), running=count("running"),
-                           kv_cache="—" if kv is None else f"{100 * kv:.0f}%",
-                           tokens_per_s="—" if rate is None else f"{rate:,.0f}")
+    return ReplicaLoadView(
+        replica_id=replica_id,
+        waiting=count("waiting"),
+        running=count("running"),
+        kv_cache="—" if kv is None else f"{100 * kv:.0f}%",
+        tokens_per_s="—" if rate is None else f"{rate:,.0f}",
+    )
 
 
 def replica_loads(live: dict[str, Any]) -> list[ReplicaLoadView]:
     """The figures of each replica the heartbeat reports ready."""
-    return [replica_load_view(int(replica_id), report)
-            for replica_id, report in (live.get("replicas") or {}).items() if report.get("state") == "ready"]
+    return [
+        replica_load_view(int(replica_id), report)
+        for replica_id, report in (live.get("replicas") or {}).items()
+        if report.get("state") == "ready"
+    ]
 
 
 @dataclass
@@ -194,8 +208,10 @@ def staging_view(live: dict[str, Any]) -> dict[str, Any] | None:
     staging = live.get("staging")
     if not staging:
         return None
-    models = [{**m, "name": m["path"].rstrip("/").rpartition("/")[2], "resident_pct": round(100 * m["resident_fraction"])}
-              for m in staging.get("models", [])]
+    models = [
+        {**m, "name": m["path"].rstrip("/").rpartition("/")[2], "resident_pct": round(100 * m["resident_fraction"])}
+        for m in staging.get("models", [])
+    ]
     return {"budget_bytes": staging.get("budget_bytes", 0), "models": models}
 
 
@@ -228,16 +244,31 @@ def worker_views(*, worker_ids: list[int] | None = None, history: FigureHistory 
         slots = []
         for gpu in worker.present_gpus:
             key = f"gpu{gpu.index}"
-            slots.append(SlotView(worker.pk, key, f"GPU {gpu.index} · {gpu.name}",
-                                  figure_views(by_slot.get(key, {}), _history(history, worker.pk, key))))
-        slots.append(SlotView(worker.pk, CPU_SLOT, f"CPU · {worker.cpu_cores} cores",
-                              figure_views(by_slot.get(CPU_SLOT, {}), _history(history, worker.pk, CPU_SLOT))))
+            slots.append(
+                SlotView(
+                    worker.pk,
+                    key,
+                    f"GPU {gpu.index} · {gpu.name}",
+                    figure_views(by_slot.get(key, {}), _history(history, worker.pk, key)),
+                )
+            )
+        slots.append(
+            SlotView(
+                worker.pk,
+                CPU_SLOT,
+                f"CPU · {worker.cpu_cores} cores",
+                figure_views(by_slot.get(CPU_SLOT, {}), _history(history, worker.pk, CPU_SLOT)),
+            )
+        )
         by_gpu_id = {gpu.pk: slot for gpu, slot in zip(worker.present_gpus, slots)}
         for replica in worker.live_replicas:
             slot = by_gpu_id.get(replica.gpu_id, slots[-1]) if replica.gpu_id else slots[-1]
             report = (live.get("replicas") or {}).get(str(replica.pk))
-            slot.replicas.append(ReplicaView(replica, _replica_progress(live, replica),
-                                             replica_load_view(replica.pk, report) if report else None))
+            slot.replicas.append(
+                ReplicaView(
+                    replica, _replica_progress(live, replica), replica_load_view(replica.pk, report) if report else None
+                )
+            )
         views.append(WorkerView(worker, slots, heartbeat_time(live), staging_view(live)))
     return views
 
@@ -251,14 +282,19 @@ def _history(history: FigureHistory | None, worker_id: int, slot: str) -> list[l
 def live_slot_updates(live: dict[str, Any], history: FigureHistory) -> list[SlotView]:
     """The slots a heartbeat has figures for, with the history recorded so far (figures only)."""
     worker_id = live["worker_id"]
-    return [SlotView(worker_id, key, "", figure_views(figures, _history(history, worker_id, key)))
-            for key, figures in _slot_figures(live).items()]
+    return [
+        SlotView(worker_id, key, "", figure_views(figures, _history(history, worker_id, key)))
+        for key, figures in _slot_figures(live).items()
+    ]
 
 
 def loading_progress(live: dict[str, Any]) -> list[tuple[int, float]]:
     """(replica id, progress 0-1) for each replica the heartbeat reports still loading."""
-    return [(int(replica_id), float(report.get("load_progress") or 0.0))
-            for replica_id, report in (live.get("replicas") or {}).items() if report.get("state") == "loading"]
+    return [
+        (int(replica_id), float(report.get("load_progress") or 0.0))
+        for replica_id, report in (live.get("replicas") or {}).items()
+        if report.get("state") == "loading"
+    ]
 
 
 @dataclass(frozen=True)
@@ -284,8 +320,10 @@ class AutoscaleView:
         return [
             ("ready", f"{i.get('ready_replicas', '—')} of {i.get('current_replicas', '—')}"),
             ("utilisation", show("utilisation", "{:.0f}%", 100)),
-            ("waiting", show("waiting", "{:.0f}")), ("running", show("running", "{:.0f}")),
-            ("TTFT p95", show("ttft_p95_s", "{:.2f} s")), ("ITL p95", show("itl_p95_s", "{:.0f} ms", 1000)),
+            ("waiting", show("waiting", "{:.0f}")),
+            ("running", show("running", "{:.0f}")),
+            ("TTFT p95", show("ttft_p95_s", "{:.2f} s")),
+            ("ITL p95", show("itl_p95_s", "{:.0f} ms", 1000)),
             ("KV cache", show("kv_cache_usage", "{:.0f}%", 100)),
             ("requests", show("request_rate_per_s", "{:.2f}/s")),
         ]
@@ -294,8 +332,12 @@ class AutoscaleView:
 def autoscale_view_from_event(data: dict[str, Any]) -> AutoscaleView:
     """From the autoscaler's live event (no database work)."""
     return AutoscaleView(
-        deployment_id=data["deployment_id"], enabled=True, action=data.get("action", ""),
-        desired_replicas=data.get("desired_replicas"), reason=data.get("reason", ""), inputs=data.get("inputs") or {},
+        deployment_id=data["deployment_id"],
+        enabled=True,
+        action=data.get("action", ""),
+        desired_replicas=data.get("desired_replicas"),
+        reason=data.get("reason", ""),
+        inputs=data.get("inputs") or {},
         decided_at=datetime.fromtimestamp(data["decided_at"], tz=timezone.utc) if data.get("decided_at") else None,
     )
 
@@ -304,9 +346,15 @@ def _autoscale_view(deployment) -> AutoscaleView:
     decision = getattr(deployment, "autoscale_decision", None)
     if decision is None or not deployment.autoscale:
         return AutoscaleView(deployment_id=deployment.pk, enabled=deployment.autoscale)
-    return AutoscaleView(deployment_id=deployment.pk, enabled=True, action=decision.action,
-                         desired_replicas=decision.desired_replicas, reason=decision.reason,
-                         inputs=decision.inputs, decided_at=decision.decided_at)
+    return AutoscaleView(
+        deployment_id=deployment.pk,
+        enabled=True,
+        action=decision.action,
+        desired_replicas=decision.desired_replicas,
+        reason=decision.reason,
+        inputs=decision.inputs,
+        decided_at=decision.decided_at,
+    )
 
 
 @dataclass

@@ -61,15 +61,20 @@ WORKERS_ANSWER_ID = "workers-answer"
 
 # --- Fleet -------------------------------------------------------------------------------------
 
+
 @operator_required
 @require_GET
 def fleet(request: HttpRequest) -> HttpResponse:
-    return render(request, "dashboard/ops/fleet.html", {
-        "workers": worker_views(history=FigureHistory.recent()),
-        "deployments": [fragments.deployment_context(view) for view in deployment_views()],
-        "load_form": LoadForm(),
-        "workers_answer_id": WORKERS_ANSWER_ID,
-    })
+    return render(
+        request,
+        "dashboard/ops/fleet.html",
+        {
+            "workers": worker_views(history=FigureHistory.recent()),
+            "deployments": [fragments.deployment_context(view) for view in deployment_views()],
+            "load_form": LoadForm(),
+            "workers_answer_id": WORKERS_ANSWER_ID,
+        },
+    )
 
 
 @operator_required
@@ -86,15 +91,27 @@ def _answered(response: HttpResponse, *, changed: bool) -> HttpResponse:
     return trigger_client_event(response, FLEET_CHANGED) if changed else response
 
 
-def _scale_answer(request, deployment: Deployment, *, form: ScaleForm | None = None, done: str = "",
-                  limits_form: DeploymentLimitsForm | None = None) -> HttpResponse:
+def _scale_answer(
+    request,
+    deployment: Deployment,
+    *,
+    form: ScaleForm | None = None,
+    done: str = "",
+    limits_form: DeploymentLimitsForm | None = None,
+) -> HttpResponse:
     """The scale form (fresh after `done`, else with its errors); with `limits_form`, the limits
     too, opened out of band."""
-    html = render_to_string("dashboard/ops/_scale_form.html", {
-        "dep": deployment, "form": form or ScaleForm.for_deployment(deployment), "done": done}, request=request)
+    html = render_to_string(
+        "dashboard/ops/_scale_form.html",
+        {"dep": deployment, "form": form or ScaleForm.for_deployment(deployment), "done": done},
+        request=request,
+    )
     if limits_form is not None:
-        html += render_to_string("dashboard/ops/_limits_form.html", {
-            "dep": deployment, "form": limits_form, "open": True, "oob": True}, request=request)
+        html += render_to_string(
+            "dashboard/ops/_limits_form.html",
+            {"dep": deployment, "form": limits_form, "open": True, "oob": True},
+            request=request,
+        )
     return _answered(HttpResponse(html), changed=bool(done))
 
 
@@ -104,24 +121,43 @@ def deployment_scale_view(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(deployments_with_model(), pk=pk)
     form = ScaleForm(request.POST, prefix=f"s{pk}")
     requested = form.cleaned_data["desired_replicas"] if form.is_valid() else None
-    scaled = submit(form, lambda data: deployment_scale(
-        deployment=deployment, desired_replicas=data["desired_replicas"], actor=request.user))
+    scaled = submit(
+        form,
+        lambda data: deployment_scale(
+            deployment=deployment, desired_replicas=data["desired_replicas"], actor=request.user
+        ),
+    )
     if scaled is None:
         # A well-formed count the service refused (outside Min..Max): the limits form opens,
         # filled in to allow it.
         fix = DeploymentLimitsForm.for_deployment(deployment, reach=requested) if requested is not None else None
-        return fragment_or_redirect(request, lambda: _scale_answer(request, deployment, form=form, limits_form=fix),
-                                    to=FLEET, errors=form_error_messages(form))
+        return fragment_or_redirect(
+            request,
+            lambda: _scale_answer(request, deployment, form=form, limits_form=fix),
+            to=FLEET,
+            errors=form_error_messages(form),
+        )
     done = f"{deployment.model.public_name} now wants {scaled.desired_replicas} replicas."
     return fragment_or_redirect(request, lambda: _scale_answer(request, scaled, done=done), to=FLEET, success=done)
 
 
-def _limits_answer(request, deployment: Deployment, *, form: DeploymentLimitsForm | None = None,
-                   done: str = "") -> HttpResponse:
+def _limits_answer(
+    request, deployment: Deployment, *, form: DeploymentLimitsForm | None = None, done: str = ""
+) -> HttpResponse:
     """The limits form: closed and filled with the saved settings after `done`, else open with its errors."""
-    return _answered(render(request, "dashboard/ops/_limits_form.html", {
-        "dep": deployment, "form": form or DeploymentLimitsForm.for_deployment(deployment), "open": not done,
-        "done": done}), changed=bool(done))
+    return _answered(
+        render(
+            request,
+            "dashboard/ops/_limits_form.html",
+            {
+                "dep": deployment,
+                "form": form or DeploymentLimitsForm.for_deployment(deployment),
+                "open": not done,
+                "done": done,
+            },
+        ),
+        changed=bool(done),
+    )
 
 
 @operator_required
@@ -131,8 +167,9 @@ def deployment_edit_view(request: HttpRequest, pk: int) -> HttpResponse:
     form = DeploymentLimitsForm(request.POST, prefix=f"d{pk}")
     saved = submit(form, lambda data: deployment_update(deployment=deployment, actor=request.user, **data))
     if saved is None:
-        return fragment_or_redirect(request, lambda: _limits_answer(request, deployment, form=form), to=FLEET,
-                                    errors=form_error_messages(form))
+        return fragment_or_redirect(
+            request, lambda: _limits_answer(request, deployment, form=form), to=FLEET, errors=form_error_messages(form)
+        )
     done = f"{deployment.model.public_name} updated."
     return fragment_or_redirect(request, lambda: _limits_answer(request, saved, done=done), to=FLEET, success=done)
 
@@ -140,9 +177,14 @@ def deployment_edit_view(request: HttpRequest, pk: int) -> HttpResponse:
 def _answer(request, answer_id: str, *, done: str = "", action_error: str = "") -> HttpResponse:
     """A button's answer line: what was done (the page catches up if its WebSocket is down), or why
     not (`action_error`: nothing changed)."""
-    return _answered(render(request, "dashboard/ops/_answer.html", {
-        "answer_id": answer_id, "done": "" if action_error else done, "action_error": action_error}),
-        changed=not action_error)
+    return _answered(
+        render(
+            request,
+            "dashboard/ops/_answer.html",
+            {"answer_id": answer_id, "done": "" if action_error else done, "action_error": action_error},
+        ),
+        changed=not action_error,
+    )
 
 
 def _run_button(request, action, *, answer_id: str, to: str, success: str) -> HttpResponse:
@@ -153,51 +195,72 @@ def _run_button(request, action, *, answer_id: str, to: str, success: str) -> Ht
 @require_POST
 def deployment_retry_view(request: HttpRequest, pk: int) -> HttpResponse:
     deployment = get_object_or_404(deployments_with_model(), pk=pk)
-    return _run_button(request, lambda: deployment_retry_loads(deployment=deployment, actor=request.user),
-                       answer_id=fragments.deployment_answer_id(pk), to=FLEET,
-                       success=f"Retrying {deployment.model.public_name} on every worker now.")
+    return _run_button(
+        request,
+        lambda: deployment_retry_loads(deployment=deployment, actor=request.user),
+        answer_id=fragments.deployment_answer_id(pk),
+        to=FLEET,
+        success=f"Retrying {deployment.model.public_name} on every worker now.",
+    )
 
 
 def _render_load_form(request, form, *, done: str = "") -> HttpResponse:
-    return _answered(render(request, "dashboard/ops/_load_form.html", {"load_form": form, "load_done": done}),
-                     changed=bool(done))
+    return _answered(
+        render(request, "dashboard/ops/_load_form.html", {"load_form": form, "load_done": done}), changed=bool(done)
+    )
 
 
 @operator_required
 @require_POST
 def replica_load_view(request: HttpRequest) -> HttpResponse:
     form = LoadForm(request.POST)
-    replica = submit(form, lambda data: replica_load_on(deployment=data["deployment"], worker=data["slot"][0],
-                                                        gpu=data["slot"][1], actor=request.user),
-                     rename={"worker": "slot", "gpu": "slot"})
+    replica = submit(
+        form,
+        lambda data: replica_load_on(
+            deployment=data["deployment"], worker=data["slot"][0], gpu=data["slot"][1], actor=request.user
+        ),
+        rename={"worker": "slot", "gpu": "slot"},
+    )
     if replica is None:
-        return fragment_or_redirect(request, lambda: _render_load_form(request, form), to=FLEET,
-                                    errors=form_error_messages(form))
+        return fragment_or_redirect(
+            request, lambda: _render_load_form(request, form), to=FLEET, errors=form_error_messages(form)
+        )
     (worker, gpu), deployment = form.cleaned_data["slot"], form.cleaned_data["deployment"]
     where = f"GPU {gpu.index} of {worker.name}" if gpu is not None else worker.name
     message = f"Loading {deployment.model.public_name} on {where} (replica {replica.pk})."
-    return fragment_or_redirect(request, lambda: _render_load_form(request, LoadForm(), done=message), to=FLEET,
-                                success=message)
+    return fragment_or_redirect(
+        request, lambda: _render_load_form(request, LoadForm(), done=message), to=FLEET, success=message
+    )
 
 
 @operator_required
 @require_POST
 def replica_unload_view(request: HttpRequest, pk: int) -> HttpResponse:
     replica = get_object_or_404(replicas_with_model_and_worker(), pk=pk)
-    return _run_button(request, lambda: replica_unload(replica=replica, actor=request.user),
-                       answer_id=WORKERS_ANSWER_ID, to=FLEET,
-                       success=f"Unloading replica {pk} of {replica.deployment.model.public_name}.")
+    return _run_button(
+        request,
+        lambda: replica_unload(replica=replica, actor=request.user),
+        answer_id=WORKERS_ANSWER_ID,
+        to=FLEET,
+        success=f"Unloading replica {pk} of {replica.deployment.model.public_name}.",
+    )
 
 
 @operator_required
 @require_POST
 def worker_drain_view(request: HttpRequest, pk: int) -> HttpResponse:
     worker = get_object_or_404(workers_all(), pk=pk)
-    return _run_button(request, lambda: worker_drain(worker=worker, actor=request.user),
-                       answer_id=WORKERS_ANSWER_ID, to=FLEET, success=f"Draining {worker.name}.")
+    return _run_button(
+        request,
+        lambda: worker_drain(worker=worker, actor=request.user),
+        answer_id=WORKERS_ANSWER_ID,
+        to=FLEET,
+        success=f"Draining {worker.name}.",
+    )
 
 
 # --- Audit log ---------------------------------------------------------------------------------
+
 
 @operator_required
 @require_GET
@@ -214,6 +277,7 @@ def audit(request: HttpRequest) -> HttpResponse:
 
 
 # --- Catalog -----------------------------------------------------------------------------------
+
 
 @operator_required
 @require_GET
@@ -235,8 +299,10 @@ def _catalog_form_page(request, form, model=None) -> HttpResponse:
 @operator_required
 def catalog_add(request: HttpRequest) -> HttpResponse:
     form = CatalogModelForm(request.POST or None)
-    model = submit(form, lambda data: model_create(actor=request.user, verify_on=list(data["check_workers"]),
-                                                   **form.model_fields()))
+    model = submit(
+        form,
+        lambda data: model_create(actor=request.user, verify_on=list(data["check_workers"]), **form.model_fields()),
+    )
     if model is None:  # a GET, or refused
         return _catalog_form_page(request, form)
     messages.success(request, f"Added {model.public_name}.")
@@ -249,8 +315,12 @@ def catalog_add(request: HttpRequest) -> HttpResponse:
 def catalog_edit(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(catalog_models(), pk=pk)
     form = CatalogModelForm(request.POST or None, instance=model)
-    saved = submit(form, lambda data: model_update(model=model, actor=request.user,
-                                                   verify_on=list(data["check_workers"]), **form.model_fields()))
+    saved = submit(
+        form,
+        lambda data: model_update(
+            model=model, actor=request.user, verify_on=list(data["check_workers"]), **form.model_fields()
+        ),
+    )
     if saved is None:  # a GET, or refused
         return _catalog_form_page(request, form, model=get_object_or_404(catalog_models(), pk=pk))
     messages.success(request, f"Saved {saved.public_name}.")
@@ -271,18 +341,33 @@ def catalog_set_enabled(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(catalog_models(), pk=pk)
     enabled = request.POST.get("enabled") == "1"
     model = model_set_enabled(model=model, enabled=enabled, actor=request.user)
-    return fragment_or_redirect(request, lambda: _catalog_row(request, pk), to=CATALOG,
-                                success=f"{model.public_name} {'enabled' if enabled else 'disabled'}.")
+    return fragment_or_redirect(
+        request,
+        lambda: _catalog_row(request, pk),
+        to=CATALOG,
+        success=f"{model.public_name} {'enabled' if enabled else 'disabled'}.",
+    )
 
 
 @operator_required
 @require_POST
 def catalog_deploy(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(catalog_models(), pk=pk)
-    deploy = partial(deployment_create, model_name=model.public_name, desired_replicas=1, min_replicas=0,
-                     max_replicas=1, actor=request.user)
-    return run_action(request, deploy, partial(_catalog_row, request, pk), to=CATALOG,
-                      success=f"{model.public_name} deployed with one replica; scale it on the fleet page.")
+    deploy = partial(
+        deployment_create,
+        model_name=model.public_name,
+        desired_replicas=1,
+        min_replicas=0,
+        max_replicas=1,
+        actor=request.user,
+    )
+    return run_action(
+        request,
+        deploy,
+        partial(_catalog_row, request, pk),
+        to=CATALOG,
+        success=f"{model.public_name} deployed with one replica; scale it on the fleet page.",
+    )
 
 
 @operator_required

@@ -40,8 +40,9 @@ class PeriodForm(forms.Form):
             if start > end:
                 self.add_error("end", "The last day must be on or after the first day.")
             elif (end - start).days + 1 > MAX_DAYS:
-                self.add_error("end", f"A report covers at most {MAX_DAYS} days; "
-                                      f"this range has {(end - start).days + 1}.")
+                self.add_error(
+                    "end", f"A report covers at most {MAX_DAYS} days; this range has {(end - start).days + 1}."
+                )
         return data
 
     @property
@@ -50,8 +51,7 @@ class PeriodForm(forms.Form):
 
 
 class ReportForm(PeriodForm):
-    group_by = forms.ChoiceField(choices=[(g, g.capitalize()) for g in GROUPINGS], initial="tenant",
-                                 label="Group by")
+    group_by = forms.ChoiceField(choices=[(g, g.capitalize()) for g in GROUPINGS], initial="tenant", label="Group by")
 
     @classmethod
     def from_query(cls, query, **defaults) -> "ReportForm":

@@ -13,8 +13,16 @@ from controlplane.dashboard.csv_export import csv_money, csv_text
 from controlplane.dashboard.permissions import admin_required
 from controlplane.dashboard.reports.forms import ReportForm
 
-CSV_COLUMNS = ("requests", "failed", "revenue", "reference", "difference", "gpu_time_s", "prompt_tokens",
-               "completion_tokens")
+CSV_COLUMNS = (
+    "requests",
+    "failed",
+    "revenue",
+    "reference",
+    "difference",
+    "gpu_time_s",
+    "prompt_tokens",
+    "completion_tokens",
+)
 
 
 @admin_required
@@ -28,23 +36,50 @@ def reports(request: HttpRequest) -> HttpResponse:
         group_by = form.cleaned_data["group_by"]
         rows = usage_by(group_by=group_by, since=since, until=until)
         daily = usage_daily(start=start, end=end)
-        context.update({
-            "valid": True, "rows": rows, "totals": usage_totals(since=since, until=until), "group_by": group_by,
-            "start": start, "end": end, "query": urlencode(form.data),
-            # Money and requests in charts of their own; the per-token reference, often a small
-            # fraction of the flat price, on an axis of its own so that its line is not flat.
-            "daily_chart": {"days": [r.key for r in daily], "series": [
-                {"label": "Revenue ($)", "scale": "$", "values": [float(r.revenue) for r in daily]},
-                {"label": "Per-token reference ($)", "scale": "$reference",
-                 "values": [float(r.reference) for r in daily]}]},
-            "requests_chart": {"days": [r.key for r in daily], "series": [
-                {"label": "Requests", "scale": "requests", "values": [r.requests for r in daily]},
-                {"label": "Failed", "scale": "requests", "values": [r.failed for r in daily]}]},
-            "group_chart": None if group_by == "day" else {"labels": [r.key for r in rows], "series": [
-                {"label": "Revenue ($)", "scale": "$", "values": [float(r.revenue) for r in rows]},
-                {"label": "Per-token reference ($)", "scale": "$reference",
-                 "values": [float(r.reference) for r in rows]}]},
-        })
+        context.update(
+            {
+                "valid": True,
+                "rows": rows,
+                "totals": usage_totals(since=since, until=until),
+                "group_by": group_by,
+                "start": start,
+                "end": end,
+                "query": urlencode(form.data),
+                # Money and requests in charts of their own; the per-token reference, often a small
+                # fraction of the flat price, on an axis of its own so that its line is not flat.
+                "daily_chart": {
+                    "days": [r.key for r in daily],
+                    "series": [
+                        {"label": "Revenue ($)", "scale": "$", "values": [float(r.revenue) for r in daily]},
+                        {
+                            "label": "Per-token reference ($)",
+                            "scale": "$reference",
+                            "values": [float(r.reference) for r in daily],
+                        },
+                    ],
+                },
+                "requests_chart": {
+                    "days": [r.key for r in daily],
+                    "series": [
+                        {"label": "Requests", "scale": "requests", "values": [r.requests for r in daily]},
+                        {"label": "Failed", "scale": "requests", "values": [r.failed for r in daily]},
+                    ],
+                },
+                "group_chart": None
+                if group_by == "day"
+                else {
+                    "labels": [r.key for r in rows],
+                    "series": [
+                        {"label": "Revenue ($)", "scale": "$", "values": [float(r.revenue) for r in rows]},
+                        {
+                            "label": "Per-token reference ($)",
+                            "scale": "$reference",
+                            "values": [float(r.reference) for r in rows],
+                        },
+                    ],
+                },
+            }
+        )
     return render(request, "dashboard/reports/reports.html", context)
 
 
@@ -67,5 +102,14 @@ def reports_csv(request: HttpRequest) -> HttpResponse:
 
 
 def _csv_row(row: UsageRow) -> tuple:
-    return (csv_text(row.key), row.requests, row.failed, csv_money(row.revenue), csv_money(row.reference),
-            csv_money(row.difference), f"{row.gpu_time_s:.3f}", row.prompt_tokens, row.completion_tokens)
+    return (
+        csv_text(row.key),
+        row.requests,
+        row.failed,
+        csv_money(row.revenue),
+        csv_money(row.reference),
+        csv_money(row.difference),
+        f"{row.gpu_time_s:.3f}",
+        row.prompt_tokens,
+        row.completion_tokens,
+    )

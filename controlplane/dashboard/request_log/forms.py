@@ -22,8 +22,9 @@ class _KeyChoice(forms.ModelChoiceField):
 
 class RequestLogForm(PeriodForm):
     tenant = forms.ModelChoiceField(tenants_by_name(), required=False, empty_label="All tenants")
-    model = forms.ModelChoiceField(catalog_models(), to_field_name="public_name",
-                                   required=False, empty_label="All models")
+    model = forms.ModelChoiceField(
+        catalog_models(), to_field_name="public_name", required=False, empty_label="All models"
+    )
     key = _KeyChoice(api_key_choices(tenant=None), required=False, empty_label="All keys")
     outcome = forms.ChoiceField(choices=OUTCOME_CHOICES, required=False)
 
@@ -44,8 +45,7 @@ class RequestLogForm(PeriodForm):
 
     @classmethod
     def from_query(cls, query, *, tenant: Tenant | None = None) -> "RequestLogForm":
-        return cls(cls.query_data(query, start=timezone.now().date() - timedelta(days=DEFAULT_DAYS - 1)),
-                   tenant=tenant)
+        return cls(cls.query_data(query, start=timezone.now().date() - timedelta(days=DEFAULT_DAYS - 1)), tenant=tenant)
 
     def filters(self) -> dict:
         """request_log's filters (tenant aside, which the view decides)."""

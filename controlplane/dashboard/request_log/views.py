@@ -21,8 +21,20 @@ from controlplane.dashboard.permissions import ADMIN_ROLES, TENANT_ROLES, has_ro
 from controlplane.dashboard.request_log.forms import RequestLogForm
 
 PAGE_SIZE = 50
-CSV_COLUMNS = ("time", "request_id", "tenant", "key", "key_prefix", "model", "outcome", "prompt_tokens",
-               "completion_tokens", "time_to_first_token_ms", "total_latency_ms", "cost")
+CSV_COLUMNS = (
+    "time",
+    "request_id",
+    "tenant",
+    "key",
+    "key_prefix",
+    "model",
+    "outcome",
+    "prompt_tokens",
+    "completion_tokens",
+    "time_to_first_token_ms",
+    "total_latency_ms",
+    "cost",
+)
 
 request_log_required = role_required(*TENANT_ROLES, *ADMIN_ROLES)
 
@@ -56,8 +68,9 @@ def requests_csv(request: HttpRequest) -> HttpResponse:
     own = _own_tenant(request)
     form = RequestLogForm.from_query(request.GET, tenant=own)
     if not form.is_valid():
-        return render(request, "dashboard/request_log/requests.html",
-                      {"form": form, "all_tenants": own is None}, status=400)
+        return render(
+            request, "dashboard/request_log/requests.html", {"form": form, "all_tenants": own is None}, status=400
+        )
     start, end = form.period
     # Streamed: a year of a busy tenant's requests is too many rows to hold in memory.
     response = StreamingHttpResponse(_csv_lines(_records(form, own)), content_type="text/csv; charset=utf-8")
@@ -87,7 +100,17 @@ def key_label(api_key: ApiKey | None) -> str:
 
 def _csv_row(record: UsageRecord) -> tuple:
     key = record.api_key
-    return (record.created_at.isoformat(), record.request_id, csv_text(record.tenant.name), csv_text(key_label(key)),
-            key.prefix if key else "", csv_text(record.model.public_name), record.outcome, record.prompt_tokens,
-            record.completion_tokens, "" if record.time_to_first_token_ms is None else record.time_to_first_token_ms,
-            record.total_latency_ms, csv_money(record.price_charged))
+    return (
+        record.created_at.isoformat(),
+        record.request_id,
+        csv_text(record.tenant.name),
+        csv_text(key_label(key)),
+        key.prefix if key else "",
+        csv_text(record.model.public_name),
+        record.outcome,
+        record.prompt_tokens,
+        record.completion_tokens,
+        "" if record.time_to_first_token_ms is None else record.time_to_first_token_ms,
+        record.total_latency_ms,
+        csv_money(record.price_charged),
+    )

@@ -9,17 +9,32 @@ STAFF_ROLES = [(User.Role.OPERATOR, User.Role.OPERATOR.label), (User.Role.ADMIN,
 
 
 class TeamInvitationForm(forms.Form):
-    tenant_role = forms.ChoiceField(choices=User.TenantRole.choices, initial=User.TenantRole.MEMBER, label="Role",
-                                    help_text="Tenant admins invite, set roles and remove members.")
-    note = forms.CharField(max_length=100, required=False, label="For",
-                           help_text="Optional: who it is for, so you can tell invitations apart.")
+    tenant_role = forms.ChoiceField(
+        choices=User.TenantRole.choices,
+        initial=User.TenantRole.MEMBER,
+        label="Role",
+        help_text="Tenant admins invite, set roles and remove members.",
+    )
+    note = forms.CharField(
+        max_length=100,
+        required=False,
+        label="For",
+        help_text="Optional: who it is for, so you can tell invitations apart.",
+    )
 
 
 class StaffInvitationForm(forms.Form):
-    role = forms.ChoiceField(choices=STAFF_ROLES, initial=User.Role.OPERATOR,
-                             help_text="Operators run the fleet and catalog; admins also manage tenants and reports.")
-    note = forms.CharField(max_length=100, required=False, label="For",
-                           help_text="Optional: who it is for, so you can tell invitations apart.")
+    role = forms.ChoiceField(
+        choices=STAFF_ROLES,
+        initial=User.Role.OPERATOR,
+        help_text="Operators run the fleet and catalog; admins also manage tenants and reports.",
+    )
+    note = forms.CharField(
+        max_length=100,
+        required=False,
+        label="For",
+        help_text="Optional: who it is for, so you can tell invitations apart.",
+    )
 
 
 class MemberRoleForm(forms.Form):
@@ -30,8 +45,9 @@ class InvitationAcceptForm(forms.Form):
     username = forms.CharField(max_length=150, help_text="Letters, digits and @/./+/-/_ only.")
     email = forms.EmailField(required=False, help_text="Optional.")
     password = forms.CharField(widget=forms.PasswordInput(attrs={"autocomplete": "new-password"}))
-    password_again = forms.CharField(widget=forms.PasswordInput(attrs={"autocomplete": "new-password"}),
-                                     label="Password again")
+    password_again = forms.CharField(
+        widget=forms.PasswordInput(attrs={"autocomplete": "new-password"}), label="Password again"
+    )
 
     def clean_username(self) -> str:
         return self.cleaned_data["username"].strip()

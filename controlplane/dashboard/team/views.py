@@ -52,10 +52,14 @@ def team_context(request: HttpRequest, tenant: Tenant, *, invite_form=None, crea
     """What the team section (`dashboard/team/_team.html`) shows, on the team page and on an admin's
     tenant page alike. `created` is a just-made invitation, whose link is in this response only."""
     return {
-        "tenant": tenant, "members": team_members(tenant=tenant), "invitations": invitations_open(tenant=tenant),
+        "tenant": tenant,
+        "members": team_members(tenant=tenant),
+        "invitations": invitations_open(tenant=tenant),
         "can_manage": may_manage_team(user=request.user, tenant=tenant),
-        "invite_form": invite_form or TeamInvitationForm(), "role_choices": User.TenantRole.choices,
-        "created": created, "invite_link": invitation_link(request, created.token) if created else "",
+        "invite_form": invite_form or TeamInvitationForm(),
+        "role_choices": User.TenantRole.choices,
+        "created": created,
+        "invite_link": invitation_link(request, created.token) if created else "",
         "team_error": team_error,
     }
 
@@ -77,8 +81,12 @@ def _tenant_for(request: HttpRequest, tenant_id: int) -> Tenant:
 
 def _team_answer(request: HttpRequest, tenant: Tenant, *, success: str = "", error: str = "") -> HttpResponse:
     return fragment_or_redirect(
-        request, lambda: render(request, "dashboard/team/_team.html", team_context(request, tenant, team_error=error)),
-        to=_team_page(request, tenant), success=success, errors=[error] if error else [])
+        request,
+        lambda: render(request, "dashboard/team/_team.html", team_context(request, tenant, team_error=error)),
+        to=_team_page(request, tenant),
+        success=success,
+        errors=[error] if error else [],
+    )
 
 
 @tenant_required
@@ -92,9 +100,16 @@ def team(request: HttpRequest) -> HttpResponse:
 def team_invitation_create(request: HttpRequest, tenant_id: int) -> HttpResponse:
     tenant = _tenant_for(request, tenant_id)
     form = TeamInvitationForm(request.POST)
-    created = submit(form, lambda data: invitation_create(
-        created_by=request.user, role=User.Role.TENANT_MEMBER, tenant=tenant, tenant_role=data["tenant_role"],
-        note=data["note"]))
+    created = submit(
+        form,
+        lambda data: invitation_create(
+            created_by=request.user,
+            role=User.Role.TENANT_MEMBER,
+            tenant=tenant,
+            tenant_role=data["tenant_role"],
+            note=data["note"],
+        ),
+    )
     context = team_context(request, tenant, invite_form=None if created else form, created=created)
     if request.htmx:
         response = render(request, "dashboard/team/_team.html", context)
@@ -103,8 +118,9 @@ def team_invitation_create(request: HttpRequest, tenant_id: int) -> HttpResponse
             messages.error(request, text)
         return redirect(_team_page(request, tenant))
     else:  # a plain post: the link can be shown only now, so on a page of its own
-        response = render(request, "dashboard/team/invitation_created.html",
-                          {**context, "back": _team_page(request, tenant)})
+        response = render(
+            request, "dashboard/team/invitation_created.html", {**context, "back": _team_page(request, tenant)}
+        )
     if created is not None:
         response["Cache-Control"] = "no-store"
     return response
@@ -128,8 +144,9 @@ def member_role(request: HttpRequest, tenant_id: int, pk: int) -> HttpResponse:
     tenant = _tenant_for(request, tenant_id)
     member = get_object_or_404(team_members(tenant=tenant), pk=pk)
     form = MemberRoleForm(request.POST)
-    changed = submit(form, lambda data: member_set_tenant_role(member=member, tenant_role=data["tenant_role"],
-                                                               actor=request.user))
+    changed = submit(
+        form, lambda data: member_set_tenant_role(member=member, tenant_role=data["tenant_role"], actor=request.user)
+    )
     if changed is None:
         return _team_answer(request, tenant, error=" ".join(form_error_messages(form)))
     return _team_answer(request, tenant, success=f"{member.username} is now {changed.get_tenant_role_display()}.")
@@ -151,10 +168,16 @@ def member_remove_view(request: HttpRequest, tenant_id: int, pk: int) -> HttpRes
 
 # --- Staff (admins) ----------------------------------------------------------------------------------
 
+
 def _staff_context(request: HttpRequest, *, form=None, created=None, error: str = "") -> dict:
-    return {"staff": staff_members(), "invitations": invitations_open(tenant=None),
-            "invite_form": form or StaffInvitationForm(), "created": created,
-            "invite_link": invitation_link(request, created.token) if created else "", "staff_error": error}
+    return {
+        "staff": staff_members(),
+        "invitations": invitations_open(tenant=None),
+        "invite_form": form or StaffInvitationForm(),
+        "created": created,
+        "invite_link": invitation_link(request, created.token) if created else "",
+        "staff_error": error,
+    }
 
 
 @admin_required
@@ -164,8 +187,9 @@ def staff(request: HttpRequest) -> HttpResponse:
     form = created = None
     if request.method == "POST":
         form = StaffInvitationForm(request.POST)
-        created = submit(form, lambda data: invitation_create(created_by=request.user, role=data["role"],
-                                                              note=data["note"]))
+        created = submit(
+            form, lambda data: invitation_create(created_by=request.user, role=data["role"], note=data["note"])
+        )
         if created is not None:
             form = None
     template = "dashboard/team/_staff.html" if request.htmx else "dashboard/team/staff.html"
@@ -185,24 +209,36 @@ def staff_invitation_revoke(request: HttpRequest, pk: int) -> HttpResponse:
     except ValidationError as exc:
         error = " ".join(exc.messages)
     return fragment_or_redirect(
-        request, lambda: render(request, "dashboard/team/_staff.html", _staff_context(request, error=error)),
-        to=reverse("dashboard:staff"), success="" if error else "Invitation withdrawn: its link no longer works.",
-        errors=[error] if error else [])
+        request,
+        lambda: render(request, "dashboard/team/_staff.html", _staff_context(request, error=error)),
+        to=reverse("dashboard:staff"),
+        success="" if error else "Invitation withdrawn: its link no longer works.",
+        errors=[error] if error else [],
+    )
 
 
 # --- Accepting an invitation (no login) ------------------------------------------------------------
+
 
 @require_http_methods(["GET", "POST"])
 def invitation_accept_view(request: HttpRequest, token: str) -> HttpResponse:
     invitation = invitation_get_by_token(token=token)
     refusal = "This invitation link is not valid." if invitation is None else invitation.refusal()
     if refusal:
-        return render(request, "dashboard/team/invitation_accept.html", {"refusal": refusal},
-                      status=404 if invitation is None else 410)
+        return render(
+            request,
+            "dashboard/team/invitation_accept.html",
+            {"refusal": refusal},
+            status=404 if invitation is None else 410,
+        )
     form = InvitationAcceptForm(request.POST or None)
     if request.method == "POST":
-        user = submit(form, lambda data: invitation_accept(token=token, username=data["username"],
-                                                           password=data["password"], email=data["email"]))
+        user = submit(
+            form,
+            lambda data: invitation_accept(
+                token=token, username=data["username"], password=data["password"], email=data["email"]
+            ),
+        )
         if user is not None:
             login(request, user, backend="django.contrib.auth.backends.ModelBackend")
             messages.success(request, f"Welcome, {user.username}: your login is ready.")
@@ -210,4 +246,3 @@ def invitation_accept_view(request: HttpRequest, token: str) -> HttpResponse:
     response = render(request, "dashboard/team/invitation_accept.html", {"invitation": invitation, "form": form})
     response["Cache-Control"] = "no-store"
     return response
-

@@ -63,8 +63,10 @@ class PlaygroundConsumer(AsyncWebsocketConsumer):
         except ValueError:
             data = None
         if not isinstance(data, dict):
-            await self._send_fragment("dashboard/tenant/_playground_error.html",
-                                      {"message": "The page sent something this server does not understand."})
+            await self._send_fragment(
+                "dashboard/tenant/_playground_error.html",
+                {"message": "The page sent something this server does not understand."},
+            )
             return
         data.pop("HEADERS", None)
         action = data.get("action")
@@ -75,18 +77,22 @@ class PlaygroundConsumer(AsyncWebsocketConsumer):
             return
         if action == "clear":
             if running:
-                await self._send_fragment("dashboard/tenant/_playground_error.html",
-                                          {"message": "An answer is still streaming: stop it first."})
+                await self._send_fragment(
+                    "dashboard/tenant/_playground_error.html",
+                    {"message": "An answer is still streaming: stop it first."},
+                )
             else:
                 await self._send_fragment("dashboard/tenant/_playground_cleared.html", {})
             return
         if action != "send":
-            await self._send_fragment("dashboard/tenant/_playground_error.html",
-                                      {"message": f"Unknown action {action!r}."})
+            await self._send_fragment(
+                "dashboard/tenant/_playground_error.html", {"message": f"Unknown action {action!r}."}
+            )
             return
         if running:
-            await self._send_fragment("dashboard/tenant/_playground_error.html",
-                                      {"message": "An answer is still streaming: stop it first."})
+            await self._send_fragment(
+                "dashboard/tenant/_playground_error.html", {"message": "An answer is still streaming: stop it first."}
+            )
             return
         form = await database_sync_to_async(playground.PlaygroundForm)(data)
         if not await database_sync_to_async(form.is_valid)():
@@ -106,12 +112,15 @@ class PlaygroundConsumer(AsyncWebsocketConsumer):
         return self.key.plaintext
 
     async def _generate(self, prompt: playground.PlaygroundPrompt, api_key: str) -> None:
-        await self._send_fragment("dashboard/tenant/_playground_started.html", {
-            "prompt": prompt, "field_names": list(playground.PlaygroundForm.base_fields)})
+        await self._send_fragment(
+            "dashboard/tenant/_playground_started.html",
+            {"prompt": prompt, "field_names": list(playground.PlaygroundForm.base_fields)},
+        )
         final, answer = None, []
         deltas = playground.DeltaBatcher(
             lambda text: self._send_fragment("dashboard/tenant/_playground_delta.html", {"text": text}),
-            interval=DELTA_INTERVAL_S)
+            interval=DELTA_INTERVAL_S,
+        )
         try:
             async for event in playground.stream_chat(api_key=api_key, prompt=prompt, stop=self.stop):
                 if isinstance(event, playground.Delta):
@@ -126,12 +135,16 @@ class PlaygroundConsumer(AsyncWebsocketConsumer):
         # A finished or stopped answer joins the conversation (as much of it as was shown); after
         # a failure the conversation stays as it was, so Send tries the same message again.
         failed = final if isinstance(final, playground.Failed) else None
-        await self._send_fragment("dashboard/tenant/_playground_finished.html", {
-            "finished": final if isinstance(final, playground.Finished) else None,
-            "stopped": isinstance(final, playground.Stopped), "failed": failed,
-            "history_json": None if failed else json.dumps(prompt.history_after("".join(answer))),
-            "message_input": None if failed else playground.empty_message_input(),
-        })
+        await self._send_fragment(
+            "dashboard/tenant/_playground_finished.html",
+            {
+                "finished": final if isinstance(final, playground.Finished) else None,
+                "stopped": isinstance(final, playground.Stopped),
+                "failed": failed,
+                "history_json": None if failed else json.dumps(prompt.history_after("".join(answer))),
+                "message_input": None if failed else playground.empty_message_input(),
+            },
+        )
 
     async def _send_fragment(self, template: str, context: dict) -> None:
         try:

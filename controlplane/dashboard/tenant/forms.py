@@ -8,25 +8,35 @@ from controlplane.catalog.selectors import model_names_enabled
 class ApiKeyCreateForm(forms.Form):
     name = forms.CharField(max_length=100, help_text="So you can tell your keys apart, e.g. 'production'.")
     expires_at = forms.DateTimeField(
-        required=False, label="Expires",
+        required=False,
+        label="Expires",
         widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
         input_formats=["%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%d"],
         help_text="Optional (UTC). Leave empty for a key that does not expire.",
     )
     allowed_models = forms.MultipleChoiceField(
-        required=False, widget=forms.CheckboxSelectMultiple,
+        required=False,
+        widget=forms.CheckboxSelectMultiple,
         help_text="Tick none to allow every model, including ones added later.",
     )
     rate_limit_per_minute = forms.IntegerField(
-        required=False, min_value=1, label="Requests per minute",
+        required=False,
+        min_value=1,
+        label="Requests per minute",
         help_text="Optional; empty means your plan's limit.",
     )
     max_concurrent_requests = forms.IntegerField(
-        required=False, min_value=1, label="Concurrent requests",
+        required=False,
+        min_value=1,
+        label="Concurrent requests",
         help_text="Optional; empty means your plan's limit.",
     )
     monthly_spend_limit = forms.DecimalField(
-        required=False, min_value=0, max_digits=18, decimal_places=2, label="Monthly spend limit ($)",
+        required=False,
+        min_value=0,
+        max_digits=18,
+        decimal_places=2,
+        label="Monthly spend limit ($)",
         help_text="Optional; requests that would take this key's spend in a month (UTC) above it are refused.",
     )
 
@@ -55,6 +65,10 @@ class ApiKeyCreateForm(forms.Form):
 
 class ApiKeyBudgetForm(forms.Form):
     monthly_spend_limit = forms.DecimalField(
-        required=False, min_value=0, max_digits=18, decimal_places=2, label="Monthly spend limit ($)",
+        required=False,
+        min_value=0,
+        max_digits=18,
+        decimal_places=2,
+        label="Monthly spend limit ($)",
         help_text="Empty: no limit beyond your credit.",
     )

@@ -49,8 +49,13 @@ class PlaygroundPrompt:
 
     def request_body(self) -> dict:
         """The chat completion as an API client sends it (what "view code" shows)."""
-        return {"model": self.model, "messages": self.messages(), "temperature": self.temperature,
-                "top_p": self.top_p, "max_tokens": self.max_tokens}
+        return {
+            "model": self.model,
+            "messages": self.messages(),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+        }
 
     def chat_body(self) -> dict:
         return {**self.request_body(), "stream": True, "stream_options": {"include_usage": True}}
@@ -147,8 +152,14 @@ class PlaygroundForm(forms.Form):
     system_prompt = forms.CharField(required=False, max_length=8000, strip=False)
     message = forms.CharField(max_length=32000, strip=False)
     temperature = forms.FloatField(min_value=0.0, max_value=2.0, initial=0.7)
-    top_p = forms.FloatField(min_value=0.0, max_value=1.0, initial=1.0, required=False, label="Top p",
-                             help_text="Sample from the smallest set of tokens whose probabilities add up to this.")
+    top_p = forms.FloatField(
+        min_value=0.0,
+        max_value=1.0,
+        initial=1.0,
+        required=False,
+        label="Top p",
+        help_text="Sample from the smallest set of tokens whose probabilities add up to this.",
+    )
     max_tokens = forms.IntegerField(min_value=1, max_value=MAX_TOKENS_LIMIT, initial=128)
     # The conversation so far as JSON, kept in the page (the server keeps no conversation): each
     # answer's fragment writes it back with the new turn.
@@ -172,21 +183,31 @@ class PlaygroundForm(forms.Form):
     def clean_history(self) -> tuple[dict, ...]:
         history = self.cleaned_data["history"] or []
         if not isinstance(history, list) or len(history) > MAX_HISTORY_MESSAGES:
-            raise ValidationError(f"The conversation must be a list of at most {MAX_HISTORY_MESSAGES} messages; "
-                                  "start a new conversation.")
+            raise ValidationError(
+                f"The conversation must be a list of at most {MAX_HISTORY_MESSAGES} messages; start a new conversation."
+            )
         for message in history:
-            if (not isinstance(message, dict) or set(message) != {"role", "content"}
-                    or message["role"] not in HISTORY_ROLES or not isinstance(message["content"], str)):
-                raise ValidationError("The conversation holds a message that is not a user or assistant "
-                                      "message with text content; start a new conversation.")
+            if (
+                not isinstance(message, dict)
+                or set(message) != {"role", "content"}
+                or message["role"] not in HISTORY_ROLES
+                or not isinstance(message["content"], str)
+            ):
+                raise ValidationError(
+                    "The conversation holds a message that is not a user or assistant "
+                    "message with text content; start a new conversation."
+                )
         return tuple(history)
 
     def clean(self):
         data = super().clean()
         model, max_tokens = data.get("model"), data.get("max_tokens")
         if model and max_tokens and max_tokens >= self.context_lengths[model]:
-            self.add_error("max_tokens", f"At most {self.context_lengths[model] - 1} for {model} "
-                                         f"(its context is {self.context_lengths[model]} tokens).")
+            self.add_error(
+                "max_tokens",
+                f"At most {self.context_lengths[model] - 1} for {model} "
+                f"(its context is {self.context_lengths[model]} tokens).",
+            )
         return data
 
     def prompt_so_far(self) -> PlaygroundPrompt:
@@ -201,16 +222,26 @@ class PlaygroundForm(forms.Form):
             return self.fields[name].initial if default is None else default
 
         return PlaygroundPrompt(
-            model=value("model", next(iter(self.context_lengths), "")), system_prompt=value("system_prompt", ""),
-            message=value("message", MESSAGE_PLACEHOLDER), temperature=value("temperature"), top_p=value("top_p"),
-            max_tokens=value("max_tokens"), history=value("history", ()),
+            model=value("model", next(iter(self.context_lengths), "")),
+            system_prompt=value("system_prompt", ""),
+            message=value("message", MESSAGE_PLACEHOLDER),
+            temperature=value("temperature"),
+            top_p=value("top_p"),
+            max_tokens=value("max_tokens"),
+            history=value("history", ()),
         )
 
     def prompt(self) -> PlaygroundPrompt:
         data = self.cleaned_data
-        return PlaygroundPrompt(model=data["model"], system_prompt=data["system_prompt"], message=data["message"],
-                                temperature=data["temperature"], top_p=data["top_p"], max_tokens=data["max_tokens"],
-                                history=data["history"])
+        return PlaygroundPrompt(
+            model=data["model"],
+            system_prompt=data["system_prompt"],
+            message=data["message"],
+            temperature=data["temperature"],
+            top_p=data["top_p"],
+            max_tokens=data["max_tokens"],
+            history=data["history"],
+        )
 
 
 def empty_message_input() -> str:
@@ -220,12 +251,17 @@ def empty_message_input() -> str:
     return field.widget.render("message", "", attrs=attrs)
 
 
-async def stream_chat(*, api_key: str, prompt: PlaygroundPrompt, stop: asyncio.Event,
-                      app: Callable | None = None) -> AsyncIterator[Event]:
+async def stream_chat(
+    *, api_key: str, prompt: PlaygroundPrompt, stop: asyncio.Event, app: Callable | None = None
+) -> AsyncIterator[Event]:
     """The answer to `prompt` as events: deltas, then Finished, Stopped or Failed (exactly one)."""
     body = json.dumps(prompt.chat_body()).encode()
-    headers = [(b"authorization", f"Bearer {api_key}".encode()), (b"content-type", b"application/json"),
-               (b"host", b"playground.internal"), (b"content-length", str(len(body)).encode())]
+    headers = [
+        (b"authorization", f"Bearer {api_key}".encode()),
+        (b"content-type", b"application/json"),
+        (b"host", b"playground.internal"),
+        (b"content-length", str(len(body)).encode()),
+    ]
     status, error_body, buffer = 0, b"", b""
     finish_reason, usage = None, None
     async for message in _asgi_post(app or process_app(), _PATH, body, headers, stop):
@@ -242,7 +278,7 @@ async def stream_chat(*, api_key: str, prompt: PlaygroundPrompt, stop: asyncio.E
         for raw in events:
             if not raw.startswith(b"data: "):
                 continue
-            data = raw[len(b"data: "):]
+            data = raw[len(b"data: ") :]
             if data == b"[DONE]":
                 yield Finished(finish_reason, usage)
                 return
@@ -277,9 +313,18 @@ def _failure(status: int, body: bytes) -> Failed:
 async def _asgi_post(app: Callable, path: str, body: bytes, headers: list, stop: asyncio.Event) -> AsyncIterator[dict]:
     """POST `body` to the ASGI `app` and yield what it sends; `stop` set means the client went away."""
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
-        "query_string": b"", "headers": headers, "client": ("127.0.0.1", 0), "server": ("playground.internal", 80),
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 0),
+        "server": ("playground.internal", 80),
     }
     sent: asyncio.Queue = asyncio.Queue()
     body_read = False

@@ -13,8 +13,14 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from controlplane.accounts.selectors import api_keys_for_tenant
 from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit
 from controlplane.billing.key_spend import api_keys_with_spend
-from controlplane.billing.reports import (UsageRow, allowance_this_month, period_bounds, usage_by, usage_daily,
-                                          usage_month_summary)
+from controlplane.billing.reports import (
+    UsageRow,
+    allowance_this_month,
+    period_bounds,
+    usage_by,
+    usage_daily,
+    usage_month_summary,
+)
 from controlplane.catalog.selectors import models_for_playground
 from controlplane.dashboard.credits import credits_context
 from controlplane.dashboard.forms import form_error_messages, submit
@@ -43,8 +49,10 @@ def keys(request: HttpRequest) -> HttpResponse:
     created = None
     if request.method == "POST":
         form = ApiKeyCreateForm(request.POST)
-        created = submit(form, lambda data: api_key_create(tenant=tenant_of(request), created_by=request.user,
-                                                           **form.service_arguments()))
+        created = submit(
+            form,
+            lambda data: api_key_create(tenant=tenant_of(request), created_by=request.user, **form.service_arguments()),
+        )
         if created is not None:
             form = ApiKeyCreateForm()
     else:
@@ -75,14 +83,21 @@ def key_budget(request: HttpRequest, key_id: int) -> HttpResponse:
     beside the field when the amount is refused."""
     api_key = get_object_or_404(_keys(request), pk=key_id)
     form = ApiKeyBudgetForm(request.POST)
-    saved = submit(form, lambda data: api_key_set_spend_limit(
-        api_key=api_key, monthly_spend_limit=data["monthly_spend_limit"], actor=request.user))
+    saved = submit(
+        form,
+        lambda data: api_key_set_spend_limit(
+            api_key=api_key, monthly_spend_limit=data["monthly_spend_limit"], actor=request.user
+        ),
+    )
     return fragment_or_redirect(
-        request, lambda: render(request, "dashboard/tenant/_key_row.html",
-                                {"key": api_key, "now": timezone.now(), "budget_form": form}),
+        request,
+        lambda: render(
+            request, "dashboard/tenant/_key_row.html", {"key": api_key, "now": timezone.now(), "budget_form": form}
+        ),
         to=reverse("dashboard:keys"),
         success=f"The monthly spend limit of “{api_key.name}” is saved." if saved else "",
-        errors=form_error_messages(form))
+        errors=form_error_messages(form),
+    )
 
 
 @tenant_required
@@ -95,18 +110,28 @@ def usage(request: HttpRequest) -> HttpResponse:
     # lines stop at today: days still to come have no figures, not zeros.
     month_end = (summary.since + timedelta(days=32)).replace(day=1).date() - timedelta(days=1)
     days = usage_daily(start=summary.since.date(), end=now.date(), tenant=tenant)
-    chart = {"days": [row.key for row in days], "span": [summary.since.date().isoformat(), month_end.isoformat()],
-             "series": [
-                 {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in days]},
-                 {"label": "Requests", "scale": "requests", "values": [row.requests for row in days]},
-             ]}
-    context = {"summary": summary, "days": days, "chart": chart, "has_usage": summary.totals.requests > 0,
-               "allowance": allowance_this_month(tenant=tenant, now=now),
-               "period_form": (period_form := PeriodForm.from_query(request.GET))}  # the last 30 days
+    chart = {
+        "days": [row.key for row in days],
+        "span": [summary.since.date().isoformat(), month_end.isoformat()],
+        "series": [
+            {"label": "Spend ($)", "scale": "$", "values": [float(row.revenue) for row in days]},
+            {"label": "Requests", "scale": "requests", "values": [row.requests for row in days]},
+        ],
+    }
+    context = {
+        "summary": summary,
+        "days": days,
+        "chart": chart,
+        "has_usage": summary.totals.requests > 0,
+        "allowance": allowance_this_month(tenant=tenant, now=now),
+        "period_form": (period_form := PeriodForm.from_query(request.GET)),
+    }  # the last 30 days
     if period_form.is_valid():
         since, until = period_bounds(*period_form.period)
-        context["groups"] = [_usage_group(label, usage_by(group_by=group_by, since=since, until=until, tenant=tenant))
-                             for label, group_by in (("By model", "model"), ("By key", "key"))]
+        context["groups"] = [
+            _usage_group(label, usage_by(group_by=group_by, since=since, until=until, tenant=tenant))
+            for label, group_by in (("By model", "model"), ("By key", "key"))
+        ]
     return render(request, "dashboard/tenant/usage.html", context)
 
 
@@ -122,16 +147,21 @@ class UsageGroup:
 
 def _usage_group(title: str, rows: list[UsageRow]) -> UsageGroup:
     # Requests, not spend: the plan's included requests cost nothing but are traffic all the same.
-    return UsageGroup(title, title.lower().replace(" ", "-"), rows, {"labels": [r.key for r in rows], "series": [
-        {"label": "Requests", "values": [r.requests for r in rows]}]})
+    return UsageGroup(
+        title,
+        title.lower().replace(" ", "-"),
+        rows,
+        {"labels": [r.key for r in rows], "series": [{"label": "Requests", "values": [r.requests for r in rows]}]},
+    )
 
 
 @tenant_required
 @require_GET
 def credits(request: HttpRequest) -> HttpResponse:
     """The plan, what is left of its allowance this month, the balance and recent grants and charges."""
-    return render(request, "dashboard/tenant/credits.html", credits_context(tenant=tenant_of(request),
-                                                                           now=timezone.now()))
+    return render(
+        request, "dashboard/tenant/credits.html", credits_context(tenant=tenant_of(request), now=timezone.now())
+    )
 
 
 @tenant_required
@@ -139,9 +169,15 @@ def credits(request: HttpRequest) -> HttpResponse:
 def playground(request: HttpRequest) -> HttpResponse:
     form = PlaygroundForm(initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128})
     models = [{"public_name": m.public_name, "context_length": m.context_length} for m in models_for_playground()]
-    return render(request, "dashboard/tenant/playground.html", {
-        "form": form, "models": models, "max_tokens_limit": MAX_TOKENS_LIMIT,
-    })
+    return render(
+        request,
+        "dashboard/tenant/playground.html",
+        {
+            "form": form,
+            "models": models,
+            "max_tokens_limit": MAX_TOKENS_LIMIT,
+        },
+    )
 
 
 @tenant_required
@@ -150,5 +186,6 @@ def playground_code(request: HttpRequest) -> HttpResponse:
     """The "view code" panel for the playground form's current values (sent by htmx as a GET)."""
     prompt = PlaygroundForm(request.GET).prompt_so_far()
     base_url = request.build_absolute_uri("/v1")
-    return render(request, "dashboard/tenant/_playground_code.html", {
-        "samples": code_samples(base_url=base_url, prompt=prompt)})
+    return render(
+        request, "dashboard/tenant/_playground_code.html", {"samples": code_samples(base_url=base_url, prompt=prompt)}
+    )

@@ -32,9 +32,15 @@ def tenants(request: HttpRequest) -> HttpResponse:
             return redirect("dashboard:tenant_detail", tenant.pk)
     rows = list(tenants_with_member_counts())
     balances = credit_balances(tenant_ids=[tenant.pk for tenant in rows])
-    return render(request, "dashboard/tenants/tenants.html", {
-        "tenants": [{"tenant": tenant, "balance": balances[tenant.pk]} for tenant in rows], "form": form,
-    }, status=400 if form.errors else 200)
+    return render(
+        request,
+        "dashboard/tenants/tenants.html",
+        {
+            "tenants": [{"tenant": tenant, "balance": balances[tenant.pk]} for tenant in rows],
+            "form": form,
+        },
+        status=400 if form.errors else 200,
+    )
 
 
 def _detail_context(request: HttpRequest, tenant: Tenant, *, grant_form=None) -> dict:
@@ -45,8 +51,11 @@ def _detail_context(request: HttpRequest, tenant: Tenant, *, grant_form=None) ->
 @require_GET
 def tenant_detail(request: HttpRequest, pk: int) -> HttpResponse:
     tenant = get_object_or_404(tenants_by_name(), pk=pk)
-    return render(request, "dashboard/tenants/tenant_detail.html",
-                  {**_detail_context(request, tenant), **team_context(request, tenant)})
+    return render(
+        request,
+        "dashboard/tenants/tenant_detail.html",
+        {**_detail_context(request, tenant), **team_context(request, tenant)},
+    )
 
 
 @admin_required
@@ -54,13 +63,25 @@ def tenant_detail(request: HttpRequest, pk: int) -> HttpResponse:
 def tenant_credit_grant(request: HttpRequest, pk: int) -> HttpResponse:
     tenant = get_object_or_404(tenants_by_name(), pk=pk)
     form = CreditGrantForm(request.POST)
-    entry = submit(form, lambda data: credit_grant(tenant=tenant, amount=data["amount"], memo=data["note"],
-                                                   created_by=request.user))
+    entry = submit(
+        form,
+        lambda data: credit_grant(tenant=tenant, amount=data["amount"], memo=data["note"], created_by=request.user),
+    )
     to = reverse("dashboard:tenant_detail", args=[tenant.pk])
     if entry is None:
-        return fragment_or_redirect(request, lambda: render(request, "dashboard/tenants/_credits.html",
-                                                            _detail_context(request, tenant, grant_form=form)),
-                                    to=to, errors=form_error_messages(form))
-    return fragment_or_redirect(request, lambda: render(request, "dashboard/tenants/_credits.html", {
-        **_detail_context(request, tenant), "granted": entry}), to=to,
-        success=f"Granted ${entry.amount} to {tenant.name}.")
+        return fragment_or_redirect(
+            request,
+            lambda: render(
+                request, "dashboard/tenants/_credits.html", _detail_context(request, tenant, grant_form=form)
+            ),
+            to=to,
+            errors=form_error_messages(form),
+        )
+    return fragment_or_redirect(
+        request,
+        lambda: render(
+            request, "dashboard/tenants/_credits.html", {**_detail_context(request, tenant), "granted": entry}
+        ),
+        to=to,
+        success=f"Granted ${entry.amount} to {tenant.name}.",
+    )

@@ -22,9 +22,14 @@ from controlplane.fleet.models import LoadBackoff
 def publish_deployment(deployment: Deployment, *, created: bool = False) -> None:
     """Tell the fleet pages a deployment changed (its desired count or limits, its backoffs, why it
     is unplaced): they show its status again; a new one joins the list."""
-    live_events.publish(group=live_events.FLEET_GROUP, event="deployment.changed", data={
-        "deployment_id": deployment.pk, "created": created,
-    })
+    live_events.publish(
+        group=live_events.FLEET_GROUP,
+        event="deployment.changed",
+        data={
+            "deployment_id": deployment.pk,
+            "created": created,
+        },
+    )
 
 
 # What a deployment edit may change, and what its audit entry compares.
@@ -63,11 +68,24 @@ def deployment_create(
     model = model_get_by_public_name(public_name=model_name)
     if model is None:
         raise ValidationError({"model": f"Unknown model {model_name!r}."})
-    deployment = validated_save(Deployment(model=model, desired_replicas=desired_replicas, min_replicas=min_replicas,
-                                           max_replicas=max_replicas, keep_warm=keep_warm, autoscale=autoscale,
-                                           scaled_at=timezone.now()))
-    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_CREATE, target=deployment,
-                 target_label=model.public_name, detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS))
+    deployment = validated_save(
+        Deployment(
+            model=model,
+            desired_replicas=desired_replicas,
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            keep_warm=keep_warm,
+            autoscale=autoscale,
+            scaled_at=timezone.now(),
+        )
+    )
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.DEPLOYMENT_CREATE,
+        target=deployment,
+        target_label=model.public_name,
+        detail=model_to_dict(deployment, fields=DEPLOYMENT_FIELDS),
+    )
     publish_deployment(deployment, created=True)
     commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
@@ -79,16 +97,27 @@ def _check_desired_in_bounds(deployment: Deployment, desired_replicas, *, field:
     the person did; by default, in the words of the limits form (Min, Max), naming the one to change."""
     _check_whole_number(desired_replicas, field)
     if not deployment.min_replicas <= desired_replicas <= deployment.max_replicas:
-        fix = ("raise Max replicas" if desired_replicas > deployment.max_replicas else "lower Min replicas")
-        raise ValidationError({field: refusal or (
-            f"This deployment allows {deployment.min_replicas} to {deployment.max_replicas} replicas; "
-            f"{fix} to scale to {desired_replicas}."
-        )})
+        fix = "raise Max replicas" if desired_replicas > deployment.max_replicas else "lower Min replicas"
+        raise ValidationError(
+            {
+                field: refusal
+                or (
+                    f"This deployment allows {deployment.min_replicas} to {deployment.max_replicas} replicas; "
+                    f"{fix} to scale to {desired_replicas}."
+                )
+            }
+        )
 
 
-def deployment_set_desired_replicas(*, deployment: Deployment, desired_replicas: int, now: datetime,
-                                    field: str = "desired_replicas", refusal: str | None = None,
-                                    save: bool = True) -> int:
+def deployment_set_desired_replicas(
+    *,
+    deployment: Deployment,
+    desired_replicas: int,
+    now: datetime,
+    field: str = "desired_replicas",
+    refusal: str | None = None,
+    save: bool = True,
+) -> int:
     """The one writer of a deployment's desired replica count once it exists: an operator's scale or
     edit, a replica loaded or unloaded by hand, the autoscaler's decision and a cold start's wake
     all come here. Checks the count against the deployment's bounds (a ValidationError under
@@ -110,18 +139,24 @@ def deployment_set_desired_replicas(*, deployment: Deployment, desired_replicas:
 def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=None) -> Deployment:
     """Want `desired_replicas` replicas; reconcile places or drains the difference."""
     # Lock the row so two operators scaling at once cannot both pass validation on stale bounds.
-    return deployment_scale_locked(deployment=deployment_lock(deployment), desired_replicas=desired_replicas,
-                                   actor=actor, now=timezone.now())
+    return deployment_scale_locked(
+        deployment=deployment_lock(deployment), desired_replicas=desired_replicas, actor=actor, now=timezone.now()
+    )
 
 
-def deployment_scale_locked(*, deployment: Deployment, desired_replicas: int, actor, now: datetime,
-                            detail: dict | None = None) -> Deployment:
+def deployment_scale_locked(
+    *, deployment: Deployment, desired_replicas: int, actor, now: datetime, detail: dict | None = None
+) -> Deployment:
     """Scale a locked deployment on its own (an operator's scale, the autoscaler's decision, a cold
     start's wake): the new count, its audit entry, the pages told, reconcile asked."""
     before = deployment_set_desired_replicas(deployment=deployment, desired_replicas=desired_replicas, now=now)
-    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_SCALE, target=deployment,
-                 target_label=deployment.model.public_name,
-                 detail={"desired_replicas": [before, desired_replicas], **(detail or {})})
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.DEPLOYMENT_SCALE,
+        target=deployment,
+        target_label=deployment.model.public_name,
+        detail={"desired_replicas": [before, desired_replicas], **(detail or {})},
+    )
     publish_deployment(deployment)
     commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment
@@ -147,16 +182,30 @@ def _deployment_wake_locked(*, model_id: int) -> bool:
         return False  # changed since the read above
     if deployment.desired_replicas >= 1:
         return True  # another gateway process woke it first
-    deployment_scale_locked(deployment=deployment, desired_replicas=1, actor=None, now=timezone.now(),
-                            detail={"reason": "cold start: a request is waiting for a replica"})
+    deployment_scale_locked(
+        deployment=deployment,
+        desired_replicas=1,
+        actor=None,
+        now=timezone.now(),
+        detail={"reason": "cold start: a request is waiting for a replica"},
+    )
     return True
 
 
 @transaction.atomic
 def deployment_update(
-    *, deployment: Deployment, desired_replicas: int, min_replicas: int, max_replicas: int, keep_warm: bool,
-    autoscale: bool | None = None, target_concurrency: int | None = None, ttft_slo_ms: int | None = None,
-    itl_slo_ms: int | None = None, idle_to_zero_seconds: int | None = None, actor=None,
+    *,
+    deployment: Deployment,
+    desired_replicas: int,
+    min_replicas: int,
+    max_replicas: int,
+    keep_warm: bool,
+    autoscale: bool | None = None,
+    target_concurrency: int | None = None,
+    ttft_slo_ms: int | None = None,
+    itl_slo_ms: int | None = None,
+    idle_to_zero_seconds: int | None = None,
+    actor=None,
 ) -> Deployment:
     """Set a deployment's replica counts, keep-warm and (each unless None) autoscaling settings at
     once; each bad value is reported on its own field, and min <= desired <= max must hold afterwards."""
@@ -172,10 +221,16 @@ def deployment_update(
     for field, value in flags.items():
         if not isinstance(value, bool):
             errors[field] = [f"Must be true or false, not {value!r}."]
-    autoscaling = {field: value for field, value in {
-        "target_concurrency": target_concurrency, "ttft_slo_ms": ttft_slo_ms, "itl_slo_ms": itl_slo_ms,
-        "idle_to_zero_seconds": idle_to_zero_seconds,
-    }.items() if value is not None}
+    autoscaling = {
+        field: value
+        for field, value in {
+            "target_concurrency": target_concurrency,
+            "ttft_slo_ms": ttft_slo_ms,
+            "itl_slo_ms": itl_slo_ms,
+            "idle_to_zero_seconds": idle_to_zero_seconds,
+        }.items()
+        if value is not None
+    }
     for field, value in autoscaling.items():
         low, high = AUTOSCALING_BOUNDS[field]
         if isinstance(value, bool) or not isinstance(value, int):
@@ -192,11 +247,13 @@ def deployment_update(
     for field, value in {**bounds, **flags, **autoscaling}.items():
         setattr(deployment, field, value)
     # The count within the new bounds; a new count is an operator's scale: the autoscaler's cooldowns restart.
-    refusal = (f"Desired replicas must lie between min ({min_replicas}) and max ({max_replicas}); "
-               f"got {desired_replicas}.")
+    refusal = (
+        f"Desired replicas must lie between min ({min_replicas}) and max ({max_replicas}); got {desired_replicas}."
+    )
     if desired_replicas != deployment.desired_replicas:
-        deployment_set_desired_replicas(deployment=deployment, desired_replicas=desired_replicas, now=timezone.now(),
-                                        refusal=refusal, save=False)
+        deployment_set_desired_replicas(
+            deployment=deployment, desired_replicas=desired_replicas, now=timezone.now(), refusal=refusal, save=False
+        )
     else:
         _check_desired_in_bounds(deployment, desired_replicas, field="desired_replicas", refusal=refusal)
     deployment.full_clean()
@@ -204,8 +261,13 @@ def deployment_update(
     if not diff:
         return deployment
     deployment.save()
-    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_UPDATE, target=deployment,
-                 target_label=deployment.model.public_name, detail=diff)
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.DEPLOYMENT_UPDATE,
+        target=deployment,
+        target_label=deployment.model.public_name,
+        detail=diff,
+    )
     publish_deployment(deployment)
     if "desired_replicas" in diff:
         commands.request_reconcile(deployment_ids=[deployment.pk])
@@ -217,15 +279,21 @@ def deployment_retry_loads(*, deployment: Deployment, actor=None) -> Deployment:
     """Forget the deployment's load backoffs and reconcile now: every worker may be tried at once
     (after the operator fixed whatever made the loads fail)."""
     deployment = deployment_lock(deployment)
-    backoffs = list(LoadBackoff.objects.select_for_update().select_related("worker").filter(deployment=deployment)
-                    .order_by("pk"))
+    backoffs = list(
+        LoadBackoff.objects.select_for_update().select_related("worker").filter(deployment=deployment).order_by("pk")
+    )
     if not backoffs:
         raise ValidationError({"deployment": f"{deployment.model.public_name} has no failed loads to retry."})
     LoadBackoff.objects.filter(pk__in=[b.pk for b in backoffs]).delete()
-    audit_record(actor=actor, action=AuditEntry.Action.DEPLOYMENT_RETRY, target=deployment,
-                 target_label=deployment.model.public_name, detail={
-        "backoffs": {b.worker.name: b.consecutive_failures for b in backoffs},
-    })
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.DEPLOYMENT_RETRY,
+        target=deployment,
+        target_label=deployment.model.public_name,
+        detail={
+            "backoffs": {b.worker.name: b.consecutive_failures for b in backoffs},
+        },
+    )
     publish_deployment(deployment)
     commands.request_reconcile(deployment_ids=[deployment.pk])
     return deployment

@@ -23,23 +23,36 @@ def workers_stage_weights() -> dict[int, tuple[str, ...]]:
     latest = heartbeat_cache.read_many(worker_ids=[w.pk for w in workers])
     running: dict[int, set[str]] = {}
     for worker_id, path in Replica.objects.filter(worker__in=workers, state__in=Replica.LIVE_STATES).values_list(
-            "worker_id", "deployment__model__weights_path"):
+        "worker_id", "deployment__model__weights_path"
+    ):
         running.setdefault(worker_id, set()).add(path)
     staging_workers = [
-        StagingWorker(worker_id=w.pk,
-                      budget_bytes=int(((latest.get(w.pk) or {}).get("staging") or {}).get("budget_bytes", 0)),
-                      model_paths=frozenset(w.model_paths or ()), running_paths=frozenset(running.get(w.pk, ())))
-        for w in workers]
+        StagingWorker(
+            worker_id=w.pk,
+            budget_bytes=int(((latest.get(w.pk) or {}).get("staging") or {}).get("budget_bytes", 0)),
+            model_paths=frozenset(w.model_paths or ()),
+            running_paths=frozenset(running.get(w.pk, ())),
+        )
+        for w in workers
+    ]
     try:  # busiest first: requests over the popularity window, as the gateways counted them
-        traffic = traffic_snapshot(now=timezone.now().timestamp(), rate_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
-                                   popular_window_s=settings.AUTOSCALE_POPULAR_WINDOW_SECONDS).window_counts
+        traffic = traffic_snapshot(
+            now=timezone.now().timestamp(),
+            rate_window_s=settings.AUTOSCALE_RATE_WINDOW_SECONDS,
+            popular_window_s=settings.AUTOSCALE_POPULAR_WINDOW_SECONDS,
+        ).window_counts
     except Exception:
         logger.warning("staging: the gateway's traffic counts are unreadable; nothing sent this time", exc_info=True)
         return {}
     candidates = [
-        StagingCandidate(model_path=d.model.weights_path, weight_bytes=d.model.gpu_memory_bytes,
-                         traffic=float(traffic.get(d.model_id, 0.0)), headroom=d.desired_replicas < d.max_replicas)
-        for d in Deployment.objects.select_related("model").filter(model__enabled=True)]
+        StagingCandidate(
+            model_path=d.model.weights_path,
+            weight_bytes=d.model.gpu_memory_bytes,
+            traffic=float(traffic.get(d.model_id, 0.0)),
+            headroom=d.desired_replicas < d.max_replicas,
+        )
+        for d in Deployment.objects.select_related("model").filter(model__enabled=True)
+    ]
     sent = {}
     queues = {w.pk: w.queue_name for w in workers}
     for worker_id, paths in plan_staging(staging_workers, candidates).items():

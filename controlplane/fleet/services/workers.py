@@ -24,9 +24,15 @@ class WorkerUnknown(Exception):
 
 
 def publish_worker(worker: Worker) -> None:
-    live_events.publish(group=live_events.FLEET_GROUP, event="worker.state", data={
-        "worker_id": worker.pk, "name": worker.name, "state": worker.state,
-    })
+    live_events.publish(
+        group=live_events.FLEET_GROUP,
+        event="worker.state",
+        data={
+            "worker_id": worker.pk,
+            "name": worker.name,
+            "state": worker.state,
+        },
+    )
 
 
 @transaction.atomic
@@ -74,22 +80,34 @@ def worker_drain(*, worker: Worker, actor=None) -> Worker:
     requests (up to FLEET_WORKER_DRAIN_TIMEOUT_SECONDS) and stops them."""
     worker = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
     if worker.state != Worker.State.ONLINE:
-        raise ValidationError({"worker": f"Worker {worker.name} is {worker.state}; "
-                                         f"only an online worker can be drained."})
+        raise ValidationError(
+            {"worker": f"Worker {worker.name} is {worker.state}; only an online worker can be drained."}
+        )
     now = timezone.now()
     worker.state, worker.state_changed_at = Worker.State.DRAINING, now
     worker.save(update_fields=["state", "state_changed_at"])
     publish_worker(worker)
-    replicas = list(Replica.objects.select_for_update(no_key=True)
-                    .filter(worker=worker, state__in=Replica.ACTIVE_STATES).order_by("pk"))
+    replicas = list(
+        Replica.objects.select_for_update(no_key=True)
+        .filter(worker=worker, state__in=Replica.ACTIVE_STATES)
+        .order_by("pk")
+    )
     for replica in replicas:
         to_state = Replica.State.STOPPED if replica.state == Replica.State.PENDING else Replica.State.DRAINING
         replica_transition_locked(replica, to_state=to_state, at=now)
-    commands.send_to_worker(queue=worker.queue_name,
-                            task=DrainWorker(timeout_s=float(settings.FLEET_WORKER_DRAIN_TIMEOUT_SECONDS)))
-    audit_record(actor=actor, action=AuditEntry.Action.WORKER_DRAIN, target=worker, target_label=worker.name, detail={
-        "state": [Worker.State.ONLINE, worker.state], "replicas_moved": [r.pk for r in replicas],
-    })
+    commands.send_to_worker(
+        queue=worker.queue_name, task=DrainWorker(timeout_s=float(settings.FLEET_WORKER_DRAIN_TIMEOUT_SECONDS))
+    )
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.WORKER_DRAIN,
+        target=worker,
+        target_label=worker.name,
+        detail={
+            "state": [Worker.State.ONLINE, worker.state],
+            "replicas_moved": [r.pk for r in replicas],
+        },
+    )
     if replicas:
         commands.request_reconcile(deployment_ids=[r.deployment_id for r in replicas])
     return worker

@@ -20,17 +20,37 @@ import triton
 import triton.language as tl
 
 from gpuworker.kernels.device import online_softmax
-from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_host_bound, check_shape, check_tensor,
-                                      dot_options, lazy_jit, next_power_of_2)
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_host_bound,
+    check_shape,
+    check_tensor,
+    dot_options,
+    lazy_jit,
+    next_power_of_2,
+)
 
 _LOG2E = 1.4426950408889634
 
 
 def _encoder_attention_kernel(
-    q_ptr, k_ptr, v_ptr, cu_seqlens_ptr, out_ptr, qk_scale,
-    stride_token, stride_head, stride_out_token, stride_out_head,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cu_seqlens_ptr,
+    out_ptr,
+    qk_scale,
+    stride_token,
+    stride_head,
+    stride_out_token,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -44,8 +64,11 @@ def _encoder_attention_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     head_offset = head * stride_head
-    q = tl.load(q_ptr + (start + rows)[:, None] * stride_token + head_offset + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (start + rows)[:, None] * stride_token + head_offset + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -63,13 +86,17 @@ def _encoder_attention_kernel(
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
         acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + (start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+    tl.store(
+        out_ptr + (start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
 
 
 # cu_seqlens and the strides change with every batch: one compiled variant whatever their values.
-_encoder_attention = lazy_jit(_encoder_attention_kernel, do_not_specialize=(
-    "cu_seqlens_ptr", "stride_token", "stride_out_token"))
+_encoder_attention = lazy_jit(
+    _encoder_attention_kernel, do_not_specialize=("cu_seqlens_ptr", "stride_token", "stride_out_token")
+)
 
 
 def default_tile(dtype: torch.dtype) -> tuple[int, int, int]:
@@ -78,8 +105,9 @@ def default_tile(dtype: torch.dtype) -> tuple[int, int, int]:
     return (32, 32, 4) if dtype == torch.float32 else (64, 64, 4)
 
 
-def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      max_seqlen: int, scale: float) -> torch.Tensor:
+def encoder_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
     """softmax(q k^T * scale) v within each packed sequence -> [T, H, D] (contiguous).
 
     q, k, v: [T, H, D] of one float dtype and device, each contiguous in D, with the same strides
@@ -95,10 +123,22 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     block_m, block_n, num_warps = default_tile(q.dtype)
     grid = (triton.cdiv(max_seqlen, block_m), num_heads, num_seqs)
     _encoder_attention[grid](
-        q, k, v, cu_seqlens, out, float(scale) * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
-        **dot_options(q.dtype), num_warps=num_warps,
+        q,
+        k,
+        v,
+        cu_seqlens,
+        out,
+        float(scale) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        **dot_options(q.dtype),
+        num_warps=num_warps,
     )
     return out
 
@@ -118,14 +158,14 @@ def _check(q, k, v, cu_seqlens, max_seqlen) -> None:
     check_host_bound("max_seqlen", max_seqlen)
 
 
-def encoder_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                max_seqlen: int, scale: float) -> torch.Tensor:
+def encoder_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
     """The same through torch: the sequences padded to max_seqlen, SDPA with the padding masked, and
     the rows packed back."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     num_seqs = lengths.shape[0]
-    seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), lengths.long(),
-                                        output_size=q.shape[0])
+    seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), lengths.long(), output_size=q.shape[0])
     position = torch.arange(q.shape[0], device=q.device) - cu_seqlens[:-1].long()[seq_index]
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [B, H, L, D]
@@ -134,6 +174,5 @@ def encoder_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return out.transpose(1, 2)
 
     keep = torch.arange(max_seqlen, device=q.device)[None, :] < lengths[:, None]
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keep[:, None, None, :],
-                                         scale=scale)
+    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keep[:, None, None, :], scale=scale)
     return out.transpose(1, 2)[seq_index, position].contiguous()

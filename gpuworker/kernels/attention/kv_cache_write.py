@@ -11,18 +11,42 @@ import torch
 import triton.language as tl
 
 from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    check_operand,
+    check_shape,
+    check_tensor,
+    lazy_jit,
+    next_power_of_2,
+    pdl_options,
+)
 from gpuworker.kernels.quant.kv_cache import check_kv_scales, is_fp8_cache, quantize_kv
-from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_kv_cache, check_last_dim_contiguous,
-                                      check_operand, check_shape, check_tensor, lazy_jit, next_power_of_2,
-                                      pdl_options)
 
 
 def _kv_cache_write_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
-    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
-    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_CACHE: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    k_scale,
+    v_scale,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
@@ -50,8 +74,9 @@ def _kv_cache_write_kernel(
 _kv_cache_write = lazy_jit(_kv_cache_write_kernel)
 
 
-def check_kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> int:
+def check_kv_cache_write(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> int:
     """Check the arguments of a cache write (see kv_cache_write); return the cache's block_size."""
     check_tensor("key", key, ndim=3, dtypes=FLOAT_DTYPES)
     device = key.device
@@ -69,8 +94,14 @@ def check_kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch
     return block_size
 
 
-def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def kv_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Store key/value [T, num_kv_heads, head_dim] at kv_cache[:, slot] for each slot >= 0 (in place).
 
     key and value may be strided views (e.g. slices of a fused qkv projection) as long as their last
@@ -85,17 +116,38 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     if num_tokens == 0:
         return
     _kv_cache_write[(num_tokens,)](
-        key, value, kv_cache, slot_mapping, k_scale, v_scale,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
-        FP8_CACHE=is_fp8_cache(kv_cache), **pdl_options(key.device),
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim),
+        FP8_CACHE=is_fp8_cache(kv_cache),
+        **pdl_options(key.device),
     )
 
 
-def kv_cache_write_reference(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+def kv_cache_write_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
     """Pure-torch reference of kv_cache_write (in place)."""
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0

@@ -32,15 +32,26 @@ import torch
 import triton
 import triton.language as tl
 
-from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_contiguous, check_host_bound,
-                                      check_operand, check_query_and_cache, check_shape, check_tensor, dot_options,
-                                      lazy_jit, next_power_of_2, pdl_options)
 from gpuworker.kernels import configs
-from gpuworker.kernels.device import online_softmax, rotary_cache
-from gpuworker.kernels.quant.kv_cache import check_kv_scales, dequantize_kv, is_fp8_cache
 from gpuworker.kernels.attention.kv_cache_write import check_kv_cache_write
-from gpuworker.kernels.norm.qk_norm import QKNorm, check_qk_norm
 from gpuworker.kernels.attention.rotary import apply_rotary_and_cache_reference, check_rotary
+from gpuworker.kernels.device import online_softmax, rotary_cache
+from gpuworker.kernels.launch import (
+    INDEX_DTYPES,
+    check_block_tables,
+    check_contiguous,
+    check_host_bound,
+    check_operand,
+    check_query_and_cache,
+    check_shape,
+    check_tensor,
+    dot_options,
+    lazy_jit,
+    next_power_of_2,
+    pdl_options,
+)
+from gpuworker.kernels.norm.qk_norm import QKNorm, check_qk_norm
+from gpuworker.kernels.quant.kv_cache import check_kv_scales, dequantize_kv, is_fp8_cache
 
 _LOG2E = 1.4426950408889634
 # Most splits a launch uses; the merging program reads all of a head's partials in one tile.
@@ -55,20 +66,60 @@ _WAVES = 2
 
 
 def _paged_decode_kernel(
-    query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
-    positions_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, q_norm_ptr, k_norm_ptr, norm_eps,
-    qk_scale, k_scale, v_scale,
-    stride_query_seq, stride_query_head, stride_out_seq, stride_out_head,
-    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
+    query_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    counters_ptr,
+    positions_ptr,
+    key_ptr,
+    value_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_mapping_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    norm_eps,
+    qk_scale,
+    k_scale,
+    v_scale,
+    stride_query_seq,
+    stride_query_head,
+    stride_out_seq,
+    stride_out_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
     stride_block_tables_seq,
-    stride_key_seq, stride_key_head, stride_value_seq, stride_value_head, stride_cos, stride_sin,
-    partition_size, num_splits,
-    BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    SPLIT: tl.constexpr, MERGE_IN_LAUNCH: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, FP8_CACHE: tl.constexpr,
-    FP8_AS_F16: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
+    stride_key_seq,
+    stride_key_head,
+    stride_value_seq,
+    stride_value_head,
+    stride_cos,
+    stride_sin,
+    partition_size,
+    num_splits,
+    BLOCK_SIZE: tl.constexpr,
+    QUERY_GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MERGE_IN_LAUNCH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    NEW_TOKEN: tl.constexpr,
+    HALF: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    FP8_AS_F16: tl.constexpr,
+    FP8_V_PAIRS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # The constexprs come from DecodeVariant.constexprs (see there for what each switch does).
@@ -118,22 +169,81 @@ def _paged_decode_kernel(
         position = tl.load(positions_ptr + seq).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         q, k_new, v_new = rotary_cache.decode_token(
-            q, q_ptrs, group_mask, dims, dim_mask, position, seq, kv_head,
-            key_ptr, stride_key_seq, stride_key_head, value_ptr, stride_value_seq, stride_value_head,
-            cos_ptr, sin_ptr, stride_cos, stride_sin, q_norm_ptr, k_norm_ptr, norm_eps, k_scale, v_scale,
-            cache_ptr.dtype.element_ty, HALF, HEAD_DIM, QK_NORM, FP8_CACHE)
+            q,
+            q_ptrs,
+            group_mask,
+            dims,
+            dim_mask,
+            position,
+            seq,
+            kv_head,
+            key_ptr,
+            stride_key_seq,
+            stride_key_head,
+            value_ptr,
+            stride_value_seq,
+            stride_value_head,
+            cos_ptr,
+            sin_ptr,
+            stride_cos,
+            stride_sin,
+            q_norm_ptr,
+            k_norm_ptr,
+            norm_eps,
+            k_scale,
+            v_scale,
+            cache_ptr.dtype.element_ty,
+            HALF,
+            HEAD_DIM,
+            QK_NORM,
+            FP8_CACHE,
+        )
 
     # In this order: Triton orders the results of the `if` below by when their names were first
     # defined, and the compiled code's registers follow (another order renumbers them).
     m_i, l_i, acc = _attend_cached(
-        q, seq, kv_head, start, end, dims, dim_mask, block_tables_ptr, stride_block_tables_seq, cache_ptr,
-        stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, qk_scale,
-        GROUP_PAD, BLOCK_D, BLOCK_N, BLOCK_SIZE, FP8_CACHE, FP8_AS_F16, FP8_V_PAIRS, DOT_FP32, DOT_PRECISION)
+        q,
+        seq,
+        kv_head,
+        start,
+        end,
+        dims,
+        dim_mask,
+        block_tables_ptr,
+        stride_block_tables_seq,
+        cache_ptr,
+        stride_cache_kv,
+        stride_cache_block,
+        stride_cache_offset,
+        stride_cache_head,
+        qk_scale,
+        GROUP_PAD,
+        BLOCK_D,
+        BLOCK_N,
+        BLOCK_SIZE,
+        FP8_CACHE,
+        FP8_AS_F16,
+        FP8_V_PAIRS,
+        DOT_FP32,
+        DOT_PRECISION,
+    )
 
     if NEW_TOKEN:
         if (split == num_parts - 1) & (seq_len > 0):  # the partition holding the last position
-            rotary_cache.cache_decode_token(cache_ptr, slot, kv_head, dims, dim_mask, k_new, v_new, stride_cache_kv,
-                                            stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_SIZE)
+            rotary_cache.cache_decode_token(
+                cache_ptr,
+                slot,
+                kv_head,
+                dims,
+                dim_mask,
+                k_new,
+                v_new,
+                stride_cache_kv,
+                stride_cache_block,
+                stride_cache_offset,
+                stride_cache_head,
+                BLOCK_SIZE,
+            )
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
             acc, l_i, m_i = online_softmax.step_one(score, v_new, acc, l_i, m_i)
 
@@ -148,17 +258,35 @@ def _paged_decode_kernel(
         # _merge_partitions (the next launch) combines the partitions holding tokens; a padded row
         # stores zeros and lse -inf in its first.
         row_id = (seq * num_q_heads + q_heads) * num_splits + split
-        _store_partial(part_out_ptr, part_lse_ptr, out, m_i, l_i, has_tokens, row_id, dims, out_mask, group_mask,
-                       BLOCK_D, True)
+        _store_partial(
+            part_out_ptr, part_lse_ptr, out, m_i, l_i, has_tokens, row_id, dims, out_mask, group_mask, BLOCK_D, True
+        )
     elif num_parts == 1:  # the context fits one partition (split 0): no partials, no merge
         _store_heads(out_ptr, out, seq, q_heads, dims, out_mask, stride_out_seq, stride_out_head)
     else:
         row_id = (seq * num_q_heads + q_heads) * num_splits + split  # [G] index into [B, Hq, S]
-        _store_partial(part_out_ptr, part_lse_ptr, out, m_i, l_i, has_tokens, row_id, dims, out_mask, group_mask,
-                       BLOCK_D, False)
-        _merge_if_last(counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_kv_heads, num_q_heads,
-                       num_parts, num_splits, dims, dim_mask, stride_out_seq, stride_out_head,
-                       QUERY_GROUP, SPLITS_PAD, BLOCK_D)
+        _store_partial(
+            part_out_ptr, part_lse_ptr, out, m_i, l_i, has_tokens, row_id, dims, out_mask, group_mask, BLOCK_D, False
+        )
+        _merge_if_last(
+            counters_ptr,
+            part_out_ptr,
+            part_lse_ptr,
+            out_ptr,
+            seq,
+            kv_head,
+            num_kv_heads,
+            num_q_heads,
+            num_parts,
+            num_splits,
+            dims,
+            dim_mask,
+            stride_out_seq,
+            stride_out_head,
+            QUERY_GROUP,
+            SPLITS_PAD,
+            BLOCK_D,
+        )
 
 
 @triton.jit
@@ -174,11 +302,32 @@ def _sequence_partitions(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_cached(q, seq, kv_head, start, end, dims, dim_mask, block_tables_ptr, stride_block_tables_seq, cache_ptr,
-                   stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head, qk_scale,
-                   GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   FP8_CACHE: tl.constexpr, FP8_AS_F16: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
-                   DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_cached(
+    q,
+    seq,
+    kv_head,
+    start,
+    end,
+    dims,
+    dim_mask,
+    block_tables_ptr,
+    stride_block_tables_seq,
+    cache_ptr,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    qk_scale,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    FP8_AS_F16: tl.constexpr,
+    FP8_V_PAIRS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """(m_i, l_i, acc) of the query heads q [GROUP_PAD, BLOCK_D] over the cached tokens start..end of
     this (sequence, kv head), BLOCK_N at a time (online_softmax; scores times qk_scale, log2 units)."""
     dtype = q.dtype
@@ -223,8 +372,11 @@ def _attend_cached(q, seq, kv_head, start, end, dims, dim_mask, block_tables_ptr
             high = (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
             v = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_D))
         else:
-            v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
-                        mask=valid[:, None] & dim_mask[None, :], other=0.0)  # [N, D]
+            v = tl.load(
+                head_base + stride_cache_kv + row[:, None] + dims[None, :],
+                mask=valid[:, None] & dim_mask[None, :],
+                other=0.0,
+            )  # [N, D]
             if FP8_AS_F16:
                 v = v.to(tl.float16)
             elif FP8_CACHE:
@@ -236,13 +388,28 @@ def _attend_cached(q, seq, kv_head, start, end, dims, dim_mask, block_tables_ptr
 @triton.jit
 def _store_heads(out_ptr, out, seq, q_heads, dims, mask, stride_out_seq, stride_out_head):
     """The normalised output of the query heads q_heads [G] into out [B, Hq, D]."""
-    tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
-def _store_partial(part_out_ptr, part_lse_ptr, out, m_i, l_i, has_tokens, row_id, dims, out_mask, group_mask,
-                   BLOCK_D: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+def _store_partial(
+    part_out_ptr,
+    part_lse_ptr,
+    out,
+    m_i,
+    l_i,
+    has_tokens,
+    row_id,
+    dims,
+    out_mask,
+    group_mask,
+    BLOCK_D: tl.constexpr,
+    MAY_BE_EMPTY: tl.constexpr,
+):
     """A partition's output and log-sum-exp (log2 units) for rows row_id [G] of [B, Hq, S] (partials
     [B, Hq, S, BLOCK_D], one flat stride). MAY_BE_EMPTY: a padded row (no tokens) stores lse -inf."""
     tl.store(part_out_ptr + row_id[:, None] * BLOCK_D + dims[None, :], out, mask=out_mask)
@@ -255,9 +422,25 @@ def _store_partial(part_out_ptr, part_lse_ptr, out, m_i, l_i, has_tokens, row_id
 
 
 @triton.jit
-def _merge_if_last(counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, num_kv_heads, num_q_heads,
-                   num_parts, num_splits, dims, dim_mask, stride_out_seq, stride_out_head,
-                   QUERY_GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_if_last(
+    counters_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    seq,
+    kv_head,
+    num_kv_heads,
+    num_q_heads,
+    num_parts,
+    num_splits,
+    dims,
+    dim_mask,
+    stride_out_seq,
+    stride_out_head,
+    QUERY_GROUP: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """The last partition of this (sequence, kv head) to finish merges them all, so no second kernel
     is launched. The barrier puts every thread's partial stores before the increment (a release);
     its acquire side makes the other programs' partials visible to the merger."""
@@ -273,21 +456,35 @@ def _merge_if_last(counters_ptr, part_out_ptr, part_lse_ptr, out_ptr, seq, kv_he
         for g in tl.static_range(QUERY_GROUP):
             head = kv_head * QUERY_GROUP + g
             head_row = (seq * num_q_heads + head) * num_splits
-            lse = tl.load(part_lse_ptr + head_row + splits, mask=split_mask, other=float("-inf"),
-                          cache_modifier=".cg")
+            lse = tl.load(part_lse_ptr + head_row + splits, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
             weight = tl.where(split_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-            parts = tl.load(part_out_ptr + (head_row + splits)[:, None] * BLOCK_D + dims[None, :],
-                            mask=split_mask[:, None] & dim_mask[None, :], other=0.0,
-                            cache_modifier=".cg")
+            parts = tl.load(
+                part_out_ptr + (head_row + splits)[:, None] * BLOCK_D + dims[None, :],
+                mask=split_mask[:, None] & dim_mask[None, :],
+                other=0.0,
+                cache_modifier=".cg",
+            )
             merged = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-            tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
-                     merged.to(out_ptr.dtype.element_ty), mask=dim_mask)
+            tl.store(
+                out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+                merged.to(out_ptr.dtype.element_ty),
+                mask=dim_mask,
+            )
 
 
 def _merge_partitions_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
-    stride_out_seq, stride_out_head, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    seq_lens_ptr,
+    stride_out_seq,
+    stride_out_head,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One (sequence, query head): the softmax-weighted sum of its partitions' partial outputs."""
     if USE_PDL:  # see launch.pdl_options; the next kernel may launch at once, as in _paged_decode
@@ -302,23 +499,39 @@ def _merge_partitions_kernel(
     _, num_parts = _sequence_partitions(seq_len, num_splits, BLOCK_N)  # as _paged_decode_kernel cut it
     split_mask = splits < num_parts  # the partitions that stored a partial
     lse = tl.load(part_lse_ptr + row_base + splits, mask=split_mask, other=float("-inf"))
-    parts = tl.load(part_out_ptr + (row_base + splits)[:, None] * BLOCK_D + dims[None, :],
-                    mask=split_mask[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    parts = tl.load(
+        part_out_ptr + (row_base + splits)[:, None] * BLOCK_D + dims[None, :],
+        mask=split_mask[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     lse_max = tl.max(lse, 0)
     has_tokens = lse > float("-inf")
     weight = tl.where(has_tokens, tl.exp2(lse - tl.where(has_tokens, lse_max, 0.0)), 0.0)
     total = tl.sum(weight, 0)
     merged = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
-             merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 _merge_partitions = lazy_jit(_merge_partitions_kernel, do_not_specialize=("seq_lens_ptr", "num_splits"))
 
 # Arguments that change from step to step: one compiled variant whatever their alignment or value.
-_paged_decode = lazy_jit(_paged_decode_kernel, do_not_specialize=(
-    "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "positions_ptr", "slot_mapping_ptr",
-    "stride_block_tables_seq", "partition_size", "num_splits"))
+_paged_decode = lazy_jit(
+    _paged_decode_kernel,
+    do_not_specialize=(
+        "block_tables_ptr",
+        "seq_lens_ptr",
+        "counters_ptr",
+        "positions_ptr",
+        "slot_mapping_ptr",
+        "stride_block_tables_seq",
+        "partition_size",
+        "num_splits",
+    ),
+)
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -351,8 +564,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 TABLE_KEY = ("dtype", "max_head_dim", "fills_device")
 
 
-def default_tile(dtype: torch.dtype, head_dim: int, fills_device: bool,
-                 device: torch.device | None = None) -> tuple[int, int, int]:
+def default_tile(
+    dtype: torch.dtype, head_dim: int, fills_device: bool, device: torch.device | None = None
+) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) of a launch whose batch x kv heads programs fill the
     multiprocessors of `device` (fills_device) or not: the device's measured tile (None: the current
     device's), else a default.
@@ -472,12 +686,33 @@ def paged_decode_attention(
     num_seqs, num_q_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
-    launch = _pick_launch(num_seqs, num_kv_heads, head_dim, query.dtype, max_seq_len, query.device,
-                          num_splits=num_splits, merge_in_launch=merge_in_launch, block_n=block_n,
-                          num_warps=num_warps, num_stages=num_stages)
+    launch = _pick_launch(
+        num_seqs,
+        num_kv_heads,
+        head_dim,
+        query.dtype,
+        max_seq_len,
+        query.device,
+        num_splits=num_splits,
+        merge_in_launch=merge_in_launch,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     variant = DecodeVariant.of(query, kv_cache, launch, new_tokens, half, fp8_v_pairs)
-    _launch(query, kv_cache, block_tables, seq_lens, float(scale), out, counters, new_tokens,
-            check_kv_scales(k_scale, v_scale), launch, variant)
+    _launch(
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        float(scale),
+        out,
+        counters,
+        new_tokens,
+        check_kv_scales(k_scale, v_scale),
+        launch,
+        variant,
+    )
     return out
 
 
@@ -502,18 +737,34 @@ class DecodeVariant:
     fp8_v_pairs: bool = False  # its values read as 16-bit words (paged_decode_attention's fp8_v_pairs)
 
     @classmethod
-    def of(cls, query: torch.Tensor, kv_cache: torch.Tensor, launch: _Launch, new_tokens: NewTokens | None,
-           rotary_half: int, fp8_v_pairs: bool | None) -> DecodeVariant:
+    def of(
+        cls,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        launch: _Launch,
+        new_tokens: NewTokens | None,
+        rotary_half: int,
+        fp8_v_pairs: bool | None,
+    ) -> DecodeVariant:
         """The variant of a checked call (rotary_half: _checked's) with launch shape `launch`."""
         head_dim = query.shape[2]
         fp8 = is_fp8_cache(kv_cache)
         fp8_as_f16 = fp8 and query.dtype != torch.float32
-        return cls(block_size=kv_cache.shape[2], query_group=query.shape[1] // kv_cache.shape[3], head_dim=head_dim,
-                   block_n=launch.block_n, num_splits=launch.num_splits, dtype=query.dtype,
-                   merge_in_launch=launch.merge_in_launch, new_token=new_tokens is not None, rotary_half=rotary_half,
-                   qk_norm=new_tokens is not None and new_tokens.qk_norm is not None, fp8_cache=fp8,
-                   fp8_as_f16=fp8_as_f16,
-                   fp8_v_pairs=fp8_as_f16 and _v_pairs_apply(kv_cache, head_dim, fp8_v_pairs))
+        return cls(
+            block_size=kv_cache.shape[2],
+            query_group=query.shape[1] // kv_cache.shape[3],
+            head_dim=head_dim,
+            block_n=launch.block_n,
+            num_splits=launch.num_splits,
+            dtype=query.dtype,
+            merge_in_launch=launch.merge_in_launch,
+            new_token=new_tokens is not None,
+            rotary_half=rotary_half,
+            qk_norm=new_tokens is not None and new_tokens.qk_norm is not None,
+            fp8_cache=fp8,
+            fp8_as_f16=fp8_as_f16,
+            fp8_v_pairs=fp8_as_f16 and _v_pairs_apply(kv_cache, head_dim, fp8_v_pairs),
+        )
 
     @property
     def split(self) -> bool:
@@ -526,23 +777,47 @@ class DecodeVariant:
     def constexprs(self) -> dict[str, object]:
         """_paged_decode_kernel's constexpr arguments (USE_PDL aside: launch.pdl_options, as for every kernel)."""
         return dict(
-            BLOCK_SIZE=self.block_size, QUERY_GROUP=self.query_group,
-            GROUP_PAD=max(16, next_power_of_2(self.query_group)), HEAD_DIM=self.head_dim, BLOCK_D=self.block_d,
-            BLOCK_N=self.block_n, SPLITS_PAD=next_power_of_2(self.num_splits), SPLIT=self.split,
-            MERGE_IN_LAUNCH=self.merge_in_launch, **dot_options(self.dtype), NEW_TOKEN=self.new_token,
-            HALF=self.rotary_half, QK_NORM=self.qk_norm, FP8_CACHE=self.fp8_cache, FP8_AS_F16=self.fp8_as_f16,
+            BLOCK_SIZE=self.block_size,
+            QUERY_GROUP=self.query_group,
+            GROUP_PAD=max(16, next_power_of_2(self.query_group)),
+            HEAD_DIM=self.head_dim,
+            BLOCK_D=self.block_d,
+            BLOCK_N=self.block_n,
+            SPLITS_PAD=next_power_of_2(self.num_splits),
+            SPLIT=self.split,
+            MERGE_IN_LAUNCH=self.merge_in_launch,
+            **dot_options(self.dtype),
+            NEW_TOKEN=self.new_token,
+            HALF=self.rotary_half,
+            QK_NORM=self.qk_norm,
+            FP8_CACHE=self.fp8_cache,
+            FP8_AS_F16=self.fp8_as_f16,
             FP8_V_PAIRS=self.fp8_v_pairs,
         )
 
     def merge_constexprs(self) -> dict[str, object]:
         """_merge_partitions' constexpr arguments, for a split launch it merges."""
-        return dict(HEAD_DIM=self.head_dim, BLOCK_N=self.block_n, BLOCK_D=self.block_d,
-                    SPLITS_PAD=next_power_of_2(self.num_splits))
+        return dict(
+            HEAD_DIM=self.head_dim,
+            BLOCK_N=self.block_n,
+            BLOCK_D=self.block_d,
+            SPLITS_PAD=next_power_of_2(self.num_splits),
+        )
 
 
-def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            scale: float, out: torch.Tensor, counters: torch.Tensor | None, new_tokens: NewTokens | None,
-            kv_scales: tuple[float, float], launch: _Launch, variant: DecodeVariant) -> None:
+def _launch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    counters: torch.Tensor | None,
+    new_tokens: NewTokens | None,
+    kv_scales: tuple[float, float],
+    launch: _Launch,
+    variant: DecodeVariant,
+) -> None:
     """The kernel for a checked call, and _merge_partitions after it for a split launch that does
     not merge in the launch."""
     num_seqs, num_q_heads, _ = query.shape
@@ -552,13 +827,30 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     rotary_args, rotary_strides = _new_token_operands(new_tokens, query, seq_lens)
     k_scale, v_scale = kv_scales
     _paged_decode[(num_seqs, num_kv_heads, variant.num_splits)](
-        query, kv_cache, block_tables, seq_lens,
-        out, part_out, part_lse, counters, *rotary_args,
-        scale * _LOG2E * (k_scale if variant.fp8_cache else 1.0), k_scale, v_scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), *rotary_strides,
-        launch.partition_size, variant.num_splits,
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        counters,
+        *rotary_args,
+        scale * _LOG2E * (k_scale if variant.fp8_cache else 1.0),
+        k_scale,
+        v_scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        *rotary_strides,
+        launch.partition_size,
+        variant.num_splits,
         **variant.constexprs(),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
@@ -566,13 +858,28 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     )
     if variant.split and not variant.merge_in_launch:
         _merge_partitions[(num_seqs, num_q_heads)](
-            part_out, part_lse, out, seq_lens, out.stride(0), out.stride(1), variant.num_splits,
-            **variant.merge_constexprs(), num_warps=4, **pdl_options(device),
+            part_out,
+            part_lse,
+            out,
+            seq_lens,
+            out.stride(0),
+            out.stride(1),
+            variant.num_splits,
+            **variant.merge_constexprs(),
+            num_warps=4,
+            **pdl_options(device),
         )
 
 
-def _partials(variant: DecodeVariant, num_seqs: int, num_q_heads: int, num_kv_heads: int, out: torch.Tensor,
-              counters: torch.Tensor | None, seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _partials(
+    variant: DecodeVariant,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    out: torch.Tensor,
+    counters: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """(part_out, part_lse, counters): a split launch's partial outputs, their log-sum-exps and the
     in-launch merge's arrival counters. What a variant does not use, the kernel never touches: `out`
     and `seq_lens` stand in."""
@@ -581,8 +888,9 @@ def _partials(variant: DecodeVariant, num_seqs: int, num_q_heads: int, num_kv_he
     device = out.device
     # Padded to BLOCK_D so the merge can use one flat stride. Never initialised: only the
     # partitions holding tokens write theirs, and only those are read.
-    part_out = torch.empty((num_seqs, num_q_heads, variant.num_splits, variant.block_d), dtype=torch.float32,
-                           device=device)
+    part_out = torch.empty(
+        (num_seqs, num_q_heads, variant.num_splits, variant.block_d), dtype=torch.float32, device=device
+    )
     part_lse = torch.empty((num_seqs, num_q_heads, variant.num_splits), dtype=torch.float32, device=device)
     if counters is None and variant.merge_in_launch:
         counters = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
@@ -591,8 +899,7 @@ def _partials(variant: DecodeVariant, num_seqs: int, num_q_heads: int, num_kv_he
     return part_out, part_lse, counters
 
 
-def _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters,
-             new_tokens) -> tuple[int, int, int]:
+def _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters, new_tokens) -> tuple[int, int, int]:
     """Check a call's arguments (see paged_decode_attention); return the cache's block_size, its
     number of kv heads and, with new_tokens, half the rotated width (else 0)."""
     block_size, num_kv_heads = check_query_and_cache(query, kv_cache)
@@ -613,8 +920,10 @@ def _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters
         check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,), device=device)
         check_contiguous("counters", counters)
         if counters.numel() < num_seqs * num_kv_heads:
-            raise ValueError(f"counters holds {counters.numel()} entries but the launch needs "
-                             f"num_seqs * num_kv_heads = {num_seqs * num_kv_heads}")
+            raise ValueError(
+                f"counters holds {counters.numel()} entries but the launch needs "
+                f"num_seqs * num_kv_heads = {num_seqs * num_kv_heads}"
+            )
     if new_tokens is None:
         return block_size, num_kv_heads, 0
     t = new_tokens
@@ -651,9 +960,20 @@ def _v_pairs_apply(kv_cache: torch.Tensor, head_dim: int, asked: bool | None) ->
     return wanted and head_dim == next_power_of_2(head_dim) and head_dim >= 2 and even
 
 
-def _pick_launch(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_seq_len: int,
-                 device: torch.device, *, num_splits: int | None, merge_in_launch: bool | None,
-                 block_n: int | None, num_warps: int | None, num_stages: int | None) -> _Launch:
+def _pick_launch(
+    num_seqs: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    device: torch.device,
+    *,
+    num_splits: int | None,
+    merge_in_launch: bool | None,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> _Launch:
     """The call's own choices, the rest from default_tile and choose_num_splits; partitions are
     whole tiles, so only the last tile of a partition needs its tail masked."""
     fills_device = num_seqs * num_kv_heads >= multiprocessor_count(device)
@@ -668,21 +988,36 @@ def _pick_launch(num_seqs: int, num_kv_heads: int, head_dim: int, dtype: torch.d
     tiles = max(1, triton.cdiv(max_seq_len, block_n))
     partition_size = triton.cdiv(tiles, num_splits) * block_n
     num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
-    return _Launch(block_n, num_warps, num_stages, num_splits, partition_size,
-                   fills_device if merge_in_launch is None else merge_in_launch)
+    return _Launch(
+        block_n,
+        num_warps,
+        num_stages,
+        num_splits,
+        partition_size,
+        fills_device if merge_in_launch is None else merge_in_launch,
+    )
 
 
-def _new_token_operands(new_tokens: NewTokens | None, query: torch.Tensor,
-                        seq_lens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+def _new_token_operands(
+    new_tokens: NewTokens | None, query: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
     """The rotary, norm and cache-write operands and the strides the kernel takes with NEW_TOKEN."""
     if new_tokens is None:  # unused without NEW_TOKEN: any pointers of the right kinds will do
         return (seq_lens, query, query, query, query, seq_lens, query, query, 1.0), (0,) * 6
     t = new_tokens
     # Unused without QK_NORM: the query stands in for the weights.
     norm = (query, query, 1.0) if t.qk_norm is None else (t.qk_norm.q_weight, t.qk_norm.k_weight, float(t.qk_norm.eps))
-    return ((t.positions, t.key, t.value, t.cos_cache, t.sin_cache, t.slot_mapping, *norm),
-            (t.key.stride(0), t.key.stride(1), t.value.stride(0), t.value.stride(1),
-             t.cos_cache.stride(0), t.sin_cache.stride(0)))
+    return (
+        (t.positions, t.key, t.value, t.cos_cache, t.sin_cache, t.slot_mapping, *norm),
+        (
+            t.key.stride(0),
+            t.key.stride(1),
+            t.value.stride(0),
+            t.value.stride(1),
+            t.cos_cache.stride(0),
+            t.sin_cache.stride(0),
+        ),
+    )
 
 
 def paged_decode_attention_reference(
@@ -701,8 +1036,19 @@ def paged_decode_attention_reference(
     apply_rotary_and_cache does."""
     if new_tokens is not None:
         t = new_tokens
-        query = apply_rotary_and_cache_reference(t.positions, query, t.key, t.value, t.cos_cache, t.sin_cache,
-                                                 kv_cache, t.slot_mapping, k_scale, v_scale, t.qk_norm)
+        query = apply_rotary_and_cache_reference(
+            t.positions,
+            query,
+            t.key,
+            t.value,
+            t.cos_cache,
+            t.sin_cache,
+            kv_cache,
+            t.slot_mapping,
+            k_scale,
+            v_scale,
+            t.qk_norm,
+        )
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads

@@ -17,23 +17,51 @@ import triton
 import triton.language as tl
 
 from gpuworker.kernels.device import online_softmax
+from gpuworker.kernels.launch import (
+    INDEX_DTYPES,
+    check_block_tables,
+    check_host_bound,
+    check_operand,
+    check_query_and_cache,
+    check_shape,
+    check_tensor,
+    dot_options,
+    lazy_jit,
+    next_power_of_2,
+    pdl_options,
+)
 from gpuworker.kernels.quant.kv_cache import check_kv_scales, dequantize_kv, is_fp8_cache
-from gpuworker.kernels.launch import (INDEX_DTYPES, check_block_tables, check_host_bound, check_operand,
-                                      check_query_and_cache, check_shape, check_tensor, dot_options, lazy_jit,
-                                      next_power_of_2, pdl_options)
 
 _LOG2E = 1.4426950408889634
 
 
 def _prefill_attention_kernel(
-    query_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    qk_scale, v_scale,
-    stride_query_token, stride_query_head, stride_out_token, stride_out_head,
-    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
+    query_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    qk_scale,
+    v_scale,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
     stride_block_tables_seq,
-    BLOCK_SIZE: tl.constexpr, QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, FP8_CACHE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUERY_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
@@ -58,7 +86,8 @@ def _prefill_attention_kernel(
     dim_mask = dims < HEAD_DIM
     q = tl.load(
         query_ptr + (q_start + rows)[:, None] * stride_query_token + q_head * stride_query_head + dims[None, :],
-        mask=row_mask[:, None] & dim_mask[None, :], other=0.0,
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
     )
     dtype = query_ptr.dtype.element_ty
     if DOT_FP32:
@@ -94,8 +123,11 @@ def _prefill_attention_kernel(
         block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
         k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
-        v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :],
-                    mask=valid[:, None] & dim_mask[None, :], other=0.0)
+        v = tl.load(
+            head_base + stride_cache_kv + row[:, None] + dims[None, :],
+            mask=valid[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
         if FP8_CACHE:
             k_t = k_t.to(dtype)
             v = v.to(dtype)
@@ -110,12 +142,16 @@ def _prefill_attention_kernel(
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_out_token + q_head * stride_out_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
     )
 
 
 # Arguments that change from step to step: one compiled variant whatever their alignment or value.
-_prefill_attention = lazy_jit(_prefill_attention_kernel, do_not_specialize=("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "stride_block_tables_seq"))
+_prefill_attention = lazy_jit(
+    _prefill_attention_kernel,
+    do_not_specialize=("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "stride_block_tables_seq"),
+)
 
 
 def prefill_attention(
@@ -160,14 +196,34 @@ def prefill_attention(
     k_scale, v_scale = check_kv_scales(k_scale, v_scale)
     grid = (triton.cdiv(max_query_len, block_m), num_q_heads, num_seqs)
     _prefill_attention[grid](
-        query, kv_cache, block_tables, seq_lens, query_start_loc, out,
-        float(scale) * _LOG2E * (k_scale if fp8 else 1.0), v_scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        float(scale) * _LOG2E * (k_scale if fp8 else 1.0),
+        v_scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
         block_tables.stride(0),
-        BLOCK_SIZE=block_size, QUERY_GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, **dot_options(query.dtype), FP8_CACHE=fp8,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(query.device),
+        BLOCK_SIZE=block_size,
+        QUERY_GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        **dot_options(query.dtype),
+        FP8_CACHE=fp8,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl_options(query.device),
     )
     return out
 
@@ -219,7 +275,7 @@ def prefill_attention_reference(
     out = torch.zeros_like(query) if out is None else out
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
-        q = query[starts[i]:starts[i + 1]].float()  # [Lq, Hq, D]
+        q = query[starts[i] : starts[i + 1]].float()  # [Lq, Hq, D]
         q_len = q.shape[0]
         if q_len == 0:
             continue
@@ -230,5 +286,5 @@ def prefill_attention_reference(
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
+        out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
     return out

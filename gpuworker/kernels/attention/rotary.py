@@ -19,24 +19,61 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from gpuworker.kernels.launch import (FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_shape,
-                                      check_tensor, lazy_jit, next_power_of_2, pdl_options)
-from gpuworker.kernels.device import fp8_codec, rotary_cache
-from gpuworker.kernels.quant.kv_cache import check_kv_scales, is_fp8_cache
 from gpuworker.kernels.attention.kv_cache_write import check_kv_cache_write, kv_cache_write_reference
+from gpuworker.kernels.device import fp8_codec, rotary_cache
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_last_dim_contiguous,
+    check_shape,
+    check_tensor,
+    lazy_jit,
+    next_power_of_2,
+    pdl_options,
+)
 from gpuworker.kernels.norm.qk_norm import QKNorm, check_qk_norm, qk_norm_reference
+from gpuworker.kernels.quant.kv_cache import check_kv_scales, is_fp8_cache
 
 
 def _rotary_kernel(
-    positions_ptr, query_ptr, key_ptr, value_ptr, cos_ptr, sin_ptr, cache_ptr, slot_mapping_ptr, k_scale, v_scale,
-    q_norm_ptr, k_norm_ptr, norm_eps,
-    stride_query_token, stride_query_head, stride_key_token, stride_key_head,
-    stride_value_token, stride_value_head, stride_cos_position, stride_sin_position,
-    stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    CACHE_BLOCK_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr, FP8_CACHE: tl.constexpr,
-    QK_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    positions_ptr,
+    query_ptr,
+    key_ptr,
+    value_ptr,
+    cos_ptr,
+    sin_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    k_scale,
+    v_scale,
+    q_norm_ptr,
+    k_norm_ptr,
+    norm_eps,
+    stride_query_token,
+    stride_query_head,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cos_position,
+    stride_sin_position,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CACHE_BLOCK_SIZE: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -46,8 +83,9 @@ def _rotary_kernel(
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < HALF
     dtype = query_ptr.dtype.element_ty
-    cos, sin = rotary_cache.cos_sin(cos_ptr, sin_ptr, position, stride_cos_position, stride_sin_position, dims,
-                                    dim_mask, 0.0, dtype)
+    cos, sin = rotary_cache.cos_sin(
+        cos_ptr, sin_ptr, position, stride_cos_position, stride_sin_position, dims, dim_mask, 0.0, dtype
+    )
     cos = cos[None, :]
     sin = sin[None, :]
 
@@ -55,16 +93,18 @@ def _rotary_kernel(
     mask = (heads < NUM_Q_HEADS) & dim_mask[None, :]
     first = query_ptr + token * stride_query_token + heads * stride_query_head + dims[None, :]
     # With QK_NORM the head's RMSNorm first (the launcher checked that the halves are the whole head).
-    out1, out2 = rotary_cache.rotate_halves(first, mask, cos, sin, q_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF,
-                                            HEAD_DIM, QK_NORM)
+    out1, out2 = rotary_cache.rotate_halves(
+        first, mask, cos, sin, q_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM, QK_NORM
+    )
     tl.store(first, out1.to(dtype), mask=mask)
     tl.store(first + HALF, out2.to(dtype), mask=mask)
 
     heads = tl.arange(0, BLOCK_HK)[:, None]
     mask = (heads < NUM_KV_HEADS) & dim_mask[None, :]
     first = key_ptr + token * stride_key_token + heads * stride_key_head + dims[None, :]
-    out1, out2 = rotary_cache.rotate_halves(first, mask, cos, sin, k_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF,
-                                            HEAD_DIM, QK_NORM)
+    out1, out2 = rotary_cache.rotate_halves(
+        first, mask, cos, sin, k_norm_ptr, dims, dim_mask, norm_eps, dtype, HALF, HEAD_DIM, QK_NORM
+    )
     if WRITE_CACHE:
         # The rotated keys go to the cache only (attention reads them from there), rounded to the
         # activation dtype first so the cache holds what apply_rotary + kv_cache_write would store
@@ -77,8 +117,9 @@ def _rotary_kernel(
             out2 = fp8_codec.quantize(out2, k_scale)
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         keep = rotary_cache.slot_kept(heads, slot)  # padding tokens (slot < 0) store nothing
-        row = rotary_cache.slot_row(cache_ptr, slot, heads, stride_cache_block, stride_cache_offset, stride_cache_head,
-                                    CACHE_BLOCK_SIZE)
+        row = rotary_cache.slot_row(
+            cache_ptr, slot, heads, stride_cache_block, stride_cache_offset, stride_cache_head, CACHE_BLOCK_SIZE
+        )
         tl.store(row + dims[None, :], out1.to(cache_dtype), mask=mask & keep)
         tl.store(row + HALF + dims[None, :], out2.to(cache_dtype), mask=mask & keep)
         all_dims = tl.arange(0, BLOCK_D)[None, :]
@@ -102,8 +143,9 @@ def _rotary_kernel(
 _rotary = lazy_jit(_rotary_kernel, do_not_specialize=("positions_ptr", "slot_mapping_ptr"))
 
 
-def check_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                  cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> int:
+def check_rotary(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> int:
     """Check apply_rotary's arguments; return half the rotated width (cos_cache's width)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     device = query.device
@@ -137,19 +179,43 @@ def _launch(positions, query, key, cos_cache, sin_cache, half, cache_write=None,
         value, kv_cache, slot_mapping, k_scale, v_scale = cache_write
         cache_strides, cache_block_size = kv_cache.stride()[:4], kv_cache.shape[2]
     # Unused without QK_NORM: any pointers of the query's dtype will do.
-    q_norm, k_norm, eps = (query, query, 1.0) if qk_norm is None else (qk_norm.q_weight, qk_norm.k_weight,
-                                                                      qk_norm.eps)
+    q_norm, k_norm, eps = (query, query, 1.0) if qk_norm is None else (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
     _rotary[(num_tokens,)](
-        positions, query, key, value, cos_cache, sin_cache, kv_cache, slot_mapping, k_scale, v_scale,
-        q_norm, k_norm, float(eps),
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1), cos_cache.stride(0), sin_cache.stride(0),
+        positions,
+        query,
+        key,
+        value,
+        cos_cache,
+        sin_cache,
+        kv_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        q_norm,
+        k_norm,
+        float(eps),
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cos_cache.stride(0),
+        sin_cache.stride(0),
         *cache_strides,
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HEAD_DIM=head_dim,
-        BLOCK_HQ=next_power_of_2(num_q_heads), BLOCK_HK=next_power_of_2(num_kv_heads),
-        BLOCK_HALF=next_power_of_2(half), BLOCK_D=next_power_of_2(head_dim),
-        CACHE_BLOCK_SIZE=cache_block_size, WRITE_CACHE=cache_write is not None,
-        FP8_CACHE=is_fp8_cache(kv_cache), QK_NORM=qk_norm is not None, **pdl_options(query.device),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=half,
+        HEAD_DIM=head_dim,
+        BLOCK_HQ=next_power_of_2(num_q_heads),
+        BLOCK_HK=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(half),
+        BLOCK_D=next_power_of_2(head_dim),
+        CACHE_BLOCK_SIZE=cache_block_size,
+        WRITE_CACHE=cache_write is not None,
+        FP8_CACHE=is_fp8_cache(kv_cache),
+        QK_NORM=qk_norm is not None,
+        **pdl_options(query.device),
     )
 
 
@@ -208,8 +274,14 @@ def apply_rotary_and_cache(
     return query
 
 
-def apply_rotary_reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
-                           sin_cache: torch.Tensor, qk_norm: QKNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_reference(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    qk_norm: QKNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference (out of place), written as transformers' apply_rotary_pos_emb (after
     Qwen3's q_norm and k_norm with a qk_norm)."""
     if qk_norm is not None:
@@ -219,16 +291,25 @@ def apply_rotary_reference(positions: torch.Tensor, query: torch.Tensor, key: to
     sin = sin_cache[positions.long()].to(query.dtype).unsqueeze(1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., : rot_dim // 2], x[..., rot_dim // 2: rot_dim]
+        x1, x2 = x[..., : rot_dim // 2], x[..., rot_dim // 2 : rot_dim]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot_dim:]), dim=-1)
 
     return rotate(query), rotate(key)
 
 
-def apply_rotary_and_cache_reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                                     value: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
-                                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                                     v_scale: float = 1.0, qk_norm: QKNorm | None = None) -> torch.Tensor:
+def apply_rotary_and_cache_reference(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    qk_norm: QKNorm | None = None,
+) -> torch.Tensor:
     """Pure-torch reference: returns the rotated query (out of place) and writes the cache in place."""
     query, key = apply_rotary_reference(positions, query, key, cos_cache, sin_cache, qk_norm)
     kv_cache_write_reference(key, value, kv_cache, slot_mapping, k_scale, v_scale)

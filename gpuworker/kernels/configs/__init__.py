@@ -75,8 +75,9 @@ def config_path(kernel: str, name: str, directory: Path | None = None) -> Path:
     return (CONFIG_DIR if directory is None else directory) / kernel / file_name(name)
 
 
-def table(kernel: str, key: tuple[str, ...], device: torch.device | str | None = None,
-          build: Callable[..., Any] | None = None) -> Mapping[tuple, Any]:
+def table(
+    kernel: str, key: tuple[str, ...], device: torch.device | str | None = None, build: Callable[..., Any] | None = None
+) -> Mapping[tuple, Any]:
     """`kernel`'s records for the device (device_name's), indexed by their key values in the order of
     `key` (which must be the file's key): {key values: build(**the other fields)}, or read-only dicts
     of the other fields without `build`. Empty where the device has no file. Read once per file and
@@ -85,8 +86,9 @@ def table(kernel: str, key: tuple[str, ...], device: torch.device | str | None =
 
 
 @functools.lru_cache(maxsize=None)
-def _table(directory: Path, kernel: str, name: str, key: tuple[str, ...],
-           build: Callable[..., Any] | None) -> Mapping[tuple, Any]:
+def _table(
+    directory: Path, kernel: str, name: str, key: tuple[str, ...], build: Callable[..., Any] | None
+) -> Mapping[tuple, Any]:
     records = _read(config_path(kernel, name, directory), key)
     out = {}
     for index, values in records.items():
@@ -104,7 +106,7 @@ def _read(path: Path, key: tuple[str, ...]) -> dict[tuple, dict]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("configs"), list):
-        raise ValueError(f"{path} must be an object with a \"configs\" list")
+        raise ValueError(f'{path} must be an object with a "configs" list')
     if tuple(data.get("key", ())) != key:
         raise ValueError(f"{path} is keyed by {data.get('key')!r}, expected {list(key)!r}")
     records: dict[tuple, dict] = {}
@@ -127,8 +129,15 @@ def bucket(value: int, buckets: Iterable[int]) -> int | None:
     return min((b for b in buckets if b >= value), default=None)
 
 
-def write(kernel: str, key: tuple[str, ...], records: Iterable[dict], *, device: str,
-          remove: Iterable[dict] = (), directory: Path | None = None) -> Path:
+def write(
+    kernel: str,
+    key: tuple[str, ...],
+    records: Iterable[dict],
+    *,
+    device: str,
+    remove: Iterable[dict] = (),
+    directory: Path | None = None,
+) -> Path:
     """Merge `records` into `kernel`'s file for the device called `device` (in `directory`, default
     CONFIG_DIR) and return its path: a record replaces the one with the same key values, records
     whose key values are in `remove` go, the others stay. Written whole (a temporary file renamed),
@@ -142,11 +151,13 @@ def write(kernel: str, key: tuple[str, ...], records: Iterable[dict], *, device:
         merged[_index(record, key, "records")] = dict(record)
     ordered = sorted(merged.values(), key=lambda r: tuple((type(r[name]).__name__, r[name]) for name in key))
     lines = [f"    {json.dumps(record)}" for record in ordered]
-    text = ("{\n"
-            f"  \"kernel\": {json.dumps(kernel)},\n"
-            f"  \"device\": {json.dumps(device)},\n"
-            f"  \"key\": {json.dumps(list(key))},\n"
-            "  \"configs\": [\n" + ",\n".join(lines) + ("\n" if lines else "") + "  ]\n}\n")
+    text = (
+        "{\n"
+        f'  "kernel": {json.dumps(kernel)},\n'
+        f'  "device": {json.dumps(device)},\n'
+        f'  "key": {json.dumps(list(key))},\n'
+        '  "configs": [\n' + ",\n".join(lines) + ("\n" if lines else "") + "  ]\n}\n"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
         tmp.write(text)

@@ -51,8 +51,20 @@ def slot_kept(like, slot):
 
 
 @triton.jit
-def rotate_halves(first, mask, cos, sin, norm_ptr, dims, dim_mask, eps, dtype, HALF: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+def rotate_halves(
+    first,
+    mask,
+    cos,
+    sin,
+    norm_ptr,
+    dims,
+    dim_mask,
+    eps,
+    dtype,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):
     """Two-halves layout: heads loaded from `first` [H, BLOCK_HALF] (pointers to their first half;
     + HALF the second), each normalised first with QK_NORM (weight at norm_ptr; the halves are then
     the whole head), rotated: (first half, second half) in float32."""
@@ -76,11 +88,36 @@ def rotary_pairs(dims, HALF: tl.constexpr):
 
 
 @triton.jit
-def decode_token(q, q_ptrs, group_mask, dims, dim_mask, position, seq, kv_head,
-                 key_ptr, stride_key_seq, stride_key_head, value_ptr, stride_value_seq, stride_value_head,
-                 cos_ptr, sin_ptr, stride_cos, stride_sin, q_norm_ptr, k_norm_ptr, norm_eps, k_scale, v_scale,
-                 cache_dtype, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
-                 FP8_CACHE: tl.constexpr):
+def decode_token(
+    q,
+    q_ptrs,
+    group_mask,
+    dims,
+    dim_mask,
+    position,
+    seq,
+    kv_head,
+    key_ptr,
+    stride_key_seq,
+    stride_key_head,
+    value_ptr,
+    stride_value_seq,
+    stride_value_head,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    stride_sin,
+    q_norm_ptr,
+    k_norm_ptr,
+    norm_eps,
+    k_scale,
+    v_scale,
+    cache_dtype,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+):
     """A decode token's query heads q [G, D] (loaded from q_ptrs [G, 1]) rotated, and its key and
     value of kv_head as the cache stores them: (q, k, v), q in q's dtype.
 
@@ -97,14 +134,17 @@ def decode_token(q, q_ptrs, group_mask, dims, dim_mask, position, seq, kv_head,
     if QK_NORM:
         q32 = q.to(tl.float32)
         rstd = head_norm.rstd_of(tl.sum(q32 * q32, 1), norm_eps, HEAD_DIM)[:, None]
-        q = head_norm.normalize(q32, rstd, tl.load(q_norm_ptr + dims, mask=dim_mask, other=0.0)[None, :],
-                                dtype).to(dtype)
-        q_partner = head_norm.normalize(q_partner.to(tl.float32), rstd,
-                                        tl.load(q_norm_ptr + partner, mask=rotated, other=0.0)[None, :], dtype)
+        q = head_norm.normalize(q32, rstd, tl.load(q_norm_ptr + dims, mask=dim_mask, other=0.0)[None, :], dtype).to(
+            dtype
+        )
+        q_partner = head_norm.normalize(
+            q_partner.to(tl.float32), rstd, tl.load(q_norm_ptr + partner, mask=rotated, other=0.0)[None, :], dtype
+        )
         k_rstd = head_norm.rstd_of(tl.sum(k * k, 0), norm_eps, HEAD_DIM)
         k = head_norm.normalize(k, k_rstd, tl.load(k_norm_ptr + dims, mask=dim_mask, other=0.0), dtype)
-        k_partner = head_norm.normalize(k_partner, k_rstd, tl.load(k_norm_ptr + partner, mask=rotated, other=0.0),
-                                        dtype)
+        k_partner = head_norm.normalize(
+            k_partner, k_rstd, tl.load(k_norm_ptr + partner, mask=rotated, other=0.0), dtype
+        )
     q = rotate(q, q_partner, cos[None, :], sin[None, :], lower[None, :], dtype).to(dtype)
     k = rotate(k, k_partner, cos, sin, lower, dtype).to(dtype)
     v = tl.load(value_ptr + seq * stride_value_seq + kv_head * stride_value_head + dims, mask=dim_mask, other=0.0)
@@ -115,13 +155,25 @@ def decode_token(q, q_ptrs, group_mask, dims, dim_mask, position, seq, kv_head,
 
 
 @triton.jit
-def cache_decode_token(cache_ptr, slot, kv_head, dims, dim_mask, k, v,
-                       stride_cache_kv, stride_cache_block, stride_cache_offset, stride_cache_head,
-                       BLOCK_SIZE: tl.constexpr):
+def cache_decode_token(
+    cache_ptr,
+    slot,
+    kv_head,
+    dims,
+    dim_mask,
+    k,
+    v,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+):
     """Store decode_token's key and value of kv_head at slot (nothing for a padding slot < 0)."""
     keep = dim_mask & slot_kept(dims, slot)
-    row = slot_row(cache_ptr, slot, kv_head, stride_cache_block, stride_cache_offset, stride_cache_head,
-                   BLOCK_SIZE) + dims
+    row = (
+        slot_row(cache_ptr, slot, kv_head, stride_cache_block, stride_cache_offset, stride_cache_head, BLOCK_SIZE)
+        + dims
+    )
     tl.store(row, k.to(cache_ptr.dtype.element_ty), mask=keep)
     tl.store(row + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=keep)
-

@@ -13,8 +13,8 @@ import torch
 import triton.language as tl
 
 from gpuworker.kernels.device import fp8_codec, gated_activation
-from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit, next_power_of_2, pdl_options
+from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
 
 # Columns one program handles; a row of Llama-3-8B's 14336 takes 14 programs.
 BLOCK = 1024
@@ -23,8 +23,14 @@ MAX_FP8_ROW = 16384
 
 
 def _silu_and_mul_kernel(
-    gate_up_ptr, out_ptr, scale_ptr, stride_in, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
-    FP8_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+    gate_up_ptr,
+    out_ptr,
+    scale_ptr,
+    stride_in,
+    INTERMEDIATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -52,8 +58,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         _silu_and_mul[(num_tokens, -(-intermediate // BLOCK))](
-            gate_up, out, out, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=BLOCK, FP8_OUT=False,
-            num_warps=4, **pdl_options(gate_up.device))
+            gate_up,
+            out,
+            out,
+            gate_up.stride(0),
+            INTERMEDIATE=intermediate,
+            BLOCK=BLOCK,
+            FP8_OUT=False,
+            num_warps=4,
+            **pdl_options(gate_up.device),
+        )
     return out
 
 
@@ -69,8 +83,16 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if num_tokens:
         block = next_power_of_2(intermediate)
         _silu_and_mul[(num_tokens, 1)](
-            gate_up, q, scale, gate_up.stride(0), INTERMEDIATE=intermediate, BLOCK=block, FP8_OUT=True,
-            num_warps=min(16, max(4, block // 1024)), **pdl_options(gate_up.device))
+            gate_up,
+            q,
+            scale,
+            gate_up.stride(0),
+            INTERMEDIATE=intermediate,
+            BLOCK=block,
+            FP8_OUT=True,
+            num_warps=min(16, max(4, block // 1024)),
+            **pdl_options(gate_up.device),
+        )
     return q, scale
 
 

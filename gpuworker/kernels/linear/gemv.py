@@ -22,10 +22,18 @@ import triton.language as tl
 
 from gpuworker.kernels import configs
 from gpuworker.kernels.device import gated_activation
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_operand,
+    check_tensor,
+    dot_options,
+    lazy_jit,
+    next_power_of_2,
+    pdl_options,
+    split_k_counters,
+)
 from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
-from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
-                                      dot_options, lazy_jit, next_power_of_2, pdl_options,
-                                      split_k_counters)
 
 MAX_M = 16
 # tl.dot needs every dimension >= 16; x rows are padded to this.
@@ -120,8 +128,9 @@ def _candidate(config: str) -> GemvConfig:
     return CANDIDATES_BY_NAME[config]
 
 
-def table_config(m: int, n: int, k: int, *, fp8_weight: bool = False,
-                 device: torch.device | None = None) -> GemvConfig | None:
+def table_config(
+    m: int, n: int, k: int, *, fp8_weight: bool = False, device: torch.device | None = None
+) -> GemvConfig | None:
     """The config measured on `device` (None: the current one) for x [m, k] @ W[n, k]^T: an FP8
     weight's own record first, then the bfloat16 one; None where the device's table has neither."""
     table = configs.table("gemv", TABLE_KEY, device, _candidate)
@@ -148,15 +157,43 @@ def pick_config(m: int, n: int, k: int, *, fp8_weight: bool = False, device: tor
 
 
 def _gemv_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-    residual_ptr, norm_weight_ptr, residual_out_ptr, eps,
-    best_value_ptr, best_index_ptr, argmax_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-    NORM_INPUT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, PREFETCH: tl.constexpr,
-    HAS_W_SCALE: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    residual_ptr,
+    norm_weight_ptr,
+    residual_out_ptr,
+    eps,
+    best_value_ptr,
+    best_index_ptr,
+    argmax_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    NORM_INPUT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ARGMAX: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    HAS_W_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -209,10 +246,12 @@ def _gemv_kernel(
                 if SILU_MUL:
                     x_row = gated_activation.silu_and_mul(
                         tl.load(x_ptr + m * stride_xm + ks, mask=x_mask, other=0.0, eviction_policy="evict_last"),
-                        tl.load(x_ptr + m * stride_xm + K + ks, mask=x_mask, other=0.0, eviction_policy="evict_last"))
+                        tl.load(x_ptr + m * stride_xm + K + ks, mask=x_mask, other=0.0, eviction_policy="evict_last"),
+                    )
                 elif NORM_INPUT:
-                    x_row, sum_sq = _norm_input(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, ks, x_mask,
-                                                sum_sq, pid_n, HAS_RESIDUAL)
+                    x_row, sum_sq = _norm_input(
+                        x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, ks, x_mask, sum_sq, pid_n, HAS_RESIDUAL
+                    )
                 else:
                     x_row = tl.load(x_ptr + m * stride_xm + ks, mask=x_mask, other=0.0, eviction_policy="evict_last")
                 if BLOCK_M == 1:
@@ -233,23 +272,56 @@ def _gemv_kernel(
         out_values = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptrs, out_values, mask=out_mask)
         if ARGMAX:
-            _argmax(out_values, rows, ms, pid_n, M, N, best_value_ptr, best_index_ptr, argmax_ptr, counter_ptr,
-                    BLOCK_N, BLOCK_M)
+            _argmax(
+                out_values,
+                rows,
+                ms,
+                pid_n,
+                M,
+                N,
+                best_value_ptr,
+                best_index_ptr,
+                argmax_ptr,
+                counter_ptr,
+                BLOCK_N,
+                BLOCK_M,
+            )
     else:
-        _sum_splits(acc, rows, ms, pid_n, pid_k, M, N, out_ptrs, out_mask, partial_ptr, counter_ptr, w_scale_ptr,
-                    bias_ptr, SPLIT_K, BLOCK_N, BLOCK_M, HAS_W_SCALE, HAS_BIAS)
+        _sum_splits(
+            acc,
+            rows,
+            ms,
+            pid_n,
+            pid_k,
+            M,
+            N,
+            out_ptrs,
+            out_mask,
+            partial_ptr,
+            counter_ptr,
+            w_scale_ptr,
+            bias_ptr,
+            SPLIT_K,
+            BLOCK_N,
+            BLOCK_M,
+            HAS_W_SCALE,
+            HAS_BIAS,
+        )
 
 
 @triton.jit
-def _dot_tile(acc, w, x_ptr, ms, ks, M, K, stride_xm, SILU_MUL: tl.constexpr, DOT_FP32: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+def _dot_tile(
+    acc, w, x_ptr, ms, ks, M, K, stride_xm, SILU_MUL: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr
+):
     """acc [BLOCK_N, BLOCK_M] plus the weight tile w [BLOCK_N, BLOCK_K] times the input's rows ms
     (padded to tl.dot's 16) at columns ks, on tensor cores (IEEE float32 FMAs where DOT_FP32)."""
     x_ptrs = x_ptr + ms[:, None] * stride_xm + ks[None, :]
     x_mask = (ms[:, None] < M) & (ks[None, :] < K)
     if SILU_MUL:
-        x = gated_activation.silu_and_mul(tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last"),
-                                          tl.load(x_ptrs + K, mask=x_mask, other=0.0, eviction_policy="evict_last"))
+        x = gated_activation.silu_and_mul(
+            tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last"),
+            tl.load(x_ptrs + K, mask=x_mask, other=0.0, eviction_policy="evict_last"),
+        )
     else:
         x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
     if DOT_FP32:
@@ -260,8 +332,9 @@ def _dot_tile(acc, w, x_ptr, ms, ks, M, K, stride_xm, SILU_MUL: tl.constexpr, DO
 
 
 @triton.jit
-def _norm_input(x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, ks, x_mask, sum_sq, pid_n,
-                HAS_RESIDUAL: tl.constexpr):
+def _norm_input(
+    x_ptr, residual_ptr, residual_out_ptr, norm_weight_ptr, ks, x_mask, sum_sq, pid_n, HAS_RESIDUAL: tl.constexpr
+):
     """(the input row's columns ks for w * (s * norm_weight), sum_sq plus their squares): RMSNorm of
     s = x + residual on the fly, scaled by 1 / rms after the loop. s is rounded to x's dtype like the
     unfused residual add (and written once, by the first column block, as the new residual stream);
@@ -289,8 +362,20 @@ def _scale_and_bias(acc, rows, N, w_scale_ptr, bias_ptr, HAS_W_SCALE: tl.constex
 
 
 @triton.jit
-def _argmax(out_values, rows, ms, pid_n, M, N, best_value_ptr, best_index_ptr, argmax_ptr, counter_ptr,
-            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def _argmax(
+    out_values,
+    rows,
+    ms,
+    pid_n,
+    M,
+    N,
+    best_value_ptr,
+    best_index_ptr,
+    argmax_ptr,
+    counter_ptr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """Each row's argmax over the stored (rounded) values out_values [BLOCK_N, BLOCK_M], first index
     on ties, NaN above everything as in torch.argmax: this program's best of its BLOCK_N columns,
     then the last program to finish reduces the per-program bests (ordering as for split-K)."""
@@ -325,9 +410,26 @@ def _argmax(out_values, rows, ms, pid_n, M, N, best_value_ptr, best_index_ptr, a
 
 
 @triton.jit
-def _sum_splits(acc, rows, ms, pid_n, pid_k, M, N, out_ptrs, out_mask, partial_ptr, counter_ptr, w_scale_ptr,
-                bias_ptr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                HAS_W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _sum_splits(
+    acc,
+    rows,
+    ms,
+    pid_n,
+    pid_k,
+    M,
+    N,
+    out_ptrs,
+    out_mask,
+    partial_ptr,
+    counter_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_W_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """Split-K: this split's partial sums acc into partial [SPLIT_K, M, N] (float32); whoever draws
     the last ticket adds the splits in order (deterministic), scales, adds the bias and stores. The
     barrier orders every thread's partial stores before the (one-thread, acq_rel, gpu-scope)
@@ -347,6 +449,7 @@ def _sum_splits(acc, rows, ms, pid_n, pid_k, M, N, out_ptrs, out_mask, partial_p
 
 
 _gemv = lazy_jit(_gemv_kernel)
+
 
 def _check_config(config: GemvConfig) -> None:
     for field in ("block_n", "block_k", "num_warps", "split_k"):
@@ -380,8 +483,7 @@ def gemv(
     kernel rounds it). `config` defaults to pick_config(M, N, K). gemv_rms_norm fuses an RMSNorm
     into the input instead.
     """
-    m, n, config = _checked(x, weight, bias, config, "gemv", silu_mul_input=silu_mul_input,
-                            weight_scale=weight_scale)
+    m, n, config = _checked(x, weight, bias, config, "gemv", silu_mul_input=silu_mul_input, weight_scale=weight_scale)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -389,9 +491,16 @@ def gemv(
     return out
 
 
-def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
-             caller: str, *, silu_mul_input: bool = False,
-             weight_scale: torch.Tensor | None = None) -> tuple[int, int, GemvConfig]:
+def _checked(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig | None,
+    caller: str,
+    *,
+    silu_mul_input: bool = False,
+    weight_scale: torch.Tensor | None = None,
+) -> tuple[int, int, GemvConfig]:
     """Check a call's operands and row count; return M, N and the config (pick_config's if None)."""
     _check_operands(x, weight, bias, silu_mul_input=silu_mul_input, fp8_weight=weight_scale is not None)
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
@@ -409,8 +518,14 @@ def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, c
     return m, n, config
 
 
-def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                    silu_mul_input: bool = False, fp8_weight: bool = False) -> None:
+def _check_operands(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    silu_mul_input: bool = False,
+    fp8_weight: bool = False,
+) -> None:
     """x [M, K] (or [M, 2K] for silu_mul_input), weight [N, K], bias [N]: one dtype (the weight FP8
     with fp8_weight) and device, last dimensions contiguous."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -428,8 +543,7 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         check_operand("bias", bias, (n,), x.dtype, device)
 
 
-def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, argmax=None,
-            weight_scale=None) -> None:
+def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, argmax=None, weight_scale=None) -> None:
     """norm: (residual or None, norm_weight, residual_out, eps) for gemv_rms_norm; argmax: [M] int64
     for gemv_argmax (SPLIT_K 1); weight_scale: [N] float32 for an FP8 weight."""
     m, k, n, device = x.shape[0], weight.shape[1], weight.shape[0], x.device
@@ -452,19 +566,44 @@ def _launch(x, weight, bias, out, config, *, silu_mul_input=False, norm=None, ar
     block_m = _DOT_ROWS if config.use_dot else next_power_of_2(m)
     residual, norm_weight, residual_out, eps = norm if norm is not None else (None, out, out, 0.0)
     _gemv[(num_row_blocks, split_k)](
-        x, weight, weight_scale if weight_scale is not None else out, bias if bias is not None else out, out,
-        partial, counters,
-        residual if residual is not None else out, norm_weight, residual_out, float(eps),
-        best_value, best_index, argmax,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_M=block_m, SPLIT_K=split_k,
+        x,
+        weight,
+        weight_scale if weight_scale is not None else out,
+        bias if bias is not None else out,
+        out,
+        partial,
+        counters,
+        residual if residual is not None else out,
+        norm_weight,
+        residual_out,
+        float(eps),
+        best_value,
+        best_index,
+        argmax,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        BLOCK_M=block_m,
+        SPLIT_K=split_k,
         NUM_STAGES=config.num_stages,
-        USE_DOT=config.use_dot, HAS_BIAS=bias is not None, SILU_MUL=silu_mul_input,
-        EVEN_K=k % config.block_k == 0, **dot_options(x.dtype),
-        NORM_INPUT=norm is not None, HAS_RESIDUAL=residual is not None, ARGMAX=has_argmax,
+        USE_DOT=config.use_dot,
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul_input,
+        EVEN_K=k % config.block_k == 0,
+        **dot_options(x.dtype),
+        NORM_INPUT=norm is not None,
+        HAS_RESIDUAL=residual is not None,
+        ARGMAX=has_argmax,
         PREFETCH=_prefetch_tiles(config, m, k, silu_mul_input or norm is not None),
         HAS_W_SCALE=weight_scale is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(device),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **pdl_options(device),
     )
 
 
@@ -490,8 +629,13 @@ def gemv_argmax(
     return out, argmax
 
 
-def _checked_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
-                    argmax_out: torch.Tensor | None) -> tuple[int, int, GemvConfig]:
+def _checked_argmax(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig | None,
+    argmax_out: torch.Tensor | None,
+) -> tuple[int, int, GemvConfig]:
     """_checked, plus what the argmax needs: a row to take it over, no split-K, an [M] int64 argmax_out."""
     m, n, config = _checked(x, weight, bias, config, "gemv_argmax")
     if n == 0:
@@ -506,8 +650,13 @@ def _checked_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _prefetch_tiles(config: GemvConfig, m: int, k: int, fused_input: bool) -> int:
     """config.prefetch where the kernel can take it (one row, FMA, no split, plain input, enough K),
     else 0. A prefetch changes when weights are read and the order of the float32 sums, nothing else."""
-    usable = (m == 1 and not config.use_dot and config.split_k == 1 and not fused_input
-              and k >= config.prefetch * config.block_k)
+    usable = (
+        m == 1
+        and not config.use_dot
+        and config.split_k == 1
+        and not fused_input
+        and k >= config.prefetch * config.block_k
+    )
     return config.prefetch if usable else 0
 
 
@@ -542,9 +691,14 @@ def gemv_rms_norm(
     return out, residual_out
 
 
-def _checked_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                      weight: torch.Tensor, bias: torch.Tensor | None,
-                      config: GemvConfig | None) -> tuple[int, GemvConfig]:
+def _checked_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig | None,
+) -> tuple[int, GemvConfig]:
     """Check gemv_rms_norm's operands (one row; norm_weight [K] and residual like x) and config; return
     N and the config (pick_config's if it fuses the norm, else the one-row default)."""
     _check_operands(x, weight, bias)
@@ -582,9 +736,14 @@ def gemv_reference(
     return out.to(x.dtype)
 
 
-def gemv_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, bias: torch.Tensor | None = None,
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def gemv_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure torch, gemv_rms_norm's numerics: s rounded to x's dtype, everything after in float32."""
     s = x if residual is None else x + residual
     s32 = s.float()

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from gpuworker.kernels import configs
-from gpuworker.kernels.moe.fused import check_experts
 from gpuworker.kernels.launch import FLOAT_DTYPES, check_tensor, lazy_jit, next_power_of_2, pdl_options
+from gpuworker.kernels.moe.fused import check_experts
 
 # Above this many (token, expert) pairs the grouped kernels win: a pair reads its expert's weights
 # on its own here, so many tokens sharing experts would read them many times over.
@@ -92,8 +92,9 @@ GROUPED = "grouped"
 TABLE_KEY = ("hidden", "inter", "top_k", "tokens")
 
 
-def decode_config(num_tokens: int, top_k: int, hidden: int, inter: int,
-                  device: torch.device | None = None) -> DecodeConfig | None:
+def decode_config(
+    num_tokens: int, top_k: int, hidden: int, inter: int, device: torch.device | None = None
+) -> DecodeConfig | None:
     """The decode path's tiles for this many tokens on `device` (None: the current one), or None where
     the grouped kernels should run.
 
@@ -124,8 +125,14 @@ def route_reference(router_logits: torch.Tensor, top_k: int, normalize: bool) ->
     return weights, ids
 
 
-def moe_decode_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                         ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+def moe_decode_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
     """moe_decode in torch, pair by pair with the kernels' rounding: each projection rounded to x's
     dtype, each pair's weighted output rounded, a token's pairs summed in float32. Choices of
     experts outside first_expert..first_expert+E-1 add nothing."""
@@ -144,17 +151,25 @@ def moe_decode_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w
 
 
 def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, stride_l,
-    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
-    NORMALIZE: tl.constexpr, USE_PDL: tl.constexpr,
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    stride_l,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     experts = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_ptr + token * stride_l + experts, mask=experts < NUM_EXPERTS,
-                     other=float("-inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + token * stride_l + experts, mask=experts < NUM_EXPERTS, other=float("-inf")).to(
+        tl.float32
+    )
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     # The top_k by logit, the first index on ties: the softmax keeps the logits' order, and comparing
@@ -179,9 +194,22 @@ def _route_kernel(
 
 
 def _gate_up_kernel(
-    x_ptr, w13_ptr, ids_ptr, act_ptr, stride_x, stride_we, stride_wn, first_expert,
-    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    ids_ptr,
+    act_ptr,
+    stride_x,
+    stride_we,
+    stride_wn,
+    first_expert,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
@@ -209,8 +237,9 @@ def _gate_up_kernel(
             w_up = tl.load(up_rows + ks[None, :], eviction_policy="evict_first")
         else:
             x = tl.load(x_ptr + token * stride_x + ks, mask=ks < HIDDEN, other=0.0, eviction_policy="evict_last")
-            w_gate = tl.load(gate_rows + ks[None, :], mask=ks[None, :] < HIDDEN, other=0.0,
-                             eviction_policy="evict_first")
+            w_gate = tl.load(
+                gate_rows + ks[None, :], mask=ks[None, :] < HIDDEN, other=0.0, eviction_policy="evict_first"
+            )
             w_up = tl.load(up_rows + ks[None, :], mask=ks[None, :] < HIDDEN, other=0.0, eviction_policy="evict_first")
         x32 = x.to(tl.float32)[None, :]
         gate_acc += w_gate.to(tl.float32) * x32
@@ -223,9 +252,23 @@ def _gate_up_kernel(
 
 
 def _down_kernel(
-    act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, stride_we, stride_wn, stride_o, first_expert,
-    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    act_ptr,
+    w2_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    stride_we,
+    stride_wn,
+    stride_o,
+    first_expert,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     if USE_PDL:
@@ -281,15 +324,31 @@ def route_top_k(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tup
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
     if num_tokens:
         _route[(num_tokens,)](
-            router_logits, weights, ids, router_logits.stride(0),
-            NUM_EXPERTS=num_experts, TOP_K=top_k, BLOCK_E=next_power_of_2(num_experts),
-            BLOCK_TOP_K=next_power_of_2(top_k), NORMALIZE=bool(normalize), num_warps=1 if num_experts <= 128 else 4,
-            **pdl_options(device))
+            router_logits,
+            weights,
+            ids,
+            router_logits.stride(0),
+            NUM_EXPERTS=num_experts,
+            TOP_K=top_k,
+            BLOCK_E=next_power_of_2(num_experts),
+            BLOCK_TOP_K=next_power_of_2(top_k),
+            NORMALIZE=bool(normalize),
+            num_warps=1 if num_experts <= 128 else 4,
+            **pdl_options(device),
+        )
     return weights, ids
 
 
-def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               first_expert: int = 0, *, config: DecodeConfig | None = None) -> torch.Tensor:
+def moe_decode(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    first_expert: int = 0,
+    *,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
     """fused_moe's result (same arguments: x [T, H], w13 [E, 2I, H], w2 [E, H, I] of experts
     first_expert.., weights [T, top_k] float32, ids [T, top_k] int64 global ids) in two launches
     without grouping, for a few tokens (moe_decode_reference). `config` defaults to decode_config's,
@@ -306,13 +365,45 @@ def moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: to
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=device)
     gate_up, down = config.gate_up, config.down
     _gate_up[(num_tokens * top_k, triton.cdiv(inter, gate_up.block_n))](
-        x, w13, ids, act, x.stride(0), w13.stride(0), w13.stride(1), first_expert,
-        NUM_EXPERTS=num_experts, TOP_K=top_k, HIDDEN=hidden, INTER=inter,
-        BLOCK_N=gate_up.block_n, BLOCK_K=gate_up.block_k, NUM_STAGES=gate_up.num_stages,
-        EVEN_K=hidden % gate_up.block_k == 0, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages, **pdl)
+        x,
+        w13,
+        ids,
+        act,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        first_expert,
+        NUM_EXPERTS=num_experts,
+        TOP_K=top_k,
+        HIDDEN=hidden,
+        INTER=inter,
+        BLOCK_N=gate_up.block_n,
+        BLOCK_K=gate_up.block_k,
+        NUM_STAGES=gate_up.num_stages,
+        EVEN_K=hidden % gate_up.block_k == 0,
+        num_warps=gate_up.num_warps,
+        num_stages=gate_up.num_stages,
+        **pdl,
+    )
     _down[(num_tokens, triton.cdiv(hidden, down.block_n))](
-        act, w2, ids, weights, out, w2.stride(0), w2.stride(1), out.stride(0), first_expert,
-        NUM_EXPERTS=num_experts, TOP_K=top_k, HIDDEN=hidden, INTER=inter,
-        BLOCK_N=down.block_n, BLOCK_K=down.block_k, NUM_STAGES=down.num_stages,
-        num_warps=down.num_warps, num_stages=down.num_stages, **pdl)
+        act,
+        w2,
+        ids,
+        weights,
+        out,
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        first_expert,
+        NUM_EXPERTS=num_experts,
+        TOP_K=top_k,
+        HIDDEN=hidden,
+        INTER=inter,
+        BLOCK_N=down.block_n,
+        BLOCK_K=down.block_k,
+        NUM_STAGES=down.num_stages,
+        num_warps=down.num_warps,
+        num_stages=down.num_stages,
+        **pdl,
+    )
     return out

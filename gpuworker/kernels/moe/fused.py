@@ -34,8 +34,7 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
     return 16 if num_pairs <= 4 * num_experts else 64
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, top_k] -> (pair index per row [P] int32, with T*top_k on padding rows; expert per
     block of block_m rows [P / block_m] int32, num_experts past the last run). Pair p is token
     p // top_k's choice p % top_k. P = T*top_k + num_experts*(block_m - 1), rounded up to block_m."""
@@ -57,11 +56,24 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
 
 
 def _gate_up_kernel(
-    x_ptr, w13_ptr, out_ptr, pair_of_row_ptr, expert_of_block_ptr,
-    stride_x, stride_we, stride_wn, num_pairs,
-    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, HIDDEN: tl.constexpr,
-    INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    out_ptr,
+    pair_of_row_ptr,
+    expert_of_block_ptr,
+    stride_x,
+    stride_we,
+    stride_wn,
+    num_pairs,
+    NUM_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + block).to(tl.int64)
@@ -94,10 +106,22 @@ def _gate_up_kernel(
 
 
 def _down_kernel(
-    act_ptr, w2_ptr, weights_ptr, out_ptr, pair_of_row_ptr, expert_of_block_ptr,
-    stride_we, stride_wn, num_pairs,
-    NUM_EXPERTS: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    act_ptr,
+    w2_ptr,
+    weights_ptr,
+    out_ptr,
+    pair_of_row_ptr,
+    expert_of_block_ptr,
+    stride_we,
+    stride_wn,
+    num_pairs,
+    NUM_EXPERTS: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -114,10 +138,10 @@ def _down_kernel(
         for k0 in range(0, INTER, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < INTER
-            a = tl.load(act_ptr + pair[:, None] * INTER + ks[None, :], mask=valid[:, None] & k_mask[None, :],
-                        other=0.0)
-            b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :],
-                        other=0.0)
+            a = tl.load(act_ptr + pair[:, None] * INTER + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(
+                w + cols[None, :] * stride_wn + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0
+            )
             if DOT_FP32:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -132,8 +156,9 @@ _gate_up = lazy_jit(_gate_up_kernel, do_not_specialize=("num_pairs",))
 _down = lazy_jit(_down_kernel, do_not_specialize=("num_pairs",))
 
 
-def check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+def check_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[int, int, int, int, int]:
     """Check the operands of an experts kernel (fused_moe's, moe_decode's); return (tokens, hidden,
     local experts, expert intermediate size, top_k)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -153,8 +178,14 @@ def check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return num_tokens, hidden, num_experts, inter, top_k
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    first_expert: int = 0,
+) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] of experts
     first_expert..first_expert+E-1; weights [T, top_k] float32; ids [T, top_k] int64 (global
     expert ids) -> [T, H]: the weighted sum of each token's experts among these (see
@@ -172,12 +203,43 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     dots = dot_options(x.dtype)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up[(blocks, -(-inter // BLOCK_N))](
-        x, w13, act, pair_of_row, expert_of_block, x.stride(0), w13.stride(0), w13.stride(1), num_pairs,
-        NUM_EXPERTS=num_experts, TOP_K=top_k, HIDDEN=hidden, INTER=inter,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, **dots)
+        x,
+        w13,
+        act,
+        pair_of_row,
+        expert_of_block,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        num_pairs,
+        NUM_EXPERTS=num_experts,
+        TOP_K=top_k,
+        HIDDEN=hidden,
+        INTER=inter,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=4,
+        **dots,
+    )
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down[(blocks, -(-hidden // BLOCK_N))](
-        act, w2, weights.contiguous(), out, pair_of_row, expert_of_block, w2.stride(0), w2.stride(1), num_pairs,
-        NUM_EXPERTS=num_experts, HIDDEN=hidden, INTER=inter,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, **dots)
+        act,
+        w2,
+        weights.contiguous(),
+        out,
+        pair_of_row,
+        expert_of_block,
+        w2.stride(0),
+        w2.stride(1),
+        num_pairs,
+        NUM_EXPERTS=num_experts,
+        HIDDEN=hidden,
+        INTER=inter,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=4,
+        **dots,
+    )
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -34,13 +34,17 @@ def check_qk_norm(qk_norm: QKNorm, query: torch.Tensor, half: int) -> None:
         check_shape(f"qk_norm.{name}", weight, (head_dim,))
         check_last_dim_contiguous(f"qk_norm.{name}", weight)
     if 2 * half != head_dim:
-        raise ValueError(f"qk_norm needs rotary over the whole head: cos_cache's width {half} must be "
-                         f"head_dim // 2 = {head_dim // 2}")
+        raise ValueError(
+            f"qk_norm needs rotary over the whole head: cos_cache's width {half} must be "
+            f"head_dim // 2 = {head_dim // 2}"
+        )
     if not qk_norm.eps > 0:
         raise ValueError(f"qk_norm.eps must be > 0, got {qk_norm.eps}")
 
 
 def qk_norm_reference(qk_norm: QKNorm, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference (out of place): transformers' RMSNorm over each head."""
-    return (rms_norm_reference(query, qk_norm.q_weight, qk_norm.eps),
-            rms_norm_reference(key, qk_norm.k_weight, qk_norm.eps))
+    return (
+        rms_norm_reference(query, qk_norm.q_weight, qk_norm.eps),
+        rms_norm_reference(key, qk_norm.k_weight, qk_norm.eps),
+    )

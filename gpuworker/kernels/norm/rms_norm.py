@@ -12,19 +12,38 @@ import torch
 import triton.language as tl
 
 from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_operand,
+    check_shape,
+    check_tensor,
+    lazy_jit,
+    next_power_of_2,
+    pdl_options,
+)
 from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
-from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_shape,
-                                      check_tensor, lazy_jit, next_power_of_2, pdl_options)
 
 # One program normalises a whole row in registers; wider rows would spill.
 MAX_HIDDEN = 32768
 
 
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
-    stride_x_outer, stride_x_inner, stride_residual_outer, stride_residual_inner,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    scale_ptr,
+    stride_x_outer,
+    stride_x_inner,
+    stride_residual_outer,
+    stride_residual_inner,
     eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    FP8_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
@@ -37,8 +56,11 @@ def _rms_norm_kernel(
     mask = cols < HIDDEN
     x = tl.load(x_ptr + outer.to(tl.int64) * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + outer.to(tl.int64) * stride_residual_outer
-                           + inner * stride_residual_inner + cols, mask=mask, other=0.0)
+        residual = tl.load(
+            residual_ptr + outer.to(tl.int64) * stride_residual_outer + inner * stride_residual_inner + cols,
+            mask=mask,
+            other=0.0,
+        )
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
         tl.store(residual_out_ptr + row * HIDDEN + cols, x, mask=mask)
     x32 = x.to(tl.float32)
@@ -92,16 +114,24 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     rms_norm's output, without writing and reading that output. With `residual`: ((q, scale), s)."""
     _check(x, weight, residual)
     if x.dim() != 2 or weight.dtype != x.dtype:
-        raise ValueError(f"rms_norm_fp8 takes x [T, H] and a weight of x's dtype, got x {tuple(x.shape)} "
-                         f"{x.dtype} and weight {weight.dtype}")
+        raise ValueError(
+            f"rms_norm_fp8 takes x [T, H] and a weight of x's dtype, got x {tuple(x.shape)} "
+            f"{x.dtype} and weight {weight.dtype}"
+        )
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     residual_out = _launch(x, weight, eps, residual, q, scale)
     return (q, scale) if residual is None else ((q, scale), residual_out)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, out: torch.Tensor,
-            scale: torch.Tensor | None) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    scale: torch.Tensor | None,
+) -> torch.Tensor:
     """One launch writing out (and, with scale, FP8 values and their row scales); returns the
     residual sum (out itself without a residual)."""
     hidden, device = x.shape[-1], x.device
@@ -112,11 +142,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     r3 = _as_3d(residual) if residual is not None else x3
     block = next_power_of_2(hidden)
     _rms_norm[(x3.shape[0], x3.shape[1])](
-        x3, r3, weight, out, residual_out, scale if scale is not None else weight,
-        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        x3,
+        r3,
+        weight,
+        out,
+        residual_out,
+        scale if scale is not None else weight,
+        x3.stride(0),
+        x3.stride(1),
+        r3.stride(0),
+        r3.stride(1),
         float(eps),
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, FP8_OUT=scale is not None,
-        num_warps=max(1, min(16, block // 512)), **pdl_options(device),
+        HIDDEN=hidden,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        FP8_OUT=scale is not None,
+        num_warps=max(1, min(16, block // 512)),
+        **pdl_options(device),
     )
     return residual_out
 
@@ -138,8 +180,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         check_operand("residual", residual, tuple(x.shape), x.dtype, x.device)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference, written as transformers' LlamaRMSNorm (plus the decoder's residual add)."""
     if residual is not None:
         x = x + residual

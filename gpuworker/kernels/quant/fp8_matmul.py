@@ -18,15 +18,39 @@ import triton.language as tl
 
 # The e4m3 format (dtype, largest finite value), shared with the FP8 KV cache.
 from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_operand,
+    check_tensor,
+    interpreting,
+    lazy_jit,
+    pdl_options,
+)
 from gpuworker.kernels.quant.kv_cache import FP8_DTYPE, FP8_MAX
-from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
-                                      interpreting, lazy_jit, pdl_options)
 
 
 def _fp8_matmul_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_X_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_X_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
@@ -42,11 +66,17 @@ def _fp8_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_mask = ks < K
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
         # The weight tile transposed: [BLOCK_K, BLOCK_N] of rows of the [N, K] weight.
-        w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                    mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        w = tl.load(
+            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
+            mask=k_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
         if BLOCK_M == 1:  # one decode row: a weight stream through CUDA-core FMAs, no tile padded to 16 rows
             acc += tl.sum(tl.trans(x).to(tl.float32) * w.to(tl.float32), axis=0)[None, :]
         elif UPCAST:  # float32 x, or the interpreter: products in float32
@@ -65,16 +95,25 @@ def _fp8_matmul_kernel(
         acc = acc * x_scale[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 _fp8_matmul = lazy_jit(_fp8_matmul_kernel, do_not_specialize=("M",))
 
 
-def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
-               x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    x_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x [M, K] (FP8 with x_scale [M] float32, or a float dtype without) @ (weight [N, K] float8_e4m3fn
     * weight_scale [N] float32)^T (+ bias [N] in out_dtype) -> [M, N] in out_dtype (default: x's
     dtype; required for FP8 x), accumulated in float32."""
@@ -105,11 +144,28 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     block_m, block_n, block_k = _tiles(m, x.is_cuda)
     upcast = x.dtype == torch.float32 or interpreting()
     _fp8_matmul[(-(-m // block_m), -(-n // block_n))](
-        x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
-        bias if bias is not None else weight_scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_X_SCALE=x_scale is not None, HAS_BIAS=bias is not None, UPCAST=upcast, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION="ieee" if upcast else "tf32", num_warps=4,
-        **pdl_options(x.device))
+        x,
+        x_scale if x_scale is not None else weight_scale,
+        weight,
+        weight_scale,
+        bias if bias is not None else weight_scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_X_SCALE=x_scale is not None,
+        HAS_BIAS=bias is not None,
+        UPCAST=upcast,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if upcast else "tf32",
+        num_warps=4,
+        **pdl_options(x.device),
+    )
     return out
 
 
@@ -123,20 +179,34 @@ def _tiles(m: int, on_cuda: bool) -> tuple[int, int, int]:
     return (block_m, 64, 128) if on_cuda else (block_m, 32, 32)
 
 
-def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
-                         x_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_matmul_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    x_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Pure torch: dequantise both operands to float32, then one float32 matmul."""
     out_dtype = out_dtype or x.dtype
     xf = x.float() if x_scale is None else x.float() * x_scale[:, None]
-    out = torch.nn.functional.linear(xf, weight.float() * weight_scale[:, None],
-                                     None if bias is None else bias.float())
+    out = torch.nn.functional.linear(xf, weight.float() * weight_scale[:, None], None if bias is None else bias.float())
     return out.to(out_dtype)
 
 
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_x, stride_q,
-    STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    static_scale_ptr,
+    K,
+    stride_x,
+    stride_q,
+    STATIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One row per program: its largest magnitude (dynamic), then x times the scale's reciprocal,
     # clamped and rounded to FP8, as quantize_fp8_rows_reference computes it: scale and reciprocal
@@ -187,8 +257,9 @@ _quantize_rows = lazy_jit(_quantize_rows_kernel)
 ONE_PASS_MAX = 16384
 
 
-def quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None, *,
-                      use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None, *, use_kernel: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float -> (float8_e4m3fn [M, K], float32 scale [M]) with x ~= q * scale per row.
 
     static_scale (a float32 scalar tensor): one scale for every row, values beyond it saturate;
@@ -213,14 +284,26 @@ def quantize_fp8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None,
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     one_pass = k <= ONE_PASS_MAX
     block = max(triton.next_power_of_2(k), 16) if one_pass else 2048
-    _quantize_rows[(m,)](x, q, scale, static_scale if static_scale is not None else scale, k, x.stride(0),
-                         q.stride(0), STATIC=static_scale is not None, BLOCK=block,
-                         ONE_PASS=one_pass, num_warps=min(16, max(4, block // 512)), **pdl_options(x.device))
+    _quantize_rows[(m,)](
+        x,
+        q,
+        scale,
+        static_scale if static_scale is not None else scale,
+        k,
+        x.stride(0),
+        q.stride(0),
+        STATIC=static_scale is not None,
+        BLOCK=block,
+        ONE_PASS=one_pass,
+        num_warps=min(16, max(4, block // 512)),
+        **pdl_options(x.device),
+    )
     return q, scale
 
 
-def quantize_fp8_rows_reference(x: torch.Tensor, static_scale: torch.Tensor | None = None, *,
-                                exact_division: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows_reference(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None, *, exact_division: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_fp8_rows in torch ops. The scale and its reciprocal are divisions computed in float64
     and rounded to float32, which is the correctly rounded float32 quotient on every device (torch's
     CUDA division by a scalar multiplies by its reciprocal instead: the last bit differed on the H200).

@@ -27,16 +27,39 @@ import triton.language as tl
 
 from gpuworker.checkpoint_quantization import int4_group_size_supported
 from gpuworker.kernels import configs
-from gpuworker.kernels.launch import (FLOAT_DTYPES, check_last_dim_contiguous, check_operand, check_tensor,
-                                      dot_options, lazy_jit, pdl_options, split_k_counters)
+from gpuworker.kernels.launch import (
+    FLOAT_DTYPES,
+    check_last_dim_contiguous,
+    check_operand,
+    check_tensor,
+    dot_options,
+    lazy_jit,
+    pdl_options,
+    split_k_counters,
+)
 
 PACK = 8  # 4-bit values per int32
 
 
 def _int4_matmul_kernel(
-    x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    zeros_ptr,
+    scales_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    GROUP_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # A step reads BLOCK_K / 8 packed rows once ([BLOCK_K / 8, BLOCK_N] int32, each word once) and
@@ -74,13 +97,23 @@ def _int4_matmul_kernel(
         w_ptrs += (BLOCK_K // 8) * N
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 def _dequantize_kernel(
-    qweight_ptr, zeros_ptr, scales_ptr, out_ptr, N, GROUP_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    qweight_ptr,
+    zeros_ptr,
+    scales_ptr,
+    out_ptr,
+    N,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # out [K, N] (W transposed, x's dtype) from BLOCK_P packed rows x BLOCK_N columns a program: each
     # word read once, each weight written once, rows of out stored whole (coalesced along N).
@@ -121,8 +154,9 @@ class Int4GemvConfig:
 
     @property
     def name(self) -> str:
-        return (f"int4-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}-s{self.split_k}"
-                + ("-xw" if self.x_words else ""))
+        return f"int4-n{self.block_n}-k{self.block_k}-w{self.num_warps}-p{self.num_stages}-s{self.split_k}" + (
+            "-xw" if self.x_words else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -201,9 +235,25 @@ def pick_gemv_config(n: int, k: int, group_size: int, device: torch.device | Non
 
 
 def _int4_gemv_kernel(
-    x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, N, NUM_GROUPS,
-    SPLIT_K, NIBBLE_MASK, GROUP_SIZE: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr, X_WORDS: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    zeros_ptr,
+    scales_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    N,
+    NUM_GROUPS,
+    SPLIT_K,
+    NIBBLE_MASK,
+    GROUP_SIZE: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    X_WORDS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Each step loads GROUPS_PER_STEP whole groups, a [GROUPS_PER_STEP, ROWS, BLOCK_N] tile of packed
@@ -253,8 +303,9 @@ def _int4_gemv_kernel(
             zeros = tl.load(z_ptrs).to(tl.float32)
             scales = tl.load(s_ptrs).to(tl.float32)
             x_mask = None
-        qx, xs = _nibble_products(packed, x_ptrs, xw_ptrs, x_mask, NIBBLE_MASK, GROUPS_PER_STEP, ROWS, BLOCK_N,
-                                  MASKED, X_WORDS)
+        qx, xs = _nibble_products(
+            packed, x_ptrs, xw_ptrs, x_mask, NIBBLE_MASK, GROUPS_PER_STEP, ROWS, BLOCK_N, MASKED, X_WORDS
+        )
         acc += scales[:, None, :] * (qx - zeros[:, None, :] * xs[:, :, None])
         w_ptrs += GROUPS_PER_STEP * ROWS * N
         z_ptrs += GROUPS_PER_STEP * N
@@ -263,13 +314,24 @@ def _int4_gemv_kernel(
         if X_WORDS:
             xw_ptrs += GROUPS_PER_STEP * GROUP_SIZE // 2
     out = tl.sum(tl.sum(acc, axis=1), axis=0)
-    _store_columns(out, offs_n, n_mask, pid_n, pid_k, N, SPLIT_K, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-                   BLOCK_N, HAS_BIAS)
+    _store_columns(
+        out, offs_n, n_mask, pid_n, pid_k, N, SPLIT_K, bias_ptr, out_ptr, partial_ptr, counter_ptr, BLOCK_N, HAS_BIAS
+    )
 
 
 @triton.jit
-def _nibble_products(packed, x_ptrs, xw_ptrs, x_mask, NIBBLE_MASK, GROUPS_PER_STEP: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, X_WORDS: tl.constexpr):
+def _nibble_products(
+    packed,
+    x_ptrs,
+    xw_ptrs,
+    x_mask,
+    NIBBLE_MASK,
+    GROUPS_PER_STEP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    X_WORDS: tl.constexpr,
+):
     """(qx, xs) of one step's packed rows [GROUPS_PER_STEP, ROWS, BLOCK_N] and their inputs (x_ptrs:
     input row 8p of packed row p; xw_ptrs: the same as uint32 words with X_WORDS): qx the sum of each
     word's eight q * x, xs [GROUPS_PER_STEP, ROWS] the sum of its eight x, in float32."""
@@ -315,8 +377,21 @@ def _nibble_products(packed, x_ptrs, xw_ptrs, x_mask, NIBBLE_MASK, GROUPS_PER_ST
 
 
 @triton.jit
-def _store_columns(out, offs_n, n_mask, pid_n, pid_k, N, SPLIT_K, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _store_columns(
+    out,
+    offs_n,
+    n_mask,
+    pid_n,
+    pid_k,
+    N,
+    SPLIT_K,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """The columns offs_n of the output row: out (float32 sums) plus the bias; with split-K (SPLIT_K
     > 1) this split's partial, and the last split to draw its ticket sums them in split order
     (deterministic), as gemv's split-K: the barrier orders every thread's partial stores before the
@@ -345,8 +420,16 @@ def _store_columns(out, offs_n, n_mask, pid_n, pid_k, N, SPLIT_K, bias_ptr, out_
 _int4_gemv = lazy_jit(_int4_gemv_kernel, do_not_specialize=("SPLIT_K", "NIBBLE_MASK"))
 
 
-def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None, out: torch.Tensor, config: Int4GemvConfig) -> None:
+def _launch_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: Int4GemvConfig,
+) -> None:
     k, n = x.shape[1], qweight.shape[1]
     num_groups = k // group_size
     groups_per_step = max(1, config.block_k // group_size)
@@ -359,12 +442,28 @@ def _launch_gemv(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sc
         # an int32 pointer (an atomic add on a bfloat16 pointer fails to compile on Triton 3.6).
         partial, counters = out, qweight
     _int4_gemv[(column_blocks, config.split_k)](
-        x, qweight, zeros, scales, bias if bias is not None else scales, out, partial, counters, n, num_groups,
-        config.split_k, 0xF, GROUP_SIZE=group_size, GROUPS_PER_STEP=groups_per_step, BLOCK_N=config.block_n,
-        NUM_STAGES=config.num_stages, MASKED=bool(n % config.block_n or num_groups % groups_per_step),
+        x,
+        qweight,
+        zeros,
+        scales,
+        bias if bias is not None else scales,
+        out,
+        partial,
+        counters,
+        n,
+        num_groups,
+        config.split_k,
+        0xF,
+        GROUP_SIZE=group_size,
+        GROUPS_PER_STEP=groups_per_step,
+        BLOCK_N=config.block_n,
+        NUM_STAGES=config.num_stages,
+        MASKED=bool(n % config.block_n or num_groups % groups_per_step),
         HAS_BIAS=bias is not None,
         X_WORDS=config.x_words and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0,
-        num_warps=config.num_warps, **pdl_options(x.device))
+        num_warps=config.num_warps,
+        **pdl_options(x.device),
+    )
 
 
 def check_gemv_config(config: Int4GemvConfig) -> None:
@@ -381,9 +480,17 @@ def check_gemv_config(config: Int4GemvConfig) -> None:
         raise ValueError(f"gemv_config.block_k must be at least {PACK} (one packed row), got {config.block_k}")
 
 
-def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                group_size: int, bias: torch.Tensor | None = None, *,
-                gemv_config: Int4GemvConfig | None = None, gemm_config: Int4GemmConfig | None = None) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    *,
+    gemv_config: Int4GemvConfig | None = None,
+    gemm_config: Int4GemmConfig | None = None,
+) -> torch.Tensor:
     """x [M, K] float @ dequant(qweight, zeros, scales)^T (+ bias [N]) -> [M, N] in x's dtype
     (the layout in the module docstring), accumulated in float32. One row takes the GEMV with
     gemv_config (default: pick_gemv_config's); a split-K config must run once outside CUDA graph
@@ -401,8 +508,16 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     if m == 0 or n == 0:
         return out
     if m == 1:
-        _launch_gemv(x, qweight, zeros, scales, group_size, bias, out,
-                     gemv_config or pick_gemv_config(n, k, group_size, x.device))
+        _launch_gemv(
+            x,
+            qweight,
+            zeros,
+            scales,
+            group_size,
+            bias,
+            out,
+            gemv_config or pick_gemv_config(n, k, group_size, x.device),
+        )
         return out
     if m >= DEQUANT_MIN_ROWS and gemm_config is None:
         # Dequantise the weight into a scratch copy (a quarter of its bf16 bytes read, the bf16
@@ -413,16 +528,33 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     if config.block_k > group_size or group_size % config.block_k:
         raise ValueError(f"gemm_config.block_k must divide group_size ({group_size}), got {config.block_k}")
     _int4_matmul[(-(-m // config.block_m), -(-n // config.block_n))](
-        x, qweight, zeros, scales, bias if bias is not None else scales, out, m, n, k, x.stride(0), out.stride(0),
-        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        x,
+        qweight,
+        zeros,
+        scales,
+        bias if bias is not None else scales,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **dot_options(x.dtype),
-        **pdl_options(x.device))
+        **pdl_options(x.device),
+    )
     return out
 
 
-def _check_layout(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                  group_size: int) -> tuple[int, int, int]:
+def _check_layout(
+    x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> tuple[int, int, int]:
     m, k = x.shape
     if not int4_group_size_supported(group_size) or k % group_size:
         raise ValueError(f"group_size must be a power of two of at least {PACK} dividing K ({k}), got {group_size!r}")
@@ -438,8 +570,7 @@ def _check_layout(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, s
     return m, k, n
 
 
-def dequantize_int4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
+def dequantize_int4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """The float32 weight [N, K] (the layout Linear holds) that the packed weight stands for."""
     q = unpack_rows(qweight)
     groups = torch.arange(q.shape[0], device=q.device) // group_size
@@ -447,21 +578,37 @@ def dequantize_int4(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Te
     return w.t()
 
 
-def dequantize_int4_to(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                      dtype: torch.dtype) -> torch.Tensor:
+def dequantize_int4_to(
+    qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     """The weight transposed, [K, N] in dtype, as dequantize_int4(...).t().to(dtype) gives it (each
     value computed in float32, then rounded), in one Triton launch."""
     k, n = qweight.shape[0] * PACK, qweight.shape[1]
     out = torch.empty(k, n, dtype=dtype, device=qweight.device)
     block_p = min(DEQUANT_BLOCK_P, group_size // PACK, k // PACK)
     _dequantize[(k // PACK // block_p, -(-n // DEQUANT_BLOCK_N))](
-        qweight, zeros, scales, out, n, GROUP_SIZE=group_size, BLOCK_P=block_p, BLOCK_N=DEQUANT_BLOCK_N,
-        num_warps=4, **pdl_options(qweight.device))
+        qweight,
+        zeros,
+        scales,
+        out,
+        n,
+        GROUP_SIZE=group_size,
+        BLOCK_P=block_p,
+        BLOCK_N=DEQUANT_BLOCK_N,
+        num_warps=4,
+        **pdl_options(qweight.device),
+    )
     return out
 
 
-def int4_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
-                          group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_matmul_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Pure torch: the weight dequantised in float32 and rounded to x's dtype, then F.linear."""
     weight = dequantize_int4(qweight, zeros, scales, group_size).to(x.dtype)
     return torch.nn.functional.linear(x, weight, bias)

@@ -52,8 +52,16 @@ def value_of(key):
 
 
 @triton.jit
-def load_filters(row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
-                 HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+def load_filters(
+    row,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+):
     """The row's (temperature, greedy, divisor of the logits, top_k, top_p, min_p); a filter the launch
     has not got is off."""
     temperature = tl.load(temperature_ptr + row)
@@ -149,8 +157,9 @@ def _stats_block(x, finite, key, idx, drawing, lane_max, lane_sum, lane_arg, lan
     finite count."""
     bigger = x > lane_max
     new_max = tl.where(bigger, x, lane_max)
-    lane_sum = (tl.where(bigger, lane_sum * tl.exp(lane_max - new_max), lane_sum)
-                + tl.where(finite, tl.exp(x - new_max), 0.0))
+    lane_sum = tl.where(bigger, lane_sum * tl.exp(lane_max - new_max), lane_sum) + tl.where(
+        finite, tl.exp(x - new_max), 0.0
+    )
     lane_arg = tl.where(bigger & (drawing == 0), idx, lane_arg)
     lane_max = new_max
     lane_lowest_key = tl.minimum(lane_lowest_key, tl.where(finite, key, INT_MAX))
@@ -171,8 +180,24 @@ def _draw_block(x, kept, idx, seed_lo, seed_hi, lane_best, lane_arg):
 
 
 @triton.jit
-def row_pass(kind, drawing, row_ptr, seed_ptr, row, begin, end, cols, divisor, tau, row_max, min_p, key_c,
-             BLOCK: tl.constexpr, PREFETCH: tl.constexpr, HAS_MIN_P: tl.constexpr):
+def row_pass(
+    kind,
+    drawing,
+    row_ptr,
+    seed_ptr,
+    row,
+    begin,
+    end,
+    cols,
+    divisor,
+    tau,
+    row_max,
+    min_p,
+    key_c,
+    BLOCK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+):
     """A STATS, DRAW or CHECK pass over this program's part of the row, BLOCK logits a step: its
     partials (f0, f1, f2, i0, i1, i2, i4).
 
@@ -202,7 +227,8 @@ def row_pass(kind, drawing, row_ptr, seed_ptr, row, begin, end, cols, divisor, t
         key = key_of(x)
         if kind == STATS:
             lane_max, lane_sum, lane_arg, lane_lowest_key, lane_count = _stats_block(
-                x, finite, key, idx, drawing, lane_max, lane_sum, lane_arg, lane_lowest_key, lane_count)
+                x, finite, key, idx, drawing, lane_max, lane_sum, lane_arg, lane_lowest_key, lane_count
+            )
         if kind == CHECK:
             above = finite & (key > key_c)
             lane_sum += tl.where(above, tl.exp(x - row_max), 0.0)
@@ -230,9 +256,25 @@ def row_pass(kind, drawing, row_ptr, seed_ptr, row, begin, end, cols, divisor, t
 
 
 @triton.jit
-def search_pass(row_ptr, list_base, begin, end, divisor, row_max, lo, hi, listed, lane_len, list_rows, thresholds,
-                compact, SEARCH_BLOCK: tl.constexpr, NT: tl.constexpr, PREFETCH: tl.constexpr,
-                LIST_ROWS: tl.constexpr):
+def search_pass(
+    row_ptr,
+    list_base,
+    begin,
+    end,
+    divisor,
+    row_max,
+    lo,
+    hi,
+    listed,
+    lane_len,
+    list_rows,
+    thresholds,
+    compact,
+    SEARCH_BLOCK: tl.constexpr,
+    NT: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LIST_ROWS: tl.constexpr,
+):
     """A TOP_K or TOP_P search pass over this program's part of the row, or its list once `listed`:
     the count and mass above each threshold (counts, masses), and the count, smallest and largest key
     inside (lo, hi] (i0, i1, i2); when `compact`, the tokens inside are also appended to the list
@@ -256,13 +298,15 @@ def search_pass(row_ptr, list_base, begin, end, divisor, row_max, lo, hi, listed
     pre_s1, pre_s2, pre_s3 = prefetch.first_blocks(row_ptr, begin, end, SEARCH_BLOCK, PREFETCH)
     for block_index in range(0, num_steps):
         if listed == 1:
-            key = tl.load(list_base + block_index * SEARCH_BLOCK + search_cols, mask=block_index < lane_len,
-                          other=INT_MIN)
+            key = tl.load(
+                list_base + block_index * SEARCH_BLOCK + search_cols, mask=block_index < lane_len, other=INT_MIN
+            )
             x = value_of(key)
         else:
             idx = begin + block_index * SEARCH_BLOCK + search_cols
-            raw, pre_s1, pre_s2, pre_s3 = prefetch.next_block(row_ptr, idx, end, pre_s1, pre_s2, pre_s3,
-                                                              SEARCH_BLOCK, PREFETCH)
+            raw, pre_s1, pre_s2, pre_s3 = prefetch.next_block(
+                row_ptr, idx, end, pre_s1, pre_s2, pre_s3, SEARCH_BLOCK, PREFETCH
+            )
             x = tl.math.div_rn(raw, divisor) + 0.0
             key = tl.where(x > float("-inf"), key_of(x), INT_MIN)
         key = tl.where(key <= ceiling, key, INT_MIN)
@@ -275,8 +319,7 @@ def search_pass(row_ptr, list_base, begin, end, divisor, row_max, lo, hi, listed
         lane_min_key = tl.minimum(lane_min_key, tl.where(inside, key, INT_MAX))
         lane_max_key = tl.maximum(lane_max_key, tl.where(inside, key, INT_MIN))
         if compact:  # append the candidates to their lanes' columns (counting past a full one)
-            tl.store(list_base + lane_len * SEARCH_BLOCK + search_cols, key,
-                     mask=inside & (lane_len < LIST_ROWS))
+            tl.store(list_base + lane_len * SEARCH_BLOCK + search_cols, key, mask=inside & (lane_len < LIST_ROWS))
             lane_len += inside.to(tl.int32)
     i3 = 0
     if compact:
@@ -291,8 +334,28 @@ def search_pass(row_ptr, list_base, begin, end, divisor, row_max, lo, hi, listed
 
 
 @triton.jit
-def publish(part_f_ptr, part_i_ptr, counter_ptr, row, split, splits, rounds, thr_ids, masses, counts,
-            f0, f1, f2, i0, i1, i2, i3, i4, NT: tl.constexpr, WIDTH: tl.constexpr):
+def publish(
+    part_f_ptr,
+    part_i_ptr,
+    counter_ptr,
+    row,
+    split,
+    splits,
+    rounds,
+    thr_ids,
+    masses,
+    counts,
+    f0,
+    f1,
+    f2,
+    i0,
+    i1,
+    i2,
+    i3,
+    i4,
+    NT: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
     """Store this program's partials of the round, then wait until every program of the row has
     stored its own: the number of rounds done."""
     record = ((row * 2 + rounds % 2) * splits + split) * WIDTH
@@ -317,8 +380,7 @@ def publish(part_f_ptr, part_i_ptr, counter_ptr, row, split, splits, rounds, thr
 
 
 @triton.jit
-def gather(part_f_ptr, part_i_ptr, row, splits, split_ids, split_mask, rounds, NT: tl.constexpr,
-           WIDTH: tl.constexpr):
+def gather(part_f_ptr, part_i_ptr, row, splits, split_ids, split_mask, rounds, NT: tl.constexpr, WIDTH: tl.constexpr):
     """The row's records of the last round, and its programs' f0, f1, i0, i1, i2 (every state reads some)."""
     records = ((row * 2 + (rounds - 1) % 2) * splits + split_ids) * WIDTH
     # .cg: from L2, never a line this SM cached before the other programs wrote it.
@@ -359,8 +421,9 @@ def state_after_stats(greedy, drawing, top_k, num_finite, top_p):
 
 
 @triton.jit
-def check_candidate(kind, tau, limit, lo, mass_lo, count_lo, drawing, checks, key_c, all_f1, all_i2,
-                    MAX_DRAWS: tl.constexpr):
+def check_candidate(
+    kind, tau, limit, lo, mass_lo, count_lo, drawing, checks, key_c, all_f1, all_i2, MAX_DRAWS: tl.constexpr
+):
     """After a CHECK pass: top-p keeps the candidate if the mass strictly above it is below the limit.
     Returns (kind, tau, lo, mass_lo, count_lo, drawing, checks)."""
     mass_above = tl.sum(all_f1, 0)
@@ -384,9 +447,31 @@ def check_candidate(kind, tau, limit, lo, mass_lo, count_lo, drawing, checks, ke
 
 
 @triton.jit
-def narrow_search(top_k, kind, search_passes, limit, lo, hi, mass_lo, count_lo, count_hi, mass_hi, listed,
-                  thresholds, compact, part_f_ptr, part_i_ptr, records, thr_ids, split_mask, all_i0, all_i1, all_i2,
-                  NT: tl.constexpr, MAX_PASSES: tl.constexpr):
+def narrow_search(
+    top_k,
+    kind,
+    search_passes,
+    limit,
+    lo,
+    hi,
+    mass_lo,
+    count_lo,
+    count_hi,
+    mass_hi,
+    listed,
+    thresholds,
+    compact,
+    part_f_ptr,
+    part_i_ptr,
+    records,
+    thr_ids,
+    split_mask,
+    all_i0,
+    all_i1,
+    all_i2,
+    NT: tl.constexpr,
+    MAX_PASSES: tl.constexpr,
+):
     """After a search pass: the sub-interval of (lo, hi] where the filter's test flips, tightened to
     the keys the tokens inside have, with the count and mass above its ends; a search that has run
     MAX_PASSES passes, or whose interval holds at most one distinct value, ends (hi = lo + 1). Once
@@ -446,8 +531,7 @@ def narrow_search(top_k, kind, search_passes, limit, lo, hi, mass_lo, count_lo, 
 
 
 @triton.jit
-def end_search(top_p, kind, search_passes, row_max, tau, z_dom, limit, lo, hi, mass_lo, count_hi, mass_hi,
-               listed):
+def end_search(top_p, kind, search_passes, row_max, tau, z_dom, limit, lo, hi, mass_lo, count_hi, mass_hi, listed):
     """A search whose interval holds at most one key is over: keys above lo are kept (tau). Top-k's
     starts top-p's over its kept tokens, or the draw; top-p's the draw. Returns (kind, search_passes,
     tau, z_dom, limit, hi, count_hi, mass_hi, listed)."""
@@ -473,8 +557,23 @@ def end_search(top_p, kind, search_passes, row_max, tau, z_dom, limit, lo, hi, m
 
 
 @triton.jit
-def take_draw(row_ptr, divisor, min_p, top_p, kind, row_max, tau, drawing, key_c, part_f_ptr, part_i_ptr, records,
-              split_mask, all_i2, NT: tl.constexpr):
+def take_draw(
+    row_ptr,
+    divisor,
+    min_p,
+    top_p,
+    kind,
+    row_max,
+    tau,
+    drawing,
+    key_c,
+    part_f_ptr,
+    part_i_ptr,
+    records,
+    split_mask,
+    all_i2,
+    NT: tl.constexpr,
+):
     """After a DRAW pass, or a STATS pass that drew: the best score's token (the first index on ties)
     and the kept count. A candidate drawn first is checked: it fails min-p (draw again above it,
     DRAW), or top-p checks it (CHECK), else it is the row's token (DONE). Returns (kind, token, tau,
@@ -501,8 +600,20 @@ def take_draw(row_ptr, divisor, min_p, top_p, kind, row_max, tau, drawing, key_c
 
 
 @triton.jit
-def finish(token_ids_ptr, num_kept_ptr, num_passes_ptr, counter_ptr, row, split, splits, token, num_kept, rounds,
-           WRITE_NUM_KEPT: tl.constexpr, WRITE_NUM_PASSES: tl.constexpr):
+def finish(
+    token_ids_ptr,
+    num_kept_ptr,
+    num_passes_ptr,
+    counter_ptr,
+    row,
+    split,
+    splits,
+    token,
+    num_kept,
+    rounds,
+    WRITE_NUM_KEPT: tl.constexpr,
+    WRITE_NUM_PASSES: tl.constexpr,
+):
     """Write the row's token (and kept count, passes) from its first program, and leave the row's
     counter at zero for the next launch: the last program of the row resets it, once every program
     is past its last wait."""

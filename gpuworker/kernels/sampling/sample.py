@@ -58,9 +58,9 @@ import torch
 import triton.language as tl
 
 from gpuworker.kernels import configs
+from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 from gpuworker.kernels.sampling import passes
 from gpuworker.kernels.sampling.passes import CHECK, DONE, DRAW, INT_MIN, STATS, TOP_K, TOP_P
-from gpuworker.kernels.launch import check_operand, check_tensor, interpreting, lazy_jit
 
 # A program's partial record per pass: a sum per threshold and seven scalars.
 RECORD_WIDTH = 32
@@ -101,10 +101,12 @@ class SamplingConfig:
     max_draws: int = 3
 
     def __post_init__(self) -> None:
-        for field, value, low, high in (("block", self.block, 16, 1 << 16),
-                                        ("search_block", self.search_block, 16, 1 << 16),
-                                        ("num_thresholds", self.num_thresholds, 2, MAX_THRESHOLDS),
-                                        ("num_warps", self.num_warps, 1, 32)):
+        for field, value, low, high in (
+            ("block", self.block, 16, 1 << 16),
+            ("search_block", self.search_block, 16, 1 << 16),
+            ("num_thresholds", self.num_thresholds, 2, MAX_THRESHOLDS),
+            ("num_warps", self.num_warps, 1, 32),
+        ):
             if not low <= value <= high or value & (value - 1):
                 raise ValueError(f"SamplingConfig.{field} must be a power of two in [{low}, {high}], got {value}")
         if not 0 <= self.prefetch <= 3:
@@ -112,8 +114,10 @@ class SamplingConfig:
         if not 0 <= self.value_passes <= 8:
             raise ValueError(f"SamplingConfig.value_passes must be in [0, 8], got {self.value_passes}")
         if not 0 <= self.list_capacity <= 1 << 20 or self.list_capacity % self.search_block:
-            raise ValueError(f"SamplingConfig.list_capacity must be a multiple of search_block "
-                             f"({self.search_block}) in [0, {1 << 20}], got {self.list_capacity}")
+            raise ValueError(
+                f"SamplingConfig.list_capacity must be a multiple of search_block "
+                f"({self.search_block}) in [0, {1 << 20}], got {self.list_capacity}"
+            )
         if self.max_registers is not None and not 32 <= self.max_registers <= 255:
             raise ValueError(f"SamplingConfig.max_registers must be None or in [32, 255], got {self.max_registers}")
         if not 0 <= self.max_draws <= 16:
@@ -129,9 +133,11 @@ class SamplingConfig:
 
     @property
     def name(self) -> str:
-        return (f"b{self.block}-s{self.search_block}-t{self.num_thresholds}-v{self.value_passes}-w{self.num_warps}"
-                f"-f{self.prefetch}-p{self.programs_per_sm}-l{self.list_capacity}"
-                f"{'' if self.max_registers is None else f'-r{self.max_registers}'}-d{self.max_draws}")
+        return (
+            f"b{self.block}-s{self.search_block}-t{self.num_thresholds}-v{self.value_passes}-w{self.num_warps}"
+            f"-f{self.prefetch}-p{self.programs_per_sm}-l{self.list_capacity}"
+            f"{'' if self.max_registers is None else f'-r{self.max_registers}'}-d{self.max_draws}"
+        )
 
 
 # The kernel in its plainest form (one value pass, every pass over the whole row, every row searching
@@ -156,14 +162,37 @@ PHILOX_ROUNDS = 10
 
 
 def _sample_kernel(
-    logits_ptr, stride_logits,
-    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr,
-    token_ids_ptr, num_kept_ptr, num_passes_ptr, part_f_ptr, part_i_ptr, counter_ptr, list_ptr,
-    vocab_size, chunk,
-    BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NT: tl.constexpr, WIDTH: tl.constexpr, SPLITS_P2: tl.constexpr,
-    VALUE_PASSES: tl.constexpr, MAX_PASSES: tl.constexpr, PREFETCH: tl.constexpr, LIST_CAP: tl.constexpr,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, MAX_DRAWS: tl.constexpr,
-    WRITE_NUM_KEPT: tl.constexpr, WRITE_NUM_PASSES: tl.constexpr,
+    logits_ptr,
+    stride_logits,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seed_ptr,
+    token_ids_ptr,
+    num_kept_ptr,
+    num_passes_ptr,
+    part_f_ptr,
+    part_i_ptr,
+    counter_ptr,
+    list_ptr,
+    vocab_size,
+    chunk,
+    BLOCK: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    NT: tl.constexpr,
+    WIDTH: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    VALUE_PASSES: tl.constexpr,
+    MAX_PASSES: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LIST_CAP: tl.constexpr,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    MAX_DRAWS: tl.constexpr,
+    WRITE_NUM_KEPT: tl.constexpr,
+    WRITE_NUM_PASSES: tl.constexpr,
 ):
     # A row's programs are consecutive in launch order (axis 0 varies fastest).
     row = tl.program_id(1).to(tl.int64)
@@ -179,7 +208,8 @@ def _sample_kernel(
     split_ids = tl.arange(0, SPLITS_P2)
     split_mask = split_ids < splits
     temperature, greedy, divisor, top_k, top_p, min_p = passes.load_filters(
-        row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P)
+        row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P
+    )
 
     # Row state, the same in every program of the row (each reduces the same partials in one order).
     kind = STATS
@@ -215,32 +245,87 @@ def _sample_kernel(
         # A full search pass lists the tokens inside (lo, hi] once they fit the lists: the row's
         # later passes read its candidates only (top-p at batch 512 reads ~5k of 128k).
         # Half the capacity: a column overflows only if its lanes draw twice their share of candidates.
-        compact = ((LIST_ROWS > 0) & ((kind == TOP_K) | (kind == TOP_P)) & (listed == 0)
-                   & (count_lo - count_hi <= LIST_CAP // 2))
+        compact = (
+            (LIST_ROWS > 0)
+            & ((kind == TOP_K) | (kind == TOP_P))
+            & (listed == 0)
+            & (count_lo - count_hi <= LIST_CAP // 2)
+        )
 
         # This program's pass over its part of the row: its partial record (what a pass does not
         # compute stays empty).
         f0, f1, f2, i0, i1, i2, i3, i4, counts, masses = passes.empty_record(NT)
         if (kind == STATS) | (kind == DRAW) | (kind == CHECK):
-            f0, f1, f2, i0, i1, i2, i4 = passes.row_pass(kind, drawing, row_ptr, seed_ptr, row, begin, end, cols,
-                                                         divisor, tau, row_max, min_p, key_c,
-                                                         BLOCK, PREFETCH, HAS_MIN_P)
+            f0, f1, f2, i0, i1, i2, i4 = passes.row_pass(
+                kind,
+                drawing,
+                row_ptr,
+                seed_ptr,
+                row,
+                begin,
+                end,
+                cols,
+                divisor,
+                tau,
+                row_max,
+                min_p,
+                key_c,
+                BLOCK,
+                PREFETCH,
+                HAS_MIN_P,
+            )
         else:
             counts, masses, i0, i1, i2, i3, lane_len, list_rows = passes.search_pass(
-                row_ptr, list_base, begin, end, divisor, row_max, lo, hi, listed, lane_len, list_rows, thresholds,
-                compact, SEARCH_BLOCK, NT, PREFETCH, LIST_ROWS)
+                row_ptr,
+                list_base,
+                begin,
+                end,
+                divisor,
+                row_max,
+                lo,
+                hi,
+                listed,
+                lane_len,
+                list_rows,
+                thresholds,
+                compact,
+                SEARCH_BLOCK,
+                NT,
+                PREFETCH,
+                LIST_ROWS,
+            )
 
         # Publish this program's partials, wait for the row's other programs, read them all.
-        rounds = passes.publish(part_f_ptr, part_i_ptr, counter_ptr, row, split, splits, rounds, thr_ids, masses,
-                                counts, f0, f1, f2, i0, i1, i2, i3, i4, NT, WIDTH)
-        records, all_f0, all_f1, all_i0, all_i1, all_i2 = passes.gather(part_f_ptr, part_i_ptr, row, splits,
-                                                                        split_ids, split_mask, rounds, NT, WIDTH)
+        rounds = passes.publish(
+            part_f_ptr,
+            part_i_ptr,
+            counter_ptr,
+            row,
+            split,
+            splits,
+            rounds,
+            thr_ids,
+            masses,
+            counts,
+            f0,
+            f1,
+            f2,
+            i0,
+            i1,
+            i2,
+            i3,
+            i4,
+            NT,
+            WIDTH,
+        )
+        records, all_f0, all_f1, all_i0, all_i1, all_i2 = passes.gather(
+            part_f_ptr, part_i_ptr, row, splits, split_ids, split_mask, rounds, NT, WIDTH
+        )
         drew = (kind == DRAW) | ((kind == STATS) & (drawing == 1))
 
         # The row's next state.
         if kind == STATS:
-            row_max, token, z_dom, min_key, num_finite = passes.reduce_stats(all_f0, all_f1, all_i0, all_i1,
-                                                                             all_i2)
+            row_max, token, z_dom, min_key, num_finite = passes.reduce_stats(all_f0, all_f1, all_i0, all_i1, all_i2)
             # Every finite token is in play: a search starts over (the smallest key - 1, the largest].
             tau = min_key
             hi = passes.key_of(row_max).to(tl.int64)
@@ -255,26 +340,78 @@ def _sample_kernel(
             kind = passes.state_after_stats(greedy, drawing, top_k, num_finite, top_p)
         elif kind == CHECK:
             kind, tau, lo, mass_lo, count_lo, drawing, checks = passes.check_candidate(
-                kind, tau, limit, lo, mass_lo, count_lo, drawing, checks, key_c, all_f1, all_i2, MAX_DRAWS)
+                kind, tau, limit, lo, mass_lo, count_lo, drawing, checks, key_c, all_f1, all_i2, MAX_DRAWS
+            )
         elif kind != DRAW:
             search_passes, lo, hi, mass_lo, count_lo, count_hi, mass_hi, listed = passes.narrow_search(
-                top_k, kind, search_passes, limit, lo, hi, mass_lo, count_lo, count_hi, mass_hi, listed, thresholds,
-                compact, part_f_ptr, part_i_ptr, records, thr_ids, split_mask, all_i0, all_i1, all_i2, NT, MAX_PASSES)
+                top_k,
+                kind,
+                search_passes,
+                limit,
+                lo,
+                hi,
+                mass_lo,
+                count_lo,
+                count_hi,
+                mass_hi,
+                listed,
+                thresholds,
+                compact,
+                part_f_ptr,
+                part_i_ptr,
+                records,
+                thr_ids,
+                split_mask,
+                all_i0,
+                all_i1,
+                all_i2,
+                NT,
+                MAX_PASSES,
+            )
         kind, search_passes, tau, z_dom, limit, hi, count_hi, mass_hi, listed = passes.end_search(
-            top_p, kind, search_passes, row_max, tau, z_dom, limit, lo, hi, mass_lo, count_hi, mass_hi, listed)
+            top_p, kind, search_passes, row_max, tau, z_dom, limit, lo, hi, mass_lo, count_hi, mass_hi, listed
+        )
         if drew:
-            kind, token, tau, num_kept, key_c = passes.take_draw(row_ptr, divisor, min_p, top_p, kind, row_max, tau,
-                                                                 drawing, key_c, part_f_ptr, part_i_ptr, records,
-                                                                 split_mask, all_i2, NT)
+            kind, token, tau, num_kept, key_c = passes.take_draw(
+                row_ptr,
+                divisor,
+                min_p,
+                top_p,
+                kind,
+                row_max,
+                tau,
+                drawing,
+                key_c,
+                part_f_ptr,
+                part_i_ptr,
+                records,
+                split_mask,
+                all_i2,
+                NT,
+            )
 
-    passes.finish(token_ids_ptr, num_kept_ptr, num_passes_ptr, counter_ptr, row, split, splits, token, num_kept,
-                  rounds, WRITE_NUM_KEPT, WRITE_NUM_PASSES)
+    passes.finish(
+        token_ids_ptr,
+        num_kept_ptr,
+        num_passes_ptr,
+        counter_ptr,
+        row,
+        split,
+        splits,
+        token,
+        num_kept,
+        rounds,
+        WRITE_NUM_KEPT,
+        WRITE_NUM_PASSES,
+    )
 
 
 # The parameter pointers are slices of one host->device copy whose offsets depend on the batch size:
 # left specialised on alignment they would compile a variant per batch size modulo 4.
-_sample = lazy_jit(_sample_kernel, do_not_specialize=("temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr",
-                                                      "seed_ptr", "vocab_size", "chunk"))
+_sample = lazy_jit(
+    _sample_kernel,
+    do_not_specialize=("temperature_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seed_ptr", "vocab_size", "chunk"),
+)
 
 # One int32 per row, per device: zero between launches (the kernel leaves them so); launches sharing
 # them must be ordered, i.e. issued on one stream.
@@ -284,10 +421,18 @@ _NUM_SMS: dict[torch.device, int] = {}
 _RESIDENT_PER_SM: dict[tuple[torch.device, tuple], int] = {}
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tensor,
-           top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-           min_p: torch.Tensor | None = None, num_kept: torch.Tensor | None = None,
-           num_passes: torch.Tensor | None = None, config: SamplingConfig | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    *,
+    seeds: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    num_kept: torch.Tensor | None = None,
+    num_passes: torch.Tensor | None = None,
+    config: SamplingConfig | None = None,
+) -> torch.Tensor:
     """One token per row of `logits` [B, V] (float32, bfloat16 or float16): [B] int64.
 
     temperature [B] float32 (0: greedy); seeds [B] int64 (each row's Philox key, 0 <= seed < 2**63);
@@ -318,8 +463,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
     if num_rows == 0:
         return token_ids
     config = config or pick_config(num_rows, device)
-    variant = (config, top_k is not None, top_p is not None, min_p is not None, num_kept is not None,
-               num_passes is not None)
+    variant = (
+        config,
+        top_k is not None,
+        top_p is not None,
+        min_p is not None,
+        num_kept is not None,
+        num_passes is not None,
+    )
     splits = _splits(device, num_rows, vocab_size, config, variant)
     chunk = -(-vocab_size // (splits * config.block)) * config.block
     splits = -(-vocab_size // chunk)
@@ -327,23 +478,45 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tens
     part_i = torch.empty(num_rows * 2 * splits * RECORD_WIDTH, dtype=torch.int32, device=device)
     candidates = torch.empty(max(1, num_rows * splits * config.list_capacity), dtype=torch.int32, device=device)
     kernel = _sample[(splits, num_rows)](
-        logits, logits.stride(0), temperature,
-        top_k if top_k is not None else seeds, top_p if top_p is not None else temperature,
-        min_p if min_p is not None else temperature, seeds,
-        token_ids, num_kept if num_kept is not None else part_i, num_passes if num_passes is not None else part_i,
-        part_f, part_i, _counters(device, num_rows),
-        candidates, vocab_size, chunk,
-        BLOCK=config.block, SEARCH_BLOCK=config.search_block, NT=config.num_thresholds, WIDTH=RECORD_WIDTH,
-        SPLITS_P2=MAX_SPLITS, VALUE_PASSES=config.value_passes, MAX_PASSES=config.max_passes,
-        PREFETCH=config.prefetch, LIST_CAP=config.list_capacity, HAS_TOP_K=top_k is not None,
-        HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, MAX_DRAWS=config.max_draws,
-        WRITE_NUM_KEPT=num_kept is not None, WRITE_NUM_PASSES=num_passes is not None,
+        logits,
+        logits.stride(0),
+        temperature,
+        top_k if top_k is not None else seeds,
+        top_p if top_p is not None else temperature,
+        min_p if min_p is not None else temperature,
+        seeds,
+        token_ids,
+        num_kept if num_kept is not None else part_i,
+        num_passes if num_passes is not None else part_i,
+        part_f,
+        part_i,
+        _counters(device, num_rows),
+        candidates,
+        vocab_size,
+        chunk,
+        BLOCK=config.block,
+        SEARCH_BLOCK=config.search_block,
+        NT=config.num_thresholds,
+        WIDTH=RECORD_WIDTH,
+        SPLITS_P2=MAX_SPLITS,
+        VALUE_PASSES=config.value_passes,
+        MAX_PASSES=config.max_passes,
+        PREFETCH=config.prefetch,
+        LIST_CAP=config.list_capacity,
+        HAS_TOP_K=top_k is not None,
+        HAS_TOP_P=top_p is not None,
+        HAS_MIN_P=min_p is not None,
+        MAX_DRAWS=config.max_draws,
+        WRITE_NUM_KEPT=num_kept is not None,
+        WRITE_NUM_PASSES=num_passes is not None,
         # One num_warps per config: each value is a variant to compile (and warm up).
-        num_warps=config.num_warps, maxnreg=config.max_registers,
+        num_warps=config.num_warps,
+        maxnreg=config.max_registers,
     )
     if (device, variant) not in _RESIDENT_PER_SM and getattr(kernel, "n_regs", None) is not None:
-        _RESIDENT_PER_SM[device, variant] = _resident_per_sm(device, kernel.n_regs, kernel.metadata.shared,
-                                                             config.num_warps)
+        _RESIDENT_PER_SM[device, variant] = _resident_per_sm(
+            device, kernel.n_regs, kernel.metadata.shared, config.num_warps
+        )
     return token_ids
 
 
@@ -416,9 +589,15 @@ def warm_up(device: torch.device, vocab_size: int) -> None:
 # --- The pure-torch reference: the same draws, by a full sort --------------------------------------
 
 
-def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, *, seeds: torch.Tensor,
-                     top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-                     min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    *,
+    seeds: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What `sample` draws, computed with a full sort of each row: (token ids [B] int64, number of
     kept tokens [B] int32, 0 on greedy rows). The engine's sampler on the CPU."""
     greedy = temperature <= 0
@@ -439,8 +618,9 @@ def scaled_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tens
     return logits.float() / divisor[:, None] + 0.0
 
 
-def kept_mask_reference(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                        min_p: torch.Tensor | None) -> torch.Tensor:
+def kept_mask_reference(
+    x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+) -> torch.Tensor:
     """[B, V] bool: the tokens that top-k, then top-p, then min-p keep (the module's semantics)."""
     num_rows, vocab_size = x.shape
     kept = x > float("-inf")

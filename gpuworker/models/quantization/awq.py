@@ -24,9 +24,15 @@ def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
     return columns.reshape(packed.shape[0], -1)
 
 
-def unpack(tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
-           group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_tensors(tensors, qweight_shape=(in_features, out_features // 8), in_features=in_features,
-                  out_features=out_features, group_size=group_size)
+def unpack(
+    tensors: dict[str, torch.Tensor], in_features: int, out_features: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_tensors(
+        tensors,
+        qweight_shape=(in_features, out_features // 8),
+        in_features=in_features,
+        out_features=out_features,
+        group_size=group_size,
+    )
     zeros = unpack_columns(tensors["qzeros"]).to(torch.uint8)
     return unpack_columns(tensors["qweight"]), zeros, tensors["scales"]

@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from gpuworker.kernels.quant.fp8_matmul import (FP8_DTYPE, FP8_MAX, fp8_matmul, fp8_matmul_reference, quantize_fp8_rows,
-                                          quantize_fp8_rows_reference)
 from gpuworker.kernels.linear.gemv import gemv
+from gpuworker.kernels.quant.fp8_matmul import (
+    FP8_DTYPE,
+    FP8_MAX,
+    fp8_matmul,
+    fp8_matmul_reference,
+    quantize_fp8_rows,
+    quantize_fp8_rows_reference,
+)
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 # Below this many rows the Triton kernel (a weight stream) beats torch._scaled_mm's tiles.
@@ -50,16 +56,19 @@ class Fp8Linear(QuantizedLinear):
                 weight, scale = quantize_fp8_rows_reference(weight, exact_division=True)
             else:
                 if weight.dtype != FP8_DTYPE:
-                    raise ValueError(f"{self.checkpoint_names[i]}.weight has dtype {weight.dtype}, "
-                                     f"expected {FP8_DTYPE}")
+                    raise ValueError(
+                        f"{self.checkpoint_names[i]}.weight has dtype {weight.dtype}, expected {FP8_DTYPE}"
+                    )
                 scale = self._channel_scale(i, staged["weight_scale"], rows)
             weights.append(weight)
             scales.append(scale)
             if "input_scale" in staged and self.input_scale is not None:
                 input_scale = staged["input_scale"]
                 if input_scale.numel() != 1:
-                    raise ValueError(f"{self.checkpoint_names[i]}.input_scale must hold one value, "
-                                     f"got shape {tuple(input_scale.shape)}")
+                    raise ValueError(
+                        f"{self.checkpoint_names[i]}.input_scale must hold one value, "
+                        f"got shape {tuple(input_scale.shape)}"
+                    )
                 input_scales.append(input_scale.float().reshape(()))
         self.weight_fp8.copy_(torch.cat(weights))
         self.weight_scale.copy_(torch.cat(scales))
@@ -72,8 +81,10 @@ class Fp8Linear(QuantizedLinear):
             return scale.reshape(1).expand(rows)
         if tuple(scale.shape) in ((rows,), (rows, 1)):
             return scale.reshape(rows)
-        raise ValueError(f"{self.checkpoint_names[shard]}.weight_scale has shape {tuple(scale.shape)}, expected "
-                         f"one value (per tensor) or ({rows}, 1) (per channel)")
+        raise ValueError(
+            f"{self.checkpoint_names[shard]}.weight_scale has shape {tuple(scale.shape)}, expected "
+            f"one value (per tensor) or ({rows}, 1) (per channel)"
+        )
 
     @torch.no_grad()
     def fill_dummy(self, generator: torch.Generator) -> None:
@@ -96,8 +107,9 @@ class Fp8Linear(QuantizedLinear):
         else:
             x_q, x_scale = quantize_fp8_rows(x, self.input_scale)
         if not x.is_cuda:
-            return fp8_matmul_reference(x_q, self.weight_fp8, self.weight_scale, x_scale=x_scale, bias=bias,
-                                        out_dtype=x.dtype)
+            return fp8_matmul_reference(
+                x_q, self.weight_fp8, self.weight_scale, x_scale=x_scale, bias=bias, out_dtype=x.dtype
+            )
         if x_scale is not None and _takes_scaled_mm(x_q, self.weight_fp8, x.dtype):
             return self.forward_quantized(x_q, x_scale, x.dtype)
         return fp8_matmul(x_q, self.weight_fp8, self.weight_scale, x_scale=x_scale, bias=bias, out_dtype=x.dtype)
@@ -106,14 +118,20 @@ class Fp8Linear(QuantizedLinear):
         """Whether the kernel producing x [T, in] may quantize it itself, per token, and hand it to
         forward_quantized (rms_norm_fp8, silu_and_mul_fp8: no bf16 output written and read back by
         quantize_fp8_rows): dynamic activations on the row-wise scaled GEMM's path."""
-        return (FUSED_INPUT_QUANTIZATION and x.is_cuda and x.dim() == 2 and self.quant.activation_scheme == "dynamic"
-                and _takes_scaled_mm(x, self.weight_fp8, x.dtype))
+        return (
+            FUSED_INPUT_QUANTIZATION
+            and x.is_cuda
+            and x.dim() == 2
+            and self.quant.activation_scheme == "dynamic"
+            and _takes_scaled_mm(x, self.weight_fp8, x.dtype)
+        )
 
     def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """forward of an input already quantized per token (float8_e4m3fn [T, in], float32 scale [T]):
         the row-wise scaled FP8 GEMM on the tensor cores (cuBLASLt); bias added after, in out_dtype."""
-        out = torch._scaled_mm(x_q, self.weight_fp8.t(), scale_a=x_scale[:, None],
-                               scale_b=self.weight_scale[None, :], out_dtype=out_dtype)
+        out = torch._scaled_mm(
+            x_q, self.weight_fp8.t(), scale_a=x_scale[:, None], scale_b=self.weight_scale[None, :], out_dtype=out_dtype
+        )
         return out if self.bias is None else out + self.bias
 
 

@@ -20,10 +20,16 @@ FIELDS = ("qweight", "qzeros", "scales")
 OPTIONAL_FIELDS = ("g_idx",)
 
 
-def unpack(tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
-           group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    check_tensors(tensors, qweight_shape=(in_features // 8, out_features), in_features=in_features,
-                  out_features=out_features, group_size=group_size)
+def unpack(
+    tensors: dict[str, torch.Tensor], in_features: int, out_features: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_tensors(
+        tensors,
+        qweight_shape=(in_features // 8, out_features),
+        in_features=in_features,
+        out_features=out_features,
+        group_size=group_size,
+    )
     g_idx = tensors.get("g_idx")
     if g_idx is not None:
         trivial = torch.arange(in_features, dtype=torch.int64, device=g_idx.device) // group_size

@@ -24,20 +24,26 @@ def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _quantized(attn.qkv_proj, quant, (q, kv, kv),
-                                   tuple(f"{prefix}self_attn.{n}_proj" for n in "qkv"))
+        attn.qkv_proj = _quantized(
+            attn.qkv_proj, quant, (q, kv, kv), tuple(f"{prefix}self_attn.{n}_proj" for n in "qkv")
+        )
         attn.o_proj = _quantized(attn.o_proj, quant, (config.hidden_size,), (f"{prefix}self_attn.o_proj",))
         if isinstance(mlp, GatedMLP):
             inter = mlp.intermediate_size
-            mlp.gate_up_proj = _quantized(mlp.gate_up_proj, quant, (inter, inter),
-                                          (f"{prefix}mlp.gate_proj", f"{prefix}mlp.up_proj"))
+            mlp.gate_up_proj = _quantized(
+                mlp.gate_up_proj, quant, (inter, inter), (f"{prefix}mlp.gate_proj", f"{prefix}mlp.up_proj")
+            )
             mlp.down_proj = _quantized(mlp.down_proj, quant, (config.hidden_size,), (f"{prefix}mlp.down_proj",))
 
 
 def quantized_shards(model: nn.Module) -> dict[str, tuple[QuantizedLinear, int]]:
     """Checkpoint module name (model.layers.0.self_attn.k_proj) -> (its quantized linear, shard index)."""
-    return {name: (module, shard) for module in model.modules() if isinstance(module, QuantizedLinear)
-            for shard, name in enumerate(module.checkpoint_names)}
+    return {
+        name: (module, shard)
+        for module in model.modules()
+        if isinstance(module, QuantizedLinear)
+        for shard, name in enumerate(module.checkpoint_names)
+    }
 
 
 def missing_quantized_tensors(shards: dict[str, tuple[QuantizedLinear, int]], found: set[str]) -> list[str]:
@@ -67,8 +73,9 @@ def load_quantized_tensors(shards: dict[str, tuple[QuantizedLinear, int]], entri
         module.finish()
 
 
-def _quantized(linear: nn.Module, quant: QuantConfig, shard_sizes: tuple[int, ...],
-               names: tuple[str, ...]) -> nn.Module:
+def _quantized(
+    linear: nn.Module, quant: QuantConfig, shard_sizes: tuple[int, ...], names: tuple[str, ...]
+) -> nn.Module:
     ignored = [quant.ignores(name) for name in names]
     if all(ignored):
         return linear

@@ -24,11 +24,13 @@ class Int4Linear(QuantizedLinear):
         super().__init__(*args, **kwargs)
         group = self.quant.group_size
         if self.in_features % group or group % PACK:
-            raise ValueError(f"{self.checkpoint_names[0]}: {self.in_features} input features are not whole "
-                             f"groups of {group}")
+            raise ValueError(
+                f"{self.checkpoint_names[0]}: {self.in_features} input features are not whole groups of {group}"
+            )
         if any(rows % PACK for rows in self.shard_sizes):
-            raise ValueError(f"{self.checkpoint_names[0]}: output features {self.shard_sizes} must be multiples "
-                             f"of {PACK}")
+            raise ValueError(
+                f"{self.checkpoint_names[0]}: output features {self.shard_sizes} must be multiples of {PACK}"
+            )
         groups = self.in_features // group
         self.register_buffer("qweight", torch.empty(self.in_features // PACK, self.out_features, dtype=torch.int32))
         self.register_buffer("zeros", torch.empty(groups, self.out_features, dtype=torch.uint8))

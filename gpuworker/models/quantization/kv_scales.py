@@ -34,8 +34,10 @@ def load_kv_scales(layers: nn.ModuleList, entries: list[tuple[Path, str]]) -> No
             for name in names:
                 tensor = reader.get_tensor(name)
                 if tensor.numel() != 1:
-                    raise ValueError(f"{name} in {file.name} must hold one scale (a per-tensor KV cache scale), "
-                                     f"got shape {tuple(tensor.shape)}")
+                    raise ValueError(
+                        f"{name} in {file.name} must hold one scale (a per-tensor KV cache scale), "
+                        f"got shape {tuple(tensor.shape)}"
+                    )
                 match = KV_SCALE_NAME.fullmatch(name)
                 attn = layers[int(match.group(1))].self_attn
                 setattr(attn, f"{match.group(2)}_scale", check_kv_scale(name, float(tensor.float().item())))

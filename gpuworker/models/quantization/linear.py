@@ -22,8 +22,15 @@ class QuantizedLinear(nn.Module):
     # Buffers kept in their own dtype when the model is cast to the activation dtype (model.to).
     fixed_dtypes: dict[str, torch.dtype] = {}
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantConfig,
-                 checkpoint_names: tuple[str, ...], shard_sizes: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        quant: QuantConfig,
+        checkpoint_names: tuple[str, ...],
+        shard_sizes: tuple[int, ...],
+    ) -> None:
         super().__init__()
         if sum(shard_sizes) != out_features or len(shard_sizes) != len(checkpoint_names):
             raise ValueError(f"shards {shard_sizes} of {checkpoint_names} do not make {out_features} outputs")
@@ -47,8 +54,10 @@ class QuantizedLinear(nn.Module):
     def check_field(self, shard: int, field: str) -> None:
         required, optional = self.expected_fields()
         if field not in required and field not in optional:
-            raise ValueError(f"{self.checkpoint_names[shard]}.{field}: unexpected tensor for "
-                             f"{self.quant.checkpoint_format} (expected {', '.join(required + optional)})")
+            raise ValueError(
+                f"{self.checkpoint_names[shard]}.{field}: unexpected tensor for "
+                f"{self.quant.checkpoint_format} (expected {', '.join(required + optional)})"
+            )
 
     def load_shard(self, shard: int, field: str, tensor: torch.Tensor) -> None:
         self.check_field(shard, field)
@@ -60,8 +69,10 @@ class QuantizedLinear(nn.Module):
         staged = {f"{name}.{field}" for name, fields in zip(self.checkpoint_names, self._staged) for field in fields}
         missing = [name for name in self.required_names() if name not in staged]
         if missing:
-            raise ValueError(f"{len(missing)} quantized tensor(s) missing: {', '.join(missing[:8])}"
-                             + (" ..." if len(missing) > 8 else ""))
+            raise ValueError(
+                f"{len(missing)} quantized tensor(s) missing: {', '.join(missing[:8])}"
+                + (" ..." if len(missing) > 8 else "")
+            )
         device = next(iter(self.buffers())).device
         # Converted on the model's device: unpacking or quantizing an 8B model on the host is slow.
         self._build([{field: t.to(device) for field, t in staged.items()} for staged in self._staged])
@@ -76,8 +87,9 @@ class QuantizedLinear(nn.Module):
 
     def _check_shape(self, shard: int, field: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
         if tuple(tensor.shape) != shape:
-            raise ValueError(f"{self.checkpoint_names[shard]}.{field} has shape {tuple(tensor.shape)}, "
-                             f"expected {shape}")
+            raise ValueError(
+                f"{self.checkpoint_names[shard]}.{field} has shape {tuple(tensor.shape)}, expected {shape}"
+            )
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

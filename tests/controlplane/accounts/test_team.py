@@ -51,7 +51,11 @@ def test_an_invited_person_joins_the_tenant_with_the_role_chosen(tenant, tenant_
     assert created.invitation.token_hash != created.token and created.token not in str(created.invitation.__dict__)
     user = invitation_accept(token=created.token, username="grace", password=NEW_PASSWORD, email="g@example.com")
     assert (user.role, user.tenant, user.tenant_role, user.email) == (
-        User.Role.TENANT_MEMBER, tenant, User.TenantRole.ADMIN, "g@example.com")
+        User.Role.TENANT_MEMBER,
+        tenant,
+        User.TenantRole.ADMIN,
+        "g@example.com",
+    )
     assert user.check_password(NEW_PASSWORD) and not user.is_staff
     created.invitation.refresh_from_db()
     assert created.invitation.accepted_by == user and created.invitation.accepted_at is not None
@@ -118,12 +122,15 @@ def test_an_invitation_to_a_deactivated_tenant_is_refused(tenant, tenant_admin):
         invitation_accept(token=created.token, username="nobody", password=NEW_PASSWORD)
 
 
-@pytest.mark.parametrize(("username", "password", "field"), [
-    ("ada", NEW_PASSWORD, "username"),  # taken
-    ("ADA", NEW_PASSWORD, "username"),  # taken, whatever the case
-    ("newbie", "123", "password"),  # too short and common
-    ("bad name!", NEW_PASSWORD, "username"),
-])
+@pytest.mark.parametrize(
+    ("username", "password", "field"),
+    [
+        ("ada", NEW_PASSWORD, "username"),  # taken
+        ("ADA", NEW_PASSWORD, "username"),  # taken, whatever the case
+        ("newbie", "123", "password"),  # too short and common
+        ("bad name!", NEW_PASSWORD, "username"),
+    ],
+)
 def test_a_bad_login_leaves_the_invitation_usable(tenant, tenant_admin, username, password, field):
     created = _invite(tenant_admin, tenant)
     with pytest.raises(ValidationError) as caught:
@@ -173,8 +180,11 @@ def test_roles_change_and_are_audited(tenant, tenant_admin):
     member.refresh_from_db()
     assert member.is_tenant_admin
     entry = AuditEntry.objects.get(action=AuditEntry.Action.MEMBER_ROLE)
-    assert (entry.actor_label, entry.target_label, entry.describe()) == ("ada", "bea (Acme)",
-                                                                          "role: Member → Tenant admin")
+    assert (entry.actor_label, entry.target_label, entry.describe()) == (
+        "ada",
+        "bea (Acme)",
+        "role: Member → Tenant admin",
+    )
     with pytest.raises(ValidationError, match="Unknown role"):
         member_set_tenant_role(member=member, tenant_role="owner", actor=tenant_admin)
 
@@ -224,8 +234,10 @@ def test_two_admins_demoting_each_other_at_once_leave_one_admin(require_postgres
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=demote, args=(first, second)),
-               threading.Thread(target=demote, args=(second, first))]
+    threads = [
+        threading.Thread(target=demote, args=(first, second)),
+        threading.Thread(target=demote, args=(second, first)),
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

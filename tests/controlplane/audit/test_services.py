@@ -33,24 +33,25 @@ def test_an_entry_keeps_the_address_it_was_done_from():
     with audit_source("2001:db8::5"):
         inside = audit_record(actor=None, action=AuditEntry.Action.MODEL_UPDATE, target=model)
     after = audit_record(actor=None, action=AuditEntry.Action.MODEL_UPDATE, target=model)
-    assert [e.source_address for e in AuditEntry.objects.filter(pk__in=[outside.pk, inside.pk, after.pk])
-            .order_by("pk")] == [None, "2001:db8::5", None]
+    assert [
+        e.source_address for e in AuditEntry.objects.filter(pk__in=[outside.pk, inside.pk, after.pk]).order_by("pk")
+    ] == [None, "2001:db8::5", None]
 
 
 def test_a_dashboard_action_records_the_clients_address(client):
     user = UserFactory(role=User.Role.OPERATOR)
     client.force_login(user)
     model = ModelFactory(enabled=True)
-    client.post(reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "0"},
-                REMOTE_ADDR="198.51.100.9")
+    client.post(reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "0"}, REMOTE_ADDR="198.51.100.9")
     assert AuditEntry.objects.get(action=AuditEntry.Action.MODEL_DISABLE).source_address == "198.51.100.9"
 
 
 def test_audit_record_keeps_who_what_and_the_target_as_it_was():
     user = UserFactory(role=User.Role.OPERATOR, username="olga")
     model = ModelFactory(public_name="llama-8b")
-    entry = audit_record(actor=user, action=AuditEntry.Action.MODEL_UPDATE, target=model,
-                         detail={"context_length": [4096, 8192]})
+    entry = audit_record(
+        actor=user, action=AuditEntry.Action.MODEL_UPDATE, target=model, detail={"context_length": [4096, 8192]}
+    )
     entry.refresh_from_db()
     assert (entry.actor, entry.actor_label, entry.action) == (user, "olga", "model.update")
     assert (entry.target_type, entry.target_id, entry.target_label) == ("catalog.model", str(model.pk), "llama-8b")
@@ -89,8 +90,16 @@ def test_selectors_filter_by_action_and_actor_newest_first():
 
 
 def _model_fields(**overrides):
-    return {"public_name": "qwen-7b", "family": "qwen2", "kind": "chat", "weights_path": "/models/qwen-7b",
-            "context_length": 8192, "parameter_count": 7_000_000_000, "price_tier": PriceTierFactory(), **overrides}
+    return {
+        "public_name": "qwen-7b",
+        "family": "qwen2",
+        "kind": "chat",
+        "weights_path": "/models/qwen-7b",
+        "context_length": 8192,
+        "parameter_count": 7_000_000_000,
+        "price_tier": PriceTierFactory(),
+        **overrides,
+    }
 
 
 def test_catalog_services_audit_each_change_with_its_actor():
@@ -101,10 +110,18 @@ def test_catalog_services_audit_each_change_with_its_actor():
     model_set_enabled(model=model, enabled=False, actor=olga)
     deployment = deployment_create(model_name="qwen-7b", desired_replicas=0, max_replicas=2, actor=olga)
     deployment_scale(deployment=deployment, desired_replicas=2, actor=olga)
-    deployment_update(deployment=deployment, desired_replicas=2, min_replicas=1, max_replicas=4, keep_warm=True, actor=olga)
+    deployment_update(
+        deployment=deployment, desired_replicas=2, min_replicas=1, max_replicas=4, keep_warm=True, actor=olga
+    )
     entries = list(audit_entries().order_by("pk"))
-    assert [e.action for e in entries] == ["model.create", "model.update", "model.disable", "deployment.create",
-                                           "deployment.scale", "deployment.update"]
+    assert [e.action for e in entries] == [
+        "model.create",
+        "model.update",
+        "model.disable",
+        "deployment.create",
+        "deployment.scale",
+        "deployment.update",
+    ]
     assert {e.actor_label for e in entries} == {"olga"}
     assert entries[1].detail == {"context_length": [8192, 16384]}
     assert entries[4].detail == {"desired_replicas": [0, 2]}
@@ -132,8 +149,12 @@ def test_fleet_actions_are_audited():
     worker_drain(worker=other, actor=olga)
     load, unload, drain = audit_entries().order_by("pk")
     assert (load.action, load.target_type, load.target_id) == ("replica.load", "fleet.replica", str(replica.pk))
-    assert load.detail == {"model": deployment.model.public_name, "worker": gpu.worker.name, "gpu_index": 0,
-                           "desired_replicas": [0, 1]}
+    assert load.detail == {
+        "model": deployment.model.public_name,
+        "worker": gpu.worker.name,
+        "gpu_index": 0,
+        "desired_replicas": [0, 1],
+    }
     assert (unload.action, unload.detail["state"]) == ("replica.unload", ["pending", "stopped"])
     assert (drain.action, drain.target_label) == ("worker.drain", other.name)
     assert load.target_label == f"{deployment.model.public_name} replica {replica.pk} on {gpu.worker.name}"
@@ -172,12 +193,16 @@ def test_a_keys_spend_limit_is_audited_with_its_change():
     from tests.controlplane.factories import TenantFactory
 
     member = UserFactory(username="alice", tenant=TenantFactory(name="Acme"))
-    api_key = api_key_create(tenant=member.tenant, name="ci", monthly_spend_limit=Decimal("5"),
-                             created_by=member).api_key
+    api_key = api_key_create(
+        tenant=member.tenant, name="ci", monthly_spend_limit=Decimal("5"), created_by=member
+    ).api_key
     api_key_set_spend_limit(api_key=api_key, monthly_spend_limit=Decimal("12.5"), actor=member)
     api_key_set_spend_limit(api_key=api_key, monthly_spend_limit=None, actor=member)
     created, raised, cleared = AuditEntry.objects.order_by("pk")
     assert created.detail == {"models": "all", "monthly_spend_limit": "$5.00"}
     assert (raised.action, raised.actor_label, raised.describe()) == (
-        "api_key.spend_limit", "alice", "monthly_spend_limit: $5.00 → $12.50")
+        "api_key.spend_limit",
+        "alice",
+        "monthly_spend_limit: $5.00 → $12.50",
+    )
     assert cleared.describe() == "monthly_spend_limit: $12.50 → none"

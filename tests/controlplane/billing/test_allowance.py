@@ -26,8 +26,10 @@ def test_allowance_counts_this_months_billable_requests():
     assert allowance.period_start <= now < allowance.period_end
     for _ in range(4):  # past the allowance: the rest is charged, and nothing is "left" below 0
         usage_record_settled(tenant=tenant, model=model, at=now)
-    assert (allowance_this_month(tenant=tenant, now=now).left,
-            allowance_this_month(tenant=tenant, now=now).used_percent) == (0, 100)
+    assert (
+        allowance_this_month(tenant=tenant, now=now).left,
+        allowance_this_month(tenant=tenant, now=now).used_percent,
+    ) == (0, 100)
 
 
 def test_a_new_month_starts_a_new_allowance():

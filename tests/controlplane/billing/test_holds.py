@@ -9,13 +9,26 @@ from decimal import Decimal
 import pytest
 from django.db import connections
 
-from controlplane.billing.holds import (HoldRefused, HoldRequest, RequestOutcome, credit_holds_expire, credit_holds_place,
-                                        credit_holds_settle)
+from controlplane.billing.holds import (
+    HoldRefused,
+    HoldRequest,
+    RequestOutcome,
+    credit_holds_expire,
+    credit_holds_place,
+    credit_holds_settle,
+)
 from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, UsageRecord
 from controlplane.billing.selectors import credit_available, credit_balance
 from controlplane.billing.services import InsufficientCredit, credit_debit, credit_grant
-from tests.controlplane.factories import (ApiKeyFactory, ModelFactory, PlanFactory, PriceTierFactory, ReplicaFactory,
-                                         TenantFactory, usage_record_settled)
+from tests.controlplane.factories import (
+    ApiKeyFactory,
+    ModelFactory,
+    PlanFactory,
+    PriceTierFactory,
+    ReplicaFactory,
+    TenantFactory,
+    usage_record_settled,
+)
 
 db = pytest.mark.django_db
 
@@ -31,14 +44,26 @@ def setup():
 
 
 def place(tenant, model, key, *request_ids, n=1, at=NOW):
-    return credit_holds_place(requests=[HoldRequest(rid, tenant.pk, model.pk, key.pk, n) for rid in request_ids],
-                              at=at, expires_at=at + timedelta(minutes=11))
+    return credit_holds_place(
+        requests=[HoldRequest(rid, tenant.pk, model.pk, key.pk, n) for rid in request_ids],
+        at=at,
+        expires_at=at + timedelta(minutes=11),
+    )
 
 
 def done(request_id, status="completed", **fields):
-    return RequestOutcome(request_id, status, **{"prompt_tokens": 10, "completion_tokens": 5,
-                                                 "time_to_first_token_ms": 20, "total_latency_ms": 50,
-                                                 "gpu_time_s": 0.01, **fields})
+    return RequestOutcome(
+        request_id,
+        status,
+        **{
+            "prompt_tokens": 10,
+            "completion_tokens": 5,
+            "time_to_first_token_ms": 20,
+            "total_latency_ms": 50,
+            "gpu_time_s": 0.01,
+            **fields,
+        },
+    )
 
 
 @db
@@ -59,13 +84,17 @@ def test_settling_charges_records_or_releases_each_hold_once(setup):
     tenant, model, key = setup
     credit_grant(tenant=tenant, amount=Decimal("1"))
     place(tenant, model, key, "ok", "cut", "broke", "refused")
-    results = credit_holds_settle(outcomes=[done("ok"), done("cut", "cancelled"), done("broke", "failed"),
-                                            RequestOutcome("refused", None)], at=NOW)
+    results = credit_holds_settle(
+        outcomes=[done("ok"), done("cut", "cancelled"), done("broke", "failed"), RequestOutcome("refused", None)],
+        at=NOW,
+    )
     assert [r.found for r in results] == [True] * 4 and results[3].record is None
     records = {r.request_id: r for r in UsageRecord.objects.all()}
     assert {rid: (r.status, r.price_charged) for rid, r in records.items()} == {
-        "ok": ("completed", Decimal("0.002")), "cut": ("cancelled", Decimal("0.002")),
-        "broke": ("failed", Decimal("0"))}
+        "ok": ("completed", Decimal("0.002")),
+        "cut": ("cancelled", Decimal("0.002")),
+        "broke": ("failed", Decimal("0")),
+    }
     assert records["ok"].gpu_time_s == 0.01 and records["ok"].api_key == key
     assert records["ok"].reference_price == Decimal("0.000008")  # 15 tokens at 0.50 per million
     assert credit_balance(tenant=tenant) == Decimal("0.996") == CreditAccount.objects.get(tenant=tenant).balance
@@ -134,8 +163,9 @@ def test_each_month_has_its_own_allowance_including_a_backfilled_one():
 def test_failed_requests_are_free_and_do_not_use_the_allowance():
     tenant = TenantFactory(plan=PlanFactory(included_requests_per_month=1))
     model = ModelFactory()
-    failed = usage_record_settled(tenant=tenant, model=model, status=UsageRecord.Status.FAILED,
-                                  time_to_first_token_ms=None, at=NOW)
+    failed = usage_record_settled(
+        tenant=tenant, model=model, status=UsageRecord.Status.FAILED, time_to_first_token_ms=None, at=NOW
+    )
     included = usage_record_settled(tenant=tenant, model=model, at=NOW)
     assert failed.price_charged == included.price_charged == Decimal("0")
     assert not CreditEntry.objects.exists()
@@ -156,8 +186,19 @@ def test_garbage_figures_in_an_outcome_are_recorded_within_bounds(setup):
     tenant, model, key = setup
     credit_grant(tenant=tenant, amount=Decimal("1"))
     place(tenant, model, key, "odd")
-    credit_holds_settle(outcomes=[done("odd", prompt_tokens=-1, completion_tokens=-5, time_to_first_token_ms=2_000,
-                                       total_latency_ms=1_000, gpu_time_s=-0.5)], at=NOW)
+    credit_holds_settle(
+        outcomes=[
+            done(
+                "odd",
+                prompt_tokens=-1,
+                completion_tokens=-5,
+                time_to_first_token_ms=2_000,
+                total_latency_ms=1_000,
+                gpu_time_s=-0.5,
+            )
+        ],
+        at=NOW,
+    )
     record = UsageRecord.objects.get(request_id="odd")
     assert (record.prompt_tokens, record.completion_tokens, record.gpu_time_s) == (0, 0, 0.0)
     assert (record.time_to_first_token_ms, record.total_latency_ms) == (1_000, 1_000)
@@ -194,7 +235,8 @@ def test_expired_holds_are_charged_if_started_and_released_otherwise(setup):
     settled = credit_holds_expire(now=LATER + timedelta(seconds=1), started=lambda ids: {"started"} & set(ids))
     assert sorted(s.request_id for s in settled) == ["not-started", "started"]
     assert list(UsageRecord.objects.values_list("request_id", "status", "price_charged")) == [
-        ("started", "cancelled", Decimal("0.002"))]
+        ("started", "cancelled", Decimal("0.002"))
+    ]
     assert list(CreditHold.objects.values_list("request_id", flat=True)) == ["live"]
     assert credit_balance(tenant=tenant) == Decimal("0.998")
 
@@ -236,14 +278,17 @@ def test_a_single_priced_request_is_held_in_one_statement_or_by_the_locked_path(
     credit_grant(tenant=tenant, amount=Decimal("0.004"))
 
     def one(rid, n=1):
-        return credit_holds_place(requests=[HoldRequest(rid, tenant.pk, model.pk, key.pk, n, Decimal("0.002"))],
-                                  at=NOW, expires_at=LATER)[0]
+        return credit_holds_place(
+            requests=[HoldRequest(rid, tenant.pk, model.pk, key.pk, n, Decimal("0.002"))], at=NOW, expires_at=LATER
+        )[0]
 
     assert one("a").amount == Decimal("0.002") and one("b").amount == Decimal("0.002")
     assert one("c") == HoldRefused(HoldRefused.CREDIT)
     assert CreditAccount.objects.get(tenant=tenant).held == Decimal("0.004")
     assert sorted(CreditHold.objects.values_list("request_id", "amount")) == [
-        ("a", Decimal("0.002")), ("b", Decimal("0.002"))]
+        ("a", Decimal("0.002")),
+        ("b", Decimal("0.002")),
+    ]
     tenant.plan = PlanFactory(included_requests_per_month=1)
     tenant.save()
     hold = one("d", n=2)  # one included request left, and no credit left for a paid one
@@ -253,8 +298,13 @@ def test_a_single_priced_request_is_held_in_one_statement_or_by_the_locked_path(
 
 def _others_wait_for_locks(conn) -> bool:
     conn.execute("SELECT pg_stat_clear_snapshot()")  # the statistics are otherwise frozen per transaction
-    return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                        "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()").fetchone()[0] > 0
+    return (
+        conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        ).fetchone()[0]
+        > 0
+    )
 
 
 @pytest.mark.django_db(transaction=True)
@@ -273,8 +323,13 @@ def test_settlement_locks_accounts_in_tenant_order_as_placement_does(require_pos
         credit_grant(tenant=tenant, amount=Decimal("1"))
         place(tenant, model, ApiKeyFactory(tenant=tenant), request_id)
     db = connection.settings_dict
-    placement = psycopg.connect(dbname=db["NAME"], user=db["USER"], password=db["PASSWORD"] or None,
-                                host=db["HOST"] or "127.0.0.1", port=db["PORT"] or 5432)
+    placement = psycopg.connect(
+        dbname=db["NAME"],
+        user=db["USER"],
+        password=db["PASSWORD"] or None,
+        host=db["HOST"] or "127.0.0.1",
+        port=db["PORT"] or 5432,
+    )
     lock = "SELECT 1 FROM billing_creditaccount WHERE tenant_id = %s FOR UPDATE"
     failures: list[BaseException] = []
 
@@ -308,7 +363,10 @@ def test_a_failed_requests_record_keeps_its_error_code(setup):
     tenant, model, key = setup
     credit_grant(tenant=tenant, amount=Decimal("1"))
     place(tenant, model, key, "broke", "ok")
-    credit_holds_settle(outcomes=[done("broke", "failed", error_code="replica_unavailable"),
-                                  done("ok", error_code="ignored")], at=NOW)
+    credit_holds_settle(
+        outcomes=[done("broke", "failed", error_code="replica_unavailable"), done("ok", error_code="ignored")], at=NOW
+    )
     assert dict(UsageRecord.objects.values_list("request_id", "error_code")) == {
-        "broke": "replica_unavailable", "ok": ""}
+        "broke": "replica_unavailable",
+        "ok": "",
+    }

@@ -34,12 +34,15 @@ def place(tenant, model, key, *request_ids, at=NOW, priced=False):
     single request try the one-statement path first."""
     return credit_holds_place(
         requests=[HoldRequest(rid, tenant.pk, model.pk, key.pk, 1, PRICE if priced else None) for rid in request_ids],
-        at=at, expires_at=at + timedelta(minutes=11))
+        at=at,
+        expires_at=at + timedelta(minutes=11),
+    )
 
 
 def settle(*request_ids, status=UsageRecord.Status.COMPLETED, at=NOW):
-    return credit_holds_settle(outcomes=[RequestOutcome(rid, status, total_latency_ms=10) for rid in request_ids],
-                               at=at)
+    return credit_holds_settle(
+        outcomes=[RequestOutcome(rid, status, total_latency_ms=10) for rid in request_ids], at=at
+    )
 
 
 def spent(key, month=date(2026, 5, 1)) -> Decimal:

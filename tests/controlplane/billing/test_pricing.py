@@ -20,11 +20,14 @@ def test_reference_price_rounds_to_micro_units():
     assert reference_price(per_million_tokens=Decimal("0.30"), tokens=7) == Decimal("0.000002")  # 2.1 micro
 
 
-@pytest.mark.parametrize(("tokens", "price"), [
-    (1, "0.000000"),  # 0.5 micro: down to the even 0 (half-up would give 0.000001)
-    (3, "0.000002"),  # 1.5 micro: up to the even 2 (half-down or truncation would give 0.000001)
-    (5, "0.000002"),  # 2.5 micro: down to 2
-    (7, "0.000004"),  # 3.5 micro: up to 4
-])
+@pytest.mark.parametrize(
+    ("tokens", "price"),
+    [
+        (1, "0.000000"),  # 0.5 micro: down to the even 0 (half-up would give 0.000001)
+        (3, "0.000002"),  # 1.5 micro: up to the even 2 (half-down or truncation would give 0.000001)
+        (5, "0.000002"),  # 2.5 micro: down to 2
+        (7, "0.000004"),  # 3.5 micro: up to 4
+    ],
+)
 def test_reference_price_ties_round_half_even(tokens, price):
     assert reference_price(per_million_tokens=Decimal("0.50"), tokens=tokens) == Decimal(price)

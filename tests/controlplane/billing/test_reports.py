@@ -23,8 +23,9 @@ def _funded_tenant():
 def test_usage_latency_nearest_rank_percentiles_of_completed_requests_in_the_period():
     tenant, model = _funded_tenant(), ModelFactory()
     for latency in range(100, 2100, 100):  # 20 requests: 100 ms .. 2000 ms
-        usage_record_settled(tenant=tenant, model=model, at=T0, total_latency_ms=latency,
-                             time_to_first_token_ms=latency // 10)
+        usage_record_settled(
+            tenant=tenant, model=model, at=T0, total_latency_ms=latency, time_to_first_token_ms=latency // 10
+        )
     usage_record_settled(tenant=tenant, model=model, at=T0, status=UsageRecord.Status.FAILED, total_latency_ms=99_000)
     usage_record_settled(tenant=tenant, model=model, at=T0 - timedelta(days=1), total_latency_ms=50_000)
     usage_record_settled(tenant=_funded_tenant(), model=model, at=T0, total_latency_ms=60_000)

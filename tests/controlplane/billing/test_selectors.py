@@ -1,14 +1,12 @@
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from decimal import Decimal
 
 import pytest
-from django.utils import timezone
 
-from controlplane.billing.holds import HoldRequest, credit_holds_place
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.selectors import credit_balance, usage_billable_count_since
 from controlplane.billing.services import credit_grant
-from tests.controlplane.factories import ModelFactory, PlanFactory, TenantFactory, usage_record_settled
+from tests.controlplane.factories import ModelFactory, TenantFactory, usage_record_settled
 
 pytestmark = pytest.mark.django_db
 
@@ -27,7 +25,11 @@ def test_credit_balance_ignores_other_tenants():
 def test_usage_billable_count_since_skips_failures_and_earlier_requests():
     tenant, model = TenantFactory(), ModelFactory()
     credit_grant(tenant=tenant, amount=Decimal("1"))
-    moments = [datetime(2026, 1, 31, 23, 59, tzinfo=UTC), datetime(2026, 2, 1, tzinfo=UTC), datetime(2026, 2, 2, tzinfo=UTC)]
+    moments = [
+        datetime(2026, 1, 31, 23, 59, tzinfo=UTC),
+        datetime(2026, 2, 1, tzinfo=UTC),
+        datetime(2026, 2, 2, tzinfo=UTC),
+    ]
     statuses = [UsageRecord.Status.COMPLETED, UsageRecord.Status.CANCELLED, UsageRecord.Status.FAILED]
     for at, status in zip(moments, statuses):
         usage_record_settled(tenant=tenant, model=model, status=status, at=at)

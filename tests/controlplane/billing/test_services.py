@@ -4,7 +4,9 @@ from decimal import Decimal
 import pytest
 from django.core.exceptions import ValidationError
 from django.db import connection, connections
-from hypothesis import given, settings as hypothesis_settings, strategies as st
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from hypothesis.extra.django import TestCase as HypothesisTestCase
 
 from controlplane.billing.models import AppendOnlyError, CreditEntry, Plan, PriceTier
@@ -26,7 +28,9 @@ db = pytest.mark.django_db
 
 @db
 def test_price_tier_and_plan_create():
-    tier = price_tier_create(name="standard", price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.5"))
+    tier = price_tier_create(
+        name="standard", price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.5")
+    )
     plan = plan_create(name="Pro", included_requests_per_month=10_000, rate_limit_per_minute=600)
     assert PriceTier.objects.get(pk=tier.pk).price_per_request == Decimal("0.002")
     assert Plan.objects.get(pk=plan.pk).rate_limit_per_minute == 600
@@ -111,7 +115,9 @@ def test_entries_cannot_be_changed_or_removed_through_the_orm():
 
 
 @db
-@pytest.mark.parametrize("statement", ["UPDATE billing_creditentry SET amount = 500", "DELETE FROM billing_creditentry"])
+@pytest.mark.parametrize(
+    "statement", ["UPDATE billing_creditentry SET amount = 500", "DELETE FROM billing_creditentry"]
+)
 def test_postgresql_refuses_raw_updates_and_deletes_of_entries(require_postgres, statement):
     from django.db import DatabaseError, transaction
 

@@ -5,6 +5,9 @@ from controlplane.gateway.completions import ENDPOINTS
 
 
 def test_every_catalog_kind_has_a_serving_endpoint():
-    served = {"embedding" if for_embeddings else kind
-              for _, for_embeddings in ENDPOINTS.values() for kind in ("chat", "completion")}
+    served = {
+        "embedding" if for_embeddings else kind
+        for _, for_embeddings in ENDPOINTS.values()
+        for kind in ("chat", "completion")
+    }
     assert set(Model.Kind.values) <= served, set(Model.Kind.values) - served

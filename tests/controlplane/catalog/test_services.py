@@ -30,8 +30,9 @@ def test_model_create_estimates_gpu_memory_when_not_given():
 
 def test_quantized_models_are_estimated_by_their_weight_bytes():
     params = 8_030_000_000
-    bf16, fp8, awq, gptq = (estimate_gpu_memory_bytes(parameter_count=params, quantization=q)
-                            for q in ("", "fp8", "awq-int4", "gptq-int4"))
+    bf16, fp8, awq, gptq = (
+        estimate_gpu_memory_bytes(parameter_count=params, quantization=q) for q in ("", "fp8", "awq-int4", "gptq-int4")
+    )
     assert bf16 > fp8 > awq == gptq
     # FP8 halves the projections' bytes but not the bf16 embeddings'; INT4 quarters them.
     assert 0.5 * bf16 < fp8 < 0.65 * bf16
@@ -105,7 +106,8 @@ def test_a_weights_path_with_dotdot_is_refused_even_unverified(weights_path):
     with pytest.raises(ValidationError) as error:
         model_create(**_model_fields(weights_path=weights_path))
     assert error.value.message_dict["weights_path"] == [
-        f"{weights_path} contains '..': give the checkpoint's own path, inside a worker's model root (--model-root)."]
+        f"{weights_path} contains '..': give the checkpoint's own path, inside a worker's model root (--model-root)."
+    ]
     assert not Model.objects.exists()
 
 
@@ -119,7 +121,8 @@ def test_a_weights_path_outside_a_workers_model_roots_is_refused_naming_them():
         "/models/llama-3-8b-instruct lies outside outside's model roots (/data/a, /data/b), so it refuses to load "
         "it: put the checkpoint under one of them, or start its daemon with another --model-root.",
         "rootless reports no model roots, so it loads no model: start its daemon with --model-root DIR naming "
-        "the folder that holds /models/llama-3-8b-instruct."]
+        "the folder that holds /models/llama-3-8b-instruct.",
+    ]
     assert not Model.objects.exists()
     assert model_create(**_model_fields(), verify_on=[inside]).weights_path == "/models/llama-3-8b-instruct"
 

@@ -8,8 +8,8 @@ import pytest
 from django.utils import timezone
 
 from controlplane.accounts.models import User
-from gpuworker.contract.heartbeat import parse_heartbeat
 from controlplane.fleet.services.heartbeats import worker_heartbeat
+from gpuworker.contract.heartbeat import parse_heartbeat
 from tests.controlplane.factories import TenantFactory, UserFactory, WorkerFactory
 
 
@@ -40,7 +40,9 @@ def make_worker(**fields):
 
 def beat(worker, *, gpus=(), cpu=None, replicas=(), now=None) -> None:
     """One heartbeat through the service the /internal/ endpoint calls, received at `now`."""
-    body = {"gpus": list(gpus), "cpu": cpu or {"utilization_pct": 5.0, "memory_used_bytes": 1 << 30,
-                                                "memory_total_bytes": 8 << 30},
-            "replicas": list(replicas)}
+    body = {
+        "gpus": list(gpus),
+        "cpu": cpu or {"utilization_pct": 5.0, "memory_used_bytes": 1 << 30, "memory_total_bytes": 8 << 30},
+        "replicas": list(replicas),
+    }
     worker_heartbeat(worker_id=worker.pk, heartbeat=parse_heartbeat(body), now=now or timezone.now())

@@ -14,6 +14,7 @@ class SlotForm(forms.Form):
 def _refuse(errors):
     def service(data):
         raise ValidationError(errors)
+
     return service
 
 

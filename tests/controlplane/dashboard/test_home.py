@@ -38,12 +38,15 @@ def _sections(page: str) -> set[str]:
     return {name for name in ("operator", "tenant", "admin") if f'id="home-{name}"' in page}
 
 
-@pytest.mark.parametrize(("role", "sections"), [
-    (User.Role.OPERATOR, {"operator"}),
-    (User.Role.TENANT_MEMBER, {"tenant"}),
-    # Admins may do all an operator does: they see both sections.
-    (User.Role.ADMIN, {"operator", "admin"}),
-])
+@pytest.mark.parametrize(
+    ("role", "sections"),
+    [
+        (User.Role.OPERATOR, {"operator"}),
+        (User.Role.TENANT_MEMBER, {"tenant"}),
+        # Admins may do all an operator does: they see both sections.
+        (User.Role.ADMIN, {"operator", "admin"}),
+    ],
+)
 def test_each_role_sees_its_sections(client, role, sections):
     user = UserFactory(role=role, tenant=TenantFactory() if role == User.Role.TENANT_MEMBER else None)
     assert _sections(_page(client, user)) == sections
@@ -55,10 +58,19 @@ def test_tenant_section_shows_spend_allowance_today_latency_and_usable_keys(clie
     model = ModelFactory(price_tier=PriceTierFactory(price_per_request=Decimal("0.25")))
     now = timezone.now()
     for latency in (100, 200, 300, 400):  # 3 included, the 4th charged
-        usage_record_settled(tenant=tenant, model=model, at=now - timedelta(seconds=1), total_latency_ms=latency,
-                             time_to_first_token_ms=latency // 4)
-    usage_record_settled(tenant=TenantFactory(plan=PlanFactory(included_requests_per_month=9)), model=model,
-                         at=now, total_latency_ms=9000)  # another tenant's
+        usage_record_settled(
+            tenant=tenant,
+            model=model,
+            at=now - timedelta(seconds=1),
+            total_latency_ms=latency,
+            time_to_first_token_ms=latency // 4,
+        )
+    usage_record_settled(
+        tenant=TenantFactory(plan=PlanFactory(included_requests_per_month=9)),
+        model=model,
+        at=now,
+        total_latency_ms=9000,
+    )  # another tenant's
     ApiKeyFactory(tenant=tenant, name="production", last_used_at=now)
     ApiKeyFactory(tenant=tenant, name="revoked", revoked=True)
     ApiKeyFactory(tenant=tenant, name="expired", expires_at=now - timedelta(days=1))
@@ -107,8 +119,12 @@ def test_operator_section_survives_unreadable_request_counters(client, settings)
 def test_admin_section_shows_revenue_gpu_hours_margin_and_top_tenants(client, settings):
     settings.GPU_HOUR_COST_USD = Decimal("3")
     model = ModelFactory(public_name="paid", price_tier=PriceTierFactory(price_per_request=Decimal("2")))
-    replica = ReplicaFactory(deployment=DeploymentFactory(model=model), gpu=GpuFactory(),
-                             state=Replica.State.READY, endpoint_url="http://w:1")
+    replica = ReplicaFactory(
+        deployment=DeploymentFactory(model=model),
+        gpu=GpuFactory(),
+        state=Replica.State.READY,
+        endpoint_url="http://w:1",
+    )
     # Placed two hours ago (or at the month's start, if that is later): that share counts.
     now = timezone.now()
     placed = max(now - timedelta(hours=2), now.replace(day=1, hour=0, minute=0, second=0, microsecond=0))

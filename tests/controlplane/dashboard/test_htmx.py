@@ -31,8 +31,9 @@ def test_htmx_gets_the_fragment_and_no_message():
 def test_a_plain_post_is_redirected_with_its_messages_and_renders_no_fragment():
     request = _post(htmx=False)
     rendered = []
-    response = fragment_or_redirect(request, lambda: rendered.append(1), to="dashboard:fleet", success="Done.",
-                                    errors=["First.", "Second."])
+    response = fragment_or_redirect(
+        request, lambda: rendered.append(1), to="dashboard:fleet", success="Done.", errors=["First.", "Second."]
+    )
     assert (response.status_code, response["Location"], rendered) == (302, "/fleet/", [])
     assert _messages(request) == [("success", "Done."), ("error", "First."), ("error", "Second.")]
 

@@ -37,17 +37,32 @@ def test_model_margins_set_revenue_against_gpu_hours_held_in_the_period():
     # earning: 2 h stopped inside the period, 3 h of a replica placed before it and live past it
     # (only its share inside counts: the whole 10 h), and one on the CPU (no GPU held).
     deployment = DeploymentFactory(model=earning)
-    _replica(deployment, created=since + timedelta(hours=1), ended=since + timedelta(hours=3),
-             state=Replica.State.STOPPED, **on_gpu)
+    _replica(
+        deployment,
+        created=since + timedelta(hours=1),
+        ended=since + timedelta(hours=3),
+        state=Replica.State.STOPPED,
+        **on_gpu,
+    )
     _replica(deployment, created=since - timedelta(hours=5), state=Replica.State.READY, **on_gpu)
     _replica(deployment, created=since, state=Replica.State.READY, worker=gpu.worker, gpu=None)
     # idle: failed an hour after it was placed, which was 30 minutes before the period ended;
     # another ended before the period and one was placed after it: neither counts.
     idle_deployment = DeploymentFactory(model=idle)
-    _replica(idle_deployment, created=until - timedelta(minutes=30), ended=until + timedelta(minutes=30),
-             state=Replica.State.FAILED, **on_gpu)
-    _replica(idle_deployment, created=since - timedelta(hours=3), ended=since - timedelta(hours=1),
-             state=Replica.State.STOPPED, **on_gpu)
+    _replica(
+        idle_deployment,
+        created=until - timedelta(minutes=30),
+        ended=until + timedelta(minutes=30),
+        state=Replica.State.FAILED,
+        **on_gpu,
+    )
+    _replica(
+        idle_deployment,
+        created=since - timedelta(hours=3),
+        ended=since - timedelta(hours=1),
+        state=Replica.State.STOPPED,
+        **on_gpu,
+    )
     _replica(idle_deployment, created=until + timedelta(hours=1), state=Replica.State.LOADING, **on_gpu)
     tenant = _funded_tenant()
     for _ in range(4):
@@ -62,8 +77,12 @@ def test_model_margins_set_revenue_against_gpu_hours_held_in_the_period():
 
 
 def _replica(deployment, *, created, state, ended=None, **placement):
-    replica = ReplicaFactory(deployment=deployment, state=state,
-                             endpoint_url="http://w:1" if state == Replica.State.READY else "", **placement)
+    replica = ReplicaFactory(
+        deployment=deployment,
+        state=state,
+        endpoint_url="http://w:1" if state == Replica.State.READY else "",
+        **placement,
+    )
     # Both are the replica's recorded history; set as a replica's transitions would have set them.
     Replica.objects.filter(pk=replica.pk).update(created_at=created, state_changed_at=ended or created)
     return replica

@@ -10,8 +10,8 @@ import pytest
 from django.urls import reverse
 
 from controlplane.audit.models import AuditEntry
-from gpuworker.contract.tasks import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL
 from controlplane.fleet.models import Replica, Worker
+from gpuworker.contract.tasks import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     make_worker,
@@ -35,8 +35,11 @@ def _audit(action: str) -> AuditEntry:
 def test_scaling_updates_the_deployment_and_is_audited(operator_client, operator, django_capture_on_commit_callbacks):
     deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
     with django_capture_on_commit_callbacks(execute=True):
-        response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
-                                        {f"s{deployment.pk}-desired_replicas": "3"}, **HTMX)
+        response = operator_client.post(
+            reverse("dashboard:deployment_scale", args=[deployment.pk]),
+            {f"s{deployment.pk}-desired_replicas": "3"},
+            **HTMX,
+        )
     assert response.status_code == 200
     fragment = response.content.decode()
     # The scale form's own answer: the form, filled with the new count, and what was done; the
@@ -52,15 +55,21 @@ def test_scaling_updates_the_deployment_and_is_audited(operator_client, operator
     assert (entry.actor, entry.detail) == (operator, {"desired_replicas": [1, 3]})
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("5", "This deployment allows 0 to 3 replicas; raise Max replicas to scale to 5."),
-    ("-1", "Ensure this value is greater than or equal to 0."),
-    ("two", "Enter a whole number."),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("5", "This deployment allows 0 to 3 replicas; raise Max replicas to scale to 5."),
+        ("-1", "Ensure this value is greater than or equal to 0."),
+        ("two", "Enter a whole number."),
+    ],
+)
 def test_a_bad_scale_is_refused_beside_the_field(operator_client, value, message):
     deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
-    response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
-                                    {f"s{deployment.pk}-desired_replicas": value}, **HTMX)
+    response = operator_client.post(
+        reverse("dashboard:deployment_scale", args=[deployment.pk]),
+        {f"s{deployment.pk}-desired_replicas": value},
+        **HTMX,
+    )
     fragment = response.content.decode()
     assert response.status_code == 200 and not _says_fleet_changed(response)
     errors_at = fragment.index(f'id="errors-s{deployment.pk}-desired_replicas"')
@@ -71,17 +80,24 @@ def test_a_bad_scale_is_refused_beside_the_field(operator_client, value, message
     assert not AuditEntry.objects.exists()
 
 
-@pytest.mark.parametrize(("bounds", "value", "fix", "filled"), [
-    ((0, 1), 2, "raise Max replicas to scale to 2", {"min_replicas": 0, "max_replicas": 2}),
-    ((2, 4), 1, "lower Min replicas to scale to 1", {"min_replicas": 1, "max_replicas": 4}),
-])
-def test_a_scale_outside_min_and_max_opens_the_limits_filled_in_to_allow_it(operator_client, bounds, value, fix,
-                                                                             filled):
+@pytest.mark.parametrize(
+    ("bounds", "value", "fix", "filled"),
+    [
+        ((0, 1), 2, "raise Max replicas to scale to 2", {"min_replicas": 0, "max_replicas": 2}),
+        ((2, 4), 1, "lower Min replicas to scale to 1", {"min_replicas": 1, "max_replicas": 4}),
+    ],
+)
+def test_a_scale_outside_min_and_max_opens_the_limits_filled_in_to_allow_it(
+    operator_client, bounds, value, fix, filled
+):
     low, high = bounds
     deployment = DeploymentFactory(desired_replicas=low or 1, min_replicas=low, max_replicas=high)
     p = f"d{deployment.pk}-"
-    fragment = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
-                                    {f"s{deployment.pk}-desired_replicas": str(value)}, **HTMX).content.decode()
+    fragment = operator_client.post(
+        reverse("dashboard:deployment_scale", args=[deployment.pk]),
+        {f"s{deployment.pk}-desired_replicas": str(value)},
+        **HTMX,
+    ).content.decode()
     assert f"This deployment allows {low} to {high} replicas; {fix}." in fragment
     # The limits come along out of band, opened.
     assert f'<div class="deployment-limits" id="deployment-{deployment.pk}-limits" hx-swap-oob="true">' in fragment
@@ -89,19 +105,27 @@ def test_a_scale_outside_min_and_max_opens_the_limits_filled_in_to_allow_it(oper
     for name, expected in {"desired_replicas": value, **filled}.items():
         assert f'name="{p}{name}" value="{expected}"' in fragment
     # The form as filled in is one Save away from the scale that was asked for.
-    saved = operator_client.post(reverse("dashboard:deployment_edit", args=[deployment.pk]),
-                                 {p + "desired_replicas": str(value), **{p + k: str(v) for k, v in filled.items()}},
-                                 **HTMX)
+    saved = operator_client.post(
+        reverse("dashboard:deployment_edit", args=[deployment.pk]),
+        {p + "desired_replicas": str(value), **{p + k: str(v) for k, v in filled.items()}},
+        **HTMX,
+    )
     assert saved.status_code == 200
     deployment.refresh_from_db()
     assert (deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas) == (
-        value, filled["min_replicas"], filled["max_replicas"])
+        value,
+        filled["min_replicas"],
+        filled["max_replicas"],
+    )
 
 
 def test_a_malformed_scale_leaves_the_limits_as_they_are(operator_client):
     deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=1)
-    fragment = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
-                                    {f"s{deployment.pk}-desired_replicas": "two"}, **HTMX).content.decode()
+    fragment = operator_client.post(
+        reverse("dashboard:deployment_scale", args=[deployment.pk]),
+        {f"s{deployment.pk}-desired_replicas": "two"},
+        **HTMX,
+    ).content.decode()
     assert "Enter a whole number." in fragment
     assert f'id="deployment-{deployment.pk}-limits"' not in fragment and "<details" not in fragment
 
@@ -109,17 +133,24 @@ def test_a_malformed_scale_leaves_the_limits_as_they_are(operator_client):
 def test_editing_min_max_and_keep_warm(operator_client, operator):
     deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=2, keep_warm=False)
     url, p = reverse("dashboard:deployment_edit", args=[deployment.pk]), f"d{deployment.pk}-"
-    refused = operator_client.post(url, {p + "desired_replicas": "1", p + "min_replicas": "3",
-                                         p + "max_replicas": "2"}, **HTMX).content.decode()
-    assert "Min replicas (3) cannot exceed max replicas (2)." in refused[refused.index(f'id="errors-{p}min_replicas"'):]
+    refused = operator_client.post(
+        url, {p + "desired_replicas": "1", p + "min_replicas": "3", p + "max_replicas": "2"}, **HTMX
+    ).content.decode()
+    assert (
+        "Min replicas (3) cannot exceed max replicas (2)." in refused[refused.index(f'id="errors-{p}min_replicas"') :]
+    )
     assert "<details open>" in refused  # the form stays open on its errors
-    refused = operator_client.post(url, {p + "desired_replicas": "5", p + "min_replicas": "0",
-                                         p + "max_replicas": "4"}, **HTMX).content.decode()
+    refused = operator_client.post(
+        url, {p + "desired_replicas": "5", p + "min_replicas": "0", p + "max_replicas": "4"}, **HTMX
+    ).content.decode()
     assert "Desired replicas must lie between min (0) and max (4); got 5." in refused
     assert not AuditEntry.objects.exists()
 
-    response = operator_client.post(url, {p + "desired_replicas": "2", p + "min_replicas": "1",
-                                          p + "max_replicas": "4", p + "keep_warm": "on"}, **HTMX)
+    response = operator_client.post(
+        url,
+        {p + "desired_replicas": "2", p + "min_replicas": "1", p + "max_replicas": "4", p + "keep_warm": "on"},
+        **HTMX,
+    )
     # The limits form's own answer: closed, filled with what was saved, and what was done.
     saved = response.content.decode()
     assert saved.lstrip().startswith(f'<div class="deployment-limits" id="deployment-{deployment.pk}-limits">')
@@ -129,35 +160,51 @@ def test_editing_min_max_and_keep_warm(operator_client, operator):
     assert re.search(f'<input type="checkbox" name="{p}keep_warm"[^>]* checked>', saved)
     assert f'id="deployment-{deployment.pk}-status"' not in saved and _says_fleet_changed(response)
     deployment.refresh_from_db()
-    assert (deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas, deployment.keep_warm) == (2, 1, 4, True)
-    assert _audit("deployment.update").detail == {"desired_replicas": [1, 2], "min_replicas": [0, 1],
-                                                  "max_replicas": [2, 4], "keep_warm": [False, True]}
+    assert (deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas, deployment.keep_warm) == (
+        2,
+        1,
+        4,
+        True,
+    )
+    assert _audit("deployment.update").detail == {
+        "desired_replicas": [1, 2],
+        "min_replicas": [0, 1],
+        "max_replicas": [2, 4],
+        "keep_warm": [False, True],
+    }
 
 
 def test_editing_autoscaling_shows_each_bad_value_beside_its_field(operator_client, operator):
     deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=2, autoscale=True)
     url, p = reverse("dashboard:deployment_edit", args=[deployment.pk]), f"d{deployment.pk}-"
     base = {p + "desired_replicas": "1", p + "min_replicas": "0", p + "max_replicas": "2", p + "autoscale": "on"}
-    refused = operator_client.post(url, {**base, p + "target_concurrency": "0", p + "ttft_slo_ms": "900000"},
-                                   **HTMX).content.decode()
-    assert "Must lie between 1 and 1,024; got 0." in refused[refused.index(f'id="errors-{p}target_concurrency"'):]
-    assert "Must lie between 1 and 600,000; got 900,000." in refused[refused.index(f'id="errors-{p}ttft_slo_ms"'):]
+    refused = operator_client.post(
+        url, {**base, p + "target_concurrency": "0", p + "ttft_slo_ms": "900000"}, **HTMX
+    ).content.decode()
+    assert "Must lie between 1 and 1,024; got 0." in refused[refused.index(f'id="errors-{p}target_concurrency"') :]
+    assert "Must lie between 1 and 600,000; got 900,000." in refused[refused.index(f'id="errors-{p}ttft_slo_ms"') :]
     assert not AuditEntry.objects.exists()
-    operator_client.post(url, {**base, p + "autoscale": "", p + "target_concurrency": "12", p + "idle_to_zero_seconds": "0"},
-                         **HTMX)
+    operator_client.post(
+        url, {**base, p + "autoscale": "", p + "target_concurrency": "12", p + "idle_to_zero_seconds": "0"}, **HTMX
+    )
     deployment.refresh_from_db()
     assert (deployment.autoscale, deployment.target_concurrency, deployment.idle_to_zero_seconds) == (False, 12, 0)
     assert _audit("deployment.update").detail["autoscale"] == [True, False]
 
 
-def test_loading_on_a_gpu_sends_the_load_message_to_that_worker(operator_client, operator,
-                                                                 django_capture_on_commit_callbacks):
+def test_loading_on_a_gpu_sends_the_load_message_to_that_worker(
+    operator_client, operator, django_capture_on_commit_callbacks
+):
     gpu = GpuFactory(worker=make_worker(), index=1)
-    deployment = DeploymentFactory(desired_replicas=0, max_replicas=2,
-                                   model=ModelFactory(public_name="tiny-chat", weights_path="/models/tiny"))
+    deployment = DeploymentFactory(
+        desired_replicas=0, max_replicas=2, model=ModelFactory(public_name="tiny-chat", weights_path="/models/tiny")
+    )
     with django_capture_on_commit_callbacks(execute=True):
-        response = operator_client.post(reverse("dashboard:replica_load"),
-                                        {"deployment": deployment.pk, "slot": f"{gpu.worker_id}:{gpu.pk}"}, **HTMX)
+        response = operator_client.post(
+            reverse("dashboard:replica_load"),
+            {"deployment": deployment.pk, "slot": f"{gpu.worker_id}:{gpu.pk}"},
+            **HTMX,
+        )
     replica = Replica.objects.get(deployment=deployment)
     assert (replica.worker_id, replica.gpu_id, replica.state) == (gpu.worker_id, gpu.pk, Replica.State.PENDING)
     fragment = response.content.decode()
@@ -175,24 +222,29 @@ def test_loading_on_a_gpu_sends_the_load_message_to_that_worker(operator_client,
 def test_loading_where_there_is_no_room_is_refused_beside_the_gpu_choice(operator_client):
     gpu = GpuFactory(worker=make_worker(), index=0, memory_total_bytes=1000)
     deployment = DeploymentFactory(desired_replicas=0, max_replicas=2, model=ModelFactory(gpu_memory_bytes=5000))
-    fragment = operator_client.post(reverse("dashboard:replica_load"),
-                                    {"deployment": deployment.pk, "slot": f"{gpu.worker_id}:{gpu.pk}"},
-                                    **HTMX).content.decode()
-    assert "needs 4.9 KiB; free: " in fragment[fragment.index('id="errors-slot"'):]
+    fragment = operator_client.post(
+        reverse("dashboard:replica_load"), {"deployment": deployment.pk, "slot": f"{gpu.worker_id}:{gpu.pk}"}, **HTMX
+    ).content.decode()
+    assert "needs 4.9 KiB; free: " in fragment[fragment.index('id="errors-slot"') :]
     assert f"GPU 0 ({gpu.name}) 1000 B of 1000 B" in fragment
-    fragment = operator_client.post(reverse("dashboard:replica_load"), {"deployment": "", "slot": ""},
-                                    **HTMX).content.decode()
+    fragment = operator_client.post(
+        reverse("dashboard:replica_load"), {"deployment": "", "slot": ""}, **HTMX
+    ).content.decode()
     assert 'id="errors-deployment"' in fragment and 'id="errors-slot"' in fragment
     assert not Replica.objects.exists() and not AuditEntry.objects.exists()
 
 
 def test_unloading_a_replica_after_confirmation(operator_client, operator, django_capture_on_commit_callbacks):
     worker = make_worker()
-    replica = ReplicaFactory(worker=worker, state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100",
-                             deployment=DeploymentFactory(desired_replicas=1, min_replicas=0))
+    replica = ReplicaFactory(
+        worker=worker,
+        state=Replica.State.READY,
+        endpoint_url="http://127.0.0.1:9100",
+        deployment=DeploymentFactory(desired_replicas=1, min_replicas=0),
+    )
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
     assert f'hx-post="{reverse("dashboard:replica_unload", args=[replica.pk])}"' in page
-    assert "hx-confirm=\"Unload " in page  # a destructive action asks first
+    assert 'hx-confirm="Unload ' in page  # a destructive action asks first
     with django_capture_on_commit_callbacks(execute=True):
         response = operator_client.post(reverse("dashboard:replica_unload", args=[replica.pk]), **HTMX)
     replica.refresh_from_db()
@@ -207,8 +259,12 @@ def test_unloading_a_replica_after_confirmation(operator_client, operator, djang
 
 
 def test_unloading_below_min_replicas_says_why_beside_the_workers(operator_client):
-    replica = ReplicaFactory(worker=make_worker(), state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100",
-                             deployment=DeploymentFactory(desired_replicas=1, min_replicas=1))
+    replica = ReplicaFactory(
+        worker=make_worker(),
+        state=Replica.State.READY,
+        endpoint_url="http://127.0.0.1:9100",
+        deployment=DeploymentFactory(desired_replicas=1, min_replicas=1),
+    )
     response = operator_client.post(reverse("dashboard:replica_unload", args=[replica.pk]), **HTMX)
     fragment = response.content.decode()
     assert fragment.lstrip().startswith('<div class="action-answer" id="workers-answer"')
@@ -235,12 +291,18 @@ def test_draining_a_worker(operator_client, operator, django_capture_on_commit_c
 
 def test_without_htmx_an_action_redirects_back_with_a_message(operator_client):
     deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=3)
-    response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
-                                    {f"s{deployment.pk}-desired_replicas": "2"}, follow=True)
+    response = operator_client.post(
+        reverse("dashboard:deployment_scale", args=[deployment.pk]),
+        {f"s{deployment.pk}-desired_replicas": "2"},
+        follow=True,
+    )
     assert response.redirect_chain[-1][0] == reverse("dashboard:fleet")
     assert "now wants 2 replicas" in response.content.decode()
-    response = operator_client.post(reverse("dashboard:deployment_scale", args=[deployment.pk]),
-                                    {f"s{deployment.pk}-desired_replicas": "9"}, follow=True)
+    response = operator_client.post(
+        reverse("dashboard:deployment_scale", args=[deployment.pk]),
+        {f"s{deployment.pk}-desired_replicas": "9"},
+        follow=True,
+    )
     assert "This deployment allows 0 to 3 replicas; raise Max replicas to scale to 9." in response.content.decode()
 
 
@@ -258,21 +320,37 @@ def _degraded(settings, *, cause: str):
     at = timezone.now()
     for _ in range(3):
         [replica_id] = deployment_reconcile(deployment_id=deployment.pk, now=at).placed
-        worker_heartbeat(worker_id=worker.pk, now=at, heartbeat=parse_heartbeat({"replicas": [
-            {"replica_id": replica_id, "state": "failed", "error": f"{cause}\nTraceback (most recent call last): ..."}]}))
+        worker_heartbeat(
+            worker_id=worker.pk,
+            now=at,
+            heartbeat=parse_heartbeat(
+                {
+                    "replicas": [
+                        {
+                            "replica_id": replica_id,
+                            "state": "failed",
+                            "error": f"{cause}\nTraceback (most recent call last): ...",
+                        }
+                    ]
+                }
+            ),
+        )
         at = deployment.load_backoffs.get().next_attempt_at
     return deployment, worker
 
 
-LONG_CAUSE = ("FileNotFoundError: no checkpoint at /models/llama-3-8b (looked for config.json and *.safetensors; "
-              "the disk holding /models may not be mounted yet on this host)")
+LONG_CAUSE = (
+    "FileNotFoundError: no checkpoint at /models/llama-3-8b (looked for config.json and *.safetensors; "
+    "the disk holding /models may not be mounted yet on this host)"
+)
 
 
 def test_a_degraded_deployment_shows_its_cause_in_full_and_retry_now_clears_it(
-        operator_client, operator, settings, django_capture_on_commit_callbacks):
+    operator_client, operator, settings, django_capture_on_commit_callbacks
+):
     deployment, worker = _degraded(settings, cause=LONG_CAUSE)
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
-    status = page[page.index(f'id="deployment-{deployment.pk}-status"'):]
+    status = page[page.index(f'id="deployment-{deployment.pk}-status"') :]
     assert 'data-state="degraded"' in status[:200]
     assert f"{worker.name}: {LONG_CAUSE}" in status  # the whole first line, never cut before its cause
     assert 'data-testid="backoff"' in status and 'data-testid="retry-now"' in status
@@ -291,6 +369,8 @@ def test_a_degraded_deployment_shows_its_cause_in_full_and_retry_now_clears_it(
     assert (entry.actor, entry.detail) == (operator, {"backoffs": {worker.name: 3}})
 
     # Again, with nothing left to retry: the refusal is shown in the deployment's answer line.
-    fragment = operator_client.post(reverse("dashboard:deployment_retry", args=[deployment.pk]), **HTMX).content.decode()
+    fragment = operator_client.post(
+        reverse("dashboard:deployment_retry", args=[deployment.pk]), **HTMX
+    ).content.decode()
     assert fragment.lstrip().startswith(f'<div class="action-answer" id="deployment-{deployment.pk}-answer"')
     assert "has no failed loads to retry" in fragment and 'data-testid="action-error"' in fragment

@@ -15,11 +15,12 @@ pytestmark = pytest.mark.django_db
 def test_the_log_shows_who_what_when_and_the_target(operator_client):
     olga = UserFactory(username="olga")
     model = ModelFactory(public_name="llama-8b")
-    entry = audit_record(actor=olga, action=AuditEntry.Action.MODEL_UPDATE, target=model,
-                         detail={"context_length": [4096, 8192]})
+    entry = audit_record(
+        actor=olga, action=AuditEntry.Action.MODEL_UPDATE, target=model, detail={"context_length": [4096, 8192]}
+    )
     page = operator_client.get(reverse("dashboard:audit")).content.decode()
-    row = page[page.index('data-testid="audit-row"'):]
-    row = row[:row.index("</tr>")]
+    row = page[page.index('data-testid="audit-row"') :]
+    row = row[: row.index("</tr>")]
     assert "olga" in row and "Model edited" in row and "llama-8b" in row
     assert f"(catalog.model {model.pk})" in row and "context_length: 4096 → 8192" in row
     assert entry.created_at.strftime("%Y-%m-%d %H:%M:%S") in row
@@ -34,7 +35,9 @@ def test_filters_by_action_and_actor_and_htmx_gets_the_table_only(operator_clien
     url = reverse("dashboard:audit")
     page = operator_client.get(url, {"action": "model.enable"}).content.decode()
     assert page.count('data-testid="audit-row"') == 2
-    fragment = operator_client.get(url, {"action": "model.enable", "actor": "alice"}, HTTP_HX_REQUEST="true").content.decode()
+    fragment = operator_client.get(
+        url, {"action": "model.enable", "actor": "alice"}, HTTP_HX_REQUEST="true"
+    ).content.decode()
     assert fragment.lstrip().startswith('<div id="audit-table"') and "<html" not in fragment
     assert fragment.count('data-testid="audit-row"') == 1
     nothing = operator_client.get(url, {"actor": "carol"}).content.decode()  # not a known actor: ignored filter
@@ -45,9 +48,18 @@ def test_filters_by_action_and_actor_and_htmx_gets_the_table_only(operator_clien
 
 def test_the_log_is_paginated_newest_first(operator_client):
     model = ModelFactory()
-    AuditEntry.objects.bulk_create([
-        AuditEntry(actor_label=f"user{i:03d}", action="model.update", target_type="catalog.model",
-                   target_id=str(model.pk), target_label="m") for i in range(AUDIT_PAGE_SIZE + 5)])
+    AuditEntry.objects.bulk_create(
+        [
+            AuditEntry(
+                actor_label=f"user{i:03d}",
+                action="model.update",
+                target_type="catalog.model",
+                target_id=str(model.pk),
+                target_label="m",
+            )
+            for i in range(AUDIT_PAGE_SIZE + 5)
+        ]
+    )
     url = reverse("dashboard:audit")
     first = operator_client.get(url).content.decode()
     assert first.count('data-testid="audit-row"') == AUDIT_PAGE_SIZE

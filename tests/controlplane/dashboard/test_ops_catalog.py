@@ -9,9 +9,9 @@ from django.utils import timezone
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet.models import Worker
-from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from controlplane.fleet.services.heartbeats import worker_heartbeat
 from controlplane.fleet.services.workers import worker_register
+from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     make_worker,
@@ -22,24 +22,42 @@ pytestmark = pytest.mark.django_db
 
 
 def _form(**overrides) -> dict:
-    return {"public_name": "llama-3-8b", "family": "llama", "kind": "chat", "weights_path": "/models/llama-3-8b",
-            "context_length": "8192", "parameter_count": "8000000000", "gpu_memory_bytes": "",
-            "tensor_parallel_size": "1", "price_tier": str(PriceTierFactory().pk), "enabled": "on", **overrides}
+    return {
+        "public_name": "llama-3-8b",
+        "family": "llama",
+        "kind": "chat",
+        "weights_path": "/models/llama-3-8b",
+        "context_length": "8192",
+        "parameter_count": "8000000000",
+        "gpu_memory_bytes": "",
+        "tensor_parallel_size": "1",
+        "price_tier": str(PriceTierFactory().pk),
+        "enabled": "on",
+        **overrides,
+    }
 
 
 def _reporting_worker(name: str, *, roots: list[str], paths: list[str], quantization: dict | None = None) -> Worker:
     """A worker registered through the service, reporting its model roots like the daemon does."""
-    return worker_register(registration=parse_registration({
-        "name": name, "advertise_host": "10.0.0.5", "device": "cpu", "gpus": [],
-        "cpu": {"memory_total_bytes": 1 << 34, "cores": 8},
-        "models": {"roots": roots, "paths": paths, "quantization": quantization or {}},
-    }), now=timezone.now())
+    return worker_register(
+        registration=parse_registration(
+            {
+                "name": name,
+                "advertise_host": "10.0.0.5",
+                "device": "cpu",
+                "gpus": [],
+                "cpu": {"memory_total_bytes": 1 << 34, "cores": 8},
+                "models": {"roots": roots, "paths": paths, "quantization": quantization or {}},
+            }
+        ),
+        now=timezone.now(),
+    )
 
 
 def _error_beside(page: str, field: str) -> str:
     start = page.index(f'id="errors-{field}"')
     assert page.index(f'name="{field}"') < start  # the message follows its own input
-    return page[start:page.index("</div>", start)]
+    return page[start : page.index("</div>", start)]
 
 
 def test_adding_a_model_estimates_its_memory_and_is_audited(operator_client, operator):
@@ -54,8 +72,9 @@ def test_adding_a_model_estimates_its_memory_and_is_audited(operator_client, ope
 
 
 def test_a_quantized_model_is_estimated_smaller_and_shown(operator_client):
-    response = operator_client.post(reverse("dashboard:catalog_add"),
-                                    _form(quantization="awq-int4", check_workers=[]), follow=True)
+    response = operator_client.post(
+        reverse("dashboard:catalog_add"), _form(quantization="awq-int4", check_workers=[]), follow=True
+    )
     model = Model.objects.get(public_name="llama-3-8b")
     assert model.quantization == "awq-int4"
     # INT4 projections and bf16 embeddings: under half of bf16's estimate.
@@ -64,34 +83,39 @@ def test_a_quantized_model_is_estimated_smaller_and_shown(operator_client):
 
 
 def test_a_model_split_over_several_gpus_records_and_shows_it(operator_client, operator):
-    response = operator_client.post(reverse("dashboard:catalog_add"), _form(tensor_parallel_size="2", check_workers=[]),
-                                    follow=True)
+    response = operator_client.post(
+        reverse("dashboard:catalog_add"), _form(tensor_parallel_size="2", check_workers=[]), follow=True
+    )
     assert Model.objects.get(public_name="llama-3-8b").tensor_parallel_size == 2
     assert 'data-testid="model-tensor-parallel">2 GPUs per replica<' in response.content.decode()
     assert AuditEntry.objects.get(action="model.create").detail["tensor_parallel_size"] == 2
 
 
 def test_the_add_form_detects_the_quantization_the_checked_worker_reports(operator_client):
-    worker = _reporting_worker("gpu-a", roots=["/models"], paths=["/models/llama-3-8b"],
-                               quantization={"/models/llama-3-8b": "fp8"})
+    worker = _reporting_worker(
+        "gpu-a", roots=["/models"], paths=["/models/llama-3-8b"], quantization={"/models/llama-3-8b": "fp8"}
+    )
     operator_client.post(reverse("dashboard:catalog_add"), _form(quantization="detect", check_workers=[worker.pk]))
     model = Model.objects.get(public_name="llama-3-8b")
     assert model.quantization == "fp8"
     assert model.gpu_memory_bytes < int(8_000_000_000 * 2 * 1.2) * 0.65
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("quantization", "int3", "Select a valid choice."),
-    ("public_name", "bad name!", "Use letters, digits and . _ : / - only"),
-    ("public_name", "", "This field is required."),
-    ("weights_path", "models/relative", "Give an absolute path"),
-    ("context_length", "0", "Ensure this value is greater than or equal to 1."),
-    ("parameter_count", "lots", "Enter a whole number."),
-    ("kind", "poem", "Select a valid choice."),
-    ("gpu_memory_bytes", "-5", "Ensure this value is greater than or equal to 1."),
-    ("tensor_parallel_size", "0", "Ensure this value is greater than or equal to 1."),
-    ("tensor_parallel_size", "17", "Ensure this value is less than or equal to 16."),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("quantization", "int3", "Select a valid choice."),
+        ("public_name", "bad name!", "Use letters, digits and . _ : / - only"),
+        ("public_name", "", "This field is required."),
+        ("weights_path", "models/relative", "Give an absolute path"),
+        ("context_length", "0", "Ensure this value is greater than or equal to 1."),
+        ("parameter_count", "lots", "Enter a whole number."),
+        ("kind", "poem", "Select a valid choice."),
+        ("gpu_memory_bytes", "-5", "Ensure this value is greater than or equal to 1."),
+        ("tensor_parallel_size", "0", "Ensure this value is greater than or equal to 1."),
+        ("tensor_parallel_size", "17", "Ensure this value is less than or equal to 16."),
+    ],
+)
 def test_bad_input_is_refused_beside_the_field(operator_client, field, value, message):
     response = operator_client.post(reverse("dashboard:catalog_add"), _form(**{field: value}))
     assert response.status_code == 200
@@ -108,8 +132,9 @@ def test_a_duplicate_name_is_refused_beside_the_name(operator_client):
 def test_the_path_must_exist_on_chosen_workers_that_search_there(operator_client):
     has_it = _reporting_worker("has-it", roots=["/models"], paths=["/models/llama-3-8b"])
     lacks_it = _reporting_worker("lacks-it", roots=["/models"], paths=["/models/other"])
-    page = operator_client.post(reverse("dashboard:catalog_add"),
-                                _form(check_workers=[has_it.pk, lacks_it.pk])).content.decode()
+    page = operator_client.post(
+        reverse("dashboard:catalog_add"), _form(check_workers=[has_it.pk, lacks_it.pk])
+    ).content.decode()
     error = _error_beside(page, "weights_path")
     assert "lacks-it has no checkpoint (a directory with config.json or a .gguf file) at /models/llama-3-8b" in error
     assert "has-it" not in error
@@ -122,22 +147,26 @@ def test_the_path_must_exist_on_chosen_workers_that_search_there(operator_client
 def test_a_path_outside_a_chosen_workers_model_roots_is_refused_naming_the_roots(operator_client):
     silent = make_worker(name="silent")  # reports no model roots: it loads nothing
     elsewhere = _reporting_worker("elsewhere", roots=["/data/models"], paths=[])
-    page = operator_client.post(reverse("dashboard:catalog_add"),
-                                _form(check_workers=[silent.pk, elsewhere.pk])).content.decode()
+    page = operator_client.post(
+        reverse("dashboard:catalog_add"), _form(check_workers=[silent.pk, elsewhere.pk])
+    ).content.decode()
     error = _error_beside(page, "weights_path")
     assert "silent reports no model roots, so it loads no model: start its daemon with --model-root DIR" in error
-    assert ("/models/llama-3-8b lies outside elsewhere&#x27;s model roots (/data/models), so it refuses to load it"
-            in error)
+    assert (
+        "/models/llama-3-8b lies outside elsewhere&#x27;s model roots (/data/models), so it refuses to load it" in error
+    )
     assert not Model.objects.exists()
 
 
 def test_a_path_escaping_a_model_root_with_dotdot_is_refused(operator_client):
     worker = _reporting_worker("w1", roots=["/data/models"], paths=[])
     escaping = "/data/models/../elsewhere/llama"
-    page = operator_client.post(reverse("dashboard:catalog_add"),
-                                _form(weights_path=escaping, check_workers=[worker.pk])).content.decode()
+    page = operator_client.post(
+        reverse("dashboard:catalog_add"), _form(weights_path=escaping, check_workers=[worker.pk])
+    ).content.decode()
     assert f"{escaping} contains &#x27;..&#x27;: give the checkpoint&#x27;s own path" in _error_beside(
-        page, "weights_path")
+        page, "weights_path"
+    )
     query = {"weights_path": escaping, "check_workers": [worker.pk]}
     check = operator_client.get(reverse("dashboard:catalog_path_check"), query).content.decode()
     assert 'data-status="outside"' in check and "/data/elsewhere/llama lies outside w1&#x27;s model roots" in check
@@ -149,8 +178,11 @@ def test_heartbeats_update_what_a_worker_reports(operator_client):
     url = reverse("dashboard:catalog_path_check")
     query = {"weights_path": "/models/new", "check_workers": [worker.pk]}
     assert 'data-status="missing"' in operator_client.get(url, query).content.decode()
-    worker_heartbeat(worker_id=worker.pk, now=timezone.now(), heartbeat=parse_heartbeat(
-        {"models": {"roots": ["/models"], "paths": ["/models/new"]}}))
+    worker_heartbeat(
+        worker_id=worker.pk,
+        now=timezone.now(),
+        heartbeat=parse_heartbeat({"models": {"roots": ["/models"], "paths": ["/models/new"]}}),
+    )
     assert 'data-status="found"' in operator_client.get(url, query).content.decode()
 
 
@@ -159,22 +191,31 @@ def test_the_add_form_offers_online_workers_checked_by_default(operator_client):
     make_worker(name="gone-1", state=Worker.State.OFFLINE)
     page = operator_client.get(reverse("dashboard:catalog_add")).content.decode()
     assert f'value="{online.pk}"' in page and f'value="{lost.pk}"' in page and "gone-1" not in page
-    checked = page[page.index(f'value="{online.pk}"') - 200:page.index(f'value="{online.pk}"') + 80]
+    checked = page[page.index(f'value="{online.pk}"') - 200 : page.index(f'value="{online.pk}"') + 80]
     assert "checked" in checked
 
 
 def test_editing_a_model_records_what_changed(operator_client, operator):
     model = ModelFactory(public_name="qwen", context_length=4096)
-    form = {**_form(public_name="qwen", weights_path=model.weights_path, context_length="32768",
-                    price_tier=str(model.price_tier_id), gpu_memory_bytes=str(model.gpu_memory_bytes),
-                    parameter_count=str(model.parameter_count), family=model.family)}
+    form = {
+        **_form(
+            public_name="qwen",
+            weights_path=model.weights_path,
+            context_length="32768",
+            price_tier=str(model.price_tier_id),
+            gpu_memory_bytes=str(model.gpu_memory_bytes),
+            parameter_count=str(model.parameter_count),
+            family=model.family,
+        )
+    }
     response = operator_client.post(reverse("dashboard:catalog_edit", args=[model.pk]), form, follow=True)
     assert "Saved qwen." in response.content.decode()
     model.refresh_from_db()
     assert model.context_length == 32768
     assert AuditEntry.objects.get(action="model.update").detail == {"context_length": [4096, 32768]}
-    page = operator_client.post(reverse("dashboard:catalog_edit", args=[model.pk]),
-                                {**form, "context_length": "-3"}).content.decode()
+    page = operator_client.post(
+        reverse("dashboard:catalog_edit", args=[model.pk]), {**form, "context_length": "-3"}
+    ).content.decode()
     assert "greater than or equal to 1" in _error_beside(page, "context_length")
 
 
@@ -182,21 +223,26 @@ def test_enable_disable_and_deploy_from_the_list(operator_client, operator, djan
     model = ModelFactory(public_name="phi", enabled=True)
     page = operator_client.get(reverse("dashboard:catalog")).content.decode()
     assert f'id="model-{model.pk}"' in page and 'hx-confirm="Disable phi?' in page
-    fragment = operator_client.post(reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "0"},
-                                    HTTP_HX_REQUEST="true").content.decode()
+    fragment = operator_client.post(
+        reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "0"}, HTTP_HX_REQUEST="true"
+    ).content.decode()
     assert fragment.lstrip().startswith(f'<tr id="model-{model.pk}"') and 'data-enabled="false"' in fragment
     model.refresh_from_db()
     assert not model.enabled
-    operator_client.post(reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "1"},
-                         HTTP_HX_REQUEST="true")
+    operator_client.post(
+        reverse("dashboard:catalog_set_enabled", args=[model.pk]), {"enabled": "1"}, HTTP_HX_REQUEST="true"
+    )
     with django_capture_on_commit_callbacks(execute=True):
-        fragment = operator_client.post(reverse("dashboard:catalog_deploy", args=[model.pk]),
-                                        HTTP_HX_REQUEST="true").content.decode()
+        fragment = operator_client.post(
+            reverse("dashboard:catalog_deploy", args=[model.pk]), HTTP_HX_REQUEST="true"
+        ).content.decode()
     assert "1 replica wanted" in fragment and 'data-testid="catalog-deploy"' not in fragment
     assert Deployment.objects.get(model=model).desired_replicas == 1
     assert list(AuditEntry.objects.order_by("pk").values_list("action", "actor_label")) == [
-        ("model.disable", operator.username), ("model.enable", operator.username),
-        ("deployment.create", operator.username)]
+        ("model.disable", operator.username),
+        ("model.enable", operator.username),
+        ("deployment.create", operator.username),
+    ]
 
 
 def test_the_empty_catalog_says_what_to_do(operator_client):

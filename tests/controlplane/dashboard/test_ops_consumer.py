@@ -15,11 +15,11 @@ from django.utils import timezone
 from controlplane.accounts.models import User
 from controlplane.asgi import application
 from controlplane.fleet.models import Replica
-from gpuworker.contract.heartbeat import parse_registration
 from controlplane.fleet.reconcile import deployment_reconcile
 from controlplane.fleet.services.deployments import deployment_create, deployment_scale
 from controlplane.fleet.services.replicas import replica_transition
 from controlplane.fleet.services.workers import worker_register
+from gpuworker.contract.heartbeat import parse_registration
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     beat,
@@ -86,11 +86,23 @@ async def test_operators_receive_each_heartbeats_figures_with_a_growing_sparklin
     assert connected
     try:
         for utilisation in (20.0, 80.0):
-            await sync_to_async(beat)(worker, gpus=[{
-                "index": 0, "utilization_pct": utilisation, "memory_used_bytes": 10 * 1024**3,
-                "memory_total_bytes": 80 * 1024**3, "temperature_c": 55.0, "power_w": 300.0}])
+            await sync_to_async(beat)(
+                worker,
+                gpus=[
+                    {
+                        "index": 0,
+                        "utilization_pct": utilisation,
+                        "memory_used_bytes": 10 * 1024**3,
+                        "memory_total_bytes": 80 * 1024**3,
+                        "temperature_c": 55.0,
+                        "power_w": 300.0,
+                    }
+                ],
+            )
             html = await _receive_matching(communicator, f'id="metrics-{worker.pk}-gpu0"')
-            assert f'id="figure-{worker.pk}-gpu0-utilization" data-testid="figure-utilization">{utilisation:.0f}%<' in html
+            assert (
+                f'id="figure-{worker.pk}-gpu0-utilization" data-testid="figure-utilization">{utilisation:.0f}%<' in html
+            )
             assert f'id="metrics-{worker.pk}-cpu"' in html  # the host's CPU row too
             assert f'id="worker-{worker.pk}-heartbeat"' in html and "last heartbeat" in html
         points = _polyline(html, f"figure-{worker.pk}-gpu0-utilization")
@@ -125,16 +137,22 @@ async def test_load_progress_and_replica_changes_reach_the_page():
     assert connected
     try:
         # The worker reports the load under way: the replica moves to loading and its bar moves.
-        await sync_to_async(beat)(worker, gpus=[{"index": 0, "utilization_pct": 5.0}],
-                                  replicas=[{"replica_id": replica.pk, "state": "loading", "load_progress": 0.5}])
+        await sync_to_async(beat)(
+            worker,
+            gpus=[{"index": 0, "utilization_pct": 5.0}],
+            replicas=[{"replica_id": replica.pk, "state": "loading", "load_progress": 0.5}],
+        )
         card = await _receive_matching(communicator, f'id="worker-{worker.pk}"')
         assert f'id="replica-{replica.pk}"' in card and 'data-state="loading"' in card
         assert f'id="deployment-{deployment.pk}-status"' in card
         progress = await _receive_matching(communicator, f'id="replica-{replica.pk}-progress"')
         assert 'aria-valuenow="50"' in progress
-        await sync_to_async(replica_transition)(replica=replica, to_state=Replica.State.READY, at=timezone.now(),
-                                                endpoint_url="http://127.0.0.1:9100")
-        card = await _receive_matching(communicator, f'id="replica-{replica.pk}" data-testid="replica" data-state="ready"')
+        await sync_to_async(replica_transition)(
+            replica=replica, to_state=Replica.State.READY, at=timezone.now(), endpoint_url="http://127.0.0.1:9100"
+        )
+        card = await _receive_matching(
+            communicator, f'id="replica-{replica.pk}" data-testid="replica" data-state="ready"'
+        )
         assert 'data-testid="deployment-status" data-state="ready"' in card
     finally:
         await communicator.disconnect()
@@ -144,9 +162,18 @@ async def test_a_new_worker_appears_on_the_page():
     communicator, connected, _ = await _connect(User.Role.OPERATOR)
     assert connected
     try:
-        await sync_to_async(worker_register)(registration=parse_registration({
-            "name": "fresh-worker", "advertise_host": "10.0.0.9", "device": "cpu", "gpus": [],
-            "cpu": {"memory_total_bytes": 1 << 34, "cores": 4}}), now=timezone.now())
+        await sync_to_async(worker_register)(
+            registration=parse_registration(
+                {
+                    "name": "fresh-worker",
+                    "advertise_host": "10.0.0.9",
+                    "device": "cpu",
+                    "gpus": [],
+                    "cpu": {"memory_total_bytes": 1 << 34, "cores": 4},
+                }
+            ),
+            now=timezone.now(),
+        )
         html = await _receive_matching(communicator, 'data-worker-name="fresh-worker"')
         assert html.lstrip().startswith('<div id="workers"')
     finally:
@@ -159,16 +186,33 @@ async def test_replica_load_figures_and_autoscaling_decisions_reach_the_page():
     worker = await sync_to_async(make_worker)()
     gpu = await sync_to_async(GpuFactory)(worker=worker, index=0)
     deployment = await sync_to_async(DeploymentFactory)(
-        model=await sync_to_async(ModelFactory)(public_name="busy"), max_replicas=4, target_concurrency=2, autoscale=True,
-        scaled_at=timezone.now() - timedelta(hours=1))
-    replica = await sync_to_async(ReplicaFactory)(deployment=deployment, worker=worker, gpu=gpu,
-                                                  state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100")
+        model=await sync_to_async(ModelFactory)(public_name="busy"),
+        max_replicas=4,
+        target_concurrency=2,
+        autoscale=True,
+        scaled_at=timezone.now() - timedelta(hours=1),
+    )
+    replica = await sync_to_async(ReplicaFactory)(
+        deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100"
+    )
     communicator, connected, _ = await _connect(User.Role.OPERATOR)
     assert connected
     try:
-        await sync_to_async(beat)(worker, gpus=[{"index": 0, "utilization_pct": 90.0}], replicas=[{
-            "replica_id": replica.pk, "state": "ready", "endpoint_url": "http://127.0.0.1:9100",
-            "running": 2, "waiting": 4, "kv_cache_usage": 0.5, "tokens_per_s": 80.0}])
+        await sync_to_async(beat)(
+            worker,
+            gpus=[{"index": 0, "utilization_pct": 90.0}],
+            replicas=[
+                {
+                    "replica_id": replica.pk,
+                    "state": "ready",
+                    "endpoint_url": "http://127.0.0.1:9100",
+                    "running": 2,
+                    "waiting": 4,
+                    "kv_cache_usage": 0.5,
+                    "tokens_per_s": 80.0,
+                }
+            ],
+        )
         html = await _receive_matching(communicator, f'id="replica-{replica.pk}-load"')
         assert "queue 4 · running 2 · KV 50% · 80 tok/s" in html
         await sync_to_async(deployments_autoscale)(now=timezone.now())
@@ -224,30 +268,38 @@ async def test_each_change_on_the_fleet_page_is_drawn_once_by_the_live_push():
     gpu = await sync_to_async(GpuFactory)(worker=worker, index=0)
     deployment = await sync_to_async(DeploymentFactory)(
         model=await sync_to_async(ModelFactory)(public_name="drawn-once", gpu_memory_bytes=1024),
-        desired_replicas=1, min_replicas=0, max_replicas=2)
+        desired_replicas=1,
+        min_replicas=0,
+        max_replicas=2,
+    )
     pk, status = deployment.pk, f"deployment-{deployment.pk}-status"
     communicator, connected, _ = await _connect(User.Role.OPERATOR)
     assert connected
     try:
-        answer, trigger = await _operator_posts(reverse("dashboard:deployment_edit", args=[pk]), {
-            f"d{pk}-desired_replicas": "1", f"d{pk}-min_replicas": "0", f"d{pk}-max_replicas": "3"})
+        answer, trigger = await _operator_posts(
+            reverse("dashboard:deployment_edit", args=[pk]),
+            {f"d{pk}-desired_replicas": "1", f"d{pk}-min_replicas": "0", f"d{pk}-max_replicas": "3"},
+        )
         assert f'id="{status}"' not in answer and "fleet-changed" in trigger
         assert "desired 1 · min 0 · max 3" in await _drawn_once(communicator, status)
 
-        answer, _ = await _operator_posts(reverse("dashboard:deployment_scale", args=[pk]),
-                                          {f"s{pk}-desired_replicas": "2"})
+        answer, _ = await _operator_posts(
+            reverse("dashboard:deployment_scale", args=[pk]), {f"s{pk}-desired_replicas": "2"}
+        )
         assert f'id="{status}"' not in answer and "now wants 2 replicas." in answer
         assert 'data-desired="2"' in await _drawn_once(communicator, status)
 
         # A refused change changes nothing, and nothing is pushed: the answer alone says why.
-        answer, trigger = await _operator_posts(reverse("dashboard:deployment_scale", args=[pk]),
-                                                {f"s{pk}-desired_replicas": "9"})
+        answer, trigger = await _operator_posts(
+            reverse("dashboard:deployment_scale", args=[pk]), {f"s{pk}-desired_replicas": "9"}
+        )
         assert "raise Max replicas to scale to 9" in answer and trigger == ""
         assert await communicator.receive_nothing(timeout=1.0)
 
         # Loading by hand: the new replica reaches the worker's card over the push, once.
-        answer, _ = await _operator_posts(reverse("dashboard:replica_load"),
-                                          {"deployment": pk, "slot": f"{worker.pk}:{gpu.pk}"})
+        answer, _ = await _operator_posts(
+            reverse("dashboard:replica_load"), {"deployment": pk, "slot": f"{worker.pk}:{gpu.pk}"}
+        )
         assert 'data-testid="load-done"' in answer and f'id="worker-{worker.pk}"' not in answer
         card = await _receive_matching(communicator, f'id="worker-{worker.pk}"')
         assert card.count(f'id="worker-{worker.pk}"') == 1 and 'data-testid="replica"' in card
@@ -260,14 +312,23 @@ async def test_a_failed_load_and_why_a_replica_is_unplaced_reach_the_page(settin
     worker = await sync_to_async(make_worker)()
     await sync_to_async(GpuFactory)(worker=worker, index=0, memory_total_bytes=80 * 1024**3)
     deployment = await sync_to_async(DeploymentFactory)(
-        model=await sync_to_async(ModelFactory)(gpu_memory_bytes=1024**3), desired_replicas=1, max_replicas=1)
+        model=await sync_to_async(ModelFactory)(gpu_memory_bytes=1024**3), desired_replicas=1, max_replicas=1
+    )
     now = timezone.now()
     [replica_id] = (await sync_to_async(deployment_reconcile)(deployment_id=deployment.pk, now=now)).placed
     communicator, connected, _ = await _connect(User.Role.OPERATOR)
     assert connected
     try:
-        await sync_to_async(beat)(worker, replicas=[{"replica_id": replica_id, "state": "failed",
-                                                     "error": "OSError: [Errno 98] address already in use\nTraceback"}])
+        await sync_to_async(beat)(
+            worker,
+            replicas=[
+                {
+                    "replica_id": replica_id,
+                    "state": "failed",
+                    "error": "OSError: [Errno 98] address already in use\nTraceback",
+                }
+            ],
+        )
         html = await _receive_matching(communicator, 'data-testid="deployment-error"')
         assert f"{worker.name}: OSError: [Errno 98] address already in use" in html
         assert 'data-testid="retry-now"' in html

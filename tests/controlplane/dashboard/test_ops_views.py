@@ -27,8 +27,15 @@ PAGES = ["dashboard:fleet", "dashboard:fleet_live", "dashboard:catalog", "dashbo
 ROOT = Path(__file__).resolve().parents[3]
 OPS_TEMPLATES = ROOT / "templates" / "dashboard" / "ops"
 # The fleet page's live parts, and the answers of its forms and buttons.
-LIVE_TEMPLATES = ("_deployments.html", "_deployment.html", "_deployment_status.html", "_autoscale.html",
-                  "_workers.html", "_worker.html", "_heartbeat.html")
+LIVE_TEMPLATES = (
+    "_deployments.html",
+    "_deployment.html",
+    "_deployment_status.html",
+    "_autoscale.html",
+    "_workers.html",
+    "_worker.html",
+    "_heartbeat.html",
+)
 ANSWER_TEMPLATES = ("_scale_form.html", "_limits_form.html", "_answer.html", "_load_form.html")
 
 
@@ -77,23 +84,42 @@ def test_tenant_members_cannot_act_either(client):
 def test_the_empty_fleet_says_how_to_start_a_worker(operator_client):
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
     assert 'data-testid="fleet-empty"' in page
-    assert "No workers yet: start one with <code>python -m gpuworker daemon --control-url ... --token ...</code>" in page
+    assert (
+        "No workers yet: start one with <code>python -m gpuworker daemon --control-url ... --token ...</code>" in page
+    )
     assert 'ws-connect="/ws/fleet/"' in page
 
 
 def test_the_fleet_page_shows_gpus_with_their_live_figures_and_loading_replicas(operator_client):
     worker = make_worker(name="h200-a")
     gpu = GpuFactory(worker=worker, index=0, name="NVIDIA H200")
-    replica = ReplicaFactory(worker=worker, gpu=gpu, state=Replica.State.LOADING,
-                             deployment=DeploymentFactory(model=ModelFactory(public_name="llama-8b")))
-    beat(worker, gpus=[{"index": 0, "utilization_pct": 73.0, "memory_used_bytes": 40 * 1024**3,
-                        "memory_total_bytes": 141 * 1024**3, "temperature_c": 61.0, "power_w": 412.0}],
-         replicas=[{"replica_id": replica.pk, "state": "loading", "load_progress": 0.42}])
+    replica = ReplicaFactory(
+        worker=worker,
+        gpu=gpu,
+        state=Replica.State.LOADING,
+        deployment=DeploymentFactory(model=ModelFactory(public_name="llama-8b")),
+    )
+    beat(
+        worker,
+        gpus=[
+            {
+                "index": 0,
+                "utilization_pct": 73.0,
+                "memory_used_bytes": 40 * 1024**3,
+                "memory_total_bytes": 141 * 1024**3,
+                "temperature_c": 61.0,
+                "power_w": 412.0,
+            }
+        ],
+        replicas=[{"replica_id": replica.pk, "state": "loading", "load_progress": 0.42}],
+    )
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
     assert f'id="worker-{worker.pk}"' in page and "h200-a" in page
     assert "GPU 0 · NVIDIA H200" in page
-    figures = {name: f'id="figure-{worker.pk}-gpu0-{name}" data-testid="figure-{name}">' for name in
-               ("utilization", "memory", "temperature", "power")}
+    figures = {
+        name: f'id="figure-{worker.pk}-gpu0-{name}" data-testid="figure-{name}">'
+        for name in ("utilization", "memory", "temperature", "power")
+    }
     assert figures["utilization"] + "73%<" in page
     assert figures["memory"] + "40.0 / 141.0 GiB<" in page
     assert figures["temperature"] + "61 °C<" in page
@@ -106,11 +132,16 @@ def test_the_fleet_page_shows_which_gpus_a_split_replica_holds(operator_client):
     worker = make_worker()
     gpus = [GpuFactory(worker=worker, index=i) for i in range(2)]
     model = ModelFactory(tensor_parallel_size=2)
-    replica = ReplicaFactory(worker=worker, gpu=gpus[0], tensor_parallel_size=2, state=Replica.State.LOADING,
-                             deployment=DeploymentFactory(model=model))
+    replica = ReplicaFactory(
+        worker=worker,
+        gpu=gpus[0],
+        tensor_parallel_size=2,
+        state=Replica.State.LOADING,
+        deployment=DeploymentFactory(model=model),
+    )
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
-    card = page[page.index(f'id="replica-{replica.pk}"'):]
-    assert 'data-testid="replica-gpus">GPUs 0–1<' in card[:card.index("</li>")]
+    card = page[page.index(f'id="replica-{replica.pk}"') :]
+    assert 'data-testid="replica-gpus">GPUs 0–1<' in card[: card.index("</li>")]
     assert f"{worker.name} · GPUs 0–1 · Loading" in page  # the deployment's list of replicas
 
 
@@ -138,8 +169,9 @@ def test_the_fleet_page_leaves_out_figures_from_before_a_silence(operator_client
 
 
 def test_the_fleet_page_lists_deployments_with_their_forms(operator_client):
-    deployment = DeploymentFactory(model=ModelFactory(public_name="mistral-7b"), desired_replicas=1,
-                                   min_replicas=0, max_replicas=3, keep_warm=True)
+    deployment = DeploymentFactory(
+        model=ModelFactory(public_name="mistral-7b"), desired_replicas=1, min_replicas=0, max_replicas=3, keep_warm=True
+    )
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
     assert f'id="deployment-{deployment.pk}"' in page
     assert "desired 1 · min 0 · max 3 · keep warm" in page
@@ -150,14 +182,32 @@ def test_the_fleet_page_lists_deployments_with_their_forms(operator_client):
 def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_decision(operator_client):
     worker = make_worker(name="h200-b")
     gpu = GpuFactory(worker=worker, index=0)
-    deployment = DeploymentFactory(model=ModelFactory(public_name="qwen-7b"), desired_replicas=1, max_replicas=3,
-                                   autoscale=True, scaled_at=timezone.now() - timedelta(hours=1))
+    deployment = DeploymentFactory(
+        model=ModelFactory(public_name="qwen-7b"),
+        desired_replicas=1,
+        max_replicas=3,
+        autoscale=True,
+        scaled_at=timezone.now() - timedelta(hours=1),
+    )
     off = DeploymentFactory(model=ModelFactory(public_name="manual-7b"), autoscale=False)
-    replica = ReplicaFactory(worker=worker, gpu=gpu, deployment=deployment, state=Replica.State.READY,
-                             endpoint_url="http://127.0.0.1:9100")
-    beat(worker, gpus=[{"index": 0, "utilization_pct": 50.0}], replicas=[{
-        "replica_id": replica.pk, "state": "ready", "endpoint_url": "http://127.0.0.1:9100",
-        "running": 5, "waiting": 3, "kv_cache_usage": 0.62, "tokens_per_s": 1234.5}])
+    replica = ReplicaFactory(
+        worker=worker, gpu=gpu, deployment=deployment, state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100"
+    )
+    beat(
+        worker,
+        gpus=[{"index": 0, "utilization_pct": 50.0}],
+        replicas=[
+            {
+                "replica_id": replica.pk,
+                "state": "ready",
+                "endpoint_url": "http://127.0.0.1:9100",
+                "running": 5,
+                "waiting": 3,
+                "kv_cache_usage": 0.62,
+                "tokens_per_s": 1234.5,
+            }
+        ],
+    )
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
     assert f'id="replica-{replica.pk}-load"' in page
     assert "queue 3 · running 5 · KV 62% · 1,234 tok/s" in page  # 1234.5 rounds half to even
@@ -166,7 +216,7 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
 
     deployments_autoscale(now=timezone.now())  # no traffic counted: the busy replica still drives it
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
-    block = page[page.index(f'id="deployment-{deployment.pk}-autoscale"'):]
+    block = page[page.index(f'id="deployment-{deployment.pk}-autoscale"') :]
     # 8 in flight on one replica that should carry 8 × 70%: two replicas.
     assert 'data-action="up"' in block and "Scaled up · 2" in block
     assert "utilisation 100% of 1 ready (target 70%), above 84%" in block
@@ -176,8 +226,11 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
 def test_the_fleet_pages_live_parts_are_rendered_in_one_place():
     # Only fragments.py renders them (the page includes the same templates); no answer to a form
     # or button includes one, so no part of the page is drawn both by an answer and by the push.
-    renderers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "controlplane").rglob("*.py")
-                       if any(f"dashboard/ops/{name}" in path.read_text() for name in LIVE_TEMPLATES))
+    renderers = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "controlplane").rglob("*.py")
+        if any(f"dashboard/ops/{name}" in path.read_text() for name in LIVE_TEMPLATES)
+    )
     assert renderers == ["controlplane/dashboard/ops/fragments.py"]
     for answer in ANSWER_TEMPLATES:
         text = (OPS_TEMPLATES / answer).read_text()
@@ -188,13 +241,13 @@ def test_a_fleet_page_whose_websocket_is_down_catches_up_over_http(operator_clie
     worker = make_worker()
     deployment = DeploymentFactory(desired_replicas=1, min_replicas=0, max_replicas=4)
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
-    catch_up = page[page.index('id="fleet-catch-up"'):]
+    catch_up = page[page.index('id="fleet-catch-up"') :]
     assert f'hx-get="{reverse("dashboard:fleet_live")}" hx-swap="none"' in catch_up[:200]
     assert 'hx-trigger="fleet-changed[!fleetLive()] from:body, every 10s [!fleetLive()]"' in catch_up
     # What a reconnecting WebSocket gets, each part marked to be swapped in by id.
     live = operator_client.get(reverse("dashboard:fleet_live")).content.decode()
     assert live.lstrip().startswith('<div id="workers" class="workers" data-testid="workers" hx-swap-oob="true">')
     assert f'id="worker-{worker.pk}"' in live
-    status = live[live.index(f'id="deployment-{deployment.pk}-status"'):]
+    status = live[live.index(f'id="deployment-{deployment.pk}-status"') :]
     assert 'data-desired="1" hx-swap-oob="true"' in status[:300] and "desired 1 · min 0 · max 4" in status
     assert 'data-testid="scale-form"' not in live and 'data-testid="limits-form"' not in live  # forms left alone

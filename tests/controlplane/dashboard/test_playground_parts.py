@@ -26,8 +26,11 @@ def test_the_form_sends_the_conversation_after_the_system_prompt_and_before_the_
     form = _form(system_prompt="Be brief.", history=json.dumps(history), top_p="0.9")
     assert form.is_valid(), form.errors
     body = form.prompt().chat_body()
-    assert body["messages"] == [{"role": "system", "content": "Be brief."}, *history,
-                                {"role": "user", "content": "Next?"}]
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        *history,
+        {"role": "user", "content": "Next?"},
+    ]
     assert (body["temperature"], body["top_p"], body["max_tokens"], body["stream"]) == (0.5, 0.9, 16, True)
 
 
@@ -38,14 +41,17 @@ def test_an_empty_top_p_and_history_are_the_defaults():
     assert (prompt.top_p, prompt.history) == (1.0, ())
 
 
-@pytest.mark.parametrize(("history", "error"), [
-    ("not json", "Enter a valid JSON"),
-    (json.dumps({"role": "user"}), "must be a list"),
-    (json.dumps([{"role": "system", "content": "sneaky"}]), "not a user or assistant message"),
-    (json.dumps([{"role": "user", "content": 3}]), "not a user or assistant message"),
-    (json.dumps([{"role": "user", "content": "x", "name": "y"}]), "not a user or assistant message"),
-    (json.dumps([{"role": "user", "content": "x"}] * 101), "at most 100 messages"),
-])
+@pytest.mark.parametrize(
+    ("history", "error"),
+    [
+        ("not json", "Enter a valid JSON"),
+        (json.dumps({"role": "user"}), "must be a list"),
+        (json.dumps([{"role": "system", "content": "sneaky"}]), "not a user or assistant message"),
+        (json.dumps([{"role": "user", "content": 3}]), "not a user or assistant message"),
+        (json.dumps([{"role": "user", "content": "x", "name": "y"}]), "not a user or assistant message"),
+        (json.dumps([{"role": "user", "content": "x"}] * 101), "at most 100 messages"),
+    ],
+)
 def test_a_malformed_conversation_is_refused_with_a_reason(history, error):
     form = _form(history=history)
     assert not form.is_valid()
@@ -99,9 +105,15 @@ def test_the_delta_batcher_sends_text_added_during_a_send_without_another_add():
 
 
 def _prompt(**fields) -> PlaygroundPrompt:
-    values = {"model": "chat-a", "system_prompt": "Be brief.", "message": "It's \"quoted\" — ok?",
-              "temperature": 0.2, "top_p": 0.9, "max_tokens": 64,
-              "history": ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"})}
+    values = {
+        "model": "chat-a",
+        "system_prompt": "Be brief.",
+        "message": 'It\'s "quoted" — ok?',
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "max_tokens": 64,
+        "history": ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}),
+    }
     return PlaygroundPrompt(**{**values, **fields})
 
 
@@ -134,6 +146,7 @@ def test_the_python_sample_calls_the_sdk_with_the_request_body(monkeypatch):
 
             class Reply:
                 choices = [type("Choice", (), {"message": type("Message", (), {"content": "ok"})})]
+
             return Reply
 
     class OpenAI:  # the SDK stands outside the system; the sample's own code runs as written
@@ -150,8 +163,10 @@ def test_the_python_sample_calls_the_sdk_with_the_request_body(monkeypatch):
 def test_the_code_view_follows_the_form_and_fills_in_what_is_not_valid_yet(client):
     ModelFactory(public_name="chat-a", context_length=512)
     client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
-    response = client.get(reverse("dashboard:playground_code"),
-                          {"model": "chat-a", "temperature": "abc", "max_tokens": "7", "message": ""})
+    response = client.get(
+        reverse("dashboard:playground_code"),
+        {"model": "chat-a", "temperature": "abc", "max_tokens": "7", "message": ""},
+    )
     assert response.status_code == 200
     page = response.content.decode()
     assert page.count('data-testid="code-sample"') == 3

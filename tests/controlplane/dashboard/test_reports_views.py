@@ -10,8 +10,14 @@ from django.urls import reverse
 
 from controlplane.accounts.models import User
 from controlplane.billing.services import credit_grant
-from tests.controlplane.factories import (ModelFactory, PlanFactory, PriceTierFactory, TenantFactory, UserFactory,
-                                         usage_record_settled)
+from tests.controlplane.factories import (
+    ModelFactory,
+    PlanFactory,
+    PriceTierFactory,
+    TenantFactory,
+    UserFactory,
+    usage_record_settled,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -32,30 +38,60 @@ def traffic():
 
     small: 0.002 a request, 0.50 per million tokens; large: 0.010 a request, 2.00 per million.
     """
-    small = ModelFactory(public_name="small", price_tier=PriceTierFactory(
-        price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.50")),
-        context_length=256, parameter_count=1, gpu_memory_bytes=1)
-    large = ModelFactory(public_name="large", price_tier=PriceTierFactory(
-        price_per_request=Decimal("0.010"), reference_price_per_million_tokens=Decimal("2.00")),
-        context_length=256, parameter_count=1, gpu_memory_bytes=1)
+    small = ModelFactory(
+        public_name="small",
+        price_tier=PriceTierFactory(
+            price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.50")
+        ),
+        context_length=256,
+        parameter_count=1,
+        gpu_memory_bytes=1,
+    )
+    large = ModelFactory(
+        public_name="large",
+        price_tier=PriceTierFactory(
+            price_per_request=Decimal("0.010"), reference_price_per_million_tokens=Decimal("2.00")
+        ),
+        context_length=256,
+        parameter_count=1,
+        gpu_memory_bytes=1,
+    )
     acme, bolt = TenantFactory(name="acme"), TenantFactory(name="bolt", plan=PlanFactory(included_requests_per_month=0))
     for tenant in (acme, bolt):
         credit_grant(tenant=tenant, amount=Decimal("1"))
     records = [  # tenant, model, at, status, prompt, completion, gpu seconds
-        (acme, small, DAY1, "completed", 1000, 1000, 0.5),      # 0.002, ref 2000 x 0.5e-6 = 0.001
-        (acme, large, DAY1, "completed", 3000, 2000, 1.5),      # 0.010, ref 5000 x 2e-6 = 0.010
-        (acme, large, DAY2, "cancelled", 10000, 10000, 2.0),    # 0.010, ref 20000 x 2e-6 = 0.040
+        (acme, small, DAY1, "completed", 1000, 1000, 0.5),  # 0.002, ref 2000 x 0.5e-6 = 0.001
+        (acme, large, DAY1, "completed", 3000, 2000, 1.5),  # 0.010, ref 5000 x 2e-6 = 0.010
+        (acme, large, DAY2, "cancelled", 10000, 10000, 2.0),  # 0.010, ref 20000 x 2e-6 = 0.040
         (bolt, small, DAY2, "completed", 100000, 100000, 4.0),  # 0.002, ref 200000 x 0.5e-6 = 0.100
-        (bolt, small, DAY2, "failed", 50000, 0, 0.25),          # free, left out of the reference
+        (bolt, small, DAY2, "failed", 50000, 0, 0.25),  # free, left out of the reference
     ]
     for i, (tenant, model, at, status, prompt, completion, gpu) in enumerate(records):
-        usage_record_settled(request_id=f"req-{i}", tenant=tenant, model=model, status=status, prompt_tokens=prompt,
-                             completion_tokens=completion, total_latency_ms=100, time_to_first_token_ms=10, at=at,
-                             gpu_time_s=gpu)
+        usage_record_settled(
+            request_id=f"req-{i}",
+            tenant=tenant,
+            model=model,
+            status=status,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_latency_ms=100,
+            time_to_first_token_ms=10,
+            at=at,
+            gpu_time_s=gpu,
+        )
     # Outside the range on both sides.
     for i, at in enumerate((datetime(2026, 2, 28, 23, 59, tzinfo=UTC), datetime(2026, 3, 4, tzinfo=UTC))):
-        usage_record_settled(request_id=f"out-{i}", tenant=acme, model=small, status="completed", prompt_tokens=1,
-                             completion_tokens=1, total_latency_ms=1, time_to_first_token_ms=1, at=at)
+        usage_record_settled(
+            request_id=f"out-{i}",
+            tenant=acme,
+            model=small,
+            status="completed",
+            prompt_tokens=1,
+            completion_tokens=1,
+            total_latency_ms=1,
+            time_to_first_token_ms=1,
+            at=at,
+        )
 
 
 @pytest.mark.parametrize("page", ["dashboard:reports", "dashboard:reports_csv"])
@@ -101,14 +137,25 @@ def test_by_tenant_against_hand_computed_figures(client, admin, traffic):
 
 def test_by_model_and_by_day(client, admin, traffic):
     rows = _rows(client.get(reverse("dashboard:reports"), {**QUERY, "group_by": "model"}))
-    assert (rows["large"].requests, rows["large"].revenue, rows["large"].reference) == (2, Decimal("0.020"), Decimal("0.050"))
-    assert (rows["small"].requests, rows["small"].revenue, rows["small"].reference) == (3, Decimal("0.004"), Decimal("0.101"))
+    assert (rows["large"].requests, rows["large"].revenue, rows["large"].reference) == (
+        2,
+        Decimal("0.020"),
+        Decimal("0.050"),
+    )
+    assert (rows["small"].requests, rows["small"].revenue, rows["small"].reference) == (
+        3,
+        Decimal("0.004"),
+        Decimal("0.101"),
+    )
     response = client.get(reverse("dashboard:reports"), {**QUERY, "group_by": "day"})
     rows = _rows(response)
     assert list(rows) == ["2026-03-01", "2026-03-03"]  # days in order; no row for a day without traffic
     assert (rows["2026-03-01"].requests, rows["2026-03-01"].revenue) == (2, Decimal("0.012"))
     assert (rows["2026-03-03"].requests, rows["2026-03-03"].revenue, rows["2026-03-03"].reference) == (
-        3, Decimal("0.012"), Decimal("0.140"))
+        3,
+        Decimal("0.012"),
+        Decimal("0.140"),
+    )
     daily = response.context["requests_chart"]  # the chart has every day, zeros included
     requests = {s["label"]: s["values"] for s in daily["series"]}["Requests"]
     assert daily["days"] == ["2026-03-01", "2026-03-02", "2026-03-03"] and requests == [2, 0, 3]
@@ -123,8 +170,17 @@ def test_csv_has_the_same_rows(client, admin, traffic):
     assert response.status_code == 200 and response["Content-Type"].startswith("text/csv")
     assert response["Content-Disposition"] == 'attachment; filename="gpuserve-model-2026-03-01-to-2026-03-03.csv"'
     rows = list(csv.reader(io.StringIO(response.content.decode())))
-    assert rows[0] == ["model", "requests", "failed", "revenue", "reference", "difference", "gpu_time_s",
-                       "prompt_tokens", "completion_tokens"]
+    assert rows[0] == [
+        "model",
+        "requests",
+        "failed",
+        "revenue",
+        "reference",
+        "difference",
+        "gpu_time_s",
+        "prompt_tokens",
+        "completion_tokens",
+    ]
     assert rows[1:] == [
         ["large", "2", "0", "0.020000", "0.050000", "0.030000", "3.500", "13000", "12000"],
         ["small", "3", "1", "0.004000", "0.101000", "0.097000", "4.750", "151000", "101000"],
@@ -136,30 +192,46 @@ def test_csv_has_the_same_rows(client, admin, traffic):
 def test_csv_amounts_have_six_decimal_places_whatever_the_database_summed(client, admin):
     """A tenant whose one request failed sums to no revenue (the database's 0) and one whose
     reference is a fraction of a cent: every amount reads with the ledger's six places."""
-    model = ModelFactory(public_name="m", price_tier=PriceTierFactory(
-        price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.50")))
+    model = ModelFactory(
+        public_name="m",
+        price_tier=PriceTierFactory(
+            price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.50")
+        ),
+    )
     for name, status, tokens in (("failing", "failed", 0), ("paying", "completed", 1726)):
         tenant = TenantFactory(name=name, plan=PlanFactory(included_requests_per_month=0))
         credit_grant(tenant=tenant, amount=Decimal("1"))
-        usage_record_settled(request_id=f"dp-{name}", tenant=tenant, model=model, status=status, at=DAY1,
-                             prompt_tokens=tokens, completion_tokens=0, total_latency_ms=1, time_to_first_token_ms=1)
+        usage_record_settled(
+            request_id=f"dp-{name}",
+            tenant=tenant,
+            model=model,
+            status=status,
+            at=DAY1,
+            prompt_tokens=tokens,
+            completion_tokens=0,
+            total_latency_ms=1,
+            time_to_first_token_ms=1,
+        )
     response = client.get(reverse("dashboard:reports_csv"), {**QUERY, "group_by": "tenant"})
     rows = {row[0]: row for row in csv.reader(io.StringIO(response.content.decode()))}
     assert rows["failing"][3:6] == ["0.000000", "0.000000", "0.000000"]
     assert rows["paying"][3:6] == ["0.002000", "0.000863", "-0.001137"]
 
 
-@pytest.mark.parametrize(("query", "field", "message"), [
-    ({"start": "2026-03-05", "end": "2026-03-01"}, "end", "on or after the first day"),
-    ({"start": "2024-01-01", "end": "2026-01-01"}, "end", "at most 366 days"),
-    ({"start": "yesterday", "end": "2026-03-01"}, "start", "Enter a valid date"),
-    ({"start": "2026-03-01", "end": "2026-03-02", "group_by": "planet"}, "group_by", "Select a valid choice"),
-])
+@pytest.mark.parametrize(
+    ("query", "field", "message"),
+    [
+        ({"start": "2026-03-05", "end": "2026-03-01"}, "end", "on or after the first day"),
+        ({"start": "2024-01-01", "end": "2026-01-01"}, "end", "at most 366 days"),
+        ({"start": "yesterday", "end": "2026-03-01"}, "start", "Enter a valid date"),
+        ({"start": "2026-03-01", "end": "2026-03-02", "group_by": "planet"}, "group_by", "Select a valid choice"),
+    ],
+)
 def test_bad_input_gets_an_error_beside_its_field(client, admin, query, field, message):
     response = client.get(reverse("dashboard:reports"), query)
     page = response.content.decode()
     start = page.index(f'id="error-{field}"')
-    assert message in page[start: page.index("</div>", start)]
+    assert message in page[start : page.index("</div>", start)]
     assert 'id="report-table"' not in page and 'id="report-csv"' not in page
     assert client.get(reverse("dashboard:reports_csv"), query).status_code == 400
 
@@ -171,8 +243,17 @@ def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_neutralised(client, a
     for i, name in enumerate(names):
         tenant = TenantFactory(name=name)
         credit_grant(tenant=tenant, amount=Decimal("1"))
-        usage_record_settled(request_id=f"csv-{i}", tenant=tenant, model=model, status="completed",
-                             prompt_tokens=1, completion_tokens=1, total_latency_ms=1, time_to_first_token_ms=1, at=DAY1)
+        usage_record_settled(
+            request_id=f"csv-{i}",
+            tenant=tenant,
+            model=model,
+            status="completed",
+            prompt_tokens=1,
+            completion_tokens=1,
+            total_latency_ms=1,
+            time_to_first_token_ms=1,
+            at=DAY1,
+        )
     response = client.get(reverse("dashboard:reports_csv"), {**QUERY, "group_by": "tenant"})
     rows = list(csv.reader(io.StringIO(response.content.decode(), newline="")))
     keys = sorted(row[0] for row in rows[1:])
@@ -187,14 +268,23 @@ def test_by_key_names_each_tenants_keys_and_puts_playground_sessions_together(cl
 
     acme, small = Tenant.objects.get(name="acme"), Model.objects.get(public_name="small")
     prod = ApiKeyFactory(tenant=acme, name="production")
-    for i, key in enumerate((prod, prod, ApiKeyFactory(tenant=acme, purpose=ApiKey.Purpose.PLAYGROUND),
-                             ApiKeyFactory(tenant=acme, purpose=ApiKey.Purpose.PLAYGROUND))):
+    for i, key in enumerate(
+        (
+            prod,
+            prod,
+            ApiKeyFactory(tenant=acme, purpose=ApiKey.Purpose.PLAYGROUND),
+            ApiKeyFactory(tenant=acme, purpose=ApiKey.Purpose.PLAYGROUND),
+        )
+    ):
         usage_record_settled(request_id=f"key-{i}", tenant=acme, model=small, api_key=key, at=DAY1)
     response = client.get(reverse("dashboard:reports"), {**QUERY, "group_by": "key"})
     rows = _rows(response)
     assert (rows[f"acme · production ({prod.prefix}…)"].requests, rows["acme · Playground"].requests) == (2, 2)
     assert (rows["acme · (no key)"].requests, rows["bolt · (no key)"].requests) == (3, 2)
     assert response.context["group_chart"]["labels"] == list(rows)
-    csv_rows = list(csv.reader(io.StringIO(client.get(reverse("dashboard:reports_csv"),
-                                                      {**QUERY, "group_by": "key"}).content.decode())))
+    csv_rows = list(
+        csv.reader(
+            io.StringIO(client.get(reverse("dashboard:reports_csv"), {**QUERY, "group_by": "key"}).content.decode())
+        )
+    )
     assert csv_rows[0][0] == "key" and {row[0] for row in csv_rows[1:]} == set(rows)

@@ -13,8 +13,14 @@ from django.utils import timezone
 from controlplane.accounts.models import User
 from controlplane.billing.services import credit_grant
 from controlplane.dashboard.request_log.views import PAGE_SIZE
-from tests.controlplane.factories import (ApiKeyFactory, ModelFactory, PriceTierFactory, TenantFactory, UserFactory,
-                                         usage_record_settled)
+from tests.controlplane.factories import (
+    ApiKeyFactory,
+    ModelFactory,
+    PriceTierFactory,
+    TenantFactory,
+    UserFactory,
+    usage_record_settled,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -29,16 +35,32 @@ def world():
     prod, batch = ApiKeyFactory(tenant=tenant, name="production"), ApiKeyFactory(tenant=tenant, name="batch")
     now = timezone.now()
     records = {
-        "ok": usage_record_settled(tenant=tenant, model=chat, api_key=prod, prompt_tokens=31, completion_tokens=7,
-                                   time_to_first_token_ms=42, total_latency_ms=180, at=now - timedelta(minutes=3)),
-        "failed": usage_record_settled(tenant=tenant, model=chat, api_key=batch, status="failed",
-                                       error_code="replica_unavailable", time_to_first_token_ms=None,
-                                       at=now - timedelta(minutes=2)),
-        "gone": usage_record_settled(tenant=tenant, model=embed, api_key=prod, status="cancelled",
-                                     at=now - timedelta(minutes=1)),
+        "ok": usage_record_settled(
+            tenant=tenant,
+            model=chat,
+            api_key=prod,
+            prompt_tokens=31,
+            completion_tokens=7,
+            time_to_first_token_ms=42,
+            total_latency_ms=180,
+            at=now - timedelta(minutes=3),
+        ),
+        "failed": usage_record_settled(
+            tenant=tenant,
+            model=chat,
+            api_key=batch,
+            status="failed",
+            error_code="replica_unavailable",
+            time_to_first_token_ms=None,
+            at=now - timedelta(minutes=2),
+        ),
+        "gone": usage_record_settled(
+            tenant=tenant, model=embed, api_key=prod, status="cancelled", at=now - timedelta(minutes=1)
+        ),
         "old": usage_record_settled(tenant=tenant, model=chat, api_key=prod, at=now - timedelta(days=20)),
-        "other": usage_record_settled(tenant=other, model=chat, api_key=ApiKeyFactory(tenant=other, name="theirs"),
-                                      at=now - timedelta(minutes=4)),
+        "other": usage_record_settled(
+            tenant=other, model=chat, api_key=ApiKeyFactory(tenant=other, name="theirs"), at=now - timedelta(minutes=4)
+        ),
     }
     return tenant, other, prod, records
 
@@ -53,11 +75,18 @@ def test_a_member_sees_their_tenants_requests_of_the_last_week_with_their_figure
     response = client.get(reverse("dashboard:requests"))
     assert _ids(response) == [records[k].request_id for k in ("gone", "failed", "ok")]  # newest first
     page = response.content.decode()
-    row = page[page.index(f'data-request-id="{records["ok"].request_id}"'):]
-    row = row[:row.index("</tr>")]
-    for text in ('production <code>', "chat-small", 'data-field="prompt_tokens">31<',
-                 'data-field="completion_tokens">7<', 'data-field="ttft">42<', 'data-field="latency">180<',
-                 ">ok</span>", 'data-field="cost">$0.002<'):
+    row = page[page.index(f'data-request-id="{records["ok"].request_id}"') :]
+    row = row[: row.index("</tr>")]
+    for text in (
+        "production <code>",
+        "chat-small",
+        'data-field="prompt_tokens">31<',
+        'data-field="completion_tokens">7<',
+        'data-field="ttft">42<',
+        'data-field="latency">180<',
+        ">ok</span>",
+        'data-field="cost">$0.002<',
+    ):
         assert text in row, text
     assert ">replica_unavailable</span>" in page and ">client gone</span>" in page
     assert 'data-field="cost">$0.00<' in page  # the failed request: free, not "included in plan"
@@ -98,7 +127,9 @@ def test_an_admin_sees_every_tenant_and_filters_by_one(client, world):
     assert _ids(client.get(url, {"tenant": other.pk})) == [records["other"].request_id]
     # The key choices are the picked tenant's keys.
     assert [k.name for k in client.get(url, {"tenant": tenant.pk}).context["form"].fields["key"].queryset] == [
-        "batch", "production"]
+        "batch",
+        "production",
+    ]
 
 
 def test_operators_and_anonymous_readers_are_refused(client, world):
@@ -112,8 +143,9 @@ def test_pages_of_fifty_and_the_csv_has_every_row(client, world):
     tenant, _, prod, records = world
     model = records["ok"].model
     for minute in range(PAGE_SIZE):
-        usage_record_settled(tenant=tenant, model=model, api_key=prod,
-                             at=timezone.now() - timedelta(hours=1, minutes=minute))
+        usage_record_settled(
+            tenant=tenant, model=model, api_key=prod, at=timezone.now() - timedelta(hours=1, minutes=minute)
+        )
     client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=tenant))
     first = client.get(reverse("dashboard:requests"), {"model": "chat-small"})
     assert len(_ids(first)) == PAGE_SIZE and first.context["page"].paginator.count == PAGE_SIZE + 2
@@ -126,12 +158,24 @@ def test_pages_of_fifty_and_the_csv_has_every_row(client, world):
     rows = list(csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode())))
     assert len(rows) == PAGE_SIZE + 2
     ok = next(row for row in rows if row["request_id"] == records["ok"].request_id)
-    assert ok == {**ok, "tenant": "acme", "key": "production", "model": "chat-small", "outcome": "ok",
-                  "prompt_tokens": "31", "completion_tokens": "7", "time_to_first_token_ms": "42",
-                  "total_latency_ms": "180", "cost": "0.002000"}
+    assert ok == {
+        **ok,
+        "tenant": "acme",
+        "key": "production",
+        "model": "chat-small",
+        "outcome": "ok",
+        "prompt_tokens": "31",
+        "completion_tokens": "7",
+        "time_to_first_token_ms": "42",
+        "total_latency_ms": "180",
+        "cost": "0.002000",
+    }
     failed = next(row for row in rows if row["request_id"] == records["failed"].request_id)
     assert (failed["outcome"], failed["time_to_first_token_ms"], failed["cost"]) == (
-        "replica_unavailable", "", "0.000000")
+        "replica_unavailable",
+        "",
+        "0.000000",
+    )
 
 
 def test_csv_names_are_inert_for_spreadsheets(client, world):

@@ -58,15 +58,21 @@ def test_a_plain_member_sees_the_team_but_cannot_change_it(client, tenant):
 def test_operators_get_403_on_team_pages(client, tenant):
     client.force_login(UserFactory(role=User.Role.OPERATOR, tenant=None))
     assert client.get(reverse("dashboard:team")).status_code == 403
-    assert client.post(reverse("dashboard:team_invitation_create", args=[tenant.pk]),
-                       {"tenant_role": "member"}).status_code == 403
+    assert (
+        client.post(
+            reverse("dashboard:team_invitation_create", args=[tenant.pk]), {"tenant_role": "member"}
+        ).status_code
+        == 403
+    )
 
 
 def test_another_tenants_team_is_404(client, tenant_admin):
     other = TenantFactory()
     stranger = UserFactory(tenant=other, tenant_role=User.TenantRole.ADMIN)
-    assert client.post(reverse("dashboard:team_invitation_create", args=[other.pk]),
-                       {"tenant_role": "member"}).status_code == 404
+    assert (
+        client.post(reverse("dashboard:team_invitation_create", args=[other.pk]), {"tenant_role": "member"}).status_code
+        == 404
+    )
     assert client.post(reverse("dashboard:member_remove", args=[other.pk, stranger.pk])).status_code == 404
     # Nor through the own tenant's URL with another tenant's member id.
     own_url = reverse("dashboard:member_remove", args=[tenant_admin.tenant_id, stranger.pk])
@@ -76,8 +82,11 @@ def test_another_tenants_team_is_404(client, tenant_admin):
 
 
 def test_invite_accept_and_sign_in(client, tenant, tenant_admin):
-    response = client.post(reverse("dashboard:team_invitation_create", args=[tenant.pk]),
-                           {"tenant_role": "member", "note": "Carol"}, headers=HTMX)
+    response = client.post(
+        reverse("dashboard:team_invitation_create", args=[tenant.pk]),
+        {"tenant_role": "member", "note": "Carol"},
+        headers=HTMX,
+    )
     page = response.content.decode()
     assert response["Cache-Control"] == "no-store" and page.lstrip().startswith('<section class="card" id="team"')
     link = _link(page)
@@ -104,37 +113,44 @@ def test_invite_accept_and_sign_in(client, tenant, tenant_admin):
 def test_a_weak_password_is_said_beside_the_field(client, tenant, tenant_admin):
     created = invitation_create(created_by=tenant_admin, role=User.Role.TENANT_MEMBER, tenant=tenant)
     client.logout()
-    page = client.post(reverse("dashboard:invitation_accept", args=[created.token]),
-                       {"username": "dan", "password": "123", "password_again": "123"}).content.decode()
+    page = client.post(
+        reverse("dashboard:invitation_accept", args=[created.token]),
+        {"username": "dan", "password": "123", "password_again": "123"},
+    ).content.decode()
     start = page.index('id="error-password"')
-    assert "too short" in page[start:page.index("</div>", start)]
+    assert "too short" in page[start : page.index("</div>", start)]
     assert not User.objects.filter(username="dan").exists()
 
 
 def test_expired_and_unknown_links(client, tenant, tenant_admin):
-    expired = invitation_create(created_by=tenant_admin, role=User.Role.TENANT_MEMBER, tenant=tenant,
-                                lifetime=timedelta(seconds=-1))
+    expired = invitation_create(
+        created_by=tenant_admin, role=User.Role.TENANT_MEMBER, tenant=tenant, lifetime=timedelta(seconds=-1)
+    )
     client.logout()
     response = client.get(reverse("dashboard:invitation_accept", args=[expired.token]))
     assert response.status_code == 410 and "expired" in response.content.decode()
-    posted = client.post(reverse("dashboard:invitation_accept", args=[expired.token]),
-                         {"username": "eve", "password": NEW_PASSWORD, "password_again": NEW_PASSWORD})
+    posted = client.post(
+        reverse("dashboard:invitation_accept", args=[expired.token]),
+        {"username": "eve", "password": NEW_PASSWORD, "password_again": NEW_PASSWORD},
+    )
     assert posted.status_code == 410 and not User.objects.filter(username="eve").exists()
     assert client.get(reverse("dashboard:invitation_accept", args=["nonsense"])).status_code == 404
 
 
 def test_withdrawing_an_invitation(client, tenant, tenant_admin):
     created = invitation_create(created_by=tenant_admin, role=User.Role.TENANT_MEMBER, tenant=tenant)
-    response = client.post(reverse("dashboard:team_invitation_revoke", args=[tenant.pk, created.invitation.pk]),
-                           headers=HTMX)
+    response = client.post(
+        reverse("dashboard:team_invitation_revoke", args=[tenant.pk, created.invitation.pk]), headers=HTMX
+    )
     assert 'data-testid="invitation-row"' not in response.content.decode()
     assert client.get(reverse("dashboard:invitation_accept", args=[created.token])).status_code == 410
 
 
 def test_set_role_and_remove_through_the_page(client, tenant, tenant_admin):
     bob = UserFactory(username="bob", tenant=tenant)
-    page = client.post(reverse("dashboard:member_role", args=[tenant.pk, bob.pk]), {"tenant_role": "admin"},
-                       headers=HTMX).content.decode()
+    page = client.post(
+        reverse("dashboard:member_role", args=[tenant.pk, bob.pk]), {"tenant_role": "admin"}, headers=HTMX
+    ).content.decode()
     bob.refresh_from_db()
     assert bob.is_tenant_admin and 'data-username="bob"' in page
     page = client.post(reverse("dashboard:member_remove", args=[tenant.pk, bob.pk]), headers=HTMX).content.decode()
@@ -144,8 +160,9 @@ def test_set_role_and_remove_through_the_page(client, tenant, tenant_admin):
 
 
 def test_the_last_admin_is_told_why_they_cannot_leave(client, tenant, tenant_admin):
-    page = client.post(reverse("dashboard:member_role", args=[tenant.pk, tenant_admin.pk]),
-                       {"tenant_role": "member"}, headers=HTMX).content.decode()
+    page = client.post(
+        reverse("dashboard:member_role", args=[tenant.pk, tenant_admin.pk]), {"tenant_role": "member"}, headers=HTMX
+    ).content.decode()
     assert 'id="team-error"' in page and "last admin of Acme" in page
     response = client.post(reverse("dashboard:member_remove", args=[tenant.pk, tenant_admin.pk]), follow=True)
     assert "last admin of Acme" in response.content.decode()
@@ -167,8 +184,10 @@ def test_admins_invite_operators_from_the_staff_page(client):
     page = client.post(reverse("dashboard:staff"), {"role": "operator", "note": "Olga"}, headers=HTMX).content.decode()
     link = _link(page)
     client.logout()
-    client.post(link.removeprefix("http://testserver"),
-                {"username": "olga", "password": NEW_PASSWORD, "password_again": NEW_PASSWORD})
+    client.post(
+        link.removeprefix("http://testserver"),
+        {"username": "olga", "password": NEW_PASSWORD, "password_again": NEW_PASSWORD},
+    )
     olga = User.objects.get(username="olga")
     assert (olga.role, olga.tenant, olga.is_staff) == (User.Role.OPERATOR, None, False)
     bad = UserFactory(role=User.Role.ADMIN, tenant=None)

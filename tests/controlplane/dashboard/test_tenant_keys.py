@@ -53,7 +53,7 @@ def test_created_key_is_shown_once_and_works(client, member):
     assert response.status_code == 200 and response["Cache-Control"] == "no-store"
     page = response.content.decode()
     start = page.index('id="key-plaintext"')
-    plaintext = page[page.index(">", start) + 1: page.index("</code>", start)]
+    plaintext = page[page.index(">", start) + 1 : page.index("</code>", start)]
     assert plaintext.startswith("sk-") and "this is the only time it is shown" in page
     api_key = api_key_authenticate(plaintext=plaintext)
     assert api_key.tenant == member.tenant and api_key.name == "production" and api_key.created_by == member
@@ -74,29 +74,39 @@ def test_htmx_create_returns_the_panel_and_refreshes_the_list(client, member):
 def test_create_with_limits_expiry_and_models(client, member):
     model = ModelFactory(price_tier=PriceTierFactory(), context_length=256, parameter_count=1, gpu_memory_bytes=1)
     expires = (timezone.now() + timedelta(days=7)).replace(second=0, microsecond=0)
-    client.post(reverse("dashboard:keys"), {
-        "name": "batch", "expires_at": expires.strftime("%Y-%m-%dT%H:%M"), "allowed_models": [model.public_name],
-        "rate_limit_per_minute": "30", "max_concurrent_requests": "2"})
+    client.post(
+        reverse("dashboard:keys"),
+        {
+            "name": "batch",
+            "expires_at": expires.strftime("%Y-%m-%dT%H:%M"),
+            "allowed_models": [model.public_name],
+            "rate_limit_per_minute": "30",
+            "max_concurrent_requests": "2",
+        },
+    )
     api_key = ApiKey.objects.get(name="batch")
     assert api_key.expires_at == expires and not api_key.all_models
     assert list(api_key.allowed_models.all()) == [model]
     assert (api_key.rate_limit_per_minute, api_key.max_concurrent_requests) == (30, 2)
 
 
-@pytest.mark.parametrize(("data", "field", "message"), [
-    ({"name": "taken"}, "name", "already has a key with this name"),
-    ({"name": "k", "expires_at": "2001-01-01T00:00"}, "expires_at", "must be in the future"),
-    ({"name": "k", "expires_at": "next tuesday"}, "expires_at", "Enter a valid date/time"),
-    ({"name": "   "}, "name", "This field is required"),
-    ({"name": "k", "rate_limit_per_minute": "0"}, "rate_limit_per_minute", "greater than or equal to 1"),
-    ({"name": "k", "allowed_models": ["no-such-model"]}, "allowed_models", "Select a valid choice"),
-])
+@pytest.mark.parametrize(
+    ("data", "field", "message"),
+    [
+        ({"name": "taken"}, "name", "already has a key with this name"),
+        ({"name": "k", "expires_at": "2001-01-01T00:00"}, "expires_at", "must be in the future"),
+        ({"name": "k", "expires_at": "next tuesday"}, "expires_at", "Enter a valid date/time"),
+        ({"name": "   "}, "name", "This field is required"),
+        ({"name": "k", "rate_limit_per_minute": "0"}, "rate_limit_per_minute", "greater than or equal to 1"),
+        ({"name": "k", "allowed_models": ["no-such-model"]}, "allowed_models", "Select a valid choice"),
+    ],
+)
 def test_bad_input_gets_an_error_beside_its_field(client, member, data, field, message):
     ApiKeyFactory(tenant=member.tenant, name="taken")
     response = client.post(reverse("dashboard:keys"), data)
     page = response.content.decode()
     start = page.index(f'id="error-{field}"')
-    beside = page[start: page.index("</div>", start)]
+    beside = page[start : page.index("</div>", start)]
     assert message in beside and "hidden" not in beside.split(">")[0]
     assert ApiKey.objects.filter(tenant=member.tenant).count() == 1
 
@@ -161,8 +171,9 @@ def test_a_keys_limit_is_set_changed_and_cleared_from_its_row_with_this_months_s
     credit_grant(tenant=member.tenant, amount=Decimal("1"))
     model = ModelFactory(price_tier=PriceTierFactory(price_per_request=Decimal("0.25")))
     usage_record_settled(tenant=member.tenant, model=model, api_key=api_key)
-    usage_record_settled(tenant=member.tenant, model=model, api_key=api_key,
-                         at=timezone.now() - timedelta(days=40))  # an earlier month: not this month's spend
+    usage_record_settled(
+        tenant=member.tenant, model=model, api_key=api_key, at=timezone.now() - timedelta(days=40)
+    )  # an earlier month: not this month's spend
     url = reverse("dashboard:key_budget", args=[api_key.pk])
     row = client.post(url, {"monthly_spend_limit": "5"}, headers={"HX-Request": "true"}).content.decode()
     assert row.startswith(f'<tr id="key-{api_key.pk}"')
@@ -199,7 +210,7 @@ def test_a_key_used_moments_ago_reads_just_now(client, member):
 
     def row(name: str) -> str:
         start = page.index(f'data-key-name="{name}"')
-        return page[start:page.index("</tr>", start)]
+        return page[start : page.index("</tr>", start)]
 
     assert "just now" in row("fresh") and "0 minutes" not in page
     assert "5 minutes ago" in row("older")

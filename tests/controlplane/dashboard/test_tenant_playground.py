@@ -55,9 +55,18 @@ async def _connect(user_cookie: bytes | None) -> WebSocketClient:
 
 
 def _send(model: str, **fields) -> str:
-    return json.dumps({"action": "send", "model": model, "system_prompt": "You are terse.",
-                       "message": "Tell me a long story about GPUs.", "temperature": "0", "max_tokens": "40",
-                       "HEADERS": {"HX-Request": "true"}, **{k: str(v) for k, v in fields.items()}})
+    return json.dumps(
+        {
+            "action": "send",
+            "model": model,
+            "system_prompt": "You are terse.",
+            "message": "Tell me a long story about GPUs.",
+            "temperature": "0",
+            "max_tokens": "40",
+            "HEADERS": {"HX-Request": "true"},
+            **{k: str(v) for k, v in fields.items()},
+        }
+    )
 
 
 async def _until_final(ws: WebSocketClient, messages: list[str], timeout: float = 60) -> str:
@@ -80,8 +89,9 @@ def _stats(url: str) -> dict:
 
 def _generated_tokens(url: str) -> float:
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {WORKER_TOKEN}"}, timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:generation_tokens_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total{")
+    )
 
 
 def test_answer_streams_and_is_billed_once(gateway, replicas, in_process_gateway):
@@ -103,7 +113,10 @@ def test_answer_streams_and_is_billed_once(gateway, replicas, in_process_gateway
         return messages, final
 
     messages, final = async_to_sync(scenario)()
-    assert 'data-state="streaming"' in messages[0] and 'id="playground-send" data-testid="playground-send" disabled' in messages[0]
+    assert (
+        'data-state="streaming"' in messages[0]
+        and 'id="playground-send" data-testid="playground-send" disabled' in messages[0]
+    )
     deltas = [m for m in messages if 'hx-swap-oob="beforeend"' in m]
     assert deltas, "the answer arrives as it streams, before the end"
     assert 'data-state="done"' in final and "cost $0.003000" in final and "completion tokens" in final
@@ -164,8 +177,7 @@ def test_stop_aborts_on_the_replica_and_bills_by_the_gateways_rules(gateway, rep
         ws = await _connect(cookie)
         try:
             assert (await ws.connect())[0]
-            await ws.send_to(text_data=_send(world.model.public_name, max_tokens=max_tokens,
-                                             message="Stop me."))
+            await ws.send_to(text_data=_send(world.model.public_name, max_tokens=max_tokens, message="Stop me."))
             messages = [await ws.receive_from(timeout=60)]
             while 'hx-swap-oob="beforeend"' not in messages[-1]:
                 messages.append(await ws.receive_from(timeout=60))
@@ -243,13 +255,17 @@ def test_a_key_revoked_on_the_page_is_refused_by_the_gateway(gateway, replicas):
     client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=world.tenant))
     page = client.post(reverse("dashboard:keys"), {"name": "to revoke"}).content.decode()
     start = page.index('id="key-plaintext"')
-    plaintext = page[page.index(">", start) + 1: page.index("</code>", start)]
+    plaintext = page[page.index(">", start) + 1 : page.index("</code>", start)]
     api = world.client(api_key=plaintext)
-    answer = api.chat.completions.create(model=world.model.public_name, max_tokens=2,
-                                         messages=[{"role": "user", "content": "hi"}])
+    answer = api.chat.completions.create(
+        model=world.model.public_name, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+    )
     assert answer.choices  # the gateway now holds the key in its cache
     api_key = ApiKey.objects.get(tenant=world.tenant, name="to revoke")
-    assert client.post(reverse("dashboard:key_revoke", args=[api_key.pk]), headers={"HX-Request": "true"}).status_code == 200
+    assert (
+        client.post(reverse("dashboard:key_revoke", args=[api_key.pk]), headers={"HX-Request": "true"}).status_code
+        == 200
+    )
 
     def refused() -> bool:
         try:

@@ -11,14 +11,24 @@ from django.utils import timezone
 from controlplane.accounts.models import User
 from controlplane.billing.reports import month_start_of
 from controlplane.billing.services import credit_grant
-from tests.controlplane.factories import ModelFactory, PriceTierFactory, TenantFactory, UserFactory, usage_record_settled
+from tests.controlplane.factories import (
+    ModelFactory,
+    PriceTierFactory,
+    TenantFactory,
+    UserFactory,
+    usage_record_settled,
+)
 
 pytestmark = pytest.mark.django_db
 
 
 def _model(price: str):
-    return ModelFactory(price_tier=PriceTierFactory(price_per_request=Decimal(price)), context_length=256,
-                        parameter_count=1, gpu_memory_bytes=1)
+    return ModelFactory(
+        price_tier=PriceTierFactory(price_per_request=Decimal(price)),
+        context_length=256,
+        parameter_count=1,
+        gpu_memory_bytes=1,
+    )
 
 
 def _record(tenant, model, at, status="completed", n=1):
@@ -55,7 +65,9 @@ def test_month_figures_daily_rows_and_isolation(client):
     assert f'<tr data-day="{first_day}"><td>{first_day}</td><td class="num">3</td><td class="num">1</td>' in page
     chart = response.context["chart"]
     series = {s["label"]: s["values"] for s in chart["series"]}
-    assert chart["days"][0] == first_day and series["Requests"][0] == 3 and series["Spend ($)"][0] == pytest.approx(0.03)
+    assert (
+        chart["days"][0] == first_day and series["Requests"][0] == 3 and series["Spend ($)"][0] == pytest.approx(0.03)
+    )
     # The chart's axis spans the whole month, its figures (and the table) stop at today: no
     # zeros for days still to come.
     last_day = now.date().replace(day=calendar.monthrange(now.year, now.month)[1]).isoformat()
@@ -82,9 +94,13 @@ def test_usage_by_model_and_by_key_over_a_period(client):
     response = client.get(reverse("dashboard:usage"))
     by_model, by_key = response.context["groups"]
     assert [(r.key, r.requests, r.revenue) for r in by_model.rows] == [
-        (chat.public_name, 2, Decimal("0.02")), (embed.public_name, 1, Decimal("0.001"))]
+        (chat.public_name, 2, Decimal("0.02")),
+        (embed.public_name, 1, Decimal("0.001")),
+    ]
     assert [(r.key, r.requests) for r in by_key.rows] == [
-        (f"production ({prod.prefix}…)", 2), (f"batch ({batch.prefix}…)", 1)]
+        (f"production ({prod.prefix}…)", 2),
+        (f"batch ({batch.prefix}…)", 1),
+    ]
     assert by_key.chart == {"labels": [r.key for r in by_key.rows], "series": [{"label": "Requests", "values": [2, 1]}]}
     assert "theirs" not in response.content.decode()
 

@@ -9,8 +9,10 @@ class WebSocketClient(ApplicationCommunicator):
     install (uvicorn serves it)."""
 
     def __init__(self, application, path: str, headers: list[tuple[bytes, bytes]]) -> None:
-        super().__init__(application, {"type": "websocket", "path": path, "query_string": b"",
-                                       "headers": headers, "subprotocols": []})
+        super().__init__(
+            application,
+            {"type": "websocket", "path": path, "query_string": b"", "headers": headers, "subprotocols": []},
+        )
 
     async def connect(self, timeout: float = 5) -> tuple[bool, int | None]:
         await self.send_input({"type": "websocket.connect"})

@@ -110,8 +110,9 @@ def test_seed_replaces_only_the_password_that_no_longer_works(tmp_path):
     second = _seed(env_file)
     assert second["DEMO_OPERATOR_PASSWORD"] != first["DEMO_OPERATOR_PASSWORD"]
     assert User.objects.get(username="operator").check_password(second["DEMO_OPERATOR_PASSWORD"])
-    assert {k: v for k, v in second.items() if k != "DEMO_OPERATOR_PASSWORD"} == \
-        {k: v for k, v in first.items() if k != "DEMO_OPERATOR_PASSWORD"}
+    assert {k: v for k, v in second.items() if k != "DEMO_OPERATOR_PASSWORD"} == {
+        k: v for k, v in first.items() if k != "DEMO_OPERATOR_PASSWORD"
+    }
 
 
 def test_embedding_model_unzip_replaces_an_interrupted_one(tmp_path):

@@ -10,9 +10,18 @@ from controlplane.fleet.autoscaling import AutoscalePolicy, DeploymentSignals, R
 NOW = 1_000_000.0
 
 POLICY = AutoscalePolicy(
-    min_replicas=0, max_replicas=4, keep_warm=False, target_concurrency=4.0, target_utilisation=0.7,
-    hysteresis=0.2, ttft_slo_s=1.0, itl_slo_s=0.1, kv_cache_high=0.9,
-    scale_up_cooldown_s=30.0, scale_down_cooldown_s=300.0, idle_to_zero_s=600.0,
+    min_replicas=0,
+    max_replicas=4,
+    keep_warm=False,
+    target_concurrency=4.0,
+    target_utilisation=0.7,
+    hysteresis=0.2,
+    ttft_slo_s=1.0,
+    itl_slo_s=0.1,
+    kv_cache_high=0.9,
+    scale_up_cooldown_s=30.0,
+    scale_down_cooldown_s=300.0,
+    idle_to_zero_s=600.0,
 )
 
 
@@ -20,14 +29,16 @@ def _load(running=0.0, waiting=0.0, kv=0.1, ttft=None, itl=None):
     return ReplicaLoad(running=running, waiting=waiting, kv_cache_usage=kv, ttft_p95_s=ttft, itl_p95_s=itl)
 
 
-def _signals(*loads, current=None, rate=1.0, last_request_ago=1.0, last_scaled_ago=10_000.0,
-             popular=False, queued=0):
+def _signals(*loads, current=None, rate=1.0, last_request_ago=1.0, last_scaled_ago=10_000.0, popular=False, queued=0):
     return DeploymentSignals(
-        now=NOW, current_replicas=len(loads) if current is None else current, loads=tuple(loads),
+        now=NOW,
+        current_replicas=len(loads) if current is None else current,
+        loads=tuple(loads),
         request_rate_per_s=rate,
         last_request_at=None if last_request_ago is None else NOW - last_request_ago,
         last_scaled_at=None if last_scaled_ago is None else NOW - last_scaled_ago,
-        popular=popular, queued_cold_starts=queued,
+        popular=popular,
+        queued_cold_starts=queued,
     )
 
 
@@ -172,11 +183,24 @@ def test_the_policy_module_imports_only_the_standard_library():
     assert modules <= {"math", "dataclasses"}
 
 
-@pytest.mark.parametrize("decision", [
-    decide(POLICY, _signals(_load(8, 6), _load(8, 6))),
-    decide(POLICY, _signals(_load(0), rate=0.0, last_request_ago=601)),
-])
+@pytest.mark.parametrize(
+    "decision",
+    [
+        decide(POLICY, _signals(_load(8, 6), _load(8, 6))),
+        decide(POLICY, _signals(_load(0), rate=0.0, last_request_ago=601)),
+    ],
+)
 def test_every_decision_carries_its_inputs(decision):
-    for key in ("current_replicas", "ready_replicas", "utilisation", "ttft_p95_s", "itl_p95_s",
-                "kv_cache_usage", "request_rate_per_s", "idle_s", "since_scaled_s", "popular"):
+    for key in (
+        "current_replicas",
+        "ready_replicas",
+        "utilisation",
+        "ttft_p95_s",
+        "itl_p95_s",
+        "kv_cache_usage",
+        "request_rate_per_s",
+        "idle_s",
+        "since_scaled_s",
+        "popular",
+    ):
         assert key in decision.inputs

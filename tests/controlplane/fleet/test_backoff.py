@@ -17,15 +17,21 @@ def test_no_failure_no_delay_and_a_long_outage_stays_capped():
 
 def test_the_next_attempt_is_the_delay_after_the_failure():
     failed = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-    assert next_attempt_at(failed_at=failed, consecutive_failures=3, initial_seconds=10,
-                           max_seconds=300) == failed + timedelta(seconds=40)
+    assert next_attempt_at(
+        failed_at=failed, consecutive_failures=3, initial_seconds=10, max_seconds=300
+    ) == failed + timedelta(seconds=40)
 
 
-@pytest.mark.parametrize(("error", "cause"), [
-    ("OSError: [Errno 98] address already in use\nTraceback (most recent call last):\n  ...",
-     "OSError: [Errno 98] address already in use"),
-    ("\n\n  model path /x does not exist  \n", "model path /x does not exist"),
-    ("", ""),
-])
+@pytest.mark.parametrize(
+    ("error", "cause"),
+    [
+        (
+            "OSError: [Errno 98] address already in use\nTraceback (most recent call last):\n  ...",
+            "OSError: [Errno 98] address already in use",
+        ),
+        ("\n\n  model path /x does not exist  \n", "model path /x does not exist"),
+        ("", ""),
+    ],
+)
 def test_the_cause_is_the_first_line_in_full(error, cause):
     assert error_cause(error) == cause

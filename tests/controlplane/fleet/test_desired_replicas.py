@@ -34,8 +34,13 @@ def _desired_replicas_writes(source: str, path: str) -> list[tuple[str, int, str
     def visit(node: ast.AST, function: str) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             function = node.name
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
         elements = [e for target in targets for e in (target.elts if isinstance(target, ast.Tuple) else [target])]
         if any(isinstance(e, ast.Attribute) and e.attr == "desired_replicas" for e in elements):
             writes.append((path, node.lineno, function))
@@ -43,10 +48,15 @@ def _desired_replicas_writes(source: str, path: str) -> list[tuple[str, int, str
             func = node.func
             name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
             on_queryset = isinstance(func, ast.Attribute) and (
-                isinstance(func.value, ast.Call) or getattr(func.value, "attr", "") == "objects")
+                isinstance(func.value, ast.Call) or getattr(func.value, "attr", "") == "objects"
+            )
             keyword = any(k.arg == "desired_replicas" for k in node.keywords)
-            if (name == "setattr" and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
-                    and node.args[1].value == "desired_replicas"):
+            if (
+                name == "setattr"
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value == "desired_replicas"
+            ):
                 writes.append((path, node.lineno, function))
             elif keyword and (name == "Deployment" or name in QUERYSET_WRITES and on_queryset):
                 writes.append((path, node.lineno, function))
@@ -88,12 +98,16 @@ def test_nothing_but_the_one_writer_assigns_the_desired_replica_count():
             writes += _desired_replicas_writes(path.read_text(), relative)
     allowed = [w for w in writes if (w[0], w[2]) in (WRITER, CREATION)]
     assert {(w[0], w[2]) for w in allowed} == {WRITER, CREATION}  # the scan sees the writer itself
-    others = [f"{path}:{line} in {function or 'module'}" for path, line, function in writes if (path, function)
-              not in (WRITER, CREATION)]
+    others = [
+        f"{path}:{line} in {function or 'module'}"
+        for path, line, function in writes
+        if (path, function) not in (WRITER, CREATION)
+    ]
     assert others == [], "write desired_replicas through deployment_set_desired_replicas: " + ", ".join(others)
 
 
 # --- The bounds -----------------------------------------------------------------------------------
+
 
 def _stored(deployment) -> Deployment:
     return Deployment.objects.get(pk=deployment.pk)
@@ -102,8 +116,9 @@ def _stored(deployment) -> Deployment:
 @pytest.mark.django_db
 @pytest.mark.parametrize("desired", [1, 2, 4])
 def test_a_count_within_the_bounds_inclusive_is_written_with_the_scaling_time(desired):
-    deployment = DeploymentFactory(desired_replicas=2, min_replicas=1, max_replicas=4,
-                                   scaled_at=timezone.now() - timedelta(hours=1))
+    deployment = DeploymentFactory(
+        desired_replicas=2, min_replicas=1, max_replicas=4, scaled_at=timezone.now() - timedelta(hours=1)
+    )
     now = timezone.now()
     before = deployment_set_desired_replicas(deployment=deployment, desired_replicas=desired, now=now)
     stored = _stored(deployment)
@@ -118,7 +133,8 @@ def test_a_count_outside_the_bounds_is_refused_naming_the_limit_to_change_and_no
     with pytest.raises(ValidationError) as refused:
         deployment_set_desired_replicas(deployment=deployment, desired_replicas=desired, now=timezone.now())
     assert refused.value.message_dict == {
-        "desired_replicas": [f"This deployment allows 1 to 4 replicas; {fix} to scale to {desired}."]}
+        "desired_replicas": [f"This deployment allows 1 to 4 replicas; {fix} to scale to {desired}."]
+    }
     assert (deployment.desired_replicas, deployment.scaled_at) == (2, earlier)
     assert (_stored(deployment).desired_replicas, _stored(deployment).scaled_at) == (2, earlier)
 
@@ -137,8 +153,13 @@ def test_a_count_that_is_not_a_whole_number_is_refused(desired):
 def test_a_caller_words_the_refusal_and_names_its_field():
     deployment = DeploymentFactory(desired_replicas=2, min_replicas=0, max_replicas=2)
     with pytest.raises(ValidationError) as refused:
-        deployment_set_desired_replicas(deployment=deployment, desired_replicas=3, now=timezone.now(),
-                                        field="deployment", refusal="Already at its max; raise it first.")
+        deployment_set_desired_replicas(
+            deployment=deployment,
+            desired_replicas=3,
+            now=timezone.now(),
+            field="deployment",
+            refusal="Already at its max; raise it first.",
+        )
     assert refused.value.message_dict == {"deployment": ["Already at its max; raise it first."]}
 
 

@@ -12,24 +12,35 @@ def _plan(recorded_state, reported_state, **report):
     return plan_heartbeat(recorded=recorded, reported=reported)
 
 
-@pytest.mark.parametrize(("recorded", "reported", "path"), [
-    ("pending", "loading", ("loading",)),
-    ("pending", "ready", ("loading", "ready")),
-    ("loading", "ready", ("ready",)),
-    ("ready", "draining", ("draining",)),
-    ("ready", "stopped", ("draining", "stopped")),
-    ("draining", "stopped", ("stopped",)),
-    ("pending", "stopped", ("stopped",)),
-])
+@pytest.mark.parametrize(
+    ("recorded", "reported", "path"),
+    [
+        ("pending", "loading", ("loading",)),
+        ("pending", "ready", ("loading", "ready")),
+        ("loading", "ready", ("ready",)),
+        ("ready", "draining", ("draining",)),
+        ("ready", "stopped", ("draining", "stopped")),
+        ("draining", "stopped", ("stopped",)),
+        ("pending", "stopped", ("stopped",)),
+    ],
+)
 def test_reports_walk_the_state_machine(recorded, reported, path):
     plan = _plan(recorded, reported, endpoint_url=URL if reported == "ready" else "")
     assert [step.path for step in plan.steps] == [path] and plan.unload == []
 
 
-@pytest.mark.parametrize(("recorded", "reported"), [
-    ("loading", "loading"), ("ready", "ready"), ("draining", "draining"), ("stopped", "stopped"),
-    ("failed", "failed"), ("stopped", "draining"), ("failed", "draining"),
-])
+@pytest.mark.parametrize(
+    ("recorded", "reported"),
+    [
+        ("loading", "loading"),
+        ("ready", "ready"),
+        ("draining", "draining"),
+        ("stopped", "stopped"),
+        ("failed", "failed"),
+        ("stopped", "draining"),
+        ("failed", "draining"),
+    ],
+)
 def test_steady_state_plans_nothing(recorded, reported):
     plan = _plan(recorded, reported, endpoint_url=URL)
     assert plan.steps == [] and plan.unload == []
@@ -37,7 +48,8 @@ def test_steady_state_plans_nothing(recorded, reported):
 
 def test_a_failed_load_is_a_load_failure_and_a_crash_after_ready_is_not():
     assert _plan("loading", "failed", error="model path /x does not exist").steps == [
-        Step(1, ("failed",), error="model path /x does not exist", failure="load")]
+        Step(1, ("failed",), error="model path /x does not exist", failure="load")
+    ]
     assert _plan("ready", "failed", error="exit 1").steps[0].failure == "crashed"
 
 

@@ -26,32 +26,41 @@ def _slots():
 
 
 def test_places_on_the_emptiest_gpu_that_fits():
-    chosen = plan_placements(slots=_slots(), need_bytes=20 * GB, count=1,
-                             replicas_per_worker=Counter(), replicas_per_slot=Counter())
+    chosen = plan_placements(
+        slots=_slots(), need_bytes=20 * GB, count=1, replicas_per_worker=Counter(), replicas_per_slot=Counter()
+    )
     assert [(s.worker_id, s.gpu_id) for (s,) in chosen] == [(1, 11)]
 
 
 def test_spreads_a_deployment_across_workers_before_packing_one():
-    chosen = plan_placements(slots=_slots(), need_bytes=20 * GB, count=2,
-                             replicas_per_worker=Counter(), replicas_per_slot=Counter())
+    chosen = plan_placements(
+        slots=_slots(), need_bytes=20 * GB, count=2, replicas_per_worker=Counter(), replicas_per_slot=Counter()
+    )
     assert sorted(s.worker_id for (s,) in chosen) == [1, 2]
     # A replica already on worker 1 sends the next one to worker 2 even though worker 1 has more room.
-    chosen = plan_placements(slots=_slots(), need_bytes=20 * GB, count=1,
-                             replicas_per_worker=Counter({1: 1}), replicas_per_slot=Counter({(1, 1): 1}))
+    chosen = plan_placements(
+        slots=_slots(),
+        need_bytes=20 * GB,
+        count=1,
+        replicas_per_worker=Counter({1: 1}),
+        replicas_per_slot=Counter({(1, 1): 1}),
+    )
     assert [s.worker_id for (s,) in chosen] == [2]
 
 
 def test_counts_what_it_placed_and_stops_when_nothing_fits():
-    chosen = plan_placements(slots=_slots(), need_bytes=35 * GB, count=5,
-                             replicas_per_worker=Counter(), replicas_per_slot=Counter())
+    chosen = plan_placements(
+        slots=_slots(), need_bytes=35 * GB, count=5, replicas_per_worker=Counter(), replicas_per_slot=Counter()
+    )
     # GPU 11 has 70 GB free (two fit), GPU 20 has 40 (one), GPU 10 has 10 (none).
     assert Counter(s.gpu_id for (s,) in chosen) == Counter({11: 2, 20: 1})
 
 
 def test_cpu_slots_have_no_gpu():
     cpu = Slot(worker_id=3, gpu_id=None, gpu_index=None, total_bytes=8 * GB, used_bytes=0)
-    assert plan_placements(slots=[cpu], need_bytes=GB, count=1, replicas_per_worker=Counter(),
-                           replicas_per_slot=Counter()) == [(cpu,)]
+    assert plan_placements(
+        slots=[cpu], need_bytes=GB, count=1, replicas_per_worker=Counter(), replicas_per_slot=Counter()
+    ) == [(cpu,)]
 
 
 def test_scale_down_removes_unserving_then_idle_then_newest():
@@ -75,33 +84,55 @@ def test_memory_fraction_is_bounded():
 
 def test_a_worker_where_the_model_failed_comes_after_the_others():
     # Worker 1 has the emptiest GPU, but the model failed there lately: worker 2 first.
-    chosen = plan_placements(slots=_slots(), need_bytes=20 * GB, count=1, replicas_per_worker=Counter(),
-                             replicas_per_slot=Counter(), failures_per_worker=Counter({1: 1}))
+    chosen = plan_placements(
+        slots=_slots(),
+        need_bytes=20 * GB,
+        count=1,
+        replicas_per_worker=Counter(),
+        replicas_per_slot=Counter(),
+        failures_per_worker=Counter({1: 1}),
+    )
     assert [s.worker_id for (s,) in chosen] == [2]
     # It is still used when nothing else fits.
-    chosen = plan_placements(slots=_slots(), need_bytes=50 * GB, count=1, replicas_per_worker=Counter(),
-                             replicas_per_slot=Counter(), failures_per_worker=Counter({1: 3}))
+    chosen = plan_placements(
+        slots=_slots(),
+        need_bytes=50 * GB,
+        count=1,
+        replicas_per_worker=Counter(),
+        replicas_per_slot=Counter(),
+        failures_per_worker=Counter({1: 3}),
+    )
     assert [(s.worker_id, s.gpu_id) for (s,) in chosen] == [(1, 11)]
 
 
 def test_the_room_message_says_what_was_needed_and_free_per_gpu():
-    rooms = [SlotRoom("worker-a GPU 0 (H200)", 19 * GB, 140 * GB, "backing off until 12:03:10 after 2 failed loads"),
-             SlotRoom("worker-b GPU 1 (H200)", int(2.1 * GB), 140 * GB),
-             SlotRoom("worker-c CPU", -GB, 8 * GB)]
+    rooms = [
+        SlotRoom("worker-a GPU 0 (H200)", 19 * GB, 140 * GB, "backing off until 12:03:10 after 2 failed loads"),
+        SlotRoom("worker-b GPU 1 (H200)", int(2.1 * GB), 140 * GB),
+        SlotRoom("worker-c CPU", -GB, 8 * GB),
+    ]
     assert room_message(need_bytes=9_600_000, rooms=rooms) == (
         "needs 9.2 MiB; free: worker-a GPU 0 (H200) 19.0 GiB of 140.0 GiB but backing off until 12:03:10 after "
-        "2 failed loads; worker-b GPU 1 (H200) 2.1 GiB of 140.0 GiB; worker-c CPU 0 B of 8.0 GiB")
+        "2 failed loads; worker-b GPU 1 (H200) 2.1 GiB of 140.0 GiB; worker-c CPU 0 B of 8.0 GiB"
+    )
     assert room_message(need_bytes=GB, rooms=[]) == "needs 1.0 GiB; no online worker to place it on"
 
 
 def _gpu(worker_id: int, index: int, free: int, total: int = 80 * GB) -> Slot:
-    return Slot(worker_id=worker_id, gpu_id=worker_id * 10 + index, gpu_index=index, total_bytes=total,
-                used_bytes=total - free)
+    return Slot(
+        worker_id=worker_id, gpu_id=worker_id * 10 + index, gpu_index=index, total_bytes=total, used_bytes=total - free
+    )
 
 
 def _tp2(slots, need=40 * GB, count=1):
-    return plan_placements(slots=slots, need_bytes=need, count=count, replicas_per_worker=Counter(),
-                           replicas_per_slot=Counter(), tensor_parallel_size=2)
+    return plan_placements(
+        slots=slots,
+        need_bytes=need,
+        count=count,
+        replicas_per_worker=Counter(),
+        replicas_per_slot=Counter(),
+        tensor_parallel_size=2,
+    )
 
 
 def test_a_replica_split_over_two_gpus_takes_two_consecutive_gpus_of_one_worker_with_its_share_free():
@@ -133,7 +164,8 @@ def test_the_room_message_of_a_split_replica_says_what_each_gpu_needs_and_has():
     rooms = [SlotRoom("worker-a GPU 0 (H200)", 30 * GB, 140 * GB), SlotRoom("worker-a GPU 1 (H200)", 5 * GB, 140 * GB)]
     assert room_message(need_bytes=40 * GB, rooms=rooms, tensor_parallel_size=2) == (
         "needs 20.0 GiB on each of 2 GPUs of one worker (40.0 GiB in all); free: "
-        "worker-a GPU 0 (H200) 30.0 GiB of 140.0 GiB; worker-a GPU 1 (H200) 5.0 GiB of 140.0 GiB")
+        "worker-a GPU 0 (H200) 30.0 GiB of 140.0 GiB; worker-a GPU 1 (H200) 5.0 GiB of 140.0 GiB"
+    )
 
 
 def test_held_gpus_and_the_largest_replica_a_fleet_can_hold():

@@ -27,8 +27,9 @@ def _gpu_worker(memory=80 * GB, **fields):
 
 
 def _deployment(desired, memory=10 * GB, **fields):
-    return DeploymentFactory(model=ModelFactory(gpu_memory_bytes=memory), desired_replicas=desired,
-                             max_replicas=max(desired, 4), **fields)
+    return DeploymentFactory(
+        model=ModelFactory(gpu_memory_bytes=memory), desired_replicas=desired, max_replicas=max(desired, 4), **fields
+    )
 
 
 def _reconcile(deployment):
@@ -65,8 +66,10 @@ def test_placement_respects_memory_and_skips_workers_that_take_no_replicas():
     # no replicas, so they are not offered).
     online = Worker.objects.get(state=Worker.State.ONLINE)
     assert status.state == "waiting"
-    assert status.message == (f"0 of 1 ready; {second.model.public_name} needs 10.0 GiB; free: "
-                              f"{online.name} GPU 0 (NVIDIA H200) 5.0 GiB of 15.0 GiB.")
+    assert status.message == (
+        f"0 of 1 ready; {second.model.public_name} needs 10.0 GiB; free: "
+        f"{online.name} GPU 0 (NVIDIA H200) 5.0 GiB of 15.0 GiB."
+    )
 
 
 @pytest.mark.django_db
@@ -82,20 +85,30 @@ def test_a_cpu_worker_takes_replicas_within_its_memory():
 def test_scale_down_removes_pending_then_the_least_busy(django_capture_on_commit_callbacks):
     worker = _gpu_worker()
     deployment = _deployment(1)
-    busy, idle = (ReplicaFactory(deployment=deployment, worker=worker, state=State.READY, endpoint_url=URL)
-                  for _ in range(2))
+    busy, idle = (
+        ReplicaFactory(deployment=deployment, worker=worker, state=State.READY, endpoint_url=URL) for _ in range(2)
+    )
     pending = ReplicaFactory(deployment=deployment, worker=worker)
-    worker_heartbeat(worker_id=worker.pk, now=timezone.now(), heartbeat=parse_heartbeat({"replicas": [
-        {"replica_id": busy.pk, "state": "ready", "endpoint_url": URL, "running": 4},
-        {"replica_id": idle.pk, "state": "ready", "endpoint_url": URL, "running": 0},
-    ]}))
+    worker_heartbeat(
+        worker_id=worker.pk,
+        now=timezone.now(),
+        heartbeat=parse_heartbeat(
+            {
+                "replicas": [
+                    {"replica_id": busy.pk, "state": "ready", "endpoint_url": URL, "running": 4},
+                    {"replica_id": idle.pk, "state": "ready", "endpoint_url": URL, "running": 0},
+                ]
+            }
+        ),
+    )
     with django_capture_on_commit_callbacks(execute=True):
         outcome = _reconcile(deployment)
     assert sorted(outcome.removed) == sorted([pending.pk, idle.pk])
     states = dict(Replica.objects.values_list("pk", "state"))
     assert (states[busy.pk], states[idle.pk], states[pending.pk]) == (State.READY, State.DRAINING, State.STOPPED)
-    unloads = sorted(kwargs["replica_id"] for name, kwargs in queued_tasks(worker.queue_name)
-                     if name == "gpuworker.unload_model")
+    unloads = sorted(
+        kwargs["replica_id"] for name, kwargs in queued_tasks(worker.queue_name) if name == "gpuworker.unload_model"
+    )
     assert unloads == sorted([pending.pk, idle.pk])
 
 
@@ -149,8 +162,9 @@ def test_statuses_for_the_ui():
     stopped = _deployment(0)
     lost = _deployment(1)
     replica = ReplicaFactory(deployment=lost, worker=worker, state=State.READY, endpoint_url=URL)
-    replica_transition(replica=replica, to_state=State.FAILED, at=timezone.now(), error="gone",
-                       failure=Replica.Failure.WORKER_LOST)
+    replica_transition(
+        replica=replica, to_state=State.FAILED, at=timezone.now(), error="gone", failure=Replica.Failure.WORKER_LOST
+    )
     statuses = {s.deployment_id: s for s in deployment_statuses()}
     assert [statuses[d.pk].state for d in (ready, scaling, stopped, lost)] == ["ready", "scaling", "stopped", "waiting"]
     assert statuses[lost.pk].last_error == f"{worker.name}: gone"
@@ -159,21 +173,29 @@ def test_statuses_for_the_ui():
 
 # --- Failed loads: retried with backoff per (deployment, worker), never given up for good -------
 
-CAUSE = ("OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 20017): address already "
-         "in use (the replica's port was taken between the check and the bind)")
-ERROR = f"{CAUSE}\nTraceback (most recent call last):\n  File \"server.py\", line 1, in run\nOSError: [Errno 98]"
+CAUSE = (
+    "OSError: [Errno 98] error while attempting to bind on address ('127.0.0.1', 20017): address already "
+    "in use (the replica's port was taken between the check and the bind)"
+)
+ERROR = f'{CAUSE}\nTraceback (most recent call last):\n  File "server.py", line 1, in run\nOSError: [Errno 98]'
 
 
 def _fail(replica_id, at, error=ERROR):
     replica = Replica.objects.get(pk=replica_id)
-    worker_heartbeat(worker_id=replica.worker_id, now=at, heartbeat=parse_heartbeat({"replicas": [
-        {"replica_id": replica_id, "state": "failed", "error": error}]}))
+    worker_heartbeat(
+        worker_id=replica.worker_id,
+        now=at,
+        heartbeat=parse_heartbeat({"replicas": [{"replica_id": replica_id, "state": "failed", "error": error}]}),
+    )
 
 
 def _become_ready(replica_id, at):
     replica = Replica.objects.get(pk=replica_id)
-    worker_heartbeat(worker_id=replica.worker_id, now=at, heartbeat=parse_heartbeat({"replicas": [
-        {"replica_id": replica_id, "state": "ready", "endpoint_url": URL}]}))
+    worker_heartbeat(
+        worker_id=replica.worker_id,
+        now=at,
+        heartbeat=parse_heartbeat({"replicas": [{"replica_id": replica_id, "state": "ready", "endpoint_url": URL}]}),
+    )
 
 
 def _place(deployment, at):
@@ -200,14 +222,19 @@ def test_a_failed_load_is_retried_on_its_only_worker_once_its_backoff_has_passed
     _fail(first, t0)
     backoff = LoadBackoff.objects.get(deployment=deployment, worker=worker)
     assert (backoff.consecutive_failures, backoff.next_attempt_at, backoff.last_error) == (
-        1, t0 + timedelta(seconds=10), ERROR)
+        1,
+        t0 + timedelta(seconds=10),
+        ERROR,
+    )
 
     # Before its time the worker is left alone, and the page says why and until when.
     early = _place(deployment, t0 + timedelta(seconds=9))
     assert early.placed == [] and early.unplaced == 1
     until = timezone.localtime(t0 + timedelta(seconds=10)).strftime("%H:%M:%S")
-    assert f"{worker.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB but backing off until {until} after 1 failed load" \
+    assert (
+        f"{worker.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB but backing off until {until} after 1 failed load"
         in early.reason
+    )
     [status] = deployment_statuses(deployment_ids=[deployment.pk], now=t0 + timedelta(seconds=9))
     assert status.state == "waiting" and early.reason in status.message
     assert status.last_error == f"{worker.name}: {CAUSE}"  # the cause in full, before any traceback
@@ -284,10 +311,30 @@ def test_a_replica_dying_before_ready_backs_off_but_one_crashing_after_ready_doe
     t0 = timezone.now()
     [a] = _place(loading, t0).placed
     [b] = _place(serving, t0).placed
-    worker_heartbeat(worker_id=worker.pk, now=t0, heartbeat=parse_heartbeat({"replicas": [
-        {"replica_id": a, "state": "loading"}, {"replica_id": b, "state": "ready", "endpoint_url": URL}]}))
-    worker_heartbeat(worker_id=worker.pk, now=t0, heartbeat=parse_heartbeat({"replicas": [
-        {"replica_id": a, "state": "failed", "error": "killed"}, {"replica_id": b, "state": "failed", "error": "killed"}]}))
+    worker_heartbeat(
+        worker_id=worker.pk,
+        now=t0,
+        heartbeat=parse_heartbeat(
+            {
+                "replicas": [
+                    {"replica_id": a, "state": "loading"},
+                    {"replica_id": b, "state": "ready", "endpoint_url": URL},
+                ]
+            }
+        ),
+    )
+    worker_heartbeat(
+        worker_id=worker.pk,
+        now=t0,
+        heartbeat=parse_heartbeat(
+            {
+                "replicas": [
+                    {"replica_id": a, "state": "failed", "error": "killed"},
+                    {"replica_id": b, "state": "failed", "error": "killed"},
+                ]
+            }
+        ),
+    )
     assert list(LoadBackoff.objects.values_list("deployment_id", flat=True)) == [loading.pk]
     assert len(_place(serving, t0).placed) == 1
 
@@ -308,23 +355,35 @@ def test_editing_the_model_gives_every_worker_a_fresh_start(retry_settings):
 
 # --- tensor parallel: a replica split over N GPUs of one worker ------------------------------------
 
+
 def _register(name, gpus):
     """A GPU worker registered through the service, as its daemon does (the daemon itself is outside)."""
-    return worker_register(registration=parse_registration({
-        "name": name, "advertise_host": "10.0.0.5", "device": "cuda",
-        "gpus": [{"index": i, "name": "NVIDIA H200", "memory_total_bytes": m} for i, m in enumerate(gpus)],
-        "cpu": {"memory_total_bytes": 256 * GB, "cores": 32},
-    }), now=timezone.now())
+    return worker_register(
+        registration=parse_registration(
+            {
+                "name": name,
+                "advertise_host": "10.0.0.5",
+                "device": "cuda",
+                "gpus": [{"index": i, "name": "NVIDIA H200", "memory_total_bytes": m} for i, m in enumerate(gpus)],
+                "cpu": {"memory_total_bytes": 256 * GB, "cores": 32},
+            }
+        ),
+        now=timezone.now(),
+    )
 
 
 def _split_deployment(desired, memory, size=2):
-    return DeploymentFactory(model=ModelFactory(gpu_memory_bytes=memory, tensor_parallel_size=size),
-                             desired_replicas=desired, max_replicas=max(desired, 4))
+    return DeploymentFactory(
+        model=ModelFactory(gpu_memory_bytes=memory, tensor_parallel_size=size),
+        desired_replicas=desired,
+        max_replicas=max(desired, 4),
+    )
 
 
 @pytest.mark.django_db
 def test_a_split_replica_is_placed_on_consecutive_gpus_of_one_worker_and_they_count_as_used(
-        django_capture_on_commit_callbacks):
+    django_capture_on_commit_callbacks,
+):
     worker = _register(f"tp-{uuid.uuid4().hex[:8]}", [80 * GB] * 4)
     deployment = _split_deployment(1, memory=100 * GB)
     with django_capture_on_commit_callbacks(execute=True):
@@ -335,7 +394,11 @@ def test_a_split_replica_is_placed_on_consecutive_gpus_of_one_worker_and_they_co
     [(name, kwargs)] = queued_tasks(worker.queue_name)
     # 50 GiB (its share) of each 80 GiB GPU.
     assert (name, kwargs["gpu_index"], kwargs["tensor_parallel_size"], kwargs["memory_fraction"]) == (
-        "gpuworker.load_model", 0, 2, 0.625)
+        "gpuworker.load_model",
+        0,
+        2,
+        0.625,
+    )
     assert [s.used_bytes for s in placement_slots(workers=[worker])] == [50 * GB, 50 * GB, 0, 0]
     # The next replica goes on GPUs 2-3; a one-GPU model needing 40 GiB then finds no room anywhere.
     deployment.desired_replicas = 2
@@ -353,8 +416,10 @@ def test_free_gpus_on_two_workers_do_not_hold_a_split_replica_and_the_reason_say
     deployment = _split_deployment(1, memory=100 * GB)
     outcome = _reconcile(deployment)
     assert outcome.unplaced == 1 and not Replica.objects.filter(deployment=deployment).exists()
-    assert outcome.reason == (f"needs 50.0 GiB on each of 2 GPUs of one worker (100.0 GiB in all); free: "
-                              f"{a.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB; "
-                              f"{b.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB")
+    assert outcome.reason == (
+        f"needs 50.0 GiB on each of 2 GPUs of one worker (100.0 GiB in all); free: "
+        f"{a.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB; "
+        f"{b.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB"
+    )
     [status] = deployment_statuses(deployment_ids=[deployment.pk])
     assert status.state == "waiting" and outcome.reason in status.message

@@ -59,12 +59,19 @@ def test_a_running_replica_asked_with_the_wrong_token_is_no_evidence(replica_ser
 
 
 def test_a_closed_port_or_one_that_never_answers_is_no_evidence(silent_port):
-    assert not any_replica_answers(endpoint_urls=[_closed_port_url(), silent_port], token=WORKER_TOKEN,
-                                   timeout_s=0.2)
+    assert not any_replica_answers(endpoint_urls=[_closed_port_url(), silent_port], token=WORKER_TOKEN, timeout_s=0.2)
 
 
-@pytest.mark.parametrize("answering", [(200, b"not json"), (200, b'["ready"]'), (503, b'{"status": "failed"}'),
-                                       (503, b'{"status": "draining"}'), (404, b'{"detail": "Not Found"}')],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "answering",
+    [
+        (200, b"not json"),
+        (200, b'["ready"]'),
+        (503, b'{"status": "failed"}'),
+        (503, b'{"status": "draining"}'),
+        (404, b'{"detail": "Not Found"}'),
+    ],
+    indirect=True,
+)
 def test_a_server_that_is_not_a_running_replica_is_no_evidence(answering):
     assert not any_replica_answers(endpoint_urls=[answering], token=WORKER_TOKEN)

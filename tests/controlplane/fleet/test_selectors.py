@@ -24,7 +24,9 @@ def test_replicas_ready_for_model_excludes_other_states_models_and_offline_worke
     ready = ReplicaFactory(deployment=deployment, state=Replica.State.READY, endpoint_url="http://w1:8001")
     ReplicaFactory(deployment=deployment, state=Replica.State.LOADING)
     ReplicaFactory(
-        deployment=deployment, state=Replica.State.READY, endpoint_url="http://w2:8001",
+        deployment=deployment,
+        state=Replica.State.READY,
+        endpoint_url="http://w2:8001",
         worker=make_worker(state=Worker.State.OFFLINE),
     )
     ReplicaFactory(state=Replica.State.READY, endpoint_url="http://w3:8001")  # another model
@@ -36,15 +38,26 @@ def test_placement_slots_count_live_replicas_memory_per_gpu():
     GpuFactory(worker=gpu.worker, index=1, present=False)
     model = ModelFactory(gpu_memory_bytes=10 * GB)
     for state in (Replica.State.PENDING, Replica.State.DRAINING, Replica.State.FAILED, Replica.State.STOPPED):
-        ReplicaFactory(deployment=DeploymentFactory(model=ModelFactory(gpu_memory_bytes=10 * GB)),
-                       worker=gpu.worker, gpu=gpu, state=state)
-    ReplicaFactory(deployment=DeploymentFactory(model=model), worker=gpu.worker, gpu=gpu, state=Replica.State.READY,
-                   endpoint_url="http://w:1")
+        ReplicaFactory(
+            deployment=DeploymentFactory(model=ModelFactory(gpu_memory_bytes=10 * GB)),
+            worker=gpu.worker,
+            gpu=gpu,
+            state=state,
+        )
+    ReplicaFactory(
+        deployment=DeploymentFactory(model=model),
+        worker=gpu.worker,
+        gpu=gpu,
+        state=Replica.State.READY,
+        endpoint_url="http://w:1",
+    )
     cpu = make_worker(device=Worker.Device.CPU, cpu_memory_total_bytes=8 * GB)
     slots = placement_slots(workers=[gpu.worker, cpu])
     # Pending, draining and ready replicas hold memory; failed and stopped ones do not.
     assert [(s.worker_id, s.gpu_index, s.total_bytes, s.used_bytes) for s in slots] == [
-        (gpu.worker_id, 0, 80 * GB, 30 * GB), (cpu.pk, None, 8 * GB, 0)]
+        (gpu.worker_id, 0, 80 * GB, 30 * GB),
+        (cpu.pk, None, 8 * GB, 0),
+    ]
 
 
 def test_deployment_get_for_model():
@@ -68,8 +81,13 @@ def test_fleet_health_counts_workers_busy_gpus_utilisation_failures_and_models_n
     Replica.objects.filter(pk=failed.pk).update(state_changed_at=now - timedelta(minutes=5))
     old = ReplicaFactory(deployment=waiting, worker=online, state=Replica.State.FAILED)
     Replica.objects.filter(pk=old.pk).update(state_changed_at=now - timedelta(hours=2))
-    heartbeat_cache.store(worker_id=online.pk, state={"worker_id": online.pk, "gpus": [
-        {"index": 0, "utilization_pct": 90.0}, {"index": 1, "utilization_pct": 10.0}]})
+    heartbeat_cache.store(
+        worker_id=online.pk,
+        state={
+            "worker_id": online.pk,
+            "gpus": [{"index": 0, "utilization_pct": 90.0}, {"index": 1, "utilization_pct": 10.0}],
+        },
+    )
 
     health = fleet_health(now=now, failures_since=now - timedelta(hours=1))
     assert health.workers_by_state == {"online": 1, "draining": 0, "lost": 1, "offline": 0}
@@ -90,8 +108,13 @@ def test_a_split_replica_holds_each_of_its_gpus():
     worker = make_worker()
     gpus = [GpuFactory(worker=worker, index=i, memory_total_bytes=80 * GB) for i in range(3)]
     model = ModelFactory(gpu_memory_bytes=30 * GB, tensor_parallel_size=2)
-    replica = ReplicaFactory(deployment=DeploymentFactory(model=model), worker=worker, gpu=gpus[1],
-                             tensor_parallel_size=2, state=Replica.State.LOADING)
+    replica = ReplicaFactory(
+        deployment=DeploymentFactory(model=model),
+        worker=worker,
+        gpu=gpus[1],
+        tensor_parallel_size=2,
+        state=Replica.State.LOADING,
+    )
     assert [s.used_bytes for s in placement_slots(workers=[worker])] == [0, 15 * GB, 15 * GB]
     now = timezone.now()
     assert fleet_health(now=now, failures_since=now).gpus_busy == 2

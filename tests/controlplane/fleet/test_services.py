@@ -11,7 +11,6 @@ from controlplane.catalog.models import Deployment
 from controlplane.celery import app as celery_app
 from controlplane.fleet.models import Gpu, LoadBackoff, Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile
-from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from controlplane.fleet.selectors import worker_latest_heartbeat
 from controlplane.fleet.services.deployments import (
     deployment_create,
@@ -22,6 +21,7 @@ from controlplane.fleet.services.deployments import (
 from controlplane.fleet.services.heartbeats import worker_heartbeat
 from controlplane.fleet.services.replicas import replica_load_on, replica_place, replica_transition, replica_unload
 from controlplane.fleet.services.workers import WorkerUnknown, worker_drain, worker_register
+from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks
 
@@ -34,16 +34,27 @@ URL = "http://127.0.0.1:8101"
 
 
 def _registration(name="host-a", gpus=((0, H200),), device="cuda"):
-    return parse_registration({
-        "name": name, "advertise_host": "10.0.0.5", "device": device,
-        "gpus": [{"index": i, "name": "NVIDIA H200", "memory_total_bytes": m} for i, m in gpus],
-        "cpu": {"memory_total_bytes": 256 * GB, "cores": 32}, "version": "0.1.0",
-    })
+    return parse_registration(
+        {
+            "name": name,
+            "advertise_host": "10.0.0.5",
+            "device": device,
+            "gpus": [{"index": i, "name": "NVIDIA H200", "memory_total_bytes": m} for i, m in gpus],
+            "cpu": {"memory_total_bytes": 256 * GB, "cores": 32},
+            "version": "0.1.0",
+        }
+    )
 
 
 def _beat(worker, *replicas, draining=False, now=None):
-    heartbeat = parse_heartbeat({"draining": draining, "replicas": list(replicas),
-                                 "gpus": [{"index": 0, "utilization_pct": 50.0}], "cpu": {"utilization_pct": 3.0}})
+    heartbeat = parse_heartbeat(
+        {
+            "draining": draining,
+            "replicas": list(replicas),
+            "gpus": [{"index": 0, "utilization_pct": 50.0}],
+            "cpu": {"utilization_pct": 3.0},
+        }
+    )
     return worker_heartbeat(worker_id=worker.pk, heartbeat=heartbeat, now=now or timezone.now())
 
 
@@ -53,6 +64,7 @@ def _state(replica):
 
 
 # --- registration ---------------------------------------------------------------------------
+
 
 def test_register_creates_the_worker_its_queue_and_gpus(django_capture_on_commit_callbacks):
     with django_capture_on_commit_callbacks(execute=True):
@@ -78,6 +90,7 @@ def test_register_rejects_a_name_unfit_for_a_queue():
 
 
 # --- heartbeats -------------------------------------------------------------------------------
+
 
 def test_heartbeat_of_an_unknown_worker_raises():
     with pytest.raises(WorkerUnknown):
@@ -109,16 +122,22 @@ def test_a_failed_load_records_the_reason():
     _beat(replica.worker, {"replica_id": replica.pk, "state": "failed", "error": "model path /x does not exist"})
     replica.refresh_from_db()
     assert (replica.state, replica.failure, replica.last_error) == (
-        State.FAILED, Replica.Failure.LOAD, "model path /x does not exist")
+        State.FAILED,
+        Replica.Failure.LOAD,
+        "model path /x does not exist",
+    )
 
 
 def test_the_answer_asks_to_unload_what_the_control_plane_does_not_want():
     worker = make_worker()
     failed = ReplicaFactory(worker=worker, state=State.FAILED)
     elsewhere = ReplicaFactory(worker=make_worker(), state=State.READY, endpoint_url=URL)
-    unload = _beat(worker, {"replica_id": failed.pk, "state": "ready", "endpoint_url": URL},
-                   {"replica_id": elsewhere.pk, "state": "loading"},
-                   {"replica_id": 987_654, "state": "ready", "endpoint_url": URL})
+    unload = _beat(
+        worker,
+        {"replica_id": failed.pk, "state": "ready", "endpoint_url": URL},
+        {"replica_id": elsewhere.pk, "state": "loading"},
+        {"replica_id": 987_654, "state": "ready", "endpoint_url": URL},
+    )
     assert sorted(unload) == sorted([failed.pk, elsewhere.pk, 987_654])
     assert (_state(failed), _state(elsewhere)) == (State.FAILED, State.READY)
 
@@ -146,17 +165,28 @@ def test_heartbeats_bring_a_lost_worker_back_and_report_draining():
 
 # --- replicas and their state machine -------------------------------------------------------------
 
+
 def test_replica_place_sends_the_load_message_after_commit(django_capture_on_commit_callbacks):
     gpu = GpuFactory(worker=make_worker(), index=3, memory_total_bytes=100 * GB)
     deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=25 * GB, context_length=2048))
     with django_capture_on_commit_callbacks(execute=True):
         replica = replica_place(deployment=deployment, worker=gpu.worker, gpu=gpu)
     assert replica.state == State.PENDING
-    assert queued_tasks(gpu.worker.queue_name) == [("gpuworker.load_model", {
-        "replica_id": replica.pk, "model_path": deployment.model.weights_path,
-        "served_model_name": deployment.model.public_name, "gpu_index": 3, "memory_fraction": 0.25,
-        "max_model_len": 2048, "dtype": "auto", "tensor_parallel_size": 1,
-    })]
+    assert queued_tasks(gpu.worker.queue_name) == [
+        (
+            "gpuworker.load_model",
+            {
+                "replica_id": replica.pk,
+                "model_path": deployment.model.weights_path,
+                "served_model_name": deployment.model.public_name,
+                "gpu_index": 3,
+                "memory_fraction": 0.25,
+                "max_model_len": 2048,
+                "dtype": "auto",
+                "tensor_parallel_size": 1,
+            },
+        )
+    ]
 
 
 def test_replica_on_another_workers_gpu_raises_and_writes_nothing():
@@ -172,10 +202,16 @@ ILLEGAL = sorted(set(product(State.values, State.values)) - LEGAL)
 
 def test_the_state_machine_matches_the_documented_lifecycle():
     assert LEGAL == {
-        ("pending", "loading"), ("pending", "stopped"), ("pending", "failed"),
-        ("loading", "ready"), ("loading", "draining"), ("loading", "failed"),
-        ("ready", "draining"), ("ready", "failed"),
-        ("draining", "stopped"), ("draining", "failed"),
+        ("pending", "loading"),
+        ("pending", "stopped"),
+        ("pending", "failed"),
+        ("loading", "ready"),
+        ("loading", "draining"),
+        ("loading", "failed"),
+        ("ready", "draining"),
+        ("ready", "failed"),
+        ("draining", "stopped"),
+        ("draining", "failed"),
     }
 
 
@@ -206,6 +242,7 @@ def test_ready_needs_a_good_endpoint_url(url):
 
 # --- operators' actions -------------------------------------------------------------------------
 
+
 def test_replica_load_on_wants_one_more_and_loads_there(django_capture_on_commit_callbacks):
     gpu = GpuFactory(worker=make_worker(), index=0)
     deployment = DeploymentFactory(desired_replicas=0, max_replicas=2)
@@ -221,8 +258,11 @@ def test_replica_load_on_refuses_with_reasons():
     small = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=GB), desired_replicas=0, max_replicas=1)
     big = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=11 * GB), desired_replicas=0, max_replicas=1)
     cases = [
-        (dict(deployment=big, worker=gpu.worker, gpu=gpu), "gpu",
-         f"needs 11.0 GiB; free: {gpu.worker.name} GPU 0 ({gpu.name}) 10.0 GiB of 10.0 GiB"),
+        (
+            dict(deployment=big, worker=gpu.worker, gpu=gpu),
+            "gpu",
+            f"needs 11.0 GiB; free: {gpu.worker.name} GPU 0 ({gpu.name}) 10.0 GiB of 10.0 GiB",
+        ),
         (dict(deployment=small, worker=gpu.worker, gpu=None), "gpu", "choose one"),
         (dict(deployment=small, worker=gpu.worker, gpu=GpuFactory()), "gpu", "not a present GPU"),
         (dict(deployment=small, worker=make_worker(state=Worker.State.DRAINING), gpu=None), "worker", "draining"),
@@ -246,13 +286,16 @@ def test_replica_load_on_a_cpu_worker():
 def test_replica_unload_drains_and_wants_one_fewer(django_capture_on_commit_callbacks, settings):
     settings.FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS = 7
     deployment = DeploymentFactory(desired_replicas=2, min_replicas=1, max_replicas=2)
-    one, two = (ReplicaFactory(deployment=deployment, worker=make_worker(), state=State.READY, endpoint_url=URL)
-                for _ in range(2))
+    one, two = (
+        ReplicaFactory(deployment=deployment, worker=make_worker(), state=State.READY, endpoint_url=URL)
+        for _ in range(2)
+    )
     with django_capture_on_commit_callbacks(execute=True):
         replica_unload(replica=one, actor=None)
     assert _state(one) == State.DRAINING and Deployment.objects.get(pk=deployment.pk).desired_replicas == 1
     assert queued_tasks(one.worker.queue_name) == [
-        ("gpuworker.unload_model", {"replica_id": one.pk, "drain_timeout_s": 7.0})]
+        ("gpuworker.unload_model", {"replica_id": one.pk, "drain_timeout_s": 7.0})
+    ]
     with pytest.raises(ValidationError, match="min_replicas"):
         replica_unload(replica=two)
     with pytest.raises(ValidationError, match="only a pending, loading or ready replica"):
@@ -275,12 +318,16 @@ def test_worker_drain_moves_replicas_off_and_tells_the_worker(django_capture_on_
 
 # --- Deployments
 
+
 def test_deployment_create():
     model = ModelFactory()
     deployment = deployment_create(model_name=model.public_name, desired_replicas=2, min_replicas=1, max_replicas=4)
     deployment.refresh_from_db()
     assert (deployment.model, deployment.desired_replicas, deployment.min_replicas, deployment.max_replicas) == (
-        model, 2, 1, 4,
+        model,
+        2,
+        1,
+        4,
     )
 
 
@@ -364,6 +411,7 @@ def test_deployment_wake_refuses_a_model_that_may_have_no_replica():
 
 # --- retry now ---------------------------------------------------------------------------------
 
+
 def test_retry_now_forgets_the_backoff_is_audited_and_reconciles_at_once(settings, django_capture_on_commit_callbacks):
     settings.FLEET_LOAD_RETRY_INITIAL_SECONDS = 300
     worker = GpuFactory(worker=make_worker(), index=0).worker
@@ -378,8 +426,9 @@ def test_retry_now_forgets_the_backoff_is_audited_and_reconciles_at_once(setting
     assert not LoadBackoff.objects.exists()
     entry = AuditEntry.objects.get(action=AuditEntry.Action.DEPLOYMENT_RETRY)
     assert (entry.target_id, entry.detail) == (str(deployment.pk), {"backoffs": {worker.name: 1}})
-    assert ("controlplane.fleet.tasks.reconcile", {"deployment_ids": [deployment.pk]}) in \
-        queued_tasks(celery_app.conf.task_default_queue)
+    assert ("controlplane.fleet.tasks.reconcile", {"deployment_ids": [deployment.pk]}) in queued_tasks(
+        celery_app.conf.task_default_queue
+    )
     assert len(deployment_reconcile(deployment_id=deployment.pk, now=now).placed) == 1
 
     # Nothing left to retry: refused, nothing written.
@@ -391,8 +440,9 @@ def test_retry_now_forgets_the_backoff_is_audited_and_reconciles_at_once(setting
 def test_replica_load_on_a_split_model_takes_the_chosen_gpu_and_the_next(django_capture_on_commit_callbacks):
     worker = make_worker()
     gpus = [GpuFactory(worker=worker, index=i, memory_total_bytes=10 * GB) for i in range(2)]
-    deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=16 * GB, tensor_parallel_size=2),
-                                   desired_replicas=0, max_replicas=2)
+    deployment = DeploymentFactory(
+        model=ModelFactory(gpu_memory_bytes=16 * GB, tensor_parallel_size=2), desired_replicas=0, max_replicas=2
+    )
     with pytest.raises(ValidationError) as error:
         replica_load_on(deployment=deployment, worker=worker, gpu=gpus[1])
     assert "from GPU 1 it needs GPUs 1–2" in str(error.value.message_dict["gpu"])
@@ -403,6 +453,7 @@ def test_replica_load_on_a_split_model_takes_the_chosen_gpu_and_the_next(django_
     assert (kwargs["gpu_index"], kwargs["tensor_parallel_size"], kwargs["memory_fraction"]) == (0, 2, 0.8)
     with pytest.raises(ValidationError) as error:  # both GPUs now hold 8 GiB of it
         replica_load_on(deployment=deployment, worker=worker, gpu=gpus[0])
-    assert (f"needs 8.0 GiB on each of 2 GPUs of one worker (16.0 GiB in all); free: {worker.name} GPU 0 "
-            f"({gpus[0].name}) 2.0 GiB of 10.0 GiB; {worker.name} GPU 1 ({gpus[1].name}) 2.0 GiB of 10.0 GiB"
-            ) in str(error.value.message_dict["gpu"])
+    assert (
+        f"needs 8.0 GiB on each of 2 GPUs of one worker (16.0 GiB in all); free: {worker.name} GPU 0 "
+        f"({gpus[0].name}) 2.0 GiB of 10.0 GiB; {worker.name} GPU 1 ({gpus[1].name}) 2.0 GiB of 10.0 GiB"
+    ) in str(error.value.message_dict["gpu"])

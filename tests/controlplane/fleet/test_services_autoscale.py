@@ -47,20 +47,36 @@ def _policy(settings):
 
 def _deployment(*, desired=1, max_replicas=4, **fields):
     fields.setdefault("autoscale", True)
-    return DeploymentFactory(desired_replicas=desired, max_replicas=max_replicas, target_concurrency=4,
-                             idle_to_zero_seconds=600, scaled_at=timezone.now() - LONG_AGO, **fields)
+    return DeploymentFactory(
+        desired_replicas=desired,
+        max_replicas=max_replicas,
+        target_concurrency=4,
+        idle_to_zero_seconds=600,
+        scaled_at=timezone.now() - LONG_AGO,
+        **fields,
+    )
 
 
 def _ready_replicas(deployment, worker, count):
-    return [ReplicaFactory(deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=URL)
-            for _ in range(count)]
+    return [
+        ReplicaFactory(deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=URL)
+        for _ in range(count)
+    ]
 
 
 def _beat(worker, figures_by_replica):
     """One heartbeat from `worker` reporting each replica ready with its figures."""
-    heartbeat = parse_heartbeat({"draining": False, "gpus": [], "cpu": {"utilization_pct": 3.0}, "replicas": [
-        {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL, **figures}
-        for replica, figures in figures_by_replica.items()]})
+    heartbeat = parse_heartbeat(
+        {
+            "draining": False,
+            "gpus": [],
+            "cpu": {"utilization_pct": 3.0},
+            "replicas": [
+                {"replica_id": replica.pk, "state": "ready", "endpoint_url": URL, **figures}
+                for replica, figures in figures_by_replica.items()
+            ],
+        }
+    )
     worker_heartbeat(worker_id=worker.pk, heartbeat=heartbeat, now=timezone.now())
 
 
@@ -75,8 +91,14 @@ def _requests(model_id, *, count=1, ago=timedelta(0)):
 
 
 def _autoscale_entries(deployment):
-    return list(AuditEntry.objects.filter(target_id=str(deployment.pk), actor_label="system",
-                                          action=AuditEntry.Action.DEPLOYMENT_SCALE, detail__has_key="autoscaler"))
+    return list(
+        AuditEntry.objects.filter(
+            target_id=str(deployment.pk),
+            actor_label="system",
+            action=AuditEntry.Action.DEPLOYMENT_SCALE,
+            detail__has_key="autoscaler",
+        )
+    )
 
 
 def test_scales_up_on_queued_requests_and_records_why():
@@ -104,8 +126,21 @@ def test_scales_up_on_a_ttft_slo_breach_read_from_the_heartbeat_cache():
     worker = make_worker()
     (replica,) = _ready_replicas(deployment, worker, 1)
     # The figures as the heartbeat service stores them; missing ones (itl_p95_s here) read as None.
-    heartbeat_cache.store(worker_id=worker.pk, state={"worker_id": worker.pk, "replicas": {
-        str(replica.pk): {"state": "ready", "running": 2, "waiting": 0, "kv_cache_usage": 0.2, "ttft_p95_s": 0.9}}})
+    heartbeat_cache.store(
+        worker_id=worker.pk,
+        state={
+            "worker_id": worker.pk,
+            "replicas": {
+                str(replica.pk): {
+                    "state": "ready",
+                    "running": 2,
+                    "waiting": 0,
+                    "kv_cache_usage": 0.2,
+                    "ttft_p95_s": 0.9,
+                }
+            },
+        },
+    )
     _requests(deployment.model_id)
     (decision,) = deployments_autoscale(now=timezone.now())
     deployment.refresh_from_db()
@@ -137,8 +172,14 @@ def test_scales_down_when_the_replicas_are_mostly_idle():
     deployment = _deployment(desired=3)
     worker = make_worker()
     replicas = _ready_replicas(deployment, worker, 3)
-    _beat(worker, {replicas[0]: {"running": 1, "waiting": 0}, replicas[1]: {"running": 0, "waiting": 0},
-                   replicas[2]: {"running": 0, "waiting": 0}})
+    _beat(
+        worker,
+        {
+            replicas[0]: {"running": 1, "waiting": 0},
+            replicas[1]: {"running": 0, "waiting": 0},
+            replicas[2]: {"running": 0, "waiting": 0},
+        },
+    )
     _requests(deployment.model_id, count=3)
     (decision,) = deployments_autoscale(now=timezone.now())
     deployment.refresh_from_db()
@@ -218,28 +259,47 @@ def test_manual_scale_still_works_and_restarts_the_cooldown():
     assert deployment.desired_replicas == 3 and deployment.scaled_at > timezone.now() - timedelta(minutes=1)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("target_concurrency", 0, "Must lie between 1 and 1,024; got 0."),
-    ("ttft_slo_ms", 10_000_000, "Must lie between 1 and 600,000"),
-    ("itl_slo_ms", "fast", "Must be a whole number"),
-    ("idle_to_zero_seconds", -1, "Must lie between 0 and"),
-    ("autoscale", "yes", "Must be true or false"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("target_concurrency", 0, "Must lie between 1 and 1,024; got 0."),
+        ("ttft_slo_ms", 10_000_000, "Must lie between 1 and 600,000"),
+        ("itl_slo_ms", "fast", "Must be a whole number"),
+        ("idle_to_zero_seconds", -1, "Must lie between 0 and"),
+        ("autoscale", "yes", "Must be true or false"),
+    ],
+)
 def test_autoscaling_settings_are_checked_per_field(field, value, message):
     deployment = _deployment()
     with pytest.raises(ValidationError) as error:
-        deployment_update(deployment=deployment, desired_replicas=1, min_replicas=0, max_replicas=4,
-                          keep_warm=False, **{field: value})
+        deployment_update(
+            deployment=deployment, desired_replicas=1, min_replicas=0, max_replicas=4, keep_warm=False, **{field: value}
+        )
     assert message in error.value.message_dict[field][0]
 
 
 def test_autoscaling_settings_are_saved_and_audited():
     deployment = _deployment()
-    deployment_update(deployment=deployment, desired_replicas=1, min_replicas=0, max_replicas=4, keep_warm=False,
-                      autoscale=False, target_concurrency=16, ttft_slo_ms=500, itl_slo_ms=40, idle_to_zero_seconds=0)
+    deployment_update(
+        deployment=deployment,
+        desired_replicas=1,
+        min_replicas=0,
+        max_replicas=4,
+        keep_warm=False,
+        autoscale=False,
+        target_concurrency=16,
+        ttft_slo_ms=500,
+        itl_slo_ms=40,
+        idle_to_zero_seconds=0,
+    )
     deployment.refresh_from_db()
-    assert (deployment.autoscale, deployment.target_concurrency, deployment.ttft_slo_ms, deployment.itl_slo_ms,
-            deployment.idle_to_zero_seconds) == (False, 16, 500, 40, 0)
+    assert (
+        deployment.autoscale,
+        deployment.target_concurrency,
+        deployment.ttft_slo_ms,
+        deployment.itl_slo_ms,
+        deployment.idle_to_zero_seconds,
+    ) == (False, 16, 500, 40, 0)
     entry = AuditEntry.objects.get(action=AuditEntry.Action.DEPLOYMENT_UPDATE, target_id=str(deployment.pk))
     assert entry.detail["target_concurrency"] == [4, 16] and entry.detail["autoscale"] == [True, False]
 

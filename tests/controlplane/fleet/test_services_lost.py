@@ -38,8 +38,13 @@ def _closed_port_url() -> str:
 def _beat(worker, *, now):
     """A heartbeat of `worker` reporting its ready replicas as ready."""
     ready = Replica.objects.filter(worker=worker, state=State.READY).values_list("pk", "endpoint_url")
-    worker_heartbeat(worker_id=worker.pk, now=now, heartbeat=parse_heartbeat({"replicas": [
-        {"replica_id": pk, "state": "ready", "endpoint_url": url} for pk, url in ready]}))
+    worker_heartbeat(
+        worker_id=worker.pk,
+        now=now,
+        heartbeat=parse_heartbeat(
+            {"replicas": [{"replica_id": pk, "state": "ready", "endpoint_url": url} for pk, url in ready]}
+        ),
+    )
 
 
 def _watch(start, end) -> int:
@@ -136,8 +141,14 @@ def private_live_cache(settings, tmp_path):
     stop and start; it comes back empty, as an unpersisted Redis does."""
     server = PrivateRedis(tmp_path)
     server.start()
-    settings.CACHES = {**settings.CACHES, "live": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                                                   "LOCATION": server.url, "KEY_PREFIX": "test-live"}}
+    settings.CACHES = {
+        **settings.CACHES,
+        "live": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": server.url,
+            "KEY_PREFIX": "test-live",
+        },
+    }
     yield server
     server.stop()
 
@@ -177,8 +188,10 @@ def test_a_silent_worker_whose_replicas_answer_is_held_not_lost(settings, caplog
     settings.FLEET_WORKER_LOST_AFTER_SECONDS = 3
     settings.FLEET_WORKER_TOKEN = WORKER_TOKEN
     now = timezone.now()
-    running, stopped = make_worker(state_changed_at=now - timedelta(minutes=1)), make_worker(
-        state_changed_at=now - timedelta(minutes=1))
+    running, stopped = (
+        make_worker(state_changed_at=now - timedelta(minutes=1)),
+        make_worker(state_changed_at=now - timedelta(minutes=1)),
+    )
     kept, failed = _ready_replica(running, replica_server.url), _ready_replica(stopped, _closed_port_url())
     _beat(running, now=now - 10 * SECOND), _beat(stopped, now=now - 10 * SECOND)
     with caplog.at_level(logging.WARNING, logger="controlplane.fleet.services.heartbeats"):

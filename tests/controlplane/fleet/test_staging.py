@@ -19,8 +19,9 @@ GB = 10**9
 
 
 def _worker(worker_id=1, budget=40 * GB, paths=("/m/a", "/m/b", "/m/c"), running=()):
-    return StagingWorker(worker_id=worker_id, budget_bytes=budget, model_paths=frozenset(paths),
-                         running_paths=frozenset(running))
+    return StagingWorker(
+        worker_id=worker_id, budget_bytes=budget, model_paths=frozenset(paths), running_paths=frozenset(running)
+    )
 
 
 def _candidate(path, traffic, size=16 * GB, headroom=True):
@@ -33,8 +34,12 @@ def test_busiest_models_with_headroom_first_within_the_budget():
 
 
 def test_models_at_their_maximum_running_here_or_not_found_here_are_not_staged():
-    candidates = [_candidate("/m/a", 9, headroom=False), _candidate("/m/b", 5), _candidate("/m/x", 4),
-                  _candidate("/m/c", 3)]
+    candidates = [
+        _candidate("/m/a", 9, headroom=False),
+        _candidate("/m/b", 5),
+        _candidate("/m/x", 4),
+        _candidate("/m/c", 3),
+    ]
     plan = plan_staging([_worker(running=("/m/b",)), _worker(worker_id=2, paths=("/m/x",))], candidates)
     assert plan == {1: ("/m/c",), 2: ("/m/x",)}
 
@@ -46,8 +51,9 @@ def test_a_model_larger_than_the_budget_is_passed_over_for_smaller_ones():
 
 
 def _heartbeat_state(worker, budget):
-    heartbeat_cache.store(worker_id=worker.pk, state={"worker_id": worker.pk, "staging": {"budget_bytes": budget,
-                                                                                          "models": []}})
+    heartbeat_cache.store(
+        worker_id=worker.pk, state={"worker_id": worker.pk, "staging": {"budget_bytes": budget, "models": []}}
+    )
 
 
 def _requests(redis_url, counts):
@@ -79,8 +85,7 @@ def test_plans_are_sent_to_the_worker_queue_only_when_they_change(redis_url, dja
 
     with django_capture_on_commit_callbacks(execute=True):
         assert workers_stage_weights() == {worker.pk: (busy.model.weights_path,)}
-    assert queued_tasks(worker.queue_name) == [("gpuworker.stage_weights",
-                                                {"model_paths": [busy.model.weights_path]})]
+    assert queued_tasks(worker.queue_name) == [("gpuworker.stage_weights", {"model_paths": [busy.model.weights_path]})]
     assert workers_stage_weights() == {}  # unchanged: nothing sent
     assert queued_tasks(worker.queue_name) == []
 

@@ -73,8 +73,11 @@ def test_scaling_a_deployment_requests_a_reconcile_after_commit(redis_url, djang
     for callback in callbacks:
         callback()
     # The control plane's own Celery workers consume the default queue.
-    requests = [kwargs for name, kwargs in queued_tasks(celery_app.conf.task_default_queue)
-                if name == "controlplane.fleet.tasks.reconcile"]
+    requests = [
+        kwargs
+        for name, kwargs in queued_tasks(celery_app.conf.task_default_queue)
+        if name == "controlplane.fleet.tasks.reconcile"
+    ]
     assert {"deployment_ids": [deployment.pk]} in requests
 
 
@@ -87,8 +90,13 @@ def _closed_port() -> int:
 @pytest.mark.django_db
 def test_the_check_pauses_and_says_so_while_redis_is_unreachable(settings, caplog):
     make_worker(state_changed_at=timezone.now() - timedelta(minutes=5))
-    settings.CACHES = {**settings.CACHES, "live": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                                                   "LOCATION": f"redis://127.0.0.1:{_closed_port()}/0"}}
+    settings.CACHES = {
+        **settings.CACHES,
+        "live": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": f"redis://127.0.0.1:{_closed_port()}/0",
+        },
+    }
     with caplog.at_level(logging.WARNING, logger="controlplane.fleet.tasks"):
         assert mark_lost_workers() == 0
     assert "lost-worker judgement paused: the redis is unreachable (ConnectionError)" in caplog.text

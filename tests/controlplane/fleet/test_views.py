@@ -10,8 +10,12 @@ pytestmark = pytest.mark.django_db
 
 TOKEN = "fleet-test-token"
 REGISTRATION = {
-    "name": "host-a", "advertise_host": "127.0.0.1", "device": "cpu", "gpus": [],
-    "cpu": {"memory_total_bytes": 8 * 1024**3, "cores": 4}, "version": "0.1.0",
+    "name": "host-a",
+    "advertise_host": "127.0.0.1",
+    "device": "cpu",
+    "gpus": [],
+    "cpu": {"memory_total_bytes": 8 * 1024**3, "cores": 4},
+    "version": "0.1.0",
 }
 
 
@@ -49,8 +53,12 @@ def test_a_missing_or_wrong_token_is_refused(client, token):
 def test_bad_bodies_get_400_naming_the_field(client):
     response = _post(client, "/internal/workers/register", {**REGISTRATION, "device": "tpu"})
     assert response.status_code == 400 and "device" in response.json()["fields"]
-    response = client.post("/internal/workers/register", "{not json", content_type="application/json",
-                           headers={"Authorization": f"Bearer {TOKEN}"})
+    response = client.post(
+        "/internal/workers/register",
+        "{not json",
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     assert response.status_code == 400 and response.json()["error"] == "The body must be JSON."
     response = client.get("/internal/workers/register", headers={"Authorization": f"Bearer {TOKEN}"})
     assert response.status_code == 405
@@ -63,8 +71,11 @@ def test_heartbeat_answers_ok_and_what_to_unload(client):
         {"replica_id": ready.pk, "state": "ready", "endpoint_url": "http://127.0.0.1:8101", "load_progress": 1.0},
         {"replica_id": 424242, "state": "ready", "endpoint_url": "http://127.0.0.1:8102"},
     ]
-    response = _post(client, f"/internal/workers/{worker.pk}/heartbeat",
-                     {"sent_at": "2026-01-01T00:00:00+00:00", "draining": False, "replicas": replicas})
+    response = _post(
+        client,
+        f"/internal/workers/{worker.pk}/heartbeat",
+        {"sent_at": "2026-01-01T00:00:00+00:00", "draining": False, "replicas": replicas},
+    )
     assert response.status_code == 200 and response.json() == {"ok": True, "unload": [424242]}
     ready.refresh_from_db()
     assert ready.state == Replica.State.READY
@@ -85,10 +96,14 @@ def test_a_heartbeat_while_the_control_planes_redis_is_unreachable_is_a_503_to_r
     with socket.socket() as probe:  # a port nothing listens on: Redis is down
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    settings.CACHES = {**settings.CACHES, "live": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                                                   "LOCATION": f"redis://127.0.0.1:{port}/0"}}
-    response = _post(client, f"/internal/workers/{worker_id}/heartbeat",
-                     {"sent_at": "2026-12-01T00:00:00+00:00", "draining": False, "gpus": [], "cpu": {},
-                      "replicas": []})
+    settings.CACHES = {
+        **settings.CACHES,
+        "live": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": f"redis://127.0.0.1:{port}/0"},
+    }
+    response = _post(
+        client,
+        f"/internal/workers/{worker_id}/heartbeat",
+        {"sent_at": "2026-12-01T00:00:00+00:00", "draining": False, "gpus": [], "cpu": {}, "replicas": []},
+    )
     assert response.status_code == 503 and response.headers["Retry-After"] == "1"
     assert response.json() == {"error": "The control plane cannot reach its redis right now."}

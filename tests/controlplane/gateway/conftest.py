@@ -62,16 +62,34 @@ class ReplicaServer:
             self.process.wait(timeout=10)
 
 
-def start_replica(checkpoint: Path, name: str, *, max_model_len: int | None = 256,
-                  env: dict[str, str] | None = None) -> ReplicaServer:
+def start_replica(
+    checkpoint: Path, name: str, *, max_model_len: int | None = 256, env: dict[str, str] | None = None
+) -> ReplicaServer:
     """A real replica process (`python -m gpuworker serve`) on a free port; `env` replaces the
     environment (None: this process's)."""
     port = free_port()
     length = ["--max-model-len", str(max_model_len)] if max_model_len is not None else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "gpuworker", "serve", "--model", str(checkpoint), "--port", str(port),
-         "--token", WORKER_TOKEN, "--served-model-name", name, *length, "--log-level", "warning"],
-        cwd=REPO, stdin=subprocess.DEVNULL, env=env,
+        [
+            sys.executable,
+            "-m",
+            "gpuworker",
+            "serve",
+            "--model",
+            str(checkpoint),
+            "--port",
+            str(port),
+            "--token",
+            WORKER_TOKEN,
+            "--served-model-name",
+            name,
+            *length,
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        env=env,
     )
     return ReplicaServer(f"http://127.0.0.1:{port}", process)
 
@@ -161,26 +179,49 @@ def start_module_gateway(database_url: str, *, log=None) -> GatewayServer:
     return start_gateway(database_url, redis_url, log=log)
 
 
-def start_gateway(database_url: str, redis_url: str, *, workers: int = 1, log=None,
-                  **env_overrides: str) -> GatewayServer:
+def start_gateway(
+    database_url: str, redis_url: str, *, workers: int = 1, log=None, **env_overrides: str
+) -> GatewayServer:
     """uvicorn serving controlplane.asgi in its own process (`workers` processes behind one port,
     as docker-compose runs it), as in production; waits until it answers. `log`: a file for its
     stderr (None: this process's)."""
     port = free_port()
     env = {
         **os.environ,
-        "DATABASE_URL": database_url, "REDIS_URL": redis_url, "GPUSERVE_WORKER_TOKEN": WORKER_TOKEN,
-        "DEBUG": "1", "LOG_LEVEL": "WARNING",
+        "DATABASE_URL": database_url,
+        "REDIS_URL": redis_url,
+        "GPUSERVE_WORKER_TOKEN": WORKER_TOKEN,
+        "DEBUG": "1",
+        "LOG_LEVEL": "WARNING",
         # Small figures so that the tests see routing changes, waits and cool-downs quickly.
-        "GATEWAY_ROUTING_REFRESH_MS": "100", "GATEWAY_COLD_START_WAIT_SECONDS": "2",
-        "GATEWAY_RETRY_AFTER_SECONDS": "3", "GATEWAY_REPLICA_COOLDOWN_SECONDS": "30",
-        "GATEWAY_HOLD_SWEEP_SECONDS": "1", "GATEWAY_AFFINITY_PREFIX_CHARS": str(AFFINITY_PREFIX_CHARS),
+        "GATEWAY_ROUTING_REFRESH_MS": "100",
+        "GATEWAY_COLD_START_WAIT_SECONDS": "2",
+        "GATEWAY_RETRY_AFTER_SECONDS": "3",
+        "GATEWAY_REPLICA_COOLDOWN_SECONDS": "30",
+        "GATEWAY_HOLD_SWEEP_SECONDS": "1",
+        "GATEWAY_AFFINITY_PREFIX_CHARS": str(AFFINITY_PREFIX_CHARS),
         **env_overrides,
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1",
-         "--port", str(port), "--log-level", "warning", "--no-access-log", "--workers", str(workers)],
-        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stderr=log,
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "controlplane.asgi:application",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+            "--workers",
+            str(workers),
+        ],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stderr=log,
     )
     server = GatewayServer(f"http://127.0.0.1:{port}", redis_url, process)
     try:
@@ -222,20 +263,27 @@ class World:
         answer goes out, off the client's latency."""
         from controlplane.billing.models import CreditHold
 
-        wait_until(lambda: not CreditHold.objects.filter(tenant=self.tenant).exists(), timeout,
-                   "the requests to be settled")
+        wait_until(
+            lambda: not CreditHold.objects.filter(tenant=self.tenant).exists(), timeout, "the requests to be settled"
+        )
 
     def client(self, api_key: str | None = None, **options):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key or self.api_key.plaintext,
-                             **{"max_retries": 0, "timeout": 60, **options})
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=api_key or self.api_key.plaintext,
+            **{"max_retries": 0, "timeout": 60, **options},
+        )
 
     def async_client(self, api_key: str | None = None, **options):
         import openai
 
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key or self.api_key.plaintext,
-                                  **{"max_retries": 0, "timeout": 60, **options})
+        return openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=api_key or self.api_key.plaintext,
+            **{"max_retries": 0, "timeout": 60, **options},
+        )
 
     def chats_at_once(self, count: int, api_key: str | None = None) -> list[str]:
         """`count` one-token chat completions released at the same moment: "served" for each
@@ -249,8 +297,9 @@ class World:
             async def one() -> str:
                 await start.wait()
                 try:
-                    await client.chat.completions.create(model=self.model.public_name, max_tokens=1,
-                                                         messages=[{"role": "user", "content": "hi"}])
+                    await client.chat.completions.create(
+                        model=self.model.public_name, max_tokens=1, messages=[{"role": "user", "content": "hi"}]
+                    )
                     return "served"
                 except openai.RateLimitError as error:
                     return error.code
@@ -272,8 +321,12 @@ def assert_answers_with_engine_text(world: World, checkpoint: Path, prompt: list
     from gpuworker.engine import LLMEngine, SamplingParams
 
     response = world.client().completions.with_raw_response.create(
-        model=world.model.public_name, prompt=prompt, max_tokens=max_tokens, temperature=0,
-        extra_body={"ignore_eos": True})
+        model=world.model.public_name,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     completion = response.parse()
     assert completion.usage.completion_tokens == max_tokens
     assert completion.choices[0].finish_reason == "length"
@@ -285,14 +338,21 @@ def assert_answers_with_engine_text(world: World, checkpoint: Path, prompt: list
     assert record.status == "completed" and record.price_charged > Decimal("0")
 
 
-def make_world(gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002"), plan=None, kind="chat",
-               **key_fields) -> World:
+def make_world(
+    gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002"), plan=None, kind="chat", **key_fields
+) -> World:
     """Rows for a tenant and a model whose ready replicas are `servers`; waits until the gateway
     routes the model."""
     from controlplane.billing.services import credit_grant
     from controlplane.fleet.models import Replica, Worker
-    from tests.controlplane.factories import (ApiKeyFactory, DeploymentFactory, ModelFactory, PlanFactory,
-                                              PriceTierFactory, TenantFactory)
+    from tests.controlplane.factories import (
+        ApiKeyFactory,
+        DeploymentFactory,
+        ModelFactory,
+        PlanFactory,
+        PriceTierFactory,
+        TenantFactory,
+    )
 
     plan = plan or PlanFactory(rate_limit_per_minute=10_000, max_concurrent_requests=500)
     tenant = TenantFactory(plan=plan)
@@ -301,14 +361,25 @@ def make_world(gateway, servers, *, credit=Decimal("10"), price=Decimal("0.002")
     api_key = ApiKeyFactory(tenant=tenant, **key_fields)
     model = ModelFactory(price_tier=PriceTierFactory(price_per_request=price), context_length=256, kind=kind)
     deployment = DeploymentFactory(model=model, desired_replicas=len(servers), max_replicas=max(2, len(servers)))
-    worker = Worker.objects.create(name=f"host-{model.pk}", queue_name=f"gpuworker.host-{model.pk}",
-                                   advertise_host="127.0.0.1", device=Worker.Device.CPU)
-    rows = [Replica.objects.create(deployment=deployment, worker=worker, state=Replica.State.READY,
-                                   endpoint_url=server.url) for server in servers]
+    worker = Worker.objects.create(
+        name=f"host-{model.pk}",
+        queue_name=f"gpuworker.host-{model.pk}",
+        advertise_host="127.0.0.1",
+        device=Worker.Device.CPU,
+    )
+    rows = [
+        Replica.objects.create(deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=server.url)
+        for server in servers
+    ]
     world = World(tenant, api_key, model, rows, gateway.url)
     probe = ApiKeyFactory(tenant=tenant, rate_limit_per_minute=10_000)  # may see every model
     headers = {"Authorization": f"Bearer {probe.plaintext}"}
-    wait_until(lambda: any(m["id"] == model.public_name for m in
-                           httpx.get(f"{gateway.url}/v1/models", headers=headers, timeout=5).json()["data"]),
-               10, f"the gateway to route {model.public_name}")
+    wait_until(
+        lambda: any(
+            m["id"] == model.public_name
+            for m in httpx.get(f"{gateway.url}/v1/models", headers=headers, timeout=5).json()["data"]
+        ),
+        10,
+        f"the gateway to route {model.public_name}",
+    )
     return world

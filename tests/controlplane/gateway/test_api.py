@@ -39,8 +39,19 @@ def test_models_lists_what_the_key_may_use_and_can_answer(gateway, replicas):
 def test_chat_completion_is_answered_and_billed_once(world):
     client = world.client()
     response = client.chat.completions.with_raw_response.create(
-        model=world.model.public_name, messages=CHAT, max_tokens=4, n=2, seed=7, temperature=0.7, top_p=0.9,
-        presence_penalty=0.1, frequency_penalty=0.1, stop=["\n\n"], user="alice", logprobs=True, top_logprobs=2,
+        model=world.model.public_name,
+        messages=CHAT,
+        max_tokens=4,
+        n=2,
+        seed=7,
+        temperature=0.7,
+        top_p=0.9,
+        presence_penalty=0.1,
+        frequency_penalty=0.1,
+        stop=["\n\n"],
+        user="alice",
+        logprobs=True,
+        top_logprobs=2,
     )
     request_id = response.headers["x-request-id"]
     chat = response.parse()
@@ -63,20 +74,30 @@ def test_chat_completion_is_answered_and_billed_once(world):
 
 def test_text_completion_with_max_completion_fields(world):
     client = world.client()
-    completion = client.completions.create(model=world.model.public_name, prompt="Once upon a time",
-                                           max_tokens=3, logprobs=1, extra_body={"ignore_eos": True})
+    completion = client.completions.create(
+        model=world.model.public_name,
+        prompt="Once upon a time",
+        max_tokens=3,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     assert completion.object == "text_completion"
     assert completion.usage.completion_tokens == 3 and completion.choices[0].finish_reason == "length"
-    chat = client.chat.completions.create(model=world.model.public_name, messages=CHAT,
-                                          max_completion_tokens=2, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=world.model.public_name, messages=CHAT, max_completion_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert chat.usage.completion_tokens == 2
 
 
 def test_streaming_chat_with_usage(world):
     client = world.client()
     with client.chat.completions.with_streaming_response.create(
-        model=world.model.public_name, messages=CHAT, max_tokens=5, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=world.model.public_name,
+        messages=CHAT,
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     ) as response:
         request_id = response.headers["x-request-id"]
         chunks = list(response.parse())
@@ -94,8 +115,9 @@ def test_streaming_chat_with_usage(world):
 
 
 def test_streaming_completion_without_usage_has_none(world):
-    stream = world.client().completions.create(model=world.model.public_name, prompt="abc", max_tokens=3,
-                                               stream=True, extra_body={"ignore_eos": True})
+    stream = world.client().completions.create(
+        model=world.model.public_name, prompt="abc", max_tokens=3, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = list(stream)
     assert chunks and all(c.usage is None for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"

@@ -32,7 +32,9 @@ def test_200_concurrent_requests_with_credit_for_50(gateway, replicas, require_p
     records = UsageRecord.objects.filter(tenant=world.tenant)
     assert records.count() == 50 and all(r.price_charged == Decimal("0.002") for r in records)
     usage_entries = CreditEntry.objects.filter(tenant=world.tenant, kind=CreditEntry.Kind.USAGE)
-    assert -usage_entries.aggregate(total=Sum("amount"))["total"] == records.aggregate(total=Sum("price_charged"))["total"]
+    assert (
+        -usage_entries.aggregate(total=Sum("amount"))["total"] == records.aggregate(total=Sum("price_charged"))["total"]
+    )
     assert set(usage_entries.values_list("usage_record_id", flat=True)) == set(records.values_list("pk", flat=True))
     account = CreditAccount.objects.get(tenant=world.tenant)
     assert (account.balance, account.held) == (Decimal("0"), Decimal("0"))
@@ -76,8 +78,12 @@ def test_the_plans_monthly_allowance_is_used_first(gateway, replicas):
     plan = PlanFactory(included_requests_per_month=3, rate_limit_per_minute=1000, max_concurrent_requests=50)
     world = make_world(gateway, replicas, credit=Decimal("1"), plan=plan)
     client = world.client()
-    costs = [client.chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=1,
-                                            n=2).usage.model_extra["cost"] for _ in range(3)]
+    costs = [
+        client.chat.completions.create(
+            model=world.model.public_name, messages=CHAT, max_tokens=1, n=2
+        ).usage.model_extra["cost"]
+        for _ in range(3)
+    ]
     # Three included requests: two for the first call's two choices, one for the second's first.
     assert costs == [0.0, 0.002, 0.004]
     world.settled()
@@ -88,8 +94,11 @@ def test_holds_of_a_dead_gateway_are_charged_if_started_and_released_otherwise(g
     world = make_world(gateway, replicas, credit=Decimal("1"))
     past = timezone.now() - timedelta(minutes=20)
     started, unstarted = "req_crashed_after_first_token", "req_crashed_before_first_token"
-    credit_holds_place(requests=[HoldRequest(rid, world.tenant.pk, world.model.pk, world.api_key.pk)
-                                 for rid in (started, unstarted)], at=past, expires_at=past + timedelta(minutes=11))
+    credit_holds_place(
+        requests=[HoldRequest(rid, world.tenant.pk, world.model.pk, world.api_key.pk) for rid in (started, unstarted)],
+        at=past,
+        expires_at=past + timedelta(minutes=11),
+    )
     assert CreditAccount.objects.get(tenant=world.tenant).held == Decimal("0.004")
     # What the dead gateway wrote when the first token went out.
     redis.Redis.from_url(gateway.redis_url).set(f"gw:started:{started}", 1, ex=60)
@@ -98,6 +107,7 @@ def test_holds_of_a_dead_gateway_are_charged_if_started_and_released_otherwise(g
         assert time.monotonic() < deadline, "the expired holds were never swept"
         time.sleep(0.2)
     assert list(UsageRecord.objects.values_list("request_id", "status", "price_charged")) == [
-        (started, "cancelled", Decimal("0.002"))]
+        (started, "cancelled", Decimal("0.002"))
+    ]
     account = CreditAccount.objects.get(tenant=world.tenant)
     assert (account.balance, account.held) == (Decimal("0.998"), Decimal("0"))

@@ -85,8 +85,10 @@ async def test_what_comes_back_from_a_worker_is_what_the_request_path_needs(pars
 
 async def test_a_tenant_has_at_most_its_turns_in_the_pool_while_another_tenants_bodies_are_parsed(parsers):
     one, other = 1, 2
-    work = [asyncio.ensure_future(parsers.check(tenant, LARGE, CompletionRequest, 64, {"m": CONTEXT}))
-            for tenant in (one, one, one, other)]
+    work = [
+        asyncio.ensure_future(parsers.check(tenant, LARGE, CompletionRequest, 64, {"m": CONTEXT}))
+        for tenant in (one, one, one, other)
+    ]
     most_of_one, seen_other = 0, False
     while not all(task.done() for task in work):
         most_of_one = max(most_of_one, parsers.tenant_load(one)[0])
@@ -112,6 +114,7 @@ async def test_a_parser_process_that_dies_costs_one_request_a_503_and_the_next_i
 
 # --- through the gateway ------------------------------------------------------------------------
 
+
 @pytest.fixture
 def world(transactional_db, settings):
     from controlplane.billing.services import credit_grant
@@ -126,15 +129,22 @@ def world(transactional_db, settings):
     tenant = TenantFactory(plan=PlanFactory(rate_limit_per_minute=10_000, max_concurrent_requests=100))
     credit_grant(tenant=tenant, amount=Decimal("10"))
     model = ModelFactory(context_length=CONTEXT)
-    keys = {"any": ApiKeyFactory(tenant=tenant), "one_a_minute": ApiKeyFactory(tenant=tenant, rate_limit_per_minute=1),
-            "one_at_a_time": ApiKeyFactory(tenant=tenant, max_concurrent_requests=1)}
+    keys = {
+        "any": ApiKeyFactory(tenant=tenant),
+        "one_a_minute": ApiKeyFactory(tenant=tenant, rate_limit_per_minute=1),
+        "one_at_a_time": ApiKeyFactory(tenant=tenant, max_concurrent_requests=1),
+    }
     return model, keys
 
 
 async def _post(app, key, content: bytes) -> httpx.Response:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
-        return await client.post("/v1/completions", content=content, timeout=60,
-                                 headers={"Authorization": f"Bearer {key.plaintext}", "Content-Type": "application/json"})
+        return await client.post(
+            "/v1/completions",
+            content=content,
+            timeout=60,
+            headers={"Authorization": f"Bearer {key.plaintext}", "Content-Type": "application/json"},
+        )
 
 
 def _prompt(model, ids: int) -> bytes:
@@ -142,7 +152,8 @@ def _prompt(model, ids: int) -> bytes:
 
 
 async def test_through_the_gateway_a_long_token_prompt_is_a_400_naming_the_context_parsed_off_the_loop(
-        world, parsed_here):
+    world, parsed_here
+):
     model, keys = world
     app = build_app()
     try:
@@ -208,12 +219,17 @@ asyncio.run(main())
 
 
 def test_parser_processes_exit_with_a_gateway_killed_outright():
-    gateway = subprocess.Popen([sys.executable, "-c", _GATEWAY_WITH_PARSERS], stdout=subprocess.PIPE,
-                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    gateway = subprocess.Popen(
+        [sys.executable, "-c", _GATEWAY_WITH_PARSERS],
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert gateway.stdout.readline() == b"parsed\n"
-        parsers = [child for child in psutil.Process(gateway.pid).children()
-                   if "spawn_main" in " ".join(child.cmdline())]
+        parsers = [
+            child for child in psutil.Process(gateway.pid).children() if "spawn_main" in " ".join(child.cmdline())
+        ]
         assert parsers
     finally:
         gateway.kill()

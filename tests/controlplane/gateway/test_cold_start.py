@@ -17,9 +17,9 @@ from controlplane.audit.models import AuditEntry
 from controlplane.billing.models import CreditHold, UsageRecord
 from controlplane.billing.selectors import credit_balance
 from controlplane.catalog.models import Deployment
+from controlplane.fleet.cold_start_counts import cold_start_waiting, waiting_in_redis
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.services.replicas import replica_transition
-from controlplane.fleet.cold_start_counts import cold_start_waiting, waiting_in_redis
 from tests.controlplane.gateway.conftest import World, start_gateway, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -35,33 +35,52 @@ LONG_WAIT_S = 120
 @pytest.fixture(scope="module")
 def patient_gateway(replica_processes, database_url, gateway):
     """A gateway whose cold starts wait long, with room for one waiting request per model."""
-    server = start_gateway(database_url, gateway.redis_url, GATEWAY_COLD_START_WAIT_SECONDS=str(LONG_WAIT_S),
-                           GATEWAY_COLD_START_QUEUE_MAX="1")
+    server = start_gateway(
+        database_url,
+        gateway.redis_url,
+        GATEWAY_COLD_START_WAIT_SECONDS=str(LONG_WAIT_S),
+        GATEWAY_COLD_START_QUEUE_MAX="1",
+    )
     yield server
     server.stop()
 
 
-def cold_world(gateway, *, worker_memory_bytes: int = 64 * GB, credit: Decimal = Decimal("10"),
-               **deployment_fields) -> World:
+def cold_world(
+    gateway, *, worker_memory_bytes: int = 64 * GB, credit: Decimal = Decimal("10"), **deployment_fields
+) -> World:
     """A tenant and a model scaled to zero (no replica at all) that an online worker could hold;
     returns once the gateway lists the model (it can cold-start)."""
     from controlplane.billing.services import credit_grant
-    from tests.controlplane.factories import (ApiKeyFactory, DeploymentFactory, ModelFactory, PlanFactory,
-                                              PriceTierFactory, TenantFactory)
+    from tests.controlplane.factories import (
+        ApiKeyFactory,
+        DeploymentFactory,
+        ModelFactory,
+        PlanFactory,
+        PriceTierFactory,
+        TenantFactory,
+    )
 
     tenant = TenantFactory(plan=PlanFactory(rate_limit_per_minute=10_000, max_concurrent_requests=50))
     if credit:
         credit_grant(tenant=tenant, amount=credit)
     api_key = ApiKeyFactory(tenant=tenant)
-    model = ModelFactory(price_tier=PriceTierFactory(price_per_request=PRICE), context_length=256,
-                         gpu_memory_bytes=8 * GB)
-    DeploymentFactory(model=model, **{"desired_replicas": 0, "min_replicas": 0, "max_replicas": 2,
-                                      **deployment_fields})
-    Worker.objects.create(name=f"host-{model.pk}", queue_name=f"gpuworker.host-{model.pk}",
-                          advertise_host="127.0.0.1", device=Worker.Device.CPU, cpu_memory_total_bytes=worker_memory_bytes)
+    model = ModelFactory(
+        price_tier=PriceTierFactory(price_per_request=PRICE), context_length=256, gpu_memory_bytes=8 * GB
+    )
+    DeploymentFactory(model=model, **{"desired_replicas": 0, "min_replicas": 0, "max_replicas": 2, **deployment_fields})
+    Worker.objects.create(
+        name=f"host-{model.pk}",
+        queue_name=f"gpuworker.host-{model.pk}",
+        advertise_host="127.0.0.1",
+        device=Worker.Device.CPU,
+        cpu_memory_total_bytes=worker_memory_bytes,
+    )
     world = World(tenant, api_key, model, [], gateway.url)
-    wait_until(lambda: model.public_name in {m.id for m in world.client().models.list()}, 10,
-               f"the gateway to list {model.public_name}")
+    wait_until(
+        lambda: model.public_name in {m.id for m in world.client().models.list()},
+        10,
+        f"the gateway to list {model.public_name}",
+    )
     return world
 
 
@@ -76,8 +95,9 @@ def _desired(world) -> int:
 def _make_ready(world, server) -> Replica:
     """What reconcile and the worker's heartbeats would do: a replica placed, loading, then ready."""
     deployment = Deployment.objects.get(model=world.model)
-    replica = Replica.objects.create(deployment=deployment, worker=Worker.objects.get(name=f"host-{world.model.pk}"),
-                                     state=Replica.State.PENDING)
+    replica = Replica.objects.create(
+        deployment=deployment, worker=Worker.objects.get(name=f"host-{world.model.pk}"), state=Replica.State.PENDING
+    )
     replica_transition(replica=replica, to_state=Replica.State.LOADING, at=timezone.now())
     return replica_transition(replica=replica, to_state=Replica.State.READY, at=timezone.now(), endpoint_url=server.url)
 
@@ -102,14 +122,19 @@ def _in_thread(work):
 def test_a_request_for_a_model_scaled_to_zero_waits_for_its_replica_and_is_billed_once(patient_gateway, replicas):
     world = cold_world(patient_gateway)
     client = world.client(timeout=LONG_WAIT_S + 30)
-    thread, outcome = _in_thread(lambda: client.chat.completions.with_raw_response.create(
-        model=world.model.public_name, messages=CHAT, max_tokens=4))
+    thread, outcome = _in_thread(
+        lambda: client.chat.completions.with_raw_response.create(
+            model=world.model.public_name, messages=CHAT, max_tokens=4
+        )
+    )
     try:
         # The gateway woke the deployment (as the system, in the audit log) and counts the request
         # as waiting where the autoscaler reads it.
         wait_until(lambda: _desired(world) == 1, 30, "the deployment to be woken")
         wait_until(lambda: _waiting(patient_gateway, world) == 1, 30, "the request to wait")
-        entry = AuditEntry.objects.get(action=AuditEntry.Action.DEPLOYMENT_SCALE, target_id=str(world.model.deployment.pk))
+        entry = AuditEntry.objects.get(
+            action=AuditEntry.Action.DEPLOYMENT_SCALE, target_id=str(world.model.deployment.pk)
+        )
         assert entry.actor_label == "system" and "cold start" in entry.detail["reason"]
         assert "result" not in outcome and "error" not in outcome  # still waiting
         _make_ready(world, replicas[0])
@@ -135,7 +160,8 @@ def test_a_streaming_request_that_waited_says_so_in_its_headers(patient_gateway,
 
     def stream():
         with client.chat.completions.with_streaming_response.create(
-                model=world.model.public_name, messages=CHAT, max_tokens=3, stream=True) as response:
+            model=world.model.public_name, messages=CHAT, max_tokens=3, stream=True
+        ) as response:
             return response.headers.get("x-gpuserve-cold-start"), [chunk for chunk in response.iter_lines() if chunk]
 
     thread, outcome = _in_thread(stream)
@@ -180,8 +206,9 @@ def test_a_request_out_of_credit_is_refused_at_once_and_wakes_nothing(patient_ga
 def test_a_full_cold_start_queue_answers_503_at_once(patient_gateway, replicas):
     world = cold_world(patient_gateway)  # one waiting request per model in this gateway
     client = world.client(timeout=LONG_WAIT_S + 30)
-    thread, outcome = _in_thread(lambda: client.chat.completions.create(
-        model=world.model.public_name, messages=CHAT, max_tokens=2))
+    thread, outcome = _in_thread(
+        lambda: client.chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=2)
+    )
     try:
         wait_until(lambda: _waiting(patient_gateway, world) == 1, 30, "the first request to wait")
         with pytest.raises(openai.InternalServerError) as error:
@@ -202,16 +229,19 @@ def test_a_client_that_leaves_while_waiting_gives_up_its_place_unbilled(patient_
     body = json.dumps({"model": world.model.public_name, "messages": CHAT, "max_tokens": 2}).encode()
     address = httpx.URL(world.base_url)
     with socket.create_connection((address.host, address.port)) as connection:
-        connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-                           b"Authorization: Bearer " + world.api_key.plaintext.encode() + b"\r\n"
-                           b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        connection.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + world.api_key.plaintext.encode() + b"\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         wait_until(lambda: _waiting(patient_gateway, world) == 1, 30, "the request to wait")
     # The client went away mid-wait.
     wait_until(lambda: _waiting(patient_gateway, world) == 0, 30, "the request to leave the queue")
     # Its place is free: with a queue of one, another request can wait now (and is then served).
     client = world.client(timeout=LONG_WAIT_S + 30)
-    thread, outcome = _in_thread(lambda: client.chat.completions.create(
-        model=world.model.public_name, messages=CHAT, max_tokens=2))
+    thread, outcome = _in_thread(
+        lambda: client.chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=2)
+    )
     try:
         wait_until(lambda: _waiting(patient_gateway, world) == 1, 30, "the second request to wait")
         _make_ready(world, replicas[0])
@@ -225,8 +255,11 @@ def test_a_client_that_leaves_while_waiting_gives_up_its_place_unbilled(patient_
 def test_a_model_that_cannot_start_a_replica_is_503_at_once_naming_why(patient_gateway, replicas):
     too_big = cold_world(patient_gateway)
     Worker.objects.filter(name=f"host-{too_big.model.pk}").update(cpu_memory_total_bytes=4 * GB)
-    wait_until(lambda: too_big.model.public_name not in {m.id for m in too_big.client().models.list()}, 10,
-               "the model to be unlisted")
+    wait_until(
+        lambda: too_big.model.public_name not in {m.id for m in too_big.client().models.list()},
+        10,
+        "the model to be unlisted",
+    )
     with pytest.raises(openai.InternalServerError) as error:
         too_big.client().chat.completions.create(model=too_big.model.public_name, messages=CHAT, max_tokens=2)
     # Not after the long wait: a wait that ran out would say cold_start_timeout.
@@ -247,8 +280,9 @@ def test_models_lists_what_can_answer_now_or_start_a_replica(patient_gateway, re
     DeploymentFactory(model=too_big, desired_replicas=0, min_replicas=0, max_replicas=1, keep_warm=True)
     undeployed = ModelFactory(gpu_memory_bytes=8 * GB)
     WorkerFactory(name="roomy", device=Worker.Device.CPU, cpu_memory_total_bytes=64 * GB)
-    WorkerFactory(name="draining", device=Worker.Device.CPU, cpu_memory_total_bytes=128 * GB,
-                  state=Worker.State.DRAINING)  # a worker that takes no new replica does not count
+    WorkerFactory(
+        name="draining", device=Worker.Device.CPU, cpu_memory_total_bytes=128 * GB, state=Worker.State.DRAINING
+    )  # a worker that takes no new replica does not count
     client = serving.client()
     wait_until(lambda: startable.public_name in {m.id for m in client.models.list()}, 10, "the startable model")
     listed = {m.id for m in client.models.list()}
@@ -263,7 +297,8 @@ def test_models_lists_what_can_answer_now_or_start_a_replica(patient_gateway, re
 
 
 def test_without_redis_the_autoscaler_reads_the_waiting_count_from_the_live_cache(
-        replica_processes, database_url, replicas, tmp_path, settings):
+    replica_processes, database_url, replicas, tmp_path, settings
+):
     # The embedded set-up (`make run`): one gateway process, no Redis; the autoscaler runs in a
     # Celery process and reads the count from the live cache's files.
     var = tmp_path / "var"
@@ -271,13 +306,21 @@ def test_without_redis_the_autoscaler_reads_the_waiting_count_from_the_live_cach
     try:
         world = cold_world(server)
         settings.REDIS_URL = ""
-        settings.CACHES = {**settings.CACHES, "live": {
-            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache", "LOCATION": str(var / "cache" / "live")}}
+        settings.CACHES = {
+            **settings.CACHES,
+            "live": {
+                "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+                "LOCATION": str(var / "cache" / "live"),
+            },
+        }
         model_id = world.model.pk
         assert cold_start_waiting(model_ids=[model_id]) == {model_id: 0}
         client = world.client(timeout=LONG_WAIT_S + 30)
-        thread, outcome = _in_thread(lambda: client.chat.completions.with_raw_response.create(
-            model=world.model.public_name, messages=CHAT, max_tokens=2))
+        thread, outcome = _in_thread(
+            lambda: client.chat.completions.with_raw_response.create(
+                model=world.model.public_name, messages=CHAT, max_tokens=2
+            )
+        )
         try:
             wait_until(lambda: cold_start_waiting(model_ids=[model_id]) == {model_id: 1}, 30, "the request to wait")
             _make_ready(world, replicas[0])

@@ -42,18 +42,25 @@ def test_the_demo_chat_model_knows_the_capital_of_france(demo_gateway, smollm2_r
     wait_ready(smollm2_replica)
     world = make_world(demo_gateway, [smollm2_replica])
     client = world.client(timeout=300)
-    reply = client.chat.completions.create(model=world.model.public_name, messages=QUESTION,
-                                           temperature=0, max_tokens=24)
+    reply = client.chat.completions.create(
+        model=world.model.public_name, messages=QUESTION, temperature=0, max_tokens=24
+    )
     assert "Paris" in reply.choices[0].message.content
-    stream = client.chat.completions.create(model=world.model.public_name, messages=QUESTION,
-                                            temperature=0, max_tokens=24, stream=True)
+    stream = client.chat.completions.create(
+        model=world.model.public_name, messages=QUESTION, temperature=0, max_tokens=24, stream=True
+    )
     assert "Paris" in "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     world.settled(30)
 
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 PARIS_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -74,9 +81,13 @@ def test_the_demo_chat_model_makes_a_forced_tool_call(demo_gateway, smollm2_repl
     world = make_world(demo_gateway, [smollm2_replica])
     client = world.client(timeout=300)
     reply = client.chat.completions.create(
-        model=world.model.public_name, messages=PARIS_WEATHER,
-        tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        temperature=0, max_tokens=40)
+        model=world.model.public_name,
+        messages=PARIS_WEATHER,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=40,
+    )
     _weather_call(reply.choices[0])
     world.settled(30)
 
@@ -89,14 +100,25 @@ def test_a_required_call_cut_by_max_tokens_leaks_no_markup(demo_gateway, smollm2
     client = world.client(timeout=300)
     for max_tokens in (60, 61, 62, 63):
         reply = client.chat.completions.create(
-            model=world.model.public_name, messages=PARIS_WEATHER, tools=[WEATHER_TOOL], tool_choice="required",
-            temperature=0, max_tokens=max_tokens)
+            model=world.model.public_name,
+            messages=PARIS_WEATHER,
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=max_tokens,
+        )
         choice = reply.choices[0]
         assert choice.message.content is None, (max_tokens, choice.message.content)
         assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
         stream = client.chat.completions.create(
-            model=world.model.public_name, messages=PARIS_WEATHER, tools=[WEATHER_TOOL], tool_choice="required",
-            temperature=0, max_tokens=max_tokens, stream=True)
+            model=world.model.public_name,
+            messages=PARIS_WEATHER,
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=max_tokens,
+            stream=True,
+        )
         chunks = list(stream)
         assert not any(c.choices and c.choices[0].delta.content for c in chunks), max_tokens
     world.settled(30)
@@ -108,15 +130,22 @@ def test_the_demo_chat_model_calls_a_tool_when_it_may_choose(demo_gateway, smoll
     wait_ready(smollm2_replica)
     world = make_world(demo_gateway, [smollm2_replica])
     client = world.client(timeout=300)
-    reply = client.chat.completions.create(model=world.model.public_name, messages=PARIS_WEATHER,
-                                           tools=[WEATHER_TOOL], temperature=0, max_tokens=60)
+    reply = client.chat.completions.create(
+        model=world.model.public_name, messages=PARIS_WEATHER, tools=[WEATHER_TOOL], temperature=0, max_tokens=60
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     call, arguments = _weather_call(choice)
     assert call.id.startswith("call_") and set(arguments) == {"city"}
 
-    stream = client.chat.completions.create(model=world.model.public_name, messages=PARIS_WEATHER,
-                                            tools=[WEATHER_TOOL], temperature=0, max_tokens=60, stream=True)
+    stream = client.chat.completions.create(
+        model=world.model.public_name,
+        messages=PARIS_WEATHER,
+        tools=[WEATHER_TOOL],
+        temperature=0,
+        max_tokens=60,
+        stream=True,
+    )
     chunks = [chunk for chunk in stream if chunk.choices]
     assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)  # no wrapper, no text
     deltas = [d for chunk in chunks for d in (chunk.choices[0].delta.tool_calls or [])]
@@ -137,14 +166,16 @@ def test_the_demo_chat_model_answers_in_text_when_it_may_call(demo_gateway, smol
     wait_ready(smollm2_replica)
     world = make_world(demo_gateway, [smollm2_replica])
     client = world.client(timeout=300)
-    reply = client.chat.completions.create(model=world.model.public_name, messages=POEM, tools=[WEATHER_TOOL],
-                                           temperature=0, max_tokens=30)
+    reply = client.chat.completions.create(
+        model=world.model.public_name, messages=POEM, tools=[WEATHER_TOOL], temperature=0, max_tokens=30
+    )
     choice = reply.choices[0]
     assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
     text = choice.message.content
     assert "sea" in text.lower() and not text.lstrip().startswith("{") and '"response"' not in text
-    stream = client.chat.completions.create(model=world.model.public_name, messages=POEM, tools=[WEATHER_TOOL],
-                                            temperature=0, max_tokens=30, stream=True)
+    stream = client.chat.completions.create(
+        model=world.model.public_name, messages=POEM, tools=[WEATHER_TOOL], temperature=0, max_tokens=30, stream=True
+    )
     chunks = [chunk for chunk in stream if chunk.choices]
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == text
     assert not any(chunk.choices[0].delta.tool_calls for chunk in chunks)
@@ -174,8 +205,14 @@ def _assert_instructor_extracts_paris(demo_gateway, replica, mode: str, messages
     wait_ready(replica)
     world = make_world(demo_gateway, [replica])
     client = instructor.from_openai(world.client(timeout=300), mode=getattr(instructor.Mode, mode))
-    city = client.chat.completions.create(model=world.model.public_name, messages=messages,
-                                          response_model=City, temperature=0, max_tokens=64, max_retries=0)
+    city = client.chat.completions.create(
+        model=world.model.public_name,
+        messages=messages,
+        response_model=City,
+        temperature=0,
+        max_tokens=64,
+        max_retries=0,
+    )
     assert isinstance(city, City)
     assert city.name == "Paris" and city.country.lower() == "france"
     world.settled(30)

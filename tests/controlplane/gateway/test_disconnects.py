@@ -36,9 +36,13 @@ def _open_request(world, path: str, body: dict) -> socket.socket:
     url = urlsplit(world.base_url)
     payload = json.dumps(body).encode()
     sock = socket.create_connection((url.hostname, url.port))
-    sock.sendall((f"POST {path} HTTP/1.1\r\nhost: {url.netloc}\r\ncontent-type: application/json\r\n"
-                  f"authorization: Bearer {world.api_key.plaintext}\r\ncontent-length: {len(payload)}\r\n\r\n"
-                  ).encode() + payload)
+    sock.sendall(
+        (
+            f"POST {path} HTTP/1.1\r\nhost: {url.netloc}\r\ncontent-type: application/json\r\n"
+            f"authorization: Bearer {world.api_key.plaintext}\r\ncontent-length: {len(payload)}\r\n\r\n"
+        ).encode()
+        + payload
+    )
     return sock
 
 
@@ -60,8 +64,11 @@ def _replica_figures(replica: ReplicaServer) -> tuple[dict, int]:
     headers = {"Authorization": f"Bearer {WORKER_TOKEN}"}
     stats = httpx.get(f"{replica.url}/stats", headers=headers, timeout=10).json()
     metrics = httpx.get(f"{replica.url}/metrics", headers=headers, timeout=10).text
-    completed = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                    if line.startswith("vllm:e2e_request_latency_seconds_count"))
+    completed = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:e2e_request_latency_seconds_count")
+    )
     return stats, int(completed)
 
 
@@ -80,8 +87,11 @@ def _unbilled(world) -> None:
 def test_a_client_gone_before_the_first_token_is_released_unbilled(gateway, replicas, stream):
     world = make_world(gateway, replicas[:1], max_concurrent_requests=1)
     with _stopped(replicas[0]):
-        sock = _open_request(world, "/v1/chat/completions", {
-            "model": world.model.public_name, "messages": CHAT, "max_tokens": 5, "stream": stream})
+        sock = _open_request(
+            world,
+            "/v1/chat/completions",
+            {"model": world.model.public_name, "messages": CHAT, "max_tokens": 5, "stream": stream},
+        )
         wait_until(lambda: _held(world), 15, "the request to be admitted and held")
         sock.close()
         # Released while the replica is still stopped: the gateway did not wait for a token.
@@ -94,8 +104,9 @@ def test_a_client_gone_before_the_first_token_is_released_unbilled(gateway, repl
 
 def test_a_stream_left_after_its_first_token_is_billed_cancelled_once(gateway, replicas):
     world = make_world(gateway, replicas[:1], max_concurrent_requests=1)
-    stream = world.client().completions.create(model=world.model.public_name, prompt="go", max_tokens=MAX_TOKENS,
-                                               stream=True, extra_body={"ignore_eos": True})
+    stream = world.client().completions.create(
+        model=world.model.public_name, prompt="go", max_tokens=MAX_TOKENS, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     stream.close()
     world.settled()
@@ -108,18 +119,25 @@ def test_a_whole_answer_left_mid_generation_is_aborted_on_the_replica_and_billed
     world = make_world(gateway, replicas[:1], max_concurrent_requests=1)
     replica = replicas[0]
     before, completed_before = _replica_figures(replica)
-    sock = _open_request(world, "/v1/completions", {
-        "model": world.model.public_name, "prompt": "go", "max_tokens": MAX_TOKENS, "ignore_eos": True})
+    sock = _open_request(
+        world,
+        "/v1/completions",
+        {"model": world.model.public_name, "prompt": "go", "max_tokens": MAX_TOKENS, "ignore_eos": True},
+    )
     # The replica is generating this request's tokens (it is the only one it serves now).
-    wait_until(lambda: _replica_figures(replica)[0]["num_generated_tokens"] >= before["num_generated_tokens"] + 2,
-               30, "the replica to generate the first tokens")
+    wait_until(
+        lambda: _replica_figures(replica)[0]["num_generated_tokens"] >= before["num_generated_tokens"] + 2,
+        30,
+        "the replica to generate the first tokens",
+    )
     sock.close()
     left = time.monotonic()
     wait_until(lambda: _replica_figures(replica)[0]["in_flight"] == 0, 30, "the replica to end the request")
     # Measured, not asserted (the target is 1 s): from the client leaving to the replica
     # having aborted the generation and answered its (gone) caller.
-    logger.warning("a non-streaming disconnect was aborted on the replica %.3f s after the client left",
-                   time.monotonic() - left)
+    logger.warning(
+        "a non-streaming disconnect was aborted on the replica %.3f s after the client left", time.monotonic() - left
+    )
     after, completed_after = _replica_figures(replica)
     assert completed_after == completed_before  # aborted, not run to max_tokens
     assert after["running"] == 0 and after["kv_cache_usage"] == 0.0

@@ -32,4 +32,6 @@ def test_chat_limits_and_billing_without_redis(embedded_gateway, replicas):
     assert error.value.response.headers["x-ratelimit-remaining-requests"] == "0"
     world.settled()
     assert sorted(UsageRecord.objects.values_list("status", "price_charged")) == [
-        ("completed", Decimal("0.002")), ("completed", Decimal("0.002"))]
+        ("completed", Decimal("0.002")),
+        ("completed", Decimal("0.002")),
+    ]

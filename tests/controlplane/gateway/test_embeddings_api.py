@@ -16,8 +16,8 @@ from transformers import AutoTokenizer, BertModel
 
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.selectors import credit_balance
-from tests.controlplane.gateway.conftest import make_world, start_module_gateway, start_replica, wait_ready
 from tests.controlplane.factories import PlanFactory
+from tests.controlplane.gateway.conftest import make_world, start_module_gateway, start_replica, wait_ready
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -45,8 +45,9 @@ def _world(gateway, replica, **options):
     return make_world(gateway, [replica], kind="embedding", **options)
 
 
-def test_sdk_embeddings_equal_the_reference_and_are_billed_per_request(embeddings_gateway, encoder_replica,
-                                                                      minilm_checkpoint):
+def test_sdk_embeddings_equal_the_reference_and_are_billed_per_request(
+    embeddings_gateway, encoder_replica, minilm_checkpoint
+):
     world = _world(embeddings_gateway, encoder_replica)
     client = world.client()
     response = client.embeddings.with_raw_response.create(model=world.model.public_name, input=SENTENCES)
@@ -72,8 +73,9 @@ def test_sdk_embeddings_equal_the_reference_and_are_billed_per_request(embedding
 
 
 def test_wrong_kind_bad_input_and_limits(embeddings_gateway, encoder_replica):
-    world = _world(embeddings_gateway, encoder_replica, plan=PlanFactory(rate_limit_per_minute=3,
-                                                                        max_concurrent_requests=5))
+    world = _world(
+        embeddings_gateway, encoder_replica, plan=PlanFactory(rate_limit_per_minute=3, max_concurrent_requests=5)
+    )
     client = world.client()
     with pytest.raises(openai.BadRequestError) as chat:
         client.chat.completions.create(model=world.model.public_name, messages=[{"role": "user", "content": "hi"}])
@@ -111,10 +113,12 @@ def test_a_stream_is_a_400_naming_it_and_n_is_no_field_of_embeddings(embeddings_
     assert "stream" in streamed.value.message
     # n is not a field of the embeddings API: ignored like any other, the request is one request.
     for n in (3, -5, 100_000):
-        response = client.embeddings.with_raw_response.create(model=world.model.public_name, input="hi",
-                                                              extra_body={"n": n})
+        response = client.embeddings.with_raw_response.create(
+            model=world.model.public_name, input="hi", extra_body={"n": n}
+        )
         assert len(response.parse().data) == 1
     world.settled()
-    assert [(r.status, r.num_requests, r.price_charged) for r in UsageRecord.objects.filter(tenant=world.tenant)] \
-        == [("completed", 1, Decimal("0.002"))] * 3
+    assert [(r.status, r.num_requests, r.price_charged) for r in UsageRecord.objects.filter(tenant=world.tenant)] == [
+        ("completed", 1, Decimal("0.002"))
+    ] * 3
     assert credit_balance(tenant=world.tenant) == Decimal("10") - 3 * Decimal("0.002")

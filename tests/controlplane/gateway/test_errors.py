@@ -88,16 +88,19 @@ def test_unknown_model_is_404(world):
     assert error.value.code == "model_not_found" and error.value.param == "model"
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"temperature": 5}, "temperature"),
-    ({"n": 0}, "n"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"top_logprobs": 2}, None),  # without logprobs: the request as a whole is wrong
-    ({"messages": []}, "messages"),
-    ({"logit_bias": {"5": 150}}, "logit_bias"),
-    ({"logit_bias": {"the": -100}}, "logit_bias"),
-    ({"n": 2, "extra_body": {"best_of": 4}}, "best_of"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_logprobs": 2}, None),  # without logprobs: the request as a whole is wrong
+        ({"messages": []}, "messages"),
+        ({"logit_bias": {"5": 150}}, "logit_bias"),
+        ({"logit_bias": {"the": -100}}, "logit_bias"),
+        ({"n": 2, "extra_body": {"best_of": 4}}, "best_of"),
+    ],
+)
 def test_bad_fields_are_400_naming_the_field(world, fields, param):
     with pytest.raises(openai.BadRequestError) as error:
         world.client().chat.completions.create(**{"model": world.model.public_name, "messages": CHAT, **fields})
@@ -117,8 +120,7 @@ def test_a_prompt_beyond_the_context_is_400_context_length_exceeded_and_free(wor
 def test_requests_per_minute_limit_is_429_with_headers(gateway, replicas):
     world = make_world(gateway, replicas, rate_limit_per_minute=2)
     client = world.client()
-    first = client.chat.completions.with_raw_response.create(model=world.model.public_name, messages=CHAT,
-                                                              max_tokens=1)
+    first = client.chat.completions.with_raw_response.create(model=world.model.public_name, messages=CHAT, max_tokens=1)
     assert first.headers["x-ratelimit-limit-requests"] == "2"
     assert first.headers["x-ratelimit-remaining-requests"] == "1"
     _chat(world, client)
@@ -146,8 +148,9 @@ def test_plan_limit_applies_to_all_of_a_tenants_keys(gateway, replicas):
 def test_concurrent_requests_limit_is_429(gateway, replicas):
     world = make_world(gateway, replicas, max_concurrent_requests=1)
     client = world.client()
-    stream = client.chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=200,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=world.model.public_name, messages=CHAT, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))  # the first request is now in flight
     with pytest.raises(openai.RateLimitError) as error:
         _chat(world, client)
@@ -221,17 +224,24 @@ def test_a_request_waiting_for_a_loading_replica_is_served_once_it_is_ready(gate
 
 @pytest.mark.parametrize(("fields", "param"), [({"max_tokens": "4"}, "max_tokens"), ({"stream": "yes"}, "stream")])
 def test_fields_of_the_wrong_type_are_400_naming_the_field(world, fields, param):
-    response = httpx.post(f"{world.base_url}/v1/chat/completions", headers={
-        "Authorization": f"Bearer {world.api_key.plaintext}"}, json={"model": world.model.public_name,
-                                                                      "messages": CHAT, **fields})
+    response = httpx.post(
+        f"{world.base_url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {world.api_key.plaintext}"},
+        json={"model": world.model.public_name, "messages": CHAT, **fields},
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == param
     assert not UsageRecord.objects.exists()
 
 
 def test_the_bearer_scheme_is_case_insensitive(world):
     for scheme in ("bearer", "BEARER"):
-        response = httpx.get(f"{world.base_url}/v1/models",
-                             headers={"Authorization": f"{scheme} {world.api_key.plaintext}"})
+        response = httpx.get(
+            f"{world.base_url}/v1/models", headers={"Authorization": f"{scheme} {world.api_key.plaintext}"}
+        )
         assert response.status_code == 200 and world.model.public_name in {m["id"] for m in response.json()["data"]}
-    assert httpx.get(f"{world.base_url}/v1/models", headers={
-        "Authorization": f"Basic {world.api_key.plaintext}"}).status_code == 401
+    assert (
+        httpx.get(
+            f"{world.base_url}/v1/models", headers={"Authorization": f"Basic {world.api_key.plaintext}"}
+        ).status_code
+        == 401
+    )

@@ -19,8 +19,9 @@ TOKEN = "metrics-test-token"
 
 @pytest.fixture
 def two_process_gateway(gateway, database_url, tmp_path):
-    server = start_gateway(database_url, gateway.redis_url, workers=2, METRICS_TOKEN=TOKEN,
-                           PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    server = start_gateway(
+        database_url, gateway.redis_url, workers=2, METRICS_TOKEN=TOKEN, PROMETHEUS_MULTIPROC_DIR=str(tmp_path)
+    )
     yield server
     server.stop()
 
@@ -30,8 +31,11 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
     response = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/plain")
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(response.text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
 
 
 def test_requests_latency_ttft_and_credits_are_counted_over_every_process(two_process_gateway, replicas):
@@ -54,8 +58,9 @@ def test_requests_latency_ttft_and_credits_are_counted_over_every_process(two_pr
     samples = scrape(world.base_url)
 
     def requests(model_label: str, outcome: str, status: str) -> float:
-        return samples.get(("gpuserve_gateway_requests_total",
-                            (("model", model_label), ("outcome", outcome), ("status", status))), 0)
+        return samples.get(
+            ("gpuserve_gateway_requests_total", (("model", model_label), ("outcome", outcome), ("status", status))), 0
+        )
 
     assert requests(model, "completed", "200") == 4
     # Refused before any model was known to be allowed: no model label (a key's guesses stay out).
@@ -76,8 +81,9 @@ def test_requests_latency_ttft_and_credits_are_counted_over_every_process(two_pr
 def test_a_client_that_leaves_mid_stream_is_counted_as_cancelled(two_process_gateway, replicas):
     world = make_world(two_process_gateway, replicas)
     model = world.model.public_name
-    stream = world.client().chat.completions.create(model=model, messages=CHAT, max_tokens=200, stream=True,
-                                                    extra_body={"ignore_eos": True})
+    stream = world.client().chat.completions.create(
+        model=model, messages=CHAT, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     stream.close()
     world.settled()

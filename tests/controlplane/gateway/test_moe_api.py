@@ -8,8 +8,13 @@ import os
 
 import pytest
 
-from tests.controlplane.gateway.conftest import (assert_answers_with_engine_text, make_world, start_module_gateway,
-                                                 start_replica, wait_ready)
+from tests.controlplane.gateway.conftest import (
+    assert_answers_with_engine_text,
+    make_world,
+    start_module_gateway,
+    start_replica,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

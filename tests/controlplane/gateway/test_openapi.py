@@ -8,8 +8,12 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, ignored_auth, response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    ignored_auth,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.controlplane.gateway.conftest import make_world
 
@@ -20,8 +24,13 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 MAX_EXAMPLES = 25
 # Completions are kept this short: the fuzzing is about the request, not the generation.
 MAX_TOKENS = 4
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          ignored_auth]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    ignored_auth,
+]
 
 
 @pytest.fixture
@@ -34,10 +43,17 @@ def test_the_document_describes_the_api_from_the_request_models(gateway):
     assert response.status_code == 200 and response.headers["content-type"] == "application/json"
     document = response.json()
     assert sorted((path, method) for path, item in document["paths"].items() for method in item) == [
-        ("/v1/chat/completions", "post"), ("/v1/completions", "post"), ("/v1/embeddings", "post"),
-        ("/v1/models", "get"), ("/v1/models/{model}", "get")]
+        ("/v1/chat/completions", "post"),
+        ("/v1/completions", "post"),
+        ("/v1/embeddings", "post"),
+        ("/v1/models", "get"),
+        ("/v1/models/{model}", "get"),
+    ]
     assert document["components"]["securitySchemes"]["bearer"] == {
-        "type": "http", "scheme": "bearer", "description": "An API key of the tenant's."}
+        "type": "http",
+        "scheme": "bearer",
+        "description": "An API key of the tenant's.",
+    }
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["required"] == ["messages"] and chat["properties"]["temperature"]["maximum"] == 2.0
     error = document["paths"]["/v1/completions"]["post"]["responses"]["400"]["content"]["application/json"]
@@ -56,8 +72,13 @@ def test_the_gateway_answers_every_generated_request_as_documented(world, gatewa
     headers = {"Authorization": f"Bearer {world.api_key.plaintext}"}
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    )
     def request_answered_as_documented(case):
         if isinstance(case.body, dict):
             # Aim completions at the served model (any other name is only a 404) and keep them short.

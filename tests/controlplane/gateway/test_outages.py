@@ -137,14 +137,20 @@ def world(outage_gateway, replica_processes, private_redis, database_proxy, sett
 
 
 def _chat_http(world, api_key: str | None = None, **body) -> httpx.Response:
-    return httpx.post(f"{world.base_url}/v1/chat/completions", timeout=30,
-                      headers={"Authorization": f"Bearer {api_key or world.api_key.plaintext}"},
-                      json={"model": world.model.public_name, "messages": CHAT, "max_tokens": 2, **body})
+    return httpx.post(
+        f"{world.base_url}/v1/chat/completions",
+        timeout=30,
+        headers={"Authorization": f"Bearer {api_key or world.api_key.plaintext}"},
+        json={"model": world.model.public_name, "messages": CHAT, "max_tokens": 2, **body},
+    )
 
 
 def _models_status(world, api_key: str | None = None) -> tuple[int, set[str]]:
-    response = httpx.get(f"{world.base_url}/v1/models", timeout=10,
-                         headers={"Authorization": f"Bearer {api_key or world.api_key.plaintext}"})
+    response = httpx.get(
+        f"{world.base_url}/v1/models",
+        timeout=10,
+        headers={"Authorization": f"Bearer {api_key or world.api_key.plaintext}"},
+    )
     return response.status_code, {m["id"] for m in response.json().get("data", [])} if response.is_success else set()
 
 
@@ -165,10 +171,19 @@ def _ready(world) -> httpx.Response:
 def _stream_through(world, fault) -> str:
     """Stream 150 tokens, calling `fault()` once the first has arrived; checks that the stream
     still ends as a whole, well-formed answer and returns its request id."""
-    with httpx.stream("POST", f"{world.base_url}/v1/chat/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {world.api_key.plaintext}"},
-                      json={"model": world.model.public_name, "messages": CHAT, "max_tokens": 150,
-                            "ignore_eos": True, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        f"{world.base_url}/v1/chat/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {world.api_key.plaintext}"},
+        json={
+            "model": world.model.public_name,
+            "messages": CHAT,
+            "max_tokens": 150,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as response:
         request_id = response.headers["x-request-id"]
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
@@ -193,8 +208,9 @@ def test_redis_down_is_a_503_with_retry_after_and_readiness_names_redis(world, p
     private_redis.stop()
     try:
         for stream in (False, True):
-            _assert_unavailable(_chat_http(world, stream=stream), "redis_unavailable", "Redis",
-                                [str(private_redis.port), "127.0.0.1"])
+            _assert_unavailable(
+                _chat_http(world, stream=stream), "redis_unavailable", "Redis", [str(private_redis.port), "127.0.0.1"]
+            )
         ready = _ready(world)
         assert ready.status_code == 503
         assert ready.json()["checks"] == {"database": "ok", "redis": "unreachable"}
@@ -263,25 +279,38 @@ def _rate_limited(world) -> bool:
     return _chat_http(world).status_code == 429
 
 
-@pytest.mark.parametrize("change, in_effect", [
-    (_revoke, _refused), (_deactivate_tenant, _refused), (_expire_key, _refused),
-    (_allow_other_models_only, _model_hidden), (_lower_rate_limit, _rate_limited),
-], ids=["key-revoked", "tenant-deactivated", "key-expired", "allowed-models", "rate-limit"])
-def test_key_changes_whose_announcement_is_lost_reach_a_healthy_gateway(world, private_redis, settings, change,
-                                                                       in_effect):
+@pytest.mark.parametrize(
+    "change, in_effect",
+    [
+        (_revoke, _refused),
+        (_deactivate_tenant, _refused),
+        (_expire_key, _refused),
+        (_allow_other_models_only, _model_hidden),
+        (_lower_rate_limit, _rate_limited),
+    ],
+    ids=["key-revoked", "tenant-deactivated", "key-expired", "allowed-models", "rate-limit"],
+)
+def test_key_changes_whose_announcement_is_lost_reach_a_healthy_gateway(
+    world, private_redis, settings, change, in_effect
+):
     """The gateway is subscribed to the announcements the whole time; the process making the
     change cannot reach Redis, so its announcement is lost. The database still carries it."""
     listening = redis.Redis.from_url(private_redis.url)
-    wait_until(lambda: dict(listening.pubsub_numsub(API_KEY_CHANGES_CHANNEL))[API_KEY_CHANGES_CHANNEL.encode()] > 0,
-               30, "the gateway to listen for key changes")
+    wait_until(
+        lambda: dict(listening.pubsub_numsub(API_KEY_CHANGES_CHANNEL))[API_KEY_CHANGES_CHANNEL.encode()] > 0,
+        30,
+        "the gateway to listen for key changes",
+    )
     status, models = _models_status(world)
     assert status == 200 and world.model.public_name in models  # cached now, for ten minutes
     settings.REDIS_URL = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens there
     changed = time.monotonic()
     change(world)
     took = _wait(lambda: in_effect(world), 20, "the change to take effect")
-    print(f"\n[measured] {change.__name__}, announcement lost -> in effect: {time.monotonic() - changed:.3f} s "
-          f"(waited {took:.3f} s)")
+    print(
+        f"\n[measured] {change.__name__}, announcement lost -> in effect: {time.monotonic() - changed:.3f} s "
+        f"(waited {took:.3f} s)"
+    )
 
 
 def test_an_announced_change_takes_effect_at_once(world):
@@ -319,7 +348,8 @@ def test_database_down_is_a_503_with_retry_after_and_readiness_names_the_databas
 
 
 def test_a_cold_start_that_needs_the_database_while_it_is_down_is_a_503_at_once_then_heals(
-        outage_gateway, world, database_proxy):
+    outage_gateway, world, database_proxy
+):
     from controlplane.catalog.models import Deployment
     from tests.controlplane.gateway.test_cold_start import cold_world
 

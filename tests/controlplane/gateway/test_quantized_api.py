@@ -9,8 +9,13 @@ import os
 
 import pytest
 
-from tests.controlplane.gateway.conftest import (assert_answers_with_engine_text, make_world, start_module_gateway,
-                                                 start_replica, wait_ready)
+from tests.controlplane.gateway.conftest import (
+    assert_answers_with_engine_text,
+    make_world,
+    start_module_gateway,
+    start_replica,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -40,7 +45,8 @@ def quantized_gateway(quantized_replica, database_url):
     server.stop()
 
 
-def test_a_quantized_replica_answers_the_sdk_with_the_engine_tokens(quantized_gateway, quantized_replica,
-                                                                     quantized_checkpoint):
+def test_a_quantized_replica_answers_the_sdk_with_the_engine_tokens(
+    quantized_gateway, quantized_replica, quantized_checkpoint
+):
     wait_ready(quantized_replica)
     assert_answers_with_engine_text(make_world(quantized_gateway, [quantized_replica]), quantized_checkpoint, PROMPT)

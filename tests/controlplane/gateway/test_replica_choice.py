@@ -59,8 +59,13 @@ def test_a_conversations_later_turns_keep_its_first_turns_key():
     first = _chat(_user("Where is my order 7?"))  # short, but behind a long system prompt
     key = affinity_key(first, True, 512)
     assert key and key != affinity_key(_chat(_user("Where is my order 8?")), True, 512)
-    later = _chat(_user("Where is my order 7?"), {"role": "assistant", "content": "It left today. " * 40},
-                  _user("When will it arrive?"), {"role": "assistant", "content": "Tomorrow."}, _user("Thanks!"))
+    later = _chat(
+        _user("Where is my order 7?"),
+        {"role": "assistant", "content": "It left today. " * 40},
+        _user("When will it arrive?"),
+        {"role": "assistant", "content": "Tomorrow."},
+        _user("Thanks!"),
+    )
     assert affinity_key(later, True, 512) == key
     replicas = [R(i) for i in range(1, 9)]
     assert affinity_choice(affinity_key(later, True, 512), replicas) == affinity_choice(key, replicas)

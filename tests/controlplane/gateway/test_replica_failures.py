@@ -32,8 +32,13 @@ INTERNALS = ("IncompleteRead", "broke off", "Traceback", "CUDA", "bearer token",
 
 def _chunk(content: str | None, role: bool = False) -> bytes:
     delta = {"role": "assistant", "content": ""} if role else {"content": content}
-    event = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake",
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+    event = {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "fake",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+    }
     return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
@@ -41,11 +46,16 @@ def _chunked(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
-STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-               b"transfer-encoding: chunked\r\n\r\n")
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
 FIRST_TOKEN = _chunked(_chunk(None, role=True) + _chunk("Hel"))
-ENGINE_ERROR = {"error": {"message": "the engine failed: RuntimeError: CUDA error: an illegal memory access",
-                          "type": "server_error", "param": None, "code": None}}
+ENGINE_ERROR = {
+    "error": {
+        "message": "the engine failed: RuntimeError: CUDA error: an illegal memory access",
+        "type": "server_error",
+        "param": None,
+        "code": None,
+    }
+}
 
 
 def _json_head(status: str, length: int) -> bytes:
@@ -63,16 +73,29 @@ FAILURES = {
     "answers something that is not HTTP": b"not-http garbage\r\n\r\n",
     "answers 200 with a body that is not JSON": _whole("200 OK", b"<html>oops</html>"),
     "answers 400 that is not an OpenAI error": _whole("400 Bad Request", b"Bad Request"),
-    "refuses the gateway's token (401)": _whole("401 Unauthorized", json.dumps(
-        {"error": {"message": "missing or wrong bearer token", "type": "authentication_error",
-                   "param": None, "code": "invalid_api_key"}}).encode()),
+    "refuses the gateway's token (401)": _whole(
+        "401 Unauthorized",
+        json.dumps(
+            {
+                "error": {
+                    "message": "missing or wrong bearer token",
+                    "type": "authentication_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
+        ).encode(),
+    ),
     "drops a stream before its first token": STREAM_HEAD + _chunked(_chunk(None, role=True)),
     # Streams after their first token.
     "drops a stream mid-answer": STREAM_HEAD + FIRST_TOKEN,
     "sends a chunk size that is not one": STREAM_HEAD + FIRST_TOKEN + b"zz\r\n",
     "sends an event that is not a chunk": STREAM_HEAD + FIRST_TOKEN + _chunked(b"data: <html>\n\n"),
-    "sends its own error event": STREAM_HEAD + FIRST_TOKEN + _chunked(
-        b"data: " + json.dumps(ENGINE_ERROR).encode() + b"\n\n") + _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n",
+    "sends its own error event": STREAM_HEAD
+    + FIRST_TOKEN
+    + _chunked(b"data: " + json.dumps(ENGINE_ERROR).encode() + b"\n\n")
+    + _chunked(b"data: [DONE]\n\n")
+    + b"0\r\n\r\n",
 }
 # What the gateway's log says of each (the detail the client is spared).
 LOGGED = {
@@ -158,8 +181,7 @@ def test_a_whole_answer_that_fails_is_a_503_naming_the_request_only(logged_gatew
         world.client().chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=4)
     assert error.value.status_code == 503 and error.value.code == "replica_unavailable"
     assert error.value.body["type"] == "service_unavailable"
-    _assert_generic(error.value.message, error.value.response.headers["x-request-id"], logged_gateway.log_path,
-                    failure)
+    _assert_generic(error.value.message, error.value.response.headers["x-request-id"], logged_gateway.log_path, failure)
     _assert_not_charged(world)
 
 
@@ -167,22 +189,23 @@ def test_a_stream_that_fails_before_its_first_token_is_a_503_naming_the_request_
     stand_in.failure = failure = "drops a stream before its first token"
     world = make_world(logged_gateway, [stand_in])
     with pytest.raises(openai.InternalServerError) as error:
-        world.client().chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=4,
-                                               stream=True)
+        world.client().chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=4, stream=True)
     assert error.value.status_code == 503 and error.value.code == "replica_unavailable"
-    _assert_generic(error.value.message, error.value.response.headers["x-request-id"], logged_gateway.log_path,
-                    failure)
+    _assert_generic(error.value.message, error.value.response.headers["x-request-id"], logged_gateway.log_path, failure)
     _assert_not_charged(world)
 
 
 @pytest.mark.parametrize("failure", list(FAILURES)[6:])
-def test_a_stream_that_fails_after_its_first_token_ends_with_a_generic_error_event(logged_gateway, stand_in,
-                                                                                   failure):
+def test_a_stream_that_fails_after_its_first_token_ends_with_a_generic_error_event(logged_gateway, stand_in, failure):
     stand_in.failure = failure
     world = make_world(logged_gateway, [stand_in])
-    with httpx.stream("POST", f"{world.base_url}/v1/chat/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {world.api_key.plaintext}"},
-                      json={"model": world.model.public_name, "messages": CHAT, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        f"{world.base_url}/v1/chat/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {world.api_key.plaintext}"},
+        json={"model": world.model.public_name, "messages": CHAT, "stream": True},
+    ) as response:
         assert response.status_code == 200
         request_id = response.headers["x-request-id"]
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]

@@ -59,8 +59,10 @@ def _assert_too_large(status: int, headers: dict, body: bytes) -> None:
 def test_a_declared_length_over_the_limit_is_413_before_the_body_is_read(world, path):
     """The body is never sent: the answer comes from the Content-Length alone (and before the key)."""
     with _connect(world.base_url) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-                     f"content-length: {settings.GATEWAY_MAX_REQUEST_BYTES + 1}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            f"content-length: {settings.GATEWAY_MAX_REQUEST_BYTES + 1}\r\n\r\n".encode()
+        )
         _assert_too_large(*_read_response(sock))
 
 
@@ -70,9 +72,11 @@ def test_a_chunked_body_over_the_limit_is_413_without_reading_the_rest(world, pa
     the body never ends."""
     chunk = b"x" * 65536
     with _connect(world.base_url) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-                     f"authorization: Bearer {world.api_key.plaintext}\r\n"
-                     "transfer-encoding: chunked\r\n\r\n".encode())
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            f"authorization: Bearer {world.api_key.plaintext}\r\n"
+            "transfer-encoding: chunked\r\n\r\n".encode()
+        )
         sent = 0
         while sent <= settings.GATEWAY_MAX_REQUEST_BYTES:
             sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
@@ -82,16 +86,25 @@ def test_a_chunked_body_over_the_limit_is_413_without_reading_the_rest(world, pa
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize(("content", "param"), [
-    (b"[" * 100_000, None),
-    (b'{"model": "m", "prompt": "\xff\xfe"}', None),
-    (b"[1, 2]", None),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}], "prompt": "\\ud800"}',
-     "messages.0.content"),
-])
+@pytest.mark.parametrize(
+    ("content", "param"),
+    [
+        (b"[" * 100_000, None),
+        (b'{"model": "m", "prompt": "\xff\xfe"}', None),
+        (b"[1, 2]", None),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}], "prompt": "\\ud800"}',
+            "messages.0.content",
+        ),
+    ],
+)
 def test_bodies_that_cannot_be_parsed_are_400(world, path, content, param):
-    response = httpx.post(f"{world.base_url}{path}", content=content, timeout=60, headers={
-        "authorization": f"Bearer {world.api_key.plaintext}", "content-type": "application/json"})
+    response = httpx.post(
+        f"{world.base_url}{path}",
+        content=content,
+        timeout=60,
+        headers={"authorization": f"Bearer {world.api_key.plaintext}", "content-type": "application/json"},
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
@@ -117,8 +130,9 @@ def test_bad_input_never_benches_a_replica(gateway, world):
         if i % 2:
             response = httpx.post(f"{world.base_url}/v1/chat/completions", content=surrogate, headers=headers)
         else:
-            response = httpx.post(f"{world.base_url}/v1/completions", headers=headers,
-                                  json={**too_long, "stream": i % 4 == 0})
+            response = httpx.post(
+                f"{world.base_url}/v1/completions", headers=headers, json={**too_long, "stream": i % 4 == 0}
+            )
         statuses.append(response.status_code)
     assert statuses == [400] * 20
     assert _replicas_passed_over(gateway, world) == []

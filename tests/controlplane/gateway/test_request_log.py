@@ -25,19 +25,20 @@ def _log_row(tenant, request_id: str) -> str:
     client = Client()
     client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=tenant))
     page = client.get(reverse("dashboard:requests")).content.decode()
-    row = page[page.index(f'data-request-id="{request_id}"'):]
-    return row[:row.index("</tr>")]
+    row = page[page.index(f'data-request-id="{request_id}"') :]
+    return row[: row.index("</tr>")]
 
 
 def test_the_request_log_shows_an_sdk_request_with_its_true_figures(gateway, replicas):
     world = make_world(gateway, replicas, price=PRICE)
     client = world.client()
-    answer = client.chat.completions.with_raw_response.create(model=world.model.public_name, messages=CHAT,
-                                                             max_tokens=5, temperature=0)
+    answer = client.chat.completions.with_raw_response.create(
+        model=world.model.public_name, messages=CHAT, max_tokens=5, temperature=0
+    )
     completion = answer.parse()
     with client.chat.completions.with_streaming_response.create(
-            model=world.model.public_name, messages=CHAT, max_tokens=4, stream=True,
-            stream_options={"include_usage": True}) as streamed:
+        model=world.model.public_name, messages=CHAT, max_tokens=4, stream=True, stream_options={"include_usage": True}
+    ) as streamed:
         stream_id = streamed.headers["x-request-id"]
         stream_usage = [chunk.usage for chunk in streamed.parse() if chunk.usage is not None][-1]
     world.settled()
@@ -48,11 +49,16 @@ def test_the_request_log_shows_an_sdk_request_with_its_true_figures(gateway, rep
         assert record.api_key_id == world.api_key.pk and record.outcome == "ok"
         assert 0 <= record.time_to_first_token_ms <= record.total_latency_ms and record.total_latency_ms > 0
         row = _log_row(world.tenant, request_id)
-        for text in (f'data-field="prompt_tokens">{usage.prompt_tokens}<',
-                     f'data-field="completion_tokens">{usage.completion_tokens}<',
-                     f'data-field="ttft">{record.time_to_first_token_ms}<',
-                     f'data-field="latency">{record.total_latency_ms}<', ">ok</span>",
-                     f'data-field="cost">${PRICE}<', world.api_key.name, world.model.public_name):
+        for text in (
+            f'data-field="prompt_tokens">{usage.prompt_tokens}<',
+            f'data-field="completion_tokens">{usage.completion_tokens}<',
+            f'data-field="ttft">{record.time_to_first_token_ms}<',
+            f'data-field="latency">{record.total_latency_ms}<',
+            ">ok</span>",
+            f'data-field="cost">${PRICE}<',
+            world.api_key.name,
+            world.model.public_name,
+        ):
             assert text in row, (text, row)
         # The SDK was told the same cost the log shows.
         assert Decimal(str(usage.model_extra["cost"])) == PRICE

@@ -14,8 +14,15 @@ import redis
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.selectors import credit_balance
 from controlplane.gateway.replica_choice import affinity_choice, affinity_key
-from tests.controlplane.gateway.conftest import (AFFINITY_PREFIX_CHARS, ReplicaServer, free_port, make_world,
-                                                 start_replica, wait_ready, wait_until)
+from tests.controlplane.gateway.conftest import (
+    AFFINITY_PREFIX_CHARS,
+    ReplicaServer,
+    free_port,
+    make_world,
+    start_replica,
+    wait_ready,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -47,7 +54,8 @@ def _served_by(request_id: str) -> int:
 
 def _ask(world, messages=SHORT, **kwargs) -> str:
     response = world.client().chat.completions.with_raw_response.create(
-        model=world.model.public_name, messages=messages, max_tokens=1, **kwargs)
+        model=world.model.public_name, messages=messages, max_tokens=1, **kwargs
+    )
     return response.headers["x-request-id"]
 
 
@@ -67,8 +75,7 @@ def test_least_outstanding_requests(gateway, replicas):
     assert _served_by(_ask(world)) == first
 
 
-def test_a_conversation_sticks_to_one_replica_while_conversations_behind_one_system_prompt_spread(
-        gateway, replicas):
+def test_a_conversation_sticks_to_one_replica_while_conversations_behind_one_system_prompt_spread(gateway, replicas):
     world = make_world(gateway, replicas)
     system = {"role": "system", "content": "You are a careful assistant. " * 3}
     assert len(system["content"]) > AFFINITY_PREFIX_CHARS  # the old rule pinned every conversation here
@@ -104,7 +111,8 @@ def test_a_replica_failing_before_the_first_token_is_retried_on_another(gateway,
         request_id = _ask(world, stream=stream) if not stream else None
         if stream:
             with world.client().chat.completions.with_streaming_response.create(
-                    model=world.model.public_name, messages=SHORT, max_tokens=2, stream=True) as response:
+                model=world.model.public_name, messages=SHORT, max_tokens=2, stream=True
+            ) as response:
                 request_id = response.headers["x-request-id"]
                 assert list(response.parse())
         assert _served_by(request_id) == alive
@@ -136,7 +144,8 @@ def test_killing_a_replica_mid_run_sends_the_next_requests_to_the_other(gateway,
         while not stop.is_set():
             try:
                 response = client.chat.completions.with_raw_response.create(
-                    model=world.model.public_name, messages=SHORT, max_tokens=8, extra_body={"ignore_eos": True})
+                    model=world.model.public_name, messages=SHORT, max_tokens=8, extra_body={"ignore_eos": True}
+                )
                 results.append((time.monotonic(), response.headers["x-request-id"]))
             except openai.APIError as error:
                 results.append((time.monotonic(), f"error: {error!r}"))

@@ -7,15 +7,22 @@ from controlplane.gateway.selectors import cold_start_refusal
 GB = 1024**3
 
 
-@pytest.mark.parametrize(("max_replicas", "largest", "reason"), [
-    (None, 80 * GB, "it has no deployment"),
-    (0, 80 * GB, "its deployment allows no replicas (max_replicas is 0)"),
-    (2, None, "no worker is online"),
-    (2, 4 * GB, "it needs 8.0 GiB and no online worker has that much GPU memory (or, CPU-only, memory): "
-                "the largest has 4.0 GiB"),
-    (1, 8 * GB, ""),  # exactly as large: it fits
-    (1, 141 * GB, ""),
-])
+@pytest.mark.parametrize(
+    ("max_replicas", "largest", "reason"),
+    [
+        (None, 80 * GB, "it has no deployment"),
+        (0, 80 * GB, "its deployment allows no replicas (max_replicas is 0)"),
+        (2, None, "no worker is online"),
+        (
+            2,
+            4 * GB,
+            "it needs 8.0 GiB and no online worker has that much GPU memory (or, CPU-only, memory): "
+            "the largest has 4.0 GiB",
+        ),
+        (1, 8 * GB, ""),  # exactly as large: it fits
+        (1, 141 * GB, ""),
+    ],
+)
 def test_cold_start_refusal(max_replicas, largest, reason):
     assert cold_start_refusal(need_bytes=8 * GB, max_replicas=max_replicas, largest_slot_bytes=largest) == reason
 
@@ -28,12 +35,16 @@ def test_a_split_model_can_start_where_a_worker_has_enough_gpus_together():
     worker = WorkerFactory(name="two-gpus")
     for index in range(2):
         GpuFactory(worker=worker, index=index, memory_total_bytes=80 * GB)
-    models = {name: ModelFactory(public_name=name, gpu_memory_bytes=need, tensor_parallel_size=size)
-              for name, need, size in [("split", 120 * GB, 2), ("whole", 120 * GB, 1), ("huge", 200 * GB, 2)]}
+    models = {
+        name: ModelFactory(public_name=name, gpu_memory_bytes=need, tensor_parallel_size=size)
+        for name, need, size in [("split", 120 * GB, 2), ("whole", 120 * GB, 1), ("huge", 200 * GB, 2)]
+    }
     for model in models.values():
         DeploymentFactory(model=model, desired_replicas=0, max_replicas=1)
     table = routing_table()
     assert table["split"].cannot_start == ""
     assert "the largest has 80.0 GiB" in table["whole"].cannot_start
-    assert table["huge"].cannot_start == ("it needs 200.0 GiB over 2 GPUs of one worker and no online worker has "
-                                          "that much GPU memory (or, CPU-only, memory): the largest has 160.0 GiB")
+    assert table["huge"].cannot_start == (
+        "it needs 200.0 GiB over 2 GPUs of one worker and no online worker has "
+        "that much GPU memory (or, CPU-only, memory): the largest has 160.0 GiB"
+    )

@@ -20,11 +20,27 @@ REDIS_DB = 11
 
 def _config(redis_url: str = "") -> GatewayConfig:
     return GatewayConfig(
-        redis_url=redis_url, worker_token="t", key_cache_s=30, key_changes_poll_s=0.5, routing_refresh_s=1,
-        cold_start_wait_s=1, cold_start_queue_max=4, retry_after_s=5, connect_timeout_s=1, request_timeout_s=60, replica_cooldown_s=30,
-        max_request_bytes=1 << 20, inline_body_bytes=1 << 16, body_parsers=1, body_parsers_per_tenant=1,
-        default_rate_limit_per_minute=60, default_max_concurrent_requests=8, affinity_prefix_chars=64,
-        affinity_max_extra=2, idempotency_s=60, hold_sweep_s=1,
+        redis_url=redis_url,
+        worker_token="t",
+        key_cache_s=30,
+        key_changes_poll_s=0.5,
+        routing_refresh_s=1,
+        cold_start_wait_s=1,
+        cold_start_queue_max=4,
+        retry_after_s=5,
+        connect_timeout_s=1,
+        request_timeout_s=60,
+        replica_cooldown_s=30,
+        max_request_bytes=1 << 20,
+        inline_body_bytes=1 << 16,
+        body_parsers=1,
+        body_parsers_per_tenant=1,
+        default_rate_limit_per_minute=60,
+        default_max_concurrent_requests=8,
+        affinity_prefix_chars=64,
+        affinity_max_extra=2,
+        idempotency_s=60,
+        hold_sweep_s=1,
     )
 
 
@@ -32,8 +48,10 @@ def _config(redis_url: str = "") -> GatewayConfig:
 async def shared(request, settings):
     if request.param == "local":
         # The embedded set-up publishes some counts to the live cache for other processes.
-        settings.CACHES = {**settings.CACHES, "live": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
-                                                       "LOCATION": f"shared-{os.getpid()}"}}
+        settings.CACHES = {
+            **settings.CACHES,
+            "live": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": f"shared-{os.getpid()}"},
+        }
         yield LocalShared(_config())
         return
     base = os.environ.get("REDIS_URL", "")
@@ -47,9 +65,16 @@ async def shared(request, settings):
 
 
 def grant(key_id=1, tenant_id=1, key_rpm=60, tenant_rpm=600, key_concurrent=8, tenant_concurrent=80) -> KeyGrant:
-    return KeyGrant(key_id=key_id, tenant_id=tenant_id, expires_at=None, allowed_model_ids=None,
-                    key_rate_limit_per_minute=key_rpm, tenant_rate_limit_per_minute=tenant_rpm,
-                    key_max_concurrent=key_concurrent, tenant_max_concurrent=tenant_concurrent)
+    return KeyGrant(
+        key_id=key_id,
+        tenant_id=tenant_id,
+        expires_at=None,
+        allowed_model_ids=None,
+        key_rate_limit_per_minute=key_rpm,
+        tenant_rate_limit_per_minute=tenant_rpm,
+        key_max_concurrent=key_concurrent,
+        tenant_max_concurrent=tenant_concurrent,
+    )
 
 
 async def test_per_minute_limit_allows_the_quota_as_a_burst_then_refuses(shared):
@@ -81,8 +106,9 @@ async def test_the_tenant_limit_covers_all_its_keys(shared):
     assert (results[1].reason, results[1].limit, results[1].remaining) == ("tenant_rpm", 2, 0)
 
 
-@pytest.mark.parametrize(("key_concurrent", "tenant_concurrent", "reason"), [(2, 10, "key_concurrency"),
-                                                                              (10, 2, "tenant_concurrency")])
+@pytest.mark.parametrize(
+    ("key_concurrent", "tenant_concurrent", "reason"), [(2, 10, "key_concurrency"), (10, 2, "tenant_concurrency")]
+)
 async def test_concurrency_limits_until_a_request_finishes(shared, key_concurrent, tenant_concurrent, reason):
     g = grant(key_concurrent=key_concurrent, tenant_concurrent=tenant_concurrent)
 
@@ -172,8 +198,10 @@ async def test_idempotency_entries(shared):
 def test_reset_durations_in_openais_format():
     assert [_duration(ms) for ms in (20, 1500, 60_000, 360_000)] == ["20ms", "1.5s", "1m0s", "6m0s"]
     assert Admission(True, "key_rpm", 0, 10, 3, 1500).headers() == {
-        "x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "3",
-        "x-ratelimit-reset-requests": "1.5s"}
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "3",
+        "x-ratelimit-reset-requests": "1.5s",
+    }
 
 
 async def test_in_flight_entries_expire_if_a_gateway_dies(shared):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from decimal import Decimal
 from typing import Literal
 
@@ -34,14 +33,33 @@ class Forecast(BaseModel):
     days: list[int] = Field(max_length=3)
 
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Forecast for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "pattern": "^[A-Za-z ]{1,10}$"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "pattern": "^[A-Za-z ]{1,10}$"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +92,8 @@ def world(structured_gateway, tool_replica):
 def test_sdk_parse_with_a_pydantic_model_end_to_end(world):
     client = world.client()
     response = client.chat.completions.with_raw_response.parse(
-        model=world.model.public_name, messages=ASK, response_format=Forecast, seed=4, max_tokens=300)
+        model=world.model.public_name, messages=ASK, response_format=Forecast, seed=4, max_tokens=300
+    )
     completion = response.parse()
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
@@ -86,15 +105,28 @@ def test_sdk_parse_with_a_pydantic_model_end_to_end(world):
 
 def test_json_object_and_json_schema_outputs_parse(world):
     client = world.client()
-    reply = client.chat.completions.create(model=world.model.public_name, messages=ASK, n=3, seed=1,
-                                           max_tokens=300, response_format={"type": "json_object"})
+    reply = client.chat.completions.create(
+        model=world.model.public_name,
+        messages=ASK,
+        n=3,
+        seed=1,
+        max_tokens=300,
+        response_format={"type": "json_object"},
+    )
     stopped = [c for c in reply.choices if c.finish_reason == "stop"]
     assert stopped
     assert all(isinstance(json.loads(c.message.content), dict) for c in stopped)
     stream = client.chat.completions.create(
-        model=world.model.public_name, messages=ASK, seed=2, max_tokens=300, stream=True,
-        response_format={"type": "json_schema", "json_schema": {"name": "forecast", "strict": True,
-                                                                "schema": Forecast.model_json_schema()}})
+        model=world.model.public_name,
+        messages=ASK,
+        seed=2,
+        max_tokens=300,
+        stream=True,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "forecast", "strict": True, "schema": Forecast.model_json_schema()},
+        },
+    )
     chunks = list(stream)
     assert chunks[-1].choices[0].finish_reason == "stop"
     Forecast.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
@@ -103,8 +135,14 @@ def test_json_object_and_json_schema_outputs_parse(world):
 def test_forced_tool_call_streamed_and_not(world):
     client = world.client()
     named = {"type": "function", "function": {"name": "get_weather"}}
-    reply = client.chat.completions.create(model=world.model.public_name, messages=ASK, seed=3, max_tokens=300,
-                                           tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named)
+    reply = client.chat.completions.create(
+        model=world.model.public_name,
+        messages=ASK,
+        seed=3,
+        max_tokens=300,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice=named,
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -113,9 +151,16 @@ def test_forced_tool_call_streamed_and_not(world):
     assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
     assert len(arguments["city"]) <= 10
 
-    stream = client.chat.completions.create(model=world.model.public_name, messages=ASK, seed=3, max_tokens=300,
-                                            tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=named, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=world.model.public_name,
+        messages=ASK,
+        seed=3,
+        max_tokens=300,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice=named,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
@@ -128,19 +173,26 @@ def test_forced_tool_call_streamed_and_not(world):
 
 def test_a_schema_the_replica_cannot_use_is_400_and_not_billed(world):
     client = world.client()
-    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {
-        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}
+    bad = {
+        "type": "json_schema",
+        "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}},
+    }
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model=world.model.public_name, messages=ASK, max_tokens=5,
-                                           response_format=bad, stream=stream)
+            client.chat.completions.create(
+                model=world.model.public_name, messages=ASK, max_tokens=5, response_format=bad, stream=stream
+            )
         assert caught.value.body["param"] == "response_format.json_schema.schema"
         assert caught.value.body["type"] == "invalid_request_error"
     # Refused by the gateway itself, before any replica: a tool_choice naming no tool.
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=world.model.public_name, messages=ASK, max_tokens=5,
-                                       tools=[WEATHER_TOOL], tool_choice={"type": "function",
-                                                                          "function": {"name": "nope"}})
+        client.chat.completions.create(
+            model=world.model.public_name,
+            messages=ASK,
+            max_tokens=5,
+            tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     assert caught.value.body["param"] == "tool_choice.function.name"
     world.settled()
     assert not UsageRecord.objects.filter(tenant=world.tenant).exists()

@@ -18,8 +18,9 @@ def _snapshot(now):
 def test_each_request_through_the_gateway_is_counted_for_its_model(gateway, replicas, settings):
     world = make_world(gateway, replicas)
     settings.REDIS_URL = gateway.redis_url
-    world.client().chat.completions.create(model=world.model.public_name, max_tokens=2,
-                                           messages=[{"role": "user", "content": "hi"}])
+    world.client().chat.completions.create(
+        model=world.model.public_name, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+    )
     world.client().completions.create(model=world.model.public_name, prompt="hi", max_tokens=2)
     wait_until(lambda: _snapshot(time.time()).window_counts.get(world.model.pk) == 2, 30, "the requests to be counted")
     assert _snapshot(time.time()).last_request_at[world.model.pk] <= time.time()

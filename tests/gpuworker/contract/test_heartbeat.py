@@ -3,13 +3,26 @@ in the form the control plane parses back."""
 
 import pytest
 
-from gpuworker.contract.heartbeat import (ContractError, GpuSpec, Heartbeat, ModelPaths, ReplicaReport, StagedWeights, Staging,
-                                          WorkerRegistration, parse_heartbeat, parse_registration)
+from gpuworker.contract.heartbeat import (
+    ContractError,
+    GpuSpec,
+    Heartbeat,
+    ModelPaths,
+    ReplicaReport,
+    StagedWeights,
+    Staging,
+    WorkerRegistration,
+    parse_heartbeat,
+    parse_registration,
+)
 
 REGISTRATION = {
-    "name": "host-a", "advertise_host": "127.0.0.1", "device": "cuda",
+    "name": "host-a",
+    "advertise_host": "127.0.0.1",
+    "device": "cuda",
     "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_total_bytes": 150_000_000_000}],
-    "cpu": {"memory_total_bytes": 64 * 1024**3, "cores": 16}, "version": "0.1.0",
+    "cpu": {"memory_total_bytes": 64 * 1024**3, "cores": 16},
+    "version": "0.1.0",
 }
 
 
@@ -25,15 +38,18 @@ def test_registration_parses():
     assert (registration.cpu_memory_total_bytes, registration.cpu_cores) == (64 * 1024**3, 16)
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    ({"device": "tpu"}, "device"),
-    ({"name": ""}, "name"),
-    ({"gpus": [{"index": -1, "name": "x", "memory_total_bytes": 1}]}, "gpus[0].index"),
-    ({"gpus": [{"index": 0, "name": "x", "memory_total_bytes": "lots"}]}, "gpus[0].memory_total_bytes"),
-    ({"gpus": []}, "gpus"),
-    ({"gpus": [{"index": 0, "name": "x", "memory_total_bytes": 1}] * 2}, "gpus"),
-    ({"cpu": {"cores": True}}, "cpu.cores"),
-])
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"device": "tpu"}, "device"),
+        ({"name": ""}, "name"),
+        ({"gpus": [{"index": -1, "name": "x", "memory_total_bytes": 1}]}, "gpus[0].index"),
+        ({"gpus": [{"index": 0, "name": "x", "memory_total_bytes": "lots"}]}, "gpus[0].memory_total_bytes"),
+        ({"gpus": []}, "gpus"),
+        ({"gpus": [{"index": 0, "name": "x", "memory_total_bytes": 1}] * 2}, "gpus"),
+        ({"cpu": {"cores": True}}, "cpu.cores"),
+    ],
+)
 def test_bad_registrations_name_the_field(change, field):
     assert field == _error_fields(parse_registration, {**REGISTRATION, **change})
 
@@ -43,39 +59,77 @@ def test_a_cpu_worker_registers_without_gpus():
 
 
 def test_heartbeat_parses_figures_and_leaves_out_missing_ones():
-    heartbeat = parse_heartbeat({
-        "sent_at": "2026-01-01T00:00:00Z", "draining": False,
-        "gpus": [{"index": 0, "utilization_pct": 37.0, "temperature_c": None}],
-        "cpu": {"utilization_pct": 12.0},
-        "replicas": [{"replica_id": 12, "state": "ready", "endpoint_url": "http://127.0.0.1:8101",
-                      "load_progress": 1.0, "running": 2, "waiting": 0}],
-    })
+    heartbeat = parse_heartbeat(
+        {
+            "sent_at": "2026-01-01T00:00:00Z",
+            "draining": False,
+            "gpus": [{"index": 0, "utilization_pct": 37.0, "temperature_c": None}],
+            "cpu": {"utilization_pct": 12.0},
+            "replicas": [
+                {
+                    "replica_id": 12,
+                    "state": "ready",
+                    "endpoint_url": "http://127.0.0.1:8101",
+                    "load_progress": 1.0,
+                    "running": 2,
+                    "waiting": 0,
+                }
+            ],
+        }
+    )
     assert heartbeat.gpus == ({"index": 0, "utilization_pct": 37.0},)
     assert heartbeat.replicas[0].figures == {"load_progress": 1.0, "running": 2, "waiting": 0}
     # A daemon that does not report its replicas' processes (an older one) is still understood.
     assert heartbeat.replicas[0].pid is None
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ([], "body"),
-    ({"draining": "no"}, "draining"),
-    ({"replicas": [{"replica_id": 1, "state": "sleeping"}]}, "replicas[0].state"),
-    ({"replicas": [{"replica_id": 1, "state": "ready"}]}, "replicas[0].endpoint_url"),
-    ({"replicas": [{"replica_id": 1, "state": "ready", "endpoint_url": "gpuworker:8001"}]}, "replicas[0].endpoint_url"),
-    ({"replicas": [{"replica_id": 0, "state": "loading"}]}, "replicas[0].replica_id"),
-    ({"replicas": [{"replica_id": 1, "state": "loading", "running": "2"}]}, "replicas[0].running"),
-    ({"replicas": [{"replica_id": 1, "state": "loading", "pid": 0}]}, "replicas[0].pid"),
-    ({"replicas": [{"replica_id": 1, "state": "loading", "pid": "4242"}]}, "replicas[0].pid"),
-    ({"replicas": [{"replica_id": 1, "state": "loading"}, {"replica_id": 1, "state": "loading"}]}, "replicas"),
-    ({"staging": []}, "staging"),
-    ({"staging": {"budget_bytes": -1}}, "staging.budget_bytes"),
-    ({"staging": {"budget_bytes": 1, "models": [{"path": "m", "bytes": 1, "how": "page_cache",
-                                                 "resident_fraction": 1}]}}, "staging.models[0].path"),
-    ({"staging": {"budget_bytes": 1, "models": [{"path": "/m", "bytes": 1, "how": "disk",
-                                                 "resident_fraction": 1}]}}, "staging.models[0].how"),
-    ({"staging": {"budget_bytes": 1, "models": [{"path": "/m", "bytes": 1, "how": "pinned",
-                                                 "resident_fraction": 1.5}]}}, "staging.models[0].resident_fraction"),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ([], "body"),
+        ({"draining": "no"}, "draining"),
+        ({"replicas": [{"replica_id": 1, "state": "sleeping"}]}, "replicas[0].state"),
+        ({"replicas": [{"replica_id": 1, "state": "ready"}]}, "replicas[0].endpoint_url"),
+        (
+            {"replicas": [{"replica_id": 1, "state": "ready", "endpoint_url": "gpuworker:8001"}]},
+            "replicas[0].endpoint_url",
+        ),
+        ({"replicas": [{"replica_id": 0, "state": "loading"}]}, "replicas[0].replica_id"),
+        ({"replicas": [{"replica_id": 1, "state": "loading", "running": "2"}]}, "replicas[0].running"),
+        ({"replicas": [{"replica_id": 1, "state": "loading", "pid": 0}]}, "replicas[0].pid"),
+        ({"replicas": [{"replica_id": 1, "state": "loading", "pid": "4242"}]}, "replicas[0].pid"),
+        ({"replicas": [{"replica_id": 1, "state": "loading"}, {"replica_id": 1, "state": "loading"}]}, "replicas"),
+        ({"staging": []}, "staging"),
+        ({"staging": {"budget_bytes": -1}}, "staging.budget_bytes"),
+        (
+            {
+                "staging": {
+                    "budget_bytes": 1,
+                    "models": [{"path": "m", "bytes": 1, "how": "page_cache", "resident_fraction": 1}],
+                }
+            },
+            "staging.models[0].path",
+        ),
+        (
+            {
+                "staging": {
+                    "budget_bytes": 1,
+                    "models": [{"path": "/m", "bytes": 1, "how": "disk", "resident_fraction": 1}],
+                }
+            },
+            "staging.models[0].how",
+        ),
+        (
+            {
+                "staging": {
+                    "budget_bytes": 1,
+                    "models": [{"path": "/m", "bytes": 1, "how": "pinned", "resident_fraction": 1.5}],
+                }
+            },
+            "staging.models[0].resident_fraction",
+        ),
+    ],
+)
 def test_bad_heartbeats_name_the_field(body, field):
     assert field == _error_fields(parse_heartbeat, body)
 
@@ -88,21 +142,47 @@ def test_a_bad_quantization_report_is_named(quantization):
 
 def test_what_the_daemon_builds_the_control_plane_parses_back():
     models = ModelPaths(roots=("/models",), paths=("/models/a", "/models/b"), quantization=(("/models/b", "fp8"),))
-    registration = WorkerRegistration(name="host-a", advertise_host="10.0.0.5", device="cuda",
-                                      gpus=(GpuSpec(index=0, name="NVIDIA H200", memory_total_bytes=150 * 10**9),),
-                                      cpu_memory_total_bytes=64 * 2**30, cpu_cores=16, version="1.0", models=models)
+    registration = WorkerRegistration(
+        name="host-a",
+        advertise_host="10.0.0.5",
+        device="cuda",
+        gpus=(GpuSpec(index=0, name="NVIDIA H200", memory_total_bytes=150 * 10**9),),
+        cpu_memory_total_bytes=64 * 2**30,
+        cpu_cores=16,
+        version="1.0",
+        models=models,
+    )
     assert parse_registration(registration.to_json()) == registration
     heartbeat = Heartbeat(
-        sent_at="2026-12-01T00:00:00+00:00", draining=False,
+        sent_at="2026-12-01T00:00:00+00:00",
+        draining=False,
         gpus=({"index": 0, "utilization_pct": 12.0, "memory_used_bytes": 10, "memory_total_bytes": 20},),
-        cpu={"utilization_pct": 3.0}, models=None,
-        replicas=(ReplicaReport(replica_id=7, state="ready", endpoint_url="http://10.0.0.5:8101", error="",
-                                figures={"load_progress": 1.0, "running": 2, "kv_cache_usage": 0.25}, pid=4242),
-                  ReplicaReport(replica_id=8, state="failed", error="it died")))
+        cpu={"utilization_pct": 3.0},
+        models=None,
+        replicas=(
+            ReplicaReport(
+                replica_id=7,
+                state="ready",
+                endpoint_url="http://10.0.0.5:8101",
+                error="",
+                figures={"load_progress": 1.0, "running": 2, "kv_cache_usage": 0.25},
+                pid=4242,
+            ),
+            ReplicaReport(replica_id=8, state="failed", error="it died"),
+        ),
+    )
     assert parse_heartbeat(heartbeat.to_json()) == heartbeat
     assert "models" not in heartbeat.to_json()  # sent only when the scan changed
     assert "pid" not in heartbeat.to_json()["replicas"][1]  # no process: nothing an older control plane misreads
-    staged = Heartbeat(sent_at="", draining=False, gpus=(), cpu={}, replicas=(), staging=Staging(
-        budget_bytes=32 * 10**9, models=(StagedWeights(path="/models/a", bytes=16 * 10**9, how="page_cache",
-                                                      resident_fraction=0.5),)))
+    staged = Heartbeat(
+        sent_at="",
+        draining=False,
+        gpus=(),
+        cpu={},
+        replicas=(),
+        staging=Staging(
+            budget_bytes=32 * 10**9,
+            models=(StagedWeights(path="/models/a", bytes=16 * 10**9, how="page_cache", resident_fraction=0.5),),
+        ),
+    )
     assert parse_heartbeat(staged.to_json()) == staged

@@ -68,10 +68,12 @@ def test_concurrent_producers_and_consumers_across_processes_lose_nothing_and_ta
     expected = producers * per_producer
     context = multiprocessing.get_context("fork")
     start, taken, results = context.Event(), context.Value("i", 0), context.Queue()
-    processes = [context.Process(target=_produce, args=(url, options, p, per_producer, start))
-                 for p in range(producers)]
-    processes += [context.Process(target=_consume, args=(url, options, start, taken, expected, results))
-                  for _ in range(consumers)]
+    processes = [
+        context.Process(target=_produce, args=(url, options, p, per_producer, start)) for p in range(producers)
+    ]
+    processes += [
+        context.Process(target=_consume, args=(url, options, start, taken, expected, results)) for _ in range(consumers)
+    ]
     for process in processes:
         process.start()
     start.set()  # all at once, on a file none of them has opened yet

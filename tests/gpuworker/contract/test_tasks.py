@@ -5,39 +5,58 @@ from __future__ import annotations
 
 import pytest
 
-from gpuworker.contract.tasks import (DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL, DrainWorker, LoadModel,
-                                      TaskArgumentError, UnloadModel, parse_task)
+from gpuworker.contract.tasks import (
+    DRAIN_WORKER,
+    LOAD_MODEL,
+    UNLOAD_MODEL,
+    DrainWorker,
+    LoadModel,
+    TaskArgumentError,
+    UnloadModel,
+    parse_task,
+)
 
-GOOD_LOAD = {"replica_id": 3, "model_path": "/models/m", "served_model_name": "m", "gpu_index": 1,
-             "memory_fraction": 0.4}
+GOOD_LOAD = {
+    "replica_id": 3,
+    "model_path": "/models/m",
+    "served_model_name": "m",
+    "gpu_index": 1,
+    "memory_fraction": 0.4,
+}
 
 
 def test_defaults_are_filled_in():
-    assert parse_task(LOAD_MODEL, (), GOOD_LOAD) == LoadModel(3, "/models/m", "m", 1, 0.4, max_model_len=None,
-                                                             dtype="auto", tensor_parallel_size=1)
+    assert parse_task(LOAD_MODEL, (), GOOD_LOAD) == LoadModel(
+        3, "/models/m", "m", 1, 0.4, max_model_len=None, dtype="auto", tensor_parallel_size=1
+    )
     assert parse_task(UNLOAD_MODEL, (), {"replica_id": 3}).as_kwargs() == {"replica_id": 3, "drain_timeout_s": 30.0}
     assert parse_task(DRAIN_WORKER, (), {}) == DrainWorker(timeout_s=60.0)
     assert parse_task(LOAD_MODEL, (), {**GOOD_LOAD, "gpu_index": None, "memory_fraction": 1}).gpu_index is None
 
 
 def test_what_the_sender_builds_the_receiver_parses_back():
-    for task in (LoadModel(**GOOD_LOAD, max_model_len=2048, dtype="bfloat16", tensor_parallel_size=2),
-                 UnloadModel(replica_id=9),
-                 DrainWorker(timeout_s=5)):
+    for task in (
+        LoadModel(**GOOD_LOAD, max_model_len=2048, dtype="bfloat16", tensor_parallel_size=2),
+        UnloadModel(replica_id=9),
+        DrainWorker(timeout_s=5),
+    ):
         assert parse_task(task.NAME, (), task.as_kwargs()) == task
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"replica_id": True}, "replica_id must be an integer >= 0, got True"),
-    ({"replica_id": -1}, "replica_id must be an integer >= 0, got -1"),
-    ({"model_path": ""}, "model_path must be a non-empty string"),
-    ({"served_model_name": None}, "served_model_name must be a non-empty string"),
-    ({"gpu_index": 0.5}, "gpu_index must be an integer >= 0 or null, got 0.5"),
-    ({"memory_fraction": 0}, "memory_fraction must be a number in (0, 1], got 0"),
-    ({"max_model_len": 0}, "max_model_len must be an integer >= 1 or null, got 0"),
-    ({"dtype": "int8"}, "dtype must be one of auto, float32, float16, bfloat16, got 'int8'"),
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"replica_id": True}, "replica_id must be an integer >= 0, got True"),
+        ({"replica_id": -1}, "replica_id must be an integer >= 0, got -1"),
+        ({"model_path": ""}, "model_path must be a non-empty string"),
+        ({"served_model_name": None}, "served_model_name must be a non-empty string"),
+        ({"gpu_index": 0.5}, "gpu_index must be an integer >= 0 or null, got 0.5"),
+        ({"memory_fraction": 0}, "memory_fraction must be a number in (0, 1], got 0"),
+        ({"max_model_len": 0}, "max_model_len must be an integer >= 1 or null, got 0"),
+        ({"dtype": "int8"}, "dtype must be one of auto, float32, float16, bfloat16, got 'int8'"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
+    ],
+)
 def test_bad_load_arguments_name_the_field_and_the_limit(change, message):
     with pytest.raises(TaskArgumentError) as error:
         parse_task(LOAD_MODEL, (), {**GOOD_LOAD, **change})

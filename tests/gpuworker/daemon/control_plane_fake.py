@@ -22,8 +22,18 @@ GPU_INVENTORY_KEYS = {"index", "name", "memory_total_bytes"}
 GPU_FIGURE_KEYS = {"index", "utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w"}
 CPU_INVENTORY_KEYS = {"memory_total_bytes", "cores"}
 CPU_FIGURE_KEYS = {"utilization_pct", "memory_used_bytes", "memory_total_bytes"}
-REPLICA_KEYS = {"replica_id", "state", "endpoint_url", "load_progress", "error", "running", "waiting",
-                "kv_cache_usage", "tokens_per_s", "prefix_cache_hit_rate"}
+REPLICA_KEYS = {
+    "replica_id",
+    "state",
+    "endpoint_url",
+    "load_progress",
+    "error",
+    "running",
+    "waiting",
+    "kv_cache_usage",
+    "tokens_per_s",
+    "prefix_cache_hit_rate",
+}
 # Latency p95s in seconds: present once the replica has a sample, absent (never 0 or null) before.
 REPLICA_LATENCY_KEYS = {"ttft_p95_s", "itl_p95_s"}
 # The pid of the process serving the replica: present once there is one, absent (never 0 or null) before.
@@ -51,24 +61,32 @@ def _models(where: str, body: dict, keys: set[str]) -> None:
         _keys(where, body, keys)  # raises, naming what came instead
     if "models" in body:
         models = body["models"]
-        _keys(f"{where}.models", {k: v for k, v in models.items() if k not in MODELS_OPTIONAL_KEYS}
-              if isinstance(models, dict) else models, MODELS_KEYS)
+        _keys(
+            f"{where}.models",
+            {k: v for k, v in models.items() if k not in MODELS_OPTIONAL_KEYS} if isinstance(models, dict) else models,
+            MODELS_KEYS,
+        )
         quantization = models.get("quantization", {})
         if not isinstance(quantization, dict) or not all(
-                isinstance(p, str) and p.startswith("/") and isinstance(q, str) and q
-                for p, q in quantization.items()):
+            isinstance(p, str) and p.startswith("/") and isinstance(q, str) and q for p, q in quantization.items()
+        ):
             raise ShapeError(f"{where}.models.quantization: expected absolute path -> label, got {quantization!r}")
         for key in sorted(MODELS_KEYS):
             if not isinstance(body["models"][key], list) or not all(
-                    isinstance(p, str) and p.startswith("/") for p in body["models"][key]):
-                raise ShapeError(f"{where}.models.{key}: expected a list of absolute paths, got {body['models'][key]!r}")
+                isinstance(p, str) and p.startswith("/") for p in body["models"][key]
+            ):
+                raise ShapeError(
+                    f"{where}.models.{key}: expected a list of absolute paths, got {body['models'][key]!r}"
+                )
     _keys(where, {k: v for k, v in body.items() if k != "models"}, keys)
 
 
 def _number(where: str, value: Any, low: float = 0.0, high: float = float("inf"), integer: bool = False) -> None:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
-        raise ShapeError(f"{where}: expected a{'n integer' if integer else ' number'} in [{low}, {high}], got {value!r}")
+        raise ShapeError(
+            f"{where}: expected a{'n integer' if integer else ' number'} in [{low}, {high}], got {value!r}"
+        )
 
 
 def check_register(body: Any) -> None:
@@ -103,8 +121,13 @@ def check_heartbeat(body: Any) -> None:
     _keys("heartbeat.cpu", body["cpu"], CPU_FIGURE_KEYS)
     _number("heartbeat.cpu.utilization_pct", body["cpu"]["utilization_pct"], 0, 100)
     _number("heartbeat.cpu.memory_total_bytes", body["cpu"]["memory_total_bytes"], 1, integer=True)
-    _number("heartbeat.cpu.memory_used_bytes", body["cpu"]["memory_used_bytes"], 0,
-            body["cpu"]["memory_total_bytes"], integer=True)
+    _number(
+        "heartbeat.cpu.memory_used_bytes",
+        body["cpu"]["memory_used_bytes"],
+        0,
+        body["cpu"]["memory_total_bytes"],
+        integer=True,
+    )
     if not isinstance(body["replicas"], list):
         raise ShapeError("heartbeat.replicas: expected a list")
     for i, replica in enumerate(body["replicas"]):
@@ -189,9 +212,15 @@ class ControlPlaneFake:
                         return answer(503, {"error": "starting up"})
                     self.registrations.append(body)
                     worker_id = self.workers.setdefault(body["name"], len(self.workers) + 1)
-                return answer(200, {"worker_id": worker_id, "queue": self.queue_of(body["name"]),
-                                    "heartbeat_interval_s": self.heartbeat_interval_s,
-                                    "celery": {"broker_url": self.broker_url, "broker_transport_options": {}}})
+                return answer(
+                    200,
+                    {
+                        "worker_id": worker_id,
+                        "queue": self.queue_of(body["name"]),
+                        "heartbeat_interval_s": self.heartbeat_interval_s,
+                        "celery": {"broker_url": self.broker_url, "broker_transport_options": {}},
+                    },
+                )
             if len(parts) == 4 and parts[:2] == ["internal", "workers"] and parts[3] == "heartbeat":
                 check_heartbeat(body)
                 with self.lock:
@@ -224,8 +253,9 @@ class ControlPlaneFake:
     def wait_for(self, condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if (value := condition()):
+            if value := condition():
                 return value
             time.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; latest heartbeat: {self.latest()}; "
-                             f"errors: {self.errors}")
+        raise AssertionError(
+            f"timed out after {timeout}s waiting for {what}; latest heartbeat: {self.latest()}; errors: {self.errors}"
+        )

@@ -54,8 +54,9 @@ class Daemon:
 
 
 @contextmanager
-def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_registrations: int = 0,
-                   spares: bool = False):
+def running_daemon(
+    tmp_path: Path, broker_url: str, model_root: Path, refuse_registrations: int = 0, spares: bool = False
+):
     name = f"test-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if k != "GPUSERVE_WORKER_TOKEN"}
     # Tiny models gain nothing from threads, and OpenMP threads spinning on a busy 2-core machine
@@ -66,15 +67,34 @@ def running_daemon(tmp_path: Path, broker_url: str, model_root: Path, refuse_reg
         log = tmp_path / f"{name}.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "gpuworker", "daemon", "--control-url", fake.url, "--token", TOKEN,
-                 # No --port-range: replicas get any free port, bound by the daemon (no clash possible).
-                 "--name", name, "--device", "cpu",
-                 "--state-dir", str(tmp_path / name), "--drain-timeout", "5",
-                 # the session's temporary folder: it holds every tiny checkpoint
-                 "--model-root", str(model_root),
-                 # Off unless asked for: these tests tell replicas by their `serve` command line.
-                 "--spare-replicas" if spares else "--no-spare-replicas"],
-                stdout=out, stderr=subprocess.STDOUT, env=env)
+                [
+                    sys.executable,
+                    "-m",
+                    "gpuworker",
+                    "daemon",
+                    "--control-url",
+                    fake.url,
+                    "--token",
+                    TOKEN,
+                    # No --port-range: replicas get any free port, bound by the daemon (no clash possible).
+                    "--name",
+                    name,
+                    "--device",
+                    "cpu",
+                    "--state-dir",
+                    str(tmp_path / name),
+                    "--drain-timeout",
+                    "5",
+                    # the session's temporary folder: it holds every tiny checkpoint
+                    "--model-root",
+                    str(model_root),
+                    # Off unless asked for: these tests tell replicas by their `serve` command line.
+                    "--spare-replicas" if spares else "--no-spare-replicas",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         daemon = Daemon(fake, process, log, name, broker_url)
         try:
             fake.wait_for(fake.latest, timeout=30, what="the first heartbeat")
@@ -103,8 +123,15 @@ def daemon(tmp_path_factory, broker_url):
 
 
 def _load_kwargs(replica_id: int, model_path, **overrides) -> dict:
-    return {"replica_id": replica_id, "model_path": str(model_path), "served_model_name": "tiny",
-            "gpu_index": None, "memory_fraction": 0.5, "max_model_len": 1024, **overrides}
+    return {
+        "replica_id": replica_id,
+        "model_path": str(model_path),
+        "served_model_name": "tiny",
+        "gpu_index": None,
+        "memory_fraction": 0.5,
+        "max_model_len": 1024,
+        **overrides,
+    }
 
 
 def _states(fake: ControlPlaneFake, replica_id: int) -> list[str]:
@@ -143,13 +170,15 @@ def test_bad_task_arguments_are_rejected_with_a_logged_reason(daemon, tiny_check
     assert failed["error"].startswith("model path /no/such/model lies outside this worker's model roots (")
     assert failed["endpoint_url"] == ""
     log = daemon.log_text()
-    for reason in ("rejected gpuworker.load_model: takes keyword arguments only, got 2 positional argument(s)",
-                   "rejected gpuworker.load_model: replica_id must be an integer >= 0, got 'five'",
-                   "rejected gpuworker.load_model: model_path is required",
-                   "rejected gpuworker.load_model: memory_fraction must be a number in (0, 1], got 1.5",
-                   "rejected gpuworker.load_model: unexpected argument(s) colour",
-                   "rejected gpuworker.unload_model: drain_timeout_s must be a number in [0, 3600], got 'soon'",
-                   "rejected gpuworker.drain_worker: timeout_s must be a number in [0, 3600], got -1"):
+    for reason in (
+        "rejected gpuworker.load_model: takes keyword arguments only, got 2 positional argument(s)",
+        "rejected gpuworker.load_model: replica_id must be an integer >= 0, got 'five'",
+        "rejected gpuworker.load_model: model_path is required",
+        "rejected gpuworker.load_model: memory_fraction must be a number in (0, 1], got 1.5",
+        "rejected gpuworker.load_model: unexpected argument(s) colour",
+        "rejected gpuworker.unload_model: drain_timeout_s must be a number in [0, 3600], got 'soon'",
+        "rejected gpuworker.drain_worker: timeout_s must be a number in [0, 3600], got -1",
+    ):
         assert reason in log
     assert "Traceback" not in log and "retry" not in log.lower()
     assert daemon.process.poll() is None and daemon.fake.latest()["draining"] is False
@@ -179,19 +208,27 @@ def test_load_serve_and_unload_with_a_stream_in_flight(daemon, tiny_checkpoint):
     endpoint = ready["endpoint_url"]
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert httpx.post(f"{endpoint}/v1/completions", json={"prompt": "x"}).status_code == 401
-    completion = httpx.post(f"{endpoint}/v1/completions", headers=auth, timeout=30,
-                            json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+    completion = httpx.post(
+        f"{endpoint}/v1/completions",
+        headers=auth,
+        timeout=30,
+        json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True},
+    )
     assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 3
     daemon.send(LOAD_MODEL, **kwargs)  # repeated while ready: changes nothing
     [child] = daemon.serve_children()
 
-    thread, result = stream_in_thread(f"{endpoint}/v1/completions",
-                                      {"prompt": "go", "max_tokens": 500, "stream": True, "ignore_eos": True,
-                                       "logprobs": 0}, TOKEN)
+    thread, result = stream_in_thread(
+        f"{endpoint}/v1/completions",
+        {"prompt": "go", "max_tokens": 500, "stream": True, "ignore_eos": True, "logprobs": 0},
+        TOKEN,
+    )
     assert result["first"].wait(10)
     daemon.send(UNLOAD_MODEL, replica_id=1, drain_timeout_s=60)  # ample, even on a busy machine
     deadline = time.monotonic() + 10
-    while httpx.post(f"{endpoint}/v1/completions", headers=auth, json={"prompt": "x", "max_tokens": 1}).status_code != 503:
+    while (
+        httpx.post(f"{endpoint}/v1/completions", headers=auth, json={"prompt": "x", "max_tokens": 1}).status_code != 503
+    ):
         assert time.monotonic() < deadline, "the replica never started draining"
         time.sleep(0.02)
     assert thread.is_alive()  # new requests are refused while the stream in flight goes on
@@ -207,8 +244,10 @@ def test_load_serve_and_unload_with_a_stream_in_flight(daemon, tiny_checkpoint):
     assert not child.is_running() and daemon.serve_children() == []
     assert daemon.log_text().count("replica 1: started pid") == 1
     with daemon.fake.lock:
-        progress = [e["load_progress"] for _, b in daemon.fake.heartbeats for e in b["replicas"] if e["replica_id"] == 1]
-    assert progress == sorted(progress[:progress.index(1.0)]) + progress[progress.index(1.0):]
+        progress = [
+            e["load_progress"] for _, b in daemon.fake.heartbeats for e in b["replicas"] if e["replica_id"] == 1
+        ]
+    assert progress == sorted(progress[: progress.index(1.0)]) + progress[progress.index(1.0) :]
     with daemon.fake.lock:  # the engine's figures travel in heartbeats while it serves the stream
         busy = [e for _, b in daemon.fake.heartbeats for e in b["replicas"] if e["replica_id"] == 1 and e["running"]]
     assert busy and all(e["running"] == 1 and e["kv_cache_usage"] > 0 for e in busy)
@@ -268,9 +307,11 @@ def test_replicas_stop_when_the_daemon_is_killed(tmp_path, tmp_path_factory, bro
         daemon.fake.wait_for(lambda: daemon.serve_children(), timeout=15, what="a replica process")
         [child] = daemon.serve_children()
         # Its server answers (progress reported, or ready): SIGTERM now reaches the drain handler.
-        daemon.fake.wait_for(lambda: (entry := daemon.fake.replica(1)) and
-                             (entry["load_progress"] > 0 or entry["state"] == "ready"),
-                             timeout=60, what="replica 1's server answering")
+        daemon.fake.wait_for(
+            lambda: (entry := daemon.fake.replica(1)) and (entry["load_progress"] > 0 or entry["state"] == "ready"),
+            timeout=60,
+            what="replica 1's server answering",
+        )
         daemon.process.kill()
         daemon.process.wait()
         child.wait(timeout=30)  # raises psutil.TimeoutExpired if it outlives its daemon
@@ -281,10 +322,12 @@ def test_replicas_stop_when_the_daemon_is_killed(tmp_path, tmp_path_factory, bro
 
 @pytest.mark.slow
 def test_with_spares_a_load_runs_in_the_spare_and_all_stop_when_the_daemon_is_killed(
-        tmp_path, tmp_path_factory, broker_url, tiny_checkpoint):
+    tmp_path, tmp_path_factory, broker_url, tiny_checkpoint
+):
     """The real daemon with spare replicas: the load runs in the process that was waiting for it, a
     new spare follows, and a SIGKILLed daemon takes both with it (parent-death signal)."""
     with running_daemon(tmp_path, broker_url, tmp_path_factory.getbasetemp(), spares=True) as daemon:
+
         def spares() -> list[psutil.Process]:
             found = []
             for p in psutil.Process(daemon.process.pid).children():
@@ -301,8 +344,9 @@ def test_with_spares_a_load_runs_in_the_spare_and_all_stop_when_the_daemon_is_ki
         port = int(ready["endpoint_url"].rsplit(":", 1)[1])
         assert port in {c.laddr.port for c in first.net_connections() if c.status == psutil.CONN_LISTEN}
         assert daemon.serve_children() == []  # no process was started for the load
-        second = daemon.fake.wait_for(lambda: [p for p in spares() if p.pid != first.pid], timeout=60,
-                                      what="the next spare")[0]
+        second = daemon.fake.wait_for(
+            lambda: [p for p in spares() if p.pid != first.pid], timeout=60, what="the next spare"
+        )[0]
         daemon.process.kill()
         daemon.process.wait()
         for child in (first, second):

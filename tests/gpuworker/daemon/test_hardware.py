@@ -50,8 +50,14 @@ def test_gpu_probe_reports_nvml_figures():
         first = inventory["gpus"][0]
         assert first["index"] == 0 and first["name"] and first["memory_total_bytes"] > 2**30
         figures = sample["gpus"][0]
-        assert set(figures) == {"index", "utilization_pct", "memory_used_bytes", "memory_total_bytes",
-                                "temperature_c", "power_w"}
+        assert set(figures) == {
+            "index",
+            "utilization_pct",
+            "memory_used_bytes",
+            "memory_total_bytes",
+            "temperature_c",
+            "power_w",
+        }
         assert figures["memory_total_bytes"] == first["memory_total_bytes"]
         assert 0 <= figures["utilization_pct"] <= 100 and figures["temperature_c"] > 0 and figures["power_w"] > 0
     finally:

@@ -51,13 +51,25 @@ def test_quantized_checkpoints_are_reported_with_their_quantization(tmp_path):
     root = tmp_path / "models"
     _checkpoint(root / "llama-8b")
     awq = _checkpoint(root / "llama-8b-awq")
-    (awq / "config.json").write_text(json.dumps({"quantization_config": {
-        "quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}}))
+    (awq / "config.json").write_text(
+        json.dumps(
+            {
+                "quantization_config": {
+                    "quant_method": "awq",
+                    "bits": 4,
+                    "group_size": 128,
+                    "zero_point": True,
+                    "version": "gemm",
+                }
+            }
+        )
+    )
     fp8 = _checkpoint(root / "llama-8b-fp8")
     (fp8 / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
     # Not served (its load will say why) or unreadable: reported as a checkpoint, without a quantization.
-    (_checkpoint(root / "act-order") / "config.json").write_text(json.dumps({"quantization_config": {
-        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}}))
+    (_checkpoint(root / "act-order") / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}})
+    )
     (_checkpoint(root / "garbled") / "config.json").write_text("{not json")
     scan = scan_model_roots([root])
     assert len(scan.paths) == 5
@@ -70,14 +82,35 @@ def test_registration_and_heartbeats_carry_the_scan_to_the_control_plane(tmp_pat
 
     root = tmp_path / "models"
     first = _checkpoint(root / "first")
-    config = AgentConfig(control_url=live_server.url, token=settings.FLEET_WORKER_TOKEN, name="scan-test",
-                         advertise_host="127.0.0.1", device="cpu", state_dir=tmp_path / "state", model_roots=(root,))
+    config = AgentConfig(
+        control_url=live_server.url,
+        token=settings.FLEET_WORKER_TOKEN,
+        name="scan-test",
+        advertise_host="127.0.0.1",
+        device="cpu",
+        state_dir=tmp_path / "state",
+        model_roots=(root,),
+    )
     agent = Agent(config)
     agent.probe = HardwareProbe("cpu")
-    agent.supervisor = Supervisor(token="t", gpu_count=0, advertise_host="127.0.0.1", bind_host="127.0.0.1",
-                                  state_dir=tmp_path / "state", worker_name="scan-test", model_roots=(root,))
-    agent._registration = WorkerRegistration(name="scan-test", advertise_host="127.0.0.1", device="cpu", gpus=(),
-                                             cpu_memory_total_bytes=2**30, cpu_cores=2, version="test")
+    agent.supervisor = Supervisor(
+        token="t",
+        gpu_count=0,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        state_dir=tmp_path / "state",
+        worker_name="scan-test",
+        model_roots=(root,),
+    )
+    agent._registration = WorkerRegistration(
+        name="scan-test",
+        advertise_host="127.0.0.1",
+        device="cpu",
+        gpus=(),
+        cpu_memory_total_bytes=2**30,
+        cpu_cores=2,
+        version="test",
+    )
     try:
         agent._register()
         worker = Worker.objects.get(name="scan-test")

@@ -29,8 +29,7 @@ INFO:     Waiting for application startup.
 
 def _run(code: str, *, status: int = 1) -> str:
     """The output of a real Python process running `code`, which ends with `status`."""
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
     assert result.returncode == status, result
     return result.stdout + result.stderr
 
@@ -68,8 +67,9 @@ def test_only_the_first_line_of_a_long_exception_message_is_the_cause():
 def test_a_cuda_out_of_memory_error_is_found_whole_among_the_log_lines_after_it():
     cause = error_cause(CUDA_OOM_LOG)
     assert cause.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 131072.00 GiB.")
-    assert cause.endswith("(https://docs.pytorch.org/docs/stable/notes/cuda.html"
-                          "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")
+    assert cause.endswith(
+        "(https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)"
+    )
 
 
 def test_a_port_clash_logged_by_uvicorn_without_a_traceback_is_the_cause():
@@ -78,32 +78,37 @@ def test_a_port_clash_logged_by_uvicorn_without_a_traceback_is_the_cause():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        log = _run(f"""
+        log = _run(
+            f"""
             import uvicorn
             async def app(scope, receive, send):
                 pass
             uvicorn.run(app, host="127.0.0.1", port={port}, lifespan="off")
-        """, status=3)  # uvicorn's STARTUP_FAILURE
+        """,
+            status=3,
+        )  # uvicorn's STARTUP_FAILURE
     cause = error_cause(log)
     assert cause.startswith("[Errno 98] error while attempting to bind on address ('127.0.0.1', ")
     assert cause.endswith("address already in use")
 
 
 def test_a_killed_process_has_no_cause_in_its_log():
-    log = _run("""
+    log = _run(
+        """
         import os, signal
         print("2026-12-01 19:40:02,118 INFO gpuworker.replica.engine_holder: loading /models/x", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    """, status=-signal.SIGKILL)
+    """,
+        status=-signal.SIGKILL,
+    )
     assert error_cause(log) == ""
     assert error_cause("") == ""
 
 
 def test_the_message_puts_the_cause_first_whole_and_fits_the_contract():
-    noise = "".join(f"INFO:     127.0.0.1:5{i:04d} - \"POST /v1/completions HTTP/1.1\" 200 OK\n" for i in range(400))
+    noise = "".join(f'INFO:     127.0.0.1:5{i:04d} - "POST /v1/completions HTTP/1.1" 200 OK\n' for i in range(400))
     log = CUDA_OOM_LOG + noise  # the cause lies far above the end
-    message = failure_message(cause=error_cause(log), what="the replica process exited with status 1",
-                              log_text=log)
+    message = failure_message(cause=error_cause(log), what="the replica process exited with status 1", log_text=log)
     first, second, third = message.split("\n", 3)[:3]
     assert first == error_cause(CUDA_OOM_LOG) and len(first) > 500
     assert second == "the replica process exited with status 1; last log lines:"

@@ -12,12 +12,12 @@ import httpx
 import psutil
 import pytest
 
+from gpuworker.__main__ import build_parser
 from gpuworker.contract.heartbeat import ReplicaReport
 from gpuworker.contract.spare_handover import READY_LINE
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon import supervisor as supervisor_module
 from gpuworker.daemon.supervisor import Supervisor
-from gpuworker.__main__ import build_parser
 
 TOKEN = "replica-token"
 # Generous: a spare imports torch, transformers and xgrammar on a busy 2-core CI box.
@@ -64,8 +64,12 @@ def _ready_spare(supervisor: Supervisor, exclude: set[int] = frozenset()) -> psu
 
     def ready():
         spares = _spares(exclude)
-        if len(spares) == 1 and log.is_file() and f"{READY_LINE} on cpu" in log.read_text() \
-                and f"pid {spares[0].pid})" in log.read_text():
+        if (
+            len(spares) == 1
+            and log.is_file()
+            and f"{READY_LINE} on cpu" in log.read_text()
+            and f"pid {spares[0].pid})" in log.read_text()
+        ):
             return spares[0]
         return None
 
@@ -76,9 +80,16 @@ def _ready_spare(supervisor: Supervisor, exclude: set[int] = frozenset()) -> psu
 def supervisor(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     others = {p.pid for p in psutil.Process().children()}
-    supervisor = Supervisor(token=TOKEN, gpu_count=0, advertise_host="127.0.0.1", bind_host="127.0.0.1",
-                            state_dir=tmp_path, worker_name="test-host", model_roots=(tmp_path_factory.getbasetemp(),),
-                            spare_replicas=True)
+    supervisor = Supervisor(
+        token=TOKEN,
+        gpu_count=0,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        state_dir=tmp_path,
+        worker_name="test-host",
+        model_roots=(tmp_path_factory.getbasetemp(),),
+        spare_replicas=True,
+    )
     supervisor.start()
     yield supervisor
     supervisor.close(drain_timeout_s=5)
@@ -87,8 +98,16 @@ def supervisor(tmp_path, tmp_path_factory, monkeypatch):
 
 
 def _load(supervisor: Supervisor, replica_id: int, model_path) -> None:
-    supervisor.load(LoadModel(replica_id=replica_id, model_path=str(model_path), served_model_name="tiny",
-                              gpu_index=None, memory_fraction=0.5, max_model_len=128))
+    supervisor.load(
+        LoadModel(
+            replica_id=replica_id,
+            model_path=str(model_path),
+            served_model_name="tiny",
+            gpu_index=None,
+            memory_fraction=0.5,
+            max_model_len=128,
+        )
+    )
 
 
 @pytest.mark.slow
@@ -101,8 +120,12 @@ def test_a_load_is_handed_to_the_spare_and_the_next_spare_follows(supervisor, ti
     # The spare's process is the replica: it listens on the replica's port (the socket the daemon bound).
     port = int(ready.endpoint_url.rsplit(":", 1)[1])
     assert port in {c.laddr.port for c in spare.net_connections() if c.status == psutil.CONN_LISTEN}
-    completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
-                            json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=60)
+    completion = httpx.post(
+        f"{ready.endpoint_url}/v1/completions",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+        timeout=60,
+    )
     assert completion.status_code == 200 and completion.json()["model"] == "tiny"
     # Its output after the hand-over went to the replica's log, not the spare's.
     assert "model tiny ready" in (supervisor.log_dir / "replica-1.log").read_text()
@@ -123,7 +146,8 @@ def test_a_load_is_handed_to_the_spare_and_the_next_spare_follows(supervisor, ti
 
 @pytest.mark.slow
 def test_a_dead_spare_is_bypassed_and_a_failed_load_in_a_spare_reports_its_cause(
-        supervisor, tiny_checkpoint, unreadable_checkpoint):
+    supervisor, tiny_checkpoint, unreadable_checkpoint
+):
     # The spare is killed just before a load: the load starts a fresh `serve` process instead
     # (the supervisor waits SPARE_RETRY_S before starting another spare).
     spare = _ready_spare(supervisor)
@@ -140,7 +164,9 @@ def test_a_dead_spare_is_bypassed_and_a_failed_load_in_a_spare_reports_its_cause
     broken = unreadable_checkpoint
     _load(supervisor, 3, broken)
     failed = _wait_for(lambda: _entry(supervisor, 3, "failed"), "replica 3 failed", 60)
-    assert failed.error.split("\n")[0].startswith("ValueError: model.safetensors is not a safetensors file"), failed.error
+    assert failed.error.split("\n")[0].startswith("ValueError: model.safetensors is not a safetensors file"), (
+        failed.error
+    )
     assert "Traceback (most recent call last):" in failed.error
     _wait_for(lambda: not _alive(spare), "the failed replica stopped", 30)
 

@@ -20,8 +20,9 @@ def _checkpoint(root: Path, name: str, shard_bytes: list[int]) -> Path:
     files = [f"model-{i + 1:05d}-of-{len(shard_bytes):05d}.safetensors" for i in range(len(shard_bytes))]
     for file, size in zip(files, shard_bytes):
         (directory / file).write_bytes(bytes(range(256)) * (size // 256))
-    (directory / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {f"t{i}": file for i, file in enumerate(files)}}))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {f"t{i}": file for i, file in enumerate(files)}})
+    )
     return directory
 
 
@@ -77,6 +78,7 @@ def test_the_stager_thread_applies_a_new_list_by_itself(root):
     try:
         stager.stage(StageWeights(model_paths=[str(model)]))
         import time
+
         deadline = time.monotonic() + 60
         while not stager.report().models and time.monotonic() < deadline:
             time.sleep(0.05)

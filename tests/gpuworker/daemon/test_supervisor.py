@@ -14,9 +14,9 @@ import httpx
 import psutil
 import pytest
 
-from gpuworker.daemon.hardware import HardwareError, HardwareProbe
 from gpuworker.contract.heartbeat import ReplicaReport
 from gpuworker.contract.tasks import LoadModel
+from gpuworker.daemon.hardware import HardwareError, HardwareProbe
 from gpuworker.daemon.supervisor import Supervisor, load_devices
 
 TOKEN = "replica-token"
@@ -52,8 +52,15 @@ def supervisor(tmp_path, tmp_path_factory, monkeypatch):
     _OTHERS.clear()
     _OTHERS.update(p.pid for p in psutil.Process().children() if "serve" in p.cmdline())
     # Any free port (the default). The session's temporary folder holds tmp_path and every tiny checkpoint.
-    supervisor = Supervisor(token=TOKEN, gpu_count=0, advertise_host="127.0.0.1", bind_host="127.0.0.1",
-                            state_dir=tmp_path, worker_name="test-host", model_roots=(tmp_path_factory.getbasetemp(),))
+    supervisor = Supervisor(
+        token=TOKEN,
+        gpu_count=0,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        state_dir=tmp_path,
+        worker_name="test-host",
+        model_roots=(tmp_path_factory.getbasetemp(),),
+    )
     supervisor.start()
     yield supervisor
     supervisor.close(drain_timeout_s=5)
@@ -62,8 +69,15 @@ def supervisor(tmp_path, tmp_path_factory, monkeypatch):
 
 def test_bad_loads_fail_with_a_reason_before_any_process_starts(supervisor, tmp_path, tiny_checkpoint):
     def load(replica_id: int, model_path, gpu_index=None) -> None:
-        supervisor.load(LoadModel(replica_id=replica_id, model_path=str(model_path), served_model_name="m",
-                                    gpu_index=gpu_index, memory_fraction=0.5))
+        supervisor.load(
+            LoadModel(
+                replica_id=replica_id,
+                model_path=str(model_path),
+                served_model_name="m",
+                gpu_index=gpu_index,
+                memory_fraction=0.5,
+            )
+        )
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
@@ -77,8 +91,9 @@ def test_bad_loads_fail_with_a_reason_before_any_process_starts(supervisor, tmp_
     load(6, tmp_path / "two-ggufs")
     errors = {i: _wait(supervisor, i, "failed", timeout=5).error for i in (1, 2, 3, 4, 6)}
     assert errors[1] == f"model path {tmp_path / 'no' / 'such' / 'model'} does not exist"
-    assert errors[2].endswith("has no config.json or .gguf file "
-                              "(expected a Hugging Face model directory or a GGUF checkpoint)")
+    assert errors[2].endswith(
+        "has no config.json or .gguf file (expected a Hugging Face model directory or a GGUF checkpoint)"
+    )
     assert errors[3] == f"model path {tmp_path / 'file'} is not a directory or a .gguf file"
     assert errors[4] == "gpu_index 0 was requested, but this worker has no GPU"
     assert "holds 2 .gguf files" in errors[6]
@@ -98,18 +113,33 @@ def test_loads_from_outside_the_model_roots_are_refused_however_the_path_escapes
     assert ".." in dotdot and (Path(dotdot) / "config.json").is_file()
 
     def supervised(roots) -> Supervisor:
-        return Supervisor(token=TOKEN, gpu_count=0, advertise_host="127.0.0.1", bind_host="127.0.0.1",
-                          state_dir=tmp_path / "state", worker_name="test-host", model_roots=roots)
+        return Supervisor(
+            token=TOKEN,
+            gpu_count=0,
+            advertise_host="127.0.0.1",
+            bind_host="127.0.0.1",
+            state_dir=tmp_path / "state",
+            worker_name="test-host",
+            model_roots=roots,
+        )
 
     confined, unconfined = supervised((root,)), supervised(())
     for s in (confined, unconfined):
         s.start()
     try:
         for replica_id, path in ((1, dotdot), (2, root / "link")):
-            confined.load(LoadModel(replica_id=replica_id, model_path=str(path), served_model_name="m",
-                                    gpu_index=None, memory_fraction=0.5))
-        unconfined.load(LoadModel(replica_id=3, model_path=str(outside), served_model_name="m",
-                                  gpu_index=None, memory_fraction=0.5))
+            confined.load(
+                LoadModel(
+                    replica_id=replica_id,
+                    model_path=str(path),
+                    served_model_name="m",
+                    gpu_index=None,
+                    memory_fraction=0.5,
+                )
+            )
+        unconfined.load(
+            LoadModel(replica_id=3, model_path=str(outside), served_model_name="m", gpu_index=None, memory_fraction=0.5)
+        )
         errors = {i: _wait(confined, i, "failed", timeout=5).error for i in (1, 2)}
         errors[3] = _wait(unconfined, 3, "failed", timeout=5).error
     finally:
@@ -117,22 +147,41 @@ def test_loads_from_outside_the_model_roots_are_refused_however_the_path_escapes
             s.close(drain_timeout_s=5)
     for replica_id in (1, 2):
         assert f"(resolved: {outside})" in errors[replica_id]
-        assert errors[replica_id].endswith(f"lies outside this worker's model roots ({root}); move the checkpoint "
-                                           "under one or start the daemon with another --model-root")
-    assert errors[3].startswith("this worker has no model root, so it loads no model: start its daemon with "
-                                "--model-root DIR")
+        assert errors[replica_id].endswith(
+            f"lies outside this worker's model roots ({root}); move the checkpoint "
+            "under one or start the daemon with another --model-root"
+        )
+    assert errors[3].startswith(
+        "this worker has no model root, so it loads no model: start its daemon with --model-root DIR"
+    )
     assert not [p for p in psutil.Process().children() if "serve" in p.cmdline() and str(outside) in p.cmdline()]
 
 
-def test_a_tensor_parallel_load_past_the_last_gpu_fails_before_any_process_starts(tmp_path, tmp_path_factory,
-                                                                                  tiny_checkpoint):
+def test_a_tensor_parallel_load_past_the_last_gpu_fails_before_any_process_starts(
+    tmp_path, tmp_path_factory, tiny_checkpoint
+):
     before = set(_serve_children())  # other tests' replicas may be running in this process
-    supervisor = Supervisor(token=TOKEN, gpu_count=2, advertise_host="127.0.0.1", bind_host="127.0.0.1",
-                            state_dir=tmp_path, worker_name="test-host", model_roots=(tmp_path_factory.getbasetemp(),))
+    supervisor = Supervisor(
+        token=TOKEN,
+        gpu_count=2,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        state_dir=tmp_path,
+        worker_name="test-host",
+        model_roots=(tmp_path_factory.getbasetemp(),),
+    )
     supervisor.start()
     try:
-        supervisor.load(LoadModel(replica_id=1, model_path=str(tiny_checkpoint("llama")), served_model_name="m",
-                                  gpu_index=1, memory_fraction=0.5, tensor_parallel_size=2))
+        supervisor.load(
+            LoadModel(
+                replica_id=1,
+                model_path=str(tiny_checkpoint("llama")),
+                served_model_name="m",
+                gpu_index=1,
+                memory_fraction=0.5,
+                tensor_parallel_size=2,
+            )
+        )
         error = _wait(supervisor, 1, "failed", timeout=120).error
     finally:
         supervisor.close(drain_timeout_s=5)
@@ -144,16 +193,29 @@ def test_a_tensor_parallel_load_past_the_last_gpu_fails_before_any_process_start
 def test_a_tensor_parallel_replica_is_one_replica_with_its_ranks_below_it(supervisor, tiny_checkpoint):
     """The daemon starts one serve process; its second rank is that process's child, and stopping
     the replica stops both."""
-    supervisor.load(LoadModel(replica_id=8, model_path=str(tiny_checkpoint("llama")), served_model_name="tp",
-                              gpu_index=None, memory_fraction=0.5, max_model_len=128, tensor_parallel_size=2))
+    supervisor.load(
+        LoadModel(
+            replica_id=8,
+            model_path=str(tiny_checkpoint("llama")),
+            served_model_name="tp",
+            gpu_index=None,
+            memory_fraction=0.5,
+            max_model_len=128,
+            tensor_parallel_size=2,
+        )
+    )
     ready = _wait(supervisor, 8, "ready", "failed", timeout=120)
     assert ready.state == "ready", ready.error
     [child] = _serve_children()
     assert "--tensor-parallel-size" in child.cmdline()
     ranks = [p for p in child.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
     assert len(ranks) == 1
-    completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
-                            json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=60)
+    completion = httpx.post(
+        f"{ready.endpoint_url}/v1/completions",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+        timeout=60,
+    )
     assert completion.status_code == 200
     supervisor.unload(8, drain_timeout_s=5)
     assert _wait(supervisor, 8, "stopped", timeout=60).error == ""
@@ -162,8 +224,14 @@ def test_a_tensor_parallel_replica_is_one_replica_with_its_ranks_below_it(superv
 
 @pytest.mark.slow
 def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor, tiny_checkpoint):
-    request = LoadModel(replica_id=7, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
-                          gpu_index=None, memory_fraction=0.5, max_model_len=128)
+    request = LoadModel(
+        replica_id=7,
+        model_path=str(tiny_checkpoint("llama")),
+        served_model_name="tiny",
+        gpu_index=None,
+        memory_fraction=0.5,
+        max_model_len=128,
+    )
     supervisor.load(request)
     loading = _wait(supervisor, 7, timeout=5)
     assert loading.state == "loading" and loading.endpoint_url.startswith("http://127.0.0.1:")
@@ -174,8 +242,12 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
     # The child demands the worker token; it got it through its environment, not its command line.
     assert httpx.get(f"{ready.endpoint_url}/v1/models").status_code == 401
     assert TOKEN not in " ".join(child.cmdline())
-    completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
-                            json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=30)
+    completion = httpx.post(
+        f"{ready.endpoint_url}/v1/completions",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+        timeout=30,
+    )
     assert completion.status_code == 200 and completion.json()["model"] == "tiny"
 
     supervisor.load(request)  # a repeat changes nothing
@@ -204,15 +276,30 @@ def test_a_port_taken_while_the_replica_starts_cannot_fail_its_load(tmp_path, tm
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         base = min(probe.getsockname()[1], 65000)
-    supervisor = Supervisor(token=TOKEN, gpu_count=0, port_range=(base, base + 20), advertise_host="127.0.0.1",
-                            bind_host="127.0.0.1", state_dir=tmp_path, worker_name="test-host",
-                            model_roots=(tmp_path_factory.getbasetemp(),))
+    supervisor = Supervisor(
+        token=TOKEN,
+        gpu_count=0,
+        port_range=(base, base + 20),
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        state_dir=tmp_path,
+        worker_name="test-host",
+        model_roots=(tmp_path_factory.getbasetemp(),),
+    )
     supervisor.start()
     intruder = socket.socket()
     intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers (uvicorn too) do
     try:
-        supervisor.load(LoadModel(replica_id=1, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
-                                  gpu_index=None, memory_fraction=0.5, max_model_len=128))
+        supervisor.load(
+            LoadModel(
+                replica_id=1,
+                model_path=str(tiny_checkpoint("llama")),
+                served_model_name="tiny",
+                gpu_index=None,
+                memory_fraction=0.5,
+                max_model_len=128,
+            )
+        )
         loading = _wait(supervisor, 1, timeout=10)
         port = urlsplit(loading.endpoint_url).port
         assert loading.state == "loading" and base <= port <= base + 20
@@ -227,8 +314,12 @@ def test_a_port_taken_while_the_replica_starts_cannot_fail_its_load(tmp_path, tm
             intruder.bind(("127.0.0.1", port))
         assert ready.endpoint_url == loading.endpoint_url
         assert "ttft_p95_s" not in ready.figures  # no request yet: absent, not 0
-        completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
-                                json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True}, timeout=30)
+        completion = httpx.post(
+            f"{ready.endpoint_url}/v1/completions",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+            timeout=30,
+        )
         assert completion.status_code == 200
         # The replica's latency figures reach the heartbeat with its next poll.
         deadline = time.monotonic() + 30
@@ -245,8 +336,16 @@ def test_a_port_taken_while_the_replica_starts_cannot_fail_its_load(tmp_path, tm
 def test_a_replica_that_fails_to_load_reports_its_cause_first(supervisor, tiny_checkpoint, unreadable_checkpoint):
     """A checkpoint whose weights are unreadable: the replica's own error leads, whole, then its log."""
     broken = unreadable_checkpoint
-    supervisor.load(LoadModel(replica_id=3, model_path=str(broken), served_model_name="tiny", gpu_index=None,
-                              memory_fraction=0.5, max_model_len=128))
+    supervisor.load(
+        LoadModel(
+            replica_id=3,
+            model_path=str(broken),
+            served_model_name="tiny",
+            gpu_index=None,
+            memory_fraction=0.5,
+            max_model_len=128,
+        )
+    )
     failed = _wait(supervisor, 3, "failed", timeout=60)
     cause, what = failed.error.split("\n")[:2]
     assert cause.startswith("ValueError: model.safetensors is not a safetensors file or is truncated"), failed.error
@@ -256,8 +355,16 @@ def test_a_replica_that_fails_to_load_reports_its_cause_first(supervisor, tiny_c
     # Loaded again at once (the failed process may still be stopping: the new one waits for it, so
     # it is reaped, not left a zombie), the replica writes on in the same log; its next death is
     # judged by its own lines.
-    supervisor.load(LoadModel(replica_id=3, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
-                              gpu_index=None, memory_fraction=0.5, max_model_len=128))
+    supervisor.load(
+        LoadModel(
+            replica_id=3,
+            model_path=str(tiny_checkpoint("llama")),
+            served_model_name="tiny",
+            gpu_index=None,
+            memory_fraction=0.5,
+            max_model_len=128,
+        )
+    )
     _wait(supervisor, 3, "ready")
     assert not [p for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
     [child] = _serve_children()
@@ -282,20 +389,39 @@ def _gpu_count() -> int:
 @pytest.mark.skipif(_gpu_count() == 0, reason="no GPU visible to NVML")
 def test_replica_on_a_gpu(tmp_path, tmp_path_factory, tiny_checkpoint):
     probe = HardwareProbe("cuda")
-    supervisor = Supervisor(token=TOKEN, gpu_count=probe.gpu_count, advertise_host="127.0.0.1",
-                            bind_host="127.0.0.1", state_dir=tmp_path, worker_name="gpu",
-                            model_roots=(tmp_path_factory.getbasetemp(),))
+    supervisor = Supervisor(
+        token=TOKEN,
+        gpu_count=probe.gpu_count,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        state_dir=tmp_path,
+        worker_name="gpu",
+        model_roots=(tmp_path_factory.getbasetemp(),),
+    )
     supervisor.start()
     try:
         used_before = probe.sample()["gpus"][0]["memory_used_bytes"]
-        supervisor.load(LoadModel(replica_id=1, model_path=str(tiny_checkpoint("llama")), served_model_name="tiny",
-                                    gpu_index=0, memory_fraction=0.05, max_model_len=256, dtype="bfloat16"))
+        supervisor.load(
+            LoadModel(
+                replica_id=1,
+                model_path=str(tiny_checkpoint("llama")),
+                served_model_name="tiny",
+                gpu_index=0,
+                memory_fraction=0.05,
+                max_model_len=256,
+                dtype="bfloat16",
+            )
+        )
         ready = _wait(supervisor, 1, "ready", "failed", timeout=180)
         assert ready.state == "ready", ready.error
         [child] = _serve_children()
         assert "cuda:0" in child.cmdline()
-        completion = httpx.post(f"{ready.endpoint_url}/v1/completions", headers={"Authorization": f"Bearer {TOKEN}"},
-                                json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True}, timeout=60)
+        completion = httpx.post(
+            f"{ready.endpoint_url}/v1/completions",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            json={"prompt": "hi", "max_tokens": 8, "ignore_eos": True},
+            timeout=60,
+        )
         assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 8
         # The replica process (its CUDA context, weights and KV pool) shows in NVML's figures for the GPU.
         assert probe.sample()["gpus"][0]["memory_used_bytes"] > used_before + 100 * 2**20
@@ -309,9 +435,16 @@ def test_replica_on_a_gpu(tmp_path, tmp_path_factory, tiny_checkpoint):
 
 def test_a_split_load_runs_on_each_of_its_gpus():
     """What the spares keep off while a load is in progress: every GPU of a split replica."""
+
     def load(gpu_index, size):
-        return LoadModel(replica_id=1, model_path="/m", served_model_name="m", gpu_index=gpu_index,
-                         memory_fraction=0.5, tensor_parallel_size=size)
+        return LoadModel(
+            replica_id=1,
+            model_path="/m",
+            served_model_name="m",
+            gpu_index=gpu_index,
+            memory_fraction=0.5,
+            tensor_parallel_size=size,
+        )
 
     assert load_devices(load(1, 2)) == ["cuda:1", "cuda:2"]
     assert load_devices(load(0, 1)) == ["cuda:0"]

@@ -33,7 +33,7 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int) -> lis
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-            outputs.append(out[0, len(prompt):].tolist())
+            outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
 

@@ -17,8 +17,9 @@ from tests.gpuworker.engine.reference import hf_greedy, random_prompts
 
 @pytest.fixture(params=["thread", "process"])
 async def engine(request, tiny_checkpoint):
-    engine = start_engine(tiny_checkpoint("llama"), num_kv_blocks=64, max_model_len=256,
-                          process=request.param == "process")
+    engine = start_engine(
+        tiny_checkpoint("llama"), num_kv_blocks=64, max_model_len=256, process=request.param == "process"
+    )
     yield engine
     await asyncio.to_thread(engine.shutdown)
 

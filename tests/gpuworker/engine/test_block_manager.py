@@ -16,8 +16,9 @@ _ids = iter(range(10**9))
 
 
 def make_seq(tokens: list[int], n: int = 1) -> Sequence:
-    group = SequenceGroup(f"r{next(_ids)}", tokens, SamplingParams(n=n, max_tokens=8), next(_ids), 8,
-                          first_seq_id=next(_ids) * 16)
+    group = SequenceGroup(
+        f"r{next(_ids)}", tokens, SamplingParams(n=n, max_tokens=8), next(_ids), 8, first_seq_id=next(_ids) * 16
+    )
     return group.seqs[0]
 
 
@@ -252,4 +253,3 @@ test_block_manager_properties = BlockManagerMachine.TestCase
 def test_rejects_bad_sizes():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(0, 16)
-

@@ -20,7 +20,7 @@ def stream(tokenizer, output: str | list[int], prompt: str = "Say:", **params):
     detokenizer = IncrementalDetokenizer(tokenizer, len(prompt.encode()), SamplingParams(**params))
     token_ids = list(prompt.encode())
     deltas = []
-    for token_id in (list(output.encode()) if isinstance(output, str) else output):
+    for token_id in list(output.encode()) if isinstance(output, str) else output:
         token_ids.append(token_id)
         stop = detokenizer.add_tokens(token_ids)
         if stop is not None:
@@ -40,7 +40,7 @@ def test_multibyte_characters_stream_only_when_complete(tokenizer):
     # The 4 bytes of the emoji give nothing, nothing, nothing, then the whole character.
     emoji = text.index("🎉")
     offset = len(text[:emoji].encode())
-    assert deltas[offset:offset + 4] == ["", "", "", "🎉"]
+    assert deltas[offset : offset + 4] == ["", "", "", "🎉"]
 
 
 def test_text_after_the_prompt_keeps_its_leading_space(tokenizer):
@@ -87,15 +87,18 @@ def test_special_tokens_are_skipped_unless_asked(tokenizer):
     assert "".join(kept) == "a<|eot_id|>b"
 
 
-@pytest.mark.parametrize("token, outputs, params, expected", [
-    (9, 3, SamplingParams(), ("stop", None)),  # EOS
-    (9, 3, SamplingParams(ignore_eos=True), None),
-    (9, 3, SamplingParams(ignore_eos=True, max_tokens=3), ("length", None)),
-    (5, 3, SamplingParams(stop_token_ids=[5]), ("stop", 5)),
-    (5, 2, SamplingParams(stop_token_ids=[5], min_tokens=3), None),
-    (1, 10, SamplingParams(), ("length", None)),
-    (1, 9, SamplingParams(), None),
-])
+@pytest.mark.parametrize(
+    "token, outputs, params, expected",
+    [
+        (9, 3, SamplingParams(), ("stop", None)),  # EOS
+        (9, 3, SamplingParams(ignore_eos=True), None),
+        (9, 3, SamplingParams(ignore_eos=True, max_tokens=3), ("length", None)),
+        (5, 3, SamplingParams(stop_token_ids=[5]), ("stop", 5)),
+        (5, 2, SamplingParams(stop_token_ids=[5], min_tokens=3), None),
+        (1, 10, SamplingParams(), ("length", None)),
+        (1, 9, SamplingParams(), None),
+    ],
+)
 def test_check_stop_token(token, outputs, params, expected):
     assert check_stop_token(token, outputs, params, [9], max_tokens=params.max_tokens or 10) == expected
 
@@ -107,7 +110,7 @@ def test_decoding_skips_decode_s_id_conversion_and_keeps_its_text(tokenizer, mon
     text = "Hello , world . It 's fine !"
     output_ids = list(text.encode()) + [tokenizer.eos_token_id]
     monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
-    expected = tokenizer.decode(list(b"Say:") + output_ids, skip_special_tokens=True)[len("Say:"):]
+    expected = tokenizer.decode(list(b"Say:") + output_ids, skip_special_tokens=True)[len("Say:") :]
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("decode called: each call walks its ids")

@@ -29,14 +29,17 @@ def run(engine: LLMEngine) -> dict[str, object]:
     return finished
 
 
-@pytest.mark.parametrize("prompt, params, match", [
-    ("", SamplingParams(), "prompt must not be empty"),
-    ([], SamplingParams(), "prompt must be a non-empty"),
-    ([1, 2, 999], SamplingParams(), r"prompt: token id 999 is not in \[0, 384\)"),
-    ([1] * 250, SamplingParams(max_tokens=10), r"max_tokens \(10\) = 260 exceeds max_model_len \(256\)"),
-    ([1] * 256, SamplingParams(), r"prompt has 256 tokens, which leaves no room"),
-    ([1, 2], SamplingParams(logit_bias={5: 1.0, 384: -100}), r"logit_bias: token id 384 is not in \[0, 384\)"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", SamplingParams(), "prompt must not be empty"),
+        ([], SamplingParams(), "prompt must be a non-empty"),
+        ([1, 2, 999], SamplingParams(), r"prompt: token id 999 is not in \[0, 384\)"),
+        ([1] * 250, SamplingParams(max_tokens=10), r"max_tokens \(10\) = 260 exceeds max_model_len \(256\)"),
+        ([1] * 256, SamplingParams(), r"prompt has 256 tokens, which leaves no room"),
+        ([1, 2], SamplingParams(logit_bias={5: 1.0, 384: -100}), r"logit_bias: token id 384 is not in \[0, 384\)"),
+    ],
+)
 def test_bad_requests_fail_alone_and_the_others_keep_running(path, prompt, params, match):
     engine = make_engine(path)
     prompts = random_prompts((5, 30), TINY["vocab_size"])
@@ -51,26 +54,48 @@ def test_bad_requests_fail_alone_and_the_others_keep_running(path, prompt, param
     assert [finished[f"good-{i}"].token_ids for i in range(2)] == hf_greedy(path, prompts, 6)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"), ({"logprobs": 21}, "logprobs"),
-    ({"stop": [""]}, "stop"), ({"min_p": 2.0}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"presence_penalty": 3.0}, "presence_penalty"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"logit_bias": {5: 100.5}}, "logit_bias"), ({"logit_bias": {-1: 1.0}}, "logit_bias"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"logit_bias": {5: float("nan")}}, "logit_bias"),
-    ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
+    ],
+)
 def test_sampling_params_name_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"block_size": 0}, "block_size"), ({"max_num_seqs": 0}, "max_num_seqs"), ({"dtype": "int8"}, "dtype"),
-    ({"device": "tpu"}, "device"), ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-    ({"load_format": "pt"}, "load_format"), ({"num_kv_blocks": 4, "max_model_len": 100}, "num_kv_blocks"),
-    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"), ({"short_prefill_share": 1.0}, "short_prefill_share"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"load_format": "pt"}, "load_format"),
+        ({"num_kv_blocks": 4, "max_model_len": 100}, "num_kv_blocks"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"short_prefill_share": 1.0}, "short_prefill_share"),
+    ],
+)
 def test_engine_config_names_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="/models/x", **kwargs)
@@ -141,9 +166,11 @@ def test_seeded_requests_repeat_whatever_else_is_batched(path):
     prompts = random_prompts((12, 50, 3, 90), TINY["vocab_size"], seed=5)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
     alone = make_engine(path).generate([prompts[0]], seeded)[0].token_ids
-    others = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
-              SamplingParams(temperature=1.2, seed=1, max_tokens=9, ignore_eos=True)]
+    others = [
+        SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=1.2, seed=1, max_tokens=9, ignore_eos=True),
+    ]
     engine = make_engine(path, max_num_batched_tokens=32, seed=123)
     batched = engine.generate(prompts[1:2] + prompts[:1] + prompts[2:], [others[0], seeded, *others[1:]])
     assert batched[1].token_ids == alone
@@ -167,8 +194,9 @@ def test_top_k_tokens_are_among_the_k_most_likely(path):
 
 def test_logprobs_match_transformers(path):
     prompt = random_prompts((25,), TINY["vocab_size"], seed=2)[0]
-    (out,) = make_engine(path).generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3,
-                                                                 ignore_eos=True))
+    (out,) = make_engine(path).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True)
+    )
     reference = torch.log_softmax(hf_logits(path, prompt + out.token_ids), dim=-1)
     logprobs = out.outputs[0].logprobs
     assert len(logprobs) == 5
@@ -193,15 +221,24 @@ def test_logit_bias_equals_transformers_sequence_bias(path):
     changed = 0
     for prompt, unbiased in zip(prompts, hf_greedy(path, prompts, 8)):
         ban, nudge, force = {unbiased[0]: -100.0}, {unbiased[2]: -3.0, unbiased[4]: -2.5, 17: 2.0}, {42: 100.0}
-        outputs = engine.generate([prompt] * 3, [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                                                                logit_bias=bias) for bias in (ban, nudge, force)])
+        outputs = engine.generate(
+            [prompt] * 3,
+            [
+                SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias=bias)
+                for bias in (ban, nudge, force)
+            ],
+        )
         for bias, out in zip((ban, nudge, force), outputs):
-            config = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=-1,
-                                      sequence_bias={(token,): value for token, value in bias.items()})
+            config = GenerationConfig(
+                do_sample=False,
+                max_new_tokens=8,
+                eos_token_id=-1,
+                sequence_bias={(token,): value for token, value in bias.items()},
+            )
             ids = torch.tensor([prompt])
             with torch.no_grad():
                 reference = hf_model(path).generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-            assert out.token_ids == reference[0, len(prompt):].tolist(), bias
+            assert out.token_ids == reference[0, len(prompt) :].tolist(), bias
         assert outputs[0].token_ids[0] != unbiased[0] and outputs[2].token_ids == [42] * 8
         changed += outputs[1].token_ids != unbiased
     assert changed  # the small biases changed a greedy path, and it still matched
@@ -214,13 +251,14 @@ def test_stop_string_split_across_tokens_through_the_engine(path):
     free = engine.generate([prompt], SamplingParams(**greedy))[0]
     # Two whole characters from the middle of the (noise) text: at least two byte tokens.
     text = free.text
-    start = next(i for i in range(3, len(text) - 1)
-                 if "\ufffd" not in text[i:i + 2] and text.index(text[i:i + 2]) == i)
-    stop = text[start:start + 2]
+    start = next(
+        i for i in range(3, len(text) - 1) if "\ufffd" not in text[i : i + 2] and text.index(text[i : i + 2]) == i
+    )
+    stop = text[start : start + 2]
     out = engine.generate([prompt], SamplingParams(stop=[stop], **greedy))[0]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
-    assert out.text == text[:text.index(stop)]
-    assert out.token_ids == free.token_ids[:len(out.token_ids)]
+    assert out.text == text[: text.index(stop)]
+    assert out.token_ids == free.token_ids[: len(out.token_ids)]
 
 
 def test_eos_ends_the_request_unless_ignored(path):
@@ -273,8 +311,13 @@ def test_a_short_request_is_not_starved_by_long_prefills(path):
 
     def run_with(short_prefill_share: float) -> tuple[int, dict[str, list[int]]]:
         # 256 tokens a step: each long prompt takes 4 steps to prefill. Short prompts: <= 32 tokens.
-        engine = make_engine(path, num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=256,
-                             short_prefill_share=short_prefill_share)
+        engine = make_engine(
+            path,
+            num_kv_blocks=256,
+            max_model_len=1024,
+            max_num_batched_tokens=256,
+            short_prefill_share=short_prefill_share,
+        )
         for i, prompt in enumerate(long_prompts):
             engine.add_request(f"long{i}", prompt, params)
         engine.step()
@@ -320,7 +363,7 @@ def test_async_scheduling_abort_with_a_token_in_flight(path):
     dropped = engine.abort("drop")
     assert dropped.finished and dropped.outputs[0].finish_reason == "abort"
     assert all(token >= 0 for token in dropped.outputs[0].token_ids)
-    assert dropped.outputs[0].token_ids == reference[1].outputs[0].token_ids[:len(dropped.outputs[0].token_ids)]
+    assert dropped.outputs[0].token_ids == reference[1].outputs[0].token_ids[: len(dropped.outputs[0].token_ids)]
     finished = run(engine)
     assert finished["keep"].outputs[0].token_ids == reference[0].outputs[0].token_ids
     assert engine.scheduler.block_manager.usage == 0.0 and not engine.scheduler.running
@@ -333,8 +376,9 @@ def test_final_only_requests_report_once_with_the_same_result(path, async_schedu
     engine = make_engine(path, async_scheduling=async_scheduling)
     prompt = random_prompts((9,), 384, seed=3)[0]
     engine.add_request("cumulative", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    engine.add_request("final", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                                                       output_kind="final_only"))
+    engine.add_request(
+        "final", prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind="final_only")
+    )
     seen: dict[str, list] = {"cumulative": [], "final": []}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -48,8 +48,7 @@ def family_case(request, tiny_checkpoint) -> Case:
 
 @pytest.fixture(params=["sync", "async"])
 def case(request, family_case) -> Case:
-    return Case(family_case.path, family_case.prompts, family_case.reference,
-                async_scheduling=request.param == "async")
+    return Case(family_case.path, family_case.prompts, family_case.reference, async_scheduling=request.param == "async")
 
 
 def test_batch_all_at_once(case):

@@ -14,8 +14,8 @@ from operator import attrgetter
 import pytest
 
 from gpuworker.engine import AsyncLLMEngine, SamplingParams, start_engine
-from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.engine.engine_process_client import EngineProcess
+from gpuworker.engine.output_streams import EngineDeadError
 
 # Generous: the machine running the tests may be busy with others.
 DEADLINE_S = 120
@@ -77,18 +77,26 @@ async def test_outputs_match_the_engine_thread(engine, tiny_checkpoint):
     final, want = got[-1], expected[-1]
     assert final.finished and final.prompt_token_ids == want.prompt_token_ids
     for c, w in zip(final.outputs, want.outputs, strict=True):
-        assert (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) == \
-            (w.index, w.text, w.token_ids, w.finish_reason, w.stop_reason)
+        assert (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) == (
+            w.index,
+            w.text,
+            w.token_ids,
+            w.finish_reason,
+            w.stop_reason,
+        )
         assert c.logprobs == w.logprobs and len(c.logprobs) == 24
     for index in (0, 1):
         assert "".join(out.outputs[index].delta_text for out in got) == final.outputs[index].text
         assert [t for out in got for t in out.outputs[index].delta_token_ids] == final.outputs[index].token_ids
     text = final.outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     if stop.strip():
-        stopped = (await _final(engine, [4, 8, 15, 16, 23, 42],
-                                SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]), "s"))[-1]
-        assert stopped.finish_reason == "stop" and stopped.text == text[:text.index(stop)]
+        stopped = (
+            await _final(
+                engine, [4, 8, 15, 16, 23, 42], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]), "s"
+            )
+        )[-1]
+        assert stopped.finish_reason == "stop" and stopped.text == text[: text.index(stop)]
 
 
 def _fail_the_next_step(llm) -> None:
@@ -175,8 +183,9 @@ async def test_a_process_started_ahead_takes_its_output_and_its_load_later(tiny_
         os.dup2(saved[1], 2)
         os.close(saved[0])
         os.close(saved[1])
-    engine = await asyncio.to_thread(start_engine, tiny_checkpoint("llama"), num_kv_blocks=64,
-                                     max_model_len=256, process=process)
+    engine = await asyncio.to_thread(
+        start_engine, tiny_checkpoint("llama"), num_kv_blocks=64, max_model_len=256, process=process
+    )
     try:
         assert engine.process is process
         outputs = [out async for out in engine.generate([5] * 8, SamplingParams(max_tokens=3, ignore_eos=True), "a")]

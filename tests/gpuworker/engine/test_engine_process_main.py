@@ -24,11 +24,31 @@ def test_a_wired_output_holds_no_objects_and_reads_back_the_same():
     pickling 512 outputs several times slower), and the API side rebuilds the engine's output."""
     logprobs = [TokenLogprob(7, -0.5, [(7, -0.5), (9, -1.25)]), TokenLogprob(8, -0.1, [(8, -0.1), (2, -3.0)])]
     output = RequestOutput(
-        request_id="r", prompt="hi", prompt_token_ids=[1, 2], finished=True, num_cached_tokens=16,
-        outputs=[CompletionOutput(index=0, text="ab", token_ids=[7, 8], finish_reason="length", logprobs=logprobs,
-                                  delta_text="ab", delta_token_ids=[7, 8])],
-        metrics=RequestMetrics(arrival_time=1.0, first_token_time=2.0, finish_time=3.0, gpu_time_s=0.25,
-                               num_preemptions=1, first_scheduled_time=1.5))
+        request_id="r",
+        prompt="hi",
+        prompt_token_ids=[1, 2],
+        finished=True,
+        num_cached_tokens=16,
+        outputs=[
+            CompletionOutput(
+                index=0,
+                text="ab",
+                token_ids=[7, 8],
+                finish_reason="length",
+                logprobs=logprobs,
+                delta_text="ab",
+                delta_token_ids=[7, 8],
+            )
+        ],
+        metrics=RequestMetrics(
+            arrival_time=1.0,
+            first_token_time=2.0,
+            finish_time=3.0,
+            gpu_time_s=0.25,
+            num_preemptions=1,
+            first_scheduled_time=1.5,
+        ),
+    )
     data = pickle.dumps(("outputs", [wire(output)], None), protocol=5)
     assert not [op.name for op, _, _ in pickletools.genops(data) if "GLOBAL" in op.name]
     [wired] = pickle.loads(data)[1]
@@ -56,8 +76,9 @@ def test_the_engine_keeps_stepping_while_the_api_side_reads_nothing(engine_proce
     deadline = time.monotonic() + DEADLINE_S
     while engine_process.num_steps < MAX_TOKENS and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine_process.num_steps >= MAX_TOKENS, \
+    assert engine_process.num_steps >= MAX_TOKENS, (
         f"the engine process stopped at step {engine_process.num_steps} while nobody read its outputs"
+    )
 
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(NUM_REQUESTS)}
     logprobs: dict[str, int] = dict.fromkeys(tokens, 0)

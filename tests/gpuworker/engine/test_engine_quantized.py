@@ -25,16 +25,25 @@ def case(request, tmp_path_factory):
     return quantized, prompts, reference
 
 
-@pytest.mark.parametrize("device, async_scheduling", [
-    ("cpu", False), ("cpu", True),
-    # The Triton kernels (and CUDA graphs for decode) on the same float32 weights.
-    pytest.param("cuda", True, marks=[pytest.mark.gpu,
-                                      pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
-], ids=["cpu-sync", "cpu-async", "cuda"])
+@pytest.mark.parametrize(
+    "device, async_scheduling",
+    [
+        ("cpu", False),
+        ("cpu", True),
+        # The Triton kernels (and CUDA graphs for decode) on the same float32 weights.
+        pytest.param(
+            "cuda",
+            True,
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+    ids=["cpu-sync", "cpu-async", "cuda"],
+)
 def test_greedy_equals_the_dequantised_reference(case, device, async_scheduling):
     path, prompts, reference = case
-    engine = LLMEngine(path, device=device, dtype="float32", num_kv_blocks=32, max_model_len=64,
-                       async_scheduling=async_scheduling)
+    engine = LLMEngine(
+        path, device=device, dtype="float32", num_kv_blocks=32, max_model_len=64, async_scheduling=async_scheduling
+    )
     assert engine.model_config.quantization is not None
     outputs = engine.generate(prompts, GREEDY)
     assert [out.token_ids for out in outputs] == reference
@@ -44,8 +53,14 @@ def test_fp8_at_load(tmp_path):
     quantized, twin = make_quantized_checkpoint(tmp_path, "fp8-ct-channel-dynamic")
     prompts = random_prompts(LENGTHS, 384, seed=4)
     reference = greedy_generate(hf_reference(quantized, twin, "fp8-ct-channel-dynamic"), prompts, MAX_TOKENS)
-    engine = LLMEngine(quantized.parent / "float" / "llama", device="cpu", dtype="float32", num_kv_blocks=32,
-                       max_model_len=64, quantization="fp8")
+    engine = LLMEngine(
+        quantized.parent / "float" / "llama",
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=32,
+        max_model_len=64,
+        quantization="fp8",
+    )
     assert engine.model_config.quantization.checkpoint_format == "fp8-at-load"
     assert [out.token_ids for out in engine.generate(prompts, GREEDY)] == reference
 

@@ -16,8 +16,13 @@ CONFIG = {"num_kv_blocks": 64, "max_model_len": 256, "max_num_seqs": 8, "max_num
 def test_the_facts_are_the_resolved_config_and_the_model(tiny_checkpoint):
     engine = LLMEngine(tiny_checkpoint("llama"), **CONFIG)
     facts = engine.facts
-    assert facts.limits == {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 256,
-                            "kv_cache_tokens": 64 * engine.config.block_size, "tensor_parallel_size": 1}
+    assert facts.limits == {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 128,
+        "max_model_len": 256,
+        "kv_cache_tokens": 64 * engine.config.block_size,
+        "tensor_parallel_size": 1,
+    }
     assert facts.max_model_len == 256 and facts.vocab_size == engine.model_config.vocab_size
     # A copy: the deferred warm-up's later stages do not change facts already read.
     assert facts.load_timings == engine.load_timings and facts.load_timings is not engine.load_timings

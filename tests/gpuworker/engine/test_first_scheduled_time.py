@@ -11,8 +11,9 @@ from gpuworker.engine.sequence import SequenceGroup
 
 
 def test_first_scheduled_time_is_set_at_admission_and_kept():
-    config = EngineConfig(model="unused", block_size=4, num_kv_blocks=8, max_model_len=16,
-                          max_num_batched_tokens=16, max_num_seqs=1)
+    config = EngineConfig(
+        model="unused", block_size=4, num_kv_blocks=8, max_model_len=16, max_num_batched_tokens=16, max_num_seqs=1
+    )
     scheduler = Scheduler(config)
     first = SequenceGroup("a", [1, 2, 3], SamplingParams(max_tokens=4), 0, 4, first_seq_id=0)
     second = SequenceGroup("b", [4, 5, 6], SamplingParams(max_tokens=4), 1, 4, first_seq_id=1)

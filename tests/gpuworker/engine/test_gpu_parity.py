@@ -20,7 +20,9 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 7, 16, 33, 100, 250)]
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3.1", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe"])
+@pytest.mark.parametrize(
+    "family", ["llama", "llama3.1", "qwen2", "qwen3", "mistral", "mixtral", "qwen2-moe", "qwen3-moe"]
+)
 def test_float32_greedy_matches_cpu(tiny_checkpoint, family, monkeypatch):
     from gpuworker.kernels.moe import decode as moe_decode_module
 
@@ -31,8 +33,9 @@ def test_float32_greedy_matches_cpu(tiny_checkpoint, family, monkeypatch):
     # grouped ones: record the token counts the decode kernels see (while the graphs are captured).
     decode_tokens = []
     original = moe_decode_module.moe_decode
-    monkeypatch.setattr(moe_decode_module, "moe_decode",
-                        lambda x, *a, **k: decode_tokens.append(x.shape[0]) or original(x, *a, **k))
+    monkeypatch.setattr(
+        moe_decode_module, "moe_decode", lambda x, *a, **k: decode_tokens.append(x.shape[0]) or original(x, *a, **k)
+    )
     gpu = LLMEngine(path, device="cuda", **kwargs)
     if gpu.model_config.moe is not None:
         assert 1 in decode_tokens, "a batch-1 decode step should take the MoE decode kernels"
@@ -66,7 +69,9 @@ def test_bfloat16_logits_close_to_float32(tiny_checkpoint):
         shared = set(top_a) & set(top_b)
         assert len(shared) >= 3
         for token in shared:
-            assert abs(top_a[token] - top_b[token]) < 0.25  # bf16 keeps 8 mantissa bits: ~0.1 drift over a few layers is its normal rounding
+            assert (
+                abs(top_a[token] - top_b[token]) < 0.25
+            )  # bf16 keeps 8 mantissa bits: ~0.1 drift over a few layers is its normal rounding
 
 
 def test_greedy_argmax_inside_the_lm_head_launch(tiny_checkpoint, monkeypatch, kernel_configs):
@@ -135,6 +140,8 @@ def test_an_idle_async_engine_does_its_deferred_warm_up(tiny_checkpoint):
         assert asyncio.run(one()) == expected
     finally:
         async_engine.shutdown()
+
+
 def test_seeded_sampling_draws_the_cpus_tokens(tiny_checkpoint):
     # The kernel and the CPU's torch path draw the same Philox noise and keep the same top-k sets, so
     # seeded requests give the same tokens on both (float32: the logits agree to ~1e-6).
@@ -143,8 +150,10 @@ def test_seeded_sampling_draws_the_cpus_tokens(tiny_checkpoint):
     cpu = LLMEngine(path, device="cpu", **kwargs)
     gpu = LLMEngine(path, device="cuda", **kwargs)
     batch = prompts(cpu.model_config.vocab_size)
-    params = [SamplingParams(temperature=0.9, top_k=k, seed=i, max_tokens=16, ignore_eos=True)
-              for i, k in enumerate((0, 50, 5, 0, 20, 1))]
+    params = [
+        SamplingParams(temperature=0.9, top_k=k, seed=i, max_tokens=16, ignore_eos=True)
+        for i, k in enumerate((0, 50, 5, 0, 20, 1))
+    ]
     expected = [o.token_ids for o in cpu.generate(batch, params)]
     assert [o.token_ids for o in gpu.generate(batch, params)] == expected
     assert len({tuple(tokens) for tokens in expected}) == len(expected)

@@ -18,9 +18,16 @@ def test_upload_fills_every_input_and_pads_the_bucket(rows):
     inputs = GraphInputs(rows=rows, max_blocks=6, device=torch.device("cpu"))
     inputs.sampled[:3] = torch.tensor([501, 502, 503])  # the previous step's ids, on the device
     tables = np.array([[4, 9, 2], [7, 1, 0], [3, 5, 8]], dtype=np.int32)
-    inputs.upload(size=4, known_ids=np.array([11, -1, 13]), placeholders=np.array([1]),
-                  sampled_rows=np.array([2]), positions=np.array([40, 17, 33]),
-                  slot_mapping=np.array([100, 200, 300]), seq_lens=np.array([41, 18, 34]), block_tables=tables)
+    inputs.upload(
+        size=4,
+        known_ids=np.array([11, -1, 13]),
+        placeholders=np.array([1]),
+        sampled_rows=np.array([2]),
+        positions=np.array([40, 17, 33]),
+        slot_mapping=np.array([100, 200, 300]),
+        seq_lens=np.array([41, 18, 34]),
+        block_tables=tables,
+    )
     assert inputs.sampled[:3].tolist() == [501, 502, 503]  # the upload leaves them alone
     resolved = torch.index_select(inputs.ids, 0, inputs.token_index[:4])
     assert resolved[:3].tolist() == [11, 503, 13]
@@ -29,14 +36,27 @@ def test_upload_fills_every_input_and_pads_the_bucket(rows):
     assert inputs.slot_mapping[:4].tolist() == [100, 200, 300, -1]  # padding writes nothing
     assert inputs.seq_lens[:4].tolist() == [41, 18, 34, 0]  # and attends to nothing
     assert inputs.block_tables[:3, :3].tolist() == tables.tolist()
-    for view in (inputs.ids, inputs.token_index, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
-                 inputs.block_tables):
+    for view in (
+        inputs.ids,
+        inputs.token_index,
+        inputs.positions,
+        inputs.slot_mapping,
+        inputs.seq_lens,
+        inputs.block_tables,
+    ):
         assert view.data_ptr() % 16 == 0
 
     # A smaller step afterwards: its rows are rewritten, and a previous placeholder row no longer
     # points into the sampled ids.
-    inputs.upload(size=1, known_ids=np.array([-1]), placeholders=np.array([0]), sampled_rows=np.array([0]),
-                  positions=np.array([41]), slot_mapping=np.array([101]), seq_lens=np.array([42]),
-                  block_tables=np.array([[4, 9, 2]], dtype=np.int32))
+    inputs.upload(
+        size=1,
+        known_ids=np.array([-1]),
+        placeholders=np.array([0]),
+        sampled_rows=np.array([0]),
+        positions=np.array([41]),
+        slot_mapping=np.array([101]),
+        seq_lens=np.array([42]),
+        block_tables=np.array([[4, 9, 2]], dtype=np.int32),
+    )
     assert torch.index_select(inputs.ids, 0, inputs.token_index[:1]).tolist() == [501]
     assert inputs.positions[:1].tolist() == [41] and inputs.seq_lens[:1].tolist() == [42]

@@ -69,8 +69,7 @@ def test_fp8_refused_on_a_gpu_older_than_ada(monkeypatch):
 
 def test_fp8_cache_holds_twice_the_blocks_of_the_same_memory(tiny_checkpoint):
     path = tiny_checkpoint("llama")
-    budget = dict(device="cpu", dtype="bfloat16", kv_cache_memory_bytes=1 << 20, max_model_len=1024,
-                  max_num_seqs=256)
+    budget = dict(device="cpu", dtype="bfloat16", kv_cache_memory_bytes=1 << 20, max_model_len=1024, max_num_seqs=256)
     auto, fp8 = LLMEngine(path, **budget), LLMEngine(path, kv_cache_dtype="fp8", **budget)
     assert fp8.runner.kv_cache.dtype == FP8_DTYPE and auto.runner.kv_cache.dtype == torch.bfloat16
     assert fp8.config.num_kv_blocks == 2 * auto.config.num_kv_blocks
@@ -79,8 +78,9 @@ def test_fp8_cache_holds_twice_the_blocks_of_the_same_memory(tiny_checkpoint):
 
 def test_fp8_decodes_as_the_model_dtype_cache(tiny_checkpoint, prompts):
     path = tiny_checkpoint("llama")
-    assert_close_to_model_dtype_cache(LLMEngine(path, kv_cache_dtype="fp8", **ENGINE), LLMEngine(path, **ENGINE),
-                                      prompts)
+    assert_close_to_model_dtype_cache(
+        LLMEngine(path, kv_cache_dtype="fp8", **ENGINE), LLMEngine(path, **ENGINE), prompts
+    )
 
 
 def test_second_pass_reads_the_fp8_prefix_cache(tiny_checkpoint, prompts):
@@ -121,10 +121,16 @@ def test_checkpoint_kv_scales_are_used(tiny_checkpoint, prompts, tmp_path):
 
 
 def test_a_kv_scale_that_is_not_one_number_is_refused(tiny_checkpoint, tmp_path):
-    path = with_tensors(tiny_checkpoint("llama"), tmp_path / "llama-per-head-scales",
-                        {"model.layers.1.self_attn.k_scale": torch.full((2,), 0.1)})
-    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_scale in model.safetensors must hold one "
-                                         r"scale .* got shape \(2,\)"):
+    path = with_tensors(
+        tiny_checkpoint("llama"),
+        tmp_path / "llama-per-head-scales",
+        {"model.layers.1.self_attn.k_scale": torch.full((2,), 0.1)},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.1.self_attn.k_scale in model.safetensors must hold one "
+        r"scale .* got shape \(2,\)",
+    ):
         LLMEngine(path, kv_cache_dtype="fp8", **ENGINE)
 
 

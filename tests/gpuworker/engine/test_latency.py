@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuworker.engine.latency import LatencyWindows, SlidingWindow
+from gpuworker.engine.latency import SlidingWindow
 
 
 def test_p95_is_the_nearest_rank_of_the_samples_in_the_window():

@@ -14,12 +14,26 @@ def _output(token_id: int, finished: bool = False, logprobs: bool = False) -> Re
     also a first step's cumulative output."""
     text = chr(ord("a") + token_id)
     return RequestOutput(
-        request_id="r", prompt=None, prompt_token_ids=[1], finished=finished, num_cached_tokens=0,
-        outputs=[CompletionOutput(index=0, text=text, token_ids=[token_id], finish_reason="stop" if finished else None,
-                                  logprobs=[TokenLogprob(token_id, -float(token_id), [])] if logprobs else None,
-                                  delta_text=text, delta_token_ids=[token_id])],
-        metrics=RequestMetrics(arrival_time=0.0, first_token_time=None, finish_time=None, gpu_time_s=0.0,
-                               num_preemptions=0))
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=[1],
+        finished=finished,
+        num_cached_tokens=0,
+        outputs=[
+            CompletionOutput(
+                index=0,
+                text=text,
+                token_ids=[token_id],
+                finish_reason="stop" if finished else None,
+                logprobs=[TokenLogprob(token_id, -float(token_id), [])] if logprobs else None,
+                delta_text=text,
+                delta_token_ids=[token_id],
+            )
+        ],
+        metrics=RequestMetrics(
+            arrival_time=0.0, first_token_time=None, finish_time=None, gpu_time_s=0.0, num_preemptions=0
+        ),
+    )
 
 
 async def test_a_busy_loop_is_woken_once_for_the_steps_it_missed():
@@ -37,7 +51,8 @@ async def test_a_busy_loop_is_woken_once_for_the_steps_it_missed():
     try:
         stream, deliveries = OutputStream(loop), Deliveries()
         engine_thread = threading.Thread(
-            target=lambda: [deliveries.deliver([(stream, _output(k, finished=k == 2))]) for k in range(3)])
+            target=lambda: [deliveries.deliver([(stream, _output(k, finished=k == 2))]) for k in range(3)]
+        )
         engine_thread.start()
         engine_thread.join()  # this loop does nothing meanwhile: it is busy
         assert len(wake_ups) == 1

@@ -8,16 +8,15 @@ import pytest
 import torch
 
 from gpuworker.engine.sampling import Penalties, Sampler
-from gpuworker.kernels.sampling.sample import kept_mask_reference, sample_reference
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.sequence import Sequence, SequenceGroup
+from gpuworker.kernels.sampling.sample import kept_mask_reference, sample_reference
 
 VOCAB = 40
 CPU = torch.device("cpu")
 
 
-def seq_for(params: SamplingParams, prompt: list[int] = (1, 2, 3), output: list[int] = (),
-            index: int = 0) -> Sequence:
+def seq_for(params: SamplingParams, prompt: list[int] = (1, 2, 3), output: list[int] = (), index: int = 0) -> Sequence:
     group = SequenceGroup("r", list(prompt), params, 0, 100, first_seq_id=0)
     seq = group.seqs[index] if index < len(group.seqs) else Sequence(index, group, index)
     seq.token_ids += list(output)
@@ -51,12 +50,15 @@ def test_all_greedy_batch():
     assert sample(logits, [seq_for(SamplingParams(temperature=0.0))] * 4) == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("params, allowed", [
-    (SamplingParams(top_k=5), lambda probs: probs >= probs.topk(5).values[-1]),
-    (SamplingParams(top_p=0.6), lambda probs: _top_p_set(probs, 0.6)),
-    (SamplingParams(min_p=0.3), lambda probs: probs >= 0.3 * probs.max()),
-    (SamplingParams(temperature=0.5, top_p=0.8), lambda probs: _top_p_set(probs, 0.8)),
-])
+@pytest.mark.parametrize(
+    "params, allowed",
+    [
+        (SamplingParams(top_k=5), lambda probs: probs >= probs.topk(5).values[-1]),
+        (SamplingParams(top_p=0.6), lambda probs: _top_p_set(probs, 0.6)),
+        (SamplingParams(min_p=0.3), lambda probs: probs >= 0.3 * probs.max()),
+        (SamplingParams(temperature=0.5, top_p=0.8), lambda probs: _top_p_set(probs, 0.8)),
+    ],
+)
 def test_filters_never_emit_tokens_outside_their_set(params, allowed):
     logits = random_logits(1, seed=3)[0]
     probs = torch.softmax(logits / params.temperature, dim=-1)
@@ -103,9 +105,13 @@ def draw_counts(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """How often each token comes out of COUNT draws (seeds 0..COUNT-1) of the sampler's torch path."""
     rows = torch.ones(COUNT)
     tokens, _ = sample_reference(
-        logits.expand(COUNT, -1), rows * params.temperature, seeds=torch.arange(COUNT),
+        logits.expand(COUNT, -1),
+        rows * params.temperature,
+        seeds=torch.arange(COUNT),
         top_k=(rows * (params.top_k if params.top_k > 0 else len(logits))).long(),
-        top_p=rows * params.top_p, min_p=rows * params.min_p)
+        top_p=rows * params.top_p,
+        min_p=rows * params.min_p,
+    )
     return torch.bincount(tokens, minlength=len(logits))
 
 
@@ -183,8 +189,7 @@ def test_seeded_noise_depends_on_position_and_choice():
     first = [sample(logits, [seq_for(SamplingParams(seed=5), output=[1] * pos)])[0] for pos in range(8)]
     again = [sample(logits, [seq_for(SamplingParams(seed=5), output=[1] * pos)])[0] for pos in range(8)]
     assert first == again and len(set(first)) > 1
-    sibling = [sample(logits, [seq_for(SamplingParams(seed=5, n=2), output=[1] * pos, index=1)])[0]
-               for pos in range(8)]
+    sibling = [sample(logits, [seq_for(SamplingParams(seed=5, n=2), output=[1] * pos, index=1)])[0] for pos in range(8)]
     assert sibling != first
 
 
@@ -194,13 +199,17 @@ def test_penalties_follow_openai_and_vllm_semantics():
     # prompt has token 1; the output has token 2 twice and token 4 once.
     seq = seq_for(params, prompt=[1], output=[2, 2, 4])
     penalised = Penalties.build([seq], 5, CPU).apply(logits)
-    expected = torch.tensor([[
-        2.0,  # unseen: unchanged
-        -2.0 * 2.0,  # prompt only, negative: multiplied by the repetition penalty
-        1.0 / 2.0 - 0.25 * 2 - 0.5,  # output twice: divided, then frequency x2 and presence
-        0.5,
-        3.0 / 2.0 - 0.25 - 0.5,
-    ]])
+    expected = torch.tensor(
+        [
+            [
+                2.0,  # unseen: unchanged
+                -2.0 * 2.0,  # prompt only, negative: multiplied by the repetition penalty
+                1.0 / 2.0 - 0.25 * 2 - 0.5,  # output twice: divided, then frequency x2 and presence
+                0.5,
+                3.0 / 2.0 - 0.25 - 0.5,
+            ]
+        ]
+    )
     torch.testing.assert_close(penalised, expected)
 
 
@@ -209,10 +218,12 @@ def test_penalties_per_row_with_repeats_and_ids_past_the_vocabulary():
     first = seq_for(SamplingParams(repetition_penalty=2.0), prompt=[0, 0, 9], output=[0, 3])
     second = seq_for(SamplingParams(frequency_penalty=1.0, presence_penalty=0.5), prompt=[1], output=[2, 2, 2, 1])
     penalised = Penalties.build([first, second], 4, CPU).apply(logits.clone())
-    expected = torch.tensor([
-        [1.0 / 2.0, -1.0, 2.0, 0.5 / 2.0],  # each seen token divided once, however often seen
-        [1.0, -1.0 - 1.0 - 0.5, 2.0 - 3.0 - 0.5, 0.5],  # the prompt alone adds no frequency/presence
-    ])
+    expected = torch.tensor(
+        [
+            [1.0 / 2.0, -1.0, 2.0, 0.5 / 2.0],  # each seen token divided once, however often seen
+            [1.0, -1.0 - 1.0 - 0.5, 2.0 - 3.0 - 0.5, 0.5],  # the prompt alone adds no frequency/presence
+        ]
+    )
     torch.testing.assert_close(penalised, expected)
 
 
@@ -248,10 +259,12 @@ def test_logit_bias_forces_and_bans_tokens_only_in_its_own_rows(temperature):
     top = logits.argmax(-1).tolist()
     forced = next(t for t in range(VOCAB) if t != top[0])
     plain = SamplingParams(temperature=temperature)
-    seqs = [seq_for(SamplingParams(temperature=temperature, logit_bias={forced: 100})),
-            seq_for(plain),
-            seq_for(SamplingParams(temperature=temperature, logit_bias={top[2]: -100})),
-            seq_for(plain)]
+    seqs = [
+        seq_for(SamplingParams(temperature=temperature, logit_bias={forced: 100})),
+        seq_for(plain),
+        seq_for(SamplingParams(temperature=temperature, logit_bias={top[2]: -100})),
+        seq_for(plain),
+    ]
     for seed in range(20):
         tokens = sample(logits.clone(), seqs, seed=seed)
         assert tokens[0] == forced and tokens[2] != top[2]
@@ -290,6 +303,7 @@ def test_a_grammar_mask_outranks_logit_bias():
     bitmask[0, 0] = (1 << 3) | (1 << 4)  # row 0 may only say token 3 or 4
     params = SamplingParams(temperature=0.0, logit_bias={10: 100})
     sampler = Sampler(CPU, 0)
-    out = sampler(logits.clone(), sampler.metadata([seq_for(params), seq_for(params)], VOCAB, []),
-                  TokenBitmask(bitmask, [0]))
+    out = sampler(
+        logits.clone(), sampler.metadata([seq_for(params), seq_for(params)], VOCAB, []), TokenBitmask(bitmask, [0])
+    )
     assert out.token_ids.tolist() == [3 + int(logits[0, 4] > logits[0, 3]), 10]

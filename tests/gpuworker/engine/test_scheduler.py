@@ -24,8 +24,9 @@ def next_token(token_ids: list[int], index: int) -> int:
 
 class Sim:
     def __init__(self, **overrides) -> None:
-        kwargs = dict(model="unused", block_size=4, num_kv_blocks=64, max_model_len=64,
-                      max_num_batched_tokens=32, max_num_seqs=8)
+        kwargs = dict(
+            model="unused", block_size=4, num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=32, max_num_seqs=8
+        )
         kwargs.update(overrides)
         self.config = EngineConfig(**kwargs)
         self.scheduler = Scheduler(self.config)
@@ -36,8 +37,14 @@ class Sim:
 
     def add(self, request_id: str, prompt: list[int] | int, max_tokens: int = 4, n: int = 1) -> SequenceGroup:
         tokens = list(range(prompt)) if isinstance(prompt, int) else prompt
-        group = SequenceGroup(request_id, tokens, SamplingParams(n=n, max_tokens=max_tokens),
-                              self._arrivals, max_tokens, first_seq_id=self._arrivals * 100)
+        group = SequenceGroup(
+            request_id,
+            tokens,
+            SamplingParams(n=n, max_tokens=max_tokens),
+            self._arrivals,
+            max_tokens,
+            first_seq_id=self._arrivals * 100,
+        )
         self._arrivals += 1
         self.scheduler.add(group)
         self.groups[request_id] = group
@@ -65,7 +72,7 @@ class Sim:
         assert len(batch.seqs) <= config.max_num_seqs
         assert len({id(e.seq) for e in batch.seqs}) == len(batch.seqs)
         assert all(e.num_new_tokens == 1 for e in batch.seqs[: batch.num_decode_seqs])
-        assert all(e.num_new_tokens > 1 for e in batch.seqs[batch.num_decode_seqs:])
+        assert all(e.num_new_tokens > 1 for e in batch.seqs[batch.num_decode_seqs :])
         for entry in batch.seqs:
             seq = entry.seq
             assert seq.status is SequenceStatus.RUNNING and entry.start == seq.num_computed_tokens
@@ -74,7 +81,8 @@ class Sim:
                 assert self.shadow[(seq.block_table[pos // bs], pos % bs)] == tuple(seq.token_ids[: pos + 1])
         scheduler = self.scheduler
         assert scheduler.num_short_waiting == sum(
-            seq.num_tokens <= scheduler.short_prefill_tokens for seq in scheduler.waiting)
+            seq.num_tokens <= scheduler.short_prefill_tokens for seq in scheduler.waiting
+        )
 
     def run(self, max_steps: int = 1000) -> int:
         steps = 0
@@ -90,7 +98,7 @@ def expected_output(prompt: list[int], max_tokens: int, index: int = 0) -> list[
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(next_token(tokens, index))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def test_long_prompt_is_chunked_and_samples_only_at_its_end():
@@ -163,7 +171,11 @@ def test_short_prompts_pass_long_ones_in_the_budget_long_prefills_leave_them():
     batch = sim.step()
     # long1 goes on and long2 starts, leaving 8 tokens; long3 is passed by the short prompt.
     assert [(e.seq.group.request_id, e.num_new_tokens) for e in batch.seqs] == [
-        ("long0", 1), ("long1", 48), ("long2", 7), ("short", 8)]
+        ("long0", 1),
+        ("long1", 48),
+        ("long2", 7),
+        ("short", 8),
+    ]
     assert batch.num_batched_tokens == 64
     assert [seq.group.request_id for seq in sim.scheduler.waiting] == ["long3"]
 
@@ -229,8 +241,7 @@ def test_n_choices_share_the_prompt_blocks():
     assert sim.bm.blocks[parent.block_table[0]].ref_count == 3
     second = sim.step()
     # Each child computes only the prompt's tail (tokens 8..9) before sampling.
-    assert sorted((e.seq.index, e.start, e.num_new_tokens) for e in second.seqs) == [
-        (0, 10, 1), (1, 8, 2), (2, 8, 2)]
+    assert sorted((e.seq.index, e.start, e.num_new_tokens) for e in second.seqs) == [(0, 10, 1), (1, 8, 2), (2, 8, 2)]
     sim.run()
     assert all(seq.output_token_ids == expected_output(list(range(10)), 3, seq.index) for seq in group.seqs)
 
@@ -267,11 +278,14 @@ def test_finish_and_abort_free_blocks_at_once():
     assert sim.bm.num_free_blocks == sim.bm.num_blocks
 
 
-@pytest.mark.parametrize("prompt_len, max_tokens, match", [
-    (60, 5, r"prompt \(60 tokens\) \+ max_tokens \(5\) = 65 exceeds max_model_len \(64\)"),
-    (64, None, r"prompt has 64 tokens, which leaves no room .* max_model_len \(64\)"),
-    (0, 1, "at least one token"),
-])
+@pytest.mark.parametrize(
+    "prompt_len, max_tokens, match",
+    [
+        (60, 5, r"prompt \(60 tokens\) \+ max_tokens \(5\) = 65 exceeds max_model_len \(64\)"),
+        (64, None, r"prompt has 64 tokens, which leaves no room .* max_model_len \(64\)"),
+        (0, 1, "at least one token"),
+    ],
+)
 def test_admission_rejects_what_cannot_fit(prompt_len, max_tokens, match):
     sim = Sim()
     with pytest.raises(ValueError, match=match):
@@ -297,16 +311,28 @@ request_strategy = st.tuples(
 
 
 @settings(max_examples=150, deadline=None)
-@given(requests=st.lists(request_strategy, min_size=1, max_size=8),
-       block_size=st.sampled_from([2, 4]), extra_blocks=st.integers(0, 3),
-       budget=st.integers(1, 40), max_num_seqs=st.integers(3, 6), prefix_caching=st.booleans(),
-       short_share=st.sampled_from([0.0, 0.125, 0.5]))
-def test_every_request_completes_correctly_under_any_budget(requests, block_size, extra_blocks, budget,
-                                                            max_num_seqs, prefix_caching, short_share):
+@given(
+    requests=st.lists(request_strategy, min_size=1, max_size=8),
+    block_size=st.sampled_from([2, 4]),
+    extra_blocks=st.integers(0, 3),
+    budget=st.integers(1, 40),
+    max_num_seqs=st.integers(3, 6),
+    prefix_caching=st.booleans(),
+    short_share=st.sampled_from([0.0, 0.125, 0.5]),
+)
+def test_every_request_completes_correctly_under_any_budget(
+    requests, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, short_share
+):
     max_model_len = 32
-    sim = Sim(block_size=block_size, max_model_len=max_model_len,
-              num_kv_blocks=max_model_len // block_size + extra_blocks, max_num_batched_tokens=budget,
-              max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching, short_prefill_share=short_share)
+    sim = Sim(
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_kv_blocks=max_model_len // block_size + extra_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=prefix_caching,
+        short_prefill_share=short_share,
+    )
     arrivals: dict[int, list] = {}
     for i, (prompt, max_tokens, n, at) in enumerate(requests):
         arrivals.setdefault(at, []).append((str(i), prompt, max_tokens, n))

@@ -6,15 +6,28 @@ from __future__ import annotations
 import pytest
 
 from gpuworker.engine.config import EngineConfig
-from gpuworker.engine.sizing import (CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, MAX_NUM_SEQS, MIN_NUM_SEQS,
-                                     TOKENS_PER_SEQ, default_max_num_batched_tokens, plan_sizes)
+from gpuworker.engine.sizing import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    MAX_NUM_SEQS,
+    MIN_NUM_SEQS,
+    TOKENS_PER_SEQ,
+    default_max_num_batched_tokens,
+    plan_sizes,
+)
 from gpuworker.models.config import ModelConfig
 
 GIB = 1 << 30
 LLAMA_3_8B = {
-    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-    "max_position_embeddings": 8192, "rope_theta": 500000.0,
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
 }
 # bf16, block size 16: 32 layers x K and V x 8 heads x 128 dims x 2 bytes per token.
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
@@ -24,11 +37,22 @@ def model(**overrides) -> ModelConfig:
     return ModelConfig.from_hf({**LLAMA_3_8B, **overrides})
 
 
-def plan(free_gib: float | None, *, mc: ModelConfig | None = None, max_model_len: int = 8192,
-         kv_element_size: int | None = None, **config):
-    return plan_sizes(EngineConfig(model="unused", **config), mc or model(), element_size=2,
-                      max_model_len=max_model_len, kv_element_size=kv_element_size,
-                      free_device_bytes=None if free_gib is None else int(free_gib * GIB))
+def plan(
+    free_gib: float | None,
+    *,
+    mc: ModelConfig | None = None,
+    max_model_len: int = 8192,
+    kv_element_size: int | None = None,
+    **config,
+):
+    return plan_sizes(
+        EngineConfig(model="unused", **config),
+        mc or model(),
+        element_size=2,
+        max_model_len=max_model_len,
+        kv_element_size=kv_element_size,
+        free_device_bytes=None if free_gib is None else int(free_gib * GIB),
+    )
 
 
 def pool_tokens(config: EngineConfig) -> int:
@@ -105,18 +129,21 @@ def test_an_fp8_cache_holds_twice_the_blocks_in_the_same_memory():
     assert plan(None, kv_cache_memory_bytes=64 * 2 * 1024 * 1024, kv_element_size=1).num_kv_blocks == 2 * 64
 
 
-@pytest.mark.parametrize("shape, tokens", [
-    # Llama-3.2-1B and -3B: small models get the largest budget.
-    ({"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32}, 16384),
-    ({"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24}, 16384),
-    ({}, 8192),  # Llama-3-8B
-    # Qwen3-8B-like: a little more than Llama-3-8B in its layers keeps the same budget.
-    ({"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 37}, 8192),
-    # Qwen2.5-14B-like: 48 layers of 5120.
-    ({"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40}, 4096),
-    # Llama-3-70B: the smallest budget.
-    ({"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64}, 2048),
-])
+@pytest.mark.parametrize(
+    "shape, tokens",
+    [
+        # Llama-3.2-1B and -3B: small models get the largest budget.
+        ({"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32}, 16384),
+        ({"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24}, 16384),
+        ({}, 8192),  # Llama-3-8B
+        # Qwen3-8B-like: a little more than Llama-3-8B in its layers keeps the same budget.
+        ({"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 37}, 8192),
+        # Qwen2.5-14B-like: 48 layers of 5120.
+        ({"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48, "num_attention_heads": 40}, 4096),
+        # Llama-3-70B: the smallest budget.
+        ({"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64}, 2048),
+    ],
+)
 def test_token_budget_shrinks_as_the_model_grows(shape, tokens):
     assert default_max_num_batched_tokens(model(**shape)) == tokens
     assert plan(125, mc=model(**shape), max_num_seqs=8).max_num_batched_tokens == tokens

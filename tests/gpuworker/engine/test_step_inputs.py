@@ -8,9 +8,7 @@ from triton.runtime.jit import JITFunction
 
 from gpuworker.engine import LLMEngine, SamplingParams
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID
-from gpuworker.kernels.attention import paged_decode
-from gpuworker.kernels.attention import prefill
-from gpuworker.kernels.attention import rotary
+from gpuworker.kernels.attention import paged_decode, prefill, rotary
 from gpuworker.kernels.launch import _no_specialization
 from tests.gpuworker.checkpoints import TINY
 from tests.gpuworker.engine.reference import hf_greedy, random_prompts
@@ -35,8 +33,9 @@ def expected_inputs(batch, block_size):
 def test_prepared_inputs_match_the_sequences_and_every_tensor_is_16_byte_aligned(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     # Async scheduling on the CPU: decode inputs are placeholders filled from the previous step.
-    engine = LLMEngine(path, num_kv_blocks=96, max_model_len=256, block_size=4, max_num_batched_tokens=40,
-                       async_scheduling=True)
+    engine = LLMEngine(
+        path, num_kv_blocks=96, max_model_len=256, block_size=4, max_num_batched_tokens=40, async_scheduling=True
+    )
     runner = engine.runner
     prepare = runner.prepare_inputs
     checked = {"steps": 0, "mixed": 0, "placeholders": 0, "every_row": 0}
@@ -45,14 +44,20 @@ def test_prepared_inputs_match_the_sequences_and_every_tensor_is_16_byte_aligned
         ids, positions, slots, sample_indices, qsl, seq_lens, tables = expected_inputs(batch, 4)
         inputs = prepare(batch, previous, host=host)
         meta = inputs.meta
-        for name, tensor in (("input_ids", inputs.input_ids), ("positions", inputs.positions),
-                             ("slot_mapping", meta.slot_mapping), ("sample_indices", inputs.sample_indices),
-                             ("query_start_loc", meta.query_start_loc), ("seq_lens", meta.seq_lens),
-                             ("block_tables", meta.block_tables)):
+        for name, tensor in (
+            ("input_ids", inputs.input_ids),
+            ("positions", inputs.positions),
+            ("slot_mapping", meta.slot_mapping),
+            ("sample_indices", inputs.sample_indices),
+            ("query_start_loc", meta.query_start_loc),
+            ("seq_lens", meta.seq_lens),
+            ("block_tables", meta.block_tables),
+        ):
             assert tensor.data_ptr() % 16 == 0, f"{name} is not 16-byte aligned"
-        filled = [previous.token_ids[previous.row_of()[entry.seq.seq_id]].item()
-                  if token == PLACEHOLDER_TOKEN_ID else token
-                  for entry, token in zip((e for e in batch.seqs for _ in range(e.num_new_tokens)), ids)]
+        filled = [
+            previous.token_ids[previous.row_of()[entry.seq.seq_id]].item() if token == PLACEHOLDER_TOKEN_ID else token
+            for entry, token in zip((e for e in batch.seqs for _ in range(e.num_new_tokens)), ids)
+        ]
         assert inputs.input_ids.tolist() == filled
         assert inputs.positions.tolist() == positions
         assert meta.slot_mapping.tolist() == slots
@@ -78,9 +83,14 @@ def test_prepared_inputs_match_the_sequences_and_every_tensor_is_16_byte_aligned
     assert checked["steps"] > 5 and checked["mixed"] > 0 and checked["placeholders"] > 0 and checked["every_row"] > 0
 
 
-@pytest.mark.parametrize("module, kernel", [
-    (prefill, "_prefill_attention"), (paged_decode, "_paged_decode"), (rotary, "_rotary"),
-])
+@pytest.mark.parametrize(
+    "module, kernel",
+    [
+        (prefill, "_prefill_attention"),
+        (paged_decode, "_paged_decode"),
+        (rotary, "_rotary"),
+    ],
+)
 def test_step_varying_kernel_arguments_are_not_specialised(module, kernel):
     lazy = getattr(module, kernel)
     assert lazy.do_not_specialize

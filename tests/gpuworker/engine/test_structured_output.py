@@ -29,8 +29,12 @@ SCHEMAS = {
         "properties": {
             "id": {"type": "integer", "minimum": 1, "maximum": 99},
             "owner": PERSON,
-            "meta": {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "null"}},
-                     "required": ["ok", "note"], "additionalProperties": False},
+            "meta": {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}, "note": {"type": "null"}},
+                "required": ["ok", "note"],
+                "additionalProperties": False,
+            },
         },
         "required": ["id", "owner", "meta"],
         "additionalProperties": False,
@@ -38,10 +42,17 @@ SCHEMAS = {
     "arrays": {
         "type": "object",
         "properties": {
-            "scores": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
-                       "minItems": 2, "maxItems": 4},
-            "pairs": {"type": "array", "items": {"type": "array", "items": {"type": "boolean"},
-                                                 "minItems": 1, "maxItems": 2}, "maxItems": 2},
+            "scores": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                "minItems": 2,
+                "maxItems": 4,
+            },
+            "pairs": {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2},
+                "maxItems": 2,
+            },
         },
         "required": ["scores", "pairs"],
         "additionalProperties": False,
@@ -58,8 +69,11 @@ SCHEMAS = {
     },
     "required_only": {
         "type": "object",
-        "properties": {"a": {"type": "boolean"}, "b": {"type": "string", "maxLength": 4},
-                       "c": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "properties": {
+            "a": {"type": "boolean"},
+            "b": {"type": "string", "maxLength": 4},
+            "c": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
         "required": ["a", "c"],
         "additionalProperties": False,
     },
@@ -129,15 +143,19 @@ def constrained(structured: StructuredOutput, **kwargs) -> SamplingParams:
 
 # -- the request's shape --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"kind": "xml"}, "structured_output.kind must be one of"),
-    ({"kind": "json_object", "spec": "{}"}, "must be empty for kind 'json_object'"),
-    ({"kind": "json_schema", "spec": "  "}, "must not be empty for kind 'json_schema'"),
-    ({"kind": "json_schema", "spec": "{nope"}, "the json_schema is not valid JSON"),
-    ({"kind": "json_schema", "spec": "[1]"}, "a json_schema must be a JSON object, got list"),
-    ({"kind": "structural_tag", "spec": "true"}, "a structural_tag must be a JSON object, got bool"),
-    ({"kind": "ebnf", "spec": b"root ::= \"a\""}, "spec must be a string"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"kind": "xml"}, "structured_output.kind must be one of"),
+        ({"kind": "json_object", "spec": "{}"}, "must be empty for kind 'json_object'"),
+        ({"kind": "json_schema", "spec": "  "}, "must not be empty for kind 'json_schema'"),
+        ({"kind": "json_schema", "spec": "{nope"}, "the json_schema is not valid JSON"),
+        ({"kind": "json_schema", "spec": "[1]"}, "a json_schema must be a JSON object, got list"),
+        ({"kind": "structural_tag", "spec": "true"}, "a structural_tag must be a JSON object, got bool"),
+        ({"kind": "ebnf", "spec": b'root ::= "a"'}, "spec must be a string"),
+    ],
+)
 def test_structured_output_rejects_malformed_specs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutput(**kwargs)
@@ -160,9 +178,11 @@ def test_xgrammar_reason_drops_the_source_location():
 
 # -- outputs --------------------------------------------------------------------------------------
 
+
 def test_json_object_outputs_parse_as_objects(engine):
-    outputs = engine.generate([f"object {i}" for i in range(6)],
-                              [constrained(StructuredOutput.json_object(), seed=i) for i in range(6)])
+    outputs = engine.generate(
+        [f"object {i}" for i in range(6)], [constrained(StructuredOutput.json_object(), seed=i) for i in range(6)]
+    )
     finished = [out for out in outputs if out.finish_reason == "stop"]
     assert finished, "no output completed its JSON object within max_tokens"
     for out in finished:
@@ -195,8 +215,7 @@ def test_each_of_n_choices_has_its_own_matcher(engine):
 
 def test_ebnf_grammar(engine):
     grammar = 'root ::= ("yes" | "no") " " [0-9] [0-9]?'
-    outputs = engine.generate(["a", "b", "c"],
-                              [constrained(StructuredOutput.ebnf(grammar), seed=i) for i in range(3)])
+    outputs = engine.generate(["a", "b", "c"], [constrained(StructuredOutput.ebnf(grammar), seed=i) for i in range(3)])
     for out in outputs:
         assert out.finish_reason == "stop"
         word, number = out.text.split(" ")
@@ -204,13 +223,19 @@ def test_ebnf_grammar(engine):
 
 
 def test_structural_tag(engine):
-    tag = {"type": "structural_tag", "format": {
-        "type": "tag", "begin": "<answer>", "end": "</answer>",
-        "content": {"type": "json_schema", "json_schema": SCHEMAS["required_only"]}}}
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<answer>",
+            "end": "</answer>",
+            "content": {"type": "json_schema", "json_schema": SCHEMAS["required_only"]},
+        },
+    }
     [out] = engine.generate("tag", constrained(StructuredOutput.structural_tag(tag), seed=3))
     assert out.finish_reason == "stop"
     assert out.text.startswith("<answer>") and out.text.endswith("</answer>")
-    value = json.loads(out.text[len("<answer>"):-len("</answer>")])
+    value = json.loads(out.text[len("<answer>") : -len("</answer>")])
     assert validation_errors(value, SCHEMAS["required_only"]) == []
 
 
@@ -242,6 +267,7 @@ def test_min_tokens_does_not_fight_the_grammar(engine):
 
 # -- mixed batches ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_mixed_batch_leaves_unconstrained_rows_unchanged(checkpoint, async_scheduling):
     engine = LLMEngine(checkpoint, num_kv_blocks=256, max_model_len=1024, async_scheduling=async_scheduling)
@@ -251,7 +277,8 @@ def test_mixed_batch_leaves_unconstrained_rows_unchanged(checkpoint, async_sched
     schema = StructuredOutput.json_schema(SCHEMAS["arrays"])
     mixed = engine.generate(
         [prompts[0], "constrained greedy", prompts[1], "constrained sampled"],
-        [free, constrained(schema, temperature=0.0), free, constrained(schema, seed=5)])
+        [free, constrained(schema, temperature=0.0), free, constrained(schema, seed=5)],
+    )
     assert [mixed[0].token_ids, mixed[2].token_ids] == alone
     for out in (mixed[1], mixed[3]):
         assert out.finish_reason == "stop"
@@ -262,8 +289,11 @@ def test_mixed_batch_leaves_unconstrained_rows_unchanged(checkpoint, async_sched
 
 def test_sync_and_async_scheduling_agree_on_constrained_outputs(checkpoint):
     schema = StructuredOutput.json_schema(SCHEMAS["nested"])
-    params = [constrained(schema, seed=1), constrained(schema, temperature=0.0),
-              SamplingParams(temperature=0.0, max_tokens=30)]
+    params = [
+        constrained(schema, seed=1),
+        constrained(schema, temperature=0.0),
+        SamplingParams(temperature=0.0, max_tokens=30),
+    ]
     runs = []
     for async_scheduling in (False, True):
         engine = LLMEngine(checkpoint, num_kv_blocks=256, max_model_len=1024, async_scheduling=async_scheduling)
@@ -291,12 +321,16 @@ def test_preemption_keeps_matchers_in_step_with_outputs(checkpoint):
 
 # -- bad input and the grammar cache --------------------------------------------------------------
 
-@pytest.mark.parametrize("structured, reason", [
-    (StructuredOutput.json_schema({"type": "strin"}), 'invalid json_schema: Unsupported type "strin"'),
-    (StructuredOutput.json_schema({"$ref": "#/definitions/missing"}), "invalid json_schema: .*missing"),
-    (StructuredOutput.ebnf("root ::= undefined_rule"), 'invalid ebnf: .*Rule "undefined_rule" is not defined'),
-    (StructuredOutput.structural_tag({"type": "structural_tag"}), "invalid structural_tag: .*format"),
-])
+
+@pytest.mark.parametrize(
+    "structured, reason",
+    [
+        (StructuredOutput.json_schema({"type": "strin"}), 'invalid json_schema: Unsupported type "strin"'),
+        (StructuredOutput.json_schema({"$ref": "#/definitions/missing"}), "invalid json_schema: .*missing"),
+        (StructuredOutput.ebnf("root ::= undefined_rule"), 'invalid ebnf: .*Rule "undefined_rule" is not defined'),
+        (StructuredOutput.structural_tag({"type": "structural_tag"}), "invalid structural_tag: .*format"),
+    ],
+)
 def test_bad_grammar_is_refused_at_admission(engine, structured, reason):
     with pytest.raises(ValueError, match=f"structured_output: {reason}"):
         engine.add_request("bad", "prompt", constrained(structured))
@@ -339,8 +373,12 @@ async def test_the_async_engine_compiles_a_new_schema_off_the_engine_thread(chec
 
     grammars._compile = recording
     async with AsyncLLMEngine(engine=engine) as served:
-        outputs = [out async for out in served.generate(
-            "x", constrained(StructuredOutput.json_schema(SCHEMAS["enums"]), seed=4), "a")]
+        outputs = [
+            out
+            async for out in served.generate(
+                "x", constrained(StructuredOutput.json_schema(SCHEMAS["enums"]), seed=4), "a"
+            )
+        ]
         assert outputs[-1].finished and outputs[-1].finish_reason == "stop"
         assert json.loads(outputs[-1].text)["color"] in SCHEMAS["enums"]["properties"]["color"]["enum"]
         with pytest.raises(ValueError, match="structured_output"):
@@ -373,16 +411,18 @@ def test_model_vocab_larger_than_the_tokenizer(tmp_path):
     write_tokenizer(path, tokenizer_size, 1024)
     engine = LLMEngine(path, num_kv_blocks=128, max_model_len=1024)
     assert engine.model_config.vocab_size == 512
-    outputs = engine.generate(["p", "q"], [constrained(StructuredOutput.json_schema(SCHEMAS["enums"]), seed=i)
-                                           for i in range(2)])
+    outputs = engine.generate(
+        ["p", "q"], [constrained(StructuredOutput.json_schema(SCHEMAS["enums"]), seed=i) for i in range(2)]
+    )
     for out in outputs:
         assert out.finish_reason == "stop"
         assert max(out.token_ids) < tokenizer_size
         assert validation_errors(json.loads(out.text), SCHEMAS["enums"]) == []
 
 
-@pytest.mark.parametrize("name, valid", [("ab", True), ("é€", True), ("a\tb", False), ("a\x03", False),
-                                         ("", False), ("123456789", False)])
+@pytest.mark.parametrize(
+    "name, valid", [("ab", True), ("é€", True), ("a\tb", False), ("a\x03", False), ("", False), ("123456789", False)]
+)
 def test_length_bounded_strings_refuse_control_characters(engine, name, valid):
     """xgrammar's own grammar for a maxLength string admits raw control characters (invalid JSON)."""
     import xgrammar as xgr
@@ -402,8 +442,10 @@ def test_mixed_batch_on_cuda(checkpoint):
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     alone = engine.generate("free", free)[0].token_ids
     schema = StructuredOutput.json_schema(SCHEMAS["nested"])
-    mixed = engine.generate(["free", "constrained", "constrained"],
-                            [free, constrained(schema, temperature=0.0), constrained(schema, seed=1)])
+    mixed = engine.generate(
+        ["free", "constrained", "constrained"],
+        [free, constrained(schema, temperature=0.0), constrained(schema, seed=1)],
+    )
     assert mixed[0].token_ids == alone
     for out in mixed[1:]:
         assert out.finish_reason == "stop"
@@ -412,20 +454,31 @@ def test_mixed_batch_on_cuda(checkpoint):
 
 # -- whitespace -----------------------------------------------------------------------------------
 
+
 def _longest_blank_run(text: str) -> int:
     return max((len(run) for run in re.findall(r"\s+", text)), default=0)
 
 
-@pytest.mark.parametrize("structured", [
-    StructuredOutput.json_object(),
-    StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
-                                  "required": ["a", "b"]}),
-], ids=["json_object", "json_schema"])
+@pytest.mark.parametrize(
+    "structured",
+    [
+        StructuredOutput.json_object(),
+        StructuredOutput.json_schema(
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+                "required": ["a", "b"],
+            }
+        ),
+    ],
+    ids=["json_object", "json_schema"],
+)
 def test_json_grammars_allow_no_runs_of_blanks(engine, structured):
     # A random model fell into blanks: with 32 allowed in a row, most of a 64-token budget went on
     # them and the object was never closed. Schemas without strings: any blank is the grammar's.
-    outputs = engine.generate([f"object {i}" for i in range(8)],
-                              [constrained(structured, seed=i, max_tokens=64) for i in range(8)])
+    outputs = engine.generate(
+        [f"object {i}" for i in range(8)], [constrained(structured, seed=i, max_tokens=64) for i in range(8)]
+    )
     for out in outputs:
         assert _longest_blank_run(out.text) <= JSON_MAX_WHITESPACE == 1, out.text
     assert any(out.finish_reason == "stop" for out in outputs), [out.text for out in outputs]

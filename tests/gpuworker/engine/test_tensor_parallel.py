@@ -25,15 +25,18 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "overrides"), [
-    ("llama", {}),
-    # One KV head for two ranks (replicated), biases on every projection, a vocabulary that does
-    # not split evenly (the last rank's slice is padded).
-    ("llama-bias", {"num_key_value_heads": 1, "vocab_size": 383}),
-    ("qwen3-moe", {}),
-    # A shared expert (split like a dense MLP) and a dense first layer.
-    ("qwen2-moe", {}),
-])
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [
+        ("llama", {}),
+        # One KV head for two ranks (replicated), biases on every projection, a vocabulary that does
+        # not split evenly (the last rank's slice is padded).
+        ("llama-bias", {"num_key_value_heads": 1, "vocab_size": 383}),
+        ("qwen3-moe", {}),
+        # A shared expert (split like a dense MLP) and a dense first layer.
+        ("qwen2-moe", {}),
+    ],
+)
 def test_tp2_matches_tp1(tiny_checkpoint, family, overrides):
     path = tiny_checkpoint(family, **overrides)
     expected = _generate(LLMEngine(path, max_num_batched_tokens=32))
@@ -69,17 +72,23 @@ def test_each_rank_loads_its_shard(tiny_checkpoint, family):
     ranks = [load_model(mc, parallel=ParallelContext(rank, 2)) for rank in range(2)]
     local = shard_config(mc, ranks[0].parallel)
     q, kv = local.q_size, local.kv_size
-    vocab = torch.cat([r.embed_tokens for r in ranks])[:mc.vocab_size]
+    vocab = torch.cat([r.embed_tokens for r in ranks])[: mc.vocab_size]
     torch.testing.assert_close(vocab, whole.embed_tokens, rtol=0, atol=0)
     for i, layer in enumerate(whole.layers):
         parts = [r.layers[i] for r in ranks]
         qkv = [p.self_attn.qkv_proj.weight for p in parts]
-        torch.testing.assert_close(torch.cat([w[:q] for w in qkv]), layer.self_attn.qkv_proj.weight[:mc.q_size],
-                                   rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat([w[q:q + kv] for w in qkv]),
-                                   layer.self_attn.qkv_proj.weight[mc.q_size:mc.q_size + mc.kv_size], rtol=0, atol=0)
-        torch.testing.assert_close(torch.cat([p.self_attn.o_proj.weight for p in parts], dim=1),
-                                   layer.self_attn.o_proj.weight, rtol=0, atol=0)
+        torch.testing.assert_close(
+            torch.cat([w[:q] for w in qkv]), layer.self_attn.qkv_proj.weight[: mc.q_size], rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            torch.cat([w[q : q + kv] for w in qkv]),
+            layer.self_attn.qkv_proj.weight[mc.q_size : mc.q_size + mc.kv_size],
+            rtol=0,
+            atol=0,
+        )
+        torch.testing.assert_close(
+            torch.cat([p.self_attn.o_proj.weight for p in parts], dim=1), layer.self_attn.o_proj.weight, rtol=0, atol=0
+        )
         mlp = layer.mlp
         if hasattr(mlp, "w13"):
             torch.testing.assert_close(torch.cat([p.mlp.w13 for p in parts]), mlp.w13, rtol=0, atol=0)
@@ -89,8 +98,9 @@ def test_each_rank_loads_its_shard(tiny_checkpoint, family):
         else:
             parts_mlp = [p.mlp for p in parts]
         if mlp is not None:
-            torch.testing.assert_close(torch.cat([p.down_proj.weight for p in parts_mlp], dim=1),
-                                       mlp.down_proj.weight, rtol=0, atol=0)
+            torch.testing.assert_close(
+                torch.cat([p.down_proj.weight for p in parts_mlp], dim=1), mlp.down_proj.weight, rtol=0, atol=0
+            )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -99,8 +109,12 @@ def test_a_rank_holds_only_its_share_of_the_experts(tiny_checkpoint, world):
     mc = load_model_config(tiny_checkpoint("qwen3-moe"))
 
     def expert_bytes(model) -> int:
-        return sum(p.numel() * p.element_size() for layer in model.layers for name, p in layer.mlp.named_parameters()
-                   if name in ("w13", "w2"))
+        return sum(
+            p.numel() * p.element_size()
+            for layer in model.layers
+            for name, p in layer.mlp.named_parameters()
+            if name in ("w13", "w2")
+        )
 
     whole = expert_bytes(load_model(mc))
     for rank in range(world):
@@ -118,8 +132,8 @@ def test_replicated_kv_heads_go_to_the_ranks_that_read_them(tiny_checkpoint):
         model = load_model(mc, parallel=ParallelContext(rank, 4))
         qkv = model.layers[0].self_attn.qkv_proj.weight
         head = rank // 2
-        k_rows = whole[mc.q_size + head * hd:mc.q_size + (head + 1) * hd]
-        torch.testing.assert_close(qkv[hd:2 * hd], k_rows, rtol=0, atol=0)
+        k_rows = whole[mc.q_size + head * hd : mc.q_size + (head + 1) * hd]
+        torch.testing.assert_close(qkv[hd : 2 * hd], k_rows, rtol=0, atol=0)
 
 
 def test_a_model_that_does_not_split_is_refused(tiny_checkpoint):

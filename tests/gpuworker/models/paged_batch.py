@@ -14,20 +14,24 @@ from gpuworker.attention.backend import AttentionMetadata
 
 
 class PagedBatcher:
-    def __init__(self, mc, num_blocks: int = 64, block_size: int = 16,
-                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+    def __init__(
+        self, mc, num_blocks: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0
+    ) -> None:
         # mc: a ModelConfig, or anything with num_layers, num_kv_heads and head_dim.
         self.block_size = block_size
-        self.kv_caches = [torch.zeros(2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype)
-                          for _ in range(mc.num_layers)]
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype=dtype)
+            for _ in range(mc.num_layers)
+        ]
         # Block 0 is left out so a table padded with 0 can never alias a real block of a sequence.
         self.free_blocks = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}
 
-    def batch(self, chunks: list[tuple[str, list[int]]],
-              pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def batch(
+        self, chunks: list[tuple[str, list[int]]], pad_to: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """One forward's inputs for `chunks` [(seq_id, new token ids)], in the given order.
 
         `pad_to` appends padding tokens (slot -1, no sequence) up to that many tokens, as a runner

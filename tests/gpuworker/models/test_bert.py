@@ -12,8 +12,13 @@ from transformers import AutoTokenizer, BertModel
 from gpuworker.engine.embedding_engine import CheckedIds, EmbeddingEngine, passes
 from gpuworker.models.bert import PackedBatch, SentenceHead, load_bert_encoder
 
-SENTENCES = ["What is the capital of France?", "a", "Embeddings map text to vectors; " * 12,
-             "The quick brown fox jumps over the lazy dog.", "GPU inference, self-hosted."]
+SENTENCES = [
+    "What is the capital of France?",
+    "a",
+    "Embeddings map text to vectors; " * 12,
+    "The quick brown fox jumps over the lazy dog.",
+    "GPU inference, self-hosted.",
+]
 
 
 def _reference(model_dir, sentences) -> torch.Tensor:
@@ -59,9 +64,17 @@ def _with_pooling(model_dir, tmp_path, mode: str):
         (tmp_path / item.name).symlink_to(item)
     (tmp_path / "1_Pooling").unlink()
     (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 384, **{f"pooling_mode_{m}": m == mode for m in
-                                            ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")}}))
+    (tmp_path / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": 384,
+                **{
+                    f"pooling_mode_{m}": m == mode
+                    for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")
+                },
+            }
+        )
+    )
     (tmp_path / "modules.json").unlink()
     modules = json.loads((model_dir / "modules.json").read_text())[:2]
     (tmp_path / "modules.json").write_text(json.dumps(modules))
@@ -91,7 +104,7 @@ def test_too_long_or_bad_token_ids_are_value_errors(minilm_checkpoint):
         with pytest.raises(ValueError, match="at most 256"):
             engine.check([[101] * 257])
         with pytest.raises(ValueError, match="outside"):
-            engine.check([[101, 10 ** 6]])
+            engine.check([[101, 10**6]])
     finally:
         engine.shutdown()
 
@@ -105,7 +118,7 @@ def test_ids_are_checked_once_and_unchecked_ids_still_are(minilm_checkpoint):
         assert isinstance(ids, CheckedIds) and engine.check(ids) is ids
         assert len(asyncio.run(engine.embed(ids))) == 1
         with pytest.raises(ValueError, match="outside"):
-            asyncio.run(engine.embed([[101, 10 ** 6]]))
+            asyncio.run(engine.embed([[101, 10**6]]))
     finally:
         engine.shutdown()
 
@@ -137,8 +150,15 @@ def test_tokenize_gives_the_ids_of_the_tokenizer_itself_without_its_file_padding
     # neither, and must normalise as the transformers tokenizer does.
     engine = EmbeddingEngine(minilm_checkpoint)
     try:
-        texts = [*SENTENCES, "", "Ünïcödé Straße façade naïve", "日本語のテキスト", "  tabs\tand\nnewlines  ",
-                 "ÀÉÎÕÜ mixed CASE", "word " * 200]
+        texts = [
+            *SENTENCES,
+            "",
+            "Ünïcödé Straße façade naïve",
+            "日本語のテキスト",
+            "  tabs\tand\nnewlines  ",
+            "ÀÉÎÕÜ mixed CASE",
+            "word " * 200,
+        ]
         ids = engine.tokenize(texts)
         assert ids == engine.tokenizer(texts, add_special_tokens=True)["input_ids"]
         assert len(ids[-1]) == 202 and len(ids[3 + len(SENTENCES)]) < 128  # not truncated, not padded

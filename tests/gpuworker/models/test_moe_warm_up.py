@@ -12,14 +12,22 @@ from gpuworker.models.moe import SparseMoE
 
 
 def _moe(num_experts: int, top_k: int) -> SparseMoE:
-    config = MoEConfig(num_experts=num_experts, top_k=top_k, expert_intermediate_size=8, norm_topk_prob=True,
-                       shared_expert_intermediate_size=0, sparse_layers=(True,), checkpoint_prefix="mlp",
-                       expert_names=("gate_proj", "up_proj", "down_proj"))
+    config = MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate_size=8,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=0,
+        sparse_layers=(True,),
+        checkpoint_prefix="mlp",
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+    )
     return SparseMoE(16, config)
 
 
-@pytest.mark.parametrize(("num_experts", "top_k", "expected"), [(128, 8, [1, 16, 128]), (8, 2, [1, 64]),
-                                                                (60, 4, [1, 32, 64])])
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "expected"), [(128, 8, [1, 16, 128]), (8, 2, [1, 64]), (60, 4, [1, 32, 64])]
+)
 def test_warm_up_token_counts_reach_each_kernel_variant(num_experts, top_k, expected, monkeypatch):
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
     moe = _moe(num_experts, top_k)
@@ -35,10 +43,14 @@ def test_warm_up_token_counts_reach_each_kernel_variant(num_experts, top_k, expe
 def test_a_tuned_decode_config_per_bucket_is_warmed_up_too(monkeypatch, kernel_configs):
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
     moe = _moe(128, 8)
-    kernel_configs("moe_decode", TABLE_KEY, [
-        dict(hidden=16, inter=8, top_k=8, tokens=2, config="gate_up=n8-k64-w2-p1,down=n8-k64-w2-p1"),
-        dict(hidden=16, inter=8, top_k=8, tokens=8, config="grouped"),
-    ])
+    kernel_configs(
+        "moe_decode",
+        TABLE_KEY,
+        [
+            dict(hidden=16, inter=8, top_k=8, tokens=2, config="gate_up=n8-k64-w2-p1,down=n8-k64-w2-p1"),
+            dict(hidden=16, inter=8, top_k=8, tokens=8, config="grouped"),
+        ],
+    )
     assert moe.warm_up_token_counts() == [1, 2, 8, 128]  # 4 takes the default, as 1 does
     assert moe.kernel_variant(8) == ("grouped", 16)
 

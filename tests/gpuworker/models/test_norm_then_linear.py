@@ -42,8 +42,12 @@ def test_cpu_is_norm_then_linear(with_residual):
 def test_cuda_decode_row_takes_one_fused_kernel(monkeypatch, kernel_configs, with_residual):
     norm, linear, x, residual = build(torch.bfloat16, "cuda")
     residual = residual if with_residual else None
-    kernel_configs("gemv", gemv_module.TABLE_KEY,
-                   [dict(weight_dtype="bfloat16", n=OUT, k=HIDDEN, m=1, config="fma-n16-k512-w4-p1")], device=x.device)
+    kernel_configs(
+        "gemv",
+        gemv_module.TABLE_KEY,
+        [dict(weight_dtype="bfloat16", n=OUT, k=HIDDEN, m=1, config="fma-n16-k512-w4-p1")],
+        device=x.device,
+    )
     calls = []
     fused = gemv_module.gemv_rms_norm
     monkeypatch.setattr(gemv_module, "gemv_rms_norm", lambda *a, **k: calls.append(1) or fused(*a, **k))
@@ -99,6 +103,12 @@ def test_a_dynamic_fp8_down_projection_takes_silu_and_muls_fp8_output(monkeypatc
 def test_only_dynamic_fp8_projections_on_the_scaled_gemm_take_quantized_input():
     x = torch.zeros(24, HIDDEN, dtype=torch.bfloat16)
     assert not _fp8_projection(HIDDEN, OUT).takes_quantized_input(x)  # not on a GPU
-    static = Fp8Linear(HIDDEN, OUT, False, QuantConfig(method="fp8", checkpoint_format="compressed-tensors",
-                                                       activation_scheme="static"), ("proj",), (OUT,))
+    static = Fp8Linear(
+        HIDDEN,
+        OUT,
+        False,
+        QuantConfig(method="fp8", checkpoint_format="compressed-tensors", activation_scheme="static"),
+        ("proj",),
+        (OUT,),
+    )
     assert not static.takes_quantized_input(x)

@@ -34,9 +34,11 @@ def test_matches_dense_attention_over_steps(num_heads, num_kv_heads, block_size)
     gen = torch.Generator().manual_seed(0)
     history: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     # Several steps: fresh prefills, chunked prefill continuing, decodes first in later steps.
-    steps = [[("a", 5), ("b", 1), ("c", 40)],
-             [("a", 1), ("b", 1), ("c", 23), ("d", 9)],
-             [("a", 1), ("b", 1), ("c", 1), ("d", 1)]]
+    steps = [
+        [("a", 5), ("b", 1), ("c", 40)],
+        [("a", 1), ("b", 1), ("c", 23), ("d", 9)],
+        [("a", 1), ("b", 1), ("c", 1), ("d", 1)],
+    ]
     for step in steps:
         chunks = [(seq, [0] * n) for seq, n in step]
         _, _, meta = batcher.batch(chunks, pad_to=sum(n for _, n in step) + 3)
@@ -48,9 +50,9 @@ def test_matches_dense_attention_over_steps(num_heads, num_kv_heads, block_size)
         start = 0
         for seq, n in step:
             old_k, old_v = history.get(seq, (k[:0], v[:0]))
-            history[seq] = (torch.cat([old_k, k[start:start + n]]), torch.cat([old_v, v[start:start + n]]))
-            expected = dense_attention(q[start:start + n], *history[seq], scale)
-            torch.testing.assert_close(out[start:start + n], expected, rtol=1e-5, atol=1e-5)
+            history[seq] = (torch.cat([old_k, k[start : start + n]]), torch.cat([old_v, v[start : start + n]]))
+            expected = dense_attention(q[start : start + n], *history[seq], scale)
+            torch.testing.assert_close(out[start : start + n], expected, rtol=1e-5, atol=1e-5)
             start += n
         assert torch.all(out[start:] == 0)  # padding rows
 
@@ -77,5 +79,6 @@ def test_rejects_heads_not_divisible_by_kv_heads():
     batcher = PagedBatcher(shape, num_blocks=4, block_size=4)
     _, _, meta = batcher.batch([("a", [0])])
     with pytest.raises(ValueError, match=r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
-        TorchAttentionBackend().forward(torch.randn(1, 3, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 4),
-                                        batcher.kv_caches[0], meta, 0.5)
+        TorchAttentionBackend().forward(
+            torch.randn(1, 3, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 4), batcher.kv_caches[0], meta, 0.5
+        )

@@ -5,26 +5,37 @@ from __future__ import annotations
 
 import pytest
 
-from gpuworker.models.config import ModelConfig
 from gpuworker.checkpoint_quantization import QuantConfig, parse_quantization
+from gpuworker.models.config import ModelConfig
 from tests.gpuworker.quantized_checkpoints import SCHEMES, quantization_config
 
-BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300,
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+}
 
 
 def parse(qc):
     return parse_quantization({"quantization_config": qc}, "config.json")
 
 
-@pytest.mark.parametrize("scheme, expected", [
-    ("fp8-ct-channel-weight-only", ("fp8", "compressed-tensors", "channel", None)),
-    ("fp8-ct-channel-dynamic", ("fp8", "compressed-tensors", "channel", "dynamic")),
-    ("fp8-ct-tensor-static", ("fp8", "compressed-tensors", "tensor", "static")),
-    ("fp8-vllm-static", ("fp8", "fp8", "tensor", "static")),
-    ("fp8-vllm-dynamic", ("fp8", "fp8", "tensor", "dynamic")),
-])
+@pytest.mark.parametrize(
+    "scheme, expected",
+    [
+        ("fp8-ct-channel-weight-only", ("fp8", "compressed-tensors", "channel", None)),
+        ("fp8-ct-channel-dynamic", ("fp8", "compressed-tensors", "channel", "dynamic")),
+        ("fp8-ct-tensor-static", ("fp8", "compressed-tensors", "tensor", "static")),
+        ("fp8-vllm-static", ("fp8", "fp8", "tensor", "static")),
+        ("fp8-vllm-dynamic", ("fp8", "fp8", "tensor", "dynamic")),
+    ],
+)
 def test_fp8_layouts(scheme, expected):
     quant = parse(quantization_config(scheme))
     assert (quant.method, quant.checkpoint_format, quant.weight_strategy, quant.activation_scheme) == expected
@@ -45,27 +56,31 @@ def test_model_config_carries_it():
 
 
 def test_ignore_patterns():
-    quant = QuantConfig(method="fp8", checkpoint_format="compressed-tensors",
-                        ignore=("lm_head", "re:.*self_attn\\.o_proj"))
+    quant = QuantConfig(
+        method="fp8", checkpoint_format="compressed-tensors", ignore=("lm_head", "re:.*self_attn\\.o_proj")
+    )
     assert quant.ignores("lm_head")
     assert quant.ignores("model.layers.3.self_attn.o_proj")
     assert not quant.ignores("model.layers.3.self_attn.q_proj")
 
 
-@pytest.mark.parametrize("qc, match", [
-    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
-    ({"quant_method": "fp8", "activation_scheme": "per-block"}, "activation_scheme"),
-    ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits must be 4"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 100}, "group_size must be a power of two of at least 8"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 96}, "group_size must be a power of two of at least 8"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "gptq_v2"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "pack-quantized"),
-    ("fp8", "must be an object"),
-])
+@pytest.mark.parametrize(
+    "qc, match",
+    [
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+        ({"quant_method": "fp8", "activation_scheme": "per-block"}, "activation_scheme"),
+        ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits must be 4"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 100}, "group_size must be a power of two of at least 8"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 96}, "group_size must be a power of two of at least 8"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}, "gptq_v2"),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "pack-quantized"),
+        ("fp8", "must be an object"),
+    ],
+)
 def test_unsupported_layouts_are_named(qc, match):
     with pytest.raises(ValueError, match=match):
         parse(qc)

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE
 from gpuworker.models.loader import load_model, load_model_config
+from gpuworker.models.quantization.awq import unpack_columns
 from gpuworker.models.quantization.fp8 import Fp8Linear
 from gpuworker.models.quantization.int4 import Int4Linear
-from gpuworker.models.quantization.awq import unpack_columns
 from tests.gpuworker.models.paged_batch import PagedBatcher
 from tests.gpuworker.quantized_checkpoints import SCHEMES, hf_reference, make_quantized_checkpoint
 
@@ -128,8 +128,10 @@ def test_wrong_shape_is_named(tmp_path):
 
 
 # qweight [in, out / 8] in AWQ, [in / 8, out] in GPTQ: the same words in the other format's shape.
-@pytest.mark.parametrize(("scheme", "other_shape"), [("awq", lambda rows, cols: (rows // 8, cols * 8)),
-                                                     ("gptq-sym", lambda rows, cols: (rows * 8, cols // 8))])
+@pytest.mark.parametrize(
+    ("scheme", "other_shape"),
+    [("awq", lambda rows, cols: (rows // 8, cols * 8)), ("gptq-sym", lambda rows, cols: (rows * 8, cols // 8))],
+)
 def test_the_other_formats_qweight_shape_is_named(scheme, other_shape, tmp_path):
     quantized, _ = make_quantized_checkpoint(tmp_path, scheme)
     name = "model.layers.0.mlp.gate_proj.qweight"
@@ -137,8 +139,9 @@ def test_the_other_formats_qweight_shape_is_named(scheme, other_shape, tmp_path)
     stored = tuple(load_file(str(file))[name].shape)
     wrong = other_shape(*stored)
     _rewrite(quantized, lambda t: t.update({name: t[name].reshape(wrong).contiguous()}))
-    with pytest.raises(ValueError, match=re.escape(f"gate_proj: qweight is torch.int32 {wrong}, "
-                                                   f"expected torch.int32 {stored}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"gate_proj: qweight is torch.int32 {wrong}, expected torch.int32 {stored}")
+    ):
         load_model(quantized)
 
 
@@ -174,10 +177,20 @@ def test_ignored_modules_stay_dense(tmp_path, prompt):
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"]["ignore"] = ["lm_head", "re:.*\\.mlp\\.down_proj"]
     (quantized / "config.json").write_text(json.dumps(config))
-    _rewrite(quantized, lambda t: [t.update({f"model.layers.{i}.mlp.down_proj.weight":
-                                             load_file(str(next(twin.glob("*.safetensors"))))
-                                             [f"model.layers.{i}.mlp.down_proj.weight"]}) or
-                                   t.pop(f"model.layers.{i}.mlp.down_proj.weight_scale") for i in range(2)])
+    _rewrite(
+        quantized,
+        lambda t: [
+            t.update(
+                {
+                    f"model.layers.{i}.mlp.down_proj.weight": load_file(str(next(twin.glob("*.safetensors"))))[
+                        f"model.layers.{i}.mlp.down_proj.weight"
+                    ]
+                }
+            )
+            or t.pop(f"model.layers.{i}.mlp.down_proj.weight_scale")
+            for i in range(2)
+        ],
+    )
     model = load_model(quantized)
     assert not isinstance(model.layers[0].mlp.down_proj, Fp8Linear)
     assert isinstance(model.layers[0].mlp.gate_up_proj, Fp8Linear)

@@ -20,8 +20,8 @@ import torch
 import uvicorn
 
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from gpuworker.replica.engine_holder import EngineHolder
 from gpuworker.replica.app import ServerConfig, build_app
+from gpuworker.replica.engine_holder import EngineHolder
 from tests.gpuworker.streaming import stream_in_thread
 
 TOKEN = "s3cret"
@@ -63,8 +63,9 @@ def _serving(config: ServerConfig):
 
 
 def _config(tiny_checkpoint, **overrides) -> ServerConfig:
-    return ServerConfig(model=str(tiny_checkpoint("llama")), served_model_name="tiny", token=TOKEN,
-                        max_model_len=1024, **overrides)
+    return ServerConfig(
+        model=str(tiny_checkpoint("llama")), served_model_name="tiny", token=TOKEN, max_model_len=1024, **overrides
+    )
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
@@ -87,7 +88,7 @@ def _sse(lines) -> list:
     events = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -97,9 +98,17 @@ def test_openai_sdk_chat_stream_completions_models(server):
     base, _ = server
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN)
 
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=5, n=2, temperature=0.8, seed=1, logprobs=True,
-                                          top_logprobs=2, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        n=2,
+        temperature=0.8,
+        seed=1,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in chat.choices] == [0, 1]
     assert all(c.finish_reason == "length" for c in chat.choices)
     assert chat.usage.completion_tokens == 10
@@ -107,21 +116,33 @@ def test_openai_sdk_chat_stream_completions_models(server):
     assert len(chat.choices[0].logprobs.content) == 5
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 2
 
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=6, stream=True, stream_options={"include_usage": True},
-                                            temperature=0, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     # Greedy: the streamed text equals the non-streamed one.
-    whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert whole.choices[0].message.content == text
 
-    completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,
-                                           logprobs=1, extra_body={"ignore_eos": True})
+    completion = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=4, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+    )
     assert completion.choices[0].finish_reason == "length"
     assert len(completion.choices[0].logprobs.tokens) == 4
     assert completion.usage.completion_tokens == 4
@@ -136,8 +157,14 @@ def test_a_chat_stream_sends_no_empty_deltas(server):
     openai = pytest.importorskip("openai")
     base, _ = server
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN)
-    request = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=64, temperature=1.0,
-                   seed=3, extra_body={"ignore_eos": True})
+    request = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=64,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(client.chat.completions.create(stream=True, **request))
     deltas = [c.choices[0] for c in chunks]
     assert deltas[0].delta.role == "assistant" and deltas[0].finish_reason is None
@@ -151,9 +178,19 @@ def test_a_chat_stream_sends_no_empty_deltas(server):
 def test_completion_stream_ends_with_done_and_usage(server):
     base, _ = server
     with _client(base) as client:
-        with client.stream("POST", "/v1/completions", json={
-                "prompt": "abc", "max_tokens": 5, "stream": True, "ignore_eos": True, "n": 2,
-                "temperature": 1.0, "stream_options": {"include_usage": True}}) as response:
+        with client.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "prompt": "abc",
+                "max_tokens": 5,
+                "stream": True,
+                "ignore_eos": True,
+                "n": 2,
+                "temperature": 1.0,
+                "stream_options": {"include_usage": True},
+            },
+        ) as response:
             assert response.status_code == 200
             events = _sse(response.iter_lines())
     assert events[-1] == "[DONE]"
@@ -190,8 +227,9 @@ def test_health_and_metrics_move(server):
 
     assert value(after, "vllm:generation_tokens_total") >= value(before, "vllm:generation_tokens_total") + 3
     assert value(after, "vllm:prompt_tokens_total") > value(before, "vllm:prompt_tokens_total")
-    assert value(after, "vllm:e2e_request_latency_seconds_count") > \
-        value(before, "vllm:e2e_request_latency_seconds_count")
+    assert value(after, "vllm:e2e_request_latency_seconds_count") > value(
+        before, "vllm:e2e_request_latency_seconds_count"
+    )
     assert stats["state"] == "ready" and stats["running"] == 0 and stats["load_progress"] == 1.0
 
 
@@ -201,16 +239,24 @@ def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keep
     with _serving(_config(tiny_checkpoint)) as (base, _), _client(base) as client:
         idle = client.get("/stats").json()
         client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "ignore_eos": True})
-        with client.stream("POST", "/v1/completions", json={"prompt": "y", "max_tokens": 4, "ignore_eos": True,
-                                                            "stream": True}) as stream:
+        with client.stream(
+            "POST", "/v1/completions", json={"prompt": "y", "max_tokens": 4, "ignore_eos": True, "stream": True}
+        ) as stream:
             assert _sse(stream.iter_lines())[-1] == "[DONE]"
         stats = client.get("/stats").json()
     # No sample yet: null, which a heartbeat leaves out (0 would read as a perfect latency).
     assert idle["ttft_p95_s"] is None and idle["itl_p95_s"] is None
     assert 0 < stats["ttft_p95_s"] < 60 and 0 < stats["itl_p95_s"] < 60
-    for figures, expected in ((idle, {}), (stats, {"ttft_p95_s": stats["ttft_p95_s"], "itl_p95_s": stats["itl_p95_s"]})):
-        report = {"replica_id": 1, "state": "ready", "endpoint_url": base,
-                  **{name: figures[name] for name in REPLICA_FIGURES if name in figures}}
+    for figures, expected in (
+        (idle, {}),
+        (stats, {"ttft_p95_s": stats["ttft_p95_s"], "itl_p95_s": stats["itl_p95_s"]}),
+    ):
+        report = {
+            "replica_id": 1,
+            "state": "ready",
+            "endpoint_url": base,
+            **{name: figures[name] for name in REPLICA_FIGURES if name in figures},
+        }
         parsed = parse_heartbeat({"replicas": [report]}).replicas[0].figures
         assert {name: parsed[name] for name in ("ttft_p95_s", "itl_p95_s") if name in parsed} == expected
 
@@ -218,8 +264,9 @@ def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keep
 def test_bad_input_is_400_naming_the_field(server):
     base, _ = server
     with _client(base) as client:
-        response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                              "temperature": 5})
+        response = client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "temperature": 5}
+        )
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "temperature"
         response = client.post("/v1/completions", json={"prompt": "x" * 50, "max_tokens": 1020})
@@ -242,9 +289,11 @@ def test_disconnect_mid_stream_frees_kv_blocks(server):
     base, app = server
     with _client(base) as client:
         generated_before = _generated(client)
-        with client.stream("POST", "/v1/completions", json={
-                "prompt": "a long answer please", "max_tokens": 900, "stream": True,
-                "ignore_eos": True}) as response:
+        with client.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "a long answer please", "max_tokens": 900, "stream": True, "ignore_eos": True},
+        ) as response:
             lines = response.iter_lines()
             received = [line for _, line in zip(range(6), lines)]
             assert any(line.startswith("data: ") for line in received)
@@ -313,8 +362,9 @@ def test_disconnect_of_non_streaming_request_aborts_it(server):
         generated_before = _generated(client)
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=0.5) as client:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-            client.post("/v1/completions", json={"prompt": "a long answer please", "max_tokens": 1000,
-                                                 "ignore_eos": True})
+            client.post(
+                "/v1/completions", json={"prompt": "a long answer please", "max_tokens": 1000, "ignore_eos": True}
+            )
     with _client(base) as client:
         stats = _wait_idle(client)
         generated = _generated(client) - generated_before
@@ -328,8 +378,12 @@ def test_a_caller_can_ask_whether_its_whole_answer_request_started(server):
         assert client.get("/requests/req_never_sent").json() == {"request_id": "req_never_sent", "started": False}
         client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "req_whole"})
         assert client.get("/requests/req_whole").json()["started"] is True
-        with client.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 1, "stream": True},
-                           headers={"x-request-id": "req_stream"}) as response:
+        with client.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1, "stream": True},
+            headers={"x-request-id": "req_stream"},
+        ) as response:
             response.read()
         assert client.get("/requests/req_stream").json()["started"] is False  # its caller saw the tokens
     assert httpx.get(f"{base}/requests/req_whole").status_code == 401
@@ -341,8 +395,9 @@ def _stream_in_thread(base: str, body: dict):
 
 def test_drain_refuses_new_requests_and_lets_streams_finish(tiny_checkpoint):
     with _serving(_config(tiny_checkpoint)) as (base, app):
-        thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 200, "stream": True,
-                                                  "ignore_eos": True, "logprobs": 0})
+        thread, result = _stream_in_thread(
+            base, {"prompt": "go", "max_tokens": 200, "stream": True, "ignore_eos": True, "logprobs": 0}
+        )
         assert result["first"].wait(10)
         with _client(base) as client:
             assert client.post("/drain", json={"timeout_s": 60}).json() == {"running": 1}
@@ -365,11 +420,18 @@ def test_drain_refuses_new_requests_and_lets_streams_finish(tiny_checkpoint):
 
 def test_drain_timeout_ends_requests_with_an_error(tiny_checkpoint):
     with _serving(_config(tiny_checkpoint)) as (base, app):
-        thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 1000, "stream": True,
-                                                  "ignore_eos": True})
+        thread, result = _stream_in_thread(
+            base, {"prompt": "go", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        )
         whole: dict = {}
-        whole_thread = threading.Thread(target=lambda: whole.update(response=_client(base).post(
-            "/v1/completions", json={"prompt": "also", "max_tokens": 1000, "ignore_eos": True})), daemon=True)
+        whole_thread = threading.Thread(
+            target=lambda: whole.update(
+                response=_client(base).post(
+                    "/v1/completions", json={"prompt": "also", "max_tokens": 1000, "ignore_eos": True}
+                )
+            ),
+            daemon=True,
+        )
         whole_thread.start()
         assert result["first"].wait(10)
         with _client(base) as client:
@@ -392,10 +454,21 @@ def test_drain_timeout_ends_requests_with_an_error(tiny_checkpoint):
 def test_queue_time_histogram_is_filled_from_first_scheduled_time():
     holder = EngineHolder(ServerConfig(model="unused"))
     output = RequestOutput(
-        request_id="r", prompt="p", prompt_token_ids=[1, 2], finished=True, num_cached_tokens=0,
+        request_id="r",
+        prompt="p",
+        prompt_token_ids=[1, 2],
+        finished=True,
+        num_cached_tokens=0,
         outputs=[CompletionOutput(index=0, text="ab", token_ids=[3, 4], finish_reason="length")],
-        metrics=RequestMetrics(arrival_time=100.0, first_token_time=100.5, finish_time=101.0, gpu_time_s=0.1,
-                               num_preemptions=0, first_scheduled_time=100.25))
+        metrics=RequestMetrics(
+            arrival_time=100.0,
+            first_token_time=100.5,
+            finish_time=101.0,
+            gpu_time_s=0.1,
+            num_preemptions=0,
+            first_scheduled_time=100.25,
+        ),
+    )
     holder.record_finished(output, 2)
     text = holder.metrics.render().decode()
     assert _value(text, "vllm:generation_tokens_total") == 2
@@ -444,9 +517,24 @@ def _start_cli_serve(args: list[str]) -> tuple[subprocess.Popen, str]:
     port = sock.getsockname()[1]
     with sock:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gpuworker", "serve", *args, "--token", TOKEN, "--fd", str(sock.fileno()),
-             "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env_without_token(), pass_fds=(sock.fileno(),))
+            [
+                sys.executable,
+                "-m",
+                "gpuworker",
+                "serve",
+                *args,
+                "--token",
+                TOKEN,
+                "--fd",
+                str(sock.fileno()),
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=_env_without_token(),
+            pass_fds=(sock.fileno(),),
+        )
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -468,19 +556,34 @@ def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
     """`python -m gpuworker serve` starts and serves; SIGTERM drains (503 for new requests, the stream
     in flight finishes) and the process then exits 0."""
     process, base = _start_cli_serve(
-        ["--model", str(tiny_checkpoint("llama")), "--served-model-name", "cli", "--max-model-len", "512",
-         "--max-num-seqs", "6", "--max-num-batched-tokens", "96", "--drain-timeout", "60"])
+        [
+            "--model",
+            str(tiny_checkpoint("llama")),
+            "--served-model-name",
+            "cli",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "6",
+            "--max-num-batched-tokens",
+            "96",
+            "--drain-timeout",
+            "60",
+        ]
+    )
     try:
         with _client(base) as client:
             _wait_healthy(client, process, timeout=60)
-            response = client.post("/v1/completions", json={"model": "cli", "prompt": "hey", "max_tokens": 3,
-                                                            "ignore_eos": True})
+            response = client.post(
+                "/v1/completions", json={"model": "cli", "prompt": "hey", "max_tokens": 3, "ignore_eos": True}
+            )
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
             assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 512
             limits = client.get("/health").json()["limits"]
             assert (limits["max_num_seqs"], limits["max_num_batched_tokens"]) == (6, 96)
-            thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 500, "stream": True,
-                                                      "ignore_eos": True})
+            thread, result = _stream_in_thread(
+                base, {"prompt": "go", "max_tokens": 500, "stream": True, "ignore_eos": True}
+            )
             assert result["first"].wait(10)
             process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 5
@@ -500,18 +603,25 @@ def test_cli_serve_subprocess_drains_on_sigterm(tiny_checkpoint):
 
 
 def _post_raw(base: str, path: str, content: bytes) -> httpx.Response:
-    return httpx.post(f"{base}{path}", content=content, timeout=30,
-                      headers={"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+    return httpx.post(
+        f"{base}{path}",
+        content=content,
+        timeout=30,
+        headers={"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"},
+    )
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-@pytest.mark.parametrize(("content", "param"), [
-    (b"[" * 100_000, None),  # deeper than the JSON parser goes: RecursionError
-    (b'{"prompt": "\xff\xfe"}', None),  # not UTF-8
-    (b"[1, 2]", None),  # JSON, but not an object
-    (b'{"messages": [{"role": "user", "content": "\\ud800"}], "prompt": "\\ud800"}', "messages.0.content"),
-    (b'{"prompt": "\\udfff", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', "prompt"),
-])
+@pytest.mark.parametrize(
+    ("content", "param"),
+    [
+        (b"[" * 100_000, None),  # deeper than the JSON parser goes: RecursionError
+        (b'{"prompt": "\xff\xfe"}', None),  # not UTF-8
+        (b"[1, 2]", None),  # JSON, but not an object
+        (b'{"messages": [{"role": "user", "content": "\\ud800"}], "prompt": "\\ud800"}', "messages.0.content"),
+        (b'{"prompt": "\\udfff", "messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', "prompt"),
+    ],
+)
 def test_bodies_that_cannot_be_read_are_400_without_a_traceback(server, caplog, path, content, param):
     base, _ = server
     response = _post_raw(base, path, content)
@@ -575,14 +685,21 @@ def test_a_huge_prompt_is_prepared_while_the_replica_serves_others(server, monke
     result: dict = {}
 
     def send_huge() -> None:
-        path, body = ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}) if chat \
+        path, body = (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]})
+            if chat
             else ("/v1/completions", {"prompt": huge})
+        )
         result["response"] = _client(base).post(path, json={**body, "max_tokens": 2})
         order.append("huge")
 
     sender = threading.Thread(target=send_huge, daemon=True)
-    with _client(base) as client, client.stream("POST", "/v1/completions", json={
-            "prompt": "go", "max_tokens": 1000, "stream": True, "ignore_eos": True}) as stream:
+    with (
+        _client(base) as client,
+        client.stream(
+            "POST", "/v1/completions", json={"prompt": "go", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        ) as stream,
+    ):
         lines = stream.iter_lines()  # kept: a dropped iterator would close the stream
         assert next(lines).startswith("data: ")
         try:
@@ -620,8 +737,10 @@ def test_cli_serve_tensor_parallel_answers_as_one_replica(tiny_checkpoint):
             assert client.get("/health").json()["limits"]["tensor_parallel_size"] == 2
             workers = _children(process.pid)
             assert len(workers) >= 1  # the second rank (and multiprocessing's resource tracker)
-            response = client.post("/v1/completions", json={"model": "tp", "prompt": prompt, "max_tokens": 6,
-                                                            "ignore_eos": True, "temperature": 0})
+            response = client.post(
+                "/v1/completions",
+                json={"model": "tp", "prompt": prompt, "max_tokens": 6, "ignore_eos": True, "temperature": 0},
+            )
             assert response.status_code == 200
             assert response.json()["choices"][0]["text"] == expected[0].outputs[0].text
         process.send_signal(signal.SIGTERM)
@@ -693,8 +812,9 @@ def test_a_replica_whose_engine_process_dies_fails_its_streams_and_turns_failed(
         with _client(base) as client:
             engine_pid = client.get("/health").json()["engine_pid"]
             assert engine_pid is not None and engine_pid != os.getpid()
-            thread, result = _stream_in_thread(base, {"prompt": "go", "max_tokens": 900, "stream": True,
-                                                      "ignore_eos": True})
+            thread, result = _stream_in_thread(
+                base, {"prompt": "go", "max_tokens": 900, "stream": True, "ignore_eos": True}
+            )
             assert result["first"].wait(30)
             os.kill(engine_pid, signal.SIGKILL)
             thread.join(60)
@@ -714,8 +834,9 @@ def test_a_replica_whose_engine_process_dies_fails_its_streams_and_turns_failed(
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_replica_leaves_no_engine_process(tiny_checkpoint, sig):
     """SIGTERM (drain, then stop) or SIGKILL of `serve --engine-process`: its engine process goes too."""
-    process, base = _start_cli_serve(["--model", str(tiny_checkpoint("llama")), "--max-model-len", "512",
-                                      "--engine-process", "--drain-timeout", "5"])
+    process, base = _start_cli_serve(
+        ["--model", str(tiny_checkpoint("llama")), "--max-model-len", "512", "--engine-process", "--drain-timeout", "5"]
+    )
     try:
         with _client(base) as client:
             _wait_healthy(client, process, timeout=120)
@@ -744,11 +865,15 @@ def test_logit_bias_reaches_the_engine_for_chat_and_completions_streamed_or_not(
         for bias, text in (({str(z): 100}, "zzzz"), ({str(z): -100, str(y): 100}, "yyyy")):
             completion = client.post("/v1/completions", json={"prompt": "Hello", "logit_bias": bias, **common})
             assert completion.json()["choices"][0]["text"] == text
-            chat = client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "logit_bias": bias, **common})
+            chat = client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "logit_bias": bias, **common},
+            )
             assert chat.json()["choices"][0]["message"]["content"] == text
-            for path, body in (("/v1/completions", {"prompt": "Hello"}),
-                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            for path, body in (
+                ("/v1/completions", {"prompt": "Hello"}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            ):
                 streamed = {**body, "logit_bias": bias, "stream": True, **common}
                 with client.stream("POST", path, json=streamed) as response:
                     events = _sse(response.iter_lines())
@@ -760,12 +885,19 @@ def test_logit_bias_reaches_the_engine_for_chat_and_completions_streamed_or_not(
     assert outside.json()["error"]["param"] == "logit_bias" and str(vocab_size) in outside.json()["error"]["message"]
 
 
-@pytest.mark.parametrize(("path", "fields", "param"), [
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "best_of": 3, "n": 2}, "best_of"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "best_of": 3, "n": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}},
+            "logit_bias",
+        ),
+    ],
+)
 def test_best_of_beyond_n_and_bad_logit_bias_are_400_naming_the_field(server, path, fields, param):
     base, _ = server
     with _client(base) as client:

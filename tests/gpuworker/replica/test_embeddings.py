@@ -42,15 +42,18 @@ def test_base64_is_the_same_float32_vector(encoder):
     np.testing.assert_allclose(np.frombuffer(base64.b64decode(encoded), dtype="<f4"), floats, atol=1e-7)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": []}, "input"),
-    ({"input": ""}, "input"),
-    ({"input": ["ok", ""]}, "input"),
-    ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
-    ({"input": "x", "dimensions": 128}, "dimensions"),  # the model declares no Matryoshka dimensions
-    ({"input": "word " * 400}, "input"),  # past max_seq_length (256)
-    ({"input": [101, 10 ** 6]}, "input"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": ["ok", ""]}, "input"),
+        ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+        ({"input": "x", "dimensions": 128}, "dimensions"),  # the model declares no Matryoshka dimensions
+        ({"input": "word " * 400}, "input"),  # past max_seq_length (256)
+        ({"input": [101, 10**6]}, "input"),
+    ],
+)
 def test_bad_input_is_400_naming_the_field(encoder, body, param):
     response = _embed(encoder, **body)
     assert response.status_code == 400, response.text
@@ -63,7 +66,9 @@ def test_the_model_own_dimensions_are_accepted(encoder):
 
 def test_generation_on_an_encoder_and_embeddings_on_a_decoder_are_clear_400s(encoder, tiny_checkpoint):
     with _client(encoder) as client:
-        chat = client.post("/v1/chat/completions", json={"model": "minilm", "messages": [{"role": "user", "content": "hi"}]})
+        chat = client.post(
+            "/v1/chat/completions", json={"model": "minilm", "messages": [{"role": "user", "content": "hi"}]}
+        )
     assert chat.status_code == 400 and "/v1/embeddings" in chat.json()["error"]["message"]
     with _serving(_config(tiny_checkpoint)) as (base, _), _client(base) as client:
         wrong = client.post("/v1/embeddings", json={"model": "tiny", "input": "hi"})

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from pydantic import BaseModel
 import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 from xgrammar.testing import _is_grammar_accept_string
 
 from gpuworker.contract.openai_api import ChatCompletionRequest, parse_request
@@ -19,14 +19,17 @@ from gpuworker.replica.response_format import generic_tools_constraint
 from tests.gpuworker.replica.test_tool_calls import TOOLS
 
 ONE = '{"tool_call": {"name": "add", "arguments": {"a": 1, "b": 2}}}'
-TWO = ('{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
-       '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]}')
+TWO = (
+    '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+    '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]}'
+)
 ANSWER = '{"response": "It is \\"sunny\\"\\nin Oslo \\u2600\\ufe0f \\ud83d\\ude00"}'
 
 
 def _grammar(**body) -> xgr.Grammar:
-    request = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                    "tools": TOOLS, **body})
+    request = parse_request(
+        ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **body}
+    )
     return xgr.Grammar.from_structural_tag(generic_tools_constraint(request).spec)
 
 
@@ -53,8 +56,15 @@ def test_without_parallel_calls_the_list_is_not_admitted():
 
 
 def test_with_response_format_the_response_is_that_json():
-    grammar = _grammar(response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": {
-        "type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"]}}})
+    grammar = _grammar(
+        response_format={
+            "type": "json_schema",
+            "json_schema": {
+                "name": "w",
+                "schema": {"type": "object", "properties": {"sky": {"type": "string"}}, "required": ["sky"]},
+            },
+        }
+    )
     assert _is_grammar_accept_string(grammar, '{"response": {"sky": "clear"}}')
     assert _is_grammar_accept_string(grammar, ONE)
     assert not _is_grammar_accept_string(grammar, ANSWER)
@@ -79,8 +89,10 @@ def test_schemas_with_definitions_keep_their_references():
     order = Order.model_json_schema()
     assert "$defs" in order
     tool = {"type": "function", "function": {"name": "place_order", "parameters": order}}
-    body = {"tools": [tool, *TOOLS], "response_format": {"type": "json_schema", "json_schema": {
-        "name": "order", "schema": order}}}
+    body = {
+        "tools": [tool, *TOOLS],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": order}},
+    }
     grammar = _grammar(**body)
     good = '{"items": [{"sku": "a1", "count": 2}], "gift": {"sku": "b", "count": 1}}'
     bad = '{"items": [{"sku": "a1", "count": "two"}]}'
@@ -104,27 +116,36 @@ def _parse(text: str) -> GenericToolParser:
     return parser
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    (ONE, "", [("add", {"a": 1, "b": 2})]),
-    (TWO, "", [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
-    ('{\n"tool_call": {\n"name": "add",\n"arguments": {\n"a": 1,\n"b": 2\n}\n}\n}', "", [("add", {"a": 1, "b": 2})]),
-    (ANSWER, 'It is "sunny"\nin Oslo ☀️ 😀', []),
-    ('{ "response" : "" }', "", []),
-    # Cut short (finish_reason "length"): what was written, never the wrapper.
-    ('{"response": "It is su', "It is su", []),
-    ('{"response": "x\\u26', "x", []),
-    ('{"tool_c', "", []),
-    ('{"tool_call": {"name": "add", "arguments": {"a": 1', "", [("add", '{"a": 1')]),
-    ('{"tool_call": {"name": "add"', "", [("add", {})]),
-    # Not the format (no grammar held the output): the text as written.
-    ("Hello there", "Hello there", []),
-    ('{"answer": 42}', '{"answer": 42}', []),
-])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        (ONE, "", [("add", {"a": 1, "b": 2})]),
+        (TWO, "", [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+        (
+            '{\n"tool_call": {\n"name": "add",\n"arguments": {\n"a": 1,\n"b": 2\n}\n}\n}',
+            "",
+            [("add", {"a": 1, "b": 2})],
+        ),
+        (ANSWER, 'It is "sunny"\nin Oslo ☀️ 😀', []),
+        ('{ "response" : "" }', "", []),
+        # Cut short (finish_reason "length"): what was written, never the wrapper.
+        ('{"response": "It is su', "It is su", []),
+        ('{"response": "x\\u26', "x", []),
+        ('{"tool_c', "", []),
+        ('{"tool_call": {"name": "add", "arguments": {"a": 1', "", [("add", '{"a": 1')]),
+        ('{"tool_call": {"name": "add"', "", [("add", {})]),
+        # Not the format (no grammar held the output): the text as written.
+        ("Hello there", "Hello there", []),
+        ('{"answer": 42}', '{"answer": 42}', []),
+    ],
+)
 def test_whole_outputs(text, content, calls):
     parser = _parse(text)
     assert parser.content == content and len(parser.calls) == len(calls)
-    assert [(c.name, c.arguments if isinstance(want, str) else json.loads(c.arguments))
-            for c, (_, want) in zip(parser.calls, calls)] == calls
+    assert [
+        (c.name, c.arguments if isinstance(want, str) else json.loads(c.arguments))
+        for c, (_, want) in zip(parser.calls, calls)
+    ] == calls
 
 
 def _stream(text: str, cuts: list[int]) -> tuple[str, dict[int, dict]]:
@@ -150,8 +171,9 @@ def test_streamed_pieces_add_up_to_the_whole_output(text, cuts):
     whole = _parse(text)
     content, calls = _stream(text, cuts)
     assert content == whole.content
-    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == \
-        [(c.name, c.arguments) for c in whole.calls]
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
+        (c.name, c.arguments) for c in whole.calls
+    ]
 
 
 def test_content_and_arguments_stream_as_they_are_written():
@@ -163,7 +185,7 @@ def test_content_and_arguments_stream_as_they_are_written():
     parser = GenericToolParser()
     said = [parser.feed(ch) for ch in ONE] + [parser.finish()]
     first = next(i for i, s in enumerate(said) if s.tool_calls)
-    assert said[first].tool_calls[0]["function"]["name"] == "add" and ONE[:first + 1].endswith('"add"')
+    assert said[first].tool_calls[0]["function"]["name"] == "add" and ONE[: first + 1].endswith('"add"')
     fragments = [d["function"]["arguments"] for s in said for d in s.tool_calls if "id" not in d]
     assert len(fragments) > 5 and json.loads("".join(fragments)) == {"a": 1, "b": 2}
 
@@ -171,8 +193,13 @@ def test_content_and_arguments_stream_as_they_are_written():
 def test_earlier_calls_are_written_as_the_grammar_writes_them():
     calls = [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
     assert json.loads(generic_calls_text(calls)) == json.loads(ONE)
-    two = calls + [{"id": "c2", "type": "function",
-                    "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}}]
+    two = calls + [
+        {
+            "id": "c2",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}},
+        }
+    ]
     assert json.loads(generic_calls_text(two)) == json.loads(TWO)
     assert _is_grammar_accept_string(_grammar(), generic_calls_text(two))
     assert [c.name for c in _parse(generic_calls_text(two)).calls] == ["add", "get_weather"]

@@ -10,17 +10,16 @@ from typing import Literal
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
-
 import xgrammar as xgr
+from pydantic import BaseModel, Field
 from xgrammar.testing import _is_grammar_accept_string
 
+from gpuworker.contract.openai_api import ChatCompletionRequest, parse_request
 from gpuworker.engine import LLMEngine
-from gpuworker.contract.openai_api import ChatCompletionRequest, ProtocolError, parse_request
+from gpuworker.replica.app import ServerConfig
 from gpuworker.replica.generic_tool_calls import generic_tools_instruction
 from gpuworker.replica.response_format import grammar_schema, json_constraint
 from gpuworker.replica.responses import plan_chat
-from gpuworker.replica.app import ServerConfig
 from tests.gpuworker.replica.test_app import TOKEN, _serving
 from tests.gpuworker.replica.tool_templates import tool_checkpoint
 
@@ -50,11 +49,16 @@ class Inventory(BaseModel):
     total: int
 
 
-WEATHER_PARAMETERS = {"type": "object", "properties": {
-    "city": {"type": "string", "pattern": "^[A-Za-z ]{1,10}$"},
-    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "unit", "days"], "additionalProperties": False}
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[A-Za-z ]{1,10}$"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
 
 
 class Weather(BaseModel):
@@ -64,10 +68,21 @@ class Weather(BaseModel):
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
-                                      "parameters": WEATHER_PARAMETERS}},
-    {"type": "function", "function": {"name": "get_time", "parameters": {
-        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER_PARAMETERS},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+            },
+        },
+    },
 ]
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
@@ -75,8 +90,9 @@ ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     path = tool_checkpoint(tmp_path_factory.mktemp("qwen"), "qwen2", max_position_embeddings=MAX_MODEL_LEN)
-    with _serving(ServerConfig(model=str(path), served_model_name="tiny-qwen", token=TOKEN,
-                               max_model_len=MAX_MODEL_LEN)) as (base, _):
+    with _serving(
+        ServerConfig(model=str(path), served_model_name="tiny-qwen", token=TOKEN, max_model_len=MAX_MODEL_LEN)
+    ) as (base, _):
         yield openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=120)
 
 
@@ -84,8 +100,15 @@ def qwen(tmp_path_factory):
 def llama(tmp_path_factory):
     """Its engine steps in a process of its own: grammars compile there, tool calls are read here."""
     path = tool_checkpoint(tmp_path_factory.mktemp("llama"), "llama3.1", max_position_embeddings=MAX_MODEL_LEN)
-    with _serving(ServerConfig(model=str(path), served_model_name="tiny-llama", token=TOKEN,
-                               max_model_len=MAX_MODEL_LEN, engine_process=True)) as (base, _):
+    with _serving(
+        ServerConfig(
+            model=str(path),
+            served_model_name="tiny-llama",
+            token=TOKEN,
+            max_model_len=MAX_MODEL_LEN,
+            engine_process=True,
+        )
+    ) as (base, _):
         yield openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=120)
 
 
@@ -93,8 +116,9 @@ def llama(tmp_path_factory):
 def plain(tiny_checkpoint):
     """A model whose chat template does not render tools (the demo's): tools go into the prompt."""
     path = tiny_checkpoint("llama", max_position_embeddings=MAX_MODEL_LEN)
-    with _serving(ServerConfig(model=str(path), served_model_name="tiny-plain", token=TOKEN,
-                               max_model_len=MAX_MODEL_LEN)) as (base, _):
+    with _serving(
+        ServerConfig(model=str(path), served_model_name="tiny-plain", token=TOKEN, max_model_len=MAX_MODEL_LEN)
+    ) as (base, _):
         yield openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=120)
 
 
@@ -108,8 +132,9 @@ def _stopped(choices) -> list:
 
 
 def test_json_object_output_always_parses(qwen):
-    reply = qwen.chat.completions.create(model="tiny-qwen", messages=ASK, response_format={"type": "json_object"},
-                                         n=6, seed=3, max_tokens=400)
+    reply = qwen.chat.completions.create(
+        model="tiny-qwen", messages=ASK, response_format={"type": "json_object"}, n=6, seed=3, max_tokens=400
+    )
     for choice in _stopped(reply.choices):
         assert isinstance(json.loads(choice.message.content), dict)
 
@@ -118,25 +143,38 @@ def test_json_object_output_always_parses(qwen):
 def test_json_schema_output_validates(qwen, model):
     schema = model.model_json_schema()
     reply = qwen.chat.completions.create(
-        model="tiny-qwen", messages=ASK, n=4, seed=11, max_tokens=400,
-        response_format={"type": "json_schema", "json_schema": {"name": model.__name__, "schema": schema,
-                                                                "strict": True}})
+        model="tiny-qwen",
+        messages=ASK,
+        n=4,
+        seed=11,
+        max_tokens=400,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": model.__name__, "schema": schema, "strict": True},
+        },
+    )
     for choice in _stopped(reply.choices):
         model.model_validate_json(choice.message.content)
 
 
 def test_json_schema_streamed(qwen):
     stream = qwen.chat.completions.create(
-        model="tiny-qwen", messages=ASK, seed=5, max_tokens=400, stream=True,
-        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": Weather.model_json_schema()}})
+        model="tiny-qwen",
+        messages=ASK,
+        seed=5,
+        max_tokens=400,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": Weather.model_json_schema()}},
+    )
     chunks = list(stream)
     assert chunks[-1].choices[0].finish_reason == "stop"
     Weather.model_validate_json("".join(c.choices[0].delta.content or "" for c in chunks))
 
 
 def test_sdk_parse_with_a_pydantic_model(qwen):
-    completion = qwen.chat.completions.parse(model="tiny-qwen", messages=ASK, response_format=Weather,
-                                             seed=2, max_tokens=400)
+    completion = qwen.chat.completions.parse(
+        model="tiny-qwen", messages=ASK, response_format=Weather, seed=2, max_tokens=400
+    )
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, Weather)
@@ -150,8 +188,14 @@ def test_named_tool_choice_returns_a_call_matching_the_schema(request, family):
     client = request.getfixturevalue(family)
     model = f"tiny-{family}"
     reply = client.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, n=3, seed=7, max_tokens=300,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        n=3,
+        seed=7,
+        max_tokens=300,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     for choice in reply.choices:
         assert choice.finish_reason == "tool_calls"
         (call,) = choice.message.tool_calls
@@ -164,8 +208,16 @@ def test_named_tool_choice_returns_a_call_matching_the_schema(request, family):
 def test_forced_tool_call_streamed_like_openai(request, family):
     client = request.getfixturevalue(family)
     model = f"tiny-{family}"
-    stream = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, seed=9, max_tokens=300,
-                                            stream=True, tool_choice="required", parallel_tool_calls=False)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        seed=9,
+        max_tokens=300,
+        stream=True,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
@@ -181,23 +233,42 @@ def test_forced_tool_call_streamed_like_openai(request, family):
         assert json.loads(arguments)["zone"] in ("UTC", "CET")
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # The same request not streamed gives the same call (same seed, same tokens).
-    whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, seed=9, max_tokens=300,
-                                           tool_choice="required", parallel_tool_calls=False)
+    whole = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        seed=9,
+        max_tokens=300,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     (call,) = whole.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == (first.function.name, arguments)
 
 
 def test_tool_results_continue_the_conversation(qwen):
     """An assistant's tool call and the tool's answer go back through the template."""
-    messages = [*ASK,
-                {"role": "assistant", "content": None, "tool_calls": [{
-                    "id": "call_abc", "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius", "days": 1}'}}]},
-                {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21}'}]
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21}'},
+    ]
     base = qwen.chat.completions.create(model="tiny-qwen", messages=ASK, tools=TOOLS, max_tokens=1)
     reply = qwen.chat.completions.create(model="tiny-qwen", messages=messages, tools=TOOLS, max_tokens=2)
-    call_text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius", "days": 1}}\n'
-                 '</tool_call>')
+    call_text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius", "days": 1}}\n'
+        "</tool_call>"
+    )
     # The prompt grew by the call and the answer as the template writes them (one token per byte).
     grown = reply.usage.prompt_tokens - base.usage.prompt_tokens
     assert grown >= len(call_text) + len('{"temperature": 21}')
@@ -207,9 +278,14 @@ def test_length_limited_strings_exclude_what_json_must_escape():
     """xgrammar writes strings with minLength/maxLength as any characters but quote, backslash and
     newlines; the grammar's copy of the schema closes that gap (control characters would make the
     output invalid JSON)."""
-    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 3},
-                                                "e": {"enum": [{"type": "string", "maxLength": 1}]}},
-              "required": ["s"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "s": {"type": "string", "minLength": 1, "maxLength": 3},
+            "e": {"enum": [{"type": "string", "maxLength": 1}]},
+        },
+        "required": ["s"],
+    }
     copy = grammar_schema(schema)
     assert schema["properties"]["s"] == {"type": "string", "minLength": 1, "maxLength": 3}  # unchanged
     assert copy["properties"]["e"] == schema["properties"]["e"]  # enum values are data, not schemas
@@ -223,29 +299,69 @@ def test_length_limited_strings_exclude_what_json_must_escape():
 # -- errors -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "minProperties": 3, "maxProperties": 1}}}},
-     "response_format.json_schema.schema"),
-    ({"tools": {"type": "function"}}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]}, "tools.0.function.parameters"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0.tool_call_id"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": 3, "maxProperties": 1}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"tools": {"type": "function"}}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+                        },
+                    }
+                ]
+            },
+            "tools.0.function.parameters",
+        ),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0.tool_call_id"),
+    ],
+)
 def test_bad_requests_are_400_naming_the_field(qwen, body, param):
-    response = httpx.post(f"{qwen.base_url}chat/completions", headers={"Authorization": f"Bearer {TOKEN}"},
-                          json={"model": "tiny-qwen", "messages": ASK, "max_tokens": 4, **body}, timeout=60)
+    response = httpx.post(
+        f"{qwen.base_url}chat/completions",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json={"model": "tiny-qwen", "messages": ASK, "max_tokens": 4, **body},
+        timeout=60,
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
@@ -253,8 +369,12 @@ def test_bad_requests_are_400_naming_the_field(qwen, body, param):
 
 
 def test_a_template_without_tools_gets_them_in_the_system_prompt(tiny_checkpoint):
-    engine = LLMEngine(tiny_checkpoint("llama", max_position_embeddings=MAX_MODEL_LEN), device="cpu", dtype="float32",
-                       max_model_len=MAX_MODEL_LEN)
+    engine = LLMEngine(
+        tiny_checkpoint("llama", max_position_embeddings=MAX_MODEL_LEN),
+        device="cpu",
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+    )
     system = {"role": "system", "content": "Be brief."}
     request = parse_request(ChatCompletionRequest, {"model": "m", "messages": [system, *ASK], "tools": TOOLS})
     # auto: the generic format, one JSON object (a call or the response) that its grammar holds.
@@ -303,30 +423,37 @@ def test_auto_on_a_template_without_tools_answers_in_the_generic_format(plain):
     """A random model's choice is noise, but the grammar holds it to a call or the response, and
     each comes back as OpenAI's calls or as bare content. (This one answers: its strings are long
     noise, cut by max_tokens. Calls through this path: tests/controlplane/gateway/test_demo_chat_model.py.)"""
-    reply = plain.chat.completions.create(model="tiny-plain", messages=ASK, tools=TOOLS, n=12, seed=3,
-                                          max_tokens=48)
+    reply = plain.chat.completions.create(model="tiny-plain", messages=ASK, tools=TOOLS, n=12, seed=3, max_tokens=48)
     for choice in reply.choices:
         _assert_generic_choice(choice)
     assert any(c.message.content for c in reply.choices)
     # Streamed, each choice adds up to the same message (same seed, same tokens).
-    stream = plain.chat.completions.create(model="tiny-plain", messages=ASK, tools=TOOLS, n=12, seed=3,
-                                           max_tokens=48, stream=True)
+    stream = plain.chat.completions.create(
+        model="tiny-plain", messages=ASK, tools=TOOLS, n=12, seed=3, max_tokens=48, stream=True
+    )
     streamed = [c for chunk in stream for c in chunk.choices]
     for whole in reply.choices:
         mine = [c for c in streamed if c.index == whole.index]
         content = "".join(c.delta.content or "" for c in mine)
         deltas = [d for c in mine for d in (c.delta.tool_calls or [])]
-        calls = [(d.function.name, "".join(e.function.arguments for e in deltas if e.index == d.index and not e.id))
-                 for d in deltas if d.id]
+        calls = [
+            (d.function.name, "".join(e.function.arguments for e in deltas if e.index == d.index and not e.id))
+            for d in deltas
+            if d.id
+        ]
         assert (content or None) == whole.message.content
         assert calls == [(call.function.name, call.function.arguments) for call in whole.message.tool_calls or []]
         assert mine[-1].finish_reason == whole.finish_reason
 
 
-@pytest.mark.parametrize("grammar", [
-    lambda: json_constraint({"type": "object"}).spec,
-    lambda: json_constraint(WEATHER_PARAMETERS).spec,
-], ids=["json_object", "json_schema"])
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        lambda: json_constraint({"type": "object"}).spec,
+        lambda: json_constraint(WEATHER_PARAMETERS).spec,
+    ],
+    ids=["json_object", "json_schema"],
+)
 def test_response_format_grammars_allow_one_blank_at_most(grammar):
     compiled = xgr.Grammar.from_structural_tag(grammar())
     assert _is_grammar_accept_string(compiled, '{"city": "Oslo", "unit": "celsius", "days": 2}')

@@ -11,20 +11,42 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from xgrammar.testing import _is_grammar_accept_string
 
-from gpuworker.demo_model import CHAT_TEMPLATE as DEMO_TEMPLATE
 from gpuworker.contract.openai_api import ChatCompletionRequest, parse_request
-from gpuworker.replica.tool_calls import (HERMES, LLAMA3_JSON, ToolCallParser, detect_tool_format, forced_tool_grammar,
-                                  parse_tool_calls)
+from gpuworker.demo_model import CHAT_TEMPLATE as DEMO_TEMPLATE
+from gpuworker.replica.tool_calls import (
+    HERMES,
+    LLAMA3_JSON,
+    ToolCallParser,
+    detect_tool_format,
+    forced_tool_grammar,
+    parse_tool_calls,
+)
 from tests.gpuworker.replica.tool_templates import LLAMA3_1_CHAT_TEMPLATE, QWEN2_5_CHAT_TEMPLATE
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                                  "required": ["a", "b"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 TOOLS = [WEATHER, ADD]
 NAMES = {"get_weather", "add"}
 
@@ -43,72 +65,99 @@ def test_the_format_is_read_from_the_chat_template():
     assert detect_tool_format(DEMO_TEMPLATE, "llama") is None
     assert detect_tool_format(None, "llama") is None
     with pytest.raises(ValueError, match="not support"):  # Mistral's [TOOL_CALLS] style
-        detect_tool_format("{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}",
-                           "mistral")
+        detect_tool_format("{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}", "mistral")
 
 
 # -- parsing whole outputs --------------------------------------------------------------------------
 
 
 def test_hermes_output_with_text_and_two_calls():
-    text = ("Let me look that up.\n" + call_text(HERMES, "get_weather", {"city": "Paris", "unit": "celsius"})
-            + "\n" + call_text(HERMES, "add", {"a": 1, "b": 2}))
+    text = (
+        "Let me look that up.\n"
+        + call_text(HERMES, "get_weather", {"city": "Paris", "unit": "celsius"})
+        + "\n"
+        + call_text(HERMES, "add", {"a": 1, "b": 2})
+    )
     parsed = parse_tool_calls(HERMES, text, NAMES)
     assert parsed.content == "Let me look that up."
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
-        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 1, "b": 2})]
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("add", {"a": 1, "b": 2}),
+    ]
     assert all(c.id.startswith("call_") for c in parsed.tool_calls)
     assert len({c.id for c in parsed.tool_calls}) == 2
     assert parsed.tool_calls[0].to_dict()["type"] == "function"
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    # arguments before the name, nested braces and a brace inside a string
-    ('<tool_call>\n{"arguments": {"q": "}{", "n": [1, {"x": 2}]}, "name": "add"}\n</tool_call>',
-     None, [("add", '{"q": "}{", "n": [1, {"x": 2}]}')]),
-    # arguments as a JSON string holding JSON (some fine-tunes write that)
-    ('<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>', None, [("add", '{"a": 1}')]),
-    # no arguments at all
-    ('<tool_call>\n{"name": "add"}\n</tool_call> done', "done", [("add", "{}")]),
-    # not JSON inside the markers: text, as written
-    ("<tool_call>\nnot json</tool_call> x", "<tool_call>\nnot json</tool_call> x", []),
-    # a function the request did not offer: text
-    ('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
-     '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>', []),
-    # things that look like the start of a marker, but are not
-    ("a < b and <tool or <tool_", "a < b and <tool or <tool_", []),
-    # cut off inside the arguments (finish_reason length): the call as far as it got
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 1', None, [("add", '{"a": 1')]),
-    # cut off before the name is complete: text
-    ('Sure <tool_call>\n{"name": "ad', 'Sure <tool_call>\n{"name": "ad', []),
-    # a model repeating its call until max_tokens, cut inside the close marker, the next trigger or
-    # the next call's name: after a call, the cut markup is dropped, never content
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_ca', None, [("add", '{"a": 1}')]),
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_c', None, [("add", '{"a": 1}')]),
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "ad',
-     None, [("add", '{"a": 1}')]),
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "add", '
-     '"arguments": {"a": 1}}\n</tool_call', None, [("add", '{"a": 1}'), ("add", '{"a": 1}')]),
-])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        # arguments before the name, nested braces and a brace inside a string
+        (
+            '<tool_call>\n{"arguments": {"q": "}{", "n": [1, {"x": 2}]}, "name": "add"}\n</tool_call>',
+            None,
+            [("add", '{"q": "}{", "n": [1, {"x": 2}]}')],
+        ),
+        # arguments as a JSON string holding JSON (some fine-tunes write that)
+        ('<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>', None, [("add", '{"a": 1}')]),
+        # no arguments at all
+        ('<tool_call>\n{"name": "add"}\n</tool_call> done', "done", [("add", "{}")]),
+        # not JSON inside the markers: text, as written
+        ("<tool_call>\nnot json</tool_call> x", "<tool_call>\nnot json</tool_call> x", []),
+        # a function the request did not offer: text
+        (
+            '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+            '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+            [],
+        ),
+        # things that look like the start of a marker, but are not
+        ("a < b and <tool or <tool_", "a < b and <tool or <tool_", []),
+        # cut off inside the arguments (finish_reason length): the call as far as it got
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1', None, [("add", '{"a": 1')]),
+        # cut off before the name is complete: text
+        ('Sure <tool_call>\n{"name": "ad', 'Sure <tool_call>\n{"name": "ad', []),
+        # a model repeating its call until max_tokens, cut inside the close marker, the next trigger or
+        # the next call's name: after a call, the cut markup is dropped, never content
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_ca', None, [("add", '{"a": 1}')]),
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_c', None, [("add", '{"a": 1}')]),
+        (
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "ad',
+            None,
+            [("add", '{"a": 1}')],
+        ),
+        (
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "add", '
+            '"arguments": {"a": 1}}\n</tool_call',
+            None,
+            [("add", '{"a": 1}'), ("add", '{"a": 1}')],
+        ),
+    ],
+)
 def test_hermes_edge_cases(text, content, calls):
     parsed = parse_tool_calls(HERMES, text, NAMES)
     assert parsed.content == content
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    ('{"name": "add", "parameters": {"a": 5, "b": 6}}', None, [("add", '{"a": 5, "b": 6}')]),
-    ('{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}',
-     None, [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Oslo"}')]),
-    # JSON in prose with a "name" is not a call: no parameters, or not a tool's name
-    ('Here: {"name": "Bob", "age": 3}.', 'Here: {"name": "Bob", "age": 3}.', []),
-    ('{"name": "add", "age": 3}', '{"name": "add", "age": 3}', []),
-    ('a {b} then {"name": "add", "parameters": {"a": 1, "b": 1}} c', "a {b} then c", [("add", '{"a": 1, "b": 1}')]),
-    # "arguments" is accepted as well as Llama's "parameters"
-    ('{"name": "add", "arguments": {"a": 1, "b": 1}}', None, [("add", '{"a": 1, "b": 1}')]),
-    # broken after the arguments: the call stands, the broken rest is dropped
-    ('{"name": "add", "parameters": {"a": 1, "b": 2}, "x": }', None, [("add", '{"a": 1, "b": 2}')]),
-])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ('{"name": "add", "parameters": {"a": 5, "b": 6}}', None, [("add", '{"a": 5, "b": 6}')]),
+        (
+            '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}',
+            None,
+            [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Oslo"}')],
+        ),
+        # JSON in prose with a "name" is not a call: no parameters, or not a tool's name
+        ('Here: {"name": "Bob", "age": 3}.', 'Here: {"name": "Bob", "age": 3}.', []),
+        ('{"name": "add", "age": 3}', '{"name": "add", "age": 3}', []),
+        ('a {b} then {"name": "add", "parameters": {"a": 1, "b": 1}} c', "a {b} then c", [("add", '{"a": 1, "b": 1}')]),
+        # "arguments" is accepted as well as Llama's "parameters"
+        ('{"name": "add", "arguments": {"a": 1, "b": 1}}', None, [("add", '{"a": 1, "b": 1}')]),
+        # broken after the arguments: the call stands, the broken rest is dropped
+        ('{"name": "add", "parameters": {"a": 1, "b": 2}, "x": }', None, [("add", '{"a": 1, "b": 2}')]),
+    ],
+)
 def test_llama3_json_cases(text, content, calls):
     parsed = parse_tool_calls(LLAMA3_JSON, text, NAMES)
     assert parsed.content == content
@@ -141,15 +190,23 @@ def stream(fmt, text: str, cuts: list[int]):
 
 
 STREAM_CASES = [
-    (HERMES, "Checking.\n" + call_text(HERMES, "get_weather", {"city": "Rio \"de\" {Janeiro}", "unit": "celsius"})
-     + "\n" + call_text(HERMES, "add", {"a": -1, "b": 20})),
+    (
+        HERMES,
+        "Checking.\n"
+        + call_text(HERMES, "get_weather", {"city": 'Rio "de" {Janeiro}', "unit": "celsius"})
+        + "\n"
+        + call_text(HERMES, "add", {"a": -1, "b": 20}),
+    ),
     (HERMES, "just text, with a < and a <tool in it\n\n  "),
     (HERMES, '<tool_call>\n{"arguments": {"a": 1, "b": 2}, "name": "add"}\n</tool_call> and after'),
     (HERMES, "<tool_call>\nbroken</tool_call> then " + call_text(HERMES, "add", {"a": 3, "b": 4})),
     (HERMES, '<tool_call>\n{"name": "add", "arguments": {"a": 12'),
     (HERMES, call_text(HERMES, "add", {"a": 1, "b": 2}) + "\n" + call_text(HERMES, "add", {"a": 1, "b": 2})[:-3]),
     (HERMES, call_text(HERMES, "add", {"a": 1, "b": 2}) + '\n<tool_call>\n{"name": "ad'),
-    (LLAMA3_JSON, call_text(LLAMA3_JSON, "add", {"a": 1, "b": 2}) + "; " + call_text(LLAMA3_JSON, "add", {"a": 3, "b": 4})),
+    (
+        LLAMA3_JSON,
+        call_text(LLAMA3_JSON, "add", {"a": 1, "b": 2}) + "; " + call_text(LLAMA3_JSON, "add", {"a": 3, "b": 4}),
+    ),
     (LLAMA3_JSON, 'Data {"name": "Bob"} and {"k": 1} { "name": "add", "parameters": {"a": 1, "b": 0}}'),
     (LLAMA3_JSON, '{"name": "add", "parameters": 12}'),
 ]
@@ -162,8 +219,9 @@ def test_streamed_pieces_add_up_to_the_whole_output(fmt, text, cuts):
     whole = parse_tool_calls(fmt, text, NAMES)
     content, calls, _ = stream(fmt, text, cuts)
     assert content == (whole.content or "")
-    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == \
-        [(c.name, c.arguments) for c in whole.tool_calls]
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
+        (c.name, c.arguments) for c in whole.tool_calls
+    ]
 
 
 def test_arguments_stream_as_they_are_written_and_markup_never_reaches_content():
@@ -178,7 +236,7 @@ def test_arguments_stream_as_they_are_written_and_markup_never_reaches_content()
     # The name is announced as soon as it is complete, before any argument.
     first = next(i for i, s in enumerate(said) if s.tool_calls)
     assert said[first].tool_calls[0]["function"]["name"] == "get_weather"
-    assert text[:first + 1].endswith('"get_weather"')
+    assert text[: first + 1].endswith('"get_weather"')
 
 
 # -- the grammar of forced calls ---------------------------------------------------------------------
@@ -233,16 +291,32 @@ def test_assistant_tool_calls_and_tool_results_round_trip_through_the_template(t
     write_tokenizer(tmp_path, 384, 1024)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     tokenizer.chat_template = template
-    request = parse_request(ChatCompletionRequest, {"model": "m", "tools": TOOLS, "messages": [
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
-    ]})
+    request = parse_request(
+        ChatCompletionRequest,
+        {
+            "model": "m",
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+            ],
+        },
+    )
     # What LLMEngine.render_chat does with a request's messages and tools.
-    prompt = tokenizer.apply_chat_template(request.chat_messages(), tools=request.template_tools(),
-                                           add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        request.chat_messages(), tools=request.template_tools(), add_generation_prompt=True, tokenize=False
+    )
     # The tools are in the prompt, the earlier call is written in the family's own format (so the
     # parser reads it back), and the tool's result follows it.
     assert '"name": "get_weather"' in prompt and "Current weather in a city" in prompt
@@ -253,7 +327,8 @@ def test_assistant_tool_calls_and_tool_results_round_trip_through_the_template(t
         assert written in prompt.replace("<|eot_id|>", "")
     parsed = parse_tool_calls(fmt, written, NAMES)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
-        ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+        ("get_weather", {"city": "Oslo", "unit": "celsius"})
+    ]
     assert prompt.index(written) < prompt.index("temperature")  # (Llama's template re-quotes it)
     # tool_choice "none": the model is not told about tools.
     request.tool_choice = "none"

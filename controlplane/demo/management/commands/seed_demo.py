@@ -9,11 +9,15 @@ from controlplane.demo.seed import seed_demo
 
 
 class Command(BaseCommand):
-    help = "Seed the demo admin login, tenant, credits, API key, and the demo model (weights and deployment); idempotent."
+    help = (
+        "Seed the demo admin login, tenant, credits, API key, and the demo model (weights and deployment); idempotent."
+    )
 
     def add_arguments(self, parser) -> None:
         parser.add_argument(
-            "--env-file", type=Path, default=settings.BASE_DIR / ".env.demo",
+            "--env-file",
+            type=Path,
+            default=settings.BASE_DIR / ".env.demo",
             help="Where to keep the demo's API key and password (default: .env.demo).",
         )
 
