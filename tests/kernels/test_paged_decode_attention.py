@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 
 import pytest
 import torch
+import triton.language as tl
 
 from gpuworker.kernels.attention.paged_decode import (
     MAX_SPLITS,
+    DecodeVariant,
     NewTokens,
     SplitCounters,
+    _merge_partitions_kernel,
+    _paged_decode_kernel,
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -338,6 +343,34 @@ def test_split_counters_grow_and_keep_earlier_buffers():
     assert large.numel() == 20 and large is not small
     assert counters.get(5, cpu) is large
     assert any(buffer is small for buffer in counters._buffers)  # a captured graph may still use it
+
+
+def test_the_variant_builds_every_constexpr_of_the_kernels():
+    # DecodeVariant is the one place where a launch's shapes and switches become constexprs: it
+    # names each of the kernel's (USE_PDL aside, which launch.pdl_options sets for every kernel).
+    def constexprs(kernel):
+        return {
+            name
+            for name, parameter in inspect.signature(kernel).parameters.items()
+            if parameter.annotation in (tl.constexpr, "tl.constexpr")
+        } - {"USE_PDL"}
+
+    variant = DecodeVariant(
+        block_size=16,
+        query_group=6,
+        head_dim=80,
+        block_n=64,
+        num_splits=3,
+        dtype=torch.bfloat16,
+        merge_in_launch=True,
+        new_token=True,
+        rotary_half=40,
+    )
+    built = variant.constexprs()
+    assert set(built) == constexprs(_paged_decode_kernel)
+    assert (built["GROUP_PAD"], built["BLOCK_D"], built["SPLITS_PAD"], built["SPLIT"]) == (16, 128, 4, True)
+    assert set(variant.merge_constexprs()) == constexprs(_merge_partitions_kernel)
+    assert not replace(variant, num_splits=1).constexprs()["SPLIT"]
 
 
 def test_choose_num_splits_fills_the_device_only_when_needed():

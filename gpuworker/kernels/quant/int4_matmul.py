@@ -288,7 +288,7 @@ def _int4_gemv_kernel(
     if X_WORDS:  # bfloat16 x read as uint32 words, two values each (4-byte aligned: the launcher checks)
         xw_ptrs = x_ptr.to(tl.pointer_type(tl.uint32)) + ps * 4
     else:
-        xw_ptrs = None
+        xw_ptrs = None  # x read as values (x_ptrs)
     acc = tl.zeros((GROUPS_PER_STEP, ROWS, BLOCK_N), dtype=tl.float32)
     for step in tl.range(step_start, step_end, num_stages=NUM_STAGES):
         if MASKED:  # a column tail or a last step past the last group
@@ -302,7 +302,7 @@ def _int4_gemv_kernel(
             packed = tl.load(w_ptrs, eviction_policy="evict_first")
             zeros = tl.load(z_ptrs).to(tl.float32)
             scales = tl.load(s_ptrs).to(tl.float32)
-            x_mask = None
+            x_mask = None  # whole groups and columns
         qx, xs = _nibble_products(
             packed, x_ptrs, xw_ptrs, x_mask, NIBBLE_MASK, GROUPS_PER_STEP, ROWS, BLOCK_N, MASKED, X_WORDS
         )
