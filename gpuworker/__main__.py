@@ -54,7 +54,13 @@ def _byte_count(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gpuworker")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve(commands)
+    _add_daemon(commands)
+    _add_spare(commands)
+    return parser
 
+
+def _add_serve(commands) -> None:
     serve = commands.add_parser("serve", help="serve one model over the OpenAI-compatible API")
     serve.add_argument("--model", required=True, help="directory of a Hugging Face checkpoint")
     serve.add_argument("--host", default="127.0.0.1")
@@ -138,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="info")
 
+
+def _add_daemon(commands) -> None:
     daemon = commands.add_parser("daemon", help="the host agent: register, heartbeat, load/unload replicas")
     daemon.add_argument("--control-url", required=True, help="the control plane's base URL")
     daemon.add_argument(
@@ -197,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument("--no-spare", dest="spare_replicas", action="store_false", help=argparse.SUPPRESS)
     daemon.add_argument("--log-level", default="info")
 
+
+def _add_spare(commands) -> None:
     spare = commands.add_parser("spare", help="(started by the daemon) a replica process waiting for its load")
     spare.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: initialised before the load")
     spare.add_argument(
@@ -208,7 +218,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spare.add_argument("--exit-with-parent", type=int, default=None, metavar="PID")
     spare.add_argument("--log-level", default="info")
-    return parser
 
 
 def _configure_logging(level: str) -> None:
