@@ -1,4 +1,5 @@
 """Shared @triton.jit device functions that kernels of several families call: one module per
-computation (online softmax, block-table prefetch, FP8 codec, per-head RMS norm), imported as a module
-and called by attribute (`prefetch.next_block(...)`). Everything here is made interpretable for
-interpreted launches (launch.py)."""
+computation (online softmax, block-table prefetch, FP8 codec, per-head RMS norm, rotary and the cache
+write of new tokens, the gated MLP's SiLU-and-mul), imported as a module and called by attribute
+(`prefetch.next_block(...)`). Everything here is made interpretable for interpreted launches
+(launch.py)."""
