@@ -160,7 +160,12 @@ def _vllm_fp8(qc: dict[str, Any], source: str) -> QuantConfig:
 def block_fp8_columns_supported(columns: object) -> bool:
     """Weight columns per block scale the block FP8 GEMM tiles (kernels/quant/block_fp8_matmul.py):
     one K step per block, a power of two from 16 to 256."""
-    return isinstance(columns, int) and not isinstance(columns, bool) and 16 <= columns <= 256 and not columns & (columns - 1)
+    return (
+        isinstance(columns, int)
+        and not isinstance(columns, bool)
+        and 16 <= columns <= 256
+        and not columns & (columns - 1)
+    )
 
 
 def _block_fp8(qc: dict[str, Any], source: str) -> QuantConfig:

@@ -19,6 +19,11 @@ def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
     twin, unless the checkpoint leaves those modules unquantized (quant.ignore)."""
     config = model.config
     if config.moe is not None:
+        if quant.weight_strategy == "block":
+            raise ValueError(
+                f"{config.model_path}: block-wise FP8 mixture-of-experts checkpoints are not supported yet: "
+                "the fused MoE kernel takes no FP8 expert weights with block scales (weight_scale_inv)"
+            )
         raise ValueError(f"{config.model_path}: quantized mixture-of-experts checkpoints are not supported yet")
     q, kv = config.q_size, config.kv_size
     for i, layer in enumerate(model.layers):
@@ -82,9 +87,13 @@ def _quantized(
     if any(ignored):
         raise ValueError(f"{', '.join(names)} are fused into one projection but only some are quantized")
     # Imported when a quantized model is built: they import Triton, which float models on CPU never need.
+    from gpuworker.models.quantization.block_fp8 import BlockFp8Linear
     from gpuworker.models.quantization.fp8 import Fp8Linear
     from gpuworker.models.quantization.int4 import Int4Linear
 
-    cls = Fp8Linear if quant.method == "fp8" else Int4Linear
+    if quant.weight_strategy == "block":
+        cls = BlockFp8Linear
+    else:
+        cls = Fp8Linear if quant.method == "fp8" else Int4Linear
     out_features, in_features = linear.weight.shape
     return cls(in_features, out_features, linear.bias is not None, quant, names, shard_sizes)
