@@ -7,9 +7,9 @@ A tiny random float32 checkpoint (tests/gpuworker/checkpoints.py) has its decode
 quantized by the reference code below, written from the formats' documentation and independent of
 gpuworker's readers: llm-compressor's compressed-tensors (float-quantized), vLLM's fp8 method, AutoAWQ's
 GEMM layout, AutoGPTQ's layout, and DeepSeek's block-wise FP8 (weight and weight_scale_inv per
-128 x 128 block, as transformers' FineGrainedFP8 reads it). The twin holds, in the plain Llama layout, exactly the float32
-weights the quantized ones stand for, so transformers run on it is the reference for the engine run
-on the quantized files. Shapes are the smallest that hold a whole INT4 group of 128 inputs.
+128 x 128 block, as transformers' FineGrainedFP8 reads it). The twin holds, in the plain Llama
+layout, exactly the float32 weights the quantized ones stand for, so transformers run on it is the
+reference for the engine run on the quantized files. Shapes are the smallest that hold a whole INT4 group of 128 inputs.
 """
 
 from __future__ import annotations
