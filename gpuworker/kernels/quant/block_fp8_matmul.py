@@ -89,7 +89,7 @@ def _block_fp8_matmul_kernel(
     stride_om,
     GROUP_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -118,7 +118,7 @@ def _block_fp8_matmul_kernel(
         b = tl.load(b_rows + ks[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         a_scale = tl.load(a_scales + kb, mask=m_mask, other=0.0)
         b_scale = tl.load(b_scales + kb, mask=n_mask, other=0.0)
-        if UPCAST:  # the interpreter: products in float32
+        if DOT_FP32:  # the interpreter: products in float32
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             # One column group's FP8 x FP8 sum leaves the MMA after BLOCK_K products, scaled into float32.
@@ -191,7 +191,7 @@ def block_fp8_matmul(
         out.stride(0),
         GROUP_N=group_n,
         HAS_BIAS=bias is not None,
-        UPCAST=interpreting(),
+        DOT_FP32=interpreting(),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=group_k,
