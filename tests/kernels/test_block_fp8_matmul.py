@@ -90,6 +90,37 @@ def test_every_default_tile_gives_the_same_answer(device, generator):
         torch.testing.assert_close(got, expected, **_tolerance(torch.float32, k), msg=config.name)
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 5, 0], ids=lambda s: f"split{s or '-auto'}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_split_k_adds_the_partial_sums_and_the_bias_once(split_k, dtype, device, generator):
+    # Decode-shaped: few rows, K split over programs (5 column groups, the last partial; a split of 5
+    # leaves each program one group; more splits than groups would leave programs without any).
+    m, n, k = 3, 100, 600
+    weight, scale = _weight(n, k, BLOCK, generator, device)
+    x_q, x_scale = quantize_fp8_groups(
+        torch.randn(m, k, generator=generator).to(dtype).to(device), 128, use_kernel=True
+    )
+    bias = torch.randn(n, generator=generator).to(dtype).to(device)
+    config = BlockFp8GemmConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, split_k=split_k)
+    got = block_fp8_matmul(x_q, x_scale, weight, scale, *BLOCK, bias=bias, out_dtype=dtype, config=config)
+    expected = block_fp8_matmul_reference(x_q, x_scale, weight, scale, *BLOCK, bias=bias, out_dtype=dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, expected, **_tolerance(dtype, k))
+
+
+def test_auto_split_fills_the_device_with_programs(monkeypatch):
+    from gpuworker.kernels.attention import paged_decode
+
+    monkeypatch.setattr(paged_decode, "multiprocessor_count", lambda device: 132)
+    split = block_module.auto_split_k
+    cuda = torch.device("cuda", 0)
+    # DeepSeek-V3's q_a_proj at decode: 24 tiles of 64 columns, 56 column groups -> 11 splits.
+    assert split(24, 56, cuda) == 11
+    assert split(600, 56, cuda) == 1  # the tiles fill the device already
+    assert split(1, 4, cuda) == 2  # at least two column groups a program
+    assert split(1, 1000, cuda) == block_module.MAX_SPLIT_K
+
+
 def test_default_tiles_without_a_table():
     # A GPU with no configs/block_fp8_matmul file takes the defaults by row bucket.
     assert pick_config(1, on_cuda=False) == block_module.INTERPRETER_CONFIG

@@ -168,10 +168,12 @@ def test_block_fp8_matmul_compiles_with_the_gpu_tiles(rows, monkeypatch):
 
     monkeypatch.setattr(block_module, "INTERPRETER_CONFIG", block_module.pick_config(rows, on_cuda=True))
     launches = record_launches(monkeypatch)
-    x_q, x_scale = block_module.quantize_fp8_groups(torch.randn(rows, 300).bfloat16(), 128, use_kernel=True)
-    weight = torch.randn(200, 300).to(torch.float8_e4m3fn)
-    block_module.block_fp8_matmul(x_q, x_scale, weight, torch.ones(2, 3), 128, 128, out_dtype=torch.bfloat16)
+    x_q, x_scale = block_module.quantize_fp8_groups(torch.randn(rows, 1000).bfloat16(), 128, use_kernel=True)
+    weight = torch.randn(200, 1000).to(torch.float8_e4m3fn)
+    block_module.block_fp8_matmul(x_q, x_scale, weight, torch.ones(2, 8), 128, 128, out_dtype=torch.bfloat16)
     (launch,) = launches["_block_fp8_matmul_kernel"]
+    # Decode rows split K (the interpreter's device counts 8 multiprocessors); batches do not.
+    assert (launch.arguments["SPLIT_K"] > 1) == (rows <= 16)
     ptx = compile_sm90(launch)
     if launch.arguments["BLOCK_M"] >= 64:
         # A warpgroup's tile: FP8 x FP8 wgmma.

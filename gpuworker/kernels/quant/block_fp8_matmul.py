@@ -7,6 +7,10 @@ float32 scale each. One K step of the kernel is one column group: its FP8 x FP8 
 tensor cores, is scaled by a_scale * b_scale and added to a float32 accumulator, as DeepSeek's and
 vLLM's kernels do. Weight scales are looked up per output column (`n // group_n`), so fused
 projections whose shards do not end on a block boundary keep one scale row per output row (group_n 1).
+
+Decode batches have few row tiles: a projection with few column tiles (DeepSeek-V3's q_a_proj, 1,536
+outputs, is 24 tiles of 64) would leave most multiprocessors idle, so a launch may split K over
+split_k programs per tile, each writing its float32 partial sum, added up after.
 """
 
 from __future__ import annotations
@@ -42,10 +46,14 @@ class BlockFp8GemmConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Programs sharing one output tile's K loop (their partial sums added after); 0: as many as fill
+    # the device with programs, for the tile grid of the call (auto_split_k).
+    split_k: int = 1
 
     @property
     def name(self) -> str:
-        return f"blockfp8-m{self.block_m}-n{self.block_n}-w{self.num_warps}-p{self.num_stages}"
+        split = "" if self.split_k == 1 else f"-s{self.split_k or 'auto'}"
+        return f"blockfp8-m{self.block_m}-n{self.block_n}-w{self.num_warps}-p{self.num_stages}{split}"
 
 
 # The tiles measured on each device: configs/block_fp8_matmul/<device>.json, {(row bucket,): config
@@ -54,7 +62,7 @@ class BlockFp8GemmConfig:
 # and vLLM's generic 64 x 128 tile with a two-stage pipeline beyond, which fit any GPU's shared memory.
 GEMM_TABLE_KEY = ("rows",)
 DEFAULT_CONFIGS = {
-    16: BlockFp8GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=3),
+    16: BlockFp8GemmConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, split_k=0),
     64: BlockFp8GemmConfig(block_m=32, block_n=128, num_warps=4, num_stages=3),
     1 << 30: BlockFp8GemmConfig(block_m=64, block_n=128, num_warps=4, num_stages=2),
 }
@@ -65,6 +73,8 @@ INTERPRETER_CONFIG = BlockFp8GemmConfig(block_m=16, block_n=32, num_warps=4, num
 def pick_config(m: int, *, on_cuda: bool, device: torch.device | None = None) -> BlockFp8GemmConfig:
     if not on_cuda:
         return INTERPRETER_CONFIG
+    """The tiles for m rows: the device's table's smallest row bucket holding m (the largest beyond),
+    DEFAULT_CONFIGS without a table; INTERPRETER_CONFIG off a GPU."""
     table = configs.table("block_fp8_matmul", GEMM_TABLE_KEY, device, BlockFp8GemmConfig)
     if not table:
         return DEFAULT_CONFIGS[configs.bucket(m, DEFAULT_CONFIGS)]
@@ -87,12 +97,14 @@ def _block_fp8_matmul_kernel(
     stride_bn,
     stride_bsn,
     stride_om,
+    stride_split,
     GROUP_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options
@@ -110,7 +122,8 @@ def _block_fp8_matmul_kernel(
     a_scales = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
     b_scales = b_scale_ptr + (offs_n // GROUP_N).to(tl.int64) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    # With SPLIT_K programs per tile, program k takes column groups k, k + SPLIT_K, ...
+    for kb in range(tl.program_id(2), tl.cdiv(K, BLOCK_K), SPLIT_K):
         ks = kb * BLOCK_K + offs_k
         k_mask = ks < K
         a = tl.load(a_rows + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -126,6 +139,8 @@ def _block_fp8_matmul_kernel(
         acc += part * a_scale[:, None] * b_scale[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    # Split: out_ptr is the float32 partial sums [SPLIT_K, M, N] (bias added with them, after).
+    out_ptr += tl.program_id(2).to(tl.int64) * stride_split
     tl.store(
         out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
         acc.to(out_ptr.dtype.element_ty),
@@ -174,13 +189,19 @@ def block_fp8_matmul(
     if m == 0 or n == 0:
         return out
     config = config or pick_config(m, on_cuda=x_q.is_cuda, device=x_q.device)
-    _block_fp8_matmul[(triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))](
+    tiles = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n))
+    k_groups = triton.cdiv(k, group_k)
+    split_k = auto_split_k(tiles[0] * tiles[1], k_groups, x_q.device) if config.split_k == 0 else config.split_k
+    split_k = max(1, min(split_k, k_groups))
+    # Split: each program's float32 partial sum in its own slice, added up (with the bias) below.
+    target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x_q.device)
+    _block_fp8_matmul[(*tiles, split_k)](
         x_q,
         x_scale,
         weight,
         weight_scale,
         bias if bias is not None else weight_scale,
-        out,
+        target,
         m,
         n,
         k,
@@ -188,18 +209,39 @@ def block_fp8_matmul(
         x_scale.stride(0),
         weight.stride(0),
         weight_scale.stride(0),
-        out.stride(0),
+        target.stride(-2),
+        target.stride(0) if split_k > 1 else 0,
         GROUP_N=group_n,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None and split_k == 1,
         DOT_FP32=interpreting(),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=group_k,
+        SPLIT_K=split_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_options(x_q.device),
     )
-    return out
+    if split_k == 1:
+        return out
+    total = target.sum(dim=0)
+    if bias is not None:
+        total += bias.float()
+    return out.copy_(total)
+
+
+# Programs per multiprocessor an automatic split aims at, and the most K splits it takes.
+SPLIT_PROGRAMS_PER_SM = 2
+MAX_SPLIT_K = 16
+
+
+def auto_split_k(tiles: int, k_groups: int, device: torch.device) -> int:
+    """K splits that give `tiles` output tiles SPLIT_PROGRAMS_PER_SM programs per multiprocessor, each
+    with at least two column groups to sum (1 where the tiles fill the device already)."""
+    from gpuworker.kernels.attention.paged_decode import multiprocessor_count
+
+    wanted = -(-SPLIT_PROGRAMS_PER_SM * multiprocessor_count(device) // tiles)
+    return max(1, min(wanted, k_groups // 2, MAX_SPLIT_K))
 
 
 def dequantize_block_fp8(values: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int) -> torch.Tensor:
