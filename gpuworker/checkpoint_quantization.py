@@ -1,6 +1,6 @@
 """QuantConfig: a checkpoint's quantization, read once from config.json's quantization_config.
 
-Three published layouts are understood (the formats' own names in parentheses):
+These published layouts are understood (the formats' own names in parentheses):
 - FP8 e4m3 weights with a float32 scale per tensor or per output channel, and activations either
   left in the model dtype, quantized with a static per-tensor scale from the checkpoint, or quantized
   per token at run time: llm-compressor's "compressed-tensors" (format "float-quantized") and vLLM's

@@ -177,6 +177,17 @@ def test_bad_input_is_named(device):
         quantize_fp8_groups(torch.zeros(2, 256, device=device), 96)
 
 
+def test_a_gpu_without_fp8_is_named(monkeypatch):
+    # An A100 (8.0) has no e4m3 tensor cores: refused at load, with the GPU named, not at its first step.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"compute capability 8\.9 or later .* A100-SXM4-80GB is 8\.0"):
+        block_module.check_fp8_device(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    block_module.check_fp8_device(torch.device("cuda", 0))
+    block_module.check_fp8_device(torch.device("cpu"))
+
+
 def test_no_rows(device):
     weight = torch.zeros(8, 256, device=device).to(FP8_DTYPE)
     x_q = torch.zeros(0, 256, device=device).to(FP8_DTYPE)

@@ -244,6 +244,22 @@ def auto_split_k(tiles: int, k_groups: int, device: torch.device) -> int:
     return max(1, min(wanted, k_groups // 2, MAX_SPLIT_K))
 
 
+# FP8 e4m3 tensor-core products (and Triton's float8e4nv type) start with Ada and Hopper.
+MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """A ValueError naming the GPU where it cannot run these kernels (compute capability below 8.9)."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        raise ValueError(
+            f"block-wise FP8 needs a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+            f"later (Ada, Hopper); {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+        )
+
+
 def dequantize_block_fp8(values: torch.Tensor, scale: torch.Tensor, group_n: int, group_k: int) -> torch.Tensor:
     """float32 values [R, C] (FP8 or already float) times the scale of their block: scale [ceil(R /
     group_n), ceil(C / group_k)]; the last row and column blocks may be partial."""

@@ -16,6 +16,7 @@ import torch
 from gpuworker.kernels.quant.block_fp8_matmul import (
     block_fp8_matmul,
     block_fp8_matmul_reference,
+    check_fp8_device,
     quantize_fp8_groups,
 )
 from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE, FP8_MAX
@@ -39,6 +40,7 @@ class BlockFp8Linear(QuantizedLinear):
         return ("weight", "weight_scale_inv"), ()
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        check_fp8_device(self.weight_fp8.device)
         weights, scales = [], []
         column_blocks = -(-self.in_features // self.group_k)
         for i, (staged, rows) in enumerate(zip(shards, self.shard_sizes)):

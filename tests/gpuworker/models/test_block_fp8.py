@@ -155,3 +155,12 @@ def test_tensor_parallel_is_refused(checkpoint):
 
     with pytest.raises(ValueError, match=r"quantization: a fp8 model cannot be split over tensor_parallel_size \(2\)"):
         shard_config(load_model_config(checkpoint[0]), ParallelContext(rank=0, world_size=2))
+
+
+def test_dummy_weights_of_the_right_dtypes(checkpoint, prompt):
+    quantized, _ = checkpoint
+    mc = load_model_config(quantized)
+    model = load_model(mc, dtype="bfloat16", load_format="dummy")
+    down = model.layers[0].mlp.down_proj
+    assert (down.weight_fp8.dtype, down.weight_scale_inv.dtype) == (FP8_DTYPE, torch.float32)
+    assert torch.isfinite(_logits(model, mc, prompt)).all()
