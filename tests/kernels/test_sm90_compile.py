@@ -193,3 +193,18 @@ def test_group_quantization_compiles(monkeypatch):
     ptx = compile_sm90(launch)
     # Two divisions a group (its scale and the reciprocal), not one a value.
     assert ptx.count("div.rn.f32") <= 2 * 8
+
+
+@pytest.mark.parametrize("tokens", [2, 64])
+def test_block_fp8_moe_compiles(tokens, monkeypatch):
+    # 16-row blocks for a few pairs an expert, 64 (FP8 wgmma) beyond.
+    from gpuworker.kernels.moe.block_fp8 import fused_moe_block_fp8
+    from tests.kernels.test_moe_block_fp8 import problem
+
+    launches = record_launches(monkeypatch)
+    fused_moe_block_fp8(*problem(tokens, 256, 128, 4, 2, (128, 128), torch.bfloat16), (128, 128))
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        (launch,) = launches[name]
+        ptx = compile_sm90(launch)
+        if launch.arguments["BLOCK_M"] >= 64:
+            assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx), name
