@@ -22,7 +22,8 @@ def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
         if quant.weight_strategy == "block":
             raise ValueError(
                 f"{config.model_path}: block-wise FP8 mixture-of-experts checkpoints are not supported yet: "
-                "the fused MoE kernel takes no FP8 expert weights with block scales (weight_scale_inv)"
+                "SparseMoE does not load FP8 expert weights with their block scales (weight_scale_inv) "
+                "nor run kernels.moe.block_fp8"
             )
         raise ValueError(f"{config.model_path}: quantized mixture-of-experts checkpoints are not supported yet")
     q, kv = config.q_size, config.kv_size

@@ -145,7 +145,10 @@ def test_block_fp8_moe_is_refused_naming_what_is_missing(tiny_checkpoint, tmp_pa
     config = json.loads((moe / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (moe / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="block-wise FP8 mixture-of-experts .* block scales"):
+    with pytest.raises(
+        ValueError,
+        match=r"block-wise FP8 mixture-of-experts .* FP8 expert weights with their block scales \(weight_scale_inv\)",
+    ):
         load_model(moe)
 
 
