@@ -193,3 +193,19 @@ def test_no_rows(device):
     x_q = torch.zeros(0, 256, device=device).to(FP8_DTYPE)
     out = block_fp8_matmul(x_q, torch.ones(0, 2, device=device), weight, torch.ones(1, 2, device=device), 128, 128)
     assert out.shape == (0, 8)
+
+
+def test_one_specialisation_whatever_the_rows(device, generator, monkeypatch):
+    # Row counts of a serving run, split and unsplit: one compiled variant per split, not one per
+    # pattern of M or of the partial sums' stride (M * N) being divisible by 16.
+    from tests.kernels.test_specialization import _record_patterns
+
+    patterns = _record_patterns(monkeypatch, with_constexprs=True)
+    weight, scale = _weight(100, 512, BLOCK, generator, device)  # M * 100: a multiple of 16 or not
+    for m in (1, 3, 16, 17, 32, 48):
+        x_q, x_scale = quantize_fp8_groups(torch.randn(m, 512, generator=generator).to(device), 128, use_kernel=True)
+        for split_k in (1, 2):
+            config = BlockFp8GemmConfig(block_m=16, block_n=32, num_warps=4, num_stages=1, split_k=split_k)
+            block_fp8_matmul(x_q, x_scale, weight, scale, *BLOCK, out_dtype=torch.float32, config=config)
+    assert len(patterns["_block_fp8_matmul_kernel"]) == 2
+    assert len(patterns["_quantize_groups_kernel"]) == 1

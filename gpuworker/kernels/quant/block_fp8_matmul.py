@@ -148,7 +148,8 @@ def _block_fp8_matmul_kernel(
     )
 
 
-_block_fp8_matmul = lazy_jit(_block_fp8_matmul_kernel, do_not_specialize=("M",))
+# M and the partial sums' stride (M * N) change with every batch: not specialisation keys (launch.LazyJIT).
+_block_fp8_matmul = lazy_jit(_block_fp8_matmul_kernel, do_not_specialize=("M", "stride_split"))
 
 
 def block_fp8_matmul(
