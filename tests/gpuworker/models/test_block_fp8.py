@@ -78,8 +78,11 @@ def test_transformers_reads_the_helper_checkpoint_as_its_twin(checkpoint):
     assert all(torch.equal(read[name], expected[name]) for name in expected)
 
 
-def test_greedy_equals_transformers_on_the_same_checkpoint(checkpoint, prompt):
-    quantized, twin = checkpoint
+# Qwen3's FP8 checkpoints (Qwen3-8B-FP8 and the rest) are this layout too: q/k norms, head_dim 32
+# apart from hidden_size / heads.
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_equals_transformers_on_the_same_checkpoint(family, checkpoint, prompt, tmp_path):
+    quantized, twin = checkpoint if family == "llama" else make_quantized_checkpoint(tmp_path, SCHEME, family)
     reference_model = hf_reference(quantized, twin, SCHEME)
     ids = torch.tensor([prompt])
     with torch.no_grad():
