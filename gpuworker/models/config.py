@@ -277,6 +277,8 @@ _DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "routed_scaling_factor": 1.0,
         "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
     },
 }
 
@@ -332,7 +334,7 @@ def deepseek_moe_config(
         top_k=field("num_experts_per_tok"),
         topk_method=method,
         n_group=n_group,
-        topk_group=field("topk_group") if method != "greedy" and config.get("topk_group") is not None else n_group,
+        topk_group=field("topk_group") if method != "greedy" else n_group,
         normalize=bool(normalize),
         scaling=float(field("routed_scaling_factor", (int, float), minimum=0)),
     )
