@@ -85,21 +85,21 @@ class SparseMoE(nn.Module):
             self.e_score_correction_bias = nn.Parameter(self.e_score_correction_bias.float(), requires_grad=False)
         return self
 
-    def route(self, x: torch.Tensor, decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, top_k] float32, global expert ids [T, top_k] int64). `decode`: on
-        the GPU in one Triton launch (the decode path's), else in torch (device ops, no host reads)."""
+    def route(self, x: torch.Tensor, launch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, top_k] float32, global expert ids [T, top_k] int64). `launch`: in
+        one Triton launch (the decode path's), else in torch (device ops, no host reads)."""
         config = self.config
         if config.router_float32:  # as transformers' DeepSeek routers: float32 input and weight
             logits = F.linear(x.float(), self.gate.weight.float())
         else:
             logits = self.gate(x)
         if config.routing is not None:
-            if decode and x.is_cuda:
+            if launch:
                 from gpuworker.kernels.moe.routing import route_grouped
 
                 return route_grouped(logits, config.routing, self.e_score_correction_bias)
             return route_grouped_reference(logits, config.routing, self.e_score_correction_bias)
-        if decode and x.is_cuda:
+        if launch:
             from gpuworker.kernels.moe.decode import route_top_k
 
             return route_top_k(logits, config.top_k, config.norm_topk_prob)
@@ -137,21 +137,28 @@ class SparseMoE(nn.Module):
 
     def _routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' part of the output for x [T, H]: routed over all experts; on the GPU
-        the decode kernels for a few tokens (kernels.moe_decode.decode_config), else the grouped
-        ones; on the CPU the reference."""
+        the kernels (kernel_experts), on the CPU the reference."""
+        if x.is_cuda:
+            return self.kernel_experts(x)
         w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
         w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
-        if x.is_cuda:
-            from gpuworker.kernels.moe.decode import decode_config, moe_decode
-            from gpuworker.kernels.moe.fused import fused_moe
-
-            top_k = self.config.top_k
-            config = decode_config(x.shape[0], top_k, self.hidden_size, self.config.expert_intermediate_size)
-            if config is not None:
-                weights, ids = self.route(x, decode=True)
-                return moe_decode(x, w13, w2, weights, ids, self.first_expert, config=config)
-            return fused_moe(x, w13, w2, *self.route(x), self.first_expert)
         return experts_reference(x, w13, w2, *self.route(x), self.first_expert)
+
+    def kernel_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """_routed_experts on the Triton kernels (the GPU path; on the CPU under the interpreter): the
+        decode kernels for a few tokens (kernels.moe_decode.decode_config), routed in one launch,
+        else the grouped ones, routed in torch."""
+        from gpuworker.kernels.moe.decode import decode_config, moe_decode
+        from gpuworker.kernels.moe.fused import fused_moe
+
+        w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
+        w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
+        top_k = self.config.top_k
+        config = decode_config(x.shape[0], top_k, self.hidden_size, self.config.expert_intermediate_size)
+        if config is not None:
+            weights, ids = self.route(x, launch=True)
+            return moe_decode(x, w13, w2, weights, ids, self.first_expert, config=config)
+        return fused_moe(x, w13, w2, *self.route(x), self.first_expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H], already normalised -> [T, H]."""

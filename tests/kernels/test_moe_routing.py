@@ -170,3 +170,33 @@ def test_bad_routing_is_refused_naming_the_field(routing, field):
         routing.check(16)
     with pytest.raises(ValueError, match=field):
         route_grouped(torch.zeros(1, 16, device=DEVICE), routing)
+
+
+@pytest.mark.parametrize("tokens", [2, 40], ids=["decode-kernels", "grouped-kernels"])
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v2"])
+def test_sparse_moe_on_the_kernels_equals_its_cpu_path(model_type, tokens):
+    """SparseMoE's GPU path (routing launch or torch routing, then the experts kernels) against its
+    CPU path (torch routing, dense experts reference), with a DeepSeek-style router."""
+    from gpuworker.models.config import deepseek_moe_config
+    from gpuworker.models.moe import SparseMoE
+
+    fields = {"model_type": model_type, "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 24}
+    if model_type == "glm4_moe":
+        fields.update(n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    else:
+        fields.update(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0)
+    config = deepseek_moe_config({**fields, "num_hidden_layers": 1, "first_k_dense_replace": 0})
+    hidden = 64
+    with torch.device("meta"):
+        moe = SparseMoE(hidden, config)
+    moe = moe.to_empty(device=DEVICE)
+    g = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.copy_((torch.randn(param.shape, generator=g) / param.shape[-1] ** 0.5).to(param.dtype))
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    reference = experts_reference(
+        x, moe.w13.view(16, -1, hidden), moe.w2.view(16, hidden, -1), *moe.route(x), moe.first_expert
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(moe.kernel_experts(x), reference, atol=1e-4, rtol=1e-4)
