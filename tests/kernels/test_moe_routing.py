@@ -11,7 +11,7 @@ from gpuworker.kernels.moe.decode import moe_decode
 from gpuworker.kernels.moe.fused import fused_moe
 from gpuworker.kernels.moe.routing import GroupedRouting, route_grouped, route_grouped_reference
 from gpuworker.models.moe import experts_reference
-from tests.kernels.conftest import DEVICE, TOLERANCES
+from tests.kernels.conftest import DEVICE, ON_CUDA, TOLERANCES
 
 # (transformers config class, router class, its config fields, our routing)
 ROUTERS = {
@@ -200,3 +200,29 @@ def test_sparse_moe_on_the_kernels_equals_its_cpu_path(model_type, tokens):
     )
     with torch.no_grad():
         torch.testing.assert_close(moe.kernel_experts(x), reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("kernel", [True, False], ids=["routing-launch", "torch-routing"])
+def test_grouped_routing_replays_in_a_cuda_graph(kernel):
+    # Both routings run without host reads: DeepSeek-V3's shape, captured and replayed on new logits.
+    routing = GroupedRouting(top_k=8, topk_method="noaux_tc", n_group=8, topk_group=4, normalize=True, scaling=2.5)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 256, generator=g).to(DEVICE)
+    bias = (0.1 * torch.randn(256, generator=g)).to(DEVICE)
+
+    def step():
+        return (route_grouped if kernel else route_grouped_reference)(logits, routing, bias)
+
+    eager = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(captured[1], eager[1])
+    expected = step()
+    assert torch.equal(captured[1], expected[1])
+    torch.testing.assert_close(captured[0], expected[0], rtol=0, atol=0)
