@@ -9,6 +9,7 @@ checkpoint fails at once with the file and the expected shape in the message.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -54,6 +55,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 LOAD_FORMATS = ("auto", "dummy")
 # Checkpoint tensors the model has no use for and that are safe to skip.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+logger = logging.getLogger(__name__)
 # The model is built deep inside LLMEngine; a caller that wants weight-loading progress (the worker
 # server's /health) installs a callback for its own thread instead of threading it through every
 # constructor. Context-local, so concurrent loads in other threads never see it.
@@ -300,6 +303,7 @@ def _add_moe(
     block, (gate, up, down) = f"{prefix}{config.checkpoint_prefix}.", config.expert_names
     inter = config.expert_intermediate_size
     add(f"{block}gate.weight", moe.gate.weight)
+    add(f"{block}gate.e_score_correction_bias", moe.e_score_correction_bias)
     for e in range(config.num_experts):
         local = e - moe.first_expert
         names = (
@@ -314,9 +318,9 @@ def _add_moe(
         add(names[1], moe.w13, 2 * inter * local + inter, inter)
         add(names[2], moe.w2, hidden_size * local, hidden_size)
     if moe.shared_expert is not None:
-        _add_gated_mlp(
-            add, split, f"{block}shared_expert.", moe.shared_expert, "weight", config.shared_expert_intermediate_size
-        )
+        shared = f"{block}{config.shared_expert_name}."
+        _add_gated_mlp(add, split, shared, moe.shared_expert, "weight", config.shared_expert_intermediate_size)
+    if moe.shared_expert_gate is not None:
         add(f"{block}shared_expert_gate.weight", moe.shared_expert_gate.weight)
 
 
@@ -333,9 +337,11 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     plan: list[tuple[Path, list[TensorCopy]]] = []
     unexpected: list[str] = []
     found: set[str] = set()
+    names: set[str] = set()
     for file in files:
         copies = []
         for entry in read_header(file):
+            names.add(entry.name)
             if entry.name in targets:
                 found.add(entry.name)
             target = targets.get(entry.name)
@@ -357,6 +363,7 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
             copies.append(_shard_copy(entry, target))
         plan.append((file, copies))
     _check_coverage(mc, targets, found, unexpected, ", ".join(f.name for f in files))
+    _log_skipped_prediction_layers(mc, names)
     missing = missing_quantized_tensors(shards, {name for _, name in quantized})
     if missing:
         raise ValueError(
@@ -419,7 +426,33 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
 
 
 def _skippable(name: str, mc: ModelConfig) -> bool:
-    return bool(_IGNORED.search(name)) or (name == "lm_head.weight" and mc.tie_word_embeddings)
+    return (
+        bool(_IGNORED.search(name))
+        or (name == "lm_head.weight" and mc.tie_word_embeddings)
+        or _prediction_layer(name, mc) is not None
+    )
+
+
+def _prediction_layer(name: str, mc: ModelConfig) -> int | None:
+    """The index of the multi-token-prediction layer (GLM-4.5's, DeepSeek-V3's: the config's
+    num_nextn_predict_layers layers after the last decoder layer) a tensor belongs to, else None.
+    The engine does not run them."""
+    match = _LAYER.match(name)
+    extra_layers = mc.extra.get("num_nextn_predict_layers", 0)
+    if match is None or not mc.num_layers <= int(match.group(1)) < mc.num_layers + extra_layers:
+        return None
+    return int(match.group(1))
+
+
+def _log_skipped_prediction_layers(mc: ModelConfig, names: set[str]) -> None:
+    layers = sorted({_prediction_layer(name, mc) for name in names} - {None})
+    if layers:
+        logger.info(
+            "%s: skipping multi-token-prediction layer(s) %s (%d tensors): not run by this engine",
+            mc.model_path,
+            ", ".join(map(str, layers)),
+            sum(_prediction_layer(name, mc) is not None for name in names),
+        )
 
 
 def _check_coverage(
