@@ -218,6 +218,8 @@ def test_group_quantization_compiles(monkeypatch):
     quantize_fp8_groups(torch.randn(3, 7168).bfloat16(), 128, use_kernel=True)
     (launch,) = launches["_quantize_groups_kernel"]
     ptx = compile_sm90(launch)
+    # 16-byte loads and no byte-at-a-time stores (K is specialised: its groups' masks are known).
+    assert "ld.global.v4.b32" in ptx and "st.global.b8" not in ptx
     # Two divisions a group (its scale and the reciprocal), not one a value.
     assert ptx.count("div.rn.f32") <= 2 * 8
 
