@@ -195,15 +195,25 @@ def _block_fp8(qc: dict[str, Any], source: str) -> QuantConfig:
     scale_fmt = qc.get("scale_fmt", "float")
     if scale_fmt not in (None, "float"):
         raise ValueError(f"{where}.scale_fmt {scale_fmt!r} is not supported (expected float32 block scales)")
-    ignore = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
+    keys = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(key, str) for key in keys):
+        raise ValueError(f"{where}.modules_to_not_convert must be a list of module names, got {keys!r}")
     return QuantConfig(
         method="fp8",
         checkpoint_format="fp8",
         weight_strategy="block",
         activation_scheme="dynamic",
         weight_block_size=(rows, columns),
-        ignore=tuple(ignore),
+        ignore=tuple(pattern for key in keys for pattern in transformers_skip_patterns(key)),
     )
+
+
+def transformers_skip_patterns(key: str) -> tuple[str, str]:
+    """A modules_to_not_convert entry as QuantConfig.ignore patterns, matching what transformers'
+    quantizers skip: the key as a regex from the start of the name up to a module boundary
+    ("model.layers.1" skips model.layers.1.mlp.down_proj, not model.layers.11...), or a plain suffix
+    ("down_proj")."""
+    return (rf"re:(?:{key})(?:(?<=\.)|(?=\.|$)).*", "re:.*" + re.escape(key))
 
 
 def int4_group_size_supported(group_size: object) -> bool:

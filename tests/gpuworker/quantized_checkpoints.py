@@ -258,8 +258,8 @@ def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str, *, read_quant
     group = SCHEMES[scheme]["weight_block_size"][1] if "weight_block_size" in SCHEMES[scheme] else None
     for name, module in model.named_modules():
         match = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp))\.(\w+_proj)", name)
-        if match is None:
-            continue
+        if match is None or (group is not None and f"{name}.weight_scale_inv" not in tensors):
+            continue  # not a projection, or one the block FP8 checkpoint leaves in float
         static = None
         if scheme.endswith("static"):
             parent, proj = match.groups()

@@ -111,6 +111,31 @@ def test_ragged_blocks_equal_the_dequantised_twin(tmp_path, prompt):
     torch.testing.assert_close(_logits(model, mc, prompt), expected, **TOLERANCE)
 
 
+def test_modules_to_not_convert_stay_dense(tmp_path, prompt):
+    # transformers' field and matching: "model.layers.1.mlp" leaves layer 1's gate, up and down in float.
+    quantized, twin = make_quantized_checkpoint(tmp_path, SCHEME)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.1.mlp"]
+    (quantized / "config.json").write_text(json.dumps(config))
+    float_weights = load_file(str(next(twin.glob("*.safetensors"))))
+
+    def densify(tensors):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"model.layers.1.mlp.{proj}"
+            tensors.pop(f"{name}.weight_scale_inv")
+            tensors[f"{name}.weight"] = float_weights[f"{name}.weight"]
+
+    _rewrite(quantized, densify)
+    mc = load_model_config(quantized)
+    model = load_model(mc)
+    assert not isinstance(model.layers[1].mlp.gate_up_proj, BlockFp8Linear)
+    assert isinstance(model.layers[1].self_attn.qkv_proj, BlockFp8Linear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, BlockFp8Linear)
+    with torch.no_grad():
+        expected = hf_reference(quantized, twin, SCHEME)(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(_logits(model, mc, prompt), expected, **TOLERANCE)
+
+
 def _rewrite(directory, edit) -> None:
     [file] = directory.glob("*.safetensors")
     tensors = load_file(str(file))

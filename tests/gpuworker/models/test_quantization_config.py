@@ -94,6 +94,29 @@ def test_block_fp8_layout():
     assert quant.weight_block_size == (96, 64) and quant.ignores("lm_head")
 
 
+@pytest.mark.parametrize(
+    "key, name, skipped",
+    [
+        # From the start up to a module boundary, as transformers' should_convert_module matches.
+        ("model.layers.1", "model.layers.1.mlp.down_proj", True),
+        ("model.layers.1", "model.layers.11.mlp.down_proj", False),
+        ("model.layers.1.mlp", "model.layers.1.mlp.gate_proj", True),
+        ("model.layers.[0-3].self_attn", "model.layers.2.self_attn.q_proj", True),
+        ("model.layers.[0-3].self_attn", "model.layers.5.self_attn.q_proj", False),
+        # Or as a plain suffix.
+        ("down_proj", "model.layers.7.mlp.down_proj", True),
+        ("mlp.gate", "model.layers.7.mlp.gate_proj", False),
+        ("mlp.gate", "model.layers.7.mlp.gate", True),
+    ],
+)
+def test_block_fp8_modules_to_not_convert_match_as_transformers_does(key, name, skipped):
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    assert should_convert_module(name, [key]) is not skipped  # the reference says so too
+    quant = parse({**BLOCK, "modules_to_not_convert": [key]})
+    assert quant.ignores(name) is skipped
+
+
 BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -108,6 +131,7 @@ BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "
         ({"weight_block_size": [0, 128]}, r"quantization_config\.weight_block_size must be two positive integers"),
         ({"weight_block_size": "128x128"}, r"quantization_config\.weight_block_size must be two positive integers"),
         ({"scale_fmt": "ue8m0"}, r"quantization_config\.scale_fmt 'ue8m0' is not supported"),
+        ({"modules_to_not_convert": "lm_head"}, r"quantization_config\.modules_to_not_convert must be a list"),
     ],
 )
 def test_unsupported_block_fp8_variants_are_named(change, match):
