@@ -29,6 +29,11 @@ QUANTIZABLE_SHAPE = {"hidden_size": 128, "intermediate_size": 256}
 GROUP_SIZE = 128
 FP8_MAX = 448.0
 _PROJECTION = re.compile(r"^(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj))\.weight$")
+# Block FP8 also quantizes MoE experts and shared experts (routers stay dense).
+_BLOCK_PROJECTION = re.compile(
+    r"^(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_experts?\.)?(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123]))\.weight$"
+)
 # AutoAWQ packs the eight columns of a word in this order: nibble i holds column ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -67,8 +72,9 @@ def make_quantized_checkpoint(
     tensors = load_file(str(weights_file))
     quantized: dict[str, torch.Tensor] = {}
     dequantised: dict[str, torch.Tensor] = {}
+    projection = _BLOCK_PROJECTION if "weight_block_size" in SCHEMES[scheme] else _PROJECTION
     for index, (name, tensor) in enumerate(sorted(tensors.items())):
-        match = _PROJECTION.match(name)
+        match = projection.match(name)
         if match is None:
             quantized[name] = dequantised[name] = tensor
             continue
@@ -256,8 +262,12 @@ def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str, *, read_quant
         return model
     tensors = load_file(str(next(quantized_dir.glob("*.safetensors"))))
     group = SCHEMES[scheme]["weight_block_size"][1] if "weight_block_size" in SCHEMES[scheme] else None
+    if group is not None:
+        for module in model.modules():
+            if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):  # fused MoE experts
+                module.forward = _block_fp8_experts_forward(module, group)
     for name, module in model.named_modules():
-        match = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp))\.(\w+_proj)", name)
+        match = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp(?:\.shared_experts?)?))\.(\w+_proj)", name)
         if match is None or (group is not None and f"{name}.weight_scale_inv" not in tensors):
             continue  # not a projection, or one the block FP8 checkpoint leaves in float
         static = None
@@ -268,6 +278,27 @@ def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str, *, read_quant
             )
         module.register_forward_pre_hook(lambda _, args, static=static: (_fake_fp8(args[0], static, group),))
     return model
+
+
+def _block_fp8_experts_forward(experts, group: int):
+    """transformers' routed experts loop (gate_up_proj [E, 2I, H], down_proj [E, H, I]) with each
+    projection's input rounded through FP8 per token and group, as block FP8's MoE kernels do."""
+    linear = torch.nn.functional.linear
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        x = _fake_fp8(hidden_states, None, group)
+        for expert in range(experts.gate_up_proj.shape[0]):
+            token, position = torch.where(top_k_index == expert)
+            if token.numel() == 0:
+                continue
+            gate, up = linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            hidden = _fake_fp8(experts.act_fn(gate) * up, None, group)
+            down = linear(hidden, experts.down_proj[expert]) * top_k_weights[token, position, None]
+            out.index_add_(0, token, down.to(out.dtype))
+        return out
+
+    return forward
 
 
 def _fake_fp8(x: torch.Tensor, static: float | None, group: int | None = None) -> torch.Tensor:

@@ -8,6 +8,7 @@ what a broken or unsupported checkpoint says.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from gpuworker.engine import LLMEngine, SamplingParams
 from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE
 from gpuworker.models.loader import load_model, load_model_config
+from gpuworker.models.moe import SparseMoE
 from gpuworker.models.quantization.block_fp8 import BlockFp8Linear
 from tests.gpuworker.models.paged_batch import PagedBatcher
 from tests.gpuworker.quantized_checkpoints import hf_reference, make_quantized_checkpoint
@@ -166,18 +168,84 @@ def test_float_weight_is_named(tmp_path):
         load_model(quantized)
 
 
-def test_block_fp8_moe_is_refused_naming_what_is_missing(tiny_checkpoint, tmp_path):
-    import shutil
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    # Qwen3-MoE: 4 experts of 48 rows (a partial 128-row block each), top 2.
+    return make_quantized_checkpoint(tmp_path_factory.mktemp("moe"), SCHEME, "qwen3-moe")
 
-    moe = shutil.copytree(tiny_checkpoint("qwen3-moe"), tmp_path / "moe")
-    config = json.loads((moe / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (moe / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        ValueError,
-        match=r"block-wise FP8 mixture-of-experts .* FP8 expert weights with their block scales \(weight_scale_inv\)",
-    ):
-        load_model(moe)
+
+def test_moe_experts_stay_fp8_with_their_block_scales(moe_checkpoint):
+    quantized, _ = moe_checkpoint
+    model = load_model(quantized, dtype="bfloat16")
+    moe = model.layers[0].mlp
+    experts = moe.block_fp8_experts
+    assert moe.w13 is None and moe.w2 is None  # no float copy of the experts
+    assert (experts.w13.dtype, experts.w2.dtype) == (FP8_DTYPE, FP8_DTYPE)
+    assert (experts.w13_scale.dtype, tuple(experts.w13_scale.shape)) == (torch.float32, (4 * 2, 1))
+    assert tuple(experts.w2_scale.shape) == (4, 1)
+    assert moe.gate.weight.dtype == torch.bfloat16  # the router stays dense
+    assert isinstance(model.layers[0].self_attn.qkv_proj, BlockFp8Linear)
+    stored = load_file(str(next(quantized.glob("*.safetensors"))))
+    name = "model.layers.1.mlp.experts.2"
+    # Expert 2's up rows: scale row 2 * 2 + 1 of the stacked scales, weight rows 2 * 128 on of w2.
+    layer1 = model.layers[1].mlp.block_fp8_experts
+    assert torch.equal(layer1.w13_scale[5:6], stored[f"{name}.up_proj.weight_scale_inv"])
+    assert torch.equal(layer1.w2[2 * 128 : 3 * 128].float(), stored[f"{name}.down_proj.weight"].float())
+
+
+def test_moe_logits_equal_transformers_on_the_same_checkpoint(moe_checkpoint, prompt):
+    quantized, twin = moe_checkpoint
+    mc = load_model_config(quantized)
+    with torch.no_grad():
+        expected = hf_reference(quantized, twin, SCHEME)(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(_logits(load_model(mc), mc, prompt), expected, **TOLERANCE)
+
+
+# Qwen3-MoE; Qwen2-MoE's gated shared expert; GLM-4.5's shared experts, router bias and first dense
+# layer; Mixtral's w1/w3/w2 experts.
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen2-moe", "glm4-moe", "mixtral"])
+def test_moe_greedy_equals_transformers_on_the_same_checkpoint(family, prompt, tmp_path):
+    quantized, twin = make_quantized_checkpoint(tmp_path, SCHEME, family)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_reference(quantized, twin, SCHEME).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None
+        )
+    engine = LLMEngine(quantized, device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=16)
+    assert all(m.block_fp8_experts is not None for m in engine.runner.model.modules() if isinstance(m, SparseMoE))
+    [output] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert output.outputs[0].token_ids == out[0, ids.shape[1] :].tolist()
+
+
+def test_moe_kernels_equal_the_cpu_reference_under_the_interpreter(moe_checkpoint, prompt, monkeypatch):
+    # The GPU path (kernels.moe.block_fp8) run on the CPU under the interpreter gives the reference's logits.
+    import os
+
+    from gpuworker.models.quantization import block_fp8_experts
+
+    quantized, _ = moe_checkpoint
+    mc = load_model_config(quantized)
+    model = load_model(mc)
+    expected = _logits(model, mc, prompt)
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
+    monkeypatch.setattr(block_fp8_experts, "experts_block_fp8_reference", block_fp8_experts.fused_moe_block_fp8)
+    torch.testing.assert_close(_logits(model, mc, prompt), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_dummy_weights_of_the_right_dtypes(moe_checkpoint, prompt):
+    quantized, _ = moe_checkpoint
+    mc = load_model_config(quantized)
+    model = load_model(mc, dtype="bfloat16", load_format="dummy")
+    assert model.layers[0].mlp.block_fp8_experts.w2.dtype == FP8_DTYPE
+    assert torch.isfinite(_logits(model, mc, prompt)).all()
+
+
+def test_missing_expert_scale_is_named(tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, SCHEME, "qwen3-moe")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
+    _rewrite(quantized, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=re.escape(name)):
+        load_model(quantized)
 
 
 def test_tensor_parallel_is_refused(checkpoint):
@@ -195,3 +263,20 @@ def test_dummy_weights_of_the_right_dtypes(checkpoint, prompt):
     down = model.layers[0].mlp.down_proj
     assert (down.weight_fp8.dtype, down.weight_scale_inv.dtype) == (FP8_DTYPE, torch.float32)
     assert torch.isfinite(_logits(model, mc, prompt)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_cuda_moe_layers_equal_their_cpu_reference(moe_checkpoint, tokens):
+    # bfloat16: the block FP8 MoE kernels (16-row blocks for a few pairs an expert, 64 beyond) and the
+    # block FP8 GEMM of the attention projections against the CPU's per-call dequantised reference.
+    quantized, _ = moe_checkpoint
+    cpu = load_model(quantized, dtype="bfloat16")
+    gpu = load_model(quantized, device="cuda", dtype="bfloat16")
+    x = torch.randn(tokens, cpu.config.hidden_size, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    with torch.no_grad():
+        for name in ("layers.0.mlp", "layers.1.mlp", "layers.1.self_attn.qkv_proj"):
+            expected = cpu.get_submodule(name)(x)
+            got = gpu.get_submodule(name)(x.cuda()).cpu()
+            torch.testing.assert_close(got, expected, rtol=5e-2, atol=5e-2)
