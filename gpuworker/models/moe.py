@@ -18,6 +18,7 @@ from torch import nn
 
 from gpuworker.kernels.moe.decode import route_reference
 from gpuworker.models.config import MoEConfig
+from gpuworker.models.expert_parallel import dispatch_combine, gather_tokens, token_slice
 from gpuworker.models.layers import GatedMLP, Linear
 from gpuworker.models.tensor_parallel import ParallelContext
 
@@ -52,9 +53,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.config = config
         # Expert parallel: this rank holds (and loads) only its experts [first_expert, first_expert +
-        # num_local_experts) and its slice of the shared expert. Every token is routed over all the
-        # experts; the rank computes only the choices of its own, and forward sums the ranks' partial
-        # outputs in one all-reduce.
+        # num_local_experts) and its slice of the shared expert. Either every token is routed over all
+        # the experts, the rank computes only the choices of its own, and forward sums the ranks'
+        # partial outputs in one all-reduce; or (parallel.dispatch_experts) the rank routes its slice
+        # of the tokens and sends each choice to its expert's rank (models.expert_parallel).
         self.parallel = parallel
         self.first_expert, experts = (
             (0, config.num_experts) if parallel is None else parallel.split(config.num_experts, "num_experts")
@@ -107,25 +109,67 @@ class SparseMoE(nn.Module):
         ones; on the CPU the reference."""
         logits = self.gate(x)
         top_k, normalize = self.config.top_k, self.config.norm_topk_prob
-        w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
-        w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
         if x.is_cuda:
             from gpuworker.kernels.moe.decode import decode_config, moe_decode, route_top_k
-            from gpuworker.kernels.moe.fused import fused_moe
 
             config = decode_config(x.shape[0], top_k, self.hidden_size, self.config.expert_intermediate_size)
             if config is not None:
                 weights, ids = route_top_k(logits, top_k, normalize)
+                w13, w2 = self._expert_weights()
                 return moe_decode(x, w13, w2, weights, ids, self.first_expert, config=config)
-            weights, ids = route_reference(logits, top_k, normalize)
+        weights, ids = self._route(logits)
+        return self._experts(x, weights, ids)
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (weights float32, global expert ids int64), both [T, top_k]."""
+        return route_reference(logits, self.config.top_k, self.config.norm_topk_prob)
+
+    def _expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts as w13 [E, 2I, H] and w2 [E, H, I]."""
+        w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
+        return w13, self.w2.view(self.num_local_experts, self.hidden_size, -1)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over the choices (weights, global ids [T, top_k]) of this rank's experts
+        for x [T, H]: the grouped kernels on the GPU, the reference on the CPU."""
+        w13, w2 = self._expert_weights()
+        if x.is_cuda:
+            from gpuworker.kernels.moe.fused import fused_moe
+
             return fused_moe(x, w13, w2, weights, ids, self.first_expert)
-        weights, ids = route_reference(logits, top_k, normalize)
         return experts_reference(x, w13, w2, weights, ids, self.first_expert)
+
+    def _dispatched_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallel by dispatch (models.expert_parallel): this rank routes its slice of the
+        tokens, each choice is computed on its expert's rank, and the slice's outputs [t, H] come
+        back here."""
+        first, held, _ = token_slice(x.shape[0], self.parallel)
+        mine = x[first : first + held]
+        weights, ids = self._route(self.gate(mine))
+        return dispatch_combine(mine, weights, ids, self._experts, self.num_local_experts, self.parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H], already normalised -> [T, H]."""
+        if self.parallel is not None and self.parallel.dispatch_experts:
+            return self._forward_dispatched(x)
         out = self._routed_experts(x)
         if self.shared_expert is not None:
-            shared = self.shared_expert.down(self.shared_expert.gate_up_proj(x))
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + self._shared(x)
         return out if self.parallel is None else self.parallel.all_reduce(out)
+
+    def _forward_dispatched(self, x: torch.Tensor) -> torch.Tensor:
+        """forward under dispatch: the routed outputs of every rank's slice put together; with a
+        shared expert (split over the ranks like a dense MLP) each slice is added into this rank's
+        shared partial output and one all-reduce joins both, else an all-gather joins the slices."""
+        local = self._dispatched_experts(x)
+        if self.shared_expert is None:
+            return gather_tokens(local, x.shape[0], self.parallel)
+        out = self._shared(x)
+        first, held, _ = token_slice(x.shape[0], self.parallel)
+        out[first : first + held] += local
+        return self.parallel.all_reduce(out)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated shared expert's output for x (this rank's slice of it, when split)."""
+        shared = self.shared_expert.down(self.shared_expert.gate_up_proj(x))
+        return torch.sigmoid(self.shared_expert_gate(x)) * shared
