@@ -11,6 +11,7 @@ from django.utils import timezone
 from controlplane import live_events
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record
+from controlplane.catalog.services import gpu_share_bytes, model_gpu_need
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands
 from controlplane.fleet.backoff import next_attempt_at
@@ -154,6 +155,20 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
     return replica
 
 
+def too_large_note(*, model, gpu_bytes: int) -> str:
+    """Why no tensor_parallel_size empty GPUs of `gpu_bytes` each can hold `model`, with the GPUs it
+    would need (catalog.services.model_gpu_need), e.g. "deepseek-v3 needs 8 GPUs of 131.3 GiB in
+    FP8, 16 in bf16; its tensor_parallel_size is 1: set it to 8 (...)"; "" when they can."""
+    size = model.tensor_parallel_size
+    if gpu_share_bytes(need_bytes=model.gpu_memory_bytes, tensor_parallel_size=size) <= gpu_bytes:
+        return ""
+    need = model_gpu_need(model=model, gpu_bytes=gpu_bytes)
+    note = f"{model.public_name} {need.text}; its tensor_parallel_size is {size}"
+    if need.as_sized is None:
+        return f"{note}, and it needs more GPUs of this size than one worker holds"
+    return f"{note}: set it to {need.as_sized} (its heads and experts must divide by it) on workers with as many GPUs"
+
+
 def slot_label(*, worker: Worker, gpu: Gpu | None) -> str:
     """Where a replica runs, as messages name it: "worker-a GPU 0 (NVIDIA H200)" or "worker-a CPU"."""
     return f"{worker.name} GPU {gpu.index} ({gpu.name})" if gpu is not None else f"{worker.name} CPU"
@@ -198,7 +213,8 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
             for slot in group
         ]
         room = room_message(need_bytes=model.gpu_memory_bytes, rooms=rooms, tensor_parallel_size=size)
-        raise ValidationError({"gpu": f"{model.public_name} does not fit: {room}."})
+        note = too_large_note(model=model, gpu_bytes=min(slot.total_bytes for slot in group)) if gpu else ""
+        raise ValidationError({"gpu": f"{model.public_name} does not fit: {room}" + (f". {note}." if note else ".")})
     # One more wanted, so reconcile keeps this replica instead of draining it as surplus.
     before = deployment_set_desired_replicas(
         deployment=deployment,
