@@ -6,8 +6,7 @@ from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
 
-# More GPUs than one host holds; past it a typo, not a wish.
-MAX_TENSOR_PARALLEL_SIZE = 16
+from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE
 
 
 class Model(models.Model):

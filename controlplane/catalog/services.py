@@ -13,9 +13,10 @@ from django.forms.models import model_to_dict
 
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
-from controlplane.catalog.models import MAX_TENSOR_PARALLEL_SIZE, Model
+from controlplane.catalog.models import Model
 from controlplane.catalog.selectors import reported_quantization, weights_path_reports
 from controlplane.common.units import human_bytes
+from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE, gpus_needed
 
 # What a model edit may change, and what its audit entry compares.
 MODEL_FIELDS = (
@@ -51,23 +52,6 @@ def estimate_gpu_memory_bytes(*, parameter_count: int, quantization: str = Model
     if quantization != Model.Quantization.NONE:
         per_parameter = (1 - _DENSE_SHARE) * _BYTES_PER_PARAMETER[quantization] + _DENSE_SHARE * dense
     return int(parameter_count * per_parameter * _RUNTIME_OVERHEAD)
-
-
-def gpu_share_bytes(*, need_bytes: int, tensor_parallel_size: int) -> int:
-    """A replica's memory on each of its GPUs: each rank holds 1/N of the weights and of the KV cache."""
-    return -(-need_bytes // tensor_parallel_size)
-
-
-def gpus_needed(*, need_bytes: int, gpu_bytes: int) -> int | None:
-    """The fewest GPUs of `gpu_bytes` each that hold a replica of `need_bytes` split over them
-    (gpu_share_bytes on each): a power of two, the sizes the heads and experts of the served
-    families divide by; None when even MAX_TENSOR_PARALLEL_SIZE GPUs (more than a host) do not."""
-    size = 1
-    while size <= MAX_TENSOR_PARALLEL_SIZE:
-        if gpu_share_bytes(need_bytes=need_bytes, tensor_parallel_size=size) <= gpu_bytes:
-            return size
-        size *= 2
-    return None
 
 
 @dataclass(frozen=True)

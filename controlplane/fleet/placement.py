@@ -5,8 +5,8 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
 
-from controlplane.catalog.services import gpu_share_bytes
 from controlplane.common.units import human_bytes
+from gpuworker.contract.placement import gpu_share_bytes
 
 
 @dataclass

@@ -11,7 +11,7 @@ from django.utils import timezone
 from controlplane import live_events
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record
-from controlplane.catalog.services import gpu_share_bytes, model_gpu_need
+from controlplane.catalog.services import model_gpu_need
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands
 from controlplane.fleet.backoff import next_attempt_at
@@ -26,6 +26,7 @@ from controlplane.fleet.placement import (
 )
 from controlplane.fleet.selectors import placement_slots
 from controlplane.fleet.services.deployments import deployment_lock, deployment_set_desired_replicas, publish_deployment
+from gpuworker.contract.placement import gpu_share_bytes
 from gpuworker.contract.tasks import LoadModel, UnloadModel
 
 

@@ -4,7 +4,6 @@ from django.core.exceptions import ValidationError
 from controlplane.catalog.models import Model
 from controlplane.catalog.services import (
     estimate_gpu_memory_bytes,
-    gpus_needed,
     model_create,
     model_gpu_need,
     model_set_enabled,
@@ -145,14 +144,6 @@ def test_a_gguf_file_in_a_reported_checkpoint_folder_is_accepted():
 # --- how many GPUs a model needs ----------------------------------------------------------------
 
 GB = 10**9  # vendors' gigabytes: an H200 is "141 GB"
-
-
-@pytest.mark.parametrize(
-    ("need", "gpu", "expected"),
-    [(80 * GB, 80 * GB, 1), (80 * GB + 1, 80 * GB, 2), (170 * GB, 80 * GB, 4), (16 * 80 * GB + 16, 80 * GB, None)],
-)
-def test_gpus_needed_is_the_fewest_power_of_two_whose_shares_fit(need, gpu, expected):
-    assert gpus_needed(need_bytes=need, gpu_bytes=gpu) == expected
 
 
 def test_a_671b_model_needs_8_gpus_of_141_gb_in_fp8_and_16_in_bf16():
