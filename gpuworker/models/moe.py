@@ -103,26 +103,24 @@ class SparseMoE(nn.Module):
         for tokens in self.warm_up_token_counts():
             self._routed_experts(torch.zeros(tokens, self.hidden_size, dtype=self.w13.dtype, device=self.w13.device))
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, top_k] float32, global expert ids [T, top_k] int64)."""
+        return route_reference(self.gate(x), self.config.top_k, self.config.norm_topk_prob)
+
     def _routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' part of the output for x [T, H]: routed over all experts; on the GPU
         the decode kernels for a few tokens (kernels.moe_decode.decode_config), else the grouped
         ones; on the CPU the reference."""
-        logits = self.gate(x)
-        top_k, normalize = self.config.top_k, self.config.norm_topk_prob
         if x.is_cuda:
             from gpuworker.kernels.moe.decode import decode_config, moe_decode, route_top_k
 
+            top_k = self.config.top_k
             config = decode_config(x.shape[0], top_k, self.hidden_size, self.config.expert_intermediate_size)
             if config is not None:
-                weights, ids = route_top_k(logits, top_k, normalize)
+                weights, ids = route_top_k(self.gate(x), top_k, self.config.norm_topk_prob)
                 w13, w2 = self._expert_weights()
                 return moe_decode(x, w13, w2, weights, ids, self.first_expert, config=config)
-        weights, ids = self._route(logits)
-        return self._experts(x, weights, ids)
-
-    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits [T, E] -> (weights float32, global expert ids int64), both [T, top_k]."""
-        return route_reference(logits, self.config.top_k, self.config.norm_topk_prob)
+        return self._experts(x, *self.route(x))
 
     def _expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's experts as w13 [E, 2I, H] and w2 [E, H, I]."""
@@ -145,7 +143,7 @@ class SparseMoE(nn.Module):
         back here."""
         first, held, _ = token_slice(x.shape[0], self.parallel)
         mine = x[first : first + held]
-        weights, ids = self._route(self.gate(mine))
+        weights, ids = self.route(mine)
         return dispatch_combine(mine, weights, ids, self._experts, self.num_local_experts, self.parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,6 +168,7 @@ class SparseMoE(nn.Module):
         return self.parallel.all_reduce(out)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The gated shared expert's output for x (this rank's slice of it, when split)."""
+        """The shared expert's output for x, scaled by its gate where it has one (this rank's slice
+        of it, when split)."""
         shared = self.shared_expert.down(self.shared_expert.gate_up_proj(x))
-        return torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
