@@ -60,6 +60,18 @@ class Model(models.Model):
         validators=[MinValueValidator(1), MaxValueValidator(MAX_TENSOR_PARALLEL_SIZE)],
         help_text="GPUs of one worker a replica is split over (tensor parallel); 1: one GPU.",
     )
+
+    class ExpertParallel(models.TextChoices):
+        # The values gpuworker's contract.tasks.EXPERT_PARALLEL_MODES names.
+        ALL_REDUCE = "all_reduce", "All-reduce (every GPU on every token)"
+        ALL_TO_ALL = "all_to_all", "All-to-all (tokens dispatched to their experts' GPUs)"
+
+    expert_parallel = models.CharField(
+        max_length=20,
+        choices=ExpertParallel.choices,
+        default=ExpertParallel.ALL_REDUCE,
+        help_text="How a mixture-of-experts model split over several GPUs joins its experts.",
+    )
     price_tier = models.ForeignKey("billing.PriceTier", on_delete=models.PROTECT, related_name="models")
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -29,6 +29,7 @@ MODEL_FIELDS = (
     "quantization",
     "gpu_memory_bytes",
     "tensor_parallel_size",
+    "expert_parallel",
     "price_tier",
     "enabled",
 )
@@ -135,6 +136,7 @@ def model_create(
     gpu_memory_bytes: int | None = None,
     quantization: str | None = None,
     tensor_parallel_size: int = 1,
+    expert_parallel: str = Model.ExpertParallel.ALL_REDUCE,
     enabled: bool = True,
     actor=None,
     verify_on: Iterable | None = None,
@@ -162,6 +164,7 @@ def model_create(
         quantization=quantization,
         gpu_memory_bytes=gpu_memory_bytes,
         tensor_parallel_size=tensor_parallel_size,
+        expert_parallel=expert_parallel,
         price_tier=price_tier,
         enabled=enabled,
     )

@@ -314,6 +314,7 @@ class Supervisor:
             serve_argv += ["--max-model-len", str(request.max_model_len)]
         if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself
             serve_argv += ["--tensor-parallel-size", str(request.tensor_parallel_size)]
+            serve_argv += ["--expert-parallel", request.expert_parallel]
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
         spare = self._spares.pop(device, None)
         try:

@@ -139,6 +139,7 @@ def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
             memory_fraction=memory_fraction(need_bytes=need, total_bytes=total),
             max_model_len=model.context_length,
             tensor_parallel_size=size,
+            expert_parallel=model.expert_parallel,
         ),
     )
     return replica

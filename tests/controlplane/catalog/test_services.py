@@ -164,3 +164,11 @@ def test_a_measured_gpu_memory_figure_gets_its_own_count():
     assert model_gpu_need(model=ModelFactory(parameter_count=10**14), gpu_bytes=141 * GB).text.startswith(
         "needs more than 16 GPUs of 131.3 GiB in FP8, more than 16 in bf16"
     )
+
+
+def test_expert_parallel_is_one_of_the_engines_modes():
+    model = model_create(**_model_fields(tensor_parallel_size=2, expert_parallel="all_to_all"))
+    assert model.expert_parallel == Model.ExpertParallel.ALL_TO_ALL
+    with pytest.raises(ValidationError) as error:
+        model_create(**_model_fields(public_name="other", expert_parallel="alltoall"))
+    assert "expert_parallel" in error.value.message_dict

@@ -457,7 +457,18 @@ def test_a_model_that_needs_two_gpus_is_placed_over_two_and_refused_on_one(djang
     replica = Replica.objects.get(pk=placed)
     assert (replica.worker_id, replica.gpu_indexes, replica.tensor_parallel_size) == (worker.pk, [0, 1], 2)
     [(_, kwargs)] = queued_tasks(worker.queue_name)
-    assert kwargs["tensor_parallel_size"] == 2
+    assert (kwargs["tensor_parallel_size"], kwargs["expert_parallel"]) == (2, "all_reduce")
+
+
+@pytest.mark.django_db
+def test_a_split_moe_replica_is_told_how_to_join_its_experts(django_capture_on_commit_callbacks):
+    worker = _register(f"tp-{uuid.uuid4().hex[:8]}", [80 * GB] * 2)
+    model = ModelFactory(gpu_memory_bytes=100 * GB, tensor_parallel_size=2, expert_parallel="all_to_all")
+    deployment = DeploymentFactory(model=model, desired_replicas=1, max_replicas=1)
+    with django_capture_on_commit_callbacks(execute=True):
+        _reconcile(deployment)
+    [(_, kwargs)] = queued_tasks(worker.queue_name)
+    assert (kwargs["tensor_parallel_size"], kwargs["expert_parallel"]) == (2, "all_to_all")
 
 
 @pytest.mark.django_db

@@ -185,6 +185,7 @@ def test_replica_place_sends_the_load_message_after_commit(django_capture_on_com
                 "max_model_len": 2048,
                 "dtype": "auto",
                 "tensor_parallel_size": 1,
+                "expert_parallel": "all_reduce",
             },
         )
     ]
