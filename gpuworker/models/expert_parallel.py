@@ -60,7 +60,7 @@ def dispatch_combine(
     # (id, weight) in one float64 tensor: both exact (ids < 2**53; weights are float32).
     choice = torch.stack([flat_ids[order].double(), weights.reshape(-1)[order].double()], dim=1)
     choice = _exchange(choice, received, sent, parallel)
-    results = experts(rows, choice[:, 1:].float(), choice[:, :1].long())
+    results = experts(rows, choice[:, 1:].float().contiguous(), choice[:, :1].long().contiguous())
     results = _exchange(results, sent, received, parallel)
     out = torch.zeros(num_tokens, x.shape[1], dtype=results.dtype, device=x.device)
     return out.index_add_(0, token_of_choice, results)
