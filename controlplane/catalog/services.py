@@ -70,7 +70,7 @@ class GpuNeed:
 
     @property
     def text(self) -> str:
-        """e.g. "needs 8 GPUs of 140.0 GiB in FP8, 16 in bf16"; the count for gpu_memory_bytes is
+        """e.g. "needs 8 GPUs of 131.3 GiB in FP8, 16 in bf16"; the count for gpu_memory_bytes is
         added where it differs from the FP8 and bf16 estimates."""
         fp8, bf16, sized = (_count(n) for n in (self.fp8, self.bf16, self.as_sized))
         text = f"needs {fp8} GPU{'s' * (self.fp8 != 1)} of {human_bytes(self.gpu_bytes)} in FP8, {bf16} in bf16"

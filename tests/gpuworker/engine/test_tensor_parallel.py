@@ -170,8 +170,11 @@ def test_a_rank_that_dies_fails_the_engine_clearly(tiny_checkpoint):
         engine.shutdown()
 
 
-def test_a_rank_that_hangs_times_out_the_step(tiny_checkpoint):
-    engine = LLMEngine(tiny_checkpoint("llama"), tensor_parallel_size=2, distributed_timeout_s=5)
+@pytest.mark.parametrize(("family", "expert_parallel"), [("llama", "all_reduce"), ("mixtral", "all_to_all")])
+def test_a_rank_that_hangs_times_out_the_step(tiny_checkpoint, family, expert_parallel):
+    engine = LLMEngine(
+        tiny_checkpoint(family), tensor_parallel_size=2, expert_parallel=expert_parallel, distributed_timeout_s=5
+    )
     worker = engine.workers.processes[0]
     try:
         os.kill(worker.pid, signal.SIGSTOP)
