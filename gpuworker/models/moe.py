@@ -102,6 +102,17 @@ class SparseMoE(nn.Module):
         short to reach the prefill tile). The experts alone: no collective, so one rank may run it."""
         for tokens in self.warm_up_token_counts():
             self._routed_experts(torch.zeros(tokens, self.hidden_size, dtype=self.w13.dtype, device=self.w13.device))
+        if self.parallel is not None and self.parallel.dispatch_experts:
+            device = self.w13.device
+            for rows in self.dispatched_row_counts():
+                ids = torch.full((rows, 1), self.first_expert, dtype=torch.int64, device=device)
+                x = torch.zeros(rows, self.hidden_size, dtype=self.w13.dtype, device=device)
+                self._experts(x, torch.ones(rows, 1, device=device), ids)
+
+    def dispatched_row_counts(self) -> list[int]:
+        """Counts of dispatched choices (one expert each, models.expert_parallel) at which this
+        rank's grouped kernels take each of their row tiles (kernels.moe.fused.block_m_for)."""
+        return [1, 4 * self.num_local_experts + 1]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, top_k] float32, global expert ids [T, top_k] int64)."""
