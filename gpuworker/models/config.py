@@ -23,6 +23,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False, "moe": "mixtral"},
     "Qwen2MoeForCausalLM": {"qkv_bias": "qkv_bias", "o_bias": False, "qk_norm": False, "moe": "qwen_moe"},
     "Qwen3MoeForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "moe": "qwen_moe"},
+    # Gemma 3's text decoder: its layout (norms, activation, sliding layers, rope per layer type) is
+    # parsed by models.gemma3.config into ModelConfig.gemma3.
+    "Gemma3ForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "gemma3": True},
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -32,6 +35,7 @@ _MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # Checkpoint names of a MoE block: its module under model.layers.N, and each expert's gate, up and
 # down projections under <module>.experts.E.
@@ -74,8 +78,9 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     # The longest context served exactly: config.json's value, capped at the sliding window where
-    # one is active, because our paged attention always attends to the whole context and so equals
-    # sliding-window attention only up to the window.
+    # one is active on every layer (Mistral, Qwen2 with use_sliding_window), whose attention we run
+    # over the whole context and so equals sliding-window attention only up to the window. Gemma 3's
+    # sliding layers attend through their window (layer_windows), so its value is not capped.
     max_position_embeddings: int
     rms_norm_eps: float
     eos_token_ids: list[int]
@@ -95,6 +100,8 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # The checkpoint's quantization (config.json's quantization_config), or FP8 chosen at load.
     quantization: QuantConfig | None = None
+    # Gemma 3's layout (models.gemma3.config.Gemma3Layout); None for the llama-style families.
+    gemma3: Any = None
     # The checkpoint directory the weights and tokenizer are read from (set by load_model_config).
     model_path: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -106,6 +113,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: the sliding window its attention keeps (keys at positions > p - window for a
+        query at p), or None for attention over the whole context."""
+        if self.gemma3 is None:
+            return (None,) * self.num_layers
+        return self.gemma3.layer_windows
 
     @classmethod
     def from_hf(
@@ -134,15 +149,24 @@ class ModelConfig:
         head_dim = config.get("head_dim") or hidden_size // num_heads
         if head_dim % 2 != 0:
             raise ValueError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
-        hidden_act = config.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (expected 'silu')")
+        gemma3 = None
+        if family.get("gemma3"):
+            from gpuworker.models.gemma3.config import parse_gemma3
+
+            gemma3 = parse_gemma3(config, need("num_hidden_layers"), source)
+        else:
+            hidden_act = config.get("hidden_act", "silu")
+            if hidden_act != "silu":
+                raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (expected 'silu')")
         if config.get("pretraining_tp", 1) not in (None, 1):
             raise ValueError(f"{source}: pretraining_tp must be 1, got {config['pretraining_tp']}")
 
         max_pos = need("max_position_embeddings")
-        rope_theta, rope_scaling = _rope(config, max_pos, source)
-        sliding_window = _sliding_window(config, architecture)
+        if gemma3 is None:
+            rope_theta, rope_scaling = _rope(config, max_pos, source)
+            sliding_window = _sliding_window(config, architecture)
+        else:
+            rope_theta, rope_scaling, sliding_window = gemma3.rope_theta, gemma3.rope_scaling, None
         attention_bias = bool(config.get("attention_bias", False))
 
         def bias(rule: Any) -> bool:
@@ -168,7 +192,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(config, generation_config),
             bos_token_id=config.get("bos_token_id"),
             pad_token_id=config.get("pad_token_id"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma3 is not None)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             attention_bias=bias(family["qkv_bias"]),
@@ -179,6 +203,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             moe=_moe(config, family.get("moe"), num_layers, need, source),
             quantization=parse_quantization(config, source),
+            gemma3=gemma3,
             extra={"config_max_position_embeddings": max_pos},
         )
 
