@@ -108,7 +108,8 @@ def _prefill_attention_kernel(
     kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
     if WINDOW > 0:
         # A sliding layer: row p sees p - WINDOW < position <= p. Every tile from the first row's
-        # window on is masked (both edges); the blocks before it are never read.
+        # window on is masked (both edges); no position before that window is loaded, so the blocks
+        # a sliding layer's pool has already dropped from the table are never read.
         masked_begin = tl.maximum(prefix_len + m_tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
     else:
         for n0 in range(0, unmasked_end, BLOCK_N):
@@ -127,6 +128,8 @@ def _prefill_attention_kernel(
     for n0 in range(masked_begin, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
+        if WINDOW > 0:  # positions before the first row's window are not even loaded
+            valid = valid & (pos > prefix_len + m_tile * BLOCK_M - WINDOW)
         block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
         k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
@@ -298,7 +301,8 @@ def prefill_attention_reference(
         q_len = q.shape[0]
         if q_len == 0:
             continue
-        positions = torch.arange(seq_len, device=query.device)
+        first = max(0, seq_len - q_len - window + 1) if window else 0  # the first position any row sees
+        positions = torch.arange(first, seq_len, device=query.device)
         blocks = block_tables[i].long()[positions // block_size]
         keys = dequantize_kv(kv_cache[0, blocks, positions % block_size], k_scale).repeat_interleave(group, dim=1)
         values = dequantize_kv(kv_cache[1, blocks, positions % block_size], v_scale).repeat_interleave(group, dim=1)
