@@ -168,7 +168,9 @@ class ModelRunner:
             )
             self.graph_capture_s = round(time.perf_counter() - started, 4)
 
-    def _allocate_kv_cache(self, config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def _allocate_kv_cache(
+        self, config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> None:
         """The KV pool: one tensor, each layer a view [2, blocks, block_size, kv_heads, head_dim]
         (kv_caches, in layer order). With a window pool (config.window_pool), the sliding layers'
         views are of a second tensor of that pool's blocks (window_cache)."""
@@ -184,7 +186,10 @@ class ModelRunner:
             self.window_cache = torch.zeros(
                 num_sliding, 2, config.num_window_kv_blocks, *shape, dtype=kv_dtype, device=device
             )
-        full, windowed = iter(self.kv_cache.unbind(0)), iter(() if self.window_cache is None else self.window_cache.unbind(0))
+        full, windowed = (
+            iter(self.kv_cache.unbind(0)),
+            iter(() if self.window_cache is None else self.window_cache.unbind(0)),
+        )
         self.kv_caches = [next(windowed) if slides else next(full) for slides in sliding]
 
     @torch.inference_mode()

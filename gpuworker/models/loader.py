@@ -33,8 +33,8 @@ from gpuworker.checkpoint_files import (
 )
 from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.config import ModelConfig
-from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.gemma3.model import Gemma3ForCausalLM
+from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE

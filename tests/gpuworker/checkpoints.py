@@ -136,9 +136,7 @@ def make_checkpoint(
     config_class_name, family_overrides = FAMILIES[family]
     kwargs = {**TINY, **family_overrides, **overrides}
     config = getattr(transformers, config_class_name)(**kwargs)
-    config.architectures = [
-        _ARCHITECTURES.get(config_class_name, config_class_name.replace("Config", "ForCausalLM"))
-    ]
+    config.architectures = [_ARCHITECTURES.get(config_class_name, config_class_name.replace("Config", "ForCausalLM"))]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _redraw_weights(model, seed)

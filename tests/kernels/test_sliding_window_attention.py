@@ -44,7 +44,9 @@ def windowed_cache(paged_cache, generator):
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize(("num_splits", "merge_in_launch"), [(1, False), (3, False), (3, True)])
-def test_decode_window_matches_reference(window, num_splits, merge_in_launch, windowed_cache, device, generator, tolerance):
+def test_decode_window_matches_reference(
+    window, num_splits, merge_in_launch, windowed_cache, device, generator, tolerance
+):
     dtype = torch.float32
     kv_cache, block_tables = windowed_cache(SEQ_LENS, dtype)
     _poison_before_window(kv_cache, block_tables, [max(0, n - window) for n in SEQ_LENS])
@@ -97,9 +99,7 @@ def test_prefill_window_matches_reference(window, windowed_cache, device, genera
     qsl = torch.tensor(starts, dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = HEAD_DIM**-0.5
-    out = prefill_attention(
-        query, kv_cache, qsl, lens, block_tables, scale, max(q_lens), window=window, **PREFILL_TILE
-    )
+    out = prefill_attention(query, kv_cache, qsl, lens, block_tables, scale, max(q_lens), window=window, **PREFILL_TILE)
     expected = prefill_attention_reference(query, kv_cache, qsl, lens, block_tables, scale, window=window)
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, **tolerance(dtype))

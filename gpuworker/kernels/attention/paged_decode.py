@@ -136,11 +136,7 @@ def _paged_decode_kernel(
     num_q_heads = num_kv_heads * QUERY_GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    if WINDOW > 0:  # a sliding layer: the context is the window's last WINDOW positions
-        ctx_begin = tl.maximum(seq_len - WINDOW, 0)
-        ctx_len = seq_len - ctx_begin
-    else:
-        ctx_len = seq_len
+    ctx_begin, ctx_len = _window_context(seq_len, WINDOW)
     if SPLIT and not MERGE_IN_LAUNCH:
         partition_size, num_parts = _sequence_partitions(ctx_len, num_splits, BLOCK_N)
     else:
@@ -295,6 +291,16 @@ def _paged_decode_kernel(
             SPLITS_PAD,
             BLOCK_D,
         )
+
+
+@triton.jit
+def _window_context(seq_len, WINDOW: tl.constexpr):
+    """(first position, length) of the context the query at seq_len - 1 reads: with a WINDOW (a
+    sliding layer), its last WINDOW positions, else all of them."""
+    if WINDOW > 0:
+        ctx_begin = tl.maximum(seq_len - WINDOW, 0)
+        return ctx_begin, seq_len - ctx_begin
+    return 0, seq_len
 
 
 @triton.jit
