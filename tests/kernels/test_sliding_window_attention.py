@@ -114,3 +114,37 @@ def test_window_must_be_a_non_negative_integer(windowed_cache, device):
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="window"):
         prefill_attention(query, kv_cache, qsl, lens, block_tables, 1.0, 1, window=2.5)
+
+
+@pytest.mark.parametrize(("num_splits", "merge_in_launch"), [(1, False), (3, False), (3, True)])
+def test_decode_window_with_the_new_token_in_the_launch(
+    num_splits, merge_in_launch, windowed_cache, device, generator, tolerance
+):
+    # The step's token arrives unrotated and uncached, as the Triton backend hands decodes over.
+    from tests.kernels.test_paged_decode_attention import _new_tokens
+
+    window, dtype = 21, torch.float32
+    kv_cache, block_tables = windowed_cache(SEQ_LENS, dtype)
+    _poison_before_window(kv_cache, block_tables, [max(0, n - window) for n in SEQ_LENS])
+    query, new = _new_tokens(SEQ_LENS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype, block_tables, generator, device)
+    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=device)
+    reference_cache = kv_cache.clone()
+    scale = HEAD_DIM**-0.5
+    expected = paged_decode_attention_reference(
+        query, reference_cache, block_tables, lens, scale, new_tokens=new, window=window
+    )
+    out = paged_decode_attention(
+        query,
+        kv_cache,
+        block_tables,
+        lens,
+        scale,
+        max(SEQ_LENS),
+        num_splits=num_splits,
+        merge_in_launch=merge_in_launch,
+        new_tokens=new,
+        window=window,
+        **TILE,
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
