@@ -152,9 +152,7 @@ class ModelRunner:
         backend_name = getattr(getattr(model, "attn_backend", None), "name", "")
         # A split model runs eagerly: its collectives are not captured.
         unsplit = getattr(model, "parallel", None) is None
-        # The graphs' inputs hold one block table: a window pool's runs eagerly.
-        one_pool = self.window_cache is None
-        if device.type == "cuda" and not config.enforce_eager and backend_name == "triton" and unsplit and one_pool:
+        if device.type == "cuda" and not config.enforce_eager and backend_name == "triton" and unsplit:
             from gpuworker.engine.cuda_graphs import DecodeGraphs
 
             started = time.perf_counter()
@@ -165,6 +163,7 @@ class ModelRunner:
                 max_model_len=config.max_model_len,
                 block_size=config.block_size,
                 defer=config.defer_warm_up,
+                windowed=self.window_cache is not None,
             )
             self.graph_capture_s = round(time.perf_counter() - started, 4)
 
@@ -369,6 +368,8 @@ class ModelRunner:
                 slot_mapping=host.slot_mapping,
                 seq_lens=host.seq_lens,
                 block_tables=host.block_tables,
+                window_slot_mapping=host.window_slot_mapping,
+                window_block_tables=host.window_block_tables,
             )
         inputs = self.prepare_inputs(batch, previous, host=host)
         if self.workers is not None:
