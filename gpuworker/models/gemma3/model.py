@@ -11,6 +11,7 @@ full-attention layers (rope_theta with its scaling). Logits are softcapped where
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpuworker.attention.backend import AttentionBackend, AttentionMetadata, fuses_rotary_and_cache_write
@@ -164,11 +165,22 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+        """As LlamaForCausalLM's, softcapped where the config says: cap * tanh(logits / cap) in the
+        model dtype, as transformers computes it, then float32."""
         cap = self.config.gemma3.final_logit_softcapping
         if cap is None:
-            return logits
-        return torch.tanh(logits / cap) * cap
+            return super().compute_logits(hidden)
+        weight = self.lm_head_weight
+        logits = None
+        if hidden.is_cuda:
+            from gpuworker.kernels.linear.gemv import gemv, tuned_config
+
+            config = tuned_config(hidden, weight)
+            if config is not None:
+                logits = gemv(hidden, weight, config=config)
+        if logits is None:
+            logits = F.linear(hidden, weight)
+        return (torch.tanh(logits / cap) * cap).float()
 
     def greedy_tokens(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.gemma3.final_logit_softcapping is None:
