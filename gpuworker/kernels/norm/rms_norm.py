@@ -67,11 +67,12 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * HIDDEN + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, 0) / HIDDEN
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     if GEMMA:  # (norm * (1 + weight)) in float32, as transformers' Gemma3RMSNorm
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
         out = (x32 * tl.rsqrt(variance + eps)) * (1.0 + weight.to(tl.float32))
     else:
         normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
         out = normed.to(tl.float32) * weight.to(tl.float32)
     if FP8_OUT:  # the output rounded to x's dtype (as rms_norm stores it), then quantized per row
         q, scale = fp8_codec.quantize_row(out.to(x.dtype).to(tl.float32))
