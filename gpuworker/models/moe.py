@@ -20,6 +20,7 @@ from torch import nn
 from gpuworker.kernels.moe.decode import route_reference
 from gpuworker.kernels.moe.routing import route_grouped_reference
 from gpuworker.models.config import MoEConfig
+from gpuworker.models.expert_parallel import dispatch_combine, gather_tokens, token_slice
 from gpuworker.models.layers import GatedMLP, Linear
 from gpuworker.models.tensor_parallel import ParallelContext
 
@@ -54,9 +55,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.config = config
         # Expert parallel: this rank holds (and loads) only its experts [first_expert, first_expert +
-        # num_local_experts) and its slice of the shared expert. Every token is routed over all the
-        # experts; the rank computes only the choices of its own, and forward sums the ranks' partial
-        # outputs in one all-reduce.
+        # num_local_experts) and its slice of the shared expert. Either every token is routed over all
+        # the experts, the rank computes only the choices of its own, and forward sums the ranks'
+        # partial outputs in one all-reduce; or (parallel.dispatch_experts) the rank routes its slice
+        # of the tokens and sends each choice to its expert's rank (models.expert_parallel).
         self.parallel = parallel
         self.first_expert, experts = (
             (0, config.num_experts) if parallel is None else parallel.split(config.num_experts, "num_experts")
@@ -139,6 +141,17 @@ class SparseMoE(nn.Module):
             return  # its kernels compile at their first use
         for tokens in self.warm_up_token_counts():
             self._routed_experts(torch.zeros(tokens, self.hidden_size, dtype=self.w13.dtype, device=self.w13.device))
+        if self.parallel is not None and self.parallel.dispatch_experts:
+            device = self.w13.device
+            for rows in self.dispatched_row_counts():
+                ids = torch.full((rows, 1), self.first_expert, dtype=torch.int64, device=device)
+                x = torch.zeros(rows, self.hidden_size, dtype=self.w13.dtype, device=device)
+                self._experts(x, torch.ones(rows, 1, device=device), ids)
+
+    def dispatched_row_counts(self) -> list[int]:
+        """Counts of dispatched choices (one expert each, models.expert_parallel) at which this
+        rank's grouped kernels take each of their row tiles (kernels.moe.fused.block_m_for)."""
+        return [1, 4 * self.num_local_experts + 1]
 
     def _routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' part of the output for x [T, H]: routed over all experts; on the GPU
@@ -147,9 +160,7 @@ class SparseMoE(nn.Module):
             return self.block_fp8_experts(x, *self.route(x), self.first_expert)
         if x.is_cuda:
             return self.kernel_experts(x)
-        w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
-        w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
-        return experts_reference(x, w13, w2, *self.route(x), self.first_expert)
+        return self._experts(x, *self.route(x))
 
     def kernel_experts(self, x: torch.Tensor) -> torch.Tensor:
         """_routed_experts on the Triton kernels (the GPU path; on the CPU under the interpreter): the
@@ -158,21 +169,60 @@ class SparseMoE(nn.Module):
         from gpuworker.kernels.moe.decode import decode_config, moe_decode
         from gpuworker.kernels.moe.fused import fused_moe
 
-        w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
-        w2 = self.w2.view(self.num_local_experts, self.hidden_size, -1)
-        top_k = self.config.top_k
-        config = decode_config(x.shape[0], top_k, self.hidden_size, self.config.expert_intermediate_size)
+        w13, w2 = self._expert_weights()
+        config = decode_config(x.shape[0], self.config.top_k, self.hidden_size, self.config.expert_intermediate_size)
         if config is not None:
             weights, ids = self.route(x, launch=True)
             return moe_decode(x, w13, w2, weights, ids, self.first_expert, config=config)
         return fused_moe(x, w13, w2, *self.route(x), self.first_expert)
 
+    def _expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's experts as w13 [E, 2I, H] and w2 [E, H, I]."""
+        w13 = self.w13.view(self.num_local_experts, -1, self.hidden_size)
+        return w13, self.w2.view(self.num_local_experts, self.hidden_size, -1)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over the choices (weights, global ids [T, top_k]) of this rank's experts
+        for x [T, H]: the grouped kernels on the GPU, the reference on the CPU."""
+        w13, w2 = self._expert_weights()
+        if x.is_cuda:
+            from gpuworker.kernels.moe.fused import fused_moe
+
+            return fused_moe(x, w13, w2, weights, ids, self.first_expert)
+        return experts_reference(x, w13, w2, weights, ids, self.first_expert)
+
+    def _dispatched_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallel by dispatch (models.expert_parallel): this rank routes its slice of the
+        tokens, each choice is computed on its expert's rank, and the slice's outputs [t, H] come
+        back here."""
+        first, held, _ = token_slice(x.shape[0], self.parallel)
+        mine = x[first : first + held]
+        weights, ids = self.route(mine)
+        return dispatch_combine(mine, weights, ids, self._experts, self.num_local_experts, self.parallel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H], already normalised -> [T, H]."""
+        if self.parallel is not None and self.parallel.dispatch_experts:
+            return self._forward_dispatched(x)
         out = self._routed_experts(x)
         if self.shared_expert is not None:
-            shared = self.shared_expert.down(self.shared_expert.gate_up_proj(x))
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
+            out = out + self._shared(x)
         return out if self.parallel is None else self.parallel.all_reduce(out)
+
+    def _forward_dispatched(self, x: torch.Tensor) -> torch.Tensor:
+        """forward under dispatch: the routed outputs of every rank's slice put together; with a
+        shared expert (split over the ranks like a dense MLP) each slice is added into this rank's
+        shared partial output and one all-reduce joins both, else an all-gather joins the slices."""
+        local = self._dispatched_experts(x)
+        if self.shared_expert is None:
+            return gather_tokens(local, x.shape[0], self.parallel)
+        out = self._shared(x)
+        first, held, _ = token_slice(x.shape[0], self.parallel)
+        out[first : first + held] += local
+        return self.parallel.all_reduce(out)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output for x, scaled by its gate where it has one (this rank's slice
+        of it, when split)."""
+        shared = self.shared_expert.down(self.shared_expert.gate_up_proj(x))
+        return shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared
