@@ -1,10 +1,14 @@
 """QuantConfig: a checkpoint's quantization, read once from config.json's quantization_config.
 
-Three published layouts are understood (the formats' own names in parentheses):
+These published layouts are understood (the formats' own names in parentheses):
 - FP8 e4m3 weights with a float32 scale per tensor or per output channel, and activations either
   left in the model dtype, quantized with a static per-tensor scale from the checkpoint, or quantized
   per token at run time: llm-compressor's "compressed-tensors" (format "float-quantized") and vLLM's
   "fp8" method (per-tensor scales, activation_scheme "static" or "dynamic").
+- FP8 e4m3 weights with a float32 scale per block of weight_block_size [rows, columns] (the inverse
+  of the quantizer's scale, "weight_scale_inv"), activations quantized at run time per token and per
+  group of as many columns: DeepSeek's "fp8" method with weight_block_size (DeepSeek-V3/R1, Kimi K2;
+  transformers' FineGrainedFP8).
 - INT4 weight-only with a scale and a zero point per group of input rows: "awq" (version "gemm") and
   "gptq" (checkpoint_format "gptq": zero points stored minus one; desc_act false).
 `quantization="fp8"` at load quantizes a float checkpoint to FP8 with per-channel weight scales and
@@ -31,10 +35,12 @@ LOAD_QUANTIZATIONS = (None, "fp8")
 class QuantConfig:
     method: str  # "fp8" or the INT4 "awq" / "gptq"
     checkpoint_format: str  # one of FORMATS
-    # FP8: "tensor" or "channel" weight scales; activations None (weight-only), "static" (per tensor,
-    # the checkpoint's input_scale) or "dynamic" (per token).
+    # FP8: "tensor", "channel" or "block" weight scales; activations None (weight-only), "static" (per
+    # tensor, the checkpoint's input_scale) or "dynamic" (per token, and per column group for "block").
     weight_strategy: str = "channel"
     activation_scheme: str | None = None
+    # Block FP8: (weight rows, weight columns) per scale; the columns are also the activations' group.
+    weight_block_size: tuple[int, int] | None = None
     # INT4: bits per weight, input rows per group, and whether zero points are stored (asymmetric).
     bits: int = 8
     group_size: int = 0
@@ -133,8 +139,8 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
 
 
 def _vllm_fp8(qc: dict[str, Any], source: str) -> QuantConfig:
-    if qc.get("weight_block_size"):
-        raise ValueError(f"{source}: quantization_config.weight_block_size (block-wise FP8) is not supported")
+    if qc.get("weight_block_size") is not None:
+        return _block_fp8(qc, source)
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("static", "dynamic"):
         raise ValueError(
@@ -149,6 +155,65 @@ def _vllm_fp8(qc: dict[str, Any], source: str) -> QuantConfig:
         activation_scheme=scheme,
         ignore=tuple(qc.get("ignored_layers") or ()),
     )
+
+
+def block_fp8_columns_supported(columns: object) -> bool:
+    """Weight columns per block scale the block FP8 GEMM tiles (kernels/quant/block_fp8_matmul.py):
+    one K step per block, a power of two from 16 to 256."""
+    return (
+        isinstance(columns, int)
+        and not isinstance(columns, bool)
+        and 16 <= columns <= 256
+        and not columns & (columns - 1)
+    )
+
+
+def _block_fp8(qc: dict[str, Any], source: str) -> QuantConfig:
+    where = f"{source}: quantization_config"
+    block = qc["weight_block_size"]
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(f"{where}.weight_block_size must be two positive integers [rows, columns], got {block!r}")
+    rows, columns = block
+    if not block_fp8_columns_supported(columns):
+        raise ValueError(
+            f"{where}.weight_block_size columns must be a power of two from 16 to 256 (one GEMM step per "
+            f"block), got {columns}"
+        )
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"{where}.fmt {fmt!r} is not supported (expected 'e4m3')")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(
+            f"{where}.activation_scheme must be 'dynamic' for block-wise FP8 (activations quantized per "
+            f"token and group of {columns} columns), got {scheme!r}"
+        )
+    scale_fmt = qc.get("scale_fmt", "float")
+    if scale_fmt not in (None, "float"):
+        raise ValueError(f"{where}.scale_fmt {scale_fmt!r} is not supported (expected float32 block scales)")
+    keys = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(key, str) for key in keys):
+        raise ValueError(f"{where}.modules_to_not_convert must be a list of module names, got {keys!r}")
+    return QuantConfig(
+        method="fp8",
+        checkpoint_format="fp8",
+        weight_strategy="block",
+        activation_scheme="dynamic",
+        weight_block_size=(rows, columns),
+        ignore=tuple(pattern for key in keys for pattern in transformers_skip_patterns(key)),
+    )
+
+
+def transformers_skip_patterns(key: str) -> tuple[str, str]:
+    """A modules_to_not_convert entry as QuantConfig.ignore patterns, matching what transformers'
+    quantizers skip: the key as a regex from the start of the name up to a module boundary
+    ("model.layers.1" skips model.layers.1.mlp.down_proj, not model.layers.11...), or a plain suffix
+    ("down_proj")."""
+    return (rf"re:(?:{key})(?:(?<=\.)|(?=\.|$)).*", "re:.*" + re.escape(key))
 
 
 def int4_group_size_supported(group_size: object) -> bool:

@@ -39,6 +39,7 @@ from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_
 from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
+from gpuworker.models.quantization.block_fp8_experts import BlockFp8Experts
 from gpuworker.models.quantization.install import (
     install_quantized_linears,
     load_quantized_tensors,
@@ -325,14 +326,27 @@ def _add_moe(
         if not 0 <= local < moe.num_local_experts:
             targets.update(dict.fromkeys(names))
             continue
-        add(names[0], moe.w13, 2 * inter * local, inter)
-        add(names[1], moe.w13, 2 * inter * local + inter, inter)
-        add(names[2], moe.w2, hidden_size * local, hidden_size)
+        experts = moe if moe.block_fp8_experts is None else moe.block_fp8_experts
+        add(names[0], experts.w13, 2 * inter * local, inter)
+        add(names[1], experts.w13, 2 * inter * local + inter, inter)
+        add(names[2], experts.w2, hidden_size * local, hidden_size)
+        if moe.block_fp8_experts is not None:
+            _add_block_fp8_expert_scales(add, names, moe.block_fp8_experts, local)
     if moe.shared_expert is not None:
         shared = f"{block}{config.shared_expert_name}."
         _add_gated_mlp(add, split, shared, moe.shared_expert, "weight", config.shared_expert_intermediate_size)
     if moe.shared_expert_gate is not None:
         add(f"{block}shared_expert_gate.weight", moe.shared_expert_gate.weight)
+
+
+def _add_block_fp8_expert_scales(
+    add: Callable[..., None], names: tuple[str, str, str], experts: BlockFp8Experts, local: int
+) -> None:
+    """Block FP8 experts: each projection's weight_scale_inv, rows of the stacked scales."""
+    inter_blocks, hidden_blocks = experts.inter_blocks, experts.hidden_blocks
+    add(f"{names[0]}_scale_inv", experts.w13_scale, 2 * inter_blocks * local, inter_blocks)
+    add(f"{names[1]}_scale_inv", experts.w13_scale, 2 * inter_blocks * local + inter_blocks, inter_blocks)
+    add(f"{names[2]}_scale_inv", experts.w2_scale, hidden_blocks * local, hidden_blocks)
 
 
 @torch.no_grad()
@@ -489,7 +503,7 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
     # Each norm's identity scale: 1.0 for Llama's norm, 0.0 for Gemma's (x * (1 + weight)).
     norm_weights = {id(m.weight): getattr(m, "unit_weight", 1.0) for m in model.modules() if isinstance(m, RMSNorm)}
     for module in model.modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, (QuantizedLinear, BlockFp8Experts)):
             module.fill_dummy(generator)
     for param in model.parameters():
         if id(param) in norm_weights:

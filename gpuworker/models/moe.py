@@ -78,6 +78,9 @@ class SparseMoE(nn.Module):
             shared = parallel.split(shared, "shared_expert_intermediate_size")[1]
         self.shared_expert = GatedMLP(hidden_size, shared, False) if shared else None
         self.shared_expert_gate = Linear(hidden_size, 1) if shared and config.shared_expert_gated else None
+        # The routed experts of a block FP8 checkpoint (models.quantization.block_fp8_experts, set by
+        # install_quantized_linears in place of w13 and w2, which are then None).
+        self.block_fp8_experts: nn.Module | None = None
 
     def _apply(self, fn, recurse=True):  # a float32 router stays float32 across model.to(dtype)
         super()._apply(fn, recurse)
@@ -134,6 +137,8 @@ class SparseMoE(nn.Module):
         """Run the GPU kernels once per variant (warm_up_token_counts) on zeros, so that the first
         long prompt does not compile one (about a second on a GPU; the engine's warm-up step is too
         short to reach the prefill tile). The experts alone: no collective, so one rank may run it."""
+        if self.block_fp8_experts is not None:
+            return  # its kernels compile at their first use
         for tokens in self.warm_up_token_counts():
             self._routed_experts(torch.zeros(tokens, self.hidden_size, dtype=self.w13.dtype, device=self.w13.device))
         if self.parallel is not None and self.parallel.dispatch_experts:
@@ -151,6 +156,8 @@ class SparseMoE(nn.Module):
     def _routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' part of the output for x [T, H]: routed over all experts; on the GPU
         the kernels (kernel_experts), on the CPU the reference."""
+        if self.block_fp8_experts is not None:
+            return self.block_fp8_experts(x, *self.route(x), self.first_expert)
         if x.is_cuda:
             return self.kernel_experts(x)
         return self._experts(x, *self.route(x))

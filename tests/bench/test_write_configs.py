@@ -122,6 +122,20 @@ def test_quant_gemm_records_the_buckets_below_the_crossover(bench_script, on_tes
     assert pick_gemm_config(40, 128, on_cuda=True) == tiles[large]
 
 
+def test_block_fp8_gemm_records_each_row_buckets_fastest_tile(bench_script, on_test_gpu):
+    from gpuworker.kernels.quant.block_fp8_matmul import GEMM_TABLE_KEY, BlockFp8GemmConfig, pick_config
+
+    block_fp8_gemm = bench_script("block_fp8_gemm")
+    small, large = BlockFp8GemmConfig(16, 64, 4, 5), BlockFp8GemmConfig(128, 128, 8, 3)
+    tiles = {small.name: small, large.name: large}
+    on_test_gpu(
+        "block_fp8_matmul", GEMM_TABLE_KEY, block_fp8_gemm.config_records({16: small.name, 512: large.name}, tiles)
+    )
+    assert pick_config(3, on_cuda=True) == small
+    assert pick_config(100, on_cuda=True) == large
+    assert pick_config(9000, on_cuda=True) == large  # beyond the largest bucket: its tile
+
+
 def test_sampling_records_each_batchs_fastest_config(bench_script, on_test_gpu):
     from gpuworker.kernels.sampling.sample import BASELINE_CONFIG, DEFAULT_CONFIG, TABLE_KEY, pick_config
 

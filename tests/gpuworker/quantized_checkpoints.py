@@ -6,9 +6,10 @@
 A tiny random float32 checkpoint (tests/gpuworker/checkpoints.py) has its decoder projections
 quantized by the reference code below, written from the formats' documentation and independent of
 gpuworker's readers: llm-compressor's compressed-tensors (float-quantized), vLLM's fp8 method, AutoAWQ's
-GEMM layout and AutoGPTQ's layout. The twin holds, in the plain Llama layout, exactly the float32
-weights the quantized ones stand for, so transformers run on it is the reference for the engine run
-on the quantized files. Shapes are the smallest that hold a whole INT4 group of 128 inputs.
+GEMM layout, AutoGPTQ's layout, and DeepSeek's block-wise FP8 (weight and weight_scale_inv per
+128 x 128 block, as transformers' FineGrainedFP8 reads it). The twin holds, in the plain Llama
+layout, exactly the float32 weights the quantized ones stand for, so transformers run on it is the
+reference for the engine run on the quantized files. Shapes are the smallest that hold a whole INT4 group of 128 inputs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ QUANTIZABLE_SHAPE = {"hidden_size": 128, "intermediate_size": 256}
 GROUP_SIZE = 128
 FP8_MAX = 448.0
 _PROJECTION = re.compile(r"^(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj))\.weight$")
+# Block FP8 also quantizes MoE experts and shared experts (routers stay dense).
+_BLOCK_PROJECTION = re.compile(
+    r"^(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_experts?\.)?(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123]))\.weight$"
+)
 # AutoAWQ packs the eight columns of a word in this order: nibble i holds column ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -38,6 +44,12 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "fp8-ct-tensor-static": {"weights": "tensor", "input_activations": "tensor"},
     "fp8-vllm-static": {"quant_method": "fp8", "activation_scheme": "static"},
     "fp8-vllm-dynamic": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    "fp8-block": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
     "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True, "version": "gemm"},
     "gptq-sym": {"quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "sym": True, "desc_act": False},
     "gptq-asym": {"quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "sym": False, "desc_act": False},
@@ -60,8 +72,9 @@ def make_quantized_checkpoint(
     tensors = load_file(str(weights_file))
     quantized: dict[str, torch.Tensor] = {}
     dequantised: dict[str, torch.Tensor] = {}
+    projection = _BLOCK_PROJECTION if "weight_block_size" in SCHEMES[scheme] else _PROJECTION
     for index, (name, tensor) in enumerate(sorted(tensors.items())):
-        match = _PROJECTION.match(name)
+        match = projection.match(name)
         if match is None:
             quantized[name] = dequantised[name] = tensor
             continue
@@ -134,6 +147,11 @@ def _quantize(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, 
 
 
 def _fp8(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    if "weight_block_size" in SCHEMES[scheme]:
+        q, scale_inv = quantize_block_fp8(weight, SCHEMES[scheme]["weight_block_size"])
+        return {"weight": q, "weight_scale_inv": scale_inv}, dequantize_block_fp8(
+            q, scale_inv, SCHEMES[scheme]["weight_block_size"]
+        )
     per_channel = SCHEMES[scheme].get("weights") == "channel"
     amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax().reshape(1, 1)
     scale = amax / FP8_MAX
@@ -147,6 +165,27 @@ def _fp8(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, torch
         input_scale = torch.tensor(6.0 / FP8_MAX * (1 + 0.1 * (index % 3)))
         packed["input_scale"] = input_scale if vllm else input_scale.reshape(1)
     return packed, dequantised
+
+
+def quantize_block_fp8(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [out, in] -> (float8_e4m3fn [out, in], float32 weight_scale_inv [ceil(out / rows),
+    ceil(in / columns)]): each block's largest magnitude maps to FP8_MAX; the last blocks may be partial."""
+    rows, cols = block
+    out_features, in_features = weight.shape
+    row_blocks, col_blocks = -(-out_features // rows), -(-in_features // cols)
+    padded = torch.zeros(row_blocks * rows, col_blocks * cols)
+    padded[:out_features, :in_features] = weight.float()
+    blocks = padded.reshape(row_blocks, rows, col_blocks, cols)
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(padded.shape)[:out_features, :in_features].contiguous(), scale_inv
+
+
+def dequantize_block_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """The float32 weight that block FP8 values and their weight_scale_inv stand for."""
+    rows, cols = block
+    per_element = scale_inv.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)
+    return q.float() * per_element[: q.shape[0], : q.shape[1]]
 
 
 def _int4_groups(
@@ -206,32 +245,69 @@ _FUSED_INPUTS = {
 }
 
 
-def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str):
-    """transformers' float32 model of the twin; for schemes that quantize activations, each projection
-    first rounds its input through FP8 as the format says (per token, or with the static scale)."""
+def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str, *, read_quantized: bool = True):
+    """transformers' float32 model of the twin (of the quantized checkpoint itself for block FP8); for
+    schemes that quantize activations, each projection first rounds its input through FP8 as the format
+    says (per token, per token and column group, or with the static scale)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(twin_dir), dtype=torch.float32).eval()
+    # transformers reads block FP8 itself (FineGrainedFP8; on a CPU it dequantises at load, to the
+    # float32 asked for) where every dimension is whole blocks or less than one (read_quantized); the
+    # other layouts, and ragged blocks, run as their twins.
+    source = quantized_dir if read_quantized and "weight_block_size" in SCHEMES[scheme] else twin_dir
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
     activations = SCHEMES[scheme].get("input_activations", SCHEMES[scheme].get("activation_scheme"))
     if activations is None or scheme in WEIGHT_ONLY:
         return model
     tensors = load_file(str(next(quantized_dir.glob("*.safetensors"))))
+    group = SCHEMES[scheme]["weight_block_size"][1] if "weight_block_size" in SCHEMES[scheme] else None
+    if group is not None:
+        for module in model.modules():
+            if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):  # fused MoE experts
+                module.forward = _block_fp8_experts_forward(module, group)
     for name, module in model.named_modules():
-        match = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp))\.(\w+_proj)", name)
-        if match is None:
-            continue
+        match = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp(?:\.shared_experts?)?))\.(\w+_proj)", name)
+        if match is None or (group is not None and f"{name}.weight_scale_inv" not in tensors):
+            continue  # not a projection, or one the block FP8 checkpoint leaves in float
         static = None
         if scheme.endswith("static"):
             parent, proj = match.groups()
             static = max(
                 float(tensors[f"{parent}.{p}.input_scale"].reshape(())) for p in _FUSED_INPUTS.get(proj, (proj,))
             )
-        module.register_forward_pre_hook(lambda _, args, static=static: (_fake_fp8(args[0], static),))
+        module.register_forward_pre_hook(lambda _, args, static=static: (_fake_fp8(args[0], static, group),))
     return model
 
 
-def _fake_fp8(x: torch.Tensor, static: float | None) -> torch.Tensor:
+def _block_fp8_experts_forward(experts, group: int):
+    """transformers' routed experts loop (gate_up_proj [E, 2I, H], down_proj [E, H, I]) with each
+    projection's input rounded through FP8 per token and group, as block FP8's MoE kernels do."""
+    linear = torch.nn.functional.linear
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        x = _fake_fp8(hidden_states, None, group)
+        for expert in range(experts.gate_up_proj.shape[0]):
+            token, position = torch.where(top_k_index == expert)
+            if token.numel() == 0:
+                continue
+            gate, up = linear(x[token], experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            hidden = _fake_fp8(experts.act_fn(gate) * up, None, group)
+            down = linear(hidden, experts.down_proj[expert]) * top_k_weights[token, position, None]
+            out.index_add_(0, token, down.to(out.dtype))
+        return out
+
+    return forward
+
+
+def _fake_fp8(x: torch.Tensor, static: float | None, group: int | None = None) -> torch.Tensor:
+    if group is not None:
+        # Per token and group of `group` columns (block FP8's activations): each group a token of its own.
+        k = x.shape[-1]
+        padded = torch.nn.functional.pad(x, (0, -k % group))
+        grouped = padded.reshape(*x.shape[:-1], -1, group)
+        return _fake_fp8(grouped, None).reshape(padded.shape)[..., :k]
     scale = (
         torch.full((*x.shape[:-1], 1), static)
         if static is not None

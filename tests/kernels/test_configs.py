@@ -13,13 +13,14 @@ from gpuworker.kernels import configs
 from gpuworker.kernels.attention import paged_decode
 from gpuworker.kernels.linear import gemv
 from gpuworker.kernels.moe import decode as moe_decode
-from gpuworker.kernels.quant import int4_matmul
+from gpuworker.kernels.quant import block_fp8_matmul, int4_matmul
 from gpuworker.kernels.sampling import sample
 
 KEY = ("dtype", "n", "k")
 # Every kernel with configs: its key and how a record's other fields become its config.
 KERNELS = {
     "gemv": (gemv.TABLE_KEY, gemv._candidate),
+    "block_fp8_matmul": (block_fp8_matmul.GEMM_TABLE_KEY, block_fp8_matmul.BlockFp8GemmConfig),
     "int4_gemv": (int4_matmul.GEMV_TABLE_KEY, int4_matmul.Int4GemvConfig),
     "int4_matmul": (int4_matmul.GEMM_TABLE_KEY, int4_matmul.Int4GemmConfig),
     "sample": (sample.TABLE_KEY, sample.SamplingConfig),

@@ -185,3 +185,55 @@ def test_grouped_routing_compiles(routing, bias, monkeypatch):
     route_grouped(logits, cases[routing], torch.randn(256) if bias else None)
     (launch,) = launches["_route_grouped_kernel"]
     compile_sm90(launch)
+
+
+@pytest.mark.parametrize("rows", [4, 40, 300])
+def test_block_fp8_matmul_compiles_with_the_gpu_tiles(rows, monkeypatch):
+    # The interpreter runs small tiles and float32 dots; compile the default tiles a GPU takes for
+    # these rows, with FP8 x FP8 tensor-core products.
+    from gpuworker.kernels.quant import block_fp8_matmul as block_module
+
+    monkeypatch.setattr(block_module, "INTERPRETER_CONFIG", block_module.pick_config(rows, on_cuda=True))
+    launches = record_launches(monkeypatch)
+    x_q, x_scale = block_module.quantize_fp8_groups(torch.randn(rows, 1000).bfloat16(), 128, use_kernel=True)
+    weight = torch.randn(200, 1000).to(torch.float8_e4m3fn)
+    block_module.block_fp8_matmul(x_q, x_scale, weight, torch.ones(2, 8), 128, 128, out_dtype=torch.bfloat16)
+    (launch,) = launches["_block_fp8_matmul_kernel"]
+    # Decode rows split K (the interpreter's device counts 8 multiprocessors); batches do not.
+    assert (launch.arguments["SPLIT_K"] > 1) == (rows <= 16)
+    ptx = compile_sm90(launch)
+    if launch.arguments["BLOCK_M"] >= 64:
+        # A warpgroup's tile: FP8 x FP8 wgmma.
+        assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx)
+    else:
+        # Below wgmma's 64 rows Triton widens e4m3 to float16 (exact) for mma.sync; the weight is still
+        # read as FP8, which is what a decode batch waits on.
+        assert "cvt.rn.f16x2.e4m3x2" in ptx and re.search(r"mma\.sync\S*\.f32\.f16\.f16\.f32", ptx)
+
+
+def test_group_quantization_compiles(monkeypatch):
+    from gpuworker.kernels.quant.block_fp8_matmul import quantize_fp8_groups
+
+    launches = record_launches(monkeypatch)
+    quantize_fp8_groups(torch.randn(3, 7168).bfloat16(), 128, use_kernel=True)
+    (launch,) = launches["_quantize_groups_kernel"]
+    ptx = compile_sm90(launch)
+    # 16-byte loads and no byte-at-a-time stores (K is specialised: its groups' masks are known).
+    assert "ld.global.v4.b32" in ptx and "st.global.b8" not in ptx
+    # Two divisions a group (its scale and the reciprocal), not one a value.
+    assert ptx.count("div.rn.f32") <= 2 * 8
+
+
+@pytest.mark.parametrize("tokens", [2, 64])
+def test_block_fp8_moe_compiles(tokens, monkeypatch):
+    # 16-row blocks for a few pairs an expert, 64 (FP8 wgmma) beyond.
+    from gpuworker.kernels.moe.block_fp8 import fused_moe_block_fp8
+    from tests.kernels.test_moe_block_fp8 import problem
+
+    launches = record_launches(monkeypatch)
+    fused_moe_block_fp8(*problem(tokens, 256, 128, 4, 2, (128, 128), torch.bfloat16), (128, 128))
+    for name in ("_gate_up_kernel", "_down_kernel"):
+        (launch,) = launches[name]
+        ptx = compile_sm90(launch)
+        if launch.arguments["BLOCK_M"] >= 64:
+            assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx), name

@@ -1,10 +1,10 @@
 """Tuned launch configurations as data: one JSON file per kernel and GPU, configs/<kernel>/<device>.json.
 
-<kernel> is the kernel the configurations launch (`_<name>_kernel`: gemv, int4_gemv, int4_matmul,
-paged_decode, sample; moe_decode for the two kernels of the MoE decode path). <device> is the GPU's
-name as torch.cuda.get_device_name gives it, made file-safe (file_name: "NVIDIA H200" ->
-NVIDIA_H200.json). A file lists records, each the shape and dtype it applies to (the fields the
-file's "key" names) and what was chosen there; "note" is for people:
+<kernel> is the kernel the configurations launch (`_<name>_kernel`: block_fp8_matmul, gemv,
+int4_gemv, int4_matmul, paged_decode, sample; moe_decode for the two kernels of the MoE decode
+path). <device> is the GPU's name as torch.cuda.get_device_name gives it, made file-safe
+(file_name: "NVIDIA H200" -> NVIDIA_H200.json). A file lists records, each the shape and dtype it
+applies to (the fields the file's "key" names) and what was chosen there; "note" is for people:
 
     {"kernel": "gemv", "device": "NVIDIA H200", "key": ["weight_dtype", "n", "k", "m"],
      "configs": [{"weight_dtype": "bfloat16", "n": 6144, "k": 4096, "m": 1, "config": "fma-n16-k512-w4-p1",

@@ -1,6 +1,6 @@
 """install_quantized_linears swaps the dense projections of a freshly built model (on the meta device)
 for quantized ones; the dense Linear path is untouched for unquantized models. Embeddings, lm_head,
-norms and MoE experts stay dense.
+norms and MoE routers stay dense; MoE experts are quantized for block FP8 checkpoints only.
 """
 
 from __future__ import annotations
@@ -11,14 +11,16 @@ from torch import nn
 
 from gpuworker.checkpoint_quantization import QuantConfig
 from gpuworker.models.layers import GatedMLP
+from gpuworker.models.moe import SparseMoE
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 
 def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
     """Replace each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj by its quantized
-    twin, unless the checkpoint leaves those modules unquantized (quant.ignore)."""
+    twin, unless the checkpoint leaves those modules unquantized (quant.ignore); for block FP8, a
+    sparse MoE layer's routed experts and shared expert too (its router stays dense)."""
     config = model.config
-    if config.moe is not None:
+    if config.moe is not None and quant.weight_strategy != "block":
         raise ValueError(f"{config.model_path}: quantized mixture-of-experts checkpoints are not supported yet")
     q, kv = config.q_size, config.kv_size
     for i, layer in enumerate(model.layers):
@@ -29,11 +31,37 @@ def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
         )
         attn.o_proj = _quantized(attn.o_proj, quant, (config.hidden_size,), (f"{prefix}self_attn.o_proj",))
         if isinstance(mlp, GatedMLP):
-            inter = mlp.intermediate_size
-            mlp.gate_up_proj = _quantized(
-                mlp.gate_up_proj, quant, (inter, inter), (f"{prefix}mlp.gate_proj", f"{prefix}mlp.up_proj")
-            )
-            mlp.down_proj = _quantized(mlp.down_proj, quant, (config.hidden_size,), (f"{prefix}mlp.down_proj",))
+            _quantize_gated_mlp(mlp, quant, f"{prefix}mlp.", ("gate_proj", "up_proj", "down_proj"))
+        elif isinstance(mlp, SparseMoE):
+            _block_fp8_moe(mlp, quant, prefix)
+
+
+def _quantize_gated_mlp(mlp: GatedMLP, quant: QuantConfig, prefix: str, names: tuple[str, str, str]) -> None:
+    inter, (gate, up, down) = mlp.intermediate_size, names
+    mlp.gate_up_proj = _quantized(mlp.gate_up_proj, quant, (inter, inter), (f"{prefix}{gate}", f"{prefix}{up}"))
+    mlp.down_proj = _quantized(mlp.down_proj, quant, (mlp.down_proj.weight.shape[0],), (f"{prefix}{down}",))
+
+
+def _block_fp8_moe(moe: SparseMoE, quant: QuantConfig, prefix: str) -> None:
+    """A block FP8 checkpoint's MoE layer: its routed experts in BlockFp8Experts (all quantized, or all
+    left dense by modules_to_not_convert), its shared expert quantized as a dense MLP."""
+    from gpuworker.models.quantization.block_fp8_experts import BlockFp8Experts
+
+    config = moe.config
+    block = f"{prefix}{config.checkpoint_prefix}."
+    if moe.shared_expert is not None:
+        _quantize_gated_mlp(
+            moe.shared_expert, quant, f"{block}{config.shared_expert_name}.", ("gate_proj", "up_proj", "down_proj")
+        )
+    experts = [f"{block}experts.{e}.{name}" for e in range(config.num_experts) for name in config.expert_names]
+    ignored = [quant.ignores(name) for name in experts]
+    if all(ignored):
+        return
+    if any(ignored):
+        raise ValueError(f"{block}experts: modules_to_not_convert leaves only some experts' projections unquantized")
+    inter = config.expert_intermediate_size
+    moe.block_fp8_experts = BlockFp8Experts(moe.num_local_experts, moe.hidden_size, inter, quant.weight_block_size)
+    moe.w13 = moe.w2 = None
 
 
 def quantized_shards(model: nn.Module) -> dict[str, tuple[QuantizedLinear, int]]:
@@ -82,9 +110,13 @@ def _quantized(
     if any(ignored):
         raise ValueError(f"{', '.join(names)} are fused into one projection but only some are quantized")
     # Imported when a quantized model is built: they import Triton, which float models on CPU never need.
+    from gpuworker.models.quantization.block_fp8 import BlockFp8Linear
     from gpuworker.models.quantization.fp8 import Fp8Linear
     from gpuworker.models.quantization.int4 import Int4Linear
 
-    cls = Fp8Linear if quant.method == "fp8" else Int4Linear
+    if quant.weight_strategy == "block":
+        cls = BlockFp8Linear
+    else:
+        cls = Fp8Linear if quant.method == "fp8" else Int4Linear
     out_features, in_features = linear.weight.shape
     return cls(in_features, out_features, linear.bias is not None, quant, names, shard_sizes)

@@ -15,12 +15,26 @@ from torch import nn
 from gpuworker.checkpoint_quantization import QuantConfig
 
 
-class QuantizedLinear(nn.Module):
+class FixedDtypes(nn.Module):
+    """A module whose buffers named in fixed_dtypes keep their dtype when the model is cast to the
+    activation dtype (model.to): FP8 values and float32 scales. Every FP8 value is a bfloat16 and a
+    float16 value, so a cast there and back loses nothing."""
+
+    fixed_dtypes: dict[str, torch.dtype] = {}
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name, dtype in self.fixed_dtypes.items():
+            buffer = getattr(self, name)
+            if buffer is not None and buffer.dtype != dtype:
+                setattr(self, name, buffer.to(dtype))
+        return self
+
+
+class QuantizedLinear(FixedDtypes):
     # No dense weight: loader.checkpoint_targets skips a None weight, and the quantized tensors
     # arrive through load_shard instead.
     weight = None
-    # Buffers kept in their own dtype when the model is cast to the activation dtype (model.to).
-    fixed_dtypes: dict[str, torch.dtype] = {}
 
     def __init__(
         self,
@@ -90,11 +104,3 @@ class QuantizedLinear(nn.Module):
             raise ValueError(
                 f"{self.checkpoint_names[shard]}.{field} has shape {tuple(tensor.shape)}, expected {shape}"
             )
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        for name, dtype in self.fixed_dtypes.items():
-            buffer = getattr(self, name)
-            if buffer is not None and buffer.dtype != dtype:
-                setattr(self, name, buffer.to(dtype))
-        return self

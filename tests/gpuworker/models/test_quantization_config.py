@@ -68,7 +68,6 @@ def test_ignore_patterns():
     "qc, match",
     [
         ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
         ({"quant_method": "fp8", "activation_scheme": "per-block"}, "activation_scheme"),
         ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits must be 4"),
         ({"quant_method": "awq", "bits": 4, "group_size": 100}, "group_size must be a power of two of at least 8"),
@@ -84,6 +83,60 @@ def test_ignore_patterns():
 def test_unsupported_layouts_are_named(qc, match):
     with pytest.raises(ValueError, match=match):
         parse(qc)
+
+
+def test_block_fp8_layout():
+    quant = parse(quantization_config("fp8-block"))
+    assert (quant.method, quant.weight_strategy, quant.activation_scheme) == ("fp8", "block", "dynamic")
+    assert quant.weight_block_size == (128, 128) and quant.label == "fp8"
+    # Other block shapes the kernel steps over; modules_to_not_convert as transformers names them.
+    quant = parse({"quant_method": "fp8", "weight_block_size": [96, 64], "modules_to_not_convert": ["lm_head"]})
+    assert quant.weight_block_size == (96, 64) and quant.ignores("lm_head")
+
+
+@pytest.mark.parametrize(
+    "key, name, skipped",
+    [
+        # From the start up to a module boundary, as transformers' should_convert_module matches.
+        ("model.layers.1", "model.layers.1.mlp.down_proj", True),
+        ("model.layers.1", "model.layers.11.mlp.down_proj", False),
+        ("model.layers.1.mlp", "model.layers.1.mlp.gate_proj", True),
+        ("model.layers.[0-3].self_attn", "model.layers.2.self_attn.q_proj", True),
+        ("model.layers.[0-3].self_attn", "model.layers.5.self_attn.q_proj", False),
+        # Or as a plain suffix.
+        ("down_proj", "model.layers.7.mlp.down_proj", True),
+        ("mlp.gate", "model.layers.7.mlp.gate_proj", False),
+        ("mlp.gate", "model.layers.7.mlp.gate", True),
+    ],
+)
+def test_block_fp8_modules_to_not_convert_match_as_transformers_does(key, name, skipped):
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    assert should_convert_module(name, [key]) is not skipped  # the reference says so too
+    quant = parse({**BLOCK, "modules_to_not_convert": [key]})
+    assert quant.ignores(name) is skipped
+
+
+BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"fmt": "e5m2"}, r"quantization_config\.fmt 'e5m2' is not supported"),
+        ({"activation_scheme": "static"}, r"quantization_config\.activation_scheme must be 'dynamic'"),
+        ({"weight_block_size": [128, 100]}, r"quantization_config\.weight_block_size columns must be a power of two"),
+        ({"weight_block_size": [128, 512]}, r"quantization_config\.weight_block_size columns .* got 512"),
+        ({"weight_block_size": [128]}, r"quantization_config\.weight_block_size must be two positive integers"),
+        ({"weight_block_size": [0, 128]}, r"quantization_config\.weight_block_size must be two positive integers"),
+        ({"weight_block_size": "128x128"}, r"quantization_config\.weight_block_size must be two positive integers"),
+        ({"scale_fmt": "ue8m0"}, r"quantization_config\.scale_fmt 'ue8m0' is not supported"),
+        ({"modules_to_not_convert": "lm_head"}, r"quantization_config\.modules_to_not_convert must be a list"),
+    ],
+)
+def test_unsupported_block_fp8_variants_are_named(change, match):
+    with pytest.raises(ValueError, match=match):
+        parse({**BLOCK, **change})
 
 
 def test_compressed_tensors_activation_strategies_are_checked():

@@ -1,4 +1,4 @@
-"""Quantized checkpoints (FP8 compressed-tensors / vLLM fp8, AWQ, GPTQ) load into quantized linears and
+"""Quantized checkpoints (FP8 compressed-tensors / vLLM fp8 / block-wise FP8, AWQ, GPTQ) load into quantized linears and
 give the logits of their dequantised float32 twin run by transformers (with the format's FP8
 activation rounding where it has one); FP8 at load; what a broken or unsupported checkpoint says.
 """
@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE
 from gpuworker.models.loader import load_model, load_model_config
 from gpuworker.models.quantization.awq import unpack_columns
+from gpuworker.models.quantization.block_fp8 import BlockFp8Linear
 from gpuworker.models.quantization.fp8 import Fp8Linear
 from gpuworker.models.quantization.int4 import Int4Linear
 from tests.gpuworker.models.paged_batch import PagedBatcher
@@ -41,7 +42,7 @@ def test_logits_equal_the_dequantised_reference(scheme, prompt, tmp_path):
     quantized, twin = make_quantized_checkpoint(tmp_path, scheme)
     mc = load_model_config(quantized)
     model = load_model(mc)
-    expected_class = Fp8Linear if scheme.startswith("fp8") else Int4Linear
+    expected_class = BlockFp8Linear if scheme == "fp8-block" else Fp8Linear if scheme.startswith("fp8") else Int4Linear
     assert isinstance(model.layers[1].self_attn.qkv_proj, expected_class)
     assert isinstance(model.layers[0].mlp.down_proj, expected_class)
     with torch.no_grad():
