@@ -136,14 +136,16 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        # One tensor for the whole pool; each layer gets a view [2, blocks, block_size, kv_heads, head_dim].
+        # One tensor for the whole pool; each layer gets a view [planes, blocks, block_size, heads, width]:
+        # [2, ..., kv_heads, head_dim] for keys and values, [1, ..., 1, latent + rope] for latent attention.
+        planes, heads, width = mc.kv_cache_layout
         self.kv_cache = torch.zeros(
             mc.num_layers,
-            2,
+            planes,
             config.num_kv_blocks,
             config.block_size,
-            mc.num_kv_heads,
-            mc.head_dim,
+            heads,
+            width,
             dtype=kv_cache_torch_dtype(config.kv_cache_dtype, dtype, device),
             device=device,
         )

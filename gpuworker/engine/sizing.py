@@ -40,7 +40,8 @@ REFERENCE_STEP_WEIGHT_TOKENS = 6_979_321_856 * 8192
 
 
 def kv_cache_block_bytes(mc: ModelConfig, block_size: int, element_size: int) -> int:
-    return mc.num_layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * element_size
+    planes, heads, width = mc.kv_cache_layout
+    return mc.num_layers * planes * block_size * heads * width * element_size
 
 
 def token_activation_bytes(mc: ModelConfig, element_size: int) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuworker.checkpoint_quantization import QuantConfig, parse_quantization
+from gpuworker.models.deepseek.config import MLAConfig, parse_mla, refuse_moe_layers
 
 # Per architecture: whether q/k/v and o_proj carry biases ("config" = the config's attention_bias,
 # another string = that config field, true when absent), whether q/k get a per-head RMSNorm before
@@ -23,6 +24,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False, "moe": "mixtral"},
     "Qwen2MoeForCausalLM": {"qkv_bias": "qkv_bias", "o_bias": False, "qk_norm": False, "moe": "qwen_moe"},
     "Qwen3MoeForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "moe": "qwen_moe"},
+    # Multi-head latent attention (models.deepseek): the attention shapes live in ModelConfig.mla.
+    "DeepseekV2ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "mla": True},
+    "DeepseekV3ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "mla": True},
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -32,6 +36,8 @@ _MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # Checkpoint names of a MoE block: its module under model.layers.N, and each expert's gate, up and
 # down projections under <module>.experts.E.
@@ -97,6 +103,8 @@ class ModelConfig:
     quantization: QuantConfig | None = None
     # The checkpoint directory the weights and tokenizer are read from (set by load_model_config).
     model_path: str | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3); None for the llama-style attention.
+    mla: MLAConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -106,6 +114,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(planes, heads, width) of one layer's cached token: keys and values of each KV head, or
+        with latent attention one plane of one row, the latent and the rotated shared key."""
+        if self.mla is not None:
+            return 1, 1, self.mla.cache_width
+        return 2, self.num_kv_heads, self.head_dim
 
     @classmethod
     def from_hf(
@@ -141,7 +157,15 @@ class ModelConfig:
             raise ValueError(f"{source}: pretraining_tp must be 1, got {config['pretraining_tp']}")
 
         max_pos = need("max_position_embeddings")
-        rope_theta, rope_scaling = _rope(config, max_pos, source)
+        mla = None
+        if family.get("mla"):
+            mla = parse_mla(config, max_pos, source)
+            refuse_moe_layers(config, need("num_hidden_layers"), source)
+            # Each head's query and key: the position-free part and the rotary part.
+            head_dim, num_kv_heads = mla.qk_head_dim, num_heads
+            rope_theta, rope_scaling = mla.rope_theta, None
+        else:
+            rope_theta, rope_scaling = _rope(config, max_pos, source)
         sliding_window = _sliding_window(config, architecture)
         attention_bias = bool(config.get("attention_bias", False))
 
@@ -179,6 +203,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             moe=_moe(config, family.get("moe"), num_layers, need, source),
             quantization=parse_quantization(config, source),
+            mla=mla,
             extra={"config_max_position_embeddings": max_pos},
         )
 

@@ -9,6 +9,7 @@ checkpoint fails at once with the file and the expected shape in the message.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -33,6 +34,7 @@ from gpuworker.checkpoint_files import (
 )
 from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.config import ModelConfig
+from gpuworker.models.deepseek.model import DeepseekForCausalLM
 from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm
 from gpuworker.models.llama import LlamaForCausalLM
@@ -54,6 +56,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 LOAD_FORMATS = ("auto", "dummy")
 # Checkpoint tensors the model has no use for and that are safe to skip.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+logger = logging.getLogger(__name__)
 # The model is built deep inside LLMEngine; a caller that wants weight-loading progress (the worker
 # server's /health) installs a callback for its own thread instead of threading it through every
 # constructor. Context-local, so concurrent loads in other threads never see it.
@@ -123,8 +127,9 @@ def load_model(
         attn_backend = TorchAttentionBackend()
     # Built on the meta device and then allocated uninitialised in the target dtype: no float32
     # staging copy and no init kernels, which matters for 8B-parameter models.
+    model_class = DeepseekForCausalLM if mc.mla is not None else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(mc, attn_backend, parallel)
+        model = model_class(mc, attn_backend, parallel)
         if mc.quantization is not None:
             install_quantized_linears(model, mc.quantization)
     model = model.to(torch_dtype).to_empty(device=device)
@@ -224,6 +229,8 @@ class _Target:
 def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
     """HF tensor name -> slice of our (fused) parameters; None for a tensor that only other
     tensor-parallel ranks hold (another rank's experts)."""
+    if isinstance(model, DeepseekForCausalLM):
+        return {name: _Target(*where) for name, where in model.checkpoint_names().items()}
     mc = model.config
     targets: dict[str, _Target | None] = {}
     parallel = model.parallel
@@ -333,9 +340,11 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     plan: list[tuple[Path, list[TensorCopy]]] = []
     unexpected: list[str] = []
     found: set[str] = set()
+    names: list[str] = []
     for file in files:
         copies = []
         for entry in read_header(file):
+            names.append(entry.name)
             if entry.name in targets:
                 found.add(entry.name)
             target = targets.get(entry.name)
@@ -357,6 +366,7 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
             copies.append(_shard_copy(entry, target))
         plan.append((file, copies))
     _check_coverage(mc, targets, found, unexpected, ", ".join(f.name for f in files))
+    _log_skipped_mtp(mc, names)
     missing = missing_quantized_tensors(shards, {name for _, name in quantized})
     if missing:
         raise ValueError(
@@ -419,7 +429,28 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
 
 
 def _skippable(name: str, mc: ModelConfig) -> bool:
-    return bool(_IGNORED.search(name)) or (name == "lm_head.weight" and mc.tie_word_embeddings)
+    return (
+        bool(_IGNORED.search(name)) or (name == "lm_head.weight" and mc.tie_word_embeddings) or is_mtp_tensor(name, mc)
+    )
+
+
+def is_mtp_tensor(name: str, mc: ModelConfig) -> bool:
+    """A multi-token-prediction layer's tensor (DeepSeek-V3 stores them as layers numbered from
+    num_hidden_layers on): used only for speculative decoding, which we do not run."""
+    match = _LAYER_INDEX.match(name)
+    return mc.mla is not None and match is not None and int(match.group(1)) >= mc.num_layers
+
+
+def _log_skipped_mtp(mc: ModelConfig, names: list[str]) -> None:
+    skipped = [name for name in names if is_mtp_tensor(name, mc)]
+    if skipped:
+        layers = sorted({int(_LAYER_INDEX.match(name).group(1)) for name in skipped})
+        logger.info(
+            "%s: skipping %d tensors of multi-token-prediction layers %s (not used for generation)",
+            mc.model_path,
+            len(skipped),
+            layers,
+        )
 
 
 def _check_coverage(
