@@ -12,8 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuworker.kernels.launch import lazy_jit
 
-@triton.jit
+
 def _mla_cache_write_kernel(
     latent_ptr,  # [T, R]
     k_pe_ptr,  # [T, E]
@@ -39,6 +40,9 @@ def _mla_cache_write_kernel(
         tl.store(row + KV_RANK + e, k_pe.to(cache_ptr.dtype.element_ty), mask=e < ROPE)
 
 
+_mla_cache_write = lazy_jit(_mla_cache_write_kernel, do_not_specialize=("slot_mapping_ptr",))
+
+
 def mla_cache_write(
     latent: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -55,7 +59,7 @@ def mla_cache_write(
         raise ValueError("latent and k_pe need contiguous rows")
     if num_tokens == 0:
         return
-    _mla_cache_write_kernel[(num_tokens,)](
+    _mla_cache_write[(num_tokens,)](
         latent,
         k_pe,
         cache,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from gpuworker.kernels import configs
+from gpuworker.kernels.launch import dot_options, lazy_jit
 
 KERNEL = "mla_decode"
 TABLE_KEY = ("dtype", "kv_lora_rank", "rope_dim")
@@ -51,7 +52,6 @@ def num_splits_for(max_seq_len: int, config: MLADecodeConfig) -> int:
     return max(1, min(MAX_SPLITS, -(-max_seq_len // config.split_tokens)))
 
 
-@triton.jit
 def _mla_decode_partition_kernel(
     q_ptr,  # [B, H, R + E]
     cache_ptr,  # [slots, R + E]
@@ -74,6 +74,7 @@ def _mla_decode_partition_kernel(
     PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -89,6 +90,9 @@ def _mla_decode_partition_kernel(
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q_lat = tl.load(q_rows + r[None, :], mask=head_mask[:, None] & (r[None, :] < KV_RANK), other=0.0)
     q_pe = tl.load(q_rows + KV_RANK + e[None, :], mask=head_mask[:, None] & (e[None, :] < ROPE), other=0.0)
+    if DOT_FP32:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
@@ -100,6 +104,9 @@ def _mla_decode_partition_kernel(
         rows = cache_ptr + (blocks.to(tl.int64) * PAGE + tokens % PAGE)[:, None] * stride_cache
         latent = tl.load(rows + r[None, :], mask=valid[:, None] & (r[None, :] < KV_RANK), other=0.0)
         k_pe = tl.load(rows + KV_RANK + e[None, :], mask=valid[:, None] & (e[None, :] < ROPE), other=0.0)
+        if DOT_FP32:
+            latent = latent.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
         scores = tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
         scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         scores = tl.where(valid[None, :], scores * scale, float("-inf"))
@@ -119,7 +126,6 @@ def _mla_decode_partition_kernel(
     tl.store(part_out_ptr + part[:, None] * BLOCK_R + r[None, :], out, mask=head_mask[:, None])
 
 
-@triton.jit
 def _mla_decode_merge_kernel(
     part_out_ptr,  # [B, H, NUM_SPLITS, BLOCK_R] float32
     part_lse_ptr,  # [B, H, NUM_SPLITS] float32
@@ -147,6 +153,13 @@ def _mla_decode_merge_kernel(
     )
     out = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + r, out.to(out_ptr.dtype.element_ty), mask=r < KV_RANK)
+
+
+# Per step: the batch's slices of the metadata and the block tables' width change.
+_mla_decode_partition = lazy_jit(
+    _mla_decode_partition_kernel, do_not_specialize=("block_tables_ptr", "seq_lens_ptr", "stride_bt")
+)
+_mla_decode_merge = lazy_jit(_mla_decode_merge_kernel)
 
 
 def mla_decode(
@@ -188,8 +201,7 @@ def mla_decode(
     block_e = max(16, triton.next_power_of_2(rope))
     part_out = torch.empty(batch, num_heads, splits, block_r, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=query.device)
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    _mla_decode_partition_kernel[(batch, triton.cdiv(num_heads, config.block_h), splits)](
+    _mla_decode_partition[(batch, triton.cdiv(num_heads, config.block_h), splits)](
         query,
         cache,
         block_tables,
@@ -210,11 +222,11 @@ def mla_decode(
         BLOCK_N=config.block_n,
         PAGE=page,
         NUM_SPLITS=splits,
-        DOT_PRECISION=precision,
+        **dot_options(query.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    _mla_decode_merge_kernel[(batch, num_heads)](
+    _mla_decode_merge[(batch, num_heads)](
         part_out,
         part_lse,
         out,

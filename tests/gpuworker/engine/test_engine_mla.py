@@ -1,0 +1,77 @@
+"""The engine serves a DeepSeek (multi-head latent attention) checkpoint greedily, token for token
+as transformers: batched, with chunked prefill forced, and a second pass from the prefix cache
+(whose prefill chunks attend to latents cached by the first pass); its KV pool holds only the latent
+and the rotary key per token and layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuworker.engine import LLMEngine, SamplingParams
+from gpuworker.engine.sizing import kv_cache_block_bytes
+from tests.gpuworker.engine.reference import hf_greedy, random_prompts
+from tests.gpuworker.models.deepseek_checkpoints import MLA_TINY, make_mla_checkpoint
+
+LENGTHS = (1, 16, 31, 47, 100)
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["deepseek-v2", "deepseek-v3-yarn"])
+def case(request, tmp_path_factory):
+    path = make_mla_checkpoint(tmp_path_factory.mktemp("ckpt"), request.param)
+    prompts = random_prompts(LENGTHS, MLA_TINY["vocab_size"], seed=3)
+    return path, prompts, hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def engine(path, **overrides) -> LLMEngine:
+    kwargs = dict(num_kv_blocks=64, max_model_len=160)
+    kwargs.update(overrides)
+    return LLMEngine(path, device="cpu", dtype="float32", **kwargs)
+
+
+def test_chunked_prefill_then_prefix_cache_hit(case):
+    path, prompts, reference = case
+    llm = engine(path, max_num_batched_tokens=24, max_num_seqs=3)
+    first = llm.generate(prompts, GREEDY)
+    assert [out.token_ids for out in first] == reference
+    second = llm.generate(prompts, GREEDY)
+    assert [out.token_ids for out in second] == reference
+    assert [out.num_cached_tokens for out in second] == [(n - 1) // 16 * 16 for n in LENGTHS]
+
+
+def test_kv_cache_holds_the_latent_and_rope_key_per_token(case):
+    path, _, _ = case
+    llm = engine(path)
+    mc = llm.model_config
+    width = MLA_TINY["kv_lora_rank"] + MLA_TINY["qk_rope_head_dim"]
+    cache = llm.runner.kv_cache
+    assert cache.shape == (mc.num_layers, 1, 64, 16, 1, width)
+    per_token = mc.num_layers * width * cache.element_size()
+    assert cache.numel() * cache.element_size() == 64 * 16 * per_token
+    assert kv_cache_block_bytes(mc, 16, cache.element_size()) == 16 * per_token
+
+
+def test_v2_lite_shapes_cache_576_values_per_token_and_layer():
+    from gpuworker.models.config import ModelConfig
+
+    v2_lite = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "vocab_size": 102400,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "num_hidden_layers": 27,
+        "first_k_dense_replace": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "max_position_embeddings": 163840,
+    }
+    mc = ModelConfig.from_hf(v2_lite)
+    assert mc.kv_cache_layout == (1, 1, 576)
+    assert kv_cache_block_bytes(mc, 16, torch.bfloat16.itemsize) == 27 * 16 * (512 + 64) * 2
