@@ -93,6 +93,19 @@ def test_mixed_decodes_and_chunked_prefills_with_padding(pair):
     torch.testing.assert_close(logits[:num_tokens], expected, **TOLERANCE)
 
 
+def test_triton_decode_path_matches_transformers(pair, monkeypatch):
+    """The GPU path's kernels (latent cache write, absorbed MLA decode) on Triton's interpreter."""
+    from gpuworker.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(pair.model, "attn_backend", TritonAttentionBackend())
+    prompt, reference = pair.prompts[64], pair.reference(64)
+    batcher = LatentBatcher(pair.mc, seed=9)
+    pieces = [pair.run(batcher, [("s", prompt[:40])])]
+    pieces += [pair.run(batcher, [("s", [token])]) for token in prompt[40:]]
+    torch.testing.assert_close(torch.cat(pieces), reference, **TOLERANCE)
+
+
 def test_greedy_generation_matches_transformers(pair):
     """Token for token: prefill, then each new token decoded (absorbed) from the latent cache."""
     prompt = pair.prompts[17]
