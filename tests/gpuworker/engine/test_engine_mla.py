@@ -75,3 +75,21 @@ def test_v2_lite_shapes_cache_576_values_per_token_and_layer():
     mc = ModelConfig.from_hf(v2_lite)
     assert mc.kv_cache_layout == (1, 1, 576)
     assert kv_cache_block_bytes(mc, 16, torch.bfloat16.itemsize) == 27 * 16 * (512 + 64) * 2
+
+
+def test_fp8_kv_cache_is_refused_clearly(case):
+    path, _, _ = case
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported for multi-head latent attention"):
+        engine(path, kv_cache_dtype="fp8")
+
+
+def test_tensor_parallel_is_refused_clearly(case):
+    from gpuworker.attention.torch_backend import TorchAttentionBackend
+    from gpuworker.models.deepseek.model import DeepseekForCausalLM
+    from gpuworker.models.loader import load_model_config
+
+    class TwoRanks:
+        world_size = 2
+
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for multi-head latent attention"):
+        DeepseekForCausalLM(load_model_config(case[0]), TorchAttentionBackend(), TwoRanks())
