@@ -13,6 +13,7 @@ Nothing in the decode path reads a device value on the host.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpuworker.attention.backend import AttentionBackend, AttentionMetadata
@@ -29,6 +30,24 @@ LATENT_NORM_EPS = 1e-6
 
 def uses_triton(backend: AttentionBackend) -> bool:
     return getattr(backend, "name", "") == "triton"
+
+
+def attend_expanded(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, fused: bool
+) -> torch.Tensor:
+    """Causal attention of a chunk's queries [Q, H, qk] (the last Q positions of the context) over
+    the context's expanded keys [S, H, qk] and values [S, H, v] -> [Q, H, v]. fused: torch's
+    scaled_dot_product_attention, which never holds the [H, Q, S] scores of a long prefill in
+    float32 (the GPU path); else the float32 reference of the torch backend."""
+    if not fused:
+        return attend(query, keys, values, scale)
+    num_queries, context_len = query.shape[0], keys.shape[0]
+    query_pos = torch.arange(context_len - num_queries, context_len, device=query.device)
+    mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1)
 
 
 class MLAttention(nn.Module):
@@ -161,4 +180,4 @@ class MLAttention(nn.Module):
             k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
             keys = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
             query = torch.cat((q_nope[start:end], q_pe[start:end]), dim=-1)
-            out[start:end] = attend(query, keys, values, self.scale)
+            out[start:end] = attend_expanded(query, keys, values, self.scale, fused=query.is_cuda)

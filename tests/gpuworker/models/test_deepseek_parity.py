@@ -116,3 +116,16 @@ def test_greedy_generation_matches_transformers(pair):
     while len(tokens) < 12:
         tokens.append(int(pair.run(batcher, [("g", tokens[-1:])])[-1].argmax()))
     assert tokens == expected[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("num_queries, context_len", [(1, 1), (5, 5), (7, 40)])
+def test_fused_prefill_attention_equals_the_reference(num_queries, context_len):
+    """The GPU path's prefill attention (torch's fused SDPA) against the float32 reference, on the CPU."""
+    from gpuworker.models.deepseek.attention import attend_expanded
+
+    generator = torch.Generator().manual_seed(context_len)
+    query = torch.randn(num_queries, 4, 24, generator=generator)
+    keys = torch.randn(context_len, 4, 24, generator=generator)
+    values = torch.randn(context_len, 4, 16, generator=generator)
+    fused = attend_expanded(query, keys, values, 0.2, fused=True)
+    torch.testing.assert_close(fused, attend_expanded(query, keys, values, 0.2, fused=False), rtol=1e-5, atol=1e-5)
