@@ -89,3 +89,22 @@ def test_mla_cache_write_matches_reference_and_skips_padding(dtype):
     assert torch.equal(cache, expected)
     assert torch.equal(cache.view(-1, KV_RANK + ROPE)[17], torch.cat((latent[2], k_pe[2])))
     assert cache.view(-1, KV_RANK + ROPE).count_nonzero(dim=1).gt(0).sum() == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles these itself")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mla_kernels_compile_for_sm90_at_deepseek_shapes(dtype, monkeypatch):
+    """kv_lora_rank 512 and rope 64 (DeepSeek-V2/V3), the default tile: compiled offline for an H100/H200."""
+    from tests.kernels.sm90_compile import compile_sm90, record_launches
+
+    launches = record_launches(monkeypatch)
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.randn(3, 16, 576, generator=generator).to(dtype)
+    query = torch.randn(2, 16, 576, generator=generator).to(dtype)
+    tables = torch.tensor([[1, 2], [2, 1]], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 5], dtype=torch.int32)
+    mla_decode(query, cache, tables, seq_lens, 0.1, 512, 4096)
+    mla_cache_write(query[:, 0, :512], query[:, 0, 512:], cache, torch.tensor([3, -1]))
+    for name in ("_mla_decode_partition_kernel", "_mla_decode_merge_kernel", "_mla_cache_write_kernel"):
+        (launch,) = launches[name]
+        compile_sm90(launch)
