@@ -148,7 +148,7 @@ class ModelConfig:
                 f"num_key_value_heads ({num_kv_heads})"
             )
         head_dim = config.get("head_dim") or hidden_size // num_heads
-        if head_dim % 2 != 0:
+        if head_dim % 2 != 0 and not family.get("mla"):
             raise ValueError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
         hidden_act = config.get("hidden_act", "silu")
         if hidden_act != "silu":

@@ -93,3 +93,23 @@ def test_tensor_parallel_is_refused_clearly(case):
 
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for multi-head latent attention"):
         DeepseekForCausalLM(load_model_config(case[0]), TorchAttentionBackend(), TwoRanks())
+
+
+def test_sizing_counts_the_latent_attention_weights():
+    from gpuworker.engine.sizing import decoder_layer_weights
+    from gpuworker.models.config import ModelConfig
+
+    config = {"architectures": ["DeepseekV3ForCausalLM"], **MLA_TINY, "q_lora_rank": 48}
+    mc = ModelConfig.from_hf(config)
+    h, heads = MLA_TINY["hidden_size"], MLA_TINY["num_attention_heads"]
+    attention = 48 * (h + heads * 32) + h * 48 + 32 * heads * (16 + 24) + heads * 24 * h
+    assert decoder_layer_weights(mc) == 2 * (attention + 3 * h * MLA_TINY["intermediate_size"])
+
+
+def test_an_odd_hidden_size_per_head_is_no_rotary_width_for_latent_attention():
+    from gpuworker.models.config import ModelConfig
+
+    # The rotary width is qk_rope_head_dim; hidden_size / heads (here 21) plays no part.
+    config = {"architectures": ["DeepseekV2ForCausalLM"], **MLA_TINY, "hidden_size": 84, "q_lora_rank": None}
+    config.pop("head_dim", None)
+    assert ModelConfig.from_hf(config).mla.qk_rope_head_dim == 16

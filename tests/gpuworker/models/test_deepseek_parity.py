@@ -129,3 +129,44 @@ def test_fused_prefill_attention_equals_the_reference(num_queries, context_len):
     values = torch.randn(context_len, 4, 16, generator=generator)
     fused = attend_expanded(query, keys, values, 0.2, fused=True)
     torch.testing.assert_close(fused, attend_expanded(query, keys, values, 0.2, fused=False), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_step_has_no_data_dependent_control_flow(pair, monkeypatch):
+    """A decode-only step on the GPU path, run on the meta device (its kernels stood in for by
+    shape-only stand-ins): reading any tensor value on the host, which a CUDA graph cannot capture,
+    would fail here."""
+    from gpuworker.attention.backend import AttentionMetadata
+    from gpuworker.kernels.attention import mla_cache_write, mla_decode
+
+    calls = []
+
+    def decode_shape(query, latent_cache, block_tables, seq_lens, scale, kv_lora_rank, max_seq_len, **_):
+        calls.append(max_seq_len)
+        return query.new_empty(*query.shape[:2], kv_lora_rank)
+
+    monkeypatch.setattr(mla_decode, "mla_decode", decode_shape)
+    monkeypatch.setattr(mla_cache_write, "mla_cache_write", lambda *args: None)
+
+    class GraphBackend:
+        name = "triton"
+
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(pair.mc, GraphBackend())
+        planes, heads, width = pair.mc.kv_cache_layout
+        caches = [torch.empty(planes, 8, 16, heads, width) for _ in range(pair.mc.num_layers)]
+        batch = 3
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(batch, dtype=torch.int64),
+            query_start_loc=torch.empty(batch + 1, dtype=torch.int32),
+            seq_lens=torch.empty(batch, dtype=torch.int32),
+            block_tables=torch.empty(batch, 8, dtype=torch.int32),
+            num_decode_seqs=batch,
+            max_query_len=1,
+            max_seq_len=128,
+            query_start_loc_cpu=list(range(batch + 1)),
+            seq_lens_cpu=[0] * batch,
+        )
+        ids, positions = torch.empty(batch, dtype=torch.int64), torch.empty(batch, dtype=torch.int64)
+        hidden = model(ids, positions, caches, meta)
+    assert hidden.shape == (batch, pair.mc.hidden_size)
+    assert calls == [128] * pair.mc.num_layers
