@@ -108,3 +108,9 @@ def test_mla_kernels_compile_for_sm90_at_deepseek_shapes(dtype, monkeypatch):
     for name in ("_mla_decode_partition_kernel", "_mla_decode_merge_kernel", "_mla_cache_write_kernel"):
         (launch,) = launches[name]
         compile_sm90(launch)
+
+
+def test_mla_decode_rejects_a_cache_whose_blocks_are_not_contiguous():
+    query, cache, tables = _latent_cache([4], 16, 4, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="contiguous blocks"):
+        mla_decode(query, cache[:, ::2], tables, torch.tensor([4], dtype=torch.int32, device=DEVICE), 0.1, KV_RANK, 4)

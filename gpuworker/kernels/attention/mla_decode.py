@@ -185,8 +185,8 @@ def mla_decode(
     rope = width - kv_lora_rank
     if q_width != width or rope < 1:
         raise ValueError(f"query width {q_width} must equal the cache's {width} (kv_lora_rank {kv_lora_rank} + rope)")
-    if query.stride(-1) != 1 or cache.stride(-1) != 1 or cache.stride(1) != width:
-        raise ValueError("query and latent_cache need contiguous rows")
+    if query.stride(-1) != 1 or cache.stride(2) != 1 or cache.stride(1) != width or cache.stride(0) != page * width:
+        raise ValueError("query needs contiguous rows and latent_cache contiguous blocks of rows")
     if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
         raise ValueError(
             f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} need {batch} rows"

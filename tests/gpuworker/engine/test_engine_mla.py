@@ -31,9 +31,10 @@ def engine(path, **overrides) -> LLMEngine:
     return LLMEngine(path, device="cpu", dtype="float32", **kwargs)
 
 
-def test_chunked_prefill_then_prefix_cache_hit(case):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_chunked_prefill_then_prefix_cache_hit(case, async_scheduling):
     path, prompts, reference = case
-    llm = engine(path, max_num_batched_tokens=24, max_num_seqs=3)
+    llm = engine(path, max_num_batched_tokens=24, max_num_seqs=3, async_scheduling=async_scheduling)
     first = llm.generate(prompts, GREEDY)
     assert [out.token_ids for out in first] == reference
     second = llm.generate(prompts, GREEDY)
