@@ -170,11 +170,6 @@ class LLMEngine:
         self.model_config = mc
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, mc)
-        if mc.mla is not None and config.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported for multi-head latent attention "
-                f"({mc.architecture}) yet: use kv_cache_dtype 'auto'"
-            )
         # Refused here, before any weight is read, on a device that cannot run an FP8 cache.
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype, config.device)
         max_model_len = config.max_model_len or mc.max_position_embeddings

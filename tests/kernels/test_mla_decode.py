@@ -92,14 +92,16 @@ def test_mla_cache_write_matches_reference_and_skips_padding(dtype):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles these itself")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_mla_kernels_compile_for_sm90_at_deepseek_shapes(dtype, monkeypatch):
-    """kv_lora_rank 512 and rope 64 (DeepSeek-V2/V3), the default tile: compiled offline for an H100/H200."""
+@pytest.mark.parametrize("dtype, fp8", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
+def test_mla_kernels_compile_for_sm90_at_deepseek_shapes(dtype, fp8, monkeypatch):
+    """kv_lora_rank 512 and rope 64 (DeepSeek-V2/V3), the default tile, the model's dtype or an FP8
+    cache: compiled offline for an H100/H200."""
+    from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
     from tests.kernels.sm90_compile import compile_sm90, record_launches
 
     launches = record_launches(monkeypatch)
     generator = torch.Generator().manual_seed(0)
-    cache = torch.randn(3, 16, 576, generator=generator).to(dtype)
+    cache = torch.randn(3, 16, 576, generator=generator).to(FP8_DTYPE if fp8 else dtype)
     query = torch.randn(2, 16, 576, generator=generator).to(dtype)
     tables = torch.tensor([[1, 2], [2, 1]], dtype=torch.int32)
     seq_lens = torch.tensor([20, 5], dtype=torch.int32)
@@ -114,3 +116,32 @@ def test_mla_decode_rejects_a_cache_whose_blocks_are_not_contiguous():
     query, cache, tables = _latent_cache([4], 16, 4, torch.float32, seed=2)
     with pytest.raises(ValueError, match="contiguous blocks"):
         mla_decode(query, cache[:, ::2], tables, torch.tensor([4], dtype=torch.int32, device=DEVICE), 0.1, KV_RANK, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_scale", [1.0, 0.05])
+def test_mla_decode_reads_an_fp8_cache(dtype, kv_scale):
+    from gpuworker.kernels.quant.kv_cache import FP8_DTYPE, quantize_kv
+
+    seq_lens = [23, 0, 64]
+    query, cache, tables = _latent_cache(seq_lens, 16, 4, dtype, seed=4)
+    fp8_cache = quantize_kv(cache.float(), FP8_DTYPE, kv_scale)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = mla_decode(query, fp8_cache, tables, seq_lens_t, 0.1, KV_RANK, 64, num_splits=2, kv_scale=kv_scale)
+    expected = mla_decode_reference(query, fp8_cache, tables, seq_lens, 0.1, KV_RANK, kv_scale)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_cache_write_quantizes_for_an_fp8_cache_as_the_reference(dtype):
+    from gpuworker.kernels.quant.kv_cache import FP8_DTYPE
+
+    generator = torch.Generator().manual_seed(1)
+    latent = (4 * torch.randn(6, KV_RANK, generator=generator)).to(dtype).to(DEVICE)
+    k_pe = (4 * torch.randn(6, ROPE, generator=generator)).to(dtype).to(DEVICE)
+    slots = torch.tensor([5, -1, 9, 30, 1, -1], dtype=torch.int64, device=DEVICE)
+    cache = torch.zeros(2, 16, KV_RANK + ROPE, device=DEVICE).to(FP8_DTYPE)
+    expected = cache.clone()
+    mla_cache_write(latent, k_pe, cache, slots, kv_scale=0.02)
+    mla_cache_write_reference(latent, k_pe, expected, slots, kv_scale=0.02)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from gpuworker.kernels import configs
 from gpuworker.kernels.launch import dot_options, lazy_jit
+from gpuworker.kernels.quant.kv_cache import check_kv_scale, dequantize_kv, is_fp8_cache
 
 KERNEL = "mla_decode"
 TABLE_KEY = ("dtype", "kv_lora_rank", "rope_dim")
@@ -60,6 +61,7 @@ def _mla_decode_partition_kernel(
     part_out_ptr,  # [B, H, NUM_SPLITS, BLOCK_R] float32
     part_lse_ptr,  # [B, H, NUM_SPLITS] float32
     scale,
+    kv_scale,
     num_heads,
     stride_qb,
     stride_qh,
@@ -75,6 +77,7 @@ def _mla_decode_partition_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -104,6 +107,9 @@ def _mla_decode_partition_kernel(
         rows = cache_ptr + (blocks.to(tl.int64) * PAGE + tokens % PAGE)[:, None] * stride_cache
         latent = tl.load(rows + r[None, :], mask=valid[:, None] & (r[None, :] < KV_RANK), other=0.0)
         k_pe = tl.load(rows + KV_RANK + e[None, :], mask=valid[:, None] & (e[None, :] < ROPE), other=0.0)
+        if FP8_CACHE:  # widened exactly, scaled in float32, then the query's dtype for the dots
+            latent = (latent.to(tl.float32) * kv_scale).to(q_lat.dtype)
+            k_pe = (k_pe.to(tl.float32) * kv_scale).to(q_lat.dtype)
         if DOT_FP32:
             latent = latent.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
@@ -173,10 +179,12 @@ def mla_decode(
     out: torch.Tensor | None = None,
     config: MLADecodeConfig | None = None,
     num_splits: int | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """query [B, H, R + E] (absorbed latent part, then rotated part); latent_cache [num_blocks,
     block_size, R + E]; block_tables [B, width] int32; seq_lens [B] int32 (this step's token included, already cached)
-    -> [B, H, R] in query's dtype. max_seq_len: a host bound on seq_lens, which sets num_splits."""
+    -> [B, H, R] in query's dtype. max_seq_len: a host bound on seq_lens, which sets num_splits.
+    An FP8 cache (float8_e4m3fn) holds each value divided by kv_scale (kernels.quant.kv_cache)."""
     if latent_cache.dim() != 3:
         raise ValueError(f"latent_cache must be [num_blocks, block_size, width], got {tuple(latent_cache.shape)}")
     cache = latent_cache
@@ -209,6 +217,7 @@ def mla_decode(
         part_out,
         part_lse,
         scale,
+        check_kv_scale("kv_scale", kv_scale),
         num_heads,
         query.stride(0),
         query.stride(1),
@@ -223,6 +232,7 @@ def mla_decode(
         PAGE=page,
         NUM_SPLITS=splits,
         **dot_options(query.dtype),
+        FP8_CACHE=is_fp8_cache(cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -248,6 +258,7 @@ def mla_decode_reference(
     seq_lens: list[int],
     scale: float,
     kv_lora_rank: int,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """The same attention in float32 torch, one sequence at a time (seq_lens on the host)."""
     page = latent_cache.shape[1]
@@ -258,7 +269,7 @@ def mla_decode_reference(
         if seq_len == 0:
             continue
         blocks = block_tables[b, : -(-seq_len // page)].long()
-        rows = cache[(blocks[:, None] * page + offsets[None, :]).reshape(-1)[:seq_len]].float()
+        rows = dequantize_kv(cache[(blocks[:, None] * page + offsets[None, :]).reshape(-1)[:seq_len]], kv_scale)
         scores = torch.einsum("hw,sw->hs", query[b].float(), rows) * scale
         out[b] = (torch.softmax(scores, dim=-1) @ rows[:, :kv_lora_rank]).to(query.dtype)
     return out

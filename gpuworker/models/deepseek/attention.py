@@ -7,7 +7,8 @@ reference does, so a chunk sees the cached tokens of earlier chunks and of a pre
 Decode rows absorb: the position-free query times W_UK (kv_b_proj's key rows) is a query over the
 latent itself, attention runs over the cache rows directly (the Triton MLA decode kernel, or its
 torch reference), and the latent result times W_UV (kv_b_proj's value rows) is each head's value.
-Nothing in the decode path reads a device value on the host.
+Nothing in the decode path reads a device value on the host. An FP8 cache (kv_cache_dtype "fp8")
+holds the row divided by the layer's kv_scale, widened back as it is read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from gpuworker.attention.backend import AttentionBackend, AttentionMetadata
 from gpuworker.attention.torch_backend import attend
 from gpuworker.kernels.attention.mla_decode import mla_decode_reference
+from gpuworker.kernels.quant.kv_cache import dequantize_kv
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.deepseek.rotary import DeepseekRotary
 from gpuworker.models.layers import Linear, RMSNorm
@@ -74,6 +76,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(mla.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
         self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias)
         self._rotary = (rotary,)  # shared by all layers, kept out of the module tree
+        # An FP8 cache's static scale for this layer's latent and rotary key (a host float, so a
+        # CUDA graph holds it as a constant).
+        self.kv_scale = 1.0
 
     def forward(
         self,
@@ -97,7 +102,7 @@ class MLAttention(nn.Module):
         q_pe = rotary(positions, q_pe)
         k_pe = rotary(positions, k_pe.unsqueeze(1)).squeeze(1).contiguous()
         latent_cache = kv_cache[0, :, :, 0]  # [blocks, block_size, R + E]
-        self._write(latent, k_pe, latent_cache, meta, backend)
+        self._write(latent, k_pe, latent_cache, meta, backend, self.kv_scale)
 
         out = hidden.new_zeros(num_tokens, self.num_heads, self.v_dim)
         num_decode = meta.num_decode_seqs
@@ -114,15 +119,16 @@ class MLAttention(nn.Module):
         latent_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        kv_scale: float,
     ) -> None:
         if uses_triton(backend):
             from gpuworker.kernels.attention.mla_cache_write import mla_cache_write
 
-            mla_cache_write(latent, k_pe, latent_cache, meta.slot_mapping)
+            mla_cache_write(latent, k_pe, latent_cache, meta.slot_mapping, kv_scale)
         else:
             from gpuworker.kernels.attention.mla_cache_write import mla_cache_write_reference
 
-            mla_cache_write_reference(latent, k_pe, latent_cache, meta.slot_mapping)
+            mla_cache_write_reference(latent, k_pe, latent_cache, meta.slot_mapping, kv_scale)
 
     def _kv_b_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, R], W_UV [H, v, R]): kv_b_proj's rows per head, as views."""
@@ -147,11 +153,24 @@ class MLAttention(nn.Module):
             from gpuworker.kernels.attention.mla_decode import mla_decode
 
             latent_out = mla_decode(
-                query, latent_cache, tables, seq_lens, self.scale, self.kv_lora_rank, meta.max_seq_len
+                query,
+                latent_cache,
+                tables,
+                seq_lens,
+                self.scale,
+                self.kv_lora_rank,
+                meta.max_seq_len,
+                kv_scale=self.kv_scale,
             )
         else:
             latent_out = mla_decode_reference(
-                query, latent_cache, tables, meta.seq_lens_cpu[:num_decode], self.scale, self.kv_lora_rank
+                query,
+                latent_cache,
+                tables,
+                meta.seq_lens_cpu[:num_decode],
+                self.scale,
+                self.kv_lora_rank,
+                self.kv_scale,
             )
         return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
 
@@ -175,6 +194,7 @@ class MLAttention(nn.Module):
                 continue
             blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
             context = rows[(blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]]
+            context = dequantize_kv(context, self.kv_scale).to(q_nope.dtype)
             latent, k_pe = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             kv = self.kv_b_proj(latent).view(seq_len, self.num_heads, self.nope_dim + self.v_dim)
             k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)

@@ -78,12 +78,6 @@ def test_v2_lite_shapes_cache_576_values_per_token_and_layer():
     assert kv_cache_block_bytes(mc, 16, torch.bfloat16.itemsize) == 27 * 16 * (512 + 64) * 2
 
 
-def test_fp8_kv_cache_is_refused_clearly(case):
-    path, _, _ = case
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported for multi-head latent attention"):
-        engine(path, kv_cache_dtype="fp8")
-
-
 def test_tensor_parallel_is_refused_clearly(case):
     from gpuworker.attention.torch_backend import TorchAttentionBackend
     from gpuworker.models.deepseek.model import DeepseekForCausalLM
@@ -114,3 +108,35 @@ def test_an_odd_hidden_size_per_head_is_no_rotary_width_for_latent_attention():
     config = {"architectures": ["DeepseekV2ForCausalLM"], **MLA_TINY, "hidden_size": 84, "q_lora_rank": None}
     config.pop("head_dim", None)
     assert ModelConfig.from_hf(config).mla.qk_rope_head_dim == 16
+
+
+def test_fp8_kv_cache_decodes_as_the_model_dtype_cache(case):
+    """The latent cache in float8_e4m3fn: a quarter of float32's bytes per token, and decoding within
+    FP8's rounding of what the float32 cache decodes. Every head's keys and values are expanded from
+    the one rounded latent, so the tiny model's first-token log-probabilities move by up to ~0.2 for
+    the likeliest token and ~0.55 for the fifth (measured); greedy decoding agrees on every first
+    token and on most tokens before the sequences part (where two logits lie closer than that)."""
+    from tests.gpuworker.engine.test_kv_cache_dtype import first_token_logprobs
+
+    path, prompts, _ = case
+    fp8, auto = engine(path, kv_cache_dtype="fp8"), engine(path)
+    assert fp8.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert fp8.runner.kv_cache.nbytes * 4 == auto.runner.kv_cache.nbytes
+    for expected, got in zip(first_token_logprobs(auto, prompts), first_token_logprobs(fp8, prompts), strict=True):
+        top = max(expected, key=expected.get)
+        assert top == max(got, key=got.get) and abs(expected[top] - got[top]) < 0.3
+        shared = set(expected) & set(got)
+        assert len(shared) >= 4 and max(abs(expected[t] - got[t]) for t in shared) < 0.8
+    agreeing = []
+    for a, b in zip(auto.generate(prompts, GREEDY), fp8.generate(prompts, GREEDY), strict=True):
+        agreeing.append(next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), MAX_TOKENS))
+    assert min(agreeing) >= 1 and sum(agreeing) >= 0.5 * MAX_TOKENS * len(prompts), agreeing
+
+
+def test_second_pass_reads_the_fp8_latent_prefix_cache(case):
+    path, prompts, _ = case
+    llm = engine(path, kv_cache_dtype="fp8", max_num_batched_tokens=24, max_num_seqs=3)
+    first = llm.generate(prompts, GREEDY)
+    second = llm.generate(prompts, GREEDY)
+    assert [out.num_cached_tokens for out in second] == [(n - 1) // 16 * 16 for n in LENGTHS]
+    assert [out.token_ids for out in second] == [out.token_ids for out in first]
