@@ -8,7 +8,7 @@ Decode rows absorb: the position-free query times W_UK (kv_b_proj's key rows) is
 latent itself, attention runs over the cache rows directly (the Triton MLA decode kernel, or its
 torch reference), and the latent result times W_UV (kv_b_proj's value rows) is each head's value.
 Nothing in the decode path reads a device value on the host. An FP8 cache (kv_cache_dtype "fp8")
-holds the row divided by the layer's kv_scale, widened back as it is read.
+holds the row divided by the layer's k_scale, widened back as it is read.
 """
 
 from __future__ import annotations
@@ -76,9 +76,12 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(mla.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
         self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias)
         self._rotary = (rotary,)  # shared by all layers, kept out of the module tree
-        # An FP8 cache's static scale for this layer's latent and rotary key (a host float, so a
-        # CUDA graph holds it as a constant).
-        self.kv_scale = 1.0
+        # An FP8 cache's static scale for this layer's latent and rotary key: the checkpoint's
+        # self_attn.k_scale, as vLLM reads it for latent attention (else 1.0; models.quantization.
+        # kv_scales); a host float, so a CUDA graph holds it as a constant. There is no value cache,
+        # so a v_scale is read and unused.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -102,7 +105,7 @@ class MLAttention(nn.Module):
         q_pe = rotary(positions, q_pe)
         k_pe = rotary(positions, k_pe.unsqueeze(1)).squeeze(1).contiguous()
         latent_cache = kv_cache[0, :, :, 0]  # [blocks, block_size, R + E]
-        self._write(latent, k_pe, latent_cache, meta, backend, self.kv_scale)
+        self._write(latent, k_pe, latent_cache, meta, backend, self.k_scale)
 
         out = hidden.new_zeros(num_tokens, self.num_heads, self.v_dim)
         num_decode = meta.num_decode_seqs
@@ -160,7 +163,7 @@ class MLAttention(nn.Module):
                 self.scale,
                 self.kv_lora_rank,
                 meta.max_seq_len,
-                kv_scale=self.kv_scale,
+                kv_scale=self.k_scale,
             )
         else:
             latent_out = mla_decode_reference(
@@ -170,7 +173,7 @@ class MLAttention(nn.Module):
                 meta.seq_lens_cpu[:num_decode],
                 self.scale,
                 self.kv_lora_rank,
-                self.kv_scale,
+                self.k_scale,
             )
         return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
 
@@ -194,7 +197,7 @@ class MLAttention(nn.Module):
                 continue
             blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
             context = rows[(blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]]
-            context = dequantize_kv(context, self.kv_scale).to(q_nope.dtype)
+            context = dequantize_kv(context, self.k_scale).to(q_nope.dtype)
             latent, k_pe = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             kv = self.kv_b_proj(latent).view(seq_len, self.num_heads, self.nope_dim + self.v_dim)
             k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)

@@ -140,3 +140,17 @@ def test_second_pass_reads_the_fp8_latent_prefix_cache(case):
     second = llm.generate(prompts, GREEDY)
     assert [out.num_cached_tokens for out in second] == [(n - 1) // 16 * 16 for n in LENGTHS]
     assert [out.token_ids for out in second] == [out.token_ids for out in first]
+
+
+def test_checkpoint_k_scales_scale_the_fp8_latent_cache(case, tmp_path):
+    from tests.gpuworker.engine.test_kv_cache_dtype import with_tensors
+
+    path, prompts, _ = case
+    scales = {f"model.layers.{i}.self_attn.k_scale": torch.tensor(0.05) for i in range(MLA_TINY["num_hidden_layers"])}
+    scaled = engine(with_tensors(path, tmp_path / "scaled", scales), kv_cache_dtype="fp8")
+    assert [layer.self_attn.k_scale for layer in scaled.runner.model.layers] == [pytest.approx(0.05)] * 2
+    plain = engine(path, kv_cache_dtype="fp8")
+    # The same values stored over another scale: other bytes in the cache, the same first tokens.
+    first = [out.token_ids[0] for out in scaled.generate(prompts, GREEDY)]
+    assert first == [out.token_ids[0] for out in plain.generate(prompts, GREEDY)]
+    assert not torch.equal(scaled.runner.kv_cache.view(torch.uint8), plain.runner.kv_cache.view(torch.uint8))
