@@ -112,8 +112,10 @@ def add_engine_options(parser: argparse.ArgumentParser, *, max_num_seqs: int | N
 
 def add_parallel_option(parser: argparse.ArgumentParser) -> None:
     """--tensor-parallel-size: the engine's ranks, one GPU each (NCCL, NVLink multicast off), or one
-    process each on the CPU (gloo; --smoke)."""
+    process each on the CPU (gloo; --smoke); --expert-parallel: how a MoE model's ranks join their
+    experts (the engine's EngineConfig.expert_parallel)."""
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--expert-parallel", choices=("all_reduce", "all_to_all"), default="all_reduce")
 
 
 def add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:

@@ -50,6 +50,7 @@ def engine_decode_rates(args, prompt: list[int], modes: list[str]) -> dict[str, 
         seed=0,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
     )
     rates = {}
     for mode in modes:
@@ -131,7 +132,8 @@ def main() -> None:
         (
             "workload",
             f"batch 1, prompt {args.prompt_len}, {args.output_len} output tokens, {args.dtype} on "
-            f"{args.device}, KV cache {args.kv_cache_dtype}, tensor parallel {args.tensor_parallel_size}",
+            f"{args.device}, KV cache {args.kv_cache_dtype}, "
+            f"tensor parallel {args.tensor_parallel_size} ({args.expert_parallel})",
         ),
         ("weights read per token", f"{weight_gb:.2f} GB"),
         (

@@ -244,6 +244,7 @@ def main() -> None:
         max_model_len=args.max_model_len,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
     )
     t0 = time.perf_counter()  # warm-up: kernel compilation and graph capture stay out of the figures
     warm = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -276,7 +277,7 @@ def main() -> None:
             "workload",
             f"{args.num_requests} requests, prompt {args.min_len}-{args.max_len} tokens, {outputs}, "
             f"seed {args.seed}, {args.dtype} on {args.device}, KV cache {args.kv_cache_dtype}, "
-            f"tensor parallel {args.tensor_parallel_size}",
+            f"tensor parallel {args.tensor_parallel_size} ({args.expert_parallel})",
         ),
         (
             f"gpuworker, {modes[0]}",

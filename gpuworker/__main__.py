@@ -2,6 +2,7 @@
 
 python -m gpuworker serve --model PATH (--port 8100 | --fd N) [--device cpu|cuda] [--dtype auto]
                           [--max-num-seqs N] [--max-num-batched-tokens N] [--tensor-parallel-size N]
+                          [--expert-parallel all_reduce|all_to_all]
                           [--engine-process | --engine-in-process]
 python -m gpuworker daemon --control-url URL --token TOKEN [--name NAME] [--advertise-host H]
                            [--device auto|cpu|cuda] [--port-range LOW-HIGH] [--log-level info]
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV
 from gpuworker.daemon.staging import STAGE_BUDGET_ENV
+from gpuworker.engine.config import EXPERT_PARALLEL_MODES
 
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
 
@@ -99,6 +101,14 @@ def _add_serve(commands) -> None:
         default=1,
         help="split the model over N ranks: GPUs device..device+N-1 (NCCL), or N CPU processes "
         "(gloo); the replica starts the N-1 worker processes itself",
+    )
+    serve.add_argument(
+        "--expert-parallel",
+        choices=EXPERT_PARALLEL_MODES,
+        default="all_reduce",
+        help="how a MoE model split over ranks joins its experts: all_reduce (every rank on every "
+        "token, one all-reduce) or all_to_all (each rank's slice of the tokens dispatched to the "
+        "experts' ranks and combined back)",
     )
     serve.add_argument(
         "--quantization",
@@ -262,6 +272,7 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
         gpu_memory_utilization=args.memory_fraction,
         drain_timeout_s=args.drain_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
         engine_process=wants_engine_process(args),
     )
     holder = EngineHolder(config, engine_process)

@@ -6,8 +6,7 @@ from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
 
-# More GPUs than one host holds; past it a typo, not a wish.
-MAX_TENSOR_PARALLEL_SIZE = 16
+from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE
 
 
 class Model(models.Model):
@@ -60,6 +59,18 @@ class Model(models.Model):
         default=1,
         validators=[MinValueValidator(1), MaxValueValidator(MAX_TENSOR_PARALLEL_SIZE)],
         help_text="GPUs of one worker a replica is split over (tensor parallel); 1: one GPU.",
+    )
+
+    class ExpertParallel(models.TextChoices):
+        # The values gpuworker's contract.tasks.EXPERT_PARALLEL_MODES names.
+        ALL_REDUCE = "all_reduce", "All-reduce (every GPU on every token)"
+        ALL_TO_ALL = "all_to_all", "All-to-all (tokens dispatched to their experts' GPUs)"
+
+    expert_parallel = models.CharField(
+        max_length=20,
+        choices=ExpertParallel.choices,
+        default=ExpertParallel.ALL_REDUCE,
+        help_text="How a mixture-of-experts model split over several GPUs joins its experts.",
     )
     price_tier = models.ForeignKey("billing.PriceTier", on_delete=models.PROTECT, related_name="models")
     enabled = models.BooleanField(default=True)

@@ -4,6 +4,7 @@ Deployments (how many replicas of a model) are the fleet's: `controlplane.fleet.
 """
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from django.core.exceptions import ValidationError
@@ -14,6 +15,8 @@ from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.models import Model
 from controlplane.catalog.selectors import reported_quantization, weights_path_reports
+from controlplane.common.units import human_bytes
+from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE, gpus_needed
 
 # What a model edit may change, and what its audit entry compares.
 MODEL_FIELDS = (
@@ -26,6 +29,7 @@ MODEL_FIELDS = (
     "quantization",
     "gpu_memory_bytes",
     "tensor_parallel_size",
+    "expert_parallel",
     "price_tier",
     "enabled",
 )
@@ -49,6 +53,50 @@ def estimate_gpu_memory_bytes(*, parameter_count: int, quantization: str = Model
     if quantization != Model.Quantization.NONE:
         per_parameter = (1 - _DENSE_SHARE) * _BYTES_PER_PARAMETER[quantization] + _DENSE_SHARE * dense
     return int(parameter_count * per_parameter * _RUNTIME_OVERHEAD)
+
+
+@dataclass(frozen=True)
+class GpuNeed:
+    """How many GPUs of gpu_bytes a model needs: as its gpu_memory_bytes says (its checkpoint's
+    format, or an operator's measured figure), and, from its parameter count, with its weights in
+    FP8 and in bf16 (estimate_gpu_memory_bytes: weights plus KV headroom). None: more than
+    MAX_TENSOR_PARALLEL_SIZE."""
+
+    gpu_bytes: int
+    need_bytes: int
+    as_sized: int | None
+    fp8: int | None
+    bf16: int | None
+
+    @property
+    def text(self) -> str:
+        """e.g. "needs 8 GPUs of 131.3 GiB in FP8, 16 in bf16"; the count for gpu_memory_bytes is
+        added where it differs from the FP8 and bf16 estimates."""
+        fp8, bf16, sized = (_count(n) for n in (self.fp8, self.bf16, self.as_sized))
+        text = f"needs {fp8} GPU{'s' * (self.fp8 != 1)} of {human_bytes(self.gpu_bytes)} in FP8, {bf16} in bf16"
+        if self.as_sized not in (self.fp8, self.bf16):
+            text += f" ({sized} for its gpu_memory_bytes, {human_bytes(self.need_bytes)})"
+        return text
+
+
+def _count(gpus: int | None) -> str:
+    return str(gpus) if gpus is not None else f"more than {MAX_TENSOR_PARALLEL_SIZE}"
+
+
+def model_gpu_need(*, model: Model, gpu_bytes: int) -> GpuNeed:
+    """How many GPUs of `gpu_bytes` each `model` needs (GpuNeed), for placement's refusals."""
+
+    def count(quantization: str) -> int | None:
+        need = estimate_gpu_memory_bytes(parameter_count=model.parameter_count, quantization=quantization)
+        return gpus_needed(need_bytes=need, gpu_bytes=gpu_bytes)
+
+    return GpuNeed(
+        gpu_bytes=gpu_bytes,
+        need_bytes=model.gpu_memory_bytes,
+        as_sized=gpus_needed(need_bytes=model.gpu_memory_bytes, gpu_bytes=gpu_bytes),
+        fp8=count(Model.Quantization.FP8),
+        bf16=count(Model.Quantization.NONE),
+    )
 
 
 def _check_weights_path(weights_path: str, verify_on: Iterable | None) -> None:
@@ -88,6 +136,7 @@ def model_create(
     gpu_memory_bytes: int | None = None,
     quantization: str | None = None,
     tensor_parallel_size: int = 1,
+    expert_parallel: str = Model.ExpertParallel.ALL_REDUCE,
     enabled: bool = True,
     actor=None,
     verify_on: Iterable | None = None,
@@ -115,6 +164,7 @@ def model_create(
         quantization=quantization,
         gpu_memory_bytes=gpu_memory_bytes,
         tensor_parallel_size=tensor_parallel_size,
+        expert_parallel=expert_parallel,
         price_tier=price_tier,
         enabled=enabled,
     )

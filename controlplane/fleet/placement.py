@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from controlplane.common.units import human_bytes
+from gpuworker.contract.placement import gpu_share_bytes
 
 
 @dataclass
@@ -33,11 +34,6 @@ def held_places(*, first_index: int | None, tensor_parallel_size: int) -> list[i
     """The places a replica's memory is counted at, as placement slots know them: its GPU indexes,
     or [None] (its worker's CPU memory) for a replica on a CPU worker."""
     return held_gpu_indexes(first_index=first_index, tensor_parallel_size=tensor_parallel_size) or [None]
-
-
-def gpu_share_bytes(*, need_bytes: int, tensor_parallel_size: int) -> int:
-    """A replica's memory on each of its GPUs: each rank holds 1/N of the weights and of the KV cache."""
-    return -(-need_bytes // tensor_parallel_size)
 
 
 def share_bytes(*, need_bytes: int, on_gpu: bool, tensor_parallel_size: int) -> int:

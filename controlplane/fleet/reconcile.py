@@ -22,7 +22,13 @@ from controlplane.fleet.placement import (
 )
 from controlplane.fleet.selectors import backoff_note, live_replica_placements, load_backoffs, placement_slots
 from controlplane.fleet.services.deployments import publish_deployment
-from controlplane.fleet.services.replicas import replica_place, replica_stop, replica_transition, slot_label
+from controlplane.fleet.services.replicas import (
+    replica_place,
+    replica_stop,
+    replica_transition,
+    slot_label,
+    too_large_note,
+)
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,10 @@ def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[i
         )
         for slot in slots
     ]
-    return placed, room_message(need_bytes=need, rooms=rooms, tensor_parallel_size=size)
+    reason = room_message(need_bytes=need, rooms=rooms, tensor_parallel_size=size)
+    gpu_sizes = [slot.total_bytes for slot in slots if slot.gpu_id is not None]
+    note = too_large_note(model=model, gpu_bytes=max(gpu_sizes)) if gpu_sizes else ""
+    return placed, f"{reason}. {note}" if note else reason
 
 
 def _placement_report_record(deployment: Deployment, outcome: ReconcileOutcome, now: datetime) -> None:

@@ -19,6 +19,8 @@ LOAD_MODEL, UNLOAD_MODEL, DRAIN_WORKER = "gpuworker.load_model", "gpuworker.unlo
 STAGE_WEIGHTS = "gpuworker.stage_weights"
 MAX_STAGED_MODELS = 64
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# How a MoE model split over ranks joins its experts (the engine's EngineConfig.expert_parallel).
+EXPERT_PARALLEL_MODES = ("all_reduce", "all_to_all")
 MAX_TIMEOUT_S = 3600.0
 
 
@@ -71,6 +73,12 @@ def _dtype(name: str, value: Any) -> str:
     return value
 
 
+def _expert_parallel(name: str, value: Any) -> str:
+    if value not in EXPERT_PARALLEL_MODES:
+        raise TaskArgumentError(f"{name} must be one of {', '.join(EXPERT_PARALLEL_MODES)}, got {value!r}")
+    return value
+
+
 def _model_paths(name: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or len(value) > MAX_STAGED_MODELS:
         raise TaskArgumentError(f"{name} must be a list of at most {MAX_STAGED_MODELS} paths, got {value!r}")
@@ -99,7 +107,8 @@ class _Task:
 @dataclass(frozen=True)
 class LoadModel(_Task):
     """Start a replica of the checkpoint at model_path on GPU gpu_index (None: the CPU); with
-    tensor_parallel_size N, split over GPUs gpu_index..gpu_index+N-1 (or N CPU processes)."""
+    tensor_parallel_size N, split over GPUs gpu_index..gpu_index+N-1 (or N CPU processes), a MoE
+    model's experts joined as expert_parallel says."""
 
     NAME: ClassVar[str] = LOAD_MODEL
     replica_id: int = _argument(_int_at_least(0))
@@ -110,6 +119,7 @@ class LoadModel(_Task):
     max_model_len: int | None = _argument(_int_at_least(1, optional=True), None)
     dtype: str = _argument(_dtype, "auto")
     tensor_parallel_size: int = _argument(_int_at_least(1), 1)
+    expert_parallel: str = _argument(_expert_parallel, "all_reduce")
 
 
 @dataclass(frozen=True)

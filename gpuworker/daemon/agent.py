@@ -149,9 +149,11 @@ class Agent:
             logger.error("%s", exc)
             return 2
         advertise_host = self.config.advertise_host or _facing_address(self.config.control_url)
+        inventory = self.probe.inventory()
         self.supervisor = Supervisor(
             token=self.config.token,
             gpu_count=self.probe.gpu_count,
+            gpu_memory_bytes=tuple(gpu["memory_total_bytes"] for gpu in inventory["gpus"]),
             port_range=self.config.port_range,
             advertise_host=advertise_host,
             bind_host="127.0.0.1" if _is_loopback(advertise_host) else "0.0.0.0",
@@ -168,7 +170,6 @@ class Agent:
                 "started with --model-root DIR (or $%s)",
                 MODEL_ROOTS_ENV,
             )
-        inventory = self.probe.inventory()
         self._registration = WorkerRegistration(
             name=self.config.name,
             advertise_host=advertise_host,

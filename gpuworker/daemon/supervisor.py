@@ -30,8 +30,9 @@ from typing import Any
 
 import httpx
 
-from gpuworker.checkpoint_files import gguf_file
+from gpuworker.checkpoint_files import gguf_file, weight_bytes
 from gpuworker.contract.heartbeat import REPLICA_FIGURES, REPLICA_LATENCY_FIGURES, ReplicaReport
+from gpuworker.contract.placement import gpu_share_bytes, gpus_needed
 from gpuworker.contract.spare_handover import send_load
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon.model_paths import resolve_model_root_path
@@ -110,9 +111,13 @@ class Supervisor:
         model_roots: tuple[Path, ...],
         port_range: tuple[int, int] | None = None,
         spare_replicas: bool = False,
+        gpu_memory_bytes: tuple[int, ...] = (),
     ) -> None:
         # None: any free port (the OS chooses); a range only for hosts whose firewall needs one.
         self.token, self.gpu_count, self.port_range = token, gpu_count, port_range
+        # Each GPU's total memory by index (() when not known): a load whose weights alone exceed
+        # its GPUs' is refused before a process starts (_too_large).
+        self.gpu_memory_bytes = tuple(gpu_memory_bytes)
         # Loads are confined to these (a load task's path is chosen by the control plane).
         self.model_roots = tuple(model_roots)
         self.advertise_host, self.bind_host, self.worker_name = advertise_host, bind_host, worker_name
@@ -252,7 +257,30 @@ class Supervisor:
                 f"model path {path} has no config.json or .gguf file "
                 "(expected a Hugging Face model directory or a GGUF checkpoint)"
             )
-        return resolved, None
+        return resolved, self._too_large(request, resolved)
+
+    def _too_large(self, request: LoadModel, checkpoint: Path) -> str | None:
+        """Why the checkpoint's weights alone cannot fit on the GPUs the load is given (each of its
+        tensor_parallel_size ranks holds 1/N, contract.placement), with the GPUs they would need;
+        None when they fit, on the CPU, or when the weights' size or the GPUs' memory is not known
+        (the load itself then finds out)."""
+        first, size = request.gpu_index, request.tensor_parallel_size
+        if first is None or len(self.gpu_memory_bytes) < first + size:
+            return None
+        try:
+            weights = weight_bytes(checkpoint)
+        except (OSError, ValueError):
+            return None  # the replica's load reports an unreadable checkpoint in its own words
+        gpu = min(self.gpu_memory_bytes[first : first + size])
+        if gpu_share_bytes(need_bytes=weights, tensor_parallel_size=size) <= gpu:
+            return None
+        needed = gpus_needed(need_bytes=weights, gpu_bytes=gpu)
+        gib = 1024**3
+        return (
+            f"model path {request.model_path}: its weights ({weights / gib:.1f} GiB) do not fit on "
+            f"{size} GPU(s) of {gpu / gib:.1f} GiB (tensor_parallel_size {size}); they alone need "
+            + (f"{needed} GPUs of this size" if needed else "more GPUs of this size than one host holds")
+        )
 
     def _spawn(self, replica: Replica, model_dir: Path) -> str | None:
         request = replica.request
@@ -286,6 +314,7 @@ class Supervisor:
             serve_argv += ["--max-model-len", str(request.max_model_len)]
         if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself
             serve_argv += ["--tensor-parallel-size", str(request.tensor_parallel_size)]
+            serve_argv += ["--expert-parallel", request.expert_parallel]
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
         spare = self._spares.pop(device, None)
         try:

@@ -18,6 +18,15 @@ LOAD_FORMATS = ("auto", "dummy")
 # "auto": the model's dtype; "fp8": float8_e4m3fn with a scale per layer for keys and for values
 # (engine.kv_cache_dtype), twice the blocks of a bf16 cache in the same memory.
 KV_CACHE_DTYPES = ("auto", "fp8")
+# How a MoE model split over tensor_parallel_size ranks (each holding num_experts / N experts) joins
+# its ranks' experts:
+# "all_reduce": every rank routes every token and computes the choices of its own experts; one
+#   all-reduce sums the partial outputs (models.moe). One collective per layer, every rank reads
+#   every token.
+# "all_to_all": each rank routes its slice of the tokens and dispatches each (token, expert, weight)
+#   to the expert's rank, which computes it and sends the result back; the slices are gathered
+#   (models.expert_parallel). A token's hidden state goes only to its experts' ranks.
+EXPERT_PARALLEL_MODES = ("all_reduce", "all_to_all")
 # On CPU there is no "free device memory" to fill, so the KV pool gets a fixed budget by default.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -63,6 +72,8 @@ class EngineConfig:
     # Ranks the model is split over (engine.parallel): one process each, on consecutive GPUs from
     # `device`'s index on CUDA (NCCL), or CPU processes (gloo). 1: one process, no collectives.
     tensor_parallel_size: int = 1
+    # EXPERT_PARALLEL_MODES; read only by MoE models split over ranks.
+    expert_parallel: str = "all_reduce"
     # A collective that waits longer than this for another rank fails (a rank died or hung), so the
     # engine raises instead of hanging.
     distributed_timeout_s: float = 300.0
@@ -82,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {LOAD_QUANTIZATIONS}, got {self.quantization!r}")
         _positive_int("block_size", self.block_size)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.expert_parallel not in EXPERT_PARALLEL_MODES:
+            raise ValueError(f"expert_parallel must be one of {EXPERT_PARALLEL_MODES}, got {self.expert_parallel!r}")
         timeout = self.distributed_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {timeout!r}")

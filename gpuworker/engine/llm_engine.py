@@ -32,7 +32,7 @@ from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
 from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.model_runner import ModelRunner, StepHandle
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats, TokenLogprob
-from gpuworker.engine.parallel import Workers
+from gpuworker.engine.parallel import Workers, parallel_context
 from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
@@ -41,7 +41,7 @@ from gpuworker.engine.sizing import plan_sizes
 from gpuworker.engine.structured_output import GrammarCache, StructuredOutput
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.loader import load_model, load_model_config, load_tokenizer, resolve_dtype, with_quantization
-from gpuworker.models.tensor_parallel import ParallelContext, shard_config
+from gpuworker.models.tensor_parallel import shard_config
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             shard_config(
                 with_quantization(load_model_config(config.model), config.quantization),
-                ParallelContext(0, config.tensor_parallel_size),
+                parallel_context(config, 0),
             )
             self.workers = Workers.start(config)
         try:

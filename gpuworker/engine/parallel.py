@@ -68,7 +68,13 @@ def init_rank(config: EngineConfig, rank: int, store_path: str) -> ParallelConte
         world_size=world,
         timeout=timeout,
     )
-    return ParallelContext(rank, world)
+    return parallel_context(config, rank)
+
+
+def parallel_context(config: EngineConfig, rank: int) -> ParallelContext:
+    """What the model of rank `rank` is told about the split (models.tensor_parallel)."""
+    dispatch = config.expert_parallel == "all_to_all"
+    return ParallelContext(rank, config.tensor_parallel_size, dispatch_experts=dispatch)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuworker.checkpoint_quantization import QuantConfig, parse_quantization
-from gpuworker.models.deepseek.config import MLAConfig, parse_mla, refuse_moe_layers
+from gpuworker.kernels.moe.grouped_routing import TOPK_METHODS, GroupedRouting
+from gpuworker.models.deepseek.config import MLAConfig, parse_mla
 
 # Per architecture: whether q/k/v and o_proj carry biases ("config" = the config's attention_bias,
 # another string = that config field, true when absent), whether q/k get a per-head RMSNorm before
-# rotary (Qwen3), and the mixture-of-experts layout if any (_MOE_LAYOUTS).
+# rotary (Qwen3; a string: that config field, false when absent), the mixture-of-experts layout if
+# any (_MOE_LAYOUTS), and whether partial_rotary_factor is honoured (rotary on the first
+# head_dim * factor dims of each head; "default": the factor when the config has none).
 _FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False},
     "MistralForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False},
@@ -24,9 +27,16 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "MixtralForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": False, "moe": "mixtral"},
     "Qwen2MoeForCausalLM": {"qkv_bias": "qkv_bias", "o_bias": False, "qk_norm": False, "moe": "qwen_moe"},
     "Qwen3MoeForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "moe": "qwen_moe"},
+    "Glm4MoeForCausalLM": {
+        "qkv_bias": "config",
+        "o_bias": False,
+        "qk_norm": "use_qk_norm",
+        "moe": "deepseek",
+        "partial_rotary": 0.5,
+    },
     # Multi-head latent attention (models.deepseek): the attention shapes live in ModelConfig.mla.
-    "DeepseekV2ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "mla": True},
-    "DeepseekV3ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "mla": True},
+    "DeepseekV2ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "moe": "deepseek", "mla": True},
+    "DeepseekV3ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "moe": "deepseek", "mla": True},
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -36,6 +46,7 @@ _MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
@@ -44,6 +55,7 @@ _MODEL_TYPES = {
 _MOE_LAYOUTS = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -52,7 +64,13 @@ class MoEConfig:
     """A sparse mixture-of-experts MLP: each token's top_k experts of num_experts (SiLU-gated MLPs
     of expert_intermediate_size), weighted by the router's softmax over all experts, renormalised
     over the chosen ones when norm_topk_prob; plus, where the family has one, a shared expert that
-    every token passes through, scaled by sigmoid(shared_expert_gate(x))."""
+    every token passes through, scaled by sigmoid(shared_expert_gate(x)).
+
+    DeepSeek-V2/V3 and GLM-4.5 (deepseek_moe_config builds theirs): `routing` says how the router
+    chooses and weighs (kernels.moe.routing: softmax or sigmoid, grouped top-k, routed scaling), from
+    logits computed in float32 with a float32 router weight; with router_bias, its float32
+    e_score_correction_bias shifts the choice only; the shared experts are ungated
+    (shared_expert_gated False) and added to the routed output."""
 
     num_experts: int
     top_k: int
@@ -62,6 +80,11 @@ class MoEConfig:
     sparse_layers: tuple[bool, ...]  # per layer: MoE, or the dense MLP of intermediate_size
     checkpoint_prefix: str
     expert_names: tuple[str, str, str]  # gate, up, down
+    routing: GroupedRouting | None = None  # None: the softmax top-k above
+    router_bias: bool = False  # the router has an e_score_correction_bias [num_experts]
+    router_float32: bool = False  # router weight kept, and logits computed, in float32
+    shared_expert_gated: bool = True
+    shared_expert_name: str = "shared_expert"  # its module under the block
 
 
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
@@ -99,6 +122,8 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
     sliding_window: int | None = None
     moe: MoEConfig | None = None
+    # Rotary on the first rotary_dim dims of each head only (GLM's partial_rotary_factor); None: all.
+    rotary_dim: int | None = None
     # The checkpoint's quantization (config.json's quantization_config), or FP8 chosen at load.
     quantization: QuantConfig | None = None
     # The checkpoint directory the weights and tokenizer are read from (set by load_model_config).
@@ -114,6 +139,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_width(self) -> int:
+        """How many leading dims of each head rotary rotates."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def kv_cache_layout(self) -> tuple[int, int, int]:
@@ -157,15 +187,15 @@ class ModelConfig:
             raise ValueError(f"{source}: pretraining_tp must be 1, got {config['pretraining_tp']}")
 
         max_pos = need("max_position_embeddings")
-        mla = None
+        mla, rotary_dim = None, None
         if family.get("mla"):
             mla = parse_mla(config, max_pos, source)
-            refuse_moe_layers(config, need("num_hidden_layers"), source)
             # Each head's query and key: the position-free part and the rotary part.
             head_dim, num_kv_heads = mla.qk_head_dim, num_heads
             rope_theta, rope_scaling = mla.rope_theta, None
         else:
             rope_theta, rope_scaling = _rope(config, max_pos, source)
+            rotary_dim = _rotary_dim(config, family.get("partial_rotary"), head_dim, source)
         sliding_window = _sliding_window(config, architecture)
         attention_bias = bool(config.get("attention_bias", False))
 
@@ -198,19 +228,29 @@ class ModelConfig:
             attention_bias=bias(family["qkv_bias"]),
             o_proj_bias=bias(family["o_bias"]),
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=family["qk_norm"],
+            qk_norm=bool(config.get(family["qk_norm"], False))
+            if isinstance(family["qk_norm"], str)
+            else family["qk_norm"],
             torch_dtype=str(dtype).removeprefix("torch."),
             sliding_window=sliding_window,
+            rotary_dim=rotary_dim,
             moe=_moe(config, family.get("moe"), num_layers, need, source),
             quantization=parse_quantization(config, source),
             mla=mla,
-            extra={"config_max_position_embeddings": max_pos},
+            extra={
+                "config_max_position_embeddings": max_pos,
+                "num_nextn_predict_layers": int(config.get("num_nextn_predict_layers") or 0),
+            },
         )
 
 
 def _moe(config: dict[str, Any], layout: str | None, num_layers: int, need: Any, source: str) -> MoEConfig | None:
     if layout is None:
         return None
+    if layout == "deepseek":
+        if _all_dense(config, num_layers):
+            return None  # its expert fields (which transformers leaves unset then) are never used
+        return deepseek_moe_config(config, num_layers, source)
     prefix, names = _MOE_LAYOUTS[layout]
     if layout == "mixtral":
         num_experts, expert_size = need("num_local_experts"), need("intermediate_size")
@@ -239,6 +279,139 @@ def _moe(config: dict[str, Any], layout: str | None, num_layers: int, need: Any,
     )
 
 
+# Per model type: transformers' defaults of the DeepSeek-style MoE fields a config.json may omit.
+_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "greedy",
+    },
+    "deepseek_v3": {
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+    },
+    "glm4_moe": {
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+    },
+}
+
+
+def deepseek_moe_config(
+    config: dict[str, Any], num_layers: int | None = None, source: str = "config.json"
+) -> MoEConfig:
+    """The MoE of a DeepSeek-V2, DeepSeek-V3 or GLM-4.5 config.json dict (model_type deepseek_v2,
+    deepseek_v3 or glm4_moe; fields it omits take transformers' defaults for that type), as
+    transformers builds it: layers first_k_dense_replace.. are sparse (the others the dense MLP of
+    intermediate_size); n_routed_experts experts of moe_intermediate_size, num_experts_per_tok per
+    token, routed by topk_method (scoring_func, if given, must be the one it takes), n_group,
+    topk_group, norm_topk_prob and routed_scaling_factor; n_shared_experts * moe_intermediate_size of
+    ungated shared experts under mlp.shared_experts. Bad values raise a ValueError naming the field."""
+    model_type = config.get("model_type")
+    if model_type not in _DEEPSEEK_DEFAULTS:
+        raise ValueError(f"{source}: model_type must be one of {', '.join(_DEEPSEEK_DEFAULTS)}, got {model_type!r}")
+    defaults = _DEEPSEEK_DEFAULTS[model_type]
+
+    def field(key: str, kinds: tuple[type, ...] = (int,), minimum: float = 1) -> Any:
+        value = config.get(key)
+        value = defaults.get(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+            raise ValueError(
+                f"{source}: {key} must be a number >= {minimum} of type {kinds[0].__name__}, got {value!r}"
+            )
+        return value
+
+    num_layers = field("num_hidden_layers") if num_layers is None else num_layers
+    num_experts = field("n_routed_experts" if "n_routed_experts" in config else "num_local_experts")
+    inter, shared = field("moe_intermediate_size"), field("n_shared_experts", minimum=0)
+    first_dense = field("first_k_dense_replace", minimum=0)
+    if first_dense > num_layers:
+        raise ValueError(f"{source}: first_k_dense_replace ({first_dense}) exceeds num_hidden_layers ({num_layers})")
+    if config.get("moe_layer_freq", 1) != 1:
+        raise ValueError(
+            f"{source}: moe_layer_freq must be 1 (transformers has no other), got {config['moe_layer_freq']!r}"
+        )
+    method = config.get("topk_method") or defaults["topk_method"]
+    if method not in TOPK_METHODS:
+        raise ValueError(f"{source}: topk_method must be one of {', '.join(TOPK_METHODS)}, got {method!r}")
+    scoring = config.get("scoring_func", TOPK_METHODS[method])
+    if scoring != TOPK_METHODS[method]:
+        raise ValueError(
+            f"{source}: scoring_func {scoring!r} does not fit topk_method {method!r}, which takes "
+            f"{TOPK_METHODS[method]!r}"
+        )
+    normalize = config.get("norm_topk_prob", defaults["norm_topk_prob"])
+    if model_type == "deepseek_v2" and normalize:
+        raise ValueError(f"{source}: norm_topk_prob: transformers' DeepSeek-V2 router does not renormalise")
+    n_group = field("n_group") if method != "greedy" else 1
+    routing = GroupedRouting(
+        top_k=field("num_experts_per_tok"),
+        topk_method=method,
+        n_group=n_group,
+        topk_group=field("topk_group") if method != "greedy" else n_group,
+        normalize=bool(normalize),
+        scaling=float(field("routed_scaling_factor", (int, float), minimum=0)),
+    )
+    try:
+        routing.check(num_experts)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=routing.top_k,
+        expert_intermediate_size=inter,
+        norm_topk_prob=routing.normalize,
+        shared_expert_intermediate_size=shared * inter,
+        sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
+        checkpoint_prefix=_MOE_LAYOUTS["deepseek"][0],
+        expert_names=_MOE_LAYOUTS["deepseek"][1],
+        routing=routing,
+        router_bias=method == "noaux_tc",
+        router_float32=True,
+        shared_expert_gated=False,
+        shared_expert_name="shared_experts",
+    )
+
+
+def _all_dense(config: dict[str, Any], num_layers: int) -> bool:
+    """A DeepSeek-style config whose first_k_dense_replace is every layer: no MoE at all (a larger
+    value is deepseek_moe_config's error to report)."""
+    first = config.get("first_k_dense_replace")
+    if first is None:
+        first = _DEEPSEEK_DEFAULTS.get(config.get("model_type"), {}).get("first_k_dense_replace", 0)
+    return isinstance(first, int) and not isinstance(first, bool) and first == num_layers
+
+
+def _rotary_dim(config: dict[str, Any], default_factor: float | None, head_dim: int, source: str) -> int | None:
+    """The rotated width for partial_rotary_factor (transformers: int(head_dim * factor)); None for
+    the whole head. Families without partial rotary (default_factor None) accept only 1.0."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if default_factor is None:
+        if factor not in (None, 1.0):
+            raise ValueError(f"{source}: partial_rotary_factor other than 1.0 is not supported")
+        return None
+    factor = default_factor if factor is None else factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"{source}: partial_rotary_factor must be in (0, 1], got {factor!r}")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ValueError(f"{source}: partial_rotary_factor {factor} rotates {dim} of {head_dim} dims; it must be even")
+    return None if dim == head_dim else dim
+
+
 def _architecture(config: dict[str, Any], source: str) -> str:
     architectures = config.get("architectures") or []
     if not architectures and config.get("model_type") in _MODEL_TYPES:
@@ -259,8 +432,6 @@ def _rope(config: dict[str, Any], max_pos: int, source: str) -> tuple[float, dic
         raise ValueError(f"{source}: per-layer-type rope_parameters are not supported")
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor other than 1.0 is not supported")
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":

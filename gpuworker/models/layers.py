@@ -149,6 +149,8 @@ class RotaryEmbedding(nn.Module):
 
     The cache holds one half of the rotation ([max_positions, head_dim // 2]); HF's cos/sin are that
     half repeated twice, so the products below are bit-identical to HF's apply_rotary_pos_emb.
+    head_dim here is the rotated width: less than the heads' with a partial rotary (GLM), whose first
+    head_dim dims are rotated and the rest passed through, as transformers does.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
@@ -190,9 +192,13 @@ class RotaryEmbedding(nn.Module):
         # HF casts cos/sin to the activation dtype before multiplying; do the same.
         cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        return _rotate(query, cos, sin, self.head_dim), _rotate(key, cos, sin, self.head_dim)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> torch.Tensor:
+    """Rotate-half over the first `width` dims of each head; the rest pass (partial rotary)."""
+    if width == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2, rest = x.split([width // 2, width // 2, x.shape[-1] - width], dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)

@@ -1,5 +1,6 @@
 """The llama-style decoder: one class for Llama 1/2/3/3.1, Mistral, Qwen2/2.5 and Qwen3, and with a
-sparse mixture-of-experts MLP (models.moe) for Mixtral, Qwen2-MoE and Qwen3-MoE.
+sparse mixture-of-experts MLP (models.moe) for Mixtral, Qwen2-MoE, Qwen3-MoE and GLM-4.5 (partial
+rotary, DeepSeek-style routing).
 
 The families differ only in what ModelConfig resolves (biases, q/k norms, rope, head_dim, tied
 embeddings, the MoE layout). Sequences arrive flattened into one ragged batch of tokens; everything ragged lives in
@@ -60,6 +61,8 @@ class Attention(nn.Module):
         without them or where the launches cannot reproduce the two RMSNorm modules (weights of
         another dtype, whose product torch would promote; two different eps)."""
         if self.q_norm is None or self.k_norm is None or self.q_norm.eps != self.k_norm.eps:
+            return None
+        if self._rotary[0].head_dim != self.head_dim:  # partial rotary: the launches norm whole heads only
             return None
         if self.q_norm.weight.dtype != dtype or self.k_norm.weight.dtype != dtype:
             return None
@@ -164,8 +167,9 @@ class LlamaForCausalLM(nn.Module):
         layer_config = shard_config(config, self.parallel)
         vocab_rows = config.vocab_size if self.parallel is None else vocab_range(config.vocab_size, self.parallel)[2]
         self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, config.hidden_size), requires_grad=False)
+        # Rotates the first rotary_width dims of each head (all but where partial_rotary_factor says).
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.rotary_width, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
             DecoderLayer(layer_config, self.rotary, i, self.parallel) for i in range(config.num_layers)

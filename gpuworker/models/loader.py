@@ -56,7 +56,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 LOAD_FORMATS = ("auto", "dummy")
 # Checkpoint tensors the model has no use for and that are safe to skip.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 logger = logging.getLogger(__name__)
 # The model is built deep inside LLMEngine; a caller that wants weight-loading progress (the worker
 # server's /health) installs a callback for its own thread instead of threading it through every
@@ -229,8 +229,6 @@ class _Target:
 def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
     """HF tensor name -> slice of our (fused) parameters; None for a tensor that only other
     tensor-parallel ranks hold (another rank's experts)."""
-    if isinstance(model, DeepseekForCausalLM):
-        return {name: _Target(*where) for name, where in model.checkpoint_names().items()}
     mc = model.config
     targets: dict[str, _Target | None] = {}
     parallel = model.parallel
@@ -248,6 +246,12 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
             return None
         return Shard(dim, parallel.rank * length if begin is None else begin, length, size)
 
+    if isinstance(model, DeepseekForCausalLM):
+        targets.update({name: _Target(*where) for name, where in model.checkpoint_names().items()})
+        for i, layer in enumerate(model.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                _add_moe(add, split, targets, f"model.layers.{i}.", layer.mlp, mc.hidden_size)
+        return targets
     first_token, tokens, _ = (0, mc.vocab_size, 0) if parallel is None else vocab_range(mc.vocab_size, parallel)
     vocab = split(0, mc.vocab_size, tokens, first_token)
     add("model.embed_tokens.weight", model.embed_tokens, 0, tokens, vocab)
@@ -307,6 +311,7 @@ def _add_moe(
     block, (gate, up, down) = f"{prefix}{config.checkpoint_prefix}.", config.expert_names
     inter = config.expert_intermediate_size
     add(f"{block}gate.weight", moe.gate.weight)
+    add(f"{block}gate.e_score_correction_bias", moe.e_score_correction_bias)
     for e in range(config.num_experts):
         local = e - moe.first_expert
         names = (
@@ -321,9 +326,9 @@ def _add_moe(
         add(names[1], moe.w13, 2 * inter * local + inter, inter)
         add(names[2], moe.w2, hidden_size * local, hidden_size)
     if moe.shared_expert is not None:
-        _add_gated_mlp(
-            add, split, f"{block}shared_expert.", moe.shared_expert, "weight", config.shared_expert_intermediate_size
-        )
+        shared = f"{block}{config.shared_expert_name}."
+        _add_gated_mlp(add, split, shared, moe.shared_expert, "weight", config.shared_expert_intermediate_size)
+    if moe.shared_expert_gate is not None:
         add(f"{block}shared_expert_gate.weight", moe.shared_expert_gate.weight)
 
 
@@ -340,11 +345,11 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     plan: list[tuple[Path, list[TensorCopy]]] = []
     unexpected: list[str] = []
     found: set[str] = set()
-    names: list[str] = []
+    names: set[str] = set()
     for file in files:
         copies = []
         for entry in read_header(file):
-            names.append(entry.name)
+            names.add(entry.name)
             if entry.name in targets:
                 found.add(entry.name)
             target = targets.get(entry.name)
@@ -366,7 +371,7 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
             copies.append(_shard_copy(entry, target))
         plan.append((file, copies))
     _check_coverage(mc, targets, found, unexpected, ", ".join(f.name for f in files))
-    _log_skipped_mtp(mc, names)
+    _log_skipped_prediction_layers(mc, names)
     missing = missing_quantized_tensors(shards, {name for _, name in quantized})
     if missing:
         raise ValueError(
@@ -430,26 +435,31 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
 
 def _skippable(name: str, mc: ModelConfig) -> bool:
     return (
-        bool(_IGNORED.search(name)) or (name == "lm_head.weight" and mc.tie_word_embeddings) or is_mtp_tensor(name, mc)
+        bool(_IGNORED.search(name))
+        or (name == "lm_head.weight" and mc.tie_word_embeddings)
+        or _prediction_layer(name, mc) is not None
     )
 
 
-def is_mtp_tensor(name: str, mc: ModelConfig) -> bool:
-    """A multi-token-prediction layer's tensor (DeepSeek-V3 stores them as layers numbered from
-    num_hidden_layers on): used only for speculative decoding, which we do not run."""
-    match = _LAYER_INDEX.match(name)
-    return mc.mla is not None and match is not None and int(match.group(1)) >= mc.num_layers
+def _prediction_layer(name: str, mc: ModelConfig) -> int | None:
+    """The index of the multi-token-prediction layer (GLM-4.5's, DeepSeek-V3's: the config's
+    num_nextn_predict_layers layers after the last decoder layer) a tensor belongs to, else None.
+    The engine does not run them."""
+    match = _LAYER.match(name)
+    extra_layers = mc.extra.get("num_nextn_predict_layers", 0)
+    if match is None or not mc.num_layers <= int(match.group(1)) < mc.num_layers + extra_layers:
+        return None
+    return int(match.group(1))
 
 
-def _log_skipped_mtp(mc: ModelConfig, names: list[str]) -> None:
-    skipped = [name for name in names if is_mtp_tensor(name, mc)]
-    if skipped:
-        layers = sorted({int(_LAYER_INDEX.match(name).group(1)) for name in skipped})
+def _log_skipped_prediction_layers(mc: ModelConfig, names: set[str]) -> None:
+    layers = sorted({_prediction_layer(name, mc) for name in names} - {None})
+    if layers:
         logger.info(
-            "%s: skipping %d tensors of multi-token-prediction layers %s (not used for generation)",
+            "%s: skipping multi-token-prediction layer(s) %s (%d tensors): not run by this engine",
             mc.model_path,
-            len(skipped),
-            layers,
+            ", ".join(map(str, layers)),
+            sum(_prediction_layer(name, mc) is not None for name in names),
         )
 
 

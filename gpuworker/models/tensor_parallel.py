@@ -6,8 +6,10 @@ heads and their KV heads (a KV head is replicated on N / num_kv_heads ranks when
 its slice of every MLP's intermediate size, its num_experts / N experts, and its slice of the
 vocabulary. Column-parallel projections (qkv_proj, gate_up_proj) are plain Linears of fewer rows;
 row-parallel ones (o_proj, down_proj) sum their partial products with an all-reduce; the MoE block
-routes every token over all the experts, computes only the choices of its own (models.moe), and
-sums its experts' and shared expert's partial outputs with one all-reduce; the embedding is a masked
+either routes every token over all the experts, computes only the choices of its own (models.moe),
+and sums its experts' and shared expert's partial outputs with one all-reduce, or dispatches each
+rank's slice of the tokens to the experts' ranks and combines the results back
+(models.expert_parallel), as ParallelContext.dispatch_experts says; the embedding is a masked
 lookup in the rank's vocabulary rows, then an all-reduce; the logits are the rank's vocabulary
 columns, all-gathered. Without a context (N = 1) the model is built exactly as before.
 """
@@ -27,12 +29,16 @@ from gpuworker.models.layers import GatedMLP, Linear
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """This process's rank among world_size tensor-parallel ranks, and their process group
-    (None: torch.distributed's default group)."""
+    """This process's rank among world_size tensor-parallel ranks, their process group (None:
+    torch.distributed's default group), and how a MoE layer joins its ranks' experts: True, each
+    rank's slice of the tokens dispatched to the experts' ranks and combined back
+    (models.expert_parallel); False, every rank on every token and one all-reduce (models.moe).
+    EngineConfig.expert_parallel chooses."""
 
     rank: int
     world_size: int
     group: Any = None
+    dispatch_experts: bool = False
 
     def split(self, size: int, what: str) -> tuple[int, int]:
         """(first, count) of this rank's equal share of `size` items; ValueError if they do not divide."""

@@ -64,6 +64,8 @@ class ServerConfig:
     # Ranks (GPUs of this host from `device`'s index on) the model is split over; the replica starts
     # the other ranks' processes itself and answers as one.
     tensor_parallel_size: int = 1
+    # How a split MoE model joins its ranks' experts (engine.config.EXPERT_PARALLEL_MODES).
+    expert_parallel: str = "all_reduce"
     # SIGTERM (or POST /drain without a timeout): in-flight requests get this long to finish.
     drain_timeout_s: float = 30.0
     # The engine steps in a process of its own (engine/engine_process_client.py), where the server's
@@ -145,7 +147,14 @@ class EngineHolder:
         }
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "quantization", "tensor_parallel_size"):
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "quantization",
+            "tensor_parallel_size",
+            "expert_parallel",
+        ):
             if getattr(self.config, name) is not None:
                 kwargs[name] = getattr(self.config, name)
         self.load_progress = WEIGHTS_PROGRESS_START

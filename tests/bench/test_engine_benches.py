@@ -118,3 +118,19 @@ def test_the_multi_gpu_runs_options_run_at_two_cpu_ranks(tmp_path, script, confi
     )
     assert result["args"]["tensor_parallel_size"] == "2" and "tensor parallel 2" in stdout
     assert result["gpuworker"]["decode_tok_s" if script == "latency" else "output_tok_s"] > 0
+
+
+def test_the_moe_runs_take_the_all_to_all_expert_exchange_at_two_cpu_ranks(tmp_path):
+    result, stdout = _run(
+        tmp_path,
+        "throughput",
+        "--config",
+        str(CONFIGS / "qwen3-30b-a3b"),
+        "--skip-hf",
+        "--tensor-parallel-size",
+        "2",
+        "--expert-parallel",
+        "all_to_all",
+    )
+    assert result["args"]["expert_parallel"] == "all_to_all" and "tensor parallel 2 (all_to_all)" in stdout
+    assert result["gpuworker"]["output_tok_s"] > 0

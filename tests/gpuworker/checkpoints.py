@@ -85,6 +85,38 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "head_dim": 32,
         },
     ),
+    # GLM-4.5: partial rotary (half of head_dim 32), q/k/v biases, a sigmoid router whose correction
+    # bias (redrawn: it is not a parameter) moves the choice, one shared expert, layer 0 dense.
+    "glm4-moe": (
+        "Glm4MoeConfig",
+        {
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "head_dim": 32,
+            "attention_bias": True,
+            "first_k_dense_replace": 1,
+        },
+    ),
+    # With QK-norm, two of four groups kept, unnormalised weights scaled by 2.5, two shared experts
+    # and two dense layers.
+    "glm4-moe-grouped": (
+        "Glm4MoeConfig",
+        {
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 2.5,
+            "use_qk_norm": True,
+            "head_dim": 32,
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 2,
+        },
+    ),
 }
 
 
@@ -138,3 +170,6 @@ def _redraw_weights(model: Any, seed: int) -> None:
             else:
                 value = torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[1])
             param.copy_(value)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))

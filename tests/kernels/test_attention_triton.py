@@ -147,11 +147,12 @@ def test_forward_with_rotary_matches_rotary_then_torch_backend(dtype, device, ge
             assert torch.equal(got[-padding:], torch.zeros_like(got[-padding:]))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-moe", "glm4-moe-grouped"])
 def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device):
     # Attention.forward takes the fused path for the Triton backend (qwen3: the q/k norms inside the
-    # rotary launches, so the norm modules never run) and the unfused one for the torch backend (on
-    # the CPU); the logits of a prefill and of padded decodes agree, and so do the caches.
+    # rotary launches, so the norm modules never run; GLM: rotary over the first half of each head,
+    # after the norm modules, as the launches norm whole heads only) and the unfused one for the torch
+    # backend (on the CPU); the logits of a prefill and of padded decodes agree, and so do the caches.
     from gpuworker.models.loader import load_model, load_model_config
     from tests.gpuworker.checkpoints import make_checkpoint
     from tests.gpuworker.models.paged_batch import PagedBatcher
@@ -165,7 +166,7 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
     batchers = {name: PagedBatcher(mc) for name in models}
     batchers["triton"].kv_caches = [cache.to(device) for cache in batchers["triton"].kv_caches]
     qk_norms = [module for name, module in models["triton"].named_modules() if name.endswith(("q_norm", "k_norm"))]
-    assert len(qk_norms) == (2 * mc.num_layers if family.startswith("qwen3") else 0)
+    assert len(qk_norms) == (2 * mc.num_layers if mc.qk_norm else 0)
     norm_calls = []
     for module in qk_norms:
         module.register_forward_hook(lambda *_: norm_calls.append(1))
@@ -190,7 +191,7 @@ def test_model_on_triton_backend_matches_torch_backend(family, tmp_path, device)
                 hidden = model(input_ids.to(devices[name]), positions.to(devices[name]), batchers[name].kv_caches, meta)
                 logits[name] = model.compute_logits(hidden).cpu()
         torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
-    assert norm_calls == []
+    assert (norm_calls == []) == (mc.rotary_dim is None)
     for triton_cache, torch_cache in zip(batchers["triton"].kv_caches, batchers["torch"].kv_caches, strict=True):
         torch.testing.assert_close(triton_cache.cpu(), torch_cache, rtol=1e-5, atol=1e-5)
 

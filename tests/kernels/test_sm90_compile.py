@@ -158,3 +158,30 @@ def test_fp8_outputs_of_norm_and_silu_and_mul_compile(monkeypatch):
         (launch,) = launches[name]
         ptx = compile_sm90(launch)
         assert "st.global.b8" not in ptx and not re.search(r"\bbra\b", ptx)
+
+
+@pytest.mark.parametrize(
+    "routing, bias",
+    [
+        ("softmax-greedy", False),
+        ("softmax-group-limited", False),
+        ("sigmoid-noaux-tc-grouped", True),
+    ],
+)
+def test_grouped_routing_compiles(routing, bias, monkeypatch):
+    from gpuworker.kernels.moe.routing import GroupedRouting, route_grouped
+
+    cases = {
+        "softmax-greedy": GroupedRouting(top_k=6),
+        "softmax-group-limited": GroupedRouting(
+            top_k=6, topk_method="group_limited_greedy", n_group=8, topk_group=3, scaling=16.0
+        ),
+        "sigmoid-noaux-tc-grouped": GroupedRouting(
+            top_k=8, topk_method="noaux_tc", n_group=8, topk_group=4, normalize=True, scaling=2.5
+        ),
+    }
+    launches = record_launches(monkeypatch)
+    logits = torch.randn(2, 256).to(torch.bfloat16)
+    route_grouped(logits, cases[routing], torch.randn(256) if bias else None)
+    (launch,) = launches["_route_grouped_kernel"]
+    compile_sm90(launch)

@@ -117,6 +117,15 @@ class CatalogModelForm(forms.ModelForm):
         label="Quantization",
         help_text="As the checked workers report the checkpoint's config.json; a float checkpoint if none does.",
     )
+    expert_parallel = forms.ChoiceField(
+        choices=Model.ExpertParallel.choices,
+        initial=Model.ExpertParallel.ALL_REDUCE,
+        required=False,
+        label="Experts across GPUs",
+        help_text="For a mixture-of-experts model split over several GPUs: all-reduce runs every token on "
+        "every GPU's experts; all-to-all sends each token only to the GPUs of its chosen experts. The "
+        "experts must divide by the GPUs per replica.",
+    )
     check_workers = forms.ModelMultipleChoiceField(
         queryset=workers_for_path_check(),
         required=False,
@@ -137,6 +146,7 @@ class CatalogModelForm(forms.ModelForm):
             "quantization",
             "gpu_memory_bytes",
             "tensor_parallel_size",
+            "expert_parallel",
             "price_tier",
             "enabled",
         ]
@@ -178,6 +188,8 @@ class CatalogModelForm(forms.ModelForm):
                 )
                 or Model.Quantization.NONE
             )
+        if not cleaned.get("expert_parallel"):
+            cleaned["expert_parallel"] = Model.ExpertParallel.ALL_REDUCE
         if cleaned.get("gpu_memory_bytes") is None and cleaned.get("parameter_count"):
             # The ModelForm builds and validates its instance from cleaned_data after this.
             cleaned["gpu_memory_bytes"] = estimate_gpu_memory_bytes(

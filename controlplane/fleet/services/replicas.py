@@ -11,6 +11,7 @@ from django.utils import timezone
 from controlplane import live_events
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record
+from controlplane.catalog.services import model_gpu_need
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands
 from controlplane.fleet.backoff import next_attempt_at
@@ -25,6 +26,7 @@ from controlplane.fleet.placement import (
 )
 from controlplane.fleet.selectors import placement_slots
 from controlplane.fleet.services.deployments import deployment_lock, deployment_set_desired_replicas, publish_deployment
+from gpuworker.contract.placement import gpu_share_bytes
 from gpuworker.contract.tasks import LoadModel, UnloadModel
 
 
@@ -137,6 +139,7 @@ def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
             memory_fraction=memory_fraction(need_bytes=need, total_bytes=total),
             max_model_len=model.context_length,
             tensor_parallel_size=size,
+            expert_parallel=model.expert_parallel,
         ),
     )
     return replica
@@ -152,6 +155,20 @@ def replica_stop(*, replica: Replica, at: datetime) -> Replica:
         task=UnloadModel(replica_id=replica.pk, drain_timeout_s=float(settings.FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS)),
     )
     return replica
+
+
+def too_large_note(*, model, gpu_bytes: int) -> str:
+    """Why no tensor_parallel_size empty GPUs of `gpu_bytes` each can hold `model`, with the GPUs it
+    would need (catalog.services.model_gpu_need), e.g. "deepseek-v3 needs 8 GPUs of 131.3 GiB in
+    FP8, 16 in bf16; its tensor_parallel_size is 1: set it to 8 (...)"; "" when they can."""
+    size = model.tensor_parallel_size
+    if gpu_share_bytes(need_bytes=model.gpu_memory_bytes, tensor_parallel_size=size) <= gpu_bytes:
+        return ""
+    need = model_gpu_need(model=model, gpu_bytes=gpu_bytes)
+    note = f"{model.public_name} {need.text}; its tensor_parallel_size is {size}"
+    if need.as_sized is None:
+        return f"{note}, and it needs more GPUs of this size than one worker holds"
+    return f"{note}: set it to {need.as_sized} (its heads and experts must divide by it) on workers with as many GPUs"
 
 
 def slot_label(*, worker: Worker, gpu: Gpu | None) -> str:
@@ -198,7 +215,8 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
             for slot in group
         ]
         room = room_message(need_bytes=model.gpu_memory_bytes, rooms=rooms, tensor_parallel_size=size)
-        raise ValidationError({"gpu": f"{model.public_name} does not fit: {room}."})
+        note = too_large_note(model=model, gpu_bytes=min(slot.total_bytes for slot in group)) if gpu else ""
+        raise ValidationError({"gpu": f"{model.public_name} does not fit: {room}" + (f". {note}." if note else ".")})
     # One more wanted, so reconcile keeps this replica instead of draining it as surplus.
     before = deployment_set_desired_replicas(
         deployment=deployment,

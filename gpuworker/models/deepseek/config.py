@@ -43,7 +43,6 @@ class MLAConfig:
     rope_interleave: bool
     softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(mscale_all_dim) squared
     rotary_scale: float  # YaRN's attention factor applied to cos and sin (1.0 without YaRN)
-    num_mtp_layers: int  # multi-token-prediction layers stored after the decoder's, never run
 
     @property
     def qk_head_dim(self) -> int:
@@ -99,7 +98,6 @@ def parse_mla(config: dict[str, Any], max_pos: int, source: str) -> MLAConfig:
         rope_interleave=True if interleave is None else bool(interleave),
         softmax_scale=scale,
         rotary_scale=float(rotary_scale),
-        num_mtp_layers=int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0),
         **shapes,
     )
 
@@ -129,19 +127,3 @@ def _rope(config: dict[str, Any], max_pos: int, source: str) -> tuple[float, Yar
         truncate=bool(params.get("truncate", True)),
         **optional,
     )
-
-
-def moe_layers(config: dict[str, Any], num_layers: int) -> list[int]:
-    """The layers transformers builds a mixture-of-experts MLP for: every one from
-    first_k_dense_replace on (transformers' DeepseekV2/V3DecoderLayer)."""
-    first = config.get("first_k_dense_replace") or 0
-    return list(range(first, num_layers))
-
-
-def refuse_moe_layers(config: dict[str, Any], num_layers: int, source: str) -> None:
-    sparse = moe_layers(config, num_layers)
-    if sparse:
-        raise ValueError(
-            f"{source}: DeepSeek MoE layers are not supported yet (layers {sparse[:8]} of {num_layers} are "
-            f"mixture-of-experts; first_k_dense_replace {config.get('first_k_dense_replace')})"
-        )

@@ -1,5 +1,6 @@
 """DeepSeek-V2/V3 decoders: multi-head latent attention (models.deepseek.attention) and per layer
-the MLP _mlp builds (the dense SiLU-gated MLP; mixture-of-experts layers are refused at config time).
+the MLP _mlp builds: the dense SiLU-gated MLP below first_k_dense_replace, DeepSeek's mixture of
+experts (models.moe, routed as ModelConfig.moe says) from there on.
 
 Same interface as models.llama's LlamaForCausalLM (forward over one ragged batch, logits, greedy
 tokens, warm-up), so the engine runs either.
@@ -16,12 +17,13 @@ from gpuworker.models.deepseek.attention import MLAttention, uses_triton
 from gpuworker.models.deepseek.rotary import DeepseekRotary
 from gpuworker.models.layers import GatedMLP, RMSNorm, norm_then_linear
 from gpuworker.models.llama import LlamaForCausalLM
+from gpuworker.models.moe import SparseMoE
 
 
-def _mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
-    """Layer layer_idx's MLP: the one place a mixture-of-experts block would be chosen."""
+def _mlp(config: ModelConfig, layer_idx: int) -> GatedMLP | SparseMoE:
+    """Layer layer_idx's MLP: a mixture of experts where the config makes the layer sparse."""
     if config.moe is not None and config.moe.sparse_layers[layer_idx]:
-        raise ValueError(f"{config.model_path}: DeepSeek MoE layers are not supported yet (layer {layer_idx})")
+        return SparseMoE(config.hidden_size, config.moe)
     return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
 
@@ -95,9 +97,15 @@ class DeepseekForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def warm_up(self, kv_cache: torch.Tensor, max_model_len: int, dtype: torch.dtype) -> None:
-        """Compile each split count of the MLA decode kernel a step can pick (a power of two up to
-        the one max_model_len takes), on `kv_cache` (one layer's), reading no context."""
-        if not (kv_cache.is_cuda and uses_triton(self.attn_backend)):
+        """Compile the experts' kernel variants (the MoE layers share them) and each split count of
+        the MLA decode kernel a step can pick (a power of two up to the one max_model_len takes), on
+        `kv_cache` (one layer's), reading no context."""
+        if not kv_cache.is_cuda:
+            return
+        moe = next((m for m in self.modules() if isinstance(m, SparseMoE)), None)
+        if moe is not None:
+            moe.warm_up()
+        if not uses_triton(self.attn_backend):
             return
         from gpuworker.kernels.attention.mla_decode import mla_decode, num_splits_for, tuned_config
 

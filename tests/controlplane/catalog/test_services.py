@@ -2,7 +2,12 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from controlplane.catalog.models import Model
-from controlplane.catalog.services import estimate_gpu_memory_bytes, model_create, model_set_enabled
+from controlplane.catalog.services import (
+    estimate_gpu_memory_bytes,
+    model_create,
+    model_gpu_need,
+    model_set_enabled,
+)
 from tests.controlplane.factories import ModelFactory, PriceTierFactory, WorkerFactory
 
 pytestmark = pytest.mark.django_db
@@ -134,3 +139,36 @@ def test_a_gguf_file_in_a_reported_checkpoint_folder_is_accepted():
     with pytest.raises(ValidationError) as error:
         model_create(**_model_fields(public_name="other", weights_path="/models/elsewhere/m.gguf"), verify_on=[worker])
     assert "host has no checkpoint" in error.value.message_dict["weights_path"][0]
+
+
+# --- how many GPUs a model needs ----------------------------------------------------------------
+
+GB = 10**9  # vendors' gigabytes: an H200 is "141 GB"
+
+
+def test_a_671b_model_needs_8_gpus_of_141_gb_in_fp8_and_16_in_bf16():
+    model = model_create(
+        **_model_fields(
+            public_name="deepseek-v3", family="deepseek_v3", parameter_count=671_000_000_000, quantization="fp8"
+        )
+    )
+    need = model_gpu_need(model=model, gpu_bytes=141 * GB)
+    assert (need.as_sized, need.fp8, need.bf16) == (8, 8, 16)
+    assert need.text == "needs 8 GPUs of 131.3 GiB in FP8, 16 in bf16"
+
+
+def test_a_measured_gpu_memory_figure_gets_its_own_count():
+    model = ModelFactory(parameter_count=8_030_000_000, gpu_memory_bytes=300 * GB)
+    need = model_gpu_need(model=model, gpu_bytes=141 * GB)
+    assert need.text == "needs 1 GPU of 131.3 GiB in FP8, 1 in bf16 (4 for its gpu_memory_bytes, 279.4 GiB)"
+    assert model_gpu_need(model=ModelFactory(parameter_count=10**14), gpu_bytes=141 * GB).text.startswith(
+        "needs more than 16 GPUs of 131.3 GiB in FP8, more than 16 in bf16"
+    )
+
+
+def test_expert_parallel_is_one_of_the_engines_modes():
+    model = model_create(**_model_fields(tensor_parallel_size=2, expert_parallel="all_to_all"))
+    assert model.expert_parallel == Model.ExpertParallel.ALL_TO_ALL
+    with pytest.raises(ValidationError) as error:
+        model_create(**_model_fields(public_name="other", expert_parallel="alltoall"))
+    assert "expert_parallel" in error.value.message_dict

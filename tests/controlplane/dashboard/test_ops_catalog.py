@@ -91,6 +91,16 @@ def test_a_model_split_over_several_gpus_records_and_shows_it(operator_client, o
     assert AuditEntry.objects.get(action="model.create").detail["tensor_parallel_size"] == 2
 
 
+def test_a_split_moe_model_records_how_its_experts_are_joined(operator_client):
+    operator_client.post(
+        reverse("dashboard:catalog_add"),
+        _form(tensor_parallel_size="2", expert_parallel="all_to_all", check_workers=[]),
+    )
+    assert Model.objects.get(public_name="llama-3-8b").expert_parallel == "all_to_all"
+    operator_client.post(reverse("dashboard:catalog_add"), _form(public_name="other", check_workers=[]))
+    assert Model.objects.get(public_name="other").expert_parallel == "all_reduce"  # left empty: the default
+
+
 def test_the_add_form_detects_the_quantization_the_checked_worker_reports(operator_client):
     worker = _reporting_worker(
         "gpu-a", roots=["/models"], paths=["/models/llama-3-8b"], quantization={"/models/llama-3-8b": "fp8"}
@@ -114,6 +124,7 @@ def test_the_add_form_detects_the_quantization_the_checked_worker_reports(operat
         ("gpu_memory_bytes", "-5", "Ensure this value is greater than or equal to 1."),
         ("tensor_parallel_size", "0", "Ensure this value is greater than or equal to 1."),
         ("tensor_parallel_size", "17", "Ensure this value is less than or equal to 16."),
+        ("expert_parallel", "alltoall", "Select a valid choice."),
     ],
 )
 def test_bad_input_is_refused_beside_the_field(operator_client, field, value, message):

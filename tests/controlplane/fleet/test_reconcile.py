@@ -7,6 +7,7 @@ from django.db import connection
 from django.utils import timezone
 
 from controlplane.catalog.models import Model
+from controlplane.catalog.services import estimate_gpu_memory_bytes
 from controlplane.fleet.models import LoadBackoff, Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile, fleet_reconcile
 from controlplane.fleet.selectors import deployment_statuses, placement_slots
@@ -408,6 +409,66 @@ def test_a_split_replica_is_placed_on_consecutive_gpus_of_one_worker_and_they_co
     single = _deployment(1, memory=40 * GB)
     outcome = _reconcile(single)
     assert outcome.unplaced == 1 and outcome.reason.startswith("needs 40.0 GiB; free: ")
+
+
+H200 = 141 * 10**9  # "141 GB"
+
+
+def _sized_deployment(name, parameters, quantization="", size=1):
+    """A catalog entry sized as the catalog sizes it (catalog.services.estimate_gpu_memory_bytes)."""
+    need = estimate_gpu_memory_bytes(parameter_count=parameters, quantization=quantization)
+    model = ModelFactory(
+        public_name=f"{name}-{uuid.uuid4().hex[:6]}",
+        parameter_count=parameters,
+        quantization=quantization,
+        gpu_memory_bytes=need,
+        tensor_parallel_size=size,
+    )
+    return DeploymentFactory(model=model, desired_replicas=1, max_replicas=1)
+
+
+@pytest.mark.django_db
+def test_a_671b_model_on_one_141_gb_gpu_is_refused_with_the_gpus_it_needs():
+    _register(f"h200-{uuid.uuid4().hex[:8]}", [H200])
+    deployment = _sized_deployment("deepseek-v3", 671_000_000_000, quantization="fp8")
+    outcome = _reconcile(deployment)
+    assert outcome.unplaced == 1 and not Replica.objects.filter(deployment=deployment).exists()
+    name = deployment.model.public_name
+    assert outcome.reason.endswith(
+        f"{name} needs 8 GPUs of 131.3 GiB in FP8, 16 in bf16; its tensor_parallel_size is 1: set it to 8 "
+        "(its heads and experts must divide by it) on workers with as many GPUs"
+    )
+    [status] = deployment_statuses(deployment_ids=[deployment.pk])
+    assert "needs 8 GPUs of 131.3 GiB in FP8, 16 in bf16" in status.message
+
+
+@pytest.mark.django_db
+def test_a_model_that_needs_two_gpus_is_placed_over_two_and_refused_on_one(django_capture_on_commit_callbacks):
+    """70B in bf16 (168 GB with its KV headroom) takes two 141 GB GPUs: placed with tensor_parallel_size
+    2, and a one-GPU setting is refused saying so (in FP8 one GPU would do)."""
+    worker = _register(f"h200-{uuid.uuid4().hex[:8]}", [H200, H200])
+    on_one = _sized_deployment("llama-70b", 70_000_000_000)
+    outcome = _reconcile(on_one)
+    assert outcome.unplaced == 1
+    assert "needs 1 GPU of 131.3 GiB in FP8, 2 in bf16; its tensor_parallel_size is 1: set it to 2" in outcome.reason
+    split = _sized_deployment("llama-70b", 70_000_000_000, size=2)
+    with django_capture_on_commit_callbacks(execute=True):
+        [placed] = _reconcile(split).placed
+    replica = Replica.objects.get(pk=placed)
+    assert (replica.worker_id, replica.gpu_indexes, replica.tensor_parallel_size) == (worker.pk, [0, 1], 2)
+    [(_, kwargs)] = queued_tasks(worker.queue_name)
+    assert (kwargs["tensor_parallel_size"], kwargs["expert_parallel"]) == (2, "all_reduce")
+
+
+@pytest.mark.django_db
+def test_a_split_moe_replica_is_told_how_to_join_its_experts(django_capture_on_commit_callbacks):
+    worker = _register(f"tp-{uuid.uuid4().hex[:8]}", [80 * GB] * 2)
+    model = ModelFactory(gpu_memory_bytes=100 * GB, tensor_parallel_size=2, expert_parallel="all_to_all")
+    deployment = DeploymentFactory(model=model, desired_replicas=1, max_replicas=1)
+    with django_capture_on_commit_callbacks(execute=True):
+        _reconcile(deployment)
+    [(_, kwargs)] = queued_tasks(worker.queue_name)
+    assert (kwargs["tensor_parallel_size"], kwargs["expert_parallel"]) == (2, "all_to_all")
 
 
 @pytest.mark.django_db

@@ -8,6 +8,7 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment
+from controlplane.catalog.services import estimate_gpu_memory_bytes
 from controlplane.celery import app as celery_app
 from controlplane.fleet.models import Gpu, LoadBackoff, Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile
@@ -184,6 +185,7 @@ def test_replica_place_sends_the_load_message_after_commit(django_capture_on_com
                 "max_model_len": 2048,
                 "dtype": "auto",
                 "tensor_parallel_size": 1,
+                "expert_parallel": "all_reduce",
             },
         )
     ]
@@ -275,6 +277,23 @@ def test_replica_load_on_refuses_with_reasons():
     with pytest.raises(ValidationError, match="max_replicas"):
         replica_load_on(deployment=small, worker=gpu.worker, gpu=gpu)
     assert Replica.objects.count() == 1
+
+
+def test_replica_load_on_refuses_a_model_too_large_for_its_gpus_with_the_count_it_needs():
+    gpu = GpuFactory(worker=make_worker(), index=0, memory_total_bytes=141 * 10**9)
+    model = ModelFactory(
+        public_name="deepseek-v3",
+        parameter_count=671_000_000_000,
+        quantization="fp8",
+        gpu_memory_bytes=estimate_gpu_memory_bytes(parameter_count=671_000_000_000, quantization="fp8"),
+    )
+    deployment = DeploymentFactory(model=model, desired_replicas=0, max_replicas=1)
+    with pytest.raises(ValidationError) as error:
+        replica_load_on(deployment=deployment, worker=gpu.worker, gpu=gpu)
+    [message] = error.value.message_dict["gpu"]
+    assert message.startswith("deepseek-v3 does not fit: needs 862.4 GiB; free: ")
+    assert "deepseek-v3 needs 8 GPUs of 131.3 GiB in FP8, 16 in bf16; its tensor_parallel_size is 1" in message
+    assert not Replica.objects.exists()
 
 
 def test_replica_load_on_a_cpu_worker():

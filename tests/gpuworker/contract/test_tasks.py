@@ -27,7 +27,15 @@ GOOD_LOAD = {
 
 def test_defaults_are_filled_in():
     assert parse_task(LOAD_MODEL, (), GOOD_LOAD) == LoadModel(
-        3, "/models/m", "m", 1, 0.4, max_model_len=None, dtype="auto", tensor_parallel_size=1
+        3,
+        "/models/m",
+        "m",
+        1,
+        0.4,
+        max_model_len=None,
+        dtype="auto",
+        tensor_parallel_size=1,
+        expert_parallel="all_reduce",
     )
     assert parse_task(UNLOAD_MODEL, (), {"replica_id": 3}).as_kwargs() == {"replica_id": 3, "drain_timeout_s": 30.0}
     assert parse_task(DRAIN_WORKER, (), {}) == DrainWorker(timeout_s=60.0)
@@ -37,6 +45,7 @@ def test_defaults_are_filled_in():
 def test_what_the_sender_builds_the_receiver_parses_back():
     for task in (
         LoadModel(**GOOD_LOAD, max_model_len=2048, dtype="bfloat16", tensor_parallel_size=2),
+        LoadModel(**GOOD_LOAD, tensor_parallel_size=2, expert_parallel="all_to_all"),
         UnloadModel(replica_id=9),
         DrainWorker(timeout_s=5),
     ):
@@ -55,6 +64,7 @@ def test_what_the_sender_builds_the_receiver_parses_back():
         ({"max_model_len": 0}, "max_model_len must be an integer >= 1 or null, got 0"),
         ({"dtype": "int8"}, "dtype must be one of auto, float32, float16, bfloat16, got 'int8'"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
+        ({"expert_parallel": "alltoall"}, "expert_parallel must be one of all_reduce, all_to_all, got 'alltoall'"),
     ],
 )
 def test_bad_load_arguments_name_the_field_and_the_limit(change, message):

@@ -189,6 +189,51 @@ def test_a_tensor_parallel_load_past_the_last_gpu_fails_before_any_process_start
     assert set(_serve_children()) == before
 
 
+@pytest.mark.parametrize(("tensor_parallel_size", "needed"), [(1, 4), (2, 4)])
+def test_weights_larger_than_their_gpus_fail_the_load_with_the_gpus_they_need(
+    tmp_path, tmp_path_factory, tiny_checkpoint, tensor_parallel_size, needed
+):
+    """Each GPU a third of the checkpoint's weights: one or two GPUs cannot hold them, four can;
+    refused before any process starts."""
+    from gpuworker.checkpoint_files import weight_bytes
+
+    before = set(_serve_children())
+    path = tiny_checkpoint("llama")
+    weights = weight_bytes(path)
+    supervisor = Supervisor(
+        token=TOKEN,
+        gpu_count=4,
+        gpu_memory_bytes=(weights // 3,) * 4,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        state_dir=tmp_path,
+        worker_name="test-host",
+        model_roots=(tmp_path_factory.getbasetemp(),),
+    )
+    supervisor.start()
+    try:
+        supervisor.load(
+            LoadModel(
+                replica_id=1,
+                model_path=str(path),
+                served_model_name="m",
+                gpu_index=0,
+                memory_fraction=0.5,
+                tensor_parallel_size=tensor_parallel_size,
+            )
+        )
+        error = _wait(supervisor, 1, "failed", timeout=30).error
+    finally:
+        supervisor.close(drain_timeout_s=5)
+    gib = 1024**3
+    assert error == (
+        f"model path {path}: its weights ({weights / gib:.1f} GiB) do not fit on {tensor_parallel_size} GPU(s) of "
+        f"{weights // 3 / gib:.1f} GiB (tensor_parallel_size {tensor_parallel_size}); they alone need {needed} "
+        "GPUs of this size"
+    )
+    assert set(_serve_children()) == before
+
+
 @pytest.mark.slow
 def test_a_tensor_parallel_replica_is_one_replica_with_its_ranks_below_it(supervisor, tiny_checkpoint):
     """The daemon starts one serve process; its second rank is that process's child, and stopping

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU with gloo: TP=2 through LLMEngine equals TP=1 token for token (dense and
-MoE families), each rank loads exactly its shard, and a rank that dies or hangs makes the engine
-fail with a clear error instead of hanging."""
+MoE families, the MoE's experts joined by all-reduce or by all-to-all dispatch), each rank loads
+exactly its shard, and a rank that dies or hangs makes the engine fail with a clear error instead of
+hanging."""
 
 from __future__ import annotations
 
@@ -169,8 +170,11 @@ def test_a_rank_that_dies_fails_the_engine_clearly(tiny_checkpoint):
         engine.shutdown()
 
 
-def test_a_rank_that_hangs_times_out_the_step(tiny_checkpoint):
-    engine = LLMEngine(tiny_checkpoint("llama"), tensor_parallel_size=2, distributed_timeout_s=5)
+@pytest.mark.parametrize(("family", "expert_parallel"), [("llama", "all_reduce"), ("mixtral", "all_to_all")])
+def test_a_rank_that_hangs_times_out_the_step(tiny_checkpoint, family, expert_parallel):
+    engine = LLMEngine(
+        tiny_checkpoint(family), tensor_parallel_size=2, expert_parallel=expert_parallel, distributed_timeout_s=5
+    )
     worker = engine.workers.processes[0]
     try:
         os.kill(worker.pid, signal.SIGSTOP)
@@ -181,15 +185,63 @@ def test_a_rank_that_hangs_times_out_the_step(tiny_checkpoint):
         engine.shutdown()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "qwen2-moe"])
+def test_expert_parallel_all_to_all_matches_one_rank(tiny_checkpoint, family):
+    """Experts split over two ranks, each rank's slice of the tokens dispatched to the experts'
+    ranks and combined back (models.expert_parallel); qwen2-moe adds a shared expert and a dense
+    first layer."""
+    path = tiny_checkpoint(family)
+    expected = _generate(LLMEngine(path, max_num_batched_tokens=32))
+    engine = LLMEngine(path, tensor_parallel_size=2, expert_parallel="all_to_all", max_num_batched_tokens=32)
+    try:
+        moe = engine.runner.model.layers[-1].mlp
+        assert moe.parallel.dispatch_experts and moe.num_local_experts * 2 == moe.config.num_experts
+        assert _generate(engine) == expected
+    finally:
+        engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
+def test_experts_that_do_not_split_over_the_ranks_are_refused(tiny_checkpoint):
+    path = tiny_checkpoint("mixtral", num_local_experts=3)
+    with pytest.raises(ValueError, match=r"num_experts \(3\) is not divisible by tensor_parallel_size \(2\)"):
+        LLMEngine(path, tensor_parallel_size=2, expert_parallel="all_to_all")
+    assert not multiprocessing.active_children()  # refused before any worker started
+
+
+@pytest.mark.parametrize("value", ["alltoall", None, 1])
+def test_expert_parallel_is_checked(tiny_checkpoint, value):
+    with pytest.raises(ValueError, match=r"expert_parallel must be one of \('all_reduce', 'all_to_all'\)"):
+        LLMEngine(tiny_checkpoint("mixtral"), tensor_parallel_size=2, expert_parallel=value)
+
+
+def test_a_rank_that_dies_fails_an_expert_parallel_engine_clearly(tiny_checkpoint):
+    engine = LLMEngine(tiny_checkpoint("mixtral"), tensor_parallel_size=2, expert_parallel="all_to_all")
+    try:
+        _generate(engine)
+        worker = engine.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join()
+        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            _generate(engine)
+    finally:
+        engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
-def test_tp2_on_two_gpus_matches_one_gpu(tiny_checkpoint, family):
-    """NCCL on two GPUs: the Triton kernels over each rank's heads and experts give one GPU's tokens."""
+@pytest.mark.parametrize(
+    ("family", "expert_parallel"), [("llama", "all_reduce"), ("qwen3-moe", "all_reduce"), ("qwen3-moe", "all_to_all")]
+)
+def test_tp2_on_two_gpus_matches_one_gpu(tiny_checkpoint, family, expert_parallel):
+    """NCCL on two GPUs: the Triton kernels over each rank's heads and experts give one GPU's tokens
+    (with the experts' choices dispatched between the GPUs, too)."""
     path = tiny_checkpoint(family)
     kwargs = dict(device="cuda", dtype="float32", num_kv_blocks=128, max_model_len=512, max_num_seqs=8)
     expected = _generate(LLMEngine(path, **kwargs))
-    engine = LLMEngine(path, tensor_parallel_size=2, **kwargs)
+    engine = LLMEngine(path, tensor_parallel_size=2, expert_parallel=expert_parallel, **kwargs)
     try:
         assert os.environ["NCCL_NVLS_ENABLE"] == "0"
         assert _generate(engine) == expected

@@ -1,5 +1,6 @@
-"""Tiny random DeepSeek-V2/V3 checkpoints (every layer dense), built with transformers as
-tests.gpuworker.checkpoints builds the other families'."""
+"""Tiny random DeepSeek-V2/V3 checkpoints, built with transformers as tests.gpuworker.checkpoints
+builds the other families': all layers dense (first_k_dense_replace = num_hidden_layers), or layer 0
+dense and layer 1 a mixture of experts routed as each version routes."""
 
 from __future__ import annotations
 
@@ -45,6 +46,32 @@ MLA_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek-v3": ("DeepseekV3Config", {"q_lora_rank": 48}),
     "deepseek-v3-yarn": ("DeepseekV3Config", {"q_lora_rank": None, "rope_parameters": YARN}),
     "deepseek-v3-rotate-half": ("DeepseekV3Config", {"q_lora_rank": 48, "rope_interleave": False}),
+    # Softmax greedy routing over 8 experts, two shared experts.
+    "deepseek-v2-moe": (
+        "DeepseekV2Config",
+        {
+            "q_lora_rank": None,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 2,
+            "topk_method": "greedy",
+        },
+    ),
+    # Sigmoid noaux_tc routing with its correction bias, 2 of 4 groups, routed scaling; YaRN.
+    "deepseek-v3-moe": (
+        "DeepseekV3Config",
+        {
+            "q_lora_rank": 48,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "rope_parameters": YARN,
+        },
+    ),
 }
 
 

@@ -19,7 +19,13 @@ from tests.gpuworker.models.deepseek_checkpoints import MLA_TINY, YARN, make_mla
 
 
 def hf_config(**overrides):
-    return {"architectures": ["DeepseekV3ForCausalLM"], **MLA_TINY, "q_lora_rank": 48, **overrides}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        **MLA_TINY,
+        "q_lora_rank": 48,
+        **overrides,
+    }
 
 
 def test_parses_the_latent_attention_shapes():
@@ -79,9 +85,14 @@ def test_bad_fields_are_refused(overrides, match):
         ModelConfig.from_hf(hf_config(**overrides), source="ckpt/config.json")
 
 
-def test_moe_layers_are_refused_until_supported():
-    with pytest.raises(ValueError, match="DeepSeek MoE layers are not supported yet"):
-        ModelConfig.from_hf(hf_config(first_k_dense_replace=1, n_routed_experts=8))
+def test_moe_layers_from_first_k_dense_replace_on():
+    mc = ModelConfig.from_hf(
+        hf_config(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
+    )
+    assert mc.moe.sparse_layers == (False, True)
+    assert mc.moe.num_experts == 8 and mc.moe.shared_expert_name == "shared_experts"
+    # Every layer dense: no MoE, and the expert fields transformers leaves unset are not needed.
+    assert ModelConfig.from_hf(hf_config(num_experts_per_tok=None)).moe is None
 
 
 @pytest.mark.parametrize("architecture", ["DeepseekV2", "DeepseekV3"])
@@ -116,11 +127,11 @@ def test_multi_token_prediction_layers_are_skipped_at_load(tmp_path, caplog):
     tensors[mtp + "self_attn.kv_b_proj.weight"] = torch.zeros(4 * 40, 32)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     mc = load_model_config(path)
-    assert mc.mla.num_mtp_layers == 1
+    assert mc.extra["num_nextn_predict_layers"] == 1
     with caplog.at_level(logging.INFO, logger="gpuworker.models.loader"):
         model = load_model(mc)
     assert len(model.layers) == 2
-    assert "skipping 2 tensors of multi-token-prediction layers [2]" in caplog.text
+    assert "skipping multi-token-prediction layer(s) 2 (2 tensors)" in caplog.text
 
 
 def test_a_stray_tensor_below_num_hidden_layers_is_still_refused(tmp_path):

@@ -55,7 +55,14 @@ def pair(request, tmp_path_factory):
 
 
 def test_builds_the_latent_attention_model(pair):
+    from gpuworker.models.layers import GatedMLP
+    from gpuworker.models.moe import SparseMoE
+
     assert isinstance(pair.model, DeepseekForCausalLM)
+    sparse = pair.mc.moe.sparse_layers if pair.mc.moe is not None else (False,) * pair.mc.num_layers
+    assert [isinstance(layer.mlp, SparseMoE if s else GatedMLP) for layer, s in zip(pair.model.layers, sparse)] == [
+        True
+    ] * len(sparse)
     mla = pair.mc.mla
     assert pair.mc.kv_cache_layout == (1, 1, mla.kv_lora_rank + mla.qk_rope_head_dim)
 

@@ -40,6 +40,20 @@ def test_warm_up_token_counts_reach_each_kernel_variant(num_experts, top_k, expe
     assert moe.kernel_variant(1)[0] == "decode" and moe.kernel_variant(4096)[0] == "grouped"
 
 
+def test_the_dispatched_experts_warm_up_reaches_both_row_tiles():
+    """Under all-to-all expert parallelism the grouped kernels take one expert per row (top_k 1)."""
+    from gpuworker.kernels.moe.fused import block_m_for
+    from gpuworker.models.tensor_parallel import ParallelContext
+
+    config = _moe(8, 2).config
+    moe = SparseMoE(16, config, ParallelContext(1, 2, dispatch_experts=True))
+    tiles = {block_m_for(rows, moe.num_local_experts) for rows in moe.dispatched_row_counts()}
+    assert tiles == {block_m_for(rows, moe.num_local_experts) for rows in range(1, 8193)} == {16, 64}
+    moe.w13.data.zero_()
+    moe.w2.data.zero_()
+    moe.warm_up()  # runs on the CPU reference, with no collective
+
+
 def test_a_tuned_decode_config_per_bucket_is_warmed_up_too(monkeypatch, kernel_configs):
     monkeypatch.delenv(ENV_OVERRIDE, raising=False)
     moe = _moe(128, 8)

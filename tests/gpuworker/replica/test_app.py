@@ -755,6 +755,34 @@ def test_cli_serve_tensor_parallel_answers_as_one_replica(tiny_checkpoint):
             process.wait()
 
 
+@pytest.mark.slow
+def test_a_replica_serves_a_moe_model_with_its_experts_dispatched_between_ranks(tiny_checkpoint):
+    """ServerConfig.expert_parallel reaches the engine: two ranks, the all-to-all expert exchange,
+    the unsplit model's tokens."""
+    from gpuworker.engine import LLMEngine, SamplingParams
+
+    path = tiny_checkpoint("mixtral")
+    prompt = [1, 5, 9, 200, 17]
+    expected = LLMEngine(path).generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    config = ServerConfig(
+        model=str(path),
+        served_model_name="tiny",
+        token=TOKEN,
+        max_model_len=1024,
+        tensor_parallel_size=2,
+        expert_parallel="all_to_all",
+    )
+    with _serving(config) as (base, app):
+        moe = app.state.holder.engine.engine.runner.model.layers[0].mlp
+        assert moe.parallel.dispatch_experts
+        with _client(base) as client:
+            response = client.post(
+                "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+            )
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["text"] == expected[0].outputs[0].text
+
+
 def _children(pid: int) -> list[int]:
     """The process ids of pid's children (Linux)."""
     children = []
