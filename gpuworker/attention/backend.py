@@ -40,6 +40,10 @@ class AttentionMetadata:
     # Host copies, so reference code and launchers need no device->host sync.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Where sliding-window layers keep their keys and values in a pool of their own (a model with
+    # ModelConfig.layer_windows): that pool's slot_mapping and block_tables, the rest as here. A
+    # sliding layer's table maps only the blocks its window can still read; the others are stale.
+    windowed: AttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -70,6 +74,7 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: float = 1.0,  # an FP8 cache's scales (ignored by other caches)
         v_scale: float = 1.0,
+        sliding_window: int | None = None,  # a query at p sees keys at p - window < position <= p
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write this step's keys and values into the cache, then attend through the block tables."""
         ...
@@ -94,6 +99,7 @@ class RotaryCacheWritingBackend(AttentionBackend, Protocol):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         qk_norm: QKNorm | None = None,  # Qwen3's q_norm and k_norm, applied to each head before rotary
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Rotate query and key by positions (normalised first with a qk_norm), write the rotated keys
         and the values into the cache at meta.slot_mapping, attend through the block tables."""

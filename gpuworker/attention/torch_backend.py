@@ -28,8 +28,12 @@ class TorchAttentionBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """query [T, H, D], key/value [T, KVH, D], kv_cache [2, blocks, block_size, KVH, D] -> [T, H, D]."""
+        """query [T, H, D], key/value [T, KVH, D], kv_cache [2, blocks, block_size, KVH, D] -> [T, H, D].
+
+        sliding_window: each query sees only the keys of its last `sliding_window` positions, and only
+        those are gathered (the blocks before them may have left the sequence's table)."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         num_heads = query.shape[1]
         if num_heads % num_kv_heads != 0:
@@ -46,13 +50,18 @@ class TorchAttentionBackend:
             start, end = qsl[i], qsl[i + 1]
             if end == start:
                 continue
-            blocks = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
-            slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]
+            # The first position any of this chunk's queries can see.
+            first = 0 if sliding_window is None else max(0, seq_len - (end - start) - sliding_window + 1)
+            first_block = first // block_size
+            blocks = meta.block_tables[i, first_block : (seq_len + block_size - 1) // block_size].long()
+            slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)
+            slots = slots[first - first_block * block_size : seq_len - first_block * block_size]
             output[start:end] = attend(
                 query[start:end],
                 dequantize_kv(key_cache[slots], k_scale),
                 dequantize_kv(value_cache[slots], v_scale),
                 scale,
+                sliding_window,
             )
         return output
 
@@ -73,11 +82,14 @@ def write_cache(
     value_cache[slots] = quantize_kv(value[valid], value_cache.dtype, v_scale)
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
     """Causal attention of a query chunk over its sequence's whole context.
 
     query [Q, H, D] holds the last Q positions of a context of S = len(keys) tokens, so query row i
-    sits at position S - Q + i and sees keys 0..S - Q + i. keys/values [S, KVH, D].
+    sits at position S - Q + i and sees keys 0..S - Q + i (with sliding_window W, only those past
+    S - Q + i - W). keys/values [S, KVH, D].
     """
     num_queries, num_heads, _ = query.shape
     context_len, num_kv_heads, _ = keys.shape
@@ -88,6 +100,9 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
     query_pos = torch.arange(context_len - num_queries, context_len, device=query.device)
     key_pos = torch.arange(context_len, device=query.device)
-    scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+    hidden = key_pos[None, None, :] > query_pos[None, :, None]
+    if sliding_window is not None:
+        hidden = hidden | (key_pos[None, None, :] <= query_pos[None, :, None] - sliding_window)
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)

@@ -47,10 +47,11 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write this step's keys and values into the cache, then attend (the unfused path)."""
         kv_cache_write(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
-        return self.forward_rotated(query, kv_cache, meta, scale, k_scale, v_scale)
+        return self.forward_rotated(query, kv_cache, meta, scale, k_scale, v_scale, sliding_window)
 
     def forward_with_rotary(
         self,
@@ -66,6 +67,7 @@ class TritonAttentionBackend:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         qk_norm: QKNorm | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Rotary, the cache write and attention. Decode rows take one launch each layer (the decode
         kernel rotates and caches their token itself); the prefill rows after them (and padding) go
@@ -99,7 +101,7 @@ class TritonAttentionBackend:
                 meta.slot_mapping[:num_decode],
                 qk_norm,
             )
-        return self._attend(query, kv_cache, meta, scale, k_scale, v_scale, new_tokens)
+        return self._attend(query, kv_cache, meta, scale, k_scale, v_scale, new_tokens, sliding_window)
 
     def forward_rotated(
         self,
@@ -109,6 +111,7 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Attend through the block tables to a cache that already holds this step's keys and values.
 
@@ -116,7 +119,7 @@ class TritonAttentionBackend:
         torch reference. A decode sequence with seq_len 0 also gets zeros.
         """
         self._check(meta)
-        return self._attend(query, kv_cache, meta, scale, k_scale, v_scale)
+        return self._attend(query, kv_cache, meta, scale, k_scale, v_scale, sliding_window=sliding_window)
 
     @staticmethod
     def _check(meta: AttentionMetadata) -> int:
@@ -134,9 +137,11 @@ class TritonAttentionBackend:
         k_scale: float,
         v_scale: float,
         new_tokens: NewTokens | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """The decode kernel on the first num_decode_seqs rows (given their new_tokens, it rotates and
-        caches them itself), the prefill kernel on the rest, zeros on padding rows."""
+        caches them itself), the prefill kernel on the rest, zeros on padding rows. sliding_window:
+        both kernels read only each query's window."""
         num_decode, num_seqs = meta.num_decode_seqs, meta.num_seqs
         out = torch.empty_like(query)
         if num_decode > 0:
@@ -153,6 +158,7 @@ class TritonAttentionBackend:
                 new_tokens=new_tokens,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                window=sliding_window or 0,
             )
         if num_seqs > num_decode:
             # query_start_loc values are absolute rows of `query`, so a slice addresses the prefill part.
@@ -167,6 +173,7 @@ class TritonAttentionBackend:
                 out=out,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                window=sliding_window or 0,
             )
         rows_used = meta.query_start_loc_cpu[-1]
         if rows_used < out.shape[0]:
@@ -184,6 +191,7 @@ class TritonAttentionBackend:
         sin_cache: torch.Tensor,
         dtype: torch.dtype,
         qk_norm: QKNorm | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         """Compile every variant of the decode kernel a step can pick, before serving.
 
@@ -193,7 +201,8 @@ class TritonAttentionBackend:
         merging the partitions); an eager step meeting a new one would compile it (a second or more
         on a GPU) in the middle of serving. The launches are the model's (forward_with_rotary: views
         of a fused qkv of `dtype`, the model's, this rotary cache) with slot -1, so nothing is written
-        to the cache. qk_norm: the model's (Qwen3), whose launches are a variant of their own.
+        to the cache. qk_norm: the model's (Qwen3), whose launches are a variant of their own;
+        sliding_window: a sliding layer's window (its launches are variants of their own too).
         """
         block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
         device = kv_cache.device
@@ -227,6 +236,7 @@ class TritonAttentionBackend:
                     counters=counters,
                     num_splits=min(splits, most),
                     new_tokens=new_tokens,
+                    window=sliding_window or 0,
                 )
                 if splits >= most:
                     break

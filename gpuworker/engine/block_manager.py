@@ -4,6 +4,10 @@ Each full block that has been computed is registered under a chained hash of its
 (hash(parent_hash, tokens)), so a later sequence with the same prefix reuses the blocks instead of
 recomputing them. Freed blocks stay cached until the pool needs them, least recently used first.
 No torch here: the model runner turns block tables into tensors.
+
+With `window` (a model whose sliding-window layers keep their keys and values in a pool of their
+own, engine.window_blocks), every call also keeps the sequence's window table: admitted, grown,
+shared, cached and freed together with its block table.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from gpuworker.engine.sequence import Sequence
+from gpuworker.engine.window_blocks import WindowPool
 
 # The parent hash and prefix id of a sequence's first block.
 ROOT_HASH = -1
@@ -47,7 +52,11 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         hash_fn: Callable[[int, tuple[int, ...]], int] = hash_block_tokens,
+        window: int | None = None,
+        num_window_blocks: int = 0,
     ) -> None:
+        """window and num_window_blocks: the sliding layers' window and their pool's size; without
+        both, every layer's blocks are this pool's."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
@@ -63,6 +72,11 @@ class BlockManager:
         # Prefix-cache statistics, in tokens, counted at each admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.window_pool = (
+            WindowPool(num_window_blocks, block_size, window, enable_prefix_caching)
+            if window and num_window_blocks
+            else None
+        )
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,6 +110,8 @@ class BlockManager:
                 break
             matched.append(block_id)
             parent_prefix_id = block.prefix_id
+        if self.window_pool is not None:  # as far as the window blocks it needs are cached too
+            matched = matched[: self.window_pool.longest_match(self._prefix_ids(matched))]
         return matched
 
     def can_admit(self, matched: list[int], num_new_tokens: int) -> bool:
@@ -103,6 +119,10 @@ class BlockManager:
         needed = self.num_blocks_for(num_matched_tokens + num_new_tokens) - len(matched)
         # Matched blocks that sit free (cached) leave the free pool when taken.
         revived = sum(1 for block_id in matched if self.blocks[block_id].ref_count == 0)
+        if self.window_pool is not None and not self.window_pool.can_admit(
+            self._prefix_ids(matched), num_matched_tokens + num_new_tokens
+        ):
+            return False
         return needed + revived <= len(self._free)
 
     def admit(self, seq: Sequence, matched: list[int], num_new_tokens: int) -> None:
@@ -111,6 +131,8 @@ class BlockManager:
             raise RuntimeError(f"{seq} already holds blocks")
         for block_id in matched:
             self._take(block_id)
+        if self.window_pool is not None:
+            self.window_pool.admit(seq, self._prefix_ids(matched))
         seq.block_table = list(matched)
         seq.num_computed_tokens = len(matched) * self.block_size
         if seq.num_cached_tokens is None:
@@ -120,6 +142,8 @@ class BlockManager:
         self.allocate(seq, num_new_tokens)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        if self.window_pool is not None and not self.window_pool.can_allocate(seq, num_new_tokens):
+            return False
         return self._num_missing(seq, num_new_tokens) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -127,6 +151,8 @@ class BlockManager:
         missing = self._num_missing(seq, num_new_tokens)
         if missing > len(self._free):
             raise RuntimeError(f"{seq} needs {missing} blocks but only {len(self._free)} are free")
+        if self.window_pool is not None:
+            self.window_pool.allocate(seq, num_new_tokens)
         for _ in range(missing):
             block_id, _ = self._free.popitem(last=False)
             self._evict(self.blocks[block_id])
@@ -143,6 +169,9 @@ class BlockManager:
         )
         if child.block_table:
             raise RuntimeError(f"{child} already holds blocks")
+        if self.window_pool is not None:
+            num_shared = self.window_pool.shareable(parent, num_shared)
+            self.window_pool.fork(parent, child, num_shared)
         for block_id in parent.block_table[:num_shared]:
             self._take(block_id)
         child.block_table = parent.block_table[:num_shared]
@@ -162,6 +191,8 @@ class BlockManager:
             if parent_prefix_id is None or block.prefix_id is not None:
                 continue
             self._register(block, hashes[i], self._tokens(seq, i), parent_prefix_id)
+        if self.window_pool is not None:
+            self.window_pool.register(seq, first, last, self._prefix_ids(seq.block_table[first:last]))
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; its registered blocks stay cached until evicted."""
@@ -175,6 +206,11 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        if self.window_pool is not None:
+            self.window_pool.free(seq)
+
+    def _prefix_ids(self, block_ids: list[int]) -> list[int | None]:
+        return [self.blocks[block_id].prefix_id for block_id in block_ids]
 
     def _register(self, block: Block, block_hash: int, tokens: tuple[int, ...], parent_prefix_id: int) -> None:
         block.block_hash, block.token_ids, block.parent_prefix_id = block_hash, tokens, parent_prefix_id

@@ -4,7 +4,9 @@ The block manager grows each sequence's table (a list) by appending; rebuilding 
 [num_seqs, max_blocks] table from those lists every step costs more host time than the rest of the
 step's input preparation at large batches. Here each sequence keeps a row, and a step writes only
 the blocks its sequences gained since the last one. A table the block manager replaced (a sequence
-freed by preemption and admitted again gets a new list) is written again from the start.
+freed by preemption and admitted again gets a new list) is written again from the start. The
+sliding layers' window tables (engine.window_blocks) get a BlockTables of their own (`window=True`):
+their dropped entries are never read, so they need not be written.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class _Row:
 
 
 class BlockTables:
-    def __init__(self, capacity: int, max_blocks: int) -> None:
+    def __init__(self, capacity: int, max_blocks: int, window: bool = False) -> None:
+        self.window = window  # rows of the sequences' window_block_table, not their block_table
         self.array = np.zeros((capacity, max_blocks), dtype=np.int32)
         self._rows: dict[int, _Row] = {}  # by seq_id
         self._free_rows = list(range(capacity - 1, -1, -1))
@@ -38,7 +41,7 @@ class BlockTables:
         rows = self._rows
         array = self.array
         for i, seq in enumerate(seqs):
-            table = seq.block_table
+            table = seq.window_block_table if self.window else seq.block_table
             row = rows.get(seq.seq_id)
             if row is None:
                 row = rows[seq.seq_id] = _Row(self._take_row(seqs), table, seq)

@@ -39,6 +39,12 @@ class EngineConfig:
     block_size: int = 16
     # None: size the pool from the memory budget below.
     num_kv_blocks: int | None = None
+    # A model with sliding-window layers (Gemma 3): the blocks of those layers' own pool, where a
+    # sequence holds only its window (engine.window_blocks). None: sized at start-up (sizing.py);
+    # 0: no pool of their own, every layer keeps every token in the main pool.
+    num_window_kv_blocks: int | None = None
+    # The sliding layers' window, filled in at start-up from the model (None: no sliding layers).
+    sliding_window: int | None = None
     # CUDA: the fraction of the device memory still free after loading the weights that the KV pool
     # and the activations may take.
     gpu_memory_utilization: float = 0.9
@@ -104,9 +110,13 @@ class EngineConfig:
             "num_kv_blocks",
             "max_model_len",
             "kv_cache_memory_bytes",
+            "sliding_window",
         ):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        blocks = self.num_window_kv_blocks
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0):
+            raise ValueError(f"num_window_kv_blocks must be a non-negative integer, got {blocks!r}")
         share = self.short_prefill_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
             raise ValueError(f"short_prefill_share must be in [0, 1), got {share!r}")
@@ -130,6 +140,13 @@ class EngineConfig:
                     f"tokens cannot hold one sequence of max_model_len ({self.max_model_len}) tokens; "
                     "raise num_kv_blocks (or the memory budget) or lower max_model_len"
                 )
+
+    @property
+    def window_pool(self) -> tuple[int, int] | None:
+        """(window, blocks) of the sliding layers' own pool, or None where they have none."""
+        if self.sliding_window is None or not self.num_window_kv_blocks:
+            return None
+        return self.sliding_window, self.num_window_kv_blocks
 
     @property
     def use_async_scheduling(self) -> bool:

@@ -20,6 +20,7 @@ then the rest. Capturing all buckets took 1-2 s of a replica's start on the H200
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -87,11 +88,17 @@ class GraphInputs:
     int64 [rows], token index int64 [rows] (into sampled + known ids), positions int64 [rows], slots
     int64 [rows], seq_lens int32 [rows], block tables int32 [rows, max_blocks]. Everything from the
     known ids on comes from the host; a step uploads it up to its last block-table row.
+
+    `windowed` (a window pool, engine.window_blocks): the sliding layers' slots int64 [rows] follow
+    the slots, and each block-table row holds the sequence's window table after its block table, so
+    one upload still ends at the last row.
     """
 
-    def __init__(self, rows: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, rows: int, max_blocks: int, device: torch.device, windowed: bool = False) -> None:
         rows += rows % 2  # an even count keeps the known ids right after the sampled ones, aligned
         self.rows, self.max_blocks = rows, max_blocks
+        self.windowed = windowed
+        self.row_blocks = 2 * max_blocks if windowed else max_blocks  # a block-table row's entries
         self._offsets: dict[str, int] = {}
         total = 0
         for name, nbytes in (
@@ -100,8 +107,9 @@ class GraphInputs:
             ("token_index", 8 * rows),
             ("positions", 8 * rows),
             ("slot_mapping", 8 * rows),
+            ("window_slot_mapping", 8 * rows if windowed else 0),
             ("seq_lens", 4 * rows),
-            ("block_tables", 4 * rows * max_blocks),
+            ("block_tables", 4 * rows * self.row_blocks),
         ):
             self._offsets[name] = total
             total += _align(nbytes)
@@ -114,9 +122,13 @@ class GraphInputs:
         self.positions = self._part(self.buffer, "positions", rows, torch.int64)
         self.slot_mapping = self._part(self.buffer, "slot_mapping", rows, torch.int64)
         self.seq_lens = self._part(self.buffer, "seq_lens", rows, torch.int32)
-        self.block_tables = self._part(self.buffer, "block_tables", rows * max_blocks, torch.int32).view(
-            rows, max_blocks
-        )
+        tables = self._part(self.buffer, "block_tables", rows * self.row_blocks, torch.int32).view(rows, -1)
+        self.block_tables = tables[:, :max_blocks]
+        self.window_slot_mapping = self.window_block_tables = None
+        if windowed:
+            self.window_slot_mapping = self._part(self.buffer, "window_slot_mapping", rows, torch.int64)
+            self.window_block_tables = tables[:, max_blocks:]
+            self.window_slot_mapping.fill_(-1)
         self.slot_mapping.fill_(-1)  # capture's warm-up runs write no KV
 
     def _part(self, buffer, name: str, count: int, dtype, base: int = 0):
@@ -136,15 +148,18 @@ class GraphInputs:
         slot_mapping: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
+        window_slot_mapping: np.ndarray | None = None,
+        window_block_tables: np.ndarray | None = None,
     ) -> None:
         """Fill the inputs of n = len(known_ids) decodes padded to `size` rows, with one copy.
 
         The rows at `placeholders` take their token from `sampled` at `sampled_rows`, the others from
-        known_ids; block_tables [n, width]. Padding rows get slot -1 and seq_len 0.
+        known_ids; block_tables [n, width]. Padding rows get slot -1 and seq_len 0. With `windowed`,
+        the window pool's slots and tables too (as slot_mapping and block_tables).
         """
         n, width = len(known_ids), block_tables.shape[1]
         base, rows = self.upload_start, self.rows
-        end = self._offsets["block_tables"] + 4 * n * self.max_blocks
+        end = self._offsets["block_tables"] + 4 * n * self.row_blocks
         host = torch.empty(end - base, dtype=torch.uint8, pin_memory=self.buffer.is_cuda)
         array = host.numpy()
 
@@ -159,7 +174,12 @@ class GraphInputs:
         part("positions", size, np.int64)[:] = np.pad(positions, (0, size - n))
         part("slot_mapping", size, np.int64)[:] = np.pad(slot_mapping, (0, size - n), constant_values=-1)
         part("seq_lens", size, np.int32)[:] = np.pad(seq_lens, (0, size - n))
-        part("block_tables", n * self.max_blocks, np.int32).reshape(n, self.max_blocks)[:, :width] = block_tables
+        tables = part("block_tables", n * self.row_blocks, np.int32).reshape(n, self.row_blocks)
+        tables[:, :width] = block_tables
+        if self.windowed:
+            windows = part("window_slot_mapping", size, np.int64)
+            windows[:] = np.pad(window_slot_mapping, (0, size - n), constant_values=-1)
+            tables[:, self.max_blocks : self.max_blocks + width] = window_block_tables
         self.buffer[base:end].copy_(host, non_blocking=True)
 
 
@@ -173,14 +193,16 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         defer: bool = False,
+        windowed: bool = False,
     ) -> None:
+        """windowed: the model's sliding layers keep a window pool (meta.windowed)."""
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.buckets = bucket_sizes(max_num_seqs)
         n = self.buckets[-1]
         device = kv_caches[0].device
-        self.inputs = GraphInputs(n, -(-max_model_len // block_size), device)
+        self.inputs = GraphInputs(n, -(-max_model_len // block_size), device, windowed)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -201,7 +223,7 @@ class DecodeGraphs:
 
     def _meta(self, size: int) -> AttentionMetadata:
         inputs = self.inputs
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=inputs.seq_lens[:size],
@@ -212,6 +234,11 @@ class DecodeGraphs:
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[0] * size,
         )
+        if inputs.windowed:
+            meta.windowed = replace(
+                meta, slot_mapping=inputs.window_slot_mapping[:size], block_tables=inputs.window_block_tables[:size]
+            )
+        return meta
 
     def _forward(self, size: int) -> torch.Tensor:
         input_ids = self.input_ids[:size]
@@ -227,6 +254,8 @@ class DecodeGraphs:
         whatever the last step left in the inputs. The next step's upload rewrites both."""
         size = self.pending.pop(0)
         self.inputs.slot_mapping.fill_(-1)
+        if self.inputs.windowed:
+            self.inputs.window_slot_mapping.fill_(-1)
         self.inputs.seq_lens.zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -262,6 +291,8 @@ class DecodeGraphs:
         slot_mapping: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
+        window_slot_mapping: np.ndarray | None = None,
+        window_block_tables: np.ndarray | None = None,
     ) -> torch.Tensor:
         """One decode step from host arrays (see GraphInputs.upload): hidden states [n, hidden_size]."""
         n = len(known_ids)
@@ -275,6 +306,8 @@ class DecodeGraphs:
             slot_mapping=slot_mapping,
             seq_lens=seq_lens,
             block_tables=block_tables,
+            window_slot_mapping=window_slot_mapping,
+            window_block_tables=window_block_tables,
         )
         self.graphs[size].replay()
         return self.outputs[size][:n]

@@ -71,6 +71,9 @@ class HostInputs:
     max_query_len: int
     placeholders: np.ndarray  # token rows whose id is a placeholder
     placeholder_seqs: list[Sequence]  # the sequence of each
+    # With a window pool (sliding layers' blocks, engine.window_blocks): its slots and tables.
+    window_slot_mapping: np.ndarray | None = None  # [T] int64
+    window_block_tables: np.ndarray | None = None  # [B, width] int32
 
     @property
     def num_seqs(self) -> int:
@@ -136,22 +139,13 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        # One tensor for the whole pool; each layer gets a view [planes, blocks, block_size, heads, width]:
-        # [2, ..., kv_heads, head_dim] for keys and values, [1, ..., 1, latent + rope] for latent attention.
-        planes, heads, width = mc.kv_cache_layout
-        self.kv_cache = torch.zeros(
-            mc.num_layers,
-            planes,
-            config.num_kv_blocks,
-            config.block_size,
-            heads,
-            width,
-            dtype=kv_cache_torch_dtype(config.kv_cache_dtype, dtype, device),
-            device=device,
-        )
-        self.kv_caches = list(self.kv_cache.unbind(0))
+        self._allocate_kv_cache(config, mc, dtype, device)
         self.sampler = Sampler(device, config.seed)
-        self.block_tables = BlockTables(2 * config.max_num_seqs + 8, -(-config.max_model_len // config.block_size))
+        max_blocks = -(-config.max_model_len // config.block_size)
+        self.block_tables = BlockTables(2 * config.max_num_seqs + 8, max_blocks)
+        self.window_tables = (
+            BlockTables(2 * config.max_num_seqs + 8, max_blocks, window=True) if self.window_cache is not None else None
+        )
         self.decode_graphs = None
         self.graph_capture_s = 0.0
         # Only a backend that never reads device values on the host can be captured.
@@ -169,8 +163,36 @@ class ModelRunner:
                 max_model_len=config.max_model_len,
                 block_size=config.block_size,
                 defer=config.defer_warm_up,
+                windowed=self.window_cache is not None,
             )
             self.graph_capture_s = round(time.perf_counter() - started, 4)
+
+    def _allocate_kv_cache(
+        self, config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """The KV pool: one tensor, each layer a view [planes, blocks, block_size, heads, width]
+        (mc.kv_cache_layout: [2, ..., kv_heads, head_dim] for keys and values, [1, ..., 1, latent +
+        rope] for latent attention), kv_caches in layer order. With a window pool
+        (config.window_pool), the sliding layers' views are of a second tensor of that pool's blocks
+        (window_cache)."""
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype, device)
+        planes, heads, width = mc.kv_cache_layout
+        shape = (config.block_size, heads, width)
+        sliding = [w is not None for w in mc.layer_windows] if config.window_pool else [False] * mc.num_layers
+        num_sliding = sum(sliding)
+        self.kv_cache = torch.zeros(
+            mc.num_layers - num_sliding, planes, config.num_kv_blocks, *shape, dtype=kv_dtype, device=device
+        )
+        self.window_cache = None
+        if num_sliding:
+            self.window_cache = torch.zeros(
+                num_sliding, planes, config.num_window_kv_blocks, *shape, dtype=kv_dtype, device=device
+            )
+        full, windowed = (
+            iter(self.kv_cache.unbind(0)),
+            iter(() if self.window_cache is None else self.window_cache.unbind(0)),
+        )
+        self.kv_caches = [next(windowed) if slides else next(full) for slides in sliding]
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -211,6 +233,8 @@ class ModelRunner:
             query_start_loc_cpu=[0, 1, 1 + chunk],
             seq_lens_cpu=[1, chunk],
         )
+        if self.window_cache is not None:  # the same few blocks, which every pool has
+            meta.windowed = replace(meta)
         for max_seq_len in (chunk, self.config.max_model_len):
             hidden = self.model(input_ids, positions_t, self.kv_caches, replace(meta, max_seq_len=max_seq_len))
         return hidden
@@ -347,6 +371,8 @@ class ModelRunner:
                 slot_mapping=host.slot_mapping,
                 seq_lens=host.seq_lens,
                 block_tables=host.block_tables,
+                window_slot_mapping=host.window_slot_mapping,
+                window_block_tables=host.window_block_tables,
             )
         inputs = self.prepare_inputs(batch, previous, host=host)
         if self.workers is not None:
@@ -383,9 +409,17 @@ class ModelRunner:
             token_rows = np.repeat(rows, new_lens)
         tables = self.block_tables.array
         slot_mapping = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        window_slots = window_tables = None
+        if self.window_tables is not None:
+            window_rows = self.window_tables.rows([entry.seq for entry in entries])
+            array = self.window_tables.array
+            window_token_rows = window_rows if num_tokens == num_seqs else np.repeat(window_rows, new_lens)
+            window_slots = array[window_token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         sample_indices = query_start_loc[1:][samples] - 1
         max_seq_len = int(seq_lens.max())
         width = -(-max_seq_len // bs)
+        if window_slots is not None:
+            window_tables = array[window_rows, :width]
         ids = np.array(input_ids, dtype=np.int64)
         placeholders = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
         # The entry each placeholder belongs to.
@@ -408,6 +442,8 @@ class ModelRunner:
             max_query_len=int(new_lens.max()),
             placeholders=placeholders,
             placeholder_seqs=[entries[i].seq for i in owners.tolist()],
+            window_slot_mapping=window_slots,
+            window_block_tables=window_tables,
         )
 
     def prepare_inputs(
@@ -435,6 +471,12 @@ class ModelRunner:
             query_start_loc_cpu=host.query_start_loc.tolist(),
             seq_lens_cpu=host.seq_lens.tolist(),
         )
+        if host.window_slot_mapping is not None:
+            (window_slots_t,) = _packed_to_device([host.window_slot_mapping], torch.int64, self.device)
+            (window_tables_t,) = _packed_to_device([host.window_block_tables.reshape(-1)], torch.int32, self.device)
+            meta.windowed = replace(
+                meta, slot_mapping=window_slots_t, block_tables=window_tables_t.view(num_seqs, width)
+            )
         if host.placeholders.size:
             # The tokens still held as placeholders, from the previous step's sampled ids.
             sampled_rows = self._placeholder_rows(host, previous)

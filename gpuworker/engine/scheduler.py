@@ -74,7 +74,14 @@ class Scheduler:
         if not config.is_resolved:
             raise ValueError("the scheduler needs a resolved config (see EngineConfig.is_resolved)")
         self.config = config
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        window, num_window_blocks = config.window_pool or (None, 0)
+        self.block_manager = BlockManager(
+            config.num_kv_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            window=window,
+            num_window_blocks=num_window_blocks,
+        )
         self.waiting: deque[Sequence] = deque()
         # In admission order.
         self.running: list[Sequence] = []

@@ -38,6 +38,10 @@ class Sequence:
         # None until admitted.
         self.num_cached_tokens: int | None = None
         self.block_table: list[int] = []
+        # The sliding-window layers' blocks (engine.window_blocks), indexed as block_table: entries
+        # before window_dropped have left the window and are dead (their value means nothing).
+        self.window_block_table: list[int] = []
+        self.window_dropped = 0
         # Chained hashes of this sequence's full blocks, filled lazily by the block manager. A full
         # block's tokens never change, so they stay valid across preemptions.
         self.block_hashes: list[int] = []

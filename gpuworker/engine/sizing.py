@@ -16,6 +16,11 @@ with made-up memory sizes; the engine measures the free memory once the weights 
   batches (BENCHMARKS.md, H200, Llama-3-8B: 512 sequences 11.4k output tok/s offline, 1,024 12.5k).
 
 On CPU the limits stay small and fixed: a CPU step is slow, and there is no device memory to size from.
+
+A model with sliding-window and full layers (Gemma 3) gets a second pool for the sliding ones
+(engine.window_blocks), where a sequence holds only its window: window_pool_blocks of them, the most
+the running sequences can hold at once, are set aside first; the main pool's blocks then count the
+full layers only, so the same memory holds about num_layers / full_layers times the tokens.
 """
 
 from __future__ import annotations
@@ -39,9 +44,33 @@ MAX_NUM_BATCHED_TOKENS = 16384
 REFERENCE_STEP_WEIGHT_TOKENS = 6_979_321_856 * 8192
 
 
-def kv_cache_block_bytes(mc: ModelConfig, block_size: int, element_size: int) -> int:
+def kv_cache_block_bytes(mc: ModelConfig, block_size: int, element_size: int, num_layers: int | None = None) -> int:
+    """One block of `num_layers` layers (all of mc's by default), each laid out as mc.kv_cache_layout."""
+    layers = mc.num_layers if num_layers is None else num_layers
     planes, heads, width = mc.kv_cache_layout
-    return mc.num_layers * planes * block_size * heads * width * element_size
+    return layers * planes * block_size * heads * width * element_size
+
+
+def pool_window(mc: ModelConfig) -> int | None:
+    """The window of mc's sliding layers where some layers slide and some do not (one window for
+    all of them), else None: those layers get a pool of their own (engine.window_blocks)."""
+    windows = {window for window in mc.layer_windows if window is not None}
+    if len(windows) != 1 or None not in mc.layer_windows:
+        return None
+    return windows.pop()
+
+
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most window blocks the running sequences can hold at once: each the blocks of its window
+    (one more where it starts mid-block, one for its decode's next block, one for a chunk's end),
+    and the step's new tokens."""
+    per_seq = -(-(window - 1) // block_size) + 3
+    return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+
+
+def min_window_pool_blocks(window: int, block_size: int, max_num_batched_tokens: int) -> int:
+    """What one sequence alone may need: the blocks of its window and of one step's chunk."""
+    return -(-(window - 1 + max_num_batched_tokens) // block_size) + 2
 
 
 def token_activation_bytes(mc: ModelConfig, element_size: int) -> int:
@@ -92,8 +121,16 @@ def plan_sizes(
     """config with num_kv_blocks, max_num_seqs and max_num_batched_tokens filled in where None;
     given values are kept. element_size: bytes per activation value; kv_element_size: per cached
     key or value (None: element_size; 1 for an FP8 cache). free_device_bytes: device memory free
-    after loading the weights (None: the CPU, whose pool takes kv_cache_memory_bytes)."""
-    block_bytes = kv_cache_block_bytes(mc, config.block_size, kv_element_size or element_size)
+    after loading the weights (None: the CPU, whose pool takes kv_cache_memory_bytes).
+
+    A model with sliding and full layers (pool_window) also gets sliding_window and
+    num_window_kv_blocks (unless that is 0): the window pool is set aside first, and the main
+    pool's blocks hold the full layers only."""
+    kv_size = kv_element_size or element_size
+    window = pool_window(mc) if config.num_window_kv_blocks != 0 else None
+    full_layers = mc.num_layers if window is None else sum(1 for w in mc.layer_windows if w is None)
+    block_bytes = kv_cache_block_bytes(mc, config.block_size, kv_size, full_layers)
+    window_block_bytes = kv_cache_block_bytes(mc, config.block_size, kv_size, mc.num_layers - full_layers)
     max_num_seqs = config.max_num_seqs
     if free_device_bytes is None:
         max_num_batched_tokens = config.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS
@@ -113,11 +150,15 @@ def plan_sizes(
         per_seq_bytes = seq_activation_bytes(mc)
         if max_num_seqs is None:
             seq_tokens = min(TOKENS_PER_SEQ, max_model_len)
+            # Each sequence's share of the window pool, if any.
+            window_share = window_pool_blocks(window, config.block_size, 1, 0) * window_block_bytes if window else 0
             if config.num_kv_blocks is not None:
                 fit = config.num_kv_blocks * config.block_size // seq_tokens
             else:
-                fit = budget // (seq_tokens * block_bytes // config.block_size + per_seq_bytes)
+                fit = budget // (seq_tokens * block_bytes // config.block_size + per_seq_bytes + window_share)
             max_num_seqs = min(MAX_NUM_SEQS, max(MIN_NUM_SEQS, fit))
+    num_window_blocks = _num_window_blocks(config, window, max_num_seqs, max_num_batched_tokens)
+    budget -= num_window_blocks * window_block_bytes
     num_kv_blocks = config.num_kv_blocks
     if num_kv_blocks is None:
         num_kv_blocks = (budget - max_num_seqs * per_seq_bytes) // block_bytes
@@ -126,5 +167,26 @@ def plan_sizes(
         # More than every sequence at full length could ever use is wasted memory.
         num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-max_model_len // config.block_size))
     return replace(
-        config, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        config,
+        num_kv_blocks=num_kv_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_window_kv_blocks=num_window_blocks,
+        sliding_window=window,
     )
+
+
+def _num_window_blocks(config: EngineConfig, window: int | None, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The window pool's blocks: the config's, else window_pool_blocks; 0 without a window pool."""
+    if window is None:
+        return 0
+    least = min_window_pool_blocks(window, config.block_size, max_num_batched_tokens)
+    blocks = config.num_window_kv_blocks
+    if blocks is None:
+        return max(least, window_pool_blocks(window, config.block_size, max_num_seqs, max_num_batched_tokens))
+    if blocks < least:
+        raise ValueError(
+            f"num_window_kv_blocks ({blocks}) cannot hold one sequence's window ({window} tokens) and a "
+            f"step of max_num_batched_tokens ({max_num_batched_tokens}): it needs at least {least}"
+        )
+    return blocks

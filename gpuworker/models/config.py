@@ -37,6 +37,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # Multi-head latent attention (models.deepseek): the attention shapes live in ModelConfig.mla.
     "DeepseekV2ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "moe": "deepseek", "mla": True},
     "DeepseekV3ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "moe": "deepseek", "mla": True},
+    # Gemma 3's text decoder: its layout (norms, activation, sliding layers, rope per layer type) is
+    # parsed by models.gemma3.config into ModelConfig.gemma3.
+    "Gemma3ForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "gemma3": True},
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -49,6 +52,7 @@ _MODEL_TYPES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # Checkpoint names of a MoE block: its module under model.layers.N, and each expert's gate, up and
 # down projections under <module>.experts.E.
@@ -103,8 +107,9 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     # The longest context served exactly: config.json's value, capped at the sliding window where
-    # one is active, because our paged attention always attends to the whole context and so equals
-    # sliding-window attention only up to the window.
+    # one is active on every layer (Mistral, Qwen2 with use_sliding_window), whose attention we run
+    # over the whole context and so equals sliding-window attention only up to the window. Gemma 3's
+    # sliding layers attend through their window (layer_windows), so its value is not capped.
     max_position_embeddings: int
     rms_norm_eps: float
     eos_token_ids: list[int]
@@ -126,6 +131,8 @@ class ModelConfig:
     rotary_dim: int | None = None
     # The checkpoint's quantization (config.json's quantization_config), or FP8 chosen at load.
     quantization: QuantConfig | None = None
+    # Gemma 3's layout (models.gemma3.config.Gemma3Layout); None for the llama-style families.
+    gemma3: Any = None
     # The checkpoint directory the weights and tokenizer are read from (set by load_model_config).
     model_path: str | None = None
     # Multi-head latent attention (DeepSeek-V2/V3); None for the llama-style attention.
@@ -152,6 +159,14 @@ class ModelConfig:
         if self.mla is not None:
             return 1, 1, self.mla.cache_width
         return 2, self.num_kv_heads, self.head_dim
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: the sliding window its attention keeps (keys at positions > p - window for a
+        query at p), or None for attention over the whole context."""
+        if self.gemma3 is None:
+            return (None,) * self.num_layers
+        return self.gemma3.layer_windows
 
     @classmethod
     def from_hf(
@@ -180,9 +195,15 @@ class ModelConfig:
         head_dim = config.get("head_dim") or hidden_size // num_heads
         if head_dim % 2 != 0 and not family.get("mla"):
             raise ValueError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
-        hidden_act = config.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (expected 'silu')")
+        gemma3 = None
+        if family.get("gemma3"):
+            from gpuworker.models.gemma3.config import parse_gemma3
+
+            gemma3 = parse_gemma3(config, need("num_hidden_layers"), source)
+        else:
+            hidden_act = config.get("hidden_act", "silu")
+            if hidden_act != "silu":
+                raise ValueError(f"{source}: hidden_act {hidden_act!r} is not supported (expected 'silu')")
         if config.get("pretraining_tp", 1) not in (None, 1):
             raise ValueError(f"{source}: pretraining_tp must be 1, got {config['pretraining_tp']}")
 
@@ -192,11 +213,14 @@ class ModelConfig:
             mla = parse_mla(config, max_pos, source)
             # Each head's query and key: the position-free part and the rotary part.
             head_dim, num_kv_heads = mla.qk_head_dim, num_heads
-            rope_theta, rope_scaling = mla.rope_theta, None
-        else:
+            rope_theta, rope_scaling, sliding_window = mla.rope_theta, None, None
+        elif gemma3 is None:
             rope_theta, rope_scaling = _rope(config, max_pos, source)
+            sliding_window = _sliding_window(config, architecture)
+        else:
+            rope_theta, rope_scaling, sliding_window = gemma3.rope_theta, gemma3.rope_scaling, None
+        if mla is None:
             rotary_dim = _rotary_dim(config, family.get("partial_rotary"), head_dim, source)
-        sliding_window = _sliding_window(config, architecture)
         attention_bias = bool(config.get("attention_bias", False))
 
         def bias(rule: Any) -> bool:
@@ -222,7 +246,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(config, generation_config),
             bos_token_id=config.get("bos_token_id"),
             pad_token_id=config.get("pad_token_id"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma3 is not None)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             attention_bias=bias(family["qkv_bias"]),
@@ -237,6 +261,7 @@ class ModelConfig:
             moe=_moe(config, family.get("moe"), num_layers, need, source),
             quantization=parse_quantization(config, source),
             mla=mla,
+            gemma3=gemma3,
             extra={
                 "config_max_position_embeddings": max_pos,
                 "num_nextn_predict_layers": int(config.get("num_nextn_predict_layers") or 0),

@@ -129,6 +129,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.get("rope_type") == "linear":  # positions slowed by `factor` (Gemma 3's full layers)
+        return inv_freq / scaling["factor"]
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]

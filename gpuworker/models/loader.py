@@ -35,8 +35,10 @@ from gpuworker.checkpoint_files import (
 from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.deepseek.model import DeepseekForCausalLM
+from gpuworker.models.deepseek.rotary import DeepseekRotary
+from gpuworker.models.gemma3.model import Gemma3ForCausalLM
 from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
-from gpuworker.models.layers import GatedMLP, RMSNorm
+from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
 from gpuworker.models.quantization.install import (
@@ -58,6 +60,8 @@ LOAD_FORMATS = ("auto", "dummy")
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 logger = logging.getLogger(__name__)
+# Norms a family's decoder layer has beyond the input and post-attention ones (Gemma 3's).
+_EXTRA_LAYER_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 # The model is built deep inside LLMEngine; a caller that wants weight-loading progress (the worker
 # server's /health) installs a callback for its own thread instead of threading it through every
 # constructor. Context-local, so concurrent loads in other threads never see it.
@@ -127,13 +131,14 @@ def load_model(
         attn_backend = TorchAttentionBackend()
     # Built on the meta device and then allocated uninitialised in the target dtype: no float32
     # staging copy and no init kernels, which matters for 8B-parameter models.
-    model_class = DeepseekForCausalLM if mc.mla is not None else LlamaForCausalLM
     with torch.device("meta"):
-        model = model_class(mc, attn_backend, parallel)
+        model = model_class(mc)(mc, attn_backend, parallel)
         if mc.quantization is not None:
             install_quantized_linears(model, mc.quantization)
     model = model.to(torch_dtype).to_empty(device=device)
-    model.rotary.reset_cache()
+    for module in model.modules():
+        if isinstance(module, (RotaryEmbedding, DeepseekRotary)):
+            module.reset_cache()
     if load_format == "dummy":
         _fill_dummy(model, seed)
     elif mc.model_path is not None and gguf_file(mc.model_path) is not None:
@@ -143,6 +148,13 @@ def load_model(
     else:
         _load_safetensors(model, mc)
     return model.eval()
+
+
+def model_class(mc: ModelConfig) -> type[LlamaForCausalLM] | type[DeepseekForCausalLM]:
+    """The decoder class of mc's family."""
+    if mc.mla is not None:
+        return DeepseekForCausalLM
+    return Gemma3ForCausalLM if mc.gemma3 is not None else LlamaForCausalLM
 
 
 def with_quantization(mc: ModelConfig, quantization: str | None) -> ModelConfig:
@@ -280,8 +292,9 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
         if attn.q_norm is not None:
             add(f"{prefix}self_attn.q_norm.weight", attn.q_norm.weight)
             add(f"{prefix}self_attn.k_norm.weight", attn.k_norm.weight)
-        add(f"{prefix}input_layernorm.weight", layer.input_layernorm.weight)
-        add(f"{prefix}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+        for norm in ("input_layernorm", "post_attention_layernorm", *_EXTRA_LAYER_NORMS):
+            if hasattr(layer, norm):
+                add(f"{prefix}{norm}.weight", getattr(layer, norm).weight)
     return targets
 
 
@@ -483,13 +496,14 @@ def _check_coverage(
 @torch.no_grad()
 def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
     generator = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    # Each norm's identity scale: 1.0 for Llama's norm, 0.0 for Gemma's (x * (1 + weight)).
+    norm_weights = {id(m.weight): getattr(m, "unit_weight", 1.0) for m in model.modules() if isinstance(m, RMSNorm)}
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.fill_dummy(generator)
     for param in model.parameters():
         if id(param) in norm_weights:
-            param.fill_(1.0)
+            param.fill_(norm_weights[id(param)])
         else:
             param.normal_(0.0, 0.02, generator=generator)
 

@@ -117,7 +117,33 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "first_k_dense_replace": 2,
         },
     ),
+    # Gemma 3's text decoder: sliding layers with a window shorter than the tests' sequences (and
+    # not a multiple of the 16-token block), full layers with linear rope scaling, an attention
+    # scale of its own and logit softcapping that changes the logits.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "sliding_window": 21,
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+            },
+        },
+    ),
+    # The layout older checkpoints write: sliding_window_pattern, no softcapping, a window of one block.
+    "gemma3-pattern": (
+        "Gemma3TextConfig",
+        {"head_dim": 16, "num_hidden_layers": 4, "sliding_window_pattern": 2, "sliding_window": 16},
+    ),
 }
+# The architecture a config class's checkpoints name, where it is not the class name with
+# Config replaced by ForCausalLM.
+_ARCHITECTURES = {"Gemma3TextConfig": "Gemma3ForCausalLM"}
 
 
 def make_checkpoint(
@@ -142,7 +168,7 @@ def make_checkpoint(
     config_class_name, family_overrides = FAMILIES[family]
     kwargs = {**TINY, **family_overrides, **overrides}
     config = getattr(transformers, config_class_name)(**kwargs)
-    config.architectures = [config_class_name.replace("Config", "ForCausalLM")]
+    config.architectures = [_ARCHITECTURES.get(config_class_name, config_class_name.replace("Config", "ForCausalLM"))]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _redraw_weights(model, seed)

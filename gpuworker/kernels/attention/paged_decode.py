@@ -121,6 +121,7 @@ def _paged_decode_kernel(
     FP8_AS_F16: tl.constexpr,
     FP8_V_PAIRS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     # The constexprs come from DecodeVariant.constexprs (see there for what each switch does).
     if USE_PDL:  # see launch.pdl_options. The next kernel may launch at once: at batch 1 it is
@@ -135,13 +136,14 @@ def _paged_decode_kernel(
     num_q_heads = num_kv_heads * QUERY_GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_begin, ctx_len = _window_context(seq_len, WINDOW)
     if SPLIT and not MERGE_IN_LAUNCH:
-        partition_size, num_parts = _sequence_partitions(seq_len, num_splits, BLOCK_N)
+        partition_size, num_parts = _sequence_partitions(ctx_len, num_splits, BLOCK_N)
     else:
         # Partitions holding tokens: at least one, which writes the zeros of a padded row (seq_len 0).
         # The grid covers max_seq_len, so in a graph captured for long contexts most of them are
         # empty.
-        num_parts = tl.minimum(tl.maximum((seq_len + partition_size - 1) // partition_size, 1), num_splits)
+        num_parts = tl.minimum(tl.maximum((ctx_len + partition_size - 1) // partition_size, 1), num_splits)
     if SPLIT:  # without splits the one partition always holds the context (or a padded row's zeros)
         if split >= num_parts:
             # A partition past this sequence's context (in a graph captured for long contexts, most
@@ -150,6 +152,8 @@ def _paged_decode_kernel(
             # the loop unchanged where large batches spend their time).
             return
     start = split * partition_size
+    if WINDOW > 0:
+        start += ctx_begin
     if NEW_TOKEN:  # the step's own token is not in the cache yet: the cache holds seq_len - 1
         end = tl.minimum(start + partition_size, tl.maximum(seq_len - 1, 0))
     else:
@@ -287,6 +291,16 @@ def _paged_decode_kernel(
             SPLITS_PAD,
             BLOCK_D,
         )
+
+
+@triton.jit
+def _window_context(seq_len, WINDOW: tl.constexpr):
+    """(first position, length) of the context the query at seq_len - 1 reads: with a WINDOW (a
+    sliding layer), its last WINDOW positions, else all of them."""
+    if WINDOW > 0:
+        ctx_begin = tl.maximum(seq_len - WINDOW, 0)
+        return ctx_begin, seq_len - ctx_begin
+    return 0, seq_len
 
 
 @triton.jit
@@ -485,6 +499,7 @@ def _merge_partitions_kernel(
     BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """One (sequence, query head): the softmax-weighted sum of its partitions' partial outputs."""
     if USE_PDL:  # see launch.pdl_options; the next kernel may launch at once, as in _paged_decode
@@ -496,6 +511,8 @@ def _merge_partitions_kernel(
     dims = tl.arange(0, BLOCK_D)
     row_base = (seq * tl.num_programs(1) + head) * num_splits
     seq_len = tl.load(seq_lens_ptr + seq)
+    if WINDOW > 0:  # as _paged_decode_kernel: the window's positions only
+        seq_len = tl.minimum(seq_len, WINDOW)
     _, num_parts = _sequence_partitions(seq_len, num_splits, BLOCK_N)  # as _paged_decode_kernel cut it
     split_mask = splits < num_parts  # the partitions that stored a partial
     lse = tl.load(part_lse_ptr + row_base + splits, mask=split_mask, other=float("-inf"))
@@ -651,6 +668,7 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp8_v_pairs: bool | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, D] over each sequence's first seq_lens[b] cached tokens -> [B, Hq, D].
 
@@ -674,6 +692,9 @@ def paged_decode_attention(
     fp8_v_pairs: an FP8 cache's values read as 16-bit words and widened in registers (see the
     kernel); None takes FP8_V_PAIRS (on: faster on the H200).
 
+    window: a sliding-window layer's window (0: off): the query at position seq_len - 1 attends to the
+    last `window` positions only, and only their blocks are read; the partitions cut that context.
+
     merge_in_launch: how a split launch combines its partitions. True: the last partition of each
     (sequence, kv head) to finish merges them (one launch). False: every partition stores its
     partial and a second, small kernel merges them. None picks what measured faster on Hopper: the
@@ -682,6 +703,8 @@ def paged_decode_attention(
     kernel").
     """
     _, num_kv_heads, half = _checked(query, kv_cache, block_tables, seq_lens, max_seq_len, out, counters, new_tokens)
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be a non-negative integer (0: off), got {window!r}")
     out = torch.empty_like(query) if out is None else out
     num_seqs, num_q_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -691,7 +714,7 @@ def paged_decode_attention(
         num_kv_heads,
         head_dim,
         query.dtype,
-        max_seq_len,
+        min(max_seq_len, window) if window else max_seq_len,  # the longest context a query reads
         query.device,
         num_splits=num_splits,
         merge_in_launch=merge_in_launch,
@@ -699,7 +722,7 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    variant = DecodeVariant.of(query, kv_cache, launch, new_tokens, half, fp8_v_pairs)
+    variant = DecodeVariant.of(query, kv_cache, launch, new_tokens, half, fp8_v_pairs, window)
     _launch(
         query,
         kv_cache,
@@ -735,6 +758,7 @@ class DecodeVariant:
     fp8_cache: bool = False  # a float8_e4m3fn cache (with k_scale and v_scale)
     fp8_as_f16: bool = False  # its tiles widened to float16 (half-precision queries)
     fp8_v_pairs: bool = False  # its values read as 16-bit words (paged_decode_attention's fp8_v_pairs)
+    window: int = 0  # a sliding-window layer's window (0: the whole context)
 
     @classmethod
     def of(
@@ -745,6 +769,7 @@ class DecodeVariant:
         new_tokens: NewTokens | None,
         rotary_half: int,
         fp8_v_pairs: bool | None,
+        window: int = 0,
     ) -> DecodeVariant:
         """The variant of a checked call (rotary_half: _checked's) with launch shape `launch`."""
         head_dim = query.shape[2]
@@ -764,6 +789,7 @@ class DecodeVariant:
             fp8_cache=fp8,
             fp8_as_f16=fp8_as_f16,
             fp8_v_pairs=fp8_as_f16 and _v_pairs_apply(kv_cache, head_dim, fp8_v_pairs),
+            window=window,
         )
 
     @property
@@ -793,6 +819,7 @@ class DecodeVariant:
             FP8_CACHE=self.fp8_cache,
             FP8_AS_F16=self.fp8_as_f16,
             FP8_V_PAIRS=self.fp8_v_pairs,
+            WINDOW=self.window,
         )
 
     def merge_constexprs(self) -> dict[str, object]:
@@ -802,6 +829,7 @@ class DecodeVariant:
             BLOCK_N=self.block_n,
             BLOCK_D=self.block_d,
             SPLITS_PAD=next_power_of_2(self.num_splits),
+            WINDOW=self.window,
         )
 
 
@@ -1029,8 +1057,10 @@ def paged_decode_attention_reference(
     new_tokens: NewTokens | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Pure-torch reference: gather each sequence's context through its block table, softmax in fp32.
+    """Pure-torch reference: gather each sequence's context through its block table, softmax in fp32
+    (with a window: its last `window` positions only).
 
     With new_tokens: rotate query and key and write key and value into kv_cache first (in place), as
     apply_rotary_and_cache does."""
@@ -1056,7 +1086,7 @@ def paged_decode_attention_reference(
     for i, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             continue
-        positions = torch.arange(seq_len, device=query.device)
+        positions = torch.arange(max(0, seq_len - window) if window else 0, seq_len, device=query.device)
         blocks = block_tables[i].long()[positions // block_size]
         keys = dequantize_kv(kv_cache[0, blocks, positions % block_size], k_scale)  # [L, Hkv, D]
         values = dequantize_kv(kv_cache[1, blocks, positions % block_size], v_scale)

@@ -63,6 +63,7 @@ def _prefill_attention_kernel(
     DOT_FP32: tl.constexpr,
     FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -105,21 +106,30 @@ def _prefill_attention_kernel(
     # there up to the last row's position cross the diagonal and do.
     unmasked_end = (prefix_len + m_tile * BLOCK_M) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
-    for n0 in range(0, unmasked_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        block = tl.load(block_table + pos // BLOCK_SIZE).to(tl.int64)
-        row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
-        k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=dim_mask[:, None], other=0.0)
-        v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
-        if FP8_CACHE:
-            k_t = k_t.to(dtype)
-            v = v.to(dtype)
-        scores = online_softmax.dot(q, k_t, DOT_FP32, DOT_PRECISION)
-        scores = scores * qk_scale
-        acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
-    for n0 in range(unmasked_end, kv_end, BLOCK_N):
+    if WINDOW > 0:
+        # A sliding layer: row p sees p - WINDOW < position <= p. Every tile from the first row's
+        # window on is masked (both edges); no position before that window is loaded, so the blocks
+        # a sliding layer's pool has already dropped from the table are never read.
+        masked_begin = tl.maximum(prefix_len + m_tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        for n0 in range(0, unmasked_end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            block = tl.load(block_table + pos // BLOCK_SIZE).to(tl.int64)
+            row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
+            k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=dim_mask[:, None], other=0.0)
+            v = tl.load(head_base + stride_cache_kv + row[:, None] + dims[None, :], mask=dim_mask[None, :], other=0.0)
+            if FP8_CACHE:
+                k_t = k_t.to(dtype)
+                v = v.to(dtype)
+            scores = online_softmax.dot(q, k_t, DOT_FP32, DOT_PRECISION)
+            scores = scores * qk_scale
+            acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
+        masked_begin = unmasked_end
+    for n0 in range(masked_begin, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
+        if WINDOW > 0:  # positions before the first row's window are not even loaded
+            valid = valid & (pos > prefix_len + m_tile * BLOCK_M - WINDOW)
         block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_offset
         k_t = tl.load(head_base + row[None, :] + dims[:, None], mask=valid[None, :] & dim_mask[:, None], other=0.0)
@@ -134,8 +144,13 @@ def _prefill_attention_kernel(
         scores = online_softmax.dot(q, k_t, DOT_FP32, DOT_PRECISION)
         scores = scores * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+            scores = tl.where(visible, scores, float("-inf"))
+            acc, l_i, m_i = online_softmax.step_guarded(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
+        else:
+            scores = tl.where(visible, scores, float("-inf"))
+            acc, l_i, m_i = online_softmax.step(scores, v, acc, l_i, m_i, DOT_FP32, DOT_PRECISION)
 
     if FP8_CACHE:
         acc = acc * v_scale
@@ -170,6 +185,7 @@ def prefill_attention(
     num_stages: int = 2,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of ragged query chunks [T, Hq, D] over their paged contexts -> [T, Hq, D].
 
@@ -178,11 +194,14 @@ def prefill_attention(
     sequence's context including its new tokens; block_tables [B, max_blocks]. All three stay on the
     device; max_query_len is a host upper bound on the chunk lengths that sizes the grid. Rows of `out`
     outside every chunk are left untouched. k_scale, v_scale: a float8_e4m3fn cache's scales (other
-    caches ignore them).
+    caches ignore them). window: a sliding-window layer's (0: off): query p attends to the positions
+    p - window < position <= p, and the blocks before its first row's window are never read.
     """
     block_size, num_kv_heads = _checked(query, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len, out)
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = seq_lens.shape[0]
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be a non-negative integer (0: off), got {window!r}")
     out = torch.empty_like(query) if out is None else out
     if num_seqs == 0 or max_query_len == 0:
         return out
@@ -221,6 +240,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         **dot_options(query.dtype),
         FP8_CACHE=fp8,
+        WINDOW=window,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(query.device),
@@ -267,8 +287,10 @@ def prefill_attention_reference(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Pure-torch reference: per sequence, gather the context and apply a causal mask offset by the prefix."""
+    """Pure-torch reference: per sequence, gather the context and apply a causal mask offset by the
+    prefix (and with a window, mask the keys at or before p - window)."""
     num_q_heads = query.shape[1]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -279,12 +301,16 @@ def prefill_attention_reference(
         q_len = q.shape[0]
         if q_len == 0:
             continue
-        positions = torch.arange(seq_len, device=query.device)
+        first = max(0, seq_len - q_len - window + 1) if window else 0  # the first position any row sees
+        positions = torch.arange(first, seq_len, device=query.device)
         blocks = block_tables[i].long()[positions // block_size]
         keys = dequantize_kv(kv_cache[0, blocks, positions % block_size], k_scale).repeat_interleave(group, dim=1)
         values = dequantize_kv(kv_cache[1, blocks, positions % block_size], v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = positions[None, None, :] > q_pos[None, :, None]
+        if window:
+            hidden = hidden | (positions[None, None, :] <= q_pos[None, :, None] - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
     return out

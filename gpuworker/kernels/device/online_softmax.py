@@ -35,6 +35,20 @@ def step(scores, v, acc, l_i, m_i, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.con
 
 
 @triton.jit
+def step_guarded(scores, v, acc, l_i, m_i, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """step for tiles where a row may see no key yet (a sliding window's first tiles, whose keys
+    precede some rows' windows): such a row keeps m_i -inf and zero weights, where step's
+    exp2(-inf - -inf) would make it NaN."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def step_one(score, v, acc, l_i, m_i):
     """(acc, l_i, m_i) after one key held in registers: score [M] its scores (log2 units), v [D] its
     value (any float dtype, widened to float32); the other arguments as for step."""

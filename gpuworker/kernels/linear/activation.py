@@ -4,7 +4,7 @@ One read of [T, 2I] and one write of [T, I] instead of eager torch's three kerne
 strided split, the product). Numerics follow transformers' Llama MLP in the activation dtype: silu
 is computed in float32 and rounded, then the product is rounded again. silu_and_mul_fp8 also
 quantizes each row to FP8 for an FP8 down projection (one write of one byte a value, and no
-quantizer launch reading the output back).
+quantizer launch reading the output back). gelu_tanh_and_mul is Gemma's gate (GELU_TANH).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     FP8_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    GELU_TANH: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -40,7 +41,10 @@ def _silu_and_mul_kernel(
     mask = cols < INTERMEDIATE
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + INTERMEDIATE + cols, mask=mask, other=0.0)
-    out = gated_activation.silu_and_mul(gate, up)
+    if GELU_TANH:
+        out = gated_activation.gelu_tanh_and_mul(gate, up)
+    else:
+        out = gated_activation.silu_and_mul(gate, up)
     if FP8_OUT:  # the program holds the whole row (lanes past it are zero): quantized per row here
         q, scale = fp8_codec.quantize_row(out.to(tl.float32))
         tl.store(scale_ptr + row, scale)
@@ -52,8 +56,9 @@ def _silu_and_mul_kernel(
 _silu_and_mul = lazy_jit(_silu_and_mul_kernel)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] (gate first, last dim contiguous) -> silu(gate) * up [T, I], contiguous."""
+def silu_and_mul(gate_up: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+    """gate_up [T, 2I] (gate first, last dim contiguous) -> silu(gate) * up [T, I], contiguous
+    (gelu_tanh: gelu(gate, approximate="tanh") * up, Gemma's gate)."""
     num_tokens, intermediate = _checked(gate_up)
     out = torch.empty(num_tokens, intermediate, dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
@@ -65,6 +70,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             INTERMEDIATE=intermediate,
             BLOCK=BLOCK,
             FP8_OUT=False,
+            GELU_TANH=gelu_tanh,
             num_warps=4,
             **pdl_options(gate_up.device),
         )
@@ -90,6 +96,7 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
             INTERMEDIATE=intermediate,
             BLOCK=block,
             FP8_OUT=True,
+            GELU_TANH=False,
             num_warps=min(16, max(4, block // 1024)),
             **pdl_options(gate_up.device),
         )
@@ -111,3 +118,14 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """Pure torch, as transformers' LlamaMLP computes act_fn(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated activation: gelu(gate, approximate="tanh") * up, one launch (silu_and_mul's)."""
+    return silu_and_mul(gate_up, gelu_tanh=True)
+
+
+def gelu_tanh_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """Pure torch, as transformers' Gemma3MLP computes act_fn(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

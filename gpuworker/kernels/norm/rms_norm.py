@@ -3,7 +3,8 @@
 Numerics follow transformers' Llama (and gpuworker.models.layers.RMSNorm): the residual sum is
 rounded to the activation dtype as an eager `hidden + residual` would be, the norm is computed in
 float32, cast back, then multiplied by the weight in the weight's dtype. rms_norm_fp8 also quantizes
-each output row to FP8 for an FP8 projection after the norm.
+each output row to FP8 for an FP8 projection after the norm. With gemma=True, Gemma's RMSNorm
+instead: the float32 norm times (1 + weight) in float32, rounded once to the output dtype.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     FP8_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
+    GEMMA: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -65,9 +67,13 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * HIDDEN + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, 0) / HIDDEN
-    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = normed.to(tl.float32) * weight.to(tl.float32)
+    if GEMMA:  # (norm * (1 + weight)) in float32, as transformers' Gemma3RMSNorm
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+        out = (x32 * tl.rsqrt(variance + eps)) * (1.0 + weight.to(tl.float32))
+    else:
+        normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+        out = normed.to(tl.float32) * weight.to(tl.float32)
     if FP8_OUT:  # the output rounded to x's dtype (as rms_norm stores it), then quantized per row
         q, scale = fp8_codec.quantize_row(out.to(x.dtype).to(tl.float32))
         tl.store(scale_ptr + row, scale)
@@ -95,16 +101,19 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    gemma: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dimension of x [..., H] (strided views allowed, last dim contiguous).
 
     Without `residual`: returns weight * norm(x). With `residual` (same shape and dtype as x): s =
     x + residual, returns (weight * norm(s), s). Outputs are new contiguous tensors; the output dtype
-    is x's dtype promoted with the weight's, as in eager torch.
+    is x's dtype promoted with the weight's, as in eager torch. gemma: Gemma's norm, (1 + weight) *
+    norm(x) in float32, returned in x's dtype (transformers' Gemma3RMSNorm).
     """
     _check(x, weight, residual)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    residual_out = _launch(x, weight, eps, residual, out, None)
+    out_dtype = x.dtype if gemma else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    residual_out = _launch(x, weight, eps, residual, out, None, gemma)
     return out if residual is None else (out, residual_out)
 
 
@@ -131,6 +140,7 @@ def _launch(
     residual: torch.Tensor | None,
     out: torch.Tensor,
     scale: torch.Tensor | None,
+    gemma: bool = False,
 ) -> torch.Tensor:
     """One launch writing out (and, with scale, FP8 values and their row scales); returns the
     residual sum (out itself without a residual)."""
@@ -157,6 +167,7 @@ def _launch(
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         FP8_OUT=scale is not None,
+        GEMMA=gemma,
         num_warps=max(1, min(16, block // 512)),
         **pdl_options(device),
     )
@@ -185,6 +196,7 @@ def rms_norm_reference(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    gemma: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference, written as transformers' LlamaRMSNorm (plus the decoder's residual add)."""
     if residual is not None:
@@ -193,3 +205,10 @@ def rms_norm_reference(
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * x32.to(x.dtype)
     return out if residual is None else (out, x)
+
+
+def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Pure torch, as transformers' Gemma3RMSNorm: float32 norm times (1 + weight), cast back."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)

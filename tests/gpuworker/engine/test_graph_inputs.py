@@ -60,3 +60,32 @@ def test_upload_fills_every_input_and_pads_the_bucket(rows):
     )
     assert torch.index_select(inputs.ids, 0, inputs.token_index[:1]).tolist() == [501]
     assert inputs.positions[:1].tolist() == [41] and inputs.seq_lens[:1].tolist() == [42]
+
+
+def test_windowed_upload_fills_the_window_pool_inputs_too():
+    # A model with a window pool (engine.window_blocks): each block-table row holds the sequence's
+    # window table after its block table, and the sliding layers' slots have their own part.
+    inputs = GraphInputs(rows=4, max_blocks=5, device=torch.device("cpu"), windowed=True)
+    plain = GraphInputs(rows=4, max_blocks=5, device=torch.device("cpu"))
+    tables = np.array([[4, 9, 2], [7, 1, 0]], dtype=np.int32)
+    windows = np.array([[0, 6, 3], [8, 2, 0]], dtype=np.int32)
+    inputs.upload(
+        size=4,
+        known_ids=np.array([11, 12]),
+        placeholders=np.array([], dtype=np.int64),
+        sampled_rows=np.array([], dtype=np.int64),
+        positions=np.array([40, 17]),
+        slot_mapping=np.array([100, 200]),
+        seq_lens=np.array([41, 18]),
+        block_tables=tables,
+        window_slot_mapping=np.array([50, 60]),
+        window_block_tables=windows,
+    )
+    assert inputs.block_tables[:2, :3].tolist() == tables.tolist()
+    assert inputs.window_block_tables[:2, :3].tolist() == windows.tolist()
+    assert inputs.slot_mapping[:4].tolist() == [100, 200, -1, -1]
+    assert inputs.window_slot_mapping[:4].tolist() == [50, 60, -1, -1]  # padding writes nothing
+    assert inputs.window_slot_mapping.data_ptr() % 16 == 0
+    # Without a window pool the layout is as before.
+    assert plain.window_slot_mapping is None and plain.block_tables.shape == (4, 5)
+    assert plain.block_tables.is_contiguous()

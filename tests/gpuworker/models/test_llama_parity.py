@@ -12,8 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gpuworker.attention.torch_backend import TorchAttentionBackend
-from gpuworker.models.llama import LlamaForCausalLM
-from gpuworker.models.loader import load_model, load_model_config
+from gpuworker.models.loader import load_model, load_model_config, model_class
 from tests.gpuworker.checkpoints import FAMILIES, make_checkpoint
 from tests.gpuworker.models.paged_batch import PagedBatcher
 
@@ -123,12 +122,12 @@ def test_forward_has_no_data_dependent_control_flow(pair):
     """
 
     class ShapeOnlyBackend:
-        def forward(self, query, key, value, kv_cache, meta, scale, k_scale, v_scale):
+        def forward(self, query, key, value, kv_cache, meta, scale, k_scale, v_scale, **window):
             return query * scale
 
     mc = pair.mc
     with torch.device("meta"):
-        model = LlamaForCausalLM(mc, ShapeOnlyBackend())
+        model = model_class(mc)(mc, ShapeOnlyBackend())
     tokens = 7
     caches = [torch.empty(2, 4, 16, mc.num_kv_heads, mc.head_dim, device="meta") for _ in range(mc.num_layers)]
     input_ids = torch.empty(tokens, dtype=torch.int64, device="meta")
