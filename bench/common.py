@@ -299,32 +299,50 @@ def attention_heads(cfg: dict) -> tuple[int, int, int]:
 
 
 def attention_params(cfg: dict) -> int:
-    """Parameters of one layer's attention projections: q, k, v and o."""
+    """Parameters of one layer's attention projections: q, k, v and o; with latent attention
+    (DeepSeek's kv_lora_rank) the query (through its low-rank pair when q_lora_rank is set), the
+    latent and rotary-key projection, the latent's up-projection to keys and values, and o."""
     h = cfg["hidden_size"]
     nh, nkv, hd = attention_heads(cfg)
+    if cfg.get("kv_lora_rank"):
+        latent, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        qk, v = cfg["qk_nope_head_dim"] + rope, cfg["v_head_dim"]
+        q_rank = cfg.get("q_lora_rank")
+        q = h * nh * qk if not q_rank else h * q_rank + q_rank + q_rank * nh * qk
+        return q + h * (latent + rope) + latent + latent * nh * (qk - rope + v) + nh * v * h
     return h * nh * hd + 2 * h * nkv * hd + nh * hd * h
+
+
+def mlp_params_per_token(cfg: dict) -> tuple[int, int]:
+    """(dense layer MLP, sparse layer MLP) parameters one token multiplies through: of a mixture of
+    experts the router, the top-k experts and the shared experts."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    if not experts:
+        return 3 * h * i, 3 * h * i
+    expert_i = cfg.get("moe_intermediate_size") or i
+    sparse = experts * h + 3 * h * expert_i * cfg["num_experts_per_tok"]
+    if cfg.get("shared_expert_intermediate_size"):  # Qwen-MoE: one gated shared expert
+        sparse += 3 * h * cfg["shared_expert_intermediate_size"] + h
+    sparse += 3 * h * expert_i * (cfg.get("n_shared_experts") or 0)  # DeepSeek, GLM
+    return 3 * h * i, sparse
 
 
 def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
     """Bytes of weights one decode step must read: every matrix, but only one embedding row; of a
     mixture of experts, the router and the top-k experts' MLPs (a batch of one token)."""
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
-    if experts:  # every layer sparse (Mixtral, Qwen3-MoE); a shared expert counts as one more
-        expert_i = cfg.get("moe_intermediate_size") or i
-        mlp = experts * h + 3 * h * expert_i * cfg["num_experts_per_tok"]
-        if cfg.get("shared_expert_intermediate_size"):
-            mlp += 3 * h * cfg["shared_expert_intermediate_size"] + h
-    else:
-        mlp = 3 * h * i
-    per_layer = attention_params(cfg) + mlp + 2 * h
-    params = cfg["num_hidden_layers"] * per_layer + h + v * h  # + final norm + lm_head
+    h, v, layers = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    dense_mlp, sparse_mlp = mlp_params_per_token(cfg)
+    dense_layers = min(layers, cfg.get("first_k_dense_replace") or 0)  # DeepSeek, GLM: the first k dense
+    mlp = dense_layers * dense_mlp + (layers - dense_layers) * sparse_mlp
+    per_layer = attention_params(cfg) + 2 * h
+    params = layers * per_layer + mlp + h + v * h  # + final norm + lm_head
     quantization = cfg.get("quantization_config")
     if quantization is None:
         return params * bytes_per_param
     # Quantized checkpoints: the decoder's projections at FP8's byte, or INT4's half byte plus a
     # float16 scale and a uint8 zero point per 128 weights; norms and lm_head stay dense.
-    projections = cfg["num_hidden_layers"] * (per_layer - 2 * h)
+    projections = layers * (per_layer - 2 * h) + mlp
     quantized_bytes = 0.5 + 3 / 128 if quantization.get("quant_method") in ("awq", "gptq") else 1
     return int((params - projections) * bytes_per_param + projections * quantized_bytes)
 
