@@ -157,3 +157,23 @@ def test_checkpoint_k_scales_scale_the_fp8_latent_cache(case, tmp_path):
     scaled.generate(prompts, GREEDY)
     plain.generate(prompts, GREEDY)
     assert not torch.equal(scaled.runner.kv_cache.view(torch.uint8), plain.runner.kv_cache.view(torch.uint8))
+
+
+def test_the_deepseek_v2_lite_shape_builds_with_its_latent_cache_and_experts():
+    """bench/configs/deepseek-v2-lite (the benchmarks' shape): 576 cached values per token and layer,
+    layer 0 dense and the other 26 mixtures of experts; built on the meta device (no memory)."""
+    import json
+    from pathlib import Path
+
+    from gpuworker.attention.torch_backend import TorchAttentionBackend
+    from gpuworker.models.config import ModelConfig
+    from gpuworker.models.deepseek.model import DeepseekForCausalLM
+    from gpuworker.models.moe import SparseMoE
+
+    path = Path(__file__).resolve().parents[3] / "bench" / "configs" / "deepseek-v2-lite" / "config.json"
+    mc = ModelConfig.from_hf(json.loads(path.read_text()))
+    assert mc.kv_cache_layout == (1, 1, 576)
+    assert kv_cache_block_bytes(mc, 16, 2) == mc.num_layers * 16 * 576 * 2
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(mc, TorchAttentionBackend())
+    assert [isinstance(layer.mlp, SparseMoE) for layer in model.layers] == [False] + [True] * (mc.num_layers - 1)
