@@ -170,20 +170,23 @@ class ModelRunner:
     def _allocate_kv_cache(
         self, config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """The KV pool: one tensor, each layer a view [2, blocks, block_size, kv_heads, head_dim]
-        (kv_caches, in layer order). With a window pool (config.window_pool), the sliding layers'
-        views are of a second tensor of that pool's blocks (window_cache)."""
+        """The KV pool: one tensor, each layer a view [planes, blocks, block_size, heads, width]
+        (mc.kv_cache_layout: [2, ..., kv_heads, head_dim] for keys and values, [1, ..., 1, latent +
+        rope] for latent attention), kv_caches in layer order. With a window pool
+        (config.window_pool), the sliding layers' views are of a second tensor of that pool's blocks
+        (window_cache)."""
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype, device)
-        shape = (config.block_size, mc.num_kv_heads, mc.head_dim)
+        planes, heads, width = mc.kv_cache_layout
+        shape = (config.block_size, heads, width)
         sliding = [w is not None for w in mc.layer_windows] if config.window_pool else [False] * mc.num_layers
         num_sliding = sum(sliding)
         self.kv_cache = torch.zeros(
-            mc.num_layers - num_sliding, 2, config.num_kv_blocks, *shape, dtype=kv_dtype, device=device
+            mc.num_layers - num_sliding, planes, config.num_kv_blocks, *shape, dtype=kv_dtype, device=device
         )
         self.window_cache = None
         if num_sliding:
             self.window_cache = torch.zeros(
-                num_sliding, 2, config.num_window_kv_blocks, *shape, dtype=kv_dtype, device=device
+                num_sliding, planes, config.num_window_kv_blocks, *shape, dtype=kv_dtype, device=device
             )
         full, windowed = (
             iter(self.kv_cache.unbind(0)),

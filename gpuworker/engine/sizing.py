@@ -45,9 +45,10 @@ REFERENCE_STEP_WEIGHT_TOKENS = 6_979_321_856 * 8192
 
 
 def kv_cache_block_bytes(mc: ModelConfig, block_size: int, element_size: int, num_layers: int | None = None) -> int:
-    """One block of `num_layers` layers (all of mc's by default)."""
+    """One block of `num_layers` layers (all of mc's by default), each laid out as mc.kv_cache_layout."""
     layers = mc.num_layers if num_layers is None else num_layers
-    return layers * 2 * block_size * mc.num_kv_heads * mc.head_dim * element_size
+    planes, heads, width = mc.kv_cache_layout
+    return layers * planes * block_size * heads * width * element_size
 
 
 def pool_window(mc: ModelConfig) -> int | None:
@@ -84,10 +85,22 @@ def seq_activation_bytes(mc: ModelConfig) -> int:
 
 def decoder_layer_weights(mc: ModelConfig) -> int:
     """Weights every token multiplies through: q, k, v, o and the gated MLP of each layer."""
+    if mc.mla is not None:
+        return mc.num_layers * (_latent_attention_weights(mc) + 3 * mc.hidden_size * mc.intermediate_size)
     per_layer = (
         2 * mc.hidden_size * mc.q_size + 2 * mc.hidden_size * mc.kv_size + 3 * mc.hidden_size * mc.intermediate_size
     )
     return mc.num_layers * per_layer
+
+
+def _latent_attention_weights(mc: ModelConfig) -> int:
+    """One layer's latent attention projections: q (direct or through q_lora_rank), the latent and
+    rotary key, their expansion into per-head keys and values, and o."""
+    mla, hidden, heads = mc.mla, mc.hidden_size, mc.num_heads
+    q_size = heads * mla.qk_head_dim
+    q = hidden * q_size if mla.q_lora_rank is None else mla.q_lora_rank * (hidden + q_size)
+    kv = hidden * mla.cache_width + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return q + kv + heads * mla.v_head_dim * hidden
 
 
 def default_max_num_batched_tokens(mc: ModelConfig) -> int:

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpuworker.checkpoint_quantization import QuantConfig, parse_quantization
 from gpuworker.kernels.moe.grouped_routing import TOPK_METHODS, GroupedRouting
+from gpuworker.models.deepseek.config import MLAConfig, parse_mla
 
 # Per architecture: whether q/k/v and o_proj carry biases ("config" = the config's attention_bias,
 # another string = that config field, true when absent), whether q/k get a per-head RMSNorm before
@@ -33,6 +34,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
         "moe": "deepseek",
         "partial_rotary": 0.5,
     },
+    # Multi-head latent attention (models.deepseek): the attention shapes live in ModelConfig.mla.
+    "DeepseekV2ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "moe": "deepseek", "mla": True},
+    "DeepseekV3ForCausalLM": {"qkv_bias": False, "o_bias": "config", "qk_norm": False, "moe": "deepseek", "mla": True},
     # Gemma 3's text decoder: its layout (norms, activation, sliding layers, rope per layer type) is
     # parsed by models.gemma3.config into ModelConfig.gemma3.
     "Gemma3ForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "gemma3": True},
@@ -46,6 +50,8 @@ _MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 # Checkpoint names of a MoE block: its module under model.layers.N, and each expert's gate, up and
@@ -129,6 +135,8 @@ class ModelConfig:
     gemma3: Any = None
     # The checkpoint directory the weights and tokenizer are read from (set by load_model_config).
     model_path: str | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3); None for the llama-style attention.
+    mla: MLAConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -143,6 +151,14 @@ class ModelConfig:
     def rotary_width(self) -> int:
         """How many leading dims of each head rotary rotates."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(planes, heads, width) of one layer's cached token: keys and values of each KV head, or
+        with latent attention one plane of one row, the latent and the rotated shared key."""
+        if self.mla is not None:
+            return 1, 1, self.mla.cache_width
+        return 2, self.num_kv_heads, self.head_dim
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -177,7 +193,7 @@ class ModelConfig:
                 f"num_key_value_heads ({num_kv_heads})"
             )
         head_dim = config.get("head_dim") or hidden_size // num_heads
-        if head_dim % 2 != 0:
+        if head_dim % 2 != 0 and not family.get("mla"):
             raise ValueError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
         gemma3 = None
         if family.get("gemma3"):
@@ -192,12 +208,19 @@ class ModelConfig:
             raise ValueError(f"{source}: pretraining_tp must be 1, got {config['pretraining_tp']}")
 
         max_pos = need("max_position_embeddings")
-        if gemma3 is None:
+        mla, rotary_dim = None, None
+        if family.get("mla"):
+            mla = parse_mla(config, max_pos, source)
+            # Each head's query and key: the position-free part and the rotary part.
+            head_dim, num_kv_heads = mla.qk_head_dim, num_heads
+            rope_theta, rope_scaling, sliding_window = mla.rope_theta, None, None
+        elif gemma3 is None:
             rope_theta, rope_scaling = _rope(config, max_pos, source)
             sliding_window = _sliding_window(config, architecture)
         else:
             rope_theta, rope_scaling, sliding_window = gemma3.rope_theta, gemma3.rope_scaling, None
-        rotary_dim = _rotary_dim(config, family.get("partial_rotary"), head_dim, source)
+        if mla is None:
+            rotary_dim = _rotary_dim(config, family.get("partial_rotary"), head_dim, source)
         attention_bias = bool(config.get("attention_bias", False))
 
         def bias(rule: Any) -> bool:
@@ -237,6 +260,7 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             moe=_moe(config, family.get("moe"), num_layers, need, source),
             quantization=parse_quantization(config, source),
+            mla=mla,
             gemma3=gemma3,
             extra={
                 "config_max_position_embeddings": max_pos,
@@ -249,6 +273,8 @@ def _moe(config: dict[str, Any], layout: str | None, num_layers: int, need: Any,
     if layout is None:
         return None
     if layout == "deepseek":
+        if _all_dense(config, num_layers):
+            return None  # its expert fields (which transformers leaves unset then) are never used
         return deepseek_moe_config(config, num_layers, source)
     prefix, names = _MOE_LAYOUTS[layout]
     if layout == "mixtral":
@@ -382,6 +408,15 @@ def deepseek_moe_config(
         shared_expert_gated=False,
         shared_expert_name="shared_experts",
     )
+
+
+def _all_dense(config: dict[str, Any], num_layers: int) -> bool:
+    """A DeepSeek-style config whose first_k_dense_replace is every layer: no MoE at all (a larger
+    value is deepseek_moe_config's error to report)."""
+    first = config.get("first_k_dense_replace")
+    if first is None:
+        first = _DEEPSEEK_DEFAULTS.get(config.get("model_type"), {}).get("first_k_dense_replace", 0)
+    return isinstance(first, int) and not isinstance(first, bool) and first == num_layers
 
 
 def _rotary_dim(config: dict[str, Any], default_factor: float | None, head_dim: int, source: str) -> int | None:

@@ -34,6 +34,8 @@ from gpuworker.checkpoint_files import (
 )
 from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.config import ModelConfig
+from gpuworker.models.deepseek.model import DeepseekForCausalLM
+from gpuworker.models.deepseek.rotary import DeepseekRotary
 from gpuworker.models.gemma3.model import Gemma3ForCausalLM
 from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -136,7 +138,7 @@ def load_model(
             install_quantized_linears(model, mc.quantization)
     model = model.to(torch_dtype).to_empty(device=device)
     for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
+        if isinstance(module, (RotaryEmbedding, DeepseekRotary)):
             module.reset_cache()
     if load_format == "dummy":
         _fill_dummy(model, seed)
@@ -149,8 +151,10 @@ def load_model(
     return model.eval()
 
 
-def model_class(mc: ModelConfig) -> type[LlamaForCausalLM]:
+def model_class(mc: ModelConfig) -> type[LlamaForCausalLM] | type[DeepseekForCausalLM]:
     """The decoder class of mc's family."""
+    if mc.mla is not None:
+        return DeepseekForCausalLM
     return Gemma3ForCausalLM if mc.gemma3 is not None else LlamaForCausalLM
 
 
@@ -255,6 +259,12 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
             return None
         return Shard(dim, parallel.rank * length if begin is None else begin, length, size)
 
+    if isinstance(model, DeepseekForCausalLM):
+        targets.update({name: _Target(*where) for name, where in model.checkpoint_names().items()})
+        for i, layer in enumerate(model.layers):
+            if isinstance(layer.mlp, SparseMoE):
+                _add_moe(add, split, targets, f"model.layers.{i}.", layer.mlp, mc.hidden_size)
+        return targets
     first_token, tokens, _ = (0, mc.vocab_size, 0) if parallel is None else vocab_range(mc.vocab_size, parallel)
     vocab = split(0, mc.vocab_size, tokens, first_token)
     add("model.embed_tokens.weight", model.embed_tokens, 0, tokens, vocab)
