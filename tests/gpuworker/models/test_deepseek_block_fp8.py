@@ -121,3 +121,12 @@ def test_logits_equal_transformers_through_prefill_and_absorbed_decode(v3, promp
         with torch.no_grad():
             pieces.append(model.compute_logits(model(input_ids, positions, batcher.kv_caches, meta)))
     torch.testing.assert_close(torch.cat(pieces), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_tensor_parallel_is_refused_before_any_worker(v3):
+    # Block scales are not sharded: a block FP8 DeepSeek model runs on one rank.
+    import multiprocessing
+
+    with pytest.raises(ValueError, match=r"quantization: a fp8 model cannot be split over tensor_parallel_size \(2\)"):
+        LLMEngine(v3[0], tensor_parallel_size=2)
+    assert not multiprocessing.active_children()
