@@ -42,19 +42,20 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("family", "expert_parallel"),
+    ("family", "expert_parallel", "overrides"),
     [
         # q_lora_rank, grouped sigmoid routing over 16 experts, one shared expert, YaRN.
-        ("deepseek-v3-moe", "all_reduce"),
-        ("deepseek-v3-moe", "all_to_all"),
+        ("deepseek-v3-moe", "all_reduce", {}),
+        ("deepseek-v3-moe", "all_to_all", {}),
         # One q_proj, softmax greedy routing, two shared experts.
-        ("deepseek-v2-moe", "all_to_all"),
-        # Dense layers only.
-        ("deepseek-v2", "all_reduce"),
+        ("deepseek-v2-moe", "all_to_all", {}),
+        # Dense layers only; biases on q_a_proj, kv_a_proj_with_mqa (whole on each rank) and o_proj
+        # (added once after the all-reduce); a vocabulary the ranks do not split evenly.
+        ("deepseek-v3", "all_reduce", {"attention_bias": True, "vocab_size": 383}),
     ],
 )
-def test_tp2_matches_tp1(checkpoint, family, expert_parallel):
-    path = checkpoint(family)
+def test_tp2_matches_tp1(checkpoint, family, expert_parallel, overrides):
+    path = checkpoint(family, **overrides)
     expected = _generate(LLMEngine(path, max_num_batched_tokens=32))
     engine = LLMEngine(path, tensor_parallel_size=2, expert_parallel=expert_parallel, max_num_batched_tokens=32)
     try:
@@ -66,9 +67,12 @@ def test_tp2_matches_tp1(checkpoint, family, expert_parallel):
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize("family", ["deepseek-v3-moe", "deepseek-v2-moe"])
-def test_each_rank_loads_its_heads_and_the_whole_latent(checkpoint, family):
-    mc = load_model_config(checkpoint(family))
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("deepseek-v3-moe", {}), ("deepseek-v2-moe", {}), ("deepseek-v3", {"attention_bias": True})],
+)
+def test_each_rank_loads_its_heads_and_the_whole_latent(checkpoint, family, overrides):
+    mc = load_model_config(checkpoint(family, **overrides))
     whole = load_model(mc)
     ranks = [load_model(mc, parallel=ParallelContext(rank, 2)) for rank in range(2)]
     vocab = torch.cat([r.embed_tokens for r in ranks])[: mc.vocab_size]
@@ -81,8 +85,12 @@ def test_each_rank_loads_its_heads_and_the_whole_latent(checkpoint, family):
             torch.testing.assert_close(rows, getattr(attn, module).weight, **EXACT)
         torch.testing.assert_close(torch.cat([p.o_proj.weight for p in parts], dim=1), attn.o_proj.weight, **EXACT)
         for part in parts:  # per token, not per head: whole on every rank
-            torch.testing.assert_close(part.kv_a_proj_with_mqa.weight, attn.kv_a_proj_with_mqa.weight, **EXACT)
-            torch.testing.assert_close(part.kv_a_layernorm.weight, attn.kv_a_layernorm.weight, **EXACT)
+            for module in ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj", "q_a_layernorm"):
+                if getattr(attn, module) is not None:
+                    torch.testing.assert_close(getattr(part, module).weight, getattr(attn, module).weight, **EXACT)
+            for module in ("kv_a_proj_with_mqa", "o_proj"):
+                if getattr(attn, module).bias is not None:
+                    torch.testing.assert_close(getattr(part, module).bias, getattr(attn, module).bias, **EXACT)
         mlp, mlps = layer.mlp, [r.layers[i].mlp for r in ranks]
         if hasattr(mlp, "w13"):
             torch.testing.assert_close(torch.cat([p.w13 for p in mlps]), mlp.w13, **EXACT)

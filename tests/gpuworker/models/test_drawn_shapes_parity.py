@@ -67,6 +67,9 @@ def _deepseek(rng: random.Random, version: int) -> dict[str, Any]:
         "qk_rope_head_dim": rng.choice([4, 8, 16]),
         "v_head_dim": rng.choice([8, 16, 20, 32]),
         "rope_parameters": _yarn(rng) if rng.random() < 0.5 else {"rope_type": "default", "rope_theta": 10000.0},
+        # Biases on q_a_proj, kv_a_proj_with_mqa and o_proj.
+        "attention_bias": rng.choice([True, False]),
+        "tie_word_embeddings": rng.random() < 0.25,
         **_experts(rng),
     }
     if version == 2:
