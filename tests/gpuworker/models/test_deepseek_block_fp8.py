@@ -130,3 +130,32 @@ def test_tensor_parallel_is_refused_before_any_worker(v3):
     with pytest.raises(ValueError, match=r"quantization: a fp8 model cannot be split over tensor_parallel_size \(2\)"):
         LLMEngine(v3[0], tensor_parallel_size=2)
     assert not multiprocessing.active_children()
+
+
+def test_gpu_kernels_equal_the_reference_under_the_interpreter(v3, prompt, monkeypatch):
+    # The GPU path on Triton's interpreter: the block FP8 GEMM of the attention projections, dense
+    # MLP and shared experts, the block FP8 experts, the latent cache write and the absorbed MLA
+    # decode reading the dequantised kv_b_proj; the same logits as the CPU reference path.
+    from gpuworker.attention.triton_backend import TritonAttentionBackend
+    from gpuworker.models.loader import load_model_config
+    from gpuworker.models.quantization import block_fp8, block_fp8_experts
+    from tests.gpuworker.models.test_deepseek_parity import LatentBatcher
+
+    quantized, _ = v3
+    mc = load_model_config(quantized)
+    model = load_model(mc)
+
+    def logits() -> torch.Tensor:
+        batcher, pieces = LatentBatcher(mc), []
+        for chunk in [prompt[:16], *([token] for token in prompt[16:20])]:
+            input_ids, positions, meta = batcher.batch([("s", chunk)])
+            with torch.no_grad():
+                pieces.append(model.compute_logits(model(input_ids, positions, batcher.kv_caches, meta)))
+        return torch.cat(pieces)
+
+    expected = logits()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(model, "attn_backend", TritonAttentionBackend())
+    monkeypatch.setattr(block_fp8, "block_fp8_matmul_reference", block_fp8.block_fp8_matmul)
+    monkeypatch.setattr(block_fp8_experts, "experts_block_fp8_reference", block_fp8_experts.fused_moe_block_fp8)
+    torch.testing.assert_close(logits(), expected, rtol=1e-4, atol=1e-4)
