@@ -159,3 +159,22 @@ def test_gpu_kernels_equal_the_reference_under_the_interpreter(v3, prompt, monke
     monkeypatch.setattr(block_fp8, "block_fp8_matmul_reference", block_fp8.block_fp8_matmul)
     monkeypatch.setattr(block_fp8_experts, "experts_block_fp8_reference", block_fp8_experts.fused_moe_block_fp8)
     torch.testing.assert_close(logits(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_dummy_weights_of_the_right_dtypes(v3, prompt):
+    # load_format "dummy" (benchmarks of full-size shapes): FP8 values, float scales, a float kv_b_proj.
+    from gpuworker.models.loader import load_model_config
+    from tests.gpuworker.models.test_deepseek_parity import LatentBatcher
+
+    quantized, _ = v3
+    mc = load_model_config(quantized)
+    model = load_model(mc, dtype="bfloat16", load_format="dummy")
+    attn = model.layers[1].self_attn
+    assert attn.q_b_proj.weight_fp8.dtype == FP8_DTYPE and attn.kv_b_proj.weight.dtype == torch.bfloat16
+    assert attn.kv_b_proj.weight.abs().sum() > 0
+    batcher = LatentBatcher(mc)
+    input_ids, positions, meta = batcher.batch([("s", prompt)])
+    batcher.kv_caches = [cache.bfloat16() for cache in batcher.kv_caches]
+    with torch.no_grad():
+        logits = model.compute_logits(model(input_ids, positions, batcher.kv_caches, meta))
+    assert torch.isfinite(logits).all()
