@@ -44,8 +44,8 @@ def deepseek_gateway(deepseek_replica, database_url):
 
 @pytest.fixture(scope="module")
 def reference(deepseek_checkpoint):
-    """(prompt token ids, transformers' greedy tokens, their text) for MESSAGES, and the engine's
-    tokens on the same prompt."""
+    """(prompt token ids, transformers' greedy tokens each as text, their text) for MESSAGES, after
+    checking that the engine gives the same tokens on the same prompt."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -65,7 +65,7 @@ def reference(deepseek_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     [output] = engine.generate([prompt], params)
     assert output.outputs[0].token_ids == tokens  # the engine's greedy tokens are transformers'
-    return prompt, tokens, output.outputs[0].text
+    return prompt, [tokenizer.decode([token]) for token in tokens], output.outputs[0].text
 
 
 def _billed_once(request_id: str) -> None:
@@ -88,9 +88,10 @@ def test_a_deepseek_v3_replica_answers_chat_with_the_reference_tokens(deepseek_g
         "extra_body": {"ignore_eos": True},
     }
 
-    response = client.chat.completions.with_raw_response.create(**common)
+    response = client.chat.completions.with_raw_response.create(logprobs=True, **common)
     chat = response.parse()
     assert chat.choices[0].message.content == text and chat.choices[0].finish_reason == "length"
+    assert [entry.token for entry in chat.choices[0].logprobs.content] == tokens  # token for token
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(prompt), len(tokens))
 
     with client.chat.completions.with_streaming_response.create(
