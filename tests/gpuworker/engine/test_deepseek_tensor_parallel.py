@@ -54,10 +54,13 @@ def _generate(engine: LLMEngine) -> list[list[int]]:
         ("deepseek-v3", "all_reduce", {"attention_bias": True, "vocab_size": 383}),
     ],
 )
-def test_tp2_matches_tp1(checkpoint, family, expert_parallel, overrides):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_tp2_matches_tp1(checkpoint, family, expert_parallel, overrides, kv_cache_dtype):
+    # fp8: each rank's whole latent cache in FP8, quantized as the unsplit model's.
     path = checkpoint(family, **overrides)
-    expected = _generate(LLMEngine(path, max_num_batched_tokens=32))
-    engine = LLMEngine(path, tensor_parallel_size=2, expert_parallel=expert_parallel, max_num_batched_tokens=32)
+    common = {"max_num_batched_tokens": 32, "kv_cache_dtype": kv_cache_dtype}
+    expected = _generate(LLMEngine(path, **common))
+    engine = LLMEngine(path, tensor_parallel_size=2, expert_parallel=expert_parallel, **common)
     try:
         model = engine.runner.model
         assert model.parallel.world_size == 2 and model.layers[0].self_attn.num_heads == 2
