@@ -1,0 +1,26 @@
+"""What the public API keeps between requests: responses of the Responses API (`store`, the
+default), so that `previous_response_id` can continue a conversation and GET can read one back."""
+
+from django.db import models
+
+
+class StoredResponse(models.Model):
+    """One answer of POST /v1/responses, the tenant's until it deletes it or the retention
+    (GATEWAY_RESPONSES_RETENTION_DAYS) sweeps it away."""
+
+    id = models.CharField(primary_key=True, max_length=64)
+    tenant = models.ForeignKey("accounts.Tenant", on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(db_index=True)
+    # This request's input, as items (GET .../input_items lists them).
+    input_items = models.JSONField()
+    # The conversation up to and including this response's output, as items: a request naming
+    # this one as its previous_response_id continues from here (instructions are not carried).
+    history = models.JSONField()
+    # The response object as it was answered.
+    response = models.JSONField()
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "created_at"])]
+
+    def __str__(self) -> str:
+        return self.id

@@ -1,0 +1,42 @@
+"""The Responses API's store (models.StoredResponse): synchronous ORM calls, run on the gateway's
+database lanes or by the sweep task. Every read is scoped to the tenant: another tenant's id is
+as unknown as one never issued."""
+
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from controlplane.gateway.models import StoredResponse
+
+
+def stored_response_get(*, tenant_id: int, response_id: str) -> StoredResponse | None:
+    return StoredResponse.objects.filter(tenant_id=tenant_id, id=response_id, created_at__gte=_oldest()).first()
+
+
+def stored_response_save(
+    *, tenant_id: int, response_id: str, input_items: list, history: list, response: dict
+) -> StoredResponse:
+    return StoredResponse.objects.create(
+        id=response_id,
+        tenant_id=tenant_id,
+        created_at=timezone.now(),
+        input_items=input_items,
+        history=history,
+        response=response,
+    )
+
+
+def stored_response_delete(*, tenant_id: int, response_id: str) -> bool:
+    deleted, _ = StoredResponse.objects.filter(tenant_id=tenant_id, id=response_id).delete()
+    return deleted > 0
+
+
+def stored_responses_sweep(*, now: datetime) -> int:
+    deleted, _ = StoredResponse.objects.filter(created_at__lt=_oldest(now)).delete()
+    return deleted
+
+
+def _oldest(now: datetime | None = None) -> datetime:
+    """Responses created before this are past the retention (read as gone before the sweep runs)."""
+    return (now or timezone.now()) - timedelta(days=settings.GATEWAY_RESPONSES_RETENTION_DAYS)
