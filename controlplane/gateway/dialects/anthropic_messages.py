@@ -19,14 +19,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class TextBlock(_Strict):
+class _Block(BaseModel):
+    # Blocks echoed back from a response carry fields this API does not use (citations, caller).
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextBlock(_Block):
     type: Literal["text"]
     text: str
     cache_control: dict | None = None
     citations: list | None = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -34,7 +39,7 @@ class ToolUseBlock(_Strict):
     cache_control: dict | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
     content: Union[str, list[TextBlock], None] = None

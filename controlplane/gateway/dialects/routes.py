@@ -21,9 +21,11 @@ async def create_response(gw: Gateway, request: Request, request_id: str) -> Res
 
 async def create_message(gw: Gateway, request: Request, request_id: str) -> Response:
     try:
-        return await completions.serve(gw, request, request_id, path=_CHAT, dialect=AnthropicMessages())
+        response = await completions.serve(gw, request, request_id, path=_CHAT, dialect=AnthropicMessages())
     except GatewayError as error:
         raise AnthropicError(error) from None
+    response.headers["request-id"] = request_id  # Anthropic's name for it
+    return response
 
 
 async def _stored(gw: Gateway, request: Request):

@@ -9,11 +9,13 @@ import asyncio
 import json
 import os
 from decimal import Decimal
+from typing import Literal
 
 import anthropic
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel
 
 from controlplane.billing.models import CreditEntry, UsageRecord
 from controlplane.gateway.models import StoredResponse
@@ -23,6 +25,12 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 MAX_MODEL_LEN = 4096  # Qwen's tool prompt is long in one-byte tokens
 PRICE = Decimal("0.002")
+
+
+class Unit(BaseModel):
+    unit: Literal["celsius", "fahrenheit"]
+
+
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -120,11 +128,10 @@ def test_responses_create_retrieve_input_items_chain_and_delete(world):
 
 def test_responses_stream_event_sequence(world):
     client = world.client()
-    with client.responses.with_raw_response.create(
+    raw = client.responses.with_raw_response.create(
         model=world.model.public_name, input="Tell me a story", max_output_tokens=8, stream=True
-    ) as raw:
-        events = list(raw.parse())
-        request_id = raw.headers["x-request-id"]
+    )
+    events, request_id = list(raw.parse()), raw.headers["x-request-id"]
     kinds = [e.type for e in events]
     assert kinds[:4] == [
         "response.created",
@@ -145,11 +152,15 @@ def test_responses_stream_event_sequence(world):
     assert final.output_text == text and final.usage.output_tokens == 8
     assert client.responses.retrieve(final.id).output_text == text  # stored before the stream ended
 
-    # The SDK's own accumulating helper reads the same events.
-    with client.responses.stream(model=world.model.public_name, input="Once more", max_output_tokens=4) as stream:
+    # The SDK's own accumulating helper reads the same events (of a response that completes: its
+    # JSON schema ends it).
+    with client.responses.stream(
+        model=world.model.public_name, input="Which unit?", text_format=Unit, max_output_tokens=100
+    ) as stream:
         for _ in stream:
             pass
-        assert stream.get_final_response().usage.output_tokens == 4
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_parsed.unit in ("celsius", "fahrenheit")
     world.settled()
     assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 2
     assert UsageRecord.objects.filter(request_id=request_id).exists()
@@ -160,7 +171,12 @@ def test_responses_function_tool_round_trip_streamed_and_not(world):
     ask = [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]}]
     forced = {"type": "function", "name": "get_weather"}
     response = client.responses.create(
-        model=world.model.public_name, input=ask, tools=[WEATHER], tool_choice=forced, max_output_tokens=200, extra_body={"seed": 3}
+        model=world.model.public_name,
+        input=ask,
+        tools=[WEATHER],
+        tool_choice=forced,
+        max_output_tokens=200,
+        extra_body={"seed": 3},
     )
     (call,) = [item for item in response.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id
@@ -305,11 +321,16 @@ def test_anthropic_messages_create_stream_and_billing(world):
 
 def test_anthropic_stop_sequence_is_named(world):
     client = anthropic_client(world)
-    seen = client.messages.create(
-        model=world.model.public_name, max_tokens=30, messages=[{"role": "user", "content": "Hi"}], top_k=1
-    ).content[0].text
-    stop = seen[3:5]
-    assert stop  # a greedy model repeats itself: stop at a piece of what it says
+    seen = (
+        client.messages.create(
+            model=world.model.public_name, max_tokens=30, messages=[{"role": "user", "content": "Hi"}], top_k=1
+        )
+        .content[0]
+        .text
+    )
+    # Stop at a character of what the greedy model says (one that is text: the noise also makes
+    # bytes that are no UTF-8, shown as U+FFFD, which no stop string matches).
+    stop = next(ch for ch in seen if ch != "\ufffd")
     message = client.messages.create(
         model=world.model.public_name,
         max_tokens=30,
@@ -357,8 +378,9 @@ def test_anthropic_tool_use_round_trip(world):
         events = list(stream)
         final = stream.get_final_message()
     assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
-    (streamed,) = [block for block in final.content if block.type == "tool_use"]
-    assert isinstance(streamed.input, dict) and final.stop_reason == "tool_use"
+    streamed = [block for block in final.content if block.type == "tool_use"]
+    assert streamed and all(isinstance(block.input, dict) for block in streamed)
+    assert final.stop_reason == "tool_use"
 
 
 def test_anthropic_errors_are_in_anthropics_shape(world):
@@ -394,9 +416,9 @@ def test_openai_agents_sdk_runs_an_agent_with_a_tool(world):
     calls: list[dict] = []
 
     @function_tool
-    def get_weather(city: str) -> str:
-        """Forecast for a city."""
-        calls.append({"city": city})
+    def get_weather(unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Forecast for Oslo."""
+        calls.append({"unit": unit})
         return "Sunny"
 
     model = OpenAIResponsesModel(model=world.model.public_name, openai_client=world.async_client())
@@ -407,7 +429,7 @@ def test_openai_agents_sdk_runs_an_agent_with_a_tool(world):
         tools=[get_weather],
         # A random model would rarely call a tool unasked: the first turn must, then the agent
         # answers with what the tool said (tool_use_behavior stops after the first tool).
-        model_settings=ModelSettings(tool_choice="get_weather", max_tokens=100),
+        model_settings=ModelSettings(tool_choice="get_weather", max_tokens=200),
         tool_use_behavior="stop_on_first_tool",
     )
     result = asyncio.run(
