@@ -2,6 +2,8 @@
 database lanes or by the sweep task. Every read is scoped to the tenant: another tenant's id is
 as unknown as one never issued."""
 
+import json
+import re
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -9,8 +11,13 @@ from django.utils import timezone
 
 from controlplane.gateway.models import StoredResponse
 
+# What the store's ids look like (resp_ and hex); anything else is not looked up at all.
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
 
 def stored_response_get(*, tenant_id: int, response_id: str) -> StoredResponse | None:
+    if not _ID.match(response_id):
+        return None
     return StoredResponse.objects.filter(tenant_id=tenant_id, id=response_id, created_at__gte=_oldest()).first()
 
 
@@ -21,9 +28,9 @@ def stored_response_save(
         id=response_id,
         tenant_id=tenant_id,
         created_at=timezone.now(),
-        input_items=input_items,
-        history=history,
-        response=response,
+        input_items_json=json.dumps(input_items),
+        history_json=json.dumps(history),
+        response_json=json.dumps(response),
     )
 
 

@@ -85,7 +85,7 @@ def input_items(value: str | list[dict]) -> list[dict]:
                 raise bad_request(f"{where}.role: one of user, system, developer, assistant", param=f"{where}.role")
             text = _text_of(item.get("content"), f"{where}.content")
             part = _part("output_text" if role == "assistant" else "input_text", text)
-            items.append({"type": "message", "id": item.get("id") or _id("msg"), "role": role, "content": [part]})
+            items.append({"type": "message", "id": _item_id(item, "msg"), "role": role, "content": [part]})
         elif kind == "function_call":
             for name in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(name), str):
@@ -93,7 +93,7 @@ def input_items(value: str | list[dict]) -> list[dict]:
             items.append(
                 {
                     "type": "function_call",
-                    "id": item.get("id") or _id("fc"),
+                    "id": _item_id(item, "fc"),
                     "call_id": item["call_id"],
                     "name": item["name"],
                     "arguments": item["arguments"],
@@ -107,7 +107,7 @@ def input_items(value: str | list[dict]) -> list[dict]:
             items.append(
                 {
                     "type": "function_call_output",
-                    "id": item.get("id") or _id("fco"),
+                    "id": _item_id(item, "fco"),
                     "call_id": item["call_id"],
                     "output": output,
                     "status": "completed",
@@ -122,6 +122,11 @@ def input_items(value: str | list[dict]) -> list[dict]:
                 param=f"{where}.type",
             )
     return items
+
+
+def _item_id(item: dict, prefix: str) -> str:
+    given = item.get("id")
+    return given if isinstance(given, str) and 0 < len(given) <= 64 else _id(prefix)
 
 
 def _part(kind: str, text: str) -> dict:
