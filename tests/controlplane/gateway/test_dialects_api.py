@@ -120,10 +120,16 @@ def test_responses_create_retrieve_input_items_chain_and_delete(world):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+    unstored_raw = client.responses.with_raw_response.create(
+        model=world.model.public_name, input="Forget this", store=False, max_output_tokens=2
+    )
+    unstored = unstored_raw.parse()
+    assert unstored.store is False and not StoredResponse.objects.filter(id=unstored.id).exists()
     with pytest.raises(openai.NotFoundError) as caught:  # the chain's link is gone: 404, not billed
         client.responses.create(model=world.model.public_name, input="x", previous_response_id=first.id)
     assert caught.value.body["param"] == "previous_response_id"
-    billed_once(world, [raw.headers["x-request-id"], second_raw.headers["x-request-id"]])
+    request_ids = [raw, second_raw, unstored_raw]
+    billed_once(world, [r.headers["x-request-id"] for r in request_ids])
 
 
 def test_responses_stream_event_sequence(world):
@@ -406,6 +412,10 @@ def test_anthropic_errors_are_in_anthropics_shape(world):
             model="no-such-model", max_tokens=5, messages=[{"role": "user", "content": "Hi"}]
         )
     assert caught.value.body["error"]["type"] == "not_found_error"
+    too_large = httpx.post(
+        f"{world.base_url}/v1/messages", content=b"x" * (4 * 1024 * 1024 + 1), headers=headers, timeout=60
+    )
+    assert too_large.status_code == 413 and too_large.json()["error"]["type"] == "request_too_large"
     world.settled()
     assert not UsageRecord.objects.filter(tenant=world.tenant).exists()
 
