@@ -13,6 +13,10 @@ class StoredResponse(models.Model):
     id = models.CharField(primary_key=True, max_length=64)
     tenant = models.ForeignKey("accounts.Tenant", on_delete=models.CASCADE, related_name="+")
     created_at = models.DateTimeField(db_index=True)
+    # A background response is answered "queued" at once and runs on in the gateway process that
+    # took it; its row follows it to completed, incomplete, failed or cancelled.
+    background = models.BooleanField(default=False)
+    status = models.CharField(max_length=16, default="completed")
     # JSON as text, not jsonb: model output may hold NUL characters, which jsonb cannot.
     # This request's input, as items (GET .../input_items lists them).
     input_items_json = models.TextField()

@@ -167,7 +167,7 @@ _RESPONSE = {
         "id": {"type": "string"},
         "object": {"const": "response"},
         "created_at": {"type": "integer"},
-        "status": {"enum": ["completed", "incomplete", "in_progress", "failed"]},
+        "status": {"enum": ["completed", "incomplete", "queued", "in_progress", "failed", "cancelled"]},
         "model": {"type": "string"},
         "output": {"type": "array", "items": {"type": "object", "required": ["type", "id"]}},
         "previous_response_id": {"type": ["string", "null"]},
@@ -263,9 +263,9 @@ def _dialect_paths() -> dict:
         },
         "/v1/responses/{response_id}/cancel": {
             "post": stored(
-                "Cancel a background response (none are: background responses are not supported)",
+                "Cancel a background response",
                 "Response",
-                "Never answered: a 400 says background responses are not supported.",
+                "The response, cancelled unless it had finished (a 400 for one not made in the background).",
             )
         },
         "/v1/messages": {

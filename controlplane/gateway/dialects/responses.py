@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.gateway.dialects import ChatDeltas, Dialect, StreamTranslator, parsed, sse
 from controlplane.gateway.errors import GatewayError, bad_request
-from controlplane.gateway.stored_responses import stored_response_get, stored_response_save
+from controlplane.gateway.stored_responses import stored_response_finish, stored_response_get, stored_response_save
 
 logger = logging.getLogger(__name__)
 
@@ -215,12 +215,18 @@ class Responses(Dialect):
         self.items: list[dict] = []  # this request's input items
         self.history: list[dict] = []  # the stored conversation it continues
         self.tenant_id, self.gw = 0, None
+        self.translated: bytes | None = None
 
     async def translate(self, gw, grant, raw: bytes) -> bytes:
+        if self.translated is not None:  # a background response, checked before it was queued
+            return self.translated
         self.gw = gw
         request = self.request = parsed(ResponsesRequest, raw)
-        if request.background:
-            raise bad_request("background: background responses are not supported here", param="background")
+        if request.background and (request.stream or not request.store):
+            raise bad_request(
+                "background: a background response is stored and polled: not with stream, nor with store false",
+                param="background",
+            )
         self.tenant_id, self.items = grant.tenant_id, input_items(request.input)
         if request.previous_response_id:
             previous = await gw.admit_lane.run(
@@ -233,7 +239,7 @@ class Responses(Dialect):
                     param="previous_response_id",
                     code="previous_response_not_found",
                 )
-            self.history = list(previous.history)
+            self.history = previous.history
         messages = chat_messages(request.instructions, self.history + self.items)
         if not messages:
             raise bad_request("input: give the input to respond to", param="input")
@@ -250,7 +256,8 @@ class Responses(Dialect):
             "seed": request.seed,
         }
         body.update({name: value for name, value in optional.items() if value is not None})
-        return json.dumps(body).encode()
+        self.translated = json.dumps(body).encode()
+        return self.translated
 
     def response(self, status: str, output: list[dict], usage: dict | None, finish_reason: str | None = None) -> dict:
         request = self.request
@@ -260,7 +267,7 @@ class Responses(Dialect):
             "object": "response",
             "created_at": self.created_at,
             "status": "incomplete" if incomplete and status == "completed" else status,
-            "background": False,
+            "background": request.background,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": request.instructions,
@@ -286,6 +293,11 @@ class Responses(Dialect):
         if not self.request.store:
             return
         history = self.history + self.items + answer["output"]
+        if self.request.background:  # its row was stored when it was queued
+            await gw.admit_lane.run(
+                stored_response_finish, tenant_id=self.tenant_id, response_id=self.id, history=history, response=answer
+            )
+            return
         await gw.admit_lane.run(
             stored_response_save,
             tenant_id=self.tenant_id,

@@ -5,17 +5,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from controlplane.gateway import completions
+from controlplane.gateway.dialects import background
 from controlplane.gateway.dialects.anthropic_messages import AnthropicError, AnthropicMessages
 from controlplane.gateway.dialects.responses import Responses
 from controlplane.gateway.errors import GatewayError, bad_request
 from controlplane.gateway.process import Gateway
-from controlplane.gateway.stored_responses import stored_response_delete, stored_response_get
+from controlplane.gateway.request_body import read_body
+from controlplane.gateway.stored_responses import stored_response_cancel, stored_response_delete, stored_response_get
 
 _CHAT = "/v1/chat/completions"
 MAX_INPUT_ITEMS_PAGE = 100
 
 
 async def create_response(gw: Gateway, request: Request, request_id: str) -> Response:
+    raw = await read_body(request, gw.config.max_request_bytes)
+    if background.asks_background(raw):
+        return await background.start(gw, request, raw, request_id)
+    request = background.replayed(request, raw, request.receive)
     return await completions.serve(gw, request, request_id, path=_CHAT, dialect=Responses())
 
 
@@ -50,8 +56,11 @@ async def delete_response(gw: Gateway, request: Request, request_id: str) -> Res
 
 
 async def cancel_response(gw: Gateway, request: Request, request_id: str) -> Response:
-    await _stored(gw, request)
-    raise bad_request("Only a background response can be cancelled; background responses are not supported here.")
+    grant, stored = await _stored(gw, request)
+    if not stored.background:
+        raise bad_request("Only a background response can be cancelled.", code="not_background")
+    stored = await gw.admit_lane.run(stored_response_cancel, tenant_id=grant.tenant_id, response_id=stored.id)
+    return JSONResponse(stored.response, headers={"x-request-id": request_id})
 
 
 async def list_input_items(gw: Gateway, request: Request, request_id: str) -> Response:

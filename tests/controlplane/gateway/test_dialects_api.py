@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from decimal import Decimal
 from typing import Literal
 
@@ -254,8 +255,8 @@ def test_responses_unhappy_paths_are_refused_unbilled(world, dialects_gateway):
             client.responses.create(model=model, input=bad)
         assert caught.value.body["param"] == param
     with pytest.raises(openai.BadRequestError) as caught:
-        client.responses.create(model=model, input="hi", background=True)
-    assert "background" in caught.value.message
+        client.responses.create(model=model, input="hi", background=True, store=False)
+    assert caught.value.body["param"] == "background"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=model, input="hi", previous_response_id="resp_unknown")
     with pytest.raises(openai.BadRequestError):  # longer than the model's context
@@ -448,3 +449,40 @@ def test_openai_agents_sdk_runs_an_agent_with_a_tool(world):
     assert len(calls) == 1 and result.final_output == "Sunny"
     world.settled()
     assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 1
+
+
+def _until_finished(client, response_id: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while (response := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response did not finish"
+        time.sleep(0.2)
+    return response
+
+
+def test_background_response_runs_on_and_is_billed_once(world):
+    client = world.client()
+    queued = client.responses.create(model=world.model.public_name, input="Hello", max_output_tokens=5, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _until_finished(client, queued.id)
+    assert done.status == "incomplete" and done.usage.output_tokens == 5 and done.output_text
+    with pytest.raises(openai.BadRequestError):  # only a background response can be cancelled
+        client.responses.cancel(
+            client.responses.create(model=world.model.public_name, input="x", max_output_tokens=1).id
+        )
+    assert client.responses.cancel(queued.id).status == "incomplete"  # finished: cancelling changes nothing
+    world.settled()
+    assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 2
+
+
+def test_background_response_cancelled_mid_generation(world):
+    client = world.client()
+    queued = client.responses.create(
+        model=world.model.public_name, input="Go on", max_output_tokens=3000, background=True, temperature=0
+    )
+    time.sleep(1.5)
+    assert client.responses.cancel(queued.id).status == "cancelled"
+    world.settled(30)
+    (record,) = UsageRecord.objects.filter(tenant=world.tenant)
+    assert record.status == "cancelled"  # stopped as a client that left is: charged once it had started
+    assert CreditEntry.objects.filter(tenant=world.tenant, kind="usage").count() == 1
+    assert client.responses.retrieve(queued.id).status == "cancelled"

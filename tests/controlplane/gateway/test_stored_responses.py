@@ -18,10 +18,15 @@ from tests.controlplane.factories import TenantFactory
 pytestmark = pytest.mark.django_db
 
 
-def _save(tenant, response_id: str, text: str = "hi") -> StoredResponse:
+def _save(tenant, response_id: str, text: str = "hi", status: str = "completed") -> StoredResponse:
     item = {"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": text}]}
     return stored_response_save(
-        tenant_id=tenant.pk, response_id=response_id, input_items=[item], history=[item], response={"id": response_id}
+        tenant_id=tenant.pk,
+        response_id=response_id,
+        input_items=[item],
+        history=[item],
+        response={"id": response_id, "status": status},
+        background=status != "completed",
     )
 
 
@@ -29,7 +34,10 @@ def test_a_response_is_its_tenants_alone():
     mine, theirs = TenantFactory(), TenantFactory()
     _save(mine, "resp_a", text="nul \x00 and all")  # model output may hold NUL characters
     stored = stored_response_get(tenant_id=mine.pk, response_id="resp_a")
-    assert stored.response == {"id": "resp_a"} and stored.input_items[0]["content"][0]["text"] == "nul \x00 and all"
+    assert (
+        stored.response == {"id": "resp_a", "status": "completed"}
+        and stored.input_items[0]["content"][0]["text"] == "nul \x00 and all"
+    )
     assert stored_response_get(tenant_id=theirs.pk, response_id="resp_a") is None
     assert not stored_response_delete(tenant_id=theirs.pk, response_id="resp_a")
     assert stored_response_get(tenant_id=mine.pk, response_id="resp a\x00") is None  # not an id: not looked up
@@ -51,3 +59,14 @@ def test_retention_hides_then_the_sweep_deletes_old_responses(settings):
 def test_beat_runs_the_sweep(settings):
     entry = settings.CELERY_BEAT_SCHEDULE["gateway-sweep-stored-responses"]
     assert entry["task"] == sweep_stored_responses.name
+
+
+def test_the_sweep_fails_background_responses_whose_process_stopped():
+    tenant = TenantFactory()
+    _save(tenant, "resp_lost", status="queued")
+    _save(tenant, "resp_running", status="in_progress")
+    StoredResponse.objects.filter(id="resp_lost").update(created_at=timezone.now() - timedelta(days=1))
+    sweep_stored_responses()
+    lost = stored_response_get(tenant_id=tenant.pk, response_id="resp_lost")
+    assert lost.status == "failed" and lost.response["error"]["code"] == "server_error"
+    assert stored_response_get(tenant_id=tenant.pk, response_id="resp_running").status == "in_progress"
