@@ -1,6 +1,8 @@
 """The routes of the Responses and Messages APIs: POSTs go through the chat path
 (completions.serve) with their dialect; the stored responses are read and deleted here."""
 
+import logging
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -8,10 +10,12 @@ from controlplane.gateway import completions
 from controlplane.gateway.dialects import background
 from controlplane.gateway.dialects.anthropic_messages import AnthropicError, AnthropicMessages
 from controlplane.gateway.dialects.responses import Responses
-from controlplane.gateway.errors import GatewayError, bad_request
+from controlplane.gateway.errors import GatewayError, bad_request, dependency_unavailable
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.request_body import read_body
 from controlplane.gateway.stored_responses import stored_response_cancel, stored_response_delete, stored_response_get
+
+logger = logging.getLogger(__name__)
 
 _CHAT = "/v1/chat/completions"
 MAX_INPUT_ITEMS_PAGE = 100
@@ -29,6 +33,12 @@ async def create_message(gw: Gateway, request: Request, request_id: str) -> Resp
     try:
         response = await completions.serve(gw, request, request_id, path=_CHAT, dialect=AnthropicMessages())
     except GatewayError as error:
+        raise AnthropicError(error) from None
+    except Exception as exc:  # answered as app.endpoint answers it, in Anthropic's shape
+        error = dependency_unavailable(exc, gw.config.retry_after_s)
+        if error is None:
+            logger.exception("request %s failed", request_id)
+            error = GatewayError(500, "The server had an error while processing your request.", type="server_error")
         raise AnthropicError(error) from None
     response.headers["request-id"] = request_id  # Anthropic's name for it
     return response
