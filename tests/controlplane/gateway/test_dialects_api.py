@@ -432,23 +432,32 @@ def test_openai_agents_sdk_runs_an_agent_with_a_tool(world):
         calls.append({"unit": unit})
         return "Sunny"
 
-    model = OpenAIResponsesModel(model=world.model.public_name, openai_client=world.async_client())
-    agent = Agent(
-        name="forecaster",
-        instructions="Answer with the forecast.",
-        model=model,
-        tools=[get_weather],
-        # A random model would rarely call a tool unasked: the first turn must, then the agent
-        # answers with what the tool said (tool_use_behavior stops after the first tool).
-        model_settings=ModelSettings(tool_choice="get_weather", max_tokens=200),
-        tool_use_behavior="stop_on_first_tool",
-    )
-    result = asyncio.run(
-        Runner.run(agent, "Weather in Oslo?", max_turns=3, run_config=RunConfig(tracing_disabled=True))
-    )
+    def forecaster() -> Agent:  # per event loop: its client's connections belong to one
+        return Agent(
+            name="forecaster",
+            instructions="Answer with the forecast.",
+            model=OpenAIResponsesModel(model=world.model.public_name, openai_client=world.async_client()),
+            tools=[get_weather],
+            # A random model would rarely call a tool unasked: the first turn must, then the agent
+            # answers with what the tool said (tool_use_behavior stops after the first tool).
+            model_settings=ModelSettings(tool_choice="get_weather", max_tokens=200),
+            tool_use_behavior="stop_on_first_tool",
+        )
+
+    config = RunConfig(tracing_disabled=True)
+    result = asyncio.run(Runner.run(forecaster(), "Weather in Oslo?", max_turns=3, run_config=config))
     assert len(calls) == 1 and result.final_output == "Sunny"
+
+    async def streamed():  # the same run over the Responses API's stream
+        run = Runner.run_streamed(forecaster(), "Weather in Oslo?", max_turns=3, run_config=config)
+        async for _ in run.stream_events():
+            pass
+        return run
+
+    run = asyncio.run(streamed())
+    assert len(calls) == 2 and run.final_output == "Sunny"
     world.settled()
-    assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 1
+    assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 2
 
 
 def _until_finished(client, response_id: str, timeout: float = 60.0):
