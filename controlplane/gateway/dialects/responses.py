@@ -319,7 +319,10 @@ class Responses(Dialect):
                 _call_item(_id("fc"), call.get("id"), function.get("name"), function.get("arguments"), "completed")
             )
         answer = self.response("completed", output, chat.get("usage"), choice.get("finish_reason"))
-        await self.keep(gw, answer)
+        try:
+            await self.keep(gw, answer)
+        except Exception:  # the answer is served and billed: delivered regardless, not kept for later
+            logger.warning("could not store response %s", self.id, exc_info=True)
         return answer
 
     def stream(self) -> StreamTranslator:
