@@ -319,14 +319,16 @@ class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict], None] = None
+    content: Union[str, list[Any], None] = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(
+                part.get("text", "") for part in self.content if isinstance(part, dict) and part.get("type") == "text"
+            )
         return self.content or ""
 
     def images(self, index: int) -> list[ImageInput]:
@@ -400,8 +402,8 @@ class ChatCompletionRequest(_SamplingFields):
                     f"messages.{i}.tool_calls: only assistant messages carry tool calls",
                     param=f"messages.{i}.tool_calls",
                 )
-            message.template_message(i)  # tool-call arguments must be JSON
             message.images(i)  # content parts must be text or well-formed images
+            message.template_message(i)  # tool-call arguments must be JSON
         return self
 
     def images(self) -> list[ImageInput]:

@@ -24,6 +24,8 @@ from gpuworker.contract.openai_api import ImageInput, ProtocolError
 from gpuworker.replica.images import ImageLimits
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
+# data: URLs shorter than this are decoded on the event loop (a thread hop costs more).
+INLINE_DATA_URL_CHARS = 64 << 10
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 # Cloud metadata services that sit on addresses the other checks may not catch (AWS's IPv6 one,
 # Alibaba's): refused whatever the address's class.
@@ -166,5 +168,8 @@ async def _read_limited(image: ImageInput, response: httpx.Response, max_bytes: 
 async def image_bytes(image: ImageInput, limits: ImageLimits) -> bytes:
     """The bytes of one image part: its data: URL decoded or its http(s) URL fetched."""
     if image.url[:5].lower() == "data:":
-        return decode_data_url(image, limits.max_image_bytes)
+        if len(image.url) < INLINE_DATA_URL_CHARS:
+            return decode_data_url(image, limits.max_image_bytes)
+        # Megabytes of base64 take milliseconds that the event loop's other streams would wait.
+        return await asyncio.to_thread(decode_data_url, image, limits.max_image_bytes)
     return await fetch_image(image, limits)
