@@ -88,6 +88,7 @@ class RequestOutcome:
     gpu_time_s: float | None = None
     replica_id: int | None = None
     error_code: str = ""
+    image_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -379,6 +380,7 @@ def _record(
         error_code=outcome.error_code[:40] if outcome.status == UsageRecord.Status.FAILED else "",
         prompt_tokens=prompt,
         completion_tokens=completion,
+        image_count=max(0, outcome.image_count),
         time_to_first_token_ms=None if ttft is None else min(max(0, int(ttft)), total_ms),
         total_latency_ms=total_ms,
         gpu_time_s=None if outcome.gpu_time_s is None else max(0.0, float(outcome.gpu_time_s)),
@@ -399,6 +401,7 @@ _RECORD_FIELDS = (
     "num_requests",
     "prompt_tokens",
     "completion_tokens",
+    "image_count",
     "time_to_first_token_ms",
     "total_latency_ms",
     "gpu_time_s",

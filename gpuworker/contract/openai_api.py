@@ -315,6 +315,15 @@ def _content_part(part: Any, param: str, role: str) -> ImageInput | None:
     return ImageInput(f"{param}.image_url", url, detail)
 
 
+def images_refused_for(model_name: str) -> ProtocolError:
+    """The 400 for images sent to a model that takes none (the gateway's and the replica's)."""
+    return ProtocolError(
+        f"model: {model_name!r} is a text-only model and cannot take images; send text only, or use a vision model",
+        param="model",
+        code="model_not_multimodal",
+    )
+
+
 class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow")
 

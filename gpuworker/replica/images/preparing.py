@@ -9,18 +9,10 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from gpuworker.contract.openai_api import ImageInput, ProtocolError
+from gpuworker.contract.openai_api import ImageInput, ProtocolError, images_refused_for
 from gpuworker.replica.images import ImageLimits
 from gpuworker.replica.images.pool import ImagePool
 from gpuworker.replica.images.sources import image_bytes
-
-
-def refuse_images_for(model_name: str) -> ProtocolError:
-    return ProtocolError(
-        f"model: {model_name!r} is a text-only model and cannot take images; send text only, or use a vision model",
-        param="model",
-        code="model_not_multimodal",
-    )
 
 
 def check_image_count(images: list[ImageInput], limits: ImageLimits) -> None:
@@ -46,7 +38,7 @@ async def prepare_images(
     if not images:
         return []
     if preprocess is None:
-        raise refuse_images_for(model_name)
+        raise images_refused_for(model_name)
     check_image_count(images, limits)
     started = time.monotonic()
     try:

@@ -14,8 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from gpuworker.contract.openai_api import ImageInput, ProtocolError
-from gpuworker.replica.images import ImageLimits
-from gpuworker.replica.images import sources
+from gpuworker.replica.images import ImageLimits, sources
 from gpuworker.replica.images.decoding import ImageRefused, open_image, resize_to_fit
 from gpuworker.replica.images.pool import ImagePool
 from gpuworker.replica.images.preparing import prepare_images
