@@ -191,6 +191,8 @@ class EngineHolder:
             return
         self.engine, self.load_progress = engine, 1.0
         self.image_preprocessor = getattr(engine, "image_preprocessor", None)
+        if self.image_preprocessor is not None:
+            self.image_pool.warm()
         self.load_timings = {**engine.facts.load_timings, "engine_s": round(time.perf_counter() - started, 4)}
         self.engine_limits = engine.facts.limits
         if self.state == "loading":  # a drain that began meanwhile wins

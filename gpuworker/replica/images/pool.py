@@ -84,6 +84,13 @@ class ImagePool:
                 raise result
         return results
 
+    def warm(self) -> None:
+        """Start the worker processes now (a vision model's replica, at load), so the first
+        request's budget is not spent starting them."""
+        pool = self._pool()
+        for _ in range(self.workers):
+            pool.submit(int)
+
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

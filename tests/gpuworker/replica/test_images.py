@@ -303,3 +303,15 @@ def test_limits_refuse_bad_settings():
         ImageLimits(max_images=0)
     assert ImageLimits(allowed_domains=("*.Example.com",)).domain_allowed("img.example.com")
     assert not ImageLimits(allowed_domains=("example.com",)).domain_allowed("badexample.com")
+
+
+def test_a_warmed_pool_has_its_workers_running():
+    pool = ImagePool(workers=2)
+    try:
+        pool.warm()
+        deadline = time.monotonic() + 60
+        while len(pool._pool()._processes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pool._pool()._processes) == 2
+    finally:
+        pool.shutdown()
