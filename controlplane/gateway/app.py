@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from controlplane.gateway import completions, metrics
+from controlplane.gateway import batch_api, completions, metrics
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.errors import GatewayError, dependency_unavailable, model_not_found
 from controlplane.gateway.openapi import openapi_document
@@ -118,6 +118,7 @@ def build_app() -> Starlette:
             Route("/v1/models", endpoint(list_models)),
             Route("/v1/models/{model:path}", endpoint(retrieve_model)),
             *(Route(path, endpoint(served(path), counted=True), methods=["POST"]) for path in completions.ENDPOINTS),
+            *(Route(path, endpoint(handler), methods=methods) for path, handler, methods in batch_api.ROUTES),
             Route("/v1/openapi.json", openapi),
         ],
         exception_handlers={HTTPException: http_error},

@@ -1,0 +1,236 @@
+"""A batch's lines sent through the gateway's request path: the routing table, the replica choice
+and in-flight counts in shared state (so interactive requests see batch load), the upstream pool,
+and billing's holds at the batch price, each line settled with its answer in one transaction
+(batches.services). Run by a Celery task (gateway.tasks.run_batch) for one time slice under the
+batch's lease; the next slice is a new task, behind every other on the broker."""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.utils import timezone
+
+from controlplane.batches.models import Batch, BatchLine
+from controlplane.batches.selectors import batch_lines_pending, batch_model_price, batch_status
+from controlplane.batches.services import (
+    batch_claim,
+    batch_finish,
+    batch_line_hold,
+    batch_line_settle,
+    batch_release,
+    batch_validate,
+    send_run,
+)
+from controlplane.billing.holds import HoldRefused, RequestOutcome
+from controlplane.billing.models import UsageRecord
+from controlplane.fleet.services.deployments import deployment_wake
+from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.database import DatabaseLane
+from controlplane.gateway.process import shared_state
+from controlplane.gateway.replica_choice import affinity_choice, affinity_key
+from controlplane.gateway.routing import RoutingTable
+from controlplane.gateway.upstream import UpstreamError, UpstreamPool
+
+logger = logging.getLogger(__name__)
+
+_ATTEMPTS = 2  # as an interactive request: the first replica, then once more on another
+
+
+class LeaseLost(Exception):
+    """Another runner took the batch (this one was too slow to renew): stop without finishing."""
+
+
+@dataclass
+class _Run:
+    config: GatewayConfig
+    lane: DatabaseLane
+    batch: Batch
+    owner: str
+    model_id: int
+    price: object
+    routing: RoutingTable
+    shared: object
+    upstream: UpstreamPool
+
+
+async def run_batch(batch_id: int) -> str:
+    """One slice of work on the batch: "busy" (another runner has it), "more" (the next slice was
+    sent), or the batch's status once this slice ended it."""
+    lane = DatabaseLane("batch")
+    owner = uuid.uuid4().hex
+    try:
+        batch = await lane.run(batch_claim, batch_id=batch_id, owner=owner, now=timezone.now())
+        if batch is None:
+            return "busy"
+        renewing = asyncio.ensure_future(_renew(lane, batch_id, owner))
+        more = False
+        try:
+            if batch.status == Batch.Status.VALIDATING:
+                batch = await lane.run(batch_validate, batch_id=batch_id, now=timezone.now())
+            if batch.status == Batch.Status.IN_PROGRESS and timezone.now() < batch.expires_at:
+                more = await _send_lines(lane, batch, owner)
+            if not more:
+                batch = await lane.run(batch_finish, batch_id=batch_id, now=timezone.now())
+        except LeaseLost:
+            logger.warning("batch %s: another runner took it over", batch_id)
+            return "busy"
+        finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
+            await lane.run(batch_release, batch_id=batch_id, owner=owner)
+        if more:
+            send_run(batch_id)
+            return "more"
+        return batch.status
+    finally:
+        lane.close()
+
+
+async def _renew(lane: DatabaseLane, batch_id: int, owner: str) -> None:
+    while True:
+        await asyncio.sleep(settings.BATCH_LEASE_SECONDS / 3)
+        if await lane.run(batch_claim, batch_id=batch_id, owner=owner, now=timezone.now()) is None:
+            return
+
+
+async def _send_lines(lane: DatabaseLane, batch: Batch, owner: str) -> bool:
+    """Send pending lines for one slice; True when lines remain for the next."""
+    priced = await lane.run(batch_model_price, model_name=batch.model_name)
+    config = GatewayConfig.from_settings()
+    run = _Run(
+        config,
+        lane,
+        batch,
+        owner,
+        *(priced or (0, None)),
+        RoutingTable(config, lane),
+        shared_state(config),
+        UpstreamPool(connect_timeout_s=config.connect_timeout_s),
+    )
+    deadline = time.monotonic() + settings.BATCH_TASK_SLICE_SECONDS
+    concurrency = settings.BATCH_CONCURRENCY
+    try:
+        while time.monotonic() < deadline:
+            if await lane.run(batch_status, batch_id=batch.pk) != Batch.Status.IN_PROGRESS:
+                return False
+            if timezone.now() >= batch.expires_at:
+                return False
+            lines = await lane.run(batch_lines_pending, batch_id=batch.pk, limit=concurrency)
+            if not lines:
+                return False
+            if priced is None:
+                await _fail_all(run, lines, "model_not_found", f"The model {batch.model_name!r} does not exist.")
+                continue
+            model = await run.routing.model(batch.model_name)
+            if model is None or not model.ready:
+                # Scaled to zero or loading: ask for a replica, and wait for it with the lines kept.
+                await lane.run(deployment_wake, model_id=run.model_id)
+                await asyncio.sleep(config.retry_after_s)
+                continue
+            await asyncio.gather(*(_send_line(run, line, model.ready) for line in lines))
+        return True
+    finally:
+        run.upstream.close()
+        await run.shared.aclose()
+
+
+async def _fail_all(run: _Run, lines: list[BatchLine], code: str, message: str) -> None:
+    for line in lines:
+        await run.lane.run(
+            batch_line_settle,
+            line_id=line.pk,
+            outcome=None,
+            status_code=None,
+            response=None,
+            error={"code": code, "message": message},
+            now=timezone.now(),
+        )
+
+
+async def _send_line(run: _Run, line: BatchLine, replicas) -> None:
+    started = time.monotonic()
+    hold = await run.lane.run(
+        batch_line_hold,
+        line=line,
+        tenant_id=run.batch.tenant_id,
+        api_key_id=run.batch.api_key_id,
+        model_id=run.model_id,
+        price=run.price,
+        now=timezone.now(),
+    )
+    if isinstance(hold, HoldRefused):
+        await _fail_all(run, [line], "insufficient_quota", "The tenant's credit could not cover this request.")
+        return
+    status, payload, replica_id = await _answer(run, line, replicas)
+    usage = (payload or {}).get("usage") or {} if status == 200 else {}
+    outcome = RequestOutcome(
+        request_id=line.request_id,
+        # Answered: charged, as an interactive answer is. The replica refusing the request (400)
+        # or no replica answering: released unbilled, as for an interactive request.
+        status=UsageRecord.Status.COMPLETED if status == 200 else None,
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        completion_tokens=_count(usage.get("completion_tokens")),
+        total_latency_ms=int((time.monotonic() - started) * 1000),
+        gpu_time_s=usage.get("gpu_time_s"),
+        replica_id=replica_id,
+        batch=True,
+    )
+    if status == 200:
+        payload["model"] = run.batch.model_name
+    error = None
+    if status is None:
+        error = {"code": "replica_unavailable", "message": "No replica could serve the request."}
+    await run.lane.run(
+        batch_line_settle,
+        line_id=line.pk,
+        outcome=outcome,
+        status_code=status,
+        response=payload,
+        error=error,
+        now=timezone.now(),
+    )
+
+
+async def _answer(run: _Run, line: BatchLine, replicas) -> tuple[int | None, dict | None, int | None]:
+    """(status, JSON answer, replica) from the first replica that answers 200 or 400; (None, None,
+    None) when none does."""
+    body = json.dumps({**line.body, "stream": False}).encode()
+    chat = run.batch.endpoint == "/v1/chat/completions"
+    key = (
+        ""
+        if run.batch.endpoint == "/v1/embeddings"
+        else affinity_key(line.body, chat, run.config.affinity_prefix_chars)
+    )
+    tried: set[int] = set()
+    headers = {
+        "authorization": f"Bearer {run.config.worker_token}",
+        "content-type": "application/json",
+        "x-request-id": line.request_id,
+    }
+    while len(tried) < min(_ATTEMPTS, len(replicas)):
+        candidates = [replica for replica in replicas if replica.replica_id not in tried]
+        replica = await run.shared.pick(candidates, line.request_id, affinity_choice(key, candidates))
+        tried.add(replica.replica_id)
+        try:
+            async with asyncio.timeout(run.config.request_timeout_s):
+                response = await run.upstream.post(replica.endpoint_url, run.batch.endpoint, body, headers)
+                data = await response.read()
+            answer = json.loads(data)
+            if response.status in (200, 400) and isinstance(answer, dict):
+                await run.shared.finish(line.request_id, replica_id=replica.replica_id)
+                return response.status, answer, replica.replica_id
+            logger.warning(
+                "batch line %s: replica %s answered %s", line.request_id, replica.replica_id, response.status
+            )
+        except (UpstreamError, TimeoutError, ValueError) as exc:
+            logger.warning("batch line %s: replica %s failed: %s", line.request_id, replica.replica_id, exc)
+        await run.shared.finish(line.request_id, replica_id=replica.replica_id, replica_failed=True)
+    return None, None, None
+
+
+def _count(value) -> int:
+    return value if isinstance(value, int) and value >= 0 else 0
