@@ -88,7 +88,7 @@ async def files_create(gw: Gateway, request: Request, request_id: str) -> Respon
         form = await request.form(max_files=1, max_fields=4)
     except Exception as exc:  # not multipart, or malformed
         raise bad_request(f"Send the file as multipart/form-data with fields file and purpose ({exc}).") from None
-    async with form:
+    try:
         upload, purpose = form.get("file"), form.get("purpose")
         if not isinstance(upload, UploadFile):
             raise bad_request("file: attach the JSONL file to upload.", param="file")
@@ -113,6 +113,8 @@ async def files_create(gw: Gateway, request: Request, request_id: str) -> Respon
             ) from None
         except BatchRefused as exc:
             raise _refused(exc) from None
+    finally:
+        await form.close()
     return JSONResponse(file_json(file), headers={"x-request-id": request_id})
 
 
