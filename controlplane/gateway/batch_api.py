@@ -177,8 +177,11 @@ async def batches_create(gw: Gateway, request: Request, request_id: str) -> Resp
             param="endpoint",
             code="unsupported_endpoint",
         )
-    if endpoint not in BATCH_ENDPOINTS:
+    if not isinstance(endpoint, str) or endpoint not in BATCH_ENDPOINTS:
         raise bad_request(f"endpoint: must be one of {', '.join(BATCH_ENDPOINTS)}.", param="endpoint")
+    window = body.get("completion_window")
+    if not isinstance(window, str):
+        raise bad_request('completion_window: must be "24h".', param="completion_window")
     metadata = body.get("metadata")
     if metadata is not None and (
         not isinstance(metadata, dict) or len(metadata) > 16 or not all(isinstance(v, str) for v in metadata.values())
@@ -198,7 +201,7 @@ async def batches_create(gw: Gateway, request: Request, request_id: str) -> Resp
             api_key_id=grant.key_id,
             input_file=file,
             endpoint=endpoint,
-            completion_window=body.get("completion_window"),
+            completion_window=window,
             metadata=metadata,
             now=timezone.now(),
         )

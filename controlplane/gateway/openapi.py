@@ -7,6 +7,7 @@ import functools
 
 from pydantic.json_schema import models_json_schema
 
+from controlplane.gateway import batch_openapi
 from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 _REF = "#/components/schemas/{model}"
@@ -170,6 +171,7 @@ def openapi_document() -> dict:
         "ChatCompletion": _completion_schema("chat.completion"),
         "Completion": _completion_schema("text_completion"),
         "EmbeddingList": _EMBEDDING_LIST,
+        **batch_openapi.SCHEMAS,
         "ModelList": {
             "type": "object",
             "required": ["object", "data"],
@@ -232,5 +234,6 @@ def openapi_document() -> dict:
                     ),
                 }
             },
+            **batch_openapi.paths(_responses),
         },
     }

@@ -43,9 +43,18 @@ def test_the_document_describes_the_api_from_the_request_models(gateway):
     assert response.status_code == 200 and response.headers["content-type"] == "application/json"
     document = response.json()
     assert sorted((path, method) for path, item in document["paths"].items() for method in item) == [
+        ("/v1/batches", "get"),
+        ("/v1/batches", "post"),
+        ("/v1/batches/{batch_id}", "get"),
+        ("/v1/batches/{batch_id}/cancel", "post"),
         ("/v1/chat/completions", "post"),
         ("/v1/completions", "post"),
         ("/v1/embeddings", "post"),
+        ("/v1/files", "get"),
+        ("/v1/files", "post"),
+        ("/v1/files/{file_id}", "delete"),
+        ("/v1/files/{file_id}", "get"),
+        ("/v1/files/{file_id}/content", "get"),
         ("/v1/models", "get"),
         ("/v1/models/{model}", "get"),
     ]
@@ -60,7 +69,17 @@ def test_the_document_describes_the_api_from_the_request_models(gateway):
     assert error["schema"] == {"$ref": "#/components/schemas/Error"}
 
 
-OPERATIONS = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/models/{model}"]
+OPERATIONS = [
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "GET /v1/models",
+    "GET /v1/models/{model}",
+    "POST /v1/files",
+    "GET /v1/files/{file_id}",
+    "POST /v1/batches",
+    "GET /v1/batches",
+    "POST /v1/batches/{batch_id}/cancel",
+]
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
