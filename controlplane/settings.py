@@ -234,6 +234,10 @@ BATCH_MAX_FILE_BYTES = env_int("BATCH_MAX_FILE_BYTES", 200 * 1024 * 1024)
 BATCH_MAX_FILE_LINES = env_int("BATCH_MAX_FILE_LINES", 50_000)
 # Lines of one batch in flight at once: batch work fills idle capacity, it does not crowd it out.
 BATCH_CONCURRENCY = env_int("BATCH_CONCURRENCY", 4)
+# A replica with this many interactive requests in flight is sent no new batch lines until fewer
+# are (lines already sent finish). In the embedded set-up (no Redis) the Celery worker does not see
+# the web server's requests in flight, so this applies only with Redis.
+BATCH_REPLICA_BUSY_AT = env_int("BATCH_REPLICA_BUSY_AT", 1)
 # A runner works on a batch this long per task, then sends the next task (which waits behind any
 # other task on the broker): no batch holds a Celery worker for long.
 BATCH_TASK_SLICE_SECONDS = env_int("BATCH_TASK_SLICE_SECONDS", 20)

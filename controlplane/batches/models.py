@@ -7,9 +7,17 @@ import secrets
 from django.db import models
 from django.db.models import Q
 
+# A batch's id, and so the request id of each of its lines ("<batch id>:<line number>").
+BATCH_ID_PREFIX = "batch_"
+
 
 def new_public_id(prefix: str) -> str:
     return f"{prefix}{secrets.token_hex(12)}"
+
+
+def is_batch_request(request_id: str) -> bool:
+    """Whether a request id in flight is a batch line's (batch work yields to interactive requests)."""
+    return request_id.startswith(BATCH_ID_PREFIX)
 
 
 class BatchFile(models.Model):

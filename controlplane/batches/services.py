@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import F
 
 from controlplane.batches import storage
-from controlplane.batches.models import Batch, BatchFile, BatchLine, new_public_id
+from controlplane.batches.models import BATCH_ID_PREFIX, Batch, BatchFile, BatchLine, new_public_id
 from controlplane.batches.validation import BATCH_ENDPOINTS, COMPLETION_WINDOWS, check_lines
 from controlplane.billing.holds import (
     HoldRequest,
@@ -99,7 +99,7 @@ def batch_create(
         raise BatchRefused('input_file_id: the file\'s purpose must be "batch".', param="input_file_id")
     window = COMPLETION_WINDOWS[completion_window]
     batch = Batch.objects.create(
-        public_id=new_public_id("batch_"),
+        public_id=new_public_id(BATCH_ID_PREFIX),
         tenant_id=tenant_id,
         api_key_id=api_key_id,
         input_file=input_file,

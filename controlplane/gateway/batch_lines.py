@@ -38,6 +38,7 @@ from controlplane.gateway.upstream import UpstreamError, UpstreamPool
 logger = logging.getLogger(__name__)
 
 _ATTEMPTS = 2  # as an interactive request: the first replica, then once more on another
+_IDLE_POLL_S = 0.05  # how soon a runner looks again for a replica interactive traffic left idle
 
 
 class LeaseLost(Exception):
@@ -131,11 +132,22 @@ async def _send_lines(lane: DatabaseLane, batch: Batch, owner: str) -> bool:
                 await lane.run(deployment_wake, model_id=run.model_id)
                 await asyncio.sleep(config.retry_after_s)
                 continue
-            await asyncio.gather(*(_send_line(run, line, model.ready) for line in lines))
+            idle = await _idle_replicas(run, model.ready)
+            if not idle:  # interactive requests come first: wait for a replica they leave idle
+                await asyncio.sleep(_IDLE_POLL_S)
+                continue
+            await asyncio.gather(*(_send_line(run, line, idle) for line in lines))
         return True
     finally:
         run.upstream.close()
         await run.shared.aclose()
+
+
+async def _idle_replicas(run: _Run, replicas) -> tuple:
+    """The replicas with fewer interactive requests in flight than BATCH_REPLICA_BUSY_AT."""
+    counts = await run.shared.interactive_outstanding([replica.replica_id for replica in replicas])
+    busy_at = settings.BATCH_REPLICA_BUSY_AT
+    return tuple(replica for replica in replicas if counts.get(replica.replica_id, 0) < busy_at)
 
 
 async def _fail_all(run: _Run, lines: list[BatchLine], code: str, message: str) -> None:
