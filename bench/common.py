@@ -67,7 +67,10 @@ SMOKE_EXPERTS = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 128,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
 }
+SMOKE_LATENT = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
 
 
 def add_smoke_option(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +94,8 @@ def write_smoke_config(config_dir: Path, directory: Path) -> Path:
     `directory`; returns `directory`."""
     cfg = {**load_hf_config(config_dir), **SMOKE_DIMS}
     cfg |= {key: value for key, value in SMOKE_EXPERTS.items() if key in cfg}
+    if cfg.get("kv_lora_rank"):  # latent attention: one key-value head per query head
+        cfg |= SMOKE_LATENT | {"num_key_value_heads": cfg["num_attention_heads"]}
     group = (cfg.get("quantization_config") or {}).get("group_size")
     if group:  # INT4: every projection's input whole groups
         cfg["hidden_size"] = max(cfg["hidden_size"], group)
