@@ -1,6 +1,7 @@
 """The Files and Batch APIs through the official `openai` SDK, against a gateway and a real Celery
 worker (its own processes): a round trip, a bad line, a cancel, limits, tenants kept apart, and
-a 2,000-line batch whose worker is killed mid-way and started again, with every line charged once."""
+a 2,000-line batch whose Celery worker and web server are killed mid-way and started again, with
+every line charged once."""
 
 import io
 import json
@@ -87,8 +88,8 @@ def batch_gateway(replica_processes, gateway, batch_env, database_url):
     routing of the replicas), and a Celery worker for the batch work."""
     overrides = {k: batch_env[k] for k in ("BATCH_STORAGE_DIR", *BATCH_ENV)}
     server = start_gateway(database_url, batch_env["REDIS_URL"], **overrides)
-    worker = CeleryWorker(batch_env)
-    server.worker = worker
+    server.overrides = overrides
+    server.worker = CeleryWorker(batch_env)
     yield server
     server.worker.kill()
     server.stop()
@@ -250,7 +251,9 @@ def test_another_tenant_cannot_see_a_file_or_batch(batch_gateway, replicas):
     _poll(client, batch.id, _ended)
 
 
-def test_a_2000_line_batch_survives_its_worker_killed_and_charges_each_line_once(batch_gateway, replicas, batch_env):
+def test_a_2000_line_batch_survives_its_worker_and_web_server_killed_charging_each_line_once(
+    batch_gateway, replicas, batch_env, database_url
+):
     world = make_world(batch_gateway, replicas, credit=Decimal("100"))
     client = world.client()
     lines = [
@@ -266,18 +269,27 @@ def test_a_2000_line_batch_survives_its_worker_killed_and_charges_each_line_once
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
     _poll(client, batch.id, lambda b: b.request_counts.completed >= 300, timeout=600)
     batch_gateway.worker.kill()  # mid-line: holds placed, answers not yet settled
-    before = client.batches.retrieve(batch.id).request_counts.completed
+    batch_gateway.process.kill()  # and the web server
+    batch_gateway.process.wait(timeout=10)
+    before = Batch.objects.get(public_id=batch.id).completed
     assert before < 2000
     batch_gateway.worker = CeleryWorker(batch_env)
+    web = start_gateway(database_url, batch_env["REDIS_URL"], **batch_gateway.overrides)
+    client = world.client().with_options(base_url=f"{web.url}/v1")
     # What beat sends every BATCH_RESUME_INTERVAL_SECONDS; the dead runner's lease runs out first.
     beat = Celery(broker=batch_env["REDIS_URL"])
     deadline = time.monotonic() + 900
-    while not _ended(done := client.batches.retrieve(batch.id)) and time.monotonic() < deadline:
-        beat.send_task("controlplane.batches.resume")
-        time.sleep(2)
+    try:
+        while not _ended(done := client.batches.retrieve(batch.id)) and time.monotonic() < deadline:
+            beat.send_task("controlplane.batches.resume")
+            time.sleep(2)
+        custom_ids = [
+            json.loads(line)["custom_id"] for line in client.files.content(done.output_file_id).text.splitlines()
+        ]
+    finally:
+        web.stop()
     assert done.status == "completed", done
     assert (done.request_counts.completed, done.request_counts.failed) == (2000, 0)
-    custom_ids = [json.loads(line)["custom_id"] for line in client.files.content(done.output_file_id).text.splitlines()]
     assert sorted(custom_ids) == sorted(f"line-{i}" for i in range(2000))
     records = _batch_records(batch.id)
     assert records.count() == 2000
