@@ -35,6 +35,8 @@ class BatchFile(models.Model):
     lines = models.PositiveIntegerField(default=0)
     # Relative to settings.BATCH_STORAGE_DIR.
     storage_name = models.CharField(max_length=200)
+    # Deleted by the tenant: its bytes are gone, the row stays for the batches that name it.
+    deleted = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -4,11 +4,11 @@ from controlplane.batches.models import Batch, BatchFile, BatchLine
 
 
 def batch_file_get(*, tenant_id: int, public_id: str) -> BatchFile | None:
-    return BatchFile.objects.filter(tenant_id=tenant_id, public_id=public_id).first()
+    return BatchFile.objects.filter(tenant_id=tenant_id, public_id=public_id, deleted=False).first()
 
 
 def batch_files_list(*, tenant_id: int, purpose: str | None = None, limit: int = 100) -> list[BatchFile]:
-    files = BatchFile.objects.filter(tenant_id=tenant_id)
+    files = BatchFile.objects.filter(tenant_id=tenant_id, deleted=False)
     if purpose:
         files = files.filter(purpose=purpose)
     return list(files.order_by("-created_at", "-id")[:limit])

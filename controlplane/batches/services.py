@@ -3,6 +3,7 @@ on under a lease, cancelled, expired and finished with their output and error fi
 settled through billing's holds, in the same transaction that records its answer, so a line is
 charged at most once (its usage record's request_id is unique) and never lost between the two."""
 
+import itertools
 import json
 from collections.abc import Iterable
 from datetime import datetime, timedelta
@@ -13,7 +14,7 @@ from django.db.models import F
 
 from controlplane.batches import storage
 from controlplane.batches.models import BATCH_ID_PREFIX, Batch, BatchFile, BatchLine, new_public_id
-from controlplane.batches.validation import BATCH_ENDPOINTS, COMPLETION_WINDOWS, check_lines
+from controlplane.batches.validation import BATCH_ENDPOINTS, COMPLETION_WINDOWS, check_lines, requests_of
 from controlplane.billing.holds import (
     HoldRequest,
     RequestOutcome,
@@ -67,14 +68,12 @@ def batch_file_create(*, tenant_id: int, filename: str, purpose: str, chunks: It
 
 
 def batch_file_delete(*, file: BatchFile) -> None:
+    """The file's bytes go; its row stays, marked deleted, as the record of the batches it fed."""
     if file.batches.exclude(status__in=Batch.ENDED).exists():
         raise BatchRefused("This file is the input of a batch still running.", param="file_id", status=409)
+    file.deleted = True
+    file.save(update_fields=["deleted"])
     name = file.storage_name
-    if file.batches.exists():  # kept as a record of the batch; its bytes go
-        file.bytes = 0
-        file.save(update_fields=["bytes"])
-    else:
-        file.delete()
     transaction.on_commit(lambda: storage.remove(name))
 
 
@@ -155,24 +154,23 @@ def batch_validate(*, batch_id: int, now: datetime) -> Batch:
         elif checked.errors:
             batch.status, batch.failed_at, batch.errors = Batch.Status.FAILED, now, checked.errors
         else:
-            BatchLine.objects.filter(batch=batch).delete()  # a validation cut short before
-            BatchLine.objects.bulk_create(
-                (
-                    BatchLine(
-                        batch=batch,
-                        line_number=number,
-                        custom_id=custom_id,
-                        request_id=f"{batch.public_id}:{number}",
-                        body=body,
-                    )
-                    for number, custom_id, body in checked.lines
-                ),
-                batch_size=2000,
-            )
+            _record_lines(batch)
             batch.status, batch.in_progress_at = Batch.Status.IN_PROGRESS, now
-            batch.model_name, batch.total = checked.model, len(checked.lines)
+            batch.model_name, batch.total = checked.model, checked.count
         batch.save()
     return batch
+
+
+def _record_lines(batch: Batch, chunk: int = 2000) -> None:
+    """The batch's lines as rows, read from its file in chunks (never the whole file in memory)."""
+    requests = requests_of(storage.read_lines(batch.input_file.storage_name))
+    while rows := [
+        BatchLine(
+            batch=batch, line_number=number, custom_id=custom_id, request_id=f"{batch.public_id}:{number}", body=body
+        )
+        for number, custom_id, body in itertools.islice(requests, chunk)
+    ]:
+        BatchLine.objects.bulk_create(rows)
 
 
 def batch_line_hold(*, line: BatchLine, tenant_id: int, api_key_id: int | None, model_id: int, price, now: datetime):

@@ -3,7 +3,7 @@ same request sent alone (the contract's request schemas): one bad line fails the
 before anything is sent or charged."""
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from gpuworker.contract.openai_api import (
@@ -27,9 +27,10 @@ MAX_ERRORS = 100  # reported; the count of bad lines goes on past it
 
 @dataclass
 class CheckedLines:
-    """Lines as (line number, custom_id, body), or the errors that fail the batch."""
+    """How many requests a file holds and their model, or the errors that fail the batch. The
+    bodies are not kept: a file of 50,000 lines is read again to record them (`requests_of`)."""
 
-    lines: list[tuple[int, str, dict]] = field(default_factory=list)
+    count: int = 0
     errors: list[dict] = field(default_factory=list)
     model: str = ""
 
@@ -58,10 +59,18 @@ def check_lines(raw_lines: Iterable[bytes], *, endpoint: str) -> CheckedLines:
                 )
             continue
         seen.add(custom_id)
-        checked.lines.append((number, custom_id, body))
-    if not checked.lines and not checked.errors:
+        checked.count += 1
+    if not checked.count and not checked.errors:
         checked.errors.append({"code": "empty_file", "message": "The input file has no requests.", "param": None})
     return checked
+
+
+def requests_of(raw_lines: Iterable[bytes]) -> Iterator[tuple[int, str, dict]]:
+    """(line number, custom_id, body) of each request of a file `check_lines` found valid."""
+    for number, raw in enumerate(raw_lines, start=1):
+        if raw.strip():
+            line = json.loads(raw)
+            yield number, line["custom_id"], line["body"]
 
 
 def _check_line(raw: bytes, schema, endpoint: str, seen: set[str]) -> tuple[str, dict]:

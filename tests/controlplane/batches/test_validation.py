@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from controlplane.batches.validation import check_lines
+from controlplane.batches.validation import check_lines, requests_of
 
 
 def _line(custom_id="a", url="/v1/chat/completions", method="POST", **body) -> bytes:
@@ -13,9 +13,10 @@ def _line(custom_id="a", url="/v1/chat/completions", method="POST", **body) -> b
 
 
 def test_good_lines_are_kept_with_their_numbers_and_blank_lines_skipped():
-    checked = check_lines([_line("a"), b"\n", _line("b")], endpoint="/v1/chat/completions")
-    assert checked.errors == [] and checked.model == "m"
-    assert [(n, c) for n, c, _ in checked.lines] == [(1, "a"), (3, "b")]
+    raw = [_line("a"), b"\n", _line("b")]
+    checked = check_lines(raw, endpoint="/v1/chat/completions")
+    assert (checked.errors, checked.count, checked.model) == ([], 2, "m")
+    assert [(n, c, body["model"]) for n, c, body in requests_of(raw)] == [(1, "a", "m"), (3, "b", "m")]
 
 
 @pytest.mark.parametrize(

@@ -153,6 +153,8 @@ def test_a_batch_round_trip_with_the_sdk(batch_gateway, replicas):
     assert first["response"]["body"]["object"] == "chat.completion"
     assert first["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
     assert batch.id in [b.id for b in client.batches.list().data]
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)  # completed
     # Billed once per line at the batch price (half the interactive 0.002), marked as batch work.
     records = _batch_records(batch.id)
     assert records.count() == 12 and set(records.values_list("batch", "price_charged")) == {(True, Decimal("0.001"))}
@@ -160,6 +162,10 @@ def test_a_batch_round_trip_with_the_sdk(batch_gateway, replicas):
     world.tenant.credit_account.refresh_from_db()
     assert world.tenant.credit_account.balance == Decimal("10") - Decimal("0.012")
     assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(uploaded.id)
+    assert uploaded.id not in [f.id for f in client.files.list().data]
+    assert client.batches.retrieve(batch.id).input_file_id == uploaded.id  # the batch's record stays
 
 
 def test_a_bad_line_fails_the_batch_with_its_errors_and_charges_nothing(batch_gateway, replicas):
@@ -189,6 +195,8 @@ def test_a_cancel_mid_way_keeps_what_finished_charged_once(batch_gateway, replic
     )
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     _poll(client, batch.id, lambda b: b.request_counts.completed >= 10)
+    with pytest.raises(openai.ConflictError):  # the input of a batch still running
+        client.files.delete(uploaded.id)
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = _poll(client, batch.id, _ended)
     assert done.status == "cancelled" and done.cancelled_at
