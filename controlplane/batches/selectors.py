@@ -31,9 +31,12 @@ def batches_list(*, tenant_id: int, after: str | None = None, limit: int = 20) -
     return list(batches.order_by("-pk")[:limit])
 
 
-def batch_lines_pending(*, batch_id: int, limit: int) -> list[BatchLine]:
+def batch_lines_pending(*, batch_id: int, limit: int, after: int = 0) -> list[BatchLine]:
+    """Pending lines after line number `after`, in order."""
     return list(
-        BatchLine.objects.filter(batch_id=batch_id, status=BatchLine.Status.PENDING).order_by("line_number")[:limit]
+        BatchLine.objects.filter(batch_id=batch_id, status=BatchLine.Status.PENDING, line_number__gt=after).order_by(
+            "line_number"
+        )[:limit]
     )
 
 

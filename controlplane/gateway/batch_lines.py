@@ -5,6 +5,7 @@ and billing's holds at the batch price, each line settled with its answer in one
 batch's lease; the next slice is a new task, behind every other on the broker."""
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -99,7 +100,8 @@ async def _renew(lane: DatabaseLane, batch_id: int, owner: str) -> None:
 
 
 async def _send_lines(lane: DatabaseLane, batch: Batch, owner: str) -> bool:
-    """Send pending lines for one slice; True when lines remain for the next."""
+    """Send pending lines for one slice, BATCH_CONCURRENCY at a time (each sender takes the next
+    line as soon as its last one is answered); True when lines remain for the next slice."""
     priced = await lane.run(batch_model_price, model_name=batch.model_name)
     config = GatewayConfig.from_settings()
     run = _Run(
@@ -112,35 +114,69 @@ async def _send_lines(lane: DatabaseLane, batch: Batch, owner: str) -> bool:
         shared_state(config),
         UpstreamPool(connect_timeout_s=config.connect_timeout_s),
     )
+    lines = _PendingLines(lane, batch, chunk=4 * settings.BATCH_CONCURRENCY)
     deadline = time.monotonic() + settings.BATCH_TASK_SLICE_SECONDS
-    concurrency = settings.BATCH_CONCURRENCY
     try:
-        while time.monotonic() < deadline:
-            if await lane.run(batch_status, batch_id=batch.pk) != Batch.Status.IN_PROGRESS:
-                return False
-            if timezone.now() >= batch.expires_at:
-                return False
-            lines = await lane.run(batch_lines_pending, batch_id=batch.pk, limit=concurrency)
-            if not lines:
-                return False
-            if priced is None:
-                await _fail_all(run, lines, "model_not_found", f"The model {batch.model_name!r} does not exist.")
-                continue
-            model = await run.routing.model(batch.model_name)
-            if model is None or not model.ready:
-                # Scaled to zero or loading: ask for a replica, and wait for it with the lines kept.
-                await lane.run(deployment_wake, model_id=run.model_id)
-                await asyncio.sleep(config.retry_after_s)
-                continue
-            idle = await _idle_replicas(run, model.ready)
-            if not idle:  # interactive requests come first: wait for a replica they leave idle
-                await asyncio.sleep(_IDLE_POLL_S)
-                continue
-            await asyncio.gather(*(_send_line(run, line, idle) for line in lines))
-        return True
+        if priced is None:
+            while (line := await lines.take()) is not None:
+                await _fail_all(run, [line], "model_not_found", f"The model {batch.model_name!r} does not exist.")
+            return False
+        await asyncio.gather(*(_sender(run, lines, deadline) for _ in range(settings.BATCH_CONCURRENCY)))
+        return not lines.stopped and bool(await lane.run(batch_lines_pending, batch_id=batch.pk, limit=1))
     finally:
         run.upstream.close()
         await run.shared.aclose()
+
+
+class _PendingLines:
+    """The batch's pending lines in order, each handed out once per slice. Every refill (each
+    `chunk` lines) also looks for a cancel or the end of the completion window, and stops there."""
+
+    def __init__(self, lane: DatabaseLane, batch: Batch, chunk: int):
+        self._lane, self._batch, self._chunk = lane, batch, chunk
+        self._queue: collections.deque[BatchLine] = collections.deque()
+        self._after = 0  # the last line number handed out
+        self._lock = asyncio.Lock()
+        self._exhausted = False
+        self.stopped = False
+
+    async def take(self) -> BatchLine | None:
+        async with self._lock:
+            if not self._queue and not (self.stopped or self._exhausted):
+                status = await self._lane.run(batch_status, batch_id=self._batch.pk)
+                if status != Batch.Status.IN_PROGRESS or timezone.now() >= self._batch.expires_at:
+                    self.stopped = True
+                else:
+                    rows = await self._lane.run(
+                        batch_lines_pending, batch_id=self._batch.pk, after=self._after, limit=self._chunk
+                    )
+                    self._queue.extend(rows)
+                    self._exhausted = not rows
+                    self._after = rows[-1].line_number if rows else self._after
+            return self._queue.popleft() if self._queue and not self.stopped else None
+
+
+async def _sender(run: _Run, lines: _PendingLines, deadline: float) -> None:
+    while time.monotonic() < deadline and (line := await lines.take()) is not None:
+        replicas = await _idle_ready_replicas(run, deadline)
+        if replicas is None:
+            return  # the slice is over; the line stays pending for the next
+        await _send_line(run, line, replicas)
+
+
+async def _idle_ready_replicas(run: _Run, deadline: float) -> tuple | None:
+    """The model's ready replicas that interactive traffic leaves idle, once there are any; None
+    if the slice ends first. A model scaled to zero is woken, and its lines wait for it."""
+    while time.monotonic() < deadline:
+        model = await run.routing.model(run.batch.model_name)
+        if model is None or not model.ready:
+            await run.lane.run(deployment_wake, model_id=run.model_id)
+            await asyncio.sleep(min(run.config.retry_after_s, max(0.0, deadline - time.monotonic())))
+            continue
+        if idle := await _idle_replicas(run, model.ready):
+            return idle
+        await asyncio.sleep(_IDLE_POLL_S)  # interactive requests come first
+    return None
 
 
 async def _idle_replicas(run: _Run, replicas) -> tuple:
