@@ -149,6 +149,8 @@ def batch_validate(*, batch_id: int, now: datetime) -> Batch:
     checked = check_lines(storage.read_lines(batch.input_file.storage_name), endpoint=batch.endpoint)
     with transaction.atomic():
         batch = Batch.objects.select_for_update().get(pk=batch_id)
+        if batch.status not in (Batch.Status.VALIDATING, Batch.Status.CANCELLING):
+            return batch  # another runner validated it meanwhile
         if batch.status == Batch.Status.CANCELLING:
             batch.status, batch.cancelled_at = Batch.Status.CANCELLED, now
         elif checked.errors:
@@ -235,7 +237,7 @@ def batch_finish(*, batch_id: int, now: datetime) -> Batch:
     if batch.status == Batch.Status.CANCELLING:
         _fail_pending(batch, "batch_cancelled", "The batch was cancelled before this request was sent.")
         ending = Batch.Status.CANCELLED
-    elif now >= batch.expires_at:
+    elif now >= batch.expires_at and batch.lines.filter(status=BatchLine.Status.PENDING).exists():
         _fail_pending(batch, "batch_expired", "The batch expired before this request was sent.")
         ending = Batch.Status.EXPIRED
     else:

@@ -68,7 +68,10 @@ async def run_batch(batch_id: int) -> str:
         batch = await lane.run(batch_claim, batch_id=batch_id, owner=owner, now=timezone.now())
         if batch is None:
             return "busy"
-        renewing = asyncio.ensure_future(_renew(lane, batch_id, owner))
+        # Renewed on a connection of its own: a long validation on the batch's lane must not let
+        # the lease run out.
+        lease_lane = DatabaseLane("batch-lease")
+        renewing = asyncio.ensure_future(_renew(lease_lane, batch_id, owner))
         more = False
         try:
             if batch.status == Batch.Status.VALIDATING:
@@ -83,6 +86,7 @@ async def run_batch(batch_id: int) -> str:
         finally:
             renewing.cancel()
             await asyncio.gather(renewing, return_exceptions=True)
+            lease_lane.close()
             await lane.run(batch_release, batch_id=batch_id, owner=owner)
         if more:
             send_run(batch_id)

@@ -120,6 +120,20 @@ def test_an_expired_batch_keeps_what_finished_and_fails_the_rest_unbilled(tenant
     assert (tenant.credit_account.balance, tenant.credit_account.held) == (Decimal("0.996"), 0)
 
 
+def test_a_batch_whose_lines_all_finished_completes_even_past_its_window(tenant, model):
+    batch = _started_batch(tenant, 1)
+    assert _answer(batch.lines.get(), model)
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert batch_finish(batch_id=batch.pk, now=timezone.now()).status == "completed"
+
+
+def test_a_second_validation_leaves_a_started_batch_alone(tenant):
+    batch = _started_batch(tenant, 2)
+    line_ids = list(batch.lines.values_list("pk", flat=True))
+    assert batch_validate(batch_id=batch.pk, now=timezone.now()).status == "in_progress"
+    assert list(batch.lines.values_list("pk", flat=True)) == line_ids
+
+
 def test_a_line_settled_by_two_runners_is_charged_once(tenant, model):
     line = _started_batch(tenant, 1).lines.get()
     assert _answer(line, model)
