@@ -269,6 +269,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(AUTOSCALE_INTERVAL_SECONDS),
         "options": {"expires": float(AUTOSCALE_INTERVAL_SECONDS)},
     },
+    "gateway-sweep-stored-responses": {
+        "task": "controlplane.gateway.tasks.sweep_stored_responses",
+        "schedule": 3600.0,
+        "options": {"expires": 3600.0},
+    },
 }
 
 # --- The public /v1 API (controlplane.gateway) -----------------------------------------------
@@ -319,6 +324,9 @@ GATEWAY_AFFINITY_MAX_EXTRA = env_int("GATEWAY_AFFINITY_MAX_EXTRA", 4)
 GATEWAY_IDEMPOTENCY_SECONDS = env_int("GATEWAY_IDEMPOTENCY_SECONDS", 24 * 3600)
 # How often expired credit holds (from gateways that died mid-request) are settled.
 GATEWAY_HOLD_SWEEP_SECONDS = env_int("GATEWAY_HOLD_SWEEP_SECONDS", 30)
+# How long the Responses API keeps a stored response (`store`, its default) before the hourly sweep
+# deletes it; a tenant may delete one sooner (DELETE /v1/responses/{id}).
+GATEWAY_RESPONSES_RETENTION_DAYS = env_int("GATEWAY_RESPONSES_RETENTION_DAYS", 30)
 
 # --- HTTPS and cookies: on by default whenever DEBUG is off -----------------------------------
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)

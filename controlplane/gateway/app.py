@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from controlplane.gateway import batch_api, completions, metrics
 from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.dialects import routes as dialects
 from controlplane.gateway.errors import GatewayError, dependency_unavailable, model_not_found
 from controlplane.gateway.openapi import openapi_document
 from controlplane.gateway.process import Gateway
@@ -118,6 +119,12 @@ def build_app() -> Starlette:
             Route("/v1/models", endpoint(list_models)),
             Route("/v1/models/{model:path}", endpoint(retrieve_model)),
             *(Route(path, endpoint(served(path), counted=True), methods=["POST"]) for path in completions.ENDPOINTS),
+            Route("/v1/responses", endpoint(dialects.create_response, counted=True), methods=["POST"]),
+            Route("/v1/responses/{response_id}", endpoint(dialects.retrieve_response), methods=["GET"]),
+            Route("/v1/responses/{response_id}", endpoint(dialects.delete_response), methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", endpoint(dialects.cancel_response), methods=["POST"]),
+            Route("/v1/responses/{response_id}/input_items", endpoint(dialects.list_input_items), methods=["GET"]),
+            Route("/v1/messages", endpoint(dialects.create_message, counted=True), methods=["POST"]),
             *(Route(path, endpoint(handler), methods=methods) for path, handler, methods in batch_api.ROUTES),
             Route("/v1/openapi.json", openapi),
         ],

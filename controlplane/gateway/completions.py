@@ -15,8 +15,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from controlplane.gateway.body_check import BodyError
+from controlplane.gateway.body_check import BodyError, CheckedBody
 from controlplane.gateway.cold_start import cold_start_header
+from controlplane.gateway.dialects import Dialect, StreamTranslator
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
@@ -43,11 +44,16 @@ ENDPOINTS = {
 }
 
 
-async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) -> Response:
+async def serve(
+    gw: Gateway, request: Request, request_id: str, *, path: str, dialect: Dialect | None = None
+) -> Response:
+    """`dialect`: the request is in another API's shape, translated into a chat completion's
+    (`path` is then /v1/chat/completions) and its answer back."""
     schema, for_embeddings = ENDPOINTS[path]
-    chat = schema is ChatCompletionRequest
     raw = await read_body(request, gw.config.max_request_bytes)  # bounded before any other work
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.authenticate((dialect or _OPENAI).authorization(request))
+    if dialect is not None:
+        raw = await dialect.translate(gw, grant, raw)
     admission = None
     if not gw.bodies.parses_inline(raw):
         # Parsing a large body is work the key's limits admit, as they admit its tokens: it counts
@@ -107,34 +113,7 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
                     first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas))
                 flight.replica_id = first.replica_id
                 headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
-                if checked.stream:
-                    return await _unless_client_leaves(
-                        gw,
-                        request,
-                        flight,
-                        replicas,
-                        stream=True,
-                        work=_stream(
-                            gw,
-                            flight,
-                            replicas,
-                            first,
-                            path,
-                            checked.upstream_body,
-                            key,
-                            headers,
-                            chat=chat,
-                            include_usage=checked.include_usage,
-                        ),
-                    )
-                response = await _unless_client_leaves(
-                    gw,
-                    request,
-                    flight,
-                    replicas,
-                    stream=False,
-                    work=_complete(gw, flight, replicas, first, path, raw, key, headers),
-                )
+                response = await _served(gw, request, flight, replicas, first, path, raw, checked, headers, dialect)
                 if idempotency and response.status_code == 200:
                     try:
                         await gw.shared.idempotency_store(
@@ -163,6 +142,54 @@ async def serve(gw: Gateway, request: Request, request_id: str, *, path: str) ->
             # Admitted, then refused before its flight began (a bad body, an unknown model): its
             # slots are freed here, as a flight's end would.
             await _release_admitted(gw, grant, request_id)
+
+
+_OPENAI = Dialect()  # the API's own: only its authorization is asked for
+
+
+async def _served(
+    gw: Gateway,
+    request: Request,
+    flight: Flight,
+    replicas: tuple[ReplicaRoute, ...],
+    first: ReplicaRoute,
+    path: str,
+    raw: bytes,
+    checked: CheckedBody,
+    headers: dict[str, str],
+    dialect: Dialect | None,
+) -> Response | StreamRelay:
+    """The answer (a whole one, or a stream from its first token on), in the dialect's shape."""
+    chat, key = ENDPOINTS[path][0] is ChatCompletionRequest, checked.affinity_key
+    if checked.stream:
+        translator = dialect.stream() if dialect is not None else None
+        work = _stream(
+            gw,
+            flight,
+            replicas,
+            first,
+            path,
+            checked.upstream_body,
+            key,
+            headers,
+            chat=chat,
+            include_usage=checked.include_usage and translator is None,
+            translator=translator,
+        )
+        response = await _unless_client_leaves(gw, request, flight, replicas, stream=True, work=work)
+    else:
+        work = _complete(gw, flight, replicas, first, path, raw, key, headers)
+        response = await _unless_client_leaves(gw, request, flight, replicas, stream=False, work=work)
+    if dialect is None or isinstance(response, StreamRelay) or response.status_code == 499:
+        return response
+    answer = json.loads(response.body)
+    if response.status_code != 200:  # the replica refused the request: said in the dialect's words
+        error = answer["error"]
+        raise GatewayError(
+            response.status_code, error.get("message", ""), param=error.get("param"), code=error.get("code")
+        )
+    body = json.dumps(await dialect.answer(gw, flight.grant, answer)).encode()
+    return Response(body, headers=headers, media_type="application/json")
 
 
 def _invalid(error: BodyError) -> GatewayError:
@@ -419,6 +446,7 @@ async def _stream(
     *,
     chat: bool,
     include_usage: bool,
+    translator: StreamTranslator | None = None,
 ) -> Response | StreamRelay:
     tried: set[int] = set()
     deadline = _deadline(gw, flight)
@@ -454,7 +482,7 @@ async def _stream(
         except asyncio.CancelledError:  # the client left (see _unless_client_leaves)
             await events.aclose()
             raise
-        return StreamRelay(flight, events, buffered, headers, include_usage, deadline)
+        return StreamRelay(flight, events, buffered, headers, include_usage, deadline, translator)
     error = _no_replica(gw, flight, bool(tried))
     await flight.end(FAILED if tried else None, error_code=error.code)
     raise error

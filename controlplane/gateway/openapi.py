@@ -7,6 +7,8 @@ import functools
 
 from pydantic.json_schema import models_json_schema
 
+from controlplane.gateway.dialects.anthropic_messages import MessagesRequest
+from controlplane.gateway.dialects.responses import ResponsesRequest
 from controlplane.gateway import batch_openapi
 from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
@@ -158,10 +160,139 @@ def _completion_operation(summary: str, request: str, response: str) -> dict:
     }
 
 
+# The Responses API's objects (what its answers and its store hold).
+_RESPONSE = {
+    "type": "object",
+    "required": ["id", "object", "created_at", "status", "model", "output"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "response"},
+        "created_at": {"type": "integer"},
+        "status": {"enum": ["completed", "incomplete", "queued", "in_progress", "failed", "cancelled"]},
+        "model": {"type": "string"},
+        "output": {"type": "array", "items": {"type": "object", "required": ["type", "id"]}},
+        "previous_response_id": {"type": ["string", "null"]},
+    },
+}
+_RESPONSE_DELETED = {
+    "type": "object",
+    "required": ["id", "object", "deleted"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "response.deleted"}, "deleted": {"const": True}},
+}
+_INPUT_ITEM_LIST = {
+    "type": "object",
+    "required": ["object", "data", "has_more"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {"type": "array", "items": {"type": "object", "required": ["type", "id"]}},
+        "has_more": {"type": "boolean"},
+    },
+}
+# Anthropic's message and error shapes (/v1/messages answers in them).
+_MESSAGE = {
+    "type": "object",
+    "required": ["id", "type", "role", "content", "model", "stop_reason", "usage"],
+    "properties": {
+        "type": {"const": "message"},
+        "role": {"const": "assistant"},
+        "content": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+        "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+    },
+}
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+_RESPONSE_ID = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+
+
+def _dialect_paths() -> dict:
+    """The Responses API's and the Messages API's operations."""
+    streamed = "; with `stream: true`, server-sent events (named by their `type`)."
+
+    def ok(description: str, schema: str, stream: bool = False) -> dict:
+        content = {JSON: {"schema": _ref(schema)}, **({EVENT_STREAM: {"schema": _SSE_EVENT}} if stream else {})}
+        return {"description": description, "content": content}
+
+    def stored(summary: str, schema: str, description: str, **extra) -> dict:
+        return {
+            "summary": summary,
+            "parameters": [_RESPONSE_ID],
+            "responses": _responses(ok(description, schema)),
+            **extra,
+        }
+
+    anthropic_errors = {
+        status: {"description": text, "content": {JSON: {"schema": _ref("AnthropicError")}}}
+        for status, text in _ERRORS.items()
+        if status != "409"
+    }
+    return {
+        "/v1/responses": {
+            "post": {
+                "summary": "Create a response (OpenAI's Responses API)",
+                "requestBody": {"required": True, "content": {JSON: {"schema": _ref("ResponsesRequest")}}},
+                "responses": _responses(ok("The response" + streamed, "Response", stream=True)),
+            }
+        },
+        "/v1/responses/{response_id}": {
+            "get": stored("A stored response", "Response", "The response."),
+            "delete": stored("Delete a stored response", "ResponseDeleted", "Deleted."),
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": stored(
+                "A stored response's input items",
+                "InputItemList",
+                "The items, newest first unless `order=asc`.",
+            )
+            | {
+                "parameters": [
+                    _RESPONSE_ID,
+                    {"name": "limit", "in": "query", "required": False, "schema": {"type": "integer"}},
+                    {"name": "order", "in": "query", "required": False, "schema": {"enum": ["asc", "desc"]}},
+                    {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}},
+                ]
+            },
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": stored(
+                "Cancel a background response",
+                "Response",
+                "The response, cancelled unless it had finished (a 400 for one not made in the background).",
+            )
+        },
+        "/v1/messages": {
+            "post": {
+                "summary": "Create a message (Anthropic's Messages API)",
+                "security": [{"bearer": []}, {"x-api-key": []}],
+                "parameters": [
+                    {"name": "anthropic-version", "in": "header", "required": False, "schema": {"type": "string"}}
+                ],
+                "requestBody": {"required": True, "content": {JSON: {"schema": _ref("MessagesRequest")}}},
+                "responses": {"200": ok("The message" + streamed, "Message", stream=True), **anthropic_errors},
+            }
+        },
+    }
+
+
 @functools.cache
 def openapi_document() -> dict:
     _, definitions = models_json_schema(
-        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"), (EmbeddingRequest, "validation")],
+        [
+            (ChatCompletionRequest, "validation"),
+            (CompletionRequest, "validation"),
+            (EmbeddingRequest, "validation"),
+            (ResponsesRequest, "validation"),
+            (MessagesRequest, "validation"),
+        ],
         ref_template=_REF,
     )
     schemas = {
@@ -171,6 +302,11 @@ def openapi_document() -> dict:
         "ChatCompletion": _completion_schema("chat.completion"),
         "Completion": _completion_schema("text_completion"),
         "EmbeddingList": _EMBEDDING_LIST,
+        "Response": _RESPONSE,
+        "ResponseDeleted": _RESPONSE_DELETED,
+        "InputItemList": _INPUT_ITEM_LIST,
+        "Message": _MESSAGE,
+        "AnthropicError": _ANTHROPIC_ERROR,
         **batch_openapi.SCHEMAS,
         "ModelList": {
             "type": "object",
@@ -185,7 +321,8 @@ def openapi_document() -> dict:
             "title": "gpuserve /v1",
             "version": "1",
             "description": (
-                "The OpenAI-compatible API: chat and text completions, embeddings, and the models this key may use."
+                "The OpenAI-compatible API: chat and text completions, embeddings, the Responses API, and the "
+                "models this key may use; and Anthropic's Messages API."
             ),
         },
         "servers": [{"url": "/"}],
@@ -193,7 +330,13 @@ def openapi_document() -> dict:
         "components": {
             "schemas": schemas,
             "securitySchemes": {
-                "bearer": {"type": "http", "scheme": "bearer", "description": "An API key of the tenant's."}
+                "bearer": {"type": "http", "scheme": "bearer", "description": "An API key of the tenant's."},
+                "x-api-key": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "x-api-key",
+                    "description": "An API key of the tenant's, as Anthropic's clients send it (/v1/messages).",
+                },
             },
         },
         "paths": {
@@ -234,6 +377,7 @@ def openapi_document() -> dict:
                     ),
                 }
             },
+            **_dialect_paths(),
             **batch_openapi.paths(_responses),
         },
     }

@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from controlplane.gateway import metrics
+from controlplane.gateway.dialects import StreamTranslator
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.upstream import UpstreamError
@@ -65,8 +66,10 @@ class StreamRelay:
         headers: dict[str, str],
         include_usage: bool,
         deadline: float,
+        translator: StreamTranslator | None = None,
     ):
         self.flight, self.events, self.buffered = flight, events, buffered
+        self.translator = translator  # another dialect's events for the chat chunks
         self.headers, self.include_usage, self.deadline = headers, include_usage, deadline
         self.rename = _rename(buffered, flight.model.public_name)
         self.usage: dict | None = None
@@ -140,7 +143,12 @@ class StreamRelay:
                     f"{self.flight.request_id})."
                 )
                 error_code = "replica_failed"
-            await send({"type": "http.response.body", "body": error_event(message, error_code), "more_body": False})
+            event = (
+                error_event(message, error_code)
+                if self.translator is None
+                else self.translator.failed(message, error_code)
+            )
+            await send({"type": "http.response.body", "body": event, "more_body": False})
         finally:
             await events.aclose()  # closes the upstream connection unless the stream completed
             if not self.flight.settled:
@@ -161,11 +169,17 @@ class StreamRelay:
             # Redis before these last bytes are even written.
             self.flight.release_soon()
             self.ended.append("complete")
-            body = b""
-            if self.include_usage and self.usage is not None:
-                self.usage_event["usage"] = {**self.usage, "cost": float(self.flight.cost)}
-                body = b"data: " + json.dumps(self.usage_event).encode() + b"\n\n"
-            await send({"type": "http.response.body", "body": body + b"data: [DONE]\n\n", "more_body": False})
+            if self.translator is not None:
+                usage = None if self.usage is None else {**self.usage, "cost": float(self.flight.cost)}
+                body = self.translator.finish(usage)
+                await self.translator.completed()  # kept before the client can ask for it
+            else:
+                body = b""
+                if self.include_usage and self.usage is not None:
+                    self.usage_event["usage"] = {**self.usage, "cost": float(self.flight.cost)}
+                    body = b"data: " + json.dumps(self.usage_event).encode() + b"\n\n"
+                body += b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": body, "more_body": False})
             await self.flight.settle(COMPLETED, self.usage, completion_tokens=self.token_events)
             return True
         if data.startswith(b'{"error"'):
@@ -179,6 +193,10 @@ class StreamRelay:
                 self.usage, self.usage_event = event["usage"], event
                 return False
         self.token_events += 1
+        if self.translator is not None:
+            if body := self.translator.chunk(json.loads(data)):
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            return False
         if self.rename is not None:
             data = data.replace(*self.rename, 1)
         await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})

@@ -259,18 +259,15 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
             return None
         return Shard(dim, parallel.rank * length if begin is None else begin, length, size)
 
-    if isinstance(model, DeepseekForCausalLM):
-        targets.update({name: _Target(*where) for name, where in model.checkpoint_names().items()})
-        for i, layer in enumerate(model.layers):
-            if isinstance(layer.mlp, SparseMoE):
-                _add_moe(add, split, targets, f"model.layers.{i}.", layer.mlp, mc.hidden_size)
-        return targets
     first_token, tokens, _ = (0, mc.vocab_size, 0) if parallel is None else vocab_range(mc.vocab_size, parallel)
     vocab = split(0, mc.vocab_size, tokens, first_token)
     add("model.embed_tokens.weight", model.embed_tokens, 0, tokens, vocab)
     add("model.norm.weight", model.norm.weight)
     if model.lm_head is not None:
         add("lm_head.weight", model.lm_head, 0, tokens, vocab)
+    if isinstance(model, DeepseekForCausalLM):
+        _add_deepseek_layers(add, split, targets, model)
+        return targets
     hd = mc.head_dim
     first_kv, num_kv = (0, mc.num_kv_heads) if parallel is None else kv_head_range(mc, parallel)
     for i, layer in enumerate(model.layers):
@@ -297,6 +294,50 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
             if hasattr(layer, norm):
                 add(f"{prefix}{norm}.weight", getattr(layer, norm).weight)
     return targets
+
+
+def _add_deepseek_layers(
+    add: Callable[..., None],
+    split: Callable[..., Shard | None],
+    targets: dict[str, _Target | None],
+    model: DeepseekForCausalLM,
+) -> None:
+    """DeepSeek's decoder layers: latent attention split by heads (q_proj or q_b_proj and kv_b_proj
+    by rows, o_proj by columns; q_a_proj, kv_a_proj_with_mqa and the latent norms whole on every
+    rank), then the dense MLP or the experts. Quantized projections load through their own modules."""
+    mc = model.config
+    mla = mc.mla
+    for i, layer in enumerate(model.layers):
+        prefix, attn = f"model.layers.{i}.", layer.self_attn
+        heads = attn.num_heads
+
+        def head_rows(width: int) -> Shard | None:
+            return split(0, mc.num_heads * width, heads * width)
+
+        per_head = {
+            "q_proj": head_rows(mla.qk_head_dim),
+            "q_b_proj": head_rows(mla.qk_head_dim),
+            "kv_b_proj": head_rows(mla.qk_nope_head_dim + mla.v_head_dim),
+            "o_proj": split(1, mc.num_heads * mla.v_head_dim, heads * mla.v_head_dim),
+        }
+        for module in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            linear = getattr(attn, module)
+            if linear is None:
+                continue
+            if not isinstance(linear, QuantizedLinear):
+                add(f"{prefix}self_attn.{module}.weight", linear.weight, shard=per_head.get(module))
+            # Biases only on the whole (q_a, kv_a) and row-parallel (o) projections: never split.
+            add(f"{prefix}self_attn.{module}.bias", linear.bias)
+        for norm in ("q_a_layernorm", "kv_a_layernorm"):
+            if getattr(attn, norm) is not None:
+                add(f"{prefix}self_attn.{norm}.weight", getattr(attn, norm).weight)
+        if isinstance(layer.mlp, SparseMoE):
+            _add_moe(add, split, targets, prefix, layer.mlp, mc.hidden_size)
+        else:
+            for kind in ("weight", "bias"):
+                _add_gated_mlp(add, split, f"{prefix}mlp.", layer.mlp, kind, mc.intermediate_size)
+        add(f"{prefix}input_layernorm.weight", layer.input_layernorm.weight)
+        add(f"{prefix}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
 
 
 def _add_gated_mlp(

@@ -145,6 +145,11 @@ def plan_chat(prompts: PromptTokenizer, request: ChatCompletionRequest) -> Reque
     return RequestPlan(request, prompt, params, tool_parsing)
 
 
+def _stop_string(choice: CompletionOutput) -> dict:
+    """`stop_reason`: the stop string that ended the choice (vLLM's field), when one did."""
+    return {"stop_reason": choice.stop_reason} if isinstance(choice.stop_reason, str) else {}
+
+
 def _finish_reason(choice: CompletionOutput, made_calls: bool) -> str | None:
     # OpenAI says "tool_calls" when the model stopped after calling; a cut-off reply stays "length".
     return "tool_calls" if made_calls and choice.finish_reason == "stop" else choice.finish_reason
@@ -222,6 +227,7 @@ class Responder:
                     finish_reason = _finish_reason(c, bool(parsed.tool_calls))
                 choices.append(
                     {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+                    | _stop_string(c)
                 )
             else:
                 text = (output.prompt or "") + c.text if self.parsed.echo else c.text
@@ -325,6 +331,7 @@ class Responder:
                                 "logprobs": logprobs,
                                 "finish_reason": c.finish_reason,
                             }
+                            | _stop_string(c)
                         )
                     else:
                         choices.append(

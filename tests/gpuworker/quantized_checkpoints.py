@@ -31,9 +31,12 @@ FP8_MAX = 448.0
 _PROJECTION = re.compile(r"^(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj))\.weight$")
 # Block FP8 also quantizes MoE experts and shared experts (routers stay dense).
 _BLOCK_PROJECTION = re.compile(
-    r"^(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.|shared_experts?\.)?(gate|up|down)_proj"
+    r"^(model\.layers\.\d+\.(self_attn\.(?:[qkvo]_proj|q_[ab]_proj|kv_b_proj|kv_a_proj_with_mqa)|mlp\.(experts\.\d+\.|shared_experts?\.)?(gate|up|down)_proj"
     r"|block_sparse_moe\.experts\.\d+\.w[123]))\.weight$"
 )
+# Block FP8 projections the engine widens to float at load, whose inputs it does not round: DeepSeek's
+# kv_b_proj, which the absorbed latent attention splits per head (models.quantization.block_fp8).
+DEQUANTISED_AT_LOAD = ("kv_b_proj",)
 # AutoAWQ packs the eight columns of a word in this order: nibble i holds column ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -62,12 +65,18 @@ def make_quantized_checkpoint(
     tmp_path: str | Path, scheme: str, family: str = "llama", *, seed: int = 0, **overrides: Any
 ) -> tuple[Path, Path]:
     """(quantized checkpoint directory, dequantised float32 twin directory) under tmp_path."""
-    from safetensors.torch import load_file, save_file
 
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
     root = Path(tmp_path) / scheme
     source = make_checkpoint(root / "float", family, seed=seed, **{**QUANTIZABLE_SHAPE, **overrides})
+    return quantize_checkpoint(source, root, scheme)
+
+
+def quantize_checkpoint(source: Path, root: Path, scheme: str) -> tuple[Path, Path]:
+    """(quantized, dequantised twin) directories under root of the float checkpoint `source`."""
+    from safetensors.torch import load_file, save_file
+
     [weights_file] = source.glob("*.safetensors")
     tensors = load_file(str(weights_file))
     quantized: dict[str, torch.Tensor] = {}
@@ -267,9 +276,13 @@ def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str, *, read_quant
             if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):  # fused MoE experts
                 module.forward = _block_fp8_experts_forward(module, group)
     for name, module in model.named_modules():
-        match = re.fullmatch(r"(model\.layers\.\d+\.(?:self_attn|mlp(?:\.shared_experts?)?))\.(\w+_proj)", name)
+        match = re.fullmatch(
+            r"(model\.layers\.\d+\.(?:self_attn|mlp(?:\.shared_experts?)?))\.(\w+_proj(?:_with_mqa)?)", name
+        )
         if match is None or (group is not None and f"{name}.weight_scale_inv" not in tensors):
             continue  # not a projection, or one the block FP8 checkpoint leaves in float
+        if match.group(2) in DEQUANTISED_AT_LOAD:
+            continue
         static = None
         if scheme.endswith("static"):
             parent, proj = match.groups()

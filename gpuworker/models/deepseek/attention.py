@@ -9,6 +9,11 @@ latent itself, attention runs over the cache rows directly (the Triton MLA decod
 torch reference), and the latent result times W_UV (kv_b_proj's value rows) is each head's value.
 Nothing in the decode path reads a device value on the host. An FP8 cache (kv_cache_dtype "fp8")
 holds the row divided by the layer's k_scale, widened back as it is read.
+
+Under tensor parallelism a rank holds its num_heads / N heads: its rows of q_proj (or q_b_proj) and
+kv_b_proj and its columns of o_proj (row-parallel, joined by an all-reduce). The latent and the
+rotary key are per token, not per head, so q_a_proj, kv_a_proj_with_mqa and the paged latent cache
+are whole on every rank.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from gpuworker.kernels.quant.kv_cache import dequantize_kv
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.deepseek.rotary import DeepseekRotary
 from gpuworker.models.layers import Linear, RMSNorm
+from gpuworker.models.tensor_parallel import ParallelContext, RowParallelLinear
 
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV2RMSNorm's default eps, not
 # the config's rms_norm_eps.
@@ -53,7 +59,8 @@ def attend_expanded(
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: DeepseekRotary) -> None:
+    def __init__(self, config: ModelConfig, rotary: DeepseekRotary, parallel: ParallelContext | None = None) -> None:
+        """config: the shapes this rank holds (num_heads its share, models.tensor_parallel.shard_config)."""
         super().__init__()
         mla = config.mla
         self.num_heads = config.num_heads
@@ -74,7 +81,12 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(config.hidden_size, mla.cache_width, bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(mla.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
-        self.o_proj = Linear(self.num_heads * self.v_dim, config.hidden_size, bias)
+        o_in = self.num_heads * self.v_dim
+        self.o_proj = (
+            Linear(o_in, config.hidden_size, bias)
+            if parallel is None
+            else RowParallelLinear(o_in, config.hidden_size, bias, parallel)
+        )
         self._rotary = (rotary,)  # shared by all layers, kept out of the module tree
         # An FP8 cache's static scale for this layer's latent and rotary key: the checkpoint's
         # self_attn.k_scale, as vLLM reads it for latent attention (else 1.0; models.quantization.

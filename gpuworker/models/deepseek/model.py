@@ -3,7 +3,11 @@ the MLP _mlp builds: the dense SiLU-gated MLP below first_k_dense_replace, DeepS
 experts (models.moe, routed as ModelConfig.moe says) from there on.
 
 Same interface as models.llama's LlamaForCausalLM (forward over one ragged batch, logits, greedy
-tokens, warm-up), so the engine runs either.
+tokens, warm-up), so the engine runs either. Split over tensor-parallel ranks as the llama decoder is
+(models.tensor_parallel): attention by heads (models.deepseek.attention), dense MLPs by their
+intermediate size, experts by expert (all-reduce or all-to-all dispatch), the vocabulary by rows.
+A block-wise FP8 checkpoint (DeepSeek-V3/R1's format) loads its projections and experts in FP8
+(models.quantization.install).
 """
 
 from __future__ import annotations
@@ -18,20 +22,32 @@ from gpuworker.models.deepseek.rotary import DeepseekRotary
 from gpuworker.models.layers import GatedMLP, RMSNorm, norm_then_linear
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
+from gpuworker.models.tensor_parallel import (
+    ParallelContext,
+    ParallelGatedMLP,
+    active,
+    shard_config,
+    vocab_parallel_embedding,
+    vocab_range,
+)
 
 
-def _mlp(config: ModelConfig, layer_idx: int) -> GatedMLP | SparseMoE:
+def _mlp(config: ModelConfig, layer_idx: int, parallel: ParallelContext | None) -> GatedMLP | SparseMoE:
     """Layer layer_idx's MLP: a mixture of experts where the config makes the layer sparse."""
     if config.moe is not None and config.moe.sparse_layers[layer_idx]:
-        return SparseMoE(config.hidden_size, config.moe)
+        return SparseMoE(config.hidden_size, config.moe, parallel)
+    if parallel is not None:
+        return ParallelGatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, parallel)
     return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: DeepseekRotary, layer_idx: int) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: DeepseekRotary, layer_idx: int, parallel: ParallelContext | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = MLAttention(config, rotary)
-        self.mlp = _mlp(config, layer_idx)
+        self.self_attn = MLAttention(config, rotary, parallel)
+        self.mlp = _mlp(config, layer_idx, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -59,37 +75,50 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden_size]; one rank."""
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden_size].
+
+    With a `parallel` context of several ranks, this rank's shard; `config` stays the whole model's."""
 
     # The vocabulary end is the llama decoder's: the same embedding, lm_head and sampling entry points.
     compute_logits = LlamaForCausalLM.compute_logits
     greedy_tokens = LlamaForCausalLM.greedy_tokens
     lm_head_weight = LlamaForCausalLM.lm_head_weight
 
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend, parallel: object = None) -> None:
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend, parallel: ParallelContext | None = None
+    ) -> None:
         super().__init__()
         if config.mla is None:
             raise ValueError(f"{config.architecture} is not a multi-head latent attention model")
-        if parallel is not None and getattr(parallel, "world_size", 1) > 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported for multi-head latent attention yet")
-        if config.quantization is not None:
-            raise ValueError(f"{config.model_path}: quantized DeepSeek checkpoints are not supported yet")
+        quant = config.quantization
+        if quant is not None and quant.weight_strategy != "block":
+            raise ValueError(
+                f"quantization: {config.model_path}: DeepSeek models load block-wise FP8 checkpoints "
+                f"(weight_block_size) only, not {quant.checkpoint_format}"
+            )
         self.config = config
         self.attn_backend = attn_backend
-        self.parallel = None
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+        self.parallel = active(parallel)
+        layer_config = shard_config(config, self.parallel)
+        vocab_rows = config.vocab_size if self.parallel is None else vocab_range(config.vocab_size, self.parallel)[2]
+        self.embed_tokens = nn.Parameter(torch.empty(vocab_rows, config.hidden_size), requires_grad=False)
         self.rotary = DeepseekRotary(config.mla, config.max_position_embeddings)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, self.rotary, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(layer_config, self.rotary, i, self.parallel) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+            self.lm_head = nn.Parameter(torch.empty(vocab_rows, config.hidden_size), requires_grad=False)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.embed_tokens[input_ids]
+        if self.parallel is None:
+            hidden = self.embed_tokens[input_ids]
+        else:
+            hidden = vocab_parallel_embedding(self.embed_tokens, input_ids, self.config.vocab_size, self.parallel)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.attn_backend)
@@ -130,34 +159,3 @@ class DeepseekForCausalLM(nn.Module):
             if splits >= most:
                 break
             splits *= 2
-
-    def checkpoint_names(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """Hugging Face tensor name -> (our parameter, first row, rows) it fills."""
-        names: dict[str, tuple[torch.Tensor, int, int]] = {}
-
-        def add(name: str, param: torch.Tensor | None, start: int = 0, rows: int | None = None) -> None:
-            if param is not None:
-                names[name] = (param, start, param.shape[0] if rows is None else rows)
-
-        add("model.embed_tokens.weight", self.embed_tokens)
-        add("model.norm.weight", self.norm.weight)
-        add("lm_head.weight", self.lm_head)
-        for i, layer in enumerate(self.layers):
-            prefix, attn = f"model.layers.{i}.", layer.self_attn
-            for module in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
-                linear = getattr(attn, module)
-                if linear is not None:
-                    add(f"{prefix}self_attn.{module}.weight", linear.weight)
-                    add(f"{prefix}self_attn.{module}.bias", linear.bias)
-            for norm in ("q_a_layernorm", "kv_a_layernorm"):
-                if getattr(attn, norm) is not None:
-                    add(f"{prefix}self_attn.{norm}.weight", getattr(attn, norm).weight)
-            mlp = layer.mlp
-            if isinstance(mlp, GatedMLP):
-                inter = mlp.intermediate_size
-                add(f"{prefix}mlp.gate_proj.weight", mlp.gate_up_proj.weight, 0, inter)
-                add(f"{prefix}mlp.up_proj.weight", mlp.gate_up_proj.weight, inter, inter)
-                add(f"{prefix}mlp.down_proj.weight", mlp.down_proj.weight)
-            add(f"{prefix}input_layernorm.weight", layer.input_layernorm.weight)
-            add(f"{prefix}post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
-        return names

@@ -84,3 +84,47 @@ class BlockFp8Linear(QuantizedLinear):
             out_dtype=x.dtype,
         )
         return out.reshape(*shape[:-1], self.out_features)
+
+
+class DequantizedBlockFp8Linear(BlockFp8Linear):
+    """A block FP8 projection widened to the model dtype as it loads: DeepSeek's kv_b_proj.
+
+    Multi-head latent attention does not run kv_b_proj as one GEMM in decode: its key rows (W_UK)
+    multiply each head's query and its value rows (W_UV) each head's latent output, per head
+    (models.deepseek.attention), products the block FP8 GEMM (one activation scale per token and
+    group of columns) does not express. It is small (num_heads * (qk_nope + v) x kv_lora_rank), so
+    its weight is dequantised once at load and the absorbed decode and the prefill expansion read it
+    in the model dtype, with unrounded inputs (as vLLM's latent attention does).
+    """
+
+    fixed_dtypes = {}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        del self.weight_fp8, self.weight_scale_inv
+        self.register_buffer("weight_dense", torch.empty(self.out_features, self.in_features))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_dense
+
+    def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
+        rows, columns = self.quant.weight_block_size
+        dense = []
+        for i, (staged, out_rows) in enumerate(zip(shards, self.shard_sizes)):
+            weight, scale = staged["weight"], staged["weight_scale_inv"]
+            self._check_shape(i, "weight", weight, (out_rows, self.in_features))
+            if weight.dtype != FP8_DTYPE:
+                raise ValueError(f"{self.checkpoint_names[i]}.weight has dtype {weight.dtype}, expected {FP8_DTYPE}")
+            blocks = (-(-out_rows // rows), -(-self.in_features // columns))
+            self._check_shape(i, "weight_scale_inv", scale, blocks)
+            scale = scale.float().repeat_interleave(rows, dim=0)[:out_rows].repeat_interleave(columns, dim=1)
+            dense.append(weight.float() * scale[:, : self.in_features])
+        self.weight_dense.copy_(torch.cat(dense))
+
+    @torch.no_grad()
+    def fill_dummy(self, generator: torch.Generator) -> None:
+        self.weight_dense.normal_(0.0, 0.02, generator=generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight_dense, self.bias)

@@ -16,12 +16,16 @@ from gpuworker.models.quantization.linear import QuantizedLinear
 
 
 def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
-    """Replace each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj by its quantized
-    twin, unless the checkpoint leaves those modules unquantized (quant.ignore); for block FP8, a
-    sparse MoE layer's routed experts and shared expert too (its router stays dense)."""
+    """Replace each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj (DeepSeek's: its
+    latent attention's projections) by its quantized twin, unless the checkpoint leaves those
+    modules unquantized (quant.ignore); for block FP8, a sparse MoE layer's routed experts and
+    shared expert too (its router stays dense)."""
     config = model.config
     if config.moe is not None and quant.weight_strategy != "block":
         raise ValueError(f"{config.model_path}: quantized mixture-of-experts checkpoints are not supported yet")
+    if config.mla is not None:
+        _install_latent_attention(model, quant)
+        return
     q, kv = config.q_size, config.kv_size
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
@@ -30,6 +34,31 @@ def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
             attn.qkv_proj, quant, (q, kv, kv), tuple(f"{prefix}self_attn.{n}_proj" for n in "qkv")
         )
         attn.o_proj = _quantized(attn.o_proj, quant, (config.hidden_size,), (f"{prefix}self_attn.o_proj",))
+        if isinstance(mlp, GatedMLP):
+            _quantize_gated_mlp(mlp, quant, f"{prefix}mlp.", ("gate_proj", "up_proj", "down_proj"))
+        elif isinstance(mlp, SparseMoE):
+            _block_fp8_moe(mlp, quant, prefix)
+
+
+def _install_latent_attention(model: nn.Module, quant: QuantConfig) -> None:
+    """DeepSeek's layers (block FP8 checkpoints): every attention projection in BlockFp8Linear but
+    kv_b_proj, dequantised at load (DequantizedBlockFp8Linear says why); the MLPs as the llama path's."""
+    from gpuworker.models.quantization.block_fp8 import DequantizedBlockFp8Linear
+
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        for module in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+            linear = getattr(attn, module)
+            if linear is not None:
+                name = f"{prefix}self_attn.{module}"
+                setattr(attn, module, _quantized(linear, quant, (linear.weight.shape[0],), (name,)))
+        name = f"{prefix}self_attn.kv_b_proj"
+        if not quant.ignores(name):
+            out_features, in_features = attn.kv_b_proj.weight.shape
+            attn.kv_b_proj = DequantizedBlockFp8Linear(
+                in_features, out_features, False, quant, (name,), (out_features,)
+            )
         if isinstance(mlp, GatedMLP):
             _quantize_gated_mlp(mlp, quant, f"{prefix}mlp.", ("gate_proj", "up_proj", "down_proj"))
         elif isinstance(mlp, SparseMoE):

@@ -234,3 +234,38 @@ CITY_MESSAGES_WITH_AN_EXAMPLE = [
 @pytest.mark.parametrize("mode", ["JSON", "MD_JSON"])
 def test_instructor_gets_a_parsed_object_without_a_schema_on_the_server(demo_gateway, smollm2_replica, mode):
     _assert_instructor_extracts_paris(demo_gateway, smollm2_replica, mode, CITY_MESSAGES_WITH_AN_EXAMPLE)
+
+
+def test_an_openai_agents_sdk_agent_uses_a_tool_through_the_responses_api(demo_gateway, smollm2_replica):
+    # The Agents SDK speaks the Responses API: the turn must call the tool, whose answer ends the
+    # run (asked again with tool_choice auto, SmolLM2 keeps calling it: the loop would not end).
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+
+    wait_ready(smollm2_replica)
+    world = make_world(demo_gateway, [smollm2_replica])
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        cities.append(city)
+        return "Sunny and 21 degrees."
+
+    async def run():
+        agent = Agent(
+            name="weather",
+            instructions="You answer questions about the weather.",
+            model=OpenAIResponsesModel(model=world.model.public_name, openai_client=world.async_client(timeout=300)),
+            tools=[get_weather],
+            model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=60),
+            tool_use_behavior="stop_on_first_tool",
+        )
+        return await Runner.run(
+            agent, "What is the weather in Paris?", max_turns=4, run_config=RunConfig(tracing_disabled=True)
+        )
+
+    result = asyncio.run(run())
+    assert len(cities) == 1 and "Paris" in cities[0] and result.final_output == "Sunny and 21 degrees."
+    world.settled(30)

@@ -55,8 +55,14 @@ def test_the_document_describes_the_api_from_the_request_models(gateway):
         ("/v1/files/{file_id}", "delete"),
         ("/v1/files/{file_id}", "get"),
         ("/v1/files/{file_id}/content", "get"),
+        ("/v1/messages", "post"),
         ("/v1/models", "get"),
         ("/v1/models/{model}", "get"),
+        ("/v1/responses", "post"),
+        ("/v1/responses/{response_id}", "delete"),
+        ("/v1/responses/{response_id}", "get"),
+        ("/v1/responses/{response_id}/cancel", "post"),
+        ("/v1/responses/{response_id}/input_items", "get"),
     ]
     assert document["components"]["securitySchemes"]["bearer"] == {
         "type": "http",
@@ -79,7 +85,15 @@ OPERATIONS = [
     "POST /v1/batches",
     "GET /v1/batches",
     "POST /v1/batches/{batch_id}/cancel",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}",
+    "GET /v1/responses/{response_id}/input_items",
+    "POST /v1/responses/{response_id}/cancel",
+    "POST /v1/messages",
 ]
+# The field that bounds a generation's length, per operation (chat's for the others).
+LENGTH_FIELDS = {"POST /v1/responses": ("max_output_tokens",)}
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
@@ -102,13 +116,14 @@ def test_the_gateway_answers_every_generated_request_as_documented(world, gatewa
         if isinstance(case.body, dict):
             # Aim completions at the served model (any other name is only a 404) and keep them short.
             case.body["model"] = world.model.public_name
-            for field in ("max_tokens", "max_completion_tokens"):
+            fields = LENGTH_FIELDS.get(label, ("max_tokens", "max_completion_tokens"))
+            for field in fields:
                 if isinstance(case.body.get(field), int) and not isinstance(case.body[field], bool):
                     case.body[field] = max(1, min(case.body[field], MAX_TOKENS))
-            if not {"max_tokens", "max_completion_tokens"} & case.body.keys():
+            if not set(fields) & case.body.keys():
                 # Completions default to 16 tokens, chats to the whole context: n=16 chats of 250
                 # tokens each outlast the client's timeout on a loaded CI machine.
-                case.body["max_tokens"] = MAX_TOKENS
+                case.body[fields[0]] = MAX_TOKENS
         case.call_and_validate(base_url=gateway.url, headers=headers, checks=CHECKS, timeout=60)
 
     request_answered_as_documented()

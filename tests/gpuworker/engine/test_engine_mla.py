@@ -78,16 +78,21 @@ def test_v2_lite_shapes_cache_576_values_per_token_and_layer():
     assert kv_cache_block_bytes(mc, 16, torch.bfloat16.itemsize) == 27 * 16 * (512 + 64) * 2
 
 
-def test_tensor_parallel_is_refused_clearly(case):
+def test_a_rank_holds_its_heads_and_the_whole_latent(case):
+    # Tensor parallelism splits latent attention by heads; the latent cache stays per token.
     from gpuworker.attention.torch_backend import TorchAttentionBackend
     from gpuworker.models.deepseek.model import DeepseekForCausalLM
     from gpuworker.models.loader import load_model_config
+    from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 
-    class TwoRanks:
-        world_size = 2
-
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported for multi-head latent attention"):
-        DeepseekForCausalLM(load_model_config(case[0]), TorchAttentionBackend(), TwoRanks())
+    mc = load_model_config(case[0])
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(mc, TorchAttentionBackend(), ParallelContext(1, 2))
+    attn, mla = model.layers[0].self_attn, mc.mla
+    assert attn.num_heads == mc.num_heads // 2
+    assert attn.kv_b_proj.weight.shape[0] == mc.num_heads // 2 * (mla.qk_nope_head_dim + mla.v_head_dim)
+    assert attn.kv_a_proj_with_mqa.weight.shape[0] == mla.cache_width
+    assert shard_config(mc, model.parallel).kv_cache_layout == mc.kv_cache_layout
 
 
 def test_sizing_counts_the_latent_attention_weights():

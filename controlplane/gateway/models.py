@@ -1,0 +1,45 @@
+"""What the public API keeps between requests: responses of the Responses API (`store`, the
+default), so that `previous_response_id` can continue a conversation and GET can read one back."""
+
+import json
+
+from django.db import models
+
+
+class StoredResponse(models.Model):
+    """One answer of POST /v1/responses, the tenant's until it deletes it or the retention
+    (GATEWAY_RESPONSES_RETENTION_DAYS) sweeps it away."""
+
+    id = models.CharField(primary_key=True, max_length=64)
+    tenant = models.ForeignKey("accounts.Tenant", on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(db_index=True)
+    # A background response is answered "queued" at once and runs on in the gateway process that
+    # took it; its row follows it to completed, incomplete, failed or cancelled.
+    background = models.BooleanField(default=False)
+    status = models.CharField(max_length=16, default="completed")
+    # JSON as text, not jsonb: model output may hold NUL characters, which jsonb cannot.
+    # This request's input, as items (GET .../input_items lists them).
+    input_items_json = models.TextField()
+    # The conversation up to and including this response's output, as items: a request naming
+    # this one as its previous_response_id continues from here (instructions are not carried).
+    history_json = models.TextField()
+    # The response object as it was answered.
+    response_json = models.TextField()
+
+    class Meta:
+        indexes = [models.Index(fields=["tenant", "created_at"])]
+
+    def __str__(self) -> str:
+        return self.id
+
+    @property
+    def input_items(self) -> list:
+        return json.loads(self.input_items_json)
+
+    @property
+    def history(self) -> list:
+        return json.loads(self.history_json)
+
+    @property
+    def response(self) -> dict:
+        return json.loads(self.response_json)
