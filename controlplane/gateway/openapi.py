@@ -7,9 +7,9 @@ import functools
 
 from pydantic.json_schema import models_json_schema
 
+from controlplane.gateway import batch_openapi
 from controlplane.gateway.dialects.anthropic_messages import MessagesRequest
 from controlplane.gateway.dialects.responses import ResponsesRequest
-from controlplane.gateway import batch_openapi
 from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 _REF = "#/components/schemas/{model}"
