@@ -141,12 +141,13 @@ def batch_release(*, batch_id: int, owner: str) -> None:
     Batch.objects.filter(pk=batch_id, lease_owner=owner).update(lease_owner="", lease_until=None)
 
 
-def batch_validate(*, batch_id: int, now: datetime) -> Batch:
-    """Check every line; fail the batch with its errors, or record its lines and start it."""
+def batch_validate(*, batch_id: int, now: datetime, schema=None) -> Batch:
+    """Check every line (by `schema` where validation.BATCH_ENDPOINTS leaves it to the caller); fail
+    the batch with its errors, or record its lines and start it."""
     batch = Batch.objects.select_related("input_file").get(pk=batch_id)
     if batch.status != Batch.Status.VALIDATING:
         return batch
-    checked = check_lines(storage.read_lines(batch.input_file.storage_name), endpoint=batch.endpoint)
+    checked = check_lines(storage.read_lines(batch.input_file.storage_name), endpoint=batch.endpoint, schema=schema)
     with transaction.atomic():
         batch = Batch.objects.select_for_update().get(pk=batch_id)
         if batch.status not in (Batch.Status.VALIDATING, Batch.Status.CANCELLING):

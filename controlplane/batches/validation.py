@@ -14,11 +14,13 @@ from gpuworker.contract.openai_api import (
     parse_request,
 )
 
-# The endpoints a batch may name, with the request schema each line's body must satisfy.
+# The endpoints a batch may name, with the request schema each line's body must satisfy; the
+# Responses API's schema is the gateway's own (its dialect), which passes it to `check_lines`.
 BATCH_ENDPOINTS = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/responses": None,
 }
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MAX_CUSTOM_ID_CHARS = 512
@@ -35,8 +37,11 @@ class CheckedLines:
     model: str = ""
 
 
-def check_lines(raw_lines: Iterable[bytes], *, endpoint: str) -> CheckedLines:
-    schema = BATCH_ENDPOINTS[endpoint]
+def check_lines(raw_lines: Iterable[bytes], *, endpoint: str, schema=None) -> CheckedLines:
+    """`schema`: the request schema, where BATCH_ENDPOINTS leaves it to the caller."""
+    schema = schema or BATCH_ENDPOINTS[endpoint]
+    if schema is None:
+        raise ValueError(f"endpoint: {endpoint}'s request schema must be given")
     checked = CheckedLines()
     seen: set[str] = set()
     for number, raw in enumerate(raw_lines, start=1):

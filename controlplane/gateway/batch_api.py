@@ -171,12 +171,6 @@ async def batches_create(gw: Gateway, request: Request, request_id: str) -> Resp
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object.")
     endpoint = body.get("endpoint")
-    if endpoint == "/v1/responses":
-        raise bad_request(
-            "endpoint: batches of /v1/responses are not served here yet; use /v1/chat/completions.",
-            param="endpoint",
-            code="unsupported_endpoint",
-        )
     if not isinstance(endpoint, str) or endpoint not in BATCH_ENDPOINTS:
         raise bad_request(f"endpoint: must be one of {', '.join(BATCH_ENDPOINTS)}.", param="endpoint")
     window = body.get("completion_window")

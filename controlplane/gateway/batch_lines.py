@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from django.conf import settings
 from django.utils import timezone
@@ -31,6 +32,8 @@ from controlplane.billing.models import UsageRecord
 from controlplane.fleet.services.deployments import deployment_wake
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
+from controlplane.gateway.dialects.responses import Responses, ResponsesRequest
+from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.process import shared_state
 from controlplane.gateway.replica_choice import affinity_choice, affinity_key
 from controlplane.gateway.routing import RoutingTable
@@ -39,6 +42,9 @@ from controlplane.gateway.upstream import UpstreamError, UpstreamPool
 logger = logging.getLogger(__name__)
 
 _ATTEMPTS = 2  # as an interactive request: the first replica, then once more on another
+_RESPONSES = "/v1/responses"
+# Batch endpoints served through a dialect (a translation onto the chat request), with its schema.
+_DIALECT_SCHEMAS = {_RESPONSES: ResponsesRequest}
 _IDLE_POLL_S = 0.05  # how soon a runner looks again for a replica interactive traffic left idle
 
 
@@ -75,7 +81,9 @@ async def run_batch(batch_id: int) -> str:
         more = False
         try:
             if batch.status == Batch.Status.VALIDATING:
-                batch = await lane.run(batch_validate, batch_id=batch_id, now=timezone.now())
+                batch = await lane.run(
+                    batch_validate, batch_id=batch_id, now=timezone.now(), schema=_DIALECT_SCHEMAS.get(batch.endpoint)
+                )
             if batch.status == Batch.Status.IN_PROGRESS and timezone.now() < batch.expires_at:
                 more = await _send_lines(lane, batch, owner)
             if not more:
@@ -203,8 +211,41 @@ async def _fail_all(run: _Run, lines: list[BatchLine], code: str, message: str) 
         )
 
 
+async def _translated(run: _Run, line: BatchLine) -> tuple[str, dict, Responses | None]:
+    """The replica's path and body for the line, with the dialect that translated it (if any). A
+    dialect reads its store through its `gw`'s admit_lane and its caller's `tenant_id`: here, the
+    runner's lane and the batch's tenant."""
+    body = {**line.body, "stream": False}
+    if run.batch.endpoint != _RESPONSES:
+        return run.batch.endpoint, body, None
+    dialect = Responses()
+    raw = await dialect.translate(_dialect_gateway(run), _dialect_caller(run), json.dumps(body).encode())
+    return "/v1/chat/completions", json.loads(raw), dialect
+
+
+def _dialect_gateway(run: _Run) -> SimpleNamespace:
+    return SimpleNamespace(admit_lane=run.lane)
+
+
+def _dialect_caller(run: _Run) -> SimpleNamespace:
+    return SimpleNamespace(tenant_id=run.batch.tenant_id)
+
+
 async def _send_line(run: _Run, line: BatchLine, replicas) -> None:
     started = time.monotonic()
+    try:
+        path, body, dialect = await _translated(run, line)
+    except GatewayError as refused:  # a request the dialect refuses (a missing previous response): not sent
+        await run.lane.run(
+            batch_line_settle,
+            line_id=line.pk,
+            outcome=None,
+            status_code=refused.status,
+            response=json.loads(refused.body()),
+            error=None,
+            now=timezone.now(),
+        )
+        return
     hold = await run.lane.run(
         batch_line_hold,
         line=line,
@@ -217,8 +258,10 @@ async def _send_line(run: _Run, line: BatchLine, replicas) -> None:
     if isinstance(hold, HoldRefused):
         await _fail_all(run, [line], "insufficient_quota", "The tenant's credit could not cover this request.")
         return
-    status, payload, replica_id = await _answer(run, line, replicas)
+    status, payload, replica_id = await _answer(run, line, replicas, path, body)
     usage = (payload or {}).get("usage") or {} if status == 200 else {}
+    if status == 200 and dialect is not None:
+        payload = await dialect.answer(_dialect_gateway(run), _dialect_caller(run), payload)
     outcome = RequestOutcome(
         request_id=line.request_id,
         # Answered: charged, as an interactive answer is. The replica refusing the request (400)
@@ -247,15 +290,16 @@ async def _send_line(run: _Run, line: BatchLine, replicas) -> None:
     )
 
 
-async def _answer(run: _Run, line: BatchLine, replicas) -> tuple[int | None, dict | None, int | None]:
+async def _answer(
+    run: _Run, line: BatchLine, replicas, path: str, request: dict
+) -> tuple[int | None, dict | None, int | None]:
     """(status, JSON answer, replica) from the first replica that answers 200 or 400; (None, None,
     None) when none does."""
-    body = json.dumps({**line.body, "stream": False}).encode()
-    chat = run.batch.endpoint == "/v1/chat/completions"
+    body = json.dumps(request).encode()
     key = (
         ""
-        if run.batch.endpoint == "/v1/embeddings"
-        else affinity_key(line.body, chat, run.config.affinity_prefix_chars)
+        if path == "/v1/embeddings"
+        else affinity_key(request, path == "/v1/chat/completions", run.config.affinity_prefix_chars)
     )
     tried: set[int] = set()
     headers = {
@@ -269,7 +313,7 @@ async def _answer(run: _Run, line: BatchLine, replicas) -> tuple[int | None, dic
         tried.add(replica.replica_id)
         try:
             async with asyncio.timeout(run.config.request_timeout_s):
-                response = await run.upstream.post(replica.endpoint_url, run.batch.endpoint, body, headers)
+                response = await run.upstream.post(replica.endpoint_url, path, body, headers)
                 data = await response.read()
             answer = json.loads(data)
             if response.status in (200, 400) and isinstance(answer, dict):

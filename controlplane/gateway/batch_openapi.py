@@ -53,7 +53,7 @@ _BATCH_REQUEST = {
     "required": ["input_file_id", "endpoint", "completion_window"],
     "properties": {
         "input_file_id": {"type": "string"},
-        "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]},
+        "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]},
         "completion_window": {"const": "24h"},
         "metadata": {"type": ["object", "null"], "additionalProperties": {"type": "string"}, "maxProperties": 16},
     },

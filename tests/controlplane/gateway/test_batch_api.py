@@ -168,6 +168,31 @@ def test_a_batch_round_trip_with_the_sdk(batch_gateway, replicas):
     assert client.batches.retrieve(batch.id).input_file_id == uploaded.id  # the batch's record stays
 
 
+def test_a_responses_api_batch_answers_each_line_as_a_stored_response(batch_gateway, replicas):
+    world = make_world(batch_gateway, replicas)
+    client = world.client()
+    bodies = [
+        {"model": world.model.public_name, "input": "hello", "max_output_tokens": 2},
+        {"model": world.model.public_name, "input": "hi", "instructions": "Be brief.", "max_output_tokens": 2},
+        {"model": world.model.public_name, "input": "x", "previous_response_id": "resp_missing"},
+    ]
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses", "body": b} for i, b in enumerate(bodies)]
+    uploaded = client.files.create(file=("responses.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    done = _poll(client, batch.id, _ended)
+    assert done.status == "completed", done.errors
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    outputs = {o["custom_id"]: o for o in map(json.loads, client.files.content(done.output_file_id).text.splitlines())}
+    assert sorted(outputs) == ["r0", "r1"]
+    answer = outputs["r0"]["response"]["body"]
+    assert answer["object"] == "response" and answer["output"][0]["type"] == "message"
+    assert client.responses.retrieve(answer["id"]).id == answer["id"]  # stored, as store defaults to true
+    (refused,) = map(json.loads, client.files.content(done.error_file_id).text.splitlines())
+    assert refused["custom_id"] == "r2" and refused["response"]["status_code"] == 404
+    assert refused["response"]["body"]["error"]["code"] == "previous_response_not_found"
+    assert _batch_records(batch.id).count() == 2
+
+
 def test_a_bad_line_fails_the_batch_with_its_errors_and_charges_nothing(batch_gateway, replicas):
     world = make_world(batch_gateway, replicas)
     client = world.client()
@@ -225,10 +250,9 @@ def test_file_limits_are_refused_with_the_limit_named(batch_gateway, replicas):
         client.files.create(file=("x.jsonl", io.BytesIO(line)), purpose="fine-tune")
     assert error.value.param == "purpose"
     uploaded = client.files.create(file=("ok.jsonl", io.BytesIO(line)), purpose="batch")
-    for endpoint, param in (("/v1/responses", "endpoint"), ("/v1/images", "endpoint")):
-        with pytest.raises(openai.BadRequestError) as error:
-            client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
-        assert error.value.param == param
+    with pytest.raises(openai.BadRequestError) as error:
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/images", completion_window="24h")
+    assert error.value.param == "endpoint"
     with pytest.raises(openai.BadRequestError) as error:
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")
     assert error.value.param == "completion_window"
