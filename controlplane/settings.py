@@ -45,6 +45,7 @@ INSTALLED_APPS = [
     "controlplane.catalog",
     "controlplane.fleet",
     "controlplane.billing",
+    "controlplane.batches",
     "controlplane.gateway",
     "controlplane.dashboard",
     "controlplane.audit",
@@ -226,6 +227,26 @@ for _name, _low, _high in (
     if not _low <= globals()[_name] <= _high:
         raise ImproperlyConfigured(f"{_name} must lie between {_low:,} and {_high:,}; got {globals()[_name]:,}.")
 
+# --- The Files and Batch APIs (controlplane.batches; the runner: controlplane.gateway.batch_lines) ---
+# Uploaded and produced batch files live here (an S3-compatible store can replace the folder).
+BATCH_STORAGE_DIR = env_str("BATCH_STORAGE_DIR", str(VAR_DIR / "batch-files"))
+BATCH_MAX_FILE_BYTES = env_int("BATCH_MAX_FILE_BYTES", 200 * 1024 * 1024)
+BATCH_MAX_FILE_LINES = env_int("BATCH_MAX_FILE_LINES", 50_000)
+# Lines of one batch in flight at once: batch work fills idle capacity, it does not crowd it out.
+BATCH_CONCURRENCY = env_int("BATCH_CONCURRENCY", 4)
+# A replica with this many interactive requests in flight is sent no new batch lines until fewer
+# are (lines already sent finish). In the embedded set-up (no Redis) the Celery worker does not see
+# the web server's requests in flight, so this applies only with Redis.
+BATCH_REPLICA_BUSY_AT = env_int("BATCH_REPLICA_BUSY_AT", 1)
+# A runner works on a batch this long per task, then sends the next task (which waits behind any
+# other task on the broker): no batch holds a Celery worker for long.
+BATCH_TASK_SLICE_SECONDS = env_int("BATCH_TASK_SLICE_SECONDS", 20)
+# A runner's claim on a batch; one that dies leaves it to run out, then beat sends the batch on.
+BATCH_LEASE_SECONDS = env_int("BATCH_LEASE_SECONDS", 60)
+BATCH_RESUME_INTERVAL_SECONDS = env_int("BATCH_RESUME_INTERVAL_SECONDS", 10)
+if BATCH_LEASE_SECONDS <= BATCH_TASK_SLICE_SECONDS:
+    raise ImproperlyConfigured("BATCH_LEASE_SECONDS must be longer than BATCH_TASK_SLICE_SECONDS.")
+
 CELERY_BEAT_SCHEDULE = {
     "fleet-mark-lost-workers": {
         "task": "controlplane.fleet.tasks.mark_lost_workers",
@@ -237,6 +258,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "controlplane.fleet.tasks.reconcile",
         "schedule": float(FLEET_RECONCILE_INTERVAL_SECONDS),
         "options": {"expires": float(FLEET_RECONCILE_INTERVAL_SECONDS)},
+    },
+    "batches-resume": {
+        "task": "controlplane.batches.resume",
+        "schedule": float(BATCH_RESUME_INTERVAL_SECONDS),
+        "options": {"expires": float(BATCH_RESUME_INTERVAL_SECONDS)},
     },
     "fleet-autoscale": {
         "task": "controlplane.fleet.tasks.autoscale",

@@ -166,6 +166,7 @@ CONTROL_PLANE_ORDER = (
     ("accounts",),  # tenants, users, API keys (a key may be limited to catalog models)
     ("billing",),  # price tiers, plans, credit, usage records and reports
     ("fleet",),  # workers, GPUs, replicas, reconcile, the autoscaler and the traffic counts it reads
+    ("batches",),  # the Files and Batch APIs' files, batches and lines; billed through billing's holds
     ("gateway",),  # the public /v1 API: writes the fleet's traffic counts, routes to its replicas
     ("dashboard",),  # the pages: compose reports from billing's and fleet's parts
     ("demo",),  # `manage.py seed_demo`: creates a tenant, models and deployments through the apps' services

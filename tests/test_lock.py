@@ -90,6 +90,19 @@ def test_the_run_and_image_locks_meet_every_runtime_requirement():
     assert unmet(requirements(), lock("image.txt")) == []
 
 
+def test_form_parsing_in_the_runtime_has_its_parser_in_the_run_lock():
+    # Starlette parses forms with python-multipart, an extra it does not install; the dev lock gets it
+    # by chance (through openai-agents), so tests pass while `make run` answers every upload with 400.
+    parses_forms = [
+        path.relative_to(ROOT)
+        for folder in ("controlplane", "gpuworker")
+        for path in (ROOT / folder).rglob("*.py")
+        if ".form(" in path.read_text()
+    ]
+    if parses_forms:
+        assert "python-multipart" in lock("run.txt"), f"{parses_forms} parse forms"
+
+
 def test_a_requirement_the_lock_does_not_meet_is_reported():
     pins = lock("dev.txt")
     assert unmet([Requirement("no-such-package>=1")], pins) == ["no-such-package>=1: not in the lock"]

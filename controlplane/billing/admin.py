@@ -6,7 +6,7 @@ from controlplane.common.admin import ReadOnlyAdmin
 
 @admin.register(PriceTier)
 class PriceTierAdmin(admin.ModelAdmin):
-    list_display = ["name", "price_per_request", "reference_price_per_million_tokens"]
+    list_display = ["name", "price_per_request", "batch_price_per_request", "reference_price_per_million_tokens"]
     search_fields = ["name"]
 
 

@@ -88,6 +88,7 @@ class RequestOutcome:
     gpu_time_s: float | None = None
     replica_id: int | None = None
     error_code: str = ""
+    batch: bool = False  # a Batch API line: its record says so
     image_count: int = 0
 
 
@@ -376,6 +377,7 @@ def _record(
         model_id=model_id,
         replica_id=outcome.replica_id,
         status=outcome.status,
+        batch=outcome.batch,
         num_requests=num_requests,
         error_code=outcome.error_code[:40] if outcome.status == UsageRecord.Status.FAILED else "",
         prompt_tokens=prompt,
@@ -397,6 +399,7 @@ _RECORD_FIELDS = (
     "model_id",
     "replica_id",
     "status",
+    "batch",
     "error_code",
     "num_requests",
     "prompt_tokens",

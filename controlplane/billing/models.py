@@ -21,6 +21,13 @@ class PriceTier(models.Model):
     # What a per-token price list would charge, recorded beside each request so reports can show
     # how flat per-request pricing compares.
     reference_price_per_million_tokens = MoneyField(validators=[MinValueValidator(0)])
+    # Offline work (the Batch API) fills idle capacity and waits its turn, so it costs less.
+    batch_price_per_request = MoneyField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0)],
+        help_text="Price of one Batch API request; empty: half the price per request.",
+    )
 
     class Meta:
         ordering = ["price_per_request", "name"]
@@ -208,6 +215,9 @@ class UsageRecord(models.Model):
         blank=True,
         validators=[MinValueValidator(0)],
         help_text="The request's share of the replica's engine step time, as the worker reported it.",
+    )
+    batch = models.BooleanField(
+        default=False, db_default=False, help_text="A line of a Batch API job, charged at the batch price."
     )
     price_charged = MoneyField(validators=[MinValueValidator(0)])
     reference_price = MoneyField(

@@ -16,6 +16,13 @@ def flat_price(*, price_per_request: Decimal, num_requests: int, included: int =
     return price_per_request * (num_requests - included)
 
 
+def batch_price(*, price_per_request: Decimal, batch_price_per_request: Decimal | None) -> Decimal:
+    """A Batch API request's price: the tier's batch price, or half its interactive price."""
+    if batch_price_per_request is not None:
+        return batch_price_per_request
+    return (price_per_request / 2).quantize(MICRO, rounding=ROUND_HALF_EVEN)
+
+
 def reference_price(*, per_million_tokens: Decimal, tokens: int) -> Decimal:
     """What `tokens` would cost at a per-token rate, to the ledger's micro unit."""
     # Half-even, named here rather than left to the decimal context. At common rates ties are

@@ -27,6 +27,7 @@ NAV_ITEMS = (
     NavItem("Usage", "dashboard:usage", TENANT_ROLES),
     NavItem("Requests", "dashboard:requests", TENANT_ROLES + ADMIN_ROLES),
     NavItem("Credits", "dashboard:credits", TENANT_ROLES),
+    NavItem("Batches", "dashboard:batches", TENANT_ROLES),
     NavItem("Playground", "dashboard:playground", TENANT_ROLES),
     NavItem("Team", "dashboard:team", TENANT_ROLES),
     NavItem("Reports", "dashboard:reports", ADMIN_ROLES),

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from controlplane.gateway import completions, metrics
+from controlplane.gateway import batch_api, completions, metrics
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.dialects import routes as dialects
 from controlplane.gateway.errors import GatewayError, dependency_unavailable, model_not_found
@@ -125,6 +125,7 @@ def build_app() -> Starlette:
             Route("/v1/responses/{response_id}/cancel", endpoint(dialects.cancel_response), methods=["POST"]),
             Route("/v1/responses/{response_id}/input_items", endpoint(dialects.list_input_items), methods=["GET"]),
             Route("/v1/messages", endpoint(dialects.create_message, counted=True), methods=["POST"]),
+            *(Route(path, endpoint(handler), methods=methods) for path, handler, methods in batch_api.ROUTES),
             Route("/v1/openapi.json", openapi),
         ],
         exception_handlers={HTTPException: http_error},

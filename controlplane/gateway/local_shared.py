@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+from controlplane.batches.models import is_batch_request
 from controlplane.fleet.cold_start_counts import publish_to_cache
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.replica_choice import least_outstanding
@@ -91,6 +92,18 @@ class LocalShared:
         best = least_outstanding(counts, up, affinity, self._config.affinity_max_extra)
         self._outstanding[candidates[best].replica_id][request_id] = now + self._entry_ms
         return candidates[best]
+
+    async def interactive_outstanding(self, replica_ids: Sequence[int]) -> dict[int, int]:
+        """As RedisShared's: this process's requests in flight per replica, batch lines left out."""
+        now = _now_ms()
+        return {
+            replica_id: sum(
+                1
+                for member, deadline in self._outstanding.get(replica_id, {}).items()
+                if deadline > now and not is_batch_request(member)
+            )
+            for replica_id in replica_ids
+        }
 
     async def finish(
         self,

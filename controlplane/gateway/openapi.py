@@ -7,6 +7,7 @@ import functools
 
 from pydantic.json_schema import models_json_schema
 
+from controlplane.gateway import batch_openapi
 from controlplane.gateway.dialects.anthropic_messages import MessagesRequest
 from controlplane.gateway.dialects.responses import ResponsesRequest
 from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -306,6 +307,7 @@ def openapi_document() -> dict:
         "InputItemList": _INPUT_ITEM_LIST,
         "Message": _MESSAGE,
         "AnthropicError": _ANTHROPIC_ERROR,
+        **batch_openapi.SCHEMAS,
         "ModelList": {
             "type": "object",
             "required": ["object", "data"],
@@ -376,5 +378,6 @@ def openapi_document() -> dict:
                 }
             },
             **_dialect_paths(),
+            **batch_openapi.paths(_responses),
         },
     }

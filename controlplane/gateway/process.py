@@ -26,6 +26,8 @@ class Gateway:
         # Admission work (holds, key and routing reads) and settlements get a connection each, so
         # a slow batch of one does not queue behind the other.
         self.admit_lane, self.settle_lane = DatabaseLane("admit"), DatabaseLane("settle")
+        # The Files and Batch APIs' reads and writes (uploads copied to storage among them).
+        self.files_lane = DatabaseLane("files")
         self.keys = KeyCache(config, self.admit_lane)
         self.routing = RoutingTable(config, self.admit_lane)
         self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
@@ -37,7 +39,7 @@ class Gateway:
         )
         self.holds = HoldPlacer(self.admit_lane, config.hold_lifetime_s)
         self.settles = settle_batcher(self.settle_lane)
-        self.shared = _shared_state(config)
+        self.shared = shared_state(config)
         # Requests per model for the autoscaler (Redis, or this process without it).
         self.traffic = traffic_recorder(config.redis_url)
         self.cold_starts = ColdStartQueue(config, self.routing, self.shared, self.admit_lane)
@@ -71,6 +73,7 @@ class Gateway:
         await self.traffic.aclose()
         self.admit_lane.close()
         self.settle_lane.close()
+        self.files_lane.close()
 
 
 def _log_failure(task: asyncio.Task) -> None:
@@ -79,7 +82,7 @@ def _log_failure(task: asyncio.Task) -> None:
         logger.error("background work failed", exc_info=task.exception())
 
 
-def _shared_state(config: GatewayConfig):
+def shared_state(config: GatewayConfig):
     if config.redis_url:
         from controlplane.gateway.shared import RedisShared
 

@@ -19,6 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from controlplane.accounts.services import API_KEY_CHANGES_CHANNEL
+from controlplane.batches.models import is_batch_request
 from controlplane.fleet.cold_start_counts import redis_key
 from controlplane.gateway import scripts
 from controlplane.gateway.config import GatewayConfig
@@ -119,6 +120,18 @@ class RedisShared:
                 0 if affinity is None else affinity + 1,
                 self._config.affinity_max_extra,
             ],
+        }
+
+    async def interactive_outstanding(self, replica_ids: Sequence[int]) -> dict[int, int]:
+        """Requests in flight on each replica, batch lines left out: batch work fills what is idle."""
+        now = time.time() * 1000
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for replica_id in replica_ids:
+                pipe.zrangebyscore(f"gw:outstanding:{replica_id}", now, "+inf")
+            replies = await pipe.execute()
+        return {
+            replica_id: sum(1 for member in members if not is_batch_request(member.decode()))
+            for replica_id, members in zip(replica_ids, replies)
         }
 
     async def finish(

@@ -10,6 +10,7 @@ urlpatterns: list = [
     path("keys/<int:key_id>/budget/", views.key_budget, name="key_budget"),
     path("usage/", views.usage, name="usage"),
     path("credits/", views.credits, name="credits"),
+    path("batches/", views.batches, name="batches"),
     path("playground/", views.playground, name="playground"),
     path("playground/code/", views.playground_code, name="playground_code"),
 ]

@@ -12,6 +12,7 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 
 from controlplane.accounts.selectors import api_keys_for_tenant
 from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit
+from controlplane.batches.selectors import batches_list
 from controlplane.billing.key_spend import api_keys_with_spend
 from controlplane.billing.reports import (
     UsageRow,
@@ -162,6 +163,17 @@ def credits(request: HttpRequest) -> HttpResponse:
     return render(
         request, "dashboard/tenant/credits.html", credits_context(tenant=tenant_of(request), now=timezone.now())
     )
+
+
+@tenant_required
+@require_GET
+def batches(request: HttpRequest) -> HttpResponse:
+    """The tenant's batches, newest first, with their progress; the table refreshes itself (htmx)
+    while any of them is still running."""
+    rows = batches_list(tenant_id=tenant_of(request).pk, limit=50)
+    running = any(batch.status not in batch.ENDED for batch in rows)
+    template = "dashboard/tenant/_batch_table.html" if request.htmx else "dashboard/tenant/batches.html"
+    return render(request, template, {"batches": rows, "running": running})
 
 
 @tenant_required

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from decimal import Decimal
@@ -200,6 +201,8 @@ def start_gateway(
         "GATEWAY_REPLICA_COOLDOWN_SECONDS": "30",
         "GATEWAY_HOLD_SWEEP_SECONDS": "1",
         "GATEWAY_AFFINITY_PREFIX_CHARS": str(AFFINITY_PREFIX_CHARS),
+        # Uploaded batch files go to a folder of this gateway's, not the checkout's var/.
+        "BATCH_STORAGE_DIR": tempfile.mkdtemp(prefix="batch-files-"),
         **env_overrides,
     }
     process = subprocess.Popen(

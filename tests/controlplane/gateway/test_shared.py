@@ -149,6 +149,16 @@ async def test_pick_least_outstanding_and_count_it(shared):
     assert after == picks[0]  # the one that just finished a request is now the least busy
 
 
+async def test_interactive_outstanding_leaves_batch_lines_out(shared):
+    one = [REPLICAS[0]]
+    await shared.pick(one, "req_a", None)
+    await shared.pick(one, "batch_0123:1", None)
+    await shared.pick(one, "batch_0123:2", None)
+    assert await shared.interactive_outstanding([1, 2]) == {1: 1, 2: 0}
+    await shared.finish("req_a", replica_id=1)
+    assert await shared.interactive_outstanding([1]) == {1: 0}
+
+
 async def test_affinity_wins_until_its_replica_is_overloaded(shared):
     async def go():
         # max extra is 2: the affinity replica takes up to 2 more than the least busy one.

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('billing', '0006_money_in_micro_units'),
+        ('billing', '0007_batch_price'),
     ]
 
     operations = [

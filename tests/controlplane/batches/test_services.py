@@ -1,0 +1,184 @@
+"""Batches' services against the real database: validation into lines, each line charged once at
+the batch price with its answer, expiry keeping what finished, the runner's lease."""
+
+import json
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from controlplane.batches import storage
+from controlplane.batches.models import Batch, BatchLine
+from controlplane.batches.services import (
+    batch_claim,
+    batch_create,
+    batch_file_create,
+    batch_finish,
+    batch_line_hold,
+    batch_line_settle,
+    batch_validate,
+    batches_resume,
+)
+from controlplane.billing.holds import HoldRefused, RequestOutcome
+from controlplane.billing.models import CreditHold, UsageRecord
+from controlplane.billing.pricing import batch_price
+from controlplane.billing.services import credit_grant
+from tests.controlplane.factories import ModelFactory, PriceTierFactory, TenantFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def storage_dir(settings, tmp_path):
+    settings.BATCH_STORAGE_DIR = str(tmp_path / "batch-files")
+    settings.BATCH_MAX_FILE_BYTES, settings.BATCH_MAX_FILE_LINES = 10_000, 20
+
+
+@pytest.fixture
+def model():
+    return ModelFactory(public_name="tiny", price_tier=PriceTierFactory(price_per_request=Decimal("0.004")))
+
+
+@pytest.fixture
+def tenant():
+    tenant = TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    return tenant
+
+
+def _lines(count: int, model: str = "tiny") -> bytes:
+    return b"".join(
+        json.dumps(
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": model, "prompt": "hi", "max_tokens": 1},
+            }
+        ).encode()
+        + b"\n"
+        for i in range(count)
+    )
+
+
+def _started_batch(tenant, count: int) -> Batch:
+    file = batch_file_create(tenant_id=tenant.pk, filename="in.jsonl", purpose="batch", chunks=[_lines(count)])
+    batch = batch_create(
+        tenant_id=tenant.pk,
+        api_key_id=None,
+        input_file=file,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        metadata=None,
+        now=timezone.now(),
+    )
+    return batch_validate(batch_id=batch.pk, now=timezone.now())
+
+
+def _answer(line: BatchLine, model) -> bool:
+    now = timezone.now()
+    hold = batch_line_hold(
+        line=line, tenant_id=line.batch.tenant_id, api_key_id=None, model_id=model.pk, price=Decimal("0.002"), now=now
+    )
+    assert not isinstance(hold, HoldRefused)
+    return batch_line_settle(
+        line_id=line.pk,
+        outcome=RequestOutcome(
+            line.request_id, UsageRecord.Status.COMPLETED, prompt_tokens=2, completion_tokens=1, batch=True
+        ),
+        status_code=200,
+        response={"object": "text_completion", "choices": [{"text": "x"}]},
+        error=None,
+        now=now,
+    )
+
+
+def test_validation_records_every_line_with_its_usage_key(tenant):
+    batch = _started_batch(tenant, 3)
+    assert (batch.status, batch.total, batch.model_name) == ("in_progress", 3, "tiny")
+    assert list(batch.lines.values_list("custom_id", "request_id")) == [
+        (f"c{i}", f"{batch.public_id}:{i + 1}") for i in range(3)
+    ]
+
+
+def test_an_expired_batch_keeps_what_finished_and_fails_the_rest_unbilled(tenant, model):
+    batch = _started_batch(tenant, 5)
+    for line in batch.lines.order_by("line_number")[:2]:
+        assert _answer(line, model)
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    batch = batch_finish(batch_id=batch.pk, now=timezone.now())
+    assert (batch.status, batch.completed, batch.failed) == ("expired", 2, 3) and batch.expired_at
+    outputs = [json.loads(x) for x in storage.read_lines(batch.output_file.storage_name)]
+    errors = [json.loads(x) for x in storage.read_lines(batch.error_file.storage_name)]
+    assert [o["custom_id"] for o in outputs] == ["c0", "c1"] and outputs[0]["response"]["status_code"] == 200
+    assert [e["custom_id"] for e in errors] == ["c2", "c3", "c4"]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"} and errors[0]["response"] is None
+    records = UsageRecord.objects.filter(tenant=tenant)
+    assert list(records.values_list("batch", "price_charged")) == [(True, Decimal("0.002"))] * 2
+    tenant.credit_account.refresh_from_db()
+    assert (tenant.credit_account.balance, tenant.credit_account.held) == (Decimal("0.996"), 0)
+
+
+def test_a_batch_whose_lines_all_finished_completes_even_past_its_window(tenant, model):
+    batch = _started_batch(tenant, 1)
+    assert _answer(batch.lines.get(), model)
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert batch_finish(batch_id=batch.pk, now=timezone.now()).status == "completed"
+
+
+def test_a_second_validation_leaves_a_started_batch_alone(tenant):
+    batch = _started_batch(tenant, 2)
+    line_ids = list(batch.lines.values_list("pk", flat=True))
+    assert batch_validate(batch_id=batch.pk, now=timezone.now()).status == "in_progress"
+    assert list(batch.lines.values_list("pk", flat=True)) == line_ids
+
+
+def test_a_line_settled_by_two_runners_is_charged_once(tenant, model):
+    line = _started_batch(tenant, 1).lines.get()
+    assert _answer(line, model)
+    # A runner whose lease ran out sends the line again: its hold is released, nothing written.
+    assert not _answer(BatchLine.objects.get(pk=line.pk), model)
+    assert UsageRecord.objects.filter(request_id=line.request_id).count() == 1
+    tenant.credit_account.refresh_from_db()
+    assert (tenant.credit_account.balance, tenant.credit_account.held) == (Decimal("0.998"), 0)
+
+
+def test_a_hold_left_by_a_dead_runner_is_released_before_the_line_is_sent_again(tenant, model):
+    line = _started_batch(tenant, 1).lines.get()
+    for _ in range(2):
+        batch_line_hold(
+            line=line,
+            tenant_id=tenant.pk,
+            api_key_id=None,
+            model_id=model.pk,
+            price=Decimal("0.002"),
+            now=timezone.now(),
+        )
+    assert CreditHold.objects.filter(request_id=line.request_id).count() == 1
+    tenant.credit_account.refresh_from_db()
+    assert tenant.credit_account.held == Decimal("0.002")
+
+
+def test_a_batch_has_one_runner_at_a_time_and_a_dead_ones_lease_runs_out(tenant, settings):
+    batch = _started_batch(tenant, 1)
+    now = timezone.now()
+    assert batch_claim(batch_id=batch.pk, owner="a", now=now) is not None
+    assert batch_claim(batch_id=batch.pk, owner="b", now=now) is None
+    assert batch_claim(batch_id=batch.pk, owner="a", now=now) is not None  # renewed
+    assert batches_resume(now=now) == []
+    later = now + timedelta(seconds=settings.BATCH_LEASE_SECONDS + 1)
+    assert batch_claim(batch_id=batch.pk, owner="b", now=later) is not None
+
+
+def test_file_limits_leave_nothing_behind(tenant, tmp_path):
+    with pytest.raises(storage.FileTooLarge, match="20 lines"):
+        batch_file_create(tenant_id=tenant.pk, filename="x", purpose="batch", chunks=[b"{}\n" * 21])
+    with pytest.raises(storage.FileTooLarge, match="10,000 bytes"):
+        batch_file_create(tenant_id=tenant.pk, filename="x", purpose="batch", chunks=[b"x" * 6000, b"y" * 6000])
+    assert list(storage.root().iterdir()) == []
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, Decimal("0.002")), (Decimal("0.0005"), Decimal("0.0005"))])
+def test_the_batch_price_is_the_tiers_or_half_the_interactive_price(given, expected):
+    assert batch_price(price_per_request=Decimal("0.004"), batch_price_per_request=given) == expected

@@ -1,0 +1,332 @@
+"""The Files and Batch APIs through the official `openai` SDK, against a gateway and a real Celery
+worker (its own processes): a round trip, a bad line, a cancel, limits, tenants kept apart, and
+a 2,000-line batch whose Celery worker and web server are killed mid-way and started again, with
+every line charged once."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from decimal import Decimal
+
+import openai
+import pytest
+from celery import Celery
+
+from controlplane.batches.models import Batch
+from controlplane.billing.models import CreditEntry, CreditHold, UsageRecord
+from tests.controlplane.gateway.conftest import REPO, WORKER_TOKEN, make_world, start_gateway, wait_until
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+MAX_BYTES, MAX_LINES = 600_000, 2_500
+BATCH_ENV = {
+    "BATCH_MAX_FILE_BYTES": str(MAX_BYTES),
+    "BATCH_MAX_FILE_LINES": str(MAX_LINES),
+    "BATCH_CONCURRENCY": "8",
+    "BATCH_TASK_SLICE_SECONDS": "2",
+    "BATCH_LEASE_SECONDS": "6",
+}
+
+
+class CeleryWorker:
+    """`celery -A controlplane worker` (solo pool: killing it kills the work) in its own process group."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "controlplane",
+                "worker",
+                "-P",
+                "solo",
+                "--without-gossip",
+                "--without-mingle",
+                "-l",
+                "WARNING",
+            ],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def batch_env(database_url, tmp_path_factory):
+    from tests.controlplane.gateway.conftest import _redis_url
+
+    return {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "REDIS_URL": _redis_url(),
+        "GPUSERVE_WORKER_TOKEN": WORKER_TOKEN,
+        "DEBUG": "1",
+        "LOG_LEVEL": "WARNING",
+        "GATEWAY_ROUTING_REFRESH_MS": "100",
+        "GATEWAY_RETRY_AFTER_SECONDS": "1",
+        "BATCH_STORAGE_DIR": str(tmp_path_factory.mktemp("batch-files")),
+        **BATCH_ENV,
+    }
+
+
+@pytest.fixture(scope="module")
+def batch_gateway(replica_processes, gateway, batch_env, database_url):
+    """A gateway with the batch limits above, on the shared gateway's Redis (so both see one
+    routing of the replicas), and a Celery worker for the batch work."""
+    overrides = {k: batch_env[k] for k in ("BATCH_STORAGE_DIR", *BATCH_ENV)}
+    server = start_gateway(database_url, batch_env["REDIS_URL"], **overrides)
+    server.overrides = overrides
+    server.worker = CeleryWorker(batch_env)
+    yield server
+    server.worker.kill()
+    server.stop()
+
+
+def _jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def _chat_lines(count: int, model: str, max_tokens: int = 2) -> list[dict]:
+    return [
+        {
+            "custom_id": f"request-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": max_tokens},
+        }
+        for i in range(count)
+    ]
+
+
+def _poll(client, batch_id: str, until, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if until(batch):
+            return batch
+        time.sleep(0.3)
+    pytest.fail(f"batch {batch_id} stayed {batch.status} ({batch.request_counts})")
+
+
+def _ended(batch) -> bool:
+    return batch.status in ("completed", "failed", "expired", "cancelled")
+
+
+def _batch_records(batch_id: str):
+    return UsageRecord.objects.filter(request_id__startswith=f"{batch_id}:")
+
+
+def test_a_batch_round_trip_with_the_sdk(batch_gateway, replicas):
+    world = make_world(batch_gateway, replicas)
+    client = world.client()
+    uploaded = client.files.create(
+        file=("requests.jsonl", io.BytesIO(_jsonl(_chat_lines(12, world.model.public_name)))), purpose="batch"
+    )
+    assert uploaded.purpose == "batch" and uploaded.bytes > 0
+    assert client.files.retrieve(uploaded.id).filename == "requests.jsonl"
+    assert uploaded.id in [f.id for f in client.files.list().data]
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"job": "t"}
+    )
+    assert batch.status == "validating" and batch.metadata == {"job": "t"}
+    done = _poll(client, batch.id, _ended)
+    assert done.status == "completed", done.errors
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 12, 0)
+    assert done.error_file_id is None and done.completed_at >= done.in_progress_at
+    results = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in results) == sorted(f"request-{i}" for i in range(12))
+    first = results[0]
+    assert first["error"] is None and first["response"]["status_code"] == 200
+    assert first["response"]["body"]["object"] == "chat.completion"
+    assert first["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
+    assert batch.id in [b.id for b in client.batches.list().data]
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)  # completed
+    # Billed once per line at the batch price (half the interactive 0.002), marked as batch work.
+    records = _batch_records(batch.id)
+    assert records.count() == 12 and set(records.values_list("batch", "price_charged")) == {(True, Decimal("0.001"))}
+    assert CreditEntry.objects.filter(usage_record__in=records).count() == 12
+    world.tenant.credit_account.refresh_from_db()
+    assert world.tenant.credit_account.balance == Decimal("10") - Decimal("0.012")
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(uploaded.id)
+    assert uploaded.id not in [f.id for f in client.files.list().data]
+    assert client.batches.retrieve(batch.id).input_file_id == uploaded.id  # the batch's record stays
+
+
+def test_a_responses_api_batch_answers_each_line_as_a_stored_response(batch_gateway, replicas):
+    world = make_world(batch_gateway, replicas)
+    client = world.client()
+    bodies = [
+        {"model": world.model.public_name, "input": "hello", "max_output_tokens": 2},
+        {"model": world.model.public_name, "input": "hi", "instructions": "Be brief.", "max_output_tokens": 2},
+        {"model": world.model.public_name, "input": "x", "previous_response_id": "resp_missing"},
+    ]
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses", "body": b} for i, b in enumerate(bodies)]
+    uploaded = client.files.create(file=("responses.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    done = _poll(client, batch.id, _ended)
+    assert done.status == "completed", done.errors
+    assert (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    outputs = {o["custom_id"]: o for o in map(json.loads, client.files.content(done.output_file_id).text.splitlines())}
+    assert sorted(outputs) == ["r0", "r1"]
+    answer = outputs["r0"]["response"]["body"]
+    assert answer["object"] == "response" and answer["output"][0]["type"] == "message"
+    assert client.responses.retrieve(answer["id"]).id == answer["id"]  # stored, as store defaults to true
+    (refused,) = map(json.loads, client.files.content(done.error_file_id).text.splitlines())
+    assert refused["custom_id"] == "r2" and refused["response"]["status_code"] == 404
+    assert refused["response"]["body"]["error"]["code"] == "previous_response_not_found"
+    assert _batch_records(batch.id).count() == 2
+
+
+def test_a_bad_line_fails_the_batch_with_its_errors_and_charges_nothing(batch_gateway, replicas):
+    world = make_world(batch_gateway, replicas)
+    client = world.client()
+    lines = _chat_lines(5, world.model.public_name)
+    lines[2]["body"]["temperature"] = "hot"
+    raw = _jsonl(lines) + b"{not json\n"
+    uploaded = client.files.create(file=("bad.jsonl", io.BytesIO(raw)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = _poll(client, batch.id, _ended)
+    assert done.status == "failed" and done.failed_at
+    errors = {error.line: error for error in done.errors.data}
+    assert sorted(errors) == [3, 6]
+    assert errors[3].param == "body.temperature" and errors[6].code == "invalid_json"
+    assert not _batch_records(batch.id).exists() and not CreditHold.objects.filter(tenant=world.tenant).exists()
+    world.tenant.credit_account.refresh_from_db()
+    assert world.tenant.credit_account.balance == Decimal("10")
+
+
+def test_a_cancel_mid_way_keeps_what_finished_charged_once(batch_gateway, replicas):
+    world = make_world(batch_gateway, replicas)
+    client = world.client()
+    uploaded = client.files.create(
+        file=("many.jsonl", io.BytesIO(_jsonl(_chat_lines(400, world.model.public_name, max_tokens=4)))),
+        purpose="batch",
+    )
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    _poll(client, batch.id, lambda b: b.request_counts.completed >= 10)
+    with pytest.raises(openai.ConflictError):  # the input of a batch still running
+        client.files.delete(uploaded.id)
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = _poll(client, batch.id, _ended)
+    assert done.status == "cancelled" and done.cancelled_at
+    counts = done.request_counts
+    assert 10 <= counts.completed < 400 and counts.completed + counts.failed == 400
+    outputs = client.files.content(done.output_file_id).text.splitlines()
+    errors = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
+    assert len(outputs) == counts.completed and len(errors) == counts.failed
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    records = _batch_records(batch.id)
+    assert records.count() == counts.completed
+    assert CreditEntry.objects.filter(usage_record__in=records).count() == counts.completed
+
+
+def test_file_limits_are_refused_with_the_limit_named(batch_gateway, replicas):
+    world = make_world(batch_gateway, replicas)
+    client = world.client()
+    line = json.dumps(_chat_lines(1, world.model.public_name)[0]).encode() + b"\n"
+    with pytest.raises(openai.APIStatusError) as error:
+        client.files.create(file=("big.jsonl", io.BytesIO(line * (MAX_BYTES // len(line) + 10))), purpose="batch")
+    assert error.value.status_code == 413 and f"{MAX_BYTES:,} bytes" in error.value.message
+    with pytest.raises(openai.BadRequestError) as error:
+        client.files.create(file=("long.jsonl", io.BytesIO(b"{}\n" * (MAX_LINES + 1))), purpose="batch")
+    assert f"{MAX_LINES:,} lines" in error.value.message
+    with pytest.raises(openai.BadRequestError) as error:
+        client.files.create(file=("x.jsonl", io.BytesIO(line)), purpose="fine-tune")
+    assert error.value.param == "purpose"
+    uploaded = client.files.create(file=("ok.jsonl", io.BytesIO(line)), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/images", completion_window="24h")
+    assert error.value.param == "endpoint"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")
+    assert error.value.param == "completion_window"
+    assert not Batch.objects.exists()
+
+
+def test_another_tenant_cannot_see_a_file_or_batch(batch_gateway, replicas):
+    mine, theirs = make_world(batch_gateway, replicas), make_world(batch_gateway, replicas)
+    client = mine.client()
+    uploaded = client.files.create(
+        file=("r.jsonl", io.BytesIO(_jsonl(_chat_lines(2, mine.model.public_name)))), purpose="batch"
+    )
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    other = theirs.client()
+    for call in (
+        lambda: other.files.retrieve(uploaded.id),
+        lambda: other.files.content(uploaded.id),
+        lambda: other.files.delete(uploaded.id),
+        lambda: other.batches.retrieve(batch.id),
+        lambda: other.batches.cancel(batch.id),
+        lambda: other.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert other.files.list().data == [] and other.batches.list().data == []
+    _poll(client, batch.id, _ended)
+
+
+def test_a_2000_line_batch_survives_its_worker_and_web_server_killed_charging_each_line_once(
+    batch_gateway, replicas, batch_env, database_url
+):
+    world = make_world(batch_gateway, replicas, credit=Decimal("100"))
+    client = world.client()
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": world.model.public_name, "prompt": f"p{i}", "max_tokens": 1},
+        }
+        for i in range(2000)
+    ]
+    uploaded = client.files.create(file=("2k.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+    _poll(client, batch.id, lambda b: b.request_counts.completed >= 300, timeout=600)
+    batch_gateway.worker.kill()  # mid-line: holds placed, answers not yet settled
+    batch_gateway.process.kill()  # and the web server
+    batch_gateway.process.wait(timeout=10)
+    before = Batch.objects.get(public_id=batch.id).completed
+    assert before < 2000
+    batch_gateway.worker = CeleryWorker(batch_env)
+    web = start_gateway(database_url, batch_env["REDIS_URL"], **batch_gateway.overrides)
+    client = world.client().with_options(base_url=f"{web.url}/v1")
+    # What beat sends every BATCH_RESUME_INTERVAL_SECONDS; the dead runner's lease runs out first.
+    beat = Celery(broker=batch_env["REDIS_URL"])
+    deadline = time.monotonic() + 900
+    try:
+        while not _ended(done := client.batches.retrieve(batch.id)) and time.monotonic() < deadline:
+            beat.send_task("controlplane.batches.resume")
+            time.sleep(2)
+        custom_ids = [
+            json.loads(line)["custom_id"] for line in client.files.content(done.output_file_id).text.splitlines()
+        ]
+    finally:
+        web.stop()
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (2000, 0)
+    assert sorted(custom_ids) == sorted(f"line-{i}" for i in range(2000))
+    records = _batch_records(batch.id)
+    assert records.count() == 2000
+    assert CreditEntry.objects.filter(usage_record__in=records).count() == 2000
+    wait_until(lambda: not CreditHold.objects.filter(tenant=world.tenant).exists(), 10, "no hold left")
+    world.tenant.credit_account.refresh_from_db()
+    assert world.tenant.credit_account.balance == Decimal("100") - 2000 * Decimal("0.001")
+    assert world.tenant.credit_account.held == 0
