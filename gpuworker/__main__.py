@@ -83,6 +83,18 @@ def _add_serve(commands) -> None:
     )
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument(
+        "--allowed-image-domains",
+        default="",
+        metavar="DOMAINS",
+        help="comma-separated domains (each with its subdomains) whose http(s) image URLs a vision "
+        "model may fetch; none, the default: images only as data: URLs. Addresses that are not "
+        "public (loopback, private, link-local, metadata) are refused whatever the domain",
+    )
+    serve.add_argument("--max-images-per-request", type=int, default=16, help="images one chat request may carry")
+    serve.add_argument(
+        "--max-image-bytes", type=int, default=20 << 20, help="largest image a request may carry, in bytes"
+    )
+    serve.add_argument(
         "--max-num-seqs",
         type=int,
         default=None,
@@ -257,6 +269,7 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
     # xgrammar, transformers: seconds) run.
     prefetch(args.model)
     from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
+    from gpuworker.replica.images import ImageLimits
 
     config = ServerConfig(
         model=args.model,
@@ -274,6 +287,11 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
         engine_process=wants_engine_process(args),
+        image_limits=ImageLimits(
+            max_images=args.max_images_per_request,
+            max_image_bytes=args.max_image_bytes,
+            allowed_domains=tuple(domain for domain in args.allowed_image_domains.split(",") if domain.strip()),
+        ),
     )
     holder = EngineHolder(config, engine_process)
     holder.start_loading()

@@ -89,6 +89,7 @@ class RequestOutcome:
     replica_id: int | None = None
     error_code: str = ""
     batch: bool = False  # a Batch API line: its record says so
+    image_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -381,6 +382,7 @@ def _record(
         error_code=outcome.error_code[:40] if outcome.status == UsageRecord.Status.FAILED else "",
         prompt_tokens=prompt,
         completion_tokens=completion,
+        image_count=max(0, outcome.image_count),
         time_to_first_token_ms=None if ttft is None else min(max(0, int(ttft)), total_ms),
         total_latency_ms=total_ms,
         gpu_time_s=None if outcome.gpu_time_s is None else max(0.0, float(outcome.gpu_time_s)),
@@ -402,6 +404,7 @@ _RECORD_FIELDS = (
     "num_requests",
     "prompt_tokens",
     "completion_tokens",
+    "image_count",
     "time_to_first_token_ms",
     "total_latency_ms",
     "gpu_time_s",

@@ -205,6 +205,7 @@ class UsageRecord(models.Model):
     )
     prompt_tokens = models.PositiveIntegerField()
     completion_tokens = models.PositiveIntegerField()
+    image_count = models.PositiveSmallIntegerField(default=0, help_text="Images the request carried.")
     time_to_first_token_ms = models.PositiveIntegerField(
         null=True, blank=True, help_text="Empty when no token was produced (embeddings, early failures)."
     )

@@ -14,6 +14,7 @@ class Model(models.Model):
         CHAT = "chat", "Chat"
         COMPLETION = "completion", "Completion"
         EMBEDDING = "embedding", "Embedding"
+        VISION = "vision", "Vision (chat with images)"
 
     # The name clients send in `model`; OpenAI clients accept letters, digits and . _ : / -.
     public_name = models.CharField(
@@ -36,6 +37,17 @@ class Model(models.Model):
 
     family = models.CharField(max_length=50, help_text="Architecture family, e.g. llama.")
     kind = models.CharField(max_length=20, choices=Kind.choices, default=Kind.CHAT)
+    # A vision model's limits on a chat request's images (the gateway refuses more before routing).
+    max_images_per_request = models.PositiveSmallIntegerField(
+        default=16,
+        validators=[MinValueValidator(1), MaxValueValidator(256)],
+        help_text="Images one chat request may carry (vision models).",
+    )
+    max_image_bytes = models.PositiveIntegerField(
+        default=20 << 20,
+        validators=[MinValueValidator(1)],
+        help_text="Largest image a request may carry, in bytes (vision models).",
+    )
     weights_path = models.CharField(
         max_length=500, help_text="Directory on the worker hosts holding the weights (Hugging Face layout)."
     )

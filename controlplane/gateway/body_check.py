@@ -51,6 +51,10 @@ class CheckedBody:
     # A stream's body as sent to the replica, which must report usage whatever the client asked;
     # None: the body is forwarded as it came.
     upstream_body: bytes | None = None
+    # A chat request's image parts: each one's place (as errors name it) and, for a data: URL, its
+    # size in bytes from the base64's length (None for an http(s) URL, which only the replica fetches).
+    image_params: tuple[str, ...] = ()
+    image_sizes: tuple[int | None, ...] = ()
 
 
 def check_body(
@@ -71,6 +75,7 @@ def check_body(
     except ProtocolError as exc:
         return CheckedBody(model=model, error=BodyError(exc.message, exc.param, exc.code))
     upstream_body, include_usage = None, False
+    images = parsed.images() if isinstance(parsed, ChatCompletionRequest) else []
     if parsed.stream:
         upstream_body = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
         include_usage = parsed.include_usage
@@ -83,4 +88,14 @@ def check_body(
         n=parsed.n,
         affinity_key=key,
         upstream_body=upstream_body,
+        image_params=tuple(image.param for image in images),
+        image_sizes=tuple(_data_url_bytes(image.url) for image in images),
     )
+
+
+def _data_url_bytes(url: str) -> int | None:
+    """The bytes a data: URL's base64 decodes to (from its length: the replica decodes it)."""
+    if url[:5].lower() != "data:":
+        return None
+    encoded = url.partition(",")[2].rstrip("=")
+    return len(encoded) * 3 // 4

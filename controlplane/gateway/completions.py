@@ -27,7 +27,12 @@ from controlplane.gateway.request_body import read_body
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
-from gpuworker.contract.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from gpuworker.contract.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    images_refused_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,7 @@ async def serve(
             raise bad_request(
                 f"{model.public_name!r} is {kind} model; use {use}.", param="model", code="wrong_model_kind"
             )
+        _check_images(model, checked)
         idempotency = None if checked.stream else request.headers.get("idempotency-key")
         if idempotency:
             scope = f"{grant.tenant_id}:{hashlib.sha256(idempotency.encode()).hexdigest()}"
@@ -101,6 +107,7 @@ async def serve(
             else:  # admitted (and, below, its credit held) before it waits: a refusal comes at once
                 admission, first = _admitted(await gw.shared.admit(grant, request_id)), None
             flight = Flight(gw, request_id, grant, model, checked.n)
+            flight.image_count = len(checked.image_params)
             try:
                 await flight.hold()
                 if first is None:
@@ -190,6 +197,31 @@ async def _served(
         )
     body = json.dumps(await dialect.answer(gw, flight.grant, answer)).encode()
     return Response(body, headers=headers, media_type="application/json")
+
+
+def _check_images(model: ModelRoute, checked: CheckedBody) -> None:
+    """Images only for a vision model, and within its limits: refused here, before routing."""
+    if not checked.image_params:
+        return
+    if model.kind != "vision":
+        refusal = images_refused_for(model.public_name)
+        raise bad_request(refusal.message, param=refusal.param, code=refusal.code)
+    if len(checked.image_params) > model.max_images_per_request:
+        param = checked.image_params[model.max_images_per_request]
+        raise bad_request(
+            f"{param}: the request has {len(checked.image_params)} images; {model.public_name!r} takes at most "
+            f"{model.max_images_per_request}",
+            param=param,
+            code="too_many_images",
+        )
+    for param, size in zip(checked.image_params, checked.image_sizes):
+        if size is not None and size > model.max_image_bytes:
+            raise bad_request(
+                f"{param}: the image is {size} bytes; {model.public_name!r} takes images of at most "
+                f"{model.max_image_bytes} bytes",
+                param=param,
+                code="invalid_image",
+            )
 
 
 def _invalid(error: BodyError) -> GatewayError:

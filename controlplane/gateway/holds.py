@@ -169,6 +169,7 @@ class Flight:
     def __init__(self, gw: GatewayParts, request_id: str, grant: KeyGrant, model: ModelRoute, num_requests: int):
         self.gw, self.request_id, self.grant, self.model = gw, request_id, grant, model
         self.num_requests = num_requests
+        self.image_count = 0  # images the request carried, for its usage record
         self.started = time.monotonic()
         self.amount: Decimal | None = None  # held; None until the hold is placed
         self.replica_id: int | None = None
@@ -282,6 +283,7 @@ class Flight:
             gpu_time_s=usage.get("gpu_time_s"),
             replica_id=self.replica_id,
             error_code=error_code,
+            image_count=self.image_count,
         )
         for pause in _SETTLE_RETRY_PAUSES_S:
             try:

@@ -47,6 +47,9 @@ class ModelRoute:
     loading: bool  # some replica is pending or loading
     # Why no replica can be started for a request (empty when one can): see `cold_start_refusal`.
     cannot_start: str = ""
+    # A vision model's limits on a request's images (the catalog's).
+    max_images_per_request: int = 16
+    max_image_bytes: int = 20 << 20
 
     @property
     def servable(self) -> bool:
@@ -103,9 +106,11 @@ def routing_table() -> dict[str, ModelRoute]:
             "gpu_memory_bytes",
             "deployment__max_replicas",
             "tensor_parallel_size",
+            "max_images_per_request",
+            "max_image_bytes",
         )
     )
-    largest = {size: largest_replica_bytes(slots=slots, tensor_parallel_size=size) for size in {m[-1] for m in models}}
+    largest = {size: largest_replica_bytes(slots=slots, tensor_parallel_size=size) for size in {m[8] for m in models}}
     return {
         name: ModelRoute(
             model_id=pk,
@@ -119,8 +124,22 @@ def routing_table() -> dict[str, ModelRoute]:
             cannot_start=cold_start_refusal(
                 need_bytes=need, max_replicas=max_replicas, largest_slot_bytes=largest[size], tensor_parallel_size=size
             ),
+            max_images_per_request=max_images,
+            max_image_bytes=max_image_bytes,
         )
-        for pk, name, kind, price, created_at, context_length, need, max_replicas, size in models
+        for (
+            pk,
+            name,
+            kind,
+            price,
+            created_at,
+            context_length,
+            need,
+            max_replicas,
+            size,
+            max_images,
+            max_image_bytes,
+        ) in models
     }
 
 

@@ -10,6 +10,7 @@ import json
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
@@ -260,19 +261,101 @@ class MessageToolCall(_Strict):
     function: FunctionCall
 
 
+IMAGE_DETAILS = ("auto", "low", "high")
+IMAGE_URL_SCHEMES = ("data:", "http://", "https://")
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image a chat request refers to: where it is in the request (the part's dotted path, as
+    errors name it, e.g. messages.1.content.2.image_url), its URL (a data: URL or http(s)) and the
+    detail asked for."""
+
+    param: str
+    url: str
+    detail: str = "auto"
+
+
+def _content_part(part: Any, param: str, role: str) -> ImageInput | None:
+    """One content part checked: a text part, or an image part (user messages only). Raises
+    ProtocolError naming the part's field."""
+    if not isinstance(part, dict):
+        raise ProtocolError(f"{param}: a content part must be an object with a type", param=param)
+    kind = part.get("type")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ProtocolError(f"{param}.text: a text part needs its text as a string", param=f"{param}.text")
+        return None
+    if kind != "image_url":
+        raise ProtocolError(
+            f"{param}.type: {kind!r} is not a supported content part type; expected 'text' or 'image_url'",
+            param=f"{param}.type",
+        )
+    if role != "user":
+        raise ProtocolError(f"{param}: only user messages may carry images, not {role!r} ones", param=param)
+    image = part.get("image_url")
+    if not isinstance(image, dict):
+        raise ProtocolError(
+            f'{param}.image_url: must be an object like {{"url": "data:image/png;base64,..."}}',
+            param=f"{param}.image_url",
+        )
+    url = image.get("url")
+    if not isinstance(url, str) or not url.lower().startswith(IMAGE_URL_SCHEMES):
+        shown = url if not isinstance(url, str) else url[:40]
+        raise ProtocolError(
+            f"{param}.image_url.url: {shown!r} is not an image URL; give a data: URL or an http(s) URL",
+            param=f"{param}.image_url.url",
+        )
+    detail = image.get("detail", "auto")
+    if detail not in IMAGE_DETAILS:
+        raise ProtocolError(
+            f"{param}.image_url.detail: {detail!r} is not one of {', '.join(IMAGE_DETAILS)}",
+            param=f"{param}.image_url.detail",
+        )
+    return ImageInput(f"{param}.image_url", url, detail)
+
+
+def images_refused_for(model_name: str) -> ProtocolError:
+    """The 400 for images sent to a model that takes none (the gateway's and the replica's)."""
+    return ProtocolError(
+        f"model: {model_name!r} is a text-only model and cannot take images; send text only, or use a vision model",
+        param="model",
+        code="model_not_multimodal",
+    )
+
+
 class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict], None] = None
+    content: Union[str, list[Any], None] = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(
+                part.get("text", "") for part in self.content if isinstance(part, dict) and part.get("type") == "text"
+            )
         return self.content or ""
+
+    def images(self, index: int) -> list[ImageInput]:
+        """The message's image parts, checked (with its text parts); ProtocolError names a bad part."""
+        if not isinstance(self.content, list):
+            return []
+        found = [_content_part(part, f"messages.{index}.content.{j}", self.role) for j, part in enumerate(self.content)]
+        return [image for image in found if image is not None]
+
+    def content_parts(self) -> list[dict]:
+        """The content as multimodal chat templates read it: text parts and {"type": "image"} in
+        the order sent."""
+        if not isinstance(self.content, list):
+            return [{"type": "text", "text": self.content or ""}]
+        return [
+            {"type": "image"} if part.get("type") == "image_url" else {"type": "text", "text": part.get("text", "")}
+            for part in self.content
+        ]
 
     def template_message(self, index: int) -> dict:
         """The message as chat templates read it: tool-call arguments as objects (templates print
@@ -328,8 +411,13 @@ class ChatCompletionRequest(_SamplingFields):
                     f"messages.{i}.tool_calls: only assistant messages carry tool calls",
                     param=f"messages.{i}.tool_calls",
                 )
+            message.images(i)  # content parts must be text or well-formed images
             message.template_message(i)  # tool-call arguments must be JSON
         return self
+
+    def images(self) -> list[ImageInput]:
+        """Every image of the conversation, in order."""
+        return [image for i, message in enumerate(self.messages) for image in message.images(i)]
 
     @field_validator("tool_choice", mode="before")
     @classmethod

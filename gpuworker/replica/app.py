@@ -27,6 +27,7 @@ from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.engine.outputs import join_deltas
 from gpuworker.replica.embeddings import embeddings as serve_embeddings
 from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
+from gpuworker.replica.images.preparing import prepare_images
 from gpuworker.replica.responses import Responder, drain_expired_error, engine_error, error_response, plan_request
 
 __all__ = ["ServerConfig", "build_app"]
@@ -196,8 +197,19 @@ async def _generate(request: Request, chat: bool) -> Response:
     except ValueError as exc:
         return engine_error(exc, "messages" if chat else "prompt")
     parsed = plan.parsed
+    try:
+        images = await prepare_images(
+            plan.images,
+            model_name=holder.config.model_name,
+            preprocess=holder.image_preprocessor,
+            limits=holder.config.image_limits,
+            pool=holder.image_pool,
+        )
+    except ProtocolError as exc:
+        return JSONResponse(exc.to_dict(), status_code=exc.status)
     request_id = new_id("chatcmpl" if chat else "cmpl")
-    stream = engine.generate(plan.prompt, plan.params, request_id)
+    # A vision engine takes the preprocessed images with the prompt; a text-only one gets none.
+    stream = engine.generate(plan.prompt, plan.params, request_id, **({"images": images} if images else {}))
     try:
         first = await anext(stream)
     except ValueError as exc:

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import methodcaller
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,8 @@ from gpuworker.engine.engine_process_client import EngineProcess
 from gpuworker.engine.output_streams import EngineDeadError, StreamingEngine
 from gpuworker.engine.outputs import RequestOutput
 from gpuworker.models.loader import report_load_progress
+from gpuworker.replica.images import ImageLimits
+from gpuworker.replica.images.pool import ImagePool
 from gpuworker.replica.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,9 @@ class ServerConfig:
     # The engine steps in a process of its own (engine/engine_process_client.py), where the server's
     # work (HTTP, JSON, SSE) cannot slow its steps; False: in a thread of the server's process.
     engine_process: bool = False
+    # Limits on a chat request's images, and the domains images may be fetched from (none: data:
+    # URLs only).
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
     @property
     def model_name(self) -> str:
@@ -86,6 +91,10 @@ class EngineHolder:
         # An encoder checkpoint (BERT family) is served by /v1/embeddings instead: then this is set
         # and `engine` stays None.
         self.embedder: EmbeddingEngine | None = None
+        # A vision model's image preprocessing (the engine's `image_preprocessor`, a picklable
+        # callable(image, detail)), run in `image_pool`'s processes; None: the model is text-only.
+        self.image_preprocessor: Any = None
+        self.image_pool = ImagePool()
         self.state = "loading"  # loading -> ready | failed; any -> draining
         self.error: str | None = None
         self.load_progress = 0.0
@@ -181,6 +190,9 @@ class EngineHolder:
                 self.state = "failed"
             return
         self.engine, self.load_progress = engine, 1.0
+        self.image_preprocessor = getattr(engine, "image_preprocessor", None)
+        if self.image_preprocessor is not None:
+            self.image_pool.warm()
         self.load_timings = {**engine.facts.load_timings, "engine_s": round(time.perf_counter() - started, 4)}
         self.engine_limits = engine.facts.limits
         if self.state == "loading":  # a drain that began meanwhile wins
@@ -207,6 +219,7 @@ class EngineHolder:
         logger.info("encoder %s ready in %.2fs", self.config.model_name, self.load_timings["engine_s"])
 
     def shutdown(self) -> None:
+        self.image_pool.shutdown()
         if self._engine_process is not None:  # started ahead, never loaded
             self._engine_process.stop()
         if self.engine is not None:

@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 from gpuworker.contract.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
+    ImageInput,
     ProtocolError,
     now,
     parse_json_body,
@@ -97,6 +98,8 @@ class RequestPlan:
     prompt: TokenizedPrompt
     params: SamplingParams
     tool_parsing: ToolParsing | None = None
+    # A chat request's image parts, in order (their bytes are loaded after planning).
+    images: list[ImageInput] = field(default_factory=list)
 
 
 def plan_request(prompts: PromptTokenizer, raw: bytes, chat: bool) -> RequestPlan:
@@ -142,7 +145,7 @@ def plan_chat(prompts: PromptTokenizer, request: ChatCompletionRequest) -> Reque
     params = SamplingParams(**kwargs, structured_output=constraint)
     # Only the token ids: a chat's output does not echo the rendered prompt.
     prompt = TokenizedPrompt(None, prompts.render_chat(messages, tools=tools).token_ids)
-    return RequestPlan(request, prompt, params, tool_parsing)
+    return RequestPlan(request, prompt, params, tool_parsing, request.images())
 
 
 def _stop_string(choice: CompletionOutput) -> dict:

@@ -150,6 +150,7 @@ def usage_record_settled(
     gpu_time_s: float | None = None,
     request_id: str | None = None,
     error_code: str = "",
+    image_count: int = 0,
 ) -> UsageRecord:
     """One finished request's usage record, written as the gateway writes it: a credit hold placed
     at `at`, then settled with the request's outcome. So, as for a real request, the tenant needs
@@ -176,6 +177,7 @@ def usage_record_settled(
                 gpu_time_s=gpu_time_s,
                 replica_id=replica.pk if replica else None,
                 error_code=error_code,
+                image_count=image_count,
             )
         ],
         at=at,

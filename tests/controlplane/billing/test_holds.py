@@ -370,3 +370,13 @@ def test_a_failed_requests_record_keeps_its_error_code(setup):
         "broke": "replica_unavailable",
         "ok": "",
     }
+
+
+@db
+def test_the_usage_record_keeps_the_requests_image_count(setup):
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    place(tenant, model, key, "seen", "text")
+    credit_holds_settle(outcomes=[done("seen", image_count=3), done("text")], at=NOW)
+    counts = dict(UsageRecord.objects.values_list("request_id", "image_count"))
+    assert counts == {"seen": 3, "text": 0}

@@ -8,6 +8,6 @@ def test_every_catalog_kind_has_a_serving_endpoint():
     served = {
         "embedding" if for_embeddings else kind
         for _, for_embeddings in ENDPOINTS.values()
-        for kind in ("chat", "completion")
+        for kind in ("chat", "completion", "vision")  # a vision model chats, with images
     }
     assert set(Model.Kind.values) <= served, set(Model.Kind.values) - served

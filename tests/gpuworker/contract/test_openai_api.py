@@ -160,3 +160,70 @@ def test_an_empty_prompt_is_a_400_in_every_form(prompt):
     with pytest.raises(ProtocolError, match="prompt must not be empty") as caught:
         parse_request(CompletionRequest, {"model": "m", "prompt": prompt})
     assert caught.value.param == "prompt"
+
+
+def _chat_with_parts(*parts, role: str = "user") -> dict:
+    return {"messages": [{"role": "system", "content": "hi"}, {"role": role, "content": list(parts)}]}
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo=", "detail": "low"}}
+
+
+def test_image_parts_are_read_in_order_with_their_places():
+    from gpuworker.contract.openai_api import ImageInput
+
+    request = parse_request(
+        ChatCompletionRequest,
+        _chat_with_parts(
+            {"type": "text", "text": "what is"},
+            IMAGE,
+            {"type": "image_url", "image_url": {"url": "https://x.test/a.png"}},
+        ),
+    )
+    assert request.images() == [
+        ImageInput("messages.1.content.1.image_url", IMAGE["image_url"]["url"], "low"),
+        ImageInput("messages.1.content.2.image_url", "https://x.test/a.png", "auto"),
+    ]
+    assert request.messages[1].text() == "what is"
+    assert request.messages[1].content_parts() == [
+        {"type": "text", "text": "what is"},
+        {"type": "image"},
+        {"type": "image"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "part, param, words",
+    [
+        (
+            {"type": "image_url", "image_url": {"url": "ftp://x/a.png"}},
+            "messages.1.content.2.image_url.url",
+            "not an image URL",
+        ),
+        ({"type": "image_url", "image_url": {"url": 5}}, "messages.1.content.2.image_url.url", "not an image URL"),
+        (
+            {"type": "image_url", "image_url": "https://x.test/a.png"},
+            "messages.1.content.2.image_url",
+            "must be an object",
+        ),
+        (
+            {"type": "image_url", "image_url": {"url": "https://x.test/a.png", "detail": "max"}},
+            "messages.1.content.2.image_url.detail",
+            "'max'",
+        ),
+        ({"type": "input_audio", "input_audio": {}}, "messages.1.content.2.type", "'input_audio'"),
+        ({"type": "text"}, "messages.1.content.2.text", "text"),
+        ("just text", "messages.1.content.2", "object"),
+    ],
+)
+def test_a_bad_content_part_is_400_naming_the_part(part, param, words):
+    with pytest.raises(ProtocolError) as caught:
+        parse_request(ChatCompletionRequest, _chat_with_parts({"type": "text", "text": "a"}, IMAGE, part))
+    assert caught.value.param == param and caught.value.status == 400
+    assert caught.value.message.startswith(param + ": ") and words in caught.value.message
+
+
+def test_only_user_messages_carry_images():
+    with pytest.raises(ProtocolError) as caught:
+        parse_request(ChatCompletionRequest, _chat_with_parts(IMAGE, role="assistant"))
+    assert caught.value.param == "messages.1.content.0"
