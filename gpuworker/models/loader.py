@@ -37,6 +37,7 @@ from gpuworker.models.config import ModelConfig
 from gpuworker.models.deepseek.model import DeepseekForCausalLM
 from gpuworker.models.deepseek.rotary import DeepseekRotary
 from gpuworker.models.gemma3.model import Gemma3ForCausalLM
+from gpuworker.models.qwen2_5_vl.model import Qwen2_5_VLForConditionalGeneration
 from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from gpuworker.models.llama import LlamaForCausalLM
@@ -155,6 +156,8 @@ def model_class(mc: ModelConfig) -> type[LlamaForCausalLM] | type[DeepseekForCau
     """The decoder class of mc's family."""
     if mc.mla is not None:
         return DeepseekForCausalLM
+    if mc.vision is not None:
+        return Qwen2_5_VLForConditionalGeneration
     return Gemma3ForCausalLM if mc.gemma3 is not None else LlamaForCausalLM
 
 
@@ -268,6 +271,9 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
     if isinstance(model, DeepseekForCausalLM):
         _add_deepseek_layers(add, split, targets, model)
         return targets
+    if isinstance(model, Qwen2_5_VLForConditionalGeneration):  # the vision tower keeps HF's names
+        for name, param in model.visual.named_parameters():
+            add(f"visual.{name}", param)
     hd = mc.head_dim
     first_kv, num_kv = (0, mc.num_kv_heads) if parallel is None else kv_head_range(mc, parallel)
     for i, layer in enumerate(model.layers):
