@@ -37,7 +37,6 @@ from gpuworker.models.config import ModelConfig
 from gpuworker.models.deepseek.model import DeepseekForCausalLM
 from gpuworker.models.deepseek.rotary import DeepseekRotary
 from gpuworker.models.gemma3.model import Gemma3ForCausalLM
-from gpuworker.models.qwen2_5_vl.model import Qwen2_5_VLForConditionalGeneration
 from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from gpuworker.models.llama import LlamaForCausalLM
@@ -51,6 +50,7 @@ from gpuworker.models.quantization.install import (
 )
 from gpuworker.models.quantization.kv_scales import is_kv_scale, load_kv_scales
 from gpuworker.models.quantization.linear import QuantizedLinear
+from gpuworker.models.qwen2_5_vl.model import Qwen2_5_VLForConditionalGeneration
 from gpuworker.models.tensor_parallel import ParallelContext, kv_head_range, vocab_range
 from gpuworker.models.weight_stream import TORCH_DTYPES, TensorCopy, copy_tensors
 
