@@ -103,3 +103,35 @@ def test_text_only_model_refuses_images_by_name(tmp_path, checkpoint):
     engine = _engine(path)
     with pytest.raises(ValueError, match="Qwen2ForCausalLM.*text-only"):
         engine.add_request("r", [1, 2, 3], PARAMS, images=[image])
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[2, 2, 2]), "mrope_section"),
+        (lambda c: c["vision_config"].update(hidden_act="gelu"), "vision_config.hidden_act"),
+        (lambda c: c["vision_config"].update(fullatt_block_indexes=[7]), "fullatt_block_indexes"),
+        (lambda c: c.pop("image_token_id"), "image_token_id"),
+    ],
+)
+def test_bad_vision_fields_are_refused_by_name(checkpoint, edit, field):
+    import json
+
+    from gpuworker.models.config import ModelConfig
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert ModelConfig.from_hf(config).vision.image_token_id == IMAGE_TOKEN_ID
+    edit(config)
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf(config)
+
+
+def test_multimodal_rotary_positions_continue_after_the_image():
+    from gpuworker.engine.multimodal import ImageInput, multimodal_rotary
+
+    image = ImageInput(torch.zeros(1), (1, 4, 6), 6, "h")  # 2 x 3 merged tokens
+    positions, delta = multimodal_rotary(10, [image], [2], merge_size=2)
+    assert positions[:, :2].tolist() == [[0, 1]] * 3
+    assert positions[:, 2:8].tolist() == [[2] * 6, [2, 2, 2, 3, 3, 3], [2, 3, 4, 2, 3, 4]]
+    assert positions[:, 8:].tolist() == [[5, 6]] * 3  # 2 + max(2, 3)
+    assert delta == 7 - 10
