@@ -317,6 +317,11 @@ class LLMEngine:
             )
         name = f"{self.config.model} ({self.model_config.architecture})"
         starts = locate_images(prompt_ids, images, vision.image_token_id, name)
+        if not hasattr(vision, "mrope_section"):  # plain rotary; image tokens attend within their image
+            budget = self.config.max_num_batched_tokens
+            if any(image.num_tokens > budget for image in images):
+                raise ValueError(f"{name}: an image's tokens must fit in one step (max_num_batched_tokens {budget})")
+            return MultimodalPrompt(list(images), starts, whole_images=True)
         positions, delta = multimodal_rotary(len(prompt_ids), images, starts, vision.spatial_merge_size)
         return MultimodalPrompt(list(images), starts, positions, delta)
 

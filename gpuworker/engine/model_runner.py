@@ -58,6 +58,8 @@ class ModelInputs:
     # Image embeddings that replace the token embeddings at these rows (a vision model's prefill).
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # The images whose tokens attend to each other both ways (Gemma 3), ending in this step.
+    image_blocks: list | None = None
 
 
 @dataclass
@@ -396,6 +398,7 @@ class ModelRunner:
         if inputs.image_rows is None:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         else:
+            extra = {} if inputs.image_blocks is None else {"image_blocks": inputs.image_blocks}
             hidden = self.model(
                 inputs.input_ids,
                 inputs.positions,
@@ -403,6 +406,7 @@ class ModelRunner:
                 inputs.meta,
                 image_rows=inputs.image_rows,
                 image_embeds=inputs.image_embeds,
+                **extra,
             )
         return hidden if inputs.samples_every_row else hidden[inputs.sample_indices]
 
@@ -523,6 +527,8 @@ class ModelRunner:
             inputs.positions = to_device(np.ascontiguousarray(host.rotary_positions), torch.int64, self.device)
         if host.images:
             inputs.image_rows, inputs.image_embeds = self.image_embeddings(host.images)
+            if getattr(self.model, "attends_within_images", False):  # Gemma 3
+                inputs.image_blocks = image_blocks(host)
         return inputs
 
     def image_embeddings(self, images: list[ImageSlice]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -584,6 +590,21 @@ class ModelRunner:
                 )
             )
         return StepResult(token_ids, logprobs)
+
+
+def image_blocks(host: HostInputs) -> list:
+    """The step's images that attend within themselves (each ends in this step: the scheduler
+    never cuts one), as models.gemma3.image_model takes them."""
+    from gpuworker.models.gemma3.image_model import ImageBlock
+
+    blocks = []
+    for part in host.images:
+        if part.end != part.image.num_tokens:
+            raise RuntimeError("a prefill chunk ends inside an image that must be computed whole")
+        count = part.end - part.begin
+        seq_index = int(np.searchsorted(host.query_start_loc, part.row, side="right")) - 1
+        blocks.append(ImageBlock(seq_index, part.row, count, int(host.positions[part.row + count - 1])))
+    return blocks
 
 
 def _packed_to_device(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

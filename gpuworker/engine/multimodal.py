@@ -44,11 +44,25 @@ def preprocess_image(model_dir: str | Path, image: Any) -> ImageInput:
     processor = _image_processor(str(model_dir))
     out = processor(images=[image.convert("RGB")], return_tensors="pt")
     pixel_values = out["pixel_values"].to(torch.float32).contiguous()
-    grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
-    merge = int(getattr(processor, "merge_size", 2))
+    if "image_grid_thw" in out:  # dynamic resolution (Qwen2-VL's processor): patches of a grid
+        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+        num_tokens = grid[0] * grid[1] * grid[2] // int(getattr(processor, "merge_size", 2)) ** 2
+    else:  # one fixed-size image (Gemma 3's SigLIP): mm_tokens_per_image tokens
+        if pixel_values.shape[0] != 1:
+            raise ValueError(f"{model_dir}: the image processor made {pixel_values.shape[0]} crops; expected 1")
+        grid = (1, int(pixel_values.shape[-2]), int(pixel_values.shape[-1]))
+        num_tokens = _tokens_per_image(str(model_dir))
     digest = hashlib.sha256(pixel_values.numpy().tobytes())
     digest.update(repr(grid).encode())
-    return ImageInput(pixel_values, grid, grid[0] * grid[1] * grid[2] // merge**2, digest.hexdigest())
+    return ImageInput(pixel_values, grid, num_tokens, digest.hexdigest())
+
+
+@functools.lru_cache(maxsize=8)
+def _tokens_per_image(model_dir: str) -> int:
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("mm_tokens_per_image", 256))
 
 
 def expand_image_tokens(token_ids: list[int], images: list[ImageInput], image_token_id: int) -> list[int]:
@@ -77,7 +91,19 @@ class MultimodalPrompt:
     starts: list[int]
     rotary_positions: np.ndarray | None = None  # [3, prompt tokens] (time, height, width), or None
     rotary_delta: int = 0  # generated token at position p rotates at p + rotary_delta
+    # A prefill chunk may not end inside an image (its tokens attend to each other both ways).
+    whole_images: bool = False
     _keys: dict[int, tuple] = field(default_factory=dict, repr=False)
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk [start, end) may end: before an image it would cut (with
+        whole_images), or `end`. Equal to start when the chunk cannot take the image it is in."""
+        if not self.whole_images:
+            return end
+        for image, first in zip(self.images, self.starts):
+            if first < end < first + image.num_tokens:
+                return max(start, first)
+        return end
 
     def block_keys(self, start: int, size: int) -> tuple:
         """What the prefix cache keys a block of tokens [start, start + size) by besides its token

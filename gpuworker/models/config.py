@@ -42,7 +42,15 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "gemma3": True},
     # Qwen2.5-VL: the Qwen2 decoder under text_config, the vision tower parsed by
     # models.qwen2_5_vl.config into ModelConfig.vision.
-    "Qwen2_5_VLForConditionalGeneration": {"qkv_bias": True, "o_bias": False, "qk_norm": False, "vision": True},
+    "Qwen2_5_VLForConditionalGeneration": {"qkv_bias": True, "o_bias": False, "qk_norm": False, "vision": "qwen2_5_vl"},
+    # Gemma 3 with its SigLIP tower (models.gemma3.vision) over the Gemma 3 text decoder.
+    "Gemma3ForConditionalGeneration": {
+        "qkv_bias": "config",
+        "o_bias": "config",
+        "qk_norm": True,
+        "gemma3": True,
+        "vision": "siglip",
+    },
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -57,6 +65,7 @@ _MODEL_TYPES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 # Checkpoint names of a MoE block: its module under model.layers.N, and each expert's gate, up and
 # down projections under <module>.experts.E.
@@ -207,7 +216,11 @@ class ModelConfig:
         if head_dim % 2 != 0 and not family.get("mla"):
             raise ValueError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
         vision = None
-        if vision_source is not None:
+        if family.get("vision") == "siglip":
+            from gpuworker.models.gemma3.vision import parse_siglip
+
+            vision = parse_siglip(vision_source, source)
+        elif vision_source is not None:
             from gpuworker.models.qwen2_5_vl.config import parse_vision
 
             vision = parse_vision(vision_source, head_dim, source)

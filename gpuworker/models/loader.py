@@ -36,6 +36,7 @@ from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.deepseek.model import DeepseekForCausalLM
 from gpuworker.models.deepseek.rotary import DeepseekRotary
+from gpuworker.models.gemma3.image_model import Gemma3ForConditionalGeneration
 from gpuworker.models.gemma3.model import Gemma3ForCausalLM
 from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -157,7 +158,7 @@ def model_class(mc: ModelConfig) -> type[LlamaForCausalLM] | type[DeepseekForCau
     if mc.mla is not None:
         return DeepseekForCausalLM
     if mc.vision is not None:
-        return Qwen2_5_VLForConditionalGeneration
+        return Gemma3ForConditionalGeneration if mc.gemma3 is not None else Qwen2_5_VLForConditionalGeneration
     return Gemma3ForCausalLM if mc.gemma3 is not None else LlamaForCausalLM
 
 
@@ -299,6 +300,11 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
         for norm in ("input_layernorm", "post_attention_layernorm", *_EXTRA_LAYER_NORMS):
             if hasattr(layer, norm):
                 add(f"{prefix}{norm}.weight", getattr(layer, norm).weight)
+    if isinstance(model, Gemma3ForConditionalGeneration):  # text under language_model., the rest as HF names it
+        targets = {model.checkpoint_prefix + name: target for name, target in targets.items()}
+        for module in ("vision_tower", "multi_modal_projector"):
+            for name, param in getattr(model, module).named_parameters():
+                add(f"{module}.{name}", param)
     return targets
 
 

@@ -75,3 +75,44 @@ def _redraw(model, seed: int) -> None:
                 fan_in = param[0].numel()
                 value = torch.randn(param.shape, generator=generator) / math.sqrt(fan_in)
             param.copy_(value)
+
+
+GEMMA3_IMAGE_TOKEN_ID = 370
+GEMMA3_BOI_TOKEN_ID = 371
+GEMMA3_EOI_TOKEN_ID = 372
+
+
+def make_gemma3_vision(tmp_path: str | Path, seed: int = 0) -> Path:
+    """A tiny Gemma3ForConditionalGeneration: SigLIP at 28 px in 7 px patches (4 x 4), pooled to 4
+    tokens an image, over the text layers of checkpoints.py's "gemma3"."""
+    import torch
+    import transformers
+
+    from tests.gpuworker.checkpoints import FAMILIES
+
+    text = {**TINY, **FAMILIES["gemma3"][1]}
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 7,
+            "vision_use_head": False,
+        },
+        mm_tokens_per_image=4,
+        image_token_index=GEMMA3_IMAGE_TOKEN_ID,
+        boi_token_index=GEMMA3_BOI_TOKEN_ID,
+        eoi_token_index=GEMMA3_EOI_TOKEN_ID,
+    )
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).float()
+    _redraw(model, seed)
+    directory = Path(tmp_path) / "gemma3_vision"
+    model.save_pretrained(str(directory))
+    transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28}).save_pretrained(str(directory))
+    write_tokenizer(directory, TINY["vocab_size"], TINY["max_position_embeddings"])
+    return directory
