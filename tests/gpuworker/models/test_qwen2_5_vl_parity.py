@@ -135,3 +135,20 @@ def test_multimodal_rotary_positions_continue_after_the_image():
     assert positions[:, 2:8].tolist() == [[2] * 6, [2, 2, 2, 3, 3, 3], [2, 3, 4, 2, 3, 4]]
     assert positions[:, 8:].tolist() == [[5, 6]] * 3  # 2 + max(2, 3)
     assert delta == 7 - 10
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+async def test_images_pass_through_the_streaming_engines(checkpoint, process):
+    import asyncio
+
+    from gpuworker.engine import start_engine
+
+    image = preprocess_image(checkpoint, _image(150, 60, 1))
+    ids = expand_image_tokens(_prompt(1), [image], IMAGE_TOKEN_ID)
+    engine = start_engine(checkpoint, process=process, device="cpu", dtype="float32", max_model_len=512)
+    try:
+        outputs = [out async for out in engine.generate(ids, PARAMS, "r", images=[image])]
+    finally:
+        await asyncio.to_thread(engine.shutdown)
+    assert outputs[-1].token_ids == _hf_greedy(checkpoint, ids, [image])
+    assert outputs[-1].num_cached_tokens == 0
