@@ -539,15 +539,13 @@ class ModelRunner:
         for part in images:
             if part.image.content_hash not in cache and part.image.content_hash not in missing:
                 missing[part.image.content_hash] = part.image
-        if missing:
-            todo = list(missing.values())
-            pixels = torch.cat([image.pixel_values for image in todo]).to(self.device, non_blocking=True)
-            encoded = self.model.encode_images(pixels, [image.grid_thw for image in todo])
-            for image, embeds in zip(todo, encoded.split([image.num_tokens for image in todo])):
+        fresh: dict[str, torch.Tensor] = {}
+        for group in _encoder_batches(list(missing.values())):
+            pixels = torch.cat([image.pixel_values for image in group]).to(self.device, non_blocking=True)
+            encoded = self.model.encode_images(pixels, [image.grid_thw for image in group])
+            for image, embeds in zip(group, encoded.split([image.num_tokens for image in group])):
                 cache.put(image.content_hash, embeds)
-            fresh = dict(zip(missing, encoded.split([image.num_tokens for image in todo])))
-        else:
-            fresh = {}
+                fresh[image.content_hash] = embeds
         rows, embeds = [], []
         for part in images:
             full = fresh.get(part.image.content_hash)
@@ -590,6 +588,25 @@ class ModelRunner:
                 )
             )
         return StepResult(token_ids, logprobs)
+
+
+# The most patch rows one vision-encoder call takes: a step's new images beyond it go in several.
+MAX_ENCODER_PATCHES = 1 << 16
+
+
+def _encoder_batches(images: list) -> list[list]:
+    """The images to encode, in groups of at most MAX_ENCODER_PATCHES patch rows (an image larger
+    than that alone)."""
+    groups: list[list] = []
+    rows = 0
+    for image in images:
+        patches = image.pixel_values.shape[0]
+        if not groups or rows + patches > MAX_ENCODER_PATCHES:
+            groups.append([])
+            rows = 0
+        groups[-1].append(image)
+        rows += patches
+    return groups
 
 
 def image_blocks(host: HostInputs) -> list:

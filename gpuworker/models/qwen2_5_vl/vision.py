@@ -60,11 +60,13 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # bidirectional within each segment
-            seg = slice(start, end)
-            out[seg] = F.scaled_dot_product_attention(
-                q[seg].transpose(0, 1), k[seg].transpose(0, 1), v[seg].transpose(0, 1)
-            ).transpose(0, 1)
+        # Bidirectional within each segment; segments of one length go through one batched call.
+        starts = torch.tensor(cu_seqlens[:-1])
+        lengths = torch.tensor(cu_seqlens[1:]) - starts
+        for length in lengths.unique().tolist():
+            rows = (starts[lengths == length][:, None] + torch.arange(length)[None, :]).to(x.device)
+            qs, ks, vs = (t[rows].transpose(1, 2) for t in (q, k, v))  # [segments, heads, length, dim]
+            out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
         return self.proj(out.reshape(n, -1))
 
 

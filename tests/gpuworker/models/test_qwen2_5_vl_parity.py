@@ -152,3 +152,21 @@ async def test_images_pass_through_the_streaming_engines(checkpoint, process):
         await asyncio.to_thread(engine.shutdown)
     assert outputs[-1].token_ids == _hf_greedy(checkpoint, ids, [image])
     assert outputs[-1].num_cached_tokens == 0
+
+
+def test_encoder_batches_a_steps_images_and_caches_them_by_content(checkpoint):
+    images = [preprocess_image(checkpoint, _image(w, h, seed)) for w, h, seed in ((150, 60, 1), (70, 130, 2))]
+    engine = _engine(checkpoint)
+    model = engine.runner.model
+    calls = []
+    encode = model.encode_images
+    model.encode_images = lambda pixels, grids: calls.append(list(grids)) or encode(pixels, grids)
+    prompts = [expand_image_tokens(_prompt(1), [image], IMAGE_TOKEN_ID) for image in images]
+    first = engine.generate(prompts, PARAMS, images=[[image] for image in images])
+    assert calls == [[images[0].grid_thw, images[1].grid_thw]]  # two requests, one encoder call
+    # The same image after other text (no prefix-cache hit): its embeddings come from the cache.
+    (again,) = engine.generate([[11] + prompts[0]], PARAMS, images=[[images[0]]])
+    assert again.num_cached_tokens == 0
+    assert len(calls) == 1 and engine.runner.image_cache.hits >= 1
+    assert again.outputs[0].token_ids == _hf_greedy(checkpoint, [11] + prompts[0], images[:1])
+    assert first[0].outputs[0].token_ids == _hf_greedy(checkpoint, prompts[0], images[:1])
