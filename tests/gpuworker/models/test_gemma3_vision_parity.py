@@ -116,3 +116,35 @@ def test_logits_match_transformers_bidirectional_mask_within_the_image(checkpoin
         causal = hf(x, pixel_values=image.pixel_values)
     torch.testing.assert_close(ours, both_ways.logits[0], rtol=1e-4, atol=1e-4)
     assert (both_ways.logits[0] - causal.logits[0]).abs().max() > 0.1  # the mask matters here
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda c: c["vision_config"].update(hidden_act="relu"), "vision_config.hidden_act"),
+        (lambda c: c["vision_config"].update(vision_use_head=True), "vision_config.vision_use_head"),
+        (lambda c: c.update(mm_tokens_per_image=3), "mm_tokens_per_image"),
+        (lambda c: c.pop("image_token_index"), "image_token_index"),
+    ],
+)
+def test_bad_vision_fields_are_refused_by_name(checkpoint, edit, field):
+    import json
+
+    from gpuworker.models.config import ModelConfig
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert ModelConfig.from_hf(config).vision.tokens_per_image == 4
+    edit(config)
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf(config)
+
+
+def test_image_runs_that_do_not_match_the_images_are_refused_by_model_name(checkpoint):
+    image = preprocess_image(checkpoint, _image(40, 40, 7))
+    engine = _engine(checkpoint)
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*1 run"):
+        engine.add_request("a", _prompt(1), PARAMS, images=[image, image])  # placeholder not expanded
+    with pytest.raises(ValueError, match="image 0 fills 4 tokens but its run has 1"):
+        engine.add_request("b", _prompt(1), PARAMS, images=[image])
+    with pytest.raises(ValueError, match="more image tokens"):
+        expand_image_tokens(_prompt(2), [image], GEMMA3_IMAGE_TOKEN_ID)
