@@ -19,6 +19,7 @@ import threading
 import time
 
 import numpy as np
+
 from common import add_engine_options, engine_parser, environment, free_device_memory, print_table, write_json
 
 DEFAULT_VISION_CONFIG = "bench/configs/qwen2.5-vl-7b"
@@ -152,8 +153,6 @@ def run_hf(args, inputs: list, vision) -> dict:
         for i in range(0, len(work), args.hf_batch):
             tokens += generate(work[i : i + args.hf_batch], args.output)
         elapsed = time.perf_counter() - started
-    del model
-    gc.collect()
     return {
         "ttft_ms": round(1000 * statistics.median(ttfts), 1),
         "throughput_tok_s": round(tokens / elapsed, 1),
@@ -187,6 +186,7 @@ def main() -> None:
     free_device_memory(args.device)
     if not args.skip_hf:
         rows["hf"] = run_hf(args, inputs, vision)
+        gc.collect()
     print(f"preprocessing: {rate:.1f} images/s on one core ({args.image_size} px, {inputs[0].num_tokens} tokens)")
     for name, row in rows.items():
         print_table(name, [(key, str(value)) for key, value in row.items()])
