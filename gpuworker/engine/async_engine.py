@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuworker.engine.engine_process_client import EngineProcess, ProcessLLMEngine
 from gpuworker.engine.llm_engine import LLMEngine
@@ -35,6 +35,9 @@ from gpuworker.engine.output_streams import Deliveries, EngineDeadError, OutputS
 from gpuworker.engine.prompts import TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.structured_output import StructuredOutput
+
+if TYPE_CHECKING:  # the image inputs only pass through
+    from gpuworker.engine.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +99,15 @@ class AsyncLLMEngine(StreamingEngine):
         await asyncio.to_thread(self.engine.compile_grammar, structured)
 
     async def _add(
-        self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None, outputs: OutputStream
+        self,
+        request_id: str,
+        prompt: TokenizedPrompt,
+        params: SamplingParams | None,
+        outputs: OutputStream,
+        images: list[ImageInput] | None = None,
     ) -> None:
         def add() -> None:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, images=images)
             self._streams[request_id] = outputs
 
         await self._call(add)

@@ -248,7 +248,11 @@ class BlockManager:
 
     def _tokens(self, seq: Sequence, block_index: int) -> tuple[int, ...]:
         start = block_index * self.block_size
-        return tuple(seq.token_ids[start : start + self.block_size])
+        tokens = tuple(seq.token_ids[start : start + self.block_size])
+        multimodal = seq.group.multimodal
+        if multimodal is not None:  # image tokens are keyed by their image too, not by their id alone
+            tokens += multimodal.block_keys(start, self.block_size)
+        return tokens
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         hashes = seq.block_hashes

@@ -46,7 +46,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import reduction
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.engine_process_main import engine_main, error, logprobs_from_wire, metrics_from_wire
@@ -56,6 +56,9 @@ from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.structured_output import StructuredOutput
+
+if TYPE_CHECKING:  # the image inputs only pass through
+    from gpuworker.engine.multimodal import ImageInput
 
 logger = logging.getLogger(__name__)
 
@@ -293,14 +296,19 @@ class ProcessLLMEngine(StreamingEngine):
         await asyncio.wrap_future(self._command("compile", structured))
 
     async def _add(
-        self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None, outputs: OutputStream
+        self,
+        request_id: str,
+        prompt: TokenizedPrompt,
+        params: SamplingParams | None,
+        outputs: OutputStream,
+        images: list[ImageInput] | None = None,
     ) -> None:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = (outputs, _Assembly(prompt, accumulate=not outputs.deltas))
         try:
-            await asyncio.wrap_future(self._command("add", request_id, prompt, params))
+            await asyncio.wrap_future(self._command("add", request_id, prompt, params, images))
         except BaseException as exc:
             with self._lock:
                 entry = self._streams.get(request_id)

@@ -274,12 +274,12 @@ class _EngineLoop:
             return True
         try:
             if kind == "add":
-                _, _, request_id, prompt, params = message
+                request_id, prompt, params, images = (*message[2:5], message[5] if len(message) > 5 else None)
                 if params is None or params.output_kind == "cumulative":
                     # The API side accumulates (engine_process_client._Assembly): no step copies a stream's
                     # tokens and logprobs so far here.
                     params = replace(params or SamplingParams(), output_kind="delta")
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, images=images)
                 if params is not None and params.output_kind == "final_only":
                     self.final_only.add(request_id)
                 value = None

@@ -31,6 +31,7 @@ from gpuworker.engine.grammar_masks import GrammarMatchers
 from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
 from gpuworker.engine.latency import LatencyWindows
 from gpuworker.engine.model_runner import ModelRunner, StepHandle
+from gpuworker.engine.multimodal import ImageInput, MultimodalPrompt, locate_images, multimodal_rotary
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats, TokenLogprob
 from gpuworker.engine.parallel import Workers, parallel_context
 from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
@@ -297,9 +298,32 @@ class LLMEngine:
         prompt: Prompt | TokenizedPrompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
+        """images: preprocessed (engine.multimodal.preprocess_image), in prompt order; the prompt's
+        token ids hold each image's placeholder expanded to its num_tokens (expand_image_tokens)."""
         prompt_text, prompt_ids = prompt if isinstance(prompt, TokenizedPrompt) else self.tokenize(prompt)
-        self._add(request_id, prompt_text, prompt_ids, params, arrival_time)
+        self._add(request_id, prompt_text, prompt_ids, params, arrival_time, images)
+
+    def _multimodal(self, prompt_ids: list[int], images: list[ImageInput] | None) -> MultimodalPrompt | None:
+        """The request's images placed in its prompt; ValueError for a text-only model or runs of
+        image tokens that do not match the images."""
+        vision = self.model_config.vision
+        if not images:
+            return None
+        if vision is None:
+            raise ValueError(
+                f"{self.config.model} ({self.model_config.architecture}) is a text-only model: it takes no images"
+            )
+        name = f"{self.config.model} ({self.model_config.architecture})"
+        starts = locate_images(prompt_ids, images, vision.image_token_id, name)
+        if not hasattr(vision, "mrope_section"):  # plain rotary; image tokens attend within their image
+            budget = self.config.max_num_batched_tokens
+            if any(image.num_tokens > budget for image in images):
+                raise ValueError(f"{name}: an image's tokens must fit in one step (max_num_batched_tokens {budget})")
+            return MultimodalPrompt(list(images), starts, whole_images=True)
+        positions, delta = multimodal_rotary(len(prompt_ids), images, starts, vision.spatial_merge_size)
+        return MultimodalPrompt(list(images), starts, positions, delta)
 
     def _add(
         self,
@@ -308,6 +332,7 @@ class LLMEngine:
         prompt_ids: list[int],
         params: SamplingParams | None,
         arrival_time: float | None,
+        images: list[ImageInput] | None = None,
     ) -> None:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -324,10 +349,12 @@ class LLMEngine:
         grammar = None
         if params.structured_output is not None:
             grammar = self._grammar_matchers().compile(params.structured_output)
+        multimodal = self._multimodal(prompt_ids, images)
         max_tokens = params.max_tokens or self.config.max_model_len - len(prompt_ids)
         group = SequenceGroup(
             request_id, prompt_ids, params, next(self._arrivals), max_tokens, first_seq_id=self._next_seq_id
         )
+        group.multimodal = multimodal
         self._next_seq_id += params.n
         detokenizers = [IncrementalDetokenizer(self.tokenizer, len(prompt_ids), params) for _ in group.seqs]
         self.scheduler.add(group)
@@ -641,12 +668,16 @@ class LLMEngine:
     # -- offline conveniences -------------------------------------------------------------------
 
     def generate(
-        self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        images: list[list[ImageInput] | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (text or token ids) to completion; outputs come back in input order."""
+        """Run prompts (text or token ids) to completion; outputs come back in input order.
+        images: per prompt, its images (as add_request takes them) or None."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run_all([self.tokenize(prompt) for prompt in prompts], params)
+        return self._run_all([self.tokenize(prompt) for prompt in prompts], params, images)
 
     def chat(
         self,
@@ -664,8 +695,14 @@ class LLMEngine:
         return self.prompts.render_chat(conversation, tools)
 
     def _run_all(
-        self, prompts: list[TokenizedPrompt], params: SamplingParams | list[SamplingParams] | None
+        self,
+        prompts: list[TokenizedPrompt],
+        params: SamplingParams | list[SamplingParams] | None,
+        images: list[list[ImageInput] | None] | None = None,
     ) -> list[RequestOutput]:
+        all_images = images if images is not None else [None] * len(prompts)
+        if len(all_images) != len(prompts):
+            raise ValueError(f"images: got {len(all_images)} lists for {len(prompts)} prompts")
         all_params = params if isinstance(params, list) else [params] * len(prompts)
         if len(all_params) != len(prompts):
             raise ValueError(f"params: got {len(all_params)} for {len(prompts)} prompts")
@@ -674,8 +711,10 @@ class LLMEngine:
         batch_id = next(self._generate_ids)
         request_ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
         try:
-            for request_id, (text, ids), request_params in zip(request_ids, prompts, all_params):
-                self._add(request_id, text, ids, request_params, None)
+            for request_id, (text, ids), request_params, request_images in zip(
+                request_ids, prompts, all_params, all_images
+            ):
+                self._add(request_id, text, ids, request_params, None, request_images)
         except ValueError:
             for request_id in request_ids:
                 self.abort(request_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +31,7 @@ from gpuworker.engine.block_tables import BlockTables
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.grammar_masks import TokenBitmask
 from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
+from gpuworker.engine.multimodal import ImageEmbeddingCache, ImageSlice, step_images, step_rotary_positions
 from gpuworker.engine.outputs import TokenLogprob
 from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
 from gpuworker.engine.scheduler import ScheduledBatch
@@ -54,6 +55,11 @@ class ModelInputs:
     sample_indices: torch.Tensor  # [S] int64: the token row whose hidden state each sample uses
     # Every token row samples, in order (a decode-only step): the hidden states need no gather.
     samples_every_row: bool = False
+    # Image embeddings that replace the token embeddings at these rows (a vision model's prefill).
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+    # The images whose tokens attend to each other both ways (Gemma 3), ending in this step.
+    image_blocks: list | None = None
 
 
 @dataclass
@@ -74,6 +80,10 @@ class HostInputs:
     # With a window pool (sliding layers' blocks, engine.window_blocks): its slots and tables.
     window_slot_mapping: np.ndarray | None = None  # [T] int64
     window_block_tables: np.ndarray | None = None  # [B, width] int32
+    # With images (engine.multimodal): rotary positions other than `positions` ([T] or [3, T]) and
+    # the image tokens the step computes.
+    rotary_positions: np.ndarray | None = None
+    images: list[ImageSlice] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -141,6 +151,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self._allocate_kv_cache(config, mc, dtype, device)
         self.sampler = Sampler(device, config.seed)
+        # A vision model's encoder output by image content hash (engine.multimodal).
+        self.image_cache = ImageEmbeddingCache(max_tokens=max(config.max_num_batched_tokens, 16384))
         max_blocks = -(-config.max_model_len // config.block_size)
         self.block_tables = BlockTables(2 * config.max_num_seqs + 8, max_blocks)
         self.window_tables = (
@@ -358,7 +370,13 @@ class ModelRunner:
         A decode-only step replays a CUDA graph (one copy of its inputs, one launch); any other
         runs eagerly from the device tensors of prepare_inputs."""
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(host.num_decode_seqs, host.num_seqs, len(host.ids), host.max_seq_len):
+        rotary = host.rotary_positions
+        if (
+            graphs is not None
+            and not host.images
+            and (rotary is None or rotary.ndim == 1)
+            and graphs.can_run(host.num_decode_seqs, host.num_seqs, len(host.ids), host.max_seq_len)
+        ):
             sampled_rows = self._placeholder_rows(host, previous)
             if sampled_rows.size and previous.token_ids.data_ptr() != graphs.sampled.data_ptr():
                 graphs.sampled[: len(previous.token_ids)].copy_(previous.token_ids)
@@ -367,7 +385,7 @@ class ModelRunner:
                 known_ids=host.ids,
                 placeholders=host.placeholders,
                 sampled_rows=sampled_rows,
-                positions=host.positions,
+                positions=host.positions if rotary is None else rotary,
                 slot_mapping=host.slot_mapping,
                 seq_lens=host.seq_lens,
                 block_tables=host.block_tables,
@@ -377,7 +395,19 @@ class ModelRunner:
         inputs = self.prepare_inputs(batch, previous, host=host)
         if self.workers is not None:
             self.workers.send_step(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.image_rows is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        else:
+            extra = {} if inputs.image_blocks is None else {"image_blocks": inputs.image_blocks}
+            hidden = self.model(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.meta,
+                image_rows=inputs.image_rows,
+                image_embeds=inputs.image_embeds,
+                **extra,
+            )
         return hidden if inputs.samples_every_row else hidden[inputs.sample_indices]
 
     def host_inputs(self, batch: ScheduledBatch) -> HostInputs:
@@ -430,7 +460,10 @@ class ModelRunner:
         if in_chunks.size:
             # Only a decode's one input token can still be in flight.
             raise RuntimeError(f"{entries[int(in_chunks[0])].seq}: a prefill chunk ends in a token not yet sampled")
+        multimodal = any(entry.seq.group.multimodal is not None for entry in entries)
         return HostInputs(
+            rotary_positions=step_rotary_positions(entries, positions, query_start_loc) if multimodal else None,
+            images=step_images(entries, query_start_loc) if multimodal else [],
             ids=ids,
             positions=positions,
             slot_mapping=slot_mapping,
@@ -483,13 +516,44 @@ class ModelRunner:
             input_ids_t[to_device(host.placeholders, torch.int64, self.device)] = previous.token_ids[
                 to_device(sampled_rows, torch.int64, self.device)
             ]
-        return ModelInputs(
+        inputs = ModelInputs(
             input_ids=input_ids_t,
             positions=positions_t,
             meta=meta,
             sample_indices=sample_indices_t,
             samples_every_row=host.samples_every_row,
         )
+        if host.rotary_positions is not None:
+            inputs.positions = to_device(np.ascontiguousarray(host.rotary_positions), torch.int64, self.device)
+        if host.images:
+            inputs.image_rows, inputs.image_embeds = self.image_embeddings(host.images)
+            if getattr(self.model, "attends_within_images", False):  # Gemma 3
+                inputs.image_blocks = image_blocks(host)
+        return inputs
+
+    def image_embeddings(self, images: list[ImageSlice]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token rows of a step's image tokens and their embeddings: images not in the cache are
+        encoded together in one batch on the device, then each slice is taken from the cache."""
+        cache = self.image_cache
+        missing: dict[str, object] = {}
+        for part in images:
+            if part.image.content_hash not in cache and part.image.content_hash not in missing:
+                missing[part.image.content_hash] = part.image
+        fresh: dict[str, torch.Tensor] = {}
+        for group in _encoder_batches(list(missing.values())):
+            pixels = torch.cat([image.pixel_values for image in group]).to(self.device, non_blocking=True)
+            encoded = self.model.encode_images(pixels, [image.grid_thw for image in group])
+            for image, embeds in zip(group, encoded.split([image.num_tokens for image in group])):
+                cache.put(image.content_hash, embeds)
+                fresh[image.content_hash] = embeds
+        rows, embeds = [], []
+        for part in images:
+            full = fresh.get(part.image.content_hash)
+            if full is None:
+                full = cache.get(part.image.content_hash)
+            rows.append(np.arange(part.row, part.row + part.end - part.begin))
+            embeds.append(full[part.begin : part.end])
+        return to_device(np.concatenate(rows), torch.int64, self.device), torch.cat(embeds)
 
     @staticmethod
     def _placeholder_rows(host: HostInputs, previous: StepHandle | None) -> np.ndarray:
@@ -524,6 +588,40 @@ class ModelRunner:
                 )
             )
         return StepResult(token_ids, logprobs)
+
+
+# The most patch rows one vision-encoder call takes: a step's new images beyond it go in several.
+MAX_ENCODER_PATCHES = 1 << 16
+
+
+def _encoder_batches(images: list) -> list[list]:
+    """The images to encode, in groups of at most MAX_ENCODER_PATCHES patch rows (an image larger
+    than that alone)."""
+    groups: list[list] = []
+    rows = 0
+    for image in images:
+        patches = image.pixel_values.shape[0]
+        if not groups or rows + patches > MAX_ENCODER_PATCHES:
+            groups.append([])
+            rows = 0
+        groups[-1].append(image)
+        rows += patches
+    return groups
+
+
+def image_blocks(host: HostInputs) -> list:
+    """The step's images that attend within themselves (each ends in this step: the scheduler
+    never cuts one), as models.gemma3.image_model takes them."""
+    from gpuworker.models.gemma3.image_model import ImageBlock
+
+    blocks = []
+    for part in host.images:
+        if part.end != part.image.num_tokens:
+            raise RuntimeError("a prefill chunk ends inside an image that must be computed whole")
+        count = part.end - part.begin
+        seq_index = int(np.searchsorted(host.query_start_loc, part.row, side="right")) - 1
+        blocks.append(ImageBlock(seq_index, part.row, count, int(host.positions[part.row + count - 1])))
+    return blocks
 
 
 def _packed_to_device(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

@@ -10,13 +10,16 @@ import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuworker.engine.facts import EngineFacts
 from gpuworker.engine.outputs import RequestOutput, merge_outputs
 from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.structured_output import StructuredOutput
+
+if TYPE_CHECKING:  # the image inputs only pass through
+    from gpuworker.engine.multimodal import ImageInput
 
 
 class EngineDeadError(RuntimeError):
@@ -104,9 +107,14 @@ class StreamingEngine(ABC):
         return self.dead
 
     async def generate(
-        self, prompt: Prompt | TokenizedPrompt, params: SamplingParams | None, request_id: str
+        self,
+        prompt: Prompt | TokenizedPrompt,
+        params: SamplingParams | None,
+        request_id: str,
+        images: list[ImageInput] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield an output each step the request advances; the last one has finished=True."""
+        """Yield an output each step the request advances; the last one has finished=True.
+        images: as LLMEngine.add_request takes them (engine.multimodal)."""
         outputs = OutputStream(asyncio.get_running_loop(), deltas=params is not None and params.output_kind == "delta")
         if not isinstance(prompt, TokenizedPrompt):
             # Tokenizing (or checking) megabytes takes seconds: neither on the caller's event loop,
@@ -114,7 +122,7 @@ class StreamingEngine(ABC):
             prompt = await asyncio.to_thread(self.prompts.tokenize, prompt)
         if params is not None and params.structured_output is not None:
             await self._compile_grammar(params.structured_output)
-        await self._add(request_id, prompt, params, outputs)
+        await self._add(request_id, prompt, params, outputs, images)
         finished = False
         try:
             while True:
@@ -154,7 +162,12 @@ class StreamingEngine(ABC):
 
     @abstractmethod
     async def _add(
-        self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams | None, outputs: OutputStream
+        self,
+        request_id: str,
+        prompt: TokenizedPrompt,
+        params: SamplingParams | None,
+        outputs: OutputStream,
+        images: list[ImageInput] | None = None,
     ) -> None:
         """Add the request to the engine, its outputs to go to `outputs`; ValueError for bad input."""
 

@@ -166,6 +166,7 @@ class Scheduler:
             if seq.status is not running_status:
                 continue
             num_new = min(seq.num_uncomputed_tokens, step.token_budget - (reserve if self._is_long(seq) else 0))
+            num_new = _within_images(seq, seq.num_computed_tokens, num_new)
             if num_new > 0 and self._make_room(seq, num_new, step):
                 self.block_manager.allocate(seq, num_new)
                 step.add(seq, num_new)
@@ -196,7 +197,8 @@ class Scheduler:
             matched = block_manager.match_prefix(seq)
             num_computed = len(matched) * block_size
             num_new = min(seq.num_tokens - num_computed, step.token_budget - (reserve if long else 0))
-            if not block_manager.can_admit(matched, num_new):
+            num_new = _within_images(seq, num_computed, num_new)
+            if num_new <= 0 or not block_manager.can_admit(matched, num_new):
                 break
             self.waiting.popleft()
             self.num_short_waiting -= not long
@@ -332,3 +334,11 @@ class _StepBuilder:
             num_batched_tokens=sum(e.num_new_tokens for e in self.entries),
             preempted=list(self.preempted),
         )
+
+
+def _within_images(seq: Sequence, start: int, num_new: int) -> int:
+    """num_new, cut so that the chunk does not end inside an image that must be computed whole."""
+    multimodal = seq.group.multimodal
+    if multimodal is None or num_new <= 0:
+        return num_new
+    return multimodal.chunk_end(start, start + num_new) - start

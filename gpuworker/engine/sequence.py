@@ -101,6 +101,8 @@ class SequenceGroup:
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # The request's images (engine.multimodal.MultimodalPrompt), or None.
+        self.multimodal = None
         self.params = params
         self.arrival_index = arrival_index
         # params.max_tokens, or what is left of max_model_len when that is None.

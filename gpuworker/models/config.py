@@ -40,6 +40,17 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # Gemma 3's text decoder: its layout (norms, activation, sliding layers, rope per layer type) is
     # parsed by models.gemma3.config into ModelConfig.gemma3.
     "Gemma3ForCausalLM": {"qkv_bias": "config", "o_bias": "config", "qk_norm": True, "gemma3": True},
+    # Qwen2.5-VL: the Qwen2 decoder under text_config, the vision tower parsed by
+    # models.qwen2_5_vl.config into ModelConfig.vision.
+    "Qwen2_5_VLForConditionalGeneration": {"qkv_bias": True, "o_bias": False, "qk_norm": False, "vision": "qwen2_5_vl"},
+    # Gemma 3 with its SigLIP tower (models.gemma3.vision) over the Gemma 3 text decoder.
+    "Gemma3ForConditionalGeneration": {
+        "qkv_bias": "config",
+        "o_bias": "config",
+        "qk_norm": True,
+        "gemma3": True,
+        "vision": "siglip",
+    },
 }
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -53,6 +64,8 @@ _MODEL_TYPES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 # Checkpoint names of a MoE block: its module under model.layers.N, and each expert's gate, up and
 # down projections under <module>.experts.E.
@@ -137,6 +150,8 @@ class ModelConfig:
     model_path: str | None = None
     # Multi-head latent attention (DeepSeek-V2/V3); None for the llama-style attention.
     mla: MLAConfig | None = None
+    # A vision model's tower and image tokens (models.qwen2_5_vl.config.VisionLayout); None: text only.
+    vision: Any = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -175,6 +190,11 @@ class ModelConfig:
         """Build from config.json's dict (and generation_config.json's, for extra EOS ids)."""
         architecture = _architecture(config, source)
         family = _FAMILIES[architecture]
+        vision_source = None
+        if family.get("vision"):
+            from gpuworker.models.qwen2_5_vl.config import text_config
+
+            vision_source, config = config, text_config(config)
 
         def need(key: str, kind: type = int) -> Any:
             value = config.get(key)
@@ -195,6 +215,15 @@ class ModelConfig:
         head_dim = config.get("head_dim") or hidden_size // num_heads
         if head_dim % 2 != 0 and not family.get("mla"):
             raise ValueError(f"{source}: head_dim must be even for rotary embeddings, got {head_dim}")
+        vision = None
+        if family.get("vision") == "siglip":
+            from gpuworker.models.gemma3.vision import parse_siglip
+
+            vision = parse_siglip(vision_source, source)
+        elif vision_source is not None:
+            from gpuworker.models.qwen2_5_vl.config import parse_vision
+
+            vision = parse_vision(vision_source, head_dim, source)
         gemma3 = None
         if family.get("gemma3"):
             from gpuworker.models.gemma3.config import parse_gemma3
@@ -262,6 +291,7 @@ class ModelConfig:
             quantization=parse_quantization(config, source),
             mla=mla,
             gemma3=gemma3,
+            vision=vision,
             extra={
                 "config_max_position_embeddings": max_pos,
                 "num_nextn_predict_layers": int(config.get("num_nextn_predict_layers") or 0),

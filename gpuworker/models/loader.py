@@ -36,6 +36,7 @@ from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS, fp8_at_load
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.deepseek.model import DeepseekForCausalLM
 from gpuworker.models.deepseek.rotary import DeepseekRotary
+from gpuworker.models.gemma3.image_model import Gemma3ForConditionalGeneration
 from gpuworker.models.gemma3.model import Gemma3ForCausalLM
 from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_tokenizer, read_gguf_config
 from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -50,6 +51,7 @@ from gpuworker.models.quantization.install import (
 )
 from gpuworker.models.quantization.kv_scales import is_kv_scale, load_kv_scales
 from gpuworker.models.quantization.linear import QuantizedLinear
+from gpuworker.models.qwen2_5_vl.model import Qwen2_5_VLForConditionalGeneration
 from gpuworker.models.tensor_parallel import ParallelContext, kv_head_range, vocab_range
 from gpuworker.models.weight_stream import TORCH_DTYPES, TensorCopy, copy_tensors
 
@@ -155,6 +157,8 @@ def model_class(mc: ModelConfig) -> type[LlamaForCausalLM] | type[DeepseekForCau
     """The decoder class of mc's family."""
     if mc.mla is not None:
         return DeepseekForCausalLM
+    if mc.vision is not None:
+        return Gemma3ForConditionalGeneration if mc.gemma3 is not None else Qwen2_5_VLForConditionalGeneration
     return Gemma3ForCausalLM if mc.gemma3 is not None else LlamaForCausalLM
 
 
@@ -268,6 +272,9 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
     if isinstance(model, DeepseekForCausalLM):
         _add_deepseek_layers(add, split, targets, model)
         return targets
+    if isinstance(model, Qwen2_5_VLForConditionalGeneration):  # the vision tower keeps HF's names
+        for name, param in model.visual.named_parameters():
+            add(f"visual.{name}", param)
     hd = mc.head_dim
     first_kv, num_kv = (0, mc.num_kv_heads) if parallel is None else kv_head_range(mc, parallel)
     for i, layer in enumerate(model.layers):
@@ -293,6 +300,11 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
         for norm in ("input_layernorm", "post_attention_layernorm", *_EXTRA_LAYER_NORMS):
             if hasattr(layer, norm):
                 add(f"{prefix}{norm}.weight", getattr(layer, norm).weight)
+    if isinstance(model, Gemma3ForConditionalGeneration):  # text under language_model., the rest as HF names it
+        targets = {model.checkpoint_prefix + name: target for name, target in targets.items()}
+        for module in ("vision_tower", "multi_modal_projector"):
+            for name, param in getattr(model, module).named_parameters():
+                add(f"{module}.{name}", param)
     return targets
 
 
