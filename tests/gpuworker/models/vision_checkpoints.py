@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuworker.demo_model import write_tokenizer
+from gpuworker.demo_model import vision_chat_template, write_tokenizer
 from tests.gpuworker.checkpoints import TINY
 
 IMAGE_TOKEN_ID = 380
@@ -52,40 +52,9 @@ def make_qwen2_5_vl(tmp_path: str | Path, seed: int = 0) -> Path:
         min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=PATCH, merge_size=2, temporal_patch_size=2
     )
     processor.save_pretrained(str(directory))
-    write_tokenizer(directory, TINY["vocab_size"], TINY["max_position_embeddings"])
-    _write_chat_template(directory, [VISION_START_TOKEN_ID, IMAGE_TOKEN_ID, VISION_END_TOKEN_ID])
+    template = vision_chat_template([VISION_START_TOKEN_ID, IMAGE_TOKEN_ID, VISION_END_TOKEN_ID])
+    write_tokenizer(directory, TINY["vocab_size"], TINY["max_position_embeddings"], template)
     return directory
-
-
-def _reserved(token_id: int) -> str:
-    """The demo tokenizer's name of a token id past its named special tokens."""
-    from gpuworker.demo_model import MIN_VOCAB_SIZE
-
-    return f"<|reserved_special_token_{token_id - MIN_VOCAB_SIZE}|>"
-
-
-def _write_chat_template(directory: Path, image_placeholder: list[int]) -> None:
-    """The demo chat template, reading content parts too: an {"type": "image"} part becomes the
-    model's image placeholder (Qwen2.5-VL's <|vision_start|><|image_pad|><|vision_end|>)."""
-    import json
-
-    placeholder = "".join(_reserved(token_id) for token_id in image_placeholder)
-    template = (
-        "{{- bos_token }}"
-        "{%- for message in messages %}"
-        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-        "{%- if message['content'] is string %}{{- message['content'] | trim }}"
-        "{%- else %}{%- for part in message['content'] %}"
-        "{%- if part['type'] == 'image' %}{{- '" + placeholder + "' }}{%- else %}{{- part['text'] }}{%- endif %}"
-        "{%- endfor %}{%- endif %}"
-        "{{- '<|eot_id|>' }}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-    )
-    path = directory / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config["chat_template"] = template
-    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _redraw(model, seed: int) -> None:
