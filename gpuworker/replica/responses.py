@@ -158,8 +158,15 @@ def with_image_tokens(prompts: PromptTokenizer, prompt: TokenizedPrompt, images:
     """The chat prompt with each image's placeholder token repeated as many times as the image
     (preprocessed: engine.multimodal.ImageInput) fills; ValueError when placeholders and images differ."""
     vision = prompts.model_config.vision
+    token_ids = list(prompt.token_ids)
+    boi, eoi = getattr(vision, "boi_token_id", None), getattr(vision, "eoi_token_id", None)
+    if boi is not None and eoi is not None and vision.image_token_id not in token_ids:
+        # Gemma 3's template writes <start_of_image> alone; its processor's image sequence goes there.
+        gap = prompts.tokenizer.encode("\n\n", add_special_tokens=False)
+        sequence = [*gap, boi, vision.image_token_id, eoi, *gap]
+        token_ids = [t for token in token_ids for t in (sequence if token == boi else (token,))]
     try:
-        token_ids = expand_image_tokens(list(prompt.token_ids), images, vision.image_token_id)
+        token_ids = expand_image_tokens(token_ids, images, vision.image_token_id)
     except ValueError as exc:
         raise ValueError(f"messages: the model's chat template did not place the images: {exc}") from None
     return TokenizedPrompt(None, token_ids)

@@ -115,5 +115,7 @@ def make_gemma3_vision(tmp_path: str | Path, seed: int = 0) -> Path:
     directory = Path(tmp_path) / "gemma3_vision"
     model.save_pretrained(str(directory))
     transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28}).save_pretrained(str(directory))
-    write_tokenizer(directory, TINY["vocab_size"], TINY["max_position_embeddings"])
+    # As Gemma 3's template: <start_of_image> alone for each image part.
+    template = vision_chat_template([GEMMA3_BOI_TOKEN_ID])
+    write_tokenizer(directory, TINY["vocab_size"], TINY["max_position_embeddings"], template)
     return directory

@@ -17,7 +17,14 @@ from gpuworker.engine.multimodal import preprocess_image
 from gpuworker.engine.prompts import TokenizedPrompt
 from gpuworker.replica.app import ServerConfig
 from gpuworker.replica.responses import with_image_tokens
-from tests.gpuworker.models.vision_checkpoints import IMAGE_TOKEN_ID, make_qwen2_5_vl
+from tests.gpuworker.models.vision_checkpoints import (
+    GEMMA3_BOI_TOKEN_ID,
+    GEMMA3_EOI_TOKEN_ID,
+    GEMMA3_IMAGE_TOKEN_ID,
+    IMAGE_TOKEN_ID,
+    make_gemma3_vision,
+    make_qwen2_5_vl,
+)
 from tests.gpuworker.replica.test_app import TOKEN, _serving
 
 MAX_TOKENS = 6
@@ -138,3 +145,48 @@ def test_a_template_that_places_no_image_is_a_400_naming_messages(server):
     assert len(with_image_tokens(prompts, TokenizedPrompt(None, [1, IMAGE_TOKEN_ID, 3]), [image]).token_ids) == (
         2 + image.num_tokens
     )
+
+
+@pytest.fixture(scope="module")
+def gemma_checkpoint(tmp_path_factory):
+    return make_gemma3_vision(tmp_path_factory.mktemp("gemma3-vision"))
+
+
+def _hf_gemma_answer(checkpoint, pngs: list[bytes], text: str) -> tuple[list[str], int]:
+    """transformers' greedy tokens for the chat, its images placed as Gemma3Processor places them:
+    each <start_of_image> of the template's text replaced by the full image sequence."""
+    import transformers
+
+    from gpuworker.demo_model import reserved_token
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    processor = transformers.AutoImageProcessor.from_pretrained(str(checkpoint))
+    content = [{"type": "text", "text": text}] + [{"type": "image"} for _ in pngs]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    boi, image, eoi = (reserved_token(t) for t in (GEMMA3_BOI_TOKEN_ID, GEMMA3_IMAGE_TOKEN_ID, GEMMA3_EOI_TOKEN_ID))
+    rendered = rendered.replace(boi, f"\n\n{boi}{image * 4}{eoi}\n\n")
+    ids = tokenizer(rendered, add_special_tokens=False).input_ids
+    images = [Image.open(io.BytesIO(png)).convert("RGB") for png in pngs]
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32)
+    generated = model.eval().generate(
+        torch.tensor([ids]),
+        pixel_values=pixels,
+        token_type_ids=(torch.tensor([ids]) == GEMMA3_IMAGE_TOKEN_ID).long(),
+        max_new_tokens=MAX_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    return [tokenizer.decode([t]) for t in generated[0, len(ids) :].tolist()], len(ids)
+
+
+def test_gemma3_places_each_image_where_its_template_writes_start_of_image(gemma_checkpoint):
+    config = ServerConfig(model=str(gemma_checkpoint), served_model_name="tiny-vl", token=TOKEN, max_model_len=256)
+    pngs = [_png(40, 30, 7), _png(30, 50, 8)]
+    expected, prompt_len = _hf_gemma_answer(gemma_checkpoint, pngs, "compare them")
+    with _serving(config) as (base, _):
+        response = _ask(base, pngs, "compare them")
+    assert _tokens(response) == expected
+    assert response.usage.prompt_tokens == prompt_len
