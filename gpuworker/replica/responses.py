@@ -158,6 +158,8 @@ def with_image_tokens(prompts: PromptTokenizer, prompt: TokenizedPrompt, images:
     """The chat prompt with each image's placeholder token repeated as many times as the image
     (preprocessed: engine.multimodal.ImageInput) fills; ValueError when placeholders and images differ."""
     vision = prompts.model_config.vision
+    if vision is None:  # a text-only engine refuses the images itself
+        return prompt
     token_ids = list(prompt.token_ids)
     boi, eoi = getattr(vision, "boi_token_id", None), getattr(vision, "eoi_token_id", None)
     if boi is not None and eoi is not None and vision.image_token_id not in token_ids:
