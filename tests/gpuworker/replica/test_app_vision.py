@@ -1,7 +1,8 @@
 """A vision model through the replica server with the openai SDK: a chat with data-URL images is
 rendered by the model's chat template, its placeholders expanded to the images' tokens, and
 answered greedily token for token as transformers answers the same chat and images; usage counts
-the image tokens; the same text with another image is a new prompt, not a prefix-cache hit."""
+the image tokens; the same text with another image is a new prompt, not a prefix-cache hit; Gemma
+3 too, and an engine in a process of its own."""
 
 from __future__ import annotations
 
@@ -190,3 +191,14 @@ def test_gemma3_places_each_image_where_its_template_writes_start_of_image(gemma
         response = _ask(base, pngs, "compare them")
     assert _tokens(response) == expected
     assert response.usage.prompt_tokens == prompt_len
+
+
+def test_an_engine_in_its_own_process_takes_the_images_too(checkpoint):
+    config = ServerConfig(
+        model=str(checkpoint), served_model_name="tiny-vl", token=TOKEN, max_model_len=1024, engine_process=True
+    )
+    png = _png(60, 90, 9)
+    expected, prompt_len = _hf_answer(checkpoint, [png])
+    with _serving(config) as (base, _):
+        response = _ask(base, [png])
+    assert _tokens(response) == expected and response.usage.prompt_tokens == prompt_len
