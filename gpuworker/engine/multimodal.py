@@ -57,6 +57,13 @@ def preprocess_image(model_dir: str | Path, image: Any) -> ImageInput:
     return ImageInput(pixel_values, grid, num_tokens, digest.hexdigest())
 
 
+def preprocess_request_image(model_dir: str, image: Any, detail: str) -> ImageInput:
+    """`preprocess_image` as the replica's image pool calls it (image, detail): bind model_dir with
+    functools.partial for a picklable callable. The processor chooses the resolution, so `detail`
+    changes nothing."""
+    return preprocess_image(model_dir, image)
+
+
 @functools.lru_cache(maxsize=8)
 def _tokens_per_image(model_dir: str) -> int:
     import json

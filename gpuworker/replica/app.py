@@ -28,7 +28,14 @@ from gpuworker.engine.outputs import join_deltas
 from gpuworker.replica.embeddings import embeddings as serve_embeddings
 from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
 from gpuworker.replica.images.preparing import prepare_images
-from gpuworker.replica.responses import Responder, drain_expired_error, engine_error, error_response, plan_request
+from gpuworker.replica.responses import (
+    Responder,
+    drain_expired_error,
+    engine_error,
+    error_response,
+    plan_request,
+    with_image_tokens,
+)
 
 __all__ = ["ServerConfig", "build_app"]
 
@@ -207,9 +214,15 @@ async def _generate(request: Request, chat: bool) -> Response:
         )
     except ProtocolError as exc:
         return JSONResponse(exc.to_dict(), status_code=exc.status)
+    prompt = plan.prompt
+    if images:
+        try:
+            prompt = with_image_tokens(engine.prompts, prompt, images)
+        except ValueError as exc:
+            return engine_error(exc, "messages")
     request_id = new_id("chatcmpl" if chat else "cmpl")
     # A vision engine takes the preprocessed images with the prompt; a text-only one gets none.
-    stream = engine.generate(plan.prompt, plan.params, request_id, **({"images": images} if images else {}))
+    stream = engine.generate(prompt, plan.params, request_id, **({"images": images} if images else {}))
     try:
         first = await anext(stream)
     except ValueError as exc:

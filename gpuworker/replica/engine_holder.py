@@ -7,6 +7,7 @@ here; draining stops new requests, lets in-flight ones finish until a deadline, 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ import torch
 from gpuworker.engine import start_engine
 from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encoder
 from gpuworker.engine.engine_process_client import EngineProcess
+from gpuworker.engine.multimodal import preprocess_request_image
 from gpuworker.engine.output_streams import EngineDeadError, StreamingEngine
 from gpuworker.engine.outputs import RequestOutput
 from gpuworker.models.loader import report_load_progress
@@ -82,6 +84,14 @@ class ServerConfig:
         return self.served_model_name or Path(self.model).name
 
 
+def vision_preprocessor(model_config: Any) -> Any:
+    """The image pool's preprocessing callable(image, detail) for a model that takes images (its
+    checkpoint's own image processor), picklable for the pool's processes; None for a text model."""
+    if getattr(model_config, "vision", None) is None or model_config.model_path is None:
+        return None
+    return functools.partial(preprocess_request_image, model_config.model_path)
+
+
 class EngineHolder:
     def __init__(self, config: ServerConfig, engine_process: EngineProcess | None = None) -> None:
         """`engine_process`: one started ahead (by `serve` or a spare) for config.engine_process."""
@@ -91,7 +101,7 @@ class EngineHolder:
         # An encoder checkpoint (BERT family) is served by /v1/embeddings instead: then this is set
         # and `engine` stays None.
         self.embedder: EmbeddingEngine | None = None
-        # A vision model's image preprocessing (the engine's `image_preprocessor`, a picklable
+        # A vision model's image preprocessing (`vision_preprocessor`, a picklable
         # callable(image, detail)), run in `image_pool`'s processes; None: the model is text-only.
         self.image_preprocessor: Any = None
         self.image_pool = ImagePool()
@@ -190,7 +200,7 @@ class EngineHolder:
                 self.state = "failed"
             return
         self.engine, self.load_progress = engine, 1.0
-        self.image_preprocessor = getattr(engine, "image_preprocessor", None)
+        self.image_preprocessor = vision_preprocessor(engine.prompts.model_config)
         if self.image_preprocessor is not None:
             self.image_pool.warm()
         self.load_timings = {**engine.facts.load_timings, "engine_s": round(time.perf_counter() - started, 4)}

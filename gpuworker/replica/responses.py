@@ -26,6 +26,7 @@ from gpuworker.contract.openai_api import (
     parse_request,
     usage_dict,
 )
+from gpuworker.engine.multimodal import expand_image_tokens
 from gpuworker.engine.outputs import CompletionOutput, RequestOutput
 from gpuworker.engine.prompts import PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
@@ -122,6 +123,11 @@ def plan_chat(prompts: PromptTokenizer, request: ChatCompletionRequest) -> Reque
     tool_parsing = None
     constraint = response_format_constraint(request.response_format)
     messages, tools = request.chat_messages(), request.template_tools()
+    if getattr(prompts.model_config, "vision", None) is not None:
+        # A vision model's template writes its image placeholder for each {"type": "image"} part.
+        for message, sent in zip(messages, request.messages):
+            if isinstance(sent.content, list):
+                message["content"] = sent.content_parts()
     if request.uses_tools:
         template = getattr(prompts.tokenizer, "chat_template", None) if prompts.tokenizer is not None else None
         try:
@@ -146,6 +152,26 @@ def plan_chat(prompts: PromptTokenizer, request: ChatCompletionRequest) -> Reque
     # Only the token ids: a chat's output does not echo the rendered prompt.
     prompt = TokenizedPrompt(None, prompts.render_chat(messages, tools=tools).token_ids)
     return RequestPlan(request, prompt, params, tool_parsing, request.images())
+
+
+def with_image_tokens(prompts: PromptTokenizer, prompt: TokenizedPrompt, images: list[Any]) -> TokenizedPrompt:
+    """The chat prompt with each image's placeholder token repeated as many times as the image
+    (preprocessed: engine.multimodal.ImageInput) fills; ValueError when placeholders and images differ."""
+    vision = prompts.model_config.vision
+    if vision is None:  # a text-only engine refuses the images itself
+        return prompt
+    token_ids = list(prompt.token_ids)
+    boi, eoi = getattr(vision, "boi_token_id", None), getattr(vision, "eoi_token_id", None)
+    if boi is not None and eoi is not None and vision.image_token_id not in token_ids:
+        # Gemma 3's template writes <start_of_image> alone; its processor's image sequence goes there.
+        gap = prompts.tokenizer.encode("\n\n", add_special_tokens=False)
+        sequence = [*gap, boi, vision.image_token_id, eoi, *gap]
+        token_ids = [t for token in token_ids for t in (sequence if token == boi else (token,))]
+    try:
+        token_ids = expand_image_tokens(token_ids, images, vision.image_token_id)
+    except ValueError as exc:
+        raise ValueError(f"messages: the model's chat template did not place the images: {exc}") from None
+    return TokenizedPrompt(None, token_ids)
 
 
 def _stop_string(choice: CompletionOutput) -> dict:

@@ -26,6 +26,10 @@ class SiglipLayout:
     layer_norm_eps: float
     tokens_per_image: int
     image_token_id: int
+    # <start_of_image> and <end_of_image>: Gemma 3's chat template writes the first alone for each
+    # image, and its processor puts "\n\n<start_of_image>" + image tokens + "<end_of_image>\n\n" there.
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
 
     @property
     def patches_per_side(self) -> int:
@@ -73,7 +77,16 @@ def parse_siglip(config: dict[str, Any], source: str) -> SiglipLayout:
         layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
         tokens_per_image=tokens,
         image_token_id=image_token_id,
+        boi_token_id=_token_id(config, "boi_token_index", source),
+        eoi_token_id=_token_id(config, "eoi_token_index", source),
     )
+
+
+def _token_id(config: dict[str, Any], key: str, source: str) -> int | None:
+    value = config.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{source}: {key} must be a token id, got {value!r}")
+    return value
 
 
 class SiglipAttention(nn.Module):

@@ -71,6 +71,14 @@ def test_seed_creates_a_working_demo(tmp_path):
     assert (embedding_path / "model.safetensors").stat().st_size > 80_000_000
     assert (embedding_path / "1_Pooling" / "config.json").is_file()
     assert str(embedding_path) in scan_model_roots([embedding_path.parent]).paths
+    # The vision model: a tiny random Qwen2.5-VL written where its row says, with its image processor.
+    vision = Model.objects.get(public_name="demo-vision")
+    assert vision.kind == Model.Kind.VISION and vision.deployment.desired_replicas == 1
+    vision_path = Path(vision.weights_path)
+    config = json.loads((vision_path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert (vision_path / "preprocessor_config.json").is_file()
+    assert str(vision_path) in scan_model_roots([vision_path.parent]).paths
     assert env_file.stat().st_mode & 0o077 == 0, "the file holds secrets and must be private"
 
 
@@ -90,7 +98,7 @@ def test_seed_without_the_env_file_issues_a_new_key_and_password(tmp_path):
     api_key_authenticate(plaintext=second["OPENAI_API_KEY"])
     for username in ("admin", "operator", "member"):
         assert User.objects.get(username=username).check_password(second[f"DEMO_{username.upper()}_PASSWORD"])
-    assert Tenant.objects.count() == 1 and Model.objects.count() == 3 and CreditEntry.objects.count() == 1
+    assert Tenant.objects.count() == 1 and Model.objects.count() == 4 and CreditEntry.objects.count() == 1
 
 
 def test_seed_replaces_a_key_that_no_longer_works(tmp_path):

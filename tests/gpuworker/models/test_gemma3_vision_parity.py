@@ -148,3 +148,15 @@ def test_image_runs_that_do_not_match_the_images_are_refused_by_model_name(check
         engine.add_request("b", _prompt(1), PARAMS, images=[image])
     with pytest.raises(ValueError, match="more image tokens"):
         expand_image_tokens(_prompt(2), [image], GEMMA3_IMAGE_TOKEN_ID)
+
+
+def test_the_image_boundary_token_ids_are_read_and_checked(checkpoint):
+    import json
+
+    from gpuworker.models.gemma3.vision import parse_siglip
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    layout = parse_siglip(config, "tiny")
+    assert (layout.boi_token_id, layout.eoi_token_id) == (GEMMA3_BOI_TOKEN_ID, GEMMA3_EOI_TOKEN_ID)
+    with pytest.raises(ValueError, match="tiny: boi_token_index must be a token id"):
+        parse_siglip({**config, "boi_token_index": "<start_of_image>"}, "tiny")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuworker.demo_model import write_tokenizer
+from gpuworker.demo_model import vision_chat_template, write_tokenizer
 from tests.gpuworker.checkpoints import TINY
 
 IMAGE_TOKEN_ID = 380
@@ -52,7 +52,8 @@ def make_qwen2_5_vl(tmp_path: str | Path, seed: int = 0) -> Path:
         min_pixels=4 * 28 * 28, max_pixels=64 * 28 * 28, patch_size=PATCH, merge_size=2, temporal_patch_size=2
     )
     processor.save_pretrained(str(directory))
-    write_tokenizer(directory, TINY["vocab_size"], TINY["max_position_embeddings"])
+    template = vision_chat_template([VISION_START_TOKEN_ID, IMAGE_TOKEN_ID, VISION_END_TOKEN_ID])
+    write_tokenizer(directory, TINY["vocab_size"], TINY["max_position_embeddings"], template)
     return directory
 
 
@@ -114,5 +115,7 @@ def make_gemma3_vision(tmp_path: str | Path, seed: int = 0) -> Path:
     directory = Path(tmp_path) / "gemma3_vision"
     model.save_pretrained(str(directory))
     transformers.Gemma3ImageProcessor(size={"height": 28, "width": 28}).save_pretrained(str(directory))
-    write_tokenizer(directory, TINY["vocab_size"], TINY["max_position_embeddings"])
+    # As Gemma 3's template: <start_of_image> alone for each image part.
+    template = vision_chat_template([GEMMA3_BOI_TOKEN_ID])
+    write_tokenizer(directory, TINY["vocab_size"], TINY["max_position_embeddings"], template)
     return directory

@@ -34,7 +34,7 @@ def server(tiny_checkpoint):
 
 def test_an_image_for_a_text_only_model_is_400_naming_the_model(server):
     base, app = server
-    assert app.state.holder.image_preprocessor is None  # every model on main is text-only
+    assert app.state.holder.image_preprocessor is None  # a text-only model preprocesses no images
     with _client(base) as client:
         response = client.post("/v1/chat/completions", json=_image_chat(data_url(image_file())))
         assert response.status_code == 400
