@@ -4,7 +4,10 @@ added to pyproject.toml without `make lock` fails here rather than when some pro
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -88,6 +91,40 @@ def test_the_dev_lock_meets_every_requirement_and_extra_of_pyproject():
 def test_the_run_and_image_locks_meet_every_runtime_requirement():
     assert unmet(requirements(), lock("run.txt")) == []
     assert unmet(requirements(), lock("image.txt")) == []
+
+
+def runtime_imports() -> dict[str, set[str]]:
+    """Top-level modules outside the standard library that controlplane/ and gpuworker/ import ->
+    the files importing them."""
+    imports: dict[str, set[str]] = {}
+    for folder in ("controlplane", "gpuworker"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in ("controlplane", "gpuworker"):
+                        imports.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return imports
+
+
+def test_every_module_the_runtime_imports_comes_from_the_run_lock():
+    # The dev lock is a superset: a package the product imports but only dev installs (Pillow, once)
+    # passes every test and breaks `make run` and the image.
+    providers = importlib.metadata.packages_distributions()
+    run = lock("run.txt")
+    missing = {
+        canonicalize_name(dist): sorted(files)[:3]
+        for module, files in runtime_imports().items()
+        for dist in providers.get(module, [module])
+        if canonicalize_name(dist) not in run
+    }
+    assert missing == {}
 
 
 def test_form_parsing_in_the_runtime_has_its_parser_in_the_run_lock():
