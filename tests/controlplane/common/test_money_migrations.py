@@ -32,10 +32,27 @@ EXPECTED = {
 }
 
 
-def _targets(executor: MigrationExecutor, *, before: bool) -> list[tuple[str, str]]:
-    """Every app's latest migration; billing and accounts at BEFORE when `before`."""
-    leaves = executor.loader.graph.leaf_nodes()
-    return [*(node for node in leaves if node[0] not in dict(BEFORE)), *BEFORE] if before else leaves
+def _targets(executor: MigrationExecutor, *, before: bool) -> list[tuple[str, str | None]]:
+    """Every app's latest migration; when `before`, billing and accounts at BEFORE and every other
+    app at its latest migration that needs nothing of theirs after BEFORE (none at all: unapplied)."""
+    graph = executor.loader.graph
+    leaves = graph.leaf_nodes()
+    if not before:
+        return leaves
+    allowed = {node for target in BEFORE for node in graph.forwards_plan(target)}
+    held = dict(BEFORE)
+
+    def fits(node) -> bool:
+        return all(dep in allowed for dep in graph.forwards_plan(node) if dep[0] in held)
+
+    targets = list(BEFORE)
+    for app, _ in leaves:
+        if app in held:
+            continue
+        nodes = [node for node in graph.forwards_plan((app, dict(leaves)[app])) if node[0] == app]
+        fitting = [node for node in nodes if fits(node)]
+        targets.append(fitting[-1] if fitting else (app, None))
+    return targets
 
 
 def _migrate(*, before: bool):
@@ -43,7 +60,7 @@ def _migrate(*, before: bool):
     targets = _targets(executor, before=before)
     executor.migrate(targets)
     executor.loader.build_graph()
-    return executor.loader.project_state(targets).apps
+    return executor.loader.project_state([target for target in targets if target[1] is not None]).apps
 
 
 def _write_before(apps) -> None:
