@@ -7,6 +7,8 @@ import secrets
 from django.db import models
 from django.db.models import Q
 
+from controlplane.common.json_text import JSONTextField
+
 # A batch's id, and so the request id of each of its lines ("<batch id>:<line number>").
 BATCH_ID_PREFIX = "batch_"
 
@@ -114,11 +116,11 @@ class BatchLine(models.Model):
     line_number = models.PositiveIntegerField()
     custom_id = models.CharField(max_length=512)
     request_id = models.CharField(max_length=64, unique=True)
-    body = models.JSONField()
+    body = JSONTextField()
     status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING)
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)
-    response = models.JSONField(null=True, blank=True)
-    error = models.JSONField(null=True, blank=True)
+    response = JSONTextField(null=True, blank=True)
+    error = JSONTextField(null=True, blank=True)
 
     class Meta:
         ordering = ["batch", "line_number"]

@@ -182,3 +182,36 @@ def test_file_limits_leave_nothing_behind(tenant, tmp_path):
 @pytest.mark.parametrize(("given", "expected"), [(None, Decimal("0.002")), (Decimal("0.0005"), Decimal("0.0005"))])
 def test_the_batch_price_is_the_tiers_or_half_the_interactive_price(given, expected):
     assert batch_price(price_per_request=Decimal("0.004"), batch_price_per_request=given) == expected
+
+
+def test_nul_characters_in_a_line_and_in_its_answer_are_kept(tenant, model):
+    # JSON allows "\u0000" and a tiny random model writes it; PostgreSQL's jsonb refused both, which
+    # failed the runner's task on every retry.
+    line = {"custom_id": "nul", "method": "POST", "url": "/v1/completions"}
+    line["body"] = {"model": "tiny", "prompt": "a\u0000b", "max_tokens": 1}
+    file = batch_file_create(
+        tenant_id=tenant.pk, filename="in.jsonl", purpose="batch", chunks=[json.dumps(line).encode() + b"\n"]
+    )
+    batch = batch_create(
+        tenant_id=tenant.pk,
+        api_key_id=None,
+        input_file=file,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        metadata=None,
+        now=timezone.now(),
+    )
+    batch = batch_validate(batch_id=batch.pk, now=timezone.now())
+    [stored] = batch.lines.all()
+    assert stored.body["prompt"] == "a\u0000b"
+    now = timezone.now()
+    assert not isinstance(
+        batch_line_hold(
+            line=stored, tenant_id=tenant.pk, api_key_id=None, model_id=model.pk, price=Decimal("0.002"), now=now
+        ),
+        HoldRefused,
+    )
+    outcome = RequestOutcome(stored.request_id, UsageRecord.Status.COMPLETED, prompt_tokens=2, completion_tokens=1)
+    answer = {"object": "text_completion", "choices": [{"text": "\u0000x"}]}
+    batch_line_settle(line_id=stored.pk, outcome=outcome, status_code=200, response=answer, error=None, now=now)
+    assert BatchLine.objects.get(pk=stored.pk).response == answer
