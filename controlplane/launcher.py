@@ -343,7 +343,8 @@ def banner(*, port: int, env_file: Path, fleet_port: int = DEFAULT_FLEET_PORT) -
             f"  metrics:   {url}/metrics (Prometheus; with the admin login, or METRICS_TOKEN as a bearer token)",
             "  models:    smollm2-135m-instruct (SmolLM2-135M-Instruct, a small real chat model), all-minilm-l6-v2",
             "             (embeddings), demo-tiny and demo-vision (takes images), loading on the local GPU worker",
-            "             daemon. demo-tiny's and demo-vision's weights are random: their text is noise, not language.",
+            "             daemon. demo-tiny's and demo-vision's weights are random: their text is random noise,",
+            "             not language.",
             f"  (saved in {env_file}; `set -a; . {env_file.name}; set +a` exports them for OpenAI clients)",
         ]
     else:
