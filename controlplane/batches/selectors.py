@@ -3,7 +3,15 @@
 from controlplane.batches.models import Batch, BatchFile, BatchLine
 
 
+def _can_exist(public_id) -> bool:
+    """Whether a row may have this id: ids are generated text without NUL characters, which a client
+    may send and PostgreSQL cannot compare (it refuses the query)."""
+    return isinstance(public_id, str) and "\x00" not in public_id
+
+
 def batch_file_get(*, tenant_id: int, public_id: str) -> BatchFile | None:
+    if not _can_exist(public_id):
+        return None
     return BatchFile.objects.filter(tenant_id=tenant_id, public_id=public_id, deleted=False).first()
 
 
@@ -15,6 +23,8 @@ def batch_files_list(*, tenant_id: int, purpose: str | None = None, limit: int =
 
 
 def batch_get(*, tenant_id: int, public_id: str) -> Batch | None:
+    if not _can_exist(public_id):
+        return None
     return (
         Batch.objects.filter(tenant_id=tenant_id, public_id=public_id)
         .select_related("input_file", "output_file", "error_file")
@@ -24,7 +34,7 @@ def batch_get(*, tenant_id: int, public_id: str) -> Batch | None:
 
 def batches_list(*, tenant_id: int, after: str | None = None, limit: int = 20) -> list[Batch]:
     batches = Batch.objects.filter(tenant_id=tenant_id).select_related("input_file", "output_file", "error_file")
-    if after:
+    if after and _can_exist(after):
         cursor = Batch.objects.filter(tenant_id=tenant_id, public_id=after).values_list("pk", flat=True).first()
         if cursor is not None:
             batches = batches.filter(pk__lt=cursor)

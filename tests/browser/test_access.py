@@ -12,7 +12,7 @@ from tests.browser.system import log_in
 pytestmark = pytest.mark.slow
 
 OPERATOR_SECTIONS = ["Fleet", "Catalog", "Audit log"]
-TENANT_SECTIONS = ["API keys", "Usage", "Requests", "Credits", "Playground", "Team"]
+TENANT_SECTIONS = ["API keys", "Usage", "Requests", "Credits", "Batches", "Playground", "Team"]
 SECTIONS = {
     "operator": OPERATOR_SECTIONS,
     "admin": [*OPERATOR_SECTIONS, "Requests", "Reports", "Tenants", "Staff"],
@@ -31,6 +31,7 @@ PAGES = {
     "Tenants": "dashboard:tenants",
     "Staff": "dashboard:staff",
     "Requests": "dashboard:requests",
+    "Batches": "dashboard:batches",
 }
 
 

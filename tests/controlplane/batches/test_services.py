@@ -215,3 +215,12 @@ def test_nul_characters_in_a_line_and_in_its_answer_are_kept(tenant, model):
     answer = {"object": "text_completion", "choices": [{"text": "\u0000x"}]}
     batch_line_settle(line_id=stored.pk, outcome=outcome, status_code=200, response=answer, error=None, now=now)
     assert BatchLine.objects.get(pk=stored.pk).response == answer
+
+
+def test_an_id_with_a_nul_character_finds_nothing(tenant):
+    # PostgreSQL refuses to compare text with NUL; a client may send one (schemathesis did: a 500).
+    from controlplane.batches.selectors import batch_file_get, batch_get, batches_list
+
+    assert batch_file_get(tenant_id=tenant.pk, public_id="file-\x00") is None
+    assert batch_get(tenant_id=tenant.pk, public_id="batch_\x00") is None
+    assert batches_list(tenant_id=tenant.pk, after="batch_\x00") == []
