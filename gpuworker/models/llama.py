@@ -118,12 +118,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, rotary, parallel)
-        if config.moe is not None and config.moe.sparse_layers[index]:
-            self.mlp: GatedMLP | SparseMoE = SparseMoE(config.hidden_size, config.moe, parallel)
-        elif parallel is None:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
-        else:
-            self.mlp = ParallelGatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, parallel)
+        self.mlp = decoder_mlp(config, index, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -144,11 +139,29 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         qkv, residual = norm_then_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
         hidden = attn.attend(positions, qkv, kv_cache, meta, backend)
-        if isinstance(self.mlp, SparseMoE):
-            normed, residual = self.post_attention_layernorm(hidden, residual)
-            return self.mlp(normed), residual
-        gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-        return self.mlp.down(gate_up), residual
+        return mlp_after_attention(self.post_attention_layernorm, self.mlp, hidden, residual)
+
+
+def decoder_mlp(config: ModelConfig, index: int, parallel: ParallelContext | None) -> GatedMLP | SparseMoE:
+    """Layer `index`'s MLP: the mixture of experts where the config makes the layer sparse, else the
+    dense gated MLP (this rank's share of it when split)."""
+    if config.moe is not None and config.moe.sparse_layers[index]:
+        return SparseMoE(config.hidden_size, config.moe, parallel)
+    if parallel is None:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+    return ParallelGatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, parallel)
+
+
+def mlp_after_attention(
+    norm: RMSNorm, mlp: GatedMLP | SparseMoE, hidden: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's second half: the post-attention norm (adding the residual) and the MLP; a dense MLP
+    takes the norm fused into its gate_up projection (norm_then_linear). -> (MLP output, residual)."""
+    if isinstance(mlp, SparseMoE):
+        normed, residual = norm(hidden, residual)
+        return mlp(normed), residual
+    gate_up, residual = norm_then_linear(norm, mlp.gate_up_proj, hidden, residual)
+    return mlp.down(gate_up), residual
 
 
 class LlamaForCausalLM(nn.Module):

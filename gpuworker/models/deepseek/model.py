@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 decoders: multi-head latent attention (models.deepseek.attention) and per layer
-the MLP _mlp builds: the dense SiLU-gated MLP below first_k_dense_replace, DeepSeek's mixture of
-experts (models.moe, routed as ModelConfig.moe says) from there on.
+the MLP models.llama.decoder_mlp builds: the dense SiLU-gated MLP below first_k_dense_replace,
+DeepSeek's mixture of experts (models.moe, routed as ModelConfig.moe says) from there on.
 
 Same interface as models.llama's LlamaForCausalLM (forward over one ragged batch, logits, greedy
 tokens, warm-up), so the engine runs either. Split over tensor-parallel ranks as the llama decoder is
@@ -19,26 +19,16 @@ from gpuworker.attention.backend import AttentionBackend, AttentionMetadata
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.deepseek.attention import MLAttention, uses_triton
 from gpuworker.models.deepseek.rotary import DeepseekRotary
-from gpuworker.models.layers import GatedMLP, RMSNorm, norm_then_linear
-from gpuworker.models.llama import LlamaForCausalLM
+from gpuworker.models.layers import RMSNorm
+from gpuworker.models.llama import LlamaForCausalLM, decoder_mlp, mlp_after_attention
 from gpuworker.models.moe import SparseMoE
 from gpuworker.models.tensor_parallel import (
     ParallelContext,
-    ParallelGatedMLP,
     active,
     shard_config,
     vocab_parallel_embedding,
     vocab_range,
 )
-
-
-def _mlp(config: ModelConfig, layer_idx: int, parallel: ParallelContext | None) -> GatedMLP | SparseMoE:
-    """Layer layer_idx's MLP: a mixture of experts where the config makes the layer sparse."""
-    if config.moe is not None and config.moe.sparse_layers[layer_idx]:
-        return SparseMoE(config.hidden_size, config.moe, parallel)
-    if parallel is not None:
-        return ParallelGatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, parallel)
-    return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -47,7 +37,7 @@ class DeepseekDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = MLAttention(config, rotary, parallel)
-        self.mlp = _mlp(config, layer_idx, parallel)
+        self.mlp = decoder_mlp(config, layer_idx, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -67,11 +57,7 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, normed, kv_cache, meta, backend)
-        if isinstance(self.mlp, GatedMLP):
-            gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-            return self.mlp.down(gate_up), residual
-        normed, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(normed), residual
+        return mlp_after_attention(self.post_attention_layernorm, self.mlp, hidden, residual)
 
 
 class DeepseekForCausalLM(nn.Module):
