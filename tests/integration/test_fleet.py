@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 
 import httpx
-import psutil
 import pytest
 from django.db import connection
 
@@ -19,6 +18,7 @@ from controlplane.fleet.selectors import deployment_statuses
 from controlplane.fleet.services.deployments import deployment_scale
 from tests.controlplane.factories import DeploymentFactory, ModelFactory
 from tests.integration.conftest import DRAIN_TIMEOUT_S, wait_until
+from tests.processes import children_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -280,9 +280,7 @@ def test_a_split_replica_is_placed_loaded_over_two_ranks_and_answers(fleet, tiny
     [replica] = _ready(deployment, 1, fleet, timeout=180)
     assert (replica.worker_id, replica.gpu_id, replica.tensor_parallel_size) == (worker.pk, None, 2)
     # The second rank: a spawned child below the daemon's replica process.
-    ranks = [
-        p for p in psutil.Process(daemon.popen.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
-    ]
+    ranks = children_running("spawn_main", daemon.popen.pid, recursive=True)
     assert len(ranks) == 1
     completion = httpx.post(
         f"{replica.endpoint_url}/v1/completions",

@@ -23,6 +23,7 @@ from controlplane.gateway.body_parsing import BodyParsers
 from controlplane.gateway.errors import GatewayError
 from gpuworker.contract.openai_api import CompletionRequest, EmbeddingRequest
 from tests.conftest import require_service
+from tests.processes import children_running
 
 REPO = Path(__file__).resolve().parents[3]
 INLINE_BYTES = 64 * 1024
@@ -101,9 +102,8 @@ async def test_a_tenant_has_at_most_its_turns_in_the_pool_while_another_tenants_
 
 async def test_a_parser_process_that_dies_costs_one_request_a_503_and_the_next_is_parsed(parsers):
     await parsers.check(1, LARGE, CompletionRequest, 64, {"m": CONTEXT})  # the pool is up
-    for child in psutil.Process().children():
-        if "spawn_main" in " ".join(child.cmdline()):  # the pool's workers (not multiprocessing's resource tracker)
-            child.kill()
+    for child in children_running("spawn_main"):  # the pool's workers (not multiprocessing's resource tracker)
+        child.kill()
     with pytest.raises(GatewayError) as refused:
         for _ in range(3):  # the pool may take a moment to notice its loss; a request that reaches it first is served
             await parsers.check(1, LARGE, CompletionRequest, 64, {"m": CONTEXT})
@@ -227,9 +227,7 @@ def test_parser_processes_exit_with_a_gateway_killed_outright():
     )
     try:
         assert gateway.stdout.readline() == b"parsed\n"
-        parsers = [
-            child for child in psutil.Process(gateway.pid).children() if "spawn_main" in " ".join(child.cmdline())
-        ]
+        parsers = children_running("spawn_main", gateway.pid)
         assert parsers
     finally:
         gateway.kill()

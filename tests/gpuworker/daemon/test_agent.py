@@ -25,6 +25,7 @@ from gpuworker.daemon.tasks import DRAIN_WORKER, LOAD_MODEL, UNLOAD_MODEL
 from tests.conftest import require_service
 from tests.gpuworker.daemon.control_plane_fake import ControlPlaneFake
 from tests.gpuworker.streaming import stream_in_thread
+from tests.processes import children_running
 
 TOKEN = "fleet-worker-token"
 REDIS_DB = 11  # apart from the other suites' databases
@@ -50,7 +51,7 @@ class Daemon:
         return self.log.read_text(errors="replace")
 
     def serve_children(self) -> list[psutil.Process]:
-        return [p for p in psutil.Process(self.process.pid).children() if "serve" in p.cmdline()]
+        return children_running("serve", self.process.pid, argument=True)
 
 
 @contextmanager
@@ -329,14 +330,7 @@ def test_with_spares_a_load_runs_in_the_spare_and_all_stop_when_the_daemon_is_ki
     with running_daemon(tmp_path, broker_url, tmp_path_factory.getbasetemp(), spares=True) as daemon:
 
         def spares() -> list[psutil.Process]:
-            found = []
-            for p in psutil.Process(daemon.process.pid).children():
-                try:
-                    if "spare" in p.cmdline():
-                        found.append(p)
-                except (psutil.ZombieProcess, psutil.NoSuchProcess):
-                    pass
-            return found
+            return children_running("spare", daemon.process.pid)
 
         first = daemon.fake.wait_for(lambda: spares(), timeout=30, what="a spare process")[0]
         daemon.send(LOAD_MODEL, **_load_kwargs(1, tiny_checkpoint("llama")))

@@ -18,6 +18,7 @@ from gpuworker.contract.spare_handover import READY_LINE
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon import supervisor as supervisor_module
 from gpuworker.daemon.supervisor import Supervisor
+from tests.processes import children_running
 
 TOKEN = "replica-token"
 # Generous: a spare imports torch, transformers and xgrammar on a busy 2-core CI box.
@@ -48,14 +49,7 @@ def _alive(process: psutil.Process) -> bool:
 
 
 def _spares(exclude: set[int] = frozenset()) -> list[psutil.Process]:
-    found = []
-    for p in psutil.Process().children():
-        try:
-            if p.pid not in exclude and "spare" in p.cmdline():
-                found.append(p)
-        except (psutil.ZombieProcess, psutil.NoSuchProcess):  # a killed spare not reaped yet
-            pass
-    return found
+    return [p for p in children_running("spare", argument=True) if p.pid not in exclude]
 
 
 def _ready_spare(supervisor: Supervisor, exclude: set[int] = frozenset()) -> psutil.Process:
@@ -155,7 +149,7 @@ def test_a_dead_spare_is_bypassed_and_a_failed_load_in_a_spare_reports_its_cause
     _load(supervisor, 2, tiny_checkpoint("llama"))
     ready = _wait_for(lambda: _entry(supervisor, 2, "ready", "failed"), "replica 2 ready or failed")
     assert ready.state == "ready", ready.error
-    assert [p for p in psutil.Process().children() if "serve" in p.cmdline()]
+    assert children_running("serve", argument=True)
 
     # A load that fails inside a spare reports the replica's own error, then its log.
     supervisor.unload(2, drain_timeout_s=1)

@@ -18,6 +18,7 @@ from gpuworker.contract.heartbeat import ReplicaReport
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
 from gpuworker.daemon.supervisor import Supervisor, load_devices
+from tests.processes import children_running
 
 TOKEN = "replica-token"
 
@@ -43,14 +44,14 @@ _OTHERS: set[int] = set()
 
 
 def _serve_children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children() if "serve" in p.cmdline() and p.pid not in _OTHERS]
+    return [p for p in children_running("serve", argument=True) if p.pid not in _OTHERS]
 
 
 @pytest.fixture
 def supervisor(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # children inherit it: tiny models need no threads
     _OTHERS.clear()
-    _OTHERS.update(p.pid for p in psutil.Process().children() if "serve" in p.cmdline())
+    _OTHERS.update(p.pid for p in children_running("serve", argument=True))
     # Any free port (the default). The session's temporary folder holds tmp_path and every tiny checkpoint.
     supervisor = Supervisor(
         token=TOKEN,
@@ -154,7 +155,7 @@ def test_loads_from_outside_the_model_roots_are_refused_however_the_path_escapes
     assert errors[3].startswith(
         "this worker has no model root, so it loads no model: start its daemon with --model-root DIR"
     )
-    assert not [p for p in psutil.Process().children() if "serve" in p.cmdline() and str(outside) in p.cmdline()]
+    assert not [p for p in children_running("serve", argument=True) if str(outside) in p.cmdline()]
 
 
 def test_a_tensor_parallel_load_past_the_last_gpu_fails_before_any_process_starts(
