@@ -315,3 +315,19 @@ def test_a_warmed_pool_has_its_workers_running():
         assert len(pool._pool()._processes) == 2
     finally:
         pool.shutdown()
+
+
+def test_the_pixel_limit_refuses_an_image_naming_its_part(pool):
+    images = [
+        ImageInput(f"messages.0.content.{i}.image_url", data_url(gradient_jpeg(side), "image/jpeg"))
+        for i, side in [(1, 64), (2, 200)]
+    ]
+    limits = ImageLimits(max_image_pixels=100 * 100)
+    with pytest.raises(ProtocolError) as caught:
+        asyncio.run(prepare_images(images, model_name="v", preprocess=resize_to_fit, limits=limits, pool=pool))
+    assert caught.value.param == "messages.0.content.2.image_url" and caught.value.code == "invalid_image"
+    assert "200x200" in caught.value.message and "at most 10000 pixels" in caught.value.message
+    [(_, size)] = asyncio.run(
+        prepare_images(images[:1], model_name="v", preprocess=resize_to_fit, limits=limits, pool=pool)
+    )
+    assert size == (64, 64)
