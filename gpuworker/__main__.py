@@ -101,6 +101,13 @@ def _add_serve(commands) -> None:
         help="largest image a request may carry, in bytes",
     )
     serve.add_argument(
+        "--image-ca-bundle",
+        default=None,
+        metavar="PEM",
+        help="certificate authorities (a PEM file) that https image servers are checked against, "
+        "e.g. an internal image store's own CA (default: the usual public ones, certifi's)",
+    )
+    serve.add_argument(
         "--max-image-pixels",
         type=int,
         default=DEFAULT_MAX_IMAGE_PIXELS,
@@ -274,6 +281,7 @@ def image_limits(args: argparse.Namespace) -> ImageLimits:
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
         allowed_domains=tuple(domain for domain in args.allowed_image_domains.split(",") if domain.strip()),
+        ca_bundle=args.image_ca_bundle,
     )
 
 
