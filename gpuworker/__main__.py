@@ -22,6 +22,7 @@ from pathlib import Path
 from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV
 from gpuworker.daemon.staging import STAGE_BUDGET_ENV
 from gpuworker.engine.config import EXPERT_PARALLEL_MODES
+from gpuworker.replica.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
 
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
 
@@ -90,9 +91,28 @@ def _add_serve(commands) -> None:
         "model may fetch; none, the default: images only as data: URLs. Addresses that are not "
         "public (loopback, private, link-local, metadata) are refused whatever the domain",
     )
-    serve.add_argument("--max-images-per-request", type=int, default=16, help="images one chat request may carry")
     serve.add_argument(
-        "--max-image-bytes", type=int, default=20 << 20, help="largest image a request may carry, in bytes"
+        "--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, help="images one chat request may carry"
+    )
+    serve.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        help="largest image a request may carry, in bytes",
+    )
+    serve.add_argument(
+        "--image-ca-bundle",
+        default=None,
+        metavar="PEM",
+        help="certificate authorities (a PEM file) that https image servers are checked against, "
+        "e.g. an internal image store's own CA (default: the usual public ones, certifi's)",
+    )
+    serve.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="most pixels (width x height) an image may have; larger ones are refused from their header, "
+        "before decoding",
     )
     serve.add_argument(
         "--max-num-seqs",
@@ -254,6 +274,17 @@ def wants_engine_process(args: argparse.Namespace) -> bool:
     return args.engine_process if args.engine_process is not None else args.device.startswith("cuda")
 
 
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The replica's image limits from its serve flags (the daemon passes the catalog's)."""
+    return ImageLimits(
+        max_images=args.max_images_per_request,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        allowed_domains=tuple(domain for domain in args.allowed_image_domains.split(",") if domain.strip()),
+        ca_bundle=args.image_ca_bundle,
+    )
+
+
 def serve(args: argparse.Namespace, engine_process=None) -> None:
     """`engine_process`: an EngineProcess a spare started ahead (used if the engine runs in one)."""
     _configure_logging(args.log_level)
@@ -269,7 +300,6 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
     # xgrammar, transformers: seconds) run.
     prefetch(args.model)
     from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
-    from gpuworker.replica.images import ImageLimits
 
     config = ServerConfig(
         model=args.model,
@@ -287,11 +317,7 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
         engine_process=wants_engine_process(args),
-        image_limits=ImageLimits(
-            max_images=args.max_images_per_request,
-            max_image_bytes=args.max_image_bytes,
-            allowed_domains=tuple(domain for domain in args.allowed_image_domains.split(",") if domain.strip()),
-        ),
+        image_limits=image_limits(args),
     )
     holder = EngineHolder(config, engine_process)
     holder.start_loading()

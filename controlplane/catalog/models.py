@@ -37,7 +37,8 @@ class Model(models.Model):
 
     family = models.CharField(max_length=50, help_text="Architecture family, e.g. llama.")
     kind = models.CharField(max_length=20, choices=Kind.choices, default=Kind.CHAT)
-    # A vision model's limits on a chat request's images (the gateway refuses more before routing).
+    # A vision model's limits on a chat request's images: the gateway refuses more images or bytes
+    # before routing, and its replicas load with all three (pixels need the image's header).
     max_images_per_request = models.PositiveSmallIntegerField(
         default=16,
         validators=[MinValueValidator(1), MaxValueValidator(256)],
@@ -47,6 +48,12 @@ class Model(models.Model):
         default=20 << 20,
         validators=[MinValueValidator(1)],
         help_text="Largest image a request may carry, in bytes (vision models).",
+    )
+    max_image_pixels = models.PositiveIntegerField(
+        default=8192 * 8192,
+        validators=[MinValueValidator(1)],
+        help_text="Most pixels (width x height) an image may have; the replica refuses larger ones from "
+        "their header, before decoding (vision models).",
     )
     weights_path = models.CharField(
         max_length=500, help_text="Directory on the worker hosts holding the weights (Hugging Face layout)."

@@ -9,10 +9,31 @@ from dataclasses import dataclass
 from django.db.models import QuerySet
 
 from controlplane.catalog.models import Deployment, Model
+from gpuworker.contract.openai_api import ImageRules
 
 
 def model_get_by_public_name(*, public_name: str) -> Model | None:
     return Model.objects.select_related("price_tier").filter(public_name=public_name).first()
+
+
+def image_rules(*, public_name: str, kind: str, max_images_per_request: int, max_image_bytes: int) -> ImageRules:
+    """What a model takes in a request's images: a vision model, up to its limits; others none."""
+    return ImageRules(
+        model_name=public_name,
+        takes_images=kind == Model.Kind.VISION,
+        max_images=max_images_per_request,
+        max_image_bytes=max_image_bytes,
+    )
+
+
+def model_image_rules(*, public_name: str) -> ImageRules | None:
+    """The image rules of the model of that name; None when the catalog has none."""
+    found = (
+        Model.objects.filter(public_name=public_name)
+        .values("public_name", "kind", "max_images_per_request", "max_image_bytes")
+        .first()
+    )
+    return image_rules(**found) if found else None
 
 
 def models_by_public_name(*, public_names: Iterable[str]) -> dict[str, Model]:

@@ -38,6 +38,7 @@ from controlplane.gateway.process import shared_state
 from controlplane.gateway.replica_choice import affinity_choice, affinity_key
 from controlplane.gateway.routing import RoutingTable
 from controlplane.gateway.upstream import UpstreamError, UpstreamPool
+from gpuworker.contract.openai_api import ChatCompletionRequest, ProtocolError, parse_request
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +274,7 @@ async def _send_line(run: _Run, line: BatchLine, replicas) -> None:
         gpu_time_s=usage.get("gpu_time_s"),
         replica_id=replica_id,
         batch=True,
+        image_count=_image_count(path, body),
     )
     if status == 200:
         payload["model"] = run.batch.model_name
@@ -326,6 +328,16 @@ async def _answer(
             logger.warning("batch line %s: replica %s failed: %s", line.request_id, replica.replica_id, exc)
         await run.shared.finish(line.request_id, replica_id=replica.replica_id, replica_failed=True)
     return None, None, None
+
+
+def _image_count(path: str, body: dict) -> int:
+    """Images a chat line carries (validated when the batch was), for its usage record."""
+    if path != "/v1/chat/completions":
+        return 0
+    try:
+        return len(parse_request(ChatCompletionRequest, body).images())
+    except ProtocolError:  # the replica refused it too: no record is written
+        return 0
 
 
 def _count(value) -> int:

@@ -31,7 +31,7 @@ from gpuworker.contract.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
-    images_refused_for,
+    ProtocolError,
 )
 
 logger = logging.getLogger(__name__)
@@ -201,27 +201,10 @@ async def _served(
 
 def _check_images(model: ModelRoute, checked: CheckedBody) -> None:
     """Images only for a vision model, and within its limits: refused here, before routing."""
-    if not checked.image_params:
-        return
-    if model.kind != "vision":
-        refusal = images_refused_for(model.public_name)
-        raise bad_request(refusal.message, param=refusal.param, code=refusal.code)
-    if len(checked.image_params) > model.max_images_per_request:
-        param = checked.image_params[model.max_images_per_request]
-        raise bad_request(
-            f"{param}: the request has {len(checked.image_params)} images; {model.public_name!r} takes at most "
-            f"{model.max_images_per_request}",
-            param=param,
-            code="too_many_images",
-        )
-    for param, size in zip(checked.image_params, checked.image_sizes):
-        if size is not None and size > model.max_image_bytes:
-            raise bad_request(
-                f"{param}: the image is {size} bytes; {model.public_name!r} takes images of at most "
-                f"{model.max_image_bytes} bytes",
-                param=param,
-                code="invalid_image",
-            )
+    try:
+        model.image_rules.check(checked.image_params, checked.image_sizes)
+    except ProtocolError as refusal:
+        raise bad_request(refusal.message, param=refusal.param, code=refusal.code) from None
 
 
 def _invalid(error: BodyError) -> GatewayError:

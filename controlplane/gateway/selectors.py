@@ -5,10 +5,12 @@ from decimal import Decimal
 
 from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_authenticate
 from controlplane.catalog.models import Model
+from controlplane.catalog.selectors import image_rules
 from controlplane.common.units import human_bytes
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.placement import largest_replica_bytes
 from controlplane.fleet.selectors import placement_slots
+from gpuworker.contract.openai_api import ImageRules
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,15 @@ class ModelRoute:
     # A vision model's limits on a request's images (the catalog's).
     max_images_per_request: int = 16
     max_image_bytes: int = 20 << 20
+
+    @property
+    def image_rules(self) -> ImageRules:
+        return image_rules(
+            public_name=self.public_name,
+            kind=self.kind,
+            max_images_per_request=self.max_images_per_request,
+            max_image_bytes=self.max_image_bytes,
+        )
 
     @property
     def servable(self) -> bool:

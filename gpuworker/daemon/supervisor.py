@@ -315,6 +315,7 @@ class Supervisor:
         if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself
             serve_argv += ["--tensor-parallel-size", str(request.tensor_parallel_size)]
             serve_argv += ["--expert-parallel", request.expert_parallel]
+        serve_argv += image_limit_arguments(request)
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
         spare = self._spares.pop(device, None)
         try:
@@ -619,3 +620,14 @@ def load_devices(request: LoadModel) -> list[str]:
     if request.gpu_index is None:
         return ["cpu"]
     return [f"cuda:{request.gpu_index + rank}" for rank in range(request.tensor_parallel_size)]
+
+
+def image_limit_arguments(request: LoadModel) -> list[str]:
+    """The serve flags carrying the load's image limits (those it sets; the others keep the
+    replica's defaults)."""
+    flags = {
+        "--max-images-per-request": request.max_images_per_request,
+        "--max-image-bytes": request.max_image_bytes,
+        "--max-image-pixels": request.max_image_pixels,
+    }
+    return [item for flag, value in flags.items() if value is not None for item in (flag, str(value))]

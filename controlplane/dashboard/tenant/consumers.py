@@ -143,6 +143,7 @@ class PlaygroundConsumer(AsyncWebsocketConsumer):
                 "failed": failed,
                 "history_json": None if failed else json.dumps(prompt.history_after("".join(answer))),
                 "message_input": None if failed else playground.empty_message_input(),
+                "image_sent": bool(prompt.image),  # the image field is emptied with the message box
             },
         )
 

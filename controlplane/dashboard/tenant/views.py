@@ -188,6 +188,7 @@ def playground(request: HttpRequest) -> HttpResponse:
             "form": form,
             "models": models,
             "max_tokens_limit": MAX_TOKENS_LIMIT,
+            "vision_models": form.vision_models(),
         },
     )
 

@@ -140,6 +140,9 @@ def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
             max_model_len=model.context_length,
             tensor_parallel_size=size,
             expert_parallel=model.expert_parallel,
+            max_images_per_request=model.max_images_per_request,
+            max_image_bytes=model.max_image_bytes,
+            max_image_pixels=model.max_image_pixels,
         ),
     )
     return replica

@@ -17,7 +17,7 @@ import pytest
 from gpuworker.contract.heartbeat import ReplicaReport
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
-from gpuworker.daemon.supervisor import Supervisor, load_devices
+from gpuworker.daemon.supervisor import Supervisor, image_limit_arguments, load_devices
 from tests.processes import children_running
 
 TOKEN = "replica-token"
@@ -277,6 +277,7 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
         gpu_index=None,
         memory_fraction=0.5,
         max_model_len=128,
+        max_image_pixels=4096,
     )
     supervisor.load(request)
     loading = _wait(supervisor, 7, timeout=5)
@@ -285,6 +286,8 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
     assert ready.figures["load_progress"] == 1.0 and ready.error == ""
     [child] = _serve_children()
     assert ready.pid == child.pid  # the heartbeat names the process serving the replica
+    argv = child.cmdline()  # the load's image limit reached the replica's command line
+    assert argv[argv.index("--max-image-pixels") + 1] == "4096"
     # The child demands the worker token; it got it through its environment, not its command line.
     assert httpx.get(f"{ready.endpoint_url}/v1/models").status_code == 401
     assert TOKEN not in " ".join(child.cmdline())
@@ -495,3 +498,20 @@ def test_a_split_load_runs_on_each_of_its_gpus():
     assert load_devices(load(1, 2)) == ["cuda:1", "cuda:2"]
     assert load_devices(load(0, 1)) == ["cuda:0"]
     assert load_devices(load(None, 2)) == ["cpu"]
+
+
+def test_a_loads_image_limits_become_the_replicas_image_limits():
+    """The catalog's limits travel in the load message, become serve flags, and the replica's
+    server builds its ImageLimits from them; limits the load leaves unset keep the replica's defaults."""
+    from gpuworker.__main__ import build_parser, image_limits
+    from gpuworker.replica.images import ImageLimits
+
+    def limits_of(request: LoadModel) -> ImageLimits:
+        return image_limits(build_parser().parse_args(["serve", "--model", "m", *image_limit_arguments(request)]))
+
+    base = {"replica_id": 1, "model_path": "/m", "served_model_name": "m", "gpu_index": None, "memory_fraction": 0.5}
+    limited = LoadModel(**base, max_images_per_request=2, max_image_bytes=5000, max_image_pixels=640 * 480)
+    assert limits_of(limited) == ImageLimits(max_images=2, max_image_bytes=5000, max_image_pixels=640 * 480)
+    assert limits_of(LoadModel(**base)) == ImageLimits()
+    with pytest.raises(ValueError, match="max_image_pixels must be an integer >= 1"):
+        LoadModel(**base, max_image_pixels=0)
