@@ -42,6 +42,15 @@ def _port_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _pem_file(text: str) -> str:
+    """An existing file, as an absolute path (the daemon's replicas need not share its working
+    directory): a missing CA bundle stops the command at once, not each replica at its start."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file (give a PEM file of CA certificates)")
+    return str(path.resolve())
+
+
 def _byte_count(text: str) -> int:
     try:
         value = int(text)
@@ -83,14 +92,7 @@ def _add_serve(commands) -> None:
         "--token", default=_token_default(), help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})"
     )
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument(
-        "--allowed-image-domains",
-        default="",
-        metavar="DOMAINS",
-        help="comma-separated domains (each with its subdomains) whose http(s) image URLs a vision "
-        "model may fetch; none, the default: images only as data: URLs. Addresses that are not "
-        "public (loopback, private, link-local, metadata) are refused whatever the domain",
-    )
+    _add_image_fetch_arguments(serve)
     serve.add_argument(
         "--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, help="images one chat request may carry"
     )
@@ -99,13 +101,6 @@ def _add_serve(commands) -> None:
         type=int,
         default=DEFAULT_MAX_IMAGE_BYTES,
         help="largest image a request may carry, in bytes",
-    )
-    serve.add_argument(
-        "--image-ca-bundle",
-        default=None,
-        metavar="PEM",
-        help="certificate authorities (a PEM file) that https image servers are checked against, "
-        "e.g. an internal image store's own CA (default: the usual public ones, certifi's)",
     )
     serve.add_argument(
         "--max-image-pixels",
@@ -187,6 +182,37 @@ def _add_serve(commands) -> None:
     serve.add_argument("--log-level", default="info")
 
 
+def _add_image_fetch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a vision model may fetch images from: a host's network policy, so both `serve` and
+    `daemon` take these (the daemon passes them to every replica it starts, image_fetch_argv)."""
+    parser.add_argument(
+        "--allowed-image-domains",
+        default="",
+        metavar="DOMAINS",
+        help="comma-separated domains (each with its subdomains) whose http(s) image URLs a vision "
+        "model may fetch; none, the default: images only as data: URLs. Addresses that are not "
+        "public (loopback, private, link-local, metadata) are refused whatever the domain",
+    )
+    parser.add_argument(
+        "--image-ca-bundle",
+        type=_pem_file,
+        default=None,
+        metavar="PEM",
+        help="certificate authorities (a PEM file) that https image servers are checked against, "
+        "e.g. an internal image store's own CA (default: the usual public ones, certifi's)",
+    )
+
+
+def image_fetch_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The daemon's image-fetch flags as the serve flags it passes on to each replica."""
+    argv: tuple[str, ...] = ()
+    if args.allowed_image_domains:
+        argv += ("--allowed-image-domains", args.allowed_image_domains)
+    if args.image_ca_bundle is not None:
+        argv += ("--image-ca-bundle", args.image_ca_bundle)
+    return argv
+
+
 def _add_daemon(commands) -> None:
     daemon = commands.add_parser("daemon", help="the host agent: register, heartbeat, load/unload replicas")
     daemon.add_argument("--control-url", required=True, help="the control plane's base URL")
@@ -245,6 +271,7 @@ def _add_daemon(commands) -> None:
         "(default: on; --no-spare-replicas, or --no-spare, starts each replica afresh)",
     )
     daemon.add_argument("--no-spare", dest="spare_replicas", action="store_false", help=argparse.SUPPRESS)
+    _add_image_fetch_arguments(daemon)
     daemon.add_argument("--log-level", default="info")
 
 
@@ -380,6 +407,7 @@ def daemon(args: argparse.Namespace) -> int:
         model_roots=_model_roots(args.model_roots),
         stage_budget_bytes=args.stage_budget_bytes,
         spare_replicas=args.spare_replicas,
+        replica_argv=image_fetch_argv(args),
     )
     return Agent(config).run()
 

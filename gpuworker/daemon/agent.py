@@ -59,6 +59,8 @@ class AgentConfig:
     stage_budget_bytes: int = 0
     # One replica process per GPU started ahead of its load (gpuworker/replica/spare.py).
     spare_replicas: bool = True
+    # Serve flags every replica gets: the host's image-fetch policy (gpuworker.__main__.image_fetch_argv).
+    replica_argv: tuple[str, ...] = ()
 
 
 class NotRegistered(Exception):
@@ -161,6 +163,7 @@ class Agent:
             worker_name=self.config.name,
             model_roots=self.config.model_roots,
             spare_replicas=self.config.spare_replicas,
+            replica_argv=self.config.replica_argv,
         )
         self.supervisor.start()
         self.stager.start()

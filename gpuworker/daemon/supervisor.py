@@ -112,6 +112,7 @@ class Supervisor:
         port_range: tuple[int, int] | None = None,
         spare_replicas: bool = False,
         gpu_memory_bytes: tuple[int, ...] = (),
+        replica_argv: tuple[str, ...] = (),
     ) -> None:
         # None: any free port (the OS chooses); a range only for hosts whose firewall needs one.
         self.token, self.gpu_count, self.port_range = token, gpu_count, port_range
@@ -120,6 +121,8 @@ class Supervisor:
         self.gpu_memory_bytes = tuple(gpu_memory_bytes)
         # Loads are confined to these (a load task's path is chosen by the control plane).
         self.model_roots = tuple(model_roots)
+        # Serve flags for every replica, whatever its load (the host's image-fetch policy).
+        self.replica_argv = tuple(replica_argv)
         self.advertise_host, self.bind_host, self.worker_name = advertise_host, bind_host, worker_name
         self.log_dir = state_dir / "replicas"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -315,7 +318,7 @@ class Supervisor:
         if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself
             serve_argv += ["--tensor-parallel-size", str(request.tensor_parallel_size)]
             serve_argv += ["--expert-parallel", request.expert_parallel]
-        serve_argv += image_limit_arguments(request)
+        serve_argv += image_limit_arguments(request) + list(self.replica_argv)
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
         spare = self._spares.pop(device, None)
         try:

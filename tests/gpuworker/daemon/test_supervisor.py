@@ -269,7 +269,14 @@ def test_a_tensor_parallel_replica_is_one_replica_with_its_ranks_below_it(superv
 
 
 @pytest.mark.slow
-def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor, tiny_checkpoint):
+def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor, tiny_checkpoint, tmp_path):
+    from gpuworker.__main__ import build_parser, image_fetch_argv, image_limits
+
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("not read until an https image is fetched")
+    daemon_args = ["daemon", "--control-url", "http://cp", "--allowed-image-domains", "images.test"]
+    daemon_args += ["--image-ca-bundle", str(bundle)]
+    supervisor.replica_argv = image_fetch_argv(build_parser().parse_args(daemon_args))
     request = LoadModel(
         replica_id=7,
         model_path=str(tiny_checkpoint("llama")),
@@ -286,8 +293,9 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
     assert ready.figures["load_progress"] == 1.0 and ready.error == ""
     [child] = _serve_children()
     assert ready.pid == child.pid  # the heartbeat names the process serving the replica
-    argv = child.cmdline()  # the load's image limit reached the replica's command line
-    assert argv[argv.index("--max-image-pixels") + 1] == "4096"
+    argv = child.cmdline()  # the load's image limit and the daemon's fetch policy reached the replica
+    limits = image_limits(build_parser().parse_args(argv[argv.index("serve") :]))
+    assert (limits.max_image_pixels, limits.allowed_domains, limits.ca_bundle) == (4096, ("images.test",), str(bundle))
     # The child demands the worker token; it got it through its environment, not its command line.
     assert httpx.get(f"{ready.endpoint_url}/v1/models").status_code == 401
     assert TOKEN not in " ".join(child.cmdline())
@@ -498,6 +506,15 @@ def test_a_split_load_runs_on_each_of_its_gpus():
     assert load_devices(load(1, 2)) == ["cuda:1", "cuda:2"]
     assert load_devices(load(0, 1)) == ["cuda:0"]
     assert load_devices(load(None, 2)) == ["cpu"]
+
+
+def test_a_daemon_with_a_ca_bundle_that_is_no_file_stops_before_it_starts(tmp_path, capsys):
+    from gpuworker.__main__ import build_parser
+
+    argv = ["daemon", "--control-url", "http://cp", "--image-ca-bundle", str(tmp_path / "missing.pem")]
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(argv)
+    assert stopped.value.code == 2 and "missing.pem' is not a file" in capsys.readouterr().err
 
 
 def test_a_loads_image_limits_become_the_replicas_image_limits():
