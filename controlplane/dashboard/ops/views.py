@@ -23,7 +23,7 @@ from django_htmx.http import trigger_client_event
 from controlplane.audit.selectors import audit_actor_labels, audit_entries
 from controlplane.catalog.models import Deployment
 from controlplane.catalog.selectors import catalog_models, deployments_with_model, weights_path_reports
-from controlplane.catalog.services import model_create, model_set_enabled, model_update
+from controlplane.catalog.services import model_create, model_update
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect, run_action
 from controlplane.dashboard.ops import fragments
@@ -48,6 +48,7 @@ from controlplane.fleet.services.deployments import (
     deployment_scale,
     deployment_update,
 )
+from controlplane.fleet.services.model_lifecycle import model_delete, model_set_serving
 from controlplane.fleet.services.replicas import replica_load_on, replica_unload
 from controlplane.fleet.services.workers import worker_drain
 
@@ -340,12 +341,29 @@ def _catalog_row(request, model_id: int, *, action_error: str = "") -> HttpRespo
 def catalog_set_enabled(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(catalog_models(), pk=pk)
     enabled = request.POST.get("enabled") == "1"
-    model = model_set_enabled(model=model, enabled=enabled, actor=request.user)
+    model = model_set_serving(model=model, enabled=enabled, actor=request.user)
+    outcome = "enabled: its replicas load again" if enabled else "disabled: its replicas unload"
     return fragment_or_redirect(
+        request, lambda: _catalog_row(request, pk), to=CATALOG, success=f"{model.public_name} {outcome}."
+    )
+
+
+@operator_required
+@require_POST
+def catalog_delete(request: HttpRequest, pk: int) -> HttpResponse:
+    """Delete a model no replica runs; htmx gets an empty answer that removes its row, or the row
+    with the refusal beside the button."""
+    model = get_object_or_404(catalog_models(), pk=pk)
+
+    def answer(action_error: str = "") -> HttpResponse:
+        return _catalog_row(request, pk, action_error=action_error) if action_error else HttpResponse("")
+
+    return run_action(
         request,
-        lambda: _catalog_row(request, pk),
+        partial(model_delete, model=model, actor=request.user),
+        answer,
         to=CATALOG,
-        success=f"{model.public_name} {'enabled' if enabled else 'disabled'}.",
+        success=f"{model.public_name} deleted.",
     )
 
 
