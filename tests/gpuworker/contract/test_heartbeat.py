@@ -160,7 +160,7 @@ def test_a_bad_checkpoint_report_is_named(checkpoints, field):
 
 def test_checkpoint_reports_parse_back():
     report = CheckpointReport(
-        repo_id="org/a", architecture="LlamaForCausalLM", family="llama", kind="chat", parameter_count=8, context_length=4
+        repo_id="org/a", architecture="LlamaForCausalLM", family="llama", kind="chat", parameter_count=8
     )
     models = ModelPaths(roots=("/models",), paths=("/models/a", "/models/b"), checkpoints=(("/models/a", report),))
     assert parse_heartbeat({"models": models.to_json()}).models == models
