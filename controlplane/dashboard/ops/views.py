@@ -21,6 +21,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import trigger_client_event
 
 from controlplane.audit.selectors import audit_actor_labels, audit_entries
+from controlplane.catalog.checkpoints import checkpoint_lookup
 from controlplane.catalog.models import Deployment
 from controlplane.catalog.selectors import catalog_models, deployments_with_model, weights_path_reports
 from controlplane.catalog.services import model_create, model_update
@@ -30,6 +31,7 @@ from controlplane.dashboard.ops import fragments
 from controlplane.dashboard.ops.forms import (
     AuditFilterForm,
     CatalogModelForm,
+    CheckpointForm,
     DeploymentLimitsForm,
     LoadForm,
     ScaleForm,
@@ -41,6 +43,7 @@ from controlplane.fleet.selectors import (
     replicas_with_model_and_worker,
     workers_all,
     workers_for_path_check,
+    workers_online,
 )
 from controlplane.fleet.services.deployments import (
     deployment_create,
@@ -293,19 +296,30 @@ def _path_notes(form: CatalogModelForm) -> list:
     return []
 
 
-def _catalog_form_page(request, form, model=None) -> HttpResponse:
-    return render(request, "dashboard/ops/catalog_form.html", {"form": form, "model": model})
+def _catalog_form_page(request, form, model=None, **extra) -> HttpResponse:
+    return render(request, "dashboard/ops/catalog_form.html", {"form": form, "model": model, **extra})
+
+
+def _catalog_add_from_checkpoint(request: HttpRequest) -> HttpResponse:
+    """The add-model form filled from what a worker read in the named checkpoint, or the reason
+    it could not be, beside the checkpoint field."""
+    reader = CheckpointForm(request.GET)
+    facts = submit(reader, lambda data: checkpoint_lookup(reference=data["checkpoint"], workers=workers_online()))
+    form = CatalogModelForm(initial=facts.model_initial()) if facts is not None else CatalogModelForm()
+    return _catalog_form_page(request, form, checkpoint_form=reader, checkpoint_facts=facts)
 
 
 @operator_required
 def catalog_add(request: HttpRequest) -> HttpResponse:
+    if request.method == "GET" and "checkpoint" in request.GET:
+        return _catalog_add_from_checkpoint(request)
     form = CatalogModelForm(request.POST or None)
     model = submit(
         form,
         lambda data: model_create(actor=request.user, verify_on=list(data["check_workers"]), **form.model_fields()),
     )
     if model is None:  # a GET, or refused
-        return _catalog_form_page(request, form)
+        return _catalog_form_page(request, form, checkpoint_form=CheckpointForm())
     messages.success(request, f"Added {model.public_name}.")
     for note in _path_notes(form):
         messages.warning(request, note)
