@@ -9,7 +9,7 @@ import shlex
 
 from controlplane.accounts.models import ApiKey
 from controlplane.catalog.models import Model
-from controlplane.catalog.selectors import models_for_playground
+from controlplane.catalog.selectors import models_for_playground, text_models_for_key
 from controlplane.dashboard.tenant.playground_code import CodeSample
 
 # Shown in place of a model's name while the key may call none.
@@ -19,9 +19,7 @@ FIRST_MESSAGE = "Say hello in five words."
 
 def first_model_for(api_key: ApiKey | None) -> Model | None:
     """The first enabled text model `api_key` may call (any, without a key)."""
-    models = models_for_playground()
-    if api_key is not None and not api_key.all_models:
-        models = models.filter(pk__in=[m.pk for m in api_key.allowed_models.all()])
+    models = models_for_playground() if api_key is None else text_models_for_key(api_key=api_key)
     return models.first()
 
 

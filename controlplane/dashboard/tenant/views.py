@@ -11,7 +11,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from controlplane.accounts.selectors import api_keys_for_tenant
+from controlplane.accounts.selectors import api_keys_for_tenant, api_keys_usable_for_tenant
 from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit, api_key_update
 from controlplane.batches.selectors import batches_list
 from controlplane.billing.key_spend import api_keys_with_spend
@@ -133,7 +133,7 @@ def key_edit(request: HttpRequest, key_id: int) -> HttpResponse:
 @require_GET
 def quickstart(request: HttpRequest) -> HttpResponse:
     """The API's base URL and first requests, for the key chosen (?key=) or the newest usable one."""
-    usable = [k for k in _keys(request).order_by("-created_at") if not k.revoked and not k.is_expired()]
+    usable = api_keys_usable_for_tenant(tenant=tenant_of(request))
     chosen = request.GET.get("key", "")
     api_key = next((k for k in usable if str(k.pk) == chosen), usable[0] if usable else None)
     context = {"usable_keys": usable, **quickstart_context(base_url=_api_base_url(request), api_key=api_key)}
