@@ -108,6 +108,30 @@ def test_delete_is_refused_for_a_model_with_billing_history():
     assert Model.objects.filter(pk=model.pk).exists()
 
 
+def test_delete_is_refused_while_a_request_holds_credit_for_it():
+    from datetime import timedelta
+
+    from controlplane.billing.holds import HoldRequest, credit_holds_place
+    from controlplane.billing.models import CreditHold
+    from controlplane.billing.services import credit_grant
+
+    deployment = DeploymentFactory(model=ModelFactory(public_name="in-flight"), desired_replicas=0)
+    tenant = TenantFactory()
+    credit_grant(tenant=tenant, amount=Decimal("10"))
+    (hold,) = credit_holds_place(
+        requests=[HoldRequest("req-in-flight", tenant.pk, deployment.model.pk, None, 1)],
+        at=timezone.now(),
+        expires_at=timezone.now() + timedelta(minutes=10),
+    )
+    assert isinstance(hold, CreditHold)
+    with pytest.raises(ValidationError, match="in-flight cannot be deleted: credit holds name it"):
+        model_delete(model=deployment.model)
+    # Nothing went: the deployment deleted before the refusal is rolled back with it.
+    assert Deployment.objects.filter(pk=deployment.pk).exists()
+    assert Model.objects.filter(pk=deployment.model.pk).exists()
+    assert not AuditEntry.objects.filter(action=AuditEntry.Action.MODEL_DELETE).exists()
+
+
 def test_a_model_never_deployed_is_deleted():
     model = ModelFactory(public_name="fresh", price_tier__price_per_request=Decimal("0.01"))
     model_delete(model=model)
