@@ -65,6 +65,16 @@ def test_disabling_unloads_the_replicas_and_enabling_brings_them_back(django_cap
     ]
 
 
+def test_a_disabled_models_replica_cannot_be_loaded_by_hand():
+    from controlplane.fleet.services.replicas import replica_load_on
+
+    worker = make_worker(device="cpu", cpu_memory_total_bytes=8 * GB)
+    deployment = DeploymentFactory(model=ModelFactory(public_name="off", enabled=False, gpu_memory_bytes=GB))
+    with pytest.raises(ValidationError, match="off is disabled: enable it in the catalog first"):
+        replica_load_on(deployment=deployment, worker=worker, gpu=None)
+    assert not Replica.objects.filter(deployment=deployment).exists()
+
+
 def test_disabling_asks_for_a_reconcile_of_its_deployment(django_capture_on_commit_callbacks):
     deployment = DeploymentFactory()
     queued_tasks(CONTROL_PLANE_QUEUE)  # whatever an earlier test left
