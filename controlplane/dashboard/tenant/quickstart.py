@@ -49,6 +49,7 @@ def quickstart_samples(*, base_url: str, key: str, model: str) -> list[CodeSampl
         "print(completion.choices[0].message.content)"
     )
     javascript = (
+        "// quickstart.mjs (an ES module: top-level await)\n"
         f"// npm install openai; export OPENAI_API_KEY={shlex.quote(key)}\n"
         'import OpenAI from "openai";\n\n'
         f"const client = new OpenAI({{ baseURL: {json.dumps(base_url)}, apiKey: process.env.OPENAI_API_KEY }});\n"

@@ -2,6 +2,8 @@
 only; the whole key appears in the samples of the response that created it, and never again."""
 
 import html
+import shutil
+import subprocess
 
 import pytest
 from django.urls import reverse
@@ -98,3 +100,15 @@ def test_the_quickstart_is_a_tenant_page(client, role):
 def test_samples_quote_what_a_shell_would_otherwise_read():
     shell = quickstart_samples(base_url="http://h/v1", key="sk-a'b", model="m")[0].code
     assert "export OPENAI_API_KEY='sk-a'\"'\"'b'" in shell
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_the_javascript_sample_is_a_valid_es_module(tmp_path):
+    javascript = quickstart_samples(base_url="http://h/v1", key="sk-abc…", model="m")[2].code
+    (tmp_path / "quickstart.mjs").write_text(javascript)
+    check = subprocess.run(["node", "--check", str(tmp_path / "quickstart.mjs")], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_the_python_sample_compiles():
+    compile(quickstart_samples(base_url="http://h/v1", key="sk-abc…", model="m")[1].code, "quickstart.py", "exec")
