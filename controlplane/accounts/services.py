@@ -19,7 +19,7 @@ from django.utils import timezone
 from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
 from controlplane.accounts.models import ApiKey, ApiKeyChange, Invitation, Tenant, User
 from controlplane.audit.models import AuditEntry
-from controlplane.audit.services import audit_record
+from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.selectors import models_by_public_name
 from controlplane.common.services import validated_save
 from controlplane.tokens import new_secret_token, secret_hash
@@ -180,6 +180,65 @@ def api_key_set_spend_limit(
         detail={"monthly_spend_limit": [_limit_text(before), _limit_text(api_key.monthly_spend_limit)]},
     )
     return api_key
+
+
+@transaction.atomic
+def api_key_update(
+    *,
+    api_key: ApiKey,
+    name: str,
+    all_models: bool,
+    allowed_model_names: Sequence[str] = (),
+    rate_limit_per_minute: int | None = None,
+    max_concurrent_requests: int | None = None,
+    monthly_spend_limit: Decimal | None = None,
+    actor: User | None = None,
+) -> ApiKey:
+    """Change what a key is called and what it may do; its secret (hash and prefix), tenant and
+    expiry stay. The gateways' key caches hear of it through accounts.signals, so the new models
+    and limits apply from the next request. One audit entry lists the fields that changed."""
+    api_key = ApiKey.objects.select_for_update().select_related("tenant").get(pk=api_key.pk)
+    if api_key.revoked:
+        raise ValidationError("A revoked key cannot be edited.")
+    allowed_models = _allowed_models(all_models=all_models, names=allowed_model_names)
+    if ApiKey.objects.filter(tenant=api_key.tenant, name=name).exclude(pk=api_key.pk).exists():
+        raise ValidationError({"name": "This tenant already has a key with this name."})
+    before = _key_settings(api_key, list(api_key.allowed_models.all()))
+    api_key.name = name
+    api_key.all_models = all_models
+    api_key.rate_limit_per_minute = rate_limit_per_minute
+    api_key.max_concurrent_requests = max_concurrent_requests
+    api_key.monthly_spend_limit = _spend_limit(monthly_spend_limit)
+    after = _key_settings(api_key, allowed_models)
+    diff = changes(before, after)
+    if not diff:
+        return api_key
+    api_key.full_clean()
+    # Not the whole row: the gateway writes last_used_at.
+    api_key.save(update_fields=[*_EDITABLE_KEY_FIELDS])
+    api_key.allowed_models.set(allowed_models)
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.API_KEY_UPDATE,
+        target=api_key,
+        target_label=_key_label(api_key),
+        detail=diff,
+    )
+    return api_key
+
+
+_EDITABLE_KEY_FIELDS = ("name", "all_models", "rate_limit_per_minute", "max_concurrent_requests", "monthly_spend_limit")
+
+
+def _key_settings(api_key: ApiKey, allowed_models: list) -> dict:
+    """What api_key_update may change, as its audit entry compares it."""
+    return {
+        "name": api_key.name,
+        "models": ", ".join(sorted(m.public_name for m in allowed_models)) if not api_key.all_models else "all",
+        "rate_limit_per_minute": api_key.rate_limit_per_minute,
+        "max_concurrent_requests": api_key.max_concurrent_requests,
+        "monthly_spend_limit": _limit_text(api_key.monthly_spend_limit),
+    }
 
 
 def _limit_text(limit: Decimal | None) -> str:

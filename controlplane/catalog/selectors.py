@@ -50,6 +50,14 @@ def model_names_enabled() -> list[str]:
     return list(Model.objects.filter(enabled=True).order_by("public_name").values_list("public_name", flat=True))
 
 
+def text_models_for_key(*, api_key) -> QuerySet[Model]:
+    """The enabled text models (the playground's) an accounts ApiKey may call, by public name."""
+    models = models_for_playground()
+    if not api_key.all_models:
+        models = models.filter(pk__in=[m.pk for m in api_key.allowed_models.all()])
+    return models
+
+
 def models_for_playground() -> QuerySet[Model]:
     """The models a tenant may try in the playground: every enabled model that generates text
     (playground keys may call every model, as the tenant's own keys may by default)."""

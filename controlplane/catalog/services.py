@@ -117,7 +117,7 @@ def _check_weights_path(weights_path: str, verify_on: Iterable | None) -> None:
         raise ValidationError({"weights_path": refused})
 
 
-def _model_snapshot(model: Model) -> dict:
+def model_snapshot(model: Model) -> dict:
     values = model_to_dict(model, fields=MODEL_FIELDS)
     values["price_tier"] = str(model.price_tier) if model.price_tier_id else None
     return values
@@ -171,7 +171,7 @@ def model_create(
     model.full_clean()
     _check_weights_path(model.weights_path, verify_on)
     model.save()
-    audit_record(actor=actor, action=AuditEntry.Action.MODEL_CREATE, target=model, detail=_model_snapshot(model))
+    audit_record(actor=actor, action=AuditEntry.Action.MODEL_CREATE, target=model, detail=model_snapshot(model))
     return model
 
 
@@ -183,13 +183,13 @@ def model_update(*, model: Model, actor=None, verify_on: Iterable | None = None,
     if unknown:
         raise TypeError(f"model_update cannot change {', '.join(sorted(unknown))}")
     model = Model.objects.select_for_update().select_related("price_tier").get(pk=model.pk)
-    before = _model_snapshot(model)
+    before = model_snapshot(model)
     for name, value in fields.items():
         setattr(model, name, value)
     model.full_clean()
     if model.weights_path != before["weights_path"]:
         _check_weights_path(model.weights_path, verify_on)
-    after = _model_snapshot(model)
+    after = model_snapshot(model)
     diff = changes(before, after)
     if not diff:
         return model

@@ -23,6 +23,7 @@ NAV_ITEMS = (
     NavItem("Fleet", "dashboard:fleet", OPERATOR_ROLES),
     NavItem("Catalog", "dashboard:catalog", OPERATOR_ROLES),
     NavItem("Audit log", "dashboard:audit", OPERATOR_ROLES),
+    NavItem("Quickstart", "dashboard:quickstart", TENANT_ROLES),
     NavItem("API keys", "dashboard:keys", TENANT_ROLES),
     NavItem("Usage", "dashboard:usage", TENANT_ROLES),
     NavItem("Requests", "dashboard:requests", TENANT_ROLES + ADMIN_ROLES),

@@ -76,13 +76,19 @@ def replicas_fail_unacknowledged(*, now: datetime) -> int:
     return failed
 
 
+def wanted_replicas(deployment: Deployment) -> int:
+    """The replicas reconcile keeps: none while the model is disabled (its desired count is kept,
+    so enabling it again brings them back)."""
+    return deployment.desired_replicas if deployment.model.enabled else 0
+
+
 def _missing(deployment: Deployment) -> int:
     active = Replica.objects.filter(deployment=deployment, state__in=Replica.ACTIVE_STATES).count()
-    return deployment.desired_replicas - active
+    return wanted_replicas(deployment) - active
 
 
 def deployment_reconcile(*, deployment_id: int, now: datetime) -> ReconcileOutcome | None:
-    deployment = Deployment.objects.filter(pk=deployment_id).first()
+    deployment = Deployment.objects.select_related("model").filter(pk=deployment_id).first()
     if deployment is None:
         return None
     # Most passes find nothing to do: they take no lock and write nothing.

@@ -302,6 +302,11 @@ def workers_for_path_check(*, worker_ids: Iterable[int] | None = None) -> QueryS
     return workers if worker_ids is None else workers.filter(pk__in=list(worker_ids))
 
 
+def workers_online() -> QuerySet[Worker]:
+    """The workers online now, by name: those whose reports say what their checkpoints are now."""
+    return Worker.objects.filter(state=Worker.State.ONLINE).order_by("name")
+
+
 def workers_all() -> QuerySet[Worker]:
     """Every worker, whatever its state, by name."""
     return Worker.objects.all()

@@ -56,6 +56,38 @@ class GpuSpec:
         return {"index": self.index, "name": self.name, "memory_total_bytes": self.memory_total_bytes}
 
 
+# What a found checkpoint serves as (gpuworker.architectures' kinds; "" while it serves none).
+CHECKPOINT_KINDS = ("chat", "vision", "embedding", "")
+MAX_CHECKPOINT_PROBLEM_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """What a daemon read from one found checkpoint's config.json and weight headers, so the
+    catalog can be filled without asking the operator: the Hugging Face id it answers to under the
+    model roots ("org/name" for root/org/name or the HF cache's current snapshot; "" for none), its
+    architecture and family, what it serves as, its size and context, or why it cannot be served."""
+
+    repo_id: str = ""
+    architecture: str = ""
+    family: str = ""  # config.json's model_type, e.g. "llama"
+    kind: str = ""  # CHECKPOINT_KINDS
+    parameter_count: int | None = None
+    context_length: int | None = None
+    problem: str = ""  # non-empty: the engine cannot serve it, and why
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "repo_id": self.repo_id,
+            "architecture": self.architecture,
+            "family": self.family,
+            "kind": self.kind,
+            "parameter_count": self.parameter_count,
+            "context_length": self.context_length,
+            "problem": self.problem,
+        }
+
+
 @dataclass(frozen=True)
 class ModelPaths:
     """The directories a daemon searches for checkpoints and the checkpoint directories it found."""
@@ -64,11 +96,15 @@ class ModelPaths:
     paths: tuple[str, ...]
     # (path, QUANTIZATION_LABELS entry) for each quantized checkpoint among paths.
     quantization: tuple[tuple[str, str], ...] = ()
+    # (path, what was read there) for the checkpoints among paths that were read.
+    checkpoints: tuple[tuple[str, CheckpointReport], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"roots": list(self.roots), "paths": list(self.paths)}
         if self.quantization:
             body["quantization"] = dict(self.quantization)
+        if self.checkpoints:
+            body["checkpoints"] = {path: report.to_json() for path, report in self.checkpoints}
         return body
 
 
@@ -234,10 +270,40 @@ def _model_paths(value: Any) -> ModelPaths | None:
             raise ContractError(f"models.quantization[{path!r}]", "Must be one of models.paths.")
         if label not in QUANTIZATION_LABELS:
             raise ContractError(f"models.quantization[{path!r}]", f"Must be one of {', '.join(QUANTIZATION_LABELS)}.")
+    checkpoints = _object(raw.get("checkpoints", {}), "models.checkpoints")
+    for path in checkpoints:
+        if path not in paths:
+            raise ContractError(f"models.checkpoints[{path!r}]", "Must be one of models.paths.")
     return ModelPaths(
         roots=_paths(raw.get("roots", []), "models.roots", limit=MAX_MODEL_ROOTS),
         paths=paths,
         quantization=tuple(sorted(quantization.items())),
+        checkpoints=tuple(
+            (path, _checkpoint_report(report, f"models.checkpoints[{path!r}]"))
+            for path, report in sorted(checkpoints.items())
+        ),
+    )
+
+
+def _optional_count(value: Any, where: str) -> int | None:
+    return None if value is None else _int(value, where, minimum=1)
+
+
+def _checkpoint_report(value: Any, where: str) -> CheckpointReport:
+    raw = _object(value, where)
+    kind = raw.get("kind", "")
+    if kind not in CHECKPOINT_KINDS:
+        raise ContractError(f"{where}.kind", f"Must be one of {', '.join(map(repr, CHECKPOINT_KINDS))}.")
+    return CheckpointReport(
+        repo_id=_text(raw.get("repo_id", ""), f"{where}.repo_id", max_length=200, required=False),
+        architecture=_text(raw.get("architecture", ""), f"{where}.architecture", max_length=100, required=False),
+        family=_text(raw.get("family", ""), f"{where}.family", max_length=50, required=False),
+        kind=kind,
+        parameter_count=_optional_count(raw.get("parameter_count"), f"{where}.parameter_count"),
+        context_length=_optional_count(raw.get("context_length"), f"{where}.context_length"),
+        problem=_text(
+            raw.get("problem", ""), f"{where}.problem", max_length=MAX_CHECKPOINT_PROBLEM_CHARS, required=False
+        ),
     )
 
 

@@ -12,7 +12,7 @@ from tests.browser.system import log_in
 pytestmark = pytest.mark.slow
 
 OPERATOR_SECTIONS = ["Fleet", "Catalog", "Audit log"]
-TENANT_SECTIONS = ["API keys", "Usage", "Requests", "Credits", "Batches", "Playground", "Team"]
+TENANT_SECTIONS = ["Quickstart", "API keys", "Usage", "Requests", "Credits", "Batches", "Playground", "Team"]
 SECTIONS = {
     "operator": OPERATOR_SECTIONS,
     "admin": [*OPERATOR_SECTIONS, "Requests", "Reports", "Tenants", "Staff"],
@@ -22,6 +22,7 @@ PAGES = {
     "Fleet": "dashboard:fleet",
     "Catalog": "dashboard:catalog",
     "Audit log": "dashboard:audit",
+    "Quickstart": "dashboard:quickstart",
     "API keys": "dashboard:keys",
     "Usage": "dashboard:usage",
     "Playground": "dashboard:playground",

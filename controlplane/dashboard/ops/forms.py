@@ -201,6 +201,17 @@ class CatalogModelForm(forms.ModelForm):
         return {name: self.cleaned_data[name] for name in self.Meta.fields}
 
 
+class CheckpointForm(forms.Form):
+    """Name a checkpoint for the add-model form to be filled from (catalog.checkpoints)."""
+
+    checkpoint = forms.CharField(
+        max_length=500,
+        label="Checkpoint",
+        help_text="A path under a worker's model roots (/models/llama-3-8b) or a Hugging Face id "
+        "(meta-llama/Llama-3.2-1B) found there as org/name or in a Hugging Face cache.",
+    )
+
+
 class AuditFilterForm(forms.Form):
     action = forms.ChoiceField(required=False, label="Action")
     actor = forms.ChoiceField(required=False, label="Who")

@@ -187,6 +187,9 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
     deployment = deployment_lock(deployment)
     worker = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
     model = deployment.model
+    if not model.enabled:
+        # Reconcile keeps no replica of a disabled model: it would drain this one at once.
+        raise ValidationError({"deployment": f"{model.public_name} is disabled: enable it in the catalog first."})
     if worker.state != Worker.State.ONLINE:
         raise ValidationError(
             {"worker": f"Worker {worker.name} is {worker.state}; only an online worker takes new replicas."}

@@ -4,6 +4,7 @@ in the form the control plane parses back."""
 import pytest
 
 from gpuworker.contract.heartbeat import (
+    CheckpointReport,
     ContractError,
     GpuSpec,
     Heartbeat,
@@ -138,6 +139,31 @@ def test_bad_heartbeats_name_the_field(body, field):
 def test_a_bad_quantization_report_is_named(quantization):
     body = {"models": {"roots": ["/models"], "paths": ["/models/a"], "quantization": quantization}}
     assert _error_fields(parse_heartbeat, body).startswith("models.quantization")
+
+
+@pytest.mark.parametrize(
+    ("checkpoints", "field"),
+    [
+        ({"/models/elsewhere": {}}, "models.checkpoints['/models/elsewhere']"),
+        ({"/models/a": {"kind": "audio"}}, "models.checkpoints['/models/a'].kind"),
+        ({"/models/a": {"parameter_count": 0}}, "models.checkpoints['/models/a'].parameter_count"),
+        ({"/models/a": {"context_length": "8k"}}, "models.checkpoints['/models/a'].context_length"),
+        ({"/models/a": {"problem": "x" * 1001}}, "models.checkpoints['/models/a'].problem"),
+        ({"/models/a": {"repo_id": 7}}, "models.checkpoints['/models/a'].repo_id"),
+        (["/models/a"], "models.checkpoints"),
+    ],
+)
+def test_a_bad_checkpoint_report_is_named(checkpoints, field):
+    body = {"models": {"roots": ["/models"], "paths": ["/models/a"], "checkpoints": checkpoints}}
+    assert _error_fields(parse_heartbeat, body) == field
+
+
+def test_checkpoint_reports_parse_back():
+    report = CheckpointReport(
+        repo_id="org/a", architecture="LlamaForCausalLM", family="llama", kind="chat", parameter_count=8
+    )
+    models = ModelPaths(roots=("/models",), paths=("/models/a", "/models/b"), checkpoints=(("/models/a", report),))
+    assert parse_heartbeat({"models": models.to_json()}).models == models
 
 
 def test_what_the_daemon_builds_the_control_plane_parses_back():

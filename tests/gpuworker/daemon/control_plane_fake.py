@@ -40,9 +40,11 @@ REPLICA_LATENCY_KEYS = {"ttft_p95_s", "itl_p95_s"}
 REPLICA_PID_KEY = "pid"
 REPLICA_STATES = {"loading", "ready", "draining", "stopped", "failed"}
 # Sent by a daemon with --model-root: at registration, and in a heartbeat when the scan changed;
-# `quantization` (path -> how its weights are stored) only when a found checkpoint is quantized.
+# `quantization` (path -> how its weights are stored) only when a found checkpoint is quantized;
+# `checkpoints` (path -> what was read there) when any checkpoint was found.
 MODELS_KEYS = {"roots", "paths"}
-MODELS_OPTIONAL_KEYS = {"quantization"}
+MODELS_OPTIONAL_KEYS = {"quantization", "checkpoints"}
+CHECKPOINT_KEYS = {"repo_id", "architecture", "family", "kind", "parameter_count", "context_length", "problem"}
 
 
 class ShapeError(ValueError):
@@ -71,6 +73,11 @@ def _models(where: str, body: dict, keys: set[str]) -> None:
             isinstance(p, str) and p.startswith("/") and isinstance(q, str) and q for p, q in quantization.items()
         ):
             raise ShapeError(f"{where}.models.quantization: expected absolute path -> label, got {quantization!r}")
+        checkpoints = models.get("checkpoints", {})
+        if not isinstance(checkpoints, dict) or not all(isinstance(p, str) and p.startswith("/") for p in checkpoints):
+            raise ShapeError(f"{where}.models.checkpoints: expected absolute path -> report, got {checkpoints!r}")
+        for path, report in checkpoints.items():
+            _keys(f"{where}.models.checkpoints[{path!r}]", report, CHECKPOINT_KEYS)
         for key in sorted(MODELS_KEYS):
             if not isinstance(body["models"][key], list) or not all(
                 isinstance(p, str) and p.startswith("/") for p in body["models"][key]
