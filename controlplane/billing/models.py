@@ -72,7 +72,7 @@ class CreditEntry(models.Model):
 
     class Kind(models.TextChoices):
         GRANT = "grant", "Grant"
-        DEBIT = "debit", "Debit"
+        DEBIT = "debit", "Adjustment"
         USAGE = "usage", "Usage charge"
 
     tenant = models.ForeignKey("accounts.Tenant", on_delete=models.PROTECT, related_name="credit_entries")
@@ -84,6 +84,8 @@ class CreditEntry(models.Model):
         "billing.UsageRecord", on_delete=models.PROTECT, null=True, blank=True, related_name="credit_entry"
     )
     created_by = models.ForeignKey("accounts.User", on_delete=models.PROTECT, null=True, blank=True, related_name="+")
+    # The token of the form that made an entry by hand: a second submission of that form finds it.
+    idempotency_token = models.UUIDField(null=True, blank=True, unique=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     objects = CreditEntryQuerySet.as_manager()

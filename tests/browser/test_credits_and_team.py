@@ -27,7 +27,7 @@ def test_an_admin_grants_credits_and_the_tenant_sees_them(open_page, system, orm
     admin.locator(f'[data-testid=tenant-row][data-tenant-name="{tenant_name}"] a').click()
     expect(admin.locator("#tenant-name")).to_have_text(tenant_name)
     admin.fill("#id_amount", "12.34")
-    admin.fill("#id_note", "Browser-test top-up")
+    admin.fill("#id_reason", "Browser-test top-up")
     admin.click("#grant-submit")
 
     expect(admin.locator("#grant-done")).to_contain_text("Browser-test top-up")
@@ -55,7 +55,7 @@ def test_a_bad_grant_says_why_beside_the_field(open_page, system):
     admin.goto(reverse("dashboard:tenants"))
     admin.locator(f'[data-testid=tenant-row][data-tenant-name="{system.seeded.tenant_name}"] a').click()
     admin.fill("#id_amount", "0")
-    admin.fill("#id_note", "nothing")
+    admin.fill("#id_reason", "nothing")
     admin.click("#grant-submit")
     expect(admin.locator("#error-amount")).to_contain_text("greater than or equal to")
     expect(admin.locator("#grant-done")).to_have_count(0)

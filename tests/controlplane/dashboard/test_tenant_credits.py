@@ -54,7 +54,7 @@ def test_credits_page_shows_plan_allowance_balance_grants_and_charges(client, te
     page = client.get(reverse("dashboard:credits")).content.decode()
     assert 'data-testid="credits-plan">Starter<' in page
     assert 'data-testid="credits-allowance-left">0 of 2<' in page
-    assert 'data-testid="credits-balance">$4.996<' in page
+    assert 'data-testid="credits-balance">$5.00<' in page
     assert "Welcome credit" in page and "+$5.00" in page and "Theirs" not in page
     assert "llama-8b" in page and "-$0.004" in page
     assert "root" not in page  # who granted is for admins' eyes
@@ -80,4 +80,4 @@ def test_usage_shows_money_once_the_allowance_is_spent(client, tenant, member):
     for _ in range(3):
         usage_record_settled(tenant=tenant, model=model, at=timezone.now())
     page = client.get(reverse("dashboard:usage")).content.decode()
-    assert 'data-testid="usage-spend">$0.0040<' in page and "0 of the plan's 2 included requests left" in page
+    assert 'data-testid="usage-spend">$0.004<' in page and "0 of the plan's 2 included requests left" in page
