@@ -12,7 +12,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from controlplane.common.money import MoneyField
+from controlplane.common.money import PRICE_SIGNIFICANT_DIGITS, MoneyField, format_usd
 
 
 class PriceTier(models.Model):
@@ -33,7 +33,7 @@ class PriceTier(models.Model):
         ordering = ["price_per_request", "name"]
 
     def __str__(self) -> str:
-        return f"{self.name} ({self.price_per_request}/request)"
+        return f"{self.name} ({format_usd(self.price_per_request, significant=PRICE_SIGNIFICANT_DIGITS)}/request)"
 
 
 class Plan(models.Model):
