@@ -1,13 +1,16 @@
 """Ledger entries an admin makes by hand: grants and adjustments with a reason, under a bound,
 confirmed when large, audited, once per form token, and never below what requests in flight hold."""
 
+import threading
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from uuid import uuid4
 
 import pytest
+from django.contrib.admin import site as admin_site
 from django.core.exceptions import ValidationError
-from django.test import override_settings
+from django.db import connections
+from django.test import RequestFactory, override_settings
 
 from controlplane.accounts.models import User
 from controlplane.audit.models import AuditEntry
@@ -15,6 +18,7 @@ from controlplane.billing.holds import HoldRequest, credit_holds_place
 from controlplane.billing.ledger import ConfirmationRequired, credit_entry_by_admin
 from controlplane.billing.models import CreditEntry
 from controlplane.billing.selectors import credit_available, credit_balance
+from controlplane.common.admin import ReadOnlyAdmin
 from tests.controlplane.factories import ApiKeyFactory, ModelFactory, PriceTierFactory, TenantFactory, UserFactory
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("bounds")]
@@ -149,3 +153,34 @@ def test_zero_is_not_an_entry(admin):
     with pytest.raises(ValidationError, match="non-zero"):
         _enter(tenant, admin, "0")
     assert _nothing_written(tenant)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_form_submitted_twice_at_once_makes_one_entry(require_postgres, bounds):
+    """Two posts of one form racing (a double click): the account lock serialises them, and the
+    second finds the first's entry."""
+    tenant, admin = TenantFactory(), UserFactory(role=User.Role.ADMIN, tenant=None)
+    token, start, entries = uuid4(), threading.Barrier(2), []
+
+    def submit():
+        try:
+            start.wait()
+            entries.append(_enter(tenant, admin, "5", token=token).pk)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=submit) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(entries) == 2 and len(set(entries)) == 1
+    assert credit_balance(tenant=tenant) == Decimal("5") and AuditEntry.objects.count() == 1
+
+
+def test_the_ledger_cannot_be_added_to_edited_or_deleted_in_the_admin():
+    model_admin = admin_site._registry[CreditEntry]
+    request = RequestFactory().get("/admin/")
+    assert isinstance(model_admin, ReadOnlyAdmin)
+    assert not model_admin.has_add_permission(request)
+    assert not model_admin.has_change_permission(request) and not model_admin.has_delete_permission(request)

@@ -8,7 +8,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts.models import User
-from controlplane.billing.services import credit_grant
+from controlplane.billing.services import credit_debit, credit_grant
 from tests.controlplane.factories import (
     ModelFactory,
     PlanFactory,
@@ -81,3 +81,12 @@ def test_usage_shows_money_once_the_allowance_is_spent(client, tenant, member):
         usage_record_settled(tenant=tenant, model=model, at=timezone.now())
     page = client.get(reverse("dashboard:usage")).content.decode()
     assert 'data-testid="usage-spend">$0.004<' in page and "0 of the plan's 2 included requests left" in page
+
+
+def test_the_tenant_sees_every_grant_and_adjustment(client, tenant, member):
+    for number in range(1, 31):
+        credit_grant(tenant=tenant, amount=Decimal(number), memo=f"grant {number}")
+    credit_debit(tenant=tenant, amount=Decimal("0.5"), memo="taken back")
+    page = client.get(reverse("dashboard:credits")).content.decode()
+    assert page.count('data-testid="credit-grant"') == 31
+    assert "grant 1<" in page and "taken back" in page and "-$0.50" in page
