@@ -8,10 +8,10 @@ from decimal import Decimal
 from uuid import UUID
 
 from django.conf import settings
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 
-from controlplane.accounts.models import Tenant
+from controlplane.accounts.models import Tenant, User
 from controlplane.billing.models import CreditEntry
 from controlplane.billing.services import credit_debit, credit_grant, lock_credit_accounts
 from controlplane.common.money import format_usd
@@ -50,6 +50,8 @@ def credit_entry_by_admin(
     """A grant (`amount` > 0) or an adjustment (`amount` < 0) made by `actor`. An adjustment may
     take the balance down to what requests in flight hold, never below (`credit_debit`). A second
     call with the same token returns the first call's entry and writes nothing."""
+    if getattr(actor, "role", None) != User.Role.ADMIN:
+        raise PermissionDenied("Only an admin may grant or take back credits.")
     _check_manual_entry(amount=amount, reason=reason, confirmed=confirmed)
     # The tenant's account lock serialises submissions, so a double submit finds its first entry.
     lock_credit_accounts(tenant_ids=[tenant.pk])

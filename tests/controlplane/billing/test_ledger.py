@@ -8,7 +8,7 @@ from uuid import uuid4
 
 import pytest
 from django.contrib.admin import site as admin_site
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import connections
 from django.test import RequestFactory, override_settings
 
@@ -184,3 +184,16 @@ def test_the_ledger_cannot_be_added_to_edited_or_deleted_in_the_admin():
     assert isinstance(model_admin, ReadOnlyAdmin)
     assert not model_admin.has_add_permission(request)
     assert not model_admin.has_change_permission(request) and not model_admin.has_delete_permission(request)
+
+
+@pytest.mark.parametrize("who", ["operator", "tenant_admin", "nobody"])
+def test_only_an_admin_makes_entries(who):
+    tenant = TenantFactory()
+    actor = {
+        "operator": lambda: UserFactory(role=User.Role.OPERATOR, tenant=None),
+        "tenant_admin": lambda: UserFactory(tenant=tenant, tenant_role=User.TenantRole.ADMIN),
+        "nobody": lambda: None,
+    }[who]()
+    with pytest.raises(PermissionDenied, match="Only an admin"):
+        _enter(tenant, actor, "5")
+    assert _nothing_written(tenant)
