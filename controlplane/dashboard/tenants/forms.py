@@ -46,7 +46,13 @@ class CreditEntryForm(forms.Form):
     )
     reason = forms.CharField(max_length=200, label="Reason", help_text="Shown to the tenant and kept in the audit log.")
     confirm = forms.BooleanField(required=False, label="I confirm this amount")
-    token = forms.UUIDField(widget=forms.HiddenInput)
+    token = forms.UUIDField(
+        widget=forms.HiddenInput,
+        error_messages={
+            "required": "This form is incomplete: reload the page and enter it again.",
+            "invalid": "This form is incomplete: reload the page and enter it again.",
+        },
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -205,3 +205,13 @@ def test_an_adjustment_beyond_the_balance_is_refused(client, admin):
     start = page.index('id="error-amount"')
     assert "so at most $2.00." in page[start : page.index("</div>", start)]
     assert credit_balance(tenant=tenant) == Decimal("2")
+
+
+@pytest.mark.parametrize("token", [None, "not-a-uuid"])
+def test_a_form_without_its_token_is_refused_and_says_so(client, admin, token):
+    tenant = TenantFactory()
+    data = {key: value for key, value in _entry(amount="5").items() if key != "token"}
+    page = _post_entry(client, tenant, data if token is None else {**data, "token": token}).content.decode()
+    start = page.index('id="grant-form-error"')
+    assert "reload the page" in page[start : page.index("</div>", start)]
+    assert not CreditEntry.objects.filter(tenant=tenant).exists()
