@@ -188,6 +188,11 @@ FLEET_WORKER_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_WORKER_DRAIN_TIMEOUT_SECONDS
 # against its revenue at this rate (dashboard.margins.model_margins).
 GPU_HOUR_COST_USD = env_decimal("GPU_HOUR_COST_USD", "2.00")
 
+# Credits an admin grants or takes back by hand (billing.ledger): no single entry may move more than
+# CREDIT_ENTRY_MAX_USD, and one moving more than CREDIT_CONFIRM_ABOVE_USD must be confirmed.
+CREDIT_ENTRY_MAX_USD = env_decimal("CREDIT_ENTRY_MAX_USD", "10000")
+CREDIT_CONFIRM_ABOVE_USD = env_decimal("CREDIT_CONFIRM_ABOVE_USD", "500")
+
 # --- The autoscaler (controlplane/fleet/autoscaling.py: the policy; fleet/services/autoscaling.py:
 # one decision per deployment per tick). Defaults for new deployments, each editable per deployment:
 # requests (running + waiting) per replica at full utilisation, the p95 latency SLOs, and how long

@@ -21,6 +21,7 @@ from controlplane.accounts.models import ApiKey, ApiKeyChange, Invitation, Tenan
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.selectors import models_by_public_name
+from controlplane.common.money import format_usd
 from controlplane.common.services import validated_save
 from controlplane.tokens import new_secret_token, secret_hash
 
@@ -242,7 +243,7 @@ def _key_settings(api_key: ApiKey, allowed_models: list) -> dict:
 
 
 def _limit_text(limit: Decimal | None) -> str:
-    return "none" if limit is None else f"${limit:.2f}"
+    return "none" if limit is None else format_usd(limit)
 
 
 def _spend_limit(amount: Decimal | None) -> Decimal | None:

@@ -25,6 +25,7 @@ class AuditEntry(models.Model):
         API_KEY_UPDATE = "api_key.update", "API key edited"
         TENANT_CREATE = "tenant.create", "Tenant created"
         CREDIT_GRANT = "credit.grant", "Credits granted"
+        CREDIT_ADJUST = "credit.adjust", "Credits adjusted down"
         INVITATION_CREATE = "invitation.create", "Invitation made"
         INVITATION_REVOKE = "invitation.revoke", "Invitation withdrawn"
         INVITATION_ACCEPT = "invitation.accept", "Invitation accepted"

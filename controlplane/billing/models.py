@@ -12,7 +12,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from controlplane.common.money import MoneyField
+from controlplane.common.money import PRICE_SIGNIFICANT_DIGITS, MoneyField, format_usd
 
 
 class PriceTier(models.Model):
@@ -33,7 +33,7 @@ class PriceTier(models.Model):
         ordering = ["price_per_request", "name"]
 
     def __str__(self) -> str:
-        return f"{self.name} ({self.price_per_request}/request)"
+        return f"{self.name} ({format_usd(self.price_per_request, significant=PRICE_SIGNIFICANT_DIGITS)}/request)"
 
 
 class Plan(models.Model):
@@ -72,7 +72,7 @@ class CreditEntry(models.Model):
 
     class Kind(models.TextChoices):
         GRANT = "grant", "Grant"
-        DEBIT = "debit", "Debit"
+        DEBIT = "debit", "Adjustment"
         USAGE = "usage", "Usage charge"
 
     tenant = models.ForeignKey("accounts.Tenant", on_delete=models.PROTECT, related_name="credit_entries")
@@ -84,6 +84,8 @@ class CreditEntry(models.Model):
         "billing.UsageRecord", on_delete=models.PROTECT, null=True, blank=True, related_name="credit_entry"
     )
     created_by = models.ForeignKey("accounts.User", on_delete=models.PROTECT, null=True, blank=True, related_name="+")
+    # The token of the form that made an entry by hand: a second submission of that form finds it.
+    idempotency_token = models.UUIDField(null=True, blank=True, unique=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     objects = CreditEntryQuerySet.as_manager()

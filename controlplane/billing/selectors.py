@@ -60,8 +60,9 @@ def credit_entries_for_tenant(*, tenant) -> QuerySet[CreditEntry]:
     return CreditEntry.objects.filter(tenant=tenant)
 
 
-def credit_entries_recent(*, tenant, limit: int = 20, kinds=None) -> list[CreditEntry]:
-    """The tenant's latest ledger entries (of `kinds`, when given), newest first, with who made them."""
+def credit_entries_recent(*, tenant, limit: int | None = 20, kinds=None) -> list[CreditEntry]:
+    """The tenant's latest ledger entries (of `kinds`, when given; all of them without a `limit`),
+    newest first, with who made them."""
     entries = credit_entries_for_tenant(tenant=tenant).select_related("created_by", "usage_record__model")
     if kinds:
         entries = entries.filter(kind__in=kinds)

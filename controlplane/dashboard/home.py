@@ -87,6 +87,18 @@ class AdminHome:
         return sum((m.gpu_cost for m in self.margins), Decimal("0"))
 
     @property
+    def gpu_busy_hours(self) -> float:
+        return sum(m.gpu_busy_hours for m in self.margins)
+
+    @property
+    def busy_cost(self) -> Decimal:
+        return sum((m.busy_cost for m in self.margins), Decimal("0"))
+
+    @property
+    def served_margin(self) -> Decimal:
+        return self.revenue - self.busy_cost
+
+    @property
     def margin(self) -> Decimal:
         return self.revenue - self.gpu_cost
 

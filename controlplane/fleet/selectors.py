@@ -7,9 +7,11 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, F, Prefetch, Q, QuerySet
+from django.db.models import Count, F, FloatField, Prefetch, Q, QuerySet, Sum, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from controlplane.billing.models import UsageRecord
 from controlplane.catalog.models import Deployment, Model
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.autoscaling import ReplicaLoad
@@ -482,3 +484,19 @@ def gpu_seconds_by_model(*, since: datetime, until: datetime) -> dict[str, float
         if held > 0:
             seconds[model_name] = seconds.get(model_name, 0.0) + held * gpus
     return seconds
+
+
+def gpu_busy_seconds_by_model(*, since: datetime, until: datetime) -> dict[str, float]:
+    """GPU-seconds each model's requests kept their replicas busy, for requests recorded within
+    [since, until), by the model's public name: each usage record's `gpu_time_s` (its share, by
+    tokens, of every engine step it took part in) times the GPUs its replica spans. A record
+    without a replica (refused before routing) or without a figure counts nothing; replicas on a
+    worker's CPU count as one device, so the embedded demo shows its figures too."""
+    gpus = Coalesce(F("replica__tensor_parallel_size"), Value(1))
+    rows = (
+        UsageRecord.objects.filter(created_at__gte=since, created_at__lt=until, gpu_time_s__isnull=False)
+        .values("model__public_name")
+        .annotate(seconds=Sum(F("gpu_time_s") * gpus, output_field=FloatField()))
+        .values_list("model__public_name", "seconds")
+    )
+    return {model_name: seconds for model_name, seconds in rows if seconds}

@@ -19,7 +19,7 @@ from controlplane.gateway.body_check import BodyError, CheckedBody
 from controlplane.gateway.cold_start import cold_start_header
 from controlplane.gateway.dialects import Dialect, StreamTranslator
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
-from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
+from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight, prompt_tokens_from
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
 from controlplane.gateway.replica_choice import affinity_choice
@@ -28,6 +28,7 @@ from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
 from gpuworker.contract.openai_api import (
+    PROMPT_TOKENS_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -259,7 +260,7 @@ async def _unless_client_leaves(
     started = False
     replica = next((r for r in replicas if r.replica_id == flight.replica_id), None)
     if not stream and replica is not None:
-        started = await _replica_started(gw, replica, flight.request_id)
+        started = await _replica_started(gw, replica, flight)
     if not flight.settled:
         await flight.end(CANCELLED if started else None)
     return Response(status_code=499)  # nobody reads it: the client is gone
@@ -284,8 +285,10 @@ async def _client_present(request: Request, work: Coroutine[Any, Any, Any]) -> A
     return _GONE
 
 
-async def _replica_started(gw: Gateway, replica: ReplicaRoute, request_id: str) -> bool:
-    """Whether the replica generated a first token for this request (it keeps recent ones)."""
+async def _replica_started(gw: Gateway, replica: ReplicaRoute, flight: Flight) -> bool:
+    """Whether the replica generated a first token for this request (it keeps recent ones); the
+    prompt tokens it says the request took go on the flight, for its usage record."""
+    request_id = flight.request_id
     try:
         async with asyncio.timeout(_STARTED_QUERY_TIMEOUT_S):
             response = await gw.upstream.get(
@@ -293,6 +296,7 @@ async def _replica_started(gw: Gateway, replica: ReplicaRoute, request_id: str) 
             )
             data = await response.read()
         if response.status == 200 and isinstance(answer := json.loads(data), dict):
+            flight.prompt_tokens = prompt_tokens_from(str(answer.get("prompt_tokens", "")))
             return answer.get("started") is True
     except (UpstreamError, TimeoutError, ValueError):
         pass
@@ -476,6 +480,7 @@ async def _stream(
                     _replica_json(response.status, data)
                     await flight.end(None)
                     return Response(data, status_code=response.status, headers=headers, media_type="application/json")
+                flight.prompt_tokens = prompt_tokens_from(response.headers.get(PROMPT_TOKENS_HEADER))
                 events = response.events()
                 async for data in events:
                     buffered.append(data)

@@ -170,6 +170,9 @@ class Flight:
         self.gw, self.request_id, self.grant, self.model = gw, request_id, grant, model
         self.num_requests = num_requests
         self.image_count = 0  # images the request carried, for its usage record
+        # The prompt tokens the replica said it took (PROMPT_TOKENS_HEADER): recorded for a
+        # request that ends without its final usage, as a cancelled one does.
+        self.prompt_tokens = 0
         self.started = time.monotonic()
         self.amount: Decimal | None = None  # held; None until the hold is placed
         self.replica_id: int | None = None
@@ -274,7 +277,7 @@ class Flight:
         outcome = RequestOutcome(
             request_id=self.request_id,
             status=status,
-            prompt_tokens=_int(usage.get("prompt_tokens")),
+            prompt_tokens=_int(usage.get("prompt_tokens", self.prompt_tokens)),
             completion_tokens=_int(usage.get("completion_tokens", completion_tokens)),
             time_to_first_token_ms=None
             if self.first_token_at is None
@@ -306,6 +309,11 @@ class Flight:
 
 def _int(value) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
+
+
+def prompt_tokens_from(text: str | None) -> int:
+    """A replica's PROMPT_TOKENS_HEADER value as a count; 0 when absent or garbled."""
+    return int(text) if text is not None and text.isdigit() else 0
 
 
 async def sweep_expired_holds(gw: GatewayParts) -> None:

@@ -16,6 +16,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
 
+# The prompt's token count, on a replica's answer from its first token on: a gateway whose client
+# leaves before the final usage still records the prompt tokens the request used.
+PROMPT_TOKENS_HEADER = "x-prompt-tokens"
+
 
 class ProtocolError(ValueError):
     """A request the API refuses, in OpenAI's error vocabulary."""

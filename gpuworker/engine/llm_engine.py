@@ -70,13 +70,14 @@ class _InFlight:
     handle: StepHandle
     # (sequence, position of its placeholder) per sampling entry, from Scheduler.advance.
     sampling: list[tuple[Sequence, int]]
+    # When the step() call that scheduled and launched it began.
     launched_at: float
 
 
 @dataclass
 class _Received:
     batch: ScheduledBatch
-    duration: float
+    launched_at: float
     # (sequence, logprob entry, whether its grammar ended with this token) per new token.
     tokens: list[tuple[Sequence, TokenLogprob | None, bool]]
 
@@ -280,7 +281,12 @@ class LLMEngine:
         # force synchronous steps while they run.
         self._inflight: _InFlight | None = None
         self._num_sync_requests = 0
+        # The end of the last step's accounting: a step's time starts no earlier (with async
+        # scheduling the next step is launched while the previous one is still being read).
         self._last_completion = 0.0
+        # Wall time spent in step() calls that had a batch to run or to read: the engine's busy
+        # time, which the requests' gpu_time_s add up to.
+        self.busy_time_s = 0.0
         # Grammar matchers of constrained requests; built on the first such request.
         self.grammar_matchers: GrammarMatchers | None = None
         self._grammar_lock = threading.Lock()
@@ -464,6 +470,13 @@ class LLMEngine:
         """
         if self._deferred_warm_up:
             self.do_deferred_warm_up()
+        started = time.perf_counter()
+        outputs = self._step(started)
+        if self._inflight is not None or self._last_completion >= started:  # launched or read a step
+            self.busy_time_s += time.perf_counter() - started
+        return outputs
+
+    def _step(self, started: float) -> list[RequestOutput]:
         overlap = self.config.use_async_scheduling and self._num_sync_requests == 0
         outputs: list[RequestOutput] = []
         if not overlap and self._inflight is not None:
@@ -495,7 +508,7 @@ class LLMEngine:
                 # Cannot happen while the pool holds max_model_len tokens; fail rather than spin.
                 raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
             return outputs
-        self._inflight = _InFlight(handle, self.scheduler.advance(batch), time.perf_counter())
+        self._inflight = _InFlight(handle, self.scheduler.advance(batch), started)
         if not overlap:
             outputs += self._process(self._receive(self._inflight))
         return outputs
@@ -505,10 +518,6 @@ class LLMEngine:
         constrained ones to their grammars."""
         self._inflight = None
         result = self.runner.wait(inflight.handle)
-        finished_at = time.perf_counter()
-        # The device time of this step: from its launch, or from the end of the step before it.
-        duration = finished_at - max(inflight.launched_at, self._last_completion)
-        self._last_completion = finished_at
         rows = inflight.handle.row_of()
         tokens: list[tuple[Sequence, TokenLogprob | None, bool]] = []
         token_ids, logprobs = result.token_ids, result.logprobs
@@ -521,7 +530,7 @@ class LLMEngine:
                 seq, token_id
             )
             tokens.append((seq, logprobs[row], grammar_ended))
-        return _Received(inflight.handle.batch, duration, tokens)
+        return _Received(inflight.handle.batch, inflight.launched_at, tokens)
 
     def _process(self, received: _Received) -> list[RequestOutput]:
         """Stop checks and detokenization of a received step's tokens; the requests' outputs."""
@@ -549,7 +558,11 @@ class LLMEngine:
                 continue  # nobody reads this request's outputs before it finishes
             deltas.setdefault(group.request_id, {})[seq.index] = delta
         tokens_per_request: dict[str, int] = {}
-        duration = received.duration
+        # The step's wall time, from its scheduling (or the end of the step before it) to its
+        # tokens checked: shared out below before any finished request reports its figures.
+        finished_at = time.perf_counter()
+        duration = finished_at - max(received.launched_at, self._last_completion)
+        self._last_completion = finished_at
         per_token = duration / batch.num_batched_tokens
         for seq, _, num_new, _ in batch.seqs:
             group = seq.group

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gpuworker.contract.openai_api import ProtocolError, new_id, now
+from gpuworker.contract.openai_api import PROMPT_TOKENS_HEADER, ProtocolError, new_id, now
 from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.engine.outputs import join_deltas
 from gpuworker.replica.embeddings import embeddings as serve_embeddings
@@ -156,7 +156,10 @@ async def request_status(request: Request) -> Response:
     """Whether the caller's request (its x-request-id) generated a first token here: a gateway
     whose client left before a whole answer bills by it."""
     caller_request_id = request.path_params["request_id"]
-    return JSONResponse({"request_id": caller_request_id, "started": _holder(request).has_started(caller_request_id)})
+    prompt_tokens = _holder(request).started_prompt_tokens(caller_request_id)
+    return JSONResponse(
+        {"request_id": caller_request_id, "started": prompt_tokens is not None, "prompt_tokens": prompt_tokens or 0}
+    )
 
 
 async def models(request: Request) -> Response:
@@ -234,10 +237,14 @@ async def _generate(request: Request, chat: bool) -> Response:
     if holder.drain_expired and not first.finished:  # admitted just as the drain deadline passed
         await engine.abort(request_id)
     if not parsed.stream:  # a stream's caller sees the first token itself
-        holder.note_started(request.headers.get("x-request-id"))
+        holder.note_started(request.headers.get("x-request-id"), len(first.prompt_token_ids))
     responder = Responder(holder, parsed, request_id, chat, engine.prompts.tokenizer, plan.tool_parsing)
     if parsed.stream:
-        return StreamingResponse(responder.sse(first, stream, request), media_type="text/event-stream")
+        return StreamingResponse(
+            responder.sse(first, stream, request),
+            media_type="text/event-stream",
+            headers={PROMPT_TOKENS_HEADER: str(len(first.prompt_token_ids))},
+        )
     try:
         final = await _collect_unless_disconnected(request, first, stream)
     except EngineDeadError:

@@ -127,7 +127,7 @@ class EngineHolder:
         # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
         # token: a gateway whose client left before the answer asks (GET /requests/{id}) to bill
         # by it. It asks at once, so a bounded window of the latest ones is enough.
-        self._started: OrderedDict[str, None] = OrderedDict()
+        self._started: OrderedDict[str, int] = OrderedDict()  # caller's request id: its prompt tokens
 
     def check_engine(self) -> None:
         """A ready replica whose engine process or tensor-parallel rank died can run no step: it
@@ -282,14 +282,18 @@ class EngineHolder:
 
     # -- callers' requests ----------------------------------------------------------------------
 
-    def note_started(self, caller_request_id: str | None) -> None:
+    def note_started(self, caller_request_id: str | None, prompt_tokens: int = 0) -> None:
         if caller_request_id:
-            self._started[caller_request_id] = None
+            self._started[caller_request_id] = prompt_tokens
             if len(self._started) > STARTED_REQUESTS_KEPT:
                 self._started.popitem(last=False)
 
     def has_started(self, caller_request_id: str) -> bool:
         return caller_request_id in self._started
+
+    def started_prompt_tokens(self, caller_request_id: str) -> int | None:
+        """The prompt tokens of a started request; None if it never started here."""
+        return self._started.get(caller_request_id)
 
     # -- figures --------------------------------------------------------------------------------
 

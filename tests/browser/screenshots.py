@@ -201,7 +201,7 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
             elif name == "tenant":
                 page.locator(f'[data-testid=tenant-row][data-tenant-name="{system.seeded.tenant_name}"] a').click()
                 page.fill("#id_amount", "10")
-                page.fill("#id_note", "Conference demo credit")
+                page.fill("#id_reason", "Conference demo credit")
                 page.click("#grant-submit")
                 expect(page.locator("#grant-done")).to_be_visible()
             elif name in ("usage", "reports"):

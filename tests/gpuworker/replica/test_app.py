@@ -372,12 +372,17 @@ def test_disconnect_of_non_streaming_request_aborts_it(server):
     assert 0 < generated < 1000  # it ran, and was aborted rather than run to the end
 
 
-def test_a_caller_can_ask_whether_its_whole_answer_request_started(server):
+def test_a_caller_can_ask_whether_its_request_started_and_its_prompt_tokens(server):
     base, _ = server
     with _client(base) as client:
-        assert client.get("/requests/req_never_sent").json() == {"request_id": "req_never_sent", "started": False}
-        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "req_whole"})
-        assert client.get("/requests/req_whole").json()["started"] is True
+        never = {"request_id": "req_never_sent", "started": False, "prompt_tokens": 0}
+        assert client.get("/requests/req_never_sent").json() == never
+        whole = client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "req_whole"}
+        ).json()
+        answer = client.get("/requests/req_whole").json()
+        # The prompt tokens it took, for a caller whose client left before the usage came back.
+        assert answer["started"] is True and answer["prompt_tokens"] == whole["usage"]["prompt_tokens"] > 0
         with client.stream(
             "POST",
             "/v1/completions",
@@ -385,6 +390,7 @@ def test_a_caller_can_ask_whether_its_whole_answer_request_started(server):
             headers={"x-request-id": "req_stream"},
         ) as response:
             response.read()
+            assert response.headers["x-prompt-tokens"] == str(whole["usage"]["prompt_tokens"])
         assert client.get("/requests/req_stream").json()["started"] is False  # its caller saw the tokens
     assert httpx.get(f"{base}/requests/req_whole").status_code == 401
 
