@@ -450,6 +450,8 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": scheduler.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
+            # Weighted tokens (prompt 1, output 2, recomputation included) served per tenant.
+            "tenant_service": dict(scheduler.waiting.counters.served),
             **self.latency.figures(),
         }
 

@@ -233,6 +233,34 @@ def test_health_and_metrics_move(server):
     assert stats["state"] == "ready" and stats["running"] == 0 and stats["load_progress"] == 1.0
 
 
+def test_the_tenancy_headers_reach_the_engine_and_its_per_tenant_service_shows_in_metrics(server):
+    from gpuworker.contract.tenancy import tenancy_headers
+
+    base, _ = server
+    with _client(base) as client:
+        body = {"prompt": "x", "max_tokens": 3, "ignore_eos": True}
+        for tenant_id, weight, batch in ((41, 1.0, False), (42, 2.0, True)):
+            answer = client.post(
+                "/v1/completions", json=body, headers=tenancy_headers(tenant_id=tenant_id, weight=weight, batch=batch)
+            )
+            assert answer.status_code == 200
+        metrics = client.get("/metrics").text
+        bad_weight = client.post("/v1/completions", json=body, headers={"x-gpuserve-tenant-weight": "heavy"})
+        bad_priority = client.post("/v1/completions", json=body, headers={"x-gpuserve-priority": "urgent"})
+        bad_zero = client.post("/v1/completions", json=body, headers={"x-gpuserve-tenant-weight": "0"})
+
+    served = {}
+    for line in metrics.splitlines():
+        if line.startswith("gpuserve_tenant_service_tokens_total{"):
+            served[line.split('tenant="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    # Its prompt once, its 3 output tokens twice each (the first sampled by the prefill's last token).
+    prompt_tokens = served["41"] - 2 * 3 + 1
+    assert prompt_tokens >= 1 and served["42"] == served["41"]
+    assert bad_weight.status_code == 400 and "x-gpuserve-tenant-weight must be a number" in bad_weight.text
+    assert bad_priority.status_code == 400 and "priority must be one of interactive, batch" in bad_priority.text
+    assert bad_zero.status_code == 400 and "tenant_weight must be greater than 0" in bad_zero.text
+
+
 def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keeps(tiny_checkpoint):
     from gpuworker.contract.heartbeat import REPLICA_FIGURES, parse_heartbeat
 
