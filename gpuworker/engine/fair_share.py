@@ -44,12 +44,12 @@ def chunk_cost(num_new_tokens: int, samples: bool) -> float:
 
 
 class TenantCounters:
-    """Per tenant: the virtual counter (weighted tokens / weight) that orders admission, and the
-    weighted tokens served, which the replica's metrics show."""
+    """Per tenant: the virtual counter (weighted tokens / weight) that orders admission; and per
+    (tenant, priority class) the weighted tokens served, which the replica's metrics show."""
 
     def __init__(self) -> None:
         self.virtual: dict[str, float] = {}
-        self.served: dict[str, float] = {}
+        self.served: dict[tuple[str, str], float] = {}
         self.weight: dict[str, float] = {}
         # The counter of the tenant served last: where a tenant returning while nobody is
         # backlogged starts from.
@@ -59,7 +59,8 @@ class TenantCounters:
         """Count a chunk scheduled for seq (sign -1: take back a chunk removed from the step)."""
         tenant = tenant_of(seq)
         cost = sign * chunk_cost(num_new_tokens, samples)
-        self.served[tenant] = self.served.get(tenant, 0.0) + cost
+        served = (tenant, seq.group.params.priority)
+        self.served[served] = self.served.get(served, 0.0) + cost
         self.virtual[tenant] = self.virtual.get(tenant, 0.0) + cost / self.weight.get(tenant, 1.0)
 
     def lift(self, tenant: str, backlogged: Iterable[str]) -> None:

@@ -123,7 +123,7 @@ class EngineHolder:
         self._drain_task: asyncio.Task | None = None
         # Cumulative engine counters already added to the Prometheus counters.
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
-        self._seen_tenant_service: dict[str, float] = {}
+        self._seen_tenant_service: dict[tuple[str, str], float] = {}
         self._tokens_window: list[tuple[float, int]] = []
         # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
         # token: a gateway whose client left before the answer asks (GET /requests/{id}) to bill
@@ -322,12 +322,14 @@ class EngineHolder:
             if delta > 0:
                 counter.inc(delta)
             self._seen[key] = figures[key]
-        for tenant, served in figures["tenant_service"].items():
+        for tenant, priority, served in figures["tenant_service"]:
             # A restarted engine counts from zero again: only growth is added.
-            delta = served - self._seen_tenant_service.get(tenant, 0.0)
+            delta = served - self._seen_tenant_service.get((tenant, priority), 0.0)
             if delta > 0:
-                m.count_tenant_service(tenant, delta)
-            self._seen_tenant_service[tenant] = served
+                m.count_tenant_service(tenant, priority, delta)
+            self._seen_tenant_service[tenant, priority] = served
+        for tenant, weight in figures["tenant_weights"].items():
+            m.set_tenant_weight(tenant, weight)
         # tokens/s over the last ~10 s of snapshots
         t = time.monotonic()
         self._tokens_window = [(ts, n) for ts, n in self._tokens_window if t - ts < 10.0]

@@ -48,7 +48,10 @@ def test_interactive_preempts_batch_and_both_outputs_match_running_alone(path, s
     assert engine.scheduler.num_preemptions > 0
     assert finished["batch"].token_ids == alone(path, batch_prompt, 40)
     assert finished["chat"].token_ids == alone(path, chat_prompt, 8)
-    served = engine.serving_figures()["tenant_service"]
+    figures = engine.serving_figures()
+    served = {(tenant, priority): tokens for tenant, priority, tokens in figures["tenant_service"]}
     # Prompt tokens count once and output tokens twice, recomputation included.
-    assert served["b"] == 39 + 2 * 8
-    assert served["acme"] >= 49 + 2 * 40
+    assert served.keys() == {("b", "interactive"), ("acme", "batch")}
+    assert served["b", "interactive"] == 39 + 2 * 8
+    assert served["acme", "batch"] >= 49 + 2 * 40
+    assert figures["tenant_weights"] == {"acme": 1.0, "b": 1.0}

@@ -233,6 +233,20 @@ def test_health_and_metrics_move(server):
     assert stats["state"] == "ready" and stats["running"] == 0 and stats["load_progress"] == 1.0
 
 
+def tenant_figures(metrics: str) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """A replica's /metrics read for (tenant, priority) -> weighted tokens served, tenant -> weight."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    served, weights = {}, {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "gpuserve_tenant_service_tokens_total":
+                served[sample.labels["tenant"], sample.labels["priority"]] = sample.value
+            elif sample.name == "gpuserve_tenant_weight":
+                weights[sample.labels["tenant"]] = sample.value
+    return served, weights
+
+
 def test_the_tenancy_headers_reach_the_engine_and_its_per_tenant_service_shows_in_metrics(server):
     from gpuworker.contract.tenancy import tenancy_headers
 
@@ -249,13 +263,11 @@ def test_the_tenancy_headers_reach_the_engine_and_its_per_tenant_service_shows_i
         bad_priority = client.post("/v1/completions", json=body, headers={"x-gpuserve-priority": "urgent"})
         bad_zero = client.post("/v1/completions", json=body, headers={"x-gpuserve-tenant-weight": "0"})
 
-    served = {}
-    for line in metrics.splitlines():
-        if line.startswith("gpuserve_tenant_service_tokens_total{"):
-            served[line.split('tenant="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    served, weights = tenant_figures(metrics)
     # Its prompt once, its 3 output tokens twice each (the first sampled by the prefill's last token).
-    prompt_tokens = served["41"] - 2 * 3 + 1
-    assert prompt_tokens >= 1 and served["42"] == served["41"]
+    prompt_tokens = served["41", "interactive"] - 2 * 3 + 1
+    assert prompt_tokens >= 1 and served["42", "batch"] == served["41", "interactive"]
+    assert weights["41"] == 1.0 and weights["42"] == 2.0
     assert bad_weight.status_code == 400 and "x-gpuserve-tenant-weight must be a number" in bad_weight.text
     assert bad_priority.status_code == 400 and "priority must be one of interactive, batch" in bad_priority.text
     assert bad_zero.status_code == 400 and "tenant_weight must be greater than 0" in bad_zero.text
