@@ -22,6 +22,7 @@ import uvicorn
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gpuworker.replica.app import ServerConfig, build_app
 from gpuworker.replica.engine_holder import EngineHolder
+from tests.gpuworker.replica_metrics import tenant_figures
 from tests.gpuworker.streaming import stream_in_thread
 
 TOKEN = "s3cret"
@@ -231,20 +232,6 @@ def test_health_and_metrics_move(server):
         before, "vllm:e2e_request_latency_seconds_count"
     )
     assert stats["state"] == "ready" and stats["running"] == 0 and stats["load_progress"] == 1.0
-
-
-def tenant_figures(metrics: str) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
-    """A replica's /metrics read for (tenant, priority) -> weighted tokens served, tenant -> weight."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    served, weights = {}, {}
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name == "gpuserve_tenant_service_tokens_total":
-                served[sample.labels["tenant"], sample.labels["priority"]] = sample.value
-            elif sample.name == "gpuserve_tenant_weight":
-                weights[sample.labels["tenant"]] = sample.value
-    return served, weights
 
 
 def test_the_tenancy_headers_reach_the_engine_and_its_per_tenant_service_shows_in_metrics(server):
