@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gpuworker.contract.heartbeat import MAX_TENANT_SHARES
 from gpuworker.engine import start_engine
 from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encoder
 from gpuworker.engine.engine_process_client import EngineProcess
@@ -84,6 +85,24 @@ class ServerConfig:
         return self.served_model_name or Path(self.model).name
 
 
+def _per_tenant(service: list) -> dict[str, float]:
+    """The engine's [tenant, priority, tokens] rows summed per tenant."""
+    per_tenant: dict[str, float] = {}
+    for tenant, _priority, tokens in service:
+        per_tenant[tenant] = per_tenant.get(tenant, 0.0) + tokens
+    return per_tenant
+
+
+def tenant_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each tenant's share of the weighted tokens served between two readings, the busiest
+    MAX_TENANT_SHARES tenants (an engine that restarted in between counts from zero)."""
+    served = {tenant: tokens - before.get(tenant, 0.0) for tenant, tokens in after.items()}
+    served = {tenant: tokens for tenant, tokens in served.items() if tokens > 0}
+    total = sum(served.values())
+    busiest = sorted(served, key=served.get, reverse=True)[:MAX_TENANT_SHARES]
+    return {tenant: round(served[tenant] / total, 4) for tenant in busiest}
+
+
 def vision_preprocessor(model_config: Any) -> Any:
     """The image pool's preprocessing callable(image, detail) for a model that takes images (its
     checkpoint's own image processor), picklable for the pool's processes; None for a text model."""
@@ -125,6 +144,8 @@ class EngineHolder:
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
         self._seen_tenant_service: dict[tuple[str, str], float] = {}
         self._tokens_window: list[tuple[float, int]] = []
+        # (time, weighted tokens served per tenant) over the last ~10 s of snapshots.
+        self._service_window: list[tuple[float, dict[str, float]]] = []
         # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
         # token: a gateway whose client left before the answer asks (GET /requests/{id}) to bill
         # by it. It asks at once, so a bounded window of the latest ones is enough.
@@ -336,6 +357,8 @@ class EngineHolder:
         self._tokens_window.append((t, figures["num_generated_tokens"]))
         first_t, first_n = self._tokens_window[0]
         tokens_per_s = (figures["num_generated_tokens"] - first_n) / (t - first_t) if t > first_t else 0.0
+        self._service_window = [(ts, s) for ts, s in self._service_window if t - ts < 10.0]
+        self._service_window.append((t, _per_tenant(figures["tenant_service"])))
         queries = figures["prefix_cache_queries"]
         return {
             **base,
@@ -347,6 +370,7 @@ class EngineHolder:
             "num_generated_tokens": figures["num_generated_tokens"],
             "ttft_p95_s": figures["ttft_p95_s"],
             "itl_p95_s": figures["itl_p95_s"],
+            "tenant_shares": tenant_shares(self._service_window[0][1], self._service_window[-1][1]),
         }
 
     def record_finished(self, output: RequestOutput, generated_tokens: int) -> None:
