@@ -65,6 +65,8 @@ class ServerConfig:
     quantization: str | None = None
     # "fp8": the KV cache in FP8 e4m3 (twice the cached tokens); "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
+    # The order requests are admitted in (EngineConfig.scheduling): "fair" or "fcfs".
+    scheduling: str = "fair"
     gpu_memory_utilization: float = 0.9
     # Ranks (GPUs of this host from `device`'s index on) the model is split over; the replica starts
     # the other ranks' processes itself and answers as one.
@@ -185,6 +187,7 @@ class EngineHolder:
             "defer_warm_up": True,
             "gpu_memory_utilization": self.config.gpu_memory_utilization,
             "kv_cache_dtype": self.config.kv_cache_dtype,
+            "scheduling": self.config.scheduling,
         }
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype

@@ -531,6 +531,18 @@ def test_kv_cache_dtype_reaches_the_engine(tiny_checkpoint):
         holder.shutdown()
 
 
+def test_the_scheduling_policy_reaches_the_engine(tiny_checkpoint):
+    # `serve --scheduling fcfs` builds this ServerConfig; the engine it loads admits in arrival order.
+    holder = EngineHolder(ServerConfig(model=str(tiny_checkpoint("llama")), max_model_len=64, scheduling="fcfs"))
+    holder._load()  # the load thread's body, run here
+    try:
+        assert holder.state == "ready", holder.error
+        assert holder.engine.engine.config.scheduling == "fcfs"
+        assert not holder.engine.engine.scheduler.waiting.fair
+    finally:
+        holder.shutdown()
+
+
 def _env_without_token() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("GPUSERVE_WORKER_TOKEN", "GPUWORKER_TOKEN")}
     # A tiny model gains nothing from threads; OpenMP threads spinning on a busy machine cost 20x.
