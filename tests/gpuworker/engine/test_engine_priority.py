@@ -29,13 +29,15 @@ def _run(engine: LLMEngine) -> dict:
     return finished
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("short", ["seats", "blocks"])
-def test_interactive_preempts_batch_and_both_outputs_match_running_alone(path, short):
+def test_interactive_preempts_batch_and_both_outputs_match_running_alone(path, short, async_scheduling):
     batch_prompt, chat_prompt = random_prompts((50, 40), TINY["vocab_size"])
     # seats: one sequence at a time; blocks: a pool of 6 blocks of 16 tokens: the batch request holds 4
     # when the chat comes, whose 40-token prompt needs 3.
     limits = {"max_num_seqs": 1, "num_kv_blocks": 64} if short == "seats" else {"num_kv_blocks": 6}
-    engine = LLMEngine(path, max_model_len=96, **limits)
+    # Async scheduling (the CUDA default) preempts a sequence whose last token is still in flight.
+    engine = LLMEngine(path, max_model_len=96, async_scheduling=async_scheduling, **limits)
     engine.add_request(
         "batch",
         batch_prompt,
