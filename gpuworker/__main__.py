@@ -153,6 +153,13 @@ def _add_serve(commands) -> None:
         "of compute capability 8.9+)",
     )
     serve.add_argument(
+        "--scheduling",
+        choices=("fair", "fcfs"),
+        default="fair",
+        help="the order waiting requests are admitted in: fair (interactive before batch, then the "
+        "tenant with the least weighted service so far, as the gateway names them) or fcfs (arrival order)",
+    )
+    serve.add_argument(
         "--memory-fraction", type=float, default=0.9, help="fraction of free GPU memory the KV cache may take"
     )
     serve.add_argument(
@@ -339,6 +346,7 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        scheduling=args.scheduling,
         gpu_memory_utilization=args.memory_fraction,
         drain_timeout_s=args.drain_timeout,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -142,6 +142,11 @@ class ApiKey(models.Model):
         validators=[MinValueValidator(1)],
         help_text="Requests in flight at once for this key; empty means the tenant's plan limit.",
     )
+    batch_priority = models.BooleanField(
+        default=False,
+        help_text="Its requests are batch work: on a busy GPU they give way to interactive requests, "
+        "which may pause them.",
+    )
     monthly_spend_limit = MoneyField(
         null=True,
         blank=True,

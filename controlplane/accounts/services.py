@@ -114,6 +114,7 @@ def api_key_create(
     rate_limit_per_minute: int | None = None,
     max_concurrent_requests: int | None = None,
     monthly_spend_limit: Decimal | None = None,
+    batch_priority: bool = False,
     created_by: User | None = None,
     purpose: str = ApiKey.Purpose.API,
 ) -> ApiKeyCreated:
@@ -136,6 +137,7 @@ def api_key_create(
             rate_limit_per_minute=rate_limit_per_minute,
             max_concurrent_requests=max_concurrent_requests,
             monthly_spend_limit=_spend_limit(monthly_spend_limit),
+            batch_priority=batch_priority,
             created_by=created_by,
         )
     )
@@ -271,6 +273,8 @@ def _key_detail(api_key: ApiKey, allowed_models: list) -> dict:
         detail["max_concurrent_requests"] = api_key.max_concurrent_requests
     if api_key.monthly_spend_limit is not None:
         detail["monthly_spend_limit"] = _limit_text(api_key.monthly_spend_limit)
+    if api_key.batch_priority:
+        detail["batch_priority"] = True
     return detail
 
 

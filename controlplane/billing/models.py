@@ -7,7 +7,7 @@ as whole micro-units (`common.money.MoneyField`) so that sums are exact on every
 from decimal import Decimal
 
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -46,6 +46,12 @@ class Plan(models.Model):
         default=16,
         validators=[MinValueValidator(1)],
         help_text="Requests in flight at once, for the whole tenant and for each of its keys.",
+    )
+    fair_share_weight = models.PositiveIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(1000)],
+        help_text="The tenant's share of a busy GPU relative to other tenants': weight 2 is served twice "
+        "as many tokens as weight 1 while both have requests waiting.",
     )
 
     class Meta:

@@ -79,3 +79,9 @@ def plans_all() -> QuerySet[Plan]:
 
 def plan_get_by_name(*, name: str) -> Plan | None:
     return Plan.objects.filter(name=name).first()
+
+
+def tenant_fair_share_weight(*, tenant_id: int) -> int:
+    """The tenant's share of a busy GPU: its plan's weight, 1 without a plan."""
+    weight = Plan.objects.filter(tenants__pk=tenant_id).values_list("fair_share_weight", flat=True).first()
+    return 1 if weight is None else weight

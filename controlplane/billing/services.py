@@ -45,7 +45,12 @@ def price_tier_create(
 
 @transaction.atomic
 def plan_create(
-    *, name: str, included_requests_per_month: int, rate_limit_per_minute: int, max_concurrent_requests: int = 16
+    *,
+    name: str,
+    included_requests_per_month: int,
+    rate_limit_per_minute: int,
+    max_concurrent_requests: int = 16,
+    fair_share_weight: int = 1,
 ) -> Plan:
     return validated_save(
         Plan(
@@ -53,6 +58,7 @@ def plan_create(
             included_requests_per_month=included_requests_per_month,
             rate_limit_per_minute=rate_limit_per_minute,
             max_concurrent_requests=max_concurrent_requests,
+            fair_share_weight=fair_share_weight,
         )
     )
 

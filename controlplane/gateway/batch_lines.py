@@ -29,6 +29,7 @@ from controlplane.batches.services import (
 )
 from controlplane.billing.holds import HoldRefused, RequestOutcome
 from controlplane.billing.models import UsageRecord
+from controlplane.billing.selectors import tenant_fair_share_weight
 from controlplane.fleet.services.deployments import deployment_wake
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
@@ -39,6 +40,7 @@ from controlplane.gateway.replica_choice import affinity_choice, affinity_key
 from controlplane.gateway.routing import RoutingTable
 from controlplane.gateway.upstream import UpstreamError, UpstreamPool
 from gpuworker.contract.openai_api import ChatCompletionRequest, ProtocolError, parse_request
+from gpuworker.contract.tenancy import tenancy_headers
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class _Run:
     routing: RoutingTable
     shared: object
     upstream: UpstreamPool
+    # Who the replica serves the lines for: the batch's tenant at the batch class.
+    tenancy: dict[str, str]
 
 
 async def run_batch(batch_id: int) -> str:
@@ -126,6 +130,11 @@ async def _send_lines(lane: DatabaseLane, batch: Batch, owner: str) -> bool:
         RoutingTable(config, lane),
         shared_state(config),
         UpstreamPool(connect_timeout_s=config.connect_timeout_s),
+        tenancy_headers(
+            tenant_id=batch.tenant_id,
+            weight=await lane.run(tenant_fair_share_weight, tenant_id=batch.tenant_id),
+            batch=True,
+        ),
     )
     lines = _PendingLines(lane, batch, chunk=4 * settings.BATCH_CONCURRENCY)
     deadline = time.monotonic() + settings.BATCH_TASK_SLICE_SECONDS
@@ -308,6 +317,7 @@ async def _answer(
         "authorization": f"Bearer {run.config.worker_token}",
         "content-type": "application/json",
         "x-request-id": line.request_id,
+        **run.tenancy,
     }
     while len(tried) < min(_ATTEMPTS, len(replicas)):
         candidates = [replica for replica in replicas if replica.replica_id not in tried]

@@ -34,6 +34,7 @@ from gpuworker.contract.openai_api import (
     EmbeddingRequest,
     ProtocolError,
 )
+from gpuworker.contract.tenancy import tenancy_headers
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +366,11 @@ async def _attempt(
             "authorization": f"Bearer {gw.config.worker_token}",
             "content-type": "application/json",
             "x-request-id": flight.request_id,
+            **tenancy_headers(
+                tenant_id=flight.grant.tenant_id,
+                weight=flight.grant.fair_share_weight,
+                batch=flight.grant.batch_priority,
+            ),
         },
     )
     if response.status not in (200, 400):

@@ -26,6 +26,10 @@ class KeyGrant:
     key_max_concurrent: int
     tenant_max_concurrent: int
     plan_id: int | None = None  # so that a change to the plan drops the key (keys.KeyCache)
+    # The engine's fair scheduler: the tenant's share (its plan's weight) and whether the key's
+    # requests are batch work, which gives way to interactive requests.
+    fair_share_weight: int = 1
+    batch_priority: bool = False
 
     def allows(self, model_id: int) -> bool:
         return self.allowed_model_ids is None or model_id in self.allowed_model_ids
@@ -84,6 +88,8 @@ def key_grant_for(*, plaintext: str, default_rate_limit_per_minute: int, default
         tenant_rate_limit_per_minute=tenant_rpm,
         key_max_concurrent=api_key.max_concurrent_requests or tenant_concurrent,
         tenant_max_concurrent=tenant_concurrent,
+        fair_share_weight=plan.fair_share_weight if plan else 1,
+        batch_priority=api_key.batch_priority,
     )
 
 

@@ -37,6 +37,8 @@ REPLICA_FIGURES = (
 # A replica's error is kept to this many characters (its cause comes first: see the daemon's
 # gpuworker/daemon/replica_errors.py).
 MAX_REPLICA_ERROR_CHARS = 4000
+# A replica reports the shares of the GPU its busiest tenants took lately, at most this many.
+MAX_TENANT_SHARES = 16
 MAX_MODEL_ROOTS = 32
 MAX_MODEL_PATHS = 2000
 MAX_STAGED = 64
@@ -145,6 +147,9 @@ class ReplicaReport:
     # The process serving it on the worker's host, while there is one (None: none, or a daemon that
     # does not report it); operators and the chaos suite find the replica's process by it.
     pid: int | None = None
+    # Tenant id ("" for requests without one) -> its share (0-1) of the weighted tokens the engine
+    # served lately, the busiest MAX_TENANT_SHARES tenants.
+    tenant_shares: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         body = {
@@ -156,6 +161,8 @@ class ReplicaReport:
         }
         if self.pid is not None:
             body["pid"] = self.pid
+        if self.tenant_shares:
+            body["tenant_shares"] = dict(self.tenant_shares)
         return body
 
 
@@ -413,4 +420,15 @@ def _replica_report(raw: dict, where: str) -> ReplicaReport:
         ],
         figures=_figures(raw, REPLICA_FIGURES, where),
         pid=None if raw.get("pid") is None else _int(raw["pid"], f"{where}.pid", minimum=1),
+        tenant_shares=_tenant_shares(raw.get("tenant_shares") or {}, f"{where}.tenant_shares"),
     )
+
+
+def _tenant_shares(value: Any, where: str) -> dict[str, float]:
+    if not isinstance(value, dict) or len(value) > MAX_TENANT_SHARES:
+        raise ContractError(where, f"Must be an object of at most {MAX_TENANT_SHARES} tenants.")
+    for tenant, share in value.items():
+        _text(tenant, f"{where} key", max_length=40, required=False)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ContractError(f"{where}.{tenant}", "Must be a share between 0 and 1.")
+    return {tenant: float(share) for tenant, share in value.items()}

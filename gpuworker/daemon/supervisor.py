@@ -95,6 +95,7 @@ class Replica:
             error=self.error,
             figures=figures,
             pid=self.process.pid if self.process is not None else None,
+            tenant_shares=engine.get("tenant_shares") or {},
         )
 
 

@@ -448,6 +448,7 @@ class LLMEngine:
         counters, and TTFT / inter-token p95 over the last minute (None without a sample)."""
         scheduler = self.scheduler
         bm = scheduler.block_manager
+        counters = scheduler.waiting.counters
         return {
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
@@ -456,6 +457,11 @@ class LLMEngine:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": scheduler.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
+            # Weighted tokens (prompt 1, output 2, recomputation included) served per tenant and
+            # priority class, as [tenant, priority, tokens] (a list, for the JSON of /stats), and
+            # the weight each tenant last came with.
+            "tenant_service": [[*key, tokens] for key, tokens in counters.served.items()],
+            "tenant_weights": dict(counters.weight),
             **self.latency.figures(),
         }
 

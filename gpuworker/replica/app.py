@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gpuworker.contract.openai_api import PROMPT_TOKENS_HEADER, ProtocolError, new_id, now
+from gpuworker.contract.tenancy import tenancy_fields
 from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.engine.outputs import join_deltas
 from gpuworker.replica.embeddings import embeddings as serve_embeddings
@@ -217,6 +219,11 @@ async def _generate(request: Request, chat: bool) -> Response:
         )
     except ProtocolError as exc:
         return JSONResponse(exc.to_dict(), status_code=exc.status)
+    try:
+        # Whose request it is, for the engine's fair scheduler (the gateway's headers).
+        params = replace(plan.params, **tenancy_fields(request.headers))
+    except ValueError as exc:
+        return error_response(str(exc))
     prompt = plan.prompt
     if images:
         try:
@@ -225,7 +232,7 @@ async def _generate(request: Request, chat: bool) -> Response:
             return engine_error(exc, "messages")
     request_id = new_id("chatcmpl" if chat else "cmpl")
     # A vision engine takes the preprocessed images with the prompt; a text-only one gets none.
-    stream = engine.generate(prompt, plan.params, request_id, **({"images": images} if images else {}))
+    stream = engine.generate(prompt, params, request_id, **({"images": images} if images else {}))
     try:
         first = await anext(stream)
     except ValueError as exc:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gpuworker.contract.heartbeat import MAX_TENANT_SHARES
 from gpuworker.engine import start_engine
 from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encoder
 from gpuworker.engine.engine_process_client import EngineProcess
@@ -64,6 +65,8 @@ class ServerConfig:
     quantization: str | None = None
     # "fp8": the KV cache in FP8 e4m3 (twice the cached tokens); "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
+    # The order requests are admitted in (EngineConfig.scheduling): "fair" or "fcfs".
+    scheduling: str = "fair"
     gpu_memory_utilization: float = 0.9
     # Ranks (GPUs of this host from `device`'s index on) the model is split over; the replica starts
     # the other ranks' processes itself and answers as one.
@@ -82,6 +85,24 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
+
+
+def _per_tenant(service: list) -> dict[str, float]:
+    """The engine's [tenant, priority, tokens] rows summed per tenant."""
+    per_tenant: dict[str, float] = {}
+    for tenant, _priority, tokens in service:
+        per_tenant[tenant] = per_tenant.get(tenant, 0.0) + tokens
+    return per_tenant
+
+
+def tenant_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each tenant's share of the weighted tokens served between two readings, the busiest
+    MAX_TENANT_SHARES tenants (an engine that restarted in between counts from zero)."""
+    served = {tenant: tokens - before.get(tenant, 0.0) for tenant, tokens in after.items()}
+    served = {tenant: tokens for tenant, tokens in served.items() if tokens > 0}
+    total = sum(served.values())
+    busiest = sorted(served, key=served.get, reverse=True)[:MAX_TENANT_SHARES]
+    return {tenant: round(served[tenant] / total, 4) for tenant in busiest}
 
 
 def vision_preprocessor(model_config: Any) -> Any:
@@ -123,7 +144,10 @@ class EngineHolder:
         self._drain_task: asyncio.Task | None = None
         # Cumulative engine counters already added to the Prometheus counters.
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._seen_tenant_service: dict[tuple[str, str], float] = {}
         self._tokens_window: list[tuple[float, int]] = []
+        # (time, weighted tokens served per tenant) over the last ~10 s of snapshots.
+        self._service_window: list[tuple[float, dict[str, float]]] = []
         # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
         # token: a gateway whose client left before the answer asks (GET /requests/{id}) to bill
         # by it. It asks at once, so a bounded window of the latest ones is enough.
@@ -163,6 +187,7 @@ class EngineHolder:
             "defer_warm_up": True,
             "gpu_memory_utilization": self.config.gpu_memory_utilization,
             "kv_cache_dtype": self.config.kv_cache_dtype,
+            "scheduling": self.config.scheduling,
         }
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
@@ -325,12 +350,22 @@ class EngineHolder:
             if delta > 0:
                 counter.inc(delta)
             self._seen[key] = figures[key]
+        for tenant, priority, served in figures["tenant_service"]:
+            # A restarted engine counts from zero again: only growth is added.
+            delta = served - self._seen_tenant_service.get((tenant, priority), 0.0)
+            if delta > 0:
+                m.count_tenant_service(tenant, priority, delta)
+            self._seen_tenant_service[tenant, priority] = served
+        for tenant, weight in figures["tenant_weights"].items():
+            m.set_tenant_weight(tenant, weight)
         # tokens/s over the last ~10 s of snapshots
         t = time.monotonic()
         self._tokens_window = [(ts, n) for ts, n in self._tokens_window if t - ts < 10.0]
         self._tokens_window.append((t, figures["num_generated_tokens"]))
         first_t, first_n = self._tokens_window[0]
         tokens_per_s = (figures["num_generated_tokens"] - first_n) / (t - first_t) if t > first_t else 0.0
+        self._service_window = [(ts, s) for ts, s in self._service_window if t - ts < 10.0]
+        self._service_window.append((t, _per_tenant(figures["tenant_service"])))
         queries = figures["prefix_cache_queries"]
         return {
             **base,
@@ -342,6 +377,7 @@ class EngineHolder:
             "num_generated_tokens": figures["num_generated_tokens"],
             "ttft_p95_s": figures["ttft_p95_s"],
             "itl_p95_s": figures["itl_p95_s"],
+            "tenant_shares": tenant_shares(self._service_window[0][1], self._service_window[-1][1]),
         }
 
     def record_finished(self, output: RequestOutput, generated_tokens: int) -> None:

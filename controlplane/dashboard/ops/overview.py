@@ -162,6 +162,9 @@ class ReplicaLoadView:
     running: str
     kv_cache: str
     tokens_per_s: str
+    # (tenant, percent) of the GPU's recent service, busiest first: "tenant 12", or "no tenant"
+    # for requests sent without one (the heartbeat carries ids only, and this page reads no rows).
+    tenant_shares: tuple[tuple[str, int], ...] = ()
 
 
 def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadView:
@@ -176,6 +179,10 @@ def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadVie
         running=count("running"),
         kv_cache="—" if kv is None else f"{100 * kv:.0f}%",
         tokens_per_s="—" if rate is None else f"{rate:,.0f}",
+        tenant_shares=tuple(
+            (f"tenant {tenant}" if tenant else "no tenant", round(100 * share))
+            for tenant, share in sorted((report.get("tenant_shares") or {}).items(), key=lambda item: -item[1])
+        ),
     )
 
 

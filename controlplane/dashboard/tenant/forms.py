@@ -34,6 +34,11 @@ class ApiKeySettingsForm(forms.Form):
         label="Monthly spend limit ($)",
         help_text="Optional; requests that would take this key's spend in a month (UTC) above it are refused.",
     )
+    batch_priority = forms.BooleanField(
+        required=False,
+        label="Batch work",
+        help_text="Its requests give way to interactive ones on a busy GPU (for offline jobs).",
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,6 +59,7 @@ class ApiKeySettingsForm(forms.Form):
             "rate_limit_per_minute": data["rate_limit_per_minute"],
             "max_concurrent_requests": data["max_concurrent_requests"],
             "monthly_spend_limit": data["monthly_spend_limit"],
+            "batch_priority": data["batch_priority"],
         }
 
     @classmethod

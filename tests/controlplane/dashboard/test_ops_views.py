@@ -205,12 +205,15 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
                 "waiting": 3,
                 "kv_cache_usage": 0.62,
                 "tokens_per_s": 1234.5,
+                "tenant_shares": {"12": 0.25, "7": 0.7, "": 0.05},
             }
         ],
     )
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
     assert f'id="replica-{replica.pk}-load"' in page
     assert "queue 3 · running 5 · KV 62% · 1,234 tok/s" in page  # 1234.5 rounds half to even
+    # Each tenant's share of the replica lately, busiest first.
+    assert "shares: tenant 7 70%, tenant 12 25%, no tenant 5%" in page
     assert f'id="deployment-{deployment.pk}-autoscale"' in page and "Autoscaling on; no decision yet." in page
     assert f'id="deployment-{off.pk}-autoscale"' in page and "Autoscaling off" in page
 

@@ -82,9 +82,11 @@ def test_create_with_limits_expiry_and_models(client, member):
             "allowed_models": [model.public_name],
             "rate_limit_per_minute": "30",
             "max_concurrent_requests": "2",
+            "batch_priority": "on",
         },
     )
     api_key = ApiKey.objects.get(name="batch")
+    assert api_key.batch_priority
     assert api_key.expires_at == expires and not api_key.all_models
     assert list(api_key.allowed_models.all()) == [model]
     assert (api_key.rate_limit_per_minute, api_key.max_concurrent_requests) == (30, 2)

@@ -28,6 +28,21 @@ def test_cold_start_refusal(max_replicas, largest, reason):
 
 
 @pytest.mark.django_db
+def test_a_key_s_grant_carries_its_plan_s_weight_and_its_batch_flag():
+    from controlplane.gateway.selectors import key_grant_for
+    from tests.controlplane.factories import ApiKeyFactory, PlanFactory, TenantFactory
+
+    heavy = TenantFactory(plan=PlanFactory(fair_share_weight=5))
+    nightly = ApiKeyFactory(tenant=heavy, batch_priority=True)
+    plain = ApiKeyFactory(tenant=TenantFactory(plan=None))
+    limits = {"default_rate_limit_per_minute": 60, "default_max_concurrent": 4}
+    grant = key_grant_for(plaintext=nightly.plaintext, **limits)
+    assert (grant.fair_share_weight, grant.batch_priority) == (5, True)
+    grant = key_grant_for(plaintext=plain.plaintext, **limits)
+    assert (grant.fair_share_weight, grant.batch_priority) == (1, False)
+
+
+@pytest.mark.django_db
 def test_a_split_model_can_start_where_a_worker_has_enough_gpus_together():
     from controlplane.gateway.selectors import routing_table
     from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, WorkerFactory

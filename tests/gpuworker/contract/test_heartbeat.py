@@ -99,6 +99,15 @@ def test_heartbeat_parses_figures_and_leaves_out_missing_ones():
         ({"replicas": [{"replica_id": 1, "state": "loading", "running": "2"}]}, "replicas[0].running"),
         ({"replicas": [{"replica_id": 1, "state": "loading", "pid": 0}]}, "replicas[0].pid"),
         ({"replicas": [{"replica_id": 1, "state": "loading", "pid": "4242"}]}, "replicas[0].pid"),
+        ({"replicas": [{"replica_id": 1, "state": "loading", "tenant_shares": [0.5]}]}, "replicas[0].tenant_shares"),
+        (
+            {"replicas": [{"replica_id": 1, "state": "loading", "tenant_shares": {"3": 1.5}}]},
+            "replicas[0].tenant_shares.3",
+        ),
+        (
+            {"replicas": [{"replica_id": 1, "state": "loading", "tenant_shares": {str(i): 0.01 for i in range(17)}}]},
+            "replicas[0].tenant_shares",
+        ),
         ({"replicas": [{"replica_id": 1, "state": "loading"}, {"replica_id": 1, "state": "loading"}]}, "replicas"),
         ({"staging": []}, "staging"),
         ({"staging": {"budget_bytes": -1}}, "staging.budget_bytes"),
@@ -193,6 +202,7 @@ def test_what_the_daemon_builds_the_control_plane_parses_back():
                 error="",
                 figures={"load_progress": 1.0, "running": 2, "kv_cache_usage": 0.25},
                 pid=4242,
+                tenant_shares={"12": 0.75, "": 0.25},
             ),
             ReplicaReport(replica_id=8, state="failed", error="it died"),
         ),

@@ -38,6 +38,8 @@ REPLICA_KEYS = {
 REPLICA_LATENCY_KEYS = {"ttft_p95_s", "itl_p95_s"}
 # The pid of the process serving the replica: present once there is one, absent (never 0 or null) before.
 REPLICA_PID_KEY = "pid"
+# Tenant id -> share (0-1) of the replica's recent service: present once it served someone.
+REPLICA_SHARES_KEY = "tenant_shares"
 REPLICA_STATES = {"loading", "ready", "draining", "stopped", "failed"}
 # Sent by a daemon with --model-root: at registration, and in a heartbeat when the scan changed;
 # `quantization` (path -> how its weights are stored) only when a found checkpoint is quantized;
@@ -139,10 +141,14 @@ def check_heartbeat(body: Any) -> None:
         raise ShapeError("heartbeat.replicas: expected a list")
     for i, replica in enumerate(body["replicas"]):
         where = f"heartbeat.replicas[{i}]"
-        optional = REPLICA_LATENCY_KEYS | {REPLICA_PID_KEY}
+        optional = REPLICA_LATENCY_KEYS | {REPLICA_PID_KEY, REPLICA_SHARES_KEY}
         _keys(where, {k: v for k, v in replica.items() if k not in optional}, REPLICA_KEYS)
         if REPLICA_PID_KEY in replica:
             _number(f"{where}.{REPLICA_PID_KEY}", replica[REPLICA_PID_KEY], 1, integer=True)
+        for tenant, share in replica.get(REPLICA_SHARES_KEY, {}).items():
+            if not isinstance(tenant, str):
+                raise ShapeError(f"{where}.{REPLICA_SHARES_KEY}: tenants must be strings, got {tenant!r}")
+            _number(f"{where}.{REPLICA_SHARES_KEY}.{tenant}", share, 0, 1)
         for key in REPLICA_LATENCY_KEYS & set(replica):
             _number(f"{where}.{key}", replica[key])
             if replica[key] <= 0:

@@ -22,6 +22,7 @@ import uvicorn
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gpuworker.replica.app import ServerConfig, build_app
 from gpuworker.replica.engine_holder import EngineHolder
+from tests.gpuworker.replica_metrics import tenant_figures
 from tests.gpuworker.streaming import stream_in_thread
 
 TOKEN = "s3cret"
@@ -231,6 +232,32 @@ def test_health_and_metrics_move(server):
         before, "vllm:e2e_request_latency_seconds_count"
     )
     assert stats["state"] == "ready" and stats["running"] == 0 and stats["load_progress"] == 1.0
+
+
+def test_the_tenancy_headers_reach_the_engine_and_its_per_tenant_service_shows_in_metrics(server):
+    from gpuworker.contract.tenancy import tenancy_headers
+
+    base, _ = server
+    with _client(base) as client:
+        body = {"prompt": "x", "max_tokens": 3, "ignore_eos": True}
+        for tenant_id, weight, batch in ((41, 1.0, False), (42, 2.0, True)):
+            answer = client.post(
+                "/v1/completions", json=body, headers=tenancy_headers(tenant_id=tenant_id, weight=weight, batch=batch)
+            )
+            assert answer.status_code == 200
+        metrics = client.get("/metrics").text
+        bad_weight = client.post("/v1/completions", json=body, headers={"x-gpuserve-tenant-weight": "heavy"})
+        bad_priority = client.post("/v1/completions", json=body, headers={"x-gpuserve-priority": "urgent"})
+        bad_zero = client.post("/v1/completions", json=body, headers={"x-gpuserve-tenant-weight": "0"})
+
+    served, weights = tenant_figures(metrics)
+    # Its prompt once, its 3 output tokens twice each (the first sampled by the prefill's last token).
+    prompt_tokens = served["41", "interactive"] - 2 * 3 + 1
+    assert prompt_tokens >= 1 and served["42", "batch"] == served["41", "interactive"]
+    assert weights["41"] == 1.0 and weights["42"] == 2.0
+    assert bad_weight.status_code == 400 and "x-gpuserve-tenant-weight must be a number" in bad_weight.text
+    assert bad_priority.status_code == 400 and "priority must be one of interactive, batch" in bad_priority.text
+    assert bad_zero.status_code == 400 and "tenant_weight must be greater than 0" in bad_zero.text
 
 
 def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keeps(tiny_checkpoint):
@@ -506,6 +533,18 @@ def test_kv_cache_dtype_reaches_the_engine(tiny_checkpoint):
     try:
         assert holder.state == "ready", holder.error
         assert holder.engine.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    finally:
+        holder.shutdown()
+
+
+def test_the_scheduling_policy_reaches_the_engine(tiny_checkpoint):
+    # `serve --scheduling fcfs` builds this ServerConfig; the engine it loads admits in arrival order.
+    holder = EngineHolder(ServerConfig(model=str(tiny_checkpoint("llama")), max_model_len=64, scheduling="fcfs"))
+    holder._load()  # the load thread's body, run here
+    try:
+        assert holder.state == "ready", holder.error
+        assert holder.engine.engine.config.scheduling == "fcfs"
+        assert not holder.engine.engine.scheduler.waiting.fair
     finally:
         holder.shutdown()
 
