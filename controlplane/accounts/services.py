@@ -195,10 +195,11 @@ def api_key_update(
     rate_limit_per_minute: int | None = None,
     max_concurrent_requests: int | None = None,
     monthly_spend_limit: Decimal | None = None,
+    batch_priority: bool = False,
     actor: User | None = None,
 ) -> ApiKey:
-    """Change what a key is called and what it may do; its secret (hash and prefix), tenant and
-    expiry stay. The gateways' key caches hear of it through accounts.signals, so the new models
+    """Change what a key is called and what it may do, its priority class included; its secret
+    (hash and prefix), tenant and expiry stay. The gateways' key caches hear of it through accounts.signals, so the new models
     and limits apply from the next request. One audit entry lists the fields that changed."""
     api_key = ApiKey.objects.select_for_update().select_related("tenant").get(pk=api_key.pk)
     if api_key.revoked:
@@ -212,6 +213,7 @@ def api_key_update(
     api_key.rate_limit_per_minute = rate_limit_per_minute
     api_key.max_concurrent_requests = max_concurrent_requests
     api_key.monthly_spend_limit = _spend_limit(monthly_spend_limit)
+    api_key.batch_priority = batch_priority
     after = _key_settings(api_key, allowed_models)
     diff = changes(before, after)
     if not diff:
@@ -230,7 +232,14 @@ def api_key_update(
     return api_key
 
 
-_EDITABLE_KEY_FIELDS = ("name", "all_models", "rate_limit_per_minute", "max_concurrent_requests", "monthly_spend_limit")
+_EDITABLE_KEY_FIELDS = (
+    "name",
+    "all_models",
+    "rate_limit_per_minute",
+    "max_concurrent_requests",
+    "monthly_spend_limit",
+    "batch_priority",
+)
 
 
 def _key_settings(api_key: ApiKey, allowed_models: list) -> dict:
@@ -241,6 +250,7 @@ def _key_settings(api_key: ApiKey, allowed_models: list) -> dict:
         "rate_limit_per_minute": api_key.rate_limit_per_minute,
         "max_concurrent_requests": api_key.max_concurrent_requests,
         "monthly_spend_limit": _limit_text(api_key.monthly_spend_limit),
+        "batch_priority": api_key.batch_priority,
     }
 
 

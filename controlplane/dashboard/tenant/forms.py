@@ -71,6 +71,7 @@ class ApiKeySettingsForm(forms.Form):
             "rate_limit_per_minute": api_key.rate_limit_per_minute,
             "max_concurrent_requests": api_key.max_concurrent_requests,
             "monthly_spend_limit": api_key.monthly_spend_limit,
+            "batch_priority": api_key.batch_priority,
         }
         form = cls(data, initial=initial)
         # A model disabled since keeps its box, so saving the other fields does not drop it unseen.

@@ -151,3 +151,20 @@ def test_a_disabled_model_stays_ticked_so_saving_keeps_it(client, member):
     api_key.refresh_from_db()
     assert list(api_key.allowed_models.all()) == [model] and api_key.rate_limit_per_minute == 9
     assert ApiKey.objects.count() == 1
+
+
+def test_a_key_moves_to_the_batch_class_and_back_audited_and_the_gateways_told(client, member):
+    api_key = ApiKeyFactory(tenant=member.tenant, name="nightly")
+    page = client.get(reverse("dashboard:key_edit", args=[api_key.pk])).content.decode()
+    assert 'name="batch_priority"' in page
+    assert _edit(client, api_key, batch_priority="on").status_code == 302
+    api_key.refresh_from_db()
+    assert api_key.batch_priority
+    assert AuditEntry.objects.get(action=AuditEntry.Action.API_KEY_UPDATE).detail["batch_priority"] == [False, True]
+    assert ApiKeyChange.objects.filter(key_hash=api_key.key_hash).exists()
+    page = client.get(reverse("dashboard:key_edit", args=[api_key.pk])).content.decode()
+    box = re.search(r'<input type="checkbox" name="batch_priority"[^>]*>', page).group(0)
+    assert "checked" in box  # shown as it is, so the form posts it back unchanged
+    assert _edit(client, api_key).status_code == 302  # the box left unticked: back to interactive
+    api_key.refresh_from_db()
+    assert not api_key.batch_priority
