@@ -12,7 +12,16 @@ from controlplane.catalog.selectors import catalog_models
 from controlplane.dashboard.reports.forms import PeriodForm
 
 DEFAULT_DAYS = 7
-OUTCOME_CHOICES = [("", "Any"), ("ok", "OK"), ("error", "Error"), ("client_gone", "Client gone")]
+OUTCOME_CHOICES = [
+    ("", "Any"),
+    ("ok", "OK"),
+    ("error", "Error"),
+    ("client_gone", "Client gone"),
+    ("refused", "Refused"),
+    ("shed", "Shed (overloaded)"),
+]
+# Outcomes of requests refused before they were served: billing.refusals' tallies, not usage records.
+REFUSAL_OUTCOMES = ("refused", "shed")
 
 
 class _KeyChoice(forms.ModelChoiceField):

@@ -1,5 +1,6 @@
 """The request log: each request's time, key, model, tokens, time to first token, latency,
-outcome and cost, filtered, paged and exported as CSV. A tenant member reads their own tenant's
+outcome and cost, filtered, paged and exported as CSV; and the requests refused before they were
+served (counted per minute and kind: billing.refusals), shed ones among them. A tenant member reads their own tenant's
 requests; an admin reads every tenant's, with a tenant filter. The rows come from
 billing.request_log."""
 
@@ -13,12 +14,13 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from controlplane.accounts.models import ApiKey, Tenant
-from controlplane.billing.models import UsageRecord
+from controlplane.billing.models import Refusal, UsageRecord
+from controlplane.billing.refusals import refusal_log
 from controlplane.billing.reports import period_bounds
 from controlplane.billing.request_log import request_log
 from controlplane.dashboard.csv_export import csv_money, csv_text
 from controlplane.dashboard.permissions import ADMIN_ROLES, TENANT_ROLES, has_role, role_required, tenant_of
-from controlplane.dashboard.request_log.forms import RequestLogForm
+from controlplane.dashboard.request_log.forms import REFUSAL_OUTCOMES, RequestLogForm
 
 PAGE_SIZE = 50
 CSV_COLUMNS = (
@@ -48,7 +50,21 @@ def _own_tenant(request: HttpRequest) -> Tenant | None:
 def _records(form: RequestLogForm, own: Tenant | None):
     since, until = period_bounds(*form.period)
     tenant = own if own is not None else form.cleaned_data["tenant"]
-    return request_log(since=since, until=until, tenant=tenant, **form.filters())
+    filters = form.filters()
+    if filters["outcome"] in REFUSAL_OUTCOMES:
+        return UsageRecord.objects.none()
+    return request_log(since=since, until=until, tenant=tenant, **filters)
+
+
+def _refusals(form: RequestLogForm, own: Tenant | None):
+    """The refused requests' tallies the filters select (none when they ask for served outcomes)."""
+    since, until = period_bounds(*form.period)
+    tenant = own if own is not None else form.cleaned_data["tenant"]
+    filters = form.filters()
+    outcome = filters.pop("outcome")
+    if outcome not in (None, *REFUSAL_OUTCOMES):
+        return Refusal.objects.none()
+    return refusal_log(since=since, until=until, tenant=tenant, shed_only=outcome == "shed", **filters)
 
 
 @request_log_required
@@ -59,7 +75,8 @@ def requests_log(request: HttpRequest) -> HttpResponse:
     context: dict = {"form": form, "all_tenants": own is None}
     if form.is_valid():
         page = Paginator(_records(form, own), PAGE_SIZE).get_page(request.GET.get("page"))
-        context.update({"valid": True, "page": page, "query": urlencode(form.data)})
+        refused = Paginator(_refusals(form, own), PAGE_SIZE).get_page(request.GET.get("refused_page"))
+        context.update({"valid": True, "page": page, "refused": refused, "query": urlencode(form.data)})
     return render(request, "dashboard/request_log/requests.html", context)
 
 
