@@ -4,8 +4,10 @@ tenant's request log, in the operator's error figure and in /metrics, and none i
 a replica whose load report predicts a wait over the deployment's TTFT objective gets no request;
 the client gets a 429 (529 in Anthropic's dialect) with Retry-After at once."""
 
+import asyncio
 import os
 import time
+from datetime import UTC, datetime
 from decimal import Decimal
 
 import httpx
@@ -19,7 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from controlplane.accounts.models import User
 from controlplane.billing.models import CreditAccount, CreditHold, Refusal, UsageRecord
 from controlplane.fleet import heartbeat_cache
-from tests.controlplane.factories import ApiKeyFactory, UserFactory
+from controlplane.gateway.database import DatabaseLane
+from controlplane.gateway.refusals import RefusalLog
+from tests.controlplane.factories import ApiKeyFactory, TenantFactory, UserFactory
 from tests.controlplane.gateway.conftest import make_world, start_gateway, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -204,3 +208,41 @@ def test_a_shed_message_is_anthropics_529_overloaded_error(refusal_gateway, repl
     assert (refusal.status, refusal.error_code, refusal.tenant_id) == (529, "overloaded", world.tenant.pk)
     world.settled()
     assert not UsageRecord.objects.filter(request_id=request_id).exists()
+
+
+def test_refusals_are_written_as_tallies_bounded_by_their_kinds_not_their_number():
+    """A thousand bad-key refusals in a minute are one row; past max_kinds, new kinds lose their
+    tenant and key but keep their count."""
+    tenant = TenantFactory()
+    keys = [ApiKeyFactory(tenant=tenant) for _ in range(4)]
+    minute = 60 * 29_000_000  # a minute's start, in epoch seconds
+
+    async def refuse() -> None:
+        lane = DatabaseLane("refusals-test")
+        log = RefusalLog(lane, flush_s=3600, max_kinds=3)
+        for i in range(1000):
+            log.add(
+                status=401,
+                error_code="invalid_api_key",
+                reason="Incorrect API key provided.",
+                request_id=f"req_bad_{i}",
+                tenant_id=None,
+                api_key_id=None,
+                model_id=None,
+                at=minute + i * 0.05,
+            )
+        for key in keys:
+            common = {"status": 429, "error_code": "rate_limit_exceeded", "reason": "Rate limit reached", "at": minute}
+            log.add(**common, request_id=f"req_{key.pk}", tenant_id=tenant.pk, api_key_id=key.pk, model_id=None)
+        assert log.pending == 4  # 3 kinds, then the fourth key's counted without its tenant
+        await log.aclose()
+        assert log.pending == 0
+        lane.close()
+
+    asyncio.run(refuse())
+    rows = list(Refusal.objects.order_by("id"))
+    assert len(rows) == 4 and sum(row.count for row in rows) == 1004
+    assert all(row.minute == datetime.fromtimestamp(minute, UTC) for row in rows)
+    bad_key = rows[0]
+    assert (bad_key.tenant_id, bad_key.status, bad_key.count, bad_key.request_id) == (None, 401, 1000, "req_bad_999")
+    assert [(row.api_key_id, row.count) for row in rows[1:]] == [(keys[0].pk, 1), (keys[1].pk, 1), (None, 2)]
