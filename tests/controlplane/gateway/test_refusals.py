@@ -23,7 +23,7 @@ from controlplane.billing.models import CreditAccount, CreditHold, Refusal, Usag
 from controlplane.fleet import heartbeat_cache
 from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.refusals import RefusalLog
-from tests.controlplane.factories import ApiKeyFactory, TenantFactory, UserFactory
+from tests.controlplane.factories import ApiKeyFactory, DeploymentFactory, ModelFactory, TenantFactory, UserFactory
 from tests.controlplane.gateway.conftest import make_world, start_gateway, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -106,6 +106,9 @@ def test_every_refusal_is_in_the_tenant_log_the_operator_figure_and_metrics(refu
     world.model.deployment.ttft_slo_ms = 2000
     world.model.deployment.save()
     client, name = world.client(), world.model.public_name
+    # A model with no replica and none allowed to start: its requests fail at once (503).
+    stopped = ModelFactory(price_tier=world.model.price_tier)
+    DeploymentFactory(model=stopped, desired_replicas=0, max_replicas=0)
     limited = ApiKeyFactory(tenant=world.tenant, rate_limit_per_minute=1)
     world.client(limited.plaintext).chat.completions.create(model=name, messages=CHAT, max_tokens=1)  # served
     before = _requests_counted(refusal_gateway.url)
@@ -125,6 +128,10 @@ def test_every_refusal_is_in_the_tenant_log_the_operator_figure_and_metrics(refu
             openai.RateLimitError,
             lambda: world.client(limited.plaintext).chat.completions.create(model=name, messages=CHAT, max_tokens=1),
         ),
+        _refused(
+            openai.InternalServerError,
+            lambda: client.chat.completions.create(model=stopped.public_name, messages=CHAT, max_tokens=1),
+        ),
     ]
     _report_load(world, waiting_tokens=20_000, prefill_tokens_per_s=1000.0)  # 20 s of queue
     shed, headers, served = _shed(world, client)
@@ -141,7 +148,7 @@ def test_every_refusal_is_in_the_tenant_log_the_operator_figure_and_metrics(refu
         openai.RateLimitError,
         lambda: broke.client().chat.completions.create(model=broke.model.public_name, messages=CHAT, max_tokens=1),
     )
-    assert [status for status, _, _ in tenant_refusals] == [400, 404, 413, 429, 429]
+    assert [status for status, _, _ in tenant_refusals] == [400, 404, 413, 429, 503, 429]
     assert [anonymous[:2], no_credit[:2]] == [(401, "invalid_api_key"), (429, "insufficient_quota")]
 
     every = [*tenant_refusals, anonymous, no_credit]
@@ -166,6 +173,10 @@ def test_every_refusal_is_in_the_tenant_log_the_operator_figure_and_metrics(refu
     shed_only = member.get(reverse("dashboard:requests"), {"outcome": "shed"}).content.decode()
     assert shed_only.count('data-testid="refused-row"') == 1 and 'data-testid="request-row"' not in shed_only
 
+    # The usage page counts them beside the failed requests, linking to them.
+    usage = member.get(reverse("dashboard:usage")).content.decode()
+    assert f'id="usage-refused">{len(tenant_refusals)} refused</a> (1 shed)' in usage
+
     # The operator's error figure counts every refusal among the requests, served ones too.
     operator = Client()
     operator.force_login(UserFactory(role=User.Role.OPERATOR, tenant=None))
@@ -179,6 +190,7 @@ def test_every_refusal_is_in_the_tenant_log_the_operator_figure_and_metrics(refu
     assert counted[("shed", "429")] == 1
     assert counted[("rejected", "429")] == 2 and counted[("rejected", "401")] == 1
     assert all(counted[("rejected", str(status))] == 1 for status in (400, 404, 413))
+    assert counted[("failed", "503")] == 1
 
     # Nothing was charged for any of them: only the served requests have records.
     world.settled()
