@@ -199,7 +199,7 @@ def test_every_refusal_is_in_the_tenant_log_the_operator_figure_and_metrics(refu
     assert CreditAccount.objects.get(tenant=world.tenant).balance == Decimal("10") - PRICE * served
 
 
-def test_a_shed_message_is_anthropics_529_overloaded_error(refusal_gateway, replicas):
+def test_a_shed_message_is_anthropics_529_overloaded_error_and_a_shed_response_openais_429(refusal_gateway, replicas):
     world = make_world(refusal_gateway, replicas, price=PRICE)
     world.model.deployment.ttft_slo_ms = 2000
     world.model.deployment.save()
@@ -220,6 +220,11 @@ def test_a_shed_message_is_anthropics_529_overloaded_error(refusal_gateway, repl
     assert (refusal.status, refusal.error_code, refusal.tenant_id) == (529, "overloaded", world.tenant.pk)
     world.settled()
     assert not UsageRecord.objects.filter(request_id=request_id).exists()
+
+    # The Responses API answers in OpenAI's own error shape, as the chat completions do.
+    with pytest.raises(openai.RateLimitError) as shed:
+        world.client().responses.create(model=world.model.public_name, input="Refuse me.", max_output_tokens=16)
+    assert shed.value.code == "overloaded" and shed.value.response.headers["retry-after"] == "48"
 
 
 def test_refusals_are_written_as_tallies_bounded_by_their_kinds_not_their_number():
