@@ -13,6 +13,9 @@ from controlplane.billing.models import Refusal
 
 # The error code of a request shed because its predicted wait exceeded the TTFT objective.
 SHED_ERROR_CODE = "overloaded"
+# The request log's outcomes of refused requests: any refusal, or shed ones only.
+REFUSED, SHED = "refused", "shed"
+REFUSAL_OUTCOMES = (REFUSED, SHED)
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,17 @@ def refusal_totals(*, since: datetime, until: datetime, tenant=None) -> RefusalT
 
 
 def refusal_log(
-    *, since: datetime, until: datetime, tenant=None, api_key=None, model=None, shed_only: bool = False
+    *, since: datetime, until: datetime, tenant=None, api_key=None, model=None, outcome: str | None = None
 ) -> QuerySet[Refusal]:
-    """Refusal tallies in [since, until), newest first; each filter applies when given."""
+    """Refusal tallies in [since, until), newest first; each filter applies when given. `outcome`
+    is the request log's: REFUSED or None selects every refusal, SHED the shed ones, any other
+    (a served request's outcome) none."""
+    if outcome not in (None, *REFUSAL_OUTCOMES):
+        return Refusal.objects.none()
     rows = Refusal.objects.filter(minute__gte=since, minute__lt=until)
     for name, value in (("tenant", tenant), ("api_key", api_key), ("model", model)):
         if value is not None:
             rows = rows.filter(**{name: value})
-    if shed_only:
+    if outcome == SHED:
         rows = rows.filter(error_code=SHED_ERROR_CODE)
     return rows.select_related("tenant", "api_key", "model").order_by("-minute", "-id")

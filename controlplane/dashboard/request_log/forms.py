@@ -8,6 +8,7 @@ from django.utils import timezone
 
 from controlplane.accounts.models import ApiKey, Tenant
 from controlplane.accounts.selectors import api_key_choices, tenants_by_name
+from controlplane.billing.refusals import REFUSED, SHED
 from controlplane.catalog.selectors import catalog_models
 from controlplane.dashboard.reports.forms import PeriodForm
 
@@ -17,11 +18,9 @@ OUTCOME_CHOICES = [
     ("ok", "OK"),
     ("error", "Error"),
     ("client_gone", "Client gone"),
-    ("refused", "Refused"),
-    ("shed", "Shed (overloaded)"),
+    (REFUSED, "Refused"),
+    (SHED, "Shed (overloaded)"),
 ]
-# Outcomes of requests refused before they were served: billing.refusals' tallies, not usage records.
-REFUSAL_OUTCOMES = ("refused", "shed")
 
 
 class _KeyChoice(forms.ModelChoiceField):

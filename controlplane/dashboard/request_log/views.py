@@ -14,13 +14,13 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from controlplane.accounts.models import ApiKey, Tenant
-from controlplane.billing.models import Refusal, UsageRecord
+from controlplane.billing.models import UsageRecord
 from controlplane.billing.refusals import refusal_log
 from controlplane.billing.reports import period_bounds
 from controlplane.billing.request_log import request_log
 from controlplane.dashboard.csv_export import csv_money, csv_text
 from controlplane.dashboard.permissions import ADMIN_ROLES, TENANT_ROLES, has_role, role_required, tenant_of
-from controlplane.dashboard.request_log.forms import REFUSAL_OUTCOMES, RequestLogForm
+from controlplane.dashboard.request_log.forms import RequestLogForm
 
 PAGE_SIZE = 50
 CSV_COLUMNS = (
@@ -50,21 +50,13 @@ def _own_tenant(request: HttpRequest) -> Tenant | None:
 def _records(form: RequestLogForm, own: Tenant | None):
     since, until = period_bounds(*form.period)
     tenant = own if own is not None else form.cleaned_data["tenant"]
-    filters = form.filters()
-    if filters["outcome"] in REFUSAL_OUTCOMES:
-        return UsageRecord.objects.none()
-    return request_log(since=since, until=until, tenant=tenant, **filters)
+    return request_log(since=since, until=until, tenant=tenant, **form.filters())
 
 
 def _refusals(form: RequestLogForm, own: Tenant | None):
-    """The refused requests' tallies the filters select (none when they ask for served outcomes)."""
     since, until = period_bounds(*form.period)
     tenant = own if own is not None else form.cleaned_data["tenant"]
-    filters = form.filters()
-    outcome = filters.pop("outcome")
-    if outcome not in (None, *REFUSAL_OUTCOMES):
-        return Refusal.objects.none()
-    return refusal_log(since=since, until=until, tenant=tenant, shed_only=outcome == "shed", **filters)
+    return refusal_log(since=since, until=until, tenant=tenant, **form.filters())
 
 
 @request_log_required
