@@ -13,9 +13,6 @@ from controlplane.fleet.placement import largest_replica_bytes
 from controlplane.fleet.selectors import placement_slots
 from controlplane.gateway.replica_choice import predicted_wait_s
 
-# Seconds a replica's load report counts for shedding (heartbeats come about every second).
-LOAD_REPORT_MAX_AGE_S = 10.0
-
 
 @dataclass(frozen=True)
 class KeyGrant:
@@ -156,6 +153,10 @@ def routing_table() -> dict[str, ModelRoute]:
             ttft_slo_ms,
         ) in models
     }
+
+
+# Seconds a replica's load report counts for shedding (heartbeats come about every second).
+LOAD_REPORT_MAX_AGE_S = 10.0
 
 
 def _predicted_waits(*, worker_ids: list[int]) -> dict[int, float]:
