@@ -329,6 +329,9 @@ GATEWAY_AFFINITY_MAX_EXTRA = env_int("GATEWAY_AFFINITY_MAX_EXTRA", 4)
 GATEWAY_IDEMPOTENCY_SECONDS = env_int("GATEWAY_IDEMPOTENCY_SECONDS", 24 * 3600)
 # How often expired credit holds (from gateways that died mid-request) are settled.
 GATEWAY_HOLD_SWEEP_SECONDS = env_int("GATEWAY_HOLD_SWEEP_SECONDS", 30)
+# How often each gateway process writes its tallies of refused requests (billing.Refusal): the
+# request log and the error figures lag the refusals by up to this long.
+GATEWAY_REFUSAL_FLUSH_SECONDS = env_int("GATEWAY_REFUSAL_FLUSH_SECONDS", 5)
 # How long the Responses API keeps a stored response (`store`, its default) before the hourly sweep
 # deletes it; a tenant may delete one sooner (DELETE /v1/responses/{id}).
 GATEWAY_RESPONSES_RETENTION_DAYS = env_int("GATEWAY_RESPONSES_RETENTION_DAYS", 30)

@@ -199,8 +199,9 @@ def api_key_update(
     actor: User | None = None,
 ) -> ApiKey:
     """Change what a key is called and what it may do, its priority class included; its secret
-    (hash and prefix), tenant and expiry stay. The gateways' key caches hear of it through accounts.signals, so the new models
-    and limits apply from the next request. One audit entry lists the fields that changed."""
+    (hash and prefix), tenant and expiry stay. The gateways' key caches hear of it through
+    accounts.signals, so the new models and limits apply from the next request. One audit entry
+    lists the fields that changed."""
     api_key = ApiKey.objects.select_for_update().select_related("tenant").get(pk=api_key.pk)
     if api_key.revoked:
         raise ValidationError("A revoked key cannot be edited.")

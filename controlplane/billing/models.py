@@ -275,3 +275,30 @@ class KeySpend(models.Model):
 
     def __str__(self) -> str:
         return f"key {self.api_key_id} {self.month:%Y-%m}: {self.spent}"
+
+
+class Refusal(models.Model):
+    """Requests the gateway refused (answered with an error before anything was served, never
+    charged), counted: one row per kind of refusal (tenant, key, model, status, error code) and
+    gateway process in each flush interval, so that the number of rows written follows the number
+    of kinds, not of requests (see gateway/refusals.py). A refusal that cannot be tied to a tenant
+    (a bad key) has none: the operator counts it, no tenant sees it."""
+
+    minute = models.DateTimeField(db_index=True, help_text="The minute the refusals happened in (UTC).")
+    tenant = models.ForeignKey(
+        "accounts.Tenant", on_delete=models.SET_NULL, null=True, blank=True, related_name="refusals"
+    )
+    api_key = models.ForeignKey("accounts.ApiKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    model = models.ForeignKey("catalog.Model", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    status = models.PositiveSmallIntegerField(help_text="The HTTP status the client got.")
+    error_code = models.CharField(max_length=40, blank=True, help_text="The error code the client got.")
+    reason = models.CharField(max_length=300, blank=True, help_text="The error message of the latest one.")
+    request_id = models.CharField(max_length=64, blank=True, help_text="The latest one's request id.")
+    count = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+
+    class Meta:
+        ordering = ["-minute", "-id"]
+        indexes = [models.Index(fields=["tenant", "minute"])]
+
+    def __str__(self) -> str:
+        return f"{self.minute:%Y-%m-%d %H:%M} {self.status} {self.error_code} x{self.count}"

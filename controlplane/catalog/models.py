@@ -157,7 +157,8 @@ class Deployment(models.Model):
     ttft_slo_ms = models.PositiveIntegerField(
         default=default_ttft_slo_ms,
         validators=_bounds("ttft_slo_ms"),
-        help_text="Time to first token, p95, a replica should stay under (ms).",
+        help_text="Time to first token, p95, a replica should stay under (ms); the gateway sheds a request "
+        "whose predicted wait is longer.",
     )
     itl_slo_ms = models.PositiveIntegerField(
         default=default_itl_slo_ms,

@@ -18,7 +18,14 @@ from starlette.responses import Response
 from controlplane.gateway.body_check import BodyError, CheckedBody
 from controlplane.gateway.cold_start import cold_start_header
 from controlplane.gateway.dialects import Dialect, StreamTranslator
-from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
+from controlplane.gateway.errors import (
+    GatewayError,
+    bad_request,
+    model_not_allowed,
+    model_not_found,
+    overloaded,
+    unavailable,
+)
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight, prompt_tokens_from
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
@@ -57,8 +64,13 @@ async def serve(
     """`dialect`: the request is in another API's shape, translated into a chat completion's
     (`path` is then /v1/chat/completions) and its answer back."""
     schema, for_embeddings = ENDPOINTS[path]
-    raw = await read_body(request, gw.config.max_request_bytes)  # bounded before any other work
-    grant = await gw.keys.authenticate((dialect or _OPENAI).authorization(request))
+    authorization = (dialect or _OPENAI).authorization(request)
+    try:
+        raw = await read_body(request, gw.config.max_request_bytes)  # bounded before any other work
+    except GatewayError:
+        request.state.grant = await _grant_or_none(gw, authorization)  # whose refusal it is, if known
+        raise
+    grant = request.state.grant = await gw.keys.authenticate(authorization)
     if dialect is not None:
         raw = await dialect.translate(gw, grant, raw)
     admission = None
@@ -75,7 +87,7 @@ async def serve(
         if checked.json_error:
             raise _invalid(checked.error)
         model = await _model(gw, grant, checked.model)
-        request.state.model = model.public_name  # the metrics' label (app.endpoint)
+        request.state.model, request.state.model_id = model.public_name, model.model_id  # for refusals.request_counted
         gw.spawn(gw.traffic.record(model.model_id, time.time()))  # off the request's path
         if checked.error is not None:
             raise _invalid(checked.error)
@@ -108,7 +120,13 @@ async def serve(
                 _admitted(admission)
             else:  # admitted (and, below, its credit held) before it waits: a refusal comes at once
                 admission, first = _admitted(await gw.shared.admit(grant, request_id)), None
-            flight = Flight(gw, request_id, grant, model, checked.n)
+            if first is not None and _over_objective(model, first):
+                # Shed before any credit is held: freed at once, charged nothing, counted as demand.
+                admission = None
+                await gw.shared.finish(request_id, grant=grant, replica_id=first.replica_id)
+                gw.spawn(gw.traffic.record_shed(model.model_id, time.time()))
+                raise overloaded(model.public_name, first.predicted_wait_s, model.ttft_objective_s)
+            flight = request.state.flight = Flight(gw, request_id, grant, model, checked.n)
             flight.image_count = len(checked.image_params)
             try:
                 await flight.hold()
@@ -154,6 +172,13 @@ async def serve(
 
 
 _OPENAI = Dialect()  # the API's own: only its authorization is asked for
+
+
+async def _grant_or_none(gw: Gateway, authorization: str | None) -> KeyGrant | None:
+    try:
+        return await gw.keys.authenticate(authorization)
+    except GatewayError:
+        return None
 
 
 async def _served(
@@ -207,6 +232,11 @@ def _check_images(model: ModelRoute, checked: CheckedBody) -> None:
         model.image_rules.check(checked.image_params, checked.image_sizes)
     except ProtocolError as refusal:
         raise bad_request(refusal.message, param=refusal.param, code=refusal.code) from None
+
+
+def _over_objective(model: ModelRoute, replica: ReplicaRoute) -> bool:
+    """Whether a request routed to `replica` is predicted to wait longer than the model's TTFT objective."""
+    return model.ttft_objective_s is not None and replica.predicted_wait_s > model.ttft_objective_s
 
 
 def _invalid(error: BodyError) -> GatewayError:

@@ -178,6 +178,7 @@ class Flight:
         self.replica_id: int | None = None
         self.first_token_at: float | None = None
         self.released = self.settled = False
+        self.recorded = False  # settled with a usage record (served, cancelled or failed)
 
     async def hold(self) -> None:
         """Set the request's price aside; 429 insufficient_quota when the credit cannot cover it,
@@ -244,11 +245,11 @@ class Flight:
     ) -> None:
         """Settle the hold with `status` (see billing.holds.RequestOutcome); a failed request
         carries the `error_code` its client got."""
-        if self._begin_settling():
+        if self._begin_settling(status):
             await self._submit(status, usage, completion_tokens, error_code)
 
     def settle_soon(self, status: str | None, usage: dict | None = None) -> None:
-        if self._begin_settling():
+        if self._begin_settling(status):
             self.gw.spawn(self._submit(status, usage, 0))
 
     async def end(
@@ -264,10 +265,11 @@ class Flight:
         """What a billed (completed or cancelled) request is charged: its hold."""
         return self.amount or Decimal("0")
 
-    def _begin_settling(self) -> bool:
+    def _begin_settling(self, status: str | None) -> bool:
         if self.settled:
             return False
         self.settled = True
+        self.recorded = self.amount is not None and status is not None
         return self.amount is not None
 
     async def _submit(

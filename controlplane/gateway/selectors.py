@@ -1,5 +1,6 @@
 """The gateway's reads: an API key with everything admission needs, and the routing table."""
 
+import time
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -7,9 +8,11 @@ from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_a
 from controlplane.catalog.models import Model
 from controlplane.catalog.selectors import image_rules
 from controlplane.common.units import human_bytes
+from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.placement import largest_replica_bytes
 from controlplane.fleet.selectors import placement_slots
+from controlplane.gateway.replica_choice import predicted_wait_s
 from gpuworker.contract.openai_api import ImageRules
 
 
@@ -39,6 +42,8 @@ class KeyGrant:
 class ReplicaRoute:
     replica_id: int
     endpoint_url: str
+    # From the replica's latest load report (replica_choice.predicted_wait_s); 0 without one.
+    predicted_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ class ModelRoute:
     # A vision model's limits on a request's images (the catalog's).
     max_images_per_request: int = 16
     max_image_bytes: int = 20 << 20
+    # The deployment's TTFT objective: a request predicted to wait longer is shed; None: never.
+    ttft_objective_s: float | None = None
 
     @property
     def image_rules(self) -> ImageRules:
@@ -104,13 +111,15 @@ def routing_table() -> dict[str, ModelRoute]:
             state__in=[Replica.State.READY, Replica.State.PENDING, Replica.State.LOADING],
         )
         .order_by("pk")
-        .values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state")
+        .values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state", "worker_id")
     )
-    for replica_id, state, endpoint_url, model_id, worker_state in replicas:
+    waits = _predicted_waits(worker_ids=sorted({row[5] for row in replicas if row[1] == Replica.State.READY}))
+    for replica_id, state, endpoint_url, model_id, worker_state, _ in replicas:
         if state != Replica.State.READY:
             loading.add(model_id)
         elif endpoint_url and worker_state == Worker.State.ONLINE:
-            ready.setdefault(model_id, []).append(ReplicaRoute(replica_id, endpoint_url.rstrip("/")))
+            route = ReplicaRoute(replica_id, endpoint_url.rstrip("/"), waits.get(replica_id, 0.0))
+            ready.setdefault(model_id, []).append(route)
     slots = placement_slots(workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))
     models = list(
         Model.objects.filter(enabled=True).values_list(
@@ -125,6 +134,7 @@ def routing_table() -> dict[str, ModelRoute]:
             "tensor_parallel_size",
             "max_images_per_request",
             "max_image_bytes",
+            "deployment__ttft_slo_ms",
         )
     )
     largest = {size: largest_replica_bytes(slots=slots, tensor_parallel_size=size) for size in {m[8] for m in models}}
@@ -143,6 +153,7 @@ def routing_table() -> dict[str, ModelRoute]:
             ),
             max_images_per_request=max_images,
             max_image_bytes=max_image_bytes,
+            ttft_objective_s=None if ttft_slo_ms is None else ttft_slo_ms / 1000,
         )
         for (
             pk,
@@ -156,8 +167,25 @@ def routing_table() -> dict[str, ModelRoute]:
             size,
             max_images,
             max_image_bytes,
+            ttft_slo_ms,
         ) in models
     }
+
+
+# Seconds a replica's load report counts for shedding (heartbeats come about every second).
+LOAD_REPORT_MAX_AGE_S = 10.0
+
+
+def _predicted_waits(*, worker_ids: list[int]) -> dict[int, float]:
+    """Each replica's predicted wait by id, from its worker's latest heartbeat while that is recent."""
+    now = time.time()
+    waits = {}
+    for state in heartbeat_cache.read_many(worker_ids=worker_ids).values():
+        if now - state.get("received_at", 0) > LOAD_REPORT_MAX_AGE_S:
+            continue  # an old report says nothing of the queue now
+        for replica_id, figures in (state.get("replicas") or {}).items():
+            waits[int(replica_id)] = predicted_wait_s(figures)
+    return waits
 
 
 def cold_start_refusal(

@@ -32,6 +32,10 @@ REPLICA_FIGURES = (
     "kv_cache_usage",
     "tokens_per_s",
     "prefix_cache_hit_rate",
+    # The load the gateway sheds by: prompt tokens not yet prefilled (waiting requests' and those
+    # mid-prefill) and prompt tokens prefilled per second lately (their quotient: the queue's wait).
+    "waiting_tokens",
+    "prefill_tokens_per_s",
     *REPLICA_LATENCY_FIGURES,
 )
 # A replica's error is kept to this many characters (its cause comes first: see the daemon's

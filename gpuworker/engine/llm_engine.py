@@ -274,6 +274,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._generate_ids = itertools.count()
         self.num_generated_tokens = 0
+        self.num_prefilled_tokens = 0  # prompt tokens computed (prefill chunks), for the load report
         # Recent TTFT and inter-token latency, for the server's /stats (and so the autoscaler).
         self.latency = LatencyWindows()
         self.last_step_stats: StepStats | None = None
@@ -462,6 +463,12 @@ class LLMEngine:
             # the weight each tenant last came with.
             "tenant_service": [[*key, tokens] for key, tokens in counters.served.items()],
             "tenant_weights": dict(counters.weight),
+            "num_prefilled_tokens": self.num_prefilled_tokens,
+            "waiting_tokens": sum(
+                max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                for seqs in (scheduler.waiting, scheduler.running)
+                for seq in seqs
+            ),
             **self.latency.figures(),
         }
 
@@ -576,6 +583,7 @@ class LLMEngine:
             request_id = group.request_id
             tokens_per_request[request_id] = tokens_per_request.get(request_id, 0) + num_new
         self.num_generated_tokens += num_generated
+        self.num_prefilled_tokens += batch.num_batched_tokens - batch.num_decode_seqs
         outputs = []
         for request_id, request_deltas in deltas.items():
             request = requests[request_id]

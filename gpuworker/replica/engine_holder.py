@@ -45,6 +45,8 @@ NO_ENGINE_FIGURES = {
     "tokens_per_s": 0.0,
     "prefix_cache_hit_rate": 0.0,
     "num_generated_tokens": 0,
+    "waiting_tokens": 0,
+    "prefill_tokens_per_s": 0.0,
     "ttft_p95_s": None,
     "itl_p95_s": None,
 }
@@ -145,7 +147,7 @@ class EngineHolder:
         # Cumulative engine counters already added to the Prometheus counters.
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
         self._seen_tenant_service: dict[tuple[str, str], float] = {}
-        self._tokens_window: list[tuple[float, int]] = []
+        self._tokens_window: list[tuple[float, int, int]] = []  # (when, generated, prefilled)
         # (time, weighted tokens served per tenant) over the last ~10 s of snapshots.
         self._service_window: list[tuple[float, dict[str, float]]] = []
         # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
@@ -360,10 +362,12 @@ class EngineHolder:
             m.set_tenant_weight(tenant, weight)
         # tokens/s over the last ~10 s of snapshots
         t = time.monotonic()
-        self._tokens_window = [(ts, n) for ts, n in self._tokens_window if t - ts < 10.0]
-        self._tokens_window.append((t, figures["num_generated_tokens"]))
-        first_t, first_n = self._tokens_window[0]
-        tokens_per_s = (figures["num_generated_tokens"] - first_n) / (t - first_t) if t > first_t else 0.0
+        self._tokens_window = [entry for entry in self._tokens_window if t - entry[0] < 10.0]
+        self._tokens_window.append((t, figures["num_generated_tokens"], figures["num_prefilled_tokens"]))
+        first_t, first_n, first_prefilled = self._tokens_window[0]
+        span = t - first_t
+        tokens_per_s = (figures["num_generated_tokens"] - first_n) / span if span > 0 else 0.0
+        prefill_per_s = (figures["num_prefilled_tokens"] - first_prefilled) / span if span > 0 else 0.0
         self._service_window = [(ts, s) for ts, s in self._service_window if t - ts < 10.0]
         self._service_window.append((t, _per_tenant(figures["tenant_service"])))
         queries = figures["prefix_cache_queries"]
@@ -375,6 +379,8 @@ class EngineHolder:
             "tokens_per_s": tokens_per_s,
             "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0,
             "num_generated_tokens": figures["num_generated_tokens"],
+            "waiting_tokens": figures["waiting_tokens"],
+            "prefill_tokens_per_s": prefill_per_s,
             "ttft_p95_s": figures["ttft_p95_s"],
             "itl_p95_s": figures["itl_p95_s"],
             "tenant_shares": tenant_shares(self._service_window[0][1], self._service_window[-1][1]),

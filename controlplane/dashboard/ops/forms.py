@@ -45,7 +45,12 @@ class DeploymentLimitsForm(forms.Form):
         label="Requests per replica",
         help_text="Running + waiting requests one replica carries at full load.",
     )
-    ttft_slo_ms = forms.IntegerField(required=False, label="TTFT SLO (ms)", help_text="Time to first token, p95.")
+    ttft_slo_ms = forms.IntegerField(
+        required=False,
+        label="TTFT objective (ms)",
+        help_text="Time to first token, p95: the autoscaler's target, and the gateway sheds (429) a request "
+        "predicted to wait longer.",
+    )
     itl_slo_ms = forms.IntegerField(required=False, label="Inter-token SLO (ms)", help_text="Time between tokens, p95.")
     idle_to_zero_seconds = forms.IntegerField(
         required=False, label="Idle to zero (s)", help_text="No request for this long: scale to min (0 never does)."

@@ -15,6 +15,7 @@ from controlplane.accounts.selectors import api_keys_for_tenant, api_keys_usable
 from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit, api_key_update
 from controlplane.batches.selectors import batches_list
 from controlplane.billing.key_spend import api_keys_with_spend
+from controlplane.billing.refusals import refusal_totals
 from controlplane.billing.reports import (
     UsageRow,
     allowance_this_month,
@@ -165,6 +166,7 @@ def usage(request: HttpRequest) -> HttpResponse:
         "chart": chart,
         "has_usage": summary.totals.requests > 0,
         "allowance": allowance_this_month(tenant=tenant, now=now),
+        "refused": refusal_totals(since=summary.since, until=now, tenant=tenant),
         "period_form": (period_form := PeriodForm.from_query(request.GET)),
     }  # the last 30 days
     if period_form.is_valid():

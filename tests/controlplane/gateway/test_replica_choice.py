@@ -4,7 +4,7 @@ call them; test_shared.py checks the Redis script gives the same answers)."""
 import json
 from dataclasses import dataclass
 
-from controlplane.gateway.replica_choice import affinity_choice, affinity_key, least_outstanding
+from controlplane.gateway.replica_choice import affinity_choice, affinity_key, least_outstanding, predicted_wait_s
 
 
 @dataclass(frozen=True)
@@ -98,3 +98,15 @@ def test_least_outstanding_passes_over_replicas_that_failed_unless_all_did():
     assert least_outstanding([0, 5], [False, True], 0, 9) == 1  # even the affinity one
     assert least_outstanding([2, 5], [False, False], 1, 9) == 1  # all failed: affinity still counts
     assert least_outstanding([2, 5], [False, False], None, 9) == 0
+
+
+def test_the_predicted_wait_is_the_queued_prompt_tokens_over_the_recent_prefill_rate():
+    assert predicted_wait_s({"waiting_tokens": 6000, "prefill_tokens_per_s": 2000.0}) == 3.0
+    # No queue, no measured rate, or no report at all: no evidence of a wait.
+    for figures in (
+        {"waiting_tokens": 0, "prefill_tokens_per_s": 2000.0},
+        {"waiting_tokens": 6000, "prefill_tokens_per_s": 0.0},
+        {"waiting_tokens": "many", "prefill_tokens_per_s": 1.0},
+        {},
+    ):
+        assert predicted_wait_s(figures) == 0.0

@@ -63,3 +63,28 @@ def test_a_split_model_can_start_where_a_worker_has_enough_gpus_together():
         "it needs 200.0 GiB over 2 GPUs of one worker and no online worker has "
         "that much GPU memory (or, CPU-only, memory): the largest has 160.0 GiB"
     )
+
+
+@pytest.mark.django_db
+def test_routes_carry_each_replicas_predicted_wait_from_a_recent_load_report_and_the_ttft_objective():
+    import time
+
+    from controlplane.fleet import heartbeat_cache
+    from controlplane.fleet.models import Replica, Worker
+    from controlplane.gateway.selectors import routing_table
+    from tests.controlplane.factories import DeploymentFactory, ReplicaFactory, WorkerFactory
+
+    deployment = DeploymentFactory(ttft_slo_ms=1500)
+    reported, silent = (WorkerFactory(name=name, state=Worker.State.ONLINE) for name in ("reported", "silent"))
+    busy, quiet = (
+        ReplicaFactory(deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=f"http://{n}:1")
+        for worker, n in ((reported, "busy"), (silent, "quiet"))
+    )
+    load = {"waiting_tokens": 9000, "prefill_tokens_per_s": 3000.0}
+    heartbeat_cache.store(worker_id=reported.pk, state={"received_at": time.time(), "replicas": {str(busy.pk): load}})
+    # An old report says nothing of the queue now.
+    old = {"received_at": time.time() - 60, "replicas": {str(quiet.pk): load}}
+    heartbeat_cache.store(worker_id=silent.pk, state=old)
+    route = routing_table()[deployment.model.public_name]
+    assert route.ttft_objective_s == 1.5
+    assert {r.replica_id: r.predicted_wait_s for r in route.ready} == {busy.pk: 3.0, quiet.pk: 0.0}

@@ -33,6 +33,8 @@ REPLICA_KEYS = {
     "kv_cache_usage",
     "tokens_per_s",
     "prefix_cache_hit_rate",
+    "waiting_tokens",
+    "prefill_tokens_per_s",
 }
 # Latency p95s in seconds: present once the replica has a sample, absent (never 0 or null) before.
 REPLICA_LATENCY_KEYS = {"ttft_p95_s", "itl_p95_s"}
@@ -159,11 +161,12 @@ def check_heartbeat(body: Any) -> None:
         if not isinstance(replica["endpoint_url"], str) or not isinstance(replica["error"], str):
             raise ShapeError(f"{where}: endpoint_url and error must be strings")
         _number(f"{where}.load_progress", replica["load_progress"], 0, 1)
-        for key in ("running", "waiting"):
+        for key in ("running", "waiting", "waiting_tokens"):
             _number(f"{where}.{key}", replica[key], integer=True)
         for key in ("kv_cache_usage", "prefix_cache_hit_rate"):
             _number(f"{where}.{key}", replica[key], 0, 1)
         _number(f"{where}.tokens_per_s", replica["tokens_per_s"])
+        _number(f"{where}.prefill_tokens_per_s", replica["prefill_tokens_per_s"])
 
 
 class ControlPlaneFake:

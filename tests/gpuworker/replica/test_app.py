@@ -274,6 +274,8 @@ def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keep
     # No sample yet: null, which a heartbeat leaves out (0 would read as a perfect latency).
     assert idle["ttft_p95_s"] is None and idle["itl_p95_s"] is None
     assert 0 < stats["ttft_p95_s"] < 60 and 0 < stats["itl_p95_s"] < 60
+    # The load the gateway sheds by: nothing queued now, prompts prefilled since the idle snapshot.
+    assert idle["waiting_tokens"] == stats["waiting_tokens"] == 0 and stats["prefill_tokens_per_s"] > 0
     for figures, expected in (
         (idle, {}),
         (stats, {"ttft_p95_s": stats["ttft_p95_s"], "itl_p95_s": stats["itl_p95_s"]}),
@@ -285,6 +287,7 @@ def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keep
             **{name: figures[name] for name in REPLICA_FIGURES if name in figures},
         }
         parsed = parse_heartbeat({"replicas": [report]}).replicas[0].figures
+        assert parsed["prefill_tokens_per_s"] == figures["prefill_tokens_per_s"]
         assert {name: parsed[name] for name in ("ttft_p95_s", "itl_p95_s") if name in parsed} == expected
 
 
