@@ -62,6 +62,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # After htmx's: it needs request.htmx (an ended session's redirect becomes HX-Redirect).
+    "controlplane.dashboard.session_expiry.htmx_login_redirect_middleware",
     # Last, as django-axes asks: it turns a lockout into the page below.
     "axes.middleware.AxesMiddleware",
 ]
