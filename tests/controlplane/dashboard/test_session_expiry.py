@@ -52,7 +52,9 @@ def test_a_plain_request_keeps_the_ordinary_redirect(client):
 
 
 @pytest.mark.parametrize(
-    "answer", [lambda: redirect("dashboard:fleet"), lambda: HttpResponse("fragment")], ids=["other-redirect", "fragment"]
+    "answer",
+    [lambda: redirect("dashboard:fleet"), lambda: HttpResponse("fragment")],
+    ids=["other-redirect", "fragment"],
 )
 def test_other_htmx_answers_pass_unchanged(answer):
     request = RequestFactory().post("/", **HTMX)
