@@ -30,6 +30,7 @@ MAX_HISTORY_MESSAGES = 100
 # What "view code" puts where the message box is still empty.
 MESSAGE_PLACEHOLDER = "Your next message"
 HISTORY_ROLES = ("user", "assistant")
+SEND_ON_CTRL_ENTER = "if (event.key === 'Enter' && (event.ctrlKey || event.metaKey)) { event.preventDefault(); this.form.requestSubmit(); }"
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,16 @@ class PlaygroundForm(forms.Form):
     the fields."""
 
     model = forms.ChoiceField()
-    system_prompt = forms.CharField(required=False, max_length=8000, strip=False)
-    message = forms.CharField(max_length=32000, strip=False)
+    system_prompt = forms.CharField(
+        required=False, max_length=8000, strip=False, widget=forms.Textarea(attrs={"rows": 2})
+    )
+    message = forms.CharField(
+        max_length=32000,
+        strip=False,
+        # Enter starts a new line; Ctrl+Enter (Cmd+Enter) sends, as the Send button does.
+        widget=forms.Textarea(attrs={"rows": 4, "onkeydown": SEND_ON_CTRL_ENTER}),
+        help_text="Ctrl+Enter sends.",
+    )
     temperature = forms.FloatField(min_value=0.0, max_value=2.0, initial=0.7)
     top_p = forms.FloatField(
         min_value=0.0,

@@ -31,6 +31,7 @@ from controlplane.dashboard.reports.forms import PeriodForm
 from controlplane.dashboard.tenant.forms import ApiKeyBudgetForm, ApiKeyCreateForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm
 from controlplane.dashboard.tenant.playground_code import code_samples
+from controlplane.fleet.selectors import first_ready_chat_model
 
 
 def _keys(request: HttpRequest):
@@ -179,8 +180,12 @@ def batches(request: HttpRequest) -> HttpResponse:
 @tenant_required
 @require_GET
 def playground(request: HttpRequest) -> HttpResponse:
-    form = PlaygroundForm(initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128})
-    models = [{"public_name": m.public_name, "context_length": m.context_length} for m in models_for_playground()]
+    offered = list(models_for_playground())
+    default = first_ready_chat_model(models=offered)
+    form = PlaygroundForm(
+        initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128, "model": default.public_name if default else None}
+    )
+    models = [{"public_name": m.public_name, "context_length": m.context_length} for m in offered]
     return render(
         request,
         "dashboard/tenant/playground.html",
