@@ -30,7 +30,9 @@ MAX_HISTORY_MESSAGES = 100
 # What "view code" puts where the message box is still empty.
 MESSAGE_PLACEHOLDER = "Your next message"
 HISTORY_ROLES = ("user", "assistant")
-SEND_ON_CTRL_ENTER = "if (event.key === 'Enter' && (event.ctrlKey || event.metaKey)) { event.preventDefault(); this.form.requestSubmit(); }"
+SEND_ON_CTRL_ENTER = (
+    "if (event.key === 'Enter' && (event.ctrlKey || event.metaKey)) { event.preventDefault(); this.form.requestSubmit(); }"
+)
 
 
 @dataclass(frozen=True)
