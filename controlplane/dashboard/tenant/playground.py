@@ -31,7 +31,8 @@ MAX_HISTORY_MESSAGES = 100
 MESSAGE_PLACEHOLDER = "Your next message"
 HISTORY_ROLES = ("user", "assistant")
 SEND_ON_CTRL_ENTER = (
-    "if (event.key === 'Enter' && (event.ctrlKey || event.metaKey)) { event.preventDefault(); this.form.requestSubmit(); }"
+    "if (event.key === 'Enter' && (event.ctrlKey || event.metaKey)) "
+    "{ event.preventDefault(); this.form.requestSubmit(); }"
 )
 
 
