@@ -330,6 +330,10 @@ GATEWAY_HOLD_SWEEP_SECONDS = env_int("GATEWAY_HOLD_SWEEP_SECONDS", 30)
 # deletes it; a tenant may delete one sooner (DELETE /v1/responses/{id}).
 GATEWAY_RESPONSES_RETENTION_DAYS = env_int("GATEWAY_RESPONSES_RETENTION_DAYS", 30)
 
+# The tenant whose credit pays for operators' and admins' playground requests (they belong to no
+# tenant): created, with no credit, on first use; an admin grants it credit as any tenant's.
+PLAYGROUND_STAFF_TENANT = env_str("PLAYGROUND_STAFF_TENANT", "Operators")
+
 # --- HTTPS and cookies: on by default whenever DEBUG is off -----------------------------------
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
 # Health probes and the worker daemons come from inside the host or its private network over

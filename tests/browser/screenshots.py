@@ -1,6 +1,7 @@
 """Screenshots of the dashboard's main pages for docs/screenshots/ and the README, taken from the
-real system the browser tests start (tests/browser/system.py), at 1280x800 in Debian's headless
-Chromium:
+real system the browser tests start (tests/browser/system.py), in Debian's headless Chromium at
+1280x800 (docs/screenshots/<page>.png) and again at a phone's 390 px (docs/screenshots/phone/<page>.png,
+the whole page); a page wider than the phone's window stops the script:
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/gpuserve REDIS_URL=redis://127.0.0.1:6379/14 \\
         .venv/bin/python -m tests.browser.screenshots [--out docs/screenshots]
@@ -42,7 +43,11 @@ PAGES = {  # file name: (role, url name)
     "tenant": ("admin", "dashboard:tenants"),  # then into the demo tenant's page
     "staff": ("admin", "dashboard:staff"),
     "invitation": (None, ""),  # the link prepare() made, opened by someone not signed in
+    "not-found": ("tenant", ""),  # a missing page: the dashboard's 404
 }
+LINKS = {"not-found": "/no-such-page/"}
+# Charts are sized when drawn: at the phone's width the page is loaded again.
+CHARTS = ("usage", "usage-by-model-and-key", "reports")
 HISTORY_DAYS = 14
 
 
@@ -134,7 +139,7 @@ def prepare(system) -> dict[str, str]:
     )
     invitation_create(created_by=alice, role=User.Role.TENANT_MEMBER, tenant=tenant, note="Chen (data team)")
     staff_invitation = invitation_create(created_by=admin, role=User.Role.OPERATOR, note="On-call SRE")
-    links = {"invitation": reverse("dashboard:invitation_accept", args=[staff_invitation.token])}
+    links = {**LINKS, "invitation": reverse("dashboard:invitation_accept", args=[staff_invitation.token])}
 
     rng = random.Random(7)
     now = timezone.now()
@@ -168,7 +173,7 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
 
     from tests.browser.system import VIEWPORT, launch_options, log_in
 
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "phone").mkdir(parents=True, exist_ok=True)
     written = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(**launch_options())
@@ -214,9 +219,28 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
                 page.locator("#usage-breakdown").screenshot(path=path)
             else:
                 page.screenshot(path=path, full_page=name.startswith("home") or name in ("playground", "reports"))
-            written.append(path)
+            written += [path, _shoot_phone(page, name, out / "phone" / f"{name}.png")]
+            page.set_viewport_size(VIEWPORT)
         browser.close()
     return written
+
+
+def _shoot_phone(page, name: str, path: Path) -> Path:
+    """The page as it is now (a conversation, a new invitation link), at the phone's width."""
+    from tests.browser.system import PHONE_VIEWPORT, horizontal_overflow
+
+    page.set_viewport_size(PHONE_VIEWPORT)
+    if name in CHARTS:
+        page.reload()
+        page.wait_for_selector(".uplot")
+    page.wait_for_timeout(300)  # the reflow's paint
+    if (extra := horizontal_overflow(page)) > 0:
+        raise RuntimeError(f"{name} is {extra}px wider than a phone's window")
+    if name == "usage-by-model-and-key":
+        page.locator("#usage-breakdown").screenshot(path=path)
+    else:
+        page.screenshot(path=path, full_page=True)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow
 OPERATOR_SECTIONS = ["Fleet", "Catalog", "Audit log"]
 TENANT_SECTIONS = ["API keys", "Usage", "Requests", "Credits", "Batches", "Playground", "Team"]
 SECTIONS = {
-    "operator": OPERATOR_SECTIONS,
-    "admin": [*OPERATOR_SECTIONS, "Requests", "Reports", "Tenants", "Staff"],
+    "operator": [*OPERATOR_SECTIONS, "Playground"],
+    "admin": [*OPERATOR_SECTIONS, "Requests", "Playground", "Reports", "Tenants", "Staff"],
     "tenant": TENANT_SECTIONS,
 }
 PAGES = {
@@ -68,8 +68,8 @@ def test_bad_password_shows_an_error_and_signs_nobody_in(open_page, system):
     ("role", "forbidden"),
     [
         ("tenant", ["Fleet", "Catalog", "Audit log", "Reports", "Tenants", "Staff"]),
-        ("operator", ["API keys", "Usage", "Requests", "Credits", "Playground", "Team", "Reports", "Tenants", "Staff"]),
-        ("admin", ["API keys", "Usage", "Credits", "Playground", "Team"]),
+        ("operator", ["API keys", "Usage", "Requests", "Credits", "Team", "Reports", "Tenants", "Staff"]),
+        ("admin", ["API keys", "Usage", "Credits", "Team"]),
     ],
 )
 def test_other_roles_pages_answer_403(open_page, role, forbidden):

@@ -16,6 +16,14 @@ pytestmark = pytest.mark.slow
 # The demo tenant's member is its team's admin; the second tenant's member is a plain member.
 ROLES = {"tenant admin": "tenant", "member": "other_tenant", "operator": "operator", "admin": "admin"}
 WIDTHS = {"phone": PHONE_VIEWPORT, "desktop": VIEWPORT}
+# A page of another role's, for its 403 page.
+FORBIDDEN = {
+    "tenant admin": "dashboard:fleet",
+    "member": "dashboard:fleet",
+    "operator": "dashboard:keys",
+    "admin": "dashboard:keys",
+}
+MISSING = "/no-such-page/"
 # Without spaces, so it cannot wrap at a word: it must break or the keys table would widen the page.
 LONG_KEY_NAME = "nightly-export-to-the-data-warehouse-" * 2 + "x" * 26
 
@@ -53,12 +61,17 @@ def _slug(path: str) -> str:
 @pytest.mark.parametrize("role", ROLES)
 def test_no_page_scrolls_sideways(open_page, long_named_key, tmp_path, role, width):
     page = open_page(ROLES[role], viewport=WIDTHS[width])
-    paths = [reverse("dashboard:home"), *_menu_paths(page), "/no-such-page/"]
-    assert len(paths) > 3, f"the {role}'s menu links to no page"
+    forbidden = reverse(FORBIDDEN[role])
+    paths = [reverse("dashboard:home"), *_menu_paths(page), forbidden, MISSING]
+    assert len(paths) > 4, f"the {role}'s menu links to no page"
     overflowing = []
     for path in paths:
         response = page.goto(path)
-        assert response.status == (404 if path == "/no-such-page/" else 200), f"{path}: {response.status}"
+        expected = {forbidden: 403, MISSING: 404}.get(path, 200)
+        assert response.status == expected, f"{path}: {response.status}"
+        if expected != 200:  # the dashboard's error page, with the role's menu
+            expect(page.locator(f'#error-page[data-status="{expected}"]')).to_be_visible()
+            expect(page.locator("header nav.sections a")).not_to_have_count(0)
         page.wait_for_load_state("load")
         shot = tmp_path / f"{_slug(role)}-{_slug(path)}-{WIDTHS[width]['width']}.png"
         page.screenshot(path=shot, full_page=True)

@@ -4,6 +4,7 @@ show and call services; every query is filtered by the signed-in member's own te
 from dataclasses import dataclass
 from datetime import timedelta
 
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
@@ -26,7 +27,7 @@ from controlplane.catalog.selectors import models_for_playground
 from controlplane.dashboard.credits import credits_context
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect
-from controlplane.dashboard.permissions import tenant_of, tenant_required
+from controlplane.dashboard.permissions import playground_required, tenant_of, tenant_required
 from controlplane.dashboard.reports.forms import PeriodForm
 from controlplane.dashboard.tenant.forms import ApiKeyBudgetForm, ApiKeyCreateForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm
@@ -177,7 +178,7 @@ def batches(request: HttpRequest) -> HttpResponse:
     return render(request, template, {"batches": rows, "running": running})
 
 
-@tenant_required
+@playground_required
 @require_GET
 def playground(request: HttpRequest) -> HttpResponse:
     offered = list(models_for_playground())
@@ -193,11 +194,13 @@ def playground(request: HttpRequest) -> HttpResponse:
             "form": form,
             "models": models,
             "max_tokens_limit": MAX_TOKENS_LIMIT,
+            # Operators and admins belong to no tenant: the page names the one that pays.
+            "staff_tenant": settings.PLAYGROUND_STAFF_TENANT if request.user.tenant_id is None else "",
         },
     )
 
 
-@tenant_required
+@playground_required
 @require_GET
 def playground_code(request: HttpRequest) -> HttpResponse:
     """The "view code" panel for the playground form's current values (sent by htmx as a GET)."""

@@ -174,10 +174,9 @@ def test_the_code_view_follows_the_form_and_fills_in_what_is_not_valid_yet(clien
     assert "0.7" in page and "Your next message" in page  # the initial temperature, a placeholder message
 
 
-@pytest.mark.parametrize("role", [User.Role.OPERATOR, User.Role.ADMIN])
-def test_the_code_view_is_for_tenant_members(client, role):
-    client.force_login(UserFactory(role=role, tenant=None))
-    assert client.get(reverse("dashboard:playground_code")).status_code == 403
+def test_the_code_view_is_for_signed_in_users(client):
+    response = client.get(reverse("dashboard:playground_code"))
+    assert response.status_code == 302 and response["Location"].startswith(reverse("login"))
 
 
 def _ready(model, *, worker_state=None):
@@ -215,3 +214,21 @@ def test_with_no_ready_chat_model_the_page_selects_none(client):
     ModelFactory(public_name="chat-a")
     client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
     assert _selected_model(client) == ""
+
+
+@pytest.mark.parametrize("role", [User.Role.OPERATOR, User.Role.ADMIN])
+def test_operators_and_admins_open_the_playground_which_names_the_tenant_that_pays(client, settings, role):
+    settings.PLAYGROUND_STAFF_TENANT = "Platform team"
+    ModelFactory(public_name="chat-a")
+    client.force_login(UserFactory(role=role, tenant=None))
+    page = client.get(reverse("dashboard:playground"))
+    assert page.status_code == 200
+    assert 'id="playground-billed-to"' in page.content.decode() and "Platform team" in page.content.decode()
+    assert f'href="{reverse("dashboard:playground")}"' in page.content.decode()  # in their menu
+    assert client.get(reverse("dashboard:playground_code"), {"model": "chat-a", "message": "Hi"}).status_code == 200
+
+
+def test_a_members_playground_names_no_other_tenant(client):
+    ModelFactory(public_name="chat-a")
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
+    assert 'id="playground-billed-to"' not in client.get(reverse("dashboard:playground")).content.decode()
