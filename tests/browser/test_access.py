@@ -132,7 +132,8 @@ def _socket_opens(page, path: str) -> bool:
     ("path", "allowed", "refused"),
     [
         ("/ws/fleet/", ["operator", "admin"], ["tenant"]),
-        ("/ws/playground/", ["tenant"], ["operator", "admin"]),
+        ("/ws/home/fleet/", ["operator", "admin"], ["tenant"]),
+        ("/ws/playground/", ["tenant", "operator", "admin"], []),
     ],
 )
 def test_live_sockets_accept_only_their_roles(open_page, path, allowed, refused):
