@@ -62,6 +62,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # After htmx's: it needs request.htmx (an ended session's redirect becomes HX-Redirect).
+    "controlplane.dashboard.session_expiry.htmx_login_redirect_middleware",
     # Last, as django-axes asks: it turns a lockout into the page below.
     "axes.middleware.AxesMiddleware",
 ]
@@ -335,6 +337,10 @@ GATEWAY_REFUSAL_FLUSH_SECONDS = env_int("GATEWAY_REFUSAL_FLUSH_SECONDS", 5)
 # How long the Responses API keeps a stored response (`store`, its default) before the hourly sweep
 # deletes it; a tenant may delete one sooner (DELETE /v1/responses/{id}).
 GATEWAY_RESPONSES_RETENTION_DAYS = env_int("GATEWAY_RESPONSES_RETENTION_DAYS", 30)
+
+# The tenant whose credit pays for operators' and admins' playground requests (they belong to no
+# tenant): created, with no credit, on first use; an admin grants it credit as any tenant's.
+PLAYGROUND_STAFF_TENANT = env_str("PLAYGROUND_STAFF_TENANT", "Operators")
 
 # --- HTTPS and cookies: on by default whenever DEBUG is off -----------------------------------
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)

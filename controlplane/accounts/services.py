@@ -11,7 +11,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -289,17 +289,34 @@ def _key_detail(api_key: ApiKey, allowed_models: list) -> dict:
     return detail
 
 
+def playground_tenant(*, user: User) -> Tenant:
+    """The tenant that pays for `user`'s playground requests: their own, or for operators and admins
+    (who belong to none) settings.PLAYGROUND_STAFF_TENANT, created on first use, with no credit."""
+    if user.tenant_id is not None:
+        return user.tenant
+    if user.role not in (User.Role.OPERATOR, User.Role.ADMIN):
+        raise ValidationError("Only members of a tenant, operators and admins can use the playground.")
+    name = settings.PLAYGROUND_STAFF_TENANT
+    tenant = Tenant.objects.filter(name=name).first()
+    if tenant is None:
+        try:
+            with transaction.atomic():
+                tenant = tenant_create(name=name, actor=user)
+        except (IntegrityError, ValidationError):  # created meanwhile by another session
+            tenant = Tenant.objects.get(name=name)
+    return tenant
+
+
 def playground_key_create(*, user: User, lifetime: timedelta = PLAYGROUND_KEY_LIFETIME) -> ApiKeyCreated:
-    """A short-lived key for one dashboard playground session of `user`'s tenant.
+    """A short-lived key for one dashboard playground session, of the tenant that pays for it
+    (`playground_tenant`).
 
     The playground calls the same /v1 gateway as API clients, so it needs a key like theirs:
     the tenant's limits and credit apply and its requests are billed alike. The key is hidden
     from the tenant's key list, expires on its own, and the session revokes it when it ends.
     """
-    if user.tenant_id is None:
-        raise ValidationError("Only members of a tenant can use the playground.")
     return api_key_create(
-        tenant=user.tenant,
+        tenant=playground_tenant(user=user),
         name=f"playground {user.username[:60]} {secrets.token_hex(6)}",
         expires_at=timezone.now() + lifetime,
         created_by=user,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from django.http import HttpRequest
 from django.urls import NoReverseMatch, reverse
 
-from controlplane.dashboard.permissions import ADMIN_ROLES, OPERATOR_ROLES, TENANT_ROLES, has_role
+from controlplane.dashboard.permissions import ADMIN_ROLES, OPERATOR_ROLES, PLAYGROUND_ROLES, TENANT_ROLES, has_role
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ NAV_ITEMS = (
     NavItem("Requests", "dashboard:requests", TENANT_ROLES + ADMIN_ROLES),
     NavItem("Credits", "dashboard:credits", TENANT_ROLES),
     NavItem("Batches", "dashboard:batches", TENANT_ROLES),
-    NavItem("Playground", "dashboard:playground", TENANT_ROLES),
+    NavItem("Playground", "dashboard:playground", PLAYGROUND_ROLES),
     NavItem("Team", "dashboard:team", TENANT_ROLES),
     NavItem("Reports", "dashboard:reports", ADMIN_ROLES),
     NavItem("Tenants", "dashboard:tenants", ADMIN_ROLES),

@@ -28,6 +28,18 @@ def replicas_ready_for_model(*, model) -> QuerySet[Replica]:
     ).select_related("worker", "gpu")
 
 
+def first_ready_chat_model(*, models: Iterable[Model]) -> Model | None:
+    """Of `models`, the first in the catalog's order (oldest first) that chats in text and has a
+    ready replica on an online worker now: what a page offers before its reader picks one."""
+    chat = sorted((m for m in models if m.kind == Model.Kind.CHAT), key=lambda m: m.pk)
+    ready = set(
+        Replica.objects.filter(
+            deployment__model__in=chat, state=Replica.State.READY, worker__state=Worker.State.ONLINE
+        ).values_list("deployment__model_id", flat=True)
+    )
+    return next((m for m in chat if m.pk in ready), None)
+
+
 def worker_latest_heartbeat(*, worker_id: int) -> dict[str, Any] | None:
     """The worker's latest heartbeat as stored (figures per GPU, CPU and replica), or None."""
     return heartbeat_cache.read(worker_id=worker_id)

@@ -36,6 +36,10 @@ HISTORY_ROLES = ("user", "assistant")
 IMAGE_DATA_URL = re.compile(r"^data:image/(png|jpeg|webp|gif);base64,[A-Za-z0-9+/=]*$")
 # Base64 of the catalog's largest image limit (20 MiB) and its prefix; each model's own limit applies.
 MAX_IMAGE_DATA_URL_CHARS = 4 * (20 << 20) // 3 + 64
+SEND_ON_CTRL_ENTER = (
+    "if (event.key === 'Enter' && (event.ctrlKey || event.metaKey)) "
+    "{ event.preventDefault(); this.form.requestSubmit(); }"
+)
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,16 @@ class PlaygroundForm(forms.Form):
     the fields."""
 
     model = forms.ChoiceField()
-    system_prompt = forms.CharField(required=False, max_length=8000, strip=False)
-    message = forms.CharField(max_length=32000, strip=False)
+    system_prompt = forms.CharField(
+        required=False, max_length=8000, strip=False, widget=forms.Textarea(attrs={"rows": 2})
+    )
+    message = forms.CharField(
+        max_length=32000,
+        strip=False,
+        # Enter starts a new line; Ctrl+Enter (Cmd+Enter) sends, as the Send button does.
+        widget=forms.Textarea(attrs={"rows": 4, "onkeydown": SEND_ON_CTRL_ENTER}),
+        help_text="Ctrl+Enter sends.",
+    )
     temperature = forms.FloatField(min_value=0.0, max_value=2.0, initial=0.7)
     top_p = forms.FloatField(
         min_value=0.0,

@@ -4,6 +4,7 @@ show and call services; every query is filtered by the signed-in member's own te
 from dataclasses import dataclass
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -28,12 +29,13 @@ from controlplane.catalog.selectors import models_for_playground
 from controlplane.dashboard.credits import credits_context
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect
-from controlplane.dashboard.permissions import tenant_of, tenant_required
+from controlplane.dashboard.permissions import playground_required, tenant_of, tenant_required
 from controlplane.dashboard.reports.forms import PeriodForm
 from controlplane.dashboard.tenant.forms import ApiKeyBudgetForm, ApiKeyCreateForm, ApiKeySettingsForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm
 from controlplane.dashboard.tenant.playground_code import code_samples
 from controlplane.dashboard.tenant.quickstart import quickstart_context
+from controlplane.fleet.selectors import first_ready_chat_model
 
 
 def _keys(request: HttpRequest):
@@ -218,11 +220,15 @@ def batches(request: HttpRequest) -> HttpResponse:
     return render(request, template, {"batches": rows, "running": running})
 
 
-@tenant_required
+@playground_required
 @require_GET
 def playground(request: HttpRequest) -> HttpResponse:
-    form = PlaygroundForm(initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128})
-    models = [{"public_name": m.public_name, "context_length": m.context_length} for m in models_for_playground()]
+    offered = list(models_for_playground())
+    default = first_ready_chat_model(models=offered)
+    form = PlaygroundForm(
+        initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128, "model": default.public_name if default else None}
+    )
+    models = [{"public_name": m.public_name, "context_length": m.context_length} for m in offered]
     return render(
         request,
         "dashboard/tenant/playground.html",
@@ -231,11 +237,13 @@ def playground(request: HttpRequest) -> HttpResponse:
             "models": models,
             "max_tokens_limit": MAX_TOKENS_LIMIT,
             "vision_models": form.vision_models(),
+            # Operators and admins belong to no tenant: the page names the one that pays.
+            "staff_tenant": settings.PLAYGROUND_STAFF_TENANT if request.user.tenant_id is None else "",
         },
     )
 
 
-@tenant_required
+@playground_required
 @require_GET
 def playground_code(request: HttpRequest) -> HttpResponse:
     """The "view code" panel for the playground form's current values (sent by htmx as a GET)."""

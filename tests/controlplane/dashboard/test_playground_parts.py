@@ -175,10 +175,64 @@ def test_the_code_view_follows_the_form_and_fills_in_what_is_not_valid_yet(clien
     assert "0.7" in page and "Your next message" in page  # the initial temperature, a placeholder message
 
 
+def test_the_code_view_is_for_signed_in_users(client):
+    response = client.get(reverse("dashboard:playground_code"))
+    assert response.status_code == 302 and response["Location"].startswith(reverse("login"))
+
+
+def _ready(model, *, worker_state=None):
+    from controlplane.fleet.models import Replica, Worker
+    from tests.controlplane.factories import DeploymentFactory, ReplicaFactory, WorkerFactory
+
+    worker = WorkerFactory(state=worker_state or Worker.State.ONLINE)
+    ReplicaFactory(deployment=DeploymentFactory(model=model), worker=worker, state=Replica.State.READY)
+
+
+def _selected_model(client) -> str:
+    page = client.get(reverse("dashboard:playground")).content.decode()
+    select = page[page.index('<select name="model"') : page.index("</select>", page.index('<select name="model"'))]
+    chosen = [part.split('"')[1] for part in select.split("<option")[1:] if " selected" in part.split(">")[0]]
+    return chosen[0] if chosen else ""
+
+
+def test_the_page_offers_the_first_ready_chat_model_with_multi_line_inputs(client):
+    from controlplane.catalog.models import Model
+    from controlplane.fleet.models import Worker
+
+    ModelFactory(public_name="a-not-loaded")  # first by name and age, but nothing serves it
+    _ready(ModelFactory(public_name="0-on-a-lost-worker"), worker_state=Worker.State.LOST)
+    _ready(ModelFactory(public_name="b-vision", kind=Model.Kind.VISION))  # chats with images only
+    _ready(ModelFactory(public_name="real-chat"))
+    _ready(ModelFactory(public_name="demo-noise"))  # ready too, but added to the catalog later
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
+
+    assert _selected_model(client) == "real-chat"
+    page = client.get(reverse("dashboard:playground")).content.decode()
+    assert '<textarea name="message"' in page and '<textarea name="system_prompt"' in page
+
+
+def test_with_no_ready_chat_model_the_page_selects_none(client):
+    ModelFactory(public_name="chat-a")
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
+    assert _selected_model(client) == ""
+
+
 @pytest.mark.parametrize("role", [User.Role.OPERATOR, User.Role.ADMIN])
-def test_the_code_view_is_for_tenant_members(client, role):
+def test_operators_and_admins_open_the_playground_which_names_the_tenant_that_pays(client, settings, role):
+    settings.PLAYGROUND_STAFF_TENANT = "Platform team"
+    ModelFactory(public_name="chat-a")
     client.force_login(UserFactory(role=role, tenant=None))
-    assert client.get(reverse("dashboard:playground_code")).status_code == 403
+    page = client.get(reverse("dashboard:playground"))
+    assert page.status_code == 200
+    assert 'id="playground-billed-to"' in page.content.decode() and "Platform team" in page.content.decode()
+    assert f'href="{reverse("dashboard:playground")}"' in page.content.decode()  # in their menu
+    assert client.get(reverse("dashboard:playground_code"), {"model": "chat-a", "message": "Hi"}).status_code == 200
+
+
+def test_a_members_playground_names_no_other_tenant(client):
+    ModelFactory(public_name="chat-a")
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
+    assert 'id="playground-billed-to"' not in client.get(reverse("dashboard:playground")).content.decode()
 
 
 PNG_DATA_URL = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 300).decode()
