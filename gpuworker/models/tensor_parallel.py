@@ -12,10 +12,16 @@ rank's slice of the tokens to the experts' ranks and combines the results back
 (models.expert_parallel), as ParallelContext.dispatch_experts says; the embedding is a masked
 lookup in the rank's vocabulary rows, then an all-reduce; the logits are the rank's vocabulary
 columns, all-gathered. Without a context (N = 1) the model is built exactly as before.
+
+A block-wise FP8 checkpoint splits the same way, each rank taking its rows or columns of a weight and
+the matching rows or columns of its block scales, so every shard boundary must fall on a block
+boundary (check_block_alignment); its row-parallel projections join with the same all-reduce
+(join_row_parallel). Per-channel FP8 and INT4 checkpoints are not split.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +31,17 @@ import torch.nn.functional as F
 
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import GatedMLP, Linear
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint tensor one tensor-parallel rank holds: indices [begin, begin + length)
+    of dimension `dim` (0: rows, 1: columns), of `size` in the checkpoint."""
+
+    dim: int
+    begin: int
+    length: int
+    size: int
 
 
 @dataclass(frozen=True)
@@ -92,11 +109,6 @@ def shard_config(mc: ModelConfig, parallel: ParallelContext | None) -> ModelConf
     parallel = active(parallel)
     if parallel is None:
         return mc
-    if mc.quantization is not None:
-        raise ValueError(
-            f"quantization: a {mc.quantization.label} model cannot be split over "
-            f"tensor_parallel_size ({parallel.world_size}) ranks yet"
-        )
     _, heads = parallel.split(mc.num_heads, "num_attention_heads")
     _, kv_heads = kv_head_range(mc, parallel)
     moe = mc.moe
@@ -108,7 +120,56 @@ def shard_config(mc: ModelConfig, parallel: ParallelContext | None) -> ModelConf
         parallel.split(moe.num_experts, "num_experts")
         if moe.shared_expert_intermediate_size:
             parallel.split(moe.shared_expert_intermediate_size, "shared_expert_intermediate_size")
-    return replace(mc, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=intermediate)
+    local = replace(mc, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=intermediate)
+    if mc.quantization is not None:
+        check_block_alignment(mc, local, parallel)
+    return local
+
+
+def check_block_alignment(mc: ModelConfig, local: ModelConfig, parallel: ParallelContext) -> None:
+    """ValueError unless mc's quantization splits over the ranks: only block-wise FP8 shards its
+    scales, and then each rank's rows (column-parallel projections) and input columns (row-parallel
+    ones) must be whole blocks of weight_block_size, so a rank's scales are the blocks it holds."""
+    quant, world = mc.quantization, parallel.world_size
+    if quant.weight_strategy != "block":
+        raise ValueError(
+            f"quantization: a {quant.label} model ({quant.checkpoint_format}) cannot be split over "
+            f"tensor_parallel_size ({world}) ranks: its per-channel or per-group scales are not sharded; "
+            f"only block-wise FP8 checkpoints (weight_block_size) split. Serve it with tensor_parallel_size 1"
+        )
+    rows, columns = quant.weight_block_size
+    moe = mc.moe
+    # (field, the checkpoint's size, this rank's share, the block dimension it must be whole blocks of)
+    splits: list[tuple[str, int, int, int]] = []
+    if mc.mla is None:
+        splits += [
+            ("num_attention_heads * head_dim", mc.q_size, local.q_size, math.lcm(rows, columns)),
+            ("num_key_value_heads * head_dim", mc.kv_size, local.kv_size, rows),
+        ]
+    else:
+        mla, heads = mc.mla, local.num_heads
+        splits += [
+            ("num_attention_heads * qk_head_dim", mc.num_heads * mla.qk_head_dim, heads * mla.qk_head_dim, rows),
+            (
+                "num_attention_heads * (qk_nope_head_dim + v_head_dim)",
+                mc.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                rows,
+            ),
+            ("num_attention_heads * v_head_dim", mc.num_heads * mla.v_head_dim, heads * mla.v_head_dim, columns),
+        ]
+    if local.intermediate_size != mc.intermediate_size:
+        splits.append(("intermediate_size", mc.intermediate_size, local.intermediate_size, math.lcm(rows, columns)))
+    if moe is not None and moe.shared_expert_intermediate_size:
+        shared = moe.shared_expert_intermediate_size
+        splits.append(("shared_expert_intermediate_size", shared, shared // world, math.lcm(rows, columns)))
+    for field, size, share, block in splits:
+        if share % block:
+            raise ValueError(
+                f"quantization: {field} ({size}) split over tensor_parallel_size ({world}) gives {share} per rank, "
+                f"not a multiple of the weight_block_size {list(quant.weight_block_size)} blocks ({block}): each "
+                f"rank must hold whole blocks of the block scales"
+            )
 
 
 class RowParallelLinear(Linear):
@@ -120,8 +181,14 @@ class RowParallelLinear(Linear):
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.parallel.all_reduce(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+        return join_row_parallel(F.linear(x, self.weight), self.bias, self.parallel)
+
+
+def join_row_parallel(partial: torch.Tensor, bias: torch.Tensor | None, parallel: ParallelContext) -> torch.Tensor:
+    """A row-parallel projection's output from this rank's partial product (its input columns, no
+    bias): the partial products summed over the ranks, then the bias, once."""
+    out = parallel.all_reduce(partial)
+    return out if bias is None else out + bias
 
 
 class ParallelGatedMLP(GatedMLP):
