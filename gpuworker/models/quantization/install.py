@@ -29,10 +29,10 @@ def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
     if config.mla is not None:
         _install_latent_attention(model, quant)
         return
-    q, kv = config.q_size, config.kv_size
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
+        q, kv = attn.q_size, attn.kv_size  # this rank's rows of each
         attn.qkv_proj = _quantized(
             attn.qkv_proj, quant, (q, kv, kv), tuple(f"{prefix}self_attn.{n}_proj" for n in "qkv")
         )

@@ -144,9 +144,15 @@ def test_a_model_that_does_not_split_is_refused(tiny_checkpoint):
     assert not multiprocessing.active_children()  # refused before any worker started
 
 
-def test_a_quantized_model_is_not_split(tiny_checkpoint):
+def test_a_per_channel_fp8_model_is_not_split(tiny_checkpoint):
+    # Block-wise FP8 splits (test_tensor_parallel_block_fp8); FP8 quantized at load keeps a scale per
+    # output channel and is refused, with the reason.
     mc = with_quantization(load_model_config(tiny_checkpoint("llama")), "fp8")
-    with pytest.raises(ValueError, match=r"quantization: a .* model cannot be split over tensor_parallel_size \(2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantization: a .* model \(fp8-at-load\) cannot be split over tensor_parallel_size \(2\) ranks: "
+        r"its per-channel or per-group scales are not sharded",
+    ):
         shard_config(mc, ParallelContext(0, 2))
     assert shard_config(mc, ParallelContext(0, 1)) is mc  # one rank: nothing to split
 
