@@ -42,6 +42,7 @@ from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_
 from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
+from gpuworker.models.parallel_context import Shard
 from gpuworker.models.quantization.block_fp8_experts import BlockFp8Experts
 from gpuworker.models.quantization.install import (
     install_quantized_linears,
@@ -52,7 +53,7 @@ from gpuworker.models.quantization.install import (
 from gpuworker.models.quantization.kv_scales import is_kv_scale, load_kv_scales
 from gpuworker.models.quantization.linear import QuantizedLinear
 from gpuworker.models.qwen2_5_vl.model import Qwen2_5_VLForConditionalGeneration
-from gpuworker.models.tensor_parallel import ParallelContext, Shard, kv_head_range, vocab_range
+from gpuworker.models.tensor_parallel import ParallelContext, kv_head_range, vocab_range
 from gpuworker.models.weight_stream import TORCH_DTYPES, TensorCopy, copy_tensors
 
 CONFIG_FILE = "config.json"

@@ -22,8 +22,8 @@ from gpuworker.kernels.quant.block_fp8_matmul import (
     quantize_fp8_groups,
 )
 from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE, FP8_MAX
+from gpuworker.models.parallel_context import Shard, join_row_parallel
 from gpuworker.models.quantization.linear import QuantizedLinear
-from gpuworker.models.tensor_parallel import Shard, join_row_parallel
 
 
 class BlockFp8Linear(QuantizedLinear):

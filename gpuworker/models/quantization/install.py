@@ -13,8 +13,9 @@ from torch import nn
 from gpuworker.checkpoint_quantization import QuantConfig
 from gpuworker.models.layers import GatedMLP
 from gpuworker.models.moe import SparseMoE
+from gpuworker.models.parallel_context import Shard
 from gpuworker.models.quantization.linear import QuantizedLinear
-from gpuworker.models.tensor_parallel import RowParallelLinear, Shard
+from gpuworker.models.tensor_parallel import RowParallelLinear
 
 
 def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from gpuworker.checkpoint_quantization import QuantConfig
-from gpuworker.models.tensor_parallel import ParallelContext, Shard
+from gpuworker.models.parallel_context import ParallelContext, Shard
 
 
 class FixedDtypes(nn.Module):
