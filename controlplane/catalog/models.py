@@ -108,7 +108,8 @@ class Model(models.Model):
             raise ValidationError(
                 {
                     "tensor_parallel_size": f"A {self.get_quantization_display()} checkpoint runs on one GPU: its "
-                    f"per-group scales are not split over GPUs (block-wise FP8 and float checkpoints split). "
+                    f"packed INT4 weights and per-group scales are not split over GPUs (FP8 and float checkpoints "
+                    f"split). "
                     f"Set tensor_parallel_size to 1."
                 }
             )

@@ -8,9 +8,8 @@ from __future__ import annotations
 # More GPUs than one host holds; past it a typo, not a wish.
 MAX_TENSOR_PARALLEL_SIZE = 16
 # Checkpoint quantizations (contract.heartbeat.QUANTIZATION_LABELS) a replica runs on one GPU only:
-# their per-group scales are not split over ranks (models.tensor_parallel.check_block_alignment).
-# "fp8" splits where it is block-wise (weight_block_size: DeepSeek-V3/R1's, Kimi K2's); a per-channel
-# FP8 checkpoint's load refuses a split, saying so.
+# their packed INT4 weights and per-group scales are not split over ranks
+# (models.tensor_parallel.check_quantized_split). FP8 checkpoints split.
 UNSPLIT_QUANTIZATIONS = ("awq-int4", "gptq-int4")
 
 

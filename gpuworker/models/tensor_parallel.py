@@ -13,10 +13,11 @@ rank's slice of the tokens to the experts' ranks and combines the results back
 lookup in the rank's vocabulary rows, then an all-reduce; the logits are the rank's vocabulary
 columns, all-gathered. Without a context (N = 1) the model is built exactly as before.
 
-A block-wise FP8 checkpoint splits the same way, each rank taking its rows or columns of a weight and
+An FP8 checkpoint splits the same way, each rank taking its rows or columns of a weight and
 the matching rows or columns of its block scales, so every shard boundary must fall on a block
-boundary (check_block_alignment); its row-parallel projections join with the same all-reduce
-(join_row_parallel). Per-channel FP8 and INT4 checkpoints are not split.
+boundary; an FP8 checkpoint with a scale per output channel splits anywhere (check_quantized_split).
+Quantized row-parallel projections join with the same all-reduce (join_row_parallel). INT4
+checkpoints are not split.
 """
 
 from __future__ import annotations
@@ -79,21 +80,25 @@ def shard_config(mc: ModelConfig, parallel: ParallelContext | None) -> ModelConf
             parallel.split(moe.shared_expert_intermediate_size, "shared_expert_intermediate_size")
     local = replace(mc, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=intermediate)
     if mc.quantization is not None:
-        check_block_alignment(mc, local, parallel)
+        check_quantized_split(mc, local, parallel)
     return local
 
 
-def check_block_alignment(mc: ModelConfig, local: ModelConfig, parallel: ParallelContext) -> None:
-    """ValueError unless mc's quantization splits over the ranks: only block-wise FP8 shards its
-    scales, and then each rank's rows (column-parallel projections) and input columns (row-parallel
-    ones) must be whole blocks of weight_block_size, so a rank's scales are the blocks it holds."""
+def check_quantized_split(mc: ModelConfig, local: ModelConfig, parallel: ParallelContext) -> None:
+    """ValueError unless mc's quantization splits over the ranks. FP8 with a scale per output channel
+    or per tensor splits anywhere (a rank's rows take their channels' scales, its columns all of
+    them); block-wise FP8 where each rank's rows (column-parallel projections) and input columns
+    (row-parallel ones) are whole blocks of weight_block_size, so its scales are the blocks it holds;
+    INT4 (AWQ, GPTQ) not at all."""
     quant, world = mc.quantization, parallel.world_size
-    if quant.weight_strategy != "block":
+    if quant.method != "fp8":
         raise ValueError(
             f"quantization: a {quant.label} model ({quant.checkpoint_format}) cannot be split over "
-            f"tensor_parallel_size ({world}) ranks: its per-channel or per-group scales are not sharded; "
-            f"only block-wise FP8 checkpoints (weight_block_size) split. Serve it with tensor_parallel_size 1"
+            f"tensor_parallel_size ({world}) ranks: its INT4 weights are packed and scaled per group of "
+            f"input columns, which are not sharded; only FP8 checkpoints split. Serve it with tensor_parallel_size 1"
         )
+    if quant.weight_strategy != "block":
+        return
     rows, columns = quant.weight_block_size
     moe = mc.moe
     # (field, the checkpoint's size, this rank's share, the block dimension it must be whole blocks of)

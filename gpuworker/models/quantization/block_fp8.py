@@ -22,7 +22,7 @@ from gpuworker.kernels.quant.block_fp8_matmul import (
     quantize_fp8_groups,
 )
 from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE, FP8_MAX
-from gpuworker.models.parallel_context import Shard, join_row_parallel
+from gpuworker.models.parallel_context import Shard
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 
@@ -42,7 +42,7 @@ class BlockFp8Linear(QuantizedLinear):
     def expected_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return ("weight", "weight_scale_inv"), ()
 
-    def field_shard(self, field: str, weight_shard: Shard) -> Shard:
+    def field_shard(self, field: str, weight_shard: Shard, shape: tuple[int, ...]) -> Shard | None:
         if field == "weight":
             return weight_shard
         block = self.quant.weight_block_size[weight_shard.dim]
@@ -84,7 +84,7 @@ class BlockFp8Linear(QuantizedLinear):
         self.weight_fp8.copy_(values.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
         self.weight_scale_inv.fill_(0.02 * 8 / FP8_MAX)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         x_q, x_scale = quantize_fp8_groups(x, self.group_k)
@@ -96,11 +96,10 @@ class BlockFp8Linear(QuantizedLinear):
             self.weight_scale_inv,
             self.group_n,
             self.group_k,
-            bias=self.bias if self.row_parallel is None else None,
+            bias=bias,
             out_dtype=x.dtype,
         )
-        out = out.reshape(*shape[:-1], self.out_features)
-        return out if self.row_parallel is None else join_row_parallel(out, self.bias, self.row_parallel)
+        return out.reshape(*shape[:-1], self.out_features)
 
 
 class DequantizedBlockFp8Linear(BlockFp8Linear):
@@ -143,5 +142,5 @@ class DequantizedBlockFp8Linear(BlockFp8Linear):
     def fill_dummy(self, generator: torch.Generator) -> None:
         self.weight_dense.normal_(0.0, 0.02, generator=generator)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight_dense, self.bias)
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight_dense, bias)

@@ -146,10 +146,12 @@ def _read_shard(reader, name: str, module: QuantizedLinear, shard: int, field: s
     weight_shard = module.checkpoint_shards[shard]
     if weight_shard is None:
         return reader.get_tensor(name)
-    part = module.field_shard(field, weight_shard)
     tensor = reader.get_slice(name)
-    shape = tensor.get_shape()
-    if len(shape) != 2 or shape[part.dim] != part.size:
+    shape = tuple(tensor.get_shape())
+    part = module.field_shard(field, weight_shard, shape)
+    if part is None:
+        return reader.get_tensor(name)
+    if len(shape) <= part.dim or shape[part.dim] != part.size:
         raise ValueError(f"{name} has shape {tuple(shape)}, expected {part.size} along dimension {part.dim}")
     end = part.begin + part.length
     return tensor[part.begin : end] if part.dim == 0 else tensor[:, part.begin : end]

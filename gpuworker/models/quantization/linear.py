@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from gpuworker.checkpoint_quantization import QuantConfig
-from gpuworker.models.parallel_context import ParallelContext, Shard
+from gpuworker.models.parallel_context import ParallelContext, Shard, join_row_parallel
 
 
 class FixedDtypes(nn.Module):
@@ -81,11 +81,20 @@ class QuantizedLinear(FixedDtypes):
                 f"{self.quant.checkpoint_format} (expected {', '.join(required + optional)})"
             )
 
-    def field_shard(self, field: str, weight_shard: Shard) -> Shard:
-        """The part of tensor `field` that goes with `weight_shard` of the weight; ValueError where the
-        format's scales do not split there (models.tensor_parallel.shard_config refuses those models
-        before they load)."""
+    def field_shard(self, field: str, weight_shard: Shard, shape: tuple[int, ...]) -> Shard | None:
+        """The part of tensor `field` (of `shape` in the checkpoint) that goes with `weight_shard` of
+        the weight, None for all of it; ValueError where the format's scales do not split there
+        (models.tensor_parallel.shard_config refuses those models before they load)."""
         raise ValueError(f"quantization: {self.quant.checkpoint_format} projections are not split over ranks")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_parallel is None:
+            return self.project(x, self.bias)
+        return join_row_parallel(self.project(x, None), self.bias, self.row_parallel)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] times this rank's weight, plus `bias` when given -> [..., out]."""
+        raise NotImplementedError
 
     def load_shard(self, shard: int, field: str, tensor: torch.Tensor) -> None:
         self.check_field(shard, field)

@@ -2,8 +2,8 @@
 CPU with gloo: TP=2 through LLMEngine equals TP=1 token for token (a DeepSeek-V3-shaped model: latent
 attention, a dense first layer, routed and shared experts; with the experts joined by all-reduce or
 dispatched all-to-all), each rank holds and reads exactly its rows or columns of every weight and of
-its block scales, a shard that would cut a scale block is refused before any worker starts, and the
-formats whose scales do not split are refused with the reason."""
+its block scales, and a shard that would cut a scale block is refused. FP8 with a scale per output
+channel splits as well; INT4 (AWQ, GPTQ) is refused with the reason."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from gpuworker.engine import LLMEngine, SamplingParams
 from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE
 from gpuworker.models.loader import load_model, load_model_config
 from gpuworker.models.quantization.block_fp8 import BlockFp8Linear, DequantizedBlockFp8Linear
+from gpuworker.models.quantization.fp8 import Fp8Linear
 from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 from tests.gpuworker.models.deepseek_checkpoints import make_mla_checkpoint
 from tests.gpuworker.quantized_checkpoints import make_quantized_checkpoint, quantize_checkpoint
@@ -155,14 +156,58 @@ def test_an_intermediate_size_that_cuts_a_block_is_refused(tmp_path):
         shard_config(load_model_config(quantized), ParallelContext(0, 2))
 
 
-@pytest.mark.parametrize("scheme", ["fp8-ct-channel-dynamic", "awq", "gptq-sym"])
-def test_formats_whose_scales_do_not_split_are_refused(tmp_path, scheme):
-    # FP8 quantized at load: tests/gpuworker/engine/test_tensor_parallel.py.
+@pytest.mark.parametrize("scheme", ["awq", "gptq-sym"])
+def test_int4_models_are_refused_with_the_reason(tmp_path, scheme):
     mc = load_model_config(make_quantized_checkpoint(tmp_path, scheme)[0])
     with pytest.raises(
         ValueError,
-        match=r"quantization: a .* model \(.*\) cannot be split over tensor_parallel_size \(2\) ranks: "
-        r"its per-channel or per-group scales are not sharded",
+        match=r"quantization: a .*-int4 model \(.*\) cannot be split over tensor_parallel_size \(2\) ranks: "
+        r"its INT4 weights are packed and scaled per group of input columns",
     ):
         shard_config(mc, ParallelContext(0, 2))
     assert shard_config(mc, ParallelContext(0, 1)) is mc  # one rank: nothing to split
+
+
+# FP8 with a scale per output channel (compressed-tensors, vLLM's fp8) splits too: a rank's rows take
+# their channels' scales, its columns every channel's.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("scheme", "family"),
+    [
+        ("fp8-ct-channel-weight-only", "llama"),
+        # A static per-tensor input scale, and biases: the row-parallel o_proj adds its bias once.
+        ("fp8-ct-tensor-static", "llama-bias"),
+    ],
+)
+def test_per_channel_fp8_tp2_matches_tp1(tmp_path, scheme, family):
+    # Dynamic activations are quantized per token over each rank's own input columns in the
+    # row-parallel projections (as vLLM does), so only these schemes give TP=1's tokens exactly.
+    quantized, _ = make_quantized_checkpoint(tmp_path, scheme, family)
+    expected = _generate(LLMEngine(quantized, max_num_batched_tokens=32))
+    engine = LLMEngine(quantized, tensor_parallel_size=2, max_num_batched_tokens=32)
+    try:
+        o_proj = engine.runner.model.layers[0].self_attn.o_proj
+        assert isinstance(o_proj, Fp8Linear) and o_proj.row_parallel is not None
+        assert _generate(engine) == expected
+    finally:
+        engine.shutdown()
+    assert not multiprocessing.active_children()
+
+
+def test_a_per_channel_fp8_rank_holds_its_channels_scales(tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "fp8-ct-channel-dynamic")
+    mc = load_model_config(quantized)
+    whole = load_model(mc).layers[0]
+    ranks = [load_model(mc, parallel=ParallelContext(rank, 2)).layers[0] for rank in range(2)]
+    for module, dim in (("mlp.gate_up_proj", 0), ("mlp.down_proj", 1), ("self_attn.o_proj", 1)):
+        full, parts = whole.get_submodule(module), [rank.get_submodule(module) for rank in ranks]
+        if module == "mlp.gate_up_proj":  # each rank's gate rows then its up rows, with their scales
+            for name in ("weight_fp8", "weight_scale"):
+                halves = [getattr(part, name).chunk(2) for part in parts]
+                joined = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+                assert torch.equal(joined.float(), getattr(full, name).float())
+        else:  # row-parallel: its input columns, every output channel's scale
+            joined = torch.cat([part.weight_fp8 for part in parts], dim=dim)
+            assert torch.equal(joined.float(), full.weight_fp8.float())
+            assert all(torch.equal(part.weight_scale, full.weight_scale) for part in parts)
+        assert all(part.weight_fp8.nbytes * 2 == full.weight_fp8.nbytes for part in parts)
