@@ -13,11 +13,11 @@ rank's slice of the tokens to the experts' ranks and combines the results back
 lookup in the rank's vocabulary rows, then an all-reduce; the logits are the rank's vocabulary
 columns, all-gathered. Without a context (N = 1) the model is built exactly as before.
 
-An FP8 checkpoint splits the same way, each rank taking its rows or columns of a weight and
-the matching rows or columns of its block scales, so every shard boundary must fall on a block
-boundary; an FP8 checkpoint with a scale per output channel splits anywhere (check_quantized_split).
-Quantized row-parallel projections join with the same all-reduce (join_row_parallel). INT4
-checkpoints are not split.
+A block-wise FP8 checkpoint splits the same way, each rank taking its rows or columns of a weight
+and the matching rows or columns of its block scales, so every shard boundary must fall on a block
+boundary; an FP8 checkpoint with a scale per output channel or per tensor splits anywhere
+(check_quantized_split). Quantized row-parallel projections join with the same all-reduce
+(join_row_parallel). INT4 checkpoints are not split.
 """
 
 from __future__ import annotations
