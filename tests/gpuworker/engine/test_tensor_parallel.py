@@ -146,7 +146,7 @@ def test_a_model_that_does_not_split_is_refused(tiny_checkpoint):
 
 def test_quantized_models_split_as_their_scales_allow(tiny_checkpoint):
     # FP8 quantized at load keeps a scale per output channel: a rank takes its channels' scales.
-    # Block FP8, and INT4's refusal: test_tensor_parallel_block_fp8.
+    # Block FP8, and INT4's refusal: test_tensor_parallel_quantized.
     mc = with_quantization(load_model_config(tiny_checkpoint("llama")), "fp8")
     assert shard_config(mc, ParallelContext(0, 2)).num_heads * 2 == mc.num_heads
     layer = load_model(mc, parallel=ParallelContext(1, 2)).layers[0]

@@ -125,7 +125,7 @@ def test_logits_equal_transformers_through_prefill_and_absorbed_decode(v3, promp
 
 def test_a_split_that_cuts_a_scale_block_is_refused_before_any_worker(v3):
     # Two ranks' 2 heads of q_b_proj are 64 rows, half a 128-row block: their scales do not split.
-    # (Whole blocks split: tests/gpuworker/engine/test_tensor_parallel_block_fp8.py.)
+    # (Whole blocks split: tests/gpuworker/engine/test_tensor_parallel_quantized.py.)
     import multiprocessing
 
     with pytest.raises(
