@@ -1,12 +1,13 @@
 """Models tenants can call (by public name) and each model's deployment (desired replicas)."""
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
 
-from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE
+from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE, UNSPLIT_QUANTIZATIONS
 
 
 class Model(models.Model):
@@ -101,6 +102,17 @@ class Model(models.Model):
 
     def __str__(self) -> str:
         return self.public_name
+
+    def clean(self) -> None:
+        if self.tensor_parallel_size > 1 and self.quantization in UNSPLIT_QUANTIZATIONS:
+            raise ValidationError(
+                {
+                    "tensor_parallel_size": f"A {self.get_quantization_display()} checkpoint runs on one GPU: its "
+                    f"packed INT4 weights and per-group scales are not split over GPUs (FP8 and float checkpoints "
+                    f"split). "
+                    f"Set tensor_parallel_size to 1."
+                }
+            )
 
 
 # New deployments take the autoscaling defaults in force when they are created (settings.py).

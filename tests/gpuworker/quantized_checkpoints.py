@@ -53,6 +53,13 @@ SCHEMES: dict[str, dict[str, Any]] = {
         "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
     },
+    # Blocks small enough that a tiny model's heads, MLP and experts split over two ranks in whole blocks.
+    "fp8-block-16": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [16, 16],
+    },
     "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True, "version": "gemm"},
     "gptq-sym": {"quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "sym": True, "desc_act": False},
     "gptq-asym": {"quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "sym": False, "desc_act": False},

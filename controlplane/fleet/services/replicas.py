@@ -26,7 +26,7 @@ from controlplane.fleet.placement import (
 )
 from controlplane.fleet.selectors import placement_slots
 from controlplane.fleet.services.deployments import deployment_lock, deployment_set_desired_replicas, publish_deployment
-from gpuworker.contract.placement import gpu_share_bytes
+from gpuworker.contract.placement import UNSPLIT_QUANTIZATIONS, gpu_share_bytes
 from gpuworker.contract.tasks import LoadModel, UnloadModel
 
 
@@ -169,6 +169,8 @@ def too_large_note(*, model, gpu_bytes: int) -> str:
         return ""
     need = model_gpu_need(model=model, gpu_bytes=gpu_bytes)
     note = f"{model.public_name} {need.text}; its tensor_parallel_size is {size}"
+    if model.quantization in UNSPLIT_QUANTIZATIONS:
+        return f"{note}, and its {model.get_quantization_display()} checkpoint runs on one GPU: it needs a larger GPU"
     if need.as_sized is None:
         return f"{note}, and it needs more GPUs of this size than one worker holds"
     return f"{note}: set it to {need.as_sized} (its heads and experts must divide by it) on workers with as many GPUs"

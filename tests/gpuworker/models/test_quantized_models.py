@@ -42,7 +42,9 @@ def test_logits_equal_the_dequantised_reference(scheme, prompt, tmp_path):
     quantized, twin = make_quantized_checkpoint(tmp_path, scheme)
     mc = load_model_config(quantized)
     model = load_model(mc)
-    expected_class = BlockFp8Linear if scheme == "fp8-block" else Fp8Linear if scheme.startswith("fp8") else Int4Linear
+    expected_class = Int4Linear if not scheme.startswith("fp8") else Fp8Linear
+    if scheme.startswith("fp8-block"):
+        expected_class = BlockFp8Linear
     assert isinstance(model.layers[1].self_attn.qkv_proj, expected_class)
     assert isinstance(model.layers[0].mlp.down_proj, expected_class)
     with torch.no_grad():
