@@ -32,6 +32,7 @@ class Model(models.Model):
     class Quantization(models.TextChoices):
         NONE = "", "None (bf16/fp16)"
         FP8 = "fp8", "FP8"
+        INT8 = "int8", "INT8 W8A8"
         AWQ_INT4 = "awq-int4", "AWQ INT4"
         GPTQ_INT4 = "gptq-int4", "GPTQ INT4"
 
