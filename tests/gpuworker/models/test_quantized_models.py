@@ -1,6 +1,7 @@
 """Quantized checkpoints (FP8 compressed-tensors / vLLM fp8 / block-wise FP8, INT8 W8A8, AWQ, GPTQ)
 load into quantized linears and give the logits of their dequantised float32 twin run by
-transformers (with the format's FP8 or INT8 activation rounding where it has one); FP8 at load; what a broken or unsupported checkpoint says.
+transformers (with the format's FP8 or INT8 activation rounding where it has one); FP8 at load;
+what a broken or unsupported checkpoint says.
 """
 
 from __future__ import annotations
