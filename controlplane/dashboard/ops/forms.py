@@ -148,6 +148,7 @@ class CatalogModelForm(forms.ModelForm):
             "tensor_parallel_size",
             "expert_parallel",
             "price_tier",
+            "base_model",
             "enabled",
         ]
         labels = {
@@ -155,6 +156,7 @@ class CatalogModelForm(forms.ModelForm):
             "weights_path": "Weight path",
             "price_tier": "Price tier",
             "tensor_parallel_size": "GPUs per replica",
+            "base_model": "Base model",
         }
         help_texts = {
             "public_name": "What clients send as `model`.",

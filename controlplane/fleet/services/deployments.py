@@ -13,7 +13,7 @@ from controlplane import live_events
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.models import AUTOSCALING_BOUNDS, Deployment
-from controlplane.catalog.selectors import model_get_by_public_name
+from controlplane.catalog.selectors import model_get_by_public_name, quality_refusal
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands
 from controlplane.fleet.models import LoadBackoff
@@ -137,10 +137,16 @@ def deployment_set_desired_replicas(
 
 @transaction.atomic
 def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=None) -> Deployment:
-    """Want `desired_replicas` replicas; reconcile places or drains the difference."""
+    """Want `desired_replicas` replicas; reconcile places or drains the difference. More replicas
+    than now are refused while the model misses the deployment's quality bar, saying why."""
     # Lock the row so two operators scaling at once cannot both pass validation on stale bounds.
+    locked = deployment_lock(deployment)
+    if desired_replicas > locked.desired_replicas:
+        refusal = quality_refusal(deployment=locked)
+        if refusal:
+            raise ValidationError({"desired_replicas": refusal})
     return deployment_scale_locked(
-        deployment=deployment_lock(deployment), desired_replicas=desired_replicas, actor=actor, now=timezone.now()
+        deployment=locked, desired_replicas=desired_replicas, actor=actor, now=timezone.now()
     )
 
 
@@ -293,6 +299,36 @@ def deployment_retry_loads(*, deployment: Deployment, actor=None) -> Deployment:
         detail={
             "backoffs": {b.worker.name: b.consecutive_failures for b in backoffs},
         },
+    )
+    publish_deployment(deployment)
+    commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
+
+
+@transaction.atomic
+def deployment_set_quality_bound(
+    *, deployment: Deployment, max_perplexity_increase: float | None, actor=None
+) -> Deployment:
+    """Require the model's perplexity to be measured and at most `max_perplexity_increase` (a
+    fraction: 0.02 is 2%) above its base model's before replicas are placed; None: no requirement.
+    Replicas already running stay; reconcile places no new ones while the model misses the bar."""
+    value = max_perplexity_increase
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 10:
+            raise ValidationError({"max_perplexity_increase": f"Must be a fraction from 0 to 10, not {value!r}."})
+        value = float(value)
+    deployment = deployment_lock(deployment)
+    before = deployment.max_perplexity_increase
+    if before == value:
+        return deployment
+    deployment.max_perplexity_increase = value
+    deployment.save(update_fields=["max_perplexity_increase", "updated_at"])
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.DEPLOYMENT_UPDATE,
+        target=deployment,
+        target_label=deployment.model.public_name,
+        detail={"max_perplexity_increase": [before, value]},
     )
     publish_deployment(deployment)
     commands.request_reconcile(deployment_ids=[deployment.pk])
