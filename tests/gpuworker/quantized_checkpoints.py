@@ -306,7 +306,7 @@ def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str, *, read_quant
             static = max(
                 float(tensors[f"{parent}.{p}.input_scale"].reshape(())) for p in _FUSED_INPUTS.get(proj, (proj,))
             )
-        fake = _fake_int8 if scheme.startswith("int8") else lambda x: _fake_fp8(x, static, group)
+        fake = _fake_int8 if scheme.startswith("int8") else lambda x, static=static: _fake_fp8(x, static, group)
         module.register_forward_pre_hook(lambda _, args, fake=fake: (fake(args[0]),))
     return model
 

@@ -50,6 +50,13 @@ class DeploymentLimitsForm(forms.Form):
     idle_to_zero_seconds = forms.IntegerField(
         required=False, label="Idle to zero (s)", help_text="No request for this long: scale to min (0 never does)."
     )
+    # The quality bar: empty clears it (no check).
+    max_perplexity_increase = forms.FloatField(
+        required=False,
+        label="Max perplexity increase",
+        help_text="Serve only if the model's perplexity is measured and at most this fraction above its base "
+        "model's (0.02 = 2%); empty: no check.",
+    )
 
     @classmethod
     def for_deployment(cls, deployment: Deployment, *, reach: int | None = None, **kwargs) -> "DeploymentLimitsForm":

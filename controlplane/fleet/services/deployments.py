@@ -38,6 +38,10 @@ DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_w
 MAX_REPLICAS_LIMIT = 256
 
 
+# deployment_update's default for a setting the caller leaves as it is.
+UNCHANGED = object()
+
+
 def deployment_lock(deployment: Deployment) -> Deployment:
     """The deployment's row, locked until the transaction ends (with its model)."""
     return Deployment.objects.select_for_update().select_related("model").get(pk=deployment.pk)
@@ -211,10 +215,16 @@ def deployment_update(
     ttft_slo_ms: int | None = None,
     itl_slo_ms: int | None = None,
     idle_to_zero_seconds: int | None = None,
+    max_perplexity_increase: float | None | object = UNCHANGED,
     actor=None,
 ) -> Deployment:
     """Set a deployment's replica counts, keep-warm and (each unless None) autoscaling settings at
-    once; each bad value is reported on its own field, and min <= desired <= max must hold afterwards."""
+    once, and its quality bar unless UNCHANGED (None clears it: deployment_set_quality_bound); each
+    bad value is reported on its own field, and min <= desired <= max must hold afterwards."""
+    if max_perplexity_increase is not UNCHANGED:
+        deployment = deployment_set_quality_bound(
+            deployment=deployment, max_perplexity_increase=max_perplexity_increase, actor=actor
+        )
     deployment = deployment_lock(deployment)
     values = {"desired_replicas": desired_replicas, "min_replicas": min_replicas, "max_replicas": max_replicas}
     errors: dict[str, list[str]] = {}
