@@ -33,6 +33,7 @@ class Model(models.Model):
     class Quantization(models.TextChoices):
         NONE = "", "None (bf16/fp16)"
         FP8 = "fp8", "FP8"
+        INT8 = "int8", "INT8 W8A8"
         AWQ_INT4 = "awq-int4", "AWQ INT4"
         GPTQ_INT4 = "gptq-int4", "GPTQ INT4"
 
@@ -93,6 +94,21 @@ class Model(models.Model):
         help_text="How a mixture-of-experts model split over several GPUs joins its experts.",
     )
     price_tier = models.ForeignKey("billing.PriceTier", on_delete=models.PROTECT, related_name="models")
+    # The quality check: perplexity on the worker's fixed evaluation text (gpuworker/quality), as the
+    # worker's command measured it, and the unquantized model it is compared with.
+    base_model = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="quantized_models",
+        help_text="The unquantized model this one is a quantization of: its perplexity is the reference.",
+    )
+    perplexity = models.FloatField(null=True, blank=True, editable=False)
+    perplexity_tokens = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    perplexity_window = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    perplexity_text_sha256 = models.CharField(max_length=64, blank=True, editable=False)
+    perplexity_measured_at = models.DateTimeField(null=True, blank=True, editable=False)
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -112,6 +128,15 @@ class Model(models.Model):
                     f"split). "
                     f"Set tensor_parallel_size to 1."
                 }
+            )
+        base = self.base_model
+        if base is None:
+            return
+        if base.pk == self.pk:
+            raise ValidationError({"base_model": "A model cannot be its own base model."})
+        if base.quantization != self.Quantization.NONE:
+            raise ValidationError(
+                {"base_model": f"The base model must be unquantized; {base.public_name} is {base.quantization}."}
             )
 
 
@@ -181,6 +206,15 @@ class Deployment(models.Model):
         default=default_idle_to_zero_seconds,
         validators=_bounds("idle_to_zero_seconds"),
         help_text="Scale to zero (or min) after this long without requests; 0 never does.",
+    )
+    # An operator's quality bar for a quantized model: no replica is placed unless its perplexity is
+    # measured and at most this fraction above its base model's (0.02: 2%). Null: no check.
+    max_perplexity_increase = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.0), MaxValueValidator(10.0)],
+        help_text="Serve only if perplexity is measured and at most this fraction above the base model's "
+        "(0.02 = 2%); empty: no check.",
     )
     # The last change of desired_replicas, by anyone: the autoscaler's cooldowns count from it.
     # Existing rows take the migration's time: their idle clock starts then, not at the epoch.

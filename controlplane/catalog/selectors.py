@@ -140,3 +140,44 @@ def weights_path_reports(*, weights_path: str, workers: Iterable) -> list[Weight
                 )
             )
     return reports
+
+
+def perplexity_increase(*, model: Model) -> float | None:
+    """How much higher the model's perplexity is than its base model's, as a fraction (0.02: 2%
+    higher; negative: lower), or None when either is unmeasured or they were measured on different
+    text, windows or token counts (figures compare only at equal terms)."""
+    base = model.base_model
+    if base is None or model.perplexity is None or base.perplexity is None:
+        return None
+    terms = ("perplexity_text_sha256", "perplexity_window", "perplexity_tokens")
+    if any(getattr(model, term) != getattr(base, term) for term in terms):
+        return None
+    return model.perplexity / base.perplexity - 1
+
+
+def quality_refusal(*, deployment: Deployment) -> str:
+    """Why the deployment may not place replicas under its quality bar (max_perplexity_increase),
+    or "" when it may (no bar set, or the model within it)."""
+    bound = deployment.max_perplexity_increase
+    if bound is None:
+        return ""
+    model = deployment.model
+    name = model.public_name
+    if model.perplexity is None:
+        return (
+            f"{name} must have its perplexity measured before it serves (this deployment requires at most "
+            f"{bound:.2%} above its base model): run `python -m gpuworker.quality` on a worker and record the report"
+        )
+    if model.base_model is None:
+        return f"{name} has no base model to compare its perplexity with: set its base model in the catalog"
+    increase = perplexity_increase(model=model)
+    if increase is None:
+        return (
+            f"{name}'s perplexity and its base model {model.base_model.public_name}'s were not measured on the same "
+            "text, window and tokens: measure both with the same command"
+        )
+    if increase > bound:
+        return (
+            f"{name}'s perplexity is {increase:.2%} above its base model's; this deployment allows at most {bound:.2%}"
+        )
+    return ""

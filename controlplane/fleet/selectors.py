@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from controlplane.billing.models import UsageRecord
 from controlplane.catalog.models import Deployment, Model
+from controlplane.catalog.selectors import perplexity_increase, quality_refusal
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.autoscaling import ReplicaLoad
 from controlplane.fleet.backoff import error_cause
@@ -351,8 +352,10 @@ def replicas_with_model_and_worker() -> QuerySet[Replica]:
 def models_with_fleet_status(*, model_ids: Iterable[int] | None = None) -> list[Model]:
     """Catalog models (all, or these), by public name, with their price tier and deployment, each
     with `fleet_status`: its deployment's DeploymentStatus (None when not deployed), so the catalog
-    can say which are degraded and why."""
-    models = Model.objects.select_related("price_tier", "deployment").order_by("public_name")
+    can say which are degraded and why, and `perplexity_increase` (catalog.selectors: against its base
+    model; None when not comparable) and `quality_refusal` (why its deployment may not place replicas,
+    "" when it may) for the quality check."""
+    models = Model.objects.select_related("price_tier", "deployment", "base_model").order_by("public_name")
     if model_ids is not None:
         models = models.filter(pk__in=list(model_ids))
     models = list(models)
@@ -360,6 +363,8 @@ def models_with_fleet_status(*, model_ids: Iterable[int] | None = None) -> list[
     statuses = {s.deployment_id: s for s in deployment_statuses(deployment_ids=deployed)} if deployed else {}
     for m in models:
         m.fleet_status = statuses.get(m.deployment.pk) if hasattr(m, "deployment") else None
+        m.perplexity_increase = perplexity_increase(model=m)
+        m.quality_refusal = quality_refusal(deployment=m.deployment) if hasattr(m, "deployment") else ""
     return models
 
 

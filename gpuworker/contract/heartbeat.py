@@ -49,7 +49,7 @@ MAX_STAGED = 64
 STAGING_HOWS = ("page_cache", "pinned")
 # How a found checkpoint's weights are stored (gpuworker.checkpoint_quantization's QuantConfig.label);
 # a float checkpoint is left out of the report.
-QUANTIZATION_LABELS = ("fp8", "awq-int4", "gptq-int4")
+QUANTIZATION_LABELS = ("fp8", "int8", "awq-int4", "gptq-int4")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from gpuworker.engine.model_runner import ModelRunner, StepHandle
 from gpuworker.engine.multimodal import ImageInput, MultimodalPrompt, locate_images, multimodal_rotary
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats, TokenLogprob
 from gpuworker.engine.parallel import Workers, parallel_context
+from gpuworker.engine.prompt_scoring import token_logprobs
 from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
@@ -440,6 +441,15 @@ class LLMEngine:
                 "deferred warm-up done: %s",
                 ", ".join(f"{k} {v:.2f}s" for k, v in self.load_timings.items() if k.endswith("_deferred")),
             )
+
+    def score_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 (float64, on the host): a text scored by this
+        engine's model and kernels (engine.prompt_scoring), for perplexity. The engine must be idle."""
+        if self._requests:
+            raise RuntimeError("score_tokens runs between requests: this engine has requests in flight")
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len {self.config.max_model_len}")
+        return token_logprobs(self.runner, token_ids)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)

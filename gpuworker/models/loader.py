@@ -146,8 +146,6 @@ def load_model(
     if load_format == "dummy":
         _fill_dummy(model, seed)
     elif mc.model_path is not None and gguf_file(mc.model_path) is not None:
-        if mc.quantization is not None:
-            raise ValueError(f"{mc.model_path}: a GGUF checkpoint cannot be quantized at load")
         _load_gguf(model, mc)
     else:
         _load_safetensors(model, mc)
@@ -488,6 +486,9 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     with TRANSFORMERS_IMPORT_LOCK:
         weights = GGUFWeights(file)
     targets = checkpoint_targets(model)
+    # quantization "fp8" at load: the projections' dequantised weights go to their FP8 linears.
+    shards = quantized_shards(model)
+    quantized: list[GGUFTensor] = []
     # Names and shapes first, as for safetensors: checked before any block is dequantised.
     plan: list[tuple[GGUFTensor, torch.Tensor, Shard | None]] = []
     unexpected: list[str] = []
@@ -496,6 +497,12 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         if tensor.name in targets:
             found.add(tensor.name)
         target = targets.get(tensor.name) if tensor.name is not None else None
+        module_name, _, field = (tensor.name or "").rpartition(".")
+        if target is None and module_name in shards:
+            module, shard = shards[module_name]
+            module.check_field(shard, field)
+            quantized.append(tensor)
+            continue
         if target is None:
             if tensor.name is not None and tensor.name not in targets and not _skippable(tensor.name, mc):
                 unexpected.append(tensor.name)
@@ -505,6 +512,12 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         shard = target.shard
         plan.append((tensor, target.dest, shard))
     _check_coverage(mc, targets, found, unexpected, file.name)
+    missing = missing_quantized_tensors(shards, {tensor.name for tensor in quantized})
+    if missing:
+        raise ValueError(
+            f"{mc.model_path}: {len(missing)} tensor(s) missing from {file.name}: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )
     # One tensor dequantised at a time, straight into its parameter: the float32 copy is dropped
     # before the next, so a load holds the model and one tensor (not a second whole model).
     callback = _progress_callback.get()
@@ -513,6 +526,22 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         destination.copy_(weight if shard is None else weight.narrow(shard.dim, shard.begin, shard.length))
         if callback is not None:
             callback(done / len(plan))
+    _quantize_gguf_projections(weights, shards, quantized)
+
+
+def _quantize_gguf_projections(
+    weights: GGUFWeights, shards: dict[str, tuple[QuantizedLinear, int]], tensors: list[GGUFTensor]
+) -> None:
+    """Hand each projection's dequantised weight to its quantized linear, which quantizes it as soon
+    as all its shards (q, k and v; gate and up) are in: at most one fused projection in float32."""
+    waiting = {id(module): len(module.checkpoint_names) for module, _ in shards.values()}
+    for tensor in tensors:
+        module_name, _, field = tensor.name.rpartition(".")
+        module, shard = shards[module_name]
+        module.load_shard(shard, field, weights.read(tensor))
+        waiting[id(module)] -= 1
+        if not waiting[id(module)]:
+            module.finish()
 
 
 def _skippable(name: str, mc: ModelConfig) -> bool:

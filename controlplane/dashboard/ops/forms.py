@@ -55,6 +55,13 @@ class DeploymentLimitsForm(forms.Form):
     idle_to_zero_seconds = forms.IntegerField(
         required=False, label="Idle to zero (s)", help_text="No request for this long: scale to min (0 never does)."
     )
+    # The quality bar: empty clears it (no check).
+    max_perplexity_increase = forms.FloatField(
+        required=False,
+        label="Max perplexity increase",
+        help_text="Serve only if the model's perplexity is measured and at most this fraction above its base "
+        "model's (0.02 = 2%); empty: no check.",
+    )
 
     @classmethod
     def for_deployment(cls, deployment: Deployment, *, reach: int | None = None, **kwargs) -> "DeploymentLimitsForm":
@@ -153,6 +160,7 @@ class CatalogModelForm(forms.ModelForm):
             "tensor_parallel_size",
             "expert_parallel",
             "price_tier",
+            "base_model",
             "enabled",
         ]
         labels = {
@@ -160,6 +168,7 @@ class CatalogModelForm(forms.ModelForm):
             "weights_path": "Weight path",
             "price_tier": "Price tier",
             "tensor_parallel_size": "GPUs per replica",
+            "base_model": "Base model",
         }
         help_texts = {
             "public_name": "What clients send as `model`.",

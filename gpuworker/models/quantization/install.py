@@ -1,6 +1,6 @@
 """install_quantized_linears swaps the dense projections of a freshly built model (on the meta device)
-for quantized ones; the dense Linear path is untouched for unquantized models. Embeddings, lm_head,
-norms and MoE routers stay dense; MoE experts are quantized for block FP8 checkpoints only.
+for quantized ones (FP8, INT8 W8A8, INT4); the dense Linear path is untouched for unquantized
+models. Embeddings, lm_head, norms and MoE routers stay dense; MoE experts are quantized for block FP8 checkpoints only.
 """
 
 from __future__ import annotations
@@ -169,11 +169,12 @@ def _quantized(
     from gpuworker.models.quantization.block_fp8 import BlockFp8Linear
     from gpuworker.models.quantization.fp8 import Fp8Linear
     from gpuworker.models.quantization.int4 import Int4Linear
+    from gpuworker.models.quantization.int8 import Int8Linear
 
     if quant.weight_strategy == "block":
         cls = BlockFp8Linear
     else:
-        cls = Fp8Linear if quant.method == "fp8" else Int4Linear
+        cls = {"fp8": Fp8Linear, "int8": Int8Linear}.get(quant.method, Int4Linear)
     out_features, in_features = linear.weight.shape
     quantized = cls(in_features, out_features, linear.bias is not None, quant, names, shard_sizes)
     if isinstance(linear, RowParallelLinear):

@@ -8,15 +8,17 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
+from controlplane.catalog.services import model_record_perplexity
 from controlplane.fleet.models import Worker
 from controlplane.fleet.services.heartbeats import worker_heartbeat
 from controlplane.fleet.services.workers import worker_register
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
+from gpuworker.contract.quality import PerplexityReport
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     make_worker,
 )
-from tests.controlplane.factories import ModelFactory, PriceTierFactory
+from tests.controlplane.factories import DeploymentFactory, ModelFactory, PriceTierFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -309,3 +311,18 @@ def test_disabling_from_the_list_says_the_replicas_unload(operator_client):
     )
     page = response.content.decode()
     assert "phi disabled: its replicas unload." in page and "none loaded while disabled" in page
+
+
+def test_the_catalog_shows_perplexity_its_increase_and_a_quality_refusal(operator_client):
+    base = ModelFactory(public_name="smollm2")
+    fp8 = ModelFactory(public_name="smollm2-fp8", quantization=Model.Quantization.FP8, base_model=base)
+    int8 = ModelFactory(public_name="smollm2-int8", quantization=Model.Quantization.INT8, base_model=base)
+    DeploymentFactory(model=int8, desired_replicas=0, max_replicas=1, max_perplexity_increase=0.02)
+    terms = {"tokens": 510, "window": 256, "text_sha256": "ab" * 32}
+    model_record_perplexity(model=base, report=PerplexityReport(perplexity=24.832, **terms))
+    model_record_perplexity(model=fp8, report=PerplexityReport(perplexity=25.975, quantization="fp8", **terms))
+    page = operator_client.get(reverse("dashboard:catalog")).content.decode()
+    assert 'data-testid="model-perplexity-increase">+4.60% vs smollm2<' in page
+    assert "Perplexity 25.975" in page and "Perplexity 24.832" in page
+    assert "Perplexity not measured" in page  # the INT8 model
+    assert "smollm2-int8 must have its perplexity measured before it serves" in page
