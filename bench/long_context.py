@@ -27,6 +27,7 @@ from common import (
     add_engine_options,
     add_kv_cache_dtype_option,
     add_smoke_option,
+    attention_heads,
     build_hf_model,
     engine_parser,
     environment,
@@ -35,14 +36,11 @@ from common import (
     print_table,
     synchronize,
     use_smoke_model,
+    weight_bytes_per_token,
     write_json,
 )
 
 DEFAULT_LONG_CONFIG = BENCH_DIR / "configs" / "llama-3.1-8b-long"
-# HF's prefill holds the bf16 KV cache, the weights and about this many bytes per token of
-# activations (the MLP's gate, up and product in bf16 at Llama-3-8B's width): it runs only where the
-# sum fits in the free memory.
-HF_ACTIVATION_BYTES_PER_TOKEN = 3 * 14336 * 2
 PROFILE_ROWS = 15
 
 
@@ -152,17 +150,22 @@ def run_hf(args, prompt: list[int]) -> dict:
     import torch
 
     cfg = load_hf_config(args.config)
-    kv_bytes = len(prompt) * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * 128 * 2
+    _, kv_heads, head_dim = attention_heads(cfg)
+    kv_bytes = len(prompt) * cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
     if args.device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(args.device)
-        weights = 16 << 30
-        need = weights + kv_bytes + len(prompt) * HF_ACTIVATION_BYTES_PER_TOKEN
+        # Every matrix plus the embedding table (weight_bytes_per_token counts one row of it).
+        weights = weight_bytes_per_token(cfg) + cfg["vocab_size"] * cfg["hidden_size"] * 2
+        activations = len(prompt) * 3 * cfg["intermediate_size"] * 2
+        need = weights + kv_bytes + activations
         if need > 0.9 * free:
             return {
                 "skipped": f"needs ~{need / 2**30:.0f} GiB (bf16 KV cache and activations), {free / 2**30:.0f} free"
             }
     model = build_hf_model(args.config, getattr(torch, args.dtype), args.device)
     ids = torch.tensor([prompt], device=args.device)
+    # Its prefill holds the weights, the bf16 KV cache and, per token, the MLP's gate, up and product
+    # in bf16 (sdpa is fused, logits_to_keep=1): it runs only where that fits.
     with torch.no_grad(), Timer(args.device) as prefill:
         out = model(ids, use_cache=True, logits_to_keep=1)
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)

@@ -40,9 +40,9 @@ def test_prefill_beside_short_requests_with_the_hf_baseline_and_profile(tmp_path
 
 
 def test_fill_cache_decodes_at_full_context_and_says_prefill_was_not_measured(tmp_path):
-    payload, stdout = _run(tmp_path, "--fill-cache")
+    payload, stdout = _run(tmp_path, "--fill-cache", "--kv-cache-dtype", "fp8")
     result = payload["gpuworker"]
-    assert result["fill_cache"] is True
+    assert result["fill_cache"] is True and result["kv_cache_dtype"] == "fp8"
     assert result["filled_tokens"] == 1488  # every full block of the prompt but its last token's
     assert result["prefill_s"] is None and result["prefill_tok_s"] is None
     assert result["decode_tok_s"] > 0
