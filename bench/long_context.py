@@ -18,6 +18,7 @@ kernels over the prefill steps. A warm-up (not timed) runs first.
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 
@@ -42,6 +43,8 @@ from common import (
 
 DEFAULT_LONG_CONFIG = BENCH_DIR / "configs" / "llama-3.1-8b-long"
 PROFILE_ROWS = 15
+# The Triton kernel whose device time --profile sums as the prefill's attention.
+ATTENTION_KERNEL = "_prefill_attention_kernel"
 
 
 def build_engine(args):
@@ -108,6 +111,8 @@ def run_long(args, engine, prompt: list[int], shorts: list[list[int]]) -> dict:
         raise RuntimeError(f"the long request generated {generated} tokens, expected {args.decode_tokens}")
     return {
         "fill_cache": bool(args.fill_cache),
+        # The prefill time includes the profiler's overhead where this is true.
+        "profiled": bool(args.profile),
         "filled_tokens": filled,
         "fill_s": fill.elapsed if args.fill_cache else None,
         # With --fill-cache this covers only the last tokens' prefill, not the context's.
@@ -118,7 +123,7 @@ def run_long(args, engine, prompt: list[int], shorts: list[list[int]]) -> dict:
         "short_latency_s": sorted(short_done.values()),
         "decode_steps_timed": decode_steps,
         "decode_tok_s": decode_steps / decode_s if decode_steps else None,
-        "prefill_profile": profiler if isinstance(profiler, str) else None,
+        "prefill_profile": profiler if isinstance(profiler, dict) else None,
     }
 
 
@@ -135,13 +140,26 @@ def _start_profiler(args):
     return profiler
 
 
-def _stop_profiler(profiler, args) -> str | None:
-    """The profiler's table of the top kernels by device time (CPU time on the CPU)."""
+def _stop_profiler(profiler, args) -> dict | None:
+    """The profiler's table of the top kernels by device time (CPU time on the CPU), and the
+    seconds the prefill attention kernel took in all (device time; None on the CPU)."""
     if profiler is None:
         return None
     profiler.__exit__(None, None, None)
-    sort_by = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
-    return profiler.key_averages().table(sort_by=sort_by, row_limit=PROFILE_ROWS)
+    on_cuda = args.device.startswith("cuda")
+    averages = profiler.key_averages()
+    attention_us = sum(e.device_time_total for e in averages if ATTENTION_KERNEL in e.key) if on_cuda else None
+    return {
+        "table": averages.table(sort_by="device_time_total" if on_cuda else "cpu_time_total", row_limit=PROFILE_ROWS),
+        "attention_kernel_s": None if attention_us is None else attention_us / 1e6,
+    }
+
+
+def attention_flops(cfg: dict, context: int) -> float:
+    """A causal prefill's attention matmuls over `context` tokens: QK^T and PV, 2 FLOPs a
+    multiply-add, over the lower triangle, every query head of every layer."""
+    heads, _, head_dim = attention_heads(cfg)
+    return 2.0 * context * context * heads * head_dim * cfg["num_hidden_layers"]
 
 
 def run_hf(args, prompt: list[int]) -> dict:
@@ -213,7 +231,13 @@ def main() -> None:
         "max_model_len": config.max_model_len,
         "max_num_batched_tokens": config.max_num_batched_tokens,
     }
+    profile = result["prefill_profile"]
+    if profile and profile["attention_kernel_s"] and not args.fill_cache:
+        flops = attention_flops(load_hf_config(args.config), args.context)
+        profile["attention_tflops"] = flops / profile["attention_kernel_s"] / 1e12
+    engine.shutdown()
     del engine
+    gc.collect()
     free_device_memory(args.device)
     hf = run_hf(args, prompt) if args.hf else {"skipped": "not asked (--hf)"}
     _report(args, result, hf)
@@ -246,8 +270,14 @@ def _report(args, result: dict, hf: dict) -> None:
         ),
     ]
     print_table("long context", rows)
-    if result["prefill_profile"]:
-        print(result["prefill_profile"])
+    profile = result["prefill_profile"]
+    if profile:
+        print(profile["table"])
+        if profile.get("attention_tflops"):
+            print(
+                f"prefill attention kernel: {profile['attention_kernel_s']:.2f} s, "
+                f"{profile['attention_tflops']:.0f} TFLOP/s (causal QK^T and PV FLOPs; timings under the profiler)"
+            )
     write_json(
         "long_context",
         {"env": environment(), "args": {k: str(v) for k, v in vars(args).items()}, "gpuworker": result, "hf": hf},
