@@ -13,7 +13,8 @@ prefill: random keys and values are written into the KV blocks and registered un
 (gpuworker.engine.filled_context), so only its last tokens are prefilled; decode speed does not depend
 on the cached values, but no prefill time is measured and the output says so. A context past the
 model's max_position_embeddings runs with allow_long_context. --profile: the torch profiler's top
-kernels over the prefill steps. A warm-up (not timed) runs first.
+kernels over the prefill steps. A warm-up (not timed) runs first. Writes
+long_context-<context>-<kv cache dtype>[-filled].json, so the three runs can share one $OUT.
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ def _report(args, result: dict, hf: dict) -> None:
                 f"{profile['attention_tflops']:.0f} TFLOP/s (causal QK^T and PV FLOPs; timings under the profiler)"
             )
     write_json(
-        "long_context",
+        f"long_context-{args.context}-{args.kv_cache_dtype}" + ("-filled" if args.fill_cache else ""),
         {"env": environment(), "args": {k: str(v) for k, v in vars(args).items()}, "gpuworker": result, "hf": hf},
     )
 

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--context", "1500", "--decode-tokens", "6", "--shorts", "3", "--short-len", "16", "--short-output", "2"]
 
 
-def _run(tmp_path: Path, *args: str) -> tuple[dict, str]:
+def _run(tmp_path: Path, *args: str, name: str) -> tuple[dict, str]:
     out = subprocess.run(
         [sys.executable, "bench/long_context.py", "--smoke", *SMALL, "--max-num-batched-tokens", "256", *args],
         cwd=REPO,
@@ -22,11 +22,11 @@ def _run(tmp_path: Path, *args: str) -> tuple[dict, str]:
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return json.loads((tmp_path / "long_context.json").read_text()), out.stdout
+    return json.loads((tmp_path / f"{name}.json").read_text()), out.stdout
 
 
 def test_prefill_beside_short_requests_with_the_hf_baseline_and_profile(tmp_path):
-    payload, stdout = _run(tmp_path, "--hf", "--profile")
+    payload, stdout = _run(tmp_path, "--hf", "--profile", name="long_context-1500-auto")
     result = payload["gpuworker"]
     assert result["fill_cache"] is False and result["filled_tokens"] == 0
     assert result["prefill_s"] > 0 and result["prefill_tok_s"] > 0
@@ -41,7 +41,7 @@ def test_prefill_beside_short_requests_with_the_hf_baseline_and_profile(tmp_path
 
 
 def test_fill_cache_decodes_at_full_context_and_says_prefill_was_not_measured(tmp_path):
-    payload, stdout = _run(tmp_path, "--fill-cache", "--kv-cache-dtype", "fp8")
+    payload, stdout = _run(tmp_path, "--fill-cache", "--kv-cache-dtype", "fp8", name="long_context-1500-fp8-filled")
     result = payload["gpuworker"]
     assert result["fill_cache"] is True and result["kv_cache_dtype"] == "fp8"
     assert result["filled_tokens"] == 1488  # every full block of the prompt but its last token's
