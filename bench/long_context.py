@@ -182,20 +182,33 @@ def run_hf(args, prompt: list[int]) -> dict:
                 "skipped": f"needs ~{need / 2**30:.0f} GiB (bf16 KV cache and activations), {free / 2**30:.0f} free"
             }
     model = build_hf_model(args.config, getattr(torch, args.dtype), args.device)
-    ids = torch.tensor([prompt], device=args.device)
-    # Its prefill holds the weights, the bf16 KV cache and, per token, the MLP's gate, up and product
-    # in bf16 (sdpa is fused, logits_to_keep=1): it runs only where that fits.
-    with torch.no_grad(), Timer(args.device) as prefill:
+    _hf_generate(model, prompt[:256], 2, args.device)  # warm-up, not timed
+    try:
+        prefill_s, decode_s = _hf_generate(model, prompt, args.decode_tokens, args.device)
+    except torch.OutOfMemoryError as exc:
+        return {"skipped": f"out of memory: {str(exc).splitlines()[0]}"}
+    finally:
+        del model
+        gc.collect()
+        free_device_memory(args.device)
+    return {"prefill_s": prefill_s, "decode_tok_s": args.decode_tokens / decode_s}
+
+
+def _hf_generate(model, prompt: list[int], steps: int, device: str) -> tuple[float, float]:
+    """Seconds of one prefill forward over prompt (its bf16 KV cache kept, the last position's logits
+    only; sdpa fused) and of `steps` greedy decode steps after it."""
+    import torch
+
+    ids = torch.tensor([prompt], device=device)
+    with torch.no_grad(), Timer(device) as prefill:
         out = model(ids, use_cache=True, logits_to_keep=1)
     cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     del out
-    with torch.no_grad(), Timer(args.device) as decode:
-        for _ in range(args.decode_tokens):
+    with torch.no_grad(), Timer(device) as decode:
+        for _ in range(steps):
             out = model(token, past_key_values=cache, use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    del model, cache, out
-    free_device_memory(args.device)
-    return {"prefill_s": prefill.elapsed, "decode_tok_s": args.decode_tokens / decode.elapsed}
+    return prefill.elapsed, decode.elapsed
 
 
 def main() -> None:
