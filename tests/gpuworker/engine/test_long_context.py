@@ -98,3 +98,17 @@ def test_filling_needs_prefix_caching_and_an_idle_engine(tiny_checkpoint):
     busy.add_request("a", prompt, GREEDY)
     with pytest.raises(ValueError, match="before submitting requests"):
         fill_prefix_cache(busy, prompt)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_serve_past_the_models_positions_too(tiny_checkpoint):
+    # Each rank builds its own model: its rotary table must reach max_model_len as rank 0's does.
+    path = tiny_checkpoint("llama3.1", max_position_embeddings=512)
+    (prompt,) = random_prompts((1100,), TINY["vocab_size"], seed=8)
+    kwargs = dict(max_model_len=1536, allow_long_context=True, num_kv_blocks=128, max_num_batched_tokens=256)
+    engine = LLMEngine(path, tensor_parallel_size=2, **kwargs)
+    try:
+        outputs = engine.generate([prompt], GREEDY)
+    finally:
+        engine.shutdown()
+    assert outputs[0].outputs[0].token_ids == hf_greedy(path, [prompt], 4)[0]
