@@ -17,6 +17,10 @@ with made-up memory sizes; the engine measures the free memory once the weights 
 
 On CPU the limits stay small and fixed: a CPU step is slow, and there is no device memory to size from.
 
+Each sequence slot also holds a device block-table row for max_model_len tokens (256 KiB at 1M). A
+max_model_len the operator set that one sequence could not reach in the pool is refused with the
+bytes it needs; one left to the model's default is lowered to the pool by the engine instead.
+
 A vision model's images take device memory beside the KV pool (its encoder's weights are loaded
 with the model, so the measured free memory has them already): one vision-encoder call's peak
 activations at its most patch rows, and the cache of encoder outputs; both come off the budget
