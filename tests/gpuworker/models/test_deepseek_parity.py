@@ -113,6 +113,22 @@ def test_triton_decode_path_matches_transformers(pair, monkeypatch):
     torch.testing.assert_close(torch.cat(pieces), reference, **TOLERANCE)
 
 
+def test_triton_prefill_path_matches_transformers(pair, monkeypatch):
+    """The GPU path's batched prefill (one gather and kv_b_proj for all chunks, the Triton MLA
+    prefill kernel) on the interpreter: a whole prompt, chunks after cached prefixes and decodes in
+    one ragged step, against transformers."""
+    from gpuworker.attention.triton_backend import TritonAttentionBackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(pair.model, "attn_backend", TritonAttentionBackend())
+    batcher = LatentBatcher(pair.mc, seed=13)
+    pair.run(batcher, [("a", pair.prompts[17][:-1]), ("d", pair.prompts[64][:20])])
+    step = [("a", pair.prompts[17][-1:]), ("d", pair.prompts[64][20:]), ("e", pair.prompts[5])]
+    logits = pair.run(batcher, step, pad_to=1 + 44 + 5 + 2)
+    expected = torch.cat([pair.reference(17)[-1:], pair.reference(64)[20:], pair.reference(5)])
+    torch.testing.assert_close(logits[:50], expected, **TOLERANCE)
+
+
 def test_greedy_generation_matches_transformers(pair):
     """Token for token: prefill, then each new token decoded (absorbed) from the latent cache."""
     prompt = pair.prompts[17]
