@@ -261,7 +261,7 @@ def test_int8_matmul_compiles_with_the_gpu_tiles(rows, monkeypatch):
 @pytest.mark.parametrize("nope, rope, v_dim", [(128, 64, 128), (64, 32, 64)], ids=["deepseek", "small"])
 def test_mla_prefill_compiles_with_the_gpu_tile(nope, rope, v_dim, monkeypatch):
     """The MLA prefill launch at DeepSeek's head dims (keys 128 + 64 with the rotary part shared by
-    the heads, values 128), bf16, with the default tile: both score dots and the P.V dot on wgmma."""
+    the heads, values 128), bf16, with the default tile: the dots on wgmma, the tiles' loads vectorised."""
     from gpuworker.kernels.attention.mla_prefill import mla_prefill_attention
 
     launches = record_launches(monkeypatch)
@@ -277,3 +277,6 @@ def test_mla_prefill_compiles_with_the_gpu_tile(nope, rope, v_dim, monkeypatch):
     assert launch.arguments["BLOCK_M"] == 64 and launch.arguments["stride_k_rope_head"] == 0
     ptx = compile_sm90(launch)
     assert re.search(r"wgmma\.mma_async\S*\.bf16\.bf16", ptx)
+    # The strides are specialised (multiples of 16), so key and value tiles are copied to shared
+    # memory 16 bytes a thread at a time.
+    assert "cp.async.cg.shared.global" in ptx
