@@ -141,7 +141,8 @@ def gathered(layer: Layer):
     context_slots) and one kv_b_proj GEMM."""
     from gpuworker.models.deepseek.attention import context_slots
 
-    slots, cu_seqlens_k = context_slots(layer.meta, BLOCK_SIZE, sum(layer.meta.seq_lens_cpu))
+    meta = layer.meta
+    slots, cu_seqlens_k = context_slots(meta, 0, meta.num_seqs, BLOCK_SIZE, sum(meta.seq_lens_cpu))
     return (*expand(layer, layer.cache.view(-1, layer.cache.shape[-1])[slots]), cu_seqlens_k)
 
 

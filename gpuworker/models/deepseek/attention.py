@@ -36,6 +36,10 @@ from gpuworker.models.tensor_parallel import ParallelContext, RowParallelLinear
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV2RMSNorm's default eps, not
 # the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+# A prefill group's expanded keys and values (rows x heads x (nope + v)) at most: 2^28 values, 512 MiB
+# in bf16 (DeepSeek-V3's 128 heads: 8,192 context rows a group; V2-Lite's 16: 65,536), so a step of
+# many long contexts does not hold all of them expanded at once.
+EXPANDED_VALUES_PER_GROUP = 1 << 28
 
 
 def uses_triton(backend: AttentionBackend) -> bool:
@@ -200,14 +204,31 @@ class MLAttention(nn.Module):
         backend: AttentionBackend,
         out: torch.Tensor,
     ) -> None:
-        """The prefill chunks after the decode rows (into `out`): all their sequences' cached latents
-        gathered at once and expanded into per-head keys and values by one kv_b_proj GEMM, then causal
-        attention of each chunk over its own sequence's rows (the Triton MLA prefill kernel in one
-        launch, or per sequence in torch)."""
-        first, last = meta.num_decode_seqs, meta.num_seqs
+        """The prefill chunks after the decode rows (into `out`), in groups of consecutive sequences
+        whose expanded context stays within EXPANDED_VALUES_PER_GROUP (one group, in all but steps
+        of very long contexts)."""
+        width = self.num_heads * (self.nope_dim + self.v_dim)
+        max_rows = max(1, EXPANDED_VALUES_PER_GROUP // width)
+        for first, last in context_groups(meta.seq_lens_cpu, meta.num_decode_seqs, meta.num_seqs, max_rows):
+            self._prefill_group(q_nope, q_pe, latent_cache, meta, backend, out, first, last)
+
+    def _prefill_group(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        out: torch.Tensor,
+        first: int,
+        last: int,
+    ) -> None:
+        """Sequences first..last-1: their cached latents gathered at once and expanded into per-head
+        keys and values by one kv_b_proj GEMM, then causal attention of each chunk over its own
+        sequence's rows (the Triton MLA prefill kernel in one launch, or per sequence in torch)."""
         context_lens = meta.seq_lens_cpu[first:last]
         context = sum(context_lens)
-        slots, cu_seqlens_k = context_slots(meta, latent_cache.shape[1], context)
+        slots, cu_seqlens_k = context_slots(meta, first, last, latent_cache.shape[1], context)
         rows = latent_cache.reshape(-1, latent_cache.shape[-1])[slots]
         rows = dequantize_kv(rows, self.k_scale).to(q_nope.dtype)
         latent, k_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -241,11 +262,26 @@ class MLAttention(nn.Module):
             k_start = keys_end
 
 
-def context_slots(meta: AttentionMetadata, block_size: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots [context] int64, cu_seqlens_k [P + 1] int32) of the prefill sequences' (those after the
-    decode rows) context positions, sequence after sequence, built on the device without reading it
-    on the host; context: the host's sum of their seq_lens."""
-    first, last = meta.num_decode_seqs, meta.num_seqs
+def context_groups(seq_lens: list[int], first: int, last: int, max_rows: int) -> list[tuple[int, int]]:
+    """Sequences first..last-1 (host context lengths seq_lens) cut into runs of consecutive ones
+    [(begin, end), ...] of at most max_rows context rows together; a longer sequence is a run alone."""
+    groups, begin, rows = [], first, 0
+    for i in range(first, last):
+        if rows and rows + seq_lens[i] > max_rows:
+            groups.append((begin, i))
+            begin, rows = i, 0
+        rows += seq_lens[i]
+    if last > begin:
+        groups.append((begin, last))
+    return groups
+
+
+def context_slots(
+    meta: AttentionMetadata, first: int, last: int, block_size: int, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [context] int64, cu_seqlens_k [last - first + 1] int32) of sequences first..last-1's
+    context positions, sequence after sequence, built on the device without reading it on the host;
+    context: the host's sum of their seq_lens."""
     seq_lens = meta.seq_lens[first:last]
     device = seq_lens.device
     cu_seqlens_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
