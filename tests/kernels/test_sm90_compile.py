@@ -256,3 +256,27 @@ def test_int8_matmul_compiles_with_the_gpu_tiles(rows, monkeypatch):
     ptx = compile_sm90(launches["_quantize_int8_rows_kernel"][0])
     # Two divisions a row (the scale and its reciprocal), not one a value.
     assert ptx.count("div.rn.f32") == 2
+
+
+@pytest.mark.parametrize("nope, rope, v_dim", [(128, 64, 128), (64, 32, 64)], ids=["deepseek", "small"])
+def test_mla_prefill_compiles_with_the_gpu_tile(nope, rope, v_dim, monkeypatch):
+    """The MLA prefill launch at DeepSeek's head dims (keys 128 + 64 with the rotary part shared by
+    the heads, values 128), bf16, with the default tile: the dots on wgmma, the tiles' loads vectorised."""
+    from gpuworker.kernels.attention.mla_prefill import mla_prefill_attention
+
+    launches = record_launches(monkeypatch)
+    heads = 2
+    q = torch.randn(9, heads, nope + rope).bfloat16()
+    kv = torch.randn(40, heads, nope + v_dim).bfloat16()
+    k_rope = torch.randn(40, 1, rope).bfloat16().expand(-1, heads, -1)
+    k_nope, values = kv.split([nope, v_dim], dim=-1)
+    q_nope, q_rope = q.split([nope, rope], dim=-1)
+    cu_q, cu_k = torch.tensor([0, 4, 9]).int(), torch.tensor([0, 30, 40]).int()
+    mla_prefill_attention(q_nope, q_rope, k_nope, k_rope, values, cu_q, cu_k, 5, 0.1)
+    (launch,) = launches["_mla_prefill_kernel"]
+    assert launch.arguments["BLOCK_M"] == 64 and launch.arguments["stride_k_rope_head"] == 0
+    ptx = compile_sm90(launch)
+    assert re.search(r"wgmma\.mma_async\S*\.bf16\.bf16", ptx)
+    # The strides are specialised (multiples of 16), so key and value tiles are copied to shared
+    # memory 16 bytes a thread at a time.
+    assert "cp.async.cg.shared.global" in ptx

@@ -1,9 +1,11 @@
 """Multi-head latent attention (DeepSeek-V2 paper, section 2.1) over the paged latent cache.
 
 Per token the layer caches one row: the compressed latent (kv_a_proj_with_mqa's first kv_lora_rank
-outputs after kv_a_layernorm) and the rotated shared key. Prefill rows expand their sequence's
-cached latents into per-head keys and values (kv_b_proj) and attend in float32 as the torch
-reference does, so a chunk sees the cached tokens of earlier chunks and of a prefix-cache hit.
+outputs after kv_a_layernorm) and the rotated shared key. A step's prefill chunks expand their
+sequences' cached latents all at once (one gather, one kv_b_proj GEMM) into per-head keys and values,
+so a chunk sees the cached tokens of earlier chunks and of a prefix-cache hit, and attend causally
+from the end of their context: the Triton MLA prefill kernel, one launch for all of them, or per
+sequence in torch (the float32 reference on the CPU).
 Decode rows absorb: the position-free query times W_UK (kv_b_proj's key rows) is a query over the
 latent itself, attention runs over the cache rows directly (the Triton MLA decode kernel, or its
 torch reference), and the latent result times W_UV (kv_b_proj's value rows) is each head's value.
@@ -34,6 +36,10 @@ from gpuworker.models.tensor_parallel import ParallelContext, RowParallelLinear
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV2RMSNorm's default eps, not
 # the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+# A prefill group's expanded keys and values (rows x heads x (nope + v)) at most: 2^28 values, 512 MiB
+# in bf16 (DeepSeek-V3's 128 heads: 8,192 context rows a group; V2-Lite's 16: 65,536), so a step of
+# many long contexts does not hold all of them expanded at once.
+EXPANDED_VALUES_PER_GROUP = 1 << 28
 
 
 def uses_triton(backend: AttentionBackend) -> bool:
@@ -124,7 +130,7 @@ class MLAttention(nn.Module):
         if num_decode > 0:
             out[:num_decode] = self._decode(q_nope[:num_decode], q_pe[:num_decode], latent_cache, meta, backend)
         if meta.num_seqs > num_decode:
-            self._prefill(q_nope, q_pe, latent_cache, meta, out)
+            self._prefill(q_nope, q_pe, latent_cache, meta, backend, out)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))
 
     @staticmethod
@@ -195,24 +201,91 @@ class MLAttention(nn.Module):
         q_pe: torch.Tensor,
         latent_cache: torch.Tensor,
         meta: AttentionMetadata,
+        backend: AttentionBackend,
         out: torch.Tensor,
     ) -> None:
-        """The prefill chunks after the decode rows: each sequence's cached latents expanded into
-        per-head keys and values, then causal attention of its chunk over them (into `out`)."""
-        block_size = latent_cache.shape[1]
-        rows = latent_cache.view(-1, latent_cache.shape[-1])
-        offsets = torch.arange(block_size, device=rows.device)
-        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        for i in range(meta.num_decode_seqs, meta.num_seqs):
-            start, end, seq_len = qsl[i], qsl[i + 1], seq_lens[i]
-            if end == start:
-                continue
-            blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
-            context = rows[(blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]]
-            context = dequantize_kv(context, self.k_scale).to(q_nope.dtype)
-            latent, k_pe = context.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-            kv = self.kv_b_proj(latent).view(seq_len, self.num_heads, self.nope_dim + self.v_dim)
-            k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
-            keys = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
-            query = torch.cat((q_nope[start:end], q_pe[start:end]), dim=-1)
-            out[start:end] = attend_expanded(query, keys, values, self.scale, fused=query.is_cuda)
+        """The prefill chunks after the decode rows (into `out`), in groups of consecutive sequences
+        whose expanded context stays within EXPANDED_VALUES_PER_GROUP (one group, in all but steps
+        of very long contexts)."""
+        width = self.num_heads * (self.nope_dim + self.v_dim)
+        max_rows = max(1, EXPANDED_VALUES_PER_GROUP // width)
+        for first, last in context_groups(meta.seq_lens_cpu, meta.num_decode_seqs, meta.num_seqs, max_rows):
+            self._prefill_group(q_nope, q_pe, latent_cache, meta, backend, out, first, last)
+
+    def _prefill_group(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        out: torch.Tensor,
+        first: int,
+        last: int,
+    ) -> None:
+        """Sequences first..last-1: their cached latents gathered at once and expanded into per-head
+        keys and values by one kv_b_proj GEMM, then causal attention of each chunk over its own
+        sequence's rows (the Triton MLA prefill kernel in one launch, or per sequence in torch)."""
+        context_lens = meta.seq_lens_cpu[first:last]
+        context = sum(context_lens)
+        slots, cu_seqlens_k = context_slots(meta, first, last, latent_cache.shape[1], context)
+        rows = latent_cache.reshape(-1, latent_cache.shape[-1])[slots]
+        rows = dequantize_kv(rows, self.k_scale).to(q_nope.dtype)
+        latent, k_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(context, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope = k_pe[:, None, :].expand(-1, self.num_heads, -1)
+        if uses_triton(backend):
+            from gpuworker.kernels.attention.mla_prefill import mla_prefill_attention
+
+            cu_seqlens_q = meta.query_start_loc[first : last + 1]
+            mla_prefill_attention(
+                q_nope,
+                q_pe,
+                k_nope,
+                k_rope,
+                values,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                meta.max_query_len,
+                self.scale,
+                out=out,
+            )
+            return
+        qsl, k_start = meta.query_start_loc_cpu, 0
+        for i, seq_len in enumerate(context_lens, start=first):
+            start, end, keys_end = qsl[i], qsl[i + 1], k_start + seq_len
+            if end > start:
+                keys = torch.cat((k_nope[k_start:keys_end], k_rope[k_start:keys_end]), dim=-1)
+                query = torch.cat((q_nope[start:end], q_pe[start:end]), dim=-1)
+                out[start:end] = attend_expanded(query, keys, values[k_start:keys_end], self.scale, fused=query.is_cuda)
+            k_start = keys_end
+
+
+def context_groups(seq_lens: list[int], first: int, last: int, max_rows: int) -> list[tuple[int, int]]:
+    """Sequences first..last-1 (host context lengths seq_lens) cut into runs of consecutive ones
+    [(begin, end), ...] of at most max_rows context rows together; a longer sequence is a run alone."""
+    groups, begin, rows = [], first, 0
+    for i in range(first, last):
+        if rows and rows + seq_lens[i] > max_rows:
+            groups.append((begin, i))
+            begin, rows = i, 0
+        rows += seq_lens[i]
+    if last > begin:
+        groups.append((begin, last))
+    return groups
+
+
+def context_slots(
+    meta: AttentionMetadata, first: int, last: int, block_size: int, context: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [context] int64, cu_seqlens_k [last - first + 1] int32) of sequences first..last-1's
+    context positions, sequence after sequence, built on the device without reading it on the host;
+    context: the host's sum of their seq_lens."""
+    seq_lens = meta.seq_lens[first:last]
+    device = seq_lens.device
+    cu_seqlens_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
+    seq_index = torch.repeat_interleave(torch.arange(last - first, device=device), seq_lens, output_size=context)
+    positions = torch.arange(context, device=device) - cu_seqlens_k[seq_index]
+    blocks = meta.block_tables[first:last][seq_index, positions // block_size]
+    return blocks.long() * block_size + positions % block_size, cu_seqlens_k

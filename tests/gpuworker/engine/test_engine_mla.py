@@ -182,3 +182,20 @@ def test_the_deepseek_v2_lite_shape_builds_with_its_latent_cache_and_experts():
     with torch.device("meta"):
         model = DeepseekForCausalLM(mc, TorchAttentionBackend())
     assert [isinstance(layer.mlp, SparseMoE) for layer in model.layers] == [False] + [True] * (mc.num_layers - 1)
+
+
+def test_triton_backend_batches_prefill_chunks_token_for_token(case, monkeypatch):
+    """The GPU path on Triton's interpreter: a step's prefill chunks (forced small, so chunks follow
+    cached prefixes, and a second pass hits the prefix cache) go through one MLA prefill launch per
+    layer, and the tokens are transformers'."""
+    from gpuworker.attention.triton_backend import TritonAttentionBackend
+    from tests.kernels.sm90_compile import record_launches
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = record_launches(monkeypatch)
+    path, prompts, reference = case
+    llm = engine(path, attn_backend=TritonAttentionBackend(), max_num_batched_tokens=24, max_num_seqs=3)
+    assert [out.token_ids for out in llm.generate(prompts, GREEDY)] == reference
+    assert [out.token_ids for out in llm.generate(prompts, GREEDY)] == reference
+    prefills = launches["_mla_prefill_kernel"]
+    assert prefills and any(launch.arguments["cu_seqlens_q_ptr"].shape[0] > 2 for launch in prefills)

@@ -113,6 +113,41 @@ def test_triton_decode_path_matches_transformers(pair, monkeypatch):
     torch.testing.assert_close(torch.cat(pieces), reference, **TOLERANCE)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("group_rows", [None, 30], ids=["one-group", "groups-of-30-rows"])
+def test_batched_prefill_matches_transformers(pair, monkeypatch, backend, group_rows):
+    """The batched prefill (one gather and kv_b_proj per group of sequences; on the triton backend
+    the Triton MLA prefill kernel, on the interpreter): a whole prompt, chunks after cached prefixes
+    and decodes in one ragged step, against transformers; also with groups cut small (30 context
+    rows, so each sequence of the step is a group of its own)."""
+    from gpuworker.attention.triton_backend import TritonAttentionBackend
+    from gpuworker.models.deepseek import attention
+
+    if group_rows is not None:
+        mla = pair.mc.mla
+        width = pair.mc.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        monkeypatch.setattr(attention, "EXPANDED_VALUES_PER_GROUP", group_rows * width)
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(pair.model, "attn_backend", TritonAttentionBackend())
+    batcher = LatentBatcher(pair.mc, seed=13)
+    pair.run(batcher, [("a", pair.prompts[17][:-1]), ("d", pair.prompts[64][:20])])
+    step = [("a", pair.prompts[17][-1:]), ("d", pair.prompts[64][20:]), ("e", pair.prompts[5])]
+    logits = pair.run(batcher, step, pad_to=1 + 44 + 5 + 2)
+    expected = torch.cat([pair.reference(17)[-1:], pair.reference(64)[20:], pair.reference(5)])
+    torch.testing.assert_close(logits[:50], expected, **TOLERANCE)
+
+
+def test_context_groups_cut_consecutive_sequences_within_the_row_budget():
+    from gpuworker.models.deepseek.attention import context_groups
+
+    seq_lens = [9, 4, 10, 20, 50, 3, 3]
+    assert context_groups(seq_lens, 2, 7, 30) == [(2, 4), (4, 5), (5, 7)]  # a longer one alone
+    assert context_groups(seq_lens, 1, 7, 1000) == [(1, 7)]
+    assert context_groups(seq_lens, 3, 3, 30) == []
+    assert context_groups(seq_lens, 0, 3, 1) == [(0, 1), (1, 2), (2, 3)]
+
+
 def test_greedy_generation_matches_transformers(pair):
     """Token for token: prefill, then each new token decoded (absorbed) from the latent cache."""
     prompt = pair.prompts[17]
