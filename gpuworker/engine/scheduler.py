@@ -81,6 +81,7 @@ class Scheduler:
             config.enable_prefix_caching,
             window=window,
             num_window_blocks=num_window_blocks,
+            num_host_blocks=config.num_host_kv_blocks,
         )
         self.waiting: deque[Sequence] = deque()
         # In admission order.
@@ -179,6 +180,8 @@ class Scheduler:
         max_num_seqs = self.config.max_num_seqs
         # Long prompts passed this step by short ones behind them, in queue order.
         passed: list[Sequence] = []
+        # Sequences whose cached prefix is still coming back from the host tier.
+        restoring: list[Sequence] = []
         # No new admissions in a step that had to preempt: the pool is already too tight.
         while self.waiting and not step.is_full and not step.preempted:
             seq = self.waiting[0]
@@ -194,6 +197,9 @@ class Scheduler:
             seats = 1 + (len(seq.group.pending_forks) if seq.index == 0 else 0)
             if len(self.running) + seats > max_num_seqs:
                 break
+            if self._awaits_restore(seq):
+                restoring.append(self.waiting.popleft())
+                continue
             matched = block_manager.match_prefix(seq)
             num_computed = len(matched) * block_size
             num_new = min(seq.num_tokens - num_computed, step.token_budget - (reserve if long else 0))
@@ -208,7 +214,12 @@ class Scheduler:
                 seq.group.first_scheduled_time = time.time()
             self.running.append(seq)
             step.add(seq, num_new)
-        self.waiting.extendleft(reversed(passed))
+        self.waiting.extendleft(reversed(passed + restoring))
+
+    def _awaits_restore(self, seq: Sequence) -> bool:
+        """Whether seq waits for its prefix's blocks to come back from the host tier (their copies
+        started by the first call); the sequences behind it are admitted meanwhile."""
+        return self.block_manager.start_restore(seq)
 
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > self.short_prefill_tokens
