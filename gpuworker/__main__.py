@@ -24,6 +24,7 @@ from gpuworker.daemon.staging import STAGE_BUDGET_ENV
 from gpuworker.engine.config import EXPERT_PARALLEL_MODES
 
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
+HOST_KV_CACHE_ENV = "GPUSERVE_HOST_KV_CACHE_BYTES"
 
 
 def _token_default() -> str | None:
@@ -45,11 +46,9 @@ def _byte_count(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--stage-budget-bytes must be a whole number of bytes, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"must be a whole number of bytes, got {text!r}") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"--stage-budget-bytes must be >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
 
 
@@ -138,6 +137,14 @@ def _add_serve(commands) -> None:
         "of compute capability 8.9+)",
     )
     serve.add_argument(
+        "--host-kv-cache-bytes",
+        type=_byte_count,
+        default=0,
+        help="host memory (pinned on CUDA) for a second KV tier: prefix-cache blocks evicted from "
+        "the GPU are kept there and copied back when a later prompt shares their prefix "
+        "(default 0: no host tier)",
+    )
+    serve.add_argument(
         "--memory-fraction", type=float, default=0.9, help="fraction of free GPU memory the KV cache may take"
     )
     serve.add_argument(
@@ -217,6 +224,13 @@ def _add_daemon(commands) -> None:
         f"(default: ${STAGE_BUDGET_ENV}, else 0: no staging)",
     )
     daemon.add_argument(
+        "--host-kv-cache-bytes",
+        type=_byte_count,
+        default=os.environ.get(HOST_KV_CACHE_ENV, "0"),
+        help="host memory each replica of this worker keeps as a second KV tier (see serve "
+        f"--host-kv-cache-bytes; default: ${HOST_KV_CACHE_ENV}, else 0: none)",
+    )
+    daemon.add_argument(
         "--spare-replicas",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -282,6 +296,7 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        host_kv_cache_bytes=args.host_kv_cache_bytes,
         gpu_memory_utilization=args.memory_fraction,
         drain_timeout_s=args.drain_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -353,6 +368,7 @@ def daemon(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         model_roots=_model_roots(args.model_roots),
         stage_budget_bytes=args.stage_budget_bytes,
+        host_kv_cache_bytes=args.host_kv_cache_bytes,
         spare_replicas=args.spare_replicas,
     )
     return Agent(config).run()

@@ -35,7 +35,7 @@ from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.dialects.responses import Responses, ResponsesRequest
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.process import shared_state
-from controlplane.gateway.replica_choice import affinity_choice, affinity_key
+from controlplane.gateway.replica_choice import affinity_choice, affinity_key, prefix_key_header
 from controlplane.gateway.routing import RoutingTable
 from controlplane.gateway.upstream import UpstreamError, UpstreamPool
 
@@ -306,6 +306,7 @@ async def _answer(
         "authorization": f"Bearer {run.config.worker_token}",
         "content-type": "application/json",
         "x-request-id": line.request_id,
+        **prefix_key_header(key),
     }
     while len(tried) < min(_ATTEMPTS, len(replicas)):
         candidates = [replica for replica in replicas if replica.replica_id not in tried]

@@ -22,7 +22,7 @@ from controlplane.gateway.errors import GatewayError, bad_request, model_not_all
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
-from controlplane.gateway.replica_choice import affinity_choice
+from controlplane.gateway.replica_choice import affinity_choice, prefix_key_header
 from controlplane.gateway.request_body import read_body
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission
@@ -378,6 +378,7 @@ async def _attempt(
             "authorization": f"Bearer {gw.config.worker_token}",
             "content-type": "application/json",
             "x-request-id": flight.request_id,
+            **prefix_key_header(key),
         },
     )
     if response.status not in (200, 400):

@@ -8,7 +8,7 @@ from controlplane.catalog.models import Model
 from controlplane.common.units import human_bytes
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.placement import largest_replica_bytes
-from controlplane.fleet.selectors import placement_slots
+from controlplane.fleet.selectors import placement_slots, replica_prefix_keys
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class KeyGrant:
 class ReplicaRoute:
     replica_id: int
     endpoint_url: str
+    # The conversations whose KV it holds (gpuworker.contract.prefix_keys digests), as last reported.
+    prefix_keys: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -81,19 +83,24 @@ def routing_table() -> dict[str, ModelRoute]:
     a replica of it could be started for a request."""
     ready: dict[int, list[ReplicaRoute]] = {}
     loading: set[int] = set()
-    replicas = (
+    replicas = list(
         Replica.objects.filter(
             deployment__model__enabled=True,
             state__in=[Replica.State.READY, Replica.State.PENDING, Replica.State.LOADING],
         )
         .order_by("pk")
-        .values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state")
+        .values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state", "worker_id")
     )
-    for replica_id, state, endpoint_url, model_id, worker_state in replicas:
+    # Where each ready replica's KV tiers hold which conversations (its worker's latest heartbeat).
+    prefix_keys = replica_prefix_keys(
+        worker_ids=sorted({worker_id for _, state, *_, worker_id in replicas if state == Replica.State.READY})
+    )
+    for replica_id, state, endpoint_url, model_id, worker_state, _ in replicas:
         if state != Replica.State.READY:
             loading.add(model_id)
         elif endpoint_url and worker_state == Worker.State.ONLINE:
-            ready.setdefault(model_id, []).append(ReplicaRoute(replica_id, endpoint_url.rstrip("/")))
+            route = ReplicaRoute(replica_id, endpoint_url.rstrip("/"), prefix_keys.get(replica_id, frozenset()))
+            ready.setdefault(model_id, []).append(route)
     slots = placement_slots(workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))
     models = list(
         Model.objects.filter(enabled=True).values_list(

@@ -31,6 +31,17 @@ def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def last_block_hash(token_ids: list[int], block_size: int) -> int | None:
+    """The chained hash of the last block a prefix-cache match of this text prompt can reach, as
+    the block manager hashes it (None: the prompt fills no block). Integer tuples hash alike in
+    every process, so a replica's server computes what its engine process caches."""
+    parent = None
+    for i in range((len(token_ids) - 1) // block_size):
+        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        parent = hash_block_tokens(ROOT_HASH if parent is None else parent, block)
+    return parent
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "prefix_id", "parent_prefix_id")
 
@@ -102,6 +113,10 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of the pool held by live sequences (free cached blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    def holds(self, block_hash: int) -> bool:
+        """Whether a block of this hash is cached, in the pool or in the host tier."""
+        return block_hash in self._cached or (self.host_tier is not None and block_hash in self.host_tier)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

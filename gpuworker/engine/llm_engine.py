@@ -434,6 +434,11 @@ class LLMEngine:
                 ", ".join(f"{k} {v:.2f}s" for k, v in self.load_timings.items() if k.endswith("_deferred")),
             )
 
+    def held_block_hashes(self, block_hashes: list[int]) -> list[int]:
+        """Those of block_hashes whose blocks are cached on either KV tier (block_manager.last_block_hash)."""
+        block_manager = self.scheduler.block_manager
+        return [block_hash for block_hash in block_hashes if block_manager.holds(block_hash)]
+
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
 

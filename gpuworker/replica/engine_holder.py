@@ -29,6 +29,7 @@ from gpuworker.models.loader import report_load_progress
 from gpuworker.replica.images import ImageLimits
 from gpuworker.replica.images.pool import ImagePool
 from gpuworker.replica.metrics import EngineMetrics
+from gpuworker.replica.prefix_report import HeldPrefixes
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ NO_ENGINE_FIGURES = {
     "kv_cache_usage": 0.0,
     "tokens_per_s": 0.0,
     "prefix_cache_hit_rate": 0.0,
+    "host_cache_hit_rate": 0.0,
+    "prefix_keys": [],
     "num_generated_tokens": 0,
     "ttft_p95_s": None,
     "itl_p95_s": None,
@@ -64,6 +67,8 @@ class ServerConfig:
     quantization: str | None = None
     # "fp8": the KV cache in FP8 e4m3 (twice the cached tokens); "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
+    # The host KV tier's bytes (engine.host_tier); 0: none.
+    host_kv_cache_bytes: int = 0
     gpu_memory_utilization: float = 0.9
     # Ranks (GPUs of this host from `device`'s index on) the model is split over; the replica starts
     # the other ranks' processes itself and answers as one.
@@ -124,6 +129,8 @@ class EngineHolder:
         # Cumulative engine counters already added to the Prometheus counters.
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
         self._tokens_window: list[tuple[float, int]] = []
+        # The conversations served here, to report those whose KV is still held.
+        self.held_prefixes = HeldPrefixes()
         # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
         # token: a gateway whose client left before the answer asks (GET /requests/{id}) to bill
         # by it. It asks at once, so a bounded window of the latest ones is enough.
@@ -163,6 +170,7 @@ class EngineHolder:
             "defer_warm_up": True,
             "gpu_memory_utilization": self.config.gpu_memory_utilization,
             "kv_cache_dtype": self.config.kv_cache_dtype,
+            "host_kv_cache_bytes": self.config.host_kv_cache_bytes,
         }
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
@@ -335,10 +343,27 @@ class EngineHolder:
             "kv_cache_usage": figures["kv_cache_usage"],
             "tokens_per_s": tokens_per_s,
             "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0,
+            "host_cache_hit_rate": figures["host_cache_hits"] / queries if queries else 0.0,
+            "prefix_keys": await self._held_prefix_keys(),
             "num_generated_tokens": figures["num_generated_tokens"],
             "ttft_p95_s": figures["ttft_p95_s"],
             "itl_p95_s": figures["itl_p95_s"],
         }
+
+    def note_prefix(self, digest: str | None, prompt_token_ids: list[int]) -> None:
+        """A request of the conversation the gateway named `digest` (its x-prefix-key) was admitted."""
+        if self.engine is not None:
+            self.held_prefixes.note(digest, prompt_token_ids, self.engine.facts.block_size)
+
+    async def _held_prefix_keys(self) -> list[str]:
+        hashes = self.held_prefixes.block_hashes()
+        if not hashes:
+            return []
+        try:
+            held = await self.engine.call(methodcaller("held_block_hashes", hashes))
+        except EngineDeadError:
+            return []
+        return self.held_prefixes.report(held)
 
     def record_finished(self, output: RequestOutput, generated_tokens: int) -> None:
         """A finished request's figures: `output` its last, generated_tokens its whole answer's."""

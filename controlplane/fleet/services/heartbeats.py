@@ -58,6 +58,7 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
                 "error": r.error,
                 "pid": r.pid,
                 **r.figures,
+                "prefix_keys": list(r.prefix_keys),
             }
             for r in heartbeat.replicas
         },

@@ -90,3 +90,21 @@ def test_refused_settings(tiny_checkpoint):
         engine(path, 1 << 20, enable_prefix_caching=False)
     with pytest.raises(ValueError, match=r"host_kv_cache_bytes \(10\) cannot hold one KV block"):
         engine(path, 10)
+
+
+@pytest.mark.parametrize("host_blocks", [0, 64], ids=["gpu-only", "host-tier"])
+def test_held_block_hashes_follow_the_prompt_through_both_tiers(host_blocks, tiny_checkpoint):
+    from gpuworker.engine.block_manager import last_block_hash
+
+    path = tiny_checkpoint("llama")
+    llm = engine(path, 0)
+    if host_blocks:
+        llm = engine(path, host_bytes_for(llm, host_blocks))
+    prompt = list(range(1, 101))
+    llm.generate([prompt], GREEDY)
+    block_hash = last_block_hash(prompt, llm.config.block_size)
+    assert llm.held_block_hashes([block_hash, 12345]) == [block_hash]
+    for i in range(3):  # fill the 12-block pool with other prompts: the first one is evicted
+        llm.generate([[200 + i] * 150], GREEDY)
+    assert llm.held_block_hashes([block_hash]) == ([block_hash] if host_blocks else [])
+    assert last_block_hash(prompt[:16], 16) is None  # its last token is never cached: no full block
