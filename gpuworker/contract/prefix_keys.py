@@ -6,6 +6,7 @@ hold, and the gateway sends that conversation's next turn to such a replica."""
 from __future__ import annotations
 
 import hashlib
+import re
 
 PREFIX_KEY_HEADER = "x-prefix-key"
 # Hex digits of a digest: 64 bits, so distinct conversations practically never share one.
@@ -19,5 +20,8 @@ def prefix_key_digest(key: str) -> str:
     return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=DIGEST_CHARS // 2).hexdigest()
 
 
+_DIGEST = re.compile(f"[0-9a-f]{{{DIGEST_CHARS}}}")
+
+
 def is_prefix_key_digest(value: object) -> bool:
-    return isinstance(value, str) and len(value) == DIGEST_CHARS and all(c in "0123456789abcdef" for c in value)
+    return isinstance(value, str) and _DIGEST.fullmatch(value) is not None
