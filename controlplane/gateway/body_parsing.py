@@ -28,7 +28,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from pydantic import BaseModel
 
-from controlplane.gateway.body_check import CheckedBody, check_body
+from controlplane.gateway.body_check import CheckedBody, ModelLimits, check_body
 from controlplane.gateway.errors import unavailable
 
 logger = logging.getLogger(__name__)
@@ -78,11 +78,16 @@ class BodyParsers:
         return (turns.parsing, turns.users - turns.parsing) if turns is not None else (0, 0)
 
     async def check(
-        self, tenant_id: int, raw: bytes, schema: type[BaseModel], affinity_chars: int, context_lengths: dict[str, int]
+        self,
+        tenant_id: int,
+        raw: bytes,
+        schema: type[BaseModel],
+        affinity_chars: int,
+        model_limits: dict[str, ModelLimits],
     ) -> CheckedBody:
         """`body_check.check_body` of `raw`: here if it is small, else in the pool in the tenant's turn."""
         if self.parses_inline(raw):
-            return check_body(raw, schema, affinity_chars, context_lengths)
+            return check_body(raw, schema, affinity_chars, model_limits)
         turns = self._turns.get(tenant_id)
         if turns is None:
             turns = self._turns[tenant_id] = _TenantTurns(self._per_tenant)
@@ -91,7 +96,7 @@ class BodyParsers:
             async with turns.semaphore:
                 turns.parsing += 1
                 try:
-                    return await self._in_pool(raw, schema, affinity_chars, context_lengths)
+                    return await self._in_pool(raw, schema, affinity_chars, model_limits)
                 finally:
                     turns.parsing -= 1
         finally:
@@ -100,12 +105,12 @@ class BodyParsers:
                 del self._turns[tenant_id]
 
     async def _in_pool(
-        self, raw: bytes, schema: type[BaseModel], affinity_chars: int, context_lengths: dict[str, int]
+        self, raw: bytes, schema: type[BaseModel], affinity_chars: int, model_limits: dict[str, ModelLimits]
     ) -> CheckedBody:
         pool = self._pool_now()
         try:
             work = asyncio.get_running_loop().run_in_executor(
-                pool, check_body, raw, schema, affinity_chars, context_lengths
+                pool, check_body, raw, schema, affinity_chars, model_limits
             )
         except BrokenProcessPool:
             work = None

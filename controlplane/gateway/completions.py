@@ -68,7 +68,7 @@ async def serve(
     flight = None
     try:
         checked = await gw.bodies.check(
-            grant.tenant_id, raw, schema, gw.config.affinity_prefix_chars, await gw.routing.context_lengths()
+            grant.tenant_id, raw, schema, gw.config.affinity_prefix_chars, await gw.routing.model_limits()
         )
         if checked.json_error:
             raise _invalid(checked.error)
@@ -225,7 +225,7 @@ def _check_images(model: ModelRoute, checked: CheckedBody) -> None:
 
 
 def _invalid(error: BodyError) -> GatewayError:
-    return bad_request(error.message, param=error.param, code=error.code)
+    return GatewayError(error.status, error.message, param=error.param, code=error.code)
 
 
 def _admitted(admission: Admission) -> Admission:

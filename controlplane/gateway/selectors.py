@@ -3,12 +3,15 @@
 from dataclasses import dataclass
 from decimal import Decimal
 
+from django.conf import settings
+
 from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_authenticate
 from controlplane.catalog.models import Model
 from controlplane.common.units import human_bytes
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.placement import largest_replica_bytes
 from controlplane.fleet.selectors import placement_slots, replica_prefix_keys
+from controlplane.gateway.body_check import model_request_bytes
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class ModelRoute:
     price_per_request: Decimal
     created: int  # epoch seconds, for /v1/models
     context_length: int  # tokens, as the catalog says: no replica of the model takes more
+    # The largest request body it takes (follows context_length, under GATEWAY_MAX_REQUEST_BYTES).
+    max_request_bytes: int
     ready: tuple[ReplicaRoute, ...]
     loading: bool  # some replica is pending or loading
     # Why no replica can be started for a request (empty when one can): see `cold_start_refusal`.
@@ -126,6 +131,12 @@ def routing_table() -> dict[str, ModelRoute]:
             price_per_request=price,
             created=int(created_at.timestamp()),
             context_length=context_length,
+            max_request_bytes=model_request_bytes(
+                context_length=context_length,
+                cap=settings.GATEWAY_MAX_REQUEST_BYTES,
+                bytes_per_token=settings.GATEWAY_REQUEST_BYTES_PER_TOKEN,
+                allowance=settings.GATEWAY_REQUEST_BYTES_ALLOWANCE,
+            ),
             ready=tuple(ready.get(pk, ())),
             loading=pk in loading,
             cannot_start=cold_start_refusal(
