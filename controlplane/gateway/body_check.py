@@ -44,11 +44,14 @@ class ModelLimits:
     max_request_bytes: int
 
 
-def model_request_bytes(*, context_length: int, cap: int, bytes_per_token: int, allowance: int) -> int:
+def model_request_bytes(
+    *, context_length: int, cap: int, bytes_per_token: int, allowance: int, image_bytes: int = 0
+) -> int:
     """The largest body a model of this context takes: room for its context's text (or token ids)
-    at bytes_per_token each, plus an allowance for the request's structure (messages, tools), never
-    above the operator's cap."""
-    return min(cap, allowance + context_length * bytes_per_token)
+    at bytes_per_token each, plus an allowance for the request's structure (messages, tools) and,
+    for a vision model, its images (image_bytes: their most, sent as base64), never above the
+    operator's cap."""
+    return min(cap, allowance + context_length * bytes_per_token + -(-image_bytes * 4 // 3))
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,7 @@ def routing_table() -> dict[str, ModelRoute]:
                 cap=settings.GATEWAY_MAX_REQUEST_BYTES,
                 bytes_per_token=settings.GATEWAY_REQUEST_BYTES_PER_TOKEN,
                 allowance=settings.GATEWAY_REQUEST_BYTES_ALLOWANCE,
+                image_bytes=max_images * max_image_bytes if kind == Model.Kind.VISION else 0,
             ),
             ready=tuple(ready.get(pk, ())),
             loading=pk in loading,

@@ -216,6 +216,9 @@ def test_a_models_body_limit_follows_its_context_under_the_cap():
 
     assert model_request_bytes(context_length=1000, cap=1 << 20, bytes_per_token=16, allowance=100) == 16_100
     assert model_request_bytes(context_length=1 << 20, cap=1 << 20, bytes_per_token=16, allowance=100) == 1 << 20
+    # A vision model's images come on top, as base64.
+    vision = model_request_bytes(context_length=1000, cap=1 << 30, bytes_per_token=16, allowance=100, image_bytes=3000)
+    assert vision == 16_100 + 4000
     body = _body("x" * 500)
     refused = check_body(body, CompletionRequest, 64, {"m": ModelLimits(256, len(body) - 1)})
     assert refused.error.status == 413 and refused.error.code == "request_too_large"
