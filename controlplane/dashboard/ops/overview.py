@@ -162,6 +162,9 @@ class ReplicaLoadView:
     running: str
     kv_cache: str
     tokens_per_s: str
+    # Prompt tokens served from the prefix cache (either KV tier), and from the host tier alone.
+    prefix_hits: str = "—"
+    host_tier_hits: str = "—"
 
 
 def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadView:
@@ -169,13 +172,19 @@ def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadVie
         value = report.get(name)
         return "—" if value is None else f"{value:.0f}"
 
-    kv, rate = report.get("kv_cache_usage"), report.get("tokens_per_s")
+    def share(name: str) -> str:
+        value = report.get(name)
+        return "—" if value is None else f"{100 * value:.0f}%"
+
+    rate = report.get("tokens_per_s")
     return ReplicaLoadView(
         replica_id=replica_id,
         waiting=count("waiting"),
         running=count("running"),
-        kv_cache="—" if kv is None else f"{100 * kv:.0f}%",
+        kv_cache=share("kv_cache_usage"),
         tokens_per_s="—" if rate is None else f"{rate:,.0f}",
+        prefix_hits=share("prefix_cache_hit_rate"),
+        host_tier_hits=share("host_cache_hit_rate"),
     )
 
 
