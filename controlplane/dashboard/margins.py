@@ -19,6 +19,8 @@ class ModelMargin:
     revenue: Decimal
     gpu_hours: float
     gpu_cost: Decimal
+    # Prompt tokens its replicas' prefix caches served: prefill its GPUs did not compute.
+    prefill_tokens_saved: int = 0
 
     @property
     def margin(self) -> Decimal:
@@ -43,6 +45,7 @@ def model_margins(*, since: datetime, until: datetime, gpu_hour_cost: Decimal) -
                 revenue=row.revenue if row else Decimal("0"),
                 gpu_hours=hours,
                 gpu_cost=(gpu_hour_cost * Decimal(str(hours))).quantize(MICRO),
+                prefill_tokens_saved=row.cached_prompt_tokens if row else 0,
             )
         )
     return margins

@@ -27,7 +27,7 @@ from controlplane.batches.services import (
     batch_validate,
     send_run,
 )
-from controlplane.billing.holds import HoldRefused, RequestOutcome
+from controlplane.billing.holds import HoldRefused, RequestOutcome, usage_cached_tokens
 from controlplane.billing.models import UsageRecord
 from controlplane.fleet.services.deployments import deployment_wake
 from controlplane.gateway.config import GatewayConfig
@@ -268,6 +268,7 @@ async def _send_line(run: _Run, line: BatchLine, replicas) -> None:
         # or no replica answering: released unbilled, as for an interactive request.
         status=UsageRecord.Status.COMPLETED if status == 200 else None,
         prompt_tokens=_count(usage.get("prompt_tokens")),
+        cached_prompt_tokens=usage_cached_tokens(usage),
         completion_tokens=_count(usage.get("completion_tokens")),
         total_latency_ms=int((time.monotonic() - started) * 1000),
         gpu_time_s=usage.get("gpu_time_s"),
