@@ -19,7 +19,9 @@ class HostKVPool:
         self.kv_cache = kv_cache
         cuda = kv_cache.device.type == "cuda"
         layers, planes, _, *block_shape = kv_cache.shape
-        self.slots = torch.zeros(num_slots, layers, planes, *block_shape, dtype=kv_cache.dtype, pin_memory=cuda)
+        # Never read before a spill writes it: left unfilled (filling gigabytes of pinned memory
+        # would only slow the start).
+        self.slots = torch.empty(num_slots, layers, planes, *block_shape, dtype=kv_cache.dtype, pin_memory=cuda)
         self.stream = torch.cuda.Stream(kv_cache.device) if cuda else None
         self._in_flight: list[tuple[int, torch.cuda.Event | None]] = []
 
@@ -48,12 +50,13 @@ class HostKVPool:
 
     def landed(self) -> list[int]:
         """The sequence ids whose restores have completed since the last call."""
-        done = [seq_id for seq_id, event in self._in_flight if event is None or event.query()]
-        if done:
-            self._in_flight = [(s, e) for s, e in self._in_flight if s not in done]
-            if self.stream is not None:  # later steps read the blocks: order them after the copies
-                torch.cuda.current_stream(self.kv_cache.device).wait_stream(self.stream)
-        return done
+        landed = [(seq_id, event) for seq_id, event in self._in_flight if event is None or event.query()]
+        if landed:
+            self._in_flight = [entry for entry in self._in_flight if entry not in landed]
+            for _, event in landed:
+                if event is not None:  # later steps read the blocks: order them after their copies
+                    torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
+        return [seq_id for seq_id, _ in landed]
 
     def wait(self) -> list[int]:
         """Block until every restore in flight has landed; their sequence ids."""
