@@ -25,6 +25,8 @@ from gpuworker.engine.window_blocks import WindowPool
 # The parent hash and prefix id of a sequence's first block.
 ROOT_HASH = -1
 ROOT_PREFIX_ID = 0
+# Ends a chain (BlockManager._match_chain) at a block still being copied back from the host tier.
+ARRIVING = object()
 
 
 def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
@@ -100,6 +102,8 @@ class BlockManager:
         # again before they are admitted, so a pool too tight to keep them cannot loop).
         self._restoring: dict[int, _Restore] = {}
         self._restored: set[int] = set()
+        # GPU blocks whose copies from the host tier are in flight: matched by no one until they land.
+        self._arriving: set[int] = set()
         # Restores the runner has still to start: (sequence id, [(host slot, GPU block id)]).
         self.pending_restores: list[tuple[int, list[tuple[int, int]]]] = []
         # Prompt tokens whose blocks came back from the host tier.
@@ -133,7 +137,8 @@ class BlockManager:
 
     def _match_chain(self, seq: Sequence, with_host: bool) -> list:
         """The longest cached prefix of seq's blocks (its last token left out): a GPU block id per
-        block, or with_host, the HostBlock of a block found only in the host tier."""
+        block, or with_host, the HostBlock of a block found only in the host tier. A block whose
+        copy from the host tier is still on its way ends the chain (with_host: as ARRIVING)."""
         if not self.enable_prefix_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -143,6 +148,10 @@ class BlockManager:
         for i, block_hash in enumerate(hashes):
             tokens = self._tokens(seq, i)
             block_id = self._cached.get(block_hash)
+            if block_id in self._arriving:
+                if with_host:
+                    chain.append(ARRIVING)
+                break
             if block_id is not None:
                 block = self.blocks[block_id]
                 if block.parent_prefix_id == parent_prefix_id and block.token_ids == tokens:
@@ -261,18 +270,21 @@ class BlockManager:
     def has_restores_in_flight(self) -> bool:
         return bool(self._restoring)
 
-    def start_restore(self, seq: Sequence) -> bool:
+    def start_restore(self, seq: Sequence, reserve_blocks: int = 0) -> bool:
         """Whether waiting seq must wait for blocks coming back from the host tier. The first call
         for a prefix that continues there holds its GPU blocks, takes free blocks for the host ones
-        and lists their copies (pending_restores); restore_landed ends the wait."""
+        (leaving reserve_blocks free) and lists their copies (pending_restores); restore_landed
+        ends the wait."""
         if self.host_tier is None or seq.seq_id in self._restored:
             return False
         if seq.seq_id in self._restoring:
             return True
         chain = self._match_chain(seq, with_host=True)
+        if chain and chain[-1] is ARRIVING:  # another sequence's restore brings part of it: wait
+            return True
         # As much of the chain as the free blocks can take (the host blocks and the GPU ones
         # sitting free leave the free pool).
-        room = len(self._free)
+        room = len(self._free) - reserve_blocks
         for end, entry in enumerate(chain):
             room -= isinstance(entry, HostBlock) or self.blocks[entry].ref_count == 0
             if room < 0:
@@ -297,6 +309,7 @@ class BlockManager:
     def restore_landed(self, seq_id: int) -> None:
         """The copies of seq_id's restore are done: its blocks are cached on the GPU, free to admit."""
         restore = self._restoring.pop(seq_id)
+        self._arriving.difference_update(restore.held)
         for host_block in restore.host_blocks:
             self.host_tier.unpin(host_block)
         for block_id in reversed(restore.held):
@@ -324,6 +337,7 @@ class BlockManager:
         block.block_hash, block.token_ids = host_block.block_hash, host_block.token_ids
         block.prefix_id, block.parent_prefix_id = host_block.prefix_id, host_block.parent_prefix_id
         self._cached[host_block.block_hash] = block_id
+        self._arriving.add(block_id)
         return block_id
 
     def _prefix_ids(self, block_ids: list[int]) -> list[int | None]:

@@ -218,8 +218,9 @@ class Scheduler:
 
     def _awaits_restore(self, seq: Sequence) -> bool:
         """Whether seq waits for its prefix's blocks to come back from the host tier (their copies
-        started by the first call); the sequences behind it are admitted meanwhile."""
-        return self.block_manager.start_restore(seq)
+        started by the first call); the sequences behind it are admitted meanwhile. The restore
+        leaves a block free for each running sequence, so it preempts none of them."""
+        return self.block_manager.start_restore(seq, reserve_blocks=len(self.running))
 
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > self.short_prefill_tokens

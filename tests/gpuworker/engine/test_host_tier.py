@@ -144,3 +144,30 @@ def test_scheduler_admits_others_while_a_restore_is_in_flight():
     bm.restore_landed(restoring.seq_id)
     [entry] = [entry for entry in scheduler.schedule().seqs if entry.seq is restoring]
     assert entry.start == 12
+
+
+def test_a_restore_leaves_the_reserved_blocks_free():
+    bm = BlockManager(8, BLOCK_SIZE, num_host_blocks=16)
+    prompt = list(range(25))  # six full blocks
+    fill_and_evict(bm, prompt)
+    bm.take_pending_copies()
+    seq = make_seq(prompt + [1])
+    assert bm.start_restore(seq, reserve_blocks=5)
+    _, [(_, copies)] = bm.take_pending_copies()
+    assert len(copies) == 3 and bm.num_free_blocks == 5
+
+
+def test_blocks_on_their_way_back_are_matched_by_no_one_until_they_land():
+    bm = BlockManager(16, BLOCK_SIZE, num_host_blocks=16)
+    prompt = list(range(13))
+    fill_and_evict(bm, prompt)
+    first, second = make_seq(prompt + [1]), make_seq(prompt + [2])
+    assert bm.start_restore(first)
+    # The second sequence shares the prefix being copied: it neither reads it nor copies it again.
+    assert bm.match_prefix(second) == []
+    assert bm.start_restore(second) is True
+    _, restores = bm.take_pending_copies()
+    assert [seq_id for seq_id, _ in restores] == [first.seq_id]
+    bm.restore_landed(first.seq_id)
+    assert len(bm.match_prefix(second)) == 3
+    assert bm.start_restore(second) is False
