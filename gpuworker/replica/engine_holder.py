@@ -127,7 +127,7 @@ class EngineHolder:
         self.drain_timeout_s = config.drain_timeout_s
         self._drain_task: asyncio.Task | None = None
         # Cumulative engine counters already added to the Prometheus counters.
-        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "host_cache_hits": 0, "num_preemptions": 0}
         self._tokens_window: list[tuple[float, int]] = []
         # The conversations served here, to report those whose KV is still held.
         self.held_prefixes = HeldPrefixes()
@@ -323,6 +323,7 @@ class EngineHolder:
         for key, counter in (
             ("prefix_cache_queries", m.prefix_cache_queries),
             ("prefix_cache_hits", m.prefix_cache_hits),
+            ("host_cache_hits", m.host_cache_hits),
             ("num_preemptions", m.num_preemptions),
         ):
             delta = figures[key] - self._seen[key]

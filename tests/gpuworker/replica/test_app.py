@@ -956,6 +956,8 @@ def test_stats_report_the_conversations_whose_kv_is_held(tiny_checkpoint):
         client.post("/v1/completions", json={"prompt": prompt + "!", "max_tokens": 2})
         stats = client.get("/stats").json()
         health = client.get("/health").json()
+        metrics = client.get("/metrics").text
+    assert 'gpuserve:host_kv_cache_hits_total{model_name="tiny"} 0.0' in metrics
     # A prompt that fills no block holds nothing to report; unnamed or malformed ones are not named.
     assert stats["prefix_keys"] == [held] and unnamed not in stats["prefix_keys"]
     assert stats["host_cache_hit_rate"] == 0.0  # nothing was evicted from the GPU pool
