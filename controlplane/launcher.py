@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from controlplane.env import read_env_file
+from controlplane.tokens import read_or_create_secret_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 # Where the web server listens by default: loopback, so a demo set-up is not open to the network.
@@ -361,6 +362,23 @@ def banner(*, port: int, env_file: Path, fleet_port: int = DEFAULT_FLEET_PORT) -
     return "\n".join(lines)
 
 
+def demo_environment(*, var_dir: Path) -> dict[str, str]:
+    """What the children get when the environment does not set DEBUG: Django's production mode, so a
+    missing page is the dashboard's 404 and never the debug page listing every route, kept to plain
+    HTTP on this machine as the development defaults are (no TLS on 127.0.0.1), with a signing key
+    of its own in `var_dir`. The web server serves /static/ itself either way (SERVE_STATIC)."""
+    return {
+        "DEBUG": "0",
+        "SECRET_KEY": read_or_create_secret_file(var_dir / "secret-key"),
+        "ALLOWED_HOSTS": "localhost,127.0.0.1,[::1]",
+        "SECURE_SSL_REDIRECT": "0",
+        "SESSION_COOKIE_SECURE": "0",
+        "CSRF_COOKIE_SECURE": "0",
+        "SECURE_HSTS_SECONDS": "0",
+        "SECURE_HSTS_INCLUDE_SUBDOMAINS": "0",
+    }
+
+
 def _settings():
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
     import django
@@ -396,6 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = _settings()
     # Every child gets the fleet's worker token: the daemon needs it and reads no Django settings.
     os.environ.setdefault("GPUSERVE_WORKER_TOKEN", settings.FLEET_WORKER_TOKEN)
+    if "DEBUG" not in os.environ:
+        for name, value in demo_environment(var_dir=settings.VAR_DIR).items():
+            os.environ.setdefault(name, value)
 
     launcher = Launcher(
         process_specs(host=args.host, port=args.port, fleet_port=args.fleet_port, var_dir=settings.VAR_DIR)

@@ -62,6 +62,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # After htmx's: it needs request.htmx (an ended session's redirect becomes HX-Redirect).
+    "controlplane.dashboard.session_expiry.htmx_login_redirect_middleware",
     # Last, as django-axes asks: it turns a lockout into the page below.
     "axes.middleware.AxesMiddleware",
 ]
@@ -187,6 +189,11 @@ FLEET_WORKER_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_WORKER_DRAIN_TIMEOUT_SECONDS
 # What one GPU-hour costs the operator (USD): the admins' home page sets each model's GPU-hours
 # against its revenue at this rate (dashboard.margins.model_margins).
 GPU_HOUR_COST_USD = env_decimal("GPU_HOUR_COST_USD", "2.00")
+
+# Credits an admin grants or takes back by hand (billing.ledger): no single entry may move more than
+# CREDIT_ENTRY_MAX_USD, and one moving more than CREDIT_CONFIRM_ABOVE_USD must be confirmed.
+CREDIT_ENTRY_MAX_USD = env_decimal("CREDIT_ENTRY_MAX_USD", "10000")
+CREDIT_CONFIRM_ABOVE_USD = env_decimal("CREDIT_CONFIRM_ABOVE_USD", "500")
 
 # --- The autoscaler (controlplane/fleet/autoscaling.py: the policy; fleet/services/autoscaling.py:
 # one decision per deployment per tick). Defaults for new deployments, each editable per deployment:
@@ -329,9 +336,16 @@ GATEWAY_AFFINITY_MAX_EXTRA = env_int("GATEWAY_AFFINITY_MAX_EXTRA", 4)
 GATEWAY_IDEMPOTENCY_SECONDS = env_int("GATEWAY_IDEMPOTENCY_SECONDS", 24 * 3600)
 # How often expired credit holds (from gateways that died mid-request) are settled.
 GATEWAY_HOLD_SWEEP_SECONDS = env_int("GATEWAY_HOLD_SWEEP_SECONDS", 30)
+# How often each gateway process writes its tallies of refused requests (billing.Refusal): the
+# request log and the error figures lag the refusals by up to this long.
+GATEWAY_REFUSAL_FLUSH_SECONDS = env_int("GATEWAY_REFUSAL_FLUSH_SECONDS", 5)
 # How long the Responses API keeps a stored response (`store`, its default) before the hourly sweep
 # deletes it; a tenant may delete one sooner (DELETE /v1/responses/{id}).
 GATEWAY_RESPONSES_RETENTION_DAYS = env_int("GATEWAY_RESPONSES_RETENTION_DAYS", 30)
+
+# The tenant whose credit pays for operators' and admins' playground requests (they belong to no
+# tenant): created, with no credit, on first use; an admin grants it credit as any tenant's.
+PLAYGROUND_STAFF_TENANT = env_str("PLAYGROUND_STAFF_TENANT", "Operators")
 
 # --- HTTPS and cookies: on by default whenever DEBUG is off -----------------------------------
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)

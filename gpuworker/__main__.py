@@ -22,6 +22,7 @@ from pathlib import Path
 from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV
 from gpuworker.daemon.staging import STAGE_BUDGET_ENV
 from gpuworker.engine.config import EXPERT_PARALLEL_MODES
+from gpuworker.replica.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
 
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
 HOST_KV_CACHE_ENV = "GPUSERVE_HOST_KV_CACHE_BYTES"
@@ -40,6 +41,15 @@ def _port_range(text: str) -> tuple[int, int]:
     if not 1024 <= low <= high <= 65535:
         raise argparse.ArgumentTypeError(f"--port-range must be LOW-HIGH within 1024-65535, got {text!r}")
     return low, high
+
+
+def _pem_file(text: str) -> str:
+    """An existing file, as an absolute path (the daemon's replicas need not share its working
+    directory): a missing CA bundle stops the command at once, not each replica at its start."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file (give a PEM file of CA certificates)")
+    return str(path.resolve())
 
 
 def _byte_count(text: str) -> int:
@@ -81,17 +91,22 @@ def _add_serve(commands) -> None:
         "--token", default=_token_default(), help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})"
     )
     serve.add_argument("--max-model-len", type=int, default=None)
+    _add_image_fetch_arguments(serve)
     serve.add_argument(
-        "--allowed-image-domains",
-        default="",
-        metavar="DOMAINS",
-        help="comma-separated domains (each with its subdomains) whose http(s) image URLs a vision "
-        "model may fetch; none, the default: images only as data: URLs. Addresses that are not "
-        "public (loopback, private, link-local, metadata) are refused whatever the domain",
+        "--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, help="images one chat request may carry"
     )
-    serve.add_argument("--max-images-per-request", type=int, default=16, help="images one chat request may carry")
     serve.add_argument(
-        "--max-image-bytes", type=int, default=20 << 20, help="largest image a request may carry, in bytes"
+        "--max-image-bytes",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        help="largest image a request may carry, in bytes",
+    )
+    serve.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="most pixels (width x height) an image may have; larger ones are refused from their header, "
+        "before decoding",
     )
     serve.add_argument(
         "--max-num-seqs",
@@ -145,6 +160,13 @@ def _add_serve(commands) -> None:
         "(default 0: no host tier)",
     )
     serve.add_argument(
+        "--scheduling",
+        choices=("fair", "fcfs"),
+        default="fair",
+        help="the order waiting requests are admitted in: fair (interactive before batch, then the "
+        "tenant with the least weighted service so far, as the gateway names them) or fcfs (arrival order)",
+    )
+    serve.add_argument(
         "--memory-fraction", type=float, default=0.9, help="fraction of free GPU memory the KV cache may take"
     )
     serve.add_argument(
@@ -172,6 +194,37 @@ def _add_serve(commands) -> None:
         help="stop (as on SIGTERM) when process PID, our parent, dies (Linux)",
     )
     serve.add_argument("--log-level", default="info")
+
+
+def _add_image_fetch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a vision model may fetch images from: a host's network policy, so both `serve` and
+    `daemon` take these (the daemon passes them to every replica it starts, image_fetch_argv)."""
+    parser.add_argument(
+        "--allowed-image-domains",
+        default="",
+        metavar="DOMAINS",
+        help="comma-separated domains (each with its subdomains) whose http(s) image URLs a vision "
+        "model may fetch; none, the default: images only as data: URLs. Addresses that are not "
+        "public (loopback, private, link-local, metadata) are refused whatever the domain",
+    )
+    parser.add_argument(
+        "--image-ca-bundle",
+        type=_pem_file,
+        default=None,
+        metavar="PEM",
+        help="certificate authorities (a PEM file) that https image servers are checked against, "
+        "e.g. an internal image store's own CA (default: the usual public ones, certifi's)",
+    )
+
+
+def image_fetch_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The daemon's image-fetch flags as the serve flags it passes on to each replica."""
+    argv: tuple[str, ...] = ()
+    if args.allowed_image_domains:
+        argv += ("--allowed-image-domains", args.allowed_image_domains)
+    if args.image_ca_bundle is not None:
+        argv += ("--image-ca-bundle", args.image_ca_bundle)
+    return argv
 
 
 def _add_daemon(commands) -> None:
@@ -239,6 +292,7 @@ def _add_daemon(commands) -> None:
         "(default: on; --no-spare-replicas, or --no-spare, starts each replica afresh)",
     )
     daemon.add_argument("--no-spare", dest="spare_replicas", action="store_false", help=argparse.SUPPRESS)
+    _add_image_fetch_arguments(daemon)
     daemon.add_argument("--log-level", default="info")
 
 
@@ -268,6 +322,17 @@ def wants_engine_process(args: argparse.Namespace) -> bool:
     return args.engine_process if args.engine_process is not None else args.device.startswith("cuda")
 
 
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The replica's image limits from its serve flags (the daemon passes the catalog's)."""
+    return ImageLimits(
+        max_images=args.max_images_per_request,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        allowed_domains=tuple(domain for domain in args.allowed_image_domains.split(",") if domain.strip()),
+        ca_bundle=args.image_ca_bundle,
+    )
+
+
 def serve(args: argparse.Namespace, engine_process=None) -> None:
     """`engine_process`: an EngineProcess a spare started ahead (used if the engine runs in one)."""
     _configure_logging(args.log_level)
@@ -283,7 +348,6 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
     # xgrammar, transformers: seconds) run.
     prefetch(args.model)
     from gpuworker.replica.engine_holder import EngineHolder, ServerConfig
-    from gpuworker.replica.images import ImageLimits
 
     config = ServerConfig(
         model=args.model,
@@ -297,16 +361,13 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         host_kv_cache_bytes=args.host_kv_cache_bytes,
+        scheduling=args.scheduling,
         gpu_memory_utilization=args.memory_fraction,
         drain_timeout_s=args.drain_timeout,
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
         engine_process=wants_engine_process(args),
-        image_limits=ImageLimits(
-            max_images=args.max_images_per_request,
-            max_image_bytes=args.max_image_bytes,
-            allowed_domains=tuple(domain for domain in args.allowed_image_domains.split(",") if domain.strip()),
-        ),
+        image_limits=image_limits(args),
     )
     holder = EngineHolder(config, engine_process)
     holder.start_loading()
@@ -370,6 +431,7 @@ def daemon(args: argparse.Namespace) -> int:
         stage_budget_bytes=args.stage_budget_bytes,
         host_kv_cache_bytes=args.host_kv_cache_bytes,
         spare_replicas=args.spare_replicas,
+        replica_argv=image_fetch_argv(args),
     )
     return Agent(config).run()
 

@@ -9,6 +9,8 @@ These published layouts are understood (the formats' own names in parentheses):
   of the quantizer's scale, "weight_scale_inv"), activations quantized at run time per token and per
   group of as many columns: DeepSeek's "fp8" method with weight_block_size (DeepSeek-V3/R1, Kimi K2;
   transformers' FineGrainedFP8).
+- INT8 weights with a float32 scale per output channel (or per tensor) and activations quantized to
+  INT8 per token at run time, both symmetric (W8A8): compressed-tensors' "int-quantized".
 - INT4 weight-only with a scale and a zero point per group of input rows: "awq" (version "gemm") and
   "gptq" (checkpoint_format "gptq": zero points stored minus one; desc_act false).
 `quantization="fp8"` at load quantizes a float checkpoint to FP8 with per-channel weight scales and
@@ -24,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("fp8", "awq", "gptq")
+METHODS = ("fp8", "int8", "awq", "gptq")
 # Where the weights come from: a layout written by a quantizer, or a float checkpoint quantized at load.
 FORMATS = ("compressed-tensors", "fp8", "awq", "gptq", "fp8-at-load")
 # What a float checkpoint can be quantized to at load (EngineConfig.quantization; None: as it is).
@@ -33,7 +35,7 @@ LOAD_QUANTIZATIONS = (None, "fp8")
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # "fp8" or the INT4 "awq" / "gptq"
+    method: str  # "fp8", "int8" (W8A8) or the INT4 "awq" / "gptq"
     checkpoint_format: str  # one of FORMATS
     # FP8: "tensor", "channel" or "block" weight scales; activations None (weight-only), "static" (per
     # tensor, the checkpoint's input_scale) or "dynamic" (per token, and per column group for "block").
@@ -50,8 +52,8 @@ class QuantConfig:
 
     @property
     def label(self) -> str:
-        """A short name for pages and logs: "fp8", "awq-int4", "gptq-int4"."""
-        return self.method if self.method == "fp8" else f"{self.method}-int{self.bits}"
+        """A short name for pages and logs: "fp8", "int8", "awq-int4", "gptq-int4"."""
+        return self.method if self.method in ("fp8", "int8") else f"{self.method}-int{self.bits}"
 
     def ignores(self, module_name: str) -> bool:
         """Whether the checkpoint module `module_name` (e.g. model.layers.0.self_attn.q_proj) is dense."""
@@ -93,8 +95,12 @@ def parse_quantization(config: dict[str, Any], source: str) -> QuantConfig | Non
 
 def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
     where = f"{source}: quantization_config"
+    if qc.get("format") == "int-quantized":
+        return _compressed_tensors_int8(qc, source)
     if qc.get("format") != "float-quantized":
-        raise ValueError(f"{where}.format {qc.get('format')!r} is not supported (expected 'float-quantized')")
+        raise ValueError(
+            f"{where}.format {qc.get('format')!r} is not supported (expected 'float-quantized' or 'int-quantized')"
+        )
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(f"{where}.config_groups must hold exactly one group, got {len(groups)}")
@@ -134,6 +140,48 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
         checkpoint_format="compressed-tensors",
         weight_strategy=strategy,
         activation_scheme=scheme,
+        ignore=tuple(qc.get("ignore") or ()),
+    )
+
+
+def _compressed_tensors_int8(qc: dict[str, Any], source: str) -> QuantConfig:
+    """compressed-tensors' "int-quantized": symmetric INT8 weights per channel (or tensor) and
+    symmetric INT8 activations quantized per token at run time (W8A8)."""
+    where = f"{source}: quantization_config"
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"{where}.config_groups must hold exactly one group, got {len(groups)}")
+    ((name, group),) = groups.items()
+    weights = group.get("weights") or {}
+    if weights.get("num_bits") != 8 or weights.get("type") != "int":
+        raise ValueError(
+            f"{where}.config_groups.{name}.weights must be 8-bit int, got "
+            f"num_bits={weights.get('num_bits')!r} type={weights.get('type')!r}"
+        )
+    strategy = weights.get("strategy")
+    if strategy not in ("tensor", "channel") or weights.get("dynamic"):
+        raise ValueError(
+            f"{where}.config_groups.{name}.weights.strategy must be static 'tensor' or 'channel', got {strategy!r}"
+        )
+    if not weights.get("symmetric", True):
+        raise ValueError(f"{where}.config_groups.{name}.weights must be symmetric (no zero points)")
+    activations = group.get("input_activations") or {}
+    if (
+        activations.get("num_bits") != 8
+        or activations.get("type") != "int"
+        or not activations.get("dynamic")
+        or activations.get("strategy") != "token"
+        or not activations.get("symmetric", True)
+    ):
+        raise ValueError(
+            f"{where}.config_groups.{name}.input_activations must be symmetric 8-bit int quantized "
+            "per 'token' at run time (dynamic), the W8A8 scheme the INT8 GEMM takes"
+        )
+    return QuantConfig(
+        method="int8",
+        checkpoint_format="compressed-tensors",
+        weight_strategy=strategy,
+        activation_scheme="dynamic",
         ignore=tuple(qc.get("ignore") or ()),
     )
 

@@ -104,6 +104,7 @@ def test_gpuworker_layers_import_one_way():
         "models": {"kernels", "attention"},
         "engine": {"kernels", "attention", "models"},
         "replica": {"engine", "models", "contract"},
+        "quality": {"engine", "models", "contract"},
         "daemon": {"contract"},
         "contract": set(),
     }

@@ -63,6 +63,17 @@ class User(AbstractUser):
     def is_tenant_admin(self) -> bool:
         return self.role == self.Role.TENANT_MEMBER and self.tenant_role == self.TenantRole.ADMIN
 
+    @property
+    def role_label(self) -> str:
+        """The role as every page names it: a tenant member by their part in the team."""
+        return role_label(role=self.role, tenant_role=self.tenant_role)
+
+
+def role_label(*, role: str, tenant_role: str) -> str:
+    if role == User.Role.TENANT_MEMBER:
+        return User.TenantRole(tenant_role).label
+    return User.Role(role).label
+
 
 class Invitation(models.Model):
     """A link that lets one person create their own login with the role (and tenant) the inviter
@@ -90,9 +101,7 @@ class Invitation(models.Model):
 
     @property
     def role_label(self) -> str:
-        if self.role == User.Role.TENANT_MEMBER:
-            return User.TenantRole(self.tenant_role).label
-        return User.Role(self.role).label
+        return role_label(role=self.role, tenant_role=self.tenant_role)
 
     def refusal(self, now=None) -> str:
         """Why the link cannot be used now, in words for the person holding it; "" if it can."""
@@ -141,6 +150,11 @@ class ApiKey(models.Model):
         blank=True,
         validators=[MinValueValidator(1)],
         help_text="Requests in flight at once for this key; empty means the tenant's plan limit.",
+    )
+    batch_priority = models.BooleanField(
+        default=False,
+        help_text="Its requests are batch work: on a busy GPU they give way to interactive requests, "
+        "which may pause them.",
     )
     monthly_spend_limit = MoneyField(
         null=True,

@@ -54,6 +54,13 @@ def api_keys_for_tenant(*, tenant: Tenant) -> QuerySet[ApiKey]:
     return ApiKey.objects.filter(tenant=tenant, purpose=ApiKey.Purpose.API).prefetch_related("allowed_models")
 
 
+def api_keys_usable_for_tenant(*, tenant: Tenant, now: datetime | None = None) -> list[ApiKey]:
+    """The tenant's own keys that work now (not revoked, not expired), newest first."""
+    now = now or timezone.now()
+    keys = api_keys_for_tenant(tenant=tenant).filter(revoked=False).order_by("-created_at", "-pk")
+    return [key for key in keys if not key.is_expired(now)]
+
+
 def api_keys_unrevoked_for_tenant(*, tenant: Tenant) -> QuerySet[ApiKey]:
     """The tenant's own API keys that are not revoked (expired ones included: expiry is a time)."""
     return api_keys_for_tenant(tenant=tenant).filter(revoked=False)

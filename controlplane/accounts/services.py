@@ -11,7 +11,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -19,8 +19,9 @@ from django.utils import timezone
 from controlplane.accounts.keys import generate_api_key, hash_api_key, visible_prefix
 from controlplane.accounts.models import ApiKey, ApiKeyChange, Invitation, Tenant, User
 from controlplane.audit.models import AuditEntry
-from controlplane.audit.services import audit_record
+from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.selectors import models_by_public_name
+from controlplane.common.money import format_usd
 from controlplane.common.services import validated_save
 from controlplane.tokens import new_secret_token, secret_hash
 
@@ -113,6 +114,7 @@ def api_key_create(
     rate_limit_per_minute: int | None = None,
     max_concurrent_requests: int | None = None,
     monthly_spend_limit: Decimal | None = None,
+    batch_priority: bool = False,
     created_by: User | None = None,
     purpose: str = ApiKey.Purpose.API,
 ) -> ApiKeyCreated:
@@ -135,6 +137,7 @@ def api_key_create(
             rate_limit_per_minute=rate_limit_per_minute,
             max_concurrent_requests=max_concurrent_requests,
             monthly_spend_limit=_spend_limit(monthly_spend_limit),
+            batch_priority=batch_priority,
             created_by=created_by,
         )
     )
@@ -182,8 +185,78 @@ def api_key_set_spend_limit(
     return api_key
 
 
+@transaction.atomic
+def api_key_update(
+    *,
+    api_key: ApiKey,
+    name: str,
+    all_models: bool,
+    allowed_model_names: Sequence[str] = (),
+    rate_limit_per_minute: int | None = None,
+    max_concurrent_requests: int | None = None,
+    monthly_spend_limit: Decimal | None = None,
+    batch_priority: bool = False,
+    actor: User | None = None,
+) -> ApiKey:
+    """Change what a key is called and what it may do, its priority class included; its secret
+    (hash and prefix), tenant and expiry stay. The gateways' key caches hear of it through
+    accounts.signals, so the new models and limits apply from the next request. One audit entry
+    lists the fields that changed."""
+    api_key = ApiKey.objects.select_for_update().select_related("tenant").get(pk=api_key.pk)
+    if api_key.revoked:
+        raise ValidationError("A revoked key cannot be edited.")
+    allowed_models = _allowed_models(all_models=all_models, names=allowed_model_names)
+    if ApiKey.objects.filter(tenant=api_key.tenant, name=name).exclude(pk=api_key.pk).exists():
+        raise ValidationError({"name": "This tenant already has a key with this name."})
+    before = _key_settings(api_key, list(api_key.allowed_models.all()))
+    api_key.name = name
+    api_key.all_models = all_models
+    api_key.rate_limit_per_minute = rate_limit_per_minute
+    api_key.max_concurrent_requests = max_concurrent_requests
+    api_key.monthly_spend_limit = _spend_limit(monthly_spend_limit)
+    api_key.batch_priority = batch_priority
+    after = _key_settings(api_key, allowed_models)
+    diff = changes(before, after)
+    if not diff:
+        return api_key
+    api_key.full_clean()
+    # Not the whole row: the gateway writes last_used_at.
+    api_key.save(update_fields=[*_EDITABLE_KEY_FIELDS])
+    api_key.allowed_models.set(allowed_models)
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.API_KEY_UPDATE,
+        target=api_key,
+        target_label=_key_label(api_key),
+        detail=diff,
+    )
+    return api_key
+
+
+_EDITABLE_KEY_FIELDS = (
+    "name",
+    "all_models",
+    "rate_limit_per_minute",
+    "max_concurrent_requests",
+    "monthly_spend_limit",
+    "batch_priority",
+)
+
+
+def _key_settings(api_key: ApiKey, allowed_models: list) -> dict:
+    """What api_key_update may change, as its audit entry compares it."""
+    return {
+        "name": api_key.name,
+        "models": ", ".join(sorted(m.public_name for m in allowed_models)) if not api_key.all_models else "all",
+        "rate_limit_per_minute": api_key.rate_limit_per_minute,
+        "max_concurrent_requests": api_key.max_concurrent_requests,
+        "monthly_spend_limit": _limit_text(api_key.monthly_spend_limit),
+        "batch_priority": api_key.batch_priority,
+    }
+
+
 def _limit_text(limit: Decimal | None) -> str:
-    return "none" if limit is None else f"${limit:.2f}"
+    return "none" if limit is None else format_usd(limit)
 
 
 def _spend_limit(amount: Decimal | None) -> Decimal | None:
@@ -211,20 +284,39 @@ def _key_detail(api_key: ApiKey, allowed_models: list) -> dict:
         detail["max_concurrent_requests"] = api_key.max_concurrent_requests
     if api_key.monthly_spend_limit is not None:
         detail["monthly_spend_limit"] = _limit_text(api_key.monthly_spend_limit)
+    if api_key.batch_priority:
+        detail["batch_priority"] = True
     return detail
 
 
+def playground_tenant(*, user: User) -> Tenant:
+    """The tenant that pays for `user`'s playground requests: their own, or for operators and admins
+    (who belong to none) settings.PLAYGROUND_STAFF_TENANT, created on first use, with no credit."""
+    if user.tenant_id is not None:
+        return user.tenant
+    if user.role not in (User.Role.OPERATOR, User.Role.ADMIN):
+        raise ValidationError("Only members of a tenant, operators and admins can use the playground.")
+    name = settings.PLAYGROUND_STAFF_TENANT
+    tenant = Tenant.objects.filter(name=name).first()
+    if tenant is None:
+        try:
+            with transaction.atomic():
+                tenant = tenant_create(name=name, actor=user)
+        except (IntegrityError, ValidationError):  # created meanwhile by another session
+            tenant = Tenant.objects.get(name=name)
+    return tenant
+
+
 def playground_key_create(*, user: User, lifetime: timedelta = PLAYGROUND_KEY_LIFETIME) -> ApiKeyCreated:
-    """A short-lived key for one dashboard playground session of `user`'s tenant.
+    """A short-lived key for one dashboard playground session, of the tenant that pays for it
+    (`playground_tenant`).
 
     The playground calls the same /v1 gateway as API clients, so it needs a key like theirs:
     the tenant's limits and credit apply and its requests are billed alike. The key is hidden
     from the tenant's key list, expires on its own, and the session revokes it when it ends.
     """
-    if user.tenant_id is None:
-        raise ValidationError("Only members of a tenant can use the playground.")
     return api_key_create(
-        tenant=user.tenant,
+        tenant=playground_tenant(user=user),
         name=f"playground {user.username[:60]} {secrets.token_hex(6)}",
         expires_at=timezone.now() + lifetime,
         created_by=user,

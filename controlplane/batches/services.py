@@ -22,6 +22,7 @@ from controlplane.billing.holds import (
     credit_holds_settle,
 )
 from controlplane.billing.models import CreditHold
+from controlplane.catalog.selectors import model_image_rules
 from controlplane.celery import app as celery_app
 
 # Celery task names, sent by name: the runner lives with the gateway's request path.
@@ -147,7 +148,12 @@ def batch_validate(*, batch_id: int, now: datetime, schema=None) -> Batch:
     batch = Batch.objects.select_related("input_file").get(pk=batch_id)
     if batch.status != Batch.Status.VALIDATING:
         return batch
-    checked = check_lines(storage.read_lines(batch.input_file.storage_name), endpoint=batch.endpoint, schema=schema)
+    checked = check_lines(
+        storage.read_lines(batch.input_file.storage_name),
+        endpoint=batch.endpoint,
+        schema=schema,
+        image_rules_for=lambda name: model_image_rules(public_name=name),
+    )
     with transaction.atomic():
         batch = Batch.objects.select_for_update().get(pk=batch_id)
         if batch.status not in (Batch.Status.VALIDATING, Batch.Status.CANCELLING):

@@ -1,16 +1,18 @@
 """A batch input file's lines checked up front, every one, by the rules the gateway applies to the
-same request sent alone (the contract's request schemas): one bad line fails the whole batch
-before anything is sent or charged."""
+same request sent alone (the contract's request schemas, and the model's image rules): one bad
+line fails the whole batch before anything is sent or charged."""
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from gpuworker.contract.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    ImageRules,
     ProtocolError,
+    data_url_bytes,
     parse_request,
 )
 
@@ -37,26 +39,38 @@ class CheckedLines:
     model: str = ""
 
 
-def check_lines(raw_lines: Iterable[bytes], *, endpoint: str, schema=None) -> CheckedLines:
-    """`schema`: the request schema, where BATCH_ENDPOINTS leaves it to the caller."""
+def check_lines(
+    raw_lines: Iterable[bytes],
+    *,
+    endpoint: str,
+    schema=None,
+    image_rules_for: Callable[[str], ImageRules | None] | None = None,
+) -> CheckedLines:
+    """`schema`: the request schema, where BATCH_ENDPOINTS leaves it to the caller.
+    `image_rules_for`: the image rules of the batch's model by name (asked once; None: a model
+    the catalog does not know, whose lines fail when sent)."""
     schema = schema or BATCH_ENDPOINTS[endpoint]
     if schema is None:
         raise ValueError(f"endpoint: {endpoint}'s request schema must be given")
     checked = CheckedLines()
     seen: set[str] = set()
+    rules: ImageRules | None = None
     for number, raw in enumerate(raw_lines, start=1):
         if not raw.strip():
             continue
         try:
-            custom_id, body = _check_line(raw, schema, endpoint, seen)
+            custom_id, body, parsed = _check_line(raw, schema, endpoint, seen)
             if not checked.model:
                 checked.model = body["model"]
+                rules = image_rules_for(checked.model) if image_rules_for is not None else None
             elif body["model"] != checked.model:
                 raise ProtocolError(
                     f"body.model: every line of a batch must name the same model ({checked.model!r}); "
                     f"this one names {body['model']!r}.",
                     param="body.model",
                 )
+            if rules is not None:
+                _check_images(parsed, rules)
         except ProtocolError as exc:
             if len(checked.errors) < MAX_ERRORS:
                 checked.errors.append(
@@ -70,6 +84,15 @@ def check_lines(raw_lines: Iterable[bytes], *, endpoint: str, schema=None) -> Ch
     return checked
 
 
+def _check_images(parsed, rules: ImageRules) -> None:
+    """A chat line's images by its model's rules, as the gateway checks a request sent alone."""
+    images = parsed.images() if isinstance(parsed, ChatCompletionRequest) else []
+    try:
+        rules.check([image.param for image in images], [data_url_bytes(image.url) for image in images])
+    except ProtocolError as exc:
+        raise ProtocolError(f"body.{exc.message}", param=f"body.{exc.param}", code=exc.code) from None
+
+
 def requests_of(raw_lines: Iterable[bytes]) -> Iterator[tuple[int, str, dict]]:
     """(line number, custom_id, body) of each request of a file `check_lines` found valid."""
     for number, raw in enumerate(raw_lines, start=1):
@@ -78,7 +101,8 @@ def requests_of(raw_lines: Iterable[bytes]) -> Iterator[tuple[int, str, dict]]:
             yield number, line["custom_id"], line["body"]
 
 
-def _check_line(raw: bytes, schema, endpoint: str, seen: set[str]) -> tuple[str, dict]:
+def _check_line(raw: bytes, schema, endpoint: str, seen: set[str]) -> tuple[str, dict, object]:
+    """(custom_id, body, the body parsed by `schema`), or ProtocolError naming the field."""
     try:
         line = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -104,7 +128,7 @@ def _check_line(raw: bytes, schema, endpoint: str, seen: set[str]) -> tuple[str,
     if body.get("stream"):
         raise ProtocolError("body.stream: batch requests cannot stream.", param="body.stream")
     try:
-        parse_request(schema, body)
+        parsed = parse_request(schema, body)
     except ProtocolError as exc:
         raise ProtocolError(exc.message, param=f"body.{exc.param}" if exc.param else "body", code=exc.code) from None
-    return custom_id, body
+    return custom_id, body, parsed

@@ -7,12 +7,12 @@ as whole micro-units (`common.money.MoneyField`) so that sums are exact on every
 from decimal import Decimal
 
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from controlplane.common.money import MoneyField
+from controlplane.common.money import PRICE_SIGNIFICANT_DIGITS, MoneyField, format_usd
 
 
 class PriceTier(models.Model):
@@ -33,7 +33,7 @@ class PriceTier(models.Model):
         ordering = ["price_per_request", "name"]
 
     def __str__(self) -> str:
-        return f"{self.name} ({self.price_per_request}/request)"
+        return f"{self.name} ({format_usd(self.price_per_request, significant=PRICE_SIGNIFICANT_DIGITS)}/request)"
 
 
 class Plan(models.Model):
@@ -46,6 +46,12 @@ class Plan(models.Model):
         default=16,
         validators=[MinValueValidator(1)],
         help_text="Requests in flight at once, for the whole tenant and for each of its keys.",
+    )
+    fair_share_weight = models.PositiveIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(1000)],
+        help_text="The tenant's share of a busy GPU relative to other tenants': weight 2 is served twice "
+        "as many tokens as weight 1 while both have requests waiting.",
     )
 
     class Meta:
@@ -72,7 +78,7 @@ class CreditEntry(models.Model):
 
     class Kind(models.TextChoices):
         GRANT = "grant", "Grant"
-        DEBIT = "debit", "Debit"
+        DEBIT = "debit", "Adjustment"
         USAGE = "usage", "Usage charge"
 
     tenant = models.ForeignKey("accounts.Tenant", on_delete=models.PROTECT, related_name="credit_entries")
@@ -84,6 +90,8 @@ class CreditEntry(models.Model):
         "billing.UsageRecord", on_delete=models.PROTECT, null=True, blank=True, related_name="credit_entry"
     )
     created_by = models.ForeignKey("accounts.User", on_delete=models.PROTECT, null=True, blank=True, related_name="+")
+    # The token of the form that made an entry by hand: a second submission of that form finds it.
+    idempotency_token = models.UUIDField(null=True, blank=True, unique=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     objects = CreditEntryQuerySet.as_manager()
@@ -272,3 +280,30 @@ class KeySpend(models.Model):
 
     def __str__(self) -> str:
         return f"key {self.api_key_id} {self.month:%Y-%m}: {self.spent}"
+
+
+class Refusal(models.Model):
+    """Requests the gateway refused (answered with an error before anything was served, never
+    charged), counted: one row per kind of refusal (tenant, key, model, status, error code) and
+    gateway process in each flush interval, so that the number of rows written follows the number
+    of kinds, not of requests (see gateway/refusals.py). A refusal that cannot be tied to a tenant
+    (a bad key) has none: the operator counts it, no tenant sees it."""
+
+    minute = models.DateTimeField(db_index=True, help_text="The minute the refusals happened in (UTC).")
+    tenant = models.ForeignKey(
+        "accounts.Tenant", on_delete=models.SET_NULL, null=True, blank=True, related_name="refusals"
+    )
+    api_key = models.ForeignKey("accounts.ApiKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    model = models.ForeignKey("catalog.Model", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    status = models.PositiveSmallIntegerField(help_text="The HTTP status the client got.")
+    error_code = models.CharField(max_length=40, blank=True, help_text="The error code the client got.")
+    reason = models.CharField(max_length=300, blank=True, help_text="The error message of the latest one.")
+    request_id = models.CharField(max_length=64, blank=True, help_text="The latest one's request id.")
+    count = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+
+    class Meta:
+        ordering = ["-minute", "-id"]
+        indexes = [models.Index(fields=["tenant", "minute"])]
+
+    def __str__(self) -> str:
+        return f"{self.minute:%Y-%m-%d %H:%M} {self.status} {self.error_code} x{self.count}"

@@ -60,8 +60,9 @@ def credit_entries_for_tenant(*, tenant) -> QuerySet[CreditEntry]:
     return CreditEntry.objects.filter(tenant=tenant)
 
 
-def credit_entries_recent(*, tenant, limit: int = 20, kinds=None) -> list[CreditEntry]:
-    """The tenant's latest ledger entries (of `kinds`, when given), newest first, with who made them."""
+def credit_entries_recent(*, tenant, limit: int | None = 20, kinds=None) -> list[CreditEntry]:
+    """The tenant's latest ledger entries (of `kinds`, when given; all of them without a `limit`),
+    newest first, with who made them."""
     entries = credit_entries_for_tenant(tenant=tenant).select_related("created_by", "usage_record__model")
     if kinds:
         entries = entries.filter(kind__in=kinds)
@@ -78,3 +79,9 @@ def plans_all() -> QuerySet[Plan]:
 
 def plan_get_by_name(*, name: str) -> Plan | None:
     return Plan.objects.filter(name=name).first()
+
+
+def tenant_fair_share_weight(*, tenant_id: int) -> int:
+    """The tenant's share of a busy GPU: its plan's weight, 1 without a plan."""
+    weight = Plan.objects.filter(tenants__pk=tenant_id).values_list("fair_share_weight", flat=True).first()
+    return 1 if weight is None else weight

@@ -20,7 +20,7 @@ from controlplane.audit.services import audit_record
 from controlplane.billing.models import CreditAccount, CreditEntry, Plan, PriceTier
 from controlplane.billing.selectors import credit_balances
 from controlplane.billing.sql import as_date, marks, rows
-from controlplane.common.money import from_micros
+from controlplane.common.money import format_usd, from_micros
 from controlplane.common.services import validated_save
 
 _ACCOUNT, _TENANT, _PLAN = CreditAccount._meta.db_table, Tenant._meta.db_table, Plan._meta.db_table
@@ -45,7 +45,12 @@ def price_tier_create(
 
 @transaction.atomic
 def plan_create(
-    *, name: str, included_requests_per_month: int, rate_limit_per_minute: int, max_concurrent_requests: int = 16
+    *,
+    name: str,
+    included_requests_per_month: int,
+    rate_limit_per_minute: int,
+    max_concurrent_requests: int = 16,
+    fair_share_weight: int = 1,
 ) -> Plan:
     return validated_save(
         Plan(
@@ -53,6 +58,7 @@ def plan_create(
             included_requests_per_month=included_requests_per_month,
             rate_limit_per_minute=rate_limit_per_minute,
             max_concurrent_requests=max_concurrent_requests,
+            fair_share_weight=fair_share_weight,
         )
     )
 
@@ -124,11 +130,20 @@ def _require_positive_amount(amount: Decimal) -> None:
 
 
 @transaction.atomic
-def credit_grant(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=None) -> CreditEntry:
+def credit_grant(
+    *, tenant: Tenant, amount: Decimal, memo: str = "", created_by=None, idempotency_token=None
+) -> CreditEntry:
     _require_positive_amount(amount)
     account = _lock_account(tenant)
     entry = validated_save(
-        CreditEntry(tenant=tenant, kind=CreditEntry.Kind.GRANT, amount=amount, memo=memo, created_by=created_by)
+        CreditEntry(
+            tenant=tenant,
+            kind=CreditEntry.Kind.GRANT,
+            amount=amount,
+            memo=memo,
+            created_by=created_by,
+            idempotency_token=idempotency_token,
+        )
     )
     account.balance += amount
     account.save(update_fields=["balance"])
@@ -142,19 +157,39 @@ def credit_grant(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=
 
 
 @transaction.atomic
-def credit_debit(*, tenant: Tenant, amount: Decimal, memo: str = "", created_by=None) -> CreditEntry:
-    """Spend credits; refuses (InsufficientCredit) rather than take the balance below zero or
-    below what requests in flight hold."""
+def credit_debit(
+    *, tenant: Tenant, amount: Decimal, memo: str = "", created_by=None, idempotency_token=None
+) -> CreditEntry:
+    """Spend credits (a negative adjustment); refuses (InsufficientCredit) rather than take the
+    balance below zero or below what requests in flight hold: a hold is credit a running request
+    was promised at admission, and its charge must still find it when the request ends."""
     _require_positive_amount(amount)
     account = _lock_account(tenant)
     if amount > account.available:
-        held = f" ({account.held} of it held by requests in flight)" if account.held else ""
+        held = f" ({format_usd(account.held)} of it held by requests in flight)" if account.held else ""
         raise InsufficientCredit(
-            {"amount": f"The debit of {amount} exceeds the tenant's balance of {account.balance}{held}."}
+            {
+                "amount": f"The adjustment of {format_usd(amount)} exceeds what the tenant can give back: a "
+                f"balance of {format_usd(account.balance)}{held}, so at most "
+                f"{format_usd(max(account.available, Decimal(0)))}."
+            }
         )
     entry = validated_save(
-        CreditEntry(tenant=tenant, kind=CreditEntry.Kind.DEBIT, amount=-amount, memo=memo, created_by=created_by)
+        CreditEntry(
+            tenant=tenant,
+            kind=CreditEntry.Kind.DEBIT,
+            amount=-amount,
+            memo=memo,
+            created_by=created_by,
+            idempotency_token=idempotency_token,
+        )
     )
     account.balance -= amount
     account.save(update_fields=["balance"])
+    audit_record(
+        actor=created_by,
+        action=AuditEntry.Action.CREDIT_ADJUST,
+        target=tenant,
+        detail={"amount": -amount, "note": memo, "balance": account.balance},
+    )
     return entry

@@ -1,12 +1,13 @@
 """Models tenants can call (by public name) and each model's deployment (desired replicas)."""
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import F, Q
 from django.utils import timezone
 
-from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE
+from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE, UNSPLIT_QUANTIZATIONS
 
 
 class Model(models.Model):
@@ -32,12 +33,14 @@ class Model(models.Model):
     class Quantization(models.TextChoices):
         NONE = "", "None (bf16/fp16)"
         FP8 = "fp8", "FP8"
+        INT8 = "int8", "INT8 W8A8"
         AWQ_INT4 = "awq-int4", "AWQ INT4"
         GPTQ_INT4 = "gptq-int4", "GPTQ INT4"
 
     family = models.CharField(max_length=50, help_text="Architecture family, e.g. llama.")
     kind = models.CharField(max_length=20, choices=Kind.choices, default=Kind.CHAT)
-    # A vision model's limits on a chat request's images (the gateway refuses more before routing).
+    # A vision model's limits on a chat request's images: the gateway refuses more images or bytes
+    # before routing, and its replicas load with all three (pixels need the image's header).
     max_images_per_request = models.PositiveSmallIntegerField(
         default=16,
         validators=[MinValueValidator(1), MaxValueValidator(256)],
@@ -47,6 +50,12 @@ class Model(models.Model):
         default=20 << 20,
         validators=[MinValueValidator(1)],
         help_text="Largest image a request may carry, in bytes (vision models).",
+    )
+    max_image_pixels = models.PositiveIntegerField(
+        default=8192 * 8192,
+        validators=[MinValueValidator(1)],
+        help_text="Most pixels (width x height) an image may have; the replica refuses larger ones from "
+        "their header, before decoding (vision models).",
     )
     weights_path = models.CharField(
         max_length=500, help_text="Directory on the worker hosts holding the weights (Hugging Face layout)."
@@ -85,6 +94,21 @@ class Model(models.Model):
         help_text="How a mixture-of-experts model split over several GPUs joins its experts.",
     )
     price_tier = models.ForeignKey("billing.PriceTier", on_delete=models.PROTECT, related_name="models")
+    # The quality check: perplexity on the worker's fixed evaluation text (gpuworker/quality), as the
+    # worker's command measured it, and the unquantized model it is compared with.
+    base_model = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="quantized_models",
+        help_text="The unquantized model this one is a quantization of: its perplexity is the reference.",
+    )
+    perplexity = models.FloatField(null=True, blank=True, editable=False)
+    perplexity_tokens = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    perplexity_window = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    perplexity_text_sha256 = models.CharField(max_length=64, blank=True, editable=False)
+    perplexity_measured_at = models.DateTimeField(null=True, blank=True, editable=False)
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -94,6 +118,26 @@ class Model(models.Model):
 
     def __str__(self) -> str:
         return self.public_name
+
+    def clean(self) -> None:
+        if self.tensor_parallel_size > 1 and self.quantization in UNSPLIT_QUANTIZATIONS:
+            raise ValidationError(
+                {
+                    "tensor_parallel_size": f"A {self.get_quantization_display()} checkpoint runs on one GPU: its "
+                    f"packed INT4 weights and per-group scales are not split over GPUs (FP8 and float checkpoints "
+                    f"split). "
+                    f"Set tensor_parallel_size to 1."
+                }
+            )
+        base = self.base_model
+        if base is None:
+            return
+        if base.pk == self.pk:
+            raise ValidationError({"base_model": "A model cannot be its own base model."})
+        if base.quantization != self.Quantization.NONE:
+            raise ValidationError(
+                {"base_model": f"The base model must be unquantized; {base.public_name} is {base.quantization}."}
+            )
 
 
 # New deployments take the autoscaling defaults in force when they are created (settings.py).
@@ -150,7 +194,8 @@ class Deployment(models.Model):
     ttft_slo_ms = models.PositiveIntegerField(
         default=default_ttft_slo_ms,
         validators=_bounds("ttft_slo_ms"),
-        help_text="Time to first token, p95, a replica should stay under (ms).",
+        help_text="Time to first token, p95, a replica should stay under (ms); the gateway sheds a request "
+        "whose predicted wait is longer.",
     )
     itl_slo_ms = models.PositiveIntegerField(
         default=default_itl_slo_ms,
@@ -161,6 +206,15 @@ class Deployment(models.Model):
         default=default_idle_to_zero_seconds,
         validators=_bounds("idle_to_zero_seconds"),
         help_text="Scale to zero (or min) after this long without requests; 0 never does.",
+    )
+    # An operator's quality bar for a quantized model: no replica is placed unless its perplexity is
+    # measured and at most this fraction above its base model's (0.02: 2%). Null: no check.
+    max_perplexity_increase = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.0), MaxValueValidator(10.0)],
+        help_text="Serve only if perplexity is measured and at most this fraction above the base model's "
+        "(0.02 = 2%); empty: no check.",
     )
     # The last change of desired_replicas, by anyone: the autoscaler's cooldowns count from it.
     # Existing rows take the migration's time: their idle clock starts then, not at the epoch.

@@ -9,10 +9,31 @@ from dataclasses import dataclass
 from django.db.models import QuerySet
 
 from controlplane.catalog.models import Deployment, Model
+from gpuworker.contract.openai_api import ImageRules
 
 
 def model_get_by_public_name(*, public_name: str) -> Model | None:
     return Model.objects.select_related("price_tier").filter(public_name=public_name).first()
+
+
+def image_rules(*, public_name: str, kind: str, max_images_per_request: int, max_image_bytes: int) -> ImageRules:
+    """What a model takes in a request's images: a vision model, up to its limits; others none."""
+    return ImageRules(
+        model_name=public_name,
+        takes_images=kind == Model.Kind.VISION,
+        max_images=max_images_per_request,
+        max_image_bytes=max_image_bytes,
+    )
+
+
+def model_image_rules(*, public_name: str) -> ImageRules | None:
+    """The image rules of the model of that name; None when the catalog has none."""
+    found = (
+        Model.objects.filter(public_name=public_name)
+        .values("public_name", "kind", "max_images_per_request", "max_image_bytes")
+        .first()
+    )
+    return image_rules(**found) if found else None
 
 
 def models_by_public_name(*, public_names: Iterable[str]) -> dict[str, Model]:
@@ -27,6 +48,14 @@ def catalog_models() -> QuerySet[Model]:
 def model_names_enabled() -> list[str]:
     """The public names of the models clients may call now, in order."""
     return list(Model.objects.filter(enabled=True).order_by("public_name").values_list("public_name", flat=True))
+
+
+def text_models_for_key(*, api_key) -> QuerySet[Model]:
+    """The enabled text models (the playground's) an accounts ApiKey may call, by public name."""
+    models = models_for_playground()
+    if not api_key.all_models:
+        models = models.filter(pk__in=[m.pk for m in api_key.allowed_models.all()])
+    return models
 
 
 def models_for_playground() -> QuerySet[Model]:
@@ -111,3 +140,44 @@ def weights_path_reports(*, weights_path: str, workers: Iterable) -> list[Weight
                 )
             )
     return reports
+
+
+def perplexity_increase(*, model: Model) -> float | None:
+    """How much higher the model's perplexity is than its base model's, as a fraction (0.02: 2%
+    higher; negative: lower), or None when either is unmeasured or they were measured on different
+    text, windows or token counts (figures compare only at equal terms)."""
+    base = model.base_model
+    if base is None or model.perplexity is None or base.perplexity is None:
+        return None
+    terms = ("perplexity_text_sha256", "perplexity_window", "perplexity_tokens")
+    if any(getattr(model, term) != getattr(base, term) for term in terms):
+        return None
+    return model.perplexity / base.perplexity - 1
+
+
+def quality_refusal(*, deployment: Deployment) -> str:
+    """Why the deployment may not place replicas under its quality bar (max_perplexity_increase),
+    or "" when it may (no bar set, or the model within it)."""
+    bound = deployment.max_perplexity_increase
+    if bound is None:
+        return ""
+    model = deployment.model
+    name = model.public_name
+    if model.perplexity is None:
+        return (
+            f"{name} must have its perplexity measured before it serves (this deployment requires at most "
+            f"{bound:.2%} above its base model): run `python -m gpuworker.quality` on a worker and record the report"
+        )
+    if model.base_model is None:
+        return f"{name} has no base model to compare its perplexity with: set its base model in the catalog"
+    increase = perplexity_increase(model=model)
+    if increase is None:
+        return (
+            f"{name}'s perplexity and its base model {model.base_model.public_name}'s were not measured on the same "
+            "text, window and tokens: measure both with the same command"
+        )
+    if increase > bound:
+        return (
+            f"{name}'s perplexity is {increase:.2%} above its base model's; this deployment allows at most {bound:.2%}"
+        )
+    return ""

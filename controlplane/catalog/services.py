@@ -10,6 +10,7 @@ from pathlib import PurePosixPath
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.forms.models import model_to_dict
+from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
@@ -17,6 +18,7 @@ from controlplane.catalog.models import Model
 from controlplane.catalog.selectors import reported_quantization, weights_path_reports
 from controlplane.common.units import human_bytes
 from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE, gpus_needed
+from gpuworker.contract.quality import PerplexityReport
 
 # What a model edit may change, and what its audit entry compares.
 MODEL_FIELDS = (
@@ -31,6 +33,7 @@ MODEL_FIELDS = (
     "tensor_parallel_size",
     "expert_parallel",
     "price_tier",
+    "base_model",
     "enabled",
 )
 
@@ -117,9 +120,10 @@ def _check_weights_path(weights_path: str, verify_on: Iterable | None) -> None:
         raise ValidationError({"weights_path": refused})
 
 
-def _model_snapshot(model: Model) -> dict:
+def model_snapshot(model: Model) -> dict:
     values = model_to_dict(model, fields=MODEL_FIELDS)
     values["price_tier"] = str(model.price_tier) if model.price_tier_id else None
+    values["base_model"] = str(model.base_model) if model.base_model_id else None
     return values
 
 
@@ -137,6 +141,7 @@ def model_create(
     quantization: str | None = None,
     tensor_parallel_size: int = 1,
     expert_parallel: str = Model.ExpertParallel.ALL_REDUCE,
+    base_model: Model | None = None,
     enabled: bool = True,
     actor=None,
     verify_on: Iterable | None = None,
@@ -166,12 +171,13 @@ def model_create(
         tensor_parallel_size=tensor_parallel_size,
         expert_parallel=expert_parallel,
         price_tier=price_tier,
+        base_model=base_model,
         enabled=enabled,
     )
     model.full_clean()
     _check_weights_path(model.weights_path, verify_on)
     model.save()
-    audit_record(actor=actor, action=AuditEntry.Action.MODEL_CREATE, target=model, detail=_model_snapshot(model))
+    audit_record(actor=actor, action=AuditEntry.Action.MODEL_CREATE, target=model, detail=model_snapshot(model))
     return model
 
 
@@ -183,13 +189,13 @@ def model_update(*, model: Model, actor=None, verify_on: Iterable | None = None,
     if unknown:
         raise TypeError(f"model_update cannot change {', '.join(sorted(unknown))}")
     model = Model.objects.select_for_update().select_related("price_tier").get(pk=model.pk)
-    before = _model_snapshot(model)
+    before = model_snapshot(model)
     for name, value in fields.items():
         setattr(model, name, value)
     model.full_clean()
     if model.weights_path != before["weights_path"]:
         _check_weights_path(model.weights_path, verify_on)
-    after = _model_snapshot(model)
+    after = model_snapshot(model)
     diff = changes(before, after)
     if not diff:
         return model
@@ -207,4 +213,28 @@ def model_set_enabled(*, model: Model, enabled: bool, actor=None) -> Model:
     model.save(update_fields=["enabled", "updated_at"])
     action = AuditEntry.Action.MODEL_ENABLE if enabled else AuditEntry.Action.MODEL_DISABLE
     audit_record(actor=actor, action=action, target=model, detail={"enabled": [not enabled, enabled]})
+    return model
+
+
+@transaction.atomic
+def model_record_perplexity(*, model: Model, report: PerplexityReport, actor=None) -> Model:
+    """Store the worker's perplexity report (python -m gpuworker.quality) on the model. The report
+    must be of the weights the catalog serves: a model stored as FP8 measured as FP8, a float one as
+    float (a ValidationError names the mismatch; nothing is stored)."""
+    model = Model.objects.select_for_update().get(pk=model.pk)
+    if report.quantization != model.quantization:
+        measured = report.quantization or "unquantized"
+        stored = model.quantization or "unquantized"
+        raise ValidationError(
+            {"quantization": f"The report measured {measured} weights but {model.public_name} serves {stored} weights."}
+        )
+    before = model.perplexity
+    model.perplexity = report.perplexity
+    model.perplexity_tokens = report.tokens
+    model.perplexity_window = report.window
+    model.perplexity_text_sha256 = report.text_sha256
+    model.perplexity_measured_at = timezone.now()
+    model.save()
+    detail = {"perplexity": [before, report.perplexity], "tokens": report.tokens, "window": report.window}
+    audit_record(actor=actor, action=AuditEntry.Action.MODEL_UPDATE, target=model, detail=detail)
     return model

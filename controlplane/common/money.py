@@ -7,7 +7,7 @@ and its SUM drifts). Python, forms, the admin and the API see Decimals with six 
 `to_micros` and `from_micros` are the one conversion, used by the field and by billing's plain SQL.
 """
 
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 
 from django import forms
 from django.core import validators
@@ -84,6 +84,29 @@ class MoneyField(models.BigIntegerField):
 
     def formfield(self, **kwargs):
         return models.Field.formfield(self, **{"form_class": forms.DecimalField, **MONEY_DIGITS, **kwargs})
+
+
+CENT = Decimal("0.01")
+PRICE_SIGNIFICANT_DIGITS = 6
+
+
+def format_usd(amount: Decimal | int | str, *, significant: int | None = None) -> str:
+    """The one way money is written for people: "$1,234.50", "-$3.00".
+
+    Amounts are rounded to the cent (half up), except a per-request price or charge, which keeps
+    `significant` digits ("$0.002", "$1.23457") and at least the cents. A non-zero amount that the
+    cents would show as "$0.00" keeps its significant digits too ("$0.004"), so nothing spent or
+    earned reads as nothing.
+    """
+    value = Decimal(str(amount))
+    digits = significant
+    if digits is None and value != 0 and abs(value) < CENT / 2:
+        digits = PRICE_SIGNIFICANT_DIGITS
+    exponent = -2 if digits is None or value == 0 else min(value.adjusted() - digits + 1, -2)
+    rounded = abs(value).quantize(Decimal(1).scaleb(exponent), rounding=ROUND_HALF_UP)
+    whole, _, fraction = f"{rounded:,f}".partition(".")
+    fraction = fraction.rstrip("0").ljust(2, "0")
+    return f"{'-' if value < 0 and rounded != 0 else ''}${whole}.{fraction}"
 
 
 def money_sum(expression, **options) -> Coalesce:

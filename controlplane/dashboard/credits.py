@@ -1,6 +1,7 @@
 """What a tenant's credits look like on a page, for the tenant's own Credits page and an admin's
-tenant page alike: the plan and what is left of its monthly allowance, the balance, and the
-latest grants and charges."""
+tenant page alike: the plan and what is left of its monthly allowance, the balance, every grant
+and adjustment (entries made by hand: few, and each one the tenant should be able to check), and
+the latest charges."""
 
 from datetime import datetime
 
@@ -8,7 +9,6 @@ from controlplane.billing.models import CreditEntry
 from controlplane.billing.reports import allowance_this_month
 from controlplane.billing.selectors import credit_available, credit_balance, credit_entries_recent
 
-RECENT_GRANTS = 20
 RECENT_CHARGES = 10
 
 
@@ -20,7 +20,7 @@ def credits_context(*, tenant, now: datetime) -> dict:
         "balance": credit_balance(tenant=tenant),
         "available": credit_available(tenant=tenant),
         "grants": credit_entries_recent(
-            tenant=tenant, limit=RECENT_GRANTS, kinds=[CreditEntry.Kind.GRANT, CreditEntry.Kind.DEBIT]
+            tenant=tenant, limit=None, kinds=[CreditEntry.Kind.GRANT, CreditEntry.Kind.DEBIT]
         ),
         "charges": credit_entries_recent(tenant=tenant, limit=RECENT_CHARGES, kinds=[CreditEntry.Kind.USAGE]),
     }

@@ -9,7 +9,9 @@ Where the figures come from:
 - requests/s: the gateways' own request counters over AUTOSCALE_RATE_WINDOW_SECONDS, the figure the
   autoscaler reads (`fleet.traffic.traffic_snapshot`).
 - errors, spend, requests, latency, revenue, top tenants: usage records, one per finished request
-  (`billing.reports`); allowance left: `billing.reports.allowance_this_month`, as the credits page.
+  (`billing.reports`), and for errors and requests also the refused requests' tallies
+  (`billing.refusals`, written by the gateway where it counts them for /metrics); allowance left:
+  `billing.reports.allowance_this_month`, as the credits page.
 - GPU-hours and margin per model: the replicas' recorded lifetimes on GPUs
   (`fleet.selectors.gpu_seconds_by_model`) at settings.GPU_HOUR_COST_USD, against flat-price
   revenue (`dashboard.margins.model_margins`).
@@ -25,6 +27,7 @@ from django.utils import timezone
 
 from controlplane.accounts.models import ApiKey
 from controlplane.accounts.selectors import api_keys_unrevoked_for_tenant
+from controlplane.billing.refusals import RefusalTotals, refusal_totals
 from controlplane.billing.reports import (
     Latency,
     UsageRow,
@@ -50,7 +53,16 @@ TOP_TENANTS = 5
 class OperatorHome:
     fleet: FleetHealth
     requests_per_s: float | None  # None: the gateways' counters could not be read
-    last_hour: UsageRow  # its `failed` are the errors
+    last_hour: UsageRow  # its `failed` are the errors among the requests served
+    refused_last_hour: RefusalTotals  # requests refused (shed ones among them): errors too
+
+    @property
+    def errors(self) -> int:
+        return self.last_hour.failed + self.refused_last_hour.refused
+
+    @property
+    def requests(self) -> int:
+        return self.last_hour.requests + self.refused_last_hour.refused
 
 
 @dataclass(frozen=True)
@@ -60,7 +72,8 @@ class TenantHome:
     allowance_left: int | None  # None: the tenant has no plan
     included_per_month: int
     requests_today: int
-    failed_today: int
+    failed_today: int  # refused requests included
+    shed_today: int
     latency_today: Latency
     keys: list[ApiKey]  # usable (not revoked, not expired), most recently used first
 
@@ -87,6 +100,18 @@ class AdminHome:
         return sum((m.gpu_cost for m in self.margins), Decimal("0"))
 
     @property
+    def gpu_busy_hours(self) -> float:
+        return sum(m.gpu_busy_hours for m in self.margins)
+
+    @property
+    def busy_cost(self) -> Decimal:
+        return sum((m.busy_cost for m in self.margins), Decimal("0"))
+
+    @property
+    def served_margin(self) -> Decimal:
+        return self.revenue - self.busy_cost
+
+    @property
     def margin(self) -> Decimal:
         return self.revenue - self.gpu_cost
 
@@ -106,6 +131,7 @@ def operator_home(*, now: datetime) -> OperatorHome:
         fleet=fleet_health(now=now, failures_since=now - ERRORS_WINDOW),
         requests_per_s=requests_per_s,
         last_hour=usage_totals(since=now - ERRORS_WINDOW, until=now),
+        refused_last_hour=refusal_totals(since=now - ERRORS_WINDOW, until=now),
     )
 
 
@@ -113,6 +139,7 @@ def tenant_home(*, tenant, now: datetime) -> TenantHome:
     month = usage_month_summary(tenant=tenant, now=now)
     day_start = datetime.combine(now.astimezone(UTC).date(), datetime.min.time(), tzinfo=UTC)
     today = usage_totals(since=day_start, until=now, tenant=tenant)
+    refused = refusal_totals(since=day_start, until=now, tenant=tenant)
     usable = [key for key in api_keys_unrevoked_for_tenant(tenant=tenant) if not key.is_expired(now)]
     usable.sort(key=lambda key: (key.last_used_at is None, -(key.last_used_at or now).timestamp()))
     return TenantHome(
@@ -120,8 +147,9 @@ def tenant_home(*, tenant, now: datetime) -> TenantHome:
         balance=month.balance,
         allowance_left=allowance_this_month(tenant=tenant, now=now).left if tenant.plan_id else None,
         included_per_month=tenant.plan.included_requests_per_month if tenant.plan else 0,
-        requests_today=today.requests,
-        failed_today=today.failed,
+        requests_today=today.requests + refused.refused,
+        failed_today=today.failed + refused.refused,
+        shed_today=refused.shed,
         latency_today=usage_latency(since=day_start, until=now, tenant=tenant),
         keys=usable,
     )

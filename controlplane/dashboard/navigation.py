@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from django.http import HttpRequest
 from django.urls import NoReverseMatch, reverse
 
-from controlplane.dashboard.permissions import ADMIN_ROLES, OPERATOR_ROLES, TENANT_ROLES, has_role
+from controlplane.dashboard.permissions import ADMIN_ROLES, OPERATOR_ROLES, PLAYGROUND_ROLES, TENANT_ROLES, has_role
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,13 @@ NAV_ITEMS = (
     NavItem("Fleet", "dashboard:fleet", OPERATOR_ROLES),
     NavItem("Catalog", "dashboard:catalog", OPERATOR_ROLES),
     NavItem("Audit log", "dashboard:audit", OPERATOR_ROLES),
+    NavItem("Quickstart", "dashboard:quickstart", TENANT_ROLES),
     NavItem("API keys", "dashboard:keys", TENANT_ROLES),
     NavItem("Usage", "dashboard:usage", TENANT_ROLES),
     NavItem("Requests", "dashboard:requests", TENANT_ROLES + ADMIN_ROLES),
     NavItem("Credits", "dashboard:credits", TENANT_ROLES),
     NavItem("Batches", "dashboard:batches", TENANT_ROLES),
-    NavItem("Playground", "dashboard:playground", TENANT_ROLES),
+    NavItem("Playground", "dashboard:playground", PLAYGROUND_ROLES),
     NavItem("Team", "dashboard:team", TENANT_ROLES),
     NavItem("Reports", "dashboard:reports", ADMIN_ROLES),
     NavItem("Tenants", "dashboard:tenants", ADMIN_ROLES),

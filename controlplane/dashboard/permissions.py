@@ -20,6 +20,9 @@ from controlplane.accounts.models import Tenant, User
 OPERATOR_ROLES = (User.Role.OPERATOR, User.Role.ADMIN)
 ADMIN_ROLES = (User.Role.ADMIN,)
 TENANT_ROLES = (User.Role.TENANT_MEMBER,)
+# Operators and admins try what they deploy; their requests are billed to the staff tenant
+# (accounts.services.playground_tenant).
+PLAYGROUND_ROLES = TENANT_ROLES + OPERATOR_ROLES
 
 
 def has_role(user, roles) -> bool:
@@ -44,6 +47,7 @@ def role_required(*roles: str) -> Callable:
 operator_required = role_required(*OPERATOR_ROLES)
 admin_required = role_required(*ADMIN_ROLES)
 tenant_required = role_required(*TENANT_ROLES)
+playground_required = role_required(*PLAYGROUND_ROLES)
 
 
 def tenant_of(request: HttpRequest) -> Tenant:

@@ -13,7 +13,7 @@ def home(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "dashboard/home.html",
-        {"role": request.user.get_role_display(), "sections": home_sections(user=request.user)},
+        {"role": request.user.role_label, "sections": home_sections(user=request.user)},
     )
 
 

@@ -267,6 +267,14 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     if not credit_entries_for_tenant(tenant=tenant).exists():
         credit_grant(tenant=tenant, amount=GRANT, memo="Demo credits")
         created.append(f"{GRANT} credits")
+    # What the operator's and the admin's playground requests are billed to (they belong to no tenant).
+    staff = tenant_get_by_name(name=settings.PLAYGROUND_STAFF_TENANT)
+    if staff is None:
+        staff = tenant_create(name=settings.PLAYGROUND_STAFF_TENANT)
+        created.append(f"tenant {staff.name} (the operators' playground)")
+    if not credit_entries_for_tenant(tenant=staff).exists():
+        credit_grant(tenant=staff, amount=GRANT, memo="Demo credits for the operators' playground")
+        created.append(f"{GRANT} credits for {staff.name}")
     _seed_model(tier, created, public_name=CHAT_MODEL_NAME, weights_path=chat_model_path(), parameter_count=135_000_000)
     _seed_model(tier, created, public_name=MODEL_NAME, weights_path=demo_model_path(), parameter_count=4_000_000)
     _seed_model(

@@ -45,6 +45,8 @@ class DeploymentSignals:
     last_scaled_at: float | None  # last change of desired_replicas (by anyone), for cooldowns
     popular: bool  # among the top K by traffic: keep at least one replica
     queued_cold_starts: int = 0  # requests waiting at the gateway for this model's first replica
+    # Of request_rate_per_s, requests the gateway shed because the TTFT objective could not be met.
+    shed_rate_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,19 @@ def floor_replicas(policy: AutoscalePolicy, *, popular: bool) -> int:
     return max(policy.min_replicas, 1 if (policy.keep_warm or popular) else 0)
 
 
+def shed_demand(admitted_demand: float, signals: DeploymentSignals) -> float:
+    """The requests in flight had none been shed: the replicas' (admitted) running and waiting,
+    scaled by arrivals over admissions, as a shed request would have stayed as long as an admitted
+    one. Everything shed (nothing admitted to scale from): one request in flight per shed request/s."""
+    shed, rate = signals.shed_rate_per_s, signals.request_rate_per_s
+    if shed <= 0:
+        return admitted_demand
+    admitted = rate - shed
+    if admitted <= 0 or admitted_demand <= 0:
+        return admitted_demand + shed
+    return admitted_demand * rate / admitted
+
+
 def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
     """The desired replica count for one deployment now, with why and every figure it read.
 
@@ -82,7 +97,7 @@ def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
     now, current = signals.now, signals.current_replicas
     ready = len(signals.loads)
     floor = min(floor_replicas(policy, popular=signals.popular), policy.max_replicas)
-    demand = sum(load.running + load.waiting for load in signals.loads)
+    demand = shed_demand(sum(load.running + load.waiting for load in signals.loads), signals)
     per_replica = max(policy.target_concurrency, 1e-9)
     utilisation = demand / (ready * per_replica) if ready else None
     ttft = _worst(load.ttft_p95_s for load in signals.loads)
@@ -108,6 +123,7 @@ def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
         "kv_cache_usage": _round(kv),
         "kv_cache_high": policy.kv_cache_high,
         "request_rate_per_s": _round(signals.request_rate_per_s),
+        "shed_rate_per_s": _round(signals.shed_rate_per_s),
         "idle_s": None if idle_since is None else _round(now - idle_since),
         "since_scaled_s": _round(since_scaled),
         "queued_cold_starts": signals.queued_cold_starts,
@@ -164,6 +180,8 @@ def decide(policy: AutoscalePolicy, signals: DeploymentSignals) -> Decision:
         breaches.append(f"TTFT p95 {ttft:.2f} s above the {policy.ttft_slo_s:.2f} s SLO")
     if itl is not None and demand > 0 and itl > policy.itl_slo_s:
         breaches.append(f"inter-token p95 {itl * 1000:.0f} ms above the {policy.itl_slo_s * 1000:.0f} ms SLO")
+    if signals.shed_rate_per_s > 0:
+        breaches.append(f"{signals.shed_rate_per_s:.2g} requests/s shed (TTFT objective)")
     if kv is not None and kv >= policy.kv_cache_high:
         breaches.append(f"KV cache {kv:.0%} full (high mark {policy.kv_cache_high:.0%})")
     # Enough replicas for the demand at the target utilisation.

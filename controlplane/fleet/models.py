@@ -55,6 +55,9 @@ class Worker(models.Model):
     # {path: quantization label} for the quantized checkpoints among model_paths (the catalog's
     # Model.Quantization values), as last reported.
     model_quantization = models.JSONField(default=dict, blank=True)
+    # {path: what the daemon read there} (gpuworker.contract.heartbeat.CheckpointReport.to_json) for
+    # the checkpoints among model_paths, as last reported: the catalog fills a new model from it.
+    model_checkpoints = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=20, choices=State.choices, default=State.ONLINE)
     # Written on registration and state changes only; the latest heartbeat lives in the live cache.
     state_changed_at = models.DateTimeField(default=timezone.now)

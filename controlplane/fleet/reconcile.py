@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db import transaction
 
 from controlplane.catalog.models import Deployment
+from controlplane.catalog.selectors import quality_refusal
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Gpu, PlacementReport, Replica, Worker
 from controlplane.fleet.placement import (
@@ -76,13 +77,19 @@ def replicas_fail_unacknowledged(*, now: datetime) -> int:
     return failed
 
 
+def wanted_replicas(deployment: Deployment) -> int:
+    """The replicas reconcile keeps: none while the model is disabled (its desired count is kept,
+    so enabling it again brings them back)."""
+    return deployment.desired_replicas if deployment.model.enabled else 0
+
+
 def _missing(deployment: Deployment) -> int:
     active = Replica.objects.filter(deployment=deployment, state__in=Replica.ACTIVE_STATES).count()
-    return deployment.desired_replicas - active
+    return wanted_replicas(deployment) - active
 
 
 def deployment_reconcile(*, deployment_id: int, now: datetime) -> ReconcileOutcome | None:
-    deployment = Deployment.objects.filter(pk=deployment_id).first()
+    deployment = Deployment.objects.select_related("model").filter(pk=deployment_id).first()
     if deployment is None:
         return None
     # Most passes find nothing to do: they take no lock and write nothing.
@@ -110,7 +117,11 @@ def _deployment_reconcile_locked(*, deployment_id: int, now: datetime) -> Reconc
 
 
 def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[int], str]:
-    """Place up to `count` replicas; returns their ids and, for the ones that found no place, why."""
+    """Place up to `count` replicas; returns their ids and, for the ones that found no place, why.
+    A deployment whose model misses its quality bar (catalog.selectors.quality_refusal) places none."""
+    refusal = quality_refusal(deployment=deployment)
+    if refusal:
+        return [], refusal
     # Locking the online workers makes placement a critical section: two reconciles (of different
     # deployments) cannot both count the same free memory.
     workers = list(Worker.objects.select_for_update(no_key=True).filter(state=Worker.State.ONLINE).order_by("pk"))

@@ -7,10 +7,13 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, F, Prefetch, Q, QuerySet
+from django.db.models import Count, F, FloatField, Prefetch, Q, QuerySet, Sum, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from controlplane.billing.models import UsageRecord
 from controlplane.catalog.models import Deployment, Model
+from controlplane.catalog.selectors import perplexity_increase, quality_refusal
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.autoscaling import ReplicaLoad
 from controlplane.fleet.backoff import error_cause
@@ -24,6 +27,18 @@ def replicas_ready_for_model(*, model) -> QuerySet[Replica]:
     return Replica.objects.filter(
         deployment__model=model, state=Replica.State.READY, worker__state=Worker.State.ONLINE
     ).select_related("worker", "gpu")
+
+
+def first_ready_chat_model(*, models: Iterable[Model]) -> Model | None:
+    """Of `models`, the first in the catalog's order (oldest first) that chats in text and has a
+    ready replica on an online worker now: what a page offers before its reader picks one."""
+    chat = sorted((m for m in models if m.kind == Model.Kind.CHAT), key=lambda m: m.pk)
+    ready = set(
+        Replica.objects.filter(
+            deployment__model__in=chat, state=Replica.State.READY, worker__state=Worker.State.ONLINE
+        ).values_list("deployment__model_id", flat=True)
+    )
+    return next((m for m in chat if m.pk in ready), None)
 
 
 def worker_latest_heartbeat(*, worker_id: int) -> dict[str, Any] | None:
@@ -302,6 +317,11 @@ def workers_for_path_check(*, worker_ids: Iterable[int] | None = None) -> QueryS
     return workers if worker_ids is None else workers.filter(pk__in=list(worker_ids))
 
 
+def workers_online() -> QuerySet[Worker]:
+    """The workers online now, by name: those whose reports say what their checkpoints are now."""
+    return Worker.objects.filter(state=Worker.State.ONLINE).order_by("name")
+
+
 def workers_all() -> QuerySet[Worker]:
     """Every worker, whatever its state, by name."""
     return Worker.objects.all()
@@ -332,8 +352,10 @@ def replicas_with_model_and_worker() -> QuerySet[Replica]:
 def models_with_fleet_status(*, model_ids: Iterable[int] | None = None) -> list[Model]:
     """Catalog models (all, or these), by public name, with their price tier and deployment, each
     with `fleet_status`: its deployment's DeploymentStatus (None when not deployed), so the catalog
-    can say which are degraded and why."""
-    models = Model.objects.select_related("price_tier", "deployment").order_by("public_name")
+    can say which are degraded and why, and `perplexity_increase` (catalog.selectors: against its base
+    model; None when not comparable) and `quality_refusal` (why its deployment may not place replicas,
+    "" when it may) for the quality check."""
+    models = Model.objects.select_related("price_tier", "deployment", "base_model").order_by("public_name")
     if model_ids is not None:
         models = models.filter(pk__in=list(model_ids))
     models = list(models)
@@ -341,6 +363,8 @@ def models_with_fleet_status(*, model_ids: Iterable[int] | None = None) -> list[
     statuses = {s.deployment_id: s for s in deployment_statuses(deployment_ids=deployed)} if deployed else {}
     for m in models:
         m.fleet_status = statuses.get(m.deployment.pk) if hasattr(m, "deployment") else None
+        m.perplexity_increase = perplexity_increase(model=m)
+        m.quality_refusal = quality_refusal(deployment=m.deployment) if hasattr(m, "deployment") else ""
     return models
 
 
@@ -488,3 +512,19 @@ def gpu_seconds_by_model(*, since: datetime, until: datetime) -> dict[str, float
         if held > 0:
             seconds[model_name] = seconds.get(model_name, 0.0) + held * gpus
     return seconds
+
+
+def gpu_busy_seconds_by_model(*, since: datetime, until: datetime) -> dict[str, float]:
+    """GPU-seconds each model's requests kept their replicas busy, for requests recorded within
+    [since, until), by the model's public name: each usage record's `gpu_time_s` (its share, by
+    tokens, of every engine step it took part in) times the GPUs its replica spans. A record
+    without a replica (refused before routing) or without a figure counts nothing; replicas on a
+    worker's CPU count as one device, so the embedded demo shows its figures too."""
+    gpus = Coalesce(F("replica__tensor_parallel_size"), Value(1))
+    rows = (
+        UsageRecord.objects.filter(created_at__gte=since, created_at__lt=until, gpu_time_s__isnull=False)
+        .values("model__public_name")
+        .annotate(seconds=Sum(F("gpu_time_s") * gpus, output_field=FloatField()))
+        .values_list("model__public_name", "seconds")
+    )
+    return {model_name: seconds for model_name, seconds in rows if seconds}

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 import redis.asyncio as aioredis
@@ -70,6 +70,17 @@ class RedisTraffic:
         except Exception:
             self._warner.warn("Redis")
 
+    async def record_shed(self, model_id: int, now: float) -> None:
+        """Count one request for `model_id` shed at `now` (already counted by `record`)."""
+        key = _BUCKET_KEY.format(bucket=bucket_of(now))
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hincrby(key, _shed_field(model_id), 1)
+                pipe.expire(key, self._keep_s)
+                await pipe.execute()
+        except Exception:
+            self._warner.warn("Redis")
+
     async def aclose(self) -> None:
         await self._redis.aclose()
 
@@ -91,6 +102,9 @@ class LocalTraffic:
         self._last[model_id] = max(now, self._last.get(model_id, 0.0))
         if self._flush is None or self._flush.done():
             self._flush = asyncio.ensure_future(self._flush_soon())
+
+    async def record_shed(self, model_id: int, now: float) -> None:
+        self._buckets.setdefault(bucket_of(now), Counter())[_shed_field(model_id)] += 1
 
     def snapshot(self, now: float) -> dict:
         oldest = bucket_of(now - self._keep_s)
@@ -116,6 +130,11 @@ class LocalTraffic:
             self._warner.warn("live cache")
 
 
+def _shed_field(model_id: int) -> str:
+    """A bucket's field counting the model's shed requests, beside its field counting all of them."""
+    return f"shed:{model_id}"
+
+
 def traffic_recorder(redis_url: str) -> RedisTraffic | LocalTraffic:
     return RedisTraffic(redis_url) if redis_url else LocalTraffic()
 
@@ -131,6 +150,8 @@ class TrafficSnapshot:
     rate_per_s: dict[int, float]
     window_counts: dict[int, float]
     last_request_at: dict[int, float]
+    # Of rate_per_s, the requests shed because the deployment's TTFT objective could not be met.
+    shed_rate_per_s: dict[int, float] = field(default_factory=dict)
 
 
 def traffic_snapshot(*, now: float, rate_window_s: float, popular_window_s: float) -> TrafficSnapshot:
@@ -148,9 +169,15 @@ def traffic_snapshot(*, now: float, rate_window_s: float, popular_window_s: floa
     rate_first = bucket_of(now - rate_window_s) + 1
     # Seconds the rate buckets cover, up to now (at least one, so a burst in a young bucket is not inflated).
     covered = max(1.0, now - rate_first * BUCKET_SECONDS)
-    rate, window = Counter(), Counter()
+    rate, window, shed = Counter(), Counter(), Counter()
     for bucket, per_model in counts.items():
-        for model_id, count in per_model.items():
+        for field_name, count in per_model.items():
+            name = str(field_name)
+            if name.startswith("shed:"):
+                if bucket >= rate_first:
+                    shed[int(name[5:])] += count
+                continue
+            model_id = int(name)
             window[model_id] += count
             if bucket >= rate_first:
                 rate[model_id] += count
@@ -158,10 +185,11 @@ def traffic_snapshot(*, now: float, rate_window_s: float, popular_window_s: floa
         rate_per_s={model_id: count / covered for model_id, count in rate.items()},
         window_counts=dict(window),
         last_request_at=dict(last),
+        shed_rate_per_s={model_id: count / covered for model_id, count in shed.items()},
     )
 
 
-def _read_redis(buckets: list[int]) -> tuple[dict[int, dict[int, int]], dict[int, float]]:
+def _read_redis(buckets: list[int]) -> tuple[dict[int, dict[str, int]], dict[int, float]]:
     client = redis.Redis.from_url(settings.REDIS_URL, socket_connect_timeout=2, socket_timeout=5)
     try:
         with client.pipeline(transaction=False) as pipe:
@@ -171,6 +199,6 @@ def _read_redis(buckets: list[int]) -> tuple[dict[int, dict[int, int]], dict[int
             replies = pipe.execute()
     finally:
         client.close()
-    counts = {bucket: {int(k): int(v) for k, v in reply.items()} for bucket, reply in zip(buckets, replies)}
+    counts = {bucket: {k.decode(): int(v) for k, v in reply.items()} for bucket, reply in zip(buckets, replies)}
     last = {int(member): float(score) for member, score in replies[-1]}
     return counts, last

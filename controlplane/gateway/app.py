@@ -19,12 +19,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from controlplane.gateway import batch_api, completions, metrics
+from controlplane.gateway import batch_api, completions
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.dialects import routes as dialects
 from controlplane.gateway.errors import GatewayError, dependency_unavailable, model_not_found
 from controlplane.gateway.openapi import openapi_document
 from controlplane.gateway.process import Gateway
+from controlplane.gateway.refusals import request_counted
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,9 @@ def build_app() -> Starlette:
             response = await answer(handler, request, request_id)
             if isinstance(response, Response):
                 response.headers["openai-processing-ms"] = str(int((time.monotonic() - started) * 1000))
-                if counted:
-                    # The model, once the request named one it may use (completions sets it).
-                    metrics.request_finished(
-                        model=getattr(request.state, "model", ""),
-                        started=started,
-                        outcome=metrics.outcome_of_status(response.status_code),
-                        status=response.status_code,
-                    )
+                if counted:  # its model, tenant and refusal as completions.serve noted them
+                    gw = app.state.gateway
+                    request_counted(gw.refusals if gw else None, request, response, request_id, started)
             return response
 
         return run
@@ -69,11 +65,13 @@ def build_app() -> Starlette:
         try:
             return await handler(await gateway(), request, request_id)
         except GatewayError as error:
+            request.state.error = error
             return error.response(request_id)
         except Exception as exc:
             retry_after = app.state.gateway.config.retry_after_s if app.state.gateway else 1
             if (error := dependency_unavailable(exc, retry_after)) is not None:
                 logger.warning("request %s: %s (%s)", request_id, error.message, type(exc).__name__)
+                request.state.error = error
                 return error.response(request_id)
             logger.exception("request %s failed", request_id)
             error = GatewayError(
@@ -82,6 +80,7 @@ def build_app() -> Starlette:
                 type="server_error",
                 code="internal_error",
             )
+            request.state.error = error
             return error.response(request_id)
 
     def served(path: str):

@@ -29,6 +29,7 @@ from controlplane.batches.services import (
 )
 from controlplane.billing.holds import HoldRefused, RequestOutcome, usage_cached_tokens
 from controlplane.billing.models import UsageRecord
+from controlplane.billing.selectors import tenant_fair_share_weight
 from controlplane.fleet.services.deployments import deployment_wake
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
@@ -38,6 +39,8 @@ from controlplane.gateway.process import shared_state
 from controlplane.gateway.replica_choice import affinity_choice, affinity_key, prefix_key_header
 from controlplane.gateway.routing import RoutingTable
 from controlplane.gateway.upstream import UpstreamError, UpstreamPool
+from gpuworker.contract.openai_api import ChatCompletionRequest, ProtocolError, parse_request
+from gpuworker.contract.tenancy import tenancy_headers
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ class _Run:
     routing: RoutingTable
     shared: object
     upstream: UpstreamPool
+    # Who the replica serves the lines for: the batch's tenant at the batch class.
+    tenancy: dict[str, str]
 
 
 async def run_batch(batch_id: int) -> str:
@@ -125,6 +130,11 @@ async def _send_lines(lane: DatabaseLane, batch: Batch, owner: str) -> bool:
         RoutingTable(config, lane),
         shared_state(config),
         UpstreamPool(connect_timeout_s=config.connect_timeout_s),
+        tenancy_headers(
+            tenant_id=batch.tenant_id,
+            weight=await lane.run(tenant_fair_share_weight, tenant_id=batch.tenant_id),
+            batch=True,
+        ),
     )
     lines = _PendingLines(lane, batch, chunk=4 * settings.BATCH_CONCURRENCY)
     deadline = time.monotonic() + settings.BATCH_TASK_SLICE_SECONDS
@@ -274,6 +284,7 @@ async def _send_line(run: _Run, line: BatchLine, replicas) -> None:
         gpu_time_s=usage.get("gpu_time_s"),
         replica_id=replica_id,
         batch=True,
+        image_count=_image_count(path, body),
     )
     if status == 200:
         payload["model"] = run.batch.model_name
@@ -308,6 +319,7 @@ async def _answer(
         "content-type": "application/json",
         "x-request-id": line.request_id,
         **prefix_key_header(key),
+        **run.tenancy,
     }
     while len(tried) < min(_ATTEMPTS, len(replicas)):
         candidates = [replica for replica in replicas if replica.replica_id not in tried]
@@ -328,6 +340,16 @@ async def _answer(
             logger.warning("batch line %s: replica %s failed: %s", line.request_id, replica.replica_id, exc)
         await run.shared.finish(line.request_id, replica_id=replica.replica_id, replica_failed=True)
     return None, None, None
+
+
+def _image_count(path: str, body: dict) -> int:
+    """Images a chat line carries (validated when the batch was), for its usage record."""
+    if path != "/v1/chat/completions":
+        return 0
+    try:
+        return len(parse_request(ChatCompletionRequest, body).images())
+    except ProtocolError:  # the replica refused it too: no record is written
+        return 0
 
 
 def _count(value) -> int:

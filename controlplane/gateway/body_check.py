@@ -20,6 +20,7 @@ from gpuworker.contract.openai_api import (
     EmbeddingRequest,
     ProtocolError,
     check_token_ids_fit,
+    data_url_bytes,
     parse_json_body,
     parse_request,
 )
@@ -116,13 +117,5 @@ def check_body(
         affinity_key=key,
         upstream_body=upstream_body,
         image_params=tuple(image.param for image in images),
-        image_sizes=tuple(_data_url_bytes(image.url) for image in images),
+        image_sizes=tuple(data_url_bytes(image.url) for image in images),
     )
-
-
-def _data_url_bytes(url: str) -> int | None:
-    """The bytes a data: URL's base64 decodes to (from its length: the replica decodes it)."""
-    if url[:5].lower() != "data:":
-        return None
-    encoded = url.partition(",")[2].rstrip("=")
-    return len(encoded) * 3 // 4

@@ -18,8 +18,15 @@ from starlette.responses import Response
 from controlplane.gateway.body_check import BodyError, CheckedBody
 from controlplane.gateway.cold_start import cold_start_header
 from controlplane.gateway.dialects import Dialect, StreamTranslator
-from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found, unavailable
-from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
+from controlplane.gateway.errors import (
+    GatewayError,
+    bad_request,
+    model_not_allowed,
+    model_not_found,
+    overloaded,
+    unavailable,
+)
+from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight, prompt_tokens_from
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
 from controlplane.gateway.replica_choice import affinity_choice, prefix_key_header
@@ -28,11 +35,13 @@ from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
 from gpuworker.contract.openai_api import (
+    PROMPT_TOKENS_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
-    images_refused_for,
+    ProtocolError,
 )
+from gpuworker.contract.tenancy import tenancy_headers
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +64,13 @@ async def serve(
     """`dialect`: the request is in another API's shape, translated into a chat completion's
     (`path` is then /v1/chat/completions) and its answer back."""
     schema, for_embeddings = ENDPOINTS[path]
-    raw = await read_body(request, gw.config.max_request_bytes)  # bounded before any other work
-    grant = await gw.keys.authenticate((dialect or _OPENAI).authorization(request))
+    authorization = (dialect or _OPENAI).authorization(request)
+    try:
+        raw = await read_body(request, gw.config.max_request_bytes)  # bounded before any other work
+    except GatewayError:
+        request.state.grant = await _grant_or_none(gw, authorization)  # whose refusal it is, if known
+        raise
+    grant = request.state.grant = await gw.keys.authenticate(authorization)
     if dialect is not None:
         raw = await dialect.translate(gw, grant, raw)
     admission = None
@@ -73,7 +87,7 @@ async def serve(
         if checked.json_error:
             raise _invalid(checked.error)
         model = await _model(gw, grant, checked.model)
-        request.state.model = model.public_name  # the metrics' label (app.endpoint)
+        request.state.model, request.state.model_id = model.public_name, model.model_id  # for refusals.request_counted
         gw.spawn(gw.traffic.record(model.model_id, time.time()))  # off the request's path
         if checked.error is not None:
             raise _invalid(checked.error)
@@ -106,7 +120,13 @@ async def serve(
                 _admitted(admission)
             else:  # admitted (and, below, its credit held) before it waits: a refusal comes at once
                 admission, first = _admitted(await gw.shared.admit(grant, request_id)), None
-            flight = Flight(gw, request_id, grant, model, checked.n)
+            if first is not None and _over_objective(model, first):
+                # Shed before any credit is held: freed at once, charged nothing, counted as demand.
+                admission = None
+                await gw.shared.finish(request_id, grant=grant, replica_id=first.replica_id)
+                gw.spawn(gw.traffic.record_shed(model.model_id, time.time()))
+                raise overloaded(model.public_name, first.predicted_wait_s, model.ttft_objective_s)
+            flight = request.state.flight = Flight(gw, request_id, grant, model, checked.n)
             flight.image_count = len(checked.image_params)
             try:
                 await flight.hold()
@@ -152,6 +172,13 @@ async def serve(
 
 
 _OPENAI = Dialect()  # the API's own: only its authorization is asked for
+
+
+async def _grant_or_none(gw: Gateway, authorization: str | None) -> KeyGrant | None:
+    try:
+        return await gw.keys.authenticate(authorization)
+    except GatewayError:
+        return None
 
 
 async def _served(
@@ -201,27 +228,15 @@ async def _served(
 
 def _check_images(model: ModelRoute, checked: CheckedBody) -> None:
     """Images only for a vision model, and within its limits: refused here, before routing."""
-    if not checked.image_params:
-        return
-    if model.kind != "vision":
-        refusal = images_refused_for(model.public_name)
-        raise bad_request(refusal.message, param=refusal.param, code=refusal.code)
-    if len(checked.image_params) > model.max_images_per_request:
-        param = checked.image_params[model.max_images_per_request]
-        raise bad_request(
-            f"{param}: the request has {len(checked.image_params)} images; {model.public_name!r} takes at most "
-            f"{model.max_images_per_request}",
-            param=param,
-            code="too_many_images",
-        )
-    for param, size in zip(checked.image_params, checked.image_sizes):
-        if size is not None and size > model.max_image_bytes:
-            raise bad_request(
-                f"{param}: the image is {size} bytes; {model.public_name!r} takes images of at most "
-                f"{model.max_image_bytes} bytes",
-                param=param,
-                code="invalid_image",
-            )
+    try:
+        model.image_rules.check(checked.image_params, checked.image_sizes)
+    except ProtocolError as refusal:
+        raise bad_request(refusal.message, param=refusal.param, code=refusal.code) from None
+
+
+def _over_objective(model: ModelRoute, replica: ReplicaRoute) -> bool:
+    """Whether a request routed to `replica` is predicted to wait longer than the model's TTFT objective."""
+    return model.ttft_objective_s is not None and replica.predicted_wait_s > model.ttft_objective_s
 
 
 def _invalid(error: BodyError) -> GatewayError:
@@ -276,7 +291,7 @@ async def _unless_client_leaves(
     started = False
     replica = next((r for r in replicas if r.replica_id == flight.replica_id), None)
     if not stream and replica is not None:
-        started = await _replica_started(gw, replica, flight.request_id)
+        started = await _replica_started(gw, replica, flight)
     if not flight.settled:
         await flight.end(CANCELLED if started else None)
     return Response(status_code=499)  # nobody reads it: the client is gone
@@ -301,8 +316,10 @@ async def _client_present(request: Request, work: Coroutine[Any, Any, Any]) -> A
     return _GONE
 
 
-async def _replica_started(gw: Gateway, replica: ReplicaRoute, request_id: str) -> bool:
-    """Whether the replica generated a first token for this request (it keeps recent ones)."""
+async def _replica_started(gw: Gateway, replica: ReplicaRoute, flight: Flight) -> bool:
+    """Whether the replica generated a first token for this request (it keeps recent ones); the
+    prompt tokens it says the request took go on the flight, for its usage record."""
+    request_id = flight.request_id
     try:
         async with asyncio.timeout(_STARTED_QUERY_TIMEOUT_S):
             response = await gw.upstream.get(
@@ -310,6 +327,7 @@ async def _replica_started(gw: Gateway, replica: ReplicaRoute, request_id: str) 
             )
             data = await response.read()
         if response.status == 200 and isinstance(answer := json.loads(data), dict):
+            flight.prompt_tokens = prompt_tokens_from(str(answer.get("prompt_tokens", "")))
             return answer.get("started") is True
     except (UpstreamError, TimeoutError, ValueError):
         pass
@@ -379,6 +397,11 @@ async def _attempt(
             "content-type": "application/json",
             "x-request-id": flight.request_id,
             **prefix_key_header(key),
+            **tenancy_headers(
+                tenant_id=flight.grant.tenant_id,
+                weight=flight.grant.fair_share_weight,
+                batch=flight.grant.batch_priority,
+            ),
         },
     )
     if response.status not in (200, 400):
@@ -494,6 +517,7 @@ async def _stream(
                     _replica_json(response.status, data)
                     await flight.end(None)
                     return Response(data, status_code=response.status, headers=headers, media_type="application/json")
+                flight.prompt_tokens = prompt_tokens_from(response.headers.get(PROMPT_TOKENS_HEADER))
                 events = response.events()
                 async for data in events:
                     buffered.append(data)

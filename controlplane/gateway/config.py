@@ -29,6 +29,7 @@ class GatewayConfig:
     affinity_max_extra: int
     idempotency_s: int
     hold_sweep_s: float
+    refusal_flush_s: float = 5.0
 
     @property
     def hold_lifetime_s(self) -> float:
@@ -69,4 +70,5 @@ class GatewayConfig:
             affinity_max_extra=settings.GATEWAY_AFFINITY_MAX_EXTRA,
             idempotency_s=settings.GATEWAY_IDEMPOTENCY_SECONDS,
             hold_sweep_s=float(settings.GATEWAY_HOLD_SWEEP_SECONDS),
+            refusal_flush_s=float(settings.GATEWAY_REFUSAL_FLUSH_SECONDS),
         )

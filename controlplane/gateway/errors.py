@@ -1,9 +1,11 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with their headers."""
 
 import json
+import math
 
 from starlette.responses import Response
 
+from controlplane.billing.refusals import SHED_ERROR_CODE
 from controlplane.integrations import unreachable_dependency
 
 
@@ -89,6 +91,20 @@ def key_budget_exceeded(limit) -> GatewayError:
         type="insufficient_quota",
         code="key_budget_exceeded",
         headers={"x-should-retry": "false"},
+    )
+
+
+def overloaded(model: str, wait_s: float, objective_s: float) -> GatewayError:
+    """A request shed at once: its predicted wait for a first token is over the deployment's
+    objective. A 429 shaped like the rate limit's (the SDKs retry it after retry-after), with its
+    own code; retry-after is the predicted time for the queue to drain back under the objective."""
+    return GatewayError(
+        429,
+        f"{model!r} is overloaded: the predicted wait for a first token is {wait_s:.1f} s, over its objective "
+        f"of {objective_s:.1f} s; retry after the retry-after header's seconds.",
+        type="requests",
+        code=SHED_ERROR_CODE,
+        headers={"retry-after": str(max(1, math.ceil(wait_s - objective_s)))},
     )
 
 

@@ -171,11 +171,15 @@ class Flight:
         self.gw, self.request_id, self.grant, self.model = gw, request_id, grant, model
         self.num_requests = num_requests
         self.image_count = 0  # images the request carried, for its usage record
+        # The prompt tokens the replica said it took (PROMPT_TOKENS_HEADER): recorded for a
+        # request that ends without its final usage, as a cancelled one does.
+        self.prompt_tokens = 0
         self.started = time.monotonic()
         self.amount: Decimal | None = None  # held; None until the hold is placed
         self.replica_id: int | None = None
         self.first_token_at: float | None = None
         self.released = self.settled = False
+        self.recorded = False  # settled with a usage record (served, cancelled or failed)
 
     async def hold(self) -> None:
         """Set the request's price aside; 429 insufficient_quota when the credit cannot cover it,
@@ -242,11 +246,11 @@ class Flight:
     ) -> None:
         """Settle the hold with `status` (see billing.holds.RequestOutcome); a failed request
         carries the `error_code` its client got."""
-        if self._begin_settling():
+        if self._begin_settling(status):
             await self._submit(status, usage, completion_tokens, error_code)
 
     def settle_soon(self, status: str | None, usage: dict | None = None) -> None:
-        if self._begin_settling():
+        if self._begin_settling(status):
             self.gw.spawn(self._submit(status, usage, 0))
 
     async def end(
@@ -262,10 +266,11 @@ class Flight:
         """What a billed (completed or cancelled) request is charged: its hold."""
         return self.amount or Decimal("0")
 
-    def _begin_settling(self) -> bool:
+    def _begin_settling(self, status: str | None) -> bool:
         if self.settled:
             return False
         self.settled = True
+        self.recorded = self.amount is not None and status is not None
         return self.amount is not None
 
     async def _submit(
@@ -275,7 +280,7 @@ class Flight:
         outcome = RequestOutcome(
             request_id=self.request_id,
             status=status,
-            prompt_tokens=_int(usage.get("prompt_tokens")),
+            prompt_tokens=_int(usage.get("prompt_tokens", self.prompt_tokens)),
             cached_prompt_tokens=usage_cached_tokens(usage),
             completion_tokens=_int(usage.get("completion_tokens", completion_tokens)),
             time_to_first_token_ms=None
@@ -308,6 +313,11 @@ class Flight:
 
 def _int(value) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
+
+
+def prompt_tokens_from(text: str | None) -> int:
+    """A replica's PROMPT_TOKENS_HEADER value as a count; 0 when absent or garbled."""
+    return int(text) if text is not None and text.isdigit() else 0
 
 
 async def sweep_expired_holds(gw: GatewayParts) -> None:

@@ -1,9 +1,9 @@
 """What the public API keeps between requests: responses of the Responses API (`store`, the
 default), so that `previous_response_id` can continue a conversation and GET can read one back."""
 
-import json
-
 from django.db import models
+
+from controlplane.common.json_text import JSONTextField
 
 
 class StoredResponse(models.Model):
@@ -19,27 +19,15 @@ class StoredResponse(models.Model):
     status = models.CharField(max_length=16, default="completed")
     # JSON as text, not jsonb: model output may hold NUL characters, which jsonb cannot.
     # This request's input, as items (GET .../input_items lists them).
-    input_items_json = models.TextField()
+    input_items = JSONTextField()
     # The conversation up to and including this response's output, as items: a request naming
     # this one as its previous_response_id continues from here (instructions are not carried).
-    history_json = models.TextField()
+    history = JSONTextField()
     # The response object as it was answered.
-    response_json = models.TextField()
+    response = JSONTextField()
 
     class Meta:
         indexes = [models.Index(fields=["tenant", "created_at"])]
 
     def __str__(self) -> str:
         return self.id
-
-    @property
-    def input_items(self) -> list:
-        return json.loads(self.input_items_json)
-
-    @property
-    def history(self) -> list:
-        return json.loads(self.history_json)
-
-    @property
-    def response(self) -> dict:
-        return json.loads(self.response_json)

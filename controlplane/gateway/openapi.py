@@ -24,7 +24,9 @@ _ERRORS = {
     "404": "No such model (or endpoint).",
     "409": "A request with this Idempotency-Key is still in flight.",
     "413": "The request body is larger than the gateway accepts.",
-    "429": "A rate or concurrency limit was reached (see the retry-after header), or the credit ran out.",
+    "429": "A rate or concurrency limit was reached (see the retry-after header), the credit ran out, or the "
+    "model is overloaded (`overloaded`: the predicted wait for a first token is over its TTFT objective; "
+    "retry after the retry-after header's seconds).",
     "500": "An error of the server's own.",
     "502": "The replica failed the request.",
     "503": "No replica can take the request now: none can be started for the model (`model_unavailable`), "

@@ -12,6 +12,7 @@ from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.holds import HoldPlacer, settle_batcher, sweep_expired_holds
 from controlplane.gateway.keys import KeyCache
+from controlplane.gateway.refusals import RefusalLog
 from controlplane.gateway.routing import RoutingTable
 from controlplane.gateway.upstream import UpstreamPool
 
@@ -39,6 +40,7 @@ class Gateway:
         )
         self.holds = HoldPlacer(self.admit_lane, config.hold_lifetime_s)
         self.settles = settle_batcher(self.settle_lane)
+        self.refusals = RefusalLog(self.settle_lane, config.refusal_flush_s)
         self.shared = shared_state(config)
         # Requests per model for the autoscaler (Redis, or this process without it).
         self.traffic = traffic_recorder(config.redis_url)
@@ -66,6 +68,7 @@ class Gateway:
         await asyncio.gather(*self._chores, return_exceptions=True)
         if self._spawned:  # settlements still being written
             await asyncio.wait(self._spawned, timeout=30)
+        await self.refusals.aclose()
         self.upstream.close()
         self.bodies.close()
         await self.holds.aclose()

@@ -89,3 +89,14 @@ def least_outstanding(counts: Sequence[int], up: Sequence[bool], affinity: int |
     if affinity is not None and (up[affinity] or not any(up)) and counts[affinity] <= counts[best] + max_extra:
         best = affinity
     return best
+
+
+def predicted_wait_s(figures: dict) -> float:
+    """Seconds a request arriving now at a replica would wait before its prefill, from the
+    replica's own load report: the prompt tokens queued ahead of it (`waiting_tokens`) over its
+    recent prefill rate (`prefill_tokens_per_s`). 0 without a queue or a measured rate: a replica
+    that has not prefilled lately gives no evidence that it is slow."""
+    waiting, rate = figures.get("waiting_tokens"), figures.get("prefill_tokens_per_s")
+    if not isinstance(waiting, int | float) or not isinstance(rate, int | float) or waiting <= 0 or rate <= 0:
+        return 0.0
+    return waiting / rate

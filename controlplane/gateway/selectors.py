@@ -1,5 +1,6 @@
 """The gateway's reads: an API key with everything admission needs, and the routing table."""
 
+import time
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -7,11 +8,15 @@ from django.conf import settings
 
 from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_authenticate
 from controlplane.catalog.models import Model
+from controlplane.catalog.selectors import image_rules
 from controlplane.common.units import human_bytes
+from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.placement import largest_replica_bytes
 from controlplane.fleet.selectors import placement_slots, replica_prefix_keys
 from controlplane.gateway.body_check import model_request_bytes
+from controlplane.gateway.replica_choice import predicted_wait_s
+from gpuworker.contract.openai_api import ImageRules
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,10 @@ class KeyGrant:
     key_max_concurrent: int
     tenant_max_concurrent: int
     plan_id: int | None = None  # so that a change to the plan drops the key (keys.KeyCache)
+    # The engine's fair scheduler: the tenant's share (its plan's weight) and whether the key's
+    # requests are batch work, which gives way to interactive requests.
+    fair_share_weight: int = 1
+    batch_priority: bool = False
 
     def allows(self, model_id: int) -> bool:
         return self.allowed_model_ids is None or model_id in self.allowed_model_ids
@@ -38,6 +47,8 @@ class ReplicaRoute:
     endpoint_url: str
     # The conversations whose KV it holds (gpuworker.contract.prefix_keys digests), as last reported.
     prefix_keys: frozenset[str] = frozenset()
+    # From the replica's latest load report (replica_choice.predicted_wait_s); 0 without one.
+    predicted_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,17 @@ class ModelRoute:
     # A vision model's limits on a request's images (the catalog's).
     max_images_per_request: int = 16
     max_image_bytes: int = 20 << 20
+    # The deployment's TTFT objective: a request predicted to wait longer is shed; None: never.
+    ttft_objective_s: float | None = None
+
+    @property
+    def image_rules(self) -> ImageRules:
+        return image_rules(
+            public_name=self.public_name,
+            kind=self.kind,
+            max_images_per_request=self.max_images_per_request,
+            max_image_bytes=self.max_image_bytes,
+        )
 
     @property
     def servable(self) -> bool:
@@ -80,6 +102,8 @@ def key_grant_for(*, plaintext: str, default_rate_limit_per_minute: int, default
         tenant_rate_limit_per_minute=tenant_rpm,
         key_max_concurrent=api_key.max_concurrent_requests or tenant_concurrent,
         tenant_max_concurrent=tenant_concurrent,
+        fair_share_weight=plan.fair_share_weight if plan else 1,
+        batch_priority=api_key.batch_priority,
     )
 
 
@@ -96,15 +120,20 @@ def routing_table() -> dict[str, ModelRoute]:
         .order_by("pk")
         .values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state", "worker_id")
     )
+    ready_workers = sorted({row[5] for row in replicas if row[1] == Replica.State.READY})
     # Where each ready replica's KV tiers hold which conversations (its worker's latest heartbeat).
-    prefix_keys = replica_prefix_keys(
-        worker_ids=sorted({worker_id for _, state, *_, worker_id in replicas if state == Replica.State.READY})
-    )
+    prefix_keys = replica_prefix_keys(worker_ids=ready_workers)
+    waits = _predicted_waits(worker_ids=ready_workers)
     for replica_id, state, endpoint_url, model_id, worker_state, _ in replicas:
         if state != Replica.State.READY:
             loading.add(model_id)
         elif endpoint_url and worker_state == Worker.State.ONLINE:
-            route = ReplicaRoute(replica_id, endpoint_url.rstrip("/"), prefix_keys.get(replica_id, frozenset()))
+            route = ReplicaRoute(
+                replica_id,
+                endpoint_url.rstrip("/"),
+                prefix_keys=prefix_keys.get(replica_id, frozenset()),
+                predicted_wait_s=waits.get(replica_id, 0.0),
+            )
             ready.setdefault(model_id, []).append(route)
     slots = placement_slots(workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))
     models = list(
@@ -120,6 +149,7 @@ def routing_table() -> dict[str, ModelRoute]:
             "tensor_parallel_size",
             "max_images_per_request",
             "max_image_bytes",
+            "deployment__ttft_slo_ms",
         )
     )
     largest = {size: largest_replica_bytes(slots=slots, tensor_parallel_size=size) for size in {m[8] for m in models}}
@@ -145,6 +175,7 @@ def routing_table() -> dict[str, ModelRoute]:
             ),
             max_images_per_request=max_images,
             max_image_bytes=max_image_bytes,
+            ttft_objective_s=None if ttft_slo_ms is None else ttft_slo_ms / 1000,
         )
         for (
             pk,
@@ -158,8 +189,25 @@ def routing_table() -> dict[str, ModelRoute]:
             size,
             max_images,
             max_image_bytes,
+            ttft_slo_ms,
         ) in models
     }
+
+
+# Seconds a replica's load report counts for shedding (heartbeats come about every second).
+LOAD_REPORT_MAX_AGE_S = 10.0
+
+
+def _predicted_waits(*, worker_ids: list[int]) -> dict[int, float]:
+    """Each replica's predicted wait by id, from its worker's latest heartbeat while that is recent."""
+    now = time.time()
+    waits = {}
+    for state in heartbeat_cache.read_many(worker_ids=worker_ids).values():
+        if now - state.get("received_at", 0) > LOAD_REPORT_MAX_AGE_S:
+            continue  # an old report says nothing of the queue now
+        for replica_id, figures in (state.get("replicas") or {}).items():
+            waits[int(replica_id)] = predicted_wait_s(figures)
+    return waits
 
 
 def cold_start_refusal(

@@ -2,7 +2,6 @@
 database lanes or by the sweep task. Every read is scoped to the tenant: another tenant's id is
 as unknown as one never issued."""
 
-import json
 import re
 from datetime import datetime, timedelta
 
@@ -32,17 +31,17 @@ def stored_response_save(
         created_at=timezone.now(),
         background=background,
         status=response["status"],
-        input_items_json=json.dumps(input_items),
-        history_json=json.dumps(history),
-        response_json=json.dumps(response),
+        input_items=input_items,
+        history=history,
+        response=response,
     )
 
 
 def stored_response_finish(*, tenant_id: int, response_id: str, history: list | None, response: dict) -> bool:
     """A background response's end (its answer, or its failure), unless it was cancelled first."""
-    fields = {"status": response["status"], "response_json": json.dumps(response)}
+    fields = {"status": response["status"], "response": response}
     if history is not None:
-        fields["history_json"] = json.dumps(history)
+        fields["history"] = history
     rows = StoredResponse.objects.filter(tenant_id=tenant_id, id=response_id, status__in=RUNNING)
     return rows.update(**fields) > 0
 
@@ -54,9 +53,7 @@ def stored_response_cancel(*, tenant_id: int, response_id: str) -> StoredRespons
     if stored is None or stored.status not in RUNNING:
         return stored
     response = {**stored.response, "status": "cancelled"}
-    StoredResponse.objects.filter(pk=stored.pk, status__in=RUNNING).update(
-        status="cancelled", response_json=json.dumps(response)
-    )
+    StoredResponse.objects.filter(pk=stored.pk, status__in=RUNNING).update(status="cancelled", response=response)
     return stored_response_get(tenant_id=tenant_id, response_id=response_id)
 
 
@@ -76,9 +73,7 @@ def stored_responses_sweep(*, now: datetime) -> int:
     for stored in StoredResponse.objects.filter(status__in=RUNNING, created_at__lt=stale):
         error = {"code": "server_error", "message": "The response was interrupted; create it again."}
         response = {**stored.response, "status": "failed", "error": error}
-        StoredResponse.objects.filter(pk=stored.pk, status__in=RUNNING).update(
-            status="failed", response_json=json.dumps(response)
-        )
+        StoredResponse.objects.filter(pk=stored.pk, status__in=RUNNING).update(status="failed", response=response)
     deleted, _ = StoredResponse.objects.filter(created_at__lt=_oldest(now)).delete()
     return deleted
 

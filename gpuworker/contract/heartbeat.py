@@ -36,18 +36,24 @@ REPLICA_FIGURES = (
     "prefix_cache_hit_rate",
     # Prompt tokens served from the host KV tier, as a share of the prompt tokens looked up.
     "host_cache_hit_rate",
+    # The load the gateway sheds by: prompt tokens not yet prefilled (waiting requests' and those
+    # mid-prefill) and prompt tokens prefilled per second lately (their quotient: the queue's wait).
+    "waiting_tokens",
+    "prefill_tokens_per_s",
     *REPLICA_LATENCY_FIGURES,
 )
 # A replica's error is kept to this many characters (its cause comes first: see the daemon's
 # gpuworker/daemon/replica_errors.py).
 MAX_REPLICA_ERROR_CHARS = 4000
+# A replica reports the shares of the GPU its busiest tenants took lately, at most this many.
+MAX_TENANT_SHARES = 16
 MAX_MODEL_ROOTS = 32
 MAX_MODEL_PATHS = 2000
 MAX_STAGED = 64
 STAGING_HOWS = ("page_cache", "pinned")
 # How a found checkpoint's weights are stored (gpuworker.checkpoint_quantization's QuantConfig.label);
 # a float checkpoint is left out of the report.
-QUANTIZATION_LABELS = ("fp8", "awq-int4", "gptq-int4")
+QUANTIZATION_LABELS = ("fp8", "int8", "awq-int4", "gptq-int4")
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,38 @@ class GpuSpec:
         return {"index": self.index, "name": self.name, "memory_total_bytes": self.memory_total_bytes}
 
 
+# What a found checkpoint serves as (gpuworker.architectures' kinds; "" while it serves none).
+CHECKPOINT_KINDS = ("chat", "vision", "embedding", "")
+MAX_CHECKPOINT_PROBLEM_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """What a daemon read from one found checkpoint's config.json and weight headers, so the
+    catalog can be filled without asking the operator: the Hugging Face id it answers to under the
+    model roots ("org/name" for root/org/name or the HF cache's current snapshot; "" for none), its
+    architecture and family, what it serves as, its size and context, or why it cannot be served."""
+
+    repo_id: str = ""
+    architecture: str = ""
+    family: str = ""  # config.json's model_type, e.g. "llama"
+    kind: str = ""  # CHECKPOINT_KINDS
+    parameter_count: int | None = None
+    context_length: int | None = None
+    problem: str = ""  # non-empty: the engine cannot serve it, and why
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "repo_id": self.repo_id,
+            "architecture": self.architecture,
+            "family": self.family,
+            "kind": self.kind,
+            "parameter_count": self.parameter_count,
+            "context_length": self.context_length,
+            "problem": self.problem,
+        }
+
+
 @dataclass(frozen=True)
 class ModelPaths:
     """The directories a daemon searches for checkpoints and the checkpoint directories it found."""
@@ -68,11 +106,15 @@ class ModelPaths:
     paths: tuple[str, ...]
     # (path, QUANTIZATION_LABELS entry) for each quantized checkpoint among paths.
     quantization: tuple[tuple[str, str], ...] = ()
+    # (path, what was read there) for the checkpoints among paths that were read.
+    checkpoints: tuple[tuple[str, CheckpointReport], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"roots": list(self.roots), "paths": list(self.paths)}
         if self.quantization:
             body["quantization"] = dict(self.quantization)
+        if self.checkpoints:
+            body["checkpoints"] = {path: report.to_json() for path, report in self.checkpoints}
         return body
 
 
@@ -115,6 +157,9 @@ class ReplicaReport:
     pid: int | None = None
     # Digests (contract.prefix_keys) of the conversations whose prompt blocks its KV tiers hold.
     prefix_keys: tuple[str, ...] = ()
+    # Tenant id ("" for requests without one) -> its share (0-1) of the weighted tokens the engine
+    # served lately, the busiest MAX_TENANT_SHARES tenants.
+    tenant_shares: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         body = {
@@ -128,6 +173,8 @@ class ReplicaReport:
             body["pid"] = self.pid
         if self.prefix_keys:
             body["prefix_keys"] = list(self.prefix_keys)
+        if self.tenant_shares:
+            body["tenant_shares"] = dict(self.tenant_shares)
         return body
 
 
@@ -242,10 +289,40 @@ def _model_paths(value: Any) -> ModelPaths | None:
             raise ContractError(f"models.quantization[{path!r}]", "Must be one of models.paths.")
         if label not in QUANTIZATION_LABELS:
             raise ContractError(f"models.quantization[{path!r}]", f"Must be one of {', '.join(QUANTIZATION_LABELS)}.")
+    checkpoints = _object(raw.get("checkpoints", {}), "models.checkpoints")
+    for path in checkpoints:
+        if path not in paths:
+            raise ContractError(f"models.checkpoints[{path!r}]", "Must be one of models.paths.")
     return ModelPaths(
         roots=_paths(raw.get("roots", []), "models.roots", limit=MAX_MODEL_ROOTS),
         paths=paths,
         quantization=tuple(sorted(quantization.items())),
+        checkpoints=tuple(
+            (path, _checkpoint_report(report, f"models.checkpoints[{path!r}]"))
+            for path, report in sorted(checkpoints.items())
+        ),
+    )
+
+
+def _optional_count(value: Any, where: str) -> int | None:
+    return None if value is None else _int(value, where, minimum=1)
+
+
+def _checkpoint_report(value: Any, where: str) -> CheckpointReport:
+    raw = _object(value, where)
+    kind = raw.get("kind", "")
+    if kind not in CHECKPOINT_KINDS:
+        raise ContractError(f"{where}.kind", f"Must be one of {', '.join(map(repr, CHECKPOINT_KINDS))}.")
+    return CheckpointReport(
+        repo_id=_text(raw.get("repo_id", ""), f"{where}.repo_id", max_length=200, required=False),
+        architecture=_text(raw.get("architecture", ""), f"{where}.architecture", max_length=100, required=False),
+        family=_text(raw.get("family", ""), f"{where}.family", max_length=50, required=False),
+        kind=kind,
+        parameter_count=_optional_count(raw.get("parameter_count"), f"{where}.parameter_count"),
+        context_length=_optional_count(raw.get("context_length"), f"{where}.context_length"),
+        problem=_text(
+            raw.get("problem", ""), f"{where}.problem", max_length=MAX_CHECKPOINT_PROBLEM_CHARS, required=False
+        ),
     )
 
 
@@ -356,6 +433,7 @@ def _replica_report(raw: dict, where: str) -> ReplicaReport:
         figures=_figures(raw, REPLICA_FIGURES, where),
         pid=None if raw.get("pid") is None else _int(raw["pid"], f"{where}.pid", minimum=1),
         prefix_keys=_prefix_keys(raw.get("prefix_keys", []), f"{where}.prefix_keys"),
+        tenant_shares=_tenant_shares(raw.get("tenant_shares") or {}, f"{where}.tenant_shares"),
     )
 
 
@@ -367,3 +445,13 @@ def _prefix_keys(value: Any, where: str) -> tuple[str, ...]:
         if not is_prefix_key_digest(item):
             raise ContractError(f"{where}[{i}]", "Must be a prefix key digest (16 lowercase hex digits).")
     return tuple(items)
+
+
+def _tenant_shares(value: Any, where: str) -> dict[str, float]:
+    if not isinstance(value, dict) or len(value) > MAX_TENANT_SHARES:
+        raise ContractError(where, f"Must be an object of at most {MAX_TENANT_SHARES} tenants.")
+    for tenant, share in value.items():
+        _text(tenant, f"{where} key", max_length=40, required=False)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ContractError(f"{where}.{tenant}", "Must be a share between 0 and 1.")
+    return {tenant: float(share) for tenant, share in value.items()}

@@ -10,10 +10,15 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator, model_validator
+
+# The prompt's token count, on a replica's answer from its first token on: a gateway whose client
+# leaves before the final usage still records the prompt tokens the request used.
+PROMPT_TOKENS_HEADER = "x-prompt-tokens"
 
 
 class ProtocolError(ValueError):
@@ -322,6 +327,50 @@ def images_refused_for(model_name: str) -> ProtocolError:
         param="model",
         code="model_not_multimodal",
     )
+
+
+def data_url_bytes(url: str) -> int | None:
+    """The bytes a data: URL's base64 decodes to, from its length (None for another URL): what
+    the gateway checks without decoding; the replica decodes it and checks again."""
+    if url[:5].lower() != "data:":
+        return None
+    encoded = url.partition(",")[2].rstrip("=")
+    return len(encoded) * 3 // 4
+
+
+@dataclass(frozen=True)
+class ImageRules:
+    """What one model takes in a chat request's images, as the catalog says: none (a text-only
+    model), or at most max_images of at most max_image_bytes each. The gateway and batch
+    validation check requests by it before routing; the replica checks again, and the pixels."""
+
+    model_name: str
+    takes_images: bool
+    max_images: int
+    max_image_bytes: int
+
+    def check(self, params: Sequence[str], sizes: Sequence[int | None]) -> None:
+        """A request's image parts, by their places and (data: URLs) sizes (`data_url_bytes`).
+        Raises ProtocolError naming the model, or the first part past a limit."""
+        if not params:
+            return
+        if not self.takes_images:
+            raise images_refused_for(self.model_name)
+        if len(params) > self.max_images:
+            param = params[self.max_images]
+            raise ProtocolError(
+                f"{param}: the request has {len(params)} images; {self.model_name!r} takes at most {self.max_images}",
+                param=param,
+                code="too_many_images",
+            )
+        for param, size in zip(params, sizes):
+            if size is not None and size > self.max_image_bytes:
+                raise ProtocolError(
+                    f"{param}: the image is {size} bytes; {self.model_name!r} takes images of at most "
+                    f"{self.max_image_bytes} bytes",
+                    param=param,
+                    code="invalid_image",
+                )
 
 
 class ChatMessage(_Strict):

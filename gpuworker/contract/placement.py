@@ -1,11 +1,16 @@
 """How a replica's memory splits over the GPUs it is placed on, as the control plane places
 replicas and a worker checks a load before starting it: each of N tensor-parallel ranks holds
-1/N, and the fewest GPUs that hold a model is a power of two up to MAX_TENSOR_PARALLEL_SIZE."""
+1/N, and the fewest GPUs that hold a model is a power of two up to MAX_TENSOR_PARALLEL_SIZE (one
+for the quantizations that do not split)."""
 
 from __future__ import annotations
 
 # More GPUs than one host holds; past it a typo, not a wish.
 MAX_TENSOR_PARALLEL_SIZE = 16
+# Checkpoint quantizations (contract.heartbeat.QUANTIZATION_LABELS) a replica runs on one GPU only:
+# their packed INT4 weights and per-group scales are not split over ranks
+# (models.tensor_parallel.check_quantized_split). FP8 checkpoints split.
+UNSPLIT_QUANTIZATIONS = ("awq-int4", "gptq-int4")
 
 
 def gpu_share_bytes(*, need_bytes: int, tensor_parallel_size: int) -> int:

@@ -108,7 +108,8 @@ class _Task:
 class LoadModel(_Task):
     """Start a replica of the checkpoint at model_path on GPU gpu_index (None: the CPU); with
     tensor_parallel_size N, split over GPUs gpu_index..gpu_index+N-1 (or N CPU processes), a MoE
-    model's experts joined as expert_parallel says."""
+    model's experts joined as expert_parallel says; a vision model's replica refuses images beyond
+    the max_image* limits."""
 
     NAME: ClassVar[str] = LOAD_MODEL
     replica_id: int = _argument(_int_at_least(0))
@@ -120,6 +121,10 @@ class LoadModel(_Task):
     dtype: str = _argument(_dtype, "auto")
     tensor_parallel_size: int = _argument(_int_at_least(1), 1)
     expert_parallel: str = _argument(_expert_parallel, "all_reduce")
+    # A vision model's limits on one chat request's images (the catalog's); None: the replica's defaults.
+    max_images_per_request: int | None = _argument(_int_at_least(1, optional=True), None)
+    max_image_bytes: int | None = _argument(_int_at_least(1, optional=True), None)
+    max_image_pixels: int | None = _argument(_int_at_least(1, optional=True), None)
 
 
 @dataclass(frozen=True)

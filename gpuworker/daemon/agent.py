@@ -61,6 +61,8 @@ class AgentConfig:
     host_kv_cache_bytes: int = 0
     # One replica process per GPU started ahead of its load (gpuworker/replica/spare.py).
     spare_replicas: bool = True
+    # Serve flags every replica gets: the host's image-fetch policy (gpuworker.__main__.image_fetch_argv).
+    replica_argv: tuple[str, ...] = ()
 
 
 class NotRegistered(Exception):
@@ -164,6 +166,7 @@ class Agent:
             model_roots=self.config.model_roots,
             spare_replicas=self.config.spare_replicas,
             host_kv_cache_bytes=self.config.host_kv_cache_bytes,
+            replica_argv=self.config.replica_argv,
         )
         self.supervisor.start()
         self.stager.start()

@@ -1,6 +1,7 @@
 """Which checkpoints this host has: the directories under the daemon's model roots (--model-root)
-that hold a Hugging Face config.json or a GGUF file. The daemon reports them so the control plane's catalog can
-check a model's weight path before any replica is placed, and loads nothing from outside them.
+that hold a Hugging Face config.json or a GGUF file. The daemon reports them, with what it read in each
+(checkpoint_reports), so the control plane's catalog can check a model's weight path and fill in its figures
+before any replica is placed, and loads nothing from outside them.
 
     scan_model_roots([Path("/models")])  # -> ModelPaths(roots=("/models",), paths=("/models/llama-8b", ...))
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from gpuworker.checkpoint_files import GGUF_SUFFIX
 from gpuworker.checkpoint_quantization import parse_quantization
 from gpuworker.contract.heartbeat import MAX_MODEL_PATHS, ModelPaths
+from gpuworker.daemon.checkpoint_reports import checkpoint_report
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,15 @@ def scan_model_roots(roots: list[Path] | tuple[Path, ...]) -> ModelPaths:
         )
     paths = tuple(sorted(dict.fromkeys(found[:MAX_MODEL_PATHS])))
     quantization = tuple((path, label) for path in paths if (label := checkpoint_quantization(Path(path))))
-    return ModelPaths(roots=absolute, paths=paths, quantization=quantization)
+    checkpoints = tuple(
+        (path, checkpoint_report(Path(path), root=Path(next(r for r in absolute if _inside(path, r)))))
+        for path in paths
+    )
+    return ModelPaths(roots=absolute, paths=paths, quantization=quantization, checkpoints=checkpoints)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def checkpoint_quantization(directory: Path) -> str | None:

@@ -97,6 +97,7 @@ class Replica:
             figures=figures,
             pid=self.process.pid if self.process is not None else None,
             prefix_keys=reported_prefix_keys(engine.get("prefix_keys")),
+            tenant_shares=engine.get("tenant_shares") or {},
         )
 
 
@@ -115,6 +116,7 @@ class Supervisor:
         spare_replicas: bool = False,
         gpu_memory_bytes: tuple[int, ...] = (),
         host_kv_cache_bytes: int = 0,
+        replica_argv: tuple[str, ...] = (),
     ) -> None:
         # None: any free port (the OS chooses); a range only for hosts whose firewall needs one.
         self.token, self.gpu_count, self.port_range = token, gpu_count, port_range
@@ -124,6 +126,8 @@ class Supervisor:
         self.host_kv_cache_bytes = host_kv_cache_bytes
         # Loads are confined to these (a load task's path is chosen by the control plane).
         self.model_roots = tuple(model_roots)
+        # Serve flags for every replica, whatever its load (the host's image-fetch policy).
+        self.replica_argv = tuple(replica_argv)
         self.advertise_host, self.bind_host, self.worker_name = advertise_host, bind_host, worker_name
         self.log_dir = state_dir / "replicas"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -321,6 +325,7 @@ class Supervisor:
         if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself
             serve_argv += ["--tensor-parallel-size", str(request.tensor_parallel_size)]
             serve_argv += ["--expert-parallel", request.expert_parallel]
+        serve_argv += image_limit_arguments(request) + list(self.replica_argv)
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
         spare = self._spares.pop(device, None)
         try:
@@ -633,3 +638,14 @@ def reported_prefix_keys(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list):
         return ()
     return tuple(key for key in value if is_prefix_key_digest(key))[:MAX_REPORTED_PREFIX_KEYS]
+
+
+def image_limit_arguments(request: LoadModel) -> list[str]:
+    """The serve flags carrying the load's image limits (those it sets; the others keep the
+    replica's defaults)."""
+    flags = {
+        "--max-images-per-request": request.max_images_per_request,
+        "--max-image-bytes": request.max_image_bytes,
+        "--max-image-pixels": request.max_image_pixels,
+    }
+    return [item for flag, value in flags.items() if value is not None for item in (flag, str(value))]

@@ -27,6 +27,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 #   to the expert's rank, which computes it and sends the result back; the slices are gathered
 #   (models.expert_parallel). A token's hidden state goes only to its experts' ranks.
 EXPERT_PARALLEL_MODES = ("all_reduce", "all_to_all")
+# The order the scheduler admits waiting requests in (engine.fair_share): "fcfs" in arrival order;
+# "fair" interactive before batch, and between tenants by the least weighted service so far.
+SCHEDULING_POLICIES = ("fcfs", "fair")
 # On CPU there is no "free device memory" to fill, so the KV pool gets a fixed budget by default.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -62,6 +65,9 @@ class EngineConfig:
     # prefills leave it that share of every step, and it may pass long prompts queued ahead of it
     # (scheduler.py). 0: plain arrival order.
     short_prefill_share: float = 0.125
+    # SCHEDULING_POLICIES. With one tenant and one class (requests that name neither) both admit
+    # in arrival order.
+    scheduling: str = "fair"
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -102,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.quantization not in LOAD_QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {LOAD_QUANTIZATIONS}, got {self.quantization!r}")
+        if self.scheduling not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         _positive_int("block_size", self.block_size)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.expert_parallel not in EXPERT_PARALLEL_MODES:

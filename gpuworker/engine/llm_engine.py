@@ -34,6 +34,7 @@ from gpuworker.engine.model_runner import ModelRunner, StepHandle
 from gpuworker.engine.multimodal import ImageInput, MultimodalPrompt, locate_images, multimodal_rotary
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats, TokenLogprob
 from gpuworker.engine.parallel import Workers, parallel_context
+from gpuworker.engine.prompt_scoring import token_logprobs
 from gpuworker.engine.prompts import Prompt, PromptTokenizer, TokenizedPrompt
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch, Scheduler
@@ -70,13 +71,14 @@ class _InFlight:
     handle: StepHandle
     # (sequence, position of its placeholder) per sampling entry, from Scheduler.advance.
     sampling: list[tuple[Sequence, int]]
+    # When the step() call that scheduled and launched it began.
     launched_at: float
 
 
 @dataclass
 class _Received:
     batch: ScheduledBatch
-    duration: float
+    launched_at: float
     # (sequence, logprob entry, whether its grammar ended with this token) per new token.
     tokens: list[tuple[Sequence, TokenLogprob | None, bool]]
 
@@ -273,6 +275,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._generate_ids = itertools.count()
         self.num_generated_tokens = 0
+        self.num_prefilled_tokens = 0  # prompt tokens computed (prefill chunks), for the load report
         # Recent TTFT and inter-token latency, for the server's /stats (and so the autoscaler).
         self.latency = LatencyWindows()
         self.last_step_stats: StepStats | None = None
@@ -280,7 +283,12 @@ class LLMEngine:
         # force synchronous steps while they run.
         self._inflight: _InFlight | None = None
         self._num_sync_requests = 0
+        # The end of the last step's accounting: a step's time starts no earlier (with async
+        # scheduling the next step is launched while the previous one is still being read).
         self._last_completion = 0.0
+        # Wall time spent in step() calls that had a batch to run or to read: the engine's busy
+        # time, which the requests' gpu_time_s add up to.
+        self.busy_time_s = 0.0
         # Grammar matchers of constrained requests; built on the first such request.
         self.grammar_matchers: GrammarMatchers | None = None
         self._grammar_lock = threading.Lock()
@@ -439,6 +447,15 @@ class LLMEngine:
         block_manager = self.scheduler.block_manager
         return [block_hash for block_hash in block_hashes if block_manager.holds(block_hash)]
 
+    def score_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 (float64, on the host): a text scored by this
+        engine's model and kernels (engine.prompt_scoring), for perplexity. The engine must be idle."""
+        if self._requests:
+            raise RuntimeError("score_tokens runs between requests: this engine has requests in flight")
+        if len(token_ids) > self.config.max_model_len:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_model_len {self.config.max_model_len}")
+        return token_logprobs(self.runner, token_ids)
+
     def unfinished_request_ids(self) -> list[str]:
         return list(self._requests)
 
@@ -447,6 +464,7 @@ class LLMEngine:
         counters, and TTFT / inter-token p95 over the last minute (None without a sample)."""
         scheduler = self.scheduler
         bm = scheduler.block_manager
+        counters = scheduler.waiting.counters
         return {
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
@@ -456,6 +474,17 @@ class LLMEngine:
             "host_cache_hits": bm.host_cache_hits,
             "num_preemptions": scheduler.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
+            # Weighted tokens (prompt 1, output 2, recomputation included) served per tenant and
+            # priority class, as [tenant, priority, tokens] (a list, for the JSON of /stats), and
+            # the weight each tenant last came with.
+            "tenant_service": [[*key, tokens] for key, tokens in counters.served.items()],
+            "tenant_weights": dict(counters.weight),
+            "num_prefilled_tokens": self.num_prefilled_tokens,
+            "waiting_tokens": sum(
+                max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                for seqs in (scheduler.waiting, scheduler.running)
+                for seq in seqs
+            ),
             **self.latency.figures(),
         }
 
@@ -470,6 +499,13 @@ class LLMEngine:
         """
         if self._deferred_warm_up:
             self.do_deferred_warm_up()
+        started = time.perf_counter()
+        outputs = self._step(started)
+        if self._inflight is not None or self._last_completion >= started:  # launched or read a step
+            self.busy_time_s += time.perf_counter() - started
+        return outputs
+
+    def _step(self, started: float) -> list[RequestOutput]:
         overlap = self.config.use_async_scheduling and self._num_sync_requests == 0
         outputs: list[RequestOutput] = []
         if not overlap and self._inflight is not None:
@@ -510,7 +546,7 @@ class LLMEngine:
                 # Cannot happen while the pool holds max_model_len tokens; fail rather than spin.
                 raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
             return outputs
-        self._inflight = _InFlight(handle, self.scheduler.advance(batch), time.perf_counter())
+        self._inflight = _InFlight(handle, self.scheduler.advance(batch), started)
         if not overlap:
             outputs += self._process(self._receive(self._inflight))
         return outputs
@@ -525,10 +561,6 @@ class LLMEngine:
         constrained ones to their grammars."""
         self._inflight = None
         result = self.runner.wait(inflight.handle)
-        finished_at = time.perf_counter()
-        # The device time of this step: from its launch, or from the end of the step before it.
-        duration = finished_at - max(inflight.launched_at, self._last_completion)
-        self._last_completion = finished_at
         rows = inflight.handle.row_of()
         tokens: list[tuple[Sequence, TokenLogprob | None, bool]] = []
         token_ids, logprobs = result.token_ids, result.logprobs
@@ -541,7 +573,7 @@ class LLMEngine:
                 seq, token_id
             )
             tokens.append((seq, logprobs[row], grammar_ended))
-        return _Received(inflight.handle.batch, duration, tokens)
+        return _Received(inflight.handle.batch, inflight.launched_at, tokens)
 
     def _process(self, received: _Received) -> list[RequestOutput]:
         """Stop checks and detokenization of a received step's tokens; the requests' outputs."""
@@ -569,7 +601,11 @@ class LLMEngine:
                 continue  # nobody reads this request's outputs before it finishes
             deltas.setdefault(group.request_id, {})[seq.index] = delta
         tokens_per_request: dict[str, int] = {}
-        duration = received.duration
+        # The step's wall time, from its scheduling (or the end of the step before it) to its
+        # tokens checked: shared out below before any finished request reports its figures.
+        finished_at = time.perf_counter()
+        duration = finished_at - max(received.launched_at, self._last_completion)
+        self._last_completion = finished_at
         per_token = duration / batch.num_batched_tokens
         for seq, _, num_new, _ in batch.seqs:
             group = seq.group
@@ -577,6 +613,7 @@ class LLMEngine:
             request_id = group.request_id
             tokens_per_request[request_id] = tokens_per_request.get(request_id, 0) + num_new
         self.num_generated_tokens += num_generated
+        self.num_prefilled_tokens += batch.num_batched_tokens - batch.num_decode_seqs
         outputs = []
         for request_id, request_deltas in deltas.items():
             request = requests[request_id]

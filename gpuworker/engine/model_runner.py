@@ -37,6 +37,7 @@ from gpuworker.engine.outputs import TokenLogprob
 from gpuworker.engine.sampling import Sampler, SamplingMetadata, to_device
 from gpuworker.engine.scheduler import ScheduledBatch
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from gpuworker.engine.sizing import MAX_ENCODER_PATCHES, image_cache_tokens
 from gpuworker.models.config import ModelConfig
 
 
@@ -155,7 +156,7 @@ class ModelRunner:
         self.host_kv = HostKVPool(self.kv_cache, config.num_host_kv_blocks) if config.num_host_kv_blocks else None
         self.sampler = Sampler(device, config.seed)
         # A vision model's encoder output by image content hash (engine.multimodal).
-        self.image_cache = ImageEmbeddingCache(max_tokens=max(config.max_num_batched_tokens, 16384))
+        self.image_cache = ImageEmbeddingCache(max_tokens=image_cache_tokens(config.max_num_batched_tokens))
         max_blocks = -(-config.max_model_len // config.block_size)
         self.block_tables = BlockTables(2 * config.max_num_seqs + 8, max_blocks)
         self.window_tables = (
@@ -543,7 +544,7 @@ class ModelRunner:
             if part.image.content_hash not in cache and part.image.content_hash not in missing:
                 missing[part.image.content_hash] = part.image
         fresh: dict[str, torch.Tensor] = {}
-        for group in _encoder_batches(list(missing.values())):
+        for group in encoder_batches(list(missing.values()), self.model_config.vision.patch_values):
             pixels = torch.cat([image.pixel_values for image in group]).to(self.device, non_blocking=True)
             encoded = self.model.encode_images(pixels, [image.grid_thw for image in group])
             for image, embeds in zip(group, encoded.split([image.num_tokens for image in group])):
@@ -593,17 +594,14 @@ class ModelRunner:
         return StepResult(token_ids, logprobs)
 
 
-# The most patch rows one vision-encoder call takes: a step's new images beyond it go in several.
-MAX_ENCODER_PATCHES = 1 << 16
-
-
-def _encoder_batches(images: list) -> list[list]:
+def encoder_batches(images: list, patch_values: int) -> list[list]:
     """The images to encode, in groups of at most MAX_ENCODER_PATCHES patch rows (an image larger
-    than that alone)."""
+    than that alone); an image's rows are its pixel values over `patch_values` (the vision
+    layout's), whether its processor gave them as patch rows (Qwen2.5-VL) or as one picture (Gemma 3)."""
     groups: list[list] = []
     rows = 0
     for image in images:
-        patches = image.pixel_values.shape[0]
+        patches = image.pixel_values.numel() // patch_values
         if not groups or rows + patches > MAX_ENCODER_PATCHES:
             groups.append([])
             rows = 0

@@ -40,8 +40,10 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
-    # Device time attributed to this request: each step's duration divided among the sequences it
-    # processed, in proportion to their tokens.
+    # GPU time attributed to this request: each step's wall time (from its scheduling to its tokens
+    # checked) divided among the sequences it processed, in proportion to their tokens. Summed over
+    # requests it is the engine's busy time (LLMEngine.busy_time_s); a sequence scheduled ahead
+    # (async scheduling) in a step after its request finished can leave that share unreported.
     gpu_time_s: float
     num_preemptions: int
     # When a step first ran the request (None if it never ran): queue time = this - arrival_time.

@@ -16,9 +16,14 @@ MAX_LOGPROBS = 20
 # OpenAI's bounds on logit_bias: a bias per token in [-100, 100], for at most this many tokens.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
+# A tenant's weight is relative; past this a weight is a typo, not a share.
+MAX_TENANT_WEIGHT = 1000.0
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 GREEDY_TEMPERATURE = 1e-5
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+# A request's priority class, in the order the fair scheduler admits them (engine.fair_share): the
+# batch API's work and keys marked batch are "batch", and give way to "interactive".
+PRIORITIES = ("interactive", "batch")
 
 
 @dataclass
@@ -57,6 +62,13 @@ class SamplingParams:
     # token id -> a bias added to its logit before sampling (OpenAI's logit_bias): +100 all but
     # forces a token, -100 all but bans it. Logprobs stay those of the raw logits, as vLLM's.
     logit_bias: dict[int, float] | None = None
+    # Who the request is served for, and how (engine.fair_share). They ride here, with the other
+    # per-request fields, so that they reach the engine's process with the request. None: the
+    # default tenant that every request without one shares.
+    tenant: str | None = None
+    # The tenant's share relative to others' (its plan's): weight 2 is served twice as much as 1.
+    tenant_weight: float = 1.0
+    priority: str = "interactive"
 
     def __post_init__(self) -> None:
         _int_at_least("n", self.n, 1)
@@ -98,6 +110,11 @@ class SamplingParams:
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant):
+            raise ValueError(f"tenant must be a non-empty string or None, got {self.tenant!r}")
+        _number_in("tenant_weight", self.tenant_weight, low=0.0, high=MAX_TENANT_WEIGHT, low_open=True)
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(
                 f"structured_output must be a StructuredOutput or None, got {type(self.structured_output).__name__}"

@@ -9,18 +9,26 @@ Short prompts are not starved by long ones: a prompt that fits in `short_prefill
 budget is short; while one waits, long prefills leave that share of the step to it, and it may pass
 long prompts waiting ahead of it. Its first token then comes within a step or two of its arrival,
 however many long prompts came first (with plain FIFO it waited for all of their prefills).
+
+Which waiting request comes next is the waiting queue's choice (engine.fair_share): arrival order,
+or fair shares between tenants, interactive before batch. Every chunk a step schedules is charged
+to its tenant when it is added to the step, so the next admission in the same step already sees it.
+When an interactive request finds no room, it preempts running batch sequences (_preempt_batch).
+A request whose cached prefix is coming back from the host tier (engine.host_tier) keeps its place
+in the queue while the requests behind it are admitted; it takes a batch sequence's seat only once
+its blocks have landed.
 No torch here.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gpuworker.engine.block_manager import BlockManager
 from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.fair_share import WaitingQueue
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence, SequenceGroup, SequenceStatus
 
 
@@ -83,7 +91,7 @@ class Scheduler:
             num_window_blocks=num_window_blocks,
             num_host_blocks=config.num_host_kv_blocks,
         )
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(config.scheduling)
         # In admission order.
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -150,12 +158,13 @@ class Scheduler:
                 if not (block_manager.can_allocate(seq, 1) or self._make_room(seq, 1, step)):
                     continue
                 block_manager.allocate(seq, 1)
-            step.add(seq, 1)
+            self._add_to_step(step, seq, 1)
 
     def _schedule_prefills(self, step: _StepBuilder, prefills: list[Sequence]) -> None:
         """The next chunk of each running prefill, short prompts first."""
-        # Short ones first: a short prompt admitted in pieces finishes before long ones go on.
-        prefills.sort(key=self._is_long)
+        # Interactive before batch, then short ones first: a short prompt admitted in pieces
+        # finishes before long ones go on.
+        prefills.sort(key=lambda seq: (self.waiting.rank(seq), self._is_long(seq)))
         # Tokens long prefills leave to the short prompts waiting, while these have seats to take.
         reserve = (
             self.short_prefill_tokens if self.num_short_waiting and len(self.running) < self.config.max_num_seqs else 0
@@ -170,7 +179,7 @@ class Scheduler:
             num_new = _within_images(seq, seq.num_computed_tokens, num_new)
             if num_new > 0 and self._make_room(seq, num_new, step):
                 self.block_manager.allocate(seq, num_new)
-                step.add(seq, num_new)
+                self._add_to_step(step, seq, num_new)
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
         """Admit queued sequences (their first chunk) while the step and the pool have room; short
@@ -180,11 +189,18 @@ class Scheduler:
         max_num_seqs = self.config.max_num_seqs
         # Long prompts passed this step by short ones behind them, in queue order.
         passed: list[Sequence] = []
-        # Sequences whose cached prefix is still coming back from the host tier.
-        restoring: list[Sequence] = []
-        # No new admissions in a step that had to preempt: the pool is already too tight.
-        while self.waiting and not step.is_full and not step.preempted:
-            seq = self.waiting[0]
+        # Sequences taken from the queue and not admitted in this step (the long prompts passed,
+        # and those whose cached prefix is still coming back from the host tier), in queue order.
+        set_aside: list[Sequence] = []
+        # The sequence whose admission the last preemption made room for.
+        making_room_for = None
+        while self.waiting:
+            seq = self.waiting.peek()
+            # No new admissions in a full step, nor in one that had to preempt (the pool is
+            # already too tight), unless it is an interactive request that may take a batch
+            # sequence's place.
+            if (step.is_full or step.preempted) and seq is not making_room_for and not self._outranks_running(seq):
+                break
             long = self._is_long(seq)
             reserve = self.short_prefill_tokens if self.num_short_waiting else 0
             if long and (passed or step.token_budget <= reserve):
@@ -193,18 +209,29 @@ class Scheduler:
                 if not self.num_short_waiting:
                     break
                 passed.append(self.waiting.popleft())
+                set_aside.append(passed[-1])
                 continue
             seats = 1 + (len(seq.group.pending_forks) if seq.index == 0 else 0)
             if len(self.running) + seats > max_num_seqs:
+                if self._outranks_running(seq) and self._awaits_restore(seq):
+                    # A batch sequence gives up its seat once seq's prefix is back, not before.
+                    set_aside.append(self.waiting.popleft())
+                    continue
+                if self._preempt_batch(seq, step):
+                    making_room_for = seq
+                    continue
                 break
             if self._awaits_restore(seq):
-                restoring.append(self.waiting.popleft())
+                set_aside.append(self.waiting.popleft())
                 continue
             matched = block_manager.match_prefix(seq)
             num_computed = len(matched) * block_size
             num_new = min(seq.num_tokens - num_computed, step.token_budget - (reserve if long else 0))
             num_new = _within_images(seq, num_computed, num_new)
             if num_new <= 0 or not block_manager.can_admit(matched, num_new):
+                if num_new > 0 and self._preempt_batch(seq, step):
+                    making_room_for = seq
+                    continue
                 break
             self.waiting.popleft()
             self.num_short_waiting -= not long
@@ -213,8 +240,8 @@ class Scheduler:
             if seq.group.first_scheduled_time is None:  # a preempted sequence keeps its first time
                 seq.group.first_scheduled_time = time.time()
             self.running.append(seq)
-            step.add(seq, num_new)
-        self.waiting.extendleft(reversed(passed + restoring))
+            self._add_to_step(step, seq, num_new)
+        self.waiting.extendleft(reversed(set_aside))
 
     def _awaits_restore(self, seq: Sequence) -> bool:
         """Whether seq waits for its prefix's blocks to come back from the host tier (their copies
@@ -225,16 +252,47 @@ class Scheduler:
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > self.short_prefill_tokens
 
+    def _add_to_step(self, step: _StepBuilder, seq: Sequence, num_new: int) -> None:
+        entry = step.add(seq, num_new)
+        self.waiting.counters.charge(seq, num_new, entry.samples)
+
     def _make_room(self, seq: Sequence, num_new: int, step: _StepBuilder) -> bool:
-        """Preempt the newest running sequences until seq's new tokens fit; False if seq itself went."""
+        """Preempt running sequences, batch ones first and the newest first, until seq's new
+        tokens fit; False if seq itself went."""
         while not self.block_manager.can_allocate(seq, num_new):
-            victim = max(self.running, key=lambda s: s.age_key)
-            step.remove(victim)
-            self._preempt(victim)
-            step.preempted.append(victim)
+            victim = max(self.running, key=lambda s: (self.waiting.rank(s), s.age_key))
+            self._preempt_in_step(victim, step)
             if victim is seq:
                 return False
         return True
+
+    def _outranks_running(self, seq: Sequence) -> bool:
+        """Whether seq is of a class served before some running sequence's (it may preempt it)."""
+        rank = self.waiting.rank(seq)
+        return any(self.waiting.rank(other) > rank for other in self.running)
+
+    def _preempt_batch(self, seq: Sequence, step: _StepBuilder) -> bool:
+        """Preempt the newest running sequence of a class below waiting seq's, so that seq may be
+        admitted; False when none runs.
+
+        Preemption recomputes rather than swapping the victim's KV out to host memory: it needs no
+        host memory or copy bandwidth, the victim's full blocks stay in the prefix cache (freed
+        blocks are evicted last-used-first, so a victim resumed soon finds most of its prompt
+        there), and a batch request's latency is not what the class promises anyway. Recomputed
+        greedy tokens are the same tokens, since the KV comes from the same context."""
+        rank = self.waiting.rank(seq)
+        below = [other for other in self.running if self.waiting.rank(other) > rank]
+        if not below:
+            return False
+        self._preempt_in_step(max(below, key=lambda s: (self.waiting.rank(s), s.age_key)), step)
+        return True
+
+    def _preempt_in_step(self, victim: Sequence, step: _StepBuilder) -> None:
+        removed = step.remove(victim)
+        if removed is not None:
+            self.waiting.counters.charge(victim, removed.num_new_tokens, removed.samples, sign=-1)
+        self._preempt(victim)
+        step.preempted.append(victim)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -325,17 +383,21 @@ class _StepBuilder:
     def is_full(self) -> bool:
         return self.token_budget == 0 or len(self.entries) == self.max_seqs
 
-    def add(self, seq: Sequence, num_new: int) -> None:
+    def add(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        self.entries.append(ScheduledSeq(seq, start, num_new, start + num_new == len(seq.token_ids)))
+        entry = ScheduledSeq(seq, start, num_new, start + num_new == len(seq.token_ids))
+        self.entries.append(entry)
         self.token_budget -= num_new
+        return entry
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: Sequence) -> ScheduledSeq | None:
+        """Take seq's entry out of the step; returns it (None if seq had none)."""
         for entry in self.entries:
             if entry.seq is seq:
                 self.entries.remove(entry)
                 self.token_budget += entry.num_new_tokens
-                return
+                return entry
+        return None
 
     def build(self) -> ScheduledBatch:
         decodes = [e for e in self.entries if e.num_new_tokens == 1]

@@ -17,6 +17,11 @@ with made-up memory sizes; the engine measures the free memory once the weights 
 
 On CPU the limits stay small and fixed: a CPU step is slow, and there is no device memory to size from.
 
+A vision model's images take device memory beside the KV pool (its encoder's weights are loaded
+with the model, so the measured free memory has them already): one vision-encoder call's peak
+activations at its most patch rows, and the cache of encoder outputs; both come off the budget
+before the pool is sized (`vision_activation_bytes`).
+
 A model with sliding-window and full layers (Gemma 3) gets a second pool for the sliding ones
 (engine.window_blocks), where a sequence holds only its window: window_pool_blocks of them, the most
 the running sequences can hold at once, are set aside first; the main pool's blocks then count the
@@ -40,6 +45,11 @@ MAX_NUM_SEQS = 1024
 TOKENS_PER_SEQ = 768
 MIN_NUM_BATCHED_TOKENS = 2048
 MAX_NUM_BATCHED_TOKENS = 16384
+# The most patch rows one vision-encoder call takes (a step's new images beyond it go in several
+# calls); Qwen2.5-VL's largest image at its processor's default max_pixels is exactly this many.
+MAX_ENCODER_PATCHES = 1 << 16
+# The encoder outputs kept on the device, in image tokens: at least this many, and a step's tokens.
+MIN_IMAGE_CACHE_TOKENS = 16384
 # Llama-3-8B's decoder-layer weights (32 layers of q, k, v, o and the gated MLP) times 8,192 tokens.
 REFERENCE_STEP_WEIGHT_TOKENS = 6_979_321_856 * 8192
 
@@ -76,6 +86,27 @@ def min_window_pool_blocks(window: int, block_size: int, max_num_batched_tokens:
 def token_activation_bytes(mc: ModelConfig, element_size: int) -> int:
     """Rough peak activations per batched token: the widest per-token tensors of a layer."""
     return (4 * mc.hidden_size + 3 * mc.intermediate_size + mc.q_size + 2 * mc.kv_size) * element_size
+
+
+def image_cache_tokens(max_num_batched_tokens: int) -> int:
+    """The image tokens whose encoder output the model runner keeps (engine.multimodal's cache)."""
+    return max(max_num_batched_tokens, MIN_IMAGE_CACHE_TOKENS)
+
+
+def vision_activation_bytes(mc: ModelConfig, element_size: int, max_num_batched_tokens: int) -> int:
+    """Device memory a vision model's images take beside the KV pool (0 for a text-only model):
+    one encoder call over MAX_ENCODER_PATCHES patch rows, each row at the widest tensors of a block
+    (residual, norm with its float32 copy, q/k/v, attention output: ~8 widths; the MLP's gate, up
+    and product: 3 intermediate) with its float32 pixels and their cast, attention fused (no score
+    matrix); and the encoder-output cache at image_cache_tokens rows of the text width."""
+    vision = mc.vision
+    if vision is None:
+        return 0
+    row = (8 * vision.hidden_size + 3 * vision.intermediate_size) * element_size + vision.patch_values * (
+        4 + element_size
+    )
+    cache = image_cache_tokens(max_num_batched_tokens) * mc.hidden_size * element_size
+    return MAX_ENCODER_PATCHES * row + cache
 
 
 def seq_activation_bytes(mc: ModelConfig) -> int:
@@ -143,9 +174,11 @@ def plan_sizes(
         max_num_batched_tokens = config.max_num_batched_tokens or max(
             default_max_num_batched_tokens(mc), max_num_seqs or 0
         )
-        budget = int(
-            free_device_bytes * config.gpu_memory_utilization
-        ) - max_num_batched_tokens * token_activation_bytes(mc, element_size)
+        budget = (
+            int(free_device_bytes * config.gpu_memory_utilization)
+            - max_num_batched_tokens * token_activation_bytes(mc, element_size)
+            - vision_activation_bytes(mc, element_size, max_num_batched_tokens)
+        )
         source = f"gpu_memory_utilization ({config.gpu_memory_utilization}) of {free_device_bytes} free bytes"
         per_seq_bytes = seq_activation_bytes(mc)
         if max_num_seqs is None:

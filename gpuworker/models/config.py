@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuworker.architectures import MODEL_TYPES as _MODEL_TYPES
 from gpuworker.checkpoint_quantization import QuantConfig, parse_quantization
 from gpuworker.kernels.moe.grouped_routing import TOPK_METHODS, GroupedRouting
 from gpuworker.models.deepseek.config import MLAConfig, parse_mla
@@ -51,21 +52,6 @@ _FAMILIES: dict[str, dict[str, Any]] = {
         "gemma3": True,
         "vision": "siglip",
     },
-}
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-    "gemma3": "Gemma3ForConditionalGeneration",
 }
 # Checkpoint names of a MoE block: its module under model.layers.N, and each expert's gate, up and
 # down projections under <module>.experts.E.

@@ -42,6 +42,7 @@ from gpuworker.models.gguf_checkpoint import GGUFTensor, GGUFWeights, load_gguf_
 from gpuworker.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from gpuworker.models.llama import LlamaForCausalLM
 from gpuworker.models.moe import SparseMoE
+from gpuworker.models.parallel_context import Shard
 from gpuworker.models.quantization.block_fp8_experts import BlockFp8Experts
 from gpuworker.models.quantization.install import (
     install_quantized_linears,
@@ -145,8 +146,6 @@ def load_model(
     if load_format == "dummy":
         _fill_dummy(model, seed)
     elif mc.model_path is not None and gguf_file(mc.model_path) is not None:
-        if mc.quantization is not None:
-            raise ValueError(f"{mc.model_path}: a GGUF checkpoint cannot be quantized at load")
         _load_gguf(model, mc)
     else:
         _load_safetensors(model, mc)
@@ -211,17 +210,6 @@ def resolve_dtype(dtype: torch.dtype | str, mc: ModelConfig) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class Shard:
-    """The part of a checkpoint tensor one tensor-parallel rank holds: indices [begin, begin + length)
-    of dimension `dim` (0: rows, 1: columns), of `size` in the checkpoint."""
-
-    dim: int
-    begin: int
-    length: int
-    size: int
-
-
-@dataclass(frozen=True)
 class _Target:
     """Where one checkpoint tensor (or its `shard`) goes: rows [start, start + rows) of a model parameter."""
 
@@ -246,8 +234,15 @@ class _Target:
 def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
     """HF tensor name -> slice of our (fused) parameters; None for a tensor that only other
     tensor-parallel ranks hold (another rank's experts)."""
+    return _checkpoint_plan(model)[0]
+
+
+def _checkpoint_plan(model: LlamaForCausalLM) -> tuple[dict[str, _Target | None], dict[str, Shard]]:
+    """(checkpoint_targets, checkpoint module name -> this rank's shard of its weight for the
+    modules with no dense weight: the quantized projections, which read their own tensors)."""
     mc = model.config
     targets: dict[str, _Target | None] = {}
+    splits: dict[str, Shard] = {}
     parallel = model.parallel
 
     def add(
@@ -256,6 +251,8 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
         if param is not None:
             rows = param.shape[0] if rows is None else rows
             targets[name] = _Target(param, start, rows, shard)
+        elif shard is not None and name.endswith(".weight"):
+            splits[name.removesuffix(".weight")] = shard
 
     def split(dim: int, size: int, length: int, begin: int | None = None) -> Shard | None:
         """This rank's `length` indices of `size` along dim (by default the rank's equal share)."""
@@ -271,7 +268,7 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
         add("lm_head.weight", model.lm_head, 0, tokens, vocab)
     if isinstance(model, DeepseekForCausalLM):
         _add_deepseek_layers(add, split, targets, model)
-        return targets
+        return targets, splits
     if isinstance(model, Qwen2_5_VLForConditionalGeneration):  # the vision tower keeps HF's names
         for name, param in model.visual.named_parameters():
             add(f"visual.{name}", param)
@@ -302,10 +299,11 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, _Target | None]:
                 add(f"{prefix}{norm}.weight", getattr(layer, norm).weight)
     if isinstance(model, Gemma3ForConditionalGeneration):  # text under language_model., the rest as HF names it
         targets = {model.checkpoint_prefix + name: target for name, target in targets.items()}
+        splits = {model.checkpoint_prefix + name: shard for name, shard in splits.items()}
         for module in ("vision_tower", "multi_modal_projector"):
             for name, param in getattr(model, module).named_parameters():
                 add(f"{module}.{name}", param)
-    return targets
+    return targets, splits
 
 
 def _add_deepseek_layers(
@@ -336,8 +334,8 @@ def _add_deepseek_layers(
             linear = getattr(attn, module)
             if linear is None:
                 continue
-            if not isinstance(linear, QuantizedLinear):
-                add(f"{prefix}self_attn.{module}.weight", linear.weight, shard=per_head.get(module))
+            weight = None if isinstance(linear, QuantizedLinear) else linear.weight
+            add(f"{prefix}self_attn.{module}.weight", weight, shard=per_head.get(module))
             # Biases only on the whole (q_a, kv_a) and row-parallel (o) projections: never split.
             add(f"{prefix}self_attn.{module}.bias", linear.bias)
         for norm in ("q_a_layernorm", "kv_a_layernorm"):
@@ -388,6 +386,8 @@ def _add_moe(
         )
         if not 0 <= local < moe.num_local_experts:
             targets.update(dict.fromkeys(names))
+            if moe.block_fp8_experts is not None:
+                targets.update(dict.fromkeys(f"{name}_scale_inv" for name in names))
             continue
         experts = moe if moe.block_fp8_experts is None else moe.block_fp8_experts
         add(names[0], experts.w13, 2 * inter * local, inter)
@@ -416,7 +416,7 @@ def _add_block_fp8_expert_scales(
 def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     if mc.model_path is None:
         raise ValueError("ModelConfig.model_path is not set; build it with load_model_config(path)")
-    targets = checkpoint_targets(model)
+    targets, splits = _checkpoint_plan(model)
     shards = quantized_shards(model)
     quantized: list[tuple[Path, str]] = []
     kv_scales: list[tuple[Path, str]] = []
@@ -462,7 +462,7 @@ def _load_safetensors(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     readers = None if resident_fraction(files) >= WARM_FRACTION else 1
     copy_tensors(plan, progress=_progress_callback.get(), num_readers=readers)
     if shards:
-        load_quantized_tensors(shards, quantized)
+        load_quantized_tensors(shards, quantized, {name: s for name, s in splits.items() if name in shards})
     load_kv_scales(model.layers, kv_scales)
 
 
@@ -486,6 +486,9 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
     with TRANSFORMERS_IMPORT_LOCK:
         weights = GGUFWeights(file)
     targets = checkpoint_targets(model)
+    # quantization "fp8" at load: the projections' dequantised weights go to their FP8 linears.
+    shards = quantized_shards(model)
+    quantized: list[GGUFTensor] = []
     # Names and shapes first, as for safetensors: checked before any block is dequantised.
     plan: list[tuple[GGUFTensor, torch.Tensor, Shard | None]] = []
     unexpected: list[str] = []
@@ -494,6 +497,12 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         if tensor.name in targets:
             found.add(tensor.name)
         target = targets.get(tensor.name) if tensor.name is not None else None
+        module_name, _, field = (tensor.name or "").rpartition(".")
+        if target is None and module_name in shards:
+            module, shard = shards[module_name]
+            module.check_field(shard, field)
+            quantized.append(tensor)
+            continue
         if target is None:
             if tensor.name is not None and tensor.name not in targets and not _skippable(tensor.name, mc):
                 unexpected.append(tensor.name)
@@ -503,6 +512,12 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         shard = target.shard
         plan.append((tensor, target.dest, shard))
     _check_coverage(mc, targets, found, unexpected, file.name)
+    missing = missing_quantized_tensors(shards, {tensor.name for tensor in quantized})
+    if missing:
+        raise ValueError(
+            f"{mc.model_path}: {len(missing)} tensor(s) missing from {file.name}: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )
     # One tensor dequantised at a time, straight into its parameter: the float32 copy is dropped
     # before the next, so a load holds the model and one tensor (not a second whole model).
     callback = _progress_callback.get()
@@ -511,6 +526,22 @@ def _load_gguf(model: LlamaForCausalLM, mc: ModelConfig) -> None:
         destination.copy_(weight if shard is None else weight.narrow(shard.dim, shard.begin, shard.length))
         if callback is not None:
             callback(done / len(plan))
+    _quantize_gguf_projections(weights, shards, quantized)
+
+
+def _quantize_gguf_projections(
+    weights: GGUFWeights, shards: dict[str, tuple[QuantizedLinear, int]], tensors: list[GGUFTensor]
+) -> None:
+    """Hand each projection's dequantised weight to its quantized linear, which quantizes it as soon
+    as all its shards (q, k and v; gate and up) are in: at most one fused projection in float32."""
+    waiting = {id(module): len(module.checkpoint_names) for module, _ in shards.values()}
+    for tensor in tensors:
+        module_name, _, field = tensor.name.rpartition(".")
+        module, shard = shards[module_name]
+        module.load_shard(shard, field, weights.read(tensor))
+        waiting[id(module)] -= 1
+        if not waiting[id(module)]:
+            module.finish()
 
 
 def _skippable(name: str, mc: ModelConfig) -> bool:

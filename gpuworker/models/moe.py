@@ -156,9 +156,7 @@ class SparseMoE(nn.Module):
     def _routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's experts' part of the output for x [T, H]: routed over all experts; on the GPU
         the kernels (kernel_experts), on the CPU the reference."""
-        if self.block_fp8_experts is not None:
-            return self.block_fp8_experts(x, *self.route(x), self.first_expert)
-        if x.is_cuda:
+        if x.is_cuda and self.block_fp8_experts is None:
             return self.kernel_experts(x)
         return self._experts(x, *self.route(x))
 
@@ -183,7 +181,10 @@ class SparseMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The weighted sum over the choices (weights, global ids [T, top_k]) of this rank's experts
-        for x [T, H]: the grouped kernels on the GPU, the reference on the CPU."""
+        for x [T, H]: the grouped kernels on the GPU, the reference on the CPU (block FP8 experts:
+        their own kernels and reference)."""
+        if self.block_fp8_experts is not None:
+            return self.block_fp8_experts(x, weights, ids, self.first_expert)
         w13, w2 = self._expert_weights()
         if x.is_cuda:
             from gpuworker.kernels.moe.fused import fused_moe

@@ -12,50 +12,25 @@ rank's slice of the tokens to the experts' ranks and combines the results back
 (models.expert_parallel), as ParallelContext.dispatch_experts says; the embedding is a masked
 lookup in the rank's vocabulary rows, then an all-reduce; the logits are the rank's vocabulary
 columns, all-gathered. Without a context (N = 1) the model is built exactly as before.
+
+A block-wise FP8 checkpoint splits the same way, each rank taking its rows or columns of a weight
+and the matching rows or columns of its block scales, so every shard boundary must fall on a block
+boundary; an FP8 checkpoint with a scale per output channel or per tensor splits anywhere
+(check_quantized_split). Quantized row-parallel projections join with the same all-reduce
+(join_row_parallel). INT4 checkpoints are not split.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
+import math
+from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import GatedMLP, Linear
-
-
-@dataclass(frozen=True)
-class ParallelContext:
-    """This process's rank among world_size tensor-parallel ranks, their process group (None:
-    torch.distributed's default group), and how a MoE layer joins its ranks' experts: True, each
-    rank's slice of the tokens dispatched to the experts' ranks and combined back
-    (models.expert_parallel); False, every rank on every token and one all-reduce (models.moe).
-    EngineConfig.expert_parallel chooses."""
-
-    rank: int
-    world_size: int
-    group: Any = None
-    dispatch_experts: bool = False
-
-    def split(self, size: int, what: str) -> tuple[int, int]:
-        """(first, count) of this rank's equal share of `size` items; ValueError if they do not divide."""
-        if size % self.world_size:
-            raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({self.world_size})")
-        count = size // self.world_size
-        return self.rank * count, count
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place; returns it."""
-        dist.all_reduce(tensor, group=self.group)
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        return parts
+from gpuworker.models.parallel_context import ParallelContext, join_row_parallel
 
 
 def active(parallel: ParallelContext | None) -> ParallelContext | None:
@@ -92,11 +67,6 @@ def shard_config(mc: ModelConfig, parallel: ParallelContext | None) -> ModelConf
     parallel = active(parallel)
     if parallel is None:
         return mc
-    if mc.quantization is not None:
-        raise ValueError(
-            f"quantization: a {mc.quantization.label} model cannot be split over "
-            f"tensor_parallel_size ({parallel.world_size}) ranks yet"
-        )
     _, heads = parallel.split(mc.num_heads, "num_attention_heads")
     _, kv_heads = kv_head_range(mc, parallel)
     moe = mc.moe
@@ -108,7 +78,60 @@ def shard_config(mc: ModelConfig, parallel: ParallelContext | None) -> ModelConf
         parallel.split(moe.num_experts, "num_experts")
         if moe.shared_expert_intermediate_size:
             parallel.split(moe.shared_expert_intermediate_size, "shared_expert_intermediate_size")
-    return replace(mc, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=intermediate)
+    local = replace(mc, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=intermediate)
+    if mc.quantization is not None:
+        check_quantized_split(mc, local, parallel)
+    return local
+
+
+def check_quantized_split(mc: ModelConfig, local: ModelConfig, parallel: ParallelContext) -> None:
+    """ValueError unless mc's quantization splits over the ranks. FP8 with a scale per output channel
+    or per tensor splits anywhere (a rank's rows take their channels' scales, its columns all of
+    them); block-wise FP8 where each rank's rows (column-parallel projections) and input columns
+    (row-parallel ones) are whole blocks of weight_block_size, so its scales are the blocks it holds;
+    INT4 (AWQ, GPTQ) not at all."""
+    quant, world = mc.quantization, parallel.world_size
+    if quant.method != "fp8":
+        raise ValueError(
+            f"quantization: a {quant.label} model ({quant.checkpoint_format}) cannot be split over "
+            f"tensor_parallel_size ({world}) ranks: its INT4 weights are packed and scaled per group of "
+            f"input columns, which are not sharded; only FP8 checkpoints split. Serve it with tensor_parallel_size 1"
+        )
+    if quant.weight_strategy != "block":
+        return
+    rows, columns = quant.weight_block_size
+    moe = mc.moe
+    # (field, the checkpoint's size, this rank's share, the block dimension it must be whole blocks of)
+    splits: list[tuple[str, int, int, int]] = []
+    if mc.mla is None:
+        splits += [
+            ("num_attention_heads * head_dim", mc.q_size, local.q_size, math.lcm(rows, columns)),
+            ("num_key_value_heads * head_dim", mc.kv_size, local.kv_size, rows),
+        ]
+    else:
+        mla, heads = mc.mla, local.num_heads
+        splits += [
+            ("num_attention_heads * qk_head_dim", mc.num_heads * mla.qk_head_dim, heads * mla.qk_head_dim, rows),
+            (
+                "num_attention_heads * (qk_nope_head_dim + v_head_dim)",
+                mc.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                rows,
+            ),
+            ("num_attention_heads * v_head_dim", mc.num_heads * mla.v_head_dim, heads * mla.v_head_dim, columns),
+        ]
+    if local.intermediate_size != mc.intermediate_size:
+        splits.append(("intermediate_size", mc.intermediate_size, local.intermediate_size, math.lcm(rows, columns)))
+    if moe is not None and moe.shared_expert_intermediate_size:
+        shared = moe.shared_expert_intermediate_size
+        splits.append(("shared_expert_intermediate_size", shared, shared // world, math.lcm(rows, columns)))
+    for field, size, share, block in splits:
+        if share % block:
+            raise ValueError(
+                f"quantization: {field} ({size}) split over tensor_parallel_size ({world}) gives {share} per rank, "
+                f"not a multiple of the weight_block_size {list(quant.weight_block_size)} blocks ({block}): each "
+                f"rank must hold whole blocks of the block scales"
+            )
 
 
 class RowParallelLinear(Linear):
@@ -120,8 +143,7 @@ class RowParallelLinear(Linear):
         self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.parallel.all_reduce(F.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+        return join_row_parallel(F.linear(x, self.weight), self.bias, self.parallel)
 
 
 class ParallelGatedMLP(GatedMLP):

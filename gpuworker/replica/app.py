@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -22,8 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gpuworker.contract.openai_api import ProtocolError, new_id, now
+from gpuworker.contract.openai_api import PROMPT_TOKENS_HEADER, ProtocolError, new_id, now
 from gpuworker.contract.prefix_keys import PREFIX_KEY_HEADER
+from gpuworker.contract.tenancy import tenancy_fields
 from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.engine.outputs import join_deltas
 from gpuworker.replica.embeddings import embeddings as serve_embeddings
@@ -157,7 +159,10 @@ async def request_status(request: Request) -> Response:
     """Whether the caller's request (its x-request-id) generated a first token here: a gateway
     whose client left before a whole answer bills by it."""
     caller_request_id = request.path_params["request_id"]
-    return JSONResponse({"request_id": caller_request_id, "started": _holder(request).has_started(caller_request_id)})
+    prompt_tokens = _holder(request).started_prompt_tokens(caller_request_id)
+    return JSONResponse(
+        {"request_id": caller_request_id, "started": prompt_tokens is not None, "prompt_tokens": prompt_tokens or 0}
+    )
 
 
 async def models(request: Request) -> Response:
@@ -215,6 +220,11 @@ async def _generate(request: Request, chat: bool) -> Response:
         )
     except ProtocolError as exc:
         return JSONResponse(exc.to_dict(), status_code=exc.status)
+    try:
+        # Whose request it is, for the engine's fair scheduler (the gateway's headers).
+        params = replace(plan.params, **tenancy_fields(request.headers))
+    except ValueError as exc:
+        return error_response(str(exc))
     prompt = plan.prompt
     if images:
         try:
@@ -223,7 +233,7 @@ async def _generate(request: Request, chat: bool) -> Response:
             return engine_error(exc, "messages")
     request_id = new_id("chatcmpl" if chat else "cmpl")
     # A vision engine takes the preprocessed images with the prompt; a text-only one gets none.
-    stream = engine.generate(prompt, plan.params, request_id, **({"images": images} if images else {}))
+    stream = engine.generate(prompt, params, request_id, **({"images": images} if images else {}))
     try:
         first = await anext(stream)
     except ValueError as exc:
@@ -236,10 +246,14 @@ async def _generate(request: Request, chat: bool) -> Response:
         await engine.abort(request_id)
     holder.note_prefix(request.headers.get(PREFIX_KEY_HEADER), first.prompt_token_ids)
     if not parsed.stream:  # a stream's caller sees the first token itself
-        holder.note_started(request.headers.get("x-request-id"))
+        holder.note_started(request.headers.get("x-request-id"), len(first.prompt_token_ids))
     responder = Responder(holder, parsed, request_id, chat, engine.prompts.tokenizer, plan.tool_parsing)
     if parsed.stream:
-        return StreamingResponse(responder.sse(first, stream, request), media_type="text/event-stream")
+        return StreamingResponse(
+            responder.sse(first, stream, request),
+            media_type="text/event-stream",
+            headers={PROMPT_TOKENS_HEADER: str(len(first.prompt_token_ids))},
+        )
     try:
         final = await _collect_unless_disconnected(request, first, stream)
     except EngineDeadError:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gpuworker.contract.heartbeat import MAX_TENANT_SHARES
 from gpuworker.engine import start_engine
 from gpuworker.engine.embedding_engine import EmbeddingEngine, is_sentence_encoder
 from gpuworker.engine.engine_process_client import EngineProcess
@@ -47,6 +48,8 @@ NO_ENGINE_FIGURES = {
     "host_cache_hit_rate": 0.0,
     "prefix_keys": [],
     "num_generated_tokens": 0,
+    "waiting_tokens": 0,
+    "prefill_tokens_per_s": 0.0,
     "ttft_p95_s": None,
     "itl_p95_s": None,
 }
@@ -69,6 +72,8 @@ class ServerConfig:
     kv_cache_dtype: str = "auto"
     # The host KV tier's bytes (engine.host_tier); 0: none.
     host_kv_cache_bytes: int = 0
+    # The order requests are admitted in (EngineConfig.scheduling): "fair" or "fcfs".
+    scheduling: str = "fair"
     gpu_memory_utilization: float = 0.9
     # Ranks (GPUs of this host from `device`'s index on) the model is split over; the replica starts
     # the other ranks' processes itself and answers as one.
@@ -87,6 +92,24 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
+
+
+def _per_tenant(service: list) -> dict[str, float]:
+    """The engine's [tenant, priority, tokens] rows summed per tenant."""
+    per_tenant: dict[str, float] = {}
+    for tenant, _priority, tokens in service:
+        per_tenant[tenant] = per_tenant.get(tenant, 0.0) + tokens
+    return per_tenant
+
+
+def tenant_shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each tenant's share of the weighted tokens served between two readings, the busiest
+    MAX_TENANT_SHARES tenants (an engine that restarted in between counts from zero)."""
+    served = {tenant: tokens - before.get(tenant, 0.0) for tenant, tokens in after.items()}
+    served = {tenant: tokens for tenant, tokens in served.items() if tokens > 0}
+    total = sum(served.values())
+    busiest = sorted(served, key=served.get, reverse=True)[:MAX_TENANT_SHARES]
+    return {tenant: round(served[tenant] / total, 4) for tenant in busiest}
 
 
 def vision_preprocessor(model_config: Any) -> Any:
@@ -128,13 +151,16 @@ class EngineHolder:
         self._drain_task: asyncio.Task | None = None
         # Cumulative engine counters already added to the Prometheus counters.
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "host_cache_hits": 0, "num_preemptions": 0}
-        self._tokens_window: list[tuple[float, int]] = []
         # The conversations served here, to report those whose KV is still held.
         self.held_prefixes = HeldPrefixes()
+        self._seen_tenant_service: dict[tuple[str, str], float] = {}
+        self._tokens_window: list[tuple[float, int, int]] = []  # (when, generated, prefilled)
+        # (time, weighted tokens served per tenant) over the last ~10 s of snapshots.
+        self._service_window: list[tuple[float, dict[str, float]]] = []
         # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
         # token: a gateway whose client left before the answer asks (GET /requests/{id}) to bill
         # by it. It asks at once, so a bounded window of the latest ones is enough.
-        self._started: OrderedDict[str, None] = OrderedDict()
+        self._started: OrderedDict[str, int] = OrderedDict()  # caller's request id: its prompt tokens
 
     def check_engine(self) -> None:
         """A ready replica whose engine process or tensor-parallel rank died can run no step: it
@@ -171,6 +197,7 @@ class EngineHolder:
             "gpu_memory_utilization": self.config.gpu_memory_utilization,
             "kv_cache_dtype": self.config.kv_cache_dtype,
             "host_kv_cache_bytes": self.config.host_kv_cache_bytes,
+            "scheduling": self.config.scheduling,
         }
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype
@@ -290,14 +317,18 @@ class EngineHolder:
 
     # -- callers' requests ----------------------------------------------------------------------
 
-    def note_started(self, caller_request_id: str | None) -> None:
+    def note_started(self, caller_request_id: str | None, prompt_tokens: int = 0) -> None:
         if caller_request_id:
-            self._started[caller_request_id] = None
+            self._started[caller_request_id] = prompt_tokens
             if len(self._started) > STARTED_REQUESTS_KEPT:
                 self._started.popitem(last=False)
 
     def has_started(self, caller_request_id: str) -> bool:
         return caller_request_id in self._started
+
+    def started_prompt_tokens(self, caller_request_id: str) -> int | None:
+        """The prompt tokens of a started request; None if it never started here."""
+        return self._started.get(caller_request_id)
 
     # -- figures --------------------------------------------------------------------------------
 
@@ -330,12 +361,24 @@ class EngineHolder:
             if delta > 0:
                 counter.inc(delta)
             self._seen[key] = figures[key]
+        for tenant, priority, served in figures["tenant_service"]:
+            # A restarted engine counts from zero again: only growth is added.
+            delta = served - self._seen_tenant_service.get((tenant, priority), 0.0)
+            if delta > 0:
+                m.count_tenant_service(tenant, priority, delta)
+            self._seen_tenant_service[tenant, priority] = served
+        for tenant, weight in figures["tenant_weights"].items():
+            m.set_tenant_weight(tenant, weight)
         # tokens/s over the last ~10 s of snapshots
         t = time.monotonic()
-        self._tokens_window = [(ts, n) for ts, n in self._tokens_window if t - ts < 10.0]
-        self._tokens_window.append((t, figures["num_generated_tokens"]))
-        first_t, first_n = self._tokens_window[0]
-        tokens_per_s = (figures["num_generated_tokens"] - first_n) / (t - first_t) if t > first_t else 0.0
+        self._tokens_window = [entry for entry in self._tokens_window if t - entry[0] < 10.0]
+        self._tokens_window.append((t, figures["num_generated_tokens"], figures["num_prefilled_tokens"]))
+        first_t, first_n, first_prefilled = self._tokens_window[0]
+        span = t - first_t
+        tokens_per_s = (figures["num_generated_tokens"] - first_n) / span if span > 0 else 0.0
+        prefill_per_s = (figures["num_prefilled_tokens"] - first_prefilled) / span if span > 0 else 0.0
+        self._service_window = [(ts, s) for ts, s in self._service_window if t - ts < 10.0]
+        self._service_window.append((t, _per_tenant(figures["tenant_service"])))
         queries = figures["prefix_cache_queries"]
         return {
             **base,
@@ -347,8 +390,11 @@ class EngineHolder:
             "host_cache_hit_rate": figures["host_cache_hits"] / queries if queries else 0.0,
             "prefix_keys": await self._held_prefix_keys(),
             "num_generated_tokens": figures["num_generated_tokens"],
+            "waiting_tokens": figures["waiting_tokens"],
+            "prefill_tokens_per_s": prefill_per_s,
             "ttft_p95_s": figures["ttft_p95_s"],
             "itl_p95_s": figures["itl_p95_s"],
+            "tenant_shares": tenant_shares(self._service_window[0][1], self._service_window[-1][1]),
         }
 
     def note_prefix(self, digest: str | None, prompt_token_ids: list[int]) -> None:

@@ -94,5 +94,28 @@ class EngineMetrics:
             "vllm:request_queue_time_seconds", "Time a request waited before its first scheduling.", LATENCY_BUCKETS
         )
 
+        # Per tenant (the gateway's tenant id; "" for requests that name none) and priority class:
+        # the weighted tokens the fair scheduler counted (engine.fair_share), so that a tenant's
+        # share of this replica is its rate over the sum's.
+        self.tenant_service = Counter(
+            "gpuserve_tenant_service_tokens",
+            "Weighted tokens served per tenant and priority class (prompt 1, output 2, recomputation included).",
+            ["model_name", "tenant", "priority"],
+            registry=r,
+        )
+        self.tenant_weight = Gauge(
+            "gpuserve_tenant_weight",
+            "The fair-share weight a tenant's requests came with.",
+            ["model_name", "tenant"],
+            registry=r,
+        )
+        self.model_name = model_name
+
+    def count_tenant_service(self, tenant: str, priority: str, tokens: float) -> None:
+        self.tenant_service.labels(self.model_name, tenant, priority).inc(tokens)
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        self.tenant_weight.labels(self.model_name, tenant).set(weight)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

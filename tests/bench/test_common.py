@@ -13,11 +13,11 @@ def common(bench_script):
 
 
 def test_quantized_configs_read_fewer_bytes(common):
-    bf16, fp8, awq = (
+    bf16, fp8, int8, awq = (
         common.weight_bytes_per_token(common.load_hf_config(BENCH / "configs" / name))
-        for name in ("llama-3-8b", "llama-3-8b-fp8", "llama-3-8b-awq")
+        for name in ("llama-3-8b", "llama-3-8b-fp8", "llama-3-8b-int8", "llama-3-8b-awq")
     )
     assert round(bf16 / 1e9, 2) == 15.01  # Llama-3-8B without its embedding table, at 2 bytes
     # The projections (6.98 B parameters) at 1 byte and at 0.52 bytes; lm_head and norms at 2.
-    assert round(fp8 / 1e9, 2) == 8.03
+    assert round(fp8 / 1e9, 2) == round(int8 / 1e9, 2) == 8.03
     assert round(awq / 1e9, 2) == 4.70

@@ -91,7 +91,9 @@ def test_throughput_runs_each_sampling_mode_and_the_hf_baseline_with_an_fp8_kv_c
     assert "ratio (same requests)" in stdout and "where the wall time went" in stdout
 
 
-@pytest.mark.parametrize("config", ["llama-3-8b-awq", "llama-3-8b-fp8", "qwen3-30b-a3b", "llama-3-70b-fp8"])
+@pytest.mark.parametrize(
+    "config", ["llama-3-8b-awq", "llama-3-8b-fp8", "llama-3-8b-int8", "qwen3-30b-a3b", "llama-3-70b-fp8"]
+)
 @pytest.mark.parametrize("script", ["latency", "throughput"])
 def test_the_gpu_runs_configs_run_at_a_tiny_size(tmp_path, script, config):
     result, _ = _run(tmp_path, script, "--config", str(CONFIGS / config), "--skip-hf")

@@ -128,8 +128,8 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture
 def open_page(system, browser, signed_in_state, request, tmp_path):
-    """open_page(role=None) -> a new page in a fresh browser context, signed in as `role`
-    ("operator", "admin", "tenant", "other_tenant") or anonymous.
+    """open_page(role=None, viewport=VIEWPORT) -> a new page in a fresh browser context, signed in
+    as `role` ("operator", "admin", "tenant", "other_tenant") or anonymous.
 
     An uncaught JavaScript error on any page fails the test: a broken script is a broken page
     even when the assertions happened not to touch it. A failed test leaves a screenshot of each
@@ -137,9 +137,9 @@ def open_page(system, browser, signed_in_state, request, tmp_path):
     """
     contexts, pages, page_errors = [], [], []
 
-    def open_(role: str | None = None):
+    def open_(role: str | None = None, viewport: dict = VIEWPORT):
         context = browser.new_context(
-            base_url=system.url, viewport=VIEWPORT, storage_state=signed_in_state(role) if role else None
+            base_url=system.url, viewport=viewport, storage_state=signed_in_state(role) if role else None
         )
         context.set_default_timeout(DEFAULT_TIMEOUT_MS)
         contexts.append(context)

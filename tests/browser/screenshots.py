@@ -1,6 +1,7 @@
 """Screenshots of the dashboard's main pages for docs/screenshots/ and the README, taken from the
-real system the browser tests start (tests/browser/system.py), at 1280x800 in Debian's headless
-Chromium:
+real system the browser tests start (tests/browser/system.py), in Debian's headless Chromium at
+1280x800 (docs/screenshots/<page>.png) and again at a phone's 390 px (docs/screenshots/phone/<page>.png,
+the whole page); a page wider than the phone's window stops the script:
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/gpuserve REDIS_URL=redis://127.0.0.1:6379/14 \\
         .venv/bin/python -m tests.browser.screenshots [--out docs/screenshots]
@@ -42,7 +43,11 @@ PAGES = {  # file name: (role, url name)
     "tenant": ("admin", "dashboard:tenants"),  # then into the demo tenant's page
     "staff": ("admin", "dashboard:staff"),
     "invitation": (None, ""),  # the link prepare() made, opened by someone not signed in
+    "not-found": ("tenant", ""),  # a missing page: the dashboard's 404
 }
+LINKS = {"not-found": "/no-such-page/"}
+# Charts are sized when drawn: at the phone's width the page is loaded again.
+CHARTS = ("usage", "usage-by-model-and-key", "reports")
 HISTORY_DAYS = 14
 
 
@@ -134,7 +139,7 @@ def prepare(system) -> dict[str, str]:
     )
     invitation_create(created_by=alice, role=User.Role.TENANT_MEMBER, tenant=tenant, note="Chen (data team)")
     staff_invitation = invitation_create(created_by=admin, role=User.Role.OPERATOR, note="On-call SRE")
-    links = {"invitation": reverse("dashboard:invitation_accept", args=[staff_invitation.token])}
+    links = {**LINKS, "invitation": reverse("dashboard:invitation_accept", args=[staff_invitation.token])}
 
     rng = random.Random(7)
     now = timezone.now()
@@ -168,7 +173,7 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
 
     from tests.browser.system import VIEWPORT, launch_options, log_in
 
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "phone").mkdir(parents=True, exist_ok=True)
     written = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(**launch_options())
@@ -187,11 +192,14 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
                 page.wait_for_timeout(20_000)  # twenty heartbeats, so the sparklines have a history
             elif name == "playground":
                 page.fill("#id_system_prompt", "You are a concise assistant.")
-                page.fill("#id_max_tokens", "60")
-                for message in ("Write a haiku about GPUs.", "Now one about CPUs."):
+                page.fill("#id_max_tokens", "40")
+                for sent, message in enumerate(("Write a haiku about GPUs.", "Now one about CPUs."), start=1):
                     page.fill("#id_message", message)
                     page.click("#playground-send")
-                    expect(page.locator("#playground-status")).to_have_attribute("data-state", "done")
+                    # Started (the previous answer's "done" is still showing until then), then done.
+                    expect(page.locator(".turn-user")).to_have_count(sent)
+                    # The page offers the real chat model: its answer takes a while on a busy CPU.
+                    expect(page.locator("#playground-status")).to_have_attribute("data-state", "done", timeout=240_000)
                 page.click("#playground-code summary")
                 expect(page.locator("#code-python")).to_be_visible()
             elif name == "team":
@@ -201,7 +209,7 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
             elif name == "tenant":
                 page.locator(f'[data-testid=tenant-row][data-tenant-name="{system.seeded.tenant_name}"] a').click()
                 page.fill("#id_amount", "10")
-                page.fill("#id_note", "Conference demo credit")
+                page.fill("#id_reason", "Conference demo credit")
                 page.click("#grant-submit")
                 expect(page.locator("#grant-done")).to_be_visible()
             elif name in ("usage", "reports"):
@@ -214,9 +222,39 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
                 page.locator("#usage-breakdown").screenshot(path=path)
             else:
                 page.screenshot(path=path, full_page=name.startswith("home") or name in ("playground", "reports"))
-            written.append(path)
+            written += [path, _shoot_phone(page, name, out / "phone" / f"{name}.png")]
+            for shot in written[-2:]:
+                _compact(shot)
+            page.set_viewport_size(VIEWPORT)
         browser.close()
     return written
+
+
+def _compact(path: Path) -> None:
+    """256 colours, undithered: a page's flat colours and text stay sharp at a third of the size."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        compact = image.convert("RGB").quantize(colors=256, dither=Image.Dither.NONE)
+    compact.save(path, optimize=True)
+
+
+def _shoot_phone(page, name: str, path: Path) -> Path:
+    """The page as it is now (a conversation, a new invitation link), at the phone's width."""
+    from tests.browser.system import PHONE_VIEWPORT, horizontal_overflow
+
+    page.set_viewport_size(PHONE_VIEWPORT)
+    if name in CHARTS:
+        page.reload()
+        page.wait_for_selector(".uplot")
+    page.wait_for_timeout(300)  # the reflow's paint
+    if (extra := horizontal_overflow(page)) > 0:
+        raise RuntimeError(f"{name} is {extra}px wider than a phone's window")
+    if name == "usage-by-model-and-key":
+        page.locator("#usage-breakdown").screenshot(path=path)
+    else:
+        page.screenshot(path=path, full_page=True)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

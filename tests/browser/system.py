@@ -142,10 +142,15 @@ def start_system(*, scratch: Path, redis_url: str) -> System:
     The caller must allow database access (the seed writes, committed, so the subprocesses see it)
     and must call `stop()`; on a failed start everything already started is stopped here.
     """
+    from controlplane.launcher import demo_environment
+
     fleet = Fleet(scratch, redis_url)
     # The daemon reports the checkpoints under the system's models folder, so the catalog can
-    # check weight paths against it.
-    fleet.env.update(SYSTEM_ENV, GPUSERVE_MODEL_ROOTS=str(scratch / "var" / "models"))
+    # check weight paths against it. Django runs as `make run` runs it (DEBUG off: the pages a
+    # person sees, error pages included).
+    fleet.env.update(
+        demo_environment(var_dir=scratch / "var"), **SYSTEM_ENV, GPUSERVE_MODEL_ROOTS=str(scratch / "var" / "models")
+    )
     seeded = seed(var_dir=scratch / "var")
     try:
         fleet.start_control_plane()
@@ -193,6 +198,13 @@ def env_flag(name: str) -> bool:
 
 
 VIEWPORT = {"width": 1280, "height": 800}
+# A phone held upright (an iPhone 12-15's CSS width); the layout holds from 360 px up.
+PHONE_VIEWPORT = {"width": 390, "height": 844}
+
+
+def horizontal_overflow(page) -> int:
+    """How many CSS pixels the page is wider than its window (0: nothing scrolls sideways)."""
+    return page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
 
 
 def log_in(page, login: Login) -> None:

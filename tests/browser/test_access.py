@@ -12,16 +12,17 @@ from tests.browser.system import log_in
 pytestmark = pytest.mark.slow
 
 OPERATOR_SECTIONS = ["Fleet", "Catalog", "Audit log"]
-TENANT_SECTIONS = ["API keys", "Usage", "Requests", "Credits", "Batches", "Playground", "Team"]
+TENANT_SECTIONS = ["Quickstart", "API keys", "Usage", "Requests", "Credits", "Batches", "Playground", "Team"]
 SECTIONS = {
-    "operator": OPERATOR_SECTIONS,
-    "admin": [*OPERATOR_SECTIONS, "Requests", "Reports", "Tenants", "Staff"],
+    "operator": [*OPERATOR_SECTIONS, "Playground"],
+    "admin": [*OPERATOR_SECTIONS, "Requests", "Playground", "Reports", "Tenants", "Staff"],
     "tenant": TENANT_SECTIONS,
 }
 PAGES = {
     "Fleet": "dashboard:fleet",
     "Catalog": "dashboard:catalog",
     "Audit log": "dashboard:audit",
+    "Quickstart": "dashboard:quickstart",
     "API keys": "dashboard:keys",
     "Usage": "dashboard:usage",
     "Playground": "dashboard:playground",
@@ -68,8 +69,8 @@ def test_bad_password_shows_an_error_and_signs_nobody_in(open_page, system):
     ("role", "forbidden"),
     [
         ("tenant", ["Fleet", "Catalog", "Audit log", "Reports", "Tenants", "Staff"]),
-        ("operator", ["API keys", "Usage", "Requests", "Credits", "Playground", "Team", "Reports", "Tenants", "Staff"]),
-        ("admin", ["API keys", "Usage", "Credits", "Playground", "Team"]),
+        ("operator", ["API keys", "Usage", "Requests", "Credits", "Team", "Reports", "Tenants", "Staff"]),
+        ("admin", ["API keys", "Usage", "Credits", "Team"]),
     ],
 )
 def test_other_roles_pages_answer_403(open_page, role, forbidden):
@@ -132,7 +133,8 @@ def _socket_opens(page, path: str) -> bool:
     ("path", "allowed", "refused"),
     [
         ("/ws/fleet/", ["operator", "admin"], ["tenant"]),
-        ("/ws/playground/", ["tenant"], ["operator", "admin"]),
+        ("/ws/home/fleet/", ["operator", "admin"], ["tenant"]),
+        ("/ws/playground/", ["tenant", "operator", "admin"], []),
     ],
 )
 def test_live_sockets_accept_only_their_roles(open_page, path, allowed, refused):

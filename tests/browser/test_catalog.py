@@ -77,3 +77,34 @@ def test_add_a_model_with_its_path_checked_then_disable_it(open_page, system):
     tenant.goto(reverse("dashboard:playground"))
     expect(tenant.locator(f"#id_model option[value='{NAME}']")).to_have_count(0)
     expect(tenant.locator(f"#id_model option[value='{system.seeded.demo_model}']")).to_have_count(1)
+
+
+def test_a_model_read_from_its_checkpoint_is_added_then_deleted(open_page, system):
+    page = open_page("operator")
+    page.goto(reverse("dashboard:catalog_add"))
+    # The daemon reports what it read in the demo model's folder; its name is the id it answers to.
+    page.fill("#id_checkpoint", system.seeded.demo_model)
+    page.click("[data-testid=checkpoint-read]")
+    expect(page.locator("[data-testid=checkpoint-facts]")).to_contain_text("LlamaForCausalLM")
+    expect(page.locator("#id_weights_path")).to_have_value(str(system.models_dir / system.seeded.demo_model))
+    expect(page.locator("#id_family")).to_have_value("llama")
+    expect(page.locator("#id_parameter_count")).not_to_have_value("")
+    expect(page.locator("#id_context_length")).not_to_have_value("")
+    page.fill("#id_public_name", "browser-read-model")
+    page.select_option("#id_price_tier", index=1)
+    page.click("[data-testid=model-save]")
+
+    expect(page).to_have_url(reverse("dashboard:catalog"))
+    row = page.locator("[data-testid=catalog-row][data-model='browser-read-model']")
+    expect(row).to_contain_text("llama")
+    page.once("dialog", lambda dialog: dialog.accept())  # "Delete …? … cannot be undone."
+    row.locator("[data-testid=catalog-delete]").click()
+    expect(row).to_have_count(0)
+
+    # A checkpoint no worker has: the reason beside the field.
+    page.goto(reverse("dashboard:catalog_add"))
+    page.fill("#id_checkpoint", "acme/not-here")
+    page.click("[data-testid=checkpoint-read]")
+    expect(page.locator("#field-checkpoint [data-testid=field-error]")).to_contain_text(
+        "No online worker has acme/not-here under its model roots"
+    )

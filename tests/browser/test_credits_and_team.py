@@ -1,5 +1,6 @@
-"""An admin grants credits and the tenant sees them; a tenant admin invites someone with a link,
-who joins with their own login and is then removed; key creation reaches the audit log."""
+"""An admin grants credits (confirming a large grant) and takes some back, and the tenant sees each
+entry; a tenant admin invites someone with a link, who joins with their own login and is then
+removed; key creation reaches the audit log."""
 
 import re
 
@@ -27,7 +28,7 @@ def test_an_admin_grants_credits_and_the_tenant_sees_them(open_page, system, orm
     admin.locator(f'[data-testid=tenant-row][data-tenant-name="{tenant_name}"] a').click()
     expect(admin.locator("#tenant-name")).to_have_text(tenant_name)
     admin.fill("#id_amount", "12.34")
-    admin.fill("#id_note", "Browser-test top-up")
+    admin.fill("#id_reason", "Browser-test top-up")
     admin.click("#grant-submit")
 
     expect(admin.locator("#grant-done")).to_contain_text("Browser-test top-up")
@@ -55,10 +56,44 @@ def test_a_bad_grant_says_why_beside_the_field(open_page, system):
     admin.goto(reverse("dashboard:tenants"))
     admin.locator(f'[data-testid=tenant-row][data-tenant-name="{system.seeded.tenant_name}"] a').click()
     admin.fill("#id_amount", "0")
-    admin.fill("#id_note", "nothing")
+    admin.fill("#id_reason", "nothing")
     admin.click("#grant-submit")
     expect(admin.locator("#error-amount")).to_contain_text("greater than or equal to")
     expect(admin.locator("#grant-done")).to_have_count(0)
+
+
+def test_a_large_grant_is_confirmed_first_and_an_adjustment_takes_credits_back(open_page, system, orm):
+    """Above CREDIT_CONFIRM_ABOVE_USD ($500 by default) the form asks to confirm; an adjustment is
+    a negative entry the tenant sees with its reason."""
+    tenant_name = system.seeded.tenant_name
+    admin = open_page("admin")
+    admin.goto(reverse("dashboard:tenants"))
+    admin.locator(f'[data-testid=tenant-row][data-tenant-name="{tenant_name}"] a').click()
+    admin.fill("#id_amount", "600")
+    admin.fill("#id_reason", "Browser-test large grant")
+    admin.click("#grant-submit")
+    expect(admin.locator("#error-confirm")).to_contain_text("tick the box to confirm it")
+    expect(admin.locator("#grant-done")).to_have_count(0)
+    admin.check("#id_confirm")
+    admin.click("#grant-submit")
+    expect(admin.locator("#grant-done")).to_contain_text("Granted $600.00 (Browser-test large grant)")
+
+    admin.select_option("#id_direction", "adjustment")
+    admin.fill("#id_amount", "600")
+    admin.fill("#id_reason", "Browser-test correction")
+    admin.click("#grant-submit")
+    admin.check("#id_confirm")
+    admin.click("#grant-submit")
+    expect(admin.locator("#grant-done")).to_contain_text("Took back $600.00 (Browser-test correction)")
+    balance = _balance(orm, tenant_name)
+    expect(admin.locator("#credits-balance")).to_have_text(balance)
+
+    tenant = open_page("tenant")
+    tenant.goto(reverse("dashboard:credits"))
+    adjustment = tenant.locator("[data-testid=credit-grant][data-kind=debit]", has_text="Browser-test correction")
+    expect(adjustment).to_contain_text("Adjustment")
+    expect(adjustment).to_contain_text("-$600.00")
+    expect(tenant.locator("#credits-balance")).to_have_text(balance)
 
 
 def test_a_tenant_admin_invites_a_member_who_joins_and_is_removed(open_page, system):

@@ -89,3 +89,12 @@ def test_admin_home_shows_revenue_margin_per_model_and_top_tenants_and_the_fleet
     expect(
         page.locator(f"[data-testid=home-top-tenant-row][data-tenant='{system.seeded.tenant_name}']")
     ).to_be_visible()
+
+
+def test_the_operators_home_is_redrawn_live_over_the_fleets_websocket(open_page):
+    page = open_page("operator")
+    page.goto(reverse("dashboard:home"))
+    # Drawn by the consumer (the page itself says "Connecting…"), swapped in by the ws extension.
+    expect(page.locator("#home-live-status")).to_have_attribute("data-connected", "true")
+    expect(page.locator("#home-live-status")).to_have_text("Live")
+    expect(page.locator("#home-workers-online")).to_have_text(re.compile(r"^[1-9]"))

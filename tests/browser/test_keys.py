@@ -101,3 +101,31 @@ def test_key_form_shows_each_error_beside_its_field(open_page):
     page.click("#key-create-submit")
     expect(page.locator("#key-create")).to_contain_text("already has a key with this name")
     expect(page.locator('[data-testid=key-row][data-key-name="duplicate name"]')).to_have_count(1)
+
+
+def test_the_quickstart_and_a_key_edit(open_page, system):
+    page = open_page("tenant")
+    page.goto(reverse("dashboard:keys"))
+    page.fill("#id_name", "quickstart key")
+    page.click("#key-create-submit")
+    plaintext = page.inner_text("#key-plaintext")
+    # The first requests come with the new key, whole, this once.
+    expect(page.locator("#key-created #quickstart-python")).to_contain_text(plaintext)
+    expect(page.locator("#key-created #quickstart-shell")).to_contain_text(f"{system.url}/v1/chat/completions")
+
+    page.locator("header nav.sections a", has_text="Quickstart").click()
+    expect(page.locator("[data-testid=quickstart-base-url]")).to_have_text(f"{system.url}/v1")
+    expect(page.locator("#quickstart-javascript")).to_contain_text('import OpenAI from "openai"')
+    assert plaintext not in page.content()
+
+    page.goto(reverse("dashboard:keys"))
+    row = page.locator('[data-testid=key-row][data-key-name="quickstart key"]')
+    row.locator("[data-testid=key-edit]").click()
+    page.fill("#id_name", "renamed key")
+    page.fill("#id_rate_limit_per_minute", "30")
+    page.click("#key-edit-submit")
+    expect(page).to_have_url(reverse("dashboard:keys"))
+    expect(page.locator("[data-testid=flash]").first).to_contain_text("renamed key")
+    expect(page.locator('[data-testid=key-row][data-key-name="renamed key"]')).to_be_visible()
+    # The same secret still works.
+    assert _status_becomes(system, plaintext, 200) == 200

@@ -214,3 +214,20 @@ def test_stop_sits_beside_send(open_page, system):
     send, stop = page.locator("#playground-send").bounding_box(), page.locator("#playground-stop").bounding_box()
     assert abs(send["y"] - stop["y"]) < 1 and abs(send["height"] - stop["height"]) < 1, (send, stop)
     assert 0 < stop["x"] - (send["x"] + send["width"]) < 40, (send, stop)  # just right of Send
+
+
+def test_an_operator_tries_a_model_billed_to_the_staff_tenant(open_page, demo_replicas, orm):
+    from django.conf import settings
+
+    from controlplane.billing.models import UsageRecord
+
+    def staff_requests() -> int:
+        return UsageRecord.objects.filter(tenant__name=settings.PLAYGROUND_STAFF_TENANT).count()
+
+    before = orm(staff_requests)
+    page = open_page("operator")
+    _send(page, max_tokens=8)
+    expect(page.locator("#playground-billed-to")).to_contain_text(settings.PLAYGROUND_STAFF_TENANT)
+    expect(page.locator("#playground-status")).to_have_attribute("data-state", "done")
+    assert page.locator("#playground-output").text_content()
+    wait_until(lambda: orm(staff_requests) == before + 1, timeout=30, what="the operator's request, billed")

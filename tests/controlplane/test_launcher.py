@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from controlplane.env import read_env_file
-from controlplane.launcher import Launcher, ProcessSpec, RestartPolicy, banner, build_parser, process_specs
+from controlplane.launcher import (
+    Launcher,
+    ProcessSpec,
+    RestartPolicy,
+    banner,
+    build_parser,
+    demo_environment,
+    process_specs,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,8 +52,9 @@ def _live_members_of_group(pgid: int) -> list[int]:
 
 def _embedded_env(tmp_path: Path) -> dict[str, str]:
     """What `make run` sees on a fresh machine: no DATABASE_URL, no REDIS_URL, state under VAR_DIR."""
-    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "GPUSERVE_HOST")}
-    return {**env, "DEBUG": "1", "VAR_DIR": str(tmp_path / "var")}
+    unset = ("DATABASE_URL", "REDIS_URL", "SECRET_KEY", "GPUSERVE_HOST", "DEBUG")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    return {**env, "VAR_DIR": str(tmp_path / "var")}
 
 
 def test_process_specs_name_web_fleet_worker_beat_and_the_gpu_worker_daemon():
@@ -261,6 +270,11 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
         try:
             login = _wait_for_page(f"http://127.0.0.1:{port}/accounts/login/", launcher, log_path)
             assert 'name="password"' in login
+            # DEBUG is off for the children (launcher.demo_environment): a missing page is the
+            # dashboard's 404, not the debug page listing every route; /static/ is still served.
+            status, _, missing = _get(f"http://127.0.0.1:{port}/no-such-page/")
+            assert status == 404 and 'data-status="404"' in missing and "URLconf" not in missing
+            assert _get(f"http://127.0.0.1:{port}/static/css/app.css")[0] == 200
             _wait_for_text(log_path, "Press Ctrl-C to stop", launcher)
             # Not told otherwise, it listens on this machine only.
             _wait_for_text(log_path, f"Uvicorn running on http://127.0.0.1:{port}", launcher)
@@ -308,6 +322,38 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
     assert all(demo[f"DEMO_{role}_PASSWORD"] in output for role in ("ADMIN", "OPERATOR", "MEMBER"))
     assert "random noise" in output
     assert "all processes stopped" in output
+
+
+def _get(url: str) -> tuple[int, dict, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, dict(response.headers), response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read().decode()
+
+
+def test_the_demos_web_server_answers_a_missing_page_with_the_dashboards_404_and_serves_static_files(tmp_path):
+    env = _embedded_env(tmp_path)
+    env.update(demo_environment(var_dir=tmp_path / "var"), GPUSERVE_WORKER_TOKEN="demo-environment-test-token")
+    assert env["SECRET_KEY"] == demo_environment(var_dir=tmp_path / "var")["SECRET_KEY"]  # kept across runs
+    port = _free_port()
+    web = process_specs(host="127.0.0.1", port=port, var_dir=tmp_path / "var")[0]
+    log_path = tmp_path / "web.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(web.argv, cwd=REPO, env={**env, **web.env}, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            assert 'name="password"' in _wait_for_page(f"http://127.0.0.1:{port}/accounts/login/", server, log_path)
+            status, headers, page = _get(f"http://127.0.0.1:{port}/no-such-page/")
+            assert status == 404 and 'data-status="404"' in page
+            assert "URLconf" not in page and "controlplane.urls" not in page
+            status, _, css = _get(f"http://127.0.0.1:{port}/static/css/app.css")
+            assert status == 200 and ".topbar" in css
+            # Plain HTTP on this machine: no redirect to HTTPS, cookies a browser sends over HTTP.
+            status, headers, _ = _get(f"http://127.0.0.1:{port}/accounts/login/")
+            assert status == 200 and "secure" not in headers.get("Set-Cookie", "").lower()
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
 
 
 def _wait_for_quiet_log(log_path: Path, launcher: subprocess.Popen, *, seconds: float, most_lines: int) -> None:

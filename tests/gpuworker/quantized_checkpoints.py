@@ -5,7 +5,8 @@
 
 A tiny random float32 checkpoint (tests/gpuworker/checkpoints.py) has its decoder projections
 quantized by the reference code below, written from the formats' documentation and independent of
-gpuworker's readers: llm-compressor's compressed-tensors (float-quantized), vLLM's fp8 method, AutoAWQ's
+gpuworker's readers: llm-compressor's compressed-tensors (float-quantized, and int-quantized W8A8 INT8),
+vLLM's fp8 method, AutoAWQ's
 GEMM layout, AutoGPTQ's layout, and DeepSeek's block-wise FP8 (weight and weight_scale_inv per
 128 x 128 block, as transformers' FineGrainedFP8 reads it). The twin holds, in the plain Llama
 layout, exactly the float32 weights the quantized ones stand for, so transformers run on it is the
@@ -28,6 +29,7 @@ from tests.gpuworker.checkpoints import make_checkpoint
 QUANTIZABLE_SHAPE = {"hidden_size": 128, "intermediate_size": 256}
 GROUP_SIZE = 128
 FP8_MAX = 448.0
+INT8_MAX = 127.0
 _PROJECTION = re.compile(r"^(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj))\.weight$")
 # Block FP8 also quantizes MoE experts and shared experts (routers stay dense).
 _BLOCK_PROJECTION = re.compile(
@@ -45,6 +47,8 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "fp8-ct-channel-weight-only": {"weights": "channel", "input_activations": None},
     "fp8-ct-channel-dynamic": {"weights": "channel", "input_activations": "token"},
     "fp8-ct-tensor-static": {"weights": "tensor", "input_activations": "tensor"},
+    "int8-ct-channel-dynamic": {"type": "int", "weights": "channel", "input_activations": "token"},
+    "int8-ct-tensor-dynamic": {"type": "int", "weights": "tensor", "input_activations": "token"},
     "fp8-vllm-static": {"quant_method": "fp8", "activation_scheme": "static"},
     "fp8-vllm-dynamic": {"quant_method": "fp8", "activation_scheme": "dynamic"},
     "fp8-block": {
@@ -52,6 +56,13 @@ SCHEMES: dict[str, dict[str, Any]] = {
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": [128, 128],
+    },
+    # Blocks small enough that a tiny model's heads, MLP and experts split over two ranks in whole blocks.
+    "fp8-block-16": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [16, 16],
     },
     "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True, "version": "gemm"},
     "gptq-sym": {"quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "sym": True, "desc_act": False},
@@ -109,17 +120,17 @@ def quantization_config(scheme: str) -> dict[str, Any]:
     spec = SCHEMES[scheme]
     if "quant_method" in spec:
         return dict(spec)
-    activations = spec["input_activations"]
+    activations, kind = spec["input_activations"], spec.get("type", "float")
     group = {
         "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": spec["weights"], "dynamic": False},
+        "weights": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": spec["weights"], "dynamic": False},
     }
     group["input_activations"] = (
         None
         if activations is None
         else {
             "num_bits": 8,
-            "type": "float",
+            "type": kind,
             "symmetric": True,
             "strategy": activations,
             "dynamic": activations == "token",
@@ -127,7 +138,7 @@ def quantization_config(scheme: str) -> dict[str, Any]:
     )
     return {
         "quant_method": "compressed-tensors",
-        "format": "float-quantized",
+        "format": f"{kind}-quantized",
         "quantization_status": "compressed",
         "config_groups": {"group_0": group},
         "ignore": ["lm_head"],
@@ -138,6 +149,8 @@ def _quantize(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, 
     """(the checkpoint tensors of one projection, the float32 weight [out, in] they stand for)."""
     if scheme.startswith("fp8"):
         return _fp8(scheme, weight, index)
+    if scheme.startswith("int8"):
+        return _int8(scheme, weight)
     q, zeros, scales = _int4_groups(weight, symmetric=scheme == "gptq-sym", keep_zero_nonzero=scheme == "gptq-asym")
     groups = torch.arange(weight.shape[1]) // GROUP_SIZE
     dequantised = (q - zeros[:, groups]).float() * scales.float()[:, groups]
@@ -174,6 +187,17 @@ def _fp8(scheme: str, weight: torch.Tensor, index: int) -> tuple[dict[str, torch
         input_scale = torch.tensor(6.0 / FP8_MAX * (1 + 0.1 * (index % 3)))
         packed["input_scale"] = input_scale if vllm else input_scale.reshape(1)
     return packed, dequantised
+
+
+def _int8(scheme: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """llm-compressor's symmetric INT8 weights: round(weight / scale) in -128..127 with the largest
+    magnitude of each channel (or of the tensor) mapped to 127; scales stored in bfloat16 as its
+    W8A8 checkpoints store them, [out, 1] per channel and [1] per tensor."""
+    per_channel = SCHEMES[scheme]["weights"] == "channel"
+    amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax().reshape(1, 1)
+    scale = (amax / INT8_MAX).bfloat16()
+    q = torch.round(weight / scale.float()).clamp(-128, 127).to(torch.int8)
+    return {"weight": q, "weight_scale": scale if per_channel else scale.reshape(1)}, q.float() * scale.float()
 
 
 def quantize_block_fp8(weight: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,8 +280,8 @@ _FUSED_INPUTS = {
 
 def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str, *, read_quantized: bool = True):
     """transformers' float32 model of the twin (of the quantized checkpoint itself for block FP8); for
-    schemes that quantize activations, each projection first rounds its input through FP8 as the format
-    says (per token, per token and column group, or with the static scale)."""
+    schemes that quantize activations, each projection first rounds its input through FP8 (INT8 for
+    W8A8) as the format says (per token, per token and column group, or with the static scale)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -289,7 +313,8 @@ def hf_reference(quantized_dir: Path, twin_dir: Path, scheme: str, *, read_quant
             static = max(
                 float(tensors[f"{parent}.{p}.input_scale"].reshape(())) for p in _FUSED_INPUTS.get(proj, (proj,))
             )
-        module.register_forward_pre_hook(lambda _, args, static=static: (_fake_fp8(args[0], static, group),))
+        fake = _fake_int8 if scheme.startswith("int8") else lambda x, static=static: _fake_fp8(x, static, group)
+        module.register_forward_pre_hook(lambda _, args, fake=fake: (fake(args[0]),))
     return model
 
 
@@ -327,3 +352,12 @@ def _fake_fp8(x: torch.Tensor, static: float | None, group: int | None = None) -
         else x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     )
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+def _fake_int8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through symmetric INT8 per token: its largest magnitude maps to 127, and each value is
+    x times the scale's reciprocal rounded half to even, as vLLM's per-token INT8 quantizer computes it.
+    (x / scale, compressed-tensors' fake quantizer, differs where a quotient lies within a float32
+    unit of a half: about one value in 10^5, enough to move a tiny model's greedy token.)"""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+    return torch.round(x * (1.0 / scale)).clamp(-128, 127) * scale

@@ -83,8 +83,9 @@ def compile_job(launch: Launch, *, use_pdl: bool = True) -> dict:
         if _is_constexpr(parameters[name]):
             if name == "USE_PDL":
                 value = use_pdl
-            elif name == "DOT_FP32":
-                # Set only under the interpreter (launch.dot_options); a GPU runs the bf16 dots.
+            elif name in ("DOT_FP32", "INTERPRETER_DOT"):
+                # Set only under the interpreter (launch.dot_options, int8_matmul); a GPU runs the
+                # tensor-core dots (bf16, int8).
                 value = False
             signature[name] = "constexpr"
             constexprs[index] = value

@@ -237,3 +237,22 @@ def test_block_fp8_moe_compiles(tokens, monkeypatch):
         ptx = compile_sm90(launch)
         if launch.arguments["BLOCK_M"] >= 64:
             assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx), name
+
+
+@pytest.mark.parametrize("rows", [4, 40, 300])
+def test_int8_matmul_compiles_with_the_gpu_tiles(rows, monkeypatch):
+    # The interpreter sums int32 products itself; compile the tiles a GPU takes for these rows, with
+    # int8 x int8 -> int32 tensor-core products.
+    from gpuworker.kernels.quant import int8_matmul as int8_module
+
+    gpu_tiles = int8_module._tiles(rows, True)
+    monkeypatch.setattr(int8_module, "_tiles", lambda m, on_cuda: gpu_tiles)
+    launches = record_launches(monkeypatch)
+    x_q, x_scale = int8_module.quantize_int8_rows(torch.randn(rows, 4096).bfloat16(), use_kernel=True)
+    weight = torch.randint(-128, 128, (256, 4096), dtype=torch.int8)
+    int8_module.int8_matmul(x_q, x_scale, weight, torch.ones(256), out_dtype=torch.bfloat16)
+    ptx = compile_sm90(launches["_int8_matmul_kernel"][0])
+    assert ".s32.s8.s8" in ptx  # integer MMAs (mma.sync or wgmma), not float products
+    ptx = compile_sm90(launches["_quantize_int8_rows_kernel"][0])
+    # Two divisions a row (the scale and its reciprocal), not one a value.
+    assert ptx.count("div.rn.f32") == 2

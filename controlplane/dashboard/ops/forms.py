@@ -45,10 +45,22 @@ class DeploymentLimitsForm(forms.Form):
         label="Requests per replica",
         help_text="Running + waiting requests one replica carries at full load.",
     )
-    ttft_slo_ms = forms.IntegerField(required=False, label="TTFT SLO (ms)", help_text="Time to first token, p95.")
+    ttft_slo_ms = forms.IntegerField(
+        required=False,
+        label="TTFT objective (ms)",
+        help_text="Time to first token, p95: the autoscaler's target, and the gateway sheds (429) a request "
+        "predicted to wait longer.",
+    )
     itl_slo_ms = forms.IntegerField(required=False, label="Inter-token SLO (ms)", help_text="Time between tokens, p95.")
     idle_to_zero_seconds = forms.IntegerField(
         required=False, label="Idle to zero (s)", help_text="No request for this long: scale to min (0 never does)."
+    )
+    # The quality bar: empty clears it (no check).
+    max_perplexity_increase = forms.FloatField(
+        required=False,
+        label="Max perplexity increase",
+        help_text="Serve only if the model's perplexity is measured and at most this fraction above its base "
+        "model's (0.02 = 2%); empty: no check.",
     )
 
     @classmethod
@@ -148,6 +160,7 @@ class CatalogModelForm(forms.ModelForm):
             "tensor_parallel_size",
             "expert_parallel",
             "price_tier",
+            "base_model",
             "enabled",
         ]
         labels = {
@@ -155,6 +168,7 @@ class CatalogModelForm(forms.ModelForm):
             "weights_path": "Weight path",
             "price_tier": "Price tier",
             "tensor_parallel_size": "GPUs per replica",
+            "base_model": "Base model",
         }
         help_texts = {
             "public_name": "What clients send as `model`.",
@@ -199,6 +213,17 @@ class CatalogModelForm(forms.ModelForm):
 
     def model_fields(self) -> dict:
         return {name: self.cleaned_data[name] for name in self.Meta.fields}
+
+
+class CheckpointForm(forms.Form):
+    """Name a checkpoint for the add-model form to be filled from (catalog.checkpoints)."""
+
+    checkpoint = forms.CharField(
+        max_length=500,
+        label="Checkpoint",
+        help_text="A path under a worker's model roots (/models/llama-3-8b) or a Hugging Face id "
+        "(meta-llama/Llama-3.2-1B) found there as org/name or in a Hugging Face cache.",
+    )
 
 
 class AuditFilterForm(forms.Form):

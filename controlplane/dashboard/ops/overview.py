@@ -165,6 +165,9 @@ class ReplicaLoadView:
     # Prompt tokens served from the prefix cache (either KV tier), and from the host tier alone.
     prefix_hits: str = "—"
     host_tier_hits: str = "—"
+    # (tenant, percent) of the GPU's recent service, busiest first: "tenant 12", or "no tenant"
+    # for requests sent without one (the heartbeat carries ids only, and this page reads no rows).
+    tenant_shares: tuple[tuple[str, int], ...] = ()
 
 
 def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadView:
@@ -185,6 +188,10 @@ def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadVie
         tokens_per_s="—" if rate is None else f"{rate:,.0f}",
         prefix_hits=share("prefix_cache_hit_rate"),
         host_tier_hits=share("host_cache_hit_rate"),
+        tenant_shares=tuple(
+            (f"tenant {tenant}" if tenant else "no tenant", round(100 * part))
+            for tenant, part in sorted((report.get("tenant_shares") or {}).items(), key=lambda item: -item[1])
+        ),
     )
 
 

@@ -19,5 +19,6 @@ urlpatterns: list = [
     path("catalog/<int:pk>/edit", views.catalog_edit, name="catalog_edit"),
     path("catalog/<int:pk>/enabled", views.catalog_set_enabled, name="catalog_set_enabled"),
     path("catalog/<int:pk>/deploy", views.catalog_deploy, name="catalog_deploy"),
+    path("catalog/<int:pk>/delete", views.catalog_delete, name="catalog_delete"),
     path("catalog/path-check", views.catalog_path_check, name="catalog_path_check"),
 ]

@@ -21,15 +21,17 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import trigger_client_event
 
 from controlplane.audit.selectors import audit_actor_labels, audit_entries
+from controlplane.catalog.checkpoints import checkpoint_lookup
 from controlplane.catalog.models import Deployment
 from controlplane.catalog.selectors import catalog_models, deployments_with_model, weights_path_reports
-from controlplane.catalog.services import model_create, model_set_enabled, model_update
+from controlplane.catalog.services import model_create, model_update
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect, run_action
 from controlplane.dashboard.ops import fragments
 from controlplane.dashboard.ops.forms import (
     AuditFilterForm,
     CatalogModelForm,
+    CheckpointForm,
     DeploymentLimitsForm,
     LoadForm,
     ScaleForm,
@@ -41,6 +43,7 @@ from controlplane.fleet.selectors import (
     replicas_with_model_and_worker,
     workers_all,
     workers_for_path_check,
+    workers_online,
 )
 from controlplane.fleet.services.deployments import (
     deployment_create,
@@ -48,6 +51,7 @@ from controlplane.fleet.services.deployments import (
     deployment_scale,
     deployment_update,
 )
+from controlplane.fleet.services.model_lifecycle import model_delete, model_set_serving
 from controlplane.fleet.services.replicas import replica_load_on, replica_unload
 from controlplane.fleet.services.workers import worker_drain
 
@@ -292,19 +296,30 @@ def _path_notes(form: CatalogModelForm) -> list:
     return []
 
 
-def _catalog_form_page(request, form, model=None) -> HttpResponse:
-    return render(request, "dashboard/ops/catalog_form.html", {"form": form, "model": model})
+def _catalog_form_page(request, form, model=None, **extra) -> HttpResponse:
+    return render(request, "dashboard/ops/catalog_form.html", {"form": form, "model": model, **extra})
+
+
+def _catalog_add_from_checkpoint(request: HttpRequest) -> HttpResponse:
+    """The add-model form filled from what a worker read in the named checkpoint, or the reason
+    it could not be, beside the checkpoint field."""
+    reader = CheckpointForm(request.GET)
+    facts = submit(reader, lambda data: checkpoint_lookup(reference=data["checkpoint"], workers=workers_online()))
+    form = CatalogModelForm(initial=facts.model_initial()) if facts is not None else CatalogModelForm()
+    return _catalog_form_page(request, form, checkpoint_form=reader, checkpoint_facts=facts)
 
 
 @operator_required
 def catalog_add(request: HttpRequest) -> HttpResponse:
+    if request.method == "GET" and "checkpoint" in request.GET:
+        return _catalog_add_from_checkpoint(request)
     form = CatalogModelForm(request.POST or None)
     model = submit(
         form,
         lambda data: model_create(actor=request.user, verify_on=list(data["check_workers"]), **form.model_fields()),
     )
     if model is None:  # a GET, or refused
-        return _catalog_form_page(request, form)
+        return _catalog_form_page(request, form, checkpoint_form=CheckpointForm())
     messages.success(request, f"Added {model.public_name}.")
     for note in _path_notes(form):
         messages.warning(request, note)
@@ -340,12 +355,29 @@ def _catalog_row(request, model_id: int, *, action_error: str = "") -> HttpRespo
 def catalog_set_enabled(request: HttpRequest, pk: int) -> HttpResponse:
     model = get_object_or_404(catalog_models(), pk=pk)
     enabled = request.POST.get("enabled") == "1"
-    model = model_set_enabled(model=model, enabled=enabled, actor=request.user)
+    model = model_set_serving(model=model, enabled=enabled, actor=request.user)
+    outcome = "enabled: its replicas load again" if enabled else "disabled: its replicas unload"
     return fragment_or_redirect(
+        request, lambda: _catalog_row(request, pk), to=CATALOG, success=f"{model.public_name} {outcome}."
+    )
+
+
+@operator_required
+@require_POST
+def catalog_delete(request: HttpRequest, pk: int) -> HttpResponse:
+    """Delete a model no replica runs; htmx gets an empty answer that removes its row, or the row
+    with the refusal beside the button."""
+    model = get_object_or_404(catalog_models(), pk=pk)
+
+    def answer(action_error: str = "") -> HttpResponse:
+        return _catalog_row(request, pk, action_error=action_error) if action_error else HttpResponse("")
+
+    return run_action(
         request,
-        lambda: _catalog_row(request, pk),
+        partial(model_delete, model=model, actor=request.user),
+        answer,
         to=CATALOG,
-        success=f"{model.public_name} {'enabled' if enabled else 'disabled'}.",
+        success=f"{model.public_name} deleted.",
     )
 
 

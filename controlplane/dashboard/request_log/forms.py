@@ -8,11 +8,19 @@ from django.utils import timezone
 
 from controlplane.accounts.models import ApiKey, Tenant
 from controlplane.accounts.selectors import api_key_choices, tenants_by_name
+from controlplane.billing.refusals import REFUSED, SHED
 from controlplane.catalog.selectors import catalog_models
 from controlplane.dashboard.reports.forms import PeriodForm
 
 DEFAULT_DAYS = 7
-OUTCOME_CHOICES = [("", "Any"), ("ok", "OK"), ("error", "Error"), ("client_gone", "Client gone")]
+OUTCOME_CHOICES = [
+    ("", "Any"),
+    ("ok", "OK"),
+    ("error", "Error"),
+    ("client_gone", "Client gone"),
+    (REFUSED, "Refused"),
+    (SHED, "Shed (overloaded)"),
+]
 
 
 class _KeyChoice(forms.ModelChoiceField):

@@ -1,5 +1,6 @@
 """The request log: each request's time, key, model, tokens, time to first token, latency,
-outcome and cost, filtered, paged and exported as CSV. A tenant member reads their own tenant's
+outcome and cost, filtered, paged and exported as CSV; and the requests refused before they were
+served (counted per minute and kind: billing.refusals), shed ones among them. A tenant member reads their own tenant's
 requests; an admin reads every tenant's, with a tenant filter. The rows come from
 billing.request_log."""
 
@@ -14,6 +15,7 @@ from django.views.decorators.http import require_GET
 
 from controlplane.accounts.models import ApiKey, Tenant
 from controlplane.billing.models import UsageRecord
+from controlplane.billing.refusals import refusal_log
 from controlplane.billing.reports import period_bounds
 from controlplane.billing.request_log import request_log
 from controlplane.dashboard.csv_export import csv_money, csv_text
@@ -51,6 +53,12 @@ def _records(form: RequestLogForm, own: Tenant | None):
     return request_log(since=since, until=until, tenant=tenant, **form.filters())
 
 
+def _refusals(form: RequestLogForm, own: Tenant | None):
+    since, until = period_bounds(*form.period)
+    tenant = own if own is not None else form.cleaned_data["tenant"]
+    return refusal_log(since=since, until=until, tenant=tenant, **form.filters())
+
+
 @request_log_required
 @require_GET
 def requests_log(request: HttpRequest) -> HttpResponse:
@@ -59,7 +67,8 @@ def requests_log(request: HttpRequest) -> HttpResponse:
     context: dict = {"form": form, "all_tenants": own is None}
     if form.is_valid():
         page = Paginator(_records(form, own), PAGE_SIZE).get_page(request.GET.get("page"))
-        context.update({"valid": True, "page": page, "query": urlencode(form.data)})
+        refused = Paginator(_refusals(form, own), PAGE_SIZE).get_page(request.GET.get("refused_page"))
+        context.update({"valid": True, "page": page, "refused": refused, "query": urlencode(form.data)})
     return render(request, "dashboard/request_log/requests.html", context)
 
 

@@ -16,7 +16,7 @@ from django.template.loader import render_to_string
 from django.utils import timezone
 
 from controlplane.accounts.services import api_key_revoke, playground_key_create
-from controlplane.dashboard.permissions import TENANT_ROLES, has_role
+from controlplane.dashboard.permissions import PLAYGROUND_ROLES, has_role
 from controlplane.dashboard.tenant import playground
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class PlaygroundConsumer(AsyncWebsocketConsumer):
 
     async def connect(self) -> None:
         user = self.scope.get("user")
-        if user is None or not has_role(user, TENANT_ROLES) or user.tenant_id is None:
+        if user is None or not has_role(user, PLAYGROUND_ROLES):
             await self.close(code=FORBIDDEN)
             return
         self.user = user
@@ -143,6 +143,7 @@ class PlaygroundConsumer(AsyncWebsocketConsumer):
                 "failed": failed,
                 "history_json": None if failed else json.dumps(prompt.history_after("".join(answer))),
                 "message_input": None if failed else playground.empty_message_input(),
+                "image_sent": bool(prompt.image),  # the image field is emptied with the message box
             },
         )
 

@@ -5,15 +5,10 @@ from django import forms
 from controlplane.catalog.selectors import model_names_enabled
 
 
-class ApiKeyCreateForm(forms.Form):
+class ApiKeySettingsForm(forms.Form):
+    """What a key is called and may do: set when it is created, editable afterwards."""
+
     name = forms.CharField(max_length=100, help_text="So you can tell your keys apart, e.g. 'production'.")
-    expires_at = forms.DateTimeField(
-        required=False,
-        label="Expires",
-        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
-        input_formats=["%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%d"],
-        help_text="Optional (UTC). Leave empty for a key that does not expire.",
-    )
     allowed_models = forms.MultipleChoiceField(
         required=False,
         widget=forms.CheckboxSelectMultiple,
@@ -39,6 +34,11 @@ class ApiKeyCreateForm(forms.Form):
         label="Monthly spend limit ($)",
         help_text="Optional; requests that would take this key's spend in a month (UTC) above it are refused.",
     )
+    batch_priority = forms.BooleanField(
+        required=False,
+        label="Batch work",
+        help_text="Its requests give way to interactive ones on a busy GPU (for offline jobs).",
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,13 +54,45 @@ class ApiKeyCreateForm(forms.Form):
         data = self.cleaned_data
         return {
             "name": data["name"],
-            "expires_at": data["expires_at"],
             "all_models": not data["allowed_models"],
             "allowed_model_names": data["allowed_models"],
             "rate_limit_per_minute": data["rate_limit_per_minute"],
             "max_concurrent_requests": data["max_concurrent_requests"],
             "monthly_spend_limit": data["monthly_spend_limit"],
+            "batch_priority": data["batch_priority"],
         }
+
+    @classmethod
+    def for_key(cls, api_key, data=None) -> "ApiKeySettingsForm":
+        """The edit form, filled with the key's settings (or the posted `data`)."""
+        initial = {
+            "name": api_key.name,
+            "allowed_models": [] if api_key.all_models else [m.public_name for m in api_key.allowed_models.all()],
+            "rate_limit_per_minute": api_key.rate_limit_per_minute,
+            "max_concurrent_requests": api_key.max_concurrent_requests,
+            "monthly_spend_limit": api_key.monthly_spend_limit,
+            "batch_priority": api_key.batch_priority,
+        }
+        form = cls(data, initial=initial)
+        # A model disabled since keeps its box, so saving the other fields does not drop it unseen.
+        choices = dict(form.fields["allowed_models"].choices)
+        for name in initial["allowed_models"]:
+            choices.setdefault(name, name)
+        form.fields["allowed_models"].choices = list(choices.items())
+        return form
+
+
+class ApiKeyCreateForm(ApiKeySettingsForm):
+    expires_at = forms.DateTimeField(
+        required=False,
+        label="Expires",
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+        input_formats=["%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%d"],
+        help_text="Optional (UTC). Leave empty for a key that does not expire.",
+    )
+
+    def service_arguments(self) -> dict:
+        return {**super().service_arguments(), "expires_at": self.cleaned_data["expires_at"]}
 
 
 class ApiKeyBudgetForm(forms.Form):

@@ -11,14 +11,16 @@ replica's stream, which aborts the request on the worker and settles it by the g
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from django import forms
 from django.core.exceptions import ValidationError
 
-from controlplane.catalog.selectors import models_for_playground
+from controlplane.catalog.selectors import image_rules, models_for_playground
 from controlplane.gateway.app import process_app
+from gpuworker.contract.openai_api import ProtocolError, data_url_bytes
 
 _PATH = "/v1/chat/completions"
 MAX_TOKENS_LIMIT = 4096
@@ -30,6 +32,14 @@ MAX_HISTORY_MESSAGES = 100
 # What "view code" puts where the message box is still empty.
 MESSAGE_PLACEHOLDER = "Your next message"
 HISTORY_ROLES = ("user", "assistant")
+# The page attaches an image as a data: URL read from a file (the gateway's formats).
+IMAGE_DATA_URL = re.compile(r"^data:image/(png|jpeg|webp|gif);base64,[A-Za-z0-9+/=]*$")
+# Base64 of the catalog's largest image limit (20 MiB) and its prefix; each model's own limit applies.
+MAX_IMAGE_DATA_URL_CHARS = 4 * (20 << 20) // 3 + 64
+SEND_ON_CTRL_ENTER = (
+    "if (event.key === 'Enter' && (event.ctrlKey || event.metaKey)) "
+    "{ event.preventDefault(); this.form.requestSubmit(); }"
+)
 
 
 @dataclass(frozen=True)
@@ -42,10 +52,16 @@ class PlaygroundPrompt:
     max_tokens: int
     # The conversation so far, oldest first: {"role": "user" | "assistant", "content": ...} each.
     history: tuple[dict, ...] = ()
+    # An image attached to this message, as a data: URL ("": none). It goes with this message only:
+    # the conversation kept in the page holds the turns' text.
+    image: str = ""
 
     def messages(self) -> list[dict]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return [*system, *self.history, {"role": "user", "content": self.message}]
+        content: str | list[dict] = self.message
+        if self.image:
+            content = [{"type": "text", "text": self.message}, {"type": "image_url", "image_url": {"url": self.image}}]
+        return [*system, *self.history, {"role": "user", "content": content}]
 
     def request_body(self) -> dict:
         """The chat completion as an API client sends it (what "view code" shows)."""
@@ -62,7 +78,7 @@ class PlaygroundPrompt:
 
     def turns(self) -> list[dict]:
         """The conversation as the page shows it while the answer streams: no system prompt."""
-        return [*self.history, {"role": "user", "content": self.message}]
+        return [*self.history, {"role": "user", "content": self.message, "image": bool(self.image)}]
 
     def history_after(self, answer: str) -> list[dict]:
         """The conversation once `answer` (possibly cut short by Stop) follows this message."""
@@ -149,8 +165,16 @@ class PlaygroundForm(forms.Form):
     the fields."""
 
     model = forms.ChoiceField()
-    system_prompt = forms.CharField(required=False, max_length=8000, strip=False)
-    message = forms.CharField(max_length=32000, strip=False)
+    system_prompt = forms.CharField(
+        required=False, max_length=8000, strip=False, widget=forms.Textarea(attrs={"rows": 2})
+    )
+    message = forms.CharField(
+        max_length=32000,
+        strip=False,
+        # Enter starts a new line; Ctrl+Enter (Cmd+Enter) sends, as the Send button does.
+        widget=forms.Textarea(attrs={"rows": 4, "onkeydown": SEND_ON_CTRL_ENTER}),
+        help_text="Ctrl+Enter sends.",
+    )
     temperature = forms.FloatField(min_value=0.0, max_value=2.0, initial=0.7)
     top_p = forms.FloatField(
         min_value=0.0,
@@ -164,11 +188,27 @@ class PlaygroundForm(forms.Form):
     # The conversation so far as JSON, kept in the page (the server keeps no conversation): each
     # answer's fragment writes it back with the new turn.
     history = forms.JSONField(required=False, widget=forms.HiddenInput)
+    # An image for a vision model: the page reads the chosen file into this field as a data: URL.
+    image = forms.CharField(required=False, max_length=MAX_IMAGE_DATA_URL_CHARS, widget=forms.HiddenInput)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.context_lengths = {m.public_name: m.context_length for m in models_for_playground()}
+        models = list(models_for_playground())
+        self.context_lengths = {m.public_name: m.context_length for m in models}
+        self.image_rules = {
+            m.public_name: image_rules(
+                public_name=m.public_name,
+                kind=m.kind,
+                max_images_per_request=m.max_images_per_request,
+                max_image_bytes=m.max_image_bytes,
+            )
+            for m in models
+        }
         self.fields["model"].choices = [(name, name) for name in self.context_lengths]
+
+    def vision_models(self) -> list[str]:
+        """The models the page offers an image for."""
+        return [name for name, rules in self.image_rules.items() if rules.takes_images]
 
     def clean_message(self) -> str:
         message = self.cleaned_data["message"]
@@ -199,9 +239,20 @@ class PlaygroundForm(forms.Form):
                 )
         return tuple(history)
 
+    def clean_image(self) -> str:
+        image = self.cleaned_data["image"]
+        if image and not IMAGE_DATA_URL.match(image):
+            raise ValidationError("Attach a PNG, JPEG, WebP or GIF image file.")
+        return image
+
     def clean(self):
         data = super().clean()
         model, max_tokens = data.get("model"), data.get("max_tokens")
+        if model and data.get("image"):
+            try:  # the gateway's rule for the model's images, shown at the field
+                self.image_rules[model].check(["image"], [data_url_bytes(data["image"])])
+            except ProtocolError as refused:
+                self.add_error("image", refused.message.partition(": ")[2] or refused.message)
         if model and max_tokens and max_tokens >= self.context_lengths[model]:
             self.add_error(
                 "max_tokens",
@@ -241,6 +292,7 @@ class PlaygroundForm(forms.Form):
             top_p=data["top_p"],
             max_tokens=data["max_tokens"],
             history=data["history"],
+            image=data["image"],
         )
 
 

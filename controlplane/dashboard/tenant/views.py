@@ -4,16 +4,19 @@ show and call services; every query is filtered by the signed-in member's own te
 from dataclasses import dataclass
 from datetime import timedelta
 
+from django.conf import settings
+from django.contrib import messages
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from controlplane.accounts.selectors import api_keys_for_tenant
-from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit
+from controlplane.accounts.selectors import api_keys_for_tenant, api_keys_usable_for_tenant
+from controlplane.accounts.services import api_key_create, api_key_revoke, api_key_set_spend_limit, api_key_update
 from controlplane.batches.selectors import batches_list
 from controlplane.billing.key_spend import api_keys_with_spend
+from controlplane.billing.refusals import refusal_totals
 from controlplane.billing.reports import (
     UsageRow,
     allowance_this_month,
@@ -26,11 +29,13 @@ from controlplane.catalog.selectors import models_for_playground
 from controlplane.dashboard.credits import credits_context
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect
-from controlplane.dashboard.permissions import tenant_of, tenant_required
+from controlplane.dashboard.permissions import playground_required, tenant_of, tenant_required
 from controlplane.dashboard.reports.forms import PeriodForm
-from controlplane.dashboard.tenant.forms import ApiKeyBudgetForm, ApiKeyCreateForm
+from controlplane.dashboard.tenant.forms import ApiKeyBudgetForm, ApiKeyCreateForm, ApiKeySettingsForm
 from controlplane.dashboard.tenant.playground import MAX_TOKENS_LIMIT, PlaygroundForm
 from controlplane.dashboard.tenant.playground_code import code_samples
+from controlplane.dashboard.tenant.quickstart import quickstart_context
+from controlplane.fleet.selectors import first_ready_chat_model
 
 
 def _keys(request: HttpRequest):
@@ -38,8 +43,17 @@ def _keys(request: HttpRequest):
     return api_keys_with_spend(keys=api_keys_for_tenant(tenant=tenant_of(request)), at=timezone.now())
 
 
+def _api_base_url(request: HttpRequest) -> str:
+    return request.build_absolute_uri("/v1")
+
+
 def _keys_context(request: HttpRequest, form: ApiKeyCreateForm, created=None) -> dict:
-    return {"keys": _keys(request), "form": form, "created": created, "now": timezone.now()}
+    context = {"keys": _keys(request), "form": form, "created": created, "now": timezone.now()}
+    if created is not None:  # the first requests, with the whole key this once
+        context["quickstart"] = quickstart_context(
+            base_url=_api_base_url(request), api_key=created.api_key, plaintext=created.plaintext
+        )
+    return context
 
 
 @tenant_required
@@ -102,6 +116,35 @@ def key_budget(request: HttpRequest, key_id: int) -> HttpResponse:
 
 
 @tenant_required
+@require_http_methods(["GET", "POST"])
+def key_edit(request: HttpRequest, key_id: int) -> HttpResponse:
+    """Edit a key's name, models and limits; its secret stays. Another tenant's key, a playground
+    session's or an unknown one: 404."""
+    api_key = get_object_or_404(_keys(request), pk=key_id)
+    form = ApiKeySettingsForm.for_key(api_key, request.POST if request.method == "POST" else None)
+    if request.method == "POST":
+        saved = submit(
+            form, lambda data: api_key_update(api_key=api_key, actor=request.user, **form.service_arguments())
+        )
+        if saved is not None:
+            messages.success(request, f"The key “{saved.name}” is saved.")
+            return redirect("dashboard:keys")
+    return render(request, "dashboard/tenant/key_edit.html", {"key": api_key, "form": form})
+
+
+@tenant_required
+@require_GET
+def quickstart(request: HttpRequest) -> HttpResponse:
+    """The API's base URL and first requests, for the key chosen (?key=) or the newest usable one."""
+    usable = api_keys_usable_for_tenant(tenant=tenant_of(request))
+    chosen = request.GET.get("key", "")
+    api_key = next((k for k in usable if str(k.pk) == chosen), usable[0] if usable else None)
+    context = {"usable_keys": usable, **quickstart_context(base_url=_api_base_url(request), api_key=api_key)}
+    template = "dashboard/tenant/_quickstart_samples.html" if request.htmx else "dashboard/tenant/quickstart.html"
+    return render(request, template, context)
+
+
+@tenant_required
 @require_GET
 def usage(request: HttpRequest) -> HttpResponse:
     tenant = tenant_of(request)
@@ -125,6 +168,7 @@ def usage(request: HttpRequest) -> HttpResponse:
         "chart": chart,
         "has_usage": summary.totals.requests > 0,
         "allowance": allowance_this_month(tenant=tenant, now=now),
+        "refused": refusal_totals(since=summary.since, until=now, tenant=tenant),
         "period_form": (period_form := PeriodForm.from_query(request.GET)),
     }  # the last 30 days
     if period_form.is_valid():
@@ -176,11 +220,15 @@ def batches(request: HttpRequest) -> HttpResponse:
     return render(request, template, {"batches": rows, "running": running})
 
 
-@tenant_required
+@playground_required
 @require_GET
 def playground(request: HttpRequest) -> HttpResponse:
-    form = PlaygroundForm(initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128})
-    models = [{"public_name": m.public_name, "context_length": m.context_length} for m in models_for_playground()]
+    offered = list(models_for_playground())
+    default = first_ready_chat_model(models=offered)
+    form = PlaygroundForm(
+        initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128, "model": default.public_name if default else None}
+    )
+    models = [{"public_name": m.public_name, "context_length": m.context_length} for m in offered]
     return render(
         request,
         "dashboard/tenant/playground.html",
@@ -188,11 +236,14 @@ def playground(request: HttpRequest) -> HttpResponse:
             "form": form,
             "models": models,
             "max_tokens_limit": MAX_TOKENS_LIMIT,
+            "vision_models": form.vision_models(),
+            # Operators and admins belong to no tenant: the page names the one that pays.
+            "staff_tenant": settings.PLAYGROUND_STAFF_TENANT if request.user.tenant_id is None else "",
         },
     )
 
 
-@tenant_required
+@playground_required
 @require_GET
 def playground_code(request: HttpRequest) -> HttpResponse:
     """The "view code" panel for the playground form's current values (sent by htmx as a GET)."""

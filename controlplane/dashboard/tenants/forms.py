@@ -1,5 +1,8 @@
-"""Forms of the admins' tenant pages: a new tenant and a credit grant. They check shapes; the
+"""Forms of the admins' tenant pages: a new tenant and a credit grant or adjustment. They check shapes; the
 services validate and write (a grant's amount to the ledger's millionth, positive)."""
+
+from decimal import Decimal
+from uuid import uuid4
 
 from django import forms
 
@@ -23,20 +26,45 @@ class TenantCreateForm(forms.Form):
         return name
 
 
-class CreditGrantForm(forms.Form):
+class CreditEntryForm(forms.Form):
+    """A grant or an adjustment by hand. `token` is new on every blank form, so a form submitted
+    twice (a double click, a resent post) makes one ledger entry."""
+
+    GRANT, ADJUSTMENT = "grant", "adjustment"
+
+    direction = forms.ChoiceField(
+        choices=[(GRANT, "Grant: add credits"), (ADJUSTMENT, "Adjustment: take credits back")],
+        initial=GRANT,
+        label="Entry",
+    )
     amount = forms.DecimalField(
         **MONEY_DIGITS,
         min_value=MICRO,
         label="Amount ($)",
         widget=forms.NumberInput(attrs={"step": "0.01", "min": "0"}),
-        help_text="Added to the tenant's balance at once.",
+        help_text="Moves the tenant's balance at once; an entry is never edited, only corrected by another.",
     )
-    note = forms.CharField(
-        max_length=200, label="Note", help_text="Why: shown to the tenant and kept in the audit log."
+    reason = forms.CharField(max_length=200, label="Reason", help_text="Shown to the tenant and kept in the audit log.")
+    confirm = forms.BooleanField(required=False, label="I confirm this amount")
+    token = forms.UUIDField(
+        widget=forms.HiddenInput,
+        error_messages={
+            "required": "This form is incomplete: reload the page and enter it again.",
+            "invalid": "This form is incomplete: reload the page and enter it again.",
+        },
     )
 
-    def clean_note(self) -> str:
-        note = self.cleaned_data["note"].strip()
-        if not note:
-            raise forms.ValidationError("Say why the credits are granted.")
-        return note
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not self.is_bound:
+            self.initial["token"] = uuid4()
+
+    def clean_reason(self) -> str:
+        reason = self.cleaned_data["reason"].strip()
+        if not reason:
+            raise forms.ValidationError("Give a reason: the tenant sees it and the audit log keeps it.")
+        return reason
+
+    def signed_amount(self) -> Decimal:
+        amount = self.cleaned_data["amount"]
+        return amount if self.cleaned_data["direction"] == self.GRANT else -amount

@@ -11,14 +11,15 @@ from django.views.decorators.http import require_GET, require_http_methods, requ
 from controlplane.accounts.models import Tenant
 from controlplane.accounts.selectors import tenants_by_name, tenants_with_member_counts
 from controlplane.accounts.services import tenant_create
+from controlplane.billing.ledger import credit_entry_by_admin
 from controlplane.billing.selectors import credit_balances
-from controlplane.billing.services import credit_grant
+from controlplane.common.money import format_usd
 from controlplane.dashboard.credits import credits_context
 from controlplane.dashboard.forms import form_error_messages, submit
 from controlplane.dashboard.htmx import fragment_or_redirect
 from controlplane.dashboard.permissions import admin_required
 from controlplane.dashboard.team.views import team_context
-from controlplane.dashboard.tenants.forms import CreditGrantForm, TenantCreateForm
+from controlplane.dashboard.tenants.forms import CreditEntryForm, TenantCreateForm
 
 
 @admin_required
@@ -44,7 +45,7 @@ def tenants(request: HttpRequest) -> HttpResponse:
 
 
 def _detail_context(request: HttpRequest, tenant: Tenant, *, grant_form=None) -> dict:
-    return {**credits_context(tenant=tenant, now=timezone.now()), "grant_form": grant_form or CreditGrantForm()}
+    return {**credits_context(tenant=tenant, now=timezone.now()), "grant_form": grant_form or CreditEntryForm()}
 
 
 @admin_required
@@ -61,11 +62,19 @@ def tenant_detail(request: HttpRequest, pk: int) -> HttpResponse:
 @admin_required
 @require_POST
 def tenant_credit_grant(request: HttpRequest, pk: int) -> HttpResponse:
+    """A grant or an adjustment (billing.ledger.credit_entry_by_admin)."""
     tenant = get_object_or_404(tenants_by_name(), pk=pk)
-    form = CreditGrantForm(request.POST)
+    form = CreditEntryForm(request.POST)
     entry = submit(
         form,
-        lambda data: credit_grant(tenant=tenant, amount=data["amount"], memo=data["note"], created_by=request.user),
+        lambda data: credit_entry_by_admin(
+            tenant=tenant,
+            amount=form.signed_amount(),
+            reason=data["reason"],
+            actor=request.user,
+            idempotency_token=data["token"],
+            confirmed=data["confirm"],
+        ),
     )
     to = reverse("dashboard:tenant_detail", args=[tenant.pk])
     if entry is None:
@@ -77,11 +86,12 @@ def tenant_credit_grant(request: HttpRequest, pk: int) -> HttpResponse:
             to=to,
             errors=form_error_messages(form),
         )
+    done = "Granted" if entry.amount > 0 else "Took back"
     return fragment_or_redirect(
         request,
         lambda: render(
             request, "dashboard/tenants/_credits.html", {**_detail_context(request, tenant), "granted": entry}
         ),
         to=to,
-        success=f"Granted ${entry.amount} to {tenant.name}.",
+        success=f"{done} {format_usd(abs(entry.amount))} {'to' if entry.amount > 0 else 'from'} {tenant.name}.",
     )

@@ -7,6 +7,7 @@ Atomic; messages to workers and live events go out after commit.
 - deployments: creating and editing deployments, scaling, a cold start's wake, load retries, and
   `deployment_set_desired_replicas`, the one writer of a deployment's desired replica count
 - autoscaling: the autoscaler's decisions
+- model_lifecycle: disabling a model (its replicas unload), enabling it again, deleting it
 - staging: which checkpoints each worker keeps warm
 
 Reconcile (fleet/reconcile.py) places and drains through `replicas`."""

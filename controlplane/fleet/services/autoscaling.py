@@ -94,6 +94,7 @@ def deployment_autoscale(
         last_scaled_at=deployment.scaled_at.timestamp() if deployment.scaled_at else None,
         popular=model_id in popular_models,
         queued_cold_starts=queued_cold_starts,
+        shed_rate_per_s=traffic.shed_rate_per_s.get(model_id, 0.0),
     )
     decision = decide(autoscale_policy(deployment), signals)
     applied = _autoscale_apply(deployment=deployment, decision=decision, now=now)

@@ -13,7 +13,7 @@ from controlplane import live_events
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
 from controlplane.catalog.models import AUTOSCALING_BOUNDS, Deployment
-from controlplane.catalog.selectors import model_get_by_public_name
+from controlplane.catalog.selectors import model_get_by_public_name, quality_refusal
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands
 from controlplane.fleet.models import LoadBackoff
@@ -36,6 +36,10 @@ def publish_deployment(deployment: Deployment, *, created: bool = False) -> None
 DEPLOYMENT_FIELDS = ("desired_replicas", "min_replicas", "max_replicas", "keep_warm")
 # More replicas of one model than any one fleet here runs; a typo (100 for 10) is refused.
 MAX_REPLICAS_LIMIT = 256
+
+
+# deployment_update's default for a setting the caller leaves as it is.
+UNCHANGED = object()
 
 
 def deployment_lock(deployment: Deployment) -> Deployment:
@@ -137,10 +141,16 @@ def deployment_set_desired_replicas(
 
 @transaction.atomic
 def deployment_scale(*, deployment: Deployment, desired_replicas: int, actor=None) -> Deployment:
-    """Want `desired_replicas` replicas; reconcile places or drains the difference."""
+    """Want `desired_replicas` replicas; reconcile places or drains the difference. More replicas
+    than now are refused while the model misses the deployment's quality bar, saying why."""
     # Lock the row so two operators scaling at once cannot both pass validation on stale bounds.
+    locked = deployment_lock(deployment)
+    if desired_replicas > locked.desired_replicas:
+        refusal = quality_refusal(deployment=locked)
+        if refusal:
+            raise ValidationError({"desired_replicas": refusal})
     return deployment_scale_locked(
-        deployment=deployment_lock(deployment), desired_replicas=desired_replicas, actor=actor, now=timezone.now()
+        deployment=locked, desired_replicas=desired_replicas, actor=actor, now=timezone.now()
     )
 
 
@@ -205,10 +215,16 @@ def deployment_update(
     ttft_slo_ms: int | None = None,
     itl_slo_ms: int | None = None,
     idle_to_zero_seconds: int | None = None,
+    max_perplexity_increase: float | None | object = UNCHANGED,
     actor=None,
 ) -> Deployment:
     """Set a deployment's replica counts, keep-warm and (each unless None) autoscaling settings at
-    once; each bad value is reported on its own field, and min <= desired <= max must hold afterwards."""
+    once, and its quality bar unless UNCHANGED (None clears it: deployment_set_quality_bound); each
+    bad value is reported on its own field, and min <= desired <= max must hold afterwards."""
+    if max_perplexity_increase is not UNCHANGED:
+        deployment = deployment_set_quality_bound(
+            deployment=deployment, max_perplexity_increase=max_perplexity_increase, actor=actor
+        )
     deployment = deployment_lock(deployment)
     values = {"desired_replicas": desired_replicas, "min_replicas": min_replicas, "max_replicas": max_replicas}
     errors: dict[str, list[str]] = {}
@@ -293,6 +309,36 @@ def deployment_retry_loads(*, deployment: Deployment, actor=None) -> Deployment:
         detail={
             "backoffs": {b.worker.name: b.consecutive_failures for b in backoffs},
         },
+    )
+    publish_deployment(deployment)
+    commands.request_reconcile(deployment_ids=[deployment.pk])
+    return deployment
+
+
+@transaction.atomic
+def deployment_set_quality_bound(
+    *, deployment: Deployment, max_perplexity_increase: float | None, actor=None
+) -> Deployment:
+    """Require the model's perplexity to be measured and at most `max_perplexity_increase` (a
+    fraction: 0.02 is 2%) above its base model's before replicas are placed; None: no requirement.
+    Replicas already running stay; reconcile places no new ones while the model misses the bar."""
+    value = max_perplexity_increase
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 10:
+            raise ValidationError({"max_perplexity_increase": f"Must be a fraction from 0 to 10, not {value!r}."})
+        value = float(value)
+    deployment = deployment_lock(deployment)
+    before = deployment.max_perplexity_increase
+    if before == value:
+        return deployment
+    deployment.max_perplexity_increase = value
+    deployment.save(update_fields=["max_perplexity_increase", "updated_at"])
+    audit_record(
+        actor=actor,
+        action=AuditEntry.Action.DEPLOYMENT_UPDATE,
+        target=deployment,
+        target_label=deployment.model.public_name,
+        detail={"max_perplexity_increase": [before, value]},
     )
     publish_deployment(deployment)
     commands.request_reconcile(deployment_ids=[deployment.pk])

@@ -18,7 +18,7 @@ from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.replica_probe import any_replica_answers
 from controlplane.fleet.selectors import worker_replica_endpoints, worker_silence_seconds
 from controlplane.fleet.services.replicas import replica_transition_locked
-from controlplane.fleet.services.workers import WorkerUnknown, publish_worker, worker_set_state
+from controlplane.fleet.services.workers import WorkerUnknown, checkpoint_reports, publish_worker, worker_set_state
 from gpuworker.contract.heartbeat import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
             model_roots=list(heartbeat.models.roots),
             model_paths=list(heartbeat.models.paths),
             model_quantization=dict(heartbeat.models.quantization),
+            model_checkpoints=checkpoint_reports(heartbeat.models),
         )
     plan = plan_heartbeat(recorded=_recorded_replicas(worker_id, heartbeat), reported=list(heartbeat.replicas))
     if plan.steps:
@@ -59,6 +60,8 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
                 "pid": r.pid,
                 **r.figures,
                 "prefix_keys": list(r.prefix_keys),
+                # Each tenant's share of the replica's recent service (the fleet page shows it).
+                "tenant_shares": r.tenant_shares,
             }
             for r in heartbeat.replicas
         },

@@ -26,7 +26,7 @@ from controlplane.fleet.placement import (
 )
 from controlplane.fleet.selectors import placement_slots
 from controlplane.fleet.services.deployments import deployment_lock, deployment_set_desired_replicas, publish_deployment
-from gpuworker.contract.placement import gpu_share_bytes
+from gpuworker.contract.placement import UNSPLIT_QUANTIZATIONS, gpu_share_bytes
 from gpuworker.contract.tasks import LoadModel, UnloadModel
 
 
@@ -140,6 +140,9 @@ def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
             max_model_len=model.context_length,
             tensor_parallel_size=size,
             expert_parallel=model.expert_parallel,
+            max_images_per_request=model.max_images_per_request,
+            max_image_bytes=model.max_image_bytes,
+            max_image_pixels=model.max_image_pixels,
         ),
     )
     return replica
@@ -166,6 +169,8 @@ def too_large_note(*, model, gpu_bytes: int) -> str:
         return ""
     need = model_gpu_need(model=model, gpu_bytes=gpu_bytes)
     note = f"{model.public_name} {need.text}; its tensor_parallel_size is {size}"
+    if model.quantization in UNSPLIT_QUANTIZATIONS:
+        return f"{note}, and its {model.get_quantization_display()} checkpoint runs on one GPU: it needs a larger GPU"
     if need.as_sized is None:
         return f"{note}, and it needs more GPUs of this size than one worker holds"
     return f"{note}: set it to {need.as_sized} (its heads and experts must divide by it) on workers with as many GPUs"
@@ -184,6 +189,9 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
     deployment = deployment_lock(deployment)
     worker = Worker.objects.select_for_update(no_key=True).get(pk=worker.pk)
     model = deployment.model
+    if not model.enabled:
+        # Reconcile keeps no replica of a disabled model: it would drain this one at once.
+        raise ValidationError({"deployment": f"{model.public_name} is disabled: enable it in the catalog first."})
     if worker.state != Worker.State.ONLINE:
         raise ValidationError(
             {"worker": f"Worker {worker.name} is {worker.state}; only an online worker takes new replicas."}

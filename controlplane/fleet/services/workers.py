@@ -15,7 +15,7 @@ from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
 from controlplane.fleet.models import Gpu, Replica, Worker
 from controlplane.fleet.services.replicas import replica_transition_locked
-from gpuworker.contract.heartbeat import WorkerRegistration
+from gpuworker.contract.heartbeat import ModelPaths, WorkerRegistration
 from gpuworker.contract.tasks import DrainWorker
 
 
@@ -35,6 +35,11 @@ def publish_worker(worker: Worker) -> None:
     )
 
 
+def checkpoint_reports(models: ModelPaths | None) -> dict:
+    """Worker.model_checkpoints for a reported scan: what was read at each found checkpoint."""
+    return {path: report.to_json() for path, report in models.checkpoints} if models else {}
+
+
 @transaction.atomic
 def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worker:
     """Create the worker, or update the one with this name (a restarted daemon), and set it online."""
@@ -49,6 +54,7 @@ def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worke
     worker.model_roots = list(registration.models.roots) if registration.models else []
     worker.model_paths = list(registration.models.paths) if registration.models else []
     worker.model_quantization = dict(registration.models.quantization) if registration.models else {}
+    worker.model_checkpoints = checkpoint_reports(registration.models)
     worker.state = Worker.State.ONLINE
     worker.state_changed_at = now
     validated_save(worker)

@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
+from controlplane.billing.refusals import SHED_ERROR_CODE
 from controlplane.gateway.dialects import ChatDeltas, Dialect, StreamTranslator, parsed, sse
 from controlplane.gateway.errors import GatewayError, bad_request
 
@@ -94,8 +95,10 @@ _ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    529: "overloaded_error",
     504: "api_error",
 }
+ANTHROPIC_OVERLOADED = 529  # Anthropic's status for "overloaded, retry later"
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -103,8 +106,10 @@ class AnthropicError(GatewayError):
     """A GatewayError answered in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
 
     def __init__(self, error: GatewayError):
+        # A shed request is Anthropic's 529 overloaded_error, which its SDKs retry after retry-after.
+        status = ANTHROPIC_OVERLOADED if error.code == SHED_ERROR_CODE else error.status
         super().__init__(
-            error.status, error.message, type=error.type, param=error.param, code=error.code, headers=error.headers
+            status, error.message, type=error.type, param=error.param, code=error.code, headers=error.headers
         )
 
     def body(self) -> bytes:

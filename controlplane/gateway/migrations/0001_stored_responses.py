@@ -5,28 +5,32 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('accounts', '0008_money_in_micro_units'),
+        ("accounts", "0008_money_in_micro_units"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='StoredResponse',
+            name="StoredResponse",
             fields=[
-                ('id', models.CharField(max_length=64, primary_key=True, serialize=False)),
-                ('created_at', models.DateTimeField(db_index=True)),
-                ('background', models.BooleanField(default=False)),
-                ('status', models.CharField(default='completed', max_length=16)),
-                ('input_items_json', models.TextField()),
-                ('history_json', models.TextField()),
-                ('response_json', models.TextField()),
-                ('tenant', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='+', to='accounts.tenant')),
+                ("id", models.CharField(max_length=64, primary_key=True, serialize=False)),
+                ("created_at", models.DateTimeField(db_index=True)),
+                ("background", models.BooleanField(default=False)),
+                ("status", models.CharField(default="completed", max_length=16)),
+                ("input_items_json", models.TextField()),
+                ("history_json", models.TextField()),
+                ("response_json", models.TextField()),
+                (
+                    "tenant",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="+", to="accounts.tenant"
+                    ),
+                ),
             ],
             options={
-                'indexes': [models.Index(fields=['tenant', 'created_at'], name='gateway_sto_tenant__dbbdb8_idx')],
+                "indexes": [models.Index(fields=["tenant", "created_at"], name="gateway_sto_tenant__dbbdb8_idx")],
             },
         ),
     ]

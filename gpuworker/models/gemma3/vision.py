@@ -35,6 +35,11 @@ class SiglipLayout:
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
+    @property
+    def patch_values(self) -> int:
+        """Pixel values of one patch (channels x patch x patch)."""
+        return self.num_channels * self.patch_size**2
+
 
 def parse_siglip(config: dict[str, Any], source: str) -> SiglipLayout:
     vision = config.get("vision_config")

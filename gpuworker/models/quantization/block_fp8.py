@@ -6,7 +6,9 @@ Checkpoint tensors per module: weight float8_e4m3fn [out, in]; weight_scale_inv 
 multiplies each block back. The weight stays FP8 in memory with its block scales. Fused projections
 (q, k, v; gate, up) concatenate their shards' scale rows when every shard but the last ends on a block
 boundary; otherwise each output row keeps its own copy of its block's scales (group_n 1), so the GEMM
-reads the right scale whatever the shard sizes.
+reads the right scale whatever the shard sizes. Split over tensor-parallel ranks, a projection takes
+whole blocks: its rows (or input columns) of the weight and the same blocks' rows (or columns) of
+weight_scale_inv; a row-parallel one adds its bias after the ranks' partial products are summed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from gpuworker.kernels.quant.block_fp8_matmul import (
     quantize_fp8_groups,
 )
 from gpuworker.kernels.quant.fp8_matmul import FP8_DTYPE, FP8_MAX
+from gpuworker.models.parallel_context import Shard
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 
@@ -38,6 +41,19 @@ class BlockFp8Linear(QuantizedLinear):
 
     def expected_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return ("weight", "weight_scale_inv"), ()
+
+    def field_shard(self, field: str, weight_shard: Shard, shape: tuple[int, ...]) -> Shard | None:
+        if field == "weight":
+            return weight_shard
+        block = self.quant.weight_block_size[weight_shard.dim]
+        if weight_shard.begin % block or weight_shard.length % block:
+            raise ValueError(
+                f"quantization: {', '.join(self.checkpoint_names)}: a rank's {weight_shard.length} "
+                f"{'rows' if weight_shard.dim == 0 else 'columns'} from {weight_shard.begin} are not whole "
+                f"blocks of weight_block_size {list(self.quant.weight_block_size)}"
+            )
+        size = -(-weight_shard.size // block)
+        return Shard(weight_shard.dim, weight_shard.begin // block, weight_shard.length // block, size)
 
     def _build(self, shards: list[dict[str, torch.Tensor]]) -> None:
         check_fp8_device(self.weight_fp8.device)
@@ -68,7 +84,7 @@ class BlockFp8Linear(QuantizedLinear):
         self.weight_fp8.copy_(values.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
         self.weight_scale_inv.fill_(0.02 * 8 / FP8_MAX)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         x_q, x_scale = quantize_fp8_groups(x, self.group_k)
@@ -80,7 +96,7 @@ class BlockFp8Linear(QuantizedLinear):
             self.weight_scale_inv,
             self.group_n,
             self.group_k,
-            bias=self.bias,
+            bias=bias,
             out_dtype=x.dtype,
         )
         return out.reshape(*shape[:-1], self.out_features)
@@ -126,5 +142,5 @@ class DequantizedBlockFp8Linear(BlockFp8Linear):
     def fill_dummy(self, generator: torch.Generator) -> None:
         self.weight_dense.normal_(0.0, 0.02, generator=generator)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight_dense, self.bias)
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight_dense, bias)

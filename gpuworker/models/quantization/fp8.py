@@ -11,6 +11,8 @@ fp8-at-load the checkpoint's float weight is quantized here, per channel.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gpuworker.kernels.linear.gemv import gemv
@@ -22,6 +24,7 @@ from gpuworker.kernels.quant.fp8_matmul import (
     quantize_fp8_rows,
     quantize_fp8_rows_reference,
 )
+from gpuworker.models.parallel_context import Shard
 from gpuworker.models.quantization.linear import QuantizedLinear
 
 # Below this many rows the Triton kernel (a weight stream) beats torch._scaled_mm's tiles.
@@ -96,8 +99,15 @@ class Fp8Linear(QuantizedLinear):
         if self.input_scale is not None:
             self.input_scale.fill_(4.0 / FP8_MAX)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
+    def field_shard(self, field: str, weight_shard: Shard, shape: tuple[int, ...]) -> Shard | None:
+        """A rank's rows of the weight take their channels' scales; its columns, every channel's. A
+        per-tensor weight scale and the static input scale are whole on every rank."""
+        if field == "weight":
+            return weight_shard
+        per_channel = field == "weight_scale" and math.prod(shape) > 1
+        return weight_shard if per_channel and weight_shard.dim == 0 else None
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16):
             # Batch 1 is a weight stream: the GEMV reads the FP8 weight as is and keeps x in its own
             # dtype (no activation quantization: one rounding fewer than the W8A8 GEMM).
@@ -111,7 +121,7 @@ class Fp8Linear(QuantizedLinear):
                 x_q, self.weight_fp8, self.weight_scale, x_scale=x_scale, bias=bias, out_dtype=x.dtype
             )
         if x_scale is not None and _takes_scaled_mm(x_q, self.weight_fp8, x.dtype):
-            return self.forward_quantized(x_q, x_scale, x.dtype)
+            return self._scaled_mm(x_q, x_scale, x.dtype, bias)
         return fp8_matmul(x_q, self.weight_fp8, self.weight_scale, x_scale=x_scale, bias=bias, out_dtype=x.dtype)
 
     def takes_quantized_input(self, x: torch.Tensor) -> bool:
@@ -120,6 +130,7 @@ class Fp8Linear(QuantizedLinear):
         quantize_fp8_rows): dynamic activations on the row-wise scaled GEMM's path."""
         return (
             FUSED_INPUT_QUANTIZATION
+            and self.row_parallel is None  # forward_quantized is the whole output, not a partial product
             and x.is_cuda
             and x.dim() == 2
             and self.quant.activation_scheme == "dynamic"
@@ -129,10 +140,15 @@ class Fp8Linear(QuantizedLinear):
     def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """forward of an input already quantized per token (float8_e4m3fn [T, in], float32 scale [T]):
         the row-wise scaled FP8 GEMM on the tensor cores (cuBLASLt); bias added after, in out_dtype."""
+        return self._scaled_mm(x_q, x_scale, out_dtype, self.bias)
+
+    def _scaled_mm(
+        self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         out = torch._scaled_mm(
             x_q, self.weight_fp8.t(), scale_a=x_scale[:, None], scale_b=self.weight_scale[None, :], out_dtype=out_dtype
         )
-        return out if self.bias is None else out + self.bias
+        return out if bias is None else out + bias
 
 
 # Whether norms and SiLU-and-mul quantize the input of a dynamic FP8 projection in their own launch

@@ -1,35 +1,39 @@
 """install_quantized_linears swaps the dense projections of a freshly built model (on the meta device)
-for quantized ones; the dense Linear path is untouched for unquantized models. Embeddings, lm_head,
-norms and MoE routers stay dense; MoE experts are quantized for block FP8 checkpoints only.
+for quantized ones (FP8, INT8 W8A8, INT4); the dense Linear path is untouched for unquantized
+models. Embeddings, lm_head, norms and MoE routers stay dense; MoE experts are quantized for block FP8 checkpoints only.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from gpuworker.checkpoint_quantization import QuantConfig
 from gpuworker.models.layers import GatedMLP
 from gpuworker.models.moe import SparseMoE
+from gpuworker.models.parallel_context import Shard
 from gpuworker.models.quantization.linear import QuantizedLinear
+from gpuworker.models.tensor_parallel import RowParallelLinear
 
 
 def install_quantized_linears(model: nn.Module, quant: QuantConfig) -> None:
     """Replace each decoder layer's qkv_proj, o_proj, gate_up_proj and down_proj (DeepSeek's: its
     latent attention's projections) by its quantized twin, unless the checkpoint leaves those
     modules unquantized (quant.ignore); for block FP8, a sparse MoE layer's routed experts and
-    shared expert too (its router stays dense)."""
+    shared expert too (its router stays dense). A split model's projections are already its rank's
+    shapes; a row-parallel one's quantized twin joins the ranks as it did."""
     config = model.config
     if config.moe is not None and quant.weight_strategy != "block":
         raise ValueError(f"{config.model_path}: quantized mixture-of-experts checkpoints are not supported yet")
     if config.mla is not None:
         _install_latent_attention(model, quant)
         return
-    q, kv = config.q_size, config.kv_size
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
+        q, kv = attn.q_size, attn.kv_size  # this rank's rows of each
         attn.qkv_proj = _quantized(
             attn.qkv_proj, quant, (q, kv, kv), tuple(f"{prefix}self_attn.{n}_proj" for n in "qkv")
         )
@@ -109,14 +113,21 @@ def missing_quantized_tensors(shards: dict[str, tuple[QuantizedLinear, int]], fo
     return [name for module in modules for name in module.required_names() if name not in found]
 
 
-def load_quantized_tensors(shards: dict[str, tuple[QuantizedLinear, int]], entries: list[tuple[Path, str]]) -> None:
-    """Hand each quantized tensor (file, name) to its linear, then let every linear build its kernel layout.
+def load_quantized_tensors(
+    shards: dict[str, tuple[QuantizedLinear, int]], entries: list[tuple[Path, str]], splits: dict[str, Shard]
+) -> None:
+    """Hand each quantized tensor (file, name) to its linear, then let every linear build its kernel
+    layout. `splits`: checkpoint module name -> this rank's shard of its weight (absent: all of it),
+    set as the linear's checkpoint_shards; only that part of each tensor is read.
 
     Read with safetensors' own reader rather than the loader's byte streaming: these tensors are
     converted (unpacked, fused, quantized) on their way in, not copied as they are.
     """
     from safetensors import safe_open
 
+    for module_name, split in splits.items():
+        module, shard = shards[module_name]
+        module.checkpoint_shards[shard] = split
     by_file: dict[Path, list[str]] = {}
     for file, name in entries:
         by_file.setdefault(file, []).append(name)
@@ -125,9 +136,25 @@ def load_quantized_tensors(shards: dict[str, tuple[QuantizedLinear, int]], entri
             for name in names:
                 module_name, _, field = name.rpartition(".")
                 module, shard = shards[module_name]
-                module.load_shard(shard, field, reader.get_tensor(name))
+                module.load_shard(shard, field, _read_shard(reader, name, module, shard, field))
     for module in {id(m): m for m, _ in shards.values()}.values():
         module.finish()
+
+
+def _read_shard(reader, name: str, module: QuantizedLinear, shard: int, field: str) -> torch.Tensor:
+    """Tensor `name`, or the part of it this rank's shard of the module takes (read alone)."""
+    weight_shard = module.checkpoint_shards[shard]
+    if weight_shard is None:
+        return reader.get_tensor(name)
+    tensor = reader.get_slice(name)
+    shape = tuple(tensor.get_shape())
+    part = module.field_shard(field, weight_shard, shape)
+    if part is None:
+        return reader.get_tensor(name)
+    if len(shape) <= part.dim or shape[part.dim] != part.size:
+        raise ValueError(f"{name} has shape {tuple(shape)}, expected {part.size} along dimension {part.dim}")
+    end = part.begin + part.length
+    return tensor[part.begin : end] if part.dim == 0 else tensor[:, part.begin : end]
 
 
 def _quantized(
@@ -142,10 +169,14 @@ def _quantized(
     from gpuworker.models.quantization.block_fp8 import BlockFp8Linear
     from gpuworker.models.quantization.fp8 import Fp8Linear
     from gpuworker.models.quantization.int4 import Int4Linear
+    from gpuworker.models.quantization.int8 import Int8Linear
 
     if quant.weight_strategy == "block":
         cls = BlockFp8Linear
     else:
-        cls = Fp8Linear if quant.method == "fp8" else Int4Linear
+        cls = {"fp8": Fp8Linear, "int8": Int8Linear}.get(quant.method, Int4Linear)
     out_features, in_features = linear.weight.shape
-    return cls(in_features, out_features, linear.bias is not None, quant, names, shard_sizes)
+    quantized = cls(in_features, out_features, linear.bias is not None, quant, names, shard_sizes)
+    if isinstance(linear, RowParallelLinear):
+        quantized.row_parallel = linear.parallel
+    return quantized

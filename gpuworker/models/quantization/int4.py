@@ -62,8 +62,8 @@ class Int4Linear(QuantizedLinear):
         self.zeros.fill_(8)
         self.scales.fill_(0.02 / 4)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         group = self.quant.group_size
         if x.is_cuda:
-            return int4_matmul(x, self.qweight, self.zeros, self.scales, group, self.bias)
-        return int4_matmul_reference(x, self.qweight, self.zeros, self.scales, group, self.bias)
+            return int4_matmul(x, self.qweight, self.zeros, self.scales, group, bias)
+        return int4_matmul_reference(x, self.qweight, self.zeros, self.scales, group, bias)

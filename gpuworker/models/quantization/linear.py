@@ -4,7 +4,9 @@ A quantized projection may stand for several checkpoint modules fused along its 
 gate and up), each stored as its own group of tensors (weight and scales, or qweight, qzeros and
 scales). The loader hands each tensor to load_shard; finish() checks that every shard is complete
 and converts them into the layout the kernels read. Biases stay ordinary parameters, loaded by the
-dense path as row ranges of `bias`.
+dense path as row ranges of `bias`. A tensor-parallel rank's projection holds its shard of each
+checkpoint module (checkpoint_shards, set by the loader), and reads only that part of each tensor
+(field_shard says which part of a scale goes with the weight's).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from gpuworker.checkpoint_quantization import QuantConfig
+from gpuworker.models.parallel_context import ParallelContext, Shard, join_row_parallel
 
 
 class FixedDtypes(nn.Module):
@@ -55,6 +58,11 @@ class QuantizedLinear(FixedDtypes):
         self.shard_sizes = shard_sizes
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._staged: list[dict[str, torch.Tensor]] = [{} for _ in checkpoint_names]
+        # This rank's part of each checkpoint module's weight (None: all of it).
+        self.checkpoint_shards: list[Shard | None] = [None] * len(checkpoint_names)
+        # Set on a row-parallel projection (o_proj, down_proj of a split model): the ranks' partial
+        # products are summed (tensor_parallel.join_row_parallel) before the bias is added.
+        self.row_parallel: ParallelContext | None = None
 
     def expected_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(required, optional) tensor names under each checkpoint module."""
@@ -72,6 +80,21 @@ class QuantizedLinear(FixedDtypes):
                 f"{self.checkpoint_names[shard]}.{field}: unexpected tensor for "
                 f"{self.quant.checkpoint_format} (expected {', '.join(required + optional)})"
             )
+
+    def field_shard(self, field: str, weight_shard: Shard, shape: tuple[int, ...]) -> Shard | None:
+        """The part of tensor `field` (of `shape` in the checkpoint) that goes with `weight_shard` of
+        the weight, None for all of it; ValueError where the format's scales do not split there
+        (models.tensor_parallel.shard_config refuses those models before they load)."""
+        raise ValueError(f"quantization: {self.quant.checkpoint_format} projections are not split over ranks")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_parallel is None:
+            return self.project(x, self.bias)
+        return join_row_parallel(self.project(x, None), self.bias, self.row_parallel)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] times this rank's weight, plus `bias` when given -> [..., out]."""
+        raise NotImplementedError
 
     def load_shard(self, shard: int, field: str, tensor: torch.Tensor) -> None:
         self.check_field(shard, field)

@@ -29,6 +29,11 @@ class VisionLayout:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def patch_values(self) -> int:
+        """Pixel values of one patch row (channels x frames x patch x patch)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The text decoder's fields: text_config over the top level (older checkpoints keep them flat)."""

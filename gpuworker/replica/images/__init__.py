@@ -11,6 +11,7 @@ ProtocolError naming the request's part.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 # 20 MiB an image (OpenAI's limit for an uploaded image), 16 images a request.
@@ -27,6 +28,8 @@ class ImageLimits:
     allowed_domains: hosts whose images may be fetched by http(s) (a name allows its subdomains
     too); empty, the default: no fetching, data: URLs only. allowed_addresses: addresses fetched
     from although they are not public (an operator's internal image store; tests' local servers).
+    ca_bundle: a PEM file of the certificate authorities https image servers are checked against
+    (an internal store's own CA); None, the default: httpx's trust store (certifi's).
     """
 
     max_images: int = DEFAULT_MAX_IMAGES
@@ -38,6 +41,7 @@ class ImageLimits:
     max_redirects: int = 3
     # Seconds a request's images may take to fetch, decode and preprocess, all together.
     budget_s: float = 30.0
+    ca_bundle: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_images", "max_image_bytes", "max_image_pixels"):
@@ -54,6 +58,8 @@ class ImageLimits:
                 f"allowed_domains: give host names such as 'images.example.com', got {self.allowed_domains!r}"
             )
         object.__setattr__(self, "allowed_domains", normalized)
+        if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
+            raise ValueError(f"ca_bundle: {self.ca_bundle!r} is not a file (give a PEM file of CA certificates)")
 
     def domain_allowed(self, host: str) -> bool:
         host = host.lower().rstrip(".")

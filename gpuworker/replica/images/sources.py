@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import ipaddress
 import re
 import socket
+import ssl
 from urllib.parse import urljoin, urlsplit
 
 import httpx
@@ -123,7 +125,8 @@ async def fetch_image(image: ImageInput, limits: ImageLimits) -> bytes:
 async def _follow(image: ImageInput, limits: ImageLimits) -> bytes:
     url = image.url
     timeout = httpx.Timeout(limits.fetch_timeout_s)
-    async with httpx.AsyncClient(follow_redirects=False, timeout=timeout, trust_env=False) as client:
+    verify = tls_context(limits.ca_bundle) if limits.ca_bundle is not None else True
+    async with httpx.AsyncClient(follow_redirects=False, timeout=timeout, trust_env=False, verify=verify) as client:
         for _ in range(limits.max_redirects + 1):
             scheme, host, port, address = await _checked_target(image, url, limits)
             parts = urlsplit(url)
@@ -150,6 +153,13 @@ async def _follow(image: ImageInput, limits: ImageLimits) -> bytes:
             finally:
                 await response.aclose()
     raise refused(image, f"more than {limits.max_redirects} redirects")
+
+
+@functools.lru_cache(maxsize=4)
+def tls_context(ca_bundle: str) -> ssl.SSLContext:
+    """Certificates checked against the authorities in ca_bundle only, and against the URL's host
+    (the connection goes to an address, but its TLS server name is the host's)."""
+    return ssl.create_default_context(cafile=ca_bundle)
 
 
 async def _read_limited(image: ImageInput, response: httpx.Response, max_bytes: int) -> bytes:

@@ -177,3 +177,28 @@ def test_a_keys_monthly_spend_limit_is_an_amount_of_money_at_least_zero():
         api_key_create(tenant=api_key.tenant, name="k2", monthly_spend_limit=Decimal("-1"))
     assert api_key_set_spend_limit(api_key=api_key, monthly_spend_limit=None).monthly_spend_limit is None
     assert ApiKey.objects.get(pk=api_key.pk).monthly_spend_limit is None
+
+
+@pytest.mark.parametrize("role", [User.Role.OPERATOR, User.Role.ADMIN])
+def test_staff_playground_keys_bill_the_staff_tenant_created_once(settings, role):
+    from controlplane.accounts.services import playground_key_create
+    from controlplane.audit.models import AuditEntry
+    from tests.controlplane.factories import UserFactory
+
+    settings.PLAYGROUND_STAFF_TENANT = "Platform team"
+    first, second = UserFactory(role=role, tenant=None), UserFactory(role=role, tenant=None)
+    keys = [playground_key_create(user=first), playground_key_create(user=second)]
+
+    staff = Tenant.objects.get(name="Platform team")
+    assert [key.api_key.tenant_id for key in keys] == [staff.pk, staff.pk]
+    assert all(key.api_key.purpose == ApiKey.Purpose.PLAYGROUND for key in keys)
+    assert AuditEntry.objects.filter(action=AuditEntry.Action.TENANT_CREATE, actor=first).count() == 1
+
+
+def test_a_members_playground_key_bills_their_own_tenant_never_the_staff_tenant(settings):
+    from controlplane.accounts.services import playground_key_create
+    from tests.controlplane.factories import UserFactory
+
+    member = UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory(name="Acme"))
+    assert playground_key_create(user=member).api_key.tenant == member.tenant
+    assert not Tenant.objects.filter(name=settings.PLAYGROUND_STAFF_TENANT).exists()

@@ -224,3 +224,54 @@ def test_an_id_with_a_nul_character_finds_nothing(tenant):
     assert batch_file_get(tenant_id=tenant.pk, public_id="file-\x00") is None
     assert batch_get(tenant_id=tenant.pk, public_id="batch_\x00") is None
     assert batches_list(tenant_id=tenant.pk, after="batch_\x00") == []
+
+
+def _image_batch(tenant, model_name: str, lines: list[list[str]]) -> Batch:
+    raw = b"".join(
+        json.dumps(
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": model_name,
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "text", "text": "what"}]
+                            + [{"type": "image_url", "image_url": {"url": url}} for url in urls],
+                        }
+                    ],
+                    "max_tokens": 1,
+                },
+            }
+        ).encode()
+        + b"\n"
+        for i, urls in enumerate(lines)
+    )
+    file = batch_file_create(tenant_id=tenant.pk, filename="in.jsonl", purpose="batch", chunks=[raw])
+    batch = batch_create(
+        tenant_id=tenant.pk,
+        api_key_id=None,
+        input_file=file,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata=None,
+        now=timezone.now(),
+    )
+    return batch_validate(batch_id=batch.pk, now=timezone.now())
+
+
+def test_image_lines_beyond_the_catalogs_image_rules_fail_validation_uncharged(tenant, model):
+    small = "data:image/png;base64," + "A" * 400
+    ModelFactory(public_name="seer", kind="vision", max_images_per_request=1, max_image_bytes=1000)
+    failed = _image_batch(tenant, "tiny", [[], [small]])  # tiny is a chat model
+    assert failed.status == "failed" and not failed.lines.exists()
+    assert [(e["line"], e["param"], e["code"]) for e in failed.errors] == [(2, "body.model", "model_not_multimodal")]
+    failed = _image_batch(tenant, "seer", [[small], [small, small], ["data:image/png;base64," + "A" * 2000]])
+    assert [(e["line"], e["code"]) for e in failed.errors] == [(2, "too_many_images"), (3, "invalid_image")]
+    assert not CreditHold.objects.exists() and not UsageRecord.objects.exists()
+    tenant.credit_account.refresh_from_db()
+    assert tenant.credit_account.balance == Decimal("1")
+    started = _image_batch(tenant, "seer", [[small], []])
+    assert (started.status, started.total) == ("in_progress", 2)

@@ -52,6 +52,26 @@ def test_plan_rate_limit_must_be_positive():
     assert "rate_limit_per_minute" in error.value.message_dict
 
 
+@db
+@pytest.mark.parametrize("weight", [0, 1001])
+def test_plan_fair_share_weight_is_refused_outside_1_to_1000(weight):
+    with pytest.raises(ValidationError) as error:
+        plan_create(name="p", included_requests_per_month=0, rate_limit_per_minute=60, fair_share_weight=weight)
+    assert "fair_share_weight" in error.value.message_dict
+    assert not Plan.objects.exists()
+
+
+@db
+def test_a_tenant_s_fair_share_weight_is_its_plan_s_or_1_without_a_plan():
+    from controlplane.billing.selectors import tenant_fair_share_weight
+
+    plan = plan_create(name="Pro", included_requests_per_month=0, rate_limit_per_minute=60, fair_share_weight=4)
+    assert Plan.objects.get(pk=plan.pk).fair_share_weight == 4
+    assert tenant_fair_share_weight(tenant_id=TenantFactory(plan=plan).pk) == 4
+    assert tenant_fair_share_weight(tenant_id=TenantFactory(plan=None).pk) == 1
+    assert plan_create(name="Free", included_requests_per_month=0, rate_limit_per_minute=60).fair_share_weight == 1
+
+
 # --- the ledger ---------------------------------------------------------------------------
 
 

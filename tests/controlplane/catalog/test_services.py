@@ -157,6 +157,21 @@ def test_a_671b_model_needs_8_gpus_of_141_gb_in_fp8_and_16_in_bf16():
     assert need.text == "needs 8 GPUs of 131.3 GiB in FP8, 16 in bf16"
 
 
+def test_a_block_fp8_671b_model_is_split_over_8_gpus_and_an_int4_model_is_not_split():
+    # Block-wise FP8 (DeepSeek-V3/R1's format) splits over tensor-parallel ranks; AWQ and GPTQ run on one GPU.
+    fp8 = model_create(
+        **_model_fields(public_name="deepseek-v3", parameter_count=671_000_000_000, quantization="fp8")
+        | {"tensor_parallel_size": 8}
+    )
+    assert fp8.tensor_parallel_size == 8
+    for quantization in ("awq-int4", "gptq-int4"):
+        with pytest.raises(ValidationError) as error:
+            model_create(**_model_fields(public_name=quantization, quantization=quantization, tensor_parallel_size=2))
+        [message] = error.value.message_dict["tensor_parallel_size"]
+        assert message.startswith(f"A {Model.Quantization(quantization).label} checkpoint runs on one GPU")
+    assert not Model.objects.filter(quantization__in=["awq-int4", "gptq-int4"]).exists()
+
+
 def test_a_measured_gpu_memory_figure_gets_its_own_count():
     model = ModelFactory(parameter_count=8_030_000_000, gpu_memory_bytes=300 * GB)
     need = model_gpu_need(model=model, gpu_bytes=141 * GB)

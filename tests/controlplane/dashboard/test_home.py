@@ -76,7 +76,7 @@ def test_tenant_section_shows_spend_allowance_today_latency_and_usable_keys(clie
     ApiKeyFactory(tenant=tenant, name="expired", expires_at=now - timedelta(days=1))
 
     page = _page(client, UserFactory(role=User.Role.TENANT_MEMBER, tenant=tenant))
-    assert 'id="home-spend">$0.2500<' in page
+    assert 'id="home-spend">$0.25<' in page
     assert 'id="home-allowance-left">0<' in page and "of 3 this month" in page
     assert 'id="home-requests-today">4<' in page
     assert 'id="home-latency">200 / 400 ms<' in page and "first token 50 / 100 ms" in page
@@ -136,7 +136,7 @@ def test_admin_section_shows_revenue_gpu_hours_margin_and_top_tenants(client, se
             usage_record_settled(tenant=tenant, model=model, at=now - timedelta(seconds=1))
 
     page = _page(client, UserFactory(role=User.Role.ADMIN, tenant=None))
-    assert 'id="home-revenue">$8.0000<' in page
+    assert 'id="home-revenue">$8.00<' in page
     hours = (now - placed).total_seconds() / 3600
     assert f'id="home-gpu-hours">{hours:.2f}<' in page or f'id="home-gpu-hours">{hours + 0.01:.2f}<' in page
     assert 'data-model="paid"' in page

@@ -192,6 +192,36 @@ def test_editing_autoscaling_shows_each_bad_value_beside_its_field(operator_clie
     assert _audit("deployment.update").detail["autoscale"] == [True, False]
 
 
+def test_a_quality_bar_set_in_the_limits_form_refuses_a_scale_with_its_reason(operator_client, operator):
+    deployment = DeploymentFactory(
+        desired_replicas=0,
+        min_replicas=0,
+        max_replicas=2,
+        model=ModelFactory(public_name="tiny-fp8", quantization="fp8"),
+    )
+    url, p = reverse("dashboard:deployment_edit", args=[deployment.pk]), f"d{deployment.pk}-"
+    base = {p + "desired_replicas": "0", p + "min_replicas": "0", p + "max_replicas": "2"}
+    refused = operator_client.post(url, {**base, p + "max_perplexity_increase": "-1"}, **HTMX).content.decode()
+    assert "Must be a fraction from 0 to 10, not -1.0." in refused
+    operator_client.post(url, {**base, p + "max_perplexity_increase": "0.02"}, **HTMX)
+    deployment.refresh_from_db()
+    assert deployment.max_perplexity_increase == 0.02
+    assert _audit("deployment.update").detail == {"max_perplexity_increase": [None, 0.02]}
+    fragment = operator_client.post(
+        reverse("dashboard:deployment_scale", args=[deployment.pk]), {f"s{deployment.pk}-desired_replicas": "1"}, **HTMX
+    ).content.decode()
+    assert "tiny-fp8 must have its perplexity measured before it serves" in fragment
+    deployment.refresh_from_db()
+    assert deployment.desired_replicas == 0
+    # Emptied, the bar is gone and the scale goes through.
+    operator_client.post(url, {**base, p + "max_perplexity_increase": ""}, **HTMX)
+    operator_client.post(
+        reverse("dashboard:deployment_scale", args=[deployment.pk]), {f"s{deployment.pk}-desired_replicas": "1"}, **HTMX
+    )
+    deployment.refresh_from_db()
+    assert (deployment.max_perplexity_increase, deployment.desired_replicas) == (None, 1)
+
+
 def test_loading_on_a_gpu_sends_the_load_message_to_that_worker(
     operator_client, operator, django_capture_on_commit_callbacks
 ):

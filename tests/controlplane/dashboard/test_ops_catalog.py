@@ -8,15 +8,17 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
+from controlplane.catalog.services import model_record_perplexity
 from controlplane.fleet.models import Worker
 from controlplane.fleet.services.heartbeats import worker_heartbeat
 from controlplane.fleet.services.workers import worker_register
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
+from gpuworker.contract.quality import PerplexityReport
 from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     _private_live_cache,
     make_worker,
 )
-from tests.controlplane.factories import ModelFactory, PriceTierFactory
+from tests.controlplane.factories import DeploymentFactory, ModelFactory, PriceTierFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -259,3 +261,68 @@ def test_enable_disable_and_deploy_from_the_list(operator_client, operator, djan
 def test_the_empty_catalog_says_what_to_do(operator_client):
     page = operator_client.get(reverse("dashboard:catalog")).content.decode()
     assert 'data-testid="catalog-empty"' in page and reverse("dashboard:catalog_add") in page
+
+
+def test_delete_from_the_list_removes_the_row_and_is_audited(operator_client, operator):
+    model = ModelFactory(public_name="typo-model")
+    page = operator_client.get(reverse("dashboard:catalog")).content.decode()
+    assert 'hx-confirm="Delete typo-model from the catalog?' in page
+    assert operator_client.get(reverse("dashboard:catalog_delete", args=[model.pk])).status_code == 405
+    response = operator_client.post(reverse("dashboard:catalog_delete", args=[model.pk]), HTTP_HX_REQUEST="true")
+    assert response.status_code == 200 and response.content.decode() == ""
+    assert not Model.objects.filter(pk=model.pk).exists()
+    assert AuditEntry.objects.get(action="model.delete").actor == operator
+
+
+def test_delete_of_a_model_with_a_running_replica_says_why_beside_the_button(operator_client):
+    from controlplane.fleet.models import Replica
+    from tests.controlplane.factories import DeploymentFactory, ReplicaFactory
+
+    deployment = DeploymentFactory(model=ModelFactory(public_name="busy"))
+    ReplicaFactory(deployment=deployment, worker=make_worker(), state=Replica.State.READY)
+    fragment = operator_client.post(
+        reverse("dashboard:catalog_delete", args=[deployment.model.pk]), HTTP_HX_REQUEST="true"
+    ).content.decode()
+    assert fragment.lstrip().startswith(f'<tr id="model-{deployment.model.pk}"')
+    assert 'data-testid="action-error"' in fragment and "busy still has 1 replica" in fragment
+    # Without JavaScript: back to the catalog, the refusal as the page's message.
+    response = operator_client.post(reverse("dashboard:catalog_delete", args=[deployment.model.pk]), follow=True)
+    assert "busy still has 1 replica" in response.content.decode()
+    assert Model.objects.filter(pk=deployment.model.pk).exists()
+
+
+@pytest.mark.parametrize(("role", "status"), [("tenant_member", 403), ("anonymous", 302)])
+def test_delete_is_for_operators_only(client, role, status):
+    from tests.controlplane.dashboard.ops_support import make_user
+
+    model = ModelFactory()
+    if role != "anonymous":
+        client.force_login(make_user(role))
+    response = client.post(reverse("dashboard:catalog_delete", args=[model.pk]))
+    assert response.status_code == status and Model.objects.filter(pk=model.pk).exists()
+
+
+def test_disabling_from_the_list_says_the_replicas_unload(operator_client):
+    from tests.controlplane.factories import DeploymentFactory
+
+    deployment = DeploymentFactory(model=ModelFactory(public_name="phi"), desired_replicas=1)
+    response = operator_client.post(
+        reverse("dashboard:catalog_set_enabled", args=[deployment.model.pk]), {"enabled": "0"}, follow=True
+    )
+    page = response.content.decode()
+    assert "phi disabled: its replicas unload." in page and "none loaded while disabled" in page
+
+
+def test_the_catalog_shows_perplexity_its_increase_and_a_quality_refusal(operator_client):
+    base = ModelFactory(public_name="smollm2")
+    fp8 = ModelFactory(public_name="smollm2-fp8", quantization=Model.Quantization.FP8, base_model=base)
+    int8 = ModelFactory(public_name="smollm2-int8", quantization=Model.Quantization.INT8, base_model=base)
+    DeploymentFactory(model=int8, desired_replicas=0, max_replicas=1, max_perplexity_increase=0.02)
+    terms = {"tokens": 510, "window": 256, "text_sha256": "ab" * 32}
+    model_record_perplexity(model=base, report=PerplexityReport(perplexity=24.832, **terms))
+    model_record_perplexity(model=fp8, report=PerplexityReport(perplexity=25.975, quantization="fp8", **terms))
+    page = operator_client.get(reverse("dashboard:catalog")).content.decode()
+    assert 'data-testid="model-perplexity-increase">+4.60% vs smollm2<' in page
+    assert "Perplexity 25.975" in page and "Perplexity 24.832" in page
+    assert "Perplexity not measured" in page  # the INT8 model
+    assert "smollm2-int8 must have its perplexity measured before it serves" in page

@@ -212,6 +212,7 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
                 "tokens_per_s": 1234.5,
                 "prefix_cache_hit_rate": 0.5,
                 "host_cache_hit_rate": 0.125,
+                "tenant_shares": {"12": 0.25, "7": 0.7, "": 0.05},
             }
         ],
     )
@@ -219,6 +220,8 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
     assert f'id="replica-{replica.pk}-load"' in page
     # 1234.5 rounds half to even; the host tier's share of prompt tokens is part of the cache hits.
     assert "queue 3 · running 5 · KV 62% · 1,234 tok/s · cache hits 50% (host tier 12%)" in page
+    # Each tenant's share of the replica lately, busiest first.
+    assert "shares: tenant 7 70%, tenant 12 25%, no tenant 5%" in page
     assert f'id="deployment-{deployment.pk}-autoscale"' in page and "Autoscaling on; no decision yet." in page
     assert f'id="deployment-{off.pk}-autoscale"' in page and "Autoscaling off" in page
 

@@ -2,6 +2,7 @@
 batching that keeps the page up with the stream, and the "view code" samples."""
 
 import asyncio
+import base64
 import json
 import shlex
 
@@ -174,7 +175,122 @@ def test_the_code_view_follows_the_form_and_fills_in_what_is_not_valid_yet(clien
     assert "0.7" in page and "Your next message" in page  # the initial temperature, a placeholder message
 
 
+def test_the_code_view_is_for_signed_in_users(client):
+    response = client.get(reverse("dashboard:playground_code"))
+    assert response.status_code == 302 and response["Location"].startswith(reverse("login"))
+
+
+def _ready(model, *, worker_state=None):
+    from controlplane.fleet.models import Replica, Worker
+    from tests.controlplane.factories import DeploymentFactory, ReplicaFactory, WorkerFactory
+
+    worker = WorkerFactory(state=worker_state or Worker.State.ONLINE)
+    ReplicaFactory(deployment=DeploymentFactory(model=model), worker=worker, state=Replica.State.READY)
+
+
+def _selected_model(client) -> str:
+    page = client.get(reverse("dashboard:playground")).content.decode()
+    select = page[page.index('<select name="model"') : page.index("</select>", page.index('<select name="model"'))]
+    chosen = [part.split('"')[1] for part in select.split("<option")[1:] if " selected" in part.split(">")[0]]
+    return chosen[0] if chosen else ""
+
+
+def test_the_page_offers_the_first_ready_chat_model_with_multi_line_inputs(client):
+    from controlplane.catalog.models import Model
+    from controlplane.fleet.models import Worker
+
+    ModelFactory(public_name="a-not-loaded")  # first by name and age, but nothing serves it
+    _ready(ModelFactory(public_name="0-on-a-lost-worker"), worker_state=Worker.State.LOST)
+    _ready(ModelFactory(public_name="b-vision", kind=Model.Kind.VISION))  # chats with images only
+    _ready(ModelFactory(public_name="real-chat"))
+    _ready(ModelFactory(public_name="demo-noise"))  # ready too, but added to the catalog later
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
+
+    assert _selected_model(client) == "real-chat"
+    page = client.get(reverse("dashboard:playground")).content.decode()
+    assert '<textarea name="message"' in page and '<textarea name="system_prompt"' in page
+
+
+def test_with_no_ready_chat_model_the_page_selects_none(client):
+    ModelFactory(public_name="chat-a")
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
+    assert _selected_model(client) == ""
+
+
 @pytest.mark.parametrize("role", [User.Role.OPERATOR, User.Role.ADMIN])
-def test_the_code_view_is_for_tenant_members(client, role):
+def test_operators_and_admins_open_the_playground_which_names_the_tenant_that_pays(client, settings, role):
+    settings.PLAYGROUND_STAFF_TENANT = "Platform team"
+    ModelFactory(public_name="chat-a")
     client.force_login(UserFactory(role=role, tenant=None))
-    assert client.get(reverse("dashboard:playground_code")).status_code == 403
+    page = client.get(reverse("dashboard:playground"))
+    assert page.status_code == 200
+    assert 'id="playground-billed-to"' in page.content.decode() and "Platform team" in page.content.decode()
+    assert f'href="{reverse("dashboard:playground")}"' in page.content.decode()  # in their menu
+    assert client.get(reverse("dashboard:playground_code"), {"model": "chat-a", "message": "Hi"}).status_code == 200
+
+
+def test_a_members_playground_names_no_other_tenant(client):
+    ModelFactory(public_name="chat-a")
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
+    assert 'id="playground-billed-to"' not in client.get(reverse("dashboard:playground")).content.decode()
+
+
+PNG_DATA_URL = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 300).decode()
+
+
+def _vision_form(**fields) -> PlaygroundForm:
+    ModelFactory(public_name="chat-a", context_length=512)
+    ModelFactory(public_name="seer", context_length=512, kind="vision", max_image_bytes=1000)
+    values = {"model": "seer", "message": "What is it?", "temperature": "0", "max_tokens": "16", "image": PNG_DATA_URL}
+    return PlaygroundForm({**values, **fields})
+
+
+def test_an_attached_image_goes_with_the_message_to_a_vision_model():
+    form = _vision_form(history=json.dumps([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]))
+    assert form.is_valid(), form.errors
+    assert form.vision_models() == ["seer"]
+    prompt = form.prompt()
+    assert prompt.chat_body()["messages"][-1] == {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is it?"},
+            {"type": "image_url", "image_url": {"url": PNG_DATA_URL}},
+        ],
+    }
+    assert prompt.turns()[-1] == {"role": "user", "content": "What is it?", "image": True}
+    # The conversation the page keeps holds the turn's text; the image went with its message.
+    assert prompt.history_after("A picture.")[-2:] == [
+        {"role": "user", "content": "What is it?"},
+        {"role": "assistant", "content": "A picture."},
+    ]
+    without = PlaygroundForm({**form.data, "image": ""})
+    assert without.is_valid(), without.errors
+    assert without.prompt().chat_body()["messages"][-1] == {"role": "user", "content": "What is it?"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"model": "chat-a"}, "'chat-a' is a text-only model and cannot take images"),
+        ({"image": "data:image/png;base64," + "A" * 2000}, "'seer' takes images of at most 1000 bytes"),
+        ({"image": "data:text/plain;base64,aGk="}, "Attach a PNG, JPEG, WebP or GIF image file."),
+        ({"image": "https://example.com/cat.png"}, "Attach a PNG, JPEG, WebP or GIF image file."),
+    ],
+)
+def test_an_image_the_model_cannot_take_is_refused_at_the_field(fields, error):
+    form = _vision_form(**fields)
+    assert not form.is_valid()
+    assert error in " ".join(form.errors["image"])
+
+
+def test_the_page_offers_an_image_for_vision_models_only(client):
+    ModelFactory(public_name="chat-a", context_length=512)
+    ModelFactory(public_name="seer", context_length=512, kind="vision")
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=TenantFactory()))
+    page = client.get(reverse("dashboard:playground")).content.decode()
+    assert '<script id="playground-vision-models" type="application/json">["seer"]</script>' in page
+    field = page[page.index('id="field-image"') : page.index("</div>", page.index('id="field-image"'))]
+    assert " hidden>" in field.split("\n")[0]  # hidden until the page's script sees a vision model chosen
+    assert 'type="file"' in field and 'name="image"' in field and 'accept="image/png,image/jpeg' in field
+    # The code view leaves the image's data out of its query string.
+    assert 'hx-include="#playground-form" hx-params="not image"' in page

@@ -8,7 +8,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts.models import User
-from controlplane.billing.services import credit_grant
+from controlplane.billing.services import credit_debit, credit_grant
 from tests.controlplane.factories import (
     ModelFactory,
     PlanFactory,
@@ -54,7 +54,7 @@ def test_credits_page_shows_plan_allowance_balance_grants_and_charges(client, te
     page = client.get(reverse("dashboard:credits")).content.decode()
     assert 'data-testid="credits-plan">Starter<' in page
     assert 'data-testid="credits-allowance-left">0 of 2<' in page
-    assert 'data-testid="credits-balance">$4.996<' in page
+    assert 'data-testid="credits-balance">$5.00<' in page
     assert "Welcome credit" in page and "+$5.00" in page and "Theirs" not in page
     assert "llama-8b" in page and "-$0.004" in page
     assert "root" not in page  # who granted is for admins' eyes
@@ -80,4 +80,13 @@ def test_usage_shows_money_once_the_allowance_is_spent(client, tenant, member):
     for _ in range(3):
         usage_record_settled(tenant=tenant, model=model, at=timezone.now())
     page = client.get(reverse("dashboard:usage")).content.decode()
-    assert 'data-testid="usage-spend">$0.0040<' in page and "0 of the plan's 2 included requests left" in page
+    assert 'data-testid="usage-spend">$0.004<' in page and "0 of the plan's 2 included requests left" in page
+
+
+def test_the_tenant_sees_every_grant_and_adjustment(client, tenant, member):
+    for number in range(1, 31):
+        credit_grant(tenant=tenant, amount=Decimal(number), memo=f"grant {number}")
+    credit_debit(tenant=tenant, amount=Decimal("0.5"), memo="taken back")
+    page = client.get(reverse("dashboard:credits")).content.decode()
+    assert page.count('data-testid="credit-grant"') == 31
+    assert "grant 1<" in page and "taken back" in page and "-$0.50" in page

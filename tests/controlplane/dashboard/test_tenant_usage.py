@@ -40,7 +40,7 @@ def test_empty_month_says_what_to_do(client):
     client.force_login(user)
     page = client.get(reverse("dashboard:usage")).content.decode()
     assert 'id="usage-empty"' in page and 'id="usage-chart"' not in page
-    assert 'data-testid="usage-requests">0<' in page and 'data-testid="usage-balance">$0.0000<' in page
+    assert 'data-testid="usage-requests">0<' in page and 'data-testid="usage-balance">$0.00<' in page
 
 
 def test_month_figures_daily_rows_and_isolation(client):
@@ -59,8 +59,8 @@ def test_month_figures_daily_rows_and_isolation(client):
     response = client.get(reverse("dashboard:usage"))
     page = response.content.decode()
     assert 'data-testid="usage-requests">3<' in page  # the failed one counts as a request, free
-    assert 'data-testid="usage-spend">$0.0300<' in page  # 0.01 + 2 x 0.01
-    assert 'data-testid="usage-balance">$4.9600<' in page  # 5 - 0.03 - 0.01 (last month)
+    assert 'data-testid="usage-spend">$0.03<' in page  # 0.01 + 2 x 0.01
+    assert 'data-testid="usage-balance">$4.96<' in page  # 5 - 0.03 - 0.01 (last month)
     first_day = start.date().isoformat()
     assert f'<tr data-day="{first_day}"><td>{first_day}</td><td class="num">3</td><td class="num">1</td>' in page
     chart = response.context["chart"]

@@ -21,17 +21,27 @@ def test_home_sends_anonymous_visitors_to_login(client):
 
 
 @pytest.mark.parametrize(
-    ("role", "label"),
-    [(User.Role.OPERATOR, "Operator"), (User.Role.ADMIN, "Admin"), (User.Role.TENANT_MEMBER, "Tenant member")],
+    ("role", "tenant_role", "label"),
+    [
+        (User.Role.OPERATOR, User.TenantRole.MEMBER, "Operator"),
+        (User.Role.ADMIN, User.TenantRole.MEMBER, "Admin"),
+        (User.Role.TENANT_MEMBER, User.TenantRole.ADMIN, "Tenant admin"),
+        (User.Role.TENANT_MEMBER, User.TenantRole.MEMBER, "Member"),
+    ],
 )
-def test_logging_in_lands_on_home_which_names_the_role(client, role, label):
+def test_logging_in_lands_on_home_which_names_the_role(client, role, tenant_role, label):
     tenant = TenantFactory(name="Acme")
-    user = UserFactory(role=role, tenant=tenant if role == User.Role.TENANT_MEMBER else None)
+    is_tenant_member = role == User.Role.TENANT_MEMBER
+    user = UserFactory(role=role, tenant=tenant if is_tenant_member else None, tenant_role=tenant_role)
     response = client.post(reverse("login"), {"username": user.username, "password": PASSWORD}, follow=True)
     assert response.redirect_chain[-1][0] == reverse("dashboard:home")
     page = response.content.decode()
     assert f'<strong class="role">{label}</strong>' in page
-    assert ("Acme" in page) == (role == User.Role.TENANT_MEMBER)
+    assert f'<span class="who">{user.username} · {label}</span>' in page  # the header names it alike
+    assert ("Acme" in page) == is_tenant_member
+    if is_tenant_member:  # and so does the Team page
+        team = client.get(reverse("dashboard:team")).content.decode()
+        assert f'data-username="{user.username}"' in team and f">{label}<" in team
 
 
 def test_wrong_password_stays_on_login(client):

@@ -98,7 +98,8 @@ def test_seed_without_the_env_file_issues_a_new_key_and_password(tmp_path):
     api_key_authenticate(plaintext=second["OPENAI_API_KEY"])
     for username in ("admin", "operator", "member"):
         assert User.objects.get(username=username).check_password(second[f"DEMO_{username.upper()}_PASSWORD"])
-    assert Tenant.objects.count() == 1 and Model.objects.count() == 4 and CreditEntry.objects.count() == 1
+    # The demo tenant and the one the operators' playground bills, each with its credit.
+    assert Tenant.objects.count() == 2 and Model.objects.count() == 4 and CreditEntry.objects.count() == 2
 
 
 def test_seed_replaces_a_key_that_no_longer_works(tmp_path):

@@ -204,3 +204,21 @@ def test_every_decision_carries_its_inputs(decision):
         "popular",
     ):
         assert key in decision.inputs
+
+
+def test_shed_requests_count_as_demand_and_scale_up():
+    """Half the arrivals shed: the replicas' queue is half the demand, and shedding is a breach."""
+    admitted = _signals(_load(2, 0), _load(2, 0), rate=2.0)
+    assert decide(POLICY, admitted).action == "hold"  # 4 in flight on 2 replicas: 50%, no scale-down below 1 each
+    shedding = replace(admitted, shed_rate_per_s=1.0)
+    decision = decide(POLICY, shedding)
+    assert (decision.action, decision.desired) == ("up", 3)  # 8 in flight / (4 × 0.7)
+    assert "1 requests/s shed (TTFT objective)" in decision.reason
+    assert decision.inputs["shed_rate_per_s"] == 1.0 and decision.inputs["utilisation"] == 1.0
+
+
+def test_everything_shed_still_reads_as_demand():
+    assert autoscaling.shed_demand(0.0, _signals(_load(), rate=3.0, queued=0)) == 0.0
+    everything = replace(_signals(_load(4, 0), rate=3.0), shed_rate_per_s=3.0)
+    assert autoscaling.shed_demand(4.0, everything) == 7.0
+    assert decide(POLICY, everything).action == "up"

@@ -443,6 +443,18 @@ def test_a_671b_model_on_one_141_gb_gpu_is_refused_with_the_gpus_it_needs():
 
 
 @pytest.mark.django_db
+def test_an_int4_model_too_large_for_one_gpu_is_not_told_to_split():
+    # AWQ and GPTQ checkpoints are not split over GPUs (gpuworker.contract.placement.UNSPLIT_QUANTIZATIONS).
+    _register(f"h200-{uuid.uuid4().hex[:8]}", [H200, H200])
+    deployment = _sized_deployment("kimi-awq", 1_000_000_000_000, quantization="awq-int4")
+    outcome = _reconcile(deployment)
+    assert outcome.unplaced == 1
+    assert outcome.reason.endswith(
+        "its tensor_parallel_size is 1, and its AWQ INT4 checkpoint runs on one GPU: it needs a larger GPU"
+    )
+
+
+@pytest.mark.django_db
 def test_a_model_that_needs_two_gpus_is_placed_over_two_and_refused_on_one(django_capture_on_commit_callbacks):
     """70B in bf16 (168 GB with its KV headroom) takes two 141 GB GPUs: placed with tensor_parallel_size
     2, and a one-GPU setting is refused saying so (in FP8 one GPU would do)."""

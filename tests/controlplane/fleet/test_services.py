@@ -169,7 +169,15 @@ def test_heartbeats_bring_a_lost_worker_back_and_report_draining():
 
 def test_replica_place_sends_the_load_message_after_commit(django_capture_on_commit_callbacks):
     gpu = GpuFactory(worker=make_worker(), index=3, memory_total_bytes=100 * GB)
-    deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=25 * GB, context_length=2048))
+    model = ModelFactory(
+        gpu_memory_bytes=25 * GB,
+        context_length=2048,
+        kind="vision",
+        max_images_per_request=3,
+        max_image_bytes=4000,
+        max_image_pixels=10**6,
+    )
+    deployment = DeploymentFactory(model=model)
     with django_capture_on_commit_callbacks(execute=True):
         replica = replica_place(deployment=deployment, worker=gpu.worker, gpu=gpu)
     assert replica.state == State.PENDING
@@ -186,6 +194,9 @@ def test_replica_place_sends_the_load_message_after_commit(django_capture_on_com
                 "dtype": "auto",
                 "tensor_parallel_size": 1,
                 "expert_parallel": "all_reduce",
+                "max_images_per_request": 3,  # the catalog's image limits, for the replica
+                "max_image_bytes": 4000,
+                "max_image_pixels": 10**6,
             },
         )
     ]

@@ -93,3 +93,26 @@ async def test_redis_down_loses_counts_but_never_fails_the_request(settings, cap
     settings.REDIS_URL = DOWN
     with pytest.raises(redis.ConnectionError):
         _snapshot(time.time())  # the reader says so; the autoscaler then decides nothing
+
+
+async def test_shed_requests_are_counted_apart_from_and_among_all_requests(clean_redis, settings):
+    settings.REDIS_URL = _redis_url()
+    now = (time.time() // BUCKET_SECONDS) * BUCKET_SECONDS + 5
+    traffic = RedisTraffic(settings.REDIS_URL)
+    await _record(traffic, 7, now, count=4)
+    await traffic.record_shed(7, now)
+    await traffic.aclose()
+    snapshot = _snapshot(now)
+    assert snapshot.window_counts == {7: 4}  # a shed request is among the requests, counted once
+    assert snapshot.shed_rate_per_s == {7: pytest.approx(1 / 55)}
+
+
+async def test_embedded_shed_counts_reach_the_reader(settings):
+    settings.REDIS_URL = ""
+    now = time.time()
+    traffic = LocalTraffic()
+    await _record(traffic, 3, now, count=2)
+    await traffic.record_shed(3, now)
+    await traffic.aclose()
+    snapshot = _snapshot(now)
+    assert snapshot.window_counts == {3: 2} and snapshot.shed_rate_per_s[3] == snapshot.rate_per_s[3] / 2

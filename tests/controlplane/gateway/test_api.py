@@ -66,6 +66,8 @@ def test_chat_completion_is_answered_and_billed_once(world):
     record = UsageRecord.objects.get(request_id=request_id)
     assert (record.status, record.price_charged, record.num_requests) == ("completed", Decimal("0.004"), 2)
     assert record.prompt_tokens == chat.usage.prompt_tokens and record.gpu_time_s > 0
+    # The GPU seconds the replica's engine measured for the request, as its usage reported them.
+    assert record.gpu_time_s == chat.usage.model_extra["gpu_time_s"]
     assert record.replica_id in {r.pk for r in world.replicas} and record.api_key_id == world.api_key.pk
     assert credit_balance(tenant=world.tenant) == Decimal("10") - Decimal("0.004")
     # The key's last use is recorded (at most once a minute), off the request's path.

@@ -130,7 +130,11 @@ def _batch_records(batch_id: str):
 
 
 def test_a_batch_round_trip_with_the_sdk(batch_gateway, replicas):
-    world = make_world(batch_gateway, replicas)
+    from tests.controlplane.factories import PlanFactory
+    from tests.controlplane.gateway.test_tenancy_api import served_on
+
+    plan = PlanFactory(rate_limit_per_minute=10_000, max_concurrent_requests=500, fair_share_weight=2)
+    world = make_world(batch_gateway, replicas, plan=plan)
     client = world.client()
     uploaded = client.files.create(
         file=("requests.jsonl", io.BytesIO(_jsonl(_chat_lines(12, world.model.public_name)))), purpose="batch"
@@ -166,6 +170,10 @@ def test_a_batch_round_trip_with_the_sdk(batch_gateway, replicas):
         client.files.content(uploaded.id)
     assert uploaded.id not in [f.id for f in client.files.list().data]
     assert client.batches.retrieve(batch.id).input_file_id == uploaded.id  # the batch's record stays
+    # The replicas served the lines as the tenant's batch work, at its plan's weight.
+    served, weights = served_on(replicas)
+    tenant = str(world.tenant.pk)
+    assert served[tenant, "batch"] > 0 and (tenant, "interactive") not in served and weights[tenant] == 2.0
 
 
 def test_a_responses_api_batch_answers_each_line_as_a_stored_response(batch_gateway, replicas):

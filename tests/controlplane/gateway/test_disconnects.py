@@ -1,7 +1,7 @@
 """Clients that leave before their answer, through the running gateway and replicas: the
 generation is aborted on the replica, the client's concurrency slot is freed, and the request is
 billed by one rule for streams and whole answers (cancelled once the replica generated a first
-token, released unbilled before).
+token, released unbilled before); a cancelled request's record keeps the prompt tokens it used.
 
 A replica that must not produce a token is stopped (SIGSTOP): the kernel still accepts the
 gateway's connection and request, so the request is at the replica, waiting, with certainty."""
@@ -77,6 +77,15 @@ def _slot_is_free(world) -> None:
     world.client().chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=1)
 
 
+def _keeps_its_prompt_tokens(world) -> None:
+    """The cancelled request's record counts the prompt tokens it used, as a completed one does."""
+    prompt_tokens = (
+        world.client().completions.create(model=world.model.public_name, prompt="go", max_tokens=1).usage.prompt_tokens
+    )
+    cancelled = UsageRecord.objects.get(tenant=world.tenant, status="cancelled")
+    assert cancelled.prompt_tokens == prompt_tokens > 0
+
+
 def _unbilled(world) -> None:
     assert not UsageRecord.objects.filter(tenant=world.tenant).exists()
     assert not CreditEntry.objects.filter(tenant=world.tenant, kind="usage").exists()
@@ -113,6 +122,7 @@ def test_a_stream_left_after_its_first_token_is_billed_cancelled_once(gateway, r
     assert list(UsageRecord.objects.values_list("status", "price_charged")) == [("cancelled", PRICE)]
     assert credit_balance(tenant=world.tenant) == Decimal("10") - PRICE
     _slot_is_free(world)
+    _keeps_its_prompt_tokens(world)
 
 
 def test_a_whole_answer_left_mid_generation_is_aborted_on_the_replica_and_billed_cancelled(gateway, replicas):
@@ -146,3 +156,4 @@ def test_a_whole_answer_left_mid_generation_is_aborted_on_the_replica_and_billed
     assert list(UsageRecord.objects.values_list("status", "price_charged")) == [("cancelled", PRICE)]
     assert credit_balance(tenant=world.tenant) == Decimal("10") - PRICE
     _slot_is_free(world)
+    _keeps_its_prompt_tokens(world)

@@ -4,7 +4,7 @@ call them; test_shared.py checks the Redis script gives the same answers)."""
 import json
 from dataclasses import dataclass
 
-from controlplane.gateway.replica_choice import affinity_choice, affinity_key, least_outstanding
+from controlplane.gateway.replica_choice import affinity_choice, affinity_key, least_outstanding, predicted_wait_s
 
 
 @dataclass(frozen=True)
@@ -132,3 +132,15 @@ def test_the_prefix_key_header_carries_the_digest_only_with_a_key():
     assert prefix_key_header("") == {}
     [(name, value)] = prefix_key_header("conversation " * 8).items()
     assert name == PREFIX_KEY_HEADER and is_prefix_key_digest(value)
+
+
+def test_the_predicted_wait_is_the_queued_prompt_tokens_over_the_recent_prefill_rate():
+    assert predicted_wait_s({"waiting_tokens": 6000, "prefill_tokens_per_s": 2000.0}) == 3.0
+    # No queue, no measured rate, or no report at all: no evidence of a wait.
+    for figures in (
+        {"waiting_tokens": 0, "prefill_tokens_per_s": 2000.0},
+        {"waiting_tokens": 6000, "prefill_tokens_per_s": 0.0},
+        {"waiting_tokens": "many", "prefill_tokens_per_s": 1.0},
+        {},
+    ):
+        assert predicted_wait_s(figures) == 0.0

@@ -28,6 +28,21 @@ def test_cold_start_refusal(max_replicas, largest, reason):
 
 
 @pytest.mark.django_db
+def test_a_key_s_grant_carries_its_plan_s_weight_and_its_batch_flag():
+    from controlplane.gateway.selectors import key_grant_for
+    from tests.controlplane.factories import ApiKeyFactory, PlanFactory, TenantFactory
+
+    heavy = TenantFactory(plan=PlanFactory(fair_share_weight=5))
+    nightly = ApiKeyFactory(tenant=heavy, batch_priority=True)
+    plain = ApiKeyFactory(tenant=TenantFactory(plan=None))
+    limits = {"default_rate_limit_per_minute": 60, "default_max_concurrent": 4}
+    grant = key_grant_for(plaintext=nightly.plaintext, **limits)
+    assert (grant.fair_share_weight, grant.batch_priority) == (5, True)
+    grant = key_grant_for(plaintext=plain.plaintext, **limits)
+    assert (grant.fair_share_weight, grant.batch_priority) == (1, False)
+
+
+@pytest.mark.django_db
 def test_a_split_model_can_start_where_a_worker_has_enough_gpus_together():
     from controlplane.gateway.selectors import routing_table
     from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, WorkerFactory
@@ -87,3 +102,28 @@ def test_routing_sends_a_conversation_to_the_replica_whose_heartbeat_reports_its
     assert [route.replica_id for route in routes] == [r.pk for r in replicas]
     for index, key in held_by.items():
         assert routes[affinity_choice(key, routes)].replica_id == replicas[index].pk
+
+
+@pytest.mark.django_db
+def test_routes_carry_each_replicas_predicted_wait_from_a_recent_load_report_and_the_ttft_objective():
+    import time
+
+    from controlplane.fleet import heartbeat_cache
+    from controlplane.fleet.models import Replica, Worker
+    from controlplane.gateway.selectors import routing_table
+    from tests.controlplane.factories import DeploymentFactory, ReplicaFactory, WorkerFactory
+
+    deployment = DeploymentFactory(ttft_slo_ms=1500)
+    reported, silent = (WorkerFactory(name=name, state=Worker.State.ONLINE) for name in ("reported", "silent"))
+    busy, quiet = (
+        ReplicaFactory(deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=f"http://{n}:1")
+        for worker, n in ((reported, "busy"), (silent, "quiet"))
+    )
+    load = {"waiting_tokens": 9000, "prefill_tokens_per_s": 3000.0}
+    heartbeat_cache.store(worker_id=reported.pk, state={"received_at": time.time(), "replicas": {str(busy.pk): load}})
+    # An old report says nothing of the queue now.
+    old = {"received_at": time.time() - 60, "replicas": {str(quiet.pk): load}}
+    heartbeat_cache.store(worker_id=silent.pk, state=old)
+    route = routing_table()[deployment.model.public_name]
+    assert route.ttft_objective_s == 1.5
+    assert {r.replica_id: r.predicted_wait_s for r in route.ready} == {busy.pk: 3.0, quiet.pk: 0.0}

@@ -4,6 +4,7 @@ in the form the control plane parses back."""
 import pytest
 
 from gpuworker.contract.heartbeat import (
+    CheckpointReport,
     ContractError,
     GpuSpec,
     Heartbeat,
@@ -98,6 +99,15 @@ def test_heartbeat_parses_figures_and_leaves_out_missing_ones():
         ({"replicas": [{"replica_id": 1, "state": "loading", "running": "2"}]}, "replicas[0].running"),
         ({"replicas": [{"replica_id": 1, "state": "loading", "pid": 0}]}, "replicas[0].pid"),
         ({"replicas": [{"replica_id": 1, "state": "loading", "pid": "4242"}]}, "replicas[0].pid"),
+        ({"replicas": [{"replica_id": 1, "state": "loading", "tenant_shares": [0.5]}]}, "replicas[0].tenant_shares"),
+        (
+            {"replicas": [{"replica_id": 1, "state": "loading", "tenant_shares": {"3": 1.5}}]},
+            "replicas[0].tenant_shares.3",
+        ),
+        (
+            {"replicas": [{"replica_id": 1, "state": "loading", "tenant_shares": {str(i): 0.01 for i in range(17)}}]},
+            "replicas[0].tenant_shares",
+        ),
         ({"replicas": [{"replica_id": 1, "state": "loading"}, {"replica_id": 1, "state": "loading"}]}, "replicas"),
         ({"staging": []}, "staging"),
         ({"staging": {"budget_bytes": -1}}, "staging.budget_bytes"),
@@ -140,6 +150,31 @@ def test_a_bad_quantization_report_is_named(quantization):
     assert _error_fields(parse_heartbeat, body).startswith("models.quantization")
 
 
+@pytest.mark.parametrize(
+    ("checkpoints", "field"),
+    [
+        ({"/models/elsewhere": {}}, "models.checkpoints['/models/elsewhere']"),
+        ({"/models/a": {"kind": "audio"}}, "models.checkpoints['/models/a'].kind"),
+        ({"/models/a": {"parameter_count": 0}}, "models.checkpoints['/models/a'].parameter_count"),
+        ({"/models/a": {"context_length": "8k"}}, "models.checkpoints['/models/a'].context_length"),
+        ({"/models/a": {"problem": "x" * 1001}}, "models.checkpoints['/models/a'].problem"),
+        ({"/models/a": {"repo_id": 7}}, "models.checkpoints['/models/a'].repo_id"),
+        (["/models/a"], "models.checkpoints"),
+    ],
+)
+def test_a_bad_checkpoint_report_is_named(checkpoints, field):
+    body = {"models": {"roots": ["/models"], "paths": ["/models/a"], "checkpoints": checkpoints}}
+    assert _error_fields(parse_heartbeat, body) == field
+
+
+def test_checkpoint_reports_parse_back():
+    report = CheckpointReport(
+        repo_id="org/a", architecture="LlamaForCausalLM", family="llama", kind="chat", parameter_count=8
+    )
+    models = ModelPaths(roots=("/models",), paths=("/models/a", "/models/b"), checkpoints=(("/models/a", report),))
+    assert parse_heartbeat({"models": models.to_json()}).models == models
+
+
 def test_what_the_daemon_builds_the_control_plane_parses_back():
     models = ModelPaths(roots=("/models",), paths=("/models/a", "/models/b"), quantization=(("/models/b", "fp8"),))
     registration = WorkerRegistration(
@@ -167,6 +202,7 @@ def test_what_the_daemon_builds_the_control_plane_parses_back():
                 error="",
                 figures={"load_progress": 1.0, "running": 2, "kv_cache_usage": 0.25},
                 pid=4242,
+                tenant_shares={"12": 0.75, "": 0.25},
             ),
             ReplicaReport(replica_id=8, state="failed", error="it died"),
         ),

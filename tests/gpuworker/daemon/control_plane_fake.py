@@ -34,6 +34,8 @@ REPLICA_KEYS = {
     "tokens_per_s",
     "prefix_cache_hit_rate",
     "host_cache_hit_rate",
+    "waiting_tokens",
+    "prefill_tokens_per_s",
 }
 # The digests of the conversations whose KV the replica holds: present only when there are some.
 REPLICA_PREFIX_KEYS_KEY = "prefix_keys"
@@ -41,11 +43,15 @@ REPLICA_PREFIX_KEYS_KEY = "prefix_keys"
 REPLICA_LATENCY_KEYS = {"ttft_p95_s", "itl_p95_s"}
 # The pid of the process serving the replica: present once there is one, absent (never 0 or null) before.
 REPLICA_PID_KEY = "pid"
+# Tenant id -> share (0-1) of the replica's recent service: present once it served someone.
+REPLICA_SHARES_KEY = "tenant_shares"
 REPLICA_STATES = {"loading", "ready", "draining", "stopped", "failed"}
 # Sent by a daemon with --model-root: at registration, and in a heartbeat when the scan changed;
-# `quantization` (path -> how its weights are stored) only when a found checkpoint is quantized.
+# `quantization` (path -> how its weights are stored) only when a found checkpoint is quantized;
+# `checkpoints` (path -> what was read there) when any checkpoint was found.
 MODELS_KEYS = {"roots", "paths"}
-MODELS_OPTIONAL_KEYS = {"quantization"}
+MODELS_OPTIONAL_KEYS = {"quantization", "checkpoints"}
+CHECKPOINT_KEYS = {"repo_id", "architecture", "family", "kind", "parameter_count", "context_length", "problem"}
 
 
 class ShapeError(ValueError):
@@ -74,6 +80,11 @@ def _models(where: str, body: dict, keys: set[str]) -> None:
             isinstance(p, str) and p.startswith("/") and isinstance(q, str) and q for p, q in quantization.items()
         ):
             raise ShapeError(f"{where}.models.quantization: expected absolute path -> label, got {quantization!r}")
+        checkpoints = models.get("checkpoints", {})
+        if not isinstance(checkpoints, dict) or not all(isinstance(p, str) and p.startswith("/") for p in checkpoints):
+            raise ShapeError(f"{where}.models.checkpoints: expected absolute path -> report, got {checkpoints!r}")
+        for path, report in checkpoints.items():
+            _keys(f"{where}.models.checkpoints[{path!r}]", report, CHECKPOINT_KEYS)
         for key in sorted(MODELS_KEYS):
             if not isinstance(body["models"][key], list) or not all(
                 isinstance(p, str) and p.startswith("/") for p in body["models"][key]
@@ -135,10 +146,14 @@ def check_heartbeat(body: Any) -> None:
         raise ShapeError("heartbeat.replicas: expected a list")
     for i, replica in enumerate(body["replicas"]):
         where = f"heartbeat.replicas[{i}]"
-        optional = REPLICA_LATENCY_KEYS | {REPLICA_PID_KEY, REPLICA_PREFIX_KEYS_KEY}
+        optional = REPLICA_LATENCY_KEYS | {REPLICA_PID_KEY, REPLICA_PREFIX_KEYS_KEY, REPLICA_SHARES_KEY}
         _keys(where, {k: v for k, v in replica.items() if k not in optional}, REPLICA_KEYS)
         if REPLICA_PID_KEY in replica:
             _number(f"{where}.{REPLICA_PID_KEY}", replica[REPLICA_PID_KEY], 1, integer=True)
+        for tenant, share in replica.get(REPLICA_SHARES_KEY, {}).items():
+            if not isinstance(tenant, str):
+                raise ShapeError(f"{where}.{REPLICA_SHARES_KEY}: tenants must be strings, got {tenant!r}")
+            _number(f"{where}.{REPLICA_SHARES_KEY}.{tenant}", share, 0, 1)
         for key in REPLICA_LATENCY_KEYS & set(replica):
             _number(f"{where}.{key}", replica[key])
             if replica[key] <= 0:
@@ -149,7 +164,7 @@ def check_heartbeat(body: Any) -> None:
         if not isinstance(replica["endpoint_url"], str) or not isinstance(replica["error"], str):
             raise ShapeError(f"{where}: endpoint_url and error must be strings")
         _number(f"{where}.load_progress", replica["load_progress"], 0, 1)
-        for key in ("running", "waiting"):
+        for key in ("running", "waiting", "waiting_tokens"):
             _number(f"{where}.{key}", replica[key], integer=True)
         prefix_keys = replica.get(REPLICA_PREFIX_KEYS_KEY, ["0" * 16])
         if not prefix_keys or not all(isinstance(k, str) and len(k) == 16 for k in prefix_keys):
@@ -157,6 +172,7 @@ def check_heartbeat(body: Any) -> None:
         for key in ("kv_cache_usage", "prefix_cache_hit_rate", "host_cache_hit_rate"):
             _number(f"{where}.{key}", replica[key], 0, 1)
         _number(f"{where}.tokens_per_s", replica["tokens_per_s"])
+        _number(f"{where}.prefill_tokens_per_s", replica["prefill_tokens_per_s"])
 
 
 class ControlPlaneFake:

@@ -17,7 +17,7 @@ import pytest
 from gpuworker.contract.heartbeat import ReplicaReport
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
-from gpuworker.daemon.supervisor import Supervisor, load_devices
+from gpuworker.daemon.supervisor import Supervisor, image_limit_arguments, load_devices
 from tests.processes import children_running
 
 TOKEN = "replica-token"
@@ -269,7 +269,14 @@ def test_a_tensor_parallel_replica_is_one_replica_with_its_ranks_below_it(superv
 
 
 @pytest.mark.slow
-def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor, tiny_checkpoint):
+def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor, tiny_checkpoint, tmp_path):
+    from gpuworker.__main__ import build_parser, image_fetch_argv, image_limits
+
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("not read until an https image is fetched")
+    daemon_args = ["daemon", "--control-url", "http://cp", "--allowed-image-domains", "images.test"]
+    daemon_args += ["--image-ca-bundle", str(bundle)]
+    supervisor.replica_argv = image_fetch_argv(build_parser().parse_args(daemon_args))
     request = LoadModel(
         replica_id=7,
         model_path=str(tiny_checkpoint("llama")),
@@ -277,6 +284,7 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
         gpu_index=None,
         memory_fraction=0.5,
         max_model_len=128,
+        max_image_pixels=4096,
     )
     supervisor.load(request)
     loading = _wait(supervisor, 7, timeout=5)
@@ -285,6 +293,9 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
     assert ready.figures["load_progress"] == 1.0 and ready.error == ""
     [child] = _serve_children()
     assert ready.pid == child.pid  # the heartbeat names the process serving the replica
+    argv = child.cmdline()  # the load's image limit and the daemon's fetch policy reached the replica
+    limits = image_limits(build_parser().parse_args(argv[argv.index("serve") :]))
+    assert (limits.max_image_pixels, limits.allowed_domains, limits.ca_bundle) == (4096, ("images.test",), str(bundle))
     # The child demands the worker token; it got it through its environment, not its command line.
     assert httpx.get(f"{ready.endpoint_url}/v1/models").status_code == 401
     assert TOKEN not in " ".join(child.cmdline())
@@ -542,3 +553,29 @@ def test_the_workers_host_kv_tier_reaches_each_replica(tmp_path, tmp_path_factor
     finally:
         supervisor.close(drain_timeout_s=5)
     assert _serve_children() == []
+
+
+def test_a_daemon_with_a_ca_bundle_that_is_no_file_stops_before_it_starts(tmp_path, capsys):
+    from gpuworker.__main__ import build_parser
+
+    argv = ["daemon", "--control-url", "http://cp", "--image-ca-bundle", str(tmp_path / "missing.pem")]
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(argv)
+    assert stopped.value.code == 2 and "missing.pem' is not a file" in capsys.readouterr().err
+
+
+def test_a_loads_image_limits_become_the_replicas_image_limits():
+    """The catalog's limits travel in the load message, become serve flags, and the replica's
+    server builds its ImageLimits from them; limits the load leaves unset keep the replica's defaults."""
+    from gpuworker.__main__ import build_parser, image_limits
+    from gpuworker.replica.images import ImageLimits
+
+    def limits_of(request: LoadModel) -> ImageLimits:
+        return image_limits(build_parser().parse_args(["serve", "--model", "m", *image_limit_arguments(request)]))
+
+    base = {"replica_id": 1, "model_path": "/m", "served_model_name": "m", "gpu_index": None, "memory_fraction": 0.5}
+    limited = LoadModel(**base, max_images_per_request=2, max_image_bytes=5000, max_image_pixels=640 * 480)
+    assert limits_of(limited) == ImageLimits(max_images=2, max_image_bytes=5000, max_image_pixels=640 * 480)
+    assert limits_of(LoadModel(**base)) == ImageLimits()
+    with pytest.raises(ValueError, match="max_image_pixels must be an integer >= 1"):
+        LoadModel(**base, max_image_pixels=0)

@@ -301,6 +301,28 @@ def test_gpu_time_is_shared_out_by_tokens(path, async_scheduling):
     assert long > short > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_gpu_time_of_concurrent_requests_adds_up_to_the_busy_time(path, async_scheduling):
+    """Requests of different lengths, some joining while others run: the GPU seconds they report
+    add up to the engine's own busy time (the wall time of its steps), so a margin computed from
+    them is computed from the time the GPU was really busy."""
+    engine = make_engine(path, async_scheduling=async_scheduling, max_num_batched_tokens=64)
+    lengths = (120, 7, 60, 33, 90, 15, 48, 3)
+    prompts = random_prompts(lengths, TINY["vocab_size"], seed=11)
+    waiting = [
+        (f"r{i}", prompt, SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True)) for i, prompt in enumerate(prompts)
+    ]
+    finished = {}
+    while waiting or engine.has_unfinished_requests():
+        if waiting:  # one more request joins at each step, while the earlier ones run
+            engine.add_request(*waiting.pop(0))
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    assert sorted(finished) == sorted(f"r{i}" for i in range(len(lengths)))
+    shares = [out.metrics.gpu_time_s for out in finished.values()]
+    assert all(share > 0 for share in shares)
+    assert sum(shares) == pytest.approx(engine.busy_time_s, rel=0.05)
+
+
 def test_a_short_request_is_not_starved_by_long_prefills(path):
     """A short prompt that arrives while long ones prefill gets its first token at the next step,
     however many long prompts came first; in plain arrival order (short_prefill_share=0) it waited

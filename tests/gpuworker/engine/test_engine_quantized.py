@@ -14,7 +14,15 @@ from tests.gpuworker.quantized_checkpoints import hf_reference, make_quantized_c
 LENGTHS = (1, 16, 17, 40)
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-SCHEMES = ("fp8-ct-channel-weight-only", "fp8-ct-tensor-static", "fp8-vllm-dynamic", "fp8-block", "awq", "gptq-asym")
+SCHEMES = (
+    "fp8-ct-channel-weight-only",
+    "fp8-ct-tensor-static",
+    "fp8-vllm-dynamic",
+    "fp8-block",
+    "int8-ct-channel-dynamic",
+    "awq",
+    "gptq-asym",
+)
 
 
 @pytest.fixture(scope="module", params=SCHEMES)

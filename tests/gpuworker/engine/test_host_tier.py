@@ -5,16 +5,20 @@ whose restore is in flight."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from gpuworker.engine.block_manager import BlockManager
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.host_tier import HostTier
+from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.scheduler import Scheduler
-from gpuworker.engine.sequence import SequenceStatus
+from gpuworker.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from tests.gpuworker.engine.test_block_manager import make_seq, run_prompt
 
 BLOCK_SIZE = 4
+_arrivals = itertools.count()
 
 
 def fill_and_evict(bm: BlockManager, tokens: list[int]) -> None:
@@ -135,7 +139,8 @@ def test_scheduler_admits_others_while_a_restore_is_in_flight():
     prompt = list(range(13))
     fill_and_evict(bm, prompt)
     restoring, other = make_seq(prompt + [1]), make_seq([3000, 3001])
-    scheduler.waiting.extend([restoring, other])
+    for seq in (restoring, other):
+        scheduler.add(seq.group)
     batch = scheduler.schedule()
     assert [entry.seq for entry in batch.seqs] == [other]
     assert restoring.status is SequenceStatus.WAITING and scheduler.waiting[0] is restoring
@@ -144,6 +149,66 @@ def test_scheduler_admits_others_while_a_restore_is_in_flight():
     bm.restore_landed(restoring.seq_id)
     [entry] = [entry for entry in scheduler.schedule().seqs if entry.seq is restoring]
     assert entry.start == 12
+
+
+def tiered_scheduler(max_num_seqs: int = 4) -> Scheduler:
+    config = EngineConfig(
+        model="unused",
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=8,
+        max_model_len=32,
+        max_num_batched_tokens=64,
+        max_num_seqs=max_num_seqs,
+        num_host_kv_blocks=16,
+    )
+    return Scheduler(config)
+
+
+def queue(scheduler: Scheduler, tokens: list[int], **params) -> Sequence:
+    """Queue a request of tokens; params: more SamplingParams fields (tenant, priority)."""
+    arrival = next(_arrivals)
+    params = SamplingParams(max_tokens=8, **params)
+    group = SequenceGroup(f"q{arrival}", tokens, params, arrival, 8, first_seq_id=1000 + 16 * arrival)
+    scheduler.add(group)
+    return group.seqs[0]
+
+
+def test_a_restoring_sequence_keeps_its_place_in_its_tenants_lane():
+    """Fair shares: while tenant a's first request waits for its prefix, a's next request and
+    tenant b's are admitted; the first stays at the front of a's lane and runs once it lands."""
+    scheduler = tiered_scheduler()
+    prompt = list(range(13))
+    fill_and_evict(scheduler.block_manager, prompt)
+    restoring = queue(scheduler, prompt + [1], tenant="a")
+    behind = queue(scheduler, [3000, 3001], tenant="a")
+    other = queue(scheduler, [4000, 4001], tenant="b")
+    batch = scheduler.schedule()
+    assert {entry.seq for entry in batch.seqs} == {behind, other}
+    assert list(scheduler.waiting) == [restoring] and restoring.status is SequenceStatus.WAITING
+    scheduler.postprocess(batch, [7, 7])
+    scheduler.block_manager.restore_landed(restoring.seq_id)
+    [entry] = [entry for entry in scheduler.schedule().seqs if entry.seq is restoring]
+    assert entry.start == 12 and not scheduler.waiting
+
+
+def test_an_interactive_request_takes_a_batch_seat_only_once_its_prefix_is_back():
+    """Every seat is a running batch request's: an interactive one whose prefix is on the host
+    tier starts its restore and preempts nobody until it lands; then it takes a batch seat."""
+    scheduler = tiered_scheduler(max_num_seqs=2)
+    prompt = list(range(13))
+    fill_and_evict(scheduler.block_manager, prompt)
+    batch_seqs = [queue(scheduler, [5000 + i, 5100 + i], priority="batch") for i in range(2)]
+    batch = scheduler.schedule()
+    scheduler.postprocess(batch, [7, 7])
+    interactive = queue(scheduler, prompt + [1])
+    batch = scheduler.schedule()
+    assert {entry.seq for entry in batch.seqs} == set(batch_seqs) and scheduler.num_preemptions == 0
+    assert list(scheduler.waiting) == [interactive]
+    scheduler.postprocess(batch, [7, 7])
+    scheduler.block_manager.restore_landed(interactive.seq_id)
+    batch = scheduler.schedule()
+    [entry] = [entry for entry in batch.seqs if entry.seq is interactive]
+    assert entry.start == 12 and scheduler.num_preemptions == 1 and batch.preempted[0] in batch_seqs
 
 
 def test_a_restore_leaves_the_reserved_blocks_free():

@@ -57,3 +57,24 @@ def test_a_real_engine_records_each_first_token_and_each_later_step(tiny_checkpo
     # n=2: both sequences' tokens of a step are one gap, not two (the second would read 0 s).
     engine.generate(["four"], SamplingParams(max_tokens=3, n=2, ignore_eos=True))
     assert all(value > 0 for _, value in itl._samples)
+
+
+def test_a_real_engine_reports_the_prompt_tokens_queued_and_those_it_prefilled(tiny_checkpoint):
+    """The load a replica reports for shedding: prompt tokens not yet prefilled, and a running count
+    of those prefilled (chunks included), so that their rate can be measured."""
+    from gpuworker.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(tiny_checkpoint("llama"), max_model_len=256, max_num_batched_tokens=64)
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(100)] for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    figures = engine.serving_figures()
+    assert (figures["waiting_tokens"], figures["num_prefilled_tokens"]) == (300, 0)
+    engine.step()
+    figures = engine.serving_figures()
+    assert 0 < figures["num_prefilled_tokens"] <= 64
+    assert figures["waiting_tokens"] == 300 - figures["num_prefilled_tokens"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    figures = engine.serving_figures()
+    assert (figures["waiting_tokens"], figures["num_prefilled_tokens"]) == (0, 300)

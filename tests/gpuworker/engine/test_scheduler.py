@@ -35,12 +35,13 @@ class Sim:
         self.shadow: dict[tuple[int, int], tuple[int, ...]] = {}
         self._arrivals = 0
 
-    def add(self, request_id: str, prompt: list[int] | int, max_tokens: int = 4, n: int = 1) -> SequenceGroup:
+    def add(self, request_id: str, prompt: list[int] | int, max_tokens: int = 4, n: int = 1, **params) -> SequenceGroup:
+        """params: more SamplingParams fields (tenant, tenant_weight, priority)."""
         tokens = list(range(prompt)) if isinstance(prompt, int) else prompt
         group = SequenceGroup(
             request_id,
             tokens,
-            SamplingParams(n=n, max_tokens=max_tokens),
+            SamplingParams(n=n, max_tokens=max_tokens, **params),
             self._arrivals,
             max_tokens,
             first_seq_id=self._arrivals * 100,

@@ -14,6 +14,7 @@ from gpuworker.engine.sizing import (
     TOKENS_PER_SEQ,
     default_max_num_batched_tokens,
     plan_sizes,
+    vision_activation_bytes,
 )
 from gpuworker.models.config import ModelConfig
 
@@ -147,3 +148,64 @@ def test_an_fp8_cache_holds_twice_the_blocks_in_the_same_memory():
 def test_token_budget_shrinks_as_the_model_grows(shape, tokens):
     assert default_max_num_batched_tokens(model(**shape)) == tokens
     assert plan(125, mc=model(**shape), max_num_seqs=8).max_num_batched_tokens == tokens
+
+
+QWEN2_5_VL_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "image_token_id": 151655,
+    "vision_start_token_id": 151652,
+    "text_config": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 128000,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+    },
+    "vision_config": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "num_heads": 16,
+        "intermediate_size": 3420,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+    },
+}
+# Qwen2.5-VL-7B in bf16 with a step of 8,192 tokens: one encoder call of 65,536 patch rows, each
+# (8 x 1280 + 3 x 3420) x 2 bytes of block activations and 3 x 2 x 14 x 14 = 1,176 pixel values at
+# 4 + 2 bytes (float32, then cast); and 16,384 cached image tokens of 3,584 x 2 bytes.
+VISION_BYTES_7B = 65536 * ((8 * 1280 + 3 * 3420) * 2 + 1176 * 6) + 16384 * 3584 * 2
+
+
+def test_a_vision_models_pool_leaves_room_for_its_encoder_and_image_cache():
+    import dataclasses
+
+    vision = ModelConfig.from_hf(QWEN2_5_VL_7B)
+    text_only = dataclasses.replace(vision, vision=None)  # the same decoder without the tower
+    assert vision_activation_bytes(vision, 2, 8192) == VISION_BYTES_7B  # about 2.8 GiB
+    assert vision_activation_bytes(text_only, 2, 8192) == 0
+    block_bytes = 28 * 2 * 16 * 4 * 128 * 2  # 28 layers x K and V x 16 tokens x 4 heads x 128 dims x bf16
+    # The same sequences: the pool is smaller by the vision bytes, to the block.
+    settings = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "max_model_len": 128000}
+    with_tower, without = plan(80, mc=vision, **settings), plan(80, mc=text_only, **settings)
+    assert without.num_kv_blocks - with_tower.num_kv_blocks in (
+        VISION_BYTES_7B // block_bytes,
+        -(-VISION_BYTES_7B // block_bytes),
+    )
+    # Sequences chosen from the room: fewer fit beside the tower, in a smaller pool.
+    settings["max_num_seqs"] = None
+    with_tower, without = plan(24, mc=vision, **settings), plan(24, mc=text_only, **settings)
+    assert MIN_NUM_SEQS < with_tower.max_num_seqs < without.max_num_seqs < MAX_NUM_SEQS
+    assert with_tower.num_kv_blocks < without.num_kv_blocks
+
+
+def test_a_vision_model_on_a_gpu_too_small_for_its_encoder_is_refused():
+    vision = ModelConfig.from_hf(QWEN2_5_VL_7B)
+    with pytest.raises(ValueError, match="leaves no room for one KV block"):
+        plan(VISION_BYTES_7B / GIB, mc=vision, max_num_batched_tokens=8192, max_num_seqs=8)

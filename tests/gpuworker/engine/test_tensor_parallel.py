@@ -144,10 +144,13 @@ def test_a_model_that_does_not_split_is_refused(tiny_checkpoint):
     assert not multiprocessing.active_children()  # refused before any worker started
 
 
-def test_a_quantized_model_is_not_split(tiny_checkpoint):
+def test_quantized_models_split_as_their_scales_allow(tiny_checkpoint):
+    # FP8 quantized at load keeps a scale per output channel: a rank takes its channels' scales.
+    # Block FP8, and INT4's refusal: test_tensor_parallel_quantized.
     mc = with_quantization(load_model_config(tiny_checkpoint("llama")), "fp8")
-    with pytest.raises(ValueError, match=r"quantization: a .* model cannot be split over tensor_parallel_size \(2\)"):
-        shard_config(mc, ParallelContext(0, 2))
+    assert shard_config(mc, ParallelContext(0, 2)).num_heads * 2 == mc.num_heads
+    layer = load_model(mc, parallel=ParallelContext(1, 2)).layers[0]
+    assert layer.mlp.down_proj.weight_fp8.shape == (mc.hidden_size, mc.intermediate_size // 2)
     assert shard_config(mc, ParallelContext(0, 1)) is mc  # one rank: nothing to split
 
 

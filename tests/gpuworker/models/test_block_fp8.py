@@ -248,11 +248,13 @@ def test_missing_expert_scale_is_named(tmp_path):
         load_model(quantized)
 
 
-def test_tensor_parallel_is_refused(checkpoint):
-    # Block scales are not sharded yet: a block FP8 model runs on one GPU.
+def test_a_split_that_cuts_a_scale_block_is_refused(checkpoint):
+    # 4 heads of 32 over two ranks: 64 query rows each, half a 128-row block of the scales.
     from gpuworker.models.tensor_parallel import ParallelContext, shard_config
 
-    with pytest.raises(ValueError, match=r"quantization: a fp8 model cannot be split over tensor_parallel_size \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"num_attention_heads \* head_dim \(128\) .* gives 64 per rank, .*\[128, 128\]"
+    ):
         shard_config(load_model_config(checkpoint[0]), ParallelContext(rank=0, world_size=2))
 
 

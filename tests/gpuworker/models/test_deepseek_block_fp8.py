@@ -123,11 +123,16 @@ def test_logits_equal_transformers_through_prefill_and_absorbed_decode(v3, promp
     torch.testing.assert_close(torch.cat(pieces), expected, rtol=1e-5, atol=1e-4)
 
 
-def test_tensor_parallel_is_refused_before_any_worker(v3):
-    # Block scales are not sharded: a block FP8 DeepSeek model runs on one rank.
+def test_a_split_that_cuts_a_scale_block_is_refused_before_any_worker(v3):
+    # Two ranks' 2 heads of q_b_proj are 64 rows, half a 128-row block: their scales do not split.
+    # (Whole blocks split: tests/gpuworker/engine/test_tensor_parallel_quantized.py.)
     import multiprocessing
 
-    with pytest.raises(ValueError, match=r"quantization: a fp8 model cannot be split over tensor_parallel_size \(2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantization: num_attention_heads \* qk_head_dim \(128\) split over tensor_parallel_size \(2\) "
+        r"gives 64 per rank, not a multiple of the weight_block_size \[128, 128\]",
+    ):
         LLMEngine(v3[0], tensor_parallel_size=2)
     assert not multiprocessing.active_children()
 

@@ -42,6 +42,43 @@ def test_fp8_layouts(scheme, expected):
     assert quant.label == "fp8"
 
 
+@pytest.mark.parametrize(
+    "scheme, strategy", [("int8-ct-channel-dynamic", "channel"), ("int8-ct-tensor-dynamic", "tensor")]
+)
+def test_int8_layouts(scheme, strategy):
+    quant = parse(quantization_config(scheme))
+    assert (quant.method, quant.checkpoint_format, quant.weight_strategy, quant.activation_scheme) == (
+        "int8",
+        "compressed-tensors",
+        strategy,
+        "dynamic",
+    )
+    assert quant.label == "int8" and quant.ignores("lm_head")
+
+
+def _int8_with(part: str, **changes):
+    qc = quantization_config("int8-ct-channel-dynamic")
+    group = qc["config_groups"]["group_0"]
+    group[part] = None if changes.get("absent") else {**group[part], **changes}
+    return qc
+
+
+@pytest.mark.parametrize(
+    "qc, match",
+    [
+        (_int8_with("weights", num_bits=4), "weights must be 8-bit int"),
+        (_int8_with("weights", strategy="group"), "weights.strategy must be static"),
+        (_int8_with("weights", symmetric=False), "weights must be symmetric"),
+        (_int8_with("input_activations", dynamic=False, strategy="tensor"), "quantized per 'token' at run time"),
+        (_int8_with("input_activations", symmetric=False), "input_activations must be symmetric"),
+        (_int8_with("input_activations", absent=True), "input_activations must be symmetric 8-bit int"),
+    ],
+)
+def test_unsupported_int8_layouts_are_named(qc, match):
+    with pytest.raises(ValueError, match=match):
+        parse(qc)
+
+
 @pytest.mark.parametrize("scheme, zero_point", [("awq", True), ("gptq-sym", False), ("gptq-asym", True)])
 def test_int4_layouts(scheme, zero_point):
     quant = parse(quantization_config(scheme))

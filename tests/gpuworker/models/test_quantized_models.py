@@ -1,6 +1,7 @@
-"""Quantized checkpoints (FP8 compressed-tensors / vLLM fp8 / block-wise FP8, AWQ, GPTQ) load into quantized linears and
-give the logits of their dequantised float32 twin run by transformers (with the format's FP8
-activation rounding where it has one); FP8 at load; what a broken or unsupported checkpoint says.
+"""Quantized checkpoints (FP8 compressed-tensors / vLLM fp8 / block-wise FP8, INT8 W8A8, AWQ, GPTQ)
+load into quantized linears and give the logits of their dequantised float32 twin run by
+transformers (with the format's FP8 or INT8 activation rounding where it has one); FP8 at load;
+what a broken or unsupported checkpoint says.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gpuworker.models.quantization.awq import unpack_columns
 from gpuworker.models.quantization.block_fp8 import BlockFp8Linear
 from gpuworker.models.quantization.fp8 import Fp8Linear
 from gpuworker.models.quantization.int4 import Int4Linear
+from gpuworker.models.quantization.int8 import Int8Linear
 from tests.gpuworker.models.paged_batch import PagedBatcher
 from tests.gpuworker.quantized_checkpoints import SCHEMES, hf_reference, make_quantized_checkpoint
 
@@ -37,17 +39,69 @@ def prompt() -> list[int]:
     return torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
-@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+# INT8 per-token activations have a step of a row's largest magnitude / 127, coarse enough that the
+# float32 summation-order noise between the engine and transformers (~1e-6 in a down_proj input)
+# moves one activation across a rounding boundary in about one forward pass of this size in two; the
+# flipped step then runs through every later layer. Its linears are compared one by one instead
+# (test_int8_linears_equal_the_twins_projections) and its greedy tokens end to end
+# (tests/gpuworker/engine/test_engine_quantized.py).
+FLOAT_EXACT_SCHEMES = sorted(scheme for scheme in SCHEMES if not scheme.startswith("int8"))
+
+
+@pytest.mark.parametrize("scheme", FLOAT_EXACT_SCHEMES)
 def test_logits_equal_the_dequantised_reference(scheme, prompt, tmp_path):
     quantized, twin = make_quantized_checkpoint(tmp_path, scheme)
     mc = load_model_config(quantized)
     model = load_model(mc)
-    expected_class = BlockFp8Linear if scheme == "fp8-block" else Fp8Linear if scheme.startswith("fp8") else Int4Linear
+    expected_class = (
+        BlockFp8Linear
+        if scheme.startswith("fp8-block")
+        else Fp8Linear
+        if scheme.startswith("fp8")
+        else Int8Linear
+        if scheme.startswith("int8")
+        else Int4Linear
+    )
     assert isinstance(model.layers[1].self_attn.qkv_proj, expected_class)
     assert isinstance(model.layers[0].mlp.down_proj, expected_class)
     with torch.no_grad():
         expected = hf_reference(quantized, twin, scheme)(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(_logits(model, mc, prompt), expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("scheme", ["int8-ct-channel-dynamic", "int8-ct-tensor-dynamic"])
+def test_int8_linears_equal_the_twins_projections(scheme, tmp_path):
+    # Each fused INT8 projection (its shards' weights and scales) gives what the twin's float32
+    # projections give on the input rounded through INT8 per token, as the format says.
+    quantized, twin = make_quantized_checkpoint(tmp_path, scheme)
+    model = load_model(quantized)
+    reference = hf_reference(quantized, twin, scheme).model
+    generator = torch.Generator().manual_seed(7)
+    for i in range(len(model.layers)):
+        layer, twin_layer = model.layers[i], reference.layers[i]
+        for linear, parts in (
+            (layer.self_attn.qkv_proj, [getattr(twin_layer.self_attn, f"{p}_proj") for p in "qkv"]),
+            (layer.self_attn.o_proj, [twin_layer.self_attn.o_proj]),
+            (layer.mlp.gate_up_proj, [twin_layer.mlp.gate_proj, twin_layer.mlp.up_proj]),
+            (layer.mlp.down_proj, [twin_layer.mlp.down_proj]),
+        ):
+            assert isinstance(linear, Int8Linear) and linear.weight_int8.dtype == torch.int8
+            x = torch.randn(9, linear.in_features, generator=generator) * 3
+            with torch.no_grad():
+                expected = torch.cat([part(x) for part in parts], dim=-1)  # the hooks round x
+                torch.testing.assert_close(linear(x), expected, **TOLERANCE)
+
+
+def test_int8_asymmetric_zero_points_are_refused(tmp_path):
+    quantized, _ = make_quantized_checkpoint(tmp_path, "int8-ct-channel-dynamic")
+
+    def add_zero_points(tensors):
+        name = "model.layers.0.mlp.down_proj"
+        tensors[f"{name}.weight_zero_point"] = torch.ones_like(tensors[f"{name}.weight_scale"], dtype=torch.int8)
+
+    _rewrite(quantized, add_zero_points)
+    with pytest.raises(ValueError, match="down_proj.weight_zero_point holds non-zero values"):
+        load_model(quantized)
 
 
 def test_buffers_keep_their_dtypes_in_bfloat16(tmp_path, prompt):
@@ -83,6 +137,17 @@ def test_dummy_weights_of_the_right_dtypes(tmp_path, prompt):
     model = load_model(mc, dtype="bfloat16", load_format="dummy")
     down = model.layers[0].mlp.down_proj
     assert (down.qweight.dtype, down.zeros.dtype, down.scales.dtype) == (torch.int32, torch.uint8, torch.float16)
+    assert torch.isfinite(_logits(model, mc, prompt)).all()
+
+
+def test_int8_dummy_weights(tmp_path, prompt):
+    # load_format "dummy" (the benchmarks' INT8 rows): int8 weights and float32 scales in a bfloat16 model.
+    quantized, _ = make_quantized_checkpoint(tmp_path, "int8-ct-channel-dynamic")
+    mc = load_model_config(quantized)
+    model = load_model(mc, dtype="bfloat16", load_format="dummy")
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert (qkv.weight_int8.dtype, qkv.weight_scale.dtype) == (torch.int8, torch.float32)
+    assert qkv.weight_int8.abs().amax().item() == 127
     assert torch.isfinite(_logits(model, mc, prompt)).all()
 
 

@@ -22,6 +22,7 @@ import uvicorn
 from gpuworker.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from gpuworker.replica.app import ServerConfig, build_app
 from gpuworker.replica.engine_holder import EngineHolder
+from tests.gpuworker.replica_metrics import tenant_figures
 from tests.gpuworker.streaming import stream_in_thread
 
 TOKEN = "s3cret"
@@ -233,6 +234,32 @@ def test_health_and_metrics_move(server):
     assert stats["state"] == "ready" and stats["running"] == 0 and stats["load_progress"] == 1.0
 
 
+def test_the_tenancy_headers_reach_the_engine_and_its_per_tenant_service_shows_in_metrics(server):
+    from gpuworker.contract.tenancy import tenancy_headers
+
+    base, _ = server
+    with _client(base) as client:
+        body = {"prompt": "x", "max_tokens": 3, "ignore_eos": True}
+        for tenant_id, weight, batch in ((41, 1.0, False), (42, 2.0, True)):
+            answer = client.post(
+                "/v1/completions", json=body, headers=tenancy_headers(tenant_id=tenant_id, weight=weight, batch=batch)
+            )
+            assert answer.status_code == 200
+        metrics = client.get("/metrics").text
+        bad_weight = client.post("/v1/completions", json=body, headers={"x-gpuserve-tenant-weight": "heavy"})
+        bad_priority = client.post("/v1/completions", json=body, headers={"x-gpuserve-priority": "urgent"})
+        bad_zero = client.post("/v1/completions", json=body, headers={"x-gpuserve-tenant-weight": "0"})
+
+    served, weights = tenant_figures(metrics)
+    # Its prompt once, its 3 output tokens twice each (the first sampled by the prefill's last token).
+    prompt_tokens = served["41", "interactive"] - 2 * 3 + 1
+    assert prompt_tokens >= 1 and served["42", "batch"] == served["41", "interactive"]
+    assert weights["41"] == 1.0 and weights["42"] == 2.0
+    assert bad_weight.status_code == 400 and "x-gpuserve-tenant-weight must be a number" in bad_weight.text
+    assert bad_priority.status_code == 400 and "priority must be one of interactive, batch" in bad_priority.text
+    assert bad_zero.status_code == 400 and "tenant_weight must be greater than 0" in bad_zero.text
+
+
 def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keeps(tiny_checkpoint):
     from gpuworker.contract.heartbeat import REPLICA_FIGURES, parse_heartbeat
 
@@ -247,6 +274,8 @@ def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keep
     # No sample yet: null, which a heartbeat leaves out (0 would read as a perfect latency).
     assert idle["ttft_p95_s"] is None and idle["itl_p95_s"] is None
     assert 0 < stats["ttft_p95_s"] < 60 and 0 < stats["itl_p95_s"] < 60
+    # The load the gateway sheds by: nothing queued now, prompts prefilled since the idle snapshot.
+    assert idle["waiting_tokens"] == stats["waiting_tokens"] == 0 and stats["prefill_tokens_per_s"] > 0
     for figures, expected in (
         (idle, {}),
         (stats, {"ttft_p95_s": stats["ttft_p95_s"], "itl_p95_s": stats["itl_p95_s"]}),
@@ -258,6 +287,7 @@ def test_stats_carry_recent_latency_percentiles_that_the_heartbeat_contract_keep
             **{name: figures[name] for name in REPLICA_FIGURES if name in figures},
         }
         parsed = parse_heartbeat({"replicas": [report]}).replicas[0].figures
+        assert parsed["prefill_tokens_per_s"] == figures["prefill_tokens_per_s"]
         assert {name: parsed[name] for name in ("ttft_p95_s", "itl_p95_s") if name in parsed} == expected
 
 
@@ -372,12 +402,17 @@ def test_disconnect_of_non_streaming_request_aborts_it(server):
     assert 0 < generated < 1000  # it ran, and was aborted rather than run to the end
 
 
-def test_a_caller_can_ask_whether_its_whole_answer_request_started(server):
+def test_a_caller_can_ask_whether_its_request_started_and_its_prompt_tokens(server):
     base, _ = server
     with _client(base) as client:
-        assert client.get("/requests/req_never_sent").json() == {"request_id": "req_never_sent", "started": False}
-        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "req_whole"})
-        assert client.get("/requests/req_whole").json()["started"] is True
+        never = {"request_id": "req_never_sent", "started": False, "prompt_tokens": 0}
+        assert client.get("/requests/req_never_sent").json() == never
+        whole = client.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "req_whole"}
+        ).json()
+        answer = client.get("/requests/req_whole").json()
+        # The prompt tokens it took, for a caller whose client left before the usage came back.
+        assert answer["started"] is True and answer["prompt_tokens"] == whole["usage"]["prompt_tokens"] > 0
         with client.stream(
             "POST",
             "/v1/completions",
@@ -385,6 +420,7 @@ def test_a_caller_can_ask_whether_its_whole_answer_request_started(server):
             headers={"x-request-id": "req_stream"},
         ) as response:
             response.read()
+            assert response.headers["x-prompt-tokens"] == str(whole["usage"]["prompt_tokens"])
         assert client.get("/requests/req_stream").json()["started"] is False  # its caller saw the tokens
     assert httpx.get(f"{base}/requests/req_whole").status_code == 401
 
@@ -500,6 +536,18 @@ def test_kv_cache_dtype_reaches_the_engine(tiny_checkpoint):
     try:
         assert holder.state == "ready", holder.error
         assert holder.engine.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+    finally:
+        holder.shutdown()
+
+
+def test_the_scheduling_policy_reaches_the_engine(tiny_checkpoint):
+    # `serve --scheduling fcfs` builds this ServerConfig; the engine it loads admits in arrival order.
+    holder = EngineHolder(ServerConfig(model=str(tiny_checkpoint("llama")), max_model_len=64, scheduling="fcfs"))
+    holder._load()  # the load thread's body, run here
+    try:
+        assert holder.state == "ready", holder.error
+        assert holder.engine.engine.config.scheduling == "fcfs"
+        assert not holder.engine.engine.scheduler.waiting.fair
     finally:
         holder.shutdown()
 

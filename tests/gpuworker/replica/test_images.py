@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +27,7 @@ from tests.gpuworker.replica.image_files import (
     truncated_jpeg,
     two_frame_gif,
 )
+from tests.gpuworker.replica.tls_certificates import make_certificates
 
 # The test server listens on a loopback address of its own, the only non-public address the
 # limits below let through; 127.0.0.1 stays refused like any other loopback address.
@@ -184,6 +186,55 @@ def test_a_slow_server_times_out(image_server, resolver):
     assert "longer than 0.3s" in error.message
 
 
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory):
+    """The same handler over https, its certificate for images.test signed by a test CA: (port,
+    the CA's PEM file)."""
+    certificates = make_certificates(tmp_path_factory.mktemp("tls"), ["images.test"])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certificates.cert_file, certificates.key_file)
+    try:
+        server = ThreadingHTTPServer((SERVER_ADDRESS, 0), _Handler)
+    except OSError:
+        pytest.skip(f"cannot listen on {SERVER_ADDRESS}")
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1], str(certificates.ca_file)
+    server.shutdown()
+
+
+NAMES["other.test"] = [SERVER_ADDRESS]  # the https server's address under a name its certificate lacks
+
+
+def test_https_is_fetched_with_the_certificate_checked_against_the_host(tls_server, resolver):
+    port, ca_file = tls_server
+    limits = _limits(allowed_domains=("images.test", "other.test"), ca_bundle=ca_file)
+    assert _fetch(f"https://images.test:{port}/image.png", limits) == PNG
+    assert resolver == ["images.test"]  # connected to the checked address, TLS named the host
+    # The connection goes to an address, but the certificate must name the URL's host.
+    mismatch = _refusal(f"https://other.test:{port}/image.png", limits)
+    assert "Hostname mismatch" in mismatch.message and "'other.test'" in mismatch.message
+    # Without the test CA, the default trust refuses the server's certificate.
+    untrusted = _refusal(f"https://images.test:{port}/image.png", _limits(allowed_domains=("images.test",)))
+    assert "CERTIFICATE_VERIFY_FAILED" in untrusted.message
+
+
+@pytest.mark.parametrize(
+    "target", ["https://127.0.0.1/x.png", "http://169.254.169.254/latest/meta-data", "https://10.1.2.3/x.png"]
+)
+def test_an_https_redirect_to_a_non_public_address_is_refused(tls_server, resolver, target):
+    port, ca_file = tls_server
+    error = _refusal(f"https://images.test:{port}/redirect?{target}", _limits(ca_bundle=ca_file))
+    assert "not public" in error.message
+
+
+def test_a_ca_bundle_that_is_no_file_is_refused_at_start(tmp_path):
+    with pytest.raises(ValueError, match="ca_bundle"):
+        ImageLimits(ca_bundle=str(tmp_path / "missing.pem"))
+
+
 @pytest.mark.parametrize(
     "address, public",
     [
@@ -315,3 +366,19 @@ def test_a_warmed_pool_has_its_workers_running():
         assert len(pool._pool()._processes) == 2
     finally:
         pool.shutdown()
+
+
+def test_the_pixel_limit_refuses_an_image_naming_its_part(pool):
+    images = [
+        ImageInput(f"messages.0.content.{i}.image_url", data_url(gradient_jpeg(side), "image/jpeg"))
+        for i, side in [(1, 64), (2, 200)]
+    ]
+    limits = ImageLimits(max_image_pixels=100 * 100)
+    with pytest.raises(ProtocolError) as caught:
+        asyncio.run(prepare_images(images, model_name="v", preprocess=resize_to_fit, limits=limits, pool=pool))
+    assert caught.value.param == "messages.0.content.2.image_url" and caught.value.code == "invalid_image"
+    assert "200x200" in caught.value.message and "at most 10000 pixels" in caught.value.message
+    [(_, size)] = asyncio.run(
+        prepare_images(images[:1], model_name="v", preprocess=resize_to_fit, limits=limits, pool=pool)
+    )
+    assert size == (64, 64)

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('billing', '0008_usagerecord_image_count'),
+        ('billing', '0011_refusal'),
     ]
 
     operations = [
