@@ -20,9 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
-import threading
-import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -30,27 +27,9 @@ from pydantic import BaseModel
 
 from controlplane.gateway.body_check import CheckedBody, ModelLimits, check_body
 from controlplane.gateway.errors import unavailable
+from controlplane.gateway.parser_process import start_parser
 
 logger = logging.getLogger(__name__)
-
-# How much less of the CPU a parser process gets than the processes it shares a host with (nice(1)).
-PARSER_NICENESS = 10
-
-
-def _start_parser() -> None:
-    """A parser process yields the CPU to the event loops and replicas streaming tokens whenever
-    they compete for it: a parse waiting a few milliseconds delays one request, a loop that waits
-    delays every stream it relays. It exits with the gateway process: one killed outright (SIGKILL)
-    tells its pool nothing, and the pool's queue would keep the parser waiting for ever."""
-    os.nice(PARSER_NICENESS)
-    gateway = os.getppid()
-
-    def exit_with_the_gateway() -> None:
-        while os.getppid() == gateway:  # once the gateway is gone the parser has another parent
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=exit_with_the_gateway, name="exit-with-the-gateway", daemon=True).start()
 
 
 class _TenantTurns:
@@ -137,7 +116,7 @@ class BodyParsers:
             # Spawned, not forked: this process has threads (database lanes, the executor's own)
             # whose locks a fork could copy held.
             self._pool = ProcessPoolExecutor(
-                self._workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_parser
+                self._workers, mp_context=multiprocessing.get_context("spawn"), initializer=start_parser
             )
         return self._pool
 

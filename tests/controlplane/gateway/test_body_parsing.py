@@ -108,6 +108,22 @@ async def test_a_tenant_has_at_most_its_turns_in_the_pool_while_another_tenants_
     assert parsers.tenant_load(one) == parsers.tenant_load(other) == (0, 0)  # nothing kept per tenant
 
 
+def test_a_parser_process_loads_none_of_djangos_models():
+    """What a spawned parser imports (its start, body_check and the request schemas it unpickles)
+    loads no Django model: without Django set up, one would kill every parser as it starts."""
+    imports = "import controlplane.gateway.parser_process, controlplane.gateway.body_check, sys"
+    report = "print(sorted(m for m in sys.modules if m.startswith(('django.db', 'controlplane')) and 'models' in m))"
+    out = subprocess.run(
+        [sys.executable, "-c", f"{imports}; {report}"],
+        cwd=REPO,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip() == "[]"
+
+
 async def test_a_parser_process_that_dies_costs_one_request_a_503_and_the_next_is_parsed(parsers):
     await parsers.check(1, LARGE, CompletionRequest, 64, {"m": fits(CONTEXT)})  # the pool is up
     for child in children_running("spawn_main"):  # the pool's workers (not multiprocessing's resource tracker)
@@ -256,8 +272,12 @@ async def test_through_the_gateway_a_body_over_its_models_limit_is_a_413_that_fo
         await app.state.gateway.aclose()
 
 
+# A gateway process: Django set up (its errors reach billing's models), then a pool of parsers.
 _GATEWAY_WITH_PARSERS = """
-import asyncio, json
+import asyncio, json, os
+import django
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+django.setup()
 from controlplane.gateway.body_parsing import BodyParsers
 from gpuworker.contract.openai_api import CompletionRequest
 
