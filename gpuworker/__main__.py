@@ -91,6 +91,11 @@ def _add_serve(commands) -> None:
         "--token", default=_token_default(), help=f"require 'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV})"
     )
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument(
+        "--allow-long-context",
+        action="store_true",
+        help="serve a --max-model-len past the model's max_position_embeddings (its quality there is untested)",
+    )
     _add_image_fetch_arguments(serve)
     serve.add_argument(
         "--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, help="images one chat request may carry"
@@ -356,6 +361,7 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
         dtype=args.dtype,
         token=args.token,
         max_model_len=args.max_model_len,
+        allow_long_context=args.allow_long_context,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         quantization=args.quantization,

@@ -70,6 +70,9 @@ class EngineConfig:
     scheduling: str = "fair"
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
+    # True: a max_model_len past the model's max_position_embeddings is served, with a warning
+    # (engine.context_length); False refuses it.
+    allow_long_context: bool = False
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     # "fp8": quantize a float checkpoint's projections to FP8 at load. None: as the checkpoint is
@@ -146,7 +149,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "defer_warm_up"):
+        for name in ("enable_prefix_caching", "enforce_eager", "defer_warm_up", "allow_long_context"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

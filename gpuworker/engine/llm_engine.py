@@ -25,6 +25,7 @@ import torch
 
 from gpuworker.attention.backend import AttentionBackend
 from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.context_length import resolve_max_model_len, with_context
 from gpuworker.engine.detokenizer import IncrementalDetokenizer, check_stop_token
 from gpuworker.engine.facts import EngineFacts
 from gpuworker.engine.grammar_masks import GrammarMatchers
@@ -175,11 +176,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, mc)
         # Refused here, before any weight is read, on a device that cannot run an FP8 cache.
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype, config.device)
-        max_model_len = config.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) exceeds the model's context ({mc.max_position_embeddings} positions)"
-            )
+        max_model_len = resolve_max_model_len(config, mc)
+        self.model_config = with_context(mc, max_model_len)
         return max_model_len, kv_dtype
 
     def _load_weights(

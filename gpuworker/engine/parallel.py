@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from gpuworker.attention.backend import AttentionMetadata
 from gpuworker.engine.config import EngineConfig
+from gpuworker.engine.context_length import resolve_max_model_len, with_context
 from gpuworker.engine.model_runner import ModelInputs, ModelRunner
 from gpuworker.models.loader import load_model, load_model_config, resolve_dtype
 from gpuworker.models.tensor_parallel import ParallelContext, shard_config
@@ -329,6 +330,7 @@ def _serve(config: EngineConfig, rank: int, store_path: str, pipe: Connection) -
     parallel = init_rank(config, rank, store_path)
     device = rank_device(config, rank)
     mc = load_model_config(config.model)
+    mc = with_context(mc, resolve_max_model_len(config, mc))
     dtype = resolve_dtype(config.dtype, mc)
     backend = None
     if device.type == "cuda":

@@ -17,6 +17,10 @@ with made-up memory sizes; the engine measures the free memory once the weights 
 
 On CPU the limits stay small and fixed: a CPU step is slow, and there is no device memory to size from.
 
+Each sequence slot also holds a device block-table row for max_model_len tokens (256 KiB at 1M). A
+max_model_len the operator set that one sequence could not reach in the pool is refused with the
+bytes it needs; one left to the model's default is lowered to the pool by the engine instead.
+
 A vision model's images take device memory beside the KV pool (its encoder's weights are loaded
 with the model, so the measured free memory has them already): one vision-encoder call's peak
 activations at its most patch rows, and the cache of encoder outputs; both come off the budget
@@ -180,7 +184,7 @@ def plan_sizes(
             - vision_activation_bytes(mc, element_size, max_num_batched_tokens)
         )
         source = f"gpu_memory_utilization ({config.gpu_memory_utilization}) of {free_device_bytes} free bytes"
-        per_seq_bytes = seq_activation_bytes(mc)
+        per_seq_bytes = seq_activation_bytes(mc) + block_table_row_bytes(max_model_len, config.block_size)
         if max_num_seqs is None:
             seq_tokens = min(TOKENS_PER_SEQ, max_model_len)
             # Each sequence's share of the window pool, if any.
@@ -197,6 +201,7 @@ def plan_sizes(
         num_kv_blocks = (budget - max_num_seqs * per_seq_bytes) // block_bytes
         if num_kv_blocks < 1:
             raise ValueError(f"{source} leaves no room for one KV block of {block_bytes} bytes")
+        _require_context(config, num_kv_blocks, block_bytes, source)
         # More than every sequence at full length could ever use is wasted memory.
         num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-max_model_len // config.block_size))
     return replace(
@@ -221,6 +226,27 @@ def _num_host_blocks(config: EngineConfig, block_bytes: int, window: int | None)
             f"host_kv_cache_bytes ({config.host_kv_cache_bytes}) cannot hold one KV block of {block_bytes} bytes"
         )
     return config.host_kv_cache_bytes // block_bytes
+
+
+def block_table_row_bytes(max_model_len: int, block_size: int) -> int:
+    """A sequence slot's device block-table row (int32 block ids for max_model_len tokens): the
+    decode CUDA graphs hold one per sequence of their largest batch, 256 KiB at 1M tokens."""
+    return -(-max_model_len // block_size) * 4
+
+
+def _require_context(config: EngineConfig, num_kv_blocks: int, block_bytes: int, source: str) -> None:
+    """Refuse a max_model_len the operator set that one sequence could not reach in the pool the
+    memory holds (a default one is lowered to the pool by the engine instead)."""
+    wanted = config.max_model_len
+    if wanted is None or num_kv_blocks * config.block_size >= wanted:
+        return
+    need = -(-wanted // config.block_size) * block_bytes
+    raise ValueError(
+        f"max_model_len ({wanted}) needs {need / 2**30:.1f} GiB of KV cache for one sequence, but "
+        f"{source} leaves room for {num_kv_blocks * config.block_size} tokens "
+        f"({num_kv_blocks * block_bytes / 2**30:.1f} GiB); lower max_model_len, use kv_cache_dtype 'fp8' "
+        "or give the pool more memory"
+    )
 
 
 def _num_window_blocks(config: EngineConfig, window: int | None, max_num_seqs: int, max_num_batched_tokens: int) -> int:

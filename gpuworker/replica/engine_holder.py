@@ -63,6 +63,8 @@ class ServerConfig:
     dtype: str = "auto"
     token: str | None = None
     max_model_len: int | None = None
+    # True: a max_model_len past the model's max_position_embeddings is served, with a warning.
+    allow_long_context: bool = False
     # None: chosen by the engine for the device and the model (gpuworker/engine/sizing.py).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -198,6 +200,7 @@ class EngineHolder:
             "kv_cache_dtype": self.config.kv_cache_dtype,
             "host_kv_cache_bytes": self.config.host_kv_cache_bytes,
             "scheduling": self.config.scheduling,
+            "allow_long_context": self.config.allow_long_context,
         }
         if self.config.dtype != "auto" or self.config.device != "cpu":  # CPU keeps float32 by default
             kwargs["dtype"] = self.config.dtype

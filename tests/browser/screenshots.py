@@ -32,6 +32,7 @@ PAGES = {  # file name: (role, url name)
     "catalog": ("operator", "dashboard:catalog"),
     "audit": ("operator", "dashboard:audit"),
     "keys": ("tenant", "dashboard:keys"),
+    "quickstart": ("tenant", "dashboard:quickstart"),
     "usage": ("tenant", "dashboard:usage"),
     "usage-by-model-and-key": ("tenant", "dashboard:usage"),
     "requests": ("tenant", "dashboard:requests"),

@@ -11,6 +11,7 @@ from controlplane.accounts.models import ApiKey
 from controlplane.catalog.models import Model
 from controlplane.catalog.selectors import models_for_playground, text_models_for_key
 from controlplane.dashboard.tenant.playground_code import CodeSample
+from controlplane.fleet.selectors import first_ready_chat_model
 
 # Shown in place of a model's name while the key may call none.
 NO_MODEL = "MODEL_NAME"
@@ -18,9 +19,10 @@ FIRST_MESSAGE = "Say hello in five words."
 
 
 def first_model_for(api_key: ApiKey | None) -> Model | None:
-    """The first enabled text model `api_key` may call (any, without a key)."""
+    """The model the samples name: of the enabled text models `api_key` may call (any, without a
+    key), the one the playground would offer first (a chat model ready now), else the first."""
     models = models_for_playground() if api_key is None else text_models_for_key(api_key=api_key)
-    return models.first()
+    return first_ready_chat_model(models=models) or models.first()
 
 
 def key_text(*, api_key: ApiKey | None, plaintext: str | None = None) -> str:

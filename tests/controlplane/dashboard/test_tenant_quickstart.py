@@ -55,6 +55,18 @@ def test_the_samples_carry_the_base_url_the_prefix_and_a_model_the_key_may_call(
     assert 'baseURL: "http://testserver/v1"' in samples["javascript"]
 
 
+def test_the_samples_name_the_model_the_playground_offers_a_ready_one_first(client, member):
+    from controlplane.fleet.models import Replica
+    from tests.controlplane.factories import DeploymentFactory, ReplicaFactory, WorkerFactory
+
+    ModelFactory(public_name="noise-first")  # added first, but nothing serves it
+    ready = ModelFactory(public_name="served-chat")
+    ReplicaFactory(deployment=DeploymentFactory(model=ready), worker=WorkerFactory(), state=Replica.State.READY)
+    ApiKeyFactory(tenant=member.tenant, name="ci")
+    samples = _samples(client.get(reverse("dashboard:quickstart")).content.decode())
+    assert all("served-chat" in code and "noise-first" not in code for code in samples.values())
+
+
 def test_a_key_is_chosen_among_the_tenants_usable_ones_only(client, member):
     first = ApiKeyFactory(tenant=member.tenant, name="first")
     newest = ApiKeyFactory(tenant=member.tenant, name="newest")

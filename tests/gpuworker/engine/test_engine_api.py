@@ -102,7 +102,9 @@ def test_engine_config_names_the_bad_field(kwargs, field):
 
 
 def test_max_model_len_beyond_the_model_is_rejected(path):
-    with pytest.raises(ValueError, match=r"max_model_len \(2048\) exceeds the model's context \(1024"):
+    with pytest.raises(
+        ValueError, match=r"max_model_len \(2048\) exceeds the model.s context \(1024.*allow_long_context"
+    ):
         make_engine(path, max_model_len=2048, num_kv_blocks=200)
 
 

@@ -12,6 +12,7 @@ from gpuworker.engine.sizing import (
     MAX_NUM_SEQS,
     MIN_NUM_SEQS,
     TOKENS_PER_SEQ,
+    block_table_row_bytes,
     default_max_num_batched_tokens,
     plan_sizes,
     vision_activation_bytes,
@@ -44,8 +45,11 @@ def plan(
     mc: ModelConfig | None = None,
     max_model_len: int = 8192,
     kv_element_size: int | None = None,
+    max_model_len_set: bool = False,
     **config,
 ):
+    if max_model_len_set:
+        config["max_model_len"] = max_model_len
     return plan_sizes(
         EngineConfig(model="unused", **config),
         mc or model(),
@@ -209,3 +213,35 @@ def test_a_vision_model_on_a_gpu_too_small_for_its_encoder_is_refused():
     vision = ModelConfig.from_hf(QWEN2_5_VL_7B)
     with pytest.raises(ValueError, match="leaves no room for one KV block"):
         plan(VISION_BYTES_7B / GIB, mc=vision, max_num_batched_tokens=8192, max_num_seqs=8)
+
+
+MILLION = 1 << 20
+
+
+def test_a_million_token_fp8_sequence_fits_an_h200_beside_an_8b_model():
+    sized = plan(125, max_model_len=MILLION, kv_element_size=1, max_model_len_set=True)
+    assert pool_tokens(sized) >= MILLION
+    # The FP8 pool's bytes are what the memory holds, not the bf16 figure.
+    assert sized.num_kv_blocks * sized.block_size * KV_BYTES_PER_TOKEN // 2 < 125 * 0.9 * GIB
+
+
+def test_a_million_token_bf16_sequence_is_refused_with_the_bytes_it_needs():
+    # 128 KiB a token in bf16: 128 GiB for one 1M-token sequence, more than the GPU has left.
+    with pytest.raises(ValueError, match=r"max_model_len \(1048576\) needs 128\.0 GiB.*kv_cache_dtype 'fp8'"):
+        plan(125, max_model_len=MILLION, max_model_len_set=True)
+
+
+def test_a_default_context_larger_than_the_pool_is_not_refused_here():
+    # max_model_len left None: the engine lowers it to the pool instead (llm_engine._size).
+    sized = plan(40, max_model_len=MILLION)
+    assert pool_tokens(sized) < MILLION
+
+
+def test_each_sequence_slot_pays_for_its_block_table_row():
+    # 65,536 int32 block ids a sequence at 1M tokens: the decode graphs' table row per slot.
+    assert block_table_row_bytes(MILLION, 16) == 65536 * 4
+    short = plan(125, max_model_len=8192, kv_element_size=1, max_num_seqs=1024)
+    long = plan(125, max_model_len=MILLION, kv_element_size=1, max_num_seqs=1024, max_model_len_set=True)
+    rows = 1024 * (block_table_row_bytes(MILLION, 16) - block_table_row_bytes(8192, 16))
+    fp8_block_bytes = 16 * KV_BYTES_PER_TOKEN // 2
+    assert abs((short.num_kv_blocks - long.num_kv_blocks) - rows / fp8_block_bytes) <= 1

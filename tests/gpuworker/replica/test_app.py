@@ -540,6 +540,21 @@ def test_kv_cache_dtype_reaches_the_engine(tiny_checkpoint):
         holder.shutdown()
 
 
+def test_allow_long_context_reaches_the_engine(tiny_checkpoint):
+    # `serve --max-model-len 1536 --allow-long-context` on a model of 1,024 positions.
+    path = str(tiny_checkpoint("llama"))
+    refused = EngineHolder(ServerConfig(model=path, max_model_len=1536))
+    refused._load()
+    assert refused.state != "ready" and "allow_long_context" in str(refused.error)
+    holder = EngineHolder(ServerConfig(model=path, max_model_len=1536, allow_long_context=True))
+    holder._load()
+    try:
+        assert holder.state == "ready", holder.error
+        assert holder.engine.engine.config.max_model_len == 1536
+    finally:
+        holder.shutdown()
+
+
 def test_the_scheduling_policy_reaches_the_engine(tiny_checkpoint):
     # `serve --scheduling fcfs` builds this ServerConfig; the engine it loads admits in arrival order.
     holder = EngineHolder(ServerConfig(model=str(tiny_checkpoint("llama")), max_model_len=64, scheduling="fcfs"))
