@@ -306,6 +306,11 @@ GATEWAY_UPSTREAM_CONNECT_TIMEOUT_SECONDS = env_int("GATEWAY_UPSTREAM_CONNECT_TIM
 # The largest request body the gateway reads (bytes); a longer one is a 413 before any other work
 # (key, parsing, holds). 4 MiB holds a 128k-token context's text several times over.
 GATEWAY_MAX_REQUEST_BYTES = env_int("GATEWAY_MAX_REQUEST_BYTES", 4 * 1024 * 1024)
+# Under that cap, a model takes a body of at most its context length times this many bytes, plus
+# the allowance (messages, tools): a long-context model's limit grows with it (raise the cap to let
+# it), a short-context one's stays small. Checked with the body's parsing, off the event loop.
+GATEWAY_REQUEST_BYTES_PER_TOKEN = env_int("GATEWAY_REQUEST_BYTES_PER_TOKEN", 16)
+GATEWAY_REQUEST_BYTES_ALLOWANCE = env_int("GATEWAY_REQUEST_BYTES_ALLOWANCE", 1024 * 1024)
 # Bodies up to this many bytes are parsed on the event loop (well under a millisecond); larger ones
 # in a pool of GATEWAY_BODY_PARSERS worker processes per gateway process, at most
 # GATEWAY_BODY_PARSERS_PER_TENANT of one tenant's at a time, after the request was admitted

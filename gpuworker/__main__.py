@@ -25,6 +25,7 @@ from gpuworker.engine.config import EXPERT_PARALLEL_MODES
 from gpuworker.replica.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
 
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
+HOST_KV_CACHE_ENV = "GPUSERVE_HOST_KV_CACHE_BYTES"
 
 
 def _token_default() -> str | None:
@@ -55,11 +56,9 @@ def _byte_count(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--stage-budget-bytes must be a whole number of bytes, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"must be a whole number of bytes, got {text!r}") from None
     if value < 0:
-        raise argparse.ArgumentTypeError(f"--stage-budget-bytes must be >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
 
 
@@ -156,6 +155,14 @@ def _add_serve(commands) -> None:
         help="the KV cache's dtype: auto (the model's) or fp8 (e4m3 with per-layer scales, the "
         "checkpoint's k_scale/v_scale where it has them: twice the cached tokens; needs a GPU "
         "of compute capability 8.9+)",
+    )
+    serve.add_argument(
+        "--host-kv-cache-bytes",
+        type=_byte_count,
+        default=0,
+        help="host memory (pinned on CUDA) for a second KV tier: prefix-cache blocks evicted from "
+        "the GPU are kept there and copied back when a later prompt shares their prefix "
+        "(default 0: no host tier)",
     )
     serve.add_argument(
         "--scheduling",
@@ -275,6 +282,13 @@ def _add_daemon(commands) -> None:
         f"(default: ${STAGE_BUDGET_ENV}, else 0: no staging)",
     )
     daemon.add_argument(
+        "--host-kv-cache-bytes",
+        type=_byte_count,
+        default=os.environ.get(HOST_KV_CACHE_ENV, "0"),
+        help="host memory each replica of this worker keeps as a second KV tier (see serve "
+        f"--host-kv-cache-bytes; default: ${HOST_KV_CACHE_ENV}, else 0: none)",
+    )
+    daemon.add_argument(
         "--spare-replicas",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -352,6 +366,7 @@ def serve(args: argparse.Namespace, engine_process=None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        host_kv_cache_bytes=args.host_kv_cache_bytes,
         scheduling=args.scheduling,
         gpu_memory_utilization=args.memory_fraction,
         drain_timeout_s=args.drain_timeout,
@@ -420,6 +435,7 @@ def daemon(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         model_roots=_model_roots(args.model_roots),
         stage_budget_bytes=args.stage_budget_bytes,
+        host_kv_cache_bytes=args.host_kv_cache_bytes,
         spare_replicas=args.spare_replicas,
         replica_argv=image_fetch_argv(args),
     )

@@ -82,6 +82,8 @@ class RequestOutcome:
     request_id: str
     status: str | None
     prompt_tokens: int = 0
+    # Of prompt_tokens, those served from the replica's prefix cache.
+    cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     time_to_first_token_ms: int | None = None
     total_latency_ms: int = 0
@@ -90,6 +92,14 @@ class RequestOutcome:
     error_code: str = ""
     batch: bool = False  # a Batch API line: its record says so
     image_count: int = 0
+
+
+def usage_cached_tokens(usage: dict) -> int:
+    """The prompt tokens a replica's usage says its prefix cache served (OpenAI's
+    prompt_tokens_details.cached_tokens); 0 when it says nothing usable."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -381,6 +391,7 @@ def _record(
         num_requests=num_requests,
         error_code=outcome.error_code[:40] if outcome.status == UsageRecord.Status.FAILED else "",
         prompt_tokens=prompt,
+        cached_prompt_tokens=min(prompt, max(0, outcome.cached_prompt_tokens)),
         completion_tokens=completion,
         image_count=max(0, outcome.image_count),
         time_to_first_token_ms=None if ttft is None else min(max(0, int(ttft)), total_ms),
@@ -403,6 +414,7 @@ _RECORD_FIELDS = (
     "error_code",
     "num_requests",
     "prompt_tokens",
+    "cached_prompt_tokens",
     "completion_tokens",
     "image_count",
     "time_to_first_token_ms",

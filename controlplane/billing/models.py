@@ -212,6 +212,11 @@ class UsageRecord(models.Model):
         default=1, validators=[MinValueValidator(1)], help_text="Choices asked for (n): n requests' price."
     )
     prompt_tokens = models.PositiveIntegerField()
+    cached_prompt_tokens = models.PositiveIntegerField(
+        default=0,
+        db_default=0,
+        help_text="Prompt tokens served from the replica's prefix cache (either KV tier): prefill not computed.",
+    )
     completion_tokens = models.PositiveIntegerField()
     image_count = models.PositiveSmallIntegerField(default=0, help_text="Images the request carried.")
     time_to_first_token_ms = models.PositiveIntegerField(

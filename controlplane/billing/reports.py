@@ -39,6 +39,8 @@ class UsageRow:
     gpu_time_s: float
     prompt_tokens: int
     completion_tokens: int
+    # Of prompt_tokens, those the replicas' prefix caches served: prefill the GPUs did not compute.
+    cached_prompt_tokens: int = 0
 
     @property
     def tokens(self) -> int:
@@ -87,6 +89,7 @@ _TOTALS = {
     "gpu_time_s": Coalesce(Sum("gpu_time_s"), Value(0.0), output_field=FloatField()),
     "prompt_tokens": Coalesce(Sum("prompt_tokens"), Value(0), output_field=IntegerField()),
     "completion_tokens": Coalesce(Sum("completion_tokens"), Value(0), output_field=IntegerField()),
+    "cached_prompt_tokens": Coalesce(Sum("cached_prompt_tokens"), Value(0), output_field=IntegerField()),
 }
 
 

@@ -23,6 +23,8 @@ class ModelMargin:
     busy_cost: Decimal
     gpu_hours: float
     gpu_cost: Decimal
+    # Prompt tokens its replicas' prefix caches served: prefill its GPUs did not compute.
+    prefill_tokens_saved: int = 0
 
     @property
     def served_margin(self) -> Decimal:
@@ -67,6 +69,7 @@ def model_margins(*, since: datetime, until: datetime, gpu_hour_cost: Decimal) -
                 busy_cost=_cost(busy_hours, gpu_hour_cost),
                 gpu_hours=held_hours,
                 gpu_cost=_cost(held_hours, gpu_hour_cost),
+                prefill_tokens_saved=row.cached_prompt_tokens if row else 0,
             )
         )
     return margins

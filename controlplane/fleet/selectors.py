@@ -429,6 +429,17 @@ def deployment_replica_loads(*, deployment: Deployment) -> tuple[int, list[Repli
     return len(active), loads
 
 
+def replica_prefix_keys(*, worker_ids: list[int]) -> dict[int, frozenset[str]]:
+    """By replica id, the conversations (gpuworker.contract.prefix_keys digests) whose KV its
+    tiers hold, from its worker's latest heartbeat."""
+    keys = {}
+    for state in heartbeat_cache.read_many(worker_ids=worker_ids).values():
+        for replica_id, figures in (state.get("replicas") or {}).items():
+            if figures.get("prefix_keys"):
+                keys[int(replica_id)] = frozenset(figures["prefix_keys"])
+    return keys
+
+
 def _figure(figures: dict[str, Any], name: str) -> float | None:
     value = figures.get(name)
     return None if value is None else float(value)

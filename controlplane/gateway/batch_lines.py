@@ -27,7 +27,7 @@ from controlplane.batches.services import (
     batch_validate,
     send_run,
 )
-from controlplane.billing.holds import HoldRefused, RequestOutcome
+from controlplane.billing.holds import HoldRefused, RequestOutcome, usage_cached_tokens
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.selectors import tenant_fair_share_weight
 from controlplane.fleet.services.deployments import deployment_wake
@@ -36,7 +36,7 @@ from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.dialects.responses import Responses, ResponsesRequest
 from controlplane.gateway.errors import GatewayError
 from controlplane.gateway.process import shared_state
-from controlplane.gateway.replica_choice import affinity_choice, affinity_key
+from controlplane.gateway.replica_choice import affinity_choice, affinity_key, prefix_key_header
 from controlplane.gateway.routing import RoutingTable
 from controlplane.gateway.upstream import UpstreamError, UpstreamPool
 from gpuworker.contract.openai_api import ChatCompletionRequest, ProtocolError, parse_request
@@ -278,6 +278,7 @@ async def _send_line(run: _Run, line: BatchLine, replicas) -> None:
         # or no replica answering: released unbilled, as for an interactive request.
         status=UsageRecord.Status.COMPLETED if status == 200 else None,
         prompt_tokens=_count(usage.get("prompt_tokens")),
+        cached_prompt_tokens=usage_cached_tokens(usage),
         completion_tokens=_count(usage.get("completion_tokens")),
         total_latency_ms=int((time.monotonic() - started) * 1000),
         gpu_time_s=usage.get("gpu_time_s"),
@@ -317,6 +318,7 @@ async def _answer(
         "authorization": f"Bearer {run.config.worker_token}",
         "content-type": "application/json",
         "x-request-id": line.request_id,
+        **prefix_key_header(key),
         **run.tenancy,
     }
     while len(tried) < min(_ATTEMPTS, len(replicas)):

@@ -33,6 +33,26 @@ class BodyError:
     message: str
     param: str | None = None
     code: str | None = None
+    status: int = 400
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a model's requests may hold: its context in tokens, and the body bytes that follow
+    from it (model_request_bytes)."""
+
+    context_length: int
+    max_request_bytes: int
+
+
+def model_request_bytes(
+    *, context_length: int, cap: int, bytes_per_token: int, allowance: int, image_bytes: int = 0
+) -> int:
+    """The largest body a model of this context takes: room for its context's text (or token ids)
+    at bytes_per_token each, plus an allowance for the request's structure (messages, tools) and,
+    for a vision model, its images (image_bytes: their most, sent as base64), never above the
+    operator's cap."""
+    return min(cap, allowance + context_length * bytes_per_token + -(-image_bytes * 4 // 3))
 
 
 @dataclass(frozen=True)
@@ -59,19 +79,26 @@ class CheckedBody:
 
 
 def check_body(
-    raw: bytes, schema: type[BaseModel], affinity_chars: int, context_lengths: dict[str, int]
+    raw: bytes, schema: type[BaseModel], affinity_chars: int, model_limits: dict[str, ModelLimits]
 ) -> CheckedBody:
-    """`raw` parsed by `schema`'s rules (the replica's): a token-id prompt longer than its model's
-    context (`context_lengths`, by public name) is refused by its length before its ids are
-    validated."""
+    """`raw` parsed by `schema`'s rules (the replica's): a body larger than its model takes, or a
+    token-id prompt longer than its model's context (`model_limits`, by public name), is refused
+    by its length before it is validated."""
     try:
         body = parse_json_body(raw)
     except ProtocolError as exc:
         return CheckedBody(error=BodyError(exc.message, exc.param, exc.code), json_error=True)
     model = body.get("model")
+    limits = model_limits.get(model) if isinstance(model, str) else None
+    if limits is not None and len(raw) > limits.max_request_bytes:
+        message = (
+            f"The request body ({len(raw)} bytes) is larger than {model!r} takes: {limits.max_request_bytes} "
+            f"bytes, for its context of {limits.context_length} tokens."
+        )
+        return CheckedBody(model=model, error=BodyError(message, code="request_too_large", status=413))
     try:
-        if isinstance(model, str) and model in context_lengths:
-            check_token_ids_fit(schema, body, context_lengths[model])
+        if limits is not None:
+            check_token_ids_fit(schema, body, limits.context_length)
         parsed = parse_request(schema, body)
     except ProtocolError as exc:
         return CheckedBody(model=model, error=BodyError(exc.message, exc.param, exc.code))

@@ -20,37 +20,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
-import threading
-import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from pydantic import BaseModel
 
-from controlplane.gateway.body_check import CheckedBody, check_body
+from controlplane.gateway.body_check import CheckedBody, ModelLimits, check_body
 from controlplane.gateway.errors import unavailable
+from controlplane.gateway.parser_process import start_parser
 
 logger = logging.getLogger(__name__)
-
-# How much less of the CPU a parser process gets than the processes it shares a host with (nice(1)).
-PARSER_NICENESS = 10
-
-
-def _start_parser() -> None:
-    """A parser process yields the CPU to the event loops and replicas streaming tokens whenever
-    they compete for it: a parse waiting a few milliseconds delays one request, a loop that waits
-    delays every stream it relays. It exits with the gateway process: one killed outright (SIGKILL)
-    tells its pool nothing, and the pool's queue would keep the parser waiting for ever."""
-    os.nice(PARSER_NICENESS)
-    gateway = os.getppid()
-
-    def exit_with_the_gateway() -> None:
-        while os.getppid() == gateway:  # once the gateway is gone the parser has another parent
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=exit_with_the_gateway, name="exit-with-the-gateway", daemon=True).start()
 
 
 class _TenantTurns:
@@ -78,11 +57,16 @@ class BodyParsers:
         return (turns.parsing, turns.users - turns.parsing) if turns is not None else (0, 0)
 
     async def check(
-        self, tenant_id: int, raw: bytes, schema: type[BaseModel], affinity_chars: int, context_lengths: dict[str, int]
+        self,
+        tenant_id: int,
+        raw: bytes,
+        schema: type[BaseModel],
+        affinity_chars: int,
+        model_limits: dict[str, ModelLimits],
     ) -> CheckedBody:
         """`body_check.check_body` of `raw`: here if it is small, else in the pool in the tenant's turn."""
         if self.parses_inline(raw):
-            return check_body(raw, schema, affinity_chars, context_lengths)
+            return check_body(raw, schema, affinity_chars, model_limits)
         turns = self._turns.get(tenant_id)
         if turns is None:
             turns = self._turns[tenant_id] = _TenantTurns(self._per_tenant)
@@ -91,7 +75,7 @@ class BodyParsers:
             async with turns.semaphore:
                 turns.parsing += 1
                 try:
-                    return await self._in_pool(raw, schema, affinity_chars, context_lengths)
+                    return await self._in_pool(raw, schema, affinity_chars, model_limits)
                 finally:
                     turns.parsing -= 1
         finally:
@@ -100,12 +84,12 @@ class BodyParsers:
                 del self._turns[tenant_id]
 
     async def _in_pool(
-        self, raw: bytes, schema: type[BaseModel], affinity_chars: int, context_lengths: dict[str, int]
+        self, raw: bytes, schema: type[BaseModel], affinity_chars: int, model_limits: dict[str, ModelLimits]
     ) -> CheckedBody:
         pool = self._pool_now()
         try:
             work = asyncio.get_running_loop().run_in_executor(
-                pool, check_body, raw, schema, affinity_chars, context_lengths
+                pool, check_body, raw, schema, affinity_chars, model_limits
             )
         except BrokenProcessPool:
             work = None
@@ -132,7 +116,7 @@ class BodyParsers:
             # Spawned, not forked: this process has threads (database lanes, the executor's own)
             # whose locks a fork could copy held.
             self._pool = ProcessPoolExecutor(
-                self._workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_parser
+                self._workers, mp_context=multiprocessing.get_context("spawn"), initializer=start_parser
             )
         return self._pool
 

@@ -29,7 +29,7 @@ from controlplane.gateway.errors import (
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight, prompt_tokens_from
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
-from controlplane.gateway.replica_choice import affinity_choice
+from controlplane.gateway.replica_choice import affinity_choice, prefix_key_header
 from controlplane.gateway.request_body import read_body
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission
@@ -82,7 +82,7 @@ async def serve(
     flight = None
     try:
         checked = await gw.bodies.check(
-            grant.tenant_id, raw, schema, gw.config.affinity_prefix_chars, await gw.routing.context_lengths()
+            grant.tenant_id, raw, schema, gw.config.affinity_prefix_chars, await gw.routing.model_limits()
         )
         if checked.json_error:
             raise _invalid(checked.error)
@@ -240,7 +240,7 @@ def _over_objective(model: ModelRoute, replica: ReplicaRoute) -> bool:
 
 
 def _invalid(error: BodyError) -> GatewayError:
-    return bad_request(error.message, param=error.param, code=error.code)
+    return GatewayError(error.status, error.message, param=error.param, code=error.code)
 
 
 def _admitted(admission: Admission) -> Admission:
@@ -396,6 +396,7 @@ async def _attempt(
             "authorization": f"Bearer {gw.config.worker_token}",
             "content-type": "application/json",
             "x-request-id": flight.request_id,
+            **prefix_key_header(key),
             **tenancy_headers(
                 tenant_id=flight.grant.tenant_id,
                 weight=flight.grant.fair_share_weight,

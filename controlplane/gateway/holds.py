@@ -40,6 +40,7 @@ from controlplane.billing.holds import (
     credit_holds_place,
     credit_holds_place_locked,
     credit_holds_settle,
+    usage_cached_tokens,
 )
 from controlplane.billing.models import CreditHold, UsageRecord
 from controlplane.gateway import metrics
@@ -280,6 +281,7 @@ class Flight:
             request_id=self.request_id,
             status=status,
             prompt_tokens=_int(usage.get("prompt_tokens", self.prompt_tokens)),
+            cached_prompt_tokens=usage_cached_tokens(usage),
             completion_tokens=_int(usage.get("completion_tokens", completion_tokens)),
             time_to_first_token_ms=None
             if self.first_token_at is None

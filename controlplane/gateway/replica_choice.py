@@ -1,4 +1,4 @@
-"""The router's replica choice as pure functions (standard library only), so the gateway and the
+"""The router's replica choice as pure functions (standard library and the worker contract only), so the gateway and the
 fleet simulator (bench/fleet_sim.py) run the same rule. The Redis Lua script in scripts.py
 (_PICK) is the one other copy, because Redis runs it atomically; test_shared.py checks both agree.
 """
@@ -7,6 +7,8 @@ import hashlib
 import json
 from collections.abc import Sequence
 from typing import Protocol
+
+from gpuworker.contract.prefix_keys import PREFIX_KEY_HEADER, prefix_key_digest
 
 
 class HasReplicaId(Protocol):
@@ -57,14 +59,23 @@ def _content(content: object) -> str:
 
 
 def affinity_choice(key: str, candidates: Sequence[HasReplicaId]) -> int | None:
-    """The index of the replica a request's affinity key (affinity_key) belongs to (rendezvous
-    hashing: stable while replicas come and go, and the same in every gateway process), or None
-    without a key or a choice."""
+    """The index of the replica a request's affinity key (affinity_key) belongs to, or None without
+    a key or a choice: among the replicas that report holding the key's conversation in their KV
+    tiers (a `prefix_keys` set of prefix_key_digest values) if any does, else among all, by
+    rendezvous hashing (stable while replicas come and go, and the same in every gateway process)."""
     if not key or len(candidates) < 2:
         return None
+    reported = prefix_key_digest(key)
+    holders = [i for i, replica in enumerate(candidates) if reported in getattr(replica, "prefix_keys", ())]
+    indexes = holders or range(len(candidates))
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    scores = [hashlib.blake2b(b"%d" % replica.replica_id, key=digest, digest_size=8).digest() for replica in candidates]
-    return max(range(len(candidates)), key=scores.__getitem__)
+    scores = {i: hashlib.blake2b(b"%d" % candidates[i].replica_id, key=digest, digest_size=8).digest() for i in indexes}
+    return max(indexes, key=scores.__getitem__)
+
+
+def prefix_key_header(key: str) -> dict[str, str]:
+    """The header naming a request's conversation to its replica, which reports where its KV stays."""
+    return {PREFIX_KEY_HEADER: prefix_key_digest(key)} if key else {}
 
 
 def least_outstanding(counts: Sequence[int], up: Sequence[bool], affinity: int | None, max_extra: int) -> int:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 
+from controlplane.gateway.body_check import ModelLimits
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.selectors import ModelRoute, routing_table
@@ -21,7 +22,7 @@ class RoutingTable:
     def __init__(self, config: GatewayConfig, lane: DatabaseLane):
         self._config, self._lane = config, lane
         self._table: dict[str, ModelRoute] = {}
-        self._context_lengths: dict[str, int] = {}
+        self._limits: dict[str, ModelLimits] = {}
         self._fetched_at = float("-inf")
         self._refreshing: asyncio.Task | None = None
 
@@ -37,10 +38,10 @@ class RoutingTable:
             route = self._table.get(name)
         return route
 
-    async def context_lengths(self) -> dict[str, int]:
-        """Each model's context length by public name, to check bodies by before they are validated."""
+    async def model_limits(self) -> dict[str, ModelLimits]:
+        """Each model's context and body limit by public name, to check bodies by before they are validated."""
         await self._fresh(self._config.routing_refresh_s)
-        return self._context_lengths
+        return self._limits
 
     async def fresh_model(self, name: str, max_age_s: float) -> ModelRoute | None:
         """The model's route from a table at most `max_age_s` old (for requests waiting on it)."""
@@ -65,7 +66,9 @@ class RoutingTable:
         try:
             started = time.monotonic()
             self._table = await self._lane.run(routing_table)
-            self._context_lengths = {name: route.context_length for name, route in self._table.items()}
+            self._limits = {
+                name: ModelLimits(route.context_length, route.max_request_bytes) for name, route in self._table.items()
+            }
             self._fetched_at = started
         finally:
             self._refreshing = None

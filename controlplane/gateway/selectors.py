@@ -4,6 +4,8 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal
 
+from django.conf import settings
+
 from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_authenticate
 from controlplane.catalog.models import Model
 from controlplane.catalog.selectors import image_rules
@@ -11,7 +13,8 @@ from controlplane.common.units import human_bytes
 from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.placement import largest_replica_bytes
-from controlplane.fleet.selectors import placement_slots
+from controlplane.fleet.selectors import placement_slots, replica_prefix_keys
+from controlplane.gateway.body_check import model_request_bytes
 from controlplane.gateway.replica_choice import predicted_wait_s
 from gpuworker.contract.openai_api import ImageRules
 
@@ -42,6 +45,8 @@ class KeyGrant:
 class ReplicaRoute:
     replica_id: int
     endpoint_url: str
+    # The conversations whose KV it holds (gpuworker.contract.prefix_keys digests), as last reported.
+    prefix_keys: frozenset[str] = frozenset()
     # From the replica's latest load report (replica_choice.predicted_wait_s); 0 without one.
     predicted_wait_s: float = 0.0
 
@@ -54,6 +59,8 @@ class ModelRoute:
     price_per_request: Decimal
     created: int  # epoch seconds, for /v1/models
     context_length: int  # tokens, as the catalog says: no replica of the model takes more
+    # The largest request body it takes (follows context_length, under GATEWAY_MAX_REQUEST_BYTES).
+    max_request_bytes: int
     ready: tuple[ReplicaRoute, ...]
     loading: bool  # some replica is pending or loading
     # Why no replica can be started for a request (empty when one can): see `cold_start_refusal`.
@@ -105,7 +112,7 @@ def routing_table() -> dict[str, ModelRoute]:
     a replica of it could be started for a request."""
     ready: dict[int, list[ReplicaRoute]] = {}
     loading: set[int] = set()
-    replicas = (
+    replicas = list(
         Replica.objects.filter(
             deployment__model__enabled=True,
             state__in=[Replica.State.READY, Replica.State.PENDING, Replica.State.LOADING],
@@ -113,12 +120,20 @@ def routing_table() -> dict[str, ModelRoute]:
         .order_by("pk")
         .values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state", "worker_id")
     )
-    waits = _predicted_waits(worker_ids=sorted({row[5] for row in replicas if row[1] == Replica.State.READY}))
+    ready_workers = sorted({row[5] for row in replicas if row[1] == Replica.State.READY})
+    # Where each ready replica's KV tiers hold which conversations (its worker's latest heartbeat).
+    prefix_keys = replica_prefix_keys(worker_ids=ready_workers)
+    waits = _predicted_waits(worker_ids=ready_workers)
     for replica_id, state, endpoint_url, model_id, worker_state, _ in replicas:
         if state != Replica.State.READY:
             loading.add(model_id)
         elif endpoint_url and worker_state == Worker.State.ONLINE:
-            route = ReplicaRoute(replica_id, endpoint_url.rstrip("/"), waits.get(replica_id, 0.0))
+            route = ReplicaRoute(
+                replica_id,
+                endpoint_url.rstrip("/"),
+                prefix_keys=prefix_keys.get(replica_id, frozenset()),
+                predicted_wait_s=waits.get(replica_id, 0.0),
+            )
             ready.setdefault(model_id, []).append(route)
     slots = placement_slots(workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))
     models = list(
@@ -146,6 +161,13 @@ def routing_table() -> dict[str, ModelRoute]:
             price_per_request=price,
             created=int(created_at.timestamp()),
             context_length=context_length,
+            max_request_bytes=model_request_bytes(
+                context_length=context_length,
+                cap=settings.GATEWAY_MAX_REQUEST_BYTES,
+                bytes_per_token=settings.GATEWAY_REQUEST_BYTES_PER_TOKEN,
+                allowance=settings.GATEWAY_REQUEST_BYTES_ALLOWANCE,
+                image_bytes=max_images * max_image_bytes if kind == Model.Kind.VISION else 0,
+            ),
             ready=tuple(ready.get(pk, ())),
             loading=pk in loading,
             cannot_start=cold_start_refusal(

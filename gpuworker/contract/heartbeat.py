@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from gpuworker.contract.prefix_keys import MAX_REPORTED_PREFIX_KEYS, is_prefix_key_digest
+
 
 class ContractError(ValueError):
     """A message that breaks the contract; `field` says where (e.g. "replicas[0].state")."""
@@ -32,6 +34,8 @@ REPLICA_FIGURES = (
     "kv_cache_usage",
     "tokens_per_s",
     "prefix_cache_hit_rate",
+    # Prompt tokens served from the host KV tier, as a share of the prompt tokens looked up.
+    "host_cache_hit_rate",
     # The load the gateway sheds by: prompt tokens not yet prefilled (waiting requests' and those
     # mid-prefill) and prompt tokens prefilled per second lately (their quotient: the queue's wait).
     "waiting_tokens",
@@ -151,6 +155,8 @@ class ReplicaReport:
     # The process serving it on the worker's host, while there is one (None: none, or a daemon that
     # does not report it); operators and the chaos suite find the replica's process by it.
     pid: int | None = None
+    # Digests (contract.prefix_keys) of the conversations whose prompt blocks its KV tiers hold.
+    prefix_keys: tuple[str, ...] = ()
     # Tenant id ("" for requests without one) -> its share (0-1) of the weighted tokens the engine
     # served lately, the busiest MAX_TENANT_SHARES tenants.
     tenant_shares: dict[str, float] = field(default_factory=dict)
@@ -165,6 +171,8 @@ class ReplicaReport:
         }
         if self.pid is not None:
             body["pid"] = self.pid
+        if self.prefix_keys:
+            body["prefix_keys"] = list(self.prefix_keys)
         if self.tenant_shares:
             body["tenant_shares"] = dict(self.tenant_shares)
         return body
@@ -424,8 +432,19 @@ def _replica_report(raw: dict, where: str) -> ReplicaReport:
         ],
         figures=_figures(raw, REPLICA_FIGURES, where),
         pid=None if raw.get("pid") is None else _int(raw["pid"], f"{where}.pid", minimum=1),
+        prefix_keys=_prefix_keys(raw.get("prefix_keys", []), f"{where}.prefix_keys"),
         tenant_shares=_tenant_shares(raw.get("tenant_shares") or {}, f"{where}.tenant_shares"),
     )
+
+
+def _prefix_keys(value: Any, where: str) -> tuple[str, ...]:
+    items = _list(value, where)
+    if len(items) > MAX_REPORTED_PREFIX_KEYS:
+        raise ContractError(where, f"At most {MAX_REPORTED_PREFIX_KEYS} entries.")
+    for i, item in enumerate(items):
+        if not is_prefix_key_digest(item):
+            raise ContractError(f"{where}[{i}]", "Must be a prefix key digest (16 lowercase hex digits).")
+    return tuple(items)
 
 
 def _tenant_shares(value: Any, where: str) -> dict[str, float]:

@@ -57,6 +57,8 @@ class AgentConfig:
     model_roots: tuple[Path, ...] = ()
     # Host memory (page cache) for keeping the checkpoints of likely scale-ups warm; 0: none.
     stage_budget_bytes: int = 0
+    # Host memory each replica keeps as its second KV tier; 0: none.
+    host_kv_cache_bytes: int = 0
     # One replica process per GPU started ahead of its load (gpuworker/replica/spare.py).
     spare_replicas: bool = True
     # Serve flags every replica gets: the host's image-fetch policy (gpuworker.__main__.image_fetch_argv).
@@ -163,6 +165,7 @@ class Agent:
             worker_name=self.config.name,
             model_roots=self.config.model_roots,
             spare_replicas=self.config.spare_replicas,
+            host_kv_cache_bytes=self.config.host_kv_cache_bytes,
             replica_argv=self.config.replica_argv,
         )
         self.supervisor.start()

@@ -33,6 +33,7 @@ import httpx
 from gpuworker.checkpoint_files import gguf_file, weight_bytes
 from gpuworker.contract.heartbeat import REPLICA_FIGURES, REPLICA_LATENCY_FIGURES, ReplicaReport
 from gpuworker.contract.placement import gpu_share_bytes, gpus_needed
+from gpuworker.contract.prefix_keys import MAX_REPORTED_PREFIX_KEYS, is_prefix_key_digest
 from gpuworker.contract.spare_handover import send_load
 from gpuworker.contract.tasks import LoadModel
 from gpuworker.daemon.model_paths import resolve_model_root_path
@@ -95,6 +96,7 @@ class Replica:
             error=self.error,
             figures=figures,
             pid=self.process.pid if self.process is not None else None,
+            prefix_keys=reported_prefix_keys(engine.get("prefix_keys")),
             tenant_shares=engine.get("tenant_shares") or {},
         )
 
@@ -113,6 +115,7 @@ class Supervisor:
         port_range: tuple[int, int] | None = None,
         spare_replicas: bool = False,
         gpu_memory_bytes: tuple[int, ...] = (),
+        host_kv_cache_bytes: int = 0,
         replica_argv: tuple[str, ...] = (),
     ) -> None:
         # None: any free port (the OS chooses); a range only for hosts whose firewall needs one.
@@ -120,6 +123,7 @@ class Supervisor:
         # Each GPU's total memory by index (() when not known): a load whose weights alone exceed
         # its GPUs' is refused before a process starts (_too_large).
         self.gpu_memory_bytes = tuple(gpu_memory_bytes)
+        self.host_kv_cache_bytes = host_kv_cache_bytes
         # Loads are confined to these (a load task's path is chosen by the control plane).
         self.model_roots = tuple(model_roots)
         # Serve flags for every replica, whatever its load (the host's image-fetch policy).
@@ -316,6 +320,8 @@ class Supervisor:
         ]
         if request.max_model_len is not None:
             serve_argv += ["--max-model-len", str(request.max_model_len)]
+        if self.host_kv_cache_bytes and request.tensor_parallel_size == 1:
+            serve_argv += ["--host-kv-cache-bytes", str(self.host_kv_cache_bytes)]
         if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself
             serve_argv += ["--tensor-parallel-size", str(request.tensor_parallel_size)]
             serve_argv += ["--expert-parallel", request.expert_parallel]
@@ -624,6 +630,14 @@ def load_devices(request: LoadModel) -> list[str]:
     if request.gpu_index is None:
         return ["cpu"]
     return [f"cuda:{request.gpu_index + rank}" for rank in range(request.tensor_parallel_size)]
+
+
+def reported_prefix_keys(value: Any) -> tuple[str, ...]:
+    """A replica's /stats prefix_keys as the heartbeat carries them: digests only, bounded (a
+    replica that sends anything else cannot make the worker's heartbeat invalid)."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(key for key in value if is_prefix_key_digest(key))[:MAX_REPORTED_PREFIX_KEYS]
 
 
 def image_limit_arguments(request: LoadModel) -> list[str]:

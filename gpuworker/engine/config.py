@@ -53,6 +53,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # CPU: the KV pool's byte budget (None: DEFAULT_CPU_KV_CACHE_BYTES).
     kv_cache_memory_bytes: int | None = None
+    # The host KV tier's byte budget (engine.host_tier): cached blocks evicted from the KV pool are
+    # kept there (pinned memory on CUDA) and copied back on a prefix hit. 0: no host tier.
+    host_kv_cache_bytes: int = 0
+    # Its blocks, filled in at start-up from host_kv_cache_bytes (sizing.py).
+    num_host_kv_blocks: int = 0
     # None: chosen at start-up for the device and the model (sizing.py).
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -125,6 +130,14 @@ class EngineConfig:
         ):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        for name in ("host_kv_cache_bytes", "num_host_kv_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.host_kv_cache_bytes and not self.enable_prefix_caching:
+            raise ValueError("host_kv_cache_bytes needs enable_prefix_caching: the host tier holds cached blocks")
+        if self.host_kv_cache_bytes and self.tensor_parallel_size > 1:
+            raise ValueError("host_kv_cache_bytes is not supported with tensor_parallel_size > 1")
         blocks = self.num_window_kv_blocks
         if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0):
             raise ValueError(f"num_window_kv_blocks must be a non-negative integer, got {blocks!r}")

@@ -23,8 +23,11 @@ class EngineFacts:
     max_num_batched_tokens: int
     # Tokens the KV pool holds (blocks x block size), each rank's pool alike.
     kv_cache_tokens: int
+    # Tokens the host KV tier holds (0: none).
+    host_kv_cache_tokens: int
     tensor_parallel_size: int
     vocab_size: int
+    block_size: int
     # Seconds per start-up stage until the engine was ready (LLMEngine.load_timings then).
     load_timings: dict[str, float] = field(default_factory=dict)
 
@@ -36,8 +39,10 @@ class EngineFacts:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             kv_cache_tokens=config.num_kv_blocks * config.block_size,
+            host_kv_cache_tokens=config.num_host_kv_blocks * config.block_size,
             tensor_parallel_size=config.tensor_parallel_size,
             vocab_size=model_config.vocab_size,
+            block_size=config.block_size,
             load_timings=dict(load_timings),
         )
 
@@ -49,5 +54,6 @@ class EngineFacts:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
             "kv_cache_tokens": self.kv_cache_tokens,
+            "host_kv_cache_tokens": self.host_kv_cache_tokens,
             "tensor_parallel_size": self.tensor_parallel_size,
         }

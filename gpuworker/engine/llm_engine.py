@@ -440,6 +440,11 @@ class LLMEngine:
                 ", ".join(f"{k} {v:.2f}s" for k, v in self.load_timings.items() if k.endswith("_deferred")),
             )
 
+    def held_block_hashes(self, block_hashes: list[int]) -> list[int]:
+        """Those of block_hashes whose blocks are cached on either KV tier (block_manager.last_block_hash)."""
+        block_manager = self.scheduler.block_manager
+        return [block_hash for block_hash in block_hashes if block_manager.holds(block_hash)]
+
     def score_tokens(self, token_ids: list[int]) -> torch.Tensor:
         """log p(token_ids[i] | token_ids[:i]) for i >= 1 (float64, on the host): a text scored by this
         engine's model and kernels (engine.prompt_scoring), for perplexity. The engine must be idle."""
@@ -464,6 +469,7 @@ class LLMEngine:
             "kv_cache_usage": bm.usage,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
+            "host_cache_hits": bm.host_cache_hits,
             "num_preemptions": scheduler.num_preemptions,
             "num_generated_tokens": self.num_generated_tokens,
             # Weighted tokens (prompt 1, output 2, recomputation included) served per tenant and
@@ -502,7 +508,12 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if not overlap and self._inflight is not None:
             outputs += self._process(self._receive(self._inflight))
+        host_kv = self.runner.host_kv
+        if host_kv is not None:
+            self._land_restores(host_kv.landed())
         batch = self.scheduler.schedule()
+        if host_kv is not None:
+            host_kv.copy(*self.scheduler.block_manager.take_pending_copies())
         handle = None
         # Constrained rows sample only after their grammars have seen the previous step's tokens:
         # the forward is launched first, and the mask is built on the host while it runs.
@@ -525,6 +536,10 @@ class LLMEngine:
             # advance() below hashes only known tokens).
             outputs += self._process(received)
         if handle is None:
+            if host_kv is not None and host_kv.has_in_flight:
+                # Only restores are left to wait for: the next step admits their sequences.
+                self._land_restores(host_kv.wait())
+                return outputs
             if received is None and not outputs and self.scheduler.has_unfinished:
                 # Cannot happen while the pool holds max_model_len tokens; fail rather than spin.
                 raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
@@ -533,6 +548,11 @@ class LLMEngine:
         if not overlap:
             outputs += self._process(self._receive(self._inflight))
         return outputs
+
+    def _land_restores(self, seq_ids: list[int]) -> None:
+        block_manager = self.scheduler.block_manager
+        for seq_id in seq_ids:
+            block_manager.restore_landed(seq_id)
 
     def _receive(self, inflight: _InFlight) -> _Received:
         """Wait for a launched step's tokens, put them in place of their placeholders, and feed the

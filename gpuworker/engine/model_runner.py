@@ -30,6 +30,7 @@ from gpuworker.attention.backend import AttentionMetadata
 from gpuworker.engine.block_tables import BlockTables
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.grammar_masks import TokenBitmask
+from gpuworker.engine.host_kv_pool import HostKVPool
 from gpuworker.engine.kv_cache_dtype import kv_cache_torch_dtype
 from gpuworker.engine.multimodal import ImageEmbeddingCache, ImageSlice, step_images, step_rotary_positions
 from gpuworker.engine.outputs import TokenLogprob
@@ -151,6 +152,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self._allocate_kv_cache(config, mc, dtype, device)
+        # The host tier's slots (engine.host_kv_pool); None without one.
+        self.host_kv = HostKVPool(self.kv_cache, config.num_host_kv_blocks) if config.num_host_kv_blocks else None
         self.sampler = Sampler(device, config.seed)
         # A vision model's encoder output by image content hash (engine.multimodal).
         self.image_cache = ImageEmbeddingCache(max_tokens=image_cache_tokens(config.max_num_batched_tokens))

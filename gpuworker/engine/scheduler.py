@@ -14,6 +14,9 @@ Which waiting request comes next is the waiting queue's choice (engine.fair_shar
 or fair shares between tenants, interactive before batch. Every chunk a step schedules is charged
 to its tenant when it is added to the step, so the next admission in the same step already sees it.
 When an interactive request finds no room, it preempts running batch sequences (_preempt_batch).
+A request whose cached prefix is coming back from the host tier (engine.host_tier) keeps its place
+in the queue while the requests behind it are admitted; it takes a batch sequence's seat only once
+its blocks have landed.
 No torch here.
 """
 
@@ -86,6 +89,7 @@ class Scheduler:
             config.enable_prefix_caching,
             window=window,
             num_window_blocks=num_window_blocks,
+            num_host_blocks=config.num_host_kv_blocks,
         )
         self.waiting = WaitingQueue(config.scheduling)
         # In admission order.
@@ -185,6 +189,9 @@ class Scheduler:
         max_num_seqs = self.config.max_num_seqs
         # Long prompts passed this step by short ones behind them, in queue order.
         passed: list[Sequence] = []
+        # Sequences taken from the queue and not admitted in this step (the long prompts passed,
+        # and those whose cached prefix is still coming back from the host tier), in queue order.
+        set_aside: list[Sequence] = []
         # The sequence whose admission the last preemption made room for.
         making_room_for = None
         while self.waiting:
@@ -202,13 +209,21 @@ class Scheduler:
                 if not self.num_short_waiting:
                     break
                 passed.append(self.waiting.popleft())
+                set_aside.append(passed[-1])
                 continue
             seats = 1 + (len(seq.group.pending_forks) if seq.index == 0 else 0)
             if len(self.running) + seats > max_num_seqs:
+                if self._outranks_running(seq) and self._awaits_restore(seq):
+                    # A batch sequence gives up its seat once seq's prefix is back, not before.
+                    set_aside.append(self.waiting.popleft())
+                    continue
                 if self._preempt_batch(seq, step):
                     making_room_for = seq
                     continue
                 break
+            if self._awaits_restore(seq):
+                set_aside.append(self.waiting.popleft())
+                continue
             matched = block_manager.match_prefix(seq)
             num_computed = len(matched) * block_size
             num_new = min(seq.num_tokens - num_computed, step.token_budget - (reserve if long else 0))
@@ -226,7 +241,13 @@ class Scheduler:
                 seq.group.first_scheduled_time = time.time()
             self.running.append(seq)
             self._add_to_step(step, seq, num_new)
-        self.waiting.extendleft(reversed(passed))
+        self.waiting.extendleft(reversed(set_aside))
+
+    def _awaits_restore(self, seq: Sequence) -> bool:
+        """Whether seq waits for its prefix's blocks to come back from the host tier (their copies
+        started by the first call); the sequences behind it are admitted meanwhile. The restore
+        leaves a block free for each running sequence, so it preempts none of them."""
+        return self.block_manager.start_restore(seq, reserve_blocks=len(self.running))
 
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > self.short_prefill_tokens

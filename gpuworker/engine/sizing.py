@@ -211,7 +211,21 @@ def plan_sizes(
         max_num_batched_tokens=max_num_batched_tokens,
         num_window_kv_blocks=num_window_blocks,
         sliding_window=window,
+        num_host_kv_blocks=_num_host_blocks(config, block_bytes, window),
     )
+
+
+def _num_host_blocks(config: EngineConfig, block_bytes: int, window: int | None) -> int:
+    """The host tier's blocks in host_kv_cache_bytes (a block there holds what one holds in the pool)."""
+    if not config.host_kv_cache_bytes:
+        return 0
+    if window is not None:
+        raise ValueError("host_kv_cache_bytes is not supported for a model with a sliding-window KV pool")
+    if config.host_kv_cache_bytes < block_bytes:
+        raise ValueError(
+            f"host_kv_cache_bytes ({config.host_kv_cache_bytes}) cannot hold one KV block of {block_bytes} bytes"
+        )
+    return config.host_kv_cache_bytes // block_bytes
 
 
 def block_table_row_bytes(max_model_len: int, block_size: int) -> int:

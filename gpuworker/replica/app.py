@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gpuworker.contract.openai_api import PROMPT_TOKENS_HEADER, ProtocolError, new_id, now
+from gpuworker.contract.prefix_keys import PREFIX_KEY_HEADER
 from gpuworker.contract.tenancy import tenancy_fields
 from gpuworker.engine.output_streams import EngineDeadError
 from gpuworker.engine.outputs import join_deltas
@@ -243,6 +244,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         return error_response("the engine returned nothing", 500, type="server_error")
     if holder.drain_expired and not first.finished:  # admitted just as the drain deadline passed
         await engine.abort(request_id)
+    holder.note_prefix(request.headers.get(PREFIX_KEY_HEADER), first.prompt_token_ids)
     if not parsed.stream:  # a stream's caller sees the first token itself
         holder.note_started(request.headers.get("x-request-id"), len(first.prompt_token_ids))
     responder = Responder(holder, parsed, request_id, chat, engine.prompts.tokenizer, plan.tool_parsing)

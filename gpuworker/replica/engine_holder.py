@@ -30,6 +30,7 @@ from gpuworker.models.loader import report_load_progress
 from gpuworker.replica.images import ImageLimits
 from gpuworker.replica.images.pool import ImagePool
 from gpuworker.replica.metrics import EngineMetrics
+from gpuworker.replica.prefix_report import HeldPrefixes
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ NO_ENGINE_FIGURES = {
     "kv_cache_usage": 0.0,
     "tokens_per_s": 0.0,
     "prefix_cache_hit_rate": 0.0,
+    "host_cache_hit_rate": 0.0,
+    "prefix_keys": [],
     "num_generated_tokens": 0,
     "waiting_tokens": 0,
     "prefill_tokens_per_s": 0.0,
@@ -69,6 +72,8 @@ class ServerConfig:
     quantization: str | None = None
     # "fp8": the KV cache in FP8 e4m3 (twice the cached tokens); "auto": the model's dtype.
     kv_cache_dtype: str = "auto"
+    # The host KV tier's bytes (engine.host_tier); 0: none.
+    host_kv_cache_bytes: int = 0
     # The order requests are admitted in (EngineConfig.scheduling): "fair" or "fcfs".
     scheduling: str = "fair"
     gpu_memory_utilization: float = 0.9
@@ -147,7 +152,9 @@ class EngineHolder:
         self.drain_timeout_s = config.drain_timeout_s
         self._drain_task: asyncio.Task | None = None
         # Cumulative engine counters already added to the Prometheus counters.
-        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "host_cache_hits": 0, "num_preemptions": 0}
+        # The conversations served here, to report those whose KV is still held.
+        self.held_prefixes = HeldPrefixes()
         self._seen_tenant_service: dict[tuple[str, str], float] = {}
         self._tokens_window: list[tuple[float, int, int]] = []  # (when, generated, prefilled)
         # (time, weighted tokens served per tenant) over the last ~10 s of snapshots.
@@ -191,6 +198,7 @@ class EngineHolder:
             "defer_warm_up": True,
             "gpu_memory_utilization": self.config.gpu_memory_utilization,
             "kv_cache_dtype": self.config.kv_cache_dtype,
+            "host_kv_cache_bytes": self.config.host_kv_cache_bytes,
             "scheduling": self.config.scheduling,
             "allow_long_context": self.config.allow_long_context,
         }
@@ -349,6 +357,7 @@ class EngineHolder:
         for key, counter in (
             ("prefix_cache_queries", m.prefix_cache_queries),
             ("prefix_cache_hits", m.prefix_cache_hits),
+            ("host_cache_hits", m.host_cache_hits),
             ("num_preemptions", m.num_preemptions),
         ):
             delta = figures[key] - self._seen[key]
@@ -381,6 +390,8 @@ class EngineHolder:
             "kv_cache_usage": figures["kv_cache_usage"],
             "tokens_per_s": tokens_per_s,
             "prefix_cache_hit_rate": figures["prefix_cache_hits"] / queries if queries else 0.0,
+            "host_cache_hit_rate": figures["host_cache_hits"] / queries if queries else 0.0,
+            "prefix_keys": await self._held_prefix_keys(),
             "num_generated_tokens": figures["num_generated_tokens"],
             "waiting_tokens": figures["waiting_tokens"],
             "prefill_tokens_per_s": prefill_per_s,
@@ -388,6 +399,21 @@ class EngineHolder:
             "itl_p95_s": figures["itl_p95_s"],
             "tenant_shares": tenant_shares(self._service_window[0][1], self._service_window[-1][1]),
         }
+
+    def note_prefix(self, digest: str | None, prompt_token_ids: list[int]) -> None:
+        """A request of the conversation the gateway named `digest` (its x-prefix-key) was admitted."""
+        if self.engine is not None:
+            self.held_prefixes.note(digest, prompt_token_ids, self.engine.facts.block_size)
+
+    async def _held_prefix_keys(self) -> list[str]:
+        hashes = self.held_prefixes.block_hashes()
+        if not hashes:
+            return []
+        try:
+            held = await self.engine.call(methodcaller("held_block_hashes", hashes))
+        except EngineDeadError:
+            return []
+        return self.held_prefixes.report(held)
 
     def record_finished(self, output: RequestOutput, generated_tokens: int) -> None:
         """A finished request's figures: `output` its last, generated_tokens its whole answer's."""

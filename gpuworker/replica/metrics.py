@@ -75,6 +75,9 @@ class EngineMetrics:
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.host_cache_hits = counter(
+            "gpuserve:host_kv_cache_hits", "Prompt tokens whose KV was copied back from the host KV tier."
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.")

@@ -162,6 +162,9 @@ class ReplicaLoadView:
     running: str
     kv_cache: str
     tokens_per_s: str
+    # Prompt tokens served from the prefix cache (either KV tier), and from the host tier alone.
+    prefix_hits: str = "—"
+    host_tier_hits: str = "—"
     # (tenant, percent) of the GPU's recent service, busiest first: "tenant 12", or "no tenant"
     # for requests sent without one (the heartbeat carries ids only, and this page reads no rows).
     tenant_shares: tuple[tuple[str, int], ...] = ()
@@ -172,16 +175,22 @@ def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadVie
         value = report.get(name)
         return "—" if value is None else f"{value:.0f}"
 
-    kv, rate = report.get("kv_cache_usage"), report.get("tokens_per_s")
+    def share(name: str) -> str:
+        value = report.get(name)
+        return "—" if value is None else f"{100 * value:.0f}%"
+
+    rate = report.get("tokens_per_s")
     return ReplicaLoadView(
         replica_id=replica_id,
         waiting=count("waiting"),
         running=count("running"),
-        kv_cache="—" if kv is None else f"{100 * kv:.0f}%",
+        kv_cache=share("kv_cache_usage"),
         tokens_per_s="—" if rate is None else f"{rate:,.0f}",
+        prefix_hits=share("prefix_cache_hit_rate"),
+        host_tier_hits=share("host_cache_hit_rate"),
         tenant_shares=tuple(
-            (f"tenant {tenant}" if tenant else "no tenant", round(100 * share))
-            for tenant, share in sorted((report.get("tenant_shares") or {}).items(), key=lambda item: -item[1])
+            (f"tenant {tenant}" if tenant else "no tenant", round(100 * part))
+            for tenant, part in sorted((report.get("tenant_shares") or {}).items(), key=lambda item: -item[1])
         ),
     )
 

@@ -21,6 +21,7 @@ CSV_COLUMNS = (
     "difference",
     "gpu_time_s",
     "prompt_tokens",
+    "cached_prompt_tokens",
     "completion_tokens",
 )
 
@@ -111,5 +112,6 @@ def _csv_row(row: UsageRow) -> tuple:
         csv_money(row.difference),
         f"{row.gpu_time_s:.3f}",
         row.prompt_tokens,
+        row.cached_prompt_tokens,
         row.completion_tokens,
     )

@@ -59,6 +59,7 @@ def worker_heartbeat(*, worker_id: int, heartbeat: Heartbeat, now: datetime) -> 
                 "error": r.error,
                 "pid": r.pid,
                 **r.figures,
+                "prefix_keys": list(r.prefix_keys),
                 # Each tenant's share of the replica's recent service (the fleet page shows it).
                 "tenant_shares": r.tenant_shares,
             }

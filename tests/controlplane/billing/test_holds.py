@@ -380,3 +380,26 @@ def test_the_usage_record_keeps_the_requests_image_count(setup):
     credit_holds_settle(outcomes=[done("seen", image_count=3), done("text")], at=NOW)
     counts = dict(UsageRecord.objects.values_list("request_id", "image_count"))
     assert counts == {"seen": 3, "text": 0}
+
+
+@db
+def test_the_usage_record_keeps_the_prompt_tokens_served_from_the_prefix_cache(setup):
+    from controlplane.billing.holds import usage_cached_tokens
+
+    tenant, model, key = setup
+    credit_grant(tenant=tenant, amount=Decimal("1"))
+    place(tenant, model, key, "hit", "odd", "miss")
+    outcomes = [
+        done("hit", prompt_tokens=100, cached_prompt_tokens=64),
+        done("odd", prompt_tokens=10, cached_prompt_tokens=64),  # never more than the prompt
+        done("miss", prompt_tokens=10),
+    ]
+    credit_holds_settle(outcomes=outcomes, at=NOW)
+    cached = dict(UsageRecord.objects.values_list("request_id", "cached_prompt_tokens"))
+    assert cached == {"hit": 64, "odd": 10, "miss": 0}
+    # What a replica's usage says, read leniently: the request was served either way.
+    assert usage_cached_tokens({"prompt_tokens_details": {"cached_tokens": 48}}) == 48
+    for usage in ({}, {"prompt_tokens_details": None}, {"prompt_tokens_details": {"cached_tokens": "9"}}):
+        assert usage_cached_tokens(usage) == 0
+    assert usage_cached_tokens({"prompt_tokens_details": {"cached_tokens": -3}}) == 0
+    assert usage_cached_tokens({"prompt_tokens_details": {"cached_tokens": True}}) == 0

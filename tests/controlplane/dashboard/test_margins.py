@@ -68,7 +68,7 @@ def test_model_margins_set_revenue_against_gpu_hours_held_in_the_period():
     _replica(idle_deployment, created=until + timedelta(hours=1), state=Replica.State.LOADING, **on_gpu)
     tenant = _funded_tenant()
     for _ in range(4):
-        usage_record_settled(tenant=tenant, model=earning, at=since + timedelta(hours=2))
+        usage_record_settled(tenant=tenant, model=earning, at=since + timedelta(hours=2), cached_prompt_tokens=6)
     usage_record_settled(tenant=tenant, model=earning, at=until + timedelta(hours=1))  # after the period
 
     margins = model_margins(since=since, until=until, gpu_hour_cost=Decimal("0.25"))
@@ -76,6 +76,8 @@ def test_model_margins_set_revenue_against_gpu_hours_held_in_the_period():
         ("earning", 4, Decimal("6.000000"), 12.0, Decimal("3.000000"), Decimal("3.000000")),
         ("idle", 0, Decimal("0"), 0.5, Decimal("0.125000"), Decimal("-0.125000")),
     ]
+    # The prefill its prefix caches saved: 4 requests of 10 prompt tokens, 6 of each from the cache.
+    assert [m.prefill_tokens_saved for m in margins] == [24, 0]
 
 
 def _replica(deployment, *, created, state, ended=None, **placement):

@@ -210,12 +210,15 @@ async def test_replica_load_figures_and_autoscaling_decisions_reach_the_page():
                     "waiting": 4,
                     "kv_cache_usage": 0.5,
                     "tokens_per_s": 80.0,
+                    "prefix_cache_hit_rate": 0.6,
+                    "host_cache_hit_rate": 0.25,
                     "tenant_shares": {"3": 1.0},
                 }
             ],
         )
         html = await _receive_matching(communicator, f'id="replica-{replica.pk}-load"')
-        assert "queue 4 · running 2 · KV 50% · 80 tok/s · " in html and "shares: tenant 3 100%" in html
+        assert "queue 4 · running 2 · KV 50% · 80 tok/s · cache hits 60% (host tier 25%)" in html
+        assert "shares: tenant 3 100%" in html
         await sync_to_async(deployments_autoscale)(now=timezone.now())
         html = await _receive_matching(communicator, f'id="deployment-{deployment.pk}-autoscale"')
         # 6 in flight for replicas that should carry 2 × 70% each: the maximum, 4.

@@ -170,10 +170,15 @@ def test_the_fleet_page_leaves_out_figures_from_before_a_silence(operator_client
 
 def test_the_fleet_page_lists_deployments_with_their_forms(operator_client):
     deployment = DeploymentFactory(
-        model=ModelFactory(public_name="mistral-7b"), desired_replicas=1, min_replicas=0, max_replicas=3, keep_warm=True
+        model=ModelFactory(public_name="mistral-7b", context_length=32768),
+        desired_replicas=1,
+        min_replicas=0,
+        max_replicas=3,
+        keep_warm=True,
     )
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
     assert f'id="deployment-{deployment.pk}"' in page
+    assert "context 32768 tokens" in page
     assert "desired 1 · min 0 · max 3 · keep warm" in page
     assert f'name="s{deployment.pk}-desired_replicas"' in page and f'name="d{deployment.pk}-max_replicas"' in page
     assert 'data-testid="load-form"' in page
@@ -205,13 +210,16 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
                 "waiting": 3,
                 "kv_cache_usage": 0.62,
                 "tokens_per_s": 1234.5,
+                "prefix_cache_hit_rate": 0.5,
+                "host_cache_hit_rate": 0.125,
                 "tenant_shares": {"12": 0.25, "7": 0.7, "": 0.05},
             }
         ],
     )
     page = operator_client.get(reverse("dashboard:fleet")).content.decode()
     assert f'id="replica-{replica.pk}-load"' in page
-    assert "queue 3 · running 5 · KV 62% · 1,234 tok/s" in page  # 1234.5 rounds half to even
+    # 1234.5 rounds half to even; the host tier's share of prompt tokens is part of the cache hits.
+    assert "queue 3 · running 5 · KV 62% · 1,234 tok/s · cache hits 50% (host tier 12%)" in page
     # Each tenant's share of the replica lately, busiest first.
     assert "shares: tenant 7 70%, tenant 12 25%, no tenant 5%" in page
     assert f'id="deployment-{deployment.pk}-autoscale"' in page and "Autoscaling on; no decision yet." in page

@@ -59,20 +59,21 @@ def traffic():
     acme, bolt = TenantFactory(name="acme"), TenantFactory(name="bolt", plan=PlanFactory(included_requests_per_month=0))
     for tenant in (acme, bolt):
         credit_grant(tenant=tenant, amount=Decimal("1"))
-    records = [  # tenant, model, at, status, prompt, completion, gpu seconds
-        (acme, small, DAY1, "completed", 1000, 1000, 0.5),  # 0.002, ref 2000 x 0.5e-6 = 0.001
-        (acme, large, DAY1, "completed", 3000, 2000, 1.5),  # 0.010, ref 5000 x 2e-6 = 0.010
-        (acme, large, DAY2, "cancelled", 10000, 10000, 2.0),  # 0.010, ref 20000 x 2e-6 = 0.040
-        (bolt, small, DAY2, "completed", 100000, 100000, 4.0),  # 0.002, ref 200000 x 0.5e-6 = 0.100
-        (bolt, small, DAY2, "failed", 50000, 0, 0.25),  # free, left out of the reference
+    records = [  # tenant, model, at, status, prompt, completion, gpu seconds, prompt tokens from cache
+        (acme, small, DAY1, "completed", 1000, 1000, 0.5, 0),  # 0.002, ref 2000 x 0.5e-6 = 0.001
+        (acme, large, DAY1, "completed", 3000, 2000, 1.5, 2048),  # 0.010, ref 5000 x 2e-6 = 0.010
+        (acme, large, DAY2, "cancelled", 10000, 10000, 2.0, 8192),  # 0.010, ref 20000 x 2e-6 = 0.040
+        (bolt, small, DAY2, "completed", 100000, 100000, 4.0, 99000),  # 0.002, ref 200000 x 0.5e-6 = 0.100
+        (bolt, small, DAY2, "failed", 50000, 0, 0.25, 0),  # free, left out of the reference
     ]
-    for i, (tenant, model, at, status, prompt, completion, gpu) in enumerate(records):
+    for i, (tenant, model, at, status, prompt, completion, gpu, cached) in enumerate(records):
         usage_record_settled(
             request_id=f"req-{i}",
             tenant=tenant,
             model=model,
             status=status,
             prompt_tokens=prompt,
+            cached_prompt_tokens=cached,
             completion_tokens=completion,
             total_latency_ms=100,
             time_to_first_token_ms=10,
@@ -127,6 +128,8 @@ def test_by_tenant_against_hand_computed_figures(client, admin, traffic):
     assert (bolt.requests, bolt.failed, bolt.revenue, bolt.reference) == (2, 1, Decimal("0.002"), Decimal("0.100"))
     assert acme.gpu_time_s == pytest.approx(4.0) and bolt.gpu_time_s == pytest.approx(4.25)
     assert (acme.prompt_tokens, acme.completion_tokens) == (14000, 13000)
+    assert (acme.cached_prompt_tokens, bolt.cached_prompt_tokens) == (10240, 99000)
+    assert '<td class="num" data-testid="report-cached">10240</td>' in response.content.decode()
     totals = response.context["totals"]
     assert (totals.requests, totals.revenue, totals.reference) == (5, Decimal("0.024"), Decimal("0.151"))
     assert totals.difference == Decimal("0.127")
@@ -179,11 +182,12 @@ def test_csv_has_the_same_rows(client, admin, traffic):
         "difference",
         "gpu_time_s",
         "prompt_tokens",
+        "cached_prompt_tokens",
         "completion_tokens",
     ]
     assert rows[1:] == [
-        ["large", "2", "0", "0.020000", "0.050000", "0.030000", "3.500", "13000", "12000"],
-        ["small", "3", "1", "0.004000", "0.101000", "0.097000", "4.750", "151000", "101000"],
+        ["large", "2", "0", "0.020000", "0.050000", "0.030000", "3.500", "13000", "10240", "12000"],
+        ["small", "3", "1", "0.004000", "0.101000", "0.097000", "4.750", "151000", "99000", "101000"],
     ]
     page = client.get(reverse("dashboard:reports"), {**QUERY, "group_by": "model"}).content.decode()
     assert 'href="/reports/export.csv?start=2026-03-01&amp;end=2026-03-03&amp;group_by=model"' in page

@@ -167,3 +167,31 @@ def test_ledger_equals_usage_after_mixed_traffic(world):
     debited = -sum(CreditEntry.objects.filter(tenant=world.tenant, kind="usage").values_list("amount", flat=True))
     assert charged == debited == Decimal("0.012")
     assert credit_balance(tenant=world.tenant) == Decimal("10") - charged
+
+
+def test_a_repeated_conversation_is_billed_with_its_cached_prompt_and_reported_by_its_replica(world):
+    """The second turn of a conversation lands on the replica that served the first (prefix
+    affinity), its usage and record count the prompt tokens served from the prefix cache, and that
+    replica's stats name the conversation by the digest the gateway sends it."""
+    from controlplane.gateway.replica_choice import affinity_key
+    from gpuworker.contract.prefix_keys import prefix_key_digest
+    from tests.controlplane.gateway.conftest import AFFINITY_PREFIX_CHARS, WORKER_TOKEN
+
+    messages = [{"role": "user", "content": "Summarise what a paged KV cache keeps per block, please. " * 3}]
+    client = world.client()
+    responses = [
+        client.chat.completions.with_raw_response.create(
+            model=world.model.public_name, messages=messages, max_tokens=2, temperature=0.0
+        )
+        for _ in range(2)
+    ]
+    world.settled()
+    first, second = (UsageRecord.objects.get(request_id=r.headers["x-request-id"]) for r in responses)
+    assert first.replica_id == second.replica_id
+    usage = responses[1].parse().usage
+    assert second.cached_prompt_tokens == usage.prompt_tokens_details.cached_tokens > 0
+    assert first.cached_prompt_tokens == 0
+    digest = prefix_key_digest(affinity_key({"messages": messages}, True, AFFINITY_PREFIX_CHARS))
+    [replica] = [r for r in world.replicas if r.pk == second.replica_id]
+    stats = httpx.get(f"{replica.endpoint_url}/stats", headers={"Authorization": f"Bearer {WORKER_TOKEN}"}).json()
+    assert digest in stats["prefix_keys"]

@@ -100,6 +100,40 @@ def test_least_outstanding_passes_over_replicas_that_failed_unless_all_did():
     assert least_outstanding([2, 5], [False, False], None, 9) == 0
 
 
+@dataclass(frozen=True)
+class Holder:
+    replica_id: int
+    prefix_keys: frozenset = frozenset()
+
+
+def test_a_replica_holding_the_conversation_in_its_kv_tiers_is_preferred():
+    from gpuworker.contract.prefix_keys import prefix_key_digest
+
+    keys = [f"conversation {i} " * 8 for i in range(20)]
+    plain = [Holder(1), Holder(2)]
+    # For every key, the replica rendezvous hashing does not choose reports holding it: it wins.
+    for key in keys:
+        other = 1 - affinity_choice(key, plain)
+        replicas = list(plain)
+        replicas[other] = Holder(plain[other].replica_id, frozenset({prefix_key_digest(key)}))
+        assert affinity_choice(key, replicas) == other
+    # A digest of another conversation changes nothing.
+    unrelated = [Holder(1, frozenset({prefix_key_digest("elsewhere")})), Holder(2)]
+    assert [affinity_choice(key, unrelated) for key in keys] == [affinity_choice(key, plain) for key in keys]
+    # Both hold it: rendezvous among the holders.
+    both = [Holder(r, frozenset(prefix_key_digest(k) for k in keys)) for r in (1, 2)]
+    assert [affinity_choice(key, both) for key in keys] == [affinity_choice(key, plain) for key in keys]
+
+
+def test_the_prefix_key_header_carries_the_digest_only_with_a_key():
+    from controlplane.gateway.replica_choice import prefix_key_header
+    from gpuworker.contract.prefix_keys import PREFIX_KEY_HEADER, is_prefix_key_digest
+
+    assert prefix_key_header("") == {}
+    [(name, value)] = prefix_key_header("conversation " * 8).items()
+    assert name == PREFIX_KEY_HEADER and is_prefix_key_digest(value)
+
+
 def test_the_predicted_wait_is_the_queued_prompt_tokens_over_the_recent_prefill_rate():
     assert predicted_wait_s({"waiting_tokens": 6000, "prefill_tokens_per_s": 2000.0}) == 3.0
     # No queue, no measured rate, or no report at all: no evidence of a wait.

@@ -66,6 +66,45 @@ def test_a_split_model_can_start_where_a_worker_has_enough_gpus_together():
 
 
 @pytest.mark.django_db
+def test_routing_sends_a_conversation_to_the_replica_whose_heartbeat_reports_its_kv():
+    """Two replicas of one model, on two workers, each reporting in its heartbeat a different
+    conversation held in its KV tiers, each the one prefix hashing alone would send elsewhere: each
+    conversation's request goes to its holder."""
+    from django.utils import timezone
+
+    from controlplane.fleet.models import Replica
+    from controlplane.fleet.services.heartbeats import worker_heartbeat
+    from controlplane.gateway.replica_choice import affinity_choice
+    from controlplane.gateway.selectors import ReplicaRoute, routing_table
+    from gpuworker.contract.heartbeat import parse_heartbeat
+    from gpuworker.contract.prefix_keys import prefix_key_digest
+    from tests.controlplane.factories import DeploymentFactory, ModelFactory, ReplicaFactory, WorkerFactory
+
+    deployment = DeploymentFactory(model=ModelFactory(public_name="chat"), desired_replicas=2)
+    workers = [WorkerFactory(name=f"w{i}") for i in range(2)]
+    urls = [f"http://10.0.0.{i + 1}:8000" for i in range(2)]
+    replicas = [
+        ReplicaFactory(deployment=deployment, worker=w, state=Replica.State.READY, endpoint_url=url)
+        for w, url in zip(workers, urls)
+    ]
+    plain = [ReplicaRoute(r.pk, url) for r, url in zip(replicas, urls)]
+    keys = [f"conversation {i} " * 8 for i in range(40)]
+    # One conversation rendezvous hashing sends to each replica; each is held by the other one.
+    held_by = {1 - affinity_choice(key, plain): key for key in keys}
+    assert set(held_by) == {0, 1}
+    for index, key in held_by.items():
+        beat = {"replica_id": replicas[index].pk, "state": "ready", "endpoint_url": urls[index]}
+        heartbeat = parse_heartbeat(
+            {"gpus": [], "cpu": {}, "replicas": [{**beat, "prefix_keys": [prefix_key_digest(key)]}]}
+        )
+        worker_heartbeat(worker_id=workers[index].pk, heartbeat=heartbeat, now=timezone.now())
+    routes = routing_table()["chat"].ready
+    assert [route.replica_id for route in routes] == [r.pk for r in replicas]
+    for index, key in held_by.items():
+        assert routes[affinity_choice(key, routes)].replica_id == replicas[index].pk
+
+
+@pytest.mark.django_db
 def test_routes_carry_each_replicas_predicted_wait_from_a_recent_load_report_and_the_ttft_objective():
     import time
 

@@ -222,3 +222,21 @@ def test_what_the_daemon_builds_the_control_plane_parses_back():
         ),
     )
     assert parse_heartbeat(staged.to_json()) == staged
+
+
+def test_prefix_keys_are_digests_and_bounded():
+    from gpuworker.contract.heartbeat import ContractError, ReplicaReport, parse_heartbeat
+    from gpuworker.contract.prefix_keys import MAX_REPORTED_PREFIX_KEYS, prefix_key_digest
+
+    digest = prefix_key_digest("a conversation")
+    report = ReplicaReport(replica_id=3, state="ready", endpoint_url="http://h:1", prefix_keys=(digest,))
+    body = {"gpus": [], "cpu": {}, "replicas": [report.to_json()]}
+    assert parse_heartbeat(body).replicas[0].prefix_keys == (digest,)
+    for bad, message in [
+        (["not a digest"], r"replicas\[0\].prefix_keys\[0\]: Must be a prefix key digest"),
+        ("abc", r"replicas\[0\].prefix_keys: Must be a JSON array"),
+        ([digest] * (MAX_REPORTED_PREFIX_KEYS + 1), r"At most 256 entries"),
+    ]:
+        body["replicas"][0]["prefix_keys"] = bad
+        with pytest.raises(ContractError, match=message):
+            parse_heartbeat(body)

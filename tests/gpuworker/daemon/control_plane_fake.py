@@ -33,9 +33,12 @@ REPLICA_KEYS = {
     "kv_cache_usage",
     "tokens_per_s",
     "prefix_cache_hit_rate",
+    "host_cache_hit_rate",
     "waiting_tokens",
     "prefill_tokens_per_s",
 }
+# The digests of the conversations whose KV the replica holds: present only when there are some.
+REPLICA_PREFIX_KEYS_KEY = "prefix_keys"
 # Latency p95s in seconds: present once the replica has a sample, absent (never 0 or null) before.
 REPLICA_LATENCY_KEYS = {"ttft_p95_s", "itl_p95_s"}
 # The pid of the process serving the replica: present once there is one, absent (never 0 or null) before.
@@ -143,7 +146,7 @@ def check_heartbeat(body: Any) -> None:
         raise ShapeError("heartbeat.replicas: expected a list")
     for i, replica in enumerate(body["replicas"]):
         where = f"heartbeat.replicas[{i}]"
-        optional = REPLICA_LATENCY_KEYS | {REPLICA_PID_KEY, REPLICA_SHARES_KEY}
+        optional = REPLICA_LATENCY_KEYS | {REPLICA_PID_KEY, REPLICA_PREFIX_KEYS_KEY, REPLICA_SHARES_KEY}
         _keys(where, {k: v for k, v in replica.items() if k not in optional}, REPLICA_KEYS)
         if REPLICA_PID_KEY in replica:
             _number(f"{where}.{REPLICA_PID_KEY}", replica[REPLICA_PID_KEY], 1, integer=True)
@@ -163,7 +166,10 @@ def check_heartbeat(body: Any) -> None:
         _number(f"{where}.load_progress", replica["load_progress"], 0, 1)
         for key in ("running", "waiting", "waiting_tokens"):
             _number(f"{where}.{key}", replica[key], integer=True)
-        for key in ("kv_cache_usage", "prefix_cache_hit_rate"):
+        prefix_keys = replica.get(REPLICA_PREFIX_KEYS_KEY, ["0" * 16])
+        if not prefix_keys or not all(isinstance(k, str) and len(k) == 16 for k in prefix_keys):
+            raise ShapeError(f"{where}.prefix_keys: a non-empty list of 16-character digests when sent")
+        for key in ("kv_cache_usage", "prefix_cache_hit_rate", "host_cache_hit_rate"):
             _number(f"{where}.{key}", replica[key], 0, 1)
         _number(f"{where}.tokens_per_s", replica["tokens_per_s"])
         _number(f"{where}.prefill_tokens_per_s", replica["prefill_tokens_per_s"])

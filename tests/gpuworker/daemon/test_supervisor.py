@@ -508,6 +508,53 @@ def test_a_split_load_runs_on_each_of_its_gpus():
     assert load_devices(load(None, 2)) == ["cpu"]
 
 
+def test_the_workers_host_kv_tier_reaches_each_replica(tmp_path, tmp_path_factory, tiny_checkpoint, monkeypatch):
+    """--host-kv-cache-bytes of the daemon: every replica it starts keeps a host KV tier that size."""
+    from gpuworker.__main__ import build_parser
+
+    base = ["daemon", "--control-url", "http://cp", "--token", "t"]
+    assert build_parser().parse_args([*base, "--host-kv-cache-bytes", "1048576"]).host_kv_cache_bytes == 1 << 20
+    monkeypatch.setenv("GPUSERVE_HOST_KV_CACHE_BYTES", "2048")
+    assert build_parser().parse_args(base).host_kv_cache_bytes == 2048
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--host-kv-cache-bytes", "lots"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    _OTHERS.clear()
+    _OTHERS.update(p.pid for p in children_running("serve", argument=True))
+    supervisor = Supervisor(
+        token=TOKEN,
+        gpu_count=0,
+        advertise_host="127.0.0.1",
+        bind_host="127.0.0.1",
+        state_dir=tmp_path,
+        worker_name="test-host",
+        model_roots=(tmp_path_factory.getbasetemp(),),
+        host_kv_cache_bytes=1 << 20,
+    )
+    supervisor.start()
+    try:
+        supervisor.load(
+            LoadModel(
+                replica_id=12,
+                model_path=str(tiny_checkpoint("llama")),
+                served_model_name="tiered",
+                gpu_index=None,
+                memory_fraction=0.5,
+                max_model_len=128,
+            )
+        )
+        ready = _wait(supervisor, 12, "ready", "failed", timeout=120)
+        assert ready.state == "ready", ready.error
+        [child] = _serve_children()
+        assert "--host-kv-cache-bytes" in child.cmdline() and str(1 << 20) in child.cmdline()
+        health = httpx.get(f"{ready.endpoint_url}/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert health["limits"]["host_kv_cache_tokens"] > 0
+        assert "host_cache_hit_rate" in ready.figures
+    finally:
+        supervisor.close(drain_timeout_s=5)
+    assert _serve_children() == []
+
+
 def test_a_daemon_with_a_ca_bundle_that_is_no_file_stops_before_it_starts(tmp_path, capsys):
     from gpuworker.__main__ import build_parser
 

@@ -21,6 +21,7 @@ def test_the_facts_are_the_resolved_config_and_the_model(tiny_checkpoint):
         "max_num_batched_tokens": 128,
         "max_model_len": 256,
         "kv_cache_tokens": 64 * engine.config.block_size,
+        "host_kv_cache_tokens": 0,
         "tensor_parallel_size": 1,
     }
     assert facts.max_model_len == 256 and facts.vocab_size == engine.model_config.vocab_size

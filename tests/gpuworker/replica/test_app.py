@@ -1002,3 +1002,33 @@ def test_best_of_equal_to_n_or_1_is_served_as_n(server):
         for best_of, n in ((2, 2), (1, 2), (1, 1)):
             response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": n, "best_of": best_of})
             assert response.status_code == 200 and len(response.json()["choices"]) == n
+
+
+def test_stats_report_the_conversations_whose_kv_is_held(tiny_checkpoint):
+    from gpuworker.contract.heartbeat import parse_heartbeat
+    from gpuworker.contract.prefix_keys import PREFIX_KEY_HEADER, prefix_key_digest
+    from gpuworker.daemon.supervisor import reported_prefix_keys
+
+    held, short, unnamed = (prefix_key_digest(name) for name in ("held", "short", "unnamed"))
+    prompt = "a conversation long enough to fill a few blocks " * 4
+    with _serving(_config(tiny_checkpoint, host_kv_cache_bytes=1 << 20)) as (base, _), _client(base) as client:
+        assert client.get("/stats").json()["prefix_keys"] == []
+        for digest, text in ((held, prompt), (short, "x"), ("not-a-digest", prompt)):
+            body = {"prompt": text, "max_tokens": 2, "ignore_eos": True}
+            assert client.post("/v1/completions", json=body, headers={PREFIX_KEY_HEADER: digest}).status_code == 200
+        client.post("/v1/completions", json={"prompt": prompt + "!", "max_tokens": 2})
+        stats = client.get("/stats").json()
+        health = client.get("/health").json()
+        metrics = client.get("/metrics").text
+    assert 'gpuserve:host_kv_cache_hits_total{model_name="tiny"} 0.0' in metrics
+    # A prompt that fills no block holds nothing to report; unnamed or malformed ones are not named.
+    assert stats["prefix_keys"] == [held] and unnamed not in stats["prefix_keys"]
+    assert stats["host_cache_hit_rate"] == 0.0  # nothing was evicted from the GPU pool
+    assert health["limits"]["host_kv_cache_tokens"] > 0
+    report = {
+        "replica_id": 1,
+        "state": "ready",
+        "endpoint_url": base,
+        "prefix_keys": list(reported_prefix_keys(stats["prefix_keys"])),
+    }
+    assert parse_heartbeat({"replicas": [report]}).replicas[0].prefix_keys == (held,)
