@@ -28,7 +28,7 @@ from tests.controlplane.factories import (
 
 TEMPLATES = Path(settings.BASE_DIR) / "templates"
 # Figures that are not money, and may be rounded by floatformat.
-NOT_MONEY = re.compile(r"(gpu_hours|gpu_busy_hours|gpu_time_s|utilisation_pct|requests_per_s)\|floatformat")
+NOT_MONEY = re.compile(r"(gpu_hours|gpu_busy_hours|gpu_time_s|utilisation_pct|requests_per_s|perplexity)\|floatformat")
 # What format_usd writes: a sign, thousands separators, the cents, and beyond them only digits
 # that matter (no trailing zero).
 MONEY = re.compile(r"^-?\$\d{1,3}(,\d{3})*\.\d\d(\d{0,4}(?<!0))?$")
