@@ -21,6 +21,9 @@ MAX_STAGED_MODELS = 64
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # How a MoE model split over ranks joins its experts (the engine's EngineConfig.expert_parallel).
 EXPERT_PARALLEL_MODES = ("all_reduce", "all_to_all")
+# What a float checkpoint may be quantized to at load ("": served as stored); the engine's
+# checkpoint_quantization.LOAD_QUANTIZATIONS, spelled for JSON.
+LOAD_QUANTIZATIONS = ("", "fp8")
 MAX_TIMEOUT_S = 3600.0
 
 
@@ -79,6 +82,12 @@ def _expert_parallel(name: str, value: Any) -> str:
     return value
 
 
+def _load_quantization(name: str, value: Any) -> str:
+    if value not in LOAD_QUANTIZATIONS:
+        raise TaskArgumentError(f"{name} must be one of {', '.join(map(repr, LOAD_QUANTIZATIONS))}, got {value!r}")
+    return value
+
+
 def _model_paths(name: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or len(value) > MAX_STAGED_MODELS:
         raise TaskArgumentError(f"{name} must be a list of at most {MAX_STAGED_MODELS} paths, got {value!r}")
@@ -109,7 +118,7 @@ class LoadModel(_Task):
     """Start a replica of the checkpoint at model_path on GPU gpu_index (None: the CPU); with
     tensor_parallel_size N, split over GPUs gpu_index..gpu_index+N-1 (or N CPU processes), a MoE
     model's experts joined as expert_parallel says; a vision model's replica refuses images beyond
-    the max_image* limits."""
+    the max_image* limits; quantization "fp8" serves a float checkpoint quantized to FP8 at load."""
 
     NAME: ClassVar[str] = LOAD_MODEL
     replica_id: int = _argument(_int_at_least(0))
@@ -125,6 +134,8 @@ class LoadModel(_Task):
     max_images_per_request: int | None = _argument(_int_at_least(1, optional=True), None)
     max_image_bytes: int | None = _argument(_int_at_least(1, optional=True), None)
     max_image_pixels: int | None = _argument(_int_at_least(1, optional=True), None)
+    # "fp8": quantize the float checkpoint's weights to FP8 as it loads (the catalog's load_quantization).
+    quantization: str = _argument(_load_quantization, "")
 
 
 @dataclass(frozen=True)
