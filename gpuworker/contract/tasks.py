@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 LOAD_MODEL, UNLOAD_MODEL, DRAIN_WORKER = "gpuworker.load_model", "gpuworker.unload_model", "gpuworker.drain_worker"
 STAGE_WEIGHTS = "gpuworker.stage_weights"
+MEASURE_QUALITY = "gpuworker.measure_quality"
 MAX_STAGED_MODELS = 64
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # How a MoE model split over ranks joins its experts (the engine's EngineConfig.expert_parallel).
@@ -165,10 +166,29 @@ class StageWeights(_Task):
     model_paths: tuple[str, ...] = _argument(_model_paths)
 
 
-TASKS: dict[str, type[_Task]] = {task.NAME: task for task in (LoadModel, UnloadModel, DrainWorker, StageWeights)}
+@dataclass(frozen=True)
+class MeasureQuality(_Task):
+    """Measure the perplexity of the checkpoint at model_path (python -m gpuworker.quality) in a
+    process of its own on GPU gpu_index (None: the CPU), quantized as `quantization` says, and post
+    the report (or why it failed) to the control plane as measurement measurement_id. window and
+    max_tokens: the command's options (None: its defaults, the whole evaluation text)."""
+
+    NAME: ClassVar[str] = MEASURE_QUALITY
+    measurement_id: int = _argument(_int_at_least(1))
+    model_path: str = _argument(_text)
+    gpu_index: int | None = _argument(_int_at_least(0, optional=True))
+    quantization: str = _argument(_load_quantization, "")
+    window: int | None = _argument(_int_at_least(2, optional=True), None)
+    max_tokens: int | None = _argument(_int_at_least(2, optional=True), None)
 
 
-def parse_task(name: str, args: tuple, kwargs: dict[str, Any]) -> LoadModel | UnloadModel | DrainWorker | StageWeights:
+WorkerTask = LoadModel | UnloadModel | DrainWorker | StageWeights | MeasureQuality
+TASKS: dict[str, type[_Task]] = {
+    task.NAME: task for task in (LoadModel, UnloadModel, DrainWorker, StageWeights, MeasureQuality)
+}
+
+
+def parse_task(name: str, args: tuple, kwargs: dict[str, Any]) -> WorkerTask:
     """The task `name` called with these arguments, defaults filled in, or TaskArgumentError."""
     task = TASKS[name]
     expected = [spec.name for spec in dataclasses.fields(task)]
