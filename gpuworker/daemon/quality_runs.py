@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import subprocess
 import sys
 import threading
@@ -38,37 +39,46 @@ def quality_argv(task: MeasureQuality, checkpoint: Path) -> list[str]:
 
 
 class QualityRuns:
-    """Runs each measurement in a thread that waits on its process; `report(measurement_id,
-    progress)` posts what happened (and retries as it sees fit)."""
+    """Runs the measurements one at a time, in the order they came, in a thread that waits on each
+    process (one at a time: each loads a whole model); `report(measurement_id, progress)` posts
+    what happened (and retries as it sees fit)."""
 
     def __init__(
         self, *, model_roots: tuple[Path, ...], gpu_count: int, report: Callable[[int, QualityProgress], None]
     ) -> None:
         self.model_roots, self.gpu_count, self._report = model_roots, gpu_count, report
         self._lock = threading.Lock()
-        self._processes: dict[int, subprocess.Popen] = {}
-        self._threads: dict[int, threading.Thread] = {}
+        self._queue: queue.Queue[MeasureQuality | None] = queue.Queue()
+        self._accepted: set[int] = set()
+        self._process: subprocess.Popen | None = None
         self._closed = False
+        self._thread = threading.Thread(target=self._work, name="quality-runs", daemon=True)
+        self._thread.start()
 
     def start(self, task: MeasureQuality) -> None:
-        """Begin `task` unless it is already running (a repeated message changes nothing)."""
+        """Queue `task` unless it came before (a repeated message changes nothing)."""
         with self._lock:
-            if self._closed or task.measurement_id in self._threads:
+            if self._closed or task.measurement_id in self._accepted:
                 return
-            name = f"quality-{task.measurement_id}"
-            thread = threading.Thread(target=self._run, args=(task,), name=name, daemon=True)
-            self._threads[task.measurement_id] = thread
-        thread.start()
+            self._accepted.add(task.measurement_id)
+        self._queue.put(task)
 
     def close(self) -> None:
-        """Stop every measurement in progress (each is reported failed) and wait for its thread."""
+        """Stop the measurement in progress (reported failed), drop those queued (their worker went
+        away, which the control plane notes when they are asked for again), and end the thread."""
         with self._lock:
             self._closed = True
-            processes, threads = list(self._processes.values()), list(self._threads.values())
-        for process in processes:
-            process.kill()
-        for thread in threads:
-            thread.join(timeout=10)
+            if self._process is not None:
+                self._process.kill()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _work(self) -> None:
+        while (task := self._queue.get()) is not None:
+            with self._lock:
+                if self._closed:
+                    return
+            self._run(task)
 
     def _problem(self, task: MeasureQuality) -> tuple[Path | None, str | None]:
         if task.gpu_index is not None and task.gpu_index >= self.gpu_count:
@@ -90,16 +100,15 @@ class QualityRuns:
             with self._lock:
                 if self._closed:
                     return QualityProgress(state=FAILED, error="the worker daemon stopped before the measurement began")
-                process = subprocess.Popen(
+                self._process = process = subprocess.Popen(
                     quality_argv(task, checkpoint), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
-                self._processes[task.measurement_id] = process
             out, err = process.communicate()
         except OSError as exc:
             return QualityProgress(state=FAILED, error=f"could not start the perplexity command: {exc}")
         finally:
             with self._lock:
-                self._processes.pop(task.measurement_id, None)
+                self._process = None
         if process.returncode != 0:
             tail = "\n".join(err.strip().splitlines()[-ERROR_TAIL_LINES:])
             return QualityProgress(

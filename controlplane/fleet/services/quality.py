@@ -96,6 +96,16 @@ def quality_measurement_request(
     return measurement
 
 
+def quality_measurements_abandon(*, worker: Worker, now) -> int:
+    """Fail the measurements `worker` had in progress: it registered again, so its daemon started
+    afresh and runs none of them (a message still queued for it is refused when it reports)."""
+    return QualityMeasurement.objects.filter(worker=worker, state__in=QualityMeasurement.IN_PROGRESS).update(
+        state=QualityMeasurement.State.FAILED,
+        error=f"worker {worker.name} restarted before it finished; measure again",
+        state_changed_at=now,
+    )
+
+
 def _finish(measurement: QualityMeasurement, *, state: str, error: str = "") -> None:
     measurement.state, measurement.error, measurement.state_changed_at = state, error, timezone.now()
     measurement.save(update_fields=["state", "error", "state_changed_at"])

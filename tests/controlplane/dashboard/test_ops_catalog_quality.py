@@ -61,6 +61,7 @@ def agent(tmp_path, live_server, settings):
     agent.quality_runs = QualityRuns(model_roots=agent.config.model_roots, gpu_count=0, report=agent._report_quality)
     try:
         agent._register()
+        queued_tasks(Worker.objects.get(name="quality-test").queue_name)  # earlier tests' messages
         agent.checkpoint = checkpoint
         yield agent
     finally:
@@ -110,7 +111,7 @@ def test_the_worker_measures_the_fp8_variant_and_its_base_and_the_catalog_shows_
     assert AuditEntry.objects.filter(action=AuditEntry.Action.MODEL_MEASURE_QUALITY, actor=operator).count() == 2
     # The page's button measures the whole text; here the same service measures a short window of it.
     QualityMeasurement.objects.all().delete()
-    queued_tasks(Worker.objects.get(name="quality-test").queue_name)
+    queued_tasks(Worker.objects.get(name="quality-test").queue_name)  # the button's messages
     measurements = [
         quality_measurement_request(model=model, window=WINDOW, max_tokens=MAX_TOKENS) for model in (base, fp8)
     ]
@@ -187,3 +188,23 @@ def test_progress_for_an_unknown_or_other_workers_measurement_or_of_other_weight
         client, settings, worker_id, measurement.pk, {"state": DONE, "report": {**REPORT, "quantization": "fp8"}}
     )
     assert again.status_code == 400 and "already failed" in again.json()["fields"]["state"][0]
+
+
+def test_a_worker_that_registers_again_fails_the_measurements_it_had_in_progress(agent):
+    model = ModelFactory(public_name="tiny", weights_path=str(agent.checkpoint))
+    measurement = quality_measurement_request(model=model)
+    agent._register()  # as a restarted daemon does: it runs none of the old ones
+    measurement.refresh_from_db()
+    assert measurement.state == QualityMeasurement.State.FAILED and "restarted before it finished" in measurement.error
+    assert quality_measurement_request(model=model).state == QualityMeasurement.State.QUEUED
+
+
+def test_a_measurement_that_fails_on_the_worker_says_why(agent):
+    """A window longer than the checkpoint's context: the command's own error comes back."""
+    model = ModelFactory(public_name="tiny", weights_path=str(agent.checkpoint))
+    measurement = quality_measurement_request(model=model, window=4096)
+    _deliver(agent)
+    failed = _finished(measurement)
+    assert failed.state == QualityMeasurement.State.FAILED
+    assert "the perplexity command exited with status 2" in failed.error
+    assert "max_model_len (4096) exceeds the model's context" in failed.error
