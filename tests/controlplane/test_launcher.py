@@ -59,7 +59,7 @@ def _embedded_env(tmp_path: Path) -> dict[str, str]:
 
 def test_process_specs_name_web_fleet_worker_beat_and_the_gpu_worker_daemon():
     specs = {spec.name: spec.argv for spec in process_specs(host="0.0.0.0", port=8000, fleet_port=8101)}
-    assert list(specs) == ["web", "fleet", "worker", "beat", "gpuworker"]
+    assert list(specs) == ["web", "fleet", "worker", "beat", "gpuworker", "quality"]
     web, fleet, daemon = specs["web"], specs["fleet"], specs["gpuworker"]
     assert "controlplane.asgi:application" in web and web[web.index("--port") + 1] == "8000"
     # The daemon calls the fleet server, on this machine only, whatever address the web server opens.
@@ -152,6 +152,31 @@ def test_a_killed_child_is_restarted_with_its_forks_swept_and_the_others_left_ru
     assert not _alive(seen["grandchildren"][0])
     assert not _live_members_of_group(first)
     assert log.count("started steady") == 1 and "steady exited" not in log
+
+
+def test_a_job_that_runs_once_is_reported_when_it_ends_and_never_restarted():
+    out = io.StringIO()
+    launcher = Launcher(
+        [ProcessSpec("steady", ["sleep", "120"]), ProcessSpec("job", ["sh", "-c", "echo measured; exit 3"], once=True)],
+        out=out,
+        restart=FAST_RESTARTS,
+    )
+
+    def stop_once_the_job_ended() -> bool:
+        if "job finished" in out.getvalue():
+            launcher.request_stop(signal.SIGINT)
+        return False
+
+    assert launcher.run(on_ready=stop_once_the_job_ended) == 0
+    log = out.getvalue()
+    assert re.search(r"^job +\| measured$", log, re.MULTILINE), log
+    assert "job finished with status 3" in log and "restarted job" not in log and "job exited" not in log
+
+
+def test_the_demos_quality_check_runs_once_for_smollm2_and_its_fp8_twin():
+    [quality] = [spec for spec in process_specs(host="127.0.0.1", port=8000) if spec.name == "quality"]
+    assert quality.once and "measure_quality" in quality.argv and "--unmeasured" in quality.argv
+    assert quality.argv[-2:] == ["smollm2-135m-instruct", "smollm2-135m-instruct-fp8"]
 
 
 def test_a_crash_loop_stops_everything_and_fails():
