@@ -326,6 +326,13 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
                 messages=[{"role": "user", "content": "What is the capital of France?"}],
             )
             assert "Paris" in reply.choices[0].message.content
+            # The quality check ran once in the background: SmolLM2 and its FP8-at-load twin measured
+            # by the local worker, the figures on their catalog rows.
+            measured = _wait_for_perplexities(
+                database, ["smollm2-135m-instruct", "smollm2-135m-instruct-fp8"], launcher, log_path
+            )
+            assert all(1 < perplexity < 1000 for perplexity in measured.values()), measured
+            assert measured["smollm2-135m-instruct-fp8"] != measured["smollm2-135m-instruct"]
             # At idle the log stays readable: heartbeats and beat's checks (each a second) are at
             # DEBUG, so a quiet half minute adds at most a line per ten seconds.
             _wait_for_quiet_log(log_path, launcher, seconds=30, most_lines=3)
@@ -337,7 +344,8 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
                 launcher.wait()
     output = log_path.read_text()
     pids = {name: int(pid) for name, pid in re.findall(r"started (\w+) \(pid (\d+)\)", output)}
-    assert set(pids) == {"web", "fleet", "worker", "beat", "gpuworker"}
+    assert set(pids) == {"web", "fleet", "worker", "beat", "gpuworker", "quality"}
+    assert "quality finished with status 0" in output
     leftovers = {name: _live_members_of_group(pid) for name, pid in pids.items()}
     assert not any(leftovers.values()), leftovers
     # The banner gives the URL, the logins and the API key that seed_demo wrote.
@@ -414,6 +422,25 @@ def _wait_for_ready_replica(
             return row[0]
         time.sleep(0.5)
     pytest.fail(f"the demo model {model} was not ready within {timeout}s:\n{log_path.read_text()}")
+
+
+def _wait_for_perplexities(
+    database: Path, models: list[str], launcher: subprocess.Popen, log_path: Path, timeout: float = 900
+) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            pytest.fail(f"the launcher exited early ({launcher.returncode}):\n{log_path.read_text()}")
+        with sqlite3.connect(database, timeout=20) as db:
+            rows = db.execute(
+                f"SELECT public_name, perplexity FROM catalog_model WHERE perplexity IS NOT NULL "
+                f"AND public_name IN ({', '.join('?' * len(models))})",
+                models,
+            ).fetchall()
+        if len(rows) == len(models):
+            return dict(rows)
+        time.sleep(1)
+    pytest.fail(f"{models} were not all measured within {timeout}s:\n{log_path.read_text()}")
 
 
 def _wait_for_page(url: str, launcher: subprocess.Popen, log_path: Path, timeout: float = 90) -> str:

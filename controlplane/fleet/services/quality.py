@@ -28,7 +28,10 @@ class MeasurementUnknown(Exception):
 
 
 def _free_gpu_index(worker: Worker) -> int | None:
-    """A present GPU of `worker` that no active replica holds; ValidationError when there is none."""
+    """A present GPU of `worker` that no active replica holds (None: on a CPU worker, its CPU);
+    ValidationError when every GPU holds one."""
+    if worker.device != Worker.Device.CUDA:
+        return None
     held = {
         index
         for first, size in Replica.objects.filter(
@@ -45,17 +48,24 @@ def _free_gpu_index(worker: Worker) -> int | None:
     return free[0]
 
 
-def _choose_worker(model: Model) -> Worker:
-    online = list(Worker.objects.filter(state=Worker.State.ONLINE).order_by("device", "name"))
-    having = [
-        w for w, r in zip(online, weights_path_reports(weights_path=model.weights_path, workers=online)) if r.loadable
-    ]
+def _choose_place(model: Model) -> tuple[Worker, int | None]:
+    """The first online worker (CPU workers last, then by name) that reports the checkpoint and
+    has a device free for it, and that device; ValidationError saying why there is none."""
+    online = list(Worker.objects.filter(state=Worker.State.ONLINE).order_by("-device", "name"))
+    reports = weights_path_reports(weights_path=model.weights_path, workers=online)
+    having = [worker for worker, report in zip(online, reports) if report.loadable]
     if not having:
         raise ValidationError(
             f"No online worker reports the checkpoint at {model.weights_path} under its model roots: start "
             f"one (or copy the checkpoint under a root), then measure again."
         )
-    return having[0]
+    refusals = []
+    for worker in having:
+        try:
+            return worker, _free_gpu_index(worker)
+        except ValidationError as exc:
+            refusals.extend(exc.messages)
+    raise ValidationError(" ".join(refusals))
 
 
 @transaction.atomic
@@ -72,8 +82,7 @@ def quality_measurement_request(
                 f"{model.public_name} is already being measured on {earlier.worker.name} ({earlier.state})."
             )
         _finish(earlier, state=QualityMeasurement.State.FAILED, error=f"worker {earlier.worker.name} went away")
-    worker = _choose_worker(model)
-    gpu_index = _free_gpu_index(worker) if worker.device == Worker.Device.CUDA else None
+    worker, gpu_index = _choose_place(model)
     measurement = QualityMeasurement.objects.create(model=model, worker=worker, gpu_index=gpu_index)
     commands.send_to_worker(
         queue=worker.queue_name,
