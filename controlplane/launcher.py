@@ -45,6 +45,8 @@ STOP_GRACE_SECONDS = 10.0
 GPUWORKER_DRAIN_S = 5
 GPUWORKER_STOP_GRACE_S = 10.0 + GPUWORKER_DRAIN_S + 10.0 + 5.0
 _POLL_SECONDS = 0.2
+# How long the demo's quality check waits for the worker to report SmolLM2's checkpoint.
+DEMO_QUALITY_WAIT_S = 600
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,16 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     # How long it gets after SIGTERM before SIGKILL.
     stop_grace_s: float = STOP_GRACE_SECONDS
+    # A job that runs once to its end: its exit is reported, never restarted.
+    once: bool = False
 
 
 def process_specs(
     *, host: str, port: int, fleet_port: int = DEFAULT_FLEET_PORT, var_dir: Path = BASE_DIR / "var"
 ) -> list[ProcessSpec]:
     """The processes of the embedded system; adding one is adding a line."""
+    # Imported here: the demo module needs Django's apps, which main() sets up first.
+    from controlplane.demo.seed import CHAT_FP8_MODEL_NAME, CHAT_MODEL_NAME
 
     def module(*args: str) -> list[str]:
         return [sys.executable, "-m", *args]
@@ -156,6 +162,22 @@ def process_specs(
             env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))},
             stop_grace_s=GPUWORKER_STOP_GRACE_S,
         ),
+        # The demo's quality check, once: SmolLM2 and its FP8-at-load twin measured by the local
+        # worker as soon as it reports their checkpoint (one at a time, in the background).
+        ProcessSpec(
+            "quality",
+            [
+                sys.executable,
+                str(BASE_DIR / "manage.py"),
+                "measure_quality",
+                "--unmeasured",
+                "--wait",
+                str(DEMO_QUALITY_WAIT_S),
+                CHAT_MODEL_NAME,
+                CHAT_FP8_MODEL_NAME,
+            ],
+            once=True,
+        ),
     ]
 
 
@@ -216,7 +238,10 @@ class Launcher:
         while not self._stop_requested.is_set():
             now = time.monotonic()
             for child in self._children:
-                if child.process is not None and child.process.poll() is not None:
+                if child.process is not None and child.process.poll() is not None and child.spec.once:
+                    self.say(f"{child.spec.name} finished with {exit_status(child.process.returncode)}")
+                    child.process, child.restart_at = None, float("inf")
+                elif child.process is not None and child.process.poll() is not None:
                     if not self._schedule_restart(child, now):
                         return self._stop(1)
                 elif child.process is None and now >= child.restart_at:

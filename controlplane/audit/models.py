@@ -12,6 +12,7 @@ class AuditEntry(models.Model):
         MODEL_ENABLE = "model.enable", "Model enabled"
         MODEL_DISABLE = "model.disable", "Model disabled"
         MODEL_DELETE = "model.delete", "Model deleted"
+        MODEL_MEASURE_QUALITY = "model.measure_quality", "Model's quality measurement asked for"
         DEPLOYMENT_CREATE = "deployment.create", "Deployment created"
         DEPLOYMENT_SCALE = "deployment.scale", "Deployment scaled"
         DEPLOYMENT_UPDATE = "deployment.update", "Deployment edited"

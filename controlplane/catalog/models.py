@@ -67,7 +67,22 @@ class Model(models.Model):
         choices=Quantization.choices,
         default=Quantization.NONE,
         blank=True,
-        help_text="How the checkpoint's weights are stored (its config.json's quantization_config).",
+        help_text="How the served weights are quantized: as the checkpoint stores them (its config.json's "
+        "quantization_config), or FP8 when quantized at load.",
+    )
+
+    # The values gpuworker's contract.tasks.LOAD_QUANTIZATIONS names.
+    class LoadQuantization(models.TextChoices):
+        NONE = "", "As stored"
+        FP8 = "fp8", "FP8 at load"
+
+    load_quantization = models.CharField(
+        max_length=20,
+        choices=LoadQuantization.choices,
+        default=LoadQuantization.NONE,
+        blank=True,
+        help_text="Quantize a float checkpoint's weights as a replica loads them: FP8 at load serves the "
+        "checkpoint in FP8 (its quantization then reads FP8).",
     )
     gpu_memory_bytes = models.PositiveBigIntegerField(
         validators=[MinValueValidator(1)],
@@ -127,6 +142,14 @@ class Model(models.Model):
                     f"packed INT4 weights and per-group scales are not split over GPUs (FP8 and float checkpoints "
                     f"split). "
                     f"Set tensor_parallel_size to 1."
+                }
+            )
+        if self.load_quantization and self.quantization != self.load_quantization:
+            raise ValidationError(
+                {
+                    "load_quantization": f"{self.get_load_quantization_display()} serves FP8 weights, so the "
+                    f"quantization must be FP8, not {self.get_quantization_display()}; a checkpoint stored "
+                    f"quantized cannot be quantized again at load."
                 }
             )
         base = self.base_model

@@ -29,6 +29,7 @@ MODEL_FIELDS = (
     "context_length",
     "parameter_count",
     "quantization",
+    "load_quantization",
     "gpu_memory_bytes",
     "tensor_parallel_size",
     "expert_parallel",
@@ -120,6 +121,25 @@ def _check_weights_path(weights_path: str, verify_on: Iterable | None) -> None:
         raise ValidationError({"weights_path": refused})
 
 
+def served_quantization(
+    *, weights_path: str, quantization: str | None, load_quantization: str, workers: Iterable | None
+) -> str:
+    """What a model serves: `quantization` as given (None: as `workers` report the checkpoint, a
+    float one if none does), or with FP8 at load, FP8. A ValidationError refuses FP8 at load of a
+    checkpoint a worker reports already quantized."""
+    reported = reported_quantization(weights_path=weights_path, workers=workers or ())
+    if load_quantization:
+        if reported:
+            raise ValidationError(
+                {
+                    "load_quantization": f"The checkpoint at {weights_path} is already quantized ({reported}): "
+                    f"only a float checkpoint can be quantized at load. Leave the quantization at load empty."
+                }
+            )
+        return load_quantization if quantization is None else quantization
+    return (reported or Model.Quantization.NONE) if quantization is None else quantization
+
+
 def model_snapshot(model: Model) -> dict:
     values = model_to_dict(model, fields=MODEL_FIELDS)
     values["price_tier"] = str(model.price_tier) if model.price_tier_id else None
@@ -139,6 +159,7 @@ def model_create(
     price_tier,
     gpu_memory_bytes: int | None = None,
     quantization: str | None = None,
+    load_quantization: str = Model.LoadQuantization.NONE,
     tensor_parallel_size: int = 1,
     expert_parallel: str = Model.ExpertParallel.ALL_REDUCE,
     base_model: Model | None = None,
@@ -148,10 +169,11 @@ def model_create(
 ) -> Model:
     """Add a model. `verify_on`: workers whose reported checkpoints the weight path must be among
     (inside their model roots, a checkpoint there); None checks only the path itself.
-    `quantization` None: as those workers report the checkpoint (a float one if none does)."""
-    if quantization is None:
-        reported = reported_quantization(weights_path=weights_path, workers=verify_on or ())
-        quantization = reported or Model.Quantization.NONE
+    `quantization` None: as those workers report the checkpoint (a float one if none does), or FP8
+    with `load_quantization` "fp8" (served_quantization)."""
+    quantization = served_quantization(
+        weights_path=weights_path, quantization=quantization, load_quantization=load_quantization, workers=verify_on
+    )
     if (
         gpu_memory_bytes is None
         and isinstance(parameter_count, int)
@@ -167,6 +189,7 @@ def model_create(
         context_length=context_length,
         parameter_count=parameter_count,
         quantization=quantization,
+        load_quantization=load_quantization,
         gpu_memory_bytes=gpu_memory_bytes,
         tensor_parallel_size=tensor_parallel_size,
         expert_parallel=expert_parallel,

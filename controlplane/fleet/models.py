@@ -246,3 +246,32 @@ class PlacementReport(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment_id}: {self.unplaced} unplaced"
+
+
+class QualityMeasurement(models.Model):
+    """A perplexity measurement of a catalog model that an operator asked a worker for: the worker
+    runs the quality command (gpuworker/daemon/quality_runs.py) and reports back; a report it
+    returns is recorded on the model like one recorded by hand (catalog.services.model_record_perplexity)."""
+
+    class State(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        RUNNING = "running", "Running"
+        DONE = "done", "Done"
+        FAILED = "failed", "Failed"
+
+    IN_PROGRESS = (State.QUEUED, State.RUNNING)
+
+    model = models.ForeignKey("catalog.Model", on_delete=models.CASCADE, related_name="quality_measurements")
+    worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="quality_measurements")
+    # The GPU the measurement runs on; None: the worker's CPU.
+    gpu_index = models.PositiveSmallIntegerField(null=True, blank=True)
+    state = models.CharField(max_length=20, choices=State.choices, default=State.QUEUED)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+    def __str__(self) -> str:
+        return f"{self.model} on {self.worker}: {self.state}"

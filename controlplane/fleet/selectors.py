@@ -18,7 +18,7 @@ from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.autoscaling import ReplicaLoad
 from controlplane.fleet.backoff import error_cause
 from controlplane.fleet.lost_watch import Watch, paused_reasons
-from controlplane.fleet.models import Gpu, LoadBackoff, PlacementReport, Replica, Worker
+from controlplane.fleet.models import Gpu, LoadBackoff, PlacementReport, QualityMeasurement, Replica, Worker
 from controlplane.fleet.placement import Slot, held_gpu_indexes, held_places, share_bytes
 
 
@@ -349,10 +349,19 @@ def replicas_with_model_and_worker() -> QuerySet[Replica]:
     return Replica.objects.select_related("deployment__model", "worker")
 
 
+def latest_quality_measurements(*, model_ids: Iterable[int]) -> dict[int, QualityMeasurement]:
+    """Each of these models' latest quality measurement (with its worker), by model id."""
+    latest: dict[int, QualityMeasurement] = {}
+    for measurement in QualityMeasurement.objects.filter(model_id__in=list(model_ids)).select_related("worker"):
+        latest.setdefault(measurement.model_id, measurement)  # newest first (the model's ordering)
+    return latest
+
+
 def models_with_fleet_status(*, model_ids: Iterable[int] | None = None) -> list[Model]:
     """Catalog models (all, or these), by public name, with their price tier and deployment, each
     with `fleet_status`: its deployment's DeploymentStatus (None when not deployed), so the catalog
-    can say which are degraded and why, and `perplexity_increase` (catalog.selectors: against its base
+    can say which are degraded and why, `quality_measurement` (its latest QualityMeasurement or
+    None), and `perplexity_increase` (catalog.selectors: against its base
     model; None when not comparable) and `quality_refusal` (why its deployment may not place replicas,
     "" when it may) for the quality check."""
     models = Model.objects.select_related("price_tier", "deployment", "base_model").order_by("public_name")
@@ -361,7 +370,9 @@ def models_with_fleet_status(*, model_ids: Iterable[int] | None = None) -> list[
     models = list(models)
     deployed = [m.deployment.pk for m in models if hasattr(m, "deployment")]
     statuses = {s.deployment_id: s for s in deployment_statuses(deployment_ids=deployed)} if deployed else {}
+    latest = latest_quality_measurements(model_ids=[m.pk for m in models])
     for m in models:
+        m.quality_measurement = latest.get(m.pk)
         m.fleet_status = statuses.get(m.deployment.pk) if hasattr(m, "deployment") else None
         m.perplexity_increase = perplexity_increase(model=m)
         m.quality_refusal = quality_refusal(deployment=m.deployment) if hasattr(m, "deployment") else ""

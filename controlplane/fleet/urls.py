@@ -9,4 +9,5 @@ app_name = "fleet_internal"
 urlpatterns = [
     path("workers/register", views.register, name="register"),
     path("workers/<int:worker_id>/heartbeat", views.heartbeat, name="heartbeat"),
+    path("workers/<int:worker_id>/quality/<int:measurement_id>", views.quality, name="quality"),
 ]

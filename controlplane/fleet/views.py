@@ -1,5 +1,6 @@
-"""The /internal/ HTTP API the worker daemons call: registration and heartbeats. JSON in and out,
-fleet token required; parsing in the worker contract (gpuworker.contract.heartbeat), the work in services.
+"""The /internal/ HTTP API the worker daemons call: registration, heartbeats, quality measurements'
+progress. JSON in and out, fleet token required; parsing in the worker contract
+(gpuworker.contract), the work in services.
 
 The fleet server (controlplane.fleet_asgi) serves these on a port of its own. The public server
 answers them too, so that daemons set up before the fleet server existed keep their workers; a
@@ -18,9 +19,11 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.fleet.services.heartbeats import worker_heartbeat
+from controlplane.fleet.services.quality import MeasurementUnknown, quality_measurement_progress
 from controlplane.fleet.services.workers import WorkerUnknown, worker_register
 from controlplane.integrations import unreachable_dependency
 from gpuworker.contract.heartbeat import ContractError, parse_heartbeat, parse_registration
+from gpuworker.contract.quality import parse_quality_progress
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +98,15 @@ def heartbeat(request: HttpRequest, body, worker_id: int) -> JsonResponse:
     except WorkerUnknown as exc:
         return JsonResponse({"error": str(exc)}, status=404)
     return JsonResponse({"ok": True, "unload": unload} if unload else {"ok": True})
+
+
+@internal_endpoint
+def quality(request: HttpRequest, body, worker_id: int, measurement_id: int) -> JsonResponse:
+    progress = parse_quality_progress(body)
+    try:
+        measurement = quality_measurement_progress(
+            worker_id=worker_id, measurement_id=measurement_id, progress=progress
+        )
+    except MeasurementUnknown as exc:
+        return JsonResponse({"error": str(exc)}, status=404)
+    return JsonResponse({"ok": True, "state": measurement.state})

@@ -1,6 +1,7 @@
 """What the worker's perplexity check (python -m gpuworker.quality) reports and the control plane
 records in the catalog: one JSON object, built by the worker with `to_json()` and read back with
-`parse_perplexity_report`, where a bad field raises ContractError naming it."""
+`parse_perplexity_report`, where a bad field raises ContractError naming it. A measurement the
+control plane asked for (the MeasureQuality task) is reported as it goes with a QualityProgress."""
 
 from __future__ import annotations
 
@@ -56,3 +57,39 @@ def parse_perplexity_report(data: Any) -> PerplexityReport:
         text_sha256=sha,
         quantization=quantization,
     )
+
+
+# A measurement's states as the daemon reports them: started, then measured or failed.
+RUNNING, DONE, FAILED = "running", "done", "failed"
+MAX_ERROR_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class QualityProgress:
+    """POSTed to /internal/workers/<id>/quality/<measurement id>: the report with DONE, why with FAILED."""
+
+    state: str
+    report: PerplexityReport | None = None
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"state": self.state}
+        if self.report is not None:
+            body["report"] = self.report.to_json()
+        if self.error:
+            body["error"] = self.error
+        return body
+
+
+def parse_quality_progress(data: Any) -> QualityProgress:
+    if not isinstance(data, dict):
+        raise ContractError("body", f"Must be an object, got {type(data).__name__}.")
+    state = data.get("state")
+    if state not in (RUNNING, DONE, FAILED):
+        raise ContractError("state", f"Must be one of {RUNNING}, {DONE}, {FAILED}; got {state!r}.")
+    if state == DONE:
+        return QualityProgress(state=DONE, report=parse_perplexity_report(data.get("report")))
+    error = data.get("error", "")
+    if state == FAILED and (not isinstance(error, str) or not error.strip()):
+        raise ContractError("error", f"A failed measurement must say why, got {error!r}.")
+    return QualityProgress(state=state, error=error[-MAX_ERROR_CHARS:] if state == FAILED else "")

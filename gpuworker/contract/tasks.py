@@ -17,10 +17,14 @@ from typing import Any, ClassVar
 
 LOAD_MODEL, UNLOAD_MODEL, DRAIN_WORKER = "gpuworker.load_model", "gpuworker.unload_model", "gpuworker.drain_worker"
 STAGE_WEIGHTS = "gpuworker.stage_weights"
+MEASURE_QUALITY = "gpuworker.measure_quality"
 MAX_STAGED_MODELS = 64
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # How a MoE model split over ranks joins its experts (the engine's EngineConfig.expert_parallel).
 EXPERT_PARALLEL_MODES = ("all_reduce", "all_to_all")
+# What a float checkpoint may be quantized to at load ("": served as stored); the engine's
+# checkpoint_quantization.LOAD_QUANTIZATIONS, spelled for JSON.
+LOAD_QUANTIZATIONS = ("", "fp8")
 MAX_TIMEOUT_S = 3600.0
 
 
@@ -79,6 +83,12 @@ def _expert_parallel(name: str, value: Any) -> str:
     return value
 
 
+def _load_quantization(name: str, value: Any) -> str:
+    if value not in LOAD_QUANTIZATIONS:
+        raise TaskArgumentError(f"{name} must be one of {', '.join(map(repr, LOAD_QUANTIZATIONS))}, got {value!r}")
+    return value
+
+
 def _model_paths(name: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or len(value) > MAX_STAGED_MODELS:
         raise TaskArgumentError(f"{name} must be a list of at most {MAX_STAGED_MODELS} paths, got {value!r}")
@@ -109,7 +119,7 @@ class LoadModel(_Task):
     """Start a replica of the checkpoint at model_path on GPU gpu_index (None: the CPU); with
     tensor_parallel_size N, split over GPUs gpu_index..gpu_index+N-1 (or N CPU processes), a MoE
     model's experts joined as expert_parallel says; a vision model's replica refuses images beyond
-    the max_image* limits."""
+    the max_image* limits; quantization "fp8" serves a float checkpoint quantized to FP8 at load."""
 
     NAME: ClassVar[str] = LOAD_MODEL
     replica_id: int = _argument(_int_at_least(0))
@@ -125,6 +135,8 @@ class LoadModel(_Task):
     max_images_per_request: int | None = _argument(_int_at_least(1, optional=True), None)
     max_image_bytes: int | None = _argument(_int_at_least(1, optional=True), None)
     max_image_pixels: int | None = _argument(_int_at_least(1, optional=True), None)
+    # "fp8": quantize the float checkpoint's weights to FP8 as it loads (the catalog's load_quantization).
+    quantization: str = _argument(_load_quantization, "")
 
 
 @dataclass(frozen=True)
@@ -154,10 +166,29 @@ class StageWeights(_Task):
     model_paths: tuple[str, ...] = _argument(_model_paths)
 
 
-TASKS: dict[str, type[_Task]] = {task.NAME: task for task in (LoadModel, UnloadModel, DrainWorker, StageWeights)}
+@dataclass(frozen=True)
+class MeasureQuality(_Task):
+    """Measure the perplexity of the checkpoint at model_path (python -m gpuworker.quality) in a
+    process of its own on GPU gpu_index (None: the CPU), quantized as `quantization` says, and post
+    the report (or why it failed) to the control plane as measurement measurement_id. window and
+    max_tokens: the command's options (None: its defaults, the whole evaluation text)."""
+
+    NAME: ClassVar[str] = MEASURE_QUALITY
+    measurement_id: int = _argument(_int_at_least(1))
+    model_path: str = _argument(_text)
+    gpu_index: int | None = _argument(_int_at_least(0, optional=True))
+    quantization: str = _argument(_load_quantization, "")
+    window: int | None = _argument(_int_at_least(2, optional=True), None)
+    max_tokens: int | None = _argument(_int_at_least(2, optional=True), None)
 
 
-def parse_task(name: str, args: tuple, kwargs: dict[str, Any]) -> LoadModel | UnloadModel | DrainWorker | StageWeights:
+WorkerTask = LoadModel | UnloadModel | DrainWorker | StageWeights | MeasureQuality
+TASKS: dict[str, type[_Task]] = {
+    task.NAME: task for task in (LoadModel, UnloadModel, DrainWorker, StageWeights, MeasureQuality)
+}
+
+
+def parse_task(name: str, args: tuple, kwargs: dict[str, Any]) -> WorkerTask:
     """The task `name` called with these arguments, defaults filled in, or TaskArgumentError."""
     task = TASKS[name]
     expected = [spec.name for spec in dataclasses.fields(task)]

@@ -1,5 +1,6 @@
 """The GPU worker daemon: registers the host with the control plane, heartbeats about every second,
-and consumes its own Celery queue of load/unload/drain commands, which the replica supervisor runs.
+and consumes its own Celery queue of load/unload/drain commands, which the replica supervisor runs,
+and of quality measurements (quality_runs).
 
     python -m gpuworker daemon --control-url http://cp:8000 --token TOKEN --name host-a --model-root /models
 
@@ -27,9 +28,11 @@ from urllib.parse import urlsplit
 import httpx
 
 from gpuworker.contract.heartbeat import GpuSpec, Heartbeat, ModelPaths, WorkerRegistration
-from gpuworker.contract.tasks import DrainWorker, LoadModel, StageWeights, UnloadModel
+from gpuworker.contract.quality import QualityProgress
+from gpuworker.contract.tasks import DrainWorker, LoadModel, MeasureQuality, StageWeights, UnloadModel
 from gpuworker.daemon.hardware import HardwareError, HardwareProbe
 from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV, scan_model_roots
+from gpuworker.daemon.quality_runs import QualityRuns
 from gpuworker.daemon.staging import WeightStager
 from gpuworker.daemon.supervisor import Supervisor
 from gpuworker.daemon.tasks import CeleryConsumer, build_celery_app, register_tasks
@@ -39,6 +42,8 @@ logger = logging.getLogger(__name__)
 REGISTER_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 FAILURE_LOG_EVERY_S = 30.0  # repeated heartbeat failures are logged this often, not every second
 MODEL_SCAN_EVERY_S = 10.0  # how soon a checkpoint copied under a model root is reported
+# A measurement's progress is posted again after these pauses while the control plane cannot take it.
+QUALITY_REPORT_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,9 @@ class ControlPlane:
     def heartbeat(self, worker_id: int, heartbeat: Heartbeat) -> dict[str, Any]:
         return self._post(f"/internal/workers/{worker_id}/heartbeat", heartbeat.to_json())
 
+    def quality(self, worker_id: int, measurement_id: int, progress: QualityProgress) -> dict[str, Any]:
+        return self._post(f"/internal/workers/{worker_id}/quality/{measurement_id}", progress.to_json())
+
     def close(self) -> None:
         self._http.close()
 
@@ -142,6 +150,27 @@ class Agent:
     def stage(self, task: StageWeights) -> None:
         self.stager.stage(task)
 
+    def measure(self, task: MeasureQuality) -> None:
+        self.quality_runs.start(task)
+
+    def _report_quality(self, measurement_id: int, progress: QualityProgress) -> None:
+        """Post a measurement's progress; retried while the control plane is unreachable or busy,
+        given up on when it refuses the report (400: it says why, and the log keeps it)."""
+        for delay in (*QUALITY_REPORT_BACKOFF_S, None):
+            try:
+                self._control.quality(self._worker_id, measurement_id, progress)
+                return
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code < 500:
+                    logger.error("the control plane refused quality measurement %d: %s", measurement_id, exc)
+                    return
+                failure = exc
+            except (httpx.HTTPError, ValueError) as exc:
+                failure = exc
+            if delay is None or self._stop.wait(delay):
+                logger.error("could not report quality measurement %d: %s", measurement_id, failure)
+                return
+
     # -- life cycle -------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -170,6 +199,9 @@ class Agent:
         )
         self.supervisor.start()
         self.stager.start()
+        self.quality_runs = QualityRuns(
+            model_roots=self.config.model_roots, gpu_count=self.probe.gpu_count, report=self._report_quality
+        )
         if not self.config.model_roots:
             logger.warning(
                 "no --model-root given: this worker will refuse every model load until it is "
@@ -195,6 +227,7 @@ class Agent:
             consumer.stop()
         self.supervisor.close(self.config.drain_timeout_s)
         self.stager.close()
+        self.quality_runs.close()
         self._heartbeats_done.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=10)

@@ -325,6 +325,8 @@ class Supervisor:
         if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself
             serve_argv += ["--tensor-parallel-size", str(request.tensor_parallel_size)]
             serve_argv += ["--expert-parallel", request.expert_parallel]
+        if request.quantization:
+            serve_argv += ["--quantization", request.quantization]
         serve_argv += image_limit_arguments(request) + list(self.replica_argv)
         replica.log_path = self.log_dir / f"replica-{request.replica_id}.log"
         spare = self._spares.pop(device, None)

@@ -15,10 +15,12 @@ from gpuworker.contract import sqlite_broker
 from gpuworker.contract.tasks import (
     DRAIN_WORKER,
     LOAD_MODEL,
+    MEASURE_QUALITY,
     STAGE_WEIGHTS,
     UNLOAD_MODEL,
     DrainWorker,
     LoadModel,
+    MeasureQuality,
     StageWeights,
     TaskArgumentError,
     UnloadModel,
@@ -33,6 +35,7 @@ class TaskHandler(Protocol):
     def unload(self, task: UnloadModel) -> None: ...
     def drain(self, task: DrainWorker) -> None: ...
     def stage(self, task: StageWeights) -> None: ...
+    def measure(self, task: MeasureQuality) -> None: ...
 
 
 def register_tasks(app: Celery, handler: TaskHandler) -> None:
@@ -54,6 +57,7 @@ def register_tasks(app: Celery, handler: TaskHandler) -> None:
         (UNLOAD_MODEL, handler.unload),
         (DRAIN_WORKER, handler.drain),
         (STAGE_WEIGHTS, handler.stage),
+        (MEASURE_QUALITY, handler.measure),
     ):
         app.task(name=name)(consume(name, handle))
 

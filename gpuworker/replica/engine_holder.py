@@ -245,10 +245,12 @@ class EngineHolder:
         self.engine_limits = engine.facts.limits
         if self.state == "loading":  # a drain that began meanwhile wins
             self.state = "ready"
+        quantization = engine.prompts.model_config.quantization
         logger.info(
-            "model %s ready in %.2fs: %s; %s",
+            "model %s ready in %.2fs, %s weights: %s; %s",
             self.config.model_name,
             self.load_timings["engine_s"],
+            quantization.label if quantization is not None else "float",
             ", ".join(f"{stage} {seconds:.2f}s" for stage, seconds in self.load_timings.items()),
             ", ".join(f"{name} {value}" for name, value in self.engine_limits.items()),
         )

@@ -59,7 +59,7 @@ def _embedded_env(tmp_path: Path) -> dict[str, str]:
 
 def test_process_specs_name_web_fleet_worker_beat_and_the_gpu_worker_daemon():
     specs = {spec.name: spec.argv for spec in process_specs(host="0.0.0.0", port=8000, fleet_port=8101)}
-    assert list(specs) == ["web", "fleet", "worker", "beat", "gpuworker"]
+    assert list(specs) == ["web", "fleet", "worker", "beat", "gpuworker", "quality"]
     web, fleet, daemon = specs["web"], specs["fleet"], specs["gpuworker"]
     assert "controlplane.asgi:application" in web and web[web.index("--port") + 1] == "8000"
     # The daemon calls the fleet server, on this machine only, whatever address the web server opens.
@@ -152,6 +152,31 @@ def test_a_killed_child_is_restarted_with_its_forks_swept_and_the_others_left_ru
     assert not _alive(seen["grandchildren"][0])
     assert not _live_members_of_group(first)
     assert log.count("started steady") == 1 and "steady exited" not in log
+
+
+def test_a_job_that_runs_once_is_reported_when_it_ends_and_never_restarted():
+    out = io.StringIO()
+    launcher = Launcher(
+        [ProcessSpec("steady", ["sleep", "120"]), ProcessSpec("job", ["sh", "-c", "echo measured; exit 3"], once=True)],
+        out=out,
+        restart=FAST_RESTARTS,
+    )
+
+    def stop_once_the_job_ended() -> bool:
+        if "job finished" in out.getvalue():
+            launcher.request_stop(signal.SIGINT)
+        return False
+
+    assert launcher.run(on_ready=stop_once_the_job_ended) == 0
+    log = out.getvalue()
+    assert re.search(r"^job +\| measured$", log, re.MULTILINE), log
+    assert "job finished with status 3" in log and "restarted job" not in log and "job exited" not in log
+
+
+def test_the_demos_quality_check_runs_once_for_smollm2_and_its_fp8_twin():
+    [quality] = [spec for spec in process_specs(host="127.0.0.1", port=8000) if spec.name == "quality"]
+    assert quality.once and "measure_quality" in quality.argv and "--unmeasured" in quality.argv
+    assert quality.argv[-2:] == ["smollm2-135m-instruct", "smollm2-135m-instruct-fp8"]
 
 
 def test_a_crash_loop_stops_everything_and_fails():
@@ -301,6 +326,13 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
                 messages=[{"role": "user", "content": "What is the capital of France?"}],
             )
             assert "Paris" in reply.choices[0].message.content
+            # The quality check ran once in the background: SmolLM2 and its FP8-at-load twin measured
+            # by the local worker, the figures on their catalog rows.
+            measured = _wait_for_perplexities(
+                database, ["smollm2-135m-instruct", "smollm2-135m-instruct-fp8"], launcher, log_path
+            )
+            assert all(1 < perplexity < 1000 for perplexity in measured.values()), measured
+            assert measured["smollm2-135m-instruct-fp8"] != measured["smollm2-135m-instruct"]
             # At idle the log stays readable: heartbeats and beat's checks (each a second) are at
             # DEBUG, so a quiet half minute adds at most a line per ten seconds.
             _wait_for_quiet_log(log_path, launcher, seconds=30, most_lines=3)
@@ -312,7 +344,8 @@ def test_make_run_serves_the_login_page_and_stops_cleanly_on_ctrl_c(tmp_path):
                 launcher.wait()
     output = log_path.read_text()
     pids = {name: int(pid) for name, pid in re.findall(r"started (\w+) \(pid (\d+)\)", output)}
-    assert set(pids) == {"web", "fleet", "worker", "beat", "gpuworker"}
+    assert set(pids) == {"web", "fleet", "worker", "beat", "gpuworker", "quality"}
+    assert "quality finished with status 0" in output
     leftovers = {name: _live_members_of_group(pid) for name, pid in pids.items()}
     assert not any(leftovers.values()), leftovers
     # The banner gives the URL, the logins and the API key that seed_demo wrote.
@@ -389,6 +422,25 @@ def _wait_for_ready_replica(
             return row[0]
         time.sleep(0.5)
     pytest.fail(f"the demo model {model} was not ready within {timeout}s:\n{log_path.read_text()}")
+
+
+def _wait_for_perplexities(
+    database: Path, models: list[str], launcher: subprocess.Popen, log_path: Path, timeout: float = 900
+) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            pytest.fail(f"the launcher exited early ({launcher.returncode}):\n{log_path.read_text()}")
+        with sqlite3.connect(database, timeout=20) as db:
+            rows = db.execute(
+                f"SELECT public_name, perplexity FROM catalog_model WHERE perplexity IS NOT NULL "
+                f"AND public_name IN ({', '.join('?' * len(models))})",
+                models,
+            ).fetchall()
+        if len(rows) == len(models):
+            return dict(rows)
+        time.sleep(1)
+    pytest.fail(f"{models} were not all measured within {timeout}s:\n{log_path.read_text()}")
 
 
 def _wait_for_page(url: str, launcher: subprocess.Popen, log_path: Path, timeout: float = 90) -> str:

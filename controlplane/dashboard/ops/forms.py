@@ -7,8 +7,8 @@ from django.core.exceptions import ValidationError
 
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment, Model
-from controlplane.catalog.selectors import deployments_with_model, reported_quantization
-from controlplane.catalog.services import estimate_gpu_memory_bytes
+from controlplane.catalog.selectors import deployments_with_model
+from controlplane.catalog.services import estimate_gpu_memory_bytes, served_quantization
 from controlplane.fleet.models import Gpu, Worker
 from controlplane.fleet.selectors import (
     gpu_get_of_worker,
@@ -156,6 +156,7 @@ class CatalogModelForm(forms.ModelForm):
             "context_length",
             "parameter_count",
             "quantization",
+            "load_quantization",
             "gpu_memory_bytes",
             "tensor_parallel_size",
             "expert_parallel",
@@ -169,6 +170,7 @@ class CatalogModelForm(forms.ModelForm):
             "price_tier": "Price tier",
             "tensor_parallel_size": "GPUs per replica",
             "base_model": "Base model",
+            "load_quantization": "Quantization at load",
         }
         help_texts = {
             "public_name": "What clients send as `model`.",
@@ -195,13 +197,17 @@ class CatalogModelForm(forms.ModelForm):
 
     def clean(self) -> dict:
         cleaned = super().clean()
-        if cleaned.get("quantization") in (self.DETECT, None):
-            cleaned["quantization"] = (
-                reported_quantization(
-                    weights_path=cleaned.get("weights_path") or "", workers=cleaned.get("check_workers") or ()
-                )
-                or Model.Quantization.NONE
+        given, load_quantization = cleaned.get("quantization"), cleaned.get("load_quantization") or ""
+        try:
+            cleaned["quantization"] = served_quantization(
+                weights_path=cleaned.get("weights_path") or "",
+                quantization=None if given in (self.DETECT, None) else given,
+                load_quantization=load_quantization,
+                workers=cleaned.get("check_workers"),
             )
+        except ValidationError as exc:  # only FP8 at load of a quantized checkpoint
+            self.add_error(None, exc)
+            cleaned["quantization"] = load_quantization
         if not cleaned.get("expert_parallel"):
             cleaned["expert_parallel"] = Model.ExpertParallel.ALL_REDUCE
         if cleaned.get("gpu_memory_bytes") is None and cleaned.get("parameter_count"):

@@ -20,5 +20,7 @@ urlpatterns: list = [
     path("catalog/<int:pk>/enabled", views.catalog_set_enabled, name="catalog_set_enabled"),
     path("catalog/<int:pk>/deploy", views.catalog_deploy, name="catalog_deploy"),
     path("catalog/<int:pk>/delete", views.catalog_delete, name="catalog_delete"),
+    path("catalog/<int:pk>/measure-quality", views.catalog_measure_quality, name="catalog_measure_quality"),
+    path("catalog/<int:pk>/row", views.catalog_row, name="catalog_row"),
     path("catalog/path-check", views.catalog_path_check, name="catalog_path_check"),
 ]

@@ -52,6 +52,7 @@ from controlplane.fleet.services.deployments import (
     deployment_update,
 )
 from controlplane.fleet.services.model_lifecycle import model_delete, model_set_serving
+from controlplane.fleet.services.quality import quality_measurement_request
 from controlplane.fleet.services.replicas import replica_load_on, replica_unload
 from controlplane.fleet.services.workers import worker_drain
 
@@ -400,6 +401,28 @@ def catalog_deploy(request: HttpRequest, pk: int) -> HttpResponse:
         to=CATALOG,
         success=f"{model.public_name} deployed with one replica; scale it on the fleet page.",
     )
+
+
+@operator_required
+@require_POST
+def catalog_measure_quality(request: HttpRequest, pk: int) -> HttpResponse:
+    """Ask a worker to measure the model's perplexity; the row then shows the measurement's progress."""
+    model = get_object_or_404(catalog_models(), pk=pk)
+    return run_action(
+        request,
+        partial(quality_measurement_request, model=model, actor=request.user),
+        partial(_catalog_row, request, pk),
+        to=CATALOG,
+        success=f"{model.public_name}'s quality measurement is queued.",
+    )
+
+
+@operator_required
+@require_GET
+def catalog_row(request: HttpRequest, pk: int) -> HttpResponse:
+    """One catalog row: what a row polls while its quality measurement is in progress."""
+    get_object_or_404(catalog_models(), pk=pk)
+    return _catalog_row(request, pk)
 
 
 @operator_required

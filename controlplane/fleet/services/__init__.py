@@ -9,5 +9,6 @@ Atomic; messages to workers and live events go out after commit.
 - autoscaling: the autoscaler's decisions
 - model_lifecycle: disabling a model (its replicas unload), enabling it again, deleting it
 - staging: which checkpoints each worker keeps warm
+- quality: perplexity measurements a worker runs for the catalog
 
 Reconcile (fleet/reconcile.py) places and drains through `replicas`."""

@@ -14,6 +14,7 @@ from controlplane.audit.services import audit_record
 from controlplane.common.services import validated_save
 from controlplane.fleet import commands, heartbeat_cache
 from controlplane.fleet.models import Gpu, Replica, Worker
+from controlplane.fleet.services.quality import quality_measurements_abandon
 from controlplane.fleet.services.replicas import replica_transition_locked
 from gpuworker.contract.heartbeat import ModelPaths, WorkerRegistration
 from gpuworker.contract.tasks import DrainWorker
@@ -64,6 +65,7 @@ def worker_register(*, registration: WorkerRegistration, now: datetime) -> Worke
         gpu.name, gpu.memory_total_bytes, gpu.present = spec.name, spec.memory_total_bytes, True
         validated_save(gpu)
     Gpu.objects.filter(pk__in=[gpu.pk for gpu in known.values()]).update(present=False)
+    quality_measurements_abandon(worker=worker, now=now)
     state = {"worker_id": worker.pk, "name": worker.name, "state": worker.state, "received_at": now.timestamp()}
     transaction.on_commit(lambda: heartbeat_cache.store(worker_id=worker.pk, state=state))
     publish_worker(worker)

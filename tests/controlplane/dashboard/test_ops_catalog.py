@@ -113,6 +113,41 @@ def test_the_add_form_detects_the_quantization_the_checked_worker_reports(operat
     assert model.gpu_memory_bytes < int(8_000_000_000 * 2 * 1.2) * 0.65
 
 
+def test_fp8_at_load_of_a_float_checkpoint_serves_fp8_and_is_estimated_and_shown_so(operator_client):
+    worker = _reporting_worker("gpu-a", roots=["/models"], paths=["/models/llama-3-8b"])
+    page = operator_client.post(
+        reverse("dashboard:catalog_add"),
+        _form(quantization="detect", load_quantization="fp8", check_workers=[worker.pk]),
+        follow=True,
+    ).content.decode()
+    model = Model.objects.get(public_name="llama-3-8b")
+    assert (model.quantization, model.load_quantization) == ("fp8", "fp8")
+    assert model.gpu_memory_bytes < int(8_000_000_000 * 2 * 1.2) * 0.65
+    assert 'data-testid="model-quantization">FP8 at load<' in page
+
+
+def test_fp8_at_load_of_an_already_quantized_checkpoint_is_refused_beside_the_field(operator_client):
+    worker = _reporting_worker(
+        "gpu-a", roots=["/models"], paths=["/models/llama-3-8b"], quantization={"/models/llama-3-8b": "awq-int4"}
+    )
+    response = operator_client.post(
+        reverse("dashboard:catalog_add"),
+        _form(quantization="detect", load_quantization="fp8", check_workers=[worker.pk]),
+    )
+    error = _error_beside(response.content.decode(), "load_quantization")
+    assert "already quantized (awq-int4): only a float checkpoint can be quantized at load" in error
+    assert not Model.objects.exists() and not AuditEntry.objects.exists()
+
+
+def test_fp8_at_load_with_another_quantization_named_is_refused_beside_the_field(operator_client):
+    response = operator_client.post(
+        reverse("dashboard:catalog_add"), _form(quantization="gptq-int4", load_quantization="fp8", check_workers=[])
+    )
+    error = _error_beside(response.content.decode(), "load_quantization")
+    assert "the quantization must be FP8, not GPTQ INT4" in error
+    assert not Model.objects.exists()
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -127,6 +162,7 @@ def test_the_add_form_detects_the_quantization_the_checked_worker_reports(operat
         ("tensor_parallel_size", "0", "Ensure this value is greater than or equal to 1."),
         ("tensor_parallel_size", "17", "Ensure this value is less than or equal to 16."),
         ("expert_parallel", "alltoall", "Select a valid choice."),
+        ("load_quantization", "int4", "Select a valid choice."),
     ],
 )
 def test_bad_input_is_refused_beside_the_field(operator_client, field, value, message):

@@ -63,6 +63,15 @@ def test_seed_creates_a_working_demo(tmp_path):
     assert chat.deployment.desired_replicas == 1 and chat.kind == Model.Kind.CHAT
     [weights] = Path(chat.weights_path).iterdir()
     assert weights.suffix == ".gguf" and not weights.is_symlink() and weights.stat().st_size > 50_000_000
+    # Its FP8-at-load twin: the same file, FP8 in the catalog (and its estimate), compared with it, not deployed.
+    fp8 = Model.objects.get(public_name="smollm2-135m-instruct-fp8")
+    assert (fp8.weights_path, fp8.base_model, fp8.quantization, fp8.load_quantization) == (
+        chat.weights_path,
+        chat,
+        "fp8",
+        "fp8",
+    )
+    assert fp8.gpu_memory_bytes < chat.gpu_memory_bytes and not Deployment.objects.filter(model=fp8).exists()
     # The embedding model: all-MiniLM-L6-v2 unzipped where its row says, a folder the daemon's scan reports.
     embedding = Model.objects.get(public_name="all-minilm-l6-v2")
     assert embedding.deployment.desired_replicas == 1 and embedding.kind == Model.Kind.EMBEDDING
@@ -99,7 +108,7 @@ def test_seed_without_the_env_file_issues_a_new_key_and_password(tmp_path):
     for username in ("admin", "operator", "member"):
         assert User.objects.get(username=username).check_password(second[f"DEMO_{username.upper()}_PASSWORD"])
     # The demo tenant and the one the operators' playground bills, each with its credit.
-    assert Tenant.objects.count() == 2 and Model.objects.count() == 4 and CreditEntry.objects.count() == 2
+    assert Tenant.objects.count() == 2 and Model.objects.count() == 5 and CreditEntry.objects.count() == 2
 
 
 def test_seed_replaces_a_key_that_no_longer_works(tmp_path):

@@ -496,3 +496,15 @@ def test_free_gpus_on_two_workers_do_not_hold_a_split_replica_and_the_reason_say
     )
     [status] = deployment_statuses(deployment_ids=[deployment.pk])
     assert status.state == "waiting" and outcome.reason in status.message
+
+
+@pytest.mark.django_db
+def test_a_model_served_fp8_at_load_is_loaded_with_fp8_asked_for(django_capture_on_commit_callbacks):
+    worker = _register(f"fp8-{uuid.uuid4().hex[:8]}", [80 * GB])
+    fp8 = ModelFactory(gpu_memory_bytes=10 * GB, quantization="fp8", load_quantization="fp8")
+    stored = ModelFactory(gpu_memory_bytes=10 * GB, quantization="fp8")
+    for model in (fp8, stored):
+        with django_capture_on_commit_callbacks(execute=True):
+            _reconcile(DeploymentFactory(model=model, desired_replicas=1, max_replicas=1))
+    loads = {kwargs["served_model_name"]: kwargs["quantization"] for _, kwargs in queued_tasks(worker.queue_name)}
+    assert loads == {fp8.public_name: "fp8", stored.public_name: ""}

@@ -8,6 +8,7 @@ import pytest
 from gpuworker.contract.tasks import (
     DRAIN_WORKER,
     LOAD_MODEL,
+    LOAD_QUANTIZATIONS,
     UNLOAD_MODEL,
     DrainWorker,
     LoadModel,
@@ -36,6 +37,7 @@ def test_defaults_are_filled_in():
         dtype="auto",
         tensor_parallel_size=1,
         expert_parallel="all_reduce",
+        quantization="",
     )
     assert parse_task(UNLOAD_MODEL, (), {"replica_id": 3}).as_kwargs() == {"replica_id": 3, "drain_timeout_s": 30.0}
     assert parse_task(DRAIN_WORKER, (), {}) == DrainWorker(timeout_s=60.0)
@@ -46,6 +48,7 @@ def test_what_the_sender_builds_the_receiver_parses_back():
     for task in (
         LoadModel(**GOOD_LOAD, max_model_len=2048, dtype="bfloat16", tensor_parallel_size=2),
         LoadModel(**GOOD_LOAD, tensor_parallel_size=2, expert_parallel="all_to_all"),
+        LoadModel(**GOOD_LOAD, quantization="fp8"),
         UnloadModel(replica_id=9),
         DrainWorker(timeout_s=5),
     ):
@@ -65,6 +68,8 @@ def test_what_the_sender_builds_the_receiver_parses_back():
         ({"dtype": "int8"}, "dtype must be one of auto, float32, float16, bfloat16, got 'int8'"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
         ({"expert_parallel": "alltoall"}, "expert_parallel must be one of all_reduce, all_to_all, got 'alltoall'"),
+        ({"quantization": "int4"}, "quantization must be one of '', 'fp8', got 'int4'"),
+        ({"quantization": None}, "quantization must be one of '', 'fp8', got None"),
     ],
 )
 def test_bad_load_arguments_name_the_field_and_the_limit(change, message):
@@ -97,3 +102,9 @@ def test_stage_weights_round_trips_and_checks_its_list():
     for bad in ("/models/a", ["/models/a", "/models/a"], [""], [3], ["/m"] * 65):
         with pytest.raises(TaskArgumentError, match="model_paths"):
             parse_task(STAGE_WEIGHTS, (), {"model_paths": bad})
+
+
+def test_the_load_quantizations_are_the_engines():
+    from gpuworker.checkpoint_quantization import LOAD_QUANTIZATIONS as ENGINE_LOAD_QUANTIZATIONS
+
+    assert LOAD_QUANTIZATIONS == tuple(q or "" for q in ENGINE_LOAD_QUANTIZATIONS)

@@ -269,6 +269,38 @@ def test_a_tensor_parallel_replica_is_one_replica_with_its_ranks_below_it(superv
 
 
 @pytest.mark.slow
+def test_a_load_asking_for_fp8_serves_the_float_checkpoint_quantized_to_fp8(supervisor, tiny_checkpoint, tmp_path):
+    supervisor.load(
+        LoadModel(
+            replica_id=11,
+            model_path=str(tiny_checkpoint("llama")),
+            served_model_name="tiny-fp8",
+            gpu_index=None,
+            memory_fraction=0.5,
+            max_model_len=128,
+            quantization="fp8",
+        )
+    )
+    ready = _wait(supervisor, 11, "ready", "failed", timeout=120)
+    assert ready.state == "ready", ready.error
+    [child] = _serve_children()
+    argv = child.cmdline()
+    assert argv[argv.index("--quantization") + 1] == "fp8"
+    # The replica's own account of what it loaded: the engine's quantization, not the flag echoed.
+    log = (tmp_path / "replicas" / "replica-11.log").read_text()
+    assert "model tiny-fp8 ready in" in log and ", fp8 weights:" in log
+    completion = httpx.post(
+        f"{ready.endpoint_url}/v1/completions",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+        timeout=60,
+    )
+    assert completion.status_code == 200
+    supervisor.unload(11, drain_timeout_s=5)
+    assert _wait(supervisor, 11, "stopped", timeout=60).error == ""
+
+
+@pytest.mark.slow
 def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor, tiny_checkpoint, tmp_path):
     from gpuworker.__main__ import build_parser, image_fetch_argv, image_limits
 
