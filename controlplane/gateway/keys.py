@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterable
 from datetime import timedelta
 
+from starlette.requests import Request
+
 from controlplane.accounts.keys import hash_api_key
 from controlplane.accounts.selectors import ApiKeyRejected, api_key_changes_recent
 from controlplane.accounts.services import ALL_KEYS_CHANGED, LAST_USED_RESOLUTION, api_key_record_use
@@ -43,13 +45,13 @@ class KeyCache:
         self._background: set[asyncio.Task] = set()
         self._read_changes = asyncio.Event()
 
-    async def request_grant(self, request, authorization: str | None) -> KeyGrant:
-        """`authenticate`, the grant noted on `request` (a Starlette request): a refusal after it
+    async def request_grant(self, request: Request, authorization: str | None) -> KeyGrant:
+        """`authenticate`, the grant noted on `request`: a refusal after it
         is its tenant's (refusals.request_counted)."""
         grant = request.state.grant = await self.authenticate(authorization)
         return grant
 
-    async def note_refused_grant(self, request, authorization: str | None) -> None:
+    async def note_refused_grant(self, request: Request, authorization: str | None) -> None:
         """For a request refused before its key was checked (a body too large): its grant noted
         on `request` when the key is valid, so that the refusal is its tenant's."""
         try:
