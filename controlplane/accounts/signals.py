@@ -2,11 +2,13 @@
 (`api_key_changes_record`), whoever makes it: a service, the admin, a shell. Receivers only call
 that service; creations are not recorded, since nothing can have cached what did not exist.
 A tenant's plan changes what its keys may do too: billing, which owns plans and comes after
-accounts, records those through the same service (billing/signals.py)."""
+accounts, records those through the same service (billing/signals.py). A saved or deleted tenant's
+cached name is dropped too (selectors.tenant_names)."""
 
 from django.db.models.signals import m2m_changed, post_delete, post_save
 
 from controlplane.accounts.models import ApiKey, Tenant
+from controlplane.accounts.selectors import tenant_name_forget
 from controlplane.accounts.services import api_key_changes_record
 
 
@@ -35,6 +37,7 @@ def _allowed_models_changed(sender, instance, action: str, reverse: bool, pk_set
 
 
 def _tenant_changed(sender, instance: Tenant, created: bool = False, **kwargs) -> None:
+    tenant_name_forget(tenant_id=instance.pk)  # a new one too: its id may have a stale entry (a recreated database)
     if not created:
         api_key_changes_record(tenant_ids=[instance.pk])
 

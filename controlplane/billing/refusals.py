@@ -56,6 +56,11 @@ def refusals_record(*, tallies: list[RefusalTally]) -> None:
         )
 
 
+def refusal_outcome(refusal: Refusal) -> str:
+    """A refusal tally's outcome in the request log's words: SHED or REFUSED."""
+    return SHED if refusal.error_code == SHED_ERROR_CODE else REFUSED
+
+
 @dataclass(frozen=True)
 class RefusalTotals:
     refused: int  # every refused request, shed ones included

@@ -44,9 +44,9 @@ def build_app() -> Starlette:
                     app.state.gateway = Gateway(GatewayConfig.from_settings())
         return app.state.gateway
 
-    def endpoint(handler, *, counted: bool = False):
-        """`handler` with errors answered OpenAI's way; `counted`: its requests go to the metrics
-        (a stream counts itself when it ends, see relay)."""
+    def endpoint(handler):
+        """`handler` with errors answered OpenAI's way; its requests go to the metrics and its
+        refusals to the refusal log (a stream counts itself when it ends, see relay)."""
 
         async def run(request: Request) -> Response:
             request_id = new_request_id()
@@ -54,9 +54,9 @@ def build_app() -> Starlette:
             response = await answer(handler, request, request_id)
             if isinstance(response, Response):
                 response.headers["openai-processing-ms"] = str(int((time.monotonic() - started) * 1000))
-                if counted:  # its model, tenant and refusal as completions.serve noted them
-                    gw = app.state.gateway
-                    request_counted(gw.refusals if gw else None, request, response, request_id, started)
+                # Its model, tenant and refusal as the handler noted them (completions.serve, keys.request_grant).
+                gw = app.state.gateway
+                request_counted(gw.refusals if gw else None, request, response, request_id, started)
             return response
 
         return run
@@ -117,13 +117,13 @@ def build_app() -> Starlette:
         routes=[
             Route("/v1/models", endpoint(list_models)),
             Route("/v1/models/{model:path}", endpoint(retrieve_model)),
-            *(Route(path, endpoint(served(path), counted=True), methods=["POST"]) for path in completions.ENDPOINTS),
-            Route("/v1/responses", endpoint(dialects.create_response, counted=True), methods=["POST"]),
+            *(Route(path, endpoint(served(path)), methods=["POST"]) for path in completions.ENDPOINTS),
+            Route("/v1/responses", endpoint(dialects.create_response), methods=["POST"]),
             Route("/v1/responses/{response_id}", endpoint(dialects.retrieve_response), methods=["GET"]),
             Route("/v1/responses/{response_id}", endpoint(dialects.delete_response), methods=["DELETE"]),
             Route("/v1/responses/{response_id}/cancel", endpoint(dialects.cancel_response), methods=["POST"]),
             Route("/v1/responses/{response_id}/input_items", endpoint(dialects.list_input_items), methods=["GET"]),
-            Route("/v1/messages", endpoint(dialects.create_message, counted=True), methods=["POST"]),
+            Route("/v1/messages", endpoint(dialects.create_message), methods=["POST"]),
             *(Route(path, endpoint(handler), methods=methods) for path, handler, methods in batch_api.ROUTES),
             Route("/v1/openapi.json", openapi),
         ],
@@ -144,7 +144,7 @@ def process_app() -> Starlette:
 async def _visible_models(gw: Gateway, request: Request) -> list[dict]:
     """Models this key may use that can answer: a ready replica, or one can be started for a
     request (`selectors.ModelRoute.servable`)."""
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     return [
         {"id": m.public_name, "object": "model", "created": m.created, "owned_by": "gpuserve"}
         for m in await gw.routing.models()

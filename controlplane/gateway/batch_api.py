@@ -79,7 +79,7 @@ def _not_found(what: str, public_id: str, param: str) -> GatewayError:
 
 
 async def files_create(gw: Gateway, request: Request, request_id: str) -> Response:
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     limit = settings.BATCH_MAX_FILE_BYTES
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > limit + _MULTIPART_SLACK_BYTES:
@@ -119,7 +119,7 @@ async def files_create(gw: Gateway, request: Request, request_id: str) -> Respon
 
 
 async def files_list(gw: Gateway, request: Request, request_id: str) -> Response:
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     files = await gw.files_lane.run(
         batch_files_list, tenant_id=grant.tenant_id, purpose=request.query_params.get("purpose")
     )
@@ -130,7 +130,7 @@ async def files_list(gw: Gateway, request: Request, request_id: str) -> Response
 
 
 async def _file(gw: Gateway, request: Request) -> BatchFile:
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     public_id = request.path_params["file_id"]
     file = await gw.files_lane.run(batch_file_get, tenant_id=grant.tenant_id, public_id=public_id)
     if file is None:
@@ -163,7 +163,7 @@ async def file_content(gw: Gateway, request: Request, request_id: str) -> Respon
 
 
 async def batches_create(gw: Gateway, request: Request, request_id: str) -> Response:
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     try:
         body = json.loads(await request.body())
     except ValueError:
@@ -231,7 +231,7 @@ async def _check_model(gw: Gateway, grant, file: BatchFile, endpoint: str) -> No
 
 
 async def _batch(gw: Gateway, request: Request) -> Batch:
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     public_id = request.path_params["batch_id"]
     batch = await gw.files_lane.run(batch_get, tenant_id=grant.tenant_id, public_id=public_id)
     if batch is None:
@@ -254,7 +254,7 @@ async def batch_cancel_view(gw: Gateway, request: Request, request_id: str) -> R
 
 
 async def batches_list_view(gw: Gateway, request: Request, request_id: str) -> Response:
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     try:
         limit = min(100, max(1, int(request.query_params.get("limit", "20"))))
     except ValueError:

@@ -68,9 +68,9 @@ async def serve(
     try:
         raw = await read_body(request, gw.config.max_request_bytes)  # bounded before any other work
     except GatewayError:
-        request.state.grant = await _grant_or_none(gw, authorization)  # whose refusal it is, if known
+        await gw.keys.note_refused_grant(request, authorization)  # whose refusal it is, if known
         raise
-    grant = request.state.grant = await gw.keys.authenticate(authorization)
+    grant = await gw.keys.request_grant(request, authorization)
     if dialect is not None:
         raw = await dialect.translate(gw, grant, raw)
     admission = None
@@ -172,13 +172,6 @@ async def serve(
 
 
 _OPENAI = Dialect()  # the API's own: only its authorization is asked for
-
-
-async def _grant_or_none(gw: Gateway, authorization: str | None) -> KeyGrant | None:
-    try:
-        return await gw.keys.authenticate(authorization)
-    except GatewayError:
-        return None
 
 
 async def _served(

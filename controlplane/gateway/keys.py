@@ -14,12 +14,14 @@ import time
 from collections.abc import Iterable
 from datetime import timedelta
 
+from starlette.requests import Request
+
 from controlplane.accounts.keys import hash_api_key
 from controlplane.accounts.selectors import ApiKeyRejected, api_key_changes_recent
 from controlplane.accounts.services import ALL_KEYS_CHANGED, LAST_USED_RESOLUTION, api_key_record_use
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
-from controlplane.gateway.errors import invalid_api_key
+from controlplane.gateway.errors import GatewayError, invalid_api_key
 from controlplane.gateway.selectors import KeyGrant, key_grant_for
 
 _MAX_ENTRIES = 50_000
@@ -42,6 +44,20 @@ class KeyCache:
         self._recorded_use: dict[int, float] = {}  # key id -> when last_used_at was last written
         self._background: set[asyncio.Task] = set()
         self._read_changes = asyncio.Event()
+
+    async def request_grant(self, request: Request, authorization: str | None) -> KeyGrant:
+        """`authenticate`, the grant noted on `request`: a refusal after it
+        is its tenant's (refusals.request_counted)."""
+        grant = request.state.grant = await self.authenticate(authorization)
+        return grant
+
+    async def note_refused_grant(self, request: Request, authorization: str | None) -> None:
+        """For a request refused before its key was checked (a body too large): its grant noted
+        on `request` when the key is valid, so that the refusal is its tenant's."""
+        try:
+            await self.request_grant(request, authorization)
+        except GatewayError:
+            request.state.grant = None
 
     async def authenticate(self, authorization: str | None) -> KeyGrant:
         """The grant for the bearer key in `authorization`; raises a 401 GatewayError otherwise."""

@@ -1,5 +1,5 @@
-"""The gateway's Prometheus metrics: every /v1 request it answered (by model, outcome and HTTP
-status), how long it took, its time to first token, and the credits it charged. /metrics serves
+"""The gateway's Prometheus metrics: every /v1 request it answered (by model, endpoint, outcome and
+HTTP status), how long it took, its time to first token, and the credits it charged. /metrics serves
 them (controlplane.metrics).
 
 The gateway runs in several processes (uvicorn --workers N), each counting its own requests. With
@@ -24,8 +24,8 @@ CLIENT_CLOSED_REQUEST = 499
 REGISTRY = CollectorRegistry()
 REQUESTS = Counter(
     "gpuserve_gateway_requests",
-    "Requests to /v1 completions and embeddings, by model, outcome and HTTP status.",
-    ["model", "outcome", "status"],
+    "Requests to /v1, by model, endpoint (its route), outcome and HTTP status.",
+    ["model", "endpoint", "outcome", "status"],
     registry=REGISTRY,
 )
 REQUEST_DURATION = Histogram(
@@ -59,12 +59,19 @@ def outcome_of_status(status: int) -> str:
     return COMPLETED if status < 400 else REJECTED
 
 
+def endpoint_of(scope) -> str:
+    """A request's endpoint label: the path of the route it matched ("/v1/files/{file_id}"), so
+    that ids stay out of the labels; "" for none."""
+    route = scope.get("route")
+    return getattr(route, "path", "") if route is not None else ""
+
+
 def request_finished(
-    *, model: str, outcome: str, status: int, started: float, first_token_at: float | None = None
+    *, model: str, endpoint: str, outcome: str, status: int, started: float, first_token_at: float | None = None
 ) -> None:
-    """One answered request; `model` is "" when the request named no model it may use, `started`
-    and `first_token_at` are time.monotonic() readings."""
-    REQUESTS.labels(model, outcome, str(status)).inc()
+    """One answered request; `model` is "" when the request named no model it may use, `endpoint`
+    is endpoint_of its scope, `started` and `first_token_at` are time.monotonic() readings."""
+    REQUESTS.labels(model, endpoint, outcome, str(status)).inc()
     REQUEST_DURATION.labels(model).observe(time.monotonic() - started)
     if first_token_at is not None:
         TIME_TO_FIRST_TOKEN.labels(model).observe(first_token_at - started)

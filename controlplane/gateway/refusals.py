@@ -126,7 +126,13 @@ def request_counted(log: RefusalLog | None, request: Request, response: Response
     refused = status >= 400 and status != metrics.CLIENT_CLOSED_REQUEST and not _recorded(request)
     code, reason = _error_of(request, response) if refused else ("", "")
     outcome = SHED if code == SHED_ERROR_CODE else metrics.outcome_of_status(status)
-    metrics.request_finished(model=getattr(request.state, "model", ""), started=started, outcome=outcome, status=status)
+    metrics.request_finished(
+        model=getattr(request.state, "model", ""),
+        endpoint=metrics.endpoint_of(request.scope),
+        started=started,
+        outcome=outcome,
+        status=status,
+    )
     if refused and log is not None:
         grant = getattr(request.state, "grant", None)
         log.add(

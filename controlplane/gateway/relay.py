@@ -76,8 +76,10 @@ class StreamRelay:
         self.usage_event: dict = {}
         self.token_events = 0  # for a cancelled stream's record: one or more tokens per event
         self.ended: list[str] = []  # why the relay stopped early: "gone" or "timeout"; or "complete"
+        self.endpoint = ""  # the metrics' label, from the scope it answers
 
     async def __call__(self, scope, receive, send) -> None:
+        self.endpoint = metrics.endpoint_of(scope)
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         headers += [(name.encode(), value.encode()) for name, value in self.headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -156,6 +158,7 @@ class StreamRelay:
             # A stream's status line said 200 at its start; what became of it is `status`.
             metrics.request_finished(
                 model=self.flight.model.public_name,
+                endpoint=self.endpoint,
                 outcome=status or metrics.CANCELLED,
                 status=200,
                 started=self.flight.started,

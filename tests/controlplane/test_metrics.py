@@ -131,8 +131,8 @@ def test_the_lost_worker_judgement_is_not_paused_after_a_lost_window_of_checks(c
 _RECORD = """
 import time
 from controlplane.gateway import metrics
-metrics.request_finished(model="m", outcome="completed", status=200, started=time.monotonic() - 0.3,
-                         first_token_at=time.monotonic() - 0.2)
+metrics.request_finished(model="m", endpoint="/v1/chat/completions", outcome="completed", status=200,
+                         started=time.monotonic() - 0.3, first_token_at=time.monotonic() - 0.2)
 metrics.credits_charged(model="m", amount="0.002")
 """
 
@@ -150,7 +150,13 @@ def test_figures_of_several_gateway_processes_are_summed(monkeypatch, tmp_path):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     samples = _samples(metrics.render().decode())
     assert (
-        samples[("gpuserve_gateway_requests_total", (("model", "m"), ("outcome", "completed"), ("status", "200")))] == 2
+        samples[
+            (
+                "gpuserve_gateway_requests_total",
+                (("endpoint", "/v1/chat/completions"), ("model", "m"), ("outcome", "completed"), ("status", "200")),
+            )
+        ]
+        == 2
     )
     assert samples[("gpuserve_gateway_request_duration_seconds_count", (("model", "m"),))] == 2
     assert samples[("gpuserve_gateway_time_to_first_token_seconds_count", (("model", "m"),))] == 2

@@ -14,15 +14,24 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.template.loader import render_to_string
 from django.utils import timezone
 
+from controlplane.accounts.selectors import tenant_names
 from controlplane.dashboard.home import operator_home
 from controlplane.dashboard.ops import fragments
-from controlplane.dashboard.ops.overview import FigureHistory
+from controlplane.dashboard.ops.overview import FigureHistory, share_tenant_ids
 from controlplane.dashboard.permissions import OPERATOR_ROLES, has_role
 from controlplane.live_events import FLEET_GROUP
 
 logger = logging.getLogger(__name__)
 
 FORBIDDEN = 4403
+
+
+async def _tenant_names(tenant_ids: set[int]) -> dict[int, str]:
+    """Names of the tenants a heartbeat's replicas serve: none to look up, no thread hop; else
+    accounts' cached lookup (a query only for names not yet cached)."""
+    if not tenant_ids:
+        return {}
+    return await database_sync_to_async(tenant_names)(tenant_ids=tenant_ids)
 
 
 class FleetConsumer(AsyncWebsocketConsumer):
@@ -57,7 +66,8 @@ class FleetConsumer(AsyncWebsocketConsumer):
         try:
             if event == "worker.heartbeat":
                 self.history.record(data)
-                html = fragments.heartbeat_fragment(data, self.history)
+                names = await _tenant_names(share_tenant_ids(data))
+                html = fragments.heartbeat_fragment(data, self.history, names)
             elif event == "replica.state":
                 html = await database_sync_to_async(fragments.replica_change_fragment)(data, self.history)
             elif event == "autoscale.decision":

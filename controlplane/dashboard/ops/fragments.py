@@ -26,8 +26,9 @@ from controlplane.dashboard.ops.overview import (
 )
 
 
-def heartbeat_fragment(live: dict[str, Any], history: FigureHistory) -> str:
-    """No database work: figures and load progress come straight from the heartbeat."""
+def heartbeat_fragment(live: dict[str, Any], history: FigureHistory, tenant_names: dict[int, str]) -> str:
+    """No database work: figures and load progress come straight from the heartbeat;
+    `tenant_names` (the caller's, from accounts' cache) name the tenants of its replicas' shares."""
     progress = [(replica_id, round(100 * share)) for replica_id, share in loading_progress(live)]
     return render_to_string(
         "dashboard/ops/_heartbeat.html",
@@ -36,7 +37,7 @@ def heartbeat_fragment(live: dict[str, Any], history: FigureHistory) -> str:
             "progress": progress,
             "worker_id": live["worker_id"],
             "heartbeat_at": heartbeat_time(live),
-            "replica_loads": replica_loads(live),
+            "replica_loads": replica_loads(live, tenant_names),
             "staging": staging_view(live),
         },
     )

@@ -1,6 +1,7 @@
 """What the fleet page shows, shaped for its templates: workers with one slot per GPU (plus the
 host's CPU), each slot's live figures with a short history for its sparklines, the replicas placed
-there, and each deployment with its status. No ORM here: the reads are fleet selectors.
+there, and each deployment with its status. No ORM here: the reads are fleet selectors, and the
+names of the tenants a replica serves come from accounts' cached lookup (tenant_names).
 
 The history is kept by whoever renders repeatedly (a WebSocket connection keeps one per open page),
 starting from the last minute of figures the fleet keeps per worker (`FigureHistory.recent`), so a
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from controlplane.accounts.selectors import tenant_names
 from controlplane.fleet.heartbeat_cache import RECENT_FIGURES
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.selectors import (
@@ -165,12 +167,31 @@ class ReplicaLoadView:
     # Prompt tokens served from the prefix cache (either KV tier), and from the host tier alone.
     prefix_hits: str = "—"
     host_tier_hits: str = "—"
-    # (tenant, percent) of the GPU's recent service, busiest first: "tenant 12", or "no tenant"
-    # for requests sent without one (the heartbeat carries ids only, and this page reads no rows).
+    # (tenant, percent) of the GPU's recent service, busiest first: the tenant's name ("tenant 12"
+    # for an id with none, a deleted tenant), or "no tenant" for requests sent without one.
     tenant_shares: tuple[tuple[str, int], ...] = ()
 
 
-def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadView:
+def share_tenant_ids(live: dict[str, Any]) -> set[int]:
+    """The tenants the heartbeat's replicas report shares of (whose names the page shows)."""
+    return {
+        int(tenant)
+        for report in (live.get("replicas") or {}).values()
+        for tenant in (report.get("tenant_shares") or {})
+        if tenant and str(tenant).isdigit()
+    }
+
+
+def _tenant_label(tenant: str, names: dict[int, str]) -> str:
+    if not tenant:
+        return "no tenant"
+    name = names.get(int(tenant)) if str(tenant).isdigit() else None
+    return name or f"tenant {tenant}"
+
+
+def replica_load_view(replica_id: int, report: dict[str, Any], names: dict[int, str] | None = None) -> ReplicaLoadView:
+    """`names`: tenant names by id (accounts.selectors.tenant_names of share_tenant_ids)."""
+
     def count(name: str) -> str:
         value = report.get(name)
         return "—" if value is None else f"{value:.0f}"
@@ -189,16 +210,16 @@ def replica_load_view(replica_id: int, report: dict[str, Any]) -> ReplicaLoadVie
         prefix_hits=share("prefix_cache_hit_rate"),
         host_tier_hits=share("host_cache_hit_rate"),
         tenant_shares=tuple(
-            (f"tenant {tenant}" if tenant else "no tenant", round(100 * part))
+            (_tenant_label(tenant, names or {}), round(100 * part))
             for tenant, part in sorted((report.get("tenant_shares") or {}).items(), key=lambda item: -item[1])
         ),
     )
 
 
-def replica_loads(live: dict[str, Any]) -> list[ReplicaLoadView]:
-    """The figures of each replica the heartbeat reports ready."""
+def replica_loads(live: dict[str, Any], names: dict[int, str] | None = None) -> list[ReplicaLoadView]:
+    """The figures of each replica the heartbeat reports ready; `names` as replica_load_view's."""
     return [
-        replica_load_view(int(replica_id), report)
+        replica_load_view(int(replica_id), report, names)
         for replica_id, report in (live.get("replicas") or {}).items()
         if report.get("state") == "ready"
     ]
@@ -277,12 +298,15 @@ def worker_views(*, worker_ids: list[int] | None = None, history: FigureHistory 
             )
         )
         by_gpu_id = {gpu.pk: slot for gpu, slot in zip(worker.present_gpus, slots)}
+        names = tenant_names(tenant_ids=share_tenant_ids(live))
         for replica in worker.live_replicas:
             slot = by_gpu_id.get(replica.gpu_id, slots[-1]) if replica.gpu_id else slots[-1]
             report = (live.get("replicas") or {}).get(str(replica.pk))
             slot.replicas.append(
                 ReplicaView(
-                    replica, _replica_progress(live, replica), replica_load_view(replica.pk, report) if report else None
+                    replica,
+                    _replica_progress(live, replica),
+                    replica_load_view(replica.pk, report, names) if report else None,
                 )
             )
         views.append(WorkerView(worker, slots, heartbeat_time(live), staging_view(live)))

@@ -1,6 +1,8 @@
 """The request log: each request's time, key, model, tokens, time to first token, latency,
 outcome and cost, filtered, paged and exported as CSV; and the requests refused before they were
-served (counted per minute and kind: billing.refusals), shed ones among them. A tenant member reads their own tenant's
+served (counted per minute and kind: billing.refusals), shed ones among them. The CSV holds both:
+the served requests (count 1 each), then the refusal tallies under the same filters, each with
+its count, HTTP status, error code and latest reason, at no cost. A tenant member reads their own tenant's
 requests; an admin reads every tenant's, with a tenant filter. The rows come from
 billing.request_log."""
 
@@ -14,8 +16,8 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from controlplane.accounts.models import ApiKey, Tenant
-from controlplane.billing.models import UsageRecord
-from controlplane.billing.refusals import refusal_log
+from controlplane.billing.models import Refusal, UsageRecord
+from controlplane.billing.refusals import refusal_log, refusal_outcome
 from controlplane.billing.reports import period_bounds
 from controlplane.billing.request_log import request_log
 from controlplane.dashboard.csv_export import csv_money, csv_text
@@ -37,6 +39,10 @@ CSV_COLUMNS = (
     "time_to_first_token_ms",
     "total_latency_ms",
     "cost",
+    "count",  # requests the row stands for: 1 for a served one, a refusal tally's count
+    "status",  # a refusal's HTTP status
+    "error_code",
+    "reason",  # a refusal tally's latest reason
 )
 
 request_log_required = role_required(*TENANT_ROLES, *ADMIN_ROLES)
@@ -83,7 +89,8 @@ def requests_csv(request: HttpRequest) -> HttpResponse:
         )
     start, end = form.period
     # Streamed: a year of a busy tenant's requests is too many rows to hold in memory.
-    response = StreamingHttpResponse(_csv_lines(_records(form, own)), content_type="text/csv; charset=utf-8")
+    lines = _csv_lines(_records(form, own), _refusals(form, own))
+    response = StreamingHttpResponse(lines, content_type="text/csv; charset=utf-8")
     response["Content-Disposition"] = f'attachment; filename="gpuserve-requests-{start}-to-{end}.csv"'
     return response
 
@@ -95,11 +102,13 @@ class _Line:
         return line
 
 
-def _csv_lines(records) -> Iterator[str]:
+def _csv_lines(records, refusals) -> Iterator[str]:
     writer = csv.writer(_Line())
     yield writer.writerow(CSV_COLUMNS)
     for record in records.iterator(chunk_size=2000):
         yield writer.writerow(_csv_row(record))
+    for refusal in refusals.iterator(chunk_size=2000):
+        yield writer.writerow(_refusal_csv_row(refusal))
 
 
 def key_label(api_key: ApiKey | None) -> str:
@@ -124,4 +133,31 @@ def _csv_row(record: UsageRecord) -> tuple:
         "" if record.time_to_first_token_ms is None else record.time_to_first_token_ms,
         record.total_latency_ms,
         csv_money(record.price_charged),
+        1,
+        "",
+        record.error_code,
+        "",
+    )
+
+
+def _refusal_csv_row(refusal: Refusal) -> tuple:
+    key = refusal.api_key
+    return (
+        refusal.minute.isoformat(),
+        refusal.request_id,
+        csv_text(refusal.tenant.name) if refusal.tenant else "",
+        csv_text(key_label(key)),
+        key.prefix if key else "",
+        csv_text(refusal.model.public_name) if refusal.model else "",
+        refusal_outcome(refusal),
+        0,
+        0,
+        0,
+        "",
+        "",
+        csv_money(0),
+        refusal.count,
+        refusal.status,
+        csv_text(refusal.error_code),
+        csv_text(refusal.reason),
     )

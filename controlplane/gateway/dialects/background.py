@@ -53,7 +53,7 @@ def replayed(request: Request, raw: bytes, receive_after) -> Request:
 
 
 async def start(gw: Gateway, request: Request, raw: bytes, request_id: str) -> Response:
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     dialect = Responses()
     await dialect.translate(gw, grant, raw)  # a bad request is refused now, not queued
     queued = dialect.response("queued", [], None)

@@ -22,7 +22,11 @@ MAX_INPUT_ITEMS_PAGE = 100
 
 
 async def create_response(gw: Gateway, request: Request, request_id: str) -> Response:
-    raw = await read_body(request, gw.config.max_request_bytes)
+    try:
+        raw = await read_body(request, gw.config.max_request_bytes)
+    except GatewayError:
+        await gw.keys.note_refused_grant(request, request.headers.get("authorization"))  # whose refusal it is
+        raise
     if background.asks_background(raw):
         return await background.start(gw, request, raw, request_id)
     request = background.replayed(request, raw, request.receive)
@@ -45,7 +49,7 @@ async def create_message(gw: Gateway, request: Request, request_id: str) -> Resp
 
 
 async def _stored(gw: Gateway, request: Request):
-    grant = await gw.keys.authenticate(request.headers.get("authorization"))
+    grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     response_id = request.path_params["response_id"]
     stored = await gw.admit_lane.run(stored_response_get, tenant_id=grant.tenant_id, response_id=response_id)
     if stored is None:  # another tenant's response is as unknown as one never made

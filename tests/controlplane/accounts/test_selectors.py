@@ -3,7 +3,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.accounts.selectors import ApiKeyRejected, api_key_allows_model, api_key_authenticate
+from controlplane.accounts.selectors import ApiKeyRejected, api_key_allows_model, api_key_authenticate, tenant_names
 from controlplane.accounts.services import api_key_create, api_key_revoke
 from tests.controlplane.factories import ApiKeyFactory, ModelFactory, TenantFactory
 
@@ -59,3 +59,20 @@ def test_allows_model():
     assert api_key_allows_model(api_key=everything, model=other)
     assert api_key_allows_model(api_key=limited, model=allowed)
     assert not api_key_allows_model(api_key=limited, model=other)
+
+
+def test_tenant_names_are_read_once_then_cached_until_the_tenant_changes(django_assert_num_queries):
+    acme, other = TenantFactory(name="acme"), TenantFactory(name="other")
+    missing = other.pk + 1000
+    with django_assert_num_queries(1):
+        assert tenant_names(tenant_ids=[acme.pk, str(other.pk), missing]) == {acme.pk: "acme", other.pk: "other"}
+    with django_assert_num_queries(0):  # what a live page redrawn on every heartbeat costs
+        assert tenant_names(tenant_ids=[acme.pk, other.pk]) == {acme.pk: "acme", other.pk: "other"}
+        assert tenant_names(tenant_ids=[]) == {}
+    acme.name = "acme & co"
+    acme.save()
+    with django_assert_num_queries(1):  # only the renamed tenant is read again
+        assert tenant_names(tenant_ids=[acme.pk, other.pk]) == {acme.pk: "acme & co", other.pk: "other"}
+    other_id = other.pk
+    other.delete()
+    assert tenant_names(tenant_ids=[acme.pk, other_id]) == {acme.pk: "acme & co"}

@@ -27,7 +27,7 @@ from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     make_worker,
 )
 from tests.controlplane.dashboard.websocket_client import WebSocketClient
-from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
+from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory, TenantFactory
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("redis_url")]
 
@@ -195,6 +195,7 @@ async def test_replica_load_figures_and_autoscaling_decisions_reach_the_page():
     replica = await sync_to_async(ReplicaFactory)(
         deployment=deployment, worker=worker, gpu=gpu, state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100"
     )
+    tenant = await sync_to_async(TenantFactory)(name="acme")
     communicator, connected, _ = await _connect(User.Role.OPERATOR)
     assert connected
     try:
@@ -212,13 +213,13 @@ async def test_replica_load_figures_and_autoscaling_decisions_reach_the_page():
                     "tokens_per_s": 80.0,
                     "prefix_cache_hit_rate": 0.6,
                     "host_cache_hit_rate": 0.25,
-                    "tenant_shares": {"3": 1.0},
+                    "tenant_shares": {str(tenant.pk): 1.0},
                 }
             ],
         )
         html = await _receive_matching(communicator, f'id="replica-{replica.pk}-load"')
         assert "queue 4 · running 2 · KV 50% · 80 tok/s · cache hits 60% (host tier 25%)" in html
-        assert "shares: tenant 3 100%" in html
+        assert "shares: acme 100%" in html
         await sync_to_async(deployments_autoscale)(now=timezone.now())
         html = await _receive_matching(communicator, f'id="deployment-{deployment.pk}-autoscale"')
         # 6 in flight for replicas that should carry 2 × 70% each: the maximum, 4.

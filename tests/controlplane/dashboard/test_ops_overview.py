@@ -77,7 +77,7 @@ def test_the_heartbeat_fragment_shows_what_the_worker_stages():
             ],
         },
     }
-    html = heartbeat_fragment(live, FigureHistory())
+    html = heartbeat_fragment(live, FigureHistory(), {})
     assert 'id="worker-3-staged"' in html
     assert "llama-3-8b · 14.9\xa0GB · page_cache · 50% resident" in html
-    assert "No weight staging" in heartbeat_fragment({"worker_id": 3}, FigureHistory())
+    assert "No weight staging" in heartbeat_fragment({"worker_id": 3}, FigureHistory(), {})

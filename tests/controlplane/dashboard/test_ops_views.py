@@ -19,7 +19,7 @@ from tests.controlplane.dashboard.ops_support import (  # noqa: F401 (fixtures)
     make_user,
     make_worker,
 )
-from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
+from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory, TenantFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -198,6 +198,9 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
     replica = ReplicaFactory(
         worker=worker, gpu=gpu, deployment=deployment, state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100"
     )
+    acme, gone = TenantFactory(name="acme"), TenantFactory(name="gone")
+    gone_id = gone.pk
+    gone.delete()
     beat(
         worker,
         gpus=[{"index": 0, "utilization_pct": 50.0}],
@@ -212,7 +215,7 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
                 "tokens_per_s": 1234.5,
                 "prefix_cache_hit_rate": 0.5,
                 "host_cache_hit_rate": 0.125,
-                "tenant_shares": {"12": 0.25, "7": 0.7, "": 0.05},
+                "tenant_shares": {str(gone_id): 0.25, str(acme.pk): 0.7, "": 0.05},
             }
         ],
     )
@@ -220,8 +223,12 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
     assert f'id="replica-{replica.pk}-load"' in page
     # 1234.5 rounds half to even; the host tier's share of prompt tokens is part of the cache hits.
     assert "queue 3 · running 5 · KV 62% · 1,234 tok/s · cache hits 50% (host tier 12%)" in page
-    # Each tenant's share of the replica lately, busiest first.
-    assert "shares: tenant 7 70%, tenant 12 25%, no tenant 5%" in page
+    # Each tenant's share of the replica lately, busiest first, by name (a deleted one by id).
+    assert f"shares: acme 70%, tenant {gone_id} 25%, no tenant 5%" in page
+    acme.name = "acme & co"
+    acme.save()
+    page = operator_client.get(reverse("dashboard:fleet")).content.decode()
+    assert f"shares: acme &amp; co 70%, tenant {gone_id} 25%" in page
     assert f'id="deployment-{deployment.pk}-autoscale"' in page and "Autoscaling on; no decision yet." in page
     assert f'id="deployment-{off.pk}-autoscale"' in page and "Autoscaling off" in page
 

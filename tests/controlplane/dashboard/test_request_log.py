@@ -11,6 +11,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from controlplane.accounts.models import User
+from controlplane.billing.models import Refusal
+from controlplane.billing.refusals import SHED_ERROR_CODE, RefusalTally, refusals_record
 from controlplane.billing.services import credit_grant
 from controlplane.dashboard.request_log.views import PAGE_SIZE
 from tests.controlplane.factories import (
@@ -187,3 +189,75 @@ def test_csv_names_are_inert_for_spreadsheets(client, world):
     response = client.get(reverse("dashboard:requests_csv"), {"tenant": other.pk})
     rows = list(csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode())))
     assert [row["tenant"] for row in rows] == ["'=other"]
+
+
+def _csv_rows(response) -> list[dict]:
+    return list(csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode())))
+
+
+def test_the_csv_lists_refusals_after_the_served_requests_with_their_count_status_code_and_reason(client, world):
+    tenant, other, prod, records = world
+    minute = timezone.now().replace(second=0, microsecond=0) - timedelta(minutes=5)
+    model = records["ok"].model
+
+    def tally(tenant_id, key_id, status, code, reason, request_id, count, model_id=None):
+        return RefusalTally(minute, tenant_id, key_id, model_id, status, code, reason, request_id, count)
+
+    refusals_record(
+        tallies=[
+            tally(tenant.pk, prod.pk, 429, "rate_limit_exceeded", "=Rate limit reached", "req_limited", 3, model.pk),
+            tally(tenant.pk, prod.pk, 429, SHED_ERROR_CODE, "The model is overloaded.", "req_shed", 1, model.pk),
+            tally(other.pk, None, 404, "not_found", "No batch.", "req_theirs", 2),
+            tally(None, None, 401, "invalid_api_key", "Incorrect API key provided.", "req_bad_key", 7),
+            tally(tenant.pk, prod.pk, 400, "invalid_request", "Too old.", "req_old", 1),
+        ]
+    )
+    Refusal.objects.filter(request_id="req_old").update(minute=minute - timedelta(days=20))
+    client.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=tenant))
+    rows = _csv_rows(client.get(reverse("dashboard:requests_csv")))
+    served = [records[k].request_id for k in ("gone", "failed", "ok")]
+    assert [row["request_id"] for row in rows] == [*served, "req_shed", "req_limited"]  # each part newest first
+    assert [(row["count"], row["status"], row["error_code"]) for row in rows[:3]] == [
+        ("1", "", ""),
+        ("1", "", "replica_unavailable"),
+        ("1", "", ""),
+    ]
+    limited = rows[-1]
+    assert limited == {
+        "time": minute.isoformat(),
+        "request_id": "req_limited",
+        "tenant": "acme",
+        "key": "production",
+        "key_prefix": prod.prefix,
+        "model": "chat-small",
+        "outcome": "refused",
+        "prompt_tokens": "0",
+        "completion_tokens": "0",
+        "images": "0",
+        "time_to_first_token_ms": "",
+        "total_latency_ms": "",
+        "cost": "0.000000",
+        "count": "3",
+        "status": "429",
+        "error_code": "rate_limit_exceeded",
+        "reason": "'=Rate limit reached",  # inert for spreadsheets
+    }
+    assert rows[-2]["outcome"] == "shed"
+
+    # The page's filters apply to the refusals too.
+    shed = _csv_rows(client.get(reverse("dashboard:requests_csv"), {"outcome": "shed"}))
+    assert [row["request_id"] for row in shed] == ["req_shed"]
+    ok = _csv_rows(client.get(reverse("dashboard:requests_csv"), {"outcome": "ok"}))
+    assert [row["request_id"] for row in ok] == [records["ok"].request_id]
+    embed = _csv_rows(client.get(reverse("dashboard:requests_csv"), {"model": "embed-small"}))
+    assert [row["request_id"] for row in embed] == [records["gone"].request_id]
+
+    # An admin's export of every tenant has the refusals no tenant owns (bad keys).
+    client.force_login(UserFactory(role=User.Role.ADMIN))
+    every = _csv_rows(client.get(reverse("dashboard:requests_csv"), {"outcome": "refused"}))
+    assert {row["request_id"]: (row["tenant"], row["count"]) for row in every} == {
+        "req_limited": ("acme", "3"),
+        "req_shed": ("acme", "1"),
+        "req_theirs": ("'=other", "2"),
+        "req_bad_key": ("", "7"),
+    }

@@ -57,12 +57,11 @@ def test_requests_latency_ttft_and_credits_are_counted_over_every_process(two_pr
     wait_until(lambda: scrape(world.base_url).get(credits) == pytest.approx(0.008), 15, "the credits to be counted")
     samples = scrape(world.base_url)
 
-    def requests(model_label: str, outcome: str, status: str) -> float:
-        return samples.get(
-            ("gpuserve_gateway_requests_total", (("model", model_label), ("outcome", outcome), ("status", status))), 0
-        )
+    def requests(model_label: str, outcome: str, status: str, endpoint: str = "/v1/chat/completions") -> float:
+        labels = (("endpoint", endpoint), ("model", model_label), ("outcome", outcome), ("status", status))
+        return samples.get(("gpuserve_gateway_requests_total", labels), 0)
 
-    assert requests(model, "completed", "200") == 4
+    assert requests(model, "completed", "200") == 4  # the stream counted when it ended
     # Refused before any model was known to be allowed: no model label (a key's guesses stay out).
     assert requests("", "rejected", "401") == 1
     assert requests("", "rejected", "404") == 1
@@ -87,5 +86,6 @@ def test_a_client_that_leaves_mid_stream_is_counted_as_cancelled(two_process_gat
     next(iter(stream))
     stream.close()
     world.settled()
-    key = ("gpuserve_gateway_requests_total", (("model", model), ("outcome", "cancelled"), ("status", "200")))
+    labels = (("endpoint", "/v1/chat/completions"), ("model", model), ("outcome", "cancelled"), ("status", "200"))
+    key = ("gpuserve_gateway_requests_total", labels)
     wait_until(lambda: scrape(world.base_url).get(key) == 1, 15, "the cancelled stream to be counted")

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import redis
+from django.db.models import Sum
 from django.test import Client
 from django.urls import reverse
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,6 +32,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 CHAT = [{"role": "user", "content": "Refuse me."}]
 TOKEN = "refusals-test-token"
 MAX_BYTES = 65536
+MAX_FILE_BYTES = 1024
 PRICE = Decimal("0.002")
 
 
@@ -46,19 +48,20 @@ def refusal_gateway(gateway, database_url):
         METRICS_TOKEN=TOKEN,
         GATEWAY_REFUSAL_FLUSH_SECONDS="1",
         GATEWAY_MAX_REQUEST_BYTES=str(MAX_BYTES),
+        BATCH_MAX_FILE_BYTES=str(MAX_FILE_BYTES),
     )
     yield server
     server.stop()
 
 
-def _requests_counted(url: str) -> dict[tuple[str, str], float]:
-    """/metrics' request counter by (outcome, status), summed over models."""
+def _requests_counted(url: str, by: tuple[str, ...] = ("outcome", "status")) -> dict[tuple[str, ...], float]:
+    """/metrics' request counter by the labels `by`, summed over the others."""
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10).text
-    counts: dict[tuple[str, str], float] = {}
+    counts: dict[tuple[str, ...], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "gpuserve_gateway_requests_total":
-                key = (sample.labels["outcome"], sample.labels["status"])
+                key = tuple(sample.labels[label] for label in by)
                 counts[key] = counts.get(key, 0) + sample.value
     return counts
 
@@ -181,7 +184,11 @@ def test_every_refusal_is_in_the_tenant_log_the_operator_figure_and_metrics(refu
     operator = Client()
     operator.force_login(UserFactory(role=User.Role.OPERATOR, tenant=None))
     home = operator.get(reverse("dashboard:home")).content.decode()
-    assert f'id="home-errors">{len(every)}<' in home and f"of {len(every) + served} requests" in home
+    # Beside them, only the gateway's readiness probes: keyless requests to /v1/models (401).
+    written = Refusal.objects.aggregate(n=Sum("count"))["n"]
+    probes = Refusal.objects.exclude(request_id__in=[r for _, _, r in every])
+    assert written >= len(every) and all(row.status == 401 and row.tenant_id is None for row in probes)
+    assert f'id="home-errors">{written}<' in home and f"of {written + served} requests" in home
     assert 'id="home-shed">1<' in home
 
     # /metrics counted the same refusals, the shed one under its own outcome.
@@ -197,6 +204,101 @@ def test_every_refusal_is_in_the_tenant_log_the_operator_figure_and_metrics(refu
     assert not CreditHold.objects.exists()
     assert list(UsageRecord.objects.values_list("status", flat=True)) == ["completed"] * served
     assert CreditAccount.objects.get(tenant=world.tenant).balance == Decimal("10") - PRICE * served
+
+
+def test_refusals_of_models_files_batches_and_stored_responses_are_counted_with_their_endpoint(
+    refusal_gateway, replicas
+):
+    world = make_world(refusal_gateway, replicas, price=PRICE)
+    client = world.client()
+    by = ("endpoint", "outcome", "status")
+    before = _requests_counted(refusal_gateway.url, by)
+    assert [m.id for m in client.models.list()] == [world.model.public_name]  # served: counted, not refused
+    # Key -> (status, code, request id, endpoint label) of each refusal.
+    refused = {
+        "bad key": (
+            *_refused(openai.AuthenticationError, lambda: world.client("sk-not-a-key").models.list()),
+            "/v1/models",
+        ),
+        "file too large": (
+            *_refused(
+                openai.APIStatusError,
+                lambda: client.files.create(file=("big.jsonl", b"x" * (MAX_FILE_BYTES + 70_000)), purpose="batch"),
+            ),
+            "/v1/files",
+        ),
+        "unknown batch": (
+            *_refused(openai.NotFoundError, lambda: client.batches.retrieve("batch_unknown")),
+            "/v1/batches/{batch_id}",
+        ),
+        "unknown response": (
+            *_refused(openai.NotFoundError, lambda: client.responses.retrieve("resp_unknown")),
+            "/v1/responses/{response_id}",
+        ),
+        "response deleted twice": (
+            *_refused(openai.NotFoundError, lambda: client.responses.delete("resp_unknown")),
+            "/v1/responses/{response_id}",
+        ),
+        # Too large to be read: refused before its key was checked, and still its tenant's.
+        "response too large": (
+            *_refused(
+                openai.APIStatusError,
+                lambda: client.responses.create(model=world.model.public_name, input="x" * MAX_BYTES),
+            ),
+            "/v1/responses",
+        ),
+    }
+    assert {name: figures[:2] for name, figures in refused.items()} == {
+        "bad key": (401, "invalid_api_key"),
+        "file too large": (413, "file_too_large"),
+        "unknown batch": (404, "not_found"),
+        "unknown response": (404, "response_not_found"),
+        "response deleted twice": (404, "response_not_found"),
+        "response too large": (413, "request_too_large"),
+    }
+    # Refusals of one kind within a minute are one tally: the two unknown responses' is the latest's.
+    tenant_refusals = {name: figures for name, figures in refused.items() if name != "bad key"}
+    wait_until(
+        lambda: (
+            Refusal.objects.filter(tenant=world.tenant).aggregate(n=Sum("count"))["n"] == len(tenant_refusals)
+            and Refusal.objects.filter(request_id=refused["bad key"][2]).exists()
+        ),
+        20,
+        "the refusals to be written",
+    )
+    for name, (status, code, request_id, _) in tenant_refusals.items():
+        if name == "unknown response":
+            continue
+        row = Refusal.objects.get(request_id=request_id)
+        assert (row.tenant_id, row.api_key_id, row.status, row.error_code, row.count) == (
+            world.tenant.pk,
+            world.api_key.pk,
+            status,
+            code,
+            2 if name == "response deleted twice" else 1,
+        )
+    assert Refusal.objects.get(request_id=refused["bad key"][2]).tenant_id is None
+
+    member = Client()
+    member.force_login(UserFactory(role=User.Role.TENANT_MEMBER, tenant=world.tenant))
+    page = member.get(reverse("dashboard:requests"), {"outcome": "refused"}).content.decode()
+    shown = [name for name, (_, _, request_id, _) in refused.items() if f'data-request-id="{request_id}"' in page]
+    assert shown == ["file too large", "unknown batch", "response deleted twice", "response too large"]
+
+    # The operator's figure: every refusal written, the gateway's readiness probes' (bad keys) too.
+    operator = Client()
+    operator.force_login(UserFactory(role=User.Role.OPERATOR, tenant=None))
+    home = operator.get(reverse("dashboard:home")).content.decode()
+    written = Refusal.objects.aggregate(n=Sum("count"))["n"]
+    assert written >= len(refused) and f'id="home-errors">{written}<' in home
+
+    after = _requests_counted(refusal_gateway.url, by)
+    counted = {key: after.get(key, 0) - before.get(key, 0) for key in after}
+    assert counted[("/v1/models", "completed", "200")] == 1
+    for status, _, _, endpoint in refused.values():
+        expected = sum(1 for s, _, _, e in refused.values() if (s, e) == (status, endpoint))
+        assert counted[(endpoint, "rejected", str(status))] == expected
+    assert not UsageRecord.objects.exists() and not CreditHold.objects.exists()
 
 
 def test_a_shed_message_is_anthropics_529_overloaded_error_and_a_shed_response_openais_429(refusal_gateway, replicas):
