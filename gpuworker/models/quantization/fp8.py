@@ -62,7 +62,7 @@ class Fp8Linear(QuantizedLinear):
                     raise ValueError(
                         f"{self.checkpoint_names[i]}.weight has dtype {weight.dtype}, expected {FP8_DTYPE}"
                     )
-                scale = self._channel_scale(i, staged["weight_scale"], rows)
+                scale = self.channel_scale(i, staged["weight_scale"], rows)
             weights.append(weight)
             scales.append(scale)
             if "input_scale" in staged and self.input_scale is not None:
@@ -77,17 +77,6 @@ class Fp8Linear(QuantizedLinear):
         self.weight_scale.copy_(torch.cat(scales))
         if self.input_scale is not None:
             self.input_scale.copy_(torch.stack(input_scales).max())
-
-    def _channel_scale(self, shard: int, scale: torch.Tensor, rows: int) -> torch.Tensor:
-        scale = scale.float()
-        if scale.numel() == 1:
-            return scale.reshape(1).expand(rows)
-        if tuple(scale.shape) in ((rows,), (rows, 1)):
-            return scale.reshape(rows)
-        raise ValueError(
-            f"{self.checkpoint_names[shard]}.weight_scale has shape {tuple(scale.shape)}, expected "
-            f"one value (per tensor) or ({rows}, 1) (per channel)"
-        )
 
     @torch.no_grad()
     def fill_dummy(self, generator: torch.Generator) -> None:

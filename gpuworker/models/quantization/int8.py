@@ -45,20 +45,9 @@ class Int8Linear(QuantizedLinear):
                     "weights are not supported"
                 )
             weights.append(weight)
-            scales.append(self._channel_scale(i, staged["weight_scale"], rows))
+            scales.append(self.channel_scale(i, staged["weight_scale"], rows))
         self.weight_int8.copy_(torch.cat(weights))
         self.weight_scale.copy_(torch.cat(scales))
-
-    def _channel_scale(self, shard: int, scale: torch.Tensor, rows: int) -> torch.Tensor:
-        scale = scale.float()
-        if scale.numel() == 1:
-            return scale.reshape(1).expand(rows)
-        if tuple(scale.shape) in ((rows,), (rows, 1)):
-            return scale.reshape(rows)
-        raise ValueError(
-            f"{self.checkpoint_names[shard]}.weight_scale has shape {tuple(scale.shape)}, expected "
-            f"one value (per tensor) or ({rows}, 1) (per channel)"
-        )
 
     @torch.no_grad()
     def fill_dummy(self, generator: torch.Generator) -> None:

@@ -64,6 +64,19 @@ class QuantizedLinear(FixedDtypes):
         # products are summed (tensor_parallel.join_row_parallel) before the bias is added.
         self.row_parallel: ParallelContext | None = None
 
+    def channel_scale(self, shard: int, scale: torch.Tensor, rows: int) -> torch.Tensor:
+        """Shard `shard`'s weight_scale as one float32 scale per output row: a per-tensor scale
+        repeated, or a per-channel one of shape (rows,) or (rows, 1); ValueError naming the tensor."""
+        scale = scale.float()
+        if scale.numel() == 1:
+            return scale.reshape(1).expand(rows)
+        if tuple(scale.shape) in ((rows,), (rows, 1)):
+            return scale.reshape(rows)
+        raise ValueError(
+            f"{self.checkpoint_names[shard]}.weight_scale has shape {tuple(scale.shape)}, expected "
+            f"one value (per tensor) or ({rows}, 1) (per channel)"
+        )
+
     def expected_fields(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(required, optional) tensor names under each checkpoint module."""
         raise NotImplementedError
