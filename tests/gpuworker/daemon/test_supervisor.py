@@ -47,8 +47,8 @@ def _serve_children() -> list[psutil.Process]:
     return [p for p in children_running("serve", argument=True) if p.pid not in _OTHERS]
 
 
-@pytest.fixture
-def supervisor(tmp_path, tmp_path_factory, monkeypatch):
+def _started_supervisor(tmp_path, tmp_path_factory, monkeypatch, **options) -> Supervisor:
+    """A CPU worker's supervisor, started; `options` are Supervisor's own (a host KV tier, ...)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # children inherit it: tiny models need no threads
     _OTHERS.clear()
     _OTHERS.update(p.pid for p in children_running("serve", argument=True))
@@ -61,8 +61,15 @@ def supervisor(tmp_path, tmp_path_factory, monkeypatch):
         state_dir=tmp_path,
         worker_name="test-host",
         model_roots=(tmp_path_factory.getbasetemp(),),
+        **options,
     )
     supervisor.start()
+    return supervisor
+
+
+@pytest.fixture
+def supervisor(tmp_path, tmp_path_factory, monkeypatch):
+    supervisor = _started_supervisor(tmp_path, tmp_path_factory, monkeypatch)
     yield supervisor
     supervisor.close(drain_timeout_s=5)
     assert _serve_children() == []
@@ -550,20 +557,7 @@ def test_the_workers_host_kv_tier_reaches_each_replica(tmp_path, tmp_path_factor
     assert build_parser().parse_args(base).host_kv_cache_bytes == 2048
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--host-kv-cache-bytes", "lots"])
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    _OTHERS.clear()
-    _OTHERS.update(p.pid for p in children_running("serve", argument=True))
-    supervisor = Supervisor(
-        token=TOKEN,
-        gpu_count=0,
-        advertise_host="127.0.0.1",
-        bind_host="127.0.0.1",
-        state_dir=tmp_path,
-        worker_name="test-host",
-        model_roots=(tmp_path_factory.getbasetemp(),),
-        host_kv_cache_bytes=1 << 20,
-    )
-    supervisor.start()
+    supervisor = _started_supervisor(tmp_path, tmp_path_factory, monkeypatch, host_kv_cache_bytes=1 << 20)
     try:
         supervisor.load(
             LoadModel(
