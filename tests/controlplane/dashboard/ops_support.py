@@ -46,3 +46,34 @@ def beat(worker, *, gpus=(), cpu=None, replicas=(), now=None) -> None:
         "replicas": list(replicas),
     }
     worker_heartbeat(worker_id=worker.pk, heartbeat=parse_heartbeat(body), now=now or timezone.now())
+
+
+def cpu_agent(*, control_url: str, token: str, name: str, model_root, state_dir):
+    """A CPU worker daemon's agent for `control_url` with `model_root` its one model root, not yet
+    registered (the test calls its _register, as the daemon does at start, and closes it)."""
+    from gpuworker.contract.heartbeat import WorkerRegistration
+    from gpuworker.daemon.agent import Agent, AgentConfig
+    from gpuworker.daemon.hardware import HardwareProbe
+
+    agent = Agent(
+        AgentConfig(
+            control_url=control_url,
+            token=token,
+            name=name,
+            advertise_host="127.0.0.1",
+            device="cpu",
+            state_dir=state_dir,
+            model_roots=(model_root,),
+        )
+    )
+    agent.probe = HardwareProbe("cpu")
+    agent._registration = WorkerRegistration(
+        name=name,
+        advertise_host="127.0.0.1",
+        device="cpu",
+        gpus=(),
+        cpu_memory_total_bytes=2**30,
+        cpu_cores=2,
+        version="test",
+    )
+    return agent

@@ -13,10 +13,7 @@ from django.urls import reverse
 from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Model
 from controlplane.fleet.models import Worker
-from gpuworker.contract.heartbeat import WorkerRegistration
-from gpuworker.daemon.agent import Agent, AgentConfig
-from gpuworker.daemon.hardware import HardwareProbe
-from tests.controlplane.dashboard.ops_support import make_user
+from tests.controlplane.dashboard.ops_support import cpu_agent, make_user
 from tests.controlplane.factories import PriceTierFactory
 from tests.gpuworker.checkpoints import make_checkpoint
 
@@ -30,26 +27,12 @@ def registered_worker(tmp_path, live_server, settings):
     snapshot = shutil.copytree(make_checkpoint(tmp_path / "build", "llama"), repo / "snapshots" / "f00d")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("f00d")
-    agent = Agent(
-        AgentConfig(
-            control_url=live_server.url,
-            token=settings.FLEET_WORKER_TOKEN,
-            name="inspect-test",
-            advertise_host="127.0.0.1",
-            device="cpu",
-            state_dir=tmp_path / "state",
-            model_roots=(tmp_path / "hub",),
-        )
-    )
-    agent.probe = HardwareProbe("cpu")
-    agent._registration = WorkerRegistration(
+    agent = cpu_agent(
+        control_url=live_server.url,
+        token=settings.FLEET_WORKER_TOKEN,
         name="inspect-test",
-        advertise_host="127.0.0.1",
-        device="cpu",
-        gpus=(),
-        cpu_memory_total_bytes=2**30,
-        cpu_cores=2,
-        version="test",
+        model_root=tmp_path / "hub",
+        state_dir=tmp_path / "state",
     )
     try:
         agent._register()

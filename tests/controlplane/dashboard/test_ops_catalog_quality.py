@@ -16,13 +16,11 @@ from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Model
 from controlplane.fleet.models import QualityMeasurement, Worker
 from controlplane.fleet.services.quality import quality_measurement_request
-from gpuworker.contract.heartbeat import WorkerRegistration
 from gpuworker.contract.quality import DONE, FAILED, QualityProgress
 from gpuworker.contract.tasks import MEASURE_QUALITY, parse_task
-from gpuworker.daemon.agent import Agent, AgentConfig
-from gpuworker.daemon.hardware import HardwareProbe
+from gpuworker.daemon.agent import Agent
 from gpuworker.daemon.quality_runs import QualityRuns
-from tests.controlplane.dashboard.ops_support import make_user
+from tests.controlplane.dashboard.ops_support import cpu_agent, make_user
 from tests.controlplane.factories import ModelFactory
 from tests.controlplane.fleet.conftest import queued_tasks
 from tests.gpuworker.checkpoints import make_checkpoint
@@ -37,26 +35,12 @@ WINDOW, MAX_TOKENS = 32, 96
 def agent(tmp_path, live_server, settings):
     """A daemon's agent with a tiny float checkpoint under its model root, registered over HTTP."""
     checkpoint = make_checkpoint(tmp_path / "models" / "tiny", "llama")
-    agent = Agent(
-        AgentConfig(
-            control_url=live_server.url,
-            token=settings.FLEET_WORKER_TOKEN,
-            name="quality-test",
-            advertise_host="127.0.0.1",
-            device="cpu",
-            state_dir=tmp_path / "state",
-            model_roots=(tmp_path / "models",),
-        )
-    )
-    agent.probe = HardwareProbe("cpu")
-    agent._registration = WorkerRegistration(
+    agent = cpu_agent(
+        control_url=live_server.url,
+        token=settings.FLEET_WORKER_TOKEN,
         name="quality-test",
-        advertise_host="127.0.0.1",
-        device="cpu",
-        gpus=(),
-        cpu_memory_total_bytes=2**30,
-        cpu_cores=2,
-        version="test",
+        model_root=tmp_path / "models",
+        state_dir=tmp_path / "state",
     )
     agent.quality_runs = QualityRuns(model_roots=agent.config.model_roots, gpu_count=0, report=agent._report_quality)
     try:
