@@ -95,12 +95,11 @@ def quality_measurement_request(
             max_tokens=max_tokens,
         ),
     )
-    where = f"GPU {gpu_index}" if gpu_index is not None else "CPU"
     audit_record(
         actor=actor,
         action=AuditEntry.Action.MODEL_MEASURE_QUALITY,
         target=model,
-        detail={"worker": worker.name, "device": where, "measurement": measurement.pk},
+        detail={"worker": worker.name, "device": measurement.device_label, "measurement": measurement.pk},
     )
     return measurement
 
