@@ -1,6 +1,7 @@
 from django.contrib import admin
 
-from controlplane.fleet.models import Gpu, Replica, Worker
+from controlplane.common.admin import ReadOnlyAdmin
+from controlplane.fleet.models import Gpu, QualityMeasurement, Replica, Worker
 
 
 class GpuInline(admin.TabularInline):
@@ -65,3 +66,25 @@ class ReplicaAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request) -> bool:
         return False
+
+
+@admin.register(QualityMeasurement)
+class QualityMeasurementAdmin(ReadOnlyAdmin):
+    """Measurements are asked for from the catalog and moved on by their workers' reports, never by hand."""
+
+    list_display = ["model", "worker", "device", "state", "created_at", "finished", "reason"]
+    list_filter = ["state"]
+    search_fields = ["model__public_name", "worker__name"]
+    list_select_related = ["model", "worker"]
+
+    @admin.display(description="device")
+    def device(self, measurement: QualityMeasurement) -> str:
+        return measurement.device_label
+
+    @admin.display(description="finished")
+    def finished(self, measurement: QualityMeasurement):
+        return measurement.finished_at
+
+    @admin.display(description="reason")
+    def reason(self, measurement: QualityMeasurement) -> str:
+        return measurement.error

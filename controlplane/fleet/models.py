@@ -275,3 +275,13 @@ class QualityMeasurement(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model} on {self.worker}: {self.state}"
+
+    @property
+    def device_label(self) -> str:
+        """Where it runs, as pages and the audit log name it: "GPU 1", or "CPU"."""
+        return f"GPU {self.gpu_index}" if self.gpu_index is not None else "CPU"
+
+    @property
+    def finished_at(self):
+        """When it ended (done or failed); None while queued or running."""
+        return None if self.state in self.IN_PROGRESS else self.state_changed_at

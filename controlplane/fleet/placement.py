@@ -18,6 +18,9 @@ class Slot:
     gpu_index: int | None
     total_bytes: int
     used_bytes: int
+    # Why no replica may go here whatever its free memory, e.g. "measuring the quality of smol":
+    # a process of its own holds the GPU, and a replica beside it would share its memory.
+    taken_by: str = ""
 
     @property
     def free_bytes(self) -> int:
@@ -65,7 +68,8 @@ def slot_groups(slots: list[Slot], tensor_parallel_size: int) -> list[tuple[Slot
 
 def group_fits(group: tuple[Slot, ...], *, need_bytes: int, tensor_parallel_size: int) -> bool:
     return all(
-        slot.free_bytes
+        not slot.taken_by
+        and slot.free_bytes
         >= share_bytes(need_bytes=need_bytes, on_gpu=slot.gpu_id is not None, tensor_parallel_size=tensor_parallel_size)
         for slot in group
     )

@@ -160,7 +160,8 @@ def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[i
             label=slot_label(worker=by_id[slot.worker_id], gpu=gpus.get(slot.gpu_id)),
             free_bytes=slot.free_bytes,
             total_bytes=slot.total_bytes,
-            note=backoff_note(backoffs[slot.worker_id], now=now) if slot.worker_id in waiting else "",
+            note=slot.taken_by
+            or (backoff_note(backoffs[slot.worker_id], now=now) if slot.worker_id in waiting else ""),
         )
         for slot in slots
     ]

@@ -129,7 +129,8 @@ def workers_recent_figures(*, since: float, worker_ids: Iterable[int] | None = N
 def placement_slots(*, workers: list[Worker]) -> list[Slot]:
     """Where replicas can go on these workers: each present GPU, or a CPU-only worker's memory,
     with the memory its live replicas are estimated to use (their models' gpu_memory_bytes; a
-    replica split over N GPUs counts its share on each of them)."""
+    replica split over N GPUs counts its share on each of them). A GPU a quality measurement holds
+    is taken (Slot.taken_by) whatever its free memory."""
     ids = [worker.pk for worker in workers]
     slots = [
         Slot(
@@ -154,7 +155,21 @@ def placement_slots(*, workers: list[Worker]) -> list[Slot]:
                 slot.used_bytes += share_bytes(
                     need_bytes=need, on_gpu=slot.gpu_id is not None, tensor_parallel_size=size
                 )
+    for worker_id, index, model_name in gpus_measuring(worker_ids=ids):
+        slot = by_place.get((worker_id, index))
+        if slot is not None:
+            slot.taken_by = f"measuring the quality of {model_name}"
     return slots
+
+
+def gpus_measuring(*, worker_ids: Iterable[int]) -> list[tuple[int, int, str]]:
+    """(worker id, GPU index, model name) of each quality measurement queued or running on a GPU of
+    these workers: that GPU is taken until the measurement is done or failed."""
+    return list(
+        QualityMeasurement.objects.filter(
+            worker_id__in=list(worker_ids), state__in=QualityMeasurement.IN_PROGRESS, gpu_index__isnull=False
+        ).values_list("worker_id", "gpu_index", "model__public_name")
+    )
 
 
 def live_replica_placements(

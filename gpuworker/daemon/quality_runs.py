@@ -23,10 +23,20 @@ logger = logging.getLogger(__name__)
 
 # The lines of the command's stderr a failure reports (its own "error: ..." line is the last).
 ERROR_TAIL_LINES = 20
+# How much less of the CPU a measurement gets than the daemon and the replicas it shares a host
+# with (nice(1)): on a CPU worker it would otherwise slow every replica's tokens for minutes.
+QUALITY_NICENESS = 10
+
+
+def niced(argv: list[str]) -> list[str]:
+    """`argv` run at QUALITY_NICENESS more than the daemon's niceness. nice(1) rather than a
+    preexec_fn calling os.nice: the daemon runs threads, and Python code between fork and exec
+    in a threaded process can deadlock."""
+    return ["nice", "-n", str(QUALITY_NICENESS), *argv]
 
 
 def quality_argv(task: MeasureQuality, checkpoint: Path) -> list[str]:
-    """The perplexity command for `task` on the resolved `checkpoint`."""
+    """The perplexity command for `task` on the resolved `checkpoint`, at a lower CPU priority (niced)."""
     argv = [sys.executable, "-m", "gpuworker.quality", str(checkpoint)]
     argv += ["--device", "cpu" if task.gpu_index is None else f"cuda:{task.gpu_index}"]
     if task.quantization:
@@ -35,7 +45,7 @@ def quality_argv(task: MeasureQuality, checkpoint: Path) -> list[str]:
         argv += ["--window", str(task.window)]
     if task.max_tokens is not None:
         argv += ["--max-tokens", str(task.max_tokens)]
-    return argv
+    return niced(argv)
 
 
 class QualityRuns:

@@ -51,7 +51,10 @@ def _free_gpu_index(worker: Worker) -> int | None:
 def _choose_place(model: Model) -> tuple[Worker, int | None]:
     """The first online worker (CPU workers last, then by name) that reports the checkpoint and
     has a device free for it, and that device; ValidationError saying why there is none."""
-    online = list(Worker.objects.filter(state=Worker.State.ONLINE).order_by("-device", "name"))
+    # Locked as reconcile locks them while it places replicas (in the same order), so a GPU is never
+    # chosen for a measurement and for a replica at once.
+    locked = Worker.objects.select_for_update(no_key=True).filter(state=Worker.State.ONLINE).order_by("pk")
+    online = sorted(locked, key=lambda worker: (worker.device == Worker.Device.CPU, worker.name))
     reports = weights_path_reports(weights_path=model.weights_path, workers=online)
     having = [worker for worker, report in zip(online, reports) if report.loadable]
     if not having:
@@ -95,12 +98,11 @@ def quality_measurement_request(
             max_tokens=max_tokens,
         ),
     )
-    where = f"GPU {gpu_index}" if gpu_index is not None else "CPU"
     audit_record(
         actor=actor,
         action=AuditEntry.Action.MODEL_MEASURE_QUALITY,
         target=model,
-        detail={"worker": worker.name, "device": where, "measurement": measurement.pk},
+        detail={"worker": worker.name, "device": measurement.device_label, "measurement": measurement.pk},
     )
     return measurement
 

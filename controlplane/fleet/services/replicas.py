@@ -220,6 +220,7 @@ def replica_load_on(*, deployment, worker: Worker, gpu: Gpu | None, actor=None) 
                 label=slot_label(worker=worker, gpu=gpus.get(slot.gpu_id)),
                 free_bytes=slot.free_bytes,
                 total_bytes=slot.total_bytes,
+                note=slot.taken_by,
             )
             for slot in group
         ]

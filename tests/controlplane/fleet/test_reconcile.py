@@ -8,13 +8,15 @@ from django.utils import timezone
 
 from controlplane.catalog.models import Model
 from controlplane.catalog.services import estimate_gpu_memory_bytes
-from controlplane.fleet.models import LoadBackoff, Replica, Worker
+from controlplane.fleet.models import LoadBackoff, QualityMeasurement, Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile, fleet_reconcile
 from controlplane.fleet.selectors import deployment_statuses, placement_slots
 from controlplane.fleet.services.heartbeats import worker_heartbeat
+from controlplane.fleet.services.quality import quality_measurement_progress, quality_measurement_request
 from controlplane.fleet.services.replicas import replica_transition
 from controlplane.fleet.services.workers import worker_register
 from gpuworker.contract.heartbeat import parse_heartbeat, parse_registration
+from gpuworker.contract.quality import DONE, FAILED, RUNNING, PerplexityReport, QualityProgress
 from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, ReplicaFactory
 from tests.controlplane.fleet.conftest import make_worker, queued_tasks
 
@@ -508,3 +510,59 @@ def test_a_model_served_fp8_at_load_is_loaded_with_fp8_asked_for(django_capture_
             _reconcile(DeploymentFactory(model=model, desired_replicas=1, max_replicas=1))
     loads = {kwargs["served_model_name"]: kwargs["quantization"] for _, kwargs in queued_tasks(worker.queue_name)}
     assert loads == {fp8.public_name: "fp8", stored.public_name: ""}
+
+
+def _measured_model_on(worker):
+    """A model whose checkpoint `worker` reports, measured there now: the measurement takes its free GPU."""
+    worker.model_roots, worker.model_paths = ["/models"], ["/models/smol"]
+    worker.save()
+    measurement = quality_measurement_request(model=ModelFactory(public_name="smol", weights_path="/models/smol"))
+    assert (measurement.worker_id, measurement.gpu_index) == (worker.pk, 0)
+    return measurement
+
+
+@pytest.mark.django_db
+def test_a_gpu_being_measured_takes_no_replica_until_the_measurement_is_done():
+    worker = _gpu_worker()
+    measurement = _measured_model_on(worker)
+    deployment = _deployment(1)
+    waiting = _reconcile(deployment)
+    assert (waiting.placed, waiting.unplaced) == ([], 1)
+    assert waiting.reason == (
+        f"needs 10.0 GiB; free: {worker.name} GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB "
+        f"but measuring the quality of smol"
+    )
+    [status] = deployment_statuses(deployment_ids=[deployment.pk])
+    assert status.state == "waiting" and waiting.reason in status.message
+    # Running still holds it; done frees it for the next pass.
+    quality_measurement_progress(worker_id=worker.pk, measurement_id=measurement.pk, progress=QualityProgress(RUNNING))
+    assert _reconcile(deployment).placed == []
+    report = PerplexityReport(perplexity=12.5, tokens=93, window=32, text_sha256="a" * 64)
+    done = QualityProgress(DONE, report=report)
+    quality_measurement_progress(worker_id=worker.pk, measurement_id=measurement.pk, progress=done)
+    [placed] = _reconcile(deployment).placed
+    assert Replica.objects.get(pk=placed).gpu.index == 0
+
+
+@pytest.mark.django_db
+def test_a_failed_measurement_or_one_on_a_cpu_worker_holds_nothing():
+    worker = _gpu_worker()
+    measurement = _measured_model_on(worker)
+    failed = QualityProgress(FAILED, error="out of memory")
+    quality_measurement_progress(worker_id=worker.pk, measurement_id=measurement.pk, progress=failed)
+    assert [slot.taken_by for slot in placement_slots(workers=[worker])] == [""]
+    cpu = make_worker(device=Worker.Device.CPU, cpu_memory_total_bytes=30 * GB)
+    QualityMeasurement.objects.create(model=ModelFactory(), worker=cpu, gpu_index=None)
+    assert len(_reconcile(_deployment(2)).placed) == 2
+    assert Replica.objects.filter(worker=cpu).count() == 1
+
+
+@pytest.mark.django_db
+def test_a_split_replica_is_not_placed_over_a_gpu_being_measured():
+    worker = _register(f"tp-{uuid.uuid4().hex[:8]}", [80 * GB] * 3)
+    QualityMeasurement.objects.create(model=ModelFactory(public_name="smol"), worker=worker, gpu_index=1)
+    deployment = _split_deployment(2, memory=100 * GB)
+    outcome = _reconcile(deployment)
+    # GPUs 0-1 and 1-2 both include the measured GPU 1: neither run takes the replica.
+    assert (outcome.placed, outcome.unplaced) == ([], 2)
+    assert f"{worker.name} GPU 1 (NVIDIA H200) 80.0 GiB of 80.0 GiB but measuring the quality of smol" in outcome.reason

@@ -10,7 +10,7 @@ from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Deployment
 from controlplane.catalog.services import estimate_gpu_memory_bytes
 from controlplane.celery import app as celery_app
-from controlplane.fleet.models import Gpu, LoadBackoff, Replica, Worker
+from controlplane.fleet.models import Gpu, LoadBackoff, QualityMeasurement, Replica, Worker
 from controlplane.fleet.reconcile import deployment_reconcile
 from controlplane.fleet.selectors import worker_latest_heartbeat
 from controlplane.fleet.services.deployments import (
@@ -306,6 +306,17 @@ def test_replica_load_on_refuses_a_model_too_large_for_its_gpus_with_the_count_i
     assert message.startswith("deepseek-v3 does not fit: needs 862.4 GiB; free: ")
     assert "deepseek-v3 needs 8 GPUs of 131.3 GiB in FP8, 16 in bf16; its tensor_parallel_size is 1" in message
     assert not Replica.objects.exists()
+
+
+def test_replica_load_on_refuses_a_gpu_being_measured_saying_so():
+    gpu = GpuFactory(worker=make_worker(), index=0, memory_total_bytes=80 * GB)
+    QualityMeasurement.objects.create(model=ModelFactory(public_name="smol"), worker=gpu.worker, gpu_index=0)
+    deployment = DeploymentFactory(model=ModelFactory(gpu_memory_bytes=GB), desired_replicas=0, max_replicas=1)
+    with pytest.raises(ValidationError) as error:
+        replica_load_on(deployment=deployment, worker=gpu.worker, gpu=gpu)
+    [message] = error.value.message_dict["gpu"]
+    assert message.endswith("GPU 0 (NVIDIA H200) 80.0 GiB of 80.0 GiB but measuring the quality of smol.")
+    assert not Replica.objects.exists() and Deployment.objects.get(pk=deployment.pk).desired_replicas == 0
 
 
 def test_replica_load_on_a_cpu_worker():

@@ -1,10 +1,13 @@
 """Where a quality measurement runs: a GPU worker's GPU that holds no replica, else a CPU worker
 that has the checkpoint; refused, saying why, when no device is free."""
 
+import threading
+
 import pytest
 from django.core.exceptions import ValidationError
+from django.db import OperationalError, connection, transaction
 
-from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.models import QualityMeasurement, Replica, Worker
 from controlplane.fleet.services.quality import quality_measurement_request
 from tests.controlplane.factories import GpuFactory, ModelFactory, ReplicaFactory, WorkerFactory
 
@@ -54,3 +57,37 @@ def test_a_measurement_whose_worker_went_away_does_not_block_the_next():
     first.refresh_from_db()
     assert (first.state, first.error) == ("failed", "worker cpu-a went away")
     assert second.worker.name == "cpu-b"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_gpu_is_not_chosen_while_placement_holds_the_workers(require_postgres):
+    """Reconcile counts free GPUs with the online workers locked; a measurement chooses its GPU
+    under the same lock, so the two never both take one GPU."""
+    worker = _worker("gpu-a", gpus=1)
+    model = ModelFactory(public_name="smol", weights_path=PATH)
+    locked, release = threading.Event(), threading.Event()
+
+    def place():  # holds the lock reconcile's placement takes, until told to let go
+        try:
+            with transaction.atomic():
+                list(Worker.objects.select_for_update(no_key=True).filter(state=Worker.State.ONLINE))
+                locked.set()
+                release.wait(timeout=60)
+        finally:
+            connection.close()
+
+    placing = threading.Thread(target=place)
+    placing.start()
+    try:
+        assert locked.wait(timeout=60)
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL lock_timeout = '200ms'")
+            with pytest.raises(OperationalError, match="lock timeout"):
+                quality_measurement_request(model=model)
+    finally:
+        release.set()
+        placing.join(timeout=60)
+    assert not QualityMeasurement.objects.exists()
+    measurement = quality_measurement_request(model=model)
+    assert (measurement.worker, measurement.gpu_index) == (worker, 0)

@@ -3,12 +3,14 @@ time, each reported running and then done (with the command's report) or failed 
 
 from __future__ import annotations
 
+import os
 import queue
+import subprocess
 import sys
 
 from gpuworker.contract.quality import DONE, FAILED, RUNNING
 from gpuworker.contract.tasks import MeasureQuality
-from gpuworker.daemon.quality_runs import QualityRuns, quality_argv
+from gpuworker.daemon.quality_runs import QUALITY_NICENESS, QualityRuns, niced, quality_argv
 
 
 def _runs(tmp_path_factory, gpu_count: int = 0):
@@ -23,11 +25,22 @@ def _runs(tmp_path_factory, gpu_count: int = 0):
 
 def test_the_command_gets_the_device_the_quantization_and_the_window(tmp_path):
     task = MeasureQuality(measurement_id=1, model_path="/m", gpu_index=2, quantization="fp8", window=64, max_tokens=128)
-    argv = quality_argv(task, tmp_path)
-    assert argv[:4] == [sys.executable, "-m", "gpuworker.quality", str(tmp_path)]
-    assert argv[4:] == ["--device", "cuda:2", "--quantization", "fp8", "--window", "64", "--max-tokens", "128"]
+    command = [sys.executable, "-m", "gpuworker.quality", str(tmp_path)]
+    options = ["--device", "cuda:2", "--quantization", "fp8", "--window", "64", "--max-tokens", "128"]
+    assert quality_argv(task, tmp_path) == niced(command + options)
     plain = quality_argv(MeasureQuality(measurement_id=1, model_path="/m", gpu_index=None), tmp_path)
-    assert plain[4:] == ["--device", "cpu"]
+    assert plain == niced(command + ["--device", "cpu"])
+
+
+def test_the_command_runs_at_a_higher_niceness_than_the_daemon():
+    """On a CPU worker the measurement yields the CPU to the replicas serving tokens."""
+    probe = subprocess.run(
+        niced([sys.executable, "-c", "import os; print(os.nice(0))"]), capture_output=True, text=True, check=True
+    )
+    daemon = os.nice(0)
+    assert int(probe.stdout) == min(19, daemon + QUALITY_NICENESS)  # 19: the lowest priority there is
+    if daemon < 19:
+        assert int(probe.stdout) > daemon
 
 
 def test_measurements_run_one_at_a_time_and_a_repeated_message_runs_once(tmp_path_factory, tiny_checkpoint):
