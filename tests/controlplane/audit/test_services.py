@@ -68,7 +68,7 @@ def test_no_person_is_recorded_as_the_system():
 
 def test_audit_record_refuses_unknown_actions_and_unsaved_targets():
     with pytest.raises(ValueError, match="Unknown audit action"):
-        audit_record(actor=None, action="model.delete", target=ModelFactory())
+        audit_record(actor=None, action="model.explode", target=ModelFactory())
     with pytest.raises(ValueError, match="no primary key"):
         audit_record(actor=None, action=AuditEntry.Action.MODEL_CREATE, target=ModelFactory.build())
 
