@@ -72,7 +72,10 @@ SMOKE = {
     "saturation_requests": 24,
     "prompt_len": (16, 64),
     "output_len": (4, 16),
-    "ttft_slo_ms": 300,
+    "ttft_slo_ms": 100,
+    # A replica of few sequences, so that requests queue in its engine (where the gateway predicts the
+    # wait from) rather than in the CPU's HTTP work.
+    "max_num_seqs": 4,
     "client_processes": 1,
     "gateway_processes": 1,
 }
@@ -522,6 +525,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=_pair, default=(64, 512))
     parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--gateway-processes", type=int, default=2, help="uvicorn --workers")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="the replica's (default: serve's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="a PNG of both runs (e.g. docs/shedding.png)")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny random model, a few seconds (tests)")
@@ -586,7 +590,10 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         dtype=args.dtype,
         log=replica_log,
-        extra_args=("--token", TOKEN, "--served-model-name", MODEL, "--max-model-len", str(context_length)),
+        extra_args=(
+            *("--token", TOKEN, "--served-model-name", MODEL, "--max-model-len", str(context_length)),
+            *(("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()),
+        ),
     )
     gateway = None
     try:
