@@ -502,13 +502,16 @@ def start_replica(
     return process, f"http://127.0.0.1:{port}"
 
 
-def wait_ready(process: subprocess.Popen, url: str, log: Path, deadline_s: float = READY_DEADLINE_S) -> dict:
+def wait_ready(
+    process: subprocess.Popen, url: str, log: Path, deadline_s: float = READY_DEADLINE_S, token: str | None = None
+) -> dict:
     """Poll the replica's /health until it is ready: its last /health answer. Raises when the
-    process exits, the load fails or the deadline passes."""
+    process exits, the load fails or the deadline passes. `token`: the replica's --token."""
     import httpx
 
     started = time.perf_counter()
-    with httpx.Client(timeout=2.0) as client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(timeout=2.0, headers=headers) as client:
         while time.perf_counter() - started < deadline_s:
             if process.poll() is not None:
                 raise RuntimeError(f"the replica exited with {process.returncode}; see {log}")
