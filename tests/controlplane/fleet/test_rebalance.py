@@ -202,3 +202,16 @@ def test_the_extra_replica_stays_while_the_ready_ones_would_fall_below_desired(
     assert len(outcome.placed) == 1  # the crashed one's replacement, as ever
     for worker in (a, b, c):
         queued_tasks(worker.queue_name)
+
+
+@pytest.mark.django_db
+def test_a_move_is_abandoned_when_the_crowded_worker_loses_its_replicas(crowded):
+    deployment, a, b, now = crowded()
+    [new_id] = _pass(deployment, now + timedelta(seconds=1)).placed
+    _report(a, now + timedelta(seconds=2), **{f"r{r.pk}": "failed" for r in _replicas(deployment, a, State.READY)})
+    # The replacement is an ordinary replica now, and the one still missing is placed as ever.
+    outcome = _pass(deployment, now + timedelta(seconds=3))
+    assert RebalanceMove.objects.get(deployment=deployment).state == RebalanceMove.State.ABANDONED
+    assert len(outcome.placed) == 1 and Replica.objects.get(pk=new_id).state == State.PENDING
+    for worker in (a, b):
+        queued_tasks(worker.queue_name)
