@@ -185,6 +185,9 @@ FLEET_LOAD_DEGRADED_AFTER_FAILURES = env_int("FLEET_LOAD_DEGRADED_AFTER_FAILURES
 # How long an unloaded replica may finish in-flight requests, and a drained worker all of its.
 FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_UNLOAD_DRAIN_TIMEOUT_SECONDS", 30)
 FLEET_WORKER_DRAIN_TIMEOUT_SECONDS = env_int("FLEET_WORKER_DRAIN_TIMEOUT_SECONDS", 60)
+# After a replica moves off a crowded worker (fleet.rebalance), the deployment waits this long
+# before its next move, so replicas do not flap between workers.
+FLEET_REBALANCE_COOLDOWN_SECONDS = env_int("FLEET_REBALANCE_COOLDOWN_SECONDS", 60)
 
 # What one GPU-hour costs the operator (USD): the admins' home page sets each model's GPU-hours
 # against its revenue at this rate (dashboard.margins.model_margins).

@@ -19,6 +19,7 @@ class AuditEntry(models.Model):
         DEPLOYMENT_RETRY = "deployment.retry", "Deployment retried now"
         REPLICA_LOAD = "replica.load", "Replica loaded"
         REPLICA_UNLOAD = "replica.unload", "Replica unloaded"
+        REPLICA_MOVE = "replica.move", "Replica moved to another worker"
         WORKER_DRAIN = "worker.drain", "Worker drained"
         API_KEY_CREATE = "api_key.create", "API key created"
         API_KEY_REVOKE = "api_key.revoke", "API key revoked"

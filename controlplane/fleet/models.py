@@ -235,6 +235,40 @@ class LoadBackoff(models.Model):
         )
 
 
+class RebalanceMove(models.Model):
+    """One replica of a deployment moved off a worker holding more than one of them
+    (fleet.rebalance): `replica` started on `to_worker` first, and only once it is ready one ready
+    replica on `from_worker` is drained (`drained_replica`). One move in progress per deployment."""
+
+    class State(models.TextChoices):
+        MOVING = "moving", "Moving"
+        MOVED = "moved", "Moved"
+        # The replacement failed or was stopped before it was ready: the crowded worker keeps its replicas.
+        FAILED = "failed", "Replacement failed"
+        # The crowded worker no longer held a replica to spare (lost, or an operator unloaded one).
+        ABANDONED = "abandoned", "Abandoned"
+
+    deployment = models.ForeignKey("catalog.Deployment", on_delete=models.CASCADE, related_name="rebalance_moves")
+    from_worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="+")
+    to_worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="+")
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="+")
+    drained_replica = models.ForeignKey(Replica, on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    state = models.CharField(max_length=20, choices=State.choices, default=State.MOVING)
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started_at", "-pk"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["deployment"], condition=models.Q(state="moving"), name="rebalance_move_one_at_a_time"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id}: {self.from_worker_id} -> {self.to_worker_id} ({self.state})"
+
+
 class PlacementReport(models.Model):
     """The last reconcile's placement outcome for a deployment: how many replicas it could not
     place and why (what was needed, what was free where), for the operators' pages."""

@@ -133,6 +133,39 @@ def plan_placements(
     return chosen
 
 
+def plan_rebalance(
+    *,
+    slots: list[Slot],
+    need_bytes: int,
+    replicas_per_worker: Counter,
+    replicas_per_slot: Counter,
+    tensor_parallel_size: int = 1,
+) -> tuple[int, tuple[Slot, ...]] | None:
+    """Where one replica of a deployment should move to spread it over workers: (the crowded
+    worker, the place on another worker, as plan_placements chooses it), or None.
+
+    The crowded worker holds the most of its replicas (the lowest id among equals), at least two.
+    It gives one only to a worker holding at least two fewer, so a move never just swaps which
+    worker holds more (two on A and one on B stay, and a lone replica never moves). `slots` are
+    the places that may take it, with what is free now beside the replicas that stay.
+    """
+    if not replicas_per_worker:
+        return None
+    crowded, most = min(replicas_per_worker.items(), key=lambda item: (-item[1], item[0]))
+    if most < 2:
+        return None
+    open_slots = [slot for slot in slots if replicas_per_worker[slot.worker_id] <= most - 2]
+    chosen = plan_placements(
+        slots=open_slots,
+        need_bytes=need_bytes,
+        count=1,
+        replicas_per_worker=replicas_per_worker,
+        replicas_per_slot=replicas_per_slot,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+    return (crowded, chosen[0]) if chosen else None
+
+
 @dataclass(frozen=True)
 class SlotRoom:
     """One place a replica could have gone, as a person reads it: "worker-a GPU 0 (H200)", its

@@ -1,5 +1,6 @@
 """The control loop's service: compare each deployment's desired replicas with its live ones,
-place or drain the difference, and heal lost messages. Safe to run concurrently: the deployment
+place or drain the difference, move replicas off crowded workers (fleet.rebalance), and heal lost
+messages. Safe to run concurrently: the deployment
 row, then the workers (for placement) and then replicas are locked, always in that order."""
 
 from collections import Counter
@@ -11,17 +12,22 @@ from django.db import transaction
 
 from controlplane.catalog.models import Deployment
 from controlplane.catalog.selectors import quality_refusal
-from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Gpu, PlacementReport, Replica, Worker
 from controlplane.fleet.placement import (
-    Candidate,
     SlotRoom,
     choose_to_remove,
     held_places,
     plan_placements,
     room_message,
 )
-from controlplane.fleet.selectors import backoff_note, live_replica_placements, load_backoffs, placement_slots
+from controlplane.fleet.rebalance import rebalance_due, rebalance_moves_in_progress, rebalance_settle, rebalance_start
+from controlplane.fleet.selectors import (
+    backoff_note,
+    live_replica_placements,
+    load_backoffs,
+    placement_slots,
+    removal_candidates,
+)
 from controlplane.fleet.services.deployments import publish_deployment
 from controlplane.fleet.services.replicas import (
     replica_place,
@@ -84,8 +90,10 @@ def wanted_replicas(deployment: Deployment) -> int:
 
 
 def _missing(deployment: Deployment) -> int:
+    """Replicas to place (negative: to remove). A replacement being started by a rebalancing move
+    is one above the desired count, and counts neither way."""
     active = Replica.objects.filter(deployment=deployment, state__in=Replica.ACTIVE_STATES).count()
-    return wanted_replicas(deployment) - active
+    return wanted_replicas(deployment) - active + rebalance_moves_in_progress(deployment=deployment)
 
 
 def deployment_reconcile(*, deployment_id: int, now: datetime) -> ReconcileOutcome | None:
@@ -93,7 +101,8 @@ def deployment_reconcile(*, deployment_id: int, now: datetime) -> ReconcileOutco
     if deployment is None:
         return None
     # Most passes find nothing to do: they take no lock and write nothing.
-    if _missing(deployment) == 0:
+    wanted = wanted_replicas(deployment)
+    if _missing(deployment) == 0 and not rebalance_due(deployment=deployment, wanted=wanted, now=now):
         return ReconcileOutcome(deployment.pk)
     return _deployment_reconcile_locked(deployment_id=deployment_id, now=now)
 
@@ -103,17 +112,25 @@ def _deployment_reconcile_locked(*, deployment_id: int, now: datetime) -> Reconc
     deployment = Deployment.objects.select_for_update().select_related("model").filter(pk=deployment_id).first()
     if deployment is None:
         return None
+    wanted = wanted_replicas(deployment)
+    move = rebalance_settle(deployment=deployment, wanted=wanted, now=now)
+    drained = [move.drained_replica_id] if move is not None and move.drained_replica_id else []
     missing = _missing(deployment)
     if missing > 0:
         placed, reason = _scale_up(deployment, missing, now)
         outcome = ReconcileOutcome(
-            deployment.pk, placed=placed, unplaced=missing - len(placed), reason=reason if len(placed) < missing else ""
+            deployment.pk,
+            placed=placed,
+            removed=drained,
+            unplaced=missing - len(placed),
+            reason=reason if len(placed) < missing else "",
         )
         _placement_report_record(deployment, outcome, now)
         return outcome
     if missing < 0:
-        return ReconcileOutcome(deployment.pk, removed=_scale_down(deployment, -missing, now))
-    return ReconcileOutcome(deployment.pk)
+        return ReconcileOutcome(deployment.pk, removed=drained + _scale_down(deployment, -missing, now))
+    started = rebalance_start(deployment=deployment, wanted=wanted, now=now)
+    return ReconcileOutcome(deployment.pk, placed=[started.replica_id] if started else [], removed=drained)
 
 
 def _scale_up(deployment: Deployment, count: int, now: datetime) -> tuple[list[int], str]:
@@ -191,21 +208,7 @@ def _scale_down(deployment: Deployment, count: int, now: datetime) -> list[int]:
         .filter(deployment=deployment, state__in=Replica.ACTIVE_STATES)
         .order_by("pk")
     )
-    latest = heartbeat_cache.read_many(worker_ids=list({r.worker_id for r in replicas}))
-
-    def outstanding(replica: Replica) -> int:
-        figures = (latest.get(replica.worker_id) or {}).get("replicas", {}).get(str(replica.pk), {})
-        return int(figures.get("running", 0) + figures.get("waiting", 0))
-
-    remove = set(
-        choose_to_remove(
-            candidates=[
-                Candidate(replica_id=r.pk, state=r.state, created_at=r.created_at, outstanding_requests=outstanding(r))
-                for r in replicas
-            ],
-            count=count,
-        )
-    )
+    remove = set(choose_to_remove(candidates=removal_candidates(replicas=replicas), count=count))
     for replica in replicas:
         if replica.pk in remove:
             replica_stop(replica=replica, at=now)

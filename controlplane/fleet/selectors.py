@@ -18,8 +18,16 @@ from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.autoscaling import ReplicaLoad
 from controlplane.fleet.backoff import error_cause
 from controlplane.fleet.lost_watch import Watch, paused_reasons
-from controlplane.fleet.models import Gpu, LoadBackoff, PlacementReport, QualityMeasurement, Replica, Worker
-from controlplane.fleet.placement import Slot, held_gpu_indexes, held_places, share_bytes
+from controlplane.fleet.models import (
+    Gpu,
+    LoadBackoff,
+    PlacementReport,
+    QualityMeasurement,
+    RebalanceMove,
+    Replica,
+    Worker,
+)
+from controlplane.fleet.placement import Candidate, Slot, held_gpu_indexes, held_places, share_bytes
 
 
 def replicas_ready_for_model(*, model) -> QuerySet[Replica]:
@@ -185,6 +193,20 @@ def live_replica_placements(
     )
 
 
+def removal_candidates(*, replicas: list[Replica]) -> list[Candidate]:
+    """The replicas as choose_to_remove weighs them, with their requests in flight from the latest heartbeats."""
+    latest = heartbeat_cache.read_many(worker_ids=list({r.worker_id for r in replicas}))
+
+    def outstanding(replica: Replica) -> int:
+        figures = (latest.get(replica.worker_id) or {}).get("replicas", {}).get(str(replica.pk), {})
+        return int(figures.get("running", 0) + figures.get("waiting", 0))
+
+    return [
+        Candidate(replica_id=r.pk, state=r.state, created_at=r.created_at, outstanding_requests=outstanding(r))
+        for r in replicas
+    ]
+
+
 def deployment_get_for_model(*, model: Model) -> Deployment | None:
     return Deployment.objects.filter(model=model).first()
 
@@ -261,11 +283,23 @@ def deployment_statuses(
     for backoff in load_backoffs(deployment_ids=ids):
         backoffs.setdefault(backoff.deployment_id, []).append(backoff)
     reports = {r.deployment_id: r for r in PlacementReport.objects.filter(deployment_id__in=ids, unplaced__gt=0)}
+    moves = {
+        m.deployment_id: m
+        for m in RebalanceMove.objects.filter(deployment_id__in=ids, state=RebalanceMove.State.MOVING).select_related(
+            "from_worker", "to_worker"
+        )
+    }
     now = now or timezone.now()
-    return [_status(d, backoffs.get(d.pk, []), reports.get(d.pk), now) for d in deployments]
+    return [_status(d, backoffs.get(d.pk, []), reports.get(d.pk), moves.get(d.pk), now) for d in deployments]
 
 
-def _status(deployment, backoffs: list[LoadBackoff], report: PlacementReport | None, now: datetime) -> DeploymentStatus:
+def _status(
+    deployment,
+    backoffs: list[LoadBackoff],
+    report: PlacementReport | None,
+    move: RebalanceMove | None,
+    now: datetime,
+) -> DeploymentStatus:
     ready, starting, draining = deployment.n_ready, deployment.n_starting, deployment.n_draining
     desired, model = deployment.desired_replicas, deployment.model
     failure = (
@@ -296,6 +330,11 @@ def _status(deployment, backoffs: list[LoadBackoff], report: PlacementReport | N
         )
     elif starting or active > desired or (draining and active >= desired):
         state, message = "scaling", f"{ready} of {desired} ready, {starting} starting, {draining} draining."
+        if move is not None:
+            message += (
+                f" Moving a replica from {move.from_worker.name} to {move.to_worker.name}, "
+                f"which holds fewer of them; the extra one drains once the new one is ready."
+            )
     elif report is not None:
         state, message = "waiting", f"{ready} of {desired} ready; {model.public_name} {report.reason}."
     else:

@@ -13,7 +13,7 @@ from django.db import connection
 
 from controlplane.catalog.models import Deployment
 from controlplane.celery import app as celery_app
-from controlplane.fleet.models import Replica, Worker
+from controlplane.fleet.models import RebalanceMove, Replica, Worker
 from controlplane.fleet.selectors import deployment_statuses
 from controlplane.fleet.services.deployments import deployment_scale
 from tests.controlplane.factories import DeploymentFactory, ModelFactory
@@ -216,6 +216,33 @@ def test_a_killed_daemon_is_lost_and_its_replica_replaced(fleet, tiny_model_path
 
     [replacement] = _ready(deployment, 1, fleet)
     assert replacement.worker_id != first.worker_id
+
+
+def test_replicas_crowded_on_one_daemon_spread_to_a_second_one_without_losing_a_stream(fleet, tiny_model_path):
+    fleet.start_daemon("a")
+    [a] = _online_workers(fleet, 1)
+    deployment = _deployment(tiny_model_path)
+    deployment_scale(deployment=deployment, desired_replicas=2, actor=None)
+    crowded = _ready(deployment, 2, fleet)
+    assert {r.worker_id for r in crowded} == {a.pk}
+    ready_counts = []
+
+    def spread():
+        ready = list(
+            Replica.objects.filter(deployment=deployment, state=State.READY).values_list("worker_id", flat=True)
+        )
+        ready_counts.append(len(ready))
+        stopped = Replica.objects.filter(pk__in=[r.pk for r in crowded], state=State.STOPPED).exists()
+        return len(ready) == 2 and len(set(ready)) == 2 and stopped
+
+    with Load(deployment, fleet.token) as load:
+        fleet.start_daemon("b")
+        wait_until(spread, timeout=180, what="one replica on each daemon, the extra one stopped", fleet=fleet)
+    # Make before break: as often as it was looked at, never fewer ready than wanted, and every
+    # stream that started (on the drained replica too) ended with [DONE].
+    assert min(ready_counts) >= 2
+    assert load.requests and not load.lost(), [r.error for r in load.lost()]
+    assert RebalanceMove.objects.get(deployment=deployment).state == RebalanceMove.State.MOVED
 
 
 def test_a_wrong_weight_path_is_retried_with_backoff_and_bad_task_args_leave_daemons_serving(fleet, tiny_model_path):

@@ -11,6 +11,7 @@ from controlplane.fleet.placement import (
     largest_replica_bytes,
     memory_fraction,
     plan_placements,
+    plan_rebalance,
     room_message,
 )
 
@@ -177,3 +178,39 @@ def test_held_gpus_and_the_largest_replica_a_fleet_can_hold():
     assert largest_replica_bytes(slots=slots, tensor_parallel_size=1) == 140 * GB
     assert largest_replica_bytes(slots=slots, tensor_parallel_size=2) == 80 * GB  # 2 × the smaller of worker 1's
     assert largest_replica_bytes(slots=slots, tensor_parallel_size=4) is None
+
+
+def _worker_slots(*frees_gb):
+    return [
+        Slot(worker_id=i, gpu_id=10 * i, gpu_index=0, total_bytes=80 * GB, used_bytes=(80 - free) * GB)
+        for i, free in enumerate(frees_gb, start=1)
+    ]
+
+
+def test_rebalance_moves_one_from_the_most_crowded_worker_to_one_holding_two_fewer():
+    crowded, [slot] = plan_rebalance(
+        slots=_worker_slots(40, 40, 40),
+        need_bytes=10 * GB,
+        replicas_per_worker=Counter({1: 2, 2: 3, 3: 1}),
+        replicas_per_slot=Counter({(1, 0): 2, (2, 0): 3, (3, 0): 1}),
+    )
+    assert (crowded, slot.worker_id) == (2, 3)
+
+
+def test_rebalance_never_just_swaps_which_worker_holds_more_or_moves_a_lone_replica():
+    for per_worker in ({1: 2, 2: 1}, {1: 1}, {1: 1, 2: 1}):
+        assert (
+            plan_rebalance(
+                slots=_worker_slots(40, 40),
+                need_bytes=10 * GB,
+                replicas_per_worker=Counter(per_worker),
+                replicas_per_slot=Counter(),
+            )
+            is None
+        )
+
+
+def test_rebalance_needs_room_on_the_other_worker():
+    args = {"need_bytes": 10 * GB, "replicas_per_worker": Counter({1: 2}), "replicas_per_slot": Counter({(1, 0): 2})}
+    assert plan_rebalance(slots=_worker_slots(60, 5), **args) is None
+    assert plan_rebalance(slots=_worker_slots(60, 10), **args)[1][0].worker_id == 2
