@@ -85,6 +85,11 @@ def _stream(url: str, key: str, model: str, result: dict) -> None:
 
 
 def test_eight_4mb_token_id_requests_at_once_leave_the_worker_online_and_every_replica_up(fleet, tiny_model_path):
+    # The attack sends the largest body the gateway takes at all: the model's own limit (its context
+    # times GATEWAY_REQUEST_BYTES_PER_TOKEN, 8 KiB of JSON a token) reaches GATEWAY_MAX_REQUEST_BYTES,
+    # so every body is parsed in full before its prompt is found too long.
+    fleet.env["GATEWAY_REQUEST_BYTES_PER_TOKEN"] = str(8 * 1024)
+    fleet.restart_control_plane()
     fleet.start_daemon("a")
     worker = wait_until(
         lambda: Worker.objects.filter(state=Worker.State.ONLINE).first(),
