@@ -74,6 +74,9 @@ class System:
             "FLEET_WORKER_LOST_AFTER_SECONDS": str(lost_after_s),
             "OMP_NUM_THREADS": "1",
             "GPUSERVE_MODEL_ROOTS": str(scratch / "models"),
+            # The model's own body limit (its context times this) up to the global cap, so the attack's
+            # 4 MB bodies are parsed in full as they were before limits followed the context.
+            "GATEWAY_REQUEST_BYTES_PER_TOKEN": str((4 << 20) // CONTEXT),
         }
         self.processes: dict[str, subprocess.Popen] = {}
 
