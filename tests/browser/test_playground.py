@@ -166,7 +166,9 @@ def test_playground_form_shows_each_error_beside_its_field(open_page, system):
     expect(page.locator("#field-model #error-model")).to_be_hidden()
     expect(page.locator("#playground-output")).to_have_text("")
 
-    # Beyond the model's context: the limit named for the chosen model.
+    # Beyond the model's context: the limit named for the chosen model (the page preselects whichever
+    # chat model is ready first, so this one is chosen by name).
+    page.select_option("#id_model", "demo-tiny")
     page.fill("#id_temperature", "0.5")
     page.fill("#id_max_tokens", "2048")
     page.fill("#id_message", "hi")

@@ -68,6 +68,14 @@ def test_process_specs_name_web_fleet_worker_beat_and_the_gpu_worker_daemon():
     assert daemon[daemon.index("daemon") + 1 : daemon.index("daemon") + 3] == ["--control-url", "http://127.0.0.1:8101"]
 
 
+def test_the_process_specs_need_no_django_set_up():
+    """bench/embedded_storm.py names the children before Django is set up, as main() does."""
+    code = "from controlplane.launcher import process_specs; print(len(process_specs(host='127.0.0.1', port=0)))"
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def test_the_web_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
     monkeypatch.delenv("GPUSERVE_HOST", raising=False)
     assert build_parser().parse_args([]).host == "127.0.0.1"
