@@ -494,11 +494,12 @@ def deployment_replica_loads(*, deployment: Deployment) -> tuple[int, list[Repli
     return len(active), loads
 
 
-def replica_prefix_keys(*, worker_ids: list[int]) -> dict[int, frozenset[str]]:
+def replica_prefix_keys(heartbeats: dict[int, dict[str, Any]]) -> dict[int, frozenset[str]]:
     """By replica id, the conversations (gpuworker.contract.prefix_keys digests) whose KV its
-    tiers hold, from its worker's latest heartbeat."""
+    tiers hold, from its worker's latest heartbeat (`heartbeats`, by worker id, as
+    heartbeat_cache.read_many answers)."""
     keys = {}
-    for state in heartbeat_cache.read_many(worker_ids=worker_ids).values():
+    for state in heartbeats.values():
         for replica_id, figures in (state.get("replicas") or {}).items():
             if figures.get("prefix_keys"):
                 keys[int(replica_id)] = frozenset(figures["prefix_keys"])

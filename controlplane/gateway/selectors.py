@@ -3,6 +3,7 @@
 import time
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 from django.conf import settings
 
@@ -121,9 +122,11 @@ def routing_table() -> dict[str, ModelRoute]:
         .values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state", "worker_id")
     )
     ready_workers = sorted({row[5] for row in replicas if row[1] == Replica.State.READY})
-    # Where each ready replica's KV tiers hold which conversations (its worker's latest heartbeat).
-    prefix_keys = replica_prefix_keys(worker_ids=ready_workers)
-    waits = _predicted_waits(worker_ids=ready_workers)
+    # The ready replicas' workers' latest heartbeats, read once: where each replica's KV tiers hold
+    # which conversations, and how long a request would wait there.
+    heartbeats = heartbeat_cache.read_many(worker_ids=ready_workers)
+    prefix_keys = replica_prefix_keys(heartbeats)
+    waits = _predicted_waits(heartbeats)
     for replica_id, state, endpoint_url, model_id, worker_state, _ in replicas:
         if state != Replica.State.READY:
             loading.add(model_id)
@@ -198,11 +201,12 @@ def routing_table() -> dict[str, ModelRoute]:
 LOAD_REPORT_MAX_AGE_S = 10.0
 
 
-def _predicted_waits(*, worker_ids: list[int]) -> dict[int, float]:
-    """Each replica's predicted wait by id, from its worker's latest heartbeat while that is recent."""
+def _predicted_waits(heartbeats: dict[int, dict[str, Any]]) -> dict[int, float]:
+    """Each replica's predicted wait by id, from its worker's latest heartbeat (`heartbeats`, by
+    worker id, as heartbeat_cache.read_many answers) while that is recent."""
     now = time.time()
     waits = {}
-    for state in heartbeat_cache.read_many(worker_ids=worker_ids).values():
+    for state in heartbeats.values():
         if now - state.get("received_at", 0) > LOAD_REPORT_MAX_AGE_S:
             continue  # an old report says nothing of the queue now
         for replica_id, figures in (state.get("replicas") or {}).items():
