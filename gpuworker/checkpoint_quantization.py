@@ -93,6 +93,27 @@ def parse_quantization(config: dict[str, Any], source: str) -> QuantConfig | Non
     )
 
 
+def _one_group_of_8_bit_weights(qc: dict[str, Any], where: str, kind: str) -> tuple[str, dict, str]:
+    """compressed-tensors' one config group, whose weights are 8-bit `kind` ("float" or "int") with
+    static per-tensor or per-channel scales: (the group's name, the group, the weights' strategy)."""
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"{where}.config_groups must hold exactly one group, got {len(groups)}")
+    ((name, group),) = groups.items()
+    weights = group.get("weights") or {}
+    if weights.get("num_bits") != 8 or weights.get("type") != kind:
+        raise ValueError(
+            f"{where}.config_groups.{name}.weights must be 8-bit {kind}, got "
+            f"num_bits={weights.get('num_bits')!r} type={weights.get('type')!r}"
+        )
+    strategy = weights.get("strategy")
+    if strategy not in ("tensor", "channel") or weights.get("dynamic"):
+        raise ValueError(
+            f"{where}.config_groups.{name}.weights.strategy must be static 'tensor' or 'channel', got {strategy!r}"
+        )
+    return name, group, strategy
+
+
 def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
     where = f"{source}: quantization_config"
     if qc.get("format") == "int-quantized":
@@ -101,21 +122,7 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantConfig:
         raise ValueError(
             f"{where}.format {qc.get('format')!r} is not supported (expected 'float-quantized' or 'int-quantized')"
         )
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise ValueError(f"{where}.config_groups must hold exactly one group, got {len(groups)}")
-    ((name, group),) = groups.items()
-    weights = group.get("weights") or {}
-    if weights.get("num_bits") != 8 or weights.get("type") != "float":
-        raise ValueError(
-            f"{where}.config_groups.{name}.weights must be 8-bit float, got "
-            f"num_bits={weights.get('num_bits')!r} type={weights.get('type')!r}"
-        )
-    strategy = weights.get("strategy")
-    if strategy not in ("tensor", "channel") or weights.get("dynamic"):
-        raise ValueError(
-            f"{where}.config_groups.{name}.weights.strategy must be static 'tensor' or 'channel', got {strategy!r}"
-        )
+    name, group, strategy = _one_group_of_8_bit_weights(qc, where, "float")
     activations = group.get("input_activations")
     scheme = None
     if activations is not None:
@@ -148,21 +155,8 @@ def _compressed_tensors_int8(qc: dict[str, Any], source: str) -> QuantConfig:
     """compressed-tensors' "int-quantized": symmetric INT8 weights per channel (or tensor) and
     symmetric INT8 activations quantized per token at run time (W8A8)."""
     where = f"{source}: quantization_config"
-    groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise ValueError(f"{where}.config_groups must hold exactly one group, got {len(groups)}")
-    ((name, group),) = groups.items()
-    weights = group.get("weights") or {}
-    if weights.get("num_bits") != 8 or weights.get("type") != "int":
-        raise ValueError(
-            f"{where}.config_groups.{name}.weights must be 8-bit int, got "
-            f"num_bits={weights.get('num_bits')!r} type={weights.get('type')!r}"
-        )
-    strategy = weights.get("strategy")
-    if strategy not in ("tensor", "channel") or weights.get("dynamic"):
-        raise ValueError(
-            f"{where}.config_groups.{name}.weights.strategy must be static 'tensor' or 'channel', got {strategy!r}"
-        )
+    name, group, strategy = _one_group_of_8_bit_weights(qc, where, "int")
+    weights = group["weights"]
     if not weights.get("symmetric", True):
         raise ValueError(f"{where}.config_groups.{name}.weights must be symmetric (no zero points)")
     activations = group.get("input_activations") or {}
