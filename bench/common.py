@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -241,6 +242,17 @@ def add_write_configs_option(parser: argparse.ArgumentParser, what: str) -> None
     parser.add_argument(
         "--write-configs", action="store_true", help=f"merge the winners into {what} for this GPU (a timed run)"
     )
+
+
+def pick_tile(results: list[dict], time_key: str) -> str | None:
+    """Of a kernel sweep's rows ({"config", "ok", time_key}), the tile with the lowest geometric
+    mean of `time_key` over every row; a tile with a row not checked ok or not timed never wins."""
+    by_tile: dict[str, list[float]] = {}
+    for row in results:
+        by_tile.setdefault(row["config"], []).append(row[time_key] if row["ok"] and time_key in row else math.inf)
+    scores = {tile: math.exp(sum(map(math.log, times)) / len(times)) for tile, times in by_tile.items()}
+    finite = {tile: score for tile, score in scores.items() if math.isfinite(score)}
+    return min(finite, key=finite.get) if finite else None
 
 
 def write_configs(kernel: str, key: tuple[str, ...], records: list[dict], remove: list[dict] | tuple = ()) -> Path:

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from common import add_write_configs_option, start_kernel_sweep, write_configs, write_json
+from common import add_write_configs_option, pick_tile, start_kernel_sweep, write_configs, write_json
 
 KV_RANK, ROPE = 512, 64
 HEADS = (16, 128)  # DeepSeek-V2-Lite, DeepSeek-V3
@@ -92,16 +92,6 @@ def measure(tile, shape: dict, cache_inputs: dict, *, device: str, timed: bool) 
     return row
 
 
-def pick(results: list[dict]) -> str | None:
-    """The tile with the lowest geometric mean time over every shape (all of them checked ok)."""
-    by_tile: dict[str, list[float]] = {}
-    for row in results:
-        by_tile.setdefault(row["config"], []).append(row["us"] if row["ok"] and "us" in row else math.inf)
-    scores = {tile: math.exp(sum(map(math.log, times)) / len(times)) for tile, times in by_tile.items()}
-    finite = {tile: score for tile, score in scores.items() if math.isfinite(score)}
-    return min(finite, key=finite.get) if finite else None
-
-
 def config_records(best: str, tiles: list, dtype: str = "bfloat16") -> list[dict]:
     tile = next(t for t in tiles if name(t) == best)
     record = {"dtype": dtype, "kv_lora_rank": KV_RANK, "rope_dim": ROPE, **dataclasses.asdict(tile)}
@@ -139,7 +129,7 @@ def main() -> None:
         if timed:
             mean = [r["us"] for r in results if r["config"] == name(tile) and "us" in r]
             print(f"  {name(tile)}: {sum(mean) / max(1, len(mean)):.1f} us mean")
-    best = pick(results) if timed else None
+    best = pick_tile(results, "us") if timed else None
     if best is not None:
         print(f"best tile: {best}")
     payload = {"timed": timed, "env": sweep.env, "dtype": str(dtype), "best_config": best, "results": results}

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from common import add_write_configs_option, start_kernel_sweep, write_configs, write_json
+from common import add_write_configs_option, pick_tile, start_kernel_sweep, write_configs, write_json
 
 SHAPE = {"kv_rank": 512, "nope": 128, "rope": 64, "v_dim": 128}
 HEADS = (16, 128)  # DeepSeek-V2-Lite, DeepSeek-V3
@@ -216,16 +216,6 @@ def measure(layer: Layer, workload: str, tiles: list, *, timed: bool) -> tuple[d
     return compare, rows
 
 
-def pick(results: list[dict]) -> str | None:
-    """The tile with the lowest geometric mean kernel time over every layer (all of them checked ok)."""
-    by_tile: dict[str, list[float]] = {}
-    for row in results:
-        by_tile.setdefault(row["config"], []).append(row["kernel_us"] if row["ok"] and "kernel_us" in row else math.inf)
-    scores = {tile: math.exp(sum(map(math.log, times)) / len(times)) for tile, times in by_tile.items()}
-    finite = {tile: score for tile, score in scores.items() if math.isfinite(score)}
-    return min(finite, key=finite.get) if finite else None
-
-
 def config_records(best: str, tiles: list, dtype: str = "bfloat16") -> list[dict]:
     tile = next(t for t in tiles if name(t) == best)
     record = {
@@ -260,7 +250,7 @@ def main() -> None:
             comparisons.append(compare)
             results.extend(rows)
             del layer
-    best = pick(results) if timed else None
+    best = pick_tile(results, "kernel_us") if timed else None
     if best is not None:
         print(f"best tile: {best}")
     payload = {
