@@ -62,13 +62,15 @@ def _lines(count: int, model: str = "tiny") -> bytes:
     )
 
 
-def _started_batch(tenant, count: int) -> Batch:
-    file = batch_file_create(tenant_id=tenant.pk, filename="in.jsonl", purpose="batch", chunks=[_lines(count)])
+def _started_batch(tenant, count: int, *, raw: bytes | None = None, endpoint: str = "/v1/completions") -> Batch:
+    """A validated batch of `count` completion lines, or of the lines `raw` for `endpoint`."""
+    chunk = _lines(count) if raw is None else raw
+    file = batch_file_create(tenant_id=tenant.pk, filename="in.jsonl", purpose="batch", chunks=[chunk])
     batch = batch_create(
         tenant_id=tenant.pk,
         api_key_id=None,
         input_file=file,
-        endpoint="/v1/completions",
+        endpoint=endpoint,
         completion_window="24h",
         metadata=None,
         now=timezone.now(),
@@ -249,17 +251,7 @@ def _image_batch(tenant, model_name: str, lines: list[list[str]]) -> Batch:
         + b"\n"
         for i, urls in enumerate(lines)
     )
-    file = batch_file_create(tenant_id=tenant.pk, filename="in.jsonl", purpose="batch", chunks=[raw])
-    batch = batch_create(
-        tenant_id=tenant.pk,
-        api_key_id=None,
-        input_file=file,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-        metadata=None,
-        now=timezone.now(),
-    )
-    return batch_validate(batch_id=batch.pk, now=timezone.now())
+    return _started_batch(tenant, len(lines), raw=raw, endpoint="/v1/chat/completions")
 
 
 def test_image_lines_beyond_the_catalogs_image_rules_fail_validation_uncharged(tenant, model):
