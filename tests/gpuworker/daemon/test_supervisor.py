@@ -67,6 +67,16 @@ def _started_supervisor(tmp_path, tmp_path_factory, monkeypatch, **options) -> S
     return supervisor
 
 
+def _complete(endpoint_url: str, *, timeout: float) -> httpx.Response:
+    """A two-token completion from the replica at `endpoint_url`, with the worker token."""
+    return httpx.post(
+        f"{endpoint_url}/v1/completions",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
+        timeout=timeout,
+    )
+
+
 @pytest.fixture
 def supervisor(tmp_path, tmp_path_factory, monkeypatch):
     supervisor = _started_supervisor(tmp_path, tmp_path_factory, monkeypatch)
@@ -263,12 +273,7 @@ def test_a_tensor_parallel_replica_is_one_replica_with_its_ranks_below_it(superv
     assert "--tensor-parallel-size" in child.cmdline()
     ranks = [p for p in child.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
     assert len(ranks) == 1
-    completion = httpx.post(
-        f"{ready.endpoint_url}/v1/completions",
-        headers={"Authorization": f"Bearer {TOKEN}"},
-        json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
-        timeout=60,
-    )
+    completion = _complete(ready.endpoint_url, timeout=60)
     assert completion.status_code == 200
     supervisor.unload(8, drain_timeout_s=5)
     assert _wait(supervisor, 8, "stopped", timeout=60).error == ""
@@ -296,12 +301,7 @@ def test_a_load_asking_for_fp8_serves_the_float_checkpoint_quantized_to_fp8(supe
     # The replica's own account of what it loaded: the engine's quantization, not the flag echoed.
     log = (tmp_path / "replicas" / "replica-11.log").read_text()
     assert "model tiny-fp8 ready in" in log and ", fp8 weights:" in log
-    completion = httpx.post(
-        f"{ready.endpoint_url}/v1/completions",
-        headers={"Authorization": f"Bearer {TOKEN}"},
-        json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
-        timeout=60,
-    )
+    completion = _complete(ready.endpoint_url, timeout=60)
     assert completion.status_code == 200
     supervisor.unload(11, drain_timeout_s=5)
     assert _wait(supervisor, 11, "stopped", timeout=60).error == ""
@@ -338,12 +338,7 @@ def test_load_is_idempotent_and_a_dead_child_is_reported_with_its_log(supervisor
     # The child demands the worker token; it got it through its environment, not its command line.
     assert httpx.get(f"{ready.endpoint_url}/v1/models").status_code == 401
     assert TOKEN not in " ".join(child.cmdline())
-    completion = httpx.post(
-        f"{ready.endpoint_url}/v1/completions",
-        headers={"Authorization": f"Bearer {TOKEN}"},
-        json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
-        timeout=30,
-    )
+    completion = _complete(ready.endpoint_url, timeout=30)
     assert completion.status_code == 200 and completion.json()["model"] == "tiny"
 
     supervisor.load(request)  # a repeat changes nothing
@@ -410,12 +405,7 @@ def test_a_port_taken_while_the_replica_starts_cannot_fail_its_load(tmp_path, tm
             intruder.bind(("127.0.0.1", port))
         assert ready.endpoint_url == loading.endpoint_url
         assert "ttft_p95_s" not in ready.figures  # no request yet: absent, not 0
-        completion = httpx.post(
-            f"{ready.endpoint_url}/v1/completions",
-            headers={"Authorization": f"Bearer {TOKEN}"},
-            json={"prompt": "hi", "max_tokens": 2, "ignore_eos": True},
-            timeout=30,
-        )
+        completion = _complete(ready.endpoint_url, timeout=30)
         assert completion.status_code == 200
         # The replica's latency figures reach the heartbeat with its next poll.
         deadline = time.monotonic() + 30
