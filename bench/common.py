@@ -74,6 +74,16 @@ SMOKE_EXPERTS = {
 SMOKE_LATENT = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
 
 
+def dummy_engine(args: argparse.Namespace, **options):
+    """An LLMEngine on random weights of args.config (engine_parser's options: device, dtype, seed);
+    `options` are the bench's own engine settings."""
+    from gpuworker.engine import LLMEngine
+
+    return LLMEngine(
+        str(args.config), device=args.device, dtype=args.dtype, load_format="dummy", seed=args.seed, **options
+    )
+
+
 def add_smoke_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--smoke",

@@ -39,6 +39,7 @@ from pathlib import Path
 from common import (
     ROOT,
     add_engine_options,
+    dummy_engine,
     engine_parser,
     environment,
     free_device_memory,
@@ -97,14 +98,9 @@ def workload(args, rng: random.Random, vocab: int, tenant: str, times: list[floa
 
 
 def make_engine(args, policy: str):
-    from gpuworker.engine import LLMEngine
 
-    return LLMEngine(
-        str(args.config),
-        device=args.device,
-        dtype=args.dtype,
-        load_format="dummy",
-        seed=args.seed,
+    return dummy_engine(
+        args,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         scheduling=policy,

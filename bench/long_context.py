@@ -31,6 +31,7 @@ from common import (
     add_smoke_option,
     attention_heads,
     build_hf_model,
+    dummy_engine,
     engine_parser,
     environment,
     free_device_memory,
@@ -49,14 +50,9 @@ ATTENTION_KERNEL = "_prefill_attention_kernel"
 
 
 def build_engine(args):
-    from gpuworker.engine import LLMEngine
 
-    return LLMEngine(
-        str(args.config),
-        device=args.device,
-        dtype=args.dtype,
-        load_format="dummy",
-        seed=args.seed,
+    return dummy_engine(
+        args,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len or args.context + args.decode_tokens,

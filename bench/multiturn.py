@@ -32,6 +32,7 @@ from common import (
     add_engine_options,
     add_kv_cache_dtype_option,
     add_smoke_option,
+    dummy_engine,
     engine_parser,
     environment,
     free_device_memory,
@@ -86,7 +87,6 @@ class Workload:
 
 
 def build_engine(args, host_tier: bool):
-    from gpuworker.engine import LLMEngine
     from gpuworker.engine.sizing import kv_cache_block_bytes
     from gpuworker.models.loader import load_model_config
 
@@ -97,12 +97,8 @@ def build_engine(args, host_tier: bool):
         element_size = 1 if args.kv_cache_dtype == "fp8" else (4 if args.dtype == "float32" else 2)
         block = kv_cache_block_bytes(load_model_config(str(args.config)), block_size, element_size)
         host_bytes = max(host_bytes, block)
-    return LLMEngine(
-        str(args.config),
-        device=args.device,
-        dtype=args.dtype,
-        load_format="dummy",
-        seed=args.seed,
+    return dummy_engine(
+        args,
         block_size=block_size,
         num_kv_blocks=gpu_blocks,
         max_num_seqs=args.max_num_seqs,

@@ -21,6 +21,7 @@ import time
 
 from common import (
     add_engine_options,
+    dummy_engine,
     engine_parser,
     environment,
     free_device_memory,
@@ -35,14 +36,10 @@ def make_prompts(rng: random.Random, vocab: int, count: int, length: int) -> lis
 
 
 def run_share(args, share: float, longs: list[list[int]], shorts: list[list[int]]) -> dict:
-    from gpuworker.engine import LLMEngine, SamplingParams
+    from gpuworker.engine import SamplingParams
 
-    engine = LLMEngine(
-        str(args.config),
-        device=args.device,
-        dtype=args.dtype,
-        load_format="dummy",
-        seed=args.seed,
+    engine = dummy_engine(
+        args,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -33,6 +33,7 @@ from common import (
     add_sampling_option,
     add_smoke_option,
     build_hf_model,
+    dummy_engine,
     engine_parser,
     environment,
     free_device_memory,
@@ -226,18 +227,14 @@ def main() -> None:
     if args.profile_steps and torch.device(args.device).type != "cuda":
         parser.error(f"--profile-steps profiles CUDA kernels: it needs a CUDA --device, not {args.device}")
 
-    from gpuworker.engine import LLMEngine, SamplingParams
+    from gpuworker.engine import SamplingParams
 
     cfg = load_hf_config(args.config)
     requests = make_workload(
         args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len, args.output_len
     )
-    engine = LLMEngine(
-        str(args.config),
-        device=args.device,
-        dtype=args.dtype,
-        load_format="dummy",
-        seed=args.seed,
+    engine = dummy_engine(
+        args,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,  # random prompts share nothing; keep the hash work out

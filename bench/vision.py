@@ -20,7 +20,15 @@ import time
 
 import numpy as np
 
-from common import add_engine_options, engine_parser, environment, free_device_memory, print_table, write_json
+from common import (
+    add_engine_options,
+    dummy_engine,
+    engine_parser,
+    environment,
+    free_device_memory,
+    print_table,
+    write_json,
+)
 
 DEFAULT_VISION_CONFIG = "bench/configs/qwen2.5-vl-7b"
 
@@ -82,14 +90,10 @@ class BusySampler:
 
 
 def run_engine(args, inputs: list, vision) -> dict:
-    from gpuworker.engine import LLMEngine, SamplingParams
+    from gpuworker.engine import SamplingParams
 
-    engine = LLMEngine(
-        str(args.config),
-        device=args.device,
-        dtype=args.dtype,
-        load_format="dummy",
-        seed=args.seed,
+    engine = dummy_engine(
+        args,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
     )
