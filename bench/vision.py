@@ -152,7 +152,7 @@ def run_hf(args, inputs: list, vision) -> dict:
             started = time.perf_counter()
             generate(inputs[i : i + 1], 1)
             ttfts.append(time.perf_counter() - started)
-        work = inputs[1 + args.ttft_runs :][: args.requests]
+        work = inputs[1 + args.ttft_runs :][: args.hf_requests or args.requests]
         started, tokens = time.perf_counter(), 0
         for i in range(0, len(work), args.hf_batch):
             tokens += generate(work[i : i + args.hf_batch], args.output)
@@ -175,6 +175,9 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=1024)
     parser.add_argument("--ttft-runs", type=int, default=5)
     parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument(
+        "--hf-requests", type=int, default=None, help="HF's throughput over the first N requests (default: all)"
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json", default="vision", help="result file name under bench/results (or $OUT)")
     args = parser.parse_args()

@@ -1,0 +1,57 @@
+#!/bin/bash
+# BENCHMARKS.md's waiting list on one lent GPU, a group or several per call (the device README's
+# limits: 10 minutes a call), with `carry` .whl (the device README's wheel list):
+#
+#   bash bench/gpu_waiting_list.sh long              # 1M (FP8 KV, cache filled; a GPU over 100 GiB only),
+#                                                    # 128K with HF and the prefill profile, the 64-bit
+#                                                    # offsets test, 512K with the FP8 KV cache
+#   bash bench/gpu_waiting_list.sh serving           # fair share and priority classes, then shedding
+#   bash bench/gpu_waiting_list.sh multiturn vision int8
+#
+# Each step's limit can be set from the environment (LIMIT_<STEP>, dashes as underscores).
+source "$(dirname "$0")/gpu_steps.sh"
+limit() { local var="LIMIT_${1//-/_}"; echo "${!var:-$2}"; }
+
+long() {
+    if [ "$(gpu_memory_gib)" -ge 100 ]; then
+        step long-1m "$(limit long-1m 150)" python3 bench/long_context.py --context 1048576 --kv-cache-dtype fp8 \
+            --fill-cache
+    else
+        el "long-1m skipped: 1M tokens of FP8 KV (64 GiB) and the weights need more than this GPU's memory"
+    fi
+    step long-128k "$(limit long-128k 130)" python3 bench/long_context.py --context 131072 --hf --profile
+    step offsets "$(limit offsets 50)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_large_cache_offsets.py
+    step long-512k "$(limit long-512k 240)" python3 bench/long_context.py --context 524288 --kv-cache-dtype fp8
+}
+serving() {
+    step fairness "$(limit fairness 330)" python3 bench/fairness.py --duration "${FAIRNESS_S:-15}" \
+        --plot "$RESULTS/fairness.png"
+    step shedding "$(limit shedding 230)" python3 bench/shedding.py --multiple 2 --duration "${SHEDDING_S:-20}" \
+        --ttft-slo-ms 2000 --plot "$RESULTS/shedding.png"
+}
+multiturn() {
+    step multiturn "$(limit multiturn 220)" python3 bench/multiturn.py --conversations 8 --turns 8 \
+        --first-len 4096 --last-len 32768 --gpu-kv-tokens 65536 --host-kv-gib 32 --plot "$RESULTS/multiturn.png"
+}
+vision() {
+    step vision "$(limit vision 170)" python3 bench/vision.py --hf-requests 64
+}
+int8() {
+    step int8-tests "$(limit int8-tests 60)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int8_matmul.py
+    step int8-gemm "$(limit int8-gemm 90)" python3 bench/int8_gemm.py
+}
+quant512() {
+    step bf16-512 "$(limit bf16-512 80)" python3 bench/throughput.py --num-requests 512 --output-len 256 --skip-hf
+    step int8-512 "$(limit int8-512 80)" python3 bench/throughput.py --num-requests 512 --output-len 256 --skip-hf \
+        --config bench/configs/llama-3-8b-int8
+}
+mla() {
+    step mla-prefill "$(limit mla-prefill 90)" python3 bench/mla_prefill.py --quick --write-configs
+    cp gpuworker/kernels/configs/mla_prefill/*.json "$RESULTS/" 2>/dev/null
+    step deepseek-512 "$(limit deepseek-512 80)" python3 bench/throughput.py --config bench/configs/deepseek-v2-lite \
+        --num-requests 512 --output-len 256 --skip-hf
+}
+for group in "$@"; do
+    "$group"
+done
+el done
