@@ -2,9 +2,9 @@
 # BENCHMARKS.md's waiting list on one lent GPU, a group or several per call (the device README's
 # limits: 10 minutes a call), with `carry` .whl (the device README's wheel list):
 #
-#   bash bench/gpu_waiting_list.sh long              # 1M (FP8 KV, cache filled; a GPU over 100 GiB only),
+#   bash bench/gpu_waiting_list.sh long long512      # 1M (FP8 KV, cache filled; a GPU over 100 GiB only),
 #                                                    # 128K with HF and the prefill profile, the 64-bit
-#                                                    # offsets test, 512K with the FP8 KV cache
+#                                                    # offsets test; then 512K with the FP8 KV cache
 #   bash bench/gpu_waiting_list.sh serving           # fair share and priority classes, then shedding
 #   bash bench/gpu_waiting_list.sh multiturn vision int8
 #
@@ -21,16 +21,18 @@ long() {
     fi
     step long-128k "$(limit long-128k 130)" python3 bench/long_context.py --context 131072 --hf --profile
     step offsets "$(limit offsets 50)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_large_cache_offsets.py
+}
+long512() {
     step long-512k "$(limit long-512k 240)" python3 bench/long_context.py --context 524288 --kv-cache-dtype fp8
 }
 serving() {
-    step fairness "$(limit fairness 330)" python3 bench/fairness.py --duration "${FAIRNESS_S:-15}" \
+    step fairness "$(limit fairness 320)" python3 bench/fairness.py --duration "${FAIRNESS_S:-15}" \
         --plot "$RESULTS/fairness.png"
-    step shedding "$(limit shedding 230)" python3 bench/shedding.py --multiple 2 --duration "${SHEDDING_S:-20}" \
+    step shedding "$(limit shedding 240)" python3 bench/shedding.py --multiple 2 --duration "${SHEDDING_S:-20}" \
         --ttft-slo-ms 2000 --plot "$RESULTS/shedding.png"
 }
 multiturn() {
-    step multiturn "$(limit multiturn 220)" python3 bench/multiturn.py --conversations 8 --turns 8 \
+    step multiturn "$(limit multiturn 200)" python3 bench/multiturn.py --conversations 8 --turns 8 \
         --first-len 4096 --last-len 32768 --gpu-kv-tokens 65536 --host-kv-gib 32 --plot "$RESULTS/multiturn.png"
 }
 vision() {
