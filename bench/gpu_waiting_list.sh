@@ -33,7 +33,7 @@ serving() {
 }
 multiturn() {
     step multiturn "$(limit multiturn 200)" python3 bench/multiturn.py --conversations 8 --turns 8 \
-        --first-len 4096 --last-len 32768 --gpu-kv-tokens 65536 --host-kv-gib 32 --plot "$RESULTS/multiturn.png"
+        --first-len 4096 --last-len 32768 --gpu-kv-tokens 65536 --host-kv-gib 32 --concurrency 2 --plot "$RESULTS/multiturn.png"
 }
 vision() {
     step vision "$(limit vision 170)" python3 bench/vision.py --hf-requests 64
