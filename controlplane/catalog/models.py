@@ -5,9 +5,11 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models import F, Q
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE, UNSPLIT_QUANTIZATIONS
+from gpuworker.contract.tasks import MAX_MODEL_LEN
 
 
 class Model(models.Model):
@@ -60,7 +62,24 @@ class Model(models.Model):
     weights_path = models.CharField(
         max_length=500, help_text="Directory on the worker hosts holding the weights (Hugging Face layout)."
     )
-    context_length = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    # The checkpoint's own context (its config.json's max_position_embeddings, as workers report it).
+    context_length = models.PositiveIntegerField(
+        validators=[MinValueValidator(1)],
+        help_text="The checkpoint's context in tokens (its max_position_embeddings).",
+    )
+    # What replicas serve (their --max-model-len) where it differs from the checkpoint's context:
+    # shorter to keep the KV cache small, longer only with allow_long_context.
+    max_model_len = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_MODEL_LEN)],
+        help_text="Tokens a replica serves (prompt plus output); empty: the context length.",
+    )
+    allow_long_context = models.BooleanField(
+        default=False,
+        help_text="Serve a max model length past the checkpoint's context: its rotary table is extended, "
+        "and quality there is untested.",
+    )
     parameter_count = models.PositiveBigIntegerField(validators=[MinValueValidator(1)])
     quantization = models.CharField(
         max_length=20,
@@ -134,7 +153,14 @@ class Model(models.Model):
     def __str__(self) -> str:
         return self.public_name
 
+    @property
+    def served_context_length(self) -> int:
+        """Tokens a replica of this model takes (prompt plus output): max_model_len where set
+        (SERVED_CONTEXT_LENGTH in a query)."""
+        return self.max_model_len or self.context_length
+
     def clean(self) -> None:
+        self._clean_context()
         if self.tensor_parallel_size > 1 and self.quantization in UNSPLIT_QUANTIZATIONS:
             raise ValidationError(
                 {
@@ -161,6 +187,22 @@ class Model(models.Model):
             raise ValidationError(
                 {"base_model": f"The base model must be unquantized; {base.public_name} is {base.quantization}."}
             )
+
+    def _clean_context(self) -> None:
+        # The replica refuses a max_model_len past the checkpoint's positions without the flag
+        # (engine.context_length): refused here, where the operator can fix it.
+        if self.max_model_len and self.context_length and self.max_model_len > self.context_length:
+            if not self.allow_long_context:
+                raise ValidationError(
+                    {
+                        "max_model_len": f"{self.max_model_len} tokens is past the checkpoint's context of "
+                        f"{self.context_length}: allow long context to serve past it, or lower it."
+                    }
+                )
+
+
+# Model.served_context_length, for a query's values.
+SERVED_CONTEXT_LENGTH = Coalesce("max_model_len", "context_length")
 
 
 # New deployments take the autoscaling defaults in force when they are created (settings.py).

@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 
 from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_authenticate
-from controlplane.catalog.models import Model
+from controlplane.catalog.models import SERVED_CONTEXT_LENGTH, Model
 from controlplane.catalog.selectors import image_rules
 from controlplane.common.units import human_bytes
 from controlplane.fleet import heartbeat_cache
@@ -59,7 +59,8 @@ class ModelRoute:
     kind: str
     price_per_request: Decimal
     created: int  # epoch seconds, for /v1/models
-    context_length: int  # tokens, as the catalog says: no replica of the model takes more
+    # Tokens, as the catalog says (its max_model_len where set): no replica of the model takes more.
+    context_length: int
     # The largest request body it takes (follows context_length, under GATEWAY_MAX_REQUEST_BYTES).
     max_request_bytes: int
     ready: tuple[ReplicaRoute, ...]
@@ -146,7 +147,7 @@ def routing_table() -> dict[str, ModelRoute]:
             "kind",
             "price_tier__price_per_request",
             "created_at",
-            "context_length",
+            SERVED_CONTEXT_LENGTH,
             "gpu_memory_bytes",
             "deployment__max_replicas",
             "tensor_parallel_size",

@@ -26,6 +26,9 @@ EXPERT_PARALLEL_MODES = ("all_reduce", "all_to_all")
 # checkpoint_quantization.LOAD_QUANTIZATIONS, spelled for JSON.
 LOAD_QUANTIZATIONS = ("", "fp8")
 MAX_TIMEOUT_S = 3600.0
+# The longest context a replica is asked to serve, in tokens: past it a typo, not a wish (a
+# million-token sequence already needs a block-table row of 256 KiB per slot, engine.sizing).
+MAX_MODEL_LEN = 1 << 22
 
 
 class TaskArgumentError(ValueError):
@@ -35,17 +38,27 @@ class TaskArgumentError(ValueError):
 # -- argument checks: each returns the value or raises TaskArgumentError naming field and limit --
 
 
-def _int_at_least(minimum: int, optional: bool = False) -> Callable[[str, Any], Any]:
+def _int_at_least(minimum: int, optional: bool = False, maximum: int | None = None) -> Callable[[str, Any], Any]:
     def check(name: str, value: Any) -> Any:
         if value is None and optional:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise TaskArgumentError(
-                f"{name} must be an integer >= {minimum}{' or null' if optional else ''}, got {value!r}"
-            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < minimum
+            or (maximum is not None and value > maximum)
+        ):
+            bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            raise TaskArgumentError(f"{name} must be an integer {bound}{' or null' if optional else ''}, got {value!r}")
         return value
 
     return check
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TaskArgumentError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 def _text(name: str, value: Any) -> str:
@@ -119,7 +132,8 @@ class LoadModel(_Task):
     """Start a replica of the checkpoint at model_path on GPU gpu_index (None: the CPU); with
     tensor_parallel_size N, split over GPUs gpu_index..gpu_index+N-1 (or N CPU processes), a MoE
     model's experts joined as expert_parallel says; a vision model's replica refuses images beyond
-    the max_image* limits; quantization "fp8" serves a float checkpoint quantized to FP8 at load."""
+    the max_image* limits; quantization "fp8" serves a float checkpoint quantized to FP8 at load;
+    max_model_len past the checkpoint's context only with allow_long_context."""
 
     NAME: ClassVar[str] = LOAD_MODEL
     replica_id: int = _argument(_int_at_least(0))
@@ -127,7 +141,10 @@ class LoadModel(_Task):
     served_model_name: str = _argument(_text)
     gpu_index: int | None = _argument(_int_at_least(0, optional=True))
     memory_fraction: float = _argument(_number_in(0.0, 1.0, low_open=True))
-    max_model_len: int | None = _argument(_int_at_least(1, optional=True), None)
+    max_model_len: int | None = _argument(_int_at_least(1, optional=True, maximum=MAX_MODEL_LEN), None)
+    # True: a max_model_len past the checkpoint's max_position_embeddings is served (the replica's
+    # --allow-long-context); False: the replica refuses it and the load fails, saying so.
+    allow_long_context: bool = _argument(_flag, False)
     dtype: str = _argument(_dtype, "auto")
     tensor_parallel_size: int = _argument(_int_at_least(1), 1)
     expert_parallel: str = _argument(_expert_parallel, "all_reduce")

@@ -320,6 +320,8 @@ class Supervisor:
         ]
         if request.max_model_len is not None:
             serve_argv += ["--max-model-len", str(request.max_model_len)]
+        if request.allow_long_context:
+            serve_argv.append("--allow-long-context")
         if self.host_kv_cache_bytes and request.tensor_parallel_size == 1:
             serve_argv += ["--host-kv-cache-bytes", str(self.host_kv_cache_bytes)]
         if request.tensor_parallel_size > 1:  # the replica starts its other ranks itself

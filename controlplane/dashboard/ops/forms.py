@@ -113,7 +113,11 @@ class CatalogModelForm(forms.ModelForm):
 
     DETECT = "detect"
 
-    context_length = forms.IntegerField(min_value=1, label="Context length (tokens)")
+    context_length = forms.IntegerField(
+        min_value=1,
+        label="Context length (tokens)",
+        help_text="The checkpoint's own context (its max_position_embeddings).",
+    )
     parameter_count = forms.IntegerField(min_value=1, label="Parameters")
     gpu_memory_bytes = forms.IntegerField(
         min_value=1,
@@ -154,6 +158,8 @@ class CatalogModelForm(forms.ModelForm):
             "kind",
             "weights_path",
             "context_length",
+            "max_model_len",
+            "allow_long_context",
             "parameter_count",
             "quantization",
             "load_quantization",
@@ -171,6 +177,8 @@ class CatalogModelForm(forms.ModelForm):
             "tensor_parallel_size": "GPUs per replica",
             "base_model": "Base model",
             "load_quantization": "Quantization at load",
+            "max_model_len": "Max model length (tokens)",
+            "allow_long_context": "Allow long context",
         }
         help_texts = {
             "public_name": "What clients send as `model`.",

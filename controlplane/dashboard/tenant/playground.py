@@ -194,7 +194,7 @@ class PlaygroundForm(forms.Form):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         models = list(models_for_playground())
-        self.context_lengths = {m.public_name: m.context_length for m in models}
+        self.context_lengths = {m.public_name: m.served_context_length for m in models}
         self.image_rules = {
             m.public_name: image_rules(
                 public_name=m.public_name,

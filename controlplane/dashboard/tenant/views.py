@@ -228,7 +228,7 @@ def playground(request: HttpRequest) -> HttpResponse:
     form = PlaygroundForm(
         initial={"temperature": 0.7, "top_p": 1.0, "max_tokens": 128, "model": default.public_name if default else None}
     )
-    models = [{"public_name": m.public_name, "context_length": m.context_length} for m in offered]
+    models = [{"public_name": m.public_name, "context_length": m.served_context_length} for m in offered]
     return render(
         request,
         "dashboard/tenant/playground.html",

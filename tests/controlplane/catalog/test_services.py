@@ -1,12 +1,14 @@
 import pytest
 from django.core.exceptions import ValidationError
 
+from controlplane.audit.models import AuditEntry
 from controlplane.catalog.models import Model
 from controlplane.catalog.services import (
     estimate_gpu_memory_bytes,
     model_create,
     model_gpu_need,
     model_set_enabled,
+    model_update,
 )
 from tests.controlplane.factories import ModelFactory, PriceTierFactory, WorkerFactory
 
@@ -91,6 +93,8 @@ def test_duplicate_public_name_raises_and_writes_nothing():
         ("gpu_memory_bytes", 0),
         ("weights_path", ""),
         ("family", ""),
+        ("max_model_len", 0),
+        ("max_model_len", (1 << 22) + 1),
     ],
 )
 def test_invalid_model_fields_raise_naming_the_field(field, value):
@@ -98,6 +102,31 @@ def test_invalid_model_fields_raise_naming_the_field(field, value):
         model_create(**_model_fields(**{field: value}))
     assert field in error.value.message_dict
     assert not Model.objects.exists()
+
+
+def test_a_max_model_len_past_the_checkpoints_context_needs_allow_long_context():
+    with pytest.raises(ValidationError) as error:
+        model_create(**_model_fields(context_length=8192, max_model_len=32768))
+    assert error.value.message_dict["max_model_len"] == [
+        "32768 tokens is past the checkpoint's context of 8192: allow long context to serve past it, or lower it."
+    ]
+    assert not Model.objects.exists()
+    long = model_create(**_model_fields(context_length=8192, max_model_len=32768, allow_long_context=True))
+    short = model_create(**_model_fields(public_name="llama-short", context_length=8192, max_model_len=4096))
+    assert (long.served_context_length, short.served_context_length) == (32768, 4096)
+    assert ModelFactory(context_length=8192).served_context_length == 8192
+
+
+def test_model_update_checks_the_context_and_records_it():
+    model = model_create(**_model_fields(context_length=8192))
+    with pytest.raises(ValidationError, match="allow long context"):
+        model_update(model=model, max_model_len=16384)
+    model = model_update(model=model, max_model_len=16384, allow_long_context=True)
+    model.refresh_from_db()
+    assert (model.max_model_len, model.allow_long_context) == (16384, True)
+    entry = AuditEntry.objects.filter(action=AuditEntry.Action.MODEL_UPDATE).get()
+    assert entry.detail["max_model_len"] == [None, 16384]
+    assert entry.detail["allow_long_context"] == [False, True]
 
 
 def test_model_set_enabled():

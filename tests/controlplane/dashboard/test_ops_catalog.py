@@ -268,6 +268,38 @@ def test_editing_a_model_records_what_changed(operator_client, operator):
     assert "greater than or equal to 1" in _error_beside(page, "context_length")
 
 
+def test_the_served_context_is_set_on_the_edit_form_and_shown_in_the_list(operator_client):
+    model = ModelFactory(public_name="qwen", context_length=32768)
+    edit = reverse("dashboard:catalog_edit", args=[model.pk])
+    page = operator_client.get(edit).content.decode()
+    assert 'name="max_model_len"' in page and 'name="allow_long_context"' in page
+    form = _form(
+        public_name="qwen",
+        weights_path=model.weights_path,
+        context_length="32768",
+        price_tier=str(model.price_tier_id),
+        gpu_memory_bytes=str(model.gpu_memory_bytes),
+        parameter_count=str(model.parameter_count),
+        family=model.family,
+        max_model_len="131072",
+    )
+    page = operator_client.post(edit, form).content.decode()
+    assert "past the checkpoint&#x27;s context of 32768: allow long context" in _error_beside(page, "max_model_len")
+    page = operator_client.post(edit, {**form, "max_model_len": "5000000"}).content.decode()
+    assert "less than or equal to 4194304" in _error_beside(page, "max_model_len")
+    assert Model.objects.get(pk=model.pk).max_model_len is None
+    page = operator_client.post(edit, {**form, "allow_long_context": "on"}, follow=True).content.decode()
+    model.refresh_from_db()
+    assert (model.max_model_len, model.allow_long_context) == (131072, True)
+    assert AuditEntry.objects.get(action="model.update").detail == {
+        "max_model_len": [None, 131072],
+        "allow_long_context": [False, True],
+    }
+    row = page[page.index(f'id="model-{model.pk}"') :]
+    assert 'data-testid="model-context">131072<' in row
+    assert 'data-testid="model-context-note">checkpoint 32768, long context allowed<' in row
+
+
 def test_enable_disable_and_deploy_from_the_list(operator_client, operator, django_capture_on_commit_callbacks):
     model = ModelFactory(public_name="phi", enabled=True)
     page = operator_client.get(reverse("dashboard:catalog")).content.decode()

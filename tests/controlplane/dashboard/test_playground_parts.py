@@ -42,6 +42,15 @@ def test_an_empty_top_p_and_history_are_the_defaults():
     assert (prompt.top_p, prompt.history) == (1.0, ())
 
 
+def test_max_tokens_is_bounded_by_the_context_the_model_is_served_with():
+    ModelFactory(public_name="extended", context_length=512, max_model_len=4096, allow_long_context=True)
+    values = {"model": "extended", "message": "Next?", "temperature": "0.5"}
+    assert PlaygroundForm({**values, "max_tokens": "2048"}).is_valid()
+    form = PlaygroundForm({**values, "max_tokens": "4096"})
+    assert not form.is_valid()
+    assert "At most 4095 for extended (its context is 4096 tokens)." in form.errors["max_tokens"]
+
+
 @pytest.mark.parametrize(
     ("history", "error"),
     [

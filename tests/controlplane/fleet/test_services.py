@@ -172,6 +172,8 @@ def test_replica_place_sends_the_load_message_after_commit(django_capture_on_com
     model = ModelFactory(
         gpu_memory_bytes=25 * GB,
         context_length=2048,
+        max_model_len=4096,
+        allow_long_context=True,
         kind="vision",
         max_images_per_request=3,
         max_image_bytes=4000,
@@ -190,7 +192,8 @@ def test_replica_place_sends_the_load_message_after_commit(django_capture_on_com
                 "served_model_name": deployment.model.public_name,
                 "gpu_index": 3,
                 "memory_fraction": 0.25,
-                "max_model_len": 2048,
+                "max_model_len": 4096,  # the catalog's max_model_len, past the checkpoint's 2048
+                "allow_long_context": True,
                 "dtype": "auto",
                 "tensor_parallel_size": 1,
                 "expert_parallel": "all_reduce",

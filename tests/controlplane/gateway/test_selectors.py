@@ -43,6 +43,25 @@ def test_a_key_s_grant_carries_its_plan_s_weight_and_its_batch_flag():
 
 
 @pytest.mark.django_db
+def test_a_models_route_takes_its_served_context_and_a_body_limit_that_follows_it(settings):
+    from controlplane.gateway.selectors import routing_table
+    from tests.controlplane.factories import ModelFactory
+
+    settings.GATEWAY_REQUEST_BYTES_PER_TOKEN, settings.GATEWAY_REQUEST_BYTES_ALLOWANCE = 16, 1000
+    settings.GATEWAY_MAX_REQUEST_BYTES = 1 << 30
+    ModelFactory(public_name="native", context_length=8192)
+    ModelFactory(public_name="shortened", context_length=8192, max_model_len=2048)
+    ModelFactory(public_name="extended", context_length=8192, max_model_len=65536, allow_long_context=True)
+    table = routing_table()
+    limits = {name: (table[name].context_length, table[name].max_request_bytes) for name in table}
+    assert limits == {
+        "native": (8192, 1000 + 8192 * 16),
+        "shortened": (2048, 1000 + 2048 * 16),
+        "extended": (65536, 1000 + 65536 * 16),
+    }
+
+
+@pytest.mark.django_db
 def test_a_split_model_can_start_where_a_worker_has_enough_gpus_together():
     from controlplane.gateway.selectors import routing_table
     from tests.controlplane.factories import DeploymentFactory, GpuFactory, ModelFactory, WorkerFactory

@@ -281,6 +281,28 @@ def test_a_tensor_parallel_replica_is_one_replica_with_its_ranks_below_it(superv
 
 
 @pytest.mark.slow
+def test_a_load_past_the_checkpoints_context_is_served_only_when_allowed(supervisor, tiny_checkpoint):
+    """The tiny checkpoint has 1,024 positions: 1,536 without allow_long_context fails the load,
+    saying what to set; with it the replica serves 1,536."""
+    load = dict(model_path=str(tiny_checkpoint("llama")), gpu_index=None, memory_fraction=0.5, max_model_len=1536)
+    supervisor.load(LoadModel(replica_id=13, served_model_name="tiny-short", **load))
+    failed = _wait(supervisor, 13, "ready", "failed", timeout=120)
+    assert failed.state == "failed"
+    assert "max_model_len (1536) exceeds the model's context (1024 positions)" in failed.error
+    assert "allow_long_context" in failed.error
+    supervisor.load(LoadModel(replica_id=14, served_model_name="tiny-long", allow_long_context=True, **load))
+    ready = _wait(supervisor, 14, "ready", "failed", timeout=120)
+    assert ready.state == "ready", ready.error
+    [child] = [c for c in _serve_children() if "tiny-long" in c.cmdline()]
+    assert "--allow-long-context" in child.cmdline()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    models = httpx.get(f"{ready.endpoint_url}/v1/models", headers=auth, timeout=10).json()["data"]
+    assert models[0]["max_model_len"] == 1536
+    supervisor.unload(14, drain_timeout_s=5)
+    assert _wait(supervisor, 14, "stopped", timeout=60).error == ""
+
+
+@pytest.mark.slow
 def test_a_load_asking_for_fp8_serves_the_float_checkpoint_quantized_to_fp8(supervisor, tiny_checkpoint, tmp_path):
     supervisor.load(
         LoadModel(
