@@ -1,14 +1,29 @@
 """Interactive time to first token with and without a Batch API job filling the replica.
 
     python bench/batch_ttft.py [--requests 60] [--concurrency 2] [--batch-lines 400] [--max-tokens 8]
+    python bench/batch_ttft.py --config bench/configs/llama-3-8b --device cuda --dtype bfloat16
+    python bench/batch_ttft.py --smoke                 # CPU, the tiny model, a few requests (tests)
 
-Runs, on this machine, one replica of a tiny random Llama (`python -m gpuworker serve`, CPU unless
-a GPU is present), the gateway (uvicorn over controlplane.asgi) and a Celery worker, over the
-PostgreSQL database of DATABASE_URL (dropped and migrated; default gpuserve_bench_batch) and the
-Redis of REDIS_URL (flushed). It streams `--requests` chat completions at `--concurrency` through the
-gateway and times each one's first token, first alone, then while a batch of `--batch-lines`
-chat requests runs (BATCH_CONCURRENCY lines in flight), and prints both with the batch lines
-answered meanwhile. Seeded and warmed up; the numbers are this machine's, printed with its commit.
+It runs the embedded set-up `make run` uses (bench/embedded.py), so it needs no PostgreSQL and no
+Redis (DATABASE_URL and REDIS_URL are ignored): a fresh VAR_DIR with the SQLite database (migrated,
+then seeded through the services: a tenant with ample credit and high limits, its key, the chat
+model and its deployment, its objective at the maximum so nothing is shed), the file cache, and
+the SQLite broker. The replica is `python -m gpuworker serve` on a random checkpoint: without
+--config a tiny random Llama (CPU, float32, by default), with --config one of that shape (bench/
+serving.py's prepare_model; CUDA and bfloat16 by default). The gateway is uvicorn over
+controlplane.asgi; the Batch API's runner is the Celery worker as `make run` starts it; in place
+of the worker daemon this process records the replica's /stats through the fleet's heartbeat
+service. In this set-up the Celery worker does not see the web server's requests in flight (no
+Redis), so BATCH_REPLICA_BUSY_AT does not hold batch lines back: only the engine's priority
+classes stand between them and interactive requests.
+
+It streams --requests chat completions at --concurrency through the gateway (each client pausing
+--pause-ms between requests, the idle gaps batch work may fill; greedy, ignore_eos) and times each
+one's first content token, first alone, then while a batch of --batch-lines chat requests of
+4 x --max-tokens runs (BATCH_CONCURRENCY lines in flight). It prints TTFT p50/p99 both ways, the
+p99 ratio (beside / alone) and the batch lines answered meanwhile, and writes batch_ttft.json
+(bench.common.write_json). Seeded and warmed up; the numbers are this machine's, printed with its
+commit.
 """
 
 from __future__ import annotations
@@ -17,96 +32,35 @@ import argparse
 import asyncio
 import io
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from decimal import Decimal
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-TOKEN = "bench-batch-worker-token"
-MODEL = "bench-tiny"
+from bench.common import environment, write_json  # noqa: E402
+from bench.embedded import NO_OBJECTIVE_MS, embedded_system  # noqa: E402
+from bench.serving import percentile, prepare_model  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(check, timeout: float, what: str) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"timed out waiting for {what}")
-
-
-def prepare_database(database_url: str, replica_url: str) -> str:
-    """A fresh, migrated database with a tenant (ample credit, high limits), its key, and the model
-    whose one ready replica is ours; returns the key."""
-    import psycopg
-
-    name = database_url.rsplit("/", 1)[1]
-    with psycopg.connect(database_url.rsplit("/", 1)[0] + "/postgres", autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.execute(f'CREATE DATABASE "{name}"')
-    import django
-    from django.core.management import call_command
-
-    django.setup()
-    call_command("migrate", verbosity=0)
-    from controlplane.accounts.services import api_key_create, tenant_create
-    from controlplane.billing.services import credit_grant, plan_create, price_tier_create
-    from controlplane.catalog.services import model_create
-    from controlplane.fleet.models import Replica, Worker
-    from controlplane.fleet.services.deployments import deployment_create
-
-    plan = plan_create(
-        name="bench", included_requests_per_month=0, rate_limit_per_minute=1_000_000, max_concurrent_requests=1_000
-    )
-    tenant = tenant_create(name="bench", plan=plan)
-    credit_grant(tenant=tenant, amount=Decimal("1000"))
-    tier = price_tier_create(
-        name="bench", price_per_request=Decimal("0.002"), reference_price_per_million_tokens=Decimal("0.1")
-    )
-    model_create(
-        public_name=MODEL,
-        family="llama",
-        kind="chat",
-        weights_path="/bench",
-        context_length=256,
-        parameter_count=1,
-        price_tier=tier,
-    )
-    deployment = deployment_create(model_name=MODEL)
-    worker = Worker.objects.create(
-        name="bench", queue_name="gpuworker.bench", advertise_host="127.0.0.1", device=Worker.Device.CPU
-    )
-    Replica.objects.create(deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=replica_url)
-    return api_key_create(tenant=tenant, name="bench").plaintext
+MODEL = "bench-batch"
+CONTEXT_LENGTH = 256
+WARMUP_REQUESTS = 10
+# Completed lines before the interactive run starts beside the batch: its runner is at work.
+BATCH_STARTED_LINES = 5
+BATCH_START_DEADLINE_S = 300.0
+SMOKE = {"requests": 8, "batch_lines": 60, "max_tokens": 4, "pause_ms": 50}
 
 
 async def interactive(
     base_url: str, key: str, *, requests: int, concurrency: int, max_tokens: int, pause_s: float
 ) -> list[float]:
-    """Each streamed chat's time to its first content token, in seconds; each client pauses
-    `pause_s` between its requests (the idle gaps batch work may fill)."""
+    """Each streamed chat's time to its first content token, in seconds (to its end when it has
+    none); each client pauses `pause_s` between its requests."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=120)
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=600)
     ttfts: list[float] = []
     queue = list(range(requests))
 
@@ -120,6 +74,7 @@ async def interactive(
                 max_tokens=max_tokens,
                 stream=True,
                 temperature=0,
+                extra_body={"ignore_eos": True},
             )
             first = None
             async for chunk in stream:
@@ -133,12 +88,8 @@ async def interactive(
     return ttfts
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
-
-
 def start_batch(base_url: str, key: str, lines: int, max_tokens: int) -> str:
+    """Uploads `lines` chat requests and creates their batch: its id."""
     import openai
 
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0)
@@ -151,8 +102,9 @@ def start_batch(base_url: str, key: str, lines: int, max_tokens: int) -> str:
                 "body": {
                     "model": MODEL,
                     "messages": [{"role": "user", "content": f"batch line {i}"}],
-                    "max_tokens": max_tokens * 4,
+                    "max_tokens": max_tokens,
                     "temperature": 0,
+                    "ignore_eos": True,
                 },
             }
         ).encode()
@@ -163,119 +115,144 @@ def start_batch(base_url: str, key: str, lines: int, max_tokens: int) -> str:
     return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h").id
 
 
-def batch_counts(base_url: str, key: str, batch_id: str):
+def batch_counts(base_url: str, key: str, batch_id: str) -> tuple[str, int]:
+    """The batch's status and its completed lines."""
     import openai
 
     batch = openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0).batches.retrieve(batch_id)
     return batch.status, batch.request_counts.completed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=60)
-    parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--batch-lines", type=int, default=400)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--pause-ms", type=int, default=200, help="each interactive client's pause between requests")
-    args = parser.parse_args()
+def wait_batch_started(base_url: str, key: str, batch_id: str, lines: int) -> int:
+    """Until the batch has `lines` completed lines: how many it has."""
+    started = time.monotonic()
+    while time.monotonic() - started < BATCH_START_DEADLINE_S:
+        status, completed = batch_counts(base_url, key, batch_id)
+        if completed >= lines:
+            return completed
+        if status in ("failed", "expired", "cancelled"):
+            raise RuntimeError(f"the batch ended {status} before it started")
+        time.sleep(0.2)
+    raise RuntimeError(f"the batch completed fewer than {lines} lines within {BATCH_START_DEADLINE_S:.0f} s")
 
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
-    os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/gpuserve_bench_batch")
-    os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/9")
-    os.environ["GPUSERVE_WORKER_TOKEN"] = TOKEN
-    import httpx
-    import redis
-    import torch
 
-    from bench.common import environment
-    from tests.gpuworker.checkpoints import make_checkpoint
-
-    torch.manual_seed(0)
-    redis.Redis.from_url(os.environ["REDIS_URL"]).flushdb()
-    scratch = Path(tempfile.mkdtemp(prefix="batch-ttft-"))
-    checkpoint = make_checkpoint(scratch / "ckpt", "llama")
-    replica_port, gateway_port = _free_port(), _free_port()
-    env = {
-        **os.environ,
-        "LOG_LEVEL": "WARNING",
-        "BATCH_STORAGE_DIR": str(scratch / "files"),
-        "GATEWAY_ROUTING_REFRESH_MS": "200",
+def summarise(alone: list[float], beside: list[float]) -> dict:
+    """TTFT p50/p99 alone and beside the batch, and the p99 ratio (beside / alone)."""
+    figures = {
+        "alone_ttft_p50_s": percentile(alone, 50),
+        "alone_ttft_p99_s": percentile(alone, 99),
+        "beside_ttft_p50_s": percentile(beside, 50),
+        "beside_ttft_p99_s": percentile(beside, 99),
     }
-    children = [
-        subprocess.Popen(
-            [sys.executable, "-m", "gpuworker", "serve", "--model", str(checkpoint), "--port", str(replica_port)]
-            + ["--token", TOKEN, "--served-model-name", MODEL, "--max-model-len", "256", "--log-level", "warning"],
-            cwd=REPO,
-            env=env,
-            start_new_session=True,
-        )
-    ]
-    try:
-        replica_url = f"http://127.0.0.1:{replica_port}"
-        key = prepare_database(os.environ["DATABASE_URL"], replica_url)
-        children.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--port", str(gateway_port)]
-                + ["--log-level", "warning", "--no-access-log"],
-                cwd=REPO,
-                env=env,
-                start_new_session=True,
-            )
-        )
-        children.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "controlplane", "worker", "-P", "solo", "-l", "WARNING"]
-                + ["--without-gossip", "--without-mingle"],
-                cwd=REPO,
-                env=env,
-                start_new_session=True,
-            )
-        )
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        _wait(lambda: httpx.get(f"{replica_url}/health", headers=auth, timeout=2).status_code == 200, 600, "replica")
-        base = f"http://127.0.0.1:{gateway_port}"
-        _wait(lambda: httpx.get(f"{base}/v1/models", timeout=2).status_code == 401, 60, "gateway")
-        measure = dict(
-            requests=args.requests,
-            concurrency=args.concurrency,
-            max_tokens=args.max_tokens,
-            pause_s=args.pause_ms / 1000,
-        )
-        asyncio.run(interactive(base, key, **{**measure, "requests": 10}))
-        alone = asyncio.run(interactive(base, key, **measure))
-        batch_id = start_batch(base, key, args.batch_lines, args.max_tokens)
-        _wait(lambda: batch_counts(base, key, batch_id)[1] >= 5, 120, "the batch to start")
-        before = batch_counts(base, key, batch_id)[1]
-        started = time.perf_counter()
-        beside = asyncio.run(interactive(base, key, **measure))
-        seconds = time.perf_counter() - started
-        status, after = batch_counts(base, key, batch_id)
-        report(environment(), args, alone, beside, after - before, seconds, status)
-    finally:
-        for child in reversed(children):
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
-                try:
-                    child.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(child.pid, signal.SIGKILL)
+    figures["ttft_p99_ratio"] = figures["beside_ttft_p99_s"] / figures["alone_ttft_p99_s"]
+    return figures
 
 
-def report(env: dict, args, alone: list[float], beside: list[float], lines: int, seconds: float, status: str) -> None:
-    print(f"# batch_ttft  commit {env['commit']}  gpu {env['gpu']}  torch {env['torch']}  {env['date']}")
+def measure(args, url: str, key: str) -> dict:
+    """Warm-up, the interactive run alone, then again beside a running batch."""
+    load = dict(
+        requests=args.requests, concurrency=args.concurrency, max_tokens=args.max_tokens, pause_s=args.pause_ms / 1000
+    )
+    asyncio.run(interactive(url, key, **{**load, "requests": WARMUP_REQUESTS}))
+    alone = asyncio.run(interactive(url, key, **load))
+    batch_id = start_batch(url, key, args.batch_lines, 4 * args.max_tokens)
+    before = wait_batch_started(url, key, batch_id, min(BATCH_STARTED_LINES, args.batch_lines))
+    started = time.perf_counter()
+    beside = asyncio.run(interactive(url, key, **load))
+    seconds = time.perf_counter() - started
+    status, after = batch_counts(url, key, batch_id)
+    return {
+        **summarise(alone, beside),
+        "batch_lines_answered": after - before,
+        "batch_lines_completed": after,
+        "batch_seconds": round(seconds, 3),
+        "batch_status": status,
+        "alone_ttft_s": sorted(round(t, 4) for t in alone),
+        "beside_ttft_s": sorted(round(t, 4) for t in beside),
+    }
+
+
+def report(result: dict) -> None:
+    env = result["environment"]
+    print(f"\n# batch_ttft  commit {env['commit']}  gpu {env['gpu']}  torch {env['torch']}  {env['date']}")
     print(
-        f"# {args.requests} streamed chats at concurrency {args.concurrency} (each client pausing {args.pause_ms} ms "
-        f"between requests), max_tokens {args.max_tokens}; batch lines of max_tokens {4 * args.max_tokens}"
+        f"# {result['model']} on {result['device']}; {result['requests']} streamed chats at concurrency "
+        f"{result['concurrency']} (each client pausing {result['pause_ms']} ms between requests), max_tokens "
+        f"{result['max_tokens']}; a batch of {result['batch_lines']} lines of max_tokens {4 * result['max_tokens']}"
     )
     print("| interactive load | TTFT p50 (ms) | TTFT p99 (ms) | batch lines answered meanwhile |")
     print("|---|---:|---:|---:|")
-    print(f"| alone | {1000 * percentile(alone, 0.5):.0f} | {1000 * percentile(alone, 0.99):.0f} | - |")
+    print(f"| alone | {1000 * result['alone_ttft_p50_s']:.0f} | {1000 * result['alone_ttft_p99_s']:.0f} | - |")
     print(
-        f"| beside a batch ({status}) | {1000 * percentile(beside, 0.5):.0f} | {1000 * percentile(beside, 0.99):.0f} "
-        f"| {lines} in {seconds:.1f} s |"
+        f"| beside a batch ({result['batch_status']}) | {1000 * result['beside_ttft_p50_s']:.0f} "
+        f"| {1000 * result['beside_ttft_p99_s']:.0f} | {result['batch_lines_answered']} in "
+        f"{result['batch_seconds']:.1f} s |"
     )
-    change = percentile(beside, 0.99) / percentile(alone, 0.99) - 1
-    print(f"# TTFT p99 change with the batch running: {100 * change:+.0f}% (target: at most +10%)")
+    print(
+        f"# TTFT p99 beside the batch / alone: {result['ttft_p99_ratio']:.2f} "
+        f"({100 * (result['ttft_p99_ratio'] - 1):+.0f}%; target: at most +10%)"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=None, help="a model's shape (default: a tiny random Llama)")
+    parser.add_argument("--checkpoint", type=Path, default=Path("/root/ckpt-serving"), help="--config's, written once")
+    parser.add_argument("--device", default=None, help="default: cuda with --config, else cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 with --config, else float32")
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--batch-lines", type=int, default=400)
+    parser.add_argument("--max-tokens", type=int, default=8, help="interactive; batch lines get 4x")
+    parser.add_argument("--pause-ms", type=int, default=200, help="each interactive client's pause between requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="the tiny model on the CPU, a few requests (tests)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.config, args.device, args.dtype = None, "cpu", "float32"
+        for name, value in SMOKE.items():
+            if parser.get_default(name) == getattr(args, name):
+                setattr(args, name, value)
+    args.device = args.device or ("cuda" if args.config else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.config else "float32")
+    for name in ("requests", "concurrency", "batch_lines", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-batch-ttft-"))
+    # prepare_model's tiny model is its smoke one.
+    made = argparse.Namespace(smoke=args.config is None, seed=args.seed, checkpoint=args.checkpoint, config=args.config)
+    model = prepare_model(made, workdir)
+    system = embedded_system(
+        model,
+        workdir=workdir,
+        served_model=MODEL,
+        kind="chat",
+        device=args.device,
+        dtype=args.dtype,
+        context_length=CONTEXT_LENGTH,
+        ttft_slo_ms=NO_OBJECTIVE_MS,
+        celery_worker=True,
+    )
+    with system as running:
+        result = measure(args, running.url, running.key)
+    result |= {
+        "environment": environment(),
+        "model": str(args.config) if args.config else "tiny random Llama",
+        "device": args.device,
+        "dtype": args.dtype,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "pause_ms": args.pause_ms,
+        "max_tokens": args.max_tokens,
+        "batch_lines": args.batch_lines,
+    }
+    report(result)
+    write_json("batch_ttft", result)
 
 
 if __name__ == "__main__":

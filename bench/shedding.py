@@ -4,15 +4,15 @@ in the same run: one replica behind the gateway, as in production.
     python bench/shedding.py [--multiple 2] [--duration 30] [--ttft-slo-ms 2000] [--plot docs/shedding.png]
     python bench/shedding.py --smoke                   # CPU, a tiny random model, a few seconds of arrivals
 
-It runs the embedded set-up `make run` uses, so it needs no PostgreSQL and no Redis (DATABASE_URL
-and REDIS_URL are ignored): a fresh VAR_DIR holds the SQLite database (migrated, then seeded
-through the services: a tenant with ample credit and high limits, its key, the model and its
-deployment with --ttft-slo-ms) and the file cache the fleet's heartbeats live in. The replica is
-`python -m gpuworker serve` on a random checkpoint of --config's shape (bench/serving.py's
-prepare_model); the gateway is uvicorn over controlplane.asgi. In place of the worker daemon, this
-process reads the replica's /stats every heartbeat interval and records it through the fleet's
-own heartbeat service (parse_heartbeat, then worker_heartbeat), so the gateway's routing table
-predicts each replica's wait from the same load report as in production.
+It runs the embedded set-up `make run` uses (bench/embedded.py), so it needs no PostgreSQL and no
+Redis (DATABASE_URL and REDIS_URL are ignored): a fresh VAR_DIR holds the SQLite database
+(migrated, then seeded through the services: a tenant with ample credit and high limits, its key,
+the model and its deployment with --ttft-slo-ms) and the file cache the fleet's heartbeats live in.
+The replica is `python -m gpuworker serve` on a random checkpoint of --config's shape (bench/
+serving.py's prepare_model); the gateway is uvicorn over controlplane.asgi. In place of the worker
+daemon, this process reads the replica's /stats every heartbeat interval and records it through
+the fleet's own heartbeat service (parse_heartbeat, then worker_heartbeat), so the gateway's
+routing table predicts each replica's wait from the same load report as in production.
 
 Workload (bench/serving.py's, seed 0): prompts of U[--prompt-len] random token ids, outputs of
 U[--output-len] tokens (greedy, ignore_eos), each a streaming POST /v1/completions through the
@@ -35,36 +35,21 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import queue
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
-from decimal import Decimal
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import (  # noqa: E402
-    DEFAULT_CONFIG,
-    environment,
-    free_port,
-    load_hf_config,
-    start_replica,
-    stop_replica,
-    wait_ready,
-    write_json,
-)
+from bench.common import DEFAULT_CONFIG, environment, load_hf_config, write_json  # noqa: E402
+from bench.embedded import NO_OBJECTIVE_MS, embedded_system, set_objective, wait_idle  # noqa: E402
 from bench.serving import Request, make_requests, percentile, poisson_arrivals, prepare_model  # noqa: E402
 
 MODEL = "bench-shedding"
-TOKEN = "bench-shedding-worker-token"
-# The deployment's largest objective: nothing is predicted to wait that long, so nothing is shed.
-NO_OBJECTIVE_MS = 600_000
 CLIENT_START_S = 120.0
 STREAM_SILENCE_S = 600.0
 SMOKE = {
@@ -251,174 +236,6 @@ def targets(run: dict, saturation_tok_s: float, *, slo_s: float, goodput_share: 
     }
 
 
-# -- the system: the embedded control plane, one replica, its load reports ------------------------
-
-
-def use_embedded_control_plane(var_dir: Path) -> None:
-    """This process and its children on `make run`'s set-up under var_dir: SQLite, the file cache."""
-    for name in ("DATABASE_URL", "REDIS_URL"):
-        os.environ.pop(name, None)
-    os.environ |= {
-        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
-        "VAR_DIR": str(var_dir),
-        "GPUSERVE_WORKER_TOKEN": TOKEN,
-        "LOG_LEVEL": "WARNING",
-        "BATCH_STORAGE_DIR": str(var_dir / "batch-files"),
-    }
-    import django
-    from django.core.management import call_command
-
-    django.setup()
-    call_command("migrate", verbosity=0)
-
-
-def seed(*, replica_url: str, context_length: int, ttft_slo_ms: int) -> tuple[str, int]:
-    """A tenant (ample credit, high limits) and its key, the model, its deployment with the objective,
-    and the worker whose ready replica is ours: (the key, the replica's id)."""
-    from controlplane.accounts.services import api_key_create, tenant_create
-    from controlplane.billing.services import credit_grant, plan_create, price_tier_create
-    from controlplane.catalog.services import model_create
-    from controlplane.fleet.models import Replica, Worker
-    from controlplane.fleet.services.deployments import deployment_create
-
-    plan = plan_create(
-        name="bench", included_requests_per_month=0, rate_limit_per_minute=10_000_000, max_concurrent_requests=100_000
-    )
-    tenant = tenant_create(name="bench", plan=plan)
-    credit_grant(tenant=tenant, amount=Decimal("1000000"))
-    tier = price_tier_create(
-        name="bench", price_per_request=Decimal("0.000001"), reference_price_per_million_tokens=Decimal("0.1")
-    )
-    model_create(
-        public_name=MODEL,
-        family="llama",
-        kind="completion",
-        weights_path="/bench",
-        context_length=context_length,
-        parameter_count=1,
-        price_tier=tier,
-    )
-    deployment = deployment_create(model_name=MODEL, autoscale=False)
-    set_objective(ttft_slo_ms)
-    worker = Worker.objects.create(
-        name="bench", queue_name="gpuworker.bench", advertise_host="127.0.0.1", device=Worker.Device.CPU
-    )
-    replica = Replica.objects.create(
-        deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=replica_url
-    )
-    return api_key_create(tenant=tenant, name="bench").plaintext, replica.pk
-
-
-def set_objective(ttft_slo_ms: int) -> None:
-    """The deployment's TTFT objective, through the service behind the dashboard's deployment form."""
-    from controlplane.catalog.models import Deployment
-    from controlplane.fleet.services.deployments import deployment_update
-
-    deployment = Deployment.objects.get(model__public_name=MODEL)
-    deployment_update(
-        deployment=deployment,
-        desired_replicas=deployment.desired_replicas,
-        min_replicas=deployment.min_replicas,
-        max_replicas=deployment.max_replicas,
-        keep_warm=deployment.keep_warm,
-        ttft_slo_ms=ttft_slo_ms,
-    )
-
-
-class LoadReports:
-    """The worker daemon's heartbeat, for our one replica: its /stats as the daemon reports them
-    (supervisor.Replica.report), parsed as the fleet server parses them and recorded by the fleet's
-    heartbeat service, every heartbeat interval, in a thread."""
-
-    def __init__(self, replica_id: int, replica_url: str, model_path: str) -> None:
-        from django.conf import settings
-
-        from controlplane.fleet.models import Replica
-
-        self.replica_id, self.replica_url, self.model_path = replica_id, replica_url, model_path
-        self.worker_id = Replica.objects.get(pk=replica_id).worker_id
-        self.interval_s = settings.FLEET_HEARTBEAT_INTERVAL_SECONDS
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="load-reports", daemon=True)
-
-    def __enter__(self) -> LoadReports:
-        self.send()  # the first report is in before any request
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopped.set()
-        self.thread.join()
-
-    def send(self) -> None:
-        import httpx
-        from django.db import close_old_connections
-        from django.utils import timezone
-
-        from controlplane.fleet.services.heartbeats import worker_heartbeat
-        from gpuworker.contract.heartbeat import Heartbeat, parse_heartbeat
-        from gpuworker.contract.tasks import LoadModel
-        from gpuworker.daemon.supervisor import Replica
-
-        auth = {"Authorization": f"Bearer {TOKEN}"}
-        stats = httpx.get(f"{self.replica_url}/stats", headers=auth, timeout=5).json()
-        load = LoadModel(
-            replica_id=self.replica_id,
-            model_path=self.model_path,
-            served_model_name=MODEL,
-            gpu_index=None,
-            memory_fraction=0.9,
-        )
-        report = Replica(request=load, state="ready", endpoint_url=self.replica_url, figures=stats).report()
-        sent = Heartbeat(sent_at=timezone.now().isoformat(), draining=False, gpus=(), cpu={}, replicas=(report,))
-        close_old_connections()
-        worker_heartbeat(worker_id=self.worker_id, heartbeat=parse_heartbeat(sent.to_json()), now=timezone.now())
-
-    def _loop(self) -> None:
-        while not self.stopped.wait(self.interval_s):
-            self.send()
-
-
-def wait_idle(replica_url: str, deadline_s: float = 600.0) -> None:
-    """Until the replica has nothing running or waiting (the previous run's work is done)."""
-    import httpx
-
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    started = time.monotonic()
-    while time.monotonic() - started < deadline_s:
-        stats = httpx.get(f"{replica_url}/stats", headers=auth, timeout=5).json()
-        if not stats.get("running") and not stats.get("waiting"):
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"the replica still had work after {deadline_s:.0f} s")
-
-
-def start_gateway(port: int, processes: int, log: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "uvicorn", "controlplane.asgi:application", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--workers", str(processes), "--log-level", "warning", "--no-access-log"]
-    env = {**os.environ, "LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
-    with open(log, "ab") as out:
-        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_gateway(process: subprocess.Popen, url: str, key: str, log: Path, deadline_s: float = 120.0) -> None:
-    """Until the gateway lists the model to the key (its routing table has the replica)."""
-    import httpx
-
-    started = time.monotonic()
-    while time.monotonic() - started < deadline_s:
-        if process.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {process.returncode}; see {log}")
-        try:
-            listed = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=2)
-            if listed.status_code == 200 and any(m["id"] == MODEL for m in listed.json()["data"]):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the gateway did not route {MODEL} within {deadline_s:.0f} s; see {log}")
-
-
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1000 * seconds:,.0f}"
 
@@ -554,7 +371,7 @@ def run_all(args, url: str, key: str, replica_url: str, vocab: int) -> dict:
         return [Request(p, n, arrivals[i] if arrivals else 0.0) for i, (p, n) in enumerate(made)]
 
     def objective(ttft_slo_ms: int) -> None:
-        set_objective(ttft_slo_ms)
+        set_objective(MODEL, ttft_slo_ms)
         time.sleep(3 * settings.GATEWAY_ROUTING_REFRESH_MS / 1000)  # the gateway's table refreshes on a timer
 
     objective(NO_OBJECTIVE_MS)
@@ -582,32 +399,20 @@ def main(argv: list[str] | None = None) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-shedding-"))
     model = prepare_model(args, workdir)
     vocab = load_hf_config(model)["vocab_size"]
-    context_length = args.prompt_len[1] + args.output_len[1]
-    use_embedded_control_plane(workdir / "var")
-    replica_log, gateway_log = workdir / "replica.log", workdir / "gateway.log"
-    replica, replica_url = start_replica(
+    system = embedded_system(
         model,
+        workdir=workdir,
+        served_model=MODEL,
+        kind="completion",
         device=args.device,
         dtype=args.dtype,
-        log=replica_log,
-        extra_args=(
-            *("--token", TOKEN, "--served-model-name", MODEL, "--max-model-len", str(context_length)),
-            *(("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else ()),
-        ),
+        context_length=args.prompt_len[1] + args.output_len[1],
+        ttft_slo_ms=args.ttft_slo_ms,
+        replica_args=("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else (),
+        gateway_processes=args.gateway_processes,
     )
-    gateway = None
-    try:
-        key, replica_id = seed(replica_url=replica_url, context_length=context_length, ttft_slo_ms=args.ttft_slo_ms)
-        port = free_port()
-        gateway, url = start_gateway(port, args.gateway_processes, gateway_log), f"http://127.0.0.1:{port}"
-        wait_ready(replica, replica_url, replica_log, token=TOKEN)
-        with LoadReports(replica_id, replica_url, str(model)):
-            wait_gateway(gateway, url, key, gateway_log)
-            result = run_all(args, url, key, replica_url, vocab)
-    finally:
-        if gateway is not None:
-            stop_replica(gateway)  # SIGTERM, then SIGKILL past 30 s: the same for any server
-        stop_replica(replica)
+    with system as running:
+        result = run_all(args, running.url, running.key, running.replica_url, vocab)
     result |= {
         "environment": environment(),
         "model": str(args.config) if not args.smoke else "tiny random Llama (smoke)",
