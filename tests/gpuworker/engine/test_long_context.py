@@ -132,5 +132,5 @@ def test_a_million_token_max_model_len_sends_tables_as_wide_as_the_sequences(tin
     prompts = random_prompts((5, 40, 130), TINY["vocab_size"], seed=9)
     outputs = engine.generate(prompts, GREEDY)
     assert [out.outputs[0].token_ids for out in outputs] == hf_greedy(path, prompts, 4)
+    assert runner.block_tables.array.shape[1] == 16  # not 65,536 columns a row on the host
     assert widths and max(widths) == 16  # 134 tokens: 9 blocks, padded to the narrowest width
-    assert runner.block_tables.array.shape[1] == 16
