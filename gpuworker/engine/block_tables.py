@@ -7,6 +7,11 @@ the blocks its sequences gained since the last one. A table the block manager re
 freed by preemption and admitted again gets a new list) is written again from the start. The
 sliding layers' window tables (engine.window_blocks) get a BlockTables of their own (`window=True`):
 their dropped entries are never read, so they need not be written.
+
+A step's table is as wide as its widest sequence needs (padded_width), never max_model_len's
+blocks: at 1M tokens those are 64Ki columns a row, megabytes a step for a few blocks of use. The
+array itself widens only as sequences grow. Columns past a sequence's own blocks hold zeros or an
+earlier sequence's block ids; the attention kernels read a sequence's table only below its seq_len.
 """
 
 from __future__ import annotations
@@ -14,6 +19,16 @@ from __future__ import annotations
 import numpy as np
 
 from gpuworker.engine.sequence import Sequence, SequenceStatus
+
+MIN_WIDTH = 16  # columns: short contexts all share one table shape
+
+
+def padded_width(num_blocks: int, max_blocks: int) -> int:
+    """The columns of a table for sequences of up to num_blocks blocks: the next power of two (so a
+    run sees few shapes and the array widens a logarithmic number of times), at least MIN_WIDTH and
+    at most max_blocks (the blocks of max_model_len, which the decode graphs' tables hold), unless
+    num_blocks itself is more."""
+    return max(num_blocks, min(1 << (max(num_blocks, MIN_WIDTH) - 1).bit_length(), max_blocks))
 
 
 class _Row:
@@ -31,7 +46,8 @@ class _Row:
 class BlockTables:
     def __init__(self, capacity: int, max_blocks: int, window: bool = False) -> None:
         self.window = window  # rows of the sequences' window_block_table, not their block_table
-        self.array = np.zeros((capacity, max_blocks), dtype=np.int32)
+        self.max_blocks = max_blocks
+        self.array = np.zeros((capacity, padded_width(1, max_blocks)), dtype=np.int32)
         self._rows: dict[int, _Row] = {}  # by seq_id
         self._free_rows = list(range(capacity - 1, -1, -1))
 
@@ -56,6 +72,14 @@ class BlockTables:
             out[i] = row.index
         return out
 
+    def gather(self, rows: np.ndarray, num_blocks: int) -> np.ndarray:
+        """A step's table: the `rows` (of rows()) over padded_width(num_blocks) columns, where
+        num_blocks covers the step's longest seq_len."""
+        width = padded_width(num_blocks, self.max_blocks)
+        if width > self.array.shape[1]:
+            self._widen(width)
+        return self.array[rows, :width]
+
     def _take_row(self, batch: list[Sequence]) -> int:
         if not self._free_rows:
             # Rows of sequences that no longer run go back; those of this batch stay.
@@ -74,6 +98,7 @@ class BlockTables:
         self._free_rows.extend(range(2 * capacity - 1, capacity - 1, -1))
 
     def _widen(self, width: int) -> np.ndarray:
+        width = padded_width(width, self.max_blocks)
         extra = np.zeros((self.array.shape[0], width - self.array.shape[1]), dtype=np.int32)
         self.array = np.concatenate([self.array, extra], axis=1)
         return self.array

@@ -5,8 +5,9 @@ kernel launches collapse into one graph replay. Padding rows get slot -1 (nothin
 seq_len 0 (the decode kernel returns zeros), so they never touch real KV blocks. The decode
 kernel's split count depends only on the host-side max_seq_len, fixed at max_model_len for capture.
 
-The graphs' inputs live in one device buffer that a step fills with a single host->device copy
-(`GraphInputs`), so a replay is one copy and one launch. A decode's input token is often still on
+The graphs' inputs live in one device buffer that a step fills from one host staging buffer
+(`GraphInputs`): one copy of the per-row inputs and one of the block tables' used columns, then one
+launch. A decode's input token is often still on
 the device (sampled by the step in flight, see model_runner): the buffer starts with `sampled`,
 where every step's sampled ids are kept, followed by the host's known ids; the graph's first
 kernel gathers each row's token from either part through a per-row index.
@@ -87,11 +88,14 @@ class GraphInputs:
     Layout (each part 16-byte aligned): sampled ids int64 [rows] (written on the device), known ids
     int64 [rows], token index int64 [rows] (into sampled + known ids), positions int64 [rows], slots
     int64 [rows], seq_lens int32 [rows], block tables int32 [rows, max_blocks]. Everything from the
-    known ids on comes from the host; a step uploads it up to its last block-table row.
+    known ids on comes from the host: a step uploads the parts before the tables in one copy, and of
+    the tables only its rows' first `width` columns (the step's widest sequence, see
+    block_tables.padded_width), not max_model_len's blocks. The columns past them keep what earlier
+    steps left: the attention kernels read a row only below its seq_len.
 
     `windowed` (a window pool, engine.window_blocks): the sliding layers' slots int64 [rows] follow
-    the slots, and each block-table row holds the sequence's window table after its block table, so
-    one upload still ends at the last row.
+    the slots, and each block-table row holds the sequence's window table after its block table
+    (both uploaded in the one copy of the tables).
     """
 
     def __init__(self, rows: int, max_blocks: int, device: torch.device, windowed: bool = False) -> None:
@@ -123,6 +127,8 @@ class GraphInputs:
         self.slot_mapping = self._part(self.buffer, "slot_mapping", rows, torch.int64)
         self.seq_lens = self._part(self.buffer, "seq_lens", rows, torch.int32)
         tables = self._part(self.buffer, "block_tables", rows * self.row_blocks, torch.int32).view(rows, -1)
+        # [rows, tables per row, max_blocks]: a step's columns of every table of its rows in one view
+        self._tables = tables.view(rows, self.row_blocks // max_blocks, max_blocks)
         self.block_tables = tables[:, :max_blocks]
         self.window_slot_mapping = self.window_block_tables = None
         if windowed:
@@ -151,16 +157,18 @@ class GraphInputs:
         window_slot_mapping: np.ndarray | None = None,
         window_block_tables: np.ndarray | None = None,
     ) -> None:
-        """Fill the inputs of n = len(known_ids) decodes padded to `size` rows, with one copy.
+        """Fill the inputs of n = len(known_ids) decodes padded to `size` rows.
 
         The rows at `placeholders` take their token from `sampled` at `sampled_rows`, the others from
-        known_ids; block_tables [n, width]. Padding rows get slot -1 and seq_len 0. With `windowed`,
-        the window pool's slots and tables too (as slot_mapping and block_tables).
+        known_ids; block_tables [n, width], of which only these columns are copied. Padding rows get
+        slot -1 and seq_len 0. With `windowed`, the window pool's slots and tables too (as
+        slot_mapping and block_tables).
         """
         n, width = len(known_ids), block_tables.shape[1]
         base, rows = self.upload_start, self.rows
-        end = self._offsets["block_tables"] + 4 * n * self.row_blocks
-        host = torch.empty(end - base, dtype=torch.uint8, pin_memory=self.buffer.is_cuda)
+        end = self._offsets["block_tables"]
+        per_row = self._tables.shape[1]
+        host = torch.empty(end - base + 4 * n * per_row * width, dtype=torch.uint8, pin_memory=self.buffer.is_cuda)
         array = host.numpy()
 
         def part(name: str, count: int, dtype) -> np.ndarray:
@@ -174,13 +182,16 @@ class GraphInputs:
         part("positions", size, np.int64)[:] = np.pad(positions, (0, size - n))
         part("slot_mapping", size, np.int64)[:] = np.pad(slot_mapping, (0, size - n), constant_values=-1)
         part("seq_lens", size, np.int32)[:] = np.pad(seq_lens, (0, size - n))
-        tables = part("block_tables", n * self.row_blocks, np.int32).reshape(n, self.row_blocks)
-        tables[:, :width] = block_tables
+        host_tables = host[end - base :].view(torch.int32).view(n, per_row, width)
+        tables = host_tables.numpy()
+        tables[:, 0] = block_tables
         if self.windowed:
             windows = part("window_slot_mapping", size, np.int64)
             windows[:] = np.pad(window_slot_mapping, (0, size - n), constant_values=-1)
-            tables[:, self.max_blocks : self.max_blocks + width] = window_block_tables
-        self.buffer[base:end].copy_(host, non_blocking=True)
+            tables[:, 1] = window_block_tables
+        self.buffer[base:end].copy_(host[: end - base], non_blocking=True)
+        # Strided on the device unless the step fills whole rows; either way n * width entries cross.
+        self._tables[:n, :, :width].copy_(host_tables, non_blocking=True)
 
 
 class DecodeGraphs:

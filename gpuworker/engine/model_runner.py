@@ -451,9 +451,9 @@ class ModelRunner:
             window_slots = array[window_token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         sample_indices = query_start_loc[1:][samples] - 1
         max_seq_len = int(seq_lens.max())
-        width = -(-max_seq_len // bs)
+        num_blocks = -(-max_seq_len // bs)
         if window_slots is not None:
-            window_tables = array[window_rows, :width]
+            window_tables = self.window_tables.gather(window_rows, num_blocks)
         ids = np.array(input_ids, dtype=np.int64)
         placeholders = np.flatnonzero(ids == PLACEHOLDER_TOKEN_ID)
         # The entry each placeholder belongs to.
@@ -474,7 +474,7 @@ class ModelRunner:
             sample_indices=sample_indices,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=tables[rows, :width],
+            block_tables=self.block_tables.gather(rows, num_blocks),
             num_decode_seqs=batch.num_decode_seqs,
             max_query_len=int(new_lens.max()),
             placeholders=placeholders,

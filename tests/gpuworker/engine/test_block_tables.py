@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpuworker.engine.block_tables import BlockTables
+from gpuworker.engine.block_tables import MIN_WIDTH, BlockTables, padded_width
 from gpuworker.engine.sampling_params import SamplingParams
 from gpuworker.engine.sequence import SequenceGroup, SequenceStatus
 
@@ -53,3 +53,18 @@ def test_rows_of_finished_sequences_are_reused_and_running_ones_kept():
     rows = tables.rows([b, c, d]).tolist()
     assert len(set(rows)) == 3
     assert [_table(tables, row, 1)[0] for row in rows] == [11, 12, 13]
+
+
+def test_a_steps_table_follows_its_sequences_not_max_model_len():
+    # max_model_len 1M at block 16: 65,536 blocks a row, of which these sequences use a few.
+    tables = BlockTables(capacity=4, max_blocks=65_536)
+    a, b = _seqs(2)
+    a.block_table, b.block_table = [7, 8, 9], list(range(20))
+    rows = tables.rows([a, b])
+    assert tables.array.shape[1] < 64  # the host array widens with the sequences
+    step = tables.gather(rows, 3)
+    assert step.shape == (2, MIN_WIDTH) and step[0, :3].tolist() == [7, 8, 9]
+    step = tables.gather(rows, 20)
+    assert step.shape == (2, 32) and step[1, :20].tolist() == list(range(20))  # a power of two
+    # Never wider than max_model_len's blocks, unless a sequence holds more.
+    assert [padded_width(n, 100) for n in (1, 16, 17, 64, 65, 100, 101)] == [16, 16, 32, 64, 100, 100, 101]

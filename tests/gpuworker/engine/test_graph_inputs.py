@@ -89,3 +89,30 @@ def test_windowed_upload_fills_the_window_pool_inputs_too():
     # Without a window pool the layout is as before.
     assert plain.window_slot_mapping is None and plain.block_tables.shape == (4, 5)
     assert plain.block_tables.is_contiguous()
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_upload_copies_only_the_steps_columns_of_the_tables(windowed):
+    # Tables as wide as a long max_model_len: a step of short sequences sends its own columns only,
+    # and the rest keeps what it held (the kernels read a row only below its seq_len).
+    inputs = GraphInputs(rows=4, max_blocks=4096, device=torch.device("cpu"), windowed=windowed)
+    tables = np.array([[4, 9, 2], [7, 1, 0]], dtype=np.int32)
+    window = dict(window_slot_mapping=np.array([50, 60]), window_block_tables=tables + 100) if windowed else {}
+    written = [inputs.block_tables] + ([inputs.window_block_tables] if windowed else [])
+    for view in written:
+        view.fill_(-7)
+    inputs.upload(
+        size=2,
+        known_ids=np.array([11, 12]),
+        placeholders=np.array([], dtype=np.int64),
+        sampled_rows=np.array([], dtype=np.int64),
+        positions=np.array([40, 17]),
+        slot_mapping=np.array([100, 200]),
+        seq_lens=np.array([41, 18]),
+        block_tables=tables,
+        **window,
+    )
+    for view, expected in zip(written, (tables, tables + 100)):
+        assert view[:2, :3].tolist() == expected.tolist()
+        assert bool((view[:2, 3:] == -7).all()) and bool((view[2:] == -7).all())
+    assert inputs.seq_lens[:2].tolist() == [41, 18]

@@ -112,3 +112,25 @@ def test_tensor_parallel_ranks_serve_past_the_models_positions_too(tiny_checkpoi
     finally:
         engine.shutdown()
     assert outputs[0].outputs[0].token_ids == hf_greedy(path, [prompt], 4)[0]
+
+
+def test_a_million_token_max_model_len_sends_tables_as_wide_as_the_sequences(tiny_checkpoint):
+    # 65,536 blocks a row at block 16; short sequences' steps carry a few columns, outputs unchanged.
+    path = tiny_checkpoint("llama3.1", max_position_embeddings=4096)
+    engine = LLMEngine(
+        path, max_model_len=1 << 20, allow_long_context=True, num_kv_blocks=1 << 16, max_num_batched_tokens=256
+    )
+    runner = engine.runner
+    prepare, widths = runner.prepare_inputs, []
+
+    def recording_prepare(batch, previous=None, host=None):
+        inputs = prepare(batch, previous, host=host)
+        widths.append(inputs.meta.block_tables.shape[1])
+        return inputs
+
+    runner.prepare_inputs = recording_prepare
+    prompts = random_prompts((5, 40, 130), TINY["vocab_size"], seed=9)
+    outputs = engine.generate(prompts, GREEDY)
+    assert [out.outputs[0].token_ids for out in outputs] == hf_greedy(path, prompts, 4)
+    assert runner.block_tables.array.shape[1] == 16  # not 65,536 columns a row on the host
+    assert widths and max(widths) == 16  # 134 tokens: 9 blocks, padded to the narrowest width
