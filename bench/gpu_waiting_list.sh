@@ -7,6 +7,10 @@
 #                                                    # offsets test; then 512K with the FP8 KV cache
 #   bash bench/gpu_waiting_list.sh serving           # fair share and priority classes, then shedding
 #   bash bench/gpu_waiting_list.sh multiturn vision int8
+#   bash bench/gpu_waiting_list.sh batch             # interactive TTFT beside a Batch API job, end to end
+#   bash bench/gpu_waiting_list.sh suite             # the GPU tests, 8 processes
+#
+# bench/device_wheels.sh fetches the wheels first.
 #
 # Each step's limit can be set from the environment (LIMIT_<STEP>, dashes as underscores).
 source "$(dirname "$0")/gpu_steps.sh"
@@ -52,6 +56,14 @@ mla() {
     cp gpuworker/kernels/configs/mla_prefill/*.json "$RESULTS/" 2>/dev/null
     step deepseek-512 "$(limit deepseek-512 80)" python3 bench/throughput.py --config bench/configs/deepseek-v2-lite \
         --num-requests 512 --output-len 256 --skip-hf
+}
+batch() {
+    step batch-ttft "$(limit batch-ttft 240)" env BATCH_CONCURRENCY=256 python3 bench/batch_ttft.py \
+        --config bench/configs/llama-3-8b --requests 200 --concurrency 4 --batch-lines 4000 --max-tokens 64
+}
+suite() {
+    SUMMARY_LINES=40 step gpu-suite "$(limit gpu-suite 420)" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 \
+        tests/kernels tests/gpuworker
 }
 for group in "$@"; do
     "$group"
