@@ -1,7 +1,7 @@
 """State all gateway processes share, in Redis: rate limits and requests in flight (per key, per
 tenant, per replica), the prompt tokens routed to each replica since its load report (which the
-shedding rule adds to the report's queue), replicas passed over after failing, first-token marks, idempotent results,
-and the channel that announces key changes.
+shedding rule adds to the report's queue), replicas passed over after failing, first-token marks,
+idempotent results, and the channel that announces key changes.
 
 Admission (both per-minute limits and both concurrency limits) is one Lua script (`scripts`), so
 it is atomic across processes; so is the choice of replica, and the hot path runs both in one
