@@ -29,7 +29,7 @@ from controlplane.gateway.errors import (
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight, prompt_tokens_from
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
-from controlplane.gateway.replica_choice import affinity_choice, prefix_key_header
+from controlplane.gateway.replica_choice import affinity_choice, prefix_key_header, prompt_tokens_estimate
 from controlplane.gateway.request_body import read_body
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission
@@ -109,18 +109,22 @@ async def serve(
                 return replay
         stored = False
         try:
-            key = checked.affinity_key
+            key, tokens = checked.affinity_key, prompt_tokens_estimate(len(raw))
             replicas, cold_start_s = model.ready, None
             if admission is not None:  # admitted before its body was parsed
-                first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas)) if replicas else None
+                first = (
+                    await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas), tokens)
+                    if replicas
+                    else None
+                )
             elif replicas:  # rate limits, concurrency limits and the choice of replica: one round trip to Redis
                 admission, first = await gw.shared.admit_and_pick(
-                    grant, request_id, replicas, affinity_choice(key, replicas)
+                    grant, request_id, replicas, affinity_choice(key, replicas), tokens
                 )
                 _admitted(admission)
             else:  # admitted (and, below, its credit held) before it waits: a refusal comes at once
                 admission, first = _admitted(await gw.shared.admit(grant, request_id)), None
-            if first is not None and _over_objective(model, first):
+            if first is not None and model.over_objective(first):
                 # Shed before any credit is held: freed at once, charged nothing, counted as demand.
                 admission = None
                 await gw.shared.finish(request_id, grant=grant, replica_id=first.replica_id)
@@ -137,7 +141,7 @@ async def serve(
                     if waited is _GONE:
                         return Response(status_code=499)  # nobody reads it: the client is gone
                     replicas, cold_start_s = waited
-                    first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas))
+                    first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas), tokens)
                 flight.replica_id = first.replica_id
                 headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
                 response = await _served(gw, request, flight, replicas, first, path, raw, checked, headers, dialect)
@@ -225,11 +229,6 @@ def _check_images(model: ModelRoute, checked: CheckedBody) -> None:
         model.image_rules.check(checked.image_params, checked.image_sizes)
     except ProtocolError as refusal:
         raise bad_request(refusal.message, param=refusal.param, code=refusal.code) from None
-
-
-def _over_objective(model: ModelRoute, replica: ReplicaRoute) -> bool:
-    """Whether a request routed to `replica` is predicted to wait longer than the model's TTFT objective."""
-    return model.ttft_objective_s is not None and replica.predicted_wait_s > model.ttft_objective_s
 
 
 def _invalid(error: BodyError) -> GatewayError:
@@ -376,7 +375,7 @@ async def _attempt(
     if tried:
         candidates = [replica for replica in replicas if replica.replica_id not in tried]
         affinity = affinity_choice(key, candidates)
-        replica = await gw.shared.pick(candidates, flight.request_id, affinity)
+        replica = await gw.shared.pick(candidates, flight.request_id, affinity, prompt_tokens_estimate(len(body)))
     else:
         replica = first  # picked together with admission
     flight.replica_id = replica.replica_id

@@ -13,7 +13,7 @@ from controlplane.fleet.cold_start_counts import publish_to_cache
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.replica_choice import least_outstanding
 from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
-from controlplane.gateway.shared import Admission
+from controlplane.gateway.shared import ROUTED_LOG_MS, Admission
 
 _PERIOD_MS = 60_000.0
 
@@ -40,6 +40,8 @@ class LocalShared:
         self._busy: dict[str, _Expiring] = {}
         self._outstanding: dict[int, _Expiring] = {}
         self._down: dict[int, float] = {}
+        # Replica id -> request id -> (when it was routed there (ms), its prompt tokens).
+        self._routed: dict[int, dict[str, tuple[float, int]]] = {}
         self._started = _Expiring()
         self._turns: dict[str, float] = {}
         self._idempotency: dict[str, tuple[float, dict]] = {}
@@ -78,20 +80,35 @@ class LocalShared:
         return best
 
     async def admit_and_pick(
-        self, grant: KeyGrant, request_id: str, candidates: Sequence[ReplicaRoute], affinity: int | None
+        self,
+        grant: KeyGrant,
+        request_id: str,
+        candidates: Sequence[ReplicaRoute],
+        affinity: int | None,
+        prompt_tokens: int = 0,
     ) -> tuple[Admission, ReplicaRoute | None]:
         admission = await self.admit(grant, request_id)
         if not admission.allowed:
             return admission, None
-        return admission, await self.pick(candidates, request_id, affinity)
+        return admission, await self.pick(candidates, request_id, affinity, prompt_tokens)
 
-    async def pick(self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None) -> ReplicaRoute:
+    async def pick(
+        self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None, prompt_tokens: int = 0
+    ) -> ReplicaRoute:
         now = _now_ms()
         counts = [self._outstanding.setdefault(r.replica_id, _Expiring()).live(now) for r in candidates]
         up = [self._down.get(r.replica_id, 0) <= now for r in candidates]
         best = least_outstanding(counts, up, affinity, self._config.affinity_max_extra)
-        self._outstanding[candidates[best].replica_id][request_id] = now + self._entry_ms
-        return candidates[best]
+        chosen = candidates[best]
+        self._outstanding[chosen.replica_id][request_id] = now + self._entry_ms
+        log = self._routed.setdefault(chosen.replica_id, {})
+        for member in [m for m, (at, _) in log.items() if at <= now - ROUTED_LOG_MS]:
+            del log[member]
+        since = chosen.report_at * 1000
+        routed = sum(tokens for at, tokens in log.values() if at >= since)
+        if prompt_tokens > 0:
+            log[request_id] = (now, prompt_tokens)
+        return chosen.with_routed(routed)
 
     async def interactive_outstanding(self, replica_ids: Sequence[int]) -> dict[int, int]:
         """As RedisShared's: this process's requests in flight per replica, batch lines left out."""
@@ -121,6 +138,7 @@ class LocalShared:
                 self._busy.get(name, {}).pop(request_id, None)
         if replica_id is not None:
             self._outstanding.get(replica_id, {}).pop(request_id, None)
+            self._routed.get(replica_id, {}).pop(request_id, None)
             if replica_failed:
                 self._down[replica_id] = _now_ms() + self._config.replica_cooldown_s * 1000
 

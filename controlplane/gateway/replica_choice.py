@@ -91,12 +91,24 @@ def least_outstanding(counts: Sequence[int], up: Sequence[bool], affinity: int |
     return best
 
 
-def predicted_wait_s(figures: dict) -> float:
+def predicted_wait_s(figures: dict, routed_tokens: int = 0) -> float:
     """Seconds a request arriving now at a replica would wait before its prefill, from the
-    replica's own load report: the prompt tokens queued ahead of it (`waiting_tokens`) over its
-    recent prefill rate (`prefill_tokens_per_s`). 0 without a queue or a measured rate: a replica
-    that has not prefilled lately gives no evidence that it is slow."""
+    replica's own load report: the prompt tokens queued ahead of it (`waiting_tokens`, plus
+    `routed_tokens`: those the gateway sent it since that report, which the report cannot show)
+    over its recent prefill rate (`prefill_tokens_per_s`). 0 without a queue or a measured rate: a
+    replica that has not prefilled lately gives no evidence that it is slow."""
     waiting, rate = figures.get("waiting_tokens"), figures.get("prefill_tokens_per_s")
-    if not isinstance(waiting, int | float) or not isinstance(rate, int | float) or waiting <= 0 or rate <= 0:
+    if not isinstance(waiting, int | float) or not isinstance(rate, int | float) or rate <= 0:
         return 0.0
-    return waiting / rate
+    queued = max(waiting, 0) + routed_tokens
+    return queued / rate if queued > 0 else 0.0
+
+
+# The gateway does not tokenize: a request's prompt tokens are guessed from its body's length at
+# about four bytes a token (English text; a token-id prompt's digits and commas take more).
+BODY_BYTES_PER_PROMPT_TOKEN = 4
+
+
+def prompt_tokens_estimate(body_bytes: int) -> int:
+    """The prompt tokens a request of `body_bytes` bytes brings to its replica's queue."""
+    return max(1, body_bytes // BODY_BYTES_PER_PROMPT_TOKEN)

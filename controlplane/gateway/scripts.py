@@ -52,17 +52,25 @@ end
 """
 
 # Least outstanding requests, with prefix affinity while the preferred replica is not overloaded.
+# The chosen replica's log of routed requests (when each was sent there, and its prompt tokens)
+# answers how many prompt tokens were sent there since its load report, which the report cannot
+# show; the request joins the log. A request leaves it at its end (FINISH) or once older than any
+# load report the gateway still reads.
 _PICK = """
--- keys: per candidate replica, its in-flight set then its "down" marker
--- argv: request id, in-flight entry lifetime (ms), affinity candidate (1-based; 0: none), max extra
--- returns the chosen candidate (1-based), now counted as outstanding there
+-- keys: per candidate replica, its in-flight set, its "down" marker, its routed log (time by
+--       request) and the log's prompt tokens (by request)
+-- argv: request id, in-flight entry lifetime (ms), affinity candidate (1-based; 0: none), max extra,
+--       the request's prompt tokens, how long the log keeps a request (ms), then per candidate the
+--       time of its load report (ms; 0: none)
+-- returns the chosen candidate (1-based), now counted as outstanding there, and the prompt tokens
+-- routed there since its load report
 local function pick(keys, argv)
   local counts, up = {}, {}
   local best, best_up = 0, 0
-  for i = 1, #keys / 2 do
-    redis.call('ZREMRANGEBYSCORE', keys[2 * i - 1], '-inf', now)
-    counts[i] = redis.call('ZCARD', keys[2 * i - 1])
-    up[i] = redis.call('EXISTS', keys[2 * i]) == 0
+  for i = 1, #keys / 4 do
+    redis.call('ZREMRANGEBYSCORE', keys[4 * i - 3], '-inf', now)
+    counts[i] = redis.call('ZCARD', keys[4 * i - 3])
+    up[i] = redis.call('EXISTS', keys[4 * i - 2]) == 0
     if best == 0 or counts[i] < counts[best] then best = i end
     if up[i] and (best_up == 0 or counts[i] < counts[best_up]) then best_up = i end
   end
@@ -70,9 +78,27 @@ local function pick(keys, argv)
   if best_up > 0 then best = best_up end
   local a = tonumber(argv[3])
   if a > 0 and (up[a] or best_up == 0) and counts[a] <= counts[best] + tonumber(argv[4]) then best = a end
-  redis.call('ZADD', keys[2 * best - 1], now + tonumber(argv[2]), argv[1])
-  redis.call('PEXPIRE', keys[2 * best - 1], tonumber(argv[2]))
-  return best
+  redis.call('ZADD', keys[4 * best - 3], now + tonumber(argv[2]), argv[1])
+  redis.call('PEXPIRE', keys[4 * best - 3], tonumber(argv[2]))
+  local log, tokens, keep = keys[4 * best - 1], keys[4 * best], tonumber(argv[6])
+  local old = redis.call('ZRANGEBYSCORE', log, '-inf', now - keep, 'LIMIT', 0, 1000)
+  if #old > 0 then
+    redis.call('ZREM', log, unpack(old))
+    redis.call('HDEL', tokens, unpack(old))
+  end
+  local routed = 0
+  local since = redis.call('ZRANGEBYSCORE', log, tonumber(argv[6 + best]), '+inf')
+  for first = 1, #since, 1000 do  -- unpack takes a bounded number of values
+    local counts = redis.call('HMGET', tokens, unpack(since, first, math.min(first + 999, #since)))
+    for _, n in ipairs(counts) do routed = routed + (tonumber(n) or 0) end
+  end
+  if tonumber(argv[5]) > 0 then
+    redis.call('ZADD', log, now, argv[1])
+    redis.call('HSET', tokens, argv[1], argv[5])
+    redis.call('PEXPIRE', log, keep)
+    redis.call('PEXPIRE', tokens, keep)
+  end
+  return {best, routed}
 end
 """
 
@@ -80,7 +106,7 @@ ADMIT = _NOW_MS + _ADMIT + "return admit(KEYS, ARGV)"
 
 PICK = _NOW_MS + _PICK + "return pick(KEYS, ARGV)"
 
-# KEYS: admit's four, then pick's; ARGV: admit's six, then pick's affinity and max extra.
+# KEYS: admit's four, then pick's; ARGV: admit's six, then pick's from its third on.
 ADMIT_AND_PICK = (
     _NOW_MS
     + _ADMIT
@@ -90,18 +116,26 @@ local admitted = admit({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, ARGV)
 if admitted[1] == 0 then return admitted end
 local candidates = {}
 for i = 5, #KEYS do candidates[#candidates + 1] = KEYS[i] end
-admitted[7] = pick(candidates, {ARGV[5], ARGV[6], ARGV[7], ARGV[8]})
+local args = {ARGV[5], ARGV[6]}
+for i = 7, #ARGV do args[#args + 1] = ARGV[i] end
+local picked = pick(candidates, args)
+admitted[7], admitted[8] = picked[1], picked[2]
 return admitted
 """
 )
 
 # The end of a request (or of one attempt at a replica).
 # KEYS: the key's and the tenant's in-flight sets, the replica's in-flight set, its "down" marker,
-#       the request's first-token mark (a key given as "" is left alone)
+#       the request's first-token mark, the replica's routed log and its prompt tokens (a key given
+#       as "" is left alone)
 # ARGV: request id, replica cool-down (ms; 0: it did not fail), first-token mark lifetime (ms; 0: none)
 FINISH = """
 for i = 1, 3 do
   if KEYS[i] ~= '' then redis.call('ZREM', KEYS[i], ARGV[1]) end
+end
+if KEYS[6] ~= '' then
+  redis.call('ZREM', KEYS[6], ARGV[1])
+  redis.call('HDEL', KEYS[7], ARGV[1])
 end
 if tonumber(ARGV[2]) > 0 then redis.call('SET', KEYS[4], 1, 'PX', tonumber(ARGV[2])) end
 if tonumber(ARGV[3]) > 0 then redis.call('SET', KEYS[5], 1, 'PX', tonumber(ARGV[3])) end

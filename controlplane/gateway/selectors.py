@@ -1,7 +1,7 @@
 """The gateway's reads: an API key with everything admission needs, and the routing table."""
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
 
@@ -48,8 +48,19 @@ class ReplicaRoute:
     endpoint_url: str
     # The conversations whose KV it holds (gpuworker.contract.prefix_keys digests), as last reported.
     prefix_keys: frozenset[str] = frozenset()
-    # From the replica's latest load report (replica_choice.predicted_wait_s); 0 without one.
+    # From the replica's latest load report (replica_choice.predicted_wait_s); 0 without one. The
+    # route a pick answers (shared.RedisShared.pick) adds the requests routed there since the report.
     predicted_wait_s: float = 0.0
+    # That report: when it came (epoch seconds; 0: none recent) and its figures the wait is from.
+    report_at: float = 0.0
+    waiting_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+
+    def with_routed(self, routed_tokens: int) -> "ReplicaRoute":
+        """This route as a pick answers it: its predicted wait counts the prompt tokens routed to
+        it since its load report (by every gateway process), which the report could not show."""
+        figures = {"waiting_tokens": self.waiting_tokens, "prefill_tokens_per_s": self.prefill_tokens_per_s}
+        return replace(self, predicted_wait_s=predicted_wait_s(figures, routed_tokens))
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,11 @@ class ModelRoute:
             max_images_per_request=self.max_images_per_request,
             max_image_bytes=self.max_image_bytes,
         )
+
+    def over_objective(self, replica: ReplicaRoute) -> bool:
+        """Whether a request routed to `replica` (as its pick answered it) is predicted to wait
+        longer than the TTFT objective: then it is shed."""
+        return self.ttft_objective_s is not None and replica.predicted_wait_s > self.ttft_objective_s
 
     @property
     def servable(self) -> bool:
@@ -127,7 +143,7 @@ def routing_table() -> dict[str, ModelRoute]:
     # which conversations, and how long a request would wait there.
     heartbeats = heartbeat_cache.read_many(worker_ids=ready_workers)
     prefix_keys = replica_prefix_keys(heartbeats)
-    waits = _predicted_waits(heartbeats)
+    reports = _load_reports(heartbeats)
     for replica_id, state, endpoint_url, model_id, worker_state, _ in replicas:
         if state != Replica.State.READY:
             loading.add(model_id)
@@ -136,7 +152,7 @@ def routing_table() -> dict[str, ModelRoute]:
                 replica_id,
                 endpoint_url.rstrip("/"),
                 prefix_keys=prefix_keys.get(replica_id, frozenset()),
-                predicted_wait_s=waits.get(replica_id, 0.0),
+                **reports.get(replica_id, {}),
             )
             ready.setdefault(model_id, []).append(route)
     slots = placement_slots(workers=list(Worker.objects.filter(state=Worker.State.ONLINE)))
@@ -202,17 +218,24 @@ def routing_table() -> dict[str, ModelRoute]:
 LOAD_REPORT_MAX_AGE_S = 10.0
 
 
-def _predicted_waits(heartbeats: dict[int, dict[str, Any]]) -> dict[int, float]:
-    """Each replica's predicted wait by id, from its worker's latest heartbeat (`heartbeats`, by
-    worker id, as heartbeat_cache.read_many answers) while that is recent."""
+def _load_reports(heartbeats: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Each replica's load report by id (ReplicaRoute's fields), from its worker's latest heartbeat
+    (`heartbeats`, by worker id, as heartbeat_cache.read_many answers) while that is recent."""
     now = time.time()
-    waits = {}
+    reports = {}
     for state in heartbeats.values():
-        if now - state.get("received_at", 0) > LOAD_REPORT_MAX_AGE_S:
+        received_at = state.get("received_at", 0)
+        if now - received_at > LOAD_REPORT_MAX_AGE_S:
             continue  # an old report says nothing of the queue now
         for replica_id, figures in (state.get("replicas") or {}).items():
-            waits[int(replica_id)] = predicted_wait_s(figures)
-    return waits
+            waiting, rate = figures.get("waiting_tokens"), figures.get("prefill_tokens_per_s")
+            reports[int(replica_id)] = {
+                "predicted_wait_s": predicted_wait_s(figures),
+                "report_at": received_at,
+                "waiting_tokens": int(waiting) if isinstance(waiting, int | float) else 0,
+                "prefill_tokens_per_s": float(rate) if isinstance(rate, int | float) else 0.0,
+            }
+    return reports
 
 
 def cold_start_refusal(

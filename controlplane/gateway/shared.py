@@ -1,6 +1,7 @@
 """State all gateway processes share, in Redis: rate limits and requests in flight (per key, per
-tenant, per replica), replicas passed over after failing, first-token marks, idempotent results,
-and the channel that announces key changes.
+tenant, per replica), the prompt tokens routed to each replica since its load report (which the
+shedding rule adds to the report's queue), replicas passed over after failing, first-token marks,
+idempotent results, and the channel that announces key changes.
 
 Admission (both per-minute limits and both concurrency limits) is one Lua script (`scripts`), so
 it is atomic across processes; so is the choice of replica, and the hot path runs both in one
@@ -23,7 +24,7 @@ from controlplane.batches.models import is_batch_request
 from controlplane.fleet.cold_start_counts import redis_key
 from controlplane.gateway import scripts
 from controlplane.gateway.config import GatewayConfig
-from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
+from controlplane.gateway.selectors import LOAD_REPORT_MAX_AGE_S, KeyGrant, ReplicaRoute
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,15 @@ class Admission:
 def _admission(reply) -> Admission:
     allowed, reason, retry_ms, limit, remaining, reset_ms = reply
     return Admission(bool(allowed), reason.decode(), int(retry_ms), int(limit), int(remaining), int(reset_ms))
+
+
+# How long a replica's log of routed requests keeps one: past any load report the gateway reads.
+ROUTED_LOG_MS = int(2 * LOAD_REPORT_MAX_AGE_S * 1000)
+
+
+def _routed_keys(replica_id: int) -> list[str]:
+    """A replica's log of the requests routed to it (time by request) and their prompt tokens."""
+    return [f"gw:routed:{replica_id}", f"gw:routed_tokens:{replica_id}"]
 
 
 def _duration(ms: int) -> str:
@@ -94,24 +104,42 @@ class RedisShared:
             ],
         }
 
-    async def pick(self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None) -> ReplicaRoute:
-        """Choose among `candidates` (non-empty) and count the request as outstanding there."""
-        index = await self._pick(**self._pick_call(candidates, request_id, affinity))
-        return candidates[int(index) - 1]
+    async def pick(
+        self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None, prompt_tokens: int = 0
+    ) -> ReplicaRoute:
+        """Choose among `candidates` (non-empty) and count the request as outstanding there, with
+        its `prompt_tokens` routed there since the replica's load report; the route answered
+        predicts its wait with the prompt tokens routed there before it (ReplicaRoute.with_routed)."""
+        index, routed = await self._pick(**self._pick_call(candidates, request_id, affinity, prompt_tokens))
+        return candidates[int(index) - 1].with_routed(int(routed))
 
     async def admit_and_pick(
-        self, grant: KeyGrant, request_id: str, candidates: Sequence[ReplicaRoute], affinity: int | None
+        self,
+        grant: KeyGrant,
+        request_id: str,
+        candidates: Sequence[ReplicaRoute],
+        affinity: int | None,
+        prompt_tokens: int = 0,
     ) -> tuple[Admission, ReplicaRoute | None]:
         """`admit`, and if admitted `pick`, in one script call (the hot path's usual case)."""
-        admit, pick = self._admit_call(grant, request_id), self._pick_call(candidates, request_id, affinity)
+        admit = self._admit_call(grant, request_id)
+        pick = self._pick_call(candidates, request_id, affinity, prompt_tokens)
         reply = await self._admit_and_pick(keys=admit["keys"] + pick["keys"], args=admit["args"] + pick["args"][2:])
         admission = _admission(reply[:6])
-        return admission, candidates[int(reply[6]) - 1] if admission.allowed else None
+        if not admission.allowed:
+            return admission, None
+        return admission, candidates[int(reply[6]) - 1].with_routed(int(reply[7]))
 
-    def _pick_call(self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None) -> dict:
+    def _pick_call(
+        self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None, prompt_tokens: int
+    ) -> dict:
         keys = []
         for replica in candidates:
-            keys += [f"gw:outstanding:{replica.replica_id}", f"gw:down:{replica.replica_id}"]
+            keys += [
+                f"gw:outstanding:{replica.replica_id}",
+                f"gw:down:{replica.replica_id}",
+                *_routed_keys(replica.replica_id),
+            ]
         return {
             "keys": keys,
             "args": [
@@ -119,6 +147,9 @@ class RedisShared:
                 self._entry_ms,
                 0 if affinity is None else affinity + 1,
                 self._config.affinity_max_extra,
+                prompt_tokens,
+                ROUTED_LOG_MS,
+                *(int(replica.report_at * 1000) for replica in candidates),
             ],
         }
 
@@ -147,8 +178,9 @@ class RedisShared:
         runs on `replica_id`, which failed it if `replica_failed`; `started`: also `mark_started`."""
         key, tenant = (f"gw:busy:key:{grant.key_id}", f"gw:busy:tenant:{grant.tenant_id}") if grant else ("", "")
         outstanding, down = (f"gw:outstanding:{replica_id}", f"gw:down:{replica_id}") if replica_id else ("", "")
+        routed = _routed_keys(replica_id) if replica_id else ["", ""]
         await self._finish(
-            keys=[key, tenant, outstanding, down, f"gw:started:{request_id}"],
+            keys=[key, tenant, outstanding, down, f"gw:started:{request_id}", *routed],
             args=[
                 request_id,
                 int(self._config.replica_cooldown_s * 1000) if replica_failed and replica_id else 0,

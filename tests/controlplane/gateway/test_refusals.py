@@ -322,10 +322,10 @@ def test_a_shed_message_is_anthropics_529_overloaded_error_and_a_shed_response_o
     assert (refusal.status, refusal.error_code, refusal.tenant_id) == (529, "overloaded", world.tenant.pk)
     world.settled()
     assert not UsageRecord.objects.filter(request_id=request_id).exists()
-    # Its concurrency slots and its count on the replica were freed at once.
+    # Its concurrency slots, its count on the replica and its prompt tokens there were freed at once.
     shared = redis.Redis.from_url(refusal_gateway.redis_url)
     busy = [f"gw:busy:key:{world.api_key.pk}", f"gw:busy:tenant:{world.tenant.pk}"]
-    outstanding = [f"gw:outstanding:{replica.pk}" for replica in world.replicas]
+    outstanding = [f"gw:{kind}:{replica.pk}" for replica in world.replicas for kind in ("outstanding", "routed")]
     assert [shared.zcard(key) for key in busy + outstanding] == [0] * (len(busy) + len(outstanding))
     shared.close()
 

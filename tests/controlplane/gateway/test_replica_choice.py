@@ -4,7 +4,13 @@ call them; test_shared.py checks the Redis script gives the same answers)."""
 import json
 from dataclasses import dataclass
 
-from controlplane.gateway.replica_choice import affinity_choice, affinity_key, least_outstanding, predicted_wait_s
+from controlplane.gateway.replica_choice import (
+    affinity_choice,
+    affinity_key,
+    least_outstanding,
+    predicted_wait_s,
+    prompt_tokens_estimate,
+)
 
 
 @dataclass(frozen=True)
@@ -144,3 +150,12 @@ def test_the_predicted_wait_is_the_queued_prompt_tokens_over_the_recent_prefill_
         {},
     ):
         assert predicted_wait_s(figures) == 0.0
+
+
+def test_prompt_tokens_routed_since_the_report_join_its_queue():
+    idle = {"waiting_tokens": 0, "prefill_tokens_per_s": 2000.0}
+    assert predicted_wait_s(idle, routed_tokens=3000) == 1.5
+    assert predicted_wait_s({"waiting_tokens": 1000, "prefill_tokens_per_s": 2000.0}, routed_tokens=3000) == 2.0
+    # Without a measured rate there is still no evidence of a wait.
+    assert predicted_wait_s({"waiting_tokens": 0, "prefill_tokens_per_s": 0.0}, routed_tokens=3000) == 0.0
+    assert [prompt_tokens_estimate(n) for n in (0, 3, 4000)] == [1, 1, 1000]

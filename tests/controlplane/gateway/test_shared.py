@@ -3,6 +3,8 @@ in-process (the embedded set-up without Redis). Same tests, same answers."""
 
 import asyncio
 import os
+import time
+from decimal import Decimal
 
 import pytest
 import redis
@@ -10,12 +12,13 @@ import redis
 from controlplane.fleet.cold_start_counts import waiting_in_cache, waiting_in_redis
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.local_shared import LocalShared
-from controlplane.gateway.selectors import KeyGrant, ReplicaRoute
+from controlplane.gateway.replica_choice import predicted_wait_s
+from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission, RedisShared, _duration
 from tests.conftest import require_service
 
 # Not the database the running-gateway tests use: these flush theirs freely.
-REDIS_DB = 11
+REDIS_DB = int(os.environ.get("GATEWAY_SHARED_TESTS_REDIS_DB", "11"))
 
 
 def _config(redis_url: str = "") -> GatewayConfig:
@@ -264,3 +267,74 @@ async def test_a_cold_start_wait_past_its_deadline_no_longer_counts(shared):
     assert _cold_start_waiting(shared, [7]) == {7: 2}
     await asyncio.sleep(0.3)
     assert _cold_start_waiting(shared, [7]) == {7: 1}
+
+
+def _reported(replica_id: int, waiting_tokens: int, prefill_tokens_per_s: float) -> ReplicaRoute:
+    """A replica's route as the routing table builds it from a load report received now."""
+    figures = {"waiting_tokens": waiting_tokens, "prefill_tokens_per_s": prefill_tokens_per_s}
+    return ReplicaRoute(
+        replica_id,
+        f"http://{replica_id}",
+        predicted_wait_s=predicted_wait_s(figures),
+        report_at=time.time(),
+        waiting_tokens=waiting_tokens,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+    )
+
+
+def _model(ttft_objective_s: float, *ready: ReplicaRoute) -> ModelRoute:
+    return ModelRoute(
+        model_id=1,
+        public_name="m",
+        kind="chat",
+        price_per_request=Decimal("0.01"),
+        created=0,
+        context_length=4096,
+        max_request_bytes=1 << 20,
+        ready=ready,
+        loading=False,
+        ttft_objective_s=ttft_objective_s,
+    )
+
+
+def _another_process(shared):
+    """The same shared state as another gateway process sees it (the embedded set-up has one)."""
+    return RedisShared(shared._config) if isinstance(shared, RedisShared) else shared
+
+
+async def test_requests_routed_since_the_load_report_count_until_the_objective_sheds_the_next(shared):
+    idle = _reported(1, waiting_tokens=0, prefill_tokens_per_s=1000.0)  # its report: nothing queued
+    model = _model(1.0, idle)
+    other = _another_process(shared)
+    try:
+        waits, shed = [], []
+        for i in range(6):  # 300 prompt tokens each, picked by two processes in turn, no new report
+            process = other if i % 2 else shared
+            if i == 0:
+                _, replica = await process.admit_and_pick(grant(), "r0", [idle], None, 300)
+            else:
+                replica = await process.pick([idle], f"r{i}", None, 300)
+            waits.append(replica.predicted_wait_s)
+            shed.append(model.over_objective(replica))
+            if shed[-1]:  # as the gateway does: a shed request never reaches the replica
+                await process.finish(f"r{i}", replica_id=1)
+        assert waits == pytest.approx([0.0, 0.3, 0.6, 0.9, 1.2, 1.2])
+        assert shed == [False, False, False, False, True, True]
+        await shared.finish("r0", replica_id=1)  # done: no longer ahead of anyone
+        assert (await other.pick([idle], "r6", None, 300)).predicted_wait_s == pytest.approx(0.9)
+    finally:
+        if other is not shared:
+            await other.aclose()
+
+
+async def test_a_newer_load_report_replaces_the_count_of_requests_routed_before_it(shared):
+    before = _reported(1, waiting_tokens=0, prefill_tokens_per_s=1000.0)
+    for i in range(4):
+        await shared.pick([before], f"r{i}", None, 300)
+    await asyncio.sleep(0.01)
+    # The replica's next report shows what those became (here 600 tokens still queued).
+    after = _reported(1, waiting_tokens=600, prefill_tokens_per_s=1000.0)
+    assert (await shared.pick([after], "r4", None, 300)).predicted_wait_s == pytest.approx(0.6)
+    assert (await shared.pick([after], "r5", None, 300)).predicted_wait_s == pytest.approx(0.9)
+    # A process still holding the older report counts everything routed since that one.
+    assert (await shared.pick([before], "r6", None, 300)).predicted_wait_s == pytest.approx(1.8)
