@@ -55,9 +55,11 @@ def use_embedded_control_plane(var_dir: Path) -> None:
     call_command("migrate", verbosity=0)
 
 
-def seed(*, model: str, kind: str, replica_url: str, context_length: int, ttft_slo_ms: int) -> tuple[str, int]:
-    """A tenant (ample credit, high limits) and its key, the model, its deployment with the objective,
-    and the worker whose ready replica is ours: (the key, the replica's id)."""
+def seed(
+    *, model: str, kind: str, replica_url: str, context_length: int, ttft_slo_ms: int | None = None
+) -> tuple[str, int]:
+    """A tenant (ample credit, high limits) and its key, the model, its deployment with the objective
+    (None: the default), and the worker whose ready replica is ours: (the key, the replica's id)."""
     from controlplane.accounts.services import api_key_create, tenant_create
     from controlplane.billing.services import credit_grant, plan_create, price_tier_create
     from controlplane.catalog.services import model_create
@@ -82,7 +84,8 @@ def seed(*, model: str, kind: str, replica_url: str, context_length: int, ttft_s
         price_tier=tier,
     )
     deployment = deployment_create(model_name=model, autoscale=False)
-    set_objective(model, ttft_slo_ms)
+    if ttft_slo_ms is not None:
+        set_objective(model, ttft_slo_ms)
     worker = Worker.objects.create(
         name="bench", queue_name="gpuworker.bench", advertise_host="127.0.0.1", device=Worker.Device.CPU
     )

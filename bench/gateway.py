@@ -206,39 +206,10 @@ def prepare_database(database_url: str, stub_port: int) -> str:
 
     django.setup()
     call_command("migrate", verbosity=0)
-    from decimal import Decimal
+    from bench.embedded import seed
 
-    from controlplane.accounts.services import api_key_create, tenant_create
-    from controlplane.billing.services import credit_grant, plan_create, price_tier_create
-    from controlplane.catalog.services import model_create
-    from controlplane.fleet.models import Replica, Worker
-    from controlplane.fleet.services.deployments import deployment_create
-
-    plan = plan_create(
-        name="bench", included_requests_per_month=0, rate_limit_per_minute=10_000_000, max_concurrent_requests=10_000
-    )
-    tenant = tenant_create(name="bench", plan=plan)
-    credit_grant(tenant=tenant, amount=Decimal("1000000"))
-    tier = price_tier_create(
-        name="bench", price_per_request=Decimal("0.000001"), reference_price_per_million_tokens=Decimal("0.1")
-    )
-    model_create(
-        public_name=CHAT["model"],
-        family="llama",
-        kind="chat",
-        weights_path="/stub",
-        context_length=4096,
-        parameter_count=1,
-        price_tier=tier,
-    )
-    deployment = deployment_create(model_name=CHAT["model"])
-    worker = Worker.objects.create(
-        name="bench", queue_name="gpuworker.bench", advertise_host="127.0.0.1", device=Worker.Device.CPU
-    )
-    Replica.objects.create(
-        deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=f"http://127.0.0.1:{stub_port}"
-    )
-    return api_key_create(tenant=tenant, name="bench").plaintext
+    key, _ = seed(model=CHAT["model"], kind="chat", replica_url=f"http://127.0.0.1:{stub_port}", context_length=4096)
+    return key
 
 
 def main() -> None:
