@@ -13,9 +13,9 @@ the SQLite broker. The replica is `python -m gpuworker serve` on a random checkp
 serving.py's prepare_model; CUDA and bfloat16 by default). The gateway is uvicorn over
 controlplane.asgi; the Batch API's runner is the Celery worker as `make run` starts it; in place
 of the worker daemon this process records the replica's /stats through the fleet's heartbeat
-service. In this set-up the Celery worker does not see the web server's requests in flight (no
-Redis), so BATCH_REPLICA_BUSY_AT does not hold batch lines back: only the engine's priority
-classes stand between them and interactive requests.
+service. The Celery worker sees the web server's requests in flight through the live cache's
+files (no Redis), so BATCH_REPLICA_BUSY_AT holds batch lines back as it does with Redis, and the
+engine's priority classes order what reaches a replica.
 
 It streams --requests chat completions at --concurrency through the gateway (each client pausing
 --pause-ms between requests, the idle gaps batch work may fill; greedy, ignore_eos) and times each

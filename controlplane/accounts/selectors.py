@@ -2,7 +2,7 @@
 
 from datetime import datetime, timedelta
 
-from django.core.cache import cache
+from django.core.cache import caches
 from django.db.models import Count, Q, QuerySet
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -137,7 +137,9 @@ def tenants_with_member_counts() -> QuerySet[Tenant]:
 
 # Tenant names by id, for pages that show ids from live reports (a replica's tenants): cached, so
 # that a page redrawn on every heartbeat reads no rows; a saved or deleted tenant drops its entry
-# (accounts/signals.py), and the timeout bounds what a change made without its signal leaves.
+# (accounts/signals.py), and the timeout bounds what a change made without its signal leaves. In
+# the live cache, which every process shares (Redis, or files without it), so that a rename made
+# in one process (the admin, a shell, a task) is seen by the pages another one serves.
 _TENANT_NAME_KEY = "accounts:tenant-name:{}"
 TENANT_NAME_CACHE_S = 3600
 
@@ -147,16 +149,16 @@ def tenant_names(*, tenant_ids) -> dict[int, str]:
     ids = {int(tenant_id) for tenant_id in tenant_ids}
     if not ids:
         return {}
-    cached = cache.get_many([_TENANT_NAME_KEY.format(i) for i in ids])
+    cached = caches["live"].get_many([_TENANT_NAME_KEY.format(i) for i in ids])
     names = {i: cached[_TENANT_NAME_KEY.format(i)] for i in ids if _TENANT_NAME_KEY.format(i) in cached}
     missing = ids - names.keys()
     if missing:
         found = dict(Tenant.objects.filter(pk__in=missing).values_list("pk", "name"))
-        cache.set_many({_TENANT_NAME_KEY.format(i): name for i, name in found.items()}, TENANT_NAME_CACHE_S)
+        caches["live"].set_many({_TENANT_NAME_KEY.format(i): name for i, name in found.items()}, TENANT_NAME_CACHE_S)
         names.update(found)
     return names
 
 
 def tenant_name_forget(*, tenant_id: int) -> None:
     """Drop a tenant's cached name (it was renamed or deleted)."""
-    cache.delete(_TENANT_NAME_KEY.format(tenant_id))
+    caches["live"].delete(_TENANT_NAME_KEY.format(tenant_id))

@@ -1,12 +1,19 @@
 """The gateway's shared state kept in the process, for the embedded set-up without Redis (`make
 run`: one web process, so "shared by all gateway processes" is this one). Same operations and
 semantics as `shared.RedisShared`, whose Lua scripts these mirror; tests run both.
+
+What another process must read goes to the live cache (files under VAR_DIR, which every process
+shares): the batch runner in the Celery worker yields to the web process's interactive requests in
+flight, so the gateway writes each replica's interactive entries there, each with its deadline as
+in Redis; the entries of a process that died mid-request lapse at their deadlines.
 """
 
 import asyncio
 import math
 import time
 from collections.abc import Callable, Sequence
+
+from django.core.cache import caches
 
 from controlplane.batches.models import is_batch_request
 from controlplane.fleet.cold_start_counts import publish_to_cache
@@ -20,6 +27,26 @@ _PERIOD_MS = 60_000.0
 
 def _now_ms() -> float:
     return time.time() * 1000.0
+
+
+def _in_flight_key(replica_id: int) -> str:
+    return f"gateway:in_flight:{replica_id}"
+
+
+def _publish_in_flight(replica_id: int, entries: dict[str, float]) -> None:
+    """One replica's interactive requests in flight in this process: {request id: deadline (ms)}."""
+    now = _now_ms()
+    last_deadline = max(entries.values(), default=now)
+    caches["live"].set(_in_flight_key(replica_id), entries, timeout=int((last_deadline - now) / 1000) + 60)
+
+
+def _in_flight_counts(replica_ids: Sequence[int]) -> dict[int, int]:
+    found = caches["live"].get_many([_in_flight_key(replica_id) for replica_id in replica_ids])
+    now = _now_ms()
+    return {
+        replica_id: sum(deadline > now for deadline in found.get(_in_flight_key(replica_id), {}).values())
+        for replica_id in replica_ids
+    }
 
 
 class _Expiring(dict):
@@ -101,6 +128,8 @@ class LocalShared:
         best = least_outstanding(counts, up, affinity, self._config.affinity_max_extra)
         chosen = candidates[best]
         self._outstanding[chosen.replica_id][request_id] = now + self._entry_ms
+        if not is_batch_request(request_id):
+            self._publish_interactive(chosen.replica_id)
         log = self._routed.setdefault(chosen.replica_id, {})
         for member in [m for m, (at, _) in log.items() if at <= now - ROUTED_LOG_MS]:
             del log[member]
@@ -110,17 +139,15 @@ class LocalShared:
             log[request_id] = (now, prompt_tokens)
         return chosen.with_routed(routed)
 
-    async def interactive_outstanding(self, replica_ids: Sequence[int]) -> dict[int, int]:
-        """As RedisShared's: this process's requests in flight per replica, batch lines left out."""
+    def _publish_interactive(self, replica_id: int) -> None:
         now = _now_ms()
-        return {
-            replica_id: sum(
-                1
-                for member, deadline in self._outstanding.get(replica_id, {}).items()
-                if deadline > now and not is_batch_request(member)
-            )
-            for replica_id in replica_ids
-        }
+        entries = self._outstanding.get(replica_id, {})
+        _publish_in_flight(replica_id, {m: d for m, d in entries.items() if d > now and not is_batch_request(m)})
+
+    async def interactive_outstanding(self, replica_ids: Sequence[int]) -> dict[int, int]:
+        """As RedisShared's: requests in flight per replica, batch lines left out; read from the
+        live cache, so the batch runner's process sees the web process's requests."""
+        return _in_flight_counts(replica_ids)
 
     async def finish(
         self,
@@ -137,7 +164,8 @@ class LocalShared:
             for name in (f"key:{grant.key_id}", f"tenant:{grant.tenant_id}"):
                 self._busy.get(name, {}).pop(request_id, None)
         if replica_id is not None:
-            self._outstanding.get(replica_id, {}).pop(request_id, None)
+            if self._outstanding.get(replica_id, {}).pop(request_id, None) and not is_batch_request(request_id):
+                self._publish_interactive(replica_id)
             self._routed.get(replica_id, {}).pop(request_id, None)
             if replica_failed:
                 self._down[replica_id] = _now_ms() + self._config.replica_cooldown_s * 1000

@@ -2,7 +2,10 @@
 figures, replicas with load progress, deployments, and the empty state; its live parts drawn in
 one place, and fetched over HTTP while its WebSocket is down."""
 
+import os
 import re
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -239,6 +242,50 @@ def test_the_fleet_page_shows_each_ready_replicas_load_and_the_last_autoscaling_
     assert 'data-action="up"' in block and "Scaled up · 2" in block
     assert "utilisation 100% of 1 ready (target 70%), above 84%" in block
     assert "waiting 3 · running 5" in block
+
+
+# Another process of the embedded set-up (no Redis: the live cache on files under VAR_DIR) renames
+# a tenant, as the admin, a shell or a task would.
+_RENAME_ELSEWHERE = """
+import sys, django
+django.setup()
+from controlplane.accounts.models import Tenant
+tenant = Tenant.objects.get(pk=int(sys.argv[1]))
+tenant.name = sys.argv[2]
+tenant.save()
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_redis_the_fleet_page_shows_a_rename_made_in_another_process(
+    client, settings, tmp_path, require_postgres
+):
+    from django.db import connection
+
+    var = tmp_path / "var"
+    settings.REDIS_URL = ""
+    settings.CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": f"web-{tmp_path.name}"},
+        "live": {
+            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "LOCATION": str(var / "cache" / "live"),
+        },
+    }
+    client.force_login(make_user(User.Role.OPERATOR))
+    worker = make_worker(name="h100-a")
+    replica = ReplicaFactory(worker=worker, state=Replica.State.READY, endpoint_url="http://127.0.0.1:9100")
+    acme = TenantFactory(name="acme")
+    load = {"replica_id": replica.pk, "state": "ready", "endpoint_url": replica.endpoint_url}
+    beat(worker, replicas=[{**load, "tenant_shares": {str(acme.pk): 1.0}}])
+    assert "shares: acme 100%" in client.get(reverse("dashboard:fleet")).content.decode()
+    db = connection.settings_dict
+    auth = db["USER"] + (f":{db['PASSWORD']}" if db.get("PASSWORD") else "")
+    database_url = f"postgres://{auth}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    env = {**os.environ, "REDIS_URL": "", "VAR_DIR": str(var), "DATABASE_URL": database_url}
+    subprocess.run(
+        [sys.executable, "-c", _RENAME_ELSEWHERE, str(acme.pk), "acme & co"], env=env, check=True, timeout=120
+    )
+    assert "shares: acme &amp; co 100%" in client.get(reverse("dashboard:fleet")).content.decode()
 
 
 def test_the_fleet_pages_live_parts_are_rendered_in_one_place():

@@ -8,6 +8,7 @@ from decimal import Decimal
 
 import pytest
 import redis
+from django.core.cache import caches
 
 from controlplane.fleet.cold_start_counts import waiting_in_cache, waiting_in_redis
 from controlplane.gateway.config import GatewayConfig
@@ -55,6 +56,7 @@ async def shared(request, settings):
             **settings.CACHES,
             "live": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache", "LOCATION": f"shared-{os.getpid()}"},
         }
+        caches["live"].clear()  # one test's requests in flight are not the next one's
         yield LocalShared(_config())
         return
     base = os.environ.get("REDIS_URL", "")
