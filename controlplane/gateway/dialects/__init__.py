@@ -14,6 +14,10 @@ class StreamTranslator:
     """One streamed answer in a dialect's events: the relay hands it the replica's chat chunks
     (the first with the first token, so the events that open the stream go out with it)."""
 
+    # The prompt's length in tokens, as the replica told it before its first chunk (0 if it did
+    # not): the relay sets it, for the events that open the stream.
+    prompt_tokens: int = 0
+
     def chunk(self, event: dict) -> bytes:
         """The events for one chat completion chunk (possibly none)."""
         raise NotImplementedError

@@ -271,7 +271,8 @@ class AnthropicMessages(Dialect):
 
 
 class MessagesStream(StreamTranslator):
-    """Anthropic's event sequence: message_start, then per content block content_block_start,
+    """Anthropic's event sequence: message_start (already counting the prompt's tokens), then per
+    content block content_block_start,
     its deltas (text_delta or input_json_delta) and content_block_stop; message_delta with the
     stop reason and usage; message_stop."""
 
@@ -297,7 +298,7 @@ class MessagesStream(StreamTranslator):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
         }
         return self._event("message_start", message=message)
 

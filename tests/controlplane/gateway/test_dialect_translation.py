@@ -145,6 +145,15 @@ def test_anthropic_stream_events_for_text_then_a_tool_call():
     assert failed == [("error", {"type": "error", "error": {"type": "api_error", "message": "The replica failed."}})]
 
 
+def test_anthropic_stream_message_start_reports_the_prompt_tokens():
+    stream = MessagesStream("m")
+    stream.prompt_tokens = 5  # as the relay sets it from the replica's header
+    body = stream.chunk(_chunk(content="Hi")) + stream.finish({"prompt_tokens": 5, "completion_tokens": 1})
+    events = _events(body)
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 5
+    assert events[-2][1]["usage"]["input_tokens"] == 5
+
+
 def test_responses_items_become_chat_messages():
     items = input_items(
         [

@@ -315,9 +315,13 @@ def test_anthropic_messages_create_stream_and_billing(world):
     with client.messages.stream(
         model=world.model.public_name, max_tokens=6, messages=[{"role": "user", "content": "Hi"}]
     ) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [event.type for event in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    # As Anthropic's API does, message_start already counts the prompt's tokens.
+    (delta,) = [event for event in events if event.type == "message_delta"]
+    assert events[0].message.usage.input_tokens == delta.usage.input_tokens == final.usage.input_tokens > 0
     assert "content_block_start" in kinds and "content_block_stop" in kinds
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 6
     assert final.content[0].text
