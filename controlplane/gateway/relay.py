@@ -70,6 +70,8 @@ class StreamRelay:
     ):
         self.flight, self.events, self.buffered = flight, events, buffered
         self.translator = translator  # another dialect's events for the chat chunks
+        if translator is not None:
+            translator.prompt_tokens = flight.prompt_tokens
         self.headers, self.include_usage, self.deadline = headers, include_usage, deadline
         self.rename = _rename(buffered, flight.model.public_name)
         self.usage: dict | None = None

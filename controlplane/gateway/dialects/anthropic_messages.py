@@ -271,9 +271,10 @@ class AnthropicMessages(Dialect):
 
 
 class MessagesStream(StreamTranslator):
-    """Anthropic's event sequence: message_start, then per content block content_block_start,
-    its deltas (text_delta or input_json_delta) and content_block_stop; message_delta with the
-    stop reason and usage; message_stop."""
+    """Anthropic's event sequence: message_start (already counting the prompt's tokens), then per
+    content block content_block_start, its deltas (text_delta or input_json_delta) and
+    content_block_stop, one block after another; message_delta with the stop reason and usage;
+    message_stop."""
 
     def __init__(self, model: str):
         self.model, self.deltas = model, ChatDeltas()
@@ -297,7 +298,7 @@ class MessagesStream(StreamTranslator):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
         }
         return self._event("message_start", message=message)
 
@@ -314,8 +315,11 @@ class MessagesStream(StreamTranslator):
         return out + self._event("content_block_start", index=self.blocks - 1, content_block=block)
 
     def chunk(self, event: dict) -> bytes:
-        out = self._start()
-        for piece in self.deltas.read(event):
+        return self._start() + self._blocks(self.deltas.read(event))
+
+    def _blocks(self, pieces: list[tuple]) -> bytes:
+        out = b""
+        for piece in pieces:
             if piece[0] == "text":
                 if self.open != ("text",):
                     out += self._open(("text",), {"type": "text", "text": ""})
@@ -327,8 +331,6 @@ class MessagesStream(StreamTranslator):
                 block = {"type": "tool_use", "id": call["id"], "name": call["name"], "input": {}}
                 out += self._open(("call", piece[1]), block)
             else:
-                if self.open != ("call", piece[1]):
-                    continue  # a late fragment of an earlier call: Anthropic's blocks do not interleave
                 out += self._event(
                     "content_block_delta",
                     index=self.blocks - 1,
@@ -337,7 +339,7 @@ class MessagesStream(StreamTranslator):
         return out
 
     def finish(self, usage: dict | None) -> bytes:
-        out = self._start() + self._close()
+        out = self._start() + self._blocks(self.deltas.rest()) + self._close()
         reason = stop_reason(self.deltas.finish_reason, self.deltas.stop_string)
         delta = {"stop_reason": reason, "stop_sequence": self.deltas.stop_string}
         out += self._event("message_delta", delta=delta, usage=_usage(usage))

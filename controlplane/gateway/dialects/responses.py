@@ -420,8 +420,11 @@ class ResponsesStream(StreamTranslator):
         return out + self._event("response.output_item.added", output_index=len(self.output), item=item)
 
     def chunk(self, event: dict) -> bytes:
-        out = self._start()
-        for piece in self.deltas.read(event):
+        return self._start() + self._items(self.deltas.read(event))
+
+    def _items(self, pieces: list[tuple]) -> bytes:
+        out = b""
+        for piece in pieces:
             if piece[0] == "text":
                 if self.open is None or self.open["kind"] != "text":
                     out += self._open_text()
@@ -436,7 +439,7 @@ class ResponsesStream(StreamTranslator):
                 )
             elif piece[0] == "call_opened":
                 out += self._open_call(piece[1])
-            elif self.open is not None and self.open.get("call") == piece[1]:
+            else:
                 out += self._event(
                     "response.function_call_arguments.delta",
                     item_id=self.open["id"],
@@ -446,7 +449,7 @@ class ResponsesStream(StreamTranslator):
         return out
 
     def finish(self, usage: dict | None) -> bytes:
-        out = self._start()
+        out = self._start() + self._items(self.deltas.rest())
         if not self.output and self.open is None:  # an empty answer is still one message
             out += self._open_text()
         out += self._close()

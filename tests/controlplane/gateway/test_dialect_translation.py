@@ -145,6 +145,47 @@ def test_anthropic_stream_events_for_text_then_a_tool_call():
     assert failed == [("error", {"type": "error", "error": {"type": "api_error", "message": "The replica failed."}})]
 
 
+# Two tool calls whose argument fragments interleave: the first call's end comes after the second
+# opened (then the second's end, and a third call whose arguments never make whole JSON).
+INTERLEAVED = [
+    [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Os'}}],
+    [{"index": 1, "id": "call_2", "type": "function", "function": {"name": "g", "arguments": '{"q": '}}],
+    [{"index": 0, "function": {"arguments": 'lo"}'}}],
+    [{"index": 2, "id": "call_3", "type": "function", "function": {"name": "h", "arguments": "{"}}],
+    [{"index": 1, "function": {"arguments": "1}"}}],
+]
+INTERLEAVED_CALLS = [("call_1", "f", '{"city": "Oslo"}'), ("call_2", "g", '{"q": 1}'), ("call_3", "h", "{")]
+
+
+def test_anthropic_stream_message_start_reports_the_prompt_tokens():
+    stream = MessagesStream("m")
+    stream.prompt_tokens = 5  # as the relay sets it from the replica's header
+    body = stream.chunk(_chunk(content="Hi")) + stream.finish({"prompt_tokens": 5, "completion_tokens": 1})
+    events = _events(body)
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 5
+    assert events[-2][1]["usage"]["input_tokens"] == 5
+
+
+def test_anthropic_stream_interleaved_tool_calls_are_whole_blocks_one_after_another():
+    stream = MessagesStream("m")
+    body = b"".join(stream.chunk(_chunk(calls=calls)) for calls in INTERLEAVED)
+    body += stream.finish({"prompt_tokens": 5, "completion_tokens": 9})
+    blocks: dict[int, list] = {}
+    order = []
+    for name, data in _events(body):
+        if name == "content_block_start":
+            block = data["content_block"]
+            blocks[data["index"]] = [block["id"], block["name"], ""]
+            order.append(("start", data["index"]))
+        elif name == "content_block_delta":
+            assert order[-1][1] == data["index"]  # into the open block only
+            blocks[data["index"]][2] += data["delta"]["partial_json"]
+        elif name == "content_block_stop":
+            order.append(("stop", data["index"]))
+    assert order == [("start", 0), ("stop", 0), ("start", 1), ("stop", 1), ("start", 2), ("stop", 2)]
+    assert [tuple(blocks[i]) for i in range(3)] == INTERLEAVED_CALLS
+
+
 def test_responses_items_become_chat_messages():
     items = input_items(
         [
@@ -235,3 +276,18 @@ def test_responses_malformed_items_name_the_field(value, param):
     with pytest.raises(GatewayError) as caught:
         input_items(value)
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_responses_stream_interleaved_tool_calls_are_whole_items_one_after_another():
+    stream = _responses_stream()
+    body = b"".join(stream.chunk(_chunk(calls=calls)) for calls in INTERLEAVED)
+    body += stream.finish({"prompt_tokens": 5, "completion_tokens": 9})
+    events = _events(body)
+    streamed: dict[int, str] = {}
+    for name, data in events:
+        if name == "response.function_call_arguments.delta":
+            streamed[data["output_index"]] = streamed.get(data["output_index"], "") + data["delta"]
+    done = [data["item"] for name, data in events if name == "response.output_item.done"]
+    assert [(item["call_id"], item["name"], item["arguments"]) for item in done] == INTERLEAVED_CALLS
+    assert [streamed[i] for i in range(3)] == [arguments for _, _, arguments in INTERLEAVED_CALLS]
+    assert [item["arguments"] for item in events[-1][1]["response"]["output"]] == [a for *_, a in INTERLEAVED_CALLS]

@@ -8,6 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import socket
+import socketserver
+import threading
 import time
 from decimal import Decimal
 from typing import Literal
@@ -315,9 +319,13 @@ def test_anthropic_messages_create_stream_and_billing(world):
     with client.messages.stream(
         model=world.model.public_name, max_tokens=6, messages=[{"role": "user", "content": "Hi"}]
     ) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [event.type for event in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    # As Anthropic's API does, message_start already counts the prompt's tokens.
+    (delta,) = [event for event in events if event.type == "message_delta"]
+    assert events[0].message.usage.input_tokens == delta.usage.input_tokens == final.usage.input_tokens > 0
     assert "content_block_start" in kinds and "content_block_stop" in kinds
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 6
     assert final.content[0].text
@@ -388,6 +396,91 @@ def test_anthropic_tool_use_round_trip(world):
     streamed = [block for block in final.content if block.type == "tool_use"]
     assert streamed and all(isinstance(block.input, dict) for block in streamed)
     assert final.stop_reason == "tool_use"
+
+
+def _sse_chunk(delta: dict | None, finish: str | None = None, usage: dict | None = None) -> bytes:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    event = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "x", "choices": choices}
+    if usage is not None:
+        event["usage"] = usage
+    return _chunked(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+
+def _chunked(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def _call(index: int, arguments: str, name: str | None = None) -> dict:
+    call = {"index": index, "function": {"arguments": arguments}}
+    if name is not None:
+        call.update(id=f"call_{name}", type="function")
+        call["function"]["name"] = name
+    return {"tool_calls": [call]}
+
+
+# A model whose two tool calls' argument fragments interleave (the first call's end comes after
+# the second opened), streamed as a replica streams a chat completion.
+INTERLEAVED_STREAM = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\nx-prompt-tokens: 7\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+    + _sse_chunk({"role": "assistant", "content": ""})
+    + _sse_chunk(_call(0, '{"city": "Os', name="get_weather"))
+    + _sse_chunk(_call(1, '{"city": "Ber', name="get_time"))
+    + _sse_chunk(_call(0, 'lo", "unit": "celsius"}'))
+    + _sse_chunk(_call(1, 'gen"}'), finish="tool_calls")
+    + _sse_chunk(None, usage={"prompt_tokens": 7, "completion_tokens": 12, "total_tokens": 19})
+    + _chunked(b"data: [DONE]\n\n")
+    + b"0\r\n\r\n"
+)
+
+
+class _Interleaving(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            if not (received := self.request.recv(65536)):
+                return
+            data += received
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+        while len(body) < length:
+            body += self.request.recv(65536)
+        self.request.sendall(INTERLEAVED_STREAM)
+        self.request.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture(scope="module")
+def interleaving_replica():
+    """A stand-in replica answering every request with INTERLEAVED_STREAM."""
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Interleaving)
+    server.daemon_threads = True
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_anthropic_stream_of_interleaved_tool_calls_keeps_every_argument(dialects_gateway, interleaving_replica):
+    world = make_world(dialects_gateway, [interleaving_replica], price=PRICE)
+    tools = [
+        {"name": name, "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+        for name in ("get_weather", "get_time")
+    ]
+    with anthropic_client(world).messages.stream(
+        model=world.model.public_name, max_tokens=50, tools=tools, messages=[{"role": "user", "content": "Oslo?"}]
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [(block.type, block.name, block.input) for block in final.content] == [
+        ("tool_use", "get_weather", {"city": "Oslo", "unit": "celsius"}),
+        ("tool_use", "get_time", {"city": "Bergen"}),
+    ]
+    starts = [event.index for event in events if event.type == "content_block_start"]
+    assert starts == [0, 1] and final.stop_reason == "tool_use"
+    assert events[0].message.usage.input_tokens == final.usage.input_tokens == 7
+    world.settled()
 
 
 def test_anthropic_errors_are_in_anthropics_shape(world):
