@@ -29,7 +29,7 @@ class ImageLimits:
     too); empty, the default: no fetching, data: URLs only. allowed_addresses: addresses fetched
     from although they are not public (an operator's internal image store; tests' local servers).
     ca_bundle: a PEM file of the certificate authorities https image servers are checked against
-    (an internal store's own CA); None, the default: httpx's trust store (certifi's).
+    (an internal store's own CA); None, the default: the operating system's trust store.
     """
 
     max_images: int = DEFAULT_MAX_IMAGES

@@ -21,6 +21,7 @@ import ssl
 from urllib.parse import urljoin, urlsplit
 
 import httpx
+import truststore
 
 from gpuworker.contract.openai_api import ImageInput, ProtocolError
 from gpuworker.replica.images import ImageLimits
@@ -125,7 +126,7 @@ async def fetch_image(image: ImageInput, limits: ImageLimits) -> bytes:
 async def _follow(image: ImageInput, limits: ImageLimits) -> bytes:
     url = image.url
     timeout = httpx.Timeout(limits.fetch_timeout_s)
-    verify = tls_context(limits.ca_bundle) if limits.ca_bundle is not None else True
+    verify = tls_context(limits.ca_bundle) if limits.ca_bundle is not None else system_tls_context()
     async with httpx.AsyncClient(follow_redirects=False, timeout=timeout, trust_env=False, verify=verify) as client:
         for _ in range(limits.max_redirects + 1):
             scheme, host, port, address = await _checked_target(image, url, limits)
@@ -153,6 +154,14 @@ async def _follow(image: ImageInput, limits: ImageLimits) -> bytes:
             finally:
                 await response.aclose()
     raise refused(image, f"more than {limits.max_redirects} redirects")
+
+
+@functools.cache
+def system_tls_context() -> ssl.SSLContext:
+    """Certificates checked against the operating system's trust store (truststore: the platform's
+    verifier, or OpenSSL's paths and SSL_CERT_FILE on Linux), as a browser checks them, so an
+    authority the host trusts is trusted without a bundle of our own."""
+    return truststore.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 
 @functools.lru_cache(maxsize=4)

@@ -221,6 +221,14 @@ def test_https_is_fetched_with_the_certificate_checked_against_the_host(tls_serv
     assert "CERTIFICATE_VERIFY_FAILED" in untrusted.message
 
 
+def test_without_a_bundle_https_trusts_the_operating_systems_authorities(tls_server, resolver, monkeypatch):
+    """An authority the host trusts (here OpenSSL's SSL_CERT_FILE, as an operator's installed CA would
+    be) is trusted with no ca_bundle; certifi's list alone would refuse the test CA."""
+    port, ca_file = tls_server
+    monkeypatch.setenv("SSL_CERT_FILE", ca_file)
+    assert _fetch(f"https://images.test:{port}/image.png", _limits(allowed_domains=("images.test",))) == PNG
+
+
 @pytest.mark.parametrize(
     "target", ["https://127.0.0.1/x.png", "http://169.254.169.254/latest/meta-data", "https://10.1.2.3/x.png"]
 )
