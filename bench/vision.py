@@ -2,6 +2,7 @@
 weights of --config's shape; images are random noise of --image-size pixels a side).
 
     python bench/vision.py [--config bench/configs/qwen2.5-vl-7b] [--requests 256] [--output 128]
+    python bench/vision.py --smoke    # the CPU, a tiny Qwen2.5-VL, a few small images (tests)
 
 Figures: preprocessing images per second on one CPU core (transformers' image processor, as the
 serving side runs it in its process pool); the engine's TTFT for one image and a --question-tokens
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,7 +28,9 @@ import numpy as np
 
 from common import (
     BENCH_DIR,
+    ROOT,
     add_engine_options,
+    add_smoke_option,
     dummy_engine,
     engine_parser,
     environment,
@@ -37,6 +42,30 @@ from common import (
 )
 
 DEFAULT_VISION_CONFIG = BENCH_DIR / "configs" / "qwen2.5-vl-7b"
+# --smoke's workload where an option is left at its default: a few small images, a few tokens out.
+SMOKE = {
+    "requests": 4,
+    "output": 4,
+    "question_tokens": 8,
+    "image_size": 64,
+    "ttft_runs": 2,
+    "hf_batch": 2,
+    "hf_requests": 2,
+    "max_model_len": 256,
+}
+
+
+def use_smoke_vision_model(args, parser) -> None:
+    """--smoke: the CPU in float32, the tests' tiny Qwen2.5-VL checkpoint (its image processor keeps
+    images to a few patches) and SMOKE's workload for the options left at their defaults."""
+    sys.path.insert(0, str(ROOT))
+    from tests.gpuworker.models.vision_checkpoints import make_qwen2_5_vl
+
+    args.device, args.dtype = "cpu", "float32"
+    args.config = make_qwen2_5_vl(Path(tempfile.mkdtemp(prefix="bench-smoke-")))
+    for name, value in SMOKE.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
 
 
 def noise_images(count: int, size: int, seed: int) -> list:
@@ -207,8 +236,11 @@ def main() -> None:
         "--hf-requests", type=int, default=None, help="HF's throughput over the first N requests (default: all)"
     )
     parser.add_argument("--skip-hf", action="store_true")
+    add_smoke_option(parser)
     parser.add_argument("--json", default="vision", help="result file name under bench/results (or $OUT)")
     args = parser.parse_args()
+    if args.smoke:
+        use_smoke_vision_model(args, parser)
 
     from gpuworker.engine.multimodal import preprocess_image
 
@@ -227,7 +259,7 @@ def main() -> None:
         print_table(name, [(key, str(value)) for key, value in row.items()])
     if "hf" in rows:
         print(f"throughput vs HF: {rows['engine']['throughput_tok_s'] / rows['hf']['throughput_tok_s']:.1f}x")
-    described = f"{Path(args.config).name} shape, random weights"
+    described = "a tiny random Qwen2.5-VL" if args.smoke else f"{Path(args.config).name} shape, random weights"
     result = {
         "env": environment(),
         "model": f"{described}, {args.dtype}",
