@@ -2,35 +2,70 @@
 weights of --config's shape; images are random noise of --image-size pixels a side).
 
     python bench/vision.py [--config bench/configs/qwen2.5-vl-7b] [--requests 256] [--output 128]
+    python bench/vision.py --smoke    # the CPU, a tiny Qwen2.5-VL, a few small images (tests)
 
 Figures: preprocessing images per second on one CPU core (transformers' image processor, as the
 serving side runs it in its process pool); the engine's TTFT for one image and a --question-tokens
 question (median of --ttft-runs, each a new image: the encoder runs every time); the engine's
 throughput for --requests requests each with its own image and --output tokens out (greedy,
-ignore_eos), with the device's busy share over the run from torch.cuda's utilisation samples; HF's
-TTFT and throughput with batches of --hf-batch requests (generate, greedy).
+ignore_eos), with the device's busy share over the run from torch.cuda's utilisation samples (None
+off CUDA or without NVML); HF's TTFT and throughput on the same requests (the first --hf-requests)
+in batches of --hf-batch (generate, greedy). Writes vision.json (--json): the figures, the
+arguments and the image's and prompt's token counts.
 """
 
 from __future__ import annotations
 
 import gc
 import statistics
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
 from common import (
+    BENCH_DIR,
+    ROOT,
     add_engine_options,
+    add_smoke_option,
     dummy_engine,
     engine_parser,
     environment,
     free_device_memory,
+    load_hf_config,
     print_table,
+    synchronize,
     write_json,
 )
 
-DEFAULT_VISION_CONFIG = "bench/configs/qwen2.5-vl-7b"
+DEFAULT_VISION_CONFIG = BENCH_DIR / "configs" / "qwen2.5-vl-7b"
+# --smoke's workload where an option is left at its default: a few small images, a few tokens out.
+SMOKE = {
+    "requests": 4,
+    "output": 4,
+    "question_tokens": 8,
+    "image_size": 64,
+    "ttft_runs": 2,
+    "hf_batch": 2,
+    "hf_requests": 2,
+    "max_model_len": 256,
+}
+
+
+def use_smoke_vision_model(args, parser) -> None:
+    """--smoke: the CPU in float32, the tests' tiny Qwen2.5-VL checkpoint (its image processor keeps
+    images to a few patches) and SMOKE's workload for the options left at their defaults."""
+    sys.path.insert(0, str(ROOT))
+    from tests.gpuworker.models.vision_checkpoints import make_qwen2_5_vl
+
+    args.device, args.dtype = "cpu", "float32"
+    args.config = make_qwen2_5_vl(Path(tempfile.mkdtemp(prefix="bench-smoke-")))
+    for name, value in SMOKE.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
 
 
 def noise_images(count: int, size: int, seed: int) -> list:
@@ -41,31 +76,49 @@ def noise_images(count: int, size: int, seed: int) -> list:
 
 
 def preprocess_rate(config_dir: str, images: list) -> float:
+    """Images a second through preprocess_image with torch on one thread (one core's rate: the
+    serving side's pool runs one image a process)."""
+    import torch
+
     from gpuworker.engine.multimodal import preprocess_image
 
-    preprocess_image(config_dir, images[0])
-    started = time.perf_counter()
-    for image in images:
-        preprocess_image(config_dir, image)
-    return len(images) / (time.perf_counter() - started)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        preprocess_image(config_dir, images[0])
+        started = time.perf_counter()
+        for image in images:
+            preprocess_image(config_dir, image)
+        return len(images) / (time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def prompt_ids(image, vision, question: int, seed: int) -> list[int]:
+def image_token_ids(config_dir) -> tuple[int, int, int]:
+    """(vision start, image, vision end) token ids of the checkpoint's config.json."""
+    cfg = load_hf_config(config_dir)
+    return cfg["vision_start_token_id"], cfg["image_token_id"], cfg["vision_end_token_id"]
+
+
+def prompt_ids(image, tokens: tuple[int, int, int], question: int, seed: int) -> list[int]:
+    """The image between its vision start and end tokens, then `question` random text ids below
+    every special id."""
     from gpuworker.engine.multimodal import expand_image_tokens
 
     rng = np.random.default_rng(seed)
-    text = rng.integers(10, min(20000, vision.image_token_id - 8), question).tolist()  # plain text ids
-    ids = [vision.vision_start_token_id, vision.image_token_id, vision.vision_start_token_id + 1] + text
-    return expand_image_tokens(ids, [image], vision.image_token_id)
+    text = rng.integers(10, min(20000, min(tokens) - 8), question).tolist()
+    return expand_image_tokens([*tokens, *text], [image], tokens[1])
 
 
 class BusySampler:
-    """The GPU's utilisation (NVML, through torch.cuda.utilization) sampled every 50 ms."""
+    """The GPU's utilisation (NVML, through torch.cuda.utilization) sampled every 50 ms while the
+    block runs; on another device, or without NVML, no samples (busy is None)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str) -> None:
         self.samples: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._cuda = device.startswith("cuda")
 
     def _run(self) -> None:
         import torch
@@ -77,19 +130,23 @@ class BusySampler:
                 return
 
     def __enter__(self) -> BusySampler:
-        self._thread.start()
+        if self._cuda:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     @property
     def busy(self) -> float | None:
         return round(statistics.mean(self.samples) / 100, 3) if self.samples else None
 
 
-def run_engine(args, inputs: list, vision) -> dict:
+def run_engine(args, requests: list) -> dict:
+    """requests: (ImageInput, prompt ids) pairs; the first warms up, the next --ttft-runs time the
+    first token, the rest (up to --requests) the throughput."""
     from gpuworker.engine import SamplingParams
 
     engine = dummy_engine(
@@ -98,31 +155,36 @@ def run_engine(args, inputs: list, vision) -> dict:
         max_model_len=args.max_model_len,
     )
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    engine.generate([prompt_ids(inputs[0], vision, args.question_tokens, 0)], one, images=[[inputs[0]]])  # warm-up
     ttfts = []
-    for i in range(1, 1 + args.ttft_runs):
+    for image, ids in requests[: 1 + args.ttft_runs]:  # the first is the warm-up
         started = time.perf_counter()
-        engine.generate([prompt_ids(inputs[i], vision, args.question_tokens, i)], one, images=[[inputs[i]]])
+        engine.generate([ids], one, images=[[image]])
         ttfts.append(time.perf_counter() - started)
     params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
-    work = inputs[1 + args.ttft_runs :][: args.requests]
-    prompts = [prompt_ids(image, vision, args.question_tokens, 1000 + i) for i, image in enumerate(work)]
-    with BusySampler() as sampler:
+    work = requests[1 + args.ttft_runs :][: args.requests]
+    with BusySampler(args.device) as sampler:
         started = time.perf_counter()
-        outputs = engine.generate(prompts, params, images=[[image] for image in work])
+        outputs = engine.generate([ids for _, ids in work], params, images=[[image] for image, _ in work])
         elapsed = time.perf_counter() - started
     tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     engine.shutdown()
+    return _row(ttfts[1:], len(work), tokens, elapsed) | {"gpu_busy": sampler.busy}
+
+
+def _row(ttfts: list[float], requests: int, tokens: int, elapsed: float) -> dict:
     return {
         "ttft_ms": round(1000 * statistics.median(ttfts), 1),
+        "requests": requests,
+        "output_tokens": tokens,
         "throughput_tok_s": round(tokens / elapsed, 1),
-        "requests_s": round(len(work) / elapsed, 2),
-        "gpu_busy": sampler.busy,
+        "requests_s": round(requests / elapsed, 2),
         "wall_s": round(elapsed, 2),
     }
 
 
-def run_hf(args, inputs: list, vision) -> dict:
+def run_hf(args, requests: list, image_token_id: int) -> dict:
+    """transformers' Qwen2_5_VLForConditionalGeneration on the engine's requests: TTFT one at a
+    time, throughput in batches of --hf-batch over the first --hf-requests."""
     import torch
     import transformers
 
@@ -132,37 +194,32 @@ def run_hf(args, inputs: list, vision) -> dict:
     model.eval()
 
     def generate(batch: list, max_new: int) -> int:
-        ids = torch.tensor([prompt_ids(image, vision, args.question_tokens, i) for i, image in enumerate(batch)])
+        ids = torch.tensor([prompt for _, prompt in batch])
         out = model.generate(
             ids.to(args.device),
             attention_mask=torch.ones_like(ids).to(args.device),
-            pixel_values=torch.cat([image.pixel_values for image in batch]).to(args.device, model.dtype),
-            image_grid_thw=torch.tensor([image.grid_thw for image in batch], device=args.device),
-            mm_token_type_ids=(ids == vision.image_token_id).int().to(args.device),
+            pixel_values=torch.cat([image.pixel_values for image, _ in batch]).to(args.device, model.dtype),
+            image_grid_thw=torch.tensor([image.grid_thw for image, _ in batch], device=args.device),
+            mm_token_type_ids=(ids == image_token_id).int().to(args.device),
             max_new_tokens=max_new,
             min_new_tokens=max_new,
             do_sample=False,
         )
+        synchronize(args.device)
         return (out.shape[1] - ids.shape[1]) * len(batch)
 
     with torch.inference_mode():
-        generate(inputs[:1], 1)
         ttfts = []
-        for i in range(1, 1 + args.ttft_runs):
+        for i in range(1 + args.ttft_runs):  # the first is the warm-up
             started = time.perf_counter()
-            generate(inputs[i : i + 1], 1)
+            generate(requests[i : i + 1], 1)
             ttfts.append(time.perf_counter() - started)
-        work = inputs[1 + args.ttft_runs :][: args.hf_requests or args.requests]
+        work = requests[1 + args.ttft_runs :][: args.hf_requests or args.requests]
         started, tokens = time.perf_counter(), 0
         for i in range(0, len(work), args.hf_batch):
             tokens += generate(work[i : i + args.hf_batch], args.output)
         elapsed = time.perf_counter() - started
-    return {
-        "ttft_ms": round(1000 * statistics.median(ttfts), 1),
-        "throughput_tok_s": round(tokens / elapsed, 1),
-        "requests_s": round(len(work) / elapsed, 2),
-        "wall_s": round(elapsed, 2),
-    }
+    return _row(ttfts[1:], len(work), tokens, elapsed)
 
 
 def main() -> None:
@@ -179,27 +236,39 @@ def main() -> None:
         "--hf-requests", type=int, default=None, help="HF's throughput over the first N requests (default: all)"
     )
     parser.add_argument("--skip-hf", action="store_true")
+    add_smoke_option(parser)
     parser.add_argument("--json", default="vision", help="result file name under bench/results (or $OUT)")
     args = parser.parse_args()
+    if args.smoke:
+        use_smoke_vision_model(args, parser)
 
     from gpuworker.engine.multimodal import preprocess_image
-    from gpuworker.models.loader import load_model_config
 
-    vision = load_model_config(args.config).vision
+    tokens = image_token_ids(args.config)
     images = noise_images(1 + args.ttft_runs + args.requests, args.image_size, args.seed)
     rate = preprocess_rate(str(args.config), images[: min(8, len(images))])
     inputs = [preprocess_image(args.config, image) for image in images]
-    rows = {"engine": run_engine(args, inputs, vision)}
+    requests = [(image, prompt_ids(image, tokens, args.question_tokens, i)) for i, image in enumerate(inputs)]
+    rows = {"engine": run_engine(args, requests)}
+    gc.collect()  # the engine's KV cache and weights, before HF's model needs the memory
     free_device_memory(args.device)
     if not args.skip_hf:
-        rows["hf"] = run_hf(args, inputs, vision)
-        gc.collect()
+        rows["hf"] = run_hf(args, requests, tokens[1])
     print(f"preprocessing: {rate:.1f} images/s on one core ({args.image_size} px, {inputs[0].num_tokens} tokens)")
     for name, row in rows.items():
         print_table(name, [(key, str(value)) for key, value in row.items()])
     if "hf" in rows:
         print(f"throughput vs HF: {rows['engine']['throughput_tok_s'] / rows['hf']['throughput_tok_s']:.1f}x")
-    result = {"env": environment(), "preprocess_images_s_per_core": round(rate, 2), "runs": rows}
+    described = "a tiny random Qwen2.5-VL" if args.smoke else f"{Path(args.config).name} shape, random weights"
+    result = {
+        "env": environment(),
+        "model": f"{described}, {args.dtype}",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "image_tokens": inputs[0].num_tokens,
+        "prompt_tokens": len(requests[0][1]),
+        "preprocess_images_s_per_core": round(rate, 2),
+        "runs": rows,
+    }
     if args.json:
         write_json(args.json, result)
 
