@@ -40,7 +40,7 @@ multiturn() {
         --first-len 4096 --last-len 32768 --gpu-kv-tokens 65536 --host-kv-gib 32 --concurrency 2 --plot "$RESULTS/multiturn.png"
 }
 vision() {
-    step vision "$(limit vision 170)" python3 bench/vision.py --hf-requests 64
+    step vision "$(limit vision 200)" python3 bench/vision.py --hf-requests 64
 }
 int8() {
     step int8-tests "$(limit int8-tests 60)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int8_matmul.py
