@@ -18,6 +18,12 @@ class FileTooLarge(ValueError):
         self.field = field
 
 
+def too_many_bytes(max_bytes: int) -> FileTooLarge:
+    """The refusal of an upload past `max_bytes`, wherever it is found (its declared length, the
+    bytes received, the bytes stored)."""
+    return FileTooLarge(f"file: larger than the limit of {max_bytes:,} bytes.", "bytes")
+
+
 @dataclass(frozen=True)
 class Stored:
     name: str  # relative to the storage folder
@@ -49,7 +55,7 @@ def store_chunks(name: str, chunks: Iterable[bytes], *, max_bytes: int, max_line
                     continue
                 size += len(chunk)
                 if size > max_bytes:
-                    raise FileTooLarge(f"file: larger than the limit of {max_bytes:,} bytes.", "bytes")
+                    raise too_many_bytes(max_bytes)
                 newlines += chunk.count(b"\n")
                 last = chunk[-1:]
                 if newlines > max_lines:

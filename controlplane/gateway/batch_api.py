@@ -17,6 +17,7 @@ from controlplane.batches.services import BatchRefused, batch_cancel, batch_crea
 from controlplane.batches.validation import BATCH_ENDPOINTS
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found
 from controlplane.gateway.process import Gateway
+from controlplane.gateway.request_body import bounded
 
 # A multipart upload's envelope (boundaries, the part's headers, the purpose field) on top of the file.
 _MULTIPART_SLACK_BYTES = 64 * 1024
@@ -78,14 +79,23 @@ def _not_found(what: str, public_id: str, param: str) -> GatewayError:
     return GatewayError(404, f"No {what} with id {public_id!r}.", param=param, code="not_found")
 
 
+def _file_refused(error: storage.FileTooLarge) -> GatewayError:
+    # Past the size limit the rest of the body is not read, so the connection cannot carry another request.
+    if error.field == "bytes":
+        return GatewayError(413, str(error), param="file", code="file_too_large", headers={"connection": "close"})
+    return GatewayError(400, str(error), param="file", code="file_too_large")
+
+
 async def files_create(gw: Gateway, request: Request, request_id: str) -> Response:
     grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     limit = settings.BATCH_MAX_FILE_BYTES
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit + _MULTIPART_SLACK_BYTES:
-        raise GatewayError(413, f"file: larger than the limit of {limit:,} bytes.", param="file", code="file_too_large")
+    # Refused from its Content-Length, or for a chunked upload as soon as the bytes received pass
+    # the limit: never spooled whole to a temporary file first.
+    upload_body = bounded(request, limit + _MULTIPART_SLACK_BYTES, lambda: _file_refused(storage.too_many_bytes(limit)))
     try:
-        form = await request.form(max_files=1, max_fields=4)
+        form = await upload_body.form(max_files=1, max_fields=4)
+    except GatewayError:
+        raise
     except Exception as exc:  # not multipart, or malformed
         raise bad_request(f"Send the file as multipart/form-data with fields file and purpose ({exc}).") from None
     try:
@@ -108,9 +118,7 @@ async def files_create(gw: Gateway, request: Request, request_id: str) -> Respon
                 chunks=chunks(),
             )
         except storage.FileTooLarge as exc:
-            raise GatewayError(
-                413 if exc.field == "bytes" else 400, str(exc), param="file", code="file_too_large"
-            ) from None
+            raise _file_refused(exc) from None
         except BatchRefused as exc:
             raise _refused(exc) from None
     finally:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -32,6 +33,30 @@ REPO = Path(__file__).resolve().parents[3]
 REDIS_DB = int(os.environ.get("GATEWAY_TESTS_REDIS_DB", "13"))
 # Prompts must fit the replicas' 256-token context (one token per byte with the test tokenizer).
 AFFINITY_PREFIX_CHARS = 64
+
+
+def raw_connection(base_url: str) -> socket.socket:
+    """A plain socket to the gateway, for requests an HTTP client would not send as they are (a
+    declared length with no body, a body that never ends)."""
+    parts = urlsplit(base_url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=60)  # a deadline, not a measure
+
+
+def read_raw_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of one HTTP/1.1 response with a Content-Length."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed without a response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk
+        body += chunk
+    return int(lines[0].split(" ")[1]), headers, body
 
 
 def free_port() -> int:

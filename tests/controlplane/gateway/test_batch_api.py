@@ -6,19 +6,30 @@ every line charged once."""
 import io
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from decimal import Decimal
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from celery import Celery
 
-from controlplane.batches.models import Batch
+from controlplane.batches.models import Batch, BatchFile
 from controlplane.billing.models import CreditEntry, CreditHold, UsageRecord
-from tests.controlplane.gateway.conftest import REPO, WORKER_TOKEN, make_world, start_gateway, wait_until
+from tests.controlplane.gateway.conftest import (
+    REPO,
+    WORKER_TOKEN,
+    make_world,
+    raw_connection,
+    read_raw_response,
+    start_gateway,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -265,6 +276,97 @@ def test_file_limits_are_refused_with_the_limit_named(batch_gateway, replicas):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")
     assert error.value.param == "completion_window"
     assert not Batch.objects.exists()
+
+
+_BOUNDARY = "upload-boundary"
+_MULTIPART_TAIL = f"\r\n--{_BOUNDARY}--\r\n".encode()
+
+
+def _multipart_head(filename: str) -> bytes:
+    """A multipart upload up to its file's bytes: the purpose field, then the file part's headers."""
+    return (
+        f'--{_BOUNDARY}\r\ncontent-disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{_BOUNDARY}\r\ncontent-disposition: form-data; name="file"; filename="{filename}"\r\n'
+        "content-type: application/jsonl\r\n\r\n"
+    ).encode()
+
+
+def _upload_head(world, headers: str) -> bytes:
+    return (
+        f"POST /v1/files HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {world.api_key.plaintext}\r\n"
+        f"content-type: multipart/form-data; boundary={_BOUNDARY}\r\n{headers}\r\n"
+    ).encode()
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+def test_a_chunked_upload_over_the_limit_is_413_without_reading_the_rest(batch_gateway, replicas):
+    """No Content-Length: the gateway counts the bytes as they arrive and answers as soon as they
+    pass the limit, with the error a declared length over it gets; the rest of the body (far more
+    than the sockets hold) is never read, and nothing is stored."""
+    world = make_world(batch_gateway, replicas)
+    storage_dir = Path(batch_gateway.overrides["BATCH_STORAGE_DIR"])
+    stored_before = set(storage_dir.iterdir())
+    line = json.dumps(_chat_lines(1, world.model.public_name)[0]).encode() + b"\n"
+    data = line * (65536 // len(line))
+    body_bytes = 200 * MAX_BYTES
+    with raw_connection(world.base_url) as sock:
+        sock.sendall(_upload_head(world, f"content-length: {body_bytes}\r\n"))
+        declared = read_raw_response(sock)
+    sent = 0
+    with raw_connection(world.base_url) as sock:
+        sock.sendall(_upload_head(world, "transfer-encoding: chunked\r\n") + _chunk(_multipart_head("big.jsonl")))
+        while sent < body_bytes:
+            readable, writable, _ = select.select([sock], [sock], [], 60)
+            assert readable or writable, "the gateway neither answered nor read for 60 s"
+            if readable:  # the answer came before the body ended
+                break
+            try:
+                sock.sendall(_chunk(data))
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(data)
+        else:
+            sock.sendall(_chunk(_MULTIPART_TAIL) + b"0\r\n\r\n")
+        status, headers, body = read_raw_response(sock)
+    assert sent < body_bytes // 2, f"the gateway read {sent:,} of {body_bytes:,} bytes before answering"
+    assert (status, body) == (declared[0], declared[2]) and status == 413, body
+    error = json.loads(body)["error"]
+    assert error["code"] == "file_too_large" and f"{MAX_BYTES:,} bytes" in error["message"]
+    assert headers["connection"] == "close"
+    assert not BatchFile.objects.filter(tenant=world.tenant).exists()
+    assert set(storage_dir.iterdir()) == stored_before
+    world.tenant.credit_account.refresh_from_db()
+    assert world.tenant.credit_account.balance == Decimal("10")
+
+
+def test_a_chunked_upload_under_the_limit_is_stored(batch_gateway, replicas):
+    world = make_world(batch_gateway, replicas)
+    raw = _jsonl(_chat_lines(200, world.model.public_name))
+
+    def body():
+        yield _multipart_head("chunked.jsonl")
+        for start in range(0, len(raw), 4096):
+            yield raw[start : start + 4096]
+        yield _MULTIPART_TAIL
+
+    response = httpx.post(
+        f"{world.base_url}/v1/files",
+        content=body(),
+        headers={
+            "authorization": f"Bearer {world.api_key.plaintext}",
+            "content-type": f"multipart/form-data; boundary={_BOUNDARY}",
+        },
+        timeout=60,
+    )
+    assert response.request.headers["transfer-encoding"] == "chunked"
+    assert "content-length" not in response.request.headers
+    assert response.status_code == 200, response.text
+    uploaded = response.json()
+    assert (uploaded["bytes"], uploaded["filename"]) == (len(raw), "chunked.jsonl")
+    assert world.client().files.content(uploaded["id"]).content == raw
 
 
 def test_another_tenant_cannot_see_a_file_or_batch(batch_gateway, replicas):

@@ -3,8 +3,6 @@ Content-Length), and a 400 for whatever cannot be parsed, never a 500; bad input
 replica."""
 
 import json
-import socket
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -12,7 +10,7 @@ import redis
 from django.conf import settings
 
 from controlplane.billing.models import UsageRecord
-from tests.controlplane.gateway.conftest import make_world
+from tests.controlplane.gateway.conftest import make_world, raw_connection, read_raw_response
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -22,28 +20,6 @@ PATHS = ["/v1/chat/completions", "/v1/completions"]
 @pytest.fixture
 def world(gateway, replicas):
     return make_world(gateway, replicas)
-
-
-def _connect(base_url: str) -> socket.socket:
-    parts = urlsplit(base_url)
-    return socket.create_connection((parts.hostname, parts.port), timeout=60)  # a deadline, not a measure
-
-
-def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """Status, headers and body of one HTTP/1.1 response with a Content-Length."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"the connection closed without a response: {data!r}"
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
-    while len(body) < int(headers["content-length"]):
-        chunk = sock.recv(65536)
-        assert chunk
-        body += chunk
-    return int(lines[0].split(" ")[1]), headers, body
 
 
 def _assert_too_large(status: int, headers: dict, body: bytes) -> None:
@@ -58,12 +34,12 @@ def _assert_too_large(status: int, headers: dict, body: bytes) -> None:
 @pytest.mark.parametrize("path", PATHS)
 def test_a_declared_length_over_the_limit_is_413_before_the_body_is_read(world, path):
     """The body is never sent: the answer comes from the Content-Length alone (and before the key)."""
-    with _connect(world.base_url) as sock:
+    with raw_connection(world.base_url) as sock:
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
             f"content-length: {settings.GATEWAY_MAX_REQUEST_BYTES + 1}\r\n\r\n".encode()
         )
-        _assert_too_large(*_read_response(sock))
+        _assert_too_large(*read_raw_response(sock))
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -71,7 +47,7 @@ def test_a_chunked_body_over_the_limit_is_413_without_reading_the_rest(world, pa
     """No Content-Length: the gateway counts while reading and answers once past the limit, though
     the body never ends."""
     chunk = b"x" * 65536
-    with _connect(world.base_url) as sock:
+    with raw_connection(world.base_url) as sock:
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
             f"authorization: Bearer {world.api_key.plaintext}\r\n"
@@ -81,7 +57,7 @@ def test_a_chunked_body_over_the_limit_is_413_without_reading_the_rest(world, pa
         while sent <= settings.GATEWAY_MAX_REQUEST_BYTES:
             sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
             sent += len(chunk)
-        _assert_too_large(*_read_response(sock))  # and the terminating chunk is never sent
+        _assert_too_large(*read_raw_response(sock))  # and the terminating chunk is never sent
     assert not UsageRecord.objects.exists()
 
 
