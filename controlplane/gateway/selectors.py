@@ -139,9 +139,9 @@ def routing_table() -> dict[str, ModelRoute]:
         .values_list("pk", "state", "endpoint_url", "deployment__model_id", "worker__state", "worker_id")
     )
     ready_workers = sorted({row[5] for row in replicas if row[1] == Replica.State.READY})
-    # The ready replicas' workers' latest heartbeats, read once: where each replica's KV tiers hold
-    # which conversations, and how long a request would wait there.
-    heartbeats = heartbeat_cache.read_many(worker_ids=ready_workers)
+    # The ready replicas' workers' latest heartbeats, read once and kept while recent: where each
+    # replica's KV tiers hold which conversations, and how long a request would wait there.
+    heartbeats = _recent(heartbeat_cache.read_many(worker_ids=ready_workers))
     prefix_keys = replica_prefix_keys(heartbeats)
     reports = _load_reports(heartbeats)
     for replica_id, state, endpoint_url, model_id, worker_state, _ in replicas:
@@ -214,19 +214,26 @@ def routing_table() -> dict[str, ModelRoute]:
     }
 
 
-# Seconds a replica's load report counts for shedding (heartbeats come about every second).
+# Seconds a worker's heartbeat counts for routing (they come about every second): an older one says
+# nothing of a replica's queue or of what its KV tiers hold now.
 LOAD_REPORT_MAX_AGE_S = 10.0
+
+
+def _recent(heartbeats: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    now = time.time()
+    return {
+        worker_id: state
+        for worker_id, state in heartbeats.items()
+        if now - state.get("received_at", 0) <= LOAD_REPORT_MAX_AGE_S
+    }
 
 
 def _load_reports(heartbeats: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Each replica's load report by id (ReplicaRoute's fields), from its worker's latest heartbeat
-    (`heartbeats`, by worker id, as heartbeat_cache.read_many answers) while that is recent."""
-    now = time.time()
+    (`heartbeats`, by worker id, recent ones only)."""
     reports = {}
     for state in heartbeats.values():
-        received_at = state.get("received_at", 0)
-        if now - received_at > LOAD_REPORT_MAX_AGE_S:
-            continue  # an old report says nothing of the queue now
+        received_at = state["received_at"]
         for replica_id, figures in (state.get("replicas") or {}).items():
             waiting, rate = figures.get("waiting_tokens"), figures.get("prefill_tokens_per_s")
             reports[int(replica_id)] = {

@@ -138,11 +138,12 @@ def test_routes_carry_each_replicas_predicted_wait_from_a_recent_load_report_and
         ReplicaFactory(deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=f"http://{n}:1")
         for worker, n in ((reported, "busy"), (silent, "quiet"))
     )
-    load = {"waiting_tokens": 9000, "prefill_tokens_per_s": 3000.0}
+    load = {"waiting_tokens": 9000, "prefill_tokens_per_s": 3000.0, "prefix_keys": ["a" * 16]}
     heartbeat_cache.store(worker_id=reported.pk, state={"received_at": time.time(), "replicas": {str(busy.pk): load}})
-    # An old report says nothing of the queue now.
+    # An old report says nothing of the queue now, nor of what the replica's KV tiers hold.
     old = {"received_at": time.time() - 60, "replicas": {str(quiet.pk): load}}
     heartbeat_cache.store(worker_id=silent.pk, state=old)
     route = routing_table()[deployment.model.public_name]
     assert route.ttft_objective_s == 1.5
     assert {r.replica_id: r.predicted_wait_s for r in route.ready} == {busy.pk: 3.0, quiet.pk: 0.0}
+    assert {r.replica_id: r.prefix_keys for r in route.ready} == {busy.pk: frozenset({"a" * 16}), quiet.pk: frozenset()}
