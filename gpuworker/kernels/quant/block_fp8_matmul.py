@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from gpuworker.kernels import configs
-from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.device import fp8_codec, matmul_tile
 from gpuworker.kernels.launch import (
     FLOAT_DTYPES,
     check_last_dim_contiguous,
@@ -110,13 +110,7 @@ def _block_fp8_matmul_kernel(
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, offs_k, m_mask, n_mask = matmul_tile.offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
     b_rows = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn
     a_scales = a_scale_ptr + offs_m.to(tl.int64) * stride_asm
@@ -137,15 +131,10 @@ def _block_fp8_matmul_kernel(
             # One column group's FP8 x FP8 sum leaves the MMA after BLOCK_K products, scaled into float32.
             part = tl.dot(a, b)
         acc += part * a_scale[:, None] * b_scale[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    acc = matmul_tile.add_bias(acc, bias_ptr, offs_n, n_mask, HAS_BIAS)
     # Split: out_ptr is the float32 partial sums [SPLIT_K, M, N] (bias added with them, after).
     out_ptr += tl.program_id(2).to(tl.int64) * stride_split
-    tl.store(
-        out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+    matmul_tile.store(out_ptr, acc, stride_om, offs_m, offs_n, m_mask, n_mask)
 
 
 # M and the partial sums' stride (M * N) change with every batch: not specialisation keys (launch.LazyJIT).

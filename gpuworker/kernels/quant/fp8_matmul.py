@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 # The e4m3 format (dtype, largest finite value), shared with the FP8 KV cache.
-from gpuworker.kernels.device import fp8_codec
+from gpuworker.kernels.device import fp8_codec, matmul_tile
 from gpuworker.kernels.launch import (
     FLOAT_DTYPES,
     check_last_dim_contiguous,
@@ -55,13 +55,7 @@ def _fp8_matmul_kernel(
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, offs_k, m_mask, n_mask = matmul_tile.offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
@@ -93,13 +87,8 @@ def _fp8_matmul_kernel(
     if HAS_X_SCALE:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
         acc = acc * x_scale[:, None]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+    acc = matmul_tile.add_bias(acc, bias_ptr, offs_n, n_mask, HAS_BIAS)
+    matmul_tile.store(out_ptr, acc, stride_om, offs_m, offs_n, m_mask, n_mask)
 
 
 _fp8_matmul = lazy_jit(_fp8_matmul_kernel, do_not_specialize=("M",))

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from gpuworker.checkpoint_quantization import int4_group_size_supported
 from gpuworker.kernels import configs
+from gpuworker.kernels.device import matmul_tile
 from gpuworker.kernels.launch import (
     FLOAT_DTYPES,
     check_last_dim_contiguous,
@@ -69,15 +70,9 @@ def _int4_matmul_kernel(
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_m, offs_n, offs_k, m_mask, n_mask = matmul_tile.offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_p = tl.arange(0, BLOCK_K // 8)
     shifts = tl.arange(0, 8) * 4
-    m_mask = offs_m < M
-    n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = qweight_ptr + offs_p[:, None].to(tl.int64) * N + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -95,13 +90,8 @@ def _int4_matmul_kernel(
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += (BLOCK_K // 8) * N
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+    acc = matmul_tile.add_bias(acc, bias_ptr, offs_n, n_mask, HAS_BIAS)
+    matmul_tile.store(out_ptr, acc, stride_om, offs_m, offs_n, m_mask, n_mask)
 
 
 def _dequantize_kernel(

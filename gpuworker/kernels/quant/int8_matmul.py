@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpuworker.kernels.device import matmul_tile
 from gpuworker.kernels.launch import (
     FLOAT_DTYPES,
     check_last_dim_contiguous,
@@ -51,13 +52,7 @@ def _int8_matmul_kernel(
     if USE_PDL:  # see launch.pdl_options
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    offs_m, offs_n, offs_k, m_mask, n_mask = matmul_tile.offsets(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
@@ -84,13 +79,8 @@ def _int8_matmul_kernel(
     w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
     out = out * x_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        out = out + tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+    out = matmul_tile.add_bias(out, bias_ptr, offs_n, n_mask, HAS_BIAS)
+    matmul_tile.store(out_ptr, out, stride_om, offs_m, offs_n, m_mask, n_mask)
 
 
 _int8_matmul = lazy_jit(_int8_matmul_kernel, do_not_specialize=("M",))
