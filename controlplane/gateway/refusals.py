@@ -5,10 +5,10 @@ the operator's error figures.
 
 Why tallies: a client can make refusals as fast as it can send requests (a bad key costs it
 nothing), and a row per refusal would let it write to the database at that rate. Refusals of one
-kind (tenant, key, model, status, error code) within one minute add to one counter here, and the
-counters are written together every `flush_s`: the rows written per interval are bounded by the
-kinds seen, and the kinds by MAX_KINDS (past it, a new kind is counted without its tenant, key and
-model). Refusals without a valid key all share one kind per endpoint, status and code.
+kind (tenant, key, model, endpoint, status, error code) within one minute add to one counter here,
+and the counters are written together every `flush_s`: the rows written per interval are bounded
+by the kinds seen, and the kinds by MAX_KINDS (past it, a new kind is counted without its tenant,
+key and model). Refusals without a valid key all share one kind per endpoint, status and code.
 
 Every /v1 answer but a stream (relay counts those), a route's or the router's own 404 and 405,
 comes through `request_counted` (app.build_app), which labels it with its route
