@@ -284,7 +284,7 @@ class KeySpend(models.Model):
 
 class Refusal(models.Model):
     """Requests the gateway refused (answered with an error before anything was served, never
-    charged), counted: one row per kind of refusal (tenant, key, model, status, error code) and
+    charged), counted: one row per kind of refusal (tenant, key, model, endpoint, status, error code) and
     gateway process in each flush interval, so that the number of rows written follows the number
     of kinds, not of requests (see gateway/refusals.py). A refusal that cannot be tied to a tenant
     (a bad key) has none: the operator counts it, no tenant sees it."""
@@ -295,6 +295,13 @@ class Refusal(models.Model):
     )
     api_key = models.ForeignKey("accounts.ApiKey", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     model = models.ForeignKey("catalog.Model", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    endpoint = models.CharField(
+        max_length=80,
+        blank=True,
+        db_default="",
+        default="",
+        help_text='The /v1 route asked ("/v1/files/{file_id}"), as /metrics labels it; blank for no route.',
+    )
     status = models.PositiveSmallIntegerField(help_text="The HTTP status the client got.")
     error_code = models.CharField(max_length=40, blank=True, help_text="The error code the client got.")
     reason = models.CharField(max_length=300, blank=True, help_text="The error message of the latest one.")
@@ -306,4 +313,4 @@ class Refusal(models.Model):
         indexes = [models.Index(fields=["tenant", "minute"])]
 
     def __str__(self) -> str:
-        return f"{self.minute:%Y-%m-%d %H:%M} {self.status} {self.error_code} x{self.count}"
+        return f"{self.minute:%Y-%m-%d %H:%M} {self.endpoint} {self.status} {self.error_code} x{self.count}"

@@ -26,6 +26,7 @@ class RefusalTally:
     tenant_id: int | None
     api_key_id: int | None
     model_id: int | None
+    endpoint: str  # the /v1 route, as /metrics labels it
     status: int
     error_code: str
     reason: str
@@ -37,6 +38,7 @@ def refusals_record(*, tallies: list[RefusalTally]) -> None:
     """Write the tallies, one row each (rows are only added: readers sum them)."""
     reason_max = Refusal._meta.get_field("reason").max_length
     code_max = Refusal._meta.get_field("error_code").max_length
+    endpoint_max = Refusal._meta.get_field("endpoint").max_length
     with transaction.atomic():
         Refusal.objects.bulk_create(
             [
@@ -45,6 +47,7 @@ def refusals_record(*, tallies: list[RefusalTally]) -> None:
                     tenant_id=t.tenant_id,
                     api_key_id=t.api_key_id,
                     model_id=t.model_id,
+                    endpoint=t.endpoint[:endpoint_max],
                     status=t.status,
                     error_code=t.error_code[:code_max],
                     reason=t.reason[:reason_max],

@@ -55,11 +55,16 @@ def build_app() -> Starlette:
             if isinstance(response, Response):
                 response.headers["openai-processing-ms"] = str(int((time.monotonic() - started) * 1000))
                 # Its model, tenant and refusal as the handler noted them (completions.serve, keys.request_grant).
-                gw = app.state.gateway
-                request_counted(gw.refusals if gw else None, request, response, request_id, started)
+                counted(request, response, request_id, started)
             return response
 
         return run
+
+    def counted(request: Request, response: Response, request_id: str, started: float) -> None:
+        """Every answer of this app, a route's or the router's, goes to the metrics and, refused,
+        to the refusal log through this one call."""
+        gw = app.state.gateway
+        request_counted(gw.refusals if gw else None, request, response, request_id, started)
 
     async def answer(handler, request: Request, request_id: str) -> Response:
         try:
@@ -104,8 +109,15 @@ def build_app() -> Starlette:
         return JSONResponse(openapi_document())  # public, as OpenAI's own document is
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
+        """The router's refusals: an unknown /v1 path (404, no endpoint label) or a route asked
+        with a method it does not take (405, its route's label)."""
+        request_id, started = new_request_id(), time.monotonic()
+        await gateway()  # its refusal log, even when this is the process's first request
         message = "Unknown endpoint." if exc.status_code == 404 else f"Method {request.method} is not allowed here."
-        return GatewayError(exc.status_code, message).response(new_request_id())
+        error = request.state.error = GatewayError(exc.status_code, message)
+        response = error.response(request_id, exc.headers)
+        counted(request, response, request_id, started)
+        return response
 
     @asynccontextmanager
     async def lifespan(app):

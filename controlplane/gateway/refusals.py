@@ -5,10 +5,14 @@ the operator's error figures.
 
 Why tallies: a client can make refusals as fast as it can send requests (a bad key costs it
 nothing), and a row per refusal would let it write to the database at that rate. Refusals of one
-kind (tenant, key, model, status, error code) within one minute add to one counter here, and the
-counters are written together every `flush_s`: the rows written per interval are bounded by the
-kinds seen, and the kinds by MAX_KINDS (past it, a new kind is counted without its tenant, key and
-model). Refusals without a valid key all share one kind per status and code.
+kind (tenant, key, model, endpoint, status, error code) within one minute add to one counter here,
+and the counters are written together every `flush_s`: the rows written per interval are bounded
+by the kinds seen, and the kinds by MAX_KINDS (past it, a new kind is counted without its tenant,
+key and model). Refusals without a valid key all share one kind per endpoint, status and code.
+
+Every /v1 answer but a stream (relay counts those), a route's or the router's own 404 and 405,
+comes through `request_counted` (app.build_app), which labels it with its route
+(metrics.endpoint_of) for both.
 """
 
 import asyncio
@@ -32,7 +36,8 @@ SHED = "shed"  # the metrics' outcome of a shed request
 # Failed writes are logged at most this often (a database outage must not flood the log).
 _WARN_EVERY_S = 60.0
 
-_Kind = tuple[int, int | None, int | None, int | None, int, str]  # minute, tenant, key, model, status, code
+# minute, tenant, key, model, endpoint, status, code
+_Kind = tuple[int, int | None, int | None, int | None, str, int, str]
 
 
 class RefusalLog:
@@ -54,12 +59,13 @@ class RefusalLog:
         tenant_id: int | None,
         api_key_id: int | None,
         model_id: int | None,
+        endpoint: str,
         at: float,
     ) -> None:
         minute = int(at // 60)
-        kind = (minute, tenant_id, api_key_id, model_id, status, error_code)
+        kind = (minute, tenant_id, api_key_id, model_id, endpoint, status, error_code)
         if kind not in self._tallies and len(self._tallies) >= self._max_kinds:
-            kind = (minute, None, None, None, status, error_code)
+            kind = (minute, None, None, None, endpoint, status, error_code)  # the routes are few
         tally = self._tallies.get(kind)
         if tally is None:
             self._tallies[kind] = [1, reason, request_id]
@@ -88,8 +94,9 @@ class RefusalLog:
                 tenant_id=kind[1],
                 api_key_id=kind[2],
                 model_id=kind[3],
-                status=kind[4],
-                error_code=kind[5],
+                endpoint=kind[4],
+                status=kind[5],
+                error_code=kind[6],
                 reason=reason,
                 request_id=request_id,
                 count=count,
@@ -126,9 +133,10 @@ def request_counted(log: RefusalLog | None, request: Request, response: Response
     refused = status >= 400 and status != metrics.CLIENT_CLOSED_REQUEST and not _recorded(request)
     code, reason = _error_of(request, response) if refused else ("", "")
     outcome = SHED if code == SHED_ERROR_CODE else metrics.outcome_of_status(status)
+    endpoint = metrics.endpoint_of(request.scope)
     metrics.request_finished(
         model=getattr(request.state, "model", ""),
-        endpoint=metrics.endpoint_of(request.scope),
+        endpoint=endpoint,
         started=started,
         outcome=outcome,
         status=status,
@@ -143,6 +151,7 @@ def request_counted(log: RefusalLog | None, request: Request, response: Response
             tenant_id=grant.tenant_id if grant else None,
             api_key_id=grant.key_id if grant else None,
             model_id=getattr(request.state, "model_id", None),
+            endpoint=endpoint,
             at=time.time(),
         )
 

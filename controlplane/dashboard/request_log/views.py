@@ -2,7 +2,7 @@
 outcome and cost, filtered, paged and exported as CSV; and the requests refused before they were
 served (counted per minute and kind: billing.refusals), shed ones among them. The CSV holds both:
 the served requests (count 1 each), then the refusal tallies under the same filters, each with
-its count, HTTP status, error code and latest reason, at no cost. A tenant member reads their own tenant's
+its count, HTTP status, error code, latest reason and /v1 route, at no cost. A tenant member reads their own tenant's
 requests; an admin reads every tenant's, with a tenant filter. The rows come from
 billing.request_log."""
 
@@ -43,6 +43,7 @@ CSV_COLUMNS = (
     "status",  # a refusal's HTTP status
     "error_code",
     "reason",  # a refusal tally's latest reason
+    "endpoint",  # a refusal's /v1 route ("/v1/files/{file_id}"), blank for an unknown path
 )
 
 request_log_required = role_required(*TENANT_ROLES, *ADMIN_ROLES)
@@ -137,6 +138,7 @@ def _csv_row(record: UsageRecord) -> tuple:
         "",
         record.error_code,
         "",
+        "",
     )
 
 
@@ -160,4 +162,5 @@ def _refusal_csv_row(refusal: Refusal) -> tuple:
         refusal.status,
         csv_text(refusal.error_code),
         csv_text(refusal.reason),
+        refusal.endpoint,
     )

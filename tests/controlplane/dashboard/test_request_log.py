@@ -3,6 +3,7 @@ filters by range, key, model and outcome; pages of 50; the same rows as CSV."""
 
 import csv
 import io
+import re
 from datetime import timedelta
 from decimal import Decimal
 
@@ -195,20 +196,34 @@ def _csv_rows(response) -> list[dict]:
     return list(csv.DictReader(io.StringIO(b"".join(response.streaming_content).decode())))
 
 
-def test_the_csv_lists_refusals_after_the_served_requests_with_their_count_status_code_and_reason(client, world):
+def test_the_csv_lists_refusals_after_the_served_requests_with_their_count_status_code_reason_and_endpoint(
+    client, world
+):
     tenant, other, prod, records = world
     minute = timezone.now().replace(second=0, microsecond=0) - timedelta(minutes=5)
     model = records["ok"].model
+    chat = "/v1/chat/completions"
 
-    def tally(tenant_id, key_id, status, code, reason, request_id, count, model_id=None):
-        return RefusalTally(minute, tenant_id, key_id, model_id, status, code, reason, request_id, count)
+    def tally(tenant_id, key_id, status, code, reason, request_id, count, model_id=None, endpoint=chat):
+        return RefusalTally(
+            minute=minute,
+            tenant_id=tenant_id,
+            api_key_id=key_id,
+            model_id=model_id,
+            endpoint=endpoint,
+            status=status,
+            error_code=code,
+            reason=reason,
+            request_id=request_id,
+            count=count,
+        )
 
     refusals_record(
         tallies=[
             tally(tenant.pk, prod.pk, 429, "rate_limit_exceeded", "=Rate limit reached", "req_limited", 3, model.pk),
             tally(tenant.pk, prod.pk, 429, SHED_ERROR_CODE, "The model is overloaded.", "req_shed", 1, model.pk),
-            tally(other.pk, None, 404, "not_found", "No batch.", "req_theirs", 2),
-            tally(None, None, 401, "invalid_api_key", "Incorrect API key provided.", "req_bad_key", 7),
+            tally(other.pk, None, 404, "not_found", "No batch.", "req_theirs", 2, endpoint="/v1/batches/{batch_id}"),
+            tally(None, None, 401, "invalid_api_key", "Incorrect API key provided.", "req_bad_key", 7, endpoint=""),
             tally(tenant.pk, prod.pk, 400, "invalid_request", "Too old.", "req_old", 1),
         ]
     )
@@ -217,10 +232,10 @@ def test_the_csv_lists_refusals_after_the_served_requests_with_their_count_statu
     rows = _csv_rows(client.get(reverse("dashboard:requests_csv")))
     served = [records[k].request_id for k in ("gone", "failed", "ok")]
     assert [row["request_id"] for row in rows] == [*served, "req_shed", "req_limited"]  # each part newest first
-    assert [(row["count"], row["status"], row["error_code"]) for row in rows[:3]] == [
-        ("1", "", ""),
-        ("1", "", "replica_unavailable"),
-        ("1", "", ""),
+    assert [(row["count"], row["status"], row["error_code"], row["endpoint"]) for row in rows[:3]] == [
+        ("1", "", "", ""),
+        ("1", "", "replica_unavailable", ""),
+        ("1", "", "", ""),
     ]
     limited = rows[-1]
     assert limited == {
@@ -241,6 +256,7 @@ def test_the_csv_lists_refusals_after_the_served_requests_with_their_count_statu
         "status": "429",
         "error_code": "rate_limit_exceeded",
         "reason": "'=Rate limit reached",  # inert for spreadsheets
+        "endpoint": chat,
     }
     assert rows[-2]["outcome"] == "shed"
 
@@ -255,9 +271,18 @@ def test_the_csv_lists_refusals_after_the_served_requests_with_their_count_statu
     # An admin's export of every tenant has the refusals no tenant owns (bad keys).
     client.force_login(UserFactory(role=User.Role.ADMIN))
     every = _csv_rows(client.get(reverse("dashboard:requests_csv"), {"outcome": "refused"}))
-    assert {row["request_id"]: (row["tenant"], row["count"]) for row in every} == {
-        "req_limited": ("acme", "3"),
-        "req_shed": ("acme", "1"),
-        "req_theirs": ("'=other", "2"),
-        "req_bad_key": ("", "7"),
+    assert {row["request_id"]: (row["tenant"], row["count"], row["endpoint"]) for row in every} == {
+        "req_limited": ("acme", "3", chat),
+        "req_shed": ("acme", "1", chat),
+        "req_theirs": ("'=other", "2", "/v1/batches/{batch_id}"),
+        "req_bad_key": ("", "7", ""),
+    }
+    # The page shows each tally's endpoint as the CSV gives it.
+    page = client.get(reverse("dashboard:requests"), {"outcome": "refused"}).content.decode()
+    shown = dict(re.findall(r'data-request-id="(req_\w+)".*?data-field="endpoint">(.*?)</td>', page, re.S))
+    assert shown == {
+        "req_limited": f"<code>{chat}</code>",
+        "req_shed": f"<code>{chat}</code>",
+        "req_theirs": "<code>/v1/batches/{batch_id}</code>",
+        "req_bad_key": '<span class="muted">unknown path</span>',
     }

@@ -266,13 +266,14 @@ def test_refusals_of_models_files_batches_and_stored_responses_are_counted_with_
         20,
         "the refusals to be written",
     )
-    for name, (status, code, request_id, _) in tenant_refusals.items():
+    for name, (status, code, request_id, endpoint) in tenant_refusals.items():
         if name == "unknown response":
             continue
         row = Refusal.objects.get(request_id=request_id)
-        assert (row.tenant_id, row.api_key_id, row.status, row.error_code, row.count) == (
+        assert (row.tenant_id, row.api_key_id, row.endpoint, row.status, row.error_code, row.count) == (
             world.tenant.pk,
             world.api_key.pk,
+            endpoint,
             status,
             code,
             2 if name == "response deleted twice" else 1,
@@ -299,6 +300,64 @@ def test_refusals_of_models_files_batches_and_stored_responses_are_counted_with_
         expected = sum(1 for s, _, _, e in refused.values() if (s, e) == (status, endpoint))
         assert counted[(endpoint, "rejected", str(status))] == expected
     assert not UsageRecord.objects.exists() and not CreditHold.objects.exists()
+
+
+@pytest.fixture(scope="module")
+def routes_gateway(database_url):
+    """This module's gateway for refusals that need no replica: its tallies written every second."""
+    server = start_gateway(
+        database_url,
+        os.environ["REDIS_URL"],
+        METRICS_TOKEN=TOKEN,
+        GATEWAY_REFUSAL_FLUSH_SECONDS="1",
+    )
+    yield server
+    server.stop()
+
+
+# Every /v1 route but the five served ones (their refusals are above), and the router's own refusals.
+# (method, path, endpoint label, status, error code (else type)).
+OTHER_ROUTES = [
+    ("GET", "/v1/models", "/v1/models", 401, "invalid_api_key"),
+    ("GET", "/v1/models/any-model", "/v1/models/{model:path}", 401, "invalid_api_key"),
+    ("POST", "/v1/files", "/v1/files", 401, "invalid_api_key"),
+    ("GET", "/v1/files", "/v1/files", 401, "invalid_api_key"),
+    ("GET", "/v1/files/file_any", "/v1/files/{file_id}", 401, "invalid_api_key"),
+    ("DELETE", "/v1/files/file_any", "/v1/files/{file_id}", 401, "invalid_api_key"),
+    ("GET", "/v1/files/file_any/content", "/v1/files/{file_id}/content", 401, "invalid_api_key"),
+    ("POST", "/v1/batches", "/v1/batches", 401, "invalid_api_key"),
+    ("GET", "/v1/batches", "/v1/batches", 401, "invalid_api_key"),
+    ("GET", "/v1/batches/batch_any", "/v1/batches/{batch_id}", 401, "invalid_api_key"),
+    ("POST", "/v1/batches/batch_any/cancel", "/v1/batches/{batch_id}/cancel", 401, "invalid_api_key"),
+    ("GET", "/v1/responses/resp_any", "/v1/responses/{response_id}", 401, "invalid_api_key"),
+    ("DELETE", "/v1/responses/resp_any", "/v1/responses/{response_id}", 401, "invalid_api_key"),
+    ("POST", "/v1/responses/resp_any/cancel", "/v1/responses/{response_id}/cancel", 401, "invalid_api_key"),
+    ("GET", "/v1/responses/resp_any/input_items", "/v1/responses/{response_id}/input_items", 401, "invalid_api_key"),
+    ("PUT", "/v1/models", "/v1/models", 405, "invalid_request_error"),  # a route, another method
+    ("GET", "/v1/chat/completions", "/v1/chat/completions", 405, "invalid_request_error"),
+    ("GET", "/v1/no/such/endpoint", "", 404, "invalid_request_error"),  # no route: no label
+]
+
+
+@pytest.mark.parametrize(("method", "path", "endpoint", "status", "code"), OTHER_ROUTES)
+def test_a_refusal_on_any_v1_route_is_tallied_and_counted_with_its_endpoint(
+    routes_gateway, method, path, endpoint, status, code
+):
+    by = ("endpoint", "outcome", "status")
+    before = _requests_counted(routes_gateway.url, by)
+    response = httpx.request(
+        method, f"{routes_gateway.url}{path}", headers={"Authorization": "Bearer sk-not-a-key"}, timeout=10
+    )
+    error = response.json()["error"]
+    assert (response.status_code, error["code"] or error["type"]) == (status, code)
+    request_id = response.headers["x-request-id"]
+
+    wait_until(lambda: Refusal.objects.filter(request_id=request_id).exists(), 20, "the refusal to be written")
+    row = Refusal.objects.get(request_id=request_id)
+    assert (row.endpoint, row.status, row.error_code, row.tenant_id) == (endpoint, status, code, None)
+    after = _requests_counted(routes_gateway.url, by)
+    key = (endpoint, "rejected", str(status))
+    assert after.get(key, 0) - before.get(key, 0) == 1
 
 
 def test_a_shed_message_is_anthropics_529_overloaded_error_and_a_shed_response_openais_429(refusal_gateway, replicas):
@@ -354,10 +413,12 @@ def test_refusals_are_written_as_tallies_bounded_by_their_kinds_not_their_number
                 tenant_id=None,
                 api_key_id=None,
                 model_id=None,
+                endpoint="/v1/chat/completions",
                 at=minute + i * 0.05,
             )
         for key in keys:
             common = {"status": 429, "error_code": "rate_limit_exceeded", "reason": "Rate limit reached", "at": minute}
+            common["endpoint"] = "/v1/chat/completions"
             log.add(**common, request_id=f"req_{key.pk}", tenant_id=tenant.pk, api_key_id=key.pk, model_id=None)
         assert log.pending == 4  # 3 kinds, then the fourth key's counted without its tenant
         await log.aclose()
