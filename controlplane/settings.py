@@ -345,6 +345,11 @@ GATEWAY_REFUSAL_FLUSH_SECONDS = env_int("GATEWAY_REFUSAL_FLUSH_SECONDS", 5)
 # How long the Responses API keeps a stored response (`store`, its default) before the hourly sweep
 # deletes it; a tenant may delete one sooner (DELETE /v1/responses/{id}).
 GATEWAY_RESPONSES_RETENTION_DAYS = env_int("GATEWAY_RESPONSES_RETENTION_DAYS", 30)
+# A gateway process renews its claim on the background responses it runs every third of this;
+# one whose claim ran out (its process died) is run again by another, at most
+# GATEWAY_BACKGROUND_RUNS times in all before it is marked failed.
+GATEWAY_BACKGROUND_LEASE_SECONDS = env_int("GATEWAY_BACKGROUND_LEASE_SECONDS", 30)
+GATEWAY_BACKGROUND_RUNS = env_int("GATEWAY_BACKGROUND_RUNS", 3)
 
 # The tenant whose credit pays for operators' and admins' playground requests (they belong to no
 # tenant): created, with no credit, on first use; an admin grants it credit as any tenant's.

@@ -28,6 +28,20 @@ def api_key_authenticate(*, plaintext: str, now: datetime | None = None) -> ApiK
         api_key = ApiKey.objects.select_related("tenant__plan").get(key_hash=hash_api_key(plaintext))
     except ApiKey.DoesNotExist:
         raise ApiKeyRejected("Invalid API key.") from None
+    return _usable(api_key, now)
+
+
+def api_key_usable_by_id(*, key_id: int, now: datetime | None = None) -> ApiKey:
+    """The key with id `key_id` if it is still usable (work it started going on without its
+    plaintext); raises ApiKeyRejected otherwise, as `api_key_authenticate` would."""
+    try:
+        api_key = ApiKey.objects.select_related("tenant__plan").get(pk=key_id)
+    except ApiKey.DoesNotExist:
+        raise ApiKeyRejected("This API key has been deleted.") from None
+    return _usable(api_key, now)
+
+
+def _usable(api_key: ApiKey, now: datetime | None) -> ApiKey:
     if api_key.revoked:
         raise ApiKeyRejected("This API key has been revoked.")
     if api_key.is_expired(now or timezone.now()):

@@ -358,6 +358,21 @@ def credit_holds_settle(*, outcomes: Sequence[RequestOutcome], at: datetime, dur
     return results
 
 
+def credit_hold_adopt(*, request_id: str, expires_at: datetime) -> Decimal | None:
+    """For a request run again under its own id after the gateway running it died: what is already
+    held or charged for it (its hold, renewed to `expires_at` so that the sweeper leaves it to the
+    new run; or the charge of a settlement written before the death), or None when nothing was
+    held yet and it is held as any request is. The new run's settlement consumes the renewed hold,
+    or finds none to consume: charged once either way."""
+    with transaction.atomic():
+        hold = CreditHold.objects.select_for_update().filter(request_id=request_id).first()
+        if hold is not None:
+            CreditHold.objects.filter(pk=hold.pk).update(expires_at=expires_at)
+            return hold.amount
+    # Read after the lock: a sweeper that settled the hold meanwhile has committed its record.
+    return UsageRecord.objects.filter(request_id=request_id).values_list("price_charged", flat=True).first()
+
+
 def credit_holds_expire(*, now: datetime, started: Callable[[list[str]], Iterable[str]]) -> list[Settled]:
     """Settle holds whose gateway died mid-request: charged as cancelled when `started` says the
     request had sent its first token (the client got part of an answer), released otherwise."""

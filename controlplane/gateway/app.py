@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from controlplane.gateway import batch_api, completions
 from controlplane.gateway.config import GatewayConfig
+from controlplane.gateway.dialects import background
 from controlplane.gateway.dialects import routes as dialects
 from controlplane.gateway.errors import GatewayError, dependency_unavailable, model_not_found
 from controlplane.gateway.openapi import openapi_document
@@ -41,7 +42,9 @@ def build_app() -> Starlette:
         if app.state.gateway is None:
             async with lock:
                 if app.state.gateway is None:
-                    app.state.gateway = Gateway(GatewayConfig.from_settings())
+                    gw = Gateway(GatewayConfig.from_settings())
+                    gw.add_chore(background.keep_claims(gw))
+                    app.state.gateway = gw
         return app.state.gateway
 
     def endpoint(handler):

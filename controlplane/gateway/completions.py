@@ -59,10 +59,17 @@ ENDPOINTS = {
 
 
 async def serve(
-    gw: Gateway, request: Request, request_id: str, *, path: str, dialect: Dialect | None = None
+    gw: Gateway,
+    request: Request,
+    request_id: str,
+    *,
+    path: str,
+    dialect: Dialect | None = None,
+    grant: KeyGrant | None = None,
 ) -> Response:
     """`dialect`: the request is in another API's shape, translated into a chat completion's
-    (`path` is then /v1/chat/completions) and its answer back."""
+    (`path` is then /v1/chat/completions) and its answer back. `grant`: the request runs again
+    without its caller (a background response taken over), under its key's grant as read now."""
     schema, for_embeddings = ENDPOINTS[path]
     authorization = (dialect or _OPENAI).authorization(request)
     try:
@@ -70,7 +77,8 @@ async def serve(
     except GatewayError:
         await gw.keys.note_refused_grant(request, authorization)  # whose refusal it is, if known
         raise
-    grant = await gw.keys.request_grant(request, authorization)
+    if grant is None:
+        grant = await gw.keys.request_grant(request, authorization)
     if dialect is not None:
         raw = await dialect.translate(gw, grant, raw)
     admission = None

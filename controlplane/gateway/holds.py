@@ -36,6 +36,7 @@ from controlplane.billing.holds import (
     Settled,
     conditional_hold_result,
     conditional_hold_statement,
+    credit_hold_adopt,
     credit_holds_expire,
     credit_holds_place,
     credit_holds_place_locked,
@@ -94,9 +95,24 @@ class HoldPlacer:
         self._connect_kwargs = _connect_kwargs(database)
         self._connection = None
         self._busy = False
+        self._lane = lane
+        self._adopted: dict[str, Decimal] = {}  # request id -> amount held or charged already
+
+    async def adopt(self, request_id: str) -> None:
+        """A request run again under its own id (a background response whose gateway died): what
+        was held or charged for it before is its hold this time (billing.holds.credit_hold_adopt)."""
+        expires_at = timezone.now() + self._lifetime
+        amount = await self._lane.run(credit_hold_adopt, request_id=request_id, expires_at=expires_at)
+        if amount is not None:
+            self._adopted[request_id] = amount
+
+    def forget_adopted(self, request_id: str) -> None:
+        self._adopted.pop(request_id, None)
 
     async def submit(self, request: HoldRequest) -> CreditHold | HoldRefused:
         """The request's hold, or why it was refused (billing.holds.HoldRefused)."""
+        if (amount := self._adopted.pop(request.request_id, None)) is not None:
+            return CreditHold(request_id=request.request_id, tenant_id=request.tenant_id, amount=amount)
         # Under load the lane's batches are cheaper, and two connections would only queue on the
         # same account row: the direct path is for a request that finds the lane idle.
         if (

@@ -22,7 +22,7 @@ from controlplane.accounts.services import ALL_KEYS_CHANGED, LAST_USED_RESOLUTIO
 from controlplane.gateway.config import GatewayConfig
 from controlplane.gateway.database import DatabaseLane
 from controlplane.gateway.errors import GatewayError, invalid_api_key
-from controlplane.gateway.selectors import KeyGrant, key_grant_for
+from controlplane.gateway.selectors import KeyGrant, key_grant_for, key_grant_for_id
 
 _MAX_ENTRIES = 50_000
 # Unknown keys are remembered too (so a flood of bad keys does not become a flood of queries),
@@ -77,6 +77,21 @@ class KeyCache:
             raise invalid_api_key("This API key has expired.")
         self._note_use(grant.key_id, now)
         return grant
+
+    async def grant_for_id(self, key_id: int | None) -> KeyGrant:
+        """The grant of the key with id `key_id`, read now: for work that goes on without its
+        caller's plaintext (a background response taken over); a 401 once the key may not be used."""
+        if key_id is None:
+            raise invalid_api_key("This API key has been deleted.")
+        try:
+            return await self._lane.run(
+                key_grant_for_id,
+                key_id=key_id,
+                default_rate_limit_per_minute=self._config.default_rate_limit_per_minute,
+                default_max_concurrent=self._config.default_max_concurrent_requests,
+            )
+        except ApiKeyRejected as rejected:
+            raise invalid_api_key(rejected.reason) from None
 
     def forget_all(self) -> None:
         self._entries.clear()

@@ -4,6 +4,7 @@ on the first request and closed with the app. The routes (app.py) and the reques
 
 import asyncio
 import logging
+import uuid
 
 from controlplane.fleet.traffic import traffic_recorder
 from controlplane.gateway.body_parsing import BodyParsers
@@ -24,6 +25,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
+        # Names this process in the claims it holds on work that outlives a request (background responses).
+        self.process_id = uuid.uuid4().hex
         # Admission work (holds, key and routing reads) and settlements get a connection each, so
         # a slow batch of one does not queue behind the other.
         self.admit_lane, self.settle_lane = DatabaseLane("admit"), DatabaseLane("settle")
@@ -54,6 +57,10 @@ class Gateway:
             ),
             asyncio.ensure_future(sweep_expired_holds(self)),
         ]
+
+    def add_chore(self, work) -> None:
+        """Run `work` (a loop) for as long as this process serves, cancelled when it closes."""
+        self._chores.append(asyncio.ensure_future(work))
 
     def spawn(self, work) -> None:
         """Run `work` in the background (settlements after the answer went out); kept until done."""

@@ -7,7 +7,8 @@ from typing import Any
 
 from django.conf import settings
 
-from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_authenticate
+from controlplane.accounts.models import ApiKey
+from controlplane.accounts.selectors import api_key_allowed_model_ids, api_key_authenticate, api_key_usable_by_id
 from controlplane.catalog.models import SERVED_CONTEXT_LENGTH, Model
 from controlplane.catalog.selectors import image_rules
 from controlplane.common.units import human_bytes
@@ -106,7 +107,16 @@ class ModelRoute:
 
 def key_grant_for(*, plaintext: str, default_rate_limit_per_minute: int, default_max_concurrent: int) -> KeyGrant:
     """The grant of a usable key; raises accounts' ApiKeyRejected otherwise."""
-    api_key = api_key_authenticate(plaintext=plaintext)
+    return _grant(api_key_authenticate(plaintext=plaintext), default_rate_limit_per_minute, default_max_concurrent)
+
+
+def key_grant_for_id(*, key_id: int, default_rate_limit_per_minute: int, default_max_concurrent: int) -> KeyGrant:
+    """`key_grant_for` by the key's id: for a request resumed without its caller (a background
+    response), still refused once its key no longer may be used."""
+    return _grant(api_key_usable_by_id(key_id=key_id), default_rate_limit_per_minute, default_max_concurrent)
+
+
+def _grant(api_key: ApiKey, default_rate_limit_per_minute: int, default_max_concurrent: int) -> KeyGrant:
     plan = api_key.tenant.plan
     tenant_rpm = plan.rate_limit_per_minute if plan else default_rate_limit_per_minute
     tenant_concurrent = plan.max_concurrent_requests if plan else default_max_concurrent

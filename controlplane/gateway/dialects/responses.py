@@ -216,6 +216,7 @@ class Responses(Dialect):
         self.history: list[dict] = []  # the stored conversation it continues
         self.tenant_id, self.gw = 0, None
         self.translated: bytes | None = None
+        self.owner = ""  # a background response: the gateway process whose claim it runs under
 
     async def translate(self, gw, grant, raw: bytes) -> bytes:
         if self.translated is not None:  # a background response, checked before it was queued
@@ -295,7 +296,12 @@ class Responses(Dialect):
         history = self.history + self.items + answer["output"]
         if self.request.background:  # its row was stored when it was queued
             await gw.admit_lane.run(
-                stored_response_finish, tenant_id=self.tenant_id, response_id=self.id, history=history, response=answer
+                stored_response_finish,
+                tenant_id=self.tenant_id,
+                response_id=self.id,
+                history=history,
+                response=answer,
+                owner=self.owner,
             )
             return
         await gw.admit_lane.run(
