@@ -2,8 +2,8 @@
 rendered by the model's chat template, its placeholders expanded to the images' tokens, and
 answered greedily token for token as transformers answers the same chat and images; usage counts
 the image tokens; the same text with another image is a new prompt, not a prefix-cache hit; a
-"low" detail image is scaled down to the low-detail budget (fewer tokens, its own cache key); Gemma
-3 too, and an engine in a process of its own."""
+"low" detail image is scaled down to the low-detail budget (fewer tokens, its own cache key); a
+streamed answer with an image is the whole one; Gemma 3 too, and an engine in a process of its own."""
 
 from __future__ import annotations
 
@@ -182,6 +182,20 @@ def test_an_unknown_detail_is_a_400_naming_it(server):
         _ask(server[0], [_png(56, 56, 12)], detail="medium")
     assert caught.value.body["param"] == "messages.0.content.1.image_url.detail"
     assert "'medium' is not one of auto, low, high" in caught.value.body["message"]
+
+
+def test_a_streamed_answer_with_an_image_is_the_whole_answer_and_counts_its_tokens(server, checkpoint):
+    base, _ = server
+    png = _png(120, 80, 13)
+    whole = _ask(base, [png], "stream it")
+    chunks = list(_ask(base, [png], "stream it", stream=True, stream_options={"include_usage": True}))
+    texts = [chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices]
+    assert sum(1 for text in texts if text) > 1
+    assert "".join(texts) == whole.choices[0].message.content
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, MAX_TOKENS)
+    assert usage.prompt_tokens == _hf_answer(checkpoint, [png], "stream it")[1]
+    assert usage.prompt_tokens > _hf_answer(checkpoint, [], "stream it")[1] + 3  # the image's tokens
 
 
 @pytest.fixture(scope="module")
