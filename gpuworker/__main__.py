@@ -22,7 +22,13 @@ from pathlib import Path
 from gpuworker.daemon.model_paths import MODEL_ROOTS_ENV
 from gpuworker.daemon.staging import STAGE_BUDGET_ENV
 from gpuworker.engine.config import EXPERT_PARALLEL_MODES
-from gpuworker.replica.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES, ImageLimits
+from gpuworker.replica.images import (
+    DEFAULT_LOW_DETAIL_PIXELS,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    ImageLimits,
+)
 
 TOKEN_ENV = "GPUSERVE_WORKER_TOKEN"
 HOST_KV_CACHE_ENV = "GPUSERVE_HOST_KV_CACHE_BYTES"
@@ -112,6 +118,14 @@ def _add_serve(commands) -> None:
         default=DEFAULT_MAX_IMAGE_PIXELS,
         help="most pixels (width x height) an image may have; larger ones are refused from their header, "
         "before decoding",
+    )
+    serve.add_argument(
+        "--low-detail-pixels",
+        type=int,
+        default=DEFAULT_LOW_DETAIL_PIXELS,
+        help='most pixels an image part with "detail": "low" keeps: it is scaled down to them (aspect '
+        'kept) before the model\'s processor, so it fills fewer tokens ("high" and "auto": the processor '
+        "picks the resolution)",
     )
     serve.add_argument(
         "--max-num-seqs",
@@ -333,6 +347,7 @@ def image_limits(args: argparse.Namespace) -> ImageLimits:
         max_images=args.max_images_per_request,
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
+        low_detail_pixels=args.low_detail_pixels,
         allowed_domains=tuple(domain for domain in args.allowed_image_domains.split(",") if domain.strip()),
         ca_bundle=args.image_ca_bundle,
     )

@@ -59,6 +59,12 @@ class Model(models.Model):
         help_text="Most pixels (width x height) an image may have; the replica refuses larger ones from "
         "their header, before decoding (vision models).",
     )
+    low_detail_pixels = models.PositiveIntegerField(
+        default=512 * 512,
+        validators=[MinValueValidator(1)],
+        help_text='Most pixels an image sent with "detail": "low" keeps: the replica scales it down to them '
+        "before the model's processor, so it fills fewer tokens (vision models).",
+    )
     weights_path = models.CharField(
         max_length=500, help_text="Directory on the worker hosts holding the weights (Hugging Face layout)."
     )

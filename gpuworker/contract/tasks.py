@@ -152,6 +152,7 @@ class LoadModel(_Task):
     max_images_per_request: int | None = _argument(_int_at_least(1, optional=True), None)
     max_image_bytes: int | None = _argument(_int_at_least(1, optional=True), None)
     max_image_pixels: int | None = _argument(_int_at_least(1, optional=True), None)
+    low_detail_pixels: int | None = _argument(_int_at_least(1, optional=True), None)
     # "fp8": quantize the float checkpoint's weights to FP8 as it loads (the catalog's load_quantization).
     quantization: str = _argument(_load_quantization, "")
 

@@ -651,5 +651,6 @@ def image_limit_arguments(request: LoadModel) -> list[str]:
         "--max-images-per-request": request.max_images_per_request,
         "--max-image-bytes": request.max_image_bytes,
         "--max-image-pixels": request.max_image_pixels,
+        "--low-detail-pixels": request.low_detail_pixels,
     }
     return [item for flag, value in flags.items() if value is not None for item in (flag, str(value))]

@@ -59,8 +59,10 @@ def preprocess_image(model_dir: str | Path, image: Any) -> ImageInput:
 
 def preprocess_request_image(model_dir: str, image: Any, detail: str) -> ImageInput:
     """`preprocess_image` as the replica's image pool calls it (image, detail): bind model_dir with
-    functools.partial for a picklable callable. The processor chooses the resolution, so `detail`
-    changes nothing."""
+    functools.partial for a picklable callable. The pool has already scaled a "low" detail image
+    down (`replica.images.decoding.at_detail`); the processor then picks the resolution of what it
+    is given, so the image's tokens and content hash (its prefix-cache and embedding key) follow
+    the resolution used."""
     return preprocess_image(model_dir, image)
 
 

@@ -144,6 +144,7 @@ def replica_place(*, deployment, worker: Worker, gpu: Gpu | None) -> Replica:
             max_images_per_request=model.max_images_per_request,
             max_image_bytes=model.max_image_bytes,
             max_image_pixels=model.max_image_pixels,
+            low_detail_pixels=model.low_detail_pixels,
             quantization=model.load_quantization,
         ),
     )

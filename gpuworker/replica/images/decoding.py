@@ -1,14 +1,18 @@
 """Image bytes opened with Pillow, guarded: only PNG, JPEG, WebP and GIF (its first frame); the
 pixel count read from the header and refused above the limit before anything is decoded (a
 decompression bomb is a small file whose header claims billions of pixels); truncated or corrupt
-files refused instead of decoded as far as they go. Runs in the pool's worker processes."""
+files refused instead of decoded as far as they go; an image sent with "detail": "low" scaled down
+to the low-detail budget. Runs in the pool's worker processes."""
 
 from __future__ import annotations
 
 import io
+import math
 from typing import Any, Callable
 
 from PIL import Image, UnidentifiedImageError
+
+from gpuworker.replica.images import DEFAULT_LOW_DETAIL_PIXELS
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
@@ -44,17 +48,36 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     return image.convert("RGB")
 
 
+def at_detail(image: Image.Image, detail: str, low_detail_pixels: int) -> Image.Image:
+    """The image a part's `detail` asks for: for "low", scaled down (aspect kept, bicubic) to at most
+    low_detail_pixels pixels; otherwise, or when it is already that small, the image itself (the
+    model's processor then picks the resolution)."""
+    width, height = image.size
+    if detail != "low" or width * height <= low_detail_pixels:
+        return image
+    scale = math.sqrt(low_detail_pixels / (width * height))
+    # Whole pixels, an exact scale's kept whole despite rounding (1024 x 1024 at 512 x 512: 0.5).
+    size = (max(1, math.floor(width * scale + 1e-6)), max(1, math.floor(height * scale + 1e-6)))
+    if size[0] * size[1] > low_detail_pixels:
+        size = (max(1, math.floor(width * scale)), max(1, math.floor(height * scale)))
+    return image.resize(size, Image.Resampling.BICUBIC)
+
+
 def resize_to_fit(image: Image.Image, detail: str, max_side: int = 1024) -> Any:
-    """A plain preprocessing: the image scaled down to fit max_side (half of it for detail 'low'),
-    as its RGB bytes and size. The pool's test and bench use it; a vision model brings its own."""
-    side = max_side // 2 if detail == "low" else max_side
+    """A plain preprocessing: the image scaled down to fit max_side, as its RGB bytes and size. The
+    pool's test and bench use it; a vision model brings its own."""
     image = image.copy()
-    image.thumbnail((side, side), Image.Resampling.BICUBIC)
+    image.thumbnail((max_side, max_side), Image.Resampling.BICUBIC)
     return image.tobytes(), image.size
 
 
 def decode_and_preprocess(
-    preprocess: Callable[[Image.Image, str], Any], data: bytes, detail: str, max_pixels: int
+    preprocess: Callable[[Image.Image, str], Any],
+    data: bytes,
+    detail: str,
+    max_pixels: int,
+    low_detail_pixels: int = DEFAULT_LOW_DETAIL_PIXELS,
 ) -> Any:
-    """What one worker process does for one image: open it, guarded, and run `preprocess` on it."""
-    return preprocess(open_image(data, max_pixels), detail)
+    """What one worker process does for one image: open it, guarded, bring it to its detail's
+    resolution and run `preprocess` on it."""
+    return preprocess(at_detail(open_image(data, max_pixels), detail, low_detail_pixels), detail)

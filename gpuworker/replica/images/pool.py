@@ -17,6 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable
 
 from gpuworker.contract.openai_api import ImageInput, ProtocolError
+from gpuworker.replica.images import DEFAULT_LOW_DETAIL_PIXELS
 from gpuworker.replica.images.decoding import ImageRefused, decode_and_preprocess
 from gpuworker.replica.images.sources import refused
 
@@ -54,14 +55,18 @@ class ImagePool:
         *,
         max_pixels: int,
         budget_s: float,
+        low_detail_pixels: int = DEFAULT_LOW_DETAIL_PIXELS,
     ) -> list[Any]:
-        """Each image decoded and run through `preprocess` in a worker, in the order given.
+        """Each image decoded, brought to its detail's resolution (`decoding.at_detail`) and run
+        through `preprocess` in a worker, in the order given.
         Raises ProtocolError: 400 naming the part of an image that cannot be decoded, 503 when the
         images take longer than budget_s."""
         loop = asyncio.get_running_loop()
         pool = self._pool()
         futures = [
-            loop.run_in_executor(pool, decode_and_preprocess, preprocess, data, image.detail, max_pixels)
+            loop.run_in_executor(
+                pool, decode_and_preprocess, preprocess, data, image.detail, max_pixels, low_detail_pixels
+            )
             for image, data in images
         ]
         try:

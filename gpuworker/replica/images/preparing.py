@@ -53,5 +53,9 @@ async def prepare_images(
         ) from None
     remaining = max(limits.budget_s - (time.monotonic() - started), 0.001)
     return await pool.preprocess(
-        preprocess, list(zip(images, loaded)), max_pixels=limits.max_image_pixels, budget_s=remaining
+        preprocess,
+        list(zip(images, loaded)),
+        max_pixels=limits.max_image_pixels,
+        budget_s=remaining,
+        low_detail_pixels=limits.low_detail_pixels,
     )

@@ -178,6 +178,7 @@ def test_replica_place_sends_the_load_message_after_commit(django_capture_on_com
         max_images_per_request=3,
         max_image_bytes=4000,
         max_image_pixels=10**6,
+        low_detail_pixels=256 * 256,
     )
     deployment = DeploymentFactory(model=model)
     with django_capture_on_commit_callbacks(execute=True):
@@ -200,6 +201,7 @@ def test_replica_place_sends_the_load_message_after_commit(django_capture_on_com
                 "max_images_per_request": 3,  # the catalog's image limits, for the replica
                 "max_image_bytes": 4000,
                 "max_image_pixels": 10**6,
+                "low_detail_pixels": 256 * 256,
                 "quantization": "",  # as the checkpoint is stored
             },
         )

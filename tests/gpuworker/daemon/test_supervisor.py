@@ -612,8 +612,12 @@ def test_a_loads_image_limits_become_the_replicas_image_limits():
         return image_limits(build_parser().parse_args(["serve", "--model", "m", *image_limit_arguments(request)]))
 
     base = {"replica_id": 1, "model_path": "/m", "served_model_name": "m", "gpu_index": None, "memory_fraction": 0.5}
-    limited = LoadModel(**base, max_images_per_request=2, max_image_bytes=5000, max_image_pixels=640 * 480)
-    assert limits_of(limited) == ImageLimits(max_images=2, max_image_bytes=5000, max_image_pixels=640 * 480)
+    limited = LoadModel(
+        **base, max_images_per_request=2, max_image_bytes=5000, max_image_pixels=640 * 480, low_detail_pixels=300
+    )
+    assert limits_of(limited) == ImageLimits(
+        max_images=2, max_image_bytes=5000, max_image_pixels=640 * 480, low_detail_pixels=300
+    )
     assert limits_of(LoadModel(**base)) == ImageLimits()
     with pytest.raises(ValueError, match="max_image_pixels must be an integer >= 1"):
         LoadModel(**base, max_image_pixels=0)

@@ -1,8 +1,9 @@
 """A vision model through the replica server with the openai SDK: a chat with data-URL images is
 rendered by the model's chat template, its placeholders expanded to the images' tokens, and
 answered greedily token for token as transformers answers the same chat and images; usage counts
-the image tokens; the same text with another image is a new prompt, not a prefix-cache hit; Gemma
-3 too, and an engine in a process of its own."""
+the image tokens; the same text with another image is a new prompt, not a prefix-cache hit; a
+"low" detail image is scaled down to the low-detail budget (fewer tokens, its own cache key); a
+streamed answer with an image is the whole one; Gemma 3 too, and an engine in a process of its own."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from PIL import Image
 from gpuworker.engine.multimodal import preprocess_image
 from gpuworker.engine.prompts import TokenizedPrompt
 from gpuworker.replica.app import ServerConfig
+from gpuworker.replica.images import ImageLimits
 from gpuworker.replica.responses import with_image_tokens
 from tests.gpuworker.models.vision_checkpoints import (
     GEMMA3_BOI_TOKEN_ID,
@@ -29,6 +31,8 @@ from tests.gpuworker.models.vision_checkpoints import (
 from tests.gpuworker.replica.test_app import TOKEN, _serving
 
 MAX_TOKENS = 6
+# The tiny processor takes up to 64 x 28 x 28 pixels; "low" detail keeps a quarter of that.
+LOW_DETAIL_PIXELS = 112 * 112
 
 
 def _png(width: int, height: int, seed: int) -> bytes:
@@ -49,23 +53,30 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    config = ServerConfig(model=str(checkpoint), served_model_name="tiny-vl", token=TOKEN, max_model_len=1024)
+    config = ServerConfig(
+        model=str(checkpoint),
+        served_model_name="tiny-vl",
+        token=TOKEN,
+        max_model_len=1024,
+        image_limits=ImageLimits(low_detail_pixels=LOW_DETAIL_PIXELS),
+    )
     with _serving(config) as running:
         yield running
 
 
-def _ask(base: str, pngs: list[bytes], text: str = "what is in the picture"):
+def _ask(base: str, pngs: list[bytes], text: str = "what is in the picture", detail: str = "auto", **kwargs):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN)
     parts = [{"type": "text", "text": text}]
-    parts += [{"type": "image_url", "image_url": {"url": _data_url(png)}} for png in pngs]
+    parts += [{"type": "image_url", "image_url": {"url": _data_url(png), "detail": detail}} for png in pngs]
     return client.chat.completions.create(
         model="tiny-vl",
         messages=[{"role": "user", "content": parts}],
         max_tokens=MAX_TOKENS,
         temperature=0,
-        logprobs=True,
+        logprobs=not kwargs.get("stream"),
         extra_body={"ignore_eos": True},
+        **kwargs,
     )
 
 
@@ -146,6 +157,45 @@ def test_a_template_that_places_no_image_is_a_400_naming_messages(server):
     assert len(with_image_tokens(prompts, TokenizedPrompt(None, [1, IMAGE_TOKEN_ID, 3]), [image]).token_ids) == (
         2 + image.num_tokens
     )
+
+
+def test_low_detail_is_the_image_scaled_down_to_the_low_budget(server):
+    base, _ = server
+    png = _png(448, 448, 10)  # 4 x the tiny processor's max pixels: it scales the image down itself
+    by_hand = io.BytesIO()
+    Image.open(io.BytesIO(png)).resize((112, 112), Image.Resampling.BICUBIC).save(by_hand, format="PNG")
+    high = _ask(base, [png], "look", detail="high")
+    low = _ask(base, [png], "look", detail="low")
+    assert low.usage.prompt_tokens < high.usage.prompt_tokens - 8
+    # The same image at another resolution is another prefix: only the text before it is shared.
+    other = _ask(base, [_png(448, 448, 11)], "look", detail="low")
+    assert low.usage.prompt_tokens_details.cached_tokens == other.usage.prompt_tokens_details.cached_tokens
+    assert low.usage.prompt_tokens_details.cached_tokens < low.usage.prompt_tokens - 8
+    resized = _ask(base, [by_hand.getvalue()], "look", detail="high")
+    assert _tokens(resized) == _tokens(low) and resized.usage.prompt_tokens == low.usage.prompt_tokens
+    assert _tokens(_ask(base, [png], "look", detail="auto")) == _tokens(high)
+
+
+def test_an_unknown_detail_is_a_400_naming_it(server):
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError) as caught:
+        _ask(server[0], [_png(56, 56, 12)], detail="medium")
+    assert caught.value.body["param"] == "messages.0.content.1.image_url.detail"
+    assert "'medium' is not one of auto, low, high" in caught.value.body["message"]
+
+
+def test_a_streamed_answer_with_an_image_is_the_whole_answer_and_counts_its_tokens(server, checkpoint):
+    base, _ = server
+    png = _png(120, 80, 13)
+    whole = _ask(base, [png], "stream it")
+    chunks = list(_ask(base, [png], "stream it", stream=True, stream_options={"include_usage": True}))
+    texts = [chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices]
+    assert sum(1 for text in texts if text) > 1
+    assert "".join(texts) == whole.choices[0].message.content
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, MAX_TOKENS)
+    assert usage.prompt_tokens == _hf_answer(checkpoint, [png], "stream it")[1]
+    assert usage.prompt_tokens > _hf_answer(checkpoint, [], "stream it")[1] + 3  # the image's tokens
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 import socket
 import ssl
 import threading
@@ -13,10 +14,11 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from PIL import Image
 
 from gpuworker.contract.openai_api import ImageInput, ProtocolError
 from gpuworker.replica.images import ImageLimits, sources
-from gpuworker.replica.images.decoding import ImageRefused, open_image, resize_to_fit
+from gpuworker.replica.images.decoding import ImageRefused, at_detail, open_image, resize_to_fit
 from gpuworker.replica.images.pool import ImagePool
 from gpuworker.replica.images.preparing import prepare_images
 from tests.gpuworker.replica.image_files import (
@@ -33,6 +35,15 @@ from tests.gpuworker.replica.tls_certificates import make_certificates
 # limits below let through; 127.0.0.1 stays refused like any other loopback address.
 SERVER_ADDRESS = "127.0.0.2"
 PNG = image_file("PNG")
+
+
+def _png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), "blue").save(out, format="PNG")
+    return out.getvalue()
+
+
+WIDE_PNG = _png(800, 400)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -360,6 +371,8 @@ def test_limits_refuse_bad_settings():
         ImageLimits(allowed_domains=("http://x.test/",))
     with pytest.raises(ValueError, match="max_images"):
         ImageLimits(max_images=0)
+    with pytest.raises(ValueError, match="low_detail_pixels: must be at least 1"):
+        ImageLimits(low_detail_pixels=0)
     assert ImageLimits(allowed_domains=("*.Example.com",)).domain_allowed("img.example.com")
     assert not ImageLimits(allowed_domains=("example.com",)).domain_allowed("badexample.com")
 
@@ -390,3 +403,31 @@ def test_the_pixel_limit_refuses_an_image_naming_its_part(pool):
         prepare_images(images[:1], model_name="v", preprocess=resize_to_fit, limits=limits, pool=pool)
     )
     assert size == (64, 64)
+
+
+@pytest.mark.parametrize(("size", "budget"), [((300, 100), 1200), ((1024, 1024), 512 * 512), ((333, 777), 5000)])
+def test_low_detail_scales_an_image_down_to_its_budget_keeping_its_aspect(size, budget):
+    image = Image.new("RGB", size, "red")
+    low = at_detail(image, "low", budget)
+    (width, height), (w, h) = size, low.size
+    assert w * h <= budget and w * h > budget * 0.95
+    assert abs(w / h - width / height) < 0.02 * width / height
+    assert at_detail(image, "high", budget) is image and at_detail(image, "auto", budget) is image
+    assert at_detail(low, "low", budget) is low  # already within the budget: never scaled up
+    if size == (1024, 1024):
+        assert low.size == (512, 512)
+
+
+def test_the_pool_brings_a_low_detail_image_to_the_limits_budget(pool):
+    images = [ImageInput(f"p{i}", "data:", detail) for i, detail in enumerate(("low", "high", "auto"))]
+    limits = ImageLimits(low_detail_pixels=200 * 100)
+    done = asyncio.run(
+        prepare_images(
+            [ImageInput(image.param, data_url(WIDE_PNG), image.detail) for image in images],
+            model_name="v",
+            preprocess=resize_to_fit,
+            limits=limits,
+            pool=pool,
+        )
+    )
+    assert [size for _, size in done] == [(200, 100), (800, 400), (800, 400)]
