@@ -26,6 +26,10 @@ with the model, so the measured free memory has them already): one vision-encode
 activations at its most patch rows, and the cache of encoder outputs; both come off the budget
 before the pool is sized (`vision_activation_bytes`).
 
+A latent-attention model's prefill expands its groups of sequences' cached latents into per-head
+keys and values for the step (models.deepseek.prefill_buffer): room for the largest group a step can
+hold comes off the budget too, from the same figures the prefill cuts its groups by.
+
 A model with sliding-window and full layers (Gemma 3) gets a second pool for the sliding ones
 (engine.window_blocks), where a sequence holds only its window: window_pool_blocks of them, the most
 the running sequences can hold at once, are set aside first; the main pool's blocks then count the
@@ -39,6 +43,7 @@ from dataclasses import replace
 
 from gpuworker.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from gpuworker.models.config import ModelConfig
+from gpuworker.models.deepseek.prefill_buffer import prefill_buffer_bytes
 
 CPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_BATCHED_TOKENS = 8192
@@ -113,6 +118,30 @@ def vision_activation_bytes(mc: ModelConfig, element_size: int, max_num_batched_
     return MAX_ENCODER_PATCHES * row + cache
 
 
+def mla_prefill_bytes(
+    mc: ModelConfig,
+    *,
+    element_size: int,
+    kv_element_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """A latent-attention prefill step's largest transient group of expanded keys and values (0 for
+    other models); mc is the rank's shapes (its share of the heads)."""
+    if mc.mla is None:
+        return 0
+    return prefill_buffer_bytes(
+        mc.mla,
+        mc.num_heads,
+        element_size=element_size,
+        cache_element_size=kv_element_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+
+
 def seq_activation_bytes(mc: ModelConfig) -> int:
     """Per sequence of a step: float32 logits and the sampler's temporaries of the same size."""
     return mc.vocab_size * 4 * 6
@@ -182,6 +211,14 @@ def plan_sizes(
             int(free_device_bytes * config.gpu_memory_utilization)
             - max_num_batched_tokens * token_activation_bytes(mc, element_size)
             - vision_activation_bytes(mc, element_size, max_num_batched_tokens)
+            - mla_prefill_bytes(
+                mc,
+                element_size=element_size,
+                kv_element_size=kv_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs or MAX_NUM_SEQS,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
         )
         source = f"gpu_memory_utilization ({config.gpu_memory_utilization}) of {free_device_bytes} free bytes"
         per_seq_bytes = seq_activation_bytes(mc) + block_table_row_bytes(max_model_len, config.block_size)
