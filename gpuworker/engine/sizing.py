@@ -26,10 +26,18 @@ with the model, so the measured free memory has them already): one vision-encode
 activations at its most patch rows, and the cache of encoder outputs; both come off the budget
 before the pool is sized (`vision_activation_bytes`).
 
+A latent-attention model's prefill expands its groups of sequences' cached latents into per-head
+keys and values for the step (models.deepseek.prefill_buffer): room for the largest group a step can
+hold comes off the budget too, from the same figures the prefill cuts its groups by.
+
 A model with sliding-window and full layers (Gemma 3) gets a second pool for the sliding ones
-(engine.window_blocks), where a sequence holds only its window: window_pool_blocks of them, the most
-the running sequences can hold at once, are set aside first; the main pool's blocks then count the
-full layers only, so the same memory holds about num_layers / full_layers times the tokens.
+(engine.window_blocks), where a sequence holds only the blocks its window can still read, taken as
+it grows; the main pool's blocks count the full layers only. The memory is split between the two
+pools as a sequence of TOKENS_PER_SEQ tokens uses them (its tokens in the full layers, at most its
+window in the sliding ones), so short sequences do not pay for whole windows; the window pool never
+gets more than every running sequence's whole window (window_pool_blocks), nor less than one
+sequence's window and a step (min_window_pool_blocks). Sequences that outgrow their share are
+preempted and recomputed, as when the main pool runs out.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from dataclasses import replace
 
 from gpuworker.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from gpuworker.models.config import ModelConfig
+from gpuworker.models.deepseek.prefill_buffer import prefill_buffer_bytes
 
 CPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_BATCHED_TOKENS = 8192
@@ -82,6 +91,12 @@ def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_
     return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
 
 
+def seq_window_blocks(window: int, block_size: int, seq_tokens: int) -> int:
+    """The window blocks a sequence of seq_tokens tokens holds: its tokens up to the window, and
+    one more where its window starts mid-block."""
+    return -(-min(seq_tokens, window) // block_size) + 1
+
+
 def min_window_pool_blocks(window: int, block_size: int, max_num_batched_tokens: int) -> int:
     """What one sequence alone may need: the blocks of its window and of one step's chunk."""
     return -(-(window - 1 + max_num_batched_tokens) // block_size) + 2
@@ -111,6 +126,30 @@ def vision_activation_bytes(mc: ModelConfig, element_size: int, max_num_batched_
     )
     cache = image_cache_tokens(max_num_batched_tokens) * mc.hidden_size * element_size
     return MAX_ENCODER_PATCHES * row + cache
+
+
+def mla_prefill_bytes(
+    mc: ModelConfig,
+    *,
+    element_size: int,
+    kv_element_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """A latent-attention prefill step's largest transient group of expanded keys and values (0 for
+    other models); mc is the rank's shapes (its share of the heads)."""
+    if mc.mla is None:
+        return 0
+    return prefill_buffer_bytes(
+        mc.mla,
+        mc.num_heads,
+        element_size=element_size,
+        cache_element_size=kv_element_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
 
 
 def seq_activation_bytes(mc: ModelConfig) -> int:
@@ -182,19 +221,38 @@ def plan_sizes(
             int(free_device_bytes * config.gpu_memory_utilization)
             - max_num_batched_tokens * token_activation_bytes(mc, element_size)
             - vision_activation_bytes(mc, element_size, max_num_batched_tokens)
+            - mla_prefill_bytes(
+                mc,
+                element_size=element_size,
+                kv_element_size=kv_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs or MAX_NUM_SEQS,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
         )
         source = f"gpu_memory_utilization ({config.gpu_memory_utilization}) of {free_device_bytes} free bytes"
         per_seq_bytes = seq_activation_bytes(mc) + block_table_row_bytes(max_model_len, config.block_size)
         if max_num_seqs is None:
             seq_tokens = min(TOKENS_PER_SEQ, max_model_len)
             # Each sequence's share of the window pool, if any.
-            window_share = window_pool_blocks(window, config.block_size, 1, 0) * window_block_bytes if window else 0
+            window_share = (
+                seq_window_blocks(window, config.block_size, seq_tokens) * window_block_bytes if window else 0
+            )
             if config.num_kv_blocks is not None:
                 fit = config.num_kv_blocks * config.block_size // seq_tokens
             else:
                 fit = budget // (seq_tokens * block_bytes // config.block_size + per_seq_bytes + window_share)
             max_num_seqs = min(MAX_NUM_SEQS, max(MIN_NUM_SEQS, fit))
-    num_window_blocks = _num_window_blocks(config, window, max_num_seqs, max_num_batched_tokens)
+    share = None
+    if window is not None and config.num_kv_blocks is None and config.num_window_kv_blocks is None:
+        seq_tokens = min(TOKENS_PER_SEQ, max_model_len)
+        share = _window_share_blocks(
+            budget - max_num_seqs * per_seq_bytes,
+            seq_tokens * block_bytes // config.block_size,
+            seq_window_blocks(window, config.block_size, seq_tokens),
+            window_block_bytes,
+        )
+    num_window_blocks = _num_window_blocks(config, window, max_num_seqs, max_num_batched_tokens, share)
     budget -= num_window_blocks * window_block_bytes
     num_kv_blocks = config.num_kv_blocks
     if num_kv_blocks is None:
@@ -204,6 +262,10 @@ def plan_sizes(
         _require_context(config, num_kv_blocks, block_bytes, source)
         # More than every sequence at full length could ever use is wasted memory.
         num_kv_blocks = min(num_kv_blocks, max_num_seqs * -(-max_model_len // config.block_size))
+        if share is not None:  # what the main pool cannot use goes to the windows
+            spare = (budget - max_num_seqs * per_seq_bytes - num_kv_blocks * block_bytes) // window_block_bytes
+            most = window_pool_blocks(window, config.block_size, max_num_seqs, max_num_batched_tokens)
+            num_window_blocks = max(num_window_blocks, min(most, num_window_blocks + spare))
     return replace(
         config,
         num_kv_blocks=num_kv_blocks,
@@ -249,14 +311,25 @@ def _require_context(config: EngineConfig, num_kv_blocks: int, block_bytes: int,
     )
 
 
-def _num_window_blocks(config: EngineConfig, window: int | None, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """The window pool's blocks: the config's, else window_pool_blocks; 0 without a window pool."""
+def _window_share_blocks(budget: int, seq_full_bytes: int, seq_window_blocks: int, window_block_bytes: int) -> int:
+    """The window pool's blocks in its share of budget: the part a sequence spends on its window
+    (seq_window_blocks) beside its tokens in the full layers (seq_full_bytes)."""
+    seq_window_bytes = seq_window_blocks * window_block_bytes
+    return max(0, budget) * seq_window_bytes // (seq_full_bytes + seq_window_bytes) // window_block_bytes
+
+
+def _num_window_blocks(
+    config: EngineConfig, window: int | None, max_num_seqs: int, max_num_batched_tokens: int, share: int | None
+) -> int:
+    """The window pool's blocks: the config's, else its share of the memory (None: no share, the
+    main pool's size was given) up to window_pool_blocks; 0 without a window pool."""
     if window is None:
         return 0
     least = min_window_pool_blocks(window, config.block_size, max_num_batched_tokens)
     blocks = config.num_window_kv_blocks
     if blocks is None:
-        return max(least, window_pool_blocks(window, config.block_size, max_num_seqs, max_num_batched_tokens))
+        most = window_pool_blocks(window, config.block_size, max_num_seqs, max_num_batched_tokens)
+        return max(least, most if share is None else min(share, most))
     if blocks < least:
         raise ValueError(
             f"num_window_kv_blocks ({blocks}) cannot hold one sequence's window ({window} tokens) and a "

@@ -29,6 +29,7 @@ from gpuworker.attention.torch_backend import attend
 from gpuworker.kernels.attention.mla_decode import mla_decode_reference
 from gpuworker.kernels.quant.kv_cache import dequantize_kv
 from gpuworker.models.config import ModelConfig
+from gpuworker.models.deepseek import prefill_buffer
 from gpuworker.models.deepseek.rotary import DeepseekRotary
 from gpuworker.models.layers import Linear, RMSNorm
 from gpuworker.models.tensor_parallel import ParallelContext, RowParallelLinear
@@ -36,10 +37,6 @@ from gpuworker.models.tensor_parallel import ParallelContext, RowParallelLinear
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV2RMSNorm's default eps, not
 # the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-# A prefill group's expanded keys and values (rows x heads x (nope + v)) at most: 2^28 values, 512 MiB
-# in bf16 (DeepSeek-V3's 128 heads: 8,192 context rows a group; V2-Lite's 16: 65,536), so a step of
-# many long contexts does not hold all of them expanded at once.
-EXPANDED_VALUES_PER_GROUP = 1 << 28
 
 
 def uses_triton(backend: AttentionBackend) -> bool:
@@ -68,7 +65,7 @@ class MLAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: DeepseekRotary, parallel: ParallelContext | None = None) -> None:
         """config: the shapes this rank holds (num_heads its share, models.tensor_parallel.shard_config)."""
         super().__init__()
-        mla = config.mla
+        mla = self.mla = config.mla
         self.num_heads = config.num_heads
         self.kv_lora_rank = mla.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
@@ -205,12 +202,28 @@ class MLAttention(nn.Module):
         out: torch.Tensor,
     ) -> None:
         """The prefill chunks after the decode rows (into `out`), in groups of consecutive sequences
-        whose expanded context stays within EXPANDED_VALUES_PER_GROUP (one group, in all but steps
-        of very long contexts)."""
-        width = self.num_heads * (self.nope_dim + self.v_dim)
-        max_rows = max(1, EXPANDED_VALUES_PER_GROUP // width)
-        for first, last in context_groups(meta.seq_lens_cpu, meta.num_decode_seqs, meta.num_seqs, max_rows):
+        whose expanded context stays within prefill_buffer.group_rows (one group, in all but steps
+        of very long contexts); engine.sizing leaves room for the largest group."""
+        max_rows = prefill_buffer.group_rows(self.mla, self.num_heads)
+        groups = prefill_buffer.context_groups(meta.seq_lens_cpu, meta.num_decode_seqs, meta.num_seqs, max_rows)
+        for first, last in groups:
             self._prefill_group(q_nope, q_pe, latent_cache, meta, backend, out, first, last)
+
+    def expand_group(
+        self, latent_cache: torch.Tensor, meta: AttentionMetadata, first: int, last: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_nope [S, H, nope], k_rope [S, H, rope] (a broadcast view), values [S, H, v],
+        cu_seqlens_k) of sequences first..last-1: their cached latents gathered at once and expanded
+        by one kv_b_proj GEMM. What it allocates is prefill_buffer.row_bytes per context row."""
+        context = sum(meta.seq_lens_cpu[first:last])
+        slots, cu_seqlens_k = context_slots(meta, first, last, latent_cache.shape[1], context)
+        rows = latent_cache.reshape(-1, latent_cache.shape[-1])[slots]
+        if rows.dtype != dtype:  # an FP8 cache; a cache in the model dtype is read as it is
+            rows = dequantize_kv(rows, self.k_scale).to(dtype)
+        latent, k_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(context, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        return k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1), values, cu_seqlens_k
 
     def _prefill_group(
         self,
@@ -223,18 +236,10 @@ class MLAttention(nn.Module):
         first: int,
         last: int,
     ) -> None:
-        """Sequences first..last-1: their cached latents gathered at once and expanded into per-head
-        keys and values by one kv_b_proj GEMM, then causal attention of each chunk over its own
-        sequence's rows (the Triton MLA prefill kernel in one launch, or per sequence in torch)."""
-        context_lens = meta.seq_lens_cpu[first:last]
-        context = sum(context_lens)
-        slots, cu_seqlens_k = context_slots(meta, first, last, latent_cache.shape[1], context)
-        rows = latent_cache.reshape(-1, latent_cache.shape[-1])[slots]
-        rows = dequantize_kv(rows, self.k_scale).to(q_nope.dtype)
-        latent, k_pe = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(context, self.num_heads, self.nope_dim + self.v_dim)
-        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rope = k_pe[:, None, :].expand(-1, self.num_heads, -1)
+        """Sequences first..last-1: their keys and values expanded (expand_group), then causal
+        attention of each chunk over its own sequence's rows (the Triton MLA prefill kernel in one
+        launch, or per sequence in torch)."""
+        k_nope, k_rope, values, cu_seqlens_k = self.expand_group(latent_cache, meta, first, last, q_nope.dtype)
         if uses_triton(backend):
             from gpuworker.kernels.attention.mla_prefill import mla_prefill_attention
 
@@ -253,27 +258,13 @@ class MLAttention(nn.Module):
             )
             return
         qsl, k_start = meta.query_start_loc_cpu, 0
-        for i, seq_len in enumerate(context_lens, start=first):
+        for i, seq_len in enumerate(meta.seq_lens_cpu[first:last], start=first):
             start, end, keys_end = qsl[i], qsl[i + 1], k_start + seq_len
             if end > start:
                 keys = torch.cat((k_nope[k_start:keys_end], k_rope[k_start:keys_end]), dim=-1)
                 query = torch.cat((q_nope[start:end], q_pe[start:end]), dim=-1)
                 out[start:end] = attend_expanded(query, keys, values[k_start:keys_end], self.scale, fused=query.is_cuda)
             k_start = keys_end
-
-
-def context_groups(seq_lens: list[int], first: int, last: int, max_rows: int) -> list[tuple[int, int]]:
-    """Sequences first..last-1 (host context lengths seq_lens) cut into runs of consecutive ones
-    [(begin, end), ...] of at most max_rows context rows together; a longer sequence is a run alone."""
-    groups, begin, rows = [], first, 0
-    for i in range(first, last):
-        if rows and rows + seq_lens[i] > max_rows:
-            groups.append((begin, i))
-            begin, rows = i, 0
-        rows += seq_lens[i]
-    if last > begin:
-        groups.append((begin, last))
-    return groups
 
 
 def context_slots(

@@ -115,3 +115,49 @@ def test_kv_capacity_grows_with_the_window_pool(free_device_bytes):
     assert tokens_pooled > 3.5 * tokens_flat
     # The window pool holds every sequence's window at once.
     assert pooled.num_window_kv_blocks * 16 >= 8 * 1024 + 2048
+
+
+SHORT_LENGTHS = (3, 4, 5, 6, 7, 8, 8, 5)  # with their answers, each within one block
+
+
+def test_short_sequences_take_a_block_of_window_not_a_whole_window(tiny_checkpoint):
+    """Memory that holds every running sequence's whole window and nothing more: the window pool
+    is split off as short sequences use it, so the full layers get the rest, the eight short
+    sequences run at once holding one window block each, and the tokens are transformers'."""
+    from gpuworker.engine.sizing import kv_cache_block_bytes, window_pool_blocks
+    from gpuworker.models.loader import load_model_config
+
+    path = tiny_checkpoint("gemma3")
+    mc = load_model_config(path)
+    answer = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = random_prompts(SHORT_LENGTHS, TINY["vocab_size"], seed=5)
+    reference = hf_greedy(path, prompts, answer.max_tokens)
+    sliding = sum(1 for window in mc.layer_windows if window is not None)
+    whole_windows = window_pool_blocks(WINDOW, 16, len(prompts), 24) * kv_cache_block_bytes(mc, 16, 4, sliding)
+    llm = engine(path, max_num_seqs=len(prompts), kv_cache_memory_bytes=whole_windows, async_scheduling=False)
+    pool = llm.scheduler.block_manager.window_pool
+    assert pool.num_blocks < window_pool_blocks(WINDOW, 16, len(prompts), 24) // 2
+    for i, prompt in enumerate(prompts):
+        llm.add_request(str(i), prompt, answer)
+    outputs, most_running, most_held = {}, 0, 0
+    while llm.has_unfinished_requests():
+        outputs.update((out.request_id, out.token_ids) for out in llm.step() if out.finished)
+        most_running = max(most_running, len(llm.scheduler.running))
+        most_held = max(most_held, sum(pool.blocks_held(seq) for seq in llm.scheduler.running))
+    assert [outputs[str(i)] for i in range(len(prompts))] == reference
+    assert most_running == len(prompts) and most_held == len(prompts)  # N x ceil(len / block)
+
+
+def test_the_memory_is_split_as_a_short_sequence_uses_it():
+    """Gemma 3 12B's 40 sliding and 8 full layers, 256 sequences on 40 GiB: whole windows for all
+    of them would not fit beside one block of the full layers; split as a sequence of 768 tokens
+    uses the two pools (48 blocks of the full layers, 48 + 1 of window), both pools get room."""
+    from gpuworker.engine.sizing import kv_cache_block_bytes, window_pool_blocks
+
+    mc = gemma_config(num_layers=48)
+    base = EngineConfig(model="unused", max_num_seqs=256, max_num_batched_tokens=2048)
+    sized = plan_sizes(base, mc, element_size=2, max_model_len=131072, free_device_bytes=40 << 30)
+    window_bytes = sized.num_window_kv_blocks * kv_cache_block_bytes(mc, 16, 2, 40)
+    full_bytes = sized.num_kv_blocks * kv_cache_block_bytes(mc, 16, 2, 8)
+    assert window_bytes / full_bytes == pytest.approx(49 * 40 / (48 * 8), rel=0.01)
+    assert sized.num_window_kv_blocks < window_pool_blocks(1024, 16, 256, 2048)  # whole windows

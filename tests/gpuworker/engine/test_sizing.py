@@ -14,7 +14,11 @@ from gpuworker.engine.sizing import (
     TOKENS_PER_SEQ,
     block_table_row_bytes,
     default_max_num_batched_tokens,
+    kv_cache_block_bytes,
+    mla_prefill_bytes,
     plan_sizes,
+    seq_activation_bytes,
+    token_activation_bytes,
     vision_activation_bytes,
 )
 from gpuworker.models.config import ModelConfig
@@ -245,3 +249,29 @@ def test_each_sequence_slot_pays_for_its_block_table_row():
     rows = 1024 * (block_table_row_bytes(MILLION, 16) - block_table_row_bytes(8192, 16))
     fp8_block_bytes = 16 * KV_BYTES_PER_TOKEN // 2
     assert abs((short.num_kv_blocks - long.num_kv_blocks) - rows / fp8_block_bytes) <= 1
+
+
+def test_a_latent_attention_pool_leaves_room_for_its_largest_prefill_group():
+    """DeepSeek-V2-Lite in bf16: what the budget holds beyond the pool, the activations and the
+    sequence slots is the largest group of expanded keys and values a prefill step can hold (one
+    sequence at its full 163,840-token context: 163,840 rows of an int64 slot, the 576-value latent
+    row and 16 heads x 256 expanded values), to within a block."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "bench" / "configs" / "deepseek-v2-lite" / "config.json"
+    mc = ModelConfig.from_hf(json.loads(path.read_text()))
+    tokens, seqs, context = 8192, 256, 163840
+    reserved = mla_prefill_bytes(
+        mc, element_size=2, kv_element_size=2, max_model_len=context, max_num_seqs=seqs, max_num_batched_tokens=tokens
+    )
+    assert reserved == context * (8 + (576 + 16 * 256) * 2) + (seqs + 1) * 12  # about 1.4 GiB
+    sized = plan(60, mc=mc, max_model_len=context, max_num_batched_tokens=tokens, max_num_seqs=seqs)
+    block_bytes = kv_cache_block_bytes(mc, sized.block_size, 2)
+    taken = (
+        tokens * token_activation_bytes(mc, 2)
+        + seqs * (seq_activation_bytes(mc) + block_table_row_bytes(context, sized.block_size))
+        + sized.num_kv_blocks * block_bytes
+    )
+    left = int(60 * GIB * sized.gpu_memory_utilization) - taken
+    assert reserved <= left < reserved + block_bytes

@@ -121,12 +121,12 @@ def test_batched_prefill_matches_transformers(pair, monkeypatch, backend, group_
     and decodes in one ragged step, against transformers; also with groups cut small (30 context
     rows, so each sequence of the step is a group of its own)."""
     from gpuworker.attention.triton_backend import TritonAttentionBackend
-    from gpuworker.models.deepseek import attention
+    from gpuworker.models.deepseek import prefill_buffer
 
     if group_rows is not None:
         mla = pair.mc.mla
         width = pair.mc.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-        monkeypatch.setattr(attention, "EXPANDED_VALUES_PER_GROUP", group_rows * width)
+        monkeypatch.setattr(prefill_buffer, "EXPANDED_VALUES_PER_GROUP", group_rows * width)
     if backend == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setattr(pair.model, "attn_backend", TritonAttentionBackend())
@@ -139,7 +139,7 @@ def test_batched_prefill_matches_transformers(pair, monkeypatch, backend, group_
 
 
 def test_context_groups_cut_consecutive_sequences_within_the_row_budget():
-    from gpuworker.models.deepseek.attention import context_groups
+    from gpuworker.models.deepseek.prefill_buffer import context_groups
 
     seq_lens = [9, 4, 10, 20, 50, 3, 3]
     assert context_groups(seq_lens, 2, 7, 30) == [(2, 4), (4, 5), (5, 7)]  # a longer one alone
