@@ -35,6 +35,7 @@ from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission
 from controlplane.gateway.upstream import UpstreamError, UpstreamResponse
 from gpuworker.contract.openai_api import (
+    CACHED_PROMPT_TOKENS_HEADER,
     PROMPT_TOKENS_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
@@ -518,6 +519,7 @@ async def _stream(
                     await flight.end(None)
                     return Response(data, status_code=response.status, headers=headers, media_type="application/json")
                 flight.prompt_tokens = prompt_tokens_from(response.headers.get(PROMPT_TOKENS_HEADER))
+                flight.cached_prompt_tokens = prompt_tokens_from(response.headers.get(CACHED_PROMPT_TOKENS_HEADER))
                 events = response.events()
                 async for data in events:
                     buffered.append(data)

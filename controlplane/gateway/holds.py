@@ -190,6 +190,7 @@ class Flight:
         # The prompt tokens the replica said it took (PROMPT_TOKENS_HEADER): recorded for a
         # request that ends without its final usage, as a cancelled one does.
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0  # of those, served by its prefix cache (CACHED_PROMPT_TOKENS_HEADER)
         self.started = time.monotonic()
         self.amount: Decimal | None = None  # held; None until the hold is placed
         self.replica_id: int | None = None
@@ -332,7 +333,8 @@ def _int(value) -> int:
 
 
 def prompt_tokens_from(text: str | None) -> int:
-    """A replica's PROMPT_TOKENS_HEADER value as a count; 0 when absent or garbled."""
+    """A replica's PROMPT_TOKENS_HEADER (or CACHED_PROMPT_TOKENS_HEADER) value as a count; 0 when
+    absent or garbled."""
     return int(text) if text is not None and text.isdigit() else 0
 
 

@@ -72,6 +72,7 @@ class StreamRelay:
         self.translator = translator  # another dialect's events for the chat chunks
         if translator is not None:
             translator.prompt_tokens = flight.prompt_tokens
+            translator.cached_prompt_tokens = flight.cached_prompt_tokens
         self.headers, self.include_usage, self.deadline = headers, include_usage, deadline
         self.rename = _rename(buffered, flight.model.public_name)
         self.usage: dict | None = None

@@ -19,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 # The prompt's token count, on a replica's answer from its first token on: a gateway whose client
 # leaves before the final usage still records the prompt tokens the request used.
 PROMPT_TOKENS_HEADER = "x-prompt-tokens"
+# Of those, the tokens the prefix cache served, on the same answers: the engine matched the cache
+# when it first scheduled the request, before any output, so a stream can say it from the start.
+CACHED_PROMPT_TOKENS_HEADER = "x-cached-prompt-tokens"
 
 
 class ProtocolError(ValueError):

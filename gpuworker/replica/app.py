@@ -23,7 +23,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gpuworker.contract.openai_api import PROMPT_TOKENS_HEADER, ProtocolError, new_id, now
+from gpuworker.contract.openai_api import (
+    CACHED_PROMPT_TOKENS_HEADER,
+    PROMPT_TOKENS_HEADER,
+    ProtocolError,
+    new_id,
+    now,
+)
 from gpuworker.contract.prefix_keys import PREFIX_KEY_HEADER
 from gpuworker.contract.tenancy import tenancy_fields
 from gpuworker.engine.output_streams import EngineDeadError
@@ -252,7 +258,10 @@ async def _generate(request: Request, chat: bool) -> Response:
         return StreamingResponse(
             responder.sse(first, stream, request),
             media_type="text/event-stream",
-            headers={PROMPT_TOKENS_HEADER: str(len(first.prompt_token_ids))},
+            headers={
+                PROMPT_TOKENS_HEADER: str(len(first.prompt_token_ids)),
+                CACHED_PROMPT_TOKENS_HEADER: str(first.num_cached_tokens),
+            },
         )
     try:
         final = await _collect_unless_disconnected(request, first, stream)

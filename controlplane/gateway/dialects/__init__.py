@@ -16,9 +16,11 @@ class StreamTranslator:
     """One streamed answer in a dialect's events: the relay hands it the replica's chat chunks
     (the first with the first token, so the events that open the stream go out with it)."""
 
-    # The prompt's length in tokens, as the replica told it before its first chunk (0 if it did
-    # not): the relay sets it, for the events that open the stream.
+    # The prompt's length in tokens, and how many of them its prefix cache served, as the replica
+    # told them before its first chunk (0 if it did not): the relay sets them, for the events that
+    # open the stream.
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
     def chunk(self, event: dict) -> bytes:
         """The events for one chat completion chunk (possibly none)."""

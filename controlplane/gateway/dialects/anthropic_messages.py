@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
+from controlplane.billing.holds import usage_cached_tokens
 from controlplane.billing.refusals import SHED_ERROR_CODE
 from controlplane.gateway.dialects import ChatDeltas, Dialect, StreamTranslator, parsed, sse
 from controlplane.gateway.errors import GatewayError, bad_request
@@ -203,14 +204,24 @@ def stop_reason(finish_reason: str | None, stop_string: str | None) -> str:
     return _STOP_REASONS.get(finish_reason or "", "end_turn")
 
 
+def _prompt_usage(prompt_tokens: int, cached_tokens: int) -> dict:
+    """Anthropic's split of a prompt's tokens, whose three parts add up to the prompt (its clients
+    sum them, and price each part): `input_tokens` are those not read from the cache. The prefix
+    cache keeps every computed block on its own, at no extra price, so no tokens are reported as
+    written to it: Anthropic prices `cache_creation_input_tokens` above plain input, which would
+    overstate the cost of every first prompt."""
+    cached = min(max(0, cached_tokens), prompt_tokens)
+    return {
+        "input_tokens": prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
 def _usage(usage: dict | None) -> dict:
     usage = usage or {}
-    return {
-        "input_tokens": usage.get("prompt_tokens", 0),
-        "output_tokens": usage.get("completion_tokens", 0),
-        "cache_read_input_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-        "cache_creation_input_tokens": 0,
-    }
+    prompt = _prompt_usage(usage.get("prompt_tokens", 0), usage_cached_tokens(usage))
+    return {**prompt, "output_tokens": usage.get("completion_tokens", 0)}
 
 
 def _arguments(text: str) -> dict:
@@ -271,7 +282,8 @@ class AnthropicMessages(Dialect):
 
 
 class MessagesStream(StreamTranslator):
-    """Anthropic's event sequence: message_start (already counting the prompt's tokens), then per
+    """Anthropic's event sequence: message_start (already counting the prompt's tokens, split as
+    the final usage splits them), then per
     content block content_block_start, its deltas (text_delta or input_json_delta) and
     content_block_stop, one block after another; message_delta with the stop reason and usage;
     message_stop."""
@@ -298,7 +310,7 @@ class MessagesStream(StreamTranslator):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
+            "usage": {**_prompt_usage(self.prompt_tokens, self.cached_prompt_tokens), "output_tokens": 0},
         }
         return self._event("message_start", message=message)
 

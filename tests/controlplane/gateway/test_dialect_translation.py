@@ -166,6 +166,17 @@ def test_anthropic_stream_message_start_reports_the_prompt_tokens():
     assert events[-2][1]["usage"]["input_tokens"] == 5
 
 
+def test_anthropic_usage_splits_the_prompt_into_uncached_and_cached_tokens():
+    """Anthropic's input_tokens leave out the tokens read from the cache: the parts sum to the prompt."""
+    stream = MessagesStream("m")
+    stream.prompt_tokens, stream.cached_prompt_tokens = 40, 32  # as the relay sets them from the replica's headers
+    usage = {"prompt_tokens": 40, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 32}}
+    events = _events(stream.chunk(_chunk(content="Hi")) + stream.finish(usage))
+    split = {"input_tokens": 8, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 32}
+    assert events[0][1]["message"]["usage"] == {**split, "output_tokens": 0}
+    assert events[-2][1]["usage"] == {**split, "output_tokens": 1}
+
+
 def test_anthropic_stream_interleaved_tool_calls_are_whole_blocks_one_after_another():
     stream = MessagesStream("m")
     body = b"".join(stream.chunk(_chunk(calls=calls)) for calls in INTERLEAVED)

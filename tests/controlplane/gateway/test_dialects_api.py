@@ -13,6 +13,7 @@ import socket
 import socketserver
 import threading
 import time
+import uuid
 from decimal import Decimal
 from typing import Literal
 
@@ -332,6 +333,30 @@ def test_anthropic_messages_create_stream_and_billing(world):
     world.settled()
     assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 2
     assert raw.headers["request-id"] == raw.headers["x-request-id"]
+
+
+def test_anthropic_usage_splits_a_cached_prompt_as_anthropic_does(world):
+    """Sent again, a long prompt is mostly read from the replica's prefix cache: Anthropic's
+    input_tokens count only the rest, so the usage's parts sum to the prompt, and a stream's
+    message_start already splits it as its final usage does."""
+    client = anthropic_client(world)
+    prompt = uuid.uuid4().hex + " tell me about the sea" * 12
+    ask = {"model": world.model.public_name, "max_tokens": 2, "messages": [{"role": "user", "content": prompt}]}
+    client.messages.create(**ask)  # fills the cache
+    raw = client.messages.with_raw_response.create(**ask)
+    with client.messages.stream(**ask) as stream:
+        events = list(stream)
+        streamed, stream_id = stream.get_final_message().usage, stream.response.headers["x-request-id"]
+    world.settled()
+    for request_id, usage in ((raw.headers["x-request-id"], raw.parse().usage), (stream_id, streamed)):
+        record = UsageRecord.objects.get(request_id=request_id)
+        assert usage.cache_read_input_tokens == record.cached_prompt_tokens > record.prompt_tokens // 2
+        assert usage.cache_creation_input_tokens == 0
+        assert usage.input_tokens + usage.cache_read_input_tokens == record.prompt_tokens
+    start = events[0].message.usage
+    (delta,) = [event for event in events if event.type == "message_delta"]
+    split = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert [getattr(start, name) for name in split] == [getattr(delta.usage, name) for name in split]
 
 
 def test_anthropic_stop_sequence_is_named(world):

@@ -425,6 +425,26 @@ def test_a_caller_can_ask_whether_its_request_started_and_its_prompt_tokens(serv
     assert httpx.get(f"{base}/requests/req_whole").status_code == 401
 
 
+def test_a_stream_says_its_cached_prompt_tokens_before_its_first_chunk(server):
+    """The prefix cache is matched when the request is first scheduled: the stream's headers
+    already carry the cached count its final usage reports."""
+    base, _ = server
+    body = {
+        "prompt": "the same long prompt, sent twice " * 8,
+        "max_tokens": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with _client(base) as client:
+        for _ in range(2):  # the second finds the first's blocks in the prefix cache
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                events = _sse(response.iter_lines())
+    usage = events[-2]["usage"]
+    assert response.headers["x-prompt-tokens"] == str(usage["prompt_tokens"])
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert response.headers["x-cached-prompt-tokens"] == str(cached) and cached > usage["prompt_tokens"] // 2
+
+
 def _stream_in_thread(base: str, body: dict):
     return stream_in_thread(f"{base}/v1/completions", body, TOKEN)
 
