@@ -1,6 +1,7 @@
 """Typed readers for environment variables, so a bad value fails at start-up naming the variable."""
 
 import ipaddress
+import math
 import os
 from decimal import Decimal, InvalidOperation
 
@@ -34,6 +35,20 @@ def env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be an integer; got {raw!r}.") from None
+
+
+def env_float(name: str, default: float) -> float:
+    """A finite number of 0 or more, e.g. seconds."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number such as 0.5; got {raw!r}.") from None
+    if not math.isfinite(value) or value < 0:
+        raise ImproperlyConfigured(f"{name} must be a number of 0 or more; got {raw!r}.")
+    return value
 
 
 def env_decimal(name: str, default: str) -> Decimal:

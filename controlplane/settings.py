@@ -11,7 +11,7 @@ from pathlib import Path
 from django.core.exceptions import ImproperlyConfigured
 
 from controlplane import integrations
-from controlplane.env import env_bool, env_decimal, env_int, env_list, env_networks, env_str
+from controlplane.env import env_bool, env_decimal, env_float, env_int, env_list, env_networks, env_str
 from controlplane.tokens import read_or_create_secret_file
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -341,7 +341,7 @@ GATEWAY_IDEMPOTENCY_SECONDS = env_int("GATEWAY_IDEMPOTENCY_SECONDS", 24 * 3600)
 GATEWAY_HOLD_SWEEP_SECONDS = env_int("GATEWAY_HOLD_SWEEP_SECONDS", 30)
 # How often each gateway process writes its tallies of refused requests (billing.Refusal): the
 # request log and the error figures lag the refusals by up to this long.
-GATEWAY_REFUSAL_FLUSH_SECONDS = env_int("GATEWAY_REFUSAL_FLUSH_SECONDS", 5)
+GATEWAY_REFUSAL_FLUSH_SECONDS = env_float("GATEWAY_REFUSAL_FLUSH_SECONDS", 5.0)
 # How long the Responses API keeps a stored response (`store`, its default) before the hourly sweep
 # deletes it; a tenant may delete one sooner (DELETE /v1/responses/{id}).
 GATEWAY_RESPONSES_RETENTION_DAYS = env_int("GATEWAY_RESPONSES_RETENTION_DAYS", 30)

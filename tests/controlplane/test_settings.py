@@ -10,7 +10,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from controlplane import integrations
-from controlplane.env import env_bool, env_decimal, env_int, env_list, read_env_file
+from controlplane.env import env_bool, env_decimal, env_float, env_int, env_list, read_env_file
 
 REPO = Path(__file__).resolve().parents[2]
 # Variables the test environment may carry that would change what is being checked.
@@ -174,3 +174,17 @@ def test_urls_switch_to_postgresql_and_redis(tmp_path):
     ]
     assert integrations.celery_broker(redis, tmp_path) == (redis, {})
     assert integrations.celery_result_backend(redis) == redis
+
+
+@pytest.mark.parametrize("raw", ["soon", "-0.5", "nan", "inf"])
+def test_env_float_refuses_what_is_not_a_number_of_seconds(monkeypatch, raw):
+    monkeypatch.setenv("GATEWAY_REFUSAL_FLUSH_SECONDS", raw)
+    with pytest.raises(ImproperlyConfigured, match="GATEWAY_REFUSAL_FLUSH_SECONDS must be"):
+        env_float("GATEWAY_REFUSAL_FLUSH_SECONDS", 5.0)
+
+
+def test_env_float_reads_a_fraction_or_the_default(monkeypatch):
+    monkeypatch.setenv("GATEWAY_REFUSAL_FLUSH_SECONDS", " 0.2 ")
+    assert env_float("GATEWAY_REFUSAL_FLUSH_SECONDS", 5.0) == 0.2
+    monkeypatch.setenv("GATEWAY_REFUSAL_FLUSH_SECONDS", "")
+    assert env_float("GATEWAY_REFUSAL_FLUSH_SECONDS", 5.0) == 5.0

@@ -39,14 +39,14 @@ PRICE = Decimal("0.002")
 @pytest.fixture
 def refusal_gateway(gateway, database_url):
     """A gateway on this process's Redis database (so that the load reports written here are the
-    ones it reads), writing its refusal tallies every second, with a small body limit."""
+    ones it reads), writing its refusal tallies every 0.2 s, with a small body limit."""
     redis_url = os.environ["REDIS_URL"]
     redis.Redis.from_url(redis_url).flushdb()
     server = start_gateway(
         database_url,
         redis_url,
         METRICS_TOKEN=TOKEN,
-        GATEWAY_REFUSAL_FLUSH_SECONDS="1",
+        GATEWAY_REFUSAL_FLUSH_SECONDS="0.2",
         GATEWAY_MAX_REQUEST_BYTES=str(MAX_BYTES),
         BATCH_MAX_FILE_BYTES=str(MAX_FILE_BYTES),
     )
@@ -304,12 +304,12 @@ def test_refusals_of_models_files_batches_and_stored_responses_are_counted_with_
 
 @pytest.fixture(scope="module")
 def routes_gateway(database_url):
-    """This module's gateway for refusals that need no replica: its tallies written every second."""
+    """This module's gateway for refusals that need no replica: its tallies written every 0.2 s."""
     server = start_gateway(
         database_url,
         os.environ["REDIS_URL"],
         METRICS_TOKEN=TOKEN,
-        GATEWAY_REFUSAL_FLUSH_SECONDS="1",
+        GATEWAY_REFUSAL_FLUSH_SECONDS="0.2",
     )
     yield server
     server.stop()
