@@ -170,3 +170,21 @@ def test_encoder_batches_a_steps_images_and_caches_them_by_content(checkpoint):
     assert len(calls) == 1 and engine.runner.image_cache.hits >= 1
     assert again.outputs[0].token_ids == _hf_greedy(checkpoint, [11] + prompts[0], images[:1])
     assert first[0].outputs[0].token_ids == _hf_greedy(checkpoint, prompts[0], images[:1])
+
+
+def test_a_prefill_with_images_runs_the_fused_triton_launches(checkpoint, monkeypatch):
+    """On the Triton backend (interpreted) a prefill with images takes text's launches: its
+    multimodal rotary and cache write in the rotary kernel, then the prefill kernel; no separate
+    cache-write launch. Chunked, so a later chunk of the image attends to a cached prefix."""
+    from gpuworker.attention.triton_backend import TritonAttentionBackend
+    from tests.kernels.sm90_compile import record_launches
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = record_launches(monkeypatch)
+    image = preprocess_image(checkpoint, _image(150, 60, 1))
+    ids = expand_image_tokens(_prompt(1), [image], IMAGE_TOKEN_ID)
+    engine = _engine(checkpoint, attn_backend=TritonAttentionBackend(), max_num_batched_tokens=8)
+    (output,) = engine.generate([ids], PARAMS, images=[[image]])
+    assert output.outputs[0].token_ids == _hf_greedy(checkpoint, ids, [image])
+    assert len(ids) > 8 and launches["_rotary_kernel"] and launches["_prefill_attention_kernel"]
+    assert not launches["_kv_cache_write_kernel"]
