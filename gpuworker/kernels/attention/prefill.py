@@ -3,11 +3,12 @@
 Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); its context is seq_lens[b]
 tokens, the last q_len of which are the new ones (already written to the cache). Query i sits at
 absolute position p = seq_len - q_len + i and attends causally to positions 0..p, so a chunk after a
-prefix-cache hit or an earlier chunk also sees the cached prefix. Flash-attention tiling: a program
-owns BLOCK_M query rows of one head, walks the keys in BLOCK_N tiles with an online softmax, and only
-masks the tiles that cross the causal diagonal. An FP8 cache's keys and values are widened to the
-query's dtype as they are loaded (exact); their scales multiply the scores and the output
-(kv_cache_quant.py).
+prefix-cache hit or an earlier chunk also sees the cached prefix; with span_ends, a row inside a span
+whose tokens attend to each other both ways (Gemma 3's images) sees on to the span's end.
+Flash-attention tiling: a program owns BLOCK_M query rows of one head, walks the keys in BLOCK_N
+tiles with an online softmax, and only masks the tiles that cross the causal diagonal. An FP8
+cache's keys and values are widened to the query's dtype as they are loaded (exact); their scales
+multiply the scores and the output (kv_cache_quant.py).
 """
 
 from __future__ import annotations
