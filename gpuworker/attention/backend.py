@@ -44,6 +44,10 @@ class AttentionMetadata:
     # ModelConfig.layer_windows): that pool's slot_mapping and block_tables, the rest as here. A
     # sliding layer's table maps only the blocks its window can still read; the others are stale.
     windowed: AttentionMetadata | None = None
+    # [T] int32 (None: every token causal): the last position each token attends to, at or past its
+    # own. A token inside a span whose tokens attend to each other both ways (Gemma 3's images, which
+    # a prefill chunk never cuts) sees to the span's end; every other token, to itself.
+    span_ends: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

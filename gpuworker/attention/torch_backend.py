@@ -62,6 +62,7 @@ class TorchAttentionBackend:
                 dequantize_kv(value_cache[slots], v_scale),
                 scale,
                 sliding_window,
+                None if meta.span_ends is None else meta.span_ends[start:end] - first,  # as keys count them
             )
         return output
 
@@ -83,13 +84,19 @@ def write_cache(
 
 
 def attend(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int | None = None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    span_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a query chunk over its sequence's whole context.
 
     query [Q, H, D] holds the last Q positions of a context of S = len(keys) tokens, so query row i
     sits at position S - Q + i and sees keys 0..S - Q + i (with sliding_window W, only those past
-    S - Q + i - W). keys/values [S, KVH, D].
+    S - Q + i - W). keys/values [S, KVH, D]. span_ends [Q]: the last position each row sees (at or
+    past its own: AttentionMetadata.span_ends), where some rows see past themselves.
     """
     num_queries, num_heads, _ = query.shape
     context_len, num_kv_heads, _ = keys.shape
@@ -100,7 +107,8 @@ def attend(
     scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * scale
     query_pos = torch.arange(context_len - num_queries, context_len, device=query.device)
     key_pos = torch.arange(context_len, device=query.device)
-    hidden = key_pos[None, None, :] > query_pos[None, :, None]
+    query_end = query_pos if span_ends is None else span_ends
+    hidden = key_pos[None, None, :] > query_end[None, :, None]
     if sliding_window is not None:
         hidden = hidden | (key_pos[None, None, :] <= query_pos[None, :, None] - sliding_window)
     scores = scores.masked_fill(hidden, float("-inf"))

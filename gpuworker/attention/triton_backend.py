@@ -174,6 +174,7 @@ class TritonAttentionBackend:
                 k_scale=k_scale,
                 v_scale=v_scale,
                 window=sliding_window or 0,
+                span_ends=meta.span_ends,
             )
         rows_used = meta.query_start_loc_cpu[-1]
         if rows_used < out.shape[0]:

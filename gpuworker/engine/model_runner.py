@@ -60,8 +60,6 @@ class ModelInputs:
     # Image embeddings that replace the token embeddings at these rows (a vision model's prefill).
     image_rows: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
-    # The images whose tokens attend to each other both ways (Gemma 3), ending in this step.
-    image_blocks: list | None = None
 
 
 @dataclass
@@ -402,7 +400,6 @@ class ModelRunner:
         if inputs.image_rows is None:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         else:
-            extra = {} if inputs.image_blocks is None else {"image_blocks": inputs.image_blocks}
             hidden = self.model(
                 inputs.input_ids,
                 inputs.positions,
@@ -410,7 +407,6 @@ class ModelRunner:
                 inputs.meta,
                 image_rows=inputs.image_rows,
                 image_embeds=inputs.image_embeds,
-                **extra,
             )
         return hidden if inputs.samples_every_row else hidden[inputs.sample_indices]
 
@@ -532,7 +528,9 @@ class ModelRunner:
         if host.images:
             inputs.image_rows, inputs.image_embeds = self.image_embeddings(host.images)
             if getattr(self.model, "attends_within_images", False):  # Gemma 3
-                inputs.image_blocks = image_blocks(host)
+                meta.span_ends = to_device(image_span_ends(host), torch.int32, self.device)
+                if meta.windowed is not None:
+                    meta.windowed.span_ends = meta.span_ends
         return inputs
 
     def image_embeddings(self, images: list[ImageSlice]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -610,19 +608,17 @@ def encoder_batches(images: list, patch_values: int) -> list[list]:
     return groups
 
 
-def image_blocks(host: HostInputs) -> list:
-    """The step's images that attend within themselves (each ends in this step: the scheduler
-    never cuts one), as models.gemma3.image_model takes them."""
-    from gpuworker.models.gemma3.image_model import ImageBlock
-
-    blocks = []
+def image_span_ends(host: HostInputs) -> np.ndarray:
+    """AttentionMetadata.span_ends of a step whose image tokens attend within their image: an image
+    token's last visible position is its image's last, every other token's its own. Each image ends
+    in the step (the scheduler never cuts one)."""
+    ends = host.positions.astype(np.int32)
     for part in host.images:
         if part.end != part.image.num_tokens:
             raise RuntimeError("a prefill chunk ends inside an image that must be computed whole")
-        count = part.end - part.begin
-        seq_index = int(np.searchsorted(host.query_start_loc, part.row, side="right")) - 1
-        blocks.append(ImageBlock(seq_index, part.row, count, int(host.positions[part.row + count - 1])))
-    return blocks
+        last = part.row + part.end - part.begin - 1
+        ends[part.row : last + 1] = host.positions[last]
+    return ends
 
 
 def _packed_to_device(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

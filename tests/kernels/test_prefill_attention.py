@@ -30,7 +30,7 @@ TILES = {} if ON_CUDA else {"block_m": 16, "block_n": 16}
 
 @pytest.fixture
 def prefill(paged_cache, device, generator):
-    def run(dtype, block_size, num_kv_heads, chunks, *, row_offset=0, **kwargs):
+    def run(dtype, block_size, num_kv_heads, chunks, *, row_offset=0, spans=(), **kwargs):
         q_lens = [q for q, _ in chunks]
         seq_lens = [s for _, s in chunks]
         kv_cache, block_tables = paged_cache(seq_lens, num_kv_heads, HEAD_DIM, block_size, dtype, generator)
@@ -42,12 +42,21 @@ def prefill(paged_cache, device, generator):
         query_start_loc = torch.tensor(starts, dtype=torch.int32, device=device)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         scale = HEAD_DIM**-0.5
+        if spans:  # (chunk, first row in it, length): rows that see to the span's last position
+            ends = torch.zeros(num_rows, dtype=torch.int32)
+            for (q, s), start in zip(chunks, starts, strict=False):
+                ends[start : start + q] = torch.arange(s - q, s)
+            for chunk, first, length in spans:
+                row = starts[chunk] + first
+                ends[row : row + length] = ends[row + length - 1]
+            kwargs["span_ends"] = ends.to(device)
         out = torch.full_like(query, float("nan"))
         prefill_attention(
             query, kv_cache, query_start_loc, lens, block_tables, scale, max(q_lens), out=out, **{**TILES, **kwargs}
         )
         expected = torch.full_like(query, float("nan"))
-        prefill_attention_reference(query, kv_cache, query_start_loc, lens, block_tables, scale, out=expected)
+        masks = {k: v for k, v in kwargs.items() if k in ("window", "span_ends")}
+        prefill_attention_reference(query, kv_cache, query_start_loc, lens, block_tables, scale, out=expected, **masks)
         return out, expected, starts
 
     return run
@@ -67,6 +76,20 @@ def test_query_start_loc_may_start_past_row_zero(prefill, tolerance):
     out, expected, starts = prefill(torch.bfloat16, 16, NUM_Q_HEADS // 4, CHUNKS[1:4], row_offset=5)
     assert out[:5].isnan().all()
     torch.testing.assert_close(out[5 : starts[-1]], expected[5 : starts[-1]], **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_rows_in_a_span_see_to_its_end(prefill, tolerance, generator, window):
+    # Spans at a chunk's start, in its middle across tiles, ending on its last row, a whole chunk,
+    # and one longer than the window; the other rows stay causal.
+    chunks = [(37, 37), (25, 70), (3, 50)]
+    spans = [(0, 5, 12), (0, 20, 17), (1, 0, 10), (1, 20, 5), (2, 0, 3)]
+    out, expected, starts = prefill(torch.float32, 16, NUM_Q_HEADS // 2, chunks, spans=spans, window=window)
+    torch.testing.assert_close(out[: starts[-1]], expected[: starts[-1]], **tolerance(torch.float32))
+    generator.manual_seed(1234)  # the same cache and queries, every row causal
+    causal, _, _ = prefill(torch.float32, 16, NUM_Q_HEADS // 2, chunks, window=window)
+    assert not torch.allclose(out[5:17], causal[5:17])  # the spans change what their rows see
+    torch.testing.assert_close(out[:5], causal[:5])
 
 
 @pytest.mark.skipif(ON_CUDA, reason="the default tiles are what the GPU cases use")

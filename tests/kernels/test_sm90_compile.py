@@ -280,3 +280,23 @@ def test_mla_prefill_compiles_with_the_gpu_tile(nope, rope, v_dim, monkeypatch):
     # The strides are specialised (multiples of 16), so key and value tiles are copied to shared
     # memory 16 bytes a thread at a time.
     assert "cp.async.cg.shared.global" in ptx
+
+
+@pytest.mark.parametrize("window", [0, 1024], ids=["full", "sliding"])
+def test_prefill_attention_with_span_ends_compiles_with_the_gpu_tile(window, monkeypatch):
+    """The prefill launch whose rows see to their span's end (Gemma 3's images), bf16 at head_dim
+    128 with the default tile: the kv loop's bound is the tile's furthest span end, the dots on wgmma."""
+    from gpuworker.kernels.attention.prefill import prefill_attention
+
+    launches = record_launches(monkeypatch)
+    heads, kv_heads, head_dim, block_size = 4, 2, 128, 16
+    query = torch.randn(20, heads, head_dim).bfloat16()
+    cache = torch.randn(2, 4, block_size, kv_heads, head_dim).bfloat16()
+    tables = torch.arange(4, dtype=torch.int32).view(1, 4)
+    span_ends = torch.arange(30, 50, dtype=torch.int32)
+    span_ends[4:12] = 41
+    qsl, seq_lens = torch.tensor([0, 20]).int(), torch.tensor([50]).int()
+    prefill_attention(query, cache, qsl, seq_lens, tables, 0.1, 20, window=window, span_ends=span_ends)
+    (launch,) = launches["_prefill_attention_kernel"]
+    assert launch.arguments["SPANS"] and launch.arguments["BLOCK_M"] == 64
+    assert re.search(r"wgmma\.mma_async\S*\.bf16\.bf16", compile_sm90(launch))

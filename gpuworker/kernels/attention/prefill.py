@@ -3,11 +3,12 @@
 Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]); its context is seq_lens[b]
 tokens, the last q_len of which are the new ones (already written to the cache). Query i sits at
 absolute position p = seq_len - q_len + i and attends causally to positions 0..p, so a chunk after a
-prefix-cache hit or an earlier chunk also sees the cached prefix. Flash-attention tiling: a program
-owns BLOCK_M query rows of one head, walks the keys in BLOCK_N tiles with an online softmax, and only
-masks the tiles that cross the causal diagonal. An FP8 cache's keys and values are widened to the
-query's dtype as they are loaded (exact); their scales multiply the scores and the output
-(kv_cache_quant.py).
+prefix-cache hit or an earlier chunk also sees the cached prefix; with span_ends, a row inside a span
+whose tokens attend to each other both ways (Gemma 3's images) sees on to the span's end.
+Flash-attention tiling: a program owns BLOCK_M query rows of one head, walks the keys in BLOCK_N
+tiles with an online softmax, and only masks the tiles that cross the causal diagonal. An FP8
+cache's keys and values are widened to the query's dtype as they are loaded (exact); their scales
+multiply the scores and the output (kv_cache_quant.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _prefill_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    span_ends_ptr,
     out_ptr,
     qk_scale,
     v_scale,
@@ -64,6 +66,7 @@ def _prefill_attention_kernel(
     FP8_CACHE: tl.constexpr,
     USE_PDL: tl.constexpr,
     WINDOW: tl.constexpr,
+    SPANS: tl.constexpr,
 ):
     if USE_PDL:  # see launch.pdl_options: wait for the previous kernel, then let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -95,6 +98,11 @@ def _prefill_attention_kernel(
         q = q.to(tl.float32)
     # Rows past the chunk's end copy the last row's position so no row is fully masked (no NaNs).
     q_pos = prefix_len + tl.minimum(rows, q_len - 1)
+    q_end = q_pos  # the last position a row sees: itself, or the end of the span it attends both ways
+    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
+    if SPANS:
+        q_end = tl.load(span_ends_ptr + q_start + tl.minimum(rows, q_len - 1))
+        kv_end = tl.minimum(seq_len, tl.max(q_end, 0) + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -105,7 +113,6 @@ def _prefill_attention_kernel(
     # Keys every row of the tile sees (strictly before its first query) need no mask; tiles from
     # there up to the last row's position cross the diagonal and do.
     unmasked_end = (prefix_len + m_tile * BLOCK_M) // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
     if WINDOW > 0:
         # A sliding layer: row p sees p - WINDOW < position <= p. Every tile from the first row's
         # window on is masked (both edges); no position before that window is loaded, so the blocks
@@ -143,7 +150,7 @@ def _prefill_attention_kernel(
             v = v.to(dtype)
         scores = online_softmax.dot(q, k_t, DOT_FP32, DOT_PRECISION)
         scores = scores * qk_scale
-        visible = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+        visible = (pos[None, :] <= q_end[:, None]) & valid[None, :]
         if WINDOW > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
             scores = tl.where(visible, scores, float("-inf"))
@@ -165,7 +172,13 @@ def _prefill_attention_kernel(
 # Arguments that change from step to step: one compiled variant whatever their alignment or value.
 _prefill_attention = lazy_jit(
     _prefill_attention_kernel,
-    do_not_specialize=("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "stride_block_tables_seq"),
+    do_not_specialize=(
+        "block_tables_ptr",
+        "seq_lens_ptr",
+        "query_start_loc_ptr",
+        "span_ends_ptr",
+        "stride_block_tables_seq",
+    ),
 )
 
 
@@ -186,6 +199,7 @@ def prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    span_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged query chunks [T, Hq, D] over their paged contexts -> [T, Hq, D].
 
@@ -196,8 +210,14 @@ def prefill_attention(
     outside every chunk are left untouched. k_scale, v_scale: a float8_e4m3fn cache's scales (other
     caches ignore them). window: a sliding-window layer's (0: off): query p attends to the positions
     p - window < position <= p, and the blocks before its first row's window are never read.
+    span_ends [T], by row of query: the last position each row attends to, at or past its own (the
+    end of a span whose tokens attend to each other both ways, Gemma 3's images; the row's own
+    position elsewhere), within its sequence's context. None: every row is causal.
     """
     block_size, num_kv_heads = _checked(query, kv_cache, query_start_loc, seq_lens, block_tables, max_query_len, out)
+    if span_ends is not None:
+        check_tensor("span_ends", span_ends, ndim=1, dtypes=INDEX_DTYPES, device=query.device)
+        check_shape("span_ends", span_ends, (query.shape[0],))
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = seq_lens.shape[0]
     if not isinstance(window, int) or window < 0:
@@ -220,6 +240,7 @@ def prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        seq_lens if span_ends is None else span_ends,  # never read without spans
         out,
         float(scale) * _LOG2E * (k_scale if fp8 else 1.0),
         v_scale,
@@ -241,6 +262,7 @@ def prefill_attention(
         **dot_options(query.dtype),
         FP8_CACHE=fp8,
         WINDOW=window,
+        SPANS=span_ends is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(query.device),
@@ -288,9 +310,10 @@ def prefill_attention_reference(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    span_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference: per sequence, gather the context and apply a causal mask offset by the
-    prefix (and with a window, mask the keys at or before p - window)."""
+    prefix (past it up to span_ends where given; with a window, mask the keys at or before p - window)."""
     num_q_heads = query.shape[1]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -308,7 +331,8 @@ def prefill_attention_reference(
         values = dequantize_kv(kv_cache[1, blocks, positions % block_size], v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        hidden = positions[None, None, :] > q_pos[None, :, None]
+        q_end = q_pos if span_ends is None else span_ends[starts[i] : starts[i + 1]]
+        hidden = positions[None, None, :] > q_end[None, :, None]
         if window:
             hidden = hidden | (positions[None, None, :] <= q_pos[None, :, None] - window)
         scores = scores.masked_fill(hidden, float("-inf"))

@@ -3,14 +3,16 @@ positions, and the vision transformer whose output replaces the prompt's image t
 
 Positions come as [T] (text: all three rotary sections at one position, the plain rotary) or as
 [3, T] (a prefill with image tokens: time, height and width positions, engine.multimodal computes
-them); the [3, T] form rotates in torch, not in the backend's fused launch.
+them). A backend that fuses rotary into its launches takes the [3, T] form as one row of cos/sin
+per token (gathered once per step, shared by the layers) at positions 0..T-1, so a prefill with
+images runs the same rotary, cache-write and attention launches as text.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gpuworker.attention.backend import AttentionBackend, AttentionMetadata
+from gpuworker.attention.backend import AttentionBackend, AttentionMetadata, fuses_rotary_and_cache_write
 from gpuworker.models.config import ModelConfig
 from gpuworker.models.layers import RotaryEmbedding, _rotate
 from gpuworker.models.llama import LlamaForCausalLM
@@ -28,26 +30,36 @@ class MultimodalRotary(RotaryEmbedding):
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
         if positions.dim() == 1:
             return super().forward(positions, query, key)
+        cos, sin = self.tables(positions)
+        cos = cos.to(query.dtype).unsqueeze(1)
+        sin = sin.to(query.dtype).unsqueeze(1)
+        return _rotate(query, cos, sin, self.head_dim), _rotate(key, cos, sin, self.head_dim)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, T] -> each token's cos and sin [T, rot_dim // 2] (float32, as the caches)."""
         rows = torch.repeat_interleave(
             torch.arange(3, device=positions.device), torch.tensor(self.section, device=positions.device)
         )
-        per_pair = positions[rows].T  # [T, head_dim / 2]: each pair's position
+        per_pair = positions[rows].T  # [T, rot_dim / 2]: each pair's position
         pairs = torch.arange(per_pair.shape[1], device=positions.device)
-        cos = self.cos_cache[per_pair, pairs].to(query.dtype).unsqueeze(1)
-        sin = self.sin_cache[per_pair, pairs].to(query.dtype).unsqueeze(1)
-        return _rotate(query, cos, sin, self.head_dim), _rotate(key, cos, sin, self.head_dim)
+        return self.cos_cache[per_pair, pairs].contiguous(), self.sin_cache[per_pair, pairs].contiguous()
 
 
-class _RotaryInTorch:
-    """The attention backend, told to leave rotary to the model (multimodal positions)."""
+class _PerTokenRotary:
+    """A fused backend handed each token's own cos/sin rows (MultimodalRotary.tables): its launches
+    read token t's row at position t, whatever cos/sin cache and positions the layer passes."""
 
-    fuses_rotary_and_cache_write = False
+    fuses_rotary_and_cache_write = True
 
-    def __init__(self, backend: AttentionBackend) -> None:
+    def __init__(self, backend: AttentionBackend, rotary: MultimodalRotary, positions: torch.Tensor) -> None:
         self.backend = backend
+        self.rows = torch.arange(positions.shape[1], device=positions.device)
+        self.cos, self.sin = rotary.tables(positions)
 
-    def forward(self, *args, **kwargs):
-        return self.backend.forward(*args, **kwargs)
+    def forward_with_rotary(self, positions, query, key, value, kv_cache, meta, scale, cos_cache, sin_cache, **kw):
+        return self.backend.forward_with_rotary(
+            self.rows, query, key, value, kv_cache, meta, scale, self.cos, self.sin, **kw
+        )
 
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
@@ -87,7 +99,9 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         hidden = self.embed_tokens[input_ids]
         if image_rows is not None:
             hidden = hidden.index_copy(0, image_rows, image_embeds.to(hidden.dtype))
-        backend = self.attn_backend if positions.dim() == 1 else _RotaryInTorch(self.attn_backend)
+        backend = self.attn_backend
+        if positions.dim() == 2 and fuses_rotary_and_cache_write(backend):
+            backend = _PerTokenRotary(backend, self.rotary, positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta, backend)

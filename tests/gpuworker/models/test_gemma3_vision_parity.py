@@ -91,7 +91,7 @@ def test_same_text_with_different_images_never_shares_kv(checkpoint):
 def test_logits_match_transformers_bidirectional_mask_within_the_image(checkpoint):
     import transformers
 
-    from gpuworker.models.gemma3.image_model import Gemma3ForConditionalGeneration, ImageBlock
+    from gpuworker.models.gemma3.image_model import Gemma3ForConditionalGeneration
     from gpuworker.models.loader import load_model, load_model_config
     from tests.gpuworker.models.paged_batch import PagedBatcher
 
@@ -104,10 +104,11 @@ def test_logits_match_transformers_bidirectional_mask_within_the_image(checkpoin
     batcher = PagedBatcher(mc)
     input_ids, positions, meta = batcher.batch([("s", ids)])
     rows = torch.arange(start, start + image.num_tokens)
-    block = ImageBlock(0, start, image.num_tokens, start + image.num_tokens - 1)
+    meta.span_ends = torch.arange(len(ids), dtype=torch.int32)
+    meta.span_ends[rows] = start + image.num_tokens - 1
     with torch.no_grad():
         embeds = model.encode_images(image.pixel_values, [image.grid_thw])
-        hidden = model(input_ids, positions, batcher.kv_caches, meta, rows, embeds, [block])
+        hidden = model(input_ids, positions, batcher.kv_caches, meta, rows, embeds)
         ours = model.compute_logits(hidden)
     hf = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     x = torch.tensor([ids])
@@ -160,3 +161,22 @@ def test_the_image_boundary_token_ids_are_read_and_checked(checkpoint):
     assert (layout.boi_token_id, layout.eoi_token_id) == (GEMMA3_BOI_TOKEN_ID, GEMMA3_EOI_TOKEN_ID)
     with pytest.raises(ValueError, match="tiny: boi_token_index must be a token id"):
         parse_siglip({**config, "boi_token_index": "<start_of_image>"}, "tiny")
+
+
+def test_image_tokens_attend_within_their_image_in_the_triton_prefill_kernel(checkpoint, monkeypatch):
+    """On the Triton backend (interpreted) the prefill kernel itself lets each image token see to
+    its image's end (span_ends), on the sliding and the full layers, in chunks after a cached
+    prefix: the text's fused launches, no cache-write launch and no pass over the images after."""
+    from gpuworker.attention.triton_backend import TritonAttentionBackend
+    from tests.kernels.sm90_compile import record_launches
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = record_launches(monkeypatch)
+    images = [preprocess_image(checkpoint, _image(w, h, seed)) for w, h, seed in ((90, 40, 1), (30, 80, 2))]
+    ids = [2, *range(10, 30), *expand_image_tokens(_prompt(2)[1:], images, GEMMA3_IMAGE_TOKEN_ID)]
+    engine = _engine(checkpoint, attn_backend=TritonAttentionBackend(), max_num_batched_tokens=16)
+    (output,) = engine.generate([ids], PARAMS, images=[images])
+    assert output.outputs[0].token_ids == _hf_greedy(checkpoint, ids, images)
+    spans = [launch for launch in launches["_prefill_attention_kernel"] if launch.arguments["SPANS"]]
+    assert {launch.arguments["WINDOW"] for launch in spans} == {0, 21}
+    assert not launches["_kv_cache_write_kernel"]

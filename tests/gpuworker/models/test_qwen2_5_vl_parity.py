@@ -170,3 +170,24 @@ def test_encoder_batches_a_steps_images_and_caches_them_by_content(checkpoint):
     assert len(calls) == 1 and engine.runner.image_cache.hits >= 1
     assert again.outputs[0].token_ids == _hf_greedy(checkpoint, [11] + prompts[0], images[:1])
     assert first[0].outputs[0].token_ids == _hf_greedy(checkpoint, prompts[0], images[:1])
+
+
+def test_prefills_with_images_run_the_fused_triton_launches(checkpoint, monkeypatch):
+    """On the Triton backend (interpreted) a prefill with images takes text's launches: its
+    multimodal rotary and cache write in the rotary kernel, then the prefill kernel; no separate
+    cache-write launch. A small budget chunks the images (later chunks attend to a cached prefix)
+    and puts decodes in the same steps as image chunks."""
+    from gpuworker.attention.triton_backend import TritonAttentionBackend
+    from tests.kernels.sm90_compile import record_launches
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = record_launches(monkeypatch)
+    inputs = [preprocess_image(checkpoint, image) for image in (_image(150, 60, 1), _image(70, 130, 2))]
+    cases = [[], inputs[:1], inputs]
+    prompts = [expand_image_tokens(_prompt(len(images)), images, IMAGE_TOKEN_ID) for images in cases]
+    engine = _engine(checkpoint, attn_backend=TritonAttentionBackend(), max_num_batched_tokens=8)
+    outputs = engine.generate(prompts, PARAMS, images=[images or None for images in cases])
+    for ids, images, output in zip(prompts, cases, outputs):
+        assert output.outputs[0].token_ids == _hf_greedy(checkpoint, ids, images), len(images)
+    assert launches["_rotary_kernel"] and launches["_prefill_attention_kernel"]
+    assert not launches["_kv_cache_write_kernel"]
