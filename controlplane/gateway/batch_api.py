@@ -98,7 +98,7 @@ async def files_create(gw: Gateway, request: Request, request_id: str) -> Respon
     grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     limit = settings.BATCH_MAX_FILE_BYTES
     # Refused from its Content-Length, or for a chunked upload as soon as the bytes received pass
-    # the limit: never spooled whole to a temporary file first.
+    # the limit, the rest never read.
     upload_body = bounded(request, limit + _MULTIPART_SLACK_BYTES, lambda: _file_refused(storage.too_many_bytes(limit)))
     try:
         form = UploadForm(
