@@ -45,17 +45,23 @@ def send_run(batch_id: int) -> None:
     celery_app.send_task(RUN_TASK, args=[batch_id], priority=LOWEST_PRIORITY)
 
 
-def batch_file_create(*, tenant_id: int, filename: str, purpose: str, chunks: Iterable[bytes]) -> BatchFile:
-    """Store an upload as it arrives; storage.FileTooLarge past the size or line limit."""
-    if purpose != BatchFile.Purpose.BATCH:
-        raise BatchRefused('purpose: only "batch" files are accepted.', param="purpose")
-    public_id = new_public_id("file-")
-    stored = storage.store_chunks(
-        public_id, chunks, max_bytes=settings.BATCH_MAX_FILE_BYTES, max_lines=settings.BATCH_MAX_FILE_LINES
+def batch_file_upload_start(*, purpose: str | None) -> storage.ChunkWriter:
+    """The writer an upload's bytes go to as they arrive (storage.FileTooLarge past the size or
+    line limit). Its purpose is checked now when known, and again at batch_file_upload_finish."""
+    if purpose is not None:
+        _check_purpose(purpose)
+    return storage.ChunkWriter(
+        new_public_id("file-"), max_bytes=settings.BATCH_MAX_FILE_BYTES, max_lines=settings.BATCH_MAX_FILE_LINES
     )
+
+
+def batch_file_upload_finish(*, upload: storage.ChunkWriter, tenant_id: int, filename: str, purpose: str) -> BatchFile:
+    """The upload's file in place and its row; on any refusal or failure, neither."""
     try:
+        _check_purpose(purpose)
+        stored = upload.finish()
         return BatchFile.objects.create(
-            public_id=public_id,
+            public_id=upload.name,
             tenant_id=tenant_id,
             purpose=purpose,
             filename=filename[:255] or "upload.jsonl",
@@ -64,8 +70,25 @@ def batch_file_create(*, tenant_id: int, filename: str, purpose: str, chunks: It
             storage_name=stored.name,
         )
     except BaseException:
-        storage.remove(stored.name)
+        upload.discard()
         raise
+
+
+def batch_file_create(*, tenant_id: int, filename: str, purpose: str, chunks: Iterable[bytes]) -> BatchFile:
+    """Store an upload whose bytes come as an iterable (batch_file_upload_start's rules)."""
+    upload = batch_file_upload_start(purpose=purpose)
+    try:
+        for chunk in chunks:
+            upload.write(chunk)
+    except BaseException:
+        upload.discard()
+        raise
+    return batch_file_upload_finish(upload=upload, tenant_id=tenant_id, filename=filename, purpose=purpose)
+
+
+def _check_purpose(purpose: str) -> None:
+    if purpose != BatchFile.Purpose.BATCH:
+        raise BatchRefused('purpose: only "batch" files are accepted.', param="purpose")
 
 
 def batch_file_delete(*, file: BatchFile) -> None:

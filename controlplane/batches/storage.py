@@ -41,34 +41,57 @@ def path_of(name: str) -> Path:
     return root() / name
 
 
-def store_chunks(name: str, chunks: Iterable[bytes], *, max_bytes: int, max_lines: int) -> Stored:
-    """Write `chunks` to `name`, stopping with FileTooLarge (and nothing left behind) past
-    `max_bytes` or `max_lines` (a last line without its newline counts too)."""
-    path = path_of(name)
-    partial = path.with_suffix(".partial")
-    size = newlines = 0
-    last = b"\n"
-    try:
-        with open(partial, "wb") as out:
-            for chunk in chunks:
-                if not chunk:
-                    continue
-                size += len(chunk)
-                if size > max_bytes:
-                    raise too_many_bytes(max_bytes)
-                newlines += chunk.count(b"\n")
-                last = chunk[-1:]
-                if newlines > max_lines:
-                    raise FileTooLarge(f"file: more than the limit of {max_lines:,} lines.", "lines")
-                out.write(chunk)
-        lines = newlines + (last != b"\n")
-        if lines > max_lines:
-            raise FileTooLarge(f"file: more than the limit of {max_lines:,} lines.", "lines")
-        partial.replace(path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    return Stored(name, size, lines)
+class ChunkWriter:
+    """A file written chunk by chunk as it arrives, counted and bounded: `write` raises
+    FileTooLarge past `max_bytes`, `finish` past `max_lines` (a last line without its newline
+    counts too). Past the line limit nothing more is kept but the bytes are still counted, so that
+    an upload past both limits is refused for its size, however it is cut into chunks. Whatever
+    fails leaves nothing behind; `finish` puts the file in place under `name`, `discard` drops it
+    (finished or not)."""
+
+    def __init__(self, name: str, *, max_bytes: int, max_lines: int):
+        self.name, self._max_bytes, self._max_lines = name, max_bytes, max_lines
+        self._path = path_of(name)
+        self._partial = self._path.with_suffix(".partial")
+        self._out = open(self._partial, "wb")  # noqa: SIM115 (closed by finish or discard)
+        self._size = self._newlines = 0
+        self._last = b"\n"
+
+    def write(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        try:
+            self._size += len(chunk)
+            if self._size > self._max_bytes:
+                raise too_many_bytes(self._max_bytes)
+            if self._newlines > self._max_lines:
+                return  # refused at finish
+            self._newlines += chunk.count(b"\n")
+            self._last = chunk[-1:]
+            if self._newlines > self._max_lines:
+                self.discard()
+                return
+            self._out.write(chunk)
+        except BaseException:
+            self.discard()
+            raise
+
+    def finish(self) -> Stored:
+        try:
+            lines = self._newlines + (self._last != b"\n")
+            if lines > self._max_lines:
+                raise FileTooLarge(f"file: more than the limit of {self._max_lines:,} lines.", "lines")
+            self._out.close()
+            self._partial.replace(self._path)
+        except BaseException:
+            self.discard()
+            raise
+        return Stored(self.name, self._size, lines)
+
+    def discard(self) -> None:
+        self._out.close()
+        self._partial.unlink(missing_ok=True)
+        self._path.unlink(missing_ok=True)
 
 
 def store_lines(name: str, lines: Iterable[bytes]) -> Stored:

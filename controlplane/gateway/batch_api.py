@@ -6,22 +6,30 @@ import json
 
 from django.conf import settings
 from django.utils import timezone
-from starlette.datastructures import UploadFile
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from controlplane.batches import storage
 from controlplane.batches.models import Batch, BatchFile
 from controlplane.batches.selectors import batch_file_get, batch_files_list, batch_get, batches_list
-from controlplane.batches.services import BatchRefused, batch_cancel, batch_create, batch_file_create, batch_file_delete
+from controlplane.batches.services import (
+    BatchRefused,
+    batch_cancel,
+    batch_create,
+    batch_file_delete,
+    batch_file_upload_finish,
+    batch_file_upload_start,
+)
 from controlplane.batches.validation import BATCH_ENDPOINTS
 from controlplane.gateway.errors import GatewayError, bad_request, model_not_allowed, model_not_found
+from controlplane.gateway.multipart_upload import MultipartRefused, UploadForm
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.request_body import bounded
 
 # A multipart upload's envelope (boundaries, the part's headers, the purpose field) on top of the file.
 _MULTIPART_SLACK_BYTES = 64 * 1024
-_CHUNK = 1 << 20
+# The form's fields other than the file (its purpose).
+_FIELD_BYTES = 1024
 
 
 def file_json(file: BatchFile) -> dict:
@@ -90,40 +98,56 @@ async def files_create(gw: Gateway, request: Request, request_id: str) -> Respon
     grant = await gw.keys.request_grant(request, request.headers.get("authorization"))
     limit = settings.BATCH_MAX_FILE_BYTES
     # Refused from its Content-Length, or for a chunked upload as soon as the bytes received pass
-    # the limit: never spooled whole to a temporary file first.
+    # the limit, the rest never read.
     upload_body = bounded(request, limit + _MULTIPART_SLACK_BYTES, lambda: _file_refused(storage.too_many_bytes(limit)))
     try:
-        form = await upload_body.form(max_files=1, max_fields=4)
-    except GatewayError:
-        raise
-    except Exception as exc:  # not multipart, or malformed
-        raise bad_request(f"Send the file as multipart/form-data with fields file and purpose ({exc}).") from None
+        form = UploadForm(
+            request.headers.get("content-type", ""), file_field="file", max_fields=4, max_field_bytes=_FIELD_BYTES
+        )
+    except MultipartRefused as exc:
+        raise _not_multipart(exc) from None
     try:
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise bad_request("file: attach the JSONL file to upload.", param="file")
-        if not isinstance(purpose, str) or not purpose:
-            raise bad_request('purpose: give the file\'s purpose ("batch").', param="purpose")
-
-        def chunks():
-            while chunk := upload.file.read(_CHUNK):
-                yield chunk
-
-        try:
-            file = await gw.files_lane.run(
-                batch_file_create,
-                tenant_id=grant.tenant_id,
-                filename=upload.filename or "",
-                purpose=purpose,
-                chunks=chunks(),
-            )
-        except storage.FileTooLarge as exc:
-            raise _file_refused(exc) from None
-        except BatchRefused as exc:
-            raise _refused(exc) from None
-    finally:
-        await form.close()
+        file = await _store_upload(gw, upload_body, form, tenant_id=grant.tenant_id)
+    except storage.FileTooLarge as exc:
+        raise _file_refused(exc) from None
+    except BatchRefused as exc:
+        raise _refused(exc) from None
     return JSONResponse(file_json(file), headers={"x-request-id": request_id})
+
+
+def _not_multipart(error: Exception) -> GatewayError:
+    return bad_request(f"Send the file as multipart/form-data with fields file and purpose ({error}).")
+
+
+async def _store_upload(gw: Gateway, body: Request, form: UploadForm, *, tenant_id: int) -> BatchFile:
+    """The file part written to storage as it is parsed, through the writer that bounds its bytes
+    and lines; the purpose, before or after it, is checked as soon as both are known. Whatever
+    fails (the client gone, a limit, a bad form) leaves no file and no row."""
+    upload: storage.ChunkWriter | None = None
+    try:
+        try:
+            async for chunk in body.stream():
+                form.feed(chunk)
+                if upload is None and form.filename is not None:  # the purpose, if it came first, is checked now
+                    known = form.fields.get("purpose") or None
+                    upload = await gw.files_lane.run(batch_file_upload_start, purpose=known)
+                if upload is not None and (data := form.take_file_data()):
+                    await gw.files_lane.run(upload.write, data)
+            form.finish()
+        except (MultipartRefused, ClientDisconnect) as exc:
+            raise _not_multipart(exc) from None
+        if upload is None or form.filename is None:
+            raise bad_request("file: attach the JSONL file to upload.", param="file")
+        purpose = form.fields.get("purpose")
+        if not purpose:
+            raise bad_request('purpose: give the file\'s purpose ("batch").', param="purpose")
+        return await gw.files_lane.run(
+            batch_file_upload_finish, upload=upload, tenant_id=tenant_id, filename=form.filename, purpose=purpose
+        )
+    except BaseException:
+        if upload is not None:
+            await gw.files_lane.run(upload.discard)
+        raise
 
 
 async def files_list(gw: Gateway, request: Request, request_id: str) -> Response:

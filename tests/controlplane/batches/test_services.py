@@ -9,11 +9,14 @@ import pytest
 from django.utils import timezone
 
 from controlplane.batches import storage
-from controlplane.batches.models import Batch, BatchLine
+from controlplane.batches.models import Batch, BatchFile, BatchLine
 from controlplane.batches.services import (
+    BatchRefused,
     batch_claim,
     batch_create,
     batch_file_create,
+    batch_file_upload_finish,
+    batch_file_upload_start,
     batch_finish,
     batch_line_hold,
     batch_line_settle,
@@ -179,6 +182,27 @@ def test_file_limits_leave_nothing_behind(tenant, tmp_path):
     with pytest.raises(storage.FileTooLarge, match="10,000 bytes"):
         batch_file_create(tenant_id=tenant.pk, filename="x", purpose="batch", chunks=[b"x" * 6000, b"y" * 6000])
     assert list(storage.root().iterdir()) == []
+
+
+def test_an_upload_past_both_limits_is_refused_for_its_size_however_it_is_chunked(tenant):
+    # The lines pass their limit in the first chunk, the bytes only in the last: the size is the
+    # refusal, as it is when the whole body is seen at once (a declared length over the limit).
+    lines = b"{}\n" * 21
+    with pytest.raises(storage.FileTooLarge, match="10,000 bytes"):
+        batch_file_create(tenant_id=tenant.pk, filename="x", purpose="batch", chunks=[lines, b"x" * 5000, b"y" * 5000])
+    assert list(storage.root().iterdir()) == []
+
+
+def test_an_upload_with_its_purpose_known_only_at_the_end_stores_or_leaves_nothing(tenant):
+    upload = batch_file_upload_start(purpose=None)
+    upload.write(b'{"a": 1}\n')
+    with pytest.raises(BatchRefused, match="purpose"):
+        batch_file_upload_finish(upload=upload, tenant_id=tenant.pk, filename="x", purpose="fine-tune")
+    assert list(storage.root().iterdir()) == [] and not BatchFile.objects.exists()
+    upload = batch_file_upload_start(purpose=None)
+    upload.write(b'{"a": 1}\n')
+    file = batch_file_upload_finish(upload=upload, tenant_id=tenant.pk, filename="x", purpose="batch")
+    assert list(storage.read_chunks(file.storage_name)) == [b'{"a": 1}\n'] and (file.bytes, file.lines) == (9, 1)
 
 
 @pytest.mark.parametrize(("given", "expected"), [(None, Decimal("0.002")), (Decimal("0.0005"), Decimal("0.0005"))])

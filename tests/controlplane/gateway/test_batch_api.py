@@ -106,6 +106,25 @@ def batch_gateway(replica_processes, gateway, batch_env, database_url):
     server.stop()
 
 
+# Uploads of several MB: far past the 1 MB a form parser keeps in memory before spooling to disk.
+LARGE_MAX_BYTES = 32 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def large_upload_gateway(batch_gateway, batch_env, database_url, tmp_path_factory):
+    """A gateway (on batch_gateway's Redis, so it routes the same replicas) taking uploads of
+    several MB, with a storage folder of its own."""
+    overrides = {
+        "BATCH_STORAGE_DIR": str(tmp_path_factory.mktemp("large-files")),
+        "BATCH_MAX_FILE_BYTES": str(LARGE_MAX_BYTES),
+        "BATCH_MAX_FILE_LINES": "1000000",
+    }
+    server = start_gateway(database_url, batch_env["REDIS_URL"], **overrides)
+    server.overrides = overrides
+    yield server
+    server.stop()
+
+
 def _jsonl(lines: list[dict]) -> bytes:
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
@@ -440,3 +459,80 @@ def test_a_2000_line_batch_survives_its_worker_and_web_server_killed_charging_ea
     world.tenant.credit_account.refresh_from_db()
     assert world.tenant.credit_account.balance == Decimal("100") - 2000 * Decimal("0.001")
     assert world.tenant.credit_account.held == 0
+
+
+def _bytes_written(process: subprocess.Popen) -> int:
+    """All a process has written so far, to files and sockets alike (the kernel's count)."""
+    io_counts = dict(line.split(": ") for line in Path(f"/proc/{process.pid}/io").read_text().splitlines())
+    return int(io_counts["wchar"])
+
+
+def _file_then_purpose(filename: str, data: bytes, purpose: str) -> bytes:
+    """A multipart upload with the file part first and the purpose field after it."""
+    return (
+        (
+            f'--{_BOUNDARY}\r\ncontent-disposition: form-data; name="file"; filename="{filename}"\r\n'
+            "content-type: application/jsonl\r\n\r\n"
+        ).encode()
+        + data
+        + (f'\r\n--{_BOUNDARY}\r\ncontent-disposition: form-data; name="purpose"\r\n\r\n{purpose}').encode()
+        + _MULTIPART_TAIL
+    )
+
+
+def test_a_large_upload_is_written_once_as_it_arrives_with_its_purpose_after_it(large_upload_gateway, replicas):
+    """Several MB, the purpose after the file part: stored byte for byte, the gateway writing about
+    the file's size in all (a form parser that spools the part to a temporary file first writes it
+    twice); a wrong purpose after the file leaves neither its bytes nor a row."""
+    world = make_world(large_upload_gateway, replicas)
+    storage_dir = Path(large_upload_gateway.overrides["BATCH_STORAGE_DIR"])
+    raw = _jsonl(_chat_lines(40_000, world.model.public_name))
+    assert 6_000_000 < len(raw) < LARGE_MAX_BYTES
+
+    def upload(purpose: str) -> httpx.Response:
+        return httpx.post(
+            f"{world.base_url}/v1/files",
+            content=_file_then_purpose("large.jsonl", raw, purpose),
+            headers={
+                "authorization": f"Bearer {world.api_key.plaintext}",
+                "content-type": f"multipart/form-data; boundary={_BOUNDARY}",
+            },
+            timeout=120,
+        )
+
+    before = _bytes_written(large_upload_gateway.process)
+    response = upload("batch")
+    written = _bytes_written(large_upload_gateway.process) - before
+    assert response.status_code == 200, response.text
+    uploaded = response.json()
+    assert (uploaded["bytes"], uploaded["filename"], uploaded["purpose"]) == (len(raw), "large.jsonl", "batch")
+    assert len(raw) <= written < 1.25 * len(raw), f"{written:,} bytes written for a {len(raw):,}-byte upload"
+    assert world.client().files.content(uploaded["id"]).content == raw
+    stored = set(storage_dir.iterdir())
+    assert [path.name for path in stored] == [uploaded["id"]]
+
+    response = upload("fine-tune")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "purpose", response.text
+    assert set(storage_dir.iterdir()) == stored
+    assert list(BatchFile.objects.filter(tenant=world.tenant).values_list("public_id", flat=True)) == [uploaded["id"]]
+
+
+def test_a_client_gone_mid_upload_leaves_no_file_and_no_row(large_upload_gateway, replicas):
+    """The file part's bytes reach storage as they arrive (its partial file grows while the client
+    still sends); the client goes mid-way, and the partial file goes too, with no row written."""
+    world = make_world(large_upload_gateway, replicas)
+    storage_dir = Path(large_upload_gateway.overrides["BATCH_STORAGE_DIR"])
+    before = set(storage_dir.iterdir())
+    line = json.dumps(_chat_lines(1, world.model.public_name)[0]).encode() + b"\n"
+    data = line * (65536 // len(line))
+
+    def partial_over(size: int) -> bool:
+        return any(path.suffix == ".partial" and path.stat().st_size > size for path in storage_dir.iterdir())
+
+    with raw_connection(world.base_url) as sock:
+        sock.sendall(_upload_head(world, f"content-length: {LARGE_MAX_BYTES}\r\n") + _multipart_head("gone.jsonl"))
+        for _ in range(3 * 1024 * 1024 // len(data)):
+            sock.sendall(data)
+        wait_until(lambda: partial_over(1024 * 1024), 30, "the upload's bytes in storage as they arrive")
+    wait_until(lambda: set(storage_dir.iterdir()) == before, 30, "the partial file removed")
+    assert not BatchFile.objects.filter(tenant=world.tenant).exists()
