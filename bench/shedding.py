@@ -341,7 +341,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=_pair, default=(100, 1024))
     parser.add_argument("--output-len", type=_pair, default=(64, 512))
     parser.add_argument("--client-processes", type=int, default=4)
-    parser.add_argument("--gateway-processes", type=int, default=2, help="uvicorn --workers")
+    parser.add_argument(
+        "--gateway-processes",
+        type=int,
+        default=1,
+        help="uvicorn --workers; without Redis each process counts only its own routed work, so keep 1",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the replica's (default: serve's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="a PNG of both runs (e.g. docs/shedding.png)")
