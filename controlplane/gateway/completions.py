@@ -150,6 +150,11 @@ async def serve(
                     if waited is _GONE:
                         return Response(status_code=499)  # nobody reads it: the client is gone
                     replicas, cold_start_s = waited
+                    # Not shed, whatever the replica's load report predicts: shedding refuses a
+                    # request at once, before it waits, and this one has waited its cold start (its
+                    # first token is late already). Shed now, it would lose that wait and its place
+                    # ahead of the requests arriving now; served, its prompt tokens join the routed
+                    # work the objective sheds those by.
                     first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas), tokens)
                 flight.replica_id = first.replica_id
                 headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}

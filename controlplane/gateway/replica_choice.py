@@ -91,16 +91,21 @@ def least_outstanding(counts: Sequence[int], up: Sequence[bool], affinity: int |
     return best
 
 
-def predicted_wait_s(figures: dict, routed_tokens: int = 0) -> float:
+def predicted_wait_s(figures: dict, routed_tokens: int = 0, since_report_s: float = 0.0) -> float:
     """Seconds a request arriving now at a replica would wait before its prefill, from the
     replica's own load report: the prompt tokens queued ahead of it (`waiting_tokens`, plus
-    `routed_tokens`: those the gateway sent it since that report, which the report cannot show)
-    over its recent prefill rate (`prefill_tokens_per_s`). 0 without a queue or a measured rate: a
-    replica that has not prefilled lately gives no evidence that it is slow."""
+    `routed_tokens`: those the gateway sent it since that report, which the report cannot show),
+    less what the replica has prefilled in the `since_report_s` seconds since the report, over its
+    recent prefill rate (`prefill_tokens_per_s`). 0 without a queue or a measured rate: a replica
+    that has not prefilled lately gives no evidence that it is slow.
+
+    The drain is taken off the reported queue and the routed work together, as one backlog: what
+    was routed late in the interval is credited with prefill time from the report on, which
+    predicts low only while the replica idled since its report (its next report corrects it)."""
     waiting, rate = figures.get("waiting_tokens"), figures.get("prefill_tokens_per_s")
     if not isinstance(waiting, int | float) or not isinstance(rate, int | float) or rate <= 0:
         return 0.0
-    queued = max(waiting, 0) + routed_tokens
+    queued = max(waiting, 0) + routed_tokens - rate * max(since_report_s, 0.0)
     return queued / rate if queued > 0 else 0.0
 
 

@@ -50,7 +50,8 @@ class ReplicaRoute:
     # The conversations whose KV it holds (gpuworker.contract.prefix_keys digests), as last reported.
     prefix_keys: frozenset[str] = frozenset()
     # From the replica's latest load report (replica_choice.predicted_wait_s); 0 without one. The
-    # route a pick answers (shared.RedisShared.pick) adds the requests routed there since the report.
+    # route a pick answers (shared.RedisShared.pick) adds the requests routed there since the report
+    # and takes off what the replica has prefilled since.
     predicted_wait_s: float = 0.0
     # That report: when it came (epoch seconds; 0: none recent) and its figures the wait is from.
     report_at: float = 0.0
@@ -58,10 +59,12 @@ class ReplicaRoute:
     prefill_tokens_per_s: float = 0.0
 
     def with_routed(self, routed_tokens: int) -> "ReplicaRoute":
-        """This route as a pick answers it: its predicted wait counts the prompt tokens routed to
-        it since its load report (by every gateway process), which the report could not show."""
+        """This route as a pick answers it now: its predicted wait counts the prompt tokens routed to
+        it since its load report (by every gateway process), which the report could not show, less
+        what the replica has prefilled since the report."""
         figures = {"waiting_tokens": self.waiting_tokens, "prefill_tokens_per_s": self.prefill_tokens_per_s}
-        return replace(self, predicted_wait_s=predicted_wait_s(figures, routed_tokens))
+        since_report_s = time.time() - self.report_at if self.report_at else 0.0
+        return replace(self, predicted_wait_s=predicted_wait_s(figures, routed_tokens, since_report_s))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ in time and in size, a client that leaves gives up its place, nothing is billed 
 import json
 import socket
 import threading
+import time
 from decimal import Decimal
 
 import httpx
@@ -17,6 +18,7 @@ from controlplane.audit.models import AuditEntry
 from controlplane.billing.models import CreditHold, UsageRecord
 from controlplane.billing.selectors import credit_balance
 from controlplane.catalog.models import Deployment
+from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.cold_start_counts import cold_start_waiting, waiting_in_redis
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.services.replicas import replica_transition
@@ -173,6 +175,46 @@ def test_a_streaming_request_that_waited_says_so_in_its_headers(patient_gateway,
     assert "error" not in outcome, outcome.get("error")
     header, lines = outcome["result"]
     assert header is not None and float(header) > 0 and lines[-1] == "data: [DONE]"
+    world.settled()
+    assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 1
+
+
+def test_a_request_that_waited_for_a_cold_start_is_not_shed_by_the_objective_the_next_one_is(
+    patient_gateway, replicas, settings
+):
+    # The new replica's first load report predicts a wait far over the deployment's objective
+    # (written to the live cache the gateway reads, on its Redis database).
+    settings.CACHES = {**settings.CACHES, "live": {**settings.CACHES["live"], "LOCATION": patient_gateway.redis_url}}
+    world = cold_world(patient_gateway, ttft_slo_ms=500)
+    client = world.client(timeout=LONG_WAIT_S + 30)
+    thread, outcome = _in_thread(
+        lambda: client.chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=2)
+    )
+    try:
+        wait_until(lambda: _waiting(patient_gateway, world) == 1, 30, "the request to wait")
+        deployment = Deployment.objects.get(model=world.model)
+        replica = Replica.objects.create(
+            deployment=deployment, worker=Worker.objects.get(name=f"host-{world.model.pk}"), state=Replica.State.PENDING
+        )
+        # Stored before the replica turns ready: every routing table that lists it has the report.
+        heartbeat_cache.store(
+            worker_id=replica.worker_id,
+            state={
+                "received_at": time.time(),
+                "replicas": {str(replica.pk): {"waiting_tokens": 50_000, "prefill_tokens_per_s": 1000.0}},
+            },
+        )
+        replica_transition(replica=replica, to_state=Replica.State.LOADING, at=timezone.now())
+        replica_transition(
+            replica=replica, to_state=Replica.State.READY, at=timezone.now(), endpoint_url=replicas[0].url
+        )
+    finally:
+        thread.join(LONG_WAIT_S + 60)
+    assert "error" not in outcome, outcome.get("error")  # it waited: served, not shed
+    # A request arriving now, by the same report, is shed at once.
+    with pytest.raises(openai.RateLimitError) as shed:
+        client.chat.completions.create(model=world.model.public_name, messages=CHAT, max_tokens=2)
+    assert shed.value.code == "overloaded"
     world.settled()
     assert UsageRecord.objects.filter(tenant=world.tenant, status="completed").count() == 1
 

@@ -159,3 +159,16 @@ def test_prompt_tokens_routed_since_the_report_join_its_queue():
     # Without a measured rate there is still no evidence of a wait.
     assert predicted_wait_s({"waiting_tokens": 0, "prefill_tokens_per_s": 0.0}, routed_tokens=3000) == 0.0
     assert [prompt_tokens_estimate(n) for n in (0, 3, 4000)] == [1, 1, 1000]
+
+
+def test_the_replica_prefills_at_its_rate_since_its_report_the_queue_and_the_routed_work_alike():
+    busy = {"waiting_tokens": 3000, "prefill_tokens_per_s": 3000.0}
+    assert predicted_wait_s(busy, since_report_s=1.0) == 0.0  # a report 1 s old: its queue is gone
+    assert predicted_wait_s(busy, since_report_s=0.5) == 0.5
+    # Routed work drains with the reported queue, as one backlog; never below empty.
+    assert predicted_wait_s(busy, routed_tokens=1500, since_report_s=1.0) == 0.5
+    assert predicted_wait_s(busy, routed_tokens=1500, since_report_s=5.0) == 0.0
+    idle = {"waiting_tokens": 0, "prefill_tokens_per_s": 3000.0}
+    assert predicted_wait_s(idle, routed_tokens=4500, since_report_s=0.5) == 1.0
+    # A report stamped later than now (clocks apart) drains nothing rather than adding a wait.
+    assert predicted_wait_s(busy, since_report_s=-2.0) == 1.0

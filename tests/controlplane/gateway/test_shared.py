@@ -271,14 +271,14 @@ async def test_a_cold_start_wait_past_its_deadline_no_longer_counts(shared):
     assert _cold_start_waiting(shared, [7]) == {7: 1}
 
 
-def _reported(replica_id: int, waiting_tokens: int, prefill_tokens_per_s: float) -> ReplicaRoute:
-    """A replica's route as the routing table builds it from a load report received now."""
+def _reported(replica_id: int, waiting_tokens: int, prefill_tokens_per_s: float, age_s: float = 0.0) -> ReplicaRoute:
+    """A replica's route as the routing table builds it from a load report received `age_s` ago."""
     figures = {"waiting_tokens": waiting_tokens, "prefill_tokens_per_s": prefill_tokens_per_s}
     return ReplicaRoute(
         replica_id,
         f"http://{replica_id}",
         predicted_wait_s=predicted_wait_s(figures),
-        report_at=time.time(),
+        report_at=time.time() - age_s,
         waiting_tokens=waiting_tokens,
         prefill_tokens_per_s=prefill_tokens_per_s,
     )
@@ -296,6 +296,16 @@ def _model(ttft_objective_s: float, *ready: ReplicaRoute) -> ModelRoute:
         ready=ready,
         loading=False,
         ttft_objective_s=ttft_objective_s,
+    )
+
+
+def _drained(waits: list[float], undrained: list[float], report: ReplicaRoute) -> bool:
+    """Whether picks predicted `waits` where, without the replica's prefill since its report,
+    they would have predicted `undrained`: each less at most the time since the report (all a
+    test can bound it by), and never below 0."""
+    since_report_s = time.time() - report.report_at
+    return len(waits) == len(undrained) and all(
+        max(0.0, full - since_report_s) - 1e-9 <= wait <= full + 1e-9 for wait, full in zip(waits, undrained)
     )
 
 
@@ -320,10 +330,10 @@ async def test_requests_routed_since_the_load_report_count_until_the_objective_s
             shed.append(model.over_objective(replica))
             if shed[-1]:  # as the gateway does: a shed request never reaches the replica
                 await process.finish(f"r{i}", replica_id=1)
-        assert waits == pytest.approx([0.0, 0.3, 0.6, 0.9, 1.2, 1.2])
+        assert _drained(waits, [0.0, 0.3, 0.6, 0.9, 1.2, 1.2], idle)
         assert shed == [False, False, False, False, True, True]
         await shared.finish("r0", replica_id=1)  # done: no longer ahead of anyone
-        assert (await other.pick([idle], "r6", None, 300)).predicted_wait_s == pytest.approx(0.9)
+        assert _drained([(await other.pick([idle], "r6", None, 300)).predicted_wait_s], [0.9], idle)
     finally:
         if other is not shared:
             await other.aclose()
@@ -336,7 +346,20 @@ async def test_a_newer_load_report_replaces_the_count_of_requests_routed_before_
     await asyncio.sleep(0.01)
     # The replica's next report shows what those became (here 600 tokens still queued).
     after = _reported(1, waiting_tokens=600, prefill_tokens_per_s=1000.0)
-    assert (await shared.pick([after], "r4", None, 300)).predicted_wait_s == pytest.approx(0.6)
-    assert (await shared.pick([after], "r5", None, 300)).predicted_wait_s == pytest.approx(0.9)
+    assert _drained([(await shared.pick([after], "r4", None, 300)).predicted_wait_s], [0.6], after)
+    assert _drained([(await shared.pick([after], "r5", None, 300)).predicted_wait_s], [0.9], after)
     # A process still holding the older report counts everything routed since that one.
-    assert (await shared.pick([before], "r6", None, 300)).predicted_wait_s == pytest.approx(1.8)
+    assert _drained([(await shared.pick([before], "r6", None, 300)).predicted_wait_s], [1.8], before)
+
+
+async def test_what_the_replica_prefilled_since_its_report_is_taken_off_its_queue_and_routed_work(shared):
+    # A report 1 s old of 3000 prompt tokens queued at 3000 tok/s: that queue is prefilled by now.
+    report = _reported(1, waiting_tokens=3000, prefill_tokens_per_s=3000.0, age_s=1.0)
+    model = _model(0.75, report)
+    picked = [await shared.pick([report], f"r{i}", None, 1500) for i in range(3)]
+    waits = [replica.predicted_wait_s for replica in picked]
+    # Each 1500-token request joins the backlog the replica has been draining since the report.
+    assert waits[0] == 0.0
+    assert _drained(waits, [1.0, 1.5, 2.0], report) and waits[1] <= 0.5 and waits[2] <= 1.0
+    assert waits[2] > 0.75  # the report's age bounds the drain: 1 s, and the test's few ms
+    assert [model.over_objective(replica) for replica in picked] == [False, False, True]
