@@ -25,5 +25,5 @@ RUN pip install --no-deps --no-build-isolation . \
 USER gpuserve
 EXPOSE 8000
 # No proxy headers: TRUSTED_PROXIES (controlplane/common/client_address.py) decides whom to believe.
-CMD ["uvicorn", "controlplane.asgi:application", "--host", "0.0.0.0", "--port", "8000", "--lifespan", "off", \
+CMD ["uvicorn", "controlplane.asgi:application", "--host", "0.0.0.0", "--port", "8000", \
      "--no-proxy-headers"]

@@ -102,8 +102,6 @@ def process_specs(
                 host,
                 "--port",
                 str(port),
-                "--lifespan",
-                "off",
                 "--no-proxy-headers",
             ),
             env=relay,

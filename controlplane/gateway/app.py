@@ -2,8 +2,9 @@
 
 A lean app rather than Django views: the hot path does no ORM work in steady state (keys and
 routes are cached, limits live in Redis) and the writes it must make are batched on database
-threads. Everything is built on first use, so it works with and without ASGI lifespan events
-(`make run` starts uvicorn with `--lifespan off`).
+threads. The process's Gateway is built at ASGI lifespan startup, so that its chores (taking over
+background responses whose process died among them) run before any request comes; a server
+without lifespan events, or a startup that could not build it, builds it on the first request.
 """
 
 import asyncio
@@ -124,6 +125,11 @@ def build_app() -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app):
+        try:
+            await gateway()
+        except Exception:
+            # A startup that raises stops the server: the first request builds it instead.
+            logger.warning("could not start the gateway at startup; the first request will", exc_info=True)
         yield
         if app.state.gateway is not None:
             await app.state.gateway.aclose()

@@ -1,5 +1,5 @@
 """What one gateway process holds (`Gateway`): caches, clients, database lanes and chores, built
-on the first request and closed with the app. The routes (app.py) and the request path
+at the app's startup (else on its first request) and closed with the app. The routes (app.py) and the request path
 (completions.py) take it as their first argument."""
 
 import asyncio

@@ -7,6 +7,7 @@ official `openai` SDK.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -14,7 +15,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -206,12 +209,16 @@ def start_module_gateway(database_url: str, *, log=None) -> GatewayServer:
 
 
 def start_gateway(
-    database_url: str, redis_url: str, *, workers: int = 1, log=None, **env_overrides: str
+    database_url: str, redis_url: str, *, workers: int = 1, log=None, as_launched: bool = False, **env_overrides: str
 ) -> GatewayServer:
     """uvicorn serving controlplane.asgi in its own process (`workers` processes behind one port,
     as docker-compose runs it), as in production; waits until it answers. `log`: a file for its
-    stderr (None: this process's)."""
+    stderr (None: this process's). `as_launched`: the web process as `make run` starts it
+    (launcher.process_specs), waited for until it listens, with no request sent to it."""
+    from controlplane.launcher import port_answers, process_specs
+
     port = free_port()
+    (web,) = [spec for spec in process_specs(host="127.0.0.1", port=port) if spec.name == "web"]
     env = {
         **os.environ,
         "DATABASE_URL": database_url,
@@ -228,10 +235,13 @@ def start_gateway(
         "GATEWAY_AFFINITY_PREFIX_CHARS": str(AFFINITY_PREFIX_CHARS),
         # Uploaded batch files go to a folder of this gateway's, not the checkout's var/.
         "BATCH_STORAGE_DIR": tempfile.mkdtemp(prefix="batch-files-"),
+        **(web.env if as_launched else {}),
         **env_overrides,
     }
-    process = subprocess.Popen(
-        [
+    argv = (
+        web.argv
+        if as_launched
+        else [
             sys.executable,
             "-m",
             "uvicorn",
@@ -245,15 +255,18 @@ def start_gateway(
             "--no-access-log",
             "--workers",
             str(workers),
-        ],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stderr=log,
+        ]
     )
+    process = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stderr=log)
     server = GatewayServer(f"http://127.0.0.1:{port}", redis_url, process)
+    # A /v1 request builds the process's Gateway: one started as launched must do without it.
+    answers = (
+        (lambda: port_answers("127.0.0.1", port))
+        if as_launched
+        else (lambda: httpx.get(f"{server.url}/v1/models", timeout=2).status_code == 401)
+    )
     try:
-        wait_until(lambda: httpx.get(f"{server.url}/v1/models", timeout=2).status_code == 401, 60, "the gateway")
+        wait_until(answers, 60, "the gateway")
     except BaseException:
         server.stop()
         raise
@@ -271,7 +284,9 @@ def database_url(django_db_setup, django_db_blocker) -> str:
 def gateway(replica_processes, database_url):
     redis_url = _redis_url()
     redis.Redis.from_url(redis_url).flushdb()
-    server = start_gateway(database_url, redis_url)
+    # Its claims on background responses last an hour, so that it looks for orphans that rarely:
+    # the tests of taking them over start the processes that must take them.
+    server = start_gateway(database_url, redis_url, GATEWAY_BACKGROUND_LEASE_SECONDS="3600")
     yield server
     server.stop()
 
@@ -411,3 +426,43 @@ def make_world(
         f"the gateway to route {model.public_name}",
     )
     return world
+
+
+def orphaned_background_response(world: World, *, max_output_tokens: int = 4):
+    """A queued background response as a gateway process that died left it: its claim ran out."""
+    from django.utils import timezone
+
+    from controlplane.gateway.models import StoredResponse
+    from controlplane.gateway.stored_responses import BackgroundRun, stored_response_save
+
+    response_id, request_id = f"resp_{uuid.uuid4().hex}", f"req_{uuid.uuid4().hex}"
+    body = {"model": world.model.public_name, "input": "Hello", "max_output_tokens": max_output_tokens}
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}
+    queued = {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "queued"}
+    stored_response_save(
+        tenant_id=world.tenant.pk,
+        response_id=response_id,
+        input_items=[item],
+        history=[item],
+        response=queued,
+        background=BackgroundRun(
+            request=json.dumps({**body, "background": True}),
+            api_key_id=world.api_key.pk,
+            request_id=request_id,
+            owner=f"dead-process-{uuid.uuid4().hex}",
+        ),
+    )
+    StoredResponse.objects.filter(pk=response_id).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    return StoredResponse.objects.get(pk=response_id)
+
+
+def background_response_finished(response_id: str, timeout: float = 60.0):
+    """The background response once it is no longer queued or in progress."""
+    from controlplane.gateway.models import StoredResponse
+
+    wait_until(
+        lambda: StoredResponse.objects.get(pk=response_id).status not in ("queued", "in_progress"),
+        timeout,
+        f"background response {response_id} to be run again",
+    )
+    return StoredResponse.objects.get(pk=response_id)

@@ -2,11 +2,9 @@
 its stored request, and charged once: whether the dead run had held its credit, had already been
 charged, or had done nothing yet; and of gateway processes racing for it, one runs it."""
 
-import json
 import os
 import signal
 import time
-import uuid
 from datetime import timedelta
 
 import pytest
@@ -14,9 +12,13 @@ from django.utils import timezone
 
 from controlplane.billing.holds import HoldRequest, RequestOutcome, credit_holds_place, credit_holds_settle
 from controlplane.billing.models import CreditAccount, CreditEntry, CreditHold, UsageRecord
-from controlplane.gateway.models import StoredResponse
-from controlplane.gateway.stored_responses import BackgroundRun, stored_response_save
-from tests.controlplane.gateway.conftest import make_world, start_gateway, wait_until
+from tests.controlplane.gateway.conftest import (
+    background_response_finished,
+    make_world,
+    orphaned_background_response,
+    start_gateway,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -39,29 +41,6 @@ def world(gateway, replicas, rescuers):
     return make_world(gateway, replicas)
 
 
-def _orphan(world, *, max_output_tokens: int = 4) -> StoredResponse:
-    """A queued background response as a gateway process that died left it: its claim ran out."""
-    response_id, request_id = f"resp_{uuid.uuid4().hex}", f"req_{uuid.uuid4().hex}"
-    body = {"model": world.model.public_name, "input": "Hello", "max_output_tokens": max_output_tokens}
-    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}
-    queued = {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "queued"}
-    stored_response_save(
-        tenant_id=world.tenant.pk,
-        response_id=response_id,
-        input_items=[item],
-        history=[item],
-        response=queued,
-        background=BackgroundRun(
-            request=json.dumps({**body, "background": True}),
-            api_key_id=world.api_key.pk,
-            request_id=request_id,
-            owner=f"dead-process-{uuid.uuid4().hex}",
-        ),
-    )
-    StoredResponse.objects.filter(pk=response_id).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
-    return StoredResponse.objects.get(pk=response_id)
-
-
 def _hold(world, request_id: str) -> None:
     """The credit hold the dead run placed at its admission."""
     now = timezone.now()
@@ -81,15 +60,6 @@ def _hold(world, request_id: str) -> None:
     assert isinstance(hold, CreditHold)
 
 
-def _finished(response_id: str, timeout: float = 60.0) -> StoredResponse:
-    wait_until(
-        lambda: StoredResponse.objects.get(pk=response_id).status not in ("queued", "in_progress"),
-        timeout,
-        f"background response {response_id} to be run again",
-    )
-    return StoredResponse.objects.get(pk=response_id)
-
-
 def _charged_once(world, request_id: str) -> None:
     price = world.model.price_tier.price_per_request
     world.settled(15)
@@ -102,8 +72,8 @@ def _charged_once(world, request_id: str) -> None:
 
 
 def test_an_orphan_with_nothing_held_is_run_again_and_charged_once(world):
-    orphan = _orphan(world)
-    done = _finished(orphan.pk)
+    orphan = orphaned_background_response(world)
+    done = background_response_finished(orphan.pk)
     assert done.status in ("completed", "incomplete") and done.runs == 2  # run by one rescuer
     assert done.response["output"] and 0 < done.response["usage"]["output_tokens"] <= 4
     assert done.history[-1]["type"] == "message"  # the next turn continues from its answer
@@ -112,32 +82,32 @@ def test_an_orphan_with_nothing_held_is_run_again_and_charged_once(world):
 
 
 def test_an_orphan_whose_credit_was_held_keeps_that_hold_and_is_charged_once(world):
-    orphan = _orphan(world, max_output_tokens=200)
+    orphan = orphaned_background_response(world, max_output_tokens=200)
     _hold(world, orphan.request_id)
-    done = _finished(orphan.pk)
+    done = background_response_finished(orphan.pk)
     assert done.status in ("completed", "incomplete") and done.runs == 2
     time.sleep(6)  # past the dead run's hold expiry: the hold sweeper (every second) found nothing to settle
     _charged_once(world, orphan.request_id)
 
 
 def test_an_orphan_already_charged_is_run_again_free(world):
-    orphan = _orphan(world)
+    orphan = orphaned_background_response(world)
     _hold(world, orphan.request_id)
     # The dead run was answered and charged, then died before it stored the answer.
     credit_holds_settle(
         outcomes=[RequestOutcome(orphan.request_id, UsageRecord.Status.COMPLETED, completion_tokens=4)],
         at=timezone.now(),
     )
-    done = _finished(orphan.pk)
+    done = background_response_finished(orphan.pk)
     assert done.status in ("completed", "incomplete") and done.runs == 2
     assert done.response["usage"]["cost"] == float(world.model.price_tier.price_per_request)
     _charged_once(world, orphan.request_id)
 
 
 def test_gateways_racing_for_orphans_run_each_once(world):
-    orphans = [_orphan(world) for _ in range(4)]
+    orphans = [orphaned_background_response(world) for _ in range(4)]
     for orphan in orphans:
-        assert _finished(orphan.pk).runs == 2  # taken over once: no second process ran it too
+        assert background_response_finished(orphan.pk).runs == 2  # taken over once: no second process ran it too
     world.settled(15)
     assert sorted(UsageRecord.objects.filter(tenant=world.tenant).values_list("request_id", flat=True)) == sorted(
         orphan.request_id for orphan in orphans
@@ -160,7 +130,7 @@ def test_a_response_survives_the_gateway_process_that_took_it(world, gateway, da
         doomed.process.wait(10)
     finally:
         doomed.stop()
-    done = _finished(queued.id, timeout=120)
+    done = background_response_finished(queued.id, timeout=120)
     assert done.status in ("completed", "incomplete"), done.response
     assert done.runs == 2 and done.response["output"]  # finished by a process that did not take it
     world.settled(15)
