@@ -7,6 +7,8 @@
 #                                                    # offsets test; then 512K with the FP8 KV cache
 #   bash bench/gpu_waiting_list.sh serving           # fair share and priority classes, then shedding
 #   bash bench/gpu_waiting_list.sh multiturn vision int8
+#   bash bench/gpu_waiting_list.sh families          # the new families' GPU tests and the MLA decode sweep
+#   bash bench/gpu_waiting_list.sh family_benches    # DeepSeek-V2-Lite and Gemma-3-12B, batch 1 and 512
 #   bash bench/gpu_waiting_list.sh batch             # interactive TTFT beside a Batch API job, end to end
 #   bash bench/gpu_waiting_list.sh suite             # the GPU tests, 8 processes
 #
@@ -56,6 +58,25 @@ mla() {
     cp gpuworker/kernels/configs/mla_prefill/*.json "$RESULTS/" 2>/dev/null
     step deepseek-512 "$(limit deepseek-512 80)" python3 bench/throughput.py --config bench/configs/deepseek-v2-lite \
         --num-requests 512 --output-len 256 --skip-hf
+}
+families() {  # the new families' GPU tests, the MLA decode sweep, then batch 1 (HF beside it) and 512 requests
+    step families-tests "$(limit families-tests 300)" python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 \
+        tests/kernels/test_mla_decode.py tests/kernels/test_moe_routing.py tests/kernels/test_block_fp8_matmul.py \
+        tests/kernels/test_moe_block_fp8.py tests/kernels/test_sliding_window_attention.py \
+        tests/kernels/test_gemma3_triton.py tests/kernels/test_gemma_norm_and_activation.py \
+        tests/gpuworker/engine/test_engine_mla.py tests/gpuworker/engine/test_gemma3_engine.py \
+        tests/gpuworker/models/test_block_fp8.py tests/gpuworker/models/test_deepseek_parity.py \
+        tests/gpuworker/models/test_quantized_models.py tests/gpuworker/engine/test_engine_quantized.py
+    step mla-sweep "$(limit mla-sweep 240)" python3 bench/mla_decode.py --quick --write-configs
+    cp gpuworker/kernels/configs/mla_decode/*.json "$RESULTS/" 2>/dev/null
+}
+family_benches() {
+    for model in deepseek-v2-lite gemma-3-12b; do
+        step "$model-batch1" "$(limit batch1 90)" python3 bench/latency.py --config "bench/configs/$model" --repeats 1 \
+            --hf-output-len 32
+        step "$model-512" "$(limit family-512 105)" python3 bench/throughput.py --config "bench/configs/$model" \
+            --num-requests 512 --output-len 256 --skip-hf
+    done
 }
 batch() {
     step batch-ttft "$(limit batch-ttft 240)" env BATCH_CONCURRENCY=256 python3 bench/batch_ttft.py \
