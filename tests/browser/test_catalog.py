@@ -6,6 +6,8 @@ import pytest
 from django.urls import reverse
 from playwright.sync_api import expect
 
+from tests.browser.system import PHONE_VIEWPORT
+
 pytestmark = pytest.mark.slow
 
 NAME = "browser-model"
@@ -131,3 +133,13 @@ def test_catalog_columns_keep_their_words_whole_beside_a_long_weight_path(open_p
     rows = page.locator("[data-testid=catalog-row]")
     expect(rows.first).to_be_visible()
     assert [row.evaluate(BROKEN_WORDS) for row in rows.all()] == [[] for _ in rows.all()]
+
+
+def test_at_a_phones_width_a_weight_path_takes_a_few_lines(open_page):
+    """On a phone the table scrolls in its card: a path wraps to a readable width, not a word a line."""
+    page = open_page("operator", viewport=PHONE_VIEWPORT)
+    page.goto(reverse("dashboard:catalog"))
+    paths = page.locator("[data-testid=model-weights-path] code")
+    expect(paths.first).to_be_visible()
+    lines = paths.evaluate_all("codes => codes.map(code => code.getClientRects().length)")  # one a line
+    assert max(lines) <= 4, lines
