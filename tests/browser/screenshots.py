@@ -17,6 +17,7 @@ in their ids.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import uuid
@@ -30,12 +31,14 @@ PAGES = {  # file name: (role, url name)
     "home-admin": ("admin", "dashboard:home"),
     "fleet": ("operator", "dashboard:fleet"),
     "catalog": ("operator", "dashboard:catalog"),
+    "catalog-form": ("operator", ""),  # the spare model's edit form, from prepare()
     "audit": ("operator", "dashboard:audit"),
     "keys": ("tenant", "dashboard:keys"),
     "quickstart": ("tenant", "dashboard:quickstart"),
     "usage": ("tenant", "dashboard:usage"),
     "usage-by-model-and-key": ("tenant", "dashboard:usage"),
     "requests": ("tenant", "dashboard:requests"),
+    "requests-refused": ("tenant", "dashboard:requests"),
     "playground": ("tenant", "dashboard:playground"),
     "reports": ("admin", "dashboard:reports"),
     "credits": ("tenant", "dashboard:credits"),
@@ -47,25 +50,45 @@ PAGES = {  # file name: (role, url name)
     "not-found": ("tenant", ""),  # a missing page: the dashboard's 404
 }
 LINKS = {"not-found": "/no-such-page/"}
+# Below the fold: the section itself, whole.
+SECTIONS = {"usage-by-model-and-key": "#usage-breakdown", "requests-refused": "#requests-refused"}
 # Charts are sized when drawn: at the phone's width the page is loaded again.
 CHARTS = ("usage", "usage-by-model-and-key", "reports")
 HISTORY_DAYS = 14
 
 
-def _chat(system, api_key: str, *, max_tokens: int = 24) -> None:
+def _chat(system, api_key: str, *, max_tokens: int = 24, model: str | None = None, path: str = "chat/completions"):
     import httpx
 
-    response = httpx.post(
-        f"{system.url}/v1/chat/completions",
+    return httpx.post(
+        f"{system.url}/v1/{path}",
         timeout=60,
         headers={"Authorization": f"Bearer {api_key}"},
         json={
-            "model": system.seeded.demo_model,
+            "model": model or system.seeded.demo_model,
             "max_tokens": max_tokens,
             "messages": [{"role": "user", "content": "Summarise the fleet's week."}],
         },
+    ).raise_for_status()
+
+
+def _refuse(system, api_key: str) -> None:
+    """Requests the gateway refuses (a model not in the catalog, a body /v1/embeddings cannot read),
+    once their per-minute tallies are written."""
+    import httpx
+
+    from controlplane.billing.models import Refusal
+    from tests.integration.conftest import wait_until
+
+    for model, path in (("llama-3-70b", "chat/completions"), ("demo-tiny", "embeddings")):
+        with contextlib.suppress(httpx.HTTPStatusError):
+            _chat(system, api_key, model=model, path=path)
+    wait_until(
+        lambda: Refusal.objects.filter(api_key__isnull=False).count() >= 2,
+        timeout=60,
+        what="the refusals' tallies",
+        fleet=system.fleet,
     )
-    response.raise_for_status()
 
 
 def prepare(system) -> dict[str, str]:
@@ -110,6 +133,7 @@ def prepare(system) -> dict[str, str]:
         _chat(system, production.plaintext)
     for _ in range(4):
         _chat(system, other_key)
+    _refuse(system, staging.plaintext)
 
     deployment = Deployment.objects.get(model=demo)
     deployment_update(
@@ -126,6 +150,8 @@ def prepare(system) -> dict[str, str]:
         kind=Model.Kind.CHAT,
         weights_path=demo.weights_path,
         context_length=demo.context_length,
+        max_model_len=demo.context_length * 2,
+        allow_long_context=True,
         parameter_count=demo.parameter_count,
         price_tier=demo.price_tier,
         actor=operator,
@@ -140,7 +166,11 @@ def prepare(system) -> dict[str, str]:
     )
     invitation_create(created_by=alice, role=User.Role.TENANT_MEMBER, tenant=tenant, note="Chen (data team)")
     staff_invitation = invitation_create(created_by=admin, role=User.Role.OPERATOR, note="On-call SRE")
-    links = {**LINKS, "invitation": reverse("dashboard:invitation_accept", args=[staff_invitation.token])}
+    links = {
+        **LINKS,
+        "invitation": reverse("dashboard:invitation_accept", args=[staff_invitation.token]),
+        "catalog-form": reverse("dashboard:catalog_edit", args=[spare.pk]),
+    }
 
     rng = random.Random(7)
     now = timezone.now()
@@ -213,14 +243,16 @@ def shoot(system, out: Path, links: dict[str, str]) -> list[Path]:
                 page.fill("#id_reason", "Conference demo credit")
                 page.click("#grant-submit")
                 expect(page.locator("#grant-done")).to_be_visible()
+            elif name == "requests-refused":
+                expect(page.locator("[data-testid=refused-row]")).not_to_have_count(0)
             elif name in ("usage", "reports"):
                 page.wait_for_selector(".uplot")
             elif name == "usage-by-model-and-key":
                 page.wait_for_selector("#usage-chart-by-key .uplot")
             page.wait_for_timeout(500)  # fonts, charts' first paint
             path = out / f"{name}.png"
-            if name == "usage-by-model-and-key":  # below the fold: the section itself, whole
-                page.locator("#usage-breakdown").screenshot(path=path)
+            if name in SECTIONS:
+                page.locator(SECTIONS[name]).screenshot(path=path)
             else:
                 page.screenshot(path=path, full_page=name.startswith("home") or name in ("playground", "reports"))
             written += [path, _shoot_phone(page, name, out / "phone" / f"{name}.png")]
@@ -251,8 +283,8 @@ def _shoot_phone(page, name: str, path: Path) -> Path:
     page.wait_for_timeout(300)  # the reflow's paint
     if (extra := horizontal_overflow(page)) > 0:
         raise RuntimeError(f"{name} is {extra}px wider than a phone's window")
-    if name == "usage-by-model-and-key":
-        page.locator("#usage-breakdown").screenshot(path=path)
+    if name in SECTIONS:
+        page.locator(SECTIONS[name]).screenshot(path=path)
     else:
         page.screenshot(path=path, full_page=True)
     return path

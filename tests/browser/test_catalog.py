@@ -6,6 +6,8 @@ import pytest
 from django.urls import reverse
 from playwright.sync_api import expect
 
+from tests.browser.system import PHONE_VIEWPORT
+
 pytestmark = pytest.mark.slow
 
 NAME = "browser-model"
@@ -108,3 +110,36 @@ def test_a_model_read_from_its_checkpoint_is_added_then_deleted(open_page, syste
     expect(page.locator("#field-checkpoint [data-testid=field-error]")).to_contain_text(
         "No online worker has acme/not-here under its model roots"
     )
+
+
+# The text pieces of a row's first four cells (name, family and kind, context, price tier) that take
+# more lines than they have words (a hyphen may end a line): a word broken in two.
+BROKEN_WORDS = """row => [...row.querySelectorAll("td")].slice(0, 4).flatMap(td => [...td.childNodes])
+    .filter(node => node.nodeType === Node.TEXT_NODE || node.tagName === "STRONG")
+    .filter(node => {
+        const range = document.createRange();
+        range.selectNodeContents(node);
+        const lines = new Set([...range.getClientRects()].map(rect => Math.round(rect.top)));
+        const words = node.textContent.trim().split(/[\\s-]+/).filter(Boolean);
+        return lines.size > words.length;
+    })
+    .map(node => node.textContent.trim())"""
+
+
+def test_catalog_columns_keep_their_words_whole_beside_a_long_weight_path(open_page):
+    """At a desktop's width the weight path wraps, so the other columns keep their words whole."""
+    page = open_page("operator")
+    page.goto(reverse("dashboard:catalog"))
+    rows = page.locator("[data-testid=catalog-row]")
+    expect(rows.first).to_be_visible()
+    assert [row.evaluate(BROKEN_WORDS) for row in rows.all()] == [[] for _ in rows.all()]
+
+
+def test_at_a_phones_width_a_weight_path_takes_a_few_lines(open_page):
+    """On a phone the table scrolls in its card: a path wraps to a readable width, not a word a line."""
+    page = open_page("operator", viewport=PHONE_VIEWPORT)
+    page.goto(reverse("dashboard:catalog"))
+    paths = page.locator("[data-testid=model-weights-path] code")
+    expect(paths.first).to_be_visible()
+    lines = paths.evaluate_all("codes => codes.map(code => code.getClientRects().length)")  # one a line
+    assert max(lines) <= 4, lines
