@@ -207,6 +207,10 @@ class Model(models.Model):
                 )
 
 
+# A vision model's image limits (other kinds ignore them): edited together, grouped on the catalog form.
+IMAGE_LIMIT_FIELDS = ("max_images_per_request", "max_image_bytes", "max_image_pixels", "low_detail_pixels")
+
+
 # Model.served_context_length, for a query's values.
 SERVED_CONTEXT_LENGTH = Coalesce("max_model_len", "context_length")
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from controlplane.audit.models import AuditEntry
 from controlplane.audit.services import audit_record, changes
-from controlplane.catalog.models import Model
+from controlplane.catalog.models import IMAGE_LIMIT_FIELDS, Model
 from controlplane.catalog.selectors import reported_quantization, weights_path_reports
 from controlplane.common.units import human_bytes
 from gpuworker.contract.placement import MAX_TENSOR_PARALLEL_SIZE, gpus_needed
@@ -38,6 +38,7 @@ MODEL_FIELDS = (
     "price_tier",
     "base_model",
     "enabled",
+    *IMAGE_LIMIT_FIELDS,
 )
 
 # Bytes per parameter of the weights by quantization, and the share added for activations and a KV
@@ -168,13 +169,18 @@ def model_create(
     expert_parallel: str = Model.ExpertParallel.ALL_REDUCE,
     base_model: Model | None = None,
     enabled: bool = True,
+    max_images_per_request: int | None = None,
+    max_image_bytes: int | None = None,
+    max_image_pixels: int | None = None,
+    low_detail_pixels: int | None = None,
     actor=None,
     verify_on: Iterable | None = None,
 ) -> Model:
     """Add a model. `verify_on`: workers whose reported checkpoints the weight path must be among
     (inside their model roots, a checkpoint there); None checks only the path itself.
     `quantization` None: as those workers report the checkpoint (a float one if none does), or FP8
-    with `load_quantization` "fp8" (served_quantization)."""
+    with `load_quantization` "fp8" (served_quantization). An image limit left None takes the
+    model's default."""
     quantization = served_quantization(
         weights_path=weights_path, quantization=quantization, load_quantization=load_quantization, workers=verify_on
     )
@@ -185,6 +191,12 @@ def model_create(
         and quantization in Model.Quantization.values
     ):
         gpu_memory_bytes = estimate_gpu_memory_bytes(parameter_count=parameter_count, quantization=quantization)
+    image_limits = {
+        "max_images_per_request": max_images_per_request,
+        "max_image_bytes": max_image_bytes,
+        "max_image_pixels": max_image_pixels,
+        "low_detail_pixels": low_detail_pixels,
+    }
     model = Model(
         public_name=public_name,
         family=family,
@@ -202,6 +214,7 @@ def model_create(
         price_tier=price_tier,
         base_model=base_model,
         enabled=enabled,
+        **{name: value for name, value in image_limits.items() if value is not None},
     )
     model.full_clean()
     _check_weights_path(model.weights_path, verify_on)

@@ -6,7 +6,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 
 from controlplane.audit.models import AuditEntry
-from controlplane.catalog.models import Deployment, Model
+from controlplane.catalog.models import IMAGE_LIMIT_FIELDS, Deployment, Model
 from controlplane.catalog.selectors import deployments_with_model
 from controlplane.catalog.services import estimate_gpu_memory_bytes, served_quantization
 from controlplane.fleet.models import Gpu, Worker
@@ -112,6 +112,7 @@ class CatalogModelForm(forms.ModelForm):
     which also say how the checkpoint is quantized."""
 
     DETECT = "detect"
+    IMAGE_LIMIT_FIELDS = IMAGE_LIMIT_FIELDS
 
     context_length = forms.IntegerField(
         min_value=1,
@@ -169,6 +170,7 @@ class CatalogModelForm(forms.ModelForm):
             "price_tier",
             "base_model",
             "enabled",
+            *IMAGE_LIMIT_FIELDS,
         ]
         labels = {
             "public_name": "Name",
@@ -179,6 +181,10 @@ class CatalogModelForm(forms.ModelForm):
             "load_quantization": "Quantization at load",
             "max_model_len": "Max model length (tokens)",
             "allow_long_context": "Allow long context",
+            "max_images_per_request": "Images per request",
+            "max_image_bytes": "Largest image (bytes)",
+            "max_image_pixels": "Most pixels an image",
+            "low_detail_pixels": "Low-detail pixels",
         }
         help_texts = {
             "public_name": "What clients send as `model`.",
@@ -196,6 +202,12 @@ class CatalogModelForm(forms.ModelForm):
         self.fields["check_workers"].label_from_instance = lambda w: f"{w.name} ({w.get_state_display().lower()})"
         if not self.is_bound:
             self.initial.setdefault("check_workers", [w.pk for w in workers if w.state == Worker.State.ONLINE])
+        for name in IMAGE_LIMIT_FIELDS:  # left empty: the model keeps its limit (clean)
+            self.fields[name].required = False
+
+    def image_limit_fields(self) -> list:
+        """The image limits' bound fields, shown apart from the others: only vision models use them."""
+        return [self[name] for name in IMAGE_LIMIT_FIELDS]
 
     def clean_weights_path(self) -> str:
         path = self.cleaned_data["weights_path"].strip()
@@ -218,6 +230,9 @@ class CatalogModelForm(forms.ModelForm):
             cleaned["quantization"] = load_quantization
         if not cleaned.get("expert_parallel"):
             cleaned["expert_parallel"] = Model.ExpertParallel.ALL_REDUCE
+        for name in IMAGE_LIMIT_FIELDS:
+            if cleaned.get(name) is None and name not in self.errors:
+                cleaned[name] = getattr(self.instance, name)  # a new model's: the default
         if cleaned.get("gpu_memory_bytes") is None and cleaned.get("parameter_count"):
             # The ModelForm builds and validates its instance from cleaned_data after this.
             cleaned["gpu_memory_bytes"] = estimate_gpu_memory_bytes(

@@ -95,6 +95,11 @@ def test_duplicate_public_name_raises_and_writes_nothing():
         ("family", ""),
         ("max_model_len", 0),
         ("max_model_len", (1 << 22) + 1),
+        ("max_images_per_request", 0),
+        ("max_images_per_request", 257),
+        ("max_image_bytes", 0),
+        ("max_image_pixels", 0),
+        ("low_detail_pixels", 0),
     ],
 )
 def test_invalid_model_fields_raise_naming_the_field(field, value):
@@ -127,6 +132,16 @@ def test_model_update_checks_the_context_and_records_it():
     entry = AuditEntry.objects.filter(action=AuditEntry.Action.MODEL_UPDATE).get()
     assert entry.detail["max_model_len"] == [None, 16384]
     assert entry.detail["allow_long_context"] == [False, True]
+
+
+def test_a_vision_models_image_limits_are_set_and_their_changes_recorded():
+    model = model_create(**_model_fields(kind=Model.Kind.VISION, max_images_per_request=4, low_detail_pixels=256 * 256))
+    model.refresh_from_db()
+    assert (model.max_images_per_request, model.low_detail_pixels, model.max_image_bytes) == (4, 256 * 256, 20 << 20)
+    assert AuditEntry.objects.get(action=AuditEntry.Action.MODEL_CREATE).detail["max_images_per_request"] == 4
+    model_update(model=model, max_image_bytes=5 << 20, max_image_pixels=4096 * 4096)
+    entry = AuditEntry.objects.filter(action=AuditEntry.Action.MODEL_UPDATE).get()
+    assert entry.detail == {"max_image_bytes": [20 << 20, 5 << 20], "max_image_pixels": [8192 * 8192, 4096 * 4096]}
 
 
 def test_model_set_enabled():

@@ -300,6 +300,47 @@ def test_the_served_context_is_set_on_the_edit_form_and_shown_in_the_list(operat
     assert 'data-testid="model-context-note">checkpoint 32768, long context allowed<' in row
 
 
+def test_a_vision_models_image_limits_are_set_on_the_edit_form_and_audited(operator_client):
+    model = ModelFactory(public_name="qwen-vl", kind=Model.Kind.VISION, context_length=32768)
+    edit = reverse("dashboard:catalog_edit", args=[model.pk])
+    page = operator_client.get(edit).content.decode()
+    limits = page[page.index('id="image-limits"') :]
+    assert "Images (vision models)" in limits
+    for name, label in [
+        ("max_images_per_request", "Images per request"),
+        ("max_image_bytes", "Largest image (bytes)"),
+        ("max_image_pixels", "Most pixels an image"),
+        ("low_detail_pixels", "Low-detail pixels"),
+    ]:
+        assert f'name="{name}"' in limits and label in limits
+    assert 'name="max_images_per_request" value="16"' in limits
+    form = _form(
+        public_name="qwen-vl",
+        kind="vision",
+        weights_path=model.weights_path,
+        context_length="32768",
+        price_tier=str(model.price_tier_id),
+        gpu_memory_bytes=str(model.gpu_memory_bytes),
+        parameter_count=str(model.parameter_count),
+        family=model.family,
+        max_images_per_request="4",
+        max_image_bytes=str(5 << 20),
+    )
+    page = operator_client.post(edit, {**form, "max_images_per_request": "300"}).content.decode()
+    assert "less than or equal to 256" in _error_beside(page, "max_images_per_request")
+    page = operator_client.post(edit, {**form, "max_image_pixels": "0"}).content.decode()
+    assert "greater than or equal to 1" in _error_beside(page, "max_image_pixels")
+    assert Model.objects.get(pk=model.pk).max_images_per_request == 16 and not AuditEntry.objects.exists()
+    operator_client.post(edit, form, follow=True)
+    model.refresh_from_db()
+    # The limits left empty keep their values.
+    assert (model.max_images_per_request, model.max_image_bytes, model.max_image_pixels) == (4, 5 << 20, 8192 * 8192)
+    assert AuditEntry.objects.get(action="model.update").detail == {
+        "max_images_per_request": [16, 4],
+        "max_image_bytes": [20 << 20, 5 << 20],
+    }
+
+
 def test_enable_disable_and_deploy_from_the_list(operator_client, operator, django_capture_on_commit_callbacks):
     model = ModelFactory(public_name="phi", enabled=True)
     page = operator_client.get(reverse("dashboard:catalog")).content.decode()
