@@ -99,10 +99,8 @@ def _prefill_attention_kernel(
     # Rows past the chunk's end copy the last row's position so no row is fully masked (no NaNs).
     q_pos = prefix_len + tl.minimum(rows, q_len - 1)
     q_end = q_pos  # the last position a row sees: itself, or the end of the span it attends both ways
-    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
     if SPANS:
         q_end = tl.load(span_ends_ptr + q_start + tl.minimum(rows, q_len - 1))
-        kv_end = tl.minimum(seq_len, tl.max(q_end, 0) + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -113,6 +111,9 @@ def _prefill_attention_kernel(
     # Keys every row of the tile sees (strictly before its first query) need no mask; tiles from
     # there up to the last row's position cross the diagonal and do.
     unmasked_end = (prefix_len + m_tile * BLOCK_M) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
+    if SPANS:
+        kv_end = tl.minimum(seq_len, tl.max(q_end, 0) + 1)
     if WINDOW > 0:
         # A sliding layer: row p sees p - WINDOW < position <= p. Every tile from the first row's
         # window on is masked (both edges); no position before that window is loaded, so the blocks
