@@ -298,7 +298,10 @@ class Flight:
             request_id=self.request_id,
             status=status,
             prompt_tokens=_int(usage.get("prompt_tokens", self.prompt_tokens)),
-            cached_prompt_tokens=usage_cached_tokens(usage),
+            # A request left before its usage came (cancelled) keeps what the replica's header said.
+            cached_prompt_tokens=usage_cached_tokens(usage)
+            if "prompt_tokens_details" in usage
+            else self.cached_prompt_tokens,
             completion_tokens=_int(usage.get("completion_tokens", completion_tokens)),
             time_to_first_token_ms=None
             if self.first_token_at is None

@@ -125,6 +125,21 @@ def test_a_stream_left_after_its_first_token_is_billed_cancelled_once(gateway, r
     _keeps_its_prompt_tokens(world)
 
 
+def test_a_stream_left_after_its_first_token_keeps_its_cached_prompt_tokens(gateway, replicas):
+    world = make_world(gateway, replicas[:1], max_concurrent_requests=1)
+    prompt = "the same prompt again " * 6
+    # The first request leaves the prompt in the replica's prefix cache; the second reads it from there.
+    world.client().completions.create(model=world.model.public_name, prompt=prompt, max_tokens=1)
+    stream = world.client().completions.create(
+        model=world.model.public_name, prompt=prompt, max_tokens=64, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    stream.close()
+    world.settled()
+    cancelled = UsageRecord.objects.get(tenant=world.tenant, status="cancelled")
+    assert 0 < cancelled.cached_prompt_tokens < cancelled.prompt_tokens
+
+
 def test_a_whole_answer_left_mid_generation_is_aborted_on_the_replica_and_billed_cancelled(gateway, replicas):
     world = make_world(gateway, replicas[:1], max_concurrent_requests=1)
     replica = replicas[0]
