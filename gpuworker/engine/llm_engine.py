@@ -274,6 +274,9 @@ class LLMEngine:
         self._generate_ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_prefilled_tokens = 0  # prompt tokens computed (prefill chunks), for the load report
+        # Wall time of the steps that computed prompt tokens: the prefill rate the load report gives
+        # is tokens over this, how fast a queue drains, not over the clock (idle time counts not).
+        self.prefill_time_s = 0.0
         # Recent TTFT and inter-token latency, for the server's /stats (and so the autoscaler).
         self.latency = LatencyWindows()
         self.last_step_stats: StepStats | None = None
@@ -478,6 +481,7 @@ class LLMEngine:
             "tenant_service": [[*key, tokens] for key, tokens in counters.served.items()],
             "tenant_weights": dict(counters.weight),
             "num_prefilled_tokens": self.num_prefilled_tokens,
+            "prefill_time_s": self.prefill_time_s,
             "waiting_tokens": sum(
                 max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
                 for seqs in (scheduler.waiting, scheduler.running)
@@ -611,7 +615,10 @@ class LLMEngine:
             request_id = group.request_id
             tokens_per_request[request_id] = tokens_per_request.get(request_id, 0) + num_new
         self.num_generated_tokens += num_generated
-        self.num_prefilled_tokens += batch.num_batched_tokens - batch.num_decode_seqs
+        prefilled = batch.num_batched_tokens - batch.num_decode_seqs
+        self.num_prefilled_tokens += prefilled
+        if prefilled:
+            self.prefill_time_s += duration
         outputs = []
         for request_id, request_deltas in deltas.items():
             request = requests[request_id]

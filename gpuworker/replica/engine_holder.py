@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from operator import methodcaller
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -96,6 +96,27 @@ class ServerConfig:
         return self.served_model_name or Path(self.model).name
 
 
+class TokenSnapshot(NamedTuple):
+    """The engine's token counters at one /stats call."""
+
+    at: float  # time.monotonic()
+    generated: int
+    prefilled: int
+    prefill_time_s: float  # wall time of the steps that prefilled (LLMEngine.prefill_time_s)
+
+
+def window_rates(window: list[TokenSnapshot]) -> tuple[float, float]:
+    """(output tokens/s over the window's span, prompt tokens/s over the prefilling steps' time):
+    the first is what the replica served; the second how fast it drains a prompt queue, which
+    idle time in the window must not lower (0 where nothing was prefilled: no evidence)."""
+    first, last = window[0], window[-1]
+    span = last.at - first.at
+    generated_per_s = (last.generated - first.generated) / span if span > 0 else 0.0
+    prefill_time = last.prefill_time_s - first.prefill_time_s
+    prefill_per_s = (last.prefilled - first.prefilled) / prefill_time if prefill_time > 0 else 0.0
+    return generated_per_s, prefill_per_s
+
+
 def _per_tenant(service: list) -> dict[str, float]:
     """The engine's [tenant, priority, tokens] rows summed per tenant."""
     per_tenant: dict[str, float] = {}
@@ -156,7 +177,7 @@ class EngineHolder:
         # The conversations served here, to report those whose KV is still held.
         self.held_prefixes = HeldPrefixes()
         self._seen_tenant_service: dict[tuple[str, str], float] = {}
-        self._tokens_window: list[tuple[float, int, int]] = []  # (when, generated, prefilled)
+        self._tokens_window: list[TokenSnapshot] = []
         # (time, weighted tokens served per tenant) over the last ~10 s of snapshots.
         self._service_window: list[tuple[float, dict[str, float]]] = []
         # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
@@ -376,12 +397,10 @@ class EngineHolder:
             m.set_tenant_weight(tenant, weight)
         # tokens/s over the last ~10 s of snapshots
         t = time.monotonic()
-        self._tokens_window = [entry for entry in self._tokens_window if t - entry[0] < 10.0]
-        self._tokens_window.append((t, figures["num_generated_tokens"], figures["num_prefilled_tokens"]))
-        first_t, first_n, first_prefilled = self._tokens_window[0]
-        span = t - first_t
-        tokens_per_s = (figures["num_generated_tokens"] - first_n) / span if span > 0 else 0.0
-        prefill_per_s = (figures["num_prefilled_tokens"] - first_prefilled) / span if span > 0 else 0.0
+        self._tokens_window = [entry for entry in self._tokens_window if t - entry.at < 10.0]
+        generated, prefilled = figures["num_generated_tokens"], figures["num_prefilled_tokens"]
+        self._tokens_window.append(TokenSnapshot(t, generated, prefilled, figures["prefill_time_s"]))
+        tokens_per_s, prefill_per_s = window_rates(self._tokens_window)
         self._service_window = [(ts, s) for ts, s in self._service_window if t - ts < 10.0]
         self._service_window.append((t, _per_tenant(figures["tenant_service"])))
         queries = figures["prefix_cache_queries"]

@@ -325,6 +325,25 @@ def test_gpu_time_of_concurrent_requests_adds_up_to_the_busy_time(path, async_sc
     assert sum(shares) == pytest.approx(engine.busy_time_s, rel=0.05)
 
 
+def test_prefill_time_counts_only_the_steps_that_prefilled(path):
+    """The load report's prefill rate is prompt tokens over the time of the steps that computed
+    them: decode-only steps (and idle time) add nothing to it, so a replica that prefilled fast
+    and then decoded for long still reports how fast it drains a prompt queue."""
+    engine = make_engine(path, max_num_batched_tokens=64)
+    engine.add_request("r", random_prompts((100,), TINY["vocab_size"], seed=3)[0], SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    prefilled, after_prefill = engine.num_prefilled_tokens, engine.prefill_time_s
+    assert prefilled == 100 and 0 < after_prefill <= engine.busy_time_s
+    engine.add_request("d", [1], SamplingParams(max_tokens=24, ignore_eos=True))
+    engine.step()  # its one-token prefill
+    one_token = engine.prefill_time_s
+    while engine.has_unfinished_requests():
+        engine.step()  # decode steps only
+    assert engine.prefill_time_s == one_token and engine.busy_time_s > one_token
+    assert engine.serving_figures()["prefill_time_s"] == engine.prefill_time_s
+
+
 def test_a_short_request_is_not_starved_by_long_prefills(path):
     """A short prompt that arrives while long ones prefill gets its first token at the next step,
     however many long prompts came first; in plain arrival order (short_prefill_share=0) it waited

@@ -20,3 +20,16 @@ def test_only_the_busiest_tenants_are_reported():
     after = {str(i): float(i + 1) for i in range(40)}
     shares = tenant_shares({}, after)
     assert len(shares) == MAX_TENANT_SHARES and "39" in shares and "0" not in shares
+
+
+def test_the_reported_prefill_rate_is_not_lowered_by_idle_time():
+    """Window rates: output tokens over the clock, prompt tokens over the prefilling steps' time.
+    A replica that prefilled 3,000 tokens in 1 s of steps, then idled 9 s, drains a queue at
+    3,000 tokens/s, not 300 (which would make the gateway predict waits ten times too long)."""
+    from gpuworker.replica.engine_holder import TokenSnapshot, window_rates
+
+    window = [TokenSnapshot(100.0, 0, 0, 0.0), TokenSnapshot(110.0, 500, 3000, 1.0)]
+    generated_per_s, prefill_per_s = window_rates(window)
+    assert generated_per_s == 50.0 and prefill_per_s == 3000.0
+    # Nothing prefilled in the window: no evidence of a rate (the gateway then predicts no wait).
+    assert window_rates([TokenSnapshot(0.0, 0, 7, 2.0), TokenSnapshot(5.0, 40, 7, 2.0)]) == (8.0, 0.0)
