@@ -141,6 +141,8 @@ async def serve(
                 raise overloaded(model.public_name, first.predicted_wait_s, model.ttft_objective_s)
             flight = request.state.flight = Flight(gw, request_id, grant, model, checked.n)
             flight.image_count = len(checked.image_params)
+            if first is not None:  # picked: a refusal at the hold frees its place there too
+                flight.replica_id = first.replica_id
             try:
                 await flight.hold()
                 if first is None:

@@ -9,6 +9,7 @@ from decimal import Decimal
 import httpx
 import openai
 import pytest
+import redis
 from django.db import connections
 from django.utils import timezone
 
@@ -179,6 +180,12 @@ def test_no_credit_is_429_insufficient_quota_not_retried(gateway, replicas):
     assert error.value.response.headers["x-should-retry"] == "false"
     assert time.monotonic() - started < 0.5  # no back-off happened
     assert not UsageRecord.objects.exists()
+    # Refused at its credit hold after it was routed: its place on the replica is freed, so it
+    # neither counts as in flight there nor as queued work the next request's wait is predicted from.
+    shared = redis.Redis.from_url(gateway.redis_url)
+    for replica in world.replicas:
+        for key in (f"gw:outstanding:{replica.pk}", f"gw:routed:{replica.pk}"):
+            assert shared.zcard(key) == 0, key
 
 
 def test_no_ready_replica_is_503_with_retry_after(gateway, replicas):
