@@ -7,6 +7,7 @@
 #                                                    # offsets test; then 512K with the FP8 KV cache
 #   bash bench/gpu_waiting_list.sh serving           # fair share and priority classes, then shedding
 #   bash bench/gpu_waiting_list.sh multiturn vision int8
+#   bash bench/gpu_waiting_list.sh quant1            # batch 1, bf16 / FP8 / AWQ / INT8 (then quant512 alone)
 #   bash bench/gpu_waiting_list.sh families          # the new families' GPU tests and the MLA decode sweep
 #   bash bench/gpu_waiting_list.sh family_benches    # DeepSeek-V2-Lite and Gemma-3-12B, batch 1 and 512
 #   bash bench/gpu_waiting_list.sh batch             # interactive TTFT beside a Batch API job, end to end
@@ -48,10 +49,18 @@ int8() {
     step int8-tests "$(limit int8-tests 60)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int8_matmul.py
     step int8-gemm "$(limit int8-gemm 90)" python3 bench/int8_gemm.py
 }
-quant512() {
-    step bf16-512 "$(limit bf16-512 80)" python3 bench/throughput.py --num-requests 512 --output-len 256 --skip-hf
-    step int8-512 "$(limit int8-512 80)" python3 bench/throughput.py --num-requests 512 --output-len 256 --skip-hf \
-        --config bench/configs/llama-3-8b-int8
+quant1() {  # batch 1: bf16 and every quantized format, in one call
+    for config in llama-3-8b llama-3-8b-fp8 llama-3-8b-awq llama-3-8b-int8; do
+        step "$config-batch1" "$(limit quant-batch1 60)" python3 bench/latency.py --skip-hf --repeats 1 \
+            --config "bench/configs/$config"
+    done
+}
+quant512() {  # 512 requests: bf16 and every quantized format (FP8 with either KV cache), in one call
+    for run in "llama-3-8b" "llama-3-8b-fp8" "llama-3-8b-fp8 --kv-cache-dtype fp8" "llama-3-8b-awq" "llama-3-8b-int8"; do
+        set -- $run
+        step "${run// /}-512" "$(limit quant-512 95)" python3 bench/throughput.py --num-requests 512 --output-len 256 \
+            --skip-hf --config "bench/configs/$1" "${@:2}"
+    done
 }
 mla() {
     step mla-prefill "$(limit mla-prefill 90)" python3 bench/mla_prefill.py --quick --write-configs
