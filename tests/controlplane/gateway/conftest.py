@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -43,6 +44,22 @@ def raw_connection(base_url: str) -> socket.socket:
     declared length with no body, a body that never ends)."""
     parts = urlsplit(base_url)
     return socket.create_connection((parts.hostname, parts.port), timeout=60)  # a deadline, not a measure
+
+
+def answer_one_request(sock: socket.socket, answer: bytes) -> None:
+    """A stand-in replica's side of one connection: read one request with a Content-Length, send
+    `answer` as it is (status line, headers and body, however malformed), then close."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        if not (received := sock.recv(65536)):
+            return
+        data += received
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+    while len(body) < length:
+        body += sock.recv(65536)
+    sock.sendall(answer)
+    sock.shutdown(socket.SHUT_RDWR)
 
 
 def read_raw_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import socket
 import socketserver
 import threading
 import time
@@ -25,7 +23,13 @@ from pydantic import BaseModel
 
 from controlplane.billing.models import CreditEntry, UsageRecord
 from controlplane.gateway.models import StoredResponse
-from tests.controlplane.gateway.conftest import make_world, start_module_gateway, start_replica, wait_ready
+from tests.controlplane.gateway.conftest import (
+    answer_one_request,
+    make_world,
+    start_module_gateway,
+    start_replica,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -461,17 +465,7 @@ INTERLEAVED_STREAM = (
 
 class _Interleaving(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            if not (received := self.request.recv(65536)):
-                return
-            data += received
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
-        while len(body) < length:
-            body += self.request.recv(65536)
-        self.request.sendall(INTERLEAVED_STREAM)
-        self.request.shutdown(socket.SHUT_RDWR)
+        answer_one_request(self.request, INTERLEAVED_STREAM)
 
 
 @pytest.fixture(scope="module")

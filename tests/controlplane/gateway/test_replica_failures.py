@@ -9,8 +9,6 @@ as each test tells it to."""
 from __future__ import annotations
 
 import json
-import re
-import socket
 import socketserver
 import threading
 from decimal import Decimal
@@ -21,7 +19,7 @@ import pytest
 
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.selectors import credit_balance
-from tests.controlplane.gateway.conftest import make_world, start_module_gateway
+from tests.controlplane.gateway.conftest import answer_one_request, make_world, start_module_gateway
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -126,17 +124,7 @@ class StandInReplica(socketserver.ThreadingTCPServer):
 
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            if not (received := self.request.recv(65536)):
-                return
-            data += received
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
-        while len(body) < length:
-            body += self.request.recv(65536)
-        self.request.sendall(FAILURES[self.server.failure])
-        self.request.shutdown(socket.SHUT_RDWR)
+        answer_one_request(self.request, FAILURES[self.server.failure])
 
 
 @pytest.fixture(scope="module")
