@@ -158,7 +158,7 @@ async def serve(
                     # ahead of the requests arriving now; served, its prompt tokens join the routed
                     # work the objective sheds those by.
                     first = await gw.shared.pick(replicas, request_id, affinity_choice(key, replicas), tokens)
-                flight.replica_id = first.replica_id
+                    flight.replica_id = first.replica_id
                 headers = {**admission.headers(), "x-request-id": request_id, **cold_start_header(cold_start_s)}
                 response = await _served(gw, request, flight, replicas, first, path, raw, checked, headers, dialect)
                 if idempotency and response.status_code == 200:
