@@ -255,11 +255,14 @@ def embedded_system(
     replica_args: tuple[str, ...] = (),
     gateway_processes: int = 1,
     celery_worker: bool = False,
+    logs: Path | None = None,
 ) -> Iterator[System]:
-    """The whole set-up under workdir (its VAR_DIR and the servers' logs), ready and reporting load;
-    every server stops on the way out."""
+    """The whole set-up under workdir (its VAR_DIR, and the servers' logs unless `logs` names
+    another folder), ready and reporting load; every server stops on the way out."""
     use_embedded_control_plane(workdir / "var")
-    replica_log = workdir / "replica.log"
+    logs = logs or workdir
+    logs.mkdir(parents=True, exist_ok=True)
+    replica_log = logs / "replica.log"
     replica, replica_url = start_replica(
         model_path,
         device=device,
@@ -279,11 +282,11 @@ def embedded_system(
             context_length=context_length,
             ttft_slo_ms=ttft_slo_ms,
         )
-        port, gateway_log = free_port(), workdir / "gateway.log"
+        port, gateway_log = free_port(), logs / "gateway.log"
         gateway, url = start_gateway(port, gateway_processes, gateway_log), f"http://127.0.0.1:{port}"
         stack.callback(stop_replica, gateway)  # SIGTERM, then SIGKILL past 30 s: the same for any server
         if celery_worker:
-            stack.callback(stop_group, start_celery_worker(port, workdir / "celery.log"))
+            stack.callback(stop_group, start_celery_worker(port, logs / "celery.log"))
         wait_ready(replica, replica_url, replica_log, token=TOKEN)
         stack.enter_context(LoadReports(replica_id, replica_url, str(model_path), served_model))
         wait_gateway(gateway, url, key, served_model, gateway_log)

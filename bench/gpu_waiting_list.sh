@@ -6,6 +6,7 @@
 #                                                    # 128K with HF and the prefill profile, the 64-bit
 #                                                    # offsets test; then 512K with the FP8 KV cache
 #   bash bench/gpu_waiting_list.sh serving           # fair share and priority classes, then shedding
+#                                                    # (the groups `fairness` and `shedding` alone)
 #   bash bench/gpu_waiting_list.sh multiturn vision int8
 #   bash bench/gpu_waiting_list.sh quant1            # batch 1, bf16 / FP8 / AWQ / INT8 (then quant512 alone)
 #   bash bench/gpu_waiting_list.sh families          # the new families' GPU tests and the MLA decode sweep
@@ -33,10 +34,16 @@ long512() {
     step long-512k "$(limit long-512k 240)" python3 bench/long_context.py --context 524288 --kv-cache-dtype fp8
 }
 serving() {
+    fairness
+    shedding
+}
+fairness() {
     step fairness "$(limit fairness 320)" python3 bench/fairness.py --duration "${FAIRNESS_S:-15}" \
         --plot "$RESULTS/fairness.png"
+}
+shedding() {
     step shedding "$(limit shedding 240)" python3 bench/shedding.py --multiple 2 --duration "${SHEDDING_S:-20}" \
-        --ttft-slo-ms 2000 --plot "$RESULTS/shedding.png"
+        --ttft-slo-ms 2000 --plot "$RESULTS/shedding.png" --logs "$RESULTS/shedding-servers"
 }
 multiturn() {
     step multiturn "$(limit multiturn 200)" python3 bench/multiturn.py --conversations 8 --turns 8 \

@@ -351,6 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="the replica's (default: serve's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=None, help="a PNG of both runs (e.g. docs/shedding.png)")
+    parser.add_argument("--logs", type=Path, default=None, help="the servers' logs' folder (default: temporary)")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny random model, a few seconds (tests)")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -361,6 +362,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.ttft_slo_ms < NO_OBJECTIVE_MS:
         parser.error(f"--ttft-slo-ms must lie between 1 and {NO_OBJECTIVE_MS - 1}")
     return args
+
+
+_T0 = time.monotonic()
+
+
+def progress(text: str) -> None:
+    """A line as each phase ends, so a run stopped at its time limit shows how far it came."""
+    print(f"[{time.monotonic() - _T0:6.1f} s] {text}", flush=True)
+
+
+def _brief(run: dict) -> str:
+    return (
+        f"{run['requests']} requests in {run['seconds']:.1f} s: {run['admitted']} admitted, {run['shed']} shed, "
+        f"{run['failed']} failed; TTFT p99 {_ms(run['ttft_p99_s'])} ms; "
+        f"goodput {run['goodput_output_tok_s']:,.0f} tok/s"
+    )
 
 
 def measure(args, url: str, key: str, replica_url: str, requests: list[Request]) -> list[Answer]:
@@ -382,7 +399,9 @@ def run_all(args, url: str, key: str, replica_url: str, vocab: int) -> dict:
 
     objective(NO_OBJECTIVE_MS)
     measure(args, url, key, replica_url, requests(8, "warmup"))
+    progress("warmed up")
     saturation = summarise(measure(args, url, key, replica_url, requests(args.saturation_requests, "saturation")))
+    progress(f"saturation: {_brief(saturation)}; {saturation['requests_per_s']:.2f} requests/s")
     rate = args.multiple * saturation["requests_per_s"]
     arrivals = poisson_arrivals(rate, args.duration, args.seed)
     runs = {}
@@ -397,6 +416,7 @@ def run_all(args, url: str, key: str, replica_url: str, vocab: int) -> dict:
             shed_answer_s=args.shed_answer_ms / 1000,
         )
         runs[name] = run
+        progress(f"{name} at {rate:.2f} requests/s: {_brief(run)}")
     return {"saturation": saturation, "rate_requests_per_s": rate, "runs": runs}
 
 
@@ -404,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench-shedding-"))
     model = prepare_model(args, workdir)
+    progress(f"checkpoint ready: {model}")
     vocab = load_hf_config(model)["vocab_size"]
     system = embedded_system(
         model,
@@ -416,8 +437,10 @@ def main(argv: list[str] | None = None) -> None:
         ttft_slo_ms=args.ttft_slo_ms,
         replica_args=("--max-num-seqs", str(args.max_num_seqs)) if args.max_num_seqs else (),
         gateway_processes=args.gateway_processes,
+        logs=args.logs,
     )
     with system as running:
+        progress(f"replica and gateway ready; their logs in {args.logs or workdir}")
         result = run_all(args, running.url, running.key, running.replica_url, vocab)
     result |= {
         "environment": environment(),
