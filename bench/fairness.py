@@ -154,6 +154,7 @@ def run(args, policy: str, arrivals: list[Arrival], quiet: str) -> dict:
     served_before: dict[str, float] = {}
     tenants = sorted({a.tenant for a in arrivals})
     timeline: list[tuple[float, dict[str, float]]] = []
+    step_s: list[float] = []
     wall0, start = time.time(), time.perf_counter()
     next_arrival = 0
     while True:
@@ -177,7 +178,9 @@ def run(args, policy: str, arrivals: list[Arrival], quiet: str) -> dict:
             time.sleep(max(0.0, min(0.01, pending[next_arrival].at_s - now)))
             continue
         waiting = {seq.group.params.tenant for seq in engine.scheduler.waiting}
+        before = time.perf_counter()
         outputs = engine.step()
+        step_s.append(time.perf_counter() - before)
         served = _served(engine)
         if waiting >= set(tenants) and now <= args.duration:
             for tenant in tenants:
@@ -193,6 +196,13 @@ def run(args, policy: str, arrivals: list[Arrival], quiet: str) -> dict:
             if stepped <= args.duration:
                 tokens_in_window[tenant] = tokens_in_window.get(tenant, 0) + len(out.outputs[0].token_ids)
     ended = time.perf_counter() - start
+    preemptions = engine.scheduler.num_preemptions
+    config = engine.scheduler.config
+    limits = {
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "kv_tokens": config.num_kv_blocks * config.block_size,
+    }
     for request_id in engine.unfinished_request_ids():
         engine.abort(request_id)
     release(engine)
@@ -216,6 +226,13 @@ def run(args, policy: str, arrivals: list[Arrival], quiet: str) -> dict:
         "backlogged_service": both_backlogged,
         "jain_index": jain_index(list(both_backlogged.values())) if len(tenants) > 1 and both_backlogged else None,
         "timeline": [[round(t, 3), s] for t, s in timeline[:: max(1, len(timeline) // 400)]],
+        # Where the time went: steps, their length, and sequences recomputed for want of KV blocks.
+        "steps": len(step_s),
+        "step_ms_p50": 1e3 * percentile(step_s, 50) if step_s else None,
+        "step_ms_p99": 1e3 * percentile(step_s, 99) if step_s else None,
+        "step_ms_max": 1e3 * max(step_s, default=0.0),
+        "preemptions": preemptions,
+        "limits": limits,
     }
 
 
@@ -246,6 +263,19 @@ def report(result: dict) -> None:
                     f"{name}: {tenant}",
                     f"{t['requests']} ({t['unserved']}) | {_ms(t['ttft_p50_s'])}/{_ms(t['ttft_p99_s'])} | "
                     f"{t['output_tok_s']:,.0f} of {r['output_tok_s']:,.0f} | {'-' if jain is None else f'{jain:.3f}'}",
+                )
+            )
+    limits = next(iter(runs.values())).get("limits")
+    if limits:
+        rows.append(("engine limits", ", ".join(f"{k} {v:,}" for k, v in limits.items())))
+    rows.append(("run: engine", "steps | step ms p50/p99/max | preemptions"))
+    for name, r in runs.items():
+        if "steps" in r:  # results written before these were kept have none
+            rows.append(
+                (
+                    f"{name}: engine",
+                    f"{r['steps']:,} | {r['step_ms_p50']:.1f}/{r['step_ms_p99']:.1f}/{r['step_ms_max']:.1f} | "
+                    f"{r['preemptions']:,}",
                 )
             )
     for label, value in result["figures"].items():
