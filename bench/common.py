@@ -492,6 +492,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def python_path(*first: Path | str) -> str:
+    """PYTHONPATH for a child process: `first`, then this process's own entries, so that a machine's
+    extra package folders (the GPU machine's carried wheels, installed under /tmp/site) stay on it."""
+    entries = [str(p) for p in first] + os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(dict.fromkeys(e for e in entries if e))
+
+
 def start_replica(
     model: Path, *, device: str, dtype: str, log: Path, tree: Path = ROOT, extra_args: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, str]:
@@ -515,8 +522,7 @@ def start_replica(
         "warning",
         *extra_args,
     ]
-    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    env = {**os.environ, "PYTHONPATH": python_path(tree), "PYTHONUNBUFFERED": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     with open(log, "ab") as out:
         process = subprocess.Popen(
             argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import free_port, start_replica, stop_replica, wait_ready  # noqa: E402
+from bench.common import free_port, python_path, start_replica, stop_replica, wait_ready  # noqa: E402
 
 TOKEN = "bench-embedded-worker-token"
 # The deployment's largest objective: nothing is predicted to wait that long, so nothing is shed.
@@ -46,7 +46,7 @@ def use_embedded_control_plane(var_dir: Path) -> None:
         "GPUSERVE_WORKER_TOKEN": TOKEN,
         "LOG_LEVEL": "WARNING",
         "BATCH_STORAGE_DIR": str(var_dir / "batch-files"),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": python_path(ROOT),
     }
     import django
     from django.core.management import call_command
@@ -181,7 +181,7 @@ def wait_idle(replica_url: str, deadline_s: float = 600.0) -> None:
 
 
 def _start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, "LOG_LEVEL": "WARNING", "PYTHONPATH": str(ROOT), **(env or {})}
+    env = {**os.environ, "LOG_LEVEL": "WARNING", "PYTHONPATH": python_path(ROOT), **(env or {})}
     with open(log, "ab") as out:
         return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

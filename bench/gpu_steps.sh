@@ -8,7 +8,9 @@
 # holds each step's time, exit status and the lines that carry its figures.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+# PYTHONFAULTHANDLER: a step stopped at its limit (SIGABRT, below) prints every thread's stack, so its
+# log says where it was.
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH=/tmp/site:$PWD
 DEVICE_OUT=$OUT
 RESULTS=/tmp/results
 mkdir -p "$RESULTS"
@@ -18,7 +20,7 @@ step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
     el "$name (limit ${limit} s)"
-    OUT=$RESULTS timeout "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+    OUT=$RESULTS timeout -s ABRT -k 10 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
     el "$name rc=$?"
     grep -E "^(FAILED|ERROR)|Error|passed|failed|tok/s|ratio|TTFT|ttft|kv_cache|best|wrote|target|×|[0-9]x\b|p99|Jain" \
         "$RESULTS/$name.log" | tail -"${SUMMARY_LINES:-16}" | tee -a "$DEVICE_OUT/summary.log"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from tests.bench.conftest import BENCH
@@ -21,3 +23,18 @@ def test_quantized_configs_read_fewer_bytes(common):
     # The projections (6.98 B parameters) at 1 byte and at 0.52 bytes; lm_head and norms at 2.
     assert round(fp8 / 1e9, 2) == round(int8 / 1e9, 2) == 8.03
     assert round(awq / 1e9, 2) == 4.70
+
+
+def test_a_bench_server_keeps_the_machines_extra_package_folders(tmp_path, monkeypatch):
+    """The GPU machine installs the carried wheels under a folder of its own on PYTHONPATH: the
+    replica, gateway and worker a bench starts must import from it too (the shedding bench's
+    servers failed on `import pydantic` when their PYTHONPATH was the checkout alone)."""
+    from bench.embedded import ROOT, _start
+
+    extra = tmp_path / "site"
+    monkeypatch.setenv("PYTHONPATH", str(extra))
+    log = tmp_path / "child.log"
+    child = _start([sys.executable, "-c", "import sys; print(sys.path)"], log)
+    assert child.wait(timeout=60) == 0
+    printed = log.read_text()
+    assert str(extra) in printed and str(ROOT) in printed
