@@ -1,10 +1,13 @@
-"""Finding a test's child processes by their command line.
+"""Finding a test's child processes by their command line, and stopping a server with its own.
 
 A child that was just killed stays a zombie until its parent reaps it, and one may exit between
 listing and reading: neither has a command line to read, and neither is running, so both are left out.
 """
 
 from __future__ import annotations
+
+import signal
+import subprocess
 
 import psutil
 
@@ -24,3 +27,27 @@ def children_running(
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             pass
     return found
+
+
+def stop_process_tree(process: subprocess.Popen, grace_s: float = 15) -> None:
+    """SIGTERM `process`; if it has not exited within `grace_s`, SIGKILL it and every process under
+    it. Returns once all are gone: a server's worker processes (uvicorn --workers) would otherwise
+    outlive it with their database connections, and the test database could not be dropped."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # listed before the parent dies: orphans are no longer its children
+        tree = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for child in tree:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    process.kill()
+    process.wait()
+    psutil.wait_procs(tree)

@@ -72,6 +72,11 @@ class RefusalLog:
         else:
             tally[0] += 1
             tally[1:] = reason, request_id
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Write what is counted in `flush_s`, unless a flush is already under way (it writes on
+        until nothing is left)."""
         if self._flush is None or self._flush.done():
             self._flush = asyncio.ensure_future(self._flush_later())
 
@@ -81,8 +86,11 @@ class RefusalLog:
         return len(self._tallies)
 
     async def _flush_later(self) -> None:
-        await asyncio.sleep(self._flush_s)
-        await self.flush()
+        # Kinds counted while a write waits on the lane (settlements share it) are not in that
+        # write, and no later refusal may come to schedule another: this flush writes them too.
+        while self._tallies:
+            await asyncio.sleep(self._flush_s)
+            await self.flush()
 
     async def flush(self) -> None:
         tallies, self._tallies = self._tallies, {}
@@ -113,8 +121,7 @@ class RefusalLog:
             for kind, (count, reason, request_id) in tallies.items():  # the next flush tries again
                 tally = self._tallies.setdefault(kind, [0, reason, request_id])
                 tally[0] += count
-            if self._flush is None or self._flush.done() or self._flush is asyncio.current_task():
-                self._flush = asyncio.ensure_future(self._flush_later())
+            self._schedule()
 
     async def aclose(self) -> None:
         if self._flush is not None and not self._flush.done():

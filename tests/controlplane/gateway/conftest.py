@@ -28,6 +28,7 @@ import pytest
 import redis
 
 from tests.conftest import require_service
+from tests.processes import stop_process_tree
 
 WORKER_TOKEN = "gateway-tests-worker-token"
 REPO = Path(__file__).resolve().parents[3]
@@ -209,11 +210,7 @@ class GatewayServer:
     process: subprocess.Popen
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process_tree(self.process)
 
 
 def start_module_gateway(database_url: str, *, log=None) -> GatewayServer:

@@ -7,6 +7,7 @@ the client gets a 429 (529 in Anthropic's dialect) with Retry-After at once."""
 import asyncio
 import math
 import os
+import threading
 import time
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -433,10 +434,12 @@ def test_refusals_are_written_as_tallies_bounded_by_their_kinds_not_their_number
             common = {"status": 429, "error_code": "rate_limit_exceeded", "reason": "Rate limit reached", "at": minute}
             common["endpoint"] = "/v1/chat/completions"
             log.add(**common, request_id=f"req_{key.pk}", tenant_id=tenant.pk, api_key_id=key.pk, model_id=None)
-        assert log.pending == 4  # 3 kinds, then the fourth key's counted without its tenant
-        await log.aclose()
-        assert log.pending == 0
-        lane.close()
+        try:
+            assert log.pending == 4  # 3 kinds, then the fourth key's counted without its tenant
+            await log.aclose()
+            assert log.pending == 0
+        finally:
+            lane.close()  # and its thread's connection, which would outlive the test database
 
     asyncio.run(refuse())
     rows = list(Refusal.objects.order_by("id"))
@@ -445,3 +448,48 @@ def test_refusals_are_written_as_tallies_bounded_by_their_kinds_not_their_number
     bad_key = rows[0]
     assert (bad_key.tenant_id, bad_key.status, bad_key.count, bad_key.request_id) == (None, 401, 1000, "req_bad_999")
     assert [(row.api_key_id, row.count) for row in rows[1:]] == [(keys[0].pk, 1), (keys[1].pk, 1), (None, 2)]
+
+
+def _bad_key_refusal(log: RefusalLog, request_id: str) -> None:
+    log.add(
+        status=401,
+        error_code="invalid_api_key",
+        reason="Incorrect API key provided.",
+        request_id=request_id,
+        tenant_id=None,
+        api_key_id=None,
+        model_id=None,
+        endpoint=f"/v1/{request_id}",
+        at=time.time(),
+    )
+
+
+def test_a_refusal_counted_while_a_flush_waits_on_the_lane_is_written_with_no_refusal_after_it():
+    """The flush lane is shared with settlements: a flush that has taken the tallies may wait on
+    it. A refusal counted meanwhile, the last one for a while, is written all the same."""
+
+    async def refuse() -> None:
+        lane = DatabaseLane("refusals-test")
+        log = RefusalLog(lane, flush_s=0.01)
+        busy = threading.Event()
+        settling = asyncio.ensure_future(lane.run(busy.wait))  # the lane's thread, taken
+        try:
+            _bad_key_refusal(log, "req_first")
+            deadline = time.monotonic() + 30
+            while log.pending:  # until the flush has taken it and waits for the lane
+                assert time.monotonic() < deadline, "the flush never started"
+                await asyncio.sleep(0.01)
+            _bad_key_refusal(log, "req_second")
+            busy.set()
+            await settling
+            while not await lane.run(Refusal.objects.filter(request_id="req_second").exists):
+                assert time.monotonic() < deadline, "the refusal counted during a flush was never written"
+                await asyncio.sleep(0.05)
+            assert log.pending == 0
+        finally:
+            busy.set()
+            await log.aclose()
+            lane.close()
+
+    asyncio.run(refuse())
+    assert sorted(Refusal.objects.values_list("request_id", "count")) == [("req_first", 1), ("req_second", 1)]
