@@ -65,6 +65,11 @@ class EngineConfig:
     # prefills leave it that share of every step, and it may pass long prompts queued ahead of it
     # (scheduler.py). 0: plain arrival order.
     short_prefill_share: float = 0.125
+    # "fair" policy: while an interactive request is running or waiting, batch requests' prefill
+    # chunks (running ones and new admissions together) take at most this share of
+    # max_num_batched_tokens in a step, so a step beside interactive work stays short; batch
+    # decodes are not capped. With no interactive work, batch takes the whole step. 1: no cap.
+    batch_prefill_share: float = 0.25
     # SCHEDULING_POLICIES. With one tenant and one class (requests that name neither) both admit
     # in arrival order.
     scheduling: str = "fair"
@@ -144,6 +149,11 @@ class EngineConfig:
         share = self.short_prefill_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
             raise ValueError(f"short_prefill_share must be in [0, 1), got {share!r}")
+        share = self.batch_prefill_share
+        # Not 0: a batch prefill already running would then hold its seat and blocks without
+        # progress for as long as interactive traffic lasts.
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"batch_prefill_share must be in (0, 1], got {share!r}")
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")

@@ -91,6 +91,10 @@ class WaitingQueue:
         """The sequence's class rank (0 is served first; always 0 in arrival order)."""
         return _RANK[seq.group.params.priority] if self.fair else 0
 
+    def best_rank(self) -> int | None:
+        """The best class rank with a sequence waiting (None when none waits)."""
+        return min(self._lanes)[0] if self._lanes else None
+
     def _lane(self, seq: Sequence) -> tuple[int, str]:
         return (self.rank(seq), tenant_of(seq) if self.fair else DEFAULT_TENANT)
 

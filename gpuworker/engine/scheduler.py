@@ -13,6 +13,12 @@ however many long prompts came first (with plain FIFO it waited for all of their
 Which waiting request comes next is the waiting queue's choice (engine.fair_share): arrival order,
 or fair shares between tenants, interactive before batch. Every chunk a step schedules is charged
 to its tenant when it is added to the step, so the next admission in the same step already sees it.
+A step beside interactive work stays short: while an interactive sequence is running or waiting,
+the prefill chunks of batch sequences (running prefills and new admissions together) share at most
+`batch_prefill_share` of the budget (_StepBuilder.capped_budget), so the steps an interactive
+request waits for or runs in are not filled with batch prompts (only a step scheduled before it
+arrived can be). Batch decodes are not capped (a token each, they keep the batch streams going),
+and with no interactive work batch fills the whole step.
 When an interactive request finds no room, it preempts running batch sequences (_preempt_batch).
 A request whose cached prefix is coming back from the host tier (engine.host_tier) keeps its place
 in the queue while the requests behind it are admitted; it takes a batch sequence's seat only once
@@ -100,6 +106,8 @@ class Scheduler:
         # Short sequences in `waiting`: kept exact as sequences enter and leave it, since a waiting
         # sequence's length does not change.
         self.num_short_waiting = 0
+        # Prefill tokens a step gives to the classes below the best one with work.
+        self.capped_prefill_tokens = max(1, int(config.max_num_batched_tokens * config.batch_prefill_share))
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None, n: int) -> None:
         """Raise ValueError, naming the numbers, for a request that could never run."""
@@ -118,12 +126,23 @@ class Scheduler:
         """The next step, filled phase by phase within its token budget and sequence cap: running
         decodes first, so a long prefill never stalls the running streams; then running prefills;
         then new requests from the queue."""
-        step = _StepBuilder(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        step = _StepBuilder(
+            self.config.max_num_batched_tokens, self.config.max_num_seqs, self._best_rank(), self.capped_prefill_tokens
+        )
         decodes, prefills = self._running_by_phase()
         self._schedule_decodes(step, decodes)
         self._schedule_prefills(step, prefills)
         self._admit_waiting(step)
         return step.build()
+
+    def _best_rank(self) -> int | None:
+        """The best class rank of the sequences running or waiting (None: none is); the prefills
+        of the classes below it are capped in this step."""
+        ranks = {self.waiting.rank(seq) for seq in self.running}
+        waiting = self.waiting.best_rank()
+        if waiting is not None:
+            ranks.add(waiting)
+        return min(ranks, default=None)
 
     def _running_by_phase(self) -> tuple[list[Sequence], list[Sequence]]:
         """The running sequences with work to do: those decoding one token, those prefilling."""
@@ -175,11 +194,11 @@ class Scheduler:
                 break
             if seq.status is not running_status:
                 continue
-            num_new = min(seq.num_uncomputed_tokens, step.token_budget - (reserve if self._is_long(seq) else 0))
+            num_new = min(seq.num_uncomputed_tokens, self._prefill_room(step, seq, reserve))
             num_new = _within_images(seq, seq.num_computed_tokens, num_new)
             if num_new > 0 and self._make_room(seq, num_new, step):
                 self.block_manager.allocate(seq, num_new)
-                self._add_to_step(step, seq, num_new)
+                self._add_to_step(step, seq, num_new, prefill=True)
 
     def _admit_waiting(self, step: _StepBuilder) -> None:
         """Admit queued sequences (their first chunk) while the step and the pool have room; short
@@ -196,10 +215,11 @@ class Scheduler:
         making_room_for = None
         while self.waiting:
             seq = self.waiting.peek()
-            # No new admissions in a full step, nor in one that had to preempt (the pool is
-            # already too tight), unless it is an interactive request that may take a batch
-            # sequence's place.
-            if (step.is_full or step.preempted) and seq is not making_room_for and not self._outranks_running(seq):
+            # No new admissions in a full step (or one whose share for seq's class is spent), nor in
+            # one that had to preempt (the pool is already too tight), unless it is an interactive
+            # request that may take a batch sequence's place.
+            full = step.is_full or self._prefill_room(step, seq, 0) <= 0
+            if (full or step.preempted) and seq is not making_room_for and not self._outranks_running(seq):
                 break
             long = self._is_long(seq)
             reserve = self.short_prefill_tokens if self.num_short_waiting else 0
@@ -226,7 +246,7 @@ class Scheduler:
                 continue
             matched = block_manager.match_prefix(seq)
             num_computed = len(matched) * block_size
-            num_new = min(seq.num_tokens - num_computed, step.token_budget - (reserve if long else 0))
+            num_new = min(seq.num_tokens - num_computed, self._prefill_room(step, seq, reserve))
             num_new = _within_images(seq, num_computed, num_new)
             if num_new <= 0 or not block_manager.can_admit(matched, num_new):
                 if num_new > 0 and self._preempt_batch(seq, step):
@@ -240,7 +260,7 @@ class Scheduler:
             if seq.group.first_scheduled_time is None:  # a preempted sequence keeps its first time
                 seq.group.first_scheduled_time = time.time()
             self.running.append(seq)
-            self._add_to_step(step, seq, num_new)
+            self._add_to_step(step, seq, num_new, prefill=True)
         self.waiting.extendleft(reversed(set_aside))
 
     def _awaits_restore(self, seq: Sequence) -> bool:
@@ -252,8 +272,14 @@ class Scheduler:
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > self.short_prefill_tokens
 
-    def _add_to_step(self, step: _StepBuilder, seq: Sequence, num_new: int) -> None:
-        entry = step.add(seq, num_new)
+    def _prefill_room(self, step: _StepBuilder, seq: Sequence, reserve: int) -> int:
+        """Tokens seq's next prefill chunk may take in this step: what is left of the budget, less
+        the short prompts' reserve for a long one, and within its class's cap where it has one."""
+        room = step.token_budget - (reserve if self._is_long(seq) else 0)
+        return min(room, step.capped_budget) if step.caps(self.waiting.rank(seq)) else room
+
+    def _add_to_step(self, step: _StepBuilder, seq: Sequence, num_new: int, prefill: bool = False) -> None:
+        entry = step.add(seq, num_new, capped=prefill and step.caps(self.waiting.rank(seq)))
         self.waiting.counters.charge(seq, num_new, entry.samples)
 
     def _make_room(self, seq: Sequence, num_new: int, step: _StepBuilder) -> bool:
@@ -373,9 +399,15 @@ class Scheduler:
 class _StepBuilder:
     """The batch being assembled in one schedule() call, with what is left of its budgets."""
 
-    def __init__(self, token_budget: int, max_seqs: int) -> None:
+    def __init__(self, token_budget: int, max_seqs: int, best_rank: int | None, capped_budget: int) -> None:
         self.token_budget = token_budget
         self.max_seqs = max_seqs
+        # The prefill chunks of the classes ranked below best_rank (the best class with work) share
+        # capped_budget tokens of the step, within token_budget.
+        self.best_rank = best_rank
+        self.capped_budget = capped_budget
+        # Per sequence id: the tokens of its entry counted against capped_budget.
+        self._capped: dict[int, int] = {}
         self.entries: list[ScheduledSeq] = []
         self.preempted: list[Sequence] = []
 
@@ -383,11 +415,18 @@ class _StepBuilder:
     def is_full(self) -> bool:
         return self.token_budget == 0 or len(self.entries) == self.max_seqs
 
-    def add(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+    def caps(self, rank: int) -> bool:
+        """Whether prefill chunks of class `rank` count against capped_budget in this step."""
+        return self.best_rank is not None and rank > self.best_rank
+
+    def add(self, seq: Sequence, num_new: int, capped: bool = False) -> ScheduledSeq:
         start = seq.num_computed_tokens
         entry = ScheduledSeq(seq, start, num_new, start + num_new == len(seq.token_ids))
         self.entries.append(entry)
         self.token_budget -= num_new
+        if capped:
+            self.capped_budget -= num_new
+            self._capped[seq.seq_id] = num_new
         return entry
 
     def remove(self, seq: Sequence) -> ScheduledSeq | None:
@@ -396,6 +435,7 @@ class _StepBuilder:
             if entry.seq is seq:
                 self.entries.remove(entry)
                 self.token_budget += entry.num_new_tokens
+                self.capped_budget += self._capped.pop(seq.seq_id, 0)
                 return entry
         return None
 

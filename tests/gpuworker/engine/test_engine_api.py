@@ -94,6 +94,10 @@ def test_sampling_params_name_the_bad_field(kwargs, field):
         ({"num_kv_blocks": 4, "max_model_len": 100}, "num_kv_blocks"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"short_prefill_share": 1.0}, "short_prefill_share"),
+        ({"batch_prefill_share": 0}, "batch_prefill_share"),
+        ({"batch_prefill_share": 1.5}, "batch_prefill_share"),
+        ({"batch_prefill_share": True}, "batch_prefill_share"),
+        ({"batch_prefill_share": "0.25"}, "batch_prefill_share"),
     ],
 )
 def test_engine_config_names_the_bad_field(kwargs, field):

@@ -57,3 +57,43 @@ def test_interactive_preempts_batch_and_both_outputs_match_running_alone(path, s
     assert served["b", "interactive"] == 39 + 2 * 8
     assert served["acme", "batch"] >= 49 + 2 * 40
     assert figures["tenant_weights"] == {"acme": 1.0, "b": 1.0}
+
+
+def test_batch_prefill_is_capped_beside_an_interactive_stream_and_every_output_matches_running_alone(path):
+    """Beside a decoding interactive request, two long batch prompts prefill 16 tokens a step (a
+    quarter of the 64-token budget) instead of the whole step; with the cap off
+    (batch_prefill_share=1) they take what the chat's decode leaves. Either way every request gets
+    the tokens it gets alone."""
+    chat_prompt, *batch_prompts = random_prompts((20, 120, 120), TINY["vocab_size"], seed=3)
+
+    def run_with(batch_prefill_share: float) -> tuple[int, dict[str, list[int]]]:
+        engine = LLMEngine(
+            path,
+            num_kv_blocks=64,
+            max_model_len=256,
+            max_num_batched_tokens=64,
+            batch_prefill_share=batch_prefill_share,
+        )
+        engine.add_request("chat", chat_prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        engine.step()
+        for i, prompt in enumerate(batch_prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, priority="batch")
+            engine.add_request(f"batch{i}", prompt, params)
+        steps, first_token_step, tokens = 0, None, {}
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            steps += 1
+            for out in outputs:
+                if out.request_id == "batch0" and first_token_step is None:
+                    first_token_step = steps
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        return first_token_step, tokens
+
+    capped_steps, capped = run_with(0.25)
+    uncapped_steps, uncapped = run_with(1.0)
+    assert capped_steps >= 120 // 16 and uncapped_steps <= 2
+    assert capped == uncapped
+    assert capped["chat"] == alone(path, chat_prompt, 24)
+    for i, prompt in enumerate(batch_prompts):
+        assert capped[f"batch{i}"] == alone(path, prompt, 8)

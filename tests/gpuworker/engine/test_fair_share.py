@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gpuworker.engine.config import EngineConfig
 from gpuworker.engine.fair_share import WaitingQueue
-from gpuworker.engine.sampling_params import SamplingParams
+from gpuworker.engine.sampling_params import PRIORITIES, SamplingParams
 from gpuworker.engine.scheduler import ScheduledBatch
 from gpuworker.engine.sequence import SequenceStatus
 from tests.gpuworker.engine.test_scheduler import Sim, expected_output
@@ -251,3 +251,117 @@ def test_an_unknown_scheduling_policy_is_refused():
         EngineConfig(model="unused", scheduling="lottery")
     with pytest.raises(ValueError, match="scheduling must be one of"):
         WaitingQueue("lottery")
+
+
+def batch_prefill_tokens(batch: ScheduledBatch, decoding: set[int]) -> int:
+    """The tokens of the batch class's prefill chunks in a step (decoding: ids of the sequences
+    that were decoding when it was scheduled)."""
+    return sum(
+        e.num_new_tokens for e in batch.seqs if e.seq.group.params.priority == "batch" and id(e.seq) not in decoding
+    )
+
+
+def step_counting_batch_prefill(sim: Sim) -> tuple[ScheduledBatch, int]:
+    decoding = {id(seq) for seq in sim.scheduler.running if seq.num_tokens - seq.num_computed_tokens == 1}
+    batch = sim.step()
+    return batch, batch_prefill_tokens(batch, decoding)
+
+
+def flood_beside_chat(chat: bool, **overrides) -> Sim:
+    """Eight 40-token batch prompts queued (budget 32 tokens a step), beside an interactive
+    request already decoding when chat is True."""
+    config = dict(max_model_len=64, num_kv_blocks=128, max_num_batched_tokens=32, max_num_seqs=16)
+    sim = Sim(**{**config, **overrides})
+    if chat:
+        sim.add("chat", [9, 9, 9], max_tokens=16)
+        sim.step()
+    for i in range(8):
+        sim.add(f"batch{i}", [i + 1] + [0] * 39, max_tokens=4, priority="batch")
+    return sim
+
+
+@pytest.mark.parametrize(("share", "cap"), [(0.25, 8), (0.5, 16)])
+def test_batch_prefill_takes_only_its_share_of_a_step_beside_interactive_work_and_all_of_it_alone(share, cap):
+    """The fair policy's cap on batch prefill, against arrival order, which caps nothing."""
+    sim = flood_beside_chat(chat=True, batch_prefill_share=share)
+    chat = sim.groups["chat"].seqs[0]
+    seen = []
+    while not chat.is_finished:
+        _, tokens = step_counting_batch_prefill(sim)
+        seen.append(tokens)
+    # Capped in every step while the chat decodes, and the cap used (batch prefills still progress).
+    assert max(seen) == cap and min(seen[:-1]) > 0
+    # The chat gone, batch prefills fill the step (beside the batch decodes).
+    batch, tokens = step_counting_batch_prefill(sim)
+    assert batch.num_batched_tokens == 32 and tokens > cap
+    alone = flood_beside_chat(chat=False, batch_prefill_share=share)
+    assert step_counting_batch_prefill(alone)[1] == 32
+    # Arrival order has no classes to cap: the chat's decode and 31 tokens of batch prefill.
+    fcfs = flood_beside_chat(chat=True, batch_prefill_share=share, scheduling="fcfs")
+    assert step_counting_batch_prefill(fcfs)[1] == 31
+    sim.run()
+    for group in sim.groups.values():
+        assert group.seqs[0].output_token_ids == expected_output(group.prompt_token_ids, group.max_tokens)
+
+
+def test_a_running_batch_prefill_is_chunked_to_the_cap_while_an_interactive_request_runs():
+    # Budget 32, cap 8: the batch prompt takes a whole step alone, then 8 tokens a step beside the
+    # chat, then whole steps again once the chat is done.
+    sim = Sim(max_model_len=128, num_kv_blocks=64, max_num_batched_tokens=32, batch_prefill_share=0.25)
+    batch_job = sim.add("batch", [1] + [0] * 99, max_tokens=2, priority="batch")
+    chunks = [entry.num_new_tokens for entry in sim.step().seqs]
+    chat = sim.add("chat", [4, 5, 6], max_tokens=3)
+    while batch_job.seqs[0].num_output_tokens == 0:
+        batch = sim.step()
+        chunks += [e.num_new_tokens for e in batch.seqs if e.seq is batch_job.seqs[0]]
+    assert chunks == [32, 8, 8, 8, 32, 12]
+    sim.run()
+    assert chat.seqs[0].output_token_ids == expected_output([4, 5, 6], 3)
+    assert batch_job.seqs[0].output_token_ids == expected_output([1] + [0] * 99, 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.sampled_from(PRIORITIES), st.integers(1, 24), st.integers(1, 6), st.integers(0, 12)),
+        min_size=1,
+        max_size=12,
+    ),
+    budget=st.integers(2, 40),
+    share=st.sampled_from([0.1, 0.25, 0.5, 1.0]),
+    extra_blocks=st.integers(0, 8),
+    max_num_seqs=st.integers(1, 4),
+)
+def test_batch_prefill_stays_within_its_share_while_interactive_work_is_present(
+    requests, budget, share, extra_blocks, max_num_seqs
+):
+    # A pool as small as one longest sequence: preemption, interactive over batch, is frequent.
+    sim = Sim(
+        max_model_len=32,
+        num_kv_blocks=8 + extra_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        batch_prefill_share=share,
+    )
+    cap = max(1, int(budget * share))
+    arrivals: dict[int, list[tuple]] = {}
+    for i, (priority, prompt_len, max_tokens, at) in enumerate(requests):
+        prompt = [(i * 5 + k) % 3 for k in range(prompt_len)]
+        arrivals.setdefault(at, []).append((str(i), prompt, max_tokens, priority))
+    step = 0
+    while step <= max(arrivals) or sim.scheduler.has_unfinished:
+        for request_id, prompt, max_tokens, priority in arrivals.get(step, []):
+            sim.add(request_id, prompt, max_tokens, priority=priority)
+        scheduler = sim.scheduler
+        interactive = any(
+            seq.group.params.priority == "interactive" for seq in [*scheduler.running, *scheduler.waiting]
+        )
+        _, tokens = step_counting_batch_prefill(sim)
+        if interactive:
+            assert tokens <= cap
+        step += 1
+        assert step < 2000, "the scheduler made no progress"
+    event(f"preempted: {sim.scheduler.num_preemptions > 0}")
+    for group in sim.groups.values():
+        for seq in group.seqs:
+            assert seq.output_token_ids == expected_output(group.prompt_token_ids, group.max_tokens)
