@@ -1,7 +1,8 @@
 """Clients that leave before their answer, through the running gateway and replicas: the
 generation is aborted on the replica, the client's concurrency slot is freed, and the request is
 billed by one rule for streams and whole answers (cancelled once the replica generated a first
-token, released unbilled before); a cancelled request's record keeps the prompt tokens it used.
+token, released unbilled before); a cancelled request's record keeps the prompt tokens it used,
+and of those the ones read from the prefix cache, whichever API it came through.
 
 A replica that must not produce a token is stopped (SIGSTOP): the kernel still accepts the
 gateway's connection and request, so the request is at the replica, waiting, with certainty."""
