@@ -26,7 +26,7 @@ from controlplane.gateway.errors import (
     overloaded,
     unavailable,
 )
-from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight, prompt_tokens_from
+from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
 from controlplane.gateway.replica_choice import affinity_choice, prefix_key_header, prompt_tokens_estimate
@@ -326,7 +326,8 @@ async def _client_present(request: Request, work: Coroutine[Any, Any, Any]) -> A
 
 async def _replica_started(gw: Gateway, replica: ReplicaRoute, flight: Flight) -> bool:
     """Whether the replica generated a first token for this request (it keeps recent ones); the
-    prompt tokens it says the request took go on the flight, for its usage record."""
+    prompt tokens it says the request took, and its cached ones, go on the flight for its usage
+    record, as a stream's headers do."""
     request_id = flight.request_id
     try:
         async with asyncio.timeout(_STARTED_QUERY_TIMEOUT_S):
@@ -335,7 +336,7 @@ async def _replica_started(gw: Gateway, replica: ReplicaRoute, flight: Flight) -
             )
             data = await response.read()
         if response.status == 200 and isinstance(answer := json.loads(data), dict):
-            flight.prompt_tokens = prompt_tokens_from(str(answer.get("prompt_tokens", "")))
+            flight.took_prompt(str(answer.get("prompt_tokens")), str(answer.get("cached_prompt_tokens")))
             return answer.get("started") is True
     except (UpstreamError, TimeoutError, ValueError):
         pass
@@ -525,8 +526,9 @@ async def _stream(
                     _replica_json(response.status, data)
                     await flight.end(None)
                     return Response(data, status_code=response.status, headers=headers, media_type="application/json")
-                flight.prompt_tokens = prompt_tokens_from(response.headers.get(PROMPT_TOKENS_HEADER))
-                flight.cached_prompt_tokens = prompt_tokens_from(response.headers.get(CACHED_PROMPT_TOKENS_HEADER))
+                flight.took_prompt(
+                    response.headers.get(PROMPT_TOKENS_HEADER), response.headers.get(CACHED_PROMPT_TOKENS_HEADER)
+                )
                 events = response.events()
                 async for data in events:
                     buffered.append(data)

@@ -187,16 +187,24 @@ class Flight:
         self.gw, self.request_id, self.grant, self.model = gw, request_id, grant, model
         self.num_requests = num_requests
         self.image_count = 0  # images the request carried, for its usage record
-        # The prompt tokens the replica said it took (PROMPT_TOKENS_HEADER): recorded for a
-        # request that ends without its final usage, as a cancelled one does.
+        # The prompt tokens the replica said it took, and of those its prefix cache served
+        # (`took_prompt`): recorded for a request that ends without its final usage, as a
+        # cancelled one does.
         self.prompt_tokens = 0
-        self.cached_prompt_tokens = 0  # of those, served by its prefix cache (CACHED_PROMPT_TOKENS_HEADER)
+        self.cached_prompt_tokens = 0
         self.started = time.monotonic()
         self.amount: Decimal | None = None  # held; None until the hold is placed
         self.replica_id: int | None = None
         self.first_token_at: float | None = None
         self.released = self.settled = False
         self.recorded = False  # settled with a usage record (served, cancelled or failed)
+
+    def took_prompt(self, prompt_tokens: str | None, cached_prompt_tokens: str | None) -> None:
+        """What the replica said the request took of its prompt, before its usage: a stream's
+        PROMPT_TOKENS_HEADER and CACHED_PROMPT_TOKENS_HEADER, or a whole answer's counts in the
+        replica's /requests/{id} answer, each as text (`prompt_tokens_from`)."""
+        self.prompt_tokens = prompt_tokens_from(prompt_tokens)
+        self.cached_prompt_tokens = prompt_tokens_from(cached_prompt_tokens)
 
     async def hold(self) -> None:
         """Set the request's price aside; 429 insufficient_quota when the credit cannot cover it,

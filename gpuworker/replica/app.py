@@ -162,12 +162,18 @@ async def drain(request: Request) -> Response:
 
 
 async def request_status(request: Request) -> Response:
-    """Whether the caller's request (its x-request-id) generated a first token here: a gateway
-    whose client left before a whole answer bills by it."""
+    """Whether the caller's request (its x-request-id) generated a first token here, and its prompt
+    tokens and cached prompt tokens: a gateway whose client left before a whole answer bills and
+    records it by them."""
     caller_request_id = request.path_params["request_id"]
-    prompt_tokens = _holder(request).started_prompt_tokens(caller_request_id)
+    started = _holder(request).started(caller_request_id)
     return JSONResponse(
-        {"request_id": caller_request_id, "started": prompt_tokens is not None, "prompt_tokens": prompt_tokens or 0}
+        {
+            "request_id": caller_request_id,
+            "started": started is not None,
+            "prompt_tokens": started.prompt_tokens if started else 0,
+            "cached_prompt_tokens": started.cached_prompt_tokens if started else 0,
+        }
     )
 
 
@@ -252,7 +258,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         await engine.abort(request_id)
     holder.note_prefix(request.headers.get(PREFIX_KEY_HEADER), first.prompt_token_ids)
     if not parsed.stream:  # a stream's caller sees the first token itself
-        holder.note_started(request.headers.get("x-request-id"), len(first.prompt_token_ids))
+        holder.note_started(request.headers.get("x-request-id"), first)
     responder = Responder(holder, parsed, request_id, chat, engine.prompts.tokenizer, plan.tool_parsing)
     if parsed.stream:
         return StreamingResponse(

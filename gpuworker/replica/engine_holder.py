@@ -38,6 +38,16 @@ logger = logging.getLogger(__name__)
 WEIGHTS_PROGRESS_START, WEIGHTS_PROGRESS_END = 0.05, 0.9
 # How many callers' started requests a replica remembers (see EngineHolder.note_started).
 STARTED_REQUESTS_KEPT = 10_000
+
+
+class StartedRequest(NamedTuple):
+    """What a caller's whole-answer request that generated a first token took of its prompt, for a
+    gateway whose client left before the answer (its usage never went out)."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int  # of those, read from the prefix cache (as a stream's header says)
+
+
 # /stats without an engine to ask (loading, failed, or its process gone).
 NO_ENGINE_FIGURES = {
     "running": 0,
@@ -183,7 +193,7 @@ class EngineHolder:
         # The callers' ids (x-request-id) of recent whole-answer requests that generated a first
         # token: a gateway whose client left before the answer asks (GET /requests/{id}) to bill
         # by it. It asks at once, so a bounded window of the latest ones is enough.
-        self._started: OrderedDict[str, int] = OrderedDict()  # caller's request id: its prompt tokens
+        self._started: OrderedDict[str, StartedRequest] = OrderedDict()  # by the caller's request id
 
     def check_engine(self) -> None:
         """A ready replica whose engine process or tensor-parallel rank died can run no step: it
@@ -343,17 +353,16 @@ class EngineHolder:
 
     # -- callers' requests ----------------------------------------------------------------------
 
-    def note_started(self, caller_request_id: str | None, prompt_tokens: int = 0) -> None:
+    def note_started(self, caller_request_id: str | None, first: RequestOutput) -> None:
+        """`first`: the request's first output; its prompt was matched against the prefix cache
+        when it was scheduled, so the cached count is final already."""
         if caller_request_id:
-            self._started[caller_request_id] = prompt_tokens
+            self._started[caller_request_id] = StartedRequest(len(first.prompt_token_ids), first.num_cached_tokens)
             if len(self._started) > STARTED_REQUESTS_KEPT:
                 self._started.popitem(last=False)
 
-    def has_started(self, caller_request_id: str) -> bool:
-        return caller_request_id in self._started
-
-    def started_prompt_tokens(self, caller_request_id: str) -> int | None:
-        """The prompt tokens of a started request; None if it never started here."""
+    def started(self, caller_request_id: str) -> StartedRequest | None:
+        """What a started request took of its prompt; None if it never started here."""
         return self._started.get(caller_request_id)
 
     # -- figures --------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Clients that leave before their answer, through the running gateway and replicas: the
 generation is aborted on the replica, the client's concurrency slot is freed, and the request is
 billed by one rule for streams and whole answers (cancelled once the replica generated a first
-token, released unbilled before); a cancelled request's record keeps the prompt tokens it used.
+token, released unbilled before); a cancelled request's record keeps the prompt tokens it used,
+and of those the ones read from the prefix cache, whichever API it came through.
 
 A replica that must not produce a token is stopped (SIGSTOP): the kernel still accepts the
 gateway's connection and request, so the request is at the replica, waiting, with certainty."""
@@ -137,6 +138,50 @@ def test_a_stream_left_after_its_first_token_keeps_its_cached_prompt_tokens(gate
     stream.close()
     world.settled()
     cancelled = UsageRecord.objects.get(tenant=world.tenant, status="cancelled")
+    assert 0 < cancelled.cached_prompt_tokens < cancelled.prompt_tokens
+
+
+# A whole answer in each API's shape (and its name for max_tokens), for a prompt of several KV
+# blocks; greedy where the API has no ignore_eos, so the tiny model's answer runs to its limit.
+CACHED_PROMPT = "the same prompt again " * 3
+WHOLE_ANSWERS = {
+    "/v1/completions": ({"prompt": CACHED_PROMPT, "ignore_eos": True}, "max_tokens"),
+    "/v1/messages": ({"messages": [{"role": "user", "content": CACHED_PROMPT}], "temperature": 0}, "max_tokens"),
+    "/v1/responses": ({"input": CACHED_PROMPT, "temperature": 0}, "max_output_tokens"),
+}
+
+
+def _whole_answer(world, path: str, max_tokens: int) -> dict:
+    body, max_tokens_field = WHOLE_ANSWERS[path]
+    return {"model": world.model.public_name, **body, max_tokens_field: max_tokens}
+
+
+@pytest.mark.parametrize("path", list(WHOLE_ANSWERS))
+def test_a_whole_answer_left_mid_generation_keeps_its_cached_prompt_tokens(gateway, replicas, path):
+    """As a stream left after its first token does: the replica's answer to the gateway's
+    question (did it start?) carries the cached count, in every API that ends in a chat."""
+    world = make_world(gateway, replicas[:1], max_concurrent_requests=1)
+    replica = replicas[0]
+    # The first request leaves the prompt in the replica's prefix cache; the second reads it from there.
+    warm = httpx.post(
+        f"{world.base_url}{path}",
+        json=_whole_answer(world, path, 1),
+        headers={"authorization": f"Bearer {world.api_key.plaintext}"},
+        timeout=60,
+    )
+    assert warm.status_code == 200, warm.text
+    before, _ = _replica_figures(replica)
+    sock = _open_request(world, path, _whole_answer(world, path, 150))
+    wait_until(
+        lambda: _replica_figures(replica)[0]["num_generated_tokens"] >= before["num_generated_tokens"] + 2,
+        30,
+        "the replica to generate the first tokens",
+    )
+    sock.close()
+    world.settled()
+    cancelled = UsageRecord.objects.get(tenant=world.tenant, status="cancelled")
+    completed = UsageRecord.objects.get(tenant=world.tenant, status="completed")
+    assert cancelled.prompt_tokens == completed.prompt_tokens
     assert 0 < cancelled.cached_prompt_tokens < cancelled.prompt_tokens
 
 

@@ -405,7 +405,7 @@ def test_disconnect_of_non_streaming_request_aborts_it(server):
 def test_a_caller_can_ask_whether_its_request_started_and_its_prompt_tokens(server):
     base, _ = server
     with _client(base) as client:
-        never = {"request_id": "req_never_sent", "started": False, "prompt_tokens": 0}
+        never = {"request_id": "req_never_sent", "started": False, "prompt_tokens": 0, "cached_prompt_tokens": 0}
         assert client.get("/requests/req_never_sent").json() == never
         whole = client.post(
             "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "req_whole"}
@@ -423,6 +423,21 @@ def test_a_caller_can_ask_whether_its_request_started_and_its_prompt_tokens(serv
             assert response.headers["x-prompt-tokens"] == str(whole["usage"]["prompt_tokens"])
         assert client.get("/requests/req_stream").json()["started"] is False  # its caller saw the tokens
     assert httpx.get(f"{base}/requests/req_whole").status_code == 401
+
+
+def test_a_started_whole_answer_says_its_cached_prompt_tokens(server):
+    """A caller whose client left before the answer records the cached count the usage would
+    have reported, as a stream's header gives it."""
+    base, _ = server
+    body = {"prompt": "a long prompt asked for whole, twice " * 6, "max_tokens": 1}
+    with _client(base) as client:
+        for caller_request_id in ("req_fills_cache", "req_reads_cache"):
+            answered = client.post("/v1/completions", json=body, headers={"x-request-id": caller_request_id})
+        usage = answered.json()["usage"]
+        answer = client.get("/requests/req_reads_cache").json()
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert answer["cached_prompt_tokens"] == cached > usage["prompt_tokens"] // 2
+    assert answer["prompt_tokens"] == usage["prompt_tokens"]
 
 
 def test_a_stream_says_its_cached_prompt_tokens_before_its_first_chunk(server):
