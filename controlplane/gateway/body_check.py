@@ -76,6 +76,10 @@ class CheckedBody:
     # size in bytes from the base64's length (None for an http(s) URL, which only the replica fetches).
     image_params: tuple[str, ...] = ()
     image_sizes: tuple[int | None, ...] = ()
+    # Each image part's detail ("auto", "low" or "high"), and the characters of all their URLs: the
+    # body's other bytes are its text (replica_choice.prompt_tokens_estimate).
+    image_details: tuple[str, ...] = ()
+    image_url_chars: int = 0
 
 
 def check_body(
@@ -118,4 +122,6 @@ def check_body(
         upstream_body=upstream_body,
         image_params=tuple(image.param for image in images),
         image_sizes=tuple(data_url_bytes(image.url) for image in images),
+        image_details=tuple(image.detail for image in images),
+        image_url_chars=sum(len(image.url) for image in images),
     )

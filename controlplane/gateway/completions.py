@@ -29,7 +29,7 @@ from controlplane.gateway.errors import (
 from controlplane.gateway.holds import CANCELLED, COMPLETED, FAILED, Flight
 from controlplane.gateway.process import Gateway
 from controlplane.gateway.relay import ReplicaFailed, StreamRelay, is_first_token, wait_for_disconnect
-from controlplane.gateway.replica_choice import affinity_choice, prefix_key_header, prompt_tokens_estimate
+from controlplane.gateway.replica_choice import affinity_choice, prefix_key_header
 from controlplane.gateway.request_body import read_body
 from controlplane.gateway.selectors import KeyGrant, ModelRoute, ReplicaRoute
 from controlplane.gateway.shared import Admission
@@ -118,7 +118,7 @@ async def serve(
                 return replay
         stored = False
         try:
-            key, tokens = checked.affinity_key, prompt_tokens_estimate(len(raw))
+            key, tokens = checked.affinity_key, model.prompt_tokens_estimate(len(raw), checked)
             replicas, cold_start_s = model.ready, None
             if admission is not None:  # admitted before its body was parsed
                 first = (
@@ -140,7 +140,7 @@ async def serve(
                 gw.spawn(gw.traffic.record_shed(model.model_id, time.time()))
                 raise overloaded(model.public_name, first.predicted_wait_s, model.ttft_objective_s)
             flight = request.state.flight = Flight(gw, request_id, grant, model, checked.n)
-            flight.image_count = len(checked.image_params)
+            flight.image_count, flight.routed_tokens = len(checked.image_params), tokens
             if first is not None:  # picked: a refusal at the hold frees its place there too
                 flight.replica_id = first.replica_id
             try:
@@ -392,7 +392,7 @@ async def _attempt(
     if tried:
         candidates = [replica for replica in replicas if replica.replica_id not in tried]
         affinity = affinity_choice(key, candidates)
-        replica = await gw.shared.pick(candidates, flight.request_id, affinity, prompt_tokens_estimate(len(body)))
+        replica = await gw.shared.pick(candidates, flight.request_id, affinity, flight.routed_tokens)
     else:
         replica = first  # picked together with admission
     flight.replica_id = replica.replica_id

@@ -187,6 +187,7 @@ class Flight:
         self.gw, self.request_id, self.grant, self.model = gw, request_id, grant, model
         self.num_requests = num_requests
         self.image_count = 0  # images the request carried, for its usage record
+        self.routed_tokens = 0  # its prompt tokens as estimated for routing (ModelRoute.prompt_tokens_estimate)
         # The prompt tokens the replica said it took, and of those its prefix cache served
         # (`took_prompt`): recorded for a request that ends without its final usage, as a
         # cancelled one does.

@@ -134,10 +134,10 @@ class LocalShared:
         for member in [m for m, (at, _) in log.items() if at <= now - ROUTED_LOG_MS]:
             del log[member]
         since = chosen.report_at * 1000
-        routed = sum(tokens for at, tokens in log.values() if at >= since)
+        routed = sorted((at / 1000, tokens) for at, tokens in log.values() if at >= since)
         if prompt_tokens > 0:
             log[request_id] = (now, prompt_tokens)
-        return chosen.with_routed(routed)
+        return chosen.with_routed(routed, now / 1000)
 
     def _publish_interactive(self, replica_id: int) -> None:
         now = _now_ms()

@@ -91,29 +91,58 @@ def least_outstanding(counts: Sequence[int], up: Sequence[bool], affinity: int |
     return best
 
 
-def predicted_wait_s(figures: dict, routed_tokens: int = 0, since_report_s: float = 0.0) -> float:
+def predicted_wait_s(figures: dict, routed: Sequence[tuple[float, int]] = (), since_report_s: float = 0.0) -> float:
     """Seconds a request arriving now at a replica would wait before its prefill, from the
     replica's own load report: the prompt tokens queued ahead of it (`waiting_tokens`, plus
-    `routed_tokens`: those the gateway sent it since that report, which the report cannot show),
-    less what the replica has prefilled in the `since_report_s` seconds since the report, over its
-    recent prefill rate (`prefill_tokens_per_s`). 0 without a queue or a measured rate: a replica
-    that has not prefilled lately gives no evidence that it is slow.
+    `routed`: the requests the gateway sent it since that report, which the report cannot show, as
+    (seconds after the report, prompt tokens) in the order they were sent), less what the replica
+    has prefilled in the `since_report_s` seconds since the report, over its recent prefill rate
+    (`prefill_tokens_per_s`). 0 without a queue or a measured rate: a replica that has not
+    prefilled lately gives no evidence that it is slow.
 
-    The drain is taken off the reported queue and the routed work together, as one backlog: what
-    was routed late in the interval is credited with prefill time from the report on, which
-    predicts low only while the replica idled since its report (its next report corrects it)."""
+    The queue is followed from the report on (`queued_tokens`): the replica drains only work it
+    has, so time it spent idle is not credited against work routed to it later."""
     waiting, rate = figures.get("waiting_tokens"), figures.get("prefill_tokens_per_s")
     if not isinstance(waiting, int | float) or not isinstance(rate, int | float) or rate <= 0:
         return 0.0
-    queued = max(waiting, 0) + routed_tokens - rate * max(since_report_s, 0.0)
-    return queued / rate if queued > 0 else 0.0
+    return queued_tokens(max(waiting, 0), rate, routed, since_report_s) / rate
 
 
-# The gateway does not tokenize: a request's prompt tokens are guessed from its body's length at
-# about four bytes a token (English text; a token-id prompt's digits and commas take more).
+def queued_tokens(waiting: float, rate: float, routed: Sequence[tuple[float, int]], now: float) -> float:
+    """A replica's queue of prompt tokens at `now` (seconds after its load report): `waiting` at the
+    report, each request of `routed` ((seconds after the report, prompt tokens), in the order sent)
+    joining it when sent, drained at `rate` tokens a second while there is something to drain and
+    never below empty. Times before the report (clocks apart) count as the report's."""
+    queued, at = waiting, 0.0
+    for sent, tokens in routed:
+        sent = max(sent, at)
+        queued = max(0.0, queued - rate * (sent - at)) + tokens
+        at = sent
+    return max(0.0, queued - rate * max(now - at, 0.0))
+
+
+# The gateway does not tokenize: a request's text is guessed from its body's length at about four
+# bytes a token (English text; a token-id prompt's digits and commas take more).
 BODY_BYTES_PER_PROMPT_TOKEN = 4
+# An image's tokens depend on its size, known only once the replica decodes it: the gateway counts
+# the most one image can fill. Qwen2-VL's processors make a token of each 28 x 28 pixels (14-pixel
+# patches merged 2 x 2) and scale an image to at most 12,845,056 pixels (their checkpoints' max_pixels):
+# 16,384 tokens. A fixed-size encoder fills fewer (Gemma 3: 256 an image).
+IMAGE_PIXELS_PER_TOKEN = 28 * 28
+MAX_IMAGE_TOKENS = 16384
 
 
-def prompt_tokens_estimate(body_bytes: int) -> int:
-    """The prompt tokens a request of `body_bytes` bytes brings to its replica's queue."""
-    return max(1, body_bytes // BODY_BYTES_PER_PROMPT_TOKEN)
+def image_tokens_estimate(detail: str, max_image_pixels: int, low_detail_pixels: int) -> int:
+    """The prompt tokens one image part is counted as before it is decoded: the most the model's
+    processor can make of an image of the catalog's `max_image_pixels` (MAX_IMAGE_TOKENS at most),
+    or, for `detail` "low", of one scaled down to `low_detail_pixels`. An upper bound: a smaller
+    image fills fewer (its size is not known without decoding it, which the gateway does not do)."""
+    pixels = min(max_image_pixels, low_detail_pixels) if detail == "low" else max_image_pixels
+    return min(MAX_IMAGE_TOKENS, -(-pixels // IMAGE_PIXELS_PER_TOKEN))
+
+
+def prompt_tokens_estimate(text_bytes: int, image_tokens: int = 0) -> int:
+    """The prompt tokens a request brings to its replica's queue: its body's bytes other than its
+    images' URLs (`text_bytes`) at BODY_BYTES_PER_PROMPT_TOKEN each, and its images'
+    (`image_tokens`, from image_tokens_estimate): a base64 image's bytes are not text."""
+    return max(1, text_bytes // BODY_BYTES_PER_PROMPT_TOKEN + image_tokens)

@@ -53,8 +53,9 @@ end
 
 # Least outstanding requests, with prefix affinity while the preferred replica is not overloaded.
 # The chosen replica's log of routed requests (when each was sent there, and its prompt tokens)
-# answers how many prompt tokens were sent there since its load report, which the report cannot
-# show; the request joins the log. A request leaves it at its end (FINISH) or once older than any
+# answers which requests were sent there since its load report, and when, which the report cannot
+# show (the gateway follows the replica's queue through them: replica_choice.queued_tokens); the
+# request joins the log. A request leaves it at its end (FINISH) or once older than any
 # load report the gateway still reads.
 _PICK = """
 -- keys: per candidate replica, its in-flight set, its "down" marker, its routed log (time by
@@ -62,8 +63,8 @@ _PICK = """
 -- argv: request id, in-flight entry lifetime (ms), affinity candidate (1-based; 0: none), max extra,
 --       the request's prompt tokens, how long the log keeps a request (ms), then per candidate the
 --       time of its load report (ms; 0: none)
--- returns the chosen candidate (1-based), now counted as outstanding there, and the prompt tokens
--- routed there since its load report
+-- returns the chosen candidate (1-based), now counted as outstanding there, and the requests
+-- routed there since its load report (a flat list of their times and prompt tokens, in time order)
 local function pick(keys, argv)
   local counts, up = {}, {}
   local best, best_up = 0, 0
@@ -86,11 +87,17 @@ local function pick(keys, argv)
     redis.call('ZREM', log, unpack(old))
     redis.call('HDEL', tokens, unpack(old))
   end
-  local routed = 0
-  local since = redis.call('ZRANGEBYSCORE', log, tonumber(argv[6 + best]), '+inf')
-  for first = 1, #since, 1000 do  -- unpack takes a bounded number of values
-    local counts = redis.call('HMGET', tokens, unpack(since, first, math.min(first + 999, #since)))
-    for _, n in ipairs(counts) do routed = routed + (tonumber(n) or 0) end
+  -- The requests routed there since its report, in the order sent: {time (ms), prompt tokens}...
+  local routed = {}
+  local since = redis.call('ZRANGEBYSCORE', log, tonumber(argv[6 + best]), '+inf', 'WITHSCORES')
+  for first = 1, #since, 2000 do  -- unpack takes a bounded number of values
+    local members = {}
+    for i = first, math.min(first + 1999, #since), 2 do members[#members + 1] = since[i] end
+    local counts = redis.call('HMGET', tokens, unpack(members))
+    for i, n in ipairs(counts) do
+      routed[#routed + 1] = since[first + 2 * i - 1]
+      routed[#routed + 1] = tonumber(n) or 0
+    end
   end
   if tonumber(argv[5]) > 0 then
     redis.call('ZADD', log, now, argv[1])

@@ -1,6 +1,7 @@
 """The gateway's reads: an API key with everything admission needs, and the routing table."""
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any
@@ -16,8 +17,8 @@ from controlplane.fleet import heartbeat_cache
 from controlplane.fleet.models import Replica, Worker
 from controlplane.fleet.placement import largest_replica_bytes
 from controlplane.fleet.selectors import placement_slots, replica_prefix_keys
-from controlplane.gateway.body_check import model_request_bytes
-from controlplane.gateway.replica_choice import predicted_wait_s
+from controlplane.gateway.body_check import CheckedBody, model_request_bytes
+from controlplane.gateway.replica_choice import image_tokens_estimate, predicted_wait_s, prompt_tokens_estimate
 from gpuworker.contract.openai_api import ImageRules
 
 
@@ -58,13 +59,16 @@ class ReplicaRoute:
     waiting_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
 
-    def with_routed(self, routed_tokens: int) -> "ReplicaRoute":
-        """This route as a pick answers it now: its predicted wait counts the prompt tokens routed to
-        it since its load report (by every gateway process), which the report could not show, less
-        what the replica has prefilled since the report."""
+    def with_routed(self, routed: Sequence[tuple[float, int]], now: float | None = None) -> "ReplicaRoute":
+        """This route as a pick answers it `now` (epoch seconds; the clock's by default): its
+        predicted wait counts the requests routed to it since its load report (by every gateway
+        process; `routed`: (when sent, epoch seconds; prompt tokens), in the order sent), which the
+        report could not show, less what the replica has prefilled since the report."""
         figures = {"waiting_tokens": self.waiting_tokens, "prefill_tokens_per_s": self.prefill_tokens_per_s}
-        since_report_s = time.time() - self.report_at if self.report_at else 0.0
-        return replace(self, predicted_wait_s=predicted_wait_s(figures, routed_tokens, since_report_s))
+        now = time.time() if now is None else now
+        since = [(at - self.report_at, tokens) for at, tokens in routed] if self.report_at else []
+        since_report_s = now - self.report_at if self.report_at else 0.0
+        return replace(self, predicted_wait_s=predicted_wait_s(figures, since, since_report_s))
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ class ModelRoute:
     # A vision model's limits on a request's images (the catalog's).
     max_images_per_request: int = 16
     max_image_bytes: int = 20 << 20
+    max_image_pixels: int = 8192 * 8192
+    low_detail_pixels: int = 512 * 512
     # The deployment's TTFT objective: a request predicted to wait longer is shed; None: never.
     ttft_objective_s: float | None = None
 
@@ -96,6 +102,18 @@ class ModelRoute:
             max_images_per_request=self.max_images_per_request,
             max_image_bytes=self.max_image_bytes,
         )
+
+    def prompt_tokens_estimate(self, body_bytes: int, checked: CheckedBody) -> int:
+        """The prompt tokens a request of `body_bytes` bytes, `checked`, is routed as
+        (replica_choice.prompt_tokens_estimate): the bytes other than its images' URLs as text, and
+        each image as the most tokens the model makes of one (of one at low_detail_pixels for
+        detail "low"; replica_choice.image_tokens_estimate), since its size is not known before the
+        replica decodes it."""
+        images = sum(
+            image_tokens_estimate(detail, self.max_image_pixels, self.low_detail_pixels)
+            for detail in checked.image_details
+        )
+        return prompt_tokens_estimate(max(0, body_bytes - checked.image_url_chars), images)
 
     def over_objective(self, replica: ReplicaRoute) -> bool:
         """Whether a request routed to `replica` (as its pick answered it) is predicted to wait
@@ -182,6 +200,8 @@ def routing_table() -> dict[str, ModelRoute]:
             "tensor_parallel_size",
             "max_images_per_request",
             "max_image_bytes",
+            "max_image_pixels",
+            "low_detail_pixels",
             "deployment__ttft_slo_ms",
         )
     )
@@ -208,6 +228,8 @@ def routing_table() -> dict[str, ModelRoute]:
             ),
             max_images_per_request=max_images,
             max_image_bytes=max_image_bytes,
+            max_image_pixels=max_image_pixels,
+            low_detail_pixels=low_detail_pixels,
             ttft_objective_s=None if ttft_slo_ms is None else ttft_slo_ms / 1000,
         )
         for (
@@ -222,6 +244,8 @@ def routing_table() -> dict[str, ModelRoute]:
             size,
             max_images,
             max_image_bytes,
+            max_image_pixels,
+            low_detail_pixels,
             ttft_slo_ms,
         ) in models
     }

@@ -64,6 +64,12 @@ def _routed_keys(replica_id: int) -> list[str]:
     return [f"gw:routed:{replica_id}", f"gw:routed_tokens:{replica_id}"]
 
 
+def _routed(reply: list) -> list[tuple[float, int]]:
+    """The pick script's requests routed since a load report (times in ms and prompt tokens, one
+    flat list) as (epoch seconds, prompt tokens)."""
+    return [(float(reply[i]) / 1000, int(reply[i + 1])) for i in range(0, len(reply) - 1, 2)]
+
+
 def _duration(ms: int) -> str:
     """OpenAI's format for reset times: 20ms, 1.5s, 6m0s."""
     if ms < 1000:
@@ -111,7 +117,7 @@ class RedisShared:
         its `prompt_tokens` routed there since the replica's load report; the route answered
         predicts its wait with the prompt tokens routed there before it (ReplicaRoute.with_routed)."""
         index, routed = await self._pick(**self._pick_call(candidates, request_id, affinity, prompt_tokens))
-        return candidates[int(index) - 1].with_routed(int(routed))
+        return candidates[int(index) - 1].with_routed(_routed(routed))
 
     async def admit_and_pick(
         self,
@@ -128,7 +134,7 @@ class RedisShared:
         admission = _admission(reply[:6])
         if not admission.allowed:
             return admission, None
-        return admission, candidates[int(reply[6]) - 1].with_routed(int(reply[7]))
+        return admission, candidates[int(reply[6]) - 1].with_routed(_routed(reply[7]))
 
     def _pick_call(
         self, candidates: Sequence[ReplicaRoute], request_id: str, affinity: int | None, prompt_tokens: int

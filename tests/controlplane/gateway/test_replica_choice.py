@@ -5,11 +5,14 @@ import json
 from dataclasses import dataclass
 
 from controlplane.gateway.replica_choice import (
+    MAX_IMAGE_TOKENS,
     affinity_choice,
     affinity_key,
+    image_tokens_estimate,
     least_outstanding,
     predicted_wait_s,
     prompt_tokens_estimate,
+    queued_tokens,
 )
 
 
@@ -154,21 +157,43 @@ def test_the_predicted_wait_is_the_queued_prompt_tokens_over_the_recent_prefill_
 
 def test_prompt_tokens_routed_since_the_report_join_its_queue():
     idle = {"waiting_tokens": 0, "prefill_tokens_per_s": 2000.0}
-    assert predicted_wait_s(idle, routed_tokens=3000) == 1.5
-    assert predicted_wait_s({"waiting_tokens": 1000, "prefill_tokens_per_s": 2000.0}, routed_tokens=3000) == 2.0
+    assert predicted_wait_s(idle, routed=[(0.0, 3000)]) == 1.5
+    assert predicted_wait_s({"waiting_tokens": 1000, "prefill_tokens_per_s": 2000.0}, routed=[(0.0, 3000)]) == 2.0
     # Without a measured rate there is still no evidence of a wait.
-    assert predicted_wait_s({"waiting_tokens": 0, "prefill_tokens_per_s": 0.0}, routed_tokens=3000) == 0.0
+    assert predicted_wait_s({"waiting_tokens": 0, "prefill_tokens_per_s": 0.0}, routed=[(0.0, 3000)]) == 0.0
     assert [prompt_tokens_estimate(n) for n in (0, 3, 4000)] == [1, 1, 1000]
+    assert prompt_tokens_estimate(4000, image_tokens=500) == 1500
 
 
 def test_the_replica_prefills_at_its_rate_since_its_report_the_queue_and_the_routed_work_alike():
     busy = {"waiting_tokens": 3000, "prefill_tokens_per_s": 3000.0}
     assert predicted_wait_s(busy, since_report_s=1.0) == 0.0  # a report 1 s old: its queue is gone
     assert predicted_wait_s(busy, since_report_s=0.5) == 0.5
-    # Routed work drains with the reported queue, as one backlog; never below empty.
-    assert predicted_wait_s(busy, routed_tokens=1500, since_report_s=1.0) == 0.5
-    assert predicted_wait_s(busy, routed_tokens=1500, since_report_s=5.0) == 0.0
+    # Work routed as the report came drains with the reported queue; never below empty.
+    assert predicted_wait_s(busy, routed=[(0.0, 1500)], since_report_s=1.0) == 0.5
+    assert predicted_wait_s(busy, routed=[(0.0, 1500)], since_report_s=5.0) == 0.0
     idle = {"waiting_tokens": 0, "prefill_tokens_per_s": 3000.0}
-    assert predicted_wait_s(idle, routed_tokens=4500, since_report_s=0.5) == 1.0
+    assert predicted_wait_s(idle, routed=[(0.0, 4500)], since_report_s=0.5) == 1.0
     # A report stamped later than now (clocks apart) drains nothing rather than adding a wait.
     assert predicted_wait_s(busy, since_report_s=-2.0) == 1.0
+
+
+def test_drain_takes_off_only_work_the_replica_had_not_idle_time_before_a_late_burst():
+    idle = {"waiting_tokens": 0, "prefill_tokens_per_s": 1000.0}
+    # Idle for 5 s after its report, then 3000 tokens at once: all of them still queued.
+    assert predicted_wait_s(idle, routed=[(5.0, 3000)], since_report_s=5.0) == 3.0
+    assert predicted_wait_s(idle, routed=[(5.0, 3000)], since_report_s=6.0) == 2.0
+    # The reported queue drains first; what it leaves idle is not credited to later work.
+    busy = {"waiting_tokens": 2000, "prefill_tokens_per_s": 1000.0}
+    assert predicted_wait_s(busy, routed=[(1.0, 1000), (4.0, 3000)], since_report_s=4.5) == 2.5
+    # Work routed back to back queues behind what came before it, as it is sent.
+    assert queued_tokens(0.0, 1000.0, [(1.0, 1500), (2.0, 1500), (2.5, 500)], 3.0) == 1500.0
+    # A request stamped before the report (clocks apart) counts as routed at the report.
+    assert queued_tokens(500.0, 1000.0, [(-1.0, 1000)], 0.5) == 1000.0
+
+
+def test_an_images_tokens_are_the_most_the_model_makes_of_one_and_fewer_at_low_detail():
+    assert image_tokens_estimate("auto", max_image_pixels=8192 * 8192, low_detail_pixels=512 * 512) == MAX_IMAGE_TOKENS
+    assert image_tokens_estimate("high", max_image_pixels=1024 * 1024, low_detail_pixels=512 * 512) == 1338
+    assert image_tokens_estimate("low", max_image_pixels=8192 * 8192, low_detail_pixels=512 * 512) == 335
+    assert image_tokens_estimate("low", max_image_pixels=256 * 256, low_detail_pixels=512 * 512) == 84

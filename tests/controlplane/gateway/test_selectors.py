@@ -132,7 +132,7 @@ def test_routes_carry_each_replicas_predicted_wait_from_a_recent_load_report_and
     from controlplane.gateway.selectors import routing_table
     from tests.controlplane.factories import DeploymentFactory, ReplicaFactory, WorkerFactory
 
-    deployment = DeploymentFactory(ttft_slo_ms=1500)
+    deployment = DeploymentFactory(ttft_slo_ms=1500, model__max_image_pixels=1 << 20, model__low_detail_pixels=1 << 16)
     reported, silent = (WorkerFactory(name=name, state=Worker.State.ONLINE) for name in ("reported", "silent"))
     busy, quiet = (
         ReplicaFactory(deployment=deployment, worker=worker, state=Replica.State.READY, endpoint_url=f"http://{n}:1")
@@ -145,5 +145,52 @@ def test_routes_carry_each_replicas_predicted_wait_from_a_recent_load_report_and
     heartbeat_cache.store(worker_id=silent.pk, state=old)
     route = routing_table()[deployment.model.public_name]
     assert route.ttft_objective_s == 1.5
+    assert (route.max_image_pixels, route.low_detail_pixels) == (1 << 20, 1 << 16)  # what images count as
     assert {r.replica_id: r.predicted_wait_s for r in route.ready} == {busy.pk: 3.0, quiet.pk: 0.0}
     assert {r.replica_id: r.prefix_keys for r in route.ready} == {busy.pk: frozenset({"a" * 16}), quiet.pk: frozenset()}
+
+
+def test_a_requests_images_are_routed_as_the_models_image_tokens_not_as_their_urls_bytes():
+    import base64
+    import json
+    from decimal import Decimal
+
+    from controlplane.gateway.body_check import check_body
+    from controlplane.gateway.selectors import ModelRoute
+    from gpuworker.contract.openai_api import ChatCompletionRequest
+
+    model = ModelRoute(
+        model_id=1,
+        public_name="eyes",
+        kind="vision",
+        price_per_request=Decimal("0.01"),
+        created=0,
+        context_length=32768,
+        max_request_bytes=64 << 20,
+        ready=(),
+        loading=False,
+        max_image_pixels=1024 * 1024,  # 1338 tokens at most an image (28 x 28 pixels a token)
+        low_detail_pixels=512 * 512,  # 335
+    )
+
+    def routed_as(*images: dict) -> int:
+        """The prompt tokens a chat request with some text and `images` is routed as."""
+        content = [{"type": "text", "text": "Describe it. " * 100}]
+        content += [{"type": "image_url", "image_url": image} for image in images]
+        raw = json.dumps({"model": "eyes", "messages": [{"role": "user", "content": content}]}).encode()
+        checked = check_body(raw, ChatCompletionRequest, 64, {})
+        assert checked.error is None
+        return model.prompt_tokens_estimate(len(raw), checked)
+
+    text = routed_as()
+    photo = "data:image/png;base64," + base64.b64encode(bytes(1 << 20)).decode()  # 1 MB, 1.4 MB as base64
+    # Each image is the most tokens the model makes of one (its part's JSON adds a few as text),
+    # whatever its URL's length: a data: URL's base64 is not text, nor is an http URL nothing.
+    for image, tokens in (
+        ({"url": photo}, 1338),
+        ({"url": "https://example.com/cat.png"}, 1338),
+        ({"url": photo, "detail": "low"}, 335),
+        ({"url": "https://example.com/cat.png", "detail": "high"}, 1338),
+    ):
+        assert tokens <= routed_as(image) - text <= tokens + 16, image
+    assert 2 * 1338 + 335 <= routed_as({"url": photo}, {"url": photo}, {"url": photo, "detail": "low"}) - text

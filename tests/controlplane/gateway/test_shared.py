@@ -363,3 +363,17 @@ async def test_what_the_replica_prefilled_since_its_report_is_taken_off_its_queu
     assert _drained(waits, [1.0, 1.5, 2.0], report) and waits[1] <= 0.5 and waits[2] <= 1.0
     assert waits[2] > 0.75  # the report's age bounds the drain: 1 s, and the test's few ms
     assert [model.over_objective(replica) for replica in picked] == [False, False, True]
+
+
+async def test_a_burst_long_after_an_idle_report_is_shed_the_idle_time_drains_none_of_it(shared):
+    # Nothing queued 10 s ago, at 100 tok/s: 1000 tokens' worth of prefill time the replica spent
+    # idle, which no request routed since can use.
+    report = _reported(1, waiting_tokens=0, prefill_tokens_per_s=100.0, age_s=10.0)
+    model = _model(1.0, report)
+    sent = time.time()
+    first = await shared.pick([report], "r0", None, 900)
+    second = await shared.pick([report], "r1", None, 900)
+    assert first.predicted_wait_s == 0.0
+    # Behind the first request's 900 tokens, less what the replica prefilled since that was sent.
+    assert max(0.0, 9.0 - (time.time() - sent)) - 1e-9 <= second.predicted_wait_s <= 9.0 + 1e-9
+    assert [model.over_objective(replica) for replica in (first, second)] == [False, True]
