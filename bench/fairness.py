@@ -49,6 +49,7 @@ from common import (
 )
 
 POLICIES = ("fcfs", "fair")
+WORKLOADS = ("tenants", "classes")
 
 
 @dataclass(frozen=True)
@@ -284,17 +285,21 @@ def report(result: dict) -> None:
 
 
 def figures(runs: dict) -> dict[str, str]:
-    """The issue's figures: each ratio with what it is measured against."""
+    """The issue's figures that the runs made allow: each ratio with what it is measured against."""
     alone = runs["A alone"]["tenants"]["A"]["ttft_p99_s"]
     out = {}
     for policy in POLICIES:
-        two = runs[f"two tenants, {policy}"]
-        beside = runs[f"interactive + batch, {policy}"]["tenants"]["interactive"]["ttft_p99_s"]
-        out[f"{policy}: A TTFT p99 / alone"] = f"{two['tenants']['A']['ttft_p99_s'] / alone:.2f}x (goal <= 1.5x)"
-        out[f"{policy}: Jain's index"] = f"{two['jain_index']:.3f} (goal >= 0.95)" if two["jain_index"] else "-"
-        out[f"{policy}: interactive TTFT p99 / no batch"] = f"{beside / alone:.2f}x (goal <= 1.10x)"
-    fair, fcfs = runs["two tenants, fair"]["output_tok_s"], runs["two tenants, fcfs"]["output_tok_s"]
-    out["fair / fcfs total output tok/s"] = f"{fair / fcfs:.3f} (goal >= 0.95)"
+        two = runs.get(f"two tenants, {policy}")
+        if two:
+            out[f"{policy}: A TTFT p99 / alone"] = f"{two['tenants']['A']['ttft_p99_s'] / alone:.2f}x (goal <= 1.5x)"
+            out[f"{policy}: Jain's index"] = f"{two['jain_index']:.3f} (goal >= 0.95)" if two["jain_index"] else "-"
+        beside = runs.get(f"interactive + batch, {policy}")
+        if beside:
+            p99 = beside["tenants"]["interactive"]["ttft_p99_s"]
+            out[f"{policy}: interactive TTFT p99 / no batch"] = f"{p99 / alone:.2f}x (goal <= 1.10x)"
+    if "two tenants, fair" in runs and "two tenants, fcfs" in runs:
+        fair, fcfs = runs["two tenants, fair"]["output_tok_s"], runs["two tenants, fcfs"]["output_tok_s"]
+        out["fair / fcfs total output tok/s"] = f"{fair / fcfs:.3f} (goal >= 0.95)"
     return out
 
 
@@ -344,6 +349,17 @@ def _pair(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _names(allowed: tuple[str, ...]):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise ValueError(f"expected some of {','.join(allowed)}, got {text!r}")
+        return names
+
+    return parse
+
+
 def main() -> None:
     parser = engine_parser(__doc__, raw_description=True)
     add_engine_options(parser, max_num_seqs=None, max_model_len=2048)
@@ -355,6 +371,15 @@ def main() -> None:
     parser.add_argument("--flood-share", type=float, default=2.0, help="tenant B's (and batch's) rate, likewise")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "fairness.png", help="where the plot goes")
     parser.add_argument("--replot", type=Path, default=None, help="only plot a result JSON written before")
+    parser.add_argument(
+        "--policies", type=_names(POLICIES), default=POLICIES, help="comma-separated, of fcfs,fair (default: both)"
+    )
+    parser.add_argument(
+        "--workloads",
+        type=_names(WORKLOADS),
+        default=WORKLOADS,
+        help="comma-separated, of tenants (A beside B), classes (interactive beside batch); default: both",
+    )
     args = parser.parse_args()
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.plot)
@@ -370,9 +395,11 @@ def main() -> None:
     ]
     batch = [Arrival(0.0, f"b{a.request_id}", "batch", "batch", a.prompt, a.max_tokens) for a in flood]
     runs = {"A alone": run(args, "fair", quiet, "A")}
-    for policy in POLICIES:
-        runs[f"two tenants, {policy}"] = run(args, policy, quiet + flood, "A")
-        runs[f"interactive + batch, {policy}"] = run(args, policy, interactive + batch, "interactive")
+    for policy in args.policies:
+        if "tenants" in args.workloads:
+            runs[f"two tenants, {policy}"] = run(args, policy, quiet + flood, "A")
+        if "classes" in args.workloads:
+            runs[f"interactive + batch, {policy}"] = run(args, policy, interactive + batch, "interactive")
     described = f"{args.config.name} shape, random weights, {args.dtype}"
     result = {
         "env": environment(),
@@ -384,6 +411,9 @@ def main() -> None:
     result["figures"] = figures(runs)
     report(result)
     written = write_json("fairness", result)
+    if len(runs) < 1 + len(POLICIES) * len(WORKLOADS):
+        print("the plot needs every run: none drawn")
+        return
     try:
         plot(result, args.plot)
     except ImportError:  # the GPU machine may lack matplotlib: plot the JSON elsewhere
