@@ -374,6 +374,48 @@ def weight_bytes_per_token(cfg: dict, bytes_per_param: int = 2) -> int:
     return int((params - projections) * bytes_per_param + projections * quantized_bytes)
 
 
+@dataclass(frozen=True)
+class GpuPeak:
+    """A GPU's dense bf16 tensor-core rate and memory bandwidth, from its vendor's data sheet."""
+
+    tflops: float
+    tbps: float
+
+
+# Keyed by torch.cuda.get_device_name; a GPU not here gets no least time rather than a guess.
+GPU_PEAKS = {
+    "NVIDIA H100 80GB HBM3": GpuPeak(989.0, 3.35),  # SXM
+    "NVIDIA H100 PCIe": GpuPeak(756.0, 2.0),
+    "NVIDIA H200": GpuPeak(989.0, 4.8),
+    "NVIDIA A100-SXM4-80GB": GpuPeak(312.0, 2.039),
+    "NVIDIA A100-SXM4-40GB": GpuPeak(312.0, 1.555),
+}
+
+
+def projection_params(cfg: dict) -> tuple[int, int]:
+    """(every decoder layer's projections, lm_head): the weights one token multiplies through, at
+    2 FLOPs each (norms, biases and the embedding lookup are left out)."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    return layers * (attention_params(cfg) + 3 * h * cfg["intermediate_size"]), h * cfg["vocab_size"]
+
+
+def attention_flops(cfg: dict, pairs: int) -> int:
+    """FLOPs of QK^T and PV over `pairs` (query, key) pairs in every layer."""
+    heads, _, head_dim = attention_heads(cfg)
+    return cfg["num_hidden_layers"] * 4 * heads * head_dim * pairs
+
+
+def kv_bytes_per_token(cfg: dict, bytes_per_value: int = 2) -> int:
+    """Bytes of one position's keys and values over all layers."""
+    _, kv_heads, head_dim = attention_heads(cfg)
+    return cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * bytes_per_value
+
+
+def roofline_s(flops: float, num_bytes: float, tflops: float, tbps: float) -> float:
+    """The least time of work that must do `flops` and move `num_bytes`, each at its peak, overlapped."""
+    return max(flops / (tflops * 1e12), num_bytes / (tbps * 1e12))
+
+
 def build_hf_model(config_dir: Path, dtype: torch.dtype, device: str):
     """A transformers model of the benchmark's shape with random weights, built on `device`."""
     import torch

@@ -8,6 +8,7 @@ which GEMM rate and KV bandwidth that needs.
 
 --gemm-tflops: what cuBLAS reached on the prefill GEMMs in bench/throughput.py --profile-steps
 (H200, BENCHMARKS.md); --kv-tbps: what the bf16 decode attention reads at (bench/kernel_times.py).
+--gpu NAME: the data sheet's dense bf16 peak and memory bandwidth of a GPU in common.GPU_PEAKS.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import attention_heads, attention_params, load_hf_config
+from common import GPU_PEAKS, attention_flops, kv_bytes_per_token, load_hf_config, projection_params
 from throughput import make_workload
 
 BENCH = Path(__file__).resolve().parent
@@ -25,18 +26,15 @@ def workload_work(cfg: dict, requests: list[tuple[list[int], int]], kv_bytes_per
     """FLOPs of the projections (prefill: every prompt token, lm_head only at the last; decode:
     every later output token, lm_head included), FLOPs of causal prefill attention, and the KV
     bytes the decode steps read (each output token after the first reads its whole context)."""
-    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads, kv_heads, head_dim = attention_heads(cfg)
-    projections = layers * (attention_params(cfg) + 3 * h * cfg["intermediate_size"])
-    lm_head = h * vocab
-    kv_per_token = layers * 2 * kv_heads * head_dim * kv_bytes_per_value
+    projections, lm_head = projection_params(cfg)
+    kv_per_token = kv_bytes_per_token(cfg, kv_bytes_per_value)
     work = {"prompt_tokens": 0, "output_tokens": 0, "gemm_flops": 0, "attention_flops": 0, "kv_bytes": 0}
     for prompt, output_len in requests:
         p = len(prompt)
         work["prompt_tokens"] += p
         work["output_tokens"] += output_len
         work["gemm_flops"] += 2 * projections * p + 2 * lm_head + 2 * (projections + lm_head) * (output_len - 1)
-        work["attention_flops"] += layers * 4 * heads * head_dim * p * (p + 1) // 2  # QK^T and PV, causal
+        work["attention_flops"] += attention_flops(cfg, p * (p + 1) // 2)  # causal
         # The decode step making output token k (k = 2..n) reads the KV of p + k - 1 positions.
         work["kv_bytes"] += kv_per_token * sum(p + k - 1 for k in range(2, output_len + 1))
     return work
@@ -57,8 +55,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gemm-tflops", type=float, default=719.0)
     parser.add_argument("--kv-tbps", type=float, default=4.1)
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(GPU_PEAKS),
+        help="the GPU's dense bf16 peak and bandwidth instead of the two above",
+    )
     parser.add_argument("--target", type=float, default=12_000.0, help="output tok/s to check")
     args = parser.parse_args()
+    if args.gpu:
+        args.gemm_tflops, args.kv_tbps = GPU_PEAKS[args.gpu].tflops, GPU_PEAKS[args.gpu].tbps
     cfg = load_hf_config(args.config)
     requests = make_workload(
         args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len, args.output_len

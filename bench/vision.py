@@ -10,8 +10,12 @@ question (median of --ttft-runs, each a new image: the encoder runs every time);
 throughput for --requests requests each with its own image and --output tokens out (greedy,
 ignore_eos), with the device's busy share over the run from torch.cuda's utilisation samples (None
 off CUDA or without NVML); HF's TTFT and throughput on the same requests (the first --hf-requests)
-in batches of --hf-batch (generate, greedy). Writes vision.json (--json): the figures, the
-arguments and the image's and prompt's token counts.
+in batches of --hf-batch (generate, greedy); the least time the throughput run's work allows on the
+GPU (bench/vision_bound.py: FLOPs at its dense bf16 peak, decode steps' bytes at its bandwidth, at
+the engine's batch), the engine's wall over it, and the throughput ratio to HF that least time would
+give (--bound-gpu: whose peak figures, default the device's; one not in common.GPU_PEAKS is named
+and skipped). Writes vision.json (--json): the figures, the arguments and the image's and prompt's
+token counts.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 
 from common import (
     BENCH_DIR,
+    GPU_PEAKS,
     ROOT,
     add_engine_options,
     add_smoke_option,
@@ -40,6 +45,7 @@ from common import (
     synchronize,
     write_json,
 )
+from vision_bound import least_time
 
 DEFAULT_VISION_CONFIG = BENCH_DIR / "configs" / "qwen2.5-vl-7b"
 # --smoke's workload where an option is left at its default: a few small images, a few tokens out.
@@ -168,7 +174,8 @@ def run_engine(args, requests: list) -> dict:
         elapsed = time.perf_counter() - started
     tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     engine.shutdown()
-    return _row(ttfts[1:], len(work), tokens, elapsed) | {"gpu_busy": sampler.busy}
+    row = _row(ttfts[1:], len(work), tokens, elapsed)
+    return row | {"gpu_busy": sampler.busy, "max_num_seqs": engine.config.max_num_seqs}
 
 
 def _row(ttfts: list[float], requests: int, tokens: int, elapsed: float) -> dict:
@@ -222,6 +229,41 @@ def run_hf(args, requests: list, image_token_id: int) -> dict:
     return _row(ttfts[1:], len(work), tokens, elapsed)
 
 
+def least_time_row(args, image, prompt_tokens: int, rows: dict, gpu: str) -> dict:
+    """The least time of the engine's throughput run on `gpu` (its requests, image grid, prompt and
+    output lengths, decode batch: --requests capped by the engine's max_num_seqs), its wall over it,
+    and the output tok/s and ratio to HF it would give; `gpu` not in GPU_PEAKS: why it is skipped."""
+    peak = GPU_PEAKS.get(gpu)
+    if peak is None:
+        return {"gpu": gpu, "skipped": f"no dense bf16 peak or bandwidth for {gpu!r} in common.GPU_PEAKS"}
+    engine = rows["engine"]
+    workload = {
+        "requests": engine["requests"],
+        "grid_thw": tuple(image.grid_thw),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": args.output,
+        "decode_batch": min(engine["requests"], engine["max_num_seqs"]),
+    }
+    bound = {"gpu": gpu} | least_time(load_hf_config(args.config), workload, peak)
+    bound["engine_wall_over_least_time"] = round(engine["wall_s"] / bound["least_time_s"], 2)
+    if "hf" in rows:
+        bound["max_ratio_to_hf"] = round(bound["max_throughput_tok_s"] / rows["hf"]["throughput_tok_s"], 1)
+    return bound
+
+
+def print_least_time(bound: dict, wall_s: float) -> None:
+    if "skipped" in bound:
+        print(f"least time: skipped, {bound['skipped']}")
+        return
+    print_table(f"least time on {bound['gpu']}", [(key, str(value)) for key, value in bound.items() if key != "gpu"])
+    ratio = f", {bound['max_ratio_to_hf']}x HF" if "max_ratio_to_hf" in bound else ""
+    print(
+        f"least time {bound['least_time_s']} s: the engine's {wall_s} s wall is "
+        f"{bound['engine_wall_over_least_time']}x it; at the least time "
+        f"{bound['max_throughput_tok_s']} output tok/s{ratio}"
+    )
+
+
 def main() -> None:
     parser = engine_parser(__doc__, raw_description=True)
     parser.set_defaults(config=DEFAULT_VISION_CONFIG)
@@ -236,6 +278,7 @@ def main() -> None:
         "--hf-requests", type=int, default=None, help="HF's throughput over the first N requests (default: all)"
     )
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--bound-gpu", default=None, help="the GPU whose peaks give the least time (default: this one)")
     add_smoke_option(parser)
     parser.add_argument("--json", default="vision", help="result file name under bench/results (or $OUT)")
     args = parser.parse_args()
@@ -259,15 +302,19 @@ def main() -> None:
         print_table(name, [(key, str(value)) for key, value in row.items()])
     if "hf" in rows:
         print(f"throughput vs HF: {rows['engine']['throughput_tok_s'] / rows['hf']['throughput_tok_s']:.1f}x")
+    env = environment()
+    bound = least_time_row(args, inputs[0], len(requests[0][1]), rows, args.bound_gpu or env["gpu"])
+    print_least_time(bound, rows["engine"]["wall_s"])
     described = "a tiny random Qwen2.5-VL" if args.smoke else f"{Path(args.config).name} shape, random weights"
     result = {
-        "env": environment(),
+        "env": env,
         "model": f"{described}, {args.dtype}",
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "image_tokens": inputs[0].num_tokens,
         "prompt_tokens": len(requests[0][1]),
         "preprocess_images_s_per_core": round(rate, 2),
         "runs": rows,
+        "least_time": bound,
     }
     if args.json:
         write_json(args.json, result)
