@@ -382,14 +382,11 @@ class GpuPeak:
     tbps: float
 
 
-# Keyed by torch.cuda.get_device_name; a GPU not here gets no least time rather than a guess.
-GPU_PEAKS = {
-    "NVIDIA H100 80GB HBM3": GpuPeak(989.0, 3.35),  # SXM
-    "NVIDIA H100 PCIe": GpuPeak(756.0, 2.0),
-    "NVIDIA H200": GpuPeak(989.0, 4.8),
-    "NVIDIA A100-SXM4-80GB": GpuPeak(312.0, 2.039),
-    "NVIDIA A100-SXM4-40GB": GpuPeak(312.0, 1.555),
-}
+def gpu_peaks() -> dict[str, GpuPeak]:
+    """The data sheets' rates by GPU name (bench/configs/gpu_peaks.json); a GPU not there gets no
+    least time rather than a guess."""
+    gpus = json.loads((BENCH_DIR / "configs" / "gpu_peaks.json").read_text())["gpus"]
+    return {name: GpuPeak(g["dense_bf16_tflops"], g["memory_tbps"]) for name, g in gpus.items()}
 
 
 def projection_params(cfg: dict) -> tuple[int, int]:

@@ -8,7 +8,7 @@ which GEMM rate and KV bandwidth that needs.
 
 --gemm-tflops: what cuBLAS reached on the prefill GEMMs in bench/throughput.py --profile-steps
 (H200, BENCHMARKS.md); --kv-tbps: what the bf16 decode attention reads at (bench/kernel_times.py).
---gpu NAME: the data sheet's dense bf16 peak and memory bandwidth of a GPU in common.GPU_PEAKS.
+--gpu NAME: the data sheet's dense bf16 peak and memory bandwidth of a GPU in bench/configs/gpu_peaks.json.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import GPU_PEAKS, attention_flops, kv_bytes_per_token, load_hf_config, projection_params
+from common import attention_flops, gpu_peaks, kv_bytes_per_token, load_hf_config, projection_params
 from throughput import make_workload
 
 BENCH = Path(__file__).resolve().parent
@@ -57,13 +57,13 @@ def main() -> None:
     parser.add_argument("--kv-tbps", type=float, default=4.1)
     parser.add_argument(
         "--gpu",
-        choices=sorted(GPU_PEAKS),
+        choices=sorted(gpu_peaks()),
         help="the GPU's dense bf16 peak and bandwidth instead of the two above",
     )
     parser.add_argument("--target", type=float, default=12_000.0, help="output tok/s to check")
     args = parser.parse_args()
     if args.gpu:
-        args.gemm_tflops, args.kv_tbps = GPU_PEAKS[args.gpu].tflops, GPU_PEAKS[args.gpu].tbps
+        args.gemm_tflops, args.kv_tbps = gpu_peaks()[args.gpu].tflops, gpu_peaks()[args.gpu].tbps
     cfg = load_hf_config(args.config)
     requests = make_workload(
         args.num_requests, cfg["vocab_size"], args.seed, args.min_len, args.max_len, args.output_len

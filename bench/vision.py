@@ -13,7 +13,7 @@ off CUDA or without NVML); HF's TTFT and throughput on the same requests (the fi
 in batches of --hf-batch (generate, greedy); the least time the throughput run's work allows on the
 GPU (bench/vision_bound.py: FLOPs at its dense bf16 peak, decode steps' bytes at its bandwidth, at
 the engine's batch), the engine's wall over it, and the throughput ratio to HF that least time would
-give (--bound-gpu: whose peak figures, default the device's; one not in common.GPU_PEAKS is named
+give (--bound-gpu: whose peak figures, default the device's; one not in bench/configs/gpu_peaks.json is named
 and skipped). Writes vision.json (--json): the figures, the arguments and the image's and prompt's
 token counts.
 """
@@ -32,7 +32,6 @@ import numpy as np
 
 from common import (
     BENCH_DIR,
-    GPU_PEAKS,
     ROOT,
     add_engine_options,
     add_smoke_option,
@@ -40,6 +39,7 @@ from common import (
     engine_parser,
     environment,
     free_device_memory,
+    gpu_peaks,
     load_hf_config,
     print_table,
     synchronize,
@@ -232,10 +232,10 @@ def run_hf(args, requests: list, image_token_id: int) -> dict:
 def least_time_row(args, image, prompt_tokens: int, rows: dict, gpu: str) -> dict:
     """The least time of the engine's throughput run on `gpu` (its requests, image grid, prompt and
     output lengths, decode batch: --requests capped by the engine's max_num_seqs), its wall over it,
-    and the output tok/s and ratio to HF it would give; `gpu` not in GPU_PEAKS: why it is skipped."""
-    peak = GPU_PEAKS.get(gpu)
+    and the output tok/s and ratio to HF it would give; `gpu` not in bench/configs/gpu_peaks.json: why it is skipped."""
+    peak = gpu_peaks().get(gpu)
     if peak is None:
-        return {"gpu": gpu, "skipped": f"no dense bf16 peak or bandwidth for {gpu!r} in common.GPU_PEAKS"}
+        return {"gpu": gpu, "skipped": f"no dense bf16 peak or bandwidth for {gpu!r} in bench/configs/gpu_peaks.json"}
     engine = rows["engine"]
     workload = {
         "requests": engine["requests"],

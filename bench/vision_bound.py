@@ -12,9 +12,9 @@ import argparse
 from pathlib import Path
 
 from common import (
-    GPU_PEAKS,
     GpuPeak,
     attention_flops,
+    gpu_peaks,
     kv_bytes_per_token,
     load_hf_config,
     projection_params,
@@ -113,18 +113,19 @@ def least_time(cfg: dict, workload: dict, peak: GpuPeak) -> dict:
         "tflops": peak.tflops,
         "tbps": peak.tbps,
         "decode_batch": workload["decode_batch"],
-        "vision_s": round(vision_s, 3),
-        "prefill_s": round(prefill_s, 3),
-        "decode_s": round(decode, 3),
-        "least_time_s": round(seconds, 3),
-        "max_throughput_tok_s": round(requests * workload["output_tokens"] / seconds, 1),
+        # Four significant figures: a tiny model's least time is microseconds.
+        "vision_s": float(f"{vision_s:.4g}"),
+        "prefill_s": float(f"{prefill_s:.4g}"),
+        "decode_s": float(f"{decode:.4g}"),
+        "least_time_s": float(f"{seconds:.4g}"),
+        "max_throughput_tok_s": float(f"{requests * workload['output_tokens'] / seconds:.4g}"),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=BENCH / "configs" / "qwen2.5-vl-7b")
-    parser.add_argument("--gpu", choices=sorted(GPU_PEAKS), required=True)
+    parser.add_argument("--gpu", choices=sorted(gpu_peaks()), required=True)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--grid", type=int, nargs=3, default=(1, 74, 74), help="an image's patch grid (t h w)")
@@ -138,7 +139,7 @@ def main() -> None:
         "output_tokens": args.output,
         "decode_batch": args.decode_batch or args.requests,
     }
-    for key, value in least_time(load_hf_config(args.config), workload, GPU_PEAKS[args.gpu]).items():
+    for key, value in least_time(load_hf_config(args.config), workload, gpu_peaks()[args.gpu]).items():
         print(f"{key:22s}{value}")
 
 

@@ -164,7 +164,7 @@ def test_the_7b_configs_work_by_hand(bound, bench_script):
 def test_one_decode_step_is_the_slower_of_its_flops_and_its_bytes(bound, bench_script):
     common = bench_script("common")
     text = bound.text_config(common.load_hf_config(REPO / "bench" / "configs" / "qwen2.5-vl-7b"))
-    peak = common.GPU_PEAKS[H100]
+    peak = common.gpu_peaks()[H100]
     weights = 2 * (28 * (233_046_016 + 2 * 3584) + 3584 + 3584 * 152_064)  # bf16, norms, lm_head
     kv = 28 * 2 * 4 * 128 * 2  # bytes a position
     # The second output token of 256 sequences of 1435 prompt tokens: 1436 positions each.
@@ -181,7 +181,7 @@ def test_a_gpu_without_peak_figures_is_named_and_skipped(bench_script, capsys):
     row = vision.least_time_row(None, None, 0, {}, "none (cpu)")
     assert row == {
         "gpu": "none (cpu)",
-        "skipped": "no dense bf16 peak or bandwidth for 'none (cpu)' in common.GPU_PEAKS",
+        "skipped": "no dense bf16 peak or bandwidth for 'none (cpu)' in bench/configs/gpu_peaks.json",
     }
     vision.print_least_time(row, 1.0)
     assert capsys.readouterr().out == f"least time: skipped, {row['skipped']}\n"
