@@ -111,19 +111,12 @@ class System:
         )
 
     def start_processes(self) -> None:
+        # uvicorn's lifespan is left at its default (auto), as `make run` runs it: a checkout whose
+        # app answers lifespan events (every one with the /v1 gateway) starts its gateway at
+        # startup, or lazily where its handler only closes it; one whose app did not answer them
+        # would still serve, where `--lifespan on` would refuse to start.
         def server(app: str, url: str) -> list[str]:
-            return [
-                "-m",
-                "uvicorn",
-                app,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                url.rsplit(":", 1)[1],
-                "--lifespan",
-                "off",
-                "--no-access-log",
-            ]
+            return ["-m", "uvicorn", app, "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1], "--no-access-log"]
 
         self.run("web", *server("controlplane.asgi:application", self.web_url))
         if self.has_fleet_server:

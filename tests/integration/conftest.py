@@ -120,36 +120,8 @@ class Fleet:
         return process
 
     def start_control_plane(self, *, mode: str = "wb") -> None:
-        self._start(
-            "web",
-            [
-                "-m",
-                "uvicorn",
-                "controlplane.asgi:application",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--lifespan",
-                "off",
-                "--no-access-log",
-            ],
-            mode=mode,
-        )
-        self._start(
-            "fleet",
-            [
-                "-m",
-                "uvicorn",
-                "controlplane.fleet_asgi:application",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                self.fleet_url.rsplit(":", 1)[1],
-                "--no-access-log",
-            ],
-            mode=mode,
-        )
+        for name, argv in self.servers().items():
+            self._start(name, argv, mode=mode)
         self._start(
             "celery",
             [
@@ -170,6 +142,14 @@ class Fleet:
         )
         for url in (self.url, self.fleet_url):
             wait_until(lambda: self._answers(url), timeout=60, what=f"{url}/healthz", fleet=self)
+
+    def servers(self) -> dict[str, list[str]]:
+        """The web and fleet servers' command lines as `make run` has them (launcher.process_specs:
+        ASGI lifespan on, so the gateway starts with its process), without access lines."""
+        from controlplane.launcher import process_specs
+
+        specs = process_specs(host="127.0.0.1", port=self.port, fleet_port=int(self.fleet_url.rsplit(":", 1)[1]))
+        return {spec.name: [*spec.argv[1:], "--no-access-log"] for spec in specs if spec.name in ("web", "fleet")}
 
     def stop_control_plane(self) -> None:
         """Stop the web servers and Celery (worker and beat), as a restart or an upgrade would:
