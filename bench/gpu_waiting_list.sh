@@ -6,7 +6,8 @@
 #                                                    # 128K with HF and the prefill profile, the 64-bit
 #                                                    # offsets test; then 512K with the FP8 KV cache
 #   bash bench/gpu_waiting_list.sh serving           # fair share and priority classes, then shedding
-#                                                    # (the groups `fairness` and `shedding` alone)
+#                                                    # (the groups `fairness` and `shedding` alone;
+#                                                    # `fairness_classes`: interactive beside batch only)
 #   bash bench/gpu_waiting_list.sh multiturn vision int8
 #   bash bench/gpu_waiting_list.sh quant1            # batch 1, bf16 / FP8 / AWQ / INT8 (then quant512 alone)
 #   bash bench/gpu_waiting_list.sh families          # the new families' GPU tests and the MLA decode sweep
@@ -40,6 +41,10 @@ serving() {
 fairness() {
     step fairness "$(limit fairness 320)" python3 bench/fairness.py --duration "${FAIRNESS_S:-15}" \
         --plot "$RESULTS/fairness.png"
+}
+fairness_classes() {  # the fair policy's interactive beside batch, against A alone: a short call
+    step fairness-classes "$(limit fairness-classes 150)" python3 bench/fairness.py --duration "${FAIRNESS_S:-15}" \
+        --policies fair --workloads classes
 }
 shedding() {
     step shedding "$(limit shedding 240)" python3 bench/shedding.py --multiple 2 --duration "${SHEDDING_S:-20}" \
