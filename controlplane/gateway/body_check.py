@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from controlplane.gateway.image_headers import data_url_image_size
 from controlplane.gateway.replica_choice import affinity_key
 from gpuworker.contract.openai_api import (
     ChatCompletionRequest,
@@ -80,6 +81,9 @@ class CheckedBody:
     # body's other bytes are its text (replica_choice.prompt_tokens_estimate).
     image_details: tuple[str, ...] = ()
     image_url_chars: int = 0
+    # Each image part's (width, height) from its data: URL's header (image_headers), None where
+    # unknown before the replica fetches or decodes it.
+    image_dimensions: tuple[tuple[int, int] | None, ...] = ()
 
 
 def check_body(
@@ -124,4 +128,5 @@ def check_body(
         image_sizes=tuple(data_url_bytes(image.url) for image in images),
         image_details=tuple(image.detail for image in images),
         image_url_chars=sum(len(image.url) for image in images),
+        image_dimensions=tuple(data_url_image_size(image.url) for image in images),
     )

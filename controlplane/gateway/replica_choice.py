@@ -8,6 +8,12 @@ import json
 from collections.abc import Sequence
 from typing import Protocol
 
+from gpuworker.contract.image_tokens import (
+    FIXED_IMAGE_TOKENS,
+    IMAGE_PIXELS_PER_TOKEN,
+    MAX_IMAGE_TOKENS,
+    image_tokens,
+)
 from gpuworker.contract.prefix_keys import PREFIX_KEY_HEADER, prefix_key_digest
 
 
@@ -124,19 +130,19 @@ def queued_tokens(waiting: float, rate: float, routed: Sequence[tuple[float, int
 # The gateway does not tokenize: a request's text is guessed from its body's length at about four
 # bytes a token (English text; a token-id prompt's digits and commas take more).
 BODY_BYTES_PER_PROMPT_TOKEN = 4
-# An image's tokens depend on its size, known only once the replica decodes it: the gateway counts
-# the most one image can fill. Qwen2-VL's processors make a token of each 28 x 28 pixels (14-pixel
-# patches merged 2 x 2) and scale an image to at most 12,845,056 pixels (their checkpoints' max_pixels):
-# 16,384 tokens. A fixed-size encoder fills fewer (Gemma 3: 256 an image).
-IMAGE_PIXELS_PER_TOKEN = 28 * 28
-MAX_IMAGE_TOKENS = 16384
 
 
-def image_tokens_estimate(detail: str, max_image_pixels: int, low_detail_pixels: int) -> int:
-    """The prompt tokens one image part is counted as before it is decoded: the most the model's
-    processor can make of an image of the catalog's `max_image_pixels` (MAX_IMAGE_TOKENS at most),
-    or, for `detail` "low", of one scaled down to `low_detail_pixels`. An upper bound: a smaller
-    image fills fewer (its size is not known without decoding it, which the gateway does not do)."""
+def image_tokens_estimate(
+    detail: str, max_image_pixels: int, low_detail_pixels: int, size: tuple[int, int] | None = None, family: str = ""
+) -> int:
+    """The prompt tokens one image part is counted as before the replica decodes it: what the
+    model's processor makes of an image of `size` (width, height, read from its header; for
+    `detail` "low", scaled down to `low_detail_pixels` first: image_tokens.image_tokens), or,
+    when its size is not known (an http(s) URL, a header not found), the most it can make of one
+    of the catalog's `max_image_pixels` (MAX_IMAGE_TOKENS at most; `low_detail_pixels` for "low").
+    A `family` whose encoder makes a fixed number of tokens an image counts that, whatever the size."""
+    if size is not None or family in FIXED_IMAGE_TOKENS:
+        return image_tokens(*(size or (1, 1)), detail, low_detail_pixels, family)
     pixels = min(max_image_pixels, low_detail_pixels) if detail == "low" else max_image_pixels
     return min(MAX_IMAGE_TOKENS, -(-pixels // IMAGE_PIXELS_PER_TOKEN))
 

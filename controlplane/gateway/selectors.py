@@ -91,6 +91,8 @@ class ModelRoute:
     max_image_bytes: int = 20 << 20
     max_image_pixels: int = 8192 * 8192
     low_detail_pixels: int = 512 * 512
+    # The checkpoint's family (config.json's model_type): some make a fixed number of tokens an image.
+    family: str = ""
     # The deployment's TTFT objective: a request predicted to wait longer is shed; None: never.
     ttft_objective_s: float | None = None
 
@@ -106,12 +108,12 @@ class ModelRoute:
     def prompt_tokens_estimate(self, body_bytes: int, checked: CheckedBody) -> int:
         """The prompt tokens a request of `body_bytes` bytes, `checked`, is routed as
         (replica_choice.prompt_tokens_estimate): the bytes other than its images' URLs as text, and
-        each image as the most tokens the model makes of one (of one at low_detail_pixels for
-        detail "low"; replica_choice.image_tokens_estimate), since its size is not known before the
-        replica decodes it."""
+        each image as the tokens the model makes of one of its size, read from its data: URL's
+        header, or of the largest it takes where the size is not known before the replica fetches
+        or decodes it (replica_choice.image_tokens_estimate)."""
         images = sum(
-            image_tokens_estimate(detail, self.max_image_pixels, self.low_detail_pixels)
-            for detail in checked.image_details
+            image_tokens_estimate(detail, self.max_image_pixels, self.low_detail_pixels, size, self.family)
+            for detail, size in zip(checked.image_details, checked.image_dimensions, strict=True)
         )
         return prompt_tokens_estimate(max(0, body_bytes - checked.image_url_chars), images)
 
@@ -203,6 +205,7 @@ def routing_table() -> dict[str, ModelRoute]:
             "max_image_pixels",
             "low_detail_pixels",
             "deployment__ttft_slo_ms",
+            "family",
         )
     )
     largest = {size: largest_replica_bytes(slots=slots, tensor_parallel_size=size) for size in {m[8] for m in models}}
@@ -230,6 +233,7 @@ def routing_table() -> dict[str, ModelRoute]:
             max_image_bytes=max_image_bytes,
             max_image_pixels=max_image_pixels,
             low_detail_pixels=low_detail_pixels,
+            family=family,
             ttft_objective_s=None if ttft_slo_ms is None else ttft_slo_ms / 1000,
         )
         for (
@@ -247,6 +251,7 @@ def routing_table() -> dict[str, ModelRoute]:
             max_image_pixels,
             low_detail_pixels,
             ttft_slo_ms,
+            family,
         ) in models
     }
 

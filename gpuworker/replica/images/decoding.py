@@ -7,11 +7,11 @@ to the low-detail budget. Runs in the pool's worker processes."""
 from __future__ import annotations
 
 import io
-import math
 from typing import Any, Callable
 
 from PIL import Image, UnidentifiedImageError
 
+from gpuworker.contract.image_tokens import low_detail_size
 from gpuworker.replica.images import DEFAULT_LOW_DETAIL_PIXELS
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -52,14 +52,9 @@ def at_detail(image: Image.Image, detail: str, low_detail_pixels: int) -> Image.
     """The image a part's `detail` asks for: for "low", scaled down (aspect kept, bicubic) to at most
     low_detail_pixels pixels; otherwise, or when it is already that small, the image itself (the
     model's processor then picks the resolution)."""
-    width, height = image.size
-    if detail != "low" or width * height <= low_detail_pixels:
+    size = low_detail_size(*image.size, low_detail_pixels) if detail == "low" else image.size
+    if size == image.size:
         return image
-    scale = math.sqrt(low_detail_pixels / (width * height))
-    # Whole pixels, an exact scale's kept whole despite rounding (1024 x 1024 at 512 x 512: 0.5).
-    size = (max(1, math.floor(width * scale + 1e-6)), max(1, math.floor(height * scale + 1e-6)))
-    if size[0] * size[1] > low_detail_pixels:
-        size = (max(1, math.floor(width * scale)), max(1, math.floor(height * scale)))
     return image.resize(size, Image.Resampling.BICUBIC)
 
 

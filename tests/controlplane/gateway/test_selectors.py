@@ -184,8 +184,10 @@ def test_a_requests_images_are_routed_as_the_models_image_tokens_not_as_their_ur
 
     text = routed_as()
     photo = "data:image/png;base64," + base64.b64encode(bytes(1 << 20)).decode()  # 1 MB, 1.4 MB as base64
-    # Each image is the most tokens the model makes of one (its part's JSON adds a few as text),
-    # whatever its URL's length: a data: URL's base64 is not text, nor is an http URL nothing.
+    # An image whose size is not known before the replica fetches or decodes it (an http URL, a
+    # data: URL without an image header) is the most tokens the model makes of one (its part's JSON
+    # adds a few as text), whatever its URL's length: a data: URL's base64 is not text, nor is an
+    # http URL nothing.
     for image, tokens in (
         ({"url": photo}, 1338),
         ({"url": "https://example.com/cat.png"}, 1338),
@@ -194,3 +196,90 @@ def test_a_requests_images_are_routed_as_the_models_image_tokens_not_as_their_ur
     ):
         assert tokens <= routed_as(image) - text <= tokens + 16, image
     assert 2 * 1338 + 335 <= routed_as({"url": photo}, {"url": photo}, {"url": photo, "detail": "low"}) - text
+
+
+def _vision_route(**fields):
+    from decimal import Decimal
+
+    from controlplane.gateway.selectors import ModelRoute
+
+    return ModelRoute(
+        model_id=1,
+        public_name="eyes",
+        kind="vision",
+        price_per_request=Decimal("0.01"),
+        created=0,
+        context_length=32768,
+        max_request_bytes=64 << 20,
+        ready=(),
+        loading=False,
+        **fields,
+    )
+
+
+def _image_tokens_routed(model, image: dict) -> int:
+    """The prompt tokens a chat request's image part is routed as: the request's, less the same
+    request's without it."""
+    import json
+
+    from controlplane.gateway.body_check import check_body
+    from gpuworker.contract.openai_api import ChatCompletionRequest
+
+    def routed_as(*images: dict) -> int:
+        content = [{"type": "text", "text": "Describe it. " * 100}]
+        content += [{"type": "image_url", "image_url": image} for image in images]
+        raw = json.dumps({"model": "eyes", "messages": [{"role": "user", "content": content}]}).encode()
+        checked = check_body(raw, ChatCompletionRequest, 64, {})
+        assert checked.error is None
+        return model.prompt_tokens_estimate(len(raw), checked)
+
+    return routed_as(image) - routed_as()
+
+
+def _photo_url(fmt: str, size: tuple[int, int]) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.effect_noise(size, 64).convert("RGB").save(out, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(out.getvalue()).decode()}"
+
+
+def test_a_data_url_image_is_routed_as_the_tokens_the_replica_makes_of_its_size():
+    from gpuworker.contract.image_tokens import image_tokens
+
+    model = _vision_route()  # the catalog's defaults: 8192 x 8192 pixels at most an image
+    # 1024 x 1024: 37 x 37 tokens of 28 x 28 pixels, as the replica's preprocessing makes them
+    # (tests/gpuworker/contract/test_image_tokens.py), not the 16,384 of the largest image.
+    assert image_tokens(1024, 1024, "auto", model.low_detail_pixels) == 1369
+    for fmt in ("PNG", "JPEG"):
+        photo = _photo_url(fmt, (1024, 1024))
+        assert 1369 <= _image_tokens_routed(model, {"url": photo}) <= 1369 + 16, fmt
+        assert 324 <= _image_tokens_routed(model, {"url": photo, "detail": "low"}) <= 324 + 16, fmt
+    wide = _photo_url("PNG", (1920, 1080))
+    assert 0 <= _image_tokens_routed(model, {"url": wide}) - image_tokens(1920, 1080, "auto", 512 * 512) <= 16
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://example.com/cat.png",  # its size is known only once the replica fetches it
+        "data:image/png;base64," + "A" * 4000,  # no image header
+        _photo_url("PNG", (1024, 1024))[:40],  # cut inside the header
+        "data:image/jpeg;base64,/9j/" + "@@@@" * 100,  # not base64
+    ],
+)
+def test_an_image_of_unknown_size_is_routed_as_the_largest_the_model_takes(url):
+    from gpuworker.contract.image_tokens import MAX_IMAGE_TOKENS
+
+    tokens = _image_tokens_routed(_vision_route(), {"url": url})
+    assert MAX_IMAGE_TOKENS <= tokens <= MAX_IMAGE_TOKENS + 16
+    assert 335 <= _image_tokens_routed(_vision_route(), {"url": url, "detail": "low"}) <= 335 + 16
+
+
+def test_a_model_with_a_fixed_count_an_image_routes_every_image_as_that_count():
+    gemma = _vision_route(family="gemma3")
+    for url in ("https://example.com/cat.png", _photo_url("PNG", (1024, 1024))):
+        assert 256 <= _image_tokens_routed(gemma, {"url": url}) <= 256 + 16, url
