@@ -39,22 +39,23 @@ def low_detail_size(width: int, height: int, low_detail_pixels: int) -> tuple[in
 
 
 def resized_size(
-    width: int, height: int, factor: int = TOKEN_SIDE, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
+    width: int, height: int, side: int = TOKEN_SIDE, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
 ) -> tuple[int, int]:
-    """The size Qwen2-VL's image processor scales an image to (its smart_resize): each side a
-    multiple of `factor`, nearest the image's, then scaled as a whole into [min_pixels, max_pixels]
-    with the aspect kept as closely as whole tokens allow."""
-    w_bar = round(width / factor) * factor
-    h_bar = round(height / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return w_bar, h_bar
+    """The size Qwen2-VL's image processor scales an image to: whole tokens of `side` pixels, as
+    many across and down as nearest the image's own sides; then, if that area falls outside
+    [min_pixels, max_pixels], the image is scaled as a whole to fit and its sides rounded to whole
+    tokens (down when shrinking, up when growing), the aspect kept as closely as they allow."""
+    across, down = round(width / side), round(height / side)
+    area = across * down * side * side
+    if area > max_pixels:
+        shrink = math.sqrt(width * height / max_pixels)
+        across = max(1, math.floor(width / shrink / side))
+        down = max(1, math.floor(height / shrink / side))
+    elif area < min_pixels:
+        grow = math.sqrt(min_pixels / (width * height))
+        across = math.ceil(width * grow / side)
+        down = math.ceil(height * grow / side)
+    return across * side, down * side
 
 
 def image_tokens(width: int, height: int, detail: str, low_detail_pixels: int, family: str = "") -> int:
@@ -66,5 +67,5 @@ def image_tokens(width: int, height: int, detail: str, low_detail_pixels: int, f
         return fixed
     if detail == "low":
         width, height = low_detail_size(width, height, low_detail_pixels)
-    w_bar, h_bar = resized_size(width, height)
-    return min(MAX_IMAGE_TOKENS, (w_bar // TOKEN_SIDE) * (h_bar // TOKEN_SIDE))
+    resized_width, resized_height = resized_size(width, height)
+    return min(MAX_IMAGE_TOKENS, (resized_width // TOKEN_SIDE) * (resized_height // TOKEN_SIDE))
