@@ -209,6 +209,7 @@ def run(args, policy: str, arrivals: list[Arrival], quiet: str) -> dict:
     release(engine)
     free_device_memory(args.device)
     window = min(args.duration, ended)
+    in_window = [served for at, served in timeline if at <= args.duration]
     per_tenant = {}
     for tenant in tenants:
         mine = [a for a in arrivals if a.tenant == tenant and a.at_s <= args.duration]
@@ -219,6 +220,9 @@ def run(args, policy: str, arrivals: list[Arrival], quiet: str) -> dict:
             "ttft_p50_s": percentile(waits, 50),
             "ttft_p99_s": percentile(waits, 99),
             "output_tok_s": tokens_in_window.get(tenant, 0) / window,
+            # What its arrivals ask for and what it got, in the scheduler's weighted tokens.
+            "offered_weighted_tokens": sum(_weighted(len(a.prompt), a.max_tokens) for a in mine),
+            "served_weighted_tokens": in_window[-1].get(tenant, 0.0) if in_window else 0.0,
         }
     return {
         "policy": policy,
@@ -235,6 +239,13 @@ def run(args, policy: str, arrivals: list[Arrival], quiet: str) -> dict:
         "preemptions": preemptions,
         "limits": limits,
     }
+
+
+def _weighted(prompt_tokens: int, output_tokens: int) -> float:
+    """A request's whole cost as the fair scheduler counts it (engine.fair_share's costs)."""
+    from gpuworker.engine.fair_share import INPUT_TOKEN_COST, OUTPUT_TOKEN_COST
+
+    return INPUT_TOKEN_COST * prompt_tokens + OUTPUT_TOKEN_COST * output_tokens
 
 
 def _served(engine) -> dict[str, float]:
@@ -292,6 +303,7 @@ def figures(runs: dict) -> dict[str, str]:
         two = runs.get(f"two tenants, {policy}")
         if two:
             out[f"{policy}: A TTFT p99 / alone"] = f"{two['tenants']['A']['ttft_p99_s'] / alone:.2f}x (goal <= 1.5x)"
+            out[f"{policy}: A's demand / half the service"] = _demand_over_half(two)
             out[f"{policy}: Jain's index"] = f"{two['jain_index']:.3f} (goal >= 0.95)" if two["jain_index"] else "-"
         beside = runs.get(f"interactive + batch, {policy}")
         if beside:
@@ -301,6 +313,17 @@ def figures(runs: dict) -> dict[str, str]:
         fair, fcfs = runs["two tenants, fair"]["output_tok_s"], runs["two tenants, fcfs"]["output_tok_s"]
         out["fair / fcfs total output tok/s"] = f"{fair / fcfs:.3f} (goal >= 0.95)"
     return out
+
+
+def _demand_over_half(two: dict) -> str:
+    """A's arrivals' weighted tokens over half of what both tenants were served in the window: above
+    1, equal shares cannot serve A at its rate, whatever the scheduler (the window is too short for a
+    steady state, or A's rate is above half the capacity)."""
+    tenants = two["tenants"]
+    if "offered_weighted_tokens" not in tenants["A"]:  # results written before these were kept
+        return "-"
+    half = sum(t["served_weighted_tokens"] for t in tenants.values()) / 2
+    return f"{tenants['A']['offered_weighted_tokens'] / half:.2f} (above 1: A's share cannot keep up)" if half else "-"
 
 
 def plot(result: dict, path: Path) -> None:

@@ -44,6 +44,9 @@ def test_the_cpu_run_reports_both_policies_with_a_plot(tmp_path):
         "interactive + batch, fair",
     }
     assert set(result["runs"]["two tenants, fair"]["tenants"]) == {"A", "B"}
+    a = result["runs"]["two tenants, fair"]["tenants"]["A"]
+    assert a["offered_weighted_tokens"] >= a["requests"] * (8 + 2 * 2)  # prompts of 8+, 2+ tokens out
+    assert "fair: A's demand / half the service" in result["figures"]
     assert set(result["runs"]["interactive + batch, fcfs"]["tenants"]) == {"interactive", "batch"}
     assert result["capacity_requests_per_s"] > 0
     assert (out / "fair.png").stat().st_size > 0
