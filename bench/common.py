@@ -621,6 +621,129 @@ class Timer:
         self.elapsed = time.perf_counter() - self.start
 
 
+class Profiled:
+    """torch.profiler over a window (CPU ops, and the kernels on a CUDA device) and its wall time,
+    the work queued on the device within it included; `with Profiled(device) as p:` or start/stop."""
+
+    def __init__(self, device: str) -> None:
+        self.on_device = device.startswith("cuda")
+        self.device = device
+        self.profiler = None
+        self.wall_s = 0.0
+        self._started = 0.0
+
+    def start(self) -> Profiled:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_device else [])
+        synchronize(self.device)
+        self.profiler = profile(activities=activities)
+        self.profiler.start()
+        self._started = time.perf_counter()
+        return self
+
+    def stop(self) -> None:
+        synchronize(self.device)
+        self.wall_s = time.perf_counter() - self._started
+        self.profiler.stop()
+
+    __enter__ = start
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def top_kernels(self, count: int | None, host: bool = False) -> list[tuple[str, float, int]]:
+        """(name, seconds, calls) of the kernels with the most device time, largest first (None: all);
+        on the CPU or with `host`, of the ops with the most host self time. Profiler ranges (user
+        annotations) are no kernels."""
+        key = "self_cpu_time_total" if host or not self.on_device else "self_device_time_total"
+        timed = [
+            (e.key, getattr(e, key) / 1e6, e.count)
+            for e in self.profiler.key_averages()
+            if getattr(e, key) > 0 and not getattr(e, "is_user_annotation", False)
+        ]
+        return sorted(timed, key=lambda row: -row[1])[:count]
+
+    def phases(self, ranges: dict[str, str]) -> dict:
+        """Where the window's wall time went by phase: `ranges` maps a record_function name to its
+        phase, and the innermost range around a piece of work names its phase. Per phase the
+        device time of the kernels launched inside it (on the CPU: the host time inside it, less
+        the nested ranges'), its share of the wall, and its host time; "outside the ranges" holds
+        the kernels launched elsewhere, "host gaps" the wall time the device ran nothing (on the
+        CPU: the time outside every range)."""
+        from torch.autograd import DeviceType
+
+        events = [e for e in self.profiler.events() if e.device_type == DeviceType.CPU]
+        host = _range_seconds(events, ranges)
+        seconds = _kernel_seconds(events, ranges) if self.on_device else dict(host)
+        busy = _busy_seconds(self.profiler.events()) if self.on_device else sum(seconds.values())
+        names = [*dict.fromkeys(ranges.values())] + ([OUTSIDE_RANGES] if self.on_device else [])
+        table = {
+            name: {
+                "s": round(seconds.get(name, 0.0), 4),
+                "share": round(seconds.get(name, 0.0) / self.wall_s, 4),
+                "host_s": round(host.get(name, 0.0), 4),
+            }
+            for name in names
+        }
+        gaps = max(0.0, self.wall_s - busy)
+        table[HOST_GAPS] = {"s": round(gaps, 4), "share": round(gaps / self.wall_s, 4), "host_s": None}
+        return {"wall_s": round(self.wall_s, 4), "device_busy_s": round(busy, 4), "phases": table}
+
+
+OUTSIDE_RANGES = "outside the ranges"
+HOST_GAPS = "host gaps"
+
+
+def _phase_of(event, ranges: dict[str, str]) -> str:
+    """The phase of the innermost range around `event` (itself included)."""
+    while event is not None:
+        if event.name in ranges:
+            return ranges[event.name]
+        event = event.cpu_parent
+    return OUTSIDE_RANGES
+
+
+def _kernel_seconds(events: list, ranges: dict[str, str]) -> dict[str, float]:
+    """Per phase, the device time of the kernels the host events launched."""
+    seconds: dict[str, float] = {}
+    for event in events:
+        if event.kernels:
+            phase = _phase_of(event, ranges)
+            seconds[phase] = seconds.get(phase, 0.0) + sum(k.duration for k in event.kernels) / 1e6
+    return seconds
+
+
+def _range_seconds(events: list, ranges: dict[str, str]) -> dict[str, float]:
+    """Per phase, the host time inside its ranges less the ranges nested in them."""
+    seconds: dict[str, float] = {}
+    for event in events:
+        if event.name not in ranges:
+            continue
+        phase, elapsed = ranges[event.name], event.cpu_time_total / 1e6
+        seconds[phase] = seconds.get(phase, 0.0) + elapsed
+        outer = _phase_of(event.cpu_parent, ranges)
+        if outer != OUTSIDE_RANGES:
+            seconds[outer] = seconds.get(outer, 0.0) - elapsed
+    return seconds
+
+
+def _busy_seconds(events) -> float:
+    """The union of the device's kernel and copy intervals (profiler ranges on the device left out)."""
+    from torch.autograd import DeviceType
+
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+    )
+    busy, end = 0.0, float("-inf")
+    for start, stop in intervals:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy / 1e6
+
+
 def print_table(title: str, rows: list[tuple[str, str]]) -> None:
     width = max(len(k) for k, _ in rows)
     print(f"\n== {title} ==")

@@ -26,6 +26,7 @@ import time
 import torch
 
 from common import (
+    Profiled,
     Timer,
     add_engine_options,
     add_kv_cache_dtype_option,
@@ -56,7 +57,7 @@ def make_workload(num_requests: int, vocab: int, seed: int, lo: int, hi: int, ou
 
 
 def run_engine(engine, requests, profile_steps: tuple[int, int] | None = None, mode: str = "greedy") -> dict:
-    profiler = None
+    profiler: Profiled | None = None
 
     # Per step: wall time of the step() call, and what the step it completed ran.
     trace: list[tuple[float, int, int]] = []
@@ -106,23 +107,16 @@ def run_engine(engine, requests, profile_steps: tuple[int, int] | None = None, m
     }
 
 
-def start_profiler():
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    profiler.start()
-    profiler.wall_start = time.perf_counter()
-    return profiler
+def start_profiler() -> Profiled:
+    return Profiled("cuda").start()
 
 
-def report_profile(profiler, steps: int) -> None:
+def report_profile(profiled: Profiled, steps: int) -> None:
     """GPU busy time against wall time over a window of steps, and the largest kernels."""
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - profiler.wall_start
-    profiler.stop()
-    events = [e for e in profiler.key_averages() if e.self_device_time_total > 0]
-    busy = sum(e.self_device_time_total for e in events) / 1e6
+    profiled.stop()
+    wall = profiled.wall_s
+    kernels = profiled.top_kernels(None)
+    busy = sum(seconds for _, seconds, _ in kernels)
     rows = [
         (
             f"{steps} steps",
@@ -130,12 +124,11 @@ def report_profile(profiler, steps: int) -> None:
             f"({100 * busy / wall:.0f}%)",
         )
     ]
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
-        rows.append((e.key[:60], f"{e.self_device_time_total / 1e3 / steps:.3f} ms/step x{e.count / steps:.0f}"))
-    host = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:10]
+    for name, seconds, calls in kernels[:14]:
+        rows.append((name[:60], f"{1e3 * seconds / steps:.3f} ms/step x{calls / steps:.0f}"))
     rows += [
-        (f"host: {e.key[:54]}", f"{e.self_cpu_time_total / 1e3 / steps:.3f} ms/step x{e.count / steps:.0f}")
-        for e in host
+        (f"host: {name[:54]}", f"{1e3 * seconds / steps:.3f} ms/step x{calls / steps:.0f}")
+        for name, seconds, calls in profiled.top_kernels(10, host=True)
     ]
     print_table("profiled window", rows)
 

@@ -16,10 +16,19 @@ the engine's batch), the engine's wall over it, and the throughput ratio to HF t
 give (--bound-gpu: whose peak figures, default the device's; one not in bench/configs/gpu_peaks.json is named
 and skipped). Writes vision.json (--json): the figures, the arguments and the image's and prompt's
 token counts.
+
+--profile runs the throughput run under torch.profiler (which slows it) and prints where its wall
+time went by phase: the vision encoder (tower and merger), the LLM's prefill steps, its decode steps
+(the engine's record_function ranges, engine.model_runner), kernels launched outside them, and the
+host gaps, the wall time the GPU ran nothing; per phase the GPU time of its kernels, its share of the
+wall and the host time inside it (on the CPU the host time is the phase's time and the gaps are the
+time outside the phases), then the top --profile-kernels kernels (ops on the CPU) by total time.
+vision.json has it under "profile".
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import sys
@@ -32,7 +41,9 @@ import numpy as np
 
 from common import (
     BENCH_DIR,
+    HOST_GAPS,
     ROOT,
+    Profiled,
     add_engine_options,
     add_smoke_option,
     dummy_engine,
@@ -168,14 +179,47 @@ def run_engine(args, requests: list) -> dict:
         ttfts.append(time.perf_counter() - started)
     params = SamplingParams(temperature=0.0, max_tokens=args.output, ignore_eos=True)
     work = requests[1 + args.ttft_runs :][: args.requests]
-    with BusySampler(args.device) as sampler:
+    profiled = Profiled(args.device) if args.profile else contextlib.nullcontext()
+    with BusySampler(args.device) as sampler, profiled:
         started = time.perf_counter()
         outputs = engine.generate([ids for _, ids in work], params, images=[[image] for image, _ in work])
         elapsed = time.perf_counter() - started
     tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     engine.shutdown()
     row = _row(ttfts[1:], len(work), tokens, elapsed)
-    return row | {"gpu_busy": sampler.busy, "max_num_seqs": engine.config.max_num_seqs}
+    row |= {"gpu_busy": sampler.busy, "max_num_seqs": engine.config.max_num_seqs}
+    if args.profile:
+        row["profile"] = profile_row(profiled, args.profile_kernels)
+    return row
+
+
+def profile_row(profiled: Profiled, kernels: int) -> dict:
+    """The throughput run's phases (Profiled.phases over the engine's ranges) and its top kernels."""
+    from gpuworker.engine.model_runner import DECODE_STEP_RANGE, PREFILL_STEP_RANGE, VISION_ENCODER_RANGE
+
+    ranges = {
+        VISION_ENCODER_RANGE: "vision encoder",
+        PREFILL_STEP_RANGE: "prefill steps",
+        DECODE_STEP_RANGE: "decode steps",
+    }
+    top = [
+        {"name": name, "s": round(seconds, 4), "calls": calls} for name, seconds, calls in profiled.top_kernels(kernels)
+    ]
+    return profiled.phases(ranges) | {"device": "cuda" if profiled.on_device else "cpu", "top_kernels": top}
+
+
+def print_profile(profile: dict) -> None:
+    """The phases' seconds and shares of the wall, then the top kernels."""
+    timed = "GPU" if profile["device"] == "cuda" else "host"
+    rows = [("wall", f"{profile['wall_s']:.3f} s, {timed} busy {profile['device_busy_s']:.3f} s")]
+    for name, phase in profile["phases"].items():
+        host = "" if name == HOST_GAPS else f" (host {phase['host_s']:.3f} s)"
+        rows.append((name, f"{phase['s']:.3f} s, {100 * phase['share']:.1f}% of wall{host}"))
+    print_table(f"where the throughput run's {timed} time went (profiled)", rows)
+    print_table(
+        f"top {len(profile['top_kernels'])} {'kernels' if timed == 'GPU' else 'ops'} by total time",
+        [(k["name"][:70], f"{k['s']:.4f} s x{k['calls']}") for k in profile["top_kernels"]],
+    )
 
 
 def _row(ttfts: list[float], requests: int, tokens: int, elapsed: float) -> dict:
@@ -278,6 +322,10 @@ def main() -> None:
         "--hf-requests", type=int, default=None, help="HF's throughput over the first N requests (default: all)"
     )
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="the throughput run under torch.profiler: time by phase, top kernels"
+    )
+    parser.add_argument("--profile-kernels", type=int, default=15, help="how many kernels --profile lists")
     parser.add_argument("--bound-gpu", default=None, help="the GPU whose peaks give the least time (default: this one)")
     add_smoke_option(parser)
     parser.add_argument("--json", default="vision", help="result file name under bench/results (or $OUT)")
@@ -299,7 +347,9 @@ def main() -> None:
         rows["hf"] = run_hf(args, requests, tokens[1])
     print(f"preprocessing: {rate:.1f} images/s on one core ({args.image_size} px, {inputs[0].num_tokens} tokens)")
     for name, row in rows.items():
-        print_table(name, [(key, str(value)) for key, value in row.items()])
+        print_table(name, [(key, str(value)) for key, value in row.items() if key != "profile"])
+    if args.profile:
+        print_profile(rows["engine"]["profile"])
     if "hf" in rows:
         print(f"throughput vs HF: {rows['engine']['throughput_tok_s'] / rows['hf']['throughput_tok_s']:.1f}x")
     env = environment()
@@ -315,6 +365,7 @@ def main() -> None:
         "preprocess_images_s_per_core": round(rate, 2),
         "runs": rows,
         "least_time": bound,
+        "profile": rows["engine"].pop("profile", None),
     }
     if args.json:
         write_json(args.json, result)

@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from gpuworker.attention.backend import AttentionMetadata
 from gpuworker.engine.block_tables import BlockTables
@@ -39,6 +40,13 @@ from gpuworker.engine.scheduler import ScheduledBatch
 from gpuworker.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from gpuworker.engine.sizing import MAX_ENCODER_PATCHES, image_cache_tokens
 from gpuworker.models.config import ModelConfig
+
+# torch.profiler ranges at the step's phase boundaries (bench/vision.py --profile attributes device
+# time by them; a range costs a few microseconds when no profiler runs). A vision encoder call runs
+# inside a prefill step's range: the innermost range names the phase.
+PREFILL_STEP_RANGE = "engine: prefill step"
+DECODE_STEP_RANGE = "engine: decode step"
+VISION_ENCODER_RANGE = "engine: vision encoder"
 
 
 class RankWorkers(Protocol):
@@ -281,6 +289,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch(self, batch: ScheduledBatch, previous: StepHandle | None, defer_sampling: bool) -> StepHandle:
+        with record_function(DECODE_STEP_RANGE if batch.num_decode_seqs == len(batch.seqs) else PREFILL_STEP_RANGE):
+            return self._launch_step(batch, previous, defer_sampling)
+
+    def _launch_step(self, batch: ScheduledBatch, previous: StepHandle | None, defer_sampling: bool) -> StepHandle:
         host = self.host_inputs(batch)
         sample_seqs = [entry.seq for entry in batch.seqs if entry.samples]
         sampling_meta = (
@@ -543,8 +555,9 @@ class ModelRunner:
                 missing[part.image.content_hash] = part.image
         fresh: dict[str, torch.Tensor] = {}
         for group in encoder_batches(list(missing.values()), self.model_config.vision.patch_values):
-            pixels = torch.cat([image.pixel_values for image in group]).to(self.device, non_blocking=True)
-            encoded = self.model.encode_images(pixels, [image.grid_thw for image in group])
+            with record_function(VISION_ENCODER_RANGE):
+                pixels = torch.cat([image.pixel_values for image in group]).to(self.device, non_blocking=True)
+                encoded = self.model.encode_images(pixels, [image.grid_thw for image in group])
             for image, embeds in zip(group, encoded.split([image.num_tokens for image in group])):
                 cache.put(image.content_hash, embeds)
                 fresh[image.content_hash] = embeds

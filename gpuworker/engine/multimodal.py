@@ -230,24 +230,34 @@ def step_images(entries: list, query_start_loc: np.ndarray) -> list[ImageSlice]:
 
 def step_rotary_positions(entries: list, positions: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray | None:
     """The rotary positions of a step's tokens where a request has multimodal ones: [T] if every
-    token's three rows agree (decodes: position + delta), else [3, T]; None without such requests."""
-    rows = None
-    for i, entry in enumerate(entries):
-        mm = entry.seq.group.multimodal
-        if mm is None or mm.rotary_positions is None:
-            continue
-        if rows is None:
-            rows = np.broadcast_to(positions, (3, len(positions))).copy()
-        q0, q1 = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        seq_positions = positions[q0:q1]
-        in_prompt = seq_positions < mm.rotary_positions.shape[1]
-        rows[:, q0:q1] = np.where(
-            in_prompt,
-            mm.rotary_positions[:, np.minimum(seq_positions, mm.rotary_positions.shape[1] - 1)],
-            seq_positions + mm.rotary_delta,
-        )
-    if rows is None:
+    token's three rows agree (decodes: position + delta), else [3, T]; None without such requests.
+    Tokens past their prompt (every decode) are set for the whole step at once; only the entries
+    with prompt tokens (prefill chunks) read their request's table."""
+    owners = [(i, entry.seq.group.multimodal) for i, entry in enumerate(entries)]
+    owners = [(i, mm) for i, mm in owners if mm is not None and mm.rotary_positions is not None]
+    if not owners:
         return None
+    rows = np.broadcast_to(positions, (3, len(positions))).copy()
+    index = np.fromiter((i for i, _ in owners), np.int64, len(owners))
+    widths = np.fromiter((mm.rotary_positions.shape[1] for _, mm in owners), np.int64, len(owners))
+    deltas = np.fromiter((mm.rotary_delta for _, mm in owners), np.int64, len(owners))
+    starts, lengths = query_start_loc[index], query_start_loc[index + 1] - query_start_loc[index]
+    tokens = np.arange(lengths.sum()) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    past = positions[tokens] >= np.repeat(widths, lengths)
+    rows[:, tokens[past]] = positions[tokens[past]] + np.repeat(deltas, lengths)[past]
+    for (i, mm), start, width in zip(owners, starts.tolist(), widths.tolist()):
+        if positions[start] < width:  # prompt tokens (a token's position grows along its entry)
+            _prompt_rotary(rows, positions, int(query_start_loc[i]), int(query_start_loc[i + 1]), mm)
     if (rows[0] == rows[1]).all() and (rows[0] == rows[2]).all():
         return rows[0].copy()
     return rows
+
+
+def _prompt_rotary(rows: np.ndarray, positions: np.ndarray, q0: int, q1: int, mm) -> None:
+    """rows[:, q0:q1] of one entry with prompt tokens: its table's, or position + delta past it."""
+    seq_positions = positions[q0:q1]
+    table = mm.rotary_positions
+    in_prompt = seq_positions < table.shape[1]
+    rows[:, q0:q1] = np.where(
+        in_prompt, table[:, np.minimum(seq_positions, table.shape[1] - 1)], seq_positions + mm.rotary_delta
+    )

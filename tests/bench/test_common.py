@@ -38,3 +38,28 @@ def test_a_bench_server_keeps_the_machines_extra_package_folders(tmp_path, monke
     assert child.wait(timeout=60) == 0
     printed = log.read_text()
     assert str(extra) in printed and str(ROOT) in printed
+
+
+def test_a_profiled_window_gives_each_piece_of_work_to_its_innermost_range(common):
+    import torch
+    from torch.profiler import record_function
+
+    x = torch.randn(64, 64)
+    with common.Profiled("cpu") as profiled:
+        with record_function("outer"):
+            x @ x
+            with record_function("inner"):
+                x @ x
+        x @ x  # outside every range: the CPU's "host gaps"
+    events = {e.name: e.cpu_time_total / 1e6 for e in profiled.profiler.events() if e.name in ("outer", "inner")}
+    result = profiled.phases({"outer": "a", "inner": "b"})
+    phases = result["phases"]
+    assert list(phases) == ["a", "b", common.HOST_GAPS]
+    assert phases["b"]["s"] == pytest.approx(events["inner"], abs=1e-4)
+    assert phases["a"]["s"] == pytest.approx(events["outer"] - events["inner"], abs=1e-4)
+    assert phases["a"]["s"] == phases["a"]["host_s"]
+    assert phases["a"]["share"] == pytest.approx((events["outer"] - events["inner"]) / profiled.wall_s, abs=1e-3)
+    gaps = phases[common.HOST_GAPS]["s"]
+    assert gaps > 0 and gaps == pytest.approx(result["wall_s"] - events["outer"], abs=1e-3)
+    names = [name for name, _, _ in profiled.top_kernels(None)]
+    assert "aten::mm" in names and "outer" not in names and "inner" not in names  # ranges are no kernels

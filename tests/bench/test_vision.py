@@ -51,6 +51,34 @@ def test_the_smoke_run_serves_images_through_the_engine_and_hf(tmp_path):
     assert f"least time {bound['least_time_s']} s: the engine's {engine['wall_s']} s wall is " in out.stdout
 
 
+@pytest.mark.slow
+def test_the_profiled_smoke_run_says_where_the_time_went_by_phase(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "bench/vision.py", "--smoke", "--profile", "--skip-hf", "--profile-kernels", "5"],
+        cwd=REPO,
+        env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    profile = json.loads((tmp_path / "vision.json").read_text())["profile"]
+    assert profile["device"] == "cpu"
+    phases = profile["phases"]
+    # The engine's ranges: each phase ran some of the throughput run, and the phases and the gaps
+    # outside them make up its wall.
+    assert list(phases) == ["vision encoder", "prefill steps", "decode steps", "host gaps"]
+    for name in ("vision encoder", "prefill steps", "decode steps"):
+        assert phases[name]["s"] > 0 and phases[name]["share"] > 0, name
+    total = sum(phase["s"] for phase in phases.values())
+    assert total == pytest.approx(profile["wall_s"], abs=2e-3)
+    assert len(profile["top_kernels"]) == 5 and all(k["name"].startswith("aten::") for k in profile["top_kernels"])
+    assert "== where the throughput run's host time went (profiled) ==" in out.stdout
+    assert "== top 5 ops by total time ==" in out.stdout
+    for name in phases:
+        assert f"\n{name}" in out.stdout and "% of wall" in out.stdout
+
+
 def test_the_busy_share_is_none_off_cuda(bench_script):
     vision = bench_script("vision")
     with vision.BusySampler("cpu") as sampler:

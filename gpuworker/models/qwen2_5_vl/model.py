@@ -37,8 +37,9 @@ class MultimodalRotary(RotaryEmbedding):
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [3, T] -> each token's cos and sin [T, rot_dim // 2] (float32, as the caches)."""
-        rows = torch.repeat_interleave(
-            torch.arange(3, device=positions.device), torch.tensor(self.section, device=positions.device)
+        # Filled on the device: a host tensor would be a copy the host waits for, every step.
+        rows = torch.cat(
+            [torch.full((n,), i, dtype=torch.long, device=positions.device) for i, n in enumerate(self.section)]
         )
         per_pair = positions[rows].T  # [T, rot_dim / 2]: each pair's position
         pairs = torch.arange(per_pair.shape[1], device=positions.device)
