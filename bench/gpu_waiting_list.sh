@@ -9,6 +9,7 @@
 #                                                    # (the groups `fairness` and `shedding` alone;
 #                                                    # `fairness_classes`: interactive beside batch only)
 #   bash bench/gpu_waiting_list.sh multiturn vision int8
+#   bash bench/gpu_waiting_list.sh vision_profile     # the vision run by phase (torch.profiler)
 #   bash bench/gpu_waiting_list.sh quant1            # batch 1, bf16 / FP8 / AWQ / INT8 (then quant512 alone)
 #   bash bench/gpu_waiting_list.sh families          # the new families' GPU tests and the MLA decode sweep
 #   bash bench/gpu_waiting_list.sh family_benches    # DeepSeek-V2-Lite and Gemma-3-12B, batch 1 and 512
@@ -56,6 +57,9 @@ multiturn() {
 }
 vision() {
     step vision "$(limit vision 200)" python3 bench/vision.py --hf-requests 64
+}
+vision_profile() {  # where the engine's time goes, by phase (the profiler slows it: read shares, not times)
+    step vision-profile "$(limit vision-profile 240)" python3 bench/vision.py --skip-hf --profile --json vision_profile
 }
 int8() {
     step int8-tests "$(limit int8-tests 60)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int8_matmul.py
