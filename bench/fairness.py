@@ -23,7 +23,10 @@ tok/s per tenant over the arrival window and in total, and Jain's fairness index
 service (prompt tokens 1, output tokens 2: the scheduler's own count) the two tenants got in the
 steps where both had requests waiting. The figures the issue asks for print below the table:
 A's TTFT p99 against A alone, total output tok/s of fair against arrival order, Jain's index, and
-interactive TTFT p99 beside batch against no batch.
+interactive TTFT p99 beside batch against no batch. Beside them: A's demand (its arrivals' weighted
+tokens) over half the service both tenants got in the window (above 1, equal shares cannot keep up
+with A, whatever the scheduler), and each run's steps, step times and preemptions with the engine's
+limits. --policies and --workloads run a subset (A alone always runs: the figures' yardstick).
 """
 
 from __future__ import annotations
