@@ -55,8 +55,26 @@ def test_each_model_is_measured_once_on_a_worker_that_has_it(django_capture_on_c
     assert {kwargs["quantization"] for kwargs in sent.values()} == {"", "fp8"}
     assert all(kwargs["gpu_index"] is None for kwargs in sent.values())
     again = _run("--unmeasured", "smol", "smol-fp8")  # a second `make run`
-    assert again.count("already measured or asked for; skipped") == 2
+    assert again.count("already measured or being measured; skipped") == 2
     assert QualityMeasurement.objects.filter(model=fp8).count() == 1
+
+
+def test_a_model_whose_measurement_was_cut_short_by_a_restart_is_measured_again(django_capture_on_commit_callbacks):
+    """`make run` stopped with Ctrl-C mid-measurement: the daemon registers again on the next start,
+    which fails the measurement it had; that run asks again rather than skipping the model."""
+    ModelFactory(public_name="smol", weights_path="/models/smol")
+    _worker_with("/models/smol")
+    with django_capture_on_commit_callbacks(execute=True):
+        _run("--unmeasured", "smol")
+    _worker_with("/models/smol")  # the next `make run`: the same daemon registers again
+    assert QualityMeasurement.objects.get().state == QualityMeasurement.State.FAILED
+    with django_capture_on_commit_callbacks(execute=True):
+        out = _run("--unmeasured", "smol")
+    assert out.splitlines() == ["smol: measuring on cpu-quality (CPU)"]
+    assert [m.state for m in QualityMeasurement.objects.all()] == [
+        QualityMeasurement.State.QUEUED,
+        QualityMeasurement.State.FAILED,
+    ]
 
 
 def test_an_unknown_model_or_one_no_worker_has_is_refused_saying_why():

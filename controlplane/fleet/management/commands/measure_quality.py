@@ -7,10 +7,17 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 from controlplane.catalog.selectors import model_get_by_public_name
+from controlplane.fleet.models import QualityMeasurement
 from controlplane.fleet.services.quality import quality_measurement_request
 
 # How often a command told to --wait tries again while no worker can take the measurement.
 RETRY_EVERY_S = 5.0
+
+
+def _measured_or_measuring(model) -> bool:
+    """Whether the model has a perplexity, or its latest measurement is queued, running or done."""
+    latest = model.quality_measurements.first()  # newest first (QualityMeasurement.Meta.ordering)
+    return model.perplexity is not None or (latest is not None and latest.state != QualityMeasurement.State.FAILED)
 
 
 class Command(BaseCommand):
@@ -24,7 +31,10 @@ class Command(BaseCommand):
         parser.add_argument(
             "--unmeasured",
             action="store_true",
-            help="skip a model already measured or ever asked for (so a repeated run measures once)",
+            help=(
+                "skip a model already measured or being measured (so a repeated run measures once); one "
+                "whose last measurement failed, as when its worker stopped mid-way, is asked again"
+            ),
         )
         parser.add_argument(
             "--wait",
@@ -39,8 +49,8 @@ class Command(BaseCommand):
             model = model_get_by_public_name(public_name=name)
             if model is None:
                 raise CommandError(f"Unknown model {name!r}.")
-            if unmeasured and (model.perplexity is not None or model.quality_measurements.exists()):
-                self.stdout.write(f"{name}: already measured or asked for; skipped")
+            if unmeasured and _measured_or_measuring(model):
+                self.stdout.write(f"{name}: already measured or being measured; skipped")
                 continue
             found.append(model)
         deadline = time.monotonic() + wait
