@@ -15,17 +15,23 @@ REPO = Path(__file__).resolve().parents[2]
 H100 = "NVIDIA H100 80GB HBM3"
 
 
-@pytest.mark.slow
-def test_the_smoke_run_serves_images_through_the_engine_and_hf(tmp_path):
+def _smoke_run(out_dir, *options: str) -> subprocess.CompletedProcess:
+    """bench/vision.py --smoke with `options`, its JSON under out_dir; it must succeed."""
     out = subprocess.run(
-        [sys.executable, "bench/vision.py", "--smoke", "--bound-gpu", H100],
+        [sys.executable, "bench/vision.py", "--smoke", *options],
         cwd=REPO,
-        env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OUT": str(out_dir), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_the_smoke_run_serves_images_through_the_engine_and_hf(tmp_path):
+    out = _smoke_run(tmp_path, "--bound-gpu", H100)
     result = json.loads((tmp_path / "vision.json").read_text())
     # 64 px noise resized to 56 x 56: 4 x 4 patches of 14 px, merged 2 x 2 into 4 tokens, between
     # the vision start and end tokens and before 8 question tokens.
@@ -53,15 +59,7 @@ def test_the_smoke_run_serves_images_through_the_engine_and_hf(tmp_path):
 
 @pytest.mark.slow
 def test_the_profiled_smoke_run_says_where_the_time_went_by_phase(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "bench/vision.py", "--smoke", "--profile", "--skip-hf", "--profile-kernels", "5"],
-        cwd=REPO,
-        env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    out = _smoke_run(tmp_path, "--profile", "--skip-hf", "--profile-kernels", "5")
     profile = json.loads((tmp_path / "vision.json").read_text())["profile"]
     assert profile["device"] == "cpu"
     phases = profile["phases"]

@@ -153,22 +153,11 @@ def test_routes_carry_each_replicas_predicted_wait_from_a_recent_load_report_and
 def test_a_requests_images_are_routed_as_the_models_image_tokens_not_as_their_urls_bytes():
     import base64
     import json
-    from decimal import Decimal
 
     from controlplane.gateway.body_check import check_body
-    from controlplane.gateway.selectors import ModelRoute
     from gpuworker.contract.openai_api import ChatCompletionRequest
 
-    model = ModelRoute(
-        model_id=1,
-        public_name="eyes",
-        kind="vision",
-        price_per_request=Decimal("0.01"),
-        created=0,
-        context_length=32768,
-        max_request_bytes=64 << 20,
-        ready=(),
-        loading=False,
+    model = _vision_route(
         max_image_pixels=1024 * 1024,  # 1338 tokens at most an image (28 x 28 pixels a token)
         low_detail_pixels=512 * 512,  # 335
     )
